@@ -1,0 +1,48 @@
+"""colocated-sidecar: data loading and checkpointing on the accelerator hosts."""
+
+from sidecar import testing
+from sidecar._src.controller.connection import HostInfo
+from sidecar._src.controller.controller import Controller
+from sidecar._src.errors import (
+    AlreadyRegisteredError,
+    ArenaCapacityError,
+    AuthenticationError,
+    ClosedError,
+    DeadlineExceededError,
+    DiscoveryError,
+    HostLostError,
+    InvalidArgumentError,
+    NotRegisteredError,
+    RemoteError,
+    ResourceExhaustedError,
+    SidecarError,
+    StaleDescriptorError,
+    VersionMismatchError,
+)
+from sidecar._src.registry import Registry, default_registry, function, set_default_registry
+from sidecar._src.worker import Worker
+
+__all__ = [
+    "AlreadyRegisteredError",
+    "ArenaCapacityError",
+    "AuthenticationError",
+    "ClosedError",
+    "Controller",
+    "DeadlineExceededError",
+    "DiscoveryError",
+    "HostInfo",
+    "HostLostError",
+    "InvalidArgumentError",
+    "NotRegisteredError",
+    "Registry",
+    "RemoteError",
+    "ResourceExhaustedError",
+    "SidecarError",
+    "StaleDescriptorError",
+    "VersionMismatchError",
+    "Worker",
+    "default_registry",
+    "function",
+    "set_default_registry",
+    "testing",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from sidecar._src.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Implementation; the public API is what ``sidecar/__init__.py`` re-exports."""

@@ -1,0 +1,166 @@
+"""The ``sidecar`` command: serve, local, status, demo, k8s."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from sidecar._src import demo, errors, options as options_lib, shm
+from sidecar._src.controller import status
+from sidecar._src.host.server import Server
+from sidecar._src.local import LocalCluster
+
+log = logging.getLogger("sidecar")
+PLUGIN_GROUP = "sidecar.plugins"
+
+
+def _env(name: str, default=None):
+  value = os.environ.get(name)
+  return default if value in (None, "") else value
+
+
+def _ids(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated ints like 0,1, got {text!r}") from None
+
+
+def _size(text: str) -> int:
+  try:
+    return shm.parse_size(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def load_user_code(modules: Sequence[str]) -> None:
+  """Imports ``modules`` and the ``sidecar.plugins`` entry points, so decorators register."""
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise SystemExit(f"sidecar serve: cannot import {module!r} given with --import: {e}") from e
+  for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+    ep.load()
+
+
+def _serve(args: argparse.Namespace) -> int:
+  imports = list(args.imports or []) + [
+      m for m in (_env("SIDECAR_IMPORTS") or "").split(",") if m.strip()]
+  load_user_code(imports)
+  token = _env("SIDECAR_TOKEN")
+  if args.token_file:
+    with open(args.token_file) as f:
+      token = f.read().strip()
+  try:
+    opts = options_lib.ServerOptions(
+        host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
+        listen=args.listen, port=args.port, health_port=args.health_port,
+        socket_path=args.socket, shm_size=args.shm_size, token=token)
+  except ValueError as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  server = Server(opts)
+  try:
+    server.start()
+  except (errors.ArenaCapacityError, OSError) as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: threading.Thread(target=server.stop).start())
+  if args.exit_with_parent:
+    threading.Thread(target=_watch_parent, args=(args.exit_with_parent, server),
+                     daemon=True).start()
+  if args.ready_file:
+    server.write_ready_file(args.ready_file)
+  print(f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
+        f"(health {server.health_port}), worker socket {opts.socket_path}", flush=True)
+  while not server.wait(1.0):
+    pass
+  return 0
+
+
+def _watch_parent(pid: int, server) -> None:
+  while True:
+    if os.getppid() != pid:
+      log.warning("parent process %d is gone; stopping", pid)
+      server.stop(grace=0)
+      return
+    time.sleep(0.5)
+
+
+def _local(args: argparse.Namespace) -> int:
+  with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
+                    imports=args.imports or [], configure_jax=False) as cluster:
+    for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
+      print(f"host {h}: {a}  worker socket unix://{s}")
+    print("Ctrl-C to stop.", flush=True)
+    try:
+      signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+      pass
+  return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+  return status.print_status(args.addresses, timeout=args.timeout)
+
+
+def _demo(args: argparse.Namespace) -> int:
+  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host)
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="sidecar", description=(
+      "colocated-sidecar: data loading and checkpointing on the accelerator hosts."))
+  sub = p.add_subparsers(dest="command", required=True)
+
+  s = sub.add_parser("serve", help="run the sidecar of this host")
+  s.add_argument("--host-id", type=int, default=int(_env("SIDECAR_HOST_ID", 0)))
+  s.add_argument("--slice-id", type=int, default=int(_env("SIDECAR_SLICE_ID", 0)))
+  s.add_argument("--device-ids", type=_ids, default=_ids(_env("SIDECAR_DEVICE_IDS", "")))
+  s.add_argument("--listen", default=_env("SIDECAR_LISTEN", "[::]"))
+  s.add_argument("--port", type=int, default=int(_env("SIDECAR_PORT", 8470)))
+  s.add_argument("--health-port", type=int, default=int(_env("SIDECAR_HEALTH_PORT", 8471)))
+  s.add_argument("--socket", default=_env("SIDECAR_SOCKET", "/run/sidecar/sidecar.sock"))
+  s.add_argument("--shm-size", type=_size, default=_size(_env("SIDECAR_SHM_SIZE", "1GiB")),
+                 help="arena size, e.g. 4GiB")
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module whose decorators register functions (repeatable)")
+  s.add_argument("--token-file", default=_env("SIDECAR_TOKEN_FILE"))
+  s.add_argument("--ready-file", help=argparse.SUPPRESS)
+  s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
+  s.set_defaults(func=_serve)
+
+  s = sub.add_parser("local", help="run a LocalCluster until Ctrl-C")
+  s.add_argument("--hosts", type=int, default=2)
+  s.add_argument("--devices-per-host", type=int, default=1)
+  s.add_argument("--shm-size", type=_size, default=_size("256MiB"))
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
+  s.set_defaults(func=_local)
+
+  s = sub.add_parser("status", help="show sidecars' identity, registry and arena use")
+  s.add_argument("addresses", nargs="+", metavar="ADDR")
+  s.add_argument("--timeout", type=float, default=5.0)
+  s.set_defaults(func=_status)
+
+  s = sub.add_parser("demo", help="run the demo on a LocalCluster")
+  s.add_argument("--hosts", type=int, default=2)
+  s.add_argument("--devices-per-host", type=int, default=2)
+  s.set_defaults(func=_demo)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  logging.basicConfig(level=_env("SIDECAR_LOG_LEVEL", "INFO"),
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  args = parser().parse_args(argv)
+  return args.func(args)

@@ -1,0 +1,188 @@
+"""The safe codec: pytrees of arrays, scalars, strings and bytes <-> ``pb.Value``.
+
+Only these travel: dict, list, tuple, None, numpy arrays and scalars of numeric
+dtypes, int, float, bool, str and bytes. Nothing is pickled, in any mode. Arrays
+of ``inline_limit`` bytes or more go through the arena when a ``to_arena``
+callback is given; then only an :class:`ArenaRef` crosses the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from sidecar._src import errors
+from sidecar._src.protocol import pb
+
+INLINE_LIMIT = 64 * 1024
+MAX_DEPTH = 64
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+_DTYPES: dict[str, np.dtype] = {
+    np.dtype(t).name: np.dtype(t) for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+        ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+        ml_dtypes.int4, ml_dtypes.uint4)
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArenaRef:
+  """Where an array lies in a sidecar's arena. The only thing that crosses for it."""
+  offset: int
+  nbytes: int
+  generation: int
+  dtype: str
+  shape: tuple[int, ...]
+
+
+def dtype_of(name: str, where: str = "array") -> np.dtype:
+  """The allowed dtype called ``name``, or InvalidArgumentError."""
+  dtype = _DTYPES.get(name)
+  if dtype is None:
+    raise errors.InvalidArgumentError(
+        f"{where}: dtype {name!r} is not allowed; allowed dtypes: {', '.join(sorted(_DTYPES))}")
+  return dtype
+
+
+def check_array(a: np.ndarray, where: str) -> np.ndarray:
+  """``a`` as a C-contiguous native-order array of an allowed dtype."""
+  name = a.dtype.newbyteorder("=").name if a.dtype.byteorder not in "=|" else a.dtype.name
+  dtype_of(name, where)
+  if a.dtype.byteorder not in "=|":
+    a = a.astype(a.dtype.newbyteorder("="))
+  return np.ascontiguousarray(a)
+
+
+ToArena = Callable[[np.ndarray], ArenaRef | None]
+FromArena = Callable[[ArenaRef], np.ndarray]
+
+
+def encode(tree: Any, *, to_arena: ToArena | None = None,
+           inline_limit: int = INLINE_LIMIT, where: str = "value") -> pb.Value:
+  """Encodes ``tree``; raises InvalidArgumentError naming the first bad leaf's path."""
+  return _encode(tree, to_arena, inline_limit, where, 0)
+
+
+def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
+  if depth > MAX_DEPTH:
+    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+  if x is None:
+    return pb.Value(none=True)
+  if isinstance(x, bool):
+    return pb.Value(bool_value=x)
+  if isinstance(x, int):
+    if _INT64[0] <= x <= _INT64[1]:
+      return pb.Value(int_value=x)
+    return pb.Value(big_int=str(int(x)))
+  if isinstance(x, float):
+    return pb.Value(float_value=x)
+  if isinstance(x, str):
+    return pb.Value(str_value=x)
+  if isinstance(x, (bytes, bytearray, memoryview)):
+    return pb.Value(bytes_value=bytes(x))
+  if isinstance(x, np.generic):
+    a = check_array(np.asarray(x), where)
+    return pb.Value(array=pb.Array(dtype=a.dtype.name, data=a.tobytes(), scalar=True))
+  if isinstance(x, dict):
+    entries = []
+    for k, v in x.items():
+      if not isinstance(k, (str, int)) or isinstance(k, bool):
+        raise errors.InvalidArgumentError(
+            f"{where}: dict key {k!r} of type {type(k).__name__} is not supported; "
+            "keys must be str or int")
+      entries.append(pb.DictEntry(key=_encode(k, None, limit, where, depth + 1),
+                                  value=_encode(v, to_arena, limit, f"{where}[{k!r}]", depth + 1)))
+    return pb.Value(dict=pb.DictValue(entries=entries))
+  if isinstance(x, (list, tuple)):
+    items = [_encode(v, to_arena, limit, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
+    return pb.Value(tuple=pb.ListValue(items=items)) if isinstance(x, tuple) else pb.Value(
+        list=pb.ListValue(items=items))
+  if not isinstance(x, np.ndarray) and hasattr(x, "__array__") and hasattr(x, "dtype"):
+    x = np.asarray(x)  # e.g. a jax.Array: its host value travels.
+  if isinstance(x, np.ndarray):
+    a = check_array(x, where)
+    if to_arena is not None and a.nbytes >= max(limit, 1):
+      ref = to_arena(a)
+      if ref is not None:
+        return pb.Value(arena=pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
+                                          generation=ref.generation, dtype=ref.dtype,
+                                          shape=ref.shape))
+    return pb.Value(array=pb.Array(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()))
+  raise errors.InvalidArgumentError(
+      f"{where}: values of type {type(x).__module__}.{type(x).__qualname__} cannot be sent; "
+      "arguments and results are pytrees (dict, list, tuple, None) of numpy arrays, numpy "
+      "scalars, int, float, bool, str and bytes")
+
+
+def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value") -> Any:
+  """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError."""
+  return _decode(value, from_arena, where, 0)
+
+
+def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
+  if depth > MAX_DEPTH:
+    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+  kind = v.WhichOneof("kind")
+  if kind == "none":
+    return None
+  if kind in ("bool_value", "int_value", "float_value", "str_value", "bytes_value"):
+    return getattr(v, kind)
+  if kind == "big_int":
+    try:
+      return int(v.big_int)
+    except ValueError:
+      raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
+  if kind == "array":
+    return _decode_array(v.array, where)
+  if kind == "arena":
+    r = v.arena
+    ref = ArenaRef(r.offset, r.nbytes, r.generation, r.dtype, tuple(r.shape))
+    dtype = dtype_of(ref.dtype, where)
+    _check_size(ref.shape, dtype, ref.nbytes, where, at_least=True)
+    if from_arena is None:
+      raise errors.InvalidArgumentError(
+          f"{where}: an arena reference arrived but this side has no arena attached")
+    return from_arena(ref)
+  if kind in ("list", "tuple"):
+    items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1)
+             for i, x in enumerate(getattr(v, kind).items)]
+    return tuple(items) if kind == "tuple" else items
+  if kind == "dict":
+    out = {}
+    for e in v.dict.entries:
+      key = _decode(e.key, None, where, depth + 1)
+      if not isinstance(key, (str, int)):
+        raise errors.InvalidArgumentError(f"{where}: dict key {key!r} is not str or int")
+      out[key] = _decode(e.value, from_arena, f"{where}[{key!r}]", depth + 1)
+    return out
+  raise errors.InvalidArgumentError(f"{where}: empty or unknown value kind {kind!r}")
+
+
+def as_array(buffer: np.ndarray, ref: ArenaRef) -> np.ndarray:
+  """The array ``ref`` describes, viewed (no copy) on the uint8 ``buffer`` of its block."""
+  dtype = dtype_of(ref.dtype)
+  need = int(np.prod(ref.shape, dtype=np.int64)) * dtype.itemsize
+  return buffer[:need].view(dtype).reshape(ref.shape)
+
+
+def _check_size(shape, dtype: np.dtype, nbytes: int, where: str, *, at_least: bool = False):
+  if any(d < 0 for d in shape):
+    raise errors.InvalidArgumentError(f"{where}: negative dimension in shape {tuple(shape)}")
+  need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+  if need > nbytes if at_least else need != nbytes:
+    raise errors.InvalidArgumentError(
+        f"{where}: shape {tuple(shape)} of {dtype.name} needs {need} bytes, got {nbytes}")
+
+
+def _decode_array(a: pb.Array, where: str) -> Any:
+  dtype = dtype_of(a.dtype, where)
+  shape = () if a.scalar else tuple(a.shape)
+  _check_size(shape, dtype, len(a.data), where)
+  arr = np.frombuffer(a.data, dtype=dtype).reshape(shape)
+  return arr[()] if a.scalar else arr.copy()

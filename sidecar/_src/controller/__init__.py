@@ -1,0 +1,1 @@
+"""Code that runs in the controller process."""

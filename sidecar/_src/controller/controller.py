@@ -1,0 +1,248 @@
+"""The controller: one client with the global view of every sidecar."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
+from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.protocol import pb
+
+ENV_TOKEN = "SIDECAR_TOKEN"
+ENV_TOKEN_FILE = "SIDECAR_TOKEN_FILE"
+
+
+class State(enum.Enum):
+  OPEN = "open"
+  CLOSED = "closed"
+
+
+def token_from_env() -> str | None:
+  if os.environ.get(ENV_TOKEN):
+    return os.environ[ENV_TOKEN]
+  path = os.environ.get(ENV_TOKEN_FILE)
+  if path:
+    with open(path) as f:
+      return f.read().strip()
+  return None
+
+
+class Controller:
+  """Handshakes every sidecar, then runs registered functions on them.
+
+  Example::
+
+    with sidecar.Controller(["10.0.0.1:8470", "10.0.0.2:8470"]) as ctl:
+      print(ctl.hosts)
+      results = ctl.call("normalize", batch, hosts=[0])
+
+  Args:
+    addresses: the sidecars' gRPC addresses (``host:port``).
+    token: the sidecars' bearer token; default ``$SIDECAR_TOKEN`` or ``$SIDECAR_TOKEN_FILE``.
+    timeout: default deadline in seconds of every call.
+    connect_timeout: how long to wait for each sidecar to answer the handshake.
+    workers: ``{host_id: Worker}`` for hosts whose arena this process maps. By default
+      (``attach=True``) the controller attaches to every sidecar on this machine itself,
+      so large arrays move through shared memory instead of the network.
+  """
+
+  def __init__(self, addresses: Sequence[str], *, token: str | None = None,
+               timeout: float = 60.0, connect_timeout: float = 30.0,
+               workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True):
+    if isinstance(addresses, str) or not addresses:
+      raise errors.InvalidArgumentError(
+          f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
+    if timeout <= 0:
+      raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
+    self.timeout = timeout
+    self.state = State.OPEN
+    token = token if token is not None else token_from_env()
+    self._conns: dict[int, Connection] = {}
+    self._workers: dict[int, worker_lib.Worker] = {}
+    self._own_workers: list[worker_lib.Worker] = []
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max(4, len(addresses)), thread_name_prefix="sidecar-controller")
+    try:
+      self._connect(list(addresses), token, connect_timeout)
+      self._attach(workers or {}, attach)
+    except BaseException:
+      self.close()
+      raise
+
+  def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
+    futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
+    conns, failures = [], []
+    for address, f in zip(addresses, futures):
+      try:
+        conns.append(f.result())
+      except errors.SidecarError as e:
+        failures.append(e)
+    if failures:
+      for c in conns:
+        c.close()
+      if len(failures) == 1:
+        raise failures[0]
+      raise type(failures[0])("; ".join(str(e) for e in failures))
+    for c in conns:
+      if c.info.host_id in self._conns:
+        other = self._conns[c.info.host_id].address
+        raise errors.InvalidArgumentError(
+            f"sidecars {other} and {c.address} both say they are host {c.info.host_id}; "
+            "give each sidecar its own --host-id")
+      self._conns[c.info.host_id] = c
+    fingerprints = {c.info.registry_fingerprint for c in conns}
+    if len(fingerprints) > 1:
+      lines = [f"host {c.info.host_id} ({c.address}): functions {list(c.info.functions)}, "
+               f"pipelines {list(c.info.pipelines)}, fingerprint {c.info.registry_fingerprint}"
+               for c in conns]
+      raise errors.VersionMismatchError(
+          "the sidecars registered different code; deploy the same modules to every host:\n  "
+          + "\n  ".join(lines))
+
+  def _attach(self, workers: Mapping[int, worker_lib.Worker], attach: bool) -> None:
+    for host_id, w in workers.items():
+      if host_id not in self._conns:
+        raise errors.InvalidArgumentError(
+            f"workers names host {host_id}, but the sidecars are hosts {sorted(self._conns)}")
+      self._workers[host_id] = w
+    if not attach:
+      return
+    here = shm.boot_id()
+    for host_id, c in self._conns.items():
+      sock = c.reply.worker_socket
+      if host_id in self._workers or not here or c.reply.identity.boot_id != here:
+        continue
+      if os.path.exists(sock):
+        w = worker_lib.Worker(sock)
+        self._own_workers.append(w)
+        self._workers[host_id] = w
+
+  # ---- introspection -----------------------------------------------------
+
+  @property
+  def hosts(self) -> list[HostInfo]:
+    """Every sidecar's identity, by host id."""
+    return [self._conns[h].info for h in sorted(self._conns)]
+
+  def worker(self, host_id: int) -> worker_lib.Worker | None:
+    """The worker that maps host ``host_id``'s arena here, if any."""
+    return self._workers.get(host_id)
+
+  def _check_open(self) -> None:
+    if self.state is State.CLOSED:
+      raise errors.ClosedError("this Controller is closed; make a new one")
+
+  def _select(self, hosts: Sequence[int] | None) -> list[int]:
+    if hosts is None:
+      return sorted(self._conns)
+    if isinstance(hosts, int):
+      hosts = [hosts]
+    chosen = list(hosts)
+    bad = [h for h in chosen if h not in self._conns]
+    if bad or not chosen or len(set(chosen)) != len(chosen):
+      raise errors.InvalidArgumentError(
+          f"hosts={list(hosts)!r} is not a valid placement: hosts must be distinct ids among "
+          f"{sorted(self._conns)}" + (f"; unknown: {bad}" if bad else ""))
+    return chosen
+
+  # ---- calls -------------------------------------------------------------
+
+  def call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
+           timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    """Runs registered function ``name`` on ``hosts`` (default all) concurrently.
+
+    Returns the results in the order of ``hosts`` (by default, of host id).
+    Raises RemoteError if the function raised, HostLostError if a sidecar died.
+    """
+    futures = self.call_async(name, *args, hosts=hosts, timeout=timeout, **kwargs)
+    return [f.result() for f in futures]
+
+  def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
+                 timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:
+    """Like :meth:`call`, but returns one ``concurrent.futures.Future`` per host."""
+    self._check_open()
+    if not isinstance(name, str):
+      raise errors.InvalidArgumentError(f"name must be a str, got {name!r}")
+    timeout = self.timeout if timeout is None else timeout
+    return [self._call_one(h, name, args, kwargs, timeout) for h in self._select(hosts)]
+
+  def _call_one(self, host_id: int, name: str, args: tuple, kwargs: dict,
+                timeout: float) -> concurrent.futures.Future:
+    conn = self._conns[host_id]
+    w = self._workers.get(host_id)
+    held: list[np.ndarray] = []  # Argument blocks: this side holds them until the call ends.
+
+    def to_arena(a):
+      dst, ref = w.put(a, timeout=timeout)
+      held.append(dst)
+      return ref
+
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+      request = pb.CallRequest(
+          name=name,
+          args=codec.encode(tuple(args), to_arena=to_arena if w else None, where="args"),
+          kwargs=codec.encode(dict(kwargs), to_arena=to_arena if w else None, where="kwargs"),
+          worker_session=w.session if w is not None else "")
+      rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
+    except Exception as e:  # pylint: disable=broad-except
+      out.set_exception(e)
+      return out
+
+    def done(f: grpc.Future) -> None:
+      held.clear()
+      try:
+        response = f.result()
+      except grpc.RpcError as e:
+        out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host_id))
+        return
+      except Exception as e:  # pylint: disable=broad-except
+        out.set_exception(e)
+        return
+      try:
+        out.set_result(codec.decode(response.result, from_arena=w.view if w else None,
+                                    where=f"result of {name!r} from host {host_id}"))
+      except Exception as e:  # pylint: disable=broad-except
+        out.set_exception(e)
+
+    rpc.add_done_callback(done)
+    return out
+
+  def status(self) -> list[pb.StatusResponse]:
+    """Each sidecar's status (identity, registry, arena use, uptime), by host id."""
+    self._check_open()
+    out = []
+    for h in sorted(self._conns):
+      c = self._conns[h]
+      try:
+        out.append(c.status_rpc(pb.StatusRequest(), timeout=self.timeout, metadata=c.metadata))
+      except grpc.RpcError as e:
+        raise protocol.error_from_rpc(e, host=c.address, host_id=h) from None
+    return out
+
+  # ---- lifecycle ---------------------------------------------------------
+
+  def close(self) -> None:
+    """Closes every channel and the workers this controller attached; idempotent."""
+    if self.state is State.CLOSED:
+      return
+    self.state = State.CLOSED
+    for w in self._own_workers:
+      w.close()
+    for c in self._conns.values():
+      c.close()
+    self._pool.shutdown(wait=False)
+
+  def __enter__(self) -> Controller:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,57 @@
+"""``sidecar status``: one table row per sidecar, read with the Status RPC."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from sidecar._src import protocol, shm
+from sidecar._src.controller.connection import CHANNEL_OPTIONS
+from sidecar._src.protocol import pb
+
+
+def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.StatusResponse:
+  """One sidecar's status; needs no handshake, so it works across versions."""
+  with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    rpc = channel.unary_unary(f"/{protocol.SERVICE}/Status",
+                              request_serializer=pb.StatusRequest.SerializeToString,
+                              response_deserializer=pb.StatusResponse.FromString)
+    meta = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
+    try:
+      return rpc(pb.StatusRequest(), timeout=timeout, metadata=meta)
+    except grpc.RpcError as e:
+      raise protocol.error_from_rpc(e, host=address) from None
+
+
+def format_table(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
+  header = ("ADDRESS", "HOST", "SLICE", "DEVICES", "HOSTNAME", "PID", "ARENA USED/SIZE",
+            "BLOCKS", "WORKERS", "CALLS", "UPTIME", "REGISTERED")
+  lines = [header]
+  for address, s in rows:
+    if isinstance(s, Exception):
+      lines.append((address, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                    f"UNREACHABLE: {s}".splitlines()[0][:80]))
+      continue
+    ident = s.identity
+    names = ", ".join(f"{e.name} ({e.kind})" for e in s.registry) or "(none)"
+    lines.append((address, str(ident.host_id), str(ident.slice_id),
+                  ",".join(map(str, ident.device_ids)) or "-", ident.hostname, str(ident.pid),
+                  f"{shm.format_size(s.arena_used)}/{shm.format_size(s.arena_size)}",
+                  str(s.arena_blocks), str(s.workers), str(s.calls), f"{s.uptime_s:.0f}s", names))
+  widths = [max(len(row[i]) for row in lines) for i in range(len(header) - 1)]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1]
+                   for row in lines)
+
+
+def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None) -> int:
+  """Prints the table; returns 1 if any sidecar did not answer."""
+  rows = []
+  for a in addresses:
+    try:
+      rows.append((a, fetch(a, timeout=timeout, token=token)))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append((a, e))
+  print(format_table(rows), file=sys.stdout)
+  return 1 if any(isinstance(s, Exception) for _, s in rows) else 0

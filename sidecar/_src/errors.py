@@ -1,0 +1,105 @@
+"""Every error colocated-sidecar raises.
+
+The tree::
+
+    SidecarError                                  base of everything below
+    ├── AlreadyRegisteredError(ValueError)        a name registered twice
+    ├── NotRegisteredError(KeyError)              unknown function/pipeline name (NOT_FOUND)
+    ├── InvalidArgumentError(ValueError)          bad arguments or bytes (INVALID_ARGUMENT)
+    ├── ResourceExhaustedError                    arena, quota or limit full (RESOURCE_EXHAUSTED)
+    ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
+    ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
+    ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
+    ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
+    ├── RemoteError                               user code raised inside a sidecar
+    ├── HostLostError(ConnectionError)            a sidecar died or became unreachable
+    ├── DeadlineExceededError(TimeoutError)       a call outran its deadline
+    ├── DiscoveryError(TimeoutError)              sidecars that never answered discovery
+    └── ClosedError(RuntimeError)                 use of a closed object
+
+Mapping to and from gRPC status codes happens in one place: ``protocol.py``.
+"""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+  """Base class of every error raised by colocated-sidecar."""
+
+
+class AlreadyRegisteredError(SidecarError, ValueError):
+  """A function, pipeline or writer name was registered twice."""
+
+
+class NotRegisteredError(SidecarError, KeyError):
+  """A name is not in the sidecar's registry."""
+
+  def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+    return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgumentError(SidecarError, ValueError):
+  """Arguments that do not fit what was asked, or malformed request bytes."""
+
+
+class ResourceExhaustedError(SidecarError):
+  """The arena, a quota or a configured limit cannot hold what was asked."""
+
+
+class StaleDescriptorError(SidecarError, ValueError):
+  """An arena descriptor names a block that was freed or reused since."""
+
+
+class VersionMismatchError(SidecarError):
+  """Controller, worker and sidecar disagree on versions or registries."""
+
+
+class AuthenticationError(SidecarError, PermissionError):
+  """The sidecar refused the credentials (or their absence)."""
+
+
+class ArenaCapacityError(SidecarError, MemoryError):
+  """The machine, its cgroup or its shared memory cannot give the arena asked for."""
+
+
+class RemoteError(SidecarError):
+  """User code raised inside a sidecar.
+
+  Attributes:
+    remote_type: qualified name of the exception type raised remotely.
+    remote_message: ``str()`` of the remote exception.
+    remote_traceback: the formatted remote traceback.
+    host_id: the host whose sidecar raised, when known.
+  """
+
+  def __init__(self, remote_type: str, remote_message: str, remote_traceback: str = "",
+               *, host_id: int | None = None):
+    self.remote_type = remote_type
+    self.remote_message = remote_message
+    self.remote_traceback = remote_traceback
+    self.host_id = host_id
+    where = "" if host_id is None else f" on host {host_id}"
+    text = f"{remote_type}: {remote_message}{where}"
+    if remote_traceback:
+      text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+    super().__init__(text)
+
+
+class HostLostError(SidecarError, ConnectionError):
+  """A sidecar died or stopped answering; ``host_id`` names it."""
+
+  def __init__(self, message: str, *, host_id: int | None = None):
+    self.host_id = host_id
+    super().__init__(message)
+
+
+class DeadlineExceededError(SidecarError, TimeoutError):
+  """A call did not finish before its deadline."""
+
+
+class DiscoveryError(SidecarError, TimeoutError):
+  """Some sidecars did not answer discovery in time; the message lists them."""
+
+
+class ClosedError(SidecarError, RuntimeError):
+  """An object was used after ``close()``."""

@@ -1,0 +1,83 @@
+"""Who holds which arena block, so a block is reused only when nobody can read it.
+
+A block can have several holders at once: a worker session (its connection),
+and local pins (a live numpy view inside the sidecar). It goes back to the
+allocator when the last holder lets go. Closing a session, which happens when
+a worker's connection drops for any reason, lets go of everything it held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Hashable
+
+from sidecar._src import errors, shm
+
+
+class Leases:
+  """Reference-counted holders over a :class:`shm.Allocator`."""
+
+  def __init__(self, allocator: shm.Allocator):
+    self.allocator = allocator
+    self._lock = threading.Lock()
+    self._holders: dict[int, tuple[shm.Block, set[Hashable]]] = {}
+    self._by_holder: dict[Hashable, set[int]] = {}
+    self._pins = itertools.count()
+
+  def new_pin(self) -> tuple[str, int]:
+    """A fresh holder token for a local pin."""
+    return ("pin", next(self._pins))
+
+  def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None) -> shm.Block:
+    block = self.allocator.alloc(nbytes, timeout=timeout)
+    with self._lock:
+      self._holders[block.offset] = (block, {holder})
+      self._by_holder.setdefault(holder, set()).add(block.offset)
+    return block
+
+  def hold(self, offset: int, generation: int, holder: Hashable) -> shm.Block:
+    """Adds ``holder`` to a live block; StaleDescriptorError if it is gone."""
+    with self._lock:
+      entry = self._holders.get(offset)
+      if entry is None or entry[0].generation != generation:
+        raise errors.StaleDescriptorError(
+            f"arena block at offset {offset} generation {generation} is not allocated "
+            "(released or reused since the descriptor was made)")
+      entry[1].add(holder)
+      self._by_holder.setdefault(holder, set()).add(offset)
+      return entry[0]
+
+  def release(self, offset: int, generation: int, holder: Hashable) -> None:
+    with self._lock:
+      entry = self._holders.get(offset)
+      if entry is None or entry[0].generation != generation or holder not in entry[1]:
+        raise errors.StaleDescriptorError(
+            f"arena block at offset {offset} generation {generation} is not held by {holder!r}")
+      self._drop(offset, holder)
+
+  def release_all(self, holder: Hashable) -> int:
+    """Lets go of every block ``holder`` has; returns how many."""
+    with self._lock:
+      offsets = self._by_holder.pop(holder, set())
+      for offset in offsets:
+        self._by_holder.setdefault(holder, set()).add(offset)
+        self._drop(offset, holder)
+      self._by_holder.pop(holder, None)
+      return len(offsets)
+
+  def _drop(self, offset: int, holder: Hashable) -> None:
+    block, holders = self._holders[offset]
+    holders.discard(holder)
+    mine = self._by_holder.get(holder)
+    if mine is not None:
+      mine.discard(offset)
+      if not mine:
+        del self._by_holder[holder]
+    if not holders:
+      del self._holders[offset]
+      self.allocator.free(block.offset, block.generation)
+
+  def holders(self) -> int:
+    with self._lock:
+      return len(self._by_holder)

@@ -1,0 +1,178 @@
+"""One sidecar: the arena, the worker socket, the gRPC and health servers.
+
+Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
+from sidecar._src.host.leases import Leases
+from sidecar._src.host.service import Service
+from sidecar._src.host.workers import WorkerListener, versions_dict
+from sidecar._src.protocol import pb
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+  NEW = "new"
+  SERVING = "serving"
+  STOPPED = "stopped"
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+  """Refuses every RPC without ``authorization: Bearer <token>``."""
+
+  def __init__(self, token: str):
+    self._expected = f"Bearer {token}"
+
+    def deny(request, context):
+      context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                    "AuthenticationError: missing or wrong token; pass token=... to the "
+                    "Controller or set SIDECAR_TOKEN / SIDECAR_TOKEN_FILE")
+    self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+  def intercept_service(self, continuation, handler_call_details):
+    meta = dict(handler_call_details.invocation_metadata or ())
+    if meta.get(protocol.AUTH_KEY) != self._expected:
+      return self._deny
+    return continuation(handler_call_details)
+
+
+class Server:
+  """A sidecar server. Use as a context manager, or ``start()`` then ``stop()``."""
+
+  def __init__(self, opts: options_lib.ServerOptions, *,
+               registry: registry_lib.Registry | None = None):
+    self.options = opts
+    self.registry = registry or registry_lib.default_registry()
+    self.state = State.NEW
+    self.port = 0
+    self.health_port = 0
+    self.identity = pb.HostIdentity(
+        host_id=opts.host_id, slice_id=opts.slice_id, device_ids=list(opts.device_ids),
+        hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id())
+    self._lock = threading.Lock()
+    self._stopped = threading.Event()
+
+  def start(self) -> Server:
+    with self._lock:
+      if self.state is State.SERVING:
+        return self
+      if self.state is State.STOPPED:
+        raise errors.ClosedError("this sidecar server was stopped; make a new one")
+      try:
+        self._start()
+      except BaseException:
+        self._teardown()
+        raise
+      self.state = State.SERVING
+    log.info("sidecar host %d serving on port %d (health %d), socket %s, arena %s",
+             self.options.host_id, self.port, self.health_port, self.options.socket_path,
+             shm.format_size(self.arena.size))
+    return self
+
+  def _start(self) -> None:
+    o = self.options
+    self.arena = shm.Arena.create(o.shm_size)
+    self.leases = Leases(shm.Allocator(self.arena.size))
+    self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello)
+    self.service = Service(registry=self.registry, identity=self.identity, arena=self.arena,
+                           leases=self.leases, workers=self.workers, inline_limit=o.inline_limit)
+    msg = [("grpc.max_receive_message_length", o.max_message_size),
+           ("grpc.max_send_message_length", o.max_message_size),
+           ("grpc.so_reuseport", 0)]
+    self._grpc = grpc.server(
+        futures.ThreadPoolExecutor(o.threads, thread_name_prefix="sidecar-rpc"),
+        options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
+    self._grpc.add_generic_rpc_handlers((self.service.handler(),))
+    reflection.enable_server_reflection((protocol.SERVICE, reflection.SERVICE_NAME), self._grpc)
+    self.port = self._bind(self._grpc, o.listen, o.port, "port")
+    self._grpc.start()
+    self._health = health.HealthServicer()
+    self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
+    self.health_port = self._bind(self._health_grpc, o.listen, o.health_port, "health_port")
+    self._health_grpc.start()
+    for name in ("", protocol.SERVICE):
+      self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+  @staticmethod
+  def _bind(server: grpc.Server, listen: str, port: int, flag: str) -> int:
+    try:
+      bound = server.add_insecure_port(f"{listen}:{port}")
+    except RuntimeError as e:
+      bound = 0
+      reason = str(e)
+    else:
+      reason = "port in use or address not available"
+    if not bound:
+      raise OSError(f"cannot listen on {listen}:{port} ({reason}); pick another --{flag.replace('_', '-')}")
+    return bound
+
+  def _worker_hello(self, message: dict) -> dict:
+    theirs = pb.Versions(**{k: v for k, v in (message.get("versions") or {}).items()
+                            if k in ("protocol", "package", "python", "numpy", "jax")})
+    ours = protocol.local_versions()
+    diffs = protocol.version_differences(theirs, ours)
+    if diffs:
+      raise errors.VersionMismatchError(
+          f"worker pid {message.get('pid')} and sidecar host {self.options.host_id} differ: "
+          + "; ".join(diffs) + ". Install the same versions on both sides")
+    ident = self.identity
+    return {"versions": versions_dict(ours),
+            "identity": {"host_id": ident.host_id, "slice_id": ident.slice_id,
+                         "device_ids": list(ident.device_ids), "hostname": ident.hostname,
+                         "pid": ident.pid, "boot_id": ident.boot_id}}
+
+  def write_ready_file(self, path: str) -> None:
+    """Atomically writes where this sidecar listens (LocalCluster waits for it)."""
+    data = {"port": self.port, "health_port": self.health_port,
+            "socket": self.options.socket_path, "pid": os.getpid()}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(data, f)
+    os.replace(tmp, path)
+
+  def wait(self, timeout: float | None = None) -> bool:
+    return self._stopped.wait(timeout)
+
+  def stop(self, grace: float = 2.0) -> None:
+    """Stops serving and frees the arena; idempotent."""
+    with self._lock:
+      if self.state is State.STOPPED:
+        return
+      self.state = State.STOPPED
+      self._teardown(grace)
+    self._stopped.set()
+
+  def _teardown(self, grace: float = 0.0) -> None:
+    if getattr(self, "_health", None) is not None:
+      self._health.enter_graceful_shutdown()
+    for name in ("_grpc", "_health_grpc"):
+      server = getattr(self, name, None)
+      if server is not None:
+        server.stop(grace).wait(grace + 1)
+    if getattr(self, "workers", None) is not None:
+      self.workers.close()
+    if getattr(self, "arena", None) is not None:
+      self.arena.close()
+
+  def __enter__(self) -> Server:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+

@@ -1,0 +1,135 @@
+"""The Unix socket that workers attach to: arena fd out, allocate and free in.
+
+Each connection is one worker session. The session ends when the connection
+closes, and then every block leased to it goes back to the arena: a worker
+killed with SIGKILL leaks nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sidecar._src import errors, ipc, protocol, shm
+from sidecar._src.host.leases import Leases
+
+log = logging.getLogger(__name__)
+
+
+class WorkerListener:
+  """Accepts worker connections on ``path`` and serves their requests."""
+
+  def __init__(self, path: str, arena: shm.Arena, leases: Leases,
+               hello: Callable[[dict[str, Any]], dict[str, Any]]):
+    self.path = path
+    self._arena = arena
+    self._leases = leases
+    self._hello = hello
+    self._lock = threading.Lock()
+    self._sessions: dict[str, socket.socket] = {}
+    self._closed = False
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(path)  # A socket file left by a killed sidecar.
+    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._sock.bind(path)
+    self._sock.listen(64)
+    self._thread = threading.Thread(target=self._accept_loop, name="sidecar-workers", daemon=True)
+    self._thread.start()
+
+  def has_session(self, session: str) -> bool:
+    with self._lock:
+      return session in self._sessions
+
+  def num_sessions(self) -> int:
+    with self._lock:
+      return len(self._sessions)
+
+  def _accept_loop(self) -> None:
+    while True:
+      try:
+        conn, _ = self._sock.accept()
+      except OSError:
+        return  # closed
+      threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
+                       daemon=True).start()
+
+  def _serve(self, conn: socket.socket) -> None:
+    session = None
+    try:
+      message, _ = ipc.recv(conn)
+      if message.get("op") != "attach":
+        raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
+      reply = self._hello(message)  # raises VersionMismatchError on skew
+      session = "w-" + secrets.token_hex(8)
+      with self._lock:
+        if self._closed:
+          return
+        self._sessions[session] = conn
+      reply.update(session=session, arena_size=self._arena.size)
+      ipc.send(conn, reply, fds=(self._arena.fd,))
+      log.info("worker pid %s attached as %s", message.get("pid"), session)
+      while True:
+        message, _ = ipc.recv(conn)
+        self._handle(conn, session, message)
+    except (ConnectionError, OSError):
+      pass
+    except errors.SidecarError as e:
+      with contextlib.suppress(OSError):
+        ipc.send(conn, {"error": {"type": type(e).__name__, "message": str(e)}})
+    finally:
+      if session is not None:
+        with self._lock:
+          self._sessions.pop(session, None)
+        freed = self._leases.release_all(session)
+        log.info("worker session %s ended; %d arena blocks released", session, freed)
+      conn.close()
+
+  def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
+    op = message.get("op")
+    if op == "free":
+      for offset, generation in message.get("blocks", ()):
+        try:
+          self._leases.release(int(offset), int(generation), session)
+        except errors.StaleDescriptorError as e:
+          log.warning("worker %s: %s", session, e)
+      return
+    if op == "alloc":
+      try:
+        block = self._leases.alloc(int(message["nbytes"]), session,
+                                   timeout=float(message.get("timeout", 0.0)))
+        reply = {"offset": block.offset, "nbytes": block.nbytes, "generation": block.generation}
+      except (errors.SidecarError, KeyError, TypeError, ValueError) as e:
+        reply = {"error": {"type": _error_type(e), "message": str(e)}}
+      ipc.send(conn, reply)
+      return
+    ipc.send(conn, {"error": {"type": "InvalidArgumentError", "message": f"unknown op {op!r}"}})
+
+  def close(self) -> None:
+    """Stops accepting, drops every session; idempotent."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      conns = list(self._sessions.values())
+    self._sock.close()
+    for conn in conns:
+      with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(self.path)
+
+
+def _error_type(e: BaseException) -> str:
+  return type(e).__name__ if isinstance(e, errors.SidecarError) else "InvalidArgumentError"
+
+
+def versions_dict(v: "protocol.pb.Versions") -> dict[str, Any]:
+  return {"protocol": v.protocol, "package": v.package, "python": v.python,
+          "numpy": v.numpy, "jax": v.jax}

@@ -1,0 +1,63 @@
+"""Framed JSON messages over a Unix socket, with file descriptors alongside.
+
+The worker <-> sidecar control channel: the arena fd is handed over once with
+SCM_RIGHTS, then small messages (allocate, free) follow. JSON, never pickle.
+The connection itself is the worker's lease: when it closes, however the worker
+died, the sidecar frees every block the worker held.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+from sidecar._src import errors
+
+_HEADER = struct.Struct("<I")
+MAX_MESSAGE = 1 << 20
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+  data = json.dumps(message, separators=(",", ":")).encode()
+  frame = _HEADER.pack(len(data)) + data
+  if fds:
+    sent = socket.send_fds(sock, [frame], list(fds))
+    if sent < len(frame):
+      sock.sendall(frame[sent:])
+  else:
+    sock.sendall(frame)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+  buf = bytearray()
+  while len(buf) < n:
+    chunk = sock.recv(n - len(buf))
+    if not chunk:
+      raise ConnectionError("the peer closed the socket")
+    buf += chunk
+  return bytes(buf)
+
+
+def recv(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+  """Reads one message (and up to ``max_fds`` descriptors sent with it)."""
+  fds: list[int] = []
+  if max_fds:
+    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
+    if not head:
+      raise ConnectionError("the peer closed the socket")
+    if len(head) < _HEADER.size:
+      head += _recv_exact(sock, _HEADER.size - len(head))
+  else:
+    head = _recv_exact(sock, _HEADER.size)
+  (length,) = _HEADER.unpack(head)
+  if length > MAX_MESSAGE:
+    raise errors.InvalidArgumentError(f"control message of {length} bytes exceeds {MAX_MESSAGE}")
+  try:
+    message = json.loads(_recv_exact(sock, length))
+  except json.JSONDecodeError as e:
+    raise errors.InvalidArgumentError(f"malformed control message: {e}") from e
+  if not isinstance(message, dict):
+    raise errors.InvalidArgumentError(f"control message must be an object, got {message!r:.80}")
+  return message, fds

@@ -1,0 +1,200 @@
+"""LocalCluster: real ``sidecar serve`` processes on this machine, one per simulated host."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from sidecar._src import errors, shm
+from sidecar._src.controller.controller import Controller
+from sidecar._src.worker import Worker
+
+
+def configure_jax_devices(count: int) -> None:
+  """Makes the JAX CPU backend of this process show ``count`` devices."""
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:
+    pass  # Backends already started: check below whether they fit.
+  have = len(jax.devices("cpu"))
+  if have < count:
+    raise errors.InvalidArgumentError(
+        f"LocalCluster needs {count} CPU devices but JAX already started with {have}; create "
+        f"the LocalCluster before the first JAX computation, or set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+
+
+class LocalCluster:
+  """Real sidecars, real gRPC, real shared memory, on one machine.
+
+  Example::
+
+    with sidecar.testing.LocalCluster(num_hosts=4, devices_per_host=2,
+                                      imports=["my_pkg.sidecar_fns"]) as cluster:
+      with cluster.controller() as ctl:
+        ctl.call("my_fn", 1, 2)
+
+  Host ``h`` owns JAX CPU devices ``[h * devices_per_host, (h + 1) * devices_per_host)``
+  of this process. Everything started is stopped on exit, also when the body raises.
+  """
+
+  def __init__(self, num_hosts: int = 4, devices_per_host: int = 2, *,
+               shm_size: int | str = "128MiB", imports: Sequence[str] = (),
+               token: str | None = None, start_timeout: float = 60.0,
+               configure_jax: bool = True, extra_args: Sequence[str] = ()):
+    if not isinstance(num_hosts, int) or num_hosts < 1:
+      raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
+    if not isinstance(devices_per_host, int) or devices_per_host < 1:
+      raise errors.InvalidArgumentError(
+          f"devices_per_host must be a positive int, got {devices_per_host!r}")
+    if isinstance(imports, str):
+      raise errors.InvalidArgumentError(f"imports must be a list of module names, got {imports!r}")
+    self.num_hosts = num_hosts
+    self.devices_per_host = devices_per_host
+    self.shm_size = shm.parse_size(shm_size)
+    self.imports = tuple(imports)
+    self.token = token
+    self.start_timeout = start_timeout
+    self._configure_jax = configure_jax
+    self._extra_args = tuple(extra_args)
+    self._procs: list[subprocess.Popen | None] = []
+    self._ready: list[dict[str, Any]] = []
+    self._dir: str | None = None
+
+  # ---- lifecycle ---------------------------------------------------------
+
+  def start(self) -> LocalCluster:
+    if self._dir is not None:
+      return self
+    if self._configure_jax:
+      configure_jax_devices(self.num_hosts * self.devices_per_host)
+    self._dir = tempfile.mkdtemp(prefix="sidecar-local-")
+    try:
+      for h in range(self.num_hosts):
+        self._procs.append(self._spawn(h))
+      self._ready = [self._wait_ready(h) for h in range(self.num_hosts)]
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def _spawn(self, h: int) -> subprocess.Popen:
+    d = self.devices_per_host
+    args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(h), "--slice-id", "0",
+            "--device-ids", ",".join(str(i) for i in range(h * d, (h + 1) * d)),
+            "--listen", "127.0.0.1", "--port", "0", "--health-port", "0",
+            "--socket", self.socket(h), "--shm-size", str(self.shm_size),
+            "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
+            *self._extra_args]
+    for module in self.imports:
+      args += ["--import", module]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    if self.token:
+      env["SIDECAR_TOKEN"] = self.token
+    env.pop("SIDECAR_TOKEN_FILE", None)
+    log = open(self._path(h, "log"), "wb")
+    with log:  # The child keeps its own copy of the descriptor.
+      return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+
+  def _path(self, h: int, ext: str) -> str:
+    return os.path.join(self._dir, f"host{h}.{ext}")
+
+  def socket(self, host_id: int) -> str:
+    """The worker Unix socket of host ``host_id``."""
+    return self._path(host_id, "sock")
+
+  def _wait_ready(self, h: int) -> dict[str, Any]:
+    deadline = time.monotonic() + self.start_timeout
+    path = self._path(h, "json")
+    while time.monotonic() < deadline:
+      if os.path.exists(path):
+        with open(path) as f:
+          return json.load(f)
+      if self._procs[h].poll() is not None:
+        raise errors.HostLostError(
+            f"sidecar host {h} exited with code {self._procs[h].returncode} at start:\n"
+            + self.log(h)[-3000:], host_id=h)
+      time.sleep(0.02)
+    raise errors.HostLostError(
+        f"sidecar host {h} was not ready after {self.start_timeout:.3g} s:\n"
+        + self.log(h)[-3000:], host_id=h)
+
+  def log(self, host_id: int) -> str:
+    """What host ``host_id``'s sidecar printed so far."""
+    try:
+      with open(self._path(host_id, "log"), errors="replace") as f:
+        return f.read()
+    except (OSError, TypeError):
+      return ""
+
+  def kill(self, host_id: int) -> None:
+    """SIGKILLs host ``host_id``'s sidecar (fault injection) and reaps it."""
+    proc = self._procs[host_id]
+    if proc is not None and proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+  def close(self) -> None:
+    """Stops every sidecar (SIGTERM, then SIGKILL) and removes the temp dir; idempotent."""
+    for proc in self._procs:
+      if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for proc in self._procs:
+      if proc is None:
+        continue
+      try:
+        proc.wait(max(deadline - time.monotonic(), 0.1))
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    self._procs = []
+    if self._dir is not None:
+      shutil.rmtree(self._dir, ignore_errors=True)
+      self._dir = None
+
+  def __enter__(self) -> LocalCluster:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # ---- access ------------------------------------------------------------
+
+  @property
+  def addresses(self) -> list[str]:
+    """Each host's gRPC address, by host id."""
+    return [f"127.0.0.1:{r['port']}" for r in self._ready]
+
+  @property
+  def health_addresses(self) -> list[str]:
+    return [f"127.0.0.1:{r['health_port']}" for r in self._ready]
+
+  def pid(self, host_id: int) -> int:
+    return self._procs[host_id].pid
+
+  def devices(self, host_id: int) -> list[Any]:
+    """The JAX devices of this process that host ``host_id`` owns."""
+    d = self.devices_per_host
+    return jax.devices("cpu")[host_id * d:(host_id + 1) * d]
+
+  def controller(self, **kwargs: Any) -> Controller:
+    """A Controller of every host, attached to their arenas."""
+    kwargs.setdefault("token", self.token)
+    return Controller(self.addresses, **kwargs)
+
+  def worker(self, host_id: int) -> Worker:
+    """A new Worker attached to host ``host_id``'s sidecar."""
+    return Worker(self.socket(host_id))

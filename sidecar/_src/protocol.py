@@ -1,0 +1,135 @@
+"""The wire: generated code, versions, and exceptions <-> gRPC status codes.
+
+This is the only module that imports the code generated from
+``protos/sidecar/v1/*.proto``; everything else reaches it as ``protocol.pb``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+import traceback
+
+import grpc
+import numpy as np
+
+from sidecar._src import errors
+from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
+
+__all__ = ["pb", "pb_grpc"]
+
+PROTOCOL_VERSION = 1
+SERVICE = "sidecar.v1.Sidecar"
+SESSION_KEY = "sidecar-session"
+AUTH_KEY = "authorization"
+_TYPE_KEY = "sidecar-error-type"
+_MESSAGE_KEY = "sidecar-error-message-bin"
+_TRACEBACK_KEY = "sidecar-error-traceback-bin"
+
+
+def _dist_version(name: str) -> str:
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def local_versions() -> pb.Versions:
+  """This process's versions, found without importing jax."""
+  return pb.Versions(
+      protocol=PROTOCOL_VERSION,
+      package=_dist_version("colocated-sidecar"),
+      python=platform.python_version(),
+      numpy=np.__version__,
+      jax=_dist_version("jax"),
+  )
+
+
+def _minor(version: str) -> str:
+  return ".".join(version.split(".")[:2])
+
+
+def version_differences(ours: pb.Versions, theirs: pb.Versions) -> list[str]:
+  """What must agree between two processes and does not, one line each.
+
+  Protocol and package versions must be equal; Python, numpy and JAX must agree
+  on major.minor (patch releases do not change array layouts or the codec).
+  """
+  diffs = []
+  for field, exact in (("protocol", True), ("package", True), ("python", False),
+                       ("numpy", False), ("jax", False)):
+    a, b = getattr(ours, field), getattr(theirs, field)
+    if (a != b) if exact else (_minor(str(a)) != _minor(str(b))):
+      diffs.append(f"{field}: {a} here, {b} there")
+  return diffs
+
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (errors.NotRegisteredError, grpc.StatusCode.NOT_FOUND),
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.StaleDescriptorError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+  for cls, code in _CODES:
+    if isinstance(exc, cls):
+      return code
+  return grpc.StatusCode.UNKNOWN
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+  """Ends the RPC with ``exc``'s status, type, message and traceback."""
+  code = status_code(exc)
+  if code == grpc.StatusCode.UNKNOWN:
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+  else:
+    name = type(exc).__name__
+  tb = "".join(traceback.format_exception(exc)) if code == grpc.StatusCode.UNKNOWN else ""
+  context.set_trailing_metadata((
+      (_TYPE_KEY, name),
+      (_MESSAGE_KEY, str(exc).encode()),
+      (_TRACEBACK_KEY, tb.encode()),
+  ))
+  context.abort(code, f"{name}: {exc}"[:4000])
+
+
+def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None) -> errors.SidecarError:
+  """Turns a failed RPC into the matching SidecarError."""
+  code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+  meta = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+  name = meta.get(_TYPE_KEY)
+  message = (meta.get(_MESSAGE_KEY) or b"").decode(errors="replace") or (e.details() or "")
+  if code == grpc.StatusCode.UNAVAILABLE:
+    return errors.HostLostError(
+        f"sidecar {host} (host {host_id}) is unreachable: {e.details()}", host_id=host_id)
+  if code == grpc.StatusCode.DEADLINE_EXCEEDED and name is None:
+    return errors.DeadlineExceededError(
+        f"call to sidecar {host} (host {host_id}) outran its deadline: {e.details()}")
+  if code == grpc.StatusCode.UNKNOWN and name is not None:
+    tb = (meta.get(_TRACEBACK_KEY) or b"").decode(errors="replace")
+    return errors.RemoteError(name, message, tb, host_id=host_id)
+  cls = getattr(errors, name, None) if name else None
+  if isinstance(cls, type) and issubclass(cls, errors.SidecarError) and cls not in (
+      errors.RemoteError, errors.HostLostError):
+    return cls(message)
+  fallback = {
+      grpc.StatusCode.NOT_FOUND: errors.NotRegisteredError,
+      grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
+      grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
+      grpc.StatusCode.FAILED_PRECONDITION: errors.VersionMismatchError,
+      grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
+  }.get(code)
+  if fallback is not None:
+    return fallback(f"{message} (from sidecar {host}, host {host_id})")
+  return errors.RemoteError(str(code), message, host_id=host_id)
+
+
+def python_version() -> str:
+  return f"{sys.version_info.major}.{sys.version_info.minor}"

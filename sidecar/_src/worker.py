@@ -1,0 +1,219 @@
+"""The worker: lives in the process that owns the devices, beside one sidecar.
+
+It attaches to its host's sidecar over a Unix socket, receives the arena's
+memfd once, and from then on turns arena descriptors into numpy views with no
+copy, and those into ``jax.Array``s. Every view holds its block: on the CPU
+backend ``jax.device_put`` of a page-aligned view aliases the memory, so the
+block is given back only when no array (numpy or jax) can read it any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import queue
+import socket
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from sidecar._src import codec, errors, ipc, protocol, shm
+
+ENV_ADDRESS = "SIDECAR_ADDRESS"
+
+
+class State(enum.Enum):
+  ATTACHED = "attached"
+  CLOSING = "closing"  # close() was called; waits for live views to die
+  CLOSED = "closed"
+
+
+def socket_path(address: str | None) -> str:
+  """The Unix socket path in ``unix:///path``, ``unix:/path`` or ``/path``."""
+  address = address or os.environ.get(ENV_ADDRESS)
+  if not address:
+    raise errors.InvalidArgumentError(
+        f"no sidecar address: pass Worker(address='unix:///run/sidecar/sidecar.sock') or set "
+        f"{ENV_ADDRESS}")
+  for prefix in ("unix://", "unix:"):
+    if address.startswith(prefix):
+      return address[len(prefix):]
+  if address.startswith("/") or address.startswith("."):
+    return address
+  raise errors.InvalidArgumentError(
+      f"worker address {address!r} is not a Unix socket; workers attach with "
+      "'unix:///path/to/sidecar.sock' (TCP addresses are for the Controller)")
+
+
+class Worker:
+  """Attaches to the sidecar on this host and maps its arena.
+
+  Example::
+
+    worker = sidecar.Worker("unix:///run/sidecar/sidecar.sock")
+    x = worker.to_jax(batch_from_sidecar, sharding=sharding)
+
+  Args:
+    address: the sidecar's Unix socket (``unix:///path``); default ``$SIDECAR_ADDRESS``.
+    timeout: seconds to wait for the sidecar to answer.
+  """
+
+  def __init__(self, address: str | None = None, *, timeout: float = 30.0):
+    self.path = socket_path(address)
+    self._lock = threading.Lock()
+    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._sock.settimeout(timeout)
+    try:
+      self._sock.connect(self.path)
+    except OSError as e:
+      self._sock.close()
+      raise errors.HostLostError(
+          f"cannot attach to the sidecar at {self.path}: {e.strerror or e}; is `sidecar serve "
+          f"--socket {self.path}` running on this host?") from None
+    try:
+      ipc.send(self._sock, {"op": "attach", "pid": os.getpid(),
+                            "versions": _versions_dict(protocol.local_versions())})
+      reply, fds = ipc.recv(self._sock, max_fds=1)
+    except (OSError, ConnectionError) as e:
+      self._sock.close()
+      raise errors.HostLostError(f"the sidecar at {self.path} closed the attach: {e}") from None
+    if "error" in reply:
+      self._sock.close()
+      raise _error(reply["error"])
+    self._sock.settimeout(None)
+    self.session: str = reply["session"]
+    self.identity: dict[str, Any] = reply["identity"]
+    self.host_id: int = self.identity["host_id"]
+    self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]))
+    self.state = State.ATTACHED
+    self._live = 0
+    self._freed: queue.SimpleQueue = queue.SimpleQueue()
+    self._releaser = threading.Thread(target=self._release_loop, name="sidecar-worker-free",
+                                      daemon=True)
+    self._releaser.start()
+
+  # ---- blocks ------------------------------------------------------------
+
+  def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+    with self._lock:
+      if self.state is State.CLOSED:
+        raise errors.ClosedError("this Worker is closed")
+      try:
+        ipc.send(self._sock, message)
+        reply, _ = ipc.recv(self._sock)
+      except (OSError, ConnectionError) as e:
+        raise errors.HostLostError(
+            f"the sidecar of host {self.host_id} at {self.path} is gone: {e}",
+            host_id=self.host_id) from None
+    if "error" in reply:
+      raise _error(reply["error"])
+    return reply
+
+  def _check_open(self) -> None:
+    if self.state is not State.ATTACHED:
+      raise errors.ClosedError(f"this Worker is {self.state.value}; make a new one")
+
+  def view(self, ref: codec.ArenaRef) -> np.ndarray:
+    """The array ``ref`` names, on the arena (no copy), held while any view lives.
+
+    The block must be leased to this worker (results of calls made with it are).
+    """
+    self._check_open()
+    with self._lock:
+      self._live += 1
+    holder = self.arena.lease(ref.offset, ref.nbytes,
+                              lambda: self._freed.put((ref.offset, ref.generation)))
+    return codec.as_array(holder, ref)
+
+  def empty(self, shape: tuple[int, ...], dtype: Any, *, timeout: float = 0.0
+            ) -> tuple[np.ndarray, codec.ArenaRef]:
+    """A new array in the arena (for arguments and saves), and its descriptor."""
+    self._check_open()
+    dtype = np.dtype(dtype)
+    nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout})
+    ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
+    return self.view(ref), ref
+
+  def put(self, array: np.ndarray, *, timeout: float = 0.0) -> tuple[np.ndarray, codec.ArenaRef]:
+    """Copies ``array`` into the arena; returns the arena copy and its descriptor."""
+    array = np.asarray(array)
+    dst, ref = self.empty(array.shape, array.dtype, timeout=timeout)
+    np.copyto(dst, array)
+    return dst, ref
+
+  def _release_loop(self) -> None:
+    while True:
+      item = self._freed.get()
+      blocks = [item] if item is not None else []
+      while True:  # Batch whatever else is waiting into one message.
+        try:
+          nxt = self._freed.get_nowait()
+        except queue.Empty:
+          break
+        if nxt is not None:
+          blocks.append(nxt)
+      with self._lock:
+        self._live -= len(blocks)
+        if blocks and self.state is not State.CLOSED:
+          with contextlib.suppress(OSError):
+            ipc.send(self._sock, {"op": "free", "blocks": blocks})
+        done = self.state is State.CLOSING and self._live == 0
+        if done:
+          self._shutdown()
+      if done or self.state is State.CLOSED:
+        return
+
+  # ---- jax ---------------------------------------------------------------
+
+  def to_jax(self, tree: Any, *, device: jax.Device | None = None,
+             sharding: jax.sharding.Sharding | None = None) -> Any:
+    """``jax.device_put`` of every array leaf; views keep their blocks alive."""
+    return jax.device_put(tree, sharding if sharding is not None else device)
+
+  # ---- lifecycle ---------------------------------------------------------
+
+  @property
+  def live_blocks(self) -> int:
+    with self._lock:
+      return self._live
+
+  def close(self) -> None:
+    """Detaches; idempotent. Blocks still read by live arrays stay held until they die."""
+    with self._lock:
+      if self.state is not State.ATTACHED:
+        return
+      self.state = State.CLOSING
+      if self._live == 0:
+        self._shutdown()
+    self._freed.put(None)  # Wakes the releaser so it can finish.
+
+  def _shutdown(self) -> None:
+    self.state = State.CLOSED
+    with contextlib.suppress(OSError):
+      self._sock.close()
+    self.arena.close()
+
+  def __enter__(self) -> Worker:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return f"Worker(host_id={self.host_id}, path={self.path!r}, state={self.state.value})"
+
+
+def _versions_dict(v) -> dict[str, Any]:
+  return {"protocol": v.protocol, "package": v.package, "python": v.python,
+          "numpy": v.numpy, "jax": v.jax}
+
+
+def _error(info: dict[str, str]) -> errors.SidecarError:
+  cls = getattr(errors, info.get("type", ""), None)
+  if not (isinstance(cls, type) and issubclass(cls, errors.SidecarError)):
+    cls = errors.SidecarError
+  return cls(info.get("message", "sidecar error"))

@@ -1,0 +1,1 @@
+"""Generated from protos/sidecar/v1/*.proto by grpcio-tools; do not edit."""

@@ -1,0 +1,191 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HostIdentity(_message.Message):
+    __slots__ = ("host_id", "slice_id", "device_ids", "hostname", "pid", "boot_id")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    host_id: int
+    slice_id: int
+    device_ids: _containers.RepeatedScalarFieldContainer[int]
+    hostname: str
+    pid: int
+    boot_id: str
+    def __init__(self, host_id: _Optional[int] = ..., slice_id: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
+
+class Versions(_message.Message):
+    __slots__ = ("protocol", "package", "python", "numpy", "jax")
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    NUMPY_FIELD_NUMBER: _ClassVar[int]
+    JAX_FIELD_NUMBER: _ClassVar[int]
+    protocol: int
+    package: str
+    python: str
+    numpy: str
+    jax: str
+    def __init__(self, protocol: _Optional[int] = ..., package: _Optional[str] = ..., python: _Optional[str] = ..., numpy: _Optional[str] = ..., jax: _Optional[str] = ...) -> None: ...
+
+class RegistryEntry(_message.Message):
+    __slots__ = ("kind", "name", "code_hash")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CODE_HASH_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    code_hash: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., code_hash: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("versions", "client")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    versions: Versions
+    client: str
+    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., client: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("versions", "identity", "registry", "registry_fingerprint", "session", "worker_socket", "arena_size")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    versions: Versions
+    identity: HostIdentity
+    registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
+    registry_fingerprint: str
+    session: str
+    worker_socket: str
+    arena_size: int
+    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., registry_fingerprint: _Optional[str] = ..., session: _Optional[str] = ..., worker_socket: _Optional[str] = ..., arena_size: _Optional[int] = ...) -> None: ...
+
+class Array(_message.Message):
+    __slots__ = ("dtype", "shape", "data", "scalar")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    scalar: bool
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scalar: _Optional[bool] = ...) -> None: ...
+
+class ArenaRef(_message.Message):
+    __slots__ = ("offset", "nbytes", "generation", "dtype", "shape")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    generation: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListValue(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, items: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
+class DictEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: Value
+    value: Value
+    def __init__(self, key: _Optional[_Union[Value, _Mapping]] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+
+class DictValue(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[DictEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[DictEntry, _Mapping]]] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("none", "bool_value", "int_value", "big_int", "float_value", "str_value", "bytes_value", "array", "arena", "list", "tuple", "dict")
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BIG_INT_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    TUPLE_FIELD_NUMBER: _ClassVar[int]
+    DICT_FIELD_NUMBER: _ClassVar[int]
+    none: bool
+    bool_value: bool
+    int_value: int
+    big_int: str
+    float_value: float
+    str_value: str
+    bytes_value: bytes
+    array: Array
+    arena: ArenaRef
+    list: ListValue
+    tuple: ListValue
+    dict: DictValue
+    def __init__(self, none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., array: _Optional[_Union[Array, _Mapping]] = ..., arena: _Optional[_Union[ArenaRef, _Mapping]] = ..., list: _Optional[_Union[ListValue, _Mapping]] = ..., tuple: _Optional[_Union[ListValue, _Mapping]] = ..., dict: _Optional[_Union[DictValue, _Mapping]] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("name", "args", "kwargs", "worker_session")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    args: Value
+    kwargs: Value
+    worker_session: str
+    def __init__(self, name: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., worker_session: _Optional[str] = ...) -> None: ...
+
+class CallResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: Value
+    def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_USED_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    identity: HostIdentity
+    versions: Versions
+    registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
+    arena_size: int
+    arena_used: int
+    arena_blocks: int
+    workers: int
+    uptime_s: float
+    calls: int
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ...) -> None: ...
