@@ -74,6 +74,9 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
     raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
   if x is None:
     return pb.Value(none=True)
+  if isinstance(x, np.generic):  # before float: np.float64 subclasses float
+    a = check_array(np.asarray(x), where)
+    return pb.Value(array=pb.Array(dtype=a.dtype.name, data=a.tobytes(), scalar=True))
   if isinstance(x, bool):
     return pb.Value(bool_value=x)
   if isinstance(x, int):
@@ -86,9 +89,6 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
     return pb.Value(str_value=x)
   if isinstance(x, (bytes, bytearray, memoryview)):
     return pb.Value(bytes_value=bytes(x))
-  if isinstance(x, np.generic):
-    a = check_array(np.asarray(x), where)
-    return pb.Value(array=pb.Array(dtype=a.dtype.name, data=a.tobytes(), scalar=True))
   if isinstance(x, dict):
     entries = []
     for k, v in x.items():

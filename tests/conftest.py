@@ -1,0 +1,74 @@
+"""Shared fixtures. Every test that makes shared memory proves it is gone afterwards."""
+
+import os
+
+# Before jax starts anywhere in the test process: 8 CPU devices, CPU only.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+
+def shm_entries() -> set[str]:
+  return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "lttng"))}
+
+
+def arena_mappers() -> list[int]:
+  """Pids of processes (other than ours) that still map a sidecar arena memfd."""
+  pids = []
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{pid}/maps") as f:
+        if "memfd:sidecar-arena" in f.read():
+          pids.append(int(pid))
+    except OSError:
+      continue
+  return pids
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leak():
+  before = shm_entries()
+  yield
+  assert shm_entries() - before == set(), "a test left segments in /dev/shm"
+
+
+@pytest.fixture
+def registry():
+  """A fresh default registry for the test, restored afterwards."""
+  import sidecar
+  fresh = sidecar.Registry()
+  previous = sidecar.set_default_registry(fresh)
+  yield fresh
+  sidecar.set_default_registry(previous)
+
+
+@pytest.fixture
+def make_server(tmp_path):
+  """Starts in-process sidecar servers on loopback with the test functions registered."""
+  from sidecar._src import options, registry as registry_lib
+  from sidecar._src.host.server import Server
+  from tests import sidecar_fns  # noqa: F401  (registers into the default registry)
+  import sidecar
+
+  servers = []
+
+  def make(**kw):
+    reg = kw.pop("registry", None)
+    if reg is None:
+      reg = registry_lib.Registry()
+      for entry in sidecar.default_registry():
+        if entry.fn.__module__ == "tests.sidecar_fns":
+          reg.add(entry.kind, entry.name, entry.fn)
+    kw.setdefault("shm_size", 8 << 20)
+    opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0,
+                                 socket_path=str(tmp_path / f"s{len(servers)}.sock"), **kw)
+    server = Server(opts, registry=reg).start()
+    servers.append(server)
+    return server
+
+  yield make
+  for s in servers:
+    s.stop(grace=0)

@@ -1,0 +1,271 @@
+"""Tier 2: one in-process sidecar server, a real controller and worker over loopback."""
+
+import gc
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import sidecar
+from sidecar._src import errors, ipc, protocol
+from sidecar._src.protocol import pb
+
+
+def controller(server, **kw):
+  return sidecar.Controller([f"127.0.0.1:{server.port}"], **kw)
+
+
+def assert_still_serving(ctl):
+  assert ctl.call("add", 2, b=3) == [5]
+
+
+def test_handshake_reports_identity_and_registry(make_server):
+  server = make_server(host_id=3, slice_id=1, device_ids=(6, 7))
+  with controller(server) as ctl:
+    (host,) = ctl.hosts
+    assert (host.host_id, host.slice_id, host.device_ids) == (3, 1, (6, 7))
+    assert "echo" in host.functions and "add" in host.functions
+    assert host.versions["protocol"] == str(protocol.PROTOCOL_VERSION)
+    assert ctl.worker(3) is not None  # same kernel: attached to the arena
+
+
+def test_unknown_function_is_not_found_listing_registered(make_server):
+  with controller(make_server()) as ctl:
+    with pytest.raises(sidecar.NotRegisteredError, match=r"'nope'.*registered functions:.*echo"):
+      ctl.call("nope")
+    assert_still_serving(ctl)
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((), {}, "missing a required argument: 'a'"),
+    ((1,), {"c": 2}, "unexpected keyword argument 'c'"),
+    ((1, 2, 3), {}, "too many positional arguments"),
+], ids=["missing", "unexpected", "too-many"])
+def test_wrong_arguments_are_invalid_argument_naming_the_parameter(make_server, args, kwargs, match):
+  with controller(make_server()) as ctl:
+    with pytest.raises(sidecar.InvalidArgumentError, match=match):
+      ctl.call("add", *args, **kwargs)
+    assert_still_serving(ctl)
+
+
+def test_remote_exception_carries_type_message_and_traceback(make_server):
+  with controller(make_server(host_id=2)) as ctl:
+    with pytest.raises(sidecar.RemoteError) as info:
+      ctl.call("fail", "boom")
+    e = info.value
+    assert e.remote_type == "builtins.ValueError" and e.remote_message == "boom"
+    assert "raise ValueError(message)" in e.remote_traceback and e.host_id == 2
+    assert_still_serving(ctl)
+
+
+def test_malformed_request_bytes_are_invalid_argument(make_server):
+  server = make_server()
+  with controller(server) as ctl, grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    raw = ch.unary_unary(f"/{protocol.SERVICE}/Call")
+    meta = ctl._conns[0].metadata
+    for garbage in (b"\xff\xff\xff", pb.CallRequest(name="echo").SerializeToString()[:-1] + b"\x80"):
+      with pytest.raises(grpc.RpcError) as info:
+        raw(garbage, metadata=meta, timeout=5)
+      assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_still_serving(ctl)
+
+
+def test_calls_need_a_handshake_first(make_server):
+  server = make_server()
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    call = ch.unary_unary(f"/{protocol.SERVICE}/Call",
+                          request_serializer=pb.CallRequest.SerializeToString)
+    with pytest.raises(grpc.RpcError) as info:
+      call(pb.CallRequest(name="echo"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "call Handshake first" in info.value.details()
+
+
+def test_version_skew_fails_fast_listing_each_difference(make_server):
+  server = make_server()
+  theirs = protocol.local_versions()
+  theirs.protocol, theirs.package, theirs.numpy = 99, "0.0.0-other", "1.0.0"
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    hs = ch.unary_unary(f"/{protocol.SERVICE}/Handshake",
+                        request_serializer=pb.HandshakeRequest.SerializeToString)
+    with pytest.raises(grpc.RpcError) as info:
+      hs(pb.HandshakeRequest(versions=theirs, client="old"), timeout=5)
+  assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+  e = protocol.error_from_rpc(info.value, host="x")
+  assert isinstance(e, sidecar.VersionMismatchError)
+  for field in ("protocol: 99 here", "package: 0.0.0-other here", "numpy: 1.0.0 here"):
+    assert field in str(e)
+  with controller(server) as ctl:
+    assert_still_serving(ctl)
+
+
+def test_worker_with_skewed_versions_is_refused(make_server):
+  import socket
+  server = make_server()
+  s = socket.socket(socket.AF_UNIX)
+  s.connect(server.options.socket_path)
+  ipc.send(s, {"op": "attach", "pid": 1, "versions": {"protocol": 42, "package": "x",
+                                                       "python": "2.7", "numpy": "1", "jax": "0"}})
+  reply, fds = ipc.recv(s, max_fds=1)
+  s.close()
+  assert fds == [] and reply["error"]["type"] == "VersionMismatchError"
+  assert "protocol: 42 here" in reply["error"]["message"]
+
+
+def test_payload_over_the_message_limit_is_resource_exhausted(make_server):
+  server = make_server(max_message_size=1 << 20)
+  with controller(server, attach=False) as ctl:
+    with pytest.raises(sidecar.ResourceExhaustedError, match=r"larger than max \(\d+ vs\. \d+\)"):
+      ctl.call("echo", np.zeros(2 << 20, np.uint8))
+    assert_still_serving(ctl)
+
+
+def test_result_larger_than_the_arena_is_resource_exhausted_with_sizes(make_server):
+  with controller(make_server(shm_size=4 << 20)) as ctl:
+    with pytest.raises(sidecar.ResourceExhaustedError, match=r"8.0 MiB .* cannot fit an arena of 4.0 MiB"):
+      ctl.call("full", 8 << 20, 1)
+    assert_still_serving(ctl)
+
+
+def test_full_arena_waits_for_the_deadline_then_fails_and_recovers(make_server):
+  with controller(make_server(shm_size=4 << 20)) as ctl:
+    held = ctl.call("full", 3 << 20, 1)  # 3 of 4 MiB held by this live array
+    t0 = time.monotonic()
+    with pytest.raises(sidecar.ResourceExhaustedError, match="arena is full"):
+      ctl.call("full", 2 << 20, 2, timeout=0.5)
+    assert 0.3 < time.monotonic() - t0 < 5
+    # Releasing the array while a call waits lets the call through.
+    f = ctl.call_async("full", 2 << 20, 3, timeout=10)[0]
+    time.sleep(0.2)
+    del held
+    gc.collect()
+    assert f.result()[0] == 3
+
+
+def test_large_results_arrive_as_views_of_the_arena_small_ones_inline(make_server):
+  with controller(make_server()) as ctl:
+    big, small = ctl.call("echo", {"big": np.arange(1 << 18, dtype=np.int32),
+                                   "small": np.arange(4)})[0].values()
+    arena = ctl.worker(0).arena.buffer
+    assert np.shares_memory(big, arena) and not np.shares_memory(small, arena)
+    np.testing.assert_array_equal(big, np.arange(1 << 18, dtype=np.int32))
+    # Arguments went through the arena too: the sidecar saw the whole array.
+    s = ctl.call("stats", np.ones((512, 512), np.float32))[0]
+    assert s == {"sum": 512 * 512.0, "shape": [512, 512], "dtype": "float32", "writeable": True}
+
+
+def test_without_a_worker_everything_is_inline(make_server):
+  with controller(make_server(), attach=False) as ctl:
+    (big,) = ctl.call("full", 1 << 20, 9)
+    assert big.shape == (1 << 20,) and big.flags.writeable and (big == 9).all()
+
+
+def test_arena_blocks_are_freed_when_arrays_die(make_server):
+  server = make_server()
+  with controller(server) as ctl:
+    arrays = [ctl.call("full", 1 << 20, i)[0] for i in range(4)]
+    assert server.leases.allocator.used_bytes >= 4 << 20
+    del arrays
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while server.leases.allocator.used_bytes and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert server.leases.allocator.used_bytes == 0
+
+
+def test_recycled_blocks_never_change_a_live_jax_array(make_server):
+  import jax
+  with controller(make_server(shm_size=4 << 20)) as ctl:
+    (first,) = ctl.call("full", 1 << 20, 1)
+    x = jax.device_put(first, jax.devices()[0])  # aliases the arena on the CPU backend
+    del first
+    gc.collect()
+    for value in range(2, 30):  # far more than the arena holds: blocks are recycled
+      (a,) = ctl.call("full", 1 << 20, value, timeout=10)
+      assert int(a[0]) == value
+      del a
+      gc.collect()
+    assert int(np.asarray(x).min()) == 1 and int(np.asarray(x).max()) == 1
+    live = ctl.worker(0).live_blocks
+    del x
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while ctl.worker(0).live_blocks >= live and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert ctl.worker(0).live_blocks < live
+
+
+def test_calls_from_one_thread_run_in_order(make_server):
+  with controller(make_server()) as ctl:
+    for i in range(5):
+      ctl.call("record", i, delay=0.02 * (5 - i))
+    assert ctl.call("take_log")[0] == [0, 1, 2, 3, 4]
+
+
+def test_calls_from_several_threads_run_concurrently(make_server):
+  with controller(make_server()) as ctl:
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ctl.call("rendezvous", 4)[0]))
+               for _ in range(4)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(15)
+    assert results == [True] * 4  # a serial server would break the barrier
+
+
+@pytest.mark.parametrize("payload", ["", "text ünïcödé " * 1000, b"", b"\x00\x01\xff" * 50_000],
+                         ids=["empty-str", "str", "empty-bytes", "bytes"])
+def test_str_and_bytes_payloads(make_server, payload):
+  with controller(make_server()) as ctl:
+    assert ctl.call("echo", payload) == [payload]
+
+
+@pytest.mark.parametrize("hosts", [[5], [], [0, 0], 7], ids=["unknown", "empty", "duplicate", "int"])
+def test_invalid_placement_is_rejected(make_server, hosts):
+  with controller(make_server()) as ctl:
+    with pytest.raises(sidecar.InvalidArgumentError, match="not a valid placement"):
+      ctl.call("echo", 1, hosts=hosts)
+
+
+def test_token_is_required_when_configured(make_server):
+  server = make_server(token="s3cret")
+  with pytest.raises(sidecar.AuthenticationError, match="missing or wrong token"):
+    controller(server, token="wrong")
+  with controller(server, token="s3cret") as ctl:
+    assert_still_serving(ctl)
+
+
+def test_health_and_reflection(make_server):
+  server = make_server()
+  with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+    stub = health_pb2_grpc.HealthStub(ch)
+    for service in ("", protocol.SERVICE):
+      reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+      assert reply.status == health_pb2.HealthCheckResponse.SERVING
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")]), timeout=5)
+    names = {s.name for r in replies for s in r.list_services_response.service}
+  assert protocol.SERVICE in names
+
+
+def test_closed_controller_raises(make_server):
+  ctl = controller(make_server())
+  ctl.close()
+  ctl.close()
+  with pytest.raises(sidecar.ClosedError, match="closed"):
+    ctl.call("echo", 1)
+
+
+def test_status_counts(make_server):
+  with controller(make_server(host_id=1)) as ctl:
+    ctl.call("echo", 1)
+    (s,) = ctl.status()
+    assert s.identity.host_id == 1 and s.calls >= 1 and s.workers == 1
+    assert s.arena_size == 8 << 20

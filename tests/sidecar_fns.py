@@ -1,0 +1,82 @@
+"""Functions the test sidecars register (``--import tests.sidecar_fns``)."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+import sidecar
+
+_log: list = []
+_log_lock = threading.Lock()
+_barriers: dict[int, threading.Barrier] = {}
+
+
+@sidecar.function
+def echo(x):
+  return x
+
+
+@sidecar.function(name="add")
+def add_numbers(a, b=0):
+  return a + b
+
+
+@sidecar.function
+def fail(message: str):
+  raise ValueError(message)
+
+
+@sidecar.function
+def sleep(seconds: float) -> float:
+  time.sleep(seconds)
+  return seconds
+
+
+@sidecar.function
+def record(tag, delay: float = 0.0):
+  time.sleep(delay)
+  with _log_lock:
+    _log.append(tag)
+  return tag
+
+
+@sidecar.function
+def take_log():
+  with _log_lock:
+    out = list(_log)
+    _log.clear()
+  return out
+
+
+@sidecar.function
+def rendezvous(parties: int, timeout: float = 10.0) -> bool:
+  """Returns only when ``parties`` calls are inside at once: proves concurrency."""
+  with _log_lock:
+    barrier = _barriers.setdefault(parties, threading.Barrier(parties))
+  barrier.wait(timeout)
+  return True
+
+
+@sidecar.function
+def full(n: int, value: int):
+  return np.full((n,), value, dtype=np.uint8)
+
+
+@sidecar.function
+def stats(a):
+  a = np.asarray(a)
+  return {"sum": float(a.astype(np.float64).sum()), "shape": list(a.shape), "dtype": a.dtype.name,
+          "writeable": bool(a.flags.writeable)}
+
+
+@sidecar.function
+def die():
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+@sidecar.function
+def identity_env():
+  return {"pid": os.getpid()}

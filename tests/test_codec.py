@@ -1,0 +1,90 @@
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sidecar._src import codec, errors
+from sidecar._src.protocol import pb
+
+
+def roundtrip(x, **kw):
+  return codec.decode(pb.Value.FromString(codec.encode(x, **kw).SerializeToString()))
+
+
+@pytest.mark.parametrize("value", [
+    None, True, False, 0, -7, 1 << 63, -(1 << 80), 2.5, float("inf"), "", "héllo", b"",
+    b"\x00\xff" * 10, (), [], {}, (1, [2, {"a": None}]), {"x": 1, 3: "y"},
+], ids=repr)
+def test_plain_values_roundtrip(value):
+  out = roundtrip(value)
+  assert out == value and type(out) is type(value)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint16", "int32", "int64", "float16",
+                                   "float32", "float64", "complex64", ml_dtypes.bfloat16],
+                         ids=str)
+def test_arrays_and_scalars_roundtrip(dtype):
+  a = (np.arange(24) % 3).astype(dtype).reshape(2, 3, 4)
+  out = roundtrip({"a": a, "s": a.reshape(-1)[1]})
+  np.testing.assert_array_equal(out["a"], a)
+  assert out["a"].dtype == a.dtype and out["a"].flags.writeable
+  assert isinstance(out["s"], np.generic) and out["s"].dtype == a.dtype
+
+
+def test_big_endian_and_non_contiguous_are_normalized():
+  a = np.arange(12, dtype=">i4").reshape(3, 4)[:, ::2]
+  out = roundtrip(a)
+  np.testing.assert_array_equal(out, a)
+  assert out.dtype == np.dtype("int32")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (object(), r"value: values of type builtins.object cannot be sent"),
+    ({"k": [1, lambda: 0]}, r"value\['k'\]\[1\]: values of type .*function"),
+    (np.array(["a"], dtype=object), "dtype 'object' is not allowed"),
+    ({(1, 2): 3}, "dict key"),
+    ({1.5: 3}, "dict key"),
+], ids=["object", "nested-lambda", "object-array", "tuple-key", "float-key"])
+def test_unsupported_values_name_the_path(bad, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    codec.encode(bad)
+
+
+def test_too_deep_is_rejected():
+  x = []
+  for _ in range(100):
+    x = [x]
+  with pytest.raises(errors.InvalidArgumentError, match="nesting deeper than"):
+    codec.encode(x)
+
+
+@pytest.mark.parametrize("value,match", [
+    (pb.Value(array=pb.Array(dtype="float32", shape=[4], data=b"\0" * 15)), "needs 16 bytes, got 15"),
+    (pb.Value(array=pb.Array(dtype="object", shape=[1], data=b"\0" * 8)), "not allowed"),
+    (pb.Value(array=pb.Array(dtype="int8", shape=[-1], data=b"")), "negative dimension"),
+    (pb.Value(big_int="12x"), "bad big_int"),
+    (pb.Value(), "empty or unknown value kind"),
+    (pb.Value(arena=pb.ArenaRef(offset=0, nbytes=8, generation=1, dtype="int8", shape=[8])),
+     "no arena attached"),
+], ids=["short-data", "object-dtype", "negative-shape", "big-int", "empty", "arena-without-arena"])
+def test_malformed_values_are_invalid_argument(value, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    codec.decode(value)
+
+
+def test_large_arrays_go_to_the_arena_small_ones_inline():
+  sent = []
+
+  def to_arena(a):
+    sent.append(a)
+    return codec.ArenaRef(4096, a.nbytes, 7, a.dtype.name, a.shape)
+
+  big, small = np.ones((256, 256), np.float32), np.ones(4, np.float32)
+  v = codec.encode({"big": big, "small": small}, to_arena=to_arena, inline_limit=1024)
+  assert len(sent) == 1 and sent[0] is big or np.shares_memory(sent[0], big)
+  kinds = {e.key.str_value: e.value.WhichOneof("kind") for e in v.dict.entries}
+  assert kinds == {"big": "arena", "small": "array"}
+  assert len(v.SerializeToString()) < 1024  # the big array's bytes are not in the message
+  seen = []
+  out = codec.decode(v, from_arena=lambda ref: seen.append(ref) or np.zeros(ref.shape, ref.dtype))
+  assert seen == [codec.ArenaRef(4096, big.nbytes, 7, "float32", (256, 256))]
+  assert out["big"].shape == (256, 256)
