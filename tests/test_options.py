@@ -1,0 +1,23 @@
+import pytest
+
+from sidecar._src.options import ServerOptions
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"host_id": -1}, "host_id must be a non-negative int, got -1"),
+    ({"port": 70000}, r"port must be a TCP port in \[0, 65535\].*got 70000"),
+    ({"port": 9000, "health_port": 9000}, "port and health_port must differ"),
+    ({"shm_size": 10}, "shm_size must be at least 1048576 bytes, got 10"),
+    ({"device_ids": (0, -2)}, "device_ids must be non-negative"),
+    ({"socket_path": ""}, "socket_path must name"),
+    ({"token": "  "}, "token must be a non-empty string"),
+], ids=["host", "port", "same-port", "shm", "devices", "socket", "token"])
+def test_bad_options_name_the_value(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ServerOptions(**kwargs)
+
+
+def test_options_are_frozen():
+  o = ServerOptions()
+  with pytest.raises(AttributeError):
+    o.port = 1  # type: ignore[misc]

@@ -1,0 +1,54 @@
+import pathlib
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from sidecar._src import errors, protocol
+from sidecar._src.protocol import pb
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_generated_code_matches_the_proto(tmp_path):
+  subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'protos'}",
+                  f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
+                  f"--grpc_python_out={tmp_path}", "sidecar/v1/sidecar.proto"],
+                 check=True, cwd=ROOT)
+  for name in ("sidecar_pb2.py", "sidecar_pb2.pyi", "sidecar_pb2_grpc.py"):
+    fresh = (tmp_path / "sidecar" / "v1" / name).read_text()
+    committed = (ROOT / "sidecar" / "v1" / name).read_text()
+    assert fresh == committed, (
+        f"sidecar/v1/{name} is stale; regenerate with: python -m grpc_tools.protoc -Iprotos "
+        "--python_out=. --pyi_out=. --grpc_python_out=. protos/sidecar/v1/sidecar.proto")
+
+
+def test_version_differences_exact_and_minor():
+  ours = protocol.local_versions()
+  same_minor = pb.Versions()
+  same_minor.CopyFrom(ours)
+  same_minor.python = ours.python.rsplit(".", 1)[0] + ".999"
+  assert protocol.version_differences(ours, same_minor) == []
+  other = pb.Versions(protocol=ours.protocol + 1, package="9.9", python="2.7.1",
+                      numpy=ours.numpy, jax=ours.jax)
+  diffs = protocol.version_differences(ours, other)
+  assert [d.split(":")[0] for d in diffs] == ["protocol", "package", "python"]
+
+
+@pytest.mark.parametrize("exc,code", [
+    (errors.NotRegisteredError("x"), grpc.StatusCode.NOT_FOUND),
+    (errors.InvalidArgumentError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.VersionMismatchError("x"), grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.AuthenticationError("x"), grpc.StatusCode.UNAUTHENTICATED),
+    (ValueError("x"), grpc.StatusCode.UNKNOWN),
+], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.name)
+def test_status_codes(exc, code):
+  assert protocol.status_code(exc) == code
+
+
+def test_every_error_subclasses_sidecar_error():
+  classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+  assert all(issubclass(c, errors.SidecarError) for c in classes)
+  assert len(classes) >= 14

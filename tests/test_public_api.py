@@ -1,0 +1,15 @@
+import sidecar
+
+
+def test_public_api_is_pinned():
+  assert sidecar.__all__ == sorted(sidecar.__all__)
+  assert sidecar.__all__ == [
+      "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
+      "Controller", "DeadlineExceededError", "DiscoveryError", "HostInfo", "HostLostError",
+      "InvalidArgumentError", "NotRegisteredError", "Registry", "RemoteError",
+      "ResourceExhaustedError", "SidecarError", "StaleDescriptorError", "VersionMismatchError",
+      "Worker", "default_registry", "function", "set_default_registry", "testing",
+  ]
+  assert sidecar.testing.__all__ == ["LocalCluster"]
+  for name in sidecar.__all__:
+    assert getattr(sidecar, name) is not None

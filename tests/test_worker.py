@@ -1,0 +1,66 @@
+import gc
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src import worker as worker_lib
+
+
+@pytest.mark.parametrize("address,path", [
+    ("unix:///run/s.sock", "/run/s.sock"), ("unix:/run/s.sock", "/run/s.sock"),
+    ("/tmp/x.sock", "/tmp/x.sock")], ids=["unix-3-slash", "unix-1-slash", "path"])
+def test_socket_path(address, path):
+  assert worker_lib.socket_path(address) == path
+
+
+def test_socket_path_errors(monkeypatch):
+  monkeypatch.delenv("SIDECAR_ADDRESS", raising=False)
+  with pytest.raises(sidecar.InvalidArgumentError, match="set SIDECAR_ADDRESS"):
+    worker_lib.socket_path(None)
+  with pytest.raises(sidecar.InvalidArgumentError, match="is not a Unix socket"):
+    worker_lib.socket_path("10.0.0.1:8470")
+
+
+def test_no_sidecar_at_the_path(tmp_path):
+  with pytest.raises(sidecar.HostLostError, match="cannot attach to the sidecar at .*sidecar serve"):
+    sidecar.Worker(str(tmp_path / "none.sock"), timeout=1)
+
+
+def test_worker_from_env_allocates_and_frees(make_server, monkeypatch):
+  server = make_server(host_id=4)
+  monkeypatch.setenv("SIDECAR_ADDRESS", f"unix://{server.options.socket_path}")
+  with sidecar.Worker() as w:
+    assert w.host_id == 4 and w.identity["device_ids"] == []
+    a, ref = w.put(np.arange(1000, dtype=np.int64))
+    assert np.shares_memory(a, w.arena.buffer) and ref.offset % 4096 == 0
+    assert server.leases.allocator.used_bytes > 0
+    with pytest.raises(sidecar.ResourceExhaustedError, match="cannot fit an arena"):
+      w.empty((64 << 20,), np.uint8)
+    del a
+    gc.collect()
+  # close() ended the session: everything it held went back.
+  import time
+  deadline = time.monotonic() + 5
+  while server.leases.allocator.used_bytes and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert server.leases.allocator.used_bytes == 0
+  with pytest.raises(sidecar.ClosedError):
+    w.empty((4,), np.uint8)
+
+
+def test_close_waits_for_live_views(make_server):
+  server = make_server()
+  w = sidecar.Worker(server.options.socket_path)
+  a, _ = w.put(np.full(10_000, 3, np.uint8))
+  w.close()
+  assert w.state is worker_lib.State.CLOSING and server.leases.allocator.used_bytes > 0
+  assert (a == 3).all()  # still mapped and still held
+  del a
+  gc.collect()
+  import time
+  deadline = time.monotonic() + 5
+  while (w.state is not worker_lib.State.CLOSED or server.leases.allocator.used_bytes) and \
+      time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert w.state is worker_lib.State.CLOSED and server.leases.allocator.used_bytes == 0
