@@ -80,3 +80,25 @@ def die():
 @sidecar.function
 def identity_env():
   return {"pid": os.getpid()}
+
+
+@sidecar.function
+def count(n: int, nbytes: int = 0):
+  """Yields n items; with nbytes, each carries an array of that size (through the arena)."""
+  for i in range(n):
+    with _log_lock:
+      _log.append(("produced", i))
+    yield {"i": i, "data": np.full((nbytes,), i % 251, np.uint8)} if nbytes else i
+
+
+@sidecar.function
+def count_then_fail(n: int):
+  for i in range(n):
+    yield i
+  raise RuntimeError(f"failed after {n}")
+
+
+@sidecar.function
+def echo_items(x, n: int):
+  for _ in range(n):
+    yield x

@@ -19,6 +19,18 @@ _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20
 
 
+def send_bytes(sock: socket.socket, data: bytes) -> None:
+  """Sends one frame of raw bytes (a serialized protobuf, on stream connections)."""
+  sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def recv_bytes(sock: socket.socket, *, limit: int = MAX_MESSAGE) -> bytes:
+  (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+  if length > limit:
+    raise errors.InvalidArgumentError(f"frame of {length} bytes exceeds the limit of {limit}")
+  return _recv_exact(sock, length)
+
+
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
   data = json.dumps(message, separators=(",", ":")).encode()
   frame = _HEADER.pack(len(data)) + data
@@ -31,7 +43,10 @@ def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-  buf = bytearray()
+  data = sock.recv(n)
+  if len(data) == n:
+    return data
+  buf = bytearray(data)
   while len(buf) < n:
     chunk = sock.recv(n - len(buf))
     if not chunk:

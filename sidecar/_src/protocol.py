@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import sys
 import traceback
 
 import grpc
@@ -84,42 +83,53 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
   return grpc.StatusCode.UNKNOWN
 
 
+def error_info(exc: BaseException) -> pb.Error:
+  """``exc`` as it crosses: our errors by name, user code's with module and traceback."""
+  if status_code(exc) == grpc.StatusCode.UNKNOWN:
+    return pb.Error(type=f"{type(exc).__module__}.{type(exc).__qualname__}", message=str(exc),
+                    traceback="".join(traceback.format_exception(exc)))
+  return pb.Error(type=type(exc).__name__, message=str(exc))
+
+
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
   """Ends the RPC with ``exc``'s status, type, message and traceback."""
-  code = status_code(exc)
-  if code == grpc.StatusCode.UNKNOWN:
-    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-  else:
-    name = type(exc).__name__
-  tb = "".join(traceback.format_exception(exc)) if code == grpc.StatusCode.UNKNOWN else ""
+  info = error_info(exc)
   context.set_trailing_metadata((
-      (_TYPE_KEY, name),
-      (_MESSAGE_KEY, str(exc).encode()),
-      (_TRACEBACK_KEY, tb.encode()),
+      (_TYPE_KEY, info.type),
+      (_MESSAGE_KEY, info.message.encode()),
+      (_TRACEBACK_KEY, info.traceback.encode()),
   ))
-  context.abort(code, f"{name}: {exc}"[:4000])
+  context.abort(status_code(exc), f"{info.type}: {info.message}"[:4000])
 
 
-def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None) -> errors.SidecarError:
+def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None
+                    ) -> errors.SidecarError:
+  """The SidecarError that ``info`` (from ``error_info``) stands for."""
+  cls = getattr(errors, info.type, None)
+  if isinstance(cls, type) and issubclass(cls, errors.SidecarError) and cls not in (
+      errors.RemoteError, errors.HostLostError):
+    return cls(info.message)
+  if info.type == "HostLostError":
+    return errors.HostLostError(info.message, host_id=host_id)
+  return errors.RemoteError(info.type, info.message, info.traceback, host_id=host_id)
+
+
+def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
+                   ) -> errors.SidecarError:
   """Turns a failed RPC into the matching SidecarError."""
   code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
   meta = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
   name = meta.get(_TYPE_KEY)
-  message = (meta.get(_MESSAGE_KEY) or b"").decode(errors="replace") or (e.details() or "")
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(
         f"sidecar {host} (host {host_id}) is unreachable: {e.details()}", host_id=host_id)
-  if code == grpc.StatusCode.DEADLINE_EXCEEDED and name is None:
-    return errors.DeadlineExceededError(
-        f"call to sidecar {host} (host {host_id}) outran its deadline: {e.details()}")
-  if code == grpc.StatusCode.UNKNOWN and name is not None:
-    tb = (meta.get(_TRACEBACK_KEY) or b"").decode(errors="replace")
-    return errors.RemoteError(name, message, tb, host_id=host_id)
-  cls = getattr(errors, name, None) if name else None
-  if isinstance(cls, type) and issubclass(cls, errors.SidecarError) and cls not in (
-      errors.RemoteError, errors.HostLostError):
-    return cls(message)
+  if name is not None:
+    return error_from_info(pb.Error(
+        type=name, message=(meta.get(_MESSAGE_KEY) or b"").decode(errors="replace"),
+        traceback=(meta.get(_TRACEBACK_KEY) or b"").decode(errors="replace")),
+        host=host, host_id=host_id)
   fallback = {
+      grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
       grpc.StatusCode.NOT_FOUND: errors.NotRegisteredError,
       grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
       grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
@@ -127,9 +137,5 @@ def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None) -
       grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
   }.get(code)
   if fallback is not None:
-    return fallback(f"{message} (from sidecar {host}, host {host_id})")
-  return errors.RemoteError(str(code), message, host_id=host_id)
-
-
-def python_version() -> str:
-  return f"{sys.version_info.major}.{sys.version_info.minor}"
+    return fallback(f"{e.details()} (sidecar {host}, host {host_id})")
+  return errors.RemoteError(str(code), e.details() or "", host_id=host_id)

@@ -31,13 +31,7 @@ class Entry:
   name: str
   fn: Callable[..., Any]
   code_hash: str
-
-  @property
-  def signature(self) -> inspect.Signature | None:
-    try:
-      return inspect.signature(self.fn)
-    except (TypeError, ValueError):
-      return None
+  signature: inspect.Signature | None  # None where Python cannot tell (some builtins)
 
 
 def code_hash(fn: Callable[..., Any]) -> str:
@@ -65,7 +59,11 @@ class Registry:
       raise TypeError(f"@sidecar.{kind} needs a callable, got {type(fn).__name__} {fn!r}")
     if not isinstance(name, str) or not name:
       raise TypeError(f"a {kind} name must be a non-empty str, got {name!r}")
-    entry = Entry(kind, name, fn, code_hash(fn))
+    try:
+      signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+      signature = None
+    entry = Entry(kind, name, fn, code_hash(fn), signature)
     with self._lock:
       old = self._entries.get((kind, name))
       if old is not None:

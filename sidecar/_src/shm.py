@@ -198,6 +198,10 @@ class Allocator:
     self._next_gen = 1
     self.used_bytes = 0
 
+  def fits(self, nbytes: int) -> bool:
+    """Whether a block of ``nbytes`` could ever fit (in an empty arena)."""
+    return -(-nbytes // self._align) * self._align <= self.size
+
   def alloc(self, nbytes: int, *, timeout: float | None = 0.0) -> Block:
     """Allocates ``nbytes`` (rounded up to the alignment).
 
@@ -207,7 +211,7 @@ class Allocator:
     if nbytes <= 0:
       raise errors.InvalidArgumentError(f"nbytes must be positive, got {nbytes!r}")
     need = -(-nbytes // self._align) * self._align
-    if need > self.size:
+    if not self.fits(nbytes):
       raise errors.ResourceExhaustedError(
           f"a block of {format_size(nbytes)} ({nbytes} bytes) cannot fit an arena of "
           f"{format_size(self.size)}; raise --shm-size")

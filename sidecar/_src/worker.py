@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from sidecar._src import codec, errors, ipc, protocol, shm
+from sidecar._src.protocol import pb
 
 ENV_ADDRESS = "SIDECAR_ADDRESS"
 
@@ -167,6 +168,27 @@ class Worker:
       if done or self.state is State.CLOSED:
         return
 
+  # ---- streams -----------------------------------------------------------
+
+  def open_stream(self, request: pb.CallRequest, *, prefetch: int,
+                  timeout: float | None = None) -> LocalStream:
+    """Runs a registered iterable in the sidecar; its items arrive over this socket."""
+    self._check_open()
+    if not isinstance(prefetch, int) or prefetch < 1:
+      raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
+    request.worker_session = self.session
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      sock.connect(self.path)
+      ipc.send(sock, {"op": "stream", "session": self.session})
+      ipc.send_bytes(sock, pb.StreamRequest(start=request, prefetch=prefetch).SerializeToString())
+    except OSError as e:
+      sock.close()
+      raise errors.HostLostError(f"the sidecar of host {self.host_id} is gone: {e}",
+                                 host_id=self.host_id) from None
+    sock.settimeout(timeout)
+    return LocalStream(self, sock, request.name)
+
   # ---- jax ---------------------------------------------------------------
 
   def to_jax(self, tree: Any, *, device: jax.Device | None = None,
@@ -205,6 +227,60 @@ class Worker:
 
   def __repr__(self) -> str:
     return f"Worker(host_id={self.host_id}, path={self.path!r}, state={self.state.value})"
+
+
+class LocalStream:
+  """Items of a sidecar iterable over the worker's Unix socket; one credit per ``next()``."""
+
+  _CREDIT = pb.StreamRequest(credit=1).SerializeToString()
+
+  def __init__(self, worker: Worker, sock: socket.socket, name: str):
+    self._worker = worker
+    self._sock = sock
+    self._name = name
+    self.closed = False
+    self.args: list = []
+
+  def __iter__(self) -> LocalStream:
+    return self
+
+  def __next__(self) -> Any:
+    if self.closed:
+      raise StopIteration
+    w = self._worker
+    try:
+      item = pb.StreamItem.FromString(ipc.recv_bytes(self._sock, limit=1 << 30))
+    except socket.timeout:
+      raise errors.DeadlineExceededError(
+          f"no item of {self._name!r} from host {w.host_id} within the timeout") from None
+    except (OSError, ConnectionError) as e:
+      self.close()
+      raise errors.HostLostError(f"the sidecar of host {w.host_id} at {w.path} is gone "
+                                 f"during stream {self._name!r}: {e}", host_id=w.host_id) from None
+    if not item.end:
+      try:
+        ipc.send_bytes(self._sock, self._CREDIT)
+      except OSError:
+        pass  # The sidecar already finished; the end frame waits in the socket.
+    else:
+      self.close()
+      if item.HasField("error"):
+        raise protocol.error_from_info(item.error, host=w.path, host_id=w.host_id)
+      raise StopIteration
+    return codec.decode(item.value, from_arena=w.view,
+                        where=f"item {item.index} of {self._name!r} from host {w.host_id}")
+
+  def close(self) -> None:
+    """Ends the stream; the sidecar stops producing. Idempotent."""
+    if not self.closed:
+      self.closed = True
+      self._sock.close()
+
+  def __enter__(self) -> LocalStream:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def _versions_dict(v) -> dict[str, Any]:

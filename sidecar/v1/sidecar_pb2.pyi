@@ -164,6 +164,38 @@ class CallResponse(_message.Message):
     result: Value
     def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("start", "credit", "prefetch")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    start: CallRequest
+    credit: int
+    prefetch: int
+    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
+
+class StreamItem(_message.Message):
+    __slots__ = ("value", "index", "error", "end")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    value: Value
+    index: int
+    error: Error
+    end: bool
+    def __init__(self, value: _Optional[_Union[Value, _Mapping]] = ..., index: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("type", "message", "traceback")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    message: str
+    traceback: str
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -44,6 +44,11 @@ class SidecarStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/sidecar.v1.Sidecar/Stream',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StreamRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StreamItem.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/sidecar.v1.Sidecar/Status',
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StatusRequest.SerializeToString,
@@ -61,6 +66,12 @@ class SidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Call(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +95,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Call,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StreamRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.StreamItem.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -145,6 +161,33 @@ class Sidecar:
             '/sidecar.v1.Sidecar/Call',
             sidecar_dot_v1_dot_sidecar__pb2.CallRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sidecar.v1.Sidecar/Stream',
+            sidecar_dot_v1_dot_sidecar__pb2.StreamRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.StreamItem.FromString,
             options,
             channel_credentials,
             insecure,

@@ -269,3 +269,58 @@ def test_status_counts(make_server):
     (s,) = ctl.status()
     assert s.identity.host_id == 1 and s.calls >= 1 and s.workers == 1
     assert s.arena_size == 8 << 20
+
+
+def test_stream_delivers_every_item_in_order(make_server):
+  with controller(make_server()) as ctl:
+    with ctl.stream("count", 50, nbytes=100_000, prefetch=4) as s:
+      items = list(s)
+    assert [x["i"] for x in items] == list(range(50))
+    assert all(np.shares_memory(x["data"], ctl.worker(0).arena.buffer) for x in items)
+    assert all((x["data"] == x["i"] % 251).all() for x in items)
+
+
+def test_stream_runs_at_most_prefetch_ahead(make_server):
+  with controller(make_server()) as ctl:
+    ctl.call("take_log")
+    s = ctl.stream("count", 100, prefetch=3)
+    assert next(s) == 0
+    time.sleep(0.3)  # give the sidecar every chance to run ahead
+    produced = [x for x in ctl.call("take_log")[0] if x[0] == "produced"]
+    assert 1 <= len(produced) <= 4  # one taken + prefetch credits at most
+    s.close()
+    s.close()
+    assert list(s) == []
+
+
+def test_stream_errors(make_server):
+  with controller(make_server()) as ctl:
+    s = ctl.stream("count_then_fail", 3)
+    assert [next(s) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(sidecar.RemoteError, match="RuntimeError: failed after 3"):
+      next(s)
+    with pytest.raises(sidecar.InvalidArgumentError, match="returned int, not an iterable"):
+      next(ctl.stream("add", 1))
+    with pytest.raises(sidecar.NotRegisteredError, match="'nope'"):
+      next(ctl.stream("nope"))
+    with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be a positive int"):
+      ctl.stream("count", 3, prefetch=0)
+    assert_still_serving(ctl)
+
+
+def test_stream_over_grpc_without_a_worker(make_server):
+  with controller(make_server(), attach=False) as ctl:
+    with ctl.stream("count", 5, nbytes=100_000, prefetch=2) as s:
+      items = list(s)
+    assert [x["i"] for x in items] == list(range(5)) and items[4]["data"].shape == (100_000,)
+    with pytest.raises(sidecar.RemoteError, match="failed after 2"):
+      list(ctl.stream("count_then_fail", 2))
+
+
+def test_stream_arguments_through_the_arena_stay_valid(make_server):
+  with controller(make_server()) as ctl:
+    big = np.arange(100_000, dtype=np.int32)
+    s = ctl.stream("echo_items", big, 3)
+    gc.collect()
+    for got in s:
+      np.testing.assert_array_equal(got, big)

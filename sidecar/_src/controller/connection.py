@@ -55,6 +55,9 @@ class Connection:
     self.call_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)
+    self.stream_rpc = self._channel.stream_stream(
+        f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
+        response_deserializer=pb.StreamItem.FromString)
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 
 from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
 
 ENV_TOKEN = "SIDECAR_TOKEN"
@@ -162,36 +162,86 @@ class Controller:
     Returns the results in the order of ``hosts`` (by default, of host id).
     Raises RemoteError if the function raised, HostLostError if a sidecar died.
     """
-    futures = self.call_async(name, *args, hosts=hosts, timeout=timeout, **kwargs)
+    self._check_open()
+    chosen = self._select(hosts)
+    timeout = self.timeout if timeout is None else timeout
+    if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
+      return [self._call_sync(chosen[0], name, args, kwargs, timeout)]
+    futures = [self._call_one(h, name, args, kwargs, timeout) for h in chosen]
     return [f.result() for f in futures]
+
+  def _request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
+               held: list) -> pb.CallRequest:
+    if not isinstance(name, str):
+      raise errors.InvalidArgumentError(f"name must be a str, got {name!r}")
+    w = self._workers.get(host_id)
+    to_arena = None
+    if w is not None:
+      def to_arena(a):
+        dst, ref = w.put(a, timeout=timeout)
+        held.append(dst)  # This side holds argument blocks until the call ends.
+        return ref
+    return pb.CallRequest(
+        name=name, args=codec.encode(tuple(args), to_arena=to_arena, where="args"),
+        kwargs=codec.encode(dict(kwargs), to_arena=to_arena, where="kwargs"),
+        worker_session=w.session if w is not None else "")
+
+  def _decode(self, host_id: int, name: str, response: pb.CallResponse) -> Any:
+    w = self._workers.get(host_id)
+    return codec.decode(response.result, from_arena=w.view if w else None,
+                        where=f"result of {name!r} from host {host_id}")
+
+  def _call_sync(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float) -> Any:
+    conn, held = self._conns[host_id], []
+    request = self._request(host_id, name, args, kwargs, timeout, held)
+    try:
+      response = conn.call_rpc(request, timeout=timeout, metadata=conn.metadata)
+    except grpc.RpcError as e:
+      raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
+    finally:
+      held.clear()
+    return self._decode(host_id, name, response)
+
+  def stream(self, name: str, *args: Any, host: int = 0, prefetch: int = 2,
+             timeout: float | None = None, **kwargs: Any) -> Stream | worker_lib.LocalStream:
+    """Iterates what registered function ``name`` returns (an iterable) on ``host``.
+
+    The sidecar runs at most ``prefetch`` items ahead of this consumer. When this
+    process maps that host's arena, items come over its Unix socket (the fast
+    path); otherwise over gRPC, with arrays inline.
+
+    Example::
+
+      with ctl.stream("batches", split="train", host=0, prefetch=4) as s:
+        for batch in s:
+          ...
+    """
+    self._check_open()
+    (host_id,) = self._select([host])
+    conn, held = self._conns[host_id], []
+    request = self._request(host_id, name, args, kwargs, self.timeout, held)
+    w = self._workers.get(host_id)
+    if w is not None:
+      stream = w.open_stream(request, prefetch=prefetch, timeout=timeout)
+    else:
+      stream = Stream(conn.stream_rpc, request, prefetch=prefetch, metadata=conn.metadata,
+                      timeout=timeout, host=conn.address, host_id=host_id)
+    stream.args = held  # Argument blocks live as long as the stream.
+    return stream
 
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
                  timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:
     """Like :meth:`call`, but returns one ``concurrent.futures.Future`` per host."""
     self._check_open()
-    if not isinstance(name, str):
-      raise errors.InvalidArgumentError(f"name must be a str, got {name!r}")
     timeout = self.timeout if timeout is None else timeout
     return [self._call_one(h, name, args, kwargs, timeout) for h in self._select(hosts)]
 
   def _call_one(self, host_id: int, name: str, args: tuple, kwargs: dict,
                 timeout: float) -> concurrent.futures.Future:
-    conn = self._conns[host_id]
-    w = self._workers.get(host_id)
-    held: list[np.ndarray] = []  # Argument blocks: this side holds them until the call ends.
-
-    def to_arena(a):
-      dst, ref = w.put(a, timeout=timeout)
-      held.append(dst)
-      return ref
-
+    conn, held = self._conns[host_id], []
     out: concurrent.futures.Future = concurrent.futures.Future()
     try:
-      request = pb.CallRequest(
-          name=name,
-          args=codec.encode(tuple(args), to_arena=to_arena if w else None, where="args"),
-          kwargs=codec.encode(dict(kwargs), to_arena=to_arena if w else None, where="kwargs"),
-          worker_session=w.session if w is not None else "")
+      request = self._request(host_id, name, args, kwargs, timeout, held)
       rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
     except Exception as e:  # pylint: disable=broad-except
       out.set_exception(e)
@@ -200,16 +250,9 @@ class Controller:
     def done(f: grpc.Future) -> None:
       held.clear()
       try:
-        response = f.result()
+        out.set_result(self._decode(host_id, name, f.result()))
       except grpc.RpcError as e:
         out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host_id))
-        return
-      except Exception as e:  # pylint: disable=broad-except
-        out.set_exception(e)
-        return
-      try:
-        out.set_result(codec.decode(response.result, from_arena=w.view if w else None,
-                                    where=f"result of {name!r} from host {host_id}"))
       except Exception as e:  # pylint: disable=broad-except
         out.set_exception(e)
 

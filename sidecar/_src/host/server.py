@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
+from sidecar._src.host.calls import Runner
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.service import Service
 from sidecar._src.host.workers import WorkerListener, versions_dict
@@ -88,9 +89,13 @@ class Server:
     o = self.options
     self.arena = shm.Arena.create(o.shm_size)
     self.leases = Leases(shm.Allocator(self.arena.size))
-    self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello)
-    self.service = Service(registry=self.registry, identity=self.identity, arena=self.arena,
-                           leases=self.leases, workers=self.workers, inline_limit=o.inline_limit)
+    self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
+                         inline_limit=o.inline_limit,
+                         is_attached=lambda session: self.workers.has_session(session))
+    self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
+                                  self.runner)
+    self.service = Service(runner=self.runner, identity=self.identity,
+                           arena_size=self.arena.size, leases=self.leases, workers=self.workers)
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0)]

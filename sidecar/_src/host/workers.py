@@ -1,8 +1,10 @@
 """The Unix socket that workers attach to: arena fd out, allocate and free in.
 
-Each connection is one worker session. The session ends when the connection
-closes, and then every block leased to it goes back to the arena: a worker
-killed with SIGKILL leaks nothing.
+An ``attach`` connection is one worker session. The session ends when the
+connection closes, and then every block leased to it goes back to the arena: a
+worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
+attached worker, carries one stream of descriptors: the fast path for batches,
+with no TCP and no HTTP/2 in the way.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src import errors, ipc, protocol, shm
+from sidecar._src.host.calls import Runner
 from sidecar._src.host.leases import Leases
+from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +30,9 @@ class WorkerListener:
   """Accepts worker connections on ``path`` and serves their requests."""
 
   def __init__(self, path: str, arena: shm.Arena, leases: Leases,
-               hello: Callable[[dict[str, Any]], dict[str, Any]]):
+               hello: Callable[[dict[str, Any]], dict[str, Any]], runner: Runner):
     self.path = path
+    self._runner = runner
     self._arena = arena
     self._leases = leases
     self._hello = hello
@@ -64,6 +69,8 @@ class WorkerListener:
     session = None
     try:
       message, _ = ipc.recv(conn)
+      if message.get("op") == "stream":
+        return self._stream(conn, str(message.get("session")))
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -90,6 +97,28 @@ class WorkerListener:
         freed = self._leases.release_all(session)
         log.info("worker session %s ended; %d arena blocks released", session, freed)
       conn.close()
+
+  def _stream(self, conn: socket.socket, session: str) -> None:
+    """Serves one stream: StreamRequest frames in, StreamItem frames out."""
+    try:
+      if not self.has_session(session):
+        raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
+      first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))
+      if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
+        raise errors.InvalidArgumentError("the first frame must start a stream for this session")
+      credits = _SocketCredits(conn, max(first.prefetch, 1))
+      alive = lambda: self.has_session(session)
+      for item in self._runner.stream(first.start, credits, alive=alive, time_left=lambda: None):
+        ipc.send_bytes(conn, item.SerializeToString())
+      end = pb.StreamItem(end=True)
+    except (ConnectionError, OSError):
+      return
+    except Exception as e:  # pylint: disable=broad-except
+      log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
+              "stream: %s: %s", type(e).__name__, e)
+      end = pb.StreamItem(end=True, error=protocol.error_info(e))
+    with contextlib.suppress(OSError):
+      ipc.send_bytes(conn, end.SerializeToString())
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     op = message.get("op")
@@ -124,6 +153,39 @@ class WorkerListener:
         conn.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
+
+
+class _SocketCredits:
+  """Credits read by the producing thread itself: no thread hop per item.
+
+  ``take`` uses a credit if one is banked, reading whatever credit frames are
+  already waiting without blocking; with none banked it blocks for the next
+  frame. A closed socket means the consumer is gone: ``take`` returns False.
+  """
+
+  def __init__(self, conn: socket.socket, initial: int):
+    self._conn = conn
+    self._available = initial
+
+  def _read(self, block: bool) -> None:
+    self._conn.setblocking(block)
+    try:
+      while True:
+        self._available += pb.StreamRequest.FromString(ipc.recv_bytes(self._conn)).credit
+        if block:
+          return
+    except BlockingIOError:
+      return  # nothing more waiting
+    finally:
+      self._conn.setblocking(True)
+
+  def take(self) -> bool:
+    try:
+      self._read(block=self._available <= 0)
+    except (ConnectionError, OSError):
+      return False
+    self._available -= 1
+    return True
 
 
 def _error_type(e: BaseException) -> str:

@@ -1,0 +1,137 @@
+"""Moving a batch from the sidecar into a jax.Array in the worker, against the alternatives.
+
+Run from the repository root: ``python -m benchmarks.handoff``. Not run by CI.
+
+Rows, for a 4.8 MB batch (32x224x224x3 uint8) and a 64 MiB array:
+  memcpy      one copy into a pre-faulted buffer: the limit
+  sidecar     the sidecar copies the array into an arena block, a descriptor crosses
+              gRPC, and here a view of the block becomes a jax.Array (no copy):
+              by ctl.stream (credits, `prefetch` ahead), and by ctl.call with
+              `depth` calls in flight
+  mp.Queue    multiprocessing.Queue with pickle from a spawned producer
+  gRPC bytes  the same bytes in a gRPC response on loopback (a service without shm)
+And the round trip of a no-op ctl.call against a raw gRPC unary call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import time
+from concurrent import futures
+
+import grpc
+import jax
+import numpy as np
+
+import sidecar
+from benchmarks.common import latencies, pct, rate, table
+
+SIZES = {"4.8 MB batch": 32 * 224 * 224 * 3, "64 MiB array": 64 << 20}
+
+
+def bench_memcpy(nbytes: int, seconds: float) -> float:
+  src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+  dst = np.ones(nbytes, np.uint8)  # pre-faulted
+  return rate(lambda: np.copyto(dst, src), seconds=seconds)[0]
+
+
+def bench_sidecar(ctl, device, nbytes: int, seconds: float, depth: int) -> float:
+  pending = collections.deque()
+
+  def step():
+    while len(pending) < depth:
+      pending.append(ctl.call_async("source", nbytes, hosts=[0])[0])
+    x = jax.device_put(pending.popleft().result(), device)
+    x.block_until_ready()
+
+  per_s = rate(step, seconds=seconds)[0]
+  for f in pending:
+    f.result()
+  return per_s
+
+
+def bench_stream(ctl, device, nbytes: int, seconds: float, prefetch: int) -> float:
+  with ctl.stream("source_stream", nbytes, host=0, prefetch=prefetch) as s:
+    return rate(lambda: jax.device_put(next(s), device).block_until_ready(), seconds=seconds)[0]
+
+
+def _producer(q, nbytes: int, count: int) -> None:
+  a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+  for _ in range(count):
+    q.put(a)
+
+
+def bench_queue(device, nbytes: int, seconds: float) -> float:
+  ctx = mp.get_context("spawn")
+  q = ctx.Queue(maxsize=4)
+  count = 100000
+  p = ctx.Process(target=_producer, args=(q, nbytes, count), daemon=True)
+  p.start()
+  try:
+    return rate(lambda: jax.device_put(q.get(), device).block_until_ready(), seconds=seconds)[0]
+  finally:
+    p.kill()
+    p.join()
+
+
+def _raw_server(payloads: dict[int, bytes]) -> tuple[grpc.Server, int]:
+  def get(request: bytes, context) -> bytes:
+    return payloads.get(int.from_bytes(request or b"\0", "little"), b"")
+  server = grpc.server(futures.ThreadPoolExecutor(8), options=[
+      ("grpc.max_send_message_length", 128 << 20), ("grpc.max_receive_message_length", 128 << 20)])
+  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+      "bench.Raw", {"Get": grpc.unary_unary_rpc_method_handler(get)}),))
+  port = server.add_insecure_port("127.0.0.1:0")
+  server.start()
+  return server, port
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--seconds", type=float, default=2.0)
+  ap.add_argument("--depth", type=int, default=2, help="ctl.call calls in flight")
+  ap.add_argument("--prefetch", type=int, default=4, help="ctl.stream items ahead")
+  args = ap.parse_args()
+  s = args.seconds
+  device = jax.devices()[0]
+  payloads = {n: np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8).tobytes()
+              for n in SIZES.values()}
+  payloads[0] = b""
+  server, port = _raw_server(payloads)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+      ("grpc.max_receive_message_length", 128 << 20)])
+  raw = channel.unary_unary("/bench.Raw/Get")
+
+  rows = []
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="512MiB",
+                                    imports=["benchmarks.handoff_fns"]) as cluster:
+    with cluster.controller() as ctl:
+      for label, n in SIZES.items():
+        limit = bench_memcpy(n, s)
+        streamed = bench_stream(ctl, device, n, s, args.prefetch)
+        ours = bench_sidecar(ctl, device, n, s, args.depth)
+        key = n.to_bytes(8, "little")
+        grpc_bytes = rate(lambda: jax.device_put(
+            np.frombuffer(raw(key), np.uint8), device).block_until_ready(), seconds=s)[0]
+        queue = bench_queue(device, n, s)
+        for name, per_s in (("memcpy (limit)", limit),
+                            (f"sidecar ctl.stream, prefetch {args.prefetch}", streamed),
+                            (f"sidecar ctl.call, depth {args.depth}", ours),
+                            ("mp.Queue + pickle", queue), ("gRPC bytes, loopback", grpc_bytes)):
+          rows.append((label, name, f"{per_s:,.0f}", f"{per_s * n / 1e9:.2f}",
+                       f"{per_s / limit:.0%}"))
+      ours_rt = latencies(lambda: ctl.call("noop", hosts=[0]), n=2000)
+  raw_rt = latencies(lambda: raw(b"\0"), n=2000)
+  server.stop(0)
+  print(table(("size", "path", "per s", "GB/s", "vs memcpy"), rows))
+  print()
+  rt_rows = [("raw gRPC unary", f"{pct(raw_rt, 50) * 1e3:.3f}", f"{pct(raw_rt, 99) * 1e3:.3f}", "1.00x"),
+             ("ctl.call no-op", f"{pct(ours_rt, 50) * 1e3:.3f}", f"{pct(ours_rt, 99) * 1e3:.3f}",
+              f"{pct(ours_rt, 50) / pct(raw_rt, 50):.2f}x")]
+  print(table(("round trip", "p50 ms", "p99 ms", "p50 vs raw"), rt_rows))
+
+
+if __name__ == "__main__":
+  main()

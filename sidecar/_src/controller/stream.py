@@ -1,0 +1,68 @@
+"""A controller-side stream: items of a sidecar iterable, with credit-based backpressure."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from sidecar._src import codec, errors, protocol
+from sidecar._src.protocol import pb
+
+_END = object()
+
+
+class Stream:
+  """Iterates what a registered iterable yields in one sidecar.
+
+  The sidecar runs at most ``prefetch`` items ahead; each ``next()`` grants one
+  more. Values arrive inline: a controller that maps the sidecar's arena uses
+  the worker's Unix socket instead (``worker.LocalStream``).
+  """
+
+  def __init__(self, rpc: Callable[..., Any], start: pb.CallRequest, *, prefetch: int,
+               metadata, timeout: float | None, host: str, host_id: int):
+    if not isinstance(prefetch, int) or prefetch < 1:
+      raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
+    self._requests: queue.SimpleQueue = queue.SimpleQueue()
+    self._requests.put(pb.StreamRequest(start=start, prefetch=prefetch))
+    self._responses = rpc(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
+    self._host, self._host_id = host, host_id
+    self._name = start.name
+    self._credit = pb.StreamRequest(credit=1)
+    self.closed = False
+    self.args: list = []
+
+  def __iter__(self) -> Iterator[Any]:
+    return self
+
+  def __next__(self) -> Any:
+    if self.closed:
+      raise StopIteration
+    try:
+      item = next(self._responses)
+    except StopIteration:
+      self.close()
+      raise
+    except grpc.RpcError as e:
+      self.close()
+      raise protocol.error_from_rpc(e, host=self._host, host_id=self._host_id) from None
+    self._requests.put(self._credit)
+    return codec.decode(item.value,
+                        where=f"item {item.index} of {self._name!r} from host {self._host_id}")
+
+  def close(self) -> None:
+    """Ends the stream; the sidecar stops producing. Idempotent."""
+    if self.closed:
+      return
+    self.closed = True
+    self._requests.put(_END)
+    self._responses.cancel()
+
+  def __enter__(self) -> Stream:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

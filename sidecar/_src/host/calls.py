@@ -1,0 +1,174 @@
+"""Running registered code for a caller: arguments in, results out, through the arena.
+
+Shared by the two ways in: the gRPC service (controllers anywhere) and the
+worker socket (the device-owning process on this host, the fast path).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from sidecar._src import codec, errors, registry as registry_lib, shm
+from sidecar._src.host.leases import Leases
+from sidecar._src.protocol import pb
+
+log = logging.getLogger(__name__)
+
+Alive = Callable[[], bool]
+TimeLeft = Callable[[], float | None]
+
+
+class Runner:
+  """Decodes calls, runs registered functions, encodes results into the arena."""
+
+  def __init__(self, *, registry: registry_lib.Registry, arena: shm.Arena, leases: Leases,
+               inline_limit: int, is_attached: Callable[[str], bool]):
+    self.registry = registry
+    self._arena = arena
+    self._leases = leases
+    self._inline_limit = inline_limit
+    self._is_attached = is_attached
+    self._lock = threading.Lock()
+    self.calls = 0
+    # Finalizers of sidecar-side views hand their block back here, never under a lock.
+    self._released: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._release_loop, name="sidecar-release", daemon=True).start()
+
+  def prepare(self, request: pb.CallRequest) -> tuple[registry_lib.Entry, tuple, dict]:
+    """The registered entry and decoded, signature-checked arguments of a call."""
+    entry = self.registry.get(registry_lib.FUNCTION, request.name)
+    args = codec.decode(request.args, from_arena=self._view, where="args")
+    kwargs = codec.decode(request.kwargs, from_arena=self._view, where="kwargs")
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
+        isinstance(k, str) for k in kwargs):
+      raise errors.InvalidArgumentError(
+          f"args must be a tuple and kwargs a dict with str keys, got {type(args).__name__} "
+          f"and {type(kwargs).__name__}")
+    if entry.signature is not None:
+      try:
+        entry.signature.bind(*args, **kwargs)
+      except TypeError as e:
+        raise errors.InvalidArgumentError(
+            f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
+    with self._lock:
+      self.calls += 1
+    return entry, args, kwargs
+
+  def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
+    entry, args, kwargs = self.prepare(request)
+    result = entry.fn(*args, **kwargs)
+    return self.encode(result, request.worker_session, alive=alive, time_left=time_left,
+                       where=f"result of {request.name!r}")
+
+  def stream(self, request: pb.CallRequest, credits: Credits, *, alive: Alive,
+             time_left: TimeLeft) -> Iterator[pb.StreamItem]:
+    """Items of a registered iterable, each produced only once a credit allows it."""
+    entry, args, kwargs = self.prepare(request)
+    items = entry.fn(*args, **kwargs)
+    try:
+      iterator = iter(items)
+    except TypeError:
+      raise errors.InvalidArgumentError(
+          f"function {request.name!r} returned {type(items).__name__}, not an iterable; "
+          "streams need a function that returns an iterable (a generator, say)") from None
+    index = 0
+    try:
+      while credits.take():
+        try:
+          item = next(iterator)
+        except StopIteration:
+          return
+        yield pb.StreamItem(index=index, value=self.encode(
+            item, request.worker_session, alive=alive, time_left=time_left,
+            where=f"item {index} of {request.name!r}"))
+        index += 1
+    finally:
+      close = getattr(iterator, "close", None)
+      if close is not None:
+        close()
+
+  def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
+             where: str) -> pb.Value:
+    """Encodes a result; its large arrays go to the arena, leased to worker ``session``."""
+    if not session:
+      return codec.encode(value, inline_limit=self._inline_limit, where=where)
+    if not self._is_attached(session):
+      raise errors.InvalidArgumentError(
+          f"worker_session {session!r} is not attached to this sidecar")
+    granted: list[shm.Block] = []
+
+    def to_arena(a: np.ndarray) -> codec.ArenaRef:
+      block = self._alloc(a.nbytes, session, alive, time_left)
+      granted.append(block)
+      np.copyto(self._arena.view(block.offset, a.nbytes), a.reshape(-1).view(np.uint8))
+      return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
+
+    try:
+      return codec.encode(value, to_arena=to_arena, inline_limit=self._inline_limit, where=where)
+    except BaseException:
+      for block in granted:
+        self._leases.release(block.offset, block.generation, session)
+      raise
+
+  def _alloc(self, nbytes: int, session: str, alive: Alive, time_left: TimeLeft) -> shm.Block:
+    """Allocates, waiting for space while the caller lives and its deadline allows."""
+    while True:
+      left = time_left()  # None without a deadline
+      try:
+        return self._leases.alloc(nbytes, session, timeout=min(left or 1.0, 1.0))
+      except errors.ResourceExhaustedError:
+        if not self._leases.allocator.fits(nbytes) or not alive() or (
+            left is not None and left <= 1.0):
+          raise
+
+  def _view(self, ref: codec.ArenaRef) -> np.ndarray:
+    """A sidecar-side array on an arena block, pinned while any view of it lives."""
+    pin = self._leases.new_pin()
+    self._leases.hold(ref.offset, ref.generation, pin)
+    put = self._released.put
+    holder = self._arena.lease(ref.offset, ref.nbytes,
+                               lambda: put((ref.offset, ref.generation, pin)))
+    return codec.as_array(holder, ref)
+
+  def _release_loop(self) -> None:
+    while True:
+      offset, generation, pin = self._released.get()
+      try:
+        self._leases.release(offset, generation, pin)
+      except errors.StaleDescriptorError as e:
+        log.error("%s", e)
+
+
+class Credits:
+  """How many more items a consumer will take; ``take`` blocks until one is granted."""
+
+  def __init__(self, initial: int):
+    self._cond = threading.Condition()
+    self._available = initial
+    self._open = True
+
+  def grant(self, n: int) -> None:
+    with self._cond:
+      self._available += n
+      self._cond.notify()
+
+  def close(self) -> None:
+    """The consumer is gone: ``take`` returns False from now on."""
+    with self._cond:
+      self._open = False
+      self._cond.notify()
+
+  def take(self) -> bool:
+    with self._cond:
+      while self._available <= 0 and self._open:
+        self._cond.wait()
+      if not self._open:
+        return False
+      self._available -= 1
+      return True
