@@ -175,3 +175,14 @@ def _alive(pid: int) -> bool:
     return False
   with open(f"/proc/{pid}/stat") as f:
     return f.read().split()[2] != "Z"  # a zombie has exited; only its parent can reap it
+
+
+def test_controller_from_env_discovers_every_sidecar(cluster, monkeypatch):
+  hosts = ",".join(f"{a}:{h.rsplit(':', 1)[1]}"
+                   for a, h in zip(cluster.addresses, cluster.health_addresses))
+  monkeypatch.setenv("SIDECAR_HOSTS", hosts)
+  with sidecar.Controller.from_env(timeout=10) as ctl:
+    assert [h.address for h in ctl.hosts] == cluster.addresses
+  monkeypatch.setenv("SIDECAR_HOSTS", hosts + ",127.0.0.1:1:2")
+  with pytest.raises(sidecar.DiscoveryError, match=r"(?s)1 of 5 sidecars did not answer.*host 4 \(127\.0\.0\.1:2\)"):
+    sidecar.Controller.from_env(timeout=1)

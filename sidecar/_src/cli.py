@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from sidecar._src import demo, errors, options as options_lib, shm
 from sidecar._src.controller import status
 from sidecar._src.host.server import Server
+from sidecar._src.k8s import cli as k8s_cli
 from sidecar._src.local import LocalCluster
 
 log = logging.getLogger("sidecar")
@@ -128,8 +129,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--slice-id", type=int, default=int(_env("SIDECAR_SLICE_ID", 0)))
   s.add_argument("--device-ids", type=_ids, default=_ids(_env("SIDECAR_DEVICE_IDS", "")))
   s.add_argument("--listen", default=_env("SIDECAR_LISTEN", "[::]"))
-  s.add_argument("--port", type=int, default=int(_env("SIDECAR_PORT", 8470)))
-  s.add_argument("--health-port", type=int, default=int(_env("SIDECAR_HEALTH_PORT", 8471)))
+  s.add_argument("--port", type=int, default=int(_env("SIDECAR_PORT", options_lib.DEFAULT_PORT)))
+  s.add_argument("--health-port", type=int, default=int(_env("SIDECAR_HEALTH_PORT", options_lib.DEFAULT_HEALTH_PORT)))
   s.add_argument("--socket", default=_env("SIDECAR_SOCKET", "/run/sidecar/sidecar.sock"))
   s.add_argument("--shm-size", type=_size, default=_size(_env("SIDECAR_SHM_SIZE", "1GiB")),
                  help="arena size, e.g. 4GiB")
@@ -156,6 +157,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--hosts", type=int, default=2)
   s.add_argument("--devices-per-host", type=int, default=2)
   s.set_defaults(func=_demo)
+
+  k8s_cli.register(sub)
   return p
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 MIN_SHM = 1 << 20
+# Not 8470/8471: libtpu listens on 8471 inside TPU VMs and pods.
+DEFAULT_PORT = 8490
+DEFAULT_HEALTH_PORT = 8491
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -14,8 +17,8 @@ class ServerOptions:
   slice_id: int = 0
   device_ids: tuple[int, ...] = ()
   listen: str = "[::]"
-  port: int = 8470
-  health_port: int = 8471
+  port: int = DEFAULT_PORT
+  health_port: int = DEFAULT_HEALTH_PORT
   socket_path: str = "/run/sidecar/sidecar.sock"
   shm_size: int = 1 << 30
   token: str | None = None

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
+from sidecar._src.controller import discovery
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -40,7 +41,7 @@ class Controller:
 
   Example::
 
-    with sidecar.Controller(["10.0.0.1:8470", "10.0.0.2:8470"]) as ctl:
+    with sidecar.Controller(["10.0.0.1:8490", "10.0.0.2:8490"]) as ctl:
       print(ctl.hosts)
       results = ctl.call("normalize", batch, hosts=[0])
 
@@ -76,6 +77,17 @@ class Controller:
     except BaseException:
       self.close()
       raise
+
+  @classmethod
+  def from_env(cls, *, timeout: float = 300.0, **kwargs: Any) -> Controller:
+    """Finds every sidecar of this job from the environment, then connects.
+
+    On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices,
+    hosts per slice, ports); elsewhere ``SIDECAR_HOSTS=host[:port],...`` lists them.
+    Waits up to ``timeout`` seconds for every sidecar to answer its health check, then
+    raises DiscoveryError listing those that did not.
+    """
+    return cls(discovery.discover(timeout=timeout), **kwargs)
 
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
     futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]

@@ -44,6 +44,9 @@ class WorkerListener:
       os.unlink(path)  # A socket file left by a killed sidecar.
     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     self._sock.bind(path)
+    # Owner and group may attach (connecting needs write permission on the socket): on
+    # Kubernetes, a pod fsGroup shared by trainer and sidecar; nobody else.
+    os.chmod(path, 0o660)
     self._sock.listen(64)
     self._thread = threading.Thread(target=self._accept_loop, name="sidecar-workers", daemon=True)
     self._thread.start()

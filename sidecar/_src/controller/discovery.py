@@ -1,0 +1,279 @@
+"""Finds every sidecar of a job from the environment and waits until each answers.
+
+Runs in the controller process. Two ways to name the sidecars, checked in this order:
+
+1. ``SIDECAR_HOSTS``: an explicit comma-separated list in host order (slice-major), each
+   entry ``HOST``, ``HOST:PORT`` or ``HOST:PORT:HEALTH_PORT`` (IPv6 in brackets:
+   ``[::1]:8480:8481``). Useful off Kubernetes, e.g. ``SIDECAR_HOSTS=$TPU_WORKER_HOSTNAMES``
+   on TPU VMs, or for sidecars started by hand.
+2. A JobSet: the pod hostnames JobSet gives with ``network.enableDNSHostnames``,
+   ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>``, for every slice (job index)
+   and host (pod completion index). The manifests in ``k8s/`` set these in the trainer's env:
+
+   ==========================  ==========================================================
+   ``SIDECAR_JOBSET_NAME``     JobSet name (downward API: the ``jobset.sigs.k8s.io/
+                               jobset-name`` annotation)
+   ``SIDECAR_REPLICATED_JOB``  replicated job name (``jobset.sigs.k8s.io/replicatedjob-name``)
+   ``SIDECAR_NUM_SLICES``      slices = replicated job replicas
+                               (``jobset.sigs.k8s.io/replicatedjob-replicas``)
+   ``SIDECAR_HOSTS_PER_SLICE`` hosts per slice = the Job's completions (a literal)
+   ``SIDECAR_SUBDOMAIN``       optional; defaults to the JobSet name, as JobSet does
+   ``SIDECAR_NAMESPACE``       optional; only used by a ``SIDECAR_HOST_TEMPLATE``
+   ``SIDECAR_HOST_TEMPLATE``   optional; a ``str.format`` template for each host name with
+                               fields ``jobset``, ``replicated_job``, ``slice``, ``host``,
+                               ``index`` (slice-major), ``subdomain`` and ``namespace``.
+                               Default ``{jobset}-{replicated_job}-{slice}-{host}.{subdomain}``
+   ==========================  ==========================================================
+
+Either way ``SIDECAR_PORT`` (default 8490) is every sidecar's gRPC port and
+``SIDECAR_HEALTH_PORT`` (default 8491) its plaintext ``grpc.health.v1`` port, unless an
+entry of ``SIDECAR_HOSTS`` names its own.
+
+Example::
+
+  addresses = discover(timeout=600)  # ["train-slice-0-0.train:8490", ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2_grpc
+
+from sidecar._src import errors, options
+
+DEFAULT_PORT = options.DEFAULT_PORT
+DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
+DEFAULT_HOST_TEMPLATE = "{jobset}-{replicated_job}-{slice}-{host}.{subdomain}"
+
+# Short reconnect backoff: a sidecar whose pod is not scheduled yet must be seen within a
+# second or two of answering, not after gRPC's default backoff of up to two minutes.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+    # Sidecars are reached directly inside the cluster, never through an http_proxy.
+    ("grpc.enable_http_proxy", 0),
+)
+_PER_TRY_TIMEOUT = 5.0
+_POLL_INTERVAL = 0.25
+_JOBSET_VARS = ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
+                "SIDECAR_HOSTS_PER_SLICE")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Endpoint:
+  """Where one sidecar listens."""
+  slice_id: int
+  host_id: int
+  host: str
+  port: int
+  health_port: int
+
+  @property
+  def address(self) -> str:
+    """The gRPC address, ``host:port``."""
+    return f"{_bracket(self.host)}:{self.port}"
+
+  @property
+  def health_address(self) -> str:
+    """The plaintext health address, ``host:health_port``."""
+    return f"{_bracket(self.host)}:{self.health_port}"
+
+  def __str__(self) -> str:
+    return f"slice {self.slice_id} host {self.host_id} ({self.health_address})"
+
+
+def discover(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) -> list[str]:
+  """Returns the gRPC addresses of all sidecars, in host order, once every one is serving.
+
+  Args:
+    timeout: seconds to wait for the last sidecar to answer its health check.
+    env: the environment to read (default ``os.environ``); see the module docstring.
+
+  Returns:
+    ``host:port`` for each sidecar: slice 0 hosts 0..N-1, then slice 1, and so on.
+
+  Raises:
+    InvalidArgumentError: the environment names no sidecars or holds a malformed value.
+    DiscoveryError: some sidecars did not answer SERVING within ``timeout``; the message
+      lists each of them with its last error.
+  """
+  found = endpoints_from_env(env)
+  wait_until_serving(found, timeout=timeout)
+  return [e.address for e in found]
+
+
+def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, ...]:
+  """Computes every sidecar's endpoint from ``env``, without contacting any of them."""
+  env = os.environ if env is None else env
+  port = _int_var(env, "SIDECAR_PORT", DEFAULT_PORT, minimum=1, maximum=65535)
+  health_port = _int_var(env, "SIDECAR_HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=1,
+                         maximum=65535)
+  if env.get("SIDECAR_HOSTS", "").strip():
+    return _from_host_list(env, port, health_port)
+  missing = [name for name in _JOBSET_VARS if not env.get(name, "").strip()]
+  if missing:
+    raise errors.InvalidArgumentError(
+        f"cannot find the sidecars: {', '.join(missing)} not set. Set SIDECAR_HOSTS to a "
+        "comma-separated list of HOST[:PORT[:HEALTH_PORT]], or run in a JobSet pod whose "
+        f"env sets {', '.join(_JOBSET_VARS)} (the manifests in k8s/ do; see "
+        "docs/kubernetes.md).")
+  return _from_jobset(env, port, health_port)
+
+
+def wait_until_serving(endpoints: Sequence[Endpoint], *, timeout: float) -> None:
+  """Polls each endpoint's ``grpc.health.v1`` Check until all say SERVING.
+
+  Raises:
+    DiscoveryError: when ``timeout`` passes first, listing every endpoint still not
+      serving and the last error it gave.
+  """
+  if timeout < 0:
+    raise errors.InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout!r}")
+  deadline = time.monotonic() + timeout
+  channels = {e: grpc.insecure_channel(e.health_address, options=_CHANNEL_OPTIONS)
+              for e in endpoints}
+  last_error = {e: "no answer yet" for e in endpoints}
+  pending = list(dict.fromkeys(endpoints))
+  try:
+    while pending:
+      pending = _check_once(pending, channels, last_error, deadline)
+      now = time.monotonic()
+      if pending and now >= deadline:
+        raise errors.DiscoveryError(_failure_message(pending, len(endpoints), timeout,
+                                                     last_error))
+      if pending:
+        time.sleep(min(_POLL_INTERVAL, deadline - now))
+  finally:
+    for channel in channels.values():
+      channel.close()
+
+
+def _check_once(pending: list[Endpoint], channels: Mapping[Endpoint, grpc.Channel],
+                last_error: dict[Endpoint, str], deadline: float) -> list[Endpoint]:
+  """Sends one Check to each pending endpoint at once; returns those not yet serving."""
+  per_try = max(min(_PER_TRY_TIMEOUT, deadline - time.monotonic()), 0.05)
+  request = health_pb2.HealthCheckRequest(service="")
+  futures = {e: health_pb2_grpc.HealthStub(channels[e]).Check.future(request, timeout=per_try)
+             for e in pending}
+  still = []
+  for endpoint, future in futures.items():
+    try:
+      status = future.result().status
+    except grpc.RpcError as e:
+      last_error[endpoint] = f"{e.code().name}: {e.details()}"
+      still.append(endpoint)
+      continue
+    if status != health_pb2.HealthCheckResponse.SERVING:
+      last_error[endpoint] = (
+          f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
+      still.append(endpoint)
+  return still
+
+
+def _failure_message(pending: Sequence[Endpoint], total: int, timeout: float,
+                     last_error: Mapping[Endpoint, str]) -> str:
+  lines = [f"{len(pending)} of {total} sidecars did not answer SERVING within {timeout:g}s:"]
+  lines += [f"  {e}: {last_error[e]}" for e in pending]
+  lines.append("Check that their pods are running (kubectl get pods -l "
+               "jobset.sigs.k8s.io/jobset-name=NAME), that the health port matches "
+               "SIDECAR_HEALTH_PORT, and raise the timeout if pods are still being scheduled.")
+  return "\n".join(lines)
+
+
+def _from_jobset(env: Mapping[str, str], port: int, health_port: int) -> tuple[Endpoint, ...]:
+  slices = _int_var(env, "SIDECAR_NUM_SLICES", None, minimum=1)
+  hosts = _int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
+  jobset = env["SIDECAR_JOBSET_NAME"].strip()
+  fields = {
+      "jobset": jobset,
+      "replicated_job": env["SIDECAR_REPLICATED_JOB"].strip(),
+      "subdomain": env.get("SIDECAR_SUBDOMAIN", "").strip() or jobset,
+      "namespace": env.get("SIDECAR_NAMESPACE", "").strip() or "default",
+  }
+  template = env.get("SIDECAR_HOST_TEMPLATE", "").strip() or DEFAULT_HOST_TEMPLATE
+  found = []
+  for slice_id in range(slices):
+    for host_id in range(hosts):
+      try:
+        name = template.format(slice=slice_id, host=host_id, index=slice_id * hosts + host_id,
+                               **fields)
+      except (KeyError, IndexError, ValueError) as e:
+        raise errors.InvalidArgumentError(
+            f"SIDECAR_HOST_TEMPLATE {template!r} is not a valid template ({e!r}); use the "
+            "fields {jobset} {replicated_job} {slice} {host} {index} {subdomain} "
+            "{namespace}") from e
+      found.append(Endpoint(slice_id, host_id, name, port, health_port))
+  return tuple(found)
+
+
+def _from_host_list(env: Mapping[str, str], port: int,
+                    health_port: int) -> tuple[Endpoint, ...]:
+  entries = [s.strip() for s in env["SIDECAR_HOSTS"].split(",")]
+  if any(not s for s in entries):
+    raise errors.InvalidArgumentError(
+        f"SIDECAR_HOSTS has an empty entry: {env['SIDECAR_HOSTS']!r}; list hosts separated "
+        "by single commas")
+  per_slice = len(entries)
+  if env.get("SIDECAR_HOSTS_PER_SLICE", "").strip():
+    per_slice = _int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
+    if len(entries) % per_slice:
+      raise errors.InvalidArgumentError(
+          f"SIDECAR_HOSTS lists {len(entries)} hosts, not a multiple of "
+          f"SIDECAR_HOSTS_PER_SLICE={per_slice}; list every host of every slice")
+  found = []
+  for index, entry in enumerate(entries):
+    host, entry_port, entry_health = _parse_entry(entry)
+    found.append(Endpoint(index // per_slice, index % per_slice, host,
+                          entry_port or port, entry_health or health_port))
+  return tuple(found)
+
+
+def _parse_entry(entry: str) -> tuple[str, int | None, int | None]:
+  """Splits ``HOST[:PORT[:HEALTH_PORT]]``, with IPv6 hosts in brackets."""
+  if entry.startswith("["):
+    host, sep, rest = entry[1:].partition("]")
+    if not sep or (rest and not rest.startswith(":")):
+      raise errors.InvalidArgumentError(
+          f"SIDECAR_HOSTS entry {entry!r} is malformed; write IPv6 hosts as [ADDR]:PORT")
+    parts = [host] + (rest[1:].split(":") if rest else [])
+  else:
+    parts = entry.split(":")
+  if len(parts) > 3 or not parts[0]:
+    raise errors.InvalidArgumentError(
+        f"SIDECAR_HOSTS entry {entry!r} is not HOST[:PORT[:HEALTH_PORT]]; put IPv6 "
+        "addresses in brackets, e.g. [::1]:8490:8491")
+  ports = []
+  for text in parts[1:]:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+      raise errors.InvalidArgumentError(
+          f"SIDECAR_HOSTS entry {entry!r} has port {text!r}; ports are integers in 1..65535")
+    ports.append(int(text))
+  ports += [None] * (2 - len(ports))
+  return parts[0], ports[0], ports[1]
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int | None, *, minimum: int,
+             maximum: int | None = None) -> int:
+  text = env.get(name, "").strip()
+  if not text and default is not None:
+    return default
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or value < minimum or (maximum is not None and value > maximum):
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+    raise errors.InvalidArgumentError(f"{name} must be an integer {bounds}, got {text!r}")
+  return value
+
+
+def _bracket(host: str) -> str:
+  return f"[{host}]" if ":" in host else host

@@ -1,0 +1,1 @@
+"""Kubernetes support: render JobSets with the sidecar, and check manifests offline."""

@@ -1,0 +1,330 @@
+"""Offline checks of JobSet manifests that carry the sidecar.
+
+Schemas catch malformed fields (:mod:`schemas`); this module checks what they miss:
+
+- every volumeMount names a volume of the pod;
+- every gRPC probe port is a ``containerPort`` of its container (and, for the sidecar, its
+  health port);
+- every memory-backed ``emptyDir`` has a ``sizeLimit``;
+- the sidecar is a native sidecar: an ``initContainers`` entry with ``restartPolicy: Always``;
+- trainer and sidecar share the socket: the trainer's ``SIDECAR_ADDRESS`` names the sidecar's
+  socket, on the same volume in both containers;
+- the sidecar's memory limit covers the arena (shm size + 512Mi);
+- ``terminationGracePeriodSeconds`` leaves time to flush a checkpoint;
+- the discovery env agrees with the JobSet (hosts per slice, ports, DNS hostnames).
+
+Example::
+
+  docs = load_documents(open("jobset.yaml").read())
+  for finding in check_documents(docs, crd_path="jobsets.yaml"):
+    print(finding)
+"""
+
+from __future__ import annotations
+
+import pathlib
+import posixpath
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from sidecar._src import errors
+from sidecar._src import options
+from sidecar._src import shm
+from sidecar._src.k8s import quantity
+from sidecar._src.k8s import schemas
+from sidecar._src.k8s.schemas import Finding
+
+# The defaults of `sidecar serve`, for containers that do not set them.
+DEFAULT_SOCKET = "/run/sidecar/sidecar.sock"
+DEFAULT_PORT = options.DEFAULT_PORT
+DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
+ARENA_OVERHEAD = 512 * 2**20
+MIN_GRACE_SECONDS = 60
+_PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+__all__ = ["Finding", "check_documents", "check_jobset", "check_pod_spec", "load_documents",
+           "raise_for_findings"]
+
+
+def load_documents(text: str) -> list[dict[str, Any]]:
+  """The non-empty YAML (or JSON) documents in ``text``."""
+  return [doc for doc in yaml.load_all(text, Loader=schemas.yaml_loader()) if doc]
+
+
+def check_documents(docs: Iterable[Mapping[str, Any]], *,
+                    crd_path: str | pathlib.Path | None = None,
+                    kubernetes_versions: Sequence[str] | None = None) -> list[Finding]:
+  """Checks every JobSet in ``docs``; other kinds are left alone.
+
+  Args:
+    docs: parsed manifests.
+    crd_path: the JobSet CRD to validate against; None skips that schema.
+    kubernetes_versions: versions to validate pod templates at; default 1.29 and the newest
+      kubernetes-validate knows. An empty sequence skips the Pod schema.
+  """
+  schema = None if crd_path is None else schemas.load_jobset_schema(str(crd_path))
+  findings = []
+  jobsets = [d for d in docs if isinstance(d, Mapping) and d.get("kind") == "JobSet"]
+  if not jobsets:
+    return [Finding("manifests", "no JobSet found; pass the rendered JobSet "
+                                 "(kubectl kustomize DIR, or sidecar k8s render)")]
+  for jobset in jobsets:
+    findings += check_jobset(jobset, schema=schema, kubernetes_versions=kubernetes_versions)
+  return findings
+
+
+def check_jobset(jobset: Mapping[str, Any], *, schema: Mapping[str, Any] | None = None,
+                 kubernetes_versions: Sequence[str] | None = None) -> list[Finding]:
+  """All findings for one JobSet: schemas, then each pod template, then discovery env."""
+  findings = [] if schema is None else schemas.validate_jobset(jobset, schema)
+  name = f"JobSet {(jobset.get('metadata') or {}).get('name', '?')}"
+  spec = jobset.get("spec") or {}
+  has_sidecar = False
+  # JobSet adds a volume for each of these claim templates to every pod template.
+  claims = {(t.get("metadata") or {}).get("name") for p in spec.get("volumeClaimPolicies") or []
+            for t in p.get("templates") or []}
+  for i, rjob in enumerate(spec.get("replicatedJobs") or []):
+    where = f"{name}: spec.replicatedJobs[{i}]"
+    job_spec = ((rjob.get("template") or {}).get("spec")) or {}
+    template = job_spec.get("template") or {}
+    template_where = f"{where}.template.spec.template"
+    if kubernetes_versions is None or kubernetes_versions:
+      findings += schemas.validate_pod(template, template_where, kubernetes_versions)
+    pod_spec = template.get("spec") or {}
+    findings += check_pod_spec(pod_spec, f"{template_where}.spec", extra_volumes=claims)
+    findings += _check_discovery_env((jobset.get("metadata") or {}).get("name"), spec, rjob,
+                                     job_spec, pod_spec, where)
+    has_sidecar = has_sidecar or any(_is_sidecar(c) for _, c in _containers(pod_spec, where))
+  if not has_sidecar:
+    findings.append(Finding(name, "no replicated job runs the sidecar: add an initContainers "
+                                  "entry named 'sidecar' running `sidecar serve` (see "
+                                  "k8s/components/sidecar)"))
+  return findings
+
+
+def raise_for_findings(findings: Sequence[Finding]) -> None:
+  """Raises InvalidArgumentError listing every finding, if there are any."""
+  if findings:
+    raise errors.InvalidArgumentError(
+        f"{len(findings)} problem(s) in the manifests:\n" + "\n".join(f"  {f}" for f in findings))
+
+
+def check_pod_spec(spec: Mapping[str, Any], where: str, *,
+                   extra_volumes: Iterable[str] = ()) -> list[Finding]:
+  """What the Pod schema cannot see, for one pod spec.
+
+  Args:
+    spec: the pod spec.
+    where: its place, for messages.
+    extra_volumes: names of volumes that something else adds (JobSet's volumeClaimPolicies).
+  """
+  findings = []
+  containers = _containers(spec, where)
+  volumes = {v.get("name") for v in spec.get("volumes") or []} | set(extra_volumes)
+  known = sorted(map(str, volumes))
+  for cwhere, c in containers:
+    for j, mount in enumerate(c.get("volumeMounts") or []):
+      if mount.get("name") not in volumes:
+        findings.append(Finding(f"{cwhere}.volumeMounts[{j}]",
+                                f"mounts volume {mount.get('name')!r}, which the pod does not "
+                                f"define; add it to spec.volumes (has {known})"))
+    ports = {p.get("containerPort") for p in c.get("ports") or []}
+    for probe in _PROBES:
+      grpc_action = (c.get(probe) or {}).get("grpc")
+      if grpc_action is not None and grpc_action.get("port") not in ports:
+        findings.append(Finding(f"{cwhere}.{probe}.grpc.port",
+                                f"port {grpc_action.get('port')!r} is not a containerPort of "
+                                f"{c.get('name')!r} (has {sorted(ports, key=str)}); gRPC probes "
+                                "need an integer port that the container declares"))
+  for i, volume in enumerate(spec.get("volumes") or []):
+    empty_dir = volume.get("emptyDir")
+    if empty_dir is not None and empty_dir.get("medium") == "Memory" and (
+        not empty_dir.get("sizeLimit")):
+      findings.append(Finding(f"{where}.volumes[{i}]",
+                              f"memory emptyDir {volume.get('name')!r} has no sizeLimit; set "
+                              "one (e.g. 16Mi for the socket) so it cannot eat the pod's memory"))
+  findings += _check_sidecar(spec, containers, where)
+  return findings
+
+
+def _check_sidecar(spec: Mapping[str, Any], containers: list[tuple[str, dict]],
+                   where: str) -> list[Finding]:
+  sidecars = [(w, c) for w, c in containers if _is_sidecar(c)]
+  trainers = [(w, c) for w, c in containers if _is_trainer(w, c)]
+  if not sidecars:
+    return [Finding(w, "sets SIDECAR_ADDRESS but the pod has no sidecar; add the "
+                       "initContainers entry of k8s/components/sidecar") for w, _ in trainers]
+  findings = []
+  swhere, sidecar = sidecars[0]
+  if ".initContainers[" not in swhere or sidecar.get("restartPolicy") != "Always":
+    findings.append(Finding(swhere, "the sidecar must be a native sidecar: an initContainers "
+                                    "entry with restartPolicy: Always (Kubernetes >= 1.29)"))
+  health = _setting(sidecar, "--health-port", "SIDECAR_HEALTH_PORT", DEFAULT_HEALTH_PORT)
+  for probe in _PROBES:
+    port = ((sidecar.get(probe) or {}).get("grpc") or {}).get("port")
+    if port is None:
+      findings.append(Finding(f"{swhere}.{probe}", f"the sidecar needs a gRPC {probe} on its "
+                                                   f"health port {health}"))
+    elif health is not None and str(port) != str(health):
+      findings.append(Finding(f"{swhere}.{probe}.grpc.port",
+                              f"probes port {port} but the sidecar serves health on {health} "
+                              "(SIDECAR_HEALTH_PORT / --health-port); make them equal"))
+  findings += _check_memory(sidecar, swhere)
+  grace = spec.get("terminationGracePeriodSeconds", 30)
+  if not isinstance(grace, int) or grace < MIN_GRACE_SECONDS:
+    findings.append(Finding(f"{where}.terminationGracePeriodSeconds",
+                            f"is {grace!r}; give the sidecar at least {MIN_GRACE_SECONDS}s "
+                            "to flush a checkpoint on shutdown (the examples use 300)"))
+  return findings + _check_socket(sidecar, swhere, trainers, where)
+
+
+def _check_socket(sidecar: Mapping[str, Any], swhere: str,
+                  trainers: list[tuple[str, dict]], where: str) -> list[Finding]:
+  """The trainer's SIDECAR_ADDRESS is the sidecar's socket, on a volume both mount."""
+  socket = _setting(sidecar, "--socket", "SIDECAR_SOCKET", DEFAULT_SOCKET)
+  if socket is None:
+    return []
+  findings = []
+  if not trainers:
+    findings.append(Finding(where, "no container sets SIDECAR_ADDRESS; give the trainer "
+                                   f"SIDECAR_ADDRESS=unix://{socket}"))
+  place = _volume_place(sidecar, socket)
+  if place is None:
+    findings.append(Finding(swhere, f"socket {socket} is not on a mounted volume; mount a "
+                                    "shared emptyDir (medium: Memory) on its directory"))
+  for twhere, trainer in trainers:
+    address = _env(trainer)["SIDECAR_ADDRESS"] or ""
+    path = address.removeprefix("unix://")
+    if not address.startswith("unix://") or not path.startswith("/"):
+      findings.append(Finding(f"{twhere}.env[SIDECAR_ADDRESS]",
+                              f"is {address!r}; the worker attaches over the Unix socket: "
+                              f"use unix://{socket}"))
+    elif place is not None and _volume_place(trainer, path) != place:
+      findings.append(Finding(f"{twhere}.env[SIDECAR_ADDRESS]",
+                              f"{address!r} is not the sidecar's socket {socket} on volume "
+                              f"{place[0]!r}; mount that volume in {trainer.get('name')!r} "
+                              "and point SIDECAR_ADDRESS at the socket in it"))
+  return findings
+
+
+def _check_memory(sidecar: Mapping[str, Any], swhere: str) -> list[Finding]:
+  shm_text = _setting(sidecar, "--shm-size", "SIDECAR_SHM_SIZE", None)
+  limit_text = ((sidecar.get("resources") or {}).get("limits") or {}).get("memory")
+  if limit_text is None:
+    return [Finding(f"{swhere}.resources.limits.memory",
+                    "the sidecar has no memory limit; the arena is charged to it: set one of "
+                    "at least the shm size + 512Mi")]
+  if shm_text is None:
+    return []
+  try:
+    need = shm.parse_size(str(shm_text)) + ARENA_OVERHEAD
+    limit = quantity.parse_quantity(limit_text)
+  except ValueError as e:
+    return [Finding(f"{swhere}.resources.limits.memory", str(e))]
+  if limit < need:
+    return [Finding(f"{swhere}.resources.limits.memory",
+                    f"is {limit_text} but the arena ({shm_text}) plus 512Mi needs "
+                    f"{quantity.format_mebibytes(need)}; raise the limit or shrink "
+                    "SIDECAR_SHM_SIZE")]
+  return []
+
+
+def _check_discovery_env(jobset_name: str | None, jobset_spec: Mapping[str, Any],
+                         rjob: Mapping[str, Any], job_spec: Mapping[str, Any],
+                         pod_spec: Mapping[str, Any], where: str) -> list[Finding]:
+  """Discovery's env in each trainer agrees with the JobSet and the sidecar."""
+  findings = []
+  containers = _containers(pod_spec, f"{where}.template.spec.template.spec")
+  sidecar = next((c for _, c in containers if _is_sidecar(c)), None)
+  network = jobset_spec.get("network") or {}
+  # What discovery assumes when a variable is unset, and what the JobSet says it must be.
+  defaults = {"SIDECAR_PORT": DEFAULT_PORT, "SIDECAR_HEALTH_PORT": DEFAULT_HEALTH_PORT,
+              "SIDECAR_SUBDOMAIN": jobset_name}
+  literals = {
+      "SIDECAR_HOSTS_PER_SLICE": job_spec.get("completions"),
+      "SIDECAR_NUM_SLICES": rjob.get("replicas", 1),
+      "SIDECAR_REPLICATED_JOB": rjob.get("name"),
+      "SIDECAR_SUBDOMAIN": network.get("subdomain") or jobset_name,
+  }
+  if sidecar is not None:
+    literals["SIDECAR_PORT"] = _setting(sidecar, "--port", "SIDECAR_PORT", DEFAULT_PORT)
+    literals["SIDECAR_HEALTH_PORT"] = _setting(sidecar, "--health-port", "SIDECAR_HEALTH_PORT",
+                                               DEFAULT_HEALTH_PORT)
+  for cwhere, c in containers:
+    env = _env(c)
+    if not _is_trainer(cwhere, c) or "SIDECAR_HOSTS" in env:
+      continue
+    for name in ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
+                 "SIDECAR_HOSTS_PER_SLICE"):
+      if name not in env:
+        findings.append(Finding(f"{cwhere}.env", f"{name} is not set; discovery needs it "
+                                                 "(see k8s/components/sidecar)"))
+    for name, want in literals.items():
+      have = env[name] if name in env else defaults.get(name)
+      if want is not None and have is not None and str(have) != str(want):
+        shown = repr(have) if name in env else f"unset (so {str(have)!r})"
+        findings.append(Finding(f"{cwhere}.env[{name}]",
+                                f"is {shown} but the JobSet or sidecar says {str(want)!r}; "
+                                f"set {name}={want}"))
+    if network.get("enableDNSHostnames") is False:
+      findings.append(Finding(f"{where.split(':')[0]}: spec.network.enableDNSHostnames",
+                              "is false; discovery reaches sidecars by their JobSet hostnames, "
+                              "so set it to true (or give the trainer SIDECAR_HOSTS)"))
+  completions, parallelism = job_spec.get("completions"), job_spec.get("parallelism")
+  if completions is not None and parallelism not in (None, completions):
+    findings.append(Finding(f"{where}.template.spec.parallelism",
+                            f"is {parallelism} but completions is {completions}; every host "
+                            "of a slice runs at once, so make them equal"))
+  return findings
+
+
+def _containers(spec: Mapping[str, Any], where: str) -> list[tuple[str, dict]]:
+  return [(f"{where}.{kind}[{i}]", c) for kind in ("initContainers", "containers")
+          for i, c in enumerate(spec.get(kind) or [])]
+
+
+def _is_sidecar(container: Mapping[str, Any]) -> bool:
+  argv = list(container.get("command") or []) + list(container.get("args") or [])
+  return container.get("name") == "sidecar" or argv[:2] == ["sidecar", "serve"]
+
+
+def _is_trainer(where: str, container: Mapping[str, Any]) -> bool:
+  return ".containers[" in where and "SIDECAR_ADDRESS" in _env(container)
+
+
+def _env(container: Mapping[str, Any]) -> dict[str, str | None]:
+  """Env values by name; None for values that come from ``valueFrom``."""
+  return {e.get("name"): (None if "valueFrom" in e else str(e.get("value", "")))
+          for e in container.get("env") or []}
+
+
+def _setting(container: Mapping[str, Any], flag: str, var: str, default: Any) -> Any:
+  """A ``sidecar serve`` setting: its flag, else its env var, else ``default``.
+
+  None when the env var comes from ``valueFrom`` (unknown until the pod runs).
+  """
+  argv = [str(a) for a in list(container.get("command") or []) + list(container.get("args") or [])]
+  for i, arg in enumerate(argv):
+    if arg == flag and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith(flag + "="):
+      return arg.split("=", 1)[1]
+  env = _env(container)
+  return env[var] if var in env else default
+
+
+def _volume_place(container: Mapping[str, Any], path: str) -> tuple[str, str] | None:
+  """(volume, path inside the volume) of ``path`` in ``container``, or None if unmounted."""
+  best = None
+  for mount in container.get("volumeMounts") or []:
+    root = posixpath.normpath(mount.get("mountPath") or "/")
+    if path == root or path.startswith(root.rstrip("/") + "/"):
+      if best is None or len(root) > len(best[0]):
+        best = (root, mount)
+  if best is None:
+    return None
+  root, mount = best
+  inside = posixpath.join(mount.get("subPath") or "", posixpath.relpath(path, root))
+  return mount.get("name"), posixpath.normpath(inside)
