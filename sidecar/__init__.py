@@ -19,7 +19,8 @@ from sidecar._src.errors import (
     StaleDescriptorError,
     VersionMismatchError,
 )
-from sidecar._src.registry import Registry, default_registry, function, set_default_registry
+from sidecar._src.pipeline_context import PipelineContext
+from sidecar._src.registry import Registry, default_registry, function, pipeline, set_default_registry
 from sidecar._src.worker import Worker
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "HostLostError",
     "InvalidArgumentError",
     "NotRegisteredError",
+    "PipelineContext",
     "Registry",
     "RemoteError",
     "ResourceExhaustedError",
@@ -43,6 +45,7 @@ __all__ = [
     "Worker",
     "default_registry",
     "function",
+    "pipeline",
     "set_default_registry",
     "testing",
 ]

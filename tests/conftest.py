@@ -13,11 +13,31 @@ def shm_entries() -> set[str]:
   return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "lttng"))}
 
 
+def _parent(pid: int) -> int:
+  with open(f"/proc/{pid}/stat") as f:
+    return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from_us(pid: int) -> bool:
+  """Whether ``pid`` was started by this test process (or its children)."""
+  try:
+    while pid > 1:
+      pid = _parent(pid)
+      if pid == os.getpid():
+        return True
+  except OSError:
+    pass
+  return False
+
+
 def arena_mappers() -> list[int]:
-  """Pids of processes (other than ours) that still map a sidecar arena memfd."""
+  """Pids of processes this test process started that still map a sidecar arena memfd.
+
+  Other processes on the machine (another test run, say) are not this run's business.
+  """
   pids = []
   for pid in os.listdir("/proc"):
-    if not pid.isdigit() or int(pid) == os.getpid():
+    if not pid.isdigit() or int(pid) == os.getpid() or not _descends_from_us(int(pid)):
       continue
     try:
       with open(f"/proc/{pid}/maps") as f:

@@ -6,9 +6,9 @@ def test_public_api_is_pinned():
   assert sidecar.__all__ == [
       "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
       "Controller", "DeadlineExceededError", "DiscoveryError", "HostInfo", "HostLostError",
-      "InvalidArgumentError", "NotRegisteredError", "Registry", "RemoteError",
+      "InvalidArgumentError", "NotRegisteredError", "PipelineContext", "Registry", "RemoteError",
       "ResourceExhaustedError", "SidecarError", "StaleDescriptorError", "VersionMismatchError",
-      "Worker", "default_registry", "function", "set_default_registry", "testing",
+      "Worker", "default_registry", "function", "pipeline", "set_default_registry", "testing",
   ]
   assert sidecar.testing.__all__ == ["LocalCluster"]
   for name in sidecar.__all__:

@@ -147,16 +147,46 @@ class Value(_message.Message):
     def __init__(self, none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., array: _Optional[_Union[Array, _Mapping]] = ..., arena: _Optional[_Union[ArenaRef, _Mapping]] = ..., list: _Optional[_Union[ListValue, _Mapping]] = ..., tuple: _Optional[_Union[ListValue, _Mapping]] = ..., dict: _Optional[_Union[DictValue, _Mapping]] = ...) -> None: ...
 
 class CallRequest(_message.Message):
-    __slots__ = ("name", "args", "kwargs", "worker_session")
+    __slots__ = ("name", "args", "kwargs", "worker_session", "feed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    FEED_FIELD_NUMBER: _ClassVar[int]
     name: str
     args: Value
     kwargs: Value
     worker_session: str
-    def __init__(self, name: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., worker_session: _Optional[str] = ...) -> None: ...
+    feed: FeedSpec
+    def __init__(self, name: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., worker_session: _Optional[str] = ..., feed: _Optional[_Union[FeedSpec, _Mapping]] = ...) -> None: ...
+
+class RowRange(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class FeedSpec(_message.Message):
+    __slots__ = ("global_batch_size", "rows", "seed", "num_epochs", "shard_index", "shard_count", "state_json", "workers")
+    GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    global_batch_size: int
+    rows: _containers.RepeatedCompositeFieldContainer[RowRange]
+    seed: int
+    num_epochs: int
+    shard_index: int
+    shard_count: int
+    state_json: str
+    workers: int
+    def __init__(self, global_batch_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., state_json: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class CallResponse(_message.Message):
     __slots__ = ("result",)

@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+import jax
 
 from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
-from sidecar._src.controller import discovery
+from sidecar._src.controller import discovery, feed as feed_lib
 from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
 
@@ -230,9 +232,13 @@ class Controller:
     """
     self._check_open()
     (host_id,) = self._select([host])
-    conn, held = self._conns[host_id], []
+    held = []
     request = self._request(host_id, name, args, kwargs, self.timeout, held)
-    w = self._workers.get(host_id)
+    return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held)
+
+  def _open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
+                   timeout: float | None, held: list) -> Stream | worker_lib.LocalStream:
+    conn, w = self._conns[host_id], self._workers.get(host_id)
     if w is not None:
       stream = w.open_stream(request, prefetch=prefetch, timeout=timeout)
     else:
@@ -240,6 +246,64 @@ class Controller:
                       timeout=timeout, host=conn.address, host_id=host_id)
     stream.args = held  # Argument blocks live as long as the stream.
     return stream
+
+  def feed(self, name: str, *, global_batch_size: int, sharding: jax.sharding.Sharding,
+           seed: int = 0, num_epochs: int | None = None, prefetch: int | None = None,
+           state: dict[str, Any] | None = None, workers: int = 0, **kwargs: Any) -> Feed:
+    """Global batches of registered pipeline ``name``, laid out by ``sharding``.
+
+    Each host's sidecar runs the pipeline and produces the rows its devices own;
+    they arrive through its arena. Iterating yields pytrees of global ``jax.Array``s.
+
+    Example::
+
+      mesh = jax.sharding.Mesh(jax.devices(), ("data",))
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+      with ctl.feed("digits", global_batch_size=64, sharding=sharding, split="train") as feed:
+        for batch in feed:
+          state = train_step(state, batch)
+        saved = feed.state()  # resume with ctl.feed(..., state=saved)
+
+    Args:
+      name: a registered ``@sidecar.pipeline``.
+      global_batch_size: rows of every global batch, split among hosts by ``sharding``.
+      sharding: how the batch dimension lies over this process's devices.
+      seed: shuffling seed (for pipelines that return a ``grain.MapDataset``).
+      num_epochs: epochs to run; None repeats forever.
+      prefetch: batches each sidecar may run ahead of the trainer (default 2).
+      state: a ``feed.state()`` to resume after.
+      workers: processes per sidecar producing batches (0: the sidecar itself).
+      **kwargs: the pipeline's own arguments.
+    """
+    self._check_open()
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+      raise errors.InvalidArgumentError(
+          f"global_batch_size must be a positive int, got {global_batch_size!r}")
+    prefetch = 2 if prefetch is None else prefetch
+    if not isinstance(prefetch, int) or prefetch < 1:
+      raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
+    if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+      raise errors.InvalidArgumentError(f"num_epochs must be None or >= 1, got {num_epochs!r}")
+    if not isinstance(workers, int) or workers < 0:
+      raise errors.InvalidArgumentError(f"workers must be an int >= 0, got {workers!r}")
+    missing = [h.host_id for h in self.hosts if name not in h.pipelines]
+    if missing:
+      raise errors.NotRegisteredError(
+          f"no pipeline named {name!r} is registered on hosts {missing}; registered pipelines: "
+          f"{', '.join(self.hosts[0].pipelines) or '(none)'}")
+    device_hosts = {d: h.host_id for h in self.hosts for d in h.device_ids}
+    plans = feed_lib.plan(sharding, global_batch_size, device_hosts)
+    encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
+
+    def open_stream(host_id: int, spec: pb.FeedSpec):
+      w = self._workers.get(host_id)
+      request = pb.CallRequest(name=name, args=no_args, kwargs=encoded, feed=spec,
+                               worker_session=w.session if w is not None else "")
+      return self._open_stream(host_id, request, prefetch=prefetch, timeout=None, held=[])
+
+    return Feed(name=name, plans=plans, sharding=sharding, global_batch_size=global_batch_size,
+                seed=seed, num_epochs=num_epochs, prefetch=prefetch, state=state,
+                workers=workers, open_stream=open_stream)
 
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
                  timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src import codec, errors, registry as registry_lib, shm
+from sidecar._src.host import feed as feed_lib
 from sidecar._src.host.leases import Leases
 from sidecar._src.protocol import pb
 
@@ -40,9 +41,10 @@ class Runner:
     self._released: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=self._release_loop, name="sidecar-release", daemon=True).start()
 
-  def prepare(self, request: pb.CallRequest) -> tuple[registry_lib.Entry, tuple, dict]:
+  def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION
+              ) -> tuple[registry_lib.Entry, tuple, dict]:
     """The registered entry and decoded, signature-checked arguments of a call."""
-    entry = self.registry.get(registry_lib.FUNCTION, request.name)
+    entry = self.registry.get(kind, request.name)
     args = codec.decode(request.args, from_arena=self._view, where="args")
     kwargs = codec.decode(request.kwargs, from_arena=self._view, where="kwargs")
     if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
@@ -52,7 +54,8 @@ class Runner:
           f"and {type(kwargs).__name__}")
     if entry.signature is not None:
       try:
-        entry.signature.bind(*args, **kwargs)
+        entry.signature.bind(*((None,) if kind == registry_lib.PIPELINE else ()), *args,
+                             **kwargs)
       except TypeError as e:
         raise errors.InvalidArgumentError(
             f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
@@ -69,6 +72,9 @@ class Runner:
   def stream(self, request: pb.CallRequest, credits: Credits, *, alive: Alive,
              time_left: TimeLeft) -> Iterator[pb.StreamItem]:
     """Items of a registered iterable, each produced only once a credit allows it."""
+    if request.HasField("feed"):
+      yield from self._feed(request, credits, alive=alive, time_left=time_left)
+      return
     entry, args, kwargs = self.prepare(request)
     items = entry.fn(*args, **kwargs)
     try:
@@ -92,6 +98,49 @@ class Runner:
       close = getattr(iterator, "close", None)
       if close is not None:
         close()
+
+  def _feed(self, request: pb.CallRequest, credits: Credits, *, alive: Alive,
+            time_left: TimeLeft) -> Iterator[pb.StreamItem]:
+    """This host's batches of a feed, written straight into arena blocks."""
+    entry, args, kwargs = self.prepare(request, registry_lib.PIPELINE)
+    if args:
+      raise errors.InvalidArgumentError(
+          f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
+    spec = feed_lib.Spec.from_proto(request.feed)
+    session = request.worker_session
+    placed: dict[int, tuple[shm.Block, codec.ArenaRef]] = {}
+
+    def alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+      if not session:
+        return np.empty(shape, dtype)
+      nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+      block = self._alloc(max(nbytes, 1), session, alive, time_left)
+      ref = codec.ArenaRef(block.offset, nbytes, block.generation, dtype.name, tuple(shape))
+      out = codec.as_array(self._arena.view(block.offset, max(nbytes, 1)), ref)
+      placed[out.ctypes.data] = (block, ref)
+      return out
+
+    def to_arena(a: np.ndarray) -> codec.ArenaRef | None:
+      found = placed.pop(a.ctypes.data, None)
+      return None if found is None else found[1]
+
+    batches = feed_lib.produce(entry, kwargs, spec, alloc)
+    index = 0
+    try:
+      while credits.take():
+        try:
+          tree, state, seconds = next(batches)
+        except StopIteration:
+          return
+        value = codec.encode({"batch": tree, "state": state, "produce_s": seconds},
+                             to_arena=to_arena, inline_limit=0,
+                             where=f"batch {index} of pipeline {request.name!r}")
+        yield pb.StreamItem(index=index, value=value)
+        index += 1
+    finally:
+      batches.close()
+      for block, _ in placed.values():  # made but never sent
+        self._leases.release(block.offset, block.generation, session)
 
   def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
              where: str) -> pb.Value:

@@ -1,0 +1,228 @@
+"""``ctl.feed``: global batches as ``jax.Array``s, each host's part made by its sidecar.
+
+The controller plans which rows of every global batch each host produces (the
+rows its devices own under ``sharding``), opens one stream per host, and
+assembles each step's per-device arrays into global arrays. ``state()`` is the
+position after the last batch handed to the trainer, not after what was
+prefetched, so a feed resumed from it continues with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sidecar._src import errors
+from sidecar._src.protocol import pb
+
+STATE_VERSION = 1
+
+
+class State(enum.Enum):
+  OPEN = "open"
+  CLOSED = "closed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostPlan:
+  """One host's part: its row ranges and, for each, the devices that take those rows."""
+  host_id: int
+  ranges: tuple[tuple[int, int], ...]
+  devices: tuple[tuple[jax.Device, ...], ...]
+
+
+def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
+         device_hosts: dict[int, int]) -> list[HostPlan]:
+  """Splits the rows of a global batch among hosts by where ``sharding`` puts them."""
+  if not isinstance(sharding, jax.sharding.Sharding):
+    raise errors.InvalidArgumentError(
+        f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
+  if isinstance(sharding, jax.sharding.NamedSharding) and any(
+      p is not None for p in tuple(sharding.spec)[1:]):
+    raise errors.InvalidArgumentError(
+        f"sharding {sharding.spec} splits a dimension after the batch; feeds split the leading "
+        "(batch) dimension only: use PartitionSpec(axes) with one entry")
+  local = set(jax.devices())
+  missing = [d for d in sharding.device_set if d not in local]
+  if missing:
+    raise errors.InvalidArgumentError(
+        f"sharding uses devices {sorted(d.id for d in missing)} that this process does not "
+        f"have (it has {sorted(d.id for d in local)})")
+  try:
+    index = sharding.devices_indices_map((global_batch_size,))
+  except Exception as e:  # pylint: disable=broad-except
+    raise errors.InvalidArgumentError(
+        f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: {e}") from None
+  by_host: dict[int, dict[tuple[int, int], list[jax.Device]]] = {}
+  for device, (rows,) in index.items():
+    start, stop, _ = rows.indices(global_batch_size)
+    host = device_hosts.get(device.id)
+    if host is None:
+      raise errors.InvalidArgumentError(
+          f"device {device.id} of the sharding belongs to no sidecar; the hosts declare "
+          f"devices {sorted(device_hosts)} (sidecar serve --device-ids)")
+    by_host.setdefault(host, {}).setdefault((start, stop), []).append(device)
+  plans = []
+  for host in sorted(by_host):
+    ranges = sorted(by_host[host])
+    for (a, b), (c, d) in zip(ranges, ranges[1:]):
+      if b > c:
+        raise errors.InvalidArgumentError(
+            f"devices of host {host} take overlapping rows [{a}, {b}) and [{c}, {d}); "
+            "use a sharding that splits the batch evenly")
+    plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[host][r]) for r in ranges)))
+  return plans
+
+
+def _rows_disjoint_across_hosts(plans: list[HostPlan]) -> bool:
+  rows = sorted(r for p in plans for r in p.ranges)
+  return all(b <= c for (_, b), (c, _) in zip(rows, rows[1:]))
+
+
+class Feed:
+  """An iterator of global batches; use as a context manager. Made by ``Controller.feed``."""
+
+  def __init__(self, *, name: str, plans: list[HostPlan], sharding: jax.sharding.Sharding,
+               global_batch_size: int, seed: int, num_epochs: int | None, prefetch: int,
+               state: dict[str, Any] | None, workers: int,
+               open_stream: Callable[[int, pb.FeedSpec], Any]):
+    self.name = name
+    self._plans = plans
+    self._sharding = sharding
+    self._g = global_batch_size
+    self._seed = seed
+    self._state = _check_state(state, name=name, seed=seed, num_hosts=len(plans))
+    shardable = _rows_disjoint_across_hosts(plans)
+    self._streams = []
+    self.status = State.OPEN
+    try:
+      for i, p in enumerate(plans):
+        spec = pb.FeedSpec(
+            global_batch_size=global_batch_size,
+            rows=[pb.RowRange(start=a, stop=b) for a, b in p.ranges], seed=seed,
+            num_epochs=num_epochs or 0, shard_index=i if shardable else 0,
+            shard_count=len(plans) if shardable else 0,
+            state_json=json.dumps(_host_start(self._state, i)), workers=workers)
+        self._streams.append(open_stream(p.host_id, spec))
+    except BaseException:
+      self.close()
+      raise
+    self._waits: list[float] = []
+    self._produce: list[float] = []
+    self._started = time.perf_counter()
+    self._batches = 0
+
+  def __iter__(self) -> Feed:
+    return self
+
+  def __next__(self) -> Any:
+    if self.status is State.CLOSED:
+      raise errors.ClosedError(f"feed {self.name!r} is closed")
+    t0 = time.perf_counter()
+    try:
+      items = [next(s) for s in self._streams]
+    except StopIteration:
+      self.close()
+      raise
+    except errors.SidecarError:
+      self.close()
+      raise
+    wait = time.perf_counter() - t0
+    batch = self._assemble([item["batch"] for item in items])
+    self._state = self._merge([item["state"] for item in items])
+    self._waits.append(wait)
+    self._produce.append(max(item["produce_s"] for item in items))
+    self._batches += 1
+    return batch
+
+  def _assemble(self, parts: list[Any]) -> Any:
+    """Per-host ``leaf -> [array per range]`` into global ``jax.Array``s."""
+    is_part = lambda x: isinstance(x, list)
+    leaves = [jax.tree_util.tree_flatten(p, is_leaf=is_part)[0] for p in parts]
+    treedef = jax.tree_util.tree_structure(parts[0], is_leaf=is_part)
+    out = []
+    for i in range(len(leaves[0])):
+      arrays, devices = [], []
+      for p, host_leaves in zip(self._plans, leaves):
+        for rng_devices, array in zip(p.devices, host_leaves[i]):
+          for d in rng_devices:
+            arrays.append(array)
+            devices.append(d)
+      shape = (self._g, *arrays[0].shape[1:])
+      shards = jax.device_put(arrays, devices)
+      out.append(jax.make_array_from_single_device_arrays(shape, self._sharding, shards))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def _merge(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+    base = {"version": STATE_VERSION, "pipeline": self.name, "seed": self._seed,
+            "global_batch_size": self._g}
+    if states[0]["kind"] == "map":
+      return {**base, "kind": "map", "epoch": states[0]["epoch"],
+              "position": states[0]["position"]}
+    return {**base, "kind": "iter", "shards": [
+        {"epoch": s["epoch"], "position": s["position"]} for s in states]}
+
+  def state(self) -> dict[str, Any]:
+    """Where the trainer is: JSON-serialisable; ``ctl.feed(..., state=...)`` resumes there."""
+    return dict(self._state)
+
+  def stats(self) -> dict[str, Any]:
+    """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch."""
+    elapsed = time.perf_counter() - self._started
+    waits = self._waits or [0.0]
+    return {
+        "batches": self._batches,
+        "batches_per_s": self._batches / elapsed if elapsed > 0 else 0.0,
+        "wait_s_mean": statistics.fmean(waits), "wait_s_p50": statistics.median(waits),
+        "wait_s_max": max(waits),
+        "produce_s_mean": statistics.fmean(self._produce) if self._produce else 0.0,
+        "hosts": [p.host_id for p in self._plans],
+    }
+
+  def close(self) -> None:
+    """Stops every host's stream; idempotent."""
+    self.status = State.CLOSED
+    for s in self._streams:
+      s.close()
+
+  def __enter__(self) -> Feed:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _check_state(state: dict[str, Any] | None, *, name: str, seed: int, num_hosts: int
+                 ) -> dict[str, Any]:
+  if state is None:
+    return {"version": STATE_VERSION, "pipeline": name, "seed": seed, "kind": "start"}
+  if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+    raise errors.InvalidArgumentError(
+        f"state must be a dict from feed.state() (version {STATE_VERSION}), got {state!r:.200}")
+  if state.get("pipeline") != name or state.get("seed") != seed:
+    raise errors.InvalidArgumentError(
+        f"state is for pipeline {state.get('pipeline')!r} with seed {state.get('seed')!r}, "
+        f"but this feed is {name!r} with seed {seed!r}; resume with the same pipeline and seed")
+  if state.get("kind") == "iter" and len(state["shards"]) != num_hosts:
+    raise errors.InvalidArgumentError(
+        f"state was saved with {len(state['shards'])} hosts and this feed has {num_hosts}; "
+        "a pipeline that returns a plain iterable resumes only on the same host count: "
+        "return a grain.MapDataset to resume on any")
+  return dict(state)
+
+
+def _host_start(state: dict[str, Any], i: int) -> dict[str, Any]:
+  kind = state.get("kind")
+  if kind == "map":
+    return {"kind": "map", "epoch": state["epoch"], "position": state["position"]}
+  if kind == "iter":
+    return {"kind": "iter", **state["shards"][i]}
+  return {}

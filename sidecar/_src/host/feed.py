@@ -1,0 +1,211 @@
+"""A host's part of a feed: run a registered pipeline, batch its rows into the arena.
+
+For each global batch this host produces the rows the controller assigned it
+(``FeedSpec.rows``), one array per row range and leaf, each in its own arena
+block: page-aligned, so every device's shard becomes a ``jax.Array`` without a
+copy. Elements are written straight into those blocks; batching is the copy.
+
+Two kinds of pipeline:
+- a Grain ``MapDataset`` (random access): this module shards, shuffles (one
+  permutation per epoch, from the seed) and positions it globally, so a feed
+  resumes exactly on any host count. State: ``epoch`` and ``position``, the
+  examples of the epoch consumed by every host together.
+- any other iterable: it yields its own shard's elements from ``ctx.position``.
+  State: this shard's ``epoch`` and ``position``.
+Batches never straddle epochs: an epoch's last partial batch is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from sidecar._src import codec, errors, registry as registry_lib
+from sidecar._src.pipeline_context import PipelineContext
+from sidecar._src.protocol import pb
+
+Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spec:
+  """A decoded ``pb.FeedSpec``."""
+  global_batch_size: int
+  ranges: tuple[tuple[int, int], ...]
+  seed: int
+  num_epochs: int | None
+  shard_index: int
+  shard_count: int
+  start: dict[str, Any]
+  workers: int
+
+  @classmethod
+  def from_proto(cls, p: pb.FeedSpec) -> Spec:
+    ranges = tuple((r.start, r.stop) for r in p.rows)
+    if not ranges or any(a >= b or b > p.global_batch_size for a, b in ranges) or any(
+        ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
+      raise errors.InvalidArgumentError(
+          f"feed rows {ranges} must be sorted, disjoint, non-empty ranges within the global "
+          f"batch of {p.global_batch_size}")
+    try:
+      start = json.loads(p.state_json) if p.state_json else {}
+    except json.JSONDecodeError as e:
+      raise errors.InvalidArgumentError(f"feed state is not JSON: {e}") from None
+    return cls(p.global_batch_size, ranges, p.seed, p.num_epochs or None, p.shard_index,
+               p.shard_count, start, p.workers)
+
+  @property
+  def rows(self) -> int:
+    return sum(b - a for a, b in self.ranges)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+  """The shuffle seed of one epoch: independent permutations, reproducible."""
+  digest = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
+  return int.from_bytes(digest[:4], "little")
+
+
+def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
+                position: int) -> Any:
+  ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
+                        seed=spec.seed, epoch=epoch, position=position)
+  return entry.fn(ctx, **kwargs)
+
+
+class Batcher:
+  """Writes elements into per-range, per-leaf output arrays of one batch."""
+
+  def __init__(self, spec: Spec, alloc: Alloc, name: str):
+    self._spec = spec
+    self._alloc = alloc
+    self._name = name
+    self._treedef = None
+    self._leaf_specs: list[tuple[tuple[int, ...], np.dtype]] = []
+
+  def new_batch(self) -> list[list[np.ndarray]] | None:
+    """Output arrays ``[leaf][range]``, or None before the first element set the spec."""
+    if self._treedef is None:
+      return None
+    return [[self._alloc((b - a, *shape), dtype) for a, b in self._spec.ranges]
+            for shape, dtype in self._leaf_specs]
+
+  def write(self, out: list[list[np.ndarray]] | None, row: int, element: Any
+            ) -> list[list[np.ndarray]]:
+    """Writes ``element`` as row ``row`` (0-based over this host's rows)."""
+    leaves, treedef = jax.tree_util.tree_flatten(element)
+    if self._treedef is None:
+      self._treedef = treedef
+      self._leaf_specs = []
+      for i, leaf in enumerate(leaves):
+        a = np.asarray(leaf)
+        codec.dtype_of(a.dtype.name, f"leaf {i} of an element of pipeline {self._name!r}")
+        self._leaf_specs.append((a.shape, a.dtype))
+      out = self.new_batch()
+    elif treedef != self._treedef:
+      raise errors.InvalidArgumentError(
+          f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
+          f"first element's {self._treedef}; every element must have the same structure")
+    r, k = row, 0
+    while r >= self._spec.ranges[k][1] - self._spec.ranges[k][0]:
+      r -= self._spec.ranges[k][1] - self._spec.ranges[k][0]
+      k += 1
+    for i, (leaf, (shape, dtype)) in enumerate(zip(leaves, self._leaf_specs)):
+      a = np.asarray(leaf)
+      if a.shape != shape:
+        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(element)[0][i][0])
+        raise errors.InvalidArgumentError(
+            f"pipeline {self._name!r}: element leaf {path} has shape {a.shape}, but the first "
+            f"element's had {shape}; pad or crop to a fixed shape before batching")
+      out[i][k][r] = a
+    return out
+
+  def tree(self, out: list[list[np.ndarray]]) -> Any:
+    """The element structure with each leaf a list of per-range arrays."""
+    return jax.tree_util.tree_unflatten(self._treedef, out)
+
+
+def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc
+            ) -> Iterator[tuple[Any, dict[str, Any], float]]:
+  """Yields ``(batch tree, state after it, seconds spent producing it)`` per step."""
+  first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
+                      int(spec.start.get("position", 0)))
+  if isinstance(first, grain.MapDataset):
+    yield from _from_map(first, entry.name, spec, alloc)
+  else:
+    yield from _from_iterable(first, entry, kwargs, spec, alloc)
+
+
+def _check_kind(spec: Spec, kind: str, name: str) -> None:
+  have = spec.start.get("kind", kind)
+  if have != kind:
+    raise errors.InvalidArgumentError(
+        f"the feed state is for a {have!r} pipeline, but {name!r} is a {kind!r} pipeline now; "
+        "resume with the pipeline that made the state")
+
+
+def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
+  _check_kind(spec, "map", name)
+  n, g = len(ds), spec.global_batch_size
+  if n < g:
+    raise errors.InvalidArgumentError(
+        f"global_batch_size {g} exceeds the {n} examples of pipeline {name!r}")
+  epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
+  batcher = Batcher(spec, alloc, name)
+  while spec.num_epochs is None or epoch < spec.num_epochs:
+    shuffled = ds.shuffle(seed=epoch_seed(spec.seed, epoch))
+    while position + g <= n:
+      t0 = time.perf_counter()
+      out, row = batcher.new_batch(), 0
+      for a, b in spec.ranges:
+        for i in range(position + a, position + b):
+          out = batcher.write(out, row, shuffled[i])
+          row += 1
+      position += g
+      yield batcher.tree(out), {"kind": "map", "epoch": epoch, "position": position}, (
+          time.perf_counter() - t0)
+    epoch, position = epoch + 1, 0
+
+
+def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,
+                   alloc: Alloc):
+  _check_kind(spec, "iter", entry.name)
+  epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
+  batcher = Batcher(spec, alloc, entry.name)
+  while spec.num_epochs is None or epoch < spec.num_epochs:
+    batches = 0
+    try:
+      iterator = iter(source)
+    except TypeError:
+      raise errors.InvalidArgumentError(
+          f"pipeline {entry.name!r} returned {type(source).__name__}: return a "
+          "grain.MapDataset or an iterable of elements") from None
+    while True:
+      t0 = time.perf_counter()
+      out, row = batcher.new_batch(), 0
+      for element in iterator:
+        out = batcher.write(out, row, element)
+        row += 1
+        if row == spec.rows:
+          break
+      if row < spec.rows:
+        break  # the shard ran out: the partial batch is dropped, the epoch ends
+      position += spec.rows
+      batches += 1
+      yield batcher.tree(out), {"kind": "iter", "epoch": epoch, "position": position}, (
+          time.perf_counter() - t0)
+    if batches == 0 and position == 0:
+      raise errors.InvalidArgumentError(
+          f"pipeline {entry.name!r} shard {spec.shard_index} of {spec.shard_count} yielded "
+          f"fewer than the {spec.rows} elements of one batch in epoch {epoch}; lower "
+          "global_batch_size or give every shard more data")
+    epoch, position = epoch + 1, 0
+    if spec.num_epochs is None or epoch < spec.num_epochs:
+      source = open_source(entry, kwargs, spec, epoch, 0)

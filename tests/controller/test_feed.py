@@ -1,0 +1,159 @@
+"""Tier 3: ctl.feed on LocalClusters: determinism, resume (also on another host count), errors."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+
+FNS = ["tests.feed_fns"]
+
+
+def data_sharding(num_devices: int) -> NamedSharding:
+  return NamedSharding(Mesh(np.array(jax.devices()[:num_devices]), ("data",)), P("data"))
+
+
+@pytest.fixture(scope="module")
+def cluster4():
+  with sidecar.testing.LocalCluster(num_hosts=4, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS) as c:
+    yield c
+
+
+def take(feed, n):
+  return [np.asarray(next(feed)["id"]).tolist() for _ in range(n)]
+
+
+def test_batches_are_global_arrays_on_the_sharding_without_copies(cluster4):
+  with cluster4.controller() as ctl, ctl.feed("ids", global_batch_size=8,
+                                              sharding=data_sharding(4), n=64) as feed:
+    batch = next(feed)
+    assert batch["x"].shape == (8, 4) and batch["x"].dtype == np.float32
+    assert batch["x"].sharding == data_sharding(4)
+    for shard in batch["x"].addressable_shards:
+      host = shard.device.id  # one device per host
+      buf = ctl.worker(host).arena.buffer
+      start = buf.ctypes.data
+      assert start <= shard.data.unsafe_buffer_pointer() < start + buf.nbytes  # aliases the arena
+      np.testing.assert_array_equal(np.asarray(shard.data)[:, 0], np.asarray(batch["id"])[
+          shard.index[0]])
+
+
+def test_same_seed_same_batches_and_every_example_once_per_epoch(cluster4):
+  with cluster4.controller() as ctl:
+    runs = []
+    for _ in range(2):
+      with ctl.feed("ids", global_batch_size=8, sharding=data_sharding(4), n=64, seed=7,
+                    num_epochs=1) as feed:
+        runs.append([np.asarray(b["id"]).tolist() for b in feed])
+    assert runs[0] == runs[1] and len(runs[0]) == 8
+    assert sorted(sum(runs[0], [])) == list(range(64))
+    with ctl.feed("ids", global_batch_size=8, sharding=data_sharding(4), n=64, seed=8) as feed:
+      assert take(feed, 8) != runs[0]
+
+
+def test_state_reflects_what_was_consumed_not_prefetched(cluster4):
+  with cluster4.controller() as ctl, ctl.feed("ids", global_batch_size=8, prefetch=4,
+                                              sharding=data_sharding(4), n=64) as feed:
+    assert feed.state()["kind"] == "start"
+    next(feed)
+    state = feed.state()
+    assert json.loads(json.dumps(state)) == state
+    assert (state["kind"], state["epoch"], state["position"]) == ("map", 0, 8)
+    stats = feed.stats()
+    assert stats["batches"] == 1 and stats["wait_s_mean"] >= 0 and stats["hosts"] == [0, 1, 2, 3]
+
+
+def test_resume_with_new_controller_and_new_sidecars_continues_exactly():
+  def run(state=None, n_batches=6):
+    with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB",
+                                      imports=FNS) as c, c.controller() as ctl:
+      with ctl.feed("ids", global_batch_size=4, sharding=data_sharding(2), n=40, seed=3,
+                    state=state) as feed:
+        return take(feed, n_batches), feed.state()
+
+  whole, _ = run(n_batches=14)  # crosses into the second epoch
+  first, state = run(n_batches=5)
+  rest, _ = run(state=state, n_batches=9)
+  assert first + rest == whole
+
+
+def test_resume_on_fewer_hosts_neither_repeats_nor_skips(cluster4):
+  with cluster4.controller() as ctl:
+    with ctl.feed("ids", global_batch_size=12, sharding=data_sharding(4), n=120, seed=1,
+                  num_epochs=1) as feed:
+      seen = sum(take(feed, 4), [])
+      state = feed.state()
+  with sidecar.testing.LocalCluster(num_hosts=3, devices_per_host=1, shm_size="16MiB",
+                                    imports=FNS) as c3, c3.controller() as ctl:
+    with ctl.feed("ids", global_batch_size=12, sharding=data_sharding(3), n=120, seed=1,
+                  num_epochs=1, state=state) as feed:
+      seen += sum((np.asarray(b["id"]).tolist() for b in feed), [])
+  assert sorted(seen) == list(range(120))
+
+
+def test_iterable_pipeline_shards_and_resumes_on_the_same_host_count(cluster4):
+  with cluster4.controller() as ctl:
+    kw = dict(global_batch_size=8, sharding=data_sharding(4), n=64)
+    with ctl.feed("shard_ids", num_epochs=1, **kw) as feed:
+      whole = [np.asarray(b["id"]).tolist() for b in feed]
+    assert sorted(sum(whole, [])) == list(range(64))
+    with ctl.feed("shard_ids", **kw) as feed:
+      first = take(feed, 3)
+      state = feed.state()
+    assert state["kind"] == "iter" and [s["position"] for s in state["shards"]] == [6] * 4
+    with ctl.feed("shard_ids", state=state, num_epochs=1, **kw) as feed:
+      rest = [np.asarray(b["id"]).tolist() for b in feed]
+    assert first + rest == whole
+  with pytest.raises(sidecar.InvalidArgumentError, match="resumes only on the same host count"):
+    with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="8MiB",
+                                      imports=FNS) as c2, c2.controller() as ctl2:
+      ctl2.feed("shard_ids", global_batch_size=8, sharding=data_sharding(2), state=state)
+
+
+def test_pipeline_exception_reaches_next_with_the_remote_traceback(cluster4):
+  with cluster4.controller() as ctl, ctl.feed("fails_at", global_batch_size=4,
+                                              sharding=data_sharding(4), at=6) as feed:
+    # Example 6 lands in some batch of the first epoch; every batch before it arrives.
+    with pytest.raises(sidecar.RemoteError, match="ValueError: bad example 6") as info:
+      for _ in range(30):
+        next(feed)
+    assert "raise ValueError" in info.value.remote_traceback
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(global_batch_size=6), r"global_batch_size 6 cannot be laid out"),
+    (dict(global_batch_size=0), r"global_batch_size must be a positive int, got 0"),
+    (dict(prefetch=0), r"prefetch must be a positive int, got 0"),
+    (dict(sharding=data_sharding(8)), r"device 4 of the sharding belongs to no sidecar"),
+    (dict(sharding="data"), r"sharding must be a jax.sharding.Sharding, got str"),
+    (dict(state={"version": 1, "pipeline": "other", "seed": 0}), r"state is for pipeline 'other'"),
+], ids=["indivisible", "zero-batch", "prefetch", "foreign-devices", "not-a-sharding", "state"])
+def test_bad_arguments_fail_at_feed(cluster4, kwargs, match):
+  args = dict(global_batch_size=8, sharding=data_sharding(4)) | kwargs
+  with cluster4.controller() as ctl:
+    with pytest.raises(sidecar.InvalidArgumentError, match=match):
+      ctl.feed("ids", **args)
+    with pytest.raises(sidecar.NotRegisteredError, match=r"no pipeline named 'nope'.*ids"):
+      ctl.feed("nope", global_batch_size=8, sharding=data_sharding(4))
+
+
+def test_elements_of_changing_shape_name_the_leaf(cluster4):
+  with cluster4.controller() as ctl, ctl.feed("ragged", global_batch_size=8,
+                                              sharding=data_sharding(4)) as feed:
+    with pytest.raises(sidecar.InvalidArgumentError, match=r"element leaf \['x'\] has shape"):
+      next(feed)
+
+
+def test_sidecar_death_makes_next_raise_host_lost():
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB",
+                                    imports=FNS) as c, c.controller() as ctl:
+    with ctl.feed("ids", global_batch_size=4, sharding=data_sharding(2)) as feed:
+      next(feed)
+      c.kill(1)
+      with pytest.raises(sidecar.HostLostError, match="host 1"):
+        for _ in range(10):
+          next(feed)
