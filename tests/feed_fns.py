@@ -50,3 +50,14 @@ def images(ctx: sidecar.PipelineContext, n: int = 256, augment: bool = False):
       img = np.clip(img.astype(np.int16) + int(i) % 7, 0, 255).astype(np.uint8)
     return {"image": img, "label": np.int32(i % 10)}
   return grain.MapDataset.range(n).map(element)
+
+
+@sidecar.pipeline
+def dies_once(ctx: sidecar.PipelineContext, marker: str, at: int = 20, n: int = 200):
+  """Like ids, but the process computing example ``at`` is SIGKILLed the first time."""
+  def element(i):
+    if i == at and not os.path.exists(marker):
+      open(marker, "w").close()
+      os.kill(os.getpid(), signal.SIGKILL)
+    return {"id": np.int64(i)}
+  return grain.MapDataset.range(n).map(element)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import logging
 import os
 import signal
@@ -13,14 +11,13 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sidecar._src import demo, errors, options as options_lib, shm
+from sidecar._src import demo, errors, options as options_lib, registry as registry_lib, shm
 from sidecar._src.controller import status
 from sidecar._src.host.server import Server
 from sidecar._src.k8s import cli as k8s_cli
 from sidecar._src.local import LocalCluster
 
 log = logging.getLogger("sidecar")
-PLUGIN_GROUP = "sidecar.plugins"
 
 
 def _env(name: str, default=None):
@@ -44,13 +41,10 @@ def _size(text: str) -> int:
 
 def load_user_code(modules: Sequence[str]) -> None:
   """Imports ``modules`` and the ``sidecar.plugins`` entry points, so decorators register."""
-  for module in modules:
-    try:
-      importlib.import_module(module)
-    except ImportError as e:
-      raise SystemExit(f"sidecar serve: cannot import {module!r} given with --import: {e}") from e
-  for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
-    ep.load()
+  try:
+    registry_lib.load_modules(modules)
+  except ImportError as e:
+    raise SystemExit(f"sidecar serve: {e}") from e
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     opts = options_lib.ServerOptions(
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=args.listen, port=args.port, health_port=args.health_port,
-        socket_path=args.socket, shm_size=args.shm_size, token=token)
+        socket_path=args.socket, shm_size=args.shm_size, token=token, imports=tuple(imports))
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2

@@ -25,6 +25,7 @@ class ServerOptions:
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
   threads: int = 32
+  imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
+import importlib.metadata
 import inspect
 import marshal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 from sidecar._src import errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+PLUGIN_GROUP = "sidecar.plugins"
 FUNCTION = "function"
 PIPELINE = "pipeline"
 KINDS = (FUNCTION, PIPELINE)
@@ -120,6 +123,17 @@ def set_default_registry(registry: Registry) -> Registry:
     raise TypeError(f"registry must be a Registry, got {type(registry).__name__}")
   previous, _default = _default, registry
   return previous
+
+
+def load_modules(modules: Sequence[str]) -> None:
+  """Imports ``modules`` and every ``sidecar.plugins`` entry point, so decorators register."""
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise ImportError(f"cannot import {module!r} given with --import: {e}") from e
+  for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+    ep.load()
 
 
 def _decorator(kind: str):

@@ -157,3 +157,46 @@ def test_sidecar_death_makes_next_raise_host_lost():
       with pytest.raises(sidecar.HostLostError, match="host 1"):
         for _ in range(10):
           next(feed)
+
+
+@pytest.fixture(scope="module")
+def cluster1():
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=2, shm_size="16MiB",
+                                    imports=FNS) as c:
+    yield c
+
+
+def test_workers_give_the_same_stream(cluster1):
+  kw = dict(global_batch_size=8, sharding=data_sharding(2), n=96, seed=5, num_epochs=1)
+  with cluster1.controller() as ctl:
+    with ctl.feed("ids", **kw) as feed:
+      plain = [np.asarray(b["id"]).tolist() for b in feed]
+    with ctl.feed("ids", workers=2, **kw) as feed:
+      pooled = [np.asarray(b["id"]).tolist() for b in feed]
+    assert pooled == plain
+    with pytest.raises(sidecar.InvalidArgumentError, match="workers=N needs random access"):
+      next(ctl.feed("shard_ids", workers=2, global_batch_size=8, sharding=data_sharding(2)))
+
+
+def test_a_dead_feed_worker_is_restarted_without_gap_or_duplicate(cluster1, tmp_path):
+  with cluster1.controller() as ctl:
+    kw = dict(global_batch_size=4, sharding=data_sharding(2), n=40, num_epochs=1)
+    with ctl.feed("ids", **kw) as feed:
+      plain = [np.asarray(b["id"]).tolist() for b in feed]
+    with ctl.feed("dies_once", workers=2, marker=str(tmp_path / "died"), **kw) as feed:
+      pooled = [np.asarray(b["id"]).tolist() for b in feed]
+    assert (tmp_path / "died").exists()
+    assert pooled == plain
+    assert "feed worker" in cluster1.log(0) and "died" in cluster1.log(0)
+
+
+def test_feed_without_a_worker_comes_inline_over_grpc(cluster1):
+  kw = dict(global_batch_size=8, sharding=data_sharding(2), n=48, seed=2, num_epochs=1)
+  with cluster1.controller() as ctl:
+    with ctl.feed("ids", **kw) as feed:
+      attached = [np.asarray(b["id"]).tolist() for b in feed]
+  with cluster1.controller(attach=False) as ctl:
+    for workers in (0, 2):
+      with ctl.feed("ids", workers=workers, **kw) as feed:
+        assert [np.asarray(b["id"]).tolist() for b in feed] == attached
+    assert ctl.status()[0].arena_used == 0  # pinned blocks went back after each batch

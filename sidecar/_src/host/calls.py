@@ -12,10 +12,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from sidecar._src import codec, errors, registry as registry_lib, shm
-from sidecar._src.host import feed as feed_lib
+from sidecar._src.host import feed as feed_lib, feed_pool
 from sidecar._src.host.leases import Leases
 from sidecar._src.protocol import pb
 
@@ -29,8 +30,10 @@ class Runner:
   """Decodes calls, runs registered functions, encodes results into the arena."""
 
   def __init__(self, *, registry: registry_lib.Registry, arena: shm.Arena, leases: Leases,
-               inline_limit: int, is_attached: Callable[[str], bool]):
+               inline_limit: int, is_attached: Callable[[str], bool],
+               imports: tuple[str, ...] = ()):
     self.registry = registry
+    self._imports = imports
     self._arena = arena
     self._leases = leases
     self._inline_limit = inline_limit
@@ -108,23 +111,32 @@ class Runner:
           f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
     spec = feed_lib.Spec.from_proto(request.feed)
     session = request.worker_session
-    placed: dict[int, tuple[shm.Block, codec.ArenaRef]] = {}
+    if session and not self._is_attached(session):
+      raise errors.InvalidArgumentError(f"worker_session {session!r} is not attached")
+    # Every batch array is an arena block: leased to the worker session (which then
+    # receives it without a copy), or pinned here until the batch is encoded inline.
+    placed: dict[int, tuple[shm.Block, codec.ArenaRef, Any]] = {}
 
     def alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-      if not session:
-        return np.empty(shape, dtype)
       nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-      block = self._alloc(max(nbytes, 1), session, alive, time_left)
+      holder = session or self._leases.new_pin()
+      block = self._alloc(max(nbytes, 1), holder, alive, time_left)
       ref = codec.ArenaRef(block.offset, nbytes, block.generation, dtype.name, tuple(shape))
       out = codec.as_array(self._arena.view(block.offset, max(nbytes, 1)), ref)
-      placed[out.ctypes.data] = (block, ref)
+      placed[out.ctypes.data] = (block, ref, holder)
       return out
 
     def to_arena(a: np.ndarray) -> codec.ArenaRef | None:
+      if not session:
+        return None  # inline: the bytes are copied into the message
       found = placed.pop(a.ctypes.data, None)
       return None if found is None else found[1]
 
-    batches = feed_lib.produce(entry, kwargs, spec, alloc)
+    def pool() -> feed_pool.Pool:
+      return feed_pool.Pool(spec.workers, arena=self._arena, imports=self._imports,
+                            name=request.name, kwargs=request.kwargs, spec=request.feed)
+
+    batches = feed_lib.produce(entry, kwargs, spec, alloc, pool)
     index = 0
     try:
       while credits.take():
@@ -135,12 +147,20 @@ class Runner:
         value = codec.encode({"batch": tree, "state": state, "produce_s": seconds},
                              to_arena=to_arena, inline_limit=0,
                              where=f"batch {index} of pipeline {request.name!r}")
+        if not session:
+          self._release_placed(placed, tree)
         yield pb.StreamItem(index=index, value=value)
         index += 1
     finally:
       batches.close()
-      for block, _ in placed.values():  # made but never sent
-        self._leases.release(block.offset, block.generation, session)
+      for block, _, holder in placed.values():  # made but never sent
+        self._leases.release(block.offset, block.generation, holder)
+
+  def _release_placed(self, placed: dict, tree: Any) -> None:
+    """Unpins the blocks of an inline-encoded batch."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+      block, _, holder = placed.pop(leaf.ctypes.data)
+      self._leases.release(block.offset, block.generation, holder)
 
   def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
              where: str) -> pb.Value:
@@ -165,12 +185,12 @@ class Runner:
         self._leases.release(block.offset, block.generation, session)
       raise
 
-  def _alloc(self, nbytes: int, session: str, alive: Alive, time_left: TimeLeft) -> shm.Block:
+  def _alloc(self, nbytes: int, holder: Any, alive: Alive, time_left: TimeLeft) -> shm.Block:
     """Allocates, waiting for space while the caller lives and its deadline allows."""
     while True:
       left = time_left()  # None without a deadline
       try:
-        return self._leases.alloc(nbytes, session, timeout=min(left or 1.0, 1.0))
+        return self._leases.alloc(nbytes, holder, timeout=min(left or 1.0, 1.0))
       except errors.ResourceExhaustedError:
         if not self._leases.allocator.fits(nbytes) or not alive() or (
             left is not None and left <= 1.0):

@@ -17,8 +17,10 @@ Batches never straddle epochs: an epoch's last partial batch is dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -97,17 +99,25 @@ class Batcher:
     return [[self._alloc((b - a, *shape), dtype) for a, b in self._spec.ranges]
             for shape, dtype in self._leaf_specs]
 
+  def learn(self, element: Any) -> None:
+    """Takes the batch layout (structure, leaf shapes and dtypes) from ``element``."""
+    leaves, self._treedef = jax.tree_util.tree_flatten(element)
+    self._leaf_specs = []
+    for i, leaf in enumerate(leaves):
+      a = np.asarray(leaf)
+      codec.dtype_of(a.dtype.name, f"leaf {i} of an element of pipeline {self._name!r}")
+      self._leaf_specs.append((a.shape, a.dtype))
+
+  @property
+  def leaf_specs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+    return list(self._leaf_specs)
+
   def write(self, out: list[list[np.ndarray]] | None, row: int, element: Any
             ) -> list[list[np.ndarray]]:
     """Writes ``element`` as row ``row`` (0-based over this host's rows)."""
     leaves, treedef = jax.tree_util.tree_flatten(element)
     if self._treedef is None:
-      self._treedef = treedef
-      self._leaf_specs = []
-      for i, leaf in enumerate(leaves):
-        a = np.asarray(leaf)
-        codec.dtype_of(a.dtype.name, f"leaf {i} of an element of pipeline {self._name!r}")
-        self._leaf_specs.append((a.shape, a.dtype))
+      self.learn(element)
       out = self.new_batch()
     elif treedef != self._treedef:
       raise errors.InvalidArgumentError(
@@ -132,13 +142,45 @@ class Batcher:
     return jax.tree_util.tree_unflatten(self._treedef, out)
 
 
-def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc
+def fill(batcher: Batcher, out: list[list[np.ndarray]] | None, shuffled: grain.MapDataset,
+         position: int, ranges: tuple[tuple[int, int], ...]) -> list[list[np.ndarray]]:
+  """Writes this host's rows of the global batch starting at ``position`` of an epoch."""
+  row = 0
+  for a, b in ranges:
+    for i in range(position + a, position + b):
+      out = batcher.write(out, row, shuffled[i])
+      row += 1
+  return out
+
+
+def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
+  """``(epoch, position)`` of every global batch from the start state on."""
+  epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
+  while spec.num_epochs is None or epoch < spec.num_epochs:
+    while position + spec.global_batch_size <= n:
+      yield epoch, position
+      position += spec.global_batch_size
+    epoch, position = epoch + 1, 0
+
+
+def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
+            pool: Callable[[], Any] | None = None
             ) -> Iterator[tuple[Any, dict[str, Any], float]]:
-  """Yields ``(batch tree, state after it, seconds spent producing it)`` per step."""
+  """Yields ``(batch tree, state after it, seconds spent producing it)`` per step.
+
+  With ``spec.workers``, ``pool()`` makes the worker processes that fill batches.
+  """
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
                       int(spec.start.get("position", 0)))
   if isinstance(first, grain.MapDataset):
-    yield from _from_map(first, entry.name, spec, alloc)
+    if spec.workers:
+      yield from _from_map_pool(first, entry.name, spec, alloc, pool)
+    else:
+      yield from _from_map(first, entry.name, spec, alloc)
+  elif spec.workers:
+    raise errors.InvalidArgumentError(
+        f"pipeline {entry.name!r} returns a plain iterable; workers=N needs random access: "
+        "return a grain.MapDataset, or use workers=0")
   else:
     yield from _from_iterable(first, entry, kwargs, spec, alloc)
 
@@ -151,27 +193,52 @@ def _check_kind(spec: Spec, kind: str, name: str) -> None:
         "resume with the pipeline that made the state")
 
 
-def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
+def _check_map(ds: grain.MapDataset, name: str, spec: Spec) -> None:
   _check_kind(spec, "map", name)
-  n, g = len(ds), spec.global_batch_size
-  if n < g:
+  if len(ds) < spec.global_batch_size:
     raise errors.InvalidArgumentError(
-        f"global_batch_size {g} exceeds the {n} examples of pipeline {name!r}")
-  epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
+        f"global_batch_size {spec.global_batch_size} exceeds the {len(ds)} examples of "
+        f"pipeline {name!r}")
+
+
+def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
+  _check_map(ds, name, spec)
   batcher = Batcher(spec, alloc, name)
-  while spec.num_epochs is None or epoch < spec.num_epochs:
-    shuffled = ds.shuffle(seed=epoch_seed(spec.seed, epoch))
-    while position + g <= n:
-      t0 = time.perf_counter()
-      out, row = batcher.new_batch(), 0
-      for a, b in spec.ranges:
-        for i in range(position + a, position + b):
-          out = batcher.write(out, row, shuffled[i])
-          row += 1
-      position += g
-      yield batcher.tree(out), {"kind": "map", "epoch": epoch, "position": position}, (
-          time.perf_counter() - t0)
-    epoch, position = epoch + 1, 0
+  shuffled, shuffled_epoch = None, None
+  for epoch, position in map_steps(len(ds), spec):
+    if epoch != shuffled_epoch:
+      shuffled, shuffled_epoch = ds.shuffle(seed=epoch_seed(spec.seed, epoch)), epoch
+    t0 = time.perf_counter()
+    out = fill(batcher, batcher.new_batch(), shuffled, position, spec.ranges)
+    state = {"kind": "map", "epoch": epoch, "position": position + spec.global_batch_size}
+    yield batcher.tree(out), state, time.perf_counter() - t0
+
+
+def _from_map_pool(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
+  """As ``_from_map``, with batches filled by worker processes, in order."""
+  _check_map(ds, name, spec)
+  batcher = Batcher(spec, alloc, name)
+  steps = map_steps(len(ds), spec)
+  first = next(steps, None)
+  if first is None:
+    return
+  batcher.learn(ds.shuffle(seed=epoch_seed(spec.seed, first[0]))[first[1] + spec.ranges[0][0]])
+  in_flight: collections.deque = collections.deque()
+  with pool() as workers:
+    pending = itertools.chain([first], steps)
+    while True:
+      while len(in_flight) < 2 * workers.size:  # keep every worker busy, one task queued
+        step = next(pending, None)
+        if step is None:
+          break
+        out = batcher.new_batch()
+        in_flight.append((workers.submit(step, out), out, step))
+      if not in_flight:
+        return
+      ticket, out, (epoch, position) = in_flight.popleft()
+      seconds = workers.wait(ticket)
+      state = {"kind": "map", "epoch": epoch, "position": position + spec.global_batch_size}
+      yield batcher.tree(out), state, seconds
 
 
 def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,

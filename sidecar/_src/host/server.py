@@ -91,7 +91,8 @@ class Server:
     self.leases = Leases(shm.Allocator(self.arena.size))
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
-                         is_attached=lambda session: self.workers.has_session(session))
+                         is_attached=lambda session: self.workers.has_session(session),
+                         imports=o.imports)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.runner)
     self.service = Service(runner=self.runner, identity=self.identity,

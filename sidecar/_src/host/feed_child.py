@@ -1,0 +1,58 @@
+"""The main of a feed worker process (see ``feed_pool``): fill batches until told to stop."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import sys
+import time
+
+from sidecar._src import codec, errors, ipc, protocol, registry as registry_lib, shm
+from sidecar._src.host import feed as feed_lib
+from sidecar._src.protocol import pb
+
+
+def serve(sock: socket.socket, arena_fd: int) -> None:
+  hello, _ = ipc.recv(sock)
+  try:
+    registry_lib.load_modules(hello["imports"])
+    entry = registry_lib.default_registry().get(registry_lib.PIPELINE, hello["name"])
+    spec = feed_lib.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
+    kwargs = codec.decode(pb.Value.FromString(base64.b64decode(hello["kwargs"])))
+    ds = feed_lib.open_source(entry, kwargs, spec, 0, 0)
+    arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]))
+  except Exception as e:  # pylint: disable=broad-except
+    ipc.send(sock, {"error": _error(e)})
+    return
+  ipc.send(sock, {"ready": True})
+  batcher = feed_lib.Batcher(spec, None, entry.name)
+  shuffled, shuffled_epoch = None, None
+  while True:
+    try:
+      task, _ = ipc.recv(sock)
+    except (ConnectionError, OSError):
+      return  # the sidecar closed the pool, or died
+    try:
+      t0 = time.perf_counter()
+      if task["epoch"] != shuffled_epoch:
+        shuffled_epoch = task["epoch"]
+        shuffled = ds.shuffle(seed=feed_lib.epoch_seed(spec.seed, shuffled_epoch))
+      position = task["position"]
+      out = [[codec.as_array(arena.view(offset, arena.size - offset),
+                             codec.ArenaRef(offset, 0, 0, dtype, tuple(shape)))
+              for offset, shape, dtype in leaf] for leaf in task["blocks"]]
+      batcher.learn(shuffled[position + spec.ranges[0][0]])
+      feed_lib.fill(batcher, out, shuffled, position, spec.ranges)
+      reply = {"seq": task["seq"], "produce_s": time.perf_counter() - t0}
+    except Exception as e:  # pylint: disable=broad-except
+      reply = {"seq": task["seq"], "error": _error(e)}
+    ipc.send(sock, reply)
+
+
+def _error(e: BaseException) -> dict[str, str]:
+  info = protocol.error_info(e)
+  return {"type": info.type, "message": info.message, "traceback": info.traceback}
+
+
+if __name__ == "__main__":
+  serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
