@@ -110,7 +110,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host)
+  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -147,9 +147,10 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--timeout", type=float, default=5.0)
   s.set_defaults(func=_status)
 
-  s = sub.add_parser("demo", help="run the demo on a LocalCluster")
+  s = sub.add_parser("demo", help="train a small model fed by a LocalCluster of sidecars")
   s.add_argument("--hosts", type=int, default=2)
   s.add_argument("--devices-per-host", type=int, default=2)
+  s.add_argument("--steps", type=int, default=300)
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)

@@ -1,0 +1,151 @@
+"""Parquet files as a pipeline, streamed one row group at a time.
+
+The work is split into units of (file, row group), dealt round-robin to the
+shards: shard ``i`` of ``n`` reads units ``i, i + n, i + 2n, ...`` in file order
+(or in an order shuffled by seed and epoch with ``shuffle=True``). Resuming at a
+position skips whole row groups using the row counts in the files' footers, then
+the first rows of one group; nothing skipped is read. Files are never read
+whole: at most ``batch_rows`` rows of the projected columns are in memory.
+
+Columns become numpy values: integer, floating and boolean columns give scalars,
+``fixed_size_list`` columns (nested any depth) give arrays of fixed shape.
+Strings, binary, variable-length lists and other types have no fixed-shape
+numpy form: project them out with ``columns=[...]``.
+
+Example::
+
+  # sidecar serve --import pipelines.parquet
+  feed = ctl.feed("parquet", paths="/data/train-*.parquet",
+                  columns=["features", "label"], batch_size=256)
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import sidecar
+
+Unit = tuple[str, int, int]  # (file, row group, rows in it)
+
+
+@sidecar.pipeline
+def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
+            columns: Sequence[str] | None = None, batch_rows: int = 1024,
+            shuffle: bool = False) -> Iterator[dict[str, np.ndarray]]:
+  """This shard's rows of ``paths``, from ``ctx.position`` on, one dict per row.
+
+  Args:
+    ctx: which shard to read, and where to start in it.
+    paths: a file, a glob, or a list of them; read in the order given (each
+      glob's matches sorted).
+    columns: the columns to read (all of them if None).
+    batch_rows: rows decoded at a time; bounds the memory a row group takes.
+    shuffle: deal the row groups in an order drawn from ``(ctx.seed, ctx.epoch)``
+      rather than file order; rows within a row group keep their order.
+
+  Returns:
+    An iterator of ``{column: numpy scalar or array}``, for this shard only.
+
+  Raises:
+    FileNotFoundError: a path or glob that names no file.
+    ValueError: a column that is missing, or differs in type between files.
+    TypeError: a column whose type has no fixed-shape numpy form.
+  """
+  if not isinstance(batch_rows, int) or batch_rows < 1:
+    raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
+  columns = list(columns) if columns is not None else None
+  units, schema = [], None
+  for path in _expand_paths(paths):
+    meta = pq.read_metadata(path)
+    schema = _check_schema(path, meta.schema.to_arrow_schema(), columns, schema)
+    units += [(path, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
+              if meta.row_group(g).num_rows]
+  if shuffle:
+    order = np.random.default_rng([ctx.seed, ctx.epoch]).permutation(len(units))
+    units = [units[i] for i in order]
+  return _rows(units[ctx.shard_index::ctx.shard_count], columns, batch_rows, ctx.position)
+
+
+def _rows(units: list[Unit], columns: list[str] | None, batch_rows: int,
+          skip: int) -> Iterator[dict[str, np.ndarray]]:
+  for path, file_units in itertools.groupby(units, key=lambda unit: unit[0]):
+    with pq.ParquetFile(path) as f:
+      for _, group, num_rows in file_units:
+        if skip >= num_rows:  # The whole row group is behind the position: not read.
+          skip -= num_rows
+          continue
+        for batch in f.iter_batches(batch_size=batch_rows, row_groups=[group],
+                                    columns=columns):
+          if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+          batch, skip = batch.slice(skip), 0
+          arrays = {name: _to_numpy(name, path, batch.column(name))
+                    for name in batch.schema.names}
+          for i in range(batch.num_rows):
+            yield {name: array[i] for name, array in arrays.items()}
+
+
+def _expand_paths(paths: str | Sequence[str]) -> list[str]:
+  if isinstance(paths, (str, os.PathLike)):
+    paths = [paths]
+  if not paths:
+    raise ValueError("paths must name at least one file, got an empty list")
+  files = []
+  for pattern in map(os.fspath, paths):
+    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    missing = [m for m in matches if not os.path.isfile(m)]
+    if not matches or missing:
+      raise FileNotFoundError(f"no Parquet file at {(missing or [pattern])[0]!r}; "
+                              "check the path, or the glob if it is one")
+    files.extend(matches)
+  return files
+
+
+def _check_schema(path: str, schema: pa.Schema, columns: list[str] | None,
+                  first: tuple[str, pa.Schema] | None) -> tuple[str, pa.Schema]:
+  """Checks the projected columns of one file; returns the first file's projection."""
+  for name in columns or ():
+    if schema.get_field_index(name) < 0:
+      raise ValueError(f"column {name!r} is not in {path}; its columns are {schema.names}")
+  projected = pa.schema([schema.field(name) for name in (columns or schema.names)])
+  for field in projected:
+    if not _has_numpy_form(field.type):
+      raise TypeError(
+          f"column {field.name!r} of {path} has type {field.type}, which has no fixed-shape "
+          "numpy form; leave it out with columns=[...], or store it as numbers or a "
+          "fixed_size_list")
+  if first is None:
+    return path, projected
+  if projected.names != first[1].names:
+    raise ValueError(f"{path} has columns {projected.names} but {first[0]} has "
+                     f"{first[1].names}; pass columns=[...] that every file has")
+  for field, expected in zip(projected, first[1]):
+    if field.type != expected.type:
+      raise ValueError(f"column {field.name!r} is {field.type} in {path} but "
+                       f"{expected.type} in {first[0]}; every file needs the same types")
+  return first
+
+
+def _has_numpy_form(t: pa.DataType) -> bool:
+  if pa.types.is_fixed_size_list(t):
+    return _has_numpy_form(t.value_type)
+  return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _to_numpy(name: str, path: str, array: pa.Array) -> np.ndarray:
+  """One column of a batch as a numpy array with one leading row axis."""
+  if array.null_count:
+    raise ValueError(f"column {name!r} of {path} has {array.null_count} nulls in a batch; "
+                     "fill them before writing, or leave the column out with columns=[...]")
+  if pa.types.is_fixed_size_list(array.type):
+    values = _to_numpy(name, path, array.flatten())
+    return values.reshape(len(array), array.type.list_size, *values.shape[1:])
+  return array.to_numpy(zero_copy_only=False)
