@@ -1,0 +1,531 @@
+"""A checkpoint step in stock Orbax's on-disk layout, written by N sidecars.
+
+Stock ``ocp.CheckpointManager(directory).save(step, args=ocp.args.StandardSave(tree))``
+(orbax-checkpoint 0.12, OCDBT + Zarr v2, POSIX atomic rename) lays a step out as::
+
+  <directory>/<step>.orbax-checkpoint-tmp/   while writing; renamed to <step> to commit
+    _CHECKPOINT_METADATA        step metadata: item handlers, init/commit timestamps
+    commit_success.txt          written just before the rename
+    default/                    the one item, "default"
+      _METADATA                 tree metadata: key paths, value types, write shapes
+      _sharding                 {base64url(param name): serialized NamedSharding}
+      array_metadatas/process_<i>   per-process write and chunk shapes of jax.Array leaves
+      ocdbt.process_<i>/        one OCDBT database per writing process:
+        manifest.ocdbt            its B-tree; keys "<param>/.zarray", "<param>/<i>.<j>"
+        d/<hash>                  data files holding the Zarr chunks
+      manifest.ocdbt            the merged database, written at finalize; it references
+      d/<hash>                  the per-process data files, it copies no chunk
+      commit_success.txt
+
+A sidecar is not part of a ``jax.distributed`` job, so Orbax's own barriers and
+``jax.process_index()`` cannot place its part. Each sidecar instead plays the Orbax
+process ``host_index``: :func:`write_host_part` writes the shards its host owns into
+``ocdbt.process_<host_index>`` with Orbax's own TensorStore specs, and once every host
+is done one caller runs :func:`finalize`, which merges the databases exactly as Orbax's
+finalize does, writes the metadata files and commits with one atomic rename.
+
+Chunks are stored uncompressed by default: Orbax's default zstd makes a save CPU-bound,
+and stock Orbax reads whatever compressor ``.zarray`` names.
+
+Typical flow (host 0 or the controller on shared storage)::
+
+  tmp = orbax_layout.create_tmp_step(directory, step)
+  # on every host h, concurrently, with that host's shards:
+  sums = orbax_layout.write_host_part(tmp, h, host_leaves)
+  # once all hosts reported:
+  final = orbax_layout.finalize(tmp, specs, num_hosts=n)
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+import enum
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from typing import Any
+
+from etils import epath
+import google_crc32c
+import jax
+import numpy as np
+from orbax.checkpoint._src.asyncio_utils import run_sync
+from orbax.checkpoint._src.handlers import standard_checkpoint_handler
+from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+from orbax.checkpoint._src.metadata import step_metadata_serialization
+from orbax.checkpoint._src.metadata import tree as tree_metadata
+from orbax.checkpoint._src.metadata import value_metadata_entry
+from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
+from orbax.checkpoint._src.path import atomicity_types
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+import tensorstore as ts
+
+from sidecar._src import errors
+
+ITEM = "default"
+TMP_SUFFIX = atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
+COMMIT_SUCCESS_FILE = atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
+METADATA_FILE = "_METADATA"
+SHARDING_FILE = "_sharding"
+_HANDLER_TYPESTR = standard_checkpoint_handler.StandardCheckpointHandler.typestr()
+
+KeyPath = tuple[str | int, ...]
+Index = tuple[tuple[int, int], ...]
+
+
+class LeafKind(enum.StrEnum):
+  """How Orbax saved a leaf, and so what it restores it as."""
+
+  JAX_ARRAY = "jax.Array"
+  NUMPY = "np.ndarray"
+  SCALAR = "scalar"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LeafSpec:
+  """One array leaf of the checkpointed tree; the same on every host.
+
+  Attributes:
+    key_path: the leaf's path in the tree; ``str`` entries are dict keys, ``int``
+      entries sequence indices (``("opt", 0, "mu")``).
+    shape: global shape.
+    dtype: numpy dtype (``ml_dtypes.bfloat16`` included).
+    kind: what stock Orbax restores the leaf as.
+    write_shape: the shape of one shard, the Zarr chunk every host writes in
+      (``sharding.shard_shape(shape)``); defaults to ``shape`` (unsharded).
+    sharding: Orbax's serialized sharding (see :meth:`from_value`), stored in
+      ``_sharding`` so that a restore without target shardings can rebuild it.
+  """
+
+  key_path: KeyPath
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  kind: LeafKind = LeafKind.JAX_ARRAY
+  write_shape: tuple[int, ...] | None = None
+  sharding: str | None = None
+
+  def __post_init__(self):
+    if not self.key_path or not all(isinstance(k, (str, int)) for k in self.key_path):
+      raise errors.InvalidArgumentError(
+          f"key_path must be a non-empty tuple of str/int, got {self.key_path!r}")
+    object.__setattr__(self, "key_path", tuple(self.key_path))
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    object.__setattr__(self, "dtype", np.dtype(self.dtype))
+    object.__setattr__(self, "kind", LeafKind(self.kind))
+    if 0 in self.shape:
+      raise errors.InvalidArgumentError(
+          f"leaf {self.param_name!r} has zero-size shape {self.shape}; Orbax stores no chunk"
+          " for it, leave it out of the checkpoint")
+    write_shape = self.shape if self.write_shape is None else tuple(self.write_shape)
+    if len(write_shape) != len(self.shape) or any(
+        not 0 < w <= max(s, 1) for w, s in zip(write_shape, self.shape)):
+      raise errors.InvalidArgumentError(
+          f"write_shape of {self.param_name!r} must be a shard shape of {self.shape},"
+          f" got {write_shape}")
+    object.__setattr__(self, "write_shape", write_shape)
+    if self.kind is LeafKind.SCALAR and self.shape:
+      raise errors.InvalidArgumentError(
+          f"scalar leaf {self.param_name!r} must have shape (), got {self.shape}")
+
+  @property
+  def param_name(self) -> str:
+    """Orbax's name for the leaf: its keys joined by dots."""
+    return ".".join(str(k) for k in self.key_path)
+
+  @classmethod
+  def from_value(cls, key_path: KeyPath, value: Any) -> LeafSpec:
+    """Describes a ``jax.Array``, ``jax.ShapeDtypeStruct``, numpy array or scalar.
+
+    Runs where the value lives (the worker); only the returned spec crosses to
+    the sidecar.
+    """
+    if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
+      sharding = value.sharding
+      meta = sharding_metadata.from_jax_sharding(sharding) if sharding else None
+      return cls(
+          key_path=tuple(key_path), shape=value.shape, dtype=value.dtype,
+          kind=LeafKind.JAX_ARRAY,
+          write_shape=sharding.shard_shape(value.shape) if sharding else None,
+          sharding=meta.to_serialized_string() if meta else None)
+    if isinstance(value, np.ndarray):
+      return cls(key_path=tuple(key_path), shape=value.shape, dtype=value.dtype,
+                 kind=LeafKind.NUMPY)
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+      return cls(key_path=tuple(key_path), shape=(), dtype=np.asarray(value).dtype,
+                 kind=LeafKind.SCALAR)
+    raise errors.InvalidArgumentError(
+        f"leaf {key_path!r}: cannot checkpoint a {type(value).__name__}; expected a"
+        " jax.Array, jax.ShapeDtypeStruct, numpy array or int/float scalar")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shard:
+  """One block of a leaf: where it sits in the global array, and its bytes.
+
+  ``index`` takes slices or ``(start, stop)`` pairs (``jax`` ``Shard.index`` works
+  as is) and is stored as ``(start, stop)`` pairs once a leaf resolves it.
+  """
+
+  index: tuple[slice | tuple[int, int], ...]
+  data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostLeaf:
+  """A leaf and the shards of it this host writes (possibly none)."""
+
+  spec: LeafSpec
+  shards: tuple[Shard, ...] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "shards", tuple(self.shards))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardChecksum:
+  """The crc32c of one written shard's C-order bytes, for the step's manifest."""
+
+  key_path: KeyPath
+  index: Index
+  nbytes: int
+  crc32c: int
+
+
+def shard_crc32c(data: np.ndarray) -> int:
+  """crc32c of an array's C-order bytes, as :class:`ShardChecksum` records it."""
+  return google_crc32c.value(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+
+
+def tmp_step_path(directory: os.PathLike | str, step: int) -> pathlib.Path:
+  """Where a step is written before its commit, as Orbax names it."""
+  return pathlib.Path(directory) / f"{int(step)}{TMP_SUFFIX}"
+
+
+def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
+  """Creates the uncommitted step directory and its ``_CHECKPOINT_METADATA``.
+
+  A tmp directory left over by an attempt that never committed is removed first,
+  as Orbax's CheckpointManager does at start.
+
+  Raises:
+    FileExistsError: the step is already committed.
+  """
+  final = pathlib.Path(directory) / str(int(step))
+  if final.exists():
+    raise FileExistsError(f"step {step} is already committed at {final}")
+  tmp = tmp_step_path(directory, step)
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  _write_step_metadata(tmp, init_timestamp_nsecs=time.time_ns())
+  return tmp
+
+
+def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
+                    leaves: Sequence[HostLeaf], *, use_compression: bool = False,
+                    ) -> list[ShardChecksum]:
+  """Writes this host's shards into ``ocdbt.process_<host_index>`` of the step.
+
+  Every host passes every leaf of the tree, with the shards it owns (replicated
+  shards on exactly one host); host 0 also writes each array's ``.zarray``, as Orbax's
+  primary host does. The shard arrays must not change until this returns: they are
+  written without a copy.
+
+  Returns:
+    The crc32c of every shard written, in the order given.
+  """
+  item_dir = _item_dir(tmp_step_dir, must_be_tmp=True)
+  if not isinstance(host_index, int) or host_index < 0:
+    raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
+  _check_unique(leaf.spec for leaf in leaves)
+  blocks = [[_resolve(leaf.spec, shard) for shard in leaf.shards] for leaf in leaves]
+  item_dir.mkdir(parents=True, exist_ok=True)
+  context = ts_utils.get_ts_context(use_ocdbt=True)
+  specs = [_write_spec(item_dir, leaf.spec, host_index, use_compression) for leaf in leaves]
+  # Orbax writes a process's jax.Arrays in one OCDBT transaction, its numpy arrays
+  # without; without is as fast for large shards and several times faster for many
+  # small ones here, and the step is atomic anyway through its tmp directory.
+  opened = [ts.open(spec.json, create=host_index == 0, open=True,
+                    assume_metadata=host_index != 0, context=context)
+            for spec in specs]
+  writes, sums = [], []
+  for leaf, leaf_blocks, future in zip(leaves, blocks, opened):
+    store = future.result()
+    for index, data in leaf_blocks:
+      writes.append(store[tuple(slice(a, b) for a, b in index)].write(
+          data, can_reference_source_data_indefinitely=True))
+      # The checksum overlaps the writes, which run on TensorStore's threads.
+      sums.append(ShardChecksum(leaf.spec.key_path, index, data.nbytes, shard_crc32c(data)))
+  for write in writes:
+    write.result()  # Durable: the file kvstore fsyncs before a write resolves.
+  array_metas = [s.metadata for s, leaf in zip(specs, leaves)
+                 if leaf.spec.kind is LeafKind.JAX_ARRAY]
+  if array_metas:
+    _write_text(item_dir / "array_metadatas" / f"process_{host_index}",
+                array_metadata_store.Serializer().serialize(array_metas))
+  return sums
+
+
+def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
+             num_hosts: int, custom_metadata: Mapping[str, Any] | None = None,
+             ) -> pathlib.Path:
+  """Merges the hosts' databases, writes the tree metadata and commits the step.
+
+  Run once, after every host's :func:`write_host_part` returned. Checks that every
+  chunk of every leaf was written before anything becomes visible.
+
+  Args:
+    tmp_step_dir: the directory :func:`create_tmp_step` returned.
+    leaves: every leaf of the tree, in tree-flattening order.
+    num_hosts: how many hosts wrote parts.
+    custom_metadata: JSON-serializable, stored in ``_METADATA`` as Orbax's
+      ``StandardSave(custom_metadata=...)`` does.
+
+  Returns:
+    The committed step directory.
+
+  Raises:
+    InvalidArgumentError: a host's part is missing or disagrees with the others.
+    FileExistsError: the step was committed meanwhile.
+  """
+  tmp = pathlib.Path(tmp_step_dir)
+  item_dir = _item_dir(tmp, must_be_tmp=True)
+  final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
+  _check_unique(leaves)
+  _check_array_metadatas(item_dir, leaves, num_hosts)
+  context = ts_utils.get_ts_context(use_ocdbt=True)
+  run_sync(ocdbt_utils.merge_ocdbt_per_process_files(
+      epath.Path(item_dir), ts_context=context, use_zarr3=False))
+  _check_complete(item_dir, leaves, context)
+  shardings = {base64.urlsafe_b64encode(leaf.param_name.encode()).decode(): leaf.sharding
+               for leaf in leaves if leaf.sharding is not None}
+  if shardings:
+    _write_text(item_dir / SHARDING_FILE, json.dumps(shardings, separators=(",", ":")))
+  _write_text(item_dir / METADATA_FILE,
+              json.dumps(_tree_metadata(leaves, custom_metadata).to_json()))
+  _write_text(item_dir / COMMIT_SUCCESS_FILE,
+              f"Checkpoint commit was successful to {item_dir}")
+  _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
+  _write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
+  for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+    _fsync_dir(d)  # Every entry is durable before the rename publishes them.
+  if final.exists():
+    raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
+  os.rename(tmp, final)
+  _fsync_dir(final.parent)
+  return final
+
+
+def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
+              index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
+  """Reads a leaf, or the block ``index`` of it, from a committed step.
+
+  Works on steps written here and by stock Orbax (OCDBT or not, Zarr v2 or v3,
+  any compressor).
+
+  Raises:
+    FileNotFoundError: no such step or leaf.
+  """
+  item_dir = _item_dir(step_dir, must_be_tmp=False)
+  metadata_path = item_dir / METADATA_FILE
+  if not metadata_path.exists():
+    raise FileNotFoundError(f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)")
+  meta = json.loads(metadata_path.read_text())
+  name = ".".join(str(k) for k in key_path)
+  if str(tuple(str(k) for k in key_path)) not in meta["tree_metadata"]:
+    raise FileNotFoundError(f"leaf {name!r} is not in the checkpoint at {item_dir}")
+  spec = ts_utils.ArrayReadSpec(
+      item_dir.as_posix(), name, use_zarr3=bool(meta.get("use_zarr3")),
+      use_ocdbt=bool(meta.get("use_ocdbt")))
+  store = ts.open(spec.json, open=True,
+                  context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+  if index is not None:
+    store = store[tuple(_as_slice(i) for i in index)]
+  return store.read().result()
+
+
+def list_steps(directory: os.PathLike | str) -> list[int]:
+  """The committed steps under ``directory``, ascending; tmp directories are skipped."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and p.is_dir())
+
+
+# --- internals -------------------------------------------------------------------
+
+
+def _item_dir(step_dir: os.PathLike | str, *, must_be_tmp: bool) -> pathlib.Path:
+  step_dir = pathlib.Path(step_dir)
+  if must_be_tmp and not step_dir.name.endswith(TMP_SUFFIX):
+    raise errors.InvalidArgumentError(
+        f"{step_dir} is not an uncommitted step directory (name must end with"
+        f" {TMP_SUFFIX!r}); create one with create_tmp_step()")
+  if not step_dir.is_absolute():
+    step_dir = step_dir.absolute()  # TensorStore needs absolute paths.
+  return step_dir / ITEM
+
+
+def _check_unique(specs: Iterable[LeafSpec]) -> None:
+  seen = set()
+  for spec in specs:
+    if spec.param_name in seen:
+      raise errors.InvalidArgumentError(f"leaf {spec.param_name!r} is given twice")
+    seen.add(spec.param_name)
+
+
+def _write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
+                use_compression: bool) -> ts_utils.ArrayWriteSpec:
+  return ts_utils.ArrayWriteSpec(
+      item_dir.as_posix(), spec.param_name, global_shape=spec.shape,
+      write_shape=spec.write_shape, dtype=spec.dtype, use_ocdbt=True,
+      use_zarr3=False, use_compression=use_compression, process_id=host_index)
+
+
+def _resolve(spec: LeafSpec, shard: Shard) -> tuple[Index, np.ndarray]:
+  """Normalizes a shard's index to (start, stop) pairs and checks it fits."""
+  if len(shard.index) != len(spec.shape):
+    raise errors.InvalidArgumentError(
+        f"shard of {spec.param_name!r}: index {shard.index!r} has {len(shard.index)}"
+        f" entries for a {len(spec.shape)}-d array")
+  index = []
+  for i, dim in zip(shard.index, spec.shape):
+    start, stop, step = (i if isinstance(i, slice) else slice(*i)).indices(dim)
+    if step != 1:
+      raise errors.InvalidArgumentError(
+          f"shard of {spec.param_name!r}: index {shard.index!r} has a stride")
+    index.append((start, stop))
+  index = tuple(index)
+  data = np.asarray(shard.data)
+  expected = tuple(b - a for a, b in index)
+  if data.shape != expected or data.dtype != spec.dtype:
+    raise errors.InvalidArgumentError(
+        f"shard of {spec.param_name!r} at {index}: expected {expected} {spec.dtype},"
+        f" got {data.shape} {data.dtype}")
+  for (a, b), w, dim in zip(index, spec.write_shape, spec.shape):
+    if a % w or (b != dim and b - a != w):
+      raise errors.InvalidArgumentError(
+          f"shard of {spec.param_name!r} at {index} is not one block of write_shape"
+          f" {spec.write_shape}; hosts must write whole chunks")
+  return index, data
+
+
+def _as_slice(i: slice | tuple[int, int]) -> slice:
+  return i if isinstance(i, slice) else slice(*i)
+
+
+def _check_array_metadatas(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],
+                           num_hosts: int) -> None:
+  """Checks every host wrote its part and all agree, as Orbax's finalize does."""
+  if not any(leaf.kind is LeafKind.JAX_ARRAY for leaf in leaves):
+    return
+  meta_dir = item_dir / "array_metadatas"
+  found = sorted(p.name for p in meta_dir.glob("process_*"))
+  expected = sorted(f"process_{i}" for i in range(num_hosts))
+  if found != expected:
+    raise errors.InvalidArgumentError(
+        f"expected the parts of {num_hosts} hosts in {item_dir}, found {found}; run"
+        " write_host_part on every host (with every leaf) before finalize")
+  serializer = array_metadata_store.Serializer()
+  per_host = {int(name.removeprefix("process_")):
+              serializer.deserialize((meta_dir / name).read_text()) for name in found}
+  names = {leaf.param_name for leaf in leaves if leaf.kind is LeafKind.JAX_ARRAY}
+  for host, metas in per_host.items():
+    if {m.param_name for m in metas} != names:
+      raise errors.InvalidArgumentError(
+          f"host {host} wrote metadata for {sorted(m.param_name for m in metas)},"
+          f" expected {sorted(names)}")
+  if len(per_host) > 1:
+    try:
+      array_metadata_store.Validator().validate_all_array_metadatas(per_host)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(f"hosts disagree on the arrays: {e}") from e
+
+
+def _check_complete(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],
+                    context: ts.Context) -> None:
+  """Checks that the merged database holds every chunk of every leaf."""
+  kv = ts.KvStore.open(ts_utils.build_kvstore_tspec(item_dir.as_posix()),
+                       context=context).result()
+  counts: dict[str, int] = {}
+  metadata = set()
+  for key in kv.list().result():
+    name, _, rest = key.decode().rpartition("/")
+    if rest == ".zarray":
+      metadata.add(name)
+    else:
+      counts[name] = counts.get(name, 0) + 1
+  for leaf in leaves:
+    chunk = _chunk_shape(item_dir, leaf)
+    expected = math.prod(-(-s // c) for s, c in zip(leaf.shape, chunk))
+    got = counts.get(leaf.param_name, 0)
+    if leaf.param_name not in metadata or got != expected:
+      raise errors.InvalidArgumentError(
+          f"step at {item_dir.parent} is incomplete: leaf {leaf.param_name!r} has"
+          f" {got} of {expected} chunks (metadata written:"
+          f" {leaf.param_name in metadata}); some host did not write its shards")
+
+
+def _chunk_shape(item_dir: pathlib.Path, leaf: LeafSpec) -> tuple[int, ...]:
+  # Computed as write_host_part did: Orbax may split shards over 2 GiB.
+  return tuple(_write_spec(item_dir, leaf, 0, False).metadata.chunk_shape)
+
+
+def _tree_metadata(leaves: Sequence[LeafSpec],
+                   custom_metadata: Mapping[str, Any] | None,
+                   ) -> tree_metadata.InternalTreeMetadata:
+  entries = []
+  for leaf in leaves:
+    key_metadata = tree_metadata.KeyMetadataEntry([
+        tree_metadata.NestedKeyMetadataEntry(
+            str(k), tree_metadata.KeyType.SEQUENCE if isinstance(k, int)
+            else tree_metadata.KeyType.DICT)
+        for k in leaf.key_path])
+    value = value_metadata_entry.ValueMetadataEntry(
+        value_type=str(leaf.kind),
+        write_shape=leaf.write_shape if leaf.kind is LeafKind.JAX_ARRAY else None)
+    entries.append(tree_metadata.InternalTreeMetadataEntry(
+        str(tuple(str(k) for k in leaf.key_path)), key_metadata, value))
+  return tree_metadata.InternalTreeMetadata(
+      tree_metadata_entries=entries, use_ocdbt=True, use_zarr3=False,
+      custom_metadata=dict(custom_metadata) if custom_metadata is not None else None,
+      store_array_data_equal_to_fill_value=ts_utils.STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE,
+      pytree_metadata_options=PyTreeMetadataOptions(support_rich_types=False))
+
+
+def _write_step_metadata(step_dir: pathlib.Path, **timestamps: int) -> None:
+  path = checkpoint_metadata.step_metadata_file_path(step_dir)
+  fields = {}
+  if path.exists():
+    fields = json.loads(path.read_text())
+  fields = step_metadata_serialization.serialize(checkpoint_metadata.StepMetadata(
+      item_handlers={ITEM: _HANDLER_TYPESTR},
+      init_timestamp_nsecs=timestamps.get(
+          "init_timestamp_nsecs", fields.get("init_timestamp_nsecs")),
+      commit_timestamp_nsecs=timestamps.get("commit_timestamp_nsecs")))
+  _write_text(pathlib.Path(path), json.dumps(fields))
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+  """Writes a small file durably; its directory is synced before the commit."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

@@ -1,0 +1,259 @@
+"""Tier 1: steps written host by host in Orbax's layout, checked against stock Orbax.
+
+No sockets: each simulated host's part is written in this process from the shards
+its devices own, as its sidecar would write them from the arena.
+"""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sidecar._src import errors
+from sidecar._src.host import orbax_layout as ol
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  devices = jax.devices()
+  if len(devices) < 8:
+    pytest.fail(f"needs 8 CPU devices, JAX started with {len(devices)}: set "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts "
+                "(tests/conftest.py does)")
+  return Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
+
+
+@pytest.fixture(scope="module")
+def tree(mesh):
+  def put(x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+  rng = np.random.default_rng(0)
+  return {
+      "w": put(rng.standard_normal((8, 16), dtype=np.float32), "x", "y"),
+      "b": put(jnp.asarray(rng.standard_normal(16), dtype=jnp.bfloat16)),  # replicated
+      "k": put(rng.integers(-2**31, 2**31 - 1, (4, 6), dtype=np.int32), None, "x"),
+      "e": put(rng.standard_normal((8, 4), dtype=np.float32), "y"),  # half replicated
+      "opt": [{"mu": put(rng.standard_normal(8, dtype=np.float32), ("x", "y"))}],
+      "table": rng.integers(0, 100, (3, 5), dtype=np.int32),
+      "step": 7,
+      "lr": 0.25,
+  }
+
+
+@pytest.fixture(scope="module")
+def stock_dir(tree, tmp_path_factory):
+  """A step saved by stock Orbax (zstd, its default), for the read and layout checks."""
+  directory = tmp_path_factory.mktemp("stock")
+  with ocp.CheckpointManager(directory) as mgr:
+    mgr.save(0, args=ocp.args.StandardSave(tree))
+    mgr.wait_until_finished()
+  return directory
+
+
+def key_path(path):
+  return tuple(k.key if isinstance(k, jax.tree_util.DictKey) else k.idx for k in path)
+
+
+def flat(tree):
+  return [(key_path(p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def host_parts(tree, mesh, num_hosts):
+  """Each host's leaves: the replica-0 shards on its devices, numpy and scalars on the last."""
+  owner = {d: i * num_hosts // mesh.size for i, d in enumerate(mesh.devices.flat)}
+  leaves = flat(tree)
+  specs = [ol.LeafSpec.from_value(kp, v) for kp, v in leaves]
+  parts = []
+  for host in range(num_hosts):
+    part = []
+    for (kp, v), spec in zip(leaves, specs):
+      if isinstance(v, jax.Array):
+        shards = tuple(ol.Shard(s.index, np.asarray(s.data)) for s in v.addressable_shards
+                       if s.replica_id == 0 and owner[s.device] == host)
+      elif host == num_hosts - 1:
+        value = np.asarray(v)
+        shards = (ol.Shard((slice(None),) * value.ndim, value),)
+      else:
+        shards = ()
+      part.append(ol.HostLeaf(spec, shards))
+    parts.append(part)
+  return specs, parts
+
+
+def assert_bit_exact(expected, got):
+  expected, got = np.asarray(expected), np.asarray(got)
+  assert (got.dtype, got.shape) == (expected.dtype, expected.shape)
+  assert got.tobytes() == expected.tobytes()
+
+
+def layout(step_dir):
+  """Relative file paths of a step, with OCDBT's hashed data file names masked."""
+  paths = set()
+  for p in pathlib.Path(step_dir).rglob("*"):
+    if p.is_file():
+      rel = p.relative_to(step_dir)
+      paths.add(str(rel.parent / "*") if rel.parent.name == "d" else str(rel))
+  return paths
+
+
+@pytest.mark.parametrize(("num_hosts", "use_compression"), [(1, False), (2, False), (4, True)],
+                         ids=["1host", "2hosts", "4hosts-zstd"])
+def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_hosts,
+                                                     use_compression):
+  specs, parts = host_parts(tree, mesh, num_hosts)
+  tmp = ol.create_tmp_step(tmp_path, 5)
+  sums = []
+  for host, part in enumerate(parts):
+    sums += ol.write_host_part(tmp, host, part, use_compression=use_compression)
+  final = ol.finalize(tmp, specs, num_hosts=num_hosts)
+
+  assert final == tmp_path / "5" and not tmp.exists()
+  assert ol.list_steps(tmp_path) == [5]
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  with ocp.CheckpointManager(tmp_path) as mgr:
+    assert mgr.all_steps() == [5]
+    restored = mgr.restore(5, args=ocp.args.StandardRestore(abstract))
+  for (kp, want), (_, got) in zip(flat(tree), flat(restored)):
+    assert_bit_exact(want, got)
+    if isinstance(want, jax.Array):
+      assert got.sharding == want.sharding, kp
+    else:
+      assert type(got) is type(want), kp
+  # Every unique shard was checksummed once, and the checksum matches what is on disk.
+  unique = sum(len({str(s.index) for s in v.addressable_shards}) if isinstance(v, jax.Array)
+               else 1 for _, v in flat(tree))
+  assert len(sums) == unique
+  for s in sums:
+    assert s.crc32c == ol.shard_crc32c(ol.read_leaf(final, s.key_path, s.index)), s
+
+
+def test_layout_matches_stock_orbax(tree, mesh, tmp_path, stock_dir):
+  specs, parts = host_parts(tree, mesh, 1)
+  tmp = ol.create_tmp_step(tmp_path, 0)
+  ol.write_host_part(tmp, 0, parts[0])
+  ours, stock = ol.finalize(tmp, specs, num_hosts=1), stock_dir / "0"
+
+  assert layout(ours) == layout(stock)
+  assert layout(ours) >= {"_CHECKPOINT_METADATA", "commit_success.txt", "default/_METADATA",
+                          "default/_sharding", "default/manifest.ocdbt",
+                          "default/array_metadatas/process_0",
+                          "default/ocdbt.process_0/manifest.ocdbt"}
+  read = lambda d, name: json.loads((d / name).read_text())
+  assert read(ours, "default/_sharding") == read(stock, "default/_sharding")
+  ours_meta, stock_meta = read(ours, "default/_METADATA"), read(stock, "default/_METADATA")
+  # Stock Orbax splits replicated arrays among replicas, so only write_shape may differ.
+  for meta in (ours_meta, stock_meta):
+    for entry in meta["tree_metadata"].values():
+      entry["value_metadata"].pop("write_shape", None)
+  assert ours_meta == stock_meta
+  ours_step, stock_step = read(ours, "_CHECKPOINT_METADATA"), read(stock, "_CHECKPOINT_METADATA")
+  assert ours_step.keys() == stock_step.keys()
+  assert ours_step["item_handlers"] == stock_step["item_handlers"]
+  assert 0 < ours_step["init_timestamp_nsecs"] <= ours_step["commit_timestamp_nsecs"]
+
+
+def test_read_leaf_reads_a_stock_orbax_step(tree, stock_dir):
+  assert ol.list_steps(stock_dir) == [0]
+  step = stock_dir / "0"
+  for kp, value in flat(tree):
+    assert_bit_exact(np.asarray(value), ol.read_leaf(step, kp))
+  w = np.asarray(tree["w"])
+  assert_bit_exact(w[4:8, 4:8], ol.read_leaf(step, ("w",), (slice(4, 8), slice(4, 8))))
+  assert_bit_exact(w[2:3, 0:16], ol.read_leaf(step, ("w",), ((2, 3), (0, 16))))
+  with pytest.raises(FileNotFoundError, match=r"leaf 'nope.0' is not in the checkpoint"):
+    ol.read_leaf(step, ("nope", 0))
+  with pytest.raises(FileNotFoundError, match=r"_METADATA is missing"):
+    ol.read_leaf(stock_dir / "1", ("w",))
+
+
+def test_uncommitted_step_is_not_listed(tree, mesh, tmp_path):
+  specs, parts = host_parts(tree, mesh, 2)
+  tmp = ol.create_tmp_step(tmp_path, 3)
+  for host, part in enumerate(parts):
+    ol.write_host_part(tmp, host, part)
+  assert tmp.name == "3.orbax-checkpoint-tmp"
+  assert ol.list_steps(tmp_path) == []
+  with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
+      cleanup_tmp_directories=False)) as mgr:
+    assert mgr.all_steps() == []  # Stock Orbax agrees.
+  ol.finalize(tmp, specs, num_hosts=2)
+  assert ol.list_steps(tmp_path) == [3]
+
+
+def test_finalize_refuses_a_missing_host_part(tree, mesh, tmp_path):
+  specs, parts = host_parts(tree, mesh, 2)
+  tmp = ol.create_tmp_step(tmp_path, 1)
+  ol.write_host_part(tmp, 0, parts[0])
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"expected the parts of 2 hosts .* found \['process_0'\]"):
+    ol.finalize(tmp, specs, num_hosts=2)
+  assert ol.list_steps(tmp_path) == [] and tmp.exists()
+
+
+def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
+  specs, parts = host_parts(tree, mesh, 2)
+  # Host 1 reports in but drops its shards of "w".
+  parts[1] = [ol.HostLeaf(leaf.spec) if leaf.spec.key_path == ("w",) else leaf
+              for leaf in parts[1]]
+  tmp = ol.create_tmp_step(tmp_path, 1)
+  for host, part in enumerate(parts):
+    ol.write_host_part(tmp, host, part)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"incomplete: leaf 'w' has 4 of 8 chunks"):
+    ol.finalize(tmp, specs, num_hosts=2)
+  assert ol.list_steps(tmp_path) == []
+
+
+SPEC = ol.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_shape=(2, 3))
+
+
+@pytest.mark.parametrize(("shard", "match"), [
+    (ol.Shard(((0, 2), (0, 3)), np.zeros((2, 2), np.float32)),
+     r"expected \(2, 3\) float32, got \(2, 2\) float32"),
+    (ol.Shard(((0, 2), (0, 3)), np.zeros((2, 3), np.float64)),
+     r"expected \(2, 3\) float32, got \(2, 3\) float64"),
+    (ol.Shard(((1, 3), (0, 3)), np.zeros((2, 3), np.float32)),
+     r"not one block of write_shape \(2, 3\)"),
+    (ol.Shard((slice(0, 4, 2), slice(0, 3)), np.zeros((2, 3), np.float32)), r"has a stride"),
+    (ol.Shard(((0, 2),), np.zeros((2,), np.float32)), r"has 1 entries for a 2-d array"),
+], ids=["shape", "dtype", "misaligned", "strided", "rank"])
+def test_write_host_part_rejects_bad_shards(tmp_path, shard, match):
+  tmp = ol.create_tmp_step(tmp_path, 0)
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    ol.write_host_part(tmp, 0, [ol.HostLeaf(SPEC, (shard,))])
+
+
+def test_leaf_spec_validates():
+  with pytest.raises(errors.InvalidArgumentError, match=r"write_shape of 'a' must be a shard"):
+    ol.LeafSpec(key_path=("a",), shape=(4,), dtype=np.float32, write_shape=(5,))
+  with pytest.raises(errors.InvalidArgumentError, match=r"key_path must be a non-empty tuple"):
+    ol.LeafSpec(key_path=(), shape=(4,), dtype=np.float32)
+  with pytest.raises(errors.InvalidArgumentError, match=r"cannot checkpoint a str"):
+    ol.LeafSpec.from_value(("s",), "text")
+  spec = ol.LeafSpec.from_value(("opt", 0, "mu"), np.zeros(3, np.int8))
+  assert (spec.param_name, spec.kind, spec.write_shape) == ("opt.0.mu", "np.ndarray", (3,))
+
+
+def test_steps_are_created_and_committed_once(tmp_path):
+  stale = ol.create_tmp_step(tmp_path, 2)
+  (stale / "leftover").write_text("from a crashed attempt")
+  tmp = ol.create_tmp_step(tmp_path, 2)
+  assert not (tmp / "leftover").exists()
+  with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
+    ol.write_host_part(tmp_path / "2", 0, [])
+  spec = ol.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
+  shard = ol.Shard(((0, 2),), np.arange(2, dtype=np.int32))
+  ol.write_host_part(tmp, 0, [ol.HostLeaf(spec, (shard,))])
+  ol.finalize(tmp, [spec], num_hosts=1)
+  assert_bit_exact(np.arange(2, dtype=np.int32), ol.read_leaf(tmp_path / "2", ("x",)))
+  with pytest.raises(FileExistsError, match=r"step 2 is already committed"):
+    ol.create_tmp_step(tmp_path, 2)
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "7.orbax-checkpoint-tmp").mkdir()
+  assert ol.list_steps(tmp_path) == [2]
