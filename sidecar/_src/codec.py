@@ -9,6 +9,7 @@ callback is given; then only an :class:`ArenaRef` crosses the wire.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -167,14 +168,14 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
 def as_array(buffer: np.ndarray, ref: ArenaRef) -> np.ndarray:
   """The array ``ref`` describes, viewed (no copy) on the uint8 ``buffer`` of its block."""
   dtype = dtype_of(ref.dtype)
-  need = int(np.prod(ref.shape, dtype=np.int64)) * dtype.itemsize
+  need = math.prod(ref.shape) * dtype.itemsize
   return buffer[:need].view(dtype).reshape(ref.shape)
 
 
 def _check_size(shape, dtype: np.dtype, nbytes: int, where: str, *, at_least: bool = False):
   if any(d < 0 for d in shape):
     raise errors.InvalidArgumentError(f"{where}: negative dimension in shape {tuple(shape)}")
-  need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+  need = math.prod(shape) * dtype.itemsize
   if need > nbytes if at_least else need != nbytes:
     raise errors.InvalidArgumentError(
         f"{where}: shape {tuple(shape)} of {dtype.name} needs {need} bytes, got {nbytes}")

@@ -10,11 +10,13 @@ block is given back only when no array (numpy or jax) can read it any more.
 from __future__ import annotations
 
 import contextlib
+import math
 import enum
 import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 import jax
@@ -134,7 +136,7 @@ class Worker:
     """A new array in the arena (for arguments and saves), and its descriptor."""
     self._check_open()
     dtype = np.dtype(dtype)
-    nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
     reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout})
     ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
     return self.view(ref), ref
@@ -146,9 +148,28 @@ class Worker:
     np.copyto(dst, array)
     return dst, ref
 
+  def take_freed(self) -> list[int]:
+    """Blocks let go of since the last call, flattened (offset, generation) pairs.
+
+    A stream sends them with its next credit; the release thread sends the rest.
+    """
+    flat = []
+    while True:
+      try:
+        item = self._freed.get_nowait()
+      except queue.Empty:
+        break
+      if item is not None:
+        flat.extend(item)
+    if flat:
+      with self._lock:
+        self._live -= len(flat) // 2
+    return flat
+
   def _release_loop(self) -> None:
     while True:
       item = self._freed.get()
+      time.sleep(0.001)  # Let frees gather: one message for many, fewer thread wake-ups.
       blocks = [item] if item is not None else []
       while True:  # Batch whatever else is waiting into one message.
         try:
@@ -232,8 +253,6 @@ class Worker:
 class LocalStream:
   """Items of a sidecar iterable over the worker's Unix socket; one credit per ``next()``."""
 
-  _CREDIT = pb.StreamRequest(credit=1).SerializeToString()
-
   def __init__(self, worker: Worker, sock: socket.socket, name: str):
     self._worker = worker
     self._sock = sock
@@ -258,8 +277,9 @@ class LocalStream:
       raise errors.HostLostError(f"the sidecar of host {w.host_id} at {w.path} is gone "
                                  f"during stream {self._name!r}: {e}", host_id=w.host_id) from None
     if not item.end:
+      credit = pb.StreamRequest(credit=1, freed=w.take_freed())
       try:
-        ipc.send_bytes(self._sock, self._CREDIT)
+        ipc.send_bytes(self._sock, credit.SerializeToString())
       except OSError:
         pass  # The sidecar already finished; the end frame waits in the socket.
     else:

@@ -195,14 +195,16 @@ class CallResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("start", "credit", "prefetch")
+    __slots__ = ("start", "credit", "prefetch", "freed")
     START_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
     start: CallRequest
     credit: int
     prefetch: int
-    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
+    freed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("value", "index", "error", "end")

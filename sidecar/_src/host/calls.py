@@ -7,6 +7,7 @@ worker socket (the device-owning process on this host, the fast path).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -118,7 +119,7 @@ class Runner:
     placed: dict[int, tuple[shm.Block, codec.ArenaRef, Any]] = {}
 
     def alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-      nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+      nbytes = math.prod(shape) * dtype.itemsize
       holder = session or self._leases.new_pin()
       block = self._alloc(max(nbytes, 1), holder, alive, time_left)
       ref = codec.ArenaRef(block.offset, nbytes, block.generation, dtype.name, tuple(shape))

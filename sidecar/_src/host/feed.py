@@ -112,45 +112,78 @@ class Batcher:
   def leaf_specs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
     return list(self._leaf_specs)
 
-  def write(self, out: list[list[np.ndarray]] | None, row: int, element: Any
+  def write(self, out: list[list[np.ndarray]] | None, elements: list[Any]
             ) -> list[list[np.ndarray]]:
-    """Writes ``element`` as row ``row`` (0-based over this host's rows)."""
-    leaves, treedef = jax.tree_util.tree_flatten(element)
+    """Writes one batch's ``elements`` (this host's rows, in order) into ``out``.
+
+    ``out`` None: allocates it, taking the layout from the first element.
+    """
     if self._treedef is None:
-      self.learn(element)
+      self.learn(elements[0])
+    if out is None:
       out = self.new_batch()
-    elif treedef != self._treedef:
-      raise errors.InvalidArgumentError(
-          f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
-          f"first element's {self._treedef}; every element must have the same structure")
-    r, k = row, 0
-    while r >= self._spec.ranges[k][1] - self._spec.ranges[k][0]:
-      r -= self._spec.ranges[k][1] - self._spec.ranges[k][0]
-      k += 1
-    for i, (leaf, (shape, dtype)) in enumerate(zip(leaves, self._leaf_specs)):
-      a = np.asarray(leaf)
-      if a.shape != shape:
-        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(element)[0][i][0])
+    flat = []
+    for element in elements:
+      leaves, treedef = jax.tree_util.tree_flatten(element)
+      if treedef != self._treedef:
         raise errors.InvalidArgumentError(
-            f"pipeline {self._name!r}: element leaf {path} has shape {a.shape}, but the first "
-            f"element's had {shape}; pad or crop to a fixed shape before batching")
-      out[i][k][r] = a
+            f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
+            f"first element's {self._treedef}; every element must have the same structure")
+      flat.append(leaves)
+    for i, (shape, _) in enumerate(self._leaf_specs):
+      start = 0
+      for k, (a, b) in enumerate(self._spec.ranges):
+        rows = [leaves[i] for leaves in flat[start:start + b - a]]
+        start += b - a
+        try:
+          np.stack(rows, out=out[i][k], casting="same_kind")
+        except ValueError:
+          self._raise_shape(elements, i, shape)
     return out
+
+  def _raise_shape(self, elements: list[Any], i: int, shape: tuple[int, ...]):
+    for element in elements:
+      (path, leaf), = [jax.tree_util.tree_flatten_with_path(element)[0][i]]
+      if np.shape(leaf) != shape:
+        raise errors.InvalidArgumentError(
+            f"pipeline {self._name!r}: element leaf {jax.tree_util.keystr(path)} has shape "
+            f"{np.shape(leaf)}, but the first element's had {shape}; pad or crop to a fixed "
+            "shape before batching")
+    raise errors.InvalidArgumentError(f"pipeline {self._name!r}: cannot batch leaf {i}")
 
   def tree(self, out: list[list[np.ndarray]]) -> Any:
     """The element structure with each leaf a list of per-range arrays."""
     return jax.tree_util.tree_unflatten(self._treedef, out)
 
 
-def fill(batcher: Batcher, out: list[list[np.ndarray]] | None, shuffled: grain.MapDataset,
-         position: int, ranges: tuple[tuple[int, int], ...]) -> list[list[np.ndarray]]:
-  """Writes this host's rows of the global batch starting at ``position`` of an epoch."""
-  row = 0
-  for a, b in ranges:
-    for i in range(position + a, position + b):
-      out = batcher.write(out, row, shuffled[i])
-      row += 1
-  return out
+PERMUTATION_LIMIT = 1 << 24  # Up to 16M examples a permutation costs <= 64 MiB an epoch.
+
+
+class Order:
+  """Random access to one epoch-shuffled ``MapDataset``, a batch of rows at a time."""
+
+  def __init__(self, ds: grain.MapDataset, seed: int):
+    self._ds, self._seed = ds, seed
+    self._epoch, self._perm, self._shuffled = None, None, None
+
+  def _set_epoch(self, epoch: int) -> None:
+    if epoch == self._epoch:
+      return
+    seed, self._epoch = epoch_seed(self._seed, epoch), epoch
+    if len(self._ds) <= PERMUTATION_LIMIT:
+      self._perm = np.random.default_rng(seed).permutation(len(self._ds)).astype(np.uint32)
+    else:  # Grain's O(1)-memory index shuffle
+      self._shuffled = self._ds.shuffle(seed=seed)
+
+  def rows(self, epoch: int, position: int, ranges: tuple[tuple[int, int], ...]) -> list[Any]:
+    """The elements at ``position + r`` of the epoch's order, for each row r in ``ranges``."""
+    self._set_epoch(epoch)
+    at = [position + r for a, b in ranges for r in range(a, b)]
+    ds = self._ds if self._perm is not None else self._shuffled
+    if self._perm is not None:
+      at = self._perm[at].tolist()
+    getitems = getattr(ds, "_getitems", None)  # Grain's batched read, where there is one
+    return getitems(at) if getitems is not None else [ds[i] for i in at]
 
 
 def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
@@ -203,13 +236,10 @@ def _check_map(ds: grain.MapDataset, name: str, spec: Spec) -> None:
 
 def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
   _check_map(ds, name, spec)
-  batcher = Batcher(spec, alloc, name)
-  shuffled, shuffled_epoch = None, None
+  batcher, order = Batcher(spec, alloc, name), Order(ds, spec.seed)
   for epoch, position in map_steps(len(ds), spec):
-    if epoch != shuffled_epoch:
-      shuffled, shuffled_epoch = ds.shuffle(seed=epoch_seed(spec.seed, epoch)), epoch
     t0 = time.perf_counter()
-    out = fill(batcher, batcher.new_batch(), shuffled, position, spec.ranges)
+    out = batcher.write(batcher.new_batch(), order.rows(epoch, position, spec.ranges))
     state = {"kind": "map", "epoch": epoch, "position": position + spec.global_batch_size}
     yield batcher.tree(out), state, time.perf_counter() - t0
 
@@ -222,7 +252,7 @@ def _from_map_pool(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc, po
   first = next(steps, None)
   if first is None:
     return
-  batcher.learn(ds.shuffle(seed=epoch_seed(spec.seed, first[0]))[first[1] + spec.ranges[0][0]])
+  batcher.learn(ds[0])  # Every element has the same layout; the workers fill the rest.
   in_flight: collections.deque = collections.deque()
   with pool() as workers:
     pending = itertools.chain([first], steps)
@@ -256,14 +286,10 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
           "grain.MapDataset or an iterable of elements") from None
     while True:
       t0 = time.perf_counter()
-      out, row = batcher.new_batch(), 0
-      for element in iterator:
-        out = batcher.write(out, row, element)
-        row += 1
-        if row == spec.rows:
-          break
-      if row < spec.rows:
+      elements = list(itertools.islice(iterator, spec.rows))
+      if len(elements) < spec.rows:
         break  # the shard ran out: the partial batch is dropped, the epoch ends
+      out = batcher.write(batcher.new_batch(), elements)
       position += spec.rows
       batches += 1
       yield batcher.tree(out), {"kind": "iter", "epoch": epoch, "position": position}, (

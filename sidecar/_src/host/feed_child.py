@@ -26,7 +26,7 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
     return
   ipc.send(sock, {"ready": True})
   batcher = feed_lib.Batcher(spec, None, entry.name)
-  shuffled, shuffled_epoch = None, None
+  order = feed_lib.Order(ds, spec.seed)
   while True:
     try:
       task, _ = ipc.recv(sock)
@@ -34,15 +34,10 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
       return  # the sidecar closed the pool, or died
     try:
       t0 = time.perf_counter()
-      if task["epoch"] != shuffled_epoch:
-        shuffled_epoch = task["epoch"]
-        shuffled = ds.shuffle(seed=feed_lib.epoch_seed(spec.seed, shuffled_epoch))
-      position = task["position"]
       out = [[codec.as_array(arena.view(offset, arena.size - offset),
                              codec.ArenaRef(offset, 0, 0, dtype, tuple(shape)))
               for offset, shape, dtype in leaf] for leaf in task["blocks"]]
-      batcher.learn(shuffled[position + spec.ranges[0][0]])
-      feed_lib.fill(batcher, out, shuffled, position, spec.ranges)
+      batcher.write(out, order.rows(task["epoch"], task["position"], spec.ranges))
       reply = {"seq": task["seq"], "produce_s": time.perf_counter() - t0}
     except Exception as e:  # pylint: disable=broad-except
       reply = {"seq": task["seq"], "error": _error(e)}

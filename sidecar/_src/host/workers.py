@@ -109,7 +109,8 @@ class WorkerListener:
       first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
-      credits = _SocketCredits(conn, max(first.prefetch, 1))
+      credits = _SocketCredits(conn, max(first.prefetch, 1),
+                               lambda freed: self._free(session, freed))
       alive = lambda: self.has_session(session)
       for item in self._runner.stream(first.start, credits, alive=alive, time_left=lambda: None):
         ipc.send_bytes(conn, item.SerializeToString())
@@ -126,11 +127,7 @@ class WorkerListener:
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     op = message.get("op")
     if op == "free":
-      for offset, generation in message.get("blocks", ()):
-        try:
-          self._leases.release(int(offset), int(generation), session)
-        except errors.StaleDescriptorError as e:
-          log.warning("worker %s: %s", session, e)
+      self._free(session, [int(x) for pair in message.get("blocks", ()) for x in pair])
       return
     if op == "alloc":
       try:
@@ -142,6 +139,14 @@ class WorkerListener:
       ipc.send(conn, reply)
       return
     ipc.send(conn, {"error": {"type": "InvalidArgumentError", "message": f"unknown op {op!r}"}})
+
+  def _free(self, session: str, flat: list[int]) -> None:
+    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
+    for offset, generation in zip(flat[::2], flat[1::2]):
+      try:
+        self._leases.release(offset, generation, session)
+      except errors.StaleDescriptorError as e:
+        log.warning("worker %s: %s", session, e)
 
   def close(self) -> None:
     """Stops accepting, drops every session; idempotent."""
@@ -166,15 +171,19 @@ class _SocketCredits:
   frame. A closed socket means the consumer is gone: ``take`` returns False.
   """
 
-  def __init__(self, conn: socket.socket, initial: int):
+  def __init__(self, conn: socket.socket, initial: int, on_freed: Callable[[list[int]], None]):
     self._conn = conn
     self._available = initial
+    self._on_freed = on_freed
 
   def _read(self, block: bool) -> None:
     self._conn.setblocking(block)
     try:
       while True:
-        self._available += pb.StreamRequest.FromString(ipc.recv_bytes(self._conn)).credit
+        message = pb.StreamRequest.FromString(ipc.recv_bytes(self._conn))
+        self._available += message.credit
+        if message.freed:
+          self._on_freed(list(message.freed))
         if block:
           return
     except BlockingIOError:
