@@ -62,3 +62,20 @@ def test_demo_runs(tmp_path):
   accuracy = float(p.stdout.split("test accuracy ")[1].split("%")[0])
   assert accuracy > 50  # a model that learned from the fed digits, not chance (10%)
   assert "no shared memory left behind" in p.stdout
+
+
+def test_status_shows_running_feeds(capsys):
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="8MiB",
+                                    imports=["tests.feed_fns"]) as c, c.controller() as ctl:
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
+    with ctl.feed("ids", global_batch_size=4, sharding=sharding) as feed:
+      for _ in range(5):
+        next(feed)
+      assert cli.main(["status", *c.addresses]) == 0
+    out = capsys.readouterr().out
+  feeds = out.split("PIPELINE", 1)[1].strip().splitlines()[1:]
+  assert len(feeds) == 2 and all(" ids " in f for f in feeds)
+  assert all(int(f.split()[3]) >= 5 for f in feeds)  # batches made so far, prefetch included

@@ -267,6 +267,7 @@ class LocalStream:
     if self.closed:
       raise StopIteration
     w = self._worker
+    t0 = time.perf_counter()
     try:
       item = pb.StreamItem.FromString(ipc.recv_bytes(self._sock, limit=1 << 30))
     except socket.timeout:
@@ -277,7 +278,7 @@ class LocalStream:
       raise errors.HostLostError(f"the sidecar of host {w.host_id} at {w.path} is gone "
                                  f"during stream {self._name!r}: {e}", host_id=w.host_id) from None
     if not item.end:
-      credit = pb.StreamRequest(credit=1, freed=w.take_freed())
+      credit = pb.StreamRequest(credit=1, freed=w.take_freed(), wait_s=time.perf_counter() - t0)
       try:
         ipc.send_bytes(self._sock, credit.SerializeToString())
       except OSError:

@@ -195,16 +195,18 @@ class CallResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("start", "credit", "prefetch", "freed")
+    __slots__ = ("start", "credit", "prefetch", "freed", "wait_s")
     START_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     start: CallRequest
     credit: int
     prefetch: int
     freed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("value", "index", "error", "end")
@@ -232,8 +234,26 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FeedStatus(_message.Message):
+    __slots__ = ("pipeline", "batches", "uptime_s", "produce_s", "backpressure_s", "trainer_wait_s", "workers")
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PRODUCE_S_FIELD_NUMBER: _ClassVar[int]
+    BACKPRESSURE_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    pipeline: str
+    batches: int
+    uptime_s: float
+    produce_s: float
+    backpressure_s: float
+    trainer_wait_s: float
+    workers: int
+    def __init__(self, pipeline: _Optional[str] = ..., batches: _Optional[int] = ..., uptime_s: _Optional[float] = ..., produce_s: _Optional[float] = ..., backpressure_s: _Optional[float] = ..., trainer_wait_s: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls")
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +263,7 @@ class StatusResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
     identity: HostIdentity
     versions: Versions
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -252,4 +273,5 @@ class StatusResponse(_message.Message):
     workers: int
     uptime_s: float
     calls: int
-    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ...) -> None: ...
+    feeds: _containers.RepeatedCompositeFieldContainer[FeedStatus]
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ...) -> None: ...

@@ -65,6 +65,8 @@ def test_state_reflects_what_was_consumed_not_prefetched(cluster4):
     assert (state["kind"], state["epoch"], state["position"]) == ("map", 0, 8)
     stats = feed.stats()
     assert stats["batches"] == 1 and stats["wait_s_mean"] >= 0 and stats["hosts"] == [0, 1, 2, 3]
+    assert set(stats["arena_occupancy"]) == {0, 1, 2, 3}
+    assert all(0 < v < 1 for v in stats["arena_occupancy"].values())  # prefetched batches
 
 
 def test_resume_with_new_controller_and_new_sidecars_continues_exactly():

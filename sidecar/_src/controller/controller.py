@@ -303,7 +303,9 @@ class Controller:
 
     return Feed(name=name, plans=plans, sharding=sharding, global_batch_size=global_batch_size,
                 seed=seed, num_epochs=num_epochs, prefetch=prefetch, state=state,
-                workers=workers, open_stream=open_stream)
+                workers=workers, open_stream=open_stream,
+                arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
+                                   for s in self.status()})
 
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
                  timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:

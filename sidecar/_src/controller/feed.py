@@ -93,8 +93,10 @@ class Feed:
   def __init__(self, *, name: str, plans: list[HostPlan], sharding: jax.sharding.Sharding,
                global_batch_size: int, seed: int, num_epochs: int | None, prefetch: int,
                state: dict[str, Any] | None, workers: int,
-               open_stream: Callable[[int, pb.FeedSpec], Any]):
+               open_stream: Callable[[int, pb.FeedSpec], Any],
+               arena_use: Callable[[], dict[int, float]] = dict):
     self.name = name
+    self._arena_use = arena_use
     self._plans = plans
     self._sharding = sharding
     self._g = global_batch_size
@@ -175,7 +177,8 @@ class Feed:
     return dict(self._state)
 
   def stats(self) -> dict[str, Any]:
-    """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch."""
+    """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,
+    and each host's arena occupancy (the fraction of slots in use)."""
     elapsed = time.perf_counter() - self._started
     waits = self._waits or [0.0]
     return {
@@ -185,6 +188,7 @@ class Feed:
         "wait_s_max": max(waits),
         "produce_s_mean": statistics.fmean(self._produce) if self._produce else 0.0,
         "hosts": [p.host_id for p in self._plans],
+        "arena_occupancy": self._arena_use(),
     }
 
   def close(self) -> None:

@@ -45,8 +45,29 @@ def format_table(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> s
                    for row in lines)
 
 
+def format_feeds(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
+  """One line per running feed: rates and where the time goes, per batch."""
+  header = ("HOST", "PIPELINE", "WORKERS", "BATCHES", "BATCHES/S", "PRODUCE MS", "BACKPRESSURE MS",
+            "TRAINER WAIT MS", "ARENA")
+  lines = [header]
+  for _, s in rows:
+    if isinstance(s, Exception):
+      continue
+    for f in s.feeds:
+      n = max(f.batches, 1)
+      lines.append((str(s.identity.host_id), f.pipeline, str(f.workers), str(f.batches),
+                    f"{f.batches / f.uptime_s:.1f}" if f.uptime_s else "-",
+                    f"{f.produce_s / n * 1e3:.2f}", f"{f.backpressure_s / n * 1e3:.2f}",
+                    f"{f.trainer_wait_s / n * 1e3:.2f}",
+                    f"{s.arena_used / max(s.arena_size, 1):.0%}"))
+  if len(lines) == 1:
+    return "no feeds running"
+  widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
+
+
 def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None) -> int:
-  """Prints the table; returns 1 if any sidecar did not answer."""
+  """Prints the tables; returns 1 if any sidecar did not answer."""
   rows = []
   for a in addresses:
     try:
@@ -54,4 +75,6 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
     except Exception as e:  # pylint: disable=broad-except
       rows.append((a, e))
   print(format_table(rows), file=sys.stdout)
+  print(file=sys.stdout)
+  print(format_feeds(rows), file=sys.stdout)
   return 1 if any(isinstance(s, Exception) for _, s in rows) else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,6 @@ class Stream:
     self._responses = rpc(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
     self._host, self._host_id = host, host_id
     self._name = start.name
-    self._credit = pb.StreamRequest(credit=1)
     self.closed = False
     self.args: list = []
 
@@ -41,6 +41,7 @@ class Stream:
   def __next__(self) -> Any:
     if self.closed:
       raise StopIteration
+    t0 = time.perf_counter()
     try:
       item = next(self._responses)
     except StopIteration:
@@ -49,7 +50,7 @@ class Stream:
     except grpc.RpcError as e:
       self.close()
       raise protocol.error_from_rpc(e, host=self._host, host_id=self._host_id) from None
-    self._requests.put(self._credit)
+    self._requests.put(pb.StreamRequest(credit=1, wait_s=time.perf_counter() - t0))
     return codec.decode(item.value,
                         where=f"item {item.index} of {self._name!r} from host {self._host_id}")
 

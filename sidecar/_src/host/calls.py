@@ -10,6 +10,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,7 @@ class Runner:
     self._is_attached = is_attached
     self._lock = threading.Lock()
     self.calls = 0
+    self._feed_status: dict[int, tuple[pb.FeedStatus, float, Any]] = {}
     # Finalizers of sidecar-side views hand their block back here, never under a lock.
     self._released: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=self._release_loop, name="sidecar-release", daemon=True).start()
@@ -139,12 +141,22 @@ class Runner:
 
     batches = feed_lib.produce(entry, kwargs, spec, alloc, pool)
     index = 0
+    status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
+    started = time.perf_counter()
+    with self._lock:
+      self._feed_status[id(status)] = (status, started, credits)
     try:
-      while credits.take():
+      while True:
+        t0 = time.perf_counter()
+        if not credits.take():
+          return
+        status.backpressure_s += time.perf_counter() - t0
         try:
           tree, state, seconds = next(batches)
         except StopIteration:
           return
+        status.batches += 1
+        status.produce_s += seconds
         value = codec.encode({"batch": tree, "state": state, "produce_s": seconds},
                              to_arena=to_arena, inline_limit=0,
                              where=f"batch {index} of pipeline {request.name!r}")
@@ -153,9 +165,24 @@ class Runner:
         yield pb.StreamItem(index=index, value=value)
         index += 1
     finally:
+      with self._lock:
+        self._feed_status.pop(id(status), None)
       batches.close()
       for block, _, holder in placed.values():  # made but never sent
         self._leases.release(block.offset, block.generation, holder)
+
+  def feeds(self) -> list[pb.FeedStatus]:
+    """A snapshot of every running feed on this sidecar."""
+    with self._lock:
+      running = list(self._feed_status.values())
+    out = []
+    for status, started, credits in running:
+      snap = pb.FeedStatus()
+      snap.CopyFrom(status)
+      snap.uptime_s = time.perf_counter() - started
+      snap.trainer_wait_s = credits.consumer_wait_s
+      out.append(snap)
+    return out
 
   def _release_placed(self, placed: dict, tree: Any) -> None:
     """Unpins the blocks of an inline-encoded batch."""
@@ -222,10 +249,12 @@ class Credits:
     self._cond = threading.Condition()
     self._available = initial
     self._open = True
+    self.consumer_wait_s = 0.0  # what the consumer reported waiting, in all
 
-  def grant(self, n: int) -> None:
+  def grant(self, n: int, wait_s: float = 0.0) -> None:
     with self._cond:
       self._available += n
+      self.consumer_wait_s += wait_s
       self._cond.notify()
 
   def close(self) -> None:

@@ -134,7 +134,8 @@ class Service:
     def read_credits():
       try:
         for raw in requests:
-          credits.grant(parse(pb.StreamRequest, raw).credit)
+          message = parse(pb.StreamRequest, raw)
+          credits.grant(message.credit, message.wait_s)
       except Exception:  # pylint: disable=broad-except
         pass  # The consumer went away.
       credits.close()
@@ -151,4 +152,4 @@ class Service:
         arena_used=self._leases.allocator.used_bytes,
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
-        calls=self._runner.calls)
+        calls=self._runner.calls, feeds=self._runner.feeds())

@@ -175,6 +175,7 @@ class _SocketCredits:
     self._conn = conn
     self._available = initial
     self._on_freed = on_freed
+    self.consumer_wait_s = 0.0
 
   def _read(self, block: bool) -> None:
     self._conn.setblocking(block)
@@ -182,6 +183,7 @@ class _SocketCredits:
       while True:
         message = pb.StreamRequest.FromString(ipc.recv_bytes(self._conn))
         self._available += message.credit
+        self.consumer_wait_s += message.wait_s
         if message.freed:
           self._on_freed(list(message.freed))
         if block:
