@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src import errors
-from sidecar._src.host import orbax_layout as ol
+from sidecar._src import orbax_layout as ol
 
 
 @pytest.fixture(scope="module")
