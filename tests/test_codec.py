@@ -88,3 +88,8 @@ def test_large_arrays_go_to_the_arena_small_ones_inline():
   out = codec.decode(v, from_arena=lambda ref: seen.append(ref) or np.zeros(ref.shape, ref.dtype))
   assert seen == [codec.ArenaRef(4096, big.nbytes, 7, "float32", (256, 256))]
   assert out["big"].shape == (256, 256)
+
+
+def test_zero_d_arrays_keep_their_shape():
+  out = roundtrip({"a": np.array(3, np.int32)})
+  assert out["a"].shape == () and out["a"].dtype == np.int32 and int(out["a"]) == 3

@@ -57,7 +57,8 @@ def check_array(a: np.ndarray, where: str) -> np.ndarray:
   dtype_of(name, where)
   if a.dtype.byteorder not in "=|":
     a = a.astype(a.dtype.newbyteorder("="))
-  return np.ascontiguousarray(a)
+  # np.ascontiguousarray would turn a 0-d array into shape (1,).
+  return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 ToArena = Callable[[np.ndarray], ArenaRef | None]

@@ -8,6 +8,7 @@ The tree::
     ├── InvalidArgumentError(ValueError)          bad arguments or bytes (INVALID_ARGUMENT)
     ├── ResourceExhaustedError                    arena, quota or limit full (RESOURCE_EXHAUSTED)
     ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
+    ├── CorruptCheckpointError(ValueError)        a shard that fails its crc32c
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
     ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
@@ -48,6 +49,10 @@ class ResourceExhaustedError(SidecarError):
 
 class StaleDescriptorError(SidecarError, ValueError):
   """An arena descriptor names a block that was freed or reused since."""
+
+
+class CorruptCheckpointError(SidecarError, ValueError):
+  """A checkpoint shard does not match the crc32c recorded when it was saved."""
 
 
 class VersionMismatchError(SidecarError):

@@ -68,7 +68,7 @@ from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 import tensorstore as ts
 
-from sidecar._src import errors
+from sidecar._src import codec, errors
 
 ITEM = "default"
 TMP_SUFFIX = atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
@@ -164,6 +164,18 @@ class LeafSpec:
     raise errors.InvalidArgumentError(
         f"leaf {key_path!r}: cannot checkpoint a {type(value).__name__}; expected a"
         " jax.Array, jax.ShapeDtypeStruct, numpy array or int/float scalar")
+
+
+def spec_to_dict(s: LeafSpec) -> dict[str, Any]:
+  """A LeafSpec as plain values (what crosses between controller and sidecars)."""
+  return {"key_path": list(s.key_path), "shape": list(s.shape), "dtype": s.dtype.name,
+          "kind": str(s.kind), "write_shape": list(s.write_shape), "sharding": s.sharding}
+
+
+def spec_from_dict(d: Mapping[str, Any]) -> LeafSpec:
+  return LeafSpec(key_path=tuple(d["key_path"]), shape=tuple(d["shape"]),
+                  dtype=codec.dtype_of(d["dtype"], f"leaf {d['key_path']}"), kind=d["kind"],
+                  write_shape=tuple(d["write_shape"]), sharding=d.get("sharding"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -62,6 +62,9 @@ class Registry:
       raise TypeError(f"@sidecar.{kind} needs a callable, got {type(fn).__name__} {fn!r}")
     if not isinstance(name, str) or not name:
       raise TypeError(f"a {kind} name must be a non-empty str, got {name!r}")
+    if name.startswith("sidecar.") and self is _default:
+      raise ValueError(f"{kind} names starting with 'sidecar.' are the sidecar's own; "
+                       f"rename {name!r}")
     try:
       signature = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -93,6 +93,7 @@ class Worker:
     self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]))
     self.state = State.ATTACHED
     self._live = 0
+    self._generations: dict[int, int] = {}  # block offset -> generation, of live views
     self._freed: queue.SimpleQueue = queue.SimpleQueue()
     self._releaser = threading.Thread(target=self._release_loop, name="sidecar-worker-free",
                                       daemon=True)
@@ -127,9 +128,24 @@ class Worker:
     self._check_open()
     with self._lock:
       self._live += 1
+      self._generations[ref.offset] = ref.generation
     holder = self.arena.lease(ref.offset, ref.nbytes,
                               lambda: self._freed.put((ref.offset, ref.generation)))
     return codec.as_array(holder, ref)
+
+  def ref_of(self, array: np.ndarray) -> codec.ArenaRef | None:
+    """The descriptor of an array that starts a block this worker holds, else None.
+
+    Sending such an array to the sidecar needs no copy: only the descriptor travels.
+    """
+    offset = self.arena.contains(array)
+    if offset is None or not array.flags.c_contiguous:
+      return None
+    with self._lock:
+      generation = self._generations.get(offset)
+    if generation is None:
+      return None
+    return codec.ArenaRef(offset, array.nbytes, generation, array.dtype.name, array.shape)
 
   def empty(self, shape: tuple[int, ...], dtype: Any, *, timeout: float = 0.0
             ) -> tuple[np.ndarray, codec.ArenaRef]:
@@ -164,7 +180,13 @@ class Worker:
     if flat:
       with self._lock:
         self._live -= len(flat) // 2
+        self._forget(zip(flat[::2], flat[1::2]))
     return flat
+
+  def _forget(self, blocks) -> None:
+    for offset, generation in blocks:
+      if self._generations.get(offset) == generation:
+        del self._generations[offset]
 
   def _release_loop(self) -> None:
     while True:
@@ -180,6 +202,7 @@ class Worker:
           blocks.append(nxt)
       with self._lock:
         self._live -= len(blocks)
+        self._forget(blocks)
         if blocks and self.state is not State.CLOSED:
           with contextlib.suppress(OSError):
             ipc.send(self._sock, {"op": "free", "blocks": blocks})

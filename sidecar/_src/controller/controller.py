@@ -11,10 +11,12 @@ from typing import Any
 
 import grpc
 import jax
+import numpy as np
 
 from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib
 from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -192,6 +194,10 @@ class Controller:
     to_arena = None
     if w is not None:
       def to_arena(a):
+        ref = w.ref_of(a)
+        if ref is not None:  # already in the arena: send the descriptor only
+          held.append(a)
+          return ref
         dst, ref = w.put(a, timeout=timeout)
         held.append(dst)  # This side holds argument blocks until the call ends.
         return ref
@@ -306,6 +312,42 @@ class Controller:
                 workers=workers, open_stream=open_stream,
                 arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                                    for s in self.status()})
+
+  def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
+                   keep_period: int | None = None, ram_steps: int = 1,
+                   ram_budget: int | None = None, if_busy: str = "wait") -> Checkpointer:
+    """Checkpoints that stall the trainer for one copy into shared memory.
+
+    The sidecars persist each step in stock Orbax's layout (``ocp.CheckpointManager``
+    restores it), commit it across hosts, and keep the newest ``ram_steps`` committed
+    steps in their arenas (within ``ram_budget`` bytes) so a restore need not read
+    storage.
+
+    Example::
+
+      ckpt = ctl.checkpointer("/ckpt/run1", max_to_keep=3)
+      handle = ckpt.save(step, {"params": params, "opt": opt_state}, data_state=feed.state())
+      handle.staged.result()    # the arrays may be changed or donated from here on
+      ...
+      state = ckpt.restore(target=abstract_state)
+
+    Raises:
+      InvalidArgumentError: ``directory`` is not writable from every sidecar.
+    """
+    self._check_open()
+    return Checkpointer(
+        directory=str(directory), call=self.call, call_async=self.call_async,
+        put=self._put, hosts=[h.host_id for h in self.hosts],
+        device_hosts={d: h.host_id for h in self.hosts for d in h.device_ids},
+        arena_free=lambda: {s.identity.host_id: (s.arena_size - s.arena_used, s.arena_size)
+                            for s in self.status()},
+        max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
+        ram_budget=ram_budget, if_busy=if_busy)
+
+  def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
+    """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""
+    w = self._workers.get(host_id)
+    return w.put(data)[0] if w is not None else np.array(data)
 
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
                  timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:

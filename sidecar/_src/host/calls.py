@@ -24,6 +24,7 @@ from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
 
+BUILTIN_PREFIX = "sidecar."
 Alive = Callable[[], bool]
 TimeLeft = Callable[[], float | None]
 
@@ -33,8 +34,13 @@ class Runner:
 
   def __init__(self, *, registry: registry_lib.Registry, arena: shm.Arena, leases: Leases,
                inline_limit: int, is_attached: Callable[[str], bool],
-               imports: tuple[str, ...] = ()):
+               imports: tuple[str, ...] = (),
+               builtins: dict[str, Callable[..., Any]] | None = None):
     self.registry = registry
+    # The sidecar's own functions (``sidecar.*``), run like registered ones.
+    self._builtins = registry_lib.Registry()
+    for name, fn in (builtins or {}).items():
+      self._builtins.add(registry_lib.FUNCTION, name, fn)
     self._imports = imports
     self._arena = arena
     self._leases = leases
@@ -50,7 +56,10 @@ class Runner:
   def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION
               ) -> tuple[registry_lib.Entry, tuple, dict]:
     """The registered entry and decoded, signature-checked arguments of a call."""
-    entry = self.registry.get(kind, request.name)
+    if kind == registry_lib.FUNCTION and request.name.startswith(BUILTIN_PREFIX):
+      entry = self._builtins.get(kind, request.name)
+    else:
+      entry = self.registry.get(kind, request.name)
     args = codec.decode(request.args, from_arena=self._view, where="args")
     kwargs = codec.decode(request.kwargs, from_arena=self._view, where="kwargs")
     if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
@@ -201,6 +210,13 @@ class Runner:
     granted: list[shm.Block] = []
 
     def to_arena(a: np.ndarray) -> codec.ArenaRef:
+      offset = self._arena.contains(a)
+      block = None if offset is None else self._leases.block_at(offset)
+      if block is not None and a.nbytes <= block.nbytes:
+        # Already in the arena (a RAM-tier shard, an argument): lease it, copy nothing.
+        self._leases.hold(block.offset, block.generation, session)
+        granted.append(block)
+        return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
       block = self._alloc(a.nbytes, session, alive, time_left)
       granted.append(block)
       np.copyto(self._arena.view(block.offset, a.nbytes), a.reshape(-1).view(np.uint8))

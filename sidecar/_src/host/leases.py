@@ -48,6 +48,12 @@ class Leases:
       self._by_holder.setdefault(holder, set()).add(offset)
       return entry[0]
 
+  def block_at(self, offset: int) -> shm.Block | None:
+    """The live block that starts at ``offset``, if any."""
+    with self._lock:
+      entry = self._holders.get(offset)
+    return None if entry is None else entry[0]
+
   def release(self, offset: int, generation: int, holder: Hashable) -> None:
     with self._lock:
       entry = self._holders.get(offset)

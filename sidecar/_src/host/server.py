@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
 from sidecar._src.host.calls import Runner
+from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.service import Service
 from sidecar._src.host.workers import WorkerListener, versions_dict
@@ -92,7 +93,8 @@ class Server:
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
                          is_attached=lambda session: self.workers.has_session(session),
-                         imports=o.imports)
+                         imports=o.imports,
+                         builtins=CheckpointHost(o.host_id).functions())
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.runner)
     self.service = Service(runner=self.runner, identity=self.identity,

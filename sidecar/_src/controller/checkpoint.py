@@ -1,0 +1,390 @@
+"""``ctl.checkpointer``: saves that stall the trainer for one copy, restores from RAM or disk.
+
+A save copies every addressable shard once into the arena of the host that owns
+its device (replicated shards once), hands the blocks to the sidecars (``staged``)
+and returns. The sidecars write their parts in stock Orbax's layout in their own
+processes; the controller commits once every host is prepared (``durable``). A
+step is listed only after its commit; a crash anywhere before leaves it invisible.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sidecar._src import errors, orbax_layout as ol, shm
+
+KeyPath = tuple[str | int, ...]
+
+
+def key_path(path: Sequence[Any]) -> KeyPath:
+  """A jax tree path as Orbax names it: dict keys and attributes as str, indices as int."""
+  out = []
+  for k in path:
+    if isinstance(k, jax.tree_util.SequenceKey):
+      out.append(k.idx)
+    elif isinstance(k, jax.tree_util.DictKey):
+      out.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      out.append(k.name)
+    else:
+      out.append(str(getattr(k, "key", k)))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveHandle:
+  """``staged``: the state is in the arenas (the trainer may change its arrays);
+  ``durable``: the step is committed on storage. Both are ``concurrent.futures.Future``s."""
+  step: int
+  staged: concurrent.futures.Future
+  durable: concurrent.futures.Future
+
+
+def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+class Checkpointer:
+  """Made by ``Controller.checkpointer``; see there."""
+
+  def __init__(self, *, directory: str, call: Callable[..., Any],
+               call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
+               hosts: list[int], device_hosts: dict[int, int], arena_free: Callable[[], dict],
+               max_to_keep: int | None, keep_period: int | None, ram_steps: int,
+               ram_budget: int | None, if_busy: str):
+    if if_busy not in ("wait", "skip"):
+      raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+    for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
+      if v is not None and (not isinstance(v, int) or v < 1):
+        raise errors.InvalidArgumentError(f"{name} must be None or an int >= 1, got {v!r}")
+    self.directory = str(directory)
+    self._call, self._call_async, self._put = call, call_async, put
+    self._hosts, self._device_hosts = hosts, device_hosts
+    self._arena_free = arena_free
+    self._max_to_keep, self._keep_period, self._if_busy = max_to_keep, keep_period, if_busy
+    opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget,
+                        hosts=self._hosts)
+    self._steps = list(opened[0]["steps"])
+    self._lock = threading.Lock()
+    self._in_flight: SaveHandle | None = None
+    self._closed = False
+
+  # ---- save --------------------------------------------------------------
+
+  def save(self, step: int, tree: Any, *, data_state: dict[str, Any] | None = None
+           ) -> SaveHandle:
+    """Copies ``tree`` into the arenas and returns; the sidecars persist it.
+
+    At most one save is in flight: with ``if_busy="wait"`` this waits for the
+    previous one to be durable, with ``"skip"`` it returns a handle whose futures
+    hold None and saves nothing.
+    """
+    self._check_open()
+    if not isinstance(step, int) or step < 0:
+      raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+    previous = self._in_flight
+    if previous is not None and not previous.durable.done():
+      if self._if_busy == "skip":
+        return _done_handle(step, None)
+      concurrent.futures.wait([previous.durable])
+    if step in self.all_steps():
+      raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
+    if data_state is not None:
+      try:
+        data_json = json.dumps(data_state)
+      except TypeError as e:
+        raise errors.InvalidArgumentError(f"data_state must be JSON-serialisable: {e}") from None
+    else:
+      data_json = ""
+    specs, plan = self._plan(tree)
+    self._check_fits(plan)
+    handle = SaveHandle(step, concurrent.futures.Future(), concurrent.futures.Future())
+    shards = {h: [] for h in self._hosts}
+    for host, leaf, index, data in plan:  # the one copy the trainer waits for
+      dst = self._put(host, data)
+      shards[host].append({"leaf": leaf, "index": [list(i) for i in index], "data": dst})
+    leaves = [ol.spec_to_dict(s) for s in specs]
+    self._in_flight = handle
+    threading.Thread(target=self._finish, args=(handle, shards, leaves, data_json), daemon=True,
+                     name=f"sidecar-save-{step}").start()
+    return handle
+
+  def _plan(self, tree: Any) -> tuple[list[ol.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
+    """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if not flat:
+      raise errors.InvalidArgumentError("tree has no leaves to save")
+    specs, plan = [], []
+    for i, (path, value) in enumerate(flat):
+      spec = ol.LeafSpec.from_value(key_path(path), value)
+      specs.append(spec)
+      if isinstance(value, jax.Array):
+        seen = set()
+        for shard in value.addressable_shards:
+          index = _index(shard.index, value.shape)
+          if index in seen:
+            continue  # a replica: saved once
+          seen.add(index)
+          host = self._device_hosts.get(shard.device.id)
+          if host is None:
+            raise errors.InvalidArgumentError(
+                f"leaf {spec.param_name!r} has a shard on device {shard.device.id}, which no "
+                "sidecar host declares (sidecar serve --device-ids)")
+          plan.append((host, i, index, np.asarray(shard.data)))
+      else:
+        data = np.asarray(value)
+        plan.append((self._hosts[0], i, tuple((0, n) for n in data.shape), data))
+    return specs, plan
+
+  def _check_fits(self, plan) -> None:
+    need: dict[int, int] = {}
+    for host, _, _, data in plan:
+      need[host] = need.get(host, 0) + -(-max(data.nbytes, 1) // shm.PAGE) * shm.PAGE
+    free = self._arena_free()
+    short = {h: (n, free[h]) for h, n in need.items() if n > free[h][0]}
+    if short:
+      detail = "; ".join(f"host {h} needs {shm.format_size(n)}, has {shm.format_size(f)} free "
+                         f"of {shm.format_size(size)}" for h, (n, (f, size)) in short.items())
+      raise errors.ResourceExhaustedError(
+          f"the state does not fit the arenas ({detail}); nothing was copied. Raise the "
+          "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
+
+  def _finish(self, handle: SaveHandle, shards: dict[int, list], leaves, data_json: str) -> None:
+    step = handle.step
+    try:
+      self._call("sidecar.ckpt.begin", self.directory, step, hosts=[self._hosts[0]])
+      stages = [self._call_async("sidecar.ckpt.stage", self.directory, step, len(self._hosts),
+                                 leaves, shards[h], hosts=[h])[0] for h in self._hosts]
+      for f in stages:
+        f.result()
+      shards.clear()  # the sidecars hold the blocks now
+      handle.staged.set_result(step)
+      prepared = [f.result() for f in self._call_async(
+          "sidecar.ckpt.prepared", self.directory, step, hosts=self._hosts, timeout=3600)]
+      checksums = [c for host_sums in prepared for c in host_sums]
+      self._call("sidecar.ckpt.commit", self.directory, step, len(self._hosts), leaves,
+                 checksums, data_json, hosts=[self._hosts[0]], timeout=3600)
+    except BaseException as e:  # pylint: disable=broad-except
+      if not handle.staged.done():
+        handle.staged.set_exception(e)
+      handle.durable.set_exception(e)
+      try:
+        self._call("sidecar.ckpt.abort", self.directory, step, hosts=self._alive_hosts())
+      except Exception:  # pylint: disable=broad-except
+        pass  # the next open() sweeps the tmp dir
+      return
+    try:
+      self._call("sidecar.ckpt.committed", self.directory, step, hosts=self._hosts)
+    except Exception:  # pylint: disable=broad-except
+      pass  # durable all the same; the RAM tier of a lost host is gone anyway
+    with self._lock:
+      self._steps = sorted(set(self._steps) | {step})
+    self._collect_garbage()
+    handle.durable.set_result(step)
+
+  def _alive_hosts(self) -> list[int]:
+    alive = []
+    for h in self._hosts:
+      try:
+        self._call("sidecar.ckpt.ram", self.directory, hosts=[h], timeout=2)
+        alive.append(h)
+      except errors.SidecarError:
+        pass
+    return alive
+
+  def _collect_garbage(self) -> None:
+    if self._max_to_keep is None:
+      return
+    with self._lock:
+      steps = list(self._steps)
+    keep = set(steps[-self._max_to_keep:])
+    if self._keep_period:
+      keep |= {s for s in steps if s % self._keep_period == 0}
+    for s in steps:
+      if s not in keep:
+        self._call("sidecar.ckpt.delete", self.directory, s, hosts=[self._hosts[0]])
+        with self._lock:
+          self._steps.remove(s)
+
+  # ---- restore -----------------------------------------------------------
+
+  def restore(self, step: int | None = None, *, target: Any) -> Any:
+    """Restores ``step`` (default: the latest) onto the shardings of ``target``.
+
+    ``target`` is a pytree of ``jax.ShapeDtypeStruct``s with shardings, or of concrete
+    arrays (their shardings are used). Reads each shard from a sidecar's RAM tier when
+    one holds it, else from storage, checking its crc32c; a corrupt shard falls back
+    to the other tier. Reshards when the target mesh differs from the one saved.
+    """
+    self._check_open()
+    step = self._pick(step)
+    manifest = self._call("sidecar.ckpt.info", self.directory, step, hosts=[self._hosts[0]])[0]
+    saved = {tuple(d["key_path"]): d for d in manifest["leaves"]}
+    stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
+    for c in manifest["shards"]:
+      stored.setdefault(tuple(c["key_path"]), []).append(
+          (tuple(tuple(i) for i in c["index"]), c["crc32c"]))
+    ram = self._ram_index(step)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    out = []
+    for path, want in flat:
+      kp = key_path(path)
+      self._check_leaf(kp, want, saved, step)
+      out.append(self._restore_leaf(step, kp, want, stored[kp], ram))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def data_state(self, step: int | None = None) -> dict[str, Any] | None:
+    """The data position saved with ``step`` (default: the latest), or None."""
+    step = self._pick(step)
+    return self._call("sidecar.ckpt.info", self.directory, step,
+                      hosts=[self._hosts[0]])[0]["data_state"]
+
+  def _pick(self, step: int | None) -> int:
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise errors.InvalidArgumentError(f"no committed step in {self.directory} to restore")
+      return steps[-1]
+    if step not in steps:
+      raise errors.InvalidArgumentError(
+          f"step {step} does not exist in {self.directory}; committed steps: {steps or 'none'}")
+    return step
+
+  @staticmethod
+  def _check_leaf(kp: KeyPath, want: Any, saved: dict, step: int) -> None:
+    name = ".".join(map(str, kp))
+    if kp not in saved:
+      raise errors.InvalidArgumentError(
+          f"target leaf {name!r} is not in step {step}; it has {sorted('.'.join(map(str, k)) for k in saved)}")
+    d = saved[kp]
+    shape, dtype = tuple(np.shape(want)), np.dtype(getattr(want, "dtype", np.asarray(want).dtype))
+    if shape != tuple(d["shape"]) or dtype.name != d["dtype"]:
+      raise errors.InvalidArgumentError(
+          f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
+          f"{d['dtype']}{d['shape']}")
+
+  def _ram_index(self, step: int) -> dict[tuple[KeyPath, tuple], int]:
+    where = {}
+    for h in self._hosts:
+      try:
+        held = self._call("sidecar.ckpt.ram", self.directory, hosts=[h], timeout=5)[0]
+      except errors.SidecarError:
+        continue
+      for kp, index in held.get(str(step), []):
+        where[(tuple(kp), tuple(tuple(i) for i in index))] = h
+    return where
+
+  def _fetch(self, step: int, kp: KeyPath, index, crc: int, ram: dict, fallback_host: int
+             ) -> np.ndarray:
+    """One stored shard, from a RAM tier if any host holds it, else from storage."""
+    tiers = []
+    if (kp, index) in ram:
+      tiers.append((ram[(kp, index)], "ram"))
+    tiers.append((fallback_host, "disk"))
+    error = None
+    for host, tier in tiers:
+      try:
+        return self._call("sidecar.ckpt.read", self.directory, step, list(kp),
+                          [list(i) for i in index], crc, tier, hosts=[host])[0]
+      except errors.CorruptCheckpointError as e:
+        error = e
+      except errors.SidecarError as e:
+        error = e
+    for host in self._hosts:  # the corrupt file may have a RAM copy elsewhere
+      if (host, "ram") not in tiers:
+        try:
+          return self._call("sidecar.ckpt.read", self.directory, step, list(kp),
+                            [list(i) for i in index], crc, "ram", hosts=[host])[0]
+        except errors.SidecarError:
+          pass
+    raise error
+
+  def _restore_leaf(self, step: int, kp: KeyPath, want: Any, shards, ram) -> Any:
+    sharding = getattr(want, "sharding", None)
+    shape = tuple(np.shape(want))
+    if sharding is None:  # numpy or scalar leaf
+      region = tuple((0, n) for n in shape)
+      data = self._assemble(step, kp, region, shards, ram, self._hosts[0])
+      return data if shape else data[()]
+    arrays, devices = [], []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+      region = _index(index, shape)
+      host = self._device_hosts.get(device.id, self._hosts[0])
+      arrays.append(self._assemble(step, kp, region, shards, ram, host))
+      devices.append(device)
+    return jax.make_array_from_single_device_arrays(shape, sharding,
+                                                    jax.device_put(arrays, devices))
+
+  def _assemble(self, step: int, kp: KeyPath, region, shards, ram, host: int) -> np.ndarray:
+    """The block ``region`` of a leaf, from the stored shards overlapping it."""
+    for index, crc in shards:
+      if index == region:  # the common case: same sharding as saved, no copy
+        return self._fetch(step, kp, index, crc, ram, host)
+    out = None
+    for index, crc in shards:
+      lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
+      hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
+      if any(l >= h for l, h in zip(lo, hi)) and region:
+        continue
+      data = self._fetch(step, kp, index, crc, ram, host)
+      if out is None:
+        out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
+      src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
+      dst = tuple(slice(l - r0, h - r0) for l, h, (r0, _) in zip(lo, hi, region))
+      out[dst] = data[src]
+    if out is None:
+      raise errors.InvalidArgumentError(f"step {step}: no stored shard covers {kp} {region}")
+    return out
+
+  # ---- listing and lifecycle ---------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    with self._lock:
+      return list(self._steps)
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def wait(self) -> None:
+    """Waits until the save in flight (if any) is durable; raises its error."""
+    handle = self._in_flight
+    if handle is not None:
+      handle.durable.result()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise errors.ClosedError("this checkpointer is closed")
+
+  def close(self) -> None:
+    """Waits for the save in flight, then closes; idempotent."""
+    if self._closed:
+      return
+    try:
+      handle = self._in_flight
+      if handle is not None:
+        concurrent.futures.wait([handle.durable])
+    finally:
+      self._closed = True
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _done_handle(step: int, value: Any) -> SaveHandle:
+  staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
+  staged.set_result(value)
+  durable.set_result(value)
+  return SaveHandle(step, staged, durable)

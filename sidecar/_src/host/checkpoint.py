@@ -1,0 +1,230 @@
+"""The sidecar's half of checkpointing: keep staged shards, persist them, commit, read back.
+
+The controller drives a save in phases, each a built-in call (``sidecar.ckpt.*``):
+
+1. ``begin`` (host 0): creates ``<step>.orbax-checkpoint-tmp``.
+2. ``stage`` (every host): takes the shards the worker copied into the arena. From
+   then on the trainer's arrays are free; this sidecar holds the only copy it needs
+   (its RAM tier) and writes its part in a background thread, in stock Orbax's layout.
+3. ``prepared`` (every host): waits for that write; returns the shards' crc32c.
+4. ``commit`` (host 0): writes the manifest (checksums, data position), merges and
+   renames: the step becomes visible at once, or not at all.
+5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
+
+``read`` serves restores: from the RAM tier when this host holds the shard (no copy:
+the block itself is leased to the caller), else from storage, checking the crc32c.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sidecar._src import errors, orbax_layout as ol, shm
+
+log = logging.getLogger(__name__)
+MANIFEST = "sidecar_manifest.json"
+
+Index = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass
+class _Step:
+  """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
+  directory: str
+  step: int
+  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
+  nbytes: int
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  checksums: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  error: BaseException | None = None
+  committed: bool = False
+  started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class CheckpointHost:
+  """Built-in ``sidecar.ckpt.*`` functions of one sidecar."""
+
+  def __init__(self, host_id: int):
+    self._host_id = host_id
+    self._lock = threading.Lock()
+    self._steps: dict[tuple[str, int], _Step] = {}
+    self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
+
+  def functions(self) -> dict[str, Callable[..., Any]]:
+    return {f"sidecar.ckpt.{name}": getattr(self, name) for name in (
+        "open", "begin", "stage", "prepared", "commit", "committed", "abort", "read", "info",
+        "ram", "delete")}
+
+  # ---- save --------------------------------------------------------------
+
+  def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None) -> dict:
+    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
+    path = pathlib.Path(directory)
+    try:
+      path.mkdir(parents=True, exist_ok=True)
+      probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
+      probe.write_bytes(b"ok")
+      probe.unlink()
+    except OSError as e:
+      raise errors.InvalidArgumentError(
+          f"checkpoint directory {directory!r} is not writable from sidecar host "
+          f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
+          "mount the same volume in the sidecar container)") from None
+    for tmp in path.glob(f"*{ol.TMP_SUFFIX}"):
+      with self._lock:
+        in_flight = any(s.directory == directory and not s.done.is_set()
+                        for s in self._steps.values())
+      if not in_flight:  # a step whose save crashed before its commit
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("removed %s, left by a save that never committed", tmp)
+    with self._lock:
+      self._ram_steps[directory] = (ram_steps, ram_budget)
+    return {"steps": ol.list_steps(directory)}
+
+  def begin(self, directory: str, step: int) -> str:
+    return str(ol.create_tmp_step(directory, step))
+
+  def stage(self, directory: str, step: int, num_hosts: int, leaves: list[dict],
+            shards: list[dict]) -> int:
+    """Takes this host's shards (arena views it now holds) and starts writing them."""
+    specs = [ol.spec_from_dict(d) for d in leaves]
+    mine: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = {}
+    by_leaf: dict[int, list[ol.Shard]] = {}
+    for s in shards:
+      index = tuple((int(a), int(b)) for a, b in s["index"])
+      data = s["data"]
+      mine[(specs[s["leaf"]].key_path, index)] = data
+      by_leaf.setdefault(s["leaf"], []).append(ol.Shard(index, data))
+    record = _Step(directory, step, mine, sum(a.nbytes for a in mine.values()))
+    with self._lock:
+      self._steps[(directory, step)] = record
+    host_leaves = [ol.HostLeaf(spec, tuple(by_leaf.get(i, ()))) for i, spec in enumerate(specs)]
+    tmp = ol.tmp_step_path(directory, step)
+    threading.Thread(target=self._write, args=(record, tmp, host_leaves), daemon=True,
+                     name=f"sidecar-ckpt-{step}").start()
+    return record.nbytes
+
+  def _write(self, record: _Step, tmp: pathlib.Path, host_leaves: list[ol.HostLeaf]) -> None:
+    t0 = time.perf_counter()
+    try:
+      sums = ol.write_host_part(tmp, self._host_id, host_leaves)
+      record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
+                           "nbytes": c.nbytes, "crc32c": c.crc32c} for c in sums]
+      seconds = time.perf_counter() - t0
+      log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
+               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9)
+    except BaseException as e:  # pylint: disable=broad-except
+      record.error = e
+      log.error("step %d: writing this host's part failed: %s", record.step, e)
+    finally:
+      record.done.set()
+
+  def prepared(self, directory: str, step: int, timeout: float = 3600.0) -> list[dict]:
+    record = self._record(directory, step)
+    if not record.done.wait(timeout):
+      raise errors.DeadlineExceededError(f"step {step} is still being written after {timeout} s")
+    if record.error is not None:
+      raise errors.InvalidArgumentError(
+          f"host {self._host_id} could not write step {step}: {record.error}")
+    return record.checksums
+
+  def commit(self, directory: str, step: int, num_hosts: int, leaves: list[dict],
+             checksums: list[dict], data_state: str) -> str:
+    """On host 0: manifest, merge, rename. The step is visible after this, not before."""
+    tmp = ol.tmp_step_path(directory, step)
+    manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
+                "leaves": leaves, "shards": checksums,
+                "data_state": json.loads(data_state) if data_state else None}
+    with open(tmp / MANIFEST, "w") as f:
+      json.dump(manifest, f)
+      f.flush()
+      os.fsync(f.fileno())
+    return str(ol.finalize(tmp, [ol.spec_from_dict(d) for d in leaves], num_hosts=num_hosts))
+
+  def committed(self, directory: str, step: int) -> list[int]:
+    """Marks ``step`` committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
+    with self._lock:
+      record = self._steps.get((directory, step))
+      if record is not None:
+        record.committed = True
+      keep, budget = self._ram_steps.get(directory, (1, None))
+      mine = sorted((s for (d, _), s in self._steps.items() if d == directory and s.committed),
+                    key=lambda s: s.step, reverse=True)
+      kept, used = [], 0
+      for s in mine:
+        if len(kept) < keep and (budget is None or used + s.nbytes <= budget):
+          kept.append(s.step)
+          used += s.nbytes
+        else:
+          del self._steps[(directory, s.step)]  # its arena blocks go back as views die
+      return sorted(kept)
+
+  def abort(self, directory: str, step: int) -> None:
+    """Forgets a step whose save failed elsewhere; removes its tmp dir when done writing."""
+    with self._lock:
+      record = self._steps.pop((directory, step), None)
+    if record is not None:
+      record.done.wait(60)
+    shutil.rmtree(ol.tmp_step_path(directory, step), ignore_errors=True)
+
+  def _record(self, directory: str, step: int) -> _Step:
+    with self._lock:
+      record = self._steps.get((directory, step))
+    if record is None:
+      raise errors.InvalidArgumentError(f"host {self._host_id} has not staged step {step}")
+    return record
+
+  # ---- restore -----------------------------------------------------------
+
+  def ram(self, directory: str) -> dict[str, Any]:
+    """What the RAM tier holds: committed steps and their shards."""
+    with self._lock:
+      steps = [s for (d, _), s in self._steps.items() if d == directory and s.committed]
+    return {str(s.step): [[list(k), [list(i) for i in index]] for k, index in s.shards]
+            for s in steps}
+
+  def info(self, directory: str, step: int) -> dict[str, Any]:
+    """The manifest of a committed step (leaves, shard checksums, data position)."""
+    path = pathlib.Path(directory) / str(step) / MANIFEST
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except FileNotFoundError:
+      raise errors.InvalidArgumentError(
+          f"step {step} has no {MANIFEST} in {directory}: it was not written by "
+          "colocated-sidecar; restore it with Orbax") from None
+
+  def read(self, directory: str, step: int, key_path: list, index: list,
+           crc32c: int | None = None, tier: str = "any") -> np.ndarray:
+    """One stored shard: from the RAM tier (no copy) or from storage (checked)."""
+    key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
+    if tier in ("any", "ram"):
+      with self._lock:
+        record = self._steps.get((directory, step))
+      if record is not None and record.committed and (key, idx) in record.shards:
+        return record.shards[(key, idx)]
+      if tier == "ram":
+        raise errors.InvalidArgumentError(f"host {self._host_id} holds no RAM copy of it")
+    data = ol.read_leaf(pathlib.Path(directory) / str(step), key, idx)
+    if crc32c is not None and ol.shard_crc32c(data) != crc32c:
+      name = ".".join(str(k) for k in key)
+      raise errors.CorruptCheckpointError(
+          f"step {step}: array {name!r} shard {[list(i) for i in idx]} does not match its "
+          f"crc32c in {MANIFEST}: the file is corrupt or was changed after the save")
+    return data
+
+  def delete(self, directory: str, step: int) -> None:
+    """Removes a committed step (max_to_keep); the sidecar does the I/O."""
+    shutil.rmtree(pathlib.Path(directory) / str(step), ignore_errors=True)

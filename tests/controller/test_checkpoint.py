@@ -1,0 +1,168 @@
+"""Tier 3: ctl.checkpointer on LocalClusters, checked against stock Orbax."""
+
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+
+FNS = ["tests.sidecar_fns"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="64MiB",
+                                    imports=FNS) as c:
+    yield c
+
+
+def mesh(n=4, axes=("data",)):
+  return Mesh(np.array(jax.devices()[:n]).reshape(-1 if len(axes) == 1 else (2, n // 2)), axes)
+
+
+def make_state():
+  m = mesh()
+  sharded = NamedSharding(m, P("data"))
+  replicated = NamedSharding(m, P())
+  return {
+      "params": {"w": jax.device_put(jnp.arange(2048 * 64, dtype=jnp.float32).reshape(2048, 64),
+                                     sharded),
+                 "b": jax.device_put(jnp.ones(8, jnp.bfloat16), replicated)},
+      "step_count": jax.device_put(jnp.int32(7), replicated),
+      "table": np.arange(10, dtype=np.int64),
+  }
+
+
+def abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, tree)
+
+
+def assert_same(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+
+
+def test_save_is_staged_then_durable_and_stock_orbax_restores_it(cluster, tmp_path):
+  state = make_state()
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    handle = ckpt.save(10, state, data_state={"epoch": 1, "position": 64})
+    assert handle.staged.result(30) == 10 and handle.durable.result(60) == 10
+    assert ckpt.all_steps() == [10] and ckpt.latest_step() == 10
+    assert ckpt.data_state(10) == {"epoch": 1, "position": 64}
+  mngr = ocp.CheckpointManager(tmp_path / "ck")
+  assert mngr.all_steps() == [10]
+  restored = mngr.restore(10, args=ocp.args.StandardRestore(abstract(state)))
+  assert_same(restored, state)
+
+
+def test_restore_from_ram_and_from_disk_onto_another_sharding(cluster, tmp_path):
+  state = make_state()
+  with cluster.controller() as ctl:
+    with ctl.checkpointer(tmp_path / "ck", ram_steps=1) as ckpt:
+      ckpt.save(1, state).durable.result(60)
+      from_ram = ckpt.restore(target=abstract(state))
+      assert_same(from_ram, state)
+      w = from_ram["params"]["w"]
+      shard = w.addressable_shards[0]
+      buf = ctl.worker(0).arena.buffer
+      assert buf.ctypes.data <= shard.data.unsafe_buffer_pointer() < buf.ctypes.data + buf.nbytes
+    other = NamedSharding(mesh(4, ("a", "b")), P("b", "a"))  # reshard onto a 2x2 mesh
+    target = abstract(state)
+    target["params"]["w"] = jax.ShapeDtypeStruct((2048, 64), jnp.float32, sharding=other)
+    with ctl.checkpointer(tmp_path / "ck") as fresh:  # a new checkpointer: disk or RAM
+      resharded = fresh.restore(1, target=target)
+    assert resharded["params"]["w"].sharding == other
+    assert_same(resharded, state)
+
+
+def test_our_restore_reads_a_step_stock_orbax_wrote(cluster, tmp_path):
+  state = make_state()
+  mngr = ocp.CheckpointManager(tmp_path / "ck")
+  mngr.save(3, args=ocp.args.StandardSave(state))
+  mngr.wait_until_finished()
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    assert ckpt.all_steps() == [3]
+    with pytest.raises(sidecar.InvalidArgumentError, match="not written by colocated-sidecar"):
+      ckpt.restore(3, target=abstract(state))
+
+
+def test_snapshot_isolation_under_donation(cluster, tmp_path):
+  state = make_state()
+  expected = jax.tree.map(np.asarray, state)
+
+  @jax.jit
+  def bump(s):
+    return jax.tree.map(lambda x: x + 1, s)
+
+  bump_donate = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    arrays = {"params": state["params"], "step_count": state["step_count"]}
+    handle = ckpt.save(5, arrays)
+    handle.staged.result(30)
+    arrays = bump_donate(arrays)  # donates (deletes) the saved buffers
+    del bump
+    handle.durable.result(60)
+    restored = ckpt.restore(5, target=abstract({"params": state["params"],
+                                                "step_count": state["step_count"]}))
+  assert_same(restored, {"params": expected["params"], "step_count": expected["step_count"]})
+
+
+def test_bad_input(cluster, tmp_path):
+  state = make_state()
+  with cluster.controller() as ctl:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, stat.S_IRUSR | stat.S_IXUSR)
+    if os.geteuid() != 0:  # root writes anywhere; the check is for real users
+      with pytest.raises(sidecar.InvalidArgumentError, match="is not writable"):
+        ctl.checkpointer(ro)
+    with pytest.raises(sidecar.InvalidArgumentError, match="is not writable"):
+      ctl.checkpointer("/proc/no-such-dir/ck")
+    with ctl.checkpointer(tmp_path / "ck", max_to_keep=2) as ckpt:
+      for step in (1, 2, 3):
+        ckpt.save(step, state).durable.result(60)
+      assert ckpt.all_steps() == [2, 3]
+      assert sorted(os.listdir(tmp_path / "ck")) == ["2", "3"]
+      with pytest.raises(sidecar.InvalidArgumentError, match=r"step 9 does not exist.*\[2, 3\]"):
+        ckpt.restore(9, target=abstract(state))
+      wrong = abstract(state)
+      wrong["params"]["w"] = jax.ShapeDtypeStruct((2048, 4), jnp.float32,
+                                                  sharding=state["params"]["w"].sharding)
+      with pytest.raises(sidecar.InvalidArgumentError,
+                         match=r"target leaf .params.w. is float32\[2048, 4\] but step 3 saved"):
+        ckpt.restore(target=wrong)
+      huge = {"x": np.zeros((200 << 20) // 4, np.float32)}
+      with pytest.raises(sidecar.ResourceExhaustedError, match=r"does not fit.*--shm-size"):
+        ckpt.save(4, huge)
+      assert ckpt.all_steps() == [2, 3]
+
+
+def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path):
+  state = {"w": jax.device_put(jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256),
+                               NamedSharding(mesh(), P("data")))}
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    ckpt.save(1, state).durable.result(60)
+    data_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "ck" / "1")
+                  for f in fs if "/d/" in os.path.join(d, f) and "ocdbt.process" in d]
+    data_files = [p for p in data_files if os.path.getsize(p) > 60_000]  # the chunks' files
+    assert len(data_files) >= 2
+    for path in data_files:  # flip a byte in the middle of every chunk
+      with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert_same(ckpt.restore(1, target=abstract(state)), state)  # from the RAM tier
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="16MiB",
+                                    imports=FNS) as fresh, fresh.controller() as ctl2:
+    with ctl2.checkpointer(tmp_path / "ck") as ckpt2:  # no RAM tier: storage only
+      with pytest.raises(sidecar.SidecarError, match=r"(crc32c|corrupt|Corrupt)"):
+        ckpt2.restore(1, target=abstract(state))
