@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,13 +46,15 @@ class LocalCluster:
         ctl.call("my_fn", 1, 2)
 
   Host ``h`` owns JAX CPU devices ``[h * devices_per_host, (h + 1) * devices_per_host)``
-  of this process. Everything started is stopped on exit, also when the body raises.
+  of this process. ``host_env`` adds environment variables to one host's sidecar.
+  Everything started is stopped on exit, also when the body raises.
   """
 
   def __init__(self, num_hosts: int = 4, devices_per_host: int = 2, *,
                shm_size: int | str = "128MiB", imports: Sequence[str] = (),
                token: str | None = None, start_timeout: float = 60.0,
-               configure_jax: bool = True, extra_args: Sequence[str] = ()):
+               configure_jax: bool = True, extra_args: Sequence[str] = (),
+               host_env: Mapping[int, Mapping[str, str]] | None = None):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -68,6 +70,7 @@ class LocalCluster:
     self.start_timeout = start_timeout
     self._configure_jax = configure_jax
     self._extra_args = tuple(extra_args)
+    self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
     self._procs: list[subprocess.Popen | None] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
@@ -99,7 +102,7 @@ class LocalCluster:
             *self._extra_args]
     for module in self.imports:
       args += ["--import", module]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
     if self.token:
       env["SIDECAR_TOKEN"] = self.token
     env.pop("SIDECAR_TOKEN_FILE", None)

@@ -23,6 +23,7 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -35,6 +36,15 @@ from sidecar._src import errors, orbax_layout as ol, shm
 
 log = logging.getLogger(__name__)
 MANIFEST = "sidecar_manifest.json"
+# Fault injection for the crash tests: "POINT@STEP" makes this sidecar SIGKILL itself
+# there (points: stage, write, prepared, commit). Unset in production.
+FAULT_ENV = "SIDECAR_CKPT_FAULT"
+
+
+def _fault(point: str, step: int) -> None:
+  if os.environ.get(FAULT_ENV) == f"{point}@{step}":
+    log.warning("fault injection: SIGKILL at %s of step %d", point, step)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 Index = tuple[tuple[int, int], ...]
 
@@ -99,6 +109,7 @@ class CheckpointHost:
   def stage(self, directory: str, step: int, num_hosts: int, leaves: list[dict],
             shards: list[dict]) -> int:
     """Takes this host's shards (arena views it now holds) and starts writing them."""
+    _fault("stage", step)
     specs = [ol.spec_from_dict(d) for d in leaves]
     mine: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = {}
     by_leaf: dict[int, list[ol.Shard]] = {}
@@ -119,6 +130,7 @@ class CheckpointHost:
   def _write(self, record: _Step, tmp: pathlib.Path, host_leaves: list[ol.HostLeaf]) -> None:
     t0 = time.perf_counter()
     try:
+      _fault("write", record.step)
       sums = ol.write_host_part(tmp, self._host_id, host_leaves)
       record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
                            "nbytes": c.nbytes, "crc32c": c.crc32c} for c in sums]
@@ -138,6 +150,7 @@ class CheckpointHost:
     if record.error is not None:
       raise errors.InvalidArgumentError(
           f"host {self._host_id} could not write step {step}: {record.error}")
+    _fault("prepared", step)
     return record.checksums
 
   def commit(self, directory: str, step: int, num_hosts: int, leaves: list[dict],
@@ -151,6 +164,7 @@ class CheckpointHost:
       json.dump(manifest, f)
       f.flush()
       os.fsync(f.fileno())
+    _fault("commit", step)
     return str(ol.finalize(tmp, [ol.spec_from_dict(d) for d in leaves], num_hosts=num_hosts))
 
   def committed(self, directory: str, step: int) -> list[int]:
