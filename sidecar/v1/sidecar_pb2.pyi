@@ -252,8 +252,18 @@ class FeedStatus(_message.Message):
     workers: int
     def __init__(self, pipeline: _Optional[str] = ..., batches: _Optional[int] = ..., uptime_s: _Optional[float] = ..., produce_s: _Optional[float] = ..., backpressure_s: _Optional[float] = ..., trainer_wait_s: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
 
+class CheckpointStatus(_message.Message):
+    __slots__ = ("directory", "ram_steps", "writing")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RAM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WRITING_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    ram_steps: _containers.RepeatedScalarFieldContainer[int]
+    writing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[_Iterable[int]] = ..., writing: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds")
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +274,7 @@ class StatusResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     FEEDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     identity: HostIdentity
     versions: Versions
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -274,4 +285,5 @@ class StatusResponse(_message.Message):
     uptime_s: float
     calls: int
     feeds: _containers.RepeatedCompositeFieldContainer[FeedStatus]
-    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...

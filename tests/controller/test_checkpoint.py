@@ -166,3 +166,13 @@ def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path):
     with ctl2.checkpointer(tmp_path / "ck") as ckpt2:  # no RAM tier: storage only
       with pytest.raises(sidecar.SidecarError, match=r"(crc32c|corrupt|Corrupt)"):
         ckpt2.restore(1, target=abstract(state))
+
+
+def test_status_lists_the_steps_each_tier_holds(cluster, tmp_path, capsys):
+  from sidecar._src import cli
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck", ram_steps=2) as ckpt:
+    for step in (1, 2, 3):
+      ckpt.save(step, make_state()).durable.result(60)
+    assert cli.main(["status", *cluster.addresses]) == 0
+  out = capsys.readouterr().out
+  assert f"host 0  {tmp_path / 'ck'}  RAM tier: [2, 3]" in out

@@ -66,6 +66,18 @@ def format_feeds(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> s
   return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
 
+def format_checkpoints(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
+  """One line per host and checkpoint directory: the steps each tier holds."""
+  lines = []
+  for _, s in rows:
+    if isinstance(s, Exception):
+      continue
+    for c in s.checkpoints:
+      lines.append(f"host {s.identity.host_id}  {c.directory}  RAM tier: "
+                   f"{list(c.ram_steps) or 'none'}  being written: {list(c.writing) or 'none'}")
+  return "\n".join(lines) if lines else "no checkpoints held"
+
+
 def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None) -> int:
   """Prints the tables; returns 1 if any sidecar did not answer."""
   rows = []
@@ -77,4 +89,6 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
   print(format_table(rows), file=sys.stdout)
   print(file=sys.stdout)
   print(format_feeds(rows), file=sys.stdout)
+  print(file=sys.stdout)
+  print(format_checkpoints(rows), file=sys.stdout)
   return 1 if any(isinstance(s, Exception) for _, s in rows) else 0

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src import errors, orbax_layout as ol, shm
+from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
 MANIFEST = "sidecar_manifest.json"
@@ -71,6 +72,19 @@ class CheckpointHost:
     self._lock = threading.Lock()
     self._steps: dict[tuple[str, int], _Step] = {}
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
+
+  def status(self) -> list[pb.CheckpointStatus]:
+    """Per directory: the steps in the RAM tier and those still being written."""
+    with self._lock:
+      steps = list(self._steps.values())
+    out: dict[str, pb.CheckpointStatus] = {}
+    for s in sorted(steps, key=lambda s: s.step):
+      entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
+      if s.committed:
+        entry.ram_steps.append(s.step)
+      elif not s.done.is_set():
+        entry.writing.append(s.step)
+    return list(out.values())
 
   def functions(self) -> dict[str, Callable[..., Any]]:
     return {f"sidecar.ckpt.{name}": getattr(self, name) for name in (

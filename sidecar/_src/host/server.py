@@ -90,15 +90,17 @@ class Server:
     o = self.options
     self.arena = shm.Arena.create(o.shm_size)
     self.leases = Leases(shm.Allocator(self.arena.size))
+    self.checkpoints = CheckpointHost(o.host_id)
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
                          is_attached=lambda session: self.workers.has_session(session),
                          imports=o.imports,
-                         builtins=CheckpointHost(o.host_id).functions())
+                         builtins=self.checkpoints.functions())
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.runner)
     self.service = Service(runner=self.runner, identity=self.identity,
-                           arena_size=self.arena.size, leases=self.leases, workers=self.workers)
+                           arena_size=self.arena.size, leases=self.leases, workers=self.workers,
+                           checkpoints=self.checkpoints.status)
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0)]

@@ -39,12 +39,14 @@ class Service:
   """Handlers for ``sidecar.v1.Sidecar``; owns no resources, only references."""
 
   def __init__(self, *, runner: Runner, identity: pb.HostIdentity, arena_size: int,
-               leases: Leases, workers: WorkerListener):
+               leases: Leases, workers: WorkerListener,
+               checkpoints: Callable[[], list[pb.CheckpointStatus]] = list):
     self._runner = runner
     self._identity = identity
     self._arena_size = arena_size
     self._leases = leases
     self._workers = workers
+    self._checkpoints = checkpoints
     self._sessions: set[str] = set()
     self._lock = threading.Lock()
     self._started = time.monotonic()
@@ -152,4 +154,4 @@ class Service:
         arena_used=self._leases.allocator.used_bytes,
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
-        calls=self._runner.calls, feeds=self._runner.feeds())
+        calls=self._runner.calls, feeds=self._runner.feeds(), checkpoints=self._checkpoints())
