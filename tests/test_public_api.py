@@ -13,3 +13,8 @@ def test_public_api_is_pinned():
   assert sidecar.testing.__all__ == ["LocalCluster"]
   for name in sidecar.__all__:
     assert getattr(sidecar, name) is not None
+
+
+def test_orbax_integration_api_is_pinned():
+  import sidecar.orbax
+  assert sidecar.orbax.__all__ == ["FeedStateHandler", "FeedStateRestore", "FeedStateSave"]
