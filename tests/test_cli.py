@@ -76,6 +76,6 @@ def test_status_shows_running_feeds(capsys):
         next(feed)
       assert cli.main(["status", *c.addresses]) == 0
     out = capsys.readouterr().out
-  feeds = out.split("PIPELINE", 1)[1].strip().splitlines()[1:]
+  feeds = out.split("PIPELINE", 1)[1].split("\n\n")[0].strip().splitlines()[1:]
   assert len(feeds) == 2 and all(" ids " in f for f in feeds)
   assert all(int(f.split()[3]) >= 5 for f in feeds)  # batches made so far, prefetch included
