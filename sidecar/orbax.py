@@ -1,11 +1,26 @@
-"""Orbax integration: a feed's data position as an item of an Orbax checkpoint.
+"""Orbax integration: keep ``ocp.CheckpointManager`` while the sidecars carry the bytes.
 
 Example::
 
+  handler = sidecar.orbax.SidecarCheckpointHandler(ctl)
+  mngr = ocp.CheckpointManager(directory, item_names=("state", "data"),
+                               item_handlers={"state": handler})
   mngr.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(params), data=sidecar.orbax.FeedStateSave(feed.state())))
+      state=sidecar.orbax.SidecarSave(state), data=sidecar.orbax.FeedStateSave(feed.state())))
 """
 
+from sidecar._src.controller.orbax_handler import (
+    SidecarCheckpointHandler,
+    SidecarRestore,
+    SidecarSave,
+)
 from sidecar._src.feed_checkpoint import FeedStateHandler, FeedStateRestore, FeedStateSave
 
-__all__ = ["FeedStateHandler", "FeedStateRestore", "FeedStateSave"]
+__all__ = [
+    "FeedStateHandler",
+    "FeedStateRestore",
+    "FeedStateSave",
+    "SidecarCheckpointHandler",
+    "SidecarRestore",
+    "SidecarSave",
+]

@@ -17,4 +17,6 @@ def test_public_api_is_pinned():
 
 def test_orbax_integration_api_is_pinned():
   import sidecar.orbax
-  assert sidecar.orbax.__all__ == ["FeedStateHandler", "FeedStateRestore", "FeedStateSave"]
+  assert sidecar.orbax.__all__ == [
+      "FeedStateHandler", "FeedStateRestore", "FeedStateSave", "SidecarCheckpointHandler",
+      "SidecarRestore", "SidecarSave"]

@@ -253,7 +253,15 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
   Returns:
     The crc32c of every shard written, in the order given.
   """
-  item_dir = _item_dir(tmp_step_dir, must_be_tmp=True)
+  return write_item_part(_item_dir(tmp_step_dir, must_be_tmp=True), host_index, leaves,
+                         use_compression=use_compression)
+
+
+def write_item_part(item_dir: os.PathLike | str, host_index: int,
+                    leaves: Sequence[HostLeaf], *, use_compression: bool = False,
+                    ) -> list[ShardChecksum]:
+  """:func:`write_host_part` into an item directory given as such (an Orbax handler's)."""
+  item_dir = pathlib.Path(item_dir).absolute()
   if not isinstance(host_index, int) or host_index < 0:
     raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
   _check_unique(leaf.spec for leaf in leaves)
@@ -310,6 +318,26 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
   tmp = pathlib.Path(tmp_step_dir)
   item_dir = _item_dir(tmp, must_be_tmp=True)
   final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
+  finalize_item(item_dir, leaves, num_hosts=num_hosts, custom_metadata=custom_metadata)
+  _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
+  _write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
+  for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+    _fsync_dir(d)  # Every entry is durable before the rename publishes them.
+  if final.exists():
+    raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
+  os.rename(tmp, final)
+  _fsync_dir(final.parent)
+  return final
+
+
+def finalize_item(item_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *, num_hosts: int,
+                  custom_metadata: Mapping[str, Any] | None = None) -> None:
+  """The item half of :func:`finalize`: merge, check, metadata. No step files, no rename.
+
+  What an Orbax checkpoint handler does for its item; the CheckpointManager then
+  commits the step. ``item_dir`` is the item's directory inside the uncommitted step.
+  """
+  item_dir = pathlib.Path(item_dir).absolute()
   _check_unique(leaves)
   _check_array_metadatas(item_dir, leaves, num_hosts)
   context = ts_utils.get_ts_context(use_ocdbt=True)
@@ -324,15 +352,8 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
               json.dumps(_tree_metadata(leaves, custom_metadata).to_json()))
   _write_text(item_dir / COMMIT_SUCCESS_FILE,
               f"Checkpoint commit was successful to {item_dir}")
-  _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
-  _write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
-  for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-    _fsync_dir(d)  # Every entry is durable before the rename publishes them.
-  if final.exists():
-    raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
-  os.rename(tmp, final)
-  _fsync_dir(final.parent)
-  return final
+  for d in [*(p for p in item_dir.rglob("*") if p.is_dir()), item_dir]:
+    _fsync_dir(d)
 
 
 def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
@@ -345,7 +366,13 @@ def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
   Raises:
     FileNotFoundError: no such step or leaf.
   """
-  item_dir = _item_dir(step_dir, must_be_tmp=False)
+  return read_item_leaf(_item_dir(step_dir, must_be_tmp=False), key_path, index)
+
+
+def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
+                   index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
+  """:func:`read_leaf` from an item directory given as such."""
+  item_dir = pathlib.Path(item_dir).absolute()
   metadata_path = item_dir / METADATA_FILE
   if not metadata_path.exists():
     raise FileNotFoundError(f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)")

@@ -176,3 +176,33 @@ def test_status_lists_the_steps_each_tier_holds(cluster, tmp_path, capsys):
     assert cli.main(["status", *cluster.addresses]) == 0
   out = capsys.readouterr().out
   assert f"host 0  {tmp_path / 'ck'}  RAM tier: [2, 3]" in out
+
+
+def test_orbax_checkpoint_manager_with_the_sidecar_handler(cluster, tmp_path):
+  import sidecar.orbax
+  state = make_state()
+  directory = tmp_path / "ck"
+  with cluster.controller() as ctl:
+    handler = sidecar.orbax.SidecarCheckpointHandler(ctl)
+    mngr = ocp.CheckpointManager(directory, item_names=("state", "data"),
+                                 item_handlers={"state": handler},
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    for step in (1, 2, 3):
+      mngr.save(step, args=ocp.args.Composite(
+          state=sidecar.orbax.SidecarSave(state),
+          data=sidecar.orbax.FeedStateSave({"position": step})))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 3]
+    restored = mngr.restore(3, args=ocp.args.Composite(
+        state=sidecar.orbax.SidecarRestore(abstract(state)), data=sidecar.orbax.FeedStateRestore()))
+    assert_same(restored["state"], state)
+    assert restored["data"] == {"position": 3}
+    w = restored["state"]["params"]["w"].addressable_shards[0].data
+    buf = ctl.worker(0).arena.buffer  # from the RAM tier: the arena itself
+    assert buf.ctypes.data <= w.unsafe_buffer_pointer() < buf.ctypes.data + buf.nbytes
+    mngr.close()
+  # Stock Orbax reads the item the sidecars wrote, without the handler.
+  plain = ocp.CheckpointManager(directory, item_names=("state",))
+  again = plain.restore(3, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract(state))))
+  assert_same(again["state"], state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,28 @@ def key_path(path: Sequence[Any]) -> KeyPath:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+  """Where a step goes: the item directory written, and where it is once committed."""
+  directory: str
+  step: int
+  item: str
+  final_item: str
+  whole_step: bool  # True: we commit the step (rename); False: Orbax's manager does
+
+  @classmethod
+  def for_step(cls, directory: str, step: int) -> Target:
+    return cls(directory, step, str(ol.tmp_step_path(directory, step) / ol.ITEM),
+               str(pathlib.Path(directory) / str(step) / ol.ITEM), True)
+
+  @classmethod
+  def for_orbax_item(cls, item: str, step: int) -> Target:
+    """An item directory inside a step that an ``ocp.CheckpointManager`` commits."""
+    path = pathlib.Path(item)
+    final = path.parent.with_name(path.parent.name.split(ol.TMP_SUFFIX)[0]) / path.name
+    return cls(str(path.parent.parent), step, str(path), str(final), False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SaveHandle:
   """``staged``: the state is in the arenas (the trainer may change its arrays);
   ``durable``: the step is committed on storage. Both are ``concurrent.futures.Future``s."""
@@ -60,7 +83,7 @@ class Checkpointer:
                call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
                hosts: list[int], device_hosts: dict[int, int], arena_free: Callable[[], dict],
                max_to_keep: int | None, keep_period: int | None, ram_steps: int,
-               ram_budget: int | None, if_busy: str):
+               ram_budget: int | None, if_busy: str, sweep: bool = True):
     if if_busy not in ("wait", "skip"):
       raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
@@ -71,7 +94,7 @@ class Checkpointer:
     self._hosts, self._device_hosts = hosts, device_hosts
     self._arena_free = arena_free
     self._max_to_keep, self._keep_period, self._if_busy = max_to_keep, keep_period, if_busy
-    opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget,
+    opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget, sweep,
                         hosts=self._hosts)
     self._steps = list(opened[0]["steps"])
     self._lock = threading.Lock()
@@ -98,6 +121,14 @@ class Checkpointer:
       concurrent.futures.wait([previous.durable])
     if step in self.all_steps():
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
+    handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
+    self._in_flight = handle
+    return handle
+
+  def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
+              ) -> SaveHandle:
+    """Copies ``tree`` into the arenas; the sidecars write and commit ``target``."""
+    step = target.step
     if data_state is not None:
       try:
         data_json = json.dumps(data_state)
@@ -113,9 +144,8 @@ class Checkpointer:
       dst = self._put(host, data)
       shards[host].append({"leaf": leaf, "index": [list(i) for i in index], "data": dst})
     leaves = [ol.spec_to_dict(s) for s in specs]
-    self._in_flight = handle
-    threading.Thread(target=self._finish, args=(handle, shards, leaves, data_json), daemon=True,
-                     name=f"sidecar-save-{step}").start()
+    threading.Thread(target=self._finish, args=(handle, target, shards, leaves, data_json),
+                     daemon=True, name=f"sidecar-save-{step}").start()
     return handle
 
   def _plan(self, tree: Any) -> tuple[list[ol.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
@@ -158,38 +188,48 @@ class Checkpointer:
           f"the state does not fit the arenas ({detail}); nothing was copied. Raise the "
           "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
 
-  def _finish(self, handle: SaveHandle, shards: dict[int, list], leaves, data_json: str) -> None:
+  def _finish(self, handle: SaveHandle, target: Target, shards: dict[int, list], leaves,
+              data_json: str) -> None:
     step = handle.step
     try:
-      self._call("sidecar.ckpt.begin", self.directory, step, hosts=[self._hosts[0]])
-      stages = [self._call_async("sidecar.ckpt.stage", self.directory, step, len(self._hosts),
-                                 leaves, shards[h], hosts=[h])[0] for h in self._hosts]
+      if target.whole_step:
+        self._call("sidecar.ckpt.begin", self.directory, step, hosts=[self._hosts[0]])
+      stages = [self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
+                                 target.final_item, leaves, shards[h], hosts=[h])[0]
+                for h in self._hosts]
       for f in stages:
         f.result()
       shards.clear()  # the sidecars hold the blocks now
       handle.staged.set_result(step)
       prepared = [f.result() for f in self._call_async(
-          "sidecar.ckpt.prepared", self.directory, step, hosts=self._hosts, timeout=3600)]
+          "sidecar.ckpt.prepared", target.final_item, hosts=self._hosts, timeout=3600)]
       checksums = [c for host_sums in prepared for c in host_sums]
-      self._call("sidecar.ckpt.commit", self.directory, step, len(self._hosts), leaves,
-                 checksums, data_json, hosts=[self._hosts[0]], timeout=3600)
+      self._call("sidecar.ckpt.commit", target.item, step, len(self._hosts), leaves,
+                 checksums, data_json, target.whole_step, hosts=[self._hosts[0]], timeout=3600)
     except BaseException as e:  # pylint: disable=broad-except
       if not handle.staged.done():
         handle.staged.set_exception(e)
       handle.durable.set_exception(e)
       try:
-        self._call("sidecar.ckpt.abort", self.directory, step, hosts=self._alive_hosts())
+        self._call("sidecar.ckpt.abort", target.item, target.final_item,
+                   hosts=self._alive_hosts())
       except Exception:  # pylint: disable=broad-except
         pass  # the next open() sweeps the tmp dir
       return
+    if target.whole_step:
+      self.mark_committed(target)
+    handle.durable.set_result(step)
+
+  def mark_committed(self, target: Target) -> None:
+    """Tells the RAM tiers the step is visible; lists it; applies max_to_keep."""
     try:
-      self._call("sidecar.ckpt.committed", self.directory, step, hosts=self._hosts)
+      self._call("sidecar.ckpt.committed", target.final_item, hosts=self._hosts)
     except Exception:  # pylint: disable=broad-except
       pass  # durable all the same; the RAM tier of a lost host is gone anyway
-    with self._lock:
-      self._steps = sorted(set(self._steps) | {step})
-    self._collect_garbage()
-    handle.durable.set_result(step)
+    if target.whole_step:
+      with self._lock:
+        self._steps = sorted(set(self._steps) | {target.step})
+      self._collect_garbage()
 
   def _alive_hosts(self) -> list[int]:
     alive = []
@@ -227,25 +267,29 @@ class Checkpointer:
     """
     self._check_open()
     step = self._pick(step)
-    manifest = self._call("sidecar.ckpt.info", self.directory, step, hosts=[self._hosts[0]])[0]
+    return self.restore_from(Target.for_step(self.directory, step).final_item, step, target)
+
+  def restore_from(self, final_item: str, step: int, target: Any) -> Any:
+    """Restores the committed item at ``final_item`` onto ``target``'s shardings."""
+    manifest = self._call("sidecar.ckpt.info", final_item, hosts=[self._hosts[0]])[0]
     saved = {tuple(d["key_path"]): d for d in manifest["leaves"]}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     for c in manifest["shards"]:
       stored.setdefault(tuple(c["key_path"]), []).append(
           (tuple(tuple(i) for i in c["index"]), c["crc32c"]))
-    ram = self._ram_index(step)
+    ram = self._ram_index(final_item)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     out = []
     for path, want in flat:
       kp = key_path(path)
       self._check_leaf(kp, want, saved, step)
-      out.append(self._restore_leaf(step, kp, want, stored[kp], ram))
+      out.append(self._restore_leaf(final_item, kp, want, stored[kp], ram))
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
     step = self._pick(step)
-    return self._call("sidecar.ckpt.info", self.directory, step,
+    return self._call("sidecar.ckpt.info", Target.for_step(self.directory, step).final_item,
                       hosts=[self._hosts[0]])[0]["data_state"]
 
   def _pick(self, step: int | None) -> int:
@@ -272,18 +316,18 @@ class Checkpointer:
           f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
           f"{d['dtype']}{d['shape']}")
 
-  def _ram_index(self, step: int) -> dict[tuple[KeyPath, tuple], int]:
+  def _ram_index(self, final_item: str) -> dict[tuple[KeyPath, tuple], int]:
     where = {}
     for h in self._hosts:
       try:
         held = self._call("sidecar.ckpt.ram", self.directory, hosts=[h], timeout=5)[0]
       except errors.SidecarError:
         continue
-      for kp, index in held.get(str(step), []):
+      for kp, index in held.get(final_item, []):
         where[(tuple(kp), tuple(tuple(i) for i in index))] = h
     return where
 
-  def _fetch(self, step: int, kp: KeyPath, index, crc: int, ram: dict, fallback_host: int
+  def _fetch(self, item: str, kp: KeyPath, index, crc: int, ram: dict, fallback_host: int
              ) -> np.ndarray:
     """One stored shard, from a RAM tier if any host holds it, else from storage."""
     tiers = []
@@ -293,8 +337,8 @@ class Checkpointer:
     error = None
     for host, tier in tiers:
       try:
-        return self._call("sidecar.ckpt.read", self.directory, step, list(kp),
-                          [list(i) for i in index], crc, tier, hosts=[host])[0]
+        return self._call("sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc,
+                          tier, hosts=[host])[0]
       except errors.CorruptCheckpointError as e:
         error = e
       except errors.SidecarError as e:
@@ -302,47 +346,47 @@ class Checkpointer:
     for host in self._hosts:  # the corrupt file may have a RAM copy elsewhere
       if (host, "ram") not in tiers:
         try:
-          return self._call("sidecar.ckpt.read", self.directory, step, list(kp),
-                            [list(i) for i in index], crc, "ram", hosts=[host])[0]
+          return self._call("sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc,
+                            "ram", hosts=[host])[0]
         except errors.SidecarError:
           pass
     raise error
 
-  def _restore_leaf(self, step: int, kp: KeyPath, want: Any, shards, ram) -> Any:
+  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, shards, ram) -> Any:
     sharding = getattr(want, "sharding", None)
     shape = tuple(np.shape(want))
     if sharding is None:  # numpy or scalar leaf
       region = tuple((0, n) for n in shape)
-      data = self._assemble(step, kp, region, shards, ram, self._hosts[0])
+      data = self._assemble(item, kp, region, shards, ram, self._hosts[0])
       return data if shape else data[()]
     arrays, devices = [], []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
       region = _index(index, shape)
       host = self._device_hosts.get(device.id, self._hosts[0])
-      arrays.append(self._assemble(step, kp, region, shards, ram, host))
+      arrays.append(self._assemble(item, kp, region, shards, ram, host))
       devices.append(device)
     return jax.make_array_from_single_device_arrays(shape, sharding,
                                                     jax.device_put(arrays, devices))
 
-  def _assemble(self, step: int, kp: KeyPath, region, shards, ram, host: int) -> np.ndarray:
+  def _assemble(self, item: str, kp: KeyPath, region, shards, ram, host: int) -> np.ndarray:
     """The block ``region`` of a leaf, from the stored shards overlapping it."""
     for index, crc in shards:
       if index == region:  # the common case: same sharding as saved, no copy
-        return self._fetch(step, kp, index, crc, ram, host)
+        return self._fetch(item, kp, index, crc, ram, host)
     out = None
     for index, crc in shards:
       lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
       hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
       if any(l >= h for l, h in zip(lo, hi)) and region:
         continue
-      data = self._fetch(step, kp, index, crc, ram, host)
+      data = self._fetch(item, kp, index, crc, ram, host)
       if out is None:
         out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
       src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
       dst = tuple(slice(l - r0, h - r0) for l, h, (r0, _) in zip(lo, hi, region))
       out[dst] = data[src]
     if out is None:
-      raise errors.InvalidArgumentError(f"step {step}: no stored shard covers {kp} {region}")
+      raise errors.InvalidArgumentError(f"{item}: no stored shard covers {kp} {region}")
     return out
 
   # ---- listing and lifecycle ---------------------------------------------

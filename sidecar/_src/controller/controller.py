@@ -315,7 +315,8 @@ class Controller:
 
   def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
                    keep_period: int | None = None, ram_steps: int = 1,
-                   ram_budget: int | None = None, if_busy: str = "wait") -> Checkpointer:
+                   ram_budget: int | None = None, if_busy: str = "wait",
+                   sweep: bool = True) -> Checkpointer:
     """Checkpoints that stall the trainer for one copy into shared memory.
 
     The sidecars persist each step in stock Orbax's layout (``ocp.CheckpointManager``
@@ -331,6 +332,8 @@ class Controller:
       ...
       state = ckpt.restore(target=abstract_state)
 
+    ``sweep=False`` leaves uncommitted steps alone (where an Orbax manager owns them).
+
     Raises:
       InvalidArgumentError: ``directory`` is not writable from every sidecar.
     """
@@ -342,7 +345,7 @@ class Controller:
         arena_free=lambda: {s.identity.host_id: (s.arena_size - s.arena_used, s.arena_size)
                             for s in self.status()},
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
-        ram_budget=ram_budget, if_busy=if_busy)
+        ram_budget=ram_budget, if_busy=if_busy, sweep=sweep)
 
   def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""

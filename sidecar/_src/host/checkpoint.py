@@ -55,6 +55,7 @@ class _Step:
   """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
   directory: str
   step: int
+  item: str  # the committed item directory: the key of the RAM tier
   shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
   nbytes: int
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -70,7 +71,7 @@ class CheckpointHost:
   def __init__(self, host_id: int):
     self._host_id = host_id
     self._lock = threading.Lock()
-    self._steps: dict[tuple[str, int], _Step] = {}
+    self._steps: dict[str, _Step] = {}  # by committed item directory
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
 
   def status(self) -> list[pb.CheckpointStatus]:
@@ -93,8 +94,12 @@ class CheckpointHost:
 
   # ---- save --------------------------------------------------------------
 
-  def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None) -> dict:
-    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
+  def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
+           sweep: bool = True) -> dict:
+    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps.
+
+    ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps.
+    """
     path = pathlib.Path(directory)
     try:
       path.mkdir(parents=True, exist_ok=True)
@@ -106,7 +111,7 @@ class CheckpointHost:
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
-    for tmp in path.glob(f"*{ol.TMP_SUFFIX}"):
+    for tmp in path.glob(f"*{ol.TMP_SUFFIX}") if sweep else ():
       with self._lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
                         for s in self._steps.values())
@@ -120,32 +125,34 @@ class CheckpointHost:
   def begin(self, directory: str, step: int) -> str:
     return str(ol.create_tmp_step(directory, step))
 
-  def stage(self, directory: str, step: int, num_hosts: int, leaves: list[dict],
+  def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
             shards: list[dict]) -> int:
-    """Takes this host's shards (arena views it now holds) and starts writing them."""
+    """Takes this host's shards (arena views it now holds) and starts writing them.
+
+    ``item`` is the uncommitted item directory to write; ``final_item`` where it will
+    be once committed (the RAM tier's key).
+    """
     _fault("stage", step)
     specs = [ol.spec_from_dict(d) for d in leaves]
     mine: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = {}
     by_leaf: dict[int, list[ol.Shard]] = {}
     for s in shards:
       index = tuple((int(a), int(b)) for a, b in s["index"])
-      data = s["data"]
-      mine[(specs[s["leaf"]].key_path, index)] = data
-      by_leaf.setdefault(s["leaf"], []).append(ol.Shard(index, data))
-    record = _Step(directory, step, mine, sum(a.nbytes for a in mine.values()))
+      mine[(specs[s["leaf"]].key_path, index)] = s["data"]
+      by_leaf.setdefault(s["leaf"], []).append(ol.Shard(index, s["data"]))
+    record = _Step(directory, step, final_item, mine, sum(a.nbytes for a in mine.values()))
     with self._lock:
-      self._steps[(directory, step)] = record
+      self._steps[final_item] = record
     host_leaves = [ol.HostLeaf(spec, tuple(by_leaf.get(i, ()))) for i, spec in enumerate(specs)]
-    tmp = ol.tmp_step_path(directory, step)
-    threading.Thread(target=self._write, args=(record, tmp, host_leaves), daemon=True,
+    threading.Thread(target=self._write, args=(record, item, host_leaves), daemon=True,
                      name=f"sidecar-ckpt-{step}").start()
     return record.nbytes
 
-  def _write(self, record: _Step, tmp: pathlib.Path, host_leaves: list[ol.HostLeaf]) -> None:
+  def _write(self, record: _Step, item: str, host_leaves: list[ol.HostLeaf]) -> None:
     t0 = time.perf_counter()
     try:
       _fault("write", record.step)
-      sums = ol.write_host_part(tmp, self._host_id, host_leaves)
+      sums = ol.write_item_part(item, self._host_id, host_leaves)
       record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
                            "nbytes": c.nbytes, "crc32c": c.crc32c} for c in sums]
       seconds = time.perf_counter() - t0
@@ -157,38 +164,47 @@ class CheckpointHost:
     finally:
       record.done.set()
 
-  def prepared(self, directory: str, step: int, timeout: float = 3600.0) -> list[dict]:
-    record = self._record(directory, step)
+  def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
+    record = self._record(final_item)
     if not record.done.wait(timeout):
-      raise errors.DeadlineExceededError(f"step {step} is still being written after {timeout} s")
+      raise errors.DeadlineExceededError(
+          f"step {record.step} is still being written after {timeout} s")
     if record.error is not None:
       raise errors.InvalidArgumentError(
-          f"host {self._host_id} could not write step {step}: {record.error}")
-    _fault("prepared", step)
+          f"host {self._host_id} could not write step {record.step}: {record.error}")
+    _fault("prepared", record.step)
     return record.checksums
 
-  def commit(self, directory: str, step: int, num_hosts: int, leaves: list[dict],
-             checksums: list[dict], data_state: str) -> str:
-    """On host 0: manifest, merge, rename. The step is visible after this, not before."""
-    tmp = ol.tmp_step_path(directory, step)
+  def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
+             checksums: list[dict], data_state: str, whole_step: bool) -> str:
+    """On host 0: the manifest, then the merge; with ``whole_step`` also the step's rename.
+
+    Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
+    """
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
                 "leaves": leaves, "shards": checksums,
                 "data_state": json.loads(data_state) if data_state else None}
-    with open(tmp / MANIFEST, "w") as f:
+    with open(pathlib.Path(item) / MANIFEST, "w") as f:
       json.dump(manifest, f)
       f.flush()
       os.fsync(f.fileno())
     _fault("commit", step)
-    return str(ol.finalize(tmp, [ol.spec_from_dict(d) for d in leaves], num_hosts=num_hosts))
+    specs = [ol.spec_from_dict(d) for d in leaves]
+    if whole_step:
+      return str(ol.finalize(pathlib.Path(item).parent, specs, num_hosts=num_hosts))
+    ol.finalize_item(item, specs, num_hosts=num_hosts)
+    return item
 
-  def committed(self, directory: str, step: int) -> list[int]:
-    """Marks ``step`` committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
+  def committed(self, final_item: str) -> list[int]:
+    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
     with self._lock:
-      record = self._steps.get((directory, step))
-      if record is not None:
-        record.committed = True
-      keep, budget = self._ram_steps.get(directory, (1, None))
-      mine = sorted((s for (d, _), s in self._steps.items() if d == directory and s.committed),
+      record = self._steps.get(final_item)
+      if record is None:
+        return []
+      record.committed = True
+      keep, budget = self._ram_steps.get(record.directory, (1, None))
+      mine = sorted((s for s in self._steps.values()
+                     if s.directory == record.directory and s.committed),
                     key=lambda s: s.step, reverse=True)
       kept, used = [], 0
       for s in mine:
@@ -196,60 +212,59 @@ class CheckpointHost:
           kept.append(s.step)
           used += s.nbytes
         else:
-          del self._steps[(directory, s.step)]  # its arena blocks go back as views die
+          del self._steps[s.item]  # its arena blocks go back as its views die
       return sorted(kept)
 
-  def abort(self, directory: str, step: int) -> None:
-    """Forgets a step whose save failed elsewhere; removes its tmp dir when done writing."""
+  def abort(self, item: str, final_item: str) -> None:
+    """Forgets a step whose save failed; removes its uncommitted files once written."""
     with self._lock:
-      record = self._steps.pop((directory, step), None)
+      record = self._steps.pop(final_item, None)
     if record is not None:
       record.done.wait(60)
-    shutil.rmtree(ol.tmp_step_path(directory, step), ignore_errors=True)
+    shutil.rmtree(item, ignore_errors=True)
 
-  def _record(self, directory: str, step: int) -> _Step:
+  def _record(self, final_item: str) -> _Step:
     with self._lock:
-      record = self._steps.get((directory, step))
+      record = self._steps.get(final_item)
     if record is None:
-      raise errors.InvalidArgumentError(f"host {self._host_id} has not staged step {step}")
+      raise errors.InvalidArgumentError(f"host {self._host_id} has not staged {final_item}")
     return record
 
   # ---- restore -----------------------------------------------------------
 
   def ram(self, directory: str) -> dict[str, Any]:
-    """What the RAM tier holds: committed steps and their shards."""
+    """What the RAM tier holds under ``directory``: per committed item, its shards."""
     with self._lock:
-      steps = [s for (d, _), s in self._steps.items() if d == directory and s.committed]
-    return {str(s.step): [[list(k), [list(i) for i in index]] for k, index in s.shards]
+      steps = [s for s in self._steps.values() if s.directory == directory and s.committed]
+    return {s.item: [[list(k), [list(i) for i in index]] for k, index in s.shards]
             for s in steps}
 
-  def info(self, directory: str, step: int) -> dict[str, Any]:
-    """The manifest of a committed step (leaves, shard checksums, data position)."""
-    path = pathlib.Path(directory) / str(step) / MANIFEST
+  def info(self, final_item: str) -> dict[str, Any]:
+    """The manifest of a committed item (leaves, shard checksums, data position)."""
     try:
-      with open(path) as f:
+      with open(pathlib.Path(final_item) / MANIFEST) as f:
         return json.load(f)
     except FileNotFoundError:
       raise errors.InvalidArgumentError(
-          f"step {step} has no {MANIFEST} in {directory}: it was not written by "
-          "colocated-sidecar; restore it with Orbax") from None
+          f"{final_item} has no {MANIFEST}: it was not written by colocated-sidecar; "
+          "restore it with Orbax") from None
 
-  def read(self, directory: str, step: int, key_path: list, index: list,
-           crc32c: int | None = None, tier: str = "any") -> np.ndarray:
+  def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
+           tier: str = "any") -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage (checked)."""
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
     if tier in ("any", "ram"):
       with self._lock:
-        record = self._steps.get((directory, step))
+        record = self._steps.get(final_item)
       if record is not None and record.committed and (key, idx) in record.shards:
         return record.shards[(key, idx)]
       if tier == "ram":
         raise errors.InvalidArgumentError(f"host {self._host_id} holds no RAM copy of it")
-    data = ol.read_leaf(pathlib.Path(directory) / str(step), key, idx)
+    data = ol.read_item_leaf(final_item, key, idx)
     if crc32c is not None and ol.shard_crc32c(data) != crc32c:
       name = ".".join(str(k) for k in key)
       raise errors.CorruptCheckpointError(
-          f"step {step}: array {name!r} shard {[list(i) for i in idx]} does not match its "
+          f"{final_item}: array {name!r} shard {[list(i) for i in idx]} does not match its "
           f"crc32c in {MANIFEST}: the file is corrupt or was changed after the save")
     return data
 
