@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,9 +23,10 @@ from sidecar._src.worker import Worker
 
 
 def configure_jax_devices(count: int) -> None:
-  """Makes the JAX CPU backend of this process show ``count`` devices."""
-  try:
-    jax.config.update("jax_num_cpu_devices", count)
+  """Makes the JAX CPU backend of this process show at least ``count`` devices."""
+  flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  try:  # Never fewer than XLA_FLAGS asks for: other code in the process may count on them.
+    jax.config.update("jax_num_cpu_devices", max(count, int(flag.group(1)) if flag else 0))
   except RuntimeError:
     pass  # Backends already started: check below whether they fit.
   have = len(jax.devices("cpu"))
