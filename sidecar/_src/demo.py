@@ -123,7 +123,7 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
             f" ms per step on average (p50 {stats['wait_s_p50'] * 1e3:.2f} ms); data position "
             f"epoch {state['epoch']}, example {state['position']}")
       t = time.perf_counter()
-      ckpt.wait()
+      ckpt.wait(progress=lambda line: print("  " + line))
       print(f"Checkpoints: {len(blocked)} saves, the trainer blocked "
             f"{np.median(blocked) * 1e3:.1f} ms per save (median); the sidecars wrote them in "
             f"Orbax's layout to {ckpt_dir} (steps {ckpt.all_steps()}, the last durable "
@@ -131,7 +131,7 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
       target = {"params": jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)}
       t = time.perf_counter()
-      restored = ckpt.restore(target=target)["params"]
+      restored = ckpt.restore(target=target, progress=lambda line: print("  " + line))["params"]
       restore_ms = (time.perf_counter() - t) * 1e3
       again, _ = evaluate(ctl, restored, sharding)
       same = all(np.array_equal(np.asarray(a), np.asarray(b))

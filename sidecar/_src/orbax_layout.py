@@ -39,7 +39,7 @@ Typical flow (host 0 or the controller on shared storage)::
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
 import enum
 import json
@@ -259,8 +259,11 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int,
                     leaves: Sequence[HostLeaf], *, use_compression: bool = False,
-                    ) -> list[ShardChecksum]:
-  """:func:`write_host_part` into an item directory given as such (an Orbax handler's)."""
+                    progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
+  """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
+
+  ``progress(nbytes)`` is called as each shard becomes durable.
+  """
   item_dir = pathlib.Path(item_dir).absolute()
   if not isinstance(host_index, int) or host_index < 0:
     raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
@@ -279,12 +282,14 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int,
   for leaf, leaf_blocks, future in zip(leaves, blocks, opened):
     store = future.result()
     for index, data in leaf_blocks:
-      writes.append(store[tuple(slice(a, b) for a, b in index)].write(
-          data, can_reference_source_data_indefinitely=True))
+      writes.append((store[tuple(slice(a, b) for a, b in index)].write(
+          data, can_reference_source_data_indefinitely=True), data.nbytes))
       # The checksum overlaps the writes, which run on TensorStore's threads.
       sums.append(ShardChecksum(leaf.spec.key_path, index, data.nbytes, shard_crc32c(data)))
-  for write in writes:
+  for write, nbytes in writes:
     write.result()  # Durable: the file kvstore fsyncs before a write resolves.
+    if progress is not None:
+      progress(nbytes)
   array_metas = [s.metadata for s, leaf in zip(specs, leaves)
                  if leaf.spec.kind is LeafKind.JAX_ARRAY]
   if array_metas:

@@ -206,3 +206,15 @@ def test_orbax_checkpoint_manager_with_the_sidecar_handler(cluster, tmp_path):
   again = plain.restore(3, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract(state))))
   assert_same(again["state"], state)
+
+
+def test_wait_reports_progress_while_a_save_is_written(tmp_path):
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="16MiB",
+                                    host_env={1: {"SIDECAR_CKPT_FAULT": "slow@1"}}) as c:
+    with c.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+      lines = []
+      ckpt.save(1, make_state())
+      ckpt.wait(progress=lines.append)
+      assert ckpt.all_steps() == [1]
+  assert lines and all(l.startswith("saving step 1: ") and " durable (" in l for l in lines)
+  assert "0 B of 256.0 KiB" in lines[0]  # host 1 holds half of w; host 0 was done

@@ -81,7 +81,7 @@ class Checkpointer:
 
   def __init__(self, *, directory: str, call: Callable[..., Any],
                call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
-               hosts: list[int], device_hosts: dict[int, int], arena_free: Callable[[], dict],
+               hosts: list[int], device_hosts: dict[int, int], status: Callable[[], list],
                max_to_keep: int | None, keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True):
     if if_busy not in ("wait", "skip"):
@@ -92,7 +92,7 @@ class Checkpointer:
     self.directory = str(directory)
     self._call, self._call_async, self._put = call, call_async, put
     self._hosts, self._device_hosts = hosts, device_hosts
-    self._arena_free = arena_free
+    self._status = status
     self._max_to_keep, self._keep_period, self._if_busy = max_to_keep, keep_period, if_busy
     opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget, sweep,
                         hosts=self._hosts)
@@ -179,7 +179,8 @@ class Checkpointer:
     need: dict[int, int] = {}
     for host, _, _, data in plan:
       need[host] = need.get(host, 0) + -(-max(data.nbytes, 1) // shm.PAGE) * shm.PAGE
-    free = self._arena_free()
+    free = {s.identity.host_id: (s.arena_size - s.arena_used, s.arena_size)
+            for s in self._status()}
     short = {h: (n, free[h]) for h, n in need.items() if n > free[h][0]}
     if short:
       detail = "; ".join(f"host {h} needs {shm.format_size(n)}, has {shm.format_size(f)} free "
@@ -257,20 +258,25 @@ class Checkpointer:
 
   # ---- restore -----------------------------------------------------------
 
-  def restore(self, step: int | None = None, *, target: Any) -> Any:
+  def restore(self, step: int | None = None, *, target: Any,
+              progress: Callable[[str], None] | None = None) -> Any:
     """Restores ``step`` (default: the latest) onto the shardings of ``target``.
 
     ``target`` is a pytree of ``jax.ShapeDtypeStruct``s with shardings, or of concrete
     arrays (their shardings are used). Reads each shard from a sidecar's RAM tier when
     one holds it, else from storage, checking its crc32c; a corrupt shard falls back
     to the other tier. Reshards when the target mesh differs from the one saved.
+    With ``progress`` (``print``, say), a restore past a second reports bytes and rate.
     """
     self._check_open()
     step = self._pick(step)
-    return self.restore_from(Target.for_step(self.directory, step).final_item, step, target)
+    return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
+                             progress=progress)
 
-  def restore_from(self, final_item: str, step: int, target: Any) -> Any:
+  def restore_from(self, final_item: str, step: int, target: Any, *,
+                   progress: Callable[[str], None] | None = None) -> Any:
     """Restores the committed item at ``final_item`` onto ``target``'s shardings."""
+    t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
     manifest = self._call("sidecar.ckpt.info", final_item, hosts=[self._hosts[0]])[0]
     saved = {tuple(d["key_path"]): d for d in manifest["leaves"]}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
@@ -284,6 +290,12 @@ class Checkpointer:
       kp = key_path(path)
       self._check_leaf(kp, want, saved, step)
       out.append(self._restore_leaf(final_item, kp, want, stored[kp], ram))
+      done += out[-1].nbytes if hasattr(out[-1], "nbytes") else 0
+      now = time.perf_counter()
+      if progress is not None and now - last[0] >= 1.0:
+        last[0] = now
+        progress(f"restoring step {step}: {shm.format_size(done)} "
+                 f"({done / (now - t0) / 1e9:.2f} GB/s)")
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
@@ -399,11 +411,33 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def wait(self) -> None:
-    """Waits until the save in flight (if any) is durable; raises its error."""
+  def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
+    """Waits until the save in flight (if any) is durable; raises its error.
+
+    With ``progress`` (``print``, say), a wait longer than a second reports the bytes
+    the sidecars have made durable, and the rate, once a second.
+    """
     handle = self._in_flight
-    if handle is not None:
-      handle.durable.result()
+    if handle is None:
+      return
+    while progress is not None and not handle.durable.done():
+      try:
+        handle.durable.result(timeout=1.0)
+      except concurrent.futures.TimeoutError:
+        progress(self._progress_line(handle.step))
+    handle.durable.result()
+
+  def _progress_line(self, step: int) -> str:
+    done = total = 0
+    seconds = 0.0
+    for s in self._status():
+      for c in s.checkpoints:
+        if c.directory == self.directory and step in c.writing:
+          done, total = done + c.written_bytes, total + c.total_bytes
+          seconds = max(seconds, c.writing_s)
+    rate = done / seconds / 1e9 if seconds else 0.0
+    return (f"saving step {step}: {shm.format_size(done)} of {shm.format_size(total)} "
+            f"durable ({rate:.2f} GB/s)")
 
   def _check_open(self) -> None:
     if self._closed:

@@ -342,8 +342,7 @@ class Controller:
         directory=str(directory), call=self.call, call_async=self.call_async,
         put=self._put, hosts=[h.host_id for h in self.hosts],
         device_hosts={d: h.host_id for h in self.hosts for d in h.device_ids},
-        arena_free=lambda: {s.identity.host_id: (s.arena_size - s.arena_used, s.arena_size)
-                            for s in self.status()},
+        status=self.status,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep)
 

@@ -73,8 +73,13 @@ def format_checkpoints(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]
     if isinstance(s, Exception):
       continue
     for c in s.checkpoints:
+      writing = "none"
+      if c.writing:
+        rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
+        writing = (f"{list(c.writing)} ({shm.format_size(c.written_bytes)} of "
+                   f"{shm.format_size(c.total_bytes)}, {rate:.2f} GB/s)")
       lines.append(f"host {s.identity.host_id}  {c.directory}  RAM tier: "
-                   f"{list(c.ram_steps) or 'none'}  being written: {list(c.writing) or 'none'}")
+                   f"{list(c.ram_steps) or 'none'}  being written: {writing}")
   return "\n".join(lines) if lines else "no checkpoints held"
 
 

@@ -38,12 +38,16 @@ from sidecar._src.protocol import pb
 log = logging.getLogger(__name__)
 MANIFEST = "sidecar_manifest.json"
 # Fault injection for the crash tests: "POINT@STEP" makes this sidecar SIGKILL itself
-# there (points: stage, write, prepared, commit). Unset in production.
+# there (points: stage, write, prepared, commit), or "slow@STEP" pause 2 s before
+# writing. Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
 
 
 def _fault(point: str, step: int) -> None:
   if os.environ.get(FAULT_ENV) == f"{point}@{step}":
+    if point == "slow":
+      time.sleep(2.0)
+      return
     log.warning("fault injection: SIGKILL at %s of step %d", point, step)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -63,6 +67,7 @@ class _Step:
   error: BaseException | None = None
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)
+  written: int = 0
 
 
 class CheckpointHost:
@@ -85,6 +90,9 @@ class CheckpointHost:
         entry.ram_steps.append(s.step)
       elif not s.done.is_set():
         entry.writing.append(s.step)
+        entry.written_bytes += s.written
+        entry.total_bytes += s.nbytes
+        entry.writing_s = max(entry.writing_s, time.monotonic() - s.started)
     return list(out.values())
 
   def functions(self) -> dict[str, Callable[..., Any]]:
@@ -152,7 +160,19 @@ class CheckpointHost:
     t0 = time.perf_counter()
     try:
       _fault("write", record.step)
-      sums = ol.write_item_part(item, self._host_id, host_leaves)
+      _fault("slow", record.step)
+      last_log = [time.monotonic()]
+
+      def progress(nbytes: int) -> None:
+        record.written += nbytes
+        now = time.monotonic()
+        if now - last_log[0] >= 1.0:  # rate-limited: one line a second at most
+          last_log[0] = now
+          log.info("step %d: %s of %s written (%.2f GB/s)", record.step,
+                   shm.format_size(record.written), shm.format_size(record.nbytes),
+                   record.written / (now - record.started) / 1e9)
+
+      sums = ol.write_item_part(item, self._host_id, host_leaves, progress=progress)
       record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
                            "nbytes": c.nbytes, "crc32c": c.crc32c} for c in sums]
       seconds = time.perf_counter() - t0
