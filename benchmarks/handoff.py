@@ -7,10 +7,12 @@ Rows, for a 4.8 MB batch (32x224x224x3 uint8) and a 64 MiB array:
               time, so for 4.8 MB both sides stay in cache)
   memcpy ring one copy into each of 4 pre-faulted slots in turn: what any producer
               that copies a finished batch into a ring of slots pays
-  sidecar     the sidecar copies the array into an arena block, a descriptor crosses
-              gRPC, and here a view of the block becomes a jax.Array (no copy):
-              by ctl.stream (credits, `prefetch` ahead), and by ctl.call with
-              `depth` calls in flight
+  made in    the producer made the batch in an arena block (sidecar.empty; feeds
+  the arena  write elements there): only a descriptor crosses, and a view of the
+              block becomes the jax.Array; no copy at all (the handoff alone)
+  copied     the batch sits in ordinary sidecar memory: the sidecar copies it into
+              an arena block once, then as above; by ctl.stream (credits,
+              `prefetch` ahead) and by ctl.call with `depth` calls in flight
   mp.Queue    multiprocessing.Queue with pickle from a spawned producer
   gRPC bytes  the same bytes in a gRPC response on loopback (a service without shm)
 And the round trip of a no-op ctl.call against a raw gRPC unary call.
@@ -62,8 +64,9 @@ def bench_sidecar(ctl, device, nbytes: int, seconds: float, depth: int) -> float
   return per_s
 
 
-def bench_stream(ctl, device, nbytes: int, seconds: float, prefetch: int) -> float:
-  with ctl.stream("source_stream", nbytes, host=0, prefetch=prefetch) as s:
+def bench_stream(ctl, device, nbytes: int, seconds: float, prefetch: int,
+                 name: str = "source_stream") -> float:
+  with ctl.stream(name, nbytes, host=0, prefetch=prefetch) as s:
     return rate(lambda: jax.device_put(next(s), device).block_until_ready(), seconds=seconds)[0]
 
 
@@ -122,13 +125,16 @@ def main() -> None:
         limit = bench_memcpy(n, s)
         ring = bench_memcpy_ring(n, s)
         streamed = bench_stream(ctl, device, n, s, args.prefetch)
+        in_place = bench_stream(ctl, device, n, s, args.prefetch, "made_in_arena")
         ours = bench_sidecar(ctl, device, n, s, args.depth)
         key = n.to_bytes(8, "little")
         grpc_bytes = rate(lambda: jax.device_put(
             np.frombuffer(raw(key), np.uint8), device).block_until_ready(), seconds=s)[0]
         queue = bench_queue(device, n, s)
         for name, per_s in (("memcpy (limit)", limit), ("memcpy into a 4-slot ring", ring),
-                            (f"sidecar ctl.stream, prefetch {args.prefetch}", streamed),
+                            (f"ctl.stream, made in the arena, prefetch {args.prefetch}", in_place),
+                            (f"ctl.stream, copied into the arena, prefetch {args.prefetch}",
+                             streamed),
                             (f"sidecar ctl.call, depth {args.depth}", ours),
                             ("mp.Queue + pickle", queue), ("gRPC bytes, loopback", grpc_bytes)):
           rows.append((label, name, f"{per_s:,.0f}", f"{per_s * n / 1e9:.2f}",

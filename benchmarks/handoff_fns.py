@@ -25,5 +25,15 @@ def source_stream(nbytes: int):
 
 
 @sidecar.function
+def made_in_arena(nbytes: int):
+  """Batches a producer writes straight into the arena (sidecar.empty), as feeds do.
+
+  They are not filled here: what is left to measure is the handoff alone.
+  """
+  while True:
+    yield sidecar.empty((nbytes,), np.uint8)
+
+
+@sidecar.function
 def noop() -> None:
   return None

@@ -19,6 +19,7 @@ from sidecar._src.errors import (
     StaleDescriptorError,
     VersionMismatchError,
 )
+from sidecar._src.host.outputs import empty
 from sidecar._src.pipeline_context import PipelineContext
 from sidecar._src.registry import Registry, default_registry, function, pipeline, set_default_registry
 from sidecar._src.worker import Worker
@@ -44,6 +45,7 @@ __all__ = [
     "VersionMismatchError",
     "Worker",
     "default_registry",
+    "empty",
     "function",
     "pipeline",
     "set_default_registry",

@@ -102,3 +102,10 @@ def count_then_fail(n: int):
 def echo_items(x, n: int):
   for _ in range(n):
     yield x
+
+
+@sidecar.function
+def made_in_place(n: int, value: int):
+  out = sidecar.empty((n,), np.uint8)
+  out[:] = value
+  return out

@@ -8,7 +8,7 @@ def test_public_api_is_pinned():
       "Controller", "DeadlineExceededError", "DiscoveryError", "HostInfo", "HostLostError",
       "InvalidArgumentError", "NotRegisteredError", "PipelineContext", "Registry", "RemoteError",
       "ResourceExhaustedError", "SidecarError", "StaleDescriptorError", "VersionMismatchError",
-      "Worker", "default_registry", "function", "pipeline", "set_default_registry", "testing",
+      "Worker", "default_registry", "empty", "function", "pipeline", "set_default_registry", "testing",
   ]
   assert sidecar.testing.__all__ == ["LocalCluster"]
   for name in sidecar.__all__:

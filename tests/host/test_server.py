@@ -324,3 +324,22 @@ def test_stream_arguments_through_the_arena_stay_valid(make_server):
     gc.collect()
     for got in s:
       np.testing.assert_array_equal(got, big)
+
+
+def test_results_made_with_sidecar_empty_cross_without_a_copy(make_server):
+  server = make_server()
+  with controller(server) as ctl:
+    (a,) = ctl.call("made_in_place", 1 << 20, 7)
+    assert np.shares_memory(a, ctl.worker(0).arena.buffer) and (a == 7).all()
+    assert server.leases.allocator.num_blocks == 1  # the block made in place, nothing more
+    del a
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while server.leases.allocator.used_bytes and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert server.leases.allocator.used_bytes == 0
+
+
+def test_sidecar_empty_outside_a_sidecar_is_numpy():
+  a = sidecar.empty((3, 2), np.int16)
+  assert a.shape == (3, 2) and a.dtype == np.int16 and a.flags.owndata

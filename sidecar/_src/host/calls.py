@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from sidecar._src import codec, errors, registry as registry_lib, shm
-from sidecar._src.host import feed as feed_lib, feed_pool
+from sidecar._src.host import feed as feed_lib, feed_pool, outputs
 from sidecar._src.host.leases import Leases
 from sidecar._src.protocol import pb
 
@@ -80,7 +80,8 @@ class Runner:
 
   def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
     entry, args, kwargs = self.prepare(request)
-    result = entry.fn(*args, **kwargs)
+    with outputs.allocating(self._empty):
+      result = entry.fn(*args, **kwargs)
     return self.encode(result, request.worker_session, alive=alive, time_left=time_left,
                        where=f"result of {request.name!r}")
 
@@ -91,7 +92,8 @@ class Runner:
       yield from self._feed(request, credits, alive=alive, time_left=time_left)
       return
     entry, args, kwargs = self.prepare(request)
-    items = entry.fn(*args, **kwargs)
+    with outputs.allocating(self._empty):
+      items = entry.fn(*args, **kwargs)
     try:
       iterator = iter(items)
     except TypeError:
@@ -102,7 +104,8 @@ class Runner:
     try:
       while credits.take():
         try:
-          item = next(iterator)
+          with outputs.allocating(self._empty):
+            item = next(iterator)
         except StopIteration:
           return
         yield pb.StreamItem(index=index, value=self.encode(
@@ -239,6 +242,17 @@ class Runner:
         if not self._leases.allocator.fits(nbytes) or not alive() or (
             left is not None and left <= 1.0):
           raise
+
+  def _empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An arena array for ``sidecar.empty``, pinned while the sidecar holds a view of it."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    pin = self._leases.new_pin()
+    block = self._leases.alloc(max(nbytes, 1), pin, timeout=None)
+    put = self._released.put
+    holder = self._arena.lease(block.offset, max(nbytes, 1),
+                               lambda: put((block.offset, block.generation, pin)))
+    return codec.as_array(holder, codec.ArenaRef(block.offset, nbytes, block.generation,
+                                                 dtype.name, shape))
 
   def _view(self, ref: codec.ArenaRef) -> np.ndarray:
     """A sidecar-side array on an arena block, pinned while any view of it lives."""
