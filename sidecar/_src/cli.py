@@ -158,7 +158,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  logging.basicConfig(level=_env("SIDECAR_LOG_LEVEL", "INFO"),
+  # force: importing Orbax lets absl configure the root logger at WARNING first.
+  logging.basicConfig(level=_env("SIDECAR_LOG_LEVEL", "INFO"), force=True,
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   args = parser().parse_args(argv)
   return args.func(args)

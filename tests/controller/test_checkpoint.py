@@ -57,6 +57,7 @@ def test_save_is_staged_then_durable_and_stock_orbax_restores_it(cluster, tmp_pa
     assert handle.staged.result(30) == 10 and handle.durable.result(60) == 10
     assert ckpt.all_steps() == [10] and ckpt.latest_step() == 10
     assert ckpt.data_state(10) == {"epoch": 1, "position": 64}
+  assert "step 10: wrote" in cluster.log(0) + cluster.log(1)  # the sidecars log their writes
   mngr = ocp.CheckpointManager(tmp_path / "ck")
   assert mngr.all_steps() == [10]
   restored = mngr.restore(10, args=ocp.args.StandardRestore(abstract(state)))

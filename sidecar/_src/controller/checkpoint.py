@@ -285,11 +285,13 @@ class Checkpointer:
           (tuple(tuple(i) for i in c["index"]), c["crc32c"]))
     ram = self._ram_index(final_item)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    for path, want in flat:
+      self._check_leaf(key_path(path), want, saved, step)
+    reads = self._read_all(final_item, flat, stored, ram)
     out = []
     for path, want in flat:
       kp = key_path(path)
-      self._check_leaf(kp, want, saved, step)
-      out.append(self._restore_leaf(final_item, kp, want, stored[kp], ram))
+      out.append(self._restore_leaf(final_item, kp, want, stored[kp], ram, reads))
       done += out[-1].nbytes if hasattr(out[-1], "nbytes") else 0
       now = time.perf_counter()
       if progress is not None and now - last[0] >= 1.0:
@@ -364,34 +366,58 @@ class Checkpointer:
           pass
     raise error
 
-  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, shards, ram) -> Any:
-    sharding = getattr(want, "sharding", None)
-    shape = tuple(np.shape(want))
+  def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:
+    """``(device or None, region, host)`` of each block of a target leaf to fill."""
+    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
     if sharding is None:  # numpy or scalar leaf
-      region = tuple((0, n) for n in shape)
-      data = self._assemble(item, kp, region, shards, ram, self._hosts[0])
-      return data if shape else data[()]
-    arrays, devices = [], []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-      region = _index(index, shape)
-      host = self._device_hosts.get(device.id, self._hosts[0])
-      arrays.append(self._assemble(item, kp, region, shards, ram, host))
-      devices.append(device)
-    return jax.make_array_from_single_device_arrays(shape, sharding,
-                                                    jax.device_put(arrays, devices))
+      return [(None, tuple((0, n) for n in shape), self._hosts[0])]
+    return [(d, _index(index, shape), self._device_hosts.get(d.id, self._hosts[0]))
+            for d, index in sharding.addressable_devices_indices_map(shape).items()]
 
-  def _assemble(self, item: str, kp: KeyPath, region, shards, ram, host: int) -> np.ndarray:
+  def _read_all(self, item: str, flat, stored, ram) -> dict:
+    """Starts every stored-shard read a restore needs, all at once: they overlap."""
+    reads = {}
+    for path, want in flat:
+      kp = key_path(path)
+      for _, region, host in self._regions(want):
+        for index, crc in stored[kp]:
+          if (kp, index) in reads or not _overlaps(index, region):
+            continue
+          source = ram.get((kp, index), host)
+          reads[(kp, index)] = self._call_async(
+              "sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc, "any",
+              hosts=[source])[0]
+    return reads
+
+  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, shards, ram, reads) -> Any:
+    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
+    blocks = [(d, self._assemble(item, kp, region, shards, ram, host, reads))
+              for d, region, host in self._regions(want)]
+    if sharding is None:
+      data = blocks[0][1]
+      return data if shape else data[()]
+    arrays = jax.device_put([b for _, b in blocks], [d for d, _ in blocks])
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+  def _assemble(self, item: str, kp: KeyPath, region, shards, ram, host: int, reads
+                ) -> np.ndarray:
     """The block ``region`` of a leaf, from the stored shards overlapping it."""
+    def get(index, crc):
+      try:
+        return reads[(kp, index)].result()
+      except errors.SidecarError:  # corrupt, or that host is gone: try every other tier
+        return self._fetch(item, kp, index, crc, ram, host)
+
     for index, crc in shards:
       if index == region:  # the common case: same sharding as saved, no copy
-        return self._fetch(item, kp, index, crc, ram, host)
+        return get(index, crc)
     out = None
     for index, crc in shards:
+      if not _overlaps(index, region):
+        continue
       lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
       hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
-      if any(l >= h for l, h in zip(lo, hi)) and region:
-        continue
-      data = self._fetch(item, kp, index, crc, ram, host)
+      data = get(index, crc)
       if out is None:
         out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
       src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
@@ -459,6 +485,10 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _overlaps(index, region) -> bool:
+  return all(max(a, r0) < min(b, r1) for (a, b), (r0, r1) in zip(index, region)) or not region
 
 
 def _done_handle(step: int, value: Any) -> SaveHandle:
