@@ -31,6 +31,36 @@ def recv_bytes(sock: socket.socket, *, limit: int = MAX_MESSAGE) -> bytes:
   return _recv_exact(sock, length)
 
 
+class FrameReader:
+  """Reads frames through a buffer: one ``recv`` can bring several small frames."""
+
+  def __init__(self, sock: socket.socket, *, limit: int = MAX_MESSAGE):
+    self._sock = sock
+    self._limit = limit
+    self._buf = bytearray()
+    self._pos = 0
+
+  def _fill(self, n: int) -> None:
+    while len(self._buf) - self._pos < n:
+      if self._pos:
+        del self._buf[:self._pos]
+        self._pos = 0
+      chunk = self._sock.recv(max(65536, n - len(self._buf)))
+      if not chunk:
+        raise ConnectionError("the peer closed the socket")
+      self._buf += chunk
+
+  def read(self) -> bytes:
+    self._fill(_HEADER.size)
+    (length,) = _HEADER.unpack_from(self._buf, self._pos)
+    if length > self._limit:
+      raise errors.InvalidArgumentError(f"frame of {length} bytes exceeds the limit of {self._limit}")
+    self._fill(_HEADER.size + length)
+    start = self._pos + _HEADER.size
+    self._pos = start + length
+    return bytes(self._buf[start:self._pos])
+
+
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
   data = json.dumps(message, separators=(",", ":")).encode()
   frame = _HEADER.pack(len(data)) + data

@@ -106,7 +106,7 @@ class WorkerListener:
     try:
       if not self.has_session(session):
         raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
-      first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))
+      first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = _SocketCredits(conn, max(first.prefetch, 1),
@@ -173,6 +173,7 @@ class _SocketCredits:
 
   def __init__(self, conn: socket.socket, initial: int, on_freed: Callable[[list[int]], None]):
     self._conn = conn
+    self._reader = ipc.FrameReader(conn)
     self._available = initial
     self._on_freed = on_freed
     self.consumer_wait_s = 0.0
@@ -181,7 +182,7 @@ class _SocketCredits:
     self._conn.setblocking(block)
     try:
       while True:
-        message = pb.StreamRequest.FromString(ipc.recv_bytes(self._conn))
+        message = pb.StreamRequest.FromString(self._reader.read())
         self._available += message.credit
         self.consumer_wait_s += message.wait_s
         if message.freed:
