@@ -234,10 +234,16 @@ class Runner:
 
   def _alloc(self, nbytes: int, holder: Any, alive: Alive, time_left: TimeLeft) -> shm.Block:
     """Allocates, waiting for space while the caller lives and its deadline allows."""
+    first = time_left()
+    # Give up a little before the deadline: the error must reach the caller in time.
+    margin = 0.0 if first is None else min(0.5, 0.1 + 0.1 * first)
     while True:
       left = time_left()  # None without a deadline
+      if left is not None:
+        left -= margin
       try:
-        return self._leases.alloc(nbytes, holder, timeout=min(left or 1.0, 1.0))
+        return self._leases.alloc(
+            nbytes, holder, timeout=1.0 if left is None else max(0.0, min(left, 1.0)))
       except errors.ResourceExhaustedError:
         if not self._leases.allocator.fits(nbytes) or not alive() or (
             left is not None and left <= 1.0):
