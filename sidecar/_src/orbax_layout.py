@@ -395,6 +395,31 @@ def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
   return store.read().result()
 
 
+def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
+  """Every array leaf of a committed item, ours or stock Orbax's: key path, shape, dtype.
+
+  Read from ``_METADATA`` and each array's TensorStore metadata; no data is read.
+  """
+  item_dir = pathlib.Path(item_dir).absolute()
+  try:
+    meta = json.loads((item_dir / METADATA_FILE).read_text())
+  except FileNotFoundError:
+    raise FileNotFoundError(f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)")
+  context = ts_utils.get_ts_context(use_ocdbt=True)
+  out = []
+  for entry in meta["tree_metadata"].values():
+    key_path = tuple(int(k["key"]) if k.get("key_type") == 1 else k["key"]
+                     for k in entry["key_metadata"])
+    spec = ts_utils.ArrayReadSpec(
+        item_dir.as_posix(), ".".join(str(k) for k in key_path),
+        use_zarr3=bool(meta.get("use_zarr3")), use_ocdbt=bool(meta.get("use_ocdbt")))
+    store = ts.open(spec.json, open=True, context=context).result()
+    out.append({"key_path": list(key_path), "shape": list(store.shape),
+                "dtype": np.dtype(store.dtype.numpy_dtype).name,
+                "kind": entry["value_metadata"]["value_type"]})
+  return out
+
+
 def list_steps(directory: os.PathLike | str) -> list[int]:
   """The committed steps under ``directory``, ascending; tmp directories are skipped."""
   directory = pathlib.Path(directory)

@@ -91,8 +91,12 @@ def test_our_restore_reads_a_step_stock_orbax_wrote(cluster, tmp_path):
   mngr.wait_until_finished()
   with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
     assert ckpt.all_steps() == [3]
-    with pytest.raises(sidecar.InvalidArgumentError, match="not written by colocated-sidecar"):
-      ckpt.restore(3, target=abstract(state))
+    assert_same(ckpt.restore(3, target=abstract(state)), state)
+    other = NamedSharding(mesh(4, ("a", "b")), P("b", "a"))  # and onto another sharding
+    target = abstract(state)
+    target["params"]["w"] = jax.ShapeDtypeStruct((2048, 64), jnp.float32, sharding=other)
+    assert_same(ckpt.restore(3, target=target), state)
+    assert ckpt.data_state(3) is None
 
 
 def test_snapshot_isolation_under_donation(cluster, tmp_path):
@@ -219,3 +223,21 @@ def test_wait_reports_progress_while_a_save_is_written(tmp_path):
       assert ckpt.all_steps() == [1]
   assert lines and all(l.startswith("saving step 1: ") and " durable (" in l for l in lines)
   assert "0 B of 256.0 KiB" in lines[0]  # host 1 holds half of w; host 0 was done
+
+
+@pytest.mark.parametrize("if_busy", ["wait", "skip"])
+def test_at_most_one_save_in_flight(tmp_path, if_busy):
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="16MiB",
+                                    host_env={1: {"SIDECAR_CKPT_FAULT": "slow@1"}}) as c:
+    with c.controller() as ctl, ctl.checkpointer(tmp_path / "ck", if_busy=if_busy) as ckpt:
+      first = ckpt.save(1, make_state())
+      second = ckpt.save(2, make_state())  # step 1 is still being written (2 s)
+      if if_busy == "wait":
+        assert first.durable.done()  # save(2) waited for it
+        assert second.durable.result(60) == 2 and ckpt.all_steps() == [1, 2]
+      else:
+        assert second.staged.result() is None and second.durable.result() is None
+        assert first.durable.result(60) == 1 and ckpt.all_steps() == [1]
+    with c.controller() as ctl2, pytest.raises(sidecar.InvalidArgumentError,
+                                               match="if_busy must be 'wait' or 'skip'"):
+      ctl2.checkpointer(tmp_path / "ck", if_busy="queue")

@@ -267,14 +267,23 @@ class CheckpointHost:
             for s in steps}
 
   def info(self, final_item: str) -> dict[str, Any]:
-    """The manifest of a committed item (leaves, shard checksums, data position)."""
+    """The manifest of a committed item (leaves, shard checksums, data position).
+
+    An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
+    with no checksum to check.
+    """
     try:
       with open(pathlib.Path(final_item) / MANIFEST) as f:
         return json.load(f)
     except FileNotFoundError:
-      raise errors.InvalidArgumentError(
-          f"{final_item} has no {MANIFEST}: it was not written by colocated-sidecar; "
-          "restore it with Orbax") from None
+      pass
+    try:
+      leaves = ol.item_leaves(final_item)
+    except FileNotFoundError as e:
+      raise errors.InvalidArgumentError(f"cannot restore {final_item}: {e}") from None
+    return {"format": "orbax", "leaves": leaves, "data_state": None,
+            "shards": [{"key_path": d["key_path"], "index": [[0, n] for n in d["shape"]],
+                        "crc32c": None} for d in leaves]}
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any") -> np.ndarray:
