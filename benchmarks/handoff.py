@@ -105,7 +105,7 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--seconds", type=float, default=2.0)
   ap.add_argument("--depth", type=int, default=2, help="ctl.call calls in flight")
-  ap.add_argument("--prefetch", type=int, default=2, help="ctl.stream items ahead")
+  ap.add_argument("--prefetch", type=int, default=8, help="ctl.stream items ahead")
   args = ap.parse_args()
   s = args.seconds
   device = jax.devices()[0]
