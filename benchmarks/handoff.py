@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import multiprocessing as mp
-import time
 from concurrent import futures
 
 import grpc

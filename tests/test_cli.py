@@ -2,7 +2,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 import sidecar
 from sidecar._src import cli

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src import errors, ipc, protocol
+from sidecar._src import ipc, protocol
 from sidecar._src.protocol import pb
 
 

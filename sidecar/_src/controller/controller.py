@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 

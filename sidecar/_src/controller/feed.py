@@ -14,11 +14,10 @@ import enum
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from sidecar._src import errors
 from sidecar._src.protocol import pb

@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 
-from sidecar._src import codec, errors, ipc, protocol, registry as registry_lib, shm
+from sidecar._src import codec, ipc, protocol, registry as registry_lib, shm
 from sidecar._src.host import feed as feed_lib
 from sidecar._src.protocol import pb
 
