@@ -9,6 +9,18 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import pytest  # noqa: E402
 
 
+def eventually(predicate, timeout: float = 5.0) -> bool:
+  """Polls ``predicate`` until it holds or ``timeout`` passes; returns its last value.
+
+  For effects that arrive through another thread or process (a block freed, say).
+  """
+  import time
+  deadline = time.monotonic() + timeout
+  while not predicate() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return bool(predicate())
+
+
 def shm_entries() -> set[str]:
   return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "lttng"))}
 

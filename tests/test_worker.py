@@ -5,6 +5,7 @@ import pytest
 
 import sidecar
 from sidecar._src import worker as worker_lib
+from tests.conftest import eventually
 
 
 @pytest.mark.parametrize("address,path", [
@@ -40,11 +41,7 @@ def test_worker_from_env_allocates_and_frees(make_server, monkeypatch):
     del a
     gc.collect()
   # close() ended the session: everything it held went back.
-  import time
-  deadline = time.monotonic() + 5
-  while server.leases.allocator.used_bytes and time.monotonic() < deadline:
-    time.sleep(0.01)
-  assert server.leases.allocator.used_bytes == 0
+  assert eventually(lambda: server.leases.allocator.used_bytes == 0)
   with pytest.raises(sidecar.ClosedError):
     w.empty((4,), np.uint8)
 
@@ -58,9 +55,5 @@ def test_close_waits_for_live_views(make_server):
   assert (a == 3).all()  # still mapped and still held
   del a
   gc.collect()
-  import time
-  deadline = time.monotonic() + 5
-  while (w.state is not worker_lib.State.CLOSED or server.leases.allocator.used_bytes) and \
-      time.monotonic() < deadline:
-    time.sleep(0.01)
-  assert w.state is worker_lib.State.CLOSED and server.leases.allocator.used_bytes == 0
+  assert eventually(lambda: w.state is worker_lib.State.CLOSED
+                    and server.leases.allocator.used_bytes == 0)

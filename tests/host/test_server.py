@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 import sidecar
 from sidecar._src import ipc, protocol
 from sidecar._src.protocol import pb
+from tests.conftest import eventually
 
 
 def controller(server, **kw):
@@ -171,10 +172,7 @@ def test_arena_blocks_are_freed_when_arrays_die(make_server):
     assert server.leases.allocator.used_bytes >= 4 << 20
     del arrays
     gc.collect()
-    deadline = time.monotonic() + 5
-    while server.leases.allocator.used_bytes and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert server.leases.allocator.used_bytes == 0
+    assert eventually(lambda: server.leases.allocator.used_bytes == 0)
 
 
 def test_recycled_blocks_never_change_a_live_jax_array(make_server):
@@ -193,10 +191,7 @@ def test_recycled_blocks_never_change_a_live_jax_array(make_server):
     live = ctl.worker(0).live_blocks
     del x
     gc.collect()
-    deadline = time.monotonic() + 5
-    while ctl.worker(0).live_blocks >= live and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert ctl.worker(0).live_blocks < live
+    assert eventually(lambda: ctl.worker(0).live_blocks < live)
 
 
 def test_calls_from_one_thread_run_in_order(make_server):
@@ -334,10 +329,7 @@ def test_results_made_with_sidecar_empty_cross_without_a_copy(make_server):
     assert server.leases.allocator.num_blocks == 1  # the block made in place, nothing more
     del a
     gc.collect()
-    deadline = time.monotonic() + 5
-    while server.leases.allocator.used_bytes and time.monotonic() < deadline:
-      time.sleep(0.01)
-    assert server.leases.allocator.used_bytes == 0
+    assert eventually(lambda: server.leases.allocator.used_bytes == 0)
 
 
 def test_sidecar_empty_outside_a_sidecar_is_numpy():
