@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import traceback
+from typing import Any
 
 import grpc
 import numpy as np
@@ -85,7 +86,7 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
 
 def error_info(exc: BaseException) -> pb.Error:
   """``exc`` as it crosses: our errors by name, user code's with module and traceback."""
-  if status_code(exc) == grpc.StatusCode.UNKNOWN:
+  if not isinstance(exc, errors.SidecarError):
     return pb.Error(type=f"{type(exc).__module__}.{type(exc).__qualname__}", message=str(exc),
                     traceback="".join(traceback.format_exception(exc)))
   return pb.Error(type=type(exc).__name__, message=str(exc))
@@ -112,6 +113,24 @@ def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None
   if info.type == "HostLostError":
     return errors.HostLostError(info.message, host_id=host_id)
   return errors.RemoteError(info.type, info.message, info.traceback, host_id=host_id)
+
+
+def error_dict(exc: BaseException) -> dict[str, str]:
+  """``error_info`` as plain values, for the JSON messages of the Unix socket."""
+  info = error_info(exc)
+  return {"type": info.type, "message": info.message, "traceback": info.traceback}
+
+
+def error_from_dict(d: dict[str, str], *, host: str, host_id: int | None = None
+                    ) -> errors.SidecarError:
+  return error_from_info(pb.Error(type=d.get("type", ""), message=d.get("message", ""),
+                                  traceback=d.get("traceback", "")), host=host, host_id=host_id)
+
+
+def versions_dict(v: pb.Versions) -> dict[str, Any]:
+  """Versions as plain values, for the JSON attach message of the Unix socket."""
+  return {"protocol": v.protocol, "package": v.package, "python": v.python,
+          "numpy": v.numpy, "jax": v.jax}
 
 
 def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None

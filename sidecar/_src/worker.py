@@ -78,14 +78,14 @@ class Worker:
           f"--socket {self.path}` running on this host?") from None
     try:
       ipc.send(self._sock, {"op": "attach", "pid": os.getpid(),
-                            "versions": _versions_dict(protocol.local_versions())})
+                            "versions": protocol.versions_dict(protocol.local_versions())})
       reply, fds = ipc.recv(self._sock, max_fds=1)
     except (OSError, ConnectionError) as e:
       self._sock.close()
       raise errors.HostLostError(f"the sidecar at {self.path} closed the attach: {e}") from None
     if "error" in reply:
       self._sock.close()
-      raise _error(reply["error"])
+      raise protocol.error_from_dict(reply["error"], host=self.path)
     self._sock.settimeout(None)
     self.session: str = reply["session"]
     self.identity: dict[str, Any] = reply["identity"]
@@ -113,7 +113,7 @@ class Worker:
             f"the sidecar of host {self.host_id} at {self.path} is gone: {e}",
             host_id=self.host_id) from None
     if "error" in reply:
-      raise _error(reply["error"])
+      raise protocol.error_from_dict(reply["error"], host=self.path, host_id=self.host_id)
     return reply
 
   def _check_open(self) -> None:
@@ -336,15 +336,3 @@ class LocalStream:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-
-def _versions_dict(v) -> dict[str, Any]:
-  return {"protocol": v.protocol, "package": v.package, "python": v.python,
-          "numpy": v.numpy, "jax": v.jax}
-
-
-def _error(info: dict[str, str]) -> errors.SidecarError:
-  cls = getattr(errors, info.get("type", ""), None)
-  if not (isinstance(cls, type) and issubclass(cls, errors.SidecarError)):
-    cls = errors.SidecarError
-  return cls(info.get("message", "sidecar error"))

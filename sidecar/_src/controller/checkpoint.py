@@ -343,27 +343,17 @@ class Checkpointer:
 
   def _fetch(self, item: str, kp: KeyPath, index, crc: int, ram: dict, fallback_host: int
              ) -> np.ndarray:
-    """One stored shard, from a RAM tier if any host holds it, else from storage."""
-    tiers = []
-    if (kp, index) in ram:
-      tiers.append((ram[(kp, index)], "ram"))
-    tiers.append((fallback_host, "disk"))
+    """One stored shard, tier by tier: the RAM copy we know of, storage, any RAM copy."""
+    tries = [(ram[(kp, index)], "ram")] if (kp, index) in ram else []
+    tries += [(fallback_host, "disk")] + [(h, "ram") for h in self._hosts]
     error = None
-    for host, tier in tiers:
+    for host, tier in dict.fromkeys(tries):  # in order, each once
       try:
         return self._call("sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc,
                           tier, hosts=[host])[0]
-      except errors.CorruptCheckpointError as e:
-        error = e
       except errors.SidecarError as e:
-        error = e
-    for host in self._hosts:  # the corrupt file may have a RAM copy elsewhere
-      if (host, "ram") not in tiers:
-        try:
-          return self._call("sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc,
-                            "ram", hosts=[host])[0]
-        except errors.SidecarError:
-          pass
+        if error is None or isinstance(e, errors.CorruptCheckpointError):
+          error = e  # report corruption over "no RAM copy here"
     raise error
 
   def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:

@@ -22,7 +22,7 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
     ds = feed_lib.open_source(entry, kwargs, spec, 0, 0)
     arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]))
   except Exception as e:  # pylint: disable=broad-except
-    ipc.send(sock, {"error": _error(e)})
+    ipc.send(sock, {"error": protocol.error_dict(e)})
     return
   ipc.send(sock, {"ready": True})
   batcher = feed_lib.Batcher(spec, None, entry.name)
@@ -40,13 +40,8 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
       batcher.write(out, order.rows(task["epoch"], task["position"], spec.ranges))
       reply = {"seq": task["seq"], "produce_s": time.perf_counter() - t0}
     except Exception as e:  # pylint: disable=broad-except
-      reply = {"seq": task["seq"], "error": _error(e)}
+      reply = {"seq": task["seq"], "error": protocol.error_dict(e)}
     ipc.send(sock, reply)
-
-
-def _error(e: BaseException) -> dict[str, str]:
-  info = protocol.error_info(e)
-  return {"type": info.type, "message": info.message, "traceback": info.traceback}
 
 
 if __name__ == "__main__":

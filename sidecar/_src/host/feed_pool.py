@@ -66,7 +66,7 @@ class Pool:
     reply, _ = ipc.recv(ours)
     if "error" in reply:
       self._stop(worker)
-      raise protocol.error_from_info(pb.Error(**reply["error"]), host=f"feed worker {i}")
+      raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
     for task in tasks.values():  # a restarted worker redoes what its predecessor left
       ipc.send(ours, task)
     return worker
@@ -98,7 +98,7 @@ class Pool:
         continue
       worker.tasks.pop(reply["seq"], None)
       if "error" in reply:
-        raise protocol.error_from_info(pb.Error(**reply["error"]), host=f"feed worker {i}")
+        raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
       if reply["seq"] == seq:
         return float(reply["produce_s"])
 

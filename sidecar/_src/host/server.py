@@ -22,7 +22,7 @@ from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.service import Service
-from sidecar._src.host.workers import WorkerListener, versions_dict
+from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Server:
           f"worker pid {message.get('pid')} and sidecar host {self.options.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
     ident = self.identity
-    return {"versions": versions_dict(ours),
+    return {"versions": protocol.versions_dict(ours),
             "identity": {"host_id": ident.host_id, "slice_id": ident.slice_id,
                          "device_ids": list(ident.device_ids), "hostname": ident.hostname,
                          "pid": ident.pid, "boot_id": ident.boot_id}}

@@ -92,7 +92,7 @@ class WorkerListener:
       pass
     except errors.SidecarError as e:
       with contextlib.suppress(OSError):
-        ipc.send(conn, {"error": {"type": type(e).__name__, "message": str(e)}})
+        ipc.send(conn, {"error": protocol.error_dict(e)})
     finally:
       if session is not None:
         with self._lock:
@@ -134,11 +134,14 @@ class WorkerListener:
         block = self._leases.alloc(int(message["nbytes"]), session,
                                    timeout=float(message.get("timeout", 0.0)))
         reply = {"offset": block.offset, "nbytes": block.nbytes, "generation": block.generation}
-      except (errors.SidecarError, KeyError, TypeError, ValueError) as e:
-        reply = {"error": {"type": _error_type(e), "message": str(e)}}
+      except errors.SidecarError as e:
+        reply = {"error": protocol.error_dict(e)}
+      except (KeyError, TypeError, ValueError) as e:
+        reply = {"error": protocol.error_dict(
+            errors.InvalidArgumentError(f"malformed alloc request {message!r:.200}: {e!r}"))}
       ipc.send(conn, reply)
       return
-    ipc.send(conn, {"error": {"type": "InvalidArgumentError", "message": f"unknown op {op!r}"}})
+    ipc.send(conn, {"error": protocol.error_dict(errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
   def _free(self, session: str, flat: list[int]) -> None:
     """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
@@ -201,12 +204,3 @@ class _SocketCredits:
       return False
     self._available -= 1
     return True
-
-
-def _error_type(e: BaseException) -> str:
-  return type(e).__name__ if isinstance(e, errors.SidecarError) else "InvalidArgumentError"
-
-
-def versions_dict(v: "protocol.pb.Versions") -> dict[str, Any]:
-  return {"protocol": v.protocol, "package": v.package, "python": v.python,
-          "numpy": v.numpy, "jax": v.jax}
