@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -34,6 +33,7 @@ import numpy as np
 from array_record.python import array_record_module
 
 import sidecar
+from pipelines._files import expand_paths
 
 MAGIC = b"SCX1"
 _ALIGN = 8
@@ -64,25 +64,8 @@ def arrayrecord(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
     NotRegisteredError: ``parse`` names no registered function.
   """
   del ctx
-  source = grain.sources.ArrayRecordDataSource(expand_paths(paths))
+  source = grain.sources.ArrayRecordDataSource(expand_paths(paths, "ArrayRecord"))
   return grain.MapDataset.source(source).map(_parser(parse))
-
-
-def expand_paths(paths: str | Sequence[str]) -> list[str]:
-  """Files named by ``paths`` (a path, a glob or a list), each one checked to exist."""
-  if isinstance(paths, (str, os.PathLike)):
-    paths = [paths]
-  if not paths:
-    raise ValueError("paths must name at least one file, got an empty list")
-  files = []
-  for pattern in map(os.fspath, paths):
-    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-    missing = [m for m in matches if not os.path.isfile(m)]
-    if not matches or missing:
-      raise FileNotFoundError(f"no ArrayRecord file at {(missing or [pattern])[0]!r}; "
-                              "check the path, or the glob if it is one")
-    files.extend(matches)
-  return files
 
 
 def _parser(parse: str | Callable[[bytes], Element]) -> Callable[[bytes], Element]:

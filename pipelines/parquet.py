@@ -21,9 +21,7 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import itertools
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -31,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import sidecar
+from pipelines._files import expand_paths
 
 Unit = tuple[str, int, int]  # (file, row group, rows in it)
 
@@ -62,7 +61,7 @@ def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
     raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
   columns = list(columns) if columns is not None else None
   units, schema = [], None
-  for path in _expand_paths(paths):
+  for path in expand_paths(paths, "Parquet"):
     meta = pq.read_metadata(path)
     schema = _check_schema(path, meta.schema.to_arrow_schema(), columns, schema)
     units += [(path, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
@@ -91,22 +90,6 @@ def _rows(units: list[Unit], columns: list[str] | None, batch_rows: int,
                     for name in batch.schema.names}
           for i in range(batch.num_rows):
             yield {name: array[i] for name, array in arrays.items()}
-
-
-def _expand_paths(paths: str | Sequence[str]) -> list[str]:
-  if isinstance(paths, (str, os.PathLike)):
-    paths = [paths]
-  if not paths:
-    raise ValueError("paths must name at least one file, got an empty list")
-  files = []
-  for pattern in map(os.fspath, paths):
-    matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-    missing = [m for m in matches if not os.path.isfile(m)]
-    if not matches or missing:
-      raise FileNotFoundError(f"no Parquet file at {(missing or [pattern])[0]!r}; "
-                              "check the path, or the glob if it is one")
-    files.extend(matches)
-  return files
 
 
 def _check_schema(path: str, schema: pa.Schema, columns: list[str] | None,
