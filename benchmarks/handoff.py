@@ -65,8 +65,8 @@ def bench_sidecar(ctl, device, nbytes: int, seconds: float, depth: int) -> float
 
 def bench_stream(ctl, device, nbytes: int, seconds: float, prefetch: int,
                  name: str = "source_stream") -> float:
-  with ctl.stream(name, nbytes, host=0, prefetch=prefetch) as s:
-    return rate(lambda: jax.device_put(next(s), device).block_until_ready(), seconds=seconds)[0]
+  with ctl.stream(name, nbytes, host=0, prefetch=prefetch, device=device) as s:
+    return rate(lambda: next(s).block_until_ready(), seconds=seconds)[0]
 
 
 def _producer(q, nbytes: int, count: int) -> None:

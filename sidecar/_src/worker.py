@@ -22,10 +22,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import codec, errors, ipc, protocol, shm
+from sidecar._src import codec, errors, ipc, protocol, shm, transfer
 from sidecar._src.protocol import pb
 
 ENV_ADDRESS = "SIDECAR_ADDRESS"
+# How long the release thread lets frees gather before it sends them. Streams carry
+# frees with their credits; this thread sends the rest, a message per interval at
+# most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
+FREE_DELAY_S = 0.01
 
 
 class State(enum.Enum):
@@ -191,7 +195,7 @@ class Worker:
   def _release_loop(self) -> None:
     while True:
       item = self._freed.get()
-      time.sleep(0.001)  # Let frees gather: one message for many, fewer thread wake-ups.
+      time.sleep(FREE_DELAY_S)  # Let frees gather: one message for many, fewer wake-ups.
       blocks = [item] if item is not None else []
       while True:  # Batch whatever else is waiting into one message.
         try:
@@ -214,9 +218,13 @@ class Worker:
 
   # ---- streams -----------------------------------------------------------
 
-  def open_stream(self, request: pb.CallRequest, *, prefetch: int,
-                  timeout: float | None = None) -> LocalStream:
-    """Runs a registered iterable in the sidecar; its items arrive over this socket."""
+  def open_stream(self, request: pb.CallRequest, *, prefetch: int, timeout: float | None = None,
+                  device: jax.Device | None = None) -> LocalStream:
+    """Runs a registered iterable in the sidecar; its items arrive over this socket.
+
+    With ``device``, their arrays arrive as ``jax.Array``s on it (on the CPU
+    backend, views of the arena: no copy).
+    """
     self._check_open()
     if not isinstance(prefetch, int) or prefetch < 1:
       raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
@@ -231,13 +239,15 @@ class Worker:
       raise errors.HostLostError(f"the sidecar of host {self.host_id} is gone: {e}",
                                  host_id=self.host_id) from None
     sock.settimeout(timeout)
-    return LocalStream(self, sock, request.name, prefetch)
+    return LocalStream(self, sock, request.name, prefetch, device)
 
   # ---- jax ---------------------------------------------------------------
 
   def to_jax(self, tree: Any, *, device: jax.Device | None = None,
              sharding: jax.sharding.Sharding | None = None) -> Any:
     """``jax.device_put`` of every array leaf; views keep their blocks alive."""
+    if sharding is None and device is not None:
+      return transfer.to_devices(tree, device)
     return jax.device_put(tree, sharding if sharding is not None else device)
 
   # ---- lifecycle ---------------------------------------------------------
@@ -280,8 +290,10 @@ class LocalStream:
   the prefetch (one message for several items), with the blocks freed meanwhile.
   """
 
-  def __init__(self, worker: Worker, sock: socket.socket, name: str, prefetch: int):
+  def __init__(self, worker: Worker, sock: socket.socket, name: str, prefetch: int,
+               device: jax.Device | None = None):
     self._worker = worker
+    self._device = device
     self._sock = sock
     self._reader = ipc.FrameReader(sock, limit=1 << 30)
     self._name = name
@@ -322,8 +334,9 @@ class LocalStream:
       if item.HasField("error"):
         raise protocol.error_from_info(item.error, host=w.path, host_id=w.host_id)
       raise StopIteration
-    return codec.decode(item.value, from_arena=w.view,
-                        where=f"item {item.index} of {self._name!r} from host {w.host_id}")
+    value = codec.decode(item.value, from_arena=w.view,
+                         where=f"item {item.index} of {self._name!r} from host {w.host_id}")
+    return value if self._device is None else transfer.to_devices(value, self._device)
 
   def close(self) -> None:
     """Ends the stream; the sidecar stops producing. Idempotent."""

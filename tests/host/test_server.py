@@ -5,6 +5,7 @@ import threading
 import time
 
 import grpc
+import jax
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -273,6 +274,29 @@ def test_stream_delivers_every_item_in_order(make_server):
     assert [x["i"] for x in items] == list(range(50))
     assert all(np.shares_memory(x["data"], ctl.worker(0).arena.buffer) for x in items)
     assert all((x["data"] == x["i"] % 251).all() for x in items)
+
+
+def test_stream_to_a_device_aliases_the_arena_and_holds_the_block(make_server):
+  server = make_server()
+  device = jax.devices()[1]
+  with controller(server) as ctl:
+    with ctl.stream("count", 5, nbytes=100_000, prefetch=2, device=device) as s:
+      items = list(s)
+    buf = ctl.worker(0).arena.buffer
+    for i, x in enumerate(items):
+      assert isinstance(x["data"], jax.Array) and x["data"].devices() == {device}
+      assert buf.ctypes.data <= x["data"].unsafe_buffer_pointer() < buf.ctypes.data + buf.nbytes
+      assert x["i"] == i and (np.asarray(x["data"]) == i % 251).all()
+    gc.collect()
+    assert server.leases.allocator.used_bytes >= 5 * 100_000  # the jax.Arrays hold them
+    del items, x
+    gc.collect()
+    assert eventually(lambda: server.leases.allocator.used_bytes == 0)
+  with controller(server, attach=False) as ctl:  # over gRPC: the same values, on the device
+    with ctl.stream("count", 3, nbytes=1000, prefetch=2, device=device) as s:
+      items = list(s)
+    assert [x["data"].devices() for x in items] == [{device}] * 3
+    assert [int(x["data"][0]) for x in items] == [0, 1, 2]
 
 
 def test_stream_runs_at_most_prefetch_ahead(make_server):

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import errors, orbax_layout as ol, shm
+from sidecar._src import errors, orbax_layout as ol, shm, transfer
 
 KeyPath = tuple[str | int, ...]
 
@@ -386,8 +386,8 @@ class Checkpointer:
     if sharding is None:
       data = blocks[0][1]
       return data if shape else data[()]
-    arrays = jax.device_put([b for _, b in blocks], [d for d, _ in blocks])
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return transfer.global_array(shape, sharding, [b for _, b in blocks],
+                                   [d for d, _ in blocks])
 
   def _assemble(self, item: str, kp: KeyPath, region, shards, ram, host: int, reads
                 ) -> np.ndarray:

@@ -222,12 +222,14 @@ class Controller:
     return self._decode(host_id, name, response)
 
   def stream(self, name: str, *args: Any, host: int = 0, prefetch: int = 2,
-             timeout: float | None = None, **kwargs: Any) -> Stream | worker_lib.LocalStream:
+             timeout: float | None = None, device: jax.Device | None = None,
+             **kwargs: Any) -> Stream | worker_lib.LocalStream:
     """Iterates what registered function ``name`` returns (an iterable) on ``host``.
 
     The sidecar runs at most ``prefetch`` items ahead of this consumer. When this
     process maps that host's arena, items come over its Unix socket (the fast
-    path); otherwise over gRPC, with arrays inline.
+    path); otherwise over gRPC, with arrays inline. With ``device``, arrays
+    arrive as ``jax.Array``s on it (from the arena with no copy on the CPU backend).
 
     Example::
 
@@ -239,16 +241,18 @@ class Controller:
     (host_id,) = self._select([host])
     held = []
     request = self._request(host_id, name, args, kwargs, self.timeout, held)
-    return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held)
+    return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held,
+                             device=device)
 
   def _open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
-                   timeout: float | None, held: list) -> Stream | worker_lib.LocalStream:
+                   timeout: float | None, held: list, device: jax.Device | None = None
+                   ) -> Stream | worker_lib.LocalStream:
     conn, w = self._conns[host_id], self._workers.get(host_id)
     if w is not None:
-      stream = w.open_stream(request, prefetch=prefetch, timeout=timeout)
+      stream = w.open_stream(request, prefetch=prefetch, timeout=timeout, device=device)
     else:
       stream = Stream(conn.stream_rpc, request, prefetch=prefetch, metadata=conn.metadata,
-                      timeout=timeout, host=conn.address, host_id=host_id)
+                      timeout=timeout, host=conn.address, host_id=host_id, device=device)
     stream.args = held  # Argument blocks live as long as the stream.
     return stream
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from sidecar._src import errors
+from sidecar._src import errors, transfer
 from sidecar._src.protocol import pb
 
 STATE_VERSION = 1
@@ -158,8 +158,7 @@ class Feed:
             arrays.append(array)
             devices.append(d)
       shape = (self._g, *arrays[0].shape[1:])
-      shards = jax.device_put(arrays, devices)
-      out.append(jax.make_array_from_single_device_arrays(shape, self._sharding, shards))
+      out.append(transfer.global_array(shape, self._sharding, arrays, devices))
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def _merge(self, states: list[dict[str, Any]]) -> dict[str, Any]:

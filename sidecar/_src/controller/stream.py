@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from sidecar._src import codec, errors, protocol
+from sidecar._src import codec, errors, protocol, transfer
 from sidecar._src.protocol import pb
 
 _END = object()
@@ -24,7 +24,8 @@ class Stream:
   """
 
   def __init__(self, rpc: Callable[..., Any], start: pb.CallRequest, *, prefetch: int,
-               metadata, timeout: float | None, host: str, host_id: int):
+               metadata, timeout: float | None, host: str, host_id: int,
+               device: Any = None):
     if not isinstance(prefetch, int) or prefetch < 1:
       raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
     self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -32,6 +33,7 @@ class Stream:
     self._responses = rpc(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
     self._host, self._host_id = host, host_id
     self._name = start.name
+    self._device = device
     self.closed = False
     self.args: list = []
 
@@ -51,8 +53,9 @@ class Stream:
       self.close()
       raise protocol.error_from_rpc(e, host=self._host, host_id=self._host_id) from None
     self._requests.put(pb.StreamRequest(credit=1, wait_s=time.perf_counter() - t0))
-    return codec.decode(item.value,
-                        where=f"item {item.index} of {self._name!r} from host {self._host_id}")
+    value = codec.decode(item.value,
+                         where=f"item {item.index} of {self._name!r} from host {self._host_id}")
+    return value if self._device is None else transfer.to_devices(value, self._device)
 
   def close(self) -> None:
     """Ends the stream; the sidecar stops producing. Idempotent."""
