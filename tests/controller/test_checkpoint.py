@@ -155,10 +155,8 @@ def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path):
                                NamedSharding(mesh(), P("data")))}
   with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
     ckpt.save(1, state).durable.result(60)
-    data_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "ck" / "1")
-                  for f in fs if "/d/" in os.path.join(d, f) and "ocdbt.process" in d]
-    data_files = [p for p in data_files if os.path.getsize(p) > 60_000]  # the chunks' files
-    assert len(data_files) >= 2
+    data_files = sorted((tmp_path / "ck" / "1" / "default" / "w").glob("[0-9]*"))
+    assert len(data_files) == 4  # a chunk file per shard
     for path in data_files:  # flip a byte in the middle of every chunk
       with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
