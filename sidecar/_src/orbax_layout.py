@@ -55,7 +55,7 @@ import shutil
 import time
 from typing import Any
 
-import google_crc32c
+import crc32c
 import jax
 import numpy as np
 from orbax.checkpoint._src.handlers import standard_checkpoint_handler
@@ -216,7 +216,7 @@ class ShardChecksum:
 
 def shard_crc32c(data: np.ndarray) -> int:
   """crc32c of an array's C-order bytes, as :class:`ShardChecksum` records it."""
-  return google_crc32c.value(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+  return crc32c.crc32c(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
 
 
 def tmp_step_path(directory: os.PathLike | str, step: int) -> pathlib.Path:
@@ -256,58 +256,67 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
   Returns:
     The crc32c of every shard written, in the order given.
   """
-  return write_item_part(_item_dir(tmp_step_dir, must_be_tmp=True), host_index, leaves,
+  leaves = list(leaves)
+  return write_item_part(_item_dir(tmp_step_dir, must_be_tmp=True), host_index,
+                         [leaf.spec for leaf in leaves],
+                         [(i, shard) for i, leaf in enumerate(leaves) for shard in leaf.shards],
                          use_compression=use_compression)
 
 
-def write_item_part(item_dir: os.PathLike | str, host_index: int,
-                    leaves: Sequence[HostLeaf], *, use_compression: bool = False,
+def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
+                    shards: Iterable[tuple[int, Shard]], *, use_compression: bool = False,
                     progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
   """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
 
+  ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as
+  ``(leaf number, shard)``. It may be a generator that waits for shards still being
+  staged: each is checksummed and its write started as soon as it arrives.
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
   item_dir = pathlib.Path(item_dir).absolute()
   if not isinstance(host_index, int) or host_index < 0:
     raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
-  _check_unique(leaf.spec for leaf in leaves)
-  blocks = [[_resolve(leaf.spec, shard) for shard in leaf.shards] for leaf in leaves]
+  _check_unique(specs)
   item_dir.mkdir(parents=True, exist_ok=True)
   context = ts_utils.get_ts_context(use_ocdbt=False)
-  specs = [_write_spec(item_dir, leaf.spec, host_index, use_compression) for leaf in leaves]
+  write_specs = [_write_spec(item_dir, spec, host_index, use_compression) for spec in specs]
   # Host 0 creates every array (its .zarray), as Orbax's primary host does.
-  opened = [ts.open(spec.json, create=host_index == 0, open=True,
+  opened = [ts.open(w.json, create=host_index == 0, open=True,
                     assume_metadata=host_index != 0, context=context)
-            for spec in specs]
+            for w in write_specs]
   writes, sums = [], []
   with concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write") as pool:
-    for leaf, leaf_blocks, spec, future in zip(leaves, blocks, specs, opened):
-      store = future.result()
-      chunk = tuple(spec.metadata.chunk_shape)
-      for index, data in leaf_blocks:
-        path = _chunk_file(spec, chunk, index, data, use_compression)
-        if path is not None:  # The common case: one uncompressed chunk, its bytes as they are.
-          write = pool.submit(direct_io.write_file, path, data)
-        else:
-          write = store[tuple(slice(a, b) for a, b in index)].write(
-              data, can_reference_source_data_indefinitely=True)
-        writes.append((write, data.nbytes))
-        # The checksum overlaps the writes, which run on other threads.
-        sums.append(ShardChecksum(leaf.spec.key_path, index, data.nbytes, shard_crc32c(data)))
+    for leaf, shard in shards:
+      if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
+        raise errors.InvalidArgumentError(f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
+      spec, w = specs[leaf], write_specs[leaf]
+      index, data = _resolve(spec, shard)
+      path = _chunk_file(w, index, data, use_compression)
+      if path is not None:  # The common case: one uncompressed chunk, its bytes as they are.
+        write = pool.submit(direct_io.write_file, path, data)
+      else:
+        store = opened[leaf].result()
+        write = store[tuple(slice(a, b) for a, b in index)].write(
+            data, can_reference_source_data_indefinitely=True)
+      writes.append((write, data.nbytes))
+      # The checksum overlaps the writes, which run on other threads.
+      sums.append(ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data)))
+    for f in opened:
+      f.result()  # .zarray written (host 0), or the spec checked
     for write, nbytes in writes:
       write.result()  # Durable: both paths fsync before they resolve.
       if progress is not None:
         progress(nbytes)
-  array_metas = [s.metadata for s, leaf in zip(specs, leaves)
-                 if leaf.spec.kind is LeafKind.JAX_ARRAY]
+  array_metas = [w.metadata for w, spec in zip(write_specs, specs)
+                 if spec.kind is LeafKind.JAX_ARRAY]
   if array_metas:
     _write_text(item_dir / "array_metadatas" / f"process_{host_index}",
                 array_metadata_store.Serializer().serialize(array_metas))
   return sums
 
 
-def _chunk_file(spec: ts_utils.ArrayWriteSpec, chunk: tuple[int, ...], index: Index,
-                data: np.ndarray, use_compression: bool) -> pathlib.Path | None:
+def _chunk_file(spec: ts_utils.ArrayWriteSpec, index: Index, data: np.ndarray,
+                use_compression: bool) -> pathlib.Path | None:
   """The Zarr v2 chunk file that holds exactly ``data``, if it can be written as is.
 
   An uncompressed chunk is its array's C-order bytes (little-endian, as on every
@@ -315,6 +324,7 @@ def _chunk_file(spec: ts_utils.ArrayWriteSpec, chunk: tuple[int, ...], index: In
   from the arena. Edge chunks (padded), split shards and compressed ones go
   through TensorStore.
   """
+  chunk = tuple(spec.metadata.chunk_shape)
   if (use_compression or not chunk or data.dtype.byteorder == ">"
       or any(b - a != c for (a, b), c in zip(index, chunk))):
     return None

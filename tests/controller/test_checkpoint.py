@@ -1,5 +1,6 @@
 """Tier 3: ctl.checkpointer on LocalClusters, checked against stock Orbax."""
 
+import gc
 import os
 import stat
 
@@ -11,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
+from tests.conftest import eventually
 
 FNS = ["tests.sidecar_fns"]
 
@@ -239,3 +241,34 @@ def test_at_most_one_save_in_flight(tmp_path, if_busy):
     with c.controller() as ctl2, pytest.raises(sidecar.InvalidArgumentError,
                                                match="if_busy must be 'wait' or 'skip'"):
       ctl2.checkpointer(tmp_path / "ck", if_busy="queue")
+
+
+def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monkeypatch):
+  """Parts go to the sidecars while the trainer copies; a copy that fails aborts them."""
+  from sidecar._src.controller import checkpoint as ckpt_lib
+  monkeypatch.setattr(ckpt_lib, "STAGE_PART_BYTES", 1)  # every shard its own part
+  state = make_state()
+  arena_used = lambda ctl: sorted(s.arena_used for s in ctl.status())
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    ckpt.save(1, state).durable.result(60)
+    assert_same(ckpt.restore(1, target=abstract(state)), state)
+    gc.collect()
+    before = arena_used(ctl)  # step 1 in the RAM tier
+
+    put, calls = ckpt._put, []
+    def failing_put(host, data):
+      calls.append(host)
+      if len(calls) == 4:
+        raise OSError("copy failed")
+      return put(host, data)
+    monkeypatch.setattr(ckpt, "_put", failing_put)
+    with pytest.raises(OSError, match="copy failed"):
+      ckpt.save(2, state)
+    monkeypatch.setattr(ckpt, "_put", put)
+    # The parts already staged were dropped with the step: files, RAM tier, blocks.
+    assert eventually(lambda: not list((tmp_path / "ck").glob("2*/default")))
+    assert eventually(lambda: arena_used(ctl) == before)
+    assert ckpt.all_steps() == [1]
+    ckpt.save(2, state).durable.result(60)
+    assert ckpt.all_steps() == [1, 2]
+    assert_same(ckpt.restore(2, target=abstract(state)), state)

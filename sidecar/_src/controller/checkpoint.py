@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import json
 import pathlib
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,9 @@ import numpy as np
 from sidecar._src import errors, orbax_layout as ol, shm, transfer
 
 KeyPath = tuple[str | int, ...]
+# A save is staged in parts of about this many bytes per host, as the copy goes: a
+# sidecar checksums and writes one part while the trainer copies the next.
+STAGE_PART_BYTES = 64 << 20
 
 
 def key_path(path: Sequence[Any]) -> KeyPath:
@@ -139,13 +143,28 @@ class Checkpointer:
     specs, plan = self._plan(tree)
     self._check_fits(plan)
     handle = SaveHandle(step, concurrent.futures.Future(), concurrent.futures.Future())
-    shards = {h: [] for h in self._hosts}
-    for host, leaf, index, data in plan:  # the one copy the trainer waits for
-      dst = self._put(host, data)
-      shards[host].append({"leaf": leaf, "index": [list(i) for i in index], "data": dst})
     leaves = [ol.spec_to_dict(s) for s in specs]
-    threading.Thread(target=self._finish, args=(handle, target, shards, leaves, data_json),
+    # Parts go to the sidecars while the copy goes on: their checksums and writes
+    # overlap the rest of the copy.
+    parts: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._finish, args=(handle, target, parts, leaves, data_json),
                      daemon=True, name=f"sidecar-save-{step}").start()
+    pending = {h: [] for h in self._hosts}
+    pending_bytes = dict.fromkeys(self._hosts, 0)
+    try:
+      for host, leaf, index, data in plan:  # the one copy the trainer waits for
+        pending[host].append({"leaf": leaf, "index": [list(i) for i in index],
+                              "data": self._put(host, data)})
+        pending_bytes[host] += data.nbytes
+        if pending_bytes[host] >= STAGE_PART_BYTES:
+          parts.put((host, pending[host], False))
+          pending[host], pending_bytes[host] = [], 0
+    except BaseException as e:
+      pending.clear()  # The traceback keeps this frame: let the blocks go.
+      parts.put(e)  # the save is aborted
+      raise
+    for host in self._hosts:
+      parts.put((host, pending.pop(host), True))
     return handle
 
   def _plan(self, tree: Any) -> tuple[list[ol.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
@@ -189,18 +208,26 @@ class Checkpointer:
           f"the state does not fit the arenas ({detail}); nothing was copied. Raise the "
           "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
 
-  def _finish(self, handle: SaveHandle, target: Target, shards: dict[int, list], leaves,
+  def _finish(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves,
               data_json: str) -> None:
     step = handle.step
     try:
       if target.whole_step:
         self._call("sidecar.ckpt.begin", self.directory, step, hosts=[self._hosts[0]])
-      stages = [self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
-                                 target.final_item, leaves, shards[h], hosts=[h])[0]
-                for h in self._hosts]
-      for f in stages:
+      last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
+      closed = 0
+      while closed < len(self._hosts):
+        part = parts.get()  # (host, shards, last); no other local holds the shards, as
+        if isinstance(part, BaseException):  # the raise would keep them in its frame
+          raise part
+        host, final = part[0], part[2]
+        if host in last:
+          last[host].result()  # a host's parts arrive in order
+        last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
+                                      target.final_item, leaves, part[1], final, hosts=[host])[0]
+        closed += final
+      for f in last.values():
         f.result()
-      shards.clear()  # the sidecars hold the blocks now
       handle.staged.set_result(step)
       prepared = [f.result() for f in self._call_async(
           "sidecar.ckpt.prepared", target.final_item, hosts=self._hosts, timeout=3600)]

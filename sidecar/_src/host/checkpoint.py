@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pathlib
+import queue
 import shutil
 import signal
 import threading
@@ -42,7 +43,10 @@ MANIFEST = "sidecar_manifest.json"
 # there (points: stage, write, prepared, commit), or "slow@STEP" pause 2 s before
 # writing. Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
-WRITER_NICE = 10
+# A save's parts come as the trainer copies them; a writer that waits longer than this
+# for the next part gives up (the trainer died or hung mid-save).
+STAGE_TIMEOUT_S = 600.0
+WRITER_NICE = 19  # the lowest: a save yields to the training step (and feeds) wherever they compete
 
 
 def _fault(point: str, step: int) -> None:
@@ -64,6 +68,10 @@ class _Step:
   item: str  # the committed item directory: the key of the RAM tier
   shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
   nbytes: int
+  specs: list[ol.LeafSpec] = dataclasses.field(default_factory=list)
+  # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
+  incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+  closed: bool = False  # the last part is staged
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   checksums: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   error: BaseException | None = None
@@ -136,32 +144,40 @@ class CheckpointHost:
     return str(ol.create_tmp_step(directory, step))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict]) -> int:
-    """Takes this host's shards (arena views it now holds) and starts writing them.
+            shards: list[dict], last: bool = True) -> int:
+    """Takes shards of this host (arena views it now holds) and starts writing them.
 
+    A save stages in parts, as the trainer copies (``last`` on the final one): the
+    first part starts the writer, each part's shards are written as they arrive.
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
-    be once committed (the RAM tier's key).
+    be once committed (the RAM tier's key). Returns the bytes staged so far.
     """
     _fault("stage", step)
-    specs = [ol.spec_from_dict(d) for d in leaves]
-    mine: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = {}
-    by_leaf: dict[int, list[ol.Shard]] = {}
-    for s in shards:
-      index = tuple((int(a), int(b)) for a, b in s["index"])
-      mine[(specs[s["leaf"]].key_path, index)] = s["data"]
-      by_leaf.setdefault(s["leaf"], []).append(ol.Shard(index, s["data"]))
-    record = _Step(directory, step, final_item, mine, sum(a.nbytes for a in mine.values()))
     with self._lock:
-      self._steps[final_item] = record
-    host_leaves = [ol.HostLeaf(spec, tuple(by_leaf.get(i, ()))) for i, spec in enumerate(specs)]
-    threading.Thread(target=self._write, args=(record, item, host_leaves), daemon=True,
-                     name=f"sidecar-ckpt-{step}").start()
-    return record.nbytes
+      record = self._steps.get(final_item)
+      if record is None or record.done.is_set():
+        specs = [ol.spec_from_dict(d) for d in leaves]
+        record = self._steps[final_item] = _Step(directory, step, final_item, {}, 0, specs)
+        threading.Thread(target=self._write, args=(record, item), daemon=True,
+                         name=f"sidecar-ckpt-{step}").start()
+      if record.closed:
+        raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
+      for s in shards:
+        leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
+        if not 0 <= leaf < len(record.specs):
+          raise errors.InvalidArgumentError(
+              f"shard of leaf {leaf}: step {step} has {len(record.specs)} leaves")
+        record.shards[(record.specs[leaf].key_path, index)] = s["data"]
+        record.nbytes += s["data"].nbytes
+        record.incoming.put((leaf, ol.Shard(index, s["data"])))
+      if last:
+        record.closed = True
+        record.incoming.put(None)
+      return record.nbytes
 
-  def _write(self, record: _Step, item: str, host_leaves: list[ol.HostLeaf]) -> None:
+  def _write(self, record: _Step, item: str) -> None:
     # A save persists in the background: let the trainer (and feeds) have the CPU first.
-    # Linux threads have their own nice value; TensorStore's threads started from here
-    # inherit it.
+    # Linux threads have their own nice value; threads started from here inherit it.
     with contextlib.suppress(OSError):
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
     t0 = time.perf_counter()
@@ -179,14 +195,28 @@ class CheckpointHost:
                    shm.format_size(record.written), shm.format_size(record.nbytes),
                    record.written / (now - record.started) / 1e9)
 
-      sums = ol.write_item_part(item, self._host_id, host_leaves, progress=progress)
+      def incoming():
+        while True:
+          try:
+            shard = record.incoming.get(timeout=STAGE_TIMEOUT_S)
+          except queue.Empty:
+            raise errors.DeadlineExceededError(
+                f"step {record.step}: no part staged for {STAGE_TIMEOUT_S:.0f} s; the trainer "
+                "stopped mid-save") from None
+          if shard is None:
+            return
+          if isinstance(shard, BaseException):
+            raise shard
+          yield shard
+
+      sums = ol.write_item_part(item, self._host_id, record.specs, incoming(), progress=progress)
       record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
                            "nbytes": c.nbytes, "crc32c": c.crc32c} for c in sums]
       seconds = time.perf_counter() - t0
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
                shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9)
     except BaseException as e:  # pylint: disable=broad-except
-      record.error = e
+      record.error = e.with_traceback(None)  # its frames would hold the staged blocks
       log.error("step %d: writing this host's part failed: %s", record.step, e)
     finally:
       record.done.set()
@@ -204,7 +234,7 @@ class CheckpointHost:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool) -> str:
-    """On host 0: the manifest, then the merge; with ``whole_step`` also the step's rename.
+    """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     """
@@ -247,7 +277,10 @@ class CheckpointHost:
     with self._lock:
       record = self._steps.pop(final_item, None)
     if record is not None:
+      if not record.closed:
+        record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
       record.done.wait(60)
+      record.shards.clear()  # the staged blocks go back to the arena
     shutil.rmtree(item, ignore_errors=True)
 
   def _record(self, final_item: str) -> _Step:
