@@ -299,8 +299,11 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
         write = store[tuple(slice(a, b) for a, b in index)].write(
             data, can_reference_source_data_indefinitely=True)
       writes.append((write, data.nbytes))
-      # The checksum overlaps the writes, which run on other threads.
-      sums.append(ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data)))
+      sums.append((spec, index, data))
+    # Checksums once every shard is in: while shards are still being staged they
+    # would take memory bandwidth from the trainer's copy. They overlap the writes.
+    sums = [ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
+            for spec, index, data in sums]
     for f in opened:
       f.result()  # .zarray written (host 0), or the spec checked
     for write, nbytes in writes:

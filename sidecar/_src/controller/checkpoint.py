@@ -26,8 +26,10 @@ from sidecar._src import errors, orbax_layout as ol, shm, transfer
 
 KeyPath = tuple[str | int, ...]
 # A save is staged in parts of about this many bytes per host, as the copy goes: a
-# sidecar checksums and writes one part while the trainer copies the next.
-STAGE_PART_BYTES = 64 << 20
+# sidecar starts writing one part while the trainer copies the next. Smaller parts
+# start the disk sooner but slow the copy more (1 GiB here: 64 MiB parts 1.48x a
+# memcpy, 256 MiB 1.35x, for the same time to durable).
+STAGE_PART_BYTES = 256 << 20
 
 
 def key_path(path: Sequence[Any]) -> KeyPath:
@@ -144,8 +146,8 @@ class Checkpointer:
     self._check_fits(plan)
     handle = SaveHandle(step, concurrent.futures.Future(), concurrent.futures.Future())
     leaves = [ol.spec_to_dict(s) for s in specs]
-    # Parts go to the sidecars while the copy goes on: their checksums and writes
-    # overlap the rest of the copy.
+    # Parts go to the sidecars while the copy goes on: their writes overlap the rest
+    # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=self._finish, args=(handle, target, parts, leaves, data_json),
                      daemon=True, name=f"sidecar-save-{step}").start()
@@ -223,8 +225,9 @@ class Checkpointer:
         host, final = part[0], part[2]
         if host in last:
           last[host].result()  # a host's parts arrive in order
+        specs = [] if host in last else leaves  # the first part carries the leaves
         last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
-                                      target.final_item, leaves, part[1], final, hosts=[host])[0]
+                                      target.final_item, specs, part[1], final, hosts=[host])[0]
         closed += final
       for f in last.values():
         f.result()
