@@ -454,11 +454,12 @@ def phase_table(records: list[SaveRecord], staged_at: dict[int, float],
   def phases(r: SaveRecord) -> list[float]:
     staged = staged_at[r.step] - r.called
     write = written.get(r.step, float("nan"))
-    return [r.blocked, staged - r.blocked, write, r.durable - staged - write, r.durable]
+    return [r.blocked, staged - r.blocked, r.durable - staged, write, r.durable]
   names = ("save() returns: plan + copy into the arena (trainer blocked)",
-           "begin + stage calls, until staged",
-           "sidecar writes its part (its log: 'wrote X in Y s')",
-           "prepared + commit + committed (the rest)", "durable, total")
+           "the last stage call, until staged",
+           "from staged to durable: the writes' tail, prepared, commit",
+           "sidecar writes its part (its log; from its first part, during the copy)",
+           "durable, total")
   cols = []
   for busy in (False, True):
     chosen = [phases(r) for r in records if (r.steps_per_s is not None) == busy]
