@@ -90,6 +90,16 @@ def test_large_arrays_go_to_the_arena_small_ones_inline():
   assert out["big"].shape == (256, 256)
 
 
+def test_arena_blocks_lists_every_reference_in_order():
+  offsets = iter(range(0, 1 << 30, 4096))
+  to_arena = lambda a: codec.ArenaRef(next(offsets), a.nbytes, 3, a.dtype.name, a.shape)
+  big = np.ones(2048, np.uint8)
+  v = codec.encode({"a": big, "b": [1, (big, "x")], "c": {"d": big}, "e": np.ones(2)},
+                   to_arena=to_arena, inline_limit=1024)
+  assert codec.arena_blocks(v) == [0, 3, 4096, 3, 8192, 3]
+  assert codec.arena_blocks(codec.encode([1, "two", None])) == []
+
+
 def test_zero_d_arrays_keep_their_shape():
   out = roundtrip({"a": np.array(3, np.int32)})
   assert out["a"].shape == () and out["a"].dtype == np.int32 and int(out["a"]) == 3

@@ -127,6 +127,18 @@ def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str =
   return _decode(value, from_arena, where, 0)
 
 
+def arena_blocks(value: pb.Value) -> list[int]:
+  """The arena blocks an encoded value refers to, as flattened (offset, generation) pairs."""
+  kind = value.WhichOneof("kind")
+  if kind == "arena":
+    return [value.arena.offset, value.arena.generation]
+  if kind in ("list", "tuple"):
+    return [x for item in getattr(value, kind).items for x in arena_blocks(item)]
+  if kind == "dict":
+    return [x for e in value.dict.entries for x in arena_blocks(e.value)]
+  return []
+
+
 def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
   if depth > MAX_DEPTH:
     raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")

@@ -339,10 +339,21 @@ class LocalStream:
     return value if self._device is None else transfer.to_devices(value, self._device)
 
   def close(self) -> None:
-    """Ends the stream; the sidecar stops producing. Idempotent."""
+    """Ends the stream; the sidecar stops producing. Idempotent.
+
+    Tells the sidecar how many items were taken, so that it takes back the blocks
+    of those it sent ahead that were never read.
+    """
     if not self.closed:
       self.closed = True
+      done = pb.StreamRequest(credit=self._owed, freed=self._worker.take_freed(), close=True)
+      with contextlib.suppress(OSError):
+        ipc.send_bytes(self._sock, done.SerializeToString())
       self._sock.close()
+
+  def __del__(self) -> None:
+    with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone
+      self.close()
 
   def __enter__(self) -> LocalStream:
     return self

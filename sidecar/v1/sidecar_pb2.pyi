@@ -195,18 +195,20 @@ class CallResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("start", "credit", "prefetch", "freed", "wait_s")
+    __slots__ = ("start", "credit", "prefetch", "freed", "wait_s", "close")
     START_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     start: CallRequest
     credit: int
     prefetch: int
     freed: _containers.RepeatedScalarFieldContainer[int]
     wait_s: float
-    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    close: bool
+    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., close: _Optional[bool] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("value", "index", "error", "end")

@@ -299,6 +299,31 @@ def test_stream_to_a_device_aliases_the_arena_and_holds_the_block(make_server):
     assert [int(x["data"][0]) for x in items] == [0, 1, 2]
 
 
+def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_server):
+  server = make_server()
+  used = lambda: server.leases.allocator.used_bytes
+  with controller(server) as ctl:
+    s = ctl.stream("count", 100, nbytes=1 << 20, prefetch=8)
+    first, second = next(s), next(s)  # taken, not yet credited (credits go 4 at a time)
+    assert eventually(lambda: used() >= 8 << 20)  # the sidecar ran ahead
+    s.close()
+    assert eventually(lambda: used() == 2 << 20)  # the two taken stay held
+    assert (first["data"] == 0).all() and (second["data"] == 1).all()
+    del first, second
+    gc.collect()
+    assert eventually(lambda: used() == 0)
+    for _ in range(3):  # dropped without close(), or read to its end
+      s = ctl.stream("count", 100, nbytes=1 << 20, prefetch=8)
+      next(s)
+      del s
+      gc.collect()
+      assert eventually(lambda: used() == 0)
+    assert len(list(ctl.stream("count", 5, nbytes=1 << 20, prefetch=8))) == 5
+    gc.collect()
+    assert eventually(lambda: used() == 0)
+    assert_still_serving(ctl)
+
+
 def test_stream_runs_at_most_prefetch_ahead(make_server):
   with controller(make_server()) as ctl:
     ctl.call("take_log")

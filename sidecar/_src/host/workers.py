@@ -9,6 +9,7 @@ with no TCP and no HTTP/2 in the way.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -18,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sidecar._src import errors, ipc, protocol, shm
+from sidecar._src import codec, errors, ipc, protocol, shm
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.leases import Leases
 from sidecar._src.protocol import pb
@@ -112,8 +113,30 @@ class WorkerListener:
       credits = _SocketCredits(conn, max(first.prefetch, 1),
                                lambda freed: self._free(session, freed))
       alive = lambda: self.has_session(session)
-      for item in self._runner.stream(first.start, credits, alive=alive, time_left=lambda: None):
-        ipc.send_bytes(conn, item.SerializeToString())
+      # Blocks of the items sent and not yet reported taken; once taken, the worker
+      # holds (and frees) them. Those never taken come back here when the stream closes.
+      unread: collections.deque[list[int]] = collections.deque()
+      forgotten = 0  # items popped from `unread` because the consumer took them
+      try:
+        for item in self._runner.stream(first.start, credits, alive=alive,
+                                        time_left=lambda: None):
+          blocks = codec.arena_blocks(item.value)
+          try:
+            ipc.send_bytes(conn, item.SerializeToString())
+          except OSError:
+            self._free(session, blocks)  # never arrived whole: nobody can read it
+            raise
+          unread.append(blocks)
+          while forgotten < credits.taken and unread:
+            unread.popleft()
+            forgotten += 1
+      finally:
+        credits.drain()
+        if credits.closed:  # The consumer took exactly what it credited.
+          while forgotten < credits.taken and unread:
+            unread.popleft()
+            forgotten += 1
+          self._free(session, [x for blocks in unread for x in blocks])
       end = pb.StreamItem(end=True)
     except (ConnectionError, OSError):
       return
@@ -180,14 +203,18 @@ class _SocketCredits:
     self._available = initial
     self._on_freed = on_freed
     self.consumer_wait_s = 0.0
+    self.taken = 0  # items the consumer reported taken
+    self.closed = False  # the consumer said it is done
 
   def _read(self, block: bool) -> None:
     self._conn.setblocking(block)
     try:
-      while True:
+      while not self.closed:
         message = pb.StreamRequest.FromString(self._reader.read())
         self._available += message.credit
+        self.taken += message.credit
         self.consumer_wait_s += message.wait_s
+        self.closed = message.close
         if message.freed:
           self._on_freed(list(message.freed))
         if block:
@@ -202,5 +229,12 @@ class _SocketCredits:
       self._read(block=self._available <= 0)
     except (ConnectionError, OSError):
       return False
+    if self.closed:
+      return False
     self._available -= 1
     return True
+
+  def drain(self) -> None:
+    """Reads what the consumer sent and nobody read yet (its close, say)."""
+    with contextlib.suppress(ConnectionError, OSError):
+      self._read(block=False)
