@@ -324,6 +324,32 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
     assert_still_serving(ctl)
 
 
+def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path, monkeypatch,
+                                                         caplog):
+  from sidecar._src import orbax_layout as ol
+  from sidecar._src.host import checkpoint as host_checkpoint
+  monkeypatch.setattr(host_checkpoint, "STAGE_TIMEOUT_S", 0.5)
+  server = make_server()
+  used = lambda: server.leases.allocator.used_bytes
+  with controller(server) as ctl:
+    directory = str(tmp_path / "ck")
+    ctl.call("sidecar.ckpt.open", directory)
+    tmp = ctl.call("sidecar.ckpt.begin", directory, 3)[0]
+    n = 1 << 18  # large enough to go through the arena
+    spec = ol.spec_to_dict(ol.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+                                       kind="np.ndarray", write_shape=(1, n)))
+    part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
+    ctl.call("sidecar.ckpt.stage", directory, 3, tmp + "/default", directory + "/3/default",
+             [spec], [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False)
+    del part  # the trainer dies before its last part
+    gc.collect()
+    time.sleep(0.2)
+    assert used() == 4 * n  # the sidecar holds the part it got, waiting for the next
+    assert eventually(lambda: used() == 0)
+    assert "step 3: no part staged for 0.5 s; the trainer stopped mid-save" in caplog.text
+    assert_still_serving(ctl)
+
+
 def test_stream_runs_at_most_prefetch_ahead(make_server):
   with controller(make_server()) as ctl:
     ctl.call("take_log")

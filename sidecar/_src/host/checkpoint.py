@@ -43,9 +43,10 @@ MANIFEST = "sidecar_manifest.json"
 # there (points: stage, write, prepared, commit), or "slow@STEP" pause 2 s before
 # writing. Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
-# A save's parts come as the trainer copies them; a writer that waits longer than this
-# for the next part gives up (the trainer died or hung mid-save).
-STAGE_TIMEOUT_S = 600.0
+# A save's parts come as the trainer copies them (256 MiB in ~0.03 s); a writer that
+# waits longer than this for the next one gives up and lets the staged blocks go (the
+# trainer died or hung mid-save).
+STAGE_TIMEOUT_S = 60.0
 WRITER_NICE = 19  # the lowest: a save yields to the training step (and feeds) wherever they compete
 
 
@@ -201,7 +202,7 @@ class CheckpointHost:
             shard = record.incoming.get(timeout=STAGE_TIMEOUT_S)
           except queue.Empty:
             raise errors.DeadlineExceededError(
-                f"step {record.step}: no part staged for {STAGE_TIMEOUT_S:.0f} s; the trainer "
+                f"step {record.step}: no part staged for {STAGE_TIMEOUT_S:g} s; the trainer "
                 "stopped mid-save") from None
           if shard is None:
             return
@@ -216,8 +217,14 @@ class CheckpointHost:
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
                shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9)
     except BaseException as e:  # pylint: disable=broad-except
-      record.error = e.with_traceback(None)  # its frames would hold the staged blocks
+      record.error = e.with_traceback(None)  # its frames would hold the staged blocks,
+      e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
       log.error("step %d: writing this host's part failed: %s", record.step, e)
+      if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
+        with self._lock:
+          if self._steps.get(record.item) is record:
+            del self._steps[record.item]
+        record.shards.clear()
     finally:
       record.done.set()
 
