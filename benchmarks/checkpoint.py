@@ -9,9 +9,9 @@ run, interleaved round by round (each round rotates their order):
                          sidecar writes it
   Orbax, zstd            ``ocp.CheckpointManager`` with ``StandardSave`` (its default:
                          zstd level 1), async, in the trainer process
-  Orbax, no compression  the same with ``PyTreeCheckpointHandler(use_compression=False)``,
-                         the layout the sidecar writes (StandardCheckpointHandler has
-                         no such option)
+  Orbax, no compression  the same with ``PyTreeCheckpointHandler(use_compression=False)``
+                         (StandardCheckpointHandler has no such option); still OCDBT,
+                         where the sidecar writes a file per chunk, with O_DIRECT
 Per saver and save (distinct steps, after warm-up saves):
   blocked     how long ``save`` takes to return (the trainer's stall)
   durable     from the ``save`` call until committed on disk (ours: ``handle.durable``;
