@@ -1,12 +1,24 @@
+import logging
 import os
 import subprocess
 import sys
 
+import pytest
 
 import sidecar
 from sidecar._src import cli
 
 FNS = ["tests.sidecar_fns"]
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+  """cli.main() points the root logger at this test's captured stderr: undo that after."""
+  root = logging.getLogger()
+  handlers, level = root.handlers[:], root.level
+  yield
+  root.handlers[:] = handlers
+  root.setLevel(level)
 
 
 def test_status_table(capsys):
