@@ -113,10 +113,10 @@ class WorkerListener:
       credits = _SocketCredits(conn, max(first.prefetch, 1),
                                lambda freed: self._free(session, freed))
       alive = lambda: self.has_session(session)
-      # Blocks of the items sent and not yet reported taken; once taken, the worker
-      # holds (and frees) them. Those never taken come back here when the stream closes.
-      unread: collections.deque[list[int]] = collections.deque()
-      forgotten = 0  # items popped from `unread` because the consumer took them
+      # Blocks of the last items sent, those not yet reported taken (items are taken in
+      # order); once taken, the worker holds (and frees) them. Those never taken come
+      # back here when the consumer closes the stream.
+      sent, unread = 0, collections.deque()
       try:
         for item in self._runner.stream(first.start, credits, alive=alive,
                                         time_left=lambda: None):
@@ -126,16 +126,15 @@ class WorkerListener:
           except OSError:
             self._free(session, blocks)  # never arrived whole: nobody can read it
             raise
+          sent += 1
           unread.append(blocks)
-          while forgotten < credits.taken and unread:
+          while len(unread) > sent - credits.taken:
             unread.popleft()
-            forgotten += 1
       finally:
         credits.drain()
         if credits.closed:  # The consumer took exactly what it credited.
-          while forgotten < credits.taken and unread:
+          while len(unread) > sent - credits.taken:
             unread.popleft()
-            forgotten += 1
           self._free(session, [x for blocks in unread for x in blocks])
       end = pb.StreamItem(end=True)
     except (ConnectionError, OSError):
