@@ -270,7 +270,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
 
   ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as
   ``(leaf number, shard)``. It may be a generator that waits for shards still being
-  staged: each is checksummed and its write started as soon as it arrives.
+  staged: each one's write starts as it arrives, the checksums once all are in.
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
   item_dir = pathlib.Path(item_dir).absolute()
