@@ -205,6 +205,11 @@ def test_orbax_checkpoint_manager_with_the_sidecar_handler(cluster, tmp_path):
     w = restored["state"]["params"]["w"].addressable_shards[0].data
     buf = ctl.worker(0).arena.buffer  # from the RAM tier: the arena itself
     assert buf.ctypes.data <= w.unsafe_buffer_pointer() < buf.ctypes.data + buf.nbytes
+    meta = mngr.item_metadata(3)["state"]
+    assert meta == {"params": {"w": jax.ShapeDtypeStruct((2048, 64), jnp.float32),
+                               "b": jax.ShapeDtypeStruct((8,), jnp.bfloat16)},
+                    "step_count": jax.ShapeDtypeStruct((), jnp.int32),
+                    "table": jax.ShapeDtypeStruct((10,), np.int64)}
     mngr.close()
   # Stock Orbax reads the item the sidecars wrote, without the handler.
   plain = ocp.CheckpointManager(directory, item_names=("state",))

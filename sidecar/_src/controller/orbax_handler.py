@@ -22,9 +22,10 @@ import pathlib
 import re
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
-from sidecar._src import errors
+from sidecar._src import codec, errors, orbax_layout as ol
 from sidecar._src.controller.checkpoint import Checkpointer, Target
 
 
@@ -74,8 +75,19 @@ class SidecarCheckpointHandler(ocp.AsyncCheckpointHandler):
     engine = self._engine(str(item.parent.parent))
     return engine.restore_from(str(item), self._step(item), args.item)
 
-  def metadata(self, directory) -> None:
-    return None
+  def metadata(self, directory) -> dict[Any, Any]:
+    """The saved tree, read from the item's files: ``jax.ShapeDtypeStruct`` leaves.
+
+    Nested dicts by key path (sequence indices as int keys); no shardings.
+    """
+    tree: dict[Any, Any] = {}
+    for leaf in ol.item_leaves(directory):
+      *parents, last = leaf["key_path"]
+      node = tree
+      for key in parents:
+        node = node.setdefault(key, {})
+      node[last] = jax.ShapeDtypeStruct(tuple(leaf["shape"]), codec.dtype_of(leaf["dtype"]))
+    return tree
 
   def finalize(self, directory) -> None:
     pass
