@@ -173,21 +173,25 @@ class Worker:
 
     A stream sends them with its next credit; the release thread sends the rest.
     """
-    flat = []
+    blocks = self._drain([])
+    if blocks:
+      with self._lock:
+        self._forget(blocks)
+    return [x for block in blocks for x in block]
+
+  def _drain(self, blocks: list) -> list:
+    """``blocks`` and every free waiting in the queue after them."""
     while True:
       try:
         item = self._freed.get_nowait()
       except queue.Empty:
-        break
+        return blocks
       if item is not None:
-        flat.extend(item)
-    if flat:
-      with self._lock:
-        self._live -= len(flat) // 2
-        self._forget(zip(flat[::2], flat[1::2]))
-    return flat
+        blocks.append(item)
 
   def _forget(self, blocks) -> None:
+    """Counts (offset, generation) blocks as let go of; the lock is held."""
+    self._live -= len(blocks)
     for offset, generation in blocks:
       if self._generations.get(offset) == generation:
         del self._generations[offset]
@@ -196,16 +200,8 @@ class Worker:
     while True:
       item = self._freed.get()
       time.sleep(FREE_DELAY_S)  # Let frees gather: one message for many, fewer wake-ups.
-      blocks = [item] if item is not None else []
-      while True:  # Batch whatever else is waiting into one message.
-        try:
-          nxt = self._freed.get_nowait()
-        except queue.Empty:
-          break
-        if nxt is not None:
-          blocks.append(nxt)
+      blocks = self._drain([item] if item is not None else [])
       with self._lock:
-        self._live -= len(blocks)
         self._forget(blocks)
         if blocks and self.state is not State.CLOSED:
           with contextlib.suppress(OSError):
