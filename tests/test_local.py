@@ -145,7 +145,7 @@ def test_bad_import_fails_at_start_naming_the_module():
       pass
 
 
-def test_sidecars_exit_when_the_trainer_is_killed():
+def test_sidecars_exit_when_the_trainer_is_killed(tmp_path):
   mappers = set(arena_mappers())
   script = textwrap.dedent("""
       import sidecar
@@ -154,7 +154,8 @@ def test_sidecars_exit_when_the_trainer_is_killed():
       import time; time.sleep(60)
   """)
   trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(__file__)))
+                             cwd=os.path.dirname(os.path.dirname(__file__)),
+                             env=dict(os.environ, TMPDIR=str(tmp_path)))  # its dir stays there
   pids = [int(p) for p in trainer.stdout.readline().split()]
   trainer.send_signal(signal.SIGKILL)
   trainer.wait()

@@ -1,6 +1,7 @@
 """Tier 3: ctl.checkpointer on LocalClusters, checked against stock Orbax."""
 
 import gc
+import json
 import os
 import stat
 
@@ -171,6 +172,23 @@ def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path):
     with ctl2.checkpointer(tmp_path / "ck") as ckpt2:  # no RAM tier: storage only
       with pytest.raises(sidecar.SidecarError, match=r"(crc32c|corrupt|Corrupt)"):
         ckpt2.restore(1, target=abstract(state))
+
+
+def test_manifest_checksums_match_the_files(cluster, tmp_path):
+  """Each shard's crc32c in the manifest is that of its chunk as stored."""
+  from sidecar._src import orbax_layout as ol
+  state = make_state()
+  state["transposed"] = np.arange(64 * 48, dtype=np.float32).reshape(64, 48).T  # not C order
+  state["scalar"] = 3.5
+  with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    ckpt.save(1, state).durable.result(60)
+  manifest = json.loads((tmp_path / "ck" / "1" / "default" / "sidecar_manifest.json").read_text())
+  assert len(manifest["shards"]) == 4 + 5  # w: 4 shards; the other leaves one each
+  for s in manifest["shards"]:
+    data = ol.read_leaf(tmp_path / "ck" / "1", tuple(s["key_path"]),
+                        tuple(tuple(i) for i in s["index"]))
+    assert s["nbytes"] == data.nbytes and s["crc32c"] == ol.shard_crc32c(data), s
+  assert any(s["crc32c"] != 0 for s in manifest["shards"])
 
 
 def test_status_lists_the_steps_each_tier_holds(cluster, tmp_path, capsys):

@@ -81,7 +81,8 @@ def test_trainer_killed_during_staging(tmp_path):
       os.kill(os.getpid(), signal.SIGKILL)  # before step 2 is staged or written
   """)
   p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120,
-                     stdout=subprocess.PIPE, text=True)
+                     stdout=subprocess.PIPE, text=True,
+                     env=dict(os.environ, TMPDIR=str(tmp_path)))  # its dir stays there
   assert p.returncode == -signal.SIGKILL
   for pid in map(int, p.stdout.split()):  # its sidecars exit within a second
     deadline = time.monotonic() + 10
