@@ -19,7 +19,9 @@ Per saver and save (distinct steps, after warm-up saves):
               it running the training loop
   steps/s     a jitted step (4 x 512x512 matmul + tanh) run on the trainer's thread from
               ``save``'s return until durable, against the same loop just before with
-              no save in flight
+              no save in flight (1.5 s); a control row runs the loop 0.5 s more, still
+              without a save, to show how far the measure moves on its own; cells give
+              the median (min-max)
 Ratios pair each save with its own round's memcpy, raw write or idle loop: this
 machine's disk and CPU speed drift a lot within a run.
 Restores (``block_until_ready`` included): ours from the RAM tier and from disk through a
@@ -62,6 +64,7 @@ from benchmarks.common import rate, table
 LEAVES, LEAF_SHAPE = 8, (8192, 4096)  # 8 x 128 MiB float32 = 1 GiB
 FNS = ["benchmarks.checkpoint_fns"]
 TARGET_DURABLE_S, TARGET_STEPS, TARGET_RESTORE_X, TARGET_BLOCKED_X = 0.7, 0.85, 10.0, 1.5
+CONTROL_S = 0.5  # about a save's time to durable with the trainer busy
 
 
 def progress(msg: str) -> None:
@@ -190,11 +193,14 @@ class SaveRecord:
   durable: float
   steps_per_s: float | None = None  # the loop's rate while the save persisted
   idle_steps_per_s: float | None = None  # the same loop just before, no save in flight
+  # Then the loop again for about a save's time, still no save: the measure's own noise.
+  control_steps_per_s: float | None = None
 
 
 def timed_save(saver, step: int, state, round_: int = -1, train: Trainer | None = None,
                idle_seconds: float = 0.0) -> SaveRecord:
   idle = rate(train, seconds=idle_seconds, warmup=1)[0] if train else None
+  control = rate(train, seconds=CONTROL_S, warmup=0)[0] if train else None
   t0 = time.perf_counter()
   durable = saver.save(step, state)
   t1 = time.perf_counter()
@@ -206,7 +212,7 @@ def timed_save(saver, step: int, state, round_: int = -1, train: Trainer | None 
       n += 1
     steps_per_s = n / (time.perf_counter() - t1)
   durable.wait()
-  record = SaveRecord(step, round_, t0, t1 - t0, durable.at - t0, steps_per_s, idle)
+  record = SaveRecord(step, round_, t0, t1 - t0, durable.at - t0, steps_per_s, idle, control)
   busy = "" if train is None else f", {steps_per_s:.1f} steps/s (no save: {idle:.1f})"
   progress(f"  {saver.name} step {step}: blocked {record.blocked:.3f} s, durable "
            f"{record.durable:.3f} s{busy}")
@@ -421,15 +427,18 @@ def _s(x: float) -> str:
 def save_table(records: dict[str, list[SaveRecord]], memcpy: list[float],
                raw: list[float], raw_busy: list[tuple[float, float, float]]) -> str:
   med = statistics.median
-  idle_rates = [r.idle_steps_per_s for recs in records.values() for r in recs
-                if r.idle_steps_per_s is not None]
+  busy_recs = [r for recs in records.values() for r in recs if r.steps_per_s is not None]
+  spread = lambda xs: f"{med(xs):.0%} ({min(xs):.0%}-{max(xs):.0%})"
   rows = [("one memcpy of the state (reference)", _s(med(memcpy)), "1.00x", "-", "-", "-", "-",
            "-", "-"),
           ("raw write+fsync, 8 files (reference)", "-", "-", _s(med(raw)),
            f"{min(raw):.2f}-{max(raw):.2f}", "1.00x", _s(med(b[0] for b in raw_busy)),
            f"{med(b[1] for b in raw_busy):.1f}", f"{med(b[1] / b[2] for b in raw_busy):.0%}"),
           ("training loop, no save in flight", "-", "-", "-", "-", "-", "-",
-           f"{med(idle_rates):.1f}", "100%")]
+           f"{med(r.idle_steps_per_s for r in busy_recs):.1f}", "100%"),
+          (f"the same, a {CONTROL_S:g} s window right after (control)", "-", "-", "-", "-", "-",
+           "-", f"{med(r.control_steps_per_s for r in busy_recs):.1f}",
+           spread([r.control_steps_per_s / r.idle_steps_per_s for r in busy_recs]))]
   for name, recs in records.items():
     idle = [r for r in recs if r.steps_per_s is None]
     busy = [r for r in recs if r.steps_per_s is not None]
@@ -440,7 +449,7 @@ def save_table(records: dict[str, list[SaveRecord]], memcpy: list[float],
                  f"{med(r.durable / raw[r.round] for r in idle):.2f}x",
                  _s(med(r.durable for r in busy)),
                  f"{med(r.steps_per_s for r in busy):.1f}",
-                 f"{med(r.steps_per_s / r.idle_steps_per_s for r in busy):.0%}"))
+                 spread([r.steps_per_s / r.idle_steps_per_s for r in busy])))
   # Ratios pair each save with its round's memcpy, raw write or loop before it.
   return table(("save", "blocked s", f"vs memcpy (<= {TARGET_BLOCKED_X}x)",
                 f"durable s, trainer idle (<= {TARGET_DURABLE_S})", "min-max",
@@ -605,7 +614,7 @@ def report(args, res: Results) -> None:
 
 def main() -> None:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--rounds", type=int, default=3, help="measured saves per saver: 2 per round")
+  ap.add_argument("--rounds", type=int, default=5, help="measured saves per saver: 2 per round")
   ap.add_argument("--idle-seconds", type=float, default=1.5,
                   help="the training loop's rate with no save in flight, before each busy save")
   ap.add_argument("--restores", type=int, default=2, help="repeats of each restore")
