@@ -43,7 +43,7 @@ MANIFEST = "sidecar_manifest.json"
 # there (points: stage, write, prepared, commit), or "slow@STEP" pause 2 s before
 # writing. Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
-# A save's parts come as the trainer copies them (256 MiB in ~0.03 s); a writer that
+# A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
