@@ -151,8 +151,10 @@ class Checkpointer:
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=self._finish, args=(handle, target, parts, leaves, data_json),
-                     daemon=True, name=f"sidecar-save-{step}").start()
+    finisher = threading.Thread(target=self._finish,
+                                args=(handle, target, parts, leaves, data_json),
+                                daemon=True, name=f"sidecar-save-{step}")
+    finisher.start()
     pending = {h: [] for h in self._hosts}
     pending_bytes = dict.fromkeys(self._hosts, 0)
     try:
@@ -166,6 +168,7 @@ class Checkpointer:
     except BaseException as e:
       pending.clear()  # The traceback keeps this frame: let the blocks go.
       parts.put(e)  # the save is aborted
+      finisher.join()  # and its files are gone before the caller can retry the step
       raise
     for host in self._hosts:
       parts.put((host, pending.pop(host), True))
@@ -240,18 +243,25 @@ class Checkpointer:
       self._call("sidecar.ckpt.commit", target.item, step, len(self._hosts), leaves,
                  checksums, data_json, target.whole_step, hosts=[self._hosts[0]], timeout=3600)
     except BaseException as e:  # pylint: disable=broad-except
+      self._abort(target)  # before the futures fail: a retry must not race the cleanup
       if not handle.staged.done():
         handle.staged.set_exception(e)
       handle.durable.set_exception(e)
-      try:
-        self._call("sidecar.ckpt.abort", target.item, target.final_item,
-                   hosts=self._alive_hosts())
-      except Exception:  # pylint: disable=broad-except
-        pass  # the next open() sweeps the tmp dir
       return
     if target.whole_step:
       self.mark_committed(target)
     handle.durable.set_result(step)
+
+  def _abort(self, target: Target) -> None:
+    """Drops a failed save from every sidecar, then its uncommitted files."""
+    try:
+      hosts = self._alive_hosts()
+      self._call("sidecar.ckpt.abort", target.item, target.final_item, hosts=hosts)
+      if target.whole_step:  # Every host is done with the step: its tmp directory goes.
+        self._call("sidecar.ckpt.abort", str(pathlib.Path(target.item).parent),
+                   target.final_item, hosts=hosts)
+    except Exception:  # pylint: disable=broad-except
+      pass  # the next open() sweeps the tmp dir
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it; applies max_to_keep."""

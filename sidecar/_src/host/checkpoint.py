@@ -280,7 +280,9 @@ class CheckpointHost:
       return sorted(kept)
 
   def abort(self, item: str, final_item: str) -> None:
-    """Forgets a step whose save failed; removes its uncommitted files once written."""
+    """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
+    written. The controller calls it again with the whole uncommitted step directory
+    once every host is done."""
     with self._lock:
       record = self._steps.pop(final_item, None)
     if record is not None:
