@@ -364,8 +364,7 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
   finalize_item(item_dir, leaves, num_hosts=num_hosts, custom_metadata=custom_metadata)
   _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
   _write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
-  for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-    _fsync_dir(d)  # Every entry is durable before the rename publishes them.
+  _fsync_dir(tmp)  # Its entries are durable (finalize_item synced the item's) before the rename.
   if final.exists():
     raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
   os.rename(tmp, final)
