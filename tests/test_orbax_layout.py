@@ -4,7 +4,9 @@ No sockets: each simulated host's part is written in this process from the shard
 its devices own, as its sidecar would write them from the arena.
 """
 
+import contextlib
 import json
+import os
 import pathlib
 
 import jax
@@ -185,6 +187,44 @@ def test_chunk_files_hold_the_bytes_orbax_writes(tree, mesh, tmp_path):
   chunks += [pathlib.Path(leaf, ".zarray") for leaf in ("w", "opt.0.mu", "table")]
   for name in chunks:
     assert (ours / name).read_bytes() == (stock / name).read_bytes(), name
+
+
+def thread_classes(name_prefix):
+  """(scheduling policy, nice) of each of this process's threads whose name starts so."""
+  out = []
+  for task in pathlib.Path("/proc/self/task").iterdir():
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
+      if (task / "comm").read_text().startswith(name_prefix):
+        tid = int(task.name)
+        out.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
+  return out
+
+
+def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
+  """Chunk writes and checksums yield the CPU to the training step (SCHED_IDLE); the
+  caller, which runs TensorStore, and TensorStore's shared pool keep their class."""
+  seen = []
+
+  def spy(fn):
+    def wrapped(*args):
+      seen.append((fn.__name__, os.sched_getscheduler(0)))
+      return fn(*args)
+    return wrapped
+
+  monkeypatch.setattr(ol.direct_io, "write_file", spy(ol.direct_io.write_file))
+  monkeypatch.setattr(ol, "shard_crc32c", spy(ol.shard_crc32c))
+  before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
+  specs, parts = host_parts(tree, mesh, 1)
+  tmp = ol.create_tmp_step(tmp_path, 0)
+  sums = ol.write_host_part(tmp, 0, parts[0])  # the scalars go through TensorStore
+  calls = [name for name, _ in seen]
+  assert set(calls) == {"write_file", "shard_crc32c"}, seen
+  assert calls.count("shard_crc32c") == len(sums) == sum(len(leaf.shards) for leaf in parts[0])
+  assert {policy for _, policy in seen} == {os.SCHED_IDLE}, seen
+  assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
+  assert set(thread_classes("ts_pool_")) == {before}
+  restored = ol.read_leaf(ol.finalize(tmp, specs, num_hosts=1), ("w",))
+  assert_bit_exact(tree["w"], restored)
 
 
 def test_read_leaf_reads_a_stock_orbax_step(tree, stock_dir):

@@ -80,6 +80,21 @@ SHARDING_FILE = "_sharding"
 _HANDLER_TYPESTR = standard_checkpoint_handler.StandardCheckpointHandler.typestr()
 _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
 
+
+def _background_thread() -> None:
+  """Puts the calling thread in Linux's idle scheduling class (``SCHED_IDLE``).
+
+  A save persists while the training step runs on the same cores: its chunk writes
+  and checksums run only on a core nothing else wants, and a waking training thread
+  preempts them at once (a niced thread may finish its time slice first). Threads a
+  ``SCHED_IDLE`` thread starts inherit the class, so these threads never call
+  TensorStore: its shared pool outlives them and serves restores too.
+  """
+  try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+  except (AttributeError, OSError):  # not Linux: the ordinary priority
+    pass
+
 KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
 
@@ -284,8 +299,12 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   opened = [ts.open(w.json, create=host_index == 0, open=True,
                     assume_metadata=host_index != 0, context=context)
             for w in write_specs]
-  writes, sums = [], []
-  with concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write") as pool:
+  writes, staged = [], []
+  # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
+  with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
+                                              initializer=_background_thread) as pool,
+        concurrent.futures.ThreadPoolExecutor(1, "sidecar-ckpt-crc32c",
+                                              initializer=_background_thread) as checksums):
     for leaf, shard in shards:
       if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
         raise errors.InvalidArgumentError(f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
@@ -299,17 +318,19 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
         write = store[tuple(slice(a, b) for a, b in index)].write(
             data, can_reference_source_data_indefinitely=True)
       writes.append((write, data.nbytes))
-      sums.append((spec, index, data))
+      staged.append((spec, index, data))
     # Checksums once every shard is in: while shards are still being staged they
     # would take memory bandwidth from the trainer's copy. They overlap the writes.
-    sums = [ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
-            for spec, index, data in sums]
+    sums = checksums.submit(lambda: [ShardChecksum(spec.key_path, index, data.nbytes,
+                                                   shard_crc32c(data))
+                                     for spec, index, data in staged])
     for f in opened:
       f.result()  # .zarray written (host 0), or the spec checked
     for write, nbytes in writes:
       write.result()  # Durable: both paths fsync before they resolve.
       if progress is not None:
         progress(nbytes)
+    sums = sums.result()
   array_metas = [w.metadata for w, spec in zip(write_specs, specs)
                  if spec.kind is LeafKind.JAX_ARRAY]
   if array_metas:

@@ -17,7 +17,6 @@ the block itself is leased to the caller), else from storage, checking the crc32
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -47,7 +46,6 @@ FAULT_ENV = "SIDECAR_CKPT_FAULT"
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
-WRITER_NICE = 19  # the lowest: a save yields to the training step (and feeds) wherever they compete
 
 
 def _fault(point: str, step: int) -> None:
@@ -177,10 +175,8 @@ class CheckpointHost:
       return record.nbytes
 
   def _write(self, record: _Step, item: str) -> None:
-    # A save persists in the background: let the trainer (and feeds) have the CPU first.
-    # Linux threads have their own nice value; threads started from here inherit it.
-    with contextlib.suppress(OSError):
-      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    # The bytes are written and checksummed on idle-class threads (orbax_layout): a
+    # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
     try:
       _fault("write", record.step)
