@@ -407,6 +407,22 @@ def test_results_made_with_sidecar_empty_cross_without_a_copy(make_server):
     assert eventually(lambda: server.leases.allocator.used_bytes == 0)
 
 
+def test_sidecar_empty_in_a_full_arena_waits_for_the_deadline_then_fails(make_server):
+  server = make_server(shm_size=4 << 20)
+  with controller(server) as ctl:
+    held = ctl.call("full", 3 << 20, 1)
+    t0 = time.monotonic()
+    with pytest.raises(sidecar.ResourceExhaustedError, match="arena is full"):
+      ctl.call("made_in_place", 2 << 20, 7, timeout=0.5)
+    assert 0.3 < time.monotonic() - t0 < 5
+    del held
+    gc.collect()
+    # The sidecar's thread gave up too: its space is free, it keeps serving.
+    assert eventually(lambda: server.leases.allocator.used_bytes == 0)
+    (a,) = ctl.call("made_in_place", 2 << 20, 7, timeout=10)
+    assert (a == 7).all()
+
+
 def test_sidecar_empty_outside_a_sidecar_is_numpy():
   a = sidecar.empty((3, 2), np.int16)
   assert a.shape == (3, 2) and a.dtype == np.int16 and a.flags.owndata

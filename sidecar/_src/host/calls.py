@@ -80,7 +80,7 @@ class Runner:
 
   def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
     entry, args, kwargs = self.prepare(request)
-    with outputs.allocating(self._empty):
+    with outputs.allocating(self._empty(alive, time_left)):
       result = entry.fn(*args, **kwargs)
     return self.encode(result, request.worker_session, alive=alive, time_left=time_left,
                        where=f"result of {request.name!r}")
@@ -92,7 +92,7 @@ class Runner:
       yield from self._feed(request, credits, alive=alive, time_left=time_left)
       return
     entry, args, kwargs = self.prepare(request)
-    with outputs.allocating(self._empty):
+    with outputs.allocating(self._empty(alive, time_left)):
       items = entry.fn(*args, **kwargs)
     try:
       iterator = iter(items)
@@ -104,7 +104,7 @@ class Runner:
     try:
       while credits.take():
         try:
-          with outputs.allocating(self._empty):
+          with outputs.allocating(self._empty(alive, time_left)):
             item = next(iterator)
         except StopIteration:
           return
@@ -249,11 +249,16 @@ class Runner:
             left is not None and left <= 1.0):
           raise
 
-  def _empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An arena array for ``sidecar.empty``, pinned while the sidecar holds a view of it."""
+  def _empty(self, alive: Alive, time_left: TimeLeft) -> outputs.Allocate:
+    """``sidecar.empty`` for a call: arena arrays, pinned while the sidecar holds a view
+    of one; a full arena is waited on while the caller lives and its deadline allows."""
+    return lambda shape, dtype: self._empty_array(shape, dtype, alive, time_left)
+
+  def _empty_array(self, shape: tuple[int, ...], dtype: np.dtype, alive: Alive,
+                   time_left: TimeLeft) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
     pin = self._leases.new_pin()
-    block = self._leases.alloc(max(nbytes, 1), pin, timeout=None)
+    block = self._alloc(max(nbytes, 1), pin, alive, time_left)
     put = self._released.put
     holder = self._arena.lease(block.offset, max(nbytes, 1),
                                lambda: put((block.offset, block.generation, pin)))
