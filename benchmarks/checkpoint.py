@@ -27,7 +27,8 @@ machine's disk and CPU speed drift a lot within a run.
 Restores (``block_until_ready`` included): ours from the RAM tier and from disk through a
 fresh LocalCluster, Orbax with ``mngr.restore(step, args=StandardRestore(abstract))``;
 disk reads with the page cache of the step's files dropped (``POSIX_FADV_DONTNEED``,
-"cold") and as left by the previous read ("warm").
+"cold") and as left by the previous read ("warm"; the sidecar reads its chunk files
+with ``O_DIRECT``, past the page cache, so both are cold for it).
 On the CPU backend Orbax's save copies nothing before it returns: its "device to host"
 transfer is ``np.asarray`` of a CPU jax.Array, a view, so it writes from the live arrays
 (on an accelerator it would wait for a 1 GiB transfer). The sidecar, another process,
@@ -312,7 +313,7 @@ def sidecar_read_phases(ctl, directory: str, step: int, names: list[str]
   for mode in ("cold", "warm"):
     if mode == "cold":
       drop_page_cache(directory)
-    out[mode] = ctl.call("read_phases", directory, step, names, hosts=[0])[0]
+    out[mode] = ctl.call("read_phases", directory, step, names, list(LEAF_SHAPE), hosts=[0])[0]
   return out
 
 
@@ -541,9 +542,8 @@ def restore_table(ram: list[float], disk: dict[tuple[str, str], list[float]],
 def read_phase_table(phases: dict[str, dict[str, float]],
                      disk: dict[tuple[str, str], list[float]]) -> str:
   """Where a restore from disk through the sidecar goes, measured in the sidecar."""
-  names = (("read", "TensorStore read of the 8 leaves, one after another"),
-           ("crc32c", "crc32c of the 8 leaves"),
-           ("copy", "copy into untouched pages (as into a fresh arena)"))
+  names = (("read", "the 8 chunk files into new arena blocks, one after another"),
+           ("crc32c", "crc32c of the 8 leaves"))
   rows = [(label, *(_s(phases[m][k]) for m in ("cold", "warm"))) for k, label in names]
   rows.append(("sum", *(_s(sum(phases[m].values())) for m in ("cold", "warm"))))
   rows.append(("ckpt.restore from the controller (the table above)",

@@ -60,3 +60,29 @@ def test_an_existing_file_is_replaced_and_errors_are_raised(tmp_path):
   assert path.read_bytes() == bytes(direct_io.ALIGN)
   with pytest.raises(FileNotFoundError):
     direct_io.write_file(tmp_path / "missing" / "chunk", np.ones(4))
+
+
+@pytest.mark.parametrize("nbytes", [100, direct_io.ALIGN, 3 * direct_io.ALIGN + 100, (5 << 20) + 7])
+@pytest.mark.parametrize("memory", ["aligned", "heap"])
+def test_read_file_fills_the_array_with_the_file(tmp_path, nbytes, memory):
+  data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+  path = tmp_path / "chunk"
+  path.write_bytes(data.tobytes())
+  out = aligned(nbytes) if memory == "aligned" else np.empty(nbytes + 1, np.uint8)[1:]
+  assert direct_io.read_file(path, out) == nbytes
+  assert out.tobytes() == data.tobytes()
+
+
+def test_read_file_reports_a_short_file_and_reads_no_more_than_asked(tmp_path):
+  path = tmp_path / "chunk"
+  path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes: 2.5 pages
+  out = aligned(4 * direct_io.ALIGN)
+  assert direct_io.read_file(path, out) == 10240
+  assert out[:10240].tobytes() == path.read_bytes()
+  small = aligned(direct_io.ALIGN)
+  assert direct_io.read_file(path, small) == direct_io.ALIGN
+  assert small.tobytes() == path.read_bytes()[:direct_io.ALIGN]
+  with pytest.raises(ValueError, match="C-contiguous"):
+    direct_io.read_file(path, np.zeros((4, 4), np.uint8)[:, ::2])
+  with pytest.raises(FileNotFoundError):
+    direct_io.read_file(tmp_path / "missing", small)

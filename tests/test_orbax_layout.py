@@ -227,6 +227,77 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
   assert_bit_exact(tree["w"], restored)
 
 
+@pytest.mark.parametrize("writer", ["ours", "stock_raw", "stock_zstd", "stock_ocdbt"])
+def test_read_item_shard_reads_whole_chunks_from_their_files(
+    tree, mesh, tmp_path, monkeypatch, stock_plain_dir, stock_dir, writer):
+  """Shards that are whole uncompressed chunks come straight from their files into the
+  caller's array; the rest (scalars, OCDBT, zstd) through TensorStore; all the same."""
+  if writer == "ours":
+    specs, parts = host_parts(tree, mesh, 2)
+    tmp = ol.create_tmp_step(tmp_path, 0)
+    for host, part in enumerate(parts):
+      ol.write_host_part(tmp, host, part)
+    item = ol.finalize(tmp, specs, num_hosts=2) / ol.ITEM
+  elif writer == "stock_raw":
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(None, ocp.args.PyTreeSave,
+                 ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_compression=False))
+    with ocp.CheckpointManager(tmp_path, handler_registry=registry) as mgr:
+      mgr.save(0, args=ocp.args.PyTreeSave(tree))
+      mgr.wait_until_finished()
+    item = tmp_path / "0" / ol.ITEM
+  else:
+    item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / ol.ITEM
+  direct, allocated = [], []
+  read_file = ol.direct_io.read_file
+  monkeypatch.setattr(ol.direct_io, "read_file",
+                      lambda path, out: direct.append(path) or read_file(path, out))
+
+  def allocate(shape, dtype):
+    allocated.append(np.empty(shape, dtype))
+    return allocated[-1]
+
+  def one_chunk(kp, index):
+    zarray = json.loads((item / ".".join(map(str, kp)) / ".zarray").read_text())
+    return bool(index) and [b - a for a, b in index] == zarray["chunks"]
+
+  shards, whole_chunks = 0, 0
+  for kp, value in flat(tree):
+    if isinstance(value, jax.Array):
+      indices = {tuple(sl.indices(n)[:2] for sl, n in zip(s.index, value.shape))
+                 for s in value.addressable_shards}
+    else:
+      indices = {tuple((0, n) for n in np.shape(value))}
+    for index in sorted(indices):
+      before = len(direct)
+      got = ol.read_item_shard(item, kp, index, allocate=allocate)
+      expected = np.asarray(value)[tuple(slice(a, b) for a, b in index)]
+      assert_bit_exact(expected, got)
+      shards += 1
+      whole_chunks += writer in ("ours", "stock_raw") and one_chunk(kp, index)
+      if len(direct) > before:  # read from its file into the caller's array
+        assert len(allocated) == len(direct) and got is allocated[-1], kp
+  # Ours: a chunk per shard, but for the scalars ("step", "lr"). Stock Orbax splits
+  # replicated shards into smaller chunks: those go through TensorStore.
+  assert len(direct) == len(allocated) == whole_chunks
+  assert whole_chunks == {"ours": shards - 2, "stock_raw": 17}.get(writer, 0)
+
+
+def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_path):
+  specs, parts = host_parts(tree, mesh, 1)
+  tmp = ol.create_tmp_step(tmp_path, 0)
+  ol.write_host_part(tmp, 0, parts[0])
+  item = ol.finalize(tmp, specs, num_hosts=1) / ol.ITEM
+  chunk = item / "w" / "1.2"  # rows 4:8, columns 8:12 of w's 2 x 4 grid
+  with open(chunk, "r+b") as f:
+    f.truncate(chunk.stat().st_size - 1)
+  with pytest.raises(errors.CorruptCheckpointError,
+                     match=r"1\.2 holds 63 bytes where the chunk \[\[4, 8\], \[8, 12\]\] of 'w' "
+                           r"takes 64: the file is corrupt"):
+    ol.read_item_shard(item, ("w",), ((4, 8), (8, 12)))
+  assert_bit_exact(np.asarray(tree["w"])[:4, :4], ol.read_item_shard(item, ("w",), ((0, 4), (0, 4))))
+
+
 def test_read_leaf_reads_a_stock_orbax_step(tree, stock_dir):
   assert ol.list_steps(stock_dir) == [0]
   step = stock_dir / "0"

@@ -5,10 +5,11 @@ def test_public_api_is_pinned():
   assert sidecar.__all__ == sorted(sidecar.__all__)
   assert sidecar.__all__ == [
       "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
-      "Controller", "DeadlineExceededError", "DiscoveryError", "HostInfo", "HostLostError",
-      "InvalidArgumentError", "NotRegisteredError", "PipelineContext", "Registry", "RemoteError",
-      "ResourceExhaustedError", "SidecarError", "StaleDescriptorError", "VersionMismatchError",
-      "Worker", "default_registry", "empty", "function", "pipeline", "set_default_registry", "testing",
+      "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
+      "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
+      "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",
+      "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "empty",
+      "function", "pipeline", "set_default_registry", "testing",
   ]
   assert sidecar.testing.__all__ == ["LocalCluster"]
   for name in sidecar.__all__:

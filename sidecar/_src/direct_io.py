@@ -1,4 +1,4 @@
-"""Durable file writes straight from memory, bypassing the page cache where it can.
+"""File writes (durable) and reads straight from memory, bypassing the page cache where it can.
 
 A buffered write copies every byte into the page cache, and ``fsync`` then waits
 for the kernel to write it back: for a 1 GiB checkpoint that is a second or more
@@ -8,6 +8,7 @@ soon as the write is issued. It needs the memory, length and file offset aligned
 to the device's block size; arena blocks start on page boundaries, so all but a
 tail of under a page goes direct, and the tail goes buffered. A file system that
 refuses ``O_DIRECT`` (tmpfs, some network file systems) gets buffered writes.
+Reads mirror it: the disk fills the caller's pages (an arena block) directly.
 """
 
 from __future__ import annotations
@@ -63,6 +64,59 @@ def _write_direct(fd: int, buf: memoryview, end: int) -> int:
       done += os.pwrite(fd, buf[done:min(end, done + CHUNK)], done)
       if done % ALIGN:
         break  # A short write left the offset unaligned: the rest goes buffered.
+  except OSError as e:
+    if e.errno != errno.EINVAL:
+      raise  # EINVAL: alignment this device refuses; the rest goes buffered.
+  finally:
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+  return done
+
+
+def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
+  """Reads the file at ``path`` into the C-contiguous array ``out``; returns bytes read.
+
+  Reads at most ``out.nbytes``; fewer means the file is shorter (and the rest of
+  ``out`` holds anything). A page-aligned ``out`` is read with ``O_DIRECT`` but for a tail
+  under a page, as :func:`write_file` writes.
+
+  Raises:
+    OSError: the file could not be read.
+  """
+  if not out.flags.c_contiguous:
+    raise ValueError("out must be C-contiguous")
+  buf = memoryview(out.reshape(-1).view(np.uint8))
+  n = len(buf)
+  fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  try:
+    done = 0
+    if n >= ALIGN and out.ctypes.data % ALIGN == 0:
+      done = _read_direct(fd, buf, n - n % ALIGN)
+    while done < n:
+      got = os.preadv(fd, [buf[done:]], done)
+      if not got:
+        break  # end of file
+      done += got
+  finally:
+    os.close(fd)
+  return done
+
+
+def _read_direct(fd: int, buf: memoryview, end: int) -> int:
+  """Reads ``buf[:end]`` with O_DIRECT as far as the file system allows; returns bytes done."""
+  flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+  try:
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+  except OSError as e:
+    if e.errno == errno.EINVAL:
+      return 0  # No direct I/O here.
+    raise
+  done = 0
+  try:
+    while done < end:
+      got = os.preadv(fd, [buf[done:min(end, done + CHUNK)]], done)
+      done += got
+      if not got or done % ALIGN:
+        break  # The end of the file, or a short read: the rest goes buffered.
   except OSError as e:
     if e.errno != errno.EINVAL:
       raise  # EINVAL: alignment this device refuses; the rest goes buffered.

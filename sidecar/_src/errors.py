@@ -8,7 +8,7 @@ The tree::
     ├── InvalidArgumentError(ValueError)          bad arguments or bytes (INVALID_ARGUMENT)
     ├── ResourceExhaustedError                    arena, quota or limit full (RESOURCE_EXHAUSTED)
     ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
-    ├── CorruptCheckpointError(ValueError)        a shard that fails its crc32c
+    ├── CorruptCheckpointError(ValueError)        a stored shard that fails its crc32c or size
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
     ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
@@ -52,7 +52,7 @@ class StaleDescriptorError(SidecarError, ValueError):
 
 
 class CorruptCheckpointError(SidecarError, ValueError):
-  """A checkpoint shard does not match the crc32c recorded when it was saved."""
+  """A stored checkpoint shard does not match the crc32c (or size) recorded at its save."""
 
 
 class VersionMismatchError(SidecarError):

@@ -450,6 +450,64 @@ def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
   return store.read().result()
 
 
+def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index, *,
+                    allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty
+                    ) -> np.ndarray:
+  """The block ``index`` of a leaf, read from storage into ``allocate(shape, dtype)``.
+
+  A block that is one whole uncompressed chunk file (each shard this module writes,
+  and stock Orbax's without OCDBT or compression) is read straight from its file
+  into that array (the sidecar passes its arena: no copy after the disk's) with
+  ``O_DIRECT``; any other goes through TensorStore, as :func:`read_item_leaf`.
+
+  Raises:
+    FileNotFoundError: no such item or leaf.
+    errors.CorruptCheckpointError: the chunk file has the wrong size.
+  """
+  item_dir = pathlib.Path(item_dir).absolute()
+  index = tuple((int(a), int(b)) for a, b in index)
+  chunk = _stored_chunk(item_dir, key_path, index)
+  if chunk is None:
+    return read_item_leaf(item_dir, key_path, index)
+  path, dtype = chunk
+  out = allocate(tuple(b - a for a, b in index), dtype)
+  size = path.stat().st_size
+  if size != out.nbytes or direct_io.read_file(path, out) != out.nbytes:
+    raise errors.CorruptCheckpointError(
+        f"{path} holds {size} bytes where the chunk {[list(i) for i in index]} of "
+        f"{'.'.join(map(str, key_path))!r} takes {out.nbytes}: the file is corrupt or was "
+        "changed after the save")
+  return out
+
+
+def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
+                  ) -> tuple[pathlib.Path, np.dtype] | None:
+  """The uncompressed Zarr v2 chunk file that holds exactly ``index``, if there is one.
+
+  Only a step saved without OCDBT has a directory with a ``.zarray`` per leaf.
+  """
+  if not index:
+    return None
+  name = ".".join(str(k) for k in key_path)
+  directory = pathlib.Path(ts_utils.ArrayReadSpec(
+      item_dir.as_posix(), name, use_zarr3=False, use_ocdbt=False).json["kvstore"]["path"])
+  try:
+    zarray = json.loads((directory / ".zarray").read_text())
+    dtype = np.dtype(zarray["dtype"])
+    codec.dtype_of(dtype.newbyteorder("=").name)
+  except (FileNotFoundError, KeyError, TypeError, ValueError, errors.InvalidArgumentError):
+    return None
+  chunks = zarray.get("chunks") or []
+  if (zarray.get("zarr_format") != 2 or zarray.get("compressor") or zarray.get("filters")
+      or zarray.get("order") != "C" or dtype.byteorder == ">" or len(chunks) != len(index)
+      or any(b - a != c or a % c for (a, b), c in zip(index, chunks))):
+    return None
+  separator = zarray.get("dimension_separator", ".")
+  path = directory / separator.join(str(a // c) for (a, _), c in zip(index, chunks))
+  # A chunk TensorStore never stored (all fill value) has no file: it reads as such.
+  return (path, dtype.newbyteorder("=")) if path.is_file() else None
+
+
 def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
   """Every array leaf of a committed item, ours or stock Orbax's: key path, shape, dtype.
 

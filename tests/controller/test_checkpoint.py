@@ -153,16 +153,20 @@ def test_bad_input(cluster, tmp_path):
       assert ckpt.all_steps() == [2, 3]
 
 
-def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path):
+@pytest.mark.parametrize("tear", ["flip", "truncate"])
+def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path, tear):
   state = {"w": jax.device_put(jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256),
                                NamedSharding(mesh(), P("data")))}
   with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
     ckpt.save(1, state).durable.result(60)
     data_files = sorted((tmp_path / "ck" / "1" / "default" / "w").glob("[0-9]*"))
     assert len(data_files) == 4  # a chunk file per shard
-    for path in data_files:  # flip a byte in the middle of every chunk
+    for path in data_files:
       with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
+        if tear == "truncate":  # a write cut short
+          f.truncate(os.path.getsize(path) - 4096)
+          continue
+        f.seek(os.path.getsize(path) // 2)  # flip a byte in the middle of every chunk
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -170,8 +174,12 @@ def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path):
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="16MiB",
                                     imports=FNS) as fresh, fresh.controller() as ctl2:
     with ctl2.checkpointer(tmp_path / "ck") as ckpt2:  # no RAM tier: storage only
-      with pytest.raises(sidecar.SidecarError, match=r"(crc32c|corrupt|Corrupt)"):
+      expected = {"flip": r"array 'w' shard \[\[\d+, \d+\], \[0, 256\]\] does not match its crc32c",
+                  "truncate": r"holds 61440 bytes where the chunk \[\[\d+, \d+\], \[0, 256\]\] "
+                              r"of 'w' takes 65536: the file is corrupt"}[tear]
+      with pytest.raises(sidecar.CorruptCheckpointError, match=expected):
         ckpt2.restore(1, target=abstract(state))
+      assert ctl2.status()[0].arena_used == 0  # the blocks read before the error went back
 
 
 def test_manifest_checksums_match_the_files(cluster, tmp_path):

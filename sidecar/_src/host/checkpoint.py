@@ -12,7 +12,8 @@ The controller drives a save in phases, each a built-in call (``sidecar.ckpt.*``
 5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
 
 ``read`` serves restores: from the RAM tier when this host holds the shard (no copy:
-the block itself is leased to the caller), else from storage, checking the crc32c.
+the block itself is leased to the caller), else from storage straight into a new
+arena block, checking the crc32c.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src import errors, orbax_layout as ol, shm
+from sidecar._src.host import outputs
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -325,7 +327,7 @@ class CheckpointHost:
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any") -> np.ndarray:
-    """One stored shard: from the RAM tier (no copy) or from storage (checked)."""
+    """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked)."""
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
     if tier in ("any", "ram"):
       with self._lock:
@@ -334,7 +336,7 @@ class CheckpointHost:
         return record.shards[(key, idx)]
       if tier == "ram":
         raise errors.InvalidArgumentError(f"host {self._host_id} holds no RAM copy of it")
-    data = ol.read_item_leaf(final_item, key, idx)
+    data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
     if crc32c is not None and ol.shard_crc32c(data) != crc32c:
       name = ".".join(str(k) for k in key)
       raise errors.CorruptCheckpointError(
