@@ -80,21 +80,6 @@ SHARDING_FILE = "_sharding"
 _HANDLER_TYPESTR = standard_checkpoint_handler.StandardCheckpointHandler.typestr()
 _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
 
-
-def _background_thread() -> None:
-  """Puts the calling thread in Linux's idle scheduling class (``SCHED_IDLE``).
-
-  A save persists while the training step runs on the same cores: its chunk writes
-  and checksums run only on a core nothing else wants, and a waking training thread
-  preempts them at once (a niced thread may finish its time slice first). Threads a
-  ``SCHED_IDLE`` thread starts inherit the class, so these threads never call
-  TensorStore: its shared pool outlives them and serves restores too.
-  """
-  try:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-  except (AttributeError, OSError):  # not Linux: the ordinary priority
-    pass
-
 KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
 
@@ -276,6 +261,21 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
                          [leaf.spec for leaf in leaves],
                          [(i, shard) for i, leaf in enumerate(leaves) for shard in leaf.shards],
                          use_compression=use_compression)
+
+
+def _background_thread() -> None:
+  """Puts the calling thread in Linux's idle scheduling class (``SCHED_IDLE``).
+
+  A save persists while the training step runs on the same cores: its chunk writes
+  and checksums run only on a core nothing else wants, and a waking training thread
+  preempts them at once (a niced thread may finish its time slice first). Threads a
+  ``SCHED_IDLE`` thread starts inherit the class, so these threads never call
+  TensorStore: its shared pool outlives them and serves restores too.
+  """
+  try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+  except (AttributeError, OSError):  # not Linux: the ordinary priority
+    pass
 
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
