@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import mmap
 import os
 import re
 import shutil
@@ -250,15 +251,30 @@ def raw_write_seconds(state, directory: str) -> float:
   return time.perf_counter() - t0
 
 
-def direct_write_seconds(state, directory: str) -> float:
-  """The 8 arrays into 8 files with O_DIRECT, 4 at once, as the sidecar writes chunks."""
+def page_aligned(state) -> list[np.ndarray]:
+  """Copies of the arrays in page-aligned memory, as arena blocks are (XLA's CPU
+  buffers are 64-byte aligned: O_DIRECT refuses them)."""
+  out = []
+  for a in state.values():
+    a = np.asarray(a)
+    copy = np.frombuffer(mmap.mmap(-1, a.nbytes), a.dtype).reshape(a.shape)
+    np.copyto(copy, a)
+    out.append(copy)
+  return out
+
+
+def direct_write_seconds(arrays: list[np.ndarray], directory: str) -> float:
+  """Page-aligned arrays into a file each with O_DIRECT, 4 at once, as the sidecar
+  writes its chunks."""
   os.makedirs(directory, exist_ok=True)
-  arrays = [np.asarray(a) for a in state.values()]
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    list(pool.map(lambda i: direct_io.write_file(os.path.join(directory, f"direct{i}"),
-                                                 arrays[i]), range(len(arrays))))
-  return time.perf_counter() - t0
+    direct = list(pool.map(lambda i: direct_io.write_file(
+        os.path.join(directory, f"direct{i}"), arrays[i]), range(len(arrays))))
+  seconds = time.perf_counter() - t0
+  if sum(direct) != sum(a.nbytes for a in arrays):
+    raise SystemExit(f"{directory}: this file system refused O_DIRECT; pass --dir on a disk")
+  return seconds
 
 
 def raw_write_busy(state, directory: str, train: Trainer, idle_seconds: float
@@ -340,6 +356,7 @@ def run_saves(savers, state, train: Trainer, raw_dir: str, *, rounds: int, busy_
     for _ in range(2 if isinstance(saver, SidecarSaver) else 1):
       timed_save(saver, next(steps), state)
   records, memcpy, raw, direct, raw_busy = {s.name: [] for s in savers}, [], [], [], []
+  aligned = page_aligned(state)
   for r in range(rounds):
     progress(f"round {r + 1} of {rounds}")
     order = savers[r % len(savers):] + savers[:r % len(savers)]
@@ -349,7 +366,7 @@ def run_saves(savers, state, train: Trainer, raw_dir: str, *, rounds: int, busy_
     idle_order = [None, *savers]
     for saver in idle_order[r % len(idle_order):] + idle_order[:r % len(idle_order)]:
       if saver is None:
-        direct.append(direct_write_seconds(state, raw_dir))
+        direct.append(direct_write_seconds(aligned, raw_dir))
         progress(f"  O_DIRECT write: {direct[-1]:.3f} s")
       else:
         records[saver.name].append(timed_save(saver, next(steps), state, r))
