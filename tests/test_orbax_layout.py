@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -296,6 +297,18 @@ def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_pa
                            r"takes 64: the file is corrupt"):
     ol.read_item_shard(item, ("w",), ((4, 8), (8, 12)))
   assert_bit_exact(np.asarray(tree["w"])[:4, :4], ol.read_item_shard(item, ("w",), ((0, 4), (0, 4))))
+
+
+def test_a_step_written_again_reads_its_new_values(tmp_path):
+  """Reads share one TensorStore context per committed item; a step deleted and saved
+  again under its number (OCDBT here) gets a fresh one, never the old values."""
+  for value in (1.0, 2.0):
+    with ocp.CheckpointManager(tmp_path) as mgr:
+      mgr.save(0, args=ocp.args.StandardSave({"w": np.full((4, 4), value, np.float32)}))
+      mgr.wait_until_finished()
+    assert (ol.read_leaf(tmp_path / "0", ("w",)) == value).all()
+    assert ol.item_leaves(tmp_path / "0" / ol.ITEM)[0]["shape"] == [4, 4]
+    shutil.rmtree(tmp_path / "0")
 
 
 def test_read_leaf_reads_a_stock_orbax_step(tree, stock_dir):

@@ -47,6 +47,7 @@ import concurrent.futures
 from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
 import enum
+import functools
 import json
 import math
 import os
@@ -429,22 +430,39 @@ def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
   return read_item_leaf(_item_dir(step_dir, must_be_tmp=False), key_path, index)
 
 
+def _reader(item_dir: pathlib.Path) -> tuple[dict[str, Any], ts.Context]:
+  """A committed item's parsed ``_METADATA``, and one TensorStore context to read its
+  leaves with: a restore reads each leaf apart, and a context per leaf would parse
+  the metadata and read an OCDBT step's manifest and b-tree again for every one."""
+  try:
+    stat = (item_dir / METADATA_FILE).stat()
+  except FileNotFoundError:
+    raise FileNotFoundError(
+        f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)") from None
+  # A step deleted and written again (its number reused) has a new _METADATA file.
+  return _cached_reader(str(item_dir), (stat.st_ino, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)  # the steps being restored; each caches <= 100 MB of OCDBT nodes
+def _cached_reader(item_dir: str, stamp: tuple[int, int, int]
+                   ) -> tuple[dict[str, Any], ts.Context]:
+  del stamp  # part of the key only
+  meta = json.loads((pathlib.Path(item_dir) / METADATA_FILE).read_text())
+  return meta, ts_utils.get_ts_context(use_ocdbt=True)
+
+
 def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
                    index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
   """:func:`read_leaf` from an item directory given as such."""
   item_dir = pathlib.Path(item_dir).absolute()
-  metadata_path = item_dir / METADATA_FILE
-  if not metadata_path.exists():
-    raise FileNotFoundError(f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)")
-  meta = json.loads(metadata_path.read_text())
+  meta, context = _reader(item_dir)
   name = ".".join(str(k) for k in key_path)
   if str(tuple(str(k) for k in key_path)) not in meta["tree_metadata"]:
     raise FileNotFoundError(f"leaf {name!r} is not in the checkpoint at {item_dir}")
   spec = ts_utils.ArrayReadSpec(
       item_dir.as_posix(), name, use_zarr3=bool(meta.get("use_zarr3")),
       use_ocdbt=bool(meta.get("use_ocdbt")))
-  store = ts.open(spec.json, open=True,
-                  context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+  store = ts.open(spec.json, open=True, context=context).result()
   if index is not None:
     store = store[tuple(_as_slice(i) for i in index)]
   return store.read().result()
@@ -514,19 +532,18 @@ def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
   Read from ``_METADATA`` and each array's TensorStore metadata; no data is read.
   """
   item_dir = pathlib.Path(item_dir).absolute()
-  try:
-    meta = json.loads((item_dir / METADATA_FILE).read_text())
-  except FileNotFoundError:
-    raise FileNotFoundError(f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)")
-  context = ts_utils.get_ts_context(use_ocdbt=True)
-  out = []
+  meta, context = _reader(item_dir)
+  opened = []  # all at once: each open waits on storage
   for entry in meta["tree_metadata"].values():
     key_path = tuple(int(k["key"]) if k.get("key_type") == 1 else k["key"]
                      for k in entry["key_metadata"])
     spec = ts_utils.ArrayReadSpec(
         item_dir.as_posix(), ".".join(str(k) for k in key_path),
         use_zarr3=bool(meta.get("use_zarr3")), use_ocdbt=bool(meta.get("use_ocdbt")))
-    store = ts.open(spec.json, open=True, context=context).result()
+    opened.append((key_path, entry, ts.open(spec.json, open=True, context=context)))
+  out = []
+  for key_path, entry, future in opened:
+    store = future.result()
     out.append({"key_path": list(key_path), "shape": list(store.shape),
                 "dtype": np.dtype(store.dtype.numpy_dtype).name,
                 "kind": entry["value_metadata"]["value_type"]})
