@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import pathlib
 import queue
 import threading
@@ -107,6 +108,7 @@ class Checkpointer:
     self._steps = list(opened[0]["steps"])
     self._lock = threading.Lock()
     self._in_flight: SaveHandle | None = None
+    self._finisher: threading.Thread | None = None  # the latest save's, until it ends
     self._closed = False
 
   # ---- save --------------------------------------------------------------
@@ -155,6 +157,7 @@ class Checkpointer:
                                 args=(handle, target, parts, leaves, data_json),
                                 daemon=True, name=f"sidecar-save-{step}")
     finisher.start()
+    self._finisher = finisher
     pending = {h: [] for h in self._hosts}
     pending_bytes = dict.fromkeys(self._hosts, 0)
     try:
@@ -251,6 +254,8 @@ class Checkpointer:
     if target.whole_step:
       self.mark_committed(target)
     handle.durable.set_result(step)
+    if target.whole_step:  # Deleting older steps is no part of this save's time.
+      self._collect_garbage()
 
   def _abort(self, target: Target) -> None:
     """Drops a failed save from every sidecar, then its uncommitted files."""
@@ -264,7 +269,7 @@ class Checkpointer:
       pass  # the next open() sweeps the tmp dir
 
   def mark_committed(self, target: Target) -> None:
-    """Tells the RAM tiers the step is visible; lists it; applies max_to_keep."""
+    """Tells the RAM tiers the step is visible; lists it."""
     try:
       self._call("sidecar.ckpt.committed", target.final_item, hosts=self._hosts)
     except Exception:  # pylint: disable=broad-except
@@ -272,7 +277,6 @@ class Checkpointer:
     if target.whole_step:
       with self._lock:
         self._steps = sorted(set(self._steps) | {target.step})
-      self._collect_garbage()
 
   def _alive_hosts(self) -> list[int]:
     alive = []
@@ -285,6 +289,7 @@ class Checkpointer:
     return alive
 
   def _collect_garbage(self) -> None:
+    """Deletes the steps ``max_to_keep`` and ``keep_period`` no longer keep."""
     if self._max_to_keep is None:
       return
     with self._lock:
@@ -293,10 +298,17 @@ class Checkpointer:
     if self._keep_period:
       keep |= {s for s in steps if s % self._keep_period == 0}
     for s in steps:
-      if s not in keep:
+      if s in keep:
+        continue
+      with self._lock:  # unlisted first: a restore must not pick a step being deleted
+        self._steps = [t for t in self._steps if t != s]
+      try:
         self._call("sidecar.ckpt.delete", self.directory, s, hosts=[self._hosts[0]])
+      except errors.SidecarError as e:  # the step is durable all the same; retried next save
+        log.warning("could not delete step %d of %s: %s", s, self.directory, e)
         with self._lock:
-          self._steps.remove(s)
+          self._steps = sorted(set(self._steps) | {s})
+        return
 
   # ---- restore -----------------------------------------------------------
 
@@ -470,7 +482,8 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
-    """Waits until the save in flight (if any) is durable; raises its error.
+    """Waits until the save in flight (if any) is durable, and the older steps it
+    makes ``max_to_keep`` drop are deleted; raises its error.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
     the sidecars have made durable, and the rate, once a second.
@@ -483,7 +496,13 @@ class Checkpointer:
         handle.durable.result(timeout=1.0)
       except concurrent.futures.TimeoutError:
         progress(self._progress_line(handle.step))
+    self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
+
+  def _join_finisher(self) -> None:
+    finisher = self._finisher
+    if finisher is not None and finisher is not threading.current_thread():
+      finisher.join()
 
   def _progress_line(self, step: int) -> str:
     done = total = 0
@@ -506,9 +525,7 @@ class Checkpointer:
     if self._closed:
       return
     try:
-      handle = self._in_flight
-      if handle is not None:
-        concurrent.futures.wait([handle.durable])
+      self._join_finisher()
     finally:
       self._closed = True
 
