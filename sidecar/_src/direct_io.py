@@ -16,11 +16,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from collections.abc import Callable
 
 import numpy as np
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
-CHUNK = 64 << 20  # bytes per write call: large enough to keep the device busy
+CHUNK = 64 << 20  # bytes per call: large enough to keep the device busy
 
 
 def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
@@ -39,7 +40,7 @@ def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
   try:
     direct = 0
     if n >= ALIGN and data.ctypes.data % ALIGN == 0:
-      direct = _write_direct(fd, buf, n - n % ALIGN)
+      direct = _direct(fd, buf, n - n % ALIGN, lambda piece, at: os.pwrite(fd, piece, at))
     done = direct
     while done < n:
       done += os.pwrite(fd, buf[done:], done)
@@ -47,29 +48,6 @@ def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
   finally:
     os.close(fd)
   return direct
-
-
-def _write_direct(fd: int, buf: memoryview, end: int) -> int:
-  """Writes ``buf[:end]`` with O_DIRECT as far as the file system allows; returns bytes done."""
-  flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-  try:
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-  except OSError as e:
-    if e.errno == errno.EINVAL:
-      return 0  # No direct I/O here.
-    raise
-  done = 0
-  try:
-    while done < end:
-      done += os.pwrite(fd, buf[done:min(end, done + CHUNK)], done)
-      if done % ALIGN:
-        break  # A short write left the offset unaligned: the rest goes buffered.
-  except OSError as e:
-    if e.errno != errno.EINVAL:
-      raise  # EINVAL: alignment this device refuses; the rest goes buffered.
-  finally:
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-  return done
 
 
 def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
@@ -90,7 +68,7 @@ def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
   try:
     done = 0
     if n >= ALIGN and out.ctypes.data % ALIGN == 0:
-      done = _read_direct(fd, buf, n - n % ALIGN)
+      done = _direct(fd, buf, n - n % ALIGN, lambda piece, at: os.preadv(fd, [piece], at))
     while done < n:
       got = os.preadv(fd, [buf[done:]], done)
       if not got:
@@ -101,8 +79,10 @@ def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
   return done
 
 
-def _read_direct(fd: int, buf: memoryview, end: int) -> int:
-  """Reads ``buf[:end]`` with O_DIRECT as far as the file system allows; returns bytes done."""
+def _direct(fd: int, buf: memoryview, end: int, transfer: Callable[[memoryview, int], int]
+            ) -> int:
+  """``transfer(piece, offset)`` over ``buf[:end]`` with O_DIRECT, as far as the file
+  system allows; returns the bytes done (the caller does the rest buffered)."""
   flags = fcntl.fcntl(fd, fcntl.F_GETFL)
   try:
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
@@ -113,10 +93,10 @@ def _read_direct(fd: int, buf: memoryview, end: int) -> int:
   done = 0
   try:
     while done < end:
-      got = os.preadv(fd, [buf[done:min(end, done + CHUNK)]], done)
-      done += got
-      if not got or done % ALIGN:
-        break  # The end of the file, or a short read: the rest goes buffered.
+      n = transfer(buf[done:min(end, done + CHUNK)], done)
+      done += n
+      if not n or done % ALIGN:
+        break  # The end of the file, or a short transfer left the offset unaligned.
   except OSError as e:
     if e.errno != errno.EINVAL:
       raise  # EINVAL: alignment this device refuses; the rest goes buffered.
