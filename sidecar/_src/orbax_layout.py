@@ -349,13 +349,21 @@ def _chunk_file(spec: ts_utils.ArrayWriteSpec, index: Index, data: np.ndarray,
   from the arena. Edge chunks (padded), split shards and compressed ones go
   through TensorStore.
   """
-  chunk = tuple(spec.metadata.chunk_shape)
-  if (use_compression or not chunk or data.dtype.byteorder == ">"
-      or any(b - a != c for (a, b), c in zip(index, chunk))):
+  name = _whole_chunk(index, spec.metadata.chunk_shape)
+  if use_compression or data.dtype.byteorder == ">" or name is None:
     return None
   directory = pathlib.Path(spec.json["kvstore"]["path"])
   directory.mkdir(parents=True, exist_ok=True)
-  return directory / ".".join(str(a // c) for (a, _), c in zip(index, chunk))
+  return directory / name
+
+
+def _whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str | None:
+  """The name of the Zarr v2 chunk file that holds exactly the block ``index``; None
+  where the block is not one whole chunk (or is a scalar, which TensorStore keeps)."""
+  if (not chunk or len(chunk) != len(index)
+      or any(b - a != c or a % c for (a, b), c in zip(index, chunk))):
+    return None
+  return separator.join(str(a // c) for (a, _), c in zip(index, chunk))
 
 
 def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
@@ -504,8 +512,6 @@ def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
 
   Only a step saved without OCDBT has a directory with a ``.zarray`` per leaf.
   """
-  if not index:
-    return None
   name = ".".join(str(k) for k in key_path)
   directory = pathlib.Path(ts_utils.ArrayReadSpec(
       item_dir.as_posix(), name, use_zarr3=False, use_ocdbt=False).json["kvstore"]["path"])
@@ -515,13 +521,11 @@ def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
     codec.dtype_of(dtype.newbyteorder("=").name)
   except (FileNotFoundError, KeyError, TypeError, ValueError, errors.InvalidArgumentError):
     return None
-  chunks = zarray.get("chunks") or []
+  chunk = _whole_chunk(index, zarray.get("chunks") or (), zarray.get("dimension_separator", "."))
   if (zarray.get("zarr_format") != 2 or zarray.get("compressor") or zarray.get("filters")
-      or zarray.get("order") != "C" or dtype.byteorder == ">" or len(chunks) != len(index)
-      or any(b - a != c or a % c for (a, b), c in zip(index, chunks))):
+      or zarray.get("order") != "C" or dtype.byteorder == ">" or chunk is None):
     return None
-  separator = zarray.get("dimension_separator", ".")
-  path = directory / separator.join(str(a // c) for (a, _), c in zip(index, chunks))
+  path = directory / chunk
   # A chunk TensorStore never stored (all fill value) has no file: it reads as such.
   return (path, dtype.newbyteorder("=")) if path.is_file() else None
 
