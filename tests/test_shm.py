@@ -98,3 +98,25 @@ def test_allocator_full_waits_then_errors():
   assert time.monotonic() - t0 >= 0.2
   threading.Timer(0.1, a.free, (b.offset, b.generation)).start()
   assert a.alloc(shm.ALIGN, timeout=5).offset == 0  # woken by the free
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_in_pieces_is_exact(monkeypatch, threads):
+  monkeypatch.setattr(shm, "COPY_PIECE", 4096)
+  monkeypatch.setattr(shm, "COPY_THREADS", threads)
+  monkeypatch.setattr(shm, "_copy_pool", None)
+  src = np.random.default_rng(0).standard_normal((37, 1000)).astype(np.float32)  # 36 pieces + a tail
+  dst = np.zeros_like(src)
+  shm.copy(dst, src)
+  np.testing.assert_array_equal(dst, src)
+
+
+def test_copy_of_strided_or_other_dtype_copies_as_copyto(monkeypatch):
+  monkeypatch.setattr(shm, "COPY_PIECE", 4096)
+  monkeypatch.setattr(shm, "COPY_THREADS", 2)
+  src = np.arange(40000, dtype=np.int64).reshape(200, 200)
+  dst = np.zeros((200, 200), np.float32)
+  shm.copy(dst, src.T)  # neither C-contiguous nor of dst's dtype: np.copyto's rules
+  np.testing.assert_array_equal(dst, src.T.astype(np.float32))
+  with pytest.raises(ValueError):
+    shm.copy(np.zeros((3, 3)), np.zeros((2, 2)))

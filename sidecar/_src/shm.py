@@ -10,6 +10,7 @@ maps it exits, however it exits.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import mmap
 import os
@@ -26,6 +27,11 @@ from sidecar._src import errors
 PAGE = mmap.PAGESIZE
 ALIGN = PAGE  # Blocks start on page boundaries: what jax's zero-copy path needs.
 MIN_SIZE = 1 << 20
+# copy() splits a copy into pieces of this size, dealt round-robin to its threads:
+# one thread does not reach the memory bandwidth that two or more do (1 GiB here:
+# 0.13-0.15 s with one, 0.08-0.10 s with two threads on 2 cores).
+COPY_PIECE = 4 << 20
+COPY_THREADS = min(4, len(os.sched_getaffinity(0)))
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -175,6 +181,39 @@ class Arena:
     except BufferError:
       pass  # Live views still export the buffer; the mapping goes with them.
     os.close(self.fd)
+
+
+_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+  """``np.copyto(dst, src)``, with up to ``COPY_THREADS`` threads when both are
+  C-contiguous, alike and large: the copy into the arena is what a caller waits
+  for, and the threads work only while it waits."""
+  src = np.asarray(src)
+  if (COPY_THREADS < 2 or src.nbytes < 2 * COPY_PIECE or dst.shape != src.shape
+      or dst.dtype != src.dtype or src.dtype.hasobject
+      or not (dst.flags.c_contiguous and src.flags.c_contiguous)):
+    np.copyto(dst, src)
+    return
+  d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+  starts = range(0, src.nbytes, COPY_PIECE)
+
+  def pieces(first: int) -> None:
+    for i in starts[first::COPY_THREADS]:
+      np.copyto(d[i:i + COPY_PIECE], s[i:i + COPY_PIECE])
+
+  global _copy_pool
+  with _copy_pool_lock:
+    if _copy_pool is None:
+      _copy_pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, "sidecar-copy")
+    others = [_copy_pool.submit(pieces, t) for t in range(1, COPY_THREADS)]
+  try:
+    pieces(0)  # the caller's thread takes a share too
+  finally:
+    for f in others:
+      f.result()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -165,7 +165,7 @@ class Worker:
     """Copies ``array`` into the arena; returns the arena copy and its descriptor."""
     array = np.asarray(array)
     dst, ref = self.empty(array.shape, array.dtype, timeout=timeout)
-    np.copyto(dst, array)
+    shm.copy(dst, array)
     return dst, ref
 
   def take_freed(self) -> list[int]:
