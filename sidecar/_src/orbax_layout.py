@@ -286,7 +286,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
 
   ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as
   ``(leaf number, shard)``. It may be a generator that waits for shards still being
-  staged: each one's write starts as it arrives, the checksums once all are in.
+  staged: each one's write and checksum start as it arrives.
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
   item_dir = pathlib.Path(item_dir).absolute()
@@ -300,7 +300,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   opened = [ts.open(w.json, create=host_index == 0, open=True,
                     assume_metadata=host_index != 0, context=context)
             for w in write_specs]
-  writes, staged = [], []
+  writes, sums = [], []
   # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
                                               initializer=_background_thread) as pool,
@@ -319,19 +319,17 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
         write = store[tuple(slice(a, b) for a, b in index)].write(
             data, can_reference_source_data_indefinitely=True)
       writes.append((write, data.nbytes))
-      staged.append((spec, index, data))
-    # Checksums once every shard is in: while shards are still being staged they
-    # would take memory bandwidth from the trainer's copy. They overlap the writes.
-    sums = checksums.submit(lambda: [ShardChecksum(spec.key_path, index, data.nbytes,
-                                                   shard_crc32c(data))
-                                     for spec, index, data in staged])
+      # The checksum too: those of the first parts then run while the trainer is
+      # still copying the rest, not while it trains.
+      sums.append(checksums.submit(lambda s=spec, i=index, d=data: ShardChecksum(
+          s.key_path, i, d.nbytes, shard_crc32c(d))))
     for f in opened:
       f.result()  # .zarray written (host 0), or the spec checked
     for write, nbytes in writes:
       write.result()  # Durable: both paths fsync before they resolve.
       if progress is not None:
         progress(nbytes)
-    sums = sums.result()
+    sums = [f.result() for f in sums]
   array_metas = [w.metadata for w, spec in zip(write_specs, specs)
                  if spec.kind is LeafKind.JAX_ARRAY]
   if array_metas:
