@@ -473,8 +473,8 @@ def save_table(records: dict[str, list[SaveRecord]], memcpy: list[float], raw: l
   med = statistics.median
   busy_recs = [r for recs in records.values() for r in recs if r.steps_per_s is not None]
   spread = lambda xs: f"{med(xs):.0%} ({min(xs):.0%}-{max(xs):.0%})"
-  rows = [("one memcpy of the state, one thread (reference)", _s(med(memcpy)), "1.00x", "-", "-", "-", "-",
-           "-", "-"),
+  rows = [("one memcpy of the state, one thread (reference)", _s(med(memcpy)), "1.00x", "-", "-",
+           "-", "-", "-", "-"),
           ("raw write+fsync, 8 files (reference)", "-", "-", _s(med(raw)),
            f"{min(raw):.2f}-{max(raw):.2f}", "1.00x", _s(med(b[0] for b in raw_busy)),
            f"{med(b[1] for b in raw_busy):.1f}", f"{med(b[1] / b[2] for b in raw_busy):.0%}"),
