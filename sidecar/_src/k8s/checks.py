@@ -293,21 +293,29 @@ def _check_trainer_env(jobset_name: str | None, jobset_spec: Mapping[str, Any],
         findings.append(Finding(f"{cwhere}.env[{name}]",
                                 f"is {shown} but the JobSet or sidecar says {str(want)!r}; "
                                 f"set {name}={want}"))
-    if network.get("enableDNSHostnames") is False and by_name:
-      findings.append(Finding(dns_where,
-                              "is false; discovery reaches sidecars by their JobSet hostnames, "
-                              "so set it to true (or give the trainer SIDECAR_HOSTS)"))
-    if network.get("enableDNSHostnames") is False and derives_coordinator:
-      findings.append(Finding(dns_where,
-                              f"is false; {_INITIALIZE} reaches the coordinator at the JobSet "
-                              "hostname of slice 0 host 0, so set it to true (or give the "
-                              "trainer SIDECAR_COORDINATOR_ADDRESS)"))
+    if network.get("enableDNSHostnames") is False:
+      findings += _dns_hostnames_off(dns_where, by_name=by_name,
+                                     derives_coordinator=derives_coordinator)
     findings += _check_process_env(c, cwhere, sidecar, rjob, job_spec)
   completions, parallelism = job_spec.get("completions"), job_spec.get("parallelism")
   if completions is not None and parallelism not in (None, completions):
     findings.append(Finding(f"{where}.template.spec.parallelism",
                             f"is {parallelism} but completions is {completions}; every host "
                             "of a slice runs at once, so make them equal"))
+  return findings
+
+
+def _dns_hostnames_off(where: str, *, by_name: bool,
+                       derives_coordinator: bool) -> list[Finding]:
+  findings = []
+  if by_name:
+    findings.append(Finding(where, "is false; discovery reaches sidecars by their JobSet "
+                                   "hostnames, so set it to true (or give the trainer "
+                                   "SIDECAR_HOSTS)"))
+  if derives_coordinator:
+    findings.append(Finding(where, f"is false; {_INITIALIZE} reaches the coordinator at the "
+                                   "JobSet hostname of slice 0 host 0, so set it to true (or "
+                                   "give the trainer SIDECAR_COORDINATOR_ADDRESS)"))
   return findings
 
 
@@ -340,9 +348,9 @@ def _check_process_env(trainer: Mapping[str, Any], cwhere: str,
   if "SIDECAR_PROCESS_ID" in env:
     if env["SIDECAR_PROCESS_ID"] is not None and processes != 1:
       findings.append(Finding(f"{cwhere}.env[SIDECAR_PROCESS_ID]",
-                              f"is {env['SIDECAR_PROCESS_ID']!r} in every pod; drop it, and "
-                              f"{_INITIALIZE} derives each pod's own from SIDECAR_SLICE_ID and "
-                              "SIDECAR_HOST_ID"))
+                              f"is {env['SIDECAR_PROCESS_ID']!r} in every pod; drop it, so "
+                              f"that {_INITIALIZE} derives each pod's own from "
+                              "SIDECAR_SLICE_ID and SIDECAR_HOST_ID"))
   else:
     for name, want in _IDENTITY_REFS.items():
       if name in env and refs.get(name) != want:
