@@ -227,12 +227,18 @@ class Peers:
     """
     text = json.dumps(value, sort_keys=True, default=repr)
     values = self.all_gather(key, text, timeout=timeout)
-    if len(set(values)) > 1:
-      raise errors.InvalidArgumentError(
-          f"the {self.count} processes disagree on {what}: "
-          + "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
-          + ". Every process must make the same calls with the same arguments, in the same "
-          "order")
+    if len(set(values)) == 1:
+      return
+    decoded = [json.loads(v) for v in values]
+    if all(isinstance(d, dict) for d in decoded):  # name only the fields that differ
+      fields = sorted({k for d in decoded for k in d
+                       if len({json.dumps(e.get(k), sort_keys=True) for e in decoded}) > 1})
+      values = [", ".join(f"{k}={json.dumps(d.get(k))}" for k in fields) for d in decoded]
+    raise errors.InvalidArgumentError(
+        f"the {self.count} processes disagree on {what}: "
+        + "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
+        + ". Every process must make the same calls with the same arguments, in the same "
+        "order")
 
   def _left(self, timeout: float | None, process: int) -> float:
     del process
@@ -269,7 +275,12 @@ class JaxPeers(Peers):
     self.count = jax.process_count() if count is None else count
 
   def publish(self, key: str, value: str) -> None:
-    self._kv.key_value_set(f"{self.PREFIX}{key}/{self.index}", value)
+    try:
+      self._kv.key_value_set(f"{self.PREFIX}{key}/{self.index}", value)
+    except Exception as e:  # noqa: BLE001 - jax raises its own runtime errors here
+      raise errors.InvalidArgumentError(
+          f"process {self.index} could not publish {key!r} (published twice means the "
+          f"processes' calls are out of step): {str(e)[:300]}") from None
 
   def read(self, key: str, process: int, *, timeout: float) -> str:
     t0 = time.monotonic()

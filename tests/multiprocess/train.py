@@ -1,15 +1,14 @@
 """A trainer that runs unchanged as one process or as N under ``jax.distributed``.
 
-One process (``python -m tests.multiprocess.train single DIR``): a LocalCluster of 2
-hosts x 2 devices in this process. N processes (``sidecar launch --hosts 2
---devices-per-host 2 --import tests.feed_fns -- python -m tests.multiprocess.train
-multi DIR``): each process beside its own sidecar. Either way it feeds integer-valued
-batches into a jitted step, saves, restores, resumes the feed, and (process 0) prints
-one JSON line a record, ``RESULT {...}``, for the tests to compare across modes.
+One process (``python -m tests.multiprocess.train single DIR SCENARIO``): a
+LocalCluster of 2 hosts x 2 devices in this process. N processes (``sidecar launch
+--hosts 2 --devices-per-host 2 --import tests.feed_fns -- python -m
+tests.multiprocess.train multi DIR SCENARIO``): each process beside its own sidecar.
+Each process prints ``RESULT {...}`` lines (JSON, with its process index) for the
+tests to compare across processes and modes.
 """
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -33,8 +32,8 @@ def main(mode: str, directory: str, scenario: str = "train") -> int:
   me = jax.process_index()
 
   def emit(kind, **fields):
-    if me == 0:
-      print("RESULT " + json.dumps({"kind": kind, **fields}, sort_keys=True), flush=True)
+    print("RESULT " + json.dumps({"kind": kind, "process": me, **fields}, sort_keys=True),
+          flush=True)
 
   def gathered(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -42,43 +41,87 @@ def main(mode: str, directory: str, scenario: str = "train") -> int:
   mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
   rows = NamedSharding(mesh, P("data"))
   state = jax.device_put(jnp.zeros((8, 4), jnp.float32), rows)
+  target = {"w": jax.ShapeDtypeStruct(state.shape, state.dtype, sharding=rows),
+            "bias": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P())),
+            "step": np.int32(0)}
 
   @jax.jit
   def step(state, batch):
     return state + batch["x"][:8] * 2 + 1
 
   emit("identity", processes=jax.process_count(), local_hosts=ctl.local_hosts,
-       device_hosts={str(k): v for k, v in sorted(ctl.device_hosts.items())})
-  if scenario == "call":
-    results = ctl.call("echo", me) if "echo" in ctl.hosts[0].functions else []
-    emit("call", results=results)
-  ckpt = ctl.checkpointer(directory, max_to_keep=2)
-  saved_at = None
+       device_hosts={str(k): v for k, v in sorted(ctl.device_hosts.items())},
+       calls=ctl.call("sidecar_pid"))
+
+  try:
+    if scenario == "disagree_step":
+      ckpt = ctl.checkpointer(directory)
+      ckpt.save(10 + me, {"w": state}).durable.result()
+    elif scenario == "disagree_feed":
+      ctl.feed("ids", global_batch_size=16, sharding=rows, seed=me, n=200)
+    elif scenario == "iter":
+      with ctl.feed("shard_ids", global_batch_size=8, sharding=rows, n=64) as feed:
+        for i in range(3):
+          batch = next(feed)
+          emit("batch", i=i, ids=gathered(batch["id"]).tolist(), state=feed.state())
+      with ctl.feed("shard_ids", global_batch_size=8, sharding=rows, n=64,
+                    state=feed.state()) as again:
+        emit("resumed", ids=gathered(next(again)["id"]).tolist())
+    elif scenario in ("train", "restore"):
+      ckpt = ctl.checkpointer(directory, max_to_keep=2)
+      if scenario == "restore":  # a new job on the steps a previous one left
+        restored = ckpt.restore(target=target)
+        emit("restored", steps=ckpt.all_steps(), step=int(restored["step"]),
+             w=gathered(restored["w"]).tolist(), data_state=ckpt.data_state())
+      else:
+        train(ctl, ckpt, state, step, rows, mesh, target, emit, gathered, directory)
+      ckpt.close()
+    else:
+      raise ValueError(f"unknown scenario {scenario!r}")
+  except sidecar.SidecarError as e:
+    emit("error", type=type(e).__name__, message=str(e))
+    return 3
+  finally:
+    ctl.close()
+    if cluster is not None:
+      cluster.close()
+  return 0
+
+
+def train(ctl, ckpt, state, step, rows, mesh, target, emit, gathered, directory):
+  import jax
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  bias = jax.device_put(jnp.arange(4, dtype=jnp.float32), NamedSharding(mesh, P()))
+  saved_at = saved = None
   with ctl.feed("ids", global_batch_size=16, sharding=rows, seed=7, n=200) as feed:
     for i in range(6):
       batch = next(feed)
       emit("batch", i=i, ids=gathered(batch["id"]).tolist(), state=feed.state())
       state = step(state, batch)
-      if i in (2, 4):
-        ckpt.save(i, {"w": state, "step": np.int32(i)}, data_state=feed.state())
+      if i in (1, 2, 4):
+        handle = ckpt.save(i, {"w": state, "bias": bias, "step": np.int32(i)},
+                           data_state=feed.state())
+        handle.staged.result()
         saved_at, saved = i, gathered(state)
   ckpt.wait()
-  emit("saved", steps=ckpt.all_steps(), state=gathered(state).tolist())
-  target = {"w": jax.ShapeDtypeStruct(state.shape, state.dtype, sharding=rows),
-            "step": np.int32(0)}
+  emit("saved", steps=ckpt.all_steps(), w=saved.tolist())
   restored = ckpt.restore(target=target)
   emit("restored", step=int(restored["step"]), same=bool(
-      np.array_equal(gathered(restored["w"]), saved)),
+      np.array_equal(gathered(restored["w"]), saved)), bias=gathered(restored["bias"]).tolist(),
       data_state=ckpt.data_state())
   with ctl.feed("ids", global_batch_size=16, sharding=rows, seed=7, n=200,
                 state=ckpt.data_state()) as feed:
-    batch = next(feed)
-    emit("resumed", after=saved_at, ids=gathered(batch["id"]).tolist())
-  ckpt.close()
-  ctl.close()
-  if cluster is not None:
-    cluster.close()
-  return 0
+    emit("resumed", after=saved_at, ids=gathered(next(feed)["id"]).tolist())
+  # Stock Orbax restores the same step in every process, onto the same shardings.
+  with ocp.CheckpointManager(directory) as mngr:
+    stock = mngr.restore(saved_at, args=ocp.args.StandardRestore(
+        {"w": target["w"], "bias": target["bias"],
+         "step": jax.ShapeDtypeStruct((), jnp.int32)}))
+  emit("orbax", same=bool(np.array_equal(gathered(stock["w"]), saved)),
+       step=int(stock["step"]))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,7 @@ class Feed:
     self._produce: list[float] = []
     self._started = time.perf_counter()
     self._batches = 0
+    self._gathered: tuple[int, dict[str, Any]] = (-1, {})  # state() at a batch count
 
   def __iter__(self) -> Feed:
     return self
@@ -186,11 +187,15 @@ class Feed:
     if self._peers.count == 1 or self._state.get("kind") != "iter" or not self._batches:
       return dict(self._state)
     # A plain iterable's shards are positioned one by one: every process tells its own.
-    mine = {str(p.host_id): shard for p, shard in zip(self._plans, self._state["shards"])}
-    gathered: dict[str, Any] = {}
-    for text in self._peers.all_gather(f"{self._key}/state/{self._batches}", json.dumps(mine)):
-      gathered.update(json.loads(text))
-    return {**self._state, "shards": [gathered[str(p.host_id)] for p in self._all_plans]}
+    if self._gathered[0] != self._batches:
+      mine = {str(p.host_id): shard for p, shard in zip(self._plans, self._state["shards"])}
+      shards: dict[str, Any] = {}
+      for text in self._peers.all_gather(f"{self._key}/state/{self._batches}",
+                                         json.dumps(mine)):
+        shards.update(json.loads(text))
+      self._gathered = (self._batches, {
+          **self._state, "shards": [shards[str(p.host_id)] for p in self._all_plans]})
+    return dict(self._gathered[1])
 
   def stats(self) -> dict[str, Any]:
     """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,
