@@ -110,7 +110,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps)
+  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
+                  processes=args.processes)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--hosts", type=int, default=2)
   s.add_argument("--devices-per-host", type=int, default=2)
   s.add_argument("--steps", type=int, default=300)
+  s.add_argument("--processes", type=int, default=1,
+                 help="1 (default): one process owns every device; N: the same training as N "
+                 "trainer processes under jax.distributed, one per host, via sidecar launch")
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)

@@ -201,6 +201,12 @@ class Controller:
     return self._peers.count > 1
 
   @property
+  def peers(self) -> distributed.Peers:
+    """This job's trainer processes, for agreements of your own (``all_gather``,
+    ``broadcast``, ``agree``); with one process, trivially itself."""
+    return self._peers
+
+  @property
   def process_index(self) -> int:
     """This trainer process's index in the job (0 with one process)."""
     return self._peers.index
