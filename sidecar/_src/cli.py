@@ -1,4 +1,4 @@
-"""The ``sidecar`` command: serve, local, status, demo, k8s."""
+"""The ``sidecar`` command: serve, local, launch, status, demo, k8s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sidecar._src import demo, errors, options as options_lib, registry as registry_lib, shm
+from sidecar._src import demo, errors, launch, options as options_lib, registry as registry_lib, shm
 from sidecar._src.controller import status
 from sidecar._src.host.server import Server
 from sidecar._src.k8s import cli as k8s_cli
@@ -105,6 +105,22 @@ def _local(args: argparse.Namespace) -> int:
   return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+  command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+  if not command:
+    args.parser.error("CMD is missing: give the trainer command after --, "
+                      "e.g. sidecar launch --hosts 2 -- python train.py")
+  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+    if value < 1:
+      args.parser.error(f"{flag} must be at least 1, got {value}")
+  try:
+    token = launch.read_token(args.token_file)
+  except (OSError, errors.InvalidArgumentError) as e:
+    args.parser.error(f"cannot read the token: {e}")
+  return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
+                    imports=args.imports or [], shm_size=args.shm_size, token=token)
+
+
 def _status(args: argparse.Namespace) -> int:
   return status.print_status(args.addresses, timeout=args.timeout)
 
@@ -142,6 +158,25 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--shm-size", type=_size, default=_size("256MiB"))
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
   s.set_defaults(func=_local)
+
+  s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
+                     usage="sidecar launch [options] -- CMD [ARGS...]", epilog=launch.HELP,
+                     description="Local multi-process mode, as torchrun: N sidecars on this "
+                                 "machine and one trainer process beside each.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  s.add_argument("--hosts", type=int, default=2, help="sidecars and trainers (default: 2)")
+  s.add_argument("--devices-per-host", type=int, default=1,
+                 help="CPU devices of each trainer, SIDECAR_LOCAL_DEVICES (default: 1)")
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module each sidecar imports, so its decorators register (repeatable; "
+                      "default: none)")
+  s.add_argument("--shm-size", type=_size, default=_size("256MiB"),
+                 help="each sidecar's arena size (default: 256MiB)")
+  s.add_argument("--token-file", help="file with the sidecars' bearer token, also given to the "
+                 "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
+  s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                 help="the trainer command, run once per host")
+  s.set_defaults(func=_launch, parser=s)
 
   s = sub.add_parser("status", help="show sidecars' identity, registry and arena use")
   s.add_argument("addresses", nargs="+", metavar="ADDR")
