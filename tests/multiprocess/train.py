@@ -9,6 +9,8 @@ tests to compare across processes and modes.
 """
 
 import json
+import os
+import signal
 import sys
 
 import numpy as np
@@ -51,7 +53,9 @@ def main(mode: str, directory: str, scenario: str = "train") -> int:
 
   emit("identity", processes=jax.process_count(), local_hosts=ctl.local_hosts,
        device_hosts={str(k): v for k, v in sorted(ctl.device_hosts.items())},
-       calls=ctl.call("sidecar_pid"))
+       calls=ctl.call("sidecar_pid"),
+       status=[[s.identity.host_id, s.identity.process_index, list(s.identity.device_ids)]
+               for s in ctl.status()])
 
   try:
     if scenario == "disagree_step":
@@ -96,16 +100,28 @@ def train(ctl, ckpt, state, step, rows, mesh, target, emit, gathered, directory)
 
   bias = jax.device_put(jnp.arange(4, dtype=jnp.float32), NamedSharding(mesh, P()))
   saved_at = saved = None
+  # Fault injection: "trainer@I" SIGKILLs process 1 as it would save at batch I; "sidecar@I" has process 1 SIGKILL its own sidecar before batch I. Saves
+  # then wait to be durable, so the step before is surely committed.
+  fault, _, at = os.environ.get("SIDECAR_TEST_FAULT", "").partition("@")
+  at = int(at) if at else -1
+  me = jax.process_index()
   with ctl.feed("ids", global_batch_size=16, sharding=rows, seed=7, n=200) as feed:
     for i in range(6):
+      if fault == "sidecar" and i == at and me == 1:
+        os.kill(ctl.hosts[1].pid, signal.SIGKILL)
       batch = next(feed)
       emit("batch", i=i, ids=gathered(batch["id"]).tolist(), state=feed.state())
       state = step(state, batch)
       if i in (1, 2, 4):
+        if fault == "trainer" and i == at and me == 1:
+          os.kill(os.getpid(), signal.SIGKILL)  # process 0 is in the save already
         handle = ckpt.save(i, {"w": state, "bias": bias, "step": np.int32(i)},
                            data_state=feed.state())
         handle.staged.result()
         saved_at, saved = i, gathered(state)
+        emit("staged", step=i, w=saved.tolist())
+        if fault:
+          handle.durable.result()
   ckpt.wait()
   emit("saved", steps=ckpt.all_steps(), w=saved.tolist())
   restored = ckpt.restore(target=target)

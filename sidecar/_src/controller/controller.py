@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import hashlib
 import json
@@ -192,6 +193,9 @@ class Controller:
     mine = {"host_id": host_id, "device_ids": [d.id for d in jax.local_devices()]}
     everyone = self._peers.all_gather("controller/hosts", json.dumps(mine))
     self._device_hosts = distributed.hosts_by_process([json.loads(v) for v in everyone])
+    for h, c in self._conns.items():  # what each host's trainer said, not what its sidecar
+      c.info = dataclasses.replace(c.info, device_ids=tuple(  # knew at the handshake
+          sorted(d for d, owner in self._device_hosts.items() if owner == h)))
 
   # ---- introspection -----------------------------------------------------
 
