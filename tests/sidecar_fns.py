@@ -109,3 +109,9 @@ def made_in_place(n: int, value: int):
   out = sidecar.empty((n,), np.uint8)
   out[:] = value
   return out
+
+
+@sidecar.function
+def overwrite(a, value: int):
+  """Writes ``value`` into its argument in place (an arena view, when it came as one)."""
+  a[...] = value

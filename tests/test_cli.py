@@ -90,3 +90,84 @@ def test_status_shows_running_feeds(capsys):
   feeds = out.split("PIPELINE", 1)[1].split("\n\n")[0].strip().splitlines()[1:]
   assert len(feeds) == 2 and all(" ids " in f for f in feeds)
   assert all(int(f.split()[3]) >= 5 for f in feeds)  # batches made so far, prefetch included
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+  """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
+  import ipaddress
+  inodes = set()
+  for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+      link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+      continue
+    if link.startswith("socket:["):
+      inodes.add(link[8:-1])
+  out = []
+  for table in ("tcp", "tcp6"):
+    with open(f"/proc/net/{table}") as f:
+      for row in list(f)[1:]:
+        cols = row.split()
+        local, state, inode = cols[1], cols[3], cols[9]
+        if state != "0A" or inode not in inodes:  # 0A: LISTEN
+          continue
+        hex_addr, hex_port = local.split(":")
+        raw = bytes.fromhex(hex_addr)
+        # /proc writes addresses as host-order 32-bit words.
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        ip = ipaddress.ip_address(raw)
+        ip = getattr(ip, "ipv4_mapped", None) or ip  # gRPC's IPv6 socket for 127.0.0.1
+        out.append((str(ip), int(hex_port, 16)))
+  return out
+
+
+def test_serve_without_a_token_listens_on_loopback_only(tmp_path):
+  import json
+  import signal
+  from tests.conftest import eventually
+  ready = tmp_path / "ready.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--port", "0", "--health-port",
+                        "0", "--socket", str(tmp_path / "s.sock"), "--shm-size", "8MiB",
+                        "--ready-file", str(ready)], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    assert eventually(lambda: ready.exists() or p.poll() is not None, timeout=60), "no ready file"
+    assert p.poll() is None, p.stderr.read()[-2000:]
+    ports = json.loads(ready.read_text())
+    listening = _listening(p.pid)
+    assert {port for _, port in listening} == {ports["port"], ports["health_port"]}
+    assert {address for address, _ in listening} == {"127.0.0.1"}, listening
+  finally:
+    p.send_signal(signal.SIGTERM)
+    p.wait(30)
+    p.stderr.close()
+
+
+@pytest.mark.parametrize("flags,env", [
+    (["--listen", "0.0.0.0"], {}),
+    (["--listen", "[::]"], {}),
+    ([], {"SIDECAR_LISTEN": "10.0.0.7"}),
+], ids=["v4-any", "v6-any", "env"])
+def test_serve_on_a_public_address_without_a_token_refuses(tmp_path, flags, env):
+  env = dict({k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}, **env)
+  # 64TiB: had the check been missed, the arena would fail before anything listened.
+  p = subprocess.run([sys.executable, "-m", "sidecar", "serve", *flags, "--port", "0",
+                      "--health-port", "0", "--socket", str(tmp_path / "s.sock"),
+                      "--shm-size", "64TiB"], env=env, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2
+  assert "is not a loopback address and no token is set" in p.stderr
+  assert "--token-file" in p.stderr and "--insecure" in p.stderr
+
+
+@pytest.mark.parametrize("flags,env", [(["--insecure"], {}), ([], {"SIDECAR_INSECURE": "1"})],
+                         ids=["flag", "env"])
+def test_serve_insecure_starts_with_a_warning(tmp_path, flags, env):
+  env = dict({k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}, **env)
+  # 192.0.2.1 (TEST-NET-1) is no address of this machine: the warning is logged, then
+  # binding fails, so the test never listens beyond loopback.
+  p = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--listen", "192.0.2.1", *flags,
+                      "--port", "0", "--health-port", "0", "--socket", str(tmp_path / "s.sock"),
+                      "--shm-size", "8MiB"], env=env, capture_output=True, text=True, timeout=60)
+  assert "WARNING" in p.stderr and "INSECURE: serving 192.0.2.1 with no token" in p.stderr
+  assert p.returncode == 2 and "cannot listen on 192.0.2.1:0" in p.stderr

@@ -65,7 +65,12 @@ def test_too_deep_is_rejected():
     (pb.Value(), "empty or unknown value kind"),
     (pb.Value(arena=pb.ArenaRef(offset=0, nbytes=8, generation=1, dtype="int8", shape=[8])),
      "no arena attached"),
-], ids=["short-data", "object-dtype", "negative-shape", "big-int", "empty", "arena-without-arena"])
+    (pb.Value(arena=pb.ArenaRef(offset=0, nbytes=1 << 26, generation=1, dtype="int8", shape=[8])),
+     r"shape \(8,\) of int8 needs 8 bytes, got 67108864"),
+    (pb.Value(arena=pb.ArenaRef(offset=0, nbytes=0, generation=1, dtype="int8", shape=[0])),
+     "an arena reference needs nbytes > 0, got 0"),
+], ids=["short-data", "object-dtype", "negative-shape", "big-int", "empty", "arena-without-arena",
+        "arena-nbytes-past-shape", "arena-empty"])
 def test_malformed_values_are_invalid_argument(value, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     codec.decode(value)
@@ -103,3 +108,14 @@ def test_arena_blocks_lists_every_reference_in_order():
 def test_zero_d_arrays_keep_their_shape():
   out = roundtrip({"a": np.array(3, np.int32)})
   assert out["a"].shape == () and out["a"].dtype == np.int32 and int(out["a"]) == 3
+
+
+def test_arena_errors_name_the_field():
+  def from_arena(ref):
+    raise errors.StaleDescriptorError(f"no block at offset {ref.offset}")
+
+  ref = pb.Value(arena=pb.ArenaRef(offset=4096, nbytes=8, generation=1, dtype="int8", shape=[8]))
+  entry = pb.DictEntry(key=pb.Value(str_value="w"), value=ref)
+  value = pb.Value(dict=pb.DictValue(entries=[entry]))
+  with pytest.raises(errors.StaleDescriptorError, match=r"^kwargs\['w'\]: no block at offset 4096$"):
+    codec.decode(value, from_arena=from_arena, where="kwargs")

@@ -1,5 +1,6 @@
 import pytest
 
+from sidecar._src import options
 from sidecar._src.options import ServerOptions
 
 
@@ -21,3 +22,25 @@ def test_options_are_frozen():
   o = ServerOptions()
   with pytest.raises(AttributeError):
     o.port = 1  # type: ignore[misc]
+
+
+def test_the_default_listens_on_loopback_only():
+  assert options.is_loopback(ServerOptions().listen)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0", "[::]", "::", "10.1.2.3", "[fe80::1]", "example.com",
+                                    "sidecar-0.svc"])
+def test_a_non_loopback_listen_needs_a_token_or_insecure(listen):
+  assert not options.is_loopback(listen)
+  with pytest.raises(ValueError, match=r"not a loopback address and no token.*--token-file.*"
+                                       r"--insecure"):
+    ServerOptions(listen=listen)
+  assert ServerOptions(listen=listen, token="s3cret").listen == listen
+  assert ServerOptions(listen=listen, insecure=True).insecure
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", "127.8.9.10", "localhost", "LocalHost", "[::1]",
+                                    "::1"])
+def test_loopback_addresses_need_no_token(listen):
+  assert options.is_loopback(listen)
+  assert ServerOptions(listen=listen).token is None

@@ -52,3 +52,32 @@ def test_every_error_subclasses_sidecar_error():
   classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
   assert all(issubclass(c, errors.SidecarError) for c in classes)
   assert len(classes) >= 14
+
+
+@pytest.mark.parametrize("text,limit,keep,expected", [
+    ("short", 100, "head", "short"),
+    ("a" * 200, 100, "head", "a" * 69 + " [... 131 of 200 bytes cut ...]"),
+    ("a" * 150 + "END", 100, "tail", "[... 84 of 153 bytes cut ...] " + "a" * 66 + "END"),
+], ids=["short", "head", "tail"])
+def test_truncate_says_how_much_was_cut(text, limit, keep, expected):
+  out = protocol.truncate(text, limit, keep=keep)
+  assert out == expected and len(out.encode()) <= limit
+
+
+def test_truncate_never_splits_a_character():
+  out = protocol.truncate("€" * 1000, 100)
+  assert out.startswith("€" * 20) and len(out.encode()) <= 100
+
+
+def test_error_info_cuts_long_messages_and_keeps_the_frames():
+  def deep(n):
+    if n == 0:
+      raise ValueError("m" * 100_000)
+    deep(n - 1)
+
+  with pytest.raises(ValueError) as info:
+    deep(3)
+  e = protocol.error_info(info.value)
+  assert len(e.message.encode()) <= protocol.MAX_ERROR_MESSAGE and "bytes cut" in e.message
+  assert len(e.traceback.encode()) <= protocol.MAX_ERROR_TRACEBACK
+  assert e.traceback.count("in deep") == 4  # every frame, though the last line was cut

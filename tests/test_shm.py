@@ -81,6 +81,18 @@ def test_allocator_generations_detect_stale_descriptors():
   assert a.check(again.offset, again.generation) == again
 
 
+def test_allocator_generations_cannot_be_guessed():
+  a = shm.Allocator(4 * shm.ALIGN)
+  generations = []
+  for _ in range(50):  # the same offset each time: only the generation tells them apart
+    b = a.alloc(10)
+    generations.append(b.generation)
+    a.free(b.offset, b.generation)
+  assert len(set(generations)) == 50 and all(0 < g < 1 << 63 for g in generations)
+  steps = {y - x for x, y in zip(generations, generations[1:])}
+  assert len(steps) > 1 and max(generations) > 1 << 40  # no counter to step through
+
+
 def test_allocator_too_big_fails_at_once_with_sizes():
   a = shm.Allocator(4 * shm.ALIGN)
   with pytest.raises(errors.ResourceExhaustedError, match=r"cannot fit an arena of .*--shm-size"):

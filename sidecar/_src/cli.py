@@ -55,11 +55,14 @@ def _serve(args: argparse.Namespace) -> int:
   if args.token_file:
     with open(args.token_file) as f:
       token = f.read().strip()
+  # Loopback unless a token guards the ports: then every interface, so peers reach it.
+  listen = args.listen or (options_lib.ALL_INTERFACES if token else options_lib.LOOPBACK)
   try:
     opts = options_lib.ServerOptions(
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
-        listen=args.listen, port=args.port, health_port=args.health_port,
-        socket_path=args.socket, shm_size=args.shm_size, token=token, imports=tuple(imports))
+        listen=listen, port=args.port, health_port=args.health_port,
+        socket_path=args.socket, shm_size=args.shm_size, token=token,
+        insecure=args.insecure, imports=tuple(imports))
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -139,7 +142,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--host-id", type=int, default=int(_env("SIDECAR_HOST_ID", 0)))
   s.add_argument("--slice-id", type=int, default=int(_env("SIDECAR_SLICE_ID", 0)))
   s.add_argument("--device-ids", type=_ids, default=_ids(_env("SIDECAR_DEVICE_IDS", "")))
-  s.add_argument("--listen", default=_env("SIDECAR_LISTEN", "[::]"))
+  s.add_argument("--listen", default=_env("SIDECAR_LISTEN"), metavar="ADDR",
+                 help="address of the control and health ports (default: 127.0.0.1, or [::] "
+                      "with a token); a non-loopback one needs --token-file or --insecure")
   s.add_argument("--port", type=int, default=int(_env("SIDECAR_PORT", options_lib.DEFAULT_PORT)))
   s.add_argument("--health-port", type=int, default=int(_env("SIDECAR_HEALTH_PORT", options_lib.DEFAULT_HEALTH_PORT)))
   s.add_argument("--socket", default=_env("SIDECAR_SOCKET", "/run/sidecar/sidecar.sock"))
@@ -147,7 +152,10 @@ def parser() -> argparse.ArgumentParser:
                  help="arena size, e.g. 4GiB")
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                  help="module whose decorators register functions (repeatable)")
-  s.add_argument("--token-file", default=_env("SIDECAR_TOKEN_FILE"))
+  s.add_argument("--token-file", default=_env("SIDECAR_TOKEN_FILE"),
+                 help="file holding the token every controller must present")
+  s.add_argument("--insecure", action="store_true", default=_env("SIDECAR_INSECURE") == "1",
+                 help="allow a non-loopback --listen without a token (logged as a warning)")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)

@@ -158,11 +158,18 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
     r = v.arena
     ref = ArenaRef(r.offset, r.nbytes, r.generation, r.dtype, tuple(r.shape))
     dtype = dtype_of(ref.dtype, where)
-    _check_size(ref.shape, dtype, ref.nbytes, where, at_least=True)
+    _check_size(ref.shape, dtype, ref.nbytes, where)
+    if ref.nbytes <= 0:
+      raise errors.InvalidArgumentError(
+          f"{where}: an arena reference needs nbytes > 0, got {ref.nbytes} for shape "
+          f"{ref.shape}; send empty arrays inline")
     if from_arena is None:
       raise errors.InvalidArgumentError(
           f"{where}: an arena reference arrived but this side has no arena attached")
-    return from_arena(ref)
+    try:
+      return from_arena(ref)
+    except (errors.InvalidArgumentError, errors.StaleDescriptorError) as e:
+      raise type(e)(f"{where}: {e}") from None
   if kind in ("list", "tuple"):
     items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1)
              for i, x in enumerate(getattr(v, kind).items)]
@@ -185,11 +192,11 @@ def as_array(buffer: np.ndarray, ref: ArenaRef) -> np.ndarray:
   return buffer[:need].view(dtype).reshape(ref.shape)
 
 
-def _check_size(shape, dtype: np.dtype, nbytes: int, where: str, *, at_least: bool = False):
+def _check_size(shape, dtype: np.dtype, nbytes: int, where: str):
   if any(d < 0 for d in shape):
     raise errors.InvalidArgumentError(f"{where}: negative dimension in shape {tuple(shape)}")
   need = math.prod(shape) * dtype.itemsize
-  if need > nbytes if at_least else need != nbytes:
+  if need != nbytes:
     raise errors.InvalidArgumentError(
         f"{where}: shape {tuple(shape)} of {dtype.name} needs {need} bytes, got {nbytes}")
 

@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 MIN_SHM = 1 << 20
 # Not 8470/8471: libtpu listens on 8471 inside TPU VMs and pods.
 DEFAULT_PORT = 8490
 DEFAULT_HEALTH_PORT = 8491
+# Without a token a sidecar listens here only: anyone who reaches its port may call it.
+LOOPBACK = "127.0.0.1"
+# With a token, ``sidecar serve`` listens on every interface unless told otherwise.
+ALL_INTERFACES = "[::]"
+
+
+def is_loopback(listen: str) -> bool:
+  """Whether ``listen`` (``127.0.0.1``, ``[::1]``, ``localhost``, ...) reaches only this host.
+
+  Host names other than ``localhost`` count as not loopback: what they resolve to
+  can change.
+  """
+  host = listen.strip()
+  if host.startswith("[") and host.endswith("]"):
+    host = host[1:-1]
+  if host.lower() == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -16,12 +38,13 @@ class ServerOptions:
   host_id: int = 0
   slice_id: int = 0
   device_ids: tuple[int, ...] = ()
-  listen: str = "[::]"
+  listen: str = LOOPBACK  # the health port listens on the same address
   port: int = DEFAULT_PORT
   health_port: int = DEFAULT_HEALTH_PORT
   socket_path: str = "/run/sidecar/sidecar.sock"
   shm_size: int = 1 << 30
   token: str | None = None
+  insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
   threads: int = 32
@@ -46,6 +69,12 @@ class ServerOptions:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
     if self.token is not None and not self.token.strip():
       raise ValueError("token must be a non-empty string or None")
+    if self.token is None and not self.insecure and not is_loopback(self.listen):
+      raise ValueError(
+          f"listen {self.listen!r} is not a loopback address and no token is set: anyone who "
+          "can reach the port could run functions, feeds and checkpoints here; pass "
+          "--token-file FILE (or SIDECAR_TOKEN / SIDECAR_TOKEN_FILE), listen on 127.0.0.1, or "
+          "pass --insecure (SIDECAR_INSECURE=1) to serve without a token anyway")
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:

@@ -27,6 +27,15 @@ AUTH_KEY = "authorization"
 _TYPE_KEY = "sidecar-error-type"
 _MESSAGE_KEY = "sidecar-error-message-bin"
 _TRACEBACK_KEY = "sidecar-error-traceback-bin"
+# An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.
+MAX_ERROR_MESSAGE = 8 << 10
+MAX_ERROR_TRACEBACK = 16 << 10
+# Over gRPC they travel in trailing metadata (base64, 4/3 the bytes), which clients
+# refuse past 8 KiB in all (16 KiB for certain) as RESOURCE_EXHAUSTED "Stream removed",
+# losing the error: there each gets a smaller share.
+_TRAILER_MESSAGE = 2 << 10
+_TRAILER_TRACEBACK = 2 << 10
+_TRAILER_DETAILS = 512
 
 
 def _dist_version(name: str) -> str:
@@ -84,23 +93,46 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
   return grpc.StatusCode.UNKNOWN
 
 
+def truncate(text: str, limit: int, *, keep: str = "head") -> str:
+  """``text`` cut to at most ``limit`` UTF-8 bytes (and a note saying how much was cut).
+
+  ``keep="tail"`` keeps the end instead, where a traceback says what raised.
+  """
+  data = text.encode(errors="replace")
+  if len(data) <= limit:
+    return text
+  note = lambda cut: f"[... {cut} of {len(data)} bytes cut ...]"
+  room = max(limit - len(note(len(data))) - 1, 0)  # no note is longer than this one
+  if keep == "tail":
+    kept = data[len(data) - room:].decode(errors="ignore")  # never half a character
+    return f"{note(len(data) - len(kept.encode()))} {kept}"
+  kept = data[:room].decode(errors="ignore")
+  return f"{kept} {note(len(data) - len(kept.encode()))}"
+
+
 def error_info(exc: BaseException) -> pb.Error:
   """``exc`` as it crosses: our errors by name, user code's with module and traceback."""
+  message = truncate(str(exc), MAX_ERROR_MESSAGE)
   if not isinstance(exc, errors.SidecarError):
-    return pb.Error(type=f"{type(exc).__module__}.{type(exc).__qualname__}", message=str(exc),
-                    traceback="".join(traceback.format_exception(exc)))
-  return pb.Error(type=type(exc).__name__, message=str(exc))
+    # Each part cut on its own first: a long message (repeated on the last line) must
+    # not push the frames out of the traceback.
+    parts = (truncate(p.rstrip("\n"), 512) + "\n" for p in traceback.format_exception(exc))
+    return pb.Error(type=f"{type(exc).__module__}.{type(exc).__qualname__}", message=message,
+                    traceback=truncate("".join(parts), MAX_ERROR_TRACEBACK, keep="tail"))
+  return pb.Error(type=type(exc).__name__, message=message)
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-  """Ends the RPC with ``exc``'s status, type, message and traceback."""
+  """Ends the RPC with ``exc``'s status, type, message and traceback, cut to fit trailers."""
   info = error_info(exc)
+  kind = truncate(info.type, 200)
+  message = truncate(info.message, _TRAILER_MESSAGE)
   context.set_trailing_metadata((
-      (_TYPE_KEY, info.type),
-      (_MESSAGE_KEY, info.message.encode()),
-      (_TRACEBACK_KEY, info.traceback.encode()),
+      (_TYPE_KEY, kind),
+      (_MESSAGE_KEY, message.encode()),
+      (_TRACEBACK_KEY, truncate(info.traceback, _TRAILER_TRACEBACK, keep="tail").encode()),
   ))
-  context.abort(status_code(exc), f"{info.type}: {info.message}"[:4000])
+  context.abort(status_code(exc), truncate(f"{kind}: {message}", _TRAILER_DETAILS))
 
 
 def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None

@@ -15,6 +15,7 @@ import dataclasses
 import mmap
 import os
 import re
+import secrets
 import threading
 import time
 import weakref
@@ -216,6 +217,15 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
       f.result()
 
 
+def new_generation() -> int:
+  """A random 63-bit generation: detects stale references, and cannot be guessed.
+
+  Sequential generations let a client that may name blocks find live ones by trying
+  a few dozen numbers; a random one fits the wire's uint64 and JSON alike.
+  """
+  return secrets.randbits(63) or 1  # 0 never names a block
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Block:
   """An allocated range of the arena; ``generation`` detects stale references."""
@@ -234,7 +244,6 @@ class Allocator:
     self._free_starts: list[int] = [0]   # sorted
     self._free_len: dict[int, int] = {0: size}
     self._used: dict[int, Block] = {}
-    self._next_gen = 1
     self.used_bytes = 0
 
   def fits(self, nbytes: int) -> bool:
@@ -278,8 +287,7 @@ class Allocator:
         if length > need:
           self._free_starts.insert(i, start + need)
           self._free_len[start + need] = length - need
-        block = Block(start, need, self._next_gen)
-        self._next_gen += 1
+        block = Block(start, need, new_generation())
         self._used[start] = block
         self.used_bytes += need
         return block
@@ -291,8 +299,8 @@ class Allocator:
       block = self._used.get(offset)
     if block is None or block.generation != generation:
       raise errors.StaleDescriptorError(
-          f"arena block at offset {offset} generation {generation} is no longer allocated "
-          f"(now: {block}); a descriptor was used after its block was released")
+          f"arena block at offset {offset} generation {generation} is no longer allocated; "
+          "a descriptor was used after its block was released")
     return block
 
   def free(self, offset: int, generation: int) -> None:

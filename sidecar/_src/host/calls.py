@@ -60,8 +60,9 @@ class Runner:
       entry = self._builtins.get(kind, request.name)
     else:
       entry = self.registry.get(kind, request.name)
-    args = codec.decode(request.args, from_arena=self._view, where="args")
-    kwargs = codec.decode(request.kwargs, from_arena=self._view, where="kwargs")
+    view = lambda ref: self._view(ref, request.worker_session)
+    args = codec.decode(request.args, from_arena=view, where="args")
+    kwargs = codec.decode(request.kwargs, from_arena=view, where="kwargs")
     if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
         isinstance(k, str) for k in kwargs):
       raise errors.InvalidArgumentError(
@@ -265,13 +266,27 @@ class Runner:
     return codec.as_array(holder, codec.ArenaRef(block.offset, nbytes, block.generation,
                                                  dtype.name, shape))
 
-  def _view(self, ref: codec.ArenaRef) -> np.ndarray:
-    """A sidecar-side array on an arena block, pinned while any view of it lives."""
+  def _view(self, ref: codec.ArenaRef, session: str) -> np.ndarray:
+    """A sidecar-side array on an arena block, pinned while any view of it lives.
+
+    The block must be held by the caller's worker ``session`` and have room for
+    ``ref`` (the codec checked that ``ref`` agrees with its shape and dtype): a
+    caller reads and writes only its own blocks. Nothing is pinned unless all holds.
+    """
+    if not session or not self._is_attached(session):
+      raise errors.InvalidArgumentError(
+          f"an arena reference needs the request's worker_session to name the attached "
+          f"worker that holds its block, got worker_session {session!r}; without a worker, "
+          "send arrays inline")
     pin = self._leases.new_pin()
-    self._leases.hold(ref.offset, ref.generation, pin)
+    self._leases.hold_owned(ref.offset, ref.generation, ref.nbytes, owner=session, holder=pin)
     put = self._released.put
-    holder = self._arena.lease(ref.offset, ref.nbytes,
-                               lambda: put((ref.offset, ref.generation, pin)))
+    try:
+      holder = self._arena.lease(ref.offset, ref.nbytes,
+                                 lambda: put((ref.offset, ref.generation, pin)))
+    except BaseException:
+      self._leases.release(ref.offset, ref.generation, pin)
+      raise
     return codec.as_array(holder, ref)
 
   def _release_loop(self) -> None:

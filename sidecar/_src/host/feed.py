@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +36,9 @@ from sidecar._src.pipeline_context import PipelineContext
 from sidecar._src.protocol import pb
 
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+# Each feed worker is a Python interpreter with the user's modules (~250 MiB here):
+# one request may start at most as many as this host has CPUs (at least 2, at most 64).
+MAX_WORKERS = min(64, max(2, len(os.sched_getaffinity(0))))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,16 +61,42 @@ class Spec:
       raise errors.InvalidArgumentError(
           f"feed rows {ranges} must be sorted, disjoint, non-empty ranges within the global "
           f"batch of {p.global_batch_size}")
-    try:
-      start = json.loads(p.state_json) if p.state_json else {}
-    except json.JSONDecodeError as e:
-      raise errors.InvalidArgumentError(f"feed state is not JSON: {e}") from None
+    if p.workers > MAX_WORKERS:
+      raise errors.InvalidArgumentError(
+          f"feed workers must be at most {MAX_WORKERS} (this host's CPUs, at most 64), got "
+          f"{p.workers}; lower workers=")
+    if not p.shard_index < p.shard_count:
+      raise errors.InvalidArgumentError(
+          f"feed shard_index must be in [0, shard_count={p.shard_count}), got {p.shard_index}")
     return cls(p.global_batch_size, ranges, p.seed, p.num_epochs or None, p.shard_index,
-               p.shard_count, start, p.workers)
+               p.shard_count, _start_state(p.state_json), p.workers)
 
   @property
   def rows(self) -> int:
     return sum(b - a for a, b in self.ranges)
+
+
+def _start_state(text: str) -> dict[str, Any]:
+  """The feed state in ``FeedSpec.state_json``, checked: a JSON object whose
+  ``epoch`` and ``position`` are ints >= 0 and ``kind`` a str, where present."""
+  try:
+    start = json.loads(text) if text else {}
+  except (json.JSONDecodeError, RecursionError) as e:
+    raise errors.InvalidArgumentError(
+        f"feed state_json is not the JSON of a feed state(): {type(e).__name__}: {e}"[:300]
+    ) from None
+  if not isinstance(start, dict):
+    raise errors.InvalidArgumentError(
+        f"feed state_json must be a JSON object, got {type(start).__name__}")
+  for key in ("epoch", "position"):
+    v = start.get(key, 0)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+      raise errors.InvalidArgumentError(
+          f"feed state_json {key!r} must be an int >= 0, got {v!r:.40}")
+  if not isinstance(start.get("kind", ""), str):
+    raise errors.InvalidArgumentError(
+        f"feed state_json 'kind' must be a str, got {start['kind']!r:.40}")
+  return start
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

@@ -48,6 +48,31 @@ class Leases:
       self._by_holder.setdefault(holder, set()).add(offset)
       return entry[0]
 
+  def hold_owned(self, offset: int, generation: int, nbytes: int, *, owner: Hashable,
+                 holder: Hashable) -> shm.Block:
+    """Adds ``holder`` to a live block that ``owner`` holds, if ``nbytes`` fit in it.
+
+    Everything is checked before the hold is taken, so a refused reference holds
+    nothing. A block that is missing, of another generation or not ``owner``'s
+    gets one and the same StaleDescriptorError: a client learns nothing about
+    blocks that are not its own.
+    """
+    with self._lock:
+      entry = self._holders.get(offset)
+      if entry is None or entry[0].generation != generation or owner not in entry[1]:
+        raise errors.StaleDescriptorError(
+            f"no arena block at offset {offset} generation {generation} is held by "
+            "this worker session (released, reused, or never its own); send arrays the "
+            "worker holds, e.g. from worker.put() or the results of its calls")
+      block = entry[0]
+      if not 0 < nbytes <= block.nbytes:
+        raise errors.InvalidArgumentError(
+            f"nbytes {nbytes} does not fit the arena block at offset {offset}, "
+            f"which has {block.nbytes} bytes")
+      entry[1].add(holder)
+      self._by_holder.setdefault(holder, set()).add(offset)
+      return block
+
   def block_at(self, offset: int) -> shm.Block | None:
     """The live block that starts at ``offset``, if any."""
     with self._lock:

@@ -6,6 +6,7 @@ Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
 from __future__ import annotations
 
 import enum
+import hmac
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ class _TokenAuth(grpc.ServerInterceptor):
   """Refuses every RPC without ``authorization: Bearer <token>``."""
 
   def __init__(self, token: str):
-    self._expected = f"Bearer {token}"
+    self._expected = f"Bearer {token}".encode()
 
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -48,7 +49,10 @@ class _TokenAuth(grpc.ServerInterceptor):
 
   def intercept_service(self, continuation, handler_call_details):
     meta = dict(handler_call_details.invocation_metadata or ())
-    if meta.get(protocol.AUTH_KEY) != self._expected:
+    given = meta.get(protocol.AUTH_KEY) or ""
+    given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+    # Constant time: how long the check takes says nothing of how much of a guess was right.
+    if not hmac.compare_digest(given, self._expected):
       return self._deny
     return continuation(handler_call_details)
 
@@ -88,6 +92,11 @@ class Server:
 
   def _start(self) -> None:
     o = self.options
+    if o.token is None and not options_lib.is_loopback(o.listen):
+      log.warning(
+          "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "
+          "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
+          "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     self.arena = shm.Arena.create(o.shm_size)
     self.leases = Leases(shm.Allocator(self.arena.size))
     self.checkpoints = CheckpointHost(o.host_id)

@@ -78,7 +78,7 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
       reply = self._hello(message)  # raises VersionMismatchError on skew
-      session = "w-" + secrets.token_hex(8)
+      session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
       with self._lock:
         if self._closed:
           return

@@ -1,0 +1,240 @@
+"""Tier 2: the attacks of issue 16, as an attacker on loopback makes them (raw gRPC, the socket).
+
+Each test is one attack that used to work; it now fails, and the sidecar keeps serving.
+"""
+
+import gc
+import re
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import sidecar
+from sidecar._src import codec, protocol, registry as registry_lib
+from sidecar._src.host import feed as host_feed
+from sidecar._src.protocol import pb
+from tests.conftest import eventually
+
+
+class Raw:
+  """A client that speaks ``sidecar.v1`` by hand: none of the Controller's checks."""
+
+  def __init__(self, port: int, *, token: str | None = None):
+    # Room for a whole arena in a reply: what leaks, if anything does, arrives whole.
+    self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.max_receive_message_length", 64 << 20)])
+    auth = [] if token is None else [(protocol.AUTH_KEY, f"Bearer {token}")]
+    handshake = self.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+        response_deserializer=pb.HandshakeResponse.FromString)
+    reply = handshake(pb.HandshakeRequest(versions=protocol.local_versions(), client="attacker"),
+                      metadata=auth, timeout=10)
+    self.metadata = auth + [(protocol.SESSION_KEY, reply.session)]
+    self._call = self.channel.unary_unary(
+        f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
+        response_deserializer=pb.CallResponse.FromString)
+    self._stream = self.channel.stream_stream(
+        f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
+        response_deserializer=pb.StreamItem.FromString)
+
+  def call(self, name: str, *args: pb.Value, worker_session: str = "", **kwargs) -> pb.Value:
+    request = pb.CallRequest(name=name, args=pb.Value(tuple=pb.ListValue(items=list(args))),
+                             kwargs=codec.encode(kwargs), worker_session=worker_session)
+    return self._call(request, metadata=self.metadata, timeout=10).result
+
+  def feed(self, name: str, spec: pb.FeedSpec) -> list[pb.StreamItem]:
+    request = pb.CallRequest(name=name, args=codec.encode(()), kwargs=codec.encode({}), feed=spec)
+    return list(self._stream(iter([pb.StreamRequest(start=request, prefetch=1)]),
+                             metadata=self.metadata, timeout=10))
+
+  def close(self):
+    self.channel.close()
+
+
+def arena_ref(offset: int, generation: int, nbytes: int, shape=None, dtype="uint8") -> pb.Value:
+  return pb.Value(arena=pb.ArenaRef(offset=offset, nbytes=nbytes, generation=generation,
+                                    dtype=dtype, shape=(nbytes,) if shape is None else shape))
+
+
+def rejected(fn) -> grpc.RpcError:
+  with pytest.raises(grpc.RpcError) as info:
+    fn()
+  return info.value
+
+
+@pytest.fixture
+def victim(make_server):
+  """A sidecar whose worker holds a secret block, and a raw client to attack it."""
+  server = make_server()
+  ctl = sidecar.Controller([f"127.0.0.1:{server.port}"])
+  secret = np.full(1 << 16, 0x5A, np.uint8)
+  array, ref = ctl.worker(0).put(secret)
+  raw = Raw(server.port)
+  yield server, ctl, array, ref, raw
+  raw.close()
+  del array
+  ctl.close()
+
+
+# ---- memory isolation -------------------------------------------------------------------------
+
+
+def test_a_client_without_a_worker_cannot_read_the_arena(victim):
+  server, ctl, array, ref, raw = victim
+  whole = arena_ref(0, ref.generation, server.arena.size)  # the generation as if guessed
+  for value in (whole, arena_ref(ref.offset, ref.generation, ref.nbytes)):
+    e = rejected(lambda: raw.call("echo", value))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "args[0]: an arena reference needs the request's worker_session" in e.details()
+  assert (array == 0x5A).all() and ctl.call("add", 2, b=3) == [5]
+
+
+def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
+  server, ctl, array, ref, raw = victim
+  with sidecar.Worker(server.options.socket_path) as thief:
+    mine = lambda v: raw.call("echo", v, worker_session=thief.session)
+    errors = []
+    for value in (arena_ref(ref.offset, ref.generation, ref.nbytes),     # the right guess
+                  arena_ref(ref.offset, ref.generation + 1, ref.nbytes),  # a wrong one
+                  arena_ref(ref.offset + (1 << 20), 12345, ref.nbytes)):   # no block there
+      e = rejected(lambda: mine(value))
+      assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+      errors.append(re.sub(r"\d+", "N", e.details()))
+    # One answer for all three: no oracle that tells a right guess from a wrong one.
+    assert errors[0] == errors[1] == errors[2]
+    assert "args[N]: no arena block at offset N generation N is held by this worker" in errors[0]
+    e = rejected(lambda: raw.call("overwrite", arena_ref(ref.offset, ref.generation, ref.nbytes),
+                                  pb.Value(int_value=0), worker_session=thief.session))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Over the thief's own socket too: a stream's arguments are checked the same way.
+    request = pb.CallRequest(
+        name="echo_items", kwargs=codec.encode({}), args=pb.Value(tuple=pb.ListValue(items=[
+            arena_ref(ref.offset, ref.generation, ref.nbytes), pb.Value(int_value=1)])))
+    with pytest.raises(sidecar.StaleDescriptorError, match="is held by this worker session"):
+      next(iter(thief.open_stream(request, prefetch=1, timeout=10)))
+  assert (array == 0x5A).all()
+  # The victim itself still may: its own block, through the arena, no copy.
+  assert ctl.call("stats", array)[0]["sum"] == float(0x5A * array.size)
+
+
+@pytest.mark.parametrize("nbytes,shape,match", [
+    (0, (0,), "an arena reference needs nbytes > 0, got 0"),
+    (8, (4,), r"shape \(4,\) of uint8 needs 4 bytes, got 8"),
+    ((64 << 10) + 4096, None, r"nbytes \d+ does not fit the arena block at offset \d+, which has"),
+    (8 << 20, None, r"nbytes \d+ does not fit the arena block"),  # past the arena's end
+], ids=["zero", "shape-disagrees", "past-its-block", "past-the-arena"])
+def test_a_bad_ref_to_ones_own_block_is_refused_and_holds_nothing(make_server, nbytes, shape,
+                                                                  match):
+  server = make_server()  # 8 MiB arena
+  with sidecar.Worker(server.options.socket_path) as w:
+    raw = Raw(server.port)
+    array, ref = w.put(np.ones(64 << 10, np.uint8))
+    e = rejected(lambda: raw.call("echo", arena_ref(ref.offset, ref.generation, nbytes, shape),
+                                  worker_session=w.session))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and re.search(match, e.details())
+    assert e.details().startswith("InvalidArgumentError: args[0]: ")
+    # The one good ref works, and once the worker lets go the block is free: no pin leaked.
+    back = codec.decode(raw.call("echo", arena_ref(ref.offset, ref.generation, ref.nbytes),
+                                    worker_session=w.session), from_arena=w.view)
+    assert (back == 1).all()
+    del array, back
+    gc.collect()
+    assert eventually(lambda: server.leases.allocator.used_bytes == 0)
+    raw.close()
+
+
+# ---- bounded requests -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def feed_server(make_server):
+  from tests import feed_fns  # noqa: F401  (registers into the default registry)
+  reg = registry_lib.Registry()
+  for entry in sidecar.default_registry():
+    if entry.fn.__module__ == "tests.feed_fns":
+      reg.add(entry.kind, entry.name, entry.fn)
+  return make_server(registry=reg)
+
+
+def _spec(**kw) -> pb.FeedSpec:
+  kw.setdefault("shard_count", 1)
+  return pb.FeedSpec(global_batch_size=2, rows=[pb.RowRange(start=0, stop=2)], **kw)
+
+
+def test_feed_workers_are_capped(feed_server):
+  raw = Raw(feed_server.port)
+  e = rejected(lambda: raw.feed("shard_ids", _spec(workers=1000)))
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert re.search(r"feed workers must be at most \d+ \(this host's CPUs, at most 64\), got 1000",
+                   e.details()), e.details()
+  assert f"at most {host_feed.MAX_WORKERS} " in e.details()
+  assert len(raw.feed("shard_ids", _spec(num_epochs=1))) > 0  # still serving
+  raw.close()
+
+
+@pytest.mark.parametrize("spec,match", [
+    (_spec(state_json="[" * 100_000), "feed state_json is not the JSON of a feed state"),
+    (_spec(state_json="[1]"), "feed state_json must be a JSON object, got list"),
+    (_spec(state_json='{"epoch": "x"}'), "feed state_json 'epoch' must be an int >= 0"),
+    (_spec(state_json='{"position": -3}'), "feed state_json 'position' must be an int >= 0"),
+    (_spec(shard_count=0), r"feed shard_index must be in \[0, shard_count=0\), got 0"),
+], ids=["deep", "list", "epoch-str", "negative", "no-shards"])
+def test_bad_feed_specs_are_invalid_argument_not_unknown(feed_server, spec, match):
+  raw = Raw(feed_server.port)
+  e = rejected(lambda: raw.feed("ids", spec))
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+  assert re.search(match, e.details()) and "Traceback" not in e.details()
+  raw.close()
+
+
+def test_a_long_remote_error_is_truncated_not_lost(make_server):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    for message in ("x" * 20_000, "ü€" * 10_000):
+      with pytest.raises(sidecar.RemoteError) as info:
+        ctl.call("fail", message)
+      e = info.value
+      assert e.remote_type == "builtins.ValueError"
+      assert e.remote_message.startswith(message[:500]), e.remote_message[:100]
+      assert "bytes cut ...]" in e.remote_message[-100:]
+      assert len(e.remote_message.encode()) <= protocol.MAX_ERROR_MESSAGE
+      assert 'raise ValueError(message)' in e.remote_traceback  # the frames survive the cut
+    assert ctl.call("add", 2, b=3) == [5]
+
+
+# ---- the ports --------------------------------------------------------------------------------
+
+
+def test_the_health_port_answers_health_only(make_server):
+  server = make_server()
+  with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    handshake = ch.unary_unary(f"/{protocol.SERVICE}/Handshake",
+                               request_serializer=pb.HandshakeRequest.SerializeToString)
+    e = rejected(lambda: handshake(pb.HandshakeRequest(versions=protocol.local_versions()),
+                                   timeout=5))
+    assert e.code() == grpc.StatusCode.UNIMPLEMENTED
+    replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    e = rejected(lambda: list(replies))
+    assert e.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("sent", [None, "Bearer s3cre", "Bearer s3cret2", "Bearer s3creT",
+                                  "s3cret", "Bearer  s3cret"],
+                         ids=["none", "prefix", "longer", "one-char-off", "no-scheme", "spaces"])
+def test_every_wrong_token_is_unauthenticated(make_server, sent):
+  server = make_server(token="s3cret")
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    for method in ("Handshake", "Call", "Status"):
+      rpc = ch.unary_unary(f"/{protocol.SERVICE}/{method}")
+      e = rejected(lambda: rpc(b"", metadata=[] if sent is None else [(protocol.AUTH_KEY, sent)],
+                               timeout=5))
+      assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "missing or wrong token" in e.details()
+  raw = Raw(server.port, token="s3cret")
+  assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2
+  raw.close()
