@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from sidecar._src import orbax_layout as ol
@@ -80,6 +82,13 @@ def test_one_script_trains_alike_as_one_process_or_two(tmp_path):
   assert len(calls) == 2 and len(set(calls)) == 2
   assert len(by_process(one, 0)[0]["calls"]) == 2
   assert sorted(ol.list_steps(str(tmp_path / "multi"))) == [2, 4]
+  # Stock Orbax in one process (this one) restores what the two processes saved.
+  with ocp.CheckpointManager(tmp_path / "multi") as mngr:
+    stock = mngr.restore(4, args=ocp.args.StandardRestore(
+        {"w": np.zeros((8, 4), np.float32), "bias": np.zeros(4, np.float32), "step": 0}))
+  saved = next(r for r in p0 if r["kind"] == "saved")["w"]
+  assert np.asarray(stock["w"]).tolist() == saved and int(stock["step"]) == 4
+  assert np.asarray(stock["bias"]).tolist() == [0, 1, 2, 3]
 
 
 def test_a_plain_iterable_feed_has_one_state_in_every_process(tmp_path):

@@ -26,17 +26,18 @@ def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.Statu
 
 
 def format_table(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
-  header = ("ADDRESS", "HOST", "SLICE", "DEVICES", "HOSTNAME", "PID", "ARENA USED/SIZE",
+  header = ("ADDRESS", "HOST", "SLICE", "PROCESS", "DEVICES", "HOSTNAME", "PID", "ARENA USED/SIZE",
             "BLOCKS", "WORKERS", "CALLS", "UPTIME", "REGISTERED")
   lines = [header]
   for address, s in rows:
     if isinstance(s, Exception):
-      lines.append((address, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+      lines.append((address, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                     f"UNREACHABLE: {s}".splitlines()[0][:80]))
       continue
     ident = s.identity
     names = ", ".join(f"{e.name} ({e.kind})" for e in s.registry) or "(none)"
-    lines.append((address, str(ident.host_id), str(ident.slice_id),
+    process = str(ident.process_index) if ident.HasField("process_index") else "-"
+    lines.append((address, str(ident.host_id), str(ident.slice_id), process,
                   ",".join(map(str, ident.device_ids)) or "-", ident.hostname, str(ident.pid),
                   f"{shm.format_size(s.arena_used)}/{shm.format_size(s.arena_size)}",
                   str(s.arena_blocks), str(s.workers), str(s.calls), f"{s.uptime_s:.0f}s", names))
