@@ -97,10 +97,17 @@ def test_incomplete_environment_names_what_is_missing(env, match):
     distributed.job_from_env(env)
 
 
-def test_initialize_without_any_job_says_how_to_start_one(monkeypatch):
+def test_initialize_without_any_job_leaves_one_process(monkeypatch):
   monkeypatch.setattr(distributed, "_jax_detects_cluster", lambda: False)
-  with pytest.raises(errors.InvalidArgumentError, match="sidecar launch"):
-    distributed.initialize(env={})
+  assert distributed.initialize(env={"HOME": "/root"}) is False
+  assert not distributed.is_initialized()
+
+
+def test_initialize_with_part_of_a_job_names_what_is_missing():
+  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_PROCESS_ID is not set"):
+    distributed.initialize(env={"SIDECAR_COORDINATOR_ADDRESS": "127.0.0.1:1",
+                                "SIDECAR_NUM_PROCESSES": "2"})
+  assert not distributed.is_initialized()
 
 
 def test_sync_timeout_from_env():

@@ -30,6 +30,7 @@ The environment :func:`initialize` reads:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ import jax
 
 from sidecar._src import env as env_lib, errors
 
+log = logging.getLogger(__name__)
 COORDINATOR_ADDRESS = env_lib.COORDINATOR_ADDRESS
 NUM_PROCESSES = env_lib.NUM_PROCESSES
 PROCESS_ID = env_lib.PROCESS_ID
@@ -65,14 +67,18 @@ def is_initialized() -> bool:
   return _client() is not None
 
 
-def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
   """Starts ``jax.distributed`` from the environment; call it before any other JAX call.
 
   Reads the variables in this module's docstring (set by ``sidecar launch`` and by the
   manifests in ``k8s/``). Where none is set and JAX detects the cluster itself (Cloud
   TPU VMs, GKE TPU pods, SLURM, Open MPI), defers to ``jax.distributed.initialize()``.
-  Idempotent. ``kwargs`` go to ``jax.distributed.initialize`` (e.g.
-  ``heartbeat_timeout_seconds``).
+  Where nothing names a job, does nothing: the script then runs as one process that
+  owns every device, unchanged. Idempotent. ``kwargs`` go to
+  ``jax.distributed.initialize`` (e.g. ``heartbeat_timeout_seconds``).
+
+  Returns:
+    Whether ``jax.distributed`` runs in this process now.
 
   Example::
 
@@ -85,22 +91,21 @@ def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> None:
       message names each missing or malformed variable.
   """
   if is_initialized():
-    return
+    return True
   env = os.environ if env is None else env
   args = job_from_env(env)
   if args is None:
     if not _jax_detects_cluster():
-      raise errors.InvalidArgumentError(
-          f"cannot start jax.distributed: {COORDINATOR_ADDRESS}, {NUM_PROCESSES} and "
-          f"{PROCESS_ID} are not set, no JobSet environment ({', '.join(_JOBSET)}) is "
-          "there, and JAX detects no cluster. Start the trainers with `sidecar launch`, or "
-          "use the manifests in k8s/, or set those three variables")
+      log.info("no jax.distributed job in the environment (%s, %s, %s or a JobSet's): one "
+               "process", COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID)
+      return False
     jax.distributed.initialize(**kwargs)
-    return
+    return True
   local = args.pop("local_devices", None)
   if local is not None:
     jax.config.update("jax_num_cpu_devices", local)
   jax.distributed.initialize(**args, **kwargs)
+  return True
 
 
 def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
