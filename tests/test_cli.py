@@ -63,9 +63,11 @@ def test_serve_loads_plugins_from_entry_points(tmp_path, monkeypatch):
   assert reg.names("function") == ["from_plugin"]
 
 
-def test_demo_runs(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "two-processes"])
+def test_demo_runs(tmp_path, processes):
   env = dict(os.environ, SIDECAR_LOG_LEVEL="WARNING")
-  p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100"],
+  p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100",
+                      "--processes", str(processes)],
                      capture_output=True, text=True,
                      timeout=300, env=env)
   assert p.returncode == 0, p.stderr[-3000:]

@@ -93,10 +93,13 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   if processes > 1:
     print(f"Launching {processes} trainer processes under jax.distributed, each beside its "
           f"own sidecar ({devices_per_host} CPU devices each), through `sidecar launch`.")
-    return launch.run([sys.executable, "-m", "sidecar._src.demo", str(steps),
+    code = launch.run([sys.executable, "-m", "sidecar._src.demo", str(steps),
                        str(global_batch_size), str(checkpoint_every)],
                       hosts=processes, devices_per_host=devices_per_host, imports=[PIPELINES],
                       shm_size="64MiB")
+    if code == 0:
+      print("Done: every trainer and sidecar stopped, no shared memory left behind.")
+    return code
   print(f"Starting a LocalCluster: {hosts} sidecar processes, {devices_per_host} CPU devices each.")
   t0 = time.perf_counter()
   with LocalCluster(hosts, devices_per_host, shm_size="64MiB", imports=[PIPELINES]) as cluster:
