@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
 import enum
 import functools
@@ -54,22 +53,25 @@ import os
 import pathlib
 import shutil
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import crc32c
 import jax
 import numpy as np
+import tensorstore as ts
 from orbax.checkpoint._src.handlers import standard_checkpoint_handler
-from orbax.checkpoint._src.metadata import array_metadata_store
-from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
-from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-from orbax.checkpoint._src.metadata import step_metadata_serialization
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-from orbax.checkpoint._src.metadata import value_metadata_entry
+from orbax.checkpoint._src.metadata import (
+  array_metadata_store,
+  checkpoint as checkpoint_metadata,
+  sharding as sharding_metadata,
+  step_metadata_serialization,
+  tree as tree_metadata,
+  value_metadata_entry,
+)
 from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
 from orbax.checkpoint._src.path import atomicity_types
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-import tensorstore as ts
 
 from sidecar._src import codec, direct_io, errors
 

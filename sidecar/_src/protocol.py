@@ -15,8 +15,7 @@ import grpc
 import numpy as np
 
 from sidecar._src import errors
-from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
+from sidecar.v1 import sidecar_pb2 as pb, sidecar_pb2_grpc as pb_grpc
 
 __all__ = ["pb", "pb_grpc"]
 

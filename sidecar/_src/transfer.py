@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - a JAX without them takes the public pa
   _abstractify = _batched_device_put = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _single(device: jax.Device) -> jax.sharding.SingleDeviceSharding:
   return jax.sharding.SingleDeviceSharding(device)
 

@@ -245,7 +245,7 @@ class Checkpointer:
       checksums = [c for host_sums in prepared for c in host_sums]
       self._call("sidecar.ckpt.commit", target.item, step, len(self._hosts), leaves,
                  checksums, data_json, target.whole_step, hosts=[self._hosts[0]], timeout=3600)
-    except BaseException as e:  # pylint: disable=broad-except
+    except BaseException as e:
       self._abort(target)  # before the futures fail: a retry must not race the cleanup
       if not handle.staged.done():
         handle.staged.set_exception(e)
@@ -265,14 +265,14 @@ class Checkpointer:
       if target.whole_step:  # Every host is done with the step: its tmp directory goes.
         self._call("sidecar.ckpt.abort", str(pathlib.Path(target.item).parent),
                    target.final_item, hosts=hosts)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       pass  # the next open() sweeps the tmp dir
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
     try:
       self._call("sidecar.ckpt.committed", target.final_item, hosts=self._hosts)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       pass  # durable all the same; the RAM tier of a lost host is gone anyway
     if target.whole_step:
       with self._lock:

@@ -14,8 +14,8 @@ import numpy as np
 
 from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib
-from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.checkpoint import Checkpointer
+from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -95,7 +95,7 @@ class Controller:
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
     futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
     conns, failures = [], []
-    for address, f in zip(addresses, futures):
+    for f in futures:
       try:
         conns.append(f.result())
       except errors.SidecarError as e:
@@ -368,7 +368,7 @@ class Controller:
     try:
       request = self._request(host_id, name, args, kwargs, timeout, held)
       rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       out.set_exception(e)
       return out
 
@@ -378,7 +378,7 @@ class Controller:
         out.set_result(self._decode(host_id, name, f.result()))
       except grpc.RpcError as e:
         out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host_id))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         out.set_exception(e)
 
     rpc.add_done_callback(done)

@@ -42,8 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar._src import errors, options
 

@@ -57,7 +57,7 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
         f"have (it has {sorted(d.id for d in local)})")
   try:
     index = sharding.devices_indices_map((global_batch_size,))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise errors.InvalidArgumentError(
         f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: {e}") from None
   by_host: dict[int, dict[tuple[int, int], list[jax.Device]]] = {}

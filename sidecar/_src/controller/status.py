@@ -89,7 +89,7 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
   for a in addresses:
     try:
       rows.append((a, fetch(a, timeout=timeout, token=token)))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       rows.append((a, e))
   print(format_table(rows), file=sys.stdout)
   print(file=sys.stdout)

@@ -139,7 +139,7 @@ class WorkerListener:
       end = pb.StreamItem(end=True)
     except (ConnectionError, OSError):
       return
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
               "stream: %s: %s", type(e).__name__, e)
       end = pb.StreamItem(end=True, error=protocol.error_info(e))

@@ -29,11 +29,8 @@ from typing import Any
 
 import yaml
 
-from sidecar._src import errors
-from sidecar._src import options
-from sidecar._src import shm
-from sidecar._src.k8s import quantity
-from sidecar._src.k8s import schemas
+from sidecar._src import errors, options, shm
+from sidecar._src.k8s import quantity, schemas
 from sidecar._src.k8s.schemas import Finding
 
 # The defaults of `sidecar serve`, for containers that do not set them.
