@@ -25,6 +25,8 @@ import numpy as np
 
 from sidecar._src import errors, orbax_layout as ol, shm, transfer
 
+log = logging.getLogger(__name__)
+
 KeyPath = tuple[str | int, ...]
 # A save is staged in parts of about this many bytes per host, as the copy goes: a
 # sidecar starts writing and checksumming one part while the trainer copies the next.
