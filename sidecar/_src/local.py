@@ -72,7 +72,7 @@ class LocalCluster:
     self._configure_jax = configure_jax
     self._extra_args = tuple(extra_args)
     self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
-    self._procs: list[subprocess.Popen | None] = []
+    self._procs: list[subprocess.Popen] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
 
@@ -113,6 +113,8 @@ class LocalCluster:
                               stdin=subprocess.DEVNULL, start_new_session=True)
 
   def _path(self, h: int, ext: str) -> str:
+    if self._dir is None:
+      raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
     return os.path.join(self._dir, f"host{h}.{ext}")
 
   def socket(self, host_id: int) -> str:
@@ -140,7 +142,7 @@ class LocalCluster:
     try:
       with open(self._path(host_id, "log"), errors="replace") as f:
         return f.read()
-    except (OSError, TypeError):
+    except (OSError, errors.ClosedError):
       return ""
 
   def kill(self, host_id: int) -> None:

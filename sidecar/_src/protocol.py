@@ -136,7 +136,9 @@ def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
                    ) -> errors.SidecarError:
   """Turns a failed RPC into the matching SidecarError."""
   code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-  meta = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+  # grpc gives metadata as (key, value) tuples; its stubs type them as plain objects.
+  metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+  meta = dict(metadata or ())  # type: ignore[arg-type]
   name = meta.get(_TYPE_KEY)
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(

@@ -410,6 +410,7 @@ class Checkpointer:
       except errors.SidecarError as e:
         if error is None or isinstance(e, errors.CorruptCheckpointError):
           error = e  # report corruption over "no RAM copy here"
+    assert error is not None  # tries is never empty: storage is always one
     raise error
 
   def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:

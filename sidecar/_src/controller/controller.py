@@ -248,6 +248,7 @@ class Controller:
                    timeout: float | None, held: list, device: jax.Device | None = None
                    ) -> Stream | worker_lib.LocalStream:
     conn, w = self._conns[host_id], self._workers.get(host_id)
+    stream: Stream | worker_lib.LocalStream
     if w is not None:
       stream = w.open_stream(request, prefetch=prefetch, timeout=timeout, device=device)
     else:

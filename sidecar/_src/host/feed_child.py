@@ -25,7 +25,8 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
     ipc.send(sock, {"error": protocol.error_dict(e)})
     return
   ipc.send(sock, {"ready": True})
-  batcher = feed_lib.Batcher(spec, None, entry.name)
+  # No allocator: every task brings its output arrays.
+  batcher = feed_lib.Batcher(spec, None, entry.name)  # type: ignore[arg-type]
   order = feed_lib.Order(ds, spec.seed)
   while True:
     try:

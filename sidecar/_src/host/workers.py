@@ -155,7 +155,8 @@ class WorkerListener:
       try:
         block = self._leases.alloc(int(message["nbytes"]), session,
                                    timeout=float(message.get("timeout", 0.0)))
-        reply = {"offset": block.offset, "nbytes": block.nbytes, "generation": block.generation}
+        reply: dict[str, Any] = {"offset": block.offset, "nbytes": block.nbytes,
+                                 "generation": block.generation}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:

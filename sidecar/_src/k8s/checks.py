@@ -80,7 +80,7 @@ def check_jobset(jobset: Mapping[str, Any], *, schema: Mapping[str, Any] | None 
   spec = jobset.get("spec") or {}
   has_sidecar = False
   # JobSet adds a volume for each of these claim templates to every pod template.
-  claims = {(t.get("metadata") or {}).get("name") for p in spec.get("volumeClaimPolicies") or []
+  claims = {(t.get("metadata") or {}).get("name", "") for p in spec.get("volumeClaimPolicies") or []
             for t in p.get("templates") or []}
   for i, rjob in enumerate(spec.get("replicatedJobs") or []):
     where = f"{name}: spec.replicatedJobs[{i}]"
