@@ -11,11 +11,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sidecar._src import demo, errors, options as options_lib, registry as registry_lib, shm
-from sidecar._src.controller import status
+# `sidecar serve` loads no controller code: the subcommands that need it import it.
+from sidecar._src import errors, options as options_lib, registry as registry_lib, shm
 from sidecar._src.host.server import Server
 from sidecar._src.k8s import cli as k8s_cli
-from sidecar._src.local import LocalCluster
 
 log = logging.getLogger("sidecar")
 
@@ -93,6 +92,7 @@ def _watch_parent(pid: int, server) -> None:
 
 
 def _local(args: argparse.Namespace) -> int:
+  from sidecar._src.local import LocalCluster
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False) as cluster:
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
@@ -106,10 +106,12 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+  from sidecar._src.controller import status
   return status.print_status(args.addresses, timeout=args.timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:
+  from sidecar._src import demo
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps)
 
 
