@@ -1,6 +1,6 @@
 """colocated-sidecar: data loading and checkpointing on the accelerator hosts."""
 
-from sidecar import testing
+from sidecar import distributed, testing
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.controller import Controller
 from sidecar._src.errors import (
@@ -53,6 +53,7 @@ __all__ = [
     "VersionMismatchError",
     "Worker",
     "default_registry",
+    "distributed",
     "empty",
     "function",
     "pipeline",

@@ -61,3 +61,9 @@ def dies_once(ctx: sidecar.PipelineContext, marker: str, at: int = 20, n: int = 
       os.kill(os.getpid(), signal.SIGKILL)
     return {"id": np.int64(i)}
   return grain.MapDataset.range(n).map(element)
+
+
+@sidecar.function
+def sidecar_pid() -> int:
+  """Which sidecar process ran the call."""
+  return os.getpid()

@@ -1,4 +1,4 @@
-"""The ``sidecar`` command: serve, local, status, demo, k8s."""
+"""The ``sidecar`` command: serve, local, launch, status, demo, k8s."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-# `sidecar serve` loads no controller code: the subcommands that need it import it.
-from sidecar._src import errors, options as options_lib, registry as registry_lib, shm
+from sidecar._src import demo, errors, launch, options as options_lib, registry as registry_lib, shm
+from sidecar._src.controller import status
 from sidecar._src.host.server import Server
 from sidecar._src.k8s import cli as k8s_cli
+from sidecar._src.local import LocalCluster
 
 log = logging.getLogger("sidecar")
 
@@ -92,7 +93,6 @@ def _watch_parent(pid: int, server) -> None:
 
 
 def _local(args: argparse.Namespace) -> int:
-  from sidecar._src.local import LocalCluster
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False) as cluster:
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
@@ -105,14 +105,29 @@ def _local(args: argparse.Namespace) -> int:
   return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+  command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+  if not command:
+    args.parser.error("CMD is missing: give the trainer command after --, "
+                      "e.g. sidecar launch --hosts 2 -- python train.py")
+  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+    if value < 1:
+      args.parser.error(f"{flag} must be at least 1, got {value}")
+  try:
+    token = launch.read_token(args.token_file)
+  except (OSError, errors.InvalidArgumentError) as e:
+    args.parser.error(f"cannot read the token: {e}")
+  return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
+                    imports=args.imports or [], shm_size=args.shm_size, token=token)
+
+
 def _status(args: argparse.Namespace) -> int:
-  from sidecar._src.controller import status
   return status.print_status(args.addresses, timeout=args.timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:
-  from sidecar._src import demo
-  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps)
+  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
+                  processes=args.processes)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -144,6 +159,25 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
   s.set_defaults(func=_local)
 
+  s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
+                     usage="sidecar launch [options] -- CMD [ARGS...]", epilog=launch.HELP,
+                     description="Local multi-process mode, as torchrun: N sidecars on this "
+                                 "machine and one trainer process beside each.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  s.add_argument("--hosts", type=int, default=2, help="sidecars and trainers (default: 2)")
+  s.add_argument("--devices-per-host", type=int, default=1,
+                 help="CPU devices of each trainer, SIDECAR_LOCAL_DEVICES (default: 1)")
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module each sidecar imports, so its decorators register (repeatable; "
+                      "default: none)")
+  s.add_argument("--shm-size", type=_size, default=_size("256MiB"),
+                 help="each sidecar's arena size (default: 256MiB)")
+  s.add_argument("--token-file", help="file with the sidecars' bearer token, also given to the "
+                 "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
+  s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                 help="the trainer command, run once per host")
+  s.set_defaults(func=_launch, parser=s)
+
   s = sub.add_parser("status", help="show sidecars' identity, registry and arena use")
   s.add_argument("addresses", nargs="+", metavar="ADDR")
   s.add_argument("--timeout", type=float, default=5.0)
@@ -153,6 +187,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--hosts", type=int, default=2)
   s.add_argument("--devices-per-host", type=int, default=2)
   s.add_argument("--steps", type=int, default=300)
+  s.add_argument("--processes", type=int, default=1,
+                 help="1 (default): one process owns every device; N: the same training as N "
+                 "trainer processes under jax.distributed, one per host, via sidecar launch")
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sidecar._src import distributed, launch
+from sidecar._src.controller.controller import Controller
 from sidecar._src.local import LocalCluster
 
 PIPELINES = "pipelines.digits"
@@ -80,66 +82,104 @@ def evaluate(ctl, params, sharding) -> tuple[int, int]:
 
 
 def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
-        global_batch_size: int = 64, checkpoint_every: int = 100) -> int:
-  """Runs the demo; returns a process exit code."""
+        global_batch_size: int = 64, checkpoint_every: int = 100, processes: int = 1) -> int:
+  """Runs the demo; returns a process exit code.
+
+  ``processes=1``: one process owns every device and drives a LocalCluster of ``hosts``
+  sidecars. ``processes=N``: the same training as a multi-controller job, N trainer
+  processes under ``jax.distributed`` (one per host, each beside its own sidecar),
+  started by ``sidecar launch``.
+  """
+  if processes > 1:
+    print(f"Launching {processes} trainer processes under jax.distributed, each beside its "
+          f"own sidecar ({devices_per_host} CPU devices each), through `sidecar launch`.")
+    return launch.run([sys.executable, "-m", "sidecar._src.demo", str(steps),
+                       str(global_batch_size), str(checkpoint_every)],
+                      hosts=processes, devices_per_host=devices_per_host, imports=[PIPELINES],
+                      shm_size="64MiB")
   print(f"Starting a LocalCluster: {hosts} sidecar processes, {devices_per_host} CPU devices each.")
   t0 = time.perf_counter()
   with LocalCluster(hosts, devices_per_host, shm_size="64MiB", imports=[PIPELINES]) as cluster:
     with cluster.controller() as ctl:
       print(f"Sidecars ready in {time.perf_counter() - t0:.1f} s:")
-      for h in ctl.hosts:
-        print(f"  host {h.host_id}: {h.address}, pid {h.pid}, devices {list(h.device_ids)}, "
-              f"pipelines {list(h.pipelines)}")
-      mesh = Mesh(np.array(jax.devices()[:hosts * devices_per_host]), ("data",))
-      sharding = NamedSharding(mesh, P("data"))
-      params = jax.device_put(init_params(jax.random.key(0)), NamedSharding(mesh, P()))
-      print(f"Training an MLP on the digits, global batch {global_batch_size} sharded over "
-            f"{mesh.devices.size} devices, {steps} steps:")
-      progress = Progress(steps)
-      ckpt_dir = tempfile.mkdtemp(prefix="sidecar-demo-ckpt-")
-      ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2)
-      blocked = []
-      with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding, seed=0,
-                    split="train", prefetch=4) as feed:
-        t1 = time.perf_counter()
-        for step in range(1, steps + 1):
-          params, loss = train_step(params, next(feed))
-          if step % checkpoint_every == 0 or step == steps:
-            jax.block_until_ready(params)
-            t = time.perf_counter()
-            ckpt.save(step, {"params": params}, data_state=feed.state())
-            blocked.append(time.perf_counter() - t)
-          if step % 10 == 0 or step == steps:
-            progress.update(step, f"loss {float(loss):.3f}")
-        jax.block_until_ready(params)
-        train_s = time.perf_counter() - t1
-        stats = feed.stats()
-        state = feed.state()
-      progress.close()
-      hits, total = evaluate(ctl, params, sharding)
-      print(f"  final loss {float(loss):.3f}; test accuracy {hits / total:.1%} on {total} "
-            "held-out digits")
-      print(f"  {steps / train_s:.0f} steps/s; trainer waited for data {stats['wait_s_mean'] * 1e3:.2f}"
-            f" ms per step on average (p50 {stats['wait_s_p50'] * 1e3:.2f} ms); data position "
-            f"epoch {state['epoch']}, example {state['position']}")
-      t = time.perf_counter()
-      ckpt.wait(progress=lambda line: print("  " + line))
-      print(f"Checkpoints: {len(blocked)} saves, the trainer blocked "
-            f"{np.median(blocked) * 1e3:.1f} ms per save (median); the sidecars wrote them in "
-            f"Orbax's layout to {ckpt_dir} (steps {ckpt.all_steps()}, the last durable "
-            f"{(time.perf_counter() - t) * 1e3:.0f} ms after training ended).")
-      target = {"params": jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)}
-      t = time.perf_counter()
-      restored = ckpt.restore(target=target, progress=lambda line: print("  " + line))["params"]
-      restore_ms = (time.perf_counter() - t) * 1e3
-      again, _ = evaluate(ctl, restored, sharding)
-      same = all(np.array_equal(np.asarray(a), np.asarray(b))
-                 for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored)))
-      print(f"  restored step {ckpt.latest_step()} from the sidecars' RAM tier in "
-            f"{restore_ms:.0f} ms: {'bit-exact' if same else 'DIFFERENT'}, test accuracy "
-            f"{again / total:.1%}; its data position: {ckpt.data_state()}")
-      ckpt.close()
-      shutil.rmtree(ckpt_dir, ignore_errors=True)
+      train(ctl, steps=steps, global_batch_size=global_batch_size,
+            checkpoint_every=checkpoint_every)
   print("Done: every sidecar stopped, no shared memory left behind.")
   return 0
+
+
+def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
+          say=print) -> None:
+  """The training: the same calls in one process that owns every device, or in each of N."""
+  for h in ctl.hosts:
+    say(f"  host {h.host_id}: {h.address}, pid {h.pid}, devices {list(h.device_ids)}, "
+        f"pipelines {list(h.pipelines)}")
+  mesh = Mesh(np.array([d for d in jax.devices() if d.id in ctl.device_hosts]), ("data",))
+  sharding = NamedSharding(mesh, P("data"))
+  params = jax.device_put(init_params(jax.random.key(0)), NamedSharding(mesh, P()))
+  say(f"Training an MLP on the digits, global batch {global_batch_size} sharded over "
+      f"{mesh.devices.size} devices of {jax.process_count()} process(es), {steps} steps:")
+  progress = Progress(steps)
+  ckpt_dir = ctl.peers.broadcast("demo/checkpoints", tempfile.mkdtemp(
+      prefix="sidecar-demo-ckpt-") if ctl.process_index == 0 else None)
+  ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2)
+  blocked = []
+  with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding, seed=0,
+                split="train", prefetch=4) as feed:
+    t1 = time.perf_counter()
+    for step in range(1, steps + 1):
+      params, loss = train_step(params, next(feed))
+      if step % checkpoint_every == 0 or step == steps:
+        jax.block_until_ready(params)
+        t = time.perf_counter()
+        ckpt.save(step, {"params": params}, data_state=feed.state())
+        blocked.append(time.perf_counter() - t)
+      if step % 10 == 0 or step == steps:
+        progress.update(step, f"loss {float(loss):.3f}")
+    jax.block_until_ready(params)
+    train_s = time.perf_counter() - t1
+    stats = feed.stats()
+    state = feed.state()
+  progress.close()
+  hits, total = evaluate(ctl, params, sharding)
+  say(f"  final loss {float(loss):.3f}; test accuracy {hits / total:.1%} on {total} "
+      "held-out digits")
+  say(f"  {steps / train_s:.0f} steps/s; trainer waited for data {stats['wait_s_mean'] * 1e3:.2f}"
+      f" ms per step on average (p50 {stats['wait_s_p50'] * 1e3:.2f} ms); data position "
+      f"epoch {state['epoch']}, example {state['position']}")
+  t = time.perf_counter()
+  ckpt.wait(progress=lambda line: say("  " + line))
+  say(f"Checkpoints: {len(blocked)} saves, the trainer blocked "
+      f"{np.median(blocked) * 1e3:.1f} ms per save (median); the sidecars wrote them in "
+      f"Orbax's layout to {ckpt_dir} (steps {ckpt.all_steps()}, the last durable "
+      f"{(time.perf_counter() - t) * 1e3:.0f} ms after training ended).")
+  target = {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)}
+  t = time.perf_counter()
+  restored = ckpt.restore(target=target, progress=lambda line: say("  " + line))["params"]
+  restore_ms = (time.perf_counter() - t) * 1e3
+  again, _ = evaluate(ctl, restored, sharding)
+  same = all(np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored)))
+  say(f"  restored step {ckpt.latest_step()} from the sidecars' RAM tier in "
+      f"{restore_ms:.0f} ms: {'bit-exact' if same else 'DIFFERENT'}, test accuracy "
+      f"{again / total:.1%}; its data position: {ckpt.data_state()}")
+  ckpt.close()
+  ctl.peers.all_gather("demo/done", "")  # nobody reads the directory any more
+  if ctl.process_index == 0:
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+  """One trainer process of ``sidecar demo --processes N`` (started by ``sidecar launch``)."""
+  distributed.initialize()
+  steps, global_batch_size, checkpoint_every = (int(a) for a in argv)
+  with Controller.from_env(timeout=60) as ctl:
+    say = print if ctl.process_index == 0 else (lambda *_: None)
+    train(ctl, steps=steps, global_batch_size=global_batch_size,
+          checkpoint_every=checkpoint_every, say=say)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -48,6 +48,8 @@ class LocalCluster:
 
   Host ``h`` owns JAX CPU devices ``[h * devices_per_host, (h + 1) * devices_per_host)``
   of this process. ``host_env`` adds environment variables to one host's sidecar.
+  With ``assign_device_ids=False`` the sidecars get no device ids at start: each learns its
+  devices from the trainer process that attaches to it (as under ``sidecar launch``).
   Everything started is stopped on exit, also when the body raises.
   """
 
@@ -55,7 +57,8 @@ class LocalCluster:
                shm_size: int | str = "128MiB", imports: Sequence[str] = (),
                token: str | None = None, start_timeout: float = 60.0,
                configure_jax: bool = True, extra_args: Sequence[str] = (),
-               host_env: Mapping[int, Mapping[str, str]] | None = None):
+               host_env: Mapping[int, Mapping[str, str]] | None = None,
+               assign_device_ids: bool = True):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -72,6 +75,7 @@ class LocalCluster:
     self._configure_jax = configure_jax
     self._extra_args = tuple(extra_args)
     self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
+    self._assign_device_ids = assign_device_ids
     self._procs: list[subprocess.Popen] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
@@ -95,9 +99,10 @@ class LocalCluster:
 
   def _spawn(self, h: int) -> subprocess.Popen:
     d = self.devices_per_host
+    ids = (["--device-ids", ",".join(str(i) for i in range(h * d, (h + 1) * d))]
+           if self._assign_device_ids else [])
     args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(h), "--slice-id", "0",
-            "--device-ids", ",".join(str(i) for i in range(h * d, (h + 1) * d)),
-            "--listen", "127.0.0.1", "--port", "0", "--health-port", "0",
+            *ids, "--listen", "127.0.0.1", "--port", "0", "--health-port", "0",
             "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
             *self._extra_args]
@@ -107,6 +112,8 @@ class LocalCluster:
     if self.token:
       env["SIDECAR_TOKEN"] = self.token
     env.pop("SIDECAR_TOKEN_FILE", None)
+    if not self._assign_device_ids:
+      env.pop("SIDECAR_DEVICE_IDS", None)  # `sidecar serve` would read it as --device-ids
     log = open(self._path(h, "log"), "wb")
     with log:  # The child keeps its own copy of the descriptor.
       return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -144,6 +151,10 @@ class LocalCluster:
         return f.read()
     except (OSError, errors.ClosedError):
       return ""
+
+  def poll(self, host_id: int) -> int | None:
+    """Host ``host_id``'s sidecar's exit code (negative: killed by that signal), None if alive."""
+    return self._procs[host_id].poll()
 
   def kill(self, host_id: int) -> None:
     """SIGKILLs host ``host_id``'s sidecar (fault injection) and reaps it."""

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import codec, errors, ipc, protocol, shm, transfer
+from sidecar._src import codec, distributed, errors, ipc, protocol, shm, transfer
 from sidecar._src.protocol import pb
 
 ENV_ADDRESS = "SIDECAR_ADDRESS"
@@ -81,8 +81,12 @@ class Worker:
           f"cannot attach to the sidecar at {self.path}: {e.strerror or e}; is `sidecar serve "
           f"--socket {self.path}` running on this host?") from None
     try:
-      ipc.send(self._sock, {"op": "attach", "pid": os.getpid(),
-                            "versions": protocol.versions_dict(protocol.local_versions())})
+      hello = {"op": "attach", "pid": os.getpid(),
+               "versions": protocol.versions_dict(protocol.local_versions())}
+      process = distributed.local_identity()  # under jax.distributed: who drives this host
+      if process is not None:
+        hello["process"] = process
+      ipc.send(self._sock, hello)
       reply, fds = ipc.recv(self._sock, max_fds=1)
     except (OSError, ConnectionError) as e:
       self._sock.close()

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HostIdentity(_message.Message):
-    __slots__ = ("host_id", "slice_id", "device_ids", "hostname", "pid", "boot_id")
+    __slots__ = ("host_id", "slice_id", "device_ids", "hostname", "pid", "boot_id", "process_index")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_INDEX_FIELD_NUMBER: _ClassVar[int]
     host_id: int
     slice_id: int
     device_ids: _containers.RepeatedScalarFieldContainer[int]
     hostname: str
     pid: int
     boot_id: str
-    def __init__(self, host_id: _Optional[int] = ..., slice_id: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    process_index: int
+    def __init__(self, host_id: _Optional[int] = ..., slice_id: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., process_index: _Optional[int] = ...) -> None: ...
 
 class Versions(_message.Message):
     __slots__ = ("protocol", "package", "python", "numpy", "jax")

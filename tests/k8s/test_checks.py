@@ -39,6 +39,16 @@ def _trainer_mounts_another_volume(j):
   util.container(j, "trainer")["volumeMounts"][0]["name"] = "other"
 
 
+def _coordinator_on_the_sidecar_port(j):
+  _set_env(j, "trainer", "SIDECAR_COORDINATOR_PORT", "8490")
+  util.container(j, "trainer")["ports"][0]["containerPort"] = 8490
+
+
+def _list_hosts_without_dns(j):
+  j["spec"]["network"]["enableDNSHostnames"] = False
+  util.container(j, "trainer")["env"].append({"name": "SIDECAR_HOSTS", "value": "a,b,c,d"})
+
+
 # (id, mutation, pattern that a finding must match)
 PLANTED = [
     ("jobset-unknown-field",
@@ -139,7 +149,50 @@ PLANTED = [
      r"parallelism: is 2 but completions is 4; every host of a slice runs at once"),
     ("discovery-env-missing",
      lambda j: _drop_env(j, "trainer", "SIDECAR_JOBSET_NAME"),
-     r"SIDECAR_JOBSET_NAME is not set; discovery needs it"),
+     r"SIDECAR_JOBSET_NAME is not set; discovery and sidecar\.distributed\.initialize\(\) need "
+     r"it"),
+    # sidecar.distributed.initialize(): process ids and the coordinator.
+    ("trainer-without-slice-id",
+     lambda j: _drop_env(j, "trainer", "SIDECAR_SLICE_ID"),
+     r"containers\[0\]\.env: SIDECAR_SLICE_ID is not set; sidecar\.distributed\.initialize\(\) "
+     r"needs it"),
+    ("slice-id-literal",
+     lambda j: _set_env(j, "trainer", "SIDECAR_SLICE_ID", "0"),
+     r"env\[SIDECAR_SLICE_ID\]: is '0'; sidecar\.distributed\.initialize\(\) derives the process "
+     r"id from it, so take it from the downward API: fieldPath "
+     r"metadata\.annotations\['jobset\.sigs\.k8s\.io/job-index'\]"),
+    ("host-id-from-the-job-index",
+     lambda j: util.env(j, "trainer")["SIDECAR_HOST_ID"]["valueFrom"]["fieldRef"].update(
+         fieldPath="metadata.annotations['jobset.sigs.k8s.io/job-index']"),
+     r"env\[SIDECAR_HOST_ID\]: is from \"metadata\.annotations\['jobset\.sigs\.k8s\.io/job-index'\]\""
+     r"; .* fieldPath metadata\.annotations\['batch\.kubernetes\.io/job-completion-index'\]"),
+    ("process-id-literal",
+     lambda j: util.container(j, "trainer")["env"].append(
+         {"name": "SIDECAR_PROCESS_ID", "value": "0"}),
+     r"env\[SIDECAR_PROCESS_ID\]: is '0' in every pod; drop it"),
+    ("num-processes-wrong",
+     lambda j: util.container(j, "trainer")["env"].append(
+         {"name": "SIDECAR_NUM_PROCESSES", "value": "8"}),
+     r"env\[SIDECAR_NUM_PROCESSES\]: is '8' but the JobSet runs 4 pods \(replicas 1 x "
+     r"completions 4\); set it to 4 or drop it"),
+    ("coordinator-port-not-declared",
+     lambda j: util.container(j, "trainer").pop("ports"),
+     r"containers\[0\]\.ports: do not declare the coordinator port 8476 "
+     r"\(SIDECAR_COORDINATOR_PORT\).*add \{name: coordinator, containerPort: 8476\}"),
+    ("coordinator-port-env-not-declared",
+     lambda j: _set_env(j, "trainer", "SIDECAR_COORDINATOR_PORT", "9000"),
+     r"ports: do not declare the coordinator port 9000"),
+    ("coordinator-port-is-the-sidecars",
+     _coordinator_on_the_sidecar_port,
+     r"env\[SIDECAR_COORDINATOR_PORT\]: is 8490, which the sidecar in the same pod serves on"),
+    ("hosts-listed-dns-off-coordinator-derived",
+     _list_hosts_without_dns,
+     r"spec\.network\.enableDNSHostnames: is false; sidecar\.distributed\.initialize\(\) reaches "
+     r"the coordinator at the JobSet hostname of slice 0 host 0"),
+    ("hosts-listed-hosts-per-slice-stale",
+     lambda j: (_list_hosts_without_dns(j),
+                _rjob(j)["template"]["spec"].update(completions=8, parallelism=8)),
+     r"env\[SIDECAR_HOSTS_PER_SLICE\]: is '4' but the JobSet or sidecar says '8'"),
 ]
 
 
@@ -177,10 +230,27 @@ def test_sidecar_settings_from_flags_override_env(cpu_jobset):
   assert any("probes port 8491 but the sidecar serves health on 9000" in f for f in findings)
 
 
-def test_trainer_that_lists_hosts_skips_jobset_discovery_checks(cpu_jobset):
-  cpu_jobset["spec"]["network"]["enableDNSHostnames"] = False
+def test_trainer_that_lists_hosts_and_coordinator_needs_no_dns_hostnames(cpu_jobset):
+  _list_hosts_without_dns(cpu_jobset)
   util.container(cpu_jobset, "trainer")["env"].append(
-      {"name": "SIDECAR_HOSTS", "value": "a,b,c,d"})
+      {"name": "SIDECAR_COORDINATOR_ADDRESS", "value": "a:8476"})
+  assert checks.check_documents([cpu_jobset], kubernetes_versions=()) == []
+
+
+def test_trainer_with_the_whole_contract_explicit_needs_no_jobset_env(cpu_jobset):
+  trainer = util.container(cpu_jobset, "trainer")
+  for name in ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
+               "SIDECAR_HOSTS_PER_SLICE", "SIDECAR_SLICE_ID", "SIDECAR_HOST_ID",
+               "SIDECAR_COORDINATOR_PORT"):
+    _drop_env(cpu_jobset, "trainer", name)
+  trainer.pop("ports")
+  trainer["env"] += [
+      {"name": "SIDECAR_HOSTS", "value": "a,b,c,d"},
+      {"name": "SIDECAR_COORDINATOR_ADDRESS", "value": "a:8476"},
+      {"name": "SIDECAR_NUM_PROCESSES", "value": "4"},
+      {"name": "SIDECAR_PROCESS_ID", "valueFrom": {"fieldRef": {
+          "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+  ]
   assert checks.check_documents([cpu_jobset], kubernetes_versions=()) == []
 
 

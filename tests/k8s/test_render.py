@@ -42,7 +42,7 @@ def test_render_equals_the_gke_overlay(rendered_overlays):
     dict(slices=4, hosts_per_slice=16, image="sidecar:1", tpu=render.parse_tpu("v6e:8x8"),
          shm_size="64GiB", imports=("a.fns", "b.fns"), namespace="ml", name="big-run"),
     dict(slices=2, hosts_per_slice=8, image="sidecar:1", tpu=render.parse_tpu("v5p:2x4x4"),
-         port=9000, health_port=9001, grace_seconds=900),
+         port=9000, health_port=9001, coordinator_port=9002, grace_seconds=900),
 ], ids=["minimal", "cpu", "v6e-namespace", "v5p-ports"])
 def test_rendered_jobsets_pass_every_check(options):
   doc = render.render_jobset(render.RenderOptions(**options))
@@ -87,7 +87,11 @@ def test_bad_tpu_names_the_fix(text, match):
     (dict(slices=1, hosts_per_slice=1, shm_size="lots"), r"shm_size: cannot parse size 'lots'"),
     (dict(slices=1, hosts_per_slice=1, port=9000, health_port=9000),
      r"port and health_port must differ, both are 9000"),
-], ids=["zero-slices", "hosts-vs-tpu", "bad-name", "bad-shm", "same-ports"])
+    (dict(slices=1, hosts_per_slice=1, coordinator_port=8491),
+     r"coordinator_port 8491 is also a sidecar port \(port 8490, health_port 8491\); pick "
+     r"another"),
+], ids=["zero-slices", "hosts-vs-tpu", "bad-name", "bad-shm", "same-ports",
+        "coordinator-on-sidecar-port"])
 def test_bad_options_name_the_value(options, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     render.RenderOptions(image="sidecar:1", **options)
@@ -104,6 +108,19 @@ def test_cli_render_prints_a_jobset_that_passes_every_check(capsys):
   assert util.env(doc, "sidecar")["SIDECAR_IMPORTS"]["value"] == "my_pkg.fns"
   assert util.container(doc, "trainer")["command"] == [
       "python", "-m", "my_pkg.train", "--steps", "10"]
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+
+
+def test_cli_render_sets_the_coordinator_port_and_hosts_from_its_arguments(capsys):
+  status, out, _ = run_cli(["k8s", "render", "--slices", "3", "--hosts-per-slice", "2",
+                            "--image", "sidecar:1", "--coordinator-port", "9100"], capsys)
+  assert status == 0
+  (doc,) = checks.load_documents(out)
+  assert util.container(doc, "trainer")["ports"] == [
+      {"name": "coordinator", "containerPort": 9100}]
+  env = util.env(doc, "trainer")
+  assert env["SIDECAR_COORDINATOR_PORT"]["value"] == "9100"
+  assert env["SIDECAR_HOSTS_PER_SLICE"]["value"] == "2"
   assert checks.check_documents([doc], crd_path=util.CRD) == []
 
 

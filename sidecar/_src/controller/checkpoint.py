@@ -23,10 +23,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import errors, orbax_layout as ol, shm, transfer
+from sidecar._src import distributed, errors, orbax_layout as ol, shm, transfer
 
 log = logging.getLogger(__name__)
-
 KeyPath = tuple[str | int, ...]
 # A save is staged in parts of about this many bytes per host, as the copy goes: a
 # sidecar starts writing and checksumming one part while the trainer copies the next.
@@ -35,6 +34,8 @@ KeyPath = tuple[str | int, ...]
 # saves each, alternating: 128 MiB parts blocked 1.6x a memcpy, durable 0.66-0.70 s;
 # 256 MiB 1.5x, 0.73-0.75 s; 512 MiB 1.1-1.2x, 0.70-0.73 s).
 STAGE_PART_BYTES = 512 << 20
+# The longest wait for a host's writes (prepared) and for the commit that follows.
+_LONG_S = 3600.0
 
 
 def key_path(path: Sequence[Any]) -> KeyPath:
@@ -88,13 +89,21 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
 
 
 class Checkpointer:
-  """Made by ``Controller.checkpointer``; see there."""
+  """Made by ``Controller.checkpointer``; see there.
+
+  Under N trainer processes (one per host) every process makes the same calls. Each
+  stages the shards it holds (``replica_id == 0``) into its own sidecar; process 0
+  begins each step, gathers every process's prepared and commits once, sweeps and
+  deletes old steps; the others learn the outcome through ``peers``.
+  """
 
   def __init__(self, *, directory: str, call: Callable[..., Any],
                call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
                hosts: list[int], device_hosts: dict[int, int], status: Callable[[], list],
                max_to_keep: int | None, keep_period: int | None, ram_steps: int,
-               ram_budget: int | None, if_busy: str, sweep: bool = True):
+               ram_budget: int | None, if_busy: str, sweep: bool = True,
+               local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
+               key: str = "ckpt"):
     if if_busy not in ("wait", "skip"):
       raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
@@ -103,11 +112,17 @@ class Checkpointer:
     self.directory = str(directory)
     self._call, self._call_async, self._put = call, call_async, put
     self._hosts, self._device_hosts = hosts, device_hosts
+    self._local = list(hosts if local_hosts is None else local_hosts)  # hosts we stage into
+    self._peers = peers if peers is not None else distributed.LocalPeers()
+    self._key, self._saves, self._restores = key, 0, 0
+    self._lead = self._peers.index == 0  # begins, commits, sweeps and deletes, once
     self._status = status
     self._max_to_keep, self._keep_period, self._if_busy = max_to_keep, keep_period, if_busy
-    opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget, sweep,
-                        hosts=self._hosts)
-    self._steps = list(opened[0]["steps"])
+    opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget,
+                        sweep and self._lead, hosts=self._local)
+    # Nobody begins a step before process 0's sweep is over; all list what it lists.
+    steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]["steps"]))
+    self._steps = list(json.loads(steps))
     self._lock = threading.Lock()
     self._in_flight: SaveHandle | None = None
     self._finisher: threading.Thread | None = None  # the latest save's, until it ends
@@ -124,10 +139,13 @@ class Checkpointer:
     hold None and saves nothing.
     """
     self._check_open()
-    if not isinstance(step, int) or step < 0:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
       raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
     previous = self._in_flight
-    if previous is not None and not previous.durable.done():
+    busy = previous is not None and not previous.durable.done()
+    if self._peers.count > 1:  # every process must take the same decision on the same step
+      busy = self._agree_on_save(step, busy)
+    if busy:
       if self._if_busy == "skip":
         return _done_handle(step, None)
       concurrent.futures.wait([previous.durable])
@@ -136,6 +154,19 @@ class Checkpointer:
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
     self._in_flight = handle
     return handle
+
+  def _agree_on_save(self, step: int, busy: bool) -> bool:
+    """Checks every process saves ``step``; returns whether any has a save in flight."""
+    n = self._saves + 1
+    gathered = [json.loads(v) for v in self._peers.all_gather(
+        f"{self._key}/save/{n}/step", json.dumps({"step": step, "busy": busy}))]
+    if len({g["step"] for g in gathered}) > 1:
+      raise errors.InvalidArgumentError(
+          f"the {self._peers.count} processes disagree on the step of save {n} in "
+          f"{self.directory}: " + "; ".join(f"process {p}: step {g['step']}"
+                                           for p, g in enumerate(gathered))
+          + ". Every process must call save with the same step, in the same order")
+    return any(g["busy"] for g in gathered)
 
   def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
               ) -> SaveHandle:
@@ -148,20 +179,24 @@ class Checkpointer:
         raise errors.InvalidArgumentError(f"data_state must be JSON-serialisable: {e}") from None
     else:
       data_json = ""
-    specs, plan = self._plan(tree)
-    self._check_fits(plan)
+    self._saves += 1
+    key = f"{self._key}/save/{self._saves}"
     handle = SaveHandle(step, concurrent.futures.Future(), concurrent.futures.Future())
-    leaves = [ol.spec_to_dict(s) for s in specs]
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
-    finisher = threading.Thread(target=self._finish,
-                                args=(handle, target, parts, leaves, data_json),
-                                daemon=True, name=f"sidecar-save-{step}")
-    finisher.start()
-    self._finisher = finisher
-    pending = {h: [] for h in self._hosts}
-    pending_bytes = dict.fromkeys(self._hosts, 0)
+    try:
+      specs, plan = self._plan(tree)
+      self._check_fits(plan)
+    except BaseException as e:
+      if self._peers.count > 1:  # the other processes wait for this one's part: tell them
+        parts.put(e)
+        self._start_finisher(handle, target, parts, [], data_json, key).join()
+      raise
+    leaves = [ol.spec_to_dict(s) for s in specs]
+    finisher = self._start_finisher(handle, target, parts, leaves, data_json, key)
+    pending: dict[int, list] = {h: [] for h in self._local}
+    pending_bytes = dict.fromkeys(self._local, 0)
     try:
       for host, leaf, index, data in plan:  # the one copy the trainer waits for
         pending[host].append({"leaf": leaf, "index": [list(i) for i in index],
@@ -175,12 +210,16 @@ class Checkpointer:
       parts.put(e)  # the save is aborted
       finisher.join()  # and its files are gone before the caller can retry the step
       raise
-    for host in self._hosts:
+    for host in self._local:
       parts.put((host, pending.pop(host), True))
     return handle
 
   def _plan(self, tree: Any) -> tuple[list[ol.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
-    """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once."""
+    """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
+
+    Of replicated shards only replica 0 is copied, by the process that holds it; leaves
+    that are not ``jax.Array``s, by process 0 into its first host.
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     if not flat:
       raise errors.InvalidArgumentError("tree has no leaves to save")
@@ -189,21 +228,19 @@ class Checkpointer:
       spec = ol.LeafSpec.from_value(key_path(path), value)
       specs.append(spec)
       if isinstance(value, jax.Array):
-        seen = set()
         for shard in value.addressable_shards:
+          if shard.replica_id != 0:
+            continue  # a replica: saved once, by whoever holds replica 0
           index = _index(shard.index, value.shape)
-          if index in seen:
-            continue  # a replica: saved once
-          seen.add(index)
           host = self._device_hosts.get(shard.device.id)
           if host is None:
             raise errors.InvalidArgumentError(
                 f"leaf {spec.param_name!r} has a shard on device {shard.device.id}, which no "
                 "sidecar host declares (sidecar serve --device-ids)")
           plan.append((host, i, index, np.asarray(shard.data)))
-      else:
+      elif self._lead:
         data = np.asarray(value)
-        plan.append((self._hosts[0], i, tuple((0, n) for n in data.shape), data))
+        plan.append((self._local[0], i, tuple((0, n) for n in data.shape), data))
     return specs, plan
 
   def _check_fits(self, plan) -> None:
@@ -220,35 +257,28 @@ class Checkpointer:
           f"the state does not fit the arenas ({detail}); nothing was copied. Raise the "
           "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
 
+  def _start_finisher(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue,
+                      leaves: list, data_json: str, key: str) -> threading.Thread:
+    finisher = threading.Thread(target=self._finish,
+                                args=(handle, target, parts, leaves, data_json, key),
+                                daemon=True, name=f"sidecar-save-{handle.step}")
+    finisher.start()
+    self._finisher = finisher
+    return finisher
+
   def _finish(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves,
-              data_json: str) -> None:
-    step = handle.step
+              data_json: str, key: str) -> None:
+    """Stages this process's parts, then commits with the others (or aborts)."""
+    step, error, sums = handle.step, None, []
     try:
-      if target.whole_step:
-        self._call("sidecar.ckpt.begin", self.directory, step, hosts=[self._hosts[0]])
-      last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
-      closed = 0
-      while closed < len(self._hosts):
-        part = parts.get()  # (host, shards, last); no other local holds the shards, as
-        if isinstance(part, BaseException):  # the raise would keep them in its frame
-          raise part
-        host, final = part[0], part[2]
-        if host in last:
-          last[host].result()  # a host's parts arrive in order
-        specs = [] if host in last else leaves  # the first part carries the leaves
-        last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
-                                      target.final_item, specs, part[1], final, hosts=[host])[0]
-        closed += final
-      for f in last.values():
-        f.result()
-      handle.staged.set_result(step)
-      prepared = [f.result() for f in self._call_async(
-          "sidecar.ckpt.prepared", target.final_item, hosts=self._hosts, timeout=3600)]
-      checksums = [c for host_sums in prepared for c in host_sums]
-      self._call("sidecar.ckpt.commit", target.item, step, len(self._hosts), leaves,
-                 checksums, data_json, target.whole_step, hosts=[self._hosts[0]], timeout=3600)
-    except BaseException as e:
-      self._abort(target)  # before the futures fail: a retry must not race the cleanup
+      self._begin(target, key)
+      sums = self._stage(handle, target, parts, leaves)
+    except BaseException as e:  # noqa: BLE001 - every process must reach the commit's agreement
+      error = e.with_traceback(None)  # its frames would hold the staged blocks
+    del parts  # no frame of this thread holds staged blocks past here
+    try:
+      self._commit(target, key, leaves, sums, data_json, error)
+    except BaseException as e:  # noqa: BLE001 - the save failed: its futures say why
       if not handle.staged.done():
         handle.staged.set_exception(e)
       handle.durable.set_exception(e)
@@ -258,6 +288,81 @@ class Checkpointer:
     handle.durable.set_result(step)
     if target.whole_step:  # Deleting older steps is no part of this save's time.
       self._collect_garbage()
+
+  def _begin(self, target: Target, key: str) -> None:
+    """Process 0 creates the step's tmp directory; the others wait until it has."""
+    if not self._lead:
+      failed = self._peers.read(f"{key}/begun", 0, timeout=distributed.sync_timeout())
+      if failed:
+        raise errors.InvalidArgumentError(
+            f"process 0 could not begin step {target.step}: {failed}")
+      return
+    try:
+      if target.whole_step:
+        self._call("sidecar.ckpt.begin", self.directory, target.step, hosts=[self._local[0]])
+    except BaseException as e:
+      self._peers.publish(f"{key}/begun", _describe(e))
+      raise
+    self._peers.publish(f"{key}/begun", "")
+
+  def _stage(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves
+             ) -> list[dict]:
+    """Hands this process's parts to its sidecars as they come; returns their checksums."""
+    step = handle.step
+    last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
+    closed = 0
+    while closed < len(self._local):
+      part = parts.get()  # (host, shards, last); no other local holds the shards, as
+      if isinstance(part, BaseException):  # the raise would keep them in its frame
+        raise part
+      host, final = part[0], part[2]
+      if host in last:
+        last[host].result()  # a host's parts arrive in order
+      specs = [] if host in last else leaves  # the first part carries the leaves
+      last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
+                                    target.final_item, specs, part[1], final, hosts=[host])[0]
+      closed += final
+    for f in last.values():
+      f.result()
+    handle.staged.set_result(step)
+    prepared = [f.result() for f in self._call_async(
+        "sidecar.ckpt.prepared", target.final_item, hosts=self._local, timeout=_LONG_S)]
+    return [c for host_sums in prepared for c in host_sums]
+
+  def _commit(self, target: Target, key: str, leaves, sums: list[dict], data_json: str,
+              error: BaseException | None) -> None:
+    """Process 0 gathers every process's prepared, then commits once or aborts.
+
+    Every process gets here once per save, failed or not, so nobody waits for one
+    that gave up. The save fails in every process if it failed in any.
+    """
+    mine = json.dumps({"error": _describe(error)} if error is not None else {"ok": sums})
+    if not self._lead:
+      self._peers.publish(f"{key}/prepared", mine)
+      failed = self._peers.read(f"{key}/outcome", 0, timeout=_LONG_S)
+      if error is not None:
+        raise error
+      if failed:
+        raise errors.InvalidArgumentError(f"the save of step {target.step} failed: {failed}")
+      return
+    try:
+      gathered = [json.loads(v) for v in self._peers.all_gather(
+          f"{key}/prepared", mine, timeout=_LONG_S)]
+      failures = [f"process {p}: {g['error']}" for p, g in enumerate(gathered) if "error" in g]
+      if error is not None:
+        raise error
+      if failures:
+        raise errors.InvalidArgumentError(
+            f"the save of step {target.step} failed in {'; '.join(failures)}")
+      checksums = [c for g in gathered for c in g["ok"]]
+      self._call("sidecar.ckpt.commit", target.item, target.step, len(self._hosts), leaves,
+                 checksums, data_json, target.whole_step, hosts=[self._local[0]],
+                 timeout=_LONG_S)
+    except BaseException as e:
+      self._abort(target)  # before anyone fails: a retry must not race the cleanup
+      self._peers.publish(f"{key}/outcome", _describe(e))
+      raise
+    self._peers.publish(f"{key}/outcome", "")
 
   def _abort(self, target: Target) -> None:
     """Drops a failed save from every sidecar, then its uncommitted files."""
@@ -273,7 +378,7 @@ class Checkpointer:
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
     try:
-      self._call("sidecar.ckpt.committed", target.final_item, hosts=self._hosts)
+      self._call("sidecar.ckpt.committed", target.final_item, hosts=self._local)
     except Exception:
       pass  # durable all the same; the RAM tier of a lost host is gone anyway
     if target.whole_step:
@@ -304,8 +409,10 @@ class Checkpointer:
         continue
       with self._lock:  # unlisted first: a restore must not pick a step being deleted
         self._steps = [t for t in self._steps if t != s]
+      if not self._lead:
+        continue  # process 0 deletes it
       try:
-        self._call("sidecar.ckpt.delete", self.directory, s, hosts=[self._hosts[0]])
+        self._call("sidecar.ckpt.delete", self.directory, s, hosts=[self._local[0]])
       except errors.SidecarError as e:  # the step is durable all the same; retried next save
         log.warning("could not delete step %d of %s: %s", s, self.directory, e)
         with self._lock:
@@ -326,6 +433,10 @@ class Checkpointer:
     """
     self._check_open()
     step = self._pick(step)
+    if self._peers.count > 1:  # process 0 decides which step; every process restores it
+      self._restores += 1
+      step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
+                                       str(step) if self._lead else None))
     return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
                              progress=progress)
 
@@ -333,7 +444,7 @@ class Checkpointer:
                    progress: Callable[[str], None] | None = None) -> Any:
     """Restores the committed item at ``final_item`` onto ``target``'s shardings."""
     t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
-    manifest = self._call("sidecar.ckpt.info", final_item, hosts=[self._hosts[0]])[0]
+    manifest = self._call("sidecar.ckpt.info", final_item, hosts=[self._local[0]])[0]
     saved = {tuple(d["key_path"]): d for d in manifest["leaves"]}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     for c in manifest["shards"]:
@@ -360,7 +471,7 @@ class Checkpointer:
     """The data position saved with ``step`` (default: the latest), or None."""
     step = self._pick(step)
     return self._call("sidecar.ckpt.info", Target.for_step(self.directory, step).final_item,
-                      hosts=[self._hosts[0]])[0]["data_state"]
+                      hosts=[self._local[0]])[0]["data_state"]
 
   def _pick(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -388,7 +499,7 @@ class Checkpointer:
 
   def _ram_index(self, final_item: str) -> dict[tuple[KeyPath, tuple], int]:
     where = {}
-    for h in self._hosts:
+    for h in self._local:  # the RAM tiers this process maps; others' shards come from storage
       try:
         held = self._call("sidecar.ckpt.ram", self.directory, hosts=[h], timeout=5)[0]
       except errors.SidecarError:
@@ -401,7 +512,7 @@ class Checkpointer:
              ) -> np.ndarray:
     """One stored shard, tier by tier: the RAM copy we know of, storage, any RAM copy."""
     tries = [(ram[(kp, index)], "ram")] if (kp, index) in ram else []
-    tries += [(fallback_host, "disk")] + [(h, "ram") for h in self._hosts]
+    tries += [(fallback_host, "disk")] + [(h, "ram") for h in self._local]
     error = None
     for host, tier in dict.fromkeys(tries):  # in order, each once
       try:
@@ -417,8 +528,8 @@ class Checkpointer:
     """``(device or None, region, host)`` of each block of a target leaf to fill."""
     sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
     if sharding is None:  # numpy or scalar leaf
-      return [(None, tuple((0, n) for n in shape), self._hosts[0])]
-    return [(d, _index(index, shape), self._device_hosts.get(d.id, self._hosts[0]))
+      return [(None, tuple((0, n) for n in shape), self._local[0])]
+    return [(d, _index(index, shape), self._device_hosts.get(d.id, self._local[0]))
             for d, index in sharding.addressable_devices_indices_map(shape).items()]
 
   def _read_all(self, item: str, flat, stored, ram) -> dict:
@@ -541,6 +652,10 @@ class Checkpointer:
 
 def _overlaps(index, region) -> bool:
   return all(max(a, r0) < min(b, r1) for (a, b), (r0, r1) in zip(index, region)) or not region
+
+
+def _describe(e: BaseException | None) -> str:
+  return f"{type(e).__name__}: {e}"[:2000] if e is not None else ""
 
 
 def _done_handle(step: int, value: Any) -> SaveHandle:

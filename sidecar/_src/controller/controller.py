@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
+import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,7 +15,7 @@ import grpc
 import jax
 import numpy as np
 
-from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
+from sidecar._src import codec, distributed, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
@@ -56,11 +59,20 @@ class Controller:
     workers: ``{host_id: Worker}`` for hosts whose arena this process maps. By default
       (``attach=True``) the controller attaches to every sidecar on this machine itself,
       so large arrays move through shared memory instead of the network.
+    peers: the trainer processes of this job (default: those of ``jax.distributed``).
+
+  With one process that owns every device, this controller drives every host. Under
+  ``jax.distributed`` with N processes (one per host, see ``sidecar.distributed``), each
+  process's controller sees every sidecar but drives only its own host's data path:
+  the sidecar at ``$SIDECAR_ADDRESS`` (or the one Worker in ``workers``). Every process
+  then makes the same calls in the same order; ``call`` runs on the caller's own host
+  unless ``hosts`` says otherwise.
   """
 
   def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                timeout: float = 60.0, connect_timeout: float = 30.0,
-               workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True):
+               workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True,
+               peers: distributed.Peers | None = None):
     if isinstance(addresses, str) or not addresses:
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
@@ -72,11 +84,20 @@ class Controller:
     self._conns: dict[int, Connection] = {}
     self._workers: dict[int, worker_lib.Worker] = {}
     self._own_workers: list[worker_lib.Worker] = []
+    self._peers = peers if peers is not None else distributed.peers()
+    self._device_hosts: dict[int, int] = {}
+    self._local_hosts: list[int] = []
+    self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max(4, len(addresses)), thread_name_prefix="sidecar-controller")
     try:
       self._connect(list(addresses), token, connect_timeout)
-      self._attach(workers or {}, attach)
+      if self.multiprocess:
+        self._attach_own(workers or {})
+      else:
+        self._attach(workers or {}, attach)
+        self._local_hosts = sorted(self._conns)
+        self._device_hosts = {d: h.host_id for h in self.hosts for d in h.device_ids}
     except BaseException:
       self.close()
       raise
@@ -140,7 +161,69 @@ class Controller:
         self._own_workers.append(w)
         self._workers[host_id] = w
 
+  def _attach_own(self, workers: Mapping[int, worker_lib.Worker]) -> None:
+    """N processes: attaches to this process's own sidecar; learns every process's host."""
+    if len(workers) > 1:
+      raise errors.InvalidArgumentError(
+          f"in a job of {self._peers.count} processes each process drives one host; "
+          f"workers names hosts {sorted(workers)}: pass at most one")
+    if workers:
+      (host_id, w), = workers.items()
+    else:
+      if not os.environ.get(worker_lib.ENV_ADDRESS):
+        raise errors.InvalidArgumentError(
+            f"process {self._peers.index} of {self._peers.count} does not know its own "
+            f"sidecar: set {worker_lib.ENV_ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
+            "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
+      try:
+        w = worker_lib.Worker()
+      except errors.HostLostError as e:
+        raise errors.DiscoveryError(
+            f"process {self._peers.index}: its own sidecar at "
+            f"{os.environ[worker_lib.ENV_ADDRESS]} is unreachable: {e}") from None
+      self._own_workers.append(w)
+      host_id = w.host_id
+    if host_id not in self._conns:
+      raise errors.DiscoveryError(
+          f"process {self._peers.index}'s own sidecar is host {host_id} ({w.path}), which is "
+          f"not among the sidecars this controller reached (hosts {sorted(self._conns)}); "
+          "list it in SIDECAR_HOSTS")
+    self._workers[host_id] = w
+    self._local_hosts = [host_id]
+    mine = {"host_id": host_id, "device_ids": [d.id for d in jax.local_devices()]}
+    everyone = self._peers.all_gather("controller/hosts", json.dumps(mine))
+    self._device_hosts = distributed.hosts_by_process([json.loads(v) for v in everyone])
+    for h, c in self._conns.items():  # what each host's trainer said, not what its sidecar
+      c.info = dataclasses.replace(c.info, device_ids=tuple(  # knew at the handshake
+          sorted(d for d, owner in self._device_hosts.items() if owner == h)))
+
   # ---- introspection -----------------------------------------------------
+
+  @property
+  def multiprocess(self) -> bool:
+    """Whether this is one of several trainer processes, each driving its own host."""
+    return self._peers.count > 1
+
+  @property
+  def peers(self) -> distributed.Peers:
+    """This job's trainer processes, for agreements of your own (``all_gather``,
+    ``broadcast``, ``agree``); with one process, trivially itself."""
+    return self._peers
+
+  @property
+  def process_index(self) -> int:
+    """This trainer process's index in the job (0 with one process)."""
+    return self._peers.index
+
+  @property
+  def local_hosts(self) -> list[int]:
+    """The hosts this process drives: all of them, or its own under N processes."""
+    return list(self._local_hosts)
+
+  @property
+  def device_hosts(self) -> dict[int, int]:
+    """``{global device id: host id}`` for every device of the job."""
+    return dict(self._device_hosts)
 
   @property
   def hosts(self) -> list[HostInfo]:
@@ -157,7 +240,7 @@ class Controller:
 
   def _select(self, hosts: Sequence[int] | None) -> list[int]:
     if hosts is None:
-      return sorted(self._conns)
+      return list(self._local_hosts)
     if isinstance(hosts, int):
       hosts = [hosts]
     chosen = list(hosts)
@@ -172,8 +255,10 @@ class Controller:
 
   def call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
            timeout: float | None = None, **kwargs: Any) -> list[Any]:
-    """Runs registered function ``name`` on ``hosts`` (default all) concurrently.
+    """Runs registered function ``name`` on ``hosts`` concurrently.
 
+    ``hosts`` defaults to every host, or under N processes to this process's own host
+    (so N processes calling it run it once per host in all).
     Returns the results in the order of ``hosts`` (by default, of host id).
     Raises RemoteError if the function raised, HostLostError if a sidecar died.
     """
@@ -221,10 +306,12 @@ class Controller:
       held.clear()
     return self._decode(host_id, name, response)
 
-  def stream(self, name: str, *args: Any, host: int = 0, prefetch: int = 2,
+  def stream(self, name: str, *args: Any, host: int | None = None, prefetch: int = 2,
              timeout: float | None = None, device: jax.Device | None = None,
              **kwargs: Any) -> Stream | worker_lib.LocalStream:
     """Iterates what registered function ``name`` returns (an iterable) on ``host``.
+
+    ``host`` defaults to the first host this process drives (its own under N processes).
 
     The sidecar runs at most ``prefetch`` items ahead of this consumer. When this
     process maps that host's arena, items come over its Unix socket (the fast
@@ -238,7 +325,7 @@ class Controller:
           ...
     """
     self._check_open()
-    (host_id,) = self._select([host])
+    (host_id,) = self._select([self._local_hosts[0] if host is None else host])
     held = []
     request = self._request(host_id, name, args, kwargs, self.timeout, held)
     return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held,
@@ -301,9 +388,16 @@ class Controller:
       raise errors.NotRegisteredError(
           f"no pipeline named {name!r} is registered on hosts {missing}; registered pipelines: "
           f"{', '.join(self.hosts[0].pipelines) or '(none)'}")
-    device_hosts = {d: h.host_id for h in self.hosts for d in h.device_ids}
-    plans = feed_lib.plan(sharding, global_batch_size, device_hosts)
+    plans = feed_lib.plan(sharding, global_batch_size, self._device_hosts)
     encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
+    self._feeds += 1
+    key = f"feed/{self._feeds}"
+    self._peers.agree(f"{key}/open", {
+        "pipeline": name, "global_batch_size": global_batch_size, "seed": seed,
+        "num_epochs": num_epochs, "workers": workers, "state": state,
+        "kwargs": hashlib.sha256(encoded.SerializeToString(deterministic=True)).hexdigest()[:16],
+        "mesh": [[d.id for d in ds] for p in plans for ds in p.devices]},
+        what=f"the arguments of feed {self._feeds} ({name!r})")
 
     def open_stream(host_id: int, spec: pb.FeedSpec):
       w = self._workers.get(host_id)
@@ -313,7 +407,8 @@ class Controller:
 
     return Feed(name=name, plans=plans, sharding=sharding, global_batch_size=global_batch_size,
                 seed=seed, num_epochs=num_epochs, prefetch=prefetch, state=state,
-                workers=workers, open_stream=open_stream,
+                workers=workers, open_stream=open_stream, local_hosts=self._local_hosts,
+                peers=self._peers, key=key,
                 arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                                    for s in self.status()})
 
@@ -342,13 +437,14 @@ class Controller:
       InvalidArgumentError: ``directory`` is not writable from every sidecar.
     """
     self._check_open()
+    self._checkpointers += 1
     return Checkpointer(
         directory=str(directory), call=self.call, call_async=self.call_async,
         put=self._put, hosts=[h.host_id for h in self.hosts],
-        device_hosts={d: h.host_id for h in self.hosts for d in h.device_ids},
-        status=self.status,
+        device_hosts=self._device_hosts, status=self.status,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
-        ram_budget=ram_budget, if_busy=if_busy, sweep=sweep)
+        ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self._local_hosts,
+        peers=self._peers, key=f"ckpt/{self._checkpointers}")
 
   def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""

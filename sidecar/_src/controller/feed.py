@@ -14,12 +14,12 @@ import enum
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
-from sidecar._src import errors, transfer
+from sidecar._src import distributed, errors, transfer
 from sidecar._src.protocol import pb
 
 STATE_VERSION = 1
@@ -93,10 +93,16 @@ class Feed:
                global_batch_size: int, seed: int, num_epochs: int | None, prefetch: int,
                state: dict[str, Any] | None, workers: int,
                open_stream: Callable[[int, pb.FeedSpec], Any],
-               arena_use: Callable[[], dict[int, float]] = dict):
+               arena_use: Callable[[], dict[int, float]] = dict,
+               local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
+               key: str = "feed"):
     self.name = name
     self._arena_use = arena_use
-    self._plans = plans
+    self._all_plans = plans
+    local = {p.host_id for p in plans} if local_hosts is None else set(local_hosts)
+    self._plans = [p for p in plans if p.host_id in local]  # the hosts this process drives
+    self._peers = peers if peers is not None else distributed.LocalPeers()
+    self._key = key
     self._sharding = sharding
     self._g = global_batch_size
     self._seed = seed
@@ -106,6 +112,8 @@ class Feed:
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
+        if p.host_id not in local:
+          continue
         spec = pb.FeedSpec(
             global_batch_size=global_batch_size,
             rows=[pb.RowRange(start=a, stop=b) for a, b in p.ranges], seed=seed,
@@ -120,6 +128,7 @@ class Feed:
     self._produce: list[float] = []
     self._started = time.perf_counter()
     self._batches = 0
+    self._gathered: tuple[int, dict[str, Any]] = (-1, {})  # state() at a batch count
 
   def __iter__(self) -> Feed:
     return self
@@ -171,8 +180,22 @@ class Feed:
         {"epoch": s["epoch"], "position": s["position"]} for s in states]}
 
   def state(self) -> dict[str, Any]:
-    """Where the trainer is: JSON-serialisable; ``ctl.feed(..., state=...)`` resumes there."""
-    return dict(self._state)
+    """Where the trainer is: JSON-serialisable; ``ctl.feed(..., state=...)`` resumes there.
+
+    The same in every process of a multi-process job (all of them must call it).
+    """
+    if self._peers.count == 1 or self._state.get("kind") != "iter" or not self._batches:
+      return dict(self._state)
+    # A plain iterable's shards are positioned one by one: every process tells its own.
+    if self._gathered[0] != self._batches:
+      mine = {str(p.host_id): shard for p, shard in zip(self._plans, self._state["shards"])}
+      shards: dict[str, Any] = {}
+      for text in self._peers.all_gather(f"{self._key}/state/{self._batches}",
+                                         json.dumps(mine)):
+        shards.update(json.loads(text))
+      self._gathered = (self._batches, {
+          **self._state, "shards": [shards[str(p.host_id)] for p in self._all_plans]})
+    return dict(self._gathered[1])
 
   def stats(self) -> dict[str, Any]:
     """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,

@@ -141,11 +141,36 @@ class Server:
       raise errors.VersionMismatchError(
           f"worker pid {message.get('pid')} and sidecar host {self.options.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
+    self._adopt(message.get("process"))
     ident = self.identity
     return {"versions": protocol.versions_dict(ours),
             "identity": {"host_id": ident.host_id, "slice_id": ident.slice_id,
                          "device_ids": list(ident.device_ids), "hostname": ident.hostname,
                          "pid": ident.pid, "boot_id": ident.boot_id}}
+
+  def _adopt(self, process: object) -> None:
+    """Takes the attaching trainer's process index and devices as this host's identity.
+
+    Under ``jax.distributed`` the trainer process beside this sidecar says which devices
+    it owns; ``--device-ids`` overrides that.
+    """
+    if process is None:
+      return
+    try:
+      index = int(process["process_index"])  # type: ignore[index]
+      devices = [int(d) for d in process["device_ids"]]  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+      raise errors.InvalidArgumentError(
+          f"attach: 'process' must be {{'process_index': int, 'device_ids': [int]}}, got "
+          f"{process!r:.200}") from None
+    if index < 0 or any(d < 0 or d >= 1 << 31 for d in devices):
+      raise errors.InvalidArgumentError(f"attach: bad process identity {process!r:.200}")
+    with self._lock:
+      self.identity.process_index = index
+      if not self.options.device_ids:
+        del self.identity.device_ids[:]
+        self.identity.device_ids.extend(devices)
+    log.info("trainer process %d attached with devices %s", index, devices)
 
   def write_ready_file(self, path: str) -> None:
     """Atomically writes where this sidecar listens (LocalCluster waits for it)."""

@@ -11,7 +11,10 @@ Schemas catch malformed fields (:mod:`schemas`); this module checks what they mi
   socket, on the same volume in both containers;
 - the sidecar's memory limit covers the arena (shm size + 512Mi);
 - ``terminationGracePeriodSeconds`` leaves time to flush a checkpoint;
-- the discovery env agrees with the JobSet (hosts per slice, ports, DNS hostnames).
+- the discovery env agrees with the JobSet (hosts per slice, ports, DNS hostnames);
+- ``sidecar.distributed.initialize()`` can resolve jax.distributed from the trainer's env:
+  each pod's process id comes from its JobSet annotations, the process count is slices times
+  hosts per slice, and the trainer declares the coordinator port.
 
 Example::
 
@@ -40,6 +43,21 @@ DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
 ARENA_OVERHEAD = 512 * 2**20
 MIN_GRACE_SECONDS = 60
 _PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+DEFAULT_COORDINATOR_PORT = 8476
+_INITIALIZE = "sidecar.distributed.initialize()"
+_DISCOVERY_ENV = ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
+                  "SIDECAR_HOSTS_PER_SLICE")
+# What initialize() derives each variable from when it is unset.
+_INITIALIZE_ENV = {
+    "SIDECAR_COORDINATOR_ADDRESS": ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB"),
+    "SIDECAR_NUM_PROCESSES": ("SIDECAR_NUM_SLICES", "SIDECAR_HOSTS_PER_SLICE"),
+    "SIDECAR_PROCESS_ID": ("SIDECAR_SLICE_ID", "SIDECAR_HOST_ID", "SIDECAR_HOSTS_PER_SLICE"),
+}
+# A pod's identity, as JobSet and the Indexed Job annotate it.
+_IDENTITY_REFS = {
+    "SIDECAR_SLICE_ID": "metadata.annotations['jobset.sigs.k8s.io/job-index']",
+    "SIDECAR_HOST_ID": "metadata.annotations['batch.kubernetes.io/job-completion-index']",
+}
 
 __all__ = ["Finding", "check_documents", "check_jobset", "check_pod_spec", "load_documents",
            "raise_for_findings"]
@@ -74,7 +92,7 @@ def check_documents(docs: Iterable[Mapping[str, Any]], *,
 
 def check_jobset(jobset: Mapping[str, Any], *, schema: Mapping[str, Any] | None = None,
                  kubernetes_versions: Sequence[str] | None = None) -> list[Finding]:
-  """All findings for one JobSet: schemas, then each pod template, then discovery env."""
+  """All findings for one JobSet: schemas, then each pod template, then the trainer's env."""
   findings = [] if schema is None else schemas.validate_jobset(jobset, schema)
   name = f"JobSet {(jobset.get('metadata') or {}).get('name', '?')}"
   spec = jobset.get("spec") or {}
@@ -91,8 +109,8 @@ def check_jobset(jobset: Mapping[str, Any], *, schema: Mapping[str, Any] | None 
       findings += schemas.validate_pod(template, template_where, kubernetes_versions)
     pod_spec = template.get("spec") or {}
     findings += check_pod_spec(pod_spec, f"{template_where}.spec", extra_volumes=claims)
-    findings += _check_discovery_env((jobset.get("metadata") or {}).get("name"), spec, rjob,
-                                     job_spec, pod_spec, where)
+    findings += _check_trainer_env((jobset.get("metadata") or {}).get("name"), spec, rjob,
+                                   job_spec, pod_spec, where)
     has_sidecar = has_sidecar or any(_is_sidecar(c) for _, c in _containers(pod_spec, where))
   if not has_sidecar:
     findings.append(Finding(name, "no replicated job runs the sidecar: add an initContainers "
@@ -228,15 +246,15 @@ def _check_memory(sidecar: Mapping[str, Any], swhere: str) -> list[Finding]:
   return []
 
 
-def _check_discovery_env(jobset_name: str | None, jobset_spec: Mapping[str, Any],
-                         rjob: Mapping[str, Any], job_spec: Mapping[str, Any],
-                         pod_spec: Mapping[str, Any], where: str) -> list[Finding]:
-  """Discovery's env in each trainer agrees with the JobSet and the sidecar."""
+def _check_trainer_env(jobset_name: str | None, jobset_spec: Mapping[str, Any],
+                       rjob: Mapping[str, Any], job_spec: Mapping[str, Any],
+                       pod_spec: Mapping[str, Any], where: str) -> list[Finding]:
+  """The env of each trainer lets discovery and initialize() resolve, as the JobSet says."""
   findings = []
   containers = _containers(pod_spec, f"{where}.template.spec.template.spec")
   sidecar = next((c for _, c in containers if _is_sidecar(c)), None)
   network = jobset_spec.get("network") or {}
-  # What discovery assumes when a variable is unset, and what the JobSet says it must be.
+  # What the readers assume when a variable is unset, and what the JobSet says it must be.
   defaults = {"SIDECAR_PORT": DEFAULT_PORT, "SIDECAR_HEALTH_PORT": DEFAULT_HEALTH_PORT,
               "SIDECAR_SUBDOMAIN": jobset_name}
   literals = {
@@ -249,16 +267,23 @@ def _check_discovery_env(jobset_name: str | None, jobset_spec: Mapping[str, Any]
     literals["SIDECAR_PORT"] = _setting(sidecar, "--port", "SIDECAR_PORT", DEFAULT_PORT)
     literals["SIDECAR_HEALTH_PORT"] = _setting(sidecar, "--health-port", "SIDECAR_HEALTH_PORT",
                                                DEFAULT_HEALTH_PORT)
+  dns_where = f"{where.split(':')[0]}: spec.network.enableDNSHostnames"
   for cwhere, c in containers:
     env = _env(c)
-    if not _is_trainer(cwhere, c) or "SIDECAR_HOSTS" in env:
+    if not _is_trainer(cwhere, c):
       continue
-    for name in ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
-                 "SIDECAR_HOSTS_PER_SLICE"):
+    readers = _readers(env)
+    by_name = "SIDECAR_HOSTS" not in env
+    derives_coordinator = "SIDECAR_COORDINATOR_ADDRESS" not in env
+    for name, who in readers.items():
       if name not in env:
-        findings.append(Finding(f"{cwhere}.env", f"{name} is not set; discovery needs it "
+        findings.append(Finding(f"{cwhere}.env", f"{name} is not set; {' and '.join(who)} "
+                                                 f"need{'s' if len(who) == 1 else ''} it "
                                                  "(see k8s/components/sidecar)"))
     for name, want in literals.items():
+      if name not in readers and not (by_name or (
+          derives_coordinator and name == "SIDECAR_SUBDOMAIN")):
+        continue
       have = env[name] if name in env else defaults.get(name)
       if want is not None and have is not None and str(have) != str(want):
         shown = repr(have) if name in env else f"unset (so {str(have)!r})"
@@ -266,14 +291,87 @@ def _check_discovery_env(jobset_name: str | None, jobset_spec: Mapping[str, Any]
                                 f"is {shown} but the JobSet or sidecar says {str(want)!r}; "
                                 f"set {name}={want}"))
     if network.get("enableDNSHostnames") is False:
-      findings.append(Finding(f"{where.split(':')[0]}: spec.network.enableDNSHostnames",
-                              "is false; discovery reaches sidecars by their JobSet hostnames, "
-                              "so set it to true (or give the trainer SIDECAR_HOSTS)"))
+      findings += _dns_hostnames_off(dns_where, by_name=by_name,
+                                     derives_coordinator=derives_coordinator)
+    findings += _check_process_env(c, cwhere, sidecar, rjob, job_spec)
   completions, parallelism = job_spec.get("completions"), job_spec.get("parallelism")
   if completions is not None and parallelism not in (None, completions):
     findings.append(Finding(f"{where}.template.spec.parallelism",
                             f"is {parallelism} but completions is {completions}; every host "
                             "of a slice runs at once, so make them equal"))
+  return findings
+
+
+def _dns_hostnames_off(where: str, *, by_name: bool,
+                       derives_coordinator: bool) -> list[Finding]:
+  findings = []
+  if by_name:
+    findings.append(Finding(where, "is false; discovery reaches sidecars by their JobSet "
+                                   "hostnames, so set it to true (or give the trainer "
+                                   "SIDECAR_HOSTS)"))
+  if derives_coordinator:
+    findings.append(Finding(where, f"is false; {_INITIALIZE} reaches the coordinator at the "
+                                   "JobSet hostname of slice 0 host 0, so set it to true (or "
+                                   "give the trainer SIDECAR_COORDINATOR_ADDRESS)"))
+  return findings
+
+
+def _readers(env: Mapping[str, str | None]) -> dict[str, list[str]]:
+  """Each variable the trainer must set, with what reads it."""
+  readers: dict[str, list[str]] = {}
+  if "SIDECAR_HOSTS" not in env:
+    for name in _DISCOVERY_ENV:
+      readers.setdefault(name, []).append("discovery")
+  for name in sorted({n for explicit, derived_from in _INITIALIZE_ENV.items()
+                      if explicit not in env for n in derived_from}):
+    readers.setdefault(name, []).append(_INITIALIZE)
+  return readers
+
+
+def _check_process_env(trainer: Mapping[str, Any], cwhere: str,
+                       sidecar: Mapping[str, Any] | None, rjob: Mapping[str, Any],
+                       job_spec: Mapping[str, Any]) -> list[Finding]:
+  """Each pod gets its own process id, and process 0's trainer declares the coordinator port."""
+  findings = []
+  env, refs = _env(trainer), _field_refs(trainer)
+  replicas, completions = rjob.get("replicas", 1), job_spec.get("completions")
+  processes = replicas * completions if isinstance(completions, int) and isinstance(
+      replicas, int) else None
+  if env.get("SIDECAR_NUM_PROCESSES") not in (None, str(processes)) and processes is not None:
+    findings.append(Finding(f"{cwhere}.env[SIDECAR_NUM_PROCESSES]",
+                            f"is {env['SIDECAR_NUM_PROCESSES']!r} but the JobSet runs {processes}"
+                            f" pods (replicas {replicas} x completions {completions}); set it "
+                            f"to {processes} or drop it"))
+  if "SIDECAR_PROCESS_ID" in env:
+    if env["SIDECAR_PROCESS_ID"] is not None and processes != 1:
+      findings.append(Finding(f"{cwhere}.env[SIDECAR_PROCESS_ID]",
+                              f"is {env['SIDECAR_PROCESS_ID']!r} in every pod; drop it, so "
+                              f"that {_INITIALIZE} derives each pod's own from "
+                              "SIDECAR_SLICE_ID and SIDECAR_HOST_ID"))
+  else:
+    for name, want in _IDENTITY_REFS.items():
+      if name in env and refs.get(name) != want:
+        shown = repr(env[name]) if env[name] is not None else f"from {refs.get(name)!r}"
+        findings.append(Finding(f"{cwhere}.env[{name}]",
+                                f"is {shown}; {_INITIALIZE} derives the process id from it, so "
+                                f"take it from the downward API: fieldPath {want}"))
+  if "SIDECAR_COORDINATOR_ADDRESS" in env:
+    return findings
+  port = env.get("SIDECAR_COORDINATOR_PORT", str(DEFAULT_COORDINATOR_PORT))
+  declared = {str(p.get("containerPort")) for p in trainer.get("ports") or []}
+  if port is not None and port not in declared:
+    findings.append(Finding(f"{cwhere}.ports",
+                            f"do not declare the coordinator port {port} "
+                            "(SIDECAR_COORDINATOR_PORT), where process 0 runs the "
+                            "jax.distributed coordinator; add {name: coordinator, "
+                            f"containerPort: {port}}}"))
+  if sidecar is not None and port is not None:
+    taken = {str(_setting(sidecar, "--port", "SIDECAR_PORT", DEFAULT_PORT)),
+             str(_setting(sidecar, "--health-port", "SIDECAR_HEALTH_PORT", DEFAULT_HEALTH_PORT))}
+    if port in taken:
+      findings.append(Finding(f"{cwhere}.env[SIDECAR_COORDINATOR_PORT]",
+                              f"is {port}, which the sidecar in the same pod serves on; pick "
+                              f"another (the default is {DEFAULT_COORDINATOR_PORT})"))
   return findings
 
 
@@ -289,6 +387,12 @@ def _is_sidecar(container: Mapping[str, Any]) -> bool:
 
 def _is_trainer(where: str, container: Mapping[str, Any]) -> bool:
   return ".containers[" in where and "SIDECAR_ADDRESS" in _env(container)
+
+
+def _field_refs(container: Mapping[str, Any]) -> dict[str, str | None]:
+  """The downward API fieldPath of each env var that has one."""
+  return {e.get("name"): ((e["valueFrom"].get("fieldRef") or {}).get("fieldPath"))
+          for e in container.get("env") or [] if isinstance(e.get("valueFrom"), Mapping)}
 
 
 def _env(container: Mapping[str, Any]) -> dict[str, str | None]:

@@ -51,6 +51,8 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
   p.add_argument("--port", type=int, default=8490, help="sidecar gRPC port (default: %(default)s)")
   p.add_argument("--health-port", type=int, default=8491,
                  help="sidecar plaintext health port (default: %(default)s)")
+  p.add_argument("--coordinator-port", type=int, default=8476,
+                 help="jax.distributed coordinator port in the trainer (default: %(default)s)")
   p.add_argument("--token-secret", default="sidecar-token",
                  help="Secret holding the controller token under key 'token' "
                       "(default: %(default)s)")
@@ -92,8 +94,8 @@ def options_from_args(args: argparse.Namespace) -> render.RenderOptions:
       trainer_image=args.trainer_image, trainer_command=tuple(shlex.split(args.trainer_command)),
       name=args.name, namespace=args.namespace, shm_size=args.shm_size,
       imports=tuple(args.imports or ("my_pkg.sidecar_fns",)), sidecar_cpu=args.sidecar_cpu,
-      port=args.port, health_port=args.health_port, token_secret=args.token_secret,
-      grace_seconds=args.grace_seconds)
+      port=args.port, health_port=args.health_port, coordinator_port=args.coordinator_port,
+      token_secret=args.token_secret, grace_seconds=args.grace_seconds)
 
 
 def run_render(args: argparse.Namespace) -> int:

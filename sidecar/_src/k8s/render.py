@@ -90,6 +90,7 @@ class RenderOptions:
   sidecar_cpu: str = "1"
   port: int = 8490
   health_port: int = 8491
+  coordinator_port: int = 8476  # the jax.distributed coordinator, in process 0's trainer
   token_secret: str = "sidecar-token"
   grace_seconds: int = 300
 
@@ -114,6 +115,11 @@ class RenderOptions:
     if self.port == self.health_port:
       raise errors.InvalidArgumentError(
           f"port and health_port must differ, both are {self.port}")
+    if self.coordinator_port in (self.port, self.health_port):
+      # Trainer and sidecar share the pod's network namespace.
+      raise errors.InvalidArgumentError(
+          f"coordinator_port {self.coordinator_port} is also a sidecar port (port "
+          f"{self.port}, health_port {self.health_port}); pick another")
     if not self.image:
       raise errors.InvalidArgumentError("image must name the sidecar image, got ''")
 
@@ -189,6 +195,8 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_SHM_SIZE", "value": options.shm_size},
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
+          # Beyond loopback the sidecar requires the token above.
+          {"name": "SIDECAR_LISTEN", "value": "[::]"},
       ],
       "resources": {"requests": {"cpu": options.sidecar_cpu, "memory": memory},
                     "limits": {"memory": memory}},
@@ -205,6 +213,7 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
       "name": "trainer",
       "image": options.trainer_image or options.image,
       "command": list(options.trainer_command),
+      "ports": [{"name": "coordinator", "containerPort": options.coordinator_port}],
       "env": [
           {"name": "SIDECAR_ADDRESS", "value": f"unix://{SOCKET_DIR}/sidecar.sock"},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
@@ -218,6 +227,11 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
           _field_env("SIDECAR_NAMESPACE", "metadata.namespace"),
           {"name": "SIDECAR_PORT", "value": str(options.port)},
           {"name": "SIDECAR_HEALTH_PORT", "value": str(options.health_port)},
+          # For sidecar.distributed.initialize(): process id and coordinator.
+          _field_env("SIDECAR_SLICE_ID", "metadata.annotations['jobset.sigs.k8s.io/job-index']"),
+          _field_env("SIDECAR_HOST_ID",
+                     "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
+          {"name": "SIDECAR_COORDINATOR_PORT", "value": str(options.coordinator_port)},
       ],
       "volumeMounts": _mounts(),
   }

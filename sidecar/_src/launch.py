@@ -1,0 +1,333 @@
+"""``sidecar launch``: N sidecars and N trainer processes on this machine, supervised together.
+
+The local multi-process mode, in the spirit of ``torchrun``: a LocalCluster of sidecars, then
+one copy of the user's command per host, each in its own process group with the environment
+that ``sidecar.distributed.initialize()``, ``Worker`` and ``Controller.from_env()`` read
+(``env.py`` lists it). Each trainer's output comes back line by line, prefixed ``[host i] ``.
+The first failure (a trainer exiting non-zero, a sidecar dying, SIGINT or SIGTERM to the
+launcher) stops everything else, and decides the exit code.
+
+Example::
+
+  code = launch.run([sys.executable, "train.py"], hosts=2, devices_per_host=4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import BinaryIO, TextIO
+
+from sidecar._src import env, errors
+from sidecar._src.local import LocalCluster
+
+DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
+_POLL = 0.1
+_LOG_TAIL_LINES = 40
+_READ_CHUNK = 1 << 16
+
+HELP = f"""\
+Starts --hosts sidecars on this machine, then --hosts copies of CMD ("trainers"), one per
+host, each in its own session and process group, stdin from /dev/null. Trainer i's stdout
+and stderr come back merged, line by line, prefixed "[host i] ".
+
+Each trainer gets this environment added to the launcher's:
+{chr(10).join(f"  {name:29} {text}" for name, text in env.DESCRIPTIONS.items()
+               if name != env.TOKEN_FILE)}
+  JAX_PLATFORMS                 cpu, unless already set
+  PYTHONUNBUFFERED              1, unless already set
+with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port>, SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
+SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host. SIDECAR_TOKEN is set when there
+is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of the launcher.
+The sidecars get no device ids: each learns its own from the trainer that attaches to it.
+
+Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
+exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
+exited 0), 130 for SIGINT (Ctrl-C) and 143 for SIGTERM to the launcher; 1 if the sidecars
+do not start, 127 if CMD is not found, 126 if it cannot be run.
+
+When one trainer fails or one sidecar dies (its log's last lines are printed, prefixed
+"[sidecar i] "), or on SIGINT/SIGTERM, every other trainer's process group gets SIGTERM,
+then SIGKILL after {DEFAULT_GRACE:g} s; then the sidecars stop. No process, socket, temporary
+directory or shared memory is left behind. A trainer that exits 0 leaves the others running.
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Exit:
+  """An event for the supervisor: trainer ``host`` exited, or signal ``signum`` arrived."""
+  host: int = -1
+  code: int = 0
+  signum: int = 0
+
+
+def exit_status(returncode: int) -> int:
+  """A Popen return code as a shell reports it: 128+N for a process killed by signal N."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def read_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
+               ) -> str | None:
+  """The token from ``token_file``, else ``$SIDECAR_TOKEN``, else ``$SIDECAR_TOKEN_FILE``."""
+  environ = os.environ if environ is None else environ
+  if not token_file and environ.get(env.TOKEN):
+    return environ[env.TOKEN]
+  token_file = token_file or environ.get(env.TOKEN_FILE)
+  if not token_file:
+    return None
+  with open(token_file) as f:
+    token = f.read().strip()
+  if not token:
+    raise errors.InvalidArgumentError(f"token file {token_file!r} is empty; put the token in it")
+  return token
+
+
+def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
+                base: Mapping[str, str]) -> dict[str, str]:
+  """The environment of trainer ``host``: ``base`` plus what ``env.py`` lists."""
+  ports = [a.rsplit(":", 1)[1] for a in cluster.health_addresses]
+  result = dict(base)
+  result.setdefault("JAX_PLATFORMS", "cpu")
+  result.setdefault("PYTHONUNBUFFERED", "1")
+  result.update({
+      env.COORDINATOR_ADDRESS: coordinator,
+      env.NUM_PROCESSES: str(cluster.num_hosts),
+      env.PROCESS_ID: str(host),
+      env.LOCAL_DEVICES: str(cluster.devices_per_host),
+      env.HOST_ID: str(host),
+      env.SLICE_ID: "0",
+      env.ADDRESS: f"unix://{cluster.socket(host)}",
+      env.HOSTS: ",".join(f"{a}:{p}" for a, p in zip(cluster.addresses, ports)),
+  })
+  if cluster.token:
+    result[env.TOKEN] = cluster.token
+  return result
+
+
+def _pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> None:
+  """Copies ``pipe`` to ``out`` line by line, each line prefixed; ends a partial last line."""
+  at_start = True
+  with pipe:
+    for chunk in iter(lambda: pipe.readline(_READ_CHUNK), b""):
+      _write(out, prefix + chunk if at_start else chunk, lock)
+      at_start = chunk.endswith(b"\n")
+  if not at_start:
+    _write(out, b"\n", lock)
+
+
+def _write(out: BinaryIO, data: bytes, lock: threading.Lock) -> None:
+  with lock:
+    try:
+      out.write(data)
+      out.flush()
+    except (OSError, ValueError):
+      pass  # Our stdout is gone; keep draining so the trainer never blocks on a full pipe.
+
+
+class _Run:
+  """One launch: owns the trainers, their output threads and the signal handlers."""
+
+  def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
+               stdout: BinaryIO, stderr: TextIO):
+    self.command = list(command)
+    self.cluster = cluster
+    self.grace = grace
+    self.stdout = stdout
+    self.stderr = stderr
+    self.events: queue.SimpleQueue[_Exit] = queue.SimpleQueue()  # put() is signal-safe
+    self.trainers: list[subprocess.Popen] = []
+    self.threads: list[threading.Thread] = []
+    self.lock = threading.Lock()
+
+  def say(self, text: str) -> None:
+    with self.lock:
+      print(f"sidecar launch: {text}", file=self.stderr, flush=True)
+
+  def start_trainers(self) -> None:
+    coordinator = f"127.0.0.1:{free_port()}"
+    for h in range(self.cluster.num_hosts):
+      proc = subprocess.Popen(
+          self.command, env=trainer_env(self.cluster, h, coordinator, os.environ),
+          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          start_new_session=True)
+      self.trainers.append(proc)
+      self._thread(_pump, proc.stdout, f"[host {h}] ".encode(), self.stdout, self.lock)
+      self._thread(self._wait, h, proc)
+
+  def _thread(self, target, *args) -> None:
+    t = threading.Thread(target=target, args=args, daemon=True,  # daemon: a safety net only
+                         name=f"sidecar-launch-{target.__name__}")
+    t.start()
+    self.threads.append(t)
+
+  def _wait(self, host: int, proc: subprocess.Popen) -> None:
+    self.events.put(_Exit(host=host, code=proc.wait()))
+
+  def supervise(self) -> int:
+    """Waits for every trainer to exit 0, or for the first failure; returns the exit code."""
+    running = set(range(len(self.trainers)))
+    while running:
+      try:
+        event = self.events.get(timeout=_POLL)
+      except queue.Empty:
+        code = self._check_sidecars()
+        if code is not None:
+          return code
+        continue
+      if event.signum:
+        self.say(f"got {signal.Signals(event.signum).name}; stopping every process")
+        return 128 + event.signum
+      running.discard(event.host)
+      if event.code != 0:
+        self.say(f"host {event.host}'s trainer {_how(event.code)}; stopping the others")
+        return exit_status(event.code)
+    return 0
+
+  def _check_sidecars(self) -> int | None:
+    for h in range(self.cluster.num_hosts):
+      code = self.cluster.poll(h)
+      if code is not None:
+        self.say(f"host {h}'s sidecar {_how(code)}; stopping every process. Its log ends:")
+        self.print_log_tail(h)
+        return exit_status(code) or 1
+    return None
+
+  def print_log_tail(self, host: int) -> None:
+    lines = self.cluster.log(host).splitlines()[-_LOG_TAIL_LINES:]
+    with self.lock:
+      for line in lines:
+        print(f"[sidecar {host}] {line}", file=self.stderr)
+      self.stderr.flush()
+
+  def stop_trainers(self) -> None:
+    """SIGTERM to every trainer's process group, SIGKILL to those left after the grace."""
+    groups = [p.pid for p in self.trainers]
+    for g in groups:
+      _signal_group(g, signal.SIGTERM)
+    deadline = time.monotonic() + self.grace
+    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+      time.sleep(0.02)
+    for g in groups:
+      _signal_group(g, signal.SIGKILL)
+    for p in self.trainers:
+      p.wait()
+    for t in self.threads:
+      t.join(timeout=2.0)  # A pipe can stay open only in a process outside the group.
+
+  def on_signal(self, signum: int, frame) -> None:
+    del frame
+    self.events.put(_Exit(signum=signum))
+
+
+def _how(returncode: int) -> str:
+  if returncode < 0:
+    return f"was killed by {signal.Signals(-returncode).name}"
+  return f"exited with code {returncode}"
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+  try:
+    os.killpg(pgid, signum)
+  except (ProcessLookupError, PermissionError):
+    pass  # The group is empty (or its last member a zombie being reaped).
+
+
+def _group_alive(pgid: int) -> bool:
+  try:
+    os.killpg(pgid, 0)
+  except (ProcessLookupError, PermissionError):
+    return False
+  return True
+
+
+class _Interrupted(BaseException):
+  """SIGINT/SIGTERM while the sidecars start: unwinds LocalCluster.start, which cleans up."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
+        imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
+        grace: float = DEFAULT_GRACE, stdout: BinaryIO | None = None,
+        stderr: TextIO | None = None) -> int:
+  """Runs ``command`` once per host beside a LocalCluster of sidecars; returns the exit code.
+
+  See ``HELP`` for the environment each process gets and the exit code rule. SIGINT and
+  SIGTERM are handled (and restored afterwards) only when called from the main thread.
+
+  Args:
+    command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
+    hosts: how many sidecars and trainers.
+    devices_per_host: CPU devices of each trainer (``SIDECAR_LOCAL_DEVICES``).
+    imports: modules every sidecar imports, so their decorators register.
+    shm_size: each sidecar's arena size.
+    token: the sidecars' bearer token, also given to the trainers; default none.
+    grace: seconds between SIGTERM and SIGKILL when stopping trainers.
+    stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
+    stderr: where the launcher's own messages go; default this process's stderr.
+
+  Raises:
+    InvalidArgumentError: an empty command, or hosts or devices_per_host below 1.
+  """
+  if isinstance(command, str) or not command:
+    raise errors.InvalidArgumentError(
+        f"command must be a non-empty list like ['python', 'train.py'], got {command!r}")
+  if grace < 0:
+    raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
+  cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
+                         token=token, configure_jax=False, assign_device_ids=False)
+  launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
+                stderr=stderr or sys.stderr)
+  in_start = True
+
+  def handler(signum, frame):
+    nonlocal in_start
+    if in_start:
+      in_start = False  # Once: a second signal must not interrupt the cleanup.
+      raise _Interrupted(signum)
+    launch.on_signal(signum, frame)
+
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    try:
+      cluster.start()
+      for h in range(hosts):
+        launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "
+                   f"and unix://{cluster.socket(h)}")
+      launch.start_trainers()
+      in_start = False
+    except _Interrupted as e:
+      launch.say(f"got {signal.Signals(e.signum).name} while starting; stopping every process")
+      return 128 + e.signum
+    except errors.SidecarError as e:
+      launch.say(f"the sidecars did not start: {e}")
+      return 1
+    except OSError as e:
+      launch.say(f"cannot run {command[0]!r}: {e}")
+      return 127 if isinstance(e, FileNotFoundError) else 126
+    return launch.supervise()
+  finally:
+    in_start = False
+    launch.stop_trainers()
+    cluster.close()
+    for signum, old in previous.items():
+      signal.signal(signum, old)
