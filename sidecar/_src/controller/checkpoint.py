@@ -148,7 +148,8 @@ class Checkpointer:
     if busy:
       if self._if_busy == "skip":
         return _done_handle(step, None)
-      concurrent.futures.wait([previous.durable])
+      if previous is not None:  # busy may be another process's save
+        concurrent.futures.wait([previous.durable])
     if step in self.all_steps():
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
