@@ -179,7 +179,7 @@ class OrbaxSaver:
     def wait():
       try:
         self.mngr.wait_until_finished()
-      except BaseException as e:  # pylint: disable=broad-except
+      except BaseException as e:
         durable.set(e)
       else:
         durable.set()

@@ -6,6 +6,7 @@ import time
 import sidecar
 from sidecar._src import orbax_layout as ol
 
+
 @sidecar.function
 def read_phases(directory: str, step: int, names: list[str], shape: list[int]
                 ) -> dict[str, float]:

@@ -19,7 +19,7 @@ import absl.flags
 import grain
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from benchmarks import feed_fns

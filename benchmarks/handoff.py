@@ -127,7 +127,7 @@ def main() -> None:
         in_place = bench_stream(ctl, device, n, s, args.prefetch, "made_in_arena")
         ours = bench_sidecar(ctl, device, n, s, args.depth)
         key = n.to_bytes(8, "little")
-        grpc_bytes = rate(lambda: jax.device_put(
+        grpc_bytes = rate(lambda key=key: jax.device_put(
             np.frombuffer(raw(key), np.uint8), device).block_until_ready(), seconds=s)[0]
         queue = bench_queue(device, n, s)
         for name, per_s in (("memcpy (limit)", limit), ("memcpy into a 4-slot ring", ring),

@@ -13,7 +13,7 @@ def expand_paths(paths: str | os.PathLike | Sequence[str], kind: str) -> list[st
   ``kind`` names the format in the error, e.g. ``"Parquet"``.
   """
   if isinstance(paths, (str, os.PathLike)):
-    paths = [paths]
+    paths = [os.fspath(paths)]
   if not paths:
     raise ValueError("paths must name at least one file, got an empty list")
   files = []

@@ -22,7 +22,13 @@ from sidecar._src.errors import (
 )
 from sidecar._src.host.outputs import empty
 from sidecar._src.pipeline_context import PipelineContext
-from sidecar._src.registry import Registry, default_registry, function, pipeline, set_default_registry
+from sidecar._src.registry import (
+    Registry,
+    default_registry,
+    function,
+    pipeline,
+    set_default_registry,
+)
 from sidecar._src.worker import Worker
 
 __all__ = [

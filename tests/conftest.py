@@ -80,10 +80,10 @@ def registry():
 @pytest.fixture
 def make_server(tmp_path):
   """Starts in-process sidecar servers on loopback with the test functions registered."""
+  import sidecar
   from sidecar._src import options, registry as registry_lib
   from sidecar._src.host.server import Server
   from tests import sidecar_fns  # noqa: F401  (registers into the default registry)
-  import sidecar
 
   servers = []
 

@@ -93,8 +93,7 @@ def count(n: int, nbytes: int = 0):
 
 @sidecar.function
 def count_then_fail(n: int):
-  for i in range(n):
-    yield i
+  yield from range(n)
   raise RuntimeError(f"failed after {n}")
 
 

@@ -17,8 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src import errors
-from sidecar._src import orbax_layout as ol
+from sidecar._src import errors, orbax_layout as ol
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +87,7 @@ def host_parts(tree, mesh, num_hosts):
   parts = []
   for host in range(num_hosts):
     part = []
-    for (kp, v), spec in zip(leaves, specs):
+    for (_, v), spec in zip(leaves, specs):
       if isinstance(v, jax.Array):
         shards = tuple(ol.Shard(s.index, np.asarray(s.data)) for s in v.addressable_shards
                        if s.replica_id == 0 and owner[s.device] == host)

@@ -34,7 +34,8 @@ def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
     OSError: the file could not be written.
   """
   data = np.ascontiguousarray(data)
-  buf = memoryview(data.reshape(-1).view(np.uint8))
+  # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
+  buf = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
   n = len(buf)
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
   try:
@@ -62,7 +63,8 @@ def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
   """
   if not out.flags.c_contiguous:
     raise ValueError("out must be C-contiguous")
-  buf = memoryview(out.reshape(-1).view(np.uint8))
+  # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
+  buf = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
   n = len(buf)
   fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
   try:

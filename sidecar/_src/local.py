@@ -76,7 +76,7 @@ class LocalCluster:
     self._extra_args = tuple(extra_args)
     self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
     self._assign_device_ids = assign_device_ids
-    self._procs: list[subprocess.Popen | None] = []
+    self._procs: list[subprocess.Popen] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
 
@@ -120,6 +120,8 @@ class LocalCluster:
                               stdin=subprocess.DEVNULL, start_new_session=True)
 
   def _path(self, h: int, ext: str) -> str:
+    if self._dir is None:
+      raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
     return os.path.join(self._dir, f"host{h}.{ext}")
 
   def socket(self, host_id: int) -> str:
@@ -147,7 +149,7 @@ class LocalCluster:
     try:
       with open(self._path(host_id, "log"), errors="replace") as f:
         return f.read()
-    except (OSError, TypeError):
+    except (OSError, errors.ClosedError):
       return ""
 
   def poll(self, host_id: int) -> int | None:

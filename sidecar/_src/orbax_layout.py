@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
 import enum
 import functools
@@ -54,22 +53,25 @@ import os
 import pathlib
 import shutil
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import crc32c
 import jax
 import numpy as np
+import tensorstore as ts
 from orbax.checkpoint._src.handlers import standard_checkpoint_handler
-from orbax.checkpoint._src.metadata import array_metadata_store
-from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
-from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-from orbax.checkpoint._src.metadata import step_metadata_serialization
-from orbax.checkpoint._src.metadata import tree as tree_metadata
-from orbax.checkpoint._src.metadata import value_metadata_entry
+from orbax.checkpoint._src.metadata import (
+  array_metadata_store,
+  checkpoint as checkpoint_metadata,
+  sharding as sharding_metadata,
+  step_metadata_serialization,
+  tree as tree_metadata,
+  value_metadata_entry,
+)
 from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
 from orbax.checkpoint._src.path import atomicity_types
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-import tensorstore as ts
 
 from sidecar._src import codec, direct_io, errors
 
@@ -173,7 +175,8 @@ class LeafSpec:
 def spec_to_dict(s: LeafSpec) -> dict[str, Any]:
   """A LeafSpec as plain values (what crosses between controller and sidecars)."""
   return {"key_path": list(s.key_path), "shape": list(s.shape), "dtype": s.dtype.name,
-          "kind": str(s.kind), "write_shape": list(s.write_shape), "sharding": s.sharding}
+          "kind": str(s.kind), "write_shape": list(s.write_shape),  # type: ignore[arg-type]
+          "sharding": s.sharding}
 
 
 def spec_from_dict(d: Mapping[str, Any]) -> LeafSpec:
@@ -217,7 +220,13 @@ class ShardChecksum:
 
 def shard_crc32c(data: np.ndarray) -> int:
   """crc32c of an array's C-order bytes, as :class:`ShardChecksum` records it."""
-  return crc32c.crc32c(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
+  # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
+  flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+  return crc32c.crc32c(memoryview(flat))  # type: ignore[arg-type]
+
+
+def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
+  return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
 
 
 def tmp_step_path(directory: os.PathLike | str, step: int) -> pathlib.Path:
@@ -300,7 +309,8 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   opened = [ts.open(w.json, create=host_index == 0, open=True,
                     assume_metadata=host_index != 0, context=context)
             for w in write_specs]
-  writes, sums = [], []
+  writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
+  pending_sums: list[concurrent.futures.Future[ShardChecksum]] = []
   # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
                                               initializer=_background_thread) as pool,
@@ -313,7 +323,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
       index, data = _resolve(spec, shard)
       path = _chunk_file(w, index, data, use_compression)
       if path is not None:  # The common case: one uncompressed chunk, its bytes as they are.
-        write = pool.submit(direct_io.write_file, path, data)
+        write: Any = pool.submit(direct_io.write_file, path, data)
       else:
         store = opened[leaf].result()
         write = store[tuple(slice(a, b) for a, b in index)].write(
@@ -321,15 +331,14 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
       writes.append((write, data.nbytes))
       # The checksum too: those of the first parts then run while the trainer is
       # still copying the rest, not while it trains.
-      sums.append(checksums.submit(lambda s=spec, i=index, d=data: ShardChecksum(
-          s.key_path, i, d.nbytes, shard_crc32c(d))))
+      pending_sums.append(checksums.submit(_checksum, spec, index, data))
     for f in opened:
       f.result()  # .zarray written (host 0), or the spec checked
     for write, nbytes in writes:
       write.result()  # Durable: both paths fsync before they resolve.
       if progress is not None:
         progress(nbytes)
-    sums = [f.result() for f in sums]
+    sums = [f.result() for f in pending_sums]
   array_metas = [w.metadata for w, spec in zip(write_specs, specs)
                  if spec.kind is LeafKind.JAX_ARRAY]
   if array_metas:
@@ -597,21 +606,21 @@ def _resolve(spec: LeafSpec, shard: Shard) -> tuple[Index, np.ndarray]:
     raise errors.InvalidArgumentError(
         f"shard of {spec.param_name!r}: index {shard.index!r} has {len(shard.index)}"
         f" entries for a {len(spec.shape)}-d array")
-  index = []
+  pairs = []
   for i, dim in zip(shard.index, spec.shape):
     start, stop, step = (i if isinstance(i, slice) else slice(*i)).indices(dim)
     if step != 1:
       raise errors.InvalidArgumentError(
           f"shard of {spec.param_name!r}: index {shard.index!r} has a stride")
-    index.append((start, stop))
-  index = tuple(index)
+    pairs.append((start, stop))
+  index = tuple(pairs)
   data = np.asarray(shard.data)
   expected = tuple(b - a for a, b in index)
   if data.shape != expected or data.dtype != spec.dtype:
     raise errors.InvalidArgumentError(
         f"shard of {spec.param_name!r} at {index}: expected {expected} {spec.dtype},"
         f" got {data.shape} {data.dtype}")
-  for (a, b), w, dim in zip(index, spec.write_shape, spec.shape):
+  for (a, b), w, dim in zip(index, spec.write_shape, spec.shape):  # type: ignore[arg-type]
     if a % w or (b != dim and b - a != w):
       raise errors.InvalidArgumentError(
           f"shard of {spec.param_name!r} at {index} is not one block of write_shape"

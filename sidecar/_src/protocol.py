@@ -15,8 +15,7 @@ import grpc
 import numpy as np
 
 from sidecar._src import errors
-from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
+from sidecar.v1 import sidecar_pb2 as pb, sidecar_pb2_grpc as pb_grpc
 
 __all__ = ["pb", "pb_grpc"]
 
@@ -169,7 +168,9 @@ def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
                    ) -> errors.SidecarError:
   """Turns a failed RPC into the matching SidecarError."""
   code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-  meta = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+  # grpc gives metadata as (key, value) tuples; its stubs type them as plain objects.
+  metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+  meta = dict(metadata or ())  # type: ignore[arg-type]
   name = meta.get(_TYPE_KEY)
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(

@@ -176,7 +176,7 @@ class Arena:
     if self._closed:
       return
     self._closed = True
-    self.buffer = None
+    self.buffer = None  # type: ignore[assignment]  # a use after close fails loudly
     try:
       self._mmap.close()
     except BufferError:

@@ -24,10 +24,10 @@ try:
   from jax._src.core import shaped_abstractify as _abstractify
   from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
 except ImportError:  # pragma: no cover - a JAX without them takes the public path
-  _abstractify = _batched_device_put = None
+  _abstractify = _batched_device_put = None  # type: ignore[assignment]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _single(device: jax.Device) -> jax.sharding.SingleDeviceSharding:
   return jax.sharding.SingleDeviceSharding(device)
 

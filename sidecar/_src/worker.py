@@ -10,8 +10,8 @@ block is given back only when no array (numpy or jax) can read it any more.
 from __future__ import annotations
 
 import contextlib
-import math
 import enum
+import math
 import os
 import queue
 import socket
@@ -312,7 +312,7 @@ class LocalStream:
     t0 = time.perf_counter()
     try:
       item = pb.StreamItem.FromString(self._reader.read())
-    except socket.timeout:
+    except TimeoutError:
       raise errors.DeadlineExceededError(
           f"no item of {self._name!r} from host {w.host_id} within the timeout") from None
     except (OSError, ConnectionError) as e:

@@ -10,9 +10,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from grpc_health.v1 import health
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from sidecar._src import errors
 from sidecar._src.controller import discovery

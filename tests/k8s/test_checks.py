@@ -7,8 +7,7 @@ import re
 import pytest
 
 from sidecar._src import errors
-from sidecar._src.k8s import checks
-from sidecar._src.k8s import quantity
+from sidecar._src.k8s import checks, quantity
 from tests.k8s import util
 
 

@@ -8,9 +8,7 @@ import pytest
 import yaml
 
 from sidecar._src import errors
-from sidecar._src.k8s import checks
-from sidecar._src.k8s import cli
-from sidecar._src.k8s import render
+from sidecar._src.k8s import checks, cli, render
 from tests.k8s import util
 
 GKE_IMAGES = dict(image="us-docker.pkg.dev/my-project/my-repo/sidecar:latest",

@@ -148,7 +148,8 @@ class Checkpointer:
     if busy:
       if self._if_busy == "skip":
         return _done_handle(step, None)
-      concurrent.futures.wait([previous.durable])
+      if previous is not None:  # busy may be another process's save
+        concurrent.futures.wait([previous.durable])
     if step in self.all_steps():
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
@@ -372,14 +373,14 @@ class Checkpointer:
       if target.whole_step:  # Every host is done with the step: its tmp directory goes.
         self._call("sidecar.ckpt.abort", str(pathlib.Path(target.item).parent),
                    target.final_item, hosts=hosts)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       pass  # the next open() sweeps the tmp dir
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
     try:
       self._call("sidecar.ckpt.committed", target.final_item, hosts=self._local)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       pass  # durable all the same; the RAM tier of a lost host is gone anyway
     if target.whole_step:
       with self._lock:
@@ -521,6 +522,7 @@ class Checkpointer:
       except errors.SidecarError as e:
         if error is None or isinstance(e, errors.CorruptCheckpointError):
           error = e  # report corruption over "no RAM copy here"
+    assert error is not None  # tries is never empty: storage is always one
     raise error
 
   def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:

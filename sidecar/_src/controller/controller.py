@@ -17,8 +17,8 @@ import numpy as np
 
 from sidecar._src import codec, distributed, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib
-from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.checkpoint import Checkpointer
+from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -116,7 +116,7 @@ class Controller:
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
     futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
     conns, failures = [], []
-    for address, f in zip(addresses, futures):
+    for f in futures:
       try:
         conns.append(f.result())
       except errors.SidecarError as e:
@@ -335,6 +335,7 @@ class Controller:
                    timeout: float | None, held: list, device: jax.Device | None = None
                    ) -> Stream | worker_lib.LocalStream:
     conn, w = self._conns[host_id], self._workers.get(host_id)
+    stream: Stream | worker_lib.LocalStream
     if w is not None:
       stream = w.open_stream(request, prefetch=prefetch, timeout=timeout, device=device)
     else:
@@ -464,7 +465,7 @@ class Controller:
     try:
       request = self._request(host_id, name, args, kwargs, timeout, held)
       rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       out.set_exception(e)
       return out
 
@@ -474,7 +475,7 @@ class Controller:
         out.set_result(self._decode(host_id, name, f.result()))
       except grpc.RpcError as e:
         out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host_id))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         out.set_exception(e)
 
     rpc.add_done_callback(done)

@@ -42,8 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar._src import errors, options
 
@@ -250,7 +249,7 @@ def _parse_entry(entry: str) -> tuple[str, int | None, int | None]:
     raise errors.InvalidArgumentError(
         f"SIDECAR_HOSTS entry {entry!r} is not HOST[:PORT[:HEALTH_PORT]]; put IPv6 "
         "addresses in brackets, e.g. [::1]:8490:8491")
-  ports = []
+  ports: list[int | None] = []
   for text in parts[1:]:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
       raise errors.InvalidArgumentError(

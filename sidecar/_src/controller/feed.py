@@ -14,7 +14,7 @@ import enum
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,14 +50,14 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
         f"sharding {sharding.spec} splits a dimension after the batch; feeds split the leading "
         "(batch) dimension only: use PartitionSpec(axes) with one entry")
   local = set(jax.devices())
-  missing = [d for d in sharding.device_set if d not in local]
+  missing: list[jax.Device] = [d for d in sharding.device_set if d not in local]
   if missing:
     raise errors.InvalidArgumentError(
         f"sharding uses devices {sorted(d.id for d in missing)} that this process does not "
         f"have (it has {sorted(d.id for d in local)})")
   try:
-    index = sharding.devices_indices_map((global_batch_size,))
-  except Exception as e:  # pylint: disable=broad-except
+    index: Mapping[jax.Device, Any] = sharding.devices_indices_map((global_batch_size,))
+  except Exception as e:
     raise errors.InvalidArgumentError(
         f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: {e}") from None
   by_host: dict[int, dict[tuple[int, int], list[jax.Device]]] = {}

@@ -106,7 +106,7 @@ class _Durable:
   def result(self, timeout: float | None = None) -> Any:
     out = self._handle.durable.result(timeout)
     # The manager renames the step right after this; the RAM tier keys on the final path.
-    self._handler._engine(self._target.directory).mark_committed(self._target)  # pylint: disable=protected-access
+    self._handler._engine(self._target.directory).mark_committed(self._target)
     return out
 
 

@@ -86,11 +86,11 @@ def format_checkpoints(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]
 
 def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None) -> int:
   """Prints the tables; returns 1 if any sidecar did not answer."""
-  rows = []
+  rows: list[tuple[str, pb.StatusResponse | Exception]] = []
   for a in addresses:
     try:
       rows.append((a, fetch(a, timeout=timeout, token=token)))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       rows.append((a, e))
   print(format_table(rows), file=sys.stdout)
   print(file=sys.stdout)

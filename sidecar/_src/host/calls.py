@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -86,7 +86,7 @@ class Runner:
     return self.encode(result, request.worker_session, alive=alive, time_left=time_left,
                        where=f"result of {request.name!r}")
 
-  def stream(self, request: pb.CallRequest, credits: Credits, *, alive: Alive,
+  def stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
              time_left: TimeLeft) -> Iterator[pb.StreamItem]:
     """Items of a registered iterable, each produced only once a credit allows it."""
     if request.HasField("feed"):
@@ -118,7 +118,7 @@ class Runner:
       if close is not None:
         close()
 
-  def _feed(self, request: pb.CallRequest, credits: Credits, *, alive: Alive,
+  def _feed(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
             time_left: TimeLeft) -> Iterator[pb.StreamItem]:
     """This host's batches of a feed, written straight into arena blocks."""
     entry, args, kwargs = self.prepare(request, registry_lib.PIPELINE)
@@ -296,6 +296,13 @@ class Runner:
         self._leases.release(offset, generation, pin)
       except errors.StaleDescriptorError as e:
         log.error("%s", e)
+
+
+class CreditSource(Protocol):
+  """What ``Runner.stream`` takes credits from: :class:`Credits`, or a worker's socket."""
+  consumer_wait_s: float
+
+  def take(self) -> bool: ...
 
 
 class Credits:

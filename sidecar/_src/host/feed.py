@@ -24,7 +24,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import grain
@@ -152,6 +152,7 @@ class Batcher:
       self.learn(elements[0])
     if out is None:
       out = self.new_batch()
+      assert out is not None  # learn() has set the layout
     flat = []
     for element in elements:
       leaves, treedef = jax.tree_util.tree_flatten(element)
@@ -194,7 +195,9 @@ class Order:
 
   def __init__(self, ds: grain.MapDataset, seed: int):
     self._ds, self._seed = ds, seed
-    self._epoch, self._perm, self._shuffled = None, None, None
+    self._epoch: int | None = None
+    self._perm: np.ndarray | None = None
+    self._shuffled: Any = None  # a grain.MapDataset
 
   def _set_epoch(self, epoch: int) -> None:
     if epoch == self._epoch:
@@ -228,7 +231,7 @@ def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
             pool: Callable[[], Any] | None = None
-            ) -> Iterator[tuple[Any, dict[str, Any], float]]:
+            ) -> Generator[tuple[Any, dict[str, Any], float], None, None]:
   """Yields ``(batch tree, state after it, seconds spent producing it)`` per step.
 
   With ``spec.workers``, ``pool()`` makes the worker processes that fill batches.

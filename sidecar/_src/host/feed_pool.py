@@ -44,12 +44,12 @@ class Pool:
     self._hello = {"imports": list(imports), "name": name, "arena_size": arena.size,
                    "kwargs": base64.b64encode(kwargs.SerializeToString()).decode(),
                    "spec": base64.b64encode(spec.SerializeToString()).decode()}
-    self._workers: list[_Worker | None] = [None] * size
+    self._workers: list[_Worker] = []
     self._seq = 0
     self._restarts = 0
     try:
       for i in range(size):
-        self._workers[i] = self._spawn(i, {})
+        self._workers.append(self._spawn(i, {}))
     except BaseException:
       self.close()
       raise
@@ -126,9 +126,8 @@ class Pool:
 
   def close(self) -> None:
     for w in self._workers:
-      if w is not None:
-        self._stop(w)
-    self._workers = [None] * self.size
+      self._stop(w)
+    self._workers = []
 
   def __enter__(self) -> Pool:
     return self

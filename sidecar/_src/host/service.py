@@ -138,7 +138,7 @@ class Service:
         for raw in requests:
           message = parse(pb.StreamRequest, raw)
           credits.grant(message.credit, message.wait_s)
-      except Exception:  # pylint: disable=broad-except
+      except Exception:
         pass  # The consumer went away.
       credits.close()
 

@@ -139,7 +139,7 @@ class WorkerListener:
       end = pb.StreamItem(end=True)
     except (ConnectionError, OSError):
       return
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
               "stream: %s: %s", type(e).__name__, e)
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
@@ -155,7 +155,8 @@ class WorkerListener:
       try:
         block = self._leases.alloc(int(message["nbytes"]), session,
                                    timeout=float(message.get("timeout", 0.0)))
-        reply = {"offset": block.offset, "nbytes": block.nbytes, "generation": block.generation}
+        reply: dict[str, Any] = {"offset": block.offset, "nbytes": block.nbytes,
+                                 "generation": block.generation}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:

@@ -32,11 +32,8 @@ from typing import Any
 
 import yaml
 
-from sidecar._src import errors
-from sidecar._src import options
-from sidecar._src import shm
-from sidecar._src.k8s import quantity
-from sidecar._src.k8s import schemas
+from sidecar._src import errors, options, shm
+from sidecar._src.k8s import quantity, schemas
 from sidecar._src.k8s.schemas import Finding
 
 # The defaults of `sidecar serve`, for containers that do not set them.
@@ -101,7 +98,7 @@ def check_jobset(jobset: Mapping[str, Any], *, schema: Mapping[str, Any] | None 
   spec = jobset.get("spec") or {}
   has_sidecar = False
   # JobSet adds a volume for each of these claim templates to every pod template.
-  claims = {(t.get("metadata") or {}).get("name") for p in spec.get("volumeClaimPolicies") or []
+  claims = {(t.get("metadata") or {}).get("name", "") for p in spec.get("volumeClaimPolicies") or []
             for t in p.get("templates") or []}
   for i, rjob in enumerate(spec.get("replicatedJobs") or []):
     where = f"{name}: spec.replicatedJobs[{i}]"

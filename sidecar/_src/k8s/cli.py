@@ -13,8 +13,7 @@ import sys
 import yaml
 
 from sidecar._src import errors
-from sidecar._src.k8s import checks
-from sidecar._src.k8s import render
+from sidecar._src.k8s import checks, render
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

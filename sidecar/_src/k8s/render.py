@@ -19,8 +19,7 @@ from typing import Any
 
 import yaml
 
-from sidecar._src import errors
-from sidecar._src import shm
+from sidecar._src import errors, shm
 from sidecar._src.k8s import quantity
 
 SOCKET_DIR = "/run/sidecar"

@@ -1,0 +1,181 @@
+"""Import layers as a test: each module's imports read with ``ast``, none executed.
+
+The layers (STYLE.md, "Paths show the process boundary"): ``_src/host/`` runs in the
+sidecar, ``_src/controller/`` in the controller, ``_src/worker.py`` beside the devices;
+they share only lower layers. Only ``protocol.py`` touches the generated code, the
+leaves ``errors.py`` and ``options.py`` need nothing but the standard library, and the
+pipelines are written against the public API, as a user's would be.
+"""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("sidecar", "pipelines")
+GENERATED = "sidecar.v1"
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def _is_under(name: str, prefix: str) -> bool:
+  return name == prefix or name.startswith(prefix + ".")
+
+
+def _sources() -> dict[str, pathlib.Path]:
+  found = {}
+  for package in PACKAGES:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      name = _module_name(path)
+      if not _is_under(name, GENERATED):
+        found[name] = path
+  return found
+
+
+SOURCES = _sources()
+GENERATED_MODULES = {_module_name(p) for p in (ROOT / "sidecar" / "v1").glob("*.py")}
+KNOWN = set(SOURCES) | GENERATED_MODULES
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+  if not node.level:
+    return node.module or ""
+  base = module.split(".")[:len(module.split(".")) - node.level + is_package]
+  return ".".join(base + ([node.module] if node.module else []))
+
+
+def _names(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+  """The modules an import statement names: ``from a import b`` is ``a.b`` if that is one."""
+  if isinstance(node, ast.Import):
+    return [alias.name for alias in node.names]
+  base = _resolve(module, node, module in SOURCES and SOURCES[module].name == "__init__.py")
+  return [f"{base}.{a.name}" if f"{base}.{a.name}" in KNOWN else base for a in node.names]
+
+
+def _walk_import_time(body: list[ast.stmt]):
+  """The statements that run when the module is imported: not those inside functions."""
+  for node in body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    yield node
+    for field in ("body", "orelse", "finalbody", "handlers"):
+      yield from _walk_import_time(getattr(node, field, []))
+
+
+def _imports(module: str, *, import_time_only: bool = False, source: str | None = None
+             ) -> set[str]:
+  tree = ast.parse(SOURCES[module].read_text() if source is None else source)
+  nodes = _walk_import_time(tree.body) if import_time_only else ast.walk(tree)
+  return {name for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
+          for name in _names(module, node)}
+
+
+def _violations(modules, forbidden: str) -> dict[str, list[str]]:
+  out = {}
+  for m in modules:
+    bad = sorted(n for n in _imports(m) if _is_under(n, forbidden))
+    if bad:
+      out[m] = bad
+  return out
+
+
+def _under(prefix: str) -> list[str]:
+  return [m for m in SOURCES if _is_under(m, prefix)]
+
+
+def test_the_parser_sees_the_modules_and_their_imports():
+  # Guards the tests below against passing on nothing.
+  assert {"sidecar._src.host.server", "sidecar._src.controller.controller",
+          "sidecar._src.worker", "pipelines.tfds"} <= set(SOURCES)
+  assert len(_under("sidecar._src.host")) >= 8 and len(_under("sidecar._src.controller")) >= 8
+  assert "sidecar._src.host.calls" in _imports("sidecar._src.host.server")
+  assert "sidecar.v1.sidecar_pb2" in _imports("sidecar._src.protocol")
+  snippet = "try:\n  import a\nexcept ImportError:\n  import b\ndef f():\n  import c\n"
+  assert _imports("x", source=snippet) == {"a", "b", "c"}
+  assert _imports("x", source=snippet, import_time_only=True) == {"a", "b"}
+
+
+@pytest.mark.parametrize("side, other", [
+    ("sidecar._src.host", "sidecar._src.controller"),
+    ("sidecar._src.controller", "sidecar._src.host"),
+], ids=["host-imports-no-controller", "controller-imports-no-host"])
+def test_host_and_controller_never_import_each_other(side, other):
+  assert _violations(_under(side), other) == {}
+
+
+def test_worker_imports_neither_host_nor_controller():
+  for other in ("sidecar._src.host", "sidecar._src.controller"):
+    assert _violations(["sidecar._src.worker"], other) == {}
+
+
+@pytest.mark.parametrize("module", ["sidecar._src.errors", "sidecar._src.options"])
+def test_leaves_import_only_the_standard_library(module):
+  outside = sorted(n for n in _imports(module)
+                   if n.split(".")[0] not in sys.stdlib_module_names | {"__future__"})
+  assert outside == []
+
+
+def test_only_protocol_imports_the_generated_code():
+  assert set(_violations(SOURCES, GENERATED)) == {"sidecar._src.protocol"}
+
+
+def test_pipelines_use_only_the_public_api():
+  assert _violations(_under("pipelines"), "sidecar._src") == {}
+
+
+def _import_time_closure(start: str) -> set[str]:
+  """The project modules loaded by importing ``start``, with their parent packages.
+
+  The ``sidecar`` package itself is left out: its ``__init__`` is the public API,
+  which loads every layer for the user.
+  """
+  seen, todo = set(), [start]
+  while todo:
+    m = todo.pop()
+    if m in seen or m not in SOURCES:
+      continue
+    seen.add(m)
+    parts = m.split(".")
+    todo += [".".join(parts[:i]) for i in range(2, len(parts))]
+    todo += [n for n in _imports(m, import_time_only=True) if n != "sidecar"]
+  return seen
+
+
+def test_the_sidecar_server_imports_no_controller_code():
+  closure = _import_time_closure("sidecar._src.host.server")
+  assert {"sidecar._src.host.calls", "sidecar._src.protocol"} <= closure
+  assert sorted(m for m in closure if _is_under(m, "sidecar._src.controller")) == []
+  # The closure does follow imports into the controller: local.py's reaches it.
+  assert "sidecar._src.controller.controller" in _import_time_closure("sidecar._src.local")
+
+
+# Imports sidecar._src.* for real, with the `sidecar` package's __init__ (the public
+# API, which loads the controller for users) replaced by an empty package.
+_PROBE = """
+import sys, types
+pkg = types.ModuleType("sidecar")
+pkg.__path__ = [sys.argv[1]]
+sys.modules["sidecar"] = pkg
+def controller():
+  return sorted(m for m in sys.modules if m.startswith("sidecar._src.controller"))
+import sidecar._src.host.server
+print("after server:", controller())
+import sidecar._src.local
+print("after local:", bool(controller()))
+"""
+
+
+def test_importing_the_sidecar_server_loads_no_controller_module():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  out = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "sidecar")], env=env,
+                       capture_output=True, text=True, timeout=120, check=True).stdout
+  assert out.splitlines() == ["after server: []", "after local: True"]
