@@ -126,6 +126,7 @@ def _listening(pid: int) -> list[tuple[str, int]]:
 def test_serve_without_a_token_listens_on_loopback_only(tmp_path):
   import json
   import signal
+
   from tests.conftest import eventually
   ready = tmp_path / "ready.json"
   env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}

@@ -176,11 +176,11 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
     return tuple(items) if kind == "tuple" else items
   if kind == "dict":
     out = {}
-    for e in v.dict.entries:
-      key = _decode(e.key, None, where, depth + 1)
+    for entry in v.dict.entries:
+      key = _decode(entry.key, None, where, depth + 1)
       if not isinstance(key, (str, int)):
         raise errors.InvalidArgumentError(f"{where}: dict key {key!r} is not str or int")
-      out[key] = _decode(e.value, from_arena, f"{where}[{key!r}]", depth + 1)
+      out[key] = _decode(entry.value, from_arena, f"{where}[{key!r}]", depth + 1)
     return out
   raise errors.InvalidArgumentError(f"{where}: empty or unknown value kind {kind!r}")
 

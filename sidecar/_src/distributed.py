@@ -173,7 +173,7 @@ def _jax_detects_cluster() -> bool:
     from jax._src import clusters
     return any(c.is_env_present() for c in clusters.ClusterEnv._cluster_types
                if c.__name__ != "K8sCluster")  # it needs a kubernetes client we don't require
-  except Exception:  # noqa: BLE001 - an internal API; without it, ask for our variables
+  except Exception:  # an internal API; without it, ask for our variables
     return False
 
 
@@ -282,7 +282,7 @@ class JaxPeers(Peers):
   def publish(self, key: str, value: str) -> None:
     try:
       self._kv.key_value_set(f"{self.PREFIX}{key}/{self.index}", value)
-    except Exception as e:  # noqa: BLE001 - jax raises its own runtime errors here
+    except Exception as e:  # jax raises its own runtime errors here
       raise errors.InvalidArgumentError(
           f"process {self.index} could not publish {key!r} (published twice means the "
           f"processes' calls are out of step): {str(e)[:300]}") from None
@@ -292,7 +292,7 @@ class JaxPeers(Peers):
     try:
       return self._kv.blocking_key_value_get(f"{self.PREFIX}{key}/{process}",
                                              max(int(timeout * 1000), 1))
-    except Exception as e:  # noqa: BLE001 - jax raises its own runtime errors here
+    except Exception as e:  # jax raises its own runtime errors here
       waited = time.monotonic() - t0
       raise errors.DeadlineExceededError(
           f"process {self.index}: process {process} gave no answer to {key!r} within "
@@ -304,7 +304,7 @@ class JaxPeers(Peers):
     """Forgets this process's answer to ``key`` (the store holds it until then)."""
     try:
       self._kv.key_value_delete(f"{self.PREFIX}{key}/{self.index}")
-    except Exception:  # noqa: BLE001 - best effort: the store ends with the job
+    except Exception:  # best effort: the store ends with the job
       pass
 
 

@@ -86,7 +86,7 @@ def test_a_client_without_a_worker_cannot_read_the_arena(victim):
   server, ctl, array, ref, raw = victim
   whole = arena_ref(0, ref.generation, server.arena.size)  # the generation as if guessed
   for value in (whole, arena_ref(ref.offset, ref.generation, ref.nbytes)):
-    e = rejected(lambda: raw.call("echo", value))
+    e = rejected(lambda value=value: raw.call("echo", value))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "args[0]: an arena reference needs the request's worker_session" in e.details()
   assert (array == 0x5A).all() and ctl.call("add", 2, b=3) == [5]
@@ -100,7 +100,7 @@ def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
     for value in (arena_ref(ref.offset, ref.generation, ref.nbytes),     # the right guess
                   arena_ref(ref.offset, ref.generation + 1, ref.nbytes),  # a wrong one
                   arena_ref(ref.offset + (1 << 20), 12345, ref.nbytes)):   # no block there
-      e = rejected(lambda: mine(value))
+      e = rejected(lambda value=value: mine(value))
       assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
       errors.append(re.sub(r"\d+", "N", e.details()))
     # One answer for all three: no oracle that tells a right guess from a wrong one.
@@ -232,8 +232,8 @@ def test_every_wrong_token_is_unauthenticated(make_server, sent):
   with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
     for method in ("Handshake", "Call", "Status"):
       rpc = ch.unary_unary(f"/{protocol.SERVICE}/{method}")
-      e = rejected(lambda: rpc(b"", metadata=[] if sent is None else [(protocol.AUTH_KEY, sent)],
-                               timeout=5))
+      e = rejected(lambda rpc=rpc: rpc(
+          b"", metadata=[] if sent is None else [(protocol.AUTH_KEY, sent)], timeout=5))
       assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "missing or wrong token" in e.details()
   raw = Raw(server.port, token="s3cret")
   assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2

@@ -274,12 +274,12 @@ class Checkpointer:
     try:
       self._begin(target, key)
       sums = self._stage(handle, target, parts, leaves)
-    except BaseException as e:  # noqa: BLE001 - every process must reach the commit's agreement
+    except BaseException as e:  # every process must reach the commit's agreement
       error = e.with_traceback(None)  # its frames would hold the staged blocks
     del parts  # no frame of this thread holds staged blocks past here
     try:
       self._commit(target, key, leaves, sums, data_json, error)
-    except BaseException as e:  # noqa: BLE001 - the save failed: its futures say why
+    except BaseException as e:  # the save failed: its futures say why
       if not handle.staged.done():
         handle.staged.set_exception(e)
       handle.durable.set_exception(e)
