@@ -1,6 +1,6 @@
 """colocated-sidecar: data loading and checkpointing on the accelerator hosts."""
 
-from sidecar import distributed, testing
+from sidecar import distributed, elastic, testing
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.controller import Controller
 from sidecar._src.errors import (
@@ -54,6 +54,7 @@ __all__ = [
     "Worker",
     "default_registry",
     "distributed",
+    "elastic",
     "empty",
     "function",
     "pipeline",

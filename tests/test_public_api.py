@@ -8,10 +8,12 @@ def test_public_api_is_pinned():
       "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
       "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
       "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",
-      "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "distributed", "empty",
+      "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "distributed", "elastic",
+      "empty",
       "function", "pipeline", "set_default_registry", "testing",
   ]
   assert sidecar.testing.__all__ == ["LocalCluster"]
+  assert sidecar.elastic.__all__ == ["Event", "Retry", "devices", "phase", "retry"]
   assert sidecar.distributed.__all__ == [
       "JaxPeers", "LocalPeers", "Peers", "initialize", "is_initialized"]
   for name in sidecar.__all__:

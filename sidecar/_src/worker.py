@@ -349,6 +349,8 @@ class LocalStream:
       done = pb.StreamRequest(credit=self._owed, freed=self._worker.take_freed(), close=True)
       with contextlib.suppress(OSError):
         ipc.send_bytes(self._sock, done.SerializeToString())
+      with contextlib.suppress(OSError):  # wakes a reader blocked on another thread
+        self._sock.shutdown(socket.SHUT_RDWR)
       self._sock.close()
 
   def __del__(self) -> None:

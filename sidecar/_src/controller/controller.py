@@ -8,7 +8,9 @@ import enum
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -16,7 +18,7 @@ import jax
 import numpy as np
 
 from sidecar._src import codec, distributed, errors, protocol, shm, worker as worker_lib
-from sidecar._src.controller import discovery, feed as feed_lib
+from sidecar._src.controller import discovery, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
@@ -88,6 +90,11 @@ class Controller:
     self._device_hosts: dict[int, int] = {}
     self._local_hosts: list[int] = []
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
+    self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
+    self._lost: dict[int, str] = {}  # host id -> why it is lost
+    self._lost_listeners: list[Callable[[int, str], None]] = []
+    self._watch: health.HealthWatch | None = None
+    self._lock = threading.Lock()
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max(4, len(addresses)), thread_name_prefix="sidecar-controller")
     try:
@@ -217,8 +224,8 @@ class Controller:
 
   @property
   def local_hosts(self) -> list[int]:
-    """The hosts this process drives: all of them, or its own under N processes."""
-    return list(self._local_hosts)
+    """The live hosts this process drives: all of them, or its own under N processes."""
+    return [h for h in self._local_hosts if h not in self._lost]
 
   @property
   def device_hosts(self) -> dict[int, int]:
@@ -227,8 +234,50 @@ class Controller:
 
   @property
   def hosts(self) -> list[HostInfo]:
-    """Every sidecar's identity, by host id."""
-    return [self._conns[h].info for h in sorted(self._conns)]
+    """Every live sidecar's identity, by host id (lost hosts are dropped)."""
+    return [self._conns[h].info for h in sorted(self._conns) if h not in self._lost]
+
+  @property
+  def lost_hosts(self) -> dict[int, str]:
+    """``{host id: why}`` of the hosts found lost (see :meth:`watch`)."""
+    with self._lock:
+      return dict(self._lost)
+
+  def watch(self, *, interval: float = health.DEFAULT_INTERVAL_S,
+            lost_after: float = health.DEFAULT_LOST_AFTER_S) -> None:
+    """Polls every live host's health; one silent for ``lost_after`` s is lost.
+
+    A lost host leaves :attr:`hosts`; the feeds and streams this controller made are
+    closed (their ``next()`` raises instead of waiting on a host that will not answer),
+    and the listeners added with :meth:`on_host_lost` are told. Idempotent.
+    """
+    self._check_open()
+    with self._lock:
+      if self._watch is not None:
+        return
+      rpcs = {h: (c.status_rpc, c.metadata) for h, c in self._conns.items()
+              if h not in self._lost}
+      self._watch = health.HealthWatch(rpcs, on_lost=self._host_lost, interval=interval,
+                                       lost_after=lost_after).start()
+
+  def on_host_lost(self, listener: Callable[[int, str], None]) -> None:
+    """Calls ``listener(host_id, reason)`` (on the watch's thread) when a host is lost."""
+    self._lost_listeners.append(listener)
+
+  def _host_lost(self, host_id: int, reason: str) -> None:
+    with self._lock:
+      if host_id in self._lost or self.state is State.CLOSED:
+        return
+      self._lost[host_id] = reason
+    self.cancel()
+    for listener in list(self._lost_listeners):
+      listener(host_id, reason)
+
+  def cancel(self) -> None:
+    """Closes every feed and stream this controller made: work in flight stops."""
+    for child in list(self._children):
+      if not isinstance(child, Checkpointer):
+        child.close()
 
   def worker(self, host_id: int) -> worker_lib.Worker | None:
     """The worker that maps host ``host_id``'s arena here, if any."""
@@ -240,10 +289,15 @@ class Controller:
 
   def _select(self, hosts: Sequence[int] | None) -> list[int]:
     if hosts is None:
-      return list(self._local_hosts)
+      return self.local_hosts
     if isinstance(hosts, int):
       hosts = [hosts]
     chosen = list(hosts)
+    lost = [h for h in chosen if h in self._lost]
+    if lost:
+      raise errors.HostLostError(
+          f"hosts {lost} are lost ({'; '.join(self._lost[h] for h in lost)}); live hosts: "
+          f"{[h.host_id for h in self.hosts]}", host_id=lost[0])
     bad = [h for h in chosen if h not in self._conns]
     if bad or not chosen or len(set(chosen)) != len(chosen):
       raise errors.InvalidArgumentError(
@@ -325,7 +379,8 @@ class Controller:
           ...
     """
     self._check_open()
-    (host_id,) = self._select([self._local_hosts[0] if host is None else host])
+    (host_id,) = self._select([(self.local_hosts or self._local_hosts)[0] if host is None
+                               else host])
     held = []
     request = self._request(host_id, name, args, kwargs, self.timeout, held)
     return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held,
@@ -342,6 +397,7 @@ class Controller:
       stream = Stream(conn.stream_rpc, request, prefetch=prefetch, metadata=conn.metadata,
                       timeout=timeout, host=conn.address, host_id=host_id, device=device)
     stream.args = held  # Argument blocks live as long as the stream.
+    self._children.add(stream)
     return stream
 
   def feed(self, name: str, *, global_batch_size: int, sharding: jax.sharding.Sharding,
@@ -405,12 +461,14 @@ class Controller:
                                worker_session=w.session if w is not None else "")
       return self._open_stream(host_id, request, prefetch=prefetch, timeout=None, held=[])
 
-    return Feed(name=name, plans=plans, sharding=sharding, global_batch_size=global_batch_size,
+    feed = Feed(name=name, plans=plans, sharding=sharding, global_batch_size=global_batch_size,
                 seed=seed, num_epochs=num_epochs, prefetch=prefetch, state=state,
-                workers=workers, open_stream=open_stream, local_hosts=self._local_hosts,
+                workers=workers, open_stream=open_stream, local_hosts=self.local_hosts,
                 peers=self._peers, key=key,
                 arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                                    for s in self.status()})
+    self._children.add(feed)
+    return feed
 
   def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
                    keep_period: int | None = None, ram_steps: int = 1,
@@ -438,13 +496,15 @@ class Controller:
     """
     self._check_open()
     self._checkpointers += 1
-    return Checkpointer(
+    ckpt = Checkpointer(
         directory=str(directory), call=self.call, call_async=self.call_async,
         put=self._put, hosts=[h.host_id for h in self.hosts],
         device_hosts=self._device_hosts, status=self.status,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
-        ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self._local_hosts,
+        ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}")
+    self._children.add(ckpt)
+    return ckpt
 
   def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""
@@ -485,7 +545,7 @@ class Controller:
     """Each sidecar's status (identity, registry, arena use, uptime), by host id."""
     self._check_open()
     out = []
-    for h in sorted(self._conns):
+    for h in sorted(set(self._conns) - set(self._lost)):
       c = self._conns[h]
       try:
         out.append(c.status_rpc(pb.StatusRequest(), timeout=self.timeout, metadata=c.metadata))
@@ -496,9 +556,15 @@ class Controller:
   # ---- lifecycle ---------------------------------------------------------
 
   def close(self) -> None:
-    """Closes every channel and the workers this controller attached; idempotent."""
+    """Closes what this controller made (feeds and streams, then checkpointers, which
+    finish the save in flight), its workers and channels; idempotent."""
     if self.state is State.CLOSED:
       return
+    if self._watch is not None:
+      self._watch.stop()
+    self.cancel()
+    for child in list(self._children):
+      child.close()  # the checkpointers: each waits for its save in flight
     self.state = State.CLOSED
     for w in self._own_workers:
       w.close()

@@ -140,6 +140,8 @@ class Feed:
     try:
       items = [next(s) for s in self._streams]
     except StopIteration:
+      if self.status is State.CLOSED:  # closed under us (Controller.cancel), not the end
+        raise errors.ClosedError(f"feed {self.name!r} was closed") from None
       self.close()
       raise
     except errors.SidecarError:

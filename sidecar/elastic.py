@@ -1,0 +1,16 @@
+"""Elastic training: when a host is lost, train on, on the hosts that remain.
+
+Example::
+
+  @sidecar.elastic.retry(ctl, min_hosts=2)
+  def train(hosts):
+    mesh = Mesh(np.array(sidecar.elastic.devices(ctl, hosts)), ("data",))
+    ...                     # restore the latest step, reopen the feed from its position
+
+  train()
+  print(train.events)
+"""
+
+from sidecar._src.controller.elastic import Event, Retry, devices, phase, retry
+
+__all__ = ["Event", "Retry", "devices", "phase", "retry"]

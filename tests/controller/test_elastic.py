@@ -1,0 +1,132 @@
+"""sidecar.elastic: a LocalCluster of 3 hosts loses one mid-training; training goes on.
+
+Real sidecar processes, killed with SIGKILL. The run that loses a host must end in the
+same state, with the same global batch at every step, as a run that loses none.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar import elastic
+
+STEPS, SAVE_EVERY, BATCH = 10, 3, 12
+
+
+@jax.jit
+def update(state, batch):
+  ids = batch["id"].astype(jnp.float32)
+  return {"rows": state["rows"] + ids.reshape(BATCH, 1) * 2 + 1,
+          "total": state["total"] + jnp.sum(ids)}
+
+
+def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2):
+  """Trains STEPS steps under elastic.retry; ``kill=(step, host)`` SIGKILLs that sidecar."""
+  seen: dict[int, list[int]] = {}
+  pending = [kill] if kill else []
+
+  @elastic.retry(ctl, min_hosts=min_hosts)
+  def train(hosts):
+    mesh = Mesh(np.array(elastic.devices(ctl, hosts)), ("data",))
+    rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    ckpt = ctl.checkpointer(directory, max_to_keep=2)
+    start = ckpt.latest_step()
+    if start is None:
+      state = {"rows": jax.device_put(jnp.zeros((BATCH, 1)), rows),
+               "total": jax.device_put(jnp.zeros(()), whole)}
+      data, start = None, 0
+    else:
+      with elastic.phase("restore"):
+        state = ckpt.restore(target={
+            "rows": jax.ShapeDtypeStruct((BATCH, 1), jnp.float32, sharding=rows),
+            "total": jax.ShapeDtypeStruct((), jnp.float32, sharding=whole)})
+        data = ckpt.data_state()
+    with ctl.feed("ids", global_batch_size=BATCH, sharding=rows, seed=3, n=600,
+                  state=data) as feed:
+      for step in range(start + 1, STEPS + 1):
+        if pending and pending[0][0] == step:
+          cluster.kill(pending.pop()[1])
+        batch = next(feed)
+        seen[step] = np.asarray(batch["id"]).tolist()
+        state = update(state, batch)
+        if step % SAVE_EVERY == 0:
+          ckpt.save(step, state, data_state=feed.state())
+          ckpt.wait()
+    ckpt.close()
+    return jax.tree.map(np.asarray, state), hosts
+
+  return train(), seen, train
+
+
+@pytest.fixture
+def three_hosts():
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as cluster:
+    with cluster.controller() as ctl:
+      yield cluster, ctl
+
+
+def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
+  cluster, ctl = three_hosts
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
+    with other.controller() as ctl2:
+      (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
+  t0 = time.monotonic()
+  (got, hosts), seen, train = train_loop(cluster, ctl, tmp_path / "lossy", kill=(5, 2))
+  assert hosts == [0, 1]  # the last attempt ran on the survivors
+  assert [h.host_id for h in ctl.hosts] == [0, 1] and list(ctl.lost_hosts) == [2]
+  # The same global batch at every step, and the same state at the end, bit for bit.
+  assert seen == want_seen
+  np.testing.assert_array_equal(got["rows"], want["rows"])
+  assert got["total"] == want["total"]
+  kinds = [e.kind for e in train.events]
+  assert kinds[:2] == ["start", "host_lost"] or kinds[:3] == ["start", "retry", "host_lost"] \
+      or "host_lost" in kinds
+  assert kinds.count("start") == 2 and kinds[-1] == "done" and "retry" in kinds
+  restore = [e for e in train.events if e.kind == "phase" and e.detail == "restore"]
+  assert len(restore) == 1 and restore[0].hosts == (0, 1)
+  lost = next(e for e in train.events if e.kind == "host_lost")
+  assert lost.detail.startswith("host 2:")
+  assert time.monotonic() - t0 < 60
+
+
+def test_fewer_live_hosts_than_min_hosts_raise_naming_the_lost(three_hosts, tmp_path):
+  cluster, ctl = three_hosts
+  with pytest.raises(sidecar.HostLostError,
+                     match=r"2 live hosts \[0, 1\] is fewer than min_hosts=3; lost: host 2"):
+    train_loop(cluster, ctl, tmp_path, kill=(2, 2), min_hosts=3)
+
+
+def test_an_error_without_a_lost_host_is_not_retried(three_hosts):
+  _, ctl = three_hosts
+  calls = []
+
+  @elastic.retry(ctl)
+  def train(hosts):
+    calls.append(hosts)
+    raise ValueError("a bug in the training function")
+
+  with pytest.raises(ValueError, match="a bug"):
+    train()
+  assert calls == [[0, 1, 2]] and ctl.lost_hosts == {}
+
+
+def test_a_lost_host_is_noticed_within_a_second(three_hosts):
+  cluster, ctl = three_hosts
+  ctl.watch()
+  lost = []
+  ctl.on_host_lost(lambda h, why: lost.append((h, time.monotonic())))
+  t0 = time.monotonic()
+  cluster.kill(1)
+  deadline = time.monotonic() + 5
+  while not lost and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert lost and lost[0][0] == 1
+  assert lost[0][1] - t0 < 1.0
+  with pytest.raises(sidecar.HostLostError, match=r"hosts \[1\] are lost"):
+    ctl.call("sidecar_pid", hosts=[1])
+  assert len(ctl.call("sidecar_pid")) == 2  # the live ones
