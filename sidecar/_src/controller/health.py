@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
 
@@ -28,7 +29,7 @@ class HealthWatch:
   Use ``start()`` and ``stop()``; ``stop()`` joins the thread. Owned by a Controller.
   """
 
-  def __init__(self, rpcs: Mapping[int, tuple[Callable[..., object], tuple]], *,
+  def __init__(self, rpcs: Mapping[int, tuple[Any, tuple]], *,
                on_lost: Callable[[int, str], None], interval: float = DEFAULT_INTERVAL_S,
                lost_after: float = DEFAULT_LOST_AFTER_S):
     if interval <= 0 or lost_after <= 0:
