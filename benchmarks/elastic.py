@@ -1,0 +1,147 @@
+"""Recovery from a lost host: single-controller ``sidecar.elastic.retry`` on 3 hosts.
+
+Run from the repository root: ``python -m benchmarks.elastic``. Not run by CI.
+
+A LocalCluster of 3 hosts x 2 CPU devices trains a 1 GiB state (8 x 128 MiB float32,
+rows sharded over the mesh) fed by ``ctl.feed``; it saves every few steps. Mid-way the
+benchmark SIGKILLs host 2's sidecar and measures, from that kill, each phase until the
+first training step completes on the 2 hosts left:
+
+  detect        the kill -> the controller's health watch declares the host lost
+  cancel        -> the training function's failure reaches ``retry`` (feeds closed)
+  restore       ``ckpt.restore`` of the latest step onto the new mesh (resharded)
+  reopen feed   ``ctl.feed(..., state=...)`` and its first batch
+  first step    the jitted step on the new mesh: its recompile and run
+  total         the kill -> the first step done on the survivors
+
+Two recoveries in one run: from the RAM tier (the survivors' arenas hold their shards
+of the step; the lost host's shards come from storage) and from storage only
+(``ram_steps=0``: no step stays in the arenas). Each restores the same step; each run
+checks the state after recovery equals an uninterrupted run's (integer-valued data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar import elastic
+
+HOSTS, DEVICES, BATCH = 3, 2, 12
+LEAVES, ROWS, COLS = 8, 768, 43_690  # 8 x 128 MiB float32; rows divide 6 and 4 devices
+
+
+@jax.jit
+def step_fn(state, batch):
+  bump = jnp.sum(batch["id"]).astype(jnp.float32)
+  return [w + bump for w in state]
+
+
+def run(directory: str, *, ram_steps: int, kill_at: int | None, steps: int,
+        save_every: int) -> dict:
+  """One training run; returns the phases of its recovery and its final state."""
+  marks: dict[str, float] = {}
+  with sidecar.testing.LocalCluster(HOSTS, DEVICES, shm_size="1536MiB",
+                                    imports=["tests.feed_fns"]) as cluster:
+    with cluster.controller() as ctl:
+
+      @elastic.retry(ctl, min_hosts=2)
+      def train(hosts):
+        mesh = Mesh(np.array(elastic.devices(ctl, hosts)), ("data",))
+        rows = NamedSharding(mesh, P("data"))
+        ckpt = ctl.checkpointer(directory, max_to_keep=2, ram_steps=ram_steps)
+        start = ckpt.latest_step()
+        restart = "killed" in marks
+        if start is None:
+          state = [jax.device_put(jnp.zeros((ROWS, COLS), jnp.float32), rows)
+                   for _ in range(LEAVES)]
+          data, start = None, 0
+        else:
+          t = time.monotonic()
+          state = ckpt.restore(target=[jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32,
+                                                            sharding=rows)] * LEAVES)
+          jax.block_until_ready(state)
+          data = ckpt.data_state()
+          marks["restored"], marks["restore_s"] = time.monotonic(), time.monotonic() - t
+        t = time.monotonic()
+        with ctl.feed("ids", global_batch_size=BATCH, sharding=rows, seed=3, n=6000,
+                      state=data, prefetch=2) as feed:
+          batch = next(feed)
+          if restart:
+            marks["feed_s"] = time.monotonic() - t
+          for step in range(start + 1, steps + 1):
+            if kill_at == step and "killed" not in marks:
+              marks["killed"] = time.monotonic()
+              cluster.kill(2)
+            t = time.monotonic()
+            state = step_fn(state, batch)
+            jax.block_until_ready(state)
+            if restart and "first_step_s" not in marks:
+              marks["first_step_s"] = time.monotonic() - t
+              marks["first_step_done"] = time.monotonic()
+            if step % save_every == 0:
+              ckpt.save(step, state, data_state=feed.state())
+              ckpt.wait()
+            if step < steps:
+              batch = next(feed)
+        ckpt.close()
+        return [float(np.asarray(w)[0, 0]) for w in state], start
+
+      final, restored_step = train()
+      events = train.events
+  out = {"final": final, "restored_step": restored_step, "events": events, **marks}
+  if "killed" in marks:
+    lost = next(e for e in events if e.kind == "host_lost")
+    retry = next(e for e in events if e.kind == "retry")
+    out["detect_s"] = lost.at - marks["killed"]
+    out["cancel_s"] = retry.at - lost.at
+    out["total_s"] = marks["first_step_done"] - marks["killed"]
+  return out
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--dir", default=tempfile.gettempdir())
+  args = parser.parse_args()
+  steps, save_every, kill_at = 8, 3, 5
+  root = tempfile.mkdtemp(prefix="sidecar-bench-elastic-", dir=args.dir)
+  rows: dict[str, list[dict]] = {"RAM tier (+ storage for the lost host)": [], "storage": []}
+  try:
+    want = run(f"{root}/whole", ram_steps=1, kill_at=None, steps=steps,
+               save_every=save_every)["final"]
+    for r in range(args.rounds):
+      for name, ram_steps in (("RAM tier (+ storage for the lost host)", 1), ("storage", 0)):
+        got = run(f"{root}/{r}-{ram_steps}", ram_steps=ram_steps, kill_at=kill_at, steps=steps,
+                  save_every=save_every)
+        got["exact"] = got["final"] == want
+        rows[name].append(got)
+        print(f"round {r} {name}: total {got['total_s']:.2f} s, exact {got['exact']}",
+              flush=True)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  phases = ("detect_s", "cancel_s", "restore_s", "feed_s", "first_step_s", "total_s")
+  print("\n| recovery (3 hosts -> 2, 1 GiB state) | " + " | ".join(
+      p[:-2].replace("_", " ") + " s" for p in phases) + " | bit-exact |")
+  print("|---" * (len(phases) + 2) + "|")
+  for name, runs in rows.items():
+    cells = [f"{statistics.median(r[p] for r in runs):.3f}" for p in phases]
+    exact = f"{sum(r['exact'] for r in runs)}/{len(runs)}"
+    print(f"| {name} | " + " | ".join(cells) + f" | {exact} |")
+  ram, disk = (statistics.median(r["total_s"] for r in rows[n]) for n in rows)
+  print(f"\nrecovery from the RAM tier: {ram:.2f} s (target <= 5 s); from storage {disk:.2f} s; "
+        f"storage / RAM tier: {disk / ram:.2f}x (medians of {args.rounds} rounds)")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
