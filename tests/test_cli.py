@@ -63,18 +63,22 @@ def test_serve_loads_plugins_from_entry_points(tmp_path, monkeypatch):
   assert reg.names("function") == ["from_plugin"]
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "two-processes"])
-def test_demo_runs(tmp_path, processes):
+@pytest.mark.parametrize("flags", [[], ["--processes", "2"], ["--elastic"]],
+                         ids=["one-process", "two-processes", "elastic"])
+def test_demo_runs(tmp_path, flags):
   env = dict(os.environ, SIDECAR_LOG_LEVEL="WARNING")
-  p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100",
-                      "--processes", str(processes)],
+  p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100", *flags],
                      capture_output=True, text=True,
                      timeout=300, env=env)
   assert p.returncode == 0, p.stderr[-3000:]
-  assert "test accuracy" in p.stdout and "trainer waited for data" in p.stdout
+  assert "test accuracy" in p.stdout
+  assert "--elastic" in flags or "trainer waited for data" in p.stdout
   accuracy = float(p.stdout.split("test accuracy ")[1].split("%")[0])
   assert accuracy > 50  # a model that learned from the fed digits, not chance (10%)
   assert "no shared memory left behind" in p.stdout
+  if "--elastic" in flags:
+    assert "restarted on hosts [0, 1]: restored step" in p.stdout
+    assert float(p.stdout.split("Recovery: ")[1].split(" s")[0]) > 0
 
 
 def test_status_shows_running_feeds(capsys):

@@ -130,7 +130,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
-                  processes=args.processes)
+                  processes=args.processes, elastic=args.elastic)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -198,6 +198,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--processes", type=int, default=1,
                  help="1 (default): one process owns every device; N: the same training as N "
                  "trainer processes under jax.distributed, one per host, via sidecar launch")
+  s.add_argument("--elastic", action="store_true",
+                 help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
+                 "go on on the others (sidecar.elastic.retry), with the recovery time")
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)

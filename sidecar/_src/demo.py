@@ -7,6 +7,7 @@ devices own, which arrive as one sharded ``jax.Array`` per step.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src import distributed, launch
+from sidecar._src.controller import elastic as elastic_lib
 from sidecar._src.controller.controller import Controller
 from sidecar._src.local import LocalCluster
 
@@ -82,7 +84,8 @@ def evaluate(ctl, params, sharding) -> tuple[int, int]:
 
 
 def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
-        global_batch_size: int = 64, checkpoint_every: int = 100, processes: int = 1) -> int:
+        global_batch_size: int = 64, checkpoint_every: int = 100, processes: int = 1,
+        elastic: bool = False) -> int:
   """Runs the demo; returns a process exit code.
 
   ``processes=1``: one process owns every device and drives a LocalCluster of ``hosts``
@@ -90,6 +93,11 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   processes under ``jax.distributed`` (one per host, each beside its own sidecar),
   started by ``sidecar launch``.
   """
+  if elastic:
+    hosts = max(hosts, 3)  # a global batch both meshes split evenly, before and after
+    batch = math.lcm(hosts * devices_per_host, (hosts - 1) * devices_per_host) * 4
+    return run_elastic(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
+                       global_batch_size=batch)
   if processes > 1:
     print(f"Launching {processes} trainer processes under jax.distributed, each beside its "
           f"own sidecar ({devices_per_host} CPU devices each), through `sidecar launch`.")
@@ -171,6 +179,81 @@ def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
   ctl.peers.all_gather("demo/done", "")  # nobody reads the directory any more
   if ctl.process_index == 0:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
+                global_batch_size: int) -> int:
+  """The demo's training on ``hosts`` hosts, one of which is SIGKILLed mid-way."""
+  lost_host, kill_at, every = hosts - 1, steps // 2, max(steps // 10, 1)
+  print(f"Elastic: {hosts} sidecar hosts, {devices_per_host} CPU devices each; host "
+        f"{lost_host}'s sidecar is SIGKILLed at step {kill_at}, and training goes on on the "
+        "others from the last checkpoint in host memory.")
+  ckpt_dir = tempfile.mkdtemp(prefix="sidecar-demo-elastic-")
+  marks: dict[str, float] = {}
+  try:
+    with LocalCluster(hosts, devices_per_host, shm_size="64MiB", imports=[PIPELINES]) as cluster:
+      with cluster.controller() as ctl:
+
+        @elastic_lib.retry(ctl, min_hosts=hosts - 1)
+        def train(live):
+          mesh = Mesh(np.array(elastic_lib.devices(ctl, live)), ("data",))
+          sharding = NamedSharding(mesh, P("data"))
+          ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2)
+          start, data, restarted = ckpt.latest_step(), None, "killed" in marks
+          if start is None:
+            params = jax.device_put(init_params(jax.random.key(0)), NamedSharding(mesh, P()))
+            start = 0
+          else:
+            like = jax.device_put(init_params(jax.random.key(0)), NamedSharding(mesh, P()))
+            with elastic_lib.phase("restore"):
+              params = ckpt.restore(target={"params": jax.tree.map(
+                  lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                  like)})["params"]
+            data = ckpt.data_state()
+            print(f"  restarted on hosts {live}: restored step {start} "
+                  f"({_sources(ckpt)}), data position {data['position']} of epoch "
+                  f"{data['epoch']}")
+          with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding,
+                        seed=0, split="train", prefetch=4, state=data) as feed:
+            for step in range(start + 1, steps + 1):
+              if step == kill_at and "killed" not in marks:
+                marks["killed"] = time.perf_counter()
+                print(f"  step {step}: SIGKILL to host {lost_host}'s sidecar "
+                      f"(pid {cluster.pid(lost_host)})")
+                cluster.kill(lost_host)
+              params, loss = train_step(params, next(feed))
+              if restarted and "recovered" not in marks:
+                jax.block_until_ready(params)
+                marks["recovered"] = time.perf_counter()
+              if step % every == 0:
+                ckpt.save(step, {"params": params}, data_state=feed.state())
+              if step % 50 == 0 or step == steps:
+                print(f"  step {step} on hosts {live}: loss {float(loss):.3f}")
+          ckpt.close()
+          return params, mesh
+
+        params, mesh = train()
+        hits, total = evaluate(ctl, params, NamedSharding(mesh, P("data")))
+        print(f"  final loss on {len(ctl.hosts)} hosts; test accuracy {hits / total:.1%} on "
+              f"{total} held-out digits")
+        for e in train.events:
+          took = f" ({e.seconds:.3f} s)" if e.seconds is not None else ""
+          print(f"  event: {e.kind}{': ' + e.detail if e.detail else ''}{took}, live hosts "
+                f"{list(e.hosts)}")
+        print(f"Recovery: {marks['recovered'] - marks['killed']:.2f} s from the SIGKILL to "
+              "the first training step on the survivors (detect, cancel, restore, reopen "
+              "the feed, recompile).")
+  finally:
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+  print("Done: every sidecar stopped, no shared memory left behind.")
+  return 0
+
+
+def _sources(ckpt) -> str:
+  stats = getattr(ckpt, "last_restore_stats", None)
+  if stats is None:
+    return "from the survivors' RAM tiers, storage for the lost host's shards"
+  return ", ".join(f"{k}: {v}" for k, v in stats().items())
 
 
 def main(argv: list[str]) -> int:
