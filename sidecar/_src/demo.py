@@ -209,10 +209,10 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
               params = ckpt.restore(target={"params": jax.tree.map(
                   lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                   like)})["params"]
-            data = ckpt.data_state()
+            data = ckpt.data_state() or {}
             print(f"  restarted on hosts {live}: restored step {start} "
-                  f"({_sources(ckpt)}), data position {data['position']} of epoch "
-                  f"{data['epoch']}")
+                  f"({_sources(ckpt)}), data position {data.get('position')} of epoch "
+                  f"{data.get('epoch')}")
           with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding,
                         seed=0, split="train", prefetch=4, state=data) as feed:
             for step in range(start + 1, steps + 1):
