@@ -214,7 +214,7 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
                   f"({_sources(ckpt)}), data position {data.get('position')} of epoch "
                   f"{data.get('epoch')}")
           with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding,
-                        seed=0, split="train", prefetch=4, state=data) as feed:
+                        seed=0, split="train", prefetch=4, state=data or None) as feed:
             for step in range(start + 1, steps + 1):
               if step == kill_at and "killed" not in marks:
                 marks["killed"] = time.perf_counter()
