@@ -191,6 +191,10 @@ def sync_timeout(env: Mapping[str, str] | None = None) -> float:
   return value
 
 
+def _timeout(timeout: float | None) -> float:
+  return sync_timeout() if timeout is None else timeout
+
+
 class Peers:
   """The processes of one job, and how they agree. Subclasses move the values.
 
@@ -212,7 +216,8 @@ class Peers:
   def all_gather(self, key: str, value: str, *, timeout: float | None = None) -> list[str]:
     """Every process's ``value`` for ``key``, by process index."""
     self.publish(key, value)
-    return [value if p == self.index else self.read(key, p, timeout=self._left(timeout, p))
+    wait = _timeout(timeout)
+    return [value if p == self.index else self.read(key, p, timeout=wait)
             for p in range(self.count)]
 
   def broadcast(self, key: str, value: str | None = None, *,
@@ -223,7 +228,7 @@ class Peers:
         raise errors.InvalidArgumentError(f"process 0 must give the value of {key!r}")
       self.publish(key, value)
       return value
-    return self.read(key, 0, timeout=self._left(timeout, 0))
+    return self.read(key, 0, timeout=_timeout(timeout))
 
   def agree(self, key: str, value: Any, *, what: str, timeout: float | None = None) -> None:
     """Raises in every process unless every process passes an equal ``value``.
@@ -244,10 +249,6 @@ class Peers:
         + "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
         + ". Every process must make the same calls with the same arguments, in the same "
         "order")
-
-  def _left(self, timeout: float | None, process: int) -> float:
-    del process
-    return sync_timeout() if timeout is None else timeout
 
 
 class LocalPeers(Peers):

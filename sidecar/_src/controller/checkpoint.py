@@ -276,7 +276,6 @@ class Checkpointer:
       sums = self._stage(handle, target, parts, leaves)
     except BaseException as e:  # every process must reach the commit's agreement
       error = e.with_traceback(None)  # its frames would hold the staged blocks
-    del parts  # no frame of this thread holds staged blocks past here
     try:
       self._commit(target, key, leaves, sums, data_json, error)
     except BaseException as e:  # the save failed: its futures say why
