@@ -481,8 +481,9 @@ class Checkpointer:
             f"the save of step {target.step} failed in {'; '.join(failures)}")
       checksums = [c for g in gathered for c in g["ok"]]
       self._call("sidecar.ckpt.commit", target.item, target.step, len(self._hosts), leaves,
-                 checksums, data_json, target.whole_step, hosts=[self._local[0]],
-                 timeout=_LONG_S)
+                 checksums, data_json, target.whole_step,
+                 {h: p for h, p in self._placement.items() if p} or None,
+                 hosts=[self._local[0]], timeout=_LONG_S)
     except BaseException as e:
       self._abort(target)  # before anyone fails: a retry must not race the cleanup
       self._peers.publish(f"{key}/outcome", _describe(e))
@@ -603,7 +604,8 @@ class Checkpointer:
       except errors.SidecarError as e:
         lost.append((k, e))
     if lost:
-      raise self._lost(step, lost, owners, gone)
+      placed = {int(h): peers for h, peers in (manifest.get("replicas") or {}).items()}
+      raise self._lost(step, lost, owners, placed, gone)
     out = []
     for path, want in flat:
       kp = key_path(path)
@@ -741,13 +743,16 @@ class Checkpointer:
     attempt(0)
     return out
 
-  def _lost(self, step: int, lost, owners: dict, gone: list[int]) -> errors.SidecarError:
+  def _lost(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
+            gone: list[int]) -> errors.SidecarError:
     """The error of a restore with shards that no copy could give."""
     by_array: dict[KeyPath, list] = {}
     for (kp, index), _ in lost:
       by_array.setdefault(kp, []).append(index)
     owners_lost = sorted({owners[k] for k, _ in lost if k in owners})
-    gone_hosts = sorted(set(gone) | {h for h in owners_lost if h not in self._hosts})
+    holders = {p for h in owners_lost for p in placed.get(h, [])}
+    gone_hosts = sorted(set(gone) | {h for h in {*owners_lost, *holders}
+                                     if h not in self._hosts})
     arrays = "; ".join(
         f"array {'.'.join(map(str, kp))!r} shards {[[list(i) for i in x] for x in idx]}"
         for kp, idx in by_array.items())
@@ -755,7 +760,9 @@ class Checkpointer:
     return errors.ShardsLostError(
         f"step {step} of {self.directory} cannot be restored: {len(lost)} shards have no live "
         f"copy and no valid stored copy: {arrays}"
-        + (f" (staged by hosts {owners_lost})" if owners_lost else "")
+        + (f" (staged by hosts {owners_lost}" + (f", replicated on hosts {sorted(holders)}"
+                                                  if holders else "") + ")"
+           if owners_lost else "")
         + f"; hosts gone: {gone_hosts or 'none'}. First shard's tries: {first}. Restore an "
         f"older step ({self.all_steps()}), or save with more replicas")
 

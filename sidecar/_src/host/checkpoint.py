@@ -54,6 +54,9 @@ MANIFEST = "sidecar_manifest.json"
 # own part of STEP is committed (so the step is durable and its replication half done).
 # Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
+# "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
+# on another machine), instead of through the peer's arena mapped here.
+SHM_ENV = "SIDECAR_REPLICA_SHM"
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
@@ -293,14 +296,19 @@ class CheckpointHost:
     return record.checksums
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
-             checksums: list[dict], data_state: str, whole_step: bool) -> str:
+             checksums: list[dict], data_state: str, whole_step: bool,
+             replicas: dict | None = None) -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
+    ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
+    so that a restore that finds shards lost can say which hosts are gone.
     """
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
                 "leaves": leaves, "shards": checksums,
                 "data_state": json.loads(data_state) if data_state else None}
+    if replicas:
+      manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
     with open(pathlib.Path(item) / MANIFEST, "w") as f:
       json.dump(manifest, f)
       f.flush()
@@ -418,7 +426,8 @@ class CheckpointHost:
     try:
       nbytes = 0
       for peer in job.peers:
-        with replicas_lib.PeerLink(peer, token=self._token) as link:
+        with replicas_lib.PeerLink(peer, token=self._token,
+                                   shared_memory=os.environ.get(SHM_ENV) != "0") as link:
           nbytes = link.send(header, shards, cancelled=job.cancelled.is_set)
           how = "shared memory" if link.same_machine else "gRPC"
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
