@@ -103,7 +103,7 @@ def one_save(ckpt, step: int, state, train: Trainer, replicas: int) -> dict[str,
   return out
 
 
-def run_config(label: str, *, replicas: int, shm: bool, state_devices, args, base: str
+def run_config(label: str, *, replicas: int, shm: bool, args, base: str
                ) -> list[dict[str, float]]:
   env = {} if shm else {h: {SHM_ENV: "0"} for h in range(2)}
   progress(f"{label}: starting 2 sidecars")
@@ -138,7 +138,6 @@ def main() -> None:
                       help="each sidecar's arena: a step's part and a replica, twice")
   parser.add_argument("--dir", default=None, help="where checkpoints go (not a tmpfs)")
   args = parser.parse_args()
-  sidecar.testing.configure_jax_devices(2)
   base = tempfile.mkdtemp(prefix="bench-replication-", dir=args.dir)
   configs = [("replicas=0", 0, True), ("replicas=1, shm", 1, True),
              ("replicas=1, gRPC", 1, False)]
@@ -146,8 +145,8 @@ def main() -> None:
   with contextlib.ExitStack() as stack:
     stack.callback(shutil.rmtree, base, ignore_errors=True)
     for label, replicas, shm in configs:
-      results[label] = run_config(label, replicas=replicas, shm=shm, state_devices=None,
-                                  args=args, base=base)
+      results[label] = run_config(label, replicas=replicas, shm=shm, args=args,
+                                  base=base)
   rows = []
   for label, _, _ in configs:
     rs = results[label]

@@ -445,12 +445,14 @@ class CheckpointHost:
       shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
       job.done.set()
 
-  def receive(self, header: dict, shards: list[dict], done: bool = False) -> int:
+  def receive(self, header: dict, shards: list[dict], done: bool = False,
+              payload: np.ndarray | None = None) -> int:
     """Takes shards a peer sends (``replicas.PeerLink``) into a replica record.
 
     A shard comes whole as an arena block the sender filled (same machine), or inline
-    in chunks (``offset`` into its bytes), assembled here in an arena block. ``done``:
-    the replica is whole. Returns the bytes held.
+    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
+    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
+    held.
     """
     try:
       directory, step = str(header["directory"]), int(header["step"])
@@ -466,10 +468,13 @@ class CheckpointHost:
         replica = self._replicas[(item, source)] = _Replica(directory, step, item, source)
     for s in shards:
       key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
-      data = s["data"]
       if "offset" not in s:  # a whole block of our arena
-        self._add_shard(replica, key, data)
+        self._add_shard(replica, key, s["data"])
         continue
+      if payload is None or len(shards) != 1:
+        raise errors.InvalidArgumentError(
+            "receive: a chunk of a shard comes alone, with its bytes as payload")
+      data = payload
       shape = tuple(int(n) for n in s["shape"])
       offset, chunk = int(s["offset"]), np.asarray(data).reshape(-1).view(np.uint8)
       with self._lock:

@@ -180,9 +180,14 @@ class PeerLink:
           if cancelled():
             raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
           chunk = {"key_path": list(kp), "index": [list(i) for i in index],
-                   "dtype": data.dtype.name, "shape": list(data.shape), "offset": offset,
-                   "data": flat[offset:offset + CHUNK_BYTES]}
-          request = self._request((header, [chunk], False))
+                   "dtype": data.dtype.name, "shape": list(data.shape), "offset": offset}
+          # The bytes go in last, in place: nesting a message copies it (~0.1 s per
+          # 16 MiB level here), setting a field of the built request copies it once.
+          request = self._request((header, [chunk], False, np.empty(0, np.uint8)))
+          payload = request.args.tuple.items[3].array
+          payload.data = flat[offset:offset + CHUNK_BYTES].tobytes()
+          del payload.shape[:]
+          payload.shape.append(len(payload.data))
           in_flight.append(self._call.future(request, timeout=timeout,
                                              metadata=self._metadata))
           while len(in_flight) >= IN_FLIGHT:
