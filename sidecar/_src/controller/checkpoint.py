@@ -810,7 +810,8 @@ class Checkpointer:
 
   def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it
-    makes ``max_to_keep`` drop are deleted; raises its error.
+    makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
+    has ended, done or failed: ``handle.replicated`` says which); raises its error.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
     the sidecars have made durable, and the rate, once a second.
