@@ -9,6 +9,7 @@ The tree::
     ├── ResourceExhaustedError                    arena, quota or limit full (RESOURCE_EXHAUSTED)
     ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
     ├── CorruptCheckpointError(ValueError)        a stored shard that fails its crc32c or size
+    │   └── ShardsLostError                       shards with no live copy and no valid stored one
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
     ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
@@ -53,6 +54,11 @@ class StaleDescriptorError(SidecarError, ValueError):
 
 class CorruptCheckpointError(SidecarError, ValueError):
   """A stored checkpoint shard does not match the crc32c (or size) recorded at its save."""
+
+
+class ShardsLostError(CorruptCheckpointError):
+  """A restore found shards with no live copy (their hosts and replicas are gone) and no
+  valid stored copy; the message names the arrays, the shards and the hosts gone."""
 
 
 class VersionMismatchError(SidecarError):

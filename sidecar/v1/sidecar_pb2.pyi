@@ -257,20 +257,32 @@ class FeedStatus(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., batches: _Optional[int] = ..., uptime_s: _Optional[float] = ..., produce_s: _Optional[float] = ..., backpressure_s: _Optional[float] = ..., trainer_wait_s: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("directory", "ram_steps", "writing", "written_bytes", "total_bytes", "writing_s")
+    __slots__ = ("directory", "ram_steps", "writing", "written_bytes", "total_bytes", "writing_s", "replicas")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RAM_STEPS_FIELD_NUMBER: _ClassVar[int]
     WRITING_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITING_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     directory: str
     ram_steps: _containers.RepeatedScalarFieldContainer[int]
     writing: _containers.RepeatedScalarFieldContainer[int]
     written_bytes: int
     total_bytes: int
     writing_s: float
-    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[_Iterable[int]] = ..., writing: _Optional[_Iterable[int]] = ..., written_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., writing_s: _Optional[float] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaSteps]
+    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[_Iterable[int]] = ..., writing: _Optional[_Iterable[int]] = ..., written_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., writing_s: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSteps, _Mapping]]] = ...) -> None: ...
+
+class ReplicaSteps(_message.Message):
+    __slots__ = ("source_host", "steps", "nbytes")
+    SOURCE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    source_host: int
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, source_host: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints")

@@ -5,6 +5,12 @@ its device (replicated shards once), hands the blocks to the sidecars (``staged`
 and returns. The sidecars write their parts in stock Orbax's layout in their own
 processes; the controller commits once every host is prepared (``durable``). A
 step is listed only after its commit; a crash anywhere before leaves it invisible.
+
+With ``replicas=R`` each sidecar also sends its shards to R peer sidecars once they
+are staged (on other slices first, else the next hosts in host order), sidecar to
+sidecar (``replicated``). A restore takes each shard from wherever a live copy is:
+the arena of the host that staged it, a peer's replica, storage last; it checks
+each crc32c and says where the shards came from (:meth:`Checkpointer.last_restore_stats`).
 """
 
 from __future__ import annotations
@@ -78,10 +84,43 @@ class Target:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SaveHandle:
   """``staged``: the state is in the arenas (the trainer may change its arrays);
-  ``durable``: the step is committed on storage. Both are ``concurrent.futures.Future``s."""
+  ``durable``: the step is committed on storage; ``replicated``: every shard has its
+  peer copies (``replicas=R``; at once with R=0). All are ``concurrent.futures.Future``s
+  that hold the step (None for a skipped save)."""
   step: int
   staged: concurrent.futures.Future
   durable: concurrent.futures.Future
+  replicated: concurrent.futures.Future = dataclasses.field(
+      default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreStats:
+  """Where the shards of a restore came from, by source: ``"ram:host0"`` (the arena of
+  the host that staged it), ``"replica:host1"`` (a peer's replica), ``"storage"``.
+
+  ``shards[source]`` and ``bytes[source]`` count each stored shard once, however many
+  target blocks it fills.
+  """
+  step: int
+  seconds: float
+  shards: dict[str, int]
+  bytes: dict[str, int]
+
+  def summary(self) -> str:
+    parts = [f"{n} shards ({shm.format_size(self.bytes[s])}) from {s}"
+             for s, n in sorted(self.shards.items())]
+    return f"restored step {self.step} in {self.seconds:.2f} s: " + (", ".join(parts) or "nothing")
+
+
+def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]:
+  """The ``replicas`` hosts that keep copies of ``host``'s shards: the next hosts in host
+  order (wrapping), those on another slice first."""
+  order = sorted(slices)
+  i = order.index(host)
+  ring = order[i + 1:] + order[:i]
+  return ([h for h in ring if slices[h] != slices[host]]
+          + [h for h in ring if slices[h] == slices[host]])[:replicas]
 
 
 def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -103,12 +142,27 @@ class Checkpointer:
                max_to_keep: int | None, keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True,
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
-               key: str = "ckpt"):
+               key: str = "ckpt", replicas: int = 0,
+               sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = ()):
     if if_busy not in ("wait", "skip"):
       raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
       if v is not None and (not isinstance(v, int) or v < 1):
         raise errors.InvalidArgumentError(f"{name} must be None or an int >= 1, got {v!r}")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not (
+        0 <= replicas < max(len(hosts), 1)):
+      raise errors.InvalidArgumentError(
+          f"replicas must be an int from 0 to {len(hosts) - 1} (the other hosts of "
+          f"{len(hosts)}), got {replicas!r}")
+    sidecars = sidecars or {}
+    if replicas and set(sidecars) != set(hosts):
+      raise errors.InvalidArgumentError(
+          f"replicas={replicas} needs every sidecar's address: sidecars names hosts "
+          f"{sorted(sidecars)}, the hosts are {sorted(hosts)}")
+    self._replicas, self._sidecars, self._mapped = replicas, sidecars, set(mapped)
+    slices = {h: int(sidecars.get(h, {}).get("slice_id", 0)) for h in hosts}
+    self._placement = {h: replica_peers(slices, h, replicas) for h in hosts}
+    self._last_restore: RestoreStats | None = None
     self.directory = str(directory)
     self._call, self._call_async, self._put = call, call_async, put
     self._hosts, self._device_hosts = hosts, device_hosts
@@ -183,6 +237,8 @@ class Checkpointer:
     self._saves += 1
     key = f"{self._key}/save/{self._saves}"
     handle = SaveHandle(step, concurrent.futures.Future(), concurrent.futures.Future())
+    if not self._replicas:
+      handle.replicated.set_result(None)
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
@@ -270,10 +326,15 @@ class Checkpointer:
   def _finish(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves,
               data_json: str, key: str) -> None:
     """Stages this process's parts, then commits with the others (or aborts)."""
-    step, error, sums = handle.step, None, []
+    step, error, sums, replication = handle.step, None, [], None
     try:
       self._begin(target, key)
-      sums = self._stage(handle, target, parts, leaves)
+      self._stage(handle, target, parts, leaves)
+      replication = self._start_replication(target)
+      if replication is not None and self._peers.count == 1:  # resolved as soon as done
+        replication.add_done_callback(
+            lambda f: _resolve(handle.replicated, f.exception(), handle.step))
+      sums = self._prepared(target)
     except BaseException as e:  # every process must reach the commit's agreement
       error = e.with_traceback(None)  # its frames would hold the staged blocks
     try:
@@ -282,12 +343,72 @@ class Checkpointer:
       if not handle.staged.done():
         handle.staged.set_exception(e)
       handle.durable.set_exception(e)
+      self._settle_replication(handle, replication, key, e)
       return
     if target.whole_step:
       self.mark_committed(target)
     handle.durable.set_result(step)
     if target.whole_step:  # Deleting older steps is no part of this save's time.
       self._collect_garbage()
+    self._settle_replication(handle, replication, key, None)
+
+  def _start_replication(self, target: Target) -> concurrent.futures.Future | None:
+    """Each local host sends its staged shards to its peers (in the sidecars); returns a
+    future that holds when all of them hold their copies."""
+    if not self._replicas:
+      return None
+    futures = []
+    for h in self._local:
+      peers = [dict(self._sidecars[p], host_id=p) for p in self._placement[h]]
+      futures += self._call_async("sidecar.ckpt.replicate", target.final_item, peers,
+                                  hosts=[h], timeout=_LONG_S)
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    t0 = time.perf_counter()
+
+    def done(_):
+      if out.done() or not all(f.done() for f in futures):
+        return
+      failed = [f.exception() for f in futures if f.exception() is not None]
+      try:
+        if failed:
+          out.set_exception(failed[0])
+        else:
+          results = [f.result() for f in futures]
+          out.set_result(results)
+          log.info("step %d: %s replicated to %d peers per host in %.2f s", target.step,
+                   shm.format_size(sum(r["bytes"] for r in results)), self._replicas,
+                   time.perf_counter() - t0)
+      except concurrent.futures.InvalidStateError:
+        pass  # two last callbacks raced
+
+    for f in futures:
+      f.add_done_callback(done)
+    return out
+
+  def _settle_replication(self, handle: SaveHandle, replication, key: str,
+                          error: BaseException | None) -> None:
+    """Resolves ``handle.replicated``: with this process's replication, and under N
+    processes once every process's is (or failed)."""
+    if handle.replicated.done():
+      return
+    mine: BaseException | None = error
+    if mine is None and replication is not None:
+      mine = replication.exception()  # waits for it
+    if mine is None and replication is None:
+      mine = errors.InvalidArgumentError(f"step {handle.step} was not replicated")
+    if self._peers.count > 1:
+      self._peers.publish(f"{key}/replicated", _describe(mine))
+      for p in range(self._peers.count):
+        if mine is not None:
+          break
+        try:
+          theirs = self._peers.read(f"{key}/replicated", p, timeout=distributed.sync_timeout())
+        except errors.SidecarError as e:
+          theirs = _describe(e)
+        if theirs:
+          mine = errors.HostLostError(f"process {p} could not replicate step {handle.step}: "
+                                      f"{theirs}")
+    _resolve(handle.replicated, mine, handle.step)
 
   def _begin(self, target: Target, key: str) -> None:
     """Process 0 creates the step's tmp directory; the others wait until it has."""
@@ -306,8 +427,8 @@ class Checkpointer:
     self._peers.publish(f"{key}/begun", "")
 
   def _stage(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves
-             ) -> list[dict]:
-    """Hands this process's parts to its sidecars as they come; returns their checksums."""
+             ) -> None:
+    """Hands this process's parts to its sidecars as they come."""
     step = handle.step
     last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
     closed = 0
@@ -325,6 +446,9 @@ class Checkpointer:
     for f in last.values():
       f.result()
     handle.staged.set_result(step)
+
+  def _prepared(self, target: Target) -> list[dict]:
+    """Waits for this process's sidecars to write their parts; returns their checksums."""
     prepared = [f.result() for f in self._call_async(
         "sidecar.ckpt.prepared", target.final_item, hosts=self._local, timeout=_LONG_S)]
     return [c for host_sums in prepared for c in host_sums]
@@ -356,8 +480,9 @@ class Checkpointer:
             f"the save of step {target.step} failed in {'; '.join(failures)}")
       checksums = [c for g in gathered for c in g["ok"]]
       self._call("sidecar.ckpt.commit", target.item, target.step, len(self._hosts), leaves,
-                 checksums, data_json, target.whole_step, hosts=[self._local[0]],
-                 timeout=_LONG_S)
+                 checksums, data_json, target.whole_step,
+                 {h: p for h, p in self._placement.items() if p} or None,
+                 hosts=[self._local[0]], timeout=_LONG_S)
     except BaseException as e:
       self._abort(target)  # before anyone fails: a retry must not race the cleanup
       self._peers.publish(f"{key}/outcome", _describe(e))
@@ -409,6 +534,10 @@ class Checkpointer:
         continue
       with self._lock:  # unlisted first: a restore must not pick a step being deleted
         self._steps = [t for t in self._steps if t != s]
+      try:  # out of the RAM tiers too (own shards and replicas), where a budget kept it
+        self._call("sidecar.ckpt.forget", self.directory, s, hosts=self._local)
+      except errors.SidecarError:
+        pass  # a lost host's RAM tier is gone anyway
       if not self._lead:
         continue  # process 0 deletes it
       try:
@@ -426,10 +555,15 @@ class Checkpointer:
     """Restores ``step`` (default: the latest) onto the shardings of ``target``.
 
     ``target`` is a pytree of ``jax.ShapeDtypeStruct``s with shardings, or of concrete
-    arrays (their shardings are used). Reads each shard from a sidecar's RAM tier when
-    one holds it, else from storage, checking its crc32c; a corrupt shard falls back
-    to the other tier. Reshards when the target mesh differs from the one saved.
+    arrays (their shardings are used). Takes each shard from a live copy: the arena
+    of the host that staged it, else a peer's replica (``replicas=R``), else storage,
+    checking its crc32c; a copy that fails its check or whose host is gone falls back
+    to the next. Reshards when the target mesh differs from the one saved. Where the
+    shards came from: :meth:`last_restore_stats`, and a line at INFO.
     With ``progress`` (``print``, say), a restore past a second reports bytes and rate.
+
+    Raises:
+      ShardsLostError: some shard has no live copy and no valid stored one.
     """
     self._check_open()
     step = self._pick(step)
@@ -440,6 +574,10 @@ class Checkpointer:
     return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
                              progress=progress)
 
+  def last_restore_stats(self) -> RestoreStats | None:
+    """Where the shards of this process's latest successful restore came from."""
+    return self._last_restore
+
   def restore_from(self, final_item: str, step: int, target: Any, *,
                    progress: Callable[[str], None] | None = None) -> Any:
     """Restores the committed item at ``final_item`` onto ``target``'s shardings."""
@@ -447,24 +585,43 @@ class Checkpointer:
     manifest = self._call("sidecar.ckpt.info", final_item, hosts=[self._local[0]])[0]
     saved = {tuple(d["key_path"]): d for d in manifest["leaves"]}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
+    owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
     for c in manifest["shards"]:
-      stored.setdefault(tuple(c["key_path"]), []).append(
-          (tuple(tuple(i) for i in c["index"]), c["crc32c"]))
-    ram = self._ram_index(final_item)
+      kp, index = tuple(c["key_path"]), tuple(tuple(i) for i in c["index"])
+      stored.setdefault(kp, []).append((index, c["crc32c"]))
+      if c.get("host") is not None:
+        owners[(kp, index)] = int(c["host"])
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     for path, want in flat:
       self._check_leaf(key_path(path), want, saved, step)
-    reads = self._read_all(final_item, flat, stored, ram)
+    held, gone = self._holdings(final_item)
+    reads = self._read_all(final_item, flat, stored, held)
+    shards, lost = {}, []
+    for k, f in reads.items():
+      try:
+        shards[k] = f.result()
+      except errors.SidecarError as e:
+        lost.append((k, e))
+    if lost:
+      placed = {int(h): peers for h, peers in (manifest.get("replicas") or {}).items()}
+      raise self._lost(step, lost, owners, placed, gone)
     out = []
     for path, want in flat:
       kp = key_path(path)
-      out.append(self._restore_leaf(final_item, kp, want, stored[kp], ram, reads))
+      out.append(self._restore_leaf(final_item, kp, want, stored[kp], shards))
       done += out[-1].nbytes if hasattr(out[-1], "nbytes") else 0
       now = time.perf_counter()
       if progress is not None and now - last[0] >= 1.0:
         last[0] = now
         progress(f"restoring step {step}: {shm.format_size(done)} "
                  f"({done / (now - t0) / 1e9:.2f} GB/s)")
+    counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for data, source in shards.values():
+      counts[source] = counts.get(source, 0) + 1
+      sizes[source] = sizes.get(source, 0) + data.nbytes
+    self._last_restore = RestoreStats(step, time.perf_counter() - t0, counts, sizes)
+    log.info("%s of %s", self._last_restore.summary(), self.directory)
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
@@ -497,32 +654,37 @@ class Checkpointer:
           f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
           f"{d['dtype']}{d['shape']}")
 
-  def _ram_index(self, final_item: str) -> dict[tuple[KeyPath, tuple], int]:
-    where = {}
-    for h in self._local:  # the RAM tiers this process maps; others' shards come from storage
+  def _holdings(self, final_item: str
+                ) -> tuple[dict[tuple[KeyPath, tuple], list[tuple[int, str]]], list[int]]:
+    """Every live RAM copy of each shard, as ``(host, tier)``, and the hosts that did
+    not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: a peer's."""
+    where: dict[tuple[KeyPath, tuple], list[tuple[int, str]]] = {}
+    gone = []
+    hosts = self._hosts if self._replicas or self._peers.count == 1 else self._local
+    futures = {h: self._call_async("sidecar.ckpt.held", self.directory, hosts=[h],
+                                   timeout=5)[0] for h in hosts}
+    for h, f in futures.items():
       try:
-        held = self._call("sidecar.ckpt.ram", self.directory, hosts=[h], timeout=5)[0]
+        held = f.result()
       except errors.SidecarError:
+        gone.append(h)
         continue
-      for kp, index in held.get(final_item, []):
-        where[(tuple(kp), tuple(tuple(i) for i in index))] = h
-    return where
+      copies = [(kp, index, "ram") for kp, index in held["own"].get(final_item, [])]
+      copies += [(kp, index, "replica") for shards in held["replicas"].get(final_item, {}).values()
+                 for kp, index in shards]
+      for kp, index, tier in copies:
+        where.setdefault((tuple(kp), tuple(tuple(i) for i in index)), []).append((h, tier))
+    return where, gone
 
-  def _fetch(self, item: str, kp: KeyPath, index, crc: int, ram: dict, fallback_host: int
-             ) -> np.ndarray:
-    """One stored shard, tier by tier: the RAM copy we know of, storage, any RAM copy."""
-    tries = [(ram[(kp, index)], "ram")] if (kp, index) in ram else []
-    tries += [(fallback_host, "disk")] + [(h, "ram") for h in self._local]
-    error = None
-    for host, tier in dict.fromkeys(tries):  # in order, each once
-      try:
-        return self._call("sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc,
-                          tier, hosts=[host])[0]
-      except errors.SidecarError as e:
-        if error is None or isinstance(e, errors.CorruptCheckpointError):
-          error = e  # report corruption over "no RAM copy here"
-    assert error is not None  # tries is never empty: storage is always one
-    raise error
+  def _sources(self, key: tuple[KeyPath, tuple], held, host: int) -> list[tuple[int, str]]:
+    """Where to read a shard, in order: RAM copies (the target block's host, then the
+    hosts whose arenas this process maps, then the rest; own copies before replicas),
+    then storage through the block's host or this process's."""
+    def rank(copy: tuple[int, str]) -> tuple:
+      h, tier = copy
+      return (h != host, h not in self._mapped, tier != "ram", h)
+    tries = sorted(held.get(key, []), key=rank)
+    return tries + [(h, "disk") for h in dict.fromkeys([host, *self._local])]
 
   def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:
     """``(device or None, region, host)`` of each block of a target leaf to fill."""
@@ -532,8 +694,11 @@ class Checkpointer:
     return [(d, _index(index, shape), self._device_hosts.get(d.id, self._local[0]))
             for d, index in sharding.addressable_devices_indices_map(shape).items()]
 
-  def _read_all(self, item: str, flat, stored, ram) -> dict:
-    """Starts every stored-shard read a restore needs, all at once: they overlap."""
+  def _read_all(self, item: str, flat, stored, held) -> dict:
+    """Starts every stored-shard read a restore needs, all at once: they overlap.
+
+    Each is a future of ``(data, source)`` that tries the shard's sources in turn.
+    """
     reads = {}
     for path, want in flat:
       kp = key_path(path)
@@ -541,41 +706,88 @@ class Checkpointer:
         for index, crc in stored[kp]:
           if (kp, index) in reads or not _overlaps(index, region):
             continue
-          source = ram.get((kp, index), host)
-          reads[(kp, index)] = self._call_async(
-              "sidecar.ckpt.read", item, list(kp), [list(i) for i in index], crc, "any",
-              hosts=[source])[0]
+          reads[(kp, index)] = self._read_shard(item, kp, index, crc,
+                                                self._sources((kp, index), held, host))
     return reads
 
-  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, shards, ram, reads) -> Any:
+  def _read_shard(self, item: str, kp: KeyPath, index, crc: int | None,
+                  sources: list[tuple[int, str]]) -> concurrent.futures.Future:
+    """A future of ``(data, source)``: the first source whose copy reads and checks."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    failures: list[str] = []
+
+    def attempt(i: int) -> None:
+      if i == len(sources):
+        out.set_exception(errors.ShardsLostError("; ".join(failures)))
+        return
+      host, tier = sources[i]
+      label = "storage" if tier == "disk" else f"{tier}:host{host}"
+
+      def done(f: concurrent.futures.Future) -> None:
+        try:
+          data = f.result()
+        except errors.SidecarError as e:
+          failures.append(f"{label} (host {host}): {str(e).splitlines()[0]}")
+          attempt(i + 1)
+          return
+        out.set_result((data, label))
+
+      try:
+        self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index], crc,
+                         tier, hosts=[host])[0].add_done_callback(done)
+      except errors.SidecarError as e:
+        failures.append(f"{label} (host {host}): {e}")
+        attempt(i + 1)
+
+    attempt(0)
+    return out
+
+  def _lost(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
+            gone: list[int]) -> errors.SidecarError:
+    """The error of a restore with shards that no copy could give."""
+    by_array: dict[KeyPath, list] = {}
+    for (kp, index), _ in lost:
+      by_array.setdefault(kp, []).append(index)
+    owners_lost = sorted({owners[k] for k, _ in lost if k in owners})
+    holders = {p for h in owners_lost for p in placed.get(h, [])}
+    gone_hosts = sorted(set(gone) | {h for h in {*owners_lost, *holders}
+                                     if h not in self._hosts})
+    arrays = "; ".join(
+        f"array {'.'.join(map(str, kp))!r} shards {[[list(i) for i in x] for x in idx]}"
+        for kp, idx in by_array.items())
+    first = str(lost[0][1])
+    return errors.ShardsLostError(
+        f"step {step} of {self.directory} cannot be restored: {len(lost)} shards have no live "
+        f"copy and no valid stored copy: {arrays}"
+        + (f" (staged by hosts {owners_lost}" + (f", replicated on hosts {sorted(holders)}"
+                                                  if holders else "") + ")"
+           if owners_lost else "")
+        + f"; hosts gone: {gone_hosts or 'none'}. First shard's tries: {first}. Restore an "
+        f"older step ({self.all_steps()}), or save with more replicas")
+
+  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, stored, shards) -> Any:
     sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
-    blocks = [(d, self._assemble(item, kp, region, shards, ram, host, reads))
-              for d, region, host in self._regions(want)]
+    blocks = [(d, self._assemble(item, kp, region, stored, shards))
+              for d, region, _ in self._regions(want)]
     if sharding is None:
       data = blocks[0][1]
       return data if shape else data[()]
     return transfer.global_array(shape, sharding, [b for _, b in blocks],
                                    [d for d, _ in blocks])
 
-  def _assemble(self, item: str, kp: KeyPath, region, shards, ram, host: int, reads
-                ) -> np.ndarray:
+  @staticmethod
+  def _assemble(item: str, kp: KeyPath, region, stored, shards) -> np.ndarray:
     """The block ``region`` of a leaf, from the stored shards overlapping it."""
-    def get(index, crc):
-      try:
-        return reads[(kp, index)].result()
-      except errors.SidecarError:  # corrupt, or that host is gone: try every other tier
-        return self._fetch(item, kp, index, crc, ram, host)
-
-    for index, crc in shards:
+    for index, _ in stored:
       if index == region:  # the common case: same sharding as saved, no copy
-        return get(index, crc)
+        return shards[(kp, index)][0]
     out = None
-    for index, crc in shards:
+    for index, _ in stored:
       if not _overlaps(index, region):
         continue
       lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
       hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
-      data = get(index, crc)
+      data = shards[(kp, index)][0]
       if out is None:
         out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
       src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
@@ -597,7 +809,8 @@ class Checkpointer:
 
   def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it
-    makes ``max_to_keep`` drop are deleted; raises its error.
+    makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
+    has ended, done or failed: ``handle.replicated`` says which); raises its error.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
     the sidecars have made durable, and the rate, once a second.
@@ -654,6 +867,18 @@ def _overlaps(index, region) -> bool:
   return all(max(a, r0) < min(b, r1) for (a, b), (r0, r1) in zip(index, region)) or not region
 
 
+def _resolve(future: concurrent.futures.Future, error: BaseException | None, value: Any
+             ) -> None:
+  """Sets ``future`` unless it is set already (a callback and a thread may race)."""
+  try:
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(value)
+  except concurrent.futures.InvalidStateError:
+    pass
+
+
 def _describe(e: BaseException | None) -> str:
   return f"{type(e).__name__}: {e}"[:2000] if e is not None else ""
 
@@ -662,4 +887,6 @@ def _done_handle(step: int, value: Any) -> SaveHandle:
   staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
   staged.set_result(value)
   durable.set_result(value)
-  return SaveHandle(step, staged, durable)
+  replicated: concurrent.futures.Future = concurrent.futures.Future()
+  replicated.set_result(value)
+  return SaveHandle(step, staged, durable, replicated)

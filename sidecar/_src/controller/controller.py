@@ -473,7 +473,7 @@ class Controller:
   def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
                    keep_period: int | None = None, ram_steps: int = 1,
                    ram_budget: int | None = None, if_busy: str = "wait",
-                   sweep: bool = True) -> Checkpointer:
+                   sweep: bool = True, replicas: int = 0) -> Checkpointer:
     """Checkpoints that stall the trainer for one copy into shared memory.
 
     The sidecars persist each step in stock Orbax's layout (``ocp.CheckpointManager``
@@ -491,6 +491,13 @@ class Controller:
 
     ``sweep=False`` leaves uncommitted steps alone (where an Orbax manager owns them).
 
+    With ``replicas=R`` (at most hosts - 1), once a step is staged each sidecar sends its
+    shards to R peer sidecars (another slice's first, else the next hosts), sidecar to
+    sidecar, in the background: ``handle.replicated`` resolves once every shard has its
+    copies. Replicas count toward ``ram_budget`` and leave with their step. A restore
+    then takes each shard from any live copy, storage last, so losing a host loses no
+    step the RAM tiers hold (``ckpt.last_restore_stats()`` says where shards came from).
+
     Raises:
       InvalidArgumentError: ``directory`` is not writable from every sidecar.
     """
@@ -502,7 +509,11 @@ class Controller:
         device_hosts=self._device_hosts, status=self.status,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
-        peers=self._peers, key=f"ckpt/{self._checkpointers}")
+        peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
+        sidecars={h: {"address": c.address, "socket": c.reply.worker_socket,
+                      "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
+                  for h, c in self._conns.items() if h not in self._lost},
+        mapped=sorted(h for h in self._workers if h not in self._lost))
     self._children.add(ckpt)
     return ckpt
 

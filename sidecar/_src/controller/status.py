@@ -79,8 +79,10 @@ def format_checkpoints(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]
         rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
         writing = (f"{list(c.writing)} ({shm.format_size(c.written_bytes)} of "
                    f"{shm.format_size(c.total_bytes)}, {rate:.2f} GB/s)")
+      held = "; ".join(f"{list(r.steps)} of host {r.source_host} ({shm.format_size(r.nbytes)})"
+                       for r in c.replicas) or "none"
       lines.append(f"host {s.identity.host_id}  {c.directory}  RAM tier: "
-                   f"{list(c.ram_steps) or 'none'}  being written: {writing}")
+                   f"{list(c.ram_steps) or 'none'}  replicas: {held}  being written: {writing}")
   return "\n".join(lines) if lines else "no checkpoints held"
 
 

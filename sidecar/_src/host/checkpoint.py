@@ -11,9 +11,17 @@ The controller drives a save in phases, each a built-in call (``sidecar.ckpt.*``
    renames: the step becomes visible at once, or not at all.
 5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
 
-``read`` serves restores: from the RAM tier when this host holds the shard (no copy:
-the block itself is leased to the caller), else from storage straight into a new
-arena block, checking the crc32c.
+With peer replicas, ``replicate`` (every host, once its part is staged) sends this
+host's shards of the step to its peers (``replicas.PeerLink``), on an idle-class
+thread, while the write goes on; each peer takes them with ``receive`` and keeps a
+*replica record* (the step's item, the source host, the shards) in its RAM tier. A
+replica counts toward the peer's ``ram_budget`` and leaves with its step: eviction
+by ``committed``, ``abort``, ``forget``.
+
+``read`` serves restores from the tier asked: ``ram`` (this host's own copy: no
+copy, the block itself is leased to the caller), ``replica`` (a peer's shard held
+here), ``disk`` (storage, straight into a new arena block), or ``any`` (own copy,
+else storage). Every read with a crc32c checks it (a RAM copy once).
 """
 
 from __future__ import annotations
@@ -34,16 +42,21 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src import errors, orbax_layout as ol, shm
-from sidecar._src.host import outputs
+from sidecar._src import codec, errors, orbax_layout as ol, shm
+from sidecar._src.host import outputs, replicas as replicas_lib
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
 MANIFEST = "sidecar_manifest.json"
 # Fault injection for the crash tests: "POINT@STEP" makes this sidecar SIGKILL itself
 # there (points: stage, write, prepared, commit), or "slow@STEP" pause 2 s before
-# writing. Unset in production.
+# writing; "replicate@STEP" kills it as a peer's first shards of STEP arrive, once its
+# own part of STEP is committed (so the step is durable and its replication half done).
+# Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
+# "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
+# on another machine), instead of through the peer's arena mapped here.
+SHM_ENV = "SIDECAR_REPLICA_SHM"
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
@@ -79,21 +92,57 @@ class _Step:
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)
   written: int = 0
+  verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
+  replication: _Replication | None = None
+
+
+@dataclasses.dataclass
+class _Replication:
+  """This host's shards of one step on their way to its peers."""
+  peers: list[replicas_lib.Peer]
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  result: dict[str, Any] | None = None
+  error: BaseException | None = None
+
+
+@dataclasses.dataclass
+class _Replica:
+  """The shards of one step that a peer (``source``) sent here: a replica record."""
+  directory: str
+  step: int
+  item: str
+  source: int
+  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = dataclasses.field(
+      default_factory=dict)
+  # Shards arriving inline, in chunks: (block, bytes received so far).
+  partial: dict[tuple[tuple[str | int, ...], Index], list] = dataclasses.field(
+      default_factory=dict)
+  nbytes: int = 0
+  whole: bool = False  # the source sent everything
+  committed: bool = False
+  verified: set = dataclasses.field(default_factory=set)
 
 
 class CheckpointHost:
   """Built-in ``sidecar.ckpt.*`` functions of one sidecar."""
 
-  def __init__(self, host_id: int):
+  def __init__(self, host_id: int, *, token: str | None = None):
     self._host_id = host_id
+    self._token = token  # every sidecar of a job has it: replicas go over it to peers
     self._lock = threading.Lock()
     self._steps: dict[str, _Step] = {}  # by committed item directory
+    self._replicas: dict[tuple[str, int], _Replica] = {}  # by (item, source host)
+    # Items committed() was told of: True while in the RAM tier, False once evicted
+    # (a replica that arrives after its step's commit learns its fate here).
+    self._committed: dict[str, bool] = {}
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
 
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written."""
     with self._lock:
       steps = list(self._steps.values())
+      held = [r for r in self._replicas.values() if r.whole and r.committed]
     out: dict[str, pb.CheckpointStatus] = {}
     for s in sorted(steps, key=lambda s: s.step):
       entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
@@ -104,12 +153,20 @@ class CheckpointHost:
         entry.written_bytes += s.written
         entry.total_bytes += s.nbytes
         entry.writing_s = max(entry.writing_s, time.monotonic() - s.started)
+    by_source: dict[tuple[str, int], pb.ReplicaSteps] = {}
+    for r in sorted(held, key=lambda r: (r.source, r.step)):
+      entry = out.setdefault(r.directory, pb.CheckpointStatus(directory=r.directory))
+      steps_of = by_source.get((r.directory, r.source))
+      if steps_of is None:
+        steps_of = by_source[(r.directory, r.source)] = entry.replicas.add(source_host=r.source)
+      steps_of.steps.append(r.step)
+      steps_of.nbytes += r.nbytes
     return list(out.values())
 
   def functions(self) -> dict[str, Callable[..., Any]]:
     return {f"sidecar.ckpt.{name}": getattr(self, name) for name in (
         "open", "begin", "stage", "prepared", "commit", "committed", "abort", "read", "info",
-        "ram", "delete")}
+        "ram", "delete", "replicate", "receive", "held", "forget")}
 
   # ---- save --------------------------------------------------------------
 
@@ -210,7 +267,8 @@ class CheckpointHost:
 
       sums = ol.write_item_part(item, self._host_id, record.specs, incoming(), progress=progress)
       record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
-                           "nbytes": c.nbytes, "crc32c": c.crc32c} for c in sums]
+                           "nbytes": c.nbytes, "crc32c": c.crc32c, "host": self._host_id}
+                          for c in sums]
       seconds = time.perf_counter() - t0
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
                shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9)
@@ -238,14 +296,19 @@ class CheckpointHost:
     return record.checksums
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
-             checksums: list[dict], data_state: str, whole_step: bool) -> str:
+             checksums: list[dict], data_state: str, whole_step: bool,
+             replicas: dict | None = None) -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
+    ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
+    so that a restore that finds shards lost can say which hosts are gone.
     """
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
                 "leaves": leaves, "shards": checksums,
                 "data_state": json.loads(data_state) if data_state else None}
+    if replicas:
+      manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
     with open(pathlib.Path(item) / MANIFEST, "w") as f:
       json.dump(manifest, f)
       f.flush()
@@ -261,21 +324,50 @@ class CheckpointHost:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
     with self._lock:
       record = self._steps.get(final_item)
-      if record is None:
+      held = [r for r in self._replicas.values() if r.item == final_item]
+      if record is None and not held:
         return []
-      record.committed = True
-      keep, budget = self._ram_steps.get(record.directory, (1, None))
-      mine = sorted((s for s in self._steps.values()
-                     if s.directory == record.directory and s.committed),
-                    key=lambda s: s.step, reverse=True)
-      kept, used = [], 0
-      for s in mine:
-        if len(kept) < keep and (budget is None or used + s.nbytes <= budget):
-          kept.append(s.step)
-          used += s.nbytes
-        else:
-          del self._steps[s.item]  # its arena blocks go back as its views die
-      return sorted(kept)
+      self._committed[final_item] = True
+      for r in held:
+        r.committed = True
+      if record is not None:
+        record.committed = True
+      return self._evict(record.directory if record is not None else held[0].directory)
+
+  def _evict(self, directory: str) -> list[int]:
+    """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
+    counting this host's own shards and the replicas it holds; returns the kept steps.
+    The lock is held."""
+    keep, budget = self._ram_steps.get(directory, (1, None))
+    size: dict[int, int] = {}
+    for s in self._steps.values():
+      if s.directory == directory and s.committed:
+        size[s.step] = size.get(s.step, 0) + s.nbytes
+    for r in self._replicas.values():
+      if r.directory == directory and r.committed:
+        size[r.step] = size.get(r.step, 0) + r.nbytes
+    kept, used = [], 0
+    for step in sorted(size, reverse=True):
+      if len(kept) < keep and (budget is None or used + size[step] <= budget):
+        kept.append(step)
+        used += size[step]
+      else:
+        self._drop(directory, step)
+    return sorted(kept)
+
+  def _drop(self, directory: str, step: int) -> None:
+    """Forgets the step's own shards and replicas here; their arena blocks go back as
+    their views die. The lock is held."""
+    for item, s in list(self._steps.items()):
+      if s.directory == directory and s.step == step and s.committed:
+        del self._steps[item]
+        if s.replication is not None:
+          s.replication.cancelled.set()
+    for key, r in list(self._replicas.items()):
+      if r.directory == directory and r.step == step:
+        del self._replicas[key]
+        if r.item in self._committed:
+          self._committed[r.item] = False
 
   def abort(self, item: str, final_item: str) -> None:
     """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
@@ -283,12 +375,175 @@ class CheckpointHost:
     once every host is done."""
     with self._lock:
       record = self._steps.pop(final_item, None)
+      for key in [k for k in self._replicas if k[0] == final_item]:
+        del self._replicas[key]
     if record is not None:
+      if record.replication is not None:
+        record.replication.cancelled.set()
       if not record.closed:
         record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
       record.done.wait(60)
       record.shards.clear()  # the staged blocks go back to the arena
     shutil.rmtree(item, ignore_errors=True)
+
+  # ---- peer replicas ----------------------------------------------------
+
+  def replicate(self, final_item: str, peers: list[dict], timeout: float = 3600.0
+                ) -> dict[str, Any]:
+    """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
+
+    The sending runs once per step, on an idle-class thread, whoever waits for it.
+    Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
+    """
+    record = self._record(final_item)
+    targets = [replicas_lib.Peer.from_dict(p) for p in peers]
+    with self._lock:
+      if not record.closed:
+        raise errors.InvalidArgumentError(
+            f"step {record.step} is not staged whole on host {self._host_id}; replicate it "
+            "after its last part")
+      job = record.replication
+      if job is None:
+        job = record.replication = _Replication(targets)
+        threading.Thread(target=self._replicate, args=(record, job), daemon=True,
+                         name=f"sidecar-replicate-{record.step}").start()
+    if not job.done.wait(timeout):
+      raise errors.DeadlineExceededError(
+          f"step {record.step} is still being replicated after {timeout} s")
+    if job.error is not None:
+      raise errors.HostLostError(
+          f"host {self._host_id} could not replicate step {record.step} to hosts "
+          f"{[p.host_id for p in job.peers]}: {job.error}")
+    assert job.result is not None
+    return job.result
+
+  def _replicate(self, record: _Step, job: _Replication) -> None:
+    ol._background_thread()  # pylint: disable=protected-access
+    t0 = time.perf_counter()
+    shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
+    header = {"directory": record.directory, "step": record.step, "item": record.item,
+              "source": self._host_id}
+    try:
+      nbytes = 0
+      for peer in job.peers:
+        with replicas_lib.PeerLink(peer, token=self._token,
+                                   shared_memory=os.environ.get(SHM_ENV) != "0") as link:
+          nbytes = link.send(header, shards, cancelled=job.cancelled.is_set)
+          how = "shared memory" if link.same_machine else "gRPC"
+        log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
+                 record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
+                 time.perf_counter() - t0)
+      job.result = {"peers": [p.host_id for p in job.peers], "shards": len(shards),
+                    "bytes": sum(a.nbytes for _, _, a in shards),
+                    "seconds": time.perf_counter() - t0}
+    except BaseException as e:
+      job.error = e.with_traceback(None)
+      e.__context__ = e.__cause__ = None
+      log.error("step %d: replicating host %d's shards failed: %s", record.step,
+                self._host_id, e)
+    finally:
+      shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
+      job.done.set()
+
+  def receive(self, header: dict, shards: list[dict], done: bool = False,
+              payload: np.ndarray | None = None) -> int:
+    """Takes shards a peer sends (``replicas.PeerLink``) into a replica record.
+
+    A shard comes whole as an arena block the sender filled (same machine), or inline
+    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
+    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
+    held.
+    """
+    try:
+      directory, step = str(header["directory"]), int(header["step"])
+      item, source = str(header["item"]), int(header["source"])
+    except (KeyError, TypeError, ValueError):
+      raise errors.InvalidArgumentError(
+          f"receive: header must have directory, step, item and source, got {header!r:.200}"
+      ) from None
+    self._replica_fault(step)
+    with self._lock:
+      replica = self._replicas.get((item, source))
+      if replica is None:
+        replica = self._replicas[(item, source)] = _Replica(directory, step, item, source)
+    for s in shards:
+      key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
+      if "offset" not in s:  # a whole block of our arena
+        self._add_shard(replica, key, s["data"])
+        continue
+      if payload is None or len(shards) != 1:
+        raise errors.InvalidArgumentError(
+            "receive: a chunk of a shard comes alone, with its bytes as payload")
+      data = payload
+      shape = tuple(int(n) for n in s["shape"])
+      offset, chunk = int(s["offset"]), np.asarray(data).reshape(-1).view(np.uint8)
+      with self._lock:
+        entry = replica.partial.get(key)
+        if entry is None:
+          block = outputs.empty(shape, codec.dtype_of(s["dtype"], f"replica of {key[0]}"))
+          entry = replica.partial[key] = [block, 0]
+      flat = entry[0].reshape(-1).view(np.uint8)
+      if not 0 <= offset <= flat.nbytes - chunk.nbytes:
+        raise errors.InvalidArgumentError(
+            f"receive: chunk at {offset} of {chunk.nbytes} bytes does not fit a shard of "
+            f"{flat.nbytes}")
+      flat[offset:offset + chunk.nbytes] = chunk
+      with self._lock:
+        entry[1] += chunk.nbytes
+        whole = entry[1] >= flat.nbytes
+        if whole:
+          del replica.partial[key]
+      if whole:
+        self._add_shard(replica, key, entry[0])
+    if done:
+      with self._lock:
+        replica.whole, replica.partial = True, {}
+        if self._replicas.get((item, source)) is not replica:
+          return 0  # aborted or evicted while it came
+        fate = self._committed.get(item)
+        if fate is not None:  # its step committed before the replica was whole
+          replica.committed = True
+          if fate:
+            self._evict(directory)
+          else:
+            del self._replicas[(item, source)]
+      log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
+               len(replica.shards), shm.format_size(replica.nbytes))
+    return replica.nbytes
+
+  def _add_shard(self, replica: _Replica, key, data: np.ndarray) -> None:
+    with self._lock:
+      old = replica.shards.get(key)
+      replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)
+      replica.shards[key] = data
+
+  def _replica_fault(self, step: int) -> None:
+    if os.environ.get(FAULT_ENV) != f"replicate@{step}":
+      return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until our own part of the step is committed
+      with self._lock:
+        if any(s.step == step and s.committed for s in self._steps.values()):
+          break
+      time.sleep(0.02)
+    _fault("replicate", step)
+
+  def held(self, directory: str) -> dict[str, Any]:
+    """What the RAM tier holds under ``directory``, per committed item: this host's own
+    shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
+    out: dict[str, Any] = {"own": self.ram(directory), "replicas": {}}
+    with self._lock:
+      held = [r for r in self._replicas.values()
+              if r.directory == directory and r.whole and r.committed]
+    for r in held:
+      out["replicas"].setdefault(r.item, {})[r.source] = [
+          [list(k), [list(i) for i in index]] for k, index in r.shards]
+    return out
+
+  def forget(self, directory: str, step: int) -> None:
+    """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
+    with self._lock:
+      self._drop(directory, int(step))
 
   def _record(self, final_item: str) -> _Step:
     with self._lock:
@@ -329,20 +584,40 @@ class CheckpointHost:
            tier: str = "any") -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked)."""
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
-    if tier in ("any", "ram"):
+    if tier not in ("any", "ram", "replica", "disk"):
+      raise errors.InvalidArgumentError(
+          f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
+    if tier in ("any", "ram", "replica"):
+      held: _Step | _Replica | None = None
       with self._lock:
-        record = self._steps.get(final_item)
-      if record is not None and record.committed and (key, idx) in record.shards:
-        return record.shards[(key, idx)]
-      if tier == "ram":
-        raise errors.InvalidArgumentError(f"host {self._host_id} holds no RAM copy of it")
+        if tier == "replica":
+          held = next((r for r in self._replicas.values() if r.item == final_item
+                       and r.whole and r.committed and (key, idx) in r.shards), None)
+        else:
+          held = self._steps.get(final_item)
+          if held is not None and not (held.committed and (key, idx) in held.shards):
+            held = None
+      if held is not None:
+        data = held.shards[(key, idx)]
+        if crc32c is not None and (key, idx) not in held.verified:
+          self._check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._host_id}")
+          held.verified.add((key, idx))
+        return data
+      if tier != "any":
+        raise errors.InvalidArgumentError(
+            f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
     data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
-    if crc32c is not None and ol.shard_crc32c(data) != crc32c:
+    if crc32c is not None:
+      self._check(final_item, key, idx, data, crc32c, "stored copy")
+    return data
+
+  @staticmethod
+  def _check(final_item: str, key, idx, data: np.ndarray, crc32c: int, what: str) -> None:
+    if ol.shard_crc32c(data) != crc32c:
       name = ".".join(str(k) for k in key)
       raise errors.CorruptCheckpointError(
           f"{final_item}: array {name!r} shard {[list(i) for i in idx]} does not match its "
-          f"crc32c in {MANIFEST}: the file is corrupt or was changed after the save")
-    return data
+          f"crc32c in {MANIFEST} ({what}): the file is corrupt or was changed after the save")
 
   def delete(self, directory: str, step: int) -> None:
     """Removes a committed step (max_to_keep); the sidecar does the I/O."""

@@ -1,0 +1,170 @@
+"""Peer replicas of a 1 GiB step: staged -> replicated, and what it costs the training loop.
+
+Run from the repository root: ``python -m benchmarks.replication``. Not run by CI.
+
+The state is 8 x 128 MiB float32 jax.Arrays, each sharded over 2 hosts x 1 device of a
+LocalCluster (512 MiB per host), saved with ``ctl.checkpointer(dir, replicas=R)``. In
+one run, round by round:
+  replicas=0            the baseline: the sidecars write their parts, nothing else
+  replicas=1, shm       each sidecar copies its 512 MiB into the peer's arena, mapped
+                        through the peer's worker socket (both on this machine)
+  replicas=1, gRPC      the same bytes inline over authenticated gRPC on loopback, in
+                        16 MiB chunks (``SIDECAR_REPLICA_SHM=0``: as between machines)
+Per save:
+  staged -> replicated  from ``handle.staged`` to ``handle.replicated`` (R=1)
+  staged -> durable     from ``handle.staged`` to ``handle.durable``
+  steps/s               a jitted step (4 x 512x512 matmul + tanh) run on the trainer's
+                        thread from ``staged`` until the later of replicated and durable,
+                        against the same loop for 1.5 s just before, with no save in
+                        flight; the replica and the write run at the same time, both on
+                        ``SCHED_IDLE`` threads of the sidecars.
+Checkpoints go to a temp dir under ``--dir`` and are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from benchmarks.common import table
+from sidecar._src.host.checkpoint import SHM_ENV
+
+LEAVES, LEAF_SHAPE = 8, (8192, 4096)  # 8 x 128 MiB float32 = 1 GiB
+TARGET_REPLICATED_S, TARGET_STEPS = 2.0, 0.90
+IDLE_S = 1.5
+
+
+def progress(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@jax.jit
+def _train_step(x, w):
+  for _ in range(4):
+    x = jnp.tanh(x @ w) * 0.5
+  return x
+
+
+class Trainer:
+  def __init__(self, device):
+    self.x = jax.device_put(jnp.ones((512, 512), jnp.float32), device)
+    self.w = jax.device_put(jax.random.normal(jax.random.key(1), (512, 512)) / 23, device)
+
+  def __call__(self) -> None:
+    self.x = _train_step(self.x, self.w)
+    self.x.block_until_ready()
+
+  def rate_until(self, done, *, at_least: int = 3) -> float:
+    n, t0 = 0, time.perf_counter()
+    while not done() or n < at_least:
+      self()
+      n += 1
+    return n / (time.perf_counter() - t0)
+
+  def idle_rate(self) -> float:
+    deadline = time.perf_counter() + IDLE_S
+    return self.rate_until(lambda: time.perf_counter() >= deadline)
+
+
+def make_state(devices) -> dict[str, jax.Array]:
+  sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+  keys = jax.random.split(jax.random.key(0), LEAVES)
+  return jax.block_until_ready(
+      {f"layer{i}": jax.device_put(jax.random.normal(k, LEAF_SHAPE, jnp.float32), sharding)
+       for i, k in enumerate(keys)})
+
+
+def one_save(ckpt, step: int, state, train: Trainer, replicas: int) -> dict[str, float]:
+  idle = train.idle_rate()
+  at: dict[str, float] = {}
+  handle = ckpt.save(step, state)
+  for name in ("staged", "durable", "replicated"):
+    getattr(handle, name).add_done_callback(
+        lambda f, name=name: at.setdefault(name, time.perf_counter()))
+  handle.staged.result()
+  busy = train.rate_until(lambda: handle.durable.done() and handle.replicated.done())
+  handle.durable.result()
+  handle.replicated.result()
+  ckpt.wait()
+  out = {"durable": at["durable"] - at["staged"], "steps": busy / idle}
+  if replicas:
+    out["replicated"] = at["replicated"] - at["staged"]
+  return out
+
+
+def run_config(label: str, *, replicas: int, shm: bool, args, base: str
+               ) -> list[dict[str, float]]:
+  env = {} if shm else {h: {SHM_ENV: "0"} for h in range(2)}
+  progress(f"{label}: starting 2 sidecars")
+  records = []
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size=args.shm_size,
+                                    host_env=env) as cluster, cluster.controller() as ctl:
+    state = make_state(cluster.devices(0) + cluster.devices(1))
+    train = Trainer(cluster.devices(0)[0])
+    train()
+    directory = tempfile.mkdtemp(prefix="replication-", dir=base)
+    with ctl.checkpointer(directory, replicas=replicas, ram_steps=1) as ckpt:
+      for step in range(args.warmup + args.saves):
+        r = one_save(ckpt, step, state, train, replicas)
+        if step >= args.warmup:
+          records.append(r)
+          progress(f"{label}: save {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    shutil.rmtree(directory, ignore_errors=True)
+  return records
+
+
+def cell(values: list[float], fmt: str) -> str:
+  if not values:
+    return "-"
+  return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--saves", type=int, default=4, help="measured saves per configuration")
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--shm-size", default="2304MiB",
+                      help="each sidecar's arena: a step's part and a replica, twice")
+  parser.add_argument("--dir", default=None, help="where checkpoints go (not a tmpfs)")
+  args = parser.parse_args()
+  base = tempfile.mkdtemp(prefix="bench-replication-", dir=args.dir)
+  configs = [("replicas=0", 0, True), ("replicas=1, shm", 1, True),
+             ("replicas=1, gRPC", 1, False)]
+  results = {}
+  with contextlib.ExitStack() as stack:
+    stack.callback(shutil.rmtree, base, ignore_errors=True)
+    for label, replicas, shm in configs:
+      results[label] = run_config(label, replicas=replicas, shm=shm, args=args,
+                                  base=base)
+  rows = []
+  for label, _, _ in configs:
+    rs = results[label]
+    rows.append([label, cell([r["replicated"] for r in rs if "replicated" in r], ".2f"),
+                 cell([r["durable"] for r in rs], ".2f"),
+                 cell([100 * r["steps"] for r in rs], ".0f")])
+  print(f"\n1 GiB step (8 x 128 MiB float32 over 2 hosts x 1 device), {args.saves} saves each "
+        "(median (min-max)):\n")
+  print(table(["saver", "staged -> replicated s", "staged -> durable s",
+               "steps/s while saving, % of idle"], rows))
+  shm_rs = results["replicas=1, shm"]
+  rep = statistics.median(r["replicated"] for r in shm_rs)
+  steps = statistics.median(r["steps"] for r in shm_rs)
+  print(f"\ntargets: staged -> replicated {rep:.2f} s (target <= {TARGET_REPLICATED_S:g} s): "
+        f"{'met' if rep <= TARGET_REPLICATED_S else 'NOT met'}; steps/s while replicating "
+        f"{steps:.0%} of idle (target >= {TARGET_STEPS:.0%}): "
+        f"{'met' if steps >= TARGET_STEPS else 'NOT met'}")
+
+
+if __name__ == "__main__":
+  main()
