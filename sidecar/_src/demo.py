@@ -187,7 +187,7 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
   lost_host, kill_at, every = hosts - 1, steps // 2, max(steps // 10, 1)
   print(f"Elastic: {hosts} sidecar hosts, {devices_per_host} CPU devices each; host "
         f"{lost_host}'s sidecar is SIGKILLed at step {kill_at}, and training goes on on the "
-        "others from the last checkpoint in host memory.")
+        "others from the last checkpoint in host memory (each host's shards also live in a peer's arena: replicas=1).")
   ckpt_dir = tempfile.mkdtemp(prefix="sidecar-demo-elastic-")
   marks: dict[str, float] = {}
   try:
@@ -198,7 +198,7 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
         def train(live):
           mesh = Mesh(np.array(elastic_lib.devices(ctl, live)), ("data",))
           sharding = NamedSharding(mesh, P("data"))
-          ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2)
+          ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2, replicas=1)
           start, data, restarted = ckpt.latest_step(), None, "killed" in marks
           if start is None:
             params = jax.device_put(init_params(jax.random.key(0)), NamedSharding(mesh, P()))
@@ -250,10 +250,8 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
 
 
 def _sources(ckpt) -> str:
-  stats = getattr(ckpt, "last_restore_stats", None)
-  if stats is None:
-    return "from the survivors' RAM tiers, storage for the lost host's shards"
-  return ", ".join(f"{k}: {v}" for k, v in stats().items())
+  stats = ckpt.last_restore_stats()
+  return ", ".join(f"{n} shards from {source}" for source, n in sorted(stats.shards.items()))
 
 
 def main(argv: list[str]) -> int:

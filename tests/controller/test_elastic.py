@@ -25,8 +25,12 @@ def update(state, batch):
           "total": state["total"] + jnp.sum(ids)}
 
 
-def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2):
-  """Trains STEPS steps under elastic.retry; ``kill=(step, host)`` SIGKILLs that sidecar."""
+def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None):
+  """Trains STEPS steps under elastic.retry; ``kill=(step, host)`` SIGKILLs that sidecar.
+
+  Saves keep a replica of each host's shards on the next host; ``sources`` collects
+  where each restore's shards came from.
+  """
   seen: dict[int, list[int]] = {}
   pending = [kill] if kill else []
 
@@ -34,7 +38,7 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2):
   def train(hosts):
     mesh = Mesh(np.array(elastic.devices(ctl, hosts)), ("data",))
     rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    ckpt = ctl.checkpointer(directory, max_to_keep=2)
+    ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=1)
     start = ckpt.latest_step()
     if start is None:
       state = {"rows": jax.device_put(jnp.zeros((BATCH, 1)), rows),
@@ -46,6 +50,8 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2):
             "rows": jax.ShapeDtypeStruct((BATCH, 1), jnp.float32, sharding=rows),
             "total": jax.ShapeDtypeStruct((), jnp.float32, sharding=whole)})
         data = ckpt.data_state()
+      if sources is not None:
+        sources.append(dict(ckpt.last_restore_stats().shards))
     with ctl.feed("ids", global_batch_size=BATCH, sharding=rows, seed=3, n=600,
                   state=data) as feed:
       for step in range(start + 1, STEPS + 1):
@@ -56,7 +62,7 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2):
         state = update(state, batch)
         if step % SAVE_EVERY == 0:
           ckpt.save(step, state, data_state=feed.state())
-          ckpt.wait()
+          ckpt.wait()  # durable and replicated
     ckpt.close()
     return jax.tree.map(np.asarray, state), hosts
 
@@ -76,7 +82,9 @@ def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
     with other.controller() as ctl2:
       (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
   t0 = time.monotonic()
-  (got, hosts), seen, train = train_loop(cluster, ctl, tmp_path / "lossy", kill=(5, 2))
+  sources: list[dict] = []
+  (got, hosts), seen, train = train_loop(cluster, ctl, tmp_path / "lossy", kill=(5, 2),
+                                         sources=sources)
   assert hosts == [0, 1]  # the last attempt ran on the survivors
   assert [h.host_id for h in ctl.hosts] == [0, 1] and list(ctl.lost_hosts) == [2]
   # The same global batch at every step, and the same state at the end, bit for bit.
@@ -92,6 +100,9 @@ def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
   lost = next(e for e in train.events if e.kind == "host_lost")
   assert lost.detail.startswith("host 2:")
   assert time.monotonic() - t0 < 60
+  # Host 2's shards came from the replica on host 0: nothing was read from storage.
+  (restored,) = sources
+  assert "storage" not in restored and restored.get("replica:host0", 0) > 0, restored
 
 
 def test_fewer_live_hosts_than_min_hosts_raise_naming_the_lost(three_hosts, tmp_path):
