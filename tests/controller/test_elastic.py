@@ -38,7 +38,7 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None)
   def train(hosts):
     mesh = Mesh(np.array(elastic.devices(ctl, hosts)), ("data",))
     rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=1)
+    ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=min(1, len(hosts) - 1))
     start = ckpt.latest_step()
     if start is None:
       state = {"rows": jax.device_put(jnp.zeros((BATCH, 1)), rows),
@@ -103,6 +103,25 @@ def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
   # Host 2's shards came from the replica on host 0: nothing was read from storage.
   (restored,) = sources
   assert "storage" not in restored and restored.get("replica:host0", 0) > 0, restored
+
+
+def test_a_host_lost_during_the_retrys_restore_is_survived_too(tmp_path):
+  # Host 1 dies as it serves the restore that follows host 2's loss: a third attempt
+  # runs on host 0 alone (host 1's shards then come from storage: its replica was on 2).
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"],
+                                    host_env={1: {"SIDECAR_CKPT_FAULT": "read@3"}}) as c:
+    with c.controller() as ctl:
+      (got, hosts), seen, train = train_loop(c, ctl, tmp_path / "lossy", kill=(5, 2),
+                                             min_hosts=1)
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
+    with other.controller() as ctl2:
+      (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
+  assert hosts == [0]
+  assert [e.kind for e in train.events].count("start") == 3
+  assert sorted(int(e.detail.split()[1].rstrip(":")) for e in train.events
+                if e.kind == "host_lost") == [1, 2]
+  assert seen == want_seen
+  np.testing.assert_array_equal(got["rows"], want["rows"])
 
 
 def test_fewer_live_hosts_than_min_hosts_raise_naming_the_lost(three_hosts, tmp_path):

@@ -49,7 +49,8 @@ from sidecar._src.protocol import pb
 log = logging.getLogger(__name__)
 MANIFEST = "sidecar_manifest.json"
 # Fault injection for the crash tests: "POINT@STEP" makes this sidecar SIGKILL itself
-# there (points: stage, write, prepared, commit), or "slow@STEP" pause 2 s before
+# there (points: stage, write, prepared, commit, read: serving a restore's shard of
+# the step), or "slow@STEP" pause 2 s before
 # writing; "replicate@STEP" kills it as a peer's first shards of STEP arrive, once its
 # own part of STEP is committed (so the step is durable and its replication half done).
 # Unset in production.
@@ -584,6 +585,9 @@ class CheckpointHost:
            tier: str = "any") -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked)."""
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
+    step = pathlib.Path(final_item).parent.name
+    if step.isdigit():
+      _fault("read", int(step))
     if tier not in ("any", "ram", "replica", "disk"):
       raise errors.InvalidArgumentError(
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
