@@ -436,6 +436,7 @@ def cpu_table(figures: list[dict[str, Any]]) -> str:
   """Where the CPU goes per global batch: ours by role, and the rest of the machine."""
   rows = []
   for kind in KINDS:
+    ours = {}
     for job, label in (("single", "(A)"), ("multi", "(B)")):
       per_window: list[dict[str, float]] = []
       for a, b in paired(figures, f"feed/{kind}", "window"):
@@ -448,11 +449,14 @@ def cpu_table(figures: list[dict[str, Any]]) -> str:
         row["busy"] = first["cpu"]["machine_busy"] / first["cpu"]["machine"]
         per_window.append(row)
       med = {k: _med(r[k] for r in per_window) for k in per_window[0]}
+      ours[job] = [r["ours"] for r in per_window]
+      x = "1.00x" if job == "single" else f"{_med(a / b for a, b in zip(*ours.values())):.2f}x"
       rows.append((kind, label, *(f"{med[k] * 1e3:.2f}" for k in
                                   ("trainer", "sidecar", "workers", "ours", "rest")),
-                   f"{med['busy']:.0%}"))
-  return table(("elements", "job", "trainer process(es) ms", "sidecars ms", "feed workers ms",
-                "ours, total ms", "rest of the machine ms", "machine busy"), rows)
+                   f"{med['busy']:.0%}", x))
+  return table(("CPU per global batch", "job", "trainer process(es) ms", "sidecars ms",
+                "feed workers ms", "ours, total ms", "rest of the machine ms", "machine busy",
+                "(A)'s total / this (batches per CPU-second vs (A))"), rows)
 
 
 def save_table(figures: list[dict[str, Any]]) -> tuple[str, float]:
