@@ -363,7 +363,7 @@ def take_turns(jobs: dict[str, Any], spec: dict[str, Any], i: int) -> list[dict[
 def run_all(args, jobs: dict[str, Any], base: str) -> list[dict[str, Any]]:
   """Every phase, (A) and (B) taking turns; returns their figures, each with its job."""
   figures = []
-  for kind in KINDS:
+  for kind in args.kinds:
     progress(f"feed {kind}: opening, {args.warmup:g} s warm-up in each job")
     take_turns(jobs, {"what": "feed_open", "kind": kind, "workers": args.workers,
                       "prefetch": args.prefetch, "warmup": args.warmup}, 0)
@@ -400,6 +400,10 @@ def _spread(xs: list[float], fmt: str = "{:.2f}") -> str:
   return f"{fmt.format(min(xs))}-{fmt.format(max(xs))}"
 
 
+def kinds_in(figures: list[dict[str, Any]]) -> list[str]:
+  return [k for k in KINDS if any(f["figure"] == f"feed/{k}" for f in figures)]
+
+
 def paired(figures: list[dict[str, Any]], figure: str, by: str
            ) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
   """(A)'s figure and (B)'s (one per process), turn by turn (window or step)."""
@@ -413,7 +417,7 @@ def paired(figures: list[dict[str, Any]], figure: str, by: str
 
 def feed_table(figures: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
   rows, ratios = [], {}
-  for kind in KINDS:
+  for kind in kinds_in(figures):
     pairs = paired(figures, f"feed/{kind}", "window")
     per_window = [min(f["batches_per_s"] for f in b) / a["batches_per_s"] for a, b in pairs]
     ratios[kind] = _med(per_window)
@@ -424,7 +428,7 @@ def feed_table(figures: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
                  " / ".join(b_med("batches_per_s", p, "{:,.0f}") for p in procs),
                  " / ".join(b_med("wait_ms", p, "{:.2f}") for p in procs),
                  f"{ratios[kind]:.2f}x", _spread(per_window, "{:.2f}x")))
-  n = len(paired(figures, f"feed/{KINDS[0]}", "window"))
+  n = len(paired(figures, f"feed/{kinds_in(figures)[0]}", "window"))
   return table((f"elements ({n} windows each)", "(A) 1 process, 2 hosts: batches/s",
                 "wait ms/step", "(B) 2 processes: batches/s, process 0 / 1",
                 "wait ms/step, process 0 / 1",
@@ -435,7 +439,7 @@ def feed_table(figures: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
 def cpu_table(figures: list[dict[str, Any]]) -> str:
   """Where the CPU goes per global batch: ours by role, and the rest of the machine."""
   rows = []
-  for kind in KINDS:
+  for kind in kinds_in(figures):
     ours = {}
     for job, label in (("single", "(A)"), ("multi", "(B)")):
       per_window: list[dict[str, float]] = []
@@ -504,6 +508,8 @@ def main() -> None:
                   help="seconds each feed runs unmeasured before its window")
   ap.add_argument("--warmup", type=float, default=feed_bench.WARMUP_S,
                   help="seconds each feed runs after it opens (as benchmarks.feed)")
+  ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                  help="which feeds to run (for profiling one)")
   ap.add_argument("--workers", type=int, default=2, help="feed workers per sidecar")
   ap.add_argument("--prefetch", type=int, default=4)
   ap.add_argument("--saves", type=int, default=12, help="measured saves per job, taking turns")
