@@ -58,8 +58,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from benchmarks import feed as feed_bench
-from benchmarks.checkpoint import (LEAF_SHAPE, LEAVES, SidecarSaver, filesystem_type, progress,
-                                   timed_save)
+from benchmarks.checkpoint import (
+  LEAF_SHAPE,
+  LEAVES,
+  SidecarSaver,
+  filesystem_type,
+  progress,
+  timed_save,
+)
 from benchmarks.common import table
 from sidecar._src import shm
 
@@ -422,7 +428,7 @@ def feed_table(figures: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
     per_window = [min(f["batches_per_s"] for f in b) / a["batches_per_s"] for a, b in pairs]
     ratios[kind] = _med(per_window)
     procs = range(len(pairs[0][1]))
-    b_med = lambda k, p, fmt: fmt.format(_med(b[p][k] for _, b in pairs))
+    b_med = lambda k, p, fmt, pairs=pairs: fmt.format(_med(b[p][k] for _, b in pairs))
     rows.append((kind, f"{_med(a['batches_per_s'] for a, _ in pairs):,.0f}",
                  f"{_med(a['wait_ms'] for a, _ in pairs):.2f}",
                  " / ".join(b_med("batches_per_s", p, "{:,.0f}") for p in procs),
