@@ -49,7 +49,7 @@ def main(directory: str, kill_at: str = "-1") -> int:
   def gathered(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-  emit("start", processes=jax.process_count(), t_start=T_START, t_init=t_init, t_ctl=t_ctl,
+  emit("start", processes=jax.process_count(), pid=os.getpid(), t_start=T_START, t_init=t_init, t_ctl=t_ctl,
        sidecar_pids={str(h.host_id): h.pid for h in ctl.hosts})
   mesh = Mesh(np.array(jax.devices()), ("data",))
   rows = NamedSharding(mesh, P("data"))
@@ -85,7 +85,7 @@ def main(directory: str, kill_at: str = "-1") -> int:
         if i % SAVE_EVERY == SAVE_EVERY - 1:
           ckpt.save(i, {"w": state, "step": np.int32(i)},
                     data_state=feed.state()).durable.result()
-          emit("committed", step=i)
+          emit("committed", step=i, w=gathered(state).tolist())
     emit("final", w=gathered(state).tolist(), steps=ckpt.all_steps())
     ckpt.close()
   finally:
