@@ -29,6 +29,7 @@ GLOBAL_BATCH = 12  # rows of the state too: divisible by 3 and by 2 processes
 
 def main(directory: str, kill_at: str = "-1") -> int:
   import sidecar
+  t_import = time.time()
   sidecar.distributed.initialize()
   t_init = time.time()
   import jax
@@ -49,8 +50,8 @@ def main(directory: str, kill_at: str = "-1") -> int:
   def gathered(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-  emit("start", processes=jax.process_count(), pid=os.getpid(), t_start=T_START, t_init=t_init, t_ctl=t_ctl,
-       sidecar_pids={str(h.host_id): h.pid for h in ctl.hosts})
+  emit("start", processes=jax.process_count(), pid=os.getpid(), t_start=T_START,
+       t_import=t_import, t_init=t_init, t_ctl=t_ctl, sidecar_pids={str(h.host_id): h.pid for h in ctl.hosts})
   mesh = Mesh(np.array(jax.devices()), ("data",))
   rows = NamedSharding(mesh, P("data"))
   target = {"w": jax.ShapeDtypeStruct((GLOBAL_BATCH, 4), jnp.float32, sharding=rows),
