@@ -120,8 +120,14 @@ def _launch(args: argparse.Namespace) -> int:
     token = launch.read_token(args.token_file)
   except (OSError, errors.InvalidArgumentError) as e:
     args.parser.error(f"cannot read the token: {e}")
+  if args.min_hosts is not None and not args.elastic:
+    args.parser.error("--min-hosts applies only with --elastic")
+  min_hosts = 1 if args.min_hosts is None else args.min_hosts
+  if not 1 <= min_hosts <= args.hosts:
+    args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
   return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
-                    imports=args.imports or [], shm_size=args.shm_size, token=token)
+                    imports=args.imports or [], shm_size=args.shm_size, token=token,
+                    elastic=args.elastic, min_hosts=min_hosts)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -182,6 +188,11 @@ def parser() -> argparse.ArgumentParser:
                  help="each sidecar's arena size (default: 256MiB)")
   s.add_argument("--token-file", help="file with the sidecars' bearer token, also given to the "
                  "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
+  s.add_argument("--elastic", action="store_true",
+                 help="when a host is lost, restart the other hosts' trainers as a job of one "
+                 "process fewer, beside the same sidecars (see below)")
+  s.add_argument("--min-hosts", type=int, metavar="K",
+                 help="with --elastic: restart while at least K hosts remain (default: 1)")
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)

@@ -5,7 +5,9 @@ one copy of the user's command per host, each in its own process group with the 
 that ``sidecar.distributed.initialize()``, ``Worker`` and ``Controller.from_env()`` read
 (``env.py`` lists it). Each trainer's output comes back line by line, prefixed ``[host i] ``.
 The first failure (a trainer exiting non-zero, a sidecar dying, SIGINT or SIGTERM to the
-launcher) stops everything else, and decides the exit code.
+launcher) stops everything else, and decides the exit code. With ``elastic``, a lost host
+(its trainer failed or its sidecar died) instead restarts the trainers of the hosts that
+remain as a job of one process fewer, beside the same sidecars, whose RAM tiers survive.
 
 Example::
 
@@ -45,9 +47,10 @@ Each trainer gets this environment added to the launcher's:
   JAX_PLATFORMS                 cpu, unless already set
   PYTHONUNBUFFERED              1, unless already set
 with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port>, SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
-SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host. SIDECAR_TOKEN is set when there
-is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of the launcher.
-The sidecars get no device ids: each learns its own from the trainer that attaches to it.
+SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host, SIDECAR_RESTART=0. SIDECAR_TOKEN
+is set when there is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of
+the launcher. The sidecars get no device ids: each learns its own from the trainer that
+attaches to it.
 
 Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
 exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
@@ -58,15 +61,40 @@ When one trainer fails or one sidecar dies (its log's last lines are printed, pr
 "[sidecar i] "), or on SIGINT/SIGTERM, every other trainer's process group gets SIGTERM,
 then SIGKILL after {DEFAULT_GRACE:g} s; then the sidecars stop. No process, socket, temporary
 directory or shared memory is left behind. A trainer that exits 0 leaves the others running.
+
+With --elastic, losing a host does not end the job. When host H's trainer fails or its
+sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
+stopped if it still runs, and the trainers of the other hosts start again as a job of one
+process fewer, while their sidecars keep running, with their arenas and RAM tiers: so the
+new job can restore the latest step from host memory. The new job's environment:
+SIDECAR_PROCESS_ID 0..N-2 in host order, SIDECAR_NUM_PROCESSES=N-1, a fresh coordinator
+port, SIDECAR_HOSTS listing only the hosts that remain, SIDECAR_ADDRESS each one's own
+sidecar, SIDECAR_RESTART=1 (2 after the next loss, ...). Host ids and the "[host H] "
+prefixes stay those of the sidecars. Each restart is logged here: the host lost and why,
+the new process count, and the seconds from the loss to the new trainers' start. The job
+restarts so while at least --min-hosts hosts (default 1) remain; on the loss that leaves
+fewer, it ends with that failure's exit code, as without --elastic. A trainer that exits 0
+everywhere still ends the job with 0, and SIGINT/SIGTERM still stop everything.
 """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Exit:
-  """An event for the supervisor: trainer ``host`` exited, or signal ``signum`` arrived."""
+  """An event for the supervisor: trainer ``host`` of start ``restart`` exited, or signal
+  ``signum`` arrived."""
   host: int = -1
   code: int = 0
   signum: int = 0
+  restart: int = -1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Loss:
+  """Host ``host`` failed: its trainer or its sidecar (``what``) ended with ``code``."""
+  host: int
+  what: str
+  code: int
+  exit_code: int  # what the launcher exits with if it gives up here
 
 
 def exit_status(returncode: int) -> int:
@@ -98,21 +126,29 @@ def read_token(token_file: str | None = None, environ: Mapping[str, str] | None 
 
 
 def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
-                base: Mapping[str, str]) -> dict[str, str]:
-  """The environment of trainer ``host``: ``base`` plus what ``env.py`` lists."""
+                base: Mapping[str, str], *, hosts: Sequence[int] | None = None,
+                restart: int = 0) -> dict[str, str]:
+  """The environment of trainer ``host``: ``base`` plus what ``env.py`` lists.
+
+  ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
+  the process ids follow that order. ``restart`` is how often the job was restarted.
+  """
+  hosts = list(range(cluster.num_hosts)) if hosts is None else list(hosts)
   ports = [a.rsplit(":", 1)[1] for a in cluster.health_addresses]
+  addresses = cluster.addresses
   result = dict(base)
   result.setdefault("JAX_PLATFORMS", "cpu")
   result.setdefault("PYTHONUNBUFFERED", "1")
   result.update({
       env.COORDINATOR_ADDRESS: coordinator,
-      env.NUM_PROCESSES: str(cluster.num_hosts),
-      env.PROCESS_ID: str(host),
+      env.NUM_PROCESSES: str(len(hosts)),
+      env.PROCESS_ID: str(hosts.index(host)),
       env.LOCAL_DEVICES: str(cluster.devices_per_host),
       env.HOST_ID: str(host),
       env.SLICE_ID: "0",
       env.ADDRESS: f"unix://{cluster.socket(host)}",
-      env.HOSTS: ",".join(f"{a}:{p}" for a, p in zip(cluster.addresses, ports)),
+      env.HOSTS: ",".join(f"{addresses[h]}:{ports[h]}" for h in hosts),
+      env.RESTART: str(restart),
   })
   if cluster.token:
     result[env.TOKEN] = cluster.token
@@ -143,14 +179,18 @@ class _Run:
   """One launch: owns the trainers, their output threads and the signal handlers."""
 
   def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
-               stdout: BinaryIO, stderr: TextIO):
+               stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1):
     self.command = list(command)
     self.cluster = cluster
     self.grace = grace
     self.stdout = stdout
     self.stderr = stderr
+    self.elastic = elastic
+    self.min_hosts = min_hosts
     self.events: queue.SimpleQueue[_Exit] = queue.SimpleQueue()  # put() is signal-safe
-    self.trainers: list[subprocess.Popen] = []
+    self.hosts = list(range(cluster.num_hosts))  # the hosts that remain, in order
+    self.restart = 0  # how often the job was restarted; tags its trainers' events
+    self.trainers: dict[int, subprocess.Popen] = {}  # host id -> trainer of this start
     self.threads: list[threading.Thread] = []
     self.lock = threading.Lock()
 
@@ -160,14 +200,15 @@ class _Run:
 
   def start_trainers(self) -> None:
     coordinator = f"127.0.0.1:{free_port()}"
-    for h in range(self.cluster.num_hosts):
+    for h in self.hosts:
       proc = subprocess.Popen(
-          self.command, env=trainer_env(self.cluster, h, coordinator, os.environ),
+          self.command, env=trainer_env(self.cluster, h, coordinator, os.environ,
+                                        hosts=self.hosts, restart=self.restart),
           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
           start_new_session=True)
-      self.trainers.append(proc)
+      self.trainers[h] = proc
       self._thread(_pump, proc.stdout, f"[host {h}] ".encode(), self.stdout, self.lock)
-      self._thread(self._wait, h, proc)
+      self._thread(self._wait, h, proc, self.restart)
 
   def _thread(self, target, *args) -> None:
     t = threading.Thread(target=target, args=args, daemon=True,  # daemon: a safety net only
@@ -175,37 +216,77 @@ class _Run:
     t.start()
     self.threads.append(t)
 
-  def _wait(self, host: int, proc: subprocess.Popen) -> None:
-    self.events.put(_Exit(host=host, code=proc.wait()))
+  def _wait(self, host: int, proc: subprocess.Popen, restart: int) -> None:
+    self.events.put(_Exit(host=host, code=proc.wait(), restart=restart))
 
   def supervise(self) -> int:
-    """Waits for every trainer to exit 0, or for the first failure; returns the exit code."""
-    running = set(range(len(self.trainers)))
+    """Waits for every trainer to exit 0, or for the failure that ends the job; returns
+    the exit code. With ``elastic``, a lost host restarts the job on the others."""
+    running = set(self.hosts)
     while running:
       try:
         event = self.events.get(timeout=_POLL)
       except queue.Empty:
-        code = self._check_sidecars()
-        if code is not None:
-          return code
+        loss = self._check_sidecars()
+      else:
+        if event.signum:
+          self.say(f"got {signal.Signals(event.signum).name}; stopping every process")
+          return 128 + event.signum
+        if event.restart != self.restart:
+          continue  # a trainer of an earlier start, stopped by us
+        running.discard(event.host)
+        if event.code == 0:
+          continue
+        # A dead sidecar, if any, is the cause: its trainer's failure is the symptom.
+        loss = self._check_sidecars() or _Loss(event.host, "trainer", event.code,
+                                               exit_status(event.code))
+      if loss is None:
         continue
-      if event.signum:
-        self.say(f"got {signal.Signals(event.signum).name}; stopping every process")
-        return 128 + event.signum
-      running.discard(event.host)
-      if event.code != 0:
-        self.say(f"host {event.host}'s trainer {_how(event.code)}; stopping the others")
-        return exit_status(event.code)
+      if not self._restart(loss):
+        return loss.exit_code
+      running = set(self.hosts)
     return 0
 
-  def _check_sidecars(self) -> int | None:
-    for h in range(self.cluster.num_hosts):
+  def _check_sidecars(self) -> _Loss | None:
+    for h in self.hosts:
       code = self.cluster.poll(h)
       if code is not None:
-        self.say(f"host {h}'s sidecar {_how(code)}; stopping every process. Its log ends:")
-        self.print_log_tail(h)
-        return exit_status(code) or 1
+        return _Loss(h, "sidecar", code, exit_status(code) or 1)
     return None
+
+  def _restart(self, loss: _Loss) -> bool:
+    """Restarts the job without ``loss.host`` if ``elastic`` allows; False to end it."""
+    lost = time.monotonic()
+    left = [h for h in self.hosts if h != loss.host]
+    why = f"host {loss.host}'s {loss.what} {_how(loss.code)}"
+    if not self.elastic or len(left) < self.min_hosts:
+      more = "" if not self.elastic else (
+          f" ({len(left)} hosts would remain, fewer than --min-hosts {self.min_hosts})")
+      whom = "the others" if loss.what == "trainer" else "every process"
+      self.say(f"{why}{more}; stopping {whom}" + (". Its log ends:" if loss.what == "sidecar"
+                                                   else ""))
+      if loss.what == "sidecar":
+        self.print_log_tail(loss.host)
+      return False
+    self.say(f"{why}; restarting the job on hosts {left}"
+             + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
+    if loss.what == "sidecar":
+      self.print_log_tail(loss.host)
+    self.stop_trainers()
+    stopped = time.monotonic()
+    self.cluster.kill(loss.host)  # a host whose trainer failed is lost too
+    killed = time.monotonic()
+    self.hosts = left
+    self.restart += 1
+    self.trainers = {}
+    self.start_trainers()
+    started = time.monotonic()
+    self.say(f"restart {self.restart}: host {loss.host} lost (its {loss.what} "
+             f"{_how(loss.code)}); {len(left)} process{'es' * (len(left) > 1)} "
+             f"on hosts {left}, started {started - lost:.2f} s after the loss (stopping the "
+             f"trainers {stopped - lost:.2f} s, the lost sidecar {killed - stopped:.2f} s, "
+             f"starting the new trainers {started - killed:.2f} s)")
+    return True
 
   def print_log_tail(self, host: int) -> None:
     lines = self.cluster.log(host).splitlines()[-_LOG_TAIL_LINES:]
@@ -216,7 +297,7 @@ class _Run:
 
   def stop_trainers(self) -> None:
     """SIGTERM to every trainer's process group, SIGKILL to those left after the grace."""
-    groups = [p.pid for p in self.trainers]
+    groups = [p.pid for p in self.trainers.values()]
     for g in groups:
       _signal_group(g, signal.SIGTERM)
     deadline = time.monotonic() + self.grace
@@ -224,10 +305,11 @@ class _Run:
       time.sleep(0.02)
     for g in groups:
       _signal_group(g, signal.SIGKILL)
-    for p in self.trainers:
+    for p in self.trainers.values():
       p.wait()
     for t in self.threads:
       t.join(timeout=2.0)  # A pipe can stay open only in a process outside the group.
+    self.threads = [t for t in self.threads if t.is_alive()]
 
   def on_signal(self, signum: int, frame) -> None:
     del frame
@@ -265,8 +347,8 @@ class _Interrupted(BaseException):
 
 def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
-        grace: float = DEFAULT_GRACE, stdout: BinaryIO | None = None,
-        stderr: TextIO | None = None) -> int:
+        grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
+        stdout: BinaryIO | None = None, stderr: TextIO | None = None) -> int:
   """Runs ``command`` once per host beside a LocalCluster of sidecars; returns the exit code.
 
   See ``HELP`` for the environment each process gets and the exit code rule. SIGINT and
@@ -280,21 +362,27 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     shm_size: each sidecar's arena size.
     token: the sidecars' bearer token, also given to the trainers; default none.
     grace: seconds between SIGTERM and SIGKILL when stopping trainers.
+    elastic: when a host is lost, restart the trainers of the others as a smaller job.
+    min_hosts: with ``elastic``, the fewest hosts to restart on; below, the job ends.
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
     stderr: where the launcher's own messages go; default this process's stderr.
 
   Raises:
-    InvalidArgumentError: an empty command, or hosts or devices_per_host below 1.
+    InvalidArgumentError: an empty command, hosts or devices_per_host below 1, or
+      min_hosts not in 1..hosts.
   """
   if isinstance(command, str) or not command:
     raise errors.InvalidArgumentError(
         f"command must be a non-empty list like ['python', 'train.py'], got {command!r}")
   if grace < 0:
     raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
+  if not 1 <= min_hosts <= hosts:
+    raise errors.InvalidArgumentError(
+        f"min_hosts must be in 1..hosts ({hosts}), got {min_hosts!r}")
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
-                stderr=stderr or sys.stderr)
+                stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts)
   in_start = True
 
   def handler(signum, frame):

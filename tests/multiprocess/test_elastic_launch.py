@@ -1,0 +1,144 @@
+"""``sidecar launch --elastic``: 3 trainer processes x 1 CPU device, one host's sidecar
+SIGKILLed mid-training, the job restarted on the other 2 beside the same sidecars.
+
+The trainer is tests/multiprocess/train_elastic.py; each process prints ``RESULT {json}``.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from sidecar._src import orbax_layout as ol
+from tests.conftest import eventually
+from tests.multiprocess.test_multiprocess import _results
+from tests.multiprocess.train_elastic import GLOBAL_BATCH, STEPS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KILL_AT = 5  # process 1 kills its sidecar before batch 5: step 3 is the last committed
+pytestmark = pytest.mark.timeout(300)
+
+
+def _start(directory, *flags: str, kill_at: int | None = None) -> subprocess.Popen:
+  command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "3", *flags,
+             "--import", "tests.feed_fns", "--shm-size", "32MiB", "--",
+             sys.executable, "-m", "tests.multiprocess.train_elastic", str(directory)]
+  if kill_at is not None:
+    command.append(str(kill_at))
+  return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _finish(p: subprocess.Popen) -> tuple[int, list[dict], str, str]:
+  out, err = p.communicate(timeout=240)
+  return p.returncode, _results(out), out, err
+
+
+def _of(results: list[dict], kind: str, **where) -> list[dict]:
+  return [r for r in results if r["kind"] == kind
+          and all(r[k] == v for k, v in where.items())]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _assert_nothing_left(results: list[dict], err: str) -> None:
+  sidecars = [int(p) for p in re.findall(r"host \d+'s sidecar \(pid (\d+)\)", err)]
+  trainers = [r["pid"] for r in _of(results, "start")]
+  assert len(sidecars) == 3 and trainers, err
+  assert eventually(lambda: not any(_alive(p) for p in sidecars + trainers))
+  temp_dir = os.path.dirname(re.search(r"unix://(\S+)", err).group(1))
+  assert not os.path.exists(temp_dir)
+
+
+def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path):
+  # The uninterrupted reference runs beside it: the two together take less time.
+  reference = _start(tmp_path / "reference")
+  elastic = _start(tmp_path / "elastic", "--elastic", kill_at=KILL_AT)
+  code, ref, ref_out, ref_err = _finish(reference)
+  assert code == 0, ref_out + ref_err
+  code, got, out, err = _finish(elastic)
+  assert code == 0, out + err
+
+  assert len(re.findall(r"restart \d+:", err)) == 1, err
+  assert re.search(r"restart 1: host 1 lost \(its sidecar was killed by SIGKILL\); 2 "
+                   r"processes on hosts \[0, 2\], started [\d.]+ s after the loss", err), err
+  # The first start: 3 processes; the restart: hosts 0 and 2 as processes 0 and 1.
+  first, second = _of(got, "start", restart=0), _of(got, "start", restart=1)
+  assert sorted((r["host"], r["process"], r["processes"]) for r in first) == [
+      (0, 0, 3), (1, 1, 3), (2, 2, 3)]
+  assert sorted((r["host"], r["process"], r["processes"]) for r in second) == [
+      (0, 0, 2), (2, 1, 2)]
+  # The surviving sidecars are the same processes: their arenas and RAM tiers survived.
+  before = first[0]["sidecar_pids"]
+  for r in second:
+    assert r["sidecar_pids"] == {h: before[h] for h in ("0", "2")}
+
+  # The restarted job restored the last step committed before the loss, bit-exact.
+  committed_before = {r["step"]: r["w"] for r in _of(got, "committed", restart=0)}
+  assert max(committed_before) == KILL_AT - 2, committed_before
+  ref_committed = {r["step"]: r["w"] for r in _of(ref, "committed", process=0)}
+  restored = _of(got, "restored", restart=1)
+  assert len(restored) == 2 and not _of(got, "restored", restart=0)
+  for r in restored:
+    assert r["step"] == KILL_AT - 2 and r["steps"] == [1, 3]
+    assert r["w"] == committed_before[KILL_AT - 2] == ref_committed[KILL_AT - 2]
+    assert r["data_state"]["position"] == (KILL_AT - 1) * GLOBAL_BATCH
+
+  # From its data position the global batches continue as in the uninterrupted run:
+  # none repeated, none skipped.
+  ref_batches = {r["i"]: r["ids"] for r in _of(ref, "batch", process=0)}
+  for p in (0, 1):
+    after = [(r["i"], r["ids"]) for r in _of(got, "batch", restart=1, process=p)]
+    assert [i for i, _ in after] == list(range(KILL_AT - 1, STEPS))
+    assert all(ids == ref_batches[i] for i, ids in after)
+  # The final state is the uninterrupted run's, bit for bit (integer-valued data).
+  ref_final = _of(ref, "final", process=0)[0]
+  finals = _of(got, "final")
+  assert [r["restart"] for r in finals] == [1, 1]
+  assert all(r["w"] == ref_final["w"] for r in finals)
+
+  # No step is listed that was not committed; the job after the loss saved steps too.
+  committed = {r["step"] for r in _of(got, "committed")}
+  assert ol.list_steps(str(tmp_path / "elastic")) == [1, 3, 5, 7]
+  assert set(finals[0]["steps"]) <= committed and set(finals[0]["steps"]) == {1, 3, 5, 7}
+  # Stock Orbax restores a step that hosts 0 and 2 saved as a job of 2.
+  with ocp.CheckpointManager(tmp_path / "elastic") as mngr:
+    stock = mngr.restore(7, args=ocp.args.StandardRestore(
+        {"w": np.zeros((GLOBAL_BATCH, 4), np.float32), "step": 0}))
+  assert np.asarray(stock["w"]).tolist() == _of(got, "committed", step=7, process=0)[0]["w"]
+  _assert_nothing_left(got, err)
+  _assert_nothing_left(ref, ref_err)
+
+
+def test_a_loss_below_min_hosts_ends_the_job(tmp_path):
+  code, got, out, err = _finish(_start(tmp_path, "--elastic", "--min-hosts", "3",
+                                       kill_at=KILL_AT))
+  assert code == 128 + 9, out + err  # the failure's code: the sidecar's SIGKILL
+  assert re.search(r"host 1's sidecar was killed by SIGKILL \(2 hosts would remain, fewer "
+                   r"than --min-hosts 3\); stopping every process", err), err
+  assert "restart 1:" not in err and not _of(got, "start", restart=1)
+  assert ol.list_steps(str(tmp_path)) == [1, 3]
+  _assert_nothing_left(got, err)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--min-hosts", "2"], "--min-hosts applies only with --elastic"),
+    (["--elastic", "--min-hosts", "4"], r"--min-hosts must be in 1..--hosts \(3\), got 4"),
+    (["--elastic", "--min-hosts", "0"], r"--min-hosts must be in 1..--hosts \(3\), got 0"),
+], ids=["without-elastic", "above-hosts", "zero"])
+def test_bad_min_hosts_is_refused_before_anything_starts(flags, match):
+  done = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "3", *flags,
+                         "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2 and re.search(match, done.stderr), done.stderr
+  assert "sidecar (pid" not in done.stderr
