@@ -24,8 +24,12 @@ the state after recovery equals an uninterrupted run's (integer-valued data).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -111,24 +115,41 @@ def run(directory: str, *, ram_steps: int, replicas: int, kill_at: int | None, s
   return out
 
 
+def _child(directory: str, ram_steps: int, replicas: int, kill_at: int | None) -> dict:
+  """One run in a fresh process (a long-lived process keeps earlier runs' arenas mapped
+  for a while), its figures as JSON on the last line of its output."""
+  command = [sys.executable, "-m", "benchmarks.elastic", "--child", directory, str(ram_steps),
+             str(replicas), str(kill_at or 0)]
+  done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+  if done.returncode:
+    raise RuntimeError(f"{command} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--dir", default=tempfile.gettempdir())
+  parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args()
   steps, save_every, kill_at = 8, 3, 5
+  if args.child:
+    directory, ram_steps, replicas, kill = args.child
+    out = run(directory, ram_steps=int(ram_steps), replicas=int(replicas),
+              kill_at=int(kill) or None, steps=steps, save_every=save_every)
+    out["events"] = [dataclasses.asdict(e) for e in out["events"]]
+    print(json.dumps(out))
+    return 0
   root = tempfile.mkdtemp(prefix="sidecar-bench-elastic-", dir=args.dir)
   variants = {"host memory: RAM tiers + peer replicas": (1, 1),
               "RAM tiers, the lost host's shards from storage": (1, 0),
               "storage only": (0, 0)}
   rows: dict[str, list[dict]] = {name: [] for name in variants}
   try:
-    want = run(f"{root}/whole", ram_steps=1, replicas=0, kill_at=None, steps=steps,
-               save_every=save_every)["final"]
+    want = _child(f"{root}/whole", 1, 0, None)["final"]
     for r in range(args.rounds):
       for i, (name, (ram_steps, replicas)) in enumerate(variants.items()):
-        got = run(f"{root}/{r}-{i}", ram_steps=ram_steps, replicas=replicas, kill_at=kill_at,
-                  steps=steps, save_every=save_every)
+        got = _child(f"{root}/{r}-{i}", ram_steps, replicas, kill_at)
         got["exact"] = got["final"] == want
         rows[name].append(got)
         print(f"round {r} {name}: total {got['total_s']:.2f} s, exact {got['exact']}, "
