@@ -24,14 +24,15 @@ KILL_AT = 5  # process 1 kills its sidecar before batch 5: step 3 is the last co
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start(directory, *flags: str, kill_at: int | None = None) -> subprocess.Popen:
+def _start(directory, *flags: str, kill_at: int | None = None,
+           replicas: int = 0) -> subprocess.Popen:
   command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "3", *flags,
              "--import", "tests.feed_fns", "--shm-size", "32MiB", "--",
              sys.executable, "-m", "tests.multiprocess.train_elastic", str(directory)]
   if kill_at is not None:
     command.append(str(kill_at))
   return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+                          text=True, env={**os.environ, "SIDECAR_TEST_REPLICAS": str(replicas)})
 
 
 def _finish(p: subprocess.Popen) -> tuple[int, list[dict], str, str]:
@@ -64,7 +65,7 @@ def _assert_nothing_left(results: list[dict], err: str) -> None:
 def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path):
   # The uninterrupted reference runs beside it: the two together take less time.
   reference = _start(tmp_path / "reference")
-  elastic = _start(tmp_path / "elastic", "--elastic", kill_at=KILL_AT)
+  elastic = _start(tmp_path / "elastic", "--elastic", kill_at=KILL_AT, replicas=1)
   code, ref, ref_out, ref_err = _finish(reference)
   assert code == 0, ref_out + ref_err
   code, got, out, err = _finish(elastic)
@@ -94,6 +95,8 @@ def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path)
     assert r["step"] == KILL_AT - 2 and r["steps"] == [1, 3]
     assert r["w"] == committed_before[KILL_AT - 2] == ref_committed[KILL_AT - 2]
     assert r["data_state"]["position"] == (KILL_AT - 1) * GLOBAL_BATCH
+    # From the survivors' memory only: host 1's shards from the replica on host 2.
+    assert "storage" not in r["sources"] and "replica:host2" in r["sources"], r["sources"]
 
   # From its data position the global batches continue as in the uninterrupted run:
   # none repeated, none skipped.

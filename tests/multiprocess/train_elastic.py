@@ -62,14 +62,18 @@ def main(directory: str, kill_at: str = "-1") -> int:
     return state + batch["x"] * 2 + 1
 
   try:
-    ckpt = ctl.checkpointer(directory)
+    # SIDECAR_TEST_REPLICAS=1: each host's shards also go to the next host's arena, so a
+    # lost host's shards come back from a survivor's memory.
+    replicas = int(os.environ.get("SIDECAR_TEST_REPLICAS", "0")) if len(ctl.hosts) > 1 else 0
+    ckpt = ctl.checkpointer(directory, replicas=replicas)
     data_state = None
     if ckpt.latest_step() is not None:
       restored = ckpt.restore(target=target)
       state, first = restored["w"], int(restored["step"]) + 1
       data_state = ckpt.data_state()
       emit("restored", step=first - 1, steps=ckpt.all_steps(), data_state=data_state,
-           w=gathered(state).tolist(), t=time.time())
+           w=gathered(state).tolist(), t=time.time(),
+           sources=ckpt.last_restore_stats().shards)
     else:
       state, first = jax.device_put(jnp.zeros((GLOBAL_BATCH, 4), jnp.float32), rows), 0
     with ctl.feed("ids", global_batch_size=GLOBAL_BATCH, sharding=rows, n=1000,
@@ -84,8 +88,9 @@ def main(directory: str, kill_at: str = "-1") -> int:
         ids = gathered(batch["id"]).tolist()
         emit("batch", i=i, ids=ids, t=time.time())  # after the step: the first one's end
         if i % SAVE_EVERY == SAVE_EVERY - 1:
-          ckpt.save(i, {"w": state, "step": np.int32(i)},
-                    data_state=feed.state()).durable.result()
+          handle = ckpt.save(i, {"w": state, "step": np.int32(i)}, data_state=feed.state())
+          handle.durable.result()
+          handle.replicated.result()
           emit("committed", step=i, w=gathered(state).tolist())
     emit("final", w=gathered(state).tolist(), steps=ckpt.all_steps())
     ckpt.close()

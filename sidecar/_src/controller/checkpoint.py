@@ -42,6 +42,8 @@ KeyPath = tuple[str | int, ...]
 STAGE_PART_BYTES = 512 << 20
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 _LONG_S = 3600.0
+# An abort waits for the host's writer to stop (up to a minute there).
+_ABORT_S = 90.0
 
 
 def key_path(path: Sequence[Any]) -> KeyPath:
@@ -490,15 +492,33 @@ class Checkpointer:
     self._peers.publish(f"{key}/outcome", "")
 
   def _abort(self, target: Target) -> None:
-    """Drops a failed save from every sidecar, then its uncommitted files."""
-    try:
-      hosts = self._alive_hosts()
-      self._call("sidecar.ckpt.abort", target.item, target.final_item, hosts=hosts)
-      if target.whole_step:  # Every host is done with the step: its tmp directory goes.
-        self._call("sidecar.ckpt.abort", str(pathlib.Path(target.item).parent),
-                   target.final_item, hosts=hosts)
-    except Exception:
-      pass  # the next open() sweeps the tmp dir
+    """Drops a failed save from every sidecar that answers, then its uncommitted files.
+
+    A host that does not answer keeps its part only until its writer gives up on the
+    step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
+    """
+    done = self._on_each("sidecar.ckpt.abort", target.item, target.final_item, hosts=self._hosts,
+                         what=f"abort step {target.step}")
+    if target.whole_step and done:  # Every host is done with the step: its tmp directory goes.
+      self._on_each("sidecar.ckpt.abort", str(pathlib.Path(target.item).parent),
+                    target.final_item, hosts=done, what=f"remove step {target.step}'s tmp files")
+
+  def _on_each(self, name: str, *args: Any, hosts: Sequence[int], what: str) -> list[int]:
+    """Calls ``name`` on each host at once; returns those that did it, logs the others."""
+    futures: dict[int, concurrent.futures.Future] = {}
+    for h in hosts:
+      try:
+        futures[h] = self._call_async(name, *args, hosts=[h], timeout=_ABORT_S)[0]
+      except errors.SidecarError as e:  # a host known lost: nothing to call
+        log.warning("could not %s on host %d: %s", what, h, e)
+    ok = []
+    for h, future in futures.items():
+      try:
+        future.result()
+        ok.append(h)
+      except errors.SidecarError as e:
+        log.warning("could not %s on host %d: %s", what, h, e)
+    return ok
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
@@ -509,16 +529,6 @@ class Checkpointer:
     if target.whole_step:
       with self._lock:
         self._steps = sorted(set(self._steps) | {target.step})
-
-  def _alive_hosts(self) -> list[int]:
-    alive = []
-    for h in self._hosts:
-      try:
-        self._call("sidecar.ckpt.ram", self.directory, hosts=[h], timeout=2)
-        alive.append(h)
-      except errors.SidecarError:
-        pass
-    return alive
 
   def _collect_garbage(self) -> None:
     """Deletes the steps ``max_to_keep`` and ``keep_period`` no longer keep."""
