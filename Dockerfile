@@ -4,6 +4,7 @@
 #
 #   docker build -t sidecar:dev .
 #   docker build -t sidecar:dev --build-arg USER_PACKAGES="my-pkg==1.2" .
+#   docker build -t sidecar:dev --build-arg EXTRAS=parquet,tfds .   # built-in pipelines' libraries
 #
 # For code that is not on an index, build on top of this image (docs/kubernetes.md):
 #
@@ -18,7 +19,10 @@ ARG PYTHON_VERSION=3.11
 FROM python:${PYTHON_VERSION}-slim AS build
 WORKDIR /src
 COPY . .
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# The extras of the built-in pipelines the image should serve (pyproject.toml): tfds, parquet,
+# arrayrecord, demo or all; none by default.
+ARG EXTRAS=""
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".${EXTRAS:+[$EXTRAS]}"
 
 FROM python:${PYTHON_VERSION}-slim
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin sidecar \

@@ -30,10 +30,15 @@ from typing import Any
 
 import grain
 import numpy as np
-from array_record.python import array_record_module
 
 import sidecar
 from pipelines._files import expand_paths
+
+try:
+  from array_record.python import array_record_module
+except ImportError as e:  # Not in the core install: an extra.
+  raise ImportError(
+      "pipelines.arrayrecord needs array-record: pip install 'colocated-sidecar[arrayrecord]'") from e
 
 MAGIC = b"SCX1"
 _ALIGN = 8

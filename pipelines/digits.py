@@ -24,9 +24,14 @@ from __future__ import annotations
 
 import grain
 import numpy as np
-from sklearn import datasets
 
 import sidecar
+
+try:
+  from sklearn import datasets
+except ImportError as e:  # Not in the core install: an extra.
+  raise ImportError(
+      "pipelines.digits needs scikit-learn: pip install 'colocated-sidecar[demo]'") from e
 
 SPLITS = {"train": slice(0, 1500), "test": slice(1500, None)}
 

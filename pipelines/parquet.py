@@ -25,11 +25,16 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 import sidecar
 from pipelines._files import expand_paths
+
+try:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+except ImportError as e:  # Not in the core install: an extra.
+  raise ImportError(
+      "pipelines.parquet needs pyarrow: pip install 'colocated-sidecar[parquet]'") from e
 
 Unit = tuple[str, int, int]  # (file, row group, rows in it)
 

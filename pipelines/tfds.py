@@ -24,9 +24,14 @@ from typing import Any
 
 import grain
 import numpy as np
-import tensorflow_datasets as tfds_lib
 
 import sidecar
+
+try:
+  import tensorflow_datasets as tfds_lib
+except ImportError as e:  # Not in the core install: an extra.
+  raise ImportError(
+      "pipelines.tfds needs tensorflow-datasets: pip install 'colocated-sidecar[tfds]'") from e
 
 
 @sidecar.pipeline

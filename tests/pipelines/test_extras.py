@@ -1,0 +1,38 @@
+"""Each built-in pipeline, imported without its library, names the extra to install."""
+
+import subprocess
+import sys
+
+import pytest
+
+# (pipeline module, the module its library provides, the message's library and extra)
+CASES = [
+    ("pipelines.parquet", "pyarrow", "pyarrow: pip install 'colocated-sidecar[parquet]'"),
+    ("pipelines.arrayrecord", "array_record",
+     "array-record: pip install 'colocated-sidecar[arrayrecord]'"),
+    ("pipelines.tfds", "tensorflow_datasets",
+     "tensorflow-datasets: pip install 'colocated-sidecar[tfds]'"),
+    ("pipelines.digits", "sklearn", "scikit-learn: pip install 'colocated-sidecar[demo]'"),
+]
+
+
+@pytest.mark.parametrize("module, library, message", CASES, ids=[c[0] for c in CASES])
+def test_missing_library_names_the_extra(module, library, message):
+  # A None entry in sys.modules makes `import library` fail as if it were not installed. Grain is
+  # imported first, as the pipelines do: on Linux it needs array-record itself.
+  code = (f"import sys, grain\n"
+          f"for name in [m for m in sys.modules if m.split('.')[0] == {library!r}]:\n"
+          f"  del sys.modules[name]\n"
+          f"sys.modules[{library!r}] = None\n"
+          f"try:\n  import {module}\n"
+          f"except ImportError as e:\n  print(e)\nelse:\n  print('imported')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       check=True).stdout.strip()
+  assert out == f"{module} needs {message}"
+
+
+@pytest.mark.parametrize("module", [c[0] for c in CASES], ids=[c[0] for c in CASES])
+def test_imports_with_its_library(module):
+  out = subprocess.run([sys.executable, "-c", f"import {module}; print('imported')"],
+                       capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+  assert out == "imported"
