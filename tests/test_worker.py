@@ -57,3 +57,13 @@ def test_close_waits_for_live_views(make_server):
   gc.collect()
   assert eventually(lambda: w.state is worker_lib.State.CLOSED
                     and server.leases.allocator.used_bytes == 0)
+
+
+def test_local_stream_finalizer_needs_no_module_globals(monkeypatch):
+  """At interpreter exit a module's globals may already be None when __del__ runs."""
+  stream = worker_lib.LocalStream.__new__(worker_lib.LocalStream)
+  stream.closed = False  # close() then fails: the stream has no socket
+  monkeypatch.setattr(worker_lib, "contextlib", None)
+  monkeypatch.setattr(worker_lib, "pb", None)
+  stream.__del__()  # raises nothing
+  stream.closed = True  # so that the collector's own __del__ has nothing to do

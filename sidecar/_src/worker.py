@@ -354,8 +354,11 @@ class LocalStream:
       self._sock.close()
 
   def __del__(self) -> None:
-    with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone
+    # No module globals here (contextlib...): at interpreter exit they may be None already.
+    try:
       self.close()
+    except Exception:  # A safety net: close() is the main path.
+      pass
 
   def __enter__(self) -> LocalStream:
     return self
