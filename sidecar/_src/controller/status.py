@@ -32,7 +32,7 @@ def format_table(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> s
   for address, s in rows:
     if isinstance(s, Exception):
       lines.append((address, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                    f"UNREACHABLE: {s}".splitlines()[0][:80]))
+                    f"UNREACHABLE: {s}".splitlines()[0]))
       continue
     ident = s.identity
     names = ", ".join(f"{e.name} ({e.kind})" for e in s.registry) or "(none)"
