@@ -1,5 +1,7 @@
+import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -7,6 +9,8 @@ import pytest
 
 import sidecar
 from sidecar._src import cli
+from sidecar._src.controller import status
+from tests.conftest import eventually
 
 FNS = ["tests.sidecar_fns"]
 
@@ -178,3 +182,86 @@ def test_serve_insecure_starts_with_a_warning(tmp_path, flags, env):
                       "--shm-size", "8MiB"], env=env, capture_output=True, text=True, timeout=60)
   assert "WARNING" in p.stderr and "INSECURE: serving 192.0.2.1 with no token" in p.stderr
   assert p.returncode == 2 and "cannot listen on 192.0.2.1:0" in p.stderr
+
+
+def test_status_shows_the_whole_first_line_of_an_error():
+  error = ConnectionError("failed to connect to all addresses; last error: UNKNOWN: "
+                          "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused\n"
+                          "second line")
+  row = status.format_table([("127.0.0.1:1", error)]).splitlines()[1]
+  assert row.endswith("UNREACHABLE: failed to connect to all addresses; last error: UNKNOWN: "
+                      "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused")
+
+
+@pytest.mark.parametrize("flag", ["--hosts", "--devices-per-host"])
+def test_local_rejects_zero_hosts_and_devices(capsys, flag):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["local", flag, "0"])
+  assert e.value.code == 2
+  assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_local_stops_on_sigterm_and_removes_its_temp_dir():
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1",
+                        "--shm-size", "8MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       text=True)
+  try:
+    lines = []
+    for line in p.stdout:
+      lines.append(line)
+      if line.startswith("Ctrl-C to stop."):
+        break
+    socket_path = lines[0].split("worker socket unix://")[1].strip()
+    assert os.path.exists(socket_path), lines
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 0
+  finally:
+    p.kill()
+    p.wait(30)
+    p.stdout.close()
+  assert not os.path.exists(os.path.dirname(socket_path))
+
+
+_SCRIPT = "import sys\nfrom sidecar._src.cli import main\nsys.exit(main())\n"
+
+
+def test_serve_imports_from_the_cwd_says_serving_once_and_removes_the_dirs_it_made(tmp_path):
+  """As the ``sidecar`` script runs: its own directory first on sys.path, not the cwd."""
+  (tmp_path / "bin").mkdir()
+  (tmp_path / "bin" / "sidecar_script.py").write_text(_SCRIPT)
+  pkg = tmp_path / "work" / "my_pkg"
+  pkg.mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "fns.py").write_text(
+      "import sidecar\n@sidecar.function(name='from_cwd')\ndef f():\n  return 1\n")
+  ready = tmp_path / "ready.json"
+  socket_dir = tmp_path / "run" / "sidecar"  # Neither exists: serve makes both.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+  p = subprocess.Popen([sys.executable, str(tmp_path / "bin" / "sidecar_script.py"), "serve",
+                        "--import", "my_pkg.fns", "--port", "0", "--health-port", "0",
+                        "--socket", str(socket_dir / "s.sock"), "--shm-size", "8MiB",
+                        "--ready-file", str(ready)], cwd=tmp_path / "work", env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    assert eventually(lambda: ready.exists() or p.poll() is not None, timeout=60), "no ready file"
+    assert p.poll() is None, p.stdout.read()[-2000:]
+    port = json.loads(ready.read_text())["port"]
+    names = [e.name for e in status.fetch(f"127.0.0.1:{port}", timeout=10).registry]
+    assert "from_cwd" in names
+    assert socket_dir.is_dir()
+  finally:
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=30)[0]
+  assert p.returncode == 0, out
+  assert out.count("serving on") == 1, out
+  assert not (tmp_path / "run").exists()
+
+
+def test_serve_names_the_socket_flag_when_it_cannot_make_the_socket(tmp_path):
+  (tmp_path / "file").write_text("")
+  p = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--port", "0", "--health-port",
+                      "0", "--socket", str(tmp_path / "file" / "s.sock"), "--shm-size", "8MiB"],
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2, p.stderr
+  assert f"cannot make the worker socket's directory {tmp_path / 'file'}" in p.stderr
+  assert "give --socket (socket_path) a path in a writable directory" in p.stderr

@@ -39,8 +39,21 @@ def _size(text: str) -> int:
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _import_from_cwd() -> None:
+  """Puts the working directory first on sys.path, as ``python -m`` does.
+
+  The ``sidecar`` script's own directory is first instead, so ``--import my_pkg.mod``
+  would not find ``my_pkg`` where the user stands; ``sidecar local`` runs its sidecars
+  with ``python -m``, which finds it.
+  """
+  cwd = os.getcwd()
+  if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+    sys.path.insert(0, cwd)
+
+
 def load_user_code(modules: Sequence[str]) -> None:
   """Imports ``modules`` and the ``sidecar.plugins`` entry points, so decorators register."""
+  _import_from_cwd()
   try:
     registry_lib.load_modules(modules)
   except ImportError as e:
@@ -80,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
   if args.ready_file:
     server.write_ready_file(args.ready_file)
   print(f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
-        f"(health {server.health_port}), worker socket {opts.socket_path}", flush=True)
+        f"(health {server.health_port}), worker socket {opts.socket_path}, "
+        f"arena {shm.format_size(opts.shm_size)}", flush=True)
   while not server.wait(1.0):
     pass
   return 0
@@ -95,14 +109,33 @@ def _watch_parent(pid: int, server) -> None:
     time.sleep(0.5)
 
 
+def _raise_on_sigterm() -> None:
+  """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so ``with`` blocks clean up."""
+  def handler(signum, frame):
+    raise KeyboardInterrupt
+  signal.signal(signal.SIGTERM, handler)
+
+
 def _local(args: argparse.Namespace) -> int:
+  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+    if value < 1:
+      args.parser.error(f"{flag} must be at least 1, got {value}")
+  _raise_on_sigterm()
+  try:
+    return _run_local(args)
+  except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the sidecars start
+    return 130
+
+
+def _run_local(args: argparse.Namespace) -> int:
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False) as cluster:
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
       print(f"host {h}: {a}  worker socket unix://{s}")
     print("Ctrl-C to stop.", flush=True)
     try:
-      signal.sigwait({signal.SIGINT, signal.SIGTERM})
+      while True:
+        signal.pause()
     except KeyboardInterrupt:
       pass
   return 0
@@ -171,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--devices-per-host", type=int, default=1)
   s.add_argument("--shm-size", type=_size, default=_size("256MiB"))
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
-  s.set_defaults(func=_local)
+  s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
                      usage="sidecar launch [options] -- CMD [ARGS...]", epilog=launch.HELP,

@@ -85,7 +85,8 @@ class Server:
         self._teardown()
         raise
       self.state = State.SERVING
-    log.info("sidecar host %d serving on port %d (health %d), socket %s, arena %s",
+    # Debug: `sidecar serve` prints its own line, with the address it listens on.
+    log.debug("sidecar host %d serving on port %d (health %d), socket %s, arena %s",
              self.options.host_id, self.port, self.health_port, self.options.socket_path,
              shm.format_size(self.arena.size))
     return self

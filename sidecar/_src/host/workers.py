@@ -40,11 +40,17 @@ class WorkerListener:
     self._lock = threading.Lock()
     self._sessions: dict[str, socket.socket] = {}
     self._closed = False
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    self._made_dirs = _make_dirs(os.path.dirname(os.path.abspath(path)))
     with contextlib.suppress(FileNotFoundError):
       os.unlink(path)  # A socket file left by a killed sidecar.
     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._sock.bind(path)
+    try:
+      self._sock.bind(path)
+    except OSError as e:
+      self._sock.close()
+      _remove_dirs(self._made_dirs)
+      raise OSError(e.errno, f"cannot make the worker socket {path} ({e.strerror}): give "
+                    "--socket (socket_path) a path in a writable directory") from e
     # Owner and group may attach (connecting needs write permission on the socket): on
     # Kubernetes, a pod fsGroup shared by trainer and sidecar; nobody else.
     os.chmod(path, 0o660)
@@ -187,6 +193,32 @@ class WorkerListener:
         conn.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
+    _remove_dirs(self._made_dirs)
+
+
+def _make_dirs(directory: str) -> list[str]:
+  """Makes ``directory`` and its missing parents; returns those it made, deepest first."""
+  made = []
+  d = directory
+  while not os.path.isdir(d) and os.path.dirname(d) != d:
+    made.append(d)
+    d = os.path.dirname(d)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise OSError(e.errno, f"cannot make the worker socket's directory {directory} "
+                  f"({e.strerror}): give --socket (socket_path) a path in a writable "
+                  "directory") from e
+  return made
+
+
+def _remove_dirs(made: list[str]) -> None:
+  """Removes the directories ``_make_dirs`` made, deepest first, while they are empty."""
+  for d in made:
+    try:
+      os.rmdir(d)
+    except OSError:
+      return  # Not empty (someone else's files) or gone: leave it and its parents.
 
 
 class _SocketCredits:
