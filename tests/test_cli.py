@@ -265,3 +265,13 @@ def test_serve_names_the_socket_flag_when_it_cannot_make_the_socket(tmp_path):
   assert p.returncode == 2, p.stderr
   assert f"cannot make the worker socket's directory {tmp_path / 'file'}" in p.stderr
   assert "give --socket (socket_path) a path in a writable directory" in p.stderr
+
+
+def test_demo_without_scikit_learn_names_the_extra():
+  # A None entry in sys.modules: scikit-learn as if it were not installed.
+  code = ("import sys; sys.modules['sklearn'] = None\n"
+          "from sidecar._src import cli; sys.exit(cli.main(['demo']))\n")
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2, p.stderr
+  assert ("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
+          "pip install 'colocated-sidecar[demo]'") in p.stderr

@@ -7,6 +7,7 @@ devices own, which arrive as one sharded ``jax.Array`` per step.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import shutil
 import sys
@@ -93,6 +94,10 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   processes under ``jax.distributed`` (one per host, each beside its own sidecar),
   started by ``sidecar launch``.
   """
+  if importlib.util.find_spec("sklearn") is None:  # pipelines.digits, in every sidecar
+    print("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
+          "pip install 'colocated-sidecar[demo]'", file=sys.stderr)
+    return 2
   if elastic:
     hosts = max(hosts, 3)  # a global batch both meshes split evenly, before and after
     batch = math.lcm(hosts * devices_per_host, (hosts - 1) * devices_per_host) * 4
