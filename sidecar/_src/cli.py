@@ -132,8 +132,8 @@ def _run_local(args: argparse.Namespace) -> int:
                     imports=args.imports or [], configure_jax=False) as cluster:
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
       print(f"host {h}: {a}  worker socket unix://{s}")
-    print("Ctrl-C to stop.", flush=True)
-    try:
+    try:  # from the line that tells how to stop it, a stop is a clean exit
+      print("Ctrl-C to stop.", flush=True)
       while True:
         signal.pause()
     except KeyboardInterrupt:
