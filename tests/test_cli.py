@@ -178,3 +178,12 @@ def test_serve_insecure_starts_with_a_warning(tmp_path, flags, env):
                       "--shm-size", "8MiB"], env=env, capture_output=True, text=True, timeout=60)
   assert "WARNING" in p.stderr and "INSECURE: serving 192.0.2.1 with no token" in p.stderr
   assert p.returncode == 2 and "cannot listen on 192.0.2.1:0" in p.stderr
+
+
+def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypatch, tmp_path):
+  monkeypatch.delenv("SIDECAR_CHECKPOINT_ROOTS", raising=False)
+  assert cli.parser().parse_args(["serve"]).checkpoint_roots == []
+  args = cli.parser().parse_args(["serve", "--checkpoint-root", "/a", "--checkpoint-root", "b"])
+  assert args.checkpoint_roots == ["/a", "b"]
+  monkeypatch.setenv("SIDECAR_CHECKPOINT_ROOTS", os.pathsep.join(["/x", "/y"]))
+  assert cli.parser().parse_args(["serve"]).checkpoint_roots == ["/x", "/y"]
