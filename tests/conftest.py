@@ -80,6 +80,8 @@ def registry():
 @pytest.fixture
 def make_server(tmp_path):
   """Starts in-process sidecar servers on loopback with the test functions registered."""
+  import tempfile
+
   import sidecar
   from sidecar._src import options, registry as registry_lib
   from sidecar._src.host.server import Server
@@ -95,6 +97,7 @@ def make_server(tmp_path):
         if entry.fn.__module__ == "tests.sidecar_fns":
           reg.add(entry.kind, entry.name, entry.fn)
     kw.setdefault("shm_size", 8 << 20)
+    kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))
     opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0,
                                  socket_path=str(tmp_path / f"s{len(servers)}.sock"), **kw)
     server = Server(opts, registry=reg).start()

@@ -275,3 +275,12 @@ def test_demo_without_scikit_learn_names_the_extra():
   assert p.returncode == 2, p.stderr
   assert ("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
           "pip install 'colocated-sidecar[demo]'") in p.stderr
+
+
+def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypatch, tmp_path):
+  monkeypatch.delenv("SIDECAR_CHECKPOINT_ROOTS", raising=False)
+  assert cli.parser().parse_args(["serve"]).checkpoint_roots == []
+  args = cli.parser().parse_args(["serve", "--checkpoint-root", "/a", "--checkpoint-root", "b"])
+  assert args.checkpoint_roots == ["/a", "b"]
+  monkeypatch.setenv("SIDECAR_CHECKPOINT_ROOTS", os.pathsep.join(["/x", "/y"]))
+  assert cli.parser().parse_args(["serve"]).checkpoint_roots == ["/x", "/y"]

@@ -12,7 +12,10 @@ from sidecar._src.options import ServerOptions
     ({"device_ids": (0, -2)}, "device_ids must be non-negative"),
     ({"socket_path": ""}, "socket_path must name"),
     ({"token": "  "}, "token must be a non-empty string"),
-], ids=["host", "port", "same-port", "shm", "devices", "socket", "token"])
+    ({"checkpoint_roots": "/ckpt"}, r"checkpoint_roots must be a tuple .*--checkpoint-root"),
+    ({"checkpoint_roots": ("/ckpt", "")}, "checkpoint_roots must be a tuple of directory paths"),
+], ids=["host", "port", "same-port", "shm", "devices", "socket", "token", "roots-str",
+        "roots-empty"])
 def test_bad_options_name_the_value(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ServerOptions(**kwargs)

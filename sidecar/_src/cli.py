@@ -75,7 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
-        insecure=args.insecure, imports=tuple(imports))
+        insecure=args.insecure, imports=tuple(imports),
+        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots))
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -195,6 +196,11 @@ def parser() -> argparse.ArgumentParser:
                  help="file holding the token every controller must present")
   s.add_argument("--insecure", action="store_true", default=_env("SIDECAR_INSECURE") == "1",
                  help="allow a non-loopback --listen without a token (logged as a warning)")
+  s.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", metavar="DIR",
+                 default=[r for r in (_env("SIDECAR_CHECKPOINT_ROOTS") or "").split(os.pathsep)
+                          if r.strip()],
+                 help="directory the checkpoint calls may act in, and below (repeatable; "
+                      "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)

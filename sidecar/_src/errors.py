@@ -12,6 +12,7 @@ The tree::
     │   └── ShardsLostError                       shards with no live copy and no valid stored one
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
+    ├── PermissionDeniedError(PermissionError)    a path outside the checkpoint roots (PERMISSION_DENIED)
     ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
     ├── RemoteError                               user code raised inside a sidecar
     ├── HostLostError(ConnectionError)            a sidecar died or became unreachable
@@ -67,6 +68,11 @@ class VersionMismatchError(SidecarError):
 
 class AuthenticationError(SidecarError, PermissionError):
   """The sidecar refused the credentials (or their absence)."""
+
+
+class PermissionDeniedError(SidecarError, PermissionError):
+  """The sidecar may not do what was asked: a checkpoint path outside its checkpoint roots,
+  or a checkpoint call to a sidecar started without any."""
 
 
 class ArenaCapacityError(SidecarError, MemoryError):

@@ -50,6 +50,8 @@ class LocalCluster:
   of this process. ``host_env`` adds environment variables to one host's sidecar.
   With ``assign_device_ids=False`` the sidecars get no device ids at start: each learns its
   devices from the trainer process that attaches to it (as under ``sidecar launch``).
+  ``checkpoint_roots``: the directories the sidecars may checkpoint in (and below), by
+  default the system temp directory and the working directory (``--checkpoint-root``).
   Everything started is stopped on exit, also when the body raises.
   """
 
@@ -58,7 +60,8 @@ class LocalCluster:
                token: str | None = None, start_timeout: float = 60.0,
                configure_jax: bool = True, extra_args: Sequence[str] = (),
                host_env: Mapping[int, Mapping[str, str]] | None = None,
-               assign_device_ids: bool = True):
+               assign_device_ids: bool = True,
+               checkpoint_roots: Sequence[str] | None = None):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -76,6 +79,12 @@ class LocalCluster:
     self._extra_args = tuple(extra_args)
     self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
     self._assign_device_ids = assign_device_ids
+    if isinstance(checkpoint_roots, str):
+      raise errors.InvalidArgumentError(
+          f"checkpoint_roots must be a list of directories, got {checkpoint_roots!r}")
+    # Where the sidecars may checkpoint: by default the temp directory and the working one.
+    self.checkpoint_roots = tuple(os.path.abspath(r) for r in (
+        (tempfile.gettempdir(), os.getcwd()) if checkpoint_roots is None else checkpoint_roots))
     self._procs: list[subprocess.Popen] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
@@ -105,7 +114,7 @@ class LocalCluster:
             *ids, "--listen", "127.0.0.1", "--port", "0", "--health-port", "0",
             "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
-            *self._extra_args]
+            *(f"--checkpoint-root={r}" for r in self.checkpoint_roots), *self._extra_args]
     for module in self.imports:
       args += ["--import", module]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))

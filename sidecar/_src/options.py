@@ -49,6 +49,8 @@ class ServerOptions:
   inline_limit: int = 64 << 10
   threads: int = 32
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
+  # Directories the checkpoint calls may act in (and below); none: they are refused.
+  checkpoint_roots: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):
@@ -75,6 +77,11 @@ class ServerOptions:
           "can reach the port could run functions, feeds and checkpoints here; pass "
           "--token-file FILE (or SIDECAR_TOKEN / SIDECAR_TOKEN_FILE), listen on 127.0.0.1, or "
           "pass --insecure (SIDECAR_INSECURE=1) to serve without a token anyway")
+    if not isinstance(self.checkpoint_roots, tuple) or any(
+        not isinstance(r, str) or not r.strip() for r in self.checkpoint_roots):
+      raise ValueError(
+          "checkpoint_roots must be a tuple of directory paths (--checkpoint-root DIR), got "
+          f"{self.checkpoint_roots!r}")
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:

@@ -81,6 +81,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
@@ -187,6 +188,7 @@ def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
       grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
       grpc.StatusCode.FAILED_PRECONDITION: errors.VersionMismatchError,
       grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
+      grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
   }.get(code)
   if fallback is not None:
     return fallback(f"{e.details()} (sidecar {host}, host {host_id})")

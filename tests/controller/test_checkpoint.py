@@ -132,7 +132,10 @@ def test_bad_input(cluster, tmp_path):
     if os.geteuid() != 0:  # root writes anywhere; the check is for real users
       with pytest.raises(sidecar.InvalidArgumentError, match="is not writable"):
         ctl.checkpointer(ro)
+    (tmp_path / "a-file").write_text("")  # not a directory, for root too
     with pytest.raises(sidecar.InvalidArgumentError, match="is not writable"):
+      ctl.checkpointer(tmp_path / "a-file" / "ck")
+    with pytest.raises(PermissionError, match="is not under a checkpoint root"):
       ctl.checkpointer("/proc/no-such-dir/ck")
     with ctl.checkpointer(tmp_path / "ck", max_to_keep=2) as ckpt:
       for step in (1, 2, 3):

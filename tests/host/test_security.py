@@ -238,3 +238,120 @@ def test_every_wrong_token_is_unauthenticated(make_server, sent):
   raw = Raw(server.port, token="s3cret")
   assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2
   raw.close()
+
+
+# ---- checkpoint roots: the built-in checkpoint calls act only under them -------------
+
+
+@pytest.fixture
+def ckpt_server(make_server, tmp_path):
+  """A sidecar whose one checkpoint root is ``tmp_path/root``; a victim directory beside it,
+  holding what looks like a committed step; a raw client."""
+  root = tmp_path / "root"
+  root.mkdir()
+  victim = tmp_path / "victim"
+  (victim / "5" / "default").mkdir(parents=True)
+  (victim / "5" / "default" / "sidecar_manifest.json").write_text("{}")
+  (victim / "5.orbax-checkpoint-tmp").mkdir()
+  (victim / "precious.txt").write_text("keep me")
+  server = make_server(checkpoint_roots=(str(root),))
+  raw = Raw(server.port)
+  yield root, victim, raw
+  raw.close()
+
+
+def ckpt(raw: Raw, name: str, *args) -> pb.Value:
+  return raw.call(f"sidecar.ckpt.{name}", *(codec.encode(a) for a in args))
+
+
+def ckpt_refused(raw: Raw, name: str, *args) -> grpc.RpcError:
+  return rejected(lambda: ckpt(raw, name, *args))
+
+
+def files(path) -> set[str]:
+  return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+def test_checkpoint_calls_outside_the_roots_are_refused_and_remove_nothing(ckpt_server):
+  root, victim, raw = ckpt_server
+  before = files(victim)
+  v = str(victim)
+  for name, args in [("abort", (v, v)), ("abort", (f"{v}/5.orbax-checkpoint-tmp", v)),
+                     ("delete", (v, 5)), ("open", (f"{v}/new",)), ("begin", (v, 6)),
+                     ("info", (f"{v}/5/default",)), ("held", (v,)), ("forget", (v, 5)),
+                     ("commit", (f"{v}/5.orbax-checkpoint-tmp/default", 5, 1, [], [], "", True)),
+                     ("read", (f"{v}/5/default", ["w"], [[0, 1]]))]:
+    e = ckpt_refused(raw, name, *args)
+    assert e.code() == grpc.StatusCode.PERMISSION_DENIED, (name, e.details())
+    assert "is not under a checkpoint root" in e.details() and str(root) in e.details()
+    assert "--checkpoint-root" in e.details() and v in e.details()
+  assert files(victim) == before and not (victim / "new").exists()
+  assert (victim / "precious.txt").read_text() == "keep me"
+
+
+def test_a_symlink_or_dotdot_leaving_the_root_is_refused(ckpt_server):
+  root, victim, raw = ckpt_server
+  (root / "link").symlink_to(victim)
+  before = files(victim)
+  for directory in (str(root / "link"), f"{root}/../victim", f"{root}/sub/../../victim"):
+    for name, args in [("delete", (directory, 5)), ("open", (directory,)),
+                       ("abort", (f"{directory}/5.orbax-checkpoint-tmp", directory))]:
+      e = ckpt_refused(raw, name, *args)
+      assert e.code() == grpc.StatusCode.PERMISSION_DENIED, (name, directory, e.details())
+      assert f"resolved: '{victim}" in e.details()
+  assert files(victim) == before
+
+
+def test_delete_and_abort_remove_only_a_checkpoints_step_directories(ckpt_server):
+  root, _, raw = ckpt_server
+  (root / "7").mkdir()
+  (root / "7" / "data.bin").write_bytes(b"not a checkpoint")
+  (root / "data").mkdir()
+  e = ckpt_refused(raw, "delete", str(root), 7)
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "is not a checkpoint step directory" in e.details()
+  for item in (str(root / "data"), str(root)):
+    e = ckpt_refused(raw, "abort", item, item)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "abort removes only a save's uncommitted files" in e.details()
+  assert (root / "7" / "data.bin").exists() and (root / "data").is_dir()
+  # What a checkpoint wrote goes: a step with its manifest, an uncommitted step.
+  (root / "8" / "default").mkdir(parents=True)
+  (root / "8" / "default" / "sidecar_manifest.json").write_text("{}")
+  tmp = root / "9.orbax-checkpoint-tmp"
+  (tmp / "default").mkdir(parents=True)
+  ckpt(raw, "delete", str(root), 8)
+  ckpt(raw, "abort", str(tmp / "default"), str(root / "9" / "default"))
+  assert not (root / "8").exists() and not (tmp / "default").exists() and tmp.exists()
+  ckpt(raw, "abort", str(tmp), str(root / "9" / "default"))
+  assert not tmp.exists() and (root / "7").exists()
+
+
+@pytest.mark.parametrize("step", ["victim", True, 1.5, None, [5]])
+def test_a_step_must_be_an_int(ckpt_server, step):
+  root, _, raw = ckpt_server
+  (root / "victim" / "default").mkdir(parents=True)
+  (root / "victim" / "default" / "sidecar_manifest.json").write_text("{}")
+  for name in ("delete", "begin", "forget"):
+    e = ckpt_refused(raw, name, str(root), step)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.details())
+    assert f"step must be an int, got {step!r}" in e.details()
+  assert (root / "victim" / "default").is_dir()
+  e = ckpt_refused(raw, "open", 5)
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert "directory must be a directory path, got 5" in e.details()
+
+
+def test_a_sidecar_without_roots_refuses_checkpoint_calls_naming_the_flag(make_server, tmp_path):
+  server = make_server(checkpoint_roots=())
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    with pytest.raises(sidecar.SidecarError) as info:
+      ctl.call("sidecar.ckpt.open", str(tmp_path / "ck"))
+    assert isinstance(info.value, PermissionError)
+    assert type(info.value).__name__ == "PermissionDeniedError"
+    assert "has no checkpoint root" in str(info.value)
+    assert "--checkpoint-root DIR" in str(info.value)
+    assert "SIDECAR_CHECKPOINT_ROOTS" in str(info.value)
+    with pytest.raises(PermissionError):
+      ctl.checkpointer(tmp_path / "ck2")
+  assert not (tmp_path / "ck").exists() and not (tmp_path / "ck2").exists()

@@ -22,6 +22,11 @@ by ``committed``, ``abort``, ``forget``.
 copy, the block itself is leased to the caller), ``replica`` (a peer's shard held
 here), ``disk`` (storage, straight into a new arena block), or ``any`` (own copy,
 else storage). Every read with a crc32c checks it (a RAM copy once).
+
+Every path these calls name must lie under one of the sidecar's checkpoint roots
+(``sidecar serve --checkpoint-root DIR``) once resolved (symlinks, ``..``); a sidecar
+started without any refuses them all (``PermissionDeniedError``). ``delete`` and
+``abort`` remove only step directories a checkpoint wrote.
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ SHM_ENV = "SIDECAR_REPLICA_SHM"
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
+ROOTS_FLAG = "--checkpoint-root"
+ROOTS_ENV = "SIDECAR_CHECKPOINT_ROOTS"
+# Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
+_MARKERS = ("_CHECKPOINT_METADATA", ol.METADATA_FILE, ol.COMMIT_SUCCESS_FILE, MANIFEST)
 
 
 def _fault(point: str, step: int) -> None:
@@ -73,6 +82,22 @@ def _fault(point: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 Index = tuple[tuple[int, int], ...]
+
+
+def _int(value: Any, name: str) -> int:
+  """``value`` if it is an int (not a bool), else InvalidArgumentError naming ``name``."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise errors.InvalidArgumentError(f"{name} must be an int, got {value!r:.100}")
+  return int(value)
+
+
+def _is_checkpoint_dir(path: pathlib.Path) -> bool:
+  """Whether ``path`` is a step (or item) directory a checkpoint wrote: Orbax's markers
+  or this format's manifest in it or in one of its item directories."""
+  if any((path / m).is_file() for m in _MARKERS):
+    return True
+  return any(child.is_dir() and not child.is_symlink()
+             and any((child / m).is_file() for m in _MARKERS) for child in path.iterdir())
 
 
 @dataclasses.dataclass
@@ -128,9 +153,10 @@ class _Replica:
 class CheckpointHost:
   """Built-in ``sidecar.ckpt.*`` functions of one sidecar."""
 
-  def __init__(self, host_id: int, *, token: str | None = None):
+  def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = ()):
     self._host_id = host_id
     self._token = token  # every sidecar of a job has it: replicas go over it to peers
+    self._roots = tuple(os.path.realpath(r) for r in roots)
     self._lock = threading.Lock()
     self._steps: dict[str, _Step] = {}  # by committed item directory
     self._replicas: dict[tuple[str, int], _Replica] = {}  # by (item, source host)
@@ -164,6 +190,31 @@ class CheckpointHost:
       steps_of.nbytes += r.nbytes
     return list(out.values())
 
+  def _root_of(self, resolved: str) -> str | None:
+    return next((r for r in self._roots
+                 if resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)), None)
+
+  def _path(self, path: Any, name: str) -> str:
+    """``path`` resolved (symlinks, ``..``), if it lies under a checkpoint root.
+
+    Raises InvalidArgumentError for a non-string and PermissionDeniedError for a path
+    outside every root, or for any path where the sidecar has no roots.
+    """
+    if not isinstance(path, str) or not path:
+      raise errors.InvalidArgumentError(f"{name} must be a directory path, got {path!r:.100}")
+    if not self._roots:
+      raise errors.PermissionDeniedError(
+          f"sidecar host {self._host_id} has no checkpoint root, so it refuses checkpoint "
+          f"calls ({name} {path!r:.200}); start it with {ROOTS_FLAG} DIR (repeatable, or "
+          f"{ROOTS_ENV}) naming the directory the checkpoints go to")
+    resolved = os.path.realpath(path)
+    if self._root_of(resolved) is None:
+      raise errors.PermissionDeniedError(
+          f"{name} {path!r:.200} (resolved: {resolved!r:.200}) is not under a checkpoint root "
+          f"of sidecar host {self._host_id} ({', '.join(self._roots)}); checkpoint there, or "
+          f"start the sidecar with {ROOTS_FLAG} naming its directory")
+    return resolved
+
   def functions(self) -> dict[str, Callable[..., Any]]:
     return {f"sidecar.ckpt.{name}": getattr(self, name) for name in (
         "open", "begin", "stage", "prepared", "commit", "committed", "abort", "read", "info",
@@ -177,7 +228,7 @@ class CheckpointHost:
 
     ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps.
     """
-    path = pathlib.Path(directory)
+    path = pathlib.Path(self._path(directory, "directory"))
     try:
       path.mkdir(parents=True, exist_ok=True)
       probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
@@ -200,7 +251,8 @@ class CheckpointHost:
     return {"steps": ol.list_steps(directory)}
 
   def begin(self, directory: str, step: int) -> str:
-    return str(ol.create_tmp_step(directory, step))
+    self._path(directory, "directory")
+    return str(ol.create_tmp_step(directory, _int(step, "step")))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
             shards: list[dict], last: bool = True) -> int:
@@ -211,6 +263,9 @@ class CheckpointHost:
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
     """
+    step = _int(step, "step")
+    for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
+      self._path(value, name)
     _fault("stage", step)
     with self._lock:
       record = self._steps.get(final_item)
@@ -286,6 +341,7 @@ class CheckpointHost:
       record.done.set()
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
+    self._path(final_item, "final_item")
     record = self._record(final_item)
     if not record.done.wait(timeout):
       raise errors.DeadlineExceededError(
@@ -305,6 +361,13 @@ class CheckpointHost:
     ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
     so that a restore that finds shards lost can say which hosts are gone.
     """
+    step = _int(step, "step")
+    self._path(item, "item")
+    if whole_step:  # the rename acts on the item's parent, the tmp step directory
+      parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
+      if not parent.endswith(ol.TMP_SUFFIX):
+        raise errors.InvalidArgumentError(
+            f"item {item!r:.200} is not in an uncommitted step directory (*{ol.TMP_SUFFIX})")
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
                 "leaves": leaves, "shards": checksums,
                 "data_state": json.loads(data_state) if data_state else None}
@@ -323,6 +386,7 @@ class CheckpointHost:
 
   def committed(self, final_item: str) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
+    self._path(final_item, "final_item")
     with self._lock:
       record = self._steps.get(final_item)
       held = [r for r in self._replicas.values() if r.item == final_item]
@@ -373,7 +437,17 @@ class CheckpointHost:
   def abort(self, item: str, final_item: str) -> None:
     """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
     written. The controller calls it again with the whole uncommitted step directory
-    once every host is done."""
+    once every host is done. ``item`` must be an uncommitted step directory
+    (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed."""
+    path = self._path(item, "item")
+    self._path(final_item, "final_item")
+    root = self._root_of(path)
+    assert root is not None
+    if not any(part.endswith(ol.TMP_SUFFIX)
+               for part in pathlib.Path(path).relative_to(root).parts):
+      raise errors.InvalidArgumentError(
+          f"abort: item {item!r:.200} is not an uncommitted step directory (*{ol.TMP_SUFFIX}) "
+          "nor inside one; abort removes only a save's uncommitted files")
     with self._lock:
       record = self._steps.pop(final_item, None)
       for key in [k for k in self._replicas if k[0] == final_item]:
@@ -385,7 +459,7 @@ class CheckpointHost:
         record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
       record.done.wait(60)
       record.shards.clear()  # the staged blocks go back to the arena
-    shutil.rmtree(item, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
 
   # ---- peer replicas ----------------------------------------------------
 
@@ -396,6 +470,7 @@ class CheckpointHost:
     The sending runs once per step, on an idle-class thread, whoever waits for it.
     Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
     """
+    self._path(final_item, "final_item")
     record = self._record(final_item)
     targets = [replicas_lib.Peer.from_dict(p) for p in peers]
     with self._lock:
@@ -456,12 +531,14 @@ class CheckpointHost:
     held.
     """
     try:
-      directory, step = str(header["directory"]), int(header["step"])
-      item, source = str(header["item"]), int(header["source"])
-    except (KeyError, TypeError, ValueError):
+      directory, step = header["directory"], _int(header["step"], "header.step")
+      item, source = header["item"], _int(header["source"], "header.source")
+    except (KeyError, TypeError, errors.InvalidArgumentError):
       raise errors.InvalidArgumentError(
           f"receive: header must have directory, step, item and source, got {header!r:.200}"
       ) from None
+    self._path(directory, "header.directory")
+    self._path(item, "header.item")
     self._replica_fault(step)
     with self._lock:
       replica = self._replicas.get((item, source))
@@ -532,6 +609,7 @@ class CheckpointHost:
   def held(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
     shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
+    self._path(directory, "directory")
     out: dict[str, Any] = {"own": self.ram(directory), "replicas": {}}
     with self._lock:
       held = [r for r in self._replicas.values()
@@ -543,8 +621,10 @@ class CheckpointHost:
 
   def forget(self, directory: str, step: int) -> None:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
+    self._path(directory, "directory")
+    step = _int(step, "step")
     with self._lock:
-      self._drop(directory, int(step))
+      self._drop(directory, step)
 
   def _record(self, final_item: str) -> _Step:
     with self._lock:
@@ -557,6 +637,7 @@ class CheckpointHost:
 
   def ram(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``: per committed item, its shards."""
+    self._path(directory, "directory")
     with self._lock:
       steps = [s for s in self._steps.values() if s.directory == directory and s.committed]
     return {s.item: [[list(k), [list(i) for i in index]] for k, index in s.shards]
@@ -568,6 +649,7 @@ class CheckpointHost:
     An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
     with no checksum to check.
     """
+    self._path(final_item, "final_item")
     try:
       with open(pathlib.Path(final_item) / MANIFEST) as f:
         return json.load(f)
@@ -584,6 +666,7 @@ class CheckpointHost:
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any") -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked)."""
+    self._path(final_item, "final_item")
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
     step = pathlib.Path(final_item).parent.name
     if step.isdigit():
@@ -624,5 +707,21 @@ class CheckpointHost:
           f"crc32c in {MANIFEST} ({what}): the file is corrupt or was changed after the save")
 
   def delete(self, directory: str, step: int) -> None:
-    """Removes a committed step (max_to_keep); the sidecar does the I/O."""
-    shutil.rmtree(pathlib.Path(directory) / str(step), ignore_errors=True)
+    """Removes a committed step (max_to_keep); the sidecar does the I/O.
+
+    Only a step directory a checkpoint wrote goes (Orbax's markers or the manifest in
+    it or its items); anything else is refused.
+    """
+    self._path(directory, "directory")
+    step = _int(step, "step")
+    if step < 0:
+      raise errors.InvalidArgumentError(f"step must be a non-negative int, got {step}")
+    target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
+    if not target.is_dir():
+      return  # gone already
+    if not _is_checkpoint_dir(target):
+      raise errors.InvalidArgumentError(
+          f"delete: {target} is not a checkpoint step directory (no {MANIFEST} nor Orbax's "
+          "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
+          "wrote")
+    shutil.rmtree(target, ignore_errors=True)

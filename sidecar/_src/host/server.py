@@ -100,7 +100,8 @@ class Server:
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     self.arena = shm.Arena.create(o.shm_size)
     self.leases = Leases(shm.Allocator(self.arena.size))
-    self.checkpoints = CheckpointHost(o.host_id, token=o.token)  # peers share the token
+    self.checkpoints = CheckpointHost(  # peers share the token
+        o.host_id, token=o.token, roots=o.checkpoint_roots)
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
                          is_attached=lambda session: self.workers.has_session(session),

@@ -24,6 +24,8 @@ from sidecar._src.k8s import quantity
 
 SOCKET_DIR = "/run/sidecar"
 TOKEN_DIR = "/var/run/secrets/sidecar"
+# The sidecar's checkpoint root (SIDECAR_CHECKPOINT_ROOTS): mount the checkpoint volume here.
+CHECKPOINT_ROOT = "/ckpt"
 ARENA_OVERHEAD = 512 * 2**20
 
 
@@ -197,6 +199,8 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
           # Beyond loopback the sidecar requires the token above.
           {"name": "SIDECAR_LISTEN", "value": "[::]"},
+          # Where the checkpoint calls may act: mount the checkpoint volume there.
+          {"name": "SIDECAR_CHECKPOINT_ROOTS", "value": CHECKPOINT_ROOT},
       ],
       "resources": {"requests": {"cpu": options.sidecar_cpu, "memory": memory},
                     "limits": {"memory": memory}},
