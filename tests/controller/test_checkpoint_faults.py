@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
-from tests.conftest import arena_mappers, shm_entries
+from tests.conftest import arena_mappers, eventually, shm_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -90,3 +90,36 @@ def test_trainer_killed_during_staging(tmp_path):
       time.sleep(0.05)
   check_only_step_1(directory)
   assert shm_entries() == before and set(arena_mappers()) <= mappers
+
+
+def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_path):
+  """The trainer is SIGKILLed once step 2 is staged, while its write is slowed (the
+  "slow" fault): the sidecars finish writing it, nobody commits it; it is listed as
+  uncommitted, then freed after SIDECAR_UNCOMMITTED_TIMEOUT."""
+  env = {"SIDECAR_UNCOMMITTED_TIMEOUT": "2", "SIDECAR_CKPT_FAULT": "slow@2"}
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB",
+                                    host_env={0: env, 1: env}) as c:
+    script = textwrap.dedent(f"""
+        import os, signal
+        import jax, jax.numpy as jnp, numpy as np
+        import sidecar
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        ctl = sidecar.Controller({c.addresses!r})
+        sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
+        ckpt = ctl.checkpointer({str(tmp_path / "ck")!r})
+        ckpt.save(1, {{"w": jax.device_put(jnp.ones((256, 128)), sh)}}).durable.result(60)
+        ckpt.save(2, {{"w": jax.device_put(jnp.zeros((256, 128)), sh)}}).staged.result(60)
+        os.kill(os.getpid(), signal.SIGKILL)  # staged, not written, never committed
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120,
+                       env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    assert p.returncode == -signal.SIGKILL
+    with c.controller() as ctl:
+      def held():
+        return {s.identity.host_id: (list(s.checkpoints[0].uncommitted), s.arena_used)
+                for s in ctl.status() if s.checkpoints}
+      assert eventually(lambda: [u for u, _ in held().values()] == [[2], [2]], timeout=10)
+      used = {h: n for h, (_, n) in held().items()}
+      assert eventually(lambda: [u for u, _ in held().values()] == [[], []], timeout=10)
+      assert all(n < used[h] for h, (_, n) in held().items())  # step 2's blocks came back
+      assert "never committed" in c.log(0)

@@ -63,6 +63,11 @@ FAULT_ENV = "SIDECAR_CKPT_FAULT"
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
 # on another machine), instead of through the peer's arena mapped here.
 SHM_ENV = "SIDECAR_REPLICA_SHM"
+# A step staged and written here whose commit never comes (the controller that staged
+# it died between staging and committing) is dropped this long after its write ended,
+# its arena memory given back. Long enough for the slowest host of a big save.
+UNCOMMITTED_ENV = "SIDECAR_UNCOMMITTED_TIMEOUT"
+UNCOMMITTED_TIMEOUT_S = 600.0
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
@@ -100,6 +105,14 @@ def _is_checkpoint_dir(path: pathlib.Path) -> bool:
              and any((child / m).is_file() for m in _MARKERS) for child in path.iterdir())
 
 
+def _seconds(text: str | None, default: float) -> float:
+  try:
+    value = float(text) if text else default
+  except ValueError:
+    value = default
+  return value if value > 0 else default
+
+
 @dataclasses.dataclass
 class _Step:
   """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
@@ -120,6 +133,7 @@ class _Step:
   written: int = 0
   verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
   replication: _Replication | None = None
+  finished: float | None = None  # time.monotonic() when its write ended
 
 
 @dataclasses.dataclass
@@ -164,6 +178,38 @@ class CheckpointHost:
     # (a replica that arrives after its step's commit learns its fate here).
     self._committed: dict[str, bool] = {}
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
+    self._uncommitted_s = _seconds(os.environ.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
+    self._closed = threading.Event()
+    self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
+                                    daemon=True)
+    self._reaper.start()
+
+  def close(self) -> None:
+    """Stops the thread that frees uncommitted steps, and joins it; idempotent."""
+    self._closed.set()
+    if self._reaper.is_alive() and self._reaper is not threading.current_thread():
+      self._reaper.join(5)
+
+  def _reap(self) -> None:
+    while not self._closed.wait(min(max(self._uncommitted_s / 4, 0.1), 30.0)):
+      self.expire_uncommitted()
+
+  def expire_uncommitted(self) -> list[int]:
+    """Drops the steps written here whose commit has not come in time; returns them."""
+    now = time.monotonic()
+    with self._lock:
+      stale = [s for s in self._steps.values() if not s.committed and s.finished is not None
+               and now - s.finished >= self._uncommitted_s]
+      for s in stale:
+        del self._steps[s.item]
+    for s in stale:
+      if s.replication is not None:
+        s.replication.cancelled.set()
+      s.shards.clear()  # the staged blocks go back to the arena
+      log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
+                  "controller that staged it is gone?): its %s are freed", s.step, s.directory,
+                  now - (s.finished or now), shm.format_size(s.nbytes))
+    return [s.step for s in stale]
 
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written."""
@@ -175,7 +221,9 @@ class CheckpointHost:
       entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
       if s.committed:
         entry.ram_steps.append(s.step)
-      elif not s.done.is_set():
+      elif s.done.is_set():
+        entry.uncommitted.append(s.step)
+      else:
         entry.writing.append(s.step)
         entry.written_bytes += s.written
         entry.total_bytes += s.nbytes
@@ -338,6 +386,7 @@ class CheckpointHost:
             del self._steps[record.item]
         record.shards.clear()
     finally:
+      record.finished = time.monotonic()
       record.done.set()
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:

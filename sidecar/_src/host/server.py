@@ -213,6 +213,8 @@ class Server:
         server.stop(grace).wait(grace + 1)
     if getattr(self, "workers", None) is not None:
       self.workers.close()
+    if getattr(self, "checkpoints", None) is not None:
+      self.checkpoints.close()
     if getattr(self, "arena", None) is not None:
       self.arena.close()
 
