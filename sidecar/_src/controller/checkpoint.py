@@ -434,17 +434,23 @@ class Checkpointer:
     step = handle.step
     last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
     closed = 0
-    while closed < len(self._local):
-      part = parts.get()  # (host, shards, last); no other local holds the shards, as
-      if isinstance(part, BaseException):  # the raise would keep them in its frame
-        raise part
-      host, final = part[0], part[2]
-      if host in last:
-        last[host].result()  # a host's parts arrive in order
-      specs = [] if host in last else leaves  # the first part carries the leaves
-      last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
-                                    target.final_item, specs, part[1], final, hosts=[host])[0]
-      closed += final
+    try:
+      while closed < len(self._local):
+        part = parts.get()  # (host, shards, last); no other local holds the shards, as
+        if isinstance(part, BaseException):  # the raise would keep them in its frame
+          raise part
+        host, final = part[0], part[2]
+        if host in last:
+          last[host].result()  # a host's parts arrive in order
+        specs = [] if host in last else leaves  # the first part carries the leaves
+        last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
+                                      target.final_item, specs, part[1], final, hosts=[host])[0]
+        closed += final
+    except BaseException:
+      # The abort that follows must reach each sidecar after its last stage call: one
+      # arriving later would stage the step anew, and hold its blocks until it times out.
+      concurrent.futures.wait(list(last.values()))
+      raise
     for f in last.values():
       f.result()
     handle.staged.set_result(step)
