@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import stat
+import time
 
 import jax
 import jax.numpy as jnp
@@ -278,6 +279,18 @@ def test_at_most_one_save_in_flight(tmp_path, if_busy):
       ctl2.checkpointer(tmp_path / "ck", if_busy="queue")
 
 
+def settled(read, *, quiet: float = 0.3, timeout: float = 10.0):
+  """``read()`` once it has stopped changing for ``quiet`` seconds: frees of blocks let go
+  just before travel to the sidecars asynchronously."""
+  value, since, deadline = read(), time.monotonic(), time.monotonic() + timeout
+  while time.monotonic() - since < quiet and time.monotonic() < deadline:
+    time.sleep(0.05)
+    now = read()
+    if now != value:
+      value, since = now, time.monotonic()
+  return value
+
+
 def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monkeypatch):
   """Parts go to the sidecars while the trainer copies; a copy that fails aborts them."""
   from sidecar._src.controller import checkpoint as ckpt_lib
@@ -288,7 +301,7 @@ def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monk
     ckpt.save(1, state).durable.result(60)
     assert_same(ckpt.restore(1, target=abstract(state)), state)
     gc.collect()
-    before = arena_used(ctl)  # step 1 in the RAM tier
+    before = settled(lambda: arena_used(ctl))  # step 1 in the RAM tier, frees all arrived
 
     put, calls = ckpt._put, []
     def failing_put(host, data):
