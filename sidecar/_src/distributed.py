@@ -116,15 +116,15 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   if not ours and not jobset:
     return None
   if jobset:
-    per_slice = _int(env, "SIDECAR_HOSTS_PER_SLICE", minimum=1)
-    slices = _int(env, "SIDECAR_NUM_SLICES", minimum=1)
+    per_slice = env_lib.int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
+    slices = env_lib.int_var(env, "SIDECAR_NUM_SLICES", None, minimum=1)
     subdomain = get("SIDECAR_SUBDOMAIN") or get("SIDECAR_JOBSET_NAME")
-    port = _int(env, COORDINATOR_PORT, minimum=1, default=DEFAULT_COORDINATOR_PORT)
+    port = env_lib.int_var(env, COORDINATOR_PORT, DEFAULT_COORDINATOR_PORT, minimum=1)
     coordinator = get(COORDINATOR_ADDRESS) or (
         f"{get('SIDECAR_JOBSET_NAME')}-{get('SIDECAR_REPLICATED_JOB')}-0-0.{subdomain}:{port}")
-    count = _int(env, NUM_PROCESSES, minimum=1, default=slices * per_slice)
+    count = env_lib.int_var(env, NUM_PROCESSES, slices * per_slice, minimum=1)
     if get(PROCESS_ID):
-      index = _int(env, PROCESS_ID, minimum=0)
+      index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
     else:
       missing = [n for n in ("SIDECAR_SLICE_ID", "SIDECAR_HOST_ID") if not get(n)]
       if missing:
@@ -132,8 +132,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
             f"cannot tell this process's id: {PROCESS_ID} is not set and neither is "
             f"{' nor '.join(missing)} (the manifests in k8s/ set both from the pod's "
             "job-index and job-completion-index annotations)")
-      index = (_int(env, "SIDECAR_SLICE_ID", minimum=0) * per_slice
-               + _int(env, "SIDECAR_HOST_ID", minimum=0))
+      index = (env_lib.int_var(env, "SIDECAR_SLICE_ID", None, minimum=0) * per_slice
+               + env_lib.int_var(env, "SIDECAR_HOST_ID", None, minimum=0))
   else:
     missing = [n for n in (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID) if not get(n)]
     if missing:
@@ -142,8 +142,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
           f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; set all three "
           "(sidecar launch does)")
     coordinator = get(COORDINATOR_ADDRESS)
-    count = _int(env, NUM_PROCESSES, minimum=1)
-    index = _int(env, PROCESS_ID, minimum=0)
+    count = env_lib.int_var(env, NUM_PROCESSES, None, minimum=1)
+    index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
   if index >= count:
     raise errors.InvalidArgumentError(
         f"process id {index} is not below the {count} processes of the job; check "
@@ -151,21 +151,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   out: dict[str, Any] = {"coordinator_address": coordinator, "num_processes": count,
                          "process_id": index}
   if get(LOCAL_DEVICES):
-    out["local_devices"] = _int(env, LOCAL_DEVICES, minimum=1)
+    out["local_devices"] = env_lib.int_var(env, LOCAL_DEVICES, None, minimum=1)
   return out
-
-
-def _int(env: Mapping[str, str], name: str, *, minimum: int, default: int | None = None) -> int:
-  text = env.get(name, "").strip()
-  if not text and default is not None:
-    return default
-  try:
-    value = int(text)
-  except ValueError:
-    value = minimum - 1
-  if value < minimum:
-    raise errors.InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {text!r}")
-  return value
 
 
 def _jax_detects_cluster() -> bool:

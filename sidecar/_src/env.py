@@ -1,11 +1,16 @@
 """The environment variables of a process started by ``sidecar launch``, by name.
 
-A leaf module: stdlib only. The launcher sets these in each trainer's environment;
-``sidecar.distributed.initialize()``, ``Worker`` and ``Controller.from_env()`` read them.
-``DESCRIPTIONS`` holds one line on each, for ``sidecar launch --help``.
+A leaf module: the standard library and errors only. The launcher sets these in each
+trainer's environment; ``sidecar.distributed.initialize()``, ``Worker`` and
+``Controller.from_env()`` read them. ``DESCRIPTIONS`` holds one line on each, for
+``sidecar launch --help``. ``int_var`` reads an integer variable, with a clear error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+from sidecar._src import errors
 
 DESCRIPTIONS: dict[str, str] = {}
 
@@ -27,3 +32,24 @@ HOSTS = _var("SIDECAR_HOSTS", "every sidecar, in host order: HOST:PORT:HEALTH_PO
 RESTART = _var("SIDECAR_RESTART", "how often --elastic restarted the job: 0 on the first start")
 TOKEN = _var("SIDECAR_TOKEN", "the sidecars' bearer token, when they have one")
 TOKEN_FILE = _var("SIDECAR_TOKEN_FILE", "a file holding the bearer token (read if no TOKEN)")
+
+
+def int_var(env: Mapping[str, str], name: str, default: int | None, *, minimum: int,
+            maximum: int | None = None) -> int:
+  """The integer in ``env[name]`` (``default`` when unset, if there is one).
+
+  Raises:
+    InvalidArgumentError: it is unset with no default, not an integer, or out of bounds;
+      the message names the variable and what it holds.
+  """
+  text = env.get(name, "").strip()
+  if not text and default is not None:
+    return default
+  try:
+    value: int | None = int(text)
+  except ValueError:
+    value = None
+  if value is None or value < minimum or (maximum is not None and value > maximum):
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+    raise errors.InvalidArgumentError(f"{name} must be an integer {bounds}, got {text!r}")
+  return value

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src import errors, options
+from sidecar._src import env as env_lib, errors, options
 
 DEFAULT_PORT = options.DEFAULT_PORT
 DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
@@ -112,8 +112,8 @@ def discover(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) ->
 def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, ...]:
   """Computes every sidecar's endpoint from ``env``, without contacting any of them."""
   env = os.environ if env is None else env
-  port = _int_var(env, "SIDECAR_PORT", DEFAULT_PORT, minimum=1, maximum=65535)
-  health_port = _int_var(env, "SIDECAR_HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=1,
+  port = env_lib.int_var(env, "SIDECAR_PORT", DEFAULT_PORT, minimum=1, maximum=65535)
+  health_port = env_lib.int_var(env, "SIDECAR_HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=1,
                          maximum=65535)
   if env.get("SIDECAR_HOSTS", "").strip():
     return _from_host_list(env, port, health_port)
@@ -188,8 +188,8 @@ def _failure_message(pending: Sequence[Endpoint], total: int, timeout: float,
 
 
 def _from_jobset(env: Mapping[str, str], port: int, health_port: int) -> tuple[Endpoint, ...]:
-  slices = _int_var(env, "SIDECAR_NUM_SLICES", None, minimum=1)
-  hosts = _int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
+  slices = env_lib.int_var(env, "SIDECAR_NUM_SLICES", None, minimum=1)
+  hosts = env_lib.int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
   jobset = env["SIDECAR_JOBSET_NAME"].strip()
   fields = {
       "jobset": jobset,
@@ -222,7 +222,7 @@ def _from_host_list(env: Mapping[str, str], port: int,
         "by single commas")
   per_slice = len(entries)
   if env.get("SIDECAR_HOSTS_PER_SLICE", "").strip():
-    per_slice = _int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
+    per_slice = env_lib.int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
     if len(entries) % per_slice:
       raise errors.InvalidArgumentError(
           f"SIDECAR_HOSTS lists {len(entries)} hosts, not a multiple of "
@@ -257,21 +257,6 @@ def _parse_entry(entry: str) -> tuple[str, int | None, int | None]:
     ports.append(int(text))
   ports += [None] * (2 - len(ports))
   return parts[0], ports[0], ports[1]
-
-
-def _int_var(env: Mapping[str, str], name: str, default: int | None, *, minimum: int,
-             maximum: int | None = None) -> int:
-  text = env.get(name, "").strip()
-  if not text and default is not None:
-    return default
-  try:
-    value = int(text)
-  except ValueError:
-    value = None
-  if value is None or value < minimum or (maximum is not None and value > maximum):
-    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-    raise errors.InvalidArgumentError(f"{name} must be an integer {bounds}, got {text!r}")
-  return value
 
 
 def _bracket(host: str) -> str:
