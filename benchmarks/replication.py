@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -37,33 +36,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
+from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
 from sidecar._src.host.checkpoint import SHM_ENV
 
-LEAVES, LEAF_SHAPE = 8, (8192, 4096)  # 8 x 128 MiB float32 = 1 GiB
+LEAVES, LEAF_SHAPE = checkpoint_bench.LEAVES, checkpoint_bench.LEAF_SHAPE  # 1 GiB
+progress = checkpoint_bench.progress
 TARGET_REPLICATED_S, TARGET_STEPS = 2.0, 0.90
 IDLE_S = 1.5
 
 
-def progress(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-@jax.jit
-def _train_step(x, w):
-  for _ in range(4):
-    x = jnp.tanh(x @ w) * 0.5
-  return x
-
-
-class Trainer:
-  def __init__(self, device):
-    self.x = jax.device_put(jnp.ones((512, 512), jnp.float32), device)
-    self.w = jax.device_put(jax.random.normal(jax.random.key(1), (512, 512)) / 23, device)
-
-  def __call__(self) -> None:
-    self.x = _train_step(self.x, self.w)
-    self.x.block_until_ready()
+class Trainer(checkpoint_bench.Trainer):
+  """The checkpoint benchmark's training step, with rates measured over a window."""
 
   def rate_until(self, done, *, at_least: int = 3) -> float:
     n, t0 = 0, time.perf_counter()

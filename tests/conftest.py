@@ -21,6 +21,15 @@ def eventually(predicate, timeout: float = 5.0) -> bool:
   return bool(predicate())
 
 
+def alive(pid: int) -> bool:
+  """Whether process ``pid`` runs: a zombie has exited (only its parent can reap it)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
 def shm_entries() -> set[str]:
   return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "lttng"))}
 

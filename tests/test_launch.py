@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from sidecar._src import launch
-from tests.conftest import eventually
+from tests.conftest import alive, eventually
 
 
 def _start(script: str, *flags: str) -> subprocess.Popen:
@@ -19,14 +19,6 @@ def _start(script: str, *flags: str) -> subprocess.Popen:
       [sys.executable, "-m", "sidecar", "launch", "--hosts", "2", "--shm-size", "8MiB", *flags,
        "--", sys.executable, "-c", textwrap.dedent(script)],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
 
 
 def _sidecars(stderr: str) -> tuple[dict[int, int], str]:
@@ -41,7 +33,7 @@ def _pids(stdout: str) -> list[int]:
 
 def _assert_nothing_left(pids, temp_dir: str) -> None:
   assert pids
-  assert eventually(lambda: not any(_alive(p) for p in pids)), [p for p in pids if _alive(p)]
+  assert eventually(lambda: not any(alive(p) for p in pids)), [p for p in pids if alive(p)]
   assert not os.path.exists(temp_dir)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from tests.conftest import arena_mappers, eventually, shm_entries
+from tests.conftest import alive, arena_mappers, eventually, shm_entries
 
 FNS = ["tests.sidecar_fns"]
 
@@ -160,19 +160,10 @@ def test_sidecars_exit_when_the_trainer_is_killed(tmp_path):
   trainer.send_signal(signal.SIGKILL)
   trainer.wait()
   deadline = time.monotonic() + 10
-  while time.monotonic() < deadline and any(_alive(p) for p in pids):
+  while time.monotonic() < deadline and any(alive(p) for p in pids):
     time.sleep(0.05)
-  assert not any(_alive(p) for p in pids)
+  assert not any(alive(p) for p in pids)
   assert set(arena_mappers()) <= mappers
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  with open(f"/proc/{pid}/stat") as f:
-    return f.read().split()[2] != "Z"  # a zombie has exited; only its parent can reap it
 
 
 def test_controller_from_env_discovers_every_sidecar(cluster, monkeypatch):

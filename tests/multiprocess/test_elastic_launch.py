@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from sidecar._src import orbax_layout as ol
-from tests.conftest import eventually
+from tests.conftest import alive, eventually
 from tests.multiprocess.test_multiprocess import _results
 from tests.multiprocess.train_elastic import GLOBAL_BATCH, STEPS
 
@@ -45,19 +45,11 @@ def _of(results: list[dict], kind: str, **where) -> list[dict]:
           and all(r[k] == v for k, v in where.items())]
 
 
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
 def _assert_nothing_left(results: list[dict], err: str) -> None:
   sidecars = [int(p) for p in re.findall(r"host \d+'s sidecar \(pid (\d+)\)", err)]
   trainers = [r["pid"] for r in _of(results, "start")]
   assert len(sidecars) == 3 and trainers, err
-  assert eventually(lambda: not any(_alive(p) for p in sidecars + trainers))
+  assert eventually(lambda: not any(alive(p) for p in sidecars + trainers))
   temp_dir = os.path.dirname(re.search(r"unix://(\S+)", err).group(1))
   assert not os.path.exists(temp_dir)
 
