@@ -14,6 +14,7 @@ import enum
 import math
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -266,6 +267,17 @@ class Worker:
       if self._live == 0:
         self._shutdown()
     self._freed.put(None)  # Wakes the releaser so it can finish.
+
+  def hung_up(self, timeout: float = 0.0) -> bool:
+    """Whether the sidecar closed its end (it exited), waiting up to ``timeout`` s."""
+    if self.state is State.CLOSED:
+      return True
+    poller = select.poll()
+    poller.register(self._sock, select.POLLRDHUP)  # hang-ups only, never a reply's bytes
+    try:
+      return bool(poller.poll(max(timeout, 0.0) * 1000))
+    except (OSError, ValueError):  # closed meanwhile
+      return True
 
   def _shutdown(self) -> None:
     self.state = State.CLOSED

@@ -130,7 +130,9 @@ def test_two_hosts_replicate_and_a_peer_killed_mid_replication(tmp_path):
     devices = jax.devices()[:2]
     state = state_on(devices)
     with cluster.controller() as ctl, ctl.checkpointer(directory, replicas=1) as ckpt:
-      assert ckpt.save(1, state).replicated.result(60) == 1
+      first = ckpt.save(1, state)
+      assert first.replicated.result(60) == 1 and first.durable.result(60) == 1
+      # Listed once committed (a replica may be whole before its step's commit).
       assert held_replicas(ctl, directory) == {0: {1: [1]}, 1: {0: [1]}}
       handle = ckpt.save(2, state)
       assert handle.durable.result(60) == 2  # committed all the same
@@ -145,6 +147,24 @@ def test_two_hosts_replicate_and_a_peer_killed_mid_replication(tmp_path):
       with ctl.checkpointer(directory) as ckpt:
         assert_same(ckpt.restore(2, target=target_on(devices[:1], state)), state)
         assert "ram:host0" in ckpt.last_restore_stats().shards
+  assert arena_mappers() == [] and shm_entries() == before
+
+
+def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp_path):
+  """Host 0 maps host 1's arena once for every step it replicates there; when host 1's
+  sidecar is killed between saves, host 0 unmaps it without waiting for a next save."""
+  before = shm_entries()
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    maps = pathlib.Path(f"/proc/{cluster.pid(0)}/maps")
+    with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck", replicas=1) as ckpt:
+      for step in (1, 2, 3):
+        assert ckpt.save(step, state).replicated.result(60) == step
+        assert maps.read_text().count("memfd:sidecar-arena") == 2  # its own and the peer's
+      cluster.kill(1)
+      assert eventually(lambda: maps.read_text().count("memfd:sidecar-arena") == 1, 10)
   assert arena_mappers() == [] and shm_entries() == before
 
 

@@ -169,7 +169,6 @@ class CheckpointHost:
 
   def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = ()):
     self._host_id = host_id
-    self._token = token  # every sidecar of a job has it: replicas go over it to peers
     self._roots = tuple(os.path.realpath(r) for r in roots)
     self._lock = threading.Lock()
     self._steps: dict[str, _Step] = {}  # by committed item directory
@@ -179,16 +178,19 @@ class CheckpointHost:
     self._committed: dict[str, bool] = {}
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
     self._uncommitted_s = _seconds(os.environ.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
+    self._links = replicas_lib.Links(token=token,
+                                     shared_memory=os.environ.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
 
   def close(self) -> None:
-    """Stops the thread that frees uncommitted steps, and joins it; idempotent."""
+    """Stops the thread that frees uncommitted steps and the links to peers; idempotent."""
     self._closed.set()
     if self._reaper.is_alive() and self._reaper is not threading.current_thread():
       self._reaper.join(5)
+    self._links.close()
 
   def _reap(self) -> None:
     while not self._closed.wait(min(max(self._uncommitted_s / 4, 0.1), 30.0)):
@@ -551,10 +553,9 @@ class CheckpointHost:
     try:
       nbytes = 0
       for peer in job.peers:
-        with replicas_lib.PeerLink(peer, token=self._token,
-                                   shared_memory=os.environ.get(SHM_ENV) != "0") as link:
-          nbytes = link.send(header, shards, cancelled=job.cancelled.is_set)
-          how = "shared memory" if link.same_machine else "gRPC"
+        nbytes, same_machine = self._links.send(peer, header, shards,
+                                                cancelled=job.cancelled.is_set)
+        how = "shared memory" if same_machine else "gRPC"
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
                  record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
                  time.perf_counter() - t0)

@@ -12,16 +12,20 @@ over the same authenticated gRPC as the controller (the job's token), and then:
   in flight; the peer assembles them in blocks of its own arena.
 
 A final ``receive(..., done=True)`` tells the peer the replica is whole; a peer
-counts only whole replicas. The peer's side (the replica records, their eviction
-with the RAM tier) is ``checkpoint.CheckpointHost``.
+counts only whole replicas. :class:`Links` keeps one link per peer from step to step:
+mapping a peer's arena costs about as much as copying a step's part into it. The
+peer's side (the replica records, their eviction with the RAM tier) is
+``checkpoint.CheckpointHost``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +43,7 @@ IN_FLIGHT = 4  # inline chunks sent at once: overlaps one's encode with another'
 # peer must give back if the link dies half-way.
 BATCH_BYTES = 256 << 20
 ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
+WATCH_S = 0.5  # how often Links looks for peers that exited
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
@@ -47,6 +52,8 @@ _CHANNEL_OPTIONS = (
 
 KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +128,10 @@ class PeerLink:
   @property
   def same_machine(self) -> bool:
     return self._worker is not None
+
+  def hung_up(self) -> bool:
+    """Whether a same-machine peer's sidecar has exited (its socket closed)."""
+    return self._worker is not None and self._worker.hung_up()
 
   def _error(self, e: grpc.RpcError) -> errors.SidecarError:
     return protocol.error_from_rpc(e, host=self.peer.address, host_id=self.peer.host_id)
@@ -214,3 +225,95 @@ class PeerLink:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class Links:
+  """One :class:`PeerLink` per peer, kept from step to step; ``close()`` closes them.
+
+  A link that fails is closed, and made once more if it had served an earlier step and
+  the peer still answers (it may have restarted at the same address, or expired the
+  session). A
+  thread closes the link of a same-machine peer whose sidecar exits, so that this
+  sidecar does not keep a dead peer's arena mapped (its memory alive) until the next
+  step needs that peer.
+  """
+
+  def __init__(self, *, token: str | None, shared_memory: bool = True):
+    self._token = token
+    self._shared_memory = shared_memory
+    self._lock = threading.Lock()
+    self._links: dict[int, tuple[PeerLink, threading.Lock]] = {}  # by peer host id
+    self._closed = threading.Event()
+    self._watcher: threading.Thread | None = None
+
+  def send(self, peer: Peer, header: dict[str, Any],
+           shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0
+           ) -> tuple[int, bool]:
+    """:meth:`PeerLink.send` over ``peer``'s link; returns (bytes, same machine)."""
+    while True:
+      link, lock, fresh = self._get(peer, timeout)
+      with lock:
+        try:
+          return (link.send(header, shards, cancelled=cancelled, timeout=timeout),
+                  link.same_machine)
+        except BaseException as e:
+          self._forget(peer.host_id, link)
+          link.close()
+          if (fresh or cancelled() or not isinstance(e, Exception)
+              or isinstance(e, errors.HostLostError)):  # a peer gone stays gone
+            raise
+          log.info("the link to host %d failed (%s); making a new one", peer.host_id, e)
+
+  def _get(self, peer: Peer, timeout: float) -> tuple[PeerLink, threading.Lock, bool]:
+    with self._lock:
+      entry = self._links.get(peer.host_id)
+    if entry is not None and entry[0].peer == peer:
+      return entry[0], entry[1], False
+    if entry is not None:  # the peer moved
+      self._retire(peer.host_id, *entry)
+    link = PeerLink(peer, token=self._token, timeout=min(timeout, 30.0),
+                    shared_memory=self._shared_memory)
+    with self._lock:
+      if self._closed.is_set():
+        link.close()
+        raise errors.ClosedError("this sidecar is stopping")
+      old = self._links.get(peer.host_id)
+      lock = threading.Lock()
+      self._links[peer.host_id] = (link, lock)
+      if link.same_machine and self._watcher is None:
+        self._watcher = threading.Thread(target=self._watch, name="sidecar-peer-links",
+                                         daemon=True)
+        self._watcher.start()
+    if old is not None:
+      self._retire(peer.host_id, *old)
+    return link, lock, True
+
+  def _forget(self, host_id: int, link: PeerLink) -> None:
+    with self._lock:
+      if self._links.get(host_id, (None,))[0] is link:
+        del self._links[host_id]
+
+  def _retire(self, host_id: int, link: PeerLink, lock: threading.Lock) -> None:
+    self._forget(host_id, link)
+    with lock:  # after a send in flight on it
+      link.close()
+
+  def _watch(self) -> None:
+    while not self._closed.wait(WATCH_S):
+      with self._lock:
+        links = list(self._links.items())
+      for host_id, (link, lock) in links:
+        if link.hung_up():
+          log.info("peer host %d exited: unmapping its arena", host_id)
+          self._retire(host_id, link, lock)
+
+  def close(self) -> None:
+    """Stops the watcher and closes every link; idempotent."""
+    self._closed.set()
+    if self._watcher is not None and self._watcher is not threading.current_thread():
+      self._watcher.join(5)
+    with self._lock:
+      links, self._links = list(self._links.items()), {}
+    for host_id, (link, lock) in links:
+      self._retire(host_id, link, lock)
