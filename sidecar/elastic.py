@@ -11,6 +11,6 @@ Example::
   print(train.events)
 """
 
-from sidecar._src.controller.elastic import Event, Retry, devices, phase, retry
+from sidecar._src.controller.elastic import Event, Regrow, Retry, devices, phase, retry
 
-__all__ = ["Event", "Retry", "devices", "phase", "retry"]
+__all__ = ["Event", "Regrow", "Retry", "devices", "phase", "retry"]

@@ -13,7 +13,7 @@ def test_public_api_is_pinned():
       "function", "pipeline", "set_default_registry", "testing",
   ]
   assert sidecar.testing.__all__ == ["LocalCluster"]
-  assert sidecar.elastic.__all__ == ["Event", "Retry", "devices", "phase", "retry"]
+  assert sidecar.elastic.__all__ == ["Event", "Regrow", "Retry", "devices", "phase", "retry"]
   assert sidecar.distributed.__all__ == [
       "JaxPeers", "LocalPeers", "Peers", "initialize", "is_initialized"]
   for name in sidecar.__all__:

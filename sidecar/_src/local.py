@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -106,12 +107,12 @@ class LocalCluster:
       raise
     return self
 
-  def _spawn(self, h: int) -> subprocess.Popen:
+  def _spawn(self, h: int, *, port: int = 0, health_port: int = 0) -> subprocess.Popen:
     d = self.devices_per_host
     ids = (["--device-ids", ",".join(str(i) for i in range(h * d, (h + 1) * d))]
            if self._assign_device_ids else [])
     args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(h), "--slice-id", "0",
-            *ids, "--listen", "127.0.0.1", "--port", "0", "--health-port", "0",
+            *ids, "--listen", "127.0.0.1", "--port", str(port), "--health-port", str(health_port),
             "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
             *(f"--checkpoint-root={r}" for r in self.checkpoint_roots), *self._extra_args]
@@ -123,7 +124,7 @@ class LocalCluster:
     env.pop("SIDECAR_TOKEN_FILE", None)
     if not self._assign_device_ids:
       env.pop("SIDECAR_DEVICE_IDS", None)  # `sidecar serve` would read it as --device-ids
-    log = open(self._path(h, "log"), "wb")
+    log = open(self._path(h, "log"), "ab")  # a restarted host appends
     with log:  # The child keeps its own copy of the descriptor.
       return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                               stdin=subprocess.DEVNULL, start_new_session=True)
@@ -171,6 +172,23 @@ class LocalCluster:
     if proc is not None and proc.poll() is None:
       proc.kill()
       proc.wait()
+
+  def restart(self, host_id: int) -> None:
+    """Starts host ``host_id``'s sidecar again, at its old ports, after it exited.
+
+    It comes back as a new process with an empty arena, as a replaced host's sidecar
+    does; a Controller sees it again when its watch probes lost hosts (``rejoin=True``).
+    """
+    if self._procs[host_id].poll() is None:
+      raise errors.InvalidArgumentError(
+          f"host {host_id}'s sidecar is still running (pid {self.pid(host_id)}); kill it "
+          "first (cluster.kill) or stop it")
+    old = self._ready[host_id]
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self._path(host_id, "json"))
+    self._procs[host_id] = self._spawn(host_id, port=int(old["port"]),
+                                       health_port=int(old["health_port"]))
+    self._ready[host_id] = self._wait_ready(host_id)
 
   def close(self) -> None:
     """Stops every sidecar (SIGTERM, then SIGKILL) and removes the temp dir; idempotent."""

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar import elastic
+from tests.conftest import eventually
 
 STEPS, SAVE_EVERY, BATCH = 10, 3, 12
 
@@ -25,16 +26,19 @@ def update(state, batch):
           "total": state["total"] + jnp.sum(ids)}
 
 
-def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None):
+def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
+               restart=None):
   """Trains STEPS steps under elastic.retry; ``kill=(step, host)`` SIGKILLs that sidecar.
 
   Saves keep a replica of each host's shards on the next host; ``sources`` collects
-  where each restore's shards came from.
+  where each restore's shards came from. ``restart=(step, host)`` starts that host's
+  sidecar again (``grow=True``) and waits until the controller sees it.
   """
   seen: dict[int, list[int]] = {}
   pending = [kill] if kill else []
+  restarts = [restart] if restart else []
 
-  @elastic.retry(ctl, min_hosts=min_hosts)
+  @elastic.retry(ctl, min_hosts=min_hosts, grow=bool(restart))
   def train(hosts):
     mesh = Mesh(np.array(elastic.devices(ctl, hosts)), ("data",))
     rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
@@ -57,6 +61,10 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None)
       for step in range(start + 1, STEPS + 1):
         if pending and pending[0][0] == step:
           cluster.kill(pending.pop()[1])
+        if restarts and restarts[0][0] == step:
+          back = restarts.pop()[1]
+          cluster.restart(back)
+          assert eventually(lambda b=back: b in [h.host_id for h in ctl.hosts], 30)
         batch = next(feed)
         seen[step] = np.asarray(batch["id"]).tolist()
         state = update(state, batch)
@@ -103,6 +111,32 @@ def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
   # Host 2's shards came from the replica on host 0: nothing was read from storage.
   (restored,) = sources
   assert "storage" not in restored and restored.get("replica:host0", 0) > 0, restored
+
+
+def test_a_host_that_comes_back_is_trained_on_again_from_the_next_save(tmp_path):
+  """grow=True: host 2 is killed at step 5 and its sidecar restarted at step 7; the save
+  of step 9 ends the attempt on 2 hosts, and steps 9-10 run on all 3, bit-exact."""
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
+    with other.controller() as ctl2:
+      (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
+  sources: list[dict] = []
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as cluster:
+    with cluster.controller() as ctl:
+      (got, hosts), seen, train = train_loop(cluster, ctl, tmp_path / "grow", kill=(5, 2),
+                                             restart=(7, 2), sources=sources)
+      assert hosts == [0, 1, 2] and ctl.lost_hosts == {}
+  assert seen == want_seen
+  np.testing.assert_array_equal(got["rows"], want["rows"])
+  assert got["total"] == want["total"]
+  kinds = [e.kind for e in train.events]
+  assert kinds.count("start") == 3 and kinds[-1] == "done"
+  assert kinds.index("host_lost") < kinds.index("retry") < kinds.index("host_back") \
+      < kinds.index("grow")
+  grow = next(e for e in train.events if e.kind == "grow")
+  assert "hosts [2] are back: training goes on from step 9" in grow.detail
+  assert [e.hosts for e in train.events if e.kind == "start"][-1] == (0, 1, 2)
+  # Step 9 comes back from host memory: the returned host's part from the others'.
+  assert len(sources) == 2 and all("storage" not in s for s in sources), sources
 
 
 def test_a_host_lost_during_the_retrys_restore_is_survived_too(tmp_path):

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from sidecar._src import distributed, errors, orbax_layout as ol, shm, transfer
+from sidecar._src.controller import elastic
 
 log = logging.getLogger(__name__)
 KeyPath = tuple[str | int, ...]
@@ -210,6 +211,7 @@ class Checkpointer:
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
     self._in_flight = handle
+    elastic.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
     return handle
 
   def _agree_on_save(self, step: int, busy: bool) -> bool:

@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import logging
 import os
 import threading
 import weakref
@@ -24,6 +25,9 @@ from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
+
+log = logging.getLogger(__name__)
+_REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline
 
 ENV_TOKEN = "SIDECAR_TOKEN"
 ENV_TOKEN_FILE = "SIDECAR_TOKEN_FILE"
@@ -83,6 +87,7 @@ class Controller:
     self.timeout = timeout
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
+    self._token = token  # a lost host's sidecar that comes back is reconnected with it
     self._conns: dict[int, Connection] = {}
     self._workers: dict[int, worker_lib.Worker] = {}
     self._own_workers: list[worker_lib.Worker] = []
@@ -93,6 +98,9 @@ class Controller:
     self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
     self._lost: dict[int, str] = {}  # host id -> why it is lost
     self._lost_listeners: list[Callable[[int, str], None]] = []
+    self._back_listeners: list[Callable[[int], None]] = []
+    self._rejoin = False  # watch(rejoin=True): reconnect to lost hosts that come back
+    self._refused: dict[int, str] = {}  # lost host -> why its returned sidecar was refused
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
     self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -244,34 +252,97 @@ class Controller:
       return dict(self._lost)
 
   def watch(self, *, interval: float = health.DEFAULT_INTERVAL_S,
-            lost_after: float = health.DEFAULT_LOST_AFTER_S) -> None:
+            lost_after: float = health.DEFAULT_LOST_AFTER_S, rejoin: bool = False) -> None:
     """Polls every live host's health; one silent for ``lost_after`` s is lost.
 
     A lost host leaves :attr:`hosts`; the feeds and streams this controller made are
     closed (their ``next()`` raises instead of waiting on a host that will not answer),
-    and the listeners added with :meth:`on_host_lost` are told. Idempotent.
+    its arena is unmapped here once no array reads it, and the listeners added with
+    :meth:`on_host_lost` are told. With ``rejoin=True`` a lost host is asked every
+    second whether its sidecar is back (a new one at the same address, with the same
+    registered code): then it is reconnected, rejoins :attr:`hosts` with an empty
+    arena, and the listeners added with :meth:`on_host_back` are told. Idempotent.
     """
     self._check_open()
     with self._lock:
+      self._rejoin = self._rejoin or rejoin
       if self._watch is not None:
         return
       rpcs = {h: (c.status_rpc, c.metadata) for h, c in self._conns.items()
               if h not in self._lost}
       self._watch = health.HealthWatch(rpcs, on_lost=self._host_lost, interval=interval,
-                                       lost_after=lost_after).start()
+                                       lost_after=lost_after, rejoin=self._host_back)
+      self._watch.start()
 
   def on_host_lost(self, listener: Callable[[int, str], None]) -> None:
     """Calls ``listener(host_id, reason)`` (on the watch's thread) when a host is lost."""
     self._lost_listeners.append(listener)
+
+  def on_host_back(self, listener: Callable[[int], None]) -> None:
+    """Calls ``listener(host_id)`` (on the watch's thread) when a lost host rejoins."""
+    self._back_listeners.append(listener)
 
   def _host_lost(self, host_id: int, reason: str) -> None:
     with self._lock:
       if host_id in self._lost or self.state is State.CLOSED:
         return
       self._lost[host_id] = reason
+      worker = self._workers.pop(host_id, None)
     self.cancel()
+    if worker is not None and worker in self._own_workers:
+      self._own_workers.remove(worker)
+      worker.close()  # unmaps the dead sidecar's arena once no array reads it
     for listener in list(self._lost_listeners):
       listener(host_id, reason)
+
+  def _host_back(self, host_id: int) -> tuple[Any, tuple] | None:
+    """Reconnects to lost host ``host_id`` if ``rejoin`` is on and its sidecar answers
+    again; returns its Status call and metadata for the watch, else None."""
+    if not self._rejoin or self.state is State.CLOSED:
+      return None
+    old = self._conns[host_id]
+    try:
+      conn = Connection(old.address, token=self._token, timeout=_REJOIN_TIMEOUT_S)
+    except errors.SidecarError:
+      return None  # still gone
+    refused = None
+    if conn.info.host_id != host_id:
+      refused = f"the sidecar at {old.address} is now host {conn.info.host_id}"
+    elif conn.info.registry_fingerprint != old.info.registry_fingerprint:
+      refused = (f"its sidecar registered different code (fingerprint "
+                 f"{conn.info.registry_fingerprint}, was {old.info.registry_fingerprint}); "
+                 "deploy the same modules to every host")
+    worker = None
+    if refused is None and self._own_workers and conn.reply.identity.boot_id == shm.boot_id():
+      try:
+        worker = worker_lib.Worker(conn.reply.worker_socket)
+      except errors.SidecarError as e:
+        refused = f"its arena could not be mapped: {e}"
+    if refused is not None:
+      conn.close()
+      if self._refused.get(host_id) != refused:
+        self._refused[host_id] = refused
+        log.warning("host %d answers again but stays lost: %s", host_id, refused)
+      return None
+    with self._lock:
+      if self.state is State.CLOSED:
+        conn.close()
+        if worker is not None:
+          worker.close()
+        return None
+      self._conns[host_id] = conn
+      if worker is not None:
+        self._workers[host_id] = worker
+        self._own_workers.append(worker)
+      if not self.multiprocess and conn.info.device_ids:
+        self._device_hosts.update({d: host_id for d in conn.info.device_ids})
+      del self._lost[host_id]
+      self._refused.pop(host_id, None)
+    old.close()
+    log.info("host %d is back (%s, pid %d)", host_id, conn.address, conn.info.pid)
+    for listener in list(self._back_listeners):
+      listener(host_id)
+    return conn.status_rpc, conn.metadata
 
   def cancel(self) -> None:
     """Closes every feed and stream this controller made: work in flight stops."""

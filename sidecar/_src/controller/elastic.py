@@ -21,6 +21,11 @@ Example::
 
   train()           # runs on every live host; returns what train returned
   train.events      # what happened, with the time of each phase
+
+With ``grow=True``, a lost host whose sidecar comes back (a new one at the same
+address) rejoins the controller; the next ``ckpt.save`` inside ``train`` waits for its
+step to be durable, then raises :class:`Regrow`, and ``train`` is called again on every
+live host (its restore takes that step from the RAM tiers).
 """
 
 from __future__ import annotations
@@ -47,10 +52,22 @@ _current: contextvars.ContextVar[Retry | None] = contextvars.ContextVar(
 _GRACE_S = 3.0
 
 
+class Regrow(Exception):
+  """Raised by a save under ``retry(grow=True)`` once lost hosts are back; the step it
+  saved is durable, and ``retry`` calls ``train`` again on every live host. Let it
+  pass (an ``except Exception`` around the save must re-raise it)."""
+
+  def __init__(self, step: int, back: Sequence[int]):
+    super().__init__(f"hosts {sorted(back)} are back: training goes on from step {step} on "
+                     "every live host")
+    self.step, self.back = step, sorted(back)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Event:
-  """One thing that happened: ``kind`` is "start", "host_lost", "retry", "phase", "done",
-  or "gave_up"; ``seconds`` is the phase's duration where one applies."""
+  """One thing that happened: ``kind`` is "start", "host_lost", "host_back", "retry",
+  "grow", "phase", "done", or "gave_up"; ``seconds`` is the phase's duration where one
+  applies."""
   kind: str
   at: float  # time.monotonic()
   hosts: tuple[int, ...]  # the live hosts then
@@ -77,9 +94,19 @@ def phase(name: str) -> Iterator[None]:
       retry.record("phase", detail=name, seconds=time.monotonic() - t0)
 
 
+def at_save(handle: Any) -> None:
+  """Called by ``Checkpointer.save`` with its handle: under ``retry(grow=True)``, once
+  a lost host is back, waits for the step to be durable and raises :class:`Regrow`."""
+  retry = _current.get()
+  back = retry.returned() if retry is not None else []
+  if back:
+    handle.durable.result()  # the step the next attempt restores
+    raise Regrow(handle.step, back)
+
+
 def retry(ctl: Any, *, min_hosts: int = 1, max_restarts: int | None = None,
-          interval: float | None = None, lost_after: float | None = None
-          ) -> Callable[[Callable[..., Any]], Retry]:
+          interval: float | None = None, lost_after: float | None = None,
+          grow: bool = False) -> Callable[[Callable[..., Any]], Retry]:
   """Decorates ``train(hosts, ...)`` so that calling it trains on, through host losses.
 
   Args:
@@ -88,6 +115,8 @@ def retry(ctl: Any, *, min_hosts: int = 1, max_restarts: int | None = None,
     max_restarts: how many times to call ``train`` again at most (None: no limit).
     interval, lost_after: the health watch's poll interval and how long a host may stay
       silent before it is lost (``Controller.watch``).
+    grow: when a lost host's sidecar comes back, train on it again from the next save
+      (off by default: a lost host stays lost).
   """
   if not isinstance(min_hosts, int) or min_hosts < 1:
     raise errors.InvalidArgumentError(f"min_hosts must be an int >= 1, got {min_hosts!r}")
@@ -96,17 +125,24 @@ def retry(ctl: Any, *, min_hosts: int = 1, max_restarts: int | None = None,
         f"max_restarts must be None or an int >= 0, got {max_restarts!r}")
   watch = {k: v for k, v in (("interval", interval), ("lost_after", lost_after))
            if v is not None}
-  return lambda fn: Retry(fn, ctl, min_hosts=min_hosts, max_restarts=max_restarts, watch=watch)
+  if ctl.multiprocess and grow:
+    raise errors.InvalidArgumentError(
+        "grow=True needs one controller process owning every device; under N processes "
+        "`sidecar launch --elastic` restarts the job instead")
+  return lambda fn: Retry(fn, ctl, min_hosts=min_hosts, max_restarts=max_restarts,
+                          watch=dict(watch, rejoin=grow))
 
 
 class Retry:
   """A training function that survives host losses; made by :func:`retry`."""
 
   def __init__(self, fn: Callable[..., Any], ctl: Any, *, min_hosts: int,
-               max_restarts: int | None, watch: dict[str, float]):
+               max_restarts: int | None, watch: dict[str, Any]):
     functools.update_wrapper(self, fn)
     self._fn, self._ctl = fn, ctl
     self._min_hosts, self._max_restarts, self._watch = min_hosts, max_restarts, watch
+    self._grow = bool(watch.get("rejoin"))
+    self._hosts: list[int] = []  # the running attempt's
     self._events: list[Event] = []
     self._lock = threading.Lock()
     self._lost = threading.Condition(self._lock)
@@ -132,9 +168,19 @@ class Retry:
   def _on_lost(self, host_id: int, reason: str) -> None:
     self.record("host_lost", detail=f"host {host_id}: {reason}")
 
+  def _on_back(self, host_id: int) -> None:
+    self.record("host_back", detail=f"host {host_id}")
+
+  def returned(self) -> list[int]:
+    """With ``grow``: live hosts the running attempt does not train on."""
+    if not self._grow or not self._hosts:
+      return []
+    return sorted({h.host_id for h in self._ctl.hosts} - set(self._hosts))
+
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     if not self._listening:
       self._ctl.on_host_lost(self._on_lost)
+      self._ctl.on_host_back(self._on_back)
       self._listening = True
     self._ctl.watch(**self._watch)
     restarts = 0
@@ -150,10 +196,14 @@ class Retry:
                                     sorted(self._ctl.lost_hosts.items())),
               host_id=min(self._ctl.lost_hosts, default=None))
         lost_before = set(self._ctl.lost_hosts)
+        self._hosts = hosts
         self.record("start", detail=f"attempt {restarts + 1}")
         t0 = time.monotonic()
         try:
           out = self._fn(hosts, *args, **kwargs)
+        except Regrow as e:
+          self.record("grow", detail=str(e), seconds=time.monotonic() - t0)
+          continue
         except Exception as e:
           if not self._host_was_lost(lost_before) or (
               self._max_restarts is not None and restarts >= self._max_restarts):
@@ -165,6 +215,7 @@ class Retry:
         self.record("done", seconds=time.monotonic() - t0)
         return out
     finally:
+      self._hosts = []
       _current.reset(token)
 
   def _host_was_lost(self, before: set[int]) -> bool:
