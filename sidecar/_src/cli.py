@@ -156,12 +156,16 @@ def _launch(args: argparse.Namespace) -> int:
     args.parser.error(f"cannot read the token: {e}")
   if args.min_hosts is not None and not args.elastic:
     args.parser.error("--min-hosts applies only with --elastic")
+  if args.in_place and not args.elastic:
+    args.parser.error("--in-place applies only with --elastic")
+  if args.in_place and args.min_hosts is not None:
+    args.parser.error("--min-hosts does not apply with --in-place: the job keeps its size")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
   if not 1 <= min_hosts <= args.hosts:
     args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
   return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                     imports=args.imports or [], shm_size=args.shm_size, token=token,
-                    elastic=args.elastic, min_hosts=min_hosts)
+                    elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -232,6 +236,9 @@ def parser() -> argparse.ArgumentParser:
                  "process fewer, beside the same sidecars (see below)")
   s.add_argument("--min-hosts", type=int, metavar="K",
                  help="with --elastic: restart while at least K hosts remain (default: 1)")
+  s.add_argument("--in-place", action="store_true",
+                 help="with --elastic: restart at full size, as Kubernetes restarts containers "
+                 "in place: a dead sidecar starts again empty, every trainer restarts")
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)

@@ -75,6 +75,14 @@ the new process count, and the seconds from the loss to the new trainers' start.
 restarts so while at least --min-hosts hosts (default 1) remain; on the loss that leaves
 fewer, it ends with that failure's exit code, as without --elastic. A trainer that exits 0
 everywhere still ends the job with 0, and SIGINT/SIGTERM still stop everything.
+
+With --elastic --in-place, the job restarts at its full size instead, as the manifests in
+k8s/ restart a pod's containers in place: a failed trainer restarts every trainer beside
+the same sidecars; a dead sidecar is started again first, as a new process with an empty
+arena at the same addresses (a native sidecar's restart), so the new job restores the
+lost host's shards from its peers' replicas (or storage) and the others' from their own
+RAM tiers. Process ids, SIDECAR_NUM_PROCESSES and SIDECAR_HOSTS stay as they were;
+SIDECAR_RESTART counts the restarts.
 """
 
 
@@ -179,8 +187,10 @@ class _Run:
   """One launch: owns the trainers, their output threads and the signal handlers."""
 
   def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
-               stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1):
+               stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
+               in_place: bool = False):
     self.command = list(command)
+    self.in_place = in_place
     self.cluster = cluster
     self.grace = grace
     self.stdout = stdout
@@ -256,6 +266,8 @@ class _Run:
 
   def _restart(self, loss: _Loss) -> bool:
     """Restarts the job without ``loss.host`` if ``elastic`` allows; False to end it."""
+    if self.elastic and self.in_place:
+      return self._restart_in_place(loss)
     lost = time.monotonic()
     left = [h for h in self.hosts if h != loss.host]
     why = f"host {loss.host}'s {loss.what} {_how(loss.code)}"
@@ -286,6 +298,39 @@ class _Run:
              f"on hosts {left}, started {started - lost:.2f} s after the loss (stopping the "
              f"trainers {stopped - lost:.2f} s, the lost sidecar {killed - stopped:.2f} s, "
              f"starting the new trainers {started - killed:.2f} s)")
+    return True
+
+  def _restart_in_place(self, loss: _Loss) -> bool:
+    """Restarts every trainer at the job's full size, and first ``loss.host``'s sidecar
+    if that is what died (a new one, empty, at the same addresses)."""
+    lost = time.monotonic()
+    self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)}; restarting "
+             + ("its sidecar and " if loss.what == "sidecar" else "")
+             + f"every trainer in place on hosts {self.hosts}"
+             + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
+    if loss.what == "sidecar":
+      self.print_log_tail(loss.host)
+    self.stop_trainers()
+    stopped = time.monotonic()
+    if loss.what == "sidecar":
+      self.cluster.kill(loss.host)  # reaps it
+      try:
+        self.cluster.restart(loss.host)
+      except errors.SidecarError as e:
+        self.say(f"host {loss.host}'s sidecar did not start again: {e}")
+        return False
+      self.say(f"host {loss.host}'s new sidecar (pid {self.cluster.pid(loss.host)}) serves "
+               f"{self.cluster.addresses[loss.host]}")
+    sidecar_up = time.monotonic()
+    self.restart += 1
+    self.trainers = {}
+    self.start_trainers()
+    started = time.monotonic()
+    self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {_how(loss.code)}; "
+             f"{len(self.hosts)} processes on hosts {self.hosts} in place, started "
+             f"{started - lost:.2f} s after the loss (stopping the trainers "
+             f"{stopped - lost:.2f} s, the sidecar {sidecar_up - stopped:.2f} s, starting "
+             f"the new trainers {started - sidecar_up:.2f} s)")
     return True
 
   def print_log_tail(self, host: int) -> None:
@@ -348,7 +393,8 @@ class _Interrupted(BaseException):
 def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
-        stdout: BinaryIO | None = None, stderr: TextIO | None = None) -> int:
+        in_place: bool = False, stdout: BinaryIO | None = None,
+        stderr: TextIO | None = None) -> int:
   """Runs ``command`` once per host beside a LocalCluster of sidecars; returns the exit code.
 
   See ``HELP`` for the environment each process gets and the exit code rule. SIGINT and
@@ -364,6 +410,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     grace: seconds between SIGTERM and SIGKILL when stopping trainers.
     elastic: when a host is lost, restart the trainers of the others as a smaller job.
     min_hosts: with ``elastic``, the fewest hosts to restart on; below, the job ends.
+    in_place: with ``elastic``, restart at full size: a dead sidecar is started again
+      (empty) and every trainer restarts, as Kubernetes restarts containers in place.
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
     stderr: where the launcher's own messages go; default this process's stderr.
 
@@ -376,13 +424,16 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         f"command must be a non-empty list like ['python', 'train.py'], got {command!r}")
   if grace < 0:
     raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
+  if in_place and not elastic:
+    raise errors.InvalidArgumentError("in_place applies only with elastic=True")
   if not 1 <= min_hosts <= hosts:
     raise errors.InvalidArgumentError(
         f"min_hosts must be in 1..hosts ({hosts}), got {min_hosts!r}")
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
-                stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts)
+                stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
+                in_place=in_place)
   in_start = True
 
   def handler(signum, frame):

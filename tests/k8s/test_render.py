@@ -90,8 +90,10 @@ def test_bad_tpu_names_the_fix(text, match):
     (dict(slices=1, hosts_per_slice=1, coordinator_port=8491),
      r"coordinator_port 8491 is also a sidecar port \(port 8490, health_port 8491\); pick "
      r"another"),
+    (dict(slices=1, hosts_per_slice=1, trainer_restarts=-1),
+     r"trainer_restarts must be an integer >= 0, got -1"),
 ], ids=["zero-slices", "hosts-vs-tpu", "bad-name", "bad-shm", "same-ports",
-        "coordinator-on-sidecar-port"])
+        "coordinator-on-sidecar-port", "negative-restarts"])
 def test_bad_options_name_the_value(options, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     render.RenderOptions(image="sidecar:1", **options)
@@ -109,6 +111,27 @@ def test_cli_render_prints_a_jobset_that_passes_every_check(capsys):
   assert util.container(doc, "trainer")["command"] == [
       "python", "-m", "my_pkg.train", "--steps", "10"]
   assert checks.check_documents([doc], crd_path=util.CRD) == []
+
+
+@pytest.mark.parametrize("flags, policy, backoff", [
+    ([], "OnFailure", 4), (["--trainer-restarts", "9"], "OnFailure", 9),
+    (["--trainer-restarts", "0"], "Never", 0)], ids=["default", "nine", "none"])
+def test_cli_render_lets_trainers_restart_in_place_beside_the_sidecar(
+    capsys, rendered_overlays, flags, policy, backoff):
+  # The kubelet restarts a failed trainer in its pod; the native sidecar, with its arena
+  # and RAM tier, keeps running (docs/kubernetes.md, "Losing a host").
+  status, out, _ = run_cli(["k8s", "render", "--slices", "1", "--hosts-per-slice", "2",
+                            "--image", "sidecar:1", *flags], capsys)
+  assert status == 0
+  (doc,) = checks.load_documents(out)
+  job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
+  assert (job["template"]["spec"]["restartPolicy"], job["backoffLimit"]) == (policy, backoff)
+  assert util.container(doc, "sidecar")["restartPolicy"] == "Always"
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  for name, (overlay,) in rendered_overlays.items():  # the kustomize overlays, the same
+    job = overlay["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert (job["template"]["spec"]["restartPolicy"], job["backoffLimit"]) == (
+        "OnFailure", 4), name
 
 
 def test_cli_render_sets_the_coordinator_port_and_hosts_from_its_arguments(capsys):

@@ -54,12 +54,44 @@ def _assert_nothing_left(results: list[dict], err: str) -> None:
   assert not os.path.exists(temp_dir)
 
 
-def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path):
-  # The uninterrupted reference runs beside it: the two together take less time.
-  reference = _start(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The uninterrupted run's results (started at once: it runs beside the first test)."""
+  proc = _start(tmp_path_factory.mktemp("reference"))
+  done: list = []
+
+  def results() -> list[dict]:
+    if not done:
+      code, ref, ref_out, ref_err = _finish(proc)
+      assert code == 0, ref_out + ref_err
+      _assert_nothing_left(ref, ref_err)
+      done.append(ref)
+    return done[0]
+
+  yield results
+  if proc.poll() is None:
+    proc.kill()
+    proc.communicate()
+
+
+def _assert_same_run_after(got: list[dict], ref: list[dict], *, restart: int) -> None:
+  """From its data position the global batches continue as in the uninterrupted run (none
+  repeated, none skipped), and end in its state, bit for bit (integer-valued data)."""
+  ref_batches = {r["i"]: r["ids"] for r in _of(ref, "batch", process=0)}
+  processes = sorted({r["process"] for r in _of(got, "batch", restart=restart)})
+  for p in processes:
+    after = [(r["i"], r["ids"]) for r in _of(got, "batch", restart=restart, process=p)]
+    assert [i for i, _ in after] == list(range(KILL_AT - 1, STEPS))
+    assert all(ids == ref_batches[i] for i, ids in after)
+  ref_final = _of(ref, "final", process=0)[0]
+  finals = _of(got, "final")
+  assert [r["restart"] for r in finals] == [restart] * len(processes)
+  assert all(r["w"] == ref_final["w"] for r in finals)
+
+
+def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path, reference):
   elastic = _start(tmp_path / "elastic", "--elastic", kill_at=KILL_AT, replicas=1)
-  code, ref, ref_out, ref_err = _finish(reference)
-  assert code == 0, ref_out + ref_err
+  ref = reference()
   code, got, out, err = _finish(elastic)
   assert code == 0, out + err
 
@@ -90,18 +122,9 @@ def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path)
     # From the survivors' memory only: host 1's shards from the replica on host 2.
     assert "storage" not in r["sources"] and "replica:host2" in r["sources"], r["sources"]
 
-  # From its data position the global batches continue as in the uninterrupted run:
-  # none repeated, none skipped.
-  ref_batches = {r["i"]: r["ids"] for r in _of(ref, "batch", process=0)}
-  for p in (0, 1):
-    after = [(r["i"], r["ids"]) for r in _of(got, "batch", restart=1, process=p)]
-    assert [i for i, _ in after] == list(range(KILL_AT - 1, STEPS))
-    assert all(ids == ref_batches[i] for i, ids in after)
-  # The final state is the uninterrupted run's, bit for bit (integer-valued data).
-  ref_final = _of(ref, "final", process=0)[0]
+  _assert_same_run_after(got, ref, restart=1)
   finals = _of(got, "final")
-  assert [r["restart"] for r in finals] == [1, 1]
-  assert all(r["w"] == ref_final["w"] for r in finals)
+  assert len(finals) == 2
 
   # No step is listed that was not committed; the job after the loss saved steps too.
   committed = {r["step"] for r in _of(got, "committed")}
@@ -113,7 +136,35 @@ def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path)
         {"w": np.zeros((GLOBAL_BATCH, 4), np.float32), "step": 0}))
   assert np.asarray(stock["w"]).tolist() == _of(got, "committed", step=7, process=0)[0]["w"]
   _assert_nothing_left(got, err)
-  _assert_nothing_left(ref, ref_err)
+
+
+def test_in_place_a_lost_sidecar_starts_again_empty_and_the_job_keeps_its_size(
+    tmp_path, reference):
+  """--elastic --in-place, as Kubernetes restarts containers: host 1's sidecar is killed,
+  a new one starts empty at the same address, and all 3 trainers restart; host 1's
+  shards come back from the replica on host 2, the others' from their own RAM tiers."""
+  code, got, out, err = _finish(_start(tmp_path, "--elastic", "--in-place", kill_at=KILL_AT,
+                                       replicas=1))
+  assert code == 0, out + err
+  assert re.search(r"restart 1: host 1's sidecar was killed by SIGKILL; 3 processes on hosts "
+                   r"\[0, 1, 2\] in place, started [\d.]+ s after the loss", err), err
+  first, second = _of(got, "start", restart=0), _of(got, "start", restart=1)
+  assert sorted((r["host"], r["process"], r["processes"]) for r in second) == [
+      (0, 0, 3), (1, 1, 3), (2, 2, 3)]
+  before, after = first[0]["sidecar_pids"], second[0]["sidecar_pids"]
+  assert after["0"] == before["0"] and after["2"] == before["2"]
+  assert after["1"] != before["1"]  # a new sidecar, with an empty arena
+  restored = {r["host"]: r for r in _of(got, "restored", restart=1)}
+  assert sorted(restored) == [0, 1, 2]
+  for r in restored.values():
+    assert r["step"] == KILL_AT - 2 and r["data_state"]["position"] == (KILL_AT - 1) * GLOBAL_BATCH
+    assert "storage" not in r["sources"], r["sources"]
+  assert "replica:host2" in restored[1]["sources"], restored[1]["sources"]
+  assert set(restored[0]["sources"]) == {"ram:host0"}, restored[0]["sources"]
+  _assert_same_run_after(got, reference(), restart=1)
+  assert ol.list_steps(str(tmp_path)) == [1, 3, 5, 7]
+  pids = [int(p) for p in re.findall(r"sidecar \(pid (\d+)\)", err)]
+  assert len(pids) == 4 and eventually(lambda: not any(alive(p) for p in pids)), err
 
 
 def test_a_loss_below_min_hosts_ends_the_job(tmp_path):
@@ -131,7 +182,8 @@ def test_a_loss_below_min_hosts_ends_the_job(tmp_path):
     (["--min-hosts", "2"], "--min-hosts applies only with --elastic"),
     (["--elastic", "--min-hosts", "4"], r"--min-hosts must be in 1..--hosts \(3\), got 4"),
     (["--elastic", "--min-hosts", "0"], r"--min-hosts must be in 1..--hosts \(3\), got 0"),
-], ids=["without-elastic", "above-hosts", "zero"])
+    (["--in-place"], "--in-place applies only with --elastic"),
+], ids=["without-elastic", "above-hosts", "zero", "in-place-without-elastic"])
 def test_bad_min_hosts_is_refused_before_anything_starts(flags, match):
   done = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "3", *flags,
                          "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -58,6 +58,10 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
                       "(default: %(default)s)")
   p.add_argument("--grace-seconds", type=int, default=300,
                  help="terminationGracePeriodSeconds (default: %(default)s)")
+  p.add_argument("--trainer-restarts", type=int, default=4, metavar="N",
+                 help="in-place restarts of a trainer the Job allows (pod restartPolicy "
+                 "OnFailure; the sidecar keeps its arena); 0: restartPolicy Never "
+                 "(default: %(default)s)")
   p.add_argument("-o", "--output", help="write here instead of stdout")
   p.set_defaults(func=run_render)
 
@@ -95,7 +99,8 @@ def options_from_args(args: argparse.Namespace) -> render.RenderOptions:
       name=args.name, namespace=args.namespace, shm_size=args.shm_size,
       imports=tuple(args.imports or ("my_pkg.sidecar_fns",)), sidecar_cpu=args.sidecar_cpu,
       port=args.port, health_port=args.health_port, coordinator_port=args.coordinator_port,
-      token_secret=args.token_secret, grace_seconds=args.grace_seconds)
+      token_secret=args.token_secret, grace_seconds=args.grace_seconds,
+      trainer_restarts=args.trainer_restarts)
 
 
 def run_render(args: argparse.Namespace) -> int:

@@ -95,6 +95,9 @@ class RenderOptions:
   coordinator_port: int = 8476  # the jax.distributed coordinator, in process 0's trainer
   token_secret: str = "sidecar-token"
   grace_seconds: int = 300
+  # In-place restarts of a pod's trainer the Job allows (pod restartPolicy OnFailure):
+  # the native sidecar keeps its arena through them. 0: restartPolicy Never.
+  trainer_restarts: int = 4
 
   def __post_init__(self):
     for field in ("slices", "hosts_per_slice"):
@@ -114,6 +117,9 @@ class RenderOptions:
       shm.parse_size(self.shm_size)
     except ValueError as e:
       raise errors.InvalidArgumentError(f"shm_size: {e}") from e
+    if not isinstance(self.trainer_restarts, int) or self.trainer_restarts < 0:
+      raise errors.InvalidArgumentError(
+          f"trainer_restarts must be an integer >= 0, got {self.trainer_restarts!r}")
     if self.port == self.health_port:
       raise errors.InvalidArgumentError(
           f"port and health_port must differ, both are {self.port}")
@@ -129,7 +135,8 @@ class RenderOptions:
 def render_jobset(options: RenderOptions) -> dict[str, Any]:
   """The JobSet, as a dict ready for YAML."""
   pod_spec: dict[str, Any] = {
-      "restartPolicy": "Never",
+      # OnFailure: a failed trainer restarts in its pod, beside the sidecar and its RAM tier.
+      "restartPolicy": "OnFailure" if options.trainer_restarts else "Never",
       "terminationGracePeriodSeconds": options.grace_seconds,
       "initContainers": [_sidecar(options)],
       "containers": [_trainer(options)],
@@ -163,7 +170,7 @@ def render_jobset(options: RenderOptions) -> dict[str, Any]:
                   "completionMode": "Indexed",
                   "parallelism": options.hosts_per_slice,
                   "completions": options.hosts_per_slice,
-                  "backoffLimit": 0,
+                  "backoffLimit": options.trainer_restarts,
                   "template": {"spec": pod_spec},
               }},
           }],
