@@ -4,7 +4,7 @@ import pathlib
 import time
 
 import sidecar
-from sidecar._src import orbax_layout as ol
+from sidecar._src import layout_spec as layout, orbax_layout as ol
 
 
 @sidecar.function
@@ -17,7 +17,7 @@ def read_phases(directory: str, step: int, names: list[str], shape: list[int]
   chunk file into a new arena block, and ``crc32c``.
   """
   out = {"read": 0.0, "crc32c": 0.0}
-  item = pathlib.Path(directory) / str(step) / ol.ITEM
+  item = pathlib.Path(directory) / str(step) / layout.ITEM
   index = tuple((0, n) for n in shape)
   for name in names:
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src import errors, orbax_layout as ol
+from sidecar._src import errors, layout_spec, orbax_layout as ol
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def host_parts(tree, mesh, num_hosts):
   """Each host's leaves: the replica-0 shards on its devices, numpy and scalars on the last."""
   owner = {d: i * num_hosts // mesh.size for i, d in enumerate(mesh.devices.flat)}
   leaves = flat(tree)
-  specs = [ol.LeafSpec.from_value(kp, v) for kp, v in leaves]
+  specs = [layout_spec.LeafSpec.from_value(kp, v) for kp, v in leaves]
   parts = []
   for host in range(num_hosts):
     part = []
@@ -237,7 +237,7 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
     tmp = ol.create_tmp_step(tmp_path, 0)
     for host, part in enumerate(parts):
       ol.write_host_part(tmp, host, part)
-    item = ol.finalize(tmp, specs, num_hosts=2) / ol.ITEM
+    item = ol.finalize(tmp, specs, num_hosts=2) / layout_spec.ITEM
   elif writer == "stock_raw":
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(None, ocp.args.PyTreeSave,
@@ -245,9 +245,9 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
     with ocp.CheckpointManager(tmp_path, handler_registry=registry) as mgr:
       mgr.save(0, args=ocp.args.PyTreeSave(tree))
       mgr.wait_until_finished()
-    item = tmp_path / "0" / ol.ITEM
+    item = tmp_path / "0" / layout_spec.ITEM
   else:
-    item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / ol.ITEM
+    item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / layout_spec.ITEM
   direct, allocated = [], []
   read_file = ol.direct_io.read_file
   monkeypatch.setattr(ol.direct_io, "read_file",
@@ -287,7 +287,7 @@ def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_pa
   specs, parts = host_parts(tree, mesh, 1)
   tmp = ol.create_tmp_step(tmp_path, 0)
   ol.write_host_part(tmp, 0, parts[0])
-  item = ol.finalize(tmp, specs, num_hosts=1) / ol.ITEM
+  item = ol.finalize(tmp, specs, num_hosts=1) / layout_spec.ITEM
   chunk = item / "w" / "1.2"  # rows 4:8, columns 8:12 of w's 2 x 4 grid
   with open(chunk, "r+b") as f:
     f.truncate(chunk.stat().st_size - 1)
@@ -306,7 +306,7 @@ def test_a_step_written_again_reads_its_new_values(tmp_path):
       mgr.save(0, args=ocp.args.StandardSave({"w": np.full((4, 4), value, np.float32)}))
       mgr.wait_until_finished()
     assert (ol.read_leaf(tmp_path / "0", ("w",)) == value).all()
-    assert ol.item_leaves(tmp_path / "0" / ol.ITEM)[0]["shape"] == [4, 4]
+    assert ol.item_leaves(tmp_path / "0" / layout_spec.ITEM)[0]["shape"] == [4, 4]
     shutil.rmtree(tmp_path / "0")
 
 
@@ -362,7 +362,7 @@ def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
   assert ol.list_steps(tmp_path) == []
 
 
-SPEC = ol.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_shape=(2, 3))
+SPEC = layout_spec.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_shape=(2, 3))
 
 
 @pytest.mark.parametrize(("shard", "match"), [
@@ -383,12 +383,12 @@ def test_write_host_part_rejects_bad_shards(tmp_path, shard, match):
 
 def test_leaf_spec_validates():
   with pytest.raises(errors.InvalidArgumentError, match=r"write_shape of 'a' must be a shard"):
-    ol.LeafSpec(key_path=("a",), shape=(4,), dtype=np.float32, write_shape=(5,))
+    layout_spec.LeafSpec(key_path=("a",), shape=(4,), dtype=np.float32, write_shape=(5,))
   with pytest.raises(errors.InvalidArgumentError, match=r"key_path must be a non-empty tuple"):
-    ol.LeafSpec(key_path=(), shape=(4,), dtype=np.float32)
+    layout_spec.LeafSpec(key_path=(), shape=(4,), dtype=np.float32)
   with pytest.raises(errors.InvalidArgumentError, match=r"cannot checkpoint a str"):
-    ol.LeafSpec.from_value(("s",), "text")
-  spec = ol.LeafSpec.from_value(("opt", 0, "mu"), np.zeros(3, np.int8))
+    layout_spec.LeafSpec.from_value(("s",), "text")
+  spec = layout_spec.LeafSpec.from_value(("opt", 0, "mu"), np.zeros(3, np.int8))
   assert (spec.param_name, spec.kind, spec.write_shape) == ("opt.0.mu", "np.ndarray", (3,))
 
 
@@ -399,7 +399,7 @@ def test_steps_are_created_and_committed_once(tmp_path):
   assert not (tmp / "leftover").exists()
   with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
     ol.write_host_part(tmp_path / "2", 0, [])
-  spec = ol.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
+  spec = layout_spec.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
   shard = ol.Shard(((0, 2),), np.arange(2, dtype=np.int32))
   ol.write_host_part(tmp, 0, [ol.HostLeaf(spec, (shard,))])
   ol.finalize(tmp, [spec], num_hosts=1)

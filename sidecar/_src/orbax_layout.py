@@ -45,7 +45,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
-import enum
 import functools
 import json
 import math
@@ -57,132 +56,35 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import crc32c
-import jax
 import numpy as np
 import tensorstore as ts
 from orbax.checkpoint._src.handlers import standard_checkpoint_handler
 from orbax.checkpoint._src.metadata import (
   array_metadata_store,
   checkpoint as checkpoint_metadata,
-  sharding as sharding_metadata,
   step_metadata_serialization,
   tree as tree_metadata,
   value_metadata_entry,
 )
 from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
-from orbax.checkpoint._src.path import atomicity_types
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from sidecar._src import codec, direct_io, errors
+from sidecar._src.layout_spec import (
+    COMMIT_SUCCESS_FILE,
+    ITEM,
+    METADATA_FILE,
+    SHARDING_FILE,
+    TMP_SUFFIX,
+    Index,
+    KeyPath,
+    LeafKind,
+    LeafSpec,
+    tmp_step_path,
+)
 
-ITEM = "default"
-TMP_SUFFIX = atomicity_types.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp"
-COMMIT_SUCCESS_FILE = atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
-METADATA_FILE = "_METADATA"
-SHARDING_FILE = "_sharding"
 _HANDLER_TYPESTR = standard_checkpoint_handler.StandardCheckpointHandler.typestr()
 _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
-
-KeyPath = tuple[str | int, ...]
-Index = tuple[tuple[int, int], ...]
-
-
-class LeafKind(enum.StrEnum):
-  """How Orbax saved a leaf, and so what it restores it as."""
-
-  JAX_ARRAY = "jax.Array"
-  NUMPY = "np.ndarray"
-  SCALAR = "scalar"
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LeafSpec:
-  """One array leaf of the checkpointed tree; the same on every host.
-
-  Attributes:
-    key_path: the leaf's path in the tree; ``str`` entries are dict keys, ``int``
-      entries sequence indices (``("opt", 0, "mu")``).
-    shape: global shape.
-    dtype: numpy dtype (``ml_dtypes.bfloat16`` included).
-    kind: what stock Orbax restores the leaf as.
-    write_shape: the shape of one shard, the Zarr chunk every host writes in
-      (``sharding.shard_shape(shape)``); defaults to ``shape`` (unsharded).
-    sharding: Orbax's serialized sharding (see :meth:`from_value`), stored in
-      ``_sharding`` so that a restore without target shardings can rebuild it.
-  """
-
-  key_path: KeyPath
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  kind: LeafKind = LeafKind.JAX_ARRAY
-  write_shape: tuple[int, ...] | None = None
-  sharding: str | None = None
-
-  def __post_init__(self):
-    if not self.key_path or not all(isinstance(k, (str, int)) for k in self.key_path):
-      raise errors.InvalidArgumentError(
-          f"key_path must be a non-empty tuple of str/int, got {self.key_path!r}")
-    object.__setattr__(self, "key_path", tuple(self.key_path))
-    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-    object.__setattr__(self, "dtype", np.dtype(self.dtype))
-    object.__setattr__(self, "kind", LeafKind(self.kind))
-    if 0 in self.shape:
-      raise errors.InvalidArgumentError(
-          f"leaf {self.param_name!r} has zero-size shape {self.shape}; Orbax stores no chunk"
-          " for it, leave it out of the checkpoint")
-    write_shape = self.shape if self.write_shape is None else tuple(self.write_shape)
-    if len(write_shape) != len(self.shape) or any(
-        not 0 < w <= max(s, 1) for w, s in zip(write_shape, self.shape)):
-      raise errors.InvalidArgumentError(
-          f"write_shape of {self.param_name!r} must be a shard shape of {self.shape},"
-          f" got {write_shape}")
-    object.__setattr__(self, "write_shape", write_shape)
-    if self.kind is LeafKind.SCALAR and self.shape:
-      raise errors.InvalidArgumentError(
-          f"scalar leaf {self.param_name!r} must have shape (), got {self.shape}")
-
-  @property
-  def param_name(self) -> str:
-    """Orbax's name for the leaf: its keys joined by dots."""
-    return ".".join(str(k) for k in self.key_path)
-
-  @classmethod
-  def from_value(cls, key_path: KeyPath, value: Any) -> LeafSpec:
-    """Describes a ``jax.Array``, ``jax.ShapeDtypeStruct``, numpy array or scalar.
-
-    Runs where the value lives (the worker); only the returned spec crosses to
-    the sidecar.
-    """
-    if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
-      sharding = value.sharding
-      meta = sharding_metadata.from_jax_sharding(sharding) if sharding else None
-      return cls(
-          key_path=tuple(key_path), shape=value.shape, dtype=value.dtype,
-          kind=LeafKind.JAX_ARRAY,
-          write_shape=sharding.shard_shape(value.shape) if sharding else None,
-          sharding=meta.to_serialized_string() if meta else None)
-    if isinstance(value, np.ndarray):
-      return cls(key_path=tuple(key_path), shape=value.shape, dtype=value.dtype,
-                 kind=LeafKind.NUMPY)
-    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
-      return cls(key_path=tuple(key_path), shape=(), dtype=np.asarray(value).dtype,
-                 kind=LeafKind.SCALAR)
-    raise errors.InvalidArgumentError(
-        f"leaf {key_path!r}: cannot checkpoint a {type(value).__name__}; expected a"
-        " jax.Array, jax.ShapeDtypeStruct, numpy array or int/float scalar")
-
-
-def spec_to_dict(s: LeafSpec) -> dict[str, Any]:
-  """A LeafSpec as plain values (what crosses between controller and sidecars)."""
-  return {"key_path": list(s.key_path), "shape": list(s.shape), "dtype": s.dtype.name,
-          "kind": str(s.kind), "write_shape": list(s.write_shape),  # type: ignore[arg-type]
-          "sharding": s.sharding}
-
-
-def spec_from_dict(d: Mapping[str, Any]) -> LeafSpec:
-  return LeafSpec(key_path=tuple(d["key_path"]), shape=tuple(d["shape"]),
-                  dtype=codec.dtype_of(d["dtype"], f"leaf {d['key_path']}"), kind=d["kind"],
-                  write_shape=tuple(d["write_shape"]), sharding=d.get("sharding"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,11 +129,6 @@ def shard_crc32c(data: np.ndarray) -> int:
 
 def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
   return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
-
-
-def tmp_step_path(directory: os.PathLike | str, step: int) -> pathlib.Path:
-  """Where a step is written before its commit, as Orbax names it."""
-  return pathlib.Path(directory) / f"{int(step)}{TMP_SUFFIX}"
 
 
 def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:

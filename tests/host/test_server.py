@@ -326,7 +326,7 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
 
 def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path, monkeypatch,
                                                          caplog):
-  from sidecar._src import orbax_layout as ol
+  from sidecar._src import layout_spec as layout
   from sidecar._src.host import checkpoint as host_checkpoint
   monkeypatch.setattr(host_checkpoint, "STAGE_TIMEOUT_S", 0.5)
   server = make_server()
@@ -336,7 +336,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     ctl.call("sidecar.ckpt.open", directory)
     tmp = ctl.call("sidecar.ckpt.begin", directory, 3)[0]
     n = 1 << 18  # large enough to go through the arena
-    spec = ol.spec_to_dict(ol.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+    spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                        kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     ctl.call("sidecar.ckpt.stage", directory, 3, tmp + "/default", directory + "/3/default",

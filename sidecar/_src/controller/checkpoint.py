@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import distributed, errors, orbax_layout as ol, shm, transfer
+from sidecar._src import distributed, errors, layout_spec as layout, shm, transfer
 from sidecar._src.controller import elastic
 
 log = logging.getLogger(__name__)
@@ -73,14 +73,14 @@ class Target:
 
   @classmethod
   def for_step(cls, directory: str, step: int) -> Target:
-    return cls(directory, step, str(ol.tmp_step_path(directory, step) / ol.ITEM),
-               str(pathlib.Path(directory) / str(step) / ol.ITEM), True)
+    return cls(directory, step, str(layout.tmp_step_path(directory, step) / layout.ITEM),
+               str(pathlib.Path(directory) / str(step) / layout.ITEM), True)
 
   @classmethod
   def for_orbax_item(cls, item: str, step: int) -> Target:
     """An item directory inside a step that an ``ocp.CheckpointManager`` commits."""
     path = pathlib.Path(item)
-    final = path.parent.with_name(path.parent.name.split(ol.TMP_SUFFIX)[0]) / path.name
+    final = path.parent.with_name(path.parent.name.split(layout.TMP_SUFFIX)[0]) / path.name
     return cls(str(path.parent.parent), step, str(path), str(final), False)
 
 
@@ -254,7 +254,7 @@ class Checkpointer:
         parts.put(e)
         self._start_finisher(handle, target, parts, [], data_json, key).join()
       raise
-    leaves = [ol.spec_to_dict(s) for s in specs]
+    leaves = [layout.spec_to_dict(s) for s in specs]
     finisher = self._start_finisher(handle, target, parts, leaves, data_json, key)
     pending: dict[int, list] = {h: [] for h in self._local}
     pending_bytes = dict.fromkeys(self._local, 0)
@@ -275,7 +275,7 @@ class Checkpointer:
       parts.put((host, pending.pop(host), True))
     return handle
 
-  def _plan(self, tree: Any) -> tuple[list[ol.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
+  def _plan(self, tree: Any) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
     """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
 
     Of replicated shards only replica 0 is copied, by the process that holds it; leaves
@@ -286,7 +286,7 @@ class Checkpointer:
       raise errors.InvalidArgumentError("tree has no leaves to save")
     specs, plan = [], []
     for i, (path, value) in enumerate(flat):
-      spec = ol.LeafSpec.from_value(key_path(path), value)
+      spec = layout.LeafSpec.from_value(key_path(path), value)
       specs.append(spec)
       if isinstance(value, jax.Array):
         for shard in value.addressable_shards:

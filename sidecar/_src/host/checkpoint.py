@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src import codec, errors, orbax_layout as ol, shm
+from sidecar._src import codec, errors, layout_spec as layout, orbax_layout as ol, shm
 from sidecar._src.host import outputs, replicas as replicas_lib
 from sidecar._src.protocol import pb
 
@@ -75,7 +75,7 @@ STAGE_TIMEOUT_S = 60.0
 ROOTS_FLAG = "--checkpoint-root"
 ROOTS_ENV = "SIDECAR_CHECKPOINT_ROOTS"
 # Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
-_MARKERS = ("_CHECKPOINT_METADATA", ol.METADATA_FILE, ol.COMMIT_SUCCESS_FILE, MANIFEST)
+_MARKERS = ("_CHECKPOINT_METADATA", layout.METADATA_FILE, layout.COMMIT_SUCCESS_FILE, MANIFEST)
 
 
 def _fault(point: str, step: int) -> None:
@@ -121,7 +121,7 @@ class _Step:
   item: str  # the committed item directory: the key of the RAM tier
   shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
   nbytes: int
-  specs: list[ol.LeafSpec] = dataclasses.field(default_factory=list)
+  specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
   # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
   incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
   closed: bool = False  # the last part is staged
@@ -289,7 +289,7 @@ class CheckpointHost:
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
-    for tmp in path.glob(f"*{ol.TMP_SUFFIX}") if sweep else ():
+    for tmp in path.glob(f"*{layout.TMP_SUFFIX}") if sweep else ():
       with self._lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
                         for s in self._steps.values())
@@ -320,7 +320,7 @@ class CheckpointHost:
     with self._lock:
       record = self._steps.get(final_item)
       if record is None or record.done.is_set():
-        specs = [ol.spec_from_dict(d) for d in leaves]
+        specs = [layout.spec_from_dict(d) for d in leaves]
         record = self._steps[final_item] = _Step(directory, step, final_item, {}, 0, specs)
         threading.Thread(target=self._write, args=(record, item), daemon=True,
                          name=f"sidecar-ckpt-{step}").start()
@@ -416,9 +416,9 @@ class CheckpointHost:
     self._path(item, "item")
     if whole_step:  # the rename acts on the item's parent, the tmp step directory
       parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
-      if not parent.endswith(ol.TMP_SUFFIX):
+      if not parent.endswith(layout.TMP_SUFFIX):
         raise errors.InvalidArgumentError(
-            f"item {item!r:.200} is not in an uncommitted step directory (*{ol.TMP_SUFFIX})")
+            f"item {item!r:.200} is not in an uncommitted step directory (*{layout.TMP_SUFFIX})")
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
                 "leaves": leaves, "shards": checksums,
                 "data_state": json.loads(data_state) if data_state else None}
@@ -429,7 +429,7 @@ class CheckpointHost:
       f.flush()
       os.fsync(f.fileno())
     _fault("commit", step)
-    specs = [ol.spec_from_dict(d) for d in leaves]
+    specs = [layout.spec_from_dict(d) for d in leaves]
     if whole_step:
       return str(ol.finalize(pathlib.Path(item).parent, specs, num_hosts=num_hosts))
     ol.finalize_item(item, specs, num_hosts=num_hosts)
@@ -494,10 +494,10 @@ class CheckpointHost:
     self._path(final_item, "final_item")
     root = self._root_of(path)
     assert root is not None
-    if not any(part.endswith(ol.TMP_SUFFIX)
+    if not any(part.endswith(layout.TMP_SUFFIX)
                for part in pathlib.Path(path).relative_to(root).parts):
       raise errors.InvalidArgumentError(
-          f"abort: item {item!r:.200} is not an uncommitted step directory (*{ol.TMP_SUFFIX}) "
+          f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "
           "nor inside one; abort removes only a save's uncommitted files")
     with self._lock:
       record = self._steps.pop(final_item, None)
