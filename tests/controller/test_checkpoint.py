@@ -152,6 +152,9 @@ def test_bad_input(cluster, tmp_path):
       with pytest.raises(sidecar.InvalidArgumentError,
                          match=r"target leaf .params.w. is float32\[2048, 4\] but step 3 saved"):
         ckpt.restore(target=wrong)
+      with pytest.raises(sidecar.InvalidArgumentError,
+                         match=r"save a tree of arrays such as \{'w': w\}, not a bare ArrayImpl"):
+        ckpt.save(4, state["params"]["w"])
       huge = {"x": np.zeros((200 << 20) // 4, np.float32)}
       with pytest.raises(sidecar.ResourceExhaustedError, match=r"does not fit.*--shm-size"):
         ckpt.save(4, huge)

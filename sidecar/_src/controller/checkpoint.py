@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import queue
 import threading
@@ -166,7 +167,8 @@ class Checkpointer:
     slices = {h: int(sidecars.get(h, {}).get("slice_id", 0)) for h in hosts}
     self._placement = {h: replica_peers(slices, h, replicas) for h in hosts}
     self._last_restore: RestoreStats | None = None
-    self.directory = str(directory)
+    # Absolute here: the sidecars' working directory is not the trainer's.
+    self.directory = os.path.abspath(directory)
     self._call, self._call_async, self._put = call, call_async, put
     self._hosts, self._device_hosts = hosts, device_hosts
     self._local = list(hosts if local_hosts is None else local_hosts)  # hosts we stage into
@@ -275,7 +277,8 @@ class Checkpointer:
       parts.put((host, pending.pop(host), True))
     return handle
 
-  def _plan(self, tree: Any) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
+  def _plan(self, tree: Any
+            ) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
     """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
 
     Of replicated shards only replica 0 is copied, by the process that holds it; leaves
@@ -284,6 +287,10 @@ class Checkpointer:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     if not flat:
       raise errors.InvalidArgumentError("tree has no leaves to save")
+    if len(flat) == 1 and not flat[0][0]:
+      raise errors.InvalidArgumentError(
+          f"save a tree of arrays such as {{'w': w}}, not a bare {type(tree).__name__}: "
+          "stock Orbax names each leaf by its path in the tree")
     specs, plan = [], []
     for i, (path, value) in enumerate(flat):
       spec = layout.LeafSpec.from_value(key_path(path), value)
