@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src import errors
-from sidecar._src.controller import status as status_lib
+from sidecar._src.controller import checkpoint as checkpoint_lib, status as status_lib
 from sidecar._src.controller.checkpoint import replica_peers
 from sidecar._src.host.checkpoint import FAULT_ENV
 from tests.conftest import arena_mappers, eventually, shm_entries
@@ -166,6 +166,39 @@ def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp
       cluster.kill(1)
       assert eventually(lambda: maps.read_text().count("memfd:sidecar-arena") == 1, 10)
   assert arena_mappers() == [] and shm_entries() == before
+
+
+def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkeypatch):
+  """A controller that maps no arena reads RAM-tier shards inline, in parts of at most
+  READ_PART_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
+  replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
+  monkeypatch.setattr(checkpoint_lib, "READ_PART_BYTES", 4096)
+  parts = []
+  read_parts = checkpoint_lib.Checkpointer._read_parts
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "_read_parts",
+                      lambda self, *a: parts.append(a[5]) or read_parts(self, *a))
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    with cluster.controller(attach=False) as ctl:
+      with ctl.checkpointer(directory, replicas=1) as ckpt:
+        handle = ckpt.save(1, state)
+        assert handle.durable.result(60) == 1 and handle.replicated.result(60) == 1
+      for path in chunk_files(directory, 1):
+        path.write_bytes(b"\0" * path.stat().st_size)
+      with ctl.checkpointer(directory) as ckpt:
+        assert_same(ckpt.restore(1, target=target_on(devices, state)), state)
+        assert sorted(ckpt.last_restore_stats().shards) == ["ram:host0", "ram:host1"]
+      assert sorted(parts) == [0, 1]  # one parted read per half of "w", from its own host
+      cluster.kill(1)
+    parts.clear()
+    with sidecar.Controller(cluster.addresses[:1], attach=False) as ctl:
+      with ctl.checkpointer(directory) as ckpt:
+        assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
+        assert "replica:host0" in ckpt.last_restore_stats().shards
+    assert sorted(parts) == [0, 0]  # host 1's half from its replica on host 0, in parts
 
 
 def test_corrupt_chunk_files_restore_from_memory_over_grpc(tmp_path):

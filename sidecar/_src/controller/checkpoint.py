@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import queue
@@ -44,6 +45,9 @@ KeyPath = tuple[str | int, ...]
 STAGE_PART_BYTES = 512 << 20
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 _LONG_S = 3600.0
+# A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
+# at most this many bytes: well under the channel's 256 MiB message limit.
+READ_PART_BYTES = 64 << 20
 # An abort waits for the host's writer to stop (up to a minute there).
 _ABORT_S = 90.0
 
@@ -732,11 +736,12 @@ class Checkpointer:
           if (kp, index) in reads or not _overlaps(index, region):
             continue
           reads[(kp, index)] = self._read_shard(item, kp, index, crc,
-                                                self._sources((kp, index), held, host))
+                                                self._sources((kp, index), held, host),
+                                                np.dtype(want.dtype))
     return reads
 
   def _read_shard(self, item: str, kp: KeyPath, index, crc: int | None,
-                  sources: list[tuple[int, str]]) -> concurrent.futures.Future:
+                  sources: list[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of ``(data, source)``: the first source whose copy reads and checks."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     failures: list[str] = []
@@ -758,13 +763,50 @@ class Checkpointer:
         out.set_result((data, label))
 
       try:
-        self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index], crc,
-                         tier, hosts=[host])[0].add_done_callback(done)
+        shape = tuple(b - a for a, b in index)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if tier != "disk" and host not in self._mapped and nbytes > READ_PART_BYTES:
+          self._read_parts(item, kp, index, crc, tier, host, shape, dtype).add_done_callback(done)
+        else:
+          self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index], crc,
+                           tier, hosts=[host])[0].add_done_callback(done)
       except errors.SidecarError as e:
         failures.append(f"{label} (host {host}): {e}")
         attempt(i + 1)
 
     attempt(0)
+    return out
+
+  def _read_parts(self, item: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
+                  shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
+    """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
+    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c once)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    data = np.empty(shape, dtype)
+    flat = data.reshape(-1).view(np.uint8)
+    parts = [(o, min(READ_PART_BYTES, flat.nbytes - o))
+             for o in range(0, flat.nbytes, READ_PART_BYTES)]
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(offset: int, f: concurrent.futures.Future) -> None:
+      error = f.exception()
+      if error is None:
+        part = f.result()
+        flat[offset:offset + part.nbytes] = part
+      with lock:  # the first failure fails the shard; else the last part completes it
+        left[0] -= 1
+        if out.done():
+          return
+        if error is not None:
+          out.set_exception(error)
+        elif left[0] == 0:
+          out.set_result(data)
+
+    for offset, nbytes in parts:
+      future = self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index],
+                                crc, tier, [offset, nbytes], hosts=[host])[0]
+      future.add_done_callback(lambda f, offset=offset: done(offset, f))
     return out
 
   def _lost(self, step: int, lost, owners: dict, placed: dict[int, list[int]],

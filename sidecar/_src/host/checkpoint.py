@@ -96,6 +96,19 @@ def _int(value: Any, name: str) -> int:
   return int(value)
 
 
+def _part(data: np.ndarray, part: Any) -> np.ndarray:
+  """Bytes ``[offset, offset + nbytes)`` of ``data``'s C-order bytes, as a view."""
+  try:
+    offset, nbytes = (int(x) for x in part)
+  except (TypeError, ValueError):
+    raise errors.InvalidArgumentError(f"part must be [offset, nbytes], got {part!r:.100}") from None
+  flat = data.reshape(-1).view(np.uint8)
+  if not (0 <= offset and 0 < nbytes and offset + nbytes <= flat.nbytes):
+    raise errors.InvalidArgumentError(
+        f"part [{offset}, {nbytes}] does not fit a shard of {flat.nbytes} bytes")
+  return flat[offset:offset + nbytes]
+
+
 def _is_checkpoint_dir(path: pathlib.Path) -> bool:
   """Whether ``path`` is a step (or item) directory a checkpoint wrote: Orbax's markers
   or this format's manifest in it or in one of its item directories."""
@@ -714,9 +727,16 @@ class CheckpointHost:
                         "crc32c": None} for d in leaves]}
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
-           tier: str = "any") -> np.ndarray:
-    """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked)."""
+           tier: str = "any", part: list | None = None) -> np.ndarray:
+    """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
+
+    ``part=[offset, nbytes]``: only those bytes of a RAM-tier copy's C-order bytes, for a
+    client that reads a large shard over gRPC in messages of bounded size.
+    """
     self._path(final_item, "final_item")
+    if part is not None and tier not in ("ram", "replica"):
+      raise errors.InvalidArgumentError(
+          f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
     step = pathlib.Path(final_item).parent.name
     if step.isdigit():
@@ -739,7 +759,7 @@ class CheckpointHost:
         if crc32c is not None and (key, idx) not in held.verified:
           self._check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._host_id}")
           held.verified.add((key, idx))
-        return data
+        return data if part is None else _part(data, part)
       if tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
