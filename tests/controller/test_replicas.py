@@ -168,7 +168,7 @@ def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp
   assert arena_mappers() == [] and shm_entries() == before
 
 
-def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkeypatch):
+def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkeypatch, caplog):
   """A controller that maps no arena reads RAM-tier shards inline, in parts of at most
   READ_PART_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
   replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
@@ -195,10 +195,13 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
       cluster.kill(1)
     parts.clear()
     with sidecar.Controller(cluster.addresses[:1], attach=False) as ctl:
-      with ctl.checkpointer(directory) as ckpt:
-        assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
+      with ctl.checkpointer(directory, replicas=1) as ckpt:  # 1 host left: no peer to use
+        restored = ckpt.restore(1, target=target_on(devices[:1], state))
+        assert_same(restored, state)
         assert "replica:host0" in ckpt.last_restore_stats().shards
+        assert ckpt.save(2, restored).replicated.result(60) is None  # as with replicas=0
     assert sorted(parts) == [0, 0]  # host 1's half from its replica on host 0, in parts
+    assert "replicas=1, but there are 1 hosts: each shard gets 0 peer copies" in caplog.text
 
 
 def test_corrupt_chunk_files_restore_from_memory_over_grpc(tmp_path):

@@ -157,11 +157,12 @@ class Checkpointer:
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
       if v is not None and (not isinstance(v, int) or v < 1):
         raise errors.InvalidArgumentError(f"{name} must be None or an int >= 1, got {v!r}")
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or not (
-        0 <= replicas < max(len(hosts), 1)):
-      raise errors.InvalidArgumentError(
-          f"replicas must be an int from 0 to {len(hosts) - 1} (the other hosts of "
-          f"{len(hosts)}), got {replicas!r}")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+      raise errors.InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
+    if replicas > len(hosts) - 1:  # e.g. an elastic job down to fewer hosts than it planned
+      log.warning("replicas=%d, but there are %d hosts: each shard gets %d peer copies",
+                  replicas, len(hosts), max(len(hosts) - 1, 0))
+      replicas = max(len(hosts) - 1, 0)
     sidecars = sidecars or {}
     if replicas and set(sidecars) != set(hosts):
       raise errors.InvalidArgumentError(

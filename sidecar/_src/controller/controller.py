@@ -562,7 +562,8 @@ class Controller:
 
     ``sweep=False`` leaves uncommitted steps alone (where an Orbax manager owns them).
 
-    With ``replicas=R`` (at most hosts - 1), once a step is staged each sidecar sends its
+    With ``replicas=R`` (at most hosts - 1: fewer live hosts get fewer, with a warning),
+    once a step is staged each sidecar sends its
     shards to R peer sidecars (another slice's first, else the next hosts), sidecar to
     sidecar, in the background: ``handle.replicated`` resolves once every shard has its
     copies. Replicas count toward ``ram_budget`` and leave with their step. A restore
