@@ -1,6 +1,7 @@
 """Peer replicas and restores from whatever survives: real sidecars, killed for real."""
 
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,32 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
         assert ckpt.save(2, restored).replicated.result(60) is None  # as with replicas=0
     assert sorted(parts) == [0, 0]  # host 1's half from its replica on host 0, in parts
     assert "replicas=1, but there are 1 hosts: each shard gets 0 peer copies" in caplog.text
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
+def test_replica_bandwidth_paces_the_sending(tmp_path, shared_memory):
+  """Each host's 192 KiB half of "w" (and "b", "table") at 256 KiB/s: the replica cannot be
+  whole in less than 0.75 s from its start (the sleeps set that bound), and is whole and
+  right."""
+  env = {} if shared_memory else {h: {"SIDECAR_REPLICA_SHM": "0"} for h in range(2)}
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS, host_env=env) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    with cluster.controller() as ctl:
+      with pytest.raises(sidecar.InvalidArgumentError, match=r"replica_bandwidth: .*'fast'"):
+        ctl.checkpointer(tmp_path / "ck", replicas=1, replica_bandwidth="fast")
+      with ctl.checkpointer(tmp_path / "ck", replicas=1, replica_bandwidth="256KiB") as ckpt:
+        handle = ckpt.save(1, state)
+        handle.staged.result(60)
+        t0 = time.monotonic()
+        assert handle.replicated.result(60) == 1
+        assert time.monotonic() - t0 >= 0.5  # the sleeps alone take 0.75 s from its start
+      assert held_replicas(ctl, tmp_path / "ck") == {0: {1: [1]}, 1: {0: [1]}}
+      cluster.kill(1)
+    with sidecar.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+      assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
+      assert "replica:host0" in ckpt.last_restore_stats().shards
 
 
 def test_corrupt_chunk_files_restore_from_memory_over_grpc(tmp_path):

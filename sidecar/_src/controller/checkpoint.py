@@ -151,7 +151,8 @@ class Checkpointer:
                ram_budget: int | None, if_busy: str, sweep: bool = True,
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
                key: str = "ckpt", replicas: int = 0,
-               sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = ()):
+               sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = (),
+               replica_bandwidth: int | str | None = None):
     if if_busy not in ("wait", "skip"):
       raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
@@ -163,6 +164,17 @@ class Checkpointer:
       log.warning("replicas=%d, but there are %d hosts: each shard gets %d peer copies",
                   replicas, len(hosts), max(len(hosts) - 1, 0))
       replicas = max(len(hosts) - 1, 0)
+    if isinstance(replica_bandwidth, str):
+      try:
+        replica_bandwidth = shm.parse_size(replica_bandwidth)
+      except ValueError as e:
+        raise errors.InvalidArgumentError(f"replica_bandwidth: {e}") from None
+    if replica_bandwidth is not None and (
+        not isinstance(replica_bandwidth, int) or replica_bandwidth < 1):
+      raise errors.InvalidArgumentError(
+          f"replica_bandwidth must be None or bytes per second (an int >= 1, or a size such "
+          f"as '500MiB'), got {replica_bandwidth!r}")
+    self._replica_bandwidth = replica_bandwidth
     sidecars = sidecars or {}
     if replicas and set(sidecars) != set(hosts):
       raise errors.InvalidArgumentError(
@@ -377,7 +389,8 @@ class Checkpointer:
     for h in self._local:
       peers = [dict(self._sidecars[p], host_id=p) for p in self._placement[h]]
       futures += self._call_async("sidecar.ckpt.replicate", target.final_item, peers,
-                                  hosts=[h], timeout=_LONG_S)
+                                  hosts=[h], timeout=_LONG_S,
+                                  bandwidth=self._replica_bandwidth)
     out: concurrent.futures.Future = concurrent.futures.Future()
     t0 = time.perf_counter()
 

@@ -544,7 +544,8 @@ class Controller:
   def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
                    keep_period: int | None = None, ram_steps: int = 1,
                    ram_budget: int | None = None, if_busy: str = "wait",
-                   sweep: bool = True, replicas: int = 0) -> Checkpointer:
+                   sweep: bool = True, replicas: int = 0,
+                   replica_bandwidth: int | str | None = None) -> Checkpointer:
     """Checkpoints that stall the trainer for one copy into shared memory.
 
     The sidecars persist each step in stock Orbax's layout (``ocp.CheckpointManager``
@@ -569,6 +570,8 @@ class Controller:
     copies. Replicas count toward ``ram_budget`` and leave with their step. A restore
     then takes each shard from any live copy, storage last, so losing a host loses no
     step the RAM tiers hold (``ckpt.last_restore_stats()`` says where shards came from).
+    ``replica_bandwidth`` (bytes per second per sidecar, or a size such as ``"500MiB"``)
+    paces the sending, to leave the training step its cores, memory bandwidth or network.
 
     Raises:
       InvalidArgumentError: ``directory`` is not writable from every sidecar.
@@ -582,6 +585,7 @@ class Controller:
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
+        replica_bandwidth=replica_bandwidth,
         sidecars={h: {"address": c.address, "socket": c.reply.worker_socket,
                       "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
                   for h, c in self._conns.items() if h not in self._lost},

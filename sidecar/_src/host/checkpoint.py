@@ -153,6 +153,7 @@ class _Step:
 class _Replication:
   """This host's shards of one step on their way to its peers."""
   peers: list[replicas_lib.Peer]
+  bandwidth: int | None = None  # bytes per second, each peer's copy in turn
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: dict[str, Any] | None = None
@@ -527,14 +528,18 @@ class CheckpointHost:
 
   # ---- peer replicas ----------------------------------------------------
 
-  def replicate(self, final_item: str, peers: list[dict], timeout: float = 3600.0
-                ) -> dict[str, Any]:
+  def replicate(self, final_item: str, peers: list[dict], timeout: float = 3600.0,
+                bandwidth: int | None = None) -> dict[str, Any]:
     """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
 
-    The sending runs once per step, on an idle-class thread, whoever waits for it.
+    The sending runs once per step, on an idle-class thread, whoever waits for it, at
+    most ``bandwidth`` bytes per second if given.
     Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
     """
     self._path(final_item, "final_item")
+    if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
+      raise errors.InvalidArgumentError(
+          f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
     record = self._record(final_item)
     targets = [replicas_lib.Peer.from_dict(p) for p in peers]
     with self._lock:
@@ -544,7 +549,7 @@ class CheckpointHost:
             "after its last part")
       job = record.replication
       if job is None:
-        job = record.replication = _Replication(targets)
+        job = record.replication = _Replication(targets, bandwidth)
         threading.Thread(target=self._replicate, args=(record, job), daemon=True,
                          name=f"sidecar-replicate-{record.step}").start()
     if not job.done.wait(timeout):
@@ -567,7 +572,8 @@ class CheckpointHost:
       nbytes = 0
       for peer in job.peers:
         nbytes, same_machine = self._links.send(peer, header, shards,
-                                                cancelled=job.cancelled.is_set)
+                                                cancelled=job.cancelled.is_set,
+                                                bandwidth=job.bandwidth)
         how = "shared memory" if same_machine else "gRPC"
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
                  record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,

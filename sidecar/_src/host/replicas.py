@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ IN_FLIGHT = 4  # inline chunks sent at once: overlaps one's encode with another'
 BATCH_BYTES = 256 << 20
 ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
 WATCH_S = 0.5  # how often Links looks for peers that exited
+PACE_BYTES = 8 << 20  # with a bandwidth limit, the copy into a peer's arena goes in pieces
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
@@ -77,6 +79,25 @@ class Peer:
       raise errors.InvalidArgumentError(
           f"a peer must be {{'host_id': int, 'address': 'host:port', 'socket': str, "
           f"'boot_id': str}}, got {d!r:.200}") from None
+
+
+class _Pace:
+  """Sleeps so that the bytes counted go no faster than ``bandwidth`` per second."""
+
+  def __init__(self, bandwidth: int | None):
+    self._bandwidth, self._t0, self._sent = bandwidth, time.monotonic(), 0
+
+  @property
+  def limited(self) -> bool:
+    return bool(self._bandwidth)
+
+  def after(self, nbytes: int) -> None:
+    if not self._bandwidth:
+      return
+    self._sent += nbytes
+    ahead = self._t0 + self._sent / self._bandwidth - time.monotonic()
+    if ahead > 0:
+      time.sleep(ahead)
 
 
 class PeerLink:
@@ -150,18 +171,20 @@ class PeerLink:
 
   def send(self, header: dict[str, Any],
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
-           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0) -> int:
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0,
+           bandwidth: int | None = None) -> int:
     """Sends every shard, then marks the replica whole; returns the bytes sent.
 
-    ``header`` names the replica (directory, step, item, source host). Raises
-    HostLostError if the peer goes away, ClosedError if ``cancelled()`` turns true.
+    ``header`` names the replica (directory, step, item, source host); ``bandwidth``
+    (bytes per second) paces the sending. Raises HostLostError if the peer goes away,
+    ClosedError if ``cancelled()`` turns true.
     """
     sent = (self._send_shared if self._worker is not None else self._send_inline)(
-        header, shards, cancelled, timeout)
+        header, shards, cancelled, timeout, _Pace(bandwidth))
     self._send(self._request((header, [], True)), timeout)
     return sent
 
-  def _send_shared(self, header, shards, cancelled, timeout) -> int:
+  def _send_shared(self, header, shards, cancelled, timeout, pace: _Pace) -> int:
     w = self._worker
     assert w is not None
     sent, batch, batch_bytes = 0, [], 0
@@ -170,7 +193,11 @@ class PeerLink:
         raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
       # A full peer arena fails the replica soon, not after the whole deadline.
       dst, _ = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
-      np.copyto(dst, data)  # one memcpy, on this (idle-class) thread
+      dst_bytes, src_bytes = (a.reshape(-1).view(np.uint8) for a in (dst, data))
+      step = PACE_BYTES if pace.limited else max(dst.nbytes, 1)
+      for a in range(0, dst.nbytes, step):  # memcpy, on this (idle-class) thread
+        np.copyto(dst_bytes[a:a + step], src_bytes[a:a + step])
+        pace.after(min(step, dst.nbytes - a))
       batch.append({"key_path": list(kp), "index": [list(i) for i in index], "data": dst})
       batch_bytes += data.nbytes
       if batch_bytes >= BATCH_BYTES:
@@ -181,7 +208,7 @@ class PeerLink:
       sent += batch_bytes
     return sent
 
-  def _send_inline(self, header, shards, cancelled, timeout) -> int:
+  def _send_inline(self, header, shards, cancelled, timeout, pace: _Pace) -> int:
     in_flight: collections.deque = collections.deque()
     sent = 0
     try:
@@ -201,6 +228,7 @@ class PeerLink:
           payload.shape.append(len(payload.data))
           in_flight.append(self._call.future(request, timeout=timeout,
                                              metadata=self._metadata))
+          pace.after(len(payload.data))
           while len(in_flight) >= IN_FLIGHT:
             in_flight.popleft().result()
         sent += flat.nbytes
@@ -248,15 +276,15 @@ class Links:
 
   def send(self, peer: Peer, header: dict[str, Any],
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
-           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0
-           ) -> tuple[int, bool]:
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0,
+           bandwidth: int | None = None) -> tuple[int, bool]:
     """:meth:`PeerLink.send` over ``peer``'s link; returns (bytes, same machine)."""
     while True:
       link, lock, fresh = self._get(peer, timeout)
       with lock:
         try:
-          return (link.send(header, shards, cancelled=cancelled, timeout=timeout),
-                  link.same_machine)
+          return (link.send(header, shards, cancelled=cancelled, timeout=timeout,
+                            bandwidth=bandwidth), link.same_machine)
         except BaseException as e:
           self._forget(peer.host_id, link)
           link.close()
