@@ -11,7 +11,15 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sidecar._src import demo, errors, launch, options as options_lib, registry as registry_lib, shm
+from sidecar._src import (
+  demo,
+  errors,
+  launch,
+  logs,
+  options as options_lib,
+  registry as registry_lib,
+  shm,
+)
 from sidecar._src.controller import status
 from sidecar._src.host.server import Server
 from sidecar._src.k8s import cli as k8s_cli
@@ -76,7 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         insecure=args.insecure, imports=tuple(imports),
-        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots))
+        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
+        metrics_port=args.metrics_port)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -93,9 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
                      daemon=True).start()
   if args.ready_file:
     server.write_ready_file(args.ready_file)
+  metrics = ("" if server.metrics_port is None
+             else f", metrics http://{opts.listen}:{server.metrics_port}/metrics")
   print(f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
         f"(health {server.health_port}), worker socket {opts.socket_path}, "
-        f"arena {shm.format_size(opts.shm_size)}", flush=True)
+        f"arena {shm.format_size(opts.shm_size)}{metrics}", flush=True)
   while not server.wait(1.0):
     pass
   return 0
@@ -201,6 +212,15 @@ def parser() -> argparse.ArgumentParser:
                           if r.strip()],
                  help="directory the checkpoint calls may act in, and below (repeatable; "
                       "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
+  s.add_argument("--metrics-port", type=int, metavar="PORT",
+                 default=None if _env("SIDECAR_METRICS_PORT") is None
+                 else int(_env("SIDECAR_METRICS_PORT")),
+                 help="serve Prometheus metrics on http://LISTEN:PORT/metrics, on the address "
+                      "of --listen (0 picks a free port; default: $SIDECAR_METRICS_PORT, else "
+                      "no metrics)")
+  s.add_argument("--log-format", choices=logs.FORMATS, default=_env("SIDECAR_LOG_FORMAT", "text"),
+                 help="text (default) or json: one JSON object a line, with time, level, "
+                      "logger, message, host_id, and session or step where they apply")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)
@@ -258,9 +278,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  # force: importing Orbax lets absl configure the root logger at WARNING first.
-  logging.basicConfig(level=_env("SIDECAR_LOG_LEVEL", "INFO"), force=True,
-                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   args = parser().parse_args(argv)
+  fmt = getattr(args, "log_format", logs.TEXT)
+  logs.configure(fmt, _env("SIDECAR_LOG_LEVEL", "INFO"),
+                 **({"host_id": args.host_id} if fmt == logs.JSON else {}))
+  logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   return args.func(args)
