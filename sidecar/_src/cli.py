@@ -176,7 +176,17 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-  return status.print_status(args.addresses, timeout=args.timeout)
+  token = _env("SIDECAR_TOKEN")
+  if args.watch and args.json:
+    args.parser.error("--watch and --json do not go together: pick one")
+  if args.interval <= 0:
+    args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
+  if args.watch:
+    _raise_on_sigterm()
+    return status.watch(args.addresses, interval=args.interval, timeout=args.timeout,
+                        token=token)
+  return status.print_status(args.addresses, timeout=args.timeout, token=token,
+                             as_json_=args.json)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -259,7 +269,13 @@ def parser() -> argparse.ArgumentParser:
   s = sub.add_parser("status", help="show sidecars' identity, registry and arena use")
   s.add_argument("addresses", nargs="+", metavar="ADDR")
   s.add_argument("--timeout", type=float, default=5.0)
-  s.set_defaults(func=_status)
+  s.add_argument("--json", action="store_true",
+                 help="print one JSON object with every host, for scripts")
+  s.add_argument("--watch", action="store_true",
+                 help="redraw the tables every --interval seconds, with rates, until Ctrl-C")
+  s.add_argument("--interval", type=float, default=2.0, metavar="S",
+                 help="seconds between refreshes of --watch (default: 2)")
+  s.set_defaults(func=_status, parser=s)
 
   s = sub.add_parser("demo", help="train a small model fed by a LocalCluster of sidecars")
   s.add_argument("--hosts", type=int, default=2)

@@ -113,7 +113,8 @@ class Runner:
   def stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
              time_left: TimeLeft) -> Iterator[pb.StreamItem]:
     """Items of a registered iterable, each produced only once a credit allows it."""
-    items: Generator[pb.StreamItem, None, None] = self._stream(request, credits, alive=alive, time_left=time_left)
+    items: Generator[pb.StreamItem, None, None] = self._stream(
+        request, credits, alive=alive, time_left=time_left)
     if not self._metrics.enabled:
       yield from items
       return

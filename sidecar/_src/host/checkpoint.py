@@ -392,11 +392,13 @@ class CheckpointHost:
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
-               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9, extra={"step": record.step})
+               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9,
+               extra={"step": record.step})
     except BaseException as e:
       record.error = e.with_traceback(None)  # its frames would hold the staged blocks,
       e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
-      log.error("step %d: writing this host's part failed: %s", record.step, e, extra={"step": record.step})
+      log.error("step %d: writing this host's part failed: %s", record.step, e,
+                extra={"step": record.step})
       if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
         with self._lock:
           if self._steps.get(record.item) is record:

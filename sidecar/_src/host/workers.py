@@ -99,7 +99,8 @@ class WorkerListener:
         self._pids[session] = pid if isinstance(pid, int) else 0
       reply.update(session=session, arena_size=self._arena.size)
       ipc.send(conn, reply, fds=(self._arena.fd,))
-      log.info("worker pid %s attached as %s", message.get("pid"), session, extra={"session": session})
+      log.info("worker pid %s attached as %s", message.get("pid"), session,
+               extra={"session": session})
       while True:
         message, _ = ipc.recv(conn)
         self._handle(conn, session, message)
@@ -114,7 +115,8 @@ class WorkerListener:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
         freed = self._leases.release_all(session)
-        log.info("worker session %s ended; %d arena blocks released", session, freed, extra={"session": session})
+        log.info("worker session %s ended; %d arena blocks released", session, freed,
+                 extra={"session": session})
       conn.close()
 
   def _stream(self, conn: socket.socket, session: str) -> None:
