@@ -15,19 +15,21 @@ and the worker sessions attached now.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
 UNREGISTERED = "<unregistered>"
+KINDS = ("call", "stream", "feed")
 FLAG = "--metrics-port"
 # 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
@@ -90,63 +92,60 @@ class Snapshot:
 
 
 class Metrics(Recorder):
-  """The metrics of one sidecar, in a registry of its own; ``serve`` starts ``/metrics``."""
+  """The metrics of one sidecar, in a registry of its own; ``serve`` starts ``/metrics``.
+
+  The hot paths add to plain counters under one lock (about a microsecond a call);
+  the collector turns them into metric families when scraped.
+  """
 
   enabled = True
 
   def __init__(self, snapshot: Callable[[], Snapshot]):
     self.registry = CollectorRegistry(auto_describe=False)
-    r = self.registry
-    self._calls = Counter("sidecar_calls", "Calls, streams and feeds served, by registered "
-                          "name and gRPC status code", ["kind", "name", "code"], registry=r)
-    self._latency = Histogram("sidecar_call_seconds", "Time in a call on the sidecar "
-                              "(unary calls; sidecar.ckpt.* are the checkpoint phases)",
-                              ["name"], buckets=LATENCY_BUCKETS, registry=r)
-    self._in_flight = Gauge("sidecar_calls_in_flight", "Calls, streams and feeds running now",
-                            ["kind"], registry=r)
-    self._ckpt = Counter("sidecar_checkpoint_bytes", "Checkpoint bytes this host staged "
-                         "(trainer to arena), wrote to storage, and replicated to peers",
-                         ["what"], registry=r)
-    self._restored = Counter("sidecar_restore_bytes", "Checkpoint shard bytes read for "
-                             "restores, by tier", ["tier"], registry=r)
-    self._phase = Histogram("sidecar_checkpoint_phase_seconds", "Background checkpoint "
-                            "phases of this host, per step", ["phase"],
-                            buckets=LATENCY_BUCKETS, registry=r)
-    for what in ("staged", "written", "replicated"):
-      self._ckpt.labels(what)
-    for kind in ("call", "stream", "feed"):
-      self._in_flight.labels(kind)
-    # Children resolved once: ``labels()`` takes a lock and builds a tuple each time.
-    self._children: dict[tuple, object] = {}
-    r.register(_Collector(snapshot))
+    self._lock = threading.Lock()
+    self._in_flight = dict.fromkeys(KINDS, 0)
+    self._calls: dict[tuple[str, str, str], int] = {}  # (kind, name, code) -> calls
+    # name -> [count per bucket (the last is +Inf), sum of seconds]
+    self._latency: dict[str, list] = {}
+    self._bytes = dict.fromkeys(("staged", "written", "replicated"), 0)
+    self._restored: dict[str, int] = {}
+    self._phases: dict[str, list] = {}
+    self.registry.register(_Collector(snapshot, self))
     self._http: Any = None  # a wsgiref server
     self._thread: threading.Thread | None = None
     self.port = 0
 
-  def _child(self, metric, *labels: str):
-    key = (id(metric), labels)
-    child = self._children.get(key)
-    if child is None:
-      child = self._children[key] = metric.labels(*labels)
-    return child
-
   def call_started(self, kind: str) -> None:
-    self._child(self._in_flight, kind).inc()
+    with self._lock:
+      self._in_flight[kind] += 1
 
   def call_done(self, kind: str, name: str, code: str, seconds: float) -> None:
-    self._child(self._in_flight, kind).dec()
-    self._child(self._calls, kind, name, code).inc()
-    if kind == "call":
-      self._child(self._latency, name).observe(seconds)
+    key = (kind, name, code)
+    with self._lock:
+      self._in_flight[kind] -= 1
+      self._calls[key] = self._calls.get(key, 0) + 1
+      if kind == "call":
+        _observe(self._latency, name, seconds)
 
   def checkpoint_bytes(self, what: str, nbytes: int) -> None:
-    self._child(self._ckpt, what).inc(nbytes)
+    with self._lock:
+      self._bytes[what] += nbytes
 
   def restored_bytes(self, tier: str, nbytes: int) -> None:
-    self._child(self._restored, tier).inc(nbytes)
+    with self._lock:
+      self._restored[tier] = self._restored.get(tier, 0) + nbytes
 
   def phase(self, phase: str, seconds: float) -> None:
-    self._child(self._phase, phase).observe(seconds)
+    with self._lock:
+      _observe(self._phases, phase, seconds)
+
+  def pushed(self) -> dict[str, Any]:
+    """A copy of the pushed figures, for the collector."""
+    with self._lock:
+      return {"in_flight": dict(self._in_flight), "calls": dict(self._calls),
+              "latency": {k: [list(v[0]), v[1]] for k, v in self._latency.items()},
+              "bytes": dict(self._bytes), "restored": dict(self._restored),
+              "phases": {k: [list(v[0]), v[1]] for k, v in self._phases.items()}}
 
   def text(self) -> str:
     """The exposition text, as ``/metrics`` serves it."""
@@ -179,14 +178,68 @@ class Metrics(Recorder):
       self._thread = None
 
 
+def _observe(histograms: dict[str, list], key: str, seconds: float) -> None:
+  h = histograms.get(key)
+  if h is None:
+    h = histograms[key] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+  h[0][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+  h[1] += seconds
+
+
+def _histogram(name: str, doc: str, label: str, data: dict[str, list]) -> HistogramMetricFamily:
+  family = HistogramMetricFamily(name, doc, labels=[label])
+  for key, (counts, total) in sorted(data.items()):
+    cumulative, buckets = 0, []
+    for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), counts):
+      cumulative += n
+      buckets.append((bound, cumulative))
+    family.add_metric([key], buckets, total)
+  return family
+
+
 class _Collector(Collector):
   """The figures read at scrape time, from one :class:`Snapshot`."""
 
-  def __init__(self, snapshot: Callable[[], Snapshot]):
+  def __init__(self, snapshot: Callable[[], Snapshot], metrics: Metrics):
     self._snapshot = snapshot
+    self._metrics = metrics
 
   def collect(self) -> Iterable:
-    s = self._snapshot()
+    yield from self._pushed(self._metrics.pushed())
+    yield from self._read(self._snapshot())
+
+  @staticmethod
+  def _pushed(p: dict[str, Any]) -> Iterable:
+    calls = CounterMetricFamily("sidecar_calls", "Calls, streams and feeds served, by "
+                                "registered name and gRPC status code",
+                                labels=["kind", "name", "code"])
+    for labels, n in sorted(p["calls"].items()):
+      calls.add_metric(list(labels), n)
+    yield calls
+    yield _histogram("sidecar_call_seconds", "Time in a call on the sidecar (unary calls; "
+                     "sidecar.ckpt.* are the checkpoint phases the controller drives)", "name",
+                     p["latency"])
+    in_flight = GaugeMetricFamily("sidecar_calls_in_flight", "Calls, streams and feeds "
+                                  "running now", labels=["kind"])
+    for kind, n in p["in_flight"].items():
+      in_flight.add_metric([kind], n)
+    yield in_flight
+    ckpt = CounterMetricFamily("sidecar_checkpoint_bytes", "Checkpoint bytes this host staged "
+                               "(trainer to arena), wrote to storage, and replicated to peers",
+                               labels=["what"])
+    for what, n in p["bytes"].items():
+      ckpt.add_metric([what], n)
+    yield ckpt
+    restored = CounterMetricFamily("sidecar_restore_bytes", "Checkpoint shard bytes read "
+                                   "for restores, by tier", labels=["tier"])
+    for tier, n in sorted(p["restored"].items()):
+      restored.add_metric([tier], n)
+    yield restored
+    yield _histogram("sidecar_checkpoint_phase_seconds", "Background checkpoint phases of "
+                     "this host, per step", "phase", p["phases"])
+
+  @staticmethod
+  def _read(s: Snapshot) -> Iterable:
 
     def gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
       g = GaugeMetricFamily(name, doc, labels=list(labels))
