@@ -156,3 +156,19 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
     assert value(found, "sidecar_workers_connected") == 0
     assert all(value(found, "sidecar_calls_in_flight", kind=k) == 0
                for k in ("call", "stream", "feed"))
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_sidecar_exports():
+  import json
+  import pathlib
+  import re
+  path = pathlib.Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "sidecar-dashboard.json"
+  dashboard = json.loads(path.read_text())
+  used = {name for panel in dashboard["panels"] for target in panel["targets"]
+          for name in re.findall(r"\bsidecar_\w+", target["expr"])}
+  m = metrics_lib.Metrics(snapshot)
+  m.call_done("call", "echo", "OK", 0.001)
+  m.phase("write", 1.0)
+  m.restored_bytes("ram", 1)
+  exported = {s.name for f in text_string_to_metric_families(m.text()) for s in f.samples}
+  assert len(used) >= 15 and used <= exported, used - exported
