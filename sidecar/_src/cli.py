@@ -141,9 +141,11 @@ def _local(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace) -> int:
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
-                    imports=args.imports or [], configure_jax=False) as cluster:
+                    imports=args.imports or [], configure_jax=False,
+                    metrics=args.metrics) as cluster:
+    metrics = cluster.metrics_urls if args.metrics else [""] * args.hosts
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
-      print(f"host {h}: {a}  worker socket unix://{s}")
+      print(f"host {h}: {a}  worker socket unix://{s}" + (f"  metrics {metrics[h]}" if metrics[h] else ""))
     try:  # from the line that tells how to stop it, a stop is a clean exit
       print("Ctrl-C to stop.", flush=True)
       while True:
@@ -240,6 +242,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--devices-per-host", type=int, default=1)
   s.add_argument("--shm-size", type=_size, default=_size("256MiB"))
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
+  s.add_argument("--metrics", action="store_true",
+                 help="each sidecar serves Prometheus /metrics on a free port (printed)")
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",

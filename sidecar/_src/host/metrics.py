@@ -162,8 +162,8 @@ class Metrics(Recorder):
       self._http, self._thread = exposition.start_http_server(port, addr=addr,
                                                               registry=self.registry)
     except OSError as e:
-      raise OSError(e.errno, f"cannot serve metrics on {listen}:{port} ({e.strerror or e}); "
-                    f"pick another {FLAG} (0 picks a free one)") from None
+      raise OSError(f"cannot serve metrics on {listen}:{port} ({e.strerror or e}); pick "
+                    f"another {FLAG} (0 picks a free one)") from None
     self.port = int(self._http.server_port)
     return self.port
 
