@@ -8,8 +8,10 @@ floor, an A/A check) and one with ``--metrics-port`` (scraped once a second by a
 here, a busier scrape than Prometheus's usual 15 s). Measured in rounds that rotate
 the order, so drift on a shared machine hits all alike: the
 ``ctl.call`` round trip (p50 of N calls of a registered echo) and ``ctl.feed``
-batches/s (batch 64 of small rows: the per-batch path, not the copy). Prints medians
-over the rounds and on/off ratios. Then, on the metrics cluster, a short training-like
+batches/s (batch 64 of small rows: the per-batch path, not the copy), and the sidecar
+process's CPU time per call and per batch (from /proc, summed over the rounds: less
+sensitive than wall time to what else the machine runs). Prints medians over the
+rounds and on/off ratios. Then, on the metrics cluster, a short training-like
 run (a feed, calls, a save every few seconds) is scraped twice a second and, with
 ``--png``, drawn as the panels of ``k8s/grafana/sidecar-dashboard.json``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import threading
 import time
@@ -68,19 +71,30 @@ class Scraper:
     self._thread.join(10)
 
 
-def call_p50_us(ctl, n: int) -> float:
-  return pct(latencies(lambda: ctl.call("bench_echo", 1), n=n, warmup=50), 50) * 1e6
+def cpu_s(pid: int) -> float:
+  """User + system CPU seconds of process ``pid`` so far."""
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def feed_rate(ctl, sharding, seconds: float) -> float:
+def call_p50_us(ctl, n: int, pid: int) -> tuple[float, float, int]:
+  """p50 round trip, and the sidecar's CPU seconds over ``n`` calls."""
+  c0 = cpu_s(pid)
+  p50 = pct(latencies(lambda: ctl.call("bench_echo", 1), n=n, warmup=0), 50) * 1e6
+  return p50, cpu_s(pid) - c0, n
+
+
+def feed_rate(ctl, sharding, seconds: float, pid: int) -> tuple[float, float, int]:
+  """Batches/s, and the sidecar's CPU seconds over the batches taken."""
   with ctl.feed("bench_small", global_batch_size=BATCH, sharding=sharding, prefetch=4) as feed:
     for _ in range(20):
       next(feed)
-    n, t0 = 0, time.perf_counter()
+    n, t0, c0 = 0, time.perf_counter(), cpu_s(pid)
     while time.perf_counter() - t0 < seconds:
       jax.block_until_ready(next(feed))
       n += 1
-    return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0), cpu_s(pid) - c0, n
 
 
 def recorder_us(n: int = 200_000) -> float:
@@ -104,9 +118,17 @@ def recorder_us(n: int = 200_000) -> float:
   return (time.perf_counter() - t0) / n * 1e6
 
 
+def record(results, cpu, k: str, path: str, measured: tuple[float, float, int]) -> None:
+  value, seconds, n = measured
+  results[k][path].append(value)
+  cpu[k][path][0] += seconds
+  cpu[k][path][1] += n
+
+
 def overhead(args, clusters, sharding) -> None:
   """Alternating rounds over "off", "off again" (the noise floor) and "on"."""
   results = {k: {"call": [], "feed": []} for k in clusters}
+  cpu = {k: {"call": [0.0, 0], "feed": [0.0, 0]} for k in clusters}  # [seconds, calls]
   url = clusters["on"].metrics_urls[0] if args.scrape_period > 0 else None
   with contextlib.ExitStack() as stack:
     ctls = {k: stack.enter_context(c.controller()) for k, c in clusters.items()}
@@ -115,9 +137,12 @@ def overhead(args, clusters, sharding) -> None:
     for r in range(args.rounds):
       order = keys[r % len(keys):] + keys[:r % len(keys)]
       for k in order:
-        results[k]["call"].append(call_p50_us(ctls[k], args.calls))
+        for _ in range(50):
+          ctls[k].call("bench_echo", 1)  # warm up
+        record(results, cpu, k, "call", call_p50_us(ctls[k], args.calls, clusters[k].pid(0)))
       for k in order:
-        results[k]["feed"].append(feed_rate(ctls[k], sharding, args.feed_seconds))
+        record(results, cpu, k, "feed",
+               feed_rate(ctls[k], sharding, args.feed_seconds, clusters[k].pid(0)))
     scrape_ms = [] if scraper is None else scraper.durations_ms[1:]
   med = {k: {p: statistics.median(v) for p, v in r.items()} for k, r in results.items()}
   spread = lambda k, p: f"{min(results[k][p]):.0f}..{max(results[k][p]):.0f}"
@@ -133,6 +158,10 @@ def overhead(args, clusters, sharding) -> None:
                  f"{med['off again'][p]:.0f} ({spread('off again', p)})",
                  f"{med['on'][p]:.0f} ({spread('on', p)})",
                  f"{paired('off again', p):.3f}", f"{paired('on', p):.3f}"))
+  per = {k: {p: v[0] / max(v[1], 1) * 1e6 for p, v in c.items()} for k, c in cpu.items()}
+  for p, what in (("call", "sidecar CPU per call, us"), ("feed", "sidecar CPU per batch, us")):
+    rows.append((what, f"{per['off'][p]:.0f}", f"{per['off again'][p]:.0f}", f"{per['on'][p]:.0f}",
+                 f"{per['off again'][p] / per['off'][p]:.3f}", f"{per['on'][p] / per['off'][p]:.3f}"))
   scraped = f"scraped every {args.scrape_period:g} s" if url else "not scraped"
   print(table(("path", "metrics off", "off again (A/A)", f"metrics on, {scraped}",
                "A/A ratio", "on / off"), rows))

@@ -181,8 +181,9 @@ def format_live(rows: Rows, previous: Rows | None, seconds: float) -> str:
   header = ("HOST", "PIPELINE", "BATCHES", "BATCHES/S", "PRODUCE MS", "BACKPRESSURE MS",
             "TRAINER WAIT MS")
   table = [header]
-  for (address, pipeline, _), f in _feed_keys(rows).items():
-    old = before.get((address, pipeline, _))
+  host_ids = {a: str(s.identity.host_id) for a, s in rows if not isinstance(s, Exception)}
+  for (address, pipeline, n_th), f in _feed_keys(rows).items():
+    old = before.get((address, pipeline, n_th))
     if old is not None and f.batches >= old.batches and seconds > 0:  # since the last refresh
       n, dt = f.batches - old.batches, seconds
       wait = f.trainer_wait_s - old.trainer_wait_s
@@ -191,7 +192,7 @@ def format_live(rows: Rows, previous: Rows | None, seconds: float) -> str:
       n, dt, wait = f.batches, f.uptime_s, f.trainer_wait_s
       produce, back = f.produce_s, f.backpressure_s
     per = max(n, 1)
-    table.append((address, pipeline, str(f.batches), f"{n / dt:.1f}" if dt > 0 else "-",
+    table.append((host_ids[address], pipeline, str(f.batches), f"{n / dt:.1f}" if dt > 0 else "-",
                   f"{produce / per * 1e3:.2f}", f"{back / per * 1e3:.2f}",
                   f"{wait / per * 1e3:.2f}"))
   if len(table) == 1:
