@@ -34,7 +34,7 @@ def total(found: dict, metric: str, /, **labels: str) -> float:
 
 
 def snapshot(**kw) -> metrics_lib.Snapshot:
-  base = dict(host_id=0, uptime_s=1.0, arena_size=1 << 20, arena_used=4096, arena_blocks=1,
+  base = dict(host_id=0, slice_id=0, uptime_s=1.0, arena_size=1 << 20, arena_used=4096, arena_blocks=1,
               leased=(("pid7", 4096),), pinned_bytes=0, workers=1,
               feeds=(metrics_lib.FeedTotals("ids", 1, 5, 0.5, 0.25, 0.125),), ram_steps=2,
               ram_bytes=100, replica_steps=1, replica_bytes=50, writing_steps=0,
@@ -57,6 +57,7 @@ def test_exposition_parses_and_each_server_has_its_own_registry():
   assert value(found, "sidecar_feed_trainer_wait_seconds_total", pipeline="ids") == 0.125
   assert value(found, "sidecar_ram_tier_steps", kind="own") == 2
   assert value(found, "sidecar_ram_tier_bytes", kind="replica") == 50
+  assert value(found, "sidecar_host_info", host_id="0", slice_id="0") == 1
   assert value(other, "sidecar_calls_total", kind="call", name="echo", code="OK") == 0
   assert value(other, "sidecar_arena_used_bytes") == 0
 
@@ -125,9 +126,12 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
         assert value(found, "sidecar_workers_connected") == 1
     del batches
     state = {"w": jax.device_put(np.arange(4096, dtype=np.float32), sharding)}
-    with ctl.checkpointer(tmp_path / "ck") as ckpt:
+    with ctl.checkpointer(tmp_path / "ck", replicas=1) as ckpt:
       ckpt.save(1, state)
       ckpt.wait()
+      for url in cluster.metrics_urls:  # each host holds the other's replica
+        assert eventually(lambda url=url: value(samples(scrape(url)), "sidecar_ram_tier_steps",
+                                                kind="replica") == 1)
       restored = ckpt.restore(1, target=state)
       np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
       del restored
@@ -142,6 +146,9 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
         assert value(new, "sidecar_checkpoint_bytes_total", what="written") >= 8192
         assert value(new, "sidecar_call_seconds_count", name="sidecar.ckpt.stage") >= 1
         assert value(new, "sidecar_checkpoint_phase_seconds_count", phase="write") == 1
+        assert value(new, "sidecar_checkpoint_bytes_total", what="replicated") == 8192
+        assert value(new, "sidecar_checkpoint_phase_seconds_count", phase="replicate") == 1
+        assert value(new, "sidecar_ram_tier_bytes", kind="replica") == 8192
         assert value(new, "sidecar_ram_tier_steps", kind="own") == 1
         assert value(new, "sidecar_ram_tier_bytes", kind="own") == 8192
         assert total(new, "sidecar_restore_bytes_total") >= 8192

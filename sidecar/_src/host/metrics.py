@@ -75,6 +75,7 @@ class FeedTotals:
 class Snapshot:
   """What the server reads for a scrape; every field is a plain number or tuple."""
   host_id: int
+  slice_id: int
   uptime_s: float
   arena_size: int
   arena_used: int
@@ -246,6 +247,8 @@ class _Collector(Collector):
       g.add_metric(list(labels.values()), value)
       return g
 
+    yield gauge("sidecar_host_info", "This sidecar's host and slice (always 1)", 1,
+                host_id=str(s.host_id), slice_id=str(s.slice_id))
     yield gauge("sidecar_uptime_seconds", "Seconds since this sidecar started", s.uptime_s)
     yield gauge("sidecar_arena_size_bytes", "Size of the shared-memory arena", s.arena_size)
     yield gauge("sidecar_arena_used_bytes", "Arena bytes allocated", s.arena_used)

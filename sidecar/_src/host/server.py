@@ -148,7 +148,8 @@ class Server:
       leased[f"pid{pid}"] = leased.get(f"pid{pid}", 0) + by_session.get(session, 0)
     usage = self.checkpoints.usage()
     return metrics_lib.Snapshot(
-        host_id=self.options.host_id, uptime_s=self.service.uptime_s(),
+        host_id=self.options.host_id, slice_id=self.options.slice_id,
+        uptime_s=self.service.uptime_s(),
         arena_size=self.arena.size, arena_used=allocator.used_bytes,
         arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
         pinned_bytes=pinned, workers=len(pids), feeds=self.runner.feed_totals(), **usage)
