@@ -104,9 +104,13 @@ def _serve(args: argparse.Namespace) -> int:
     server.write_ready_file(args.ready_file)
   metrics = ("" if server.metrics_port is None
              else f", metrics http://{opts.listen}:{server.metrics_port}/metrics")
-  print(f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
-        f"(health {server.health_port}), worker socket {opts.socket_path}, "
-        f"arena {shm.format_size(opts.shm_size)}{metrics}", flush=True)
+  serving = (f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
+             f"(health {server.health_port}), worker socket {opts.socket_path}, "
+             f"arena {shm.format_size(opts.shm_size)}{metrics}")
+  if args.log_format == logs.JSON:  # every line of the container's log is JSON
+    log.info("%s", serving)
+  else:
+    print(serving, flush=True)
   while not server.wait(1.0):
     pass
   return 0
