@@ -202,17 +202,21 @@ def test_local_rejects_zero_hosts_and_devices(capsys, flag):
 
 
 def test_local_stops_on_sigterm_and_removes_its_temp_dir():
+  import urllib.request
   p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1",
-                        "--shm-size", "8MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                       text=True)
+                        "--shm-size", "8MiB", "--metrics"], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True)
   try:
     lines = []
     for line in p.stdout:
       lines.append(line)
       if line.startswith("Ctrl-C to stop."):
         break
-    socket_path = lines[0].split("worker socket unix://")[1].strip()
+    socket_path = lines[0].split("worker socket unix://")[1].split()[0]
     assert os.path.exists(socket_path), lines
+    url = lines[0].split("  metrics ")[1].strip()
+    with urllib.request.urlopen(url, timeout=10) as response:  # --metrics serves it
+      assert "sidecar_arena_size_bytes 8.388608e+06" in response.read().decode()
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 0
   finally:
@@ -220,6 +224,19 @@ def test_local_stops_on_sigterm_and_removes_its_temp_dir():
     p.wait(30)
     p.stdout.close()
   assert not os.path.exists(os.path.dirname(socket_path))
+
+
+def test_serve_says_which_flag_when_the_metrics_port_is_taken(tmp_path, capsys):
+  import socket
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert cli.main(["serve", "--port", "0", "--health-port", "0", "--shm-size", "8MiB",
+                     "--socket", str(tmp_path / "s.sock"), "--metrics-port", str(port)]) == 2
+  err = capsys.readouterr().err
+  assert f"sidecar serve: cannot serve metrics on 127.0.0.1:{port}" in err
+  assert "pick another --metrics-port" in err
 
 
 _SCRIPT = "import sys\nfrom sidecar._src.cli import main\nsys.exit(main())\n"

@@ -11,7 +11,15 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sidecar._src import demo, errors, launch, options as options_lib, registry as registry_lib, shm
+from sidecar._src import (
+  demo,
+  errors,
+  launch,
+  logs,
+  options as options_lib,
+  registry as registry_lib,
+  shm,
+)
 from sidecar._src.controller import status
 from sidecar._src.host.server import Server
 from sidecar._src.k8s import cli as k8s_cli
@@ -76,7 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         insecure=args.insecure, imports=tuple(imports),
-        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots))
+        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
+        metrics_port=args.metrics_port)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -93,9 +102,15 @@ def _serve(args: argparse.Namespace) -> int:
                      daemon=True).start()
   if args.ready_file:
     server.write_ready_file(args.ready_file)
-  print(f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
-        f"(health {server.health_port}), worker socket {opts.socket_path}, "
-        f"arena {shm.format_size(opts.shm_size)}", flush=True)
+  metrics = ("" if server.metrics_port is None
+             else f", metrics http://{opts.listen}:{server.metrics_port}/metrics")
+  serving = (f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
+             f"(health {server.health_port}), worker socket {opts.socket_path}, "
+             f"arena {shm.format_size(opts.shm_size)}{metrics}")
+  if args.log_format == logs.JSON:  # every line of the container's log is JSON
+    log.info("%s", serving)
+  else:
+    print(serving, flush=True)
   while not server.wait(1.0):
     pass
   return 0
@@ -130,9 +145,11 @@ def _local(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace) -> int:
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
-                    imports=args.imports or [], configure_jax=False) as cluster:
+                    imports=args.imports or [], configure_jax=False,
+                    metrics=args.metrics) as cluster:
+    metrics = cluster.metrics_urls if args.metrics else [""] * args.hosts
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
-      print(f"host {h}: {a}  worker socket unix://{s}")
+      print(f"host {h}: {a}  worker socket unix://{s}" + (f"  metrics {metrics[h]}" if metrics[h] else ""))
     try:  # from the line that tells how to stop it, a stop is a clean exit
       print("Ctrl-C to stop.", flush=True)
       while True:
@@ -169,7 +186,17 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-  return status.print_status(args.addresses, timeout=args.timeout)
+  token = _env("SIDECAR_TOKEN")
+  if args.watch and args.json:
+    args.parser.error("--watch and --json do not go together: pick one")
+  if args.interval <= 0:
+    args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
+  if args.watch:
+    _raise_on_sigterm()
+    return status.watch(args.addresses, interval=args.interval, timeout=args.timeout,
+                        token=token)
+  return status.print_status(args.addresses, timeout=args.timeout, token=token,
+                             as_json_=args.json)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -205,6 +232,15 @@ def parser() -> argparse.ArgumentParser:
                           if r.strip()],
                  help="directory the checkpoint calls may act in, and below (repeatable; "
                       "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
+  s.add_argument("--metrics-port", type=int, metavar="PORT",
+                 default=None if _env("SIDECAR_METRICS_PORT") is None
+                 else int(_env("SIDECAR_METRICS_PORT")),
+                 help="serve Prometheus metrics on http://LISTEN:PORT/metrics, on the address "
+                      "of --listen (0 picks a free port; default: $SIDECAR_METRICS_PORT, else "
+                      "no metrics)")
+  s.add_argument("--log-format", choices=logs.FORMATS, default=_env("SIDECAR_LOG_FORMAT", "text"),
+                 help="text (default) or json: one JSON object a line, with time, level, "
+                      "logger, message, host_id, and session or step where they apply")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)
@@ -214,6 +250,8 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--devices-per-host", type=int, default=1)
   s.add_argument("--shm-size", type=_size, default=_size("256MiB"))
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
+  s.add_argument("--metrics", action="store_true",
+                 help="each sidecar serves Prometheus /metrics on a free port (printed)")
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
@@ -246,7 +284,13 @@ def parser() -> argparse.ArgumentParser:
   s = sub.add_parser("status", help="show sidecars' identity, registry and arena use")
   s.add_argument("addresses", nargs="+", metavar="ADDR")
   s.add_argument("--timeout", type=float, default=5.0)
-  s.set_defaults(func=_status)
+  s.add_argument("--json", action="store_true",
+                 help="print one JSON object with every host, for scripts")
+  s.add_argument("--watch", action="store_true",
+                 help="redraw the tables every --interval seconds, with rates, until Ctrl-C")
+  s.add_argument("--interval", type=float, default=2.0, metavar="S",
+                 help="seconds between refreshes of --watch (default: 2)")
+  s.set_defaults(func=_status, parser=s)
 
   s = sub.add_parser("demo", help="train a small model fed by a LocalCluster of sidecars")
   s.add_argument("--hosts", type=int, default=2)
@@ -265,9 +309,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  # force: importing Orbax lets absl configure the root logger at WARNING first.
-  logging.basicConfig(level=_env("SIDECAR_LOG_LEVEL", "INFO"), force=True,
-                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   args = parser().parse_args(argv)
+  fmt = getattr(args, "log_format", logs.TEXT)
+  logs.configure(fmt, _env("SIDECAR_LOG_LEVEL", "INFO"),
+                 **({"host_id": args.host_id} if fmt == logs.JSON else {}))
+  logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   return args.func(args)

@@ -53,6 +53,7 @@ class LocalCluster:
   devices from the trainer process that attaches to it (as under ``sidecar launch``).
   ``checkpoint_roots``: the directories the sidecars may checkpoint in (and below), by
   default the system temp directory and the working directory (``--checkpoint-root``).
+  ``metrics=True``: each sidecar serves Prometheus metrics on a free port (``metrics_urls``).
   Everything started is stopped on exit, also when the body raises.
   """
 
@@ -62,7 +63,7 @@ class LocalCluster:
                configure_jax: bool = True, extra_args: Sequence[str] = (),
                host_env: Mapping[int, Mapping[str, str]] | None = None,
                assign_device_ids: bool = True,
-               checkpoint_roots: Sequence[str] | None = None):
+               checkpoint_roots: Sequence[str] | None = None, metrics: bool = False):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -80,6 +81,7 @@ class LocalCluster:
     self._extra_args = tuple(extra_args)
     self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
     self._assign_device_ids = assign_device_ids
+    self._metrics = metrics
     if isinstance(checkpoint_roots, str):
       raise errors.InvalidArgumentError(
           f"checkpoint_roots must be a list of directories, got {checkpoint_roots!r}")
@@ -115,7 +117,8 @@ class LocalCluster:
             *ids, "--listen", "127.0.0.1", "--port", str(port), "--health-port", str(health_port),
             "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
-            *(f"--checkpoint-root={r}" for r in self.checkpoint_roots), *self._extra_args]
+            *(f"--checkpoint-root={r}" for r in self.checkpoint_roots),
+            *(["--metrics-port", "0"] if self._metrics else []), *self._extra_args]
     for module in self.imports:
       args += ["--import", module]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
@@ -225,6 +228,15 @@ class LocalCluster:
   @property
   def health_addresses(self) -> list[str]:
     return [f"127.0.0.1:{r['health_port']}" for r in self._ready]
+
+  @property
+  def metrics_urls(self) -> list[str]:
+    """Each sidecar's Prometheus endpoint (``metrics=True``), e.g.
+    ``http://127.0.0.1:41234/metrics``."""
+    if not self._metrics:
+      raise errors.InvalidArgumentError(
+          "this LocalCluster serves no metrics; make it with LocalCluster(..., metrics=True)")
+    return [f"http://127.0.0.1:{r['metrics_port']}/metrics" for r in self._ready]
 
   def pid(self, host_id: int) -> int:
     return self._procs[host_id].pid

@@ -51,6 +51,8 @@ class ServerOptions:
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
+  # Port of the Prometheus /metrics endpoint, on ``listen``; None: no metrics; 0: a free one.
+  metrics_port: int | None = None
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):
@@ -61,6 +63,13 @@ class ServerOptions:
       v = getattr(self, name)
       if not isinstance(v, int) or not 0 <= v <= 65535:
         raise ValueError(f"{name} must be a TCP port in [0, 65535] (0 picks a free one), got {v!r}")
+    if self.metrics_port is not None and (
+        not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port <= 65535):
+      raise ValueError(f"metrics_port must be a TCP port in [0, 65535] (0 picks a free one) or "
+                       f"None (no metrics), got {self.metrics_port!r}")
+    if self.metrics_port and self.metrics_port in (self.port, self.health_port):
+      raise ValueError(f"metrics_port {self.metrics_port} is also the port or the health_port; "
+                       "pick another --metrics-port")
     if self.port and self.port == self.health_port:
       raise ValueError(f"port and health_port must differ, both are {self.port}")
     if not isinstance(self.shm_size, int) or self.shm_size < MIN_SHM:

@@ -91,6 +91,10 @@ class Registry:
           "the sidecar imports (sidecar serve --import MODULE)")
     return entry
 
+  def has(self, kind: str, name: str) -> bool:
+    with self._lock:
+      return (kind, name) in self._entries
+
   def names(self, kind: str) -> list[str]:
     with self._lock:
       return sorted(n for k, n in self._entries if k == kind)

@@ -67,9 +67,18 @@ PLANTED = [
      r"containers\[0\]\.volumeMounts\[0\]: mounts volume 'sidecar-sockett', which the pod does "
      r"not define; add it to spec\.volumes"),
     ("probe-port-not-a-container-port",
-     lambda j: util.container(j, "sidecar")["ports"].pop(),
+     lambda j: util.container(j, "sidecar")["ports"].pop(1),
      r"initContainers\[0\]\.startupProbe\.grpc\.port: port 8491 is not a containerPort of "
-     r"'sidecar' \(has \[8490\]\)"),
+     r"'sidecar' \(has \[8490, 8492\]\)"),
+    ("metrics-port-not-declared",
+     lambda j: util.container(j, "sidecar")["ports"].pop(2),
+     r"initContainers\[0\]\.ports: the sidecar serves metrics on 8492 \(SIDECAR_METRICS_PORT / "
+     r"--metrics-port\) but does not declare it"),
+    ("scrape-annotation-on-another-port",
+     lambda j: j["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"][
+         "annotations"].update({"prometheus.io/port": "9090"}),
+     r"template\.metadata\.annotations\['prometheus\.io/port'\]: is '9090' but the sidecar "
+     r"serves metrics on 8492"),
     ("probe-port-by-name",
      lambda j: util.container(j, "sidecar")["livenessProbe"]["grpc"].update(port="health"),
      r"livenessProbe\.grpc\.port: port 'health' is not a containerPort of 'sidecar'"),

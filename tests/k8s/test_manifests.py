@@ -35,11 +35,21 @@ def test_sidecar_is_a_native_sidecar_probed_on_its_health_port(rendered_overlays
   assert sidecar["command"] == ["sidecar", "serve"]
   env = util.env(jobset, "sidecar")
   health = int(env["SIDECAR_HEALTH_PORT"]["value"])
+  metrics = int(env["SIDECAR_METRICS_PORT"]["value"])
   assert {p["containerPort"] for p in sidecar["ports"]} == {
-      health, int(env["SIDECAR_PORT"]["value"])}
+      health, int(env["SIDECAR_PORT"]["value"]), metrics}
   for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
     assert sidecar[probe]["grpc"] == {"port": health}
   assert spec["terminationGracePeriodSeconds"] >= 60
+
+
+@pytest.mark.parametrize("overlay", util.OVERLAYS)
+def test_pods_carry_the_prometheus_scrape_annotations(rendered_overlays, overlay):
+  (jobset,) = rendered_overlays[overlay]
+  template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+  port = util.env(jobset, "sidecar")["SIDECAR_METRICS_PORT"]["value"]
+  assert template["metadata"]["annotations"] == {
+      "prometheus.io/scrape": "true", "prometheus.io/port": port, "prometheus.io/path": "/metrics"}
 
 
 def field(env_entry):

@@ -28,6 +28,18 @@ def run_cli(argv, capsys):
   return status, out, err
 
 
+def test_no_metrics_renders_no_port_env_or_annotations():
+  doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1",
+                                                  metrics_port=None))
+  template = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+  assert "metadata" not in template
+  assert [p["name"] for p in util.container(doc, "sidecar")["ports"]] == ["grpc", "health"]
+  assert "SIDECAR_METRICS_PORT" not in util.env(doc, "sidecar")
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  with pytest.raises(errors.InvalidArgumentError, match="metrics_port 8491 is also the port"):
+    render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1", metrics_port=8491)
+
+
 def test_render_equals_the_gke_overlay(rendered_overlays):
   (overlay,) = rendered_overlays["gke-tpu-multislice"]
   rendered = render.render_jobset(render.RenderOptions(

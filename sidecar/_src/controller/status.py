@@ -1,11 +1,19 @@
-"""``sidecar status``: one table row per sidecar, read with the Status RPC."""
+"""``sidecar status``: one table row per sidecar, read with the Status RPC.
+
+``--json`` prints one object with every host, for scripts; ``--watch`` redraws the
+tables every ``--interval`` seconds, with rates measured between two refreshes.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 import grpc
+from google.protobuf import message as pb_message
 
 from sidecar._src import protocol, shm
 from sidecar._src.controller.connection import CHANNEL_OPTIONS
@@ -23,6 +31,49 @@ def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.Statu
       return rpc(pb.StatusRequest(), timeout=timeout, metadata=meta)
     except grpc.RpcError as e:
       raise protocol.error_from_rpc(e, host=address) from None
+
+
+Rows = Sequence[tuple[str, "pb.StatusResponse | Exception"]]
+
+
+def fetch_all(addresses: Sequence[str], *, timeout: float, token: str | None = None
+              ) -> list[tuple[str, pb.StatusResponse | Exception]]:
+  """Every sidecar's status, or the error that kept it from answering."""
+  rows: list[tuple[str, pb.StatusResponse | Exception]] = []
+  for a in addresses:
+    try:
+      rows.append((a, fetch(a, timeout=timeout, token=token)))
+    except Exception as e:
+      rows.append((a, e))
+  return rows
+
+
+def to_dict(m: pb_message.Message) -> dict[str, Any]:
+  """A message as plain JSON values: every field, 64-bit ints as numbers (not strings,
+  as protobuf's JSON mapping has them), an unset optional field as None."""
+  out: dict[str, Any] = {}
+  for f in m.DESCRIPTOR.fields:
+    v = getattr(m, f.name)
+    if f.is_repeated:
+      out[f.name] = [to_dict(x) if f.message_type else x for x in v]
+    elif f.message_type:
+      out[f.name] = to_dict(v)
+    elif f.has_presence and not m.HasField(f.name):
+      out[f.name] = None
+    else:
+      out[f.name] = v
+  return out
+
+
+def as_json(rows: Rows) -> dict[str, Any]:
+  """One object with every host: ``{"time": ..., "hosts": [{"address", "ok", ...}]}``."""
+  hosts = []
+  for address, s in rows:
+    if isinstance(s, Exception):
+      hosts.append({"address": address, "ok": False, "error": f"{type(s).__name__}: {s}"})
+    else:
+      hosts.append({"address": address, "ok": True, **to_dict(s)})
+  return {"time": time.time(), "hosts": hosts}
 
 
 def format_table(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
@@ -88,17 +139,116 @@ def format_checkpoints(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]
   return "\n".join(lines) if lines else "no checkpoints held"
 
 
-def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None) -> int:
-  """Prints the tables; returns 1 if any sidecar did not answer."""
-  rows: list[tuple[str, pb.StatusResponse | Exception]] = []
-  for a in addresses:
-    try:
-      rows.append((a, fetch(a, timeout=timeout, token=token)))
-    except Exception as e:
-      rows.append((a, e))
+def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None,
+                 as_json_: bool = False) -> int:
+  """Prints the tables (or, with ``as_json_``, one JSON object); returns 1 if any sidecar
+  did not answer."""
+  rows = fetch_all(addresses, timeout=timeout, token=token)
+  if as_json_:
+    json.dump(as_json(rows), sys.stdout)
+    print(file=sys.stdout)
+    return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
   print(format_table(rows), file=sys.stdout)
   print(file=sys.stdout)
   print(format_feeds(rows), file=sys.stdout)
   print(file=sys.stdout)
   print(format_checkpoints(rows), file=sys.stdout)
   return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
+
+
+# ---- --watch ---------------------------------------------------------------
+
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def _feed_keys(rows: Rows) -> dict[tuple[str, str, int], pb.FeedStatus]:
+  """Each running feed by (address, pipeline, n-th of that pipeline on the host)."""
+  out = {}
+  for address, s in rows:
+    if isinstance(s, Exception):
+      continue
+    seen: dict[str, int] = {}
+    for f in s.feeds:
+      n = seen[f.pipeline] = seen.get(f.pipeline, -1) + 1
+      out[(address, f.pipeline, n)] = f
+  return out
+
+
+def format_live(rows: Rows, previous: Rows | None, seconds: float) -> str:
+  """The watch screen: hosts, then feeds and writes with rates over the last ``seconds``."""
+  lines = [format_table(rows), ""]
+  before = _feed_keys(previous or ())
+  header = ("HOST", "PIPELINE", "BATCHES", "BATCHES/S", "PRODUCE MS", "BACKPRESSURE MS",
+            "TRAINER WAIT MS")
+  table = [header]
+  host_ids = {a: str(s.identity.host_id) for a, s in rows if not isinstance(s, Exception)}
+  for (address, pipeline, n_th), f in _feed_keys(rows).items():
+    old = before.get((address, pipeline, n_th))
+    if old is not None and f.batches >= old.batches and seconds > 0:  # since the last refresh
+      n, dt = f.batches - old.batches, seconds
+      wait = f.trainer_wait_s - old.trainer_wait_s
+      produce, back = f.produce_s - old.produce_s, f.backpressure_s - old.backpressure_s
+    else:  # new: since it started
+      n, dt, wait = f.batches, f.uptime_s, f.trainer_wait_s
+      produce, back = f.produce_s, f.backpressure_s
+    per = max(n, 1)
+    table.append((host_ids[address], pipeline, str(f.batches), f"{n / dt:.1f}" if dt > 0 else "-",
+                  f"{produce / per * 1e3:.2f}", f"{back / per * 1e3:.2f}",
+                  f"{wait / per * 1e3:.2f}"))
+  if len(table) == 1:
+    lines.append("no feeds running")
+  else:
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+  lines += ["", _format_writes(rows, previous, seconds)]
+  return "\n".join(lines)
+
+
+def _format_writes(rows: Rows, previous: Rows | None, seconds: float) -> str:
+  """Per host and directory: steps per tier, and the steps being written with GB/s."""
+  written_before = {}
+  for address, s in previous or ():
+    if not isinstance(s, Exception):
+      for c in s.checkpoints:
+        written_before[(address, c.directory, tuple(c.writing))] = c.written_bytes
+  lines = []
+  for address, s in rows:
+    if isinstance(s, Exception):
+      continue
+    for c in s.checkpoints:
+      writing = "none"
+      if c.writing:
+        old = written_before.get((address, c.directory, tuple(c.writing)))
+        if old is not None and seconds > 0:
+          rate = (c.written_bytes - old) / seconds / 1e9
+        else:
+          rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
+        writing = (f"{list(c.writing)} {shm.format_size(c.written_bytes)} of "
+                   f"{shm.format_size(c.total_bytes)} at {rate:.2f} GB/s")
+      replicas = sum(len(r.steps) for r in c.replicas)
+      lines.append(f"host {s.identity.host_id}  {c.directory}  RAM: {list(c.ram_steps) or '-'}"
+                   f"  replicas held: {replicas}  uncommitted: {list(c.uncommitted) or '-'}"
+                   f"  writing: {writing}")
+  return "\n".join(lines) if lines else "no checkpoints held"
+
+
+def watch(addresses: Sequence[str], *, interval: float, timeout: float,
+          token: str | None = None, out: TextIO | None = None,
+          refreshes: int | None = None) -> int:
+  """Redraws the status every ``interval`` seconds until Ctrl-C (then returns 0)."""
+  out = out or sys.stdout
+  clear = CLEAR if out.isatty() else ""
+  previous, last, n = None, time.monotonic(), 0
+  try:
+    while refreshes is None or n < refreshes:
+      rows = fetch_all(addresses, timeout=timeout, token=token)
+      now = time.monotonic()
+      stamp = time.strftime("%H:%M:%S")
+      out.write(f"{clear}sidecar status  {stamp}  every {interval:g} s  (Ctrl-C to stop)\n\n"
+                + format_live(rows, previous, now - last) + "\n\n")
+      out.flush()
+      previous, last, n = rows, now, n + 1
+      time.sleep(max(0.0, interval - (time.monotonic() - now)))
+  except KeyboardInterrupt:
+    pass
+  return 0

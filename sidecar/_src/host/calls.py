@@ -11,14 +11,14 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from sidecar._src import codec, errors, registry as registry_lib, shm
-from sidecar._src.host import feed as feed_lib, feed_pool, outputs
+from sidecar._src import codec, errors, protocol, registry as registry_lib, shm
+from sidecar._src.host import feed as feed_lib, feed_pool, metrics as metrics_lib, outputs
 from sidecar._src.host.leases import Leases
 from sidecar._src.protocol import pb
 
@@ -35,8 +35,10 @@ class Runner:
   def __init__(self, *, registry: registry_lib.Registry, arena: shm.Arena, leases: Leases,
                inline_limit: int, is_attached: Callable[[str], bool],
                imports: tuple[str, ...] = (),
-               builtins: dict[str, Callable[..., Any]] | None = None):
+               builtins: dict[str, Callable[..., Any]] | None = None,
+               metrics: metrics_lib.Recorder = metrics_lib.OFF):
     self.registry = registry
+    self._metrics = metrics
     # The sidecar's own functions (``sidecar.*``), run like registered ones.
     self._builtins = registry_lib.Registry()
     for name, fn in (builtins or {}).items():
@@ -49,6 +51,8 @@ class Runner:
     self._lock = threading.Lock()
     self.calls = 0
     self._feed_status: dict[int, tuple[pb.FeedStatus, float, Any]] = {}
+    # Per pipeline, the feeds that ended: [feeds, batches, produce, backpressure, wait].
+    self._feed_totals: dict[str, list[float]] = {}
     # Finalizers of sidecar-side views hand their block back here, never under a lock.
     self._released: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=self._release_loop, name="sidecar-release", daemon=True).start()
@@ -79,7 +83,27 @@ class Runner:
       self.calls += 1
     return entry, args, kwargs
 
+  def label(self, kind: str, name: str) -> str:
+    """``name`` if it is registered (the metrics' label), else ``<unregistered>``."""
+    if kind == registry_lib.FUNCTION and name.startswith(BUILTIN_PREFIX):
+      return name if self._builtins.has(kind, name) else metrics_lib.UNREGISTERED
+    return name if self.registry.has(kind, name) else metrics_lib.UNREGISTERED
+
   def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
+    if not self._metrics.enabled:
+      return self._call(request, alive=alive, time_left=time_left)
+    self._metrics.call_started("call")
+    t0, code = time.perf_counter(), "OK"
+    try:
+      return self._call(request, alive=alive, time_left=time_left)
+    except BaseException as e:
+      code = protocol.status_code(e).name
+      raise
+    finally:
+      self._metrics.call_done("call", self.label(registry_lib.FUNCTION, request.name), code,
+                              time.perf_counter() - t0)
+
+  def _call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
     entry, args, kwargs = self.prepare(request)
     with outputs.allocating(self._empty(alive, time_left)):
       result = entry.fn(*args, **kwargs)
@@ -89,6 +113,31 @@ class Runner:
   def stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
              time_left: TimeLeft) -> Iterator[pb.StreamItem]:
     """Items of a registered iterable, each produced only once a credit allows it."""
+    items: Generator[pb.StreamItem, None, None] = self._stream(
+        request, credits, alive=alive, time_left=time_left)
+    if not self._metrics.enabled:
+      yield from items
+      return
+    feed = request.HasField("feed")
+    kind = "feed" if feed else "stream"
+    self._metrics.call_started(kind)
+    t0, code = time.perf_counter(), "OK"
+    try:
+      yield from items
+    except GeneratorExit:  # the consumer went away mid-stream
+      code = "CANCELLED"
+      raise
+    except BaseException as e:
+      code = protocol.status_code(e).name
+      raise
+    finally:
+      items.close()
+      self._metrics.call_done(kind, self.label(
+          registry_lib.PIPELINE if feed else registry_lib.FUNCTION, request.name), code,
+          time.perf_counter() - t0)
+
+  def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
+              time_left: TimeLeft) -> Generator[pb.StreamItem, None, None]:
     if request.HasField("feed"):
       yield from self._feed(request, credits, alive=alive, time_left=time_left)
       return
@@ -180,6 +229,10 @@ class Runner:
     finally:
       with self._lock:
         self._feed_status.pop(id(status), None)
+        totals = self._feed_totals.setdefault(request.name, [0, 0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1, status.batches, status.produce_s, status.backpressure_s,
+                               credits.consumer_wait_s)):
+          totals[i] += v
       batches.close()
       for block, _, holder in placed.values():  # made but never sent
         self._leases.release(block.offset, block.generation, holder)
@@ -196,6 +249,21 @@ class Runner:
       snap.trainer_wait_s = credits.consumer_wait_s
       out.append(snap)
     return out
+
+  def feed_totals(self) -> tuple[metrics_lib.FeedTotals, ...]:
+    """Per pipeline, its feeds' figures so far: those running and those that ended."""
+    with self._lock:  # one lock: a feed that ends now is counted once, either way
+      totals = {name: list(t) for name, t in self._feed_totals.items()}
+      running = [(status.pipeline, status.batches, status.produce_s, status.backpressure_s,
+                  credits.consumer_wait_s) for status, _, credits in self._feed_status.values()]
+    count: dict[str, int] = {}
+    for name, *figures in running:
+      t = totals.setdefault(name, [0, 0, 0.0, 0.0, 0.0])
+      for i, v in enumerate(figures, 1):
+        t[i] += v
+      count[name] = count.get(name, 0) + 1
+    return tuple(metrics_lib.FeedTotals(name, count.get(name, 0), int(t[1]), t[2], t[3], t[4])
+                 for name, t in sorted(totals.items()))
 
   def _release_placed(self, placed: dict, tree: Any) -> None:
     """Unpins the blocks of an inline-encoded batch."""

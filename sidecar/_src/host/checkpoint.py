@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src import codec, errors, layout_spec as layout, orbax_layout as ol, shm
-from sidecar._src.host import outputs, replicas as replicas_lib
+from sidecar._src.host import metrics as metrics_lib, outputs, replicas as replicas_lib
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _fault(point: str, step: int) -> None:
     if point == "slow":
       time.sleep(2.0)
       return
-    log.warning("fault injection: SIGKILL at %s of step %d", point, step)
+    log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
     os.kill(os.getpid(), signal.SIGKILL)
 
 Index = tuple[tuple[int, int], ...]
@@ -181,8 +181,10 @@ class _Replica:
 class CheckpointHost:
   """Built-in ``sidecar.ckpt.*`` functions of one sidecar."""
 
-  def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = ()):
+  def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = (),
+               metrics: metrics_lib.Recorder = metrics_lib.OFF):
     self._host_id = host_id
+    self._metrics = metrics
     self._roots = tuple(os.path.realpath(r) for r in roots)
     self._lock = threading.Lock()
     self._steps: dict[str, _Step] = {}  # by committed item directory
@@ -224,7 +226,7 @@ class CheckpointHost:
       s.shards.clear()  # the staged blocks go back to the arena
       log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
                   "controller that staged it is gone?): its %s are freed", s.step, s.directory,
-                  now - (s.finished or now), shm.format_size(s.nbytes))
+                  now - (s.finished or now), shm.format_size(s.nbytes), extra={"step": s.step})
     return [s.step for s in stale]
 
   def status(self) -> list[pb.CheckpointStatus]:
@@ -253,6 +255,18 @@ class CheckpointHost:
       steps_of.steps.append(r.step)
       steps_of.nbytes += r.nbytes
     return list(out.values())
+
+  def usage(self) -> dict[str, int]:
+    """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
+    with self._lock:
+      steps = list(self._steps.values())
+      held = [r for r in self._replicas.values() if r.whole and r.committed]
+    own = [s for s in steps if s.committed]
+    writing = [s for s in steps if not s.committed and not s.done.is_set()]
+    return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
+            "replica_steps": len(held), "replica_bytes": sum(r.nbytes for r in held),
+            "writing_steps": len(writing),
+            "writing_bytes": sum(max(s.nbytes - s.written, 0) for s in writing)}
 
   def _root_of(self, resolved: str) -> str | None:
     return next((r for r in self._roots
@@ -347,6 +361,7 @@ class CheckpointHost:
               f"shard of leaf {leaf}: step {step} has {len(record.specs)} leaves")
         record.shards[(record.specs[leaf].key_path, index)] = s["data"]
         record.nbytes += s["data"].nbytes
+        self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
         record.incoming.put((leaf, ol.Shard(index, s["data"])))
       if last:
         record.closed = True
@@ -364,12 +379,13 @@ class CheckpointHost:
 
       def progress(nbytes: int) -> None:
         record.written += nbytes
+        self._metrics.checkpoint_bytes("written", nbytes)
         now = time.monotonic()
         if now - last_log[0] >= 1.0:  # rate-limited: one line a second at most
           last_log[0] = now
           log.info("step %d: %s of %s written (%.2f GB/s)", record.step,
                    shm.format_size(record.written), shm.format_size(record.nbytes),
-                   record.written / (now - record.started) / 1e9)
+                   record.written / (now - record.started) / 1e9, extra={"step": record.step})
 
       def incoming():
         while True:
@@ -390,12 +406,15 @@ class CheckpointHost:
                            "nbytes": c.nbytes, "crc32c": c.crc32c, "host": self._host_id}
                           for c in sums]
       seconds = time.perf_counter() - t0
+      self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
-               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9)
+               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9,
+               extra={"step": record.step})
     except BaseException as e:
       record.error = e.with_traceback(None)  # its frames would hold the staged blocks,
       e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
-      log.error("step %d: writing this host's part failed: %s", record.step, e)
+      log.error("step %d: writing this host's part failed: %s", record.step, e,
+                extra={"step": record.step})
       if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
         with self._lock:
           if self._steps.get(record.item) is record:
@@ -577,15 +596,17 @@ class CheckpointHost:
         how = "shared memory" if same_machine else "gRPC"
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
                  record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
-                 time.perf_counter() - t0)
+                 time.perf_counter() - t0, extra={"step": record.step})
       job.result = {"peers": [p.host_id for p in job.peers], "shards": len(shards),
                     "bytes": sum(a.nbytes for _, _, a in shards),
                     "seconds": time.perf_counter() - t0}
+      self._metrics.checkpoint_bytes("replicated", job.result["bytes"] * len(job.peers))
+      self._metrics.phase("replicate", job.result["seconds"])
     except BaseException as e:
       job.error = e.with_traceback(None)
       e.__context__ = e.__cause__ = None
       log.error("step %d: replicating host %d's shards failed: %s", record.step,
-                self._host_id, e)
+                self._host_id, e, extra={"step": record.step})
     finally:
       shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
       job.done.set()
@@ -655,7 +676,7 @@ class CheckpointHost:
           else:
             del self._replicas[(item, source)]
       log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
-               len(replica.shards), shm.format_size(replica.nbytes))
+               len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
   def _add_shard(self, replica: _Replica, key, data: np.ndarray) -> None:
@@ -765,13 +786,17 @@ class CheckpointHost:
         if crc32c is not None and (key, idx) not in held.verified:
           self._check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._host_id}")
           held.verified.add((key, idx))
-        return data if part is None else _part(data, part)
+        out = data if part is None else _part(data, part)
+        self._metrics.restored_bytes("replica" if isinstance(held, _Replica) else "ram",
+                                     out.nbytes)
+        return out
       if tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
     data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
     if crc32c is not None:
       self._check(final_item, key, idx, data, crc32c, "stored copy")
+    self._metrics.restored_bytes("storage", data.nbytes)
     return data
 
   @staticmethod

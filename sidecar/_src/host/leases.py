@@ -109,6 +109,19 @@ class Leases:
       del self._holders[offset]
       self.allocator.free(block.offset, block.generation)
 
+  def held_bytes(self) -> tuple[dict[str, int], int]:
+    """Bytes each worker session (a str holder) holds, and bytes held by local pins only."""
+    by_session: dict[str, int] = {}
+    pinned = 0
+    with self._lock:
+      for block, holders in self._holders.values():
+        sessions = [h for h in holders if isinstance(h, str)]
+        for h in sessions:
+          by_session[h] = by_session.get(h, 0) + block.nbytes
+        if not sessions:
+          pinned += block.nbytes
+    return by_session, pinned
+
   def holders(self) -> int:
     with self._lock:
       return len(self._by_holder)

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
+from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
@@ -67,6 +68,8 @@ class Server:
     self.state = State.NEW
     self.port = 0
     self.health_port = 0
+    self.metrics_port: int | None = None
+    self.metrics: metrics_lib.Recorder = metrics_lib.OFF
     self.identity = pb.HostIdentity(
         host_id=opts.host_id, slice_id=opts.slice_id, device_ids=list(opts.device_ids),
         hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id())
@@ -100,13 +103,15 @@ class Server:
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     self.arena = shm.Arena.create(o.shm_size)
     self.leases = Leases(shm.Allocator(self.arena.size))
+    if o.metrics_port is not None:
+      self.metrics = metrics_lib.Metrics(self._snapshot)
     self.checkpoints = CheckpointHost(  # peers share the token
-        o.host_id, token=o.token, roots=o.checkpoint_roots)
+        o.host_id, token=o.token, roots=o.checkpoint_roots, metrics=self.metrics)
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
                          is_attached=lambda session: self.workers.has_session(session),
                          imports=o.imports,
-                         builtins=self.checkpoints.functions())
+                         builtins=self.checkpoints.functions(), metrics=self.metrics)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.runner)
     self.service = Service(runner=self.runner, identity=self.identity,
@@ -127,8 +132,27 @@ class Server:
     health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
     self.health_port = self._bind(self._health_grpc, o.listen, o.health_port, "health_port")
     self._health_grpc.start()
+    if isinstance(self.metrics, metrics_lib.Metrics):
+      assert o.metrics_port is not None
+      self.metrics_port = self.metrics.serve(o.listen, o.metrics_port)
     for name in ("", protocol.SERVICE):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+  def _snapshot(self) -> metrics_lib.Snapshot:
+    """What ``/metrics`` reads when scraped."""
+    allocator = self.leases.allocator
+    by_session, pinned = self.leases.held_bytes()
+    pids = self.workers.pids()
+    leased: dict[str, int] = {}
+    for session, pid in pids.items():
+      leased[f"pid{pid}"] = leased.get(f"pid{pid}", 0) + by_session.get(session, 0)
+    usage = self.checkpoints.usage()
+    return metrics_lib.Snapshot(
+        host_id=self.options.host_id, slice_id=self.options.slice_id,
+        uptime_s=self.service.uptime_s(),
+        arena_size=self.arena.size, arena_used=allocator.used_bytes,
+        arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
+        pinned_bytes=pinned, workers=len(pids), feeds=self.runner.feed_totals(), **usage)
 
   @staticmethod
   def _bind(server: grpc.Server, listen: str, port: int, flag: str) -> int:
@@ -186,6 +210,7 @@ class Server:
   def write_ready_file(self, path: str) -> None:
     """Atomically writes where this sidecar listens (LocalCluster waits for it)."""
     data = {"port": self.port, "health_port": self.health_port,
+            "metrics_port": self.metrics_port,
             "socket": self.options.socket_path, "pid": os.getpid()}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -207,6 +232,8 @@ class Server:
   def _teardown(self, grace: float = 0.0) -> None:
     if getattr(self, "_health", None) is not None:
       self._health.enter_graceful_shutdown()
+    if isinstance(self.metrics, metrics_lib.Metrics):
+      self.metrics.close()
     for name in ("_grpc", "_health_grpc"):
       server = getattr(self, name, None)
       if server is not None:

@@ -51,6 +51,9 @@ class Service:
     self._lock = threading.Lock()
     self._started = time.monotonic()
 
+  def uptime_s(self) -> float:
+    return time.monotonic() - self._started
+
   def handler(self) -> grpc.GenericRpcHandler:
     def unary(fn, response_cls):
       return grpc.unary_unary_rpc_method_handler(

@@ -39,6 +39,7 @@ class WorkerListener:
     self._hello = hello
     self._lock = threading.Lock()
     self._sessions: dict[str, socket.socket] = {}
+    self._pids: dict[str, int] = {}  # the pid each session's worker said it has
     self._closed = False
     self._made_dirs = _make_dirs(os.path.dirname(os.path.abspath(path)))
     with contextlib.suppress(FileNotFoundError):
@@ -61,6 +62,11 @@ class WorkerListener:
   def has_session(self, session: str) -> bool:
     with self._lock:
       return session in self._sessions
+
+  def pids(self) -> dict[str, int]:
+    """The worker pid of each session attached now."""
+    with self._lock:
+      return {s: self._pids.get(s, 0) for s in self._sessions}
 
   def num_sessions(self) -> int:
     with self._lock:
@@ -89,9 +95,12 @@ class WorkerListener:
         if self._closed:
           return
         self._sessions[session] = conn
+        pid = message.get("pid")
+        self._pids[session] = pid if isinstance(pid, int) else 0
       reply.update(session=session, arena_size=self._arena.size)
       ipc.send(conn, reply, fds=(self._arena.fd,))
-      log.info("worker pid %s attached as %s", message.get("pid"), session)
+      log.info("worker pid %s attached as %s", message.get("pid"), session,
+               extra={"session": session})
       while True:
         message, _ = ipc.recv(conn)
         self._handle(conn, session, message)
@@ -104,8 +113,10 @@ class WorkerListener:
       if session is not None:
         with self._lock:
           self._sessions.pop(session, None)
+          self._pids.pop(session, None)
         freed = self._leases.release_all(session)
-        log.info("worker session %s ended; %d arena blocks released", session, freed)
+        log.info("worker session %s ended; %d arena blocks released", session, freed,
+                 extra={"session": session})
       conn.close()
 
   def _stream(self, conn: socket.socket, session: str) -> None:
@@ -178,7 +189,7 @@ class WorkerListener:
       try:
         self._leases.release(offset, generation, session)
       except errors.StaleDescriptorError as e:
-        log.warning("worker %s: %s", session, e)
+        log.warning("worker %s: %s", session, e, extra={"session": session})
 
   def close(self) -> None:
     """Stops accepting, drops every session; idempotent."""

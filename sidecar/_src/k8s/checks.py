@@ -10,6 +10,8 @@ Schemas catch malformed fields (:mod:`schemas`); this module checks what they mi
 - trainer and sidecar share the socket: the trainer's ``SIDECAR_ADDRESS`` names the sidecar's
   socket, on the same volume in both containers;
 - the sidecar's memory limit covers the arena (shm size + 512Mi);
+- a sidecar serving metrics declares its metrics port, and the pod's ``prometheus.io/port``
+  annotation, where there is one, names that port;
 - ``terminationGracePeriodSeconds`` leaves time to flush a checkpoint;
 - the discovery env agrees with the JobSet (hosts per slice, ports, DNS hostnames);
 - ``sidecar.distributed.initialize()`` can resolve jax.distributed from the trainer's env:
@@ -109,6 +111,7 @@ def check_jobset(jobset: Mapping[str, Any], *, schema: Mapping[str, Any] | None 
       findings += schemas.validate_pod(template, template_where, kubernetes_versions)
     pod_spec = template.get("spec") or {}
     findings += check_pod_spec(pod_spec, f"{template_where}.spec", extra_volumes=claims)
+    findings += _check_metrics(template, template_where)
     findings += _check_trainer_env((jobset.get("metadata") or {}).get("name"), spec, rjob,
                                    job_spec, pod_spec, where)
     has_sidecar = has_sidecar or any(_is_sidecar(c) for _, c in _containers(pod_spec, where))
@@ -193,6 +196,29 @@ def _check_sidecar(spec: Mapping[str, Any], containers: list[tuple[str, dict]],
                             f"is {grace!r}; give the sidecar at least {MIN_GRACE_SECONDS}s "
                             "to flush a checkpoint on shutdown (the examples use 300)"))
   return findings + _check_socket(sidecar, swhere, trainers, where)
+
+
+def _check_metrics(template: Mapping[str, Any], where: str) -> list[Finding]:
+  """The metrics port is declared, and the scrape annotation points at it."""
+  sidecars = [(w, c) for w, c in _containers(template.get("spec") or {}, f"{where}.spec")
+              if _is_sidecar(c)]
+  if not sidecars:
+    return []
+  swhere, sidecar = sidecars[0]
+  port = _setting(sidecar, "--metrics-port", "SIDECAR_METRICS_PORT", None)
+  annotations = (template.get("metadata") or {}).get("annotations") or {}
+  scraped = annotations.get("prometheus.io/port")
+  findings = []
+  declared = {str(p.get("containerPort")) for p in sidecar.get("ports") or []}
+  if port is not None and str(port) not in declared:
+    findings.append(Finding(f"{swhere}.ports", f"the sidecar serves metrics on {port} "
+                            "(SIDECAR_METRICS_PORT / --metrics-port) but does not declare it; "
+                            "add a containerPort named metrics"))
+  if scraped is not None and str(scraped) != str(port):
+    findings.append(Finding(f"{where}.metadata.annotations['prometheus.io/port']",
+                            f"is {scraped!r} but the sidecar serves metrics on {port} "
+                            "(SIDECAR_METRICS_PORT / --metrics-port); make them equal"))
+  return findings
 
 
 def _check_socket(sidecar: Mapping[str, Any], swhere: str,

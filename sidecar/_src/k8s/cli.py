@@ -53,6 +53,11 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
                  help="sidecar plaintext health port (default: %(default)s)")
   p.add_argument("--coordinator-port", type=int, default=8476,
                  help="jax.distributed coordinator port in the trainer (default: %(default)s)")
+  p.add_argument("--metrics-port", type=int, default=8492,
+                 help="sidecar Prometheus /metrics port, with the prometheus.io/* scrape "
+                      "annotations on the pods (default: %(default)s)")
+  p.add_argument("--no-metrics", action="store_true",
+                 help="no metrics port and no scrape annotations")
   p.add_argument("--token-secret", default="sidecar-token",
                  help="Secret holding the controller token under key 'token' "
                       "(default: %(default)s)")
@@ -99,6 +104,7 @@ def options_from_args(args: argparse.Namespace) -> render.RenderOptions:
       name=args.name, namespace=args.namespace, shm_size=args.shm_size,
       imports=tuple(args.imports or ("my_pkg.sidecar_fns",)), sidecar_cpu=args.sidecar_cpu,
       port=args.port, health_port=args.health_port, coordinator_port=args.coordinator_port,
+      metrics_port=None if args.no_metrics else args.metrics_port,
       token_secret=args.token_secret, grace_seconds=args.grace_seconds,
       trainer_restarts=args.trainer_restarts)
 

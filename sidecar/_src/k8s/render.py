@@ -93,6 +93,7 @@ class RenderOptions:
   port: int = 8490
   health_port: int = 8491
   coordinator_port: int = 8476  # the jax.distributed coordinator, in process 0's trainer
+  metrics_port: int | None = 8492  # Prometheus /metrics of the sidecar; None: no metrics
   token_secret: str = "sidecar-token"
   grace_seconds: int = 300
   # In-place restarts of a pod's trainer the Job allows (pod restartPolicy OnFailure):
@@ -123,6 +124,11 @@ class RenderOptions:
     if self.port == self.health_port:
       raise errors.InvalidArgumentError(
           f"port and health_port must differ, both are {self.port}")
+    if self.metrics_port is not None and self.metrics_port in (
+        self.port, self.health_port, self.coordinator_port):
+      raise errors.InvalidArgumentError(
+          f"metrics_port {self.metrics_port} is also the port, health_port or coordinator_port "
+          f"({self.port}, {self.health_port}, {self.coordinator_port}); pick another")
     if self.coordinator_port in (self.port, self.health_port):
       # Trainer and sidecar share the pod's network namespace.
       raise errors.InvalidArgumentError(
@@ -171,11 +177,24 @@ def render_jobset(options: RenderOptions) -> dict[str, Any]:
                   "parallelism": options.hosts_per_slice,
                   "completions": options.hosts_per_slice,
                   "backoffLimit": options.trainer_restarts,
-                  "template": {"spec": pod_spec},
+                  "template": _pod_template(options, pod_spec),
               }},
           }],
       },
   }
+
+
+def _pod_template(options: RenderOptions, pod_spec: dict[str, Any]) -> dict[str, Any]:
+  if options.metrics_port is None:
+    return {"spec": pod_spec}
+  # The annotations Prometheus's kubernetes_sd "pod" role scrapes by, as most setups do.
+  return {"metadata": {"annotations": scrape_annotations(options.metrics_port)},
+          "spec": pod_spec}
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+  return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+          "prometheus.io/path": "/metrics"}
 
 
 def to_yaml(doc: dict[str, Any], *, command: str | None = None) -> str:
@@ -193,13 +212,17 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
       "restartPolicy": "Always",
       "command": ["sidecar", "serve"],
       "ports": [{"name": "grpc", "containerPort": options.port},
-                {"name": "health", "containerPort": options.health_port}],
+                {"name": "health", "containerPort": options.health_port},
+                *([] if options.metrics_port is None else
+                  [{"name": "metrics", "containerPort": options.metrics_port}])],
       "env": [
           _field_env("SIDECAR_SLICE_ID", "metadata.annotations['jobset.sigs.k8s.io/job-index']"),
           _field_env("SIDECAR_HOST_ID",
                      "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
           {"name": "SIDECAR_PORT", "value": str(options.port)},
           {"name": "SIDECAR_HEALTH_PORT", "value": str(options.health_port)},
+          *([] if options.metrics_port is None else
+            [{"name": "SIDECAR_METRICS_PORT", "value": str(options.metrics_port)}]),
           {"name": "SIDECAR_SOCKET", "value": f"{SOCKET_DIR}/sidecar.sock"},
           {"name": "SIDECAR_SHM_SIZE", "value": options.shm_size},
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
