@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import distributed, errors, orbax_layout as ol, shm, transfer
+from sidecar._src import distributed, errors, interrupts, orbax_layout as ol, shm, transfer
 
 log = logging.getLogger(__name__)
 KeyPath = tuple[str | int, ...]
@@ -186,6 +186,7 @@ class Checkpointer:
 
   # ---- save --------------------------------------------------------------
 
+  @interrupts.deferring  # Ctrl-C: the save is aborted and swept, or left to finish
   def save(self, step: int, tree: Any, *, data_state: dict[str, Any] | None = None
            ) -> SaveHandle:
     """Copies ``tree`` into the arenas and returns; the sidecars persist it.
@@ -205,7 +206,7 @@ class Checkpointer:
       if self._if_busy == "skip":
         return _done_handle(step, None)
       if previous is not None:  # busy may be another process's save
-        concurrent.futures.wait([previous.durable])
+        interrupts.wait_done(previous.durable)
     if step in self.all_steps():
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
@@ -258,6 +259,7 @@ class Checkpointer:
     pending_bytes = dict.fromkeys(self._local, 0)
     try:
       for host, leaf, index, data in plan:  # the one copy the trainer waits for
+        interrupts.check()  # Ctrl-C aborts the save (below)
         pending[host].append({"leaf": leaf, "index": [list(i) for i in index],
                               "data": self._put(host, data)})
         pending_bytes[host] += data.nbytes
@@ -566,6 +568,7 @@ class Checkpointer:
 
   # ---- restore -----------------------------------------------------------
 
+  @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def restore(self, step: int | None = None, *, target: Any,
               progress: Callable[[str], None] | None = None) -> Any:
     """Restores ``step`` (default: the latest) onto the shardings of ``target``.
@@ -613,11 +616,16 @@ class Checkpointer:
     held, gone = self._holdings(final_item)
     reads = self._read_all(final_item, flat, stored, held)
     shards, lost = {}, []
-    for k, f in reads.items():
-      try:
-        shards[k] = f.result()
-      except errors.SidecarError as e:
-        lost.append((k, e))
+    try:
+      for k, f in reads.items():
+        try:
+          shards[k] = interrupts.wait(f)
+        except errors.SidecarError as e:
+          lost.append((k, e))
+    except KeyboardInterrupt:
+      reads.clear()  # the traceback keeps this frame: let the blocks go
+      shards.clear()
+      raise
     if lost:
       placed = {int(h): peers for h, peers in (manifest.get("replicas") or {}).items()}
       raise self._lost(step, lost, owners, placed, gone)
@@ -823,6 +831,7 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  @interrupts.deferring  # Ctrl-C stops the wait; the save goes on
   def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it
     makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
@@ -836,16 +845,19 @@ class Checkpointer:
       return
     while progress is not None and not handle.durable.done():
       try:
-        handle.durable.result(timeout=1.0)
+        interrupts.wait_done(handle.durable, timeout=1.0)
       except concurrent.futures.TimeoutError:
         progress(self._progress_line(handle.step))
+    interrupts.wait_done(handle.durable)
     self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
 
   def _join_finisher(self) -> None:
     finisher = self._finisher
     if finisher is not None and finisher is not threading.current_thread():
-      finisher.join()
+      while finisher.is_alive():  # a join Ctrl-C can stop
+        finisher.join(interrupts.POLL_S)
+        interrupts.check()
 
   def _progress_line(self, step: int) -> str:
     done = total = 0
@@ -863,6 +875,7 @@ class Checkpointer:
     if self._closed:
       raise errors.ClosedError("this checkpointer is closed")
 
+  @interrupts.deferring
   def close(self) -> None:
     """Waits for the save in flight, then closes; idempotent."""
     if self._closed:

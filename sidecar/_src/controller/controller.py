@@ -17,7 +17,7 @@ import grpc
 import jax
 import numpy as np
 
-from sidecar._src import codec, distributed, errors, protocol, shm, worker as worker_lib
+from sidecar._src import codec, distributed, errors, interrupts, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
@@ -307,6 +307,7 @@ class Controller:
 
   # ---- calls -------------------------------------------------------------
 
+  @interrupts.deferring  # Ctrl-C: the call's result, when it comes, is dropped
   def call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
            timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Runs registered function ``name`` on ``hosts`` concurrently.
@@ -322,7 +323,7 @@ class Controller:
     if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
       return [self._call_sync(chosen[0], name, args, kwargs, timeout)]
     futures = [self._call_one(h, name, args, kwargs, timeout) for h in chosen]
-    return [f.result() for f in futures]
+    return [interrupts.wait(f) for f in futures]
 
   def _request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
                held: list) -> pb.CallRequest:
@@ -353,12 +354,31 @@ class Controller:
     conn, held = self._conns[host_id], []
     request = self._request(host_id, name, args, kwargs, timeout, held)
     try:
-      response = conn.call_rpc(request, timeout=timeout, metadata=conn.metadata)
+      if threading.current_thread() is not threading.main_thread():
+        response = conn.call_rpc(request, timeout=timeout, metadata=conn.metadata)
+      else:  # a future, which Ctrl-C can leave; a blocking call would hold it off to the end
+        rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
+        try:
+          response = interrupts.wait(rpc)
+        except KeyboardInterrupt:
+          # The call goes on (within its deadline), holding its arguments' blocks; what
+          # it returns is dropped then, so its result's blocks go back too.
+          kept = list(held)
+          rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept))
+          raise
     except grpc.RpcError as e:
       raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
     finally:
       held.clear()
     return self._decode(host_id, name, response)
+
+  def _drop(self, host_id: int, name: str, rpc: grpc.Future, held: list) -> None:
+    """Decodes and drops the result of a call nobody waits for: its blocks go back."""
+    held.clear()
+    try:
+      self._decode(host_id, name, rpc.result())
+    except Exception:  # the caller is gone; its error has nobody to reach
+      pass
 
   def stream(self, name: str, *args: Any, host: int | None = None, prefetch: int = 2,
              timeout: float | None = None, device: jax.Device | None = None,
@@ -522,6 +542,7 @@ class Controller:
     w = self._workers.get(host_id)
     return w.put(data)[0] if w is not None else np.array(data)
 
+  @interrupts.deferring
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
                  timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:
     """Like :meth:`call`, but returns one ``concurrent.futures.Future`` per host."""
@@ -552,6 +573,7 @@ class Controller:
     rpc.add_done_callback(done)
     return out
 
+  @interrupts.deferring
   def status(self) -> list[pb.StatusResponse]:
     """Each sidecar's status (identity, registry, arena use, uptime), by host id."""
     self._check_open()

@@ -109,6 +109,7 @@ class Feed:
     self._state = _check_state(state, name=name, seed=seed, num_hosts=len(plans))
     shardable = _rows_disjoint_across_hosts(plans)
     self._streams = []
+    self._parts: list[Any] = []  # of the batch being gathered
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
@@ -137,8 +138,13 @@ class Feed:
     if self.status is State.CLOSED:
       raise errors.ClosedError(f"feed {self.name!r} is closed")
     t0 = time.perf_counter()
+    # A batch's parts, one per host, kept across a KeyboardInterrupt (a notebook cell
+    # stopped mid-batch): the next call goes on with the host it stopped at, so no
+    # host's part is lost and the hosts stay on the same batch.
+    items = self._parts
     try:
-      items = [next(s) for s in self._streams]
+      while len(items) < len(self._streams):
+        items.append(next(self._streams[len(items)]))
     except StopIteration:
       if self.status is State.CLOSED:  # closed under us (Controller.cancel), not the end
         raise errors.ClosedError(f"feed {self.name!r} was closed") from None
@@ -149,7 +155,9 @@ class Feed:
       raise
     wait = time.perf_counter() - t0
     batch = self._assemble([item["batch"] for item in items])
-    self._state = self._merge([item["state"] for item in items])
+    state = self._merge([item["state"] for item in items])
+    self._parts = []  # from here on the batch is the trainer's
+    self._state = state
     self._waits.append(wait)
     self._produce.append(max(item["produce_s"] for item in items))
     self._batches += 1
@@ -217,6 +225,7 @@ class Feed:
   def close(self) -> None:
     """Stops every host's stream; idempotent."""
     self.status = State.CLOSED
+    self._parts = []
     for s in self._streams:
       s.close()
 
