@@ -153,6 +153,10 @@ class Feed:
     except errors.SidecarError:
       self.close()
       raise
+    except KeyboardInterrupt as e:
+      # Raised from here: the frames below (a half-decoded item's views) would keep
+      # their blocks as long as the notebook keeps the traceback.
+      raise e.with_traceback(None) from None
     wait = time.perf_counter() - t0
     batch = self._assemble([item["batch"] for item in items])
     state = self._merge([item["state"] for item in items])
@@ -225,7 +229,7 @@ class Feed:
   def close(self) -> None:
     """Stops every host's stream; idempotent."""
     self.status = State.CLOSED
-    self._parts = []
+    self._parts.clear()  # also where an interrupt's traceback still holds the list
     for s in self._streams:
       s.close()
 
