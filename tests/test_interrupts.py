@@ -102,9 +102,9 @@ def test_feed_interrupted_mid_batch_keeps_the_hosts_together(ctl):
   for delay in (0.3,):
     with ctl.feed("slow_rows", **kwargs) as feed:
       with pytest.raises(KeyboardInterrupt), sigint_after(delay):
-        for batch in feed:
+        for _batch in feed:
           pass
-      batch = None  # noqa: F841  (its blocks go back)
+      _batch = None  # noqa: F841  (its blocks go back)
       state = feed.state()
       got = [np.array(next(feed)["x"]) for _ in range(2)]  # copies: no block held
     with ctl.feed("slow_rows", state=state, **{**kwargs, "seconds": 0.0}) as fresh:
