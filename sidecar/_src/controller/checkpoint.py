@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from sidecar._src import distributed, errors, interrupts, orbax_layout as ol, shm, transfer
+from sidecar._src.controller import display
 
 log = logging.getLogger(__name__)
 KeyPath = tuple[str | int, ...]
@@ -140,7 +141,7 @@ class Checkpointer:
 
   def __init__(self, *, directory: str, call: Callable[..., Any],
                call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
-               hosts: list[int], device_hosts: dict[int, int], status: Callable[[], list],
+               hosts: list[int], device_hosts: dict[int, int], status: Callable[..., list],
                max_to_keep: int | None, keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True,
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
@@ -890,6 +891,26 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+  def __repr__(self) -> str:
+    return display.text_block("sidecar checkpointer", *self._display())
+
+  def _repr_html_(self) -> str:
+    facts, table = self._display(html=True)
+    return display.html_block("sidecar checkpointer", facts, table)
+
+  def _display(self, html: bool = False) -> tuple[list[tuple[str, str]], str]:
+    """Facts (no call), and each host's tiers for this directory (one bounded Status)."""
+    facts = display.checkpointer_facts(self.directory, self.all_steps(), self._in_flight,
+                                       self._last_restore, self._closed)
+    if self._closed:
+      return facts, ""
+    try:
+      rows = display.tier_rows(self._status(timeout=display.STATUS_TIMEOUT_S), self.directory)
+    except Exception as e:  # a display never raises
+      rows = [["-", display.error_text(e), "", "", ""]]
+    make = display.html_table if html else display.text_table
+    return facts, make(display.TIER_HEADER, rows)
 
 
 def _overlaps(index, region) -> bool:

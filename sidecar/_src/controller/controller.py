@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from sidecar._src import codec, distributed, errors, interrupts, protocol, shm, worker as worker_lib
-from sidecar._src.controller import discovery, feed as feed_lib, health
+from sidecar._src.controller import discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
@@ -574,17 +574,67 @@ class Controller:
     return out
 
   @interrupts.deferring
-  def status(self) -> list[pb.StatusResponse]:
-    """Each sidecar's status (identity, registry, arena use, uptime), by host id."""
+  def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
+    """Each sidecar's status (identity, registry, arena use, uptime), by host id.
+
+    Asks every host at once; ``timeout`` (default: the controller's) bounds each.
+    """
     self._check_open()
     out = []
-    for h in sorted(set(self._conns) - set(self._lost)):
-      c = self._conns[h]
-      try:
-        out.append(c.status_rpc(pb.StatusRequest(), timeout=self.timeout, metadata=c.metadata))
-      except grpc.RpcError as e:
-        raise protocol.error_from_rpc(e, host=c.address, host_id=h) from None
+    for h, c, s in self._statuses(self.timeout if timeout is None else timeout):
+      if isinstance(s, grpc.RpcError):
+        raise protocol.error_from_rpc(s, host=c.address, host_id=h) from None
+      out.append(s)
     return out
+
+  def _statuses(self, timeout: float) -> list[tuple[int, Connection, Any]]:
+    """``(host, connection, status or grpc.RpcError)`` of every live host, asked at once."""
+    calls = [(h, self._conns[h]) for h in sorted(set(self._conns) - set(self._lost))]
+    futures = [c.status_rpc.future(pb.StatusRequest(), timeout=timeout, metadata=c.metadata)
+               for _, c in calls]
+    out = []
+    for (h, c), f in zip(calls, futures):
+      try:
+        out.append((h, c, interrupts.wait(f)))
+      except grpc.RpcError as e:
+        out.append((h, c, e))
+    return out
+
+  # ---- display -----------------------------------------------------------
+
+  @interrupts.deferring
+  def _display_rows(self) -> list[display.Row]:
+    if self.state is State.CLOSED:
+      return []
+    rows: list[display.Row] = []
+    for h, c, s in self._statuses(display.STATUS_TIMEOUT_S):
+      if isinstance(s, grpc.RpcError):
+        s = protocol.error_from_rpc(s, host=c.address, host_id=h)
+      rows.append((h, c.address, s))
+    return rows
+
+  def _display_facts(self) -> list[tuple[str, str]]:
+    children = list(self._children)
+    feeds = [c for c in children if isinstance(c, Feed) and c.status is feed_lib.State.OPEN]
+    ckpts = [c for c in children if isinstance(c, Checkpointer) and not c._closed]
+    facts = [("state", self.state.value),
+             ("hosts", f"{len(self.hosts)} live" + (f", lost: {self.lost_hosts}"
+                                                    if self._lost else "")),
+             ("this process", f"{self.process_index} of {self._peers.count}, drives hosts "
+                              f"{self.local_hosts}"),
+             ("feeds open", ", ".join(repr(f.name) for f in feeds) or "none"),
+             ("checkpointers", ", ".join(c.directory for c in ckpts) or "none")]
+    return facts
+
+  def __repr__(self) -> str:
+    rows = self._display_rows()
+    table = display.text_table(display.HOST_HEADER, display.host_rows(rows)) if rows else ""
+    return display.text_block("sidecar.Controller", self._display_facts(), table)
+
+  def _repr_html_(self) -> str:
+    rows = self._display_rows()
+    table = display.html_table(display.HOST_HEADER, display.host_rows(rows)) if rows else ""
+    return display.html_block("sidecar.Controller", self._display_facts(), table)
 
   # ---- lifecycle ---------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from sidecar._src import distributed, errors, transfer
+from sidecar._src.controller import display
 from sidecar._src.protocol import pb
 
 STATE_VERSION = 1
@@ -214,6 +215,10 @@ class Feed:
   def stats(self) -> dict[str, Any]:
     """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,
     and each host's arena occupancy (the fraction of slots in use)."""
+    return {**self._own_stats(), "arena_occupancy": self._arena_use()}
+
+  def _own_stats(self) -> dict[str, Any]:
+    """What :meth:`stats` says that needs no call to the sidecars."""
     elapsed = time.perf_counter() - self._started
     waits = self._waits or [0.0]
     return {
@@ -223,8 +228,16 @@ class Feed:
         "wait_s_max": max(waits),
         "produce_s_mean": statistics.fmean(self._produce) if self._produce else 0.0,
         "hosts": [p.host_id for p in self._plans],
-        "arena_occupancy": self._arena_use(),
     }
+
+  def _facts(self) -> list[tuple[str, str]]:
+    return display.feed_facts(self._own_stats(), self._state, self.status.value)
+
+  def __repr__(self) -> str:
+    return display.text_block(f"sidecar feed {self.name!r}", self._facts())
+
+  def _repr_html_(self) -> str:
+    return display.html_block(f"sidecar feed {self.name!r}", self._facts())
 
   def close(self) -> None:
     """Stops every host's stream; idempotent."""
