@@ -29,7 +29,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import distributed, errors, interrupts, orbax_layout as ol, shm, transfer
+from sidecar._src import (
+    distributed,
+    errors,
+    interrupts,
+    orbax_layout as ol,
+    progress as progress_lib,
+    shm,
+    transfer,
+)
 from sidecar._src.controller import display
 
 log = logging.getLogger(__name__)
@@ -571,7 +579,7 @@ class Checkpointer:
 
   @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def restore(self, step: int | None = None, *, target: Any,
-              progress: Callable[[str], None] | None = None) -> Any:
+              progress: Callable[[str], None] | bool | None = None) -> Any:
     """Restores ``step`` (default: the latest) onto the shardings of ``target``.
 
     ``target`` is a pytree of ``jax.ShapeDtypeStruct``s with shardings, or of concrete
@@ -580,7 +588,8 @@ class Checkpointer:
     checking its crc32c; a copy that fails its check or whose host is gone falls back
     to the next. Reshards when the target mesh differs from the one saved. Where the
     shards came from: :meth:`last_restore_stats`, and a line at INFO.
-    With ``progress`` (``print``, say), a restore past a second reports bytes and rate.
+    With ``progress`` (``print``, say), a restore past a second reports its progress; by
+    default (None) on a tqdm line where one is seen (a terminal, a notebook).
 
     Raises:
       ShardsLostError: some shard has no live copy and no valid stored one.
@@ -591,8 +600,9 @@ class Checkpointer:
       self._restores += 1
       step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
                                        str(step) if self._lead else None))
-    return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
-                             progress=progress)
+    with progress_lib.lines(progress) as report:  # by default a tqdm line, where seen
+      return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
+                               progress=report)
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""
@@ -623,6 +633,9 @@ class Checkpointer:
           shards[k] = interrupts.wait(f)
         except errors.SidecarError as e:
           lost.append((k, e))
+        if progress is not None and time.perf_counter() - last[0] >= 1.0:
+          last[0] = time.perf_counter()
+          progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
     except KeyboardInterrupt:
       reads.clear()  # the traceback keeps this frame: let the blocks go
       shards.clear()
@@ -833,22 +846,24 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   @interrupts.deferring  # Ctrl-C stops the wait; the save goes on
-  def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
+  def wait(self, *, progress: Callable[[str], None] | bool | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it
     makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
     has ended, done or failed: ``handle.replicated`` says which); raises its error.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
-    the sidecars have made durable, and the rate, once a second.
+    the sidecars have made durable, and the rate, once a second; by default (None) on
+    a tqdm line where one is seen (a terminal, a notebook); ``False``: never.
     """
     handle = self._in_flight
     if handle is None:
       return
-    while progress is not None and not handle.durable.done():
-      try:
-        interrupts.wait_done(handle.durable, timeout=1.0)
-      except concurrent.futures.TimeoutError:
-        progress(self._progress_line(handle.step))
+    with progress_lib.lines(progress) as report:  # by default a tqdm line, where seen
+      while report is not None and not handle.durable.done():
+        try:
+          interrupts.wait_done(handle.durable, timeout=1.0)
+        except concurrent.futures.TimeoutError:
+          report(self._progress_line(handle.step))
     interrupts.wait_done(handle.durable)
     self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()

@@ -9,6 +9,7 @@ prefetched, so a feed resumed from it continues with exactly the next batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -19,7 +20,7 @@ from typing import Any
 
 import jax
 
-from sidecar._src import distributed, errors, transfer
+from sidecar._src import distributed, errors, progress as progress_lib, transfer
 from sidecar._src.controller import display
 from sidecar._src.protocol import pb
 
@@ -144,8 +145,11 @@ class Feed:
     # host's part is lost and the hosts stay on the same batch.
     items = self._parts
     try:
-      while len(items) < len(self._streams):
-        items.append(next(self._streams[len(items)]))
+      # The first batch may take a while (a pipeline opening its files): say so after 2 s.
+      with (progress_lib.waiting(f"feed {self.name!r}: waiting for the first batch")
+            if not self._batches else contextlib.nullcontext()):
+        while len(items) < len(self._streams):
+          items.append(next(self._streams[len(items)]))
     except StopIteration:
       if self.status is State.CLOSED:  # closed under us (Controller.cancel), not the end
         raise errors.ClosedError(f"feed {self.name!r} was closed") from None
