@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src import interrupts
-from tests.conftest import eventually
+from tests.conftest import alive, eventually
 
 FNS = ["tests.notebook_fns"]
 
@@ -150,6 +150,39 @@ def test_restore_interrupted_gives_its_blocks_back(ctl, tmp_path, delay):
     ckpt.restore(target=_state(sh, 0))
     time.sleep(1)
   assert back_to(ctl, baseline)
-  assert all(ctl.worker(h).live_blocks == 0 for h in (0, 1))
+  assert eventually(lambda: all(ctl.worker(h).live_blocks == 0 for h in (0, 1)))
   got = ckpt.restore(target=_state(sh, 0))
   assert float(got["w3"][0, 0]) == 8
+
+
+# ---- bad input a notebook meets --------------------------------------------
+
+
+def test_a_cell_rerun_that_drops_a_cluster_stops_its_sidecars():
+  """``cluster = LocalCluster(...).start()`` run twice: both run meanwhile; the first,
+  no longer referenced, stops its sidecars when collected."""
+  first = sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="8MiB").start()
+  pid = first.pid(0)
+  second = sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="8MiB").start()
+  try:
+    assert "running" in repr(first) and first.addresses != second.addresses
+    del first
+    gc.collect()
+    assert eventually(lambda: not alive(pid), timeout=15)
+    with second.controller() as ctl:
+      assert [h.host_id for h in ctl.hosts] == [0]
+  finally:
+    second.close()
+
+
+def test_controller_on_two_jobs_sidecars_names_both():
+  small = dict(devices_per_host=1, shm_size="8MiB")
+  with sidecar.testing.LocalCluster(num_hosts=1, token="job-a", **small) as a, \
+       sidecar.testing.LocalCluster(num_hosts=2, token="job-b", **small) as b, \
+       sidecar.testing.LocalCluster(num_hosts=2, token="job-a", imports=FNS, **small) as c:
+    with pytest.raises(sidecar.AuthenticationError, match="not of one job") as info:
+      sidecar.Controller([a.addresses[0], b.addresses[1]], token="job-a", connect_timeout=10)
+    assert a.addresses[0] in str(info.value) and b.addresses[1] in str(info.value)
+    with pytest.raises(sidecar.VersionMismatchError, match="different code") as info:
+      sidecar.Controller([a.addresses[0], c.addresses[1]], token="job-a", connect_timeout=10)
+    assert a.addresses[0] in str(info.value) and c.addresses[1] in str(info.value)

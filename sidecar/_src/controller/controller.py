@@ -122,15 +122,23 @@ class Controller:
 
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
     futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
-    conns, failures = [], []
-    for f in futures:
+    conns, failures, refused = [], [], []
+    for a, f in zip(addresses, futures):
       try:
         conns.append(f.result())
       except errors.SidecarError as e:
         failures.append(e)
+        if isinstance(e, errors.AuthenticationError):
+          refused.append(a)
     if failures:
       for c in conns:
         c.close()
+      if refused and conns:  # some took the token: sidecars of two jobs (or a stale token)
+        raise errors.AuthenticationError(
+            f"these sidecars are not of one job: {', '.join(c.address for c in conns)} "
+            f"accepted this controller's token, {', '.join(refused)} refused it. List only "
+            "one job's sidecars, with that job's token (token=..., SIDECAR_TOKEN or "
+            "SIDECAR_TOKEN_FILE)")
       if len(failures) == 1:
         raise failures[0]
       raise type(failures[0])("; ".join(str(e) for e in failures))
@@ -139,7 +147,8 @@ class Controller:
         other = self._conns[c.info.host_id].address
         raise errors.InvalidArgumentError(
             f"sidecars {other} and {c.address} both say they are host {c.info.host_id}; "
-            "give each sidecar its own --host-id")
+            "give each sidecar its own --host-id (or are they of two jobs, or two "
+            "LocalClusters? list one job's sidecars only)")
       self._conns[c.info.host_id] = c
     fingerprints = {c.info.registry_fingerprint for c in conns}
     if len(fingerprints) > 1:
@@ -147,8 +156,8 @@ class Controller:
                f"pipelines {list(c.info.pipelines)}, fingerprint {c.info.registry_fingerprint}"
                for c in conns]
       raise errors.VersionMismatchError(
-          "the sidecars registered different code; deploy the same modules to every host:\n  "
-          + "\n  ".join(lines))
+          "the sidecars registered different code (are they of two jobs?); deploy the same "
+          "modules to every host:\n  " + "\n  ".join(lines))
 
   def _attach(self, workers: Mapping[int, worker_lib.Worker], attach: bool) -> None:
     for host_id, w in workers.items():
