@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,7 +41,8 @@ def _tqdm() -> Any:
 
 
 @contextlib.contextmanager
-def lines(progress: Callable[[str], None] | None | bool) -> Iterator[Callable[[str], None] | None]:
+def lines(progress: Callable[[str], None] | None | bool, what: str = ""
+          ) -> Iterator[Callable[[str], None] | None]:
   """The ``progress`` a long wait reports its lines to: the caller's callable as it is;
   ``None`` (the default): a one-line tqdm status when enabled, else nothing; ``False``:
   nothing."""
@@ -52,7 +52,8 @@ def lines(progress: Callable[[str], None] | None | bool) -> Iterator[Callable[[s
   if progress is not None and progress is not True:
     yield progress
     return
-  bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", leave=False, file=sys.stderr)
+  bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=what, leave=False,
+                file=sys.stderr, delay=1.0)  # nothing for a wait under a second
   try:
     yield bar.set_description_str
   finally:
@@ -71,11 +72,11 @@ def waiting(what: str, *, delay: float = 2.0) -> Iterator[None]:
     if stop.wait(delay):
       return
     bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=what, leave=False,
-                  file=sys.stderr, initial=0)
+                  file=sys.stderr)
+    bar.start_t -= delay  # the wait began before the bar
     try:
-      t0 = time.monotonic()
       while not stop.wait(0.5):
-        bar.set_postfix_str(f"{time.monotonic() - t0 + delay:.0f} s", refresh=True)
+        bar.refresh()
     finally:
       bar.close()
 

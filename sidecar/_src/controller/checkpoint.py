@@ -600,7 +600,7 @@ class Checkpointer:
       self._restores += 1
       step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
                                        str(step) if self._lead else None))
-    with progress_lib.lines(progress) as report:  # by default a tqdm line, where seen
+    with progress_lib.lines(progress, f"restoring step {step}") as report:
       return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
                                progress=report)
 
@@ -858,7 +858,7 @@ class Checkpointer:
     handle = self._in_flight
     if handle is None:
       return
-    with progress_lib.lines(progress) as report:  # by default a tqdm line, where seen
+    with progress_lib.lines(progress, f"saving step {handle.step}") as report:
       while report is not None and not handle.durable.done():
         try:
           interrupts.wait_done(handle.durable, timeout=1.0)
