@@ -153,6 +153,10 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
     assert before["steps"] == [7]
     kernel.restart()
     pids.append(int(kernel.run("import os; print(os.getpid())")))
+    # The sidecars still hold the step, as `sidecar status` shows from a terminal.
+    status = subprocess.run([sys.executable, "-m", "sidecar", "status", *sidecars], cwd=ROOT,
+                            env=kernel_env(2), capture_output=True, text=True, timeout=60)
+    assert status.stdout.count(f"{directory}  RAM tier: [7]") == 2, status.stdout
     # Storage is gone: only the RAM tier can give the step back.
     chunks = [p for p in (tmp_path / "ckpt" / "7").rglob("*")
               if p.is_file() and re.fullmatch(r"\d+(\.\d+)*", p.name)]
@@ -170,8 +174,12 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
           "  'w_exact': bool((np.asarray(got['w']) == np.arange(2 * 1024 * 256, dtype=np.float32)"
           ".reshape(2048, 256)).all()),\n"
           "  'sum_b': float(np.asarray(got['b']).sum()), 'after': float(np.asarray(next(feed)['x']).sum())}))\n"
+          "from sidecar._src import progress\n"
+          "print(json.dumps({'in_notebook': progress.in_notebook()}))\n"
           "feed.close(); ctl.close()")
-    after = json.loads(out.strip().splitlines()[-1])
+    *_, result, notebook = out.strip().splitlines()
+    assert json.loads(notebook) == {"in_notebook": True}  # where progress bars go
+    after = json.loads(result)
     assert after["steps"] == [7]
     assert after["sources"] == ["ram:host0", "ram:host1"]  # nothing from storage
     assert after["w_exact"] and after["sum_b"] == before["sum_b"]
