@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,15 @@ import jax
 from sidecar._src import errors, shm
 from sidecar._src.controller.controller import Controller
 from sidecar._src.worker import Worker
+
+# The LocalClusters running in this process: several may (each has its own sidecars,
+# ports, sockets and temp directory); error messages name them.
+_running: weakref.WeakSet = weakref.WeakSet()
+
+
+def running() -> list[LocalCluster]:
+  """The LocalClusters started in this process and not closed yet."""
+  return [c for c in list(_running) if c._dir is not None]
 
 
 def configure_jax_devices(count: int) -> None:
@@ -31,10 +41,12 @@ def configure_jax_devices(count: int) -> None:
     pass  # Backends already started: check below whether they fit.
   have = len(jax.devices("cpu"))
   if have < count:
+    others = running()
     raise errors.InvalidArgumentError(
-        f"LocalCluster needs {count} CPU devices but JAX already started with {have}; create "
-        f"the LocalCluster before the first JAX computation, or set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+        f"LocalCluster needs {count} CPU devices but JAX already started with {have}"
+        + (f" (for {', '.join(map(repr, others))}, still running)" if others else "")
+        + "; create the LocalCluster before the first JAX computation (in a notebook: "
+        f"restart the kernel), or set XLA_FLAGS=--xla_force_host_platform_device_count={count}")
 
 
 class LocalCluster:
@@ -91,6 +103,7 @@ class LocalCluster:
     self._procs: list[subprocess.Popen] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
+    self._finalizer: weakref.finalize | None = None
 
   # ---- lifecycle ---------------------------------------------------------
 
@@ -100,6 +113,10 @@ class LocalCluster:
     if self._configure_jax:
       configure_jax_devices(self.num_hosts * self.devices_per_host)
     self._dir = tempfile.mkdtemp(prefix="sidecar-local-")
+    # A cluster dropped without close() (a notebook cell that makes one again, rebinding
+    # its name) stops its sidecars when it is collected; close() is the main path.
+    self._finalizer = weakref.finalize(self, _stop, self._procs, self._dir)
+    _running.add(self)
     try:
       for h in range(self.num_hosts):
         self._procs.append(self._spawn(h))
@@ -195,22 +212,19 @@ class LocalCluster:
 
   def close(self) -> None:
     """Stops every sidecar (SIGTERM, then SIGKILL) and removes the temp dir; idempotent."""
-    for proc in self._procs:
-      if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for proc in self._procs:
-      if proc is None:
-        continue
-      try:
-        proc.wait(max(deadline - time.monotonic(), 0.1))
-      except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    if self._finalizer is not None:
+      self._finalizer.detach()
+      self._finalizer = None
+    _stop(self._procs, self._dir)
     self._procs = []
-    if self._dir is not None:
-      shutil.rmtree(self._dir, ignore_errors=True)
-      self._dir = None
+    self._dir = None
+    _running.discard(self)
+
+  def __repr__(self) -> str:
+    state = "running" if self._dir is not None else "closed"
+    where = f", sidecars at {self.addresses}" if self._dir is not None and self._ready else ""
+    return (f"LocalCluster({self.num_hosts} hosts x {self.devices_per_host} devices, {state}"
+            f"{where})")
 
   def __enter__(self) -> LocalCluster:
     return self.start()
@@ -254,3 +268,21 @@ class LocalCluster:
   def worker(self, host_id: int) -> Worker:
     """A new Worker attached to host ``host_id``'s sidecar."""
     return Worker(self.socket(host_id))
+
+
+def _stop(procs: list[subprocess.Popen], directory: str | None) -> None:
+  """Stops sidecars (SIGTERM, then SIGKILL after 10 s) and removes their directory."""
+  for proc in procs:
+    if proc is not None and proc.poll() is None:
+      proc.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + 10
+  for proc in procs:
+    if proc is None:
+      continue
+    try:
+      proc.wait(max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+  if directory is not None:
+    shutil.rmtree(directory, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import math
 import os
 import queue
@@ -96,6 +97,7 @@ class Worker:
       self._sock.close()
       raise protocol.error_from_dict(reply["error"], host=self.path)
     self._sock.settimeout(None)
+    self._replies = ipc.FrameReader(self._sock, limit=ipc.MAX_MESSAGE)
     self.session: str = reply["session"]
     self.identity: dict[str, Any] = reply["identity"]
     self.host_id: int = self.identity["host_id"]
@@ -116,13 +118,39 @@ class Worker:
         raise errors.ClosedError("this Worker is closed")
       try:
         ipc.send(self._sock, message)
-        reply, _ = ipc.recv(self._sock)
+        reply = self._reply()
       except (OSError, ConnectionError) as e:
         raise errors.HostLostError(
             f"the sidecar of host {self.host_id} at {self.path} is gone: {e}",
             host_id=self.host_id) from None
     if "error" in reply:
       raise protocol.error_from_dict(reply["error"], host=self.path, host_id=self.host_id)
+    return reply
+
+  def _reply(self) -> dict[str, Any]:
+    """The sidecar's reply to the request just sent; the lock is held.
+
+    A Ctrl-C (KeyboardInterrupt) while it is awaited must not leave it in the socket,
+    where the next request would take it for its own: it is read all the same (the
+    reader keeps a part read), a block it grants is given back, then the interrupt
+    goes on.
+    """
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+      try:
+        reply = json.loads(self._replies.read())
+        break
+      except KeyboardInterrupt as e:
+        interrupted = e
+      except json.JSONDecodeError as e:
+        raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {e}") from None
+    if interrupted is not None:
+      if "offset" in reply:
+        with contextlib.suppress(OSError):
+          ipc.send(self._sock, {"op": "free", "blocks": [[reply["offset"], reply["generation"]]]})
+      raise interrupted
+    if not isinstance(reply, dict):
+      raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {reply!r:.80}")
     return reply
 
   def _check_open(self) -> None:

@@ -31,8 +31,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import distributed, errors, layout_spec as layout, shm, transfer
-from sidecar._src.controller import elastic
+from sidecar._src import (
+    distributed,
+    errors,
+    interrupts,
+    layout_spec as layout,
+    progress as progress_lib,
+    shm,
+    transfer,
+)
+from sidecar._src.controller import display, elastic
 
 log = logging.getLogger(__name__)
 KeyPath = tuple[str | int, ...]
@@ -146,7 +154,7 @@ class Checkpointer:
 
   def __init__(self, *, directory: str, call: Callable[..., Any],
                call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
-               hosts: list[int], device_hosts: dict[int, int], status: Callable[[], list],
+               hosts: list[int], device_hosts: dict[int, int], status: Callable[..., list],
                max_to_keep: int | None, keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True,
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
@@ -206,6 +214,7 @@ class Checkpointer:
 
   # ---- save --------------------------------------------------------------
 
+  @interrupts.deferring  # Ctrl-C: the save is aborted and swept, or left to finish
   def save(self, step: int, tree: Any, *, data_state: dict[str, Any] | None = None
            ) -> SaveHandle:
     """Copies ``tree`` into the arenas and returns; the sidecars persist it.
@@ -225,7 +234,7 @@ class Checkpointer:
       if self._if_busy == "skip":
         return _done_handle(step, None)
       if previous is not None:  # busy may be another process's save
-        concurrent.futures.wait([previous.durable])
+        interrupts.wait_done(previous.durable)
     if step in self.all_steps():
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
@@ -279,6 +288,7 @@ class Checkpointer:
     pending_bytes = dict.fromkeys(self._local, 0)
     try:
       for host, leaf, index, data in plan:  # the one copy the trainer waits for
+        interrupts.check()  # Ctrl-C aborts the save (below)
         pending[host].append({"leaf": leaf, "index": [list(i) for i in index],
                               "data": self._put(host, data)})
         pending_bytes[host] += data.nbytes
@@ -593,8 +603,9 @@ class Checkpointer:
 
   # ---- restore -----------------------------------------------------------
 
+  @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def restore(self, step: int | None = None, *, target: Any,
-              progress: Callable[[str], None] | None = None) -> Any:
+              progress: Callable[[str], None] | bool | None = None) -> Any:
     """Restores ``step`` (default: the latest) onto the shardings of ``target``.
 
     ``target`` is a pytree of ``jax.ShapeDtypeStruct``s with shardings, or of concrete
@@ -603,7 +614,8 @@ class Checkpointer:
     checking its crc32c; a copy that fails its check or whose host is gone falls back
     to the next. Reshards when the target mesh differs from the one saved. Where the
     shards came from: :meth:`last_restore_stats`, and a line at INFO.
-    With ``progress`` (``print``, say), a restore past a second reports bytes and rate.
+    With ``progress`` (``print``, say), a restore past a second reports its progress; by
+    default (None) on a tqdm line where one is seen (a terminal, a notebook).
 
     Raises:
       ShardsLostError: some shard has no live copy and no valid stored one.
@@ -614,8 +626,9 @@ class Checkpointer:
       self._restores += 1
       step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
                                        str(step) if self._lead else None))
-    return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
-                             progress=progress)
+    with progress_lib.lines(progress, f"restoring step {step}") as report:
+      return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
+                               progress=report)
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""
@@ -640,11 +653,19 @@ class Checkpointer:
     held, gone = self._holdings(final_item)
     reads = self._read_all(final_item, flat, stored, held)
     shards, lost = {}, []
-    for k, f in reads.items():
-      try:
-        shards[k] = f.result()
-      except errors.SidecarError as e:
-        lost.append((k, e))
+    try:
+      for k, f in reads.items():
+        try:
+          shards[k] = interrupts.wait(f)
+        except errors.SidecarError as e:
+          lost.append((k, e))
+        if progress is not None and time.perf_counter() - last[0] >= 1.0:
+          last[0] = time.perf_counter()
+          progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
+    except KeyboardInterrupt:
+      reads.clear()  # the traceback keeps this frame: let the blocks go
+      shards.clear()
+      raise
     if lost:
       placed = {int(h): peers for h, peers in (manifest.get("replicas") or {}).items()}
       raise self._lost(step, lost, owners, placed, gone)
@@ -888,29 +909,35 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def wait(self, *, progress: Callable[[str], None] | None = None) -> None:
+  @interrupts.deferring  # Ctrl-C stops the wait; the save goes on
+  def wait(self, *, progress: Callable[[str], None] | bool | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it
     makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
     has ended, done or failed: ``handle.replicated`` says which); raises its error.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
-    the sidecars have made durable, and the rate, once a second.
+    the sidecars have made durable, and the rate, once a second; by default (None) on
+    a tqdm line where one is seen (a terminal, a notebook); ``False``: never.
     """
     handle = self._in_flight
     if handle is None:
       return
-    while progress is not None and not handle.durable.done():
-      try:
-        handle.durable.result(timeout=1.0)
-      except concurrent.futures.TimeoutError:
-        progress(self._progress_line(handle.step))
+    with progress_lib.lines(progress, f"saving step {handle.step}") as report:
+      while report is not None and not handle.durable.done():
+        try:
+          interrupts.wait_done(handle.durable, timeout=1.0)
+        except concurrent.futures.TimeoutError:
+          report(self._progress_line(handle.step))
+    interrupts.wait_done(handle.durable)
     self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
 
   def _join_finisher(self) -> None:
     finisher = self._finisher
     if finisher is not None and finisher is not threading.current_thread():
-      finisher.join()
+      while finisher.is_alive():  # a join Ctrl-C can stop
+        finisher.join(interrupts.POLL_S)
+        interrupts.check()
 
   def _progress_line(self, step: int) -> str:
     done = total = 0
@@ -928,6 +955,7 @@ class Checkpointer:
     if self._closed:
       raise errors.ClosedError("this checkpointer is closed")
 
+  @interrupts.deferring
   def close(self) -> None:
     """Waits for the save in flight, then closes; idempotent."""
     if self._closed:
@@ -942,6 +970,26 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+  def __repr__(self) -> str:
+    return display.text_block("sidecar checkpointer", *self._display())
+
+  def _repr_html_(self) -> str:
+    facts, table = self._display(html=True)
+    return display.html_block("sidecar checkpointer", facts, table)
+
+  def _display(self, html: bool = False) -> tuple[list[tuple[str, str]], str]:
+    """Facts (no call), and each host's tiers for this directory (one bounded Status)."""
+    facts = display.checkpointer_facts(self.directory, self.all_steps(), self._in_flight,
+                                       self._last_restore, self._closed)
+    if self._closed:
+      return facts, ""
+    try:
+      rows = display.tier_rows(self._status(timeout=display.STATUS_TIMEOUT_S), self.directory)
+    except Exception as e:  # a display never raises
+      rows = [["-", display.error_text(e), "", "", ""]]
+    make = display.html_table if html else display.text_table
+    return facts, make(display.TIER_HEADER, rows)
 
 
 def _overlaps(index, region) -> bool:

@@ -18,8 +18,8 @@ import grpc
 import jax
 import numpy as np
 
-from sidecar._src import codec, distributed, errors, protocol, shm, worker as worker_lib
-from sidecar._src.controller import discovery, feed as feed_lib, health
+from sidecar._src import codec, distributed, errors, interrupts, protocol, shm, worker as worker_lib
+from sidecar._src.controller import discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
@@ -130,15 +130,23 @@ class Controller:
 
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
     futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
-    conns, failures = [], []
-    for f in futures:
+    conns, failures, refused = [], [], []
+    for a, f in zip(addresses, futures):
       try:
         conns.append(f.result())
       except errors.SidecarError as e:
         failures.append(e)
+        if isinstance(e, errors.AuthenticationError):
+          refused.append(a)
     if failures:
       for c in conns:
         c.close()
+      if refused and conns:  # some took the token: sidecars of two jobs (or a stale token)
+        raise errors.AuthenticationError(
+            f"these sidecars are not of one job: {', '.join(c.address for c in conns)} "
+            f"accepted this controller's token, {', '.join(refused)} refused it. List only "
+            "one job's sidecars, with that job's token (token=..., SIDECAR_TOKEN or "
+            "SIDECAR_TOKEN_FILE)")
       if len(failures) == 1:
         raise failures[0]
       raise type(failures[0])("; ".join(str(e) for e in failures))
@@ -147,7 +155,8 @@ class Controller:
         other = self._conns[c.info.host_id].address
         raise errors.InvalidArgumentError(
             f"sidecars {other} and {c.address} both say they are host {c.info.host_id}; "
-            "give each sidecar its own --host-id")
+            "give each sidecar its own --host-id (or are they of two jobs, or two "
+            "LocalClusters? list one job's sidecars only)")
       self._conns[c.info.host_id] = c
     fingerprints = {c.info.registry_fingerprint for c in conns}
     if len(fingerprints) > 1:
@@ -155,8 +164,8 @@ class Controller:
                f"pipelines {list(c.info.pipelines)}, fingerprint {c.info.registry_fingerprint}"
                for c in conns]
       raise errors.VersionMismatchError(
-          "the sidecars registered different code; deploy the same modules to every host:\n  "
-          + "\n  ".join(lines))
+          "the sidecars registered different code (are they of two jobs?); deploy the same "
+          "modules to every host:\n  " + "\n  ".join(lines))
 
   def _attach(self, workers: Mapping[int, worker_lib.Worker], attach: bool) -> None:
     for host_id, w in workers.items():
@@ -378,6 +387,7 @@ class Controller:
 
   # ---- calls -------------------------------------------------------------
 
+  @interrupts.deferring  # Ctrl-C: the call's result, when it comes, is dropped
   def call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
            timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Runs registered function ``name`` on ``hosts`` concurrently.
@@ -393,7 +403,7 @@ class Controller:
     if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
       return [self._call_sync(chosen[0], name, args, kwargs, timeout)]
     futures = [self._call_one(h, name, args, kwargs, timeout) for h in chosen]
-    return [f.result() for f in futures]
+    return [interrupts.wait(f) for f in futures]
 
   def _request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
                held: list) -> pb.CallRequest:
@@ -424,12 +434,31 @@ class Controller:
     conn, held = self._conns[host_id], []
     request = self._request(host_id, name, args, kwargs, timeout, held)
     try:
-      response = conn.call_rpc(request, timeout=timeout, metadata=conn.metadata)
+      if threading.current_thread() is not threading.main_thread():
+        response = conn.call_rpc(request, timeout=timeout, metadata=conn.metadata)
+      else:  # a future, which Ctrl-C can leave; a blocking call would hold it off to the end
+        rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
+        try:
+          response = interrupts.wait(rpc)
+        except KeyboardInterrupt:
+          # The call goes on (within its deadline), holding its arguments' blocks; what
+          # it returns is dropped then, so its result's blocks go back too.
+          kept = list(held)
+          rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept))
+          raise
     except grpc.RpcError as e:
       raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
     finally:
       held.clear()
     return self._decode(host_id, name, response)
+
+  def _drop(self, host_id: int, name: str, rpc: grpc.Future, held: list) -> None:
+    """Decodes and drops the result of a call nobody waits for: its blocks go back."""
+    held.clear()
+    try:
+      self._decode(host_id, name, rpc.result())
+    except Exception:  # the caller is gone; its error has nobody to reach
+      pass
 
   def stream(self, name: str, *args: Any, host: int | None = None, prefetch: int = 2,
              timeout: float | None = None, device: jax.Device | None = None,
@@ -598,6 +627,7 @@ class Controller:
     w = self._workers.get(host_id)
     return w.put(data)[0] if w is not None else np.array(data)
 
+  @interrupts.deferring
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
                  timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:
     """Like :meth:`call`, but returns one ``concurrent.futures.Future`` per host."""
@@ -628,17 +658,68 @@ class Controller:
     rpc.add_done_callback(done)
     return out
 
-  def status(self) -> list[pb.StatusResponse]:
-    """Each sidecar's status (identity, registry, arena use, uptime), by host id."""
+  @interrupts.deferring
+  def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
+    """Each sidecar's status (identity, registry, arena use, uptime), by host id.
+
+    Asks every host at once; ``timeout`` (default: the controller's) bounds each.
+    """
     self._check_open()
     out = []
-    for h in sorted(set(self._conns) - set(self._lost)):
-      c = self._conns[h]
-      try:
-        out.append(c.status_rpc(pb.StatusRequest(), timeout=self.timeout, metadata=c.metadata))
-      except grpc.RpcError as e:
-        raise protocol.error_from_rpc(e, host=c.address, host_id=h) from None
+    for h, c, s in self._statuses(self.timeout if timeout is None else timeout):
+      if isinstance(s, grpc.RpcError):
+        raise protocol.error_from_rpc(s, host=c.address, host_id=h) from None
+      out.append(s)
     return out
+
+  def _statuses(self, timeout: float) -> list[tuple[int, Connection, Any]]:
+    """``(host, connection, status or grpc.RpcError)`` of every live host, asked at once."""
+    calls = [(h, self._conns[h]) for h in sorted(set(self._conns) - set(self._lost))]
+    futures = [c.status_rpc.future(pb.StatusRequest(), timeout=timeout, metadata=c.metadata)
+               for _, c in calls]
+    out = []
+    for (h, c), f in zip(calls, futures):
+      try:
+        out.append((h, c, interrupts.wait(f)))
+      except grpc.RpcError as e:
+        out.append((h, c, e))
+    return out
+
+  # ---- display -----------------------------------------------------------
+
+  @interrupts.deferring
+  def _display_rows(self) -> list[display.Row]:
+    if self.state is State.CLOSED:
+      return []
+    rows: list[display.Row] = []
+    for h, c, s in self._statuses(display.STATUS_TIMEOUT_S):
+      if isinstance(s, grpc.RpcError):
+        s = protocol.error_from_rpc(s, host=c.address, host_id=h)
+      rows.append((h, c.address, s))
+    return rows
+
+  def _display_facts(self) -> list[tuple[str, str]]:
+    children = list(self._children)
+    feeds = [c for c in children if isinstance(c, Feed) and c.status is feed_lib.State.OPEN]
+    ckpts = [c for c in children if isinstance(c, Checkpointer) and not c._closed]
+    facts = [("state", self.state.value),
+             ("hosts", f"{len(self.hosts)} live" + (f", lost: {self.lost_hosts}"
+                                                    if self._lost else "")),
+             ("this process", f"{self.process_index} of {self._peers.count}, drives hosts "
+                              f"{self.local_hosts}"),
+             ("feeds open", ", ".join(repr(f.name) for f in feeds) or "none"),
+             ("checkpointers", ", ".join(c.directory for c in ckpts) or "none")]
+    return facts
+
+  def __repr__(self) -> str:
+    rows = self._display_rows()
+    table = display.text_table(display.HOST_HEADER, display.host_rows(rows)) if rows else ""
+    return display.text_block("sidecar.Controller", self._display_facts(), table)
+
+  def _repr_html_(self) -> str:
+    rows = self._display_rows()
+    table = display.html_table(display.HOST_HEADER, display.host_rows(rows)) if rows else ""
+    return display.html_block("sidecar.Controller", self._display_facts(), table)
 
   # ---- lifecycle ---------------------------------------------------------
 

@@ -9,6 +9,7 @@ prefetched, so a feed resumed from it continues with exactly the next batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -19,7 +20,8 @@ from typing import Any
 
 import jax
 
-from sidecar._src import distributed, errors, transfer
+from sidecar._src import distributed, errors, progress as progress_lib, transfer
+from sidecar._src.controller import display
 from sidecar._src.protocol import pb
 
 STATE_VERSION = 1
@@ -109,6 +111,7 @@ class Feed:
     self._state = _check_state(state, name=name, seed=seed, num_hosts=len(plans))
     shardable = _rows_disjoint_across_hosts(plans)
     self._streams = []
+    self._parts: list[Any] = []  # of the batch being gathered
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
@@ -137,8 +140,16 @@ class Feed:
     if self.status is State.CLOSED:
       raise errors.ClosedError(f"feed {self.name!r} is closed")
     t0 = time.perf_counter()
+    # A batch's parts, one per host, kept across a KeyboardInterrupt (a notebook cell
+    # stopped mid-batch): the next call goes on with the host it stopped at, so no
+    # host's part is lost and the hosts stay on the same batch.
+    items = self._parts
     try:
-      items = [next(s) for s in self._streams]
+      # The first batch may take a while (a pipeline opening its files): say so after 2 s.
+      with (progress_lib.waiting(f"feed {self.name!r}: waiting for the first batch")
+            if not self._batches else contextlib.nullcontext()):
+        while len(items) < len(self._streams):
+          items.append(next(self._streams[len(items)]))
     except StopIteration:
       if self.status is State.CLOSED:  # closed under us (Controller.cancel), not the end
         raise errors.ClosedError(f"feed {self.name!r} was closed") from None
@@ -147,9 +158,15 @@ class Feed:
     except errors.SidecarError:
       self.close()
       raise
+    except KeyboardInterrupt as e:
+      # Raised from here: the frames below (a half-decoded item's views) would keep
+      # their blocks as long as the notebook keeps the traceback.
+      raise e.with_traceback(None) from None
     wait = time.perf_counter() - t0
     batch = self._assemble([item["batch"] for item in items])
-    self._state = self._merge([item["state"] for item in items])
+    state = self._merge([item["state"] for item in items])
+    self._parts = []  # from here on the batch is the trainer's
+    self._state = state
     self._waits.append(wait)
     self._produce.append(max(item["produce_s"] for item in items))
     self._batches += 1
@@ -202,6 +219,10 @@ class Feed:
   def stats(self) -> dict[str, Any]:
     """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,
     and each host's arena occupancy (the fraction of slots in use)."""
+    return {**self._own_stats(), "arena_occupancy": self._arena_use()}
+
+  def _own_stats(self) -> dict[str, Any]:
+    """What :meth:`stats` says that needs no call to the sidecars."""
     elapsed = time.perf_counter() - self._started
     waits = self._waits or [0.0]
     return {
@@ -211,12 +232,21 @@ class Feed:
         "wait_s_max": max(waits),
         "produce_s_mean": statistics.fmean(self._produce) if self._produce else 0.0,
         "hosts": [p.host_id for p in self._plans],
-        "arena_occupancy": self._arena_use(),
     }
+
+  def _facts(self) -> list[tuple[str, str]]:
+    return display.feed_facts(self._own_stats(), self._state, self.status.value)
+
+  def __repr__(self) -> str:
+    return display.text_block(f"sidecar feed {self.name!r}", self._facts())
+
+  def _repr_html_(self) -> str:
+    return display.html_block(f"sidecar feed {self.name!r}", self._facts())
 
   def close(self) -> None:
     """Stops every host's stream; idempotent."""
     self.status = State.CLOSED
+    self._parts.clear()  # also where an interrupt's traceback still holds the list
     for s in self._streams:
       s.close()
 

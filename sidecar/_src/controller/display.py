@@ -1,0 +1,143 @@
+"""What a Controller, a Feed and a Checkpointer show in a notebook and at a prompt.
+
+``__repr__`` is plain text, ``_repr_html_`` a small table. Both read one Status of
+every live host, all at once and within :data:`STATUS_TIMEOUT_S` (a host that does
+not answer shows as such); a feed's own figures need no call at all.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar._src import shm
+from sidecar._src.protocol import pb
+
+STATUS_TIMEOUT_S = 1.0
+
+Row = tuple[int, str, "pb.StatusResponse | Exception"]  # host id, address, status or error
+
+
+def host_rows(rows: Sequence[Row]) -> list[list[str]]:
+  """Host, address, arena use, workers, running feeds, checkpoint tiers: one row a host."""
+  out = []
+  for host, address, s in rows:
+    if isinstance(s, Exception):
+      out.append([str(host), address, "unreachable: " + str(s).splitlines()[0][:120], "", "",
+                  ""])
+      continue
+    arena = (f"{shm.format_size(s.arena_used)} / {shm.format_size(s.arena_size)} "
+             f"({s.arena_used / max(s.arena_size, 1):.0%}), {s.arena_blocks} blocks")
+    out.append([str(host), address, arena, str(s.workers), feeds_text(s.feeds),
+                checkpoints_text(s.checkpoints)])
+  return out
+
+
+HOST_HEADER = ["host", "address", "arena", "workers", "feeds", "checkpoints"]
+
+
+def feeds_text(feeds: Sequence[pb.FeedStatus]) -> str:
+  parts = []
+  for f in feeds:
+    rate = f"{f.batches / f.uptime_s:.1f}/s" if f.uptime_s else "-"
+    wait = f"{f.trainer_wait_s / max(f.batches, 1) * 1e3:.1f} ms"
+    parts.append(f"{f.pipeline}: {f.batches} batches, {rate}, trainer wait {wait}")
+  return "; ".join(parts) or "-"
+
+
+def checkpoints_text(checkpoints: Sequence[pb.CheckpointStatus]) -> str:
+  parts = []
+  for c in checkpoints:
+    text = f"{c.directory}: RAM {list(c.ram_steps) or '-'}"
+    if c.replicas:
+      text += ", replicas " + ", ".join(f"{list(r.steps)} of host {r.source_host}"
+                                        for r in c.replicas)
+    if c.writing:
+      text += (f", writing {list(c.writing)} ({shm.format_size(c.written_bytes)} of "
+               f"{shm.format_size(c.total_bytes)})")
+    parts.append(text)
+  return "; ".join(parts) or "-"
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:
+  lines = [list(header), *map(list, rows)]
+  widths = [max(len(r[i]) for r in lines) for i in range(len(header) - 1)]
+  return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]
+                   for r in lines)
+
+
+def html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
+  body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>"
+                                  for c in r) + "</tr>" for r in rows)
+  return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def html_block(title: str, facts: Sequence[tuple[str, str]], table: str = "") -> str:
+  items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in facts)
+  return (f"<div><b>{html.escape(title)}</b><ul style='margin:0'>{items}</ul>{table}</div>")
+
+
+def text_block(title: str, facts: Sequence[tuple[str, str]], table: str = "") -> str:
+  lines = [title] + [f"  {k}: {v}" for k, v in facts]
+  return "\n".join(lines + ([table] if table else []))
+
+
+def feed_facts(stats: dict[str, Any], state: dict[str, Any], status: str) -> list[tuple[str, str]]:
+  """A feed's own figures (no call): batches, rate, the trainer's wait, its position."""
+  where = (f"epoch {state.get('epoch')}, position {state.get('position')}"
+           if state.get("kind") == "map" else
+           "; ".join(f"shard {i}: epoch {s['epoch']}, position {s['position']}"
+                     for i, s in enumerate(state.get("shards", []))) or "start")
+  return [("status", status), ("hosts", str(stats["hosts"])),
+          ("batches", f"{stats['batches']} ({stats['batches_per_s']:.1f}/s)"),
+          ("trainer wait", f"{stats['wait_s_mean'] * 1e3:.2f} ms/step mean, "
+                           f"{stats['wait_s_p50'] * 1e3:.2f} p50, "
+                           f"{stats['wait_s_max'] * 1e3:.2f} max"),
+          ("position", where)]
+
+
+def error_text(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+TIER_HEADER = ["host", "RAM tier", "replicas held", "being written", "staged, not committed"]
+
+
+def tier_rows(statuses: Sequence[pb.StatusResponse], directory: str) -> list[list[str]]:
+  """One row a host: the steps of ``directory`` in each of its tiers."""
+  rows = []
+  for s in statuses:
+    for c in s.checkpoints:
+      if c.directory != directory:
+        continue
+      writing = "-"
+      if c.writing:
+        rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
+        writing = (f"{list(c.writing)}: {shm.format_size(c.written_bytes)} of "
+                   f"{shm.format_size(c.total_bytes)} ({rate:.2f} GB/s)")
+      replicas = "; ".join(f"{list(r.steps)} of host {r.source_host}" for r in c.replicas)
+      rows.append([str(s.identity.host_id), str(list(c.ram_steps) or "-"), replicas or "-",
+                   writing, str(list(c.uncommitted) or "-")])
+  return rows
+
+
+def _future_state(f: Any) -> str:
+  if not f.done():
+    return "pending"
+  return "failed" if f.exception() is not None else "done"
+
+
+def checkpointer_facts(directory: str, steps: Sequence[int], in_flight: Any, last_restore: Any,
+                       closed: bool) -> list[tuple[str, str]]:
+  """A checkpointer's own figures (no call): steps, the save in flight, the last restore."""
+  save = "none"
+  if in_flight is not None:
+    save = (f"step {in_flight.step}: staged {_future_state(in_flight.staged)}, durable "
+            f"{_future_state(in_flight.durable)}, replicated "
+            f"{_future_state(in_flight.replicated)}")
+  return [("directory", directory), ("state", "closed" if closed else "open"),
+          ("committed steps", str(list(steps)) if steps else "none"),
+          ("latest save", save),
+          ("last restore", last_restore.summary() if last_restore is not None else "none")]

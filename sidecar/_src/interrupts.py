@@ -1,0 +1,134 @@
+"""Ctrl-C (KeyboardInterrupt) taken only where it leaves nothing half-done.
+
+A KeyboardInterrupt is raised in the main thread between any two bytecodes. Raised
+just after a ``threading.Condition`` was entered (Python code: gRPC's channel state
+and every ``concurrent.futures.Future`` use one), it leaves that lock held for good,
+and the gRPC threads that deliver every later result on the channel wait for it
+forever (found with py-spy: an interrupted ``ckpt.save`` hung its own abort). So the
+controller's calls run with SIGINT *deferred*: the handler only notes it, the long
+waits inside poll :func:`requested` and clean up, and the KeyboardInterrupt is raised
+once the call is out of gRPC's and the futures' locks.
+
+Only the main thread gets SIGINT, and only Python's own handler is deferred: a
+program that installed its own handler keeps it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# How often a deferred wait looks whether Ctrl-C was pressed.
+POLL_S = 0.05
+
+_depth = 0  # nesting of deferred() in the main thread
+_pending = False  # SIGINT came while deferred
+_previous: Any = None
+
+
+def _note(signum: int, frame: Any) -> None:
+  global _pending
+  _pending = True
+
+
+class deferred:
+  """A block in which SIGINT is noted instead of raised; raised on leaving it.
+
+  Example::
+
+    with interrupts.deferred():
+      future = rpc.future(request)
+      result = interrupts.wait(future)   # KeyboardInterrupt here, at a safe point
+  """
+
+  __slots__ = ("_active",)
+
+  def __enter__(self) -> deferred:
+    global _depth, _previous, _pending
+    self._active = False
+    if threading.current_thread() is not threading.main_thread():
+      return self
+    if _depth == 0:
+      if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return self  # someone else's handler, or SIGINT ignored: not ours to change
+      _pending = False
+      _previous = signal.signal(signal.SIGINT, _note)
+    _depth += 1
+    self._active = True
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    global _depth, _pending
+    if not self._active:
+      return
+    _depth -= 1
+    if _depth:
+      return
+    signal.signal(signal.SIGINT, _previous)
+    if _pending:
+      _pending = False
+      if exc_type is None:
+        raise KeyboardInterrupt
+
+
+def deferring(fn: F) -> F:
+  """Runs ``fn`` in a :class:`deferred` block (a decorator)."""
+  @functools.wraps(fn)
+  def wrapper(*args: Any, **kwargs: Any) -> Any:
+    with deferred():
+      return fn(*args, **kwargs)
+  return wrapper  # type: ignore[return-value]
+
+
+def requested() -> bool:
+  """Whether Ctrl-C was pressed inside the current deferred block."""
+  return _pending
+
+
+def check() -> None:
+  """Raises KeyboardInterrupt now if Ctrl-C was pressed inside a deferred block."""
+  global _pending
+  if _pending:
+    _pending = False
+    raise KeyboardInterrupt
+
+
+def wait(future: concurrent.futures.Future | Any, timeout: float | None = None) -> Any:
+  """``future.result(timeout)``, raising KeyboardInterrupt (at once) on Ctrl-C.
+
+  Works for ``concurrent.futures.Future`` and gRPC futures alike. Outside a
+  deferred block it is a plain ``result()``.
+  """
+  if _depth == 0 or threading.current_thread() is not threading.main_thread():
+    return future.result(timeout)
+  left = timeout
+  while True:
+    step = POLL_S if left is None else min(POLL_S, left)
+    try:
+      return future.result(step)
+    except (concurrent.futures.TimeoutError, TimeoutError):
+      pass
+    except Exception as e:  # gRPC futures raise grpc.FutureTimeoutError
+      if type(e).__name__ != "FutureTimeoutError":
+        raise
+    check()
+    if left is not None:
+      left -= step
+      if left <= 0:
+        raise concurrent.futures.TimeoutError()
+
+
+def wait_done(future: concurrent.futures.Future, timeout: float | None = None) -> None:
+  """Waits until ``future`` is done, whatever its outcome, as :func:`wait` does."""
+  try:
+    wait(future, timeout)
+  except (concurrent.futures.TimeoutError, KeyboardInterrupt):
+    raise
+  except BaseException:
+    pass
