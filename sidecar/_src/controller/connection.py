@@ -8,16 +8,33 @@ import socket
 
 import grpc
 
-from sidecar._src import errors, protocol
+from sidecar._src import env, errors, protocol
 from sidecar._src.protocol import pb
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
-    # Notice a dead peer quickly even when no call is in flight.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
 )
+
+
+def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
+  """CHANNEL_OPTIONS, with HTTP/2 pings that find a hung or stopped sidecar within about
+  ``peer_timeout`` seconds, also while a stream waits on a slow pipeline.
+
+  A ping goes out after half the peer timeout without one (at most every 10 s) and must
+  be answered within the other half; a stopped process answers none, so its streams and
+  calls end with UNAVAILABLE ("ping timeout"): HostLostError. gRPC's own ping timeout
+  (``grpc.http2.ping_timeout_ms``, 60 s by default) is what bounds it, not
+  ``keepalive_timeout_ms``; the sidecar accepts pings this often
+  (``host.server.KEEPALIVE_OPTIONS``).
+  """
+  half = max(int(peer_timeout * 500), 1)
+  return CHANNEL_OPTIONS + (
+      ("grpc.keepalive_time_ms", min(half, 10_000)),
+      ("grpc.keepalive_timeout_ms", half),
+      ("grpc.http2.ping_timeout_ms", half),
+      ("grpc.http2.max_pings_without_data", 0),  # keep asking while a stream is quiet
+  )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,9 +55,10 @@ class HostInfo:
 class Connection:
   """A channel to one sidecar, after a successful handshake."""
 
-  def __init__(self, address: str, *, token: str | None, timeout: float):
+  def __init__(self, address: str, *, token: str | None, timeout: float,
+               peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S):
     self.address = address
-    self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    self._channel = grpc.insecure_channel(address, options=channel_options(peer_timeout))
     try:
       grpc.channel_ready_future(self._channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:

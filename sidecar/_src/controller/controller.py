@@ -17,7 +17,7 @@ import grpc
 import jax
 import numpy as np
 
-from sidecar._src import codec, distributed, errors, protocol, shm, worker as worker_lib
+from sidecar._src import codec, distributed, env, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
@@ -62,6 +62,10 @@ class Controller:
       (``attach=True``) the controller attaches to every sidecar on this machine itself,
       so large arrays move through shared memory instead of the network.
     peers: the trainer processes of this job (default: those of ``jax.distributed``).
+    peer_timeout: seconds a sidecar may stay silent (hung, SIGSTOPped) before what waits
+      on it (a feed, a stream, a request of its worker) ends with HostLostError; default
+      ``$SIDECAR_PEER_TIMEOUT`` or 30. A slow pipeline is no silence: its sidecar still
+      answers the pings.
 
   With one process that owns every device, this controller drives every host. Under
   ``jax.distributed`` with N processes (one per host, see ``sidecar.distributed``), each
@@ -74,13 +78,14 @@ class Controller:
   def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                timeout: float = 60.0, connect_timeout: float = 30.0,
                workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True,
-               peers: distributed.Peers | None = None):
+               peers: distributed.Peers | None = None, peer_timeout: float | None = None):
     if isinstance(addresses, str) or not addresses:
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
+    self.peer_timeout = env.peer_timeout(peer_timeout)
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
     self._conns: dict[int, Connection] = {}
@@ -121,7 +126,8 @@ class Controller:
     return cls(discovery.discover(timeout=timeout), **kwargs)
 
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
-    futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
+    futures = [self._pool.submit(Connection, a, token=token, timeout=timeout,
+                                 peer_timeout=self.peer_timeout) for a in addresses]
     conns, failures = [], []
     for f in futures:
       try:
@@ -164,7 +170,7 @@ class Controller:
       if host_id in self._workers or not here or c.reply.identity.boot_id != here:
         continue
       if os.path.exists(sock):
-        w = worker_lib.Worker(sock)
+        w = worker_lib.Worker(sock, timeout=self.peer_timeout)
         self._own_workers.append(w)
         self._workers[host_id] = w
 
@@ -183,7 +189,7 @@ class Controller:
             f"sidecar: set {worker_lib.ENV_ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
-        w = worker_lib.Worker()
+        w = worker_lib.Worker(timeout=self.peer_timeout)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self._peers.index}: its own sidecar at "

@@ -29,6 +29,11 @@ from sidecar._src.protocol import pb
 log = logging.getLogger(__name__)
 
 
+# Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
+# to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
+KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
+
+
 class State(enum.Enum):
   NEW = "new"
   SERVING = "serving"
@@ -114,7 +119,7 @@ class Server:
                            checkpoints=self.checkpoints.status)
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
-           ("grpc.so_reuseport", 0)]
+           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
     self._grpc = grpc.server(
         futures.ThreadPoolExecutor(o.threads, thread_name_prefix="sidecar-rpc"),
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])

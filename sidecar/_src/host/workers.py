@@ -154,6 +154,9 @@ class WorkerListener:
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     op = message.get("op")
+    if op == "ping":  # a sign of life, asked while a stream of this worker waits
+      ipc.send(conn, {"ok": True})
+      return
     if op == "free":
       self._free(session, [int(x) for pair in message.get("blocks", ()) for x in pair])
       return
