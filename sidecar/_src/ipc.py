@@ -101,8 +101,9 @@ def recv(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any], list
     raise errors.InvalidArgumentError(f"control message of {length} bytes exceeds {MAX_MESSAGE}")
   try:
     message = json.loads(_recv_exact(sock, length))
-  except json.JSONDecodeError as e:
-    raise errors.InvalidArgumentError(f"malformed control message: {e}") from e
+  except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
+    raise errors.InvalidArgumentError(
+        f"malformed control message: {type(e).__name__}: {e}"[:300]) from None
   if not isinstance(message, dict):
     raise errors.InvalidArgumentError(f"control message must be an object, got {message!r:.80}")
   return message, fds

@@ -47,7 +47,15 @@ class ServerOptions:
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
-  threads: int = 32
+  threads: int = 32  # for handshakes, calls and status; streams have their own below
+  # Bounds on what clients hold (docs/security.md): gRPC streams at once (each holds a
+  # thread of its own budget) in all and per handshake session; handshake sessions kept,
+  # and how long one may go unused; worker-socket connections (each holds a thread).
+  max_streams: int = 16
+  max_streams_per_session: int = 8
+  max_sessions: int = 4096
+  session_idle_s: float = 86400.0
+  max_worker_connections: int = 256
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
@@ -84,6 +92,13 @@ class ServerOptions:
           f"{self.checkpoint_roots!r}")
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
+    for name in ("max_streams", "max_streams_per_session", "max_sessions",
+                 "max_worker_connections"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(self.session_idle_s, (int, float)) or not self.session_idle_s > 0:
+      raise ValueError(f"session_idle_s must be positive seconds, got {self.session_idle_s!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:
       raise ValueError(
           f"inline_limit must be >= 0 and max_message_size >= 65536, got {self.inline_limit!r} "

@@ -93,7 +93,10 @@ class Worker:
       process = distributed.local_identity()  # under jax.distributed: who drives this host
       if process is not None:
         hello["process"] = process
-      ipc.send(self._sock, hello)
+      try:
+        ipc.send(self._sock, hello)
+      except OSError:
+        pass  # Refused (too many connections) before it read: its answer says why.
       reply, fds = ipc.recv(self._sock, max_fds=1)
     except (OSError, ConnectionError) as e:
       self._sock.close()

@@ -22,6 +22,7 @@ from sidecar._src import errors, options as options_lib, protocol, registry as r
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
+from sidecar._src.host.limits import Sessions, StreamSlots
 from sidecar._src.host.service import Service
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
@@ -113,15 +114,20 @@ class Server:
                          imports=o.imports,
                          builtins=self.checkpoints.functions())
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
-                                  self.runner)
+                                  self.runner, max_connections=o.max_worker_connections)
     self.service = Service(runner=self.runner, identity=self.identity,
                            arena_size=self.arena.size, leases=self.leases, workers=self.workers,
-                           checkpoints=self.checkpoints.status)
+                           checkpoints=self.checkpoints.status,
+                           sessions=Sessions(idle_s=o.session_idle_s, limit=o.max_sessions),
+                           streams=StreamSlots(total=o.max_streams,
+                                               per_session=o.max_streams_per_session))
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
     self._grpc = grpc.server(
-        futures.ThreadPoolExecutor(o.threads, thread_name_prefix="sidecar-rpc"),
+        # Streams have a budget of their own: those that never send a credit cannot
+        # take the threads of handshakes, calls and status.
+        futures.ThreadPoolExecutor(o.threads + o.max_streams, thread_name_prefix="sidecar-rpc"),
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
     self._grpc.add_generic_rpc_handlers((self.service.handler(),))
     reflection.enable_server_reflection((protocol.SERVICE, reflection.SERVICE_NAME), self._grpc)
