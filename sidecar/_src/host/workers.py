@@ -192,7 +192,7 @@ class WorkerListener:
       ipc.send(conn, {"ok": True})
       return
     if op == "free":
-      self._free(session, _blocks(message.get("blocks", ())))
+      self._free(session, _blocks(message.get("blocks", [])))
       return
     if op == "alloc":
       try:
