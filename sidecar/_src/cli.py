@@ -76,7 +76,8 @@ def _serve(args: argparse.Namespace) -> int:
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         insecure=args.insecure, imports=tuple(imports),
-        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots))
+        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -201,6 +202,11 @@ def parser() -> argparse.ArgumentParser:
                           if r.strip()],
                  help="directory the checkpoint calls may act in, and below (repeatable; "
                       "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
+  s.add_argument("--tls-cert", default=_env("SIDECAR_TLS_CERT"), metavar="PEM",
+                 help="TLS on the control port: its certificate chain (with --tls-key)")
+  s.add_argument("--tls-key", default=_env("SIDECAR_TLS_KEY"), metavar="PEM")
+  s.add_argument("--tls-client-ca", default=_env("SIDECAR_TLS_CLIENT_CA"), metavar="PEM",
+                 help="mTLS: controllers must present a certificate this CA signed")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)

@@ -39,6 +39,11 @@ TOKEN_FILE = _var("SIDECAR_TOKEN_FILE", "a file holding the bearer token (read i
 PEER_TIMEOUT = "SIDECAR_PEER_TIMEOUT"
 
 DEFAULT_PEER_TIMEOUT_S = 30.0
+# Read by Controller: TLS to the sidecars' control ports (PEM files). TLS_CA verifies the
+# sidecars' certificates; TLS_CLIENT_CERT and TLS_CLIENT_KEY are this side's, for mTLS.
+TLS_CA = "SIDECAR_TLS_CA"
+TLS_CLIENT_CERT = "SIDECAR_TLS_CLIENT_CERT"
+TLS_CLIENT_KEY = "SIDECAR_TLS_CLIENT_KEY"
 
 
 def int_var(env: Mapping[str, str], name: str, default: int | None, *, minimum: int,

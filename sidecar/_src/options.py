@@ -59,6 +59,11 @@ class ServerOptions:
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
+  # TLS on the control port (PEM files): the server's certificate chain and key; with
+  # tls_client_ca also mTLS, every client must present a certificate that CA signed.
+  tls_cert: str | None = None
+  tls_key: str | None = None
+  tls_client_ca: str | None = None
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):
@@ -79,11 +84,20 @@ class ServerOptions:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
     if self.token is not None and not self.token.strip():
       raise ValueError("token must be a non-empty string or None")
-    if self.token is None and not self.insecure and not is_loopback(self.listen):
+    if (self.tls_cert is None) != (self.tls_key is None):
+      raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
+                       f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")
+    if self.tls_client_ca is not None and self.tls_cert is None:
+      raise ValueError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and "
+                       "--tls-key too")
+    # mTLS authenticates every client as a token does.
+    if (self.token is None and self.tls_client_ca is None and not self.insecure
+        and not is_loopback(self.listen)):
       raise ValueError(
           f"listen {self.listen!r} is not a loopback address and no token is set: anyone who "
           "can reach the port could run functions, feeds and checkpoints here; pass "
-          "--token-file FILE (or SIDECAR_TOKEN / SIDECAR_TOKEN_FILE), listen on 127.0.0.1, or "
+          "--token-file FILE (or SIDECAR_TOKEN / SIDECAR_TOKEN_FILE) or --tls-client-ca, listen "
+          "on 127.0.0.1, or "
           "pass --insecure (SIDECAR_INSECURE=1) to serve without a token anyway")
     if not isinstance(self.checkpoint_roots, tuple) or any(
         not isinstance(r, str) or not r.strip() for r in self.checkpoint_roots):

@@ -52,20 +52,55 @@ class HostInfo:
   versions: dict[str, str]
 
 
+def tls_credentials(ca: str | None, cert: str | None, key: str | None
+                    ) -> grpc.ChannelCredentials | None:
+  """Channel credentials from PEM files (``$SIDECAR_TLS_CA``, ``$SIDECAR_TLS_CLIENT_CERT``,
+  ``$SIDECAR_TLS_CLIENT_KEY`` where not given); None when none is given or set.
+
+  Raises:
+    InvalidArgumentError: only one of cert and key, or a file that cannot be read.
+  """
+  ca = ca or os.environ.get(env.TLS_CA) or None
+  cert = cert or os.environ.get(env.TLS_CLIENT_CERT) or None
+  key = key or os.environ.get(env.TLS_CLIENT_KEY) or None
+  if ca is None and cert is None and key is None:
+    return None
+  if (cert is None) != (key is None):
+    raise errors.InvalidArgumentError(
+        f"tls_cert and tls_key go together (or {env.TLS_CLIENT_CERT} and {env.TLS_CLIENT_KEY}), "
+        f"got {cert!r} and {key!r}")
+
+  def read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+      return None
+    try:
+      with open(path, "rb") as f:
+        return f.read()
+    except OSError as e:
+      raise errors.InvalidArgumentError(f"cannot read {what} {path}: {e.strerror}") from None
+  return grpc.ssl_channel_credentials(root_certificates=read(ca, "tls_ca"),
+                                      private_key=read(key, "tls_key"),
+                                      certificate_chain=read(cert, "tls_cert"))
+
+
 class Connection:
   """A channel to one sidecar, after a successful handshake."""
 
   def __init__(self, address: str, *, token: str | None, timeout: float,
-               peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S):
+               peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S,
+               credentials: grpc.ChannelCredentials | None = None):
     self.address = address
-    self._channel = grpc.insecure_channel(address, options=channel_options(peer_timeout))
+    options = channel_options(peer_timeout)
+    self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
+                     else grpc.secure_channel(address, credentials, options=options))
     try:
       grpc.channel_ready_future(self._channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
       self._channel.close()
       raise errors.HostLostError(
           f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
-          "running there and the port reachable?") from None
+          "running there and the port reachable (and TLS on both sides or neither: a "
+          "sidecar with --tls-cert needs tls_ca=... here, or SIDECAR_TLS_CA)?") from None
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,

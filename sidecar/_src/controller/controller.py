@@ -20,7 +20,7 @@ import numpy as np
 from sidecar._src import codec, distributed, env, errors, protocol, shm, worker as worker_lib
 from sidecar._src.controller import discovery, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
-from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.connection import Connection, HostInfo, tls_credentials
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -66,6 +66,11 @@ class Controller:
       on it (a feed, a stream, a request of its worker) ends with HostLostError; default
       ``$SIDECAR_PEER_TIMEOUT`` or 30. A slow pipeline is no silence: its sidecar still
       answers the pings.
+    tls_ca, tls_cert, tls_key: PEM files for TLS to the sidecars' control ports (``sidecar
+      serve --tls-cert``): the CA that signed their certificates (default
+      ``$SIDECAR_TLS_CA``, else the system's roots), and for mTLS (``--tls-client-ca``)
+      this controller's certificate and key (``$SIDECAR_TLS_CLIENT_CERT``,
+      ``$SIDECAR_TLS_CLIENT_KEY``). None given or set: plaintext.
 
   With one process that owns every device, this controller drives every host. Under
   ``jax.distributed`` with N processes (one per host, see ``sidecar.distributed``), each
@@ -78,7 +83,9 @@ class Controller:
   def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                timeout: float = 60.0, connect_timeout: float = 30.0,
                workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True,
-               peers: distributed.Peers | None = None, peer_timeout: float | None = None):
+               peers: distributed.Peers | None = None, peer_timeout: float | None = None,
+               tls_ca: str | None = None, tls_cert: str | None = None,
+               tls_key: str | None = None):
     if isinstance(addresses, str) or not addresses:
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
@@ -86,6 +93,7 @@ class Controller:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
     self.peer_timeout = env.peer_timeout(peer_timeout)
+    self._credentials = tls_credentials(tls_ca, tls_cert, tls_key)
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
     self._conns: dict[int, Connection] = {}
@@ -127,7 +135,8 @@ class Controller:
 
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
     futures = [self._pool.submit(Connection, a, token=token, timeout=timeout,
-                                 peer_timeout=self.peer_timeout) for a in addresses]
+                                 peer_timeout=self.peer_timeout,
+                                 credentials=self._credentials) for a in addresses]
     conns, failures = [], []
     for f in futures:
       try:

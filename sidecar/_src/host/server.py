@@ -63,6 +63,22 @@ class _TokenAuth(grpc.ServerInterceptor):
     return continuation(handler_call_details)
 
 
+def _tls_credentials(o: options_lib.ServerOptions) -> grpc.ServerCredentials | None:
+  """The control port's TLS (mTLS with a client CA) from PEM files; None without TLS."""
+  if o.tls_cert is None or o.tls_key is None:
+    return None
+  def read(path: str, flag: str) -> bytes:
+    try:
+      with open(path, "rb") as f:
+        return f.read()
+    except OSError as e:
+      raise OSError(e.errno, f"cannot read {flag} {path}: {e.strerror}") from None
+  ca = None if o.tls_client_ca is None else read(o.tls_client_ca, "--tls-client-ca")
+  return grpc.ssl_server_credentials(
+      [(read(o.tls_key, "--tls-key"), read(o.tls_cert, "--tls-cert"))], root_certificates=ca,
+      require_client_auth=ca is not None)
+
+
 class Server:
   """A sidecar server. Use as a context manager, or ``start()`` then ``stop()``."""
 
@@ -131,7 +147,7 @@ class Server:
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
     self._grpc.add_generic_rpc_handlers((self.service.handler(),))
     reflection.enable_server_reflection((protocol.SERVICE, reflection.SERVICE_NAME), self._grpc)
-    self.port = self._bind(self._grpc, o.listen, o.port, "port")
+    self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
     self._grpc.start()
     self._health = health.HealthServicer()
     self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
@@ -142,9 +158,11 @@ class Server:
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
   @staticmethod
-  def _bind(server: grpc.Server, listen: str, port: int, flag: str) -> int:
+  def _bind(server: grpc.Server, listen: str, port: int, flag: str,
+            credentials: grpc.ServerCredentials | None = None) -> int:
     try:
-      bound = server.add_insecure_port(f"{listen}:{port}")
+      bound = (server.add_insecure_port(f"{listen}:{port}") if credentials is None
+               else server.add_secure_port(f"{listen}:{port}", credentials))
     except RuntimeError as e:
       bound = 0
       reason = str(e)
