@@ -114,3 +114,11 @@ def made_in_place(n: int, value: int):
 def overwrite(a, value: int):
   """Writes ``value`` into its argument in place (an arena view, when it came as one)."""
   a[...] = value
+
+
+@sidecar.function
+def slow_count(n: int, delay: float):
+  """Yields 0..n-1, one every ``delay`` seconds: a slow pipeline, not a hung one."""
+  for i in range(n):
+    time.sleep(delay)
+    yield i

@@ -67,3 +67,18 @@ def test_local_stream_finalizer_needs_no_module_globals(monkeypatch):
   monkeypatch.setattr(worker_lib, "pb", None)
   stream.__del__()  # raises nothing
   stream.closed = True  # so that the collector's own __del__ has nothing to do
+
+
+def test_a_slow_stream_is_waited_on_past_the_peer_timeout(make_server):
+  """Items slower than the peer timeout still arrive: the sidecar answers the pings."""
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], peer_timeout=0.3) as ctl:
+    with ctl.stream("slow_count", 2, 0.8) as s:
+      assert list(s) == [0, 1]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_peer_timeout_is_refused_naming_the_variable(make_server, monkeypatch, value):
+  monkeypatch.setenv("SIDECAR_PEER_TIMEOUT", value)
+  with pytest.raises(sidecar.InvalidArgumentError, match="SIDECAR_PEER_TIMEOUT must be a number"):
+    sidecar.Worker(make_server().options.socket_path)

@@ -85,7 +85,8 @@ def _serve(args: argparse.Namespace) -> int:
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -241,6 +242,11 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--log-format", choices=logs.FORMATS, default=_env("SIDECAR_LOG_FORMAT", "text"),
                  help="text (default) or json: one JSON object a line, with time, level, "
                       "logger, message, host_id, and session or step where they apply")
+  s.add_argument("--tls-cert", default=_env("SIDECAR_TLS_CERT"), metavar="PEM",
+                 help="TLS on the control port: its certificate chain (with --tls-key)")
+  s.add_argument("--tls-key", default=_env("SIDECAR_TLS_KEY"), metavar="PEM")
+  s.add_argument("--tls-client-ca", default=_env("SIDECAR_TLS_CLIENT_CA"), metavar="PEM",
+                 help="mTLS: controllers must present a certificate this CA signed")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)

@@ -50,6 +50,10 @@ class FrameReader:
         raise ConnectionError("the peer closed the socket")
       self._buf += chunk
 
+  def buffered(self) -> int:
+    """Bytes received and not yet read as frames."""
+    return len(self._buf) - self._pos
+
   def read(self) -> bytes:
     self._fill(_HEADER.size)
     (length,) = _HEADER.unpack_from(self._buf, self._pos)
@@ -101,8 +105,9 @@ def recv(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any], list
     raise errors.InvalidArgumentError(f"control message of {length} bytes exceeds {MAX_MESSAGE}")
   try:
     message = json.loads(_recv_exact(sock, length))
-  except json.JSONDecodeError as e:
-    raise errors.InvalidArgumentError(f"malformed control message: {e}") from e
+  except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
+    raise errors.InvalidArgumentError(
+        f"malformed control message: {type(e).__name__}: {e}"[:300]) from None
   if not isinstance(message, dict):
     raise errors.InvalidArgumentError(f"control message must be an object, got {message!r:.80}")
   return message, fds

@@ -47,12 +47,25 @@ class ServerOptions:
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
-  threads: int = 32
+  threads: int = 32  # for handshakes, calls and status; streams have their own below
+  # Bounds on what clients hold (docs/security.md): gRPC streams at once (each holds a
+  # thread of its own budget) in all and per handshake session; handshake sessions kept,
+  # and how long one may go unused; worker-socket connections (each holds a thread).
+  max_streams: int = 16
+  max_streams_per_session: int = 8
+  max_sessions: int = 4096
+  session_idle_s: float = 86400.0
+  max_worker_connections: int = 256
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
   # Port of the Prometheus /metrics endpoint, on ``listen``; None: no metrics; 0: a free one.
   metrics_port: int | None = None
+  # TLS on the control port (PEM files): the server's certificate chain and key; with
+  # tls_client_ca also mTLS, every client must present a certificate that CA signed.
+  tls_cert: str | None = None
+  tls_key: str | None = None
+  tls_client_ca: str | None = None
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):
@@ -80,11 +93,20 @@ class ServerOptions:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
     if self.token is not None and not self.token.strip():
       raise ValueError("token must be a non-empty string or None")
-    if self.token is None and not self.insecure and not is_loopback(self.listen):
+    if (self.tls_cert is None) != (self.tls_key is None):
+      raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
+                       f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")
+    if self.tls_client_ca is not None and self.tls_cert is None:
+      raise ValueError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and "
+                       "--tls-key too")
+    # mTLS authenticates every client as a token does.
+    if (self.token is None and self.tls_client_ca is None and not self.insecure
+        and not is_loopback(self.listen)):
       raise ValueError(
           f"listen {self.listen!r} is not a loopback address and no token is set: anyone who "
           "can reach the port could run functions, feeds and checkpoints here; pass "
-          "--token-file FILE (or SIDECAR_TOKEN / SIDECAR_TOKEN_FILE), listen on 127.0.0.1, or "
+          "--token-file FILE (or SIDECAR_TOKEN / SIDECAR_TOKEN_FILE) or --tls-client-ca, listen "
+          "on 127.0.0.1, or "
           "pass --insecure (SIDECAR_INSECURE=1) to serve without a token anyway")
     if not isinstance(self.checkpoint_roots, tuple) or any(
         not isinstance(r, str) or not r.strip() for r in self.checkpoint_roots):
@@ -93,6 +115,13 @@ class ServerOptions:
           f"{self.checkpoint_roots!r}")
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
+    for name in ("max_streams", "max_streams_per_session", "max_sessions",
+                 "max_worker_connections"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not isinstance(self.session_idle_s, (int, float)) or not self.session_idle_s > 0:
+      raise ValueError(f"session_idle_s must be positive seconds, got {self.session_idle_s!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:
       raise ValueError(
           f"inline_limit must be >= 0 and max_message_size >= 65536, got {self.inline_limit!r} "

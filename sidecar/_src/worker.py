@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import codec, distributed, errors, ipc, protocol, shm, transfer
+from sidecar._src import codec, distributed, env, errors, ipc, protocol, shm, transfer
 from sidecar._src.protocol import pb
 
 ENV_ADDRESS = "SIDECAR_ADDRESS"
@@ -67,14 +67,20 @@ class Worker:
 
   Args:
     address: the sidecar's Unix socket (``unix:///path``); default ``$SIDECAR_ADDRESS``.
-    timeout: seconds to wait for the sidecar to answer.
+    timeout: seconds the sidecar is given to answer anything (the attach, each request,
+      a sign of life while a stream waits for its next item); default
+      ``$SIDECAR_PEER_TIMEOUT`` or 30. A sidecar silent for longer (hung, SIGSTOPped)
+      is lost: what waited on it raises HostLostError, and so does every later request
+      of this Worker (make a new one).
   """
 
-  def __init__(self, address: str | None = None, *, timeout: float = 30.0):
+  def __init__(self, address: str | None = None, *, timeout: float | None = None):
     self.path = socket_path(address)
+    self.timeout = env.peer_timeout(timeout)
+    self._lost: str | None = None  # why the sidecar counts as lost, once it does
     self._lock = threading.Lock()
     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._sock.settimeout(timeout)
+    self._sock.settimeout(self.timeout)
     try:
       self._sock.connect(self.path)
     except OSError as e:
@@ -88,7 +94,10 @@ class Worker:
       process = distributed.local_identity()  # under jax.distributed: who drives this host
       if process is not None:
         hello["process"] = process
-      ipc.send(self._sock, hello)
+      try:
+        ipc.send(self._sock, hello)
+      except OSError:
+        pass  # Refused (too many connections) before it read: its answer says why.
       reply, fds = ipc.recv(self._sock, max_fds=1)
     except (OSError, ConnectionError) as e:
       self._sock.close()
@@ -96,7 +105,6 @@ class Worker:
     if "error" in reply:
       self._sock.close()
       raise protocol.error_from_dict(reply["error"], host=self.path)
-    self._sock.settimeout(None)
     self._replies = ipc.FrameReader(self._sock, limit=ipc.MAX_MESSAGE)
     self.session: str = reply["session"]
     self.identity: dict[str, Any] = reply["identity"]
@@ -112,13 +120,27 @@ class Worker:
 
   # ---- blocks ------------------------------------------------------------
 
-  def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+  def _request(self, message: dict[str, Any], *, wait: float = 0.0,
+               timeout: float | None = None) -> dict[str, Any]:
+    """Sends ``message``, returns the reply: within ``wait`` (the time the sidecar may take
+    on purpose, an alloc's) plus ``timeout`` (default the peer timeout) seconds."""
+    timeout = self.timeout if timeout is None else timeout
     with self._lock:
       if self.state is State.CLOSED:
         raise errors.ClosedError("this Worker is closed")
+      if self._lost is not None:
+        raise errors.HostLostError(self._lost, host_id=self.host_id)
       try:
         ipc.send(self._sock, message)
-        reply = self._reply()
+        reply = self._reply(wait + timeout)
+      except TimeoutError as e:
+        # Hung or stopped. The connection stays open (it is what holds this worker's
+        # blocks, which live views still read), but its late reply must never be taken
+        # for another request's: every later request is refused.
+        self._lost = (f"the sidecar of host {self.host_id} at {self.path} did not answer "
+                      f"{message.get('op')!r} ({e}); it counts as lost (hung or stopped?): "
+                      f"make a new Worker once it serves again")
+        raise errors.HostLostError(self._lost, host_id=self.host_id) from None
       except (OSError, ConnectionError) as e:
         raise errors.HostLostError(
             f"the sidecar of host {self.host_id} at {self.path} is gone: {e}",
@@ -127,8 +149,9 @@ class Worker:
       raise protocol.error_from_dict(reply["error"], host=self.path, host_id=self.host_id)
     return reply
 
-  def _reply(self) -> dict[str, Any]:
-    """The sidecar's reply to the request just sent; the lock is held.
+  def _reply(self, timeout: float) -> dict[str, Any]:
+    """The sidecar's reply to the request just sent, within ``timeout`` s (else
+    TimeoutError); the lock is held.
 
     A Ctrl-C (KeyboardInterrupt) while it is awaited must not leave it in the socket,
     where the next request would take it for its own: it is read all the same (the
@@ -136,8 +159,13 @@ class Worker:
     goes on.
     """
     interrupted: KeyboardInterrupt | None = None
+    deadline = time.monotonic() + timeout
     while True:
       try:
+        if not self._replies.buffered():
+          ready, _, _ = select.select([self._sock], [], [], max(deadline - time.monotonic(), 0))
+          if not ready:
+            raise TimeoutError(f"no answer within {timeout:.3g} s")
         reply = json.loads(self._replies.read())
         break
       except KeyboardInterrupt as e:
@@ -156,6 +184,12 @@ class Worker:
   def _check_open(self) -> None:
     if self.state is not State.ATTACHED:
       raise errors.ClosedError(f"this Worker is {self.state.value}; make a new one")
+
+  def check_alive(self, timeout: float | None = None) -> None:
+    """Asks the sidecar for a sign of life; HostLostError if none comes within ``timeout``
+    seconds (default the peer timeout). Its connection answers even while the sidecar
+    is busy producing a stream's next item."""
+    self._request({"op": "ping"}, timeout=timeout)
 
   def view(self, ref: codec.ArenaRef) -> np.ndarray:
     """The array ``ref`` names, on the arena (no copy), held while any view lives.
@@ -190,7 +224,7 @@ class Worker:
     self._check_open()
     dtype = np.dtype(dtype)
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
-    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout})
+    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout}, wait=timeout)
     ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
     return self.view(ref), ref
 
@@ -236,9 +270,16 @@ class Worker:
       blocks = self._drain([item] if item is not None else [])
       with self._lock:
         self._forget(blocks)
-        if blocks and self.state is not State.CLOSED:
-          with contextlib.suppress(OSError):
+        # A lost sidecar gets no more frees (the last may have left half a frame): the
+        # session keeps its blocks until this Worker closes, and then all go back at once.
+        if blocks and self.state is not State.CLOSED and self._lost is None:
+          try:
             ipc.send(self._sock, {"op": "free", "blocks": blocks})
+          except TimeoutError:
+            self._lost = (f"the sidecar of host {self.host_id} at {self.path} took no frees "
+                          f"for {self.timeout:.3g} s; it counts as lost (hung or stopped?)")
+          except OSError:
+            pass  # Gone: its end of the connection released everything.
         done = self.state is State.CLOSING and self._live == 0
         if done:
           self._shutdown()
@@ -258,7 +299,10 @@ class Worker:
     if not isinstance(prefetch, int) or prefetch < 1:
       raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
     request.worker_session = self.session
+    if self._lost is not None:
+      raise errors.HostLostError(self._lost, host_id=self.host_id)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(self.timeout)  # a stopped sidecar's full backlog must not hang connect()
     try:
       sock.connect(self.path)
       ipc.send(sock, {"op": "stream", "session": self.session})
@@ -267,8 +311,7 @@ class Worker:
       sock.close()
       raise errors.HostLostError(f"the sidecar of host {self.host_id} is gone: {e}",
                                  host_id=self.host_id) from None
-    sock.settimeout(timeout)
-    return LocalStream(self, sock, request.name, prefetch, device)
+    return LocalStream(self, sock, request.name, prefetch, device, timeout=timeout)
 
   # ---- jax ---------------------------------------------------------------
 
@@ -328,11 +371,18 @@ class LocalStream:
 
   Every item taken earns the sidecar a credit; credits go back in batches of half
   the prefetch (one message for several items), with the blocks freed meanwhile.
+
+  No wait is unbounded: ``timeout`` (None: none) bounds the wait for one item, and
+  while it lasts the worker asks the sidecar for a sign of life after every half peer
+  timeout of silence, so a slow pipeline is waited on but a hung or stopped sidecar
+  ends the stream with HostLostError within about the peer timeout.
   """
 
   def __init__(self, worker: Worker, sock: socket.socket, name: str, prefetch: int,
-               device: jax.Device | None = None):
+               device: jax.Device | None = None, *, timeout: float | None = None):
     self._worker = worker
+    self._timeout = timeout
+    self._check_every = worker.timeout / 2
     self._device = device
     self._sock = sock
     self._reader = ipc.FrameReader(sock, limit=1 << 30)
@@ -351,10 +401,12 @@ class LocalStream:
     w = self._worker
     t0 = time.perf_counter()
     try:
-      item = pb.StreamItem.FromString(self._reader.read())
-    except TimeoutError:
-      raise errors.DeadlineExceededError(
-          f"no item of {self._name!r} from host {w.host_id} within the timeout") from None
+      item = pb.StreamItem.FromString(self._read(t0))
+    except errors.DeadlineExceededError:
+      raise  # The stream stays open: the caller may wait again.
+    except errors.HostLostError:
+      self.close()
+      raise
     except (OSError, ConnectionError) as e:
       self.close()
       raise errors.HostLostError(f"the sidecar of host {w.host_id} at {w.path} is gone "
@@ -366,6 +418,7 @@ class LocalStream:
         credit = pb.StreamRequest(credit=self._owed, freed=w.take_freed(), wait_s=self._waited)
         self._owed, self._waited = 0, 0.0
         try:
+          self._sock.settimeout(w.timeout)  # _read may have left a short one
           ipc.send_bytes(self._sock, credit.SerializeToString())
         except OSError:
           pass  # The sidecar already finished; the end frame waits in the socket.
@@ -378,6 +431,29 @@ class LocalStream:
                          where=f"item {item.index} of {self._name!r} from host {w.host_id}")
     return value if self._device is None else transfer.to_devices(value, self._device)
 
+  def _read(self, t0: float) -> bytes:
+    """The next frame: waits while the sidecar shows signs of life and ``timeout`` allows."""
+    w = self._worker
+    while True:
+      wait = self._check_every
+      if self._timeout is not None:
+        wait = min(wait, t0 + self._timeout - time.perf_counter())
+      self._sock.settimeout(max(wait, 1e-3))
+      try:
+        return self._reader.read()  # A timeout leaves the reader where it was.
+      except TimeoutError:
+        pass
+      if self._timeout is not None and time.perf_counter() - t0 >= self._timeout:
+        raise errors.DeadlineExceededError(
+            f"no item of {self._name!r} from host {w.host_id} within the timeout of "
+            f"{self._timeout:.3g} s")
+      try:
+        w.check_alive(self._check_every)
+      except errors.HostLostError as e:
+        raise errors.HostLostError(
+            f"no item of stream {self._name!r} for {time.perf_counter() - t0:.3g} s, and {e}",
+            host_id=w.host_id) from None
+
   def close(self) -> None:
     """Ends the stream; the sidecar stops producing. Idempotent.
 
@@ -388,6 +464,7 @@ class LocalStream:
       self.closed = True
       done = pb.StreamRequest(credit=self._owed, freed=self._worker.take_freed(), close=True)
       with contextlib.suppress(OSError):
+        self._sock.settimeout(self._worker.timeout)
         ipc.send_bytes(self._sock, done.SerializeToString())
       with contextlib.suppress(OSError):  # wakes a reader blocked on another thread
         self._sock.shutdown(socket.SHUT_RDWR)

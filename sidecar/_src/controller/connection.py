@@ -8,16 +8,33 @@ import socket
 
 import grpc
 
-from sidecar._src import errors, protocol
+from sidecar._src import env, errors, protocol
 from sidecar._src.protocol import pb
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
-    # Notice a dead peer quickly even when no call is in flight.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
 )
+
+
+def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
+  """CHANNEL_OPTIONS, with HTTP/2 pings that find a hung or stopped sidecar within about
+  ``peer_timeout`` seconds, also while a stream waits on a slow pipeline.
+
+  A ping goes out after half the peer timeout without one (at most every 10 s) and must
+  be answered within the other half; a stopped process answers none, so its streams and
+  calls end with UNAVAILABLE ("ping timeout"): HostLostError. gRPC's own ping timeout
+  (``grpc.http2.ping_timeout_ms``, 60 s by default) is what bounds it, not
+  ``keepalive_timeout_ms``; the sidecar accepts pings this often
+  (``host.server.KEEPALIVE_OPTIONS``).
+  """
+  half = max(int(peer_timeout * 500), 1)
+  return CHANNEL_OPTIONS + (
+      ("grpc.keepalive_time_ms", min(half, 10_000)),
+      ("grpc.keepalive_timeout_ms", half),
+      ("grpc.http2.ping_timeout_ms", half),
+      ("grpc.http2.max_pings_without_data", 0),  # keep asking while a stream is quiet
+  )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,19 +52,55 @@ class HostInfo:
   versions: dict[str, str]
 
 
+def tls_credentials(ca: str | None, cert: str | None, key: str | None
+                    ) -> grpc.ChannelCredentials | None:
+  """Channel credentials from PEM files (``$SIDECAR_TLS_CA``, ``$SIDECAR_TLS_CLIENT_CERT``,
+  ``$SIDECAR_TLS_CLIENT_KEY`` where not given); None when none is given or set.
+
+  Raises:
+    InvalidArgumentError: only one of cert and key, or a file that cannot be read.
+  """
+  ca = ca or os.environ.get(env.TLS_CA) or None
+  cert = cert or os.environ.get(env.TLS_CLIENT_CERT) or None
+  key = key or os.environ.get(env.TLS_CLIENT_KEY) or None
+  if ca is None and cert is None and key is None:
+    return None
+  if (cert is None) != (key is None):
+    raise errors.InvalidArgumentError(
+        f"tls_cert and tls_key go together (or {env.TLS_CLIENT_CERT} and {env.TLS_CLIENT_KEY}), "
+        f"got {cert!r} and {key!r}")
+
+  def read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+      return None
+    try:
+      with open(path, "rb") as f:
+        return f.read()
+    except OSError as e:
+      raise errors.InvalidArgumentError(f"cannot read {what} {path}: {e.strerror}") from None
+  return grpc.ssl_channel_credentials(root_certificates=read(ca, "tls_ca"),
+                                      private_key=read(key, "tls_key"),
+                                      certificate_chain=read(cert, "tls_cert"))
+
+
 class Connection:
   """A channel to one sidecar, after a successful handshake."""
 
-  def __init__(self, address: str, *, token: str | None, timeout: float):
+  def __init__(self, address: str, *, token: str | None, timeout: float,
+               peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S,
+               credentials: grpc.ChannelCredentials | None = None):
     self.address = address
-    self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = channel_options(peer_timeout)
+    self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
+                     else grpc.secure_channel(address, credentials, options=options))
     try:
       grpc.channel_ready_future(self._channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
       self._channel.close()
       raise errors.HostLostError(
           f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
-          "running there and the port reachable?") from None
+          "running there and the port reachable (and TLS on both sides or neither: a "
+          "sidecar with --tls-cert needs tls_ca=... here, or SIDECAR_TLS_CA)?") from None
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,

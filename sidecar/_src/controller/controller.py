@@ -18,10 +18,19 @@ import grpc
 import jax
 import numpy as np
 
-from sidecar._src import codec, distributed, errors, interrupts, protocol, shm, worker as worker_lib
+from sidecar._src import (
+    codec,
+    distributed,
+    env,
+    errors,
+    interrupts,
+    protocol,
+    shm,
+    worker as worker_lib,
+)
 from sidecar._src.controller import discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
-from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.connection import Connection, HostInfo, tls_credentials
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -66,6 +75,15 @@ class Controller:
       (``attach=True``) the controller attaches to every sidecar on this machine itself,
       so large arrays move through shared memory instead of the network.
     peers: the trainer processes of this job (default: those of ``jax.distributed``).
+    peer_timeout: seconds a sidecar may stay silent (hung, SIGSTOPped) before what waits
+      on it (a feed, a stream, a request of its worker) ends with HostLostError; default
+      ``$SIDECAR_PEER_TIMEOUT`` or 30. A slow pipeline is no silence: its sidecar still
+      answers the pings.
+    tls_ca, tls_cert, tls_key: PEM files for TLS to the sidecars' control ports (``sidecar
+      serve --tls-cert``): the CA that signed their certificates (default
+      ``$SIDECAR_TLS_CA``, else the system's roots), and for mTLS (``--tls-client-ca``)
+      this controller's certificate and key (``$SIDECAR_TLS_CLIENT_CERT``,
+      ``$SIDECAR_TLS_CLIENT_KEY``). None given or set: plaintext.
 
   With one process that owns every device, this controller drives every host. Under
   ``jax.distributed`` with N processes (one per host, see ``sidecar.distributed``), each
@@ -78,13 +96,17 @@ class Controller:
   def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                timeout: float = 60.0, connect_timeout: float = 30.0,
                workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True,
-               peers: distributed.Peers | None = None):
+               peers: distributed.Peers | None = None, peer_timeout: float | None = None,
+               tls_ca: str | None = None, tls_cert: str | None = None,
+               tls_key: str | None = None):
     if isinstance(addresses, str) or not addresses:
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
+    self.peer_timeout = env.peer_timeout(peer_timeout)
+    self._credentials = tls_credentials(tls_ca, tls_cert, tls_key)
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
     self._token = token  # a lost host's sidecar that comes back is reconnected with it
@@ -129,7 +151,9 @@ class Controller:
     return cls(discovery.discover(timeout=timeout), **kwargs)
 
   def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
-    futures = [self._pool.submit(Connection, a, token=token, timeout=timeout) for a in addresses]
+    futures = [self._pool.submit(Connection, a, token=token, timeout=timeout,
+                                 peer_timeout=self.peer_timeout,
+                                 credentials=self._credentials) for a in addresses]
     conns, failures, refused = [], [], []
     for a, f in zip(addresses, futures):
       try:
@@ -181,7 +205,7 @@ class Controller:
       if host_id in self._workers or not here or c.reply.identity.boot_id != here:
         continue
       if os.path.exists(sock):
-        w = worker_lib.Worker(sock)
+        w = worker_lib.Worker(sock, timeout=self.peer_timeout)
         self._own_workers.append(w)
         self._workers[host_id] = w
 
@@ -200,7 +224,7 @@ class Controller:
             f"sidecar: set {worker_lib.ENV_ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
-        w = worker_lib.Worker()
+        w = worker_lib.Worker(timeout=self.peer_timeout)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self._peers.index}: its own sidecar at "
@@ -311,7 +335,8 @@ class Controller:
       return None
     old = self._conns[host_id]
     try:
-      conn = Connection(old.address, token=self._token, timeout=_REJOIN_TIMEOUT_S)
+      conn = Connection(old.address, token=self._token, timeout=_REJOIN_TIMEOUT_S,
+                        peer_timeout=self.peer_timeout, credentials=self._credentials)
     except errors.SidecarError:
       return None  # still gone
     refused = None
@@ -324,7 +349,7 @@ class Controller:
     worker = None
     if refused is None and self._own_workers and conn.reply.identity.boot_id == shm.boot_id():
       try:
-        worker = worker_lib.Worker(conn.reply.worker_socket)
+        worker = worker_lib.Worker(conn.reply.worker_socket, timeout=self.peer_timeout)
       except errors.SidecarError as e:
         refused = f"its arena could not be mapped: {e}"
     if refused is not None:

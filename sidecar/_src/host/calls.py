@@ -378,13 +378,15 @@ class Credits:
 
   def __init__(self, initial: int):
     self._cond = threading.Condition()
-    self._available = initial
+    self._available = self._most = initial
     self._open = True
     self.consumer_wait_s = 0.0  # what the consumer reported waiting, in all
 
   def grant(self, n: int, wait_s: float = 0.0) -> None:
     with self._cond:
-      self._available += n
+      # A consumer never has more than its prefetch outstanding: more is ignored, so a
+      # client cannot make the sidecar run ahead without bound.
+      self._available = min(self._available + n, self._most)
       self.consumer_wait_s += wait_s
       self._cond.notify()
 

@@ -23,11 +23,17 @@ from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
+from sidecar._src.host.limits import Sessions, StreamSlots
 from sidecar._src.host.service import Service
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
+
+
+# Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
+# to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
+KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
 
 
 class State(enum.Enum):
@@ -56,6 +62,22 @@ class _TokenAuth(grpc.ServerInterceptor):
     if not hmac.compare_digest(given, self._expected):
       return self._deny
     return continuation(handler_call_details)
+
+
+def _tls_credentials(o: options_lib.ServerOptions) -> grpc.ServerCredentials | None:
+  """The control port's TLS (mTLS with a client CA) from PEM files; None without TLS."""
+  if o.tls_cert is None or o.tls_key is None:
+    return None
+  def read(path: str, flag: str) -> bytes:
+    try:
+      with open(path, "rb") as f:
+        return f.read()
+    except OSError as e:
+      raise OSError(e.errno, f"cannot read {flag} {path}: {e.strerror}") from None
+  ca = None if o.tls_client_ca is None else read(o.tls_client_ca, "--tls-client-ca")
+  return grpc.ssl_server_credentials(
+      [(read(o.tls_key, "--tls-key"), read(o.tls_cert, "--tls-cert"))], root_certificates=ca,
+      require_client_auth=ca is not None)
 
 
 class Server:
@@ -113,19 +135,24 @@ class Server:
                          imports=o.imports,
                          builtins=self.checkpoints.functions(), metrics=self.metrics)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
-                                  self.runner)
+                                  self.runner, max_connections=o.max_worker_connections)
     self.service = Service(runner=self.runner, identity=self.identity,
                            arena_size=self.arena.size, leases=self.leases, workers=self.workers,
-                           checkpoints=self.checkpoints.status)
+                           checkpoints=self.checkpoints.status,
+                           sessions=Sessions(idle_s=o.session_idle_s, limit=o.max_sessions),
+                           streams=StreamSlots(total=o.max_streams,
+                                               per_session=o.max_streams_per_session))
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
-           ("grpc.so_reuseport", 0)]
+           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
     self._grpc = grpc.server(
-        futures.ThreadPoolExecutor(o.threads, thread_name_prefix="sidecar-rpc"),
+        # Streams have a budget of their own: those that never send a credit cannot
+        # take the threads of handshakes, calls and status.
+        futures.ThreadPoolExecutor(o.threads + o.max_streams, thread_name_prefix="sidecar-rpc"),
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
     self._grpc.add_generic_rpc_handlers((self.service.handler(),))
     reflection.enable_server_reflection((protocol.SERVICE, reflection.SERVICE_NAME), self._grpc)
-    self.port = self._bind(self._grpc, o.listen, o.port, "port")
+    self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
     self._grpc.start()
     self._health = health.HealthServicer()
     self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
@@ -155,9 +182,11 @@ class Server:
         pinned_bytes=pinned, workers=len(pids), feeds=self.runner.feed_totals(), **usage)
 
   @staticmethod
-  def _bind(server: grpc.Server, listen: str, port: int, flag: str) -> int:
+  def _bind(server: grpc.Server, listen: str, port: int, flag: str,
+            credentials: grpc.ServerCredentials | None = None) -> int:
     try:
-      bound = server.add_insecure_port(f"{listen}:{port}")
+      bound = (server.add_insecure_port(f"{listen}:{port}") if credentials is None
+               else server.add_secure_port(f"{listen}:{port}", credentials))
     except RuntimeError as e:
       bound = 0
       reason = str(e)

@@ -8,7 +8,6 @@ leaves through ``protocol.abort``, the one place exceptions become statuses.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from google.protobuf import message as pb_message
 from sidecar._src import errors, protocol
 from sidecar._src.host.calls import Credits, Runner
 from sidecar._src.host.leases import Leases
+from sidecar._src.host.limits import Sessions, StreamSlots, check_prefetch
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
@@ -40,14 +40,16 @@ class Service:
 
   def __init__(self, *, runner: Runner, identity: pb.HostIdentity, arena_size: int,
                leases: Leases, workers: WorkerListener,
-               checkpoints: Callable[[], list[pb.CheckpointStatus]] = list):
+               checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
+               sessions: Sessions | None = None, streams: StreamSlots | None = None):
     self._runner = runner
     self._identity = identity
     self._arena_size = arena_size
     self._leases = leases
     self._workers = workers
     self._checkpoints = checkpoints
-    self._sessions: set[str] = set()
+    self._sessions = Sessions(idle_s=86400.0, limit=4096) if sessions is None else sessions
+    self._streams = StreamSlots(total=16, per_session=8) if streams is None else streams
     self._lock = threading.Lock()
     self._started = time.monotonic()
 
@@ -93,14 +95,10 @@ class Service:
         protocol.abort(context, e)
     return handle
 
-  def _require_session(self, context: grpc.ServicerContext) -> None:
+  def _require_session(self, context: grpc.ServicerContext) -> str:
     session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
-    with self._lock:
-      known = session in self._sessions
-    if not known:
-      raise errors.VersionMismatchError(
-          f"no handshake on this connection (session {session!r}); call Handshake first "
-          "and send its session as metadata 'sidecar-session'")
+    self._sessions.use(session)  # VersionMismatchError if unknown or expired
+    return str(session)
 
   def handshake(self, raw: bytes, context: grpc.ServicerContext) -> pb.HandshakeResponse:
     request = parse(pb.HandshakeRequest, raw)
@@ -110,9 +108,7 @@ class Service:
       raise errors.VersionMismatchError(
           f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
-    session = "c-" + secrets.token_hex(8)
-    with self._lock:
-      self._sessions.add(session)
+    session = self._sessions.new()
     return pb.HandshakeResponse(
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
@@ -133,8 +129,12 @@ class Service:
     first = parse(pb.StreamRequest, next(requests, b""))
     if first.WhichOneof("kind") != "start":
       raise errors.InvalidArgumentError("the first StreamRequest must carry `start`")
-    self._require_session(context)
-    credits = Credits(max(first.prefetch, 1))
+    with self._streams.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
+      yield from self._stream(first, requests, context)
+
+  def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
+              context: grpc.ServicerContext) -> Iterator[pb.StreamItem]:
+    credits = Credits(check_prefetch(first.prefetch))
 
     def read_credits():
       try:

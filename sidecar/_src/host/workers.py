@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -22,17 +23,25 @@ from typing import Any
 from sidecar._src import codec, errors, ipc, protocol, shm
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.leases import Leases
+from sidecar._src.host.limits import check_prefetch
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
+
+# A new connection must send its first frame within this: one that says nothing would
+# hold its thread (and a connection slot) for ever.
+FIRST_FRAME_S = 10.0
 
 
 class WorkerListener:
   """Accepts worker connections on ``path`` and serves their requests."""
 
   def __init__(self, path: str, arena: shm.Arena, leases: Leases,
-               hello: Callable[[dict[str, Any]], dict[str, Any]], runner: Runner):
+               hello: Callable[[dict[str, Any]], dict[str, Any]], runner: Runner, *,
+               max_connections: int = 256):
     self.path = path
+    self.max_connections = max_connections
+    self._connections = 0  # open, of any kind: each has a thread
     self._runner = runner
     self._arena = arena
     self._leases = leases
@@ -78,13 +87,34 @@ class WorkerListener:
         conn, _ = self._sock.accept()
       except OSError:
         return  # closed
+      with self._lock:
+        full = self._connections >= self.max_connections
+        if not full:
+          self._connections += 1
+      if full:
+        self._refuse(conn)
+        continue
       threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
                        daemon=True).start()
+
+  def _refuse(self, conn: socket.socket) -> None:
+    """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
+    log.warning("worker socket: %d connections open, the limit; refused one",
+                self.max_connections)
+    error = errors.ResourceExhaustedError(
+        f"the sidecar's worker socket has {self.max_connections} connections open, its limit "
+        "(max_worker_connections); close Workers and streams that are done")
+    with contextlib.suppress(OSError):
+      conn.settimeout(0.5)  # never let one refusal hold the accept loop
+      ipc.send(conn, {"error": protocol.error_dict(error)})
+    conn.close()
 
   def _serve(self, conn: socket.socket) -> None:
     session = None
     try:
+      conn.settimeout(FIRST_FRAME_S)
       message, _ = ipc.recv(conn)
+      conn.settimeout(None)  # an attached worker may be quiet for hours
       if message.get("op") == "stream":
         return self._stream(conn, str(message.get("session")))
       if message.get("op") != "attach":
@@ -107,9 +137,13 @@ class WorkerListener:
     except (ConnectionError, OSError):
       pass
     except errors.SidecarError as e:
+      # Malformed frames included: answered, then the connection ends (after garbage,
+      # nothing on it can be trusted to be a frame boundary).
       with contextlib.suppress(OSError):
         ipc.send(conn, {"error": protocol.error_dict(e)})
     finally:
+      with self._lock:
+        self._connections -= 1
       if session is not None:
         with self._lock:
           self._sessions.pop(session, None)
@@ -127,7 +161,7 @@ class WorkerListener:
       first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
-      credits = _SocketCredits(conn, max(first.prefetch, 1),
+      credits = _SocketCredits(conn, check_prefetch(first.prefetch),
                                lambda freed: self._free(session, freed))
       alive = lambda: self.has_session(session)
       # Blocks of the last items sent, those not yet reported taken (items are taken in
@@ -165,13 +199,18 @@ class WorkerListener:
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     op = message.get("op")
+    if op == "ping":  # a sign of life, asked while a stream of this worker waits
+      ipc.send(conn, {"ok": True})
+      return
     if op == "free":
-      self._free(session, [int(x) for pair in message.get("blocks", ()) for x in pair])
+      self._free(session, _blocks(message.get("blocks", [])))
       return
     if op == "alloc":
       try:
-        block = self._leases.alloc(int(message["nbytes"]), session,
-                                   timeout=float(message.get("timeout", 0.0)))
+        timeout = float(message.get("timeout", 0.0))
+        if not 0 <= timeout < math.inf:
+          raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
+        block = self._leases.alloc(int(message["nbytes"]), session, timeout=timeout)
         reply: dict[str, Any] = {"offset": block.offset, "nbytes": block.nbytes,
                                  "generation": block.generation}
       except errors.SidecarError as e:
@@ -205,6 +244,21 @@ class WorkerListener:
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
     _remove_dirs(self._made_dirs)
+
+
+def _blocks(pairs: Any) -> list[int]:
+  """The flattened (offset, generation) pairs of a ``free`` message, checked.
+
+  Raises:
+    InvalidArgumentError: ``pairs`` is not a list of [int, int].
+  """
+  if isinstance(pairs, list) and all(
+      isinstance(p, list) and len(p) == 2 and all(
+          isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs):
+    return [x for pair in pairs for x in pair]
+  raise errors.InvalidArgumentError(
+      f"malformed free message: 'blocks' must be a list of [offset, generation] pairs, "
+      f"got {pairs!r:.200}")
 
 
 def _make_dirs(directory: str) -> list[str]:
@@ -243,7 +297,7 @@ class _SocketCredits:
   def __init__(self, conn: socket.socket, initial: int, on_freed: Callable[[list[int]], None]):
     self._conn = conn
     self._reader = ipc.FrameReader(conn)
-    self._available = initial
+    self._available = self._most = initial
     self._on_freed = on_freed
     self.consumer_wait_s = 0.0
     self.taken = 0  # items the consumer reported taken
@@ -254,7 +308,7 @@ class _SocketCredits:
     try:
       while not self.closed:
         message = pb.StreamRequest.FromString(self._reader.read())
-        self._available += message.credit
+        self._available = min(self._available + message.credit, self._most)  # as Credits
         self.taken += message.credit
         self.consumer_wait_s += message.wait_s
         self.closed = message.close

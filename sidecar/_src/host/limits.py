@@ -1,0 +1,134 @@
+"""Bounds on what clients of the control port can hold: stream slots and handshake sessions.
+
+A gRPC stream holds a server thread for as long as it lives (it waits for credits in
+it), so streams get a budget of their own, ``max_streams`` threads beside the
+``threads`` that serve handshakes, calls and status: streams that never send a credit
+can fill their budget, never the rest. Handshake sessions are tokens in a bounded,
+expiring table: a flood of handshakes costs a bounded amount of memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from sidecar._src import errors
+
+MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
+
+
+def check_prefetch(prefetch: int) -> int:
+  """A stream's ``prefetch`` (0 counts as 1), checked.
+
+  Raises:
+    InvalidArgumentError: it exceeds MAX_PREFETCH.
+  """
+  if prefetch > MAX_PREFETCH:
+    raise errors.InvalidArgumentError(
+        f"prefetch must be at most {MAX_PREFETCH}, got {prefetch}; lower prefetch=")
+  return max(prefetch, 1)
+
+
+class StreamSlots:
+  """At most ``total`` streams at once, and at most ``per_session`` of one session."""
+
+  def __init__(self, *, total: int, per_session: int):
+    self.total, self.per_session = total, per_session
+    self._lock = threading.Lock()
+    self._open: collections.Counter[str] = collections.Counter()
+    self._count = 0
+
+  @contextlib.contextmanager
+  def hold(self, session: str) -> Iterator[None]:
+    """A slot for one stream of ``session`` while the block runs.
+
+    Raises:
+      ResourceExhaustedError: a limit is reached; the message names it and its option.
+    """
+    with self._lock:
+      if self._count >= self.total:
+        raise errors.ResourceExhaustedError(
+            f"this sidecar already runs {self._count} streams, its limit (max_streams="
+            f"{self.total}); close streams or feeds that are done, or raise max_streams")
+      if self._open[session] >= self.per_session:
+        raise errors.ResourceExhaustedError(
+            f"session {session} already runs {self._open[session]} streams, the limit of one "
+            f"session (max_streams_per_session={self.per_session}); close streams or feeds "
+            "that are done")
+      self._open[session] += 1
+      self._count += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._count -= 1
+        self._open[session] -= 1
+        if not self._open[session]:
+          del self._open[session]
+
+  @property
+  def running(self) -> int:
+    with self._lock:
+      return self._count
+
+
+class Sessions:
+  """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
+
+  Every use refreshes a session. Past ``limit`` the one unused the longest goes: only a
+  flood of handshakes makes that happen, and then to a session idle through all of it.
+  """
+
+  def __init__(self, *, idle_s: float, limit: int,
+               clock: Callable[[], float] = time.monotonic):
+    self.idle_s, self.limit = idle_s, limit
+    self._clock = clock
+    self._lock = threading.Lock()
+    self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
+    self.expired = 0  # sessions dropped, idle or evicted
+
+  def new(self) -> str:
+    session = "c-" + secrets.token_hex(16)
+    with self._lock:
+      now = self._clock()
+      self._sweep(now)
+      while len(self._last) >= self.limit:
+        self._last.popitem(last=False)
+        self.expired += 1
+      self._last[session] = now
+    return session
+
+  def _sweep(self, now: float) -> None:
+    while self._last:
+      oldest, last = next(iter(self._last.items()))
+      if now - last < self.idle_s:
+        return
+      del self._last[oldest]
+      self.expired += 1
+
+  def use(self, session: object) -> None:
+    """Refreshes ``session``.
+
+    Raises:
+      VersionMismatchError: it is unknown, or expired (FAILED_PRECONDITION: handshake again).
+    """
+    with self._lock:
+      now = self._clock()
+      last = self._last.get(session) if isinstance(session, str) else None
+      if isinstance(session, str) and last is not None and now - last < self.idle_s:
+        self._last[session] = now
+        self._last.move_to_end(session)
+        return
+      self._sweep(now)
+    raise errors.VersionMismatchError(
+        f"no live handshake session {session!r} (none was made, or it was unused for "
+        f"{self.idle_s:.0f} s or evicted by {self.limit} newer ones); call Handshake first "
+        "and send its session as metadata 'sidecar-session'")
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._last)
