@@ -86,6 +86,15 @@ def test_credits_beyond_the_prefetch_are_ignored():
   assert not credits.take()  # a third would have needed a credit the consumer never owed
 
 
+def test_credits_granted_before_a_half_close_are_still_taken_but_not_after_a_close():
+  credits = Credits(3)
+  credits.finish()  # the consumer sent its credits and closed its side of the stream
+  assert [credits.take() for _ in range(4)] == [True, True, True, False]  # never blocks
+  gone = Credits(3)
+  gone.close()  # the consumer went away: what it had credited is not sent
+  assert not gone.take()
+
+
 # ---- tier 2: gRPC -----------------------------------------------------------------------------
 
 

@@ -380,6 +380,7 @@ class Credits:
     self._cond = threading.Condition()
     self._available = self._most = initial
     self._open = True
+    self._granting = True  # more grants may come
     self.consumer_wait_s = 0.0  # what the consumer reported waiting, in all
 
   def grant(self, n: int, wait_s: float = 0.0) -> None:
@@ -396,11 +397,18 @@ class Credits:
       self._open = False
       self._cond.notify()
 
+  def finish(self) -> None:
+    """No more grants will come (the consumer half-closed its requests): ``take`` still
+    gives the credits granted so far, then returns False."""
+    with self._cond:
+      self._granting = False
+      self._cond.notify()
+
   def take(self) -> bool:
     with self._cond:
-      while self._available <= 0 and self._open:
+      while self._available <= 0 and self._open and self._granting:
         self._cond.wait()
-      if not self._open:
+      if not self._open or self._available <= 0:
         return False
       self._available -= 1
       return True

@@ -142,8 +142,9 @@ class Service:
           message = parse(pb.StreamRequest, raw)
           credits.grant(message.credit, message.wait_s)
       except Exception:
-        pass  # The consumer went away.
-      credits.close()
+        credits.close()  # The consumer went away (or sent garbage).
+      else:
+        credits.finish()  # Half-closed: what it credited is still sent.
 
     threading.Thread(target=read_credits, daemon=True, name="sidecar-credits").start()
     yield from self._runner.stream(first.start, credits, alive=context.is_active,
