@@ -82,7 +82,13 @@ def test_call_interrupted_drops_its_result_and_the_next_call_works(ctl):
   assert [a.nbytes for a in ctl.call("slow_block", 4 << 20, 0.0)] == [4 << 20] * 2
 
 
-def test_stream_interrupted_goes_on_in_order(ctl):
+@pytest.mark.parametrize("attach", [True, False], ids=["unix-socket", "grpc"])
+def test_stream_interrupted_goes_on_in_order(cluster, attach):
+  with cluster.controller(attach=attach) as ctl:
+    _stream_goes_on(ctl)
+
+
+def _stream_goes_on(ctl):
   baseline = used(ctl)
   with ctl.stream("slow_items", 1 << 20, 0.05, host=0, prefetch=4) as s:
     seen = []

@@ -140,6 +140,11 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
     time.sleep(3)
     kernel.km.interrupt_kernel()
     assert kernel.reply(msg)["ename"] == "KeyboardInterrupt"
+    # And a cell stopped in a call (Ctrl-C taken at a safe point of the controller's).
+    msg = kernel.start("ctl.call('slow_block', 1 << 20, 3.0)")
+    time.sleep(1)
+    kernel.km.interrupt_kernel()
+    assert kernel.reply(msg)["ename"] == "KeyboardInterrupt"
     # The next cells work: the feed goes on, a save commits.
     out = kernel.run(
         "batch = next(feed)\n"
