@@ -350,6 +350,28 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     assert_still_serving(ctl)
 
 
+def test_stopping_mid_save_aborts_the_staging_and_joins_the_writer(make_server, tmp_path,
+                                                                   caplog):
+  from sidecar._src import layout_spec as layout
+  server = make_server()
+  with controller(server) as ctl:
+    directory = str(tmp_path / "ck")
+    ctl.call("sidecar.ckpt.open", directory)
+    tmp = ctl.call("sidecar.ckpt.begin", directory, 3)[0]
+    n = 1 << 18
+    spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+                                               kind="np.ndarray", write_shape=(1, n)))
+    part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
+    ctl.call("sidecar.ckpt.stage", directory, 3, tmp + "/default", directory + "/3/default",
+             [spec], [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False)
+    del part
+    writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
+    assert len(writers) == 1 and writers[0].is_alive()  # waiting for the second part
+  server.stop()
+  assert not writers[0].is_alive()  # joined by stop(), not left to its 60 s stage timeout
+  assert "is stopping mid-save of step 3" in caplog.text
+
+
 def test_stream_runs_at_most_prefetch_ahead(make_server):
   with controller(make_server()) as ctl:
     ctl.call("take_log")

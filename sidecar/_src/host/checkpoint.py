@@ -68,6 +68,7 @@ SHM_ENV = "SIDECAR_REPLICA_SHM"
 # its arena memory given back. Long enough for the slowest host of a big save.
 UNCOMMITTED_ENV = "SIDECAR_UNCOMMITTED_TIMEOUT"
 UNCOMMITTED_TIMEOUT_S = 600.0
+CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in flight
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
@@ -197,16 +198,52 @@ class CheckpointHost:
     self._links = replicas_lib.Links(token=token,
                                      shared_memory=os.environ.get(SHM_ENV) != "0")
     self._closed = threading.Event()
+    self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
+    self._threads_lock = threading.Lock()
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
 
-  def close(self) -> None:
-    """Stops the thread that frees uncommitted steps and the links to peers; idempotent."""
+  def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    """Stops this host's checkpoint threads and joins them; idempotent.
+
+    A step still being staged is aborted (its trainer's part will not come), a
+    replication in flight cancelled; a write whose shards are all here finishes, within
+    ``timeout`` s for all of them (one still running then is logged: its step is not
+    committed, and a later save's sweep removes it). Then the links to peers close.
+    """
     self._closed.set()
-    if self._reaper.is_alive() and self._reaper is not threading.current_thread():
-      self._reaper.join(5)
+    with self._lock:
+      steps = list(self._steps.values())
+    for record in steps:
+      if record.replication is not None:
+        record.replication.cancelled.set()
+      if not record.closed and not record.done.is_set():
+        record.incoming.put(errors.ClosedError(f"the sidecar of host {self._host_id} is "
+                                               f"stopping mid-save of step {record.step}"))
+    deadline = time.monotonic() + timeout
+    with self._threads_lock:
+      threads = [self._reaper, *self._threads]
+    for thread in threads:
+      if thread is not threading.current_thread():
+        thread.join(max(deadline - time.monotonic(), 0.0))
+      if thread.is_alive():
+        log.warning("%s still runs after %.0f s as the sidecar stops", thread.name, timeout)
     self._links.close()
+
+  def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+    """Starts a thread this host owns: close() joins it."""
+    def run() -> None:
+      try:
+        target(*args)
+      finally:
+        with self._threads_lock:
+          self._threads.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: a safety net
+    with self._threads_lock:
+      self._threads.add(thread)
+    thread.start()
 
   def _reap(self) -> None:
     while not self._closed.wait(min(max(self._uncommitted_s / 4, 0.1), 30.0)):
@@ -350,8 +387,7 @@ class CheckpointHost:
       if record is None or record.done.is_set():
         specs = [layout.spec_from_dict(d) for d in leaves]
         record = self._steps[final_item] = _Step(directory, step, final_item, {}, 0, specs)
-        threading.Thread(target=self._write, args=(record, item), daemon=True,
-                         name=f"sidecar-ckpt-{step}").start()
+        self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
       for s in shards:
@@ -569,8 +605,7 @@ class CheckpointHost:
       job = record.replication
       if job is None:
         job = record.replication = _Replication(targets, bandwidth)
-        threading.Thread(target=self._replicate, args=(record, job), daemon=True,
-                         name=f"sidecar-replicate-{record.step}").start()
+        self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
     if not job.done.wait(timeout):
       raise errors.DeadlineExceededError(
           f"step {record.step} is still being replicated after {timeout} s")
