@@ -350,10 +350,13 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     assert_still_serving(ctl)
 
 
-def test_stopping_mid_save_aborts_the_staging_and_joins_the_writer(make_server, tmp_path,
+def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server, tmp_path,
                                                                    caplog):
   from sidecar._src import layout_spec as layout
+  releasers = lambda: sum(t.name == "sidecar-release" for t in threading.enumerate())
+  before = releasers()
   server = make_server()
+  assert releasers() == before + 1
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
     ctl.call("sidecar.ckpt.open", directory)
@@ -369,6 +372,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_writer(make_server, 
     assert len(writers) == 1 and writers[0].is_alive()  # waiting for the second part
   server.stop()
   assert not writers[0].is_alive()  # joined by stop(), not left to its 60 s stage timeout
+  assert releasers() == before  # and the thread that hands blocks back
   assert "is stopping mid-save of step 3" in caplog.text
 
 

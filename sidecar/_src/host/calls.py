@@ -55,7 +55,9 @@ class Runner:
     self._feed_totals: dict[str, list[float]] = {}
     # Finalizers of sidecar-side views hand their block back here, never under a lock.
     self._released: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=self._release_loop, name="sidecar-release", daemon=True).start()
+    self._releaser = threading.Thread(target=self._release_loop, name="sidecar-release",
+                                      daemon=True)
+    self._releaser.start()
 
   def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION
               ) -> tuple[registry_lib.Entry, tuple, dict]:
@@ -357,9 +359,18 @@ class Runner:
       raise
     return codec.as_array(holder, ref)
 
+  def close(self) -> None:
+    """Stops the thread that hands blocks back (once those queued are back); idempotent."""
+    self._released.put(None)
+    if self._releaser is not threading.current_thread():
+      self._releaser.join(10)
+
   def _release_loop(self) -> None:
     while True:
-      offset, generation, pin = self._released.get()
+      item = self._released.get()
+      if item is None:
+        return
+      offset, generation, pin = item
       try:
         self._leases.release(offset, generation, pin)
       except errors.StaleDescriptorError as e:

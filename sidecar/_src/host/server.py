@@ -271,6 +271,8 @@ class Server:
       self.workers.close()
     if getattr(self, "checkpoints", None) is not None:
       self.checkpoints.close()
+    if getattr(self, "runner", None) is not None:
+      self.runner.close()
     if getattr(self, "arena", None) is not None:
       self.arena.close()
 
