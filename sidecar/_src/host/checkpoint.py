@@ -183,7 +183,8 @@ class CheckpointHost:
   """Built-in ``sidecar.ckpt.*`` functions of one sidecar."""
 
   def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = (),
-               metrics: metrics_lib.Recorder = metrics_lib.OFF):
+               metrics: metrics_lib.Recorder = metrics_lib.OFF,
+               peer_credentials: Any = None):
     self._host_id = host_id
     self._metrics = metrics
     self._roots = tuple(os.path.realpath(r) for r in roots)
@@ -195,7 +196,7 @@ class CheckpointHost:
     self._committed: dict[str, bool] = {}
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
     self._uncommitted_s = _seconds(os.environ.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
-    self._links = replicas_lib.Links(token=token,
+    self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
                                      shared_memory=os.environ.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn

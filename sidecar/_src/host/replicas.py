@@ -81,6 +81,31 @@ class Peer:
           f"'boot_id': str}}, got {d!r:.200}") from None
 
 
+def peer_credentials(tls_cert: str | None, tls_key: str | None,
+                     tls_client_ca: str | None) -> grpc.ChannelCredentials | None:
+  """How a sidecar with TLS (``--tls-cert``) reaches its peers: None without TLS.
+
+  It trusts ``$SIDECAR_TLS_CA``, else its own ``--tls-client-ca`` (a job's sidecars
+  have one CA), else the system's roots; for mTLS it presents
+  ``$SIDECAR_TLS_CLIENT_CERT``/``_KEY``, else its own certificate (which must then allow
+  client authentication, as the k8s component's one does).
+  """
+  if tls_cert is None or tls_key is None:
+    return None
+  ca = os.environ.get("SIDECAR_TLS_CA") or tls_client_ca
+  cert = os.environ.get("SIDECAR_TLS_CLIENT_CERT") or tls_cert
+  key = os.environ.get("SIDECAR_TLS_CLIENT_KEY") or tls_key
+
+  def read(path: str | None) -> bytes | None:
+    if path is None:
+      return None
+    with open(path, "rb") as f:
+      return f.read()
+
+  return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                      certificate_chain=read(cert))
+
+
 class _Pace:
   """Sleeps so that the bytes counted go no faster than ``bandwidth`` per second."""
 
@@ -108,9 +133,11 @@ class PeerLink:
   """
 
   def __init__(self, peer: Peer, *, token: str | None, timeout: float = 30.0,
-               shared_memory: bool = True):
+               shared_memory: bool = True, credentials: grpc.ChannelCredentials | None = None):
     self.peer = peer
-    self._channel = grpc.insecure_channel(peer.address, options=_CHANNEL_OPTIONS)
+    self._channel = (grpc.insecure_channel(peer.address, options=_CHANNEL_OPTIONS)
+                     if credentials is None else
+                     grpc.secure_channel(peer.address, credentials, options=_CHANNEL_OPTIONS))
     self._worker: worker_lib.Worker | None = None
     try:
       auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
@@ -266,9 +293,11 @@ class Links:
   step needs that peer.
   """
 
-  def __init__(self, *, token: str | None, shared_memory: bool = True):
+  def __init__(self, *, token: str | None, shared_memory: bool = True,
+               credentials: grpc.ChannelCredentials | None = None):
     self._token = token
     self._shared_memory = shared_memory
+    self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
     self._lock = threading.Lock()
     self._links: dict[int, tuple[PeerLink, threading.Lock]] = {}  # by peer host id
     self._closed = threading.Event()
@@ -301,7 +330,7 @@ class Links:
     if entry is not None:  # the peer moved
       self._retire(peer.host_id, *entry)
     link = PeerLink(peer, token=self._token, timeout=min(timeout, 30.0),
-                    shared_memory=self._shared_memory)
+                    shared_memory=self._shared_memory, credentials=self._credentials)
     with self._lock:
       if self._closed.is_set():
         link.close()

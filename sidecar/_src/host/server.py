@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
-from sidecar._src.host import metrics as metrics_lib
+from sidecar._src.host import metrics as metrics_lib, replicas
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
@@ -127,8 +127,9 @@ class Server:
     self.leases = Leases(shm.Allocator(self.arena.size))
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
-    self.checkpoints = CheckpointHost(  # peers share the token
-        o.host_id, token=o.token, roots=o.checkpoint_roots, metrics=self.metrics)
+    self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
+        o.host_id, token=o.token, roots=o.checkpoint_roots, metrics=self.metrics,
+        peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
                          is_attached=lambda session: self.workers.has_session(session),
