@@ -287,10 +287,9 @@ class Links:
 
   A link that fails is closed, and made once more if it had served an earlier step and
   the peer still answers (it may have restarted at the same address, or expired the
-  session). A
-  thread closes the link of a same-machine peer whose sidecar exits, so that this
-  sidecar does not keep a dead peer's arena mapped (its memory alive) until the next
-  step needs that peer.
+  session). A thread closes the link of a same-machine peer whose sidecar exits, so
+  that this sidecar does not keep a dead peer's arena mapped (its memory alive) until
+  the next step needs that peer.
   """
 
   def __init__(self, *, token: str | None, shared_memory: bool = True,
