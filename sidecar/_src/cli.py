@@ -178,12 +178,18 @@ def _launch(args: argparse.Namespace) -> int:
     args.parser.error("--in-place applies only with --elastic")
   if args.in_place and args.min_hosts is not None:
     args.parser.error("--min-hosts does not apply with --in-place: the job keeps its size")
+  if args.max_restarts is not None and not args.in_place:
+    args.parser.error("--max-restarts applies only with --in-place")
+  if args.max_restarts is not None and args.max_restarts < 0:
+    args.parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
   if not 1 <= min_hosts <= args.hosts:
     args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
   return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                     imports=args.imports or [], shm_size=args.shm_size, token=token,
-                    elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place)
+                    elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
+                    max_restarts=(launch.DEFAULT_MAX_RESTARTS if args.max_restarts is None
+                                  else args.max_restarts))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -283,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--in-place", action="store_true",
                  help="with --elastic: restart at full size, as Kubernetes restarts containers "
                  "in place: a dead sidecar starts again empty, every trainer restarts")
+  s.add_argument("--max-restarts", type=int, metavar="N",
+                 help="with --in-place: restart at most N times, then end on the next failure "
+                 f"(default: {launch.DEFAULT_MAX_RESTARTS})")
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)

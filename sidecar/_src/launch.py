@@ -31,6 +31,7 @@ from typing import BinaryIO, TextIO
 from sidecar._src import env, errors
 from sidecar._src.local import LocalCluster
 
+DEFAULT_MAX_RESTARTS = 4  # in-place restarts, as the manifests' backoffLimit
 DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
 _POLL = 0.1
 _LOG_TAIL_LINES = 40
@@ -82,7 +83,8 @@ the same sidecars; a dead sidecar is started again first, as a new process with 
 arena at the same addresses (a native sidecar's restart), so the new job restores the
 lost host's shards from its peers' replicas (or storage) and the others' from their own
 RAM tiers. Process ids, SIDECAR_NUM_PROCESSES and SIDECAR_HOSTS stay as they were;
-SIDECAR_RESTART counts the restarts.
+SIDECAR_RESTART counts the restarts. After --max-restarts of them (default
+{DEFAULT_MAX_RESTARTS}, as the manifests' backoffLimit) the next failure ends the job.
 """
 
 
@@ -188,9 +190,9 @@ class _Run:
 
   def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
                stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
-               in_place: bool = False):
+               in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS):
     self.command = list(command)
-    self.in_place = in_place
+    self.in_place, self.max_restarts = in_place, max_restarts
     self.cluster = cluster
     self.grace = grace
     self.stdout = stdout
@@ -304,6 +306,10 @@ class _Run:
     """Restarts every trainer at the job's full size, and first ``loss.host``'s sidecar
     if that is what died (a new one, empty, at the same addresses)."""
     lost = time.monotonic()
+    if self.restart >= self.max_restarts:
+      self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)} after {self.restart} "
+               f"restarts (--max-restarts {self.max_restarts}); stopping every process")
+      return False
     self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)}; restarting "
              + ("its sidecar and " if loss.what == "sidecar" else "")
              + f"every trainer in place on hosts {self.hosts}"
@@ -393,7 +399,8 @@ class _Interrupted(BaseException):
 def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
-        in_place: bool = False, stdout: BinaryIO | None = None,
+        in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
+        stdout: BinaryIO | None = None,
         stderr: TextIO | None = None) -> int:
   """Runs ``command`` once per host beside a LocalCluster of sidecars; returns the exit code.
 
@@ -412,6 +419,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     min_hosts: with ``elastic``, the fewest hosts to restart on; below, the job ends.
     in_place: with ``elastic``, restart at full size: a dead sidecar is started again
       (empty) and every trainer restarts, as Kubernetes restarts containers in place.
+    max_restarts: with ``in_place``, how many restarts at most; the next failure ends it.
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
     stderr: where the launcher's own messages go; default this process's stderr.
 
@@ -426,6 +434,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
   if in_place and not elastic:
     raise errors.InvalidArgumentError("in_place applies only with elastic=True")
+  if not isinstance(max_restarts, int) or max_restarts < 0:
+    raise errors.InvalidArgumentError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
   if not 1 <= min_hosts <= hosts:
     raise errors.InvalidArgumentError(
         f"min_hosts must be in 1..hosts ({hosts}), got {min_hosts!r}")
@@ -433,7 +443,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
                          token=token, configure_jax=False, assign_device_ids=False)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
-                in_place=in_place)
+                in_place=in_place, max_restarts=max_restarts)
   in_start = True
 
   def handler(signum, frame):

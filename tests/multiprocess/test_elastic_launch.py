@@ -183,9 +183,22 @@ def test_a_loss_below_min_hosts_ends_the_job(tmp_path):
     (["--elastic", "--min-hosts", "4"], r"--min-hosts must be in 1..--hosts \(3\), got 4"),
     (["--elastic", "--min-hosts", "0"], r"--min-hosts must be in 1..--hosts \(3\), got 0"),
     (["--in-place"], "--in-place applies only with --elastic"),
-], ids=["without-elastic", "above-hosts", "zero", "in-place-without-elastic"])
+    (["--elastic", "--max-restarts", "2"], "--max-restarts applies only with --in-place"),
+], ids=["without-elastic", "above-hosts", "zero", "in-place-without-elastic",
+        "max-restarts-without-in-place"])
 def test_bad_min_hosts_is_refused_before_anything_starts(flags, match):
   done = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "3", *flags,
                          "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert done.returncode == 2 and re.search(match, done.stderr), done.stderr
   assert "sidecar (pid" not in done.stderr
+
+
+def test_in_place_restarts_stop_after_max_restarts():
+  # A trainer that always fails: restarted in place once, then its failure ends the job.
+  done = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "2", "--elastic",
+                         "--in-place", "--max-restarts", "1", "--", sys.executable, "-c",
+                         "import sys; sys.exit(3)"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 3, done.stderr
+  assert len(re.findall(r"restart \d+:", done.stderr)) == 1, done.stderr
+  assert "after 1 restarts (--max-restarts 1); stopping every process" in done.stderr
