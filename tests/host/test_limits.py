@@ -64,6 +64,11 @@ def test_sessions_expire_when_unused_and_every_use_refreshes():
   for bad in (None, "", "c-guess", b"bytes", 5):
     with pytest.raises(sidecar.VersionMismatchError, match="no live handshake session"):
       sessions.use(bad)
+    assert not sessions.touch(bad)
+  clock.now = 24
+  assert sessions.touch(a)  # as Status does for a watching controller
+  clock.now = 33
+  sessions.use(a)
 
 
 def test_a_flood_of_handshakes_keeps_at_most_the_limit_evicting_the_least_recently_used():
