@@ -25,7 +25,7 @@ from sidecar._src.host.server import Server
 from sidecar._src.protocol import pb
 from tests import feed_fns, sidecar_fns
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 DTYPES = sorted(codec._DTYPES)
 # Statuses that say what was wrong with a request. UNKNOWN is only for a registered

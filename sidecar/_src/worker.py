@@ -224,7 +224,8 @@ class Worker:
     self._check_open()
     dtype = np.dtype(dtype)
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
-    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout}, wait=timeout)
+    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout},
+                          wait=timeout or 0.0)
     ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
     return self.view(ref), ref
 

@@ -64,6 +64,11 @@ def test_sessions_expire_when_unused_and_every_use_refreshes():
   for bad in (None, "", "c-guess", b"bytes", 5):
     with pytest.raises(sidecar.VersionMismatchError, match="no live handshake session"):
       sessions.use(bad)
+    assert not sessions.touch(bad)
+  clock.now = 24
+  assert sessions.touch(a)  # as Status does for a watching controller
+  clock.now = 33
+  sessions.use(a)
 
 
 def test_a_flood_of_handshakes_keeps_at_most_the_limit_evicting_the_least_recently_used():
@@ -262,3 +267,22 @@ def test_a_connection_that_says_nothing_is_closed(make_server, monkeypatch):
   sock = connect(server)
   assert sock.recv(1) == b""  # closed by the sidecar, not by a timeout here (10 s)
   sock.close()
+
+
+def test_a_feed_batch_too_big_for_the_arena_fails_before_its_rows_are_read(make_server):
+  """10 million rows of 16 B would be read (minutes, GiBs) before the 8 MiB arena said no."""
+  from sidecar._src import registry as registry_lib
+  from tests import feed_fns  # noqa: F401  (registers into the default registry)
+  reg = registry_lib.Registry()
+  for entry in sidecar.default_registry():
+    if entry.fn.__module__ == "tests.feed_fns":
+      reg.add(entry.kind, entry.name, entry.fn)
+  raw = Raw(make_server(registry=reg).port)
+  rows = 10_000_000
+  request = pb.CallRequest(name="ids", args=codec.encode(()), kwargs=codec.encode({"n": rows}),
+                           feed=pb.FeedSpec(global_batch_size=rows, shard_count=1,
+                                            rows=[pb.RowRange(start=0, stop=rows)]))
+  e = rejected(lambda: list(raw._stream(iter([pb.StreamRequest(start=request, prefetch=1)]),
+                                        metadata=raw.metadata, timeout=30)))
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cannot fit an arena" in e.details()
+  raw.close()

@@ -81,3 +81,14 @@ def test_replicas_go_to_peers_over_mtls(tmp_path):
       with ctl.checkpointer(tmp_path / "ck") as ckpt:
         assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
         assert "replica:host0" in ckpt.last_restore_stats().shards
+
+
+def test_sidecar_status_reaches_a_tls_sidecar_with_the_ca_in_the_environment(make_server,
+                                                                           monkeypatch):
+  from sidecar._src.controller import status
+  server = make_server(tls_cert=SERVER, tls_key=SERVER_KEY)
+  with pytest.raises(sidecar.SidecarError):
+    status.fetch(f"127.0.0.1:{server.port}", timeout=2)  # plaintext against TLS
+  monkeypatch.setenv("SIDECAR_TLS_CA", CA)
+  reply = status.fetch(f"127.0.0.1:{server.port}", timeout=10)
+  assert reply.identity.host_id == 0

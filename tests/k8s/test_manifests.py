@@ -182,3 +182,27 @@ def test_component_on_a_jobset_with_other_names_fails_the_checks(kustomize, tmp_
   with pytest.raises(AssertionError, match=r"spec\.replicatedJobs\.\[name=slice\]\.template"
                                            r"\.spec\.completions` is missing"):
     kustomize(tmp_path)
+
+
+def test_the_tls_component_mounts_the_certificates_for_both_sides(kustomize, tmp_path):
+  (tmp_path / "kustomization.yaml").write_text(
+      f"resources: [{os.path.relpath(util.K8S / 'base', tmp_path)}]\ncomponents:\n"
+      + "".join(f"- {os.path.relpath(util.K8S / 'components' / c, tmp_path)}\n"
+                for c in ("sidecar", "sidecar-tls")))
+  (jobset,) = kustomize(tmp_path)
+  spec = util.pod_spec(jobset)
+  (volume,) = [v for v in spec["volumes"] if v["name"] == "sidecar-tls"]
+  assert volume["secret"]["secretName"] == "sidecar-tls"
+  sidecar, trainer = util.env(jobset, "sidecar"), util.env(jobset, "trainer")
+  where = "/var/run/secrets/sidecar-tls/"
+  assert {k: sidecar[k]["value"] for k in ("SIDECAR_TLS_CERT", "SIDECAR_TLS_KEY",
+                                           "SIDECAR_TLS_CLIENT_CA")} == {
+      "SIDECAR_TLS_CERT": where + "tls.crt", "SIDECAR_TLS_KEY": where + "tls.key",
+      "SIDECAR_TLS_CLIENT_CA": where + "ca.crt"}
+  assert trainer["SIDECAR_TLS_CA"]["value"] == where + "ca.crt"
+  assert trainer["SIDECAR_TLS_CLIENT_CERT"]["value"] == where + "tls.crt"
+  assert "SIDECAR_TOKEN_FILE" in sidecar and "SIDECAR_PORT" in trainer  # merged, not replaced
+  for name in ("sidecar", "trainer"):
+    mounts = {m["name"]: m for m in util.container(jobset, name)["volumeMounts"]}
+    assert mounts["sidecar-tls"]["readOnly"] and "sidecar-socket" in mounts
+  assert checks.check_documents([jobset], crd_path=util.CRD) == []

@@ -270,6 +270,9 @@ def _check_map(ds: grain.MapDataset, name: str, spec: Spec) -> None:
 def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
   _check_map(ds, name, spec)
   batcher, order = Batcher(spec, alloc, name), Order(ds, spec.seed)
+  # The layout from one element, so that every batch's blocks are allocated before its rows
+  # are read: one that cannot fit the arena fails at once, not after reading all of them.
+  batcher.learn(ds[0])
   for epoch, position in map_steps(len(ds), spec):
     t0 = time.perf_counter()
     out = batcher.write(batcher.new_batch(), order.rows(epoch, position, spec.ranges))

@@ -110,6 +110,14 @@ class Sessions:
       del self._last[oldest]
       self.expired += 1
 
+  def touch(self, session: object) -> bool:
+    """Refreshes ``session`` if it is live; whether it was."""
+    try:
+      self.use(session)
+    except errors.VersionMismatchError:
+      return False
+    return True
+
   def use(self, session: object) -> None:
     """Refreshes ``session``.
 

@@ -152,6 +152,8 @@ class Service:
 
   def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
     parse(pb.StatusRequest, raw)
+    # Needs no session; one sent along is kept alive (a controller's health watch polls).
+    self._sessions.touch(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
     return pb.StatusResponse(
         identity=self._identity, versions=protocol.local_versions(),
         registry=self.registry_entries(), arena_size=self._arena_size,

@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,8 @@ class WorkerListener:
                max_connections: int = 256):
     self.path = path
     self.max_connections = max_connections
-    self._connections = 0  # open, of any kind: each has a thread
+    # Open connections of any kind, each with its thread: close() ends and joins them.
+    self._connections: dict[socket.socket, threading.Thread] = {}
     self._runner = runner
     self._arena = arena
     self._leases = leases
@@ -87,15 +89,16 @@ class WorkerListener:
         conn, _ = self._sock.accept()
       except OSError:
         return  # closed
+      thread = threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
+                                daemon=True)
       with self._lock:
-        full = self._connections >= self.max_connections
+        full = self._closed or len(self._connections) >= self.max_connections
         if not full:
-          self._connections += 1
+          self._connections[conn] = thread
       if full:
         self._refuse(conn)
         continue
-      threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
-                       daemon=True).start()
+      thread.start()
 
   def _refuse(self, conn: socket.socket) -> None:
     """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
@@ -142,8 +145,6 @@ class WorkerListener:
       with contextlib.suppress(OSError):
         ipc.send(conn, {"error": protocol.error_dict(e)})
     finally:
-      with self._lock:
-        self._connections -= 1
       if session is not None:
         with self._lock:
           self._sessions.pop(session, None)
@@ -152,6 +153,8 @@ class WorkerListener:
         log.info("worker session %s ended; %d arena blocks released", session, freed,
                  extra={"session": session})
       conn.close()
+      with self._lock:
+        self._connections.pop(conn, None)
 
   def _stream(self, conn: socket.socket, session: str) -> None:
     """Serves one stream: StreamRequest frames in, StreamItem frames out."""
@@ -231,16 +234,19 @@ class WorkerListener:
         log.warning("worker %s: %s", session, e, extra={"session": session})
 
   def close(self) -> None:
-    """Stops accepting, drops every session; idempotent."""
+    """Stops accepting, ends every connection and joins its thread; idempotent."""
     with self._lock:
       if self._closed:
         return
       self._closed = True
-      conns = list(self._sessions.values())
+      conns = dict(self._connections)
     self._sock.close()
     for conn in conns:
       with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 2.0  # one stuck in user code (a pipeline) stays a daemon
+    for thread in conns.values():
+      thread.join(timeout=max(0.0, deadline - time.monotonic()))
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
     _remove_dirs(self._made_dirs)
