@@ -10,7 +10,7 @@ one run, round by round:
                         through the peer's worker socket (both on this machine)
   replicas=1, gRPC      the same bytes inline over authenticated gRPC on loopback, in
                         16 MiB chunks (``SIDECAR_REPLICA_SHM=0``: as between machines)
-  replicas=1, shm, paced  as "shm", with ``replica_bandwidth="400MiB"`` per sidecar
+  replicas=1, shm, paced  as "shm", with ``replica_bandwidth="300MiB"`` per sidecar
 Per save:
   staged -> replicated  from ``handle.staged`` to ``handle.replicated`` (R=1)
   staged -> durable     from ``handle.staged`` to ``handle.durable``
@@ -130,7 +130,7 @@ def main() -> None:
   base = tempfile.mkdtemp(prefix="bench-replication-", dir=args.dir)
   configs = [("replicas=0", 0, True, None), ("replicas=1, shm", 1, True, None),
              ("replicas=1, gRPC", 1, False, None),
-             ("replicas=1, shm, paced", 1, True, "400MiB")]
+             ("replicas=1, shm, paced", 1, True, "300MiB")]
   results = {}
   with contextlib.ExitStack() as stack:
     stack.callback(shutil.rmtree, base, ignore_errors=True)
