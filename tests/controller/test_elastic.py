@@ -77,6 +77,15 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
   return train(), seen, train
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The run that loses no host: its final state, and the global batch of every step."""
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
+    with other.controller() as ctl:
+      (want, _), want_seen, _ = train_loop(other, ctl, tmp_path_factory.mktemp("whole"))
+  return want, want_seen
+
+
 @pytest.fixture
 def three_hosts():
   with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as cluster:
@@ -84,11 +93,9 @@ def three_hosts():
       yield cluster, ctl
 
 
-def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
+def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path, uninterrupted):
   cluster, ctl = three_hosts
-  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
-    with other.controller() as ctl2:
-      (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
+  want, want_seen = uninterrupted
   t0 = time.monotonic()
   sources: list[dict] = []
   (got, hosts), seen, train = train_loop(cluster, ctl, tmp_path / "lossy", kill=(5, 2),
@@ -113,12 +120,11 @@ def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path):
   assert "storage" not in restored and restored.get("replica:host0", 0) > 0, restored
 
 
-def test_a_host_that_comes_back_is_trained_on_again_from_the_next_save(tmp_path):
+def test_a_host_that_comes_back_is_trained_on_again_from_the_next_save(tmp_path,
+                                                                     uninterrupted):
   """grow=True: host 2 is killed at step 5 and its sidecar restarted at step 7; the save
   of step 9 ends the attempt on 2 hosts, and steps 9-10 run on all 3, bit-exact."""
-  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
-    with other.controller() as ctl2:
-      (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
+  want, want_seen = uninterrupted
   sources: list[dict] = []
   with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as cluster:
     with cluster.controller() as ctl:
@@ -139,7 +145,7 @@ def test_a_host_that_comes_back_is_trained_on_again_from_the_next_save(tmp_path)
   assert len(sources) == 2 and all("storage" not in s for s in sources), sources
 
 
-def test_a_host_lost_during_the_retrys_restore_is_survived_too(tmp_path):
+def test_a_host_lost_during_the_retrys_restore_is_survived_too(tmp_path, uninterrupted):
   # Host 1 dies as it serves the restore that follows host 2's loss: a third attempt
   # runs on host 0 alone (host 1's shards then come from storage: its replica was on 2).
   with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"],
@@ -147,9 +153,7 @@ def test_a_host_lost_during_the_retrys_restore_is_survived_too(tmp_path):
     with c.controller() as ctl:
       (got, hosts), seen, train = train_loop(c, ctl, tmp_path / "lossy", kill=(5, 2),
                                              min_hosts=1)
-  with sidecar.testing.LocalCluster(3, 2, imports=["tests.feed_fns"]) as other:
-    with other.controller() as ctl2:
-      (want, _), want_seen, _ = train_loop(other, ctl2, tmp_path / "whole")
+  want, want_seen = uninterrupted
   assert hosts == [0]
   assert [e.kind for e in train.events].count("start") == 3
   assert sorted(int(e.detail.split()[1].rstrip(":")) for e in train.events
