@@ -815,7 +815,8 @@ class Checkpointer:
   def _read_parts(self, item: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
-    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c once)."""
+    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c, with the
+    first part)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     data = np.empty(shape, dtype)
     flat = data.reshape(-1).view(np.uint8)
@@ -839,8 +840,11 @@ class Checkpointer:
           out.set_result(data)
 
     for offset, nbytes in parts:
+      # Only the first part asks for the check: the host checks the whole shard once, and
+      # its failure fails the shard (the parts all go at once, so each would check it).
       future = self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index],
-                                crc, tier, [offset, nbytes], hosts=[host])[0]
+                                crc if offset == 0 else None, tier, [offset, nbytes],
+                                hosts=[host])[0]
       future.add_done_callback(lambda f, offset=offset: done(offset, f))
     return out
 
