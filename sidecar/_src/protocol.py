@@ -7,6 +7,7 @@ This is the only module that imports the code generated from
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import traceback
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src import errors
+from sidecar._src import env, errors
 from sidecar.v1 import sidecar_pb2 as pb, sidecar_pb2_grpc as pb_grpc
 
 __all__ = ["pb", "pb_grpc"]
@@ -193,3 +194,35 @@ def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
   if fallback is not None:
     return fallback(f"{e.details()} (sidecar {host}, host {host_id})")
   return errors.RemoteError(str(code), e.details() or "", host_id=host_id)
+
+
+def tls_credentials(ca: str | None, cert: str | None, key: str | None
+                    ) -> grpc.ChannelCredentials | None:
+  """Channel credentials from PEM files (``$SIDECAR_TLS_CA``, ``$SIDECAR_TLS_CLIENT_CERT``,
+  ``$SIDECAR_TLS_CLIENT_KEY`` where not given); None when none is given or set. A
+  controller's to the sidecars, and a sidecar's to its peers.
+
+  Raises:
+    InvalidArgumentError: only one of cert and key, or a file that cannot be read.
+  """
+  ca = ca or os.environ.get(env.TLS_CA) or None
+  cert = cert or os.environ.get(env.TLS_CLIENT_CERT) or None
+  key = key or os.environ.get(env.TLS_CLIENT_KEY) or None
+  if ca is None and cert is None and key is None:
+    return None
+  if (cert is None) != (key is None):
+    raise errors.InvalidArgumentError(
+        f"tls_cert and tls_key go together (or {env.TLS_CLIENT_CERT} and {env.TLS_CLIENT_KEY}), "
+        f"got {cert!r} and {key!r}")
+
+  def read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+      return None
+    try:
+      with open(path, "rb") as f:
+        return f.read()
+    except OSError as e:
+      raise errors.InvalidArgumentError(f"cannot read {what} {path}: {e.strerror}") from None
+  return grpc.ssl_channel_credentials(root_certificates=read(ca, "tls_ca"),
+                                      private_key=read(key, "tls_key"),
+                                      certificate_chain=read(cert, "tls_cert"))

@@ -52,37 +52,6 @@ class HostInfo:
   versions: dict[str, str]
 
 
-def tls_credentials(ca: str | None, cert: str | None, key: str | None
-                    ) -> grpc.ChannelCredentials | None:
-  """Channel credentials from PEM files (``$SIDECAR_TLS_CA``, ``$SIDECAR_TLS_CLIENT_CERT``,
-  ``$SIDECAR_TLS_CLIENT_KEY`` where not given); None when none is given or set.
-
-  Raises:
-    InvalidArgumentError: only one of cert and key, or a file that cannot be read.
-  """
-  ca = ca or os.environ.get(env.TLS_CA) or None
-  cert = cert or os.environ.get(env.TLS_CLIENT_CERT) or None
-  key = key or os.environ.get(env.TLS_CLIENT_KEY) or None
-  if ca is None and cert is None and key is None:
-    return None
-  if (cert is None) != (key is None):
-    raise errors.InvalidArgumentError(
-        f"tls_cert and tls_key go together (or {env.TLS_CLIENT_CERT} and {env.TLS_CLIENT_KEY}), "
-        f"got {cert!r} and {key!r}")
-
-  def read(path: str | None, what: str) -> bytes | None:
-    if path is None:
-      return None
-    try:
-      with open(path, "rb") as f:
-        return f.read()
-    except OSError as e:
-      raise errors.InvalidArgumentError(f"cannot read {what} {path}: {e.strerror}") from None
-  return grpc.ssl_channel_credentials(root_certificates=read(ca, "tls_ca"),
-                                      private_key=read(key, "tls_key"),
-                                      certificate_chain=read(cert, "tls_cert"))
-
-
 class Connection:
   """A channel to one sidecar, after a successful handshake."""
 

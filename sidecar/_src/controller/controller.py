@@ -30,7 +30,7 @@ from sidecar._src import (
 )
 from sidecar._src.controller import discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
-from sidecar._src.controller.connection import Connection, HostInfo, tls_credentials
+from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -106,7 +106,7 @@ class Controller:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
     self.peer_timeout = env.peer_timeout(peer_timeout)
-    self._credentials = tls_credentials(tls_ca, tls_cert, tls_key)
+    self._credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
     self._token = token  # a lost host's sidecar that comes back is reconnected with it

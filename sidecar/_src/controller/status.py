@@ -16,14 +16,14 @@ import grpc
 from google.protobuf import message as pb_message
 
 from sidecar._src import protocol, shm
-from sidecar._src.controller.connection import CHANNEL_OPTIONS, tls_credentials
+from sidecar._src.controller.connection import CHANNEL_OPTIONS
 from sidecar._src.protocol import pb
 
 
 def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.StatusResponse:
   """One sidecar's status; needs no handshake, so it works across versions. Over TLS
   where ``$SIDECAR_TLS_CA`` (and for mTLS ``$SIDECAR_TLS_CLIENT_CERT``/``_KEY``) say so."""
-  credentials = tls_credentials(None, None, None)
+  credentials = protocol.tls_credentials(None, None, None)
   with (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None else
         grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)) as channel:
     rpc = channel.unary_unary(f"/{protocol.SERVICE}/Status",

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src import codec, errors, protocol, shm, worker as worker_lib
+from sidecar._src import codec, env, errors, protocol, shm, worker as worker_lib
 from sidecar._src.protocol import pb
 
 # One inline message of a shard: well under the channels' 256 MiB limit, and big
@@ -93,18 +93,9 @@ def peer_credentials(tls_cert: str | None, tls_key: str | None,
   """
   if tls_cert is None or tls_key is None:
     return None
-  ca = os.environ.get("SIDECAR_TLS_CA") or tls_client_ca
-  cert = os.environ.get("SIDECAR_TLS_CLIENT_CERT") or tls_cert
-  key = os.environ.get("SIDECAR_TLS_CLIENT_KEY") or tls_key
-
-  def read(path: str | None) -> bytes | None:
-    if path is None:
-      return None
-    with open(path, "rb") as f:
-      return f.read()
-
-  return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
-                                      certificate_chain=read(cert))
+  mine = os.environ.get(env.TLS_CLIENT_CERT) is None
+  return protocol.tls_credentials(os.environ.get(env.TLS_CA) or tls_client_ca,
+                                  tls_cert if mine else None, tls_key if mine else None)
 
 
 class _Pace:
