@@ -198,3 +198,20 @@ def test_a_lost_host_is_noticed_within_a_second(three_hosts):
   with pytest.raises(sidecar.HostLostError, match=r"hosts \[1\] are lost"):
     ctl.call("sidecar_pid", hosts=[1])
   assert len(ctl.call("sidecar_pid")) == 2  # the live ones
+
+
+def test_a_host_that_comes_back_has_its_new_arena_mapped():
+  # Host 1 was the only arena this controller mapped itself (host 0's Worker is the
+  # caller's): once back, its new sidecar's arena is mapped as the first one was.
+  with sidecar.testing.LocalCluster(2, 1, imports=["tests.feed_fns"]) as cluster:
+    with cluster.worker(0) as w0, sidecar.Controller(cluster.addresses,
+                                                      workers={0: w0}) as ctl:
+      first = ctl.worker(1)
+      assert first is not None
+      ctl.watch(rejoin=True)
+      cluster.kill(1)
+      assert eventually(lambda: 1 in ctl.lost_hosts, 10) and ctl.worker(1) is None
+      cluster.restart(1)
+      assert eventually(lambda: [h.host_id for h in ctl.hosts] == [0, 1], 30)
+      again = ctl.worker(1)
+      assert again is not None and again is not first and again.host_id == 1

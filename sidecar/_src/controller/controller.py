@@ -110,6 +110,7 @@ class Controller:
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
     self._token = token  # a lost host's sidecar that comes back is reconnected with it
+    self._map_arenas = attach  # and its arena mapped, if on this machine
     self._conns: dict[int, Connection] = {}
     self._workers: dict[int, worker_lib.Worker] = {}
     self._own_workers: list[worker_lib.Worker] = []
@@ -199,15 +200,18 @@ class Controller:
       self._workers[host_id] = w
     if not attach:
       return
-    here = shm.boot_id()
     for host_id, c in self._conns.items():
-      sock = c.reply.worker_socket
-      if host_id in self._workers or not here or c.reply.identity.boot_id != here:
-        continue
-      if os.path.exists(sock):
-        w = worker_lib.Worker(sock, timeout=self.peer_timeout)
-        self._own_workers.append(w)
-        self._workers[host_id] = w
+      mine = None if host_id in self._workers else self._local_worker(c)
+      if mine is not None:
+        self._own_workers.append(mine)
+        self._workers[host_id] = mine
+
+  def _local_worker(self, conn: Connection) -> worker_lib.Worker | None:
+    """A new Worker of ``conn``'s sidecar if it runs on this machine, else None."""
+    here, sock = shm.boot_id(), conn.reply.worker_socket
+    if not here or conn.reply.identity.boot_id != here or not os.path.exists(sock):
+      return None
+    return worker_lib.Worker(sock, timeout=self.peer_timeout)
 
   def _attach_own(self, workers: Mapping[int, worker_lib.Worker]) -> None:
     """N processes: attaches to this process's own sidecar; learns every process's host."""
@@ -347,9 +351,9 @@ class Controller:
                  f"{conn.info.registry_fingerprint}, was {old.info.registry_fingerprint}); "
                  "deploy the same modules to every host")
     worker = None
-    if refused is None and self._own_workers and conn.reply.identity.boot_id == shm.boot_id():
-      try:
-        worker = worker_lib.Worker(conn.reply.worker_socket, timeout=self.peer_timeout)
+    if refused is None and self._map_arenas and not self.multiprocess:
+      try:  # as _attach did at the start
+        worker = self._local_worker(conn)
       except errors.SidecarError as e:
         refused = f"its arena could not be mapped: {e}"
     if refused is not None:
