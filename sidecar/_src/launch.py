@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO, TextIO
 
 from sidecar._src import env, errors
@@ -286,21 +286,29 @@ class _Run:
              + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
     if loss.what == "sidecar":
       self.print_log_tail(loss.host)
-    self.stop_trainers()
-    stopped = time.monotonic()
-    self.cluster.kill(loss.host)  # a host whose trainer failed is lost too
-    killed = time.monotonic()
-    self.hosts = left
-    self.restart += 1
-    self.trainers = {}
-    self.start_trainers()
-    started = time.monotonic()
+    # A host whose trainer failed is lost too: its sidecar is stopped.
+    stop, sidecar, spawn = self._relaunch(left, lambda: self.cluster.kill(loss.host),
+                                          since=lost)
     self.say(f"restart {self.restart}: host {loss.host} lost (its {loss.what} "
              f"{_how(loss.code)}); {len(left)} process{'es' * (len(left) > 1)} "
-             f"on hosts {left}, started {started - lost:.2f} s after the loss (stopping the "
-             f"trainers {stopped - lost:.2f} s, the lost sidecar {killed - stopped:.2f} s, "
-             f"starting the new trainers {started - killed:.2f} s)")
+             f"on hosts {left}, started {stop + sidecar + spawn:.2f} s after the loss "
+             f"(stopping the trainers {stop:.2f} s, the lost sidecar {sidecar:.2f} s, "
+             f"starting the new trainers {spawn:.2f} s)")
     return True
+
+  def _relaunch(self, hosts: list[int], between: Callable[[], None], *, since: float
+                ) -> tuple[float, float, float]:
+    """Stops every trainer, runs ``between`` (what becomes of the lost host's sidecar;
+    what it raises stops the relaunch), and starts the trainers of ``hosts`` as the
+    job's next start. Returns the seconds of each of the three, the first from ``since``."""
+    self.stop_trainers()
+    stopped = time.monotonic()
+    between()
+    done = time.monotonic()
+    self.hosts, self.trainers = list(hosts), {}
+    self.restart += 1
+    self.start_trainers()
+    return stopped - since, done - stopped, time.monotonic() - done
 
   def _restart_in_place(self, loss: _Loss) -> bool:
     """Restarts every trainer at the job's full size, and first ``loss.host``'s sidecar
@@ -316,27 +324,25 @@ class _Run:
              + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
     if loss.what == "sidecar":
       self.print_log_tail(loss.host)
-    self.stop_trainers()
-    stopped = time.monotonic()
-    if loss.what == "sidecar":
+
+    def start_again() -> None:
+      if loss.what != "sidecar":
+        return  # every sidecar still runs
       self.cluster.kill(loss.host)  # reaps it
-      try:
-        self.cluster.restart(loss.host)
-      except errors.SidecarError as e:
-        self.say(f"host {loss.host}'s sidecar did not start again: {e}")
-        return False
+      self.cluster.restart(loss.host)
       self.say(f"host {loss.host}'s new sidecar (pid {self.cluster.pid(loss.host)}) serves "
                f"{self.cluster.addresses[loss.host]}")
-    sidecar_up = time.monotonic()
-    self.restart += 1
-    self.trainers = {}
-    self.start_trainers()
-    started = time.monotonic()
+
+    try:
+      stop, sidecar, spawn = self._relaunch(self.hosts, start_again, since=lost)
+    except errors.SidecarError as e:
+      self.say(f"host {loss.host}'s sidecar did not start again: {e}")
+      return False
     self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {_how(loss.code)}; "
              f"{len(self.hosts)} processes on hosts {self.hosts} in place, started "
-             f"{started - lost:.2f} s after the loss (stopping the trainers "
-             f"{stopped - lost:.2f} s, the sidecar {sidecar_up - stopped:.2f} s, starting "
-             f"the new trainers {started - sidecar_up:.2f} s)")
+             f"{stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
+             f"{stop:.2f} s, the sidecar {sidecar:.2f} s, starting the new trainers "
+             f"{spawn:.2f} s)")
     return True
 
   def print_log_tail(self, host: int) -> None:
