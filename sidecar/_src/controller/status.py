@@ -121,16 +121,27 @@ def format_feeds(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> s
   return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
 
-def format_checkpoints(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
-  """One line per host and checkpoint directory: the steps each tier holds."""
+def format_checkpoints(rows: Rows, previous: Rows | None = None, seconds: float = 0.0) -> str:
+  """One line per host and checkpoint directory: the steps each tier holds, and those
+  being written with GB/s (between ``previous`` and ``rows``, ``seconds`` apart, when
+  given; else since each write began)."""
+  written_before = {}
+  for address, s in previous or ():
+    if not isinstance(s, Exception):
+      for c in s.checkpoints:
+        written_before[(address, c.directory, tuple(c.writing))] = c.written_bytes
   lines = []
-  for _, s in rows:
+  for address, s in rows:
     if isinstance(s, Exception):
       continue
     for c in s.checkpoints:
       writing = "none"
       if c.writing:
-        rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
+        old = written_before.get((address, c.directory, tuple(c.writing)))
+        if old is not None and seconds > 0:
+          rate = (c.written_bytes - old) / seconds / 1e9
+        else:
+          rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
         writing = (f"{list(c.writing)} ({shm.format_size(c.written_bytes)} of "
                    f"{shm.format_size(c.total_bytes)}, {rate:.2f} GB/s)")
       held = "; ".join(f"{list(r.steps)} of host {r.source_host} ({shm.format_size(r.nbytes)})"
@@ -203,36 +214,8 @@ def format_live(rows: Rows, previous: Rows | None, seconds: float) -> str:
   else:
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-  lines += ["", _format_writes(rows, previous, seconds)]
+  lines += ["", format_checkpoints(rows, previous, seconds)]
   return "\n".join(lines)
-
-
-def _format_writes(rows: Rows, previous: Rows | None, seconds: float) -> str:
-  """Per host and directory: steps per tier, and the steps being written with GB/s."""
-  written_before = {}
-  for address, s in previous or ():
-    if not isinstance(s, Exception):
-      for c in s.checkpoints:
-        written_before[(address, c.directory, tuple(c.writing))] = c.written_bytes
-  lines = []
-  for address, s in rows:
-    if isinstance(s, Exception):
-      continue
-    for c in s.checkpoints:
-      writing = "none"
-      if c.writing:
-        old = written_before.get((address, c.directory, tuple(c.writing)))
-        if old is not None and seconds > 0:
-          rate = (c.written_bytes - old) / seconds / 1e9
-        else:
-          rate = c.written_bytes / c.writing_s / 1e9 if c.writing_s else 0.0
-        writing = (f"{list(c.writing)} {shm.format_size(c.written_bytes)} of "
-                   f"{shm.format_size(c.total_bytes)} at {rate:.2f} GB/s")
-      replicas = sum(len(r.steps) for r in c.replicas)
-      lines.append(f"host {s.identity.host_id}  {c.directory}  RAM: {list(c.ram_steps) or '-'}"
-                   f"  replicas held: {replicas}  uncommitted: {list(c.uncommitted) or '-'}"
-                   f"  writing: {writing}")
-  return "\n".join(lines) if lines else "no checkpoints held"
 
 
 def watch(addresses: Sequence[str], *, interval: float, timeout: float,
