@@ -11,13 +11,11 @@ restore timed inside the kernel, bit-exactness checked.
 """
 
 import json
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 
-from tests.test_notebook import ROOT, Kernel, kernel_env
+from tests.test_notebook import Kernel, kernel_env, start_local
 
 SETUP = """
 import json, time
@@ -50,21 +48,6 @@ ctl.close()
 """
 
 
-def start_sidecars() -> tuple[subprocess.Popen, list[str]]:
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "sidecar", "local", "--hosts", "2", "--devices-per-host", "1",
-       "--shm-size", "1GiB"], cwd=ROOT, env=kernel_env(2), stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
-  addresses = []
-  for line in proc.stdout:
-    m = re.match(r"host \d+: (\S+)", line)
-    if m:
-      addresses.append(m.group(1))
-    if line.startswith("Ctrl-C to stop"):
-      break
-  return proc, addresses
-
-
 def stop(proc: subprocess.Popen) -> None:
   proc.send_signal(signal.SIGINT)
   proc.wait(60)
@@ -77,7 +60,7 @@ def last_json(text: str) -> dict:
 
 def main() -> None:
   directory = tempfile.mkdtemp(prefix="bench-notebook-")
-  proc, addresses = start_sidecars()
+  proc, addresses = start_local("--shm-size", "1GiB")
   kernel = Kernel(kernel_env(2))
   rows = []
   try:
@@ -87,7 +70,7 @@ def main() -> None:
     rows.append(("kernel restarted, sidecars kept: RAM tier",
                  last_json(kernel.run(setup + RESTORE, timeout=300))))
     stop(proc)
-    proc, addresses = start_sidecars()
+    proc, addresses = start_local("--shm-size", "1GiB")
     kernel.restart()
     setup = SETUP.format(addresses=addresses, directory=directory)
     rows.append(("kernel and sidecars restarted: storage (page cache warm)",

@@ -31,6 +31,23 @@ def kernel_env(devices: int) -> dict[str, str]:
               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
 
 
+def start_local(*args: str) -> tuple[subprocess.Popen, list[str]]:
+  """``sidecar local --hosts 2 ARGS``, outside any kernel as from a terminal, and the
+  addresses it prints once its sidecars serve (stop it with SIGINT)."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "sidecar", "local", "--hosts", "2", "--devices-per-host", "1",
+       *args], cwd=ROOT, env=kernel_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True)
+  addresses = []
+  for line in proc.stdout:  # type: ignore[union-attr]
+    m = re.match(r"host \d+: (\S+)", line)
+    if m:
+      addresses.append(m.group(1))
+    if line.startswith("Ctrl-C to stop"):
+      break
+  return proc, addresses
+
+
 def test_quickstart_notebook_runs(tmp_path):
   nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
   assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
@@ -98,17 +115,7 @@ class Kernel:
 @pytest.fixture
 def sidecars(tmp_path):
   """``sidecar local --hosts 2``, outside any kernel, as from a terminal."""
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "sidecar", "local", "--hosts", "2", "--devices-per-host", "1",
-       "--shm-size", "64MiB", "--import", "tests.notebook_fns"],
-      cwd=ROOT, env=kernel_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  addresses = []
-  for line in proc.stdout:
-    m = re.match(r"host \d+: (\S+)", line)
-    if m:
-      addresses.append(m.group(1))
-    if line.startswith("Ctrl-C to stop"):
-      break
+  proc, addresses = start_local("--shm-size", "64MiB", "--import", "tests.notebook_fns")
   assert len(addresses) == 2, "sidecar local did not start"
   yield addresses
   proc.send_signal(signal.SIGINT)
