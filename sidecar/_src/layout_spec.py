@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import logging
 import os
@@ -36,9 +37,15 @@ KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
 
 
+@functools.lru_cache(maxsize=64)
 def serialized_sharding(sharding: jax.sharding.Sharding) -> str | None:
   """Orbax's serialized ``ShardingMetadata`` of ``sharding`` (what ``_sharding`` stores),
-  as ``orbax.checkpoint``'s ``from_jax_sharding(s).to_serialized_string()`` makes it."""
+  as ``orbax.checkpoint``'s ``from_jax_sharding(s).to_serialized_string()`` makes it.
+
+  Cached: every save describes every leaf, in the trainer's blocked time, and the string
+  lists every device of the mesh (a leaf of a 4096-device mesh: ~7 ms); leaves share a
+  few shardings.
+  """
   if isinstance(sharding, jax.sharding.NamedSharding):
     mesh = sharding.mesh
     devices = mesh.devices.tolist() if isinstance(mesh.devices, np.ndarray) else mesh.devices
