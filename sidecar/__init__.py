@@ -1,35 +1,75 @@
 """colocated-sidecar: data loading and checkpointing on the accelerator hosts."""
 
-from sidecar import distributed, elastic, testing
-from sidecar._src.controller.connection import HostInfo
-from sidecar._src.controller.controller import Controller
-from sidecar._src.errors import (
-    AlreadyRegisteredError,
-    ArenaCapacityError,
-    AuthenticationError,
-    ClosedError,
-    CorruptCheckpointError,
-    DeadlineExceededError,
-    DiscoveryError,
-    HostLostError,
-    InvalidArgumentError,
-    NotRegisteredError,
-    RemoteError,
-    ResourceExhaustedError,
-    SidecarError,
-    StaleDescriptorError,
-    VersionMismatchError,
-)
-from sidecar._src.host.outputs import empty
-from sidecar._src.pipeline_context import PipelineContext
-from sidecar._src.registry import (
-    Registry,
-    default_registry,
-    function,
-    pipeline,
-    set_default_registry,
-)
-from sidecar._src.worker import Worker
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from sidecar import distributed, elastic, testing
+  from sidecar._src.controller.connection import HostInfo
+  from sidecar._src.controller.controller import Controller
+  from sidecar._src.errors import (
+      AlreadyRegisteredError,
+      ArenaCapacityError,
+      AuthenticationError,
+      ClosedError,
+      CorruptCheckpointError,
+      DeadlineExceededError,
+      DiscoveryError,
+      HostLostError,
+      InvalidArgumentError,
+      NotRegisteredError,
+      RemoteError,
+      ResourceExhaustedError,
+      SidecarError,
+      StaleDescriptorError,
+      VersionMismatchError,
+  )
+  from sidecar._src.host.outputs import empty
+  from sidecar._src.pipeline_context import PipelineContext
+  from sidecar._src.registry import (
+      Registry,
+      default_registry,
+      function,
+      pipeline,
+      set_default_registry,
+  )
+  from sidecar._src.worker import Worker
+
+# Where each public name lives. Importing ``sidecar`` loads none of them (JAX, gRPC and
+# Grain take seconds), so ``sidecar serve``, ``sidecar status`` and ``sidecar launch``
+# start without them; the first use of a name imports its module (PEP 562).
+_ERRORS = "sidecar._src.errors"
+_REGISTRY = "sidecar._src.registry"
+_HOME = {
+    "Controller": "sidecar._src.controller.controller",
+    "HostInfo": "sidecar._src.controller.connection",
+    "PipelineContext": "sidecar._src.pipeline_context",
+    "Worker": "sidecar._src.worker",
+    "empty": "sidecar._src.host.outputs",
+    **{name: _ERRORS for name in (
+        "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
+        "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError", "HostLostError",
+        "InvalidArgumentError", "NotRegisteredError", "RemoteError", "ResourceExhaustedError",
+        "SidecarError", "StaleDescriptorError", "VersionMismatchError")},
+    **{name: _REGISTRY for name in (
+        "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
+}
+_SUBMODULES = ("distributed", "elastic", "testing")
+
+
+def __getattr__(name: str) -> Any:
+  if name in _SUBMODULES:
+    return importlib.import_module(f"sidecar.{name}")
+  if name in _HOME:
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+  raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "AlreadyRegisteredError",

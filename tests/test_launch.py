@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from sidecar._src import launch
+from sidecar._src import cli, launch
 from tests.conftest import alive, eventually
 
 
@@ -181,20 +181,29 @@ def test_a_signal_to_the_launcher_stops_everything(signum, code):
     (["--hosts", "0", "--", "true"], "--hosts must be at least 1, got 0"),
     (["--devices-per-host", "-1", "--", "true"], "--devices-per-host must be at least 1, got -1"),
 ], ids=["no-cmd", "empty-cmd", "zero-hosts", "negative-devices"])
-def test_bad_command_lines_exit_2_with_a_clear_message(args, message):
-  p = subprocess.run([sys.executable, "-m", "sidecar", "launch", *args],
-                     check=False, capture_output=True, text=True, timeout=60)
-  assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+def test_bad_command_lines_exit_2_with_a_clear_message(args, message, capsys):
+  with pytest.raises(SystemExit) as exit_:  # in this process: the parser is all that runs
+    cli.main(["launch", *args])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
 
 
-def test_help_explains_environment_exit_codes_and_defaults():
-  p = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--help"],
+def test_the_entry_point_gives_a_bad_command_line_exit_2():
+  p = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "0", "--", "true"],
                      check=False, capture_output=True, text=True, timeout=60)
-  assert p.returncode == 0
+  assert p.returncode == 2 and "--hosts must be at least 1, got 0" in p.stderr, p.stderr
+  assert "Traceback" not in p.stderr
+
+
+def test_help_explains_environment_exit_codes_and_defaults(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["launch", "--help"])
+  out = capsys.readouterr().out
+  assert exit_.value.code == 0
   for text in ["SIDECAR_COORDINATOR_ADDRESS", "SIDECAR_HOSTS", "SIDECAR_LOCAL_DEVICES",
                "(default: 2)", "(default: 1)", "(default: 256MiB)", "128+N", "130", "143",
                "SIGKILL after 5 s"]:
-    assert text in p.stdout, text
+    assert text in out, text
 
 
 def test_run_from_python_flushes_a_partial_line_and_reports_a_signal():
