@@ -1,6 +1,14 @@
-"""Shared fixtures. Every test that makes shared memory proves it is gone afterwards."""
+"""Shared fixtures. Every test that makes shared memory proves it is gone afterwards.
 
+Every test gets one tier marker, from what its code (and its fixtures' code) starts:
+``processes`` (sidecar, trainer or kernel processes: LocalCluster, ``sidecar launch``,
+subprocesses), ``server`` (an in-process gRPC sidecar), else ``unit``. So
+``pytest -m unit`` runs in seconds, and ``pytest -m "not processes"`` in about a minute.
+"""
+
+import inspect
 import os
+import re
 
 # Before jax starts anywhere in the test process: 8 CPU devices, CPU only.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -116,3 +124,47 @@ def make_server(tmp_path):
   yield make
   for s in servers:
     s.stop(grace=0)
+
+
+_PROCESSES = re.compile(r"LocalCluster|subprocess|Popen|launch\.run|multiprocessing|"
+                        r"start_local|_start\(|KernelManager|nbclient")
+_SERVER = re.compile(r"make_server|Server\(|grpc\.server\(")
+
+
+def _sources(item) -> str:
+  """The test function's code and that of every fixture it uses (transitively)."""
+  parts = []
+  for fn in [getattr(item, "function", None), *(
+      d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)]:
+    try:
+      parts.append(inspect.getsource(fn))
+    except (OSError, TypeError):
+      continue
+  return "\n".join(parts)
+
+
+def _module_source(item) -> str:
+  try:
+    return inspect.getsource(item.module)
+  except (OSError, TypeError, AttributeError):
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    source = _sources(item)
+    tier = ("processes" if _PROCESSES.search(source) or "multiprocess" in item.path.parts
+            else "server" if _SERVER.search(source) or _SERVER.search(_module_source(item))
+            else "unit")
+    item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_mapping_an_arena():
+  """After the whole run: no process this run started still maps a sidecar arena.
+
+  A memfd arena never appears in /dev/shm, so ``no_shm_leak`` cannot see it.
+  """
+  yield
+  assert eventually(lambda: not arena_mappers(), timeout=10), (
+      f"processes this test run started still map an arena: {arena_mappers()}")
