@@ -21,6 +21,7 @@ from sidecar._src.errors import (
     VersionMismatchError,
 )
 from sidecar._src.host.outputs import empty
+from sidecar._src.options import FeedOptions
 from sidecar._src.pipeline_context import PipelineContext
 from sidecar._src.registry import (
     Registry,
@@ -40,6 +41,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DeadlineExceededError",
     "DiscoveryError",
+    "FeedOptions",
     "HostInfo",
     "HostLostError",
     "InvalidArgumentError",

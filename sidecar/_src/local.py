@@ -57,7 +57,7 @@ class LocalCluster:
     with sidecar.testing.LocalCluster(num_hosts=4, devices_per_host=2,
                                       imports=["my_pkg.sidecar_fns"]) as cluster:
       with cluster.controller() as ctl:
-        ctl.call("my_fn", 1, 2)
+        ctl.call("my_fn", args=(1, 2))
 
   Host ``h`` owns JAX CPU devices ``[h * devices_per_host, (h + 1) * devices_per_host)``
   of this process. ``host_env`` adds environment variables to one host's sidecar.
