@@ -10,9 +10,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from sidecar._src import (
   demo,
+  env as env_lib,
   errors,
   launch,
   logs,
@@ -28,9 +30,10 @@ from sidecar._src.local import LocalCluster
 log = logging.getLogger("sidecar")
 
 
-def _env(name: str, default=None):
-  value = os.environ.get(name)
-  return default if value in (None, "") else value
+def _env(name: str, default: Any = None) -> Any:
+  """``$name`` (a name in env.py's table), else ``default`` when unset or empty."""
+  value = env_lib.get(name)
+  return default if value is None else value
 
 
 def _ids(text: str) -> tuple[int, ...]:
@@ -70,9 +73,9 @@ def load_user_code(modules: Sequence[str]) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
   imports = list(args.imports or []) + [
-      m for m in (_env("SIDECAR_IMPORTS") or "").split(",") if m.strip()]
+      m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
   load_user_code(imports)
-  token = _env("SIDECAR_TOKEN")
+  token = _env(env_lib.TOKEN)
   if args.token_file:
     with open(args.token_file) as f:
       token = f.read().strip()
@@ -169,7 +172,7 @@ def _launch(args: argparse.Namespace) -> int:
     if value < 1:
       args.parser.error(f"{flag} must be at least 1, got {value}")
   try:
-    token = launch.read_token(args.token_file)
+    token = env_lib.token(args.token_file)
   except (OSError, errors.InvalidArgumentError) as e:
     args.parser.error(f"cannot read the token: {e}")
   if args.min_hosts is not None and not args.elastic:
@@ -193,7 +196,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-  token = _env("SIDECAR_TOKEN")
+  token = _env(env_lib.TOKEN)
   if args.watch and args.json:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:
@@ -217,41 +220,41 @@ def parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True)
 
   s = sub.add_parser("serve", help="run the sidecar of this host")
-  s.add_argument("--host-id", type=int, default=int(_env("SIDECAR_HOST_ID", 0)))
-  s.add_argument("--slice-id", type=int, default=int(_env("SIDECAR_SLICE_ID", 0)))
-  s.add_argument("--device-ids", type=_ids, default=_ids(_env("SIDECAR_DEVICE_IDS", "")))
-  s.add_argument("--listen", default=_env("SIDECAR_LISTEN"), metavar="ADDR",
+  s.add_argument("--host-id", type=int, default=int(_env(env_lib.HOST_ID, 0)))
+  s.add_argument("--slice-id", type=int, default=int(_env(env_lib.SLICE_ID, 0)))
+  s.add_argument("--device-ids", type=_ids, default=_ids(_env(env_lib.DEVICE_IDS, "")))
+  s.add_argument("--listen", default=_env(env_lib.LISTEN), metavar="ADDR",
                  help="address of the control and health ports (default: 127.0.0.1, or [::] "
                       "with a token); a non-loopback one needs --token-file or --insecure")
-  s.add_argument("--port", type=int, default=int(_env("SIDECAR_PORT", options_lib.DEFAULT_PORT)))
-  s.add_argument("--health-port", type=int, default=int(_env("SIDECAR_HEALTH_PORT", options_lib.DEFAULT_HEALTH_PORT)))
-  s.add_argument("--socket", default=_env("SIDECAR_SOCKET", "/run/sidecar/sidecar.sock"))
-  s.add_argument("--shm-size", type=_size, default=_size(_env("SIDECAR_SHM_SIZE", "1GiB")),
+  s.add_argument("--port", type=int, default=int(_env(env_lib.PORT, options_lib.DEFAULT_PORT)))
+  s.add_argument("--health-port", type=int, default=int(_env(env_lib.HEALTH_PORT, options_lib.DEFAULT_HEALTH_PORT)))
+  s.add_argument("--socket", default=_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"))
+  s.add_argument("--shm-size", type=_size, default=_size(_env(env_lib.SHM_SIZE, "1GiB")),
                  help="arena size, e.g. 4GiB")
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                  help="module whose decorators register functions (repeatable)")
-  s.add_argument("--token-file", default=_env("SIDECAR_TOKEN_FILE"),
+  s.add_argument("--token-file", default=_env(env_lib.TOKEN_FILE),
                  help="file holding the token every controller must present")
-  s.add_argument("--insecure", action="store_true", default=_env("SIDECAR_INSECURE") == "1",
+  s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token (logged as a warning)")
   s.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", metavar="DIR",
-                 default=[r for r in (_env("SIDECAR_CHECKPOINT_ROOTS") or "").split(os.pathsep)
+                 default=[r for r in (_env(env_lib.CHECKPOINT_ROOTS) or "").split(os.pathsep)
                           if r.strip()],
                  help="directory the checkpoint calls may act in, and below (repeatable; "
                       "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
   s.add_argument("--metrics-port", type=int, metavar="PORT",
-                 default=None if _env("SIDECAR_METRICS_PORT") is None
-                 else int(_env("SIDECAR_METRICS_PORT")),
+                 default=None if _env(env_lib.METRICS_PORT) is None
+                 else int(_env(env_lib.METRICS_PORT)),
                  help="serve Prometheus metrics on http://LISTEN:PORT/metrics, on the address "
                       "of --listen (0 picks a free port; default: $SIDECAR_METRICS_PORT, else "
                       "no metrics)")
-  s.add_argument("--log-format", choices=logs.FORMATS, default=_env("SIDECAR_LOG_FORMAT", "text"),
+  s.add_argument("--log-format", choices=logs.FORMATS, default=_env(env_lib.LOG_FORMAT, "text"),
                  help="text (default) or json: one JSON object a line, with time, level, "
                       "logger, message, host_id, and session or step where they apply")
-  s.add_argument("--tls-cert", default=_env("SIDECAR_TLS_CERT"), metavar="PEM",
+  s.add_argument("--tls-cert", default=_env(env_lib.TLS_CERT), metavar="PEM",
                  help="TLS on the control port: its certificate chain (with --tls-key)")
-  s.add_argument("--tls-key", default=_env("SIDECAR_TLS_KEY"), metavar="PEM")
-  s.add_argument("--tls-client-ca", default=_env("SIDECAR_TLS_CLIENT_CA"), metavar="PEM",
+  s.add_argument("--tls-key", default=_env(env_lib.TLS_KEY), metavar="PEM")
+  s.add_argument("--tls-client-ca", default=_env(env_lib.TLS_CLIENT_CA), metavar="PEM",
                  help="mTLS: controllers must present a certificate this CA signed")
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
@@ -326,7 +329,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   fmt = getattr(args, "log_format", logs.TEXT)
-  logs.configure(fmt, _env("SIDECAR_LOG_LEVEL", "INFO"),
+  logs.configure(fmt, _env(env_lib.LOG_LEVEL, "INFO"),
                  **({"host_id": args.host_id} if fmt == logs.JSON else {}))
   logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   return args.func(args)

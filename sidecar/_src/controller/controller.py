@@ -39,8 +39,8 @@ from sidecar._src.protocol import pb
 log = logging.getLogger(__name__)
 _REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline
 
-ENV_TOKEN = "SIDECAR_TOKEN"
-ENV_TOKEN_FILE = "SIDECAR_TOKEN_FILE"
+ENV_TOKEN = env.TOKEN
+ENV_TOKEN_FILE = env.TOKEN_FILE
 
 
 class State(enum.Enum):
@@ -49,13 +49,8 @@ class State(enum.Enum):
 
 
 def token_from_env() -> str | None:
-  if os.environ.get(ENV_TOKEN):
-    return os.environ[ENV_TOKEN]
-  path = os.environ.get(ENV_TOKEN_FILE)
-  if path:
-    with open(path) as f:
-      return f.read().strip()
-  return None
+  """``$SIDECAR_TOKEN``, else the content of ``$SIDECAR_TOKEN_FILE``, else None."""
+  return env.token()
 
 
 class Controller:
@@ -223,17 +218,17 @@ class Controller:
     if workers:
       (host_id, w), = workers.items()
     else:
-      if not os.environ.get(worker_lib.ENV_ADDRESS):
+      if not env.get(env.ADDRESS):
         raise errors.InvalidArgumentError(
             f"process {self._peers.index} of {self._peers.count} does not know its own "
-            f"sidecar: set {worker_lib.ENV_ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
+            f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
         w = worker_lib.Worker(timeout=self.peer_timeout)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self._peers.index}: its own sidecar at "
-            f"{os.environ[worker_lib.ENV_ADDRESS]} is unreachable: {e}") from None
+            f"{env.get(env.ADDRESS)} is unreachable: {e}") from None
       self._own_workers.append(w)
       host_id = w.host_id
     if host_id not in self._conns:
