@@ -97,7 +97,7 @@ def silent_streams(cluster, count: int = 32) -> str:
   try:
     with sidecar.Controller(cluster.addresses[:1], connect_timeout=10, timeout=10,
                             attach=False) as ctl:
-      ctl.call("echo", 1)
+      ctl.call("echo", args=(1,))
     result = f"handshake and call OK in {time.monotonic() - t0:.2f} s"
   except sidecar.SidecarError as e:
     result = f"{type(e).__name__} after {time.monotonic() - t0:.1f} s"

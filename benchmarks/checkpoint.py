@@ -330,7 +330,8 @@ def sidecar_read_phases(ctl, directory: str, step: int, names: list[str]
   for mode in ("cold", "warm"):
     if mode == "cold":
       drop_page_cache(directory)
-    out[mode] = ctl.call("read_phases", directory, step, names, list(LEAF_SHAPE), hosts=[0])[0]
+    out[mode] = ctl.call("read_phases", args=(directory, step, names, list(LEAF_SHAPE)),
+                         hosts=[0])[0]
   return out
 
 

@@ -80,8 +80,8 @@ def run(directory: str, *, ram_steps: int, replicas: int, kill_at: int | None, s
           marks["restored"], marks["restore_s"] = time.monotonic(), time.monotonic() - t
           marks["sources"] = ckpt.last_restore_stats().shards
         t = time.monotonic()
-        with ctl.feed("ids", global_batch_size=BATCH, sharding=rows, seed=3, n=6000,
-                      state=data, prefetch=2) as feed:
+        with ctl.feed("ids", kwargs={"n": 6000}, global_batch_size=BATCH, sharding=rows, seed=3,
+                      state=data, options=sidecar.FeedOptions(prefetch=2)) as feed:
           batch = next(feed)
           if restart:
             marks["feed_s"] = time.monotonic() - t

@@ -66,8 +66,8 @@ def grain_mp(kind: str, seconds: float, workers: int, to_jax: bool = True):
 
 def sidecar_feed(ctl, kind: str, seconds: float, workers: int, prefetch: int):
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
-  with ctl.feed("bench_images", global_batch_size=BATCH, sharding=sharding, workers=workers,
-                prefetch=prefetch, kind=kind) as feed:
+  with ctl.feed("bench_images", kwargs={"kind": kind}, global_batch_size=BATCH, sharding=sharding,
+                options=sidecar.FeedOptions(workers=workers, prefetch=prefetch)) as feed:
     return consume(feed, seconds=seconds)
 
 

@@ -53,7 +53,7 @@ def bench_sidecar(ctl, device, nbytes: int, seconds: float, depth: int) -> float
 
   def step():
     while len(pending) < depth:
-      pending.append(ctl.call_async("source", nbytes, hosts=[0])[0])
+      pending.append(ctl.call_async("source", args=(nbytes,), hosts=[0])[0])
     x = jax.device_put(pending.popleft().result(), device)
     x.block_until_ready()
 
@@ -65,7 +65,7 @@ def bench_sidecar(ctl, device, nbytes: int, seconds: float, depth: int) -> float
 
 def bench_stream(ctl, device, nbytes: int, seconds: float, prefetch: int,
                  name: str = "source_stream") -> float:
-  with ctl.stream(name, nbytes, host=0, prefetch=prefetch, device=device) as s:
+  with ctl.stream(name, args=(nbytes,), host=0, prefetch=prefetch, device=device) as s:
     return rate(lambda: next(s).block_until_ready(), seconds=seconds)[0]
 
 

@@ -81,13 +81,14 @@ def cpu_s(pid: int) -> float:
 def call_p50_us(ctl, n: int, pid: int) -> tuple[float, float, int]:
   """p50 round trip, and the sidecar's CPU seconds over ``n`` calls."""
   c0 = cpu_s(pid)
-  p50 = pct(latencies(lambda: ctl.call("bench_echo", 1), n=n, warmup=0), 50) * 1e6
+  p50 = pct(latencies(lambda: ctl.call("bench_echo", args=(1,)), n=n, warmup=0), 50) * 1e6
   return p50, cpu_s(pid) - c0, n
 
 
 def feed_rate(ctl, sharding, seconds: float, pid: int) -> tuple[float, float, int]:
   """Batches/s, and the sidecar's CPU seconds over the batches taken."""
-  with ctl.feed("bench_small", global_batch_size=BATCH, sharding=sharding, prefetch=4) as feed:
+  with ctl.feed("bench_small", global_batch_size=BATCH, sharding=sharding,
+                options=sidecar.FeedOptions(prefetch=4)) as feed:
     for _ in range(20):
       next(feed)
     n, t0, c0 = 0, time.perf_counter(), cpu_s(pid)
@@ -179,11 +180,12 @@ def dashboard_run(args, cluster, sharding, tmp: str) -> list[tuple[float, dict]]
   state = {"w": jax.device_put(np.ones(args.state_mib << 18, np.float32), sharding)}
   with cluster.controller() as ctl, ctl.checkpointer(tmp, max_to_keep=2) as ckpt, Scraper(
       cluster.metrics_urls[0], 0.5) as scraper, ctl.feed(
-          "bench_small", global_batch_size=BATCH, sharding=sharding, prefetch=4) as feed:
+          "bench_small", global_batch_size=BATCH, sharding=sharding,
+          options=sidecar.FeedOptions(prefetch=4)) as feed:
     t0, step, next_save = time.monotonic(), 0, 2.0
     while time.monotonic() - t0 < args.dashboard_seconds:
       jax.block_until_ready(next(feed))
-      ctl.call("bench_echo", 1)
+      ctl.call("bench_echo", args=(1,))
       time.sleep(0.002)  # a "training step"
       if time.monotonic() - t0 >= next_save:
         step += 1

@@ -120,8 +120,9 @@ class Bench:
     key, what = f"bench/{self._n}", spec["what"]
     if what == "feed_open":
       self.feed = self.ctl.feed(
-          "bench_images", global_batch_size=feed_bench.BATCH, sharding=self.sharding,
-          workers=spec["workers"], prefetch=spec["prefetch"], kind=spec["kind"])
+          "bench_images", kwargs={"kind": spec["kind"]}, global_batch_size=feed_bench.BATCH,
+          sharding=self.sharding,
+          options=sidecar.FeedOptions(workers=spec["workers"], prefetch=spec["prefetch"]))
       self._consume(self._deadline(key, spec["warmup"]), None)
     elif what == "feed_window":
       # A short settle first: the prefetched batches of the idle turn come out at once.

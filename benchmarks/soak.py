@@ -75,7 +75,7 @@ class Soak:
       while not self.stop.is_set():
         t0 = time.perf_counter()
         try:
-          ctl.call("echo", x, hosts=hosts)
+          ctl.call("echo", args=(x,), hosts=hosts)
         except sidecar.SidecarError as e:
           self._error("call", e)
           continue
@@ -88,7 +88,7 @@ class Soak:
     while not self.stop.is_set():
       try:
         with self.cluster.controller(attach=self.churns % 2 == 0) as ctl:
-          ctl.call("echo", 1)
+          ctl.call("echo", args=(1,))
         with self.lock:
           self.churns += 1
       except sidecar.SidecarError as e:
@@ -101,7 +101,7 @@ class Soak:
       while not self.stop.is_set():
         try:
           with ctl.feed("soak_rows", global_batch_size=8 * n, sharding=sharding, seed=i,
-                        prefetch=2) as feed:
+                        options=sidecar.FeedOptions(prefetch=2)) as feed:
             for _ in range(200):
               if self.stop.is_set():
                 break

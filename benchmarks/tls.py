@@ -40,9 +40,9 @@ def measure(args: argparse.Namespace, extra: list[str], tls: dict) -> dict[str, 
     for attach in (True, False):
       path = "arena" if attach else "gRPC"
       with c.controller(attach=attach, **tls) as ctl:
-        lat = latencies(lambda: ctl.call("echo", small), n=args.calls, warmup=50)
+        lat = latencies(lambda: ctl.call("echo", args=(small,)), n=args.calls, warmup=50)
         out[f"call 64 B p50 ms ({path})"] = pct(lat, 50) * 1e3
-        lat = latencies(lambda: ctl.call("echo", big), n=args.calls // 5, warmup=10)
+        lat = latencies(lambda: ctl.call("echo", args=(big,)), n=args.calls // 5, warmup=10)
         out[f"call 1 MiB p50 ms ({path})"] = pct(lat, 50) * 1e3
         with ctl.feed("soak_rows", global_batch_size=64, sharding=sharding) as feed:
           out[f"feed batches/s, 64 x 4 KiB ({path})"] = rate(

@@ -16,7 +16,8 @@ Example::
   write_arrayrecord("/data/train.array_record",
                     ({"x": np.float32(i), "y": np.int32(i % 2)} for i in range(100)))
   # sidecar serve --import pipelines.arrayrecord
-  feed = ctl.feed("arrayrecord", paths="/data/*.array_record", batch_size=32)
+  feed = ctl.feed("arrayrecord", global_batch_size=32, sharding=sharding,
+                  kwargs={"paths": "/data/*.array_record"})
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ distributes under CC BY 4.0: cite it if you publish results.
 Example::
 
   # sidecar serve --import pipelines.digits
-  feed = ctl.feed("digits", split="train", batch_size=64, seed=0)
+  feed = ctl.feed("digits", global_batch_size=64, sharding=sharding, kwargs={"split": "train"},
+                  seed=0)
 """
 
 from __future__ import annotations

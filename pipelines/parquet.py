@@ -15,8 +15,8 @@ numpy form: project them out with ``columns=[...]``.
 Example::
 
   # sidecar serve --import pipelines.parquet
-  feed = ctl.feed("parquet", paths="/data/train-*.parquet",
-                  columns=["features", "label"], batch_size=256)
+  feed = ctl.feed("parquet", global_batch_size=256, sharding=sharding,
+                  kwargs={"paths": "/data/train-*.parquet", "columns": ["features", "label"]})
 """
 
 from __future__ import annotations

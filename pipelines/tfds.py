@@ -12,8 +12,8 @@ dataset that is missing, or prepared only as TFRecord, fails at once.
 Example::
 
   # sidecar serve --import pipelines.tfds
-  feed = ctl.feed("tfds", name="mnist", split="train", data_dir="/data/tfds",
-                  batch_size=128)
+  feed = ctl.feed("tfds", global_batch_size=128, sharding=sharding,
+                  kwargs={"name": "mnist", "split": "train", "data_dir": "/data/tfds"})
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
       VersionMismatchError,
   )
   from sidecar._src.host.outputs import empty
+  from sidecar._src.options import FeedOptions
   from sidecar._src.pipeline_context import PipelineContext
   from sidecar._src.registry import (
       Registry,
@@ -45,6 +46,7 @@ _HOME = {
     "HostInfo": "sidecar._src.controller.connection",
     "PipelineContext": "sidecar._src.pipeline_context",
     "Worker": "sidecar._src.worker",
+    "FeedOptions": "sidecar._src.options",
     "empty": "sidecar._src.host.outputs",
     **{name: _ERRORS for name in (
         "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
@@ -80,6 +82,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DeadlineExceededError",
     "DiscoveryError",
+    "FeedOptions",
     "HostInfo",
     "HostLostError",
     "InvalidArgumentError",

@@ -1,3 +1,4 @@
+import argparse
 import json
 import logging
 import os
@@ -301,3 +302,43 @@ def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypat
   assert args.checkpoint_roots == ["/a", "b"]
   monkeypatch.setenv("SIDECAR_CHECKPOINT_ROOTS", os.pathsep.join(["/x", "/y"]))
   assert cli.parser().parse_args(["serve"]).checkpoint_roots == ["/x", "/y"]
+
+
+def _commands(p: argparse.ArgumentParser, prefix: str = "sidecar"):
+  """Every (command line, parser) under ``p``, ``p`` itself first."""
+  yield prefix, p
+  for action in p._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      for name, sub in action.choices.items():
+        yield from _commands(sub, f"{prefix} {name}")
+
+
+def test_every_option_of_every_subcommand_has_help_with_its_default():
+  seen, missing = set(), []
+  for command, p in _commands(cli.parser()):
+    seen.add(command)
+    text = p.format_help()  # formats every help string: a bad %(...)s raises here
+    for action in p._actions:
+      if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or \
+          action.help == argparse.SUPPRESS:
+        continue
+      flag = "/".join(action.option_strings) or action.dest
+      if not action.help:
+        missing.append(f"{command} {flag}: no help")
+        continue
+      rendered = p._get_formatter()._expand_help(action)
+      takes_value = action.option_strings and action.nargs != 0 and not action.required
+      if takes_value and "default" not in rendered:
+        missing.append(f"{command} {flag}: help names no default: {rendered!r}")
+    assert "usage:" in text
+  assert {"sidecar serve", "sidecar local", "sidecar launch", "sidecar status", "sidecar demo",
+          "sidecar k8s render", "sidecar k8s check"} <= seen
+  assert missing == []
+
+
+def test_serve_help_names_the_variable_and_the_fallback_of_each_default():
+  text = " ".join(cli.parser()._subparsers._group_actions[0].choices["serve"]
+                  .format_help().split())
+  assert "(default: $SIDECAR_PORT, else 8490)" in text
+  assert "(default: $SIDECAR_SHM_SIZE, else 1GiB)" in text
+  assert "(default: None)" not in text and "(default: False)" not in text

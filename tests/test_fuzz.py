@@ -364,5 +364,5 @@ def test_after_the_fuzz_the_sidecar_still_serves(target):
   server, *_ = target
   with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     big = np.arange(1 << 14, dtype=np.float32)
-    np.testing.assert_array_equal(ctl.call("echo", big)[0], big)
-    assert ctl.call("add", 2, b=3) == [5]
+    np.testing.assert_array_equal(ctl.call("echo", args=(big,))[0], big)
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]

@@ -75,11 +75,11 @@ def test_deferred_raises_at_its_end_and_restores_the_handler():
 def test_call_interrupted_drops_its_result_and_the_next_call_works(ctl):
   baseline = used(ctl)
   with pytest.raises(KeyboardInterrupt), sigint_after(0.2):
-    ctl.call("slow_block", 4 << 20, 1.0, hosts=[0])  # one host: the blocking path
+    ctl.call("slow_block", args=(4 << 20, 1.0), hosts=[0])  # one host: the blocking path
   with pytest.raises(KeyboardInterrupt), sigint_after(0.2):
-    ctl.call("slow_block", 4 << 20, 1.0)  # every host: futures
+    ctl.call("slow_block", args=(4 << 20, 1.0))  # every host: futures
   assert back_to(ctl, baseline)  # the results came and went back
-  assert [a.nbytes for a in ctl.call("slow_block", 4 << 20, 0.0)] == [4 << 20] * 2
+  assert [a.nbytes for a in ctl.call("slow_block", args=(4 << 20, 0.0))] == [4 << 20] * 2
 
 
 @pytest.mark.parametrize("attach", [True, False], ids=["unix-socket", "grpc"])
@@ -90,7 +90,7 @@ def test_stream_interrupted_goes_on_in_order(cluster, attach):
 
 def _stream_goes_on(ctl):
   baseline = used(ctl)
-  with ctl.stream("slow_items", 1 << 20, 0.05, host=0, prefetch=4) as s:
+  with ctl.stream("slow_items", args=(1 << 20, 0.05), host=0, prefetch=4) as s:
     seen = []
     with pytest.raises(KeyboardInterrupt), sigint_after(0.3):
       for item in s:
@@ -104,16 +104,17 @@ def _stream_goes_on(ctl):
 def test_feed_interrupted_mid_batch_keeps_the_hosts_together(ctl):
   """Host 1 is slow, so the interrupt lands after host 0's part of a batch came."""
   baseline, sh = used(ctl), sharding()
-  kwargs = dict(global_batch_size=8, sharding=sh, width=1024, seconds=0.02, slow_shard=1)
+  rows = dict(width=1024, seconds=0.02, slow_shard=1)
   for delay in (0.3,):
-    with ctl.feed("slow_rows", **kwargs) as feed:
+    with ctl.feed("slow_rows", global_batch_size=8, sharding=sh, kwargs=rows) as feed:
       with pytest.raises(KeyboardInterrupt), sigint_after(delay):
         for _batch in feed:
           pass
       _batch = None  # noqa: F841  (its blocks go back)
       state = feed.state()
       got = [np.array(next(feed)["x"]) for _ in range(2)]  # copies: no block held
-    with ctl.feed("slow_rows", state=state, **{**kwargs, "seconds": 0.0}) as fresh:
+    with ctl.feed("slow_rows", global_batch_size=8, sharding=sh, state=state,
+                  kwargs={**rows, "seconds": 0.0}) as fresh:
       want = [np.array(next(fresh)["x"]) for _ in range(2)]
     assert all((a == b).all() for a, b in zip(got, want))
   assert back_to(ctl, baseline)

@@ -124,6 +124,14 @@ def test_leaves_import_only_the_standard_library(module):
   assert outside == []
 
 
+def test_env_imports_only_the_standard_library_and_errors():
+  # The one table of environment variables: every layer reads through it, so it sits
+  # beside the leaves, with errors.py for the messages it raises.
+  outside = sorted(n for n in _imports("sidecar._src.env")
+                   if n.split(".")[0] not in sys.stdlib_module_names | {"__future__"})
+  assert outside == ["sidecar._src.errors"]
+
+
 def test_only_protocol_imports_the_generated_code():
   assert set(_violations(SOURCES, GENERATED)) == {"sidecar._src.protocol"}
 

@@ -38,13 +38,13 @@ def test_call_runs_on_chosen_hosts_in_their_order(cluster):
     pids = {h.host_id: h.pid for h in ctl.hosts}
     got = ctl.call("identity_env", hosts=[3, 1])
     assert [g["pid"] for g in got] == [pids[3], pids[1]]
-    futures = ctl.call_async("add", 1, b=2)
+    futures = ctl.call_async("add", args=(1,), kwargs={"b": 2})
     assert [f.result(10) for f in futures] == [3] * 4
 
 
 def test_arrays_reach_jax_from_every_host(cluster):
   with cluster.controller() as ctl:
-    parts = ctl.call("full", 1 << 20, 5)
+    parts = ctl.call("full", args=(1 << 20, 5))
     for h, part in enumerate(parts):
       assert np.shares_memory(part, ctl.worker(h).arena.buffer)
       x = ctl.worker(h).to_jax(part, device=cluster.devices(h)[0])
@@ -55,14 +55,14 @@ def test_sidecar_killed_mid_call_raises_host_lost_naming_it():
   mappers = set(arena_mappers())
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="8MiB",
                                     imports=FNS) as c, c.controller(timeout=30) as ctl:
-    f = ctl.call_async("sleep", 20, hosts=[1])[0]
+    f = ctl.call_async("sleep", args=(20,), hosts=[1])[0]
     time.sleep(0.3)
     t0 = time.monotonic()
     c.kill(1)
     with pytest.raises(sidecar.HostLostError, match=r"host 1") as info:
       f.result(25)
     assert info.value.host_id == 1 and time.monotonic() - t0 < 10
-    assert ctl.call("add", 1, hosts=[0]) == [1]  # the other host is unaffected
+    assert ctl.call("add", args=(1,), hosts=[0]) == [1]  # the other host is unaffected
     with pytest.raises(sidecar.HostLostError):
       ctl.call("die", hosts=[0])  # a function that kills its own sidecar
   assert set(arena_mappers()) <= mappers
@@ -107,7 +107,7 @@ def test_kill_9_leaves_no_shared_memory(victims):
         worker.wait()
       if victims == "worker":
         assert eventually(lambda: _arena_used(ctl, 0) == 0)  # the dead worker's blocks went back
-        assert ctl.call("add", 1) == [1]
+        assert ctl.call("add", args=(1,)) == [1]
       if victims in ("sidecar", "both"):
         c.kill(0)
     if victims == "sidecar":

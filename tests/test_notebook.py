@@ -130,7 +130,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 ctl = sidecar.Controller({addresses!r})
 sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("d",)), P("d"))
 ckpt = ctl.checkpointer({directory!r})
-kwargs = dict(global_batch_size=8, sharding=sh, width=256)
+kwargs = dict(global_batch_size=8, sharding=sh)
 """
 
 
@@ -142,13 +142,14 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
     pids.append(int(kernel.run("import os; print(os.getpid())")))
     kernel.run(SETUP.format(addresses=sidecars, directory=directory))
     # A cell stopped mid-feed (the sidecars are slow: 0.05 s a row).
-    msg = kernel.start("feed = ctl.feed('slow_rows', seconds=0.05, **kwargs)\n"
+    msg = kernel.start("feed = ctl.feed('slow_rows', kwargs={'width': 256, 'seconds': 0.05},"
+                       " **kwargs)\n"
                        "for batch in feed:\n  pass\n")
     time.sleep(3)
     kernel.km.interrupt_kernel()
     assert kernel.reply(msg)["ename"] == "KeyboardInterrupt"
     # And a cell stopped in a call (Ctrl-C taken at a safe point of the controller's).
-    msg = kernel.start("ctl.call('slow_block', 1 << 20, 3.0)")
+    msg = kernel.start("ctl.call('slow_block', args=(1 << 20, 3.0))")
     time.sleep(1)
     kernel.km.interrupt_kernel()
     assert kernel.reply(msg)["ename"] == "KeyboardInterrupt"
@@ -181,7 +182,8 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
           "          'b': jax.ShapeDtypeStruct((8, 256), np.float32, sharding=sh)}\n"
           "got = ckpt.restore(target=target)\n"
           "stats = ckpt.last_restore_stats()\n"
-          "feed = ctl.feed('slow_rows', state=ckpt.data_state(), **kwargs)\n"
+          "feed = ctl.feed('slow_rows', kwargs={'width': 256}, state=ckpt.data_state(),"
+          " **kwargs)\n"
           "print(json.dumps({'steps': ckpt.all_steps(), 'sources': sorted(stats.shards),\n"
           "  'w_exact': bool((np.asarray(got['w']) == np.arange(2 * 1024 * 256, dtype=np.float32)"
           ".reshape(2048, 256)).all()),\n"

@@ -47,3 +47,23 @@ def test_a_non_loopback_listen_needs_a_token_or_insecure(listen):
 def test_loopback_addresses_need_no_token(listen):
   assert options.is_loopback(listen)
   assert ServerOptions(listen=listen).token is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prefetch": 0}, "prefetch must be a positive int, got 0"),
+    ({"prefetch": True}, "prefetch must be a positive int, got True"),
+    ({"workers": -1}, r"workers must be an int >= 0 \(0: the sidecar itself\), got -1"),
+    ({"workers": 1.5}, "workers must be an int >= 0"),
+], ids=["prefetch-zero", "prefetch-bool", "workers-negative", "workers-float"])
+def test_bad_feed_options_name_the_value(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    options.FeedOptions(**kwargs)
+
+
+def test_feed_options_are_frozen_keyword_only_values():
+  o = options.FeedOptions(workers=2)
+  assert (o.prefetch, o.workers) == (2, 2) and o == options.FeedOptions(workers=2, prefetch=2)
+  with pytest.raises(AttributeError):
+    o.workers = 3  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    options.FeedOptions(4)  # type: ignore[misc]

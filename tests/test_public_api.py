@@ -6,7 +6,7 @@ def test_public_api_is_pinned():
   assert sidecar.__all__ == [
       "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
       "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
-      "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
+      "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
       "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",
       "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "distributed", "elastic",
       "empty",

@@ -73,7 +73,7 @@ def test_a_slow_stream_is_waited_on_past_the_peer_timeout(make_server):
   """Items slower than the peer timeout still arrive: the sidecar answers the pings."""
   server = make_server()
   with sidecar.Controller([f"127.0.0.1:{server.port}"], peer_timeout=0.3) as ctl:
-    with ctl.stream("slow_count", 2, 0.8) as s:
+    with ctl.stream("slow_count", args=(2, 0.8)) as s:
       assert list(s) == [0, 1]
 
 

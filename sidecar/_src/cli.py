@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -10,9 +11,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from sidecar._src import (
+  cli_format,
   demo,
+  env as env_lib,
   errors,
   launch,
   logs,
@@ -28,9 +32,10 @@ from sidecar._src.local import LocalCluster
 log = logging.getLogger("sidecar")
 
 
-def _env(name: str, default=None):
-  value = os.environ.get(name)
-  return default if value in (None, "") else value
+def _env(name: str, default: Any = None) -> Any:
+  """``$name`` (a name in env.py's table), else ``default`` when unset or empty."""
+  value = env_lib.get(name)
+  return default if value is None else value
 
 
 def _ids(text: str) -> tuple[int, ...]:
@@ -70,9 +75,9 @@ def load_user_code(modules: Sequence[str]) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
   imports = list(args.imports or []) + [
-      m for m in (_env("SIDECAR_IMPORTS") or "").split(",") if m.strip()]
+      m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
   load_user_code(imports)
-  token = _env("SIDECAR_TOKEN")
+  token = _env(env_lib.TOKEN)
   if args.token_file:
     with open(args.token_file) as f:
       token = f.read().strip()
@@ -169,7 +174,7 @@ def _launch(args: argparse.Namespace) -> int:
     if value < 1:
       args.parser.error(f"{flag} must be at least 1, got {value}")
   try:
-    token = launch.read_token(args.token_file)
+    token = env_lib.token(args.token_file)
   except (OSError, errors.InvalidArgumentError) as e:
     args.parser.error(f"cannot read the token: {e}")
   if args.min_hosts is not None and not args.elastic:
@@ -193,7 +198,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-  token = _env("SIDECAR_TOKEN")
+  token = _env(env_lib.TOKEN)
   if args.watch and args.json:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:
@@ -211,66 +216,107 @@ def _demo(args: argparse.Namespace) -> int:
                   processes=args.processes, elastic=args.elastic)
 
 
+def _from_env(var: str, otherwise: str) -> str:
+  return f"(default: ${var}, else {otherwise})"
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="sidecar", description=(
-      "colocated-sidecar: data loading and checkpointing on the accelerator hosts."))
+      "colocated-sidecar: data loading and checkpointing on the accelerator hosts."),
+      formatter_class=cli_format.DefaultsFormatter)
   sub = p.add_subparsers(dest="command", required=True)
+  add = functools.partial(sub.add_parser, formatter_class=cli_format.DefaultsFormatter)
 
-  s = sub.add_parser("serve", help="run the sidecar of this host")
-  s.add_argument("--host-id", type=int, default=int(_env("SIDECAR_HOST_ID", 0)))
-  s.add_argument("--slice-id", type=int, default=int(_env("SIDECAR_SLICE_ID", 0)))
-  s.add_argument("--device-ids", type=_ids, default=_ids(_env("SIDECAR_DEVICE_IDS", "")))
-  s.add_argument("--listen", default=_env("SIDECAR_LISTEN"), metavar="ADDR",
-                 help="address of the control and health ports (default: 127.0.0.1, or [::] "
-                      "with a token); a non-loopback one needs --token-file or --insecure")
-  s.add_argument("--port", type=int, default=int(_env("SIDECAR_PORT", options_lib.DEFAULT_PORT)))
-  s.add_argument("--health-port", type=int, default=int(_env("SIDECAR_HEALTH_PORT", options_lib.DEFAULT_HEALTH_PORT)))
-  s.add_argument("--socket", default=_env("SIDECAR_SOCKET", "/run/sidecar/sidecar.sock"))
-  s.add_argument("--shm-size", type=_size, default=_size(_env("SIDECAR_SHM_SIZE", "1GiB")),
-                 help="arena size, e.g. 4GiB")
+  s = add("serve", help="run the sidecar of this host",
+          description="Run this host's sidecar: import the modules that register functions, "
+                      "pipelines and checkpoint writers, create the arena, and serve gRPC "
+                      "until SIGTERM or Ctrl-C. Every flag's default can come from a "
+                      "SIDECAR_* variable, as the Kubernetes manifests set them.")
+  s.add_argument("--host-id", type=int, default=int(_env(env_lib.HOST_ID, 0)),
+                 help="this host's id, 0..N-1 in host order " + _from_env(env_lib.HOST_ID, "0"))
+  s.add_argument("--slice-id", type=int, default=int(_env(env_lib.SLICE_ID, 0)),
+                 help="the slice this host belongs to " + _from_env(env_lib.SLICE_ID, "0"))
+  s.add_argument("--device-ids", type=_ids, default=_ids(_env(env_lib.DEVICE_IDS, "")),
+                 metavar="IDS", help="the JAX device ids this host owns, comma-separated, e.g. "
+                 "0,1; feeds place rows by them " + _from_env(env_lib.DEVICE_IDS, "none"))
+  s.add_argument("--listen", default=_env(env_lib.LISTEN), metavar="ADDR",
+                 help="address of the control and health ports; a non-loopback one needs "
+                      "--token-file or --insecure "
+                      + _from_env(env_lib.LISTEN, "127.0.0.1, or [::] with a token"))
+  s.add_argument("--port", type=int, default=int(_env(env_lib.PORT, options_lib.DEFAULT_PORT)),
+                 help="the gRPC control port; 0 picks a free one "
+                      + _from_env(env_lib.PORT, str(options_lib.DEFAULT_PORT)))
+  s.add_argument("--health-port", type=int,
+                 default=int(_env(env_lib.HEALTH_PORT, options_lib.DEFAULT_HEALTH_PORT)),
+                 help="the plaintext grpc.health.v1 port, for the kubelet's probes; 0 picks a "
+                      "free one " + _from_env(env_lib.HEALTH_PORT,
+                                              str(options_lib.DEFAULT_HEALTH_PORT)))
+  s.add_argument("--socket", default=_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"),
+                 metavar="PATH", help="the Unix socket the workers attach to "
+                 + _from_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"))
+  s.add_argument("--shm-size", type=_size, default=_size(_env(env_lib.SHM_SIZE, "1GiB")),
+                 metavar="SIZE", help="arena size, e.g. 4GiB; checked against what the "
+                 "machine can give at start " + _from_env(env_lib.SHM_SIZE, "1GiB"))
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
-                 help="module whose decorators register functions (repeatable)")
-  s.add_argument("--token-file", default=_env("SIDECAR_TOKEN_FILE"),
-                 help="file holding the token every controller must present")
-  s.add_argument("--insecure", action="store_true", default=_env("SIDECAR_INSECURE") == "1",
-                 help="allow a non-loopback --listen without a token (logged as a warning)")
+                 help="module whose decorators register functions, pipelines and checkpoint "
+                      "writers (repeatable; $SIDECAR_IMPORTS adds a comma-separated list; "
+                      "default: none)")
+  s.add_argument("--token-file", default=_env(env_lib.TOKEN_FILE), metavar="FILE",
+                 help="file holding the token every controller must present "
+                      "(default: $SIDECAR_TOKEN_FILE; $SIDECAR_TOKEN gives the token itself; "
+                      "else no token, loopback only)")
+  s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
+                 help="allow a non-loopback --listen without a token, logged as a warning "
+                      "(default: off, or on with SIDECAR_INSECURE=1)")
   s.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", metavar="DIR",
-                 default=[r for r in (_env("SIDECAR_CHECKPOINT_ROOTS") or "").split(os.pathsep)
+                 default=[r for r in (_env(env_lib.CHECKPOINT_ROOTS) or "").split(os.pathsep)
                           if r.strip()],
                  help="directory the checkpoint calls may act in, and below (repeatable; "
                       "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
   s.add_argument("--metrics-port", type=int, metavar="PORT",
-                 default=None if _env("SIDECAR_METRICS_PORT") is None
-                 else int(_env("SIDECAR_METRICS_PORT")),
+                 default=None if _env(env_lib.METRICS_PORT) is None
+                 else int(_env(env_lib.METRICS_PORT)),
                  help="serve Prometheus metrics on http://LISTEN:PORT/metrics, on the address "
                       "of --listen (0 picks a free port; default: $SIDECAR_METRICS_PORT, else "
                       "no metrics)")
-  s.add_argument("--log-format", choices=logs.FORMATS, default=_env("SIDECAR_LOG_FORMAT", "text"),
-                 help="text (default) or json: one JSON object a line, with time, level, "
-                      "logger, message, host_id, and session or step where they apply")
-  s.add_argument("--tls-cert", default=_env("SIDECAR_TLS_CERT"), metavar="PEM",
-                 help="TLS on the control port: its certificate chain (with --tls-key)")
-  s.add_argument("--tls-key", default=_env("SIDECAR_TLS_KEY"), metavar="PEM")
-  s.add_argument("--tls-client-ca", default=_env("SIDECAR_TLS_CLIENT_CA"), metavar="PEM",
-                 help="mTLS: controllers must present a certificate this CA signed")
+  s.add_argument("--log-format", choices=logs.FORMATS, default=_env(env_lib.LOG_FORMAT, "text"),
+                 help="text, or json: one JSON object a line, with time, level, logger, "
+                      "message, host_id, and session or step where they apply "
+                      + _from_env(env_lib.LOG_FORMAT, "text"))
+  s.add_argument("--tls-cert", default=_env(env_lib.TLS_CERT), metavar="PEM",
+                 help="TLS on the control port: its certificate chain (with --tls-key) "
+                      + _from_env(env_lib.TLS_CERT, "no TLS"))
+  s.add_argument("--tls-key", default=_env(env_lib.TLS_KEY), metavar="PEM",
+                 help="the private key of --tls-cert " + _from_env(env_lib.TLS_KEY, "none"))
+  s.add_argument("--tls-client-ca", default=_env(env_lib.TLS_CLIENT_CA), metavar="PEM",
+                 help="mTLS: controllers must present a certificate this CA signed "
+                      + _from_env(env_lib.TLS_CLIENT_CA, "no mTLS"))
   s.add_argument("--ready-file", help=argparse.SUPPRESS)
   s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
   s.set_defaults(func=_serve)
 
-  s = sub.add_parser("local", help="run a LocalCluster until Ctrl-C")
-  s.add_argument("--hosts", type=int, default=2)
-  s.add_argument("--devices-per-host", type=int, default=1)
-  s.add_argument("--shm-size", type=_size, default=_size("256MiB"))
-  s.add_argument("--import", dest="imports", action="append", metavar="MODULE")
+  s = add("local", help="run a LocalCluster until Ctrl-C",
+          description="Start N sidecars on this machine (sidecar.testing.LocalCluster) and "
+                      "print their addresses and worker sockets; connect a Controller or a "
+                      "notebook to them. Ctrl-C or SIGTERM stops them.")
+  s.add_argument("--hosts", type=int, default=2, help="sidecars to start")
+  s.add_argument("--devices-per-host", type=int, default=1,
+                 help="device ids each sidecar declares (host h owns h*D..h*D+D-1)")
+  s.add_argument("--shm-size", type=_size, default=_size("256MiB"), metavar="SIZE",
+                 help="each sidecar's arena size (default: 256MiB)")
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module each sidecar imports, so its decorators register (repeatable; "
+                      "default: none)")
   s.add_argument("--metrics", action="store_true",
-                 help="each sidecar serves Prometheus /metrics on a free port (printed)")
+                 help="each sidecar serves Prometheus /metrics on a free port, printed "
+                      "(default: off)")
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
                      usage="sidecar launch [options] -- CMD [ARGS...]", epilog=launch.HELP,
                      description="Local multi-process mode, as torchrun: N sidecars on this "
                                  "machine and one trainer process beside each.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=cli_format.RawDescriptionDefaultsFormatter)
   s.add_argument("--hosts", type=int, default=2, help="sidecars and trainers (default: 2)")
   s.add_argument("--devices-per-host", type=int, default=1,
                  help="CPU devices of each trainer, SIDECAR_LOCAL_DEVICES (default: 1)")
@@ -283,12 +329,13 @@ def parser() -> argparse.ArgumentParser:
                  "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
   s.add_argument("--elastic", action="store_true",
                  help="when a host is lost, restart the other hosts' trainers as a job of one "
-                 "process fewer, beside the same sidecars (see below)")
+                 "process fewer, beside the same sidecars (see below; default: off)")
   s.add_argument("--min-hosts", type=int, metavar="K",
                  help="with --elastic: restart while at least K hosts remain (default: 1)")
   s.add_argument("--in-place", action="store_true",
                  help="with --elastic: restart at full size, as Kubernetes restarts containers "
-                 "in place: a dead sidecar starts again empty, every trainer restarts")
+                 "in place: a dead sidecar starts again empty, every trainer restarts "
+                 "(default: off)")
   s.add_argument("--max-restarts", type=int, metavar="N",
                  help="with --in-place: restart at most N times, then end on the next failure "
                  f"(default: {launch.DEFAULT_MAX_RESTARTS})")
@@ -296,27 +343,37 @@ def parser() -> argparse.ArgumentParser:
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)
 
-  s = sub.add_parser("status", help="show sidecars' identity, registry and arena use")
-  s.add_argument("addresses", nargs="+", metavar="ADDR")
-  s.add_argument("--timeout", type=float, default=5.0)
+  s = add("status", help="show sidecars' identity, registry and arena use",
+          description="Ask each sidecar for its identity, registry, arena use, feeds and "
+                      "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
+                      "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
+  s.add_argument("addresses", nargs="+", metavar="ADDR",
+                 help="the sidecars' gRPC addresses, HOST:PORT")
+  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                 help="seconds each sidecar is given to answer")
   s.add_argument("--json", action="store_true",
-                 help="print one JSON object with every host, for scripts")
+                 help="print one JSON object with every host, for scripts (default: a table)")
   s.add_argument("--watch", action="store_true",
-                 help="redraw the tables every --interval seconds, with rates, until Ctrl-C")
+                 help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
+                      "(default: print once)")
   s.add_argument("--interval", type=float, default=2.0, metavar="S",
                  help="seconds between refreshes of --watch (default: 2)")
   s.set_defaults(func=_status, parser=s)
 
-  s = sub.add_parser("demo", help="train a small model fed by a LocalCluster of sidecars")
-  s.add_argument("--hosts", type=int, default=2)
-  s.add_argument("--devices-per-host", type=int, default=2)
-  s.add_argument("--steps", type=int, default=300)
+  s = add("demo", help="train a small model fed by a LocalCluster of sidecars",
+          description="Train a small classifier on the digits data set, fed and checkpointed "
+                      "by a LocalCluster of sidecars on this machine, and print what each "
+                      "part cost.")
+  s.add_argument("--hosts", type=int, default=2, help="sidecars (simulated hosts)")
+  s.add_argument("--devices-per-host", type=int, default=2, help="CPU devices of each host")
+  s.add_argument("--steps", type=int, default=300, help="training steps")
   s.add_argument("--processes", type=int, default=1,
                  help="1 (default): one process owns every device; N: the same training as N "
                  "trainer processes under jax.distributed, one per host, via sidecar launch")
   s.add_argument("--elastic", action="store_true",
                  help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
-                 "go on on the others (sidecar.elastic.retry), with the recovery time")
+                 "go on on the others (sidecar.elastic.retry), with the recovery time "
+                 "(default: off)")
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)
@@ -326,7 +383,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   fmt = getattr(args, "log_format", logs.TEXT)
-  logs.configure(fmt, _env("SIDECAR_LOG_LEVEL", "INFO"),
+  logs.configure(fmt, _env(env_lib.LOG_LEVEL, "INFO"),
                  **({"host_id": args.host_id} if fmt == logs.JSON else {}))
   logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
   return args.func(args)

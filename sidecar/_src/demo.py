@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src import distributed, launch
+from sidecar._src import distributed, launch, options as options_lib
 from sidecar._src.controller import elastic as elastic_lib
 from sidecar._src.controller.controller import Controller
 from sidecar._src.local import LocalCluster
@@ -76,7 +76,7 @@ class Progress:
 
 def evaluate(ctl, params, sharding) -> tuple[int, int]:
   hits = total = 0
-  with ctl.feed("digits", global_batch_size=32, sharding=sharding, split="test",
+  with ctl.feed("digits", kwargs={"split": "test"}, global_batch_size=32, sharding=sharding,
                 num_epochs=1) as test:
     for batch in test:
       hits += int(correct(params, batch))
@@ -140,8 +140,8 @@ def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
       prefix="sidecar-demo-ckpt-") if ctl.process_index == 0 else None)
   ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2)
   blocked = []
-  with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding, seed=0,
-                split="train", prefetch=4) as feed:
+  with ctl.feed("digits", kwargs={"split": "train"}, global_batch_size=global_batch_size,
+                sharding=sharding, seed=0, options=options_lib.FeedOptions(prefetch=4)) as feed:
     t1 = time.perf_counter()
     for step in range(1, steps + 1):
       params, loss = train_step(params, next(feed))
@@ -218,8 +218,9 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
             print(f"  restarted on hosts {live}: restored step {start} "
                   f"({_sources(ckpt)}), data position {data.get('position')} of epoch "
                   f"{data.get('epoch')}")
-          with ctl.feed("digits", global_batch_size=global_batch_size, sharding=sharding,
-                        seed=0, split="train", prefetch=4, state=data or None) as feed:
+          with ctl.feed("digits", kwargs={"split": "train"}, global_batch_size=global_batch_size,
+                        sharding=sharding, seed=0, state=data or None,
+                        options=options_lib.FeedOptions(prefetch=4)) as feed:
             for step in range(start + 1, steps + 1):
               if step == kill_at and "killed" not in marks:
                 marks["killed"] = time.perf_counter()

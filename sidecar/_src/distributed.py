@@ -45,12 +45,12 @@ COORDINATOR_ADDRESS = env_lib.COORDINATOR_ADDRESS
 NUM_PROCESSES = env_lib.NUM_PROCESSES
 PROCESS_ID = env_lib.PROCESS_ID
 LOCAL_DEVICES = env_lib.LOCAL_DEVICES
-COORDINATOR_PORT = "SIDECAR_COORDINATOR_PORT"  # k8s only: sidecar launch gives the address
-SYNC_TIMEOUT = "SIDECAR_SYNC_TIMEOUT"
-DEFAULT_COORDINATOR_PORT = 8476
-DEFAULT_SYNC_TIMEOUT_S = 300.0
-_JOBSET = ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
-           "SIDECAR_HOSTS_PER_SLICE")
+COORDINATOR_PORT = env_lib.COORDINATOR_PORT  # k8s only: sidecar launch gives the address
+SYNC_TIMEOUT = env_lib.SYNC_TIMEOUT
+DEFAULT_COORDINATOR_PORT = env_lib.DEFAULT_COORDINATOR_PORT
+DEFAULT_SYNC_TIMEOUT_S = env_lib.DEFAULT_SYNC_TIMEOUT_S
+_JOBSET = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
+           env_lib.HOSTS_PER_SLICE)
 
 
 def _client() -> Any:
@@ -116,24 +116,24 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   if not ours and not jobset:
     return None
   if jobset:
-    per_slice = env_lib.int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
-    slices = env_lib.int_var(env, "SIDECAR_NUM_SLICES", None, minimum=1)
-    subdomain = get("SIDECAR_SUBDOMAIN") or get("SIDECAR_JOBSET_NAME")
+    per_slice = env_lib.int_var(env, env_lib.HOSTS_PER_SLICE, None, minimum=1)
+    slices = env_lib.int_var(env, env_lib.NUM_SLICES, None, minimum=1)
+    subdomain = get(env_lib.SUBDOMAIN) or get(env_lib.JOBSET_NAME)
     port = env_lib.int_var(env, COORDINATOR_PORT, DEFAULT_COORDINATOR_PORT, minimum=1)
     coordinator = get(COORDINATOR_ADDRESS) or (
-        f"{get('SIDECAR_JOBSET_NAME')}-{get('SIDECAR_REPLICATED_JOB')}-0-0.{subdomain}:{port}")
+        f"{get(env_lib.JOBSET_NAME)}-{get(env_lib.REPLICATED_JOB)}-0-0.{subdomain}:{port}")
     count = env_lib.int_var(env, NUM_PROCESSES, slices * per_slice, minimum=1)
     if get(PROCESS_ID):
       index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
     else:
-      missing = [n for n in ("SIDECAR_SLICE_ID", "SIDECAR_HOST_ID") if not get(n)]
+      missing = [n for n in (env_lib.SLICE_ID, env_lib.HOST_ID) if not get(n)]
       if missing:
         raise errors.InvalidArgumentError(
             f"cannot tell this process's id: {PROCESS_ID} is not set and neither is "
             f"{' nor '.join(missing)} (the manifests in k8s/ set both from the pod's "
             "job-index and job-completion-index annotations)")
-      index = (env_lib.int_var(env, "SIDECAR_SLICE_ID", None, minimum=0) * per_slice
-               + env_lib.int_var(env, "SIDECAR_HOST_ID", None, minimum=0))
+      index = (env_lib.int_var(env, env_lib.SLICE_ID, None, minimum=0) * per_slice
+               + env_lib.int_var(env, env_lib.HOST_ID, None, minimum=0))
   else:
     missing = [n for n in (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID) if not get(n)]
     if missing:

@@ -119,22 +119,6 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def read_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
-               ) -> str | None:
-  """The token from ``token_file``, else ``$SIDECAR_TOKEN``, else ``$SIDECAR_TOKEN_FILE``."""
-  environ = os.environ if environ is None else environ
-  if not token_file and environ.get(env.TOKEN):
-    return environ[env.TOKEN]
-  token_file = token_file or environ.get(env.TOKEN_FILE)
-  if not token_file:
-    return None
-  with open(token_file) as f:
-    token = f.read().strip()
-  if not token:
-    raise errors.InvalidArgumentError(f"token file {token_file!r} is empty; put the token in it")
-  return token
-
-
 def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
                 base: Mapping[str, str], *, hosts: Sequence[int] | None = None,
                 restart: int = 0) -> dict[str, str]:

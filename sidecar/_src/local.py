@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from sidecar._src import errors, shm
+from sidecar._src import env as env_lib, errors, shm
 from sidecar._src.controller.controller import Controller
 from sidecar._src.worker import Worker
 
@@ -57,7 +57,7 @@ class LocalCluster:
     with sidecar.testing.LocalCluster(num_hosts=4, devices_per_host=2,
                                       imports=["my_pkg.sidecar_fns"]) as cluster:
       with cluster.controller() as ctl:
-        ctl.call("my_fn", 1, 2)
+        ctl.call("my_fn", args=(1, 2))
 
   Host ``h`` owns JAX CPU devices ``[h * devices_per_host, (h + 1) * devices_per_host)``
   of this process. ``host_env`` adds environment variables to one host's sidecar.
@@ -140,10 +140,10 @@ class LocalCluster:
       args += ["--import", module]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
     if self.token:
-      env["SIDECAR_TOKEN"] = self.token
-    env.pop("SIDECAR_TOKEN_FILE", None)
+      env[env_lib.TOKEN] = self.token
+    env.pop(env_lib.TOKEN_FILE, None)
     if not self._assign_device_ids:
-      env.pop("SIDECAR_DEVICE_IDS", None)  # `sidecar serve` would read it as --device-ids
+      env.pop(env_lib.DEVICE_IDS, None)  # `sidecar serve` would read it as --device-ids
     log = open(self._path(h, "log"), "ab")  # a restarted host appends
     with log:  # The child keeps its own copy of the descriptor.
       return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,

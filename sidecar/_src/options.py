@@ -126,3 +126,33 @@ class ServerOptions:
       raise ValueError(
           f"inline_limit must be >= 0 and max_message_size >= 65536, got {self.inline_limit!r} "
           f"and {self.max_message_size!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FeedOptions:
+  """How the sidecars produce a feed's batches; never what the batches hold.
+
+  The batches depend only on the pipeline, its ``kwargs``, ``seed`` and the batch index
+  (``ctl.feed``'s own arguments), so changing these options changes speed and memory,
+  never the data.
+
+  Example::
+
+    feed = ctl.feed("digits", global_batch_size=64, sharding=sharding,
+                    kwargs={"split": "train"},
+                    options=sidecar.FeedOptions(workers=4, prefetch=4))
+
+  Attributes:
+    prefetch: batches each sidecar may run ahead of the trainer, each holding arena slots.
+    workers: processes per sidecar producing batches straight into the arena; 0: the
+      sidecar itself produces them.
+  """
+  prefetch: int = 2
+  workers: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 1:
+      raise ValueError(f"prefetch must be a positive int, got {self.prefetch!r}")
+    if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
+      raise ValueError(f"workers must be an int >= 0 (0: the sidecar itself), got "
+                       f"{self.workers!r}")

@@ -7,7 +7,6 @@ This is the only module that imports the code generated from
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 import traceback
 from typing import Any
@@ -205,9 +204,9 @@ def tls_credentials(ca: str | None, cert: str | None, key: str | None
   Raises:
     InvalidArgumentError: only one of cert and key, or a file that cannot be read.
   """
-  ca = ca or os.environ.get(env.TLS_CA) or None
-  cert = cert or os.environ.get(env.TLS_CLIENT_CERT) or None
-  key = key or os.environ.get(env.TLS_CLIENT_KEY) or None
+  ca = ca or env.get(env.TLS_CA)
+  cert = cert or env.get(env.TLS_CLIENT_CERT)
+  key = key or env.get(env.TLS_CLIENT_KEY)
   if ca is None and cert is None and key is None:
     return None
   if (cert is None) != (key is None):

@@ -27,7 +27,7 @@ import numpy as np
 from sidecar._src import codec, distributed, env, errors, ipc, protocol, shm, transfer
 from sidecar._src.protocol import pb
 
-ENV_ADDRESS = "SIDECAR_ADDRESS"
+ENV_ADDRESS = env.ADDRESS
 # How long the release thread lets frees gather before it sends them. Streams carry
 # frees with their credits; this thread sends the rest, a message per interval at
 # most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
@@ -42,7 +42,7 @@ class State(enum.Enum):
 
 def socket_path(address: str | None) -> str:
   """The Unix socket path in ``unix:///path``, ``unix:/path`` or ``/path``."""
-  address = address or os.environ.get(ENV_ADDRESS)
+  address = address or env.get(ENV_ADDRESS)
   if not address:
     raise errors.InvalidArgumentError(
         f"no sidecar address: pass Worker(address='unix:///run/sidecar/sidecar.sock') or set "

@@ -56,7 +56,7 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
         data = ckpt.data_state()
       if sources is not None:
         sources.append(dict(ckpt.last_restore_stats().shards))
-    with ctl.feed("ids", global_batch_size=BATCH, sharding=rows, seed=3, n=600,
+    with ctl.feed("ids", kwargs={"n": 600}, global_batch_size=BATCH, sharding=rows, seed=3,
                   state=data) as feed:
       for step in range(start + 1, STEPS + 1):
         if pending and pending[0][0] == step:

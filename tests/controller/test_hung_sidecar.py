@@ -59,7 +59,7 @@ def sharding():
 def test_a_stopped_sidecar_ends_a_feed_with_host_lost(cluster, attach):
   with cluster.controller(attach=attach, peer_timeout=PEER_TIMEOUT) as ctl:
     assert (ctl.worker(0) is not None) == attach
-    with ctl.feed("ids", global_batch_size=4, sharding=sharding(), n=4096) as feed:
+    with ctl.feed("ids", kwargs={"n": 4096}, global_batch_size=4, sharding=sharding()) as feed:
       next(feed)
       with stopped(cluster), pytest.raises(sidecar.HostLostError) as info:
         for _ in range(1000):  # more than the prefetch: it must wait on the sidecar

@@ -42,8 +42,8 @@ def test_calls_run_on_the_own_host_by_default(make_server, monkeypatch):
                           peers=distributed.JaxPeers(client, index=1, count=2)) as ctl:
     assert ctl.multiprocess and ctl.process_index == 1
     assert ctl.local_hosts == [1]
-    assert ctl.call("add", 2, 3) == [5]
-    assert ctl.call("add", 1, 1, hosts=[0, 1]) == [2, 2]
+    assert ctl.call("add", args=(2, 3)) == [5]
+    assert ctl.call("add", args=(1, 1), hosts=[0, 1]) == [2, 2]
     assert ctl.device_hosts[2048] == 0
     assert set(ctl.device_hosts.values()) == {0, 1}
     assert ctl.worker(1) is not None and ctl.worker(0) is None

@@ -147,10 +147,10 @@ def test_streams_that_never_send_a_credit_starve_nobody(make_server):
     # With 16 streams holding their threads: a new controller's handshake, calls, status.
     with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
                             timeout=10) as ctl:
-      assert ctl.call("add", 2, b=3) == [5]
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
       assert ctl.status()[0].workers == 1
       starvers[0].close()  # its 8 slots come back
-      with ctl.stream("echo_items", 7, 3) as s:
+      with ctl.stream("echo_items", args=(7, 3)) as s:
         assert list(s) == [7, 7, 7]
   finally:
     for s in starvers:
@@ -210,7 +210,7 @@ def frame(data: bytes) -> bytes:
 def still_serves(server) -> None:
   with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     big = np.arange(1 << 14, dtype=np.float32)
-    np.testing.assert_array_equal(ctl.call("echo", big)[0], big)  # through the arena
+    np.testing.assert_array_equal(ctl.call("echo", args=(big,))[0], big)  # through the arena
 
 
 @pytest.mark.parametrize("data,match", [

@@ -84,7 +84,7 @@ def test_off_by_default_and_unregistered_names_share_one_label(make_server):
   assert make_server().metrics_port is None
   server = make_server(metrics_port=0)
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
-    assert ctl.call("echo", 1) == [1]
+    assert ctl.call("echo", args=(1,)) == [1]
     for name in ("nope-1", "nope-2"):
       with pytest.raises(sidecar.NotRegisteredError):
         ctl.call(name)
@@ -116,7 +116,8 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
   before = scrape_all(cluster)
   with cluster.controller() as ctl:
-    with ctl.feed("ids", global_batch_size=8, sharding=sharding, n=64, prefetch=2) as feed:
+    with ctl.feed("ids", kwargs={"n": 64}, global_batch_size=8, sharding=sharding,
+                  options=sidecar.FeedOptions(prefetch=2)) as feed:
       batches = [next(feed) for _ in range(3)]
       during = scrape_all(cluster)
       for found in during:

@@ -89,7 +89,7 @@ def test_a_client_without_a_worker_cannot_read_the_arena(victim):
     e = rejected(lambda value=value: raw.call("echo", value))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "args[0]: an arena reference needs the request's worker_session" in e.details()
-  assert (array == 0x5A).all() and ctl.call("add", 2, b=3) == [5]
+  assert (array == 0x5A).all() and ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
 
 
 def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
@@ -117,7 +117,7 @@ def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
       next(iter(thief.open_stream(request, prefetch=1, timeout=10)))
   assert (array == 0x5A).all()
   # The victim itself still may: its own block, through the arena, no copy.
-  assert ctl.call("stats", array)[0]["sum"] == float(0x5A * array.size)
+  assert ctl.call("stats", args=(array,))[0]["sum"] == float(0x5A * array.size)
 
 
 @pytest.mark.parametrize("nbytes,shape,match", [
@@ -195,14 +195,14 @@ def test_a_long_remote_error_is_truncated_not_lost(make_server):
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     for message in ("x" * 20_000, "ü€" * 10_000):
       with pytest.raises(sidecar.RemoteError) as info:
-        ctl.call("fail", message)
+        ctl.call("fail", args=(message,))
       e = info.value
       assert e.remote_type == "builtins.ValueError"
       assert e.remote_message.startswith(message[:500]), e.remote_message[:100]
       assert "bytes cut ...]" in e.remote_message[-100:]
       assert len(e.remote_message.encode()) <= protocol.MAX_ERROR_MESSAGE
       assert 'raise ValueError(message)' in e.remote_traceback  # the frames survive the cut
-    assert ctl.call("add", 2, b=3) == [5]
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
 
 
 # ---- the ports --------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def test_a_sidecar_without_roots_refuses_checkpoint_calls_naming_the_flag(make_s
   server = make_server(checkpoint_roots=())
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.SidecarError) as info:
-      ctl.call("sidecar.ckpt.open", str(tmp_path / "ck"))
+      ctl.call("sidecar.ckpt.open", args=(str(tmp_path / "ck"),))
     assert isinstance(info.value, PermissionError)
     assert type(info.value).__name__ == "PermissionDeniedError"
     assert "has no checkpoint root" in str(info.value)

@@ -22,7 +22,7 @@ def controller(server, **kw):
 
 
 def assert_still_serving(ctl):
-  assert ctl.call("add", 2, b=3) == [5]
+  assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
 
 
 def test_handshake_reports_identity_and_registry(make_server):
@@ -50,14 +50,14 @@ def test_unknown_function_is_not_found_listing_registered(make_server):
 def test_wrong_arguments_are_invalid_argument_naming_the_parameter(make_server, args, kwargs, match):
   with controller(make_server()) as ctl:
     with pytest.raises(sidecar.InvalidArgumentError, match=match):
-      ctl.call("add", *args, **kwargs)
+      ctl.call("add", args=args, kwargs=kwargs)
     assert_still_serving(ctl)
 
 
 def test_remote_exception_carries_type_message_and_traceback(make_server):
   with controller(make_server(host_id=2)) as ctl:
     with pytest.raises(sidecar.RemoteError) as info:
-      ctl.call("fail", "boom")
+      ctl.call("fail", args=("boom",))
     e = info.value
     assert e.remote_type == "builtins.ValueError" and e.remote_message == "boom"
     assert "raise ValueError(message)" in e.remote_traceback and e.host_id == 2
@@ -122,26 +122,26 @@ def test_payload_over_the_message_limit_is_resource_exhausted(make_server):
   server = make_server(max_message_size=1 << 20)
   with controller(server, attach=False) as ctl:
     with pytest.raises(sidecar.ResourceExhaustedError, match=r"larger than max \(\d+ vs\. \d+\)"):
-      ctl.call("echo", np.zeros(2 << 20, np.uint8))
+      ctl.call("echo", args=(np.zeros(2 << 20, np.uint8),))
     assert_still_serving(ctl)
 
 
 def test_result_larger_than_the_arena_is_resource_exhausted_with_sizes(make_server):
   with controller(make_server(shm_size=4 << 20)) as ctl:
     with pytest.raises(sidecar.ResourceExhaustedError, match=r"8.0 MiB .* cannot fit an arena of 4.0 MiB"):
-      ctl.call("full", 8 << 20, 1)
+      ctl.call("full", args=(8 << 20, 1))
     assert_still_serving(ctl)
 
 
 def test_full_arena_waits_for_the_deadline_then_fails_and_recovers(make_server):
   with controller(make_server(shm_size=4 << 20)) as ctl:
-    held = ctl.call("full", 3 << 20, 1)  # 3 of 4 MiB held by this live array
+    held = ctl.call("full", args=(3 << 20, 1))  # 3 of 4 MiB held by this live array
     t0 = time.monotonic()
     with pytest.raises(sidecar.ResourceExhaustedError, match="arena is full"):
-      ctl.call("full", 2 << 20, 2, timeout=0.5)
+      ctl.call("full", args=(2 << 20, 2), timeout=0.5)
     assert 0.3 < time.monotonic() - t0 < 5
     # Releasing the array while a call waits lets the call through.
-    f = ctl.call_async("full", 2 << 20, 3, timeout=10)[0]
+    f = ctl.call_async("full", args=(2 << 20, 3), timeout=10)[0]
     time.sleep(0.2)
     del held
     gc.collect()
@@ -150,26 +150,27 @@ def test_full_arena_waits_for_the_deadline_then_fails_and_recovers(make_server):
 
 def test_large_results_arrive_as_views_of_the_arena_small_ones_inline(make_server):
   with controller(make_server()) as ctl:
-    big, small = ctl.call("echo", {"big": np.arange(1 << 18, dtype=np.int32),
-                                   "small": np.arange(4)})[0].values()
+    big, small = ctl.call("echo",
+                          args=({"big": np.arange(1 << 18, dtype=np.int32),
+                                   "small": np.arange(4)},))[0].values()
     arena = ctl.worker(0).arena.buffer
     assert np.shares_memory(big, arena) and not np.shares_memory(small, arena)
     np.testing.assert_array_equal(big, np.arange(1 << 18, dtype=np.int32))
     # Arguments went through the arena too: the sidecar saw the whole array.
-    s = ctl.call("stats", np.ones((512, 512), np.float32))[0]
+    s = ctl.call("stats", args=(np.ones((512, 512), np.float32),))[0]
     assert s == {"sum": 512 * 512.0, "shape": [512, 512], "dtype": "float32", "writeable": True}
 
 
 def test_without_a_worker_everything_is_inline(make_server):
   with controller(make_server(), attach=False) as ctl:
-    (big,) = ctl.call("full", 1 << 20, 9)
+    (big,) = ctl.call("full", args=(1 << 20, 9))
     assert big.shape == (1 << 20,) and big.flags.writeable and (big == 9).all()
 
 
 def test_arena_blocks_are_freed_when_arrays_die(make_server):
   server = make_server()
   with controller(server) as ctl:
-    arrays = [ctl.call("full", 1 << 20, i)[0] for i in range(4)]
+    arrays = [ctl.call("full", args=(1 << 20, i))[0] for i in range(4)]
     assert server.leases.allocator.used_bytes >= 4 << 20
     del arrays
     gc.collect()
@@ -179,12 +180,12 @@ def test_arena_blocks_are_freed_when_arrays_die(make_server):
 def test_recycled_blocks_never_change_a_live_jax_array(make_server):
   import jax
   with controller(make_server(shm_size=4 << 20)) as ctl:
-    (first,) = ctl.call("full", 1 << 20, 1)
+    (first,) = ctl.call("full", args=(1 << 20, 1))
     x = jax.device_put(first, jax.devices()[0])  # aliases the arena on the CPU backend
     del first
     gc.collect()
     for value in range(2, 30):  # far more than the arena holds: blocks are recycled
-      (a,) = ctl.call("full", 1 << 20, value, timeout=10)
+      (a,) = ctl.call("full", args=(1 << 20, value), timeout=10)
       assert int(a[0]) == value
       del a
       gc.collect()
@@ -198,14 +199,14 @@ def test_recycled_blocks_never_change_a_live_jax_array(make_server):
 def test_calls_from_one_thread_run_in_order(make_server):
   with controller(make_server()) as ctl:
     for i in range(5):
-      ctl.call("record", i, delay=0.02 * (5 - i))
+      ctl.call("record", args=(i,), kwargs={"delay": 0.02 * (5 - i)})
     assert ctl.call("take_log")[0] == [0, 1, 2, 3, 4]
 
 
 def test_calls_from_several_threads_run_concurrently(make_server):
   with controller(make_server()) as ctl:
     results = []
-    threads = [threading.Thread(target=lambda: results.append(ctl.call("rendezvous", 4)[0]))
+    threads = [threading.Thread(target=lambda: results.append(ctl.call("rendezvous", args=(4,))[0]))
                for _ in range(4)]
     for t in threads:
       t.start()
@@ -218,14 +219,14 @@ def test_calls_from_several_threads_run_concurrently(make_server):
                          ids=["empty-str", "str", "empty-bytes", "bytes"])
 def test_str_and_bytes_payloads(make_server, payload):
   with controller(make_server()) as ctl:
-    assert ctl.call("echo", payload) == [payload]
+    assert ctl.call("echo", args=(payload,)) == [payload]
 
 
 @pytest.mark.parametrize("hosts", [[5], [], [0, 0], 7], ids=["unknown", "empty", "duplicate", "int"])
 def test_invalid_placement_is_rejected(make_server, hosts):
   with controller(make_server()) as ctl:
     with pytest.raises(sidecar.InvalidArgumentError, match="not a valid placement"):
-      ctl.call("echo", 1, hosts=hosts)
+      ctl.call("echo", args=(1,), hosts=hosts)
 
 
 def test_token_is_required_when_configured(make_server):
@@ -256,12 +257,12 @@ def test_closed_controller_raises(make_server):
   ctl.close()
   ctl.close()
   with pytest.raises(sidecar.ClosedError, match="closed"):
-    ctl.call("echo", 1)
+    ctl.call("echo", args=(1,))
 
 
 def test_status_counts(make_server):
   with controller(make_server(host_id=1)) as ctl:
-    ctl.call("echo", 1)
+    ctl.call("echo", args=(1,))
     (s,) = ctl.status()
     assert s.identity.host_id == 1 and s.calls >= 1 and s.workers == 1
     assert s.arena_size == 8 << 20
@@ -269,7 +270,7 @@ def test_status_counts(make_server):
 
 def test_stream_delivers_every_item_in_order(make_server):
   with controller(make_server()) as ctl:
-    with ctl.stream("count", 50, nbytes=100_000, prefetch=4) as s:
+    with ctl.stream("count", args=(50,), kwargs={"nbytes": 100_000}, prefetch=4) as s:
       items = list(s)
     assert [x["i"] for x in items] == list(range(50))
     assert all(np.shares_memory(x["data"], ctl.worker(0).arena.buffer) for x in items)
@@ -280,7 +281,7 @@ def test_stream_to_a_device_aliases_the_arena_and_holds_the_block(make_server):
   server = make_server()
   device = jax.devices()[1]
   with controller(server) as ctl:
-    with ctl.stream("count", 5, nbytes=100_000, prefetch=2, device=device) as s:
+    with ctl.stream("count", args=(5,), kwargs={"nbytes": 100_000}, prefetch=2, device=device) as s:
       items = list(s)
     buf = ctl.worker(0).arena.buffer
     for i, x in enumerate(items):
@@ -293,7 +294,7 @@ def test_stream_to_a_device_aliases_the_arena_and_holds_the_block(make_server):
     gc.collect()
     assert eventually(lambda: server.leases.allocator.used_bytes == 0)
   with controller(server, attach=False) as ctl:  # over gRPC: the same values, on the device
-    with ctl.stream("count", 3, nbytes=1000, prefetch=2, device=device) as s:
+    with ctl.stream("count", args=(3,), kwargs={"nbytes": 1000}, prefetch=2, device=device) as s:
       items = list(s)
     assert [x["data"].devices() for x in items] == [{device}] * 3
     assert [int(x["data"][0]) for x in items] == [0, 1, 2]
@@ -303,7 +304,7 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
   server = make_server()
   used = lambda: server.leases.allocator.used_bytes
   with controller(server) as ctl:
-    s = ctl.stream("count", 100, nbytes=1 << 20, prefetch=8)
+    s = ctl.stream("count", args=(100,), kwargs={"nbytes": 1 << 20}, prefetch=8)
     first, second = next(s), next(s)  # taken, not yet credited (credits go 4 at a time)
     assert eventually(lambda: used() >= 8 << 20)  # the sidecar ran ahead
     s.close()
@@ -313,12 +314,12 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
     gc.collect()
     assert eventually(lambda: used() == 0)
     for _ in range(3):  # dropped without close(), or read to its end
-      s = ctl.stream("count", 100, nbytes=1 << 20, prefetch=8)
+      s = ctl.stream("count", args=(100,), kwargs={"nbytes": 1 << 20}, prefetch=8)
       next(s)
       del s
       gc.collect()
       assert eventually(lambda: used() == 0)
-    assert len(list(ctl.stream("count", 5, nbytes=1 << 20, prefetch=8))) == 5
+    assert len(list(ctl.stream("count", args=(5,), kwargs={"nbytes": 1 << 20}, prefetch=8))) == 5
     gc.collect()
     assert eventually(lambda: used() == 0)
     assert_still_serving(ctl)
@@ -333,14 +334,15 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
   used = lambda: server.leases.allocator.used_bytes
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
-    ctl.call("sidecar.ckpt.open", directory)
-    tmp = ctl.call("sidecar.ckpt.begin", directory, 3)[0]
+    ctl.call("sidecar.ckpt.open", args=(directory,))
+    tmp = ctl.call("sidecar.ckpt.begin", args=(directory, 3))[0]
     n = 1 << 18  # large enough to go through the arena
     spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                        kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    ctl.call("sidecar.ckpt.stage", directory, 3, tmp + "/default", directory + "/3/default",
-             [spec], [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False)
+    ctl.call("sidecar.ckpt.stage",
+             args=(directory, 3, tmp + "/default", directory + "/3/default", [spec],
+                   [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False))
     del part  # the trainer dies before its last part
     gc.collect()
     time.sleep(0.2)
@@ -359,14 +361,15 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
   assert releasers() == before + 1
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
-    ctl.call("sidecar.ckpt.open", directory)
-    tmp = ctl.call("sidecar.ckpt.begin", directory, 3)[0]
+    ctl.call("sidecar.ckpt.open", args=(directory,))
+    tmp = ctl.call("sidecar.ckpt.begin", args=(directory, 3))[0]
     n = 1 << 18
     spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                                kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    ctl.call("sidecar.ckpt.stage", directory, 3, tmp + "/default", directory + "/3/default",
-             [spec], [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False)
+    ctl.call("sidecar.ckpt.stage",
+             args=(directory, 3, tmp + "/default", directory + "/3/default", [spec],
+                   [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False))
     del part
     writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
     assert len(writers) == 1 and writers[0].is_alive()  # waiting for the second part
@@ -379,7 +382,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
 def test_stream_runs_at_most_prefetch_ahead(make_server):
   with controller(make_server()) as ctl:
     ctl.call("take_log")
-    s = ctl.stream("count", 100, prefetch=3)
+    s = ctl.stream("count", args=(100,), prefetch=3)
     assert next(s) == 0
     time.sleep(0.3)  # give the sidecar every chance to run ahead
     produced = [x for x in ctl.call("take_log")[0] if x[0] == "produced"]
@@ -391,32 +394,32 @@ def test_stream_runs_at_most_prefetch_ahead(make_server):
 
 def test_stream_errors(make_server):
   with controller(make_server()) as ctl:
-    s = ctl.stream("count_then_fail", 3)
+    s = ctl.stream("count_then_fail", args=(3,))
     assert [next(s) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(sidecar.RemoteError, match="RuntimeError: failed after 3"):
       next(s)
     with pytest.raises(sidecar.InvalidArgumentError, match="returned int, not an iterable"):
-      next(ctl.stream("add", 1))
+      next(ctl.stream("add", args=(1,)))
     with pytest.raises(sidecar.NotRegisteredError, match="'nope'"):
       next(ctl.stream("nope"))
     with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be a positive int"):
-      ctl.stream("count", 3, prefetch=0)
+      ctl.stream("count", args=(3,), prefetch=0)
     assert_still_serving(ctl)
 
 
 def test_stream_over_grpc_without_a_worker(make_server):
   with controller(make_server(), attach=False) as ctl:
-    with ctl.stream("count", 5, nbytes=100_000, prefetch=2) as s:
+    with ctl.stream("count", args=(5,), kwargs={"nbytes": 100_000}, prefetch=2) as s:
       items = list(s)
     assert [x["i"] for x in items] == list(range(5)) and items[4]["data"].shape == (100_000,)
     with pytest.raises(sidecar.RemoteError, match="failed after 2"):
-      list(ctl.stream("count_then_fail", 2))
+      list(ctl.stream("count_then_fail", args=(2,)))
 
 
 def test_stream_arguments_through_the_arena_stay_valid(make_server):
   with controller(make_server()) as ctl:
     big = np.arange(100_000, dtype=np.int32)
-    s = ctl.stream("echo_items", big, 3)
+    s = ctl.stream("echo_items", args=(big, 3))
     gc.collect()
     for got in s:
       np.testing.assert_array_equal(got, big)
@@ -425,7 +428,7 @@ def test_stream_arguments_through_the_arena_stay_valid(make_server):
 def test_results_made_with_sidecar_empty_cross_without_a_copy(make_server):
   server = make_server()
   with controller(server) as ctl:
-    (a,) = ctl.call("made_in_place", 1 << 20, 7)
+    (a,) = ctl.call("made_in_place", args=(1 << 20, 7))
     assert np.shares_memory(a, ctl.worker(0).arena.buffer) and (a == 7).all()
     assert server.leases.allocator.num_blocks == 1  # the block made in place, nothing more
     del a
@@ -436,16 +439,16 @@ def test_results_made_with_sidecar_empty_cross_without_a_copy(make_server):
 def test_sidecar_empty_in_a_full_arena_waits_for_the_deadline_then_fails(make_server):
   server = make_server(shm_size=4 << 20)
   with controller(server) as ctl:
-    held = ctl.call("full", 3 << 20, 1)
+    held = ctl.call("full", args=(3 << 20, 1))
     t0 = time.monotonic()
     with pytest.raises(sidecar.ResourceExhaustedError, match="arena is full"):
-      ctl.call("made_in_place", 2 << 20, 7, timeout=0.5)
+      ctl.call("made_in_place", args=(2 << 20, 7), timeout=0.5)
     assert 0.3 < time.monotonic() - t0 < 5
     del held
     gc.collect()
     # The sidecar's thread gave up too: its space is free, it keeps serving.
     assert eventually(lambda: server.leases.allocator.used_bytes == 0)
-    (a,) = ctl.call("made_in_place", 2 << 20, 7, timeout=10)
+    (a,) = ctl.call("made_in_place", args=(2 << 20, 7), timeout=10)
     assert (a == 7).all()
 
 

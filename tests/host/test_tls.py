@@ -24,8 +24,8 @@ def test_tls_serves_a_controller_that_trusts_its_ca_and_no_plaintext_one(make_se
   server = make_server(tls_cert=SERVER, tls_key=SERVER_KEY)
   with controller(server, tls_ca=CA) as ctl:
     x = np.arange(1 << 16, dtype=np.float32)  # inline: 256 KiB through TLS
-    np.testing.assert_array_equal(ctl.call("echo", x)[0], x)
-    with ctl.stream("echo_items", 3, 2) as s:
+    np.testing.assert_array_equal(ctl.call("echo", args=(x,))[0], x)
+    with ctl.stream("echo_items", args=(3, 2)) as s:
       assert list(s) == [3, 3]
   with pytest.raises(sidecar.HostLostError, match="needs tls_ca"):
     controller(server, connect_timeout=1)
@@ -42,7 +42,7 @@ def test_mtls_refuses_a_controller_without_a_certificate(make_server, monkeypatc
   monkeypatch.setenv("SIDECAR_TLS_CLIENT_CERT", CLIENT)
   monkeypatch.setenv("SIDECAR_TLS_CLIENT_KEY", CLIENT_KEY)
   with controller(server) as ctl:
-    assert ctl.call("add", 2, b=3) == [5]
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
 
 
 def test_tls_options_are_checked():

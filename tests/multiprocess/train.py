@@ -62,13 +62,13 @@ def main(mode: str, directory: str, scenario: str = "train") -> int:
       ckpt = ctl.checkpointer(directory)
       ckpt.save(10 + me, {"w": state}).durable.result()
     elif scenario == "disagree_feed":
-      ctl.feed("ids", global_batch_size=16, sharding=rows, seed=me, n=200)
+      ctl.feed("ids", kwargs={"n": 200}, global_batch_size=16, sharding=rows, seed=me)
     elif scenario == "iter":
-      with ctl.feed("shard_ids", global_batch_size=8, sharding=rows, n=64) as feed:
+      with ctl.feed("shard_ids", kwargs={"n": 64}, global_batch_size=8, sharding=rows) as feed:
         for i in range(3):
           batch = next(feed)
           emit("batch", i=i, ids=gathered(batch["id"]).tolist(), state=feed.state())
-      with ctl.feed("shard_ids", global_batch_size=8, sharding=rows, n=64,
+      with ctl.feed("shard_ids", kwargs={"n": 64}, global_batch_size=8, sharding=rows,
                     state=feed.state()) as again:
         emit("resumed", ids=gathered(next(again)["id"]).tolist())
     elif scenario in ("train", "restore"):
@@ -105,7 +105,7 @@ def train(ctl, ckpt, state, step, rows, mesh, target, emit, gathered, directory)
   fault, _, at = os.environ.get("SIDECAR_TEST_FAULT", "").partition("@")
   at = int(at) if at else -1
   me = jax.process_index()
-  with ctl.feed("ids", global_batch_size=16, sharding=rows, seed=7, n=200) as feed:
+  with ctl.feed("ids", kwargs={"n": 200}, global_batch_size=16, sharding=rows, seed=7) as feed:
     for i in range(6):
       if fault == "sidecar" and i == at and me == 1:
         os.kill(ctl.hosts[1].pid, signal.SIGKILL)
@@ -128,7 +128,7 @@ def train(ctl, ckpt, state, step, rows, mesh, target, emit, gathered, directory)
   emit("restored", step=int(restored["step"]), same=bool(
       np.array_equal(gathered(restored["w"]), saved)), bias=gathered(restored["bias"]).tolist(),
       data_state=ckpt.data_state())
-  with ctl.feed("ids", global_batch_size=16, sharding=rows, seed=7, n=200,
+  with ctl.feed("ids", kwargs={"n": 200}, global_batch_size=16, sharding=rows, seed=7,
                 state=ckpt.data_state()) as feed:
     emit("resumed", after=saved_at, ids=gathered(next(feed)["id"]).tolist())
   # Stock Orbax restores the same step in every process, onto the same shardings.

@@ -76,7 +76,7 @@ def main(directory: str, kill_at: str = "-1") -> int:
            sources=ckpt.last_restore_stats().shards)
     else:
       state, first = jax.device_put(jnp.zeros((GLOBAL_BATCH, 4), jnp.float32), rows), 0
-    with ctl.feed("ids", global_batch_size=GLOBAL_BATCH, sharding=rows, n=1000,
+    with ctl.feed("ids", kwargs={"n": 1000}, global_batch_size=GLOBAL_BATCH, sharding=rows,
                   state=data_state) as feed:
       for i in range(first, STEPS):
         if restart == 0 and me == 1 and i == int(kill_at):

@@ -24,11 +24,12 @@ from sidecar._src import (
     env,
     errors,
     interrupts,
+    options as options_lib,
     protocol,
     shm,
     worker as worker_lib,
 )
-from sidecar._src.controller import discovery, display, feed as feed_lib, health
+from sidecar._src.controller import arguments, discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
@@ -38,8 +39,8 @@ from sidecar._src.protocol import pb
 log = logging.getLogger(__name__)
 _REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline
 
-ENV_TOKEN = "SIDECAR_TOKEN"
-ENV_TOKEN_FILE = "SIDECAR_TOKEN_FILE"
+ENV_TOKEN = env.TOKEN
+ENV_TOKEN_FILE = env.TOKEN_FILE
 
 
 class State(enum.Enum):
@@ -48,13 +49,8 @@ class State(enum.Enum):
 
 
 def token_from_env() -> str | None:
-  if os.environ.get(ENV_TOKEN):
-    return os.environ[ENV_TOKEN]
-  path = os.environ.get(ENV_TOKEN_FILE)
-  if path:
-    with open(path) as f:
-      return f.read().strip()
-  return None
+  """``$SIDECAR_TOKEN``, else the content of ``$SIDECAR_TOKEN_FILE``, else None."""
+  return env.token()
 
 
 class Controller:
@@ -64,7 +60,7 @@ class Controller:
 
     with sidecar.Controller(["10.0.0.1:8490", "10.0.0.2:8490"]) as ctl:
       print(ctl.hosts)
-      results = ctl.call("normalize", batch, hosts=[0])
+      results = ctl.call("normalize", args=(batch,), hosts=[0])
 
   Args:
     addresses: the sidecars' gRPC addresses (``host:port``).
@@ -222,17 +218,17 @@ class Controller:
     if workers:
       (host_id, w), = workers.items()
     else:
-      if not os.environ.get(worker_lib.ENV_ADDRESS):
+      if not env.get(env.ADDRESS):
         raise errors.InvalidArgumentError(
             f"process {self._peers.index} of {self._peers.count} does not know its own "
-            f"sidecar: set {worker_lib.ENV_ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
+            f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
         w = worker_lib.Worker(timeout=self.peer_timeout)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self._peers.index}: its own sidecar at "
-            f"{os.environ[worker_lib.ENV_ADDRESS]} is unreachable: {e}") from None
+            f"{env.get(env.ADDRESS)} is unreachable: {e}") from None
       self._own_workers.append(w)
       host_id = w.host_id
     if host_id not in self._conns:
@@ -417,16 +413,36 @@ class Controller:
   # ---- calls -------------------------------------------------------------
 
   @interrupts.deferring  # Ctrl-C: the call's result, when it comes, is dropped
-  def call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
-           timeout: float | None = None, **kwargs: Any) -> list[Any]:
+  def call(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
+           kwargs: Mapping[str, Any] | None = None, hosts: Sequence[int] | None = None,
+           timeout: float | None = None, **legacy_kwargs: Any) -> list[Any]:
     """Runs registered function ``name`` on ``hosts`` concurrently.
 
-    ``hosts`` defaults to every host, or under N processes to this process's own host
-    (so N processes calling it run it once per host in all).
-    Returns the results in the order of ``hosts`` (by default, of host id).
-    Raises RemoteError if the function raised, HostLostError if a sidecar died.
+    The function gets ``*args`` and ``**kwargs``; they are the user's alone, so a
+    parameter named ``timeout`` or ``hosts`` goes in ``kwargs`` like any other.
+
+    Example::
+
+      ctl.call("normalize", args=(batch,), kwargs={"timeout": 5.0}, hosts=[0], timeout=30)
+
+    Args:
+      name: a registered ``@sidecar.function``.
+      args: the function's positional arguments (pytrees of arrays, scalars, str, bytes).
+      kwargs: the function's keyword arguments.
+      hosts: host ids to run it on; default every host, or under N processes this
+        process's own host (so N processes calling it run it once per host in all).
+      timeout: seconds each host is given; default the controller's.
+      *legacy_args: deprecated shorthand for ``args``, with a DeprecationWarning.
+      **legacy_kwargs: deprecated shorthand for ``kwargs``, with a DeprecationWarning.
+
+    Returns:
+      The results in the order of ``hosts`` (by default, of host id).
+
+    Raises:
+      RemoteError: the function raised. HostLostError: a sidecar died.
     """
     self._check_open()
+    args, kwargs = arguments.split_legacy("call", name, args, kwargs, legacy_args, legacy_kwargs)
     chosen = self._select(hosts)
     timeout = self.timeout if timeout is None else timeout
     if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
@@ -489,10 +505,11 @@ class Controller:
     except Exception:  # the caller is gone; its error has nobody to reach
       pass
 
-  def stream(self, name: str, *args: Any, host: int | None = None, prefetch: int = 2,
-             timeout: float | None = None, device: jax.Device | None = None,
-             **kwargs: Any) -> Stream | worker_lib.LocalStream:
-    """Iterates what registered function ``name`` returns (an iterable) on ``host``.
+  def stream(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
+             kwargs: Mapping[str, Any] | None = None, host: int | None = None,
+             prefetch: int = 2, timeout: float | None = None, device: jax.Device | None = None,
+             **legacy_kwargs: Any) -> Stream | worker_lib.LocalStream:
+    """Iterates what registered function ``name(*args, **kwargs)`` returns (an iterable).
 
     ``host`` defaults to the first host this process drives (its own under N processes).
 
@@ -500,14 +517,17 @@ class Controller:
     process maps that host's arena, items come over its Unix socket (the fast
     path); otherwise over gRPC, with arrays inline. With ``device``, arrays
     arrive as ``jax.Array``s on it (from the arena with no copy on the CPU backend).
+    ``*legacy_args``/``**legacy_kwargs``: the deprecated shorthand for ``args``/``kwargs``.
 
     Example::
 
-      with ctl.stream("batches", split="train", host=0, prefetch=4) as s:
+      with ctl.stream("batches", kwargs={"split": "train"}, host=0, prefetch=4) as s:
         for batch in s:
           ...
     """
     self._check_open()
+    args, kwargs = arguments.split_legacy("stream", name, args, kwargs, legacy_args,
+                                          legacy_kwargs, stacklevel=3)
     (host_id,) = self._select([(self.local_hosts or self._local_hosts)[0] if host is None
                                else host])
     held = []
@@ -529,19 +549,23 @@ class Controller:
     self._children.add(stream)
     return stream
 
-  def feed(self, name: str, *, global_batch_size: int, sharding: jax.sharding.Sharding,
-           seed: int = 0, num_epochs: int | None = None, prefetch: int | None = None,
-           state: dict[str, Any] | None = None, workers: int = 0, **kwargs: Any) -> Feed:
+  def feed(self, name: str, /, *, global_batch_size: int, sharding: jax.sharding.Sharding,
+           kwargs: Mapping[str, Any] | None = None, seed: int = 0,
+           num_epochs: int | None = None, state: dict[str, Any] | None = None,
+           options: options_lib.FeedOptions | None = None, **legacy_kwargs: Any) -> Feed:
     """Global batches of registered pipeline ``name``, laid out by ``sharding``.
 
     Each host's sidecar runs the pipeline and produces the rows its devices own;
     they arrive through its arena. Iterating yields pytrees of global ``jax.Array``s.
+    The batches depend only on ``name``, ``kwargs``, ``seed`` and the batch index;
+    ``options`` say how they are produced.
 
     Example::
 
       mesh = jax.sharding.Mesh(jax.devices(), ("data",))
       sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-      with ctl.feed("digits", global_batch_size=64, sharding=sharding, split="train") as feed:
+      with ctl.feed("digits", global_batch_size=64, sharding=sharding,
+                    kwargs={"split": "train"}) as feed:
         for batch in feed:
           state = train_step(state, batch)
         saved = feed.state()  # resume with ctl.feed(..., state=saved)
@@ -550,24 +574,32 @@ class Controller:
       name: a registered ``@sidecar.pipeline``.
       global_batch_size: rows of every global batch, split among hosts by ``sharding``.
       sharding: how the batch dimension lies over this process's devices.
+      kwargs: the pipeline's own arguments (a parameter named ``seed`` goes here too).
       seed: shuffling seed (for pipelines that return a ``grain.MapDataset``).
       num_epochs: epochs to run; None repeats forever.
-      prefetch: batches each sidecar may run ahead of the trainer (default 2).
       state: a ``feed.state()`` to resume after.
-      workers: processes per sidecar producing batches (0: the sidecar itself).
-      **kwargs: the pipeline's own arguments.
+      options: ``sidecar.FeedOptions``: prefetch depth, worker processes.
+      **legacy_kwargs: deprecated: ``prefetch=``/``workers=`` for ``options``, anything
+        else for ``kwargs``; each with a DeprecationWarning.
     """
     self._check_open()
+    kwargs, old_options = arguments.split_legacy_feed(
+        name, kwargs, options, legacy_kwargs,
+        [f.name for f in dataclasses.fields(options_lib.FeedOptions)])
+    if options is None:
+      try:
+        options = options_lib.FeedOptions(**old_options)
+      except ValueError as e:
+        raise errors.InvalidArgumentError(str(e)) from None
+    if not isinstance(options, options_lib.FeedOptions):
+      raise errors.InvalidArgumentError(
+          f"options must be a sidecar.FeedOptions, got {type(options).__name__}")
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
       raise errors.InvalidArgumentError(
           f"global_batch_size must be a positive int, got {global_batch_size!r}")
-    prefetch = 2 if prefetch is None else prefetch
-    if not isinstance(prefetch, int) or prefetch < 1:
-      raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
       raise errors.InvalidArgumentError(f"num_epochs must be None or >= 1, got {num_epochs!r}")
-    if not isinstance(workers, int) or workers < 0:
-      raise errors.InvalidArgumentError(f"workers must be an int >= 0, got {workers!r}")
+    prefetch, workers = options.prefetch, options.workers
     missing = [h.host_id for h in self.hosts if name not in h.pipelines]
     if missing:
       raise errors.NotRegisteredError(
@@ -637,7 +669,8 @@ class Controller:
     self._check_open()
     self._checkpointers += 1
     ckpt = Checkpointer(
-        directory=str(directory), call=self.call, call_async=self.call_async,
+        directory=str(directory), call=self._positional_call,
+        call_async=self._positional_call_async,
         put=self._put, hosts=[h.host_id for h in self.hosts],
         device_hosts=self._device_hosts, status=self.status,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
@@ -651,16 +684,31 @@ class Controller:
     self._children.add(ckpt)
     return ckpt
 
+  # The Checkpointer's calls of the sidecar's own checkpoint functions, in the shorthand
+  # (their parameters never collide with ours), until a typed client replaces them.
+  def _positional_call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
+                       timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    return self.call(name, args=args, kwargs=kwargs, hosts=hosts, timeout=timeout)
+
+  def _positional_call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
+                             timeout: float | None = None, **kwargs: Any
+                             ) -> list[concurrent.futures.Future]:
+    return self.call_async(name, args=args, kwargs=kwargs, hosts=hosts, timeout=timeout)
+
   def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""
     w = self._workers.get(host_id)
     return w.put(data)[0] if w is not None else np.array(data)
 
   @interrupts.deferring
-  def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
-                 timeout: float | None = None, **kwargs: Any) -> list[concurrent.futures.Future]:
+  def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
+                 kwargs: Mapping[str, Any] | None = None, hosts: Sequence[int] | None = None,
+                 timeout: float | None = None, **legacy_kwargs: Any
+                 ) -> list[concurrent.futures.Future]:
     """Like :meth:`call`, but returns one ``concurrent.futures.Future`` per host."""
     self._check_open()
+    args, kwargs = arguments.split_legacy("call_async", name, args, kwargs, legacy_args,
+                                          legacy_kwargs)
     timeout = self.timeout if timeout is None else timeout
     return [self._call_one(h, name, args, kwargs, timeout) for h in self._select(hosts)]
 

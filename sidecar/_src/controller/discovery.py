@@ -62,8 +62,8 @@ _CHANNEL_OPTIONS = (
 )
 _PER_TRY_TIMEOUT = 5.0
 _POLL_INTERVAL = 0.25
-_JOBSET_VARS = ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
-                "SIDECAR_HOSTS_PER_SLICE")
+_JOBSET_VARS = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
+                env_lib.HOSTS_PER_SLICE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,10 +112,10 @@ def discover(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) ->
 def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, ...]:
   """Computes every sidecar's endpoint from ``env``, without contacting any of them."""
   env = os.environ if env is None else env
-  port = env_lib.int_var(env, "SIDECAR_PORT", DEFAULT_PORT, minimum=1, maximum=65535)
-  health_port = env_lib.int_var(env, "SIDECAR_HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=1,
+  port = env_lib.int_var(env, env_lib.PORT, DEFAULT_PORT, minimum=1, maximum=65535)
+  health_port = env_lib.int_var(env, env_lib.HEALTH_PORT, DEFAULT_HEALTH_PORT, minimum=1,
                          maximum=65535)
-  if env.get("SIDECAR_HOSTS", "").strip():
+  if env.get(env_lib.HOSTS, "").strip():
     return _from_host_list(env, port, health_port)
   missing = [name for name in _JOBSET_VARS if not env.get(name, "").strip()]
   if missing:
@@ -188,16 +188,16 @@ def _failure_message(pending: Sequence[Endpoint], total: int, timeout: float,
 
 
 def _from_jobset(env: Mapping[str, str], port: int, health_port: int) -> tuple[Endpoint, ...]:
-  slices = env_lib.int_var(env, "SIDECAR_NUM_SLICES", None, minimum=1)
-  hosts = env_lib.int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
-  jobset = env["SIDECAR_JOBSET_NAME"].strip()
+  slices = env_lib.int_var(env, env_lib.NUM_SLICES, None, minimum=1)
+  hosts = env_lib.int_var(env, env_lib.HOSTS_PER_SLICE, None, minimum=1)
+  jobset = env[env_lib.JOBSET_NAME].strip()
   fields = {
       "jobset": jobset,
-      "replicated_job": env["SIDECAR_REPLICATED_JOB"].strip(),
-      "subdomain": env.get("SIDECAR_SUBDOMAIN", "").strip() or jobset,
-      "namespace": env.get("SIDECAR_NAMESPACE", "").strip() or "default",
+      "replicated_job": env[env_lib.REPLICATED_JOB].strip(),
+      "subdomain": env.get(env_lib.SUBDOMAIN, "").strip() or jobset,
+      "namespace": env.get(env_lib.NAMESPACE, "").strip() or "default",
   }
-  template = env.get("SIDECAR_HOST_TEMPLATE", "").strip() or DEFAULT_HOST_TEMPLATE
+  template = env.get(env_lib.HOST_TEMPLATE, "").strip() or DEFAULT_HOST_TEMPLATE
   found = []
   for slice_id in range(slices):
     for host_id in range(hosts):
@@ -215,14 +215,14 @@ def _from_jobset(env: Mapping[str, str], port: int, health_port: int) -> tuple[E
 
 def _from_host_list(env: Mapping[str, str], port: int,
                     health_port: int) -> tuple[Endpoint, ...]:
-  entries = [s.strip() for s in env["SIDECAR_HOSTS"].split(",")]
+  entries = [s.strip() for s in env[env_lib.HOSTS].split(",")]
   if any(not s for s in entries):
     raise errors.InvalidArgumentError(
-        f"SIDECAR_HOSTS has an empty entry: {env['SIDECAR_HOSTS']!r}; list hosts separated "
+        f"SIDECAR_HOSTS has an empty entry: {env[env_lib.HOSTS]!r}; list hosts separated "
         "by single commas")
   per_slice = len(entries)
-  if env.get("SIDECAR_HOSTS_PER_SLICE", "").strip():
-    per_slice = env_lib.int_var(env, "SIDECAR_HOSTS_PER_SLICE", None, minimum=1)
+  if env.get(env_lib.HOSTS_PER_SLICE, "").strip():
+    per_slice = env_lib.int_var(env, env_lib.HOSTS_PER_SLICE, None, minimum=1)
     if len(entries) % per_slice:
       raise errors.InvalidArgumentError(
           f"SIDECAR_HOSTS lists {len(entries)} hosts, not a multiple of "

@@ -1,4 +1,4 @@
-"""Worker processes that fill a feed's batches in the arena (``ctl.feed(..., workers=N)``).
+"""Worker processes that fill a feed's batches in the arena (``FeedOptions(workers=N)``).
 
 Each worker is a fresh interpreter (spawned, never forked) that imports the
 sidecar's modules, maps the arena through an inherited memfd and builds the

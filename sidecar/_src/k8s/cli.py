@@ -12,14 +12,15 @@ import sys
 
 import yaml
 
-from sidecar._src import errors
+from sidecar._src import cli_format, errors
 from sidecar._src.k8s import checks, render
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
   """Adds ``k8s render`` and ``k8s check`` to ``subparsers``."""
   k8s = subparsers.add_parser("k8s", help="Kubernetes manifests for the sidecar",
-                              description="Render and check JobSet manifests with the sidecar.")
+                              description="Render and check JobSet manifests with the sidecar.",
+                              formatter_class=cli_format.DefaultsFormatter)
   commands = k8s.add_subparsers(dest="k8s_command", metavar="{render,check}")
   commands.required = True
   _add_render(commands)
@@ -29,20 +30,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_render(commands: argparse._SubParsersAction) -> None:
   p = commands.add_parser(
       "render", help="print a ready JobSet with the sidecar",
+      formatter_class=cli_format.DefaultsFormatter,
       description="Print a JobSet (jobset.x-k8s.io/v1alpha2) whose pods run the trainer "
                   "beside a native sidecar container. Apply it with `kubectl apply -f -` after "
                   "creating the token Secret (see docs/kubernetes.md).")
   p.add_argument("--slices", type=int, required=True, help="number of slices (JobSet replicas)")
   p.add_argument("--hosts-per-slice", type=int,
-                 help="pods per slice; derived from --tpu when omitted")
+                 help="pods per slice (default: what --tpu's topology needs; required "
+                      "without --tpu)")
   p.add_argument("--image", required=True, help="the sidecar image, with your package in it")
   p.add_argument("--tpu", type=_tpu, metavar="VERSION:TOPOLOGY",
-                 help="GKE TPU slice shape, e.g. v5e:4x4, v6e:2x4, v5p:2x2x4")
+                 help="GKE TPU slice shape, e.g. v5e:4x4, v6e:2x4, v5p:2x2x4 (default: none, "
+                      "pods without TPUs)")
   p.add_argument("--trainer-image", help="the training image (default: --image)")
   p.add_argument("--trainer-command", default="python -m my_pkg.train",
                  help="the trainer's command line (default: %(default)s)")
   p.add_argument("--name", default="train", help="JobSet name (default: %(default)s)")
-  p.add_argument("--namespace", help="namespace to put in the manifest")
+  p.add_argument("--namespace", help="namespace to put in the manifest (default: none, "
+                 "kubectl's current namespace)")
   p.add_argument("--shm-size", default="4GiB", help="arena size (default: %(default)s)")
   p.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                  help="module the sidecar imports to register your functions; repeatable "
@@ -67,13 +72,14 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
                  help="in-place restarts of a trainer the Job allows (pod restartPolicy "
                  "OnFailure; the sidecar keeps its arena); 0: restartPolicy Never "
                  "(default: %(default)s)")
-  p.add_argument("-o", "--output", help="write here instead of stdout")
+  p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
   p.set_defaults(func=run_render)
 
 
 def _add_check(commands: argparse._SubParsersAction) -> None:
   p = commands.add_parser(
       "check", help="check JobSet manifests offline",
+      formatter_class=cli_format.DefaultsFormatter,
       description="Check JobSet manifests without a cluster: the JobSet CRD schema (with "
                   "--crd), each pod template as a Pod (kubernetes-validate --strict), and what "
                   "schemas miss (volumes, probe ports, sizeLimits, the native sidecar, the "
@@ -81,7 +87,8 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
                   "finding.")
   p.add_argument("files", nargs="+", metavar="FILE", help="manifest files; '-' for stdin")
   p.add_argument("--crd", help="JobSet CRD YAML, e.g. from "
-                               "`kubectl get crd jobsets.jobset.x-k8s.io -o yaml`")
+                               "`kubectl get crd jobsets.jobset.x-k8s.io -o yaml` (default: "
+                               "none, the JobSet schema is not checked)")
   p.add_argument("--kubernetes-version", dest="versions", action="append", metavar="X.Y",
                  help="validate pods at this version; repeatable (default: 1.29 and the "
                       "newest kubernetes-validate knows)")
