@@ -14,13 +14,13 @@ import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import jax
+from typing import TYPE_CHECKING, Any
 
 from sidecar._src import env as env_lib, errors, shm
-from sidecar._src.controller.controller import Controller
-from sidecar._src.worker import Worker
+
+if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither
+  from sidecar._src.controller.controller import Controller
+  from sidecar._src.worker import Worker
 
 # The LocalClusters running in this process: several may (each has its own sidecars,
 # ports, sockets and temp directory); error messages name them.
@@ -34,6 +34,7 @@ def running() -> list[LocalCluster]:
 
 def configure_jax_devices(count: int) -> None:
   """Makes the JAX CPU backend of this process show at least ``count`` devices."""
+  import jax
   flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
   try:  # Never fewer than XLA_FLAGS asks for: other code in the process may count on them.
     jax.config.update("jax_num_cpu_devices", max(count, int(flag.group(1)) if flag else 0))
@@ -257,16 +258,19 @@ class LocalCluster:
 
   def devices(self, host_id: int) -> list[Any]:
     """The JAX devices of this process that host ``host_id`` owns."""
+    import jax
     d = self.devices_per_host
     return jax.devices("cpu")[host_id * d:(host_id + 1) * d]
 
   def controller(self, **kwargs: Any) -> Controller:
     """A Controller of every host, attached to their arenas."""
+    from sidecar._src.controller.controller import Controller
     kwargs.setdefault("token", self.token)
     return Controller(self.addresses, **kwargs)
 
   def worker(self, host_id: int) -> Worker:
     """A new Worker attached to host ``host_id``'s sidecar."""
+    from sidecar._src.worker import Worker
     return Worker(self.socket(host_id))
 
 
