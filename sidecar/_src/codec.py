@@ -21,6 +21,11 @@ from sidecar._src.protocol import pb
 
 INLINE_LIMIT = 64 * 1024
 MAX_DEPTH = 64
+# What one request may decode (Budget): a value costs the decoder ~0.5 us and ~50 bytes
+# of Python objects however few bytes it took on the wire (a `none` takes 4), so the
+# count of values is bounded as well as their bytes: a request costs what it sent.
+MAX_ELEMENTS = 1 << 20
+MAX_DECODED_BYTES = 256 << 20  # the control port's default max_message_size
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 _DTYPES: dict[str, np.dtype] = {
@@ -122,9 +127,48 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
       "scalars, int, float, bool, str and bytes")
 
 
-def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value") -> Any:
-  """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError."""
-  return _decode(value, from_arena, where, 0)
+@dataclasses.dataclass(slots=True)
+class Budget:
+  """What a request may still decode: values (every leaf and container counts one) and
+  bytes (of strings, bytes and inline arrays; arena references cost none). Several
+  decodes of one request share one budget.
+  """
+  elements: int = MAX_ELEMENTS
+  nbytes: int = MAX_DECODED_BYTES
+  max_elements: int = dataclasses.field(init=False)
+  max_nbytes: int = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.max_elements, self.max_nbytes = self.elements, self.nbytes
+
+  def spend(self, where: str, *, elements: int = 0, nbytes: int = 0) -> None:
+    """Takes from the budget before the work is done.
+
+    Raises:
+      ResourceExhaustedError: naming ``where`` and the limit it passed.
+    """
+    self.elements -= elements
+    self.nbytes -= nbytes
+    if self.elements < 0:
+      raise errors.ResourceExhaustedError(
+          f"{where}: the request holds more than {self.max_elements} values, the limit of "
+          f"one request (codec.MAX_ELEMENTS); send many numbers as one numpy array")
+    if self.nbytes < 0:
+      raise errors.ResourceExhaustedError(
+          f"{where}: the request holds more than {self.max_nbytes} bytes of strings, bytes "
+          "and inline arrays, the limit of one request (codec.MAX_DECODED_BYTES); pass large "
+          "arrays through a Worker's arena")
+
+
+def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value",
+           budget: Budget | None = None) -> Any:
+  """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError.
+
+  With a ``budget``, a value past it raises ResourceExhaustedError before it is decoded.
+  """
+  if budget is not None:
+    budget.spend(where, elements=1)
+  return _decode(value, from_arena, where, 0, budget)
 
 
 def arena_blocks(value: pb.Value) -> list[int]:
@@ -139,20 +183,29 @@ def arena_blocks(value: pb.Value) -> list[int]:
   return []
 
 
-def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
+def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | None) -> Any:
   if depth > MAX_DEPTH:
     raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
   kind = v.WhichOneof("kind")
   if kind == "none":
     return None
-  if kind in ("bool_value", "int_value", "float_value", "str_value", "bytes_value"):
+  if kind in ("bool_value", "int_value", "float_value"):
     return getattr(v, kind)
+  if kind in ("str_value", "bytes_value"):
+    x = getattr(v, kind)
+    if budget is not None:
+      budget.spend(where, nbytes=len(x))
+    return x
   if kind == "big_int":
+    if budget is not None:
+      budget.spend(where, nbytes=len(v.big_int))
     try:
       return int(v.big_int)
     except ValueError:
       raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
   if kind == "array":
+    if budget is not None:
+      budget.spend(where, nbytes=len(v.array.data))
     return _decode_array(v.array, where)
   if kind == "arena":
     r = v.arena
@@ -171,16 +224,22 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
     except (errors.InvalidArgumentError, errors.StaleDescriptorError) as e:
       raise type(e)(f"{where}: {e}") from None
   if kind in ("list", "tuple"):
-    items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1)
-             for i, x in enumerate(getattr(v, kind).items)]
+    children = getattr(v, kind).items
+    if budget is not None:  # counted before any is decoded: the refusal costs nothing
+      budget.spend(where, elements=len(children))
+    items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1, budget)
+             for i, x in enumerate(children)]
     return tuple(items) if kind == "tuple" else items
   if kind == "dict":
+    entries = v.dict.entries
+    if budget is not None:
+      budget.spend(where, elements=2 * len(entries))
     out = {}
-    for entry in v.dict.entries:
-      key = _decode(entry.key, None, where, depth + 1)
+    for entry in entries:
+      key = _decode(entry.key, None, where, depth + 1, budget)
       if not isinstance(key, (str, int)):
         raise errors.InvalidArgumentError(f"{where}: dict key {key!r} is not str or int")
-      out[key] = _decode(entry.value, from_arena, f"{where}[{key!r}]", depth + 1)
+      out[key] = _decode(entry.value, from_arena, f"{where}[{key!r}]", depth + 1, budget)
     return out
   raise errors.InvalidArgumentError(f"{where}: empty or unknown value kind {kind!r}")
 

@@ -205,6 +205,18 @@ def test_a_long_remote_error_is_truncated_not_lost(make_server):
     assert ctl.call("add", 2, b=3) == [5]
 
 
+def test_a_request_of_many_tiny_values_is_refused_before_it_is_decoded(make_server):
+  server = make_server()
+  raw = Raw(server.port)
+  nones = pb.Value(list=pb.ListValue(items=[pb.Value(none=True)] * (codec.MAX_ELEMENTS + 1)))
+  e = rejected(lambda: raw.call("echo", nones))  # 4 MiB on the wire; 8 s to decode before
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+  assert f"args[0]: the request holds more than {codec.MAX_ELEMENTS} values" in e.details()
+  assert "codec.MAX_ELEMENTS" in e.details() and "Traceback" not in e.details()
+  assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2
+  raw.close()
+
+
 # ---- the ports --------------------------------------------------------------------------------
 
 
