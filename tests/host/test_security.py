@@ -175,6 +175,19 @@ def test_feed_workers_are_capped(feed_server):
   raw.close()
 
 
+def test_a_plain_pipeline_batch_too_big_for_the_arena_fails_after_one_element(feed_server):
+  from tests import feed_fns
+  raw = Raw(feed_server.port)
+  feed_fns.pulled.clear()
+  spec = pb.FeedSpec(global_batch_size=64, rows=[pb.RowRange(start=0, stop=64)], shard_count=1)
+  e = rejected(lambda: raw.feed("huge_rows", spec))  # 64 x 1 MiB rows, an 8 MiB arena
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+  assert feed_fns.pulled == [1 << 20]  # the whole batch was read into memory before
+  assert len(raw.feed("shard_ids", _spec(num_epochs=1))) > 0  # still serving
+  assert eventually(lambda: feed_server.leases.allocator.used_bytes == 0)
+  raw.close()
+
+
 @pytest.mark.parametrize("spec,match", [
     (_spec(state_json="[" * 100_000), "feed state_json is not the JSON of a feed state"),
     (_spec(state_json="[1]"), "feed state_json must be a JSON object, got list"),
