@@ -149,3 +149,15 @@ def test_a_budget_is_shared_by_the_decodes_of_one_request_and_the_default_is_the
   assert (codec.Budget().max_elements, codec.Budget().max_nbytes) == (
       codec.MAX_ELEMENTS, codec.MAX_DECODED_BYTES)
   assert len(codec.decode(_nones(1000))) == 1000  # no budget: no limit
+
+
+def test_a_big_message_of_too_many_values_is_counted_on_the_wire_before_it_is_parsed():
+  nones = pb.CallRequest(name="echo", args=_nones(codec.MAX_ELEMENTS + 1)).SerializeToString()
+  assert len(nones) >= codec.SCAN_FROM
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=rf"CallRequest holds more than {codec.MAX_ELEMENTS} values"):
+    codec.check_message_count(nones, pb.CallRequest.DESCRIPTOR)
+  big = pb.CallRequest(name="echo", args=codec.encode((b"x" * codec.SCAN_FROM, [1] * 100)))
+  codec.check_message_count(big.SerializeToString(), pb.CallRequest.DESCRIPTOR)  # few values
+  codec.check_message_count(b"\x12\xff\xff\xff\x0f" + b"\x0a" * codec.SCAN_FROM,
+                            pb.CallRequest.DESCRIPTOR)  # malformed: left to the parse

@@ -146,6 +146,20 @@ def test_decoding_any_value_returns_or_raises_a_sidecar_error(value):
 
 
 @FUZZ
+@given(values, values)
+def test_the_wire_count_of_a_request_is_what_its_decoding_spends(args, kwargs):
+  budget = codec.Budget()
+  try:
+    codec.decode(args, budget=budget)
+    codec.decode(kwargs, budget=budget)
+  except errors.SidecarError:
+    return
+  raw = pb.CallRequest(name="f", args=args, kwargs=kwargs).SerializeToString()
+  assert codec._count(raw, pb.CallRequest.DESCRIPTOR, 1 << 30, 0) == (
+      budget.max_elements - budget.elements)
+
+
+@FUZZ
 @given(st.binary(max_size=200))
 def test_decoding_any_bytes_returns_or_raises_a_sidecar_error(data):
   try:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf import message as pb_message
 
-from sidecar._src import errors, protocol
+from sidecar._src import codec, errors, protocol
 from sidecar._src.host.calls import Credits, Runner
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def parse(cls, raw: bytes):
-  """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes."""
+  """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
+  ResourceExhaustedError for more values than a request may hold, before parsing)."""
+  codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
   try:
     return cls.FromString(raw)
   except (pb_message.DecodeError, RuntimeError) as e:
