@@ -231,6 +231,25 @@ def test_a_request_of_many_tiny_values_is_refused_before_it_is_decoded(make_serv
   raw.close()
 
 
+@pytest.mark.parametrize("request_,code,error", [
+    (pb.CallRequest(name="x" * 100_000), grpc.StatusCode.NOT_FOUND, "NotRegisteredError"),
+    (pb.CallRequest(name="add", args=codec.encode((1,)), kwargs=codec.encode({"y" * 100_000: 1})),
+     grpc.StatusCode.INVALID_ARGUMENT, "InvalidArgumentError"),
+    (pb.CallRequest(name="sidecar.ckpt.open", args=codec.encode(("/" + "a" * 100_000,)),
+                    kwargs=codec.encode({})),
+     grpc.StatusCode.PERMISSION_DENIED, "PermissionDeniedError"),
+], ids=["name", "kwarg", "path"])
+def test_an_error_naming_a_huge_input_arrives_cut_with_its_status(make_server, request_, code,
+                                                                  error):
+  server = make_server()
+  raw = Raw(server.port)
+  e = rejected(lambda: raw._call(request_, metadata=raw.metadata, timeout=10))
+  assert e.code() == code and e.details().startswith(f"{error}: "), e.details()[:200]
+  assert len(e.details()) <= 1024 and "Traceback" not in e.details()
+  assert type(protocol.error_from_rpc(e, host="h")).__name__ == error
+  raw.close()
+
+
 # ---- the ports --------------------------------------------------------------------------------
 
 
