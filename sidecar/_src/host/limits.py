@@ -5,8 +5,9 @@ it), so streams get a budget of their own, ``max_streams`` threads beside the
 ``threads`` that serve handshakes, calls and status: streams that never send a credit
 can fill their budget, never the rest. Unary calls hold a thread while they run: they
 may take most of ``threads`` but never all, and one session at most half, so slow calls
-of one client leave threads for handshakes, status and other sessions' calls. Handshake sessions are tokens in a bounded,
-expiring table: a flood of handshakes costs a bounded amount of memory.
+of one client leave threads for handshakes, status and other sessions' calls.
+Handshake sessions are tokens in a bounded, expiring table: a flood of handshakes costs
+a bounded amount of memory.
 """
 
 from __future__ import annotations
