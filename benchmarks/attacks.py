@@ -18,6 +18,7 @@ import queue
 import signal
 import socket
 import struct
+import tempfile
 import threading
 import time
 
@@ -31,7 +32,7 @@ from benchmarks.common import table
 from sidecar._src import codec, ipc, protocol
 from sidecar._src.protocol import pb
 
-FNS = ["benchmarks.soak_fns"]
+FNS = ["benchmarks.soak_fns", "benchmarks.attacks_fns"]
 
 
 def _handshake(channel) -> list:
@@ -181,6 +182,136 @@ def huge_prefetch(cluster) -> str:
   return result
 
 
+def _reset_peak(pid: int) -> None:
+  """Starts the sidecar's peak RSS (VmHWM) afresh from its RSS now."""
+  with open(f"/proc/{pid}/clear_refs", "w") as f:
+    f.write("5")
+
+
+def _proc(pid: int) -> tuple[float, float]:
+  """The sidecar's peak RSS (MiB) and CPU time (s) so far."""
+  with open(f"/proc/{pid}/status") as f:
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return hwm, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _raw(cluster, rpc: str):
+  channel = grpc.insecure_channel(cluster.addresses[0], options=[
+      ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)])
+  return channel, channel.unary_unary(f"/{protocol.SERVICE}/{rpc}")
+
+
+def many_nones(cluster, count: int = 8_000_000) -> str:
+  """One Call whose argument is ``count`` ``none`` values (4 bytes each on the wire)."""
+  channel, call = _raw(cluster, "Call")
+  metadata = _handshake(channel)
+  items = pb.ListValue(items=[pb.Value(none=True)] * count)
+  raw = pb.CallRequest(name="echo", args=pb.Value(tuple=pb.ListValue(items=[
+      pb.Value(list=items)])), kwargs=codec.encode({})).SerializeToString()
+  del items
+  _reset_peak(cluster.pid(0))
+  hwm, cpu = _proc(cluster.pid(0))
+  try:
+    call(raw, metadata=metadata, timeout=120)
+    outcome = "accepted"
+  except grpc.RpcError as e:
+    outcome = f"{e.code().name}: {e.details()[:60]}..."
+  hwm2, cpu2 = _proc(cluster.pid(0))
+  channel.close()
+  return (f"{len(raw) / 2**20:.0f} MiB request: {outcome}; sidecar peak RSS +{hwm2 - hwm:.0f} "
+          f"MiB, CPU {cpu2 - cpu:.2f} s")
+
+
+def huge_batch(cluster) -> str:
+  """A feed over a plain iterable whose batch (256 x 1 MiB rows) cannot fit a 64 MiB arena."""
+  n = cluster.num_hosts
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:n]), ("data",)), P("data"))
+  _reset_peak(cluster.pid(0))
+  hwm, _ = _proc(cluster.pid(0))
+  with cluster.controller(attach=False) as ctl:
+    before = ctl.call("pulled")[0]
+    try:
+      with ctl.feed("huge_rows", global_batch_size=256 * n, sharding=sharding) as feed:
+        next(feed)
+      outcome = "a batch came"
+    except sidecar.SidecarError as e:
+      outcome = type(e).__name__
+    rows = ctl.call("pulled")[0] - before
+  hwm2, _ = _proc(cluster.pid(0))
+  return f"{outcome} after {rows} rows read; sidecar peak RSS +{hwm2 - hwm:.0f} MiB"
+
+
+def slow_calls(cluster, count: int = 60, seconds: float = 12.0) -> str:
+  """``count`` calls of one session that each sleep ``seconds``, then a new controller."""
+  channel, call = _raw(cluster, "Call")
+  metadata = _handshake(channel)
+  request = pb.CallRequest(name="nap", args=codec.encode((seconds,)),
+                           kwargs=codec.encode({})).SerializeToString()
+  calls = [call.future(request, metadata=metadata, timeout=60) for _ in range(count)]
+  time.sleep(1.0)
+  refused = sum(c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls)
+  t0 = time.monotonic()
+  try:
+    with sidecar.Controller(cluster.addresses[:1], connect_timeout=5, timeout=5,
+                            attach=False) as ctl:
+      ctl.status()
+      ctl.call("echo", 1)
+    result = f"handshake, status and call OK in {time.monotonic() - t0:.2f} s"
+  except sidecar.SidecarError as e:
+    result = f"{type(e).__name__} after {time.monotonic() - t0:.1f} s"
+  for c in calls:
+    c.exception()  # every nap ends before the next attack
+  channel.close()
+  return f"{refused} of {count} refused (RESOURCE_EXHAUSTED); then a new controller: {result}"
+
+
+def unauthenticated() -> str:
+  """Handshake and Status without the token of a sidecar that has one: what comes back."""
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="8MiB",
+                                    token="s3cret", imports=FNS) as cluster:
+    out = []
+    for rpc in ("Handshake", "Status"):
+      channel, call = _raw(cluster, rpc)
+      try:
+        reply = call(pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString()
+                     if rpc == "Handshake" else b"", timeout=10)
+        out.append(f"{rpc}: answered, {len(reply)} bytes, hostname "
+                   f"{'in' if socket.gethostname().encode() in reply else 'not in'} it")
+      except grpc.RpcError as e:
+        told = socket.gethostname() in e.details() or str(cluster.pid(0)) in e.details()
+        out.append(f"{rpc}: {e.code().name}{', with identity' if told else ', nothing else'}")
+      channel.close()
+  return "; ".join(out)
+
+
+def full_disk(tmp: str) -> str:
+  """Step 2 fails with ENOSPC once its first shard is on disk; then the trainer's blocks,
+  and step 3."""
+  env = {"SIDECAR_CKPT_FAULT": "enospc@2"}
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB",
+                                    imports=FNS, host_env={0: env}) as cluster:
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
+    with cluster.controller() as ctl, ctl.checkpointer(os.path.join(tmp, "ck")) as ckpt:
+      def state(v):
+        return {"w": jax.device_put(np.full((1024, 1024), v, np.float32), sharding)}
+      ckpt.save(1, state(1.0)).durable.result(60)
+      try:
+        ckpt.save(2, state(2.0)).durable.result(60)
+        step2 = "saved (no enospc fault point in this tree)"
+      except sidecar.SidecarError as e:
+        step2 = f"{type(e).__name__} ({'ENOSPC' if 'No space' in str(e) else str(e)[:40]})"
+      time.sleep(1.0)
+      live = ctl.worker(0).live_blocks
+      try:
+        ckpt.save(3, state(3.0)).durable.result(60)
+        step3 = f"durable; steps {ckpt.all_steps()}"
+      except sidecar.SidecarError as e:
+        step3 = f"{type(e).__name__}"
+  return f"step 2: {step2}; trainer live_blocks after it: {live}; step 3: {step3}"
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--give-up", type=float, default=45.0)
@@ -189,6 +320,11 @@ def main() -> None:
   rows = []
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB",
                                     imports=FNS) as cluster:
+    rows.append(["a Call of 8,000,000 `none` values", many_nones(cluster)])
+    rows.append(["a plain-iterable feed, a batch of 256 x 1 MiB rows into a 64 MiB arena",
+                 huge_batch(cluster)])
+    rows.append(["60 slow calls (12 s each) of one session, then a new controller",
+                 slow_calls(cluster)])
     rows.append(["32 streams that never send a credit, then a new controller",
                  silent_streams(cluster)])
     rows.append(["frame {'op': 'free', 'blocks': 5}", malformed_frame(
@@ -200,6 +336,9 @@ def main() -> None:
                  hung_feed(cluster, attach=True, give_up=args.give_up)])
     rows.append(["SIGSTOPped sidecar, feed over gRPC",
                  hung_feed(cluster, attach=False, give_up=args.give_up)])
+  rows.append(["Handshake and Status without the token", unauthenticated()])
+  with tempfile.TemporaryDirectory() as tmp:
+    rows.append(["a save that fails with ENOSPC, then the next save", full_disk(tmp)])
   print(f"\nattacks against {args.label} (SIDECAR_PEER_TIMEOUT="
         f"{os.environ.get('SIDECAR_PEER_TIMEOUT', 'unset')})\n")
   print(table(["attack", "outcome"], rows))

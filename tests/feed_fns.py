@@ -67,3 +67,14 @@ def dies_once(ctx: sidecar.PipelineContext, marker: str, at: int = 20, n: int = 
 def sidecar_pid() -> int:
   """Which sidecar process ran the call."""
   return os.getpid()
+
+
+pulled: list[int] = []  # the elements huge_rows yielded, for the in-process tests
+
+
+@sidecar.pipeline
+def huge_rows(ctx: sidecar.PipelineContext, nbytes: int = 1 << 20):
+  """A plain iterable of ``nbytes`` elements, counting what it yields in ``pulled``."""
+  while True:
+    pulled.append(nbytes)
+    yield {"x": np.zeros((nbytes,), np.uint8)}

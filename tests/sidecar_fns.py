@@ -60,6 +60,34 @@ def rendezvous(parties: int, timeout: float = 10.0) -> bool:
   return True
 
 
+_gates: dict[str, threading.Event] = {}
+_waiting: dict[str, int] = {}
+
+
+@sidecar.function
+def wait_gate(name: str, timeout: float = 30.0) -> bool:
+  """Blocks until the test opens gate ``name`` (``open_gate``, in-process sidecars only)."""
+  with _log_lock:
+    gate = _gates.setdefault(name, threading.Event())
+    _waiting[name] = _waiting.get(name, 0) + 1
+  try:
+    return gate.wait(timeout)
+  finally:
+    with _log_lock:
+      _waiting[name] -= 1
+
+
+def waiting(name: str) -> int:
+  """How many calls wait at gate ``name``."""
+  with _log_lock:
+    return _waiting.get(name, 0)
+
+
+def open_gate(name: str) -> None:
+  with _log_lock:
+    _gates.setdefault(name, threading.Event()).set()
+
+
 @sidecar.function
 def full(n: int, value: int):
   return np.full((n,), value, dtype=np.uint8)

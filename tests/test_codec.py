@@ -119,3 +119,45 @@ def test_arena_errors_name_the_field():
   value = pb.Value(dict=pb.DictValue(entries=[entry]))
   with pytest.raises(errors.StaleDescriptorError, match=r"^kwargs\['w'\]: no block at offset 4096$"):
     codec.decode(value, from_arena=from_arena, where="kwargs")
+
+
+def _nones(n: int) -> pb.Value:
+  return pb.Value(tuple=pb.ListValue(items=[pb.Value(none=True)] * n))
+
+
+@pytest.mark.parametrize("value,match", [
+    (_nones(101), r"args: the request holds more than 100 values"),
+    (pb.Value(list=pb.ListValue(items=[_nones(60), _nones(60)])),
+     r"args\[1\]: the request holds more than 100 values"),
+    (pb.Value(dict=pb.DictValue(entries=[pb.DictEntry(
+        key=pb.Value(int_value=i), value=pb.Value(none=True)) for i in range(51)])),
+     r"args: the request holds more than 100 values"),
+    (pb.Value(str_value="x" * 1001), r"args: the request holds more than 1000 bytes"),
+    (pb.Value(list=pb.ListValue(items=[codec.encode(np.zeros(600, np.uint8))] * 2)),
+     r"args\[1\]: the request holds more than 1000 bytes"),
+], ids=["nones", "nested", "dict", "str", "arrays"])
+def test_a_request_past_its_budget_is_resource_exhausted_before_it_is_decoded(value, match):
+  with pytest.raises(errors.ResourceExhaustedError, match=match + r".*limit of one request"):
+    codec.decode(value, where="args", budget=codec.Budget(elements=100, nbytes=1000))
+
+
+def test_a_budget_is_shared_by_the_decodes_of_one_request_and_the_default_is_the_limit():
+  budget = codec.Budget(elements=100)
+  assert codec.decode(_nones(60), budget=budget) == (None,) * 60
+  with pytest.raises(errors.ResourceExhaustedError, match="kwargs: .* more than 100 values"):
+    codec.decode(_nones(60), where="kwargs", budget=budget)
+  assert (codec.Budget().max_elements, codec.Budget().max_nbytes) == (
+      codec.MAX_ELEMENTS, codec.MAX_DECODED_BYTES)
+  assert len(codec.decode(_nones(1000))) == 1000  # no budget: no limit
+
+
+def test_a_big_message_of_too_many_values_is_counted_on_the_wire_before_it_is_parsed():
+  nones = pb.CallRequest(name="echo", args=_nones(codec.MAX_ELEMENTS + 1)).SerializeToString()
+  assert len(nones) >= codec.SCAN_FROM
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=rf"CallRequest holds more than {codec.MAX_ELEMENTS} values"):
+    codec.check_message_count(nones, pb.CallRequest.DESCRIPTOR)
+  big = pb.CallRequest(name="echo", args=codec.encode((b"x" * codec.SCAN_FROM, [1] * 100)))
+  codec.check_message_count(big.SerializeToString(), pb.CallRequest.DESCRIPTOR)  # few values
+  codec.check_message_count(b"\x12\xff\xff\xff\x0f" + b"\x0a" * codec.SCAN_FROM,
+                            pb.CallRequest.DESCRIPTOR)  # malformed: left to the parse

@@ -21,6 +21,11 @@ from sidecar._src.protocol import pb
 
 INLINE_LIMIT = 64 * 1024
 MAX_DEPTH = 64
+# What one request may decode (Budget): a value costs the decoder ~0.5 us and ~50 bytes
+# of Python objects however few bytes it took on the wire (a `none` takes 4), so the
+# count of values is bounded as well as their bytes: a request costs what it sent.
+MAX_ELEMENTS = 1 << 20
+MAX_DECODED_BYTES = 256 << 20  # the control port's default max_message_size
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 _DTYPES: dict[str, np.dtype] = {
@@ -122,9 +127,48 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
       "scalars, int, float, bool, str and bytes")
 
 
-def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value") -> Any:
-  """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError."""
-  return _decode(value, from_arena, where, 0)
+@dataclasses.dataclass(slots=True)
+class Budget:
+  """What a request may still decode: values (every leaf and container counts one) and
+  bytes (of strings, bytes and inline arrays; arena references cost none). Several
+  decodes of one request share one budget.
+  """
+  elements: int = MAX_ELEMENTS
+  nbytes: int = MAX_DECODED_BYTES
+  max_elements: int = dataclasses.field(init=False)
+  max_nbytes: int = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.max_elements, self.max_nbytes = self.elements, self.nbytes
+
+  def spend(self, where: str, *, elements: int = 0, nbytes: int = 0) -> None:
+    """Takes from the budget before the work is done.
+
+    Raises:
+      ResourceExhaustedError: naming ``where`` and the limit it passed.
+    """
+    self.elements -= elements
+    self.nbytes -= nbytes
+    if self.elements < 0:
+      raise errors.ResourceExhaustedError(
+          f"{where}: the request holds more than {self.max_elements} values, the limit of "
+          f"one request (codec.MAX_ELEMENTS); send many numbers as one numpy array")
+    if self.nbytes < 0:
+      raise errors.ResourceExhaustedError(
+          f"{where}: the request holds more than {self.max_nbytes} bytes of strings, bytes "
+          "and inline arrays, the limit of one request (codec.MAX_DECODED_BYTES); pass large "
+          "arrays through a Worker's arena")
+
+
+def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value",
+           budget: Budget | None = None) -> Any:
+  """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError.
+
+  With a ``budget``, a value past it raises ResourceExhaustedError before it is decoded.
+  """
+  if budget is not None:
+    budget.spend(where, elements=1)
+  return _decode(value, from_arena, where, 0, budget)
 
 
 def arena_blocks(value: pb.Value) -> list[int]:
@@ -139,20 +183,29 @@ def arena_blocks(value: pb.Value) -> list[int]:
   return []
 
 
-def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
+def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | None) -> Any:
   if depth > MAX_DEPTH:
     raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
   kind = v.WhichOneof("kind")
   if kind == "none":
     return None
-  if kind in ("bool_value", "int_value", "float_value", "str_value", "bytes_value"):
+  if kind in ("bool_value", "int_value", "float_value"):
     return getattr(v, kind)
+  if kind in ("str_value", "bytes_value"):
+    x = getattr(v, kind)
+    if budget is not None:
+      budget.spend(where, nbytes=len(x))
+    return x
   if kind == "big_int":
+    if budget is not None:
+      budget.spend(where, nbytes=len(v.big_int))
     try:
       return int(v.big_int)
     except ValueError:
       raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
   if kind == "array":
+    if budget is not None:
+      budget.spend(where, nbytes=len(v.array.data))
     return _decode_array(v.array, where)
   if kind == "arena":
     r = v.arena
@@ -171,16 +224,22 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int) -> Any:
     except (errors.InvalidArgumentError, errors.StaleDescriptorError) as e:
       raise type(e)(f"{where}: {e}") from None
   if kind in ("list", "tuple"):
-    items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1)
-             for i, x in enumerate(getattr(v, kind).items)]
+    children = getattr(v, kind).items
+    if budget is not None:  # counted before any is decoded: the refusal costs nothing
+      budget.spend(where, elements=len(children))
+    items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1, budget)
+             for i, x in enumerate(children)]
     return tuple(items) if kind == "tuple" else items
   if kind == "dict":
+    entries = v.dict.entries
+    if budget is not None:
+      budget.spend(where, elements=2 * len(entries))
     out = {}
-    for entry in v.dict.entries:
-      key = _decode(entry.key, None, where, depth + 1)
+    for entry in entries:
+      key = _decode(entry.key, None, where, depth + 1, budget)
       if not isinstance(key, (str, int)):
         raise errors.InvalidArgumentError(f"{where}: dict key {key!r} is not str or int")
-      out[key] = _decode(entry.value, from_arena, f"{where}[{key!r}]", depth + 1)
+      out[key] = _decode(entry.value, from_arena, f"{where}[{key!r}]", depth + 1, budget)
     return out
   raise errors.InvalidArgumentError(f"{where}: empty or unknown value kind {kind!r}")
 
@@ -207,3 +266,101 @@ def _decode_array(a: pb.Array, where: str) -> Any:
   _check_size(shape, dtype, len(a.data), where)
   arr = np.frombuffer(a.data, dtype=dtype).reshape(shape)
   return arr[()] if a.scalar else arr.copy()
+
+
+# A message is at least 2 bytes on the wire, so one under this size cannot hold more than
+# MAX_ELEMENTS of them: it is parsed without a count.
+SCAN_FROM = 2 * MAX_ELEMENTS
+_MAX_SCAN_DEPTH = 100  # protobuf's own nesting limit: deeper, its parse refuses
+
+
+def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENTS,
+                        what: str | None = None) -> None:
+  """Counts the values in wire-format ``raw`` (a ``descriptor`` message) before it is
+  parsed, as the decoder's Budget would (every sub-message but the parts of a Value);
+  past ``limit``, ResourceExhaustedError naming ``what`` (the message's type).
+
+  Protobuf's parse costs ~50 bytes of memory a sub-message, however few bytes it took
+  (a ``none`` Value takes 4): counting first, without allocating (~0.5 s for a million),
+  keeps a request's cost proportional to its bytes. Malformed bytes are left for the
+  parse to refuse.
+  """
+  if len(raw) < SCAN_FROM:
+    return
+  count = _count(raw, descriptor, limit, 0)
+  if count > limit:
+    raise errors.ResourceExhaustedError(
+        f"{what or descriptor.name} holds more than {limit} values, the limit of one request "
+        "(codec.MAX_ELEMENTS); send many numbers as one numpy array")
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+  result = shift = 0
+  while True:
+    b = buf[pos]
+    pos += 1
+    result |= (b & 0x7F) << shift
+    if b < 0x80:
+      return result, pos
+    shift += 7
+    if shift > 63:
+      raise ValueError("varint too long")
+
+
+_FIELDS: dict[str, dict[int, tuple[Any, int]]] = {}
+# Parts of a Value that the decoder does not count apart from it (the items and entries
+# of lists and dicts it does).
+_UNCOUNTED = frozenset(m.DESCRIPTOR.full_name for m in (
+    pb.ListValue, pb.DictValue, pb.DictEntry, pb.Array, pb.ArenaRef))
+
+
+def _message_fields(descriptor: Any) -> dict[int, tuple[Any, int]]:
+  """Field number -> (message descriptor, what one counts) of ``descriptor``'s message fields."""
+  fields = _FIELDS.get(descriptor.full_name)
+  if fields is None:
+    fields = _FIELDS[descriptor.full_name] = {
+        f.number: (f.message_type, int(f.message_type.full_name not in _UNCOUNTED))
+        for f in descriptor.fields if f.message_type is not None}
+  return fields
+
+
+def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
+           end: int | None = None) -> int:
+  """Sub-messages in ``buf[pos:end]``, stopping once past ``limit``; what it cannot read
+  it leaves to the parse."""
+  fields = _message_fields(descriptor)
+  end = len(buf) if end is None else end
+  count = 0
+  try:
+    while pos < end:
+      key = buf[pos]
+      pos += 1
+      if key >= 0x80:
+        key, pos = _varint(buf, pos - 1)
+      wire = key & 7
+      if wire == 0:
+        while buf[pos] >= 0x80:
+          pos += 1
+        pos += 1
+      elif wire == 2:
+        n = buf[pos]
+        pos += 1
+        if n >= 0x80:
+          n, pos = _varint(buf, pos - 1)
+        child, weight = fields.get(key >> 3, (None, 0))
+        if child is not None:
+          count += weight
+          if n and depth < _MAX_SCAN_DEPTH:
+            count += _count(buf, child, limit - count, depth + 1, pos, pos + n)
+          if count > limit:
+            return count
+        pos += n
+      elif wire == 1:
+        pos += 8
+      elif wire == 5:
+        pos += 4
+      else:
+        return count  # groups or garbage: the parse decides
+  except (IndexError, ValueError):
+    pass  # truncated or malformed: the parse decides
+  return count

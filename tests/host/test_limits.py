@@ -286,3 +286,38 @@ def test_a_feed_batch_too_big_for_the_arena_fails_before_its_rows_are_read(make_
                                         metadata=raw.metadata, timeout=30)))
   assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cannot fit an arena" in e.details()
   raw.close()
+
+
+# ---- tier 2: slow calls -----------------------------------------------------------------------
+
+
+def test_slow_calls_of_one_session_starve_neither_handshakes_nor_other_sessions(make_server):
+  from tests import sidecar_fns
+  server = make_server(threads=4, max_streams=1)  # 5 RPC threads; calls 3, one session 2
+  attacker, other = Raw(server.port), Raw(server.port)
+  gate = pb.CallRequest(name="wait_gate", args=codec.encode(("calls",)), kwargs=codec.encode({}))
+  calls = [attacker._call.future(gate, metadata=attacker.metadata, timeout=60) for _ in range(6)]
+  try:
+    assert eventually(lambda: sum(c.done() for c in calls) == 4 and
+                      sidecar_fns.waiting("calls") == 2, timeout=10)
+    for c in (c for c in calls if c.done()):
+      assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+      assert "the limit of one session (half of threads=4: 2)" in c.details(), c.details()
+    # Another session's call runs; handshakes and status get a thread.
+    third = other._call.future(gate, metadata=other.metadata, timeout=60)
+    assert eventually(lambda: sidecar_fns.waiting("calls") == 3, timeout=10)
+    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                            timeout=10) as ctl:
+      assert ctl.status()[0].identity.host_id == 0
+      # Every call thread is taken now: a fourth is told so at once, not queued.
+      with pytest.raises(sidecar.ResourceExhaustedError,
+                         match=r"runs 3 calls, its limit \(all but an eighth of threads=4\)"):
+        ctl.call("add", 2, b=3)
+      sidecar_fns.open_gate("calls")
+      assert [c.result().result for c in calls if c.code() == grpc.StatusCode.OK] == [
+          codec.encode(True)] * 2 and third.result().result == codec.encode(True)
+      assert ctl.call("add", 2, b=3) == [5]  # every slot came back
+  finally:
+    sidecar_fns.open_gate("calls")
+    attacker.close()
+    other.close()

@@ -175,6 +175,19 @@ def test_feed_workers_are_capped(feed_server):
   raw.close()
 
 
+def test_a_plain_pipeline_batch_too_big_for_the_arena_fails_after_one_element(feed_server):
+  from tests import feed_fns
+  raw = Raw(feed_server.port)
+  feed_fns.pulled.clear()
+  spec = pb.FeedSpec(global_batch_size=64, rows=[pb.RowRange(start=0, stop=64)], shard_count=1)
+  e = rejected(lambda: raw.feed("huge_rows", spec))  # 64 x 1 MiB rows, an 8 MiB arena
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+  assert feed_fns.pulled == [1 << 20]  # the whole batch was read into memory before
+  assert len(raw.feed("shard_ids", _spec(num_epochs=1))) > 0  # still serving
+  assert eventually(lambda: feed_server.leases.allocator.used_bytes == 0)
+  raw.close()
+
+
 @pytest.mark.parametrize("spec,match", [
     (_spec(state_json="[" * 100_000), "feed state_json is not the JSON of a feed state"),
     (_spec(state_json="[1]"), "feed state_json must be a JSON object, got list"),
@@ -203,6 +216,38 @@ def test_a_long_remote_error_is_truncated_not_lost(make_server):
       assert len(e.remote_message.encode()) <= protocol.MAX_ERROR_MESSAGE
       assert 'raise ValueError(message)' in e.remote_traceback  # the frames survive the cut
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+
+
+def test_a_request_of_many_tiny_values_is_refused_before_it_is_decoded(make_server):
+  server = make_server()
+  raw = Raw(server.port)
+  nones = pb.Value(list=pb.ListValue(items=[pb.Value(none=True)] * (codec.MAX_ELEMENTS + 1)))
+  e = rejected(lambda: raw.call("echo", nones))  # 4 MiB on the wire; 8 s to decode before
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+  assert re.search(rf"a CallRequest of \d+ bytes holds more than {codec.MAX_ELEMENTS} values",
+                   e.details()), e.details()  # counted on the wire, before protobuf parsed it
+  assert "codec.MAX_ELEMENTS" in e.details() and "Traceback" not in e.details()
+  assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2
+  raw.close()
+
+
+@pytest.mark.parametrize("request_,code,error", [
+    (pb.CallRequest(name="x" * 100_000), grpc.StatusCode.NOT_FOUND, "NotRegisteredError"),
+    (pb.CallRequest(name="add", args=codec.encode((1,)), kwargs=codec.encode({"y" * 100_000: 1})),
+     grpc.StatusCode.INVALID_ARGUMENT, "InvalidArgumentError"),
+    (pb.CallRequest(name="sidecar.ckpt.open", args=codec.encode(("/" + "a" * 100_000,)),
+                    kwargs=codec.encode({})),
+     grpc.StatusCode.PERMISSION_DENIED, "PermissionDeniedError"),
+], ids=["name", "kwarg", "path"])
+def test_an_error_naming_a_huge_input_arrives_cut_with_its_status(make_server, request_, code,
+                                                                  error):
+  server = make_server()
+  raw = Raw(server.port)
+  e = rejected(lambda: raw._call(request_, metadata=raw.metadata, timeout=10))
+  assert e.code() == code and e.details().startswith(f"{error}: "), e.details()[:200]
+  assert len(e.details()) <= 1024 and "Traceback" not in e.details()
+  assert type(protocol.error_from_rpc(e, host="h")).__name__ == error
+  raw.close()
 
 
 # ---- the ports --------------------------------------------------------------------------------
@@ -238,6 +283,43 @@ def test_every_wrong_token_is_unauthenticated(make_server, sent):
   raw = Raw(server.port, token="s3cret")
   assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2
   raw.close()
+
+
+def test_an_unauthenticated_client_learns_nothing_beyond_what_health_says(make_server, capsys,
+                                                                            monkeypatch):
+  import logging
+  import os
+  import socket
+
+  from sidecar._src import cli
+  server = make_server(token="s3cret")
+  secrets = [socket.gethostname(), str(os.getpid()), server.identity.boot_id,
+             server.options.socket_path]
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+    told = []
+    for method in ("Handshake", "Status", "Call"):
+      told.append(rejected(lambda m=method: ch.unary_unary(f"/{protocol.SERVICE}/{m}")(
+          b"", timeout=5)))
+    told.append(rejected(lambda: list(ch.stream_stream(f"/{protocol.SERVICE}/Stream")(
+        iter([b""]), timeout=5))))
+    told.append(rejected(lambda: list(reflection_pb2_grpc.ServerReflectionStub(
+        ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+            list_services="")]), timeout=5))))
+    for e in told:
+      assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
+      assert not [s for s in secrets if s in e.details() + str(e.trailing_metadata())]
+  # `sidecar status` with the token (SIDECAR_TOKEN) gets all of it.
+  root = logging.getLogger()
+  handlers, level = root.handlers[:], root.level
+  try:
+    assert cli.main(["status", f"127.0.0.1:{server.port}", "--json"]) == 1
+    assert "AuthenticationError: " in capsys.readouterr().out
+    monkeypatch.setenv("SIDECAR_TOKEN", "s3cret")
+    assert cli.main(["status", f"127.0.0.1:{server.port}", "--json"]) == 0
+    assert socket.gethostname() in capsys.readouterr().out
+  finally:
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 # ---- checkpoint roots: the built-in checkpoint calls act only under them -------------

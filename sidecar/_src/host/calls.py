@@ -67,8 +67,9 @@ class Runner:
     else:
       entry = self.registry.get(kind, request.name)
     view = lambda ref: self._view(ref, request.worker_session)
-    args = codec.decode(request.args, from_arena=view, where="args")
-    kwargs = codec.decode(request.kwargs, from_arena=view, where="kwargs")
+    budget = codec.Budget()  # one for the request: what it costs to decode is what it sent
+    args = codec.decode(request.args, from_arena=view, where="args", budget=budget)
+    kwargs = codec.decode(request.kwargs, from_arena=view, where="kwargs", budget=budget)
     if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
         isinstance(k, str) for k in kwargs):
       raise errors.InvalidArgumentError(

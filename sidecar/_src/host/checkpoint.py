@@ -32,6 +32,7 @@ started without any refuses them all (``PermissionDeniedError``). ``delete`` and
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -57,7 +58,8 @@ MANIFEST = "sidecar_manifest.json"
 # there (points: stage, write, prepared, commit, read: serving a restore's shard of
 # the step), or "slow@STEP" pause 2 s before
 # writing; "replicate@STEP" kills it as a peer's first shards of STEP arrive, once its
-# own part of STEP is committed (so the step is durable and its replication half done).
+# own part of STEP is committed (so the step is durable and its replication half done);
+# "enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk).
 # Unset in production.
 FAULT_ENV = "SIDECAR_CKPT_FAULT"
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
@@ -84,6 +86,8 @@ def _fault(point: str, step: int) -> None:
     if point == "slow":
       time.sleep(2.0)
       return
+    if point == "enospc":
+      raise OSError(errno.ENOSPC, f"No space left on device (fault injection, step {step})")
     log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -415,6 +419,7 @@ class CheckpointHost:
       last_log = [time.monotonic()]
 
       def progress(nbytes: int) -> None:
+        _fault("enospc", record.step)
         record.written += nbytes
         self._metrics.checkpoint_bytes("written", nbytes)
         now = time.monotonic()

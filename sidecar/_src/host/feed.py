@@ -139,6 +139,11 @@ class Batcher:
       self._leaf_specs.append((a.shape, a.dtype))
 
   @property
+  def learned(self) -> bool:
+    """Whether the layout is known (from a first element)."""
+    return self._treedef is not None
+
+  @property
   def leaf_specs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
     return list(self._leaf_specs)
 
@@ -171,6 +176,29 @@ class Batcher:
         except ValueError:
           self._raise_shape(elements, i, shape)
     return out
+
+  def put(self, out: list[list[np.ndarray]], row: int, element: Any) -> None:
+    """Writes ``element`` as row ``row`` (of this host's rows, in order) of ``out``."""
+    leaves, treedef = jax.tree_util.tree_flatten(element)
+    if treedef != self._treedef:
+      raise errors.InvalidArgumentError(
+          f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
+          f"first element's {self._treedef}; every element must have the same structure")
+    k = 0
+    for a, b in self._spec.ranges:
+      if row < b - a:
+        break
+      row -= b - a
+      k += 1
+    for i, (shape, _) in enumerate(self._leaf_specs):
+      if np.shape(leaves[i]) != shape:  # copyto would broadcast where stacking refuses
+        self._raise_shape([element], i, shape)
+      try:
+        np.copyto(out[i][k][row, ...], leaves[i], casting="same_kind")
+      except (TypeError, ValueError):
+        raise errors.InvalidArgumentError(
+            f"pipeline {self._name!r}: cannot write leaf {i} of dtype "
+            f"{np.asarray(leaves[i]).dtype} into the batch's {out[i][k].dtype}") from None
 
   def _raise_shape(self, elements: list[Any], i: int, shape: tuple[int, ...]):
     for element in elements:
@@ -312,6 +340,7 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
   _check_kind(spec, "iter", entry.name)
   epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
   batcher = Batcher(spec, alloc, entry.name)
+  spare = None  # the blocks of a batch an epoch's end left unfilled: the next one's
   while spec.num_epochs is None or epoch < spec.num_epochs:
     batches = 0
     try:
@@ -322,10 +351,9 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
           "grain.MapDataset or an iterable of elements") from None
     while True:
       t0 = time.perf_counter()
-      elements = list(itertools.islice(iterator, spec.rows))
-      if len(elements) < spec.rows:
+      out, spare = _fill(batcher, iterator, spec.rows, spare)
+      if out is None:
         break  # the shard ran out: the partial batch is dropped, the epoch ends
-      out = batcher.write(batcher.new_batch(), elements)
       position += spec.rows
       batches += 1
       yield batcher.tree(out), {"kind": "iter", "epoch": epoch, "position": position}, (
@@ -338,3 +366,31 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
     epoch, position = epoch + 1, 0
     if spec.num_epochs is None or epoch < spec.num_epochs:
       source = open_source(entry, kwargs, spec, epoch, 0)
+
+
+def _fill(batcher: Batcher, iterator: Iterator[Any], rows: int, spare: Any) -> tuple[Any, Any]:
+  """The next batch of ``rows`` elements, written into its blocks as they come.
+
+  The blocks are allocated once the first element gave the layout, before any other is
+  read: a batch too big for the arena fails at once, having held one element, never
+  the whole batch. Returns ``(batch, None)``, or ``(None, blocks)`` when the iterator
+  ran out first: the blocks, allocated already, serve the next batch.
+  """
+  first = next(iterator, _END)
+  if first is _END:
+    return None, spare
+  if not batcher.learned:
+    batcher.learn(first)
+  out = spare if spare is not None else batcher.new_batch()
+  assert out is not None  # learn() has set the layout
+  batcher.put(out, 0, first)
+  del first
+  for row in range(1, rows):
+    element = next(iterator, _END)
+    if element is _END:
+      return None, out
+    batcher.put(out, row, element)
+  return out, None
+
+
+_END = object()

@@ -1,10 +1,13 @@
-"""Bounds on what clients of the control port can hold: stream slots and handshake sessions.
+"""Bounds on what clients of the control port can hold: RPC slots and handshake sessions.
 
 A gRPC stream holds a server thread for as long as it lives (it waits for credits in
 it), so streams get a budget of their own, ``max_streams`` threads beside the
 ``threads`` that serve handshakes, calls and status: streams that never send a credit
-can fill their budget, never the rest. Handshake sessions are tokens in a bounded,
-expiring table: a flood of handshakes costs a bounded amount of memory.
+can fill their budget, never the rest. Unary calls hold a thread while they run: they
+may take most of ``threads`` but never all, and one session at most half, so slow calls
+of one client leave threads for handshakes, status and other sessions' calls.
+Handshake sessions are tokens in a bounded, expiring table: a flood of handshakes costs
+a bounded amount of memory.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ def check_prefetch(prefetch: int) -> int:
   return max(prefetch, 1)
 
 
-class StreamSlots:
-  """At most ``total`` streams at once, and at most ``per_session`` of one session."""
+class Slots:
+  """At most ``total`` RPCs of one kind at once, and at most ``per_session`` of one session."""
 
   def __init__(self, *, total: int, per_session: int):
     self.total, self.per_session = total, per_session
@@ -42,23 +45,27 @@ class StreamSlots:
     self._open: collections.Counter[str] = collections.Counter()
     self._count = 0
 
+  def _full(self) -> str:
+    return (f"this sidecar already runs {self._count} streams, its limit (max_streams="
+            f"{self.total}); close streams or feeds that are done, or raise max_streams")
+
+  def _session_full(self, session: str) -> str:
+    return (f"session {session} already runs {self._open[session]} streams, the limit of one "
+            f"session (max_streams_per_session={self.per_session}); close streams or feeds "
+            "that are done")
+
   @contextlib.contextmanager
   def hold(self, session: str) -> Iterator[None]:
-    """A slot for one stream of ``session`` while the block runs.
+    """A slot for one RPC of ``session`` while the block runs.
 
     Raises:
       ResourceExhaustedError: a limit is reached; the message names it and its option.
     """
     with self._lock:
       if self._count >= self.total:
-        raise errors.ResourceExhaustedError(
-            f"this sidecar already runs {self._count} streams, its limit (max_streams="
-            f"{self.total}); close streams or feeds that are done, or raise max_streams")
+        raise errors.ResourceExhaustedError(self._full())
       if self._open[session] >= self.per_session:
-        raise errors.ResourceExhaustedError(
-            f"session {session} already runs {self._open[session]} streams, the limit of one "
-            f"session (max_streams_per_session={self.per_session}); close streams or feeds "
-            "that are done")
+        raise errors.ResourceExhaustedError(self._session_full(session))
       self._open[session] += 1
       self._count += 1
     try:
@@ -74,6 +81,33 @@ class StreamSlots:
   def running(self) -> int:
     with self._lock:
       return self._count
+
+
+StreamSlots = Slots  # streams: max_streams, max_streams_per_session
+
+
+class CallSlots(Slots):
+  """Slots for unary calls, from the ``threads`` that serve handshakes, calls and status.
+
+  Calls may hold all but an eighth of them (at least one stays free for handshakes,
+  status and the refusals of calls past a limit), one session at most half: a client
+  with slow calls takes neither another session's threads nor those of handshakes and
+  status.
+  """
+
+  def __init__(self, threads: int):
+    self.threads = threads
+    super().__init__(total=max(1, threads - max(1, threads // 8)),
+                     per_session=max(1, threads // 2))
+
+  def _full(self) -> str:
+    return (f"this sidecar already runs {self._count} calls, its limit (all but an eighth "
+            f"of threads={self.threads}); wait for calls in flight, or raise threads")
+
+  def _session_full(self, session: str) -> str:
+    return (f"session {session} already runs {self._open[session]} calls, the limit of one "
+            f"session (half of threads={self.threads}: {self.per_session}); wait for its "
+            "calls in flight to return before starting more")
 
 
 class Sessions:

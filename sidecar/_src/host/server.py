@@ -23,7 +23,7 @@ from sidecar._src.host import metrics as metrics_lib, replicas
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import Sessions, StreamSlots
+from sidecar._src.host.limits import CallSlots, Sessions, StreamSlots
 from sidecar._src.host.service import Service
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
@@ -142,7 +142,8 @@ class Server:
                            checkpoints=self.checkpoints.status,
                            sessions=Sessions(idle_s=o.session_idle_s, limit=o.max_sessions),
                            streams=StreamSlots(total=o.max_streams,
-                                               per_session=o.max_streams_per_session))
+                                               per_session=o.max_streams_per_session),
+                           calls=CallSlots(o.threads))
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]

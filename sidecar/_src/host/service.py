@@ -16,10 +16,10 @@ from typing import Any
 import grpc
 from google.protobuf import message as pb_message
 
-from sidecar._src import errors, protocol
+from sidecar._src import codec, errors, protocol
 from sidecar._src.host.calls import Credits, Runner
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import Sessions, StreamSlots, check_prefetch
+from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def parse(cls, raw: bytes):
-  """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes."""
+  """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
+  ResourceExhaustedError for more values than a request may hold, before parsing)."""
+  codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
   try:
     return cls.FromString(raw)
   except (pb_message.DecodeError, RuntimeError) as e:
@@ -41,7 +43,8 @@ class Service:
   def __init__(self, *, runner: Runner, identity: pb.HostIdentity, arena_size: int,
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
-               sessions: Sessions | None = None, streams: StreamSlots | None = None):
+               sessions: Sessions | None = None, streams: Slots | None = None,
+               calls: Slots | None = None):
     self._runner = runner
     self._identity = identity
     self._arena_size = arena_size
@@ -50,6 +53,7 @@ class Service:
     self._checkpoints = checkpoints
     self._sessions = Sessions(idle_s=86400.0, limit=4096) if sessions is None else sessions
     self._streams = StreamSlots(total=16, per_session=8) if streams is None else streams
+    self._calls = CallSlots(threads=32) if calls is None else calls
     self._lock = threading.Lock()
     self._started = time.monotonic()
 
@@ -120,16 +124,17 @@ class Service:
 
   def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
     request = parse(pb.CallRequest, raw)
-    self._require_session(context)
-    return pb.CallResponse(result=self._runner.call(
-        request, alive=context.is_active, time_left=context.time_remaining))
+    with self._calls.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
+      return pb.CallResponse(result=self._runner.call(
+          request, alive=context.is_active, time_left=context.time_remaining))
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
-    first = parse(pb.StreamRequest, next(requests, b""))
-    if first.WhichOneof("kind") != "start":
-      raise errors.InvalidArgumentError("the first StreamRequest must carry `start`")
+    # The slot before the first message: a stream that never sends one holds a thread too.
     with self._streams.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
+      first = parse(pb.StreamRequest, next(requests, b""))
+      if first.WhichOneof("kind") != "start":
+        raise errors.InvalidArgumentError("the first StreamRequest must carry `start`")
       yield from self._stream(first, requests, context)
 
   def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
