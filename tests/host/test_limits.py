@@ -312,11 +312,11 @@ def test_slow_calls_of_one_session_starve_neither_handshakes_nor_other_sessions(
       # Every call thread is taken now: a fourth is told so at once, not queued.
       with pytest.raises(sidecar.ResourceExhaustedError,
                          match=r"runs 3 calls, its limit \(all but an eighth of threads=4\)"):
-        ctl.call("add", 2, b=3)
+        ctl.call("add", args=(2,), kwargs={"b": 3})
       sidecar_fns.open_gate("calls")
       assert [c.result().result for c in calls if c.code() == grpc.StatusCode.OK] == [
           codec.encode(True)] * 2 and third.result().result == codec.encode(True)
-      assert ctl.call("add", 2, b=3) == [5]  # every slot came back
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # every slot came back
   finally:
     sidecar_fns.open_gate("calls")
     attacker.close()
