@@ -321,3 +321,47 @@ def test_slow_calls_of_one_session_starve_neither_handshakes_nor_other_sessions(
     sidecar_fns.open_gate("calls")
     attacker.close()
     other.close()
+
+
+def test_many_calls_at_once_from_one_controller_queue_instead_of_being_refused(make_server):
+  import time
+
+  from sidecar._src.controller.connection import CALLS_IN_FLIGHT
+  from tests import sidecar_fns
+  server = make_server()  # 32 threads: one session may run 16 calls, then is refused
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                          timeout=30) as ctl:
+    try:
+      futures = [ctl.call_async("wait_gate", args=("window",))[0] for _ in range(40)]
+      assert eventually(lambda: sidecar_fns.waiting("window") == CALLS_IN_FLIGHT, timeout=10)
+      time.sleep(0.2)
+      assert sidecar_fns.waiting("window") == CALLS_IN_FLIGHT  # the rest wait here
+      assert not any(f.done() for f in futures)
+    finally:
+      sidecar_fns.open_gate("window")
+    assert [f.result(timeout=30) for f in futures] == [True] * 40
+    # A call whose timeout passes while it waits its turn says so.
+    sidecar_fns._gates.pop("late", None)
+    blockers = [ctl.call_async("wait_gate", args=("late", 5.0))[0]
+                for _ in range(CALLS_IN_FLIGHT)]
+    with pytest.raises(sidecar.DeadlineExceededError, match="behind this controller's other"):
+      ctl.call("add", args=(2,), timeout=0.5)
+    sidecar_fns.open_gate("late")
+    assert [f.result(timeout=30) for f in blockers] == [True] * CALLS_IN_FLIGHT
+
+
+def test_many_threads_calling_one_host_at_once_queue_instead_of_being_refused(make_server):
+  import concurrent.futures
+
+  from sidecar._src.controller.connection import CALLS_IN_FLIGHT
+  from tests import sidecar_fns
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                          timeout=30) as ctl, concurrent.futures.ThreadPoolExecutor(24) as pool:
+    try:
+      futures = [pool.submit(ctl.call, "wait_gate", args=("threads",)) for _ in range(24)]
+      assert eventually(lambda: sidecar_fns.waiting("threads") == CALLS_IN_FLIGHT, timeout=10)
+    finally:
+      sidecar_fns.open_gate("threads")
+    assert [f.result(timeout=30) for f in futures] == [[True]] * 24
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # every slot came back

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import socket
+import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -35,6 +38,84 @@ def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
       ("grpc.http2.ping_timeout_ms", half),
       ("grpc.http2.max_pings_without_data", 0),  # keep asking while a stream is quiet
   )
+
+
+# A sidecar runs at most half its RPC threads' worth of one session's unary calls and
+# refuses the rest (host/limits.CallSlots: 16 of the default 32). A controller keeps this
+# many of its calls in flight per host and queues the others itself, so many
+# ``call_async`` at once wait their turn instead of coming back RESOURCE_EXHAUSTED.
+CALLS_IN_FLIGHT = 8
+
+
+class CallWindow:
+  """At most ``size`` calls in flight on one connection; the others wait their turn.
+
+  ``submit(start)`` for a call sent as a future: ``start()`` sends it and returns its
+  ``grpc.Future``, or None where it did not send (it reports its own errors, never
+  raises); it runs at once when the window has room, else when an earlier call ends.
+  ``enter(timeout)`` / ``exit()`` around a call a thread makes itself, blocking.
+  """
+
+  def __init__(self, size: int = CALLS_IN_FLIGHT):
+    self._size = size
+    self._lock = threading.Lock()
+    self._running = 0
+    # Waiting calls: a start function, or the Event of a thread blocked in enter().
+    self._waiting: collections.deque[Callable[[], grpc.Future | None] | threading.Event] = (
+        collections.deque())
+
+  def submit(self, start: Callable[[], grpc.Future | None]) -> None:
+    with self._lock:
+      if self._running >= self._size:
+        self._waiting.append(start)
+        return
+      self._running += 1
+    self._run(start)
+
+  def enter(self, timeout: float) -> bool:
+    """Takes a slot, waiting at most ``timeout`` s; False if none came in time."""
+    with self._lock:
+      if self._running < self._size:
+        self._running += 1
+        return True
+      ready = threading.Event()
+      self._waiting.append(ready)
+    handed = False
+    try:
+      handed = ready.wait(max(timeout, 0.0))
+    finally:
+      if not handed:  # timed out or interrupted: leave the line, or give back what came
+        with self._lock:
+          came = ready not in self._waiting
+          if not came:
+            self._waiting.remove(ready)
+        if came:
+          self.exit()
+    return handed
+
+  def exit(self) -> None:
+    """Gives back the slot of a call made after ``enter``."""
+    self._run(self._next())
+
+  def _run(self, start: Callable[[], grpc.Future | None] | None) -> None:
+    while start is not None:
+      rpc = start()
+      if rpc is not None:
+        rpc.add_done_callback(lambda _: self.exit())
+        return
+      start = self._next()
+
+  def _next(self) -> Callable[[], grpc.Future | None] | None:
+    """The next waiting call, given the slot of one that ended; else the slot is freed."""
+    with self._lock:
+      if not self._waiting:
+        self._running -= 1
+        return None
+      item = self._waiting.popleft()
+    if isinstance(item, threading.Event):
+      item.set()  # a blocked thread has the slot now
+      return None
+    return item
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,6 +155,7 @@ class Connection:
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
         response_deserializer=pb.HandshakeResponse.FromString)
+    self.calls = CallWindow()
     self.call_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from sidecar._src import (
 )
 from sidecar._src.controller import arguments, discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
-from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.connection import CALLS_IN_FLIGHT, Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -51,6 +52,13 @@ class State(enum.Enum):
 def token_from_env() -> str | None:
   """``$SIDECAR_TOKEN``, else the content of ``$SIDECAR_TOKEN_FILE``, else None."""
   return env.token()
+
+
+def _waited_too_long(name: str, host_id: int, timeout: float) -> errors.DeadlineExceededError:
+  return errors.DeadlineExceededError(
+      f"call {name!r} on host {host_id} waited {timeout:.3g} s (its timeout) behind this "
+      f"controller's other calls to that host ({CALLS_IN_FLIGHT} run at once); "
+      "raise timeout=, or make fewer calls at once")
 
 
 class Controller:
@@ -478,27 +486,37 @@ class Controller:
   def _call_sync(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float) -> Any:
     conn, held = self._conns[host_id], []
     request = self._request(host_id, name, args, kwargs, timeout, held)
+    deadline = time.monotonic() + timeout
+    if not conn.calls.enter(timeout):
+      held.clear()
+      raise _waited_too_long(name, host_id, timeout)
+    leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
     try:
+      left = deadline - time.monotonic()
       if threading.current_thread() is not threading.main_thread():
-        response = conn.call_rpc(request, timeout=timeout, metadata=conn.metadata)
+        response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
       else:  # a future, which Ctrl-C can leave; a blocking call would hold it off to the end
-        rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
+        rpc = conn.call_rpc.future(request, timeout=left, metadata=conn.metadata)
         try:
           response = interrupts.wait(rpc)
         except KeyboardInterrupt:
           # The call goes on (within its deadline), holding its arguments' blocks; what
           # it returns is dropped then, so its result's blocks go back too.
-          kept = list(held)
-          rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept))
+          kept, leave = list(held), False
+          rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept, conn))
           raise
     except grpc.RpcError as e:
       raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
     finally:
       held.clear()
+      if leave:
+        conn.calls.exit()
     return self._decode(host_id, name, response)
 
-  def _drop(self, host_id: int, name: str, rpc: grpc.Future, held: list) -> None:
+  def _drop(self, host_id: int, name: str, rpc: grpc.Future, held: list,
+            conn: Connection) -> None:
     """Decodes and drops the result of a call nobody waits for: its blocks go back."""
+    conn.calls.exit()
     held.clear()
     try:
       self._decode(host_id, name, rpc.result())
@@ -716,9 +734,9 @@ class Controller:
                 timeout: float) -> concurrent.futures.Future:
     conn, held = self._conns[host_id], []
     out: concurrent.futures.Future = concurrent.futures.Future()
+    deadline = time.monotonic() + timeout  # the wait in conn.calls counts too
     try:
       request = self._request(host_id, name, args, kwargs, timeout, held)
-      rpc = conn.call_rpc.future(request, timeout=timeout, metadata=conn.metadata)
     except Exception as e:
       out.set_exception(e)
       return out
@@ -732,7 +750,20 @@ class Controller:
       except Exception as e:
         out.set_exception(e)
 
-    rpc.add_done_callback(done)
+    def start() -> grpc.Future | None:
+      left = deadline - time.monotonic()
+      try:
+        if left <= 0:
+          raise _waited_too_long(name, host_id, timeout)
+        rpc = conn.call_rpc.future(request, timeout=left, metadata=conn.metadata)
+      except Exception as e:
+        held.clear()
+        out.set_exception(e)
+        return None
+      rpc.add_done_callback(done)
+      return rpc
+
+    conn.calls.submit(start)
     return out
 
   @interrupts.deferring
