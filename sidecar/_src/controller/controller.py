@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 import jax
-import numpy as np
 
 from sidecar._src import (
     codec,
@@ -30,6 +29,7 @@ from sidecar._src import (
 )
 from sidecar._src.controller import discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
+from sidecar._src.controller.checkpoint_client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
@@ -636,11 +636,11 @@ class Controller:
     """
     self._check_open()
     self._checkpointers += 1
+    client = CheckpointClient(select=self._select, connection=self._conns.__getitem__,
+                              worker=self._workers.get, status=self.status, timeout=self.timeout)
     ckpt = Checkpointer(
-        directory=str(directory), call=self.call, call_async=self.call_async,
-        put=self._put, hosts=[h.host_id for h in self.hosts],
-        device_hosts=self._device_hosts, status=self.status,
-        max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
+        directory=str(directory), client=client, hosts=[h.host_id for h in self.hosts],
+        device_hosts=self._device_hosts, max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
         replica_bandwidth=replica_bandwidth,
@@ -650,11 +650,6 @@ class Controller:
         mapped=sorted(h for h in self._workers if h not in self._lost))
     self._children.add(ckpt)
     return ckpt
-
-  def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
-    """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""
-    w = self._workers.get(host_id)
-    return w.put(data)[0] if w is not None else np.array(data)
 
   @interrupts.deferring
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
