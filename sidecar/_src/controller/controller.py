@@ -636,10 +636,9 @@ class Controller:
     """
     self._check_open()
     self._checkpointers += 1
-    client = CheckpointClient(select=self._select, connection=self._conns.__getitem__,
-                              worker=self._workers.get, status=self.status, timeout=self.timeout)
     ckpt = Checkpointer(
-        directory=str(directory), client=client, hosts=[h.host_id for h in self.hosts],
+        directory=str(directory), client=self._checkpoint_client(),
+        hosts=[h.host_id for h in self.hosts],
         device_hosts=self._device_hosts, max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
@@ -650,6 +649,11 @@ class Controller:
         mapped=sorted(h for h in self._workers if h not in self._lost))
     self._children.add(ckpt)
     return ckpt
+
+  def _checkpoint_client(self) -> CheckpointClient:
+    """The checkpoint phases on these sidecars, through this controller's channels."""
+    return CheckpointClient(select=self._select, connection=self._conns.__getitem__,
+                            worker=self._workers.get, status=self.status, timeout=self.timeout)
 
   @interrupts.deferring
   def call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,

@@ -492,10 +492,15 @@ class CheckpointHost:
                 "data_state": json.loads(data_state) if data_state else None}
     if replicas:
       manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
-    with open(pathlib.Path(item) / MANIFEST, "w") as f:
-      json.dump(manifest, f)
-      f.flush()
-      os.fsync(f.fileno())
+    try:
+      with open(pathlib.Path(item) / MANIFEST, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    except (FileNotFoundError, NotADirectoryError) as e:
+      raise errors.InvalidArgumentError(
+          f"commit: item {item!r:.200} is not a directory this sidecar staged and wrote "
+          f"({e.strerror}); stage and prepare a step before committing it") from None
     _fault("commit", step)
     specs = [layout.spec_from_dict(d) for d in leaves]
     if whole_step:
@@ -827,7 +832,10 @@ class CheckpointHost:
       if tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
+    try:
+      data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
+    except (FileNotFoundError, NotADirectoryError) as e:
+      raise errors.InvalidArgumentError(f"cannot read {final_item}: {e}") from None
     if crc32c is not None:
       self._check(final_item, key, idx, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)

@@ -151,6 +151,11 @@ class CheckpointService:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
     sums = [wire.checksum_from_pb(c, f"checksums[{i}]") for i, c in enumerate(r.checksums)]
+    if r.data_state_json:
+      try:
+        json.loads(r.data_state_json)
+      except ValueError as e:
+        raise errors.InvalidArgumentError(f"data_state_json is not JSON: {e}") from None
     committed = self._host.commit(r.item, step, r.num_hosts, leaves, sums, r.data_state_json,
                                   r.whole_step, wire.replicas_from_pb(r.replicas) or None)
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
@@ -264,7 +269,7 @@ class CheckpointService:
         out.data_state_json = json.dumps(manifest["data_state"])
       wire.replicas_to_pb(out.replicas, manifest.get("replicas"))
     except (KeyError, TypeError, ValueError, errors.InvalidArgumentError) as e:
-      raise errors.CorruptCheckpointError(
+      raise errors.InvalidArgumentError(
           f"{r.final_item}: its manifest is not one this sidecar wrote ({type(e).__name__}: "
           f"{e}); restore it with Orbax, or an older step") from None
     return out
