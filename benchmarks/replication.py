@@ -8,8 +8,9 @@ one run, round by round:
   replicas=0            the baseline: the sidecars write their parts, nothing else
   replicas=1, shm       each sidecar copies its 512 MiB into the peer's arena, mapped
                         through the peer's worker socket (both on this machine)
-  replicas=1, gRPC      the same bytes inline over authenticated gRPC on loopback, in
-                        16 MiB chunks (``SIDECAR_REPLICA_SHM=0``: as between machines)
+  replicas=1, gRPC      the same bytes over authenticated gRPC on loopback: one
+                        ``Checkpoint.Receive`` stream of raw 64 MiB parts
+                        (``SIDECAR_REPLICA_SHM=0``: as between machines)
   replicas=1, shm, paced  as "shm", with ``replica_bandwidth="300MiB"`` per sidecar
 Per save:
   staged -> replicated  from ``handle.staged`` to ``handle.replicated`` (R=1)

@@ -148,6 +148,11 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
 class Checkpointer:
   """Made by ``Controller.checkpointer``; see there.
 
+  It reaches the sidecars only through ``client``, a :class:`CheckpointTransport` (one
+  typed method per phase of the ``Checkpoint`` service): the Controller's gRPC
+  :class:`~sidecar._src.controller.checkpoint_client.CheckpointClient`, or an in-process
+  fake in unit tests.
+
   Under N trainer processes (one per host) every process makes the same calls. Each
   stages the shards it holds (``replica_id == 0``) into its own sidecar; process 0
   begins each step, gathers every process's prepared and commits once, sweeps and
