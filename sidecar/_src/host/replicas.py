@@ -23,8 +23,10 @@ peer's side (the replica records, their eviction with the RAM tier) is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -40,6 +42,7 @@ from sidecar._src.protocol import ckpt_pb, pb
 # One part of a shard sent inline: well under the channels' 256 MiB limit, and big
 # enough that the per-message cost is lost in the copy (as the controller's reads).
 PART_BYTES = 64 << 20
+QUEUED = 2  # messages serialized ahead of the one gRPC sends
 # Same-machine shards whose blocks one message hands over: the peer takes each
 # message's blocks as it comes.
 BATCH_BYTES = 256 << 20
@@ -134,6 +137,17 @@ def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
                    message.data))
 
 
+def _offer(ready: queue.Queue, item: bytes, call: grpc.Future) -> bool:
+  """Queues ``item`` for the stream ``call``, waiting for room; False if the call ended."""
+  while not call.done():
+    try:
+      ready.put(item, timeout=0.1)
+      return True
+    except queue.Full:
+      pass
+  return False
+
+
 class _Pace:
   """Sleeps so that the bytes counted go no faster than ``bandwidth`` per second."""
 
@@ -173,8 +187,8 @@ class PeerLink:
           f"/{protocol.SERVICE}/Handshake",
           request_serializer=pb.HandshakeRequest.SerializeToString,
           response_deserializer=pb.HandshakeResponse.FromString)
-      self._receive = self._channel.stream_unary(
-          f"/{protocol.CHECKPOINT_SERVICE}/Receive", request_serializer=_serialize,
+      self._receive = self._channel.stream_unary(  # requests: bytes from _serialize
+          f"/{protocol.CHECKPOINT_SERVICE}/Receive",
           response_deserializer=ckpt_pb.ReceiveResponse.FromString)
       try:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -228,29 +242,41 @@ class PeerLink:
         header=ckpt_pb.ReplicaHeader(directory=header["directory"], step=header["step"],
                                      item=header["item"], source=header["source"]),
         worker_session=w.session if w is not None else "")
-    # The messages are made on gRPC's thread as it sends; what goes wrong there is kept
-    # here (the stream then ends without `done`, which the peer refuses) and raised.
-    failed: list[BaseException] = []
     sent = [0]
     held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
     make = self._shared if w is not None else self._inline
+    # The messages are made and serialized here, on this (idle-class) thread, QUEUED ahead
+    # of gRPC's thread that sends them: the copies overlap the sending, and yield the
+    # CPU to the training step as the writes do.
+    ready: queue.Queue = queue.Queue(maxsize=QUEUED)
+    end = b""  # no message is empty: the header comes first
 
-    def messages() -> Iterator[Any]:
-      yield first
-      try:
-        yield from make(header, shards, cancelled, timeout, _Pace(bandwidth), sent, held)
-      except BaseException as e:  # noqa: B036 - raised again by send, on its own thread
-        failed.append(e)
-        return
-      yield ckpt_pb.ReceiveRequest(done=True)
+    def requests() -> Iterator[bytes]:
+      while (item := ready.get()) != end:
+        yield item
 
+    call = self._receive.future(requests(), timeout=timeout, metadata=self._metadata)
     try:
-      self._receive(messages(), timeout=timeout, metadata=self._metadata)
+      messages: Iterator[Any] = itertools.chain(
+          [first], make(header, shards, cancelled, timeout, _Pace(bandwidth), sent, held),
+          [ckpt_pb.ReceiveRequest(done=True)])
+      for message in messages:
+        if not _offer(ready, _serialize(message), call):
+          break  # the stream ended early: its error is the call's
+      _offer(ready, end, call)
+      call.result()
     except grpc.RpcError as e:
-      if failed:
-        raise failed[0] from None
       raise self._error(e) from None
+    except BaseException:
+      call.cancel()  # the peer drops what came: not a whole replica
+      raise
     finally:
+      while True:  # gRPC's thread, if still waiting for a message, gets the end
+        try:
+          ready.get_nowait()
+        except queue.Empty:
+          break
+      ready.put_nowait(end)
       held.clear()
     return sent[0]
 
