@@ -171,6 +171,11 @@ class Checkpointer:
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
       if v is not None and (not isinstance(v, int) or v < 1):
         raise errors.InvalidArgumentError(f"{name} must be None or an int >= 1, got {v!r}")
+    if not isinstance(ram_steps, int) or isinstance(ram_steps, bool) or ram_steps < 0:
+      raise errors.InvalidArgumentError(f"ram_steps must be an int >= 0, got {ram_steps!r}")
+    if ram_budget is not None and (not isinstance(ram_budget, int) or ram_budget < 0):
+      raise errors.InvalidArgumentError(
+          f"ram_budget must be None or bytes (an int >= 0), got {ram_budget!r}")
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
       raise errors.InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
     if replicas > len(hosts) - 1:  # e.g. an elastic job down to fewer hosts than it planned

@@ -119,7 +119,7 @@ class CheckpointService:
   # ---- save --------------------------------------------------------------
 
   def open(self, r: ckpt_pb.CheckpointOpenRequest, _) -> ckpt_pb.CheckpointOpenResponse:
-    opened = self._host.open(r.directory, max(r.ram_steps, 1),
+    opened = self._host.open(r.directory, r.ram_steps,
                              r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
     return ckpt_pb.CheckpointOpenResponse(steps=opened["steps"])
 
