@@ -9,7 +9,7 @@ one run, round by round:
   replicas=1, shm       each sidecar copies its 512 MiB into the peer's arena, mapped
                         through the peer's worker socket (both on this machine)
   replicas=1, gRPC      the same bytes over authenticated gRPC on loopback: one
-                        ``Checkpoint.Receive`` stream of raw 64 MiB parts
+                        ``Checkpoint.Receive`` stream of raw 8 MiB parts
                         (``SIDECAR_REPLICA_SHM=0``: as between machines)
   replicas=1, shm, paced  as "shm", with ``replica_bandwidth="300MiB"`` per sidecar
 Per save:
@@ -21,7 +21,10 @@ Per save:
                         flight; the replica and the write run at the same time, both on
                         ``SCHED_IDLE`` threads of the sidecars.
   trainer s lost        (1 - that ratio) x the window: the training time the save cost.
-Checkpoints go to a temp dir under ``--dir`` and are removed afterwards.
+Checkpoints go to a temp dir under ``--dir`` and are removed afterwards. ``--only grpc``
+(or ``0``, ``shm``, ``paced``) runs one configuration. ``--link`` measures the gRPC
+link alone instead: ``PeerLink.send`` of 512 MiB (8 x 64 MiB shards) from this process
+to one sidecar, no trainer and no disk, as ``--link-part-mib`` parts.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
+from sidecar._src.host import replicas as replicas_lib
 from sidecar._src.host.checkpoint import SHM_ENV
 
 LEAVES, LEAF_SHAPE = checkpoint_bench.LEAVES, checkpoint_bench.LEAF_SHAPE  # 1 GiB
@@ -120,6 +124,32 @@ def cell(values: list[float], fmt: str) -> str:
   return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})")
 
 
+def link_only(args) -> None:
+  """Seconds for PeerLink.send of 512 MiB to a sidecar over gRPC, ``args.saves`` times."""
+  if args.link_part_mib:
+    replicas_lib.PART_BYTES = args.link_part_mib << 20
+  root = tempfile.mkdtemp(prefix="bench-link-", dir=args.dir)
+  shards = [(("w", i), ((0, 4096), (0, 4096)), np.full((4096, 4096), i, np.float32))
+            for i in range(8)]
+  header = {"directory": root, "step": 1, "item": f"{root}/1/default", "source": 7}
+  times = []
+  try:
+    with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="1536MiB",
+                                      checkpoint_roots=(root,)) as cluster, \
+        replicas_lib.PeerLink(replicas_lib.Peer(host_id=0, address=cluster.addresses[0]),
+                              token=cluster.token, shared_memory=False) as link:
+      for i in range(args.warmup + args.saves):
+        t0 = time.perf_counter()
+        link.send(header, shards)
+        if i >= args.warmup:
+          times.append(time.perf_counter() - t0)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  print(f"PeerLink.send of 512 MiB over gRPC, parts of "
+        f"{replicas_lib.PART_BYTES >> 20} MiB: {cell(times, '.3f')} s "
+        f"({(512 << 20) / statistics.median(times) / 1e9:.2f} GB/s)")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--saves", type=int, default=4, help="measured saves per configuration")
@@ -127,11 +157,21 @@ def main() -> None:
   parser.add_argument("--shm-size", default="2304MiB",
                       help="each sidecar's arena: a step's part and a replica, twice")
   parser.add_argument("--dir", default=None, help="where checkpoints go (not a tmpfs)")
+  parser.add_argument("--only", choices=["0", "shm", "grpc", "paced"], default=None,
+                      help="run one configuration only")
+  parser.add_argument("--link", action="store_true", help="measure PeerLink.send alone")
+  parser.add_argument("--link-part-mib", type=int, default=0,
+                      help="with --link: parts of this many MiB (default: PART_BYTES)")
   args = parser.parse_args()
+  if args.link:
+    link_only(args)
+    return
   base = tempfile.mkdtemp(prefix="bench-replication-", dir=args.dir)
   configs = [("replicas=0", 0, True, None), ("replicas=1, shm", 1, True, None),
              ("replicas=1, gRPC", 1, False, None),
              ("replicas=1, shm, paced", 1, True, "300MiB")]
+  if args.only is not None:
+    configs = [configs[["0", "shm", "grpc", "paced"].index(args.only)]]
   results = {}
   with contextlib.ExitStack() as stack:
     stack.callback(shutil.rmtree, base, ignore_errors=True)
@@ -150,6 +190,8 @@ def main() -> None:
   print(table(["saver", "staged -> replicated s", "staged -> durable s",
                "steps/s while saving, % of idle", "trainer s lost"], rows))
   for label in ("replicas=1, shm", "replicas=1, shm, paced"):
+    if label not in results:
+      continue
     rep = statistics.median(r["replicated"] for r in results[label])
     steps = statistics.median(r["steps"] for r in results[label])
     print(f"{label}: staged -> replicated {rep:.2f} s (target <= {TARGET_REPLICATED_S:g} s): "

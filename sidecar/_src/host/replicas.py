@@ -39,10 +39,14 @@ import numpy as np
 from sidecar._src import checkpoint_wire as wire, env, errors, protocol, shm, worker as worker_lib
 from sidecar._src.protocol import ckpt_pb, pb
 
-# One part of a shard sent inline: well under the channels' 256 MiB limit, and big
-# enough that the per-message cost is lost in the copy (as the controller's reads).
-PART_BYTES = 64 << 20
-QUEUED = 2  # messages serialized ahead of the one gRPC sends
+# One part of a shard sent inline. Small enough that the peer's copy of one part
+# overlaps the sending of the next (flow control holds a message back until the peer
+# reads it), big enough that the per-message cost is lost in the copy. 512 MiB to a
+# sidecar on loopback here (python -m benchmarks.replication --link): 64 MiB parts 3.2 s,
+# 16 MiB 0.96 s, 8 MiB 0.85 s, 4 MiB 0.86 s; 4 unary calls of 16 MiB in flight (the
+# codec path before the stream) 2.1-2.4 s.
+PART_BYTES = 8 << 20
+QUEUED = 4  # messages serialized ahead of the one gRPC sends
 # Same-machine shards whose blocks one message hands over: the peer takes each
 # message's blocks as it comes.
 BATCH_BYTES = 256 << 20
