@@ -160,7 +160,8 @@ class Checkpointer:
   """
 
   def __init__(self, *, directory: str, client: CheckpointTransport,
-               hosts: list[int], device_hosts: dict[int, int], max_to_keep: int | None, keep_period: int | None, ram_steps: int,
+               hosts: list[int], device_hosts: dict[int, int], max_to_keep: int | None,
+               keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True,
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
                key: str = "ckpt", replicas: int = 0,

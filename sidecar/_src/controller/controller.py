@@ -638,8 +638,8 @@ class Controller:
     self._checkpointers += 1
     ckpt = Checkpointer(
         directory=str(directory), client=self._checkpoint_client(),
-        hosts=[h.host_id for h in self.hosts],
-        device_hosts=self._device_hosts, max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
+        hosts=[h.host_id for h in self.hosts], device_hosts=self._device_hosts,
+        max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
         replica_bandwidth=replica_bandwidth,

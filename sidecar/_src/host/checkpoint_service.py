@@ -43,7 +43,8 @@ def _step(step: int, name: str = "step") -> int:
 
 def _timeout(seconds: float, name: str = "timeout_s") -> float:
   if not seconds == seconds or seconds < 0:  # NaN, or negative
-    raise errors.InvalidArgumentError(f"{name} must be >= 0 seconds (0: the longest), got {seconds}")
+    raise errors.InvalidArgumentError(
+        f"{name} must be >= 0 seconds (0: the longest wait), got {seconds}")
   return seconds or LONG_S
 
 

@@ -15,9 +15,9 @@ and a last message marked ``done``:
   assembles them in blocks of its own arena.
 
 The peer counts only whole replicas (``done`` came): a stream cut short leaves none.
-:class:`Links` keeps one link per peer from step to step: mapping a peer's arena costs about as much as copying a step's part into it. The
-peer's side (the replica records, their eviction with the RAM tier) is
-``checkpoint.CheckpointHost``.
+:class:`Links` keeps one link per peer from step to step: mapping a peer's arena costs
+about as much as copying a step's part into it. The peer's side (the replica records,
+their eviction with the RAM tier) is ``checkpoint.CheckpointHost``.
 """
 
 from __future__ import annotations
