@@ -10,8 +10,8 @@ from sidecar._src import layout_spec as layout, orbax_layout as ol
 @sidecar.function
 def read_phases(directory: str, step: int, names: list[str], shape: list[int]
                 ) -> dict[str, float]:
-  """What a restore from storage costs in this process, leaf by leaf, as ``sidecar.ckpt.read``
-  does it.
+  """What a restore from storage costs in this process, leaf by leaf, as the ``Checkpoint.Read``
+  rpc does it.
 
   Returns seconds summed over the leaves (each of ``shape``, one chunk): ``read``, from its
   chunk file into a new arena block, and ``crc32c``.

@@ -8,8 +8,9 @@ one run, round by round:
   replicas=0            the baseline: the sidecars write their parts, nothing else
   replicas=1, shm       each sidecar copies its 512 MiB into the peer's arena, mapped
                         through the peer's worker socket (both on this machine)
-  replicas=1, gRPC      the same bytes inline over authenticated gRPC on loopback, in
-                        16 MiB chunks (``SIDECAR_REPLICA_SHM=0``: as between machines)
+  replicas=1, gRPC      the same bytes over authenticated gRPC on loopback: one
+                        ``Checkpoint.Receive`` stream of raw 8 MiB parts
+                        (``SIDECAR_REPLICA_SHM=0``: as between machines)
   replicas=1, shm, paced  as "shm", with ``replica_bandwidth="300MiB"`` per sidecar
 Per save:
   staged -> replicated  from ``handle.staged`` to ``handle.replicated`` (R=1)
@@ -20,7 +21,10 @@ Per save:
                         flight; the replica and the write run at the same time, both on
                         ``SCHED_IDLE`` threads of the sidecars.
   trainer s lost        (1 - that ratio) x the window: the training time the save cost.
-Checkpoints go to a temp dir under ``--dir`` and are removed afterwards.
+Checkpoints go to a temp dir under ``--dir`` and are removed afterwards. ``--only
+grpc`` (or ``0``, ``shm``, ``paced``, comma-separated) runs only those configurations.
+``--link`` measures the gRPC link alone instead: ``PeerLink.send`` of 512 MiB (8 x 64 MiB shards) from this process
+to one sidecar, no trainer and no disk, as ``--link-part-mib`` parts.
 
 ``--pin`` runs every configuration with the trainer's threads on CPU 0 and the sidecars'
 on the others: what a TPU or GPU host looks like, where the step runs on the accelerator
@@ -46,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
+from sidecar._src.host import replicas as replicas_lib
 from sidecar._src.host.checkpoint import SHM_ENV
 
 LEAVES, LEAF_SHAPE = checkpoint_bench.LEAVES, checkpoint_bench.LEAF_SHAPE  # 1 GiB
@@ -135,6 +140,32 @@ def cell(values: list[float], fmt: str) -> str:
   return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})")
 
 
+def link_only(args) -> None:
+  """Seconds for PeerLink.send of 512 MiB to a sidecar over gRPC, ``args.saves`` times."""
+  if args.link_part_mib:
+    replicas_lib.PART_BYTES = args.link_part_mib << 20
+  root = tempfile.mkdtemp(prefix="bench-link-", dir=args.dir)
+  shards = [(("w", i), ((0, 4096), (0, 4096)), np.full((4096, 4096), i, np.float32))
+            for i in range(8)]
+  header = {"directory": root, "step": 1, "item": f"{root}/1/default", "source": 7}
+  times = []
+  try:
+    with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="1536MiB",
+                                      checkpoint_roots=(root,)) as cluster, \
+        replicas_lib.PeerLink(replicas_lib.Peer(host_id=0, address=cluster.addresses[0]),
+                              token=cluster.token, shared_memory=False) as link:
+      for i in range(args.warmup + args.saves):
+        t0 = time.perf_counter()
+        link.send(header, shards)
+        if i >= args.warmup:
+          times.append(time.perf_counter() - t0)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  print(f"PeerLink.send of 512 MiB over gRPC, parts of "
+        f"{replicas_lib.PART_BYTES >> 20} MiB: {cell(times, '.3f')} s "
+        f"({(512 << 20) / statistics.median(times) / 1e9:.2f} GB/s)")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--saves", type=int, default=4, help="measured saves per configuration")
@@ -145,16 +176,26 @@ def main() -> None:
   parser.add_argument("--pin", action="store_true",
                       help="the trainer on CPU 0, the sidecars on the other CPUs")
   parser.add_argument("--only", default=None,
-                      help="comma-separated labels of the configurations to run")
+                      help="comma-separated configurations to run, of 0, shm, grpc, paced")
+  parser.add_argument("--link", action="store_true", help="measure PeerLink.send alone")
+  parser.add_argument("--link-part-mib", type=int, default=0,
+                      help="with --link: parts of this many MiB (default: PART_BYTES)")
   args = parser.parse_args()
   if args.pin:
     pin(os.getpid(), {0})  # before JAX makes its thread pools: they inherit it
+  if args.link:
+    link_only(args)
+    return
   base = tempfile.mkdtemp(prefix="bench-replication-", dir=args.dir)
   configs = [("replicas=0", 0, True, None), ("replicas=1, shm", 1, True, None),
              ("replicas=1, gRPC", 1, False, None),
              ("replicas=1, shm, paced", 1, True, "300MiB")]
-  if args.only:
-    configs = [c for c in configs if c[0] in args.only.split(",")]
+  if args.only is not None:
+    keys = ["0", "shm", "grpc", "paced"]
+    wanted = args.only.split(",")
+    if not set(wanted) <= set(keys):
+      parser.error(f"--only takes some of {','.join(keys)}, got {args.only!r}")
+    configs = [c for k, c in zip(keys, configs) if k in wanted]
   results = {}
   with contextlib.ExitStack() as stack:
     stack.callback(shutil.rmtree, base, ignore_errors=True)

@@ -17,13 +17,13 @@ import struct
 import grpc
 import numpy as np
 import pytest
-from google.protobuf import message as pb_message
+from google.protobuf import descriptor as pb_descriptor, message as pb_message
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sidecar
 from sidecar._src import codec, errors, ipc, options, protocol, registry as registry_lib
 from sidecar._src.host.server import Server
-from sidecar._src.protocol import pb
+from sidecar._src.protocol import ckpt_pb, pb
 from tests import feed_fns, sidecar_fns
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
@@ -37,10 +37,12 @@ TOLD = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
 USER_CODE = ("sidecar_fns.py", "feed_fns.py")
 SAFE_FUNCTIONS = ("echo", "add", "fail", "stats", "echo_items", "overwrite")
 PIPELINES = ("ids", "shard_ids", "fails_at", "ragged")
-BUILTINS = ("sidecar.ckpt.open", "sidecar.ckpt.begin", "sidecar.ckpt.stage",
-            "sidecar.ckpt.commit", "sidecar.ckpt.abort", "sidecar.ckpt.delete",
-            "sidecar.ckpt.read", "sidecar.ckpt.info", "sidecar.ckpt.held",
-            "sidecar.ckpt.forget", "sidecar.ckpt.committed")
+# Names that once were built-in calls: now the Checkpoint service's, NOT_FOUND through Call.
+BUILTINS = ("sidecar.ckpt.open", "sidecar.ckpt.stage", "sidecar.ckpt.delete",
+            "sidecar.ckpt.read")
+# The Checkpoint service: every unary rpc and its request type (Receive is a client stream).
+CKPT_RPCS = {m.name: m.input_type.name for m in
+             ckpt_pb.DESCRIPTOR.services_by_name["Checkpoint"].methods}
 
 # ---- strategies -------------------------------------------------------------------------------
 
@@ -197,6 +199,10 @@ def target(tmp_path_factory):
   rpcs = {m: channel.unary_unary(f"/{protocol.SERVICE}/{m}") for m in ("Handshake", "Call",
                                                                          "Status")}
   rpcs["Stream"] = channel.stream_stream(f"/{protocol.SERVICE}/Stream")
+  for method in CKPT_RPCS:
+    path = f"/{protocol.CHECKPOINT_SERVICE}/{method}"
+    rpcs[method] = (channel.stream_unary(path) if method == "Receive"
+                    else channel.unary_unary(path))
   yield server, worker, rpcs, [(protocol.SESSION_KEY, session)], str(tmp)
   worker.close()
   channel.close()
@@ -311,6 +317,104 @@ def test_handshake_and_status_with_any_session_are_answered(target, data, sessio
   answered(lambda: rpcs["Handshake"](data, metadata=metadata, timeout=10))
   answered(lambda: rpcs["Call"](pb.CallRequest(name="add").SerializeToString(),
                                 metadata=metadata, timeout=10))
+
+
+# ---- the Checkpoint service -------------------------------------------------------------------
+
+_F = pb_descriptor.FieldDescriptor
+
+
+def _paths(root: str):
+  return st.sampled_from([root, root + "/x", root + "/1.orbax-checkpoint-tmp/default",
+                          root + "/1/default", "/etc", "/tmp/../etc", root + "/../..", ""])
+
+
+@st.composite
+def ckpt_messages(draw, cls, root: str, depth: int = 0):
+  """A message of type ``cls`` with every field drawn: paths under the root and outside,
+  edge-case integers, garbage dtypes, arena references to anything."""
+  message = cls()
+  for field in cls.DESCRIPTOR.fields:
+    if depth > 3 or draw(st.booleans()):
+      continue
+    if field.type == _F.TYPE_MESSAGE:
+      entry = field.message_type
+      if entry.GetOptions().map_entry:
+        container = getattr(message, field.name)
+        for _ in range(draw(st.integers(0, 2))):
+          key = draw(st.integers(-2, 3) if entry.fields_by_name["key"].type != _F.TYPE_STRING
+                     else _paths(root))
+          container[key].CopyFrom(draw(ckpt_messages(
+              entry.fields_by_name["value"].message_type._concrete_class, root, depth + 1)))
+        continue
+      sub_cls = entry._concrete_class
+      if field.is_repeated:
+        getattr(message, field.name).extend(
+            draw(st.lists(ckpt_messages(sub_cls, root, depth + 1), max_size=3)))
+      else:
+        getattr(message, field.name).CopyFrom(draw(ckpt_messages(sub_cls, root, depth + 1)))
+      continue
+    values = _scalars(field, root)
+    if field.is_repeated:
+      getattr(message, field.name).extend(draw(st.lists(values, max_size=4)))
+    else:
+      setattr(message, field.name, draw(values))
+  return message
+
+
+def _scalars(field, root: str):
+  t = field.type
+  if t == _F.TYPE_STRING:
+    if field.name in ("dtype",):
+      return dtypes
+    if field.name in ("kind",):
+      return st.sampled_from(["jax.Array", "np.ndarray", "scalar", "?"])
+    return _paths(root) | st.text(max_size=12)
+  if t == _F.TYPE_BYTES:
+    return st.binary(max_size=64)
+  if t == _F.TYPE_BOOL:
+    return st.booleans()
+  if t in (_F.TYPE_DOUBLE, _F.TYPE_FLOAT):
+    return st.floats(-1.0, 0.05) | st.just(float("nan"))  # short waits only
+  if t == _F.TYPE_ENUM:
+    return st.sampled_from([v.number for v in field.enum_type.values])
+  bits = 32 if t in (_F.TYPE_INT32, _F.TYPE_UINT32, _F.TYPE_SINT32) else 64
+  signed = t in (_F.TYPE_INT32, _F.TYPE_INT64, _F.TYPE_SINT32, _F.TYPE_SINT64)
+  lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+  return st.integers(-2, 64).filter(lambda x: lo <= x <= hi) | st.sampled_from([lo, hi])
+
+
+def _tame(request) -> None:
+  """Keeps a fuzzed request from waiting long or dialling out: a replicate's peers are a
+  closed local port, every wait at most 0.05 s."""
+  if hasattr(request, "timeout_s") and not 0 < request.timeout_s <= 0.05:
+    request.timeout_s = 0.01
+  for peer in getattr(request, "peers", ()):
+    peer.address, peer.socket = "127.0.0.1:1", ""
+
+
+@FUZZ
+@given(st.sampled_from(sorted(CKPT_RPCS)), st.binary(max_size=300))
+def test_random_bytes_to_every_checkpoint_rpc_are_answered(target, method, data):
+  _, _, rpcs, metadata, _ = target
+  request = iter([data, data]) if method == "Receive" else data
+  answered(lambda: rpcs[method](request, metadata=metadata, timeout=10))
+
+
+@FUZZ
+@given(st.data())
+def test_random_checkpoint_requests_are_answered(target, data):
+  _, worker, rpcs, metadata, root = target
+  method = data.draw(st.sampled_from(sorted(CKPT_RPCS)))
+  cls = getattr(ckpt_pb, CKPT_RPCS[method])
+  messages = data.draw(st.lists(ckpt_messages(cls, root), min_size=1, max_size=3))
+  for m in messages:
+    _tame(m)
+    if hasattr(m, "worker_session"):
+      m.worker_session = data.draw(sessions(worker))
+  raw = [m.SerializeToString() for m in messages]
+  request = iter(raw) if method == "Receive" else raw[0]
+  answered(lambda: rpcs[method](request, metadata=metadata, timeout=10))
 
 
 # ---- the worker socket ------------------------------------------------------------------------

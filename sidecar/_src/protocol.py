@@ -1,7 +1,8 @@
 """The wire: generated code, versions, and exceptions <-> gRPC status codes.
 
 This is the only module that imports the code generated from
-``protos/sidecar/v1/*.proto``; everything else reaches it as ``protocol.pb``.
+``protos/sidecar/v1/*.proto``; everything else reaches it as ``protocol.pb`` (the
+``Sidecar`` service) and ``protocol.ckpt_pb`` (the ``Checkpoint`` service).
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import grpc
 import numpy as np
 
 from sidecar._src import env, errors
-from sidecar.v1 import sidecar_pb2 as pb, sidecar_pb2_grpc as pb_grpc
+from sidecar.v1 import (
+    checkpoint_pb2 as ckpt_pb,
+    checkpoint_pb2_grpc as ckpt_pb_grpc,
+    sidecar_pb2 as pb,
+    sidecar_pb2_grpc as pb_grpc,
+)
 
-__all__ = ["pb", "pb_grpc"]
+__all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb", "pb_grpc"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the checkpoint phases are the Checkpoint service, not Call names
 SERVICE = "sidecar.v1.Sidecar"
+CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
 AUTH_KEY = "authorization"
 _TYPE_KEY = "sidecar-error-type"

@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src import codec, protocol, registry as registry_lib
+from sidecar._src import checkpoint_wire as wire, codec, protocol, registry as registry_lib
 from sidecar._src.host import feed as host_feed
-from sidecar._src.protocol import pb
+from sidecar._src.protocol import ckpt_pb, pb
 from tests.conftest import eventually
 
 
@@ -36,6 +36,7 @@ class Raw:
     self._call = self.channel.unary_unary(
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)
+    self.ckpt = protocol.ckpt_pb_grpc.CheckpointStub(self.channel)
     self._stream = self.channel.stream_stream(
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)
@@ -235,10 +236,7 @@ def test_a_request_of_many_tiny_values_is_refused_before_it_is_decoded(make_serv
     (pb.CallRequest(name="x" * 100_000), grpc.StatusCode.NOT_FOUND, "NotRegisteredError"),
     (pb.CallRequest(name="add", args=codec.encode((1,)), kwargs=codec.encode({"y" * 100_000: 1})),
      grpc.StatusCode.INVALID_ARGUMENT, "InvalidArgumentError"),
-    (pb.CallRequest(name="sidecar.ckpt.open", args=codec.encode(("/" + "a" * 100_000,)),
-                    kwargs=codec.encode({})),
-     grpc.StatusCode.PERMISSION_DENIED, "PermissionDeniedError"),
-], ids=["name", "kwarg", "path"])
+], ids=["name", "kwarg"])
 def test_an_error_naming_a_huge_input_arrives_cut_with_its_status(make_server, request_, code,
                                                                   error):
   server = make_server()
@@ -248,6 +246,17 @@ def test_an_error_naming_a_huge_input_arrives_cut_with_its_status(make_server, r
   assert len(e.details()) <= 1024 and "Traceback" not in e.details()
   assert type(protocol.error_from_rpc(e, host="h")).__name__ == error
   raw.close()
+
+
+def test_a_checkpoint_error_naming_a_huge_path_arrives_cut(make_server):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    with pytest.raises(sidecar.SidecarError) as info:
+      ctl._checkpoint_client().open(0, "/" + "a" * 100_000, ram_steps=1, ram_budget=None,
+                                    sweep=True).result()
+  assert type(info.value).__name__ == "PermissionDeniedError"
+  assert "is not under a checkpoint root" in str(info.value)
+  assert len(str(info.value)) <= 2048 and "Traceback" not in str(info.value)
 
 
 # ---- the ports --------------------------------------------------------------------------------
@@ -275,8 +284,9 @@ def test_the_health_port_answers_health_only(make_server):
 def test_every_wrong_token_is_unauthenticated(make_server, sent):
   server = make_server(token="s3cret")
   with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-    for method in ("Handshake", "Call", "Status"):
-      rpc = ch.unary_unary(f"/{protocol.SERVICE}/{method}")
+    for method in ("Sidecar/Handshake", "Sidecar/Call", "Sidecar/Status", "Checkpoint/Delete",
+                   "Checkpoint/Read"):
+      rpc = ch.unary_unary(f"/sidecar.v1.{method}")
       e = rejected(lambda rpc=rpc: rpc(
           b"", metadata=[] if sent is None else [(protocol.AUTH_KEY, sent)], timeout=5))
       assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "missing or wrong token" in e.details()
@@ -322,7 +332,7 @@ def test_an_unauthenticated_client_learns_nothing_beyond_what_health_says(make_s
     root.setLevel(level)
 
 
-# ---- checkpoint roots: the built-in checkpoint calls act only under them -------------
+# ---- checkpoint roots: the Checkpoint service acts only under them ---------------------
 
 
 @pytest.fixture
@@ -342,12 +352,30 @@ def ckpt_server(make_server, tmp_path):
   raw.close()
 
 
-def ckpt(raw: Raw, name: str, *args) -> pb.Value:
-  return raw.call(f"sidecar.ckpt.{name}", *(codec.encode(a) for a in args))
+# The Checkpoint service's requests, with their fields in the order the tests give them.
+CKPT_REQUESTS = {
+    "open": (ckpt_pb.CheckpointOpenRequest, ("directory",)),
+    "begin": (ckpt_pb.CheckpointBeginRequest, ("directory", "step")),
+    "abort": (ckpt_pb.CheckpointAbortRequest, ("item", "final_item")),
+    "delete": (ckpt_pb.CheckpointDeleteRequest, ("directory", "step")),
+    "forget": (ckpt_pb.CheckpointForgetRequest, ("directory", "step")),
+    "info": (ckpt_pb.CheckpointInfoRequest, ("final_item",)),
+    "held": (ckpt_pb.CheckpointHeldRequest, ("directory",)),
+    "commit": (ckpt_pb.CheckpointCommitRequest, ("item", "step", "num_hosts", "leaves",
+                                                 "checksums", "data_state_json", "whole_step")),
+    "read": (ckpt_pb.CheckpointReadRequest, ("final_item", "shard")),
+}
 
 
-def ckpt_refused(raw: Raw, name: str, *args) -> grpc.RpcError:
-  return rejected(lambda: ckpt(raw, name, *args))
+def ckpt(raw: Raw, name: str, *args, metadata=None):
+  cls, fields = CKPT_REQUESTS[name]
+  return getattr(raw.ckpt, name.capitalize())(cls(**dict(zip(fields, args))), timeout=10,
+                                               metadata=raw.metadata if metadata is None
+                                               else metadata)
+
+
+def ckpt_refused(raw: Raw, name: str, *args, metadata=None) -> grpc.RpcError:
+  return rejected(lambda: ckpt(raw, name, *args, metadata=metadata))
 
 
 def files(path) -> set[str]:
@@ -362,7 +390,7 @@ def test_checkpoint_calls_outside_the_roots_are_refused_and_remove_nothing(ckpt_
                      ("delete", (v, 5)), ("open", (f"{v}/new",)), ("begin", (v, 6)),
                      ("info", (f"{v}/5/default",)), ("held", (v,)), ("forget", (v, 5)),
                      ("commit", (f"{v}/5.orbax-checkpoint-tmp/default", 5, 1, [], [], "", True)),
-                     ("read", (f"{v}/5/default", ["w"], [[0, 1]]))]:
+                     ("read", (f"{v}/5/default", wire.shard_to_pb(["w"], [[0, 1]])))]:
     e = ckpt_refused(raw, name, *args)
     assert e.code() == grpc.StatusCode.PERMISSION_DENIED, (name, e.details())
     assert "is not under a checkpoint root" in e.details() and str(root) in e.details()
@@ -409,26 +437,52 @@ def test_delete_and_abort_remove_only_a_checkpoints_step_directories(ckpt_server
   assert not tmp.exists() and (root / "7").exists()
 
 
-@pytest.mark.parametrize("step", ["victim", True, 1.5, None, [5]])
-def test_a_step_must_be_an_int(ckpt_server, step):
+@pytest.mark.parametrize("step", [-1, -(1 << 63)])
+def test_a_step_is_a_non_negative_int64(ckpt_server, step):
+  """A step is an int64 on the wire (the proto says so); a negative one is refused."""
   root, _, raw = ckpt_server
-  (root / "victim" / "default").mkdir(parents=True)
-  (root / "victim" / "default" / "sidecar_manifest.json").write_text("{}")
+  (root / "0" / "default").mkdir(parents=True)
+  (root / "0" / "default" / "sidecar_manifest.json").write_text("{}")
   for name in ("delete", "begin", "forget"):
     e = ckpt_refused(raw, name, str(root), step)
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.details())
-    assert f"step must be an int, got {step!r}" in e.details()
-  assert (root / "victim" / "default").is_dir()
-  e = ckpt_refused(raw, "open", 5)
-  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
-  assert "directory must be a directory path, got 5" in e.details()
+    assert f"step must be a non-negative int, got {step}" in e.details()
+  assert (root / "0" / "default").is_dir()
+  for directory in ("", f"{root}/a\0b"):
+    e = ckpt_refused(raw, "open", directory)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "directory must be a directory path" in e.details()
+
+
+def test_checkpoint_phases_are_not_calls_and_are_not_listed(ckpt_server):
+  root, _, raw = ckpt_server
+  (root / "8" / "default").mkdir(parents=True)
+  (root / "8" / "default" / "sidecar_manifest.json").write_text("{}")
+  for name in ("sidecar.ckpt.delete", "sidecar.ckpt.open", "sidecar.nope"):
+    e = rejected(lambda name=name: raw.call(name, codec.encode(str(root)), codec.encode(8)))
+    assert e.code() == grpc.StatusCode.NOT_FOUND, e.details()
+    assert "ckpt" not in e.details().replace(name, "")  # the registered names: none of ours
+  assert (root / "8" / "default").is_dir()
+
+
+def test_checkpoint_rpcs_need_a_session(ckpt_server):
+  root, _, raw = ckpt_server
+  (root / "8" / "default").mkdir(parents=True)
+  (root / "8" / "default" / "sidecar_manifest.json").write_text("{}")
+  for metadata in ([], [(protocol.SESSION_KEY, "s-" + "0" * 32)]):
+    e = ckpt_refused(raw, "delete", str(root), 8, metadata=metadata)
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e.details()
+  assert (root / "8" / "default").is_dir()
+  ckpt(raw, "delete", str(root), 8)  # with the handshake's session
+  assert not (root / "8").exists()
 
 
 def test_a_sidecar_without_roots_refuses_checkpoint_calls_naming_the_flag(make_server, tmp_path):
   server = make_server(checkpoint_roots=())
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.SidecarError) as info:
-      ctl.call("sidecar.ckpt.open", args=(str(tmp_path / "ck"),))
+      ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1, ram_budget=None,
+                                    sweep=True).result()
     assert isinstance(info.value, PermissionError)
     assert type(info.value).__name__ == "PermissionDeniedError"
     assert "has no checkpoint root" in str(info.value)

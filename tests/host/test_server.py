@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
 from sidecar._src import ipc, protocol
+from sidecar._src.controller.checkpoint_client import StagedShard
 from sidecar._src.protocol import pb
 from tests.conftest import eventually
 
@@ -334,15 +335,16 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
   used = lambda: server.leases.allocator.used_bytes
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
-    ctl.call("sidecar.ckpt.open", args=(directory,))
-    tmp = ctl.call("sidecar.ckpt.begin", args=(directory, 3))[0]
+    client = ctl._checkpoint_client()
+    client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
+    tmp = client.begin(0, directory, 3).result()
     n = 1 << 18  # large enough to go through the arena
     spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                        kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    ctl.call("sidecar.ckpt.stage",
-             args=(directory, 3, tmp + "/default", directory + "/3/default", [spec],
-                   [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False))
+    client.stage(0, directory=directory, step=3, item=tmp + "/default",
+                 final_item=directory + "/3/default", leaves=[spec],
+                 shards=[StagedShard(0, ((0, 1), (0, n)), part)], last=False).result()
     del part  # the trainer dies before its last part
     gc.collect()
     time.sleep(0.2)
@@ -361,15 +363,16 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
   assert releasers() == before + 1
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
-    ctl.call("sidecar.ckpt.open", args=(directory,))
-    tmp = ctl.call("sidecar.ckpt.begin", args=(directory, 3))[0]
+    client = ctl._checkpoint_client()
+    client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
+    tmp = client.begin(0, directory, 3).result()
     n = 1 << 18
     spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                                kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    ctl.call("sidecar.ckpt.stage",
-             args=(directory, 3, tmp + "/default", directory + "/3/default", [spec],
-                   [{"leaf": 0, "index": [[0, 1], [0, n]], "data": part}], False))
+    client.stage(0, directory=directory, step=3, item=tmp + "/default",
+                 final_item=directory + "/3/default", leaves=[spec],
+                 shards=[StagedShard(0, ((0, 1), (0, n)), part)], last=False).result()
     del part
     writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
     assert len(writers) == 1 and writers[0].is_alive()  # waiting for the second part

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ from sidecar._src import (
     transfer,
 )
 from sidecar._src.controller import display, elastic
+from sidecar._src.controller.checkpoint_client import CheckpointTransport, StagedShard
 
 log = logging.getLogger(__name__)
 KeyPath = tuple[str | int, ...]
@@ -146,16 +148,20 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
 class Checkpointer:
   """Made by ``Controller.checkpointer``; see there.
 
+  It reaches the sidecars only through ``client``, a :class:`CheckpointTransport` (one
+  typed method per phase of the ``Checkpoint`` service): the Controller's gRPC
+  :class:`~sidecar._src.controller.checkpoint_client.CheckpointClient`, or an in-process
+  fake in unit tests.
+
   Under N trainer processes (one per host) every process makes the same calls. Each
   stages the shards it holds (``replica_id == 0``) into its own sidecar; process 0
   begins each step, gathers every process's prepared and commits once, sweeps and
   deletes old steps; the others learn the outcome through ``peers``.
   """
 
-  def __init__(self, *, directory: str, call: Callable[..., Any],
-               call_async: Callable[..., Any], put: Callable[[int, np.ndarray], np.ndarray],
-               hosts: list[int], device_hosts: dict[int, int], status: Callable[..., list],
-               max_to_keep: int | None, keep_period: int | None, ram_steps: int,
+  def __init__(self, *, directory: str, client: CheckpointTransport,
+               hosts: list[int], device_hosts: dict[int, int], max_to_keep: int | None,
+               keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True,
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
                key: str = "ckpt", replicas: int = 0,
@@ -166,6 +172,11 @@ class Checkpointer:
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
       if v is not None and (not isinstance(v, int) or v < 1):
         raise errors.InvalidArgumentError(f"{name} must be None or an int >= 1, got {v!r}")
+    if not isinstance(ram_steps, int) or isinstance(ram_steps, bool) or ram_steps < 0:
+      raise errors.InvalidArgumentError(f"ram_steps must be an int >= 0, got {ram_steps!r}")
+    if ram_budget is not None and (not isinstance(ram_budget, int) or ram_budget < 0):
+      raise errors.InvalidArgumentError(
+          f"ram_budget must be None or bytes (an int >= 0), got {ram_budget!r}")
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
       raise errors.InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
     if replicas > len(hosts) - 1:  # e.g. an elastic job down to fewer hosts than it planned
@@ -194,18 +205,18 @@ class Checkpointer:
     self._last_restore: RestoreStats | None = None
     # Absolute here: the sidecars' working directory is not the trainer's.
     self.directory = os.path.abspath(directory)
-    self._call, self._call_async, self._put = call, call_async, put
+    self._client = client  # the sidecars, one typed method per phase
     self._hosts, self._device_hosts = hosts, device_hosts
     self._local = list(hosts if local_hosts is None else local_hosts)  # hosts we stage into
     self._peers = peers if peers is not None else distributed.LocalPeers()
     self._key, self._saves, self._restores = key, 0, 0
     self._lead = self._peers.index == 0  # begins, commits, sweeps and deletes, once
-    self._status = status
     self._max_to_keep, self._keep_period, self._if_busy = max_to_keep, keep_period, if_busy
-    opened = self._call("sidecar.ckpt.open", self.directory, ram_steps, ram_budget,
-                        sweep and self._lead, hosts=self._local)
+    opened = [interrupts.wait(f) for f in [
+        client.open(h, self.directory, ram_steps=ram_steps, ram_budget=ram_budget,
+                    sweep=sweep and self._lead) for h in self._local]]
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
-    steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]["steps"]))
+    steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))
     self._steps = list(json.loads(steps))
     self._lock = threading.Lock()
     self._in_flight: SaveHandle | None = None
@@ -289,8 +300,7 @@ class Checkpointer:
     try:
       for host, leaf, index, data in plan:  # the one copy the trainer waits for
         interrupts.check()  # Ctrl-C aborts the save (below)
-        pending[host].append({"leaf": leaf, "index": [list(i) for i in index],
-                              "data": self._put(host, data)})
+        pending[host].append(StagedShard(leaf, index, self._client.put(host, data)))
         pending_bytes[host] += data.nbytes
         if pending_bytes[host] >= STAGE_PART_BYTES:
           parts.put((host, pending[host], False))
@@ -343,7 +353,7 @@ class Checkpointer:
     for host, _, _, data in plan:
       need[host] = need.get(host, 0) + -(-max(data.nbytes, 1) // shm.PAGE) * shm.PAGE
     free = {s.identity.host_id: (s.arena_size - s.arena_used, s.arena_size)
-            for s in self._status()}
+            for s in self._client.status()}
     short = {h: (n, free[h]) for h, n in need.items() if n > free[h][0]}
     if short:
       detail = "; ".join(f"host {h} needs {shm.format_size(n)}, has {shm.format_size(f)} free "
@@ -398,9 +408,8 @@ class Checkpointer:
     futures = []
     for h in self._local:
       peers = [dict(self._sidecars[p], host_id=p) for p in self._placement[h]]
-      futures += self._call_async("sidecar.ckpt.replicate", target.final_item, peers,
-                                  hosts=[h], timeout=_LONG_S,
-                                  bandwidth=self._replica_bandwidth)
+      futures.append(self._client.replicate(h, target.final_item, peers,
+                                            bandwidth=self._replica_bandwidth, timeout=_LONG_S))
     out: concurrent.futures.Future = concurrent.futures.Future()
     t0 = time.perf_counter()
 
@@ -459,7 +468,7 @@ class Checkpointer:
       return
     try:
       if target.whole_step:
-        self._call("sidecar.ckpt.begin", self.directory, target.step, hosts=[self._local[0]])
+        self._client.begin(self._local[0], self.directory, target.step).result()
     except BaseException as e:
       self._peers.publish(f"{key}/begun", _describe(e))
       raise
@@ -480,8 +489,9 @@ class Checkpointer:
         if host in last:
           last[host].result()  # a host's parts arrive in order
         specs = [] if host in last else leaves  # the first part carries the leaves
-        last[host] = self._call_async("sidecar.ckpt.stage", self.directory, step, target.item,
-                                      target.final_item, specs, part[1], final, hosts=[host])[0]
+        last[host] = self._client.stage(host, directory=self.directory, step=step,
+                                        item=target.item, final_item=target.final_item,
+                                        leaves=specs, shards=part[1], last=final)
         closed += final
     except BaseException:
       # The abort that follows must reach each sidecar after its last stage call: one
@@ -494,8 +504,8 @@ class Checkpointer:
 
   def _prepared(self, target: Target) -> list[dict]:
     """Waits for this process's sidecars to write their parts; returns their checksums."""
-    prepared = [f.result() for f in self._call_async(
-        "sidecar.ckpt.prepared", target.final_item, hosts=self._local, timeout=_LONG_S)]
+    prepared = [f.result() for f in [self._client.prepared(h, target.final_item, timeout=_LONG_S)
+                                     for h in self._local]]
     return [c for host_sums in prepared for c in host_sums]
 
   def _commit(self, target: Target, key: str, leaves, sums: list[dict], data_json: str,
@@ -524,10 +534,11 @@ class Checkpointer:
         raise errors.InvalidArgumentError(
             f"the save of step {target.step} failed in {'; '.join(failures)}")
       checksums = [c for g in gathered for c in g["ok"]]
-      self._call("sidecar.ckpt.commit", target.item, target.step, len(self._hosts), leaves,
-                 checksums, data_json, target.whole_step,
-                 {h: p for h, p in self._placement.items() if p} or None,
-                 hosts=[self._local[0]], timeout=_LONG_S)
+      self._client.commit(self._local[0], item=target.item, step=target.step,
+                          num_hosts=len(self._hosts), leaves=leaves, checksums=checksums,
+                          data_state_json=data_json, whole_step=target.whole_step,
+                          replicas={h: p for h, p in self._placement.items() if p} or None,
+                          timeout=_LONG_S).result()
     except BaseException as e:
       self._abort(target)  # before anyone fails: a retry must not race the cleanup
       self._peers.publish(f"{key}/outcome", _describe(e))
@@ -540,18 +551,22 @@ class Checkpointer:
     A host that does not answer keeps its part only until its writer gives up on the
     step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
     """
-    done = self._on_each("sidecar.ckpt.abort", target.item, target.final_item, hosts=self._hosts,
-                         what=f"abort step {target.step}")
+    done = self._on_each(
+        lambda h: self._client.abort(h, target.item, target.final_item, timeout=_ABORT_S),
+        hosts=self._hosts, what=f"abort step {target.step}")
     if target.whole_step and done:  # Every host is done with the step: its tmp directory goes.
-      self._on_each("sidecar.ckpt.abort", str(pathlib.Path(target.item).parent),
-                    target.final_item, hosts=done, what=f"remove step {target.step}'s tmp files")
+      tmp = str(pathlib.Path(target.item).parent)
+      self._on_each(lambda h: self._client.abort(h, tmp, target.final_item, timeout=_ABORT_S),
+                    hosts=done, what=f"remove step {target.step}'s tmp files")
 
-  def _on_each(self, name: str, *args: Any, hosts: Sequence[int], what: str) -> list[int]:
-    """Calls ``name`` on each host at once; returns those that did it, logs the others."""
+  @staticmethod
+  def _on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],
+               what: str) -> list[int]:
+    """Runs ``start(host)`` on each host at once; returns those that did it, logs the others."""
     futures: dict[int, concurrent.futures.Future] = {}
     for h in hosts:
       try:
-        futures[h] = self._call_async(name, *args, hosts=[h], timeout=_ABORT_S)[0]
+        futures[h] = start(h)
       except errors.SidecarError as e:  # a host known lost: nothing to call
         log.warning("could not %s on host %d: %s", what, h, e)
     ok = []
@@ -565,10 +580,9 @@ class Checkpointer:
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
-    try:
-      self._call("sidecar.ckpt.committed", target.final_item, hosts=self._local)
-    except Exception:
-      pass  # durable all the same; the RAM tier of a lost host is gone anyway
+    # Durable all the same where a host does not answer: a lost host's RAM tier is gone anyway.
+    self._on_each(lambda h: self._client.committed(h, target.final_item), hosts=self._local,
+                  what=f"mark step {target.step} committed in the RAM tier")
     if target.whole_step:
       with self._lock:
         self._steps = sorted(set(self._steps) | {target.step})
@@ -588,13 +602,14 @@ class Checkpointer:
       with self._lock:  # unlisted first: a restore must not pick a step being deleted
         self._steps = [t for t in self._steps if t != s]
       try:  # out of the RAM tiers too (own shards and replicas), where a budget kept it
-        self._call("sidecar.ckpt.forget", self.directory, s, hosts=self._local)
+        for f in [self._client.forget(h, self.directory, s) for h in self._local]:
+          f.result()
       except errors.SidecarError:
         pass  # a lost host's RAM tier is gone anyway
       if not self._lead:
         continue  # process 0 deletes it
       try:
-        self._call("sidecar.ckpt.delete", self.directory, s, hosts=[self._local[0]])
+        self._client.delete(self._local[0], self.directory, s).result()
       except errors.SidecarError as e:  # the step is durable all the same; retried next save
         log.warning("could not delete step %d of %s: %s", s, self.directory, e)
         with self._lock:
@@ -638,11 +653,11 @@ class Checkpointer:
                    progress: Callable[[str], None] | None = None) -> Any:
     """Restores the committed item at ``final_item`` onto ``target``'s shardings."""
     t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
-    manifest = self._call("sidecar.ckpt.info", final_item, hosts=[self._local[0]])[0]
-    saved = {tuple(d["key_path"]): d for d in manifest["leaves"]}
+    manifest = interrupts.wait(self._client.info(self._local[0], final_item))
+    saved = {tuple(d["key_path"]): d for d in manifest.leaves}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
-    for c in manifest["shards"]:
+    for c in manifest.shards:
       kp, index = tuple(c["key_path"]), tuple(tuple(i) for i in c["index"])
       stored.setdefault(kp, []).append((index, c["crc32c"]))
       if c.get("host") is not None:
@@ -667,7 +682,7 @@ class Checkpointer:
       shards.clear()
       raise
     if lost:
-      placed = {int(h): peers for h, peers in (manifest.get("replicas") or {}).items()}
+      placed = dict(manifest.replicas)
       raise self._lost(step, lost, owners, placed, gone)
     out = []
     for path, want in flat:
@@ -691,8 +706,8 @@ class Checkpointer:
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
     step = self._pick(step)
-    return self._call("sidecar.ckpt.info", Target.for_step(self.directory, step).final_item,
-                      hosts=[self._local[0]])[0]["data_state"]
+    return interrupts.wait(self._client.info(
+        self._local[0], Target.for_step(self.directory, step).final_item)).data_state
 
   def _pick(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -725,16 +740,20 @@ class Checkpointer:
     where: dict[tuple[KeyPath, tuple], list[tuple[int, str]]] = {}
     gone = []
     hosts = self._hosts if self._replicas or self._peers.count == 1 else self._local
-    futures = {h: self._call_async("sidecar.ckpt.held", self.directory, hosts=[h],
-                                   timeout=5)[0] for h in hosts}
+    futures: dict[int, concurrent.futures.Future] = {}
+    for h in hosts:
+      try:
+        futures[h] = self._client.held(h, self.directory, timeout=5)
+      except errors.SidecarError:  # a host known lost
+        gone.append(h)
     for h, f in futures.items():
       try:
         held = f.result()
       except errors.SidecarError:
         gone.append(h)
         continue
-      copies = [(kp, index, "ram") for kp, index in held["own"].get(final_item, [])]
-      copies += [(kp, index, "replica") for shards in held["replicas"].get(final_item, {}).values()
+      copies = [(kp, index, "ram") for kp, index in held.own.get(final_item, [])]
+      copies += [(kp, index, "replica") for shards in held.replicas.get(final_item, {}).values()
                  for kp, index in shards]
       for kp, index, tier in copies:
         where.setdefault((tuple(kp), tuple(tuple(i) for i in index)), []).append((h, tier))
@@ -803,8 +822,8 @@ class Checkpointer:
         if tier != "disk" and host not in self._mapped and nbytes > READ_PART_BYTES:
           self._read_parts(item, kp, index, crc, tier, host, shape, dtype).add_done_callback(done)
         else:
-          self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index], crc,
-                           tier, hosts=[host])[0].add_done_callback(done)
+          self._client.read(host, item, (kp, index), crc32c=crc,
+                            tier=tier).add_done_callback(done)
       except errors.SidecarError as e:
         failures.append(f"{label} (host {host}): {e}")
         attempt(i + 1)
@@ -842,10 +861,9 @@ class Checkpointer:
     for offset, nbytes in parts:
       # Only the first part asks for the check: the host checks the whole shard once, and
       # its failure fails the shard (the parts all go at once, so each would check it).
-      future = self._call_async("sidecar.ckpt.read", item, list(kp), [list(x) for x in index],
-                                crc if offset == 0 else None, tier, [offset, nbytes],
-                                hosts=[host])[0]
-      future.add_done_callback(lambda f, offset=offset: done(offset, f))
+      future = self._client.read(host, item, (kp, index), crc32c=crc if offset == 0 else None,
+                                 tier=tier, part=(offset, nbytes))
+      future.add_done_callback(functools.partial(done, offset))
     return out
 
   def _lost(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
@@ -946,7 +964,7 @@ class Checkpointer:
   def _progress_line(self, step: int) -> str:
     done = total = 0
     seconds = 0.0
-    for s in self._status():
+    for s in self._client.status():
       for c in s.checkpoints:
         if c.directory == self.directory and step in c.writing:
           done, total = done + c.written_bytes, total + c.total_bytes
@@ -989,7 +1007,8 @@ class Checkpointer:
     if self._closed:
       return facts, ""
     try:
-      rows = display.tier_rows(self._status(timeout=display.STATUS_TIMEOUT_S), self.directory)
+      rows = display.tier_rows(self._client.status(timeout=display.STATUS_TIMEOUT_S),
+                               self.directory)
     except Exception as e:  # a display never raises
       rows = [["-", display.error_text(e), "", "", ""]]
     make = display.html_table if html else display.text_table

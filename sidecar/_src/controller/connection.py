@@ -162,6 +162,7 @@ class Connection:
     self.stream_rpc = self._channel.stream_stream(
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)
+    self.checkpoint = protocol.ckpt_pb_grpc.CheckpointStub(self._channel)  # checkpoint_client
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)

@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 import jax
-import numpy as np
 
 from sidecar._src import (
     codec,
@@ -32,6 +31,7 @@ from sidecar._src import (
 )
 from sidecar._src.controller import arguments, discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
+from sidecar._src.controller.checkpoint_client import CheckpointClient
 from sidecar._src.controller.connection import CALLS_IN_FLIGHT, Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
@@ -687,10 +687,8 @@ class Controller:
     self._check_open()
     self._checkpointers += 1
     ckpt = Checkpointer(
-        directory=str(directory), call=self._positional_call,
-        call_async=self._positional_call_async,
-        put=self._put, hosts=[h.host_id for h in self.hosts],
-        device_hosts=self._device_hosts, status=self.status,
+        directory=str(directory), client=self._checkpoint_client(),
+        hosts=[h.host_id for h in self.hosts], device_hosts=self._device_hosts,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
@@ -702,21 +700,10 @@ class Controller:
     self._children.add(ckpt)
     return ckpt
 
-  # The Checkpointer's calls of the sidecar's own checkpoint functions, in the shorthand
-  # (their parameters never collide with ours), until a typed client replaces them.
-  def _positional_call(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
-                       timeout: float | None = None, **kwargs: Any) -> list[Any]:
-    return self.call(name, args=args, kwargs=kwargs, hosts=hosts, timeout=timeout)
-
-  def _positional_call_async(self, name: str, *args: Any, hosts: Sequence[int] | None = None,
-                             timeout: float | None = None, **kwargs: Any
-                             ) -> list[concurrent.futures.Future]:
-    return self.call_async(name, args=args, kwargs=kwargs, hosts=hosts, timeout=timeout)
-
-  def _put(self, host_id: int, data: np.ndarray) -> np.ndarray:
-    """``data`` copied into host ``host_id``'s arena (as is, to travel inline, if unmapped)."""
-    w = self._workers.get(host_id)
-    return w.put(data)[0] if w is not None else np.array(data)
+  def _checkpoint_client(self) -> CheckpointClient:
+    """The checkpoint phases on these sidecars, through this controller's channels."""
+    return CheckpointClient(select=self._select, connection=self._conns.__getitem__,
+                            worker=self._workers.get, status=self.status, timeout=self.timeout)
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),

@@ -24,7 +24,6 @@ from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "sidecar."
 Alive = Callable[[], bool]
 TimeLeft = Callable[[], float | None]
 
@@ -35,14 +34,9 @@ class Runner:
   def __init__(self, *, registry: registry_lib.Registry, arena: shm.Arena, leases: Leases,
                inline_limit: int, is_attached: Callable[[str], bool],
                imports: tuple[str, ...] = (),
-               builtins: dict[str, Callable[..., Any]] | None = None,
                metrics: metrics_lib.Recorder = metrics_lib.OFF):
     self.registry = registry
     self._metrics = metrics
-    # The sidecar's own functions (``sidecar.*``), run like registered ones.
-    self._builtins = registry_lib.Registry()
-    for name, fn in (builtins or {}).items():
-      self._builtins.add(registry_lib.FUNCTION, name, fn)
     self._imports = imports
     self._arena = arena
     self._leases = leases
@@ -62,10 +56,7 @@ class Runner:
   def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION
               ) -> tuple[registry_lib.Entry, tuple, dict]:
     """The registered entry and decoded, signature-checked arguments of a call."""
-    if kind == registry_lib.FUNCTION and request.name.startswith(BUILTIN_PREFIX):
-      entry = self._builtins.get(kind, request.name)
-    else:
-      entry = self.registry.get(kind, request.name)
+    entry = self.registry.get(kind, request.name)
     view = lambda ref: self._view(ref, request.worker_session)
     budget = codec.Budget()  # one for the request: what it costs to decode is what it sent
     args = codec.decode(request.args, from_arena=view, where="args", budget=budget)
@@ -88,8 +79,6 @@ class Runner:
 
   def label(self, kind: str, name: str) -> str:
     """``name`` if it is registered (the metrics' label), else ``<unregistered>``."""
-    if kind == registry_lib.FUNCTION and name.startswith(BUILTIN_PREFIX):
-      return name if self._builtins.has(kind, name) else metrics_lib.UNREGISTERED
     return name if self.registry.has(kind, name) else metrics_lib.UNREGISTERED
 
   def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:

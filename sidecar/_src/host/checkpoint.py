@@ -1,6 +1,8 @@
 """The sidecar's half of checkpointing: keep staged shards, persist them, commit, read back.
 
-The controller drives a save in phases, each a built-in call (``sidecar.ckpt.*``):
+The controller drives a save in phases, each an rpc of the ``sidecar.v1.Checkpoint``
+service (``checkpoint_service.py`` checks the typed requests and calls these methods;
+none of them is reachable through ``Call``):
 
 1. ``begin`` (host 0): creates ``<step>.orbax-checkpoint-tmp``.
 2. ``stage`` (every host): takes the shards the worker copied into the arena. From
@@ -13,7 +15,8 @@ The controller drives a save in phases, each a built-in call (``sidecar.ckpt.*``
 
 With peer replicas, ``replicate`` (every host, once its part is staged) sends this
 host's shards of the step to its peers (``replicas.PeerLink``), on an idle-class
-thread, while the write goes on; each peer takes them with ``receive`` and keeps a
+thread, while the write goes on; each peer takes them with ``receive`` (the
+``Receive`` stream, one per replica) and keeps a
 *replica record* (the step's item, the source host, the shards) in its RAM tier. A
 replica counts toward the peer's ``ram_budget`` and leaves with its step: eviction
 by ``committed``, ``abort``, ``forget``.
@@ -184,7 +187,7 @@ class _Replica:
 
 
 class CheckpointHost:
-  """Built-in ``sidecar.ckpt.*`` functions of one sidecar."""
+  """The checkpoint phases of one sidecar (the ``Checkpoint`` service calls them)."""
 
   def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
@@ -320,7 +323,7 @@ class CheckpointHost:
     Raises InvalidArgumentError for a non-string and PermissionDeniedError for a path
     outside every root, or for any path where the sidecar has no roots.
     """
-    if not isinstance(path, str) or not path:
+    if not isinstance(path, str) or not path or "\0" in path:
       raise errors.InvalidArgumentError(f"{name} must be a directory path, got {path!r:.100}")
     if not self._roots:
       raise errors.PermissionDeniedError(
@@ -334,11 +337,6 @@ class CheckpointHost:
           f"of sidecar host {self._host_id} ({', '.join(self._roots)}); checkpoint there, or "
           f"start the sidecar with {ROOTS_FLAG} naming its directory")
     return resolved
-
-  def functions(self) -> dict[str, Callable[..., Any]]:
-    return {f"sidecar.ckpt.{name}": getattr(self, name) for name in (
-        "open", "begin", "stage", "prepared", "commit", "committed", "abort", "read", "info",
-        "ram", "delete", "replicate", "receive", "held", "forget")}
 
   # ---- save --------------------------------------------------------------
 
@@ -499,10 +497,15 @@ class CheckpointHost:
                 "data_state": json.loads(data_state) if data_state else None}
     if replicas:
       manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
-    with open(pathlib.Path(item) / MANIFEST, "w") as f:
-      json.dump(manifest, f)
-      f.flush()
-      os.fsync(f.fileno())
+    try:
+      with open(pathlib.Path(item) / MANIFEST, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    except (FileNotFoundError, NotADirectoryError) as e:
+      raise errors.InvalidArgumentError(
+          f"commit: item {item!r:.200} is not a directory this sidecar staged and wrote "
+          f"({e.strerror}); stage and prepare a step before committing it") from None
     _fault("commit", step)
     specs = [layout.spec_from_dict(d) for d in leaves]
     if whole_step:
@@ -834,7 +837,10 @@ class CheckpointHost:
       if tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
+    try:
+      data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
+    except (FileNotFoundError, NotADirectoryError) as e:
+      raise errors.InvalidArgumentError(f"cannot read {final_item}: {e}") from None
     if crc32c is not None:
       self._check(final_item, key, idx, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)

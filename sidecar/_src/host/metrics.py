@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 UNREGISTERED = "<unregistered>"
-KINDS = ("call", "stream", "feed")
+KINDS = ("call", "stream", "feed", "checkpoint")  # checkpoint: the Checkpoint service's RPCs
 FLAG = "--metrics-port"
 # 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
@@ -42,7 +42,7 @@ class Recorder:
   enabled = False
 
   def call_started(self, kind: str) -> None:
-    """A call (``kind`` "call", "stream" or "feed") began."""
+    """A call (``kind`` "call", "stream", "feed" or "checkpoint") began."""
 
   def call_done(self, kind: str, name: str, code: str, seconds: float) -> None:
     """A call ended with gRPC status ``code`` ("OK", "NOT_FOUND", ...) after ``seconds``."""
@@ -125,7 +125,7 @@ class Metrics(Recorder):
     with self._lock:
       self._in_flight[kind] -= 1
       self._calls[key] = self._calls.get(key, 0) + 1
-      if kind == "call":
+      if kind in ("call", "checkpoint"):
         _observe(self._latency, name, seconds)
 
   def checkpoint_bytes(self, what: str, nbytes: int) -> None:
@@ -218,7 +218,8 @@ class _Collector(Collector):
       calls.add_metric(list(labels), n)
     yield calls
     yield _histogram("sidecar_call_seconds", "Time in a call on the sidecar (unary calls; "
-                     "sidecar.ckpt.* are the checkpoint phases the controller drives)", "name",
+                     "sidecar.ckpt.<phase> are the Checkpoint service's RPCs, the phases the controller "
+                     "drives)", "name",
                      p["latency"])
     in_flight = GaugeMetricFamily("sidecar_calls_in_flight", "Calls, streams and feeds "
                                   "running now", labels=["kind"])

@@ -2,46 +2,53 @@
 
 Runs in the sending sidecar, on an idle-class thread (``SCHED_IDLE``, as the writes:
 the training step preempts it at once). A :class:`PeerLink` reaches one peer sidecar
-over the same authenticated gRPC as the controller (the job's token), and then:
+over the same authenticated gRPC as the controller (the job's token). Each replica of
+a step is one client stream (``Checkpoint.Receive``): a header naming it, the shards,
+and a last message marked ``done``:
 
 - **same machine** (the peer's boot id is ours and its worker socket is here): maps
   the peer's arena through that socket, as a Worker does, copies each shard into a
-  block of it with one memcpy, and sends the blocks' descriptors
-  (``sidecar.ckpt.receive``): the peer takes the blocks with no copy;
-- **elsewhere**: sends each shard inline, in chunks of :data:`CHUNK_BYTES`, several
-  in flight; the peer assembles them in blocks of its own arena.
+  block of it with one memcpy, and sends the blocks' descriptors: the peer takes the
+  blocks with no copy;
+- **elsewhere**: sends each shard's bytes raw (a ``bytes`` field, no codec), in
+  parts of :data:`PART_BYTES`, copied once from the shard into the message; the peer
+  assembles them in blocks of its own arena.
 
-A final ``receive(..., done=True)`` tells the peer the replica is whole; a peer
-counts only whole replicas. :class:`Links` keeps one link per peer from step to step:
-mapping a peer's arena costs about as much as copying a step's part into it. The
-peer's side (the replica records, their eviction with the RAM tier) is
-``checkpoint.CheckpointHost``.
+The peer counts only whole replicas (``done`` came): a stream cut short leaves none.
+:class:`Links` keeps one link per peer from step to step: mapping a peer's arena costs
+about as much as copying a step's part into it. The peer's side (the replica records,
+their eviction with the RAM tier) is ``checkpoint.CheckpointHost``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import itertools
 import logging
 import os
+import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from sidecar._src import codec, env, errors, protocol, shm, worker as worker_lib
-from sidecar._src.protocol import pb
+from sidecar._src import checkpoint_wire as wire, env, errors, protocol, shm, worker as worker_lib
+from sidecar._src.protocol import ckpt_pb, pb
 
-# One inline message of a shard: well under the channels' 256 MiB limit, and big
-# enough that the per-call cost (~0.1 ms) is lost in the copy.
-CHUNK_BYTES = 16 << 20
-IN_FLIGHT = 4  # inline chunks sent at once: overlaps one's encode with another's send
-# Same-machine shards whose blocks one receive call hands over: bounds what the
-# peer must give back if the link dies half-way.
+# One part of a shard sent inline. Small enough that the peer's copy of one part
+# overlaps the sending of the next (flow control holds a message back until the peer
+# reads it), big enough that the per-message cost is lost in the copy. 512 MiB to a
+# sidecar on loopback here (python -m benchmarks.replication --link): 64 MiB parts 3.2 s,
+# 16 MiB 0.96 s, 8 MiB 0.85 s, 4 MiB 0.86 s; 4 unary calls of 16 MiB in flight (the
+# codec path before the stream) 2.1-2.4 s.
+PART_BYTES = 8 << 20
+QUEUED = 4  # messages serialized ahead of the one gRPC sends
+# Same-machine shards whose blocks one message hands over: the peer takes each
+# message's blocks as it comes.
 BATCH_BYTES = 256 << 20
 ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
 WATCH_S = 0.5  # how often Links looks for peers that exited
@@ -98,6 +105,53 @@ def peer_credentials(tls_cert: str | None, tls_key: str | None,
                                   tls_cert if mine else None, tls_key if mine else None)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Part:
+  """A ReceiveRequest of one ReplicaPart whose ``data`` is still a view of the shard."""
+  part: ckpt_pb.ReplicaPart  # without data
+  data: memoryview
+
+
+def _varint(n: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte, n = n & 0x7F, n >> 7
+    out.append(byte | (0x80 if n else 0))
+    if not n:
+      return bytes(out)
+
+
+_PART_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
+_DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
+  """A ReceiveRequest's wire bytes; a :class:`_Part`'s with the shard's bytes copied once.
+
+  Protobuf's own way copies them three times (into ``bytes``, into the message, into
+  its serialization); here they go straight from the shard into the one ``bytes``
+  gRPC sends: ``part`` (length-delimited) = the part's other fields, then ``data``.
+  """
+  if not isinstance(message, _Part):
+    return message.SerializeToString()
+  head = message.part.SerializeToString()
+  data_key = _varint(_DATA_FIELD << 3 | 2) + _varint(message.data.nbytes)
+  inner = len(head) + len(data_key) + message.data.nbytes
+  return b"".join((_varint(_PART_FIELD << 3 | 2), _varint(inner), head, data_key,
+                   message.data))
+
+
+def _offer(ready: queue.Queue, item: bytes, call: grpc.Future) -> bool:
+  """Queues ``item`` for the stream ``call``, waiting for room; False if the call ended."""
+  while not call.done():
+    try:
+      ready.put(item, timeout=0.1)
+      return True
+    except queue.Full:
+      pass
+  return False
+
+
 class _Pace:
   """Sleeps so that the bytes counted go no faster than ``bandwidth`` per second."""
 
@@ -137,9 +191,9 @@ class PeerLink:
           f"/{protocol.SERVICE}/Handshake",
           request_serializer=pb.HandshakeRequest.SerializeToString,
           response_deserializer=pb.HandshakeResponse.FromString)
-      self._call = self._channel.unary_unary(
-          f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
-          response_deserializer=pb.CallResponse.FromString)
+      self._receive = self._channel.stream_unary(  # requests: bytes from _serialize
+          f"/{protocol.CHECKPOINT_SERVICE}/Receive",
+          response_deserializer=ckpt_pb.ReceiveResponse.FromString)
       try:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
         reply = handshake(pb.HandshakeRequest(
@@ -176,89 +230,106 @@ class PeerLink:
   def _error(self, e: grpc.RpcError) -> errors.SidecarError:
     return protocol.error_from_rpc(e, host=self.peer.address, host_id=self.peer.host_id)
 
-  def _request(self, args: tuple, to_arena=None) -> pb.CallRequest:
-    w = self._worker
-    return pb.CallRequest(
-        name="sidecar.ckpt.receive", args=codec.encode(args, to_arena=to_arena, where="args"),
-        kwargs=codec.encode({}), worker_session=w.session if w is not None and to_arena else "")
-
-  def _send(self, request: pb.CallRequest, timeout: float) -> None:
-    try:
-      self._call(request, timeout=timeout, metadata=self._metadata)
-    except grpc.RpcError as e:
-      raise self._error(e) from None
-
   def send(self, header: dict[str, Any],
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0,
            bandwidth: int | None = None) -> int:
     """Sends every shard, then marks the replica whole; returns the bytes sent.
 
-    ``header`` names the replica (directory, step, item, source host); ``bandwidth``
-    (bytes per second) paces the sending. Raises HostLostError if the peer goes away,
-    ClosedError if ``cancelled()`` turns true.
+    One ``Receive`` stream: the header, the shards, then ``done``. ``header`` names
+    the replica (directory, step, item, source host); ``bandwidth`` (bytes per second)
+    paces the sending. Raises HostLostError if the peer goes away, ClosedError if
+    ``cancelled()`` turns true.
     """
-    sent = (self._send_shared if self._worker is not None else self._send_inline)(
-        header, shards, cancelled, timeout, _Pace(bandwidth))
-    self._send(self._request((header, [], True)), timeout)
-    return sent
+    w = self._worker
+    first = ckpt_pb.ReceiveRequest(
+        header=ckpt_pb.ReplicaHeader(directory=header["directory"], step=header["step"],
+                                     item=header["item"], source=header["source"]),
+        worker_session=w.session if w is not None else "")
+    sent = [0]
+    held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
+    make = self._shared if w is not None else self._inline
+    # The messages are made and serialized here, on this (idle-class) thread, QUEUED ahead
+    # of gRPC's thread that sends them: the copies overlap the sending, and yield the
+    # CPU to the training step as the writes do.
+    ready: queue.Queue = queue.Queue(maxsize=QUEUED)
+    end = b""  # no message is empty: the header comes first
 
-  def _send_shared(self, header, shards, cancelled, timeout, pace: _Pace) -> int:
+    def requests() -> Iterator[bytes]:
+      while (item := ready.get()) != end:
+        yield item
+
+    call = self._receive.future(requests(), timeout=timeout, metadata=self._metadata)
+    try:
+      messages: Iterator[Any] = itertools.chain(
+          [first], make(header, shards, cancelled, timeout, _Pace(bandwidth), sent, held),
+          [ckpt_pb.ReceiveRequest(done=True)])
+      for message in messages:
+        if not _offer(ready, _serialize(message), call):
+          break  # the stream ended early: its error is the call's
+      _offer(ready, end, call)
+      call.result()
+    except grpc.RpcError as e:
+      raise self._error(e) from None
+    except BaseException:
+      call.cancel()  # the peer drops what came: not a whole replica
+      raise
+    finally:
+      while True:  # gRPC's thread, if still waiting for a message, gets the end
+        try:
+          ready.get_nowait()
+        except queue.Empty:
+          break
+      ready.put_nowait(end)
+      held.clear()
+    return sent[0]
+
+  def _shared(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
+              held: list) -> Iterator[ckpt_pb.ReceiveRequest]:
+    """Each shard copied into a block of the peer's arena; the blocks' descriptors sent."""
     w = self._worker
     assert w is not None
-    sent, batch, batch_bytes = 0, [], 0
+    batch = ckpt_pb.ReceiveRequest()
+    batch_bytes = 0
     for kp, index, data in shards:
       if cancelled():
         raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
       # A full peer arena fails the replica soon, not after the whole deadline.
-      dst, _ = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
+      dst, ref = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
       dst_bytes, src_bytes = (a.reshape(-1).view(np.uint8) for a in (dst, data))
       step = PACE_BYTES if pace.limited else max(dst.nbytes, 1)
       for a in range(0, dst.nbytes, step):  # memcpy, on this (idle-class) thread
         np.copyto(dst_bytes[a:a + step], src_bytes[a:a + step])
         pace.after(min(step, dst.nbytes - a))
-      batch.append({"key_path": list(kp), "index": [list(i) for i in index], "data": dst})
+      held.append(dst)
+      block = batch.blocks.add(shard=wire.shard_to_pb(kp, index))
+      block.data.CopyFrom(pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
+                                      generation=ref.generation, dtype=ref.dtype,
+                                      shape=ref.shape))
       batch_bytes += data.nbytes
       if batch_bytes >= BATCH_BYTES:
-        self._send(self._request((header, batch, False), w.ref_of), timeout)
-        sent, batch, batch_bytes = sent + batch_bytes, [], 0
-    if batch:
-      self._send(self._request((header, batch, False), w.ref_of), timeout)
-      sent += batch_bytes
-    return sent
+        yield batch
+        sent[0] += batch_bytes
+        batch, batch_bytes = ckpt_pb.ReceiveRequest(), 0
+    if batch.blocks:
+      yield batch
+      sent[0] += batch_bytes
 
-  def _send_inline(self, header, shards, cancelled, timeout, pace: _Pace) -> int:
-    in_flight: collections.deque = collections.deque()
-    sent = 0
-    try:
-      for kp, index, data in shards:
-        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        for offset in range(0, max(flat.nbytes, 1), CHUNK_BYTES):
-          if cancelled():
-            raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
-          chunk = {"key_path": list(kp), "index": [list(i) for i in index],
-                   "dtype": data.dtype.name, "shape": list(data.shape), "offset": offset}
-          # The bytes go in last, in place: nesting a message copies it (~0.1 s per
-          # 16 MiB level here), setting a field of the built request copies it once.
-          request = self._request((header, [chunk], False, np.empty(0, np.uint8)))
-          payload = request.args.tuple.items[3].array
-          payload.data = flat[offset:offset + CHUNK_BYTES].tobytes()
-          del payload.shape[:]
-          payload.shape.append(len(payload.data))
-          in_flight.append(self._call.future(request, timeout=timeout,
-                                             metadata=self._metadata))
-          pace.after(len(payload.data))
-          while len(in_flight) >= IN_FLIGHT:
-            in_flight.popleft().result()
-        sent += flat.nbytes
-      while in_flight:
-        in_flight.popleft().result()
-    except grpc.RpcError as e:
-      raise self._error(e) from None
-    finally:
-      for f in in_flight:
-        f.cancel()
-    return sent
+  def _inline(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
+              held: list) -> Iterator[_Part]:
+    """Each shard's bytes, raw, in parts of PART_BYTES."""
+    for kp, index, data in shards:
+      flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+      shard = wire.shard_to_pb(kp, index)
+      for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
+        if cancelled():
+          raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
+        part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
+                                   offset=offset)
+        chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
+        yield _Part(part, chunk)
+        pace.after(chunk.nbytes)
+      sent[0] += flat.nbytes
 
   def close(self) -> None:
     """Unmaps the peer's arena and closes the channel; idempotent."""

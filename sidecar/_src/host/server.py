@@ -22,6 +22,7 @@ from sidecar._src import errors, options as options_lib, protocol, registry as r
 from sidecar._src.host import metrics as metrics_lib, replicas
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
+from sidecar._src.host.checkpoint_service import CheckpointService
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CallSlots, Sessions, StreamSlots
 from sidecar._src.host.service import Service
@@ -133,14 +134,13 @@ class Server:
     self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
                          inline_limit=o.inline_limit,
                          is_attached=lambda session: self.workers.has_session(session),
-                         imports=o.imports,
-                         builtins=self.checkpoints.functions(), metrics=self.metrics)
+                         imports=o.imports, metrics=self.metrics)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.runner, max_connections=o.max_worker_connections)
+    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions)
     self.service = Service(runner=self.runner, identity=self.identity,
                            arena_size=self.arena.size, leases=self.leases, workers=self.workers,
-                           checkpoints=self.checkpoints.status,
-                           sessions=Sessions(idle_s=o.session_idle_s, limit=o.max_sessions),
+                           checkpoints=self.checkpoints.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
                            calls=CallSlots(o.threads))
@@ -152,8 +152,11 @@ class Server:
         # take the threads of handshakes, calls and status.
         futures.ThreadPoolExecutor(o.threads + o.max_streams, thread_name_prefix="sidecar-rpc"),
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
-    self._grpc.add_generic_rpc_handlers((self.service.handler(),))
-    reflection.enable_server_reflection((protocol.SERVICE, reflection.SERVICE_NAME), self._grpc)
+    checkpoint = CheckpointService(host=self.checkpoints, runner=self.runner, sessions=sessions,
+                                   metrics=self.metrics)
+    self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
+    reflection.enable_server_reflection(
+        (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
     self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
     self._grpc.start()
     self._health = health.HealthServicer()

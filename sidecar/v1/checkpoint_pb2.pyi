@@ -1,0 +1,462 @@
+from sidecar.v1 import sidecar_pb2 as _sidecar_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_ANY: _ClassVar[Tier]
+    TIER_RAM: _ClassVar[Tier]
+    TIER_REPLICA: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+TIER_ANY: Tier
+TIER_RAM: Tier
+TIER_REPLICA: Tier
+TIER_DISK: Tier
+
+class KeyEntry(_message.Message):
+    __slots__ = ("key", "index")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    index: int
+    def __init__(self, key: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Interval(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class ShardId(_message.Message):
+    __slots__ = ("key_path", "index")
+    KEY_PATH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    key_path: _containers.RepeatedCompositeFieldContainer[KeyEntry]
+    index: _containers.RepeatedCompositeFieldContainer[Interval]
+    def __init__(self, key_path: _Optional[_Iterable[_Union[KeyEntry, _Mapping]]] = ..., index: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ...) -> None: ...
+
+class LeafSpec(_message.Message):
+    __slots__ = ("key_path", "shape", "dtype", "kind", "write_shape", "sharding")
+    KEY_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    key_path: _containers.RepeatedCompositeFieldContainer[KeyEntry]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    kind: str
+    write_shape: _containers.RepeatedScalarFieldContainer[int]
+    sharding: str
+    def __init__(self, key_path: _Optional[_Iterable[_Union[KeyEntry, _Mapping]]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., write_shape: _Optional[_Iterable[int]] = ..., sharding: _Optional[str] = ...) -> None: ...
+
+class ShardChecksum(_message.Message):
+    __slots__ = ("shard", "nbytes", "crc32c", "host")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardId
+    nbytes: int
+    crc32c: int
+    host: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., nbytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., host: _Optional[int] = ...) -> None: ...
+
+class ShardData(_message.Message):
+    __slots__ = ("arena", "array")
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    arena: _sidecar_pb2.ArenaRef
+    array: _sidecar_pb2.Array
+    def __init__(self, arena: _Optional[_Union[_sidecar_pb2.ArenaRef, _Mapping]] = ..., array: _Optional[_Union[_sidecar_pb2.Array, _Mapping]] = ...) -> None: ...
+
+class HostIds(_message.Message):
+    __slots__ = ("hosts",)
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hosts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CheckpointOpenRequest(_message.Message):
+    __slots__ = ("directory", "ram_steps", "ram_budget", "sweep")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RAM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RAM_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SWEEP_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    ram_steps: int
+    ram_budget: int
+    sweep: bool
+    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[int] = ..., ram_budget: _Optional[int] = ..., sweep: _Optional[bool] = ...) -> None: ...
+
+class CheckpointOpenResponse(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CheckpointBeginRequest(_message.Message):
+    __slots__ = ("directory", "step")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointBeginResponse(_message.Message):
+    __slots__ = ("tmp_directory",)
+    TMP_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    tmp_directory: str
+    def __init__(self, tmp_directory: _Optional[str] = ...) -> None: ...
+
+class StagedShard(_message.Message):
+    __slots__ = ("leaf", "index", "data")
+    LEAF_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    leaf: int
+    index: _containers.RepeatedCompositeFieldContainer[Interval]
+    data: ShardData
+    def __init__(self, leaf: _Optional[int] = ..., index: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., data: _Optional[_Union[ShardData, _Mapping]] = ...) -> None: ...
+
+class CheckpointStageRequest(_message.Message):
+    __slots__ = ("directory", "step", "item", "final_item", "leaves", "shards", "last", "worker_session")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    item: str
+    final_item: str
+    leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
+    shards: _containers.RepeatedCompositeFieldContainer[StagedShard]
+    last: bool
+    worker_session: str
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., final_item: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ...) -> None: ...
+
+class CheckpointStageResponse(_message.Message):
+    __slots__ = ("staged_bytes",)
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    staged_bytes: int
+    def __init__(self, staged_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointPreparedRequest(_message.Message):
+    __slots__ = ("final_item", "timeout_s")
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    final_item: str
+    timeout_s: float
+    def __init__(self, final_item: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointPreparedResponse(_message.Message):
+    __slots__ = ("checksums",)
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
+    def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
+
+class CheckpointCommitRequest(_message.Message):
+    __slots__ = ("item", "step", "num_hosts", "leaves", "checksums", "data_state_json", "whole_step", "replicas")
+    class ReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: HostIds
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[HostIds, _Mapping]] = ...) -> None: ...
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    item: str
+    step: int
+    num_hosts: int
+    leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
+    checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
+    data_state_json: str
+    whole_step: bool
+    replicas: _containers.MessageMap[int, HostIds]
+    def __init__(self, item: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ...) -> None: ...
+
+class CheckpointCommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: str
+    def __init__(self, committed: _Optional[str] = ...) -> None: ...
+
+class CheckpointCommittedRequest(_message.Message):
+    __slots__ = ("final_item",)
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    final_item: str
+    def __init__(self, final_item: _Optional[str] = ...) -> None: ...
+
+class CheckpointCommittedResponse(_message.Message):
+    __slots__ = ("kept_steps",)
+    KEPT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    kept_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kept_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CheckpointAbortRequest(_message.Message):
+    __slots__ = ("item", "final_item")
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    item: str
+    final_item: str
+    def __init__(self, item: _Optional[str] = ..., final_item: _Optional[str] = ...) -> None: ...
+
+class CheckpointAbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointDeleteRequest(_message.Message):
+    __slots__ = ("directory", "step")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointDeleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointForgetRequest(_message.Message):
+    __slots__ = ("directory", "step")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CheckpointForgetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("host_id", "address", "socket", "boot_id")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    host_id: int
+    address: str
+    socket: str
+    boot_id: str
+    def __init__(self, host_id: _Optional[int] = ..., address: _Optional[str] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointReplicateRequest(_message.Message):
+    __slots__ = ("final_item", "peers", "timeout_s", "bandwidth")
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    final_item: str
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    timeout_s: float
+    bandwidth: int
+    def __init__(self, final_item: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., bandwidth: _Optional[int] = ...) -> None: ...
+
+class CheckpointReplicateResponse(_message.Message):
+    __slots__ = ("peers", "shards", "bytes", "seconds")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedScalarFieldContainer[int]
+    shards: int
+    bytes: int
+    seconds: float
+    def __init__(self, peers: _Optional[_Iterable[int]] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("directory", "step", "item", "source")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    step: int
+    item: str
+    source: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
+
+class ReplicaBlock(_message.Message):
+    __slots__ = ("shard", "data")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardId
+    data: _sidecar_pb2.ArenaRef
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., data: _Optional[_Union[_sidecar_pb2.ArenaRef, _Mapping]] = ...) -> None: ...
+
+class ReplicaPart(_message.Message):
+    __slots__ = ("shard", "dtype", "shape", "offset", "data")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardId
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReceiveRequest(_message.Message):
+    __slots__ = ("header", "worker_session", "blocks", "part", "done")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    worker_session: str
+    blocks: _containers.RepeatedCompositeFieldContainer[ReplicaBlock]
+    part: ReplicaPart
+    done: bool
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., worker_session: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ReplicaBlock, _Mapping]]] = ..., part: _Optional[_Union[ReplicaPart, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class ReceiveResponse(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointHeldRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class ShardIds(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardId]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardId, _Mapping]]] = ...) -> None: ...
+
+class HeldReplicas(_message.Message):
+    __slots__ = ("by_source",)
+    class BySourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: ShardIds
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[ShardIds, _Mapping]] = ...) -> None: ...
+    BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    by_source: _containers.MessageMap[int, ShardIds]
+    def __init__(self, by_source: _Optional[_Mapping[int, ShardIds]] = ...) -> None: ...
+
+class CheckpointHeldResponse(_message.Message):
+    __slots__ = ("own", "replicas")
+    class OwnEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ShardIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ShardIds, _Mapping]] = ...) -> None: ...
+    class ReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: HeldReplicas
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[HeldReplicas, _Mapping]] = ...) -> None: ...
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    own: _containers.MessageMap[str, ShardIds]
+    replicas: _containers.MessageMap[str, HeldReplicas]
+    def __init__(self, own: _Optional[_Mapping[str, ShardIds]] = ..., replicas: _Optional[_Mapping[str, HeldReplicas]] = ...) -> None: ...
+
+class CheckpointRamRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class CheckpointRamResponse(_message.Message):
+    __slots__ = ("items",)
+    class ItemsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ShardIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ShardIds, _Mapping]] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.MessageMap[str, ShardIds]
+    def __init__(self, items: _Optional[_Mapping[str, ShardIds]] = ...) -> None: ...
+
+class CheckpointInfoRequest(_message.Message):
+    __slots__ = ("final_item",)
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    final_item: str
+    def __init__(self, final_item: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfoResponse(_message.Message):
+    __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas")
+    class ReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: HostIds
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[HostIds, _Mapping]] = ...) -> None: ...
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
+    data_state_json: str
+    replicas: _containers.MessageMap[int, HostIds]
+    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "nbytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointReadRequest(_message.Message):
+    __slots__ = ("final_item", "shard", "crc32c", "tier", "part", "worker_session")
+    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    final_item: str
+    shard: ShardId
+    crc32c: int
+    tier: Tier
+    part: ByteRange
+    worker_session: str
+    def __init__(self, final_item: _Optional[str] = ..., shard: _Optional[_Union[ShardId, _Mapping]] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., part: _Optional[_Union[ByteRange, _Mapping]] = ..., worker_session: _Optional[str] = ...) -> None: ...
+
+class CheckpointReadResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: ShardData
+    def __init__(self, data: _Optional[_Union[ShardData, _Mapping]] = ...) -> None: ...
