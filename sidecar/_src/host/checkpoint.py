@@ -51,7 +51,14 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src import codec, errors, layout_spec as layout, orbax_layout as ol, shm
+from sidecar._src import (
+  codec,
+  env,
+  errors,
+  layout_spec as layout,
+  orbax_layout as ol,
+  shm,
+)
 from sidecar._src.host import metrics as metrics_lib, outputs, replicas as replicas_lib
 from sidecar._src.protocol import pb
 
@@ -64,14 +71,14 @@ MANIFEST = "sidecar_manifest.json"
 # own part of STEP is committed (so the step is durable and its replication half done);
 # "enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk).
 # Unset in production.
-FAULT_ENV = "SIDECAR_CKPT_FAULT"
+FAULT_ENV = env.CKPT_FAULT
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
 # on another machine), instead of through the peer's arena mapped here.
-SHM_ENV = "SIDECAR_REPLICA_SHM"
+SHM_ENV = env.REPLICA_SHM
 # A step staged and written here whose commit never comes (the controller that staged
 # it died between staging and committing) is dropped this long after its write ended,
 # its arena memory given back. Long enough for the slowest host of a big save.
-UNCOMMITTED_ENV = "SIDECAR_UNCOMMITTED_TIMEOUT"
+UNCOMMITTED_ENV = env.UNCOMMITTED_TIMEOUT
 UNCOMMITTED_TIMEOUT_S = 600.0
 CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in flight
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
@@ -79,13 +86,13 @@ CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in fl
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
 ROOTS_FLAG = "--checkpoint-root"
-ROOTS_ENV = "SIDECAR_CHECKPOINT_ROOTS"
+ROOTS_ENV = env.CHECKPOINT_ROOTS
 # Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
 _MARKERS = ("_CHECKPOINT_METADATA", layout.METADATA_FILE, layout.COMMIT_SUCCESS_FILE, MANIFEST)
 
 
 def _fault(point: str, step: int) -> None:
-  if os.environ.get(FAULT_ENV) == f"{point}@{step}":
+  if env.get(FAULT_ENV) == f"{point}@{step}":
     if point == "slow":
       time.sleep(2.0)
       return
@@ -202,9 +209,9 @@ class CheckpointHost:
     # (a replica that arrives after its step's commit learns its fate here).
     self._committed: dict[str, bool] = {}
     self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
-    self._uncommitted_s = _seconds(os.environ.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
+    self._uncommitted_s = _seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
     self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
-                                     shared_memory=os.environ.get(SHM_ENV) != "0")
+                                     shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
@@ -730,7 +737,7 @@ class CheckpointHost:
       replica.shards[key] = data
 
   def _replica_fault(self, step: int) -> None:
-    if os.environ.get(FAULT_ENV) != f"replicate@{step}":
+    if env.get(FAULT_ENV) != f"replicate@{step}":
       return
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # until our own part of the step is committed

@@ -100,8 +100,8 @@ def peer_credentials(tls_cert: str | None, tls_key: str | None,
   """
   if tls_cert is None or tls_key is None:
     return None
-  mine = os.environ.get(env.TLS_CLIENT_CERT) is None
-  return protocol.tls_credentials(os.environ.get(env.TLS_CA) or tls_client_ca,
+  mine = env.get(env.TLS_CLIENT_CERT) is None
+  return protocol.tls_credentials(env.get(env.TLS_CA) or tls_client_ca,
                                   tls_cert if mine else None, tls_key if mine else None)
 
 
