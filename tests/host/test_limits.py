@@ -4,6 +4,7 @@ Tier 1: StreamSlots, Sessions and Credits alone. Tier 2: one in-process sidecar,
 over raw gRPC and its Unix socket; after each attack it still serves a Controller.
 """
 
+import concurrent.futures
 import json
 import queue
 import socket
@@ -365,3 +366,40 @@ def test_many_threads_calling_one_host_at_once_queue_instead_of_being_refused(ma
       sidecar_fns.open_gate("threads")
     assert [f.result(timeout=30) for f in futures] == [[True]] * 24
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # every slot came back
+
+
+def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(make_server):
+  import threading
+
+  from sidecar._src.host.limits import CHECKPOINT_THREADS
+  server = make_server()
+  raws = [Raw(server.port) for _ in range(3)]
+  stop = threading.Event()
+
+  def silent():  # a Receive stream that never sends its header
+    stop.wait(30)
+    yield b""
+
+  def receive(raw):
+    return raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")(
+        silent(), metadata=raw.metadata, timeout=30, wait_for_ready=True)
+
+  pool = concurrent.futures.ThreadPoolExecutor(CHECKPOINT_THREADS + 2)
+  try:
+    calls = [pool.submit(receive, r) for r in raws for _ in range(CHECKPOINT_THREADS // 2 + 1)]
+    refused = lambda: [c for c in calls if c.done()]
+    assert eventually(lambda: len(refused()) == len(calls) - CHECKPOINT_THREADS, timeout=10)
+    for c in refused():
+      with pytest.raises(grpc.RpcError) as e:
+        c.result()
+      assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+      assert "checkpoint rpcs" in e.value.details()
+    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                            timeout=10) as ctl:  # every checkpoint thread is taken
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+      assert ctl.status()[0].identity.host_id == 0
+  finally:
+    stop.set()
+    pool.shutdown(wait=True)
+    for r in raws:
+      r.close()

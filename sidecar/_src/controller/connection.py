@@ -45,6 +45,8 @@ def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
 # many of its calls in flight per host and queues the others itself, so many
 # ``call_async`` at once wait their turn instead of coming back RESOURCE_EXHAUSTED.
 CALLS_IN_FLIGHT = 8
+# The same for the Checkpoint service's rpcs (host/limits.CheckpointSlots: 8 per session).
+CHECKPOINT_CALLS_IN_FLIGHT = 8
 
 
 class CallWindow:
@@ -163,6 +165,7 @@ class Connection:
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)
     self.checkpoint = protocol.ckpt_pb_grpc.CheckpointStub(self._channel)  # checkpoint_client
+    self.checkpoint_calls = CallWindow(CHECKPOINT_CALLS_IN_FLIGHT)
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)

@@ -24,7 +24,7 @@ from sidecar._src import checkpoint_wire as wire, errors, protocol
 from sidecar._src.host import metrics as metrics_lib, outputs
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
-from sidecar._src.host.limits import Sessions
+from sidecar._src.host.limits import CheckpointSlots, Sessions, Slots
 from sidecar._src.host.service import parse
 from sidecar._src.protocol import ckpt_pb
 
@@ -52,8 +52,10 @@ class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
   def __init__(self, *, host: CheckpointHost, runner: Runner, sessions: Sessions,
-               metrics: metrics_lib.Recorder = metrics_lib.OFF):
+               metrics: metrics_lib.Recorder = metrics_lib.OFF,
+               slots: Slots | None = None):
     self._host = host
+    self._slots = CheckpointSlots() if slots is None else slots
     self._runner = runner  # the arena: views of a caller's blocks, results leased to it
     self._sessions = sessions
     self._metrics = metrics
@@ -100,8 +102,10 @@ class CheckpointService:
       t0, code = time.perf_counter(), "OK"
       try:
         request = raw if request_cls is None else parse(request_cls, raw)
-        self._sessions.use(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
-        return fn(request, context)
+        session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
+        self._sessions.use(session)
+        with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full
+          return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name
         if isinstance(e, errors.SidecarError):

@@ -110,6 +110,27 @@ class CallSlots(Slots):
             "calls in flight to return before starting more")
 
 
+# The Checkpoint service's rpcs (a save's phases, restore reads, peers' replica
+# streams) have threads of their own beside those of calls and streams: at most this many
+# at once, half of them one session's (a controller's, or a peer sidecar's replicas).
+CHECKPOINT_THREADS = 16
+
+
+class CheckpointSlots(Slots):
+  """Slots for the Checkpoint service: ``CHECKPOINT_THREADS`` threads, half per session."""
+
+  def __init__(self, total: int = CHECKPOINT_THREADS):
+    super().__init__(total=total, per_session=max(1, total // 2))
+
+  def _full(self) -> str:
+    return (f"this sidecar already runs {self._count} checkpoint rpcs, its limit "
+            f"({self.total}); wait for saves and restores in flight")
+
+  def _session_full(self, session: str) -> str:
+    return (f"session {session} already runs {self._open[session]} checkpoint rpcs, the "
+            f"limit of one session ({self.per_session}); wait for those in flight")
+
+
 class Sessions:
   """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
 

@@ -24,7 +24,7 @@ from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.checkpoint_service import CheckpointService
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import CallSlots, Sessions, StreamSlots
+from sidecar._src.host.limits import CHECKPOINT_THREADS, CallSlots, Sessions, StreamSlots
 from sidecar._src.host.service import Service
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
@@ -148,9 +148,11 @@ class Server:
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
     self._grpc = grpc.server(
-        # Streams have a budget of their own: those that never send a credit cannot
-        # take the threads of handshakes, calls and status.
-        futures.ThreadPoolExecutor(o.threads + o.max_streams, thread_name_prefix="sidecar-rpc"),
+        # Streams and checkpoint rpcs have budgets of their own: streams that never send
+        # a credit, or saves that wait on a slow disk, cannot take the threads of
+        # handshakes, calls and status.
+        futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
+                                   thread_name_prefix="sidecar-rpc"),
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
     checkpoint = CheckpointService(host=self.checkpoints, runner=self.runner, sessions=sessions,
                                    metrics=self.metrics)
