@@ -12,13 +12,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
 from sidecar._src import codec, errors, protocol, registry as registry_lib, shm
 from sidecar._src.host import feed as feed_lib, feed_pool, metrics as metrics_lib, outputs
+from sidecar._src.host.credits import CreditSource
 from sidecar._src.host.leases import Leases
 from sidecar._src.protocol import pb
 
@@ -377,50 +378,3 @@ class Runner:
       except errors.StaleDescriptorError as e:
         log.error("%s", e)
 
-
-class CreditSource(Protocol):
-  """What ``Runner.stream`` takes credits from: :class:`Credits`, or a worker's socket."""
-  consumer_wait_s: float
-
-  def take(self) -> bool: ...
-
-
-class Credits:
-  """How many more items a consumer will take; ``take`` blocks until one is granted."""
-
-  def __init__(self, initial: int):
-    self._cond = threading.Condition()
-    self._available = self._most = initial
-    self._open = True
-    self._granting = True  # more grants may come
-    self.consumer_wait_s = 0.0  # what the consumer reported waiting, in all
-
-  def grant(self, n: int, wait_s: float = 0.0) -> None:
-    with self._cond:
-      # A consumer never has more than its prefetch outstanding: more is ignored, so a
-      # client cannot make the sidecar run ahead without bound.
-      self._available = min(self._available + n, self._most)
-      self.consumer_wait_s += wait_s
-      self._cond.notify()
-
-  def close(self) -> None:
-    """The consumer is gone: ``take`` returns False from now on."""
-    with self._cond:
-      self._open = False
-      self._cond.notify()
-
-  def finish(self) -> None:
-    """No more grants will come (the consumer half-closed its requests): ``take`` still
-    gives the credits granted so far, then returns False."""
-    with self._cond:
-      self._granting = False
-      self._cond.notify()
-
-  def take(self) -> bool:
-    with self._cond:
-      while self._available <= 0 and self._open and self._granting:
-        self._cond.wait()
-      if not self._open or self._available <= 0:
-        return False
-      self._available -= 1
-      return True

@@ -17,7 +17,8 @@ import grpc
 from google.protobuf import message as pb_message
 
 from sidecar._src import codec, errors, protocol
-from sidecar._src.host.calls import Credits, Runner
+from sidecar._src.host.calls import Runner
+from sidecar._src.host.credits import Credits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
 from sidecar._src.host.workers import WorkerListener
