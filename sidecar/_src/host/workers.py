@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src import codec, errors, ipc, protocol, shm
-from sidecar._src.host.calls import Runner
 from sidecar._src.host.credits import SocketCredits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import check_prefetch
+from sidecar._src.host.streams import StreamRunner
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,13 @@ class WorkerListener:
   """Accepts worker connections on ``path`` and serves their requests."""
 
   def __init__(self, path: str, arena: shm.Arena, leases: Leases,
-               hello: Callable[[dict[str, Any]], dict[str, Any]], runner: Runner, *,
+               hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
                max_connections: int = 256):
     self.path = path
     self.max_connections = max_connections
     # Open connections of any kind, each with its thread: close() ends and joins them.
     self._connections: dict[socket.socket, threading.Thread] = {}
-    self._runner = runner
+    self._streams = streams
     self._arena = arena
     self._leases = leases
     self._hello = hello
@@ -173,8 +173,8 @@ class WorkerListener:
       # back here when the consumer closes the stream.
       sent, unread = 0, collections.deque()
       try:
-        for item in self._runner.stream(first.start, credits, alive=alive,
-                                        time_left=lambda: None):
+        for item in self._streams.run(first.start, credits, alive=alive,
+                                      time_left=lambda: None):
           blocks = codec.arena_blocks(item.value)
           try:
             ipc.send_bytes(conn, item.SerializeToString())
