@@ -17,7 +17,7 @@ import pytest
 import sidecar
 from sidecar._src import codec, ipc, protocol
 from sidecar._src.host import workers as workers_lib
-from sidecar._src.host.calls import Credits
+from sidecar._src.host.credits import Credits
 from sidecar._src.host.limits import MAX_PREFETCH, Sessions, StreamSlots
 from sidecar._src.protocol import pb
 from tests.conftest import eventually

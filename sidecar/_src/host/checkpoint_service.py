@@ -22,7 +22,7 @@ import numpy as np
 
 from sidecar._src import checkpoint_wire as wire, errors, protocol
 from sidecar._src.host import metrics as metrics_lib, outputs
-from sidecar._src.host.calls import Runner
+from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.limits import CheckpointSlots, Sessions, Slots
 from sidecar._src.host.service import parse
@@ -51,12 +51,12 @@ def _timeout(seconds: float, name: str = "timeout_s") -> float:
 class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
-  def __init__(self, *, host: CheckpointHost, runner: Runner, sessions: Sessions,
+  def __init__(self, *, host: CheckpointHost, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                slots: Slots | None = None):
     self._host = host
     self._slots = CheckpointSlots() if slots is None else slots
-    self._runner = runner  # the arena: views of a caller's blocks, results leased to it
+    self._arena_io = arena_io  # views of a caller's blocks, results leased to it
     self._sessions = sessions
     self._metrics = metrics
 
@@ -119,7 +119,7 @@ class CheckpointService:
 
   def _allocating(self, context: grpc.ServicerContext):
     """``sidecar.empty`` in the arena for this request (reads from storage, replica parts)."""
-    return outputs.allocating(self._runner._empty(context.is_active, context.time_remaining))
+    return outputs.allocating(self._arena_io.empty(context.is_active, context.time_remaining))
 
   # ---- save --------------------------------------------------------------
 
@@ -135,7 +135,7 @@ class CheckpointService:
   def stage(self, r: ckpt_pb.CheckpointStageRequest, _) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    view = lambda ref: self._runner._view(ref, r.worker_session)
+    view = lambda ref: self._arena_io.view(ref, r.worker_session)
     shards = [{"leaf": s.leaf, "index": wire.index_from_pb(s.index, f"shards[{i}].index"),
                "data": wire.data_from_pb(s.data, view, f"shards[{i}].data")}
               for i, s in enumerate(r.shards)]
@@ -205,7 +205,7 @@ class CheckpointService:
     header = {"directory": h.directory, "step": _step(h.step, "header.step"), "item": h.item,
               "source": h.source}
     session = first.worker_session
-    view = lambda ref: self._runner._view(ref, session)
+    view = lambda ref: self._arena_io.view(ref, session)
     held, message, n = 0, first, 0
     with self._allocating(context):
       while True:
@@ -294,8 +294,8 @@ class CheckpointService:
       wire.fill_data(out.data, data)
       return out
     # Leased to the caller's worker: a RAM-tier block as it is, else copied into one.
-    value = self._runner.encode(data, r.worker_session, alive=context.is_active,
-                                time_left=context.time_remaining, where="the shard read")
+    value = self._arena_io.encode(data, r.worker_session, alive=context.is_active,
+                                  time_left=context.time_remaining, where="the shard read")
     if value.HasField("arena"):
       out.data.arena.CopyFrom(value.arena)
     else:  # smaller than the inline limit

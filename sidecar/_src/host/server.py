@@ -20,12 +20,14 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
 from sidecar._src.host import metrics as metrics_lib, replicas
+from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.checkpoint_service import CheckpointService
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CHECKPOINT_THREADS, CallSlots, Sessions, StreamSlots
 from sidecar._src.host.service import Service
+from sidecar._src.host.streams import StreamRunner
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
@@ -131,15 +133,16 @@ class Server:
     self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
         o.host_id, token=o.token, roots=o.checkpoint_roots, metrics=self.metrics,
         peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
-    self.runner = Runner(registry=self.registry, arena=self.arena, leases=self.leases,
-                         inline_limit=o.inline_limit,
-                         is_attached=lambda session: self.workers.has_session(session),
-                         imports=o.imports, metrics=self.metrics)
+    self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
+                            is_attached=lambda session: self.workers.has_session(session))
+    self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics)
+    self.stream_runner = StreamRunner(self.runner, imports=o.imports)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
-                                  self.runner, max_connections=o.max_worker_connections)
+                                  self.stream_runner, max_connections=o.max_worker_connections)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions)
-    self.service = Service(runner=self.runner, identity=self.identity,
-                           arena_size=self.arena.size, leases=self.leases, workers=self.workers,
+    self.service = Service(runner=self.runner, stream_runner=self.stream_runner,
+                           identity=self.identity, arena_size=self.arena.size,
+                           leases=self.leases, workers=self.workers,
                            checkpoints=self.checkpoints.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
@@ -154,8 +157,8 @@ class Server:
         futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
                                    thread_name_prefix="sidecar-rpc"),
         options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
-    checkpoint = CheckpointService(host=self.checkpoints, runner=self.runner, sessions=sessions,
-                                   metrics=self.metrics)
+    checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
+                                   sessions=sessions, metrics=self.metrics)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
@@ -186,7 +189,7 @@ class Server:
         uptime_s=self.service.uptime_s(),
         arena_size=self.arena.size, arena_used=allocator.used_bytes,
         arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
-        pinned_bytes=pinned, workers=len(pids), feeds=self.runner.feed_totals(), **usage)
+        pinned_bytes=pinned, workers=len(pids), feeds=self.stream_runner.feed_totals(), **usage)
 
   @staticmethod
   def _bind(server: grpc.Server, listen: str, port: int, flag: str,
@@ -278,8 +281,8 @@ class Server:
       self.workers.close()
     if getattr(self, "checkpoints", None) is not None:
       self.checkpoints.close()
-    if getattr(self, "runner", None) is not None:
-      self.runner.close()
+    if getattr(self, "arena_io", None) is not None:
+      self.arena_io.close()
     if getattr(self, "arena", None) is not None:
       self.arena.close()
 

@@ -17,9 +17,11 @@ import grpc
 from google.protobuf import message as pb_message
 
 from sidecar._src import codec, errors, protocol
-from sidecar._src.host.calls import Credits, Runner
+from sidecar._src.host.calls import Runner
+from sidecar._src.host.credits import Credits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
+from sidecar._src.host.streams import StreamRunner
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
@@ -40,12 +42,14 @@ def parse(cls, raw: bytes):
 class Service:
   """Handlers for ``sidecar.v1.Sidecar``; owns no resources, only references."""
 
-  def __init__(self, *, runner: Runner, identity: pb.HostIdentity, arena_size: int,
+  def __init__(self, *, runner: Runner, stream_runner: StreamRunner,
+               identity: pb.HostIdentity, arena_size: int,
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
                calls: Slots | None = None):
     self._runner = runner
+    self._stream_runner = stream_runner
     self._identity = identity
     self._arena_size = arena_size
     self._leases = leases
@@ -152,8 +156,8 @@ class Service:
         credits.finish()  # Half-closed: what it credited is still sent.
 
     threading.Thread(target=read_credits, daemon=True, name="sidecar-credits").start()
-    yield from self._runner.stream(first.start, credits, alive=context.is_active,
-                                   time_left=context.time_remaining)
+    yield from self._stream_runner.run(first.start, credits, alive=context.is_active,
+                                       time_left=context.time_remaining)
 
   def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
     parse(pb.StatusRequest, raw)
@@ -165,4 +169,5 @@ class Service:
         arena_used=self._leases.allocator.used_bytes,
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
-        calls=self._runner.calls, feeds=self._runner.feeds(), checkpoints=self._checkpoints())
+        calls=self._runner.calls, feeds=self._stream_runner.feeds(),
+        checkpoints=self._checkpoints())

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src import codec, errors, ipc, protocol, shm
-from sidecar._src.host.calls import Runner
+from sidecar._src.host.credits import SocketCredits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import check_prefetch
+from sidecar._src.host.streams import StreamRunner
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,13 @@ class WorkerListener:
   """Accepts worker connections on ``path`` and serves their requests."""
 
   def __init__(self, path: str, arena: shm.Arena, leases: Leases,
-               hello: Callable[[dict[str, Any]], dict[str, Any]], runner: Runner, *,
+               hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
                max_connections: int = 256):
     self.path = path
     self.max_connections = max_connections
     # Open connections of any kind, each with its thread: close() ends and joins them.
     self._connections: dict[socket.socket, threading.Thread] = {}
-    self._runner = runner
+    self._streams = streams
     self._arena = arena
     self._leases = leases
     self._hello = hello
@@ -164,7 +165,7 @@ class WorkerListener:
       first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
-      credits = _SocketCredits(conn, check_prefetch(first.prefetch),
+      credits = SocketCredits(conn, check_prefetch(first.prefetch),
                                lambda freed: self._free(session, freed))
       alive = lambda: self.has_session(session)
       # Blocks of the last items sent, those not yet reported taken (items are taken in
@@ -172,8 +173,8 @@ class WorkerListener:
       # back here when the consumer closes the stream.
       sent, unread = 0, collections.deque()
       try:
-        for item in self._runner.stream(first.start, credits, alive=alive,
-                                        time_left=lambda: None):
+        for item in self._streams.run(first.start, credits, alive=alive,
+                                      time_left=lambda: None):
           blocks = codec.arena_blocks(item.value)
           try:
             ipc.send_bytes(conn, item.SerializeToString())
@@ -291,53 +292,3 @@ def _remove_dirs(made: list[str]) -> None:
     except OSError:
       return  # Not empty (someone else's files) or gone: leave it and its parents.
 
-
-class _SocketCredits:
-  """Credits read by the producing thread itself: no thread hop per item.
-
-  ``take`` uses a credit if one is banked, reading whatever credit frames are
-  already waiting without blocking; with none banked it blocks for the next
-  frame. A closed socket means the consumer is gone: ``take`` returns False.
-  """
-
-  def __init__(self, conn: socket.socket, initial: int, on_freed: Callable[[list[int]], None]):
-    self._conn = conn
-    self._reader = ipc.FrameReader(conn)
-    self._available = self._most = initial
-    self._on_freed = on_freed
-    self.consumer_wait_s = 0.0
-    self.taken = 0  # items the consumer reported taken
-    self.closed = False  # the consumer said it is done
-
-  def _read(self, block: bool) -> None:
-    self._conn.setblocking(block)
-    try:
-      while not self.closed:
-        message = pb.StreamRequest.FromString(self._reader.read())
-        self._available = min(self._available + message.credit, self._most)  # as Credits
-        self.taken += message.credit
-        self.consumer_wait_s += message.wait_s
-        self.closed = message.close
-        if message.freed:
-          self._on_freed(list(message.freed))
-        if block:
-          return
-    except BlockingIOError:
-      return  # nothing more waiting
-    finally:
-      self._conn.setblocking(True)
-
-  def take(self) -> bool:
-    try:
-      self._read(block=self._available <= 0)
-    except (ConnectionError, OSError):
-      return False
-    if self.closed:
-      return False
-    self._available -= 1
-    return True
-
-  def drain(self) -> None:
-    """Reads what the consumer sent and nobody read yet (its close, say)."""
-    with contextlib.suppress(ConnectionError, OSError):
-      self._read(block=False)
