@@ -1,0 +1,116 @@
+"""``controller.feed.Feed`` with no process: the sidecars' streams are in-process fakes.
+
+Feed talks to the sidecars through one seam, ``open_stream(host, FeedSpec)``, which
+returns an iterator of items (``batch``: per leaf, one array per row range of the
+host's plan; ``state``: the position after that batch; ``produce_s``). The fake below
+yields the integers of row ``r`` of global batch ``k`` (``k * batch + r``), from the
+position the FeedSpec's state names, as a sidecar does with a ``grain.MapDataset``.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar._src.controller import feed as feed_lib
+
+BATCH = 8
+
+
+class FakeStream:
+  """One host's stream: batches from ``spec``'s start position; ``fail_at`` raises there."""
+
+  def __init__(self, spec, *, batches: int = 100, fail_at: int | None = None,
+               interrupt_at: int | None = None):
+    start = json.loads(spec.state_json)
+    self.position = start.get("position", 0)
+    self.ranges = [(r.start, r.stop) for r in spec.rows]
+    self.batches, self.fail_at, self.interrupt_at = batches, fail_at, interrupt_at
+    self.closed = False
+
+  def __next__(self):
+    if self.closed or self.position >= self.batches:
+      raise StopIteration
+    if self.position == self.fail_at:
+      raise sidecar.HostLostError("the fake sidecar died")
+    if self.position == self.interrupt_at:
+      self.interrupt_at = None
+      raise KeyboardInterrupt
+    k = self.position
+    self.position += 1
+    return {"batch": {"x": [np.arange(k * BATCH + a, k * BATCH + b) for a, b in self.ranges]},
+            "state": {"kind": "map", "epoch": 0, "position": self.position},
+            "produce_s": 0.0}
+
+  def close(self):
+    self.closed = True
+
+
+def make_feed(state=None, seed=0, fake=None):
+  devices = jax.devices()[:4]  # hosts 0 and 1, two devices each
+  sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+  plans = feed_lib.plan(sharding, BATCH, {d.id: i // 2 for i, d in enumerate(devices)})
+  streams = {}
+
+  def open_stream(host, spec):
+    streams[host] = FakeStream(spec, **(fake or {}).get(host, {}))
+    return streams[host]
+
+  feed = feed_lib.Feed(name="ids", plans=plans, sharding=sharding, global_batch_size=BATCH,
+                       seed=seed, num_epochs=None, prefetch=2, state=state, workers=0,
+                       open_stream=open_stream)
+  return feed, streams
+
+
+def test_hosts_parts_become_global_batches_in_row_order():
+  feed, streams = make_feed()
+  with feed:
+    for k in range(3):
+      batch = next(feed)
+      assert batch["x"].shape == (BATCH,)
+      np.testing.assert_array_equal(np.asarray(batch["x"]), np.arange(k * BATCH, (k + 1) * BATCH))
+    assert feed.state()["position"] == 3 and feed.stats()["batches"] == 3
+  assert all(s.closed for s in streams.values())
+
+
+def test_a_feed_resumed_from_state_continues_with_the_next_batch():
+  feed, _ = make_feed()
+  with feed:
+    for _ in range(5):
+      next(feed)
+    state = feed.state()
+  resumed, streams = make_feed(state=state)
+  with resumed:
+    assert all(s.position == 5 for s in streams.values())  # each host starts there
+    np.testing.assert_array_equal(np.asarray(next(resumed)["x"]), np.arange(40, 48))
+  with pytest.raises(sidecar.InvalidArgumentError, match="resume with the same pipeline and seed"):
+    make_feed(state=state, seed=1)
+
+
+def test_an_interrupted_batch_loses_no_host_part():
+  feed, _ = make_feed(fake={1: {"interrupt_at": 1}})  # host 1, the second part of batch 1
+  with feed:
+    next(feed)
+    with pytest.raises(KeyboardInterrupt):
+      next(feed)
+    np.testing.assert_array_equal(np.asarray(next(feed)["x"]), np.arange(8, 16))
+    np.testing.assert_array_equal(np.asarray(next(feed)["x"]), np.arange(16, 24))
+
+
+def test_a_lost_host_closes_every_stream_and_the_feed():
+  feed, streams = make_feed(fake={1: {"fail_at": 2}})
+  next(feed), next(feed)
+  with pytest.raises(sidecar.HostLostError):
+    next(feed)
+  assert all(s.closed for s in streams.values())
+  with pytest.raises(sidecar.ClosedError, match="is closed"):
+    next(feed)
+
+
+def test_the_end_of_the_data_ends_the_iteration_and_closes():
+  feed, streams = make_feed(fake={0: {"batches": 2}, 1: {"batches": 2}})
+  assert len(list(feed)) == 2
+  assert feed.status is feed_lib.State.CLOSED and all(s.closed for s in streams.values())
