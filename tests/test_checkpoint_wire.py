@@ -64,3 +64,40 @@ def test_a_raw_part_serializes_as_protobuf_would(nbytes):
   expected = ckpt_pb.ReceiveRequest(part=part)
   expected.part.data = data.tobytes()
   assert ckpt_pb.ReceiveRequest.FromString(raw) == expected
+
+
+def _as_protobuf_parses(message: ckpt_pb.ReceiveRequest, data) -> ckpt_pb.ReceiveRequest:
+  if data is not None:
+    message.part.data = bytes(data)
+  return message
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 128, 1 << 20], ids=str)
+def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
+  from sidecar._src.host.checkpoint_service import parse_receive
+  data = (np.arange(nbytes) % 251).astype(np.uint8)
+  part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
+                             shape=[nbytes], offset=64 << 20)
+  raw = replicas._serialize(replicas._Part(part, data.data))
+  message, view = parse_receive(raw)
+  assert isinstance(view, memoryview) and view.obj is raw  # the bytes as they came
+  assert _as_protobuf_parses(message, view) == ckpt_pb.ReceiveRequest.FromString(raw)
+
+
+@pytest.mark.parametrize("message", [
+    ckpt_pb.ReceiveRequest(done=True),
+    ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(directory="/d", step=3, item="i",
+                                                        source=1), worker_session="s"),
+    ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(dtype="f4", shape=[2], data=b"12345678"),
+                           done=True),
+    ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart()),  # a part with nothing set
+], ids=["done", "header", "part-and-done", "empty-part"])
+def test_the_receiver_reads_any_receive_request_as_protobuf_would(message):
+  from sidecar._src.host.checkpoint_service import parse_receive
+  raw = message.SerializeToString()
+  assert _as_protobuf_parses(*parse_receive(raw)) == message
+  # The same fields twice (protobuf merges them) and garbage take protobuf's own path.
+  doubled, _ = parse_receive(raw + raw)
+  assert doubled == ckpt_pb.ReceiveRequest.FromString(raw + raw)
+  with pytest.raises(errors.InvalidArgumentError, match="malformed ReceiveRequest"):
+    parse_receive(raw + b"\x22\xff")

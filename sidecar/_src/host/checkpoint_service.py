@@ -48,6 +48,72 @@ def _timeout(seconds: float, name: str = "timeout_s") -> float:
   return seconds or LONG_S
 
 
+_PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
+_DATA = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+  value = shift = 0
+  while shift < 64:
+    byte = buf[i]  # IndexError past the end
+    value |= (byte & 0x7F) << shift
+    i += 1
+    if not byte & 0x80:
+      return value, i
+    shift += 7
+  raise ValueError("varint too long")
+
+
+def _length_delimited(buf: bytes, start: int, end: int, wanted: int) -> list[tuple[int, int, int]]:
+  """``(field start, value start, value end)`` of each field ``wanted`` of wire type 2 in
+  ``buf[start:end]``; ValueError for anything but the plain wire types."""
+  found, i = [], start
+  while i < end:
+    field_start = i
+    tag, i = _varint(buf, i)
+    kind = tag & 7
+    if kind == 0:
+      _, i = _varint(buf, i)
+    elif kind == 1:
+      i += 8
+    elif kind == 5:
+      i += 4
+    elif kind == 2:
+      n, i = _varint(buf, i)
+      if tag >> 3 == wanted:
+        found.append((field_start, i, i + n))
+      i += n
+    else:
+      raise ValueError(f"wire type {kind}")
+  if i != end:
+    raise ValueError("a field runs past its message")
+  return found
+
+
+def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None]:
+  """A ReceiveRequest, with its part's ``data`` as a view of ``raw`` instead of a copy.
+
+  Protobuf would copy a part's bytes twice (parsing, then reading the field), about
+  1.3 ms per 8 MiB part; the view costs nothing, and the bytes are copied once, into
+  the arena. The message comes back with ``part.data`` empty. Where the scan meets
+  what the sender never writes (a field twice, a group), protobuf parses it all.
+  """
+  try:
+    parts = _length_delimited(raw, 0, len(raw), _PART)
+    if len(parts) == 1:
+      field_start, start, end = parts[0]
+      datas = _length_delimited(raw, start, end, _DATA)
+      if len(datas) == 1:
+        data_start, value_start, value_end = datas[0]
+        message = parse(ckpt_pb.ReceiveRequest, raw[:field_start] + raw[end:])
+        part = raw[start:data_start] + raw[value_end:end]  # the part, but its data
+        message.part.CopyFrom(parse(ckpt_pb.ReplicaPart, part))
+        return message, memoryview(raw)[value_start:value_end]
+  except (ValueError, IndexError):
+    pass  # malformed: protobuf's own parse says how
+  return parse(ckpt_pb.ReceiveRequest, raw), None
+
+
 class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
@@ -198,7 +264,7 @@ class CheckpointService:
   def receive(self, requests: Iterator[bytes], context: grpc.ServicerContext
               ) -> ckpt_pb.ReceiveResponse:
     """A peer's replica of one step: the header, then blocks or parts, then ``done``."""
-    first = parse(ckpt_pb.ReceiveRequest, next(requests, b""))
+    first, data = parse_receive(next(requests, b""))
     if not first.HasField("header"):
       raise errors.InvalidArgumentError("the first ReceiveRequest must carry the header")
     h = first.header
@@ -211,7 +277,7 @@ class CheckpointService:
       while True:
         if message.HasField("header") and n:
           raise errors.InvalidArgumentError(f"ReceiveRequest {n}: only the first has a header")
-        held = self._receive_one(header, message, view, n)
+        held = self._receive_one(header, message, view, n, data)
         if message.done:
           return ckpt_pb.ReceiveResponse(nbytes=held)
         raw = next(requests, None)
@@ -219,9 +285,10 @@ class CheckpointService:
           raise errors.InvalidArgumentError(
               f"the replica of step {header['step']} from host {header['source']} ended "
               "without `done`: it is not whole")
-        message, n = parse(ckpt_pb.ReceiveRequest, raw), n + 1
+        (message, data), n = parse_receive(raw), n + 1
 
-  def _receive_one(self, header: dict, m: ckpt_pb.ReceiveRequest, view, n: int) -> int:
+  def _receive_one(self, header: dict, m: ckpt_pb.ReceiveRequest, view, n: int,
+                   data: memoryview | None) -> int:
     where = f"ReceiveRequest {n}"
     shards: list[dict[str, Any]] = []
     payload = None
@@ -239,7 +306,7 @@ class CheckpointService:
         raise errors.InvalidArgumentError(f"{where}.part: bad shape {list(p.shape)[:8]}")
       shards.append({"key_path": list(kp), "index": [list(x) for x in index],
                      "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset})
-      payload = np.frombuffer(p.data, np.uint8)
+      payload = np.frombuffer(p.data if data is None else data, np.uint8)
     try:
       return self._host.receive(header, shards, m.done, payload)
     finally:
