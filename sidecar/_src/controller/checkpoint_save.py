@@ -101,6 +101,7 @@ def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]
   return ([h for h in ring if slices[h] != slices[host]]
           + [h for h in ring if slices[h] == slices[host]])[:replicas]
 
+
 def shard_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
   """A shard's index as ``((start, stop), ...)`` per dimension."""
   return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
