@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src import errors
-from sidecar._src.controller import checkpoint as checkpoint_lib, status as status_lib
+from sidecar._src.controller import checkpoint_restore, status as status_lib
 from sidecar._src.controller.checkpoint import replica_peers
 from sidecar._src.host.checkpoint import FAULT_ENV
 from tests.conftest import arena_mappers, eventually, shm_entries
@@ -173,10 +173,10 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
   """A controller that maps no arena reads RAM-tier shards inline, in parts of at most
   READ_PART_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
   replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
-  monkeypatch.setattr(checkpoint_lib, "READ_PART_BYTES", 4096)
+  monkeypatch.setattr(checkpoint_restore, "READ_PART_BYTES", 4096)
   parts = []
-  read_parts = checkpoint_lib.Checkpointer._read_parts
-  monkeypatch.setattr(checkpoint_lib.Checkpointer, "_read_parts",
+  read_parts = checkpoint_restore.Restorer._read_parts
+  monkeypatch.setattr(checkpoint_restore.Restorer, "_read_parts",
                       lambda self, *a: parts.append(a[5]) or read_parts(self, *a))
   directory = tmp_path / "ck"
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
