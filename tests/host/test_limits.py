@@ -347,8 +347,22 @@ def test_many_calls_at_once_from_one_controller_queue_instead_of_being_refused(m
                 for _ in range(CALLS_IN_FLIGHT)]
     with pytest.raises(sidecar.DeadlineExceededError, match="behind this controller's other"):
       ctl.call("add", args=(2,), timeout=0.5)
+    queued = ctl.call_async("add", args=(2,), timeout=0.5)[0]
+    with pytest.raises(sidecar.DeadlineExceededError, match="behind this controller's other"):
+      queued.result(timeout=3)  # at its deadline, while the calls ahead still run
     sidecar_fns.open_gate("late")
     assert [f.result(timeout=30) for f in blockers] == [True] * CALLS_IN_FLIGHT
+    # Calls still queued when the controller closes end with ClosedError, none hangs.
+    sidecar_fns._gates.pop("closing", None)
+    running = [ctl.call_async("wait_gate", args=("closing", 5.0))[0]
+               for _ in range(CALLS_IN_FLIGHT)]
+    waiting = ctl.call_async("add", args=(2,))[0]
+    ctl.close()
+    with pytest.raises(sidecar.ClosedError):
+      waiting.result(timeout=3)
+    sidecar_fns.open_gate("closing")
+    for f in running:
+      f.exception(timeout=10)  # ended one way or another
 
 
 def test_many_threads_calling_one_host_at_once_queue_instead_of_being_refused(make_server):

@@ -20,7 +20,6 @@ import abc
 import concurrent.futures
 import dataclasses
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -178,7 +177,6 @@ class CheckpointClient(CheckpointTransport):
     conn = self._connection(host)
     out: concurrent.futures.Future = concurrent.futures.Future()
     timeout = self._timeout if timeout is None else timeout
-    deadline = time.monotonic() + timeout  # the wait in the connection's window counts too
 
     def done(f: grpc.Future) -> None:
       if held is not None:
@@ -190,24 +188,15 @@ class CheckpointClient(CheckpointTransport):
       except Exception as e:
         out.set_exception(e)
 
-    def start() -> grpc.Future | None:
-      left = deadline - time.monotonic()
-      try:
-        if left <= 0:
-          raise errors.DeadlineExceededError(
-              f"checkpoint rpc {method} on host {host} waited {timeout:.3g} s (its timeout) "
-              "behind this controller's other checkpoint rpcs to that host")
-        rpc = getattr(conn.checkpoint, method).future(request, timeout=left,
-                                                      metadata=conn.metadata)
-      except Exception as e:
-        if held is not None:
-          held.clear()
-        out.set_exception(e)
-        return None
-      rpc.add_done_callback(done)
-      return rpc
+    def fail(e: BaseException) -> None:
+      if held is not None:
+        held.clear()
+      out.set_exception(e)
 
-    conn.checkpoint_calls.submit(start)  # at most CHECKPOINT_CALLS_IN_FLIGHT at once
+    conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; the wait counts
+        lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
+                                                             metadata=conn.metadata),
+        done=done, fail=fail, timeout=timeout, what=f"checkpoint rpc {method} on host {host}")
     return out
 
   def open(self, host, directory, *, ram_steps, ram_budget, sweep):

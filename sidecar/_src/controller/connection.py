@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 
-from sidecar._src import env, errors, protocol
+from sidecar._src import env, errors, interrupts, protocol
 from sidecar._src.protocol import pb
 
 CHANNEL_OPTIONS = (
@@ -49,45 +51,76 @@ CALLS_IN_FLIGHT = 8
 CHECKPOINT_CALLS_IN_FLIGHT = 8
 
 
+@dataclasses.dataclass(eq=False)
+class _Queued:
+  send: Callable[[float], grpc.Future]
+  done: Callable[[grpc.Future], None]
+  fail: Callable[[BaseException], None]
+  deadline: float
+  timeout: float
+  what: str
+
+
 class CallWindow:
   """At most ``size`` calls in flight on one connection; the others wait their turn.
 
-  ``submit(start)`` for a call sent as a future: ``start()`` sends it and returns its
-  ``grpc.Future``, or None where it did not send (it reports its own errors, never
-  raises); it runs at once when the window has room, else when an earlier call ends.
+  ``call(...)`` for a call sent as a future: ``send(seconds_left)`` sends it once the
+  window has room; ``done(rpc)`` runs when it ends (after its slot is free again);
+  ``fail(error)`` instead where it was never sent: its deadline passed in the queue
+  (DeadlineExceededError), the window closed (ClosedError), or ``send`` raised.
   ``enter(timeout)`` / ``exit()`` around a call a thread makes itself, blocking.
+  A thread of the window's own fails queued calls at their deadlines; ``close()``
+  fails the rest and joins it.
   """
 
-  def __init__(self, size: int = CALLS_IN_FLIGHT):
-    self._size = size
-    self._lock = threading.Lock()
+  def __init__(self, size: int = CALLS_IN_FLIGHT, *, name: str = "sidecar"):
+    self._size, self._name = size, name
+    self._cv = threading.Condition()
     self._running = 0
-    # Waiting calls: a start function, or the Event of a thread blocked in enter().
-    self._waiting: collections.deque[Callable[[], grpc.Future | None] | threading.Event] = (
-        collections.deque())
+    # Waiting calls: a _Queued, or the Event of a thread blocked in enter().
+    self._waiting: collections.deque[_Queued | threading.Event] = collections.deque()
+    self.closed = False
+    self._expirer: threading.Thread | None = None
 
-  def submit(self, start: Callable[[], grpc.Future | None]) -> None:
-    with self._lock:
-      if self._running >= self._size:
-        self._waiting.append(start)
+  def call(self, send: Callable[[float], grpc.Future], *, done: Callable[[grpc.Future], None],
+           fail: Callable[[BaseException], None], timeout: float, what: str) -> None:
+    entry = _Queued(send, done, fail, time.monotonic() + timeout, timeout, what)
+    with self._cv:
+      if not self.closed and self._running >= self._size:
+        self._waiting.append(entry)
+        if self._expirer is None:
+          self._expirer = threading.Thread(target=self._expire, daemon=True,
+                                           name=f"sidecar-calls-{self._name}")
+          self._expirer.start()
+        self._cv.notify()
         return
-      self._running += 1
-    self._run(start)
+      if not self.closed:
+        self._running += 1
+    if self.closed:
+      fail(self._closed_error(entry))
+    else:
+      self._run(entry)
 
   def enter(self, timeout: float) -> bool:
-    """Takes a slot, waiting at most ``timeout`` s; False if none came in time."""
-    with self._lock:
+    """Takes a slot, waiting at most ``timeout`` s (Ctrl-C ends the wait); False if none
+    came in time. Raises ClosedError once the window is closed."""
+    with self._cv:
+      if self.closed:
+        raise errors.ClosedError(f"the connection to {self._name} is closed")
       if self._running < self._size:
         self._running += 1
         return True
       ready = threading.Event()
       self._waiting.append(ready)
+    deadline = time.monotonic() + max(timeout, 0.0)
     handed = False
     try:
-      handed = ready.wait(max(timeout, 0.0))
+      while not handed and time.monotonic() < deadline:
+        handed = ready.wait(min(interrupts.POLL_S, max(deadline - time.monotonic(), 0.0)))
+        interrupts.check()  # a Ctrl-C held off by interrupts.deferring ends the wait
     finally:
       if not handed:  # timed out or interrupted: leave the line, or give back what came
-        with self._lock:
+        with self._cv:
           came = ready not in self._waiting
           if not came:
             self._waiting.remove(ready)
@@ -99,17 +132,48 @@ class CallWindow:
     """Gives back the slot of a call made after ``enter``."""
     self._run(self._next())
 
-  def _run(self, start: Callable[[], grpc.Future | None] | None) -> None:
-    while start is not None:
-      rpc = start()
-      if rpc is not None:
-        rpc.add_done_callback(lambda _: self.exit())
-        return
-      start = self._next()
+  def close(self) -> None:
+    """Fails every queued call (ClosedError) and stops the expiring thread; idempotent."""
+    with self._cv:
+      self.closed = True
+      queued = [e for e in self._waiting if isinstance(e, _Queued)]
+      self._waiting = collections.deque(e for e in self._waiting if not isinstance(e, _Queued))
+      self._cv.notify_all()
+      expirer = self._expirer
+    for e in queued:
+      e.fail(self._closed_error(e))
+    if expirer is not None and expirer is not threading.current_thread():
+      expirer.join(5)
 
-  def _next(self) -> Callable[[], grpc.Future | None] | None:
+  def _closed_error(self, e: _Queued) -> errors.ClosedError:
+    return errors.ClosedError(f"{e.what} was not sent: the connection to {self._name} closed")
+
+  def _run(self, entry: _Queued | None) -> None:
+    while entry is not None:
+      left = entry.deadline - time.monotonic()
+      try:
+        if left <= 0:
+          raise errors.DeadlineExceededError(
+              f"{entry.what} waited {entry.timeout:.3g} s (its timeout) behind this "
+              f"controller's other calls to {self._name} ({self._size} run at once); raise "
+              "the timeout, or make fewer calls at once")
+        rpc = entry.send(left)
+      except Exception as e:
+        if isinstance(e, ValueError) and self.closed:  # gRPC: "Channel closed!"
+          e = self._closed_error(entry)
+        entry.fail(e)
+        entry = self._next()
+        continue
+      rpc.add_done_callback(functools.partial(self._ended, entry.done))
+      return
+
+  def _ended(self, done: Callable[[grpc.Future], None], rpc: grpc.Future) -> None:
+    self.exit()  # the slot first: ``done`` may run the caller's callbacks, or wait
+    done(rpc)
+
+  def _next(self) -> _Queued | None:
     """The next waiting call, given the slot of one that ended; else the slot is freed."""
-    with self._lock:
+    with self._cv:
       if not self._waiting:
         self._running -= 1
         return None
@@ -118,6 +182,26 @@ class CallWindow:
       item.set()  # a blocked thread has the slot now
       return None
     return item
+
+  def _expire(self) -> None:
+    """Fails queued calls whose deadline passed while they waited."""
+    while True:
+      with self._cv:
+        if self.closed:
+          return
+        now = time.monotonic()
+        expired = [e for e in self._waiting if isinstance(e, _Queued) and e.deadline <= now]
+        for e in expired:
+          self._waiting.remove(e)
+        if not expired:
+          deadlines = [e.deadline for e in self._waiting if isinstance(e, _Queued)]
+          self._cv.wait(min(deadlines) - now if deadlines else None)
+          continue
+      for e in expired:
+        e.fail(errors.DeadlineExceededError(
+            f"{e.what} waited {e.timeout:.3g} s (its timeout) behind this controller's other "
+            f"calls to {self._name} ({self._size} run at once); raise the timeout, or make "
+            "fewer calls at once"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,7 +241,7 @@ class Connection:
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
         response_deserializer=pb.HandshakeResponse.FromString)
-    self.calls = CallWindow()
+    self.calls = CallWindow(name=address)
     self.call_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)
@@ -165,7 +249,7 @@ class Connection:
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)
     self.checkpoint = protocol.ckpt_pb_grpc.CheckpointStub(self._channel)  # checkpoint_client
-    self.checkpoint_calls = CallWindow(CHECKPOINT_CALLS_IN_FLIGHT)
+    self.checkpoint_calls = CallWindow(CHECKPOINT_CALLS_IN_FLIGHT, name=address)
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)
@@ -191,4 +275,6 @@ class Connection:
                   "jax": reply.versions.jax})
 
   def close(self) -> None:
+    self.calls.close()
+    self.checkpoint_calls.close()
     self._channel.close()

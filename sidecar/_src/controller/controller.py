@@ -54,13 +54,6 @@ def token_from_env() -> str | None:
   return env.token()
 
 
-def _waited_too_long(name: str, host_id: int, timeout: float) -> errors.DeadlineExceededError:
-  return errors.DeadlineExceededError(
-      f"call {name!r} on host {host_id} waited {timeout:.3g} s (its timeout) behind this "
-      f"controller's other calls to that host ({CALLS_IN_FLIGHT} run at once); "
-      "raise timeout=, or make fewer calls at once")
-
-
 class Controller:
   """Handshakes every sidecar, then runs registered functions on them.
 
@@ -485,14 +478,17 @@ class Controller:
 
   def _call_sync(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float) -> Any:
     conn, held = self._conns[host_id], []
-    request = self._request(host_id, name, args, kwargs, timeout, held)
     deadline = time.monotonic() + timeout
-    if not conn.calls.enter(timeout):
+    request = self._request(host_id, name, args, kwargs, timeout, held)
+    if not conn.calls.enter(deadline - time.monotonic()):
       held.clear()
-      raise _waited_too_long(name, host_id, timeout)
+      raise errors.DeadlineExceededError(
+          f"call {name!r} on host {host_id} waited {timeout:.3g} s (its timeout) behind this "
+          f"controller's other calls to that host ({CALLS_IN_FLIGHT} run at once); raise "
+          "timeout=, or make fewer calls at once")
     leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
     try:
-      left = deadline - time.monotonic()
+      left = max(deadline - time.monotonic(), 0.0)
       if threading.current_thread() is not threading.main_thread():
         response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
       else:  # a future, which Ctrl-C can leave; a blocking call would hold it off to the end
@@ -507,6 +503,11 @@ class Controller:
           raise
     except grpc.RpcError as e:
       raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
+    except ValueError:
+      if conn.calls.closed:  # gRPC's "Channel closed!": the controller closed meanwhile
+        raise errors.ClosedError(f"call {name!r} on host {host_id}: the connection "
+                                 "closed") from None
+      raise
     finally:
       held.clear()
       if leave:
@@ -721,7 +722,6 @@ class Controller:
                 timeout: float) -> concurrent.futures.Future:
     conn, held = self._conns[host_id], []
     out: concurrent.futures.Future = concurrent.futures.Future()
-    deadline = time.monotonic() + timeout  # the wait in conn.calls counts too
     try:
       request = self._request(host_id, name, args, kwargs, timeout, held)
     except Exception as e:
@@ -737,20 +737,13 @@ class Controller:
       except Exception as e:
         out.set_exception(e)
 
-    def start() -> grpc.Future | None:
-      left = deadline - time.monotonic()
-      try:
-        if left <= 0:
-          raise _waited_too_long(name, host_id, timeout)
-        rpc = conn.call_rpc.future(request, timeout=left, metadata=conn.metadata)
-      except Exception as e:
-        held.clear()
-        out.set_exception(e)
-        return None
-      rpc.add_done_callback(done)
-      return rpc
+    def fail(e: BaseException) -> None:
+      held.clear()
+      out.set_exception(e)
 
-    conn.calls.submit(start)
+    conn.calls.call(  # the wait for a slot counts toward the timeout
+        lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
+        done=done, fail=fail, timeout=timeout, what=f"call {name!r} on host {host_id}")
     return out
 
   @interrupts.deferring
