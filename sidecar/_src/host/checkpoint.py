@@ -35,14 +35,12 @@ started without any refuses them all (``PermissionDeniedError``). ``delete`` and
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
 import pathlib
 import queue
 import shutil
-import signal
 import threading
 import time
 import uuid
@@ -59,19 +57,21 @@ from sidecar._src import (
   orbax_layout as ol,
   shm,
 )
-from sidecar._src.host import metrics as metrics_lib, outputs, replicas as replicas_lib
+from sidecar._src.host import (
+  checkpoint_faults as faults,
+  checkpoint_roots as roots_lib,
+  metrics as metrics_lib,
+  outputs,
+  replicas as replicas_lib,
+)
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
-MANIFEST = "sidecar_manifest.json"
-# Fault injection for the crash tests: "POINT@STEP" makes this sidecar SIGKILL itself
-# there (points: stage, write, prepared, commit, read: serving a restore's shard of
-# the step), or "slow@STEP" pause 2 s before
-# writing; "replicate@STEP" kills it as a peer's first shards of STEP arrive, once its
-# own part of STEP is committed (so the step is durable and its replication half done);
-# "enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk).
-# Unset in production.
-FAULT_ENV = env.CKPT_FAULT
+# Re-exported: the crash tests and benchmarks import these from here.
+MANIFEST = roots_lib.MANIFEST
+FAULT_ENV = faults.FAULT_ENV
+ROOTS_FLAG = roots_lib.ROOTS_FLAG
+ROOTS_ENV = roots_lib.ROOTS_ENV
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
 # on another machine), instead of through the peer's arena mapped here.
 SHM_ENV = env.REPLICA_SHM
@@ -85,21 +85,6 @@ CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in fl
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
-ROOTS_FLAG = "--checkpoint-root"
-ROOTS_ENV = env.CHECKPOINT_ROOTS
-# Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
-_MARKERS = ("_CHECKPOINT_METADATA", layout.METADATA_FILE, layout.COMMIT_SUCCESS_FILE, MANIFEST)
-
-
-def _fault(point: str, step: int) -> None:
-  if env.get(FAULT_ENV) == f"{point}@{step}":
-    if point == "slow":
-      time.sleep(2.0)
-      return
-    if point == "enospc":
-      raise OSError(errno.ENOSPC, f"No space left on device (fault injection, step {step})")
-    log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
-    os.kill(os.getpid(), signal.SIGKILL)
 
 Index = tuple[tuple[int, int], ...]
 
@@ -122,15 +107,6 @@ def _part(data: np.ndarray, part: Any) -> np.ndarray:
     raise errors.InvalidArgumentError(
         f"part [{offset}, {nbytes}] does not fit a shard of {flat.nbytes} bytes")
   return flat[offset:offset + nbytes]
-
-
-def _is_checkpoint_dir(path: pathlib.Path) -> bool:
-  """Whether ``path`` is a step (or item) directory a checkpoint wrote: Orbax's markers
-  or this format's manifest in it or in one of its item directories."""
-  if any((path / m).is_file() for m in _MARKERS):
-    return True
-  return any(child.is_dir() and not child.is_symlink()
-             and any((child / m).is_file() for m in _MARKERS) for child in path.iterdir())
 
 
 def _seconds(text: str | None, default: float) -> float:
@@ -201,7 +177,8 @@ class CheckpointHost:
                peer_credentials: Any = None):
     self._host_id = host_id
     self._metrics = metrics
-    self._roots = tuple(os.path.realpath(r) for r in roots)
+    self._roots = roots_lib.Roots(host_id, roots)
+    self._path = self._roots.resolve
     self._lock = threading.Lock()
     self._steps: dict[str, _Step] = {}  # by committed item directory
     self._replicas: dict[tuple[str, int], _Replica] = {}  # by (item, source host)
@@ -320,31 +297,6 @@ class CheckpointHost:
             "writing_steps": len(writing),
             "writing_bytes": sum(max(s.nbytes - s.written, 0) for s in writing)}
 
-  def _root_of(self, resolved: str) -> str | None:
-    return next((r for r in self._roots
-                 if resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)), None)
-
-  def _path(self, path: Any, name: str) -> str:
-    """``path`` resolved (symlinks, ``..``), if it lies under a checkpoint root.
-
-    Raises InvalidArgumentError for a non-string and PermissionDeniedError for a path
-    outside every root, or for any path where the sidecar has no roots.
-    """
-    if not isinstance(path, str) or not path or "\0" in path:
-      raise errors.InvalidArgumentError(f"{name} must be a directory path, got {path!r:.100}")
-    if not self._roots:
-      raise errors.PermissionDeniedError(
-          f"sidecar host {self._host_id} has no checkpoint root, so it refuses checkpoint "
-          f"calls ({name} {path!r:.200}); start it with {ROOTS_FLAG} DIR (repeatable, or "
-          f"{ROOTS_ENV}) naming the directory the checkpoints go to")
-    resolved = os.path.realpath(path)
-    if self._root_of(resolved) is None:
-      raise errors.PermissionDeniedError(
-          f"{name} {path!r:.200} (resolved: {resolved!r:.200}) is not under a checkpoint root "
-          f"of sidecar host {self._host_id} ({', '.join(self._roots)}); checkpoint there, or "
-          f"start the sidecar with {ROOTS_FLAG} naming its directory")
-    return resolved
-
   # ---- save --------------------------------------------------------------
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
@@ -391,7 +343,7 @@ class CheckpointHost:
     step = _int(step, "step")
     for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
       self._path(value, name)
-    _fault("stage", step)
+    faults.fault("stage", step)
     with self._lock:
       record = self._steps.get(final_item)
       if record is None or record.done.is_set():
@@ -419,12 +371,12 @@ class CheckpointHost:
     # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
     try:
-      _fault("write", record.step)
-      _fault("slow", record.step)
+      faults.fault("write", record.step)
+      faults.fault("slow", record.step)
       last_log = [time.monotonic()]
 
       def progress(nbytes: int) -> None:
-        _fault("enospc", record.step)
+        faults.fault("enospc", record.step)
         record.written += nbytes
         self._metrics.checkpoint_bytes("written", nbytes)
         now = time.monotonic()
@@ -480,7 +432,7 @@ class CheckpointHost:
     if record.error is not None:
       raise errors.InvalidArgumentError(
           f"host {self._host_id} could not write step {record.step}: {record.error}")
-    _fault("prepared", record.step)
+    faults.fault("prepared", record.step)
     return record.checksums
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
@@ -513,7 +465,7 @@ class CheckpointHost:
       raise errors.InvalidArgumentError(
           f"commit: item {item!r:.200} is not a directory this sidecar staged and wrote "
           f"({e.strerror}); stage and prepare a step before committing it") from None
-    _fault("commit", step)
+    faults.fault("commit", step)
     specs = [layout.spec_from_dict(d) for d in leaves]
     if whole_step:
       return str(ol.finalize(pathlib.Path(item).parent, specs, num_hosts=num_hosts))
@@ -577,7 +529,7 @@ class CheckpointHost:
     (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed."""
     path = self._path(item, "item")
     self._path(final_item, "final_item")
-    root = self._root_of(path)
+    root = self._roots.root_of(path)
     assert root is not None
     if not any(part.endswith(layout.TMP_SUFFIX)
                for part in pathlib.Path(path).relative_to(root).parts):
@@ -737,7 +689,7 @@ class CheckpointHost:
       replica.shards[key] = data
 
   def _replica_fault(self, step: int) -> None:
-    if env.get(FAULT_ENV) != f"replicate@{step}":
+    if not faults.armed("replicate", step):
       return
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # until our own part of the step is committed
@@ -745,7 +697,7 @@ class CheckpointHost:
         if any(s.step == step and s.committed for s in self._steps.values()):
           break
       time.sleep(0.02)
-    _fault("replicate", step)
+    faults.fault("replicate", step)
 
   def held(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
@@ -818,7 +770,7 @@ class CheckpointHost:
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
     step = pathlib.Path(final_item).parent.name
     if step.isdigit():
-      _fault("read", int(step))
+      faults.fault("read", int(step))
     if tier not in ("any", "ram", "replica", "disk"):
       raise errors.InvalidArgumentError(
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
@@ -874,7 +826,7 @@ class CheckpointHost:
     target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
     if not target.is_dir():
       return  # gone already
-    if not _is_checkpoint_dir(target):
+    if not roots_lib.is_checkpoint_dir(target):
       raise errors.InvalidArgumentError(
           f"delete: {target} is not a checkpoint step directory (no {MANIFEST} nor Orbax's "
           "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
