@@ -34,7 +34,6 @@ started without any refuses them all (``PermissionDeniedError``). ``delete`` and
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -62,6 +61,7 @@ from sidecar._src.host import (
   checkpoint_roots as roots_lib,
   metrics as metrics_lib,
   outputs,
+  ram_tier,
   replicas as replicas_lib,
 )
 from sidecar._src.protocol import pb
@@ -85,8 +85,6 @@ CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in fl
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
-
-Index = tuple[tuple[int, int], ...]
 
 
 def _int(value: Any, name: str) -> int:
@@ -117,58 +115,6 @@ def _seconds(text: str | None, default: float) -> float:
   return value if value > 0 else default
 
 
-@dataclasses.dataclass
-class _Step:
-  """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
-  directory: str
-  step: int
-  item: str  # the committed item directory: the key of the RAM tier
-  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
-  nbytes: int
-  specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
-  # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
-  incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
-  closed: bool = False  # the last part is staged
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  checksums: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-  error: BaseException | None = None
-  committed: bool = False
-  started: float = dataclasses.field(default_factory=time.monotonic)
-  written: int = 0
-  verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
-  replication: _Replication | None = None
-  finished: float | None = None  # time.monotonic() when its write ended
-
-
-@dataclasses.dataclass
-class _Replication:
-  """This host's shards of one step on their way to its peers."""
-  peers: list[replicas_lib.Peer]
-  bandwidth: int | None = None  # bytes per second, each peer's copy in turn
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-  result: dict[str, Any] | None = None
-  error: BaseException | None = None
-
-
-@dataclasses.dataclass
-class _Replica:
-  """The shards of one step that a peer (``source``) sent here: a replica record."""
-  directory: str
-  step: int
-  item: str
-  source: int
-  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = dataclasses.field(
-      default_factory=dict)
-  # Shards arriving inline, in chunks: (block, bytes received so far).
-  partial: dict[tuple[tuple[str | int, ...], Index], list] = dataclasses.field(
-      default_factory=dict)
-  nbytes: int = 0
-  whole: bool = False  # the source sent everything
-  committed: bool = False
-  verified: set = dataclasses.field(default_factory=set)
-
-
 class CheckpointHost:
   """The checkpoint phases of one sidecar (the ``Checkpoint`` service calls them)."""
 
@@ -179,14 +125,8 @@ class CheckpointHost:
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
     self._path = self._roots.resolve
-    self._lock = threading.Lock()
-    self._steps: dict[str, _Step] = {}  # by committed item directory
-    self._replicas: dict[tuple[str, int], _Replica] = {}  # by (item, source host)
-    # Items committed() was told of: True while in the RAM tier, False once evicted
-    # (a replica that arrives after its step's commit learns its fate here).
-    self._committed: dict[str, bool] = {}
-    self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
-    self._uncommitted_s = _seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
+    self._tier = ram_tier.RamTier(
+        host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
     self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
@@ -205,8 +145,8 @@ class CheckpointHost:
     committed, and a later save's sweep removes it). Then the links to peers close.
     """
     self._closed.set()
-    with self._lock:
-      steps = list(self._steps.values())
+    with self._tier.lock:
+      steps = list(self._tier.steps.values())
     for record in steps:
       if record.replication is not None:
         record.replication.cancelled.set()
@@ -238,64 +178,20 @@ class CheckpointHost:
     thread.start()
 
   def _reap(self) -> None:
-    while not self._closed.wait(min(max(self._uncommitted_s / 4, 0.1), 30.0)):
+    while not self._closed.wait(min(max(self._tier.uncommitted_s / 4, 0.1), 30.0)):
       self.expire_uncommitted()
 
   def expire_uncommitted(self) -> list[int]:
     """Drops the steps written here whose commit has not come in time; returns them."""
-    now = time.monotonic()
-    with self._lock:
-      stale = [s for s in self._steps.values() if not s.committed and s.finished is not None
-               and now - s.finished >= self._uncommitted_s]
-      for s in stale:
-        del self._steps[s.item]
-    for s in stale:
-      if s.replication is not None:
-        s.replication.cancelled.set()
-      s.shards.clear()  # the staged blocks go back to the arena
-      log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
-                  "controller that staged it is gone?): its %s are freed", s.step, s.directory,
-                  now - (s.finished or now), shm.format_size(s.nbytes), extra={"step": s.step})
-    return [s.step for s in stale]
+    return self._tier.expire_uncommitted()
 
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
-    out: dict[str, pb.CheckpointStatus] = {}
-    for s in sorted(steps, key=lambda s: s.step):
-      entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
-      if s.committed:
-        entry.ram_steps.append(s.step)
-      elif s.done.is_set():
-        entry.uncommitted.append(s.step)
-      else:
-        entry.writing.append(s.step)
-        entry.written_bytes += s.written
-        entry.total_bytes += s.nbytes
-        entry.writing_s = max(entry.writing_s, time.monotonic() - s.started)
-    by_source: dict[tuple[str, int], pb.ReplicaSteps] = {}
-    for r in sorted(held, key=lambda r: (r.source, r.step)):
-      entry = out.setdefault(r.directory, pb.CheckpointStatus(directory=r.directory))
-      steps_of = by_source.get((r.directory, r.source))
-      if steps_of is None:
-        steps_of = by_source[(r.directory, r.source)] = entry.replicas.add(source_host=r.source)
-      steps_of.steps.append(r.step)
-      steps_of.nbytes += r.nbytes
-    return list(out.values())
+    return self._tier.status()
 
   def usage(self) -> dict[str, int]:
     """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
-    own = [s for s in steps if s.committed]
-    writing = [s for s in steps if not s.committed and not s.done.is_set()]
-    return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
-            "replica_steps": len(held), "replica_bytes": sum(r.nbytes for r in held),
-            "writing_steps": len(writing),
-            "writing_bytes": sum(max(s.nbytes - s.written, 0) for s in writing)}
+    return self._tier.usage()
 
   # ---- save --------------------------------------------------------------
 
@@ -317,14 +213,14 @@ class CheckpointHost:
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
     for tmp in path.glob(f"*{layout.TMP_SUFFIX}") if sweep else ():
-      with self._lock:
+      with self._tier.lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
-                        for s in self._steps.values())
+                        for s in self._tier.steps.values())
       if not in_flight:  # a step whose save crashed before its commit
         shutil.rmtree(tmp, ignore_errors=True)
         log.warning("removed %s, left by a save that never committed", tmp)
-    with self._lock:
-      self._ram_steps[directory] = (ram_steps, ram_budget)
+    with self._tier.lock:
+      self._tier.ram_steps[directory] = (ram_steps, ram_budget)
     return {"steps": ol.list_steps(directory)}
 
   def begin(self, directory: str, step: int) -> str:
@@ -344,11 +240,11 @@ class CheckpointHost:
     for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
       self._path(value, name)
     faults.fault("stage", step)
-    with self._lock:
-      record = self._steps.get(final_item)
+    with self._tier.lock:
+      record = self._tier.steps.get(final_item)
       if record is None or record.done.is_set():
         specs = [layout.spec_from_dict(d) for d in leaves]
-        record = self._steps[final_item] = _Step(directory, step, final_item, {}, 0, specs)
+        record = self._tier.steps[final_item] = ram_tier.Step(directory, step, final_item, {}, 0, specs)
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
@@ -366,7 +262,7 @@ class CheckpointHost:
         record.incoming.put(None)
       return record.nbytes
 
-  def _write(self, record: _Step, item: str) -> None:
+  def _write(self, record: ram_tier.Step, item: str) -> None:
     # The bytes are written and checksummed on idle-class threads (orbax_layout): a
     # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
@@ -415,9 +311,9 @@ class CheckpointHost:
       log.error("step %d: writing this host's part failed: %s", record.step, e,
                 extra={"step": record.step})
       if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
-        with self._lock:
-          if self._steps.get(record.item) is record:
-            del self._steps[record.item]
+        with self._tier.lock:
+          if self._tier.steps.get(record.item) is record:
+            del self._tier.steps[record.item]
         record.shards.clear()
     finally:
       record.finished = time.monotonic()
@@ -425,7 +321,7 @@ class CheckpointHost:
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     self._path(final_item, "final_item")
-    record = self._record(final_item)
+    record = self._tier.record(final_item)
     if not record.done.wait(timeout):
       raise errors.DeadlineExceededError(
           f"step {record.step} is still being written after {timeout} s")
@@ -475,52 +371,7 @@ class CheckpointHost:
   def committed(self, final_item: str) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
     self._path(final_item, "final_item")
-    with self._lock:
-      record = self._steps.get(final_item)
-      held = [r for r in self._replicas.values() if r.item == final_item]
-      if record is None and not held:
-        return []
-      self._committed[final_item] = True
-      for r in held:
-        r.committed = True
-      if record is not None:
-        record.committed = True
-      return self._evict(record.directory if record is not None else held[0].directory)
-
-  def _evict(self, directory: str) -> list[int]:
-    """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
-    counting this host's own shards and the replicas it holds; returns the kept steps.
-    The lock is held."""
-    keep, budget = self._ram_steps.get(directory, (1, None))
-    size: dict[int, int] = {}
-    for s in self._steps.values():
-      if s.directory == directory and s.committed:
-        size[s.step] = size.get(s.step, 0) + s.nbytes
-    for r in self._replicas.values():
-      if r.directory == directory and r.committed:
-        size[r.step] = size.get(r.step, 0) + r.nbytes
-    kept, used = [], 0
-    for step in sorted(size, reverse=True):
-      if len(kept) < keep and (budget is None or used + size[step] <= budget):
-        kept.append(step)
-        used += size[step]
-      else:
-        self._drop(directory, step)
-    return sorted(kept)
-
-  def _drop(self, directory: str, step: int) -> None:
-    """Forgets the step's own shards and replicas here; their arena blocks go back as
-    their views die. The lock is held."""
-    for item, s in list(self._steps.items()):
-      if s.directory == directory and s.step == step and s.committed:
-        del self._steps[item]
-        if s.replication is not None:
-          s.replication.cancelled.set()
-    for key, r in list(self._replicas.items()):
-      if r.directory == directory and r.step == step:
-        del self._replicas[key]
-        if r.item in self._committed:
-          self._committed[r.item] = False
+    return self._tier.mark_committed(final_item)
 
   def abort(self, item: str, final_item: str) -> None:
     """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
@@ -536,10 +387,10 @@ class CheckpointHost:
       raise errors.InvalidArgumentError(
           f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "
           "nor inside one; abort removes only a save's uncommitted files")
-    with self._lock:
-      record = self._steps.pop(final_item, None)
-      for key in [k for k in self._replicas if k[0] == final_item]:
-        del self._replicas[key]
+    with self._tier.lock:
+      record = self._tier.steps.pop(final_item, None)
+      for key in [k for k in self._tier.replicas if k[0] == final_item]:
+        del self._tier.replicas[key]
     if record is not None:
       if record.replication is not None:
         record.replication.cancelled.set()
@@ -563,16 +414,16 @@ class CheckpointHost:
     if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
       raise errors.InvalidArgumentError(
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
-    record = self._record(final_item)
+    record = self._tier.record(final_item)
     targets = [replicas_lib.Peer.from_dict(p) for p in peers]
-    with self._lock:
+    with self._tier.lock:
       if not record.closed:
         raise errors.InvalidArgumentError(
             f"step {record.step} is not staged whole on host {self._host_id}; replicate it "
             "after its last part")
       job = record.replication
       if job is None:
-        job = record.replication = _Replication(targets, bandwidth)
+        job = record.replication = ram_tier.Replication(targets, bandwidth)
         self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
     if not job.done.wait(timeout):
       raise errors.DeadlineExceededError(
@@ -584,7 +435,7 @@ class CheckpointHost:
     assert job.result is not None
     return job.result
 
-  def _replicate(self, record: _Step, job: _Replication) -> None:
+  def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
     ol._background_thread()  # pylint: disable=protected-access
     t0 = time.perf_counter()
     shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
@@ -633,10 +484,10 @@ class CheckpointHost:
     self._path(directory, "header.directory")
     self._path(item, "header.item")
     self._replica_fault(step)
-    with self._lock:
-      replica = self._replicas.get((item, source))
+    with self._tier.lock:
+      replica = self._tier.replicas.get((item, source))
       if replica is None:
-        replica = self._replicas[(item, source)] = _Replica(directory, step, item, source)
+        replica = self._tier.replicas[(item, source)] = ram_tier.Replica(directory, step, item, source)
     for s in shards:
       key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
       if "offset" not in s:  # a whole block of our arena
@@ -648,7 +499,7 @@ class CheckpointHost:
       data = payload
       shape = tuple(int(n) for n in s["shape"])
       offset, chunk = int(s["offset"]), np.asarray(data).reshape(-1).view(np.uint8)
-      with self._lock:
+      with self._tier.lock:
         entry = replica.partial.get(key)
         if entry is None:
           block = outputs.empty(shape, codec.dtype_of(s["dtype"], f"replica of {key[0]}"))
@@ -659,7 +510,7 @@ class CheckpointHost:
             f"receive: chunk at {offset} of {chunk.nbytes} bytes does not fit a shard of "
             f"{flat.nbytes}")
       flat[offset:offset + chunk.nbytes] = chunk
-      with self._lock:
+      with self._tier.lock:
         entry[1] += chunk.nbytes
         whole = entry[1] >= flat.nbytes
         if whole:
@@ -667,23 +518,23 @@ class CheckpointHost:
       if whole:
         self._add_shard(replica, key, entry[0])
     if done:
-      with self._lock:
+      with self._tier.lock:
         replica.whole, replica.partial = True, {}
-        if self._replicas.get((item, source)) is not replica:
+        if self._tier.replicas.get((item, source)) is not replica:
           return 0  # aborted or evicted while it came
-        fate = self._committed.get(item)
+        fate = self._tier.committed_items.get(item)
         if fate is not None:  # its step committed before the replica was whole
           replica.committed = True
           if fate:
-            self._evict(directory)
+            self._tier.evict(directory)
           else:
-            del self._replicas[(item, source)]
+            del self._tier.replicas[(item, source)]
       log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
                len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
-  def _add_shard(self, replica: _Replica, key, data: np.ndarray) -> None:
-    with self._lock:
+  def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray) -> None:
+    with self._tier.lock:
       old = replica.shards.get(key)
       replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)
       replica.shards[key] = data
@@ -693,8 +544,8 @@ class CheckpointHost:
       return
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # until our own part of the step is committed
-      with self._lock:
-        if any(s.step == step and s.committed for s in self._steps.values()):
+      with self._tier.lock:
+        if any(s.step == step and s.committed for s in self._tier.steps.values()):
           break
       time.sleep(0.02)
     faults.fault("replicate", step)
@@ -703,38 +554,21 @@ class CheckpointHost:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
     shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
     self._path(directory, "directory")
-    out: dict[str, Any] = {"own": self.ram(directory), "replicas": {}}
-    with self._lock:
-      held = [r for r in self._replicas.values()
-              if r.directory == directory and r.whole and r.committed]
-    for r in held:
-      out["replicas"].setdefault(r.item, {})[r.source] = [
-          [list(k), [list(i) for i in index]] for k, index in r.shards]
-    return out
+    return {"own": self.ram(directory), "replicas": self._tier.held_replicas(directory)}
 
   def forget(self, directory: str, step: int) -> None:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
     self._path(directory, "directory")
     step = _int(step, "step")
-    with self._lock:
-      self._drop(directory, step)
-
-  def _record(self, final_item: str) -> _Step:
-    with self._lock:
-      record = self._steps.get(final_item)
-    if record is None:
-      raise errors.InvalidArgumentError(f"host {self._host_id} has not staged {final_item}")
-    return record
+    with self._tier.lock:
+      self._tier.drop(directory, step)
 
   # ---- restore -----------------------------------------------------------
 
   def ram(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``: per committed item, its shards."""
     self._path(directory, "directory")
-    with self._lock:
-      steps = [s for s in self._steps.values() if s.directory == directory and s.committed]
-    return {s.item: [[list(k), [list(i) for i in index]] for k, index in s.shards]
-            for s in steps}
+    return self._tier.own(directory)
 
   def info(self, final_item: str) -> dict[str, Any]:
     """The manifest of a committed item (leaves, shard checksums, data position).
@@ -775,13 +609,13 @@ class CheckpointHost:
       raise errors.InvalidArgumentError(
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
     if tier in ("any", "ram", "replica"):
-      held: _Step | _Replica | None = None
-      with self._lock:
+      held: ram_tier.Step | ram_tier.Replica | None = None
+      with self._tier.lock:
         if tier == "replica":
-          held = next((r for r in self._replicas.values() if r.item == final_item
+          held = next((r for r in self._tier.replicas.values() if r.item == final_item
                        and r.whole and r.committed and (key, idx) in r.shards), None)
         else:
-          held = self._steps.get(final_item)
+          held = self._tier.steps.get(final_item)
           if held is not None and not (held.committed and (key, idx) in held.shards):
             held = None
       if held is not None:
@@ -790,7 +624,7 @@ class CheckpointHost:
           self._check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._host_id}")
           held.verified.add((key, idx))
         out = data if part is None else _part(data, part)
-        self._metrics.restored_bytes("replica" if isinstance(held, _Replica) else "ram",
+        self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
                                      out.nbytes)
         return out
       if tier != "any":
