@@ -58,6 +58,7 @@ from sidecar._src import (
 )
 from sidecar._src.host import (
   checkpoint_faults as faults,
+  checkpoint_read,
   checkpoint_roots as roots_lib,
   metrics as metrics_lib,
   outputs,
@@ -94,19 +95,6 @@ def _int(value: Any, name: str) -> int:
   return int(value)
 
 
-def _part(data: np.ndarray, part: Any) -> np.ndarray:
-  """Bytes ``[offset, offset + nbytes)`` of ``data``'s C-order bytes, as a view."""
-  try:
-    offset, nbytes = (int(x) for x in part)
-  except (TypeError, ValueError):
-    raise errors.InvalidArgumentError(f"part must be [offset, nbytes], got {part!r:.100}") from None
-  flat = data.reshape(-1).view(np.uint8)
-  if not (0 <= offset and 0 < nbytes and offset + nbytes <= flat.nbytes):
-    raise errors.InvalidArgumentError(
-        f"part [{offset}, {nbytes}] does not fit a shard of {flat.nbytes} bytes")
-  return flat[offset:offset + nbytes]
-
-
 def _seconds(text: str | None, default: float) -> float:
   try:
     value = float(text) if text else default
@@ -127,6 +115,7 @@ class CheckpointHost:
     self._path = self._roots.resolve
     self._tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
+    self._reader = checkpoint_read.Reader(self._tier, metrics)
     self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
@@ -577,18 +566,7 @@ class CheckpointHost:
     with no checksum to check.
     """
     self._path(final_item, "final_item")
-    try:
-      with open(pathlib.Path(final_item) / MANIFEST) as f:
-        return json.load(f)
-    except FileNotFoundError:
-      pass
-    try:
-      leaves = ol.item_leaves(final_item)
-    except FileNotFoundError as e:
-      raise errors.InvalidArgumentError(f"cannot restore {final_item}: {e}") from None
-    return {"format": "orbax", "leaves": leaves, "data_state": None,
-            "shards": [{"key_path": d["key_path"], "index": [[0, n] for n in d["shape"]],
-                        "crc32c": None} for d in leaves]}
+    return checkpoint_read.info(final_item)
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any", part: list | None = None) -> np.ndarray:
@@ -598,54 +576,7 @@ class CheckpointHost:
     client that reads a large shard over gRPC in messages of bounded size.
     """
     self._path(final_item, "final_item")
-    if part is not None and tier not in ("ram", "replica"):
-      raise errors.InvalidArgumentError(
-          f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
-    key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
-    step = pathlib.Path(final_item).parent.name
-    if step.isdigit():
-      faults.fault("read", int(step))
-    if tier not in ("any", "ram", "replica", "disk"):
-      raise errors.InvalidArgumentError(
-          f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
-    if tier in ("any", "ram", "replica"):
-      held: ram_tier.Step | ram_tier.Replica | None = None
-      with self._tier.lock:
-        if tier == "replica":
-          held = next((r for r in self._tier.replicas.values() if r.item == final_item
-                       and r.whole and r.committed and (key, idx) in r.shards), None)
-        else:
-          held = self._tier.steps.get(final_item)
-          if held is not None and not (held.committed and (key, idx) in held.shards):
-            held = None
-      if held is not None:
-        data = held.shards[(key, idx)]
-        if crc32c is not None and (key, idx) not in held.verified:
-          self._check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._host_id}")
-          held.verified.add((key, idx))
-        out = data if part is None else _part(data, part)
-        self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
-                                     out.nbytes)
-        return out
-      if tier != "any":
-        raise errors.InvalidArgumentError(
-            f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    try:
-      data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
-    except (FileNotFoundError, NotADirectoryError) as e:
-      raise errors.InvalidArgumentError(f"cannot read {final_item}: {e}") from None
-    if crc32c is not None:
-      self._check(final_item, key, idx, data, crc32c, "stored copy")
-    self._metrics.restored_bytes("storage", data.nbytes)
-    return data
-
-  @staticmethod
-  def _check(final_item: str, key, idx, data: np.ndarray, crc32c: int, what: str) -> None:
-    if ol.shard_crc32c(data) != crc32c:
-      name = ".".join(str(k) for k in key)
-      raise errors.CorruptCheckpointError(
-          f"{final_item}: array {name!r} shard {[list(i) for i in idx]} does not match its "
-          f"crc32c in {MANIFEST} ({what}): the file is corrupt or was changed after the save")
+    return self._reader.read(final_item, key_path, index, crc32c, tier, part)
 
   def delete(self, directory: str, step: int) -> None:
     """Removes a committed step (max_to_keep); the sidecar does the I/O.
