@@ -1,4 +1,6 @@
-"""The checkpoint roots: every path a checkpoint call names must lie under one.
+"""The checks on what a checkpoint call names: paths under the roots, and steps.
+
+Every path a checkpoint call names must lie under one of the checkpoint roots.
 
 A path is resolved (symlinks, ``..``) before the check; a sidecar started without any
 root (``sidecar serve --checkpoint-root DIR``) refuses them all
@@ -12,6 +14,8 @@ import os
 import pathlib
 from typing import Any
 
+import numpy as np
+
 from sidecar._src import env, errors, layout_spec as layout
 
 MANIFEST = "sidecar_manifest.json"
@@ -19,6 +23,13 @@ ROOTS_FLAG = "--checkpoint-root"
 ROOTS_ENV = env.CHECKPOINT_ROOTS
 # Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
 _MARKERS = ("_CHECKPOINT_METADATA", layout.METADATA_FILE, layout.COMMIT_SUCCESS_FILE, MANIFEST)
+
+
+def as_int(value: Any, name: str) -> int:
+  """``value`` if it is an int (not a bool), else InvalidArgumentError naming ``name``."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise errors.InvalidArgumentError(f"{name} must be an int, got {value!r:.100}")
+  return int(value)
 
 
 def is_checkpoint_dir(path: pathlib.Path) -> bool:
