@@ -137,7 +137,8 @@ class Replicator:
     with self._tier.lock:
       replica = self._tier.replicas.get((item, source))
       if replica is None:
-        replica = self._tier.replicas[(item, source)] = ram_tier.Replica(directory, step, item, source)
+        replica = ram_tier.Replica(directory, step, item, source)
+        self._tier.replicas[(item, source)] = replica
     for s in shards:
       key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
       if "offset" not in s:  # a whole block of our arena

@@ -105,7 +105,8 @@ class Saver:
       record = self._tier.steps.get(final_item)
       if record is None or record.done.is_set():
         specs = [layout.spec_from_dict(d) for d in leaves]
-        record = self._tier.steps[final_item] = ram_tier.Step(directory, step, final_item, {}, 0, specs)
+        record = ram_tier.Step(directory, step, final_item, {}, 0, specs)
+        self._tier.steps[final_item] = record
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
