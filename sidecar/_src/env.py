@@ -13,7 +13,7 @@ The table, by who reads it (``python -c "from sidecar._src import env; print(env
 - ``Worker``, ``Controller``, ``sidecar.distributed.initialize``: the trainer's view of
   its job, which ``sidecar launch`` or the k8s manifests set.
 - ``Controller.from_env`` (controller/discovery.py): where the sidecars are.
-- The checkpoint host (host/checkpoint.py, host/replicas.py): tuning and fault injection.
+- The checkpoint host (host/checkpoint*.py, host/replicas.py): tuning and fault injection.
 """
 
 from __future__ import annotations
@@ -166,11 +166,11 @@ COORDINATOR_PORT = _var(
     "SIDECAR_COORDINATOR_PORT", "the port of the coordinator a JobSet's trainers derive",
     default=str(DEFAULT_COORDINATOR_PORT), readers=_TRAINER + " in a JobSet")
 
-# ---- the checkpoint host; read in host/checkpoint.py, which another change owns ---------
+# ---- the checkpoint host; read in host/checkpoint.py and host/checkpoint_faults.py -----
 CKPT_FAULT = _var(
     "SIDECAR_CKPT_FAULT", "tests only: POINT@STEP makes the sidecar SIGKILL itself there "
     "(stage, write, prepared, commit, read, replicate), slow@STEP pauses 2 s",
-    default="no fault", readers=_CKPT)
+    default="no fault", readers="the checkpoint host (host/checkpoint_faults.py)")
 REPLICA_SHM = _var(
     "SIDECAR_REPLICA_SHM", "0: replicas go inline over gRPC even to a peer on this machine",
     default="1: through the peer's arena when it is mapped here", readers=_CKPT)

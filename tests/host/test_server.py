@@ -329,8 +329,8 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
 def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path, monkeypatch,
                                                          caplog):
   from sidecar._src import layout_spec as layout
-  from sidecar._src.host import checkpoint as host_checkpoint
-  monkeypatch.setattr(host_checkpoint, "STAGE_TIMEOUT_S", 0.5)
+  from sidecar._src.host import checkpoint_save
+  monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.5)
   server = make_server()
   used = lambda: server.leases.allocator.used_bytes
   with controller(server) as ctl:

@@ -13,65 +13,45 @@ none of them is reachable through ``Call``):
    renames: the step becomes visible at once, or not at all.
 5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
 
-With peer replicas, ``replicate`` (every host, once its part is staged) sends this
-host's shards of the step to its peers (``replicas.PeerLink``), on an idle-class
-thread, while the write goes on; each peer takes them with ``receive`` (the
-``Receive`` stream, one per replica) and keeps a
-*replica record* (the step's item, the source host, the shards) in its RAM tier. A
-replica counts toward the peer's ``ram_budget`` and leaves with its step: eviction
-by ``committed``, ``abort``, ``forget``.
-
-``read`` serves restores from the tier asked: ``ram`` (this host's own copy: no
-copy, the block itself is leased to the caller), ``replica`` (a peer's shard held
-here), ``disk`` (storage, straight into a new arena block), or ``any`` (own copy,
-else storage). Every read with a crc32c checks it (a RAM copy once).
-
-Every path these calls name must lie under one of the sidecar's checkpoint roots
-(``sidecar serve --checkpoint-root DIR``) once resolved (symlinks, ``..``); a sidecar
-started without any refuses them all (``PermissionDeniedError``). ``delete`` and
-``abort`` remove only step directories a checkpoint wrote.
+The concerns live beside this facade, which owns the threads (``close`` joins them):
+``checkpoint_save`` (the phases above, the writer, ``abort``, ``delete``),
+``ram_tier`` (the records, budgets, eviction, expiry of uncommitted steps, status),
+``checkpoint_replication`` (``replicate`` to peers, ``receive`` from them),
+``checkpoint_read`` (``read`` from the tier asked, ``info``), ``checkpoint_roots``
+(every path a call names must lie under one of the sidecar's checkpoint roots;
+``delete`` and ``abort`` remove only step directories a checkpoint wrote) and
+``checkpoint_faults`` (fault injection for the crash tests).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import json
 import logging
-import os
-import pathlib
-import queue
-import shutil
-import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from sidecar._src import (
-  codec,
-  env,
-  errors,
-  layout_spec as layout,
-  orbax_layout as ol,
-  shm,
+from sidecar._src import env, errors
+from sidecar._src.host import (
+  checkpoint_faults as faults,
+  checkpoint_read,
+  checkpoint_replication,
+  checkpoint_roots as roots_lib,
+  checkpoint_save,
+  metrics as metrics_lib,
+  ram_tier,
+  replicas as replicas_lib,
 )
-from sidecar._src.host import metrics as metrics_lib, outputs, replicas as replicas_lib
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
-MANIFEST = "sidecar_manifest.json"
-# Fault injection for the crash tests: "POINT@STEP" makes this sidecar SIGKILL itself
-# there (points: stage, write, prepared, commit, read: serving a restore's shard of
-# the step), or "slow@STEP" pause 2 s before
-# writing; "replicate@STEP" kills it as a peer's first shards of STEP arrive, once its
-# own part of STEP is committed (so the step is durable and its replication half done);
-# "enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk).
-# Unset in production.
-FAULT_ENV = env.CKPT_FAULT
+# Re-exported: the crash tests and benchmarks import these from here.
+MANIFEST = roots_lib.MANIFEST
+FAULT_ENV = faults.FAULT_ENV
+ROOTS_FLAG = roots_lib.ROOTS_FLAG
+ROOTS_ENV = roots_lib.ROOTS_ENV
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
 # on another machine), instead of through the peer's arena mapped here.
 SHM_ENV = env.REPLICA_SHM
@@ -81,56 +61,6 @@ SHM_ENV = env.REPLICA_SHM
 UNCOMMITTED_ENV = env.UNCOMMITTED_TIMEOUT
 UNCOMMITTED_TIMEOUT_S = 600.0
 CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in flight
-# A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
-# waits longer than this for the next one gives up and lets the staged blocks go (the
-# trainer died or hung mid-save).
-STAGE_TIMEOUT_S = 60.0
-ROOTS_FLAG = "--checkpoint-root"
-ROOTS_ENV = env.CHECKPOINT_ROOTS
-# Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
-_MARKERS = ("_CHECKPOINT_METADATA", layout.METADATA_FILE, layout.COMMIT_SUCCESS_FILE, MANIFEST)
-
-
-def _fault(point: str, step: int) -> None:
-  if env.get(FAULT_ENV) == f"{point}@{step}":
-    if point == "slow":
-      time.sleep(2.0)
-      return
-    if point == "enospc":
-      raise OSError(errno.ENOSPC, f"No space left on device (fault injection, step {step})")
-    log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
-    os.kill(os.getpid(), signal.SIGKILL)
-
-Index = tuple[tuple[int, int], ...]
-
-
-def _int(value: Any, name: str) -> int:
-  """``value`` if it is an int (not a bool), else InvalidArgumentError naming ``name``."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise errors.InvalidArgumentError(f"{name} must be an int, got {value!r:.100}")
-  return int(value)
-
-
-def _part(data: np.ndarray, part: Any) -> np.ndarray:
-  """Bytes ``[offset, offset + nbytes)`` of ``data``'s C-order bytes, as a view."""
-  try:
-    offset, nbytes = (int(x) for x in part)
-  except (TypeError, ValueError):
-    raise errors.InvalidArgumentError(f"part must be [offset, nbytes], got {part!r:.100}") from None
-  flat = data.reshape(-1).view(np.uint8)
-  if not (0 <= offset and 0 < nbytes and offset + nbytes <= flat.nbytes):
-    raise errors.InvalidArgumentError(
-        f"part [{offset}, {nbytes}] does not fit a shard of {flat.nbytes} bytes")
-  return flat[offset:offset + nbytes]
-
-
-def _is_checkpoint_dir(path: pathlib.Path) -> bool:
-  """Whether ``path`` is a step (or item) directory a checkpoint wrote: Orbax's markers
-  or this format's manifest in it or in one of its item directories."""
-  if any((path / m).is_file() for m in _MARKERS):
-    return True
-  return any(child.is_dir() and not child.is_symlink()
-             and any((child / m).is_file() for m in _MARKERS) for child in path.iterdir())
 
 
 def _seconds(text: str | None, default: float) -> float:
@@ -141,58 +71,6 @@ def _seconds(text: str | None, default: float) -> float:
   return value if value > 0 else default
 
 
-@dataclasses.dataclass
-class _Step:
-  """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
-  directory: str
-  step: int
-  item: str  # the committed item directory: the key of the RAM tier
-  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
-  nbytes: int
-  specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
-  # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
-  incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
-  closed: bool = False  # the last part is staged
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  checksums: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-  error: BaseException | None = None
-  committed: bool = False
-  started: float = dataclasses.field(default_factory=time.monotonic)
-  written: int = 0
-  verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
-  replication: _Replication | None = None
-  finished: float | None = None  # time.monotonic() when its write ended
-
-
-@dataclasses.dataclass
-class _Replication:
-  """This host's shards of one step on their way to its peers."""
-  peers: list[replicas_lib.Peer]
-  bandwidth: int | None = None  # bytes per second, each peer's copy in turn
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-  result: dict[str, Any] | None = None
-  error: BaseException | None = None
-
-
-@dataclasses.dataclass
-class _Replica:
-  """The shards of one step that a peer (``source``) sent here: a replica record."""
-  directory: str
-  step: int
-  item: str
-  source: int
-  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = dataclasses.field(
-      default_factory=dict)
-  # Shards arriving inline, in chunks: (block, bytes received so far).
-  partial: dict[tuple[tuple[str | int, ...], Index], list] = dataclasses.field(
-      default_factory=dict)
-  nbytes: int = 0
-  whole: bool = False  # the source sent everything
-  committed: bool = False
-  verified: set = dataclasses.field(default_factory=set)
-
-
 class CheckpointHost:
   """The checkpoint phases of one sidecar (the ``Checkpoint`` service calls them)."""
 
@@ -201,20 +79,21 @@ class CheckpointHost:
                peer_credentials: Any = None):
     self._host_id = host_id
     self._metrics = metrics
-    self._roots = tuple(os.path.realpath(r) for r in roots)
-    self._lock = threading.Lock()
-    self._steps: dict[str, _Step] = {}  # by committed item directory
-    self._replicas: dict[tuple[str, int], _Replica] = {}  # by (item, source host)
-    # Items committed() was told of: True while in the RAM tier, False once evicted
-    # (a replica that arrives after its step's commit learns its fate here).
-    self._committed: dict[str, bool] = {}
-    self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
-    self._uncommitted_s = _seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S)
+    self._roots = roots_lib.Roots(host_id, roots)
+    self._path = self._roots.resolve
+    self._tier = ram_tier.RamTier(
+        host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
+    self._reader = checkpoint_read.Reader(self._tier, metrics)
     self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
+    self._saver = checkpoint_save.Saver(host_id, tier=self._tier, roots=self._roots,
+                                        spawn=self._spawn, metrics=metrics)
+    self._replicator = checkpoint_replication.Replicator(
+        host_id, tier=self._tier, links=self._links, path=self._path, spawn=self._spawn,
+        metrics=metrics)
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
@@ -228,8 +107,8 @@ class CheckpointHost:
     committed, and a later save's sweep removes it). Then the links to peers close.
     """
     self._closed.set()
-    with self._lock:
-      steps = list(self._steps.values())
+    with self._tier.lock:
+      steps = list(self._tier.steps.values())
     for record in steps:
       if record.replication is not None:
         record.replication.cancelled.set()
@@ -261,341 +140,60 @@ class CheckpointHost:
     thread.start()
 
   def _reap(self) -> None:
-    while not self._closed.wait(min(max(self._uncommitted_s / 4, 0.1), 30.0)):
+    while not self._closed.wait(min(max(self._tier.uncommitted_s / 4, 0.1), 30.0)):
       self.expire_uncommitted()
 
   def expire_uncommitted(self) -> list[int]:
     """Drops the steps written here whose commit has not come in time; returns them."""
-    now = time.monotonic()
-    with self._lock:
-      stale = [s for s in self._steps.values() if not s.committed and s.finished is not None
-               and now - s.finished >= self._uncommitted_s]
-      for s in stale:
-        del self._steps[s.item]
-    for s in stale:
-      if s.replication is not None:
-        s.replication.cancelled.set()
-      s.shards.clear()  # the staged blocks go back to the arena
-      log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
-                  "controller that staged it is gone?): its %s are freed", s.step, s.directory,
-                  now - (s.finished or now), shm.format_size(s.nbytes), extra={"step": s.step})
-    return [s.step for s in stale]
+    return self._tier.expire_uncommitted()
 
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
-    out: dict[str, pb.CheckpointStatus] = {}
-    for s in sorted(steps, key=lambda s: s.step):
-      entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
-      if s.committed:
-        entry.ram_steps.append(s.step)
-      elif s.done.is_set():
-        entry.uncommitted.append(s.step)
-      else:
-        entry.writing.append(s.step)
-        entry.written_bytes += s.written
-        entry.total_bytes += s.nbytes
-        entry.writing_s = max(entry.writing_s, time.monotonic() - s.started)
-    by_source: dict[tuple[str, int], pb.ReplicaSteps] = {}
-    for r in sorted(held, key=lambda r: (r.source, r.step)):
-      entry = out.setdefault(r.directory, pb.CheckpointStatus(directory=r.directory))
-      steps_of = by_source.get((r.directory, r.source))
-      if steps_of is None:
-        steps_of = by_source[(r.directory, r.source)] = entry.replicas.add(source_host=r.source)
-      steps_of.steps.append(r.step)
-      steps_of.nbytes += r.nbytes
-    return list(out.values())
+    return self._tier.status()
 
   def usage(self) -> dict[str, int]:
     """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
-    own = [s for s in steps if s.committed]
-    writing = [s for s in steps if not s.committed and not s.done.is_set()]
-    return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
-            "replica_steps": len(held), "replica_bytes": sum(r.nbytes for r in held),
-            "writing_steps": len(writing),
-            "writing_bytes": sum(max(s.nbytes - s.written, 0) for s in writing)}
+    return self._tier.usage()
 
-  def _root_of(self, resolved: str) -> str | None:
-    return next((r for r in self._roots
-                 if resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)), None)
-
-  def _path(self, path: Any, name: str) -> str:
-    """``path`` resolved (symlinks, ``..``), if it lies under a checkpoint root.
-
-    Raises InvalidArgumentError for a non-string and PermissionDeniedError for a path
-    outside every root, or for any path where the sidecar has no roots.
-    """
-    if not isinstance(path, str) or not path or "\0" in path:
-      raise errors.InvalidArgumentError(f"{name} must be a directory path, got {path!r:.100}")
-    if not self._roots:
-      raise errors.PermissionDeniedError(
-          f"sidecar host {self._host_id} has no checkpoint root, so it refuses checkpoint "
-          f"calls ({name} {path!r:.200}); start it with {ROOTS_FLAG} DIR (repeatable, or "
-          f"{ROOTS_ENV}) naming the directory the checkpoints go to")
-    resolved = os.path.realpath(path)
-    if self._root_of(resolved) is None:
-      raise errors.PermissionDeniedError(
-          f"{name} {path!r:.200} (resolved: {resolved!r:.200}) is not under a checkpoint root "
-          f"of sidecar host {self._host_id} ({', '.join(self._roots)}); checkpoint there, or "
-          f"start the sidecar with {ROOTS_FLAG} naming its directory")
-    return resolved
-
-  # ---- save --------------------------------------------------------------
+  # ---- save (checkpoint_save) ---------------------------------------------
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
            sweep: bool = True) -> dict:
-    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps.
-
-    ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps.
-    """
-    path = pathlib.Path(self._path(directory, "directory"))
-    try:
-      path.mkdir(parents=True, exist_ok=True)
-      probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
-      probe.write_bytes(b"ok")
-      probe.unlink()
-    except OSError as e:
-      raise errors.InvalidArgumentError(
-          f"checkpoint directory {directory!r} is not writable from sidecar host "
-          f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
-          "mount the same volume in the sidecar container)") from None
-    for tmp in path.glob(f"*{layout.TMP_SUFFIX}") if sweep else ():
-      with self._lock:
-        in_flight = any(s.directory == directory and not s.done.is_set()
-                        for s in self._steps.values())
-      if not in_flight:  # a step whose save crashed before its commit
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("removed %s, left by a save that never committed", tmp)
-    with self._lock:
-      self._ram_steps[directory] = (ram_steps, ram_budget)
-    return {"steps": ol.list_steps(directory)}
+    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
+    return self._saver.open(directory, ram_steps, ram_budget, sweep)
 
   def begin(self, directory: str, step: int) -> str:
-    self._path(directory, "directory")
-    return str(ol.create_tmp_step(directory, _int(step, "step")))
+    """Creates the step's uncommitted directory; returns it."""
+    return self._saver.begin(directory, step)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
             shards: list[dict], last: bool = True) -> int:
-    """Takes shards of this host (arena views it now holds) and starts writing them.
-
-    A save stages in parts, as the trainer copies (``last`` on the final one): the
-    first part starts the writer, each part's shards are written as they arrive.
-    ``item`` is the uncommitted item directory to write; ``final_item`` where it will
-    be once committed (the RAM tier's key). Returns the bytes staged so far.
-    """
-    step = _int(step, "step")
-    for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
-      self._path(value, name)
-    _fault("stage", step)
-    with self._lock:
-      record = self._steps.get(final_item)
-      if record is None or record.done.is_set():
-        specs = [layout.spec_from_dict(d) for d in leaves]
-        record = self._steps[final_item] = _Step(directory, step, final_item, {}, 0, specs)
-        self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
-      if record.closed:
-        raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
-      for s in shards:
-        leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
-        if not 0 <= leaf < len(record.specs):
-          raise errors.InvalidArgumentError(
-              f"shard of leaf {leaf}: step {step} has {len(record.specs)} leaves")
-        record.shards[(record.specs[leaf].key_path, index)] = s["data"]
-        record.nbytes += s["data"].nbytes
-        self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
-        record.incoming.put((leaf, ol.Shard(index, s["data"])))
-      if last:
-        record.closed = True
-        record.incoming.put(None)
-      return record.nbytes
-
-  def _write(self, record: _Step, item: str) -> None:
-    # The bytes are written and checksummed on idle-class threads (orbax_layout): a
-    # save yields the CPU to the training step and feeds wherever they compete.
-    t0 = time.perf_counter()
-    try:
-      _fault("write", record.step)
-      _fault("slow", record.step)
-      last_log = [time.monotonic()]
-
-      def progress(nbytes: int) -> None:
-        _fault("enospc", record.step)
-        record.written += nbytes
-        self._metrics.checkpoint_bytes("written", nbytes)
-        now = time.monotonic()
-        if now - last_log[0] >= 1.0:  # rate-limited: one line a second at most
-          last_log[0] = now
-          log.info("step %d: %s of %s written (%.2f GB/s)", record.step,
-                   shm.format_size(record.written), shm.format_size(record.nbytes),
-                   record.written / (now - record.started) / 1e9, extra={"step": record.step})
-
-      def incoming():
-        while True:
-          try:
-            shard = record.incoming.get(timeout=STAGE_TIMEOUT_S)
-          except queue.Empty:
-            raise errors.DeadlineExceededError(
-                f"step {record.step}: no part staged for {STAGE_TIMEOUT_S:g} s; the trainer "
-                "stopped mid-save") from None
-          if shard is None:
-            return
-          if isinstance(shard, BaseException):
-            raise shard
-          yield shard
-
-      sums = ol.write_item_part(item, self._host_id, record.specs, incoming(), progress=progress)
-      record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
-                           "nbytes": c.nbytes, "crc32c": c.crc32c, "host": self._host_id}
-                          for c in sums]
-      seconds = time.perf_counter() - t0
-      self._metrics.phase("write", seconds)
-      log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
-               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9,
-               extra={"step": record.step})
-    except BaseException as e:
-      record.error = e.with_traceback(None)  # its frames would hold the staged blocks,
-      e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
-      log.error("step %d: writing this host's part failed: %s", record.step, e,
-                extra={"step": record.step})
-      if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
-        with self._lock:
-          if self._steps.get(record.item) is record:
-            del self._steps[record.item]
-        record.shards.clear()
-    finally:
-      record.finished = time.monotonic()
-      record.done.set()
+    """Takes shards of this host and starts writing them; returns the bytes staged so far."""
+    return self._saver.stage(directory, step, item, final_item, leaves, shards, last)
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
-    self._path(final_item, "final_item")
-    record = self._record(final_item)
-    if not record.done.wait(timeout):
-      raise errors.DeadlineExceededError(
-          f"step {record.step} is still being written after {timeout} s")
-    if record.error is not None:
-      raise errors.InvalidArgumentError(
-          f"host {self._host_id} could not write step {record.step}: {record.error}")
-    _fault("prepared", record.step)
-    return record.checksums
+    """Waits for this host's write of the step; returns its shards' checksums."""
+    return self._saver.prepared(final_item, timeout)
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
              replicas: dict | None = None) -> str:
-    """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
-
-    Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
-    ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
-    so that a restore that finds shards lost can say which hosts are gone.
-    """
-    step = _int(step, "step")
-    self._path(item, "item")
-    if whole_step:  # the rename acts on the item's parent, the tmp step directory
-      parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
-      if not parent.endswith(layout.TMP_SUFFIX):
-        raise errors.InvalidArgumentError(
-            f"item {item!r:.200} is not in an uncommitted step directory (*{layout.TMP_SUFFIX})")
-    manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
-                "leaves": leaves, "shards": checksums,
-                "data_state": json.loads(data_state) if data_state else None}
-    if replicas:
-      manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
-    try:
-      with open(pathlib.Path(item) / MANIFEST, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    except (FileNotFoundError, NotADirectoryError) as e:
-      raise errors.InvalidArgumentError(
-          f"commit: item {item!r:.200} is not a directory this sidecar staged and wrote "
-          f"({e.strerror}); stage and prepare a step before committing it") from None
-    _fault("commit", step)
-    specs = [layout.spec_from_dict(d) for d in leaves]
-    if whole_step:
-      return str(ol.finalize(pathlib.Path(item).parent, specs, num_hosts=num_hosts))
-    ol.finalize_item(item, specs, num_hosts=num_hosts)
-    return item
+    """On host 0: the manifest, then the checks; with ``whole_step`` also the rename."""
+    return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
+                              whole_step, replicas)
 
   def committed(self, final_item: str) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
     self._path(final_item, "final_item")
-    with self._lock:
-      record = self._steps.get(final_item)
-      held = [r for r in self._replicas.values() if r.item == final_item]
-      if record is None and not held:
-        return []
-      self._committed[final_item] = True
-      for r in held:
-        r.committed = True
-      if record is not None:
-        record.committed = True
-      return self._evict(record.directory if record is not None else held[0].directory)
-
-  def _evict(self, directory: str) -> list[int]:
-    """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
-    counting this host's own shards and the replicas it holds; returns the kept steps.
-    The lock is held."""
-    keep, budget = self._ram_steps.get(directory, (1, None))
-    size: dict[int, int] = {}
-    for s in self._steps.values():
-      if s.directory == directory and s.committed:
-        size[s.step] = size.get(s.step, 0) + s.nbytes
-    for r in self._replicas.values():
-      if r.directory == directory and r.committed:
-        size[r.step] = size.get(r.step, 0) + r.nbytes
-    kept, used = [], 0
-    for step in sorted(size, reverse=True):
-      if len(kept) < keep and (budget is None or used + size[step] <= budget):
-        kept.append(step)
-        used += size[step]
-      else:
-        self._drop(directory, step)
-    return sorted(kept)
-
-  def _drop(self, directory: str, step: int) -> None:
-    """Forgets the step's own shards and replicas here; their arena blocks go back as
-    their views die. The lock is held."""
-    for item, s in list(self._steps.items()):
-      if s.directory == directory and s.step == step and s.committed:
-        del self._steps[item]
-        if s.replication is not None:
-          s.replication.cancelled.set()
-    for key, r in list(self._replicas.items()):
-      if r.directory == directory and r.step == step:
-        del self._replicas[key]
-        if r.item in self._committed:
-          self._committed[r.item] = False
+    return self._tier.mark_committed(final_item)
 
   def abort(self, item: str, final_item: str) -> None:
-    """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
-    written. The controller calls it again with the whole uncommitted step directory
-    once every host is done. ``item`` must be an uncommitted step directory
-    (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed."""
-    path = self._path(item, "item")
-    self._path(final_item, "final_item")
-    root = self._root_of(path)
-    assert root is not None
-    if not any(part.endswith(layout.TMP_SUFFIX)
-               for part in pathlib.Path(path).relative_to(root).parts):
-      raise errors.InvalidArgumentError(
-          f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "
-          "nor inside one; abort removes only a save's uncommitted files")
-    with self._lock:
-      record = self._steps.pop(final_item, None)
-      for key in [k for k in self._replicas if k[0] == final_item]:
-        del self._replicas[key]
-    if record is not None:
-      if record.replication is not None:
-        record.replication.cancelled.set()
-      if not record.closed:
-        record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
-      record.done.wait(60)
-      record.shards.clear()  # the staged blocks go back to the arena
-    shutil.rmtree(path, ignore_errors=True)
+    """Forgets a step whose save failed; removes its uncommitted files."""
+    self._saver.abort(item, final_item)
+
+  def delete(self, directory: str, step: int) -> None:
+    """Removes a committed step (max_to_keep), if a checkpoint wrote it."""
+    self._saver.delete(directory, step)
 
   # ---- peer replicas ----------------------------------------------------
 
@@ -603,186 +201,37 @@ class CheckpointHost:
                 bandwidth: int | None = None) -> dict[str, Any]:
     """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
 
-    The sending runs once per step, on an idle-class thread, whoever waits for it, at
-    most ``bandwidth`` bytes per second if given.
-    Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
+    See :meth:`checkpoint_replication.Replicator.replicate`.
     """
-    self._path(final_item, "final_item")
-    if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
-      raise errors.InvalidArgumentError(
-          f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
-    record = self._record(final_item)
-    targets = [replicas_lib.Peer.from_dict(p) for p in peers]
-    with self._lock:
-      if not record.closed:
-        raise errors.InvalidArgumentError(
-            f"step {record.step} is not staged whole on host {self._host_id}; replicate it "
-            "after its last part")
-      job = record.replication
-      if job is None:
-        job = record.replication = _Replication(targets, bandwidth)
-        self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
-    if not job.done.wait(timeout):
-      raise errors.DeadlineExceededError(
-          f"step {record.step} is still being replicated after {timeout} s")
-    if job.error is not None:
-      raise errors.HostLostError(
-          f"host {self._host_id} could not replicate step {record.step} to hosts "
-          f"{[p.host_id for p in job.peers]}: {job.error}")
-    assert job.result is not None
-    return job.result
-
-  def _replicate(self, record: _Step, job: _Replication) -> None:
-    ol._background_thread()  # pylint: disable=protected-access
-    t0 = time.perf_counter()
-    shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
-    header = {"directory": record.directory, "step": record.step, "item": record.item,
-              "source": self._host_id}
-    try:
-      nbytes = 0
-      for peer in job.peers:
-        nbytes, same_machine = self._links.send(peer, header, shards,
-                                                cancelled=job.cancelled.is_set,
-                                                bandwidth=job.bandwidth)
-        how = "shared memory" if same_machine else "gRPC"
-        log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
-                 record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
-                 time.perf_counter() - t0, extra={"step": record.step})
-      job.result = {"peers": [p.host_id for p in job.peers], "shards": len(shards),
-                    "bytes": sum(a.nbytes for _, _, a in shards),
-                    "seconds": time.perf_counter() - t0}
-      self._metrics.checkpoint_bytes("replicated", job.result["bytes"] * len(job.peers))
-      self._metrics.phase("replicate", job.result["seconds"])
-    except BaseException as e:
-      job.error = e.with_traceback(None)
-      e.__context__ = e.__cause__ = None
-      log.error("step %d: replicating host %d's shards failed: %s", record.step,
-                self._host_id, e, extra={"step": record.step})
-    finally:
-      shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
-      job.done.set()
+    return self._replicator.replicate(final_item, peers, timeout, bandwidth)
 
   def receive(self, header: dict, shards: list[dict], done: bool = False,
               payload: np.ndarray | None = None) -> int:
-    """Takes shards a peer sends (``replicas.PeerLink``) into a replica record.
+    """Takes shards a peer sends into a replica record; returns the bytes held.
 
-    A shard comes whole as an arena block the sender filled (same machine), or inline
-    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
-    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
-    held.
+    See :meth:`checkpoint_replication.Replicator.receive`.
     """
-    try:
-      directory, step = header["directory"], _int(header["step"], "header.step")
-      item, source = header["item"], _int(header["source"], "header.source")
-    except (KeyError, TypeError, errors.InvalidArgumentError):
-      raise errors.InvalidArgumentError(
-          f"receive: header must have directory, step, item and source, got {header!r:.200}"
-      ) from None
-    self._path(directory, "header.directory")
-    self._path(item, "header.item")
-    self._replica_fault(step)
-    with self._lock:
-      replica = self._replicas.get((item, source))
-      if replica is None:
-        replica = self._replicas[(item, source)] = _Replica(directory, step, item, source)
-    for s in shards:
-      key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
-      if "offset" not in s:  # a whole block of our arena
-        self._add_shard(replica, key, s["data"])
-        continue
-      if payload is None or len(shards) != 1:
-        raise errors.InvalidArgumentError(
-            "receive: a chunk of a shard comes alone, with its bytes as payload")
-      data = payload
-      shape = tuple(int(n) for n in s["shape"])
-      offset, chunk = int(s["offset"]), np.asarray(data).reshape(-1).view(np.uint8)
-      with self._lock:
-        entry = replica.partial.get(key)
-        if entry is None:
-          block = outputs.empty(shape, codec.dtype_of(s["dtype"], f"replica of {key[0]}"))
-          entry = replica.partial[key] = [block, 0]
-      flat = entry[0].reshape(-1).view(np.uint8)
-      if not 0 <= offset <= flat.nbytes - chunk.nbytes:
-        raise errors.InvalidArgumentError(
-            f"receive: chunk at {offset} of {chunk.nbytes} bytes does not fit a shard of "
-            f"{flat.nbytes}")
-      flat[offset:offset + chunk.nbytes] = chunk
-      with self._lock:
-        entry[1] += chunk.nbytes
-        whole = entry[1] >= flat.nbytes
-        if whole:
-          del replica.partial[key]
-      if whole:
-        self._add_shard(replica, key, entry[0])
-    if done:
-      with self._lock:
-        replica.whole, replica.partial = True, {}
-        if self._replicas.get((item, source)) is not replica:
-          return 0  # aborted or evicted while it came
-        fate = self._committed.get(item)
-        if fate is not None:  # its step committed before the replica was whole
-          replica.committed = True
-          if fate:
-            self._evict(directory)
-          else:
-            del self._replicas[(item, source)]
-      log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
-               len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
-    return replica.nbytes
-
-  def _add_shard(self, replica: _Replica, key, data: np.ndarray) -> None:
-    with self._lock:
-      old = replica.shards.get(key)
-      replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)
-      replica.shards[key] = data
-
-  def _replica_fault(self, step: int) -> None:
-    if env.get(FAULT_ENV) != f"replicate@{step}":
-      return
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # until our own part of the step is committed
-      with self._lock:
-        if any(s.step == step and s.committed for s in self._steps.values()):
-          break
-      time.sleep(0.02)
-    _fault("replicate", step)
+    return self._replicator.receive(header, shards, done, payload)
 
   def held(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
     shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
     self._path(directory, "directory")
-    out: dict[str, Any] = {"own": self.ram(directory), "replicas": {}}
-    with self._lock:
-      held = [r for r in self._replicas.values()
-              if r.directory == directory and r.whole and r.committed]
-    for r in held:
-      out["replicas"].setdefault(r.item, {})[r.source] = [
-          [list(k), [list(i) for i in index]] for k, index in r.shards]
-    return out
+    return {"own": self.ram(directory), "replicas": self._tier.held_replicas(directory)}
 
   def forget(self, directory: str, step: int) -> None:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
     self._path(directory, "directory")
-    step = _int(step, "step")
-    with self._lock:
-      self._drop(directory, step)
-
-  def _record(self, final_item: str) -> _Step:
-    with self._lock:
-      record = self._steps.get(final_item)
-    if record is None:
-      raise errors.InvalidArgumentError(f"host {self._host_id} has not staged {final_item}")
-    return record
+    step = roots_lib.as_int(step, "step")
+    with self._tier.lock:
+      self._tier.drop(directory, step)
 
   # ---- restore -----------------------------------------------------------
 
   def ram(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``: per committed item, its shards."""
     self._path(directory, "directory")
-    with self._lock:
-      steps = [s for s in self._steps.values() if s.directory == directory and s.committed]
-    return {s.item: [[list(k), [list(i) for i in index]] for k, index in s.shards]
-            for s in steps}
+    return self._tier.own(directory)
 
   def info(self, final_item: str) -> dict[str, Any]:
     """The manifest of a committed item (leaves, shard checksums, data position).
@@ -791,18 +240,7 @@ class CheckpointHost:
     with no checksum to check.
     """
     self._path(final_item, "final_item")
-    try:
-      with open(pathlib.Path(final_item) / MANIFEST) as f:
-        return json.load(f)
-    except FileNotFoundError:
-      pass
-    try:
-      leaves = ol.item_leaves(final_item)
-    except FileNotFoundError as e:
-      raise errors.InvalidArgumentError(f"cannot restore {final_item}: {e}") from None
-    return {"format": "orbax", "leaves": leaves, "data_state": None,
-            "shards": [{"key_path": d["key_path"], "index": [[0, n] for n in d["shape"]],
-                        "crc32c": None} for d in leaves]}
+    return checkpoint_read.info(final_item)
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any", part: list | None = None) -> np.ndarray:
@@ -812,71 +250,4 @@ class CheckpointHost:
     client that reads a large shard over gRPC in messages of bounded size.
     """
     self._path(final_item, "final_item")
-    if part is not None and tier not in ("ram", "replica"):
-      raise errors.InvalidArgumentError(
-          f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
-    key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
-    step = pathlib.Path(final_item).parent.name
-    if step.isdigit():
-      _fault("read", int(step))
-    if tier not in ("any", "ram", "replica", "disk"):
-      raise errors.InvalidArgumentError(
-          f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
-    if tier in ("any", "ram", "replica"):
-      held: _Step | _Replica | None = None
-      with self._lock:
-        if tier == "replica":
-          held = next((r for r in self._replicas.values() if r.item == final_item
-                       and r.whole and r.committed and (key, idx) in r.shards), None)
-        else:
-          held = self._steps.get(final_item)
-          if held is not None and not (held.committed and (key, idx) in held.shards):
-            held = None
-      if held is not None:
-        data = held.shards[(key, idx)]
-        if crc32c is not None and (key, idx) not in held.verified:
-          self._check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._host_id}")
-          held.verified.add((key, idx))
-        out = data if part is None else _part(data, part)
-        self._metrics.restored_bytes("replica" if isinstance(held, _Replica) else "ram",
-                                     out.nbytes)
-        return out
-      if tier != "any":
-        raise errors.InvalidArgumentError(
-            f"host {self._host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    try:
-      data = ol.read_item_shard(final_item, key, idx, allocate=outputs.empty)
-    except (FileNotFoundError, NotADirectoryError) as e:
-      raise errors.InvalidArgumentError(f"cannot read {final_item}: {e}") from None
-    if crc32c is not None:
-      self._check(final_item, key, idx, data, crc32c, "stored copy")
-    self._metrics.restored_bytes("storage", data.nbytes)
-    return data
-
-  @staticmethod
-  def _check(final_item: str, key, idx, data: np.ndarray, crc32c: int, what: str) -> None:
-    if ol.shard_crc32c(data) != crc32c:
-      name = ".".join(str(k) for k in key)
-      raise errors.CorruptCheckpointError(
-          f"{final_item}: array {name!r} shard {[list(i) for i in idx]} does not match its "
-          f"crc32c in {MANIFEST} ({what}): the file is corrupt or was changed after the save")
-
-  def delete(self, directory: str, step: int) -> None:
-    """Removes a committed step (max_to_keep); the sidecar does the I/O.
-
-    Only a step directory a checkpoint wrote goes (Orbax's markers or the manifest in
-    it or its items); anything else is refused.
-    """
-    self._path(directory, "directory")
-    step = _int(step, "step")
-    if step < 0:
-      raise errors.InvalidArgumentError(f"step must be a non-negative int, got {step}")
-    target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
-    if not target.is_dir():
-      return  # gone already
-    if not _is_checkpoint_dir(target):
-      raise errors.InvalidArgumentError(
-          f"delete: {target} is not a checkpoint step directory (no {MANIFEST} nor Orbax's "
-          "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
-          "wrote")
-    shutil.rmtree(target, ignore_errors=True)
+    return self._reader.read(final_item, key_path, index, crc32c, tier, part)
