@@ -458,3 +458,36 @@ def test_sidecar_empty_in_a_full_arena_waits_for_the_deadline_then_fails(make_se
 def test_sidecar_empty_outside_a_sidecar_is_numpy():
   a = sidecar.empty((3, 2), np.int16)
   assert a.shape == (3, 2) and a.dtype == np.int16 and a.flags.owndata
+
+
+def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(make_server,
+                                                                              tmp_path):
+  from sidecar._src.checkpoint_wire import shard_to_pb
+  from sidecar._src.protocol import ckpt_pb
+  from tests.host.test_security import Raw
+  server = make_server()
+  raw = Raw(server.port)
+  receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
+  item = str(tmp_path / "ck" / "3" / "state")
+  header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
+      directory=str(tmp_path / "ck"), step=3, item=item, source=1))
+  data = np.arange(16, dtype=np.uint8)
+
+  def part(offset):
+    return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
+        shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
+        data=data[offset:offset + 4].tobytes()))
+
+  replicas = server.checkpoints._tier.replicas
+  cut = [header, part(0), header]  # a second header: the stream fails there
+  with pytest.raises(grpc.RpcError) as e:
+    receive(iter(m.SerializeToString() for m in cut), metadata=raw.metadata, timeout=10)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert (item, 1) not in replicas  # not half a replica, counted as a start
+  whole = [header, *(part(o) for o in (0, 4, 8, 12)), ckpt_pb.ReceiveRequest(done=True)]
+  reply = receive(iter(m.SerializeToString() for m in whole), metadata=raw.metadata,
+                  timeout=10)
+  assert ckpt_pb.ReceiveResponse.FromString(reply).nbytes == 16
+  (got,) = replicas[(item, 1)].shards.values()
+  np.testing.assert_array_equal(got, data)
+  raw.close()

@@ -213,6 +213,11 @@ class CheckpointHost:
     """
     return self._replicator.receive(header, shards, done, payload)
 
+  def drop_partial_replica(self, item: str, source: int) -> None:
+    """Forgets a replica of ``item`` from ``source`` that is not whole: its stream broke,
+    or a new one starts it again (chunks are counted by bytes, so none may come twice)."""
+    self._replicator.drop_partial(item, source)
+
   def held(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
     shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""

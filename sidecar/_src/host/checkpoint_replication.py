@@ -184,6 +184,12 @@ class Replicator:
                len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
+  def drop_partial(self, item: str, source: int) -> None:
+    with self._tier.lock:
+      replica = self._tier.replicas.get((item, source))
+      if replica is not None and not replica.whole:
+        del self._tier.replicas[(item, source)]  # its blocks go back to the arena
+
   def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray) -> None:
     with self._tier.lock:
       old = replica.shards.get(key)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,11 +42,15 @@ def _step(step: int, name: str = "step") -> int:
   return step
 
 
-def _timeout(seconds: float, name: str = "timeout_s") -> float:
-  if not seconds == seconds or seconds < 0:  # NaN, or negative
+def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout_s") -> float:
+  """How long a waiting rpc may wait: ``seconds`` (0: ``LONG_S``), never past the caller's
+  own deadline, so a caller that gave up does not keep its thread and slot."""
+  if not math.isfinite(seconds) or seconds < 0:
     raise errors.InvalidArgumentError(
-        f"{name} must be >= 0 seconds (0: the longest wait), got {seconds}")
-  return seconds or LONG_S
+        f"{name} must be finite and >= 0 seconds (0: the longest wait), got {seconds}")
+  wait = min(seconds or LONG_S, LONG_S)
+  left = context.time_remaining()
+  return wait if left is None else max(min(wait, left), 0.0)
 
 
 _PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
@@ -211,9 +216,9 @@ class CheckpointService:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
 
-  def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, _
+  def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
                ) -> ckpt_pb.CheckpointPreparedResponse:
-    sums = self._host.prepared(r.final_item, _timeout(r.timeout_s))
+    sums = self._host.prepared(r.final_item, _timeout(r.timeout_s, context))
     return ckpt_pb.CheckpointPreparedResponse(checksums=[wire.checksum_to_pb(c) for c in sums])
 
   def commit(self, r: ckpt_pb.CheckpointCommitRequest, _) -> ckpt_pb.CheckpointCommitResponse:
@@ -249,14 +254,14 @@ class CheckpointService:
 
   # ---- peer replicas ------------------------------------------------------
 
-  def replicate(self, r: ckpt_pb.CheckpointReplicateRequest, _
+  def replicate(self, r: ckpt_pb.CheckpointReplicateRequest, context: grpc.ServicerContext
                 ) -> ckpt_pb.CheckpointReplicateResponse:
     if r.HasField("bandwidth") and r.bandwidth < 1:
       raise errors.InvalidArgumentError(
           f"bandwidth must be absent or bytes per second >= 1, got {r.bandwidth}")
     peers = [{"host_id": p.host_id, "address": p.address, "socket": p.socket,
               "boot_id": p.boot_id} for p in r.peers]
-    out = self._host.replicate(r.final_item, peers, _timeout(r.timeout_s),
+    out = self._host.replicate(r.final_item, peers, _timeout(r.timeout_s, context),
                                r.bandwidth if r.HasField("bandwidth") else None)
     return ckpt_pb.CheckpointReplicateResponse(peers=out["peers"], shards=out["shards"],
                                                bytes=out["bytes"], seconds=out["seconds"])
@@ -272,7 +277,17 @@ class CheckpointService:
               "source": h.source}
     session = first.worker_session
     view = lambda ref: self._arena_io.view(ref, session)
-    held, message, n = 0, first, 0
+    self._host.drop_partial_replica(h.item, h.source)  # a resent replica starts afresh
+    try:
+      return self._receive_all(header, first, data, requests, view, context)
+    except BaseException:
+      self._host.drop_partial_replica(h.item, h.source)  # a stream cut short leaves none
+      raise
+
+  def _receive_all(self, header: dict, message: ckpt_pb.ReceiveRequest,
+                   data: memoryview | None, requests: Iterator[bytes], view,
+                   context: grpc.ServicerContext) -> ckpt_pb.ReceiveResponse:
+    held, n = 0, 0
     with self._allocating(context):
       while True:
         if message.HasField("header") and n:

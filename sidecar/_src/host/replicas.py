@@ -51,6 +51,9 @@ QUEUED = 4  # messages serialized ahead of the one gRPC sends
 # message's blocks as it comes.
 BATCH_BYTES = 256 << 20
 ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
+# A replica's whole stream: as long as a Replicate may wait (a paced or slow link takes
+# long; a peer that stops reading is found by the HTTP/2 pings, a cancel ends it at once).
+SEND_TIMEOUT_S = 3600.0
 WATCH_S = 0.5  # how often Links looks for peers that exited
 PACE_BYTES = 1 << 20  # with a bandwidth limit, the copy into a peer's arena goes in pieces:
 # small ones keep the pace smooth (2-4 ms of copy, then a sleep)
@@ -141,9 +144,16 @@ def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
                    message.data))
 
 
-def _offer(ready: queue.Queue, item: bytes, call: grpc.Future) -> bool:
-  """Queues ``item`` for the stream ``call``, waiting for room; False if the call ended."""
+def _offer(ready: queue.Queue, item: bytes, call: grpc.Future,
+           cancelled: Callable[[], bool] = lambda: False) -> bool:
+  """Queues ``item`` for the stream ``call``, waiting for room; False if the call ended.
+
+  Raises ClosedError if ``cancelled()`` turns true meanwhile (a peer that stopped
+  reading holds the sender here until then, not until the stream's deadline).
+  """
   while not call.done():
+    if cancelled():
+      raise errors.ClosedError("the replication was cancelled")
     try:
       ready.put(item, timeout=0.1)
       return True
@@ -232,7 +242,7 @@ class PeerLink:
 
   def send(self, header: dict[str, Any],
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
-           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0,
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> int:
     """Sends every shard, then marks the replica whole; returns the bytes sent.
 
@@ -265,9 +275,9 @@ class PeerLink:
           [first], make(header, shards, cancelled, timeout, _Pace(bandwidth), sent, held),
           [ckpt_pb.ReceiveRequest(done=True)])
       for message in messages:
-        if not _offer(ready, _serialize(message), call):
+        if not _offer(ready, _serialize(message), call, cancelled):
           break  # the stream ended early: its error is the call's
-      _offer(ready, end, call)
+      _offer(ready, end, call, cancelled)
       call.result()
     except grpc.RpcError as e:
       raise self._error(e) from None
@@ -367,7 +377,7 @@ class Links:
 
   def send(self, peer: Peer, header: dict[str, Any],
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
-           cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0,
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
     """:meth:`PeerLink.send` over ``peer``'s link; returns (bytes, same machine)."""
     while True:
