@@ -161,3 +161,10 @@ def test_a_big_message_of_too_many_values_is_counted_on_the_wire_before_it_is_pa
   codec.check_message_count(big.SerializeToString(), pb.CallRequest.DESCRIPTOR)  # few values
   codec.check_message_count(b"\x12\xff\xff\xff\x0f" + b"\x0a" * codec.SCAN_FROM,
                             pb.CallRequest.DESCRIPTOR)  # malformed: left to the parse
+  # Fields that are no value cost the scan too: millions of them are refused, the scan
+  # stopping there (not going on for a minute through 256 MiB of them).
+  unknown = b"\x78\x01" * (2 * codec.MAX_ELEMENTS + 1)  # field 15, a varint
+  with pytest.raises(errors.ResourceExhaustedError, match="holds more than"):
+    codec.check_message_count(unknown, pb.CallRequest.DESCRIPTOR)
+  ints = pb.CallRequest(name="echo", args=codec.encode(list(range(codec.MAX_ELEMENTS - 2))))
+  codec.check_message_count(ints.SerializeToString(), pb.CallRequest.DESCRIPTOR)  # a scalar each

@@ -50,3 +50,14 @@ def test_the_blocks_of_an_epochs_partial_batch_serve_the_next_batch():
 def test_an_element_unlike_the_first_is_invalid_argument(second, match):
   with pytest.raises(sidecar.InvalidArgumentError, match=match):
     run([{"x": np.int32(0)}, second, {"x": np.int32(2)}, {"x": np.int32(3)}])
+
+
+def test_a_map_datasets_element_of_another_dtype_is_invalid_argument():
+  spec = feed.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1, shard_index=0,
+                   shard_count=1, start={}, workers=0)
+  batcher = feed.Batcher(spec, lambda shape, dtype: np.zeros(shape, dtype), "p")
+  batcher.learn({"x": np.int32(0)})
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"cannot batch leaf 0 of dtypes \['complex64', 'int32'\] as the "
+                           r"first element's int32"):
+    batcher.write(None, [{"x": np.int32(0)}, {"x": np.complex64(1j)}])

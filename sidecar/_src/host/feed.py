@@ -173,7 +173,7 @@ class Batcher:
         start += b - a
         try:
           np.stack(rows, out=out[i][k], casting="same_kind")
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: a dtype that cannot be cast
           self._raise_shape(elements, i, shape)
     return out
 
@@ -208,7 +208,10 @@ class Batcher:
             f"pipeline {self._name!r}: element leaf {jax.tree_util.keystr(path)} has shape "
             f"{np.shape(leaf)}, but the first element's had {shape}; pad or crop to a fixed "
             "shape before batching")
-    raise errors.InvalidArgumentError(f"pipeline {self._name!r}: cannot batch leaf {i}")
+    dtypes = sorted({str(np.asarray(jax.tree_util.tree_leaves(e)[i]).dtype) for e in elements})
+    raise errors.InvalidArgumentError(
+        f"pipeline {self._name!r}: cannot batch leaf {i} of dtypes {dtypes} as the first "
+        f"element's {self._leaf_specs[i][1]}; yield one dtype for each leaf")
 
   def tree(self, out: list[list[np.ndarray]]) -> Any:
     """The element structure with each leaf a list of per-range arrays."""
