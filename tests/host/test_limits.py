@@ -9,6 +9,7 @@ import json
 import queue
 import socket
 import struct
+import time
 
 import grpc
 import numpy as np
@@ -382,7 +383,8 @@ def test_many_threads_calling_one_host_at_once_queue_instead_of_being_refused(ma
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # every slot came back
 
 
-def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(make_server):
+def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(make_server,
+                                                                             tmp_path):
   import threading
 
   from sidecar._src.host.limits import CHECKPOINT_THREADS
@@ -412,6 +414,14 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
                             timeout=10) as ctl:  # every checkpoint thread is taken
       assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
       assert ctl.status()[0].identity.host_id == 0
+      # The controller's own checkpoint rpc is refused as busy, and asks again until a
+      # thread is free (within its deadline), rather than fail.
+      opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
+                                             ram_budget=None, sweep=True)
+      time.sleep(0.5)
+      assert not opened.done()
+      stop.set()
+      assert opened.result(timeout=10) == []
   finally:
     stop.set()
     pool.shutdown(wait=True)

@@ -20,6 +20,8 @@ import abc
 import concurrent.futures
 import dataclasses
 import json
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -63,6 +65,15 @@ class Manifest:
   shards: list[dict[str, Any]]
   data_state: Any
   replicas: dict[int, list[int]]
+
+
+_RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
+
+
+def _busy(e: grpc.RpcError) -> bool:
+  """Whether the sidecar refused an rpc only because its checkpoint threads are taken."""
+  return (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+          and "checkpoint rpcs" in (e.details() or ""))
 
 
 class CheckpointTransport(abc.ABC):
@@ -176,27 +187,38 @@ class CheckpointClient(CheckpointTransport):
     (host,) = self._select([host])  # HostLostError / InvalidArgumentError, raised here
     conn = self._connection(host)
     out: concurrent.futures.Future = concurrent.futures.Future()
-    timeout = self._timeout if timeout is None else timeout
+    deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+    what = f"checkpoint rpc {method} on host {host}"
+    tries = [0]
 
     def done(f: grpc.Future) -> None:
-      if held is not None:
-        held.clear()
       try:
         out.set_result(decode(f.result()))
       except grpc.RpcError as e:
+        if _busy(e) and time.monotonic() + _RETRY_S * tries[0] < deadline:
+          # The sidecar's checkpoint threads are taken by other controllers (and peers):
+          # ask again shortly, within the deadline, rather than call a live copy lost.
+          tries[0] += 1
+          threading.Timer(_RETRY_S * tries[0], send).start()
+          return
         out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host))
       except Exception as e:
         out.set_exception(e)
+      if held is not None:
+        held.clear()
 
     def fail(e: BaseException) -> None:
       if held is not None:
         held.clear()
       out.set_exception(e)
 
-    conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; the wait counts
-        lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
-                                                             metadata=conn.metadata),
-        done=done, fail=fail, timeout=timeout, what=f"checkpoint rpc {method} on host {host}")
+    def send() -> None:
+      conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
+          lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
+                                                               metadata=conn.metadata),
+          done=done, fail=fail, timeout=deadline - time.monotonic(), what=what)
+
+    send()
     return out
 
   def open(self, host, directory, *, ram_steps, ram_budget, sweep):
