@@ -1,9 +1,9 @@
 """colocated-sidecar: data loading and checkpointing on the accelerator hosts."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
   from sidecar import distributed, elastic, testing
   from sidecar._src.controller.connection import HostInfo
   from sidecar._src.controller.controller import Controller
@@ -59,18 +59,18 @@ _HOME = {
 _SUBMODULES = ("distributed", "elastic", "testing")
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
   if name in _SUBMODULES:
-    return importlib.import_module(f"sidecar.{name}")
+    return _importlib.import_module(f"sidecar.{name}")
   if name in _HOME:
-    value = getattr(importlib.import_module(_HOME[name]), name)
+    value = getattr(_importlib.import_module(_HOME[name]), name)
     globals()[name] = value  # the next access is a plain attribute
     return value
   raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-  return sorted({*globals(), *__all__})
+  return sorted({*(n for n in globals() if not n.startswith("_")), *__all__})
 
 
 __all__ = [

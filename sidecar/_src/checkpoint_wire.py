@@ -1,8 +1,8 @@
 """The checkpoint protocol's messages (``protos/sidecar/v1/checkpoint.proto``) <-> values.
 
 Both sides of the ``Checkpoint`` service use these: the controller's client
-(``controller/ckpt_client.py``) and the sidecar's servicer (``host/ckpt_service.py``).
-Every ``*_from_pb`` checks what the message cannot say itself (an interval's order, a
+(``controller/checkpoint_client.py``) and the sidecar's servicer
+(``host/checkpoint_service.py``). Every ``*_from_pb`` checks what the message cannot say itself (an interval's order, a
 dtype on the allow-list) and raises InvalidArgumentError naming the field. Inside each
 side, checksums and manifests stay the plain dicts the manifest file holds on disk.
 """
@@ -20,6 +20,9 @@ from sidecar._src.protocol import ckpt_pb, pb
 
 KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
+# Read tiers by name, as the Checkpointer and the sidecar's RAM tier say them.
+TIERS = {"any": ckpt_pb.TIER_ANY, "ram": ckpt_pb.TIER_RAM, "replica": ckpt_pb.TIER_REPLICA,
+         "disk": ckpt_pb.TIER_DISK}
 MAX_DIMS = 64  # a shard's rank; more is no array numpy makes
 
 

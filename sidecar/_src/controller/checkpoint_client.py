@@ -34,8 +34,6 @@ from sidecar._src.protocol import ckpt_pb, pb
 KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
 Shard = tuple[KeyPath, Index]
-_TIERS = {"any": ckpt_pb.TIER_ANY, "ram": ckpt_pb.TIER_RAM, "replica": ckpt_pb.TIER_REPLICA,
-          "disk": ckpt_pb.TIER_DISK}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,11 +305,12 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_item=final_item), decode)
 
   def read(self, host, final_item, shard, *, crc32c, tier, part=None):
-    if tier not in _TIERS:
-      raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {tier!r}")
+    if tier not in wire.TIERS:
+      raise errors.InvalidArgumentError(
+          f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
     w = self._worker(host)
     request = ckpt_pb.CheckpointReadRequest(
-        final_item=final_item, shard=wire.shard_to_pb(*shard), tier=_TIERS[tier],
+        final_item=final_item, shard=wire.shard_to_pb(*shard), tier=wire.TIERS[tier],
         worker_session=w.session if w is not None else "")
     if crc32c is not None:
       request.crc32c = crc32c

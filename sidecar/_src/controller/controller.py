@@ -40,9 +40,6 @@ from sidecar._src.protocol import pb
 log = logging.getLogger(__name__)
 _REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline
 
-ENV_TOKEN = env.TOKEN
-ENV_TOKEN_FILE = env.TOKEN_FILE
-
 
 class State(enum.Enum):
   OPEN = "open"

@@ -31,8 +31,7 @@ from sidecar._src.protocol import ckpt_pb
 
 log = logging.getLogger(__name__)
 LONG_S = 3600.0  # a prepared or replicate with no timeout_s waits at most this long
-_TIERS = {ckpt_pb.TIER_ANY: "any", ckpt_pb.TIER_RAM: "ram", ckpt_pb.TIER_REPLICA: "replica",
-          ckpt_pb.TIER_DISK: "disk"}
+_TIERS = {number: name for name, number in wire.TIERS.items()}
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
