@@ -342,3 +342,17 @@ def test_serve_help_names_the_variable_and_the_fallback_of_each_default():
   assert "(default: $SIDECAR_PORT, else 8490)" in text
   assert "(default: $SIDECAR_SHM_SIZE, else 1GiB)" in text
   assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_serve_with_an_empty_token_file_refuses_to_start(tmp_path, capsys):
+  import logging
+  empty = tmp_path / "token"
+  empty.write_text("\n")
+  root = logging.getLogger()
+  handlers, level = root.handlers[:], root.level
+  try:  # cli.main configures logging for the process
+    assert cli.main(["serve", "--token-file", str(empty), "--port", "0"]) == 2
+  finally:
+    root.handlers[:] = handlers
+    root.setLevel(level)
+  assert f"token file {str(empty)!r} is empty" in capsys.readouterr().err

@@ -76,10 +76,11 @@ def _serve(args: argparse.Namespace) -> int:
   imports = list(args.imports or []) + [
       m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
   load_user_code(imports)
-  token = _env(env_lib.TOKEN)
-  if args.token_file:
-    with open(args.token_file) as f:
-      token = f.read().strip()
+  try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
+    token = env_lib.token(args.token_file)
+  except (OSError, errors.InvalidArgumentError) as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
   # Loopback unless a token guards the ports: then every interface, so peers reach it.
   listen = args.listen or (options_lib.ALL_INTERFACES if token else options_lib.LOOPBACK)
   try:

@@ -171,10 +171,10 @@ class CheckpointService:
       self._metrics.call_started("checkpoint")
       t0, code = time.perf_counter(), "OK"
       try:
-        request = raw if request_cls is None else parse(request_cls, raw)
         session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
         self._sessions.use(session)
-        with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full
+        with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full; then the parse
+          request = raw if request_cls is None else parse(request_cls, raw)
           return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name

@@ -127,8 +127,9 @@ class Service:
             for e in self._runner.registry]
 
   def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
-    request = parse(pb.CallRequest, raw)
+    # The slot first, as for streams: parsing a big request takes a while, on its thread.
     with self._calls.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
+      request = parse(pb.CallRequest, raw)
       return pb.CallResponse(result=self._runner.call(
           request, alive=context.is_active, time_left=context.time_remaining))
 
