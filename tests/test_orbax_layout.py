@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src import errors, layout_spec, orbax_layout as ol
+from sidecar._src import direct_io, errors, layout_spec, orbax_layout as ol, orbax_write
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +211,9 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
       return fn(*args)
     return wrapped
 
-  monkeypatch.setattr(ol.direct_io, "write_file", spy(ol.direct_io.write_file))
-  monkeypatch.setattr(ol, "shard_crc32c", spy(ol.shard_crc32c))
+  monkeypatch.setattr(direct_io, "write_file", spy(direct_io.write_file))
+  # Patched where the write engine looks it up.
+  monkeypatch.setattr(orbax_write, "shard_crc32c", spy(orbax_write.shard_crc32c))
   before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
   specs, parts = host_parts(tree, mesh, 1)
   tmp = ol.create_tmp_step(tmp_path, 0)
@@ -249,8 +250,8 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
   else:
     item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / layout_spec.ITEM
   direct, allocated = [], []
-  read_file = ol.direct_io.read_file
-  monkeypatch.setattr(ol.direct_io, "read_file",
+  read_file = direct_io.read_file
+  monkeypatch.setattr(direct_io, "read_file",
                       lambda path, out: direct.append(path) or read_file(path, out))
 
   def allocate(shape, dtype):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src import codec, errors, orbax_layout as ol, shm
+from sidecar._src import codec, errors, orbax_write, shm
 from sidecar._src.host import (
   checkpoint_faults as faults,
   checkpoint_roots as roots_lib,
@@ -86,7 +86,7 @@ class Replicator:
     return job.result
 
   def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
-    ol._background_thread()  # pylint: disable=protected-access
+    orbax_write.background_thread()
     t0 = time.perf_counter()
     shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
     header = {"directory": record.directory, "step": record.step, "item": record.item,
