@@ -125,7 +125,7 @@ class Saver:
       return record.nbytes
 
   def _write(self, record: ram_tier.Step, item: str) -> None:
-    # The bytes are written and checksummed on idle-class threads (orbax_layout): a
+    # The bytes are written and checksummed on idle-class threads (orbax_write): a
     # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
     try:
