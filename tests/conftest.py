@@ -78,6 +78,19 @@ def arena_mappers() -> list[int]:
 
 
 @pytest.fixture(autouse=True)
+def root_logging_restored():
+  """The root logger as it was before the test: ``cli.main`` configures logging for the
+  process (``logs.configure``), with a handler on the test's captured stderr, which is
+  closed once the test ends; a daemon thread's late record would then fail to write."""
+  import logging
+  root = logging.getLogger()
+  handlers, level = root.handlers[:], root.level
+  yield
+  root.handlers[:] = handlers
+  root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
 def no_shm_leak():
   before = shm_entries()
   yield
