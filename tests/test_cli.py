@@ -1,6 +1,5 @@
 import argparse
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -14,16 +13,6 @@ from sidecar._src.controller import status
 from tests.conftest import eventually
 
 FNS = ["tests.sidecar_fns"]
-
-
-@pytest.fixture(autouse=True)
-def restore_logging():
-  """cli.main() points the root logger at this test's captured stderr: undo that after."""
-  root = logging.getLogger()
-  handlers, level = root.handlers[:], root.level
-  yield
-  root.handlers[:] = handlers
-  root.setLevel(level)
 
 
 def test_status_table(capsys):
@@ -345,14 +334,7 @@ def test_serve_help_names_the_variable_and_the_fallback_of_each_default():
 
 
 def test_serve_with_an_empty_token_file_refuses_to_start(tmp_path, capsys):
-  import logging
   empty = tmp_path / "token"
   empty.write_text("\n")
-  root = logging.getLogger()
-  handlers, level = root.handlers[:], root.level
-  try:  # cli.main configures logging for the process
-    assert cli.main(["serve", "--token-file", str(empty), "--port", "0"]) == 2
-  finally:
-    root.handlers[:] = handlers
-    root.setLevel(level)
+  assert cli.main(["serve", "--token-file", str(empty), "--port", "0"]) == 2
   assert f"token file {str(empty)!r} is empty" in capsys.readouterr().err

@@ -307,6 +307,37 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
       raise ValueError("varint too long")
 
 
+def length_delimited(buf: bytes, start: int, end: int, field: int
+                     ) -> list[tuple[int, int, int]]:
+  """``(field start, value start, value end)`` of each length-delimited field ``field`` of
+  the message in ``buf[start:end]``, read off the wire without parsing it.
+
+  Raises:
+    ValueError, IndexError: not a plain message (a group, a field past the end).
+  """
+  found, pos = [], start
+  while pos < end:
+    field_start = pos
+    key, pos = _varint(buf, pos)
+    wire = key & 7
+    if wire == 0:
+      _, pos = _varint(buf, pos)
+    elif wire == 1:
+      pos += 8
+    elif wire == 5:
+      pos += 4
+    elif wire == 2:
+      n, pos = _varint(buf, pos)
+      if key >> 3 == field:
+        found.append((field_start, pos, pos + n))
+      pos += n
+    else:
+      raise ValueError(f"wire type {wire}")
+  if pos != end:
+    raise ValueError("a field runs past its message")
+  return found
+
+
 _FIELDS: dict[str, dict[int, tuple[Any, int]]] = {}
 _SCALARS_PER_VALUE = 2
 # Parts of a Value that the decoder does not count apart from it (the items and entries

@@ -145,6 +145,13 @@ class CallWindow:
     if expirer is not None and expirer is not threading.current_thread():
       expirer.join(5)
 
+  def waited_too_long(self, what: str, timeout: float) -> errors.DeadlineExceededError:
+    """The error of a call whose whole timeout passed while it waited for a slot."""
+    return errors.DeadlineExceededError(
+        f"{what} waited {timeout:.3g} s (its timeout) behind this controller's other calls "
+        f"to {self._name} ({self._size} run at once); raise the timeout, or make fewer calls "
+        "at once")
+
   def _closed_error(self, e: _Queued) -> errors.ClosedError:
     return errors.ClosedError(f"{e.what} was not sent: the connection to {self._name} closed")
 
@@ -153,10 +160,7 @@ class CallWindow:
       left = entry.deadline - time.monotonic()
       try:
         if left <= 0:
-          raise errors.DeadlineExceededError(
-              f"{entry.what} waited {entry.timeout:.3g} s (its timeout) behind this "
-              f"controller's other calls to {self._name} ({self._size} run at once); raise "
-              "the timeout, or make fewer calls at once")
+          raise self.waited_too_long(entry.what, entry.timeout)
         rpc = entry.send(left)
       except Exception as e:
         if isinstance(e, ValueError) and self.closed:  # gRPC: "Channel closed!"
@@ -198,10 +202,7 @@ class CallWindow:
           self._cv.wait(min(deadlines) - now if deadlines else None)
           continue
       for e in expired:
-        e.fail(errors.DeadlineExceededError(
-            f"{e.what} waited {e.timeout:.3g} s (its timeout) behind this controller's other "
-            f"calls to {self._name} ({self._size} run at once); raise the timeout, or make "
-            "fewer calls at once"))
+        e.fail(self.waited_too_long(e.what, e.timeout))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

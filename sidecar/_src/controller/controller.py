@@ -32,7 +32,7 @@ from sidecar._src import (
 from sidecar._src.controller import arguments, discovery, display, feed as feed_lib, health
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.checkpoint_client import CheckpointClient
-from sidecar._src.controller.connection import CALLS_IN_FLIGHT, Connection, HostInfo
+from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
@@ -479,10 +479,7 @@ class Controller:
     request = self._request(host_id, name, args, kwargs, timeout, held)
     if not conn.calls.enter(deadline - time.monotonic()):
       held.clear()
-      raise errors.DeadlineExceededError(
-          f"call {name!r} on host {host_id} waited {timeout:.3g} s (its timeout) behind this "
-          f"controller's other calls to that host ({CALLS_IN_FLIGHT} run at once); raise "
-          "timeout=, or make fewer calls at once")
+      raise conn.calls.waited_too_long(f"call {name!r} on host {host_id}", timeout)
     leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
     try:
       left = max(deadline - time.monotonic(), 0.0)

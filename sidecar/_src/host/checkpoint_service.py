@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src import checkpoint_wire as wire, errors, protocol
+from sidecar._src import checkpoint_wire as wire, codec, errors, protocol
 from sidecar._src.host import metrics as metrics_lib, outputs
 from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.checkpoint import CheckpointHost
@@ -56,44 +56,6 @@ _PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
 _DATA = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-  value = shift = 0
-  while shift < 64:
-    byte = buf[i]  # IndexError past the end
-    value |= (byte & 0x7F) << shift
-    i += 1
-    if not byte & 0x80:
-      return value, i
-    shift += 7
-  raise ValueError("varint too long")
-
-
-def _length_delimited(buf: bytes, start: int, end: int, wanted: int) -> list[tuple[int, int, int]]:
-  """``(field start, value start, value end)`` of each field ``wanted`` of wire type 2 in
-  ``buf[start:end]``; ValueError for anything but the plain wire types."""
-  found, i = [], start
-  while i < end:
-    field_start = i
-    tag, i = _varint(buf, i)
-    kind = tag & 7
-    if kind == 0:
-      _, i = _varint(buf, i)
-    elif kind == 1:
-      i += 8
-    elif kind == 5:
-      i += 4
-    elif kind == 2:
-      n, i = _varint(buf, i)
-      if tag >> 3 == wanted:
-        found.append((field_start, i, i + n))
-      i += n
-    else:
-      raise ValueError(f"wire type {kind}")
-  if i != end:
-    raise ValueError("a field runs past its message")
-  return found
-
-
 def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None]:
   """A ReceiveRequest, with its part's ``data`` as a view of ``raw`` instead of a copy.
 
@@ -103,10 +65,10 @@ def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None
   what the sender never writes (a field twice, a group), protobuf parses it all.
   """
   try:
-    parts = _length_delimited(raw, 0, len(raw), _PART)
+    parts = codec.length_delimited(raw, 0, len(raw), _PART)
     if len(parts) == 1:
       field_start, start, end = parts[0]
-      datas = _length_delimited(raw, start, end, _DATA)
+      datas = codec.length_delimited(raw, start, end, _DATA)
       if len(datas) == 1:
         data_start, value_start, value_end = datas[0]
         message = parse(ckpt_pb.ReceiveRequest, raw[:field_start] + raw[end:])
