@@ -1,3 +1,4 @@
+import json
 import pathlib
 import subprocess
 import sys
@@ -84,3 +85,85 @@ def test_error_info_cuts_long_messages_and_keeps_the_frames():
   assert len(e.message.encode()) <= protocol.MAX_ERROR_MESSAGE and "bytes cut" in e.message
   assert len(e.traceback.encode()) <= protocol.MAX_ERROR_TRACEBACK
   assert e.traceback.count("in deep") == 4  # every frame, though the last line was cut
+
+
+class _Context:
+  """What ``protocol.abort`` needs of a grpc.ServicerContext: it keeps what it is given."""
+
+  def set_trailing_metadata(self, metadata):
+    self.metadata = metadata
+
+  def abort(self, code, details):
+    self.code, self.details = code, details
+    raise _Aborted(self)
+
+
+class _Aborted(grpc.RpcError):
+  """The failed RPC as a client sees it: status, details and trailer."""
+
+  def __init__(self, context):
+    self._context = context
+
+  def code(self):
+    return self._context.code
+
+  def details(self):
+    return self._context.details
+
+  def trailing_metadata(self):
+    return self._context.metadata
+
+
+def _raised(exc):
+  try:
+    raise exc
+  except Exception as e:
+    return e
+
+
+def _over_trailer(exc):
+  with pytest.raises(_Aborted) as info:
+    protocol.abort(_Context(), exc)
+  return protocol.error_from_rpc(info.value, host="h", host_id=3)
+
+
+def _over_stream_item(exc):
+  item = pb.StreamItem.FromString(
+      pb.StreamItem(end=True, error=protocol.error_info(exc)).SerializeToString())
+  return protocol.error_from_info(item.error, host="h", host_id=3)
+
+
+def _over_json(exc):
+  return protocol.error_from_dict(json.loads(json.dumps(protocol.error_dict(exc))), host="h",
+                                  host_id=3)
+
+
+@pytest.mark.parametrize("carry", [_over_trailer, _over_stream_item, _over_json],
+                         ids=["trailer", "stream-item", "json"])
+def test_an_error_is_the_same_over_every_carrier(carry):
+  ours = carry(_raised(errors.InvalidArgumentError("step must be >= 0, got -1")))
+  assert type(ours) is errors.InvalidArgumentError and str(ours) == "step must be >= 0, got -1"
+  theirs = carry(_raised(KeyError("user's key")))
+  assert type(theirs) is errors.RemoteError and theirs.host_id == 3
+  assert theirs.remote_type == "builtins.KeyError"
+  assert theirs.remote_message == str(KeyError("user's key"))
+  assert "in _raised" in theirs.remote_traceback
+  lost = carry(errors.HostLostError("peer gone"))
+  assert type(lost) is errors.HostLostError and lost.host_id == 3
+
+
+def test_a_status_without_a_trailer_falls_back_on_its_code():
+  context = _Context()
+  context.metadata, context.code, context.details = (), grpc.StatusCode.INVALID_ARGUMENT, "bad"
+  e = protocol.error_from_rpc(_Aborted(context), host="h", host_id=1)
+  assert type(e) is errors.InvalidArgumentError and str(e) == "bad (sidecar h, host 1)"
+  context.metadata = ((protocol._ERROR_KEY, b"\xff not a pb.Error"),)
+  assert type(protocol.error_from_rpc(_Aborted(context), host="h")) is errors.InvalidArgumentError
+
+
+@pytest.mark.parametrize("reply", [{"type": 5}, "boom", {"message": ["x"]}],
+                         ids=["int-type", "str", "list-message"])
+def test_a_malformed_json_error_is_named(reply):
+  e = protocol.error_from_dict(reply, host="feed worker 1")
+  assert isinstance(e, errors.RemoteError) and e.remote_type == "ProtocolError"
+  assert "feed worker 1 sent an error that is no pb.Error" in str(e)

@@ -3,6 +3,12 @@
 This is the only module that imports the code generated from
 ``protos/sidecar/v1/*.proto``; everything else reaches it as ``protocol.pb`` (the
 ``Sidecar`` service) and ``protocol.ckpt_pb`` (the ``Checkpoint`` service).
+
+An error crosses a process boundary in one encoding, ``pb.Error`` (``error_info``),
+whatever carries it: a failed RPC's trailing metadata (``abort``, read back by
+``error_from_rpc``), the end item of a stream (``StreamItem.error``), or the JSON
+messages of the worker socket and feed workers (``error_dict``: pb.Error's JSON
+mapping). ``error_from_info`` turns it back into the matching SidecarError.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from sidecar._src import env, errors
 from sidecar.v1 import (
@@ -25,14 +33,12 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb", "pb_grpc"]
 
-PROTOCOL_VERSION = 2  # 2: the checkpoint phases are the Checkpoint service, not Call names
+PROTOCOL_VERSION = 3  # 2: the Checkpoint service; 3: an error is one pb.Error trailer
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
 AUTH_KEY = "authorization"
-_TYPE_KEY = "sidecar-error-type"
-_MESSAGE_KEY = "sidecar-error-message-bin"
-_TRACEBACK_KEY = "sidecar-error-traceback-bin"
+_ERROR_KEY = "sidecar-error-bin"  # a failed RPC's trailer: its pb.Error, serialized
 # An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.
 MAX_ERROR_MESSAGE = 8 << 10
 MAX_ERROR_TRACEBACK = 16 << 10
@@ -81,7 +87,7 @@ def version_differences(ours: pb.Versions, theirs: pb.Versions) -> list[str]:
   return diffs
 
 
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+_CODES: tuple[tuple[type[errors.SidecarError], grpc.StatusCode], ...] = (
     (errors.NotRegisteredError, grpc.StatusCode.NOT_FOUND),
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.StaleDescriptorError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -130,16 +136,12 @@ def error_info(exc: BaseException) -> pb.Error:
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-  """Ends the RPC with ``exc``'s status, type, message and traceback, cut to fit trailers."""
+  """Ends the RPC with ``exc``'s status and its pb.Error in a trailer, cut to fit."""
   info = error_info(exc)
-  kind = truncate(info.type, 200)
-  message = truncate(info.message, _TRAILER_MESSAGE)
-  context.set_trailing_metadata((
-      (_TYPE_KEY, kind),
-      (_MESSAGE_KEY, message.encode()),
-      (_TRACEBACK_KEY, truncate(info.traceback, _TRAILER_TRACEBACK, keep="tail").encode()),
-  ))
-  context.abort(status_code(exc), truncate(f"{kind}: {message}", _TRAILER_DETAILS))
+  info = pb.Error(type=truncate(info.type, 200), message=truncate(info.message, _TRAILER_MESSAGE),
+                  traceback=truncate(info.traceback, _TRAILER_TRACEBACK, keep="tail"))
+  context.set_trailing_metadata(((_ERROR_KEY, info.SerializeToString()),))
+  context.abort(status_code(exc), truncate(f"{info.type}: {info.message}", _TRAILER_DETAILS))
 
 
 def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None
@@ -154,16 +156,23 @@ def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None
   return errors.RemoteError(info.type, info.message, info.traceback, host_id=host_id)
 
 
-def error_dict(exc: BaseException) -> dict[str, str]:
-  """``error_info`` as plain values, for the JSON messages of the Unix socket."""
-  info = error_info(exc)
-  return {"type": info.type, "message": info.message, "traceback": info.traceback}
+def error_dict(exc: BaseException) -> dict[str, Any]:
+  """``error_info`` in its JSON mapping, for the JSON messages of the Unix socket."""
+  return json_format.MessageToDict(error_info(exc), preserving_proto_field_name=True)
 
 
-def error_from_dict(d: dict[str, str], *, host: str, host_id: int | None = None
-                    ) -> errors.SidecarError:
-  return error_from_info(pb.Error(type=d.get("type", ""), message=d.get("message", ""),
-                                  traceback=d.get("traceback", "")), host=host, host_id=host_id)
+def error_from_dict(d: Any, *, host: str, host_id: int | None = None) -> errors.SidecarError:
+  """The SidecarError that ``d`` (from ``error_dict``) stands for."""
+  try:
+    if not isinstance(d, dict):
+      raise TypeError(f"a JSON object was expected, got {type(d).__name__}")
+    info = json_format.ParseDict(d, pb.Error(), ignore_unknown_fields=True)
+    if not info.type:
+      raise ValueError("it has no type")
+  except (json_format.ParseError, TypeError, ValueError) as e:
+    return errors.RemoteError("ProtocolError", f"{host} sent an error that is no pb.Error "
+                              f"({truncate(repr(d), 200)}): {e}", host_id=host_id)
+  return error_from_info(info, host=host, host_id=host_id)
 
 
 def versions_dict(v: pb.Versions) -> dict[str, Any]:
@@ -172,31 +181,35 @@ def versions_dict(v: pb.Versions) -> dict[str, Any]:
           "numpy": v.numpy, "jax": v.jax}
 
 
+def _metadata_error(e: grpc.RpcError) -> pb.Error | None:
+  """The pb.Error in a failed RPC's trailer (see ``abort``), if it has one."""
+  # grpc gives metadata as (key, value) tuples; its stubs type them as plain objects.
+  metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+  data = dict(metadata or ()).get(_ERROR_KEY)  # type: ignore[arg-type, call-overload]
+  if not isinstance(data, bytes):
+    return None
+  try:
+    return pb.Error.FromString(data)
+  except DecodeError:
+    return None
+
+
+# A status with no pb.Error (from gRPC itself, or a server that is not a sidecar).
+# Reversed, so that the first class of a code in _CODES is the one chosen.
+_FALLBACK = {code: cls for cls, code in reversed(_CODES)}
+
+
 def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
                    ) -> errors.SidecarError:
   """Turns a failed RPC into the matching SidecarError."""
   code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-  # grpc gives metadata as (key, value) tuples; its stubs type them as plain objects.
-  metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-  meta = dict(metadata or ())  # type: ignore[arg-type]
-  name = meta.get(_TYPE_KEY)
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(
         f"sidecar {host} (host {host_id}) is unreachable: {e.details()}", host_id=host_id)
-  if name is not None:
-    return error_from_info(pb.Error(
-        type=name, message=(meta.get(_MESSAGE_KEY) or b"").decode(errors="replace"),
-        traceback=(meta.get(_TRACEBACK_KEY) or b"").decode(errors="replace")),
-        host=host, host_id=host_id)
-  fallback = {
-      grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
-      grpc.StatusCode.NOT_FOUND: errors.NotRegisteredError,
-      grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-      grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
-      grpc.StatusCode.FAILED_PRECONDITION: errors.VersionMismatchError,
-      grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
-      grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
-  }.get(code)
+  info = _metadata_error(e)
+  if info is not None:
+    return error_from_info(info, host=host, host_id=host_id)
+  fallback = _FALLBACK.get(code)
   if fallback is not None:
     return fallback(f"{e.details()} (sidecar {host}, host {host_id})")
   return errors.RemoteError(str(code), e.details() or "", host_id=host_id)
