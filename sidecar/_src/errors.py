@@ -7,6 +7,7 @@ The tree::
     ├── NotRegisteredError(KeyError)              unknown function/pipeline name (NOT_FOUND)
     ├── InvalidArgumentError(ValueError)          bad arguments or bytes (INVALID_ARGUMENT)
     ├── ResourceExhaustedError                    arena, quota or limit full (RESOURCE_EXHAUSTED)
+    │   └── BusyError                             a sidecar's slots for such rpcs all taken: retry
     ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
     ├── CorruptCheckpointError(ValueError)        a stored shard that fails its crc32c or size
     │   └── ShardsLostError                       shards with no live copy and no valid stored one
@@ -47,6 +48,11 @@ class InvalidArgumentError(SidecarError, ValueError):
 
 class ResourceExhaustedError(SidecarError):
   """The arena, a quota or a configured limit cannot hold what was asked."""
+
+
+class BusyError(ResourceExhaustedError):
+  """Every slot a sidecar has for rpcs of this kind (calls, streams, checkpoint rpcs) is
+  taken: the same request can succeed once those in flight end."""
 
 
 class StaleDescriptorError(SidecarError, ValueError):

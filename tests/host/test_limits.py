@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src import codec, ipc, protocol
+from sidecar._src import codec, errors, ipc, protocol
 from sidecar._src.host import workers as workers_lib
 from sidecar._src.host.credits import Credits
 from sidecar._src.host.limits import MAX_PREFETCH, Sessions, StreamSlots
@@ -39,11 +39,11 @@ class Clock:
 def test_stream_slots_bound_all_streams_and_those_of_one_session():
   slots = StreamSlots(total=3, per_session=2)
   with slots.hold("a"), slots.hold("a"):
-    with pytest.raises(sidecar.ResourceExhaustedError, match=r"max_streams_per_session=2"):
+    with pytest.raises(errors.BusyError, match=r"max_streams_per_session=2"):
       with slots.hold("a"):
         pass
     with slots.hold("b"):
-      with pytest.raises(sidecar.ResourceExhaustedError, match=r"its limit \(max_streams=3\)"):
+      with pytest.raises(errors.BusyError, match=r"its limit \(max_streams=3\)"):
         with slots.hold("c"):
           pass
       assert slots.running == 3

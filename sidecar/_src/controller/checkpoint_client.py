@@ -70,8 +70,7 @@ _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3
 
 def _busy(e: grpc.RpcError) -> bool:
   """Whether the sidecar refused an rpc only because its checkpoint threads are taken."""
-  return (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-          and "checkpoint rpcs" in (e.details() or ""))
+  return isinstance(protocol.error_from_rpc(e, host=""), errors.BusyError)
 
 
 class CheckpointTransport(abc.ABC):

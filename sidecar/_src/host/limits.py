@@ -59,13 +59,13 @@ class Slots:
     """A slot for one RPC of ``session`` while the block runs.
 
     Raises:
-      ResourceExhaustedError: a limit is reached; the message names it and its option.
+      BusyError: a limit is reached; the message names it and its option.
     """
     with self._lock:
       if self._count >= self.total:
-        raise errors.ResourceExhaustedError(self._full())
+        raise errors.BusyError(self._full())
       if self._open[session] >= self.per_session:
-        raise errors.ResourceExhaustedError(self._session_full(session))
+        raise errors.BusyError(self._session_full(session))
       self._open[session] += 1
       self._count += 1
     try:
