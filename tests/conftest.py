@@ -1,14 +1,24 @@
 """Shared fixtures. Every test that makes shared memory proves it is gone afterwards.
 
-Every test gets one tier marker, from what its code (and its fixtures' code) starts:
-``processes`` (sidecar, trainer or kernel processes: LocalCluster, ``sidecar launch``,
-subprocesses), ``server`` (an in-process gRPC sidecar), else ``unit``. So
-``pytest -m unit`` runs in seconds, and ``pytest -m "not processes"`` in about a minute.
+Every test has one tier, declared in one line after its module's imports:
+``pytestmark = pytest.mark.unit`` (no sockets, no processes), ``pytest.mark.server`` (an
+in-process gRPC sidecar) or ``pytest.mark.processes`` (sidecar, trainer or kernel processes:
+LocalCluster, ``sidecar launch``, subprocesses). A test of another tier than its module's
+carries its own ``@pytest.mark.<tier>``, which wins. So ``pytest -m unit`` runs in half a
+minute, and ``pytest -m "not processes"`` in about a minute and a half.
+
+Collection fails, naming the test and the fix, where a test has no tier, two on one node, or a
+tier below what its code (and its fixtures' code) visibly uses: ``subprocess`` or
+``LocalCluster`` needs ``processes``, ``make_server`` or ``Server`` needs ``server``. That
+cross-check reads names in the code, not strings or comments, so it is a lower bound: a test
+that starts processes through a helper of its module must be marked by hand.
 """
 
+import ast
+import functools
 import inspect
 import os
-import re
+import textwrap
 
 # Before jax starts anywhere in the test process: 8 CPU devices, CPU only.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -139,36 +149,87 @@ def make_server(tmp_path):
     s.stop(grace=0)
 
 
-_PROCESSES = re.compile(r"LocalCluster|subprocess|Popen|launch\.run|multiprocessing|"
-                        r"start_local|_start\(|KernelManager|nbclient")
-_SERVER = re.compile(r"make_server|Server\(|grpc\.server\(")
+TIERS = ("unit", "server", "processes")  # each tier may do what the ones before it do
+_MARK_IT = ("`pytestmark = pytest.mark.unit` (no sockets, no processes), `pytest.mark.server` "
+            "(an in-process gRPC sidecar) or `pytest.mark.processes` (LocalCluster, "
+            "subprocesses)")
+# Names whose use in a test or its fixtures shows the tier it needs at least.
+_STARTS_PROCESSES = frozenset({"LocalCluster", "subprocess", "Popen", "multiprocessing",
+                               "KernelManager", "nbclient", "launch.run"})
+_STARTS_A_SERVER = frozenset({"make_server", "Server", "grpc.server"})
 
 
-def _sources(item) -> str:
-  """The test function's code and that of every fixture it uses (transitively)."""
-  parts = []
-  for fn in [getattr(item, "function", None), *(
-      d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)]:
-    try:
-      parts.append(inspect.getsource(fn))
-    except (OSError, TypeError):
-      continue
-  return "\n".join(parts)
+def _declared_tiers(item) -> list[str]:
+  """The tier markers nearest the test: its own win over its class's, which win over its
+  module's. One, unless a marker is missing (none) or doubled (several)."""
+  for node in item.iter_parents():
+    if tiers := sorted({m.name for m in node.own_markers if m.name in TIERS}, key=TIERS.index):
+      return tiers
+  return []
 
 
-def _module_source(item) -> str:
+@functools.cache
+def _names(fn) -> frozenset[str]:
+  """The names ``fn``'s code uses, dotted as written (``subprocess.run`` gives both
+  ``subprocess`` and ``subprocess.run``): strings, comments and docstrings don't count."""
   try:
-    return inspect.getsource(item.module)
-  except (OSError, TypeError, AttributeError):
-    return ""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+  except (OSError, TypeError, SyntaxError):
+    return frozenset()
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name):
+      names.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      names.add(node.attr)
+      if isinstance(node.value, ast.Name):
+        names.add(f"{node.value.id}.{node.attr}")
+    elif isinstance(node, ast.alias):
+      names.update(node.name.split("."))
+  return frozenset(names)
 
 
+def _visible_tier(item) -> tuple[str, set[str]]:
+  """The tier that the test's code and its fixtures' code visibly need, and the names why.
+
+  A lower bound: a test may start processes through a helper this cannot see.
+  """
+  fns = [item.function, *(d.func for defs in item._fixtureinfo.name2fixturedefs.values()
+                          for d in defs)]
+  names = set(item.fixturenames).union(*map(_names, fns))
+  if why := names & _STARTS_PROCESSES:
+    return "processes", why
+  if why := names & _STARTS_A_SERVER:
+    return "server", why
+  return "unit", set()
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these markers
 def pytest_collection_modifyitems(config, items):
+  problems, tiers = [], {}
   for item in items:
-    source = _sources(item)
-    tier = ("processes" if _PROCESSES.search(source) or "multiprocess" in item.path.parts
-            else "server" if _SERVER.search(source) or _SERVER.search(_module_source(item))
-            else "unit")
+    if not isinstance(item, pytest.Function):
+      continue
+    match _declared_tiers(item):
+      case []:
+        module = item.nodeid.split("::")[0]
+        problems.append(f"{module} has a test with no tier marker: put {_MARK_IT} in one line "
+                        f"after the imports of {module}, or mark the test itself")
+      case [tier]:
+        needs, why = _visible_tier(item)
+        if TIERS.index(needs) > TIERS.index(tier):
+          problems.append(f"{item.nodeid} is marked {tier} but uses {', '.join(sorted(why))}: "
+                          f"mark it `@pytest.mark.{needs}`")
+        tiers[item] = tier
+      case several:
+        problems.append(f"{item.nodeid} has the tier markers {' and '.join(several)} on one "
+                        f"node: keep the one it needs")
+  if problems:
+    raise pytest.UsageError("test tiers:\n  " + "\n  ".join(dict.fromkeys(problems)))
+  # Each item then holds its one tier itself, so that ``-m`` sees that and not the module's.
+  for item, tier in tiers.items():
+    for node in item.iter_parents():
+      node.own_markers[:] = [m for m in node.own_markers if m.name not in TIERS]
     item.add_marker(getattr(pytest.mark, tier))
 
 

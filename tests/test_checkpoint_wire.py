@@ -7,6 +7,8 @@ from sidecar._src import checkpoint_wire as wire, errors, layout_spec as layout
 from sidecar._src.host import replicas
 from sidecar._src.protocol import ckpt_pb, pb
 
+pytestmark = pytest.mark.unit
+
 
 def test_leaves_and_checksums_survive_the_wire():
   spec = layout.spec_to_dict(layout.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6),

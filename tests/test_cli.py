@@ -12,6 +12,8 @@ from sidecar._src import cli
 from sidecar._src.controller import status
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.processes
+
 FNS = ["tests.sidecar_fns"]
 
 
@@ -40,6 +42,7 @@ def test_serve_rejects_bad_flags_and_too_big_arenas(tmp_path):
   assert p.returncode == 2 and "host_id must be a non-negative int, got -4" in p.stderr
 
 
+@pytest.mark.unit
 def test_serve_loads_plugins_from_entry_points(tmp_path, monkeypatch):
   dist = tmp_path / "myplugin-1.0.dist-info"
   dist.mkdir()
@@ -174,6 +177,7 @@ def test_serve_insecure_starts_with_a_warning(tmp_path, flags, env):
   assert p.returncode == 2 and "cannot listen on 192.0.2.1:0" in p.stderr
 
 
+@pytest.mark.unit
 def test_status_shows_the_whole_first_line_of_an_error():
   error = ConnectionError("failed to connect to all addresses; last error: UNKNOWN: "
                           "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused\n"
@@ -284,6 +288,7 @@ def test_demo_without_scikit_learn_names_the_extra():
           "pip install 'colocated-sidecar[demo]'") in p.stderr
 
 
+@pytest.mark.unit
 def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypatch, tmp_path):
   monkeypatch.delenv("SIDECAR_CHECKPOINT_ROOTS", raising=False)
   assert cli.parser().parse_args(["serve"]).checkpoint_roots == []
@@ -302,6 +307,7 @@ def _commands(p: argparse.ArgumentParser, prefix: str = "sidecar"):
         yield from _commands(sub, f"{prefix} {name}")
 
 
+@pytest.mark.unit
 def test_every_option_of_every_subcommand_has_help_with_its_default():
   seen, missing = set(), []
   for command, p in _commands(cli.parser()):
@@ -325,6 +331,7 @@ def test_every_option_of_every_subcommand_has_help_with_its_default():
   assert missing == []
 
 
+@pytest.mark.unit
 def test_serve_help_names_the_variable_and_the_fallback_of_each_default():
   text = " ".join(cli.parser()._subparsers._group_actions[0].choices["serve"]
                   .format_help().split())

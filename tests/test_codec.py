@@ -5,6 +5,8 @@ import pytest
 from sidecar._src import codec, errors
 from sidecar._src.protocol import pb
 
+pytestmark = pytest.mark.unit
+
 
 def roundtrip(x, **kw):
   return codec.decode(pb.Value.FromString(codec.encode(x, **kw).SerializeToString()))

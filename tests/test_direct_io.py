@@ -9,6 +9,8 @@ import pytest
 
 from sidecar._src import direct_io
 
+pytestmark = pytest.mark.unit
+
 
 def aligned(nbytes):
   """Page-aligned memory, as an arena block is."""

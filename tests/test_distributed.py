@@ -11,6 +11,8 @@ import pytest
 
 from sidecar._src import distributed, errors
 
+pytestmark = pytest.mark.unit
+
 
 class FakeCoordinationClient:
   """The part of jax's DistributedRuntimeClient that JaxPeers uses, in memory."""

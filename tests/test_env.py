@@ -11,6 +11,8 @@ import pytest
 
 from sidecar._src import env, errors
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for d in ("sidecar", "pipelines") for p in (ROOT / d).rglob("*.py")
                  if "v1" not in p.relative_to(ROOT).parts)

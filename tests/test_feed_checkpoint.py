@@ -7,6 +7,8 @@ import pytest
 import sidecar
 from sidecar._src import feed_checkpoint as fc
 
+pytestmark = pytest.mark.unit
+
 STATE = {"position": 1234, "epoch": 2, "seed": 7, "pipeline": "digits",
          "shards": [{"index": 0, "position": 617}, {"index": 1, "position": 617}]}
 

@@ -26,6 +26,8 @@ from sidecar._src.host.server import Server
 from sidecar._src.protocol import ckpt_pb, pb
 from tests import feed_fns, sidecar_fns
 
+pytestmark = pytest.mark.server
+
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 DTYPES = sorted(codec._DTYPES)

@@ -20,6 +20,8 @@ import sidecar
 from sidecar._src import interrupts
 from tests.conftest import alive, eventually
 
+pytestmark = pytest.mark.processes
+
 FNS = ["tests.notebook_fns"]
 
 
@@ -63,6 +65,7 @@ def sharding(n: int = 2) -> NamedSharding:
   return NamedSharding(Mesh(np.array(jax.devices()[:n]), ("d",)), P("d"))
 
 
+@pytest.mark.unit
 def test_deferred_raises_at_its_end_and_restores_the_handler():
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():

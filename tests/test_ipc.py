@@ -4,6 +4,8 @@ import pytest
 
 from sidecar._src import errors, ipc
 
+pytestmark = pytest.mark.unit
+
 
 def test_frame_reader_reads_frames_that_arrive_together_or_in_pieces():
   a, b = socket.socketpair()

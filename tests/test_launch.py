@@ -13,6 +13,8 @@ import pytest
 from sidecar._src import cli, launch
 from tests.conftest import alive, eventually
 
+pytestmark = pytest.mark.processes
+
 
 def _start(script: str, *flags: str) -> subprocess.Popen:
   return subprocess.Popen(

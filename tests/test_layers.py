@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("sidecar", "pipelines")
 GENERATED = "sidecar.v1"
@@ -182,6 +184,7 @@ print("after demo:", bool(controller()))
 """
 
 
+@pytest.mark.processes
 def test_importing_the_sidecar_server_loads_no_controller_module():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   out = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "sidecar")], env=env,

@@ -14,6 +14,8 @@ from orbax.checkpoint._src.path import atomicity_types
 from sidecar._src import layout_spec
 from tests.test_layers import ROOT
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_names_are_orbaxs():
   assert layout_spec.TMP_SUFFIX == atomicity_types.TMP_DIR_SUFFIX
@@ -50,6 +52,7 @@ print("loaded:", loaded)
 """
 
 
+@pytest.mark.processes
 def test_the_public_api_loads_neither_orbax_nor_tensorstore():
   # They cost ~1.5 s of `import sidecar`, in every trainer (re)start; only the sidecars,
   # which write and read the files, and sidecar.orbax (the Orbax handler) need them.

@@ -14,6 +14,8 @@ import pytest
 import sidecar
 from tests.conftest import alive, arena_mappers, eventually, shm_entries
 
+pytestmark = pytest.mark.processes
+
 FNS = ["tests.sidecar_fns"]
 
 

@@ -12,6 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from sidecar._src import logs
 
+pytestmark = pytest.mark.unit
+
 
 def record(msg: str, *args, **extra) -> logging.LogRecord:
   r = logging.LogRecord("sidecar.x", logging.WARNING, __file__, 1, msg, args, None)
@@ -36,6 +38,7 @@ def test_unknown_format_is_refused():
     logs.configure("xml")
 
 
+@pytest.mark.processes
 def test_sidecar_serve_logs_json_with_host_session_and_step(tmp_path):
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",

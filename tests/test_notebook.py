@@ -23,6 +23,8 @@ import pytest
 
 from tests.conftest import alive
 
+pytestmark = pytest.mark.processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

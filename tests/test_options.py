@@ -3,6 +3,8 @@ import pytest
 from sidecar._src import options
 from sidecar._src.options import ServerOptions
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"host_id": -1}, "host_id must be a non-negative int, got -1"),

@@ -19,6 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src import direct_io, errors, layout_spec, orbax_layout as ol, orbax_write
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def mesh():

@@ -9,9 +9,12 @@ import pytest
 from sidecar._src import errors, protocol
 from sidecar._src.protocol import pb
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.processes
 def test_generated_code_matches_the_proto(tmp_path):
   subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'protos'}",
                   f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",

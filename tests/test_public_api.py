@@ -1,4 +1,8 @@
+import pytest
+
 import sidecar
+
+pytestmark = pytest.mark.processes
 
 
 def test_public_api_is_pinned():
@@ -20,6 +24,7 @@ def test_public_api_is_pinned():
     assert getattr(sidecar, name) is not None
 
 
+@pytest.mark.unit
 def test_orbax_integration_api_is_pinned():
   import sidecar.orbax
   assert sidecar.orbax.__all__ == [

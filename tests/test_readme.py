@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

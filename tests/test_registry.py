@@ -3,6 +3,8 @@ import pytest
 import sidecar
 from sidecar._src import registry as registry_lib
 
+pytestmark = pytest.mark.unit
+
 
 def test_decorator_forms_register_and_return_unchanged(registry):
   def f(x):

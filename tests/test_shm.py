@@ -5,6 +5,8 @@ import pytest
 
 from sidecar._src import errors, shm
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("text,expected", [
     ("512MiB", 512 << 20), ("4GiB", 4 << 30), ("1G", 10**9), ("1073741824", 1 << 30),

@@ -11,6 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src import transfer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("x", [
     np.arange(24, dtype=np.float32).reshape(2, 3, 4),

@@ -7,6 +7,8 @@ import sidecar
 from sidecar._src import worker as worker_lib
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.server
+
 
 @pytest.mark.parametrize("address,path", [
     ("unix:///run/s.sock", "/run/s.sock"), ("unix:/run/s.sock", "/run/s.sock"),

@@ -17,6 +17,8 @@ import sidecar
 from sidecar._src import registry as registry_lib
 from sidecar._src.controller import arguments
 
+pytestmark = pytest.mark.server
+
 
 def named_like_ours(timeout, hosts=None, name=None, args=None, kwargs=None):
   return {"timeout": timeout, "hosts": hosts, "name": name, "args": args, "kwargs": kwargs}

@@ -16,6 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.processes
+
 FNS = ["tests.sidecar_fns"]
 
 

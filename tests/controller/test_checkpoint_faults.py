@@ -16,6 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from tests.conftest import arena_mappers, eventually, shm_entries
 
+pytestmark = pytest.mark.processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -125,6 +127,7 @@ def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_
       assert "never committed" in c.log(0)
 
 
+@pytest.mark.server
 def test_a_save_that_fails_on_a_full_disk_releases_everything_and_the_next_save_works(
     make_server, tmp_path, monkeypatch):
   """ENOSPC once step 2's first shard is on disk ("enospc@2"): step 2 fails, the trainer's

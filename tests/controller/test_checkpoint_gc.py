@@ -9,6 +9,8 @@ from sidecar._src import errors
 from sidecar._src.controller.checkpoint import Checkpointer
 from tests.controller.fake_sidecars import FakeSidecars
 
+pytestmark = pytest.mark.unit
+
 
 def checkpointer(fake: FakeSidecars, **kw) -> Checkpointer:
   options = dict(max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,

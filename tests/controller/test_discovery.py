@@ -15,6 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sidecar._src import errors
 from sidecar._src.controller import discovery
 
+pytestmark = pytest.mark.server
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

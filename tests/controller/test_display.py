@@ -4,11 +4,14 @@ import re
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.controller import display
 from sidecar._src.protocol import pb
+
+pytestmark = pytest.mark.unit
 
 
 def test_host_rows_show_an_unreachable_host_and_each_tier():
@@ -27,6 +30,7 @@ def test_host_rows_show_an_unreachable_host_and_each_tier():
   assert "&lt;x&gt;" in html  # escaped
 
 
+@pytest.mark.processes
 def test_reprs_on_a_cluster(tmp_path):
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=2, shm_size="16MiB",
                                     imports=["tests.feed_fns"]) as cluster, \

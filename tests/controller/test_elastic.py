@@ -16,6 +16,8 @@ import sidecar
 from sidecar import elastic
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.processes
+
 STEPS, SAVE_EVERY, BATCH = 10, 3, 12
 
 

@@ -9,6 +9,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 
+pytestmark = pytest.mark.processes
+
 FNS = ["tests.feed_fns"]
 
 

@@ -17,6 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from sidecar._src.controller import feed as feed_lib
 
+pytestmark = pytest.mark.unit
+
 BATCH = 8
 
 

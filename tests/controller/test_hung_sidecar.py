@@ -19,6 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.processes
+
 PEER_TIMEOUT = 1.0
 WATCHDOG_S = 60.0  # far past PEER_TIMEOUT: a hang would be this long, then a failure
 

@@ -10,6 +10,8 @@ import sidecar
 from sidecar._src import distributed
 from tests.test_distributed import FakeCoordinationClient
 
+pytestmark = pytest.mark.server
+
 
 def peers(index=0, count=2):
   return distributed.JaxPeers(FakeCoordinationClient(), index=index, count=count)

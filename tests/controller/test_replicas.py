@@ -16,9 +16,12 @@ from sidecar._src.controller.checkpoint import replica_peers
 from sidecar._src.host.checkpoint import FAULT_ENV
 from tests.conftest import arena_mappers, eventually, shm_entries
 
+pytestmark = pytest.mark.processes
+
 FNS = ["tests.sidecar_fns"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("slices, host, replicas, expected", [
     ({0: 0, 1: 0, 2: 0}, 0, 1, [1]),
     ({0: 0, 1: 0, 2: 0}, 2, 2, [0, 1]),  # wraps

@@ -14,6 +14,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from sidecar._src import cli
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -13,6 +13,8 @@ from sidecar._src.host.arena_io import ArenaIO, BatchBlocks
 from sidecar._src.host.leases import Leases
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.unit
+
 SESSION = "w-test"
 
 

@@ -12,6 +12,8 @@ from sidecar._src import ipc
 from sidecar._src.host.credits import Bank, Credits, SocketCredits
 from sidecar._src.protocol import pb
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_bank_caps_grants_at_the_prefetch_and_sums_the_waits():
   bank = Bank(2)

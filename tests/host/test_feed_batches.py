@@ -7,6 +7,8 @@ import sidecar
 from sidecar._src import registry as registry_lib
 from sidecar._src.host import feed
 
+pytestmark = pytest.mark.unit
+
 
 def run(elements, *, ranges=((0, 2), (3, 5)), epochs=1):
   """Batches of ``elements`` from a plain pipeline, with numpy arrays as the arena."""

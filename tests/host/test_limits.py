@@ -24,6 +24,8 @@ from sidecar._src.protocol import pb
 from tests.conftest import eventually
 from tests.host.test_security import Raw, rejected
 
+pytestmark = pytest.mark.server
+
 
 class Clock:
   def __init__(self):

@@ -16,6 +16,8 @@ from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.server import Server
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.server
+
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
   """Every sample of an exposition, by (name, sorted labels)."""
@@ -112,6 +114,7 @@ def scrape_all(cluster) -> list[dict]:
   return [samples(scrape(url)) for url in cluster.metrics_urls]
 
 
+@pytest.mark.processes
 def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluster, tmp_path):
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
   before = scrape_all(cluster)

@@ -18,6 +18,8 @@ from sidecar._src.host import feed as host_feed
 from sidecar._src.protocol import ckpt_pb, pb
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.server
+
 
 class Raw:
   """A client that speaks ``sidecar.v1`` by hand: none of the Controller's checks."""
@@ -295,6 +297,7 @@ def test_every_wrong_token_is_unauthenticated(make_server, sent):
   raw.close()
 
 
+@pytest.mark.processes
 def test_an_unauthenticated_client_learns_nothing_beyond_what_health_says(make_server, capsys,
                                                                             monkeypatch):
   import os

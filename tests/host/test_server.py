@@ -17,6 +17,8 @@ from sidecar._src.controller.checkpoint_client import StagedShard
 from sidecar._src.protocol import pb
 from tests.conftest import eventually
 
+pytestmark = pytest.mark.server
+
 
 def controller(server, **kw):
   return sidecar.Controller([f"127.0.0.1:{server.port}"], **kw)

@@ -10,6 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import sidecar
 from sidecar._src import options
 
+pytestmark = pytest.mark.server
+
 TLS = pathlib.Path(__file__).parent.parent / "data" / "tls"
 CA, SERVER, SERVER_KEY = str(TLS / "ca.pem"), str(TLS / "server.pem"), str(TLS / "server.key")
 CLIENT, CLIENT_KEY = str(TLS / "client.pem"), str(TLS / "client.key")
@@ -58,6 +60,7 @@ def test_tls_options_are_checked():
     sidecar.Controller(["127.0.0.1:1"], tls_cert=CLIENT)
 
 
+@pytest.mark.processes
 def test_replicas_go_to_peers_over_mtls(tmp_path):
   """Two sidecars with mTLS: the replica of each host's shards reaches its peer over TLS
   (inline, as between machines), with the client certificate SIDECAR_TLS_CLIENT_* names."""

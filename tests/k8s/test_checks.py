@@ -10,6 +10,8 @@ from sidecar._src import errors
 from sidecar._src.k8s import checks, quantity
 from tests.k8s import util
 
+pytestmark = pytest.mark.processes
+
 
 def _spec(j):
   return util.pod_spec(j)
@@ -226,6 +228,7 @@ def test_a_field_newer_than_1_29_fails_only_at_1_29(cpu_jobset):
       "('resources' was unexpected)"]
 
 
+@pytest.mark.unit
 def test_pod_schema_checks_the_default_versions():
   versions = checks.schemas.default_versions()
   assert versions[0] == "1.29"
@@ -263,6 +266,7 @@ def test_trainer_with_the_whole_contract_explicit_needs_no_jobset_env(cpu_jobset
   assert checks.check_documents([cpu_jobset], kubernetes_versions=()) == []
 
 
+@pytest.mark.unit
 def test_documents_without_a_jobset_are_reported():
   findings = checks.check_documents([{"apiVersion": "v1", "kind": "ConfigMap"}],
                                     kubernetes_versions=())
@@ -281,6 +285,7 @@ def test_raise_for_findings_lists_every_finding(cpu_jobset):
   checks.raise_for_findings([])
 
 
+@pytest.mark.unit
 def test_crd_that_is_not_a_crd_is_rejected(tmp_path):
   path = tmp_path / "not-a-crd.yaml"
   path.write_text("apiVersion: v1\nkind: ConfigMap\n")
@@ -288,6 +293,7 @@ def test_crd_that_is_not_a_crd_is_rejected(tmp_path):
     checks.check_documents([{"kind": "JobSet"}], crd_path=path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, expected", [
     ("4608Mi", 4608 * 2**20), ("5Gi", 5 * 2**30), ("1G", 10**9), ("1e3", 1000), ("500m", 0),
     ("1.5Ki", 1536), (1024, 1024),
@@ -296,6 +302,7 @@ def test_parse_quantity(text, expected):
   assert quantity.parse_quantity(text) == expected
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["lots", "4 GiBs", "-1Gi", "", "4GiB"])
 def test_bad_quantities_name_the_value(bad):
   with pytest.raises(ValueError, match=re.escape(repr(bad))):

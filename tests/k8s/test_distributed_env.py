@@ -22,6 +22,8 @@ import pytest
 from sidecar._src.k8s import render
 from tests.k8s import util
 
+pytestmark = pytest.mark.processes
+
 DEFAULT_COORDINATOR_PORT = 8476
 
 RENDERED = {

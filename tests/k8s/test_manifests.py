@@ -10,6 +10,8 @@ import pytest
 from sidecar._src.k8s import checks
 from tests.k8s import util
 
+pytestmark = pytest.mark.processes
+
 
 def write_kustomization(directory):
   """A kustomization of jobset.yaml with the sidecar component (kustomize wants it relative)."""

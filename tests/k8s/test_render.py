@@ -11,6 +11,8 @@ from sidecar._src import errors
 from sidecar._src.k8s import checks, cli, render
 from tests.k8s import util
 
+pytestmark = pytest.mark.processes
+
 GKE_IMAGES = dict(image="us-docker.pkg.dev/my-project/my-repo/sidecar:latest",
                   trainer_image="us-docker.pkg.dev/my-project/my-repo/trainer:latest")
 
@@ -28,6 +30,7 @@ def run_cli(argv, capsys):
   return status, out, err
 
 
+@pytest.mark.unit
 def test_no_metrics_renders_no_port_env_or_annotations():
   doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1",
                                                   metrics_port=None))
@@ -48,6 +51,7 @@ def test_render_equals_the_gke_overlay(rendered_overlays):
   assert util.normalized(rendered) == util.normalized(overlay)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("options", [
     dict(slices=1, hosts_per_slice=1, image="sidecar:1"),
     dict(slices=3, hosts_per_slice=4, image="sidecar:1", shm_size="256MiB"),
@@ -64,6 +68,7 @@ def test_rendered_jobsets_pass_every_check(options):
   assert rjob["template"]["spec"]["completions"] == options["hosts_per_slice"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, accelerator, chips, hosts", [
     ("v5e:4x4", "tpu-v5-lite-podslice", 4, 4),
     ("v5e:2x4", "tpu-v5-lite-podslice", 8, 1),
@@ -78,6 +83,7 @@ def test_parse_tpu(text, accelerator, chips, hosts):
   assert tpu.topology == text.split(":")[1]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, match", [
     ("v5e", r"is not VERSION:TOPOLOGY with VERSION one of v4, v5p, v5e, v6e"),
     ("v9:4x4", r"'v9:4x4' is not VERSION:TOPOLOGY"),
@@ -91,6 +97,7 @@ def test_bad_tpu_names_the_fix(text, match):
     render.parse_tpu(text)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("options, match", [
     (dict(slices=0, hosts_per_slice=1), r"slices must be an integer >= 1, got 0"),
     (dict(slices=1, hosts_per_slice=2, tpu=render.parse_tpu("v5e:4x4")),

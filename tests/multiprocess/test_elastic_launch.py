@@ -21,7 +21,7 @@ from tests.multiprocess.train_elastic import GLOBAL_BATCH, STEPS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KILL_AT = 5  # process 1 kills its sidecar before batch 5: step 3 is the last committed
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
 
 def _start(directory, *flags: str, kill_at: int | None = None,

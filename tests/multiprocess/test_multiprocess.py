@@ -20,7 +20,7 @@ import pytest
 from sidecar._src import orbax_layout as ol
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
 
 def _results(output: str) -> list[dict]:

@@ -8,6 +8,8 @@ import pytest
 import sidecar
 from pipelines import arrayrecord as ar
 
+pytestmark = pytest.mark.unit
+
 CTX = sidecar.PipelineContext(shard_index=0, shard_count=1)
 
 

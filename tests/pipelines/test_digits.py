@@ -8,6 +8,8 @@ from sklearn import datasets
 import sidecar
 from pipelines import digits as digits_lib
 
+pytestmark = pytest.mark.unit
+
 CTX = sidecar.PipelineContext(shard_index=0, shard_count=1)
 
 

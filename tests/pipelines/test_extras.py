@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 # (pipeline module, the module its library provides, the message's library and extra)
 CASES = [
     ("pipelines.parquet", "pyarrow", "pyarrow: pip install 'colocated-sidecar[parquet]'"),

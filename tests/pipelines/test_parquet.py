@@ -9,6 +9,8 @@ import pytest
 import sidecar
 from pipelines import parquet as parquet_lib
 
+pytestmark = pytest.mark.unit
+
 # (rows, row group size) per file: row groups of 10,10,5 | 7 | 8,8,8,8,8 -> 9 units, 72 rows.
 FILES = [(25, 10), (7, 7), (40, 8)]
 TOTAL = sum(rows for rows, _ in FILES)

@@ -12,6 +12,8 @@ import tensorflow_datasets as tfds_lib
 import sidecar
 from pipelines import tfds as tfds_pipeline
 
+pytestmark = pytest.mark.unit
+
 CTX = sidecar.PipelineContext(shard_index=0, shard_count=1)
 
 
