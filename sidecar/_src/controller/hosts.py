@@ -42,7 +42,7 @@ class Hosts:
   def __init__(self, connect: Callable[[str, float], Connection], *,
                peers: distributed.Peers, peer_timeout: float, map_arenas: bool,
                cancel: Callable[[], None]):
-    self._connect = connect
+    self._new_connection = connect
     self.peers = peers
     self.peer_timeout = peer_timeout
     self.map_arenas = map_arenas
@@ -135,7 +135,7 @@ class Hosts:
     pool = concurrent.futures.ThreadPoolExecutor(
         max(4, len(addresses)), thread_name_prefix="sidecar-controller")
     try:
-      futures = [pool.submit(self._connect, a, timeout) for a in addresses]
+      futures = [pool.submit(self._new_connection, a, timeout) for a in addresses]
       conns, failures, refused = [], [], []
       for a, f in zip(addresses, futures):
         try:
@@ -260,7 +260,7 @@ class Hosts:
       return None
     old = self.conns[host_id]
     try:
-      conn = self._connect(old.address, REJOIN_TIMEOUT_S)
+      conn = self._new_connection(old.address, REJOIN_TIMEOUT_S)
     except errors.SidecarError:
       return None  # still gone
     worker, refused = self._readmit(host_id, old, conn)
