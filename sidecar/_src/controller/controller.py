@@ -6,11 +6,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import hashlib
-import json
-import logging
-import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,19 +22,17 @@ from sidecar._src import (
     interrupts,
     options as options_lib,
     protocol,
-    shm,
     worker as worker_lib,
 )
 from sidecar._src.controller import arguments, discovery, display, feed as feed_lib, health
+from sidecar._src.controller.calls import Calls
 from sidecar._src.controller.checkpoint import Checkpointer
 from sidecar._src.controller.checkpoint_client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
+from sidecar._src.controller.hosts import Hosts
 from sidecar._src.controller.stream import Stream
 from sidecar._src.protocol import pb
-
-log = logging.getLogger(__name__)
-_REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline
 
 
 class State(enum.Enum):
@@ -100,36 +94,23 @@ class Controller:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
     self.peer_timeout = env.peer_timeout(peer_timeout)
-    self._credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
-    self._token = token  # a lost host's sidecar that comes back is reconnected with it
-    self._map_arenas = attach  # and its arena mapped, if on this machine
-    self._conns: dict[int, Connection] = {}
-    self._workers: dict[int, worker_lib.Worker] = {}
-    self._own_workers: list[worker_lib.Worker] = []
+    credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
     self._peers = peers if peers is not None else distributed.peers()
-    self._device_hosts: dict[int, int] = {}
-    self._local_hosts: list[int] = []
+    self._hosts = Hosts(  # a lost host's sidecar that comes back: the same token
+        lambda address, timeout: Connection(address, token=token, timeout=timeout,
+                                            peer_timeout=self.peer_timeout,
+                                            credentials=credentials),
+        peers=self._peers, peer_timeout=self.peer_timeout, map_arenas=attach,
+        cancel=self.cancel)
+    self._calls = Calls(connection=self._hosts.conns.__getitem__, worker=self._hosts.workers.get)
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
     self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
-    self._lost: dict[int, str] = {}  # host id -> why it is lost
-    self._lost_listeners: list[Callable[[int, str], None]] = []
-    self._back_listeners: list[Callable[[int], None]] = []
-    self._rejoin = False  # watch(rejoin=True): reconnect to lost hosts that come back
-    self._refused: dict[int, str] = {}  # lost host -> why its returned sidecar was refused
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        max(4, len(addresses)), thread_name_prefix="sidecar-controller")
     try:
-      self._connect(list(addresses), token, connect_timeout)
-      if self.multiprocess:
-        self._attach_own(workers or {})
-      else:
-        self._attach(workers or {}, attach)
-        self._local_hosts = sorted(self._conns)
-        self._device_hosts = {d: h.host_id for h in self.hosts for d in h.device_ids}
+      self._hosts.open(addresses, timeout=connect_timeout, workers=workers or {})
     except BaseException:
       self.close()
       raise
@@ -145,103 +126,30 @@ class Controller:
     """
     return cls(discovery.discover(timeout=timeout), **kwargs)
 
-  def _connect(self, addresses: list[str], token: str | None, timeout: float) -> None:
-    futures = [self._pool.submit(Connection, a, token=token, timeout=timeout,
-                                 peer_timeout=self.peer_timeout,
-                                 credentials=self._credentials) for a in addresses]
-    conns, failures, refused = [], [], []
-    for a, f in zip(addresses, futures):
-      try:
-        conns.append(f.result())
-      except errors.SidecarError as e:
-        failures.append(e)
-        if isinstance(e, errors.AuthenticationError):
-          refused.append(a)
-    if failures:
-      for c in conns:
-        c.close()
-      if refused and conns:  # some took the token: sidecars of two jobs (or a stale token)
-        raise errors.AuthenticationError(
-            f"these sidecars are not of one job: {', '.join(c.address for c in conns)} "
-            f"accepted this controller's token, {', '.join(refused)} refused it. List only "
-            "one job's sidecars, with that job's token (token=..., SIDECAR_TOKEN or "
-            "SIDECAR_TOKEN_FILE)")
-      if len(failures) == 1:
-        raise failures[0]
-      raise type(failures[0])("; ".join(str(e) for e in failures))
-    for c in conns:
-      if c.info.host_id in self._conns:
-        other = self._conns[c.info.host_id].address
-        raise errors.InvalidArgumentError(
-            f"sidecars {other} and {c.address} both say they are host {c.info.host_id}; "
-            "give each sidecar its own --host-id (or are they of two jobs, or two "
-            "LocalClusters? list one job's sidecars only)")
-      self._conns[c.info.host_id] = c
-    fingerprints = {c.info.registry_fingerprint for c in conns}
-    if len(fingerprints) > 1:
-      lines = [f"host {c.info.host_id} ({c.address}): functions {list(c.info.functions)}, "
-               f"pipelines {list(c.info.pipelines)}, fingerprint {c.info.registry_fingerprint}"
-               for c in conns]
-      raise errors.VersionMismatchError(
-          "the sidecars registered different code (are they of two jobs?); deploy the same "
-          "modules to every host:\n  " + "\n  ".join(lines))
+  # What Controller.stream, _open_stream and feed read, kept under their old names.
 
-  def _attach(self, workers: Mapping[int, worker_lib.Worker], attach: bool) -> None:
-    for host_id, w in workers.items():
-      if host_id not in self._conns:
-        raise errors.InvalidArgumentError(
-            f"workers names host {host_id}, but the sidecars are hosts {sorted(self._conns)}")
-      self._workers[host_id] = w
-    if not attach:
-      return
-    for host_id, c in self._conns.items():
-      mine = None if host_id in self._workers else self._local_worker(c)
-      if mine is not None:
-        self._own_workers.append(mine)
-        self._workers[host_id] = mine
+  @property
+  def _conns(self) -> dict[int, Connection]:
+    return self._hosts.conns
 
-  def _local_worker(self, conn: Connection) -> worker_lib.Worker | None:
-    """A new Worker of ``conn``'s sidecar if it runs on this machine, else None."""
-    here, sock = shm.boot_id(), conn.reply.worker_socket
-    if not here or conn.reply.identity.boot_id != here or not os.path.exists(sock):
-      return None
-    return worker_lib.Worker(sock, timeout=self.peer_timeout)
+  @property
+  def _workers(self) -> dict[int, worker_lib.Worker]:
+    return self._hosts.workers
 
-  def _attach_own(self, workers: Mapping[int, worker_lib.Worker]) -> None:
-    """N processes: attaches to this process's own sidecar; learns every process's host."""
-    if len(workers) > 1:
-      raise errors.InvalidArgumentError(
-          f"in a job of {self._peers.count} processes each process drives one host; "
-          f"workers names hosts {sorted(workers)}: pass at most one")
-    if workers:
-      (host_id, w), = workers.items()
-    else:
-      if not env.get(env.ADDRESS):
-        raise errors.InvalidArgumentError(
-            f"process {self._peers.index} of {self._peers.count} does not know its own "
-            f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
-            "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
-      try:
-        w = worker_lib.Worker(timeout=self.peer_timeout)
-      except errors.HostLostError as e:
-        raise errors.DiscoveryError(
-            f"process {self._peers.index}: its own sidecar at "
-            f"{env.get(env.ADDRESS)} is unreachable: {e}") from None
-      self._own_workers.append(w)
-      host_id = w.host_id
-    if host_id not in self._conns:
-      raise errors.DiscoveryError(
-          f"process {self._peers.index}'s own sidecar is host {host_id} ({w.path}), which is "
-          f"not among the sidecars this controller reached (hosts {sorted(self._conns)}); "
-          "list it in SIDECAR_HOSTS")
-    self._workers[host_id] = w
-    self._local_hosts = [host_id]
-    mine = {"host_id": host_id, "device_ids": [d.id for d in jax.local_devices()]}
-    everyone = self._peers.all_gather("controller/hosts", json.dumps(mine))
-    self._device_hosts = distributed.hosts_by_process([json.loads(v) for v in everyone])
-    for h, c in self._conns.items():  # what each host's trainer said, not what its sidecar
-      c.info = dataclasses.replace(c.info, device_ids=tuple(  # knew at the handshake
-          sorted(d for d, owner in self._device_hosts.items() if owner == h)))
+  @property
+  def _local_hosts(self) -> list[int]:
+    return self._hosts.driven
+
+  @property
+  def _device_hosts(self) -> dict[int, int]:
+    return self._hosts.device_hosts
+
+  def _select(self, hosts: Sequence[int] | None) -> list[int]:
+    return self._hosts.select(hosts)
+
+  def _request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
+               held: list) -> pb.CallRequest:
+    return self._calls.request(host_id, name, args, kwargs, timeout, held)
 
   # ---- introspection -----------------------------------------------------
 
@@ -264,23 +172,22 @@ class Controller:
   @property
   def local_hosts(self) -> list[int]:
     """The live hosts this process drives: all of them, or its own under N processes."""
-    return [h for h in self._local_hosts if h not in self._lost]
+    return self._hosts.local_hosts
 
   @property
   def device_hosts(self) -> dict[int, int]:
     """``{global device id: host id}`` for every device of the job."""
-    return dict(self._device_hosts)
+    return dict(self._hosts.device_hosts)
 
   @property
   def hosts(self) -> list[HostInfo]:
     """Every live sidecar's identity, by host id (lost hosts are dropped)."""
-    return [self._conns[h].info for h in sorted(self._conns) if h not in self._lost]
+    return self._hosts.live()
 
   @property
   def lost_hosts(self) -> dict[int, str]:
     """``{host id: why}`` of the hosts found lost (see :meth:`watch`)."""
-    with self._lock:
-      return dict(self._lost)
+    return self._hosts.lost_hosts()
 
   def watch(self, *, interval: float = health.DEFAULT_INTERVAL_S,
             lost_after: float = health.DEFAULT_LOST_AFTER_S, rejoin: bool = False) -> None:
@@ -296,85 +203,21 @@ class Controller:
     """
     self._check_open()
     with self._lock:
-      self._rejoin = self._rejoin or rejoin
+      self._hosts.rejoin = self._hosts.rejoin or rejoin
       if self._watch is not None:
         return
-      rpcs = {h: (c.status_rpc, c.metadata) for h, c in self._conns.items()
-              if h not in self._lost}
-      self._watch = health.HealthWatch(rpcs, on_lost=self._host_lost, interval=interval,
-                                       lost_after=lost_after, rejoin=self._host_back)
+      self._watch = health.HealthWatch(
+          self._hosts.health_rpcs(), on_lost=self._hosts.host_lost, interval=interval,
+          lost_after=lost_after, rejoin=self._hosts.host_back)
       self._watch.start()
 
   def on_host_lost(self, listener: Callable[[int, str], None]) -> None:
     """Calls ``listener(host_id, reason)`` (on the watch's thread) when a host is lost."""
-    self._lost_listeners.append(listener)
+    self._hosts.lost_listeners.append(listener)
 
   def on_host_back(self, listener: Callable[[int], None]) -> None:
     """Calls ``listener(host_id)`` (on the watch's thread) when a lost host rejoins."""
-    self._back_listeners.append(listener)
-
-  def _host_lost(self, host_id: int, reason: str) -> None:
-    with self._lock:
-      if host_id in self._lost or self.state is State.CLOSED:
-        return
-      self._lost[host_id] = reason
-      worker = self._workers.pop(host_id, None)
-    self.cancel()
-    if worker is not None and worker in self._own_workers:
-      self._own_workers.remove(worker)
-      worker.close()  # unmaps the dead sidecar's arena once no array reads it
-    for listener in list(self._lost_listeners):
-      listener(host_id, reason)
-
-  def _host_back(self, host_id: int) -> tuple[Any, tuple] | None:
-    """Reconnects to lost host ``host_id`` if ``rejoin`` is on and its sidecar answers
-    again; returns its Status call and metadata for the watch, else None."""
-    if not self._rejoin or self.state is State.CLOSED:
-      return None
-    old = self._conns[host_id]
-    try:
-      conn = Connection(old.address, token=self._token, timeout=_REJOIN_TIMEOUT_S,
-                        peer_timeout=self.peer_timeout, credentials=self._credentials)
-    except errors.SidecarError:
-      return None  # still gone
-    refused = None
-    if conn.info.host_id != host_id:
-      refused = f"the sidecar at {old.address} is now host {conn.info.host_id}"
-    elif conn.info.registry_fingerprint != old.info.registry_fingerprint:
-      refused = (f"its sidecar registered different code (fingerprint "
-                 f"{conn.info.registry_fingerprint}, was {old.info.registry_fingerprint}); "
-                 "deploy the same modules to every host")
-    worker = None
-    if refused is None and self._map_arenas and not self.multiprocess:
-      try:  # as _attach did at the start
-        worker = self._local_worker(conn)
-      except errors.SidecarError as e:
-        refused = f"its arena could not be mapped: {e}"
-    if refused is not None:
-      conn.close()
-      if self._refused.get(host_id) != refused:
-        self._refused[host_id] = refused
-        log.warning("host %d answers again but stays lost: %s", host_id, refused)
-      return None
-    with self._lock:
-      if self.state is State.CLOSED:
-        conn.close()
-        if worker is not None:
-          worker.close()
-        return None
-      self._conns[host_id] = conn
-      if worker is not None:
-        self._workers[host_id] = worker
-        self._own_workers.append(worker)
-      if not self.multiprocess and conn.info.device_ids:
-        self._device_hosts.update({d: host_id for d in conn.info.device_ids})
-      del self._lost[host_id]
-      self._refused.pop(host_id, None)
-    old.close()
-    log.info("host %d is back (%s, pid %d)", host_id, conn.address, conn.info.pid)
-    for listener in list(self._back_listeners):
-      listener(host_id)
-    return conn.status_rpc, conn.metadata
+    self._hosts.back_listeners.append(listener)
 
   def cancel(self) -> None:
     """Closes every feed and stream this controller made: work in flight stops."""
@@ -384,29 +227,11 @@ class Controller:
 
   def worker(self, host_id: int) -> worker_lib.Worker | None:
     """The worker that maps host ``host_id``'s arena here, if any."""
-    return self._workers.get(host_id)
+    return self._hosts.workers.get(host_id)
 
   def _check_open(self) -> None:
     if self.state is State.CLOSED:
       raise errors.ClosedError("this Controller is closed; make a new one")
-
-  def _select(self, hosts: Sequence[int] | None) -> list[int]:
-    if hosts is None:
-      return self.local_hosts
-    if isinstance(hosts, int):
-      hosts = [hosts]
-    chosen = list(hosts)
-    lost = [h for h in chosen if h in self._lost]
-    if lost:
-      raise errors.HostLostError(
-          f"hosts {lost} are lost ({'; '.join(self._lost[h] for h in lost)}); live hosts: "
-          f"{[h.host_id for h in self.hosts]}", host_id=lost[0])
-    bad = [h for h in chosen if h not in self._conns]
-    if bad or not chosen or len(set(chosen)) != len(chosen):
-      raise errors.InvalidArgumentError(
-          f"hosts={list(hosts)!r} is not a valid placement: hosts must be distinct ids among "
-          f"{sorted(self._conns)}" + (f"; unknown: {bad}" if bad else ""))
-    return chosen
 
   # ---- calls -------------------------------------------------------------
 
@@ -444,79 +269,9 @@ class Controller:
     chosen = self._select(hosts)
     timeout = self.timeout if timeout is None else timeout
     if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
-      return [self._call_sync(chosen[0], name, args, kwargs, timeout)]
-    futures = [self._call_one(h, name, args, kwargs, timeout) for h in chosen]
+      return [self._calls.call_sync(chosen[0], name, args, kwargs, timeout)]
+    futures = [self._calls.call_future(h, name, args, kwargs, timeout) for h in chosen]
     return [interrupts.wait(f) for f in futures]
-
-  def _request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
-               held: list) -> pb.CallRequest:
-    if not isinstance(name, str):
-      raise errors.InvalidArgumentError(f"name must be a str, got {name!r}")
-    w = self._workers.get(host_id)
-    to_arena = None
-    if w is not None:
-      def to_arena(a):
-        ref = w.ref_of(a)
-        if ref is not None:  # already in the arena: send the descriptor only
-          held.append(a)
-          return ref
-        dst, ref = w.put(a, timeout=timeout)
-        held.append(dst)  # This side holds argument blocks until the call ends.
-        return ref
-    return pb.CallRequest(
-        name=name, args=codec.encode(tuple(args), to_arena=to_arena, where="args"),
-        kwargs=codec.encode(dict(kwargs), to_arena=to_arena, where="kwargs"),
-        worker_session=w.session if w is not None else "")
-
-  def _decode(self, host_id: int, name: str, response: pb.CallResponse) -> Any:
-    w = self._workers.get(host_id)
-    return codec.decode(response.result, from_arena=w.view if w else None,
-                        where=f"result of {name!r} from host {host_id}")
-
-  def _call_sync(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float) -> Any:
-    conn, held = self._conns[host_id], []
-    deadline = time.monotonic() + timeout
-    request = self._request(host_id, name, args, kwargs, timeout, held)
-    if not conn.calls.enter(deadline - time.monotonic()):
-      held.clear()
-      raise conn.calls.waited_too_long(f"call {name!r} on host {host_id}", timeout)
-    leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
-    try:
-      left = max(deadline - time.monotonic(), 0.0)
-      if threading.current_thread() is not threading.main_thread():
-        response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
-      else:  # a future, which Ctrl-C can leave; a blocking call would hold it off to the end
-        rpc = conn.call_rpc.future(request, timeout=left, metadata=conn.metadata)
-        try:
-          response = interrupts.wait(rpc)
-        except KeyboardInterrupt:
-          # The call goes on (within its deadline), holding its arguments' blocks; what
-          # it returns is dropped then, so its result's blocks go back too.
-          kept, leave = list(held), False
-          rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept, conn))
-          raise
-    except grpc.RpcError as e:
-      raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
-    except ValueError:
-      if conn.calls.closed:  # gRPC's "Channel closed!": the controller closed meanwhile
-        raise errors.ClosedError(f"call {name!r} on host {host_id}: the connection "
-                                 "closed") from None
-      raise
-    finally:
-      held.clear()
-      if leave:
-        conn.calls.exit()
-    return self._decode(host_id, name, response)
-
-  def _drop(self, host_id: int, name: str, rpc: grpc.Future, held: list,
-            conn: Connection) -> None:
-    """Decodes and drops the result of a call nobody waits for: its blocks go back."""
-    conn.calls.exit()
-    held.clear()
-    try:
-      self._decode(host_id, name, rpc.result())
-    except Exception:  # the caller is gone; its error has nobody to reach
-      pass
 
   def stream(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
              kwargs: Mapping[str, Any] | None = None, host: int | None = None,
@@ -690,8 +445,8 @@ class Controller:
         replica_bandwidth=replica_bandwidth,
         sidecars={h: {"address": c.address, "socket": c.reply.worker_socket,
                       "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
-                  for h, c in self._conns.items() if h not in self._lost},
-        mapped=sorted(h for h in self._workers if h not in self._lost))
+                  for h, c in self._conns.items() if h not in self._hosts.lost},
+        mapped=sorted(h for h in self._workers if h not in self._hosts.lost))
     self._children.add(ckpt)
     return ckpt
 
@@ -710,35 +465,8 @@ class Controller:
     args, kwargs = arguments.split_legacy("call_async", name, args, kwargs, legacy_args,
                                           legacy_kwargs)
     timeout = self.timeout if timeout is None else timeout
-    return [self._call_one(h, name, args, kwargs, timeout) for h in self._select(hosts)]
-
-  def _call_one(self, host_id: int, name: str, args: tuple, kwargs: dict,
-                timeout: float) -> concurrent.futures.Future:
-    conn, held = self._conns[host_id], []
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-      request = self._request(host_id, name, args, kwargs, timeout, held)
-    except Exception as e:
-      out.set_exception(e)
-      return out
-
-    def done(f: grpc.Future) -> None:
-      held.clear()
-      try:
-        out.set_result(self._decode(host_id, name, f.result()))
-      except grpc.RpcError as e:
-        out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host_id))
-      except Exception as e:
-        out.set_exception(e)
-
-    def fail(e: BaseException) -> None:
-      held.clear()
-      out.set_exception(e)
-
-    conn.calls.call(  # the wait for a slot counts toward the timeout
-        lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
-        done=done, fail=fail, timeout=timeout, what=f"call {name!r} on host {host_id}")
-    return out
+    return [self._calls.call_future(h, name, args, kwargs, timeout)
+            for h in self._select(hosts)]
 
   @interrupts.deferring
   def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
@@ -748,23 +476,10 @@ class Controller:
     """
     self._check_open()
     out = []
-    for h, c, s in self._statuses(self.timeout if timeout is None else timeout):
+    for h, c, s in self._hosts.statuses(self.timeout if timeout is None else timeout):
       if isinstance(s, grpc.RpcError):
         raise protocol.error_from_rpc(s, host=c.address, host_id=h) from None
       out.append(s)
-    return out
-
-  def _statuses(self, timeout: float) -> list[tuple[int, Connection, Any]]:
-    """``(host, connection, status or grpc.RpcError)`` of every live host, asked at once."""
-    calls = [(h, self._conns[h]) for h in sorted(set(self._conns) - set(self._lost))]
-    futures = [c.status_rpc.future(pb.StatusRequest(), timeout=timeout, metadata=c.metadata)
-               for _, c in calls]
-    out = []
-    for (h, c), f in zip(calls, futures):
-      try:
-        out.append((h, c, interrupts.wait(f)))
-      except grpc.RpcError as e:
-        out.append((h, c, e))
     return out
 
   # ---- display -----------------------------------------------------------
@@ -774,7 +489,7 @@ class Controller:
     if self.state is State.CLOSED:
       return []
     rows: list[display.Row] = []
-    for h, c, s in self._statuses(display.STATUS_TIMEOUT_S):
+    for h, c, s in self._hosts.statuses(display.STATUS_TIMEOUT_S):
       if isinstance(s, grpc.RpcError):
         s = protocol.error_from_rpc(s, host=c.address, host_id=h)
       rows.append((h, c.address, s))
@@ -786,7 +501,7 @@ class Controller:
     ckpts = [c for c in children if isinstance(c, Checkpointer) and not c._closed]
     facts = [("state", self.state.value),
              ("hosts", f"{len(self.hosts)} live" + (f", lost: {self.lost_hosts}"
-                                                    if self._lost else "")),
+                                                    if self._hosts.lost else "")),
              ("this process", f"{self.process_index} of {self._peers.count}, drives hosts "
                               f"{self.local_hosts}"),
              ("feeds open", ", ".join(repr(f.name) for f in feeds) or "none"),
@@ -816,11 +531,7 @@ class Controller:
     for child in list(self._children):
       child.close()  # the checkpointers: each waits for its save in flight
     self.state = State.CLOSED
-    for w in self._own_workers:
-      w.close()
-    for c in self._conns.values():
-      c.close()
-    self._pool.shutdown(wait=False)
+    self._hosts.close()  # the workers it made, then the channels
 
   def __enter__(self) -> Controller:
     return self
