@@ -365,25 +365,6 @@ def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
   assert ol.list_steps(tmp_path) == []
 
 
-SPEC = layout_spec.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_shape=(2, 3))
-
-
-@pytest.mark.parametrize(("shard", "match"), [
-    (ol.Shard(((0, 2), (0, 3)), np.zeros((2, 2), np.float32)),
-     r"expected \(2, 3\) float32, got \(2, 2\) float32"),
-    (ol.Shard(((0, 2), (0, 3)), np.zeros((2, 3), np.float64)),
-     r"expected \(2, 3\) float32, got \(2, 3\) float64"),
-    (ol.Shard(((1, 3), (0, 3)), np.zeros((2, 3), np.float32)),
-     r"not one block of write_shape \(2, 3\)"),
-    (ol.Shard((slice(0, 4, 2), slice(0, 3)), np.zeros((2, 3), np.float32)), r"has a stride"),
-    (ol.Shard(((0, 2),), np.zeros((2,), np.float32)), r"has 1 entries for a 2-d array"),
-], ids=["shape", "dtype", "misaligned", "strided", "rank"])
-def test_write_host_part_rejects_bad_shards(tmp_path, shard, match):
-  tmp = ol.create_tmp_step(tmp_path, 0)
-  with pytest.raises(errors.InvalidArgumentError, match=match):
-    ol.write_host_part(tmp, 0, [ol.HostLeaf(SPEC, (shard,))])
-
-
 def test_leaf_spec_validates():
   with pytest.raises(errors.InvalidArgumentError, match=r"write_shape of 'a' must be a shard"):
     layout_spec.LeafSpec(key_path=("a",), shape=(4,), dtype=np.float32, write_shape=(5,))

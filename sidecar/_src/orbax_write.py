@@ -72,7 +72,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
   item_dir = pathlib.Path(item_dir).absolute()
-  if not isinstance(host_index, int) or host_index < 0:
+  if isinstance(host_index, bool) or not isinstance(host_index, int) or host_index < 0:
     raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
   files.check_unique(specs)
   item_dir.mkdir(parents=True, exist_ok=True)

@@ -217,6 +217,8 @@ class RamTier:
     for item, s in list(self.steps.items()):
       if s.directory == directory and s.step == step and s.committed:
         del self.steps[item]
+        if item in self.committed_items:  # a replica still on its way is dropped on arrival
+          self.committed_items[item] = False
         if s.replication is not None:
           s.replication.cancelled.set()
     for key, r in list(self.replicas.items()):

@@ -5,10 +5,13 @@ Sizes in the sidecar's own flags (``--shm-size 4GiB``) are parsed by ``shm.parse
 
 from __future__ import annotations
 
+import decimal
 import re
 
-_UNITS = {
-    "m": 1e-3, "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+# Exact, with decimal.Decimal: a float makes 2.01k 2009 bytes.
+_UNITS: dict[str, decimal.Decimal | int] = {
+    "m": decimal.Decimal("0.001"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?([a-zA-Z]*)$")
@@ -28,8 +31,7 @@ def parse_quantity(text: str | int | float) -> int:
   if not match or match.group(3) not in _UNITS:
     raise ValueError(f"not a Kubernetes quantity: {text!r}; write e.g. 4608Mi or 5Gi")
   number, exponent, unit = match.groups()
-  value = float(number) * (10 ** int(exponent) if exponent else 1) * _UNITS[unit]
-  return int(value)
+  return int(decimal.Decimal(number).scaleb(int(exponent or 0)) * _UNITS[unit])
 
 
 def format_mebibytes(num_bytes: int) -> str:
