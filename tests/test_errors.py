@@ -6,6 +6,7 @@ the builtin named beside it, and the drawing lists every class.
 """
 
 import builtins
+import pickle
 import re
 
 import pytest
@@ -84,3 +85,15 @@ def test_a_lost_host_names_itself():
   e = errors.HostLostError("sidecar of host 3 is gone", host_id=3)
   assert e.host_id == 3 and isinstance(e, ConnectionError) and str(e) == "sidecar of host 3 is gone"
   assert errors.HostLostError("gone").host_id is None
+
+
+@pytest.mark.parametrize("error", [
+    errors.RemoteError("builtins.KeyError", "'k'", "Traceback ...", host_id=2),
+    errors.HostLostError("sidecar gone", host_id=1),
+    errors.InvalidArgumentError("step must be >= 0, got -1"),
+], ids=lambda e: type(e).__name__)
+def test_errors_survive_pickling(error):
+  # A user's process pool (concurrent.futures, multiprocessing) pickles what it raises.
+  back = pickle.loads(pickle.dumps(error))
+  assert type(back) is type(error) and str(back) == str(error)
+  assert vars(back) == vars(error)

@@ -107,6 +107,15 @@ class RemoteError(SidecarError):
       text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
     super().__init__(text)
 
+  def __reduce__(self):  # pickles (a user's process pool) with the fields, not the text
+    return (_remote_error, (self.remote_type, self.remote_message, self.remote_traceback,
+                            self.host_id))
+
+
+def _remote_error(remote_type: str, message: str, traceback: str, host_id: int | None
+                  ) -> RemoteError:
+  return RemoteError(remote_type, message, traceback, host_id=host_id)
+
 
 class HostLostError(SidecarError, ConnectionError):
   """A sidecar died or stopped answering; ``host_id`` names it."""
