@@ -2,7 +2,7 @@ import pytest
 
 import sidecar
 
-pytestmark = pytest.mark.processes
+pytestmark = pytest.mark.unit
 
 
 def test_public_api_is_pinned():
@@ -24,7 +24,6 @@ def test_public_api_is_pinned():
     assert getattr(sidecar, name) is not None
 
 
-@pytest.mark.unit
 def test_orbax_integration_api_is_pinned():
   import sidecar.orbax
   assert sidecar.orbax.__all__ == [
@@ -32,6 +31,7 @@ def test_orbax_integration_api_is_pinned():
       "SidecarRestore", "SidecarSave"]
 
 
+@pytest.mark.processes
 def test_importing_the_package_its_decorators_or_the_cli_loads_no_jax_grpc_or_grain():
   # test_public_api_is_pinned shows that every name still resolves; the command line
   # (`sidecar launch`, `status`, `--help`) imports what a command runs when it runs.

@@ -31,6 +31,7 @@ JOBSET_ENV = {
 # Tier 1: no sockets.
 
 
+@pytest.mark.unit
 def test_jobset_env_gives_jobset_hostnames_slice_major():
   found = discovery.endpoints_from_env(JOBSET_ENV)
   assert [e.address for e in found] == [
@@ -41,6 +42,7 @@ def test_jobset_env_gives_jobset_hostnames_slice_major():
   assert {e.health_address.rsplit(":", 1)[1] for e in found} == {"8491"}
 
 
+@pytest.mark.unit
 def test_subdomain_ports_and_template_come_from_env():
   env = dict(JOBSET_ENV, SIDECAR_SUBDOMAIN="net", SIDECAR_PORT="9000",
              SIDECAR_HEALTH_PORT="9001", SIDECAR_NAMESPACE="ml",
@@ -51,17 +53,20 @@ def test_subdomain_ports_and_template_come_from_env():
   assert found[4].health_address == "train-slice-1-1.net.ml.svc.cluster.local:9001"
 
 
+@pytest.mark.unit
 def test_default_subdomain_is_the_jobset_name():
   found = discovery.endpoints_from_env(dict(JOBSET_ENV, SIDECAR_SUBDOMAIN=""))
   assert found[0].host == "train-slice-0-0.train"
 
 
+@pytest.mark.unit
 def test_template_index_field_counts_slice_major():
   env = dict(JOBSET_ENV, SIDECAR_HOST_TEMPLATE="worker-{index}")
   assert [e.host for e in discovery.endpoints_from_env(env)] == [
       f"worker-{i}" for i in range(6)]
 
 
+@pytest.mark.unit
 def test_host_list_overrides_jobset_env_and_parses_ports():
   env = dict(JOBSET_ENV, SIDECAR_HOSTS="a, b:9000 ,c:9000:9001,[::1]:7000:7001",
              SIDECAR_HOSTS_PER_SLICE="2")
@@ -71,11 +76,13 @@ def test_host_list_overrides_jobset_env_and_parses_ports():
   assert [e.health_address for e in found] == ["a:8491", "b:8491", "c:9001", "[::1]:7001"]
 
 
+@pytest.mark.unit
 def test_host_list_without_hosts_per_slice_is_one_slice():
   found = discovery.endpoints_from_env({"SIDECAR_HOSTS": "a,b,c"})
   assert [(e.slice_id, e.host_id) for e in found] == [(0, 0), (0, 1), (0, 2)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("env, match", [
     ({}, r"SIDECAR_JOBSET_NAME, SIDECAR_REPLICATED_JOB, SIDECAR_NUM_SLICES, "
          r"SIDECAR_HOSTS_PER_SLICE not set\. Set SIDECAR_HOSTS"),
@@ -103,6 +110,7 @@ def test_malformed_env_names_the_variable_and_the_fix(env, match):
     discovery.endpoints_from_env(env)
 
 
+@pytest.mark.unit
 def test_discovery_error_is_a_timeout_error():
   assert issubclass(errors.DiscoveryError, TimeoutError)
   assert issubclass(errors.DiscoveryError, errors.SidecarError)
@@ -197,6 +205,7 @@ def test_a_host_that_recovers_before_the_deadline_is_not_listed():
         "127.0.0.1:1"]
 
 
+@pytest.mark.unit
 def test_negative_timeout_is_rejected():
   with pytest.raises(errors.InvalidArgumentError, match=r"timeout must be >= 0 seconds, got -1"):
     discovery.discover(timeout=-1, env={"SIDECAR_HOSTS": "127.0.0.1"})
