@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +68,8 @@ class GrpcTransport(streaming.Transport):
   def close(self, *, owed: int) -> None:
     self._requests.put(_END)  # half-closes the requests: the sidecar's reader ends
     self._responses.cancel()
-    if self._reader is not threading.current_thread():
+    # At interpreter exit (a finalizer's close) the reader may never run again: no wait.
+    if self._reader is not threading.current_thread() and not sys.is_finalizing():
       self._reader.join(5)
 
 
