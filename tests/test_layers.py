@@ -114,9 +114,17 @@ def test_host_and_controller_never_import_each_other(side, other):
   assert _violations(_under(side), other) == {}
 
 
-def test_worker_imports_neither_host_nor_controller():
+@pytest.mark.parametrize("module", ["sidecar._src.worker", "sidecar._src.streaming"])
+def test_worker_and_streaming_import_neither_host_nor_controller(module):
   for other in ("sidecar._src.host", "sidecar._src.controller"):
-    assert _violations(["sidecar._src.worker"], other) == {}
+    assert _violations([module], other) == {}
+
+
+def test_the_stream_consumer_sits_below_both_of_its_transports():
+  # worker.py and controller/stream.py implement its Transport: it imports neither.
+  assert _violations(["sidecar._src.streaming"], "sidecar._src.worker") == {}
+  assert "sidecar._src.streaming" in _imports("sidecar._src.worker")
+  assert "sidecar._src.streaming" in _imports("sidecar._src.controller.stream")
 
 
 @pytest.mark.parametrize("module", ["sidecar._src.errors", "sidecar._src.options"])

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import codec, distributed, env, errors, ipc, protocol, shm, transfer
+from sidecar._src import codec, distributed, env, errors, ipc, protocol, shm, streaming, transfer
 from sidecar._src.protocol import pb
 
 ENV_ADDRESS = env.ADDRESS
@@ -290,15 +290,16 @@ class Worker:
   # ---- streams -----------------------------------------------------------
 
   def open_stream(self, request: pb.CallRequest, *, prefetch: int, timeout: float | None = None,
-                  device: jax.Device | None = None) -> LocalStream:
+                  device: jax.Device | None = None) -> streaming.Stream:
     """Runs a registered iterable in the sidecar; its items arrive over this socket.
 
-    With ``device``, their arrays arrive as ``jax.Array``s on it (on the CPU
-    backend, views of the arena: no copy).
+    Credits go back in batches of half the prefetch (one message for several items),
+    with the blocks freed meanwhile. ``timeout`` bounds the wait for each item (see
+    ``streaming.Stream``). With ``device``, arrays arrive as ``jax.Array``s on it (on
+    the CPU backend, views of the arena: no copy).
     """
     self._check_open()
-    if not isinstance(prefetch, int) or prefetch < 1:
-      raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
+    streaming.check_prefetch(prefetch)
     request.worker_session = self.session
     if self._lost is not None:
       raise errors.HostLostError(self._lost, host_id=self.host_id)
@@ -312,7 +313,8 @@ class Worker:
       sock.close()
       raise errors.HostLostError(f"the sidecar of host {self.host_id} is gone: {e}",
                                  host_id=self.host_id) from None
-    return LocalStream(self, sock, request.name, prefetch, device, timeout=timeout)
+    return streaming.Stream(SocketTransport(self, sock, request.name), name=request.name,
+                            credit_every=prefetch // 2, timeout=timeout, device=device)
 
   # ---- jax ---------------------------------------------------------------
 
@@ -367,119 +369,61 @@ class Worker:
     return f"Worker(host_id={self.host_id}, path={self.path!r}, state={self.state.value})"
 
 
-class LocalStream:
-  """Items of a sidecar iterable over the worker's Unix socket.
+class SocketTransport(streaming.Transport):
+  """A stream's own connection to the worker's sidecar: item frames in, credit frames out.
 
-  Every item taken earns the sidecar a credit; credits go back in batches of half
-  the prefetch (one message for several items), with the blocks freed meanwhile.
-
-  No wait is unbounded: ``timeout`` (None: none) bounds the wait for one item, and
-  while it lasts the worker asks the sidecar for a sign of life after every half peer
-  timeout of silence, so a slow pipeline is waited on but a hung or stopped sidecar
-  ends the stream with HostLostError within about the peer timeout.
+  Credits carry the blocks let go of meanwhile. While the consumer waits, the worker
+  asks the sidecar for a sign of life after every half peer timeout of silence, so a
+  slow pipeline is waited on but a hung or stopped sidecar ends the stream with
+  HostLostError within about the peer timeout.
   """
 
-  def __init__(self, worker: Worker, sock: socket.socket, name: str, prefetch: int,
-               device: jax.Device | None = None, *, timeout: float | None = None):
+  def __init__(self, worker: Worker, sock: socket.socket, name: str):
     self._worker = worker
-    self._timeout = timeout
-    self._check_every = worker.timeout / 2
-    self._device = device
     self._sock = sock
-    self._reader = ipc.FrameReader(sock, limit=1 << 30)
+    self._frames = ipc.FrameReader(sock, limit=1 << 30)
     self._name = name
-    self._batch = max(1, prefetch // 2)
-    self._owed, self._waited = 0, 0.0
-    self.closed = False
-    self.args: list = []
+    self.host, self.host_id = worker.path, worker.host_id
+    self.poll_s = worker.timeout / 2
+    self.from_arena = worker.view
 
-  def __iter__(self) -> LocalStream:
-    return self
-
-  def __next__(self) -> Any:
-    if self.closed:
-      raise StopIteration
-    w = self._worker
-    t0 = time.perf_counter()
+  def receive(self, wait: float) -> pb.StreamItem | None:
+    self._sock.settimeout(wait)
     try:
-      item = pb.StreamItem.FromString(self._read(t0))
-    except errors.DeadlineExceededError:
-      raise  # The stream stays open: the caller may wait again.
-    except errors.HostLostError:
-      self.close()
-      raise
+      return pb.StreamItem.FromString(self._frames.read())
+    except TimeoutError:
+      return None  # The reader stays where it was.
     except (OSError, ConnectionError) as e:
-      self.close()
-      raise errors.HostLostError(f"the sidecar of host {w.host_id} at {w.path} is gone "
-                                 f"during stream {self._name!r}: {e}", host_id=w.host_id) from None
-    if not item.end:
-      self._owed += 1
-      self._waited += time.perf_counter() - t0
-      if self._owed >= self._batch:
-        credit = pb.StreamRequest(credit=self._owed, freed=w.take_freed(), wait_s=self._waited)
-        self._owed, self._waited = 0, 0.0
-        try:
-          self._sock.settimeout(w.timeout)  # _read may have left a short one
-          ipc.send_bytes(self._sock, credit.SerializeToString())
-        except OSError:
-          pass  # The sidecar already finished; the end frame waits in the socket.
-    else:
-      self.close()
-      if item.HasField("error"):
-        raise protocol.error_from_info(item.error, host=w.path, host_id=w.host_id)
-      raise StopIteration
-    value = codec.decode(item.value, from_arena=w.view,
-                         where=f"item {item.index} of {self._name!r} from host {w.host_id}")
-    return value if self._device is None else transfer.to_devices(value, self._device)
+      raise errors.HostLostError(
+          f"the sidecar of host {self.host_id} at {self.host} is gone during stream "
+          f"{self._name!r}: {e}", host_id=self.host_id) from None
 
-  def _read(self, t0: float) -> bytes:
-    """The next frame: waits while the sidecar shows signs of life and ``timeout`` allows."""
-    w = self._worker
-    while True:
-      wait = self._check_every
-      if self._timeout is not None:
-        wait = min(wait, t0 + self._timeout - time.perf_counter())
-      self._sock.settimeout(max(wait, 1e-3))
-      try:
-        return self._reader.read()  # A timeout leaves the reader where it was.
-      except TimeoutError:
-        pass
-      if self._timeout is not None and time.perf_counter() - t0 >= self._timeout:
-        raise errors.DeadlineExceededError(
-            f"no item of {self._name!r} from host {w.host_id} within the timeout of "
-            f"{self._timeout:.3g} s")
-      try:
-        w.check_alive(self._check_every)
-      except errors.HostLostError as e:
-        raise errors.HostLostError(
-            f"no item of stream {self._name!r} for {time.perf_counter() - t0:.3g} s, and {e}",
-            host_id=w.host_id) from None
-
-  def close(self) -> None:
-    """Ends the stream; the sidecar stops producing. Idempotent.
-
-    Tells the sidecar how many items were taken, so that it takes back the blocks
-    of those it sent ahead that were never read.
-    """
-    if not self.closed:
-      self.closed = True
-      done = pb.StreamRequest(credit=self._owed, freed=self._worker.take_freed(), close=True)
-      with contextlib.suppress(OSError):
-        self._sock.settimeout(self._worker.timeout)
-        ipc.send_bytes(self._sock, done.SerializeToString())
-      with contextlib.suppress(OSError):  # wakes a reader blocked on another thread
-        self._sock.shutdown(socket.SHUT_RDWR)
-      self._sock.close()
-
-  def __del__(self) -> None:
-    # No module globals here (contextlib...): at interpreter exit they may be None already.
+  def check_alive(self, waited: float) -> None:
     try:
-      self.close()
-    except Exception:  # A safety net: close() is the main path.
-      pass
+      self._worker.check_alive(self.poll_s)
+    except errors.HostLostError as e:
+      raise errors.HostLostError(f"no item of stream {self._name!r} for {waited:.3g} s, and {e}",
+                                 host_id=self.host_id) from None
 
-  def __enter__(self) -> LocalStream:
-    return self
+  def credit(self, n: int, *, wait_s: float) -> None:
+    message = pb.StreamRequest(credit=n, freed=self._worker.take_freed(), wait_s=wait_s)
+    try:
+      self._sock.settimeout(self._worker.timeout)  # receive may have left a short one
+      ipc.send_bytes(self._sock, message.SerializeToString())
+    except OSError:
+      pass  # The sidecar already finished; the end frame waits in the socket.
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def close(self, *, owed: int) -> None:
+    # The sidecar learns how many items were taken: it takes back the blocks of those
+    # it sent ahead that were never read.
+    done = pb.StreamRequest(credit=owed, freed=self._worker.take_freed(), close=True)
+    with contextlib.suppress(OSError):
+      self._sock.settimeout(self._worker.timeout)
+      ipc.send_bytes(self._sock, done.SerializeToString())
+    with contextlib.suppress(OSError):  # wakes a reader blocked on another thread
+      self._sock.shutdown(socket.SHUT_RDWR)
+    self._sock.close()
+
+
+# The name the worker's stream had before both ways in shared one consumer.
+LocalStream = streaming.Stream

@@ -421,6 +421,39 @@ def test_stream_over_grpc_without_a_worker(make_server):
       list(ctl.stream("count_then_fail", args=(2,)))
 
 
+@pytest.mark.parametrize("attach", [True, False], ids=["unix-socket", "grpc"])
+def test_a_stream_timeout_bounds_each_wait_and_keeps_the_stream_open(make_server, attach):
+  with controller(make_server(), attach=attach) as ctl:
+    with ctl.stream("slow_count", args=(2, 0.2), timeout=0.05) as s:
+      got, timeouts = [], 0
+      while len(got) < 2 and timeouts < 100:
+        try:
+          got.append(next(s))
+        except sidecar.DeadlineExceededError as e:
+          assert "no item of 'slow_count' from host 0 within the timeout of 0.05 s" in str(e)
+          timeouts += 1
+      assert got == [0, 1] and timeouts >= 1 and list(s) == []
+
+
+def test_a_grpc_streams_credit_reader_is_joined_when_its_rpc_ends(make_server, monkeypatch):
+  """The Stream handler's credit reader is joined once its RPC is over: read to the end,
+  closed early, or failed."""
+  from sidecar._src.host import service
+  joined = []
+  join = service._join_credits
+  monkeypatch.setattr(service, "_join_credits", lambda t: (join(t), joined.append(t)))
+  readers = lambda: sum(t.name == "sidecar-credits" for t in threading.enumerate())
+  with controller(make_server(), attach=False) as ctl:
+    assert list(ctl.stream("count", args=(3,))) == [0, 1, 2]
+    s = ctl.stream("count", args=(100,))
+    assert next(s) == 0 and readers() == 1
+    s.close()
+    with pytest.raises(sidecar.RemoteError, match="failed after 1"):
+      list(ctl.stream("count_then_fail", args=(1,)))
+    assert eventually(lambda: len(joined) == 3)
+  assert [t.is_alive() for t in joined] == [False] * 3 and readers() == 0
+
+
 def test_stream_arguments_through_the_arena_stay_valid(make_server):
   with controller(make_server()) as ctl:
     big = np.arange(100_000, dtype=np.int32)

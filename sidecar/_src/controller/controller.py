@@ -31,7 +31,7 @@ from sidecar._src.controller.checkpoint_client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.hosts import Hosts
-from sidecar._src.controller.stream import Stream
+from sidecar._src.controller.stream import Stream, open_stream as open_grpc_stream
 from sidecar._src.protocol import pb
 
 
@@ -276,7 +276,7 @@ class Controller:
   def stream(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
              kwargs: Mapping[str, Any] | None = None, host: int | None = None,
              prefetch: int = 2, timeout: float | None = None, device: jax.Device | None = None,
-             **legacy_kwargs: Any) -> Stream | worker_lib.LocalStream:
+             **legacy_kwargs: Any) -> Stream:
     """Iterates what registered function ``name(*args, **kwargs)`` returns (an iterable).
 
     ``host`` defaults to the first host this process drives (its own under N processes).
@@ -285,6 +285,8 @@ class Controller:
     process maps that host's arena, items come over its Unix socket (the fast
     path); otherwise over gRPC, with arrays inline. With ``device``, arrays
     arrive as ``jax.Array``s on it (from the arena with no copy on the CPU backend).
+    ``timeout`` bounds the wait for each item: past it ``next()`` raises
+    DeadlineExceededError and the stream stays open.
     ``*legacy_args``/``**legacy_kwargs``: the deprecated shorthand for ``args``/``kwargs``.
 
     Example::
@@ -305,14 +307,14 @@ class Controller:
 
   def _open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
                    timeout: float | None, held: list, device: jax.Device | None = None
-                   ) -> Stream | worker_lib.LocalStream:
+                   ) -> Stream:
     conn, w = self._conns[host_id], self._workers.get(host_id)
-    stream: Stream | worker_lib.LocalStream
     if w is not None:
       stream = w.open_stream(request, prefetch=prefetch, timeout=timeout, device=device)
     else:
-      stream = Stream(conn.stream_rpc, request, prefetch=prefetch, metadata=conn.metadata,
-                      timeout=timeout, host=conn.address, host_id=host_id, device=device)
+      stream = open_grpc_stream(conn.stream_rpc, request, prefetch=prefetch,
+                                metadata=conn.metadata, timeout=timeout, host=conn.address,
+                                host_id=host_id, device=device)
     stream.args = held  # Argument blocks live as long as the stream.
     self._children.add(stream)
     return stream

@@ -26,6 +26,8 @@ from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
+# How long the end of a Stream RPC waits for its credit reader to finish.
+CREDITS_JOIN_S = 1.0
 
 
 def parse(cls, raw: bytes):
@@ -145,18 +147,13 @@ class Service:
   def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
               context: grpc.ServicerContext) -> Iterator[pb.StreamItem]:
     credits = Credits(check_prefetch(first.prefetch))
-
-    def read_credits():
-      try:
-        for raw in requests:
-          message = parse(pb.StreamRequest, raw)
-          credits.grant(message.credit, message.wait_s)
-      except Exception:
-        credits.close()  # The consumer went away (or sent garbage).
-      else:
-        credits.finish()  # Half-closed: what it credited is still sent.
-
-    threading.Thread(target=read_credits, daemon=True, name="sidecar-credits").start()
+    reader = threading.Thread(target=_read_credits, args=(requests, credits), daemon=True,
+                              name="sidecar-credits")
+    reader.start()
+    # gRPC ends the requests only once the RPC is over, after this handler returned (a
+    # consumer half-closes when it saw the end): the RPC's end joins the reader.
+    if not context.add_callback(lambda: _join_credits(reader)):
+      _join_credits(reader)  # already over
     yield from self._stream_runner.run(first.start, credits, alive=context.is_active,
                                        time_left=context.time_remaining)
 
@@ -172,3 +169,24 @@ class Service:
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
         calls=self._runner.calls, feeds=self._stream_runner.feeds(),
         checkpoints=self._checkpoints())
+
+
+def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:
+  """Grants what a stream's consumer credits, until it half-closes or goes away."""
+  try:
+    for raw in requests:
+      message = parse(pb.StreamRequest, raw)
+      credits.grant(message.credit, message.wait_s)
+  except Exception:
+    credits.close()  # The consumer went away (or sent garbage).
+  else:
+    credits.finish()  # Half-closed: what it credited is still sent.
+
+
+def _join_credits(reader: threading.Thread) -> None:
+  # Runs on gRPC's thread once the RPC is over, when its requests have just ended: the
+  # join is short, and bounded all the same.
+  reader.join(CREDITS_JOIN_S)
+  if reader.is_alive():
+    log.warning("a stream's credit reader did not end within %.3g s of its RPC",
+                CREDITS_JOIN_S)
