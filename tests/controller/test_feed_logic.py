@@ -116,3 +116,34 @@ def test_the_end_of_the_data_ends_the_iteration_and_closes():
   feed, streams = make_feed(fake={0: {"batches": 2}, 1: {"batches": 2}})
   assert len(list(feed)) == 2
   assert feed.status is feed_lib.State.CLOSED and all(s.closed for s in streams.values())
+
+
+class _Host:
+  def __init__(self, host_id, pipelines):
+    self.host_id, self.pipelines = host_id, pipelines
+
+
+@pytest.mark.parametrize("options,old,kwargs,error,match", [
+    (None, {"prefetch": 0}, {}, sidecar.InvalidArgumentError, r"prefetch must be"),
+    ({"prefetch": 4}, {}, {}, sidecar.InvalidArgumentError, r"options must be a sidecar.FeedOptions"),
+    (None, {}, {"global_batch_size": 2.5}, sidecar.InvalidArgumentError,
+     r"global_batch_size must be a positive int, got 2.5"),
+    (None, {}, {"num_epochs": 0}, sidecar.InvalidArgumentError, r"num_epochs must be None or >= 1"),
+    (None, {}, {"name": "nope"}, sidecar.NotRegisteredError,
+     r"no pipeline named 'nope' is registered on hosts \[1\]; registered pipelines: ids"),
+], ids=["legacy-prefetch", "options-dict", "float-batch", "zero-epochs", "missing-pipeline"])
+def test_feed_arguments_are_checked_before_anything_opens(options, old, kwargs, error, match):
+  hosts = [_Host(0, ("ids", "nope")), _Host(1, ("ids",))]
+  args = {"name": "ids", "global_batch_size": 8, "num_epochs": None} | kwargs
+  with pytest.raises(error, match=match):
+    feed_lib.check_arguments(args.pop("name"), options, old, hosts, **args)
+
+
+def test_feed_arguments_give_the_options_to_use():
+  hosts = [_Host(0, ("ids",))]
+  given = sidecar.FeedOptions(prefetch=3)
+  assert feed_lib.check_arguments("ids", given, {}, hosts, global_batch_size=8,
+                                  num_epochs=2) is given
+  legacy = feed_lib.check_arguments("ids", None, {"workers": 2}, hosts, global_batch_size=8,
+                                    num_epochs=None)
+  assert legacy == sidecar.FeedOptions(workers=2)

@@ -71,7 +71,7 @@ def test_malformed_request_bytes_are_invalid_argument(make_server):
   server = make_server()
   with controller(server) as ctl, grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
     raw = ch.unary_unary(f"/{protocol.SERVICE}/Call")
-    meta = ctl._conns[0].metadata
+    meta = ctl._hosts.conns[0].metadata
     for garbage in (b"\xff\xff\xff", pb.CallRequest(name="echo").SerializeToString()[:-1] + b"\x80"):
       with pytest.raises(grpc.RpcError) as info:
         raw(garbage, metadata=meta, timeout=5)

@@ -126,31 +126,6 @@ class Controller:
     """
     return cls(discovery.discover(timeout=timeout), **kwargs)
 
-  # What Controller.stream, _open_stream and feed read, kept under their old names.
-
-  @property
-  def _conns(self) -> dict[int, Connection]:
-    return self._hosts.conns
-
-  @property
-  def _workers(self) -> dict[int, worker_lib.Worker]:
-    return self._hosts.workers
-
-  @property
-  def _local_hosts(self) -> list[int]:
-    return self._hosts.driven
-
-  @property
-  def _device_hosts(self) -> dict[int, int]:
-    return self._hosts.device_hosts
-
-  def _select(self, hosts: Sequence[int] | None) -> list[int]:
-    return self._hosts.select(hosts)
-
-  def _request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
-               held: list) -> pb.CallRequest:
-    return self._calls.request(host_id, name, args, kwargs, timeout, held)
-
   # ---- introspection -----------------------------------------------------
 
   @property
@@ -266,7 +241,7 @@ class Controller:
     """
     self._check_open()
     args, kwargs = arguments.split_legacy("call", name, args, kwargs, legacy_args, legacy_kwargs)
-    chosen = self._select(hosts)
+    chosen = self._hosts.select(hosts)
     timeout = self.timeout if timeout is None else timeout
     if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
       return [self._calls.call_sync(chosen[0], name, args, kwargs, timeout)]
@@ -298,17 +273,17 @@ class Controller:
     self._check_open()
     args, kwargs = arguments.split_legacy("stream", name, args, kwargs, legacy_args,
                                           legacy_kwargs, stacklevel=3)
-    (host_id,) = self._select([(self.local_hosts or self._local_hosts)[0] if host is None
-                               else host])
-    held = []
-    request = self._request(host_id, name, args, kwargs, self.timeout, held)
+    (host_id,) = self._hosts.select([(self.local_hosts or self._hosts.driven)[0] if host is None
+                                     else host])
+    held: list = []
+    request = self._calls.request(host_id, name, args, kwargs, self.timeout, held)
     return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held,
                              device=device)
 
   def _open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
                    timeout: float | None, held: list, device: jax.Device | None = None
                    ) -> Stream:
-    conn, w = self._conns[host_id], self._workers.get(host_id)
+    conn, w = self._hosts.conns[host_id], self._hosts.workers.get(host_id)
     if w is not None:
       stream = w.open_stream(request, prefetch=prefetch, timeout=timeout, device=device)
     else:
@@ -356,26 +331,11 @@ class Controller:
     kwargs, old_options = arguments.split_legacy_feed(
         name, kwargs, options, legacy_kwargs,
         [f.name for f in dataclasses.fields(options_lib.FeedOptions)])
-    if options is None:
-      try:
-        options = options_lib.FeedOptions(**old_options)
-      except ValueError as e:
-        raise errors.InvalidArgumentError(str(e)) from None
-    if not isinstance(options, options_lib.FeedOptions):
-      raise errors.InvalidArgumentError(
-          f"options must be a sidecar.FeedOptions, got {type(options).__name__}")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-      raise errors.InvalidArgumentError(
-          f"global_batch_size must be a positive int, got {global_batch_size!r}")
-    if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
-      raise errors.InvalidArgumentError(f"num_epochs must be None or >= 1, got {num_epochs!r}")
+    options = feed_lib.check_arguments(name, options, old_options, self.hosts,
+                                       global_batch_size=global_batch_size,
+                                       num_epochs=num_epochs)
     prefetch, workers = options.prefetch, options.workers
-    missing = [h.host_id for h in self.hosts if name not in h.pipelines]
-    if missing:
-      raise errors.NotRegisteredError(
-          f"no pipeline named {name!r} is registered on hosts {missing}; registered pipelines: "
-          f"{', '.join(self.hosts[0].pipelines) or '(none)'}")
-    plans = feed_lib.plan(sharding, global_batch_size, self._device_hosts)
+    plans = feed_lib.plan(sharding, global_batch_size, self._hosts.device_hosts)
     encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
     self._feeds += 1
     key = f"feed/{self._feeds}"
@@ -387,7 +347,7 @@ class Controller:
         what=f"the arguments of feed {self._feeds} ({name!r})")
 
     def open_stream(host_id: int, spec: pb.FeedSpec):
-      w = self._workers.get(host_id)
+      w = self._hosts.workers.get(host_id)
       request = pb.CallRequest(name=name, args=no_args, kwargs=encoded, feed=spec,
                                worker_session=w.session if w is not None else "")
       return self._open_stream(host_id, request, prefetch=prefetch, timeout=None, held=[])
@@ -440,22 +400,23 @@ class Controller:
     self._checkpointers += 1
     ckpt = Checkpointer(
         directory=str(directory), client=self._checkpoint_client(),
-        hosts=[h.host_id for h in self.hosts], device_hosts=self._device_hosts,
+        hosts=[h.host_id for h in self.hosts], device_hosts=self._hosts.device_hosts,
         max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
         replica_bandwidth=replica_bandwidth,
         sidecars={h: {"address": c.address, "socket": c.reply.worker_socket,
                       "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
-                  for h, c in self._conns.items() if h not in self._hosts.lost},
-        mapped=sorted(h for h in self._workers if h not in self._hosts.lost))
+                  for h, c in self._hosts.conns.items() if h not in self._hosts.lost},
+        mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost))
     self._children.add(ckpt)
     return ckpt
 
   def _checkpoint_client(self) -> CheckpointClient:
     """The checkpoint phases on these sidecars, through this controller's channels."""
-    return CheckpointClient(select=self._select, connection=self._conns.__getitem__,
-                            worker=self._workers.get, status=self.status, timeout=self.timeout)
+    return CheckpointClient(select=self._hosts.select, connection=self._hosts.conns.__getitem__,
+                            worker=self._hosts.workers.get, status=self.status,
+                            timeout=self.timeout)
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
@@ -468,7 +429,7 @@ class Controller:
                                           legacy_kwargs)
     timeout = self.timeout if timeout is None else timeout
     return [self._calls.call_future(h, name, args, kwargs, timeout)
-            for h in self._select(hosts)]
+            for h in self._hosts.select(hosts)]
 
   @interrupts.deferring
   def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:

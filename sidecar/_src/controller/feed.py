@@ -20,8 +20,15 @@ from typing import Any
 
 import jax
 
-from sidecar._src import distributed, errors, progress as progress_lib, transfer
+from sidecar._src import (
+    distributed,
+    errors,
+    options as options_lib,
+    progress as progress_lib,
+    transfer,
+)
 from sidecar._src.controller import display
+from sidecar._src.controller.connection import HostInfo
 from sidecar._src.protocol import pb
 
 STATE_VERSION = 1
@@ -81,6 +88,37 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
             "use a sharding that splits the batch evenly")
     plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[host][r]) for r in ranges)))
   return plans
+
+
+def check_arguments(name: str, options: Any, old_options: Mapping[str, Any],
+                    hosts: Sequence[HostInfo], *, global_batch_size: Any, num_epochs: Any
+                    ) -> options_lib.FeedOptions:
+  """``ctl.feed``'s options (from ``old_options``, the deprecated keywords, if None),
+  checked with its batch size, epochs and pipeline ``name`` on every host in ``hosts``.
+
+  Raises:
+    InvalidArgumentError: a bad option, batch size or epoch count, naming the value.
+    NotRegisteredError: a host has no pipeline ``name``.
+  """
+  if options is None:
+    try:
+      options = options_lib.FeedOptions(**old_options)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(str(e)) from None
+  if not isinstance(options, options_lib.FeedOptions):
+    raise errors.InvalidArgumentError(
+        f"options must be a sidecar.FeedOptions, got {type(options).__name__}")
+  if not isinstance(global_batch_size, int) or global_batch_size < 1:
+    raise errors.InvalidArgumentError(
+        f"global_batch_size must be a positive int, got {global_batch_size!r}")
+  if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+    raise errors.InvalidArgumentError(f"num_epochs must be None or >= 1, got {num_epochs!r}")
+  missing = [h.host_id for h in hosts if name not in h.pipelines]
+  if missing:
+    raise errors.NotRegisteredError(
+        f"no pipeline named {name!r} is registered on hosts {missing}; registered pipelines: "
+        f"{', '.join(hosts[0].pipelines) or '(none)'}")
+  return options
 
 
 def _rows_disjoint_across_hosts(plans: list[HostPlan]) -> bool:
