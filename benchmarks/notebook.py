@@ -11,6 +11,7 @@ restore timed inside the kernel, bit-exactness checked.
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -78,6 +79,7 @@ def main() -> None:
   finally:
     kernel.shutdown()
     stop(proc)
+    shutil.rmtree(directory, ignore_errors=True)  # 1 GiB of checkpoints
   base = rows[1][1]["seconds"]
   print("| restore of 1 GiB after a kernel restart | s | GB/s | storage / this | sources | bit-exact |")
   print("|---|---|---|---|---|---|")
