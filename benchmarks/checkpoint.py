@@ -665,6 +665,20 @@ def report(args, res: Results) -> None:
     print()
 
 
+def check_disk_space(base: str, args: argparse.Namespace) -> None:
+  """Every save stays on disk (the restores read the last of each saver): fail at the
+  start, not with ENOSPC in the last round, when they cannot all fit."""
+  state = LEAVES * int(np.prod(LEAF_SHAPE)) * 4
+  saves = 4 + args.rounds * 3 * (1 + args.busy_saves)  # warm-up, then each round's
+  need = (saves + 2) * state  # and the raw and O_DIRECT copies
+  free = shutil.disk_usage(base).free
+  if free < need:
+    raise SystemExit(
+        f"{saves} saves of {state / 2**30:.0f} GiB need {need / 2**30:.0f} GiB, and {base} "
+        f"has {free / 2**30:.0f} GiB free: pass --dir on a larger disk, or fewer --rounds "
+        "or --busy-saves")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--rounds", type=int, default=5, help="rounds of saves, each saver in turn")
@@ -683,6 +697,7 @@ def main() -> None:
   try:
     if filesystem_type(base) == "tmpfs":
       raise SystemExit(f"{base} is on a tmpfs; pass --dir on a disk (this measures storage)")
+    check_disk_space(base, args)
     state = measure_saves(args, dirs, res)
     measure_disk_restores(args, dirs, state, res)
   finally:
