@@ -19,6 +19,7 @@ import concurrent.futures
 import functools
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -122,6 +123,22 @@ def wait(future: concurrent.futures.Future | Any, timeout: float | None = None) 
       left -= step
       if left <= 0:
         raise concurrent.futures.TimeoutError()
+
+
+def wait_event(event: threading.Event, timeout: float) -> bool:
+  """``event.wait(timeout)``, raising KeyboardInterrupt (at once) on Ctrl-C, as :func:`wait`.
+
+  Never raises once the event is set: a wait that got what it waited for returns True.
+  """
+  if _depth == 0 or threading.current_thread() is not threading.main_thread():
+    return event.wait(timeout)
+  deadline = time.monotonic() + timeout
+  while True:
+    if event.wait(min(POLL_S, max(deadline - time.monotonic(), 0.0))):
+      return True
+    check()
+    if time.monotonic() >= deadline:
+      return False
 
 
 def wait_done(future: concurrent.futures.Future, timeout: float | None = None) -> None:

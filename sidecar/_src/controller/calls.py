@@ -64,7 +64,12 @@ class Calls:
     conn, held = self._connection(host_id), []
     deadline = time.monotonic() + timeout
     request = self.request(host_id, name, args, kwargs, timeout, held)
-    if not conn.calls.enter(deadline - time.monotonic()):
+    try:
+      entered = conn.calls.enter(deadline - time.monotonic())
+    except BaseException:  # closed, or Ctrl-C: the arguments' blocks go back now
+      held.clear()
+      raise
+    if not entered:
       held.clear()
       raise conn.calls.waited_too_long(f"call {name!r} on host {host_id}", timeout)
     leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)

@@ -68,11 +68,6 @@ class Manifest:
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
 
 
-def _busy(e: grpc.RpcError) -> bool:
-  """Whether the sidecar refused an rpc only because its checkpoint threads are taken."""
-  return isinstance(protocol.error_from_rpc(e, host=""), errors.BusyError)
-
-
 class CheckpointTransport(abc.ABC):
   """The checkpoint phases on one host each; see the service in ``checkpoint.proto``."""
 
@@ -192,13 +187,15 @@ class CheckpointClient(CheckpointTransport):
       try:
         out.set_result(decode(f.result()))
       except grpc.RpcError as e:
-        if _busy(e) and time.monotonic() + _RETRY_S * tries[0] < deadline:
+        error = protocol.error_from_rpc(e, host=conn.address, host_id=host)
+        wait = _RETRY_S * (tries[0] + 1)
+        if isinstance(error, errors.BusyError) and time.monotonic() + wait < deadline:
           # The sidecar's checkpoint threads are taken by other controllers (and peers):
           # ask again shortly, within the deadline, rather than call a live copy lost.
           tries[0] += 1
-          threading.Timer(_RETRY_S * tries[0], send).start()
+          threading.Timer(wait, send).start()
           return
-        out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host))
+        out.set_exception(error)
       except Exception as e:
         out.set_exception(e)
       if held is not None:

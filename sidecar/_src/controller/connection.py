@@ -86,7 +86,8 @@ class CallWindow:
            fail: Callable[[BaseException], None], timeout: float, what: str) -> None:
     entry = _Queued(send, done, fail, time.monotonic() + timeout, timeout, what)
     with self._cv:
-      if not self.closed and self._running >= self._size:
+      closed = self.closed
+      if not closed and self._running >= self._size:
         self._waiting.append(entry)
         if self._expirer is None:
           self._expirer = threading.Thread(target=self._expire, daemon=True,
@@ -94,9 +95,9 @@ class CallWindow:
           self._expirer.start()
         self._cv.notify()
         return
-      if not self.closed:
+      if not closed:
         self._running += 1
-    if self.closed:
+    if closed:
       fail(self._closed_error(entry))
     else:
       self._run(entry)
@@ -112,12 +113,9 @@ class CallWindow:
         return True
       ready = threading.Event()
       self._waiting.append(ready)
-    deadline = time.monotonic() + max(timeout, 0.0)
     handed = False
-    try:
-      while not handed and time.monotonic() < deadline:
-        handed = ready.wait(min(interrupts.POLL_S, max(deadline - time.monotonic(), 0.0)))
-        interrupts.check()  # a Ctrl-C held off by interrupts.deferring ends the wait
+    try:  # a Ctrl-C held off by interrupts.deferring ends the wait
+      handed = interrupts.wait_event(ready, max(timeout, 0.0))
     finally:
       if not handed:  # timed out or interrupted: leave the line, or give back what came
         with self._cv:
