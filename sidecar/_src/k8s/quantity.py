@@ -14,6 +14,7 @@ _UNITS: dict[str, decimal.Decimal | int] = {
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
+_MAX_EXPONENT = 30  # more bytes than any machine has, fewer digits than take time
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?([a-zA-Z]*)$")
 
 
@@ -31,6 +32,9 @@ def parse_quantity(text: str | int | float) -> int:
   if not match or match.group(3) not in _UNITS:
     raise ValueError(f"not a Kubernetes quantity: {text!r}; write e.g. 4608Mi or 5Gi")
   number, exponent, unit = match.groups()
+  if abs(int(exponent or 0)) > _MAX_EXPONENT:  # 1e999999 would take int() seconds
+    raise ValueError(f"the exponent of quantity {text!r} is out of range: at most "
+                     f"e{_MAX_EXPONENT}")
   return int(decimal.Decimal(number).scaleb(int(exponent or 0)) * _UNITS[unit])
 
 
