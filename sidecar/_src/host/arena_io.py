@@ -15,6 +15,7 @@ finalizer never takes a lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -106,10 +107,12 @@ class ArenaIO:
         self.leases.release(block.offset, block.generation, session)
       raise
 
-  def empty(self, alive: Alive, time_left: TimeLeft) -> outputs.Allocate:
-    """``sidecar.empty`` for a call: arena arrays, pinned while the sidecar holds a view
-    of one; a full arena is waited on while the caller lives and its deadline allows."""
-    return lambda shape, dtype: self._empty_array(shape, dtype, alive, time_left)
+  def allocating(self, alive: Alive, time_left: TimeLeft) -> contextlib.AbstractContextManager:
+    """The context user code runs in: ``sidecar.empty`` makes arena arrays, pinned while
+    the sidecar holds a view of one; a full arena is waited on while the caller lives and
+    its deadline allows."""
+    return outputs.allocating(
+        lambda shape, dtype: self._empty_array(shape, dtype, alive, time_left))
 
   def _empty_array(self, shape: tuple[int, ...], dtype: np.dtype, alive: Alive,
                    time_left: TimeLeft) -> np.ndarray:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from sidecar._src import codec, errors, protocol, registry as registry_lib
-from sidecar._src.host import metrics as metrics_lib, outputs
+from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.arena_io import Alive, ArenaIO, TimeLeft
 from sidecar._src.protocol import pb
 
@@ -64,10 +64,6 @@ class Runner:
     """``name`` if it is registered (the metrics' label), else ``<unregistered>``."""
     return name if self.registry.has(kind, name) else metrics_lib.UNREGISTERED
 
-  def allocating(self, alive: Alive, time_left: TimeLeft) -> contextlib.AbstractContextManager:
-    """The context user code runs in: ``sidecar.empty`` allocates in the arena."""
-    return outputs.allocating(self.arena_io.empty(alive, time_left))
-
   def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
     """Runs a unary call; its result, encoded (large arrays leased to its worker)."""
     if not self.metrics.enabled:
@@ -77,7 +73,7 @@ class Runner:
 
   def _call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
     entry, args, kwargs = self.prepare(request)
-    with self.allocating(alive, time_left):
+    with self.arena_io.allocating(alive, time_left):
       result = entry.fn(*args, **kwargs)
     return self.arena_io.encode(result, request.worker_session, alive=alive,
                                 time_left=time_left, where=f"result of {request.name!r}")

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from sidecar._src import checkpoint_wire as wire, codec, errors, protocol
-from sidecar._src.host import metrics as metrics_lib, outputs
+from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.checkpoint import CheckpointHost
 from sidecar._src.host.limits import CheckpointSlots, Sessions, Slots
@@ -151,7 +151,7 @@ class CheckpointService:
 
   def _allocating(self, context: grpc.ServicerContext):
     """``sidecar.empty`` in the arena for this request (reads from storage, replica parts)."""
-    return outputs.allocating(self._arena_io.empty(context.is_active, context.time_remaining))
+    return self._arena_io.allocating(context.is_active, context.time_remaining)
 
   # ---- save --------------------------------------------------------------
 

@@ -26,8 +26,10 @@ from sidecar._src.host.workers import WorkerListener
 from sidecar._src.protocol import pb
 
 log = logging.getLogger(__name__)
-# How long the end of a Stream RPC waits for its credit reader to finish.
-CREDITS_JOIN_S = 1.0
+# How long the end of a Stream RPC waits for its credit reader to finish. The wait runs on
+# gRPC's one event thread, which every RPC of the server needs: short, as the reader has
+# been woken by then.
+CREDITS_JOIN_S = 0.1
 
 
 def parse(cls, raw: bytes):
@@ -153,7 +155,8 @@ class Service:
     # gRPC ends the requests only once the RPC is over, after this handler returned (a
     # consumer half-closes when it saw the end): the RPC's end joins the reader.
     if not context.add_callback(lambda: _join_credits(reader)):
-      _join_credits(reader)  # already over
+      _join_credits(reader)  # already over: nobody to run the stream for
+      return
     yield from self._stream_runner.run(first.start, credits, alive=context.is_active,
                                        time_left=context.time_remaining)
 

@@ -50,10 +50,7 @@ class StreamRunner:
       return
     with measured(self._runner, "feed" if feed else "stream",
                   registry_lib.PIPELINE if feed else registry_lib.FUNCTION, request.name):
-      try:
-        yield from items
-      finally:
-        items.close()
+      yield from items  # closes items when this generator is closed
 
   def feeds(self) -> list[pb.FeedStatus]:
     """A snapshot of every running feed on this sidecar."""
@@ -66,7 +63,7 @@ class StreamRunner:
   def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
               time_left: TimeLeft) -> Items:
     entry, args, kwargs = self._runner.prepare(request)
-    with self._runner.allocating(alive, time_left):
+    with self._io.allocating(alive, time_left):
       items = entry.fn(*args, **kwargs)
     try:
       iterator = iter(items)
@@ -78,7 +75,7 @@ class StreamRunner:
     try:
       while credits.take():
         try:
-          with self._runner.allocating(alive, time_left):
+          with self._io.allocating(alive, time_left):
             item = next(iterator)
         except StopIteration:
           return
