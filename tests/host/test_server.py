@@ -526,3 +526,49 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   (got,) = replicas[(item, 1)].shards.values()
   np.testing.assert_array_equal(got, data)
   raw.close()
+
+
+def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_path):
+  """Stream A breaks after stream B resent the replica: A's cleanup drops only its own."""
+  import queue
+
+  from sidecar._src.checkpoint_wire import shard_to_pb
+  from sidecar._src.protocol import ckpt_pb
+  from tests.host.test_security import Raw
+  server = make_server()
+  raw = Raw(server.port)
+  receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
+  item = str(tmp_path / "ck" / "3" / "state")
+  header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
+      directory=str(tmp_path / "ck"), step=3, item=item, source=1))
+  data = np.arange(16, dtype=np.uint8)
+
+  def part(offset):
+    return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
+        shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
+        data=data[offset:offset + 4].tobytes()))
+
+  def stream():
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    future = receive.future(iter(lambda: q.get().SerializeToString(), b"end"),
+                            metadata=raw.metadata, timeout=10)
+    return q, future
+
+  replicas = server.checkpoints._tier.replicas
+  qa, a = stream()
+  qa.put(header)
+  qa.put(part(0))
+  assert eventually(lambda: replicas.get((item, 1)) is not None and replicas[(item, 1)].partial)
+  first = replicas[(item, 1)]
+  qb, b = stream()  # the sender's retry, on a new link
+  qb.put(header)
+  qb.put(part(0))
+  assert eventually(lambda: (r := replicas.get((item, 1))) is not None and r is not first)
+  qa.put(header)  # A breaks (a second header) after B started
+  assert a.exception(10).code() == grpc.StatusCode.INVALID_ARGUMENT
+  for m in (part(4), part(8), part(12), ckpt_pb.ReceiveRequest(done=True)):
+    qb.put(m)
+  assert ckpt_pb.ReceiveResponse.FromString(b.result(10)).nbytes == 16
+  (got,) = replicas[(item, 1)].shards.values()
+  np.testing.assert_array_equal(got, data)
+  raw.close()

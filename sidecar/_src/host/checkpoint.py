@@ -205,18 +205,25 @@ class CheckpointHost:
     """
     return self._replicator.replicate(final_item, peers, timeout, bandwidth)
 
-  def receive(self, header: dict, shards: list[dict], done: bool = False,
+  def open_replica(self, header: dict) -> ram_tier.Replica:
+    """A replica record for one stream of a peer's shards, replacing one not whole.
+
+    See :meth:`checkpoint_replication.Replicator.open_replica`.
+    """
+    return self._replicator.open_replica(header)
+
+  def receive(self, replica: ram_tier.Replica, shards: list[dict], done: bool = False,
               payload: np.ndarray | None = None) -> int:
-    """Takes shards a peer sends into a replica record; returns the bytes held.
+    """Takes shards a peer sends into ``replica``; returns the bytes held.
 
     See :meth:`checkpoint_replication.Replicator.receive`.
     """
-    return self._replicator.receive(header, shards, done, payload)
+    return self._replicator.receive(replica, shards, done, payload)
 
-  def drop_partial_replica(self, item: str, source: int) -> None:
-    """Forgets a replica of ``item`` from ``source`` that is not whole: its stream broke,
-    or a new one starts it again (chunks are counted by bytes, so none may come twice)."""
-    self._replicator.drop_partial(item, source)
+  def drop_partial_replica(self, replica: ram_tier.Replica) -> None:
+    """Forgets ``replica`` if it is not whole (its stream broke), and only it: a newer
+    stream of the same replica keeps its own."""
+    self._replicator.drop_partial(replica)
 
   def held(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``, per committed item: this host's own

@@ -115,14 +115,11 @@ class Replicator:
       shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
       job.done.set()
 
-  def receive(self, header: dict, shards: list[dict], done: bool = False,
-              payload: np.ndarray | None = None) -> int:
-    """Takes shards a peer sends (``replicas.PeerLink``) into a replica record.
+  def open_replica(self, header: dict) -> ram_tier.Replica:
+    """A new replica record for one stream of a peer's shards (``header`` names them).
 
-    A shard comes whole as an arena block the sender filled (same machine), or inline
-    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
-    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
-    held.
+    It replaces one of the same step and source that is not whole (a resent replica
+    starts afresh: chunks are counted by bytes, so none may come twice).
     """
     try:
       directory, step = header["directory"], roots_lib.as_int(header["step"], "header.step")
@@ -133,12 +130,24 @@ class Replicator:
       ) from None
     self._path(directory, "header.directory")
     self._path(item, "header.item")
-    self._replica_fault(step)
+    replica = ram_tier.Replica(directory, step, item, source)
     with self._tier.lock:
-      replica = self._tier.replicas.get((item, source))
-      if replica is None:
-        replica = ram_tier.Replica(directory, step, item, source)
+      old = self._tier.replicas.get((item, source))
+      if old is None or not old.whole:
         self._tier.replicas[(item, source)] = replica
+    return replica
+
+  def receive(self, replica: ram_tier.Replica, shards: list[dict], done: bool = False,
+              payload: np.ndarray | None = None) -> int:
+    """Takes shards a peer sends (``replicas.PeerLink``) into ``replica`` (``open_replica``).
+
+    A shard comes whole as an arena block the sender filled (same machine), or inline
+    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
+    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
+    held.
+    """
+    directory, step, item, source = replica.directory, replica.step, replica.item, replica.source
+    self._replica_fault(step)
     for s in shards:
       key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
       if "offset" not in s:  # a whole block of our arena
@@ -184,11 +193,12 @@ class Replicator:
                len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
-  def drop_partial(self, item: str, source: int) -> None:
+  def drop_partial(self, replica: ram_tier.Replica) -> None:
+    """Forgets ``replica`` if it is not whole, and only it: not a newer stream's."""
+    key = (replica.item, replica.source)
     with self._tier.lock:
-      replica = self._tier.replicas.get((item, source))
-      if replica is not None and not replica.whole:
-        del self._tier.replicas[(item, source)]  # its blocks go back to the arena
+      if self._tier.replicas.get(key) is replica and not replica.whole:
+        del self._tier.replicas[key]  # its blocks go back to the arena
 
   def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray) -> None:
     with self._tier.lock:

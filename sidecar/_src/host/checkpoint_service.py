@@ -238,14 +238,14 @@ class CheckpointService:
               "source": h.source}
     session = first.worker_session
     view = lambda ref: self._arena_io.view(ref, session)
-    self._host.drop_partial_replica(h.item, h.source)  # a resent replica starts afresh
+    replica = self._host.open_replica(header)  # a resent replica starts afresh
     try:
-      return self._receive_all(header, first, data, requests, view, context)
+      return self._receive_all(replica, first, data, requests, view, context)
     except BaseException:
-      self._host.drop_partial_replica(h.item, h.source)  # a stream cut short leaves none
+      self._host.drop_partial_replica(replica)  # a stream cut short leaves none
       raise
 
-  def _receive_all(self, header: dict, message: ckpt_pb.ReceiveRequest,
+  def _receive_all(self, replica: Any, message: ckpt_pb.ReceiveRequest,
                    data: memoryview | None, requests: Iterator[bytes], view,
                    context: grpc.ServicerContext) -> ckpt_pb.ReceiveResponse:
     held, n = 0, 0
@@ -253,17 +253,17 @@ class CheckpointService:
       while True:
         if message.HasField("header") and n:
           raise errors.InvalidArgumentError(f"ReceiveRequest {n}: only the first has a header")
-        held = self._receive_one(header, message, view, n, data)
+        held = self._receive_one(replica, message, view, n, data)
         if message.done:
           return ckpt_pb.ReceiveResponse(nbytes=held)
         raw = next(requests, None)
         if raw is None:
           raise errors.InvalidArgumentError(
-              f"the replica of step {header['step']} from host {header['source']} ended "
+              f"the replica of step {replica.step} from host {replica.source} ended "
               "without `done`: it is not whole")
         (message, data), n = parse_receive(raw), n + 1
 
-  def _receive_one(self, header: dict, m: ckpt_pb.ReceiveRequest, view, n: int,
+  def _receive_one(self, replica: Any, m: ckpt_pb.ReceiveRequest, view, n: int,
                    data: memoryview | None) -> int:
     where = f"ReceiveRequest {n}"
     shards: list[dict[str, Any]] = []
@@ -284,7 +284,7 @@ class CheckpointService:
                      "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset})
       payload = np.frombuffer(p.data if data is None else data, np.uint8)
     try:
-      return self._host.receive(header, shards, m.done, payload)
+      return self._host.receive(replica, shards, m.done, payload)
     finally:
       shards.clear()
 
