@@ -170,3 +170,20 @@ def test_a_big_message_of_too_many_values_is_counted_on_the_wire_before_it_is_pa
     codec.check_message_count(unknown, pb.CallRequest.DESCRIPTOR)
   ints = pb.CallRequest(name="echo", args=codec.encode(list(range(codec.MAX_ELEMENTS - 2))))
   codec.check_message_count(ints.SerializeToString(), pb.CallRequest.DESCRIPTOR)  # a scalar each
+
+
+def test_the_scan_budget_for_fields_that_are_no_value_is_one_for_the_whole_message():
+  # 10 values, each holding 50 unknown fields: 500 such fields for a limit of 100 values
+  # (200 of them) though no one level holds more than 50.
+  stuffed = pb.Value.FromString(b"\x78\x01" * 50)
+  big = pb.Value(bytes_value=b"x" * codec.SCAN_FROM)
+  nested = pb.CallRequest(name="echo", args=pb.Value(list=pb.ListValue(
+      items=[stuffed] * 10 + [big]))).SerializeToString()
+  with pytest.raises(errors.ResourceExhaustedError, match="holds more than 100 values"):
+    codec.check_message_count(nested, pb.CallRequest.DESCRIPTOR, limit=100)
+  empty = b"\x7a\x00" * (codec.SCAN_FROM // 2)  # empty length-delimited unknown fields
+  with pytest.raises(errors.ResourceExhaustedError, match="holds more than 100 values"):
+    codec.check_message_count(empty, pb.CallRequest.DESCRIPTOR, limit=100)
+  few = pb.CallRequest(name="echo", args=pb.Value(list=pb.ListValue(
+      items=[stuffed] + [big]))).SerializeToString()
+  codec.check_message_count(few, pb.CallRequest.DESCRIPTOR, limit=100)  # 50 + 3 fields

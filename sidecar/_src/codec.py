@@ -339,7 +339,11 @@ def length_delimited(buf: bytes, start: int, end: int, field: int
 
 
 _FIELDS: dict[str, dict[int, tuple[Any, int]]] = {}
-_SCALARS_PER_VALUE = 2
+# The scan's own cost: a field that is no value (a scalar, a string, a DictEntry, an
+# unknown field, empty or not) takes it as long as a value does. A value comes with at
+# most two (its scalar; a dict entry and its key for two values); millions more than
+# the values are no request of ours (2-byte fields: 70 s for 256 MiB).
+_OTHER_FIELDS_PER_VALUE = 2
 # Parts of a Value that the decoder does not count apart from it (the items and entries
 # of lists and dicts it does).
 _UNCOUNTED = frozenset(m.DESCRIPTOR.full_name for m in (
@@ -357,12 +361,14 @@ def _message_fields(descriptor: Any) -> dict[int, tuple[Any, int]]:
 
 
 def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
-           end: int | None = None) -> int:
+           end: int | None = None, others: list[int] | None = None) -> int:
   """Sub-messages in ``buf[pos:end]``, stopping once past ``limit``; what it cannot read
-  it leaves to the parse."""
+  it leaves to the parse. ``others``: how many more fields that are no value the whole
+  scan may visit (shared by every level)."""
   fields = _message_fields(descriptor)
   end = len(buf) if end is None else end
-  count = scalars = 0
+  others = [_OTHER_FIELDS_PER_VALUE * limit] if others is None else others
+  count = 0
   try:
     while pos < end:
       key = buf[pos]
@@ -370,12 +376,10 @@ def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
       if key >= 0x80:
         key, pos = _varint(buf, pos - 1)
       wire = key & 7
-      if wire != 2:
-        # The scan's own cost: a field that is no value (a scalar, an unknown field)
-        # takes it as long as a value does. A Value holds one or two; millions more
-        # than the values are no request of ours (2-byte fields: 70 s for 256 MiB).
-        scalars += 1
-        if scalars > _SCALARS_PER_VALUE * limit:
+      child, weight = fields.get(key >> 3, (None, 0)) if wire == 2 else (None, 0)
+      if not weight:
+        others[0] -= 1
+        if others[0] < 0:
           return limit + 1
       if wire == 0:
         while buf[pos] >= 0x80:
@@ -386,11 +390,10 @@ def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
         pos += 1
         if n >= 0x80:
           n, pos = _varint(buf, pos - 1)
-        child, weight = fields.get(key >> 3, (None, 0))
         if child is not None:
           count += weight
           if n and depth < _MAX_SCAN_DEPTH:
-            count += _count(buf, child, limit - count, depth + 1, pos, pos + n)
+            count += _count(buf, child, limit - count, depth + 1, pos, pos + n, others)
           if count > limit:
             return count
         pos += n
