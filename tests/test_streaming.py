@@ -144,6 +144,8 @@ def test_a_bad_prefetch_is_refused_naming_it():
   assert streaming.check_prefetch(3) == 3
   with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be a positive int, got 0"):
     streaming.check_prefetch(0)
+  with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be at most 1024, got 1025"):
+    streaming.check_prefetch(1025)  # what a sidecar would refuse, refused before it is asked
 
 
 def test_the_finalizer_needs_no_module_globals(monkeypatch):

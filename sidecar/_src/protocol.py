@@ -37,6 +37,7 @@ PROTOCOL_VERSION = 3  # 2: the Checkpoint service; 3: an error is one pb.Error t
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
+MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
 AUTH_KEY = "authorization"
 _ERROR_KEY = "sidecar-error-bin"  # a failed RPC's trailer: its pb.Error, serialized
 # An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.

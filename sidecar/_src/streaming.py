@@ -21,9 +21,13 @@ _CLOSED_ITEM = pb.StreamItem(end=True)
 
 
 def check_prefetch(prefetch: Any) -> int:
-  """``prefetch`` if it is a positive int, else InvalidArgumentError."""
+  """``prefetch`` if it is an int from 1 to MAX_PREFETCH (what a sidecar allows), else
+  InvalidArgumentError."""
   if not isinstance(prefetch, int) or prefetch < 1:
     raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
+  if prefetch > protocol.MAX_PREFETCH:
+    raise errors.InvalidArgumentError(
+        f"prefetch must be at most {protocol.MAX_PREFETCH}, got {prefetch}; lower prefetch=")
   return prefetch
 
 

@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from sidecar._src import errors
-
-MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
+from sidecar._src.protocol import MAX_PREFETCH
 
 
 def check_prefetch(prefetch: int) -> int:
