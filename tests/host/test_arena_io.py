@@ -43,7 +43,7 @@ def test_a_feed_without_a_worker_pins_its_batches_until_they_are_sent_inline(io)
   unsent = blocks.alloc((16,), np.dtype(np.uint8))
   assert blocks.to_arena(sent["x"]) is None  # inline
   assert io.leases.held_bytes() == ({}, 2 * shm.ALIGN)
-  blocks.sent_inline(sent)
+  blocks.sent(sent)
   assert io.leases.held_bytes() == ({}, shm.ALIGN)
   blocks.close()
   blocks.close()  # idempotent
@@ -57,10 +57,20 @@ def test_a_feed_for_a_worker_leases_it_what_was_sent_and_takes_back_the_rest(io)
   blocks.alloc((3,), np.dtype(np.int64))  # made, never sent
   ref = blocks.to_arena(sent)
   assert isinstance(ref, codec.ArenaRef) and ref.shape == (3,) and ref.nbytes == 24
-  blocks.sent_inline({"x": sent})  # a no-op with a worker: the worker frees what it got
+  blocks.sent({"x": sent})  # the worker frees what it got
   blocks.close()
   assert io.leases.held_bytes() == ({SESSION: shm.ALIGN}, 0)
   io.leases.release(ref.offset, ref.generation, SESSION)
+  assert io.leases.allocator.used_bytes == 0
+
+
+def test_a_batch_whose_encoding_failed_gives_back_every_block(io):
+  blocks = BatchBlocks(io, SESSION, _forever, _no_deadline)
+  first = blocks.alloc((3,), np.dtype(np.int64))
+  blocks.alloc((3,), np.dtype(np.int64))
+  assert isinstance(blocks.to_arena(first), codec.ArenaRef)  # then the encode raised
+  blocks.close()  # no sent(): nothing of the batch reached the worker
+  assert io.leases.held_bytes() == ({}, 0)
   assert io.leases.allocator.used_bytes == 0
 
 

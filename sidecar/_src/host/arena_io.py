@@ -192,20 +192,21 @@ class BatchBlocks:
     return out
 
   def to_arena(self, a: np.ndarray) -> codec.ArenaRef | None:
-    """The descriptor a batch array is sent as (``codec.encode``'s ``to_arena``): its
-    block, now the session's to free; None (inline) without a session."""
+    """The descriptor a batch array is sent as (``codec.encode``'s ``to_arena``); None
+    (inline) without a session."""
     if not self._session:
       return None  # inline: the bytes are copied into the message
-    found = self._placed.pop(a.ctypes.data, None)
+    found = self._placed.get(a.ctypes.data)
     return None if found is None else found[1]
 
-  def sent_inline(self, tree: Any) -> None:
-    """Unpins the blocks of a batch that was encoded inline (copied into the message)."""
-    if self._session:
-      return
+  def sent(self, tree: Any) -> None:
+    """The blocks of a batch that was encoded: the session's to free now, or, copied
+    into the message (no session), unpinned."""
     for leaf in jax.tree_util.tree_leaves(tree):
-      block, _, holder = self._placed.pop(leaf.ctypes.data)
-      self._io.leases.release(block.offset, block.generation, holder)
+      found = self._placed.pop(leaf.ctypes.data, None)
+      if found is not None and not self._session:
+        block, _, holder = found
+        self._io.leases.release(block.offset, block.generation, holder)
 
   def close(self) -> None:
     """Gives back the blocks made but never sent; idempotent."""

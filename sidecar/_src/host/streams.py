@@ -124,7 +124,7 @@ class StreamRunner:
           value = codec.encode({"batch": tree, "state": state, "produce_s": seconds},
                                to_arena=blocks.to_arena, inline_limit=0,
                                where=f"batch {index} of pipeline {request.name!r}")
-          blocks.sent_inline(tree)
+          blocks.sent(tree)
           yield pb.StreamItem(index=index, value=value)
           index += 1
     finally:
