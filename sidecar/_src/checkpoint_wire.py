@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 
 from sidecar._src import codec, errors, layout_spec as layout
+from sidecar._src.layout_spec import Index, KeyPath
 from sidecar._src.protocol import ckpt_pb, pb
 
-KeyPath = tuple[str | int, ...]
-Index = tuple[tuple[int, int], ...]
 # Read tiers by name, as the Checkpointer and the sidecar's RAM tier say them.
 TIERS = {"any": ckpt_pb.TIER_ANY, "ram": ckpt_pb.TIER_RAM, "replica": ckpt_pb.TIER_REPLICA,
          "disk": ckpt_pb.TIER_DISK}

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,26 @@ SHARDING_FILE = "_sharding"
 
 KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
+
+
+def key_path(path: Sequence[Any]) -> KeyPath:
+  """A jax tree path as Orbax names it: dict keys and attributes as str, indices as int."""
+  out = []
+  for k in path:
+    if isinstance(k, jax.tree_util.SequenceKey):
+      out.append(k.idx)
+    elif isinstance(k, jax.tree_util.DictKey):
+      out.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      out.append(k.name)
+    else:
+      out.append(str(getattr(k, "key", k)))
+  return tuple(out)
+
+
+def shard_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+  """A shard's index as ``((start, stop), ...)`` per dimension."""
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,14 +29,13 @@ from sidecar._src.controller.checkpoint_client import CheckpointTransport
 from sidecar._src.controller.checkpoint_gc import Retention
 from sidecar._src.controller.checkpoint_restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint_save import (
-  KeyPath,
   SaveHandle,
   Saver,
   Target,
   done_handle,
-  key_path,
   replica_peers,
 )
+from sidecar._src.layout_spec import KeyPath, key_path
 
 __all__ = ["Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "key_path",
            "replica_peers"]

@@ -29,10 +29,9 @@ import grpc
 import numpy as np
 
 from sidecar._src import checkpoint_wire as wire, codec, errors, protocol
+from sidecar._src.layout_spec import Index, KeyPath
 from sidecar._src.protocol import ckpt_pb, pb
 
-KeyPath = tuple[str | int, ...]
-Index = tuple[tuple[int, int], ...]
 Shard = tuple[KeyPath, Index]
 
 

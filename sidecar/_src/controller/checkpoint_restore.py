@@ -22,7 +22,7 @@ import numpy as np
 
 from sidecar._src import errors, interrupts, shm, transfer
 from sidecar._src.controller.checkpoint_client import CheckpointTransport
-from sidecar._src.controller.checkpoint_save import KeyPath, key_path, shard_index
+from sidecar._src.layout_spec import KeyPath, key_path, shard_index
 
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
 # at most this many bytes: well under the channel's 256 MiB message limit.

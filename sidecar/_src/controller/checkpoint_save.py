@@ -25,10 +25,10 @@ import numpy as np
 
 from sidecar._src import distributed, errors, interrupts, layout_spec as layout, shm
 from sidecar._src.controller.checkpoint_client import CheckpointTransport, StagedShard
+from sidecar._src.layout_spec import key_path, shard_index
 
 # The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger("sidecar._src.controller.checkpoint")
-KeyPath = tuple[str | int, ...]
 # A save is staged in parts of about this many bytes per host, as the copy goes: a
 # sidecar starts writing and checksumming one part while the trainer copies the next.
 # Smaller parts start the disk sooner but slow the copy more: its DMA and the
@@ -40,21 +40,6 @@ STAGE_PART_BYTES = 512 << 20
 _LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
 _ABORT_S = 90.0
-
-
-def key_path(path: Sequence[Any]) -> KeyPath:
-  """A jax tree path as Orbax names it: dict keys and attributes as str, indices as int."""
-  out = []
-  for k in path:
-    if isinstance(k, jax.tree_util.SequenceKey):
-      out.append(k.idx)
-    elif isinstance(k, jax.tree_util.DictKey):
-      out.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      out.append(k.name)
-    else:
-      out.append(str(getattr(k, "key", k)))
-  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,11 +85,6 @@ def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]
   ring = order[i + 1:] + order[:i]
   return ([h for h in ring if slices[h] != slices[host]]
           + [h for h in ring if slices[h] == slices[host]])[:replicas]
-
-
-def shard_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-  """A shard's index as ``((start, stop), ...)`` per dimension."""
-  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 class Saver:

@@ -21,10 +21,10 @@ import numpy as np
 
 from sidecar._src import errors, layout_spec as layout, shm
 from sidecar._src.host import replicas as replicas_lib
+from sidecar._src.layout_spec import Index
 from sidecar._src.protocol import pb
 
 log = logging.getLogger("sidecar._src.host.checkpoint")  # where these lines always went
-Index = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass

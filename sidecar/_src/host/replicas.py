@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 
 from sidecar._src import checkpoint_wire as wire, env, errors, protocol, shm, worker as worker_lib
+from sidecar._src.layout_spec import Index, KeyPath
 from sidecar._src.protocol import ckpt_pb, pb
 
 # One part of a shard sent inline. Small enough that the peer's copy of one part
@@ -62,9 +63,6 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.enable_http_proxy", 0),
 )
-
-KeyPath = tuple[str | int, ...]
-Index = tuple[tuple[int, int], ...]
 
 log = logging.getLogger(__name__)
 
