@@ -68,7 +68,7 @@ class Runner:
     """Runs a unary call; its result, encoded (large arrays leased to its worker)."""
     if not self.metrics.enabled:
       return self._call(request, alive=alive, time_left=time_left)
-    with measured(self, "call", registry_lib.FUNCTION, request.name):
+    with measured(self.metrics, "call", self.label(registry_lib.FUNCTION, request.name)):
       return self._call(request, alive=alive, time_left=time_left)
 
   def _call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
@@ -80,13 +80,13 @@ class Runner:
 
 
 @contextlib.contextmanager
-def measured(runner: Runner, kind: str, registry_kind: str, name: str) -> Iterator[None]:
-  """Reports a call, stream or feed to ``runner.metrics``: in flight, then its code and time.
+def measured(metrics: metrics_lib.Recorder, kind: str, label: str) -> Iterator[None]:
+  """Reports a call, stream or feed (``label``: its name, see ``Runner.label``) to
+  ``metrics``: in flight, then its code and time.
 
   A stream whose consumer went away mid-stream (its generator closed) counts as
   CANCELLED.
   """
-  metrics = runner.metrics
   metrics.call_started(kind)
   t0, code = time.perf_counter(), "OK"
   try:
@@ -98,4 +98,4 @@ def measured(runner: Runner, kind: str, registry_kind: str, name: str) -> Iterat
     code = protocol.status_code(e).name
     raise
   finally:
-    metrics.call_done(kind, runner.label(registry_kind, name), code, time.perf_counter() - t0)
+    metrics.call_done(kind, label, code, time.perf_counter() - t0)

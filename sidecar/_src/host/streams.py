@@ -48,8 +48,9 @@ class StreamRunner:
     if not self._runner.metrics.enabled:
       yield from items
       return
-    with measured(self._runner, "feed" if feed else "stream",
-                  registry_lib.PIPELINE if feed else registry_lib.FUNCTION, request.name):
+    label = self._runner.label(registry_lib.PIPELINE if feed else registry_lib.FUNCTION,
+                               request.name)
+    with measured(self._runner.metrics, "feed" if feed else "stream", label):
       yield from items  # closes items when this generator is closed
 
   def feeds(self) -> list[pb.FeedStatus]:
