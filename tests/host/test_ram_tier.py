@@ -173,7 +173,7 @@ def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, capl
   add_step(tier, arena, 3, committed=True)
   stale = tier.steps[item(1)]
   job = stale.replication = ram_tier.Replication([])
-  with caplog.at_level(logging.WARNING, logger="sidecar._src.host.checkpoint"):
+  with caplog.at_level(logging.WARNING, logger="sidecar._src.host.ram_tier"):
     assert tier.expire_uncommitted() == [1]
   assert "step 1 of /ck/run was staged and written" in caplog.text
   assert ("never committed (the controller that staged it is gone?): its "

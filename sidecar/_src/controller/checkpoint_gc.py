@@ -11,7 +11,7 @@ from sidecar._src import errors
 from sidecar._src.controller.checkpoint_client import CheckpointTransport
 
 # The checkpointer's one logger, whichever of its modules logs.
-log = logging.getLogger("sidecar._src.controller.checkpoint")
+log = logging.getLogger(__name__)
 
 
 class Retention:

@@ -28,7 +28,7 @@ from sidecar._src.controller.checkpoint_client import CheckpointTransport, Stage
 from sidecar._src.layout_spec import key_path, shard_index
 
 # The checkpointer's one logger, whichever of its modules logs.
-log = logging.getLogger("sidecar._src.controller.checkpoint")
+log = logging.getLogger(__name__)
 # A save is staged in parts of about this many bytes per host, as the copy goes: a
 # sidecar starts writing and checksumming one part while the trainer copies the next.
 # Smaller parts start the disk sooner but slow the copy more: its DMA and the

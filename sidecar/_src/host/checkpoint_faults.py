@@ -18,7 +18,7 @@ import time
 
 from sidecar._src import env
 
-log = logging.getLogger("sidecar._src.host.checkpoint")  # where these lines always went
+log = logging.getLogger(__name__)
 FAULT_ENV = env.CKPT_FAULT
 
 

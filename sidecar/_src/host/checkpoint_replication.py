@@ -27,7 +27,7 @@ from sidecar._src.host import (
   replicas as replicas_lib,
 )
 
-log = logging.getLogger("sidecar._src.host.checkpoint")  # where these lines always went
+log = logging.getLogger(__name__)
 
 
 class Replicator:

@@ -29,7 +29,7 @@ from sidecar._src.host import (
 )
 from sidecar._src.host.checkpoint_roots import MANIFEST
 
-log = logging.getLogger("sidecar._src.host.checkpoint")  # where these lines always went
+log = logging.getLogger(__name__)
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).

@@ -24,7 +24,7 @@ from sidecar._src.host import replicas as replicas_lib
 from sidecar._src.layout_spec import Index
 from sidecar._src.protocol import pb
 
-log = logging.getLogger("sidecar._src.host.checkpoint")  # where these lines always went
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
