@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from benchmarks.common import table
-from sidecar._src import codec, ipc, protocol
-from sidecar._src.protocol import pb
+from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire.protocol import pb
 
 FNS = ["benchmarks.soak_fns", "benchmarks.attacks_fns"]
 

@@ -66,7 +66,8 @@ import orbax.checkpoint as ocp
 
 import sidecar
 from benchmarks.common import rate, table
-from sidecar._src import direct_io, shm
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import direct_io
 
 LEAVES, LEAF_SHAPE = 8, (8192, 4096)  # 8 x 128 MiB float32 = 1 GiB
 FNS = ["benchmarks.checkpoint_fns"]

@@ -4,7 +4,7 @@ import pathlib
 import time
 
 import sidecar
-from sidecar._src import layout_spec as layout, orbax_layout as ol
+from sidecar._src.ckptfmt import read as ol_read, shards as ol_shards, spec as layout
 
 
 @sidecar.function
@@ -21,9 +21,9 @@ def read_phases(directory: str, step: int, names: list[str], shape: list[int]
   index = tuple((0, n) for n in shape)
   for name in names:
     t0 = time.perf_counter()
-    data = ol.read_item_shard(item, (name,), index, allocate=sidecar.empty)
+    data = ol_read.read_item_shard(item, (name,), index, allocate=sidecar.empty)
     t1 = time.perf_counter()
-    ol.shard_crc32c(data)
+    ol_shards.shard_crc32c(data)
     out["read"] += t1 - t0
     out["crc32c"] += time.perf_counter() - t1
   return out

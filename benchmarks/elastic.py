@@ -56,7 +56,7 @@ def run(directory: str, *, ram_steps: int, replicas: int, kill_at: int | None, s
   """One training run; returns the phases of its recovery and its final state."""
   marks: dict[str, float] = {}
   with sidecar.testing.LocalCluster(HOSTS, DEVICES, shm_size="1536MiB",
-                                    imports=["tests.feed_fns"]) as cluster:
+                                    imports=["tests.support.feed_fns"]) as cluster:
     with cluster.controller() as ctl:
 
       @elastic.retry(ctl, min_hosts=2)

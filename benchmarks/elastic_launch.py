@@ -1,7 +1,7 @@
 """Recovery from a lost host in multi-controller JAX: ``sidecar launch --elastic``.
 
 Run from the repository root: ``python -m benchmarks.elastic_launch [--runs 3]``. Not run
-by CI. Each run launches tests/multiprocess/train_elastic.py as 3 processes x 1 CPU device
+by CI. Each run launches tests/support/train_elastic.py as 3 processes x 1 CPU device
 beside 3 sidecars; before batch 5 process 1 SIGKILLs its own sidecar, and the launcher
 restarts hosts 0 and 2 as a job of 2, which restores step 3 and trains on. With
 ``--in-place`` the launcher instead starts host 1's sidecar again (empty) and restarts all 3
@@ -43,8 +43,8 @@ PHASES = ("detect", "stop", "sidecar", "spawn", "imports", "jax init", "controll
 def one_run(directory: str, *, in_place: bool) -> tuple[dict[str, float], list[str]]:
   command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "3", "--elastic",
              *(["--in-place"] if in_place else []),
-             "--import", "tests.feed_fns", "--shm-size", "32MiB", "--", sys.executable, "-m",
-             "tests.multiprocess.train_elastic", directory, "5"]
+             "--import", "tests.support.feed_fns", "--shm-size", "32MiB", "--", sys.executable, "-m",
+             "tests.support.train_elastic", directory, "5"]
   p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, env={**os.environ, "SIDECAR_TEST_REPLICAS": "1"})
   err_lines: list[tuple[float, str]] = []

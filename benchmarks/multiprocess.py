@@ -67,7 +67,7 @@ from benchmarks.checkpoint import (
   timed_save,
 )
 from benchmarks.common import table
-from sidecar._src import shm
+from sidecar._src.arena import shm
 
 HOSTS = 2
 IMPORTS = ["benchmarks.feed_fns"]

@@ -5,49 +5,49 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:
   from sidecar import distributed, elastic, testing
+  from sidecar._src.arena.worker import Worker
   from sidecar._src.controller.connection import HostInfo
   from sidecar._src.controller.controller import Controller
-  from sidecar._src.errors import (
-      AlreadyRegisteredError,
-      ArenaCapacityError,
-      AuthenticationError,
-      ClosedError,
-      CorruptCheckpointError,
-      DeadlineExceededError,
-      DiscoveryError,
-      HostLostError,
-      InvalidArgumentError,
-      NotRegisteredError,
-      RemoteError,
-      ResourceExhaustedError,
-      SidecarError,
-      StaleDescriptorError,
-      VersionMismatchError,
+  from sidecar._src.core.errors import (
+    AlreadyRegisteredError,
+    ArenaCapacityError,
+    AuthenticationError,
+    ClosedError,
+    CorruptCheckpointError,
+    DeadlineExceededError,
+    DiscoveryError,
+    HostLostError,
+    InvalidArgumentError,
+    NotRegisteredError,
+    RemoteError,
+    ResourceExhaustedError,
+    SidecarError,
+    StaleDescriptorError,
+    VersionMismatchError,
   )
-  from sidecar._src.host.outputs import empty
-  from sidecar._src.options import FeedOptions
-  from sidecar._src.pipeline_context import PipelineContext
-  from sidecar._src.registry import (
-      Registry,
-      default_registry,
-      function,
-      pipeline,
-      set_default_registry,
+  from sidecar._src.core.options import FeedOptions
+  from sidecar._src.user.outputs import empty
+  from sidecar._src.user.pipeline_context import PipelineContext
+  from sidecar._src.user.registry import (
+    Registry,
+    default_registry,
+    function,
+    pipeline,
+    set_default_registry,
   )
-  from sidecar._src.worker import Worker
 
 # Where each public name lives. Importing ``sidecar`` loads none of them (JAX, gRPC and
 # Grain take seconds), so ``sidecar serve``, ``sidecar status`` and ``sidecar launch``
 # start without them; the first use of a name imports its module (PEP 562).
-_ERRORS = "sidecar._src.errors"
-_REGISTRY = "sidecar._src.registry"
+_ERRORS = "sidecar._src.core.errors"
+_REGISTRY = "sidecar._src.user.registry"
 _HOME = {
     "Controller": "sidecar._src.controller.controller",
     "HostInfo": "sidecar._src.controller.connection",
-    "PipelineContext": "sidecar._src.pipeline_context",
-    "Worker": "sidecar._src.worker",
-    "FeedOptions": "sidecar._src.options",
-    "empty": "sidecar._src.host.outputs",
+    "PipelineContext": "sidecar._src.user.pipeline_context",
+    "Worker": "sidecar._src.arena.worker",
+    "FeedOptions": "sidecar._src.core.options",
+    "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (
         "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
         "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError", "HostLostError",

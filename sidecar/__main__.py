@@ -1,5 +1,5 @@
 import sys
 
-from sidecar._src.cli import main
+from sidecar._src.tools.cli import main
 
 sys.exit(main())

@@ -7,6 +7,6 @@ Example::
   ctl = sidecar.Controller.from_env()      # every sidecar; this process drives its own host
 """
 
-from sidecar._src.distributed import JaxPeers, LocalPeers, Peers, initialize, is_initialized
+from sidecar._src.jax.distributed import JaxPeers, LocalPeers, Peers, initialize, is_initialized
 
 __all__ = ["JaxPeers", "LocalPeers", "Peers", "initialize", "is_initialized"]

@@ -9,12 +9,8 @@ Example::
       state=sidecar.orbax.SidecarSave(state), data=sidecar.orbax.FeedStateSave(feed.state())))
 """
 
-from sidecar._src.controller.orbax_handler import (
-    SidecarCheckpointHandler,
-    SidecarRestore,
-    SidecarSave,
-)
-from sidecar._src.feed_checkpoint import FeedStateHandler, FeedStateRestore, FeedStateSave
+from sidecar._src.ckptfmt.feed_state import FeedStateHandler, FeedStateRestore, FeedStateSave
+from sidecar._src.jax.orbax_handler import SidecarCheckpointHandler, SidecarRestore, SidecarSave
 
 __all__ = [
     "FeedStateHandler",

@@ -1,5 +1,5 @@
 """Testing helpers: a whole multi-host deployment on one machine."""
 
-from sidecar._src.local import LocalCluster
+from sidecar._src.tools.local import LocalCluster
 
 __all__ = ["LocalCluster"]

@@ -123,9 +123,10 @@ def make_server(tmp_path):
   import tempfile
 
   import sidecar
-  from sidecar._src import options, registry as registry_lib
+  from sidecar._src.core import options
   from sidecar._src.host.server import Server
-  from tests import sidecar_fns  # noqa: F401  (registers into the default registry)
+  from sidecar._src.user import registry as registry_lib
+  from tests.support import sidecar_fns  # noqa: F401  (registers into the default registry)
 
   servers = []
 
@@ -134,7 +135,7 @@ def make_server(tmp_path):
     if reg is None:
       reg = registry_lib.Registry()
       for entry in sidecar.default_registry():
-        if entry.fn.__module__ == "tests.sidecar_fns":
+        if entry.fn.__module__ == "tests.support.sidecar_fns":
           reg.add(entry.kind, entry.name, entry.fn)
     kw.setdefault("shm_size", 8 << 20)
     kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar._src import errors
+from sidecar._src.core import errors
 
 # warnings.warn's stacklevel from split_legacy to the user's line: split_legacy, the
 # Controller method, interrupts.deferring's wrapper.

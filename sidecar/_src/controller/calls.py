@@ -14,9 +14,12 @@ from typing import Any
 
 import grpc
 
-from sidecar._src import codec, errors, interrupts, protocol, worker as worker_lib
+from sidecar._src.arena import worker as worker_lib
+from sidecar._src.controller import interrupts
 from sidecar._src.controller.connection import Connection
-from sidecar._src.protocol import pb
+from sidecar._src.core import errors
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
 
 
 class Calls:

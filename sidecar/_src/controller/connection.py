@@ -13,8 +13,10 @@ from collections.abc import Callable
 
 import grpc
 
-from sidecar._src import env, errors, interrupts, protocol
-from sidecar._src.protocol import pb
+from sidecar._src.controller import interrupts
+from sidecar._src.core import env, errors
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 << 20),

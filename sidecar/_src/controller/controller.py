@@ -14,25 +14,26 @@ from typing import Any
 import grpc
 import jax
 
-from sidecar._src import (
-    codec,
-    distributed,
-    env,
-    errors,
-    interrupts,
-    options as options_lib,
-    protocol,
-    worker as worker_lib,
+from sidecar._src.arena import worker as worker_lib
+from sidecar._src.controller import (
+  arguments,
+  discovery,
+  display,
+  feed as feed_lib,
+  health,
+  interrupts,
 )
-from sidecar._src.controller import arguments, discovery, display, feed as feed_lib, health
 from sidecar._src.controller.calls import Calls
-from sidecar._src.controller.checkpoint import Checkpointer
-from sidecar._src.controller.checkpoint_client import CheckpointClient
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.hosts import Hosts
-from sidecar._src.controller.stream import Stream, open_stream as open_grpc_stream
-from sidecar._src.protocol import pb
+from sidecar._src.core import env, errors, options as options_lib
+from sidecar._src.jax import distributed
+from sidecar._src.streams.grpc_transport import Stream, open_stream as open_grpc_stream
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
 
 
 class State(enum.Enum):

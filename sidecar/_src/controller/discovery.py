@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src import env as env_lib, errors, options
+from sidecar._src.core import env as env_lib, errors, options
 
 DEFAULT_PORT = options.DEFAULT_PORT
 DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT

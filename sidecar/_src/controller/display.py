@@ -11,8 +11,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from sidecar._src import shm
-from sidecar._src.protocol import pb
+from sidecar._src.arena import shm
+from sidecar._src.wire.protocol import pb
 
 STATUS_TIMEOUT_S = 1.0
 

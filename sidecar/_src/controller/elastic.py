@@ -42,7 +42,7 @@ from typing import Any
 
 import jax
 
-from sidecar._src import errors
+from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
 _current: contextvars.ContextVar[Retry | None] = contextvars.ContextVar(

@@ -20,16 +20,11 @@ from typing import Any
 
 import jax
 
-from sidecar._src import (
-    distributed,
-    errors,
-    options as options_lib,
-    progress as progress_lib,
-    transfer,
-)
-from sidecar._src.controller import display
+from sidecar._src.controller import display, progress as progress_lib
 from sidecar._src.controller.connection import HostInfo
-from sidecar._src.protocol import pb
+from sidecar._src.core import errors, options as options_lib
+from sidecar._src.jax import distributed, transfer
+from sidecar._src.wire.protocol import pb
 
 STATE_VERSION = 1
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from sidecar._src.protocol import pb
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 DEFAULT_INTERVAL_S = 0.2

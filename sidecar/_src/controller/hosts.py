@@ -14,9 +14,12 @@ from typing import Any
 import grpc
 import jax
 
-from sidecar._src import distributed, env, errors, interrupts, shm, worker as worker_lib
+from sidecar._src.arena import shm, worker as worker_lib
+from sidecar._src.controller import interrupts
 from sidecar._src.controller.connection import Connection, HostInfo
-from sidecar._src.protocol import pb
+from sidecar._src.core import env, errors
+from sidecar._src.jax import distributed
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline

@@ -15,9 +15,10 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf import message as pb_message
 
-from sidecar._src import protocol, shm
+from sidecar._src.arena import shm
 from sidecar._src.controller.connection import CHANNEL_OPTIONS
-from sidecar._src.protocol import pb
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
 
 
 def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.StatusResponse:

@@ -26,10 +26,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from sidecar._src import codec, errors, shm
-from sidecar._src.host import outputs
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
 from sidecar._src.host.leases import Leases
-from sidecar._src.protocol import pb
+from sidecar._src.user import outputs
+from sidecar._src.wire import codec
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,12 @@ import threading
 import time
 from collections.abc import Iterator
 
-from sidecar._src import codec, errors, protocol, registry as registry_lib
+from sidecar._src.core import errors
 from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.arena_io import Alive, ArenaIO, TimeLeft
-from sidecar._src.protocol import pb
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
 
 
 class Runner:

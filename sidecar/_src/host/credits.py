@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from sidecar._src import ipc
-from sidecar._src.protocol import pb
+from sidecar._src.wire import ipc
+from sidecar._src.wire.protocol import pb
 
 
 class CreditSource(Protocol):

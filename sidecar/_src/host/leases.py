@@ -12,7 +12,8 @@ import itertools
 import threading
 from collections.abc import Hashable
 
-from sidecar._src import errors, shm
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
 
 
 class Leases:

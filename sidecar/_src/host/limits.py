@@ -19,8 +19,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from sidecar._src import errors
-from sidecar._src.protocol import MAX_PREFETCH
+from sidecar._src.core import errors
+from sidecar._src.wire.protocol import MAX_PREFETCH
 
 
 def check_prefetch(prefetch: int) -> int:

@@ -18,18 +18,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sidecar._src import errors, options as options_lib, protocol, registry as registry_lib, shm
-from sidecar._src.host import metrics as metrics_lib, replicas
+from sidecar._src.arena import shm
+from sidecar._src.core import errors, options as options_lib
+from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.calls import Runner
-from sidecar._src.host.checkpoint import CheckpointHost
-from sidecar._src.host.checkpoint_service import CheckpointService
+from sidecar._src.host.checkpoint import peers as replicas
+from sidecar._src.host.checkpoint.host import CheckpointHost
+from sidecar._src.host.checkpoint.service import CheckpointService
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CHECKPOINT_THREADS, CallSlots, Sessions, StreamSlots
 from sidecar._src.host.service import Service
-from sidecar._src.host.streams import StreamRunner
+from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
-from sidecar._src.protocol import pb
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,15 @@ from typing import Any
 import grpc
 from google.protobuf import message as pb_message
 
-from sidecar._src import codec, errors, protocol
+from sidecar._src.core import errors
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.credits import Credits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
-from sidecar._src.host.streams import StreamRunner
+from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
-from sidecar._src.protocol import pb
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 # How long the end of a Stream RPC waits for its credit reader to finish. The wait runs on

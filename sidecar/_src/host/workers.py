@@ -21,12 +21,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sidecar._src import codec, errors, ipc, protocol, shm
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
 from sidecar._src.host.credits import SocketCredits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import check_prefetch
-from sidecar._src.host.streams import StreamRunner
-from sidecar._src.protocol import pb
+from sidecar._src.host.stream_runner import StreamRunner
+from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 

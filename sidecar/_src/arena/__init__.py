@@ -1,0 +1,1 @@
+"""The shared-memory arena and the Worker that maps it beside the devices."""

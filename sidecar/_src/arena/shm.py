@@ -1,0 +1,330 @@
+"""The shared-memory arena: one memfd per sidecar, carved into generation-tagged blocks.
+
+Ownership: the sidecar creates the arena (:meth:`Arena.create`) and owns its
+allocator; workers map the same memfd (:meth:`Arena.attach`) after receiving its
+file descriptor over a Unix socket. A memfd has no name, so nothing is ever left
+in ``/dev/shm``: the memory goes back to the kernel when the last process that
+maps it exits, however it exits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+
+from sidecar._src.core import errors
+
+PAGE = mmap.PAGESIZE
+ALIGN = PAGE  # Blocks start on page boundaries: what jax's zero-copy path needs.
+MIN_SIZE = 1 << 20
+# copy() splits a copy into pieces of this size, dealt round-robin to its threads:
+# one thread does not reach the memory bandwidth that two or more do (1 GiB here:
+# 0.13-0.15 s with one, 0.08-0.10 s with two threads on 2 cores).
+COPY_PIECE = 4 << 20
+COPY_THREADS = min(4, len(os.sched_getaffinity(0)))
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+          "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+          "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
+          "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+  """Parses ``"512MiB"``, ``"4G"``, ``"1073741824"`` into bytes."""
+  if isinstance(text, int) and not isinstance(text, bool):
+    return text
+  m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+  if not m or m.group(2).lower() not in _UNITS:
+    raise ValueError(f"cannot parse size {text!r}; write e.g. 512MiB, 4GiB or 1073741824")
+  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  raise AssertionError
+
+
+def _read_int(path: str) -> int | None:
+  try:
+    with open(path) as f:
+      text = f.read().strip()
+  except OSError:
+    return None
+  return None if text == "max" else int(text)
+
+
+def available_memory() -> tuple[int, str]:
+  """Bytes this process can still take, and how that figure was found."""
+  meminfo = {}
+  with open("/proc/meminfo") as f:
+    for line in f:
+      key, value = line.split(":", 1)
+      meminfo[key] = int(value.split()[0]) * 1024
+  avail = meminfo.get("MemAvailable", meminfo["MemFree"])
+  how = f"MemAvailable {format_size(avail)}"
+  limit = _read_int("/sys/fs/cgroup/memory.max")
+  if limit is not None:
+    used = _read_int("/sys/fs/cgroup/memory.current") or 0
+    if limit - used < avail:
+      avail = limit - used
+      how = f"cgroup memory.max {format_size(limit)} with {format_size(used)} in use"
+  return max(avail, 0), how
+
+
+def check_capacity(size: int) -> None:
+  """Raises ArenaCapacityError unless the machine can give ``size`` bytes now."""
+  if size < MIN_SIZE:
+    raise errors.ArenaCapacityError(
+        f"shm_size must be at least {format_size(MIN_SIZE)}, got {size!r} bytes")
+  avail, how = available_memory()
+  if size > avail:
+    raise errors.ArenaCapacityError(
+        f"the arena needs {format_size(size)} ({size} bytes) but only {format_size(avail)} "
+        f"is available ({how}); lower --shm-size or give the sidecar more memory "
+        "(on Kubernetes: raise the sidecar container's memory limit above the arena size)")
+
+
+def boot_id() -> str:
+  """Names this kernel: processes that share it can share a memfd."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      return f.read().strip()
+  except OSError:
+    return ""
+
+
+class Arena:
+  """A mapped memfd. ``create`` in the sidecar, ``attach`` in a worker."""
+
+  def __init__(self, fd: int, size: int, *, populate: bool):
+    self.fd = fd
+    self.size = size
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    self._mmap = mmap.mmap(fd, size, flags=flags)
+    self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
+    self._closed = False
+
+  @classmethod
+  def create(cls, size: int, *, name: str = "sidecar-arena") -> Arena:
+    """Creates and pre-faults an arena, or raises ArenaCapacityError saying why not."""
+    size = -(-size // PAGE) * PAGE
+    check_capacity(size)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+      os.ftruncate(fd, size)
+      try:  # Reserve every page now: an error here, never a SIGBUS later.
+        os.posix_fallocate(fd, 0, size)
+      except OSError as e:
+        raise errors.ArenaCapacityError(
+            f"could not reserve {format_size(size)} of shared memory ({e.strerror}); "
+            "lower --shm-size or give the sidecar more memory") from e
+      return cls(fd, size, populate=True)
+    except BaseException:
+      os.close(fd)
+      raise
+
+  @classmethod
+  def attach(cls, fd: int, size: int) -> Arena:
+    """Maps an arena whose fd came over a Unix socket; takes ownership of ``fd``."""
+    return cls(fd, size, populate=True)
+
+  def view(self, offset: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of ``[offset, offset + nbytes)``; no copy."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+      raise errors.InvalidArgumentError(
+          f"block [{offset}, {offset + nbytes}) lies outside the arena of {self.size} bytes")
+    return self.buffer[offset:offset + nbytes]
+
+  def lease(self, offset: int, nbytes: int, release: Callable[[], None]) -> np.ndarray:
+    """Like :meth:`view`, but calls ``release`` once no array uses the bytes any more.
+
+    Every array derived from the result (views, reshapes, and on the CPU backend
+    ``jax.device_put`` of it, which aliases the memory) keeps it alive, so the
+    block cannot be reused under a live array.
+    """
+    if offset < 0 or nbytes <= 0 or offset + nbytes > self.size:
+      raise errors.InvalidArgumentError(
+          f"block [{offset}, {offset + nbytes}) lies outside the arena of {self.size} bytes")
+    holder = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
+    weakref.finalize(holder, release)
+    return holder
+
+  def contains(self, array: np.ndarray) -> int | None:
+    """The offset of ``array``'s data in this arena, or None if it lies elsewhere."""
+    start = self.buffer.ctypes.data
+    addr = array.__array_interface__["data"][0]
+    if start <= addr and addr + array.nbytes <= start + self.size:
+      return addr - start
+    return None
+
+  def close(self) -> None:
+    """Unmaps and closes; idempotent. Views still alive keep the mapping."""
+    if self._closed:
+      return
+    self._closed = True
+    self.buffer = None  # type: ignore[assignment]  # a use after close fails loudly
+    try:
+      self._mmap.close()
+    except BufferError:
+      pass  # Live views still export the buffer; the mapping goes with them.
+    os.close(self.fd)
+
+
+_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+  """``np.copyto(dst, src)``, with up to ``COPY_THREADS`` threads when both are
+  C-contiguous, alike and large: the copy into the arena is what a caller waits
+  for, and the threads work only while it waits."""
+  src = np.asarray(src)
+  if (COPY_THREADS < 2 or src.nbytes < 2 * COPY_PIECE or dst.shape != src.shape
+      or dst.dtype != src.dtype or src.dtype.hasobject
+      or not (dst.flags.c_contiguous and src.flags.c_contiguous)):
+    np.copyto(dst, src)
+    return
+  d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+  starts = range(0, src.nbytes, COPY_PIECE)
+
+  def pieces(first: int) -> None:
+    for i in starts[first::COPY_THREADS]:
+      np.copyto(d[i:i + COPY_PIECE], s[i:i + COPY_PIECE])
+
+  global _copy_pool
+  with _copy_pool_lock:
+    if _copy_pool is None:
+      _copy_pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, "sidecar-copy")
+    others = [_copy_pool.submit(pieces, t) for t in range(1, COPY_THREADS)]
+  try:
+    pieces(0)  # the caller's thread takes a share too
+  finally:
+    for f in others:
+      f.result()
+
+
+def new_generation() -> int:
+  """A random 63-bit generation: detects stale references, and cannot be guessed.
+
+  Sequential generations let a client that may name blocks find live ones by trying
+  a few dozen numbers; a random one fits the wire's uint64 and JSON alike.
+  """
+  return secrets.randbits(63) or 1  # 0 never names a block
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Block:
+  """An allocated range of the arena; ``generation`` detects stale references."""
+  offset: int
+  nbytes: int
+  generation: int
+
+
+class Allocator:
+  """First-fit allocator over ``[0, size)`` with coalescing; waits when full."""
+
+  def __init__(self, size: int, *, align: int = ALIGN):
+    self.size = size
+    self._align = align
+    self._cond = threading.Condition()
+    self._free_starts: list[int] = [0]   # sorted
+    self._free_len: dict[int, int] = {0: size}
+    self._used: dict[int, Block] = {}
+    self.used_bytes = 0
+
+  def fits(self, nbytes: int) -> bool:
+    """Whether a block of ``nbytes`` could ever fit (in an empty arena)."""
+    return -(-nbytes // self._align) * self._align <= self.size
+
+  def alloc(self, nbytes: int, *, timeout: float | None = 0.0) -> Block:
+    """Allocates ``nbytes`` (rounded up to the alignment).
+
+    Waits up to ``timeout`` seconds (None: forever) for space, then raises
+    ResourceExhaustedError. A request larger than the arena fails at once.
+    """
+    if nbytes <= 0:
+      raise errors.InvalidArgumentError(f"nbytes must be positive, got {nbytes!r}")
+    need = -(-nbytes // self._align) * self._align
+    if not self.fits(nbytes):
+      raise errors.ResourceExhaustedError(
+          f"a block of {format_size(nbytes)} ({nbytes} bytes) cannot fit an arena of "
+          f"{format_size(self.size)}; raise --shm-size")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._cond:
+      while True:
+        block = self._take(need)
+        if block is not None:
+          return block
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise errors.ResourceExhaustedError(
+              f"the arena is full: {format_size(nbytes)} asked, "
+              f"{format_size(self.size - self.used_bytes)} free of {format_size(self.size)} "
+              f"in {len(self._used)} blocks after waiting {timeout:.3g} s; release arrays "
+              "sooner, lower prefetch, or raise --shm-size")
+        self._cond.wait(left)
+
+  def _take(self, need: int) -> Block | None:
+    for i, start in enumerate(self._free_starts):
+      length = self._free_len[start]
+      if length >= need:
+        del self._free_starts[i]
+        del self._free_len[start]
+        if length > need:
+          self._free_starts.insert(i, start + need)
+          self._free_len[start + need] = length - need
+        block = Block(start, need, new_generation())
+        self._used[start] = block
+        self.used_bytes += need
+        return block
+    return None
+
+  def check(self, offset: int, generation: int) -> Block:
+    """The live block at ``offset`` if its generation matches, else StaleDescriptorError."""
+    with self._cond:
+      block = self._used.get(offset)
+    if block is None or block.generation != generation:
+      raise errors.StaleDescriptorError(
+          f"arena block at offset {offset} generation {generation} is no longer allocated; "
+          "a descriptor was used after its block was released")
+    return block
+
+  def free(self, offset: int, generation: int) -> None:
+    with self._cond:
+      block = self._used.get(offset)
+      if block is None or block.generation != generation:
+        raise errors.StaleDescriptorError(
+            f"arena block at offset {offset} generation {generation} was already freed")
+      del self._used[offset]
+      self.used_bytes -= block.nbytes
+      start, length = offset, block.nbytes
+      i = bisect.bisect_left(self._free_starts, start)
+      if i < len(self._free_starts) and start + length == self._free_starts[i]:
+        length += self._free_len.pop(self._free_starts.pop(i))
+      if i > 0:
+        prev = self._free_starts[i - 1]
+        if prev + self._free_len[prev] == start:
+          self._free_len[prev] += length
+          self._cond.notify_all()
+          return
+      self._free_starts.insert(i, start)
+      self._free_len[start] = length
+      self._cond.notify_all()
+
+  @property
+  def num_blocks(self) -> int:
+    return len(self._used)

@@ -1,0 +1,433 @@
+"""The worker: lives in the process that owns the devices, beside one sidecar.
+
+It attaches to its host's sidecar over a Unix socket, receives the arena's
+memfd once, and from then on turns arena descriptors into numpy views with no
+copy, and those into ``jax.Array``s. Every view holds its block: on the CPU
+backend ``jax.device_put`` of a page-aligned view aliases the memory, so the
+block is given back only when no array (numpy or jax) can read it any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import math
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from sidecar._src.arena import shm
+from sidecar._src.core import env, errors
+from sidecar._src.jax import distributed, transfer
+from sidecar._src.streams import consumer as streaming
+from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire.protocol import pb
+
+ENV_ADDRESS = env.ADDRESS
+# How long the release thread lets frees gather before it sends them. Streams carry
+# frees with their credits; this thread sends the rest, a message per interval at
+# most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
+FREE_DELAY_S = 0.01
+
+
+class State(enum.Enum):
+  ATTACHED = "attached"
+  CLOSING = "closing"  # close() was called; waits for live views to die
+  CLOSED = "closed"
+
+
+def socket_path(address: str | None) -> str:
+  """The Unix socket path in ``unix:///path``, ``unix:/path`` or ``/path``."""
+  address = address or env.get(ENV_ADDRESS)
+  if not address:
+    raise errors.InvalidArgumentError(
+        f"no sidecar address: pass Worker(address='unix:///run/sidecar/sidecar.sock') or set "
+        f"{ENV_ADDRESS}")
+  for prefix in ("unix://", "unix:"):
+    if address.startswith(prefix):
+      return address[len(prefix):]
+  if address.startswith("/") or address.startswith("."):
+    return address
+  raise errors.InvalidArgumentError(
+      f"worker address {address!r} is not a Unix socket; workers attach with "
+      "'unix:///path/to/sidecar.sock' (TCP addresses are for the Controller)")
+
+
+class Worker:
+  """Attaches to the sidecar on this host and maps its arena.
+
+  Example::
+
+    worker = sidecar.Worker("unix:///run/sidecar/sidecar.sock")
+    x = worker.to_jax(batch_from_sidecar, sharding=sharding)
+
+  Args:
+    address: the sidecar's Unix socket (``unix:///path``); default ``$SIDECAR_ADDRESS``.
+    timeout: seconds the sidecar is given to answer anything (the attach, each request,
+      a sign of life while a stream waits for its next item); default
+      ``$SIDECAR_PEER_TIMEOUT`` or 30. A sidecar silent for longer (hung, SIGSTOPped)
+      is lost: what waited on it raises HostLostError, and so does every later request
+      of this Worker (make a new one).
+  """
+
+  def __init__(self, address: str | None = None, *, timeout: float | None = None):
+    self.path = socket_path(address)
+    self.timeout = env.peer_timeout(timeout)
+    self._lost: str | None = None  # why the sidecar counts as lost, once it does
+    self._lock = threading.Lock()
+    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._sock.settimeout(self.timeout)
+    try:
+      self._sock.connect(self.path)
+    except OSError as e:
+      self._sock.close()
+      raise errors.HostLostError(
+          f"cannot attach to the sidecar at {self.path}: {e.strerror or e}; is `sidecar serve "
+          f"--socket {self.path}` running on this host?") from None
+    try:
+      hello = {"op": "attach", "pid": os.getpid(),
+               "versions": protocol.versions_dict(protocol.local_versions())}
+      process = distributed.local_identity()  # under jax.distributed: who drives this host
+      if process is not None:
+        hello["process"] = process
+      try:
+        ipc.send(self._sock, hello)
+      except OSError:
+        pass  # Refused (too many connections) before it read: its answer says why.
+      reply, fds = ipc.recv(self._sock, max_fds=1)
+    except (OSError, ConnectionError) as e:
+      self._sock.close()
+      raise errors.HostLostError(f"the sidecar at {self.path} closed the attach: {e}") from None
+    if "error" in reply:
+      self._sock.close()
+      raise protocol.error_from_dict(reply["error"], host=self.path)
+    self._replies = ipc.FrameReader(self._sock, limit=ipc.MAX_MESSAGE)
+    self.session: str = reply["session"]
+    self.identity: dict[str, Any] = reply["identity"]
+    self.host_id: int = self.identity["host_id"]
+    self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]))
+    self.state = State.ATTACHED
+    self._live = 0
+    self._generations: dict[int, int] = {}  # block offset -> generation, of live views
+    self._freed: queue.SimpleQueue = queue.SimpleQueue()
+    self._releaser = threading.Thread(target=self._release_loop, name="sidecar-worker-free",
+                                      daemon=True)
+    self._releaser.start()
+
+  # ---- blocks ------------------------------------------------------------
+
+  def _request(self, message: dict[str, Any], *, wait: float = 0.0,
+               timeout: float | None = None) -> dict[str, Any]:
+    """Sends ``message``, returns the reply: within ``wait`` (the time the sidecar may take
+    on purpose, an alloc's) plus ``timeout`` (default the peer timeout) seconds."""
+    timeout = self.timeout if timeout is None else timeout
+    with self._lock:
+      if self.state is State.CLOSED:
+        raise errors.ClosedError("this Worker is closed")
+      if self._lost is not None:
+        raise errors.HostLostError(self._lost, host_id=self.host_id)
+      try:
+        ipc.send(self._sock, message)
+        reply = self._reply(wait + timeout)
+      except TimeoutError as e:
+        # Hung or stopped. The connection stays open (it is what holds this worker's
+        # blocks, which live views still read), but its late reply must never be taken
+        # for another request's: every later request is refused.
+        self._lost = (f"the sidecar of host {self.host_id} at {self.path} did not answer "
+                      f"{message.get('op')!r} ({e}); it counts as lost (hung or stopped?): "
+                      f"make a new Worker once it serves again")
+        raise errors.HostLostError(self._lost, host_id=self.host_id) from None
+      except (OSError, ConnectionError) as e:
+        raise errors.HostLostError(
+            f"the sidecar of host {self.host_id} at {self.path} is gone: {e}",
+            host_id=self.host_id) from None
+    if "error" in reply:
+      raise protocol.error_from_dict(reply["error"], host=self.path, host_id=self.host_id)
+    return reply
+
+  def _reply(self, timeout: float) -> dict[str, Any]:
+    """The sidecar's reply to the request just sent, within ``timeout`` s (else
+    TimeoutError); the lock is held.
+
+    A Ctrl-C (KeyboardInterrupt) while it is awaited must not leave it in the socket,
+    where the next request would take it for its own: it is read all the same (the
+    reader keeps a part read), a block it grants is given back, then the interrupt
+    goes on.
+    """
+    interrupted: KeyboardInterrupt | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        if not self._replies.buffered():
+          ready, _, _ = select.select([self._sock], [], [], max(deadline - time.monotonic(), 0))
+          if not ready:
+            raise TimeoutError(f"no answer within {timeout:.3g} s")
+        reply = json.loads(self._replies.read())
+        break
+      except KeyboardInterrupt as e:
+        interrupted = e
+      except json.JSONDecodeError as e:
+        raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {e}") from None
+    if interrupted is not None:
+      if "offset" in reply:
+        with contextlib.suppress(OSError):
+          ipc.send(self._sock, {"op": "free", "blocks": [[reply["offset"], reply["generation"]]]})
+      raise interrupted
+    if not isinstance(reply, dict):
+      raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {reply!r:.80}")
+    return reply
+
+  def _check_open(self) -> None:
+    if self.state is not State.ATTACHED:
+      raise errors.ClosedError(f"this Worker is {self.state.value}; make a new one")
+
+  def check_alive(self, timeout: float | None = None) -> None:
+    """Asks the sidecar for a sign of life; HostLostError if none comes within ``timeout``
+    seconds (default the peer timeout). Its connection answers even while the sidecar
+    is busy producing a stream's next item."""
+    self._request({"op": "ping"}, timeout=timeout)
+
+  def view(self, ref: codec.ArenaRef) -> np.ndarray:
+    """The array ``ref`` names, on the arena (no copy), held while any view lives.
+
+    The block must be leased to this worker (results of calls made with it are).
+    """
+    self._check_open()
+    with self._lock:
+      self._live += 1
+      self._generations[ref.offset] = ref.generation
+    holder = self.arena.lease(ref.offset, ref.nbytes,
+                              lambda: self._freed.put((ref.offset, ref.generation)))
+    return codec.as_array(holder, ref)
+
+  def ref_of(self, array: np.ndarray) -> codec.ArenaRef | None:
+    """The descriptor of an array that starts a block this worker holds, else None.
+
+    Sending such an array to the sidecar needs no copy: only the descriptor travels.
+    """
+    offset = self.arena.contains(array)
+    if offset is None or not array.flags.c_contiguous:
+      return None
+    with self._lock:
+      generation = self._generations.get(offset)
+    if generation is None:
+      return None
+    return codec.ArenaRef(offset, array.nbytes, generation, array.dtype.name, array.shape)
+
+  def empty(self, shape: tuple[int, ...], dtype: Any, *, timeout: float = 0.0
+            ) -> tuple[np.ndarray, codec.ArenaRef]:
+    """A new array in the arena (for arguments and saves), and its descriptor."""
+    self._check_open()
+    dtype = np.dtype(dtype)
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout},
+                          wait=timeout or 0.0)
+    ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
+    return self.view(ref), ref
+
+  def put(self, array: np.ndarray, *, timeout: float = 0.0) -> tuple[np.ndarray, codec.ArenaRef]:
+    """Copies ``array`` into the arena; returns the arena copy and its descriptor."""
+    array = np.asarray(array)
+    dst, ref = self.empty(array.shape, array.dtype, timeout=timeout)
+    shm.copy(dst, array)
+    return dst, ref
+
+  def take_freed(self) -> list[int]:
+    """Blocks let go of since the last call, flattened (offset, generation) pairs.
+
+    A stream sends them with its next credit; the release thread sends the rest.
+    """
+    blocks = self._drain([])
+    if blocks:
+      with self._lock:
+        self._forget(blocks)
+    return [x for block in blocks for x in block]
+
+  def _drain(self, blocks: list) -> list:
+    """``blocks`` and every free waiting in the queue after them."""
+    while True:
+      try:
+        item = self._freed.get_nowait()
+      except queue.Empty:
+        return blocks
+      if item is not None:
+        blocks.append(item)
+
+  def _forget(self, blocks) -> None:
+    """Counts (offset, generation) blocks as let go of; the lock is held."""
+    self._live -= len(blocks)
+    for offset, generation in blocks:
+      if self._generations.get(offset) == generation:
+        del self._generations[offset]
+
+  def _release_loop(self) -> None:
+    while True:
+      item = self._freed.get()
+      time.sleep(FREE_DELAY_S)  # Let frees gather: one message for many, fewer wake-ups.
+      blocks = self._drain([item] if item is not None else [])
+      with self._lock:
+        self._forget(blocks)
+        # A lost sidecar gets no more frees (the last may have left half a frame): the
+        # session keeps its blocks until this Worker closes, and then all go back at once.
+        if blocks and self.state is not State.CLOSED and self._lost is None:
+          try:
+            ipc.send(self._sock, {"op": "free", "blocks": blocks})
+          except TimeoutError:
+            self._lost = (f"the sidecar of host {self.host_id} at {self.path} took no frees "
+                          f"for {self.timeout:.3g} s; it counts as lost (hung or stopped?)")
+          except OSError:
+            pass  # Gone: its end of the connection released everything.
+        done = self.state is State.CLOSING and self._live == 0
+        if done:
+          self._shutdown()
+      if done or self.state is State.CLOSED:
+        return
+
+  # ---- streams -----------------------------------------------------------
+
+  def open_stream(self, request: pb.CallRequest, *, prefetch: int, timeout: float | None = None,
+                  device: jax.Device | None = None) -> streaming.Stream:
+    """Runs a registered iterable in the sidecar; its items arrive over this socket.
+
+    Credits go back in batches of half the prefetch (one message for several items),
+    with the blocks freed meanwhile. ``timeout`` bounds the wait for each item (see
+    ``streaming.Stream``). With ``device``, arrays arrive as ``jax.Array``s on it (on
+    the CPU backend, views of the arena: no copy).
+    """
+    self._check_open()
+    streaming.check_prefetch(prefetch)
+    request.worker_session = self.session
+    if self._lost is not None:
+      raise errors.HostLostError(self._lost, host_id=self.host_id)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(self.timeout)  # a stopped sidecar's full backlog must not hang connect()
+    try:
+      sock.connect(self.path)
+      ipc.send(sock, {"op": "stream", "session": self.session})
+      ipc.send_bytes(sock, pb.StreamRequest(start=request, prefetch=prefetch).SerializeToString())
+    except OSError as e:
+      sock.close()
+      raise errors.HostLostError(f"the sidecar of host {self.host_id} is gone: {e}",
+                                 host_id=self.host_id) from None
+    return streaming.Stream(SocketTransport(self, sock, request.name), name=request.name,
+                            credit_every=prefetch // 2, timeout=timeout, device=device)
+
+  # ---- jax ---------------------------------------------------------------
+
+  def to_jax(self, tree: Any, *, device: jax.Device | None = None,
+             sharding: jax.sharding.Sharding | None = None) -> Any:
+    """``jax.device_put`` of every array leaf; views keep their blocks alive."""
+    if sharding is None and device is not None:
+      return transfer.to_devices(tree, device)
+    return jax.device_put(tree, sharding if sharding is not None else device)
+
+  # ---- lifecycle ---------------------------------------------------------
+
+  @property
+  def live_blocks(self) -> int:
+    with self._lock:
+      return self._live
+
+  def close(self) -> None:
+    """Detaches; idempotent. Blocks still read by live arrays stay held until they die."""
+    with self._lock:
+      if self.state is not State.ATTACHED:
+        return
+      self.state = State.CLOSING
+      if self._live == 0:
+        self._shutdown()
+    self._freed.put(None)  # Wakes the releaser so it can finish.
+
+  def hung_up(self, timeout: float = 0.0) -> bool:
+    """Whether the sidecar closed its end (it exited), waiting up to ``timeout`` s."""
+    if self.state is State.CLOSED:
+      return True
+    poller = select.poll()
+    poller.register(self._sock, select.POLLRDHUP)  # hang-ups only, never a reply's bytes
+    try:
+      return bool(poller.poll(max(timeout, 0.0) * 1000))
+    except (OSError, ValueError):  # closed meanwhile
+      return True
+
+  def _shutdown(self) -> None:
+    self.state = State.CLOSED
+    with contextlib.suppress(OSError):
+      self._sock.close()
+    self.arena.close()
+
+  def __enter__(self) -> Worker:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return f"Worker(host_id={self.host_id}, path={self.path!r}, state={self.state.value})"
+
+
+class SocketTransport(streaming.Transport):
+  """A stream's own connection to the worker's sidecar: item frames in, credit frames out.
+
+  Credits carry the blocks let go of meanwhile. While the consumer waits, the worker
+  asks the sidecar for a sign of life after every half peer timeout of silence, so a
+  slow pipeline is waited on but a hung or stopped sidecar ends the stream with
+  HostLostError within about the peer timeout.
+  """
+
+  def __init__(self, worker: Worker, sock: socket.socket, name: str):
+    self._worker = worker
+    self._sock = sock
+    self._frames = ipc.FrameReader(sock, limit=1 << 30)
+    self._name = name
+    self.host, self.host_id = worker.path, worker.host_id
+    self.poll_s = worker.timeout / 2
+    self.from_arena = worker.view
+
+  def receive(self, wait: float) -> pb.StreamItem | None:
+    self._sock.settimeout(wait)
+    try:
+      return pb.StreamItem.FromString(self._frames.read())
+    except TimeoutError:
+      return None  # The reader stays where it was.
+    except (OSError, ConnectionError) as e:
+      raise errors.HostLostError(
+          f"the sidecar of host {self.host_id} at {self.host} is gone during stream "
+          f"{self._name!r}: {e}", host_id=self.host_id) from None
+
+  def check_alive(self, waited: float) -> None:
+    try:
+      self._worker.check_alive(self.poll_s)
+    except errors.HostLostError as e:
+      raise errors.HostLostError(f"no item of stream {self._name!r} for {waited:.3g} s, and {e}",
+                                 host_id=self.host_id) from None
+
+  def credit(self, n: int, *, wait_s: float) -> None:
+    message = pb.StreamRequest(credit=n, freed=self._worker.take_freed(), wait_s=wait_s)
+    try:
+      self._sock.settimeout(self._worker.timeout)  # receive may have left a short one
+      ipc.send_bytes(self._sock, message.SerializeToString())
+    except OSError:
+      pass  # The sidecar already finished; the end frame waits in the socket.
+
+  def close(self, *, owed: int) -> None:
+    # The sidecar learns how many items were taken: it takes back the blocks of those
+    # it sent ahead that were never read.
+    done = pb.StreamRequest(credit=owed, freed=self._worker.take_freed(), close=True)
+    with contextlib.suppress(OSError):
+      self._sock.settimeout(self._worker.timeout)
+      ipc.send_bytes(self._sock, done.SerializeToString())
+    with contextlib.suppress(OSError):  # wakes a reader blocked on another thread
+      self._sock.shutdown(socket.SHUT_RDWR)
+    self._sock.close()
+
+
+# The name the worker's stream had before both ways in shared one consumer.
+LocalStream = streaming.Stream

@@ -1,0 +1,76 @@
+"""The pieces of stock Orbax's layout that the write, commit and read paths share.
+
+The item directory of a step, each array's TensorStore write spec (Orbax's own, so
+its file names too), the name of a Zarr v2 chunk file, and small files written
+durably.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
+from sidecar._src.core import errors
+
+
+def item_dir(step_dir: os.PathLike | str, *, must_be_tmp: bool) -> pathlib.Path:
+  """The absolute path of the step's one item, ``default``; the step must be a tmp one
+  where ``must_be_tmp``."""
+  step_dir = pathlib.Path(step_dir)
+  if must_be_tmp and not step_dir.name.endswith(TMP_SUFFIX):
+    raise errors.InvalidArgumentError(
+        f"{step_dir} is not an uncommitted step directory (name must end with"
+        f" {TMP_SUFFIX!r}); create one with create_tmp_step()")
+  if not step_dir.is_absolute():
+    step_dir = step_dir.absolute()  # TensorStore needs absolute paths.
+  return step_dir / ITEM
+
+
+def check_unique(specs: Iterable[LeafSpec]) -> None:
+  """Raises InvalidArgumentError where two leaves have the same parameter name."""
+  seen = set()
+  for spec in specs:
+    if spec.param_name in seen:
+      raise errors.InvalidArgumentError(f"leaf {spec.param_name!r} is given twice")
+    seen.add(spec.param_name)
+
+
+def write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
+               use_compression: bool) -> ts_utils.ArrayWriteSpec:
+  """Orbax's own TensorStore spec (and chunk shape, file names) for a leaf, as host
+  ``host_index`` writes it: Zarr v2, no OCDBT."""
+  return ts_utils.ArrayWriteSpec(
+      item_dir.as_posix(), spec.param_name, global_shape=spec.shape,
+      write_shape=spec.write_shape, dtype=spec.dtype, use_ocdbt=False,
+      use_zarr3=False, use_compression=use_compression, process_id=host_index)
+
+
+def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str | None:
+  """The name of the Zarr v2 chunk file that holds exactly the block ``index``; None
+  where the block is not one whole chunk (or is a scalar, which TensorStore keeps)."""
+  if (not chunk or len(chunk) != len(index)
+      or any(b - a != c or a % c for (a, b), c in zip(index, chunk))):
+    return None
+  return separator.join(str(a // c) for (a, _), c in zip(index, chunk))
+
+
+def write_text(path: pathlib.Path, text: str) -> None:
+  """Writes a small file durably; its directory is synced before the commit."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+  """Makes a directory's entries durable (files created or renamed in it)."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

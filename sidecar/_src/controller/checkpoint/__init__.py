@@ -1,0 +1,1 @@
+"""``ctl.checkpointer``: the save protocol, restores and retention."""

@@ -1,0 +1,317 @@
+"""The controller's side of the ``sidecar.v1.Checkpoint`` service: one typed method per phase.
+
+:class:`CheckpointTransport` is what a :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`
+talks to: each phase on one host, returning a ``concurrent.futures.Future`` of plain
+values (checksums and manifests as the dicts the manifest file holds). Two
+implement it: :class:`CheckpointClient`, over each host's gRPC channel (made by the
+Controller), and the in-process fake of the unit tests
+(``tests/support/fake_sidecars.py``), which runs Checkpointer's logic with no
+process at all.
+
+The client routes to a host through the Controller's placement check (a lost host
+raises HostLostError at once, an unknown one InvalidArgumentError), sends shards as
+arena blocks where this process maps the host's arena (else inline), and turns a
+failed RPC into its SidecarError (UNAVAILABLE: HostLostError), as ``Controller.call``.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from sidecar._src.ckptfmt.spec import Index, KeyPath
+from sidecar._src.core import errors
+from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
+from sidecar._src.wire.protocol import ckpt_pb, pb
+
+Shard = tuple[KeyPath, Index]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagedShard:
+  """One shard to stage: its leaf (an index into the step's leaves), where it lies, its
+  bytes (an arena array of the host, from :meth:`CheckpointTransport.put`)."""
+  leaf: int
+  index: Index
+  data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+  """What one host's RAM tier holds under a directory, per committed item directory:
+  its own shards, and its peers' replicas by source host."""
+  own: dict[str, list[Shard]]
+  replicas: dict[str, dict[int, list[Shard]]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Manifest:
+  """A committed item's manifest: leaves (``key_path``, ``shape``, ``dtype``), shards
+  (``key_path``, ``index``, ``nbytes``, ``crc32c``, ``host``), the data position saved
+  with it, and which peers held each host's replicas."""
+  format: str
+  leaves: list[dict[str, Any]]
+  shards: list[dict[str, Any]]
+  data_state: Any
+  replicas: dict[int, list[int]]
+
+
+_RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
+
+
+class CheckpointTransport(abc.ABC):
+  """The checkpoint phases on one host each; see the service in ``checkpoint.proto``."""
+
+  @abc.abstractmethod
+  def put(self, host: int, data: np.ndarray) -> np.ndarray:
+    """``data`` copied into ``host``'s arena (as is, to travel inline, if not mapped)."""
+
+  @abc.abstractmethod
+  def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
+    """Every live sidecar's status (arena use, checkpoint tiers)."""
+
+  @abc.abstractmethod
+  def open(self, host: int, directory: str, *, ram_steps: int, ram_budget: int | None,
+           sweep: bool) -> concurrent.futures.Future:
+    """Future of the committed steps, ascending."""
+
+  @abc.abstractmethod
+  def begin(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
+    """Future of the step's tmp directory."""
+
+  @abc.abstractmethod
+  def stage(self, host: int, *, directory: str, step: int, item: str, final_item: str,
+            leaves: Sequence[Mapping[str, Any]], shards: Sequence[StagedShard],
+            last: bool) -> concurrent.futures.Future:
+    """Future of the bytes of the step staged on ``host`` so far."""
+
+  @abc.abstractmethod
+  def prepared(self, host: int, final_item: str, *, timeout: float
+               ) -> concurrent.futures.Future:
+    """Future of ``host``'s checksums of the step, once written."""
+
+  @abc.abstractmethod
+  def commit(self, host: int, *, item: str, step: int, num_hosts: int,
+             leaves: Sequence[Mapping[str, Any]], checksums: Sequence[Mapping[str, Any]],
+             data_state_json: str, whole_step: bool,
+             replicas: Mapping[int, Sequence[int]] | None, timeout: float
+             ) -> concurrent.futures.Future:
+    """Future of the committed directory."""
+
+  @abc.abstractmethod
+  def committed(self, host: int, final_item: str) -> concurrent.futures.Future:
+    """Future of the steps ``host``'s RAM tier keeps."""
+
+  @abc.abstractmethod
+  def abort(self, host: int, item: str, final_item: str, *, timeout: float
+            ) -> concurrent.futures.Future:
+    """Future of None once ``host`` dropped the save and removed ``item``."""
+
+  @abc.abstractmethod
+  def delete(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
+    """Future of None once the committed step is gone."""
+
+  @abc.abstractmethod
+  def forget(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
+    """Future of None once ``host``'s RAM tier dropped the step."""
+
+  @abc.abstractmethod
+  def replicate(self, host: int, final_item: str, peers: Sequence[Mapping[str, Any]], *,
+                bandwidth: int | None, timeout: float) -> concurrent.futures.Future:
+    """Future of ``{"peers", "shards", "bytes", "seconds"}`` once every peer holds them."""
+
+  @abc.abstractmethod
+  def held(self, host: int, directory: str, *, timeout: float | None = None
+           ) -> concurrent.futures.Future:
+    """Future of a :class:`Held`."""
+
+  @abc.abstractmethod
+  def info(self, host: int, final_item: str) -> concurrent.futures.Future:
+    """Future of a :class:`Manifest`."""
+
+  @abc.abstractmethod
+  def read(self, host: int, final_item: str, shard: Shard, *, crc32c: int | None,
+           tier: str, part: tuple[int, int] | None = None) -> concurrent.futures.Future:
+    """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8)."""
+
+
+class CheckpointClient(CheckpointTransport):
+  """:class:`CheckpointTransport` over each host's gRPC channel; made by the Controller.
+
+  Args:
+    select: the Controller's placement check: ``[host]`` -> ``[host]``, or raises.
+    connection: a live host's connection (``stub``, ``metadata``, ``address``).
+    worker: the Worker mapping a host's arena here, or None.
+    status: the Controller's ``status``.
+    timeout: the default deadline of each RPC, seconds.
+  """
+
+  def __init__(self, *, select: Callable[[Sequence[int]], list[int]],
+               connection: Callable[[int], Any], worker: Callable[[int], Any],
+               status: Callable[..., list[pb.StatusResponse]], timeout: float):
+    self._select, self._connection, self._worker = select, connection, worker
+    self._status, self._timeout = status, timeout
+
+  def put(self, host: int, data: np.ndarray) -> np.ndarray:
+    w = self._worker(host)
+    return w.put(data)[0] if w is not None else np.array(data)
+
+  def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
+    return self._status() if timeout is None else self._status(timeout=timeout)
+
+  def _rpc(self, host: int, method: str, request: Any, decode: Callable[[Any], Any], *,
+           timeout: float | None = None, held: list | None = None
+           ) -> concurrent.futures.Future:
+    """Sends ``request`` to ``host``'s ``method``; a Future of ``decode(response)``.
+
+    ``held``: arrays whose arena blocks the request names, kept alive until the reply
+    (the sidecar then holds them itself): a block let go of sooner could be gone.
+    """
+    (host,) = self._select([host])  # HostLostError / InvalidArgumentError, raised here
+    conn = self._connection(host)
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+    what = f"checkpoint rpc {method} on host {host}"
+    tries = [0]
+
+    def done(f: grpc.Future) -> None:
+      try:
+        out.set_result(decode(f.result()))
+      except grpc.RpcError as e:
+        error = protocol.error_from_rpc(e, host=conn.address, host_id=host)
+        wait = _RETRY_S * (tries[0] + 1)
+        if isinstance(error, errors.BusyError) and time.monotonic() + wait < deadline:
+          # The sidecar's checkpoint threads are taken by other controllers (and peers):
+          # ask again shortly, within the deadline, rather than call a live copy lost.
+          tries[0] += 1
+          threading.Timer(wait, send).start()
+          return
+        out.set_exception(error)
+      except Exception as e:
+        out.set_exception(e)
+      if held is not None:
+        held.clear()
+
+    def fail(e: BaseException) -> None:
+      if held is not None:
+        held.clear()
+      out.set_exception(e)
+
+    def send() -> None:
+      conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
+          lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
+                                                               metadata=conn.metadata),
+          done=done, fail=fail, timeout=deadline - time.monotonic(), what=what)
+
+    send()
+    return out
+
+  def open(self, host, directory, *, ram_steps, ram_budget, sweep):
+    request = ckpt_pb.CheckpointOpenRequest(directory=directory, ram_steps=ram_steps,
+                                            sweep=sweep)
+    if ram_budget is not None:
+      request.ram_budget = ram_budget
+    return self._rpc(host, "Open", request, lambda r: list(r.steps))
+
+  def begin(self, host, directory, step):
+    return self._rpc(host, "Begin", ckpt_pb.CheckpointBeginRequest(directory=directory,
+                                                                   step=step),
+                     lambda r: r.tmp_directory)
+
+  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last):
+    w = self._worker(host)
+    request = ckpt_pb.CheckpointStageRequest(
+        directory=directory, step=step, item=item, final_item=final_item,
+        leaves=[wire.leaf_to_pb(d) for d in leaves], last=last,
+        worker_session=w.session if w is not None else "")
+    for s in shards:
+      staged = request.shards.add(leaf=s.leaf, index=wire.index_to_pb(s.index))
+      wire.fill_data(staged.data, s.data, w.ref_of if w is not None else None)
+    return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
+                     held=[s.data for s in shards])
+
+  def prepared(self, host, final_item, *, timeout):
+    return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(
+        final_item=final_item, timeout_s=timeout),
+        lambda r: [wire.checksum_from_pb(c, "checksum") for c in r.checksums], timeout=timeout)
+
+  def commit(self, host, *, item, step, num_hosts, leaves, checksums, data_state_json,
+             whole_step, replicas, timeout):
+    request = ckpt_pb.CheckpointCommitRequest(
+        item=item, step=step, num_hosts=num_hosts, leaves=[wire.leaf_to_pb(d) for d in leaves],
+        checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
+        whole_step=whole_step)
+    wire.replicas_to_pb(request.replicas, replicas)
+    return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
+
+  def committed(self, host, final_item):
+    return self._rpc(host, "Committed", ckpt_pb.CheckpointCommittedRequest(
+        final_item=final_item), lambda r: list(r.kept_steps))
+
+  def abort(self, host, item, final_item, *, timeout):
+    return self._rpc(host, "Abort", ckpt_pb.CheckpointAbortRequest(
+        item=item, final_item=final_item), lambda r: None, timeout=timeout)
+
+  def delete(self, host, directory, step):
+    return self._rpc(host, "Delete", ckpt_pb.CheckpointDeleteRequest(
+        directory=directory, step=step), lambda r: None)
+
+  def forget(self, host, directory, step):
+    return self._rpc(host, "Forget", ckpt_pb.CheckpointForgetRequest(
+        directory=directory, step=step), lambda r: None)
+
+  def replicate(self, host, final_item, peers, *, bandwidth, timeout):
+    request = ckpt_pb.CheckpointReplicateRequest(
+        final_item=final_item, timeout_s=timeout,
+        peers=[ckpt_pb.Peer(host_id=int(p["host_id"]), address=str(p["address"]),
+                            socket=str(p.get("socket") or ""),
+                            boot_id=str(p.get("boot_id") or "")) for p in peers])
+    if bandwidth is not None:
+      request.bandwidth = bandwidth
+    return self._rpc(host, "Replicate", request, lambda r: {
+        "peers": list(r.peers), "shards": r.shards, "bytes": r.bytes, "seconds": r.seconds},
+        timeout=timeout)
+
+  def held(self, host, directory, *, timeout=None):
+    def decode(r: ckpt_pb.CheckpointHeldResponse) -> Held:
+      return Held(own={item: wire.shards_from_ids(ids, "own") for item, ids in r.own.items()},
+                  replicas={item: {int(src): wire.shards_from_ids(ids, "replicas")
+                                   for src, ids in h.by_source.items()}
+                            for item, h in r.replicas.items()})
+    return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory), decode,
+                     timeout=timeout)
+
+  def info(self, host, final_item):
+    def decode(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
+      return Manifest(
+          format=r.format,
+          leaves=[wire.leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves],
+          shards=[wire.checksum_from_pb(c, "shard") for c in r.shards],
+          data_state=json.loads(r.data_state_json) if r.data_state_json else None,
+          replicas=wire.replicas_from_pb(r.replicas))
+    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_item=final_item), decode)
+
+  def read(self, host, final_item, shard, *, crc32c, tier, part=None):
+    if tier not in wire.TIERS:
+      raise errors.InvalidArgumentError(
+          f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
+    w = self._worker(host)
+    request = ckpt_pb.CheckpointReadRequest(
+        final_item=final_item, shard=wire.shard_to_pb(*shard), tier=wire.TIERS[tier],
+        worker_session=w.session if w is not None else "")
+    if crc32c is not None:
+      request.crc32c = crc32c
+    if part is not None:
+      request.part.offset, request.part.nbytes = part
+    from_arena: codec.FromArena | None = w.view if w is not None else None
+    return self._rpc(host, "Read", request,
+                     lambda r: wire.data_from_pb(r.data, from_arena, f"shard from host {host}"))

@@ -1,0 +1,333 @@
+"""Restores for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: tiers, reads, resharding.
+
+A restore takes each shard from wherever a live copy is: the arena of the host that
+staged it, a peer's replica, storage last; it checks each crc32c, assembles the blocks
+of the target's shardings (resharding where they differ from the saved ones) and says
+where the shards came from (:class:`RestoreStats`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt.spec import KeyPath, key_path, shard_index
+from sidecar._src.controller import interrupts
+from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.core import errors
+from sidecar._src.jax import transfer
+
+# A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
+# at most this many bytes: well under the channel's 256 MiB message limit.
+READ_PART_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreStats:
+  """Where the shards of a restore came from, by source: ``"ram:host0"`` (the arena of
+  the host that staged it), ``"replica:host1"`` (a peer's replica), ``"storage"``.
+
+  ``shards[source]`` and ``bytes[source]`` count each stored shard once, however many
+  target blocks it fills.
+  """
+  step: int
+  seconds: float
+  shards: dict[str, int]
+  bytes: dict[str, int]
+
+  def summary(self) -> str:
+    parts = [f"{n} shards ({shm.format_size(self.bytes[s])}) from {s}"
+             for s, n in sorted(self.shards.items())]
+    return f"restored step {self.step} in {self.seconds:.2f} s: " + (", ".join(parts) or "nothing")
+
+
+class Restorer:
+  """Reads committed items onto target shardings, through ``client``.
+
+  Args:
+    client: the sidecars.
+    directory: the checkpoint directory (absolute), for messages.
+    hosts: every sidecar host; ``local``: those this process stages into and reads through.
+    device_hosts: the host of each device id.
+    mapped: the hosts whose arenas this process maps.
+    ask_all: ask every host for its RAM copies (else only the local ones).
+    steps: the committed steps, for the message of a restore that fails.
+  """
+
+  def __init__(self, *, client: CheckpointTransport, directory: str, hosts: Sequence[int],
+               local: Sequence[int], device_hosts: dict[int, int], mapped: set[int],
+               ask_all: bool, steps: Callable[[], list[int]]):
+    self._client, self.directory = client, directory
+    self._hosts, self._local, self._device_hosts = hosts, local, device_hosts
+    self._mapped, self._ask_all, self._steps = mapped, ask_all, steps
+
+  def restore(self, final_item: str, step: int, target: Any, *,
+              progress: Callable[[str], None] | None = None) -> tuple[Any, RestoreStats]:
+    """Restores the committed item at ``final_item`` onto ``target``'s shardings;
+    returns the tree and where its shards came from."""
+    t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
+    manifest = interrupts.wait(self._client.info(self._local[0], final_item))
+    saved = {tuple(d["key_path"]): d for d in manifest.leaves}
+    stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
+    owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
+    for c in manifest.shards:
+      kp, index = tuple(c["key_path"]), tuple(tuple(i) for i in c["index"])
+      stored.setdefault(kp, []).append((index, c["crc32c"]))
+      if c.get("host") is not None:
+        owners[(kp, index)] = int(c["host"])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    for path, want in flat:
+      self._check_leaf(key_path(path), want, saved, step)
+    held, gone = self._holdings(final_item)
+    reads = self._read_all(final_item, flat, stored, held)
+    shards, lost = {}, []
+    try:
+      for k, f in reads.items():
+        try:
+          shards[k] = interrupts.wait(f)
+        except errors.SidecarError as e:
+          lost.append((k, e))
+        if progress is not None and time.perf_counter() - last[0] >= 1.0:
+          last[0] = time.perf_counter()
+          progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
+    except KeyboardInterrupt:
+      reads.clear()  # the traceback keeps this frame: let the blocks go
+      shards.clear()
+      raise
+    if lost:
+      placed = dict(manifest.replicas)
+      raise self._lost(step, lost, owners, placed, gone)
+    out = []
+    for path, want in flat:
+      kp = key_path(path)
+      out.append(self._restore_leaf(final_item, kp, want, stored[kp], shards))
+      done += out[-1].nbytes if hasattr(out[-1], "nbytes") else 0
+      now = time.perf_counter()
+      if progress is not None and now - last[0] >= 1.0:
+        last[0] = now
+        progress(f"restoring step {step}: {shm.format_size(done)} "
+                 f"({done / (now - t0) / 1e9:.2f} GB/s)")
+    counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for data, source in shards.values():
+      counts[source] = counts.get(source, 0) + 1
+      sizes[source] = sizes.get(source, 0) + data.nbytes
+    stats = RestoreStats(step, time.perf_counter() - t0, counts, sizes)
+    return jax.tree_util.tree_unflatten(treedef, out), stats
+
+
+  @staticmethod
+  def _check_leaf(kp: KeyPath, want: Any, saved: dict, step: int) -> None:
+    name = ".".join(map(str, kp))
+    if kp not in saved:
+      raise errors.InvalidArgumentError(
+          f"target leaf {name!r} is not in step {step}; it has {sorted('.'.join(map(str, k)) for k in saved)}")
+    d = saved[kp]
+    shape, dtype = tuple(np.shape(want)), np.dtype(getattr(want, "dtype", np.asarray(want).dtype))
+    if shape != tuple(d["shape"]) or dtype.name != d["dtype"]:
+      raise errors.InvalidArgumentError(
+          f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
+          f"{d['dtype']}{d['shape']}")
+
+  def _holdings(self, final_item: str
+                ) -> tuple[dict[tuple[KeyPath, tuple], list[tuple[int, str]]], list[int]]:
+    """Every live RAM copy of each shard, as ``(host, tier)``, and the hosts that did
+    not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: a peer's."""
+    where: dict[tuple[KeyPath, tuple], list[tuple[int, str]]] = {}
+    gone = []
+    hosts = self._hosts if self._ask_all else self._local
+    futures: dict[int, concurrent.futures.Future] = {}
+    for h in hosts:
+      try:
+        futures[h] = self._client.held(h, self.directory, timeout=5)
+      except errors.SidecarError:  # a host known lost
+        gone.append(h)
+    for h, f in futures.items():
+      try:
+        held = f.result()
+      except errors.SidecarError:
+        gone.append(h)
+        continue
+      copies = [(kp, index, "ram") for kp, index in held.own.get(final_item, [])]
+      copies += [(kp, index, "replica") for shards in held.replicas.get(final_item, {}).values()
+                 for kp, index in shards]
+      for kp, index, tier in copies:
+        where.setdefault((tuple(kp), tuple(tuple(i) for i in index)), []).append((h, tier))
+    return where, gone
+
+  def _sources(self, key: tuple[KeyPath, tuple], held, host: int) -> list[tuple[int, str]]:
+    """Where to read a shard, in order: RAM copies (the target block's host, then the
+    hosts whose arenas this process maps, then the rest; own copies before replicas),
+    then storage through the block's host or this process's."""
+    def rank(copy: tuple[int, str]) -> tuple:
+      h, tier = copy
+      return (h != host, h not in self._mapped, tier != "ram", h)
+    tries = sorted(held.get(key, []), key=rank)
+    return tries + [(h, "disk") for h in dict.fromkeys([host, *self._local])]
+
+  def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:
+    """``(device or None, region, host)`` of each block of a target leaf to fill."""
+    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
+    if sharding is None:  # numpy or scalar leaf
+      return [(None, tuple((0, n) for n in shape), self._local[0])]
+    return [(d, shard_index(index, shape), self._device_hosts.get(d.id, self._local[0]))
+            for d, index in sharding.addressable_devices_indices_map(shape).items()]
+
+  def _read_all(self, item: str, flat, stored, held) -> dict:
+    """Starts every stored-shard read a restore needs, all at once: they overlap.
+
+    Each is a future of ``(data, source)`` that tries the shard's sources in turn.
+    """
+    reads = {}
+    for path, want in flat:
+      kp = key_path(path)
+      for _, region, host in self._regions(want):
+        for index, crc in stored[kp]:
+          if (kp, index) in reads or not _overlaps(index, region):
+            continue
+          reads[(kp, index)] = self._read_shard(item, kp, index, crc,
+                                                self._sources((kp, index), held, host),
+                                                np.dtype(want.dtype))
+    return reads
+
+  def _read_shard(self, item: str, kp: KeyPath, index, crc: int | None,
+                  sources: list[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
+    """A future of ``(data, source)``: the first source whose copy reads and checks."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    failures: list[str] = []
+
+    def attempt(i: int) -> None:
+      if i == len(sources):
+        out.set_exception(errors.ShardsLostError("; ".join(failures)))
+        return
+      host, tier = sources[i]
+      label = "storage" if tier == "disk" else f"{tier}:host{host}"
+
+      def done(f: concurrent.futures.Future) -> None:
+        try:
+          data = f.result()
+        except errors.SidecarError as e:
+          failures.append(f"{label} (host {host}): {str(e).splitlines()[0]}")
+          attempt(i + 1)
+          return
+        out.set_result((data, label))
+
+      try:
+        shape = tuple(b - a for a, b in index)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if tier != "disk" and host not in self._mapped and nbytes > READ_PART_BYTES:
+          self._read_parts(item, kp, index, crc, tier, host, shape, dtype).add_done_callback(done)
+        else:
+          self._client.read(host, item, (kp, index), crc32c=crc,
+                            tier=tier).add_done_callback(done)
+      except errors.SidecarError as e:
+        failures.append(f"{label} (host {host}): {e}")
+        attempt(i + 1)
+
+    attempt(0)
+    return out
+
+  def _read_parts(self, item: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
+                  shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
+    """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
+    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c, with the
+    first part)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    data = np.empty(shape, dtype)
+    flat = data.reshape(-1).view(np.uint8)
+    parts = [(o, min(READ_PART_BYTES, flat.nbytes - o))
+             for o in range(0, flat.nbytes, READ_PART_BYTES)]
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(offset: int, f: concurrent.futures.Future) -> None:
+      error = f.exception()
+      if error is None:
+        part = f.result()
+        flat[offset:offset + part.nbytes] = part
+      with lock:  # the first failure fails the shard; else the last part completes it
+        left[0] -= 1
+        if out.done():
+          return
+        if error is not None:
+          out.set_exception(error)
+        elif left[0] == 0:
+          out.set_result(data)
+
+    for offset, nbytes in parts:
+      # Only the first part asks for the check: the host checks the whole shard once, and
+      # its failure fails the shard (the parts all go at once, so each would check it).
+      future = self._client.read(host, item, (kp, index), crc32c=crc if offset == 0 else None,
+                                 tier=tier, part=(offset, nbytes))
+      future.add_done_callback(functools.partial(done, offset))
+    return out
+
+  def _lost(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
+            gone: list[int]) -> errors.SidecarError:
+    """The error of a restore with shards that no copy could give."""
+    by_array: dict[KeyPath, list] = {}
+    for (kp, index), _ in lost:
+      by_array.setdefault(kp, []).append(index)
+    owners_lost = sorted({owners[k] for k, _ in lost if k in owners})
+    holders = {p for h in owners_lost for p in placed.get(h, [])}
+    gone_hosts = sorted(set(gone) | {h for h in {*owners_lost, *holders}
+                                     if h not in self._hosts})
+    arrays = "; ".join(
+        f"array {'.'.join(map(str, kp))!r} shards {[[list(i) for i in x] for x in idx]}"
+        for kp, idx in by_array.items())
+    first = str(lost[0][1])
+    return errors.ShardsLostError(
+        f"step {step} of {self.directory} cannot be restored: {len(lost)} shards have no live "
+        f"copy and no valid stored copy: {arrays}"
+        + (f" (staged by hosts {owners_lost}" + (f", replicated on hosts {sorted(holders)}"
+                                                  if holders else "") + ")"
+           if owners_lost else "")
+        + f"; hosts gone: {gone_hosts or 'none'}. First shard's tries: {first}. Restore an "
+        f"older step ({self._steps()}), or save with more replicas")
+
+  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, stored, shards) -> Any:
+    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
+    blocks = [(d, self._assemble(item, kp, region, stored, shards))
+              for d, region, _ in self._regions(want)]
+    if sharding is None:
+      data = blocks[0][1]
+      return data if shape else data[()]
+    return transfer.global_array(shape, sharding, [b for _, b in blocks],
+                                   [d for d, _ in blocks])
+
+  @staticmethod
+  def _assemble(item: str, kp: KeyPath, region, stored, shards) -> np.ndarray:
+    """The block ``region`` of a leaf, from the stored shards overlapping it."""
+    for index, _ in stored:
+      if index == region:  # the common case: same sharding as saved, no copy
+        return shards[(kp, index)][0]
+    out = None
+    for index, _ in stored:
+      if not _overlaps(index, region):
+        continue
+      lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
+      hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
+      data = shards[(kp, index)][0]
+      if out is None:
+        out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
+      src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
+      dst = tuple(slice(l - r0, h - r0) for l, h, (r0, _) in zip(lo, hi, region))
+      out[dst] = data[src]
+    if out is None:
+      raise errors.InvalidArgumentError(f"{item}: no stored shard covers {kp} {region}")
+    return out
+
+
+def _overlaps(index, region) -> bool:
+  return all(max(a, r0) < min(b, r1) for (a, b), (r0, r1) in zip(index, region)) or not region
+

@@ -1,0 +1,1 @@
+"""The leaves every layer uses: errors, options, the environment, logging."""

@@ -1,0 +1,1 @@
+"""The sidecar's half of checkpointing: stage, persist, commit, replicate, read."""

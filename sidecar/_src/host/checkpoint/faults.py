@@ -1,0 +1,39 @@
+"""Fault injection for the checkpoint crash tests; unset in production.
+
+``SIDECAR_CKPT_FAULT="POINT@STEP"`` makes this sidecar SIGKILL itself there (points:
+stage, write, prepared, commit, read: serving a restore's shard of the step), or
+"slow@STEP" pause 2 s before writing; "replicate@STEP" kills it as a peer's first
+shards of STEP arrive, once its own part of STEP is committed (so the step is durable
+and its replication half done); "enospc@STEP" fails the write with ENOSPC once its
+first shard is on disk (a full disk).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+
+from sidecar._src.core import env
+
+log = logging.getLogger(__name__)
+FAULT_ENV = env.CKPT_FAULT
+
+
+def armed(point: str, step: int) -> bool:
+  """Whether the fault ``point`` is set for ``step``."""
+  return env.get(FAULT_ENV) == f"{point}@{step}"
+
+
+def fault(point: str, step: int) -> None:
+  """Acts out the fault ``point`` if it is set for ``step``; else does nothing."""
+  if armed(point, step):
+    if point == "slow":
+      time.sleep(2.0)
+      return
+    if point == "enospc":
+      raise OSError(errno.ENOSPC, f"No space left on device (fault injection, step {step})")
+    log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,448 @@
+"""Peer replicas, the sending side: one sidecar copies its staged shards into a peer's arena.
+
+Runs in the sending sidecar, on an idle-class thread (``SCHED_IDLE``, as the writes:
+the training step preempts it at once). A :class:`PeerLink` reaches one peer sidecar
+over the same authenticated gRPC as the controller (the job's token). Each replica of
+a step is one client stream (``Checkpoint.Receive``): a header naming it, the shards,
+and a last message marked ``done``:
+
+- **same machine** (the peer's boot id is ours and its worker socket is here): maps
+  the peer's arena through that socket, as a Worker does, copies each shard into a
+  block of it with one memcpy, and sends the blocks' descriptors: the peer takes the
+  blocks with no copy;
+- **elsewhere**: sends each shard's bytes raw (a ``bytes`` field, no codec), in
+  parts of :data:`PART_BYTES`, copied once from the shard into the message; the peer
+  assembles them in blocks of its own arena.
+
+The peer counts only whole replicas (``done`` came): a stream cut short leaves none.
+:class:`Links` keeps one link per peer from step to step: mapping a peer's arena costs
+about as much as copying a step's part into it. The peer's side (the replica records,
+their eviction with the RAM tier) is ``checkpoint.CheckpointHost``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from sidecar._src.arena import shm, worker as worker_lib
+from sidecar._src.ckptfmt.spec import Index, KeyPath
+from sidecar._src.core import env, errors
+from sidecar._src.wire import checkpoint_wire as wire, protocol
+from sidecar._src.wire.protocol import ckpt_pb, pb
+
+# One part of a shard sent inline. Small enough that the peer's copy of one part
+# overlaps the sending of the next (flow control holds a message back until the peer
+# reads it), big enough that the per-message cost is lost in the copy. 512 MiB to a
+# sidecar on loopback here (python -m benchmarks.replication --link): 64 MiB parts 3.2 s,
+# 16 MiB 0.96 s, 8 MiB 0.85 s, 4 MiB 0.86 s; 4 unary calls of 16 MiB in flight (the
+# codec path before the stream) 2.1-2.4 s.
+PART_BYTES = 8 << 20
+QUEUED = 4  # messages serialized ahead of the one gRPC sends
+# Same-machine shards whose blocks one message hands over: the peer takes each
+# message's blocks as it comes.
+BATCH_BYTES = 256 << 20
+ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
+# A replica's whole stream: as long as a Replicate may wait (a paced or slow link takes
+# long; a peer that stops reading is found by the HTTP/2 pings, a cancel ends it at once).
+SEND_TIMEOUT_S = 3600.0
+WATCH_S = 0.5  # how often Links looks for peers that exited
+PACE_BYTES = 1 << 20  # with a bandwidth limit, the copy into a peer's arena goes in pieces:
+# small ones keep the pace smooth (2-4 ms of copy, then a sleep)
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.enable_http_proxy", 0),
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Peer:
+  """Where a peer sidecar is: what the controller tells the sender."""
+  host_id: int
+  address: str  # gRPC ``host:port``
+  socket: str = ""  # its worker socket, usable where boot_id is ours
+  boot_id: str = ""
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"host_id": self.host_id, "address": self.address, "socket": self.socket,
+            "boot_id": self.boot_id}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Peer:
+    try:
+      return cls(host_id=int(d["host_id"]), address=str(d["address"]),
+                 socket=str(d.get("socket") or ""), boot_id=str(d.get("boot_id") or ""))
+    except (KeyError, TypeError, ValueError):
+      raise errors.InvalidArgumentError(
+          f"a peer must be {{'host_id': int, 'address': 'host:port', 'socket': str, "
+          f"'boot_id': str}}, got {d!r:.200}") from None
+
+
+def peer_credentials(tls_cert: str | None, tls_key: str | None,
+                     tls_client_ca: str | None) -> grpc.ChannelCredentials | None:
+  """How a sidecar with TLS (``--tls-cert``) reaches its peers: None without TLS.
+
+  It trusts ``$SIDECAR_TLS_CA``, else its own ``--tls-client-ca`` (a job's sidecars
+  have one CA), else the system's roots; for mTLS it presents
+  ``$SIDECAR_TLS_CLIENT_CERT``/``_KEY``, else its own certificate (which must then allow
+  client authentication, as the k8s component's one does).
+  """
+  if tls_cert is None or tls_key is None:
+    return None
+  mine = env.get(env.TLS_CLIENT_CERT) is None
+  return protocol.tls_credentials(env.get(env.TLS_CA) or tls_client_ca,
+                                  tls_cert if mine else None, tls_key if mine else None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Part:
+  """A ReceiveRequest of one ReplicaPart whose ``data`` is still a view of the shard."""
+  part: ckpt_pb.ReplicaPart  # without data
+  data: memoryview
+
+
+def _varint(n: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte, n = n & 0x7F, n >> 7
+    out.append(byte | (0x80 if n else 0))
+    if not n:
+      return bytes(out)
+
+
+_PART_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
+_DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
+  """A ReceiveRequest's wire bytes; a :class:`_Part`'s with the shard's bytes copied once.
+
+  Protobuf's own way copies them three times (into ``bytes``, into the message, into
+  its serialization); here they go straight from the shard into the one ``bytes``
+  gRPC sends: ``part`` (length-delimited) = the part's other fields, then ``data``.
+  """
+  if not isinstance(message, _Part):
+    return message.SerializeToString()
+  head = message.part.SerializeToString()
+  data_key = _varint(_DATA_FIELD << 3 | 2) + _varint(message.data.nbytes)
+  inner = len(head) + len(data_key) + message.data.nbytes
+  return b"".join((_varint(_PART_FIELD << 3 | 2), _varint(inner), head, data_key,
+                   message.data))
+
+
+def _offer(ready: queue.Queue, item: bytes, call: grpc.Future,
+           cancelled: Callable[[], bool] = lambda: False) -> bool:
+  """Queues ``item`` for the stream ``call``, waiting for room; False if the call ended.
+
+  Raises ClosedError if ``cancelled()`` turns true meanwhile (a peer that stopped
+  reading holds the sender here until then, not until the stream's deadline).
+  """
+  while not call.done():
+    if cancelled():
+      raise errors.ClosedError("the replication was cancelled")
+    try:
+      ready.put(item, timeout=0.1)
+      return True
+    except queue.Full:
+      pass
+  return False
+
+
+class _Pace:
+  """Sleeps so that the bytes counted go no faster than ``bandwidth`` per second."""
+
+  def __init__(self, bandwidth: int | None):
+    self._bandwidth, self._t0, self._sent = bandwidth, time.monotonic(), 0
+
+  @property
+  def limited(self) -> bool:
+    return bool(self._bandwidth)
+
+  def after(self, nbytes: int) -> None:
+    if not self._bandwidth:
+      return
+    self._sent += nbytes
+    ahead = self._t0 + self._sent / self._bandwidth - time.monotonic()
+    if ahead > 0:
+      time.sleep(ahead)
+
+
+class PeerLink:
+  """An authenticated connection from this sidecar to one peer sidecar.
+
+  ``same_machine`` says whether shards go through the peer's arena mapped here.
+  Close it (or use it as a context manager): that unmaps the peer's arena.
+  """
+
+  def __init__(self, peer: Peer, *, token: str | None, timeout: float = 30.0,
+               shared_memory: bool = True, credentials: grpc.ChannelCredentials | None = None):
+    self.peer = peer
+    self._channel = (grpc.insecure_channel(peer.address, options=_CHANNEL_OPTIONS)
+                     if credentials is None else
+                     grpc.secure_channel(peer.address, credentials, options=_CHANNEL_OPTIONS))
+    self._worker: worker_lib.Worker | None = None
+    try:
+      auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
+      handshake = self._channel.unary_unary(
+          f"/{protocol.SERVICE}/Handshake",
+          request_serializer=pb.HandshakeRequest.SerializeToString,
+          response_deserializer=pb.HandshakeResponse.FromString)
+      self._receive = self._channel.stream_unary(  # requests: bytes from _serialize
+          f"/{protocol.CHECKPOINT_SERVICE}/Receive",
+          response_deserializer=ckpt_pb.ReceiveResponse.FromString)
+      try:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        reply = handshake(pb.HandshakeRequest(
+            versions=protocol.local_versions(),
+            client=f"sidecar pid {os.getpid()} on {socket.gethostname()} (replicas)"),
+            timeout=timeout, metadata=auth)
+      except grpc.FutureTimeoutError:
+        raise errors.HostLostError(
+            f"peer sidecar host {peer.host_id} at {peer.address} did not answer within "
+            f"{timeout:.3g} s", host_id=peer.host_id) from None
+      except grpc.RpcError as e:
+        raise self._error(e) from None
+      if reply.identity.host_id != peer.host_id:
+        raise errors.InvalidArgumentError(
+            f"the sidecar at {peer.address} is host {reply.identity.host_id}, not host "
+            f"{peer.host_id} as the controller said")
+      self._metadata = auth + ((protocol.SESSION_KEY, reply.session),)
+      here = shm.boot_id()
+      if (shared_memory and here and reply.identity.boot_id == here
+          and os.path.exists(reply.worker_socket)):
+        self._worker = worker_lib.Worker(reply.worker_socket, timeout=timeout)
+    except BaseException:
+      self.close()
+      raise
+
+  @property
+  def same_machine(self) -> bool:
+    return self._worker is not None
+
+  def hung_up(self) -> bool:
+    """Whether a same-machine peer's sidecar has exited (its socket closed)."""
+    return self._worker is not None and self._worker.hung_up()
+
+  def _error(self, e: grpc.RpcError) -> errors.SidecarError:
+    return protocol.error_from_rpc(e, host=self.peer.address, host_id=self.peer.host_id)
+
+  def send(self, header: dict[str, Any],
+           shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
+           bandwidth: int | None = None) -> int:
+    """Sends every shard, then marks the replica whole; returns the bytes sent.
+
+    One ``Receive`` stream: the header, the shards, then ``done``. ``header`` names
+    the replica (directory, step, item, source host); ``bandwidth`` (bytes per second)
+    paces the sending. Raises HostLostError if the peer goes away, ClosedError if
+    ``cancelled()`` turns true.
+    """
+    w = self._worker
+    first = ckpt_pb.ReceiveRequest(
+        header=ckpt_pb.ReplicaHeader(directory=header["directory"], step=header["step"],
+                                     item=header["item"], source=header["source"]),
+        worker_session=w.session if w is not None else "")
+    sent = [0]
+    held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
+    make = self._shared if w is not None else self._inline
+    # The messages are made and serialized here, on this (idle-class) thread, QUEUED ahead
+    # of gRPC's thread that sends them: the copies overlap the sending, and yield the
+    # CPU to the training step as the writes do.
+    ready: queue.Queue = queue.Queue(maxsize=QUEUED)
+    end = b""  # no message is empty: the header comes first
+
+    def requests() -> Iterator[bytes]:
+      while (item := ready.get()) != end:
+        yield item
+
+    call = self._receive.future(requests(), timeout=timeout, metadata=self._metadata)
+    try:
+      messages: Iterator[Any] = itertools.chain(
+          [first], make(header, shards, cancelled, timeout, _Pace(bandwidth), sent, held),
+          [ckpt_pb.ReceiveRequest(done=True)])
+      for message in messages:
+        if not _offer(ready, _serialize(message), call, cancelled):
+          break  # the stream ended early: its error is the call's
+      _offer(ready, end, call, cancelled)
+      call.result()
+    except grpc.RpcError as e:
+      raise self._error(e) from None
+    except BaseException:
+      call.cancel()  # the peer drops what came: not a whole replica
+      raise
+    finally:
+      while True:  # gRPC's thread, if still waiting for a message, gets the end
+        try:
+          ready.get_nowait()
+        except queue.Empty:
+          break
+      ready.put_nowait(end)
+      held.clear()
+    return sent[0]
+
+  def _shared(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
+              held: list) -> Iterator[ckpt_pb.ReceiveRequest]:
+    """Each shard copied into a block of the peer's arena; the blocks' descriptors sent."""
+    w = self._worker
+    assert w is not None
+    batch = ckpt_pb.ReceiveRequest()
+    batch_bytes = 0
+    for kp, index, data in shards:
+      if cancelled():
+        raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
+      # A full peer arena fails the replica soon, not after the whole deadline.
+      dst, ref = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
+      dst_bytes, src_bytes = (a.reshape(-1).view(np.uint8) for a in (dst, data))
+      step = PACE_BYTES if pace.limited else max(dst.nbytes, 1)
+      for a in range(0, dst.nbytes, step):  # memcpy, on this (idle-class) thread
+        np.copyto(dst_bytes[a:a + step], src_bytes[a:a + step])
+        pace.after(min(step, dst.nbytes - a))
+      held.append(dst)
+      block = batch.blocks.add(shard=wire.shard_to_pb(kp, index))
+      block.data.CopyFrom(pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
+                                      generation=ref.generation, dtype=ref.dtype,
+                                      shape=ref.shape))
+      batch_bytes += data.nbytes
+      if batch_bytes >= BATCH_BYTES:
+        yield batch
+        sent[0] += batch_bytes
+        batch, batch_bytes = ckpt_pb.ReceiveRequest(), 0
+    if batch.blocks:
+      yield batch
+      sent[0] += batch_bytes
+
+  def _inline(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
+              held: list) -> Iterator[_Part]:
+    """Each shard's bytes, raw, in parts of PART_BYTES."""
+    for kp, index, data in shards:
+      flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+      shard = wire.shard_to_pb(kp, index)
+      for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
+        if cancelled():
+          raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
+        part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
+                                   offset=offset)
+        chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
+        yield _Part(part, chunk)
+        pace.after(chunk.nbytes)
+      sent[0] += flat.nbytes
+
+  def close(self) -> None:
+    """Unmaps the peer's arena and closes the channel; idempotent."""
+    if self._worker is not None:
+      self._worker.close()
+      self._worker = None
+    self._channel.close()
+
+  def __enter__(self) -> PeerLink:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class Links:
+  """One :class:`PeerLink` per peer, kept from step to step; ``close()`` closes them.
+
+  A link that fails is closed, and made once more if it had served an earlier step and
+  the peer still answers (it may have restarted at the same address, or expired the
+  session). A thread closes the link of a same-machine peer whose sidecar exits, so
+  that this sidecar does not keep a dead peer's arena mapped (its memory alive) until
+  the next step needs that peer.
+  """
+
+  def __init__(self, *, token: str | None, shared_memory: bool = True,
+               credentials: grpc.ChannelCredentials | None = None):
+    self._token = token
+    self._shared_memory = shared_memory
+    self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
+    self._lock = threading.Lock()
+    self._links: dict[int, tuple[PeerLink, threading.Lock]] = {}  # by peer host id
+    self._closed = threading.Event()
+    self._watcher: threading.Thread | None = None
+
+  def send(self, peer: Peer, header: dict[str, Any],
+           shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
+           cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
+           bandwidth: int | None = None) -> tuple[int, bool]:
+    """:meth:`PeerLink.send` over ``peer``'s link; returns (bytes, same machine)."""
+    while True:
+      link, lock, fresh = self._get(peer, timeout)
+      with lock:
+        try:
+          return (link.send(header, shards, cancelled=cancelled, timeout=timeout,
+                            bandwidth=bandwidth), link.same_machine)
+        except BaseException as e:
+          self._forget(peer.host_id, link)
+          link.close()
+          if (fresh or cancelled() or not isinstance(e, Exception)
+              or isinstance(e, errors.HostLostError)):  # a peer gone stays gone
+            raise
+          log.info("the link to host %d failed (%s); making a new one", peer.host_id, e)
+
+  def _get(self, peer: Peer, timeout: float) -> tuple[PeerLink, threading.Lock, bool]:
+    with self._lock:
+      entry = self._links.get(peer.host_id)
+    if entry is not None and entry[0].peer == peer:
+      return entry[0], entry[1], False
+    if entry is not None:  # the peer moved
+      self._retire(peer.host_id, *entry)
+    link = PeerLink(peer, token=self._token, timeout=min(timeout, 30.0),
+                    shared_memory=self._shared_memory, credentials=self._credentials)
+    with self._lock:
+      if self._closed.is_set():
+        link.close()
+        raise errors.ClosedError("this sidecar is stopping")
+      old = self._links.get(peer.host_id)
+      lock = threading.Lock()
+      self._links[peer.host_id] = (link, lock)
+      if link.same_machine and self._watcher is None:
+        self._watcher = threading.Thread(target=self._watch, name="sidecar-peer-links",
+                                         daemon=True)
+        self._watcher.start()
+    if old is not None:
+      self._retire(peer.host_id, *old)
+    return link, lock, True
+
+  def _forget(self, host_id: int, link: PeerLink) -> None:
+    with self._lock:
+      if self._links.get(host_id, (None,))[0] is link:
+        del self._links[host_id]
+
+  def _retire(self, host_id: int, link: PeerLink, lock: threading.Lock) -> None:
+    self._forget(host_id, link)
+    with lock:  # after a send in flight on it
+      link.close()
+
+  def _watch(self) -> None:
+    while not self._closed.wait(WATCH_S):
+      with self._lock:
+        links = list(self._links.items())
+      for host_id, (link, lock) in links:
+        if link.hung_up():
+          log.info("peer host %d exited: unmapping its arena", host_id)
+          self._retire(host_id, link, lock)
+
+  def close(self) -> None:
+    """Stops the watcher and closes every link; idempotent."""
+    self._closed.set()
+    if self._watcher is not None and self._watcher is not threading.current_thread():
+      self._watcher.join(5)
+    with self._lock:
+      links, self._links = list(self._links.items()), {}
+    for host_id, (link, lock) in links:
+      self._retire(host_id, link, lock)

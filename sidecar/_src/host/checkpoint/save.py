@@ -1,0 +1,282 @@
+"""The save phases on the sidecar: open, begin, stage and its writer, commit, abort, delete.
+
+``stage`` takes shards the worker copied into the arena; from then on the trainer's
+arrays are free: this host's RAM tier holds the only copy it needs, and one writer
+thread per step (started through ``spawn``, so the owner joins it) writes them as
+they arrive, in stock Orbax's layout. ``commit`` writes the manifest, then Orbax's
+finalize and rename. ``delete`` and ``abort`` remove only step directories a
+checkpoint wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import queue
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import (
+  commit as ol_commit,
+  read as ol_read,
+  shards as ol_shards,
+  spec as layout,
+  write as ol_write,
+)
+from sidecar._src.core import errors
+from sidecar._src.host import metrics as metrics_lib
+from sidecar._src.host.checkpoint import faults, ram_tier, roots as roots_lib
+from sidecar._src.host.checkpoint.roots import MANIFEST
+
+log = logging.getLogger(__name__)
+# A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
+# waits longer than this for the next one gives up and lets the staged blocks go (the
+# trainer died or hung mid-save).
+STAGE_TIMEOUT_S = 60.0
+
+
+class Saver:
+  """The save phases of one sidecar (``host_id``) over its RAM ``tier``.
+
+  Args:
+    host_id: this sidecar's host.
+    tier: its RAM tier, where the staged steps go.
+    roots: its checkpoint roots; every path a phase names is checked against them.
+    spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
+    metrics: where the bytes staged and written and the write's time are recorded.
+  """
+
+  def __init__(self, host_id: int, *, tier: ram_tier.RamTier, roots: roots_lib.Roots,
+               spawn: Callable[..., None], metrics: metrics_lib.Recorder):
+    self._host_id = host_id
+    self._tier = tier
+    self._roots = roots
+    self._path = roots.resolve
+    self._spawn = spawn
+    self._metrics = metrics
+
+  def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
+           sweep: bool = True) -> dict:
+    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps.
+
+    ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps.
+    """
+    path = pathlib.Path(self._path(directory, "directory"))
+    try:
+      path.mkdir(parents=True, exist_ok=True)
+      probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
+      probe.write_bytes(b"ok")
+      probe.unlink()
+    except OSError as e:
+      raise errors.InvalidArgumentError(
+          f"checkpoint directory {directory!r} is not writable from sidecar host "
+          f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
+          "mount the same volume in the sidecar container)") from None
+    for tmp in path.glob(f"*{layout.TMP_SUFFIX}") if sweep else ():
+      with self._tier.lock:
+        in_flight = any(s.directory == directory and not s.done.is_set()
+                        for s in self._tier.steps.values())
+      if not in_flight:  # a step whose save crashed before its commit
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("removed %s, left by a save that never committed", tmp)
+    with self._tier.lock:
+      self._tier.ram_steps[directory] = (ram_steps, ram_budget)
+    return {"steps": ol_read.list_steps(directory)}
+
+  def begin(self, directory: str, step: int) -> str:
+    self._path(directory, "directory")
+    return str(ol_commit.create_tmp_step(directory, roots_lib.as_int(step, "step")))
+
+  def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
+            shards: list[dict], last: bool = True) -> int:
+    """Takes shards of this host (arena views it now holds) and starts writing them.
+
+    A save stages in parts, as the trainer copies (``last`` on the final one): the
+    first part starts the writer, each part's shards are written as they arrive.
+    ``item`` is the uncommitted item directory to write; ``final_item`` where it will
+    be once committed (the RAM tier's key). Returns the bytes staged so far.
+    """
+    step = roots_lib.as_int(step, "step")
+    for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
+      self._path(value, name)
+    faults.fault("stage", step)
+    with self._tier.lock:
+      record = self._tier.steps.get(final_item)
+      if record is None or record.done.is_set():
+        specs = [layout.spec_from_dict(d) for d in leaves]
+        record = ram_tier.Step(directory, step, final_item, {}, 0, specs)
+        self._tier.steps[final_item] = record
+        self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
+      if record.closed:
+        raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
+      for s in shards:
+        leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
+        if not 0 <= leaf < len(record.specs):
+          raise errors.InvalidArgumentError(
+              f"shard of leaf {leaf}: step {step} has {len(record.specs)} leaves")
+        record.shards[(record.specs[leaf].key_path, index)] = s["data"]
+        record.nbytes += s["data"].nbytes
+        self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
+        record.incoming.put((leaf, ol_shards.Shard(index, s["data"])))
+      if last:
+        record.closed = True
+        record.incoming.put(None)
+      return record.nbytes
+
+  def _write(self, record: ram_tier.Step, item: str) -> None:
+    # The bytes are written and checksummed on idle-class threads (orbax_write): a
+    # save yields the CPU to the training step and feeds wherever they compete.
+    t0 = time.perf_counter()
+    try:
+      faults.fault("write", record.step)
+      faults.fault("slow", record.step)
+      last_log = [time.monotonic()]
+
+      def progress(nbytes: int) -> None:
+        faults.fault("enospc", record.step)
+        record.written += nbytes
+        self._metrics.checkpoint_bytes("written", nbytes)
+        now = time.monotonic()
+        if now - last_log[0] >= 1.0:  # rate-limited: one line a second at most
+          last_log[0] = now
+          log.info("step %d: %s of %s written (%.2f GB/s)", record.step,
+                   shm.format_size(record.written), shm.format_size(record.nbytes),
+                   record.written / (now - record.started) / 1e9, extra={"step": record.step})
+
+      def incoming():
+        while True:
+          try:
+            shard = record.incoming.get(timeout=STAGE_TIMEOUT_S)
+          except queue.Empty:
+            raise errors.DeadlineExceededError(
+                f"step {record.step}: no part staged for {STAGE_TIMEOUT_S:g} s; the trainer "
+                "stopped mid-save") from None
+          if shard is None:
+            return
+          if isinstance(shard, BaseException):
+            raise shard
+          yield shard
+
+      sums = ol_write.write_item_part(item, self._host_id, record.specs, incoming(), progress=progress)
+      record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
+                           "nbytes": c.nbytes, "crc32c": c.crc32c, "host": self._host_id}
+                          for c in sums]
+      seconds = time.perf_counter() - t0
+      self._metrics.phase("write", seconds)
+      log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
+               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9,
+               extra={"step": record.step})
+    except BaseException as e:
+      record.error = e.with_traceback(None)  # its frames would hold the staged blocks,
+      e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
+      log.error("step %d: writing this host's part failed: %s", record.step, e,
+                extra={"step": record.step})
+      if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
+        with self._tier.lock:
+          if self._tier.steps.get(record.item) is record:
+            del self._tier.steps[record.item]
+        record.shards.clear()
+    finally:
+      record.finished = time.monotonic()
+      record.done.set()
+
+  def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
+    self._path(final_item, "final_item")
+    record = self._tier.record(final_item)
+    if not record.done.wait(timeout):
+      raise errors.DeadlineExceededError(
+          f"step {record.step} is still being written after {timeout} s")
+    if record.error is not None:
+      raise errors.InvalidArgumentError(
+          f"host {self._host_id} could not write step {record.step}: {record.error}")
+    faults.fault("prepared", record.step)
+    return record.checksums
+
+  def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
+             checksums: list[dict], data_state: str, whole_step: bool,
+             replicas: dict | None = None) -> str:
+    """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
+
+    Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
+    ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
+    so that a restore that finds shards lost can say which hosts are gone.
+    """
+    step = roots_lib.as_int(step, "step")
+    self._path(item, "item")
+    if whole_step:  # the rename acts on the item's parent, the tmp step directory
+      parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
+      if not parent.endswith(layout.TMP_SUFFIX):
+        raise errors.InvalidArgumentError(
+            f"item {item!r:.200} is not in an uncommitted step directory (*{layout.TMP_SUFFIX})")
+    manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
+                "leaves": leaves, "shards": checksums,
+                "data_state": json.loads(data_state) if data_state else None}
+    if replicas:
+      manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
+    try:
+      with open(pathlib.Path(item) / MANIFEST, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    except (FileNotFoundError, NotADirectoryError) as e:
+      raise errors.InvalidArgumentError(
+          f"commit: item {item!r:.200} is not a directory this sidecar staged and wrote "
+          f"({e.strerror}); stage and prepare a step before committing it") from None
+    faults.fault("commit", step)
+    specs = [layout.spec_from_dict(d) for d in leaves]
+    if whole_step:
+      return str(ol_commit.finalize(pathlib.Path(item).parent, specs, num_hosts=num_hosts))
+    ol_commit.finalize_item(item, specs, num_hosts=num_hosts)
+    return item
+
+  def abort(self, item: str, final_item: str) -> None:
+    """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
+    written. The controller calls it again with the whole uncommitted step directory
+    once every host is done. ``item`` must be an uncommitted step directory
+    (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed."""
+    path = self._path(item, "item")
+    self._path(final_item, "final_item")
+    root = self._roots.root_of(path)
+    assert root is not None
+    if not any(part.endswith(layout.TMP_SUFFIX)
+               for part in pathlib.Path(path).relative_to(root).parts):
+      raise errors.InvalidArgumentError(
+          f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "
+          "nor inside one; abort removes only a save's uncommitted files")
+    with self._tier.lock:
+      record = self._tier.steps.pop(final_item, None)
+      for key in [k for k in self._tier.replicas if k[0] == final_item]:
+        del self._tier.replicas[key]
+    if record is not None:
+      if record.replication is not None:
+        record.replication.cancelled.set()
+      if not record.closed:
+        record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
+      record.done.wait(60)
+      record.shards.clear()  # the staged blocks go back to the arena
+    shutil.rmtree(path, ignore_errors=True)
+
+  def delete(self, directory: str, step: int) -> None:
+    """Removes a committed step (max_to_keep); the sidecar does the I/O.
+
+    Only a step directory a checkpoint wrote goes (Orbax's markers or the manifest in
+    it or its items); anything else is refused.
+    """
+    self._path(directory, "directory")
+    step = roots_lib.as_int(step, "step")
+    if step < 0:
+      raise errors.InvalidArgumentError(f"step must be a non-negative int, got {step}")
+    target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
+    if not target.is_dir():
+      return  # gone already
+    if not roots_lib.is_checkpoint_dir(target):
+      raise errors.InvalidArgumentError(
+          f"delete: {target} is not a checkpoint step directory (no {MANIFEST} nor Orbax's "
+          "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
+          "wrote")
+    shutil.rmtree(target, ignore_errors=True)

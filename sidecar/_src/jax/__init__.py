@@ -1,0 +1,1 @@
+"""Everything JAX-specific on the trainer side."""

@@ -1,0 +1,328 @@
+"""Multi-controller JAX: one trainer process per host under ``jax.distributed``.
+
+Runs in the trainer processes. Two things live here:
+
+- :func:`initialize`: ``jax.distributed.initialize`` from what ``sidecar launch`` or the
+  k8s manifests put in the environment (or JAX's own cluster detection).
+- :class:`Peers`: how the processes of one job agree, through the ``jax.distributed``
+  coordination service (its key-value store, with timeouts), as Orbax's multihost
+  utilities do. :class:`LocalPeers` is the one-process case, where agreement is free.
+
+Every process makes the same calls in the same order (SPMD), so each agreement is
+named by a key every process computes alike (``ckpt/3/save/7/prepared``, say).
+
+The environment :func:`initialize` reads:
+
+==============================  ================================================================
+``SIDECAR_COORDINATOR_ADDRESS`` ``host:port`` of the coordinator (process 0). In a JobSet, by
+                                default the first pod's stable name:
+                                ``{jobset}-{replicated_job}-0-0.{subdomain}:{port}``
+``SIDECAR_COORDINATOR_PORT``    the port of that default (8476)
+``SIDECAR_NUM_PROCESSES``       processes in the job; in a JobSet, by default
+                                ``SIDECAR_NUM_SLICES * SIDECAR_HOSTS_PER_SLICE``
+``SIDECAR_PROCESS_ID``          this process; in a JobSet, by default
+                                ``SIDECAR_SLICE_ID * SIDECAR_HOSTS_PER_SLICE + SIDECAR_HOST_ID``
+``SIDECAR_LOCAL_DEVICES``       CPU runs only: CPU devices of this process
+``SIDECAR_SYNC_TIMEOUT``        seconds a process waits for the others at an agreement (300)
+==============================  ================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from sidecar._src.core import env as env_lib, errors
+
+log = logging.getLogger(__name__)
+COORDINATOR_ADDRESS = env_lib.COORDINATOR_ADDRESS
+NUM_PROCESSES = env_lib.NUM_PROCESSES
+PROCESS_ID = env_lib.PROCESS_ID
+LOCAL_DEVICES = env_lib.LOCAL_DEVICES
+COORDINATOR_PORT = env_lib.COORDINATOR_PORT  # k8s only: sidecar launch gives the address
+SYNC_TIMEOUT = env_lib.SYNC_TIMEOUT
+DEFAULT_COORDINATOR_PORT = env_lib.DEFAULT_COORDINATOR_PORT
+DEFAULT_SYNC_TIMEOUT_S = env_lib.DEFAULT_SYNC_TIMEOUT_S
+_JOBSET = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
+           env_lib.HOSTS_PER_SLICE)
+
+
+def _client() -> Any:
+  """The ``jax.distributed`` coordination client, or None before ``initialize``."""
+  try:
+    from jax._src import distributed as jax_distributed  # the only home of the client
+  except ImportError:  # pragma: no cover - a JAX without it has no multi-controller mode
+    return None
+  return jax_distributed.global_state.client
+
+
+def is_initialized() -> bool:
+  """Whether ``jax.distributed`` runs in this process."""
+  return _client() is not None
+
+
+def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
+  """Starts ``jax.distributed`` from the environment; call it before any other JAX call.
+
+  Reads the variables in this module's docstring (set by ``sidecar launch`` and by the
+  manifests in ``k8s/``). Where none is set and JAX detects the cluster itself (Cloud
+  TPU VMs, GKE TPU pods, SLURM, Open MPI), defers to ``jax.distributed.initialize()``.
+  Where nothing names a job, does nothing: the script then runs as one process that
+  owns every device, unchanged. Idempotent. ``kwargs`` go to
+  ``jax.distributed.initialize`` (e.g. ``heartbeat_timeout_seconds``).
+
+  Returns:
+    Whether ``jax.distributed`` runs in this process now.
+
+  Example::
+
+    import sidecar
+    sidecar.distributed.initialize()
+    ctl = sidecar.Controller.from_env()   # every sidecar; this process drives its own host
+
+  Raises:
+    InvalidArgumentError: the environment names some of the job but not all of it; the
+      message names each missing or malformed variable.
+  """
+  if is_initialized():
+    return True
+  env = os.environ if env is None else env
+  args = job_from_env(env)
+  if args is None:
+    if not _jax_detects_cluster():
+      log.info("no jax.distributed job in the environment (%s, %s, %s or a JobSet's): one "
+               "process", COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID)
+      return False
+    jax.distributed.initialize(**kwargs)
+    return True
+  local = args.pop("local_devices", None)
+  if local is not None:
+    jax.config.update("jax_num_cpu_devices", local)
+  jax.distributed.initialize(**args, **kwargs)
+  return True
+
+
+def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
+  """``jax.distributed.initialize`` arguments from ``env``; None where it names no job."""
+  get = lambda name: env.get(name, "").strip()
+  jobset = all(get(n) for n in _JOBSET)
+  ours = [n for n in (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID) if get(n)]
+  if not ours and not jobset:
+    return None
+  if jobset:
+    per_slice = env_lib.int_var(env, env_lib.HOSTS_PER_SLICE, None, minimum=1)
+    slices = env_lib.int_var(env, env_lib.NUM_SLICES, None, minimum=1)
+    subdomain = get(env_lib.SUBDOMAIN) or get(env_lib.JOBSET_NAME)
+    port = env_lib.int_var(env, COORDINATOR_PORT, DEFAULT_COORDINATOR_PORT, minimum=1)
+    coordinator = get(COORDINATOR_ADDRESS) or (
+        f"{get(env_lib.JOBSET_NAME)}-{get(env_lib.REPLICATED_JOB)}-0-0.{subdomain}:{port}")
+    count = env_lib.int_var(env, NUM_PROCESSES, slices * per_slice, minimum=1)
+    if get(PROCESS_ID):
+      index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
+    else:
+      missing = [n for n in (env_lib.SLICE_ID, env_lib.HOST_ID) if not get(n)]
+      if missing:
+        raise errors.InvalidArgumentError(
+            f"cannot tell this process's id: {PROCESS_ID} is not set and neither is "
+            f"{' nor '.join(missing)} (the manifests in k8s/ set both from the pod's "
+            "job-index and job-completion-index annotations)")
+      index = (env_lib.int_var(env, env_lib.SLICE_ID, None, minimum=0) * per_slice
+               + env_lib.int_var(env, env_lib.HOST_ID, None, minimum=0))
+  else:
+    missing = [n for n in (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID) if not get(n)]
+    if missing:
+      raise errors.InvalidArgumentError(
+          f"the environment names a jax.distributed job ({', '.join(ours)} set) but "
+          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; set all three "
+          "(sidecar launch does)")
+    coordinator = get(COORDINATOR_ADDRESS)
+    count = env_lib.int_var(env, NUM_PROCESSES, None, minimum=1)
+    index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
+  if index >= count:
+    raise errors.InvalidArgumentError(
+        f"process id {index} is not below the {count} processes of the job; check "
+        f"{PROCESS_ID} / SIDECAR_SLICE_ID / SIDECAR_HOST_ID against {NUM_PROCESSES}")
+  out: dict[str, Any] = {"coordinator_address": coordinator, "num_processes": count,
+                         "process_id": index}
+  if get(LOCAL_DEVICES):
+    out["local_devices"] = env_lib.int_var(env, LOCAL_DEVICES, None, minimum=1)
+  return out
+
+
+def _jax_detects_cluster() -> bool:
+  try:
+    from jax._src import clusters
+    return any(c.is_env_present() for c in clusters.ClusterEnv._cluster_types
+               if c.__name__ != "K8sCluster")  # it needs a kubernetes client we don't require
+  except Exception:  # an internal API; without it, ask for our variables
+    return False
+
+
+def sync_timeout(env: Mapping[str, str] | None = None) -> float:
+  """Seconds to wait for the other processes at an agreement (``SIDECAR_SYNC_TIMEOUT``)."""
+  text = (os.environ if env is None else env).get(SYNC_TIMEOUT, "").strip()
+  if not text:
+    return DEFAULT_SYNC_TIMEOUT_S
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if value <= 0:
+    raise errors.InvalidArgumentError(f"{SYNC_TIMEOUT} must be positive seconds, got {text!r}")
+  return value
+
+
+def _timeout(timeout: float | None) -> float:
+  return sync_timeout() if timeout is None else timeout
+
+
+class Peers:
+  """The processes of one job, and how they agree. Subclasses move the values.
+
+  Every method is called by every process with the same ``key`` (SPMD); values are
+  short strings (JSON).
+  """
+
+  index: int = 0
+  count: int = 1
+
+  def publish(self, key: str, value: str) -> None:
+    """Makes ``value`` this process's answer to ``key``; once per key."""
+    raise NotImplementedError
+
+  def read(self, key: str, process: int, *, timeout: float) -> str:
+    """Process ``process``'s answer to ``key``, waiting up to ``timeout`` seconds."""
+    raise NotImplementedError
+
+  def all_gather(self, key: str, value: str, *, timeout: float | None = None) -> list[str]:
+    """Every process's ``value`` for ``key``, by process index."""
+    self.publish(key, value)
+    wait = _timeout(timeout)
+    return [value if p == self.index else self.read(key, p, timeout=wait)
+            for p in range(self.count)]
+
+  def broadcast(self, key: str, value: str | None = None, *,
+                timeout: float | None = None) -> str:
+    """Process 0's ``value`` for ``key``, in every process (the others pass None)."""
+    if self.index == 0:
+      if value is None:
+        raise errors.InvalidArgumentError(f"process 0 must give the value of {key!r}")
+      self.publish(key, value)
+      return value
+    return self.read(key, 0, timeout=_timeout(timeout))
+
+  def agree(self, key: str, value: Any, *, what: str, timeout: float | None = None) -> None:
+    """Raises in every process unless every process passes an equal ``value``.
+
+    ``what`` names the value in the error, e.g. ``"the step of the save"``.
+    """
+    text = json.dumps(value, sort_keys=True, default=repr)
+    values = self.all_gather(key, text, timeout=timeout)
+    if len(set(values)) == 1:
+      return
+    decoded = [json.loads(v) for v in values]
+    if all(isinstance(d, dict) for d in decoded):  # name only the fields that differ
+      fields = sorted({k for d in decoded for k in d
+                       if len({json.dumps(e.get(k), sort_keys=True) for e in decoded}) > 1})
+      values = [", ".join(f"{k}={json.dumps(d.get(k))}" for k in fields) for d in decoded]
+    raise errors.InvalidArgumentError(
+        f"the {self.count} processes disagree on {what}: "
+        + "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
+        + ". Every process must make the same calls with the same arguments, in the same "
+        "order")
+
+
+class LocalPeers(Peers):
+  """One process: it agrees with itself, and nobody else reads what it publishes."""
+
+  def publish(self, key: str, value: str) -> None:
+    del key, value
+
+  def read(self, key: str, process: int, *, timeout: float) -> str:
+    del timeout
+    raise errors.InvalidArgumentError(f"a job of one process has no process {process} to "
+                                      f"answer {key!r}")
+
+
+class JaxPeers(Peers):
+  """The processes of a ``jax.distributed`` job, through its key-value store."""
+
+  PREFIX = "sidecar/"
+
+  def __init__(self, client: Any = None, *, index: int | None = None,
+               count: int | None = None):
+    self._kv = client if client is not None else _client()
+    if self._kv is None:
+      raise errors.ClosedError("jax.distributed is not initialized in this process")
+    self.index = jax.process_index() if index is None else index
+    self.count = jax.process_count() if count is None else count
+
+  def publish(self, key: str, value: str) -> None:
+    try:
+      self._kv.key_value_set(f"{self.PREFIX}{key}/{self.index}", value)
+    except Exception as e:  # jax raises its own runtime errors here
+      raise errors.InvalidArgumentError(
+          f"process {self.index} could not publish {key!r} (published twice means the "
+          f"processes' calls are out of step): {str(e)[:300]}") from None
+
+  def read(self, key: str, process: int, *, timeout: float) -> str:
+    t0 = time.monotonic()
+    try:
+      return self._kv.blocking_key_value_get(f"{self.PREFIX}{key}/{process}",
+                                             max(int(timeout * 1000), 1))
+    except Exception as e:  # jax raises its own runtime errors here
+      waited = time.monotonic() - t0
+      raise errors.DeadlineExceededError(
+          f"process {self.index}: process {process} gave no answer to {key!r} within "
+          f"{waited:.3g} s (it died, hangs, or makes other calls than this one: every "
+          f"process must make the same calls in the same order; {SYNC_TIMEOUT} sets the "
+          f"wait): {str(e)[:300]}") from None
+
+  def delete(self, key: str) -> None:
+    """Forgets this process's answer to ``key`` (the store holds it until then)."""
+    try:
+      self._kv.key_value_delete(f"{self.PREFIX}{key}/{self.index}")
+    except Exception:  # best effort: the store ends with the job
+      pass
+
+
+def peers() -> Peers:
+  """This job's processes: :class:`JaxPeers` under ``jax.distributed``, else one."""
+  if is_initialized() and jax.process_count() > 1:
+    return JaxPeers()
+  return LocalPeers()
+
+
+def local_identity() -> dict[str, Any] | None:
+  """``{"process_index", "device_ids"}`` of this process under ``jax.distributed``, else None.
+
+  A Worker tells its sidecar this on attach. Without ``jax.distributed`` it says
+  nothing: asking JAX for devices would start its backends, and in one process
+  that owns every device the sidecars' ``--device-ids`` say which are whose.
+  """
+  if not is_initialized():
+    return None
+  return {"process_index": jax.process_index(),
+          "device_ids": [d.id for d in jax.local_devices()]}
+
+
+def hosts_by_process(identities: Sequence[dict[str, Any]]) -> dict[int, int]:
+  """``{device id: host id}`` from each process's ``{"host_id", "device_ids"}``."""
+  out: dict[int, int] = {}
+  seen: dict[int, int] = {}
+  for p, ident in enumerate(identities):
+    host = int(ident["host_id"])
+    if host in seen:
+      raise errors.InvalidArgumentError(
+          f"processes {seen[host]} and {p} both drive sidecar host {host}; give each process "
+          "its own host's sidecar (SIDECAR_ADDRESS)")
+    seen[host] = p
+    for d in ident["device_ids"]:
+      out[int(d)] = host
+  return out

@@ -1,0 +1,1 @@
+"""The one stream consumer and its transports (gRPC, the worker's socket)."""

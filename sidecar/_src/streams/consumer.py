@@ -1,0 +1,186 @@
+"""The consumer of a sidecar stream, over a transport that only moves items and credits.
+
+One :class:`Stream` holds what a user sees of ``ctl.stream`` (and what a feed reads
+from each host): iteration, the end, the sidecar's error, a timeout per item that
+leaves the stream open, ``close()``. Under it a :class:`Transport` moves
+``pb.StreamItem``s in and credits out: over gRPC (``controller/stream.py``) or over
+the worker's Unix socket (``worker.py``), where credits also carry the blocks let go of.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any
+
+from sidecar._src.core import errors
+from sidecar._src.jax import transfer
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
+
+# What a transport's receive hands back after its consumer closed it from another thread.
+_CLOSED_ITEM = pb.StreamItem(end=True)
+
+
+def check_prefetch(prefetch: Any) -> int:
+  """``prefetch`` if it is an int from 1 to MAX_PREFETCH (what a sidecar allows), else
+  InvalidArgumentError."""
+  if not isinstance(prefetch, int) or prefetch < 1:
+    raise errors.InvalidArgumentError(f"prefetch must be a positive int, got {prefetch!r}")
+  if prefetch > protocol.MAX_PREFETCH:
+    raise errors.InvalidArgumentError(
+        f"prefetch must be at most {protocol.MAX_PREFETCH}, got {prefetch}; lower prefetch=")
+  return prefetch
+
+
+class Transport(abc.ABC):
+  """Moves one stream's items from a sidecar, and its consumer's credits back.
+
+  It knows nothing of values, deadlines or the end: :class:`Stream` does. A failure
+  is raised as a SidecarError (HostLostError when the sidecar is gone or silent).
+
+  Attributes:
+    host: the sidecar's address, for messages.
+    host_id: the sidecar's host id.
+    poll_s: the longest one ``receive`` waits; between waits the consumer looks at its
+      deadline and whether it was closed, then calls ``check_alive``.
+    from_arena: turns an arena descriptor into an array, where the consumer maps the
+      sidecar's arena; None where values arrive inline.
+  """
+
+  host: str
+  host_id: int
+  poll_s: float
+  from_arena: codec.FromArena | None = None
+
+  @abc.abstractmethod
+  def receive(self, wait: float) -> pb.StreamItem | None:
+    """The next item (one with ``end`` set ends the stream), or None if none came
+    within ``wait`` seconds."""
+
+  @abc.abstractmethod
+  def check_alive(self, waited: float) -> None:
+    """Raises HostLostError if the sidecar shows no sign of life; ``waited``: the
+    seconds the consumer has waited for this item so far."""
+
+  @abc.abstractmethod
+  def credit(self, n: int, *, wait_s: float) -> None:
+    """Grants the sidecar ``n`` more items; ``wait_s``: what the consumer waited for them."""
+
+  @abc.abstractmethod
+  def close(self, *, owed: int) -> None:
+    """Ends the stream; ``owed``: items taken and not yet credited. Called once."""
+
+
+class Stream:
+  """Iterates what a registered iterable yields in one sidecar. Made by ``ctl.stream``.
+
+  The sidecar runs at most ``prefetch`` items ahead: every item taken earns it a
+  credit, sent ``credit_every`` at a time. ``next()`` raises StopIteration at the end
+  and the sidecar's error if the iterable raised, and both close the stream; so does
+  any failure of the transport (HostLostError when the sidecar is gone). A ``timeout``
+  bounds the wait for one item: past it ``next()`` raises DeadlineExceededError and
+  the stream stays open, so the caller may wait again.
+
+  Example::
+
+    with ctl.stream("batches", kwargs={"split": "train"}, prefetch=4) as s:
+      for batch in s:
+        ...
+
+  Args:
+    transport: what moves the items and credits.
+    name: the registered iterable's name, for messages.
+    credit_every: credits are sent once this many items were taken (one message for
+      several); at most the prefetch.
+    timeout: seconds one ``next()`` may wait for an item; None: no limit.
+    device: with one, arrays arrive as ``jax.Array``s on it.
+  """
+
+  def __init__(self, transport: Transport, *, name: str, credit_every: int = 1,
+               timeout: float | None = None, device: Any = None):
+    self._transport = transport
+    self._name = name
+    self._credit_every = max(1, credit_every)
+    self._timeout = timeout
+    self._device = device
+    self._owed, self._waited = 0, 0.0  # taken and not yet credited, and the wait for them
+    self.closed = False
+    self.args: list = []  # the argument blocks, held as long as the stream
+
+  def __iter__(self) -> Stream:
+    return self
+
+  def __next__(self) -> Any:
+    if self.closed:
+      raise StopIteration
+    t = self._transport
+    t0 = time.perf_counter()
+    try:
+      item = self._wait(t0)
+    except Exception:
+      closed_meanwhile = self.closed
+      self.close()
+      if closed_meanwhile:  # close() from another thread woke this wait
+        raise StopIteration from None
+      raise
+    if item is None:  # The stream stays open: the caller may wait again.
+      raise errors.DeadlineExceededError(
+          f"no item of {self._name!r} from host {t.host_id} within the timeout of "
+          f"{self._timeout:.3g} s")
+    if item.end:
+      self.close()
+      if item.HasField("error"):
+        raise protocol.error_from_info(item.error, host=t.host, host_id=t.host_id)
+      raise StopIteration
+    self._owed += 1
+    self._waited += time.perf_counter() - t0
+    if self._owed >= self._credit_every:
+      owed, waited = self._owed, self._waited
+      self._owed, self._waited = 0, 0.0
+      t.credit(owed, wait_s=waited)
+    value = codec.decode(item.value, from_arena=t.from_arena,
+                         where=f"item {item.index} of {self._name!r} from host {t.host_id}")
+    return value if self._device is None else transfer.to_devices(value, self._device)
+
+  def _wait(self, t0: float) -> pb.StreamItem | None:
+    """The next item; None once the timeout passed."""
+    t = self._transport
+    while True:
+      wait = t.poll_s
+      if self._timeout is not None:
+        wait = min(wait, t0 + self._timeout - time.perf_counter())
+      item = t.receive(max(wait, 1e-3))
+      if item is not None:
+        return item
+      if self.closed:
+        return _CLOSED_ITEM
+      waited = time.perf_counter() - t0
+      if self._timeout is not None and waited >= self._timeout:
+        return None
+      t.check_alive(waited)
+
+  def close(self) -> None:
+    """Ends the stream; the sidecar stops producing. Idempotent.
+
+    The sidecar learns how many items were taken, and takes back the blocks of
+    those it sent ahead that were never read.
+    """
+    if self.closed:
+      return
+    self.closed = True
+    owed, self._owed = self._owed, 0
+    self._transport.close(owed=owed)
+
+  def __del__(self) -> None:
+    # No module globals here (contextlib...): at interpreter exit they may be None already.
+    try:
+      self.close()
+    except Exception:  # A safety net: close() is the main path.
+      pass
+
+  def __enter__(self) -> Stream:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()

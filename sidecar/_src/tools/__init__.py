@@ -1,0 +1,1 @@
+"""The ``sidecar`` command and what it runs: local clusters, launch, demo, k8s."""

@@ -1,0 +1,387 @@
+"""The ``sidecar`` command: serve, local, launch, status, demo, k8s."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar._src.arena import shm
+from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
+from sidecar._src.tools import cli_format, launch
+from sidecar._src.tools.k8s import cli as k8s_cli
+from sidecar._src.user import registry as registry_lib
+
+# Each command imports what it runs (the server, the controller, JAX) when it runs, so
+# `sidecar status`, `sidecar launch` and `--help` start in a fraction of a second.
+
+log = logging.getLogger("sidecar")
+
+
+def _env(name: str, default: Any = None) -> Any:
+  """``$name`` (a name in env.py's table), else ``default`` when unset or empty."""
+  value = env_lib.get(name)
+  return default if value is None else value
+
+
+def _ids(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated ints like 0,1, got {text!r}") from None
+
+
+def _size(text: str) -> int:
+  try:
+    return shm.parse_size(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _import_from_cwd() -> None:
+  """Puts the working directory first on sys.path, as ``python -m`` does.
+
+  The ``sidecar`` script's own directory is first instead, so ``--import my_pkg.mod``
+  would not find ``my_pkg`` where the user stands; ``sidecar local`` runs its sidecars
+  with ``python -m``, which finds it.
+  """
+  cwd = os.getcwd()
+  if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+    sys.path.insert(0, cwd)
+
+
+def load_user_code(modules: Sequence[str]) -> None:
+  """Imports ``modules`` and the ``sidecar.plugins`` entry points, so decorators register."""
+  _import_from_cwd()
+  try:
+    registry_lib.load_modules(modules)
+  except ImportError as e:
+    raise SystemExit(f"sidecar serve: {e}") from e
+
+
+def _serve(args: argparse.Namespace) -> int:
+  imports = list(args.imports or []) + [
+      m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
+  load_user_code(imports)
+  try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
+    token = env_lib.token(args.token_file)
+  except (OSError, errors.InvalidArgumentError) as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  # Loopback unless a token guards the ports: then every interface, so peers reach it.
+  listen = args.listen or (options_lib.ALL_INTERFACES if token else options_lib.LOOPBACK)
+  try:
+    opts = options_lib.ServerOptions(
+        host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
+        listen=listen, port=args.port, health_port=args.health_port,
+        socket_path=args.socket, shm_size=args.shm_size, token=token,
+        insecure=args.insecure, imports=tuple(imports),
+        checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
+        metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+  except ValueError as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  from sidecar._src.host.server import Server
+  server = Server(opts)
+  try:
+    server.start()
+  except (errors.ArenaCapacityError, OSError) as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: threading.Thread(target=server.stop).start())
+  if args.exit_with_parent:
+    threading.Thread(target=_watch_parent, args=(args.exit_with_parent, server),
+                     daemon=True).start()
+  if args.ready_file:
+    server.write_ready_file(args.ready_file)
+  metrics = ("" if server.metrics_port is None
+             else f", metrics http://{opts.listen}:{server.metrics_port}/metrics")
+  serving = (f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
+             f"(health {server.health_port}), worker socket {opts.socket_path}, "
+             f"arena {shm.format_size(opts.shm_size)}{metrics}")
+  if args.log_format == logs.JSON:  # every line of the container's log is JSON
+    log.info("%s", serving)
+  else:
+    print(serving, flush=True)
+  while not server.wait(1.0):
+    pass
+  return 0
+
+
+def _watch_parent(pid: int, server) -> None:
+  while True:
+    if os.getppid() != pid:
+      log.warning("parent process %d is gone; stopping", pid)
+      server.stop(grace=0)
+      return
+    time.sleep(0.5)
+
+
+def _raise_on_sigterm() -> None:
+  """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so ``with`` blocks clean up."""
+  def handler(signum, frame):
+    raise KeyboardInterrupt
+  signal.signal(signal.SIGTERM, handler)
+
+
+def _local(args: argparse.Namespace) -> int:
+  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+    if value < 1:
+      args.parser.error(f"{flag} must be at least 1, got {value}")
+  _raise_on_sigterm()
+  try:
+    return _run_local(args)
+  except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the sidecars start
+    return 130
+
+
+def _run_local(args: argparse.Namespace) -> int:
+  from sidecar._src.tools.local import LocalCluster
+  with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
+                    imports=args.imports or [], configure_jax=False,
+                    metrics=args.metrics) as cluster:
+    metrics = cluster.metrics_urls if args.metrics else [""] * args.hosts
+    for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
+      print(f"host {h}: {a}  worker socket unix://{s}" + (f"  metrics {metrics[h]}" if metrics[h] else ""))
+    try:  # from the line that tells how to stop it, a stop is a clean exit
+      print("Ctrl-C to stop.", flush=True)
+      while True:
+        signal.pause()
+    except KeyboardInterrupt:
+      pass
+  return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+  command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+  if not command:
+    args.parser.error("CMD is missing: give the trainer command after --, "
+                      "e.g. sidecar launch --hosts 2 -- python train.py")
+  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+    if value < 1:
+      args.parser.error(f"{flag} must be at least 1, got {value}")
+  try:
+    token = env_lib.token(args.token_file)
+  except (OSError, errors.InvalidArgumentError) as e:
+    args.parser.error(f"cannot read the token: {e}")
+  if args.min_hosts is not None and not args.elastic:
+    args.parser.error("--min-hosts applies only with --elastic")
+  if args.in_place and not args.elastic:
+    args.parser.error("--in-place applies only with --elastic")
+  if args.in_place and args.min_hosts is not None:
+    args.parser.error("--min-hosts does not apply with --in-place: the job keeps its size")
+  if args.max_restarts is not None and not args.in_place:
+    args.parser.error("--max-restarts applies only with --in-place")
+  if args.max_restarts is not None and args.max_restarts < 0:
+    args.parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+  min_hosts = 1 if args.min_hosts is None else args.min_hosts
+  if not 1 <= min_hosts <= args.hosts:
+    args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
+  return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
+                    imports=args.imports or [], shm_size=args.shm_size, token=token,
+                    elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
+                    max_restarts=(launch.DEFAULT_MAX_RESTARTS if args.max_restarts is None
+                                  else args.max_restarts))
+
+
+def _status(args: argparse.Namespace) -> int:
+  from sidecar._src.controller import status
+  token = _env(env_lib.TOKEN)
+  if args.watch and args.json:
+    args.parser.error("--watch and --json do not go together: pick one")
+  if args.interval <= 0:
+    args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
+  if args.watch:
+    _raise_on_sigterm()
+    return status.watch(args.addresses, interval=args.interval, timeout=args.timeout,
+                        token=token)
+  return status.print_status(args.addresses, timeout=args.timeout, token=token,
+                             as_json_=args.json)
+
+
+def _demo(args: argparse.Namespace) -> int:
+  from sidecar._src.tools import demo
+  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
+                  processes=args.processes, elastic=args.elastic)
+
+
+def _from_env(var: str, otherwise: str) -> str:
+  return f"(default: ${var}, else {otherwise})"
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="sidecar", description=(
+      "colocated-sidecar: data loading and checkpointing on the accelerator hosts."),
+      formatter_class=cli_format.DefaultsFormatter)
+  sub = p.add_subparsers(dest="command", required=True)
+  add = functools.partial(sub.add_parser, formatter_class=cli_format.DefaultsFormatter)
+
+  s = add("serve", help="run the sidecar of this host",
+          description="Run this host's sidecar: import the modules that register functions, "
+                      "pipelines and checkpoint writers, create the arena, and serve gRPC "
+                      "until SIGTERM or Ctrl-C. Every flag's default can come from a "
+                      "SIDECAR_* variable, as the Kubernetes manifests set them.")
+  s.add_argument("--host-id", type=int, default=int(_env(env_lib.HOST_ID, 0)),
+                 help="this host's id, 0..N-1 in host order " + _from_env(env_lib.HOST_ID, "0"))
+  s.add_argument("--slice-id", type=int, default=int(_env(env_lib.SLICE_ID, 0)),
+                 help="the slice this host belongs to " + _from_env(env_lib.SLICE_ID, "0"))
+  s.add_argument("--device-ids", type=_ids, default=_ids(_env(env_lib.DEVICE_IDS, "")),
+                 metavar="IDS", help="the JAX device ids this host owns, comma-separated, e.g. "
+                 "0,1; feeds place rows by them " + _from_env(env_lib.DEVICE_IDS, "none"))
+  s.add_argument("--listen", default=_env(env_lib.LISTEN), metavar="ADDR",
+                 help="address of the control and health ports; a non-loopback one needs "
+                      "--token-file or --insecure "
+                      + _from_env(env_lib.LISTEN, "127.0.0.1, or [::] with a token"))
+  s.add_argument("--port", type=int, default=int(_env(env_lib.PORT, options_lib.DEFAULT_PORT)),
+                 help="the gRPC control port; 0 picks a free one "
+                      + _from_env(env_lib.PORT, str(options_lib.DEFAULT_PORT)))
+  s.add_argument("--health-port", type=int,
+                 default=int(_env(env_lib.HEALTH_PORT, options_lib.DEFAULT_HEALTH_PORT)),
+                 help="the plaintext grpc.health.v1 port, for the kubelet's probes; 0 picks a "
+                      "free one " + _from_env(env_lib.HEALTH_PORT,
+                                              str(options_lib.DEFAULT_HEALTH_PORT)))
+  s.add_argument("--socket", default=_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"),
+                 metavar="PATH", help="the Unix socket the workers attach to "
+                 + _from_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"))
+  s.add_argument("--shm-size", type=_size, default=_size(_env(env_lib.SHM_SIZE, "1GiB")),
+                 metavar="SIZE", help="arena size, e.g. 4GiB; checked against what the "
+                 "machine can give at start " + _from_env(env_lib.SHM_SIZE, "1GiB"))
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module whose decorators register functions, pipelines and checkpoint "
+                      "writers (repeatable; $SIDECAR_IMPORTS adds a comma-separated list; "
+                      "default: none)")
+  s.add_argument("--token-file", default=_env(env_lib.TOKEN_FILE), metavar="FILE",
+                 help="file holding the token every controller must present "
+                      "(default: $SIDECAR_TOKEN_FILE; $SIDECAR_TOKEN gives the token itself; "
+                      "else no token, loopback only)")
+  s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
+                 help="allow a non-loopback --listen without a token, logged as a warning "
+                      "(default: off, or on with SIDECAR_INSECURE=1)")
+  s.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", metavar="DIR",
+                 default=[r for r in (_env(env_lib.CHECKPOINT_ROOTS) or "").split(os.pathsep)
+                          if r.strip()],
+                 help="directory the checkpoint calls may act in, and below (repeatable; "
+                      "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
+  s.add_argument("--metrics-port", type=int, metavar="PORT",
+                 default=None if _env(env_lib.METRICS_PORT) is None
+                 else int(_env(env_lib.METRICS_PORT)),
+                 help="serve Prometheus metrics on http://LISTEN:PORT/metrics, on the address "
+                      "of --listen (0 picks a free port; default: $SIDECAR_METRICS_PORT, else "
+                      "no metrics)")
+  s.add_argument("--log-format", choices=logs.FORMATS, default=_env(env_lib.LOG_FORMAT, "text"),
+                 help="text, or json: one JSON object a line, with time, level, logger, "
+                      "message, host_id, and session or step where they apply "
+                      + _from_env(env_lib.LOG_FORMAT, "text"))
+  s.add_argument("--tls-cert", default=_env(env_lib.TLS_CERT), metavar="PEM",
+                 help="TLS on the control port: its certificate chain (with --tls-key) "
+                      + _from_env(env_lib.TLS_CERT, "no TLS"))
+  s.add_argument("--tls-key", default=_env(env_lib.TLS_KEY), metavar="PEM",
+                 help="the private key of --tls-cert " + _from_env(env_lib.TLS_KEY, "none"))
+  s.add_argument("--tls-client-ca", default=_env(env_lib.TLS_CLIENT_CA), metavar="PEM",
+                 help="mTLS: controllers must present a certificate this CA signed "
+                      + _from_env(env_lib.TLS_CLIENT_CA, "no mTLS"))
+  s.add_argument("--ready-file", help=argparse.SUPPRESS)
+  s.add_argument("--exit-with-parent", type=int, help=argparse.SUPPRESS)
+  s.set_defaults(func=_serve)
+
+  s = add("local", help="run a LocalCluster until Ctrl-C",
+          description="Start N sidecars on this machine (sidecar.testing.LocalCluster) and "
+                      "print their addresses and worker sockets; connect a Controller or a "
+                      "notebook to them. Ctrl-C or SIGTERM stops them.")
+  s.add_argument("--hosts", type=int, default=2, help="sidecars to start")
+  s.add_argument("--devices-per-host", type=int, default=1,
+                 help="device ids each sidecar declares (host h owns h*D..h*D+D-1)")
+  s.add_argument("--shm-size", type=_size, default=_size("256MiB"), metavar="SIZE",
+                 help="each sidecar's arena size (default: 256MiB)")
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module each sidecar imports, so its decorators register (repeatable; "
+                      "default: none)")
+  s.add_argument("--metrics", action="store_true",
+                 help="each sidecar serves Prometheus /metrics on a free port, printed "
+                      "(default: off)")
+  s.set_defaults(func=_local, parser=s)
+
+  s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
+                     usage="sidecar launch [options] -- CMD [ARGS...]", epilog=launch.HELP,
+                     description="Local multi-process mode, as torchrun: N sidecars on this "
+                                 "machine and one trainer process beside each.",
+                     formatter_class=cli_format.RawDescriptionDefaultsFormatter)
+  s.add_argument("--hosts", type=int, default=2, help="sidecars and trainers (default: 2)")
+  s.add_argument("--devices-per-host", type=int, default=1,
+                 help="CPU devices of each trainer, SIDECAR_LOCAL_DEVICES (default: 1)")
+  s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                 help="module each sidecar imports, so its decorators register (repeatable; "
+                      "default: none)")
+  s.add_argument("--shm-size", type=_size, default=_size("256MiB"),
+                 help="each sidecar's arena size (default: 256MiB)")
+  s.add_argument("--token-file", help="file with the sidecars' bearer token, also given to the "
+                 "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
+  s.add_argument("--elastic", action="store_true",
+                 help="when a host is lost, restart the other hosts' trainers as a job of one "
+                 "process fewer, beside the same sidecars (see below; default: off)")
+  s.add_argument("--min-hosts", type=int, metavar="K",
+                 help="with --elastic: restart while at least K hosts remain (default: 1)")
+  s.add_argument("--in-place", action="store_true",
+                 help="with --elastic: restart at full size, as Kubernetes restarts containers "
+                 "in place: a dead sidecar starts again empty, every trainer restarts "
+                 "(default: off)")
+  s.add_argument("--max-restarts", type=int, metavar="N",
+                 help="with --in-place: restart at most N times, then end on the next failure "
+                 f"(default: {launch.DEFAULT_MAX_RESTARTS})")
+  s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                 help="the trainer command, run once per host")
+  s.set_defaults(func=_launch, parser=s)
+
+  s = add("status", help="show sidecars' identity, registry and arena use",
+          description="Ask each sidecar for its identity, registry, arena use, feeds and "
+                      "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
+                      "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
+  s.add_argument("addresses", nargs="+", metavar="ADDR",
+                 help="the sidecars' gRPC addresses, HOST:PORT")
+  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                 help="seconds each sidecar is given to answer")
+  s.add_argument("--json", action="store_true",
+                 help="print one JSON object with every host, for scripts (default: a table)")
+  s.add_argument("--watch", action="store_true",
+                 help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
+                      "(default: print once)")
+  s.add_argument("--interval", type=float, default=2.0, metavar="S",
+                 help="seconds between refreshes of --watch (default: 2)")
+  s.set_defaults(func=_status, parser=s)
+
+  s = add("demo", help="train a small model fed by a LocalCluster of sidecars",
+          description="Train a small classifier on the digits data set, fed and checkpointed "
+                      "by a LocalCluster of sidecars on this machine, and print what each "
+                      "part cost.")
+  s.add_argument("--hosts", type=int, default=2, help="sidecars (simulated hosts)")
+  s.add_argument("--devices-per-host", type=int, default=2, help="CPU devices of each host")
+  s.add_argument("--steps", type=int, default=300, help="training steps")
+  s.add_argument("--processes", type=int, default=1,
+                 help="1 (default): one process owns every device; N: the same training as N "
+                 "trainer processes under jax.distributed, one per host, via sidecar launch")
+  s.add_argument("--elastic", action="store_true",
+                 help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
+                 "go on on the others (sidecar.elastic.retry), with the recovery time "
+                 "(default: off)")
+  s.set_defaults(func=_demo)
+
+  k8s_cli.register(sub)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  fmt = getattr(args, "log_format", logs.TEXT)
+  logs.configure(fmt, _env(env_lib.LOG_LEVEL, "INFO"),
+                 **({"host_id": args.host_id} if fmt == logs.JSON else {}))
+  logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
+  return args.func(args)

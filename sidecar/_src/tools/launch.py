@@ -1,0 +1,472 @@
+"""``sidecar launch``: N sidecars and N trainer processes on this machine, supervised together.
+
+The local multi-process mode, in the spirit of ``torchrun``: a LocalCluster of sidecars, then
+one copy of the user's command per host, each in its own process group with the environment
+that ``sidecar.distributed.initialize()``, ``Worker`` and ``Controller.from_env()`` read
+(``env.py`` lists it). Each trainer's output comes back line by line, prefixed ``[host i] ``.
+The first failure (a trainer exiting non-zero, a sidecar dying, SIGINT or SIGTERM to the
+launcher) stops everything else, and decides the exit code. With ``elastic``, a lost host
+(its trainer failed or its sidecar died) instead restarts the trainers of the hosts that
+remain as a job of one process fewer, beside the same sidecars, whose RAM tiers survive.
+
+Example::
+
+  code = launch.run([sys.executable, "train.py"], hosts=2, devices_per_host=4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import BinaryIO, TextIO
+
+from sidecar._src.core import env, errors
+from sidecar._src.tools.local import LocalCluster
+
+DEFAULT_MAX_RESTARTS = 4  # in-place restarts, as the manifests' backoffLimit
+DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
+_POLL = 0.1
+_LOG_TAIL_LINES = 40
+_READ_CHUNK = 1 << 16
+
+HELP = f"""\
+Starts --hosts sidecars on this machine, then --hosts copies of CMD ("trainers"), one per
+host, each in its own session and process group, stdin from /dev/null. Trainer i's stdout
+and stderr come back merged, line by line, prefixed "[host i] ".
+
+Each trainer gets this environment added to the launcher's:
+{chr(10).join(f"  {name:29} {text}" for name, text in env.DESCRIPTIONS.items()
+               if name != env.TOKEN_FILE)}
+  JAX_PLATFORMS                 cpu, unless already set
+  PYTHONUNBUFFERED              1, unless already set
+with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port>, SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
+SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host, SIDECAR_RESTART=0. SIDECAR_TOKEN
+is set when there is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of
+the launcher. The sidecars get no device ids: each learns its own from the trainer that
+attaches to it.
+
+Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
+exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
+exited 0), 130 for SIGINT (Ctrl-C) and 143 for SIGTERM to the launcher; 1 if the sidecars
+do not start, 127 if CMD is not found, 126 if it cannot be run.
+
+When one trainer fails or one sidecar dies (its log's last lines are printed, prefixed
+"[sidecar i] "), or on SIGINT/SIGTERM, every other trainer's process group gets SIGTERM,
+then SIGKILL after {DEFAULT_GRACE:g} s; then the sidecars stop. No process, socket, temporary
+directory or shared memory is left behind. A trainer that exits 0 leaves the others running.
+
+With --elastic, losing a host does not end the job. When host H's trainer fails or its
+sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
+stopped if it still runs, and the trainers of the other hosts start again as a job of one
+process fewer, while their sidecars keep running, with their arenas and RAM tiers: so the
+new job can restore the latest step from host memory. The new job's environment:
+SIDECAR_PROCESS_ID 0..N-2 in host order, SIDECAR_NUM_PROCESSES=N-1, a fresh coordinator
+port, SIDECAR_HOSTS listing only the hosts that remain, SIDECAR_ADDRESS each one's own
+sidecar, SIDECAR_RESTART=1 (2 after the next loss, ...). Host ids and the "[host H] "
+prefixes stay those of the sidecars. Each restart is logged here: the host lost and why,
+the new process count, and the seconds from the loss to the new trainers' start. The job
+restarts so while at least --min-hosts hosts (default 1) remain; on the loss that leaves
+fewer, it ends with that failure's exit code, as without --elastic. A trainer that exits 0
+everywhere still ends the job with 0, and SIGINT/SIGTERM still stop everything.
+
+With --elastic --in-place, the job restarts at its full size instead, as the manifests in
+k8s/ restart a pod's containers in place: a failed trainer restarts every trainer beside
+the same sidecars; a dead sidecar is started again first, as a new process with an empty
+arena at the same addresses (a native sidecar's restart), so the new job restores the
+lost host's shards from its peers' replicas (or storage) and the others' from their own
+RAM tiers. Process ids, SIDECAR_NUM_PROCESSES and SIDECAR_HOSTS stay as they were;
+SIDECAR_RESTART counts the restarts. After --max-restarts of them (default
+{DEFAULT_MAX_RESTARTS}, as the manifests' backoffLimit) the next failure ends the job.
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Exit:
+  """An event for the supervisor: trainer ``host`` of start ``restart`` exited, or signal
+  ``signum`` arrived."""
+  host: int = -1
+  code: int = 0
+  signum: int = 0
+  restart: int = -1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Loss:
+  """Host ``host`` failed: its trainer or its sidecar (``what``) ended with ``code``."""
+  host: int
+  what: str
+  code: int
+  exit_code: int  # what the launcher exits with if it gives up here
+
+
+def exit_status(returncode: int) -> int:
+  """A Popen return code as a shell reports it: 128+N for a process killed by signal N."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
+                base: Mapping[str, str], *, hosts: Sequence[int] | None = None,
+                restart: int = 0) -> dict[str, str]:
+  """The environment of trainer ``host``: ``base`` plus what ``env.py`` lists.
+
+  ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
+  the process ids follow that order. ``restart`` is how often the job was restarted.
+  """
+  hosts = list(range(cluster.num_hosts)) if hosts is None else list(hosts)
+  ports = [a.rsplit(":", 1)[1] for a in cluster.health_addresses]
+  addresses = cluster.addresses
+  result = dict(base)
+  result.setdefault("JAX_PLATFORMS", "cpu")
+  result.setdefault("PYTHONUNBUFFERED", "1")
+  result.update({
+      env.COORDINATOR_ADDRESS: coordinator,
+      env.NUM_PROCESSES: str(len(hosts)),
+      env.PROCESS_ID: str(hosts.index(host)),
+      env.LOCAL_DEVICES: str(cluster.devices_per_host),
+      env.HOST_ID: str(host),
+      env.SLICE_ID: "0",
+      env.ADDRESS: f"unix://{cluster.socket(host)}",
+      env.HOSTS: ",".join(f"{addresses[h]}:{ports[h]}" for h in hosts),
+      env.RESTART: str(restart),
+  })
+  if cluster.token:
+    result[env.TOKEN] = cluster.token
+  return result
+
+
+def _pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> None:
+  """Copies ``pipe`` to ``out`` line by line, each line prefixed; ends a partial last line."""
+  at_start = True
+  with pipe:
+    for chunk in iter(lambda: pipe.readline(_READ_CHUNK), b""):
+      _write(out, prefix + chunk if at_start else chunk, lock)
+      at_start = chunk.endswith(b"\n")
+  if not at_start:
+    _write(out, b"\n", lock)
+
+
+def _write(out: BinaryIO, data: bytes, lock: threading.Lock) -> None:
+  with lock:
+    try:
+      out.write(data)
+      out.flush()
+    except (OSError, ValueError):
+      pass  # Our stdout is gone; keep draining so the trainer never blocks on a full pipe.
+
+
+class _Run:
+  """One launch: owns the trainers, their output threads and the signal handlers."""
+
+  def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
+               stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
+               in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS):
+    self.command = list(command)
+    self.in_place, self.max_restarts = in_place, max_restarts
+    self.cluster = cluster
+    self.grace = grace
+    self.stdout = stdout
+    self.stderr = stderr
+    self.elastic = elastic
+    self.min_hosts = min_hosts
+    self.events: queue.SimpleQueue[_Exit] = queue.SimpleQueue()  # put() is signal-safe
+    self.hosts = list(range(cluster.num_hosts))  # the hosts that remain, in order
+    self.restart = 0  # how often the job was restarted; tags its trainers' events
+    self.trainers: dict[int, subprocess.Popen] = {}  # host id -> trainer of this start
+    self.threads: list[threading.Thread] = []
+    self.lock = threading.Lock()
+
+  def say(self, text: str) -> None:
+    with self.lock:
+      print(f"sidecar launch: {text}", file=self.stderr, flush=True)
+
+  def start_trainers(self) -> None:
+    coordinator = f"127.0.0.1:{free_port()}"
+    for h in self.hosts:
+      proc = subprocess.Popen(
+          self.command, env=trainer_env(self.cluster, h, coordinator, os.environ,
+                                        hosts=self.hosts, restart=self.restart),
+          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          start_new_session=True)
+      self.trainers[h] = proc
+      self._thread(_pump, proc.stdout, f"[host {h}] ".encode(), self.stdout, self.lock)
+      self._thread(self._wait, h, proc, self.restart)
+
+  def _thread(self, target, *args) -> None:
+    t = threading.Thread(target=target, args=args, daemon=True,  # daemon: a safety net only
+                         name=f"sidecar-launch-{target.__name__}")
+    t.start()
+    self.threads.append(t)
+
+  def _wait(self, host: int, proc: subprocess.Popen, restart: int) -> None:
+    self.events.put(_Exit(host=host, code=proc.wait(), restart=restart))
+
+  def supervise(self) -> int:
+    """Waits for every trainer to exit 0, or for the failure that ends the job; returns
+    the exit code. With ``elastic``, a lost host restarts the job on the others."""
+    running = set(self.hosts)
+    while running:
+      try:
+        event = self.events.get(timeout=_POLL)
+      except queue.Empty:
+        loss = self._check_sidecars()
+      else:
+        if event.signum:
+          self.say(f"got {signal.Signals(event.signum).name}; stopping every process")
+          return 128 + event.signum
+        if event.restart != self.restart:
+          continue  # a trainer of an earlier start, stopped by us
+        running.discard(event.host)
+        if event.code == 0:
+          continue
+        # A dead sidecar, if any, is the cause: its trainer's failure is the symptom.
+        loss = self._check_sidecars() or _Loss(event.host, "trainer", event.code,
+                                               exit_status(event.code))
+      if loss is None:
+        continue
+      if not self._restart(loss):
+        return loss.exit_code
+      running = set(self.hosts)
+    return 0
+
+  def _check_sidecars(self) -> _Loss | None:
+    for h in self.hosts:
+      code = self.cluster.poll(h)
+      if code is not None:
+        return _Loss(h, "sidecar", code, exit_status(code) or 1)
+    return None
+
+  def _restart(self, loss: _Loss) -> bool:
+    """Restarts the job without ``loss.host`` if ``elastic`` allows; False to end it."""
+    if self.elastic and self.in_place:
+      return self._restart_in_place(loss)
+    lost = time.monotonic()
+    left = [h for h in self.hosts if h != loss.host]
+    why = f"host {loss.host}'s {loss.what} {_how(loss.code)}"
+    if not self.elastic or len(left) < self.min_hosts:
+      more = "" if not self.elastic else (
+          f" ({len(left)} hosts would remain, fewer than --min-hosts {self.min_hosts})")
+      whom = "the others" if loss.what == "trainer" else "every process"
+      self.say(f"{why}{more}; stopping {whom}" + (". Its log ends:" if loss.what == "sidecar"
+                                                   else ""))
+      if loss.what == "sidecar":
+        self.print_log_tail(loss.host)
+      return False
+    self.say(f"{why}; restarting the job on hosts {left}"
+             + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
+    if loss.what == "sidecar":
+      self.print_log_tail(loss.host)
+    # A host whose trainer failed is lost too: its sidecar is stopped.
+    stop, sidecar, spawn = self._relaunch(left, lambda: self.cluster.kill(loss.host),
+                                          since=lost)
+    self.say(f"restart {self.restart}: host {loss.host} lost (its {loss.what} "
+             f"{_how(loss.code)}); {len(left)} process{'es' * (len(left) > 1)} "
+             f"on hosts {left}, started {stop + sidecar + spawn:.2f} s after the loss "
+             f"(stopping the trainers {stop:.2f} s, the lost sidecar {sidecar:.2f} s, "
+             f"starting the new trainers {spawn:.2f} s)")
+    return True
+
+  def _relaunch(self, hosts: list[int], between: Callable[[], None], *, since: float
+                ) -> tuple[float, float, float]:
+    """Stops every trainer, runs ``between`` (what becomes of the lost host's sidecar;
+    what it raises stops the relaunch), and starts the trainers of ``hosts`` as the
+    job's next start. Returns the seconds of each of the three, the first from ``since``."""
+    self.stop_trainers()
+    stopped = time.monotonic()
+    between()
+    done = time.monotonic()
+    self.hosts, self.trainers = list(hosts), {}
+    self.restart += 1
+    self.start_trainers()
+    return stopped - since, done - stopped, time.monotonic() - done
+
+  def _restart_in_place(self, loss: _Loss) -> bool:
+    """Restarts every trainer at the job's full size, and first ``loss.host``'s sidecar
+    if that is what died (a new one, empty, at the same addresses)."""
+    lost = time.monotonic()
+    if self.restart >= self.max_restarts:
+      self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)} after {self.restart} "
+               f"restarts (--max-restarts {self.max_restarts}); stopping every process")
+      return False
+    self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)}; restarting "
+             + ("its sidecar and " if loss.what == "sidecar" else "")
+             + f"every trainer in place on hosts {self.hosts}"
+             + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
+    if loss.what == "sidecar":
+      self.print_log_tail(loss.host)
+
+    def start_again() -> None:
+      if loss.what != "sidecar":
+        return  # every sidecar still runs
+      self.cluster.kill(loss.host)  # reaps it
+      self.cluster.restart(loss.host)
+      self.say(f"host {loss.host}'s new sidecar (pid {self.cluster.pid(loss.host)}) serves "
+               f"{self.cluster.addresses[loss.host]}")
+
+    try:
+      stop, sidecar, spawn = self._relaunch(self.hosts, start_again, since=lost)
+    except errors.SidecarError as e:
+      self.say(f"host {loss.host}'s sidecar did not start again: {e}")
+      return False
+    self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {_how(loss.code)}; "
+             f"{len(self.hosts)} processes on hosts {self.hosts} in place, started "
+             f"{stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
+             f"{stop:.2f} s, the sidecar {sidecar:.2f} s, starting the new trainers "
+             f"{spawn:.2f} s)")
+    return True
+
+  def print_log_tail(self, host: int) -> None:
+    lines = self.cluster.log(host).splitlines()[-_LOG_TAIL_LINES:]
+    with self.lock:
+      for line in lines:
+        print(f"[sidecar {host}] {line}", file=self.stderr)
+      self.stderr.flush()
+
+  def stop_trainers(self) -> None:
+    """SIGTERM to every trainer's process group, SIGKILL to those left after the grace."""
+    groups = [p.pid for p in self.trainers.values()]
+    for g in groups:
+      _signal_group(g, signal.SIGTERM)
+    deadline = time.monotonic() + self.grace
+    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+      time.sleep(0.02)
+    for g in groups:
+      _signal_group(g, signal.SIGKILL)
+    for p in self.trainers.values():
+      p.wait()
+    for t in self.threads:
+      t.join(timeout=2.0)  # A pipe can stay open only in a process outside the group.
+    self.threads = [t for t in self.threads if t.is_alive()]
+
+  def on_signal(self, signum: int, frame) -> None:
+    del frame
+    self.events.put(_Exit(signum=signum))
+
+
+def _how(returncode: int) -> str:
+  if returncode < 0:
+    return f"was killed by {signal.Signals(-returncode).name}"
+  return f"exited with code {returncode}"
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+  try:
+    os.killpg(pgid, signum)
+  except (ProcessLookupError, PermissionError):
+    pass  # The group is empty (or its last member a zombie being reaped).
+
+
+def _group_alive(pgid: int) -> bool:
+  try:
+    os.killpg(pgid, 0)
+  except (ProcessLookupError, PermissionError):
+    return False
+  return True
+
+
+class _Interrupted(BaseException):
+  """SIGINT/SIGTERM while the sidecars start: unwinds LocalCluster.start, which cleans up."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
+        imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
+        grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
+        in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
+        stdout: BinaryIO | None = None,
+        stderr: TextIO | None = None) -> int:
+  """Runs ``command`` once per host beside a LocalCluster of sidecars; returns the exit code.
+
+  See ``HELP`` for the environment each process gets and the exit code rule. SIGINT and
+  SIGTERM are handled (and restored afterwards) only when called from the main thread.
+
+  Args:
+    command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
+    hosts: how many sidecars and trainers.
+    devices_per_host: CPU devices of each trainer (``SIDECAR_LOCAL_DEVICES``).
+    imports: modules every sidecar imports, so their decorators register.
+    shm_size: each sidecar's arena size.
+    token: the sidecars' bearer token, also given to the trainers; default none.
+    grace: seconds between SIGTERM and SIGKILL when stopping trainers.
+    elastic: when a host is lost, restart the trainers of the others as a smaller job.
+    min_hosts: with ``elastic``, the fewest hosts to restart on; below, the job ends.
+    in_place: with ``elastic``, restart at full size: a dead sidecar is started again
+      (empty) and every trainer restarts, as Kubernetes restarts containers in place.
+    max_restarts: with ``in_place``, how many restarts at most; the next failure ends it.
+    stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
+    stderr: where the launcher's own messages go; default this process's stderr.
+
+  Raises:
+    InvalidArgumentError: an empty command, hosts or devices_per_host below 1, or
+      min_hosts not in 1..hosts.
+  """
+  if isinstance(command, str) or not command:
+    raise errors.InvalidArgumentError(
+        f"command must be a non-empty list like ['python', 'train.py'], got {command!r}")
+  if grace < 0:
+    raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
+  if in_place and not elastic:
+    raise errors.InvalidArgumentError("in_place applies only with elastic=True")
+  if not isinstance(max_restarts, int) or max_restarts < 0:
+    raise errors.InvalidArgumentError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+  if not 1 <= min_hosts <= hosts:
+    raise errors.InvalidArgumentError(
+        f"min_hosts must be in 1..hosts ({hosts}), got {min_hosts!r}")
+  cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
+                         token=token, configure_jax=False, assign_device_ids=False)
+  launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
+                stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
+                in_place=in_place, max_restarts=max_restarts)
+  in_start = True
+
+  def handler(signum, frame):
+    nonlocal in_start
+    if in_start:
+      in_start = False  # Once: a second signal must not interrupt the cleanup.
+      raise _Interrupted(signum)
+    launch.on_signal(signum, frame)
+
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    try:
+      cluster.start()
+      for h in range(hosts):
+        launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "
+                   f"and unix://{cluster.socket(h)}")
+      launch.start_trainers()
+      in_start = False
+    except _Interrupted as e:
+      launch.say(f"got {signal.Signals(e.signum).name} while starting; stopping every process")
+      return 128 + e.signum
+    except errors.SidecarError as e:
+      launch.say(f"the sidecars did not start: {e}")
+      return 1
+    except OSError as e:
+      launch.say(f"cannot run {command[0]!r}: {e}")
+      return 127 if isinstance(e, FileNotFoundError) else 126
+    return launch.supervise()
+  finally:
+    in_start = False
+    launch.stop_trainers()
+    cluster.close()
+    for signum, old in previous.items():
+      signal.signal(signum, old)

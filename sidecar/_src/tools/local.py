@@ -1,0 +1,293 @@
+"""LocalCluster: real ``sidecar serve`` processes on this machine, one per simulated host."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sidecar._src.arena import shm
+from sidecar._src.core import env as env_lib, errors
+
+if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither
+  from sidecar._src.arena.worker import Worker
+  from sidecar._src.controller.controller import Controller
+
+# The LocalClusters running in this process: several may (each has its own sidecars,
+# ports, sockets and temp directory); error messages name them.
+_running: weakref.WeakSet = weakref.WeakSet()
+
+
+def running() -> list[LocalCluster]:
+  """The LocalClusters started in this process and not closed yet."""
+  return [c for c in list(_running) if c._dir is not None]
+
+
+def configure_jax_devices(count: int) -> None:
+  """Makes the JAX CPU backend of this process show at least ``count`` devices."""
+  import jax
+  flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  try:  # Never fewer than XLA_FLAGS asks for: other code in the process may count on them.
+    jax.config.update("jax_num_cpu_devices", max(count, int(flag.group(1)) if flag else 0))
+  except RuntimeError:
+    pass  # Backends already started: check below whether they fit.
+  have = len(jax.devices("cpu"))
+  if have < count:
+    others = running()
+    raise errors.InvalidArgumentError(
+        f"LocalCluster needs {count} CPU devices but JAX already started with {have}"
+        + (f" (for {', '.join(map(repr, others))}, still running)" if others else "")
+        + "; create the LocalCluster before the first JAX computation (in a notebook: "
+        f"restart the kernel), or set XLA_FLAGS=--xla_force_host_platform_device_count={count}")
+
+
+class LocalCluster:
+  """Real sidecars, real gRPC, real shared memory, on one machine.
+
+  Example::
+
+    with sidecar.testing.LocalCluster(num_hosts=4, devices_per_host=2,
+                                      imports=["my_pkg.sidecar_fns"]) as cluster:
+      with cluster.controller() as ctl:
+        ctl.call("my_fn", args=(1, 2))
+
+  Host ``h`` owns JAX CPU devices ``[h * devices_per_host, (h + 1) * devices_per_host)``
+  of this process. ``host_env`` adds environment variables to one host's sidecar.
+  With ``assign_device_ids=False`` the sidecars get no device ids at start: each learns its
+  devices from the trainer process that attaches to it (as under ``sidecar launch``).
+  ``checkpoint_roots``: the directories the sidecars may checkpoint in (and below), by
+  default the system temp directory and the working directory (``--checkpoint-root``).
+  ``metrics=True``: each sidecar serves Prometheus metrics on a free port (``metrics_urls``).
+  Everything started is stopped on exit, also when the body raises.
+  """
+
+  def __init__(self, num_hosts: int = 4, devices_per_host: int = 2, *,
+               shm_size: int | str = "128MiB", imports: Sequence[str] = (),
+               token: str | None = None, start_timeout: float = 60.0,
+               configure_jax: bool = True, extra_args: Sequence[str] = (),
+               host_env: Mapping[int, Mapping[str, str]] | None = None,
+               assign_device_ids: bool = True,
+               checkpoint_roots: Sequence[str] | None = None, metrics: bool = False):
+    if not isinstance(num_hosts, int) or num_hosts < 1:
+      raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
+    if not isinstance(devices_per_host, int) or devices_per_host < 1:
+      raise errors.InvalidArgumentError(
+          f"devices_per_host must be a positive int, got {devices_per_host!r}")
+    if isinstance(imports, str):
+      raise errors.InvalidArgumentError(f"imports must be a list of module names, got {imports!r}")
+    self.num_hosts = num_hosts
+    self.devices_per_host = devices_per_host
+    self.shm_size = shm.parse_size(shm_size)
+    self.imports = tuple(imports)
+    self.token = token
+    self.start_timeout = start_timeout
+    self._configure_jax = configure_jax
+    self._extra_args = tuple(extra_args)
+    self._host_env = {h: dict(e) for h, e in (host_env or {}).items()}
+    self._assign_device_ids = assign_device_ids
+    self._metrics = metrics
+    if isinstance(checkpoint_roots, str):
+      raise errors.InvalidArgumentError(
+          f"checkpoint_roots must be a list of directories, got {checkpoint_roots!r}")
+    # Where the sidecars may checkpoint: by default the temp directory and the working one.
+    self.checkpoint_roots = tuple(os.path.abspath(r) for r in (
+        (tempfile.gettempdir(), os.getcwd()) if checkpoint_roots is None else checkpoint_roots))
+    self._procs: list[subprocess.Popen] = []
+    self._ready: list[dict[str, Any]] = []
+    self._dir: str | None = None
+    self._finalizer: weakref.finalize | None = None
+
+  # ---- lifecycle ---------------------------------------------------------
+
+  def start(self) -> LocalCluster:
+    if self._dir is not None:
+      return self
+    if self._configure_jax:
+      configure_jax_devices(self.num_hosts * self.devices_per_host)
+    self._dir = tempfile.mkdtemp(prefix="sidecar-local-")
+    # A cluster dropped without close() (a notebook cell that makes one again, rebinding
+    # its name) stops its sidecars when it is collected; close() is the main path.
+    self._finalizer = weakref.finalize(self, _stop, self._procs, self._dir)
+    _running.add(self)
+    try:
+      for h in range(self.num_hosts):
+        self._procs.append(self._spawn(h))
+      self._ready = [self._wait_ready(h) for h in range(self.num_hosts)]
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def _spawn(self, h: int, *, port: int = 0, health_port: int = 0) -> subprocess.Popen:
+    d = self.devices_per_host
+    ids = (["--device-ids", ",".join(str(i) for i in range(h * d, (h + 1) * d))]
+           if self._assign_device_ids else [])
+    args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(h), "--slice-id", "0",
+            *ids, "--listen", "127.0.0.1", "--port", str(port), "--health-port", str(health_port),
+            "--socket", self.socket(h), "--shm-size", str(self.shm_size),
+            "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
+            *(f"--checkpoint-root={r}" for r in self.checkpoint_roots),
+            *(["--metrics-port", "0"] if self._metrics else []), *self._extra_args]
+    for module in self.imports:
+      args += ["--import", module]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
+    if self.token:
+      env[env_lib.TOKEN] = self.token
+    env.pop(env_lib.TOKEN_FILE, None)
+    if not self._assign_device_ids:
+      env.pop(env_lib.DEVICE_IDS, None)  # `sidecar serve` would read it as --device-ids
+    log = open(self._path(h, "log"), "ab")  # a restarted host appends
+    with log:  # The child keeps its own copy of the descriptor.
+      return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+
+  def _path(self, h: int, ext: str) -> str:
+    if self._dir is None:
+      raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
+    return os.path.join(self._dir, f"host{h}.{ext}")
+
+  def socket(self, host_id: int) -> str:
+    """The worker Unix socket of host ``host_id``."""
+    return self._path(host_id, "sock")
+
+  def _wait_ready(self, h: int) -> dict[str, Any]:
+    deadline = time.monotonic() + self.start_timeout
+    path = self._path(h, "json")
+    while time.monotonic() < deadline:
+      if os.path.exists(path):
+        with open(path) as f:
+          return json.load(f)
+      if self._procs[h].poll() is not None:
+        raise errors.HostLostError(
+            f"sidecar host {h} exited with code {self._procs[h].returncode} at start:\n"
+            + self.log(h)[-3000:], host_id=h)
+      time.sleep(0.02)
+    raise errors.HostLostError(
+        f"sidecar host {h} was not ready after {self.start_timeout:.3g} s:\n"
+        + self.log(h)[-3000:], host_id=h)
+
+  def log(self, host_id: int) -> str:
+    """What host ``host_id``'s sidecar printed so far."""
+    try:
+      with open(self._path(host_id, "log"), errors="replace") as f:
+        return f.read()
+    except (OSError, errors.ClosedError):
+      return ""
+
+  def poll(self, host_id: int) -> int | None:
+    """Host ``host_id``'s sidecar's exit code (negative: killed by that signal), None if alive."""
+    return self._procs[host_id].poll()
+
+  def kill(self, host_id: int) -> None:
+    """SIGKILLs host ``host_id``'s sidecar (fault injection) and reaps it."""
+    proc = self._procs[host_id]
+    if proc is not None and proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+  def restart(self, host_id: int) -> None:
+    """Starts host ``host_id``'s sidecar again, at its old ports, after it exited.
+
+    It comes back as a new process with an empty arena, as a replaced host's sidecar
+    does; a Controller sees it again when its watch probes lost hosts (``rejoin=True``).
+    """
+    if self._procs[host_id].poll() is None:
+      raise errors.InvalidArgumentError(
+          f"host {host_id}'s sidecar is still running (pid {self.pid(host_id)}); kill it "
+          "first (cluster.kill) or stop it")
+    old = self._ready[host_id]
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self._path(host_id, "json"))
+    self._procs[host_id] = self._spawn(host_id, port=int(old["port"]),
+                                       health_port=int(old["health_port"]))
+    self._ready[host_id] = self._wait_ready(host_id)
+
+  def close(self) -> None:
+    """Stops every sidecar (SIGTERM, then SIGKILL) and removes the temp dir; idempotent."""
+    if self._finalizer is not None:
+      self._finalizer.detach()
+      self._finalizer = None
+    _stop(self._procs, self._dir)
+    self._procs = []
+    self._dir = None
+    _running.discard(self)
+
+  def __repr__(self) -> str:
+    state = "running" if self._dir is not None else "closed"
+    where = f", sidecars at {self.addresses}" if self._dir is not None and self._ready else ""
+    return (f"LocalCluster({self.num_hosts} hosts x {self.devices_per_host} devices, {state}"
+            f"{where})")
+
+  def __enter__(self) -> LocalCluster:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # ---- access ------------------------------------------------------------
+
+  @property
+  def addresses(self) -> list[str]:
+    """Each host's gRPC address, by host id."""
+    return [f"127.0.0.1:{r['port']}" for r in self._ready]
+
+  @property
+  def health_addresses(self) -> list[str]:
+    return [f"127.0.0.1:{r['health_port']}" for r in self._ready]
+
+  @property
+  def metrics_urls(self) -> list[str]:
+    """Each sidecar's Prometheus endpoint (``metrics=True``), e.g.
+    ``http://127.0.0.1:41234/metrics``."""
+    if not self._metrics:
+      raise errors.InvalidArgumentError(
+          "this LocalCluster serves no metrics; make it with LocalCluster(..., metrics=True)")
+    return [f"http://127.0.0.1:{r['metrics_port']}/metrics" for r in self._ready]
+
+  def pid(self, host_id: int) -> int:
+    return self._procs[host_id].pid
+
+  def devices(self, host_id: int) -> list[Any]:
+    """The JAX devices of this process that host ``host_id`` owns."""
+    import jax
+    d = self.devices_per_host
+    return jax.devices("cpu")[host_id * d:(host_id + 1) * d]
+
+  def controller(self, **kwargs: Any) -> Controller:
+    """A Controller of every host, attached to their arenas."""
+    from sidecar._src.controller.controller import Controller
+    kwargs.setdefault("token", self.token)
+    return Controller(self.addresses, **kwargs)
+
+  def worker(self, host_id: int) -> Worker:
+    """A new Worker attached to host ``host_id``'s sidecar."""
+    from sidecar._src.arena.worker import Worker
+    return Worker(self.socket(host_id))
+
+
+def _stop(procs: list[subprocess.Popen], directory: str | None) -> None:
+  """Stops sidecars (SIGTERM, then SIGKILL after 10 s) and removes their directory."""
+  for proc in procs:
+    if proc is not None and proc.poll() is None:
+      proc.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + 10
+  for proc in procs:
+    if proc is None:
+      continue
+    try:
+      proc.wait(max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+  if directory is not None:
+    shutil.rmtree(directory, ignore_errors=True)

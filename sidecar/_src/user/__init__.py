@@ -1,0 +1,1 @@
+"""What registered code imports: the registry, the pipeline context, sidecar.empty."""

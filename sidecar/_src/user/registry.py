@@ -1,0 +1,172 @@
+"""The registry: what a sidecar may run, and nothing else.
+
+``@sidecar.function`` (and later ``@sidecar.pipeline``) put user callables into
+a :class:`Registry`. The sidecar only ever runs what is registered, by name;
+nothing is unpickled from the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import marshal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, overload
+
+from sidecar._src.core import errors
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+PLUGIN_GROUP = "sidecar.plugins"
+FUNCTION = "function"
+PIPELINE = "pipeline"
+KINDS = (FUNCTION, PIPELINE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+  """One registered callable."""
+  kind: str
+  name: str
+  fn: Callable[..., Any]
+  code_hash: str
+  signature: inspect.Signature | None  # None where Python cannot tell (some builtins)
+
+
+def code_hash(fn: Callable[..., Any]) -> str:
+  """A short hash of ``fn``'s code: its source when available, else bytecode."""
+  target = inspect.unwrap(fn)
+  try:
+    text = inspect.getsource(target).encode()
+  except (OSError, TypeError):
+    code = getattr(target, "__code__", None)
+    text = marshal.dumps(code) if code is not None else repr(target).encode()
+  return hashlib.sha256(text).hexdigest()[:16]
+
+
+class Registry:
+  """Names to callables, by kind. Thread-safe; one default instance."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._entries: dict[tuple[str, str], Entry] = {}
+
+  def add(self, kind: str, name: str, fn: Callable[..., Any]) -> Entry:
+    if kind not in KINDS:
+      raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not callable(fn):
+      raise TypeError(f"@sidecar.{kind} needs a callable, got {type(fn).__name__} {fn!r}")
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"a {kind} name must be a non-empty str, got {name!r}")
+    if name.startswith("sidecar.") and self is _default:
+      raise ValueError(f"{kind} names starting with 'sidecar.' are the sidecar's own; "
+                       f"rename {name!r}")
+    try:
+      signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+      signature = None
+    entry = Entry(kind, name, fn, code_hash(fn), signature)
+    with self._lock:
+      old = self._entries.get((kind, name))
+      if old is not None:
+        raise errors.AlreadyRegisteredError(
+            f"{kind} {name!r} is already registered (by {_where(old.fn)}); "
+            f"pass name=... to register {_where(fn)} under another name")
+      self._entries[(kind, name)] = entry
+    return entry
+
+  def get(self, kind: str, name: str) -> Entry:
+    with self._lock:
+      entry = self._entries.get((kind, name))
+      if entry is None:
+        known = sorted(n for k, n in self._entries if k == kind)
+    if entry is None:
+      raise errors.NotRegisteredError(
+          f"no {kind} named {name!r} is registered; registered {kind}s: "
+          f"{', '.join(known) or '(none)'}. Register it with @sidecar.{kind} in a module "
+          "the sidecar imports (sidecar serve --import MODULE)")
+    return entry
+
+  def has(self, kind: str, name: str) -> bool:
+    with self._lock:
+      return (kind, name) in self._entries
+
+  def names(self, kind: str) -> list[str]:
+    with self._lock:
+      return sorted(n for k, n in self._entries if k == kind)
+
+  def __iter__(self) -> Iterator[Entry]:
+    with self._lock:
+      entries = sorted(self._entries.values(), key=lambda e: (e.kind, e.name))
+    return iter(entries)
+
+  def fingerprint(self) -> str:
+    """A hash of every (kind, name, code hash): equal registries, equal fingerprints."""
+    digest = hashlib.sha256()
+    for e in self:
+      digest.update(f"{e.kind}\0{e.name}\0{e.code_hash}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _where(fn: Callable[..., Any]) -> str:
+  return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+_default = Registry()
+
+
+def default_registry() -> Registry:
+  return _default
+
+
+def set_default_registry(registry: Registry) -> Registry:
+  """Replaces the default registry (for tests); returns the previous one."""
+  global _default
+  if not isinstance(registry, Registry):
+    raise TypeError(f"registry must be a Registry, got {type(registry).__name__}")
+  previous, _default = _default, registry
+  return previous
+
+
+def load_modules(modules: Sequence[str]) -> None:
+  """Imports ``modules`` and every ``sidecar.plugins`` entry point, so decorators register."""
+  for module in modules:
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise ImportError(f"cannot import {module!r} given with --import: {e}") from e
+  for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+    ep.load()
+
+
+def _decorator(kind: str):
+  @overload
+  def register(fn: F, /) -> F: ...
+  @overload
+  def register(*, name: str | None = None, registry: Registry | None = None
+               ) -> Callable[[F], F]: ...
+
+  def register(fn=None, /, *, name=None, registry=None):
+    def apply(f):
+      (registry or _default).add(kind, name if name is not None else f.__name__, f)
+      return f
+    if fn is None:
+      return apply
+    if not callable(fn):
+      raise TypeError(f"@sidecar.{kind} needs a callable, got {type(fn).__name__} {fn!r}; "
+                      f"to name it, write @sidecar.{kind}(name=...)")
+    return apply(fn)
+  register.__name__ = kind
+  register.__doc__ = (
+      f"Registers a {kind} with the sidecar under its ``__name__`` or ``name``.\n\n"
+      f"Use as ``@sidecar.{kind}`` or ``@sidecar.{kind}(name=\"...\")``; returns the "
+      "callable unchanged.")
+  return register
+
+
+function = _decorator(FUNCTION)
+pipeline = _decorator(PIPELINE)

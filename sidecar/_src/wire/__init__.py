@@ -1,0 +1,1 @@
+"""What crosses a process boundary: protobuf, the value codec, socket framing."""

@@ -1,0 +1,408 @@
+"""The safe codec: pytrees of arrays, scalars, strings and bytes <-> ``pb.Value``.
+
+Only these travel: dict, list, tuple, None, numpy arrays and scalars of numeric
+dtypes, int, float, bool, str and bytes. Nothing is pickled, in any mode. Arrays
+of ``inline_limit`` bytes or more go through the arena when a ``to_arena``
+callback is given; then only an :class:`ArenaRef` crosses the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from sidecar._src.core import errors
+from sidecar._src.wire.protocol import pb
+
+INLINE_LIMIT = 64 * 1024
+MAX_DEPTH = 64
+# What one request may decode (Budget): a value costs the decoder ~0.5 us and ~50 bytes
+# of Python objects however few bytes it took on the wire (a `none` takes 4), so the
+# count of values is bounded as well as their bytes: a request costs what it sent.
+MAX_ELEMENTS = 1 << 20
+MAX_DECODED_BYTES = 256 << 20  # the control port's default max_message_size
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+_DTYPES: dict[str, np.dtype] = {
+    np.dtype(t).name: np.dtype(t) for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+        ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+        ml_dtypes.int4, ml_dtypes.uint4)
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArenaRef:
+  """Where an array lies in a sidecar's arena. The only thing that crosses for it."""
+  offset: int
+  nbytes: int
+  generation: int
+  dtype: str
+  shape: tuple[int, ...]
+
+
+def dtype_of(name: str, where: str = "array") -> np.dtype:
+  """The allowed dtype called ``name``, or InvalidArgumentError."""
+  dtype = _DTYPES.get(name)
+  if dtype is None:
+    raise errors.InvalidArgumentError(
+        f"{where}: dtype {name!r} is not allowed; allowed dtypes: {', '.join(sorted(_DTYPES))}")
+  return dtype
+
+
+def check_array(a: np.ndarray, where: str) -> np.ndarray:
+  """``a`` as a C-contiguous native-order array of an allowed dtype."""
+  name = a.dtype.newbyteorder("=").name if a.dtype.byteorder not in "=|" else a.dtype.name
+  dtype_of(name, where)
+  if a.dtype.byteorder not in "=|":
+    a = a.astype(a.dtype.newbyteorder("="))
+  # np.ascontiguousarray would turn a 0-d array into shape (1,).
+  return a if a.flags.c_contiguous else np.array(a, order="C")
+
+
+ToArena = Callable[[np.ndarray], ArenaRef | None]
+FromArena = Callable[[ArenaRef], np.ndarray]
+
+
+def encode(tree: Any, *, to_arena: ToArena | None = None,
+           inline_limit: int = INLINE_LIMIT, where: str = "value") -> pb.Value:
+  """Encodes ``tree``; raises InvalidArgumentError naming the first bad leaf's path."""
+  return _encode(tree, to_arena, inline_limit, where, 0)
+
+
+def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
+  if depth > MAX_DEPTH:
+    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+  if x is None:
+    return pb.Value(none=True)
+  if isinstance(x, np.generic):  # before float: np.float64 subclasses float
+    a = check_array(np.asarray(x), where)
+    return pb.Value(array=pb.Array(dtype=a.dtype.name, data=a.tobytes(), scalar=True))
+  if isinstance(x, bool):
+    return pb.Value(bool_value=x)
+  if isinstance(x, int):
+    if _INT64[0] <= x <= _INT64[1]:
+      return pb.Value(int_value=x)
+    return pb.Value(big_int=str(int(x)))
+  if isinstance(x, float):
+    return pb.Value(float_value=x)
+  if isinstance(x, str):
+    return pb.Value(str_value=x)
+  if isinstance(x, (bytes, bytearray, memoryview)):
+    return pb.Value(bytes_value=bytes(x))
+  if isinstance(x, dict):
+    entries = []
+    for k, v in x.items():
+      if not isinstance(k, (str, int)) or isinstance(k, bool):
+        raise errors.InvalidArgumentError(
+            f"{where}: dict key {k!r} of type {type(k).__name__} is not supported; "
+            "keys must be str or int")
+      entries.append(pb.DictEntry(key=_encode(k, None, limit, where, depth + 1),
+                                  value=_encode(v, to_arena, limit, f"{where}[{k!r}]", depth + 1)))
+    return pb.Value(dict=pb.DictValue(entries=entries))
+  if isinstance(x, (list, tuple)):
+    items = [_encode(v, to_arena, limit, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
+    return pb.Value(tuple=pb.ListValue(items=items)) if isinstance(x, tuple) else pb.Value(
+        list=pb.ListValue(items=items))
+  if not isinstance(x, np.ndarray) and hasattr(x, "__array__") and hasattr(x, "dtype"):
+    x = np.asarray(x)  # e.g. a jax.Array: its host value travels.
+  if isinstance(x, np.ndarray):
+    a = check_array(x, where)
+    if to_arena is not None and a.nbytes >= max(limit, 1):
+      ref = to_arena(a)
+      if ref is not None:
+        return pb.Value(arena=pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
+                                          generation=ref.generation, dtype=ref.dtype,
+                                          shape=ref.shape))
+    return pb.Value(array=pb.Array(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()))
+  raise errors.InvalidArgumentError(
+      f"{where}: values of type {type(x).__module__}.{type(x).__qualname__} cannot be sent; "
+      "arguments and results are pytrees (dict, list, tuple, None) of numpy arrays, numpy "
+      "scalars, int, float, bool, str and bytes")
+
+
+@dataclasses.dataclass(slots=True)
+class Budget:
+  """What a request may still decode: values (every leaf and container counts one) and
+  bytes (of strings, bytes and inline arrays; arena references cost none). Several
+  decodes of one request share one budget.
+  """
+  elements: int = MAX_ELEMENTS
+  nbytes: int = MAX_DECODED_BYTES
+  max_elements: int = dataclasses.field(init=False)
+  max_nbytes: int = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.max_elements, self.max_nbytes = self.elements, self.nbytes
+
+  def spend(self, where: str, *, elements: int = 0, nbytes: int = 0) -> None:
+    """Takes from the budget before the work is done.
+
+    Raises:
+      ResourceExhaustedError: naming ``where`` and the limit it passed.
+    """
+    self.elements -= elements
+    self.nbytes -= nbytes
+    if self.elements < 0:
+      raise errors.ResourceExhaustedError(
+          f"{where}: the request holds more than {self.max_elements} values, the limit of "
+          f"one request (codec.MAX_ELEMENTS); send many numbers as one numpy array")
+    if self.nbytes < 0:
+      raise errors.ResourceExhaustedError(
+          f"{where}: the request holds more than {self.max_nbytes} bytes of strings, bytes "
+          "and inline arrays, the limit of one request (codec.MAX_DECODED_BYTES); pass large "
+          "arrays through a Worker's arena")
+
+
+def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value",
+           budget: Budget | None = None) -> Any:
+  """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError.
+
+  With a ``budget``, a value past it raises ResourceExhaustedError before it is decoded.
+  """
+  if budget is not None:
+    budget.spend(where, elements=1)
+  return _decode(value, from_arena, where, 0, budget)
+
+
+def arena_blocks(value: pb.Value) -> list[int]:
+  """The arena blocks an encoded value refers to, as flattened (offset, generation) pairs."""
+  kind = value.WhichOneof("kind")
+  if kind == "arena":
+    return [value.arena.offset, value.arena.generation]
+  if kind in ("list", "tuple"):
+    return [x for item in getattr(value, kind).items for x in arena_blocks(item)]
+  if kind == "dict":
+    return [x for e in value.dict.entries for x in arena_blocks(e.value)]
+  return []
+
+
+def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | None) -> Any:
+  if depth > MAX_DEPTH:
+    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+  kind = v.WhichOneof("kind")
+  if kind == "none":
+    return None
+  if kind in ("bool_value", "int_value", "float_value"):
+    return getattr(v, kind)
+  if kind in ("str_value", "bytes_value"):
+    x = getattr(v, kind)
+    if budget is not None:
+      budget.spend(where, nbytes=len(x))
+    return x
+  if kind == "big_int":
+    if budget is not None:
+      budget.spend(where, nbytes=len(v.big_int))
+    try:
+      return int(v.big_int)
+    except ValueError:
+      raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
+  if kind == "array":
+    if budget is not None:
+      budget.spend(where, nbytes=len(v.array.data))
+    return _decode_array(v.array, where)
+  if kind == "arena":
+    r = v.arena
+    ref = ArenaRef(r.offset, r.nbytes, r.generation, r.dtype, tuple(r.shape))
+    dtype = dtype_of(ref.dtype, where)
+    _check_size(ref.shape, dtype, ref.nbytes, where)
+    if ref.nbytes <= 0:
+      raise errors.InvalidArgumentError(
+          f"{where}: an arena reference needs nbytes > 0, got {ref.nbytes} for shape "
+          f"{ref.shape}; send empty arrays inline")
+    if from_arena is None:
+      raise errors.InvalidArgumentError(
+          f"{where}: an arena reference arrived but this side has no arena attached")
+    try:
+      return from_arena(ref)
+    except (errors.InvalidArgumentError, errors.StaleDescriptorError) as e:
+      raise type(e)(f"{where}: {e}") from None
+  if kind in ("list", "tuple"):
+    children = getattr(v, kind).items
+    if budget is not None:  # counted before any is decoded: the refusal costs nothing
+      budget.spend(where, elements=len(children))
+    items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1, budget)
+             for i, x in enumerate(children)]
+    return tuple(items) if kind == "tuple" else items
+  if kind == "dict":
+    entries = v.dict.entries
+    if budget is not None:
+      budget.spend(where, elements=2 * len(entries))
+    out = {}
+    for entry in entries:
+      key = _decode(entry.key, None, where, depth + 1, budget)
+      if not isinstance(key, (str, int)):
+        raise errors.InvalidArgumentError(f"{where}: dict key {key!r} is not str or int")
+      out[key] = _decode(entry.value, from_arena, f"{where}[{key!r}]", depth + 1, budget)
+    return out
+  raise errors.InvalidArgumentError(f"{where}: empty or unknown value kind {kind!r}")
+
+
+def as_array(buffer: np.ndarray, ref: ArenaRef) -> np.ndarray:
+  """The array ``ref`` describes, viewed (no copy) on the uint8 ``buffer`` of its block."""
+  dtype = dtype_of(ref.dtype)
+  need = math.prod(ref.shape) * dtype.itemsize
+  return buffer[:need].view(dtype).reshape(ref.shape)
+
+
+def _check_size(shape, dtype: np.dtype, nbytes: int, where: str):
+  if any(d < 0 for d in shape):
+    raise errors.InvalidArgumentError(f"{where}: negative dimension in shape {tuple(shape)}")
+  need = math.prod(shape) * dtype.itemsize
+  if need != nbytes:
+    raise errors.InvalidArgumentError(
+        f"{where}: shape {tuple(shape)} of {dtype.name} needs {need} bytes, got {nbytes}")
+
+
+def _decode_array(a: pb.Array, where: str) -> Any:
+  dtype = dtype_of(a.dtype, where)
+  shape = () if a.scalar else tuple(a.shape)
+  _check_size(shape, dtype, len(a.data), where)
+  arr = np.frombuffer(a.data, dtype=dtype).reshape(shape)
+  return arr[()] if a.scalar else arr.copy()
+
+
+# A message is at least 2 bytes on the wire, so one under this size cannot hold more than
+# MAX_ELEMENTS of them: it is parsed without a count.
+SCAN_FROM = 2 * MAX_ELEMENTS
+_MAX_SCAN_DEPTH = 100  # protobuf's own nesting limit: deeper, its parse refuses
+
+
+def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENTS,
+                        what: str | None = None) -> None:
+  """Counts the values in wire-format ``raw`` (a ``descriptor`` message) before it is
+  parsed, as the decoder's Budget would (every sub-message but the parts of a Value);
+  past ``limit``, ResourceExhaustedError naming ``what`` (the message's type).
+
+  Protobuf's parse costs ~50 bytes of memory a sub-message, however few bytes it took
+  (a ``none`` Value takes 4): counting first, without allocating (~0.5 s for a million),
+  keeps a request's cost proportional to its bytes. Malformed bytes are left for the
+  parse to refuse.
+  """
+  if len(raw) < SCAN_FROM:
+    return
+  count = _count(raw, descriptor, limit, 0)
+  if count > limit:
+    raise errors.ResourceExhaustedError(
+        f"{what or descriptor.name} holds more than {limit} values, the limit of one request "
+        "(codec.MAX_ELEMENTS); send many numbers as one numpy array")
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+  result = shift = 0
+  while True:
+    b = buf[pos]
+    pos += 1
+    result |= (b & 0x7F) << shift
+    if b < 0x80:
+      return result, pos
+    shift += 7
+    if shift > 63:
+      raise ValueError("varint too long")
+
+
+def length_delimited(buf: bytes, start: int, end: int, field: int
+                     ) -> list[tuple[int, int, int]]:
+  """``(field start, value start, value end)`` of each length-delimited field ``field`` of
+  the message in ``buf[start:end]``, read off the wire without parsing it.
+
+  Raises:
+    ValueError, IndexError: not a plain message (a group, a field past the end).
+  """
+  found, pos = [], start
+  while pos < end:
+    field_start = pos
+    key, pos = _varint(buf, pos)
+    wire = key & 7
+    if wire == 0:
+      _, pos = _varint(buf, pos)
+    elif wire == 1:
+      pos += 8
+    elif wire == 5:
+      pos += 4
+    elif wire == 2:
+      n, pos = _varint(buf, pos)
+      if key >> 3 == field:
+        found.append((field_start, pos, pos + n))
+      pos += n
+    else:
+      raise ValueError(f"wire type {wire}")
+  if pos != end:
+    raise ValueError("a field runs past its message")
+  return found
+
+
+_FIELDS: dict[str, dict[int, tuple[Any, int]]] = {}
+# The scan's own cost: a field that is no value (a scalar, a string, a DictEntry, an
+# unknown field, empty or not) takes it as long as a value does. A value comes with at
+# most two (its scalar; a dict entry and its key for two values); millions more than
+# the values are no request of ours (2-byte fields: 70 s for 256 MiB).
+_OTHER_FIELDS_PER_VALUE = 2
+# Parts of a Value that the decoder does not count apart from it (the items and entries
+# of lists and dicts it does).
+_UNCOUNTED = frozenset(m.DESCRIPTOR.full_name for m in (
+    pb.ListValue, pb.DictValue, pb.DictEntry, pb.Array, pb.ArenaRef))
+
+
+def _message_fields(descriptor: Any) -> dict[int, tuple[Any, int]]:
+  """Field number -> (message descriptor, what one counts) of ``descriptor``'s message fields."""
+  fields = _FIELDS.get(descriptor.full_name)
+  if fields is None:
+    fields = _FIELDS[descriptor.full_name] = {
+        f.number: (f.message_type, int(f.message_type.full_name not in _UNCOUNTED))
+        for f in descriptor.fields if f.message_type is not None}
+  return fields
+
+
+def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
+           end: int | None = None, others: list[int] | None = None) -> int:
+  """Sub-messages in ``buf[pos:end]``, stopping once past ``limit``; what it cannot read
+  it leaves to the parse. ``others``: how many more fields that are no value the whole
+  scan may visit (shared by every level)."""
+  fields = _message_fields(descriptor)
+  end = len(buf) if end is None else end
+  others = [_OTHER_FIELDS_PER_VALUE * limit] if others is None else others
+  count = 0
+  try:
+    while pos < end:
+      key = buf[pos]
+      pos += 1
+      if key >= 0x80:
+        key, pos = _varint(buf, pos - 1)
+      wire = key & 7
+      child, weight = fields.get(key >> 3, (None, 0)) if wire == 2 else (None, 0)
+      if not weight:
+        others[0] -= 1
+        if others[0] < 0:
+          return limit + 1
+      if wire == 0:
+        while buf[pos] >= 0x80:
+          pos += 1
+        pos += 1
+      elif wire == 2:
+        n = buf[pos]
+        pos += 1
+        if n >= 0x80:
+          n, pos = _varint(buf, pos - 1)
+        if child is not None:
+          count += weight
+          if n and depth < _MAX_SCAN_DEPTH:
+            count += _count(buf, child, limit - count, depth + 1, pos, pos + n, others)
+          if count > limit:
+            return count
+        pos += n
+      elif wire == 1:
+        pos += 8
+      elif wire == 5:
+        pos += 4
+      else:
+        return count  # groups or garbage: the parse decides
+  except (IndexError, ValueError):
+    pass  # truncated or malformed: the parse decides
+  return count

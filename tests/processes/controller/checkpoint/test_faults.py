@@ -1,0 +1,158 @@
+"""SIGKILL at every phase of a save: the previous step restores bit-exact, nothing leaks."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from tests.conftest import arena_mappers, eventually, shm_entries
+from tests.support import paths
+
+pytestmark = pytest.mark.processes
+
+ROOT = str(paths.ROOT)
+
+
+def state(value: float):
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
+  return {"w": jax.device_put(jnp.full((256, 128), value, jnp.float32), sharding),
+          "n": np.arange(4) + int(value)}
+
+
+def abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, tree)
+
+
+def check_only_step_1(directory):
+  """A fresh deployment sees step 1 alone, restores it bit-exact, and swept step 2's tmp."""
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB") as c:
+    with c.controller() as ctl, ctl.checkpointer(directory) as ckpt:
+      assert ckpt.all_steps() == [1]
+      restored = ckpt.restore(target=abstract(state(1.0)))
+      np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((256, 128), 1.0))
+      np.testing.assert_array_equal(restored["n"], np.arange(4) + 1)
+  assert sorted(os.listdir(directory)) == ["1"]
+
+
+@pytest.mark.parametrize("point,host", [
+    ("stage", 1), ("write", 1), ("prepared", 1), ("commit", 0)],
+    ids=["during-staging", "during-writing", "after-prepared", "during-commit"])
+def test_sidecar_killed_during_a_save(tmp_path, point, host):
+  before, mappers = shm_entries(), set(arena_mappers())
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(
+      num_hosts=2, devices_per_host=1, shm_size="16MiB",
+      host_env={host: {"SIDECAR_CKPT_FAULT": f"{point}@2"}}) as c:
+    with c.controller() as ctl, ctl.checkpointer(directory) as ckpt:
+      ckpt.save(1, state(1.0)).durable.result(60)
+      handle = ckpt.save(2, state(2.0))
+      with pytest.raises(sidecar.SidecarError):
+        handle.durable.result(60)
+      assert ckpt.all_steps() == [1]
+      assert "2" not in os.listdir(directory)
+  check_only_step_1(directory)
+  assert shm_entries() == before and set(arena_mappers()) <= mappers
+
+
+def test_trainer_killed_during_staging(tmp_path):
+  before, mappers = shm_entries(), set(arena_mappers())
+  directory = tmp_path / "ck"
+  script = textwrap.dedent(f"""
+      import os, signal
+      import jax, jax.numpy as jnp, numpy as np
+      import sidecar
+      from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      c = sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB").start()
+      ctl = c.controller()
+      sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
+      st = lambda v: {{"w": jax.device_put(jnp.full((256, 128), v, jnp.float32), sh),
+                       "n": np.arange(4) + int(v)}}
+      print(c.pid(0), c.pid(1), flush=True)
+      ckpt = ctl.checkpointer({str(directory)!r})
+      ckpt.save(1, st(1.0)).durable.result(60)
+      ckpt.save(2, st(2.0))
+      os.kill(os.getpid(), signal.SIGKILL)  # before step 2 is staged or written
+  """)
+  p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120,
+                     stdout=subprocess.PIPE, text=True,
+                     env=dict(os.environ, TMPDIR=str(tmp_path)))  # its dir stays there
+  assert p.returncode == -signal.SIGKILL
+  for pid in map(int, p.stdout.split()):  # its sidecars exit within a second
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+      time.sleep(0.05)
+  check_only_step_1(directory)
+  assert shm_entries() == before and set(arena_mappers()) <= mappers
+
+
+def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_path):
+  """The trainer is SIGKILLed once step 2 is staged, while its write is slowed (the
+  "slow" fault): the sidecars finish writing it, nobody commits it; it is listed as
+  uncommitted, then freed after SIDECAR_UNCOMMITTED_TIMEOUT."""
+  env = {"SIDECAR_UNCOMMITTED_TIMEOUT": "2", "SIDECAR_CKPT_FAULT": "slow@2"}
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB",
+                                    host_env={0: env, 1: env}) as c:
+    script = textwrap.dedent(f"""
+        import os, signal
+        import jax, jax.numpy as jnp, numpy as np
+        import sidecar
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        ctl = sidecar.Controller({c.addresses!r})
+        sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
+        ckpt = ctl.checkpointer({str(tmp_path / "ck")!r})
+        ckpt.save(1, {{"w": jax.device_put(jnp.ones((256, 128)), sh)}}).durable.result(60)
+        ckpt.save(2, {{"w": jax.device_put(jnp.zeros((256, 128)), sh)}}).staged.result(60)
+        os.kill(os.getpid(), signal.SIGKILL)  # staged, not written, never committed
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120,
+                       env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+    assert p.returncode == -signal.SIGKILL
+    with c.controller() as ctl:
+      def held():
+        return {s.identity.host_id: (list(s.checkpoints[0].uncommitted), s.arena_used)
+                for s in ctl.status() if s.checkpoints}
+      assert eventually(lambda: [u for u, _ in held().values()] == [[2], [2]], timeout=10)
+      used = {h: n for h, (_, n) in held().items()}
+      assert eventually(lambda: [u for u, _ in held().values()] == [[], []], timeout=10)
+      assert all(n < used[h] for h, (_, n) in held().items())  # step 2's blocks came back
+      assert "never committed" in c.log(0)
+
+
+@pytest.mark.server
+def test_a_save_that_fails_on_a_full_disk_releases_everything_and_the_next_save_works(
+    make_server, tmp_path, monkeypatch):
+  """ENOSPC once step 2's first shard is on disk ("enospc@2"): step 2 fails, the trainer's
+  arena copy and the sidecar's staged blocks come back, and step 3 saves and restores."""
+  from sidecar._src.host.checkpoint.host import FAULT_ENV
+  monkeypatch.setenv(FAULT_ENV, "enospc@2")  # read by the in-process sidecar as it writes
+  server = make_server(shm_size=16 << 20, device_ids=(0,))
+  one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
+
+  def state(value):
+    return {"w": jax.device_put(jnp.full((256, 128), value, jnp.float32), one),
+            "n": np.arange(4) + int(value)}
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
+      ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
+    ckpt.save(1, state(1.0)).durable.result(60)
+    held = server.leases.allocator.used_bytes  # step 1 in the RAM tier
+    with pytest.raises(sidecar.SidecarError, match="No space left on device"):
+      ckpt.save(2, state(2.0)).durable.result(60)
+    assert eventually(lambda: ctl.worker(0).live_blocks == 0)
+    assert eventually(lambda: server.leases.allocator.used_bytes <= held)
+    assert ckpt.all_steps() == [1]
+    ckpt.save(3, state(3.0)).durable.result(60)  # the disk has room again: no fault at 3
+    assert ckpt.all_steps() == [1, 3]
+    restored = ckpt.restore(3, target=abstract(state(3.0)))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((256, 128), 3.0))
+    np.testing.assert_array_equal(restored["n"], np.arange(4) + 3)
+  assert not any((tmp_path / "ck").glob("2*"))

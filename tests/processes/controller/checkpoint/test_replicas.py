@@ -1,0 +1,259 @@
+"""Peer replicas and restores from whatever survives: real sidecars, killed for real."""
+
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar._src.controller import status as status_lib
+from sidecar._src.controller.checkpoint import restore as checkpoint_restore
+from sidecar._src.controller.checkpoint.checkpointer import replica_peers
+from sidecar._src.core import errors
+from sidecar._src.host.checkpoint.host import FAULT_ENV
+from tests.conftest import arena_mappers, eventually, shm_entries
+
+pytestmark = pytest.mark.processes
+
+FNS = ["tests.support.sidecar_fns"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("slices, host, replicas, expected", [
+    ({0: 0, 1: 0, 2: 0}, 0, 1, [1]),
+    ({0: 0, 1: 0, 2: 0}, 2, 2, [0, 1]),  # wraps
+    ({0: 0, 1: 0, 2: 1, 3: 1}, 0, 1, [2]),  # another slice first
+    ({0: 0, 1: 0, 2: 1, 3: 1}, 3, 2, [0, 1]),
+    ({0: 0, 1: 0, 2: 1, 3: 1}, 1, 3, [2, 3, 0]),  # then its own slice
+], ids=["next", "wrap", "other-slice", "other-slice-wrap", "then-same-slice"])
+def test_replica_peers(slices, host, replicas, expected):
+  assert replica_peers(slices, host, replicas) == expected
+
+
+def state_on(devices):
+  mesh = Mesh(np.array(devices), ("data",))
+  w = jnp.arange(1536 * 64, dtype=jnp.float32).reshape(1536, 64)
+  return {"w": jax.device_put(w, NamedSharding(mesh, P("data"))),
+          "b": jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P())),
+          "table": np.arange(10, dtype=np.int64)}
+
+
+def target_on(devices, like):
+  mesh = Mesh(np.array(devices), ("data",))
+  specs = {"w": P("data"), "b": P()}
+  return {k: (jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+              if k in specs else v) for k, v in like.items()}
+
+
+def assert_same(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def chunk_files(directory: pathlib.Path, step: int) -> list[pathlib.Path]:
+  item = directory / str(step) / "default"
+  return [p for p in item.rglob("*") if p.is_file() and p.parent != item
+          and not p.name.startswith(".") and p.parent.name != "array_metadatas"]
+
+
+def held_replicas(ctl, directory):
+  """{holder host: {source host: [steps]}} from every sidecar's status."""
+  out = {}
+  for s in ctl.status():
+    for c in s.checkpoints:
+      if c.directory == str(directory):
+        for r in c.replicas:
+          out.setdefault(s.identity.host_id, {})[r.source_host] = list(r.steps)
+  return out
+
+
+def test_three_hosts_lose_one_then_two(tmp_path):
+  """Replicas=1 on 3 hosts: one host lost restores from RAM tiers and replicas with no
+  storage read; two lost: storage where it is whole, else an error naming the shards."""
+  before = shm_entries()
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=3, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS) as cluster:
+    devices = jax.devices()[:3]
+    state = state_on(devices)
+    with cluster.controller() as ctl, ctl.checkpointer(directory, replicas=1,
+                                                       ram_steps=2) as ckpt:
+      for step in (1, 2):
+        handle = ckpt.save(step, state)
+        assert handle.durable.result(60) == step
+        assert handle.replicated.result(60) == step
+      # host h's shards are held by host h+1, wrapping.
+      assert held_replicas(ctl, directory) == {1: {0: [1, 2]}, 2: {1: [1, 2]}, 0: {2: [1, 2]}}
+      table = status_lib.format_checkpoints([(a, s) for a, s in zip(cluster.addresses,
+                                                                   ctl.status())])
+      assert f"host 1  {directory}  RAM tier: [1, 2]  replicas: [1, 2] of host 0" in table
+    for path in chunk_files(directory, 2):  # storage cannot give step 2 any more
+      path.unlink()
+    cluster.kill(0)
+    with sidecar.Controller(cluster.addresses[1:]) as ctl:
+      with ctl.checkpointer(directory) as ckpt:
+        restored = ckpt.restore(2, target=target_on(devices[1:], state))
+        assert_same(restored, state)
+        stats = ckpt.last_restore_stats()
+        assert "storage" not in stats.shards
+        # host 0's shard of w (and the leaves it staged alone) came from host 1's replica
+        assert stats.shards["replica:host1"] == 3 and stats.shards["ram:host1"] == 1
+        assert stats.shards["ram:host2"] == 1
+        assert sum(stats.bytes.values()) == sum(np.asarray(x).nbytes
+                                                for x in jax.tree.leaves(state))
+    cluster.kill(1)
+    with sidecar.Controller(cluster.addresses[2:]) as ctl:
+      with ctl.checkpointer(directory) as ckpt:
+        restored = ckpt.restore(1, target=target_on(devices[2:], state))
+        assert_same(restored, state)  # hosts 0 and 1's shards from storage
+        # host 1's shards are still replicated on host 2; host 0's only in storage
+        assert set(ckpt.last_restore_stats().shards) == {"ram:host2", "replica:host2",
+                                                          "storage"}
+        with pytest.raises(errors.ShardsLostError,
+                           match=r"step 2 of .* cannot be restored: 3 shards have no live copy "
+                                 r"and no valid stored copy: array 'b' shards \[\[\[0, 8\]\]\]; "
+                                 r"array 'table' shards \[\[\[0, 10\]\]\]; array 'w' shards "
+                                 r"\[\[\[0, 512\], \[0, 64\]\]\] \(staged by hosts \[0\], replicated on "
+                                 r"hosts \[1\]\); "
+                                 r"hosts gone: \[0, 1\]"):
+          ckpt.restore(2, target=target_on(devices[2:], state))
+  assert arena_mappers() == [] and shm_entries() == before
+
+
+def test_two_hosts_replicate_and_a_peer_killed_mid_replication(tmp_path):
+  """Two hosts mirror each other; host 1 killed while host 0's shards arrive: the step is
+  durable, ``replicated`` fails naming the peer, host 0 unmaps host 1's arena."""
+  before = shm_entries()
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS,
+                                    host_env={1: {FAULT_ENV: "replicate@2"}}) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    with cluster.controller() as ctl, ctl.checkpointer(directory, replicas=1) as ckpt:
+      first = ckpt.save(1, state)
+      assert first.replicated.result(60) == 1 and first.durable.result(60) == 1
+      # Listed once committed (a replica may be whole before its step's commit).
+      assert held_replicas(ctl, directory) == {0: {1: [1]}, 1: {0: [1]}}
+      handle = ckpt.save(2, state)
+      assert handle.durable.result(60) == 2  # committed all the same
+      with pytest.raises(errors.HostLostError,
+                         match=r"host 0 could not replicate step 2 to hosts \[1\]"):
+        handle.replicated.result(60)
+      assert eventually(lambda: cluster.poll(1) is not None, 10)
+      assert ckpt.all_steps() == [1, 2]
+    maps = pathlib.Path(f"/proc/{cluster.pid(0)}/maps")  # host 0 maps only its own arena again
+    assert eventually(lambda: maps.read_text().count("memfd:sidecar-arena") == 1, 10)
+    with sidecar.Controller(cluster.addresses[:1]) as ctl:
+      with ctl.checkpointer(directory) as ckpt:
+        assert_same(ckpt.restore(2, target=target_on(devices[:1], state)), state)
+        assert "ram:host0" in ckpt.last_restore_stats().shards
+  assert arena_mappers() == [] and shm_entries() == before
+
+
+def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp_path):
+  """Host 0 maps host 1's arena once for every step it replicates there; when host 1's
+  sidecar is killed between saves, host 0 unmaps it without waiting for a next save."""
+  before = shm_entries()
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    maps = pathlib.Path(f"/proc/{cluster.pid(0)}/maps")
+    with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck", replicas=1) as ckpt:
+      for step in (1, 2, 3):
+        assert ckpt.save(step, state).replicated.result(60) == step
+        assert maps.read_text().count("memfd:sidecar-arena") == 2  # its own and the peer's
+      cluster.kill(1)
+      assert eventually(lambda: maps.read_text().count("memfd:sidecar-arena") == 1, 10)
+  assert arena_mappers() == [] and shm_entries() == before
+
+
+def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkeypatch, caplog):
+  """A controller that maps no arena reads RAM-tier shards inline, in parts of at most
+  READ_PART_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
+  replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
+  monkeypatch.setattr(checkpoint_restore, "READ_PART_BYTES", 4096)
+  parts = []
+  read_parts = checkpoint_restore.Restorer._read_parts
+  monkeypatch.setattr(checkpoint_restore.Restorer, "_read_parts",
+                      lambda self, *a: parts.append(a[5]) or read_parts(self, *a))
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    with cluster.controller(attach=False) as ctl:
+      with ctl.checkpointer(directory, replicas=1) as ckpt:
+        handle = ckpt.save(1, state)
+        assert handle.durable.result(60) == 1 and handle.replicated.result(60) == 1
+      for path in chunk_files(directory, 1):
+        path.write_bytes(b"\0" * path.stat().st_size)
+      with ctl.checkpointer(directory) as ckpt:
+        assert_same(ckpt.restore(1, target=target_on(devices, state)), state)
+        assert sorted(ckpt.last_restore_stats().shards) == ["ram:host0", "ram:host1"]
+      assert sorted(parts) == [0, 1]  # one parted read per half of "w", from its own host
+      cluster.kill(1)
+    parts.clear()
+    with sidecar.Controller(cluster.addresses[:1], attach=False) as ctl:
+      with ctl.checkpointer(directory, replicas=1) as ckpt:  # 1 host left: no peer to use
+        restored = ckpt.restore(1, target=target_on(devices[:1], state))
+        assert_same(restored, state)
+        assert "replica:host0" in ckpt.last_restore_stats().shards
+        assert ckpt.save(2, restored).replicated.result(60) is None  # as with replicas=0
+    assert sorted(parts) == [0, 0]  # host 1's half from its replica on host 0, in parts
+    assert "replicas=1, but there are 1 hosts: each shard gets 0 peer copies" in caplog.text
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
+def test_replica_bandwidth_paces_the_sending(tmp_path, shared_memory):
+  """Each host's 192 KiB half of "w" (and "b", "table") at 256 KiB/s: the replica cannot be
+  whole in less than 0.75 s from its start (the sleeps set that bound), and is whole and
+  right."""
+  env = {} if shared_memory else {h: {"SIDECAR_REPLICA_SHM": "0"} for h in range(2)}
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS, host_env=env) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    with cluster.controller() as ctl:
+      with pytest.raises(sidecar.InvalidArgumentError, match=r"replica_bandwidth: .*'fast'"):
+        ctl.checkpointer(tmp_path / "ck", replicas=1, replica_bandwidth="fast")
+      with ctl.checkpointer(tmp_path / "ck", replicas=1, replica_bandwidth="256KiB") as ckpt:
+        handle = ckpt.save(1, state)
+        handle.staged.result(60)
+        t0 = time.monotonic()
+        assert handle.replicated.result(60) == 1
+        assert time.monotonic() - t0 >= 0.5  # the sleeps alone take 0.75 s from its start
+      assert held_replicas(ctl, tmp_path / "ck") == {0: {1: [1]}, 1: {0: [1]}}
+      cluster.kill(1)
+    with sidecar.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+      assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
+      assert "replica:host0" in ckpt.last_restore_stats().shards
+
+
+def test_corrupt_chunk_files_restore_from_memory_over_grpc(tmp_path):
+  """A step whose stored chunks are corrupt restores from the RAM tier; the replica went
+  inline over gRPC (no shared memory between the sidecars) and checks its crc32c."""
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    imports=FNS,
+                                    host_env={h: {"SIDECAR_REPLICA_SHM": "0"}
+                                              for h in range(2)}) as cluster:
+    devices = jax.devices()[:2]
+    state = state_on(devices)
+    with cluster.controller() as ctl, ctl.checkpointer(directory, replicas=1) as ckpt:
+      assert ckpt.save(1, state).replicated.result(60) == 1
+    assert "over gRPC" in cluster.log(0)
+    for path in chunk_files(directory, 1):
+      with open(path, "r+b") as f:  # flip a byte of every chunk
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+    cluster.kill(1)
+    with sidecar.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(directory) as ckpt:
+      assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
+      assert set(ckpt.last_restore_stats().shards) == {"ram:host0", "replica:host0"}

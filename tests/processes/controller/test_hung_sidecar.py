@@ -1,0 +1,88 @@
+"""Tier 3: a sidecar that stops answering (SIGSTOP) ends what waits on it with HostLostError.
+
+Over the worker's Unix socket (a feed, an arena request) and over gRPC (a feed without a
+worker), with a short peer timeout. Each wait is guarded: a watchdog SIGCONTs the sidecar
+after a while, so a regression shows as a feed that goes on (a failure), never a hang.
+"""
+
+import contextlib
+import gc
+import os
+import signal
+import threading
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from tests.conftest import eventually
+
+pytestmark = pytest.mark.processes
+
+PEER_TIMEOUT = 1.0
+WATCHDOG_S = 60.0  # far past PEER_TIMEOUT: a hang would be this long, then a failure
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    imports=["tests.support.feed_fns"]) as c:
+    yield c
+
+
+@contextlib.contextmanager
+def stopped(cluster):
+  """The sidecar SIGSTOPped for the body; SIGCONTed after it, or by the watchdog."""
+  pid = cluster.pid(0)
+  resumed = threading.Event()
+
+  def resume():
+    if not resumed.is_set():
+      resumed.set()
+      os.kill(pid, signal.SIGCONT)
+
+  watchdog = threading.Timer(WATCHDOG_S, resume)
+  os.kill(pid, signal.SIGSTOP)
+  watchdog.start()
+  try:
+    yield
+  finally:
+    watchdog.cancel()
+    resume()
+
+
+def sharding():
+  return NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+
+
+@pytest.mark.parametrize("attach", [True, False], ids=["unix-socket", "grpc"])
+def test_a_stopped_sidecar_ends_a_feed_with_host_lost(cluster, attach):
+  with cluster.controller(attach=attach, peer_timeout=PEER_TIMEOUT) as ctl:
+    assert (ctl.worker(0) is not None) == attach
+    with ctl.feed("ids", kwargs={"n": 4096}, global_batch_size=4, sharding=sharding()) as feed:
+      next(feed)
+      with stopped(cluster), pytest.raises(sidecar.HostLostError) as info:
+        for _ in range(1000):  # more than the prefetch: it must wait on the sidecar
+          next(feed)
+      assert info.value.host_id == 0
+      with pytest.raises(sidecar.ClosedError):
+        next(feed)
+  gc.collect()  # the traceback's frames held the last batch's arrays in a cycle
+  # SIGCONTed, the sidecar serves again, and the lost worker's blocks came back.
+  with cluster.controller() as ctl:
+    assert ctl.call("sidecar_pid") == [cluster.pid(0)]
+    assert eventually(lambda: ctl.status()[0].arena_used == 0 and ctl.status()[0].workers == 1)
+
+
+def test_a_stopped_sidecar_fails_an_arena_request_and_every_later_one(cluster):
+  w = sidecar.Worker(cluster.socket(0), timeout=PEER_TIMEOUT)
+  try:
+    with stopped(cluster):
+      with pytest.raises(sidecar.HostLostError, match="did not answer 'alloc'"):
+        w.put(np.zeros(16, np.uint8))
+    with pytest.raises(sidecar.HostLostError, match="counts as lost"):
+      w.put(np.zeros(16, np.uint8))  # its late answer is never taken for this one's
+  finally:
+    w.close()

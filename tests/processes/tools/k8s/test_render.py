@@ -1,0 +1,218 @@
+"""`sidecar k8s render`: the same JobSet as the overlays, through the same checks."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from sidecar._src.core import errors
+from sidecar._src.tools.k8s import checks, cli, render
+from tests.support import k8s_util as util
+
+pytestmark = pytest.mark.processes
+
+GKE_IMAGES = dict(image="us-docker.pkg.dev/my-project/my-repo/sidecar:latest",
+                  trainer_image="us-docker.pkg.dev/my-project/my-repo/trainer:latest")
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="sidecar")
+  cli.register(p.add_subparsers())
+  return p
+
+
+def run_cli(argv, capsys):
+  args = parser().parse_args(argv)
+  status = args.func(args)
+  out, err = capsys.readouterr()
+  return status, out, err
+
+
+@pytest.mark.unit
+def test_no_metrics_renders_no_port_env_or_annotations():
+  doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1",
+                                                  metrics_port=None))
+  template = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+  assert "metadata" not in template
+  assert [p["name"] for p in util.container(doc, "sidecar")["ports"]] == ["grpc", "health"]
+  assert "SIDECAR_METRICS_PORT" not in util.env(doc, "sidecar")
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  with pytest.raises(errors.InvalidArgumentError, match="metrics_port 8491 is also the port"):
+    render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1", metrics_port=8491)
+
+
+def test_render_equals_the_gke_overlay(rendered_overlays):
+  (overlay,) = rendered_overlays["gke-tpu-multislice"]
+  rendered = render.render_jobset(render.RenderOptions(
+      slices=2, hosts_per_slice=4, tpu=render.parse_tpu("v5e:4x4"), shm_size="32GiB",
+      sidecar_cpu="8", **GKE_IMAGES))
+  assert util.normalized(rendered) == util.normalized(overlay)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("options", [
+    dict(slices=1, hosts_per_slice=1, image="sidecar:1"),
+    dict(slices=3, hosts_per_slice=4, image="sidecar:1", shm_size="256MiB"),
+    dict(slices=4, hosts_per_slice=16, image="sidecar:1", tpu=render.parse_tpu("v6e:8x8"),
+         shm_size="64GiB", imports=("a.fns", "b.fns"), namespace="ml", name="big-run"),
+    dict(slices=2, hosts_per_slice=8, image="sidecar:1", tpu=render.parse_tpu("v5p:2x4x4"),
+         port=9000, health_port=9001, coordinator_port=9002, grace_seconds=900),
+], ids=["minimal", "cpu", "v6e-namespace", "v5p-ports"])
+def test_rendered_jobsets_pass_every_check(options):
+  doc = render.render_jobset(render.RenderOptions(**options))
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  rjob = doc["spec"]["replicatedJobs"][0]
+  assert rjob["replicas"] == options["slices"]
+  assert rjob["template"]["spec"]["completions"] == options["hosts_per_slice"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text, accelerator, chips, hosts", [
+    ("v5e:4x4", "tpu-v5-lite-podslice", 4, 4),
+    ("v5e:2x4", "tpu-v5-lite-podslice", 8, 1),
+    ("v5e:1x1", "tpu-v5-lite-podslice", 1, 1),
+    ("v6e:16x16", "tpu-v6e-slice", 4, 64),
+    ("v5p:2x2x1", "tpu-v5p-slice", 4, 1),
+    ("v4:2x2x4", "tpu-v4-podslice", 4, 4),
+], ids=["v5e-multi-host", "v5e-8-chip-host", "v5e-one-chip", "v6e-pod", "v5p-one-host", "v4"])
+def test_parse_tpu(text, accelerator, chips, hosts):
+  tpu = render.parse_tpu(text)
+  assert (tpu.accelerator, tpu.chips_per_host, tpu.hosts) == (accelerator, chips, hosts)
+  assert tpu.topology == text.split(":")[1]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text, match", [
+    ("v5e", r"is not VERSION:TOPOLOGY with VERSION one of v4, v5p, v5e, v6e"),
+    ("v9:4x4", r"'v9:4x4' is not VERSION:TOPOLOGY"),
+    ("v5e:4x4x4", r"TPU v5e topologies have 2 dimensions, e\.g\. v5e:4x4"),
+    ("v5p:4x4", r"TPU v5p topologies have 3 dimensions, e\.g\. v5p:2x2x4"),
+    ("v5e:0x4", r"TPU v5e topologies have 2 dimensions"),
+    ("v5e:3x3", r"9 chips do not split into hosts of 4"),
+], ids=["no-topology", "unknown-version", "v5e-3d", "v5p-2d", "zero", "odd-chips"])
+def test_bad_tpu_names_the_fix(text, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    render.parse_tpu(text)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("options, match", [
+    (dict(slices=0, hosts_per_slice=1), r"slices must be an integer >= 1, got 0"),
+    (dict(slices=1, hosts_per_slice=2, tpu=render.parse_tpu("v5e:4x4")),
+     r"hosts_per_slice is 2 but TPU topology 4x4 has 4 hosts of 4 chips"),
+    (dict(slices=1, hosts_per_slice=1, name="Train_1"), r"name must be a DNS label"),
+    (dict(slices=1, hosts_per_slice=1, shm_size="lots"), r"shm_size: cannot parse size 'lots'"),
+    (dict(slices=1, hosts_per_slice=1, port=9000, health_port=9000),
+     r"port and health_port must differ, both are 9000"),
+    (dict(slices=1, hosts_per_slice=1, coordinator_port=8491),
+     r"coordinator_port 8491 is also a sidecar port \(port 8490, health_port 8491\); pick "
+     r"another"),
+    (dict(slices=1, hosts_per_slice=1, trainer_restarts=-1),
+     r"trainer_restarts must be an integer >= 0, got -1"),
+], ids=["zero-slices", "hosts-vs-tpu", "bad-name", "bad-shm", "same-ports",
+        "coordinator-on-sidecar-port", "negative-restarts"])
+def test_bad_options_name_the_value(options, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    render.RenderOptions(image="sidecar:1", **options)
+
+
+def test_cli_render_prints_a_jobset_that_passes_every_check(capsys):
+  status, out, _ = run_cli(["k8s", "render", "--slices", "2", "--image", "sidecar:1",
+                            "--tpu", "v5e:4x4", "--import", "my_pkg.fns",
+                            "--trainer-command", "python -m my_pkg.train --steps 10"], capsys)
+  assert status == 0
+  assert out.startswith("# Rendered by: sidecar k8s render\n")
+  (doc,) = checks.load_documents(out)
+  assert doc["spec"]["replicatedJobs"][0]["template"]["spec"]["completions"] == 4
+  assert util.env(doc, "sidecar")["SIDECAR_IMPORTS"]["value"] == "my_pkg.fns"
+  assert util.container(doc, "trainer")["command"] == [
+      "python", "-m", "my_pkg.train", "--steps", "10"]
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+
+
+@pytest.mark.parametrize("flags, policy, backoff", [
+    ([], "OnFailure", 4), (["--trainer-restarts", "9"], "OnFailure", 9),
+    (["--trainer-restarts", "0"], "Never", 0)], ids=["default", "nine", "none"])
+def test_cli_render_lets_trainers_restart_in_place_beside_the_sidecar(
+    capsys, rendered_overlays, flags, policy, backoff):
+  # The kubelet restarts a failed trainer in its pod; the native sidecar, with its arena
+  # and RAM tier, keeps running (docs/kubernetes.md, "Losing a host").
+  status, out, _ = run_cli(["k8s", "render", "--slices", "1", "--hosts-per-slice", "2",
+                            "--image", "sidecar:1", *flags], capsys)
+  assert status == 0
+  (doc,) = checks.load_documents(out)
+  job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
+  assert (job["template"]["spec"]["restartPolicy"], job["backoffLimit"]) == (policy, backoff)
+  assert util.container(doc, "sidecar")["restartPolicy"] == "Always"
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  for name, (overlay,) in rendered_overlays.items():  # the kustomize overlays, the same
+    job = overlay["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert (job["template"]["spec"]["restartPolicy"], job["backoffLimit"]) == (
+        "OnFailure", 4), name
+
+
+def test_cli_render_sets_the_coordinator_port_and_hosts_from_its_arguments(capsys):
+  status, out, _ = run_cli(["k8s", "render", "--slices", "3", "--hosts-per-slice", "2",
+                            "--image", "sidecar:1", "--coordinator-port", "9100"], capsys)
+  assert status == 0
+  (doc,) = checks.load_documents(out)
+  assert util.container(doc, "trainer")["ports"] == [
+      {"name": "coordinator", "containerPort": 9100}]
+  env = util.env(doc, "trainer")
+  assert env["SIDECAR_COORDINATOR_PORT"]["value"] == "9100"
+  assert env["SIDECAR_HOSTS_PER_SLICE"]["value"] == "2"
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+
+
+def test_cli_render_needs_hosts_without_tpu(capsys):
+  status, out, err = run_cli(["k8s", "render", "--slices", "2", "--image", "sidecar:1"], capsys)
+  assert (status, out) == (2, "")
+  assert "--hosts-per-slice is required without --tpu" in err
+
+
+def test_cli_render_rejects_a_bad_tpu_with_its_message(capsys):
+  with pytest.raises(SystemExit):
+    parser().parse_args(["k8s", "render", "--slices", "1", "--image", "i", "--tpu", "v5e:3x3"])
+  assert "9 chips do not split into hosts of 4" in capsys.readouterr().err
+
+
+def test_cli_render_writes_the_output_file(tmp_path, capsys):
+  path = tmp_path / "jobset.yaml"
+  status, out, _ = run_cli(["k8s", "render", "--slices", "1", "--hosts-per-slice", "2",
+                            "--image", "sidecar:1", "-o", str(path)], capsys)
+  assert (status, out) == (0, "")
+  assert yaml.safe_load(path.read_text())["kind"] == "JobSet"
+
+
+def test_cli_check_passes_a_good_file_and_fails_a_planted_error(tmp_path, capsys):
+  doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=2, image="i"))
+  good = tmp_path / "good.yaml"
+  good.write_text(render.to_yaml(doc))
+  status, out, err = run_cli(["k8s", "check", str(good), "--crd", str(util.CRD)], capsys)
+  assert (status, out) == (0, "")
+  assert "0 problem(s) in 1 file(s)" in err
+
+  util.container(doc, "sidecar").pop("restartPolicy")
+  bad = tmp_path / "bad.yaml"
+  bad.write_text(render.to_yaml(doc))
+  status, out, err = run_cli(["k8s", "check", str(bad), "--no-pod-schema"], capsys)
+  assert status == 1
+  assert f"{bad}: JobSet train: spec.replicatedJobs[0].template.spec.template.spec." in out
+  assert "the sidecar must be a native sidecar" in out
+  assert "JobSet schema not checked; pass --crd FILE" in err
+
+
+def test_cli_check_reports_a_missing_file(tmp_path, capsys):
+  status, _, err = run_cli(["k8s", "check", str(tmp_path / "nope.yaml")], capsys)
+  assert status == 2
+  assert "nope.yaml" in err and "No such file" in err
+
+
+def test_cli_check_reports_bad_yaml(tmp_path, capsys):
+  path = tmp_path / "bad.yaml"
+  path.write_text("kind: JobSet\n  spec: [\n")
+  status, _, err = run_cli(["k8s", "check", str(path)], capsys)
+  assert status == 2
+  assert f"sidecar k8s check: {path}:" in err

@@ -1,0 +1,347 @@
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import sidecar
+from sidecar._src.controller import status
+from sidecar._src.tools import cli
+from tests.conftest import eventually
+
+pytestmark = pytest.mark.processes
+
+FNS = ["tests.support.sidecar_fns"]
+
+
+def test_status_table(capsys):
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="8MiB",
+                                    imports=FNS) as c:
+    assert cli.main(["status", *c.addresses]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert lines[0].split()[:3] == ["ADDRESS", "HOST", "SLICE"]
+    assert c.addresses[1] in lines[2] and " 2,3 " in lines[2]
+    assert "0 B/8.0 MiB" in lines[1] and "echo (function)" in lines[1]
+    assert cli.main(["status", c.addresses[0], "127.0.0.1:1", "--timeout", "1"]) == 1
+    assert "UNREACHABLE" in capsys.readouterr().out
+
+
+def test_serve_rejects_bad_flags_and_too_big_arenas(tmp_path):
+  run = lambda *a: subprocess.run([sys.executable, "-m", "sidecar", "serve", *a],
+                                  capture_output=True, text=True, timeout=60)
+  p = run("--shm-size", "12 parsecs")
+  assert p.returncode == 2 and "cannot parse size '12 parsecs'" in p.stderr
+  p = run("--shm-size", "64TiB", "--socket", str(tmp_path / "s.sock"), "--port", "0",
+          "--health-port", "0", "--listen", "127.0.0.1")
+  assert p.returncode == 2 and "lower --shm-size" in p.stderr
+  p = run("--host-id", "-4", "--socket", str(tmp_path / "s.sock"))
+  assert p.returncode == 2 and "host_id must be a non-negative int, got -4" in p.stderr
+
+
+@pytest.mark.unit
+def test_serve_loads_plugins_from_entry_points(tmp_path, monkeypatch):
+  dist = tmp_path / "myplugin-1.0.dist-info"
+  dist.mkdir()
+  (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplugin\nVersion: 1.0\n")
+  (dist / "entry_points.txt").write_text("[sidecar.plugins]\nmine = myplugin_fns\n")
+  (tmp_path / "myplugin_fns.py").write_text(
+      "import sidecar\n@sidecar.function(name='from_plugin')\ndef f():\n  return 1\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  reg = sidecar.Registry()
+  previous = sidecar.set_default_registry(reg)
+  try:
+    cli.load_user_code([])
+  finally:
+    sidecar.set_default_registry(previous)
+  assert reg.names("function") == ["from_plugin"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--processes", "2"], ["--elastic"]],
+                         ids=["one-process", "two-processes", "elastic"])
+def test_demo_runs(tmp_path, flags):
+  env = dict(os.environ, SIDECAR_LOG_LEVEL="WARNING")
+  p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100", *flags],
+                     capture_output=True, text=True,
+                     timeout=300, env=env)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "test accuracy" in p.stdout
+  assert "--elastic" in flags or "trainer waited for data" in p.stdout
+  accuracy = float(p.stdout.split("test accuracy ")[1].split("%")[0])
+  assert accuracy > 50  # a model that learned from the fed digits, not chance (10%)
+  assert "no shared memory left behind" in p.stdout
+  if "--elastic" in flags:
+    assert "restarted on hosts [0, 1]: restored step" in p.stdout
+    assert float(p.stdout.split("Recovery: ")[1].split(" s")[0]) > 0
+
+
+def test_status_shows_running_feeds(capsys):
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="8MiB",
+                                    imports=["tests.support.feed_fns"]) as c, c.controller() as ctl:
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
+    with ctl.feed("ids", global_batch_size=4, sharding=sharding) as feed:
+      for _ in range(5):
+        next(feed)
+      assert cli.main(["status", *c.addresses]) == 0
+    out = capsys.readouterr().out
+  feeds = out.split("PIPELINE", 1)[1].split("\n\n")[0].strip().splitlines()[1:]
+  assert len(feeds) == 2 and all(" ids " in f for f in feeds)
+  assert all(int(f.split()[3]) >= 5 for f in feeds)  # batches made so far, prefetch included
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+  """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
+  import ipaddress
+  inodes = set()
+  for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+      link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+      continue
+    if link.startswith("socket:["):
+      inodes.add(link[8:-1])
+  out = []
+  for table in ("tcp", "tcp6"):
+    with open(f"/proc/net/{table}") as f:
+      for row in list(f)[1:]:
+        cols = row.split()
+        local, state, inode = cols[1], cols[3], cols[9]
+        if state != "0A" or inode not in inodes:  # 0A: LISTEN
+          continue
+        hex_addr, hex_port = local.split(":")
+        raw = bytes.fromhex(hex_addr)
+        # /proc writes addresses as host-order 32-bit words.
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        ip = ipaddress.ip_address(raw)
+        ip = getattr(ip, "ipv4_mapped", None) or ip  # gRPC's IPv6 socket for 127.0.0.1
+        out.append((str(ip), int(hex_port, 16)))
+  return out
+
+
+def test_serve_without_a_token_listens_on_loopback_only(tmp_path):
+  import json
+  import signal
+
+  from tests.conftest import eventually
+  ready = tmp_path / "ready.json"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--port", "0", "--health-port",
+                        "0", "--socket", str(tmp_path / "s.sock"), "--shm-size", "8MiB",
+                        "--ready-file", str(ready)], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    assert eventually(lambda: ready.exists() or p.poll() is not None, timeout=60), "no ready file"
+    assert p.poll() is None, p.stderr.read()[-2000:]
+    ports = json.loads(ready.read_text())
+    listening = _listening(p.pid)
+    assert {port for _, port in listening} == {ports["port"], ports["health_port"]}
+    assert {address for address, _ in listening} == {"127.0.0.1"}, listening
+  finally:
+    p.send_signal(signal.SIGTERM)
+    p.wait(30)
+    p.stderr.close()
+
+
+@pytest.mark.parametrize("flags,env", [
+    (["--listen", "0.0.0.0"], {}),
+    (["--listen", "[::]"], {}),
+    ([], {"SIDECAR_LISTEN": "10.0.0.7"}),
+], ids=["v4-any", "v6-any", "env"])
+def test_serve_on_a_public_address_without_a_token_refuses(tmp_path, flags, env):
+  env = dict({k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}, **env)
+  # 64TiB: had the check been missed, the arena would fail before anything listened.
+  p = subprocess.run([sys.executable, "-m", "sidecar", "serve", *flags, "--port", "0",
+                      "--health-port", "0", "--socket", str(tmp_path / "s.sock"),
+                      "--shm-size", "64TiB"], env=env, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2
+  assert "is not a loopback address and no token is set" in p.stderr
+  assert "--token-file" in p.stderr and "--insecure" in p.stderr
+
+
+@pytest.mark.parametrize("flags,env", [(["--insecure"], {}), ([], {"SIDECAR_INSECURE": "1"})],
+                         ids=["flag", "env"])
+def test_serve_insecure_starts_with_a_warning(tmp_path, flags, env):
+  env = dict({k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}, **env)
+  # 192.0.2.1 (TEST-NET-1) is no address of this machine: the warning is logged, then
+  # binding fails, so the test never listens beyond loopback.
+  p = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--listen", "192.0.2.1", *flags,
+                      "--port", "0", "--health-port", "0", "--socket", str(tmp_path / "s.sock"),
+                      "--shm-size", "8MiB"], env=env, capture_output=True, text=True, timeout=60)
+  assert "WARNING" in p.stderr and "INSECURE: serving 192.0.2.1 with no token" in p.stderr
+  assert p.returncode == 2 and "cannot listen on 192.0.2.1:0" in p.stderr
+
+
+@pytest.mark.unit
+def test_status_shows_the_whole_first_line_of_an_error():
+  error = ConnectionError("failed to connect to all addresses; last error: UNKNOWN: "
+                          "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused\n"
+                          "second line")
+  row = status.format_table([("127.0.0.1:1", error)]).splitlines()[1]
+  assert row.endswith("UNREACHABLE: failed to connect to all addresses; last error: UNKNOWN: "
+                      "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused")
+
+
+@pytest.mark.parametrize("flag", ["--hosts", "--devices-per-host"])
+def test_local_rejects_zero_hosts_and_devices(capsys, flag):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["local", flag, "0"])
+  assert e.value.code == 2
+  assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_local_stops_on_sigterm_and_removes_its_temp_dir():
+  import urllib.request
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1",
+                        "--shm-size", "8MiB", "--metrics"], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True)
+  try:
+    lines = []
+    for line in p.stdout:
+      lines.append(line)
+      if line.startswith("Ctrl-C to stop."):
+        break
+    socket_path = lines[0].split("worker socket unix://")[1].split()[0]
+    assert os.path.exists(socket_path), lines
+    url = lines[0].split("  metrics ")[1].strip()
+    with urllib.request.urlopen(url, timeout=10) as response:  # --metrics serves it
+      assert "sidecar_arena_size_bytes 8.388608e+06" in response.read().decode()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 0
+  finally:
+    p.kill()
+    p.wait(30)
+    p.stdout.close()
+  assert not os.path.exists(os.path.dirname(socket_path))
+
+
+def test_serve_says_which_flag_when_the_metrics_port_is_taken(tmp_path, capsys):
+  import socket
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert cli.main(["serve", "--port", "0", "--health-port", "0", "--shm-size", "8MiB",
+                     "--socket", str(tmp_path / "s.sock"), "--metrics-port", str(port)]) == 2
+  err = capsys.readouterr().err
+  assert f"sidecar serve: cannot serve metrics on 127.0.0.1:{port}" in err
+  assert "pick another --metrics-port" in err
+
+
+_SCRIPT = "import sys\nfrom sidecar._src.tools.cli import main\nsys.exit(main())\n"
+
+
+def test_serve_imports_from_the_cwd_says_serving_once_and_removes_the_dirs_it_made(tmp_path):
+  """As the ``sidecar`` script runs: its own directory first on sys.path, not the cwd."""
+  (tmp_path / "bin").mkdir()
+  (tmp_path / "bin" / "sidecar_script.py").write_text(_SCRIPT)
+  pkg = tmp_path / "work" / "my_pkg"
+  pkg.mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "fns.py").write_text(
+      "import sidecar\n@sidecar.function(name='from_cwd')\ndef f():\n  return 1\n")
+  ready = tmp_path / "ready.json"
+  socket_dir = tmp_path / "run" / "sidecar"  # Neither exists: serve makes both.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+  p = subprocess.Popen([sys.executable, str(tmp_path / "bin" / "sidecar_script.py"), "serve",
+                        "--import", "my_pkg.fns", "--port", "0", "--health-port", "0",
+                        "--socket", str(socket_dir / "s.sock"), "--shm-size", "8MiB",
+                        "--ready-file", str(ready)], cwd=tmp_path / "work", env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    assert eventually(lambda: ready.exists() or p.poll() is not None, timeout=60), "no ready file"
+    assert p.poll() is None, p.stdout.read()[-2000:]
+    port = json.loads(ready.read_text())["port"]
+    names = [e.name for e in status.fetch(f"127.0.0.1:{port}", timeout=10).registry]
+    assert "from_cwd" in names
+    assert socket_dir.is_dir()
+  finally:
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=30)[0]
+  assert p.returncode == 0, out
+  assert out.count("serving on") == 1, out
+  assert not (tmp_path / "run").exists()
+
+
+def test_serve_names_the_socket_flag_when_it_cannot_make_the_socket(tmp_path):
+  (tmp_path / "file").write_text("")
+  p = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--port", "0", "--health-port",
+                      "0", "--socket", str(tmp_path / "file" / "s.sock"), "--shm-size", "8MiB"],
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2, p.stderr
+  assert f"cannot make the worker socket's directory {tmp_path / 'file'}" in p.stderr
+  assert "give --socket (socket_path) a path in a writable directory" in p.stderr
+
+
+def test_demo_without_scikit_learn_names_the_extra():
+  # A None entry in sys.modules: scikit-learn as if it were not installed.
+  code = ("import sys; sys.modules['sklearn'] = None\n"
+          "from sidecar._src import cli; sys.exit(cli.main(['demo']))\n")
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2, p.stderr
+  assert ("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
+          "pip install 'colocated-sidecar[demo]'") in p.stderr
+
+
+@pytest.mark.unit
+def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypatch, tmp_path):
+  monkeypatch.delenv("SIDECAR_CHECKPOINT_ROOTS", raising=False)
+  assert cli.parser().parse_args(["serve"]).checkpoint_roots == []
+  args = cli.parser().parse_args(["serve", "--checkpoint-root", "/a", "--checkpoint-root", "b"])
+  assert args.checkpoint_roots == ["/a", "b"]
+  monkeypatch.setenv("SIDECAR_CHECKPOINT_ROOTS", os.pathsep.join(["/x", "/y"]))
+  assert cli.parser().parse_args(["serve"]).checkpoint_roots == ["/x", "/y"]
+
+
+def _commands(p: argparse.ArgumentParser, prefix: str = "sidecar"):
+  """Every (command line, parser) under ``p``, ``p`` itself first."""
+  yield prefix, p
+  for action in p._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      for name, sub in action.choices.items():
+        yield from _commands(sub, f"{prefix} {name}")
+
+
+@pytest.mark.unit
+def test_every_option_of_every_subcommand_has_help_with_its_default():
+  seen, missing = set(), []
+  for command, p in _commands(cli.parser()):
+    seen.add(command)
+    text = p.format_help()  # formats every help string: a bad %(...)s raises here
+    for action in p._actions:
+      if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or \
+          action.help == argparse.SUPPRESS:
+        continue
+      flag = "/".join(action.option_strings) or action.dest
+      if not action.help:
+        missing.append(f"{command} {flag}: no help")
+        continue
+      rendered = p._get_formatter()._expand_help(action)
+      takes_value = action.option_strings and action.nargs != 0 and not action.required
+      if takes_value and "default" not in rendered:
+        missing.append(f"{command} {flag}: help names no default: {rendered!r}")
+    assert "usage:" in text
+  assert {"sidecar serve", "sidecar local", "sidecar launch", "sidecar status", "sidecar demo",
+          "sidecar k8s render", "sidecar k8s check"} <= seen
+  assert missing == []
+
+
+@pytest.mark.unit
+def test_serve_help_names_the_variable_and_the_fallback_of_each_default():
+  text = " ".join(cli.parser()._subparsers._group_actions[0].choices["serve"]
+                  .format_help().split())
+  assert "(default: $SIDECAR_PORT, else 8490)" in text
+  assert "(default: $SIDECAR_SHM_SIZE, else 1GiB)" in text
+  assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_serve_with_an_empty_token_file_refuses_to_start(tmp_path, capsys):
+  empty = tmp_path / "token"
+  empty.write_text("\n")
+  assert cli.main(["serve", "--token-file", str(empty), "--port", "0"]) == 2
+  assert f"token file {str(empty)!r} is empty" in capsys.readouterr().err

@@ -1,0 +1,126 @@
+"""An in-process fake of the checkpoint phases: a CheckpointTransport on dicts.
+
+No process, socket, arena or disk: what a step's shards become is kept in memory, so
+Checkpointer's logic (staging in parts, commit or abort, max_to_keep, restore from the
+RAM tier) runs in unit tests. ``fail={"delete": error}`` makes a phase fail with
+``error``; ``calls`` records ``(phase, host)`` in order.
+"""
+
+import concurrent.futures
+import json
+
+import numpy as np
+
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held, Manifest
+from sidecar._src.core import errors
+from sidecar._src.wire.protocol import pb
+
+
+def _done(value=None, error=None) -> concurrent.futures.Future:
+  f = concurrent.futures.Future()
+  if error is not None:
+    f.set_exception(error)
+  else:
+    f.set_result(value)
+  return f
+
+
+class FakeSidecars(CheckpointTransport):
+  """Sidecars ``hosts`` whose checkpoint directories hold ``steps`` already."""
+
+  def __init__(self, hosts=(0,), *, steps=(), fail=None):
+    self.hosts = list(hosts)
+    self.fail = dict(fail or {})
+    self.calls: list[tuple[str, int]] = []
+    self.steps: dict[str, set[int]] = {}
+    self.initial = list(steps)
+    self.leaves: dict[str, list] = {}  # final item -> leaf dicts
+    self.staged: dict[tuple[int, str], dict] = {}  # (host, final item) -> {(kp, index): array}
+    self.manifests: dict[str, Manifest] = {}  # final item -> its manifest, once committed
+    self.aborted: list[tuple[int, str]] = []
+
+  def _phase(self, name: str, host: int, value=None) -> concurrent.futures.Future:
+    self.calls.append((name, host))
+    if host not in self.hosts:
+      raise errors.HostLostError(f"host {host} is lost", host_id=host)
+    return _done(value, self.fail.get(name))
+
+  def put(self, host, data):
+    return np.array(data)
+
+  def status(self, *, timeout=None):
+    return [pb.StatusResponse(identity=pb.HostIdentity(host_id=h), arena_size=1 << 30)
+            for h in self.hosts]
+
+  def open(self, host, directory, *, ram_steps, ram_budget, sweep):
+    steps = self.steps.setdefault(directory, set(self.initial))
+    return self._phase("open", host, sorted(steps))
+
+  def begin(self, host, directory, step):
+    return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
+
+  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last):
+    if leaves:
+      self.leaves[final_item] = [dict(d) for d in leaves]
+    held = self.staged.setdefault((host, final_item), {})
+    for s in shards:
+      kp = tuple(self.leaves[final_item][s.leaf]["key_path"])
+      held[(kp, tuple(s.index))] = np.array(s.data)
+    return self._phase("stage", host, sum(a.nbytes for a in held.values()))
+
+  def prepared(self, host, final_item, *, timeout):
+    sums = [{"key_path": list(kp), "index": [list(i) for i in index], "nbytes": a.nbytes,
+             "crc32c": None, "host": host}
+            for (kp, index), a in self.staged.get((host, final_item), {}).items()]
+    return self._phase("prepared", host, sums)
+
+  def commit(self, host, *, item, step, num_hosts, leaves, checksums, data_state_json,
+             whole_step, replicas, timeout):
+    future = self._phase("commit", host, item)
+    if future.exception() is None:
+      final = item.replace(".orbax-checkpoint-tmp", "")
+      self.manifests[final] = Manifest("colocated-sidecar", [dict(d) for d in leaves],
+                                       [dict(c) for c in checksums],
+                                       json.loads(data_state_json) if data_state_json else None,
+                                       {int(h): list(p) for h, p in (replicas or {}).items()})
+      directory = final.rsplit("/", 2)[0]
+      self.steps.setdefault(directory, set()).add(step)
+    return future
+
+  def committed(self, host, final_item):
+    return self._phase("committed", host, [])
+
+  def abort(self, host, item, final_item, *, timeout):
+    self.aborted.append((host, item))
+    self.staged.pop((host, final_item), None)
+    return self._phase("abort", host)
+
+  def delete(self, host, directory, step):
+    future = self._phase("delete", host)
+    if future.exception() is None:
+      self.steps[directory].discard(step)
+    return future
+
+  def forget(self, host, directory, step):
+    return self._phase("forget", host)
+
+  def replicate(self, host, final_item, peers, *, bandwidth, timeout):
+    return self._phase("replicate", host, {"peers": [p["host_id"] for p in peers],
+                                           "shards": 0, "bytes": 0, "seconds": 0.0})
+
+  def held(self, host, directory, *, timeout=None):
+    own = {item: list(shards) for (h, item), shards in self.staged.items()
+           if h == host and item in self.manifests}
+    return self._phase("held", host, Held(own=own, replicas={}))
+
+  def info(self, host, final_item):
+    manifest = self.manifests.get(final_item)
+    if manifest is None:
+      return _done(error=errors.InvalidArgumentError(f"cannot restore {final_item}"))
+    return self._phase("info", host, manifest)
+
+  def read(self, host, final_item, shard, *, crc32c, tier, part=None):
+    data = self.staged.get((host, final_item), {}).get((tuple(shard[0]), tuple(shard[1])))
+    if data is None:
+      return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))
+    return self._phase("read", host, data)

@@ -1,0 +1,80 @@
+"""Pipelines the feed tests register (``--import tests.support.feed_fns``)."""
+
+import os
+import signal
+
+import grain
+import numpy as np
+
+import sidecar
+
+
+@sidecar.pipeline
+def ids(ctx: sidecar.PipelineContext, n: int = 1000, width: int = 4):
+  """Random access: example i is ``{"id": i, "x": [i] * width}``."""
+  return grain.MapDataset.range(n).map(
+      lambda i: {"id": np.int64(i), "x": np.full((width,), i, np.float32)})
+
+
+@sidecar.pipeline
+def shard_ids(ctx: sidecar.PipelineContext, n: int = 1000):
+  """A plain iterable of this shard's ids, from ``ctx.position``."""
+  mine = range(ctx.shard_index, n, ctx.shard_count)
+  for i in mine[ctx.position:]:
+    yield {"id": np.int64(i + 10_000 * ctx.epoch)}
+
+
+@sidecar.pipeline
+def fails_at(ctx: sidecar.PipelineContext, at: int = 5):
+  def element(i):
+    if i == at:
+      raise ValueError(f"bad example {i}")
+    return {"id": np.int64(i)}
+  return grain.MapDataset.range(100).map(element)
+
+
+@sidecar.pipeline
+def ragged(ctx: sidecar.PipelineContext):
+  return grain.MapDataset.range(100).map(lambda i: {"x": np.zeros((1 + i % 2,), np.int8)})
+
+
+@sidecar.pipeline
+def images(ctx: sidecar.PipelineContext, n: int = 256, augment: bool = False):
+  """224x224x3 uint8 images: made once, lightly augmented per element if asked."""
+  base = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+
+  def element(i):
+    img = base
+    if augment:
+      img = np.flip(base, axis=int(i) % 2).copy()
+      img = np.clip(img.astype(np.int16) + int(i) % 7, 0, 255).astype(np.uint8)
+    return {"image": img, "label": np.int32(i % 10)}
+  return grain.MapDataset.range(n).map(element)
+
+
+@sidecar.pipeline
+def dies_once(ctx: sidecar.PipelineContext, marker: str, at: int = 20, n: int = 200):
+  """Like ids, but the process computing example ``at`` is SIGKILLed the first time."""
+  def element(i):
+    if i == at and not os.path.exists(marker):
+      open(marker, "w").close()
+      os.kill(os.getpid(), signal.SIGKILL)
+    return {"id": np.int64(i)}
+  return grain.MapDataset.range(n).map(element)
+
+
+@sidecar.function
+def sidecar_pid() -> int:
+  """Which sidecar process ran the call."""
+  return os.getpid()
+
+
+pulled: list[int] = []  # the elements huge_rows yielded, for the in-process tests
+
+
+@sidecar.pipeline
+def huge_rows(ctx: sidecar.PipelineContext, nbytes: int = 1 << 20):
+  """A plain iterable of ``nbytes`` elements, counting what it yields in ``pulled``."""
+  while True:
+    pulled.append(nbytes)
+    yield {"x": np.zeros((nbytes,), np.uint8)}

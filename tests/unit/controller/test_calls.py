@@ -1,0 +1,132 @@
+"""``controller.calls.Calls`` with no process: the Call RPC is an in-process fake.
+
+A :class:`FakeConnection` has a real CallWindow and a ``call_rpc`` that answers each
+request at once: ``answer(request)`` is the CallResponse, or the RpcError raised.
+No worker maps an arena here, so arguments and results travel inline.
+"""
+
+import concurrent.futures
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from sidecar._src.controller.calls import Calls
+from sidecar._src.controller.connection import CallWindow
+from sidecar._src.core import errors
+from sidecar._src.wire import codec
+from sidecar._src.wire.protocol import pb
+
+pytestmark = pytest.mark.unit
+
+
+class Unavailable(grpc.RpcError):
+  def code(self):
+    return grpc.StatusCode.UNAVAILABLE
+
+  def details(self):
+    return "connection refused"
+
+
+class FakeCallRpc:
+  """``conn.call_rpc``: blocking, or ``.future()``; records each request."""
+
+  def __init__(self, answer):
+    self.answer = answer
+    self.requests: list[pb.CallRequest] = []
+
+  def __call__(self, request, *, timeout, metadata):
+    self.requests.append(request)
+    return self.answer(request)
+
+  def future(self, request, *, timeout, metadata):
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+      out.set_result(self(request, timeout=timeout, metadata=metadata))
+    except grpc.RpcError as e:
+      out.set_exception(e)
+    return out
+
+
+class FakeConnection:
+  def __init__(self, answer, *, window: int = 4):
+    self.address = "fake:1"
+    self.metadata = ()
+    self.calls = CallWindow(window, name=self.address)
+    self.call_rpc = FakeCallRpc(answer)
+
+
+def _doubled(request: pb.CallRequest) -> pb.CallResponse:
+  (x,) = codec.decode(request.args)
+  return pb.CallResponse(result=codec.encode(x * 2))
+
+
+def _calls(conn):
+  return Calls(connection={0: conn}.__getitem__, worker=lambda host: None)
+
+
+def test_the_request_carries_the_arguments_inline_without_a_worker():
+  held: list = []
+  request = _calls(FakeConnection(_doubled)).request(
+      0, "double", (np.arange(3),), {"timeout": 5.0}, 1.0, held)
+  assert request.name == "double" and request.worker_session == "" and held == []
+  (x,) = codec.decode(request.args)
+  np.testing.assert_array_equal(x, np.arange(3))
+  assert codec.decode(request.kwargs) == {"timeout": 5.0}  # the user's, not ours
+
+
+def test_a_name_that_is_no_str_is_refused():
+  with pytest.raises(errors.InvalidArgumentError, match=r"name must be a str, got 3"):
+    _calls(FakeConnection(_doubled)).request(0, 3, (), {}, 1.0, [])
+
+
+@pytest.mark.parametrize("on_main_thread", [True, False], ids=["main-thread", "other-thread"])
+def test_a_sync_call_returns_the_result_and_its_slot(on_main_thread):
+  conn = FakeConnection(_doubled, window=1)
+  calls, out = _calls(conn), []
+  run = lambda: out.append(calls.call_sync(0, "double", (np.int64(21),), {}, 5.0))
+  if on_main_thread:
+    run()
+  else:
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(5)
+  assert out == [42]
+  assert conn.calls.enter(0.0)  # the one slot is free again
+
+
+def test_a_sync_call_that_waits_out_its_timeout_for_a_slot_names_it():
+  conn = FakeConnection(_doubled, window=1)
+  assert conn.calls.enter(0.0)  # another call holds the only slot
+  with pytest.raises(errors.DeadlineExceededError,
+                     match=r"call 'double' on host 0 waited 0.01 s \(its timeout\) behind "
+                           r"this controller's other calls to fake:1"):
+    _calls(conn).call_sync(0, "double", (1,), {}, 0.01)
+  assert conn.call_rpc.requests == []
+
+
+def _unavailable(request):
+  raise Unavailable()
+
+
+def test_a_failed_rpc_becomes_the_matching_error_naming_the_host():
+  conn = FakeConnection(_unavailable)
+  with pytest.raises(errors.HostLostError,
+                     match=r"sidecar fake:1 \(host 0\) is unreachable: connection refused"):
+    _calls(conn).call_sync(0, "double", (1,), {}, 5.0)
+  future = _calls(conn).call_future(0, "double", (1,), {}, 5.0)
+  with pytest.raises(errors.HostLostError, match=r"sidecar fake:1 \(host 0\)"):
+    future.result(5)
+  assert conn.calls.enter(0.0)  # neither kept its slot
+
+
+def test_a_future_call_resolves_to_the_result():
+  future = _calls(FakeConnection(_doubled)).call_future(0, "double", (np.int64(4),), {}, 5.0)
+  assert future.result(5) == 8
+
+
+def test_a_future_call_that_cannot_encode_fails_its_future():
+  future = _calls(FakeConnection(_doubled)).call_future(0, 3, (), {}, 5.0)
+  with pytest.raises(errors.InvalidArgumentError, match=r"name must be a str"):
+    future.result(5)

@@ -1,0 +1,71 @@
+import pytest
+
+from sidecar._src.core import options
+from sidecar._src.core.options import ServerOptions
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"host_id": -1}, "host_id must be a non-negative int, got -1"),
+    ({"port": 70000}, r"port must be a TCP port in \[0, 65535\].*got 70000"),
+    ({"port": 9000, "health_port": 9000}, "port and health_port must differ"),
+    ({"shm_size": 10}, "shm_size must be at least 1048576 bytes, got 10"),
+    ({"device_ids": (0, -2)}, "device_ids must be non-negative"),
+    ({"socket_path": ""}, "socket_path must name"),
+    ({"token": "  "}, "token must be a non-empty string"),
+    ({"checkpoint_roots": "/ckpt"}, r"checkpoint_roots must be a tuple .*--checkpoint-root"),
+    ({"checkpoint_roots": ("/ckpt", "")}, "checkpoint_roots must be a tuple of directory paths"),
+], ids=["host", "port", "same-port", "shm", "devices", "socket", "token", "roots-str",
+        "roots-empty"])
+def test_bad_options_name_the_value(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ServerOptions(**kwargs)
+
+
+def test_options_are_frozen():
+  o = ServerOptions()
+  with pytest.raises(AttributeError):
+    o.port = 1  # type: ignore[misc]
+
+
+def test_the_default_listens_on_loopback_only():
+  assert options.is_loopback(ServerOptions().listen)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0", "[::]", "::", "10.1.2.3", "[fe80::1]", "example.com",
+                                    "sidecar-0.svc"])
+def test_a_non_loopback_listen_needs_a_token_or_insecure(listen):
+  assert not options.is_loopback(listen)
+  with pytest.raises(ValueError, match=r"not a loopback address and no token.*--token-file.*"
+                                       r"--insecure"):
+    ServerOptions(listen=listen)
+  assert ServerOptions(listen=listen, token="s3cret").listen == listen
+  assert ServerOptions(listen=listen, insecure=True).insecure
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", "127.8.9.10", "localhost", "LocalHost", "[::1]",
+                                    "::1"])
+def test_loopback_addresses_need_no_token(listen):
+  assert options.is_loopback(listen)
+  assert ServerOptions(listen=listen).token is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prefetch": 0}, "prefetch must be a positive int, got 0"),
+    ({"prefetch": True}, "prefetch must be a positive int, got True"),
+    ({"workers": -1}, r"workers must be an int >= 0 \(0: the sidecar itself\), got -1"),
+    ({"workers": 1.5}, "workers must be an int >= 0"),
+], ids=["prefetch-zero", "prefetch-bool", "workers-negative", "workers-float"])
+def test_bad_feed_options_name_the_value(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    options.FeedOptions(**kwargs)
+
+
+def test_feed_options_are_frozen_keyword_only_values():
+  o = options.FeedOptions(workers=2)
+  assert (o.prefetch, o.workers) == (2, 2) and o == options.FeedOptions(workers=2, prefetch=2)
+  with pytest.raises(AttributeError):
+    o.workers = 3  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    options.FeedOptions(4)  # type: ignore[misc]

@@ -1,0 +1,174 @@
+"""sidecar.distributed: the job from the environment, and agreement between processes.
+
+No sockets: Peers run over a fake of the coordination client, shared by threads that
+stand for the processes.
+"""
+
+import threading
+import time
+
+import pytest
+
+from sidecar._src.core import errors
+from sidecar._src.jax import distributed
+
+pytestmark = pytest.mark.unit
+
+
+class FakeCoordinationClient:
+  """The part of jax's DistributedRuntimeClient that JaxPeers uses, in memory."""
+
+  def __init__(self):
+    self._values: dict[str, str] = {}
+    self._cond = threading.Condition()
+
+  def key_value_set(self, key: str, value: str) -> None:
+    with self._cond:
+      if key in self._values:
+        raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
+      self._values[key] = value
+      self._cond.notify_all()
+
+  def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+    with self._cond:
+      if not self._cond.wait_for(lambda: key in self._values, timeout_ms / 1000):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+      return self._values[key]
+
+  def key_value_delete(self, key: str) -> None:
+    with self._cond:
+      self._values.pop(key, None)
+
+
+def run_processes(count: int, body):
+  """Runs ``body(peers)`` for ``count`` peers of one job on threads; returns each outcome."""
+  client = FakeCoordinationClient()
+  outcomes: list = [None] * count
+
+  def one(p):
+    try:
+      outcomes[p] = body(distributed.JaxPeers(client, index=p, count=count))
+    except Exception as e:  # the test looks at it
+      outcomes[p] = e
+  threads = [threading.Thread(target=one, args=(p,)) for p in range(count)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  return outcomes
+
+
+JOBSET = {"SIDECAR_JOBSET_NAME": "train", "SIDECAR_REPLICATED_JOB": "slice",
+          "SIDECAR_NUM_SLICES": "2", "SIDECAR_HOSTS_PER_SLICE": "4"}
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"SIDECAR_COORDINATOR_ADDRESS": "10.0.0.1:1234", "SIDECAR_NUM_PROCESSES": "2",
+      "SIDECAR_PROCESS_ID": "1", "SIDECAR_LOCAL_DEVICES": "2"},
+     {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1,
+      "local_devices": 2}),
+    ({**JOBSET, "SIDECAR_SLICE_ID": "1", "SIDECAR_HOST_ID": "2"},
+     {"coordinator_address": "train-slice-0-0.train:8476", "num_processes": 8,
+      "process_id": 6}),
+    ({**JOBSET, "SIDECAR_SLICE_ID": "0", "SIDECAR_HOST_ID": "3", "SIDECAR_SUBDOMAIN": "sub",
+      "SIDECAR_COORDINATOR_PORT": "9000"},
+     {"coordinator_address": "train-slice-0-0.sub:9000", "num_processes": 8, "process_id": 3}),
+    ({**JOBSET, "SIDECAR_PROCESS_ID": "5", "SIDECAR_NUM_PROCESSES": "8",
+      "SIDECAR_COORDINATOR_ADDRESS": "head:1"},
+     {"coordinator_address": "head:1", "num_processes": 8, "process_id": 5}),
+], ids=["explicit", "jobset", "jobset-subdomain-port", "jobset-explicit-overrides"])
+def test_job_from_env(env, want):
+  assert distributed.job_from_env(env) == want
+
+
+def test_no_job_in_the_environment_is_none():
+  assert distributed.job_from_env({"HOME": "/root"}) is None
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"SIDECAR_COORDINATOR_ADDRESS": "h:1"}, "SIDECAR_NUM_PROCESSES, SIDECAR_PROCESS_ID are"),
+    ({"SIDECAR_COORDINATOR_ADDRESS": "h:1", "SIDECAR_NUM_PROCESSES": "2"},
+     "SIDECAR_PROCESS_ID is not set"),
+    ({"SIDECAR_COORDINATOR_ADDRESS": "h:1", "SIDECAR_NUM_PROCESSES": "two",
+      "SIDECAR_PROCESS_ID": "0"}, "SIDECAR_NUM_PROCESSES must be an integer >= 1, got 'two'"),
+    ({"SIDECAR_COORDINATOR_ADDRESS": "h:1", "SIDECAR_NUM_PROCESSES": "2",
+      "SIDECAR_PROCESS_ID": "2"}, "process id 2 is not below the 2 processes"),
+    ({**JOBSET, "SIDECAR_SLICE_ID": "0"}, "neither is SIDECAR_HOST_ID"),
+], ids=["only-coordinator", "no-process-id", "malformed-count", "id-too-big", "jobset-no-host"])
+def test_incomplete_environment_names_what_is_missing(env, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    distributed.job_from_env(env)
+
+
+def test_initialize_without_any_job_leaves_one_process(monkeypatch):
+  monkeypatch.setattr(distributed, "_jax_detects_cluster", lambda: False)
+  assert distributed.initialize(env={"HOME": "/root"}) is False
+  assert not distributed.is_initialized()
+
+
+def test_initialize_with_part_of_a_job_names_what_is_missing():
+  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_PROCESS_ID is not set"):
+    distributed.initialize(env={"SIDECAR_COORDINATOR_ADDRESS": "127.0.0.1:1",
+                                "SIDECAR_NUM_PROCESSES": "2"})
+  assert not distributed.is_initialized()
+
+
+def test_sync_timeout_from_env():
+  assert distributed.sync_timeout({}) == distributed.DEFAULT_SYNC_TIMEOUT_S
+  assert distributed.sync_timeout({"SIDECAR_SYNC_TIMEOUT": "2.5"}) == 2.5
+  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_SYNC_TIMEOUT"):
+    distributed.sync_timeout({"SIDECAR_SYNC_TIMEOUT": "0"})
+
+
+def test_all_gather_and_broadcast_across_three_processes():
+  def body(peers):
+    return (peers.all_gather("g", f"v{peers.index}"),
+            peers.broadcast("b", "from-0" if peers.index == 0 else None))
+  outcomes = run_processes(3, body)
+  assert outcomes == [(["v0", "v1", "v2"], "from-0")] * 3
+
+
+def test_agreement_fails_in_every_process_naming_each_value():
+  outcomes = run_processes(2, lambda peers: peers.agree(
+      "a", {"step": 5 + peers.index, "seed": 0}, what="the step"))
+  for e in outcomes:
+    assert isinstance(e, errors.InvalidArgumentError)
+    assert str(e).startswith(
+        "the 2 processes disagree on the step: process 0: step=5; process 1: step=6.")
+
+
+def test_agreement_of_equal_values_passes():
+  assert run_processes(2, lambda peers: peers.agree("a", [1, "x"], what="it")) == [None, None]
+
+
+def test_a_missing_process_is_a_deadline_naming_it_not_a_hang():
+  client = FakeCoordinationClient()
+  lonely = distributed.JaxPeers(client, index=0, count=2)
+  t0 = time.monotonic()
+  with pytest.raises(errors.DeadlineExceededError,
+                     match=r"process 0: process 1 gave no answer to 'k' within"):
+    lonely.all_gather("k", "v", timeout=0.2)
+  assert time.monotonic() - t0 < 5
+
+
+def test_publishing_a_key_twice_says_the_calls_are_out_of_step():
+  peers = distributed.JaxPeers(FakeCoordinationClient(), index=0, count=2)
+  peers.publish("k", "1")
+  with pytest.raises(errors.InvalidArgumentError, match="out of step"):
+    peers.publish("k", "2")
+
+
+def test_local_peers_agree_with_themselves():
+  peers = distributed.LocalPeers()
+  assert peers.all_gather("k", "v") == ["v"]
+  assert peers.broadcast("b", "x") == "x"
+  peers.agree("a", 1, what="anything")
+
+
+def test_two_processes_driving_one_host_is_an_error():
+  with pytest.raises(errors.InvalidArgumentError, match="processes 0 and 1 both drive sidecar"):
+    distributed.hosts_by_process([{"host_id": 0, "device_ids": [0]},
+                                  {"host_id": 0, "device_ids": [2048]}])
+  assert distributed.hosts_by_process([{"host_id": 1, "device_ids": [0, 1]},
+                                       {"host_id": 0, "device_ids": [2048]}]) == {
+                                           0: 1, 1: 1, 2048: 0}

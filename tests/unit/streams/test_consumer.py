@@ -1,0 +1,161 @@
+"""``streaming.Stream``, the one stream consumer, over an in-process fake transport.
+
+The fake holds the items a sidecar would send and records what the consumer sends
+back; the gRPC and Unix-socket transports are tested with real sidecars elsewhere
+(tests/server/host/test_server.py, tests/server/arena/test_worker.py).
+"""
+
+import collections
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.streams import consumer as streaming
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
+
+pytestmark = pytest.mark.unit
+
+
+class FakeTransport(streaming.Transport):
+  """Items queued by the test; ``receive`` waits (really) when there are none."""
+
+  def __init__(self, *values, end: pb.StreamItem | None = None, lost_after_checks: int = -1):
+    self.host, self.host_id, self.poll_s = "fake:0", 7, 0.005
+    self.items = collections.deque(
+        pb.StreamItem(index=i, value=codec.encode(v)) for i, v in enumerate(values))
+    if end is not None:
+      self.items.append(end)
+    self.credits: list[int] = []
+    self.closes: list[int] = []  # each close(owed=...)
+    self.checks = 0
+    self._lost_after_checks = lost_after_checks
+    self._woken = threading.Event()
+
+  def receive(self, wait):
+    if self.items:
+      return self.items.popleft()
+    self._woken.wait(wait)
+    if self.closes:  # as a socket shut down by close() on another thread
+      raise sidecar.HostLostError("the fake transport was closed", host_id=self.host_id)
+    return None
+
+  def check_alive(self, waited):
+    self.checks += 1
+    if self.checks == self._lost_after_checks:
+      raise sidecar.HostLostError("the fake sidecar stopped answering", host_id=self.host_id)
+
+  def credit(self, n, *, wait_s):
+    assert wait_s >= 0
+    self.credits.append(n)
+
+  def close(self, *, owed):
+    self.closes.append(owed)
+    self._woken.set()
+
+
+def end_with(error: Exception) -> pb.StreamItem:
+  return pb.StreamItem(end=True, error=protocol.error_info(error))
+
+
+def test_items_then_the_end_close_the_stream_once():
+  t = FakeTransport(1, "two", end=pb.StreamItem(end=True))
+  with streaming.Stream(t, name="count") as s:
+    assert list(s) == [1, "two"] and s.closed
+    assert next(s, "none") == "none"
+  s.close()
+  assert t.closes == [0]  # once, with every item already credited
+
+
+def test_the_sidecars_error_ends_the_stream_with_its_type_and_host():
+  t = FakeTransport(0, end=end_with(sidecar.HostLostError("its pipeline's disk is gone")))
+  s = streaming.Stream(t, name="count")
+  assert next(s) == 0
+  with pytest.raises(sidecar.HostLostError, match="disk is gone") as info:
+    next(s)
+  assert info.value.host_id == 7 and s.closed and t.closes == [0]
+  with pytest.raises(StopIteration):
+    next(s)
+
+
+def test_a_remote_exception_arrives_as_remote_error():
+  t = FakeTransport(end=end_with(RuntimeError("failed after 0")))
+  with pytest.raises(sidecar.RemoteError, match="RuntimeError: failed after 0"):
+    next(streaming.Stream(t, name="count"))
+
+
+def test_a_timeout_keeps_the_stream_open_and_the_next_wait_gets_the_item():
+  t = FakeTransport()
+  s = streaming.Stream(t, name="slow", timeout=0.02)
+  with pytest.raises(sidecar.DeadlineExceededError,
+                     match="no item of 'slow' from host 7 within the timeout of 0.02 s"):
+    next(s)
+  assert not s.closed and t.closes == [] and t.checks >= 1  # it asked for signs of life
+  t.items.append(pb.StreamItem(index=0, value=codec.encode(5)))
+  assert next(s) == 5
+
+
+def test_a_lost_sidecar_ends_the_stream():
+  s = streaming.Stream(FakeTransport(lost_after_checks=2), name="count")  # no timeout
+  with pytest.raises(sidecar.HostLostError, match="stopped answering"):
+    next(s)
+  assert s.closed
+
+
+def test_close_from_another_thread_ends_a_waiting_next():
+  t = FakeTransport()
+  s = streaming.Stream(t, name="count")
+  closer = threading.Timer(0.02, s.close)
+  closer.start()
+  with pytest.raises(StopIteration):
+    next(s)  # woken by close(): the end, not the transport's error
+  closer.join()
+  assert t.closes == [0]
+
+
+@pytest.mark.parametrize("every, taken, sent, owed", [
+    (1, 5, [1, 1, 1, 1, 1], 0), (2, 5, [2, 2], 1), (4, 3, [], 3)],
+    ids=["each-item", "in-pairs", "none-full-yet"])
+def test_credits_go_back_in_batches_and_close_returns_the_rest(every, taken, sent, owed):
+  t = FakeTransport(*range(10))
+  s = streaming.Stream(t, name="count", credit_every=every)
+  assert [next(s) for _ in range(taken)] == list(range(taken))
+  assert t.credits == sent
+  s.close()
+  s.close()
+  assert t.closes == [owed]  # the sidecar learns of every item taken
+
+
+def test_values_go_to_the_device_and_are_decoded_naming_the_item():
+  device = jax.devices()[1]
+  t = FakeTransport({"x": np.arange(4, dtype=np.int32)})
+  t.items.append(pb.StreamItem(index=1, value=pb.Value(big_int="nope")))
+  s = streaming.Stream(t, name="batches", device=device)
+  x = next(s)["x"]
+  assert isinstance(x, jax.Array) and x.devices() == {device}
+  np.testing.assert_array_equal(np.asarray(x), np.arange(4))
+  with pytest.raises(sidecar.InvalidArgumentError, match="item 1 of 'batches' from host 7"):
+    next(s)
+
+
+def test_a_bad_prefetch_is_refused_naming_it():
+  assert streaming.check_prefetch(3) == 3
+  with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be a positive int, got 0"):
+    streaming.check_prefetch(0)
+  with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be at most 1024, got 1025"):
+    streaming.check_prefetch(1025)  # what a sidecar would refuse, refused before it is asked
+
+
+def test_the_finalizer_needs_no_module_globals(monkeypatch):
+  """At interpreter exit a module's globals may already be None when __del__ runs."""
+  stream = streaming.Stream(FakeTransport(), name="count")
+  stream._transport = None  # close() then fails, as it would with its modules gone
+  for name in ("codec", "errors", "protocol", "transfer", "time", "pb"):
+    monkeypatch.setattr(streaming, name, None)
+  stream.__del__()  # raises nothing
+  half_made = streaming.Stream.__new__(streaming.Stream)  # as when __init__ failed
+  half_made.__del__()
+  stream.closed = half_made.closed = True  # the collector's own __del__: nothing to do

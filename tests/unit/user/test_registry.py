@@ -1,0 +1,66 @@
+import pytest
+
+import sidecar
+from sidecar._src.user import registry as registry_lib
+
+pytestmark = pytest.mark.unit
+
+
+def test_decorator_forms_register_and_return_unchanged(registry):
+  def f(x):
+    return x
+
+  assert sidecar.function(f) is f
+  g = sidecar.function(name="renamed")(lambda: 1)
+  assert registry.get("function", "f").fn is f
+  assert registry.get("function", "renamed").fn is g
+  assert registry.names("function") == ["f", "renamed"]
+
+
+def test_duplicate_name_raises(registry):
+  @sidecar.function
+  def twice():
+    pass
+
+  with pytest.raises(sidecar.AlreadyRegisteredError, match="'twice' is already registered"):
+    sidecar.function(name="twice")(lambda: None)
+  assert issubclass(sidecar.AlreadyRegisteredError, ValueError)
+
+
+def test_non_callable_raises_type_error(registry):
+  with pytest.raises(TypeError, match="needs a callable, got int 3"):
+    sidecar.function(3)
+  with pytest.raises(TypeError, match="needs a callable"):
+    sidecar.function(name="x")("not callable")
+
+
+def test_unknown_name_lists_registered(registry):
+  sidecar.function(name="alpha")(lambda: 0)
+  with pytest.raises(sidecar.NotRegisteredError, match=r"'nope'.*registered functions: alpha"):
+    registry.get("function", "nope")
+  assert issubclass(sidecar.NotRegisteredError, KeyError)
+
+
+def test_fingerprint_tracks_names_and_code():
+  r1, r2, r3 = registry_lib.Registry(), registry_lib.Registry(), registry_lib.Registry()
+
+  def a():
+    return 1
+
+  def b():
+    return 2
+
+  r1.add("function", "f", a)
+  r2.add("function", "f", a)
+  r3.add("function", "f", b)
+  assert r1.fingerprint() == r2.fingerprint()
+  assert r1.fingerprint() != r3.fingerprint()
+  r2.add("function", "g", a)
+  assert r1.fingerprint() != r2.fingerprint()
+
+
+def test_explicit_registry_argument():
+  r = registry_lib.Registry()
+  sidecar.function(name="only_here", registry=r)(lambda: 0)
+  assert r.names("function") == ["only_here"]
+  assert "only_here" not in sidecar.default_registry().names("function")

@@ -1,0 +1,107 @@
+"""Tier 1: the checkpoint protocol's messages <-> values, and replicas' raw-bytes serializer."""
+
+import numpy as np
+import pytest
+
+from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.core import errors
+from sidecar._src.host.checkpoint import peers as replicas
+from sidecar._src.wire import checkpoint_wire as wire
+from sidecar._src.wire.protocol import ckpt_pb, pb
+
+pytestmark = pytest.mark.unit
+
+
+def test_leaves_and_checksums_survive_the_wire():
+  spec = layout.spec_to_dict(layout.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6),
+                                             dtype=np.float32, write_shape=(2, 6),
+                                             sharding='{"sharding_type": "x"}'))
+  leaf = ckpt_pb.LeafSpec.FromString(wire.leaf_to_pb(spec).SerializeToString())
+  assert wire.leaf_from_pb(leaf, "leaves[0]") == spec
+  checksum = {"key_path": ["opt", 0, "mu"], "index": [[0, 2], [0, 6]], "nbytes": 48,
+              "crc32c": 123, "host": 1}
+  assert wire.checksum_from_pb(wire.checksum_to_pb(checksum), "c") == checksum
+  unchecked = dict(checksum, crc32c=None, host=None)  # a stock Orbax item's shard
+  assert wire.checksum_from_pb(wire.checksum_to_pb(unchecked), "c") == unchecked
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("dtype", "object", "dtype 'object' is not allowed"),
+    ("kind", "pickle", "'pickle' is not a valid LeafKind"),
+    ("write_shape", [9, 6], "write_shape of 'w' must be a shard shape"),
+], ids=["dtype", "kind", "write-shape"])
+def test_a_bad_leaf_is_refused_naming_the_field(field, value, match):
+  leaf = wire.leaf_to_pb(layout.spec_to_dict(layout.LeafSpec(
+      key_path=("w",), shape=(4, 6), dtype=np.float32)))
+  if isinstance(value, list):
+    del getattr(leaf, field)[:]
+    getattr(leaf, field).extend(value)
+  else:
+    setattr(leaf, field, value)
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    wire.leaf_from_pb(leaf, "leaves[3]")
+
+
+def test_bad_shards_are_refused_naming_the_field():
+  with pytest.raises(errors.InvalidArgumentError, match=r"shards\[1\].index: each interval"):
+    wire.index_from_pb([ckpt_pb.Interval(start=5, stop=2)], "shards[1].index")
+  with pytest.raises(errors.InvalidArgumentError, match="s.key_path: the key path is empty"):
+    wire.shard_from_pb(ckpt_pb.ShardId(), "s")
+  data = ckpt_pb.ShardData()
+  wire.fill_data(data, np.arange(6, dtype=np.int16))
+  data.array.data = data.array.data[:-1]
+  with pytest.raises(errors.InvalidArgumentError, match=r"d: shape \[6\] of int16 needs 12"):
+    wire.data_from_pb(data, None, "d")
+  with pytest.raises(errors.InvalidArgumentError, match="this side maps no arena"):
+    wire.data_from_pb(ckpt_pb.ShardData(arena=pb.ArenaRef(
+        offset=0, nbytes=8, generation=1, dtype="uint8", shape=[8])), None, "d")
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 127, 128, 1 << 20], ids=str)
+def test_a_raw_part_serializes_as_protobuf_would(nbytes):
+  """replicas._serialize writes a part's bytes straight into the message: the bytes parse as
+  the message protobuf itself would make."""
+  data = (np.arange(nbytes) % 251).astype(np.uint8)
+  part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
+                             shape=[nbytes], offset=64 << 20)
+  raw = replicas._serialize(replicas._Part(part, data.data))
+  expected = ckpt_pb.ReceiveRequest(part=part)
+  expected.part.data = data.tobytes()
+  assert ckpt_pb.ReceiveRequest.FromString(raw) == expected
+
+
+def _as_protobuf_parses(message: ckpt_pb.ReceiveRequest, data) -> ckpt_pb.ReceiveRequest:
+  if data is not None:
+    message.part.data = bytes(data)
+  return message
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 128, 1 << 20], ids=str)
+def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
+  from sidecar._src.host.checkpoint.service import parse_receive
+  data = (np.arange(nbytes) % 251).astype(np.uint8)
+  part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
+                             shape=[nbytes], offset=64 << 20)
+  raw = replicas._serialize(replicas._Part(part, data.data))
+  message, view = parse_receive(raw)
+  assert isinstance(view, memoryview) and view.obj is raw  # the bytes as they came
+  assert _as_protobuf_parses(message, view) == ckpt_pb.ReceiveRequest.FromString(raw)
+
+
+@pytest.mark.parametrize("message", [
+    ckpt_pb.ReceiveRequest(done=True),
+    ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(directory="/d", step=3, item="i",
+                                                        source=1), worker_session="s"),
+    ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(dtype="f4", shape=[2], data=b"12345678"),
+                           done=True),
+    ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart()),  # a part with nothing set
+], ids=["done", "header", "part-and-done", "empty-part"])
+def test_the_receiver_reads_any_receive_request_as_protobuf_would(message):
+  from sidecar._src.host.checkpoint.service import parse_receive
+  raw = message.SerializeToString()
+  assert _as_protobuf_parses(*parse_receive(raw)) == message
+  # The same fields twice (protobuf merges them) and garbage take protobuf's own path.
+  doubled, _ = parse_receive(raw + raw)
+  assert doubled == ckpt_pb.ReceiveRequest.FromString(raw + raw)
+  with pytest.raises(errors.InvalidArgumentError, match="malformed ReceiveRequest"):
+    parse_receive(raw + b"\x22\xff")
