@@ -281,7 +281,7 @@ def test_serve_names_the_socket_flag_when_it_cannot_make_the_socket(tmp_path):
 def test_demo_without_scikit_learn_names_the_extra():
   # A None entry in sys.modules: scikit-learn as if it were not installed.
   code = ("import sys; sys.modules['sklearn'] = None\n"
-          "from sidecar._src import cli; sys.exit(cli.main(['demo']))\n")
+          "from sidecar._src.tools import cli; sys.exit(cli.main(['demo']))\n")
   p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert p.returncode == 2, p.stderr
   assert ("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "

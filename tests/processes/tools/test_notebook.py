@@ -189,7 +189,7 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
           "  'w_exact': bool((np.asarray(got['w']) == np.arange(2 * 1024 * 256, dtype=np.float32)"
           ".reshape(2048, 256)).all()),\n"
           "  'sum_b': float(np.asarray(got['b']).sum()), 'after': float(np.asarray(next(feed)['x']).sum())}))\n"
-          "from sidecar._src import progress\n"
+          "from sidecar._src.controller import progress\n"
           "print(json.dumps({'in_notebook': progress.in_notebook()}))\n"
           "feed.close(); ctl.close()")
     *_, result, notebook = out.strip().splitlines()
