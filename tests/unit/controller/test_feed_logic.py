@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.controller import feed as feed_lib
+from sidecar._src.jax import feed as jax_feed
 
 pytestmark = pytest.mark.unit
 
@@ -54,16 +55,15 @@ class FakeStream:
 def make_feed(state=None, seed=0, fake=None):
   devices = jax.devices()[:4]  # hosts 0 and 1, two devices each
   sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
-  plans = feed_lib.plan(sharding, BATCH, {d.id: i // 2 for i, d in enumerate(devices)})
+  layout = jax_feed.Layout(sharding, BATCH, {d.id: i // 2 for i, d in enumerate(devices)})
   streams = {}
 
   def open_stream(host, spec):
     streams[host] = FakeStream(spec, **(fake or {}).get(host, {}))
     return streams[host]
 
-  feed = feed_lib.Feed(name="ids", plans=plans, sharding=sharding, global_batch_size=BATCH,
-                       seed=seed, num_epochs=None, prefetch=2, state=state, workers=0,
-                       open_stream=open_stream)
+  feed = feed_lib.Feed(name="ids", layout=layout, seed=seed, num_epochs=None, prefetch=2,
+                       state=state, workers=0, open_stream=open_stream)
   return feed, streams
 
 
