@@ -48,8 +48,9 @@ from sidecar._src.wire.protocol import pb
 
 # The names of FeedOptions' fields: the deprecated keywords of a feed that go to options.
 FEED_OPTIONS = [f.name for f in dataclasses.fields(options_lib.FeedOptions)]
-# Makes a feed's BatchLayout: (global_batch_size, {device id: host id}) -> layout.
-LayoutFactory = Callable[[int, Mapping[int, int]], BatchLayout]
+# Makes a feed's BatchLayout: (global_batch_size, {device id: host id},
+# {device id: process index}, known where several processes share hosts) -> layout.
+LayoutFactory = Callable[[int, Mapping[int, int], Mapping[int, int]], BatchLayout]
 
 
 class State(enum.Enum):
@@ -344,8 +345,9 @@ class Controller:
     Args:
       name: a registered ``@sidecar.pipeline``.
       global_batch_size: rows of every global batch.
-      layout: ``layout(global_batch_size, device_hosts)`` -> the BatchLayout, made once
-        the arguments are checked (``device_hosts``: ``{device id: host id}``).
+      layout: ``layout(global_batch_size, device_hosts, device_processes)`` -> the
+        BatchLayout, made once the arguments are checked (``{device id: host id}``, and
+        ``{device id: process index}`` where several processes share hosts, else empty).
       kwargs, seed, num_epochs, state, options: as ``sidecar.Controller.feed``'s.
     """
     return self._feed(name, global_batch_size=global_batch_size, layout=layout,
@@ -362,7 +364,8 @@ class Controller:
                                        global_batch_size=global_batch_size,
                                        num_epochs=num_epochs)
     prefetch, workers = options.prefetch, options.workers
-    rows = layout(global_batch_size, dict(self._hosts.device_hosts))
+    rows = layout(global_batch_size, dict(self._hosts.device_hosts),
+                  dict(self._hosts.device_processes))
     encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
     self._feeds += 1
     key = f"feed/{self._feeds}"
@@ -435,7 +438,7 @@ class Controller:
                       "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
                   for h, c in self._hosts.conns.items() if h not in self._hosts.lost},
         mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost),
-        framework=self._framework)
+        framework=self._framework, sharers=self._hosts.sharers)
     self._children.add(ckpt)
     return ckpt
 

@@ -38,10 +38,11 @@ class State(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostRows:
-  """The rows of every global batch that one host produces: ``[start, stop)`` ranges,
-  sorted and disjoint."""
+  """The rows of every global batch that one host produces (one process's part of them,
+  where several processes share the host): ``[start, stop)`` ranges, sorted and disjoint."""
   host_id: int
   ranges: tuple[tuple[int, int], ...]
+  process: int = -1  # the trainer process that streams this part; -1: whoever drives the host
 
 
 class BatchLayout(abc.ABC):
@@ -49,7 +50,8 @@ class BatchLayout(abc.ABC):
 
   Attributes:
     global_batch_size: rows of every global batch.
-    hosts: every host's rows, by host id (the hosts of all processes).
+    hosts: every host's rows (a part per process where several share a host), by host
+      id then process (the hosts of all processes).
   """
 
   global_batch_size: int
@@ -117,9 +119,10 @@ class Feed:
     self._layout = layout
     plans = list(layout.hosts)
     self._all_plans = plans
-    local = {p.host_id for p in plans} if local_hosts is None else set(local_hosts)
-    self._plans = [p for p in plans if p.host_id in local]  # the hosts this process drives
     self._peers = peers if peers is not None else LocalPeers()
+    local = {p.host_id for p in plans} if local_hosts is None else set(local_hosts)
+    mine = lambda p: p.host_id in local and p.process in (-1, self._peers.index)
+    self._plans = [p for p in plans if mine(p)]  # the hosts (parts) this process drives
     self._key = key
     global_batch_size = self._g = layout.global_batch_size
     self._seed = seed
@@ -130,7 +133,7 @@ class Feed:
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
-        if p.host_id not in local:
+        if not mine(p):
           continue
         spec = pb.FeedSpec(
             global_batch_size=global_batch_size,
@@ -214,13 +217,14 @@ class Feed:
       return dict(self._state)
     # A plain iterable's shards are positioned one by one: every process tells its own.
     if self._gathered[0] != self._batches:
-      mine = {str(p.host_id): shard for p, shard in zip(self._plans, self._state["shards"])}
+      part = lambda p: f"{p.host_id}/{p.process}"
+      mine = {part(p): shard for p, shard in zip(self._plans, self._state["shards"])}
       shards: dict[str, Any] = {}
       for text in self._peers.all_gather(f"{self._key}/state/{self._batches}",
                                          json.dumps(mine)):
         shards.update(json.loads(text))
       self._gathered = (self._batches, {
-          **self._state, "shards": [shards[str(p.host_id)] for p in self._all_plans]})
+          **self._state, "shards": [shards[part(p)] for p in self._all_plans]})
     return dict(self._gathered[1])
 
   def stats(self) -> dict[str, Any]:

@@ -82,6 +82,6 @@ class Controller(core.Controller):
         name, kwargs, options, legacy_kwargs, core.FEED_OPTIONS)
     return self._feed(
         name, global_batch_size=global_batch_size,
-        layout=lambda g, device_hosts: jax_feed.Layout(sharding, g, device_hosts),
+        layout=lambda g, hosts, processes: jax_feed.Layout(sharding, g, hosts, processes),
         kwargs=kwargs, seed=seed, num_epochs=num_epochs, state=state, options=options,
         old_options=old_options)

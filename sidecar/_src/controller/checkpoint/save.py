@@ -17,7 +17,7 @@ import pathlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,6 +104,8 @@ class Saver:
       ``sidecars``: their addresses; ``replica_bandwidth``: bytes/s, or None.
     list_step: lists a committed step; ``collect_garbage``: drops the steps no longer kept.
     framework: describes a state tree's shards (which this process saves).
+    sharers: the processes that stage into each host, where several share one (each
+      sends its own parts; the host's step is whole once all of them have).
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
@@ -111,7 +113,7 @@ class Saver:
                key: str, replicas: int, placement: dict[int, list[int]],
                sidecars: dict[int, dict[str, Any]], replica_bandwidth: int | None,
                list_step: Callable[[int], None], collect_garbage: Callable[[], None],
-               framework: Framework):
+               framework: Framework, sharers: Mapping[int, Sequence[int]] | None = None):
     self._framework = framework
     self._client, self.directory, self._hosts, self._local = client, directory, hosts, local
     self._device_hosts, self._peers, self._key = device_hosts, peers, key
@@ -119,6 +121,7 @@ class Saver:
     self._replicas, self._placement, self._sidecars = replicas, placement, sidecars
     self._replica_bandwidth = replica_bandwidth
     self._list_step, self._collect_garbage = list_step, collect_garbage
+    self._writers = {h: max(len((sharers or {}).get(h, ())), 1) for h in hosts}
     self._saves = 0
     self.finisher: threading.Thread | None = None  # the latest save's, until it ends
 
@@ -350,7 +353,8 @@ class Saver:
         specs = [] if host in last else leaves  # the first part carries the leaves
         last[host] = self._client.stage(host, directory=self.directory, step=step,
                                         item=target.item, final_item=target.final_item,
-                                        leaves=specs, shards=part[1], last=final)
+                                        leaves=specs, shards=part[1], last=final,
+                                        writers=self._writers.get(host, 1))
         closed += final
     except BaseException:
       # The abort that follows must reach each sidecar after its last stage call: one
@@ -392,7 +396,9 @@ class Saver:
       if failures:
         raise errors.InvalidArgumentError(
             f"the save of step {target.step} failed in {'; '.join(failures)}")
-      checksums = [c for g in gathered for c in g["ok"]]
+      # A host that several processes share reports its checksums to each: keep one.
+      checksums = list({(c["host"], json.dumps(c["key_path"]), json.dumps(c["index"])): c
+                        for g in gathered for c in g["ok"]}.values())
       self._client.commit(self._local[0], item=target.item, step=target.step,
                           num_hosts=len(self._hosts), leaves=leaves, checksums=checksums,
                           data_state_json=data_json, whole_step=target.whole_step,
