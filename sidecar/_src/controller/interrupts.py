@@ -114,7 +114,8 @@ def wait(future: concurrent.futures.Future | Any, timeout: float | None = None) 
     try:
       return future.result(step)
     except (concurrent.futures.TimeoutError, TimeoutError):
-      pass
+      if future.done():  # the future's own error (DeadlineExceededError is a TimeoutError)
+        raise
     except Exception as e:  # gRPC futures raise grpc.FutureTimeoutError
       if type(e).__name__ != "FutureTimeoutError":
         raise

@@ -190,6 +190,9 @@ class Checkpointer:
 
     Raises:
       ShardsLostError: some shard has no live copy and no valid stored one.
+      ResourceExhaustedError: an arena had no room for a shard read from storage within
+        the deadline (the data is intact: drop trees restored before, or a larger
+        ``--shm-size``).
     """
     self._check_open()
     step = self._pick(step)

@@ -68,6 +68,56 @@ class Manifest:
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
 
 
+class _Call:
+  """One checkpoint rpc to one host, asked again while the host is busy, until ``deadline``.
+
+  Its callbacks are bound methods and nothing here refers back to them: no reference
+  cycle holds the decoded result (a restored shard is an arena view, whose block must
+  go back at the caller's last reference, not when the garbage collector runs).
+  """
+
+  def __init__(self, conn: Any, host: int, method: str, request: Any,
+               decode: Callable[[Any], Any], held: list | None, deadline: float):
+    self._conn, self._host, self._method, self._request = conn, host, method, request
+    self._decode, self._held, self._deadline = decode, held, deadline
+    self._tries = 0
+    self.out: concurrent.futures.Future = concurrent.futures.Future()
+
+  def send(self) -> None:
+    self._conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
+        self._start, done=self._done, fail=self._fail,
+        timeout=self._deadline - time.monotonic(),
+        what=f"checkpoint rpc {self._method} on host {self._host}")
+
+  def _start(self, left: float) -> grpc.Future:
+    conn = self._conn
+    return getattr(conn.checkpoint, self._method).future(self._request, timeout=left,
+                                                         metadata=conn.metadata)
+
+  def _done(self, f: grpc.Future) -> None:
+    try:
+      self.out.set_result(self._decode(f.result()))
+    except grpc.RpcError as e:
+      error = protocol.error_from_rpc(e, host=self._conn.address, host_id=self._host)
+      wait = _RETRY_S * (self._tries + 1)
+      if isinstance(error, errors.BusyError) and time.monotonic() + wait < self._deadline:
+        # The sidecar's checkpoint threads are taken by other controllers (and peers):
+        # ask again shortly, within the deadline, rather than call a live copy lost.
+        self._tries += 1
+        threading.Timer(wait, self.send).start()
+        return
+      self.out.set_exception(error)
+    except Exception as e:
+      self.out.set_exception(e)
+    if self._held is not None:
+      self._held.clear()
+
+  def _fail(self, e: BaseException) -> None:
+    if self._held is not None:
+      self._held.clear()
+    self.out.set_exception(e)
+
+
 class CheckpointTransport(abc.ABC):
   """The checkpoint phases on one host each; see the service in ``checkpoint.proto``."""
 
@@ -178,43 +228,10 @@ class CheckpointClient(CheckpointTransport):
     (the sidecar then holds them itself): a block let go of sooner could be gone.
     """
     (host,) = self._select([host])  # HostLostError / InvalidArgumentError, raised here
-    conn = self._connection(host)
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
-    what = f"checkpoint rpc {method} on host {host}"
-    tries = [0]
-
-    def done(f: grpc.Future) -> None:
-      try:
-        out.set_result(decode(f.result()))
-      except grpc.RpcError as e:
-        error = protocol.error_from_rpc(e, host=conn.address, host_id=host)
-        wait = _RETRY_S * (tries[0] + 1)
-        if isinstance(error, errors.BusyError) and time.monotonic() + wait < deadline:
-          # The sidecar's checkpoint threads are taken by other controllers (and peers):
-          # ask again shortly, within the deadline, rather than call a live copy lost.
-          tries[0] += 1
-          threading.Timer(wait, send).start()
-          return
-        out.set_exception(error)
-      except Exception as e:
-        out.set_exception(e)
-      if held is not None:
-        held.clear()
-
-    def fail(e: BaseException) -> None:
-      if held is not None:
-        held.clear()
-      out.set_exception(e)
-
-    def send() -> None:
-      conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
-          lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
-                                                               metadata=conn.metadata),
-          done=done, fail=fail, timeout=deadline - time.monotonic(), what=what)
-
-    send()
-    return out
+    call = _Call(self._connection(host), host, method, request, decode, held,
+                 time.monotonic() + (self._timeout if timeout is None else timeout))
+    call.send()
+    return call.out
 
   def open(self, host, directory, *, ram_steps, ram_budget, sweep):
     request = ckpt_pb.CheckpointOpenRequest(directory=directory, ram_steps=ram_steps,
