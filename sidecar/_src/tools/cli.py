@@ -1,4 +1,4 @@
-"""The ``sidecar`` command: serve, local, launch, status, demo, k8s."""
+"""The ``sidecar`` command: serve, local, launch, status, health, demo, k8s."""
 
 from __future__ import annotations
 
@@ -208,6 +208,15 @@ def _status(args: argparse.Namespace) -> int:
                              as_json_=args.json)
 
 
+def _health(args: argparse.Namespace) -> int:
+  from sidecar._src.tools import health
+  if args.timeout <= 0:
+    args.parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+  serving, answer = health.check(args.address, timeout=args.timeout)
+  print(answer, file=sys.stdout if serving else sys.stderr)
+  return 0 if serving else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
   from sidecar._src.tools import demo
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
@@ -373,6 +382,18 @@ def parser() -> argparse.ArgumentParser:
                  "go on on the others (sidecar.elastic.retry), with the recovery time "
                  "(default: off)")
   s.set_defaults(func=_demo)
+
+  s = add("health", help="ask a sidecar's health port whether it serves (exit 0 if so)",
+          description="One grpc.health.v1 Check of a sidecar's plaintext health port, as the "
+                      "kubelet's probes and the image's HEALTHCHECK ask it: exit status 0 "
+                      "when it answers SERVING, 1 otherwise, with what it answered.")
+  health_port = _env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT))
+  s.add_argument("address", nargs="?", default=f"127.0.0.1:{health_port}", metavar="ADDR",
+                 help="HOST:PORT of the health port (default: 127.0.0.1:$SIDECAR_HEALTH_PORT, "
+                      f"else 127.0.0.1:{options_lib.DEFAULT_HEALTH_PORT})")
+  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                 help="seconds to wait for the answer")
+  s.set_defaults(func=_health, parser=s)
 
   k8s_cli.register(sub)
   return p
