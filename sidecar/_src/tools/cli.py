@@ -69,7 +69,6 @@ def load_user_code(modules: Sequence[str]) -> None:
 def _serve(args: argparse.Namespace) -> int:
   imports = list(args.imports or []) + [
       m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
-  load_user_code(imports)
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
   except (OSError, errors.InvalidArgumentError) as e:
@@ -89,6 +88,15 @@ def _serve(args: argparse.Namespace) -> int:
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
+  # The mounts first, in a fraction of a second: the user's modules and the server import
+  # jax, grain and gRPC, which take seconds (20 s in a container on a loaded machine).
+  from sidecar._src.host import preflight
+  try:
+    preflight.check(opts)
+  except OSError as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  load_user_code(imports)
   from sidecar._src.host.server import Server
   server = Server(opts)
   try:
