@@ -1,4 +1,4 @@
-"""What ``sidecar serve`` checks before it makes its arena: the mounts it needs.
+"""What ``sidecar serve`` checks before it makes its arena: the mounts and the memory it needs.
 
 In a container each of these is a mount or a limit of the pod spec, and each mistake would
 otherwise surface late: a socket directory on the read-only root after seconds of arena
@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 
+from sidecar._src.arena import shm
 from sidecar._src.core import env, options as options_lib
 
 SOCKET_FLAG = f"--socket or ${env.SOCKET}"
@@ -18,11 +19,12 @@ ROOTS_FLAG = f"--checkpoint-root, ${env.CHECKPOINT_ROOTS}"
 
 
 def check(o: options_lib.ServerOptions) -> None:
-  """Raises OSError for a mount this sidecar needs and lacks; ``shm.Arena.create`` checks
-  the memory next (``ArenaCapacityError``: cgroup v2 or v1 limits, ``--shm-size``)."""
+  """Raises OSError for a mount this sidecar needs and lacks, ArenaCapacityError for an
+  arena the machine or the container's memory limit (cgroup v2 or v1) cannot give."""
   socket_directory(o.socket_path)
   for root in o.checkpoint_roots:
     checkpoint_root(root)
+  shm.check_capacity(o.shm_size)
 
 
 def _nearest_existing(path: str) -> str:

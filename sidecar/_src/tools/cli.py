@@ -88,12 +88,13 @@ def _serve(args: argparse.Namespace) -> int:
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
-  # The mounts first, in a fraction of a second: the user's modules and the server import
-  # jax, grain and gRPC, which take seconds (20 s in a container on a loaded machine).
+  # The mounts and the memory first, in a fraction of a second: the user's modules and the
+  # server import jax, grain and gRPC, which take seconds (20 s in a container on a loaded
+  # machine).
   from sidecar._src.host import preflight
   try:
     preflight.check(opts)
-  except OSError as e:
+  except (errors.ArenaCapacityError, OSError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
   load_user_code(imports)

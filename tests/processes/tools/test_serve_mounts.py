@@ -28,3 +28,10 @@ def test_a_checkpoint_root_that_cannot_take_checkpoints_is_named(tmp_path):
   assert p.stderr.startswith(f"sidecar serve: [Errno 20] checkpoint root {tmp_path}/ckpt "
                              "(--checkpoint-root, $SIDECAR_CHECKPOINT_ROOTS) cannot take "
                              "checkpoints")
+
+
+def test_an_arena_the_machine_cannot_give_is_named_before_the_user_code_is_imported(tmp_path):
+  p = serve("--socket", str(tmp_path / "s.sock"), "--shm-size", "64TiB", "--import",
+            "no_such_module_here")
+  assert p.returncode == 2
+  assert "lower --shm-size" in p.stderr and "no_such_module" not in p.stderr
