@@ -26,6 +26,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 
+from tests.support import leaks  # noqa: E402
+
 
 def eventually(predicate, timeout: float = 5.0) -> bool:
   """Polls ``predicate`` until it holds or ``timeout`` passes; returns its last value.
@@ -48,8 +50,9 @@ def alive(pid: int) -> bool:
     return False
 
 
-def shm_entries() -> set[str]:
-  return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "lttng"))}
+# Only names this project can make count: another program's files (podman's libpod_lock)
+# are not a leak of ours. tests/support/leaks.py lists the prefixes and why.
+shm_entries = leaks.shm_entries
 
 
 def _parent(pid: int) -> int:
@@ -104,7 +107,8 @@ def root_logging_restored():
 def no_shm_leak():
   before = shm_entries()
   yield
-  assert shm_entries() - before == set(), "a test left segments in /dev/shm"
+  left = shm_entries() - before
+  assert not left, f"a test left segments in /dev/shm: {sorted(left)}"
 
 
 @pytest.fixture

@@ -59,7 +59,8 @@ class FakeSidecars(CheckpointTransport):
   def begin(self, host, directory, step):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
-  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last):
+  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last,
+            writers=1):
     if leaves:
       self.leaves[final_item] = [dict(d) for d in leaves]
     held = self.staged.setdefault((host, final_item), {})

@@ -167,9 +167,10 @@ class CheckpointHost:
     return self._saver.begin(directory, step)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True) -> int:
+            shards: list[dict], last: bool = True, writers: int = 1) -> int:
     """Takes shards of this host and starts writing them; returns the bytes staged so far."""
-    return self._saver.stage(directory, step, item, final_item, leaves, shards, last)
+    return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
+                             writers=writers)
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     """Waits for this host's write of the step; returns its shards' checksums."""

@@ -93,11 +93,13 @@ class Saver:
     return str(ol_commit.create_tmp_step(directory, roots_lib.as_int(step, "step")))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True) -> int:
+            shards: list[dict], last: bool = True, writers: int = 1) -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
     first part starts the writer, each part's shards are written as they arrive.
+    Where ``writers`` trainer processes share this host, the step is whole once each
+    has sent its ``last`` part.
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
     """
@@ -124,8 +126,11 @@ class Saver:
         self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
         record.incoming.put((leaf, ol_shards.Shard(index, s["data"])))
       if last:
-        record.closed = True
-        record.incoming.put(None)
+        record.lasts += 1
+        if record.lasts >= writers:
+          record.closed = True
+          record.incoming.put(None)
+          record.whole.set()
       return record.nbytes
 
   def _write(self, record: ram_tier.Step, item: str) -> None:
@@ -184,6 +189,7 @@ class Saver:
     finally:
       record.finished = time.monotonic()
       record.done.set()
+      record.whole.set()
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     self._path(final_item, "final_item")
@@ -257,6 +263,7 @@ class Saver:
         record.replication.cancelled.set()
       if not record.closed:
         record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
+      record.whole.set()
       record.done.wait(60)
       record.shards.clear()  # the staged blocks go back to the arena
     shutil.rmtree(path, ignore_errors=True)

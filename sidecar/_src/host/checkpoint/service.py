@@ -173,7 +173,8 @@ class CheckpointService:
                "data": wire.data_from_pb(s.data, view, f"shards[{i}].data")}
               for i, s in enumerate(r.shards)]
     try:
-      staged = self._host.stage(r.directory, step, r.item, r.final_item, leaves, shards, r.last)
+      staged = self._host.stage(r.directory, step, r.item, r.final_item, leaves, shards, r.last,
+                                writers=max(r.writers, 1))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
