@@ -30,6 +30,35 @@ def test_status_table(capsys):
     assert "UNREACHABLE" in capsys.readouterr().out
 
 
+def test_status_without_addresses_asks_the_sidecars_that_sidecar_hosts_lists(capsys, monkeypatch):
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="8MiB",
+                                    imports=FNS) as c:
+    monkeypatch.setenv("SIDECAR_HOSTS", ",".join(c.addresses))
+    assert cli.main(["status", "--json"]) == 0
+    hosts = json.loads(capsys.readouterr().out)["hosts"]
+    assert [h["address"] for h in hosts] == c.addresses and all(h["ok"] for h in hosts)
+    # --watch too (before: "the following arguments are required: ADDR"), until Ctrl-C.
+    watch = subprocess.Popen([sys.executable, "-m", "sidecar", "status", "--watch",
+                              "--interval", "0.2"], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, SIDECAR_HOSTS=",".join(c.addresses)))
+    try:
+      out = ""
+      while out.count(c.addresses[1]) < 1:
+        line = watch.stdout.readline()
+        assert line, out
+        out += line
+      assert c.addresses[0] in out
+    finally:
+      watch.send_signal(signal.SIGINT)
+      assert watch.wait(60) == 0
+      watch.stdout.close()
+  monkeypatch.delenv("SIDECAR_HOSTS")
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["status"])
+  assert exit_.value.code == 2
+  assert "no ADDR given, and cannot find the sidecars" in capsys.readouterr().err
+
+
 def test_serve_rejects_bad_flags_and_too_big_arenas(tmp_path):
   run = lambda *a: subprocess.run([sys.executable, "-m", "sidecar", "serve", *a],
                                   capture_output=True, text=True, timeout=60)
