@@ -62,6 +62,7 @@ def _copy_examples(tmp_path, *names: str):
   return work
 
 
+@pytest.mark.timeout(600)  # two launches of 2 trainers and 2 sidecars, on a busy machine
 def test_the_multiprocess_trainer_is_the_readmes_and_resumes_under_sidecar_launch(tmp_path):
   source = (ROOT / "examples" / "train_multiprocess.py").read_text()
   assert _block("One process, or one per host", "examples/train_multiprocess.py") == source
@@ -85,6 +86,7 @@ def test_the_multiprocess_trainer_is_the_readmes_and_resumes_under_sidecar_launc
   assert sorted(os.listdir(ckpt / "run1")) == ["149", "174", "199"]
 
 
+@pytest.mark.timeout(600)
 def test_the_elastic_trainer_is_the_readmes_and_goes_on_when_a_host_dies(tmp_path):
   source = (ROOT / "examples" / "train_elastic.py").read_text()
   block = _block("Keep training when a host dies", "examples/train_elastic.py")
@@ -96,5 +98,6 @@ def test_the_elastic_trainer_is_the_readmes_and_goes_on_when_a_host_dies(tmp_pat
   done = subprocess.run([sys.executable, "train_elastic.py", str(tmp_path / "ckpt")], cwd=work,
                         env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout + done.stderr
-  assert "host_lost: host 2" in done.stdout and "retry: HostLostError" in done.stdout
+  for event in ("host_lost: host 2", "\nretry: ", "start: attempt 2", "phase: restore"):
+    assert event in done.stdout, done.stdout
   assert "trained to step 59 on hosts [0, 1]" in done.stdout, done.stdout

@@ -217,7 +217,7 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
   from sidecar._src.tools import demo
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
-                  processes=args.processes, elastic=args.elastic)
+                  processes=args.processes, elastic=args.elastic, verbose=args.verbose)
 
 
 def _from_env(var: str, otherwise: str) -> str:
@@ -389,6 +389,9 @@ def parser() -> argparse.ArgumentParser:
                  help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
                  "go on on the others (sidecar.elastic.retry), with the recovery time "
                  "(default: off)")
+  s.add_argument("--verbose", action="store_true",
+                 help="show log records, the launcher's lines and the trainers' stderr here "
+                      "(default: off: they go to the log file named at the end)")
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)

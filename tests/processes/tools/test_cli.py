@@ -1,6 +1,7 @@
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,11 +93,19 @@ def test_serve_loads_plugins_from_entry_points(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flags", [[], ["--processes", "2"], ["--elastic"]],
                          ids=["one-process", "two-processes", "elastic"])
 def test_demo_runs(tmp_path, flags):
-  env = dict(os.environ, SIDECAR_LOG_LEVEL="WARNING")
+  env = dict(os.environ, TMPDIR=str(tmp_path))  # its log file goes there
+  env.pop("SIDECAR_LOG_LEVEL", None)
   p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100", *flags],
                      capture_output=True, text=True,
                      timeout=300, env=env)
   assert p.returncode == 0, p.stderr[-3000:]
+  # The story only: log records, the launcher's lines and Gloo's go to the log file.
+  log = (tmp_path / "sidecar-demo.log").read_text()
+  record = re.compile(r"\d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING) ")
+  assert not record.search(p.stdout + p.stderr), p.stdout + p.stderr
+  assert "[Gloo]" not in p.stdout and "sidecar launch:" not in p.stderr, p.stdout + p.stderr
+  assert f"The log: {tmp_path / 'sidecar-demo.log'}" in p.stdout
+  assert record.search(log) or "[Gloo]" in log, log
   assert "test accuracy" in p.stdout
   assert "--elastic" in flags or "trainer waited for data" in p.stdout
   accuracy = float(p.stdout.split("test accuracy ")[1].split("%")[0])
