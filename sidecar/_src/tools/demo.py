@@ -313,15 +313,20 @@ def main(argv: list[str]) -> int:
   """One trainer process of ``sidecar demo --processes N`` (started by ``sidecar launch``).
 
   ``argv``: steps, global batch size, checkpoint interval, and the log file that takes
-  this process's stderr (its log records, JAX's and Gloo's lines), if there is one.
+  everything but the story (log records, what JAX and Gloo print to stdout and stderr),
+  if there is one.
   """
-  if len(argv) > 3:
-    with open(argv[3], "a") as log:  # stdout stays the story, which the launcher prefixes
+  story = sys.stdout
+  if len(argv) > 3:  # the story keeps the launcher's pipe; file descriptors 1 and 2 go
+    story = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    with open(argv[3], "a") as log:
+      os.dup2(log.fileno(), sys.stdout.fileno())
       os.dup2(log.fileno(), sys.stderr.fileno())
   distributed.initialize()
   steps, global_batch_size, checkpoint_every = (int(a) for a in argv[:3])
   with Controller.from_env(timeout=60) as ctl:
-    say = print if ctl.process_index == 0 else (lambda *_: None)
+    say = (lambda text: print(text, file=story, flush=True)) if ctl.process_index == 0 else (
+        lambda *_: None)
     train(ctl, steps=steps, global_batch_size=global_batch_size,
           checkpoint_every=checkpoint_every, say=say)
   return 0
