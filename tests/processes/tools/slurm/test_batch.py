@@ -30,20 +30,23 @@ def of(found: list[dict], kind: str, process: int = 0) -> list[dict]:
   return [r for r in found if r["kind"] == kind and r["process"] == process]
 
 
-def submit(slurm, tmp_path, *flags: str, command: list[str], env=None, timeout=300
-           ) -> tuple[str, int, str]:
-  """Writes the job's script with ``sidecar slurm batch``, submits it, waits for its end;
-  returns the job id, its exit code and its output. Leaves nothing of the job behind."""
+def submit(slurm, tmp_path, *flags: str, command: list[str], env=None, timeout=300,
+           with_submit=False) -> tuple[str, int, str]:
+  """Writes the job's script with ``sidecar slurm batch``, submits it (with sbatch, or
+  with its ``--submit``), waits for its end; returns the job id, its exit code and its
+  output. Checks that nothing of the job is left behind."""
   home = str(tmp_path / "home")
   run_env = {**slurm.env, "SIDECAR_HOME": home, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
              **(env or {})}
   out = tmp_path / f"job-{len(list(tmp_path.glob('job-*.out')))}.out"
   text = subprocess.run(
       [sys.executable, "-m", "sidecar", "slurm", "batch", *flags, "--shm-size", "64MiB",
-       "--checkpoint-root", str(tmp_path), f"--sbatch-arg=--output={out}", "--",
-       *command], cwd=ROOT, env=run_env, capture_output=True, text=True, check=True,
-      timeout=60).stdout
-  job = slurm.run(["sbatch", "--parsable"], input=text, env=run_env, cwd=ROOT).stdout.strip()
+       "--checkpoint-root", str(tmp_path), f"--sbatch-arg=--output={out}",
+       *(["--submit"] if with_submit else []), "--", *command], cwd=ROOT, env=run_env,
+      capture_output=True, text=True, check=True, timeout=60).stdout
+  job = text.strip() if with_submit else slurm.run(
+      ["sbatch", "--parsable"], input=text, env=run_env, cwd=ROOT).stdout.strip()
+  assert job.isdigit(), text
   deadline = time.monotonic() + timeout
   while job in slurm.jobs():
     assert time.monotonic() < deadline, f"job {job} still runs after {timeout} s"
@@ -96,7 +99,7 @@ def test_a_sidecar_that_fails_to_start_fails_the_job_naming_its_node_and_log(slu
                                                                              tmp_path):
   t0 = time.monotonic()
   _, code, output = submit(slurm, tmp_path, "--import", "no_such_module_here",
-                           command=["true"])
+                           command=["true"], with_submit=True)
   assert code == 1, output
   assert time.monotonic() - t0 < 120
   assert re.search(r"the sidecars did not start: sidecar host 0 \(node \S+, task 0\) "

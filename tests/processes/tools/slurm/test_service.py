@@ -2,6 +2,7 @@
 tasks of sidecars, a client through its cluster.env, one task killed and requeued while
 the client trains on, and a stop that leaves nothing behind."""
 
+import json
 import os
 import re
 import subprocess
@@ -77,14 +78,16 @@ def test_a_service_serves_a_client_through_a_requeue_and_stops_clean(slurm, tmp_
   assert "host 0" in shown.stdout and "host 1" in shown.stdout, shown.stdout
 
   saved = cluster_file.read_text()
-  pids = [int(p) for p in re.findall(r'"pid": (\d+)', "".join(
-      (home / "svc" / "hosts" / f).read_text() for f in os.listdir(home / "svc" / "hosts")
-      if f.endswith(".json")))]
+  entries = [json.loads((home / "svc" / "hosts" / f).read_text())
+             for f in os.listdir(home / "svc" / "hosts") if f.endswith(".json")]
+  assert len(entries) == 2
   stopped = cli(slurm, env, "stop", "svc")
   assert "stopped" in stopped.stdout
-  assert not (home / "svc").exists()
-  assert pids and not any(alive(p) for p in pids)
   assert slurm.jobs() == []
+  # Nothing is left: the service's directory, the sidecars, their sockets' directories.
+  assert not (home / "svc").exists()
+  assert not any(alive(e["pid"]) for e in entries)
+  assert not any(os.path.exists(os.path.dirname(e["socket"])) for e in entries)
 
   # A cluster file whose job has ended: the client says which job and that it is gone.
   stale = tmp_path / "stale.env"
