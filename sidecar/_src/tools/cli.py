@@ -149,7 +149,7 @@ def _run_local(args: argparse.Namespace) -> int:
   from sidecar._src.tools.local import LocalCluster
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False,
-                    metrics=args.metrics) as cluster:
+                    metrics=args.metrics, checkpoint_roots=args.checkpoint_roots) as cluster:
     metrics = cluster.metrics_urls if args.metrics else [""] * args.hosts
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
       print(f"host {h}: {a}  worker socket unix://{s}" + (f"  metrics {metrics[h]}" if metrics[h] else ""))
@@ -191,34 +191,48 @@ def _launch(args: argparse.Namespace) -> int:
   return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                     imports=args.imports or [], shm_size=args.shm_size, token=token,
                     elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
+                    checkpoint_roots=args.checkpoint_roots,
                     max_restarts=(launch.DEFAULT_MAX_RESTARTS if args.max_restarts is None
                                   else args.max_restarts),
                     procs_per_host=args.procs_per_host, torch=args.torch)
 
 
 def _status(args: argparse.Namespace) -> int:
-  from sidecar._src.controller import status
+  from sidecar._src.controller import discovery, status
   token = _env(env_lib.TOKEN)
+  addresses = args.addresses
+  if not addresses:  # the job's sidecars, as Controller.from_env() finds them
+    try:
+      addresses = [e.address for e in discovery.endpoints_from_env()]
+    except errors.SidecarError as e:
+      args.parser.error(f"no ADDR given, and {e}")
   if args.watch and args.json:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:
     args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
   if args.watch:
     _raise_on_sigterm()
-    return status.watch(args.addresses, interval=args.interval, timeout=args.timeout,
+    return status.watch(addresses, interval=args.interval, timeout=args.timeout,
                         token=token)
-  return status.print_status(args.addresses, timeout=args.timeout, token=token,
-                             as_json_=args.json)
+  return status.print_status(addresses, timeout=args.timeout, token=token, as_json_=args.json)
 
 
 def _demo(args: argparse.Namespace) -> int:
   from sidecar._src.tools import demo
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
-                  processes=args.processes, elastic=args.elastic)
+                  processes=args.processes, elastic=args.elastic, verbose=args.verbose)
 
 
 def _from_env(var: str, otherwise: str) -> str:
   return f"(default: ${var}, else {otherwise})"
+
+
+def _checkpoint_root_flag(p: argparse.ArgumentParser) -> None:
+  """``--checkpoint-root`` of ``sidecar local`` and ``launch``: every sidecar gets them."""
+  p.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", metavar="DIR",
+                 type=os.path.abspath,
+                 help="directory every sidecar may checkpoint in, and below (repeatable; "
+                      "default: the temp directory and the working directory)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -311,6 +325,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--metrics", action="store_true",
                  help="each sidecar serves Prometheus /metrics on a free port, printed "
                       "(default: off)")
+  _checkpoint_root_flag(s)
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
@@ -347,6 +362,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--max-restarts", type=int, metavar="N",
                  help="with --in-place: restart at most N times, then end on the next failure "
                  f"(default: {launch.DEFAULT_MAX_RESTARTS})")
+  _checkpoint_root_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)
@@ -355,8 +371,9 @@ def parser() -> argparse.ArgumentParser:
           description="Ask each sidecar for its identity, registry, arena use, feeds and "
                       "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
                       "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
-  s.add_argument("addresses", nargs="+", metavar="ADDR",
-                 help="the sidecars' gRPC addresses, HOST:PORT")
+  s.add_argument("addresses", nargs="*", metavar="ADDR",
+                 help="the sidecars' gRPC addresses, HOST:PORT (default: those SIDECAR_HOSTS "
+                      "lists, or the JobSet's as Controller.from_env() finds them)")
   s.add_argument("--timeout", type=float, default=5.0, metavar="S",
                  help="seconds each sidecar is given to answer")
   s.add_argument("--json", action="store_true",
@@ -382,6 +399,9 @@ def parser() -> argparse.ArgumentParser:
                  help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
                  "go on on the others (sidecar.elastic.retry), with the recovery time "
                  "(default: off)")
+  s.add_argument("--verbose", action="store_true",
+                 help="show log records, the launcher's lines and the trainers' stderr here "
+                      "(default: off: they go to the log file named at the end)")
   s.set_defaults(func=_demo)
 
   k8s_cli.register(sub)
