@@ -5,7 +5,6 @@ train_elastic.py), run by ``srun`` tasks with nothing set but what the job's dri
 """
 
 import glob
-import json
 import os
 import re
 import subprocess
@@ -18,12 +17,9 @@ import pytest
 from sidecar._src.ckptfmt import read as ol_read
 from tests.conftest import alive
 from tests.support.paths import ROOT
+from tests.support.trainers import results
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
-
-
-def results(output: str) -> list[dict]:
-  return [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", output)]
 
 
 def of(found: list[dict], kind: str, process: int = 0) -> list[dict]:

@@ -14,8 +14,8 @@ import pytest
 
 import sidecar
 from tests.conftest import alive
-from tests.processes.tools.slurm.test_batch import results
 from tests.support.paths import ROOT
+from tests.support.trainers import results
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
