@@ -93,6 +93,20 @@ def arena_mappers() -> list[int]:
   return pids
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises_keyboard_interrupt():
+  """SIGINT raises KeyboardInterrupt, as in a terminal, though the run is a background job
+  (``pytest &``, nohup), which a shell starts with SIGINT ignored: the interrupt tests send
+  this process SIGINT as a kernel interrupt does, and stop their children with it."""
+  import signal
+  ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  if ignored:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  if ignored:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.fixture(autouse=True)
 def root_logging_restored():
   """The root logger as it was before the test: ``cli.main`` configures logging for the
