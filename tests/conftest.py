@@ -5,7 +5,7 @@ processes), ``tests/server`` (an in-process gRPC sidecar), ``tests/processes`` (
 trainer or kernel processes: LocalCluster, ``sidecar launch``, subprocesses), each mirroring
 ``sidecar/_src``. A module declares its folder's tier in one line after its imports,
 ``pytestmark = pytest.mark.unit`` (``server``, ``processes``), so that ``pytest -m unit`` runs
-in half a minute and ``pytest -m "not processes"`` in about two.
+in half a minute and ``pytest -m "not processes"`` in about a minute and a half.
 
 Collection fails, naming the test and the fix, where a module declares no tier, two, or
 another than its folder's; where a test or class carries a tier marker of its own (a test of
