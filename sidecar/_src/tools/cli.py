@@ -1,4 +1,4 @@
-"""The ``sidecar`` command: serve, local, launch, status, health, demo, k8s."""
+"""The ``sidecar`` command: serve, local, launch, status, health, demo, k8s, slurm."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
 from sidecar._src.tools import cli_format, launch
 from sidecar._src.tools.k8s import cli as k8s_cli
+from sidecar._src.tools.slurm import cli as slurm_cli
 from sidecar._src.user import registry as registry_lib
 
 # Each command imports what it runs (the server, the controller, JAX) when it runs, so
@@ -434,6 +435,7 @@ def parser() -> argparse.ArgumentParser:
   s.set_defaults(func=_health, parser=s)
 
   k8s_cli.register(sub)
+  slurm_cli.register(sub)
   return p
 
 
