@@ -1,4 +1,4 @@
-"""The ``sidecar`` command: serve, local, launch, status, demo, k8s."""
+"""The ``sidecar`` command: serve, local, launch, status, health, demo, k8s, slurm."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
 from sidecar._src.tools import cli_format, launch
 from sidecar._src.tools.k8s import cli as k8s_cli
+from sidecar._src.tools.slurm import cli as slurm_cli
 from sidecar._src.user import registry as registry_lib
 
 # Each command imports what it runs (the server, the controller, JAX) when it runs, so
@@ -69,7 +70,6 @@ def load_user_code(modules: Sequence[str]) -> None:
 def _serve(args: argparse.Namespace) -> int:
   imports = list(args.imports or []) + [
       m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
-  load_user_code(imports)
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
   except (OSError, errors.InvalidArgumentError) as e:
@@ -89,6 +89,16 @@ def _serve(args: argparse.Namespace) -> int:
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
+  # The mounts and the memory first, in a fraction of a second: the user's modules and the
+  # server import jax, grain and gRPC, which take seconds (20 s in a container on a loaded
+  # machine).
+  from sidecar._src.host import preflight
+  try:
+    preflight.check(opts)
+  except (errors.ArenaCapacityError, OSError) as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  load_user_code(imports)
   from sidecar._src.host.server import Server
   server = Server(opts)
   try:
@@ -214,6 +224,15 @@ def _status(args: argparse.Namespace) -> int:
     return status.watch(addresses, interval=args.interval, timeout=args.timeout,
                         token=token)
   return status.print_status(addresses, timeout=args.timeout, token=token, as_json_=args.json)
+
+
+def _health(args: argparse.Namespace) -> int:
+  from sidecar._src.tools import health
+  if args.timeout <= 0:
+    args.parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+  serving, answer = health.check(args.address, timeout=args.timeout)
+  print(answer, file=sys.stdout if serving else sys.stderr)
+  return 0 if serving else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -403,7 +422,20 @@ def parser() -> argparse.ArgumentParser:
                       "(default: off: they go to the log file named at the end)")
   s.set_defaults(func=_demo)
 
+  s = add("health", help="ask a sidecar's health port whether it serves (exit 0 if so)",
+          description="One grpc.health.v1 Check of a sidecar's plaintext health port, as the "
+                      "kubelet's probes and the image's HEALTHCHECK ask it: exit status 0 "
+                      "when it answers SERVING, 1 otherwise, with what it answered.")
+  health_port = _env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT))
+  s.add_argument("address", nargs="?", default=f"127.0.0.1:{health_port}", metavar="ADDR",
+                 help="HOST:PORT of the health port (default: 127.0.0.1:$SIDECAR_HEALTH_PORT, "
+                      f"else 127.0.0.1:{options_lib.DEFAULT_HEALTH_PORT})")
+  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                 help="seconds to wait for the answer")
+  s.set_defaults(func=_health, parser=s)
+
   k8s_cli.register(sub)
+  slurm_cli.register(sub)
   return p
 
 
