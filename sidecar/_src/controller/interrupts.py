@@ -147,6 +147,7 @@ def wait_done(future: concurrent.futures.Future, timeout: float | None = None) -
   try:
     wait(future, timeout)
   except (concurrent.futures.TimeoutError, KeyboardInterrupt):
-    raise
+    if not future.done():  # else its outcome is a TimeoutError (DeadlineExceededError)
+      raise
   except BaseException:
     pass

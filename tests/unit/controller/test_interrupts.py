@@ -68,3 +68,5 @@ def test_a_future_that_fails_with_a_timeout_error_raises_it_and_does_not_poll_fo
     interrupts.wait(future, timeout=5)
   with interrupts.deferred(), pytest.raises(concurrent.futures.TimeoutError):
     interrupts.wait(concurrent.futures.Future(), timeout=0.2)  # its own timeout still is
+  with interrupts.deferred():
+    interrupts.wait_done(future, timeout=5)  # done: whatever its outcome, no timeout
