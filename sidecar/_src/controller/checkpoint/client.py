@@ -77,15 +77,17 @@ class _Call:
   """
 
   def __init__(self, conn: Any, host: int, method: str, request: Any,
-               decode: Callable[[Any], Any], held: list | None, deadline: float):
+               decode: Callable[[Any], Any], held: list | None, deadline: float,
+               retries: _Retries):
     self._conn, self._host, self._method, self._request = conn, host, method, request
     self._decode, self._held, self._deadline = decode, held, deadline
+    self._retries = retries
     self._tries = 0
     self.out: concurrent.futures.Future = concurrent.futures.Future()
 
   def send(self) -> None:
     self._conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
-        self._start, done=self._done, fail=self._fail,
+        self._start, done=self._done, fail=self.fail,
         timeout=self._deadline - time.monotonic(),
         what=f"checkpoint rpc {self._method} on host {self._host}")
 
@@ -104,7 +106,7 @@ class _Call:
         # The sidecar's checkpoint threads are taken by other controllers (and peers):
         # ask again shortly, within the deadline, rather than call a live copy lost.
         self._tries += 1
-        threading.Timer(wait, self.send).start()
+        self._retries.later(wait, self)
         return
       self.out.set_exception(error)
     except Exception as e:
@@ -112,14 +114,64 @@ class _Call:
     if self._held is not None:
       self._held.clear()
 
-  def _fail(self, e: BaseException) -> None:
+  def fail(self, e: BaseException) -> None:
+    """Ends the call with ``e`` (unless it ended)."""
     if self._held is not None:
       self._held.clear()
-    self.out.set_exception(e)
+    try:
+      self.out.set_exception(e)
+    except concurrent.futures.InvalidStateError:
+      pass
+
+
+
+class _Retries:
+  """The busy calls waiting to be sent again, each on a timer; ``close()`` cancels and
+  joins them (their calls fail with ClosedError), so no timer outlives its client.
+
+  A timer knows its call only by number: no cycle holds a call (and its result) once sent.
+  """
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._waiting: dict[int, tuple[threading.Timer, _Call]] = {}
+    self._next = 0
+    self._closed = False
+
+  def later(self, wait: float, call: _Call) -> None:
+    with self._lock:
+      if not self._closed:
+        self._next += 1
+        timer = threading.Timer(wait, self._fire, args=(self._next,))
+        timer.name, timer.daemon = "sidecar-ckpt-retry", True
+        self._waiting[self._next] = (timer, call)
+        timer.start()
+        return
+    call.fail(errors.ClosedError("the checkpointer closed while a busy sidecar was asked again"))
+
+  def _fire(self, number: int) -> None:
+    with self._lock:
+      entry = self._waiting.pop(number, None)
+    if entry is not None:  # else closed meanwhile: close() fails the call
+      entry[1].send()
+
+  def close(self) -> None:
+    with self._lock:
+      self._closed = True
+      waiting, self._waiting = list(self._waiting.values()), {}
+    for timer, call in waiting:
+      timer.cancel()
+      if timer is not threading.current_thread():
+        timer.join(5)
+      call.fail(errors.ClosedError(
+          "the checkpointer closed while a busy sidecar was to be asked again"))
 
 
 class CheckpointTransport(abc.ABC):
   """The checkpoint phases on one host each; see the service in ``checkpoint.proto``."""
+
+  def close(self) -> None:  # noqa: B027 - a transport with nothing to stop needs none
+    """Stops what the transport runs in the background; idempotent."""
 
   @abc.abstractmethod
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
@@ -211,6 +263,11 @@ class CheckpointClient(CheckpointTransport):
                status: Callable[..., list[pb.StatusResponse]], timeout: float):
     self._select, self._connection, self._worker = select, connection, worker
     self._status, self._timeout = status, timeout
+    self._retries = _Retries()
+
+  def close(self) -> None:
+    """Cancels the busy retries waiting; their calls fail with ClosedError. Idempotent."""
+    self._retries.close()
 
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
     w = self._worker(host)
@@ -229,7 +286,8 @@ class CheckpointClient(CheckpointTransport):
     """
     (host,) = self._select([host])  # HostLostError / InvalidArgumentError, raised here
     call = _Call(self._connection(host), host, method, request, decode, held,
-                 time.monotonic() + (self._timeout if timeout is None else timeout))
+                 time.monotonic() + (self._timeout if timeout is None else timeout),
+                 self._retries)
     call.send()
     return call.out
 

@@ -125,6 +125,9 @@ class Saver:
     self._writers = {h: max(len((sharers or {}).get(h, ())), 1) for h in hosts}
     self._saves = 0
     self.finisher: threading.Thread | None = None  # the latest save's, until it ends
+    # Every save's that may still run: an older one settles its replication (replicas > 0)
+    # and deletes old steps after its durable, while the next save runs.
+    self.finishers: list[threading.Thread] = []
 
   def agree_on_save(self, step: int, busy: bool) -> bool:
     """Checks every process saves ``step``; returns whether any has a save in flight."""
@@ -232,6 +235,7 @@ class Saver:
                                 daemon=True, name=f"sidecar-save-{handle.step}")
     finisher.start()
     self.finisher = finisher
+    self.finishers = [t for t in self.finishers if t.is_alive()] + [finisher]
     return finisher
 
   def _finish(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves,
