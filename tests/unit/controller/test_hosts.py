@@ -10,10 +10,10 @@ import re
 
 import pytest
 
+from sidecar._src.controller import peers as peers_lib
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.core import errors
-from sidecar._src.jax import distributed
 from sidecar._src.wire.protocol import pb
 
 pytestmark = pytest.mark.unit
@@ -59,7 +59,7 @@ class FakeSidecars:
 def _hosts(answers, **kwargs):
   sidecars = FakeSidecars(answers)
   cancelled = []
-  hosts = Hosts(sidecars.connect, peers=distributed.LocalPeers(), peer_timeout=1.0,
+  hosts = Hosts(sidecars.connect, peers=peers_lib.LocalPeers(), peer_timeout=1.0,
                 map_arenas=False, cancel=lambda: cancelled.append(True), **kwargs)
   return hosts, sidecars, cancelled
 
