@@ -53,6 +53,8 @@ class Step:
   verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
+  format: str = ""  # "" (stock Orbax's layout) or "dcp" (DCP's: dcp_steps.py)
+  dcp_items: dict[int, list] = dataclasses.field(default_factory=dict)  # rank -> dcp.Items
 
 
 @dataclasses.dataclass
