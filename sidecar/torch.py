@@ -14,8 +14,11 @@ Example::
 Importing it loads neither jax nor jaxlib.
 """
 
+from sidecar._src.torch.checkpointer import Checkpointer, SaveHandle
 from sidecar._src.torch.controller import Controller, connect
 from sidecar._src.torch.distributed import Ranks, TorchPeers, ranks
 from sidecar._src.torch.loader import DataLoader
+from sidecar._src.torch.storage import StorageReader, StorageWriter
 
-__all__ = ["Controller", "DataLoader", "Ranks", "TorchPeers", "connect", "ranks"]
+__all__ = ["Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle", "StorageReader",
+           "StorageWriter", "TorchPeers", "connect", "ranks"]

@@ -250,10 +250,12 @@ class CheckpointCommitResponse(_message.Message):
     def __init__(self, committed: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommittedRequest(_message.Message):
-    __slots__ = ("final_item",)
+    __slots__ = ("final_item", "manifest_json")
     FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     final_item: str
-    def __init__(self, final_item: _Optional[str] = ...) -> None: ...
+    manifest_json: str
+    def __init__(self, final_item: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommittedResponse(_message.Message):
     __slots__ = ("kept_steps",)

@@ -17,6 +17,7 @@ batch.
 from __future__ import annotations
 
 import collections
+import json
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -184,8 +185,10 @@ class DataLoader:
     """Where this rank is: the batches consumed (not those prefetched). JSON; the same on
     every rank (every rank must call it)."""
     feed_state = self._feed.state() if self._feed is not None else self._resume
+    # The feed's position as one JSON string: the same keys before the first batch and
+    # after, so a DCP state dict made before iterating loads a saved one.
     return {"version": STATE_VERSION, "pipeline": self.pipeline, "seed": self.seed,
-            "global_batch_size": self.global_batch_size, "feed": feed_state}
+            "global_batch_size": self.global_batch_size, "feed": json.dumps(feed_state)}
 
   def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
     """Resumes at ``state_dict`` (from :meth:`state_dict`) when next iterated.
@@ -212,7 +215,10 @@ class DataLoader:
           f"the state is of pipeline {state_dict.get('pipeline')!r} with seed "
           f"{state_dict.get('seed')!r}; this loader reads {self.pipeline!r} with seed {self.seed}")
     self.close()
-    self._resume = state_dict.get("feed")
+    try:
+      self._resume = json.loads(state_dict.get("feed") or "null")
+    except (TypeError, ValueError) as e:
+      raise errors.InvalidArgumentError(f"state_dict['feed'] is not the JSON it was: {e}") from None
 
   def close(self) -> None:
     """Closes the feed in flight (its prefetched blocks go back); idempotent."""

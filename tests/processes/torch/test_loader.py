@@ -52,7 +52,7 @@ def test_each_rank_reads_its_slice_of_the_feeds_global_batches_and_resumes_on_on
   batches, state = launch(state_file, hosts=2, procs=1, batch_size=2, steps=3)
   for rank in (0, 1):
     assert batches[rank] == [g[2 * rank:2 * rank + 2] for g in reference[:3]]
-  assert state["global_batch_size"] == 4 and state["feed"]["position"] == 12
+  assert state["global_batch_size"] == 4 and json.loads(state["feed"])["position"] == 12
   # One rank of 4 rows goes on with exactly the next global batches.
   batches, _ = launch(state_file, hosts=1, procs=1, batch_size=4, steps=2, resume=True)
   assert batches[0] == reference[3:5]

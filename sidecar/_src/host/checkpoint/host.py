@@ -184,9 +184,20 @@ class CheckpointHost:
     return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
                               whole_step, replicas, dcp_commit=dcp_commit)
 
-  def committed(self, final_item: str) -> list[int]:
-    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
+  def committed(self, final_item: str, manifest: dict | None = None) -> list[int]:
+    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
+
+    ``manifest``: a DCP step's, kept with its RAM-tier copy (and replicas held here), so
+    that :meth:`info` needs no file of the step.
+    """
     self._path(final_item, "final_item")
+    if manifest is not None:
+      with self._tier.lock:
+        held = [self._tier.steps.get(final_item),
+                *(r for r in self._tier.replicas.values() if r.item == final_item)]
+        for record in held:
+          if record is not None:
+            record.manifest = manifest
     return self._tier.mark_committed(final_item)
 
   def abort(self, item: str, final_item: str) -> None:
@@ -254,6 +265,12 @@ class CheckpointHost:
     with no checksum to check.
     """
     self._path(final_item, "final_item")
+    with self._tier.lock:
+      held = [self._tier.steps.get(final_item),
+              *(r for r in self._tier.replicas.values() if r.item == final_item)]
+    for record in held:
+      if record is not None and record.manifest is not None:
+        return record.manifest  # a DCP step in host memory: its files may be gone
     return checkpoint_read.info(final_item)
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,

@@ -91,13 +91,13 @@ class Saver:
     return {"steps": ol_read.list_steps(directory)}
 
   def begin(self, directory: str, step: int, format: str = "") -> str:
+    """Creates the step's uncommitted directory: ``<directory>/<step>.orbax-checkpoint-tmp``,
+    or with ``format="dcp"`` ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at
+    ``directory`` is replaced at the commit, as DCP overwrites)."""
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
-    if format == dcp_steps.FORMAT:
-      final = pathlib.Path(directory) / str(step)
-      if final.exists():
-        raise FileExistsError(f"step {step} is already committed at {final}")
-      return str(dcp.create_tmp(final))
+    if format == dcp_steps.FORMAT:  # ``directory`` is the checkpoint's own (DCP's path)
+      return str(dcp.create_tmp(directory))
     if format:
       raise errors.InvalidArgumentError(f"format must be '' or 'dcp', got {format!r}")
     return str(ol_commit.create_tmp_step(directory, step))

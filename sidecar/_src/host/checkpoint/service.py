@@ -207,7 +207,14 @@ class CheckpointService:
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _
                 ) -> ckpt_pb.CheckpointCommittedResponse:
-    return ckpt_pb.CheckpointCommittedResponse(kept_steps=self._host.committed(r.final_item))
+    manifest = None
+    if r.manifest_json:
+      try:
+        manifest = json.loads(r.manifest_json)
+      except ValueError as e:
+        raise errors.InvalidArgumentError(f"manifest_json is not JSON: {e}") from None
+    return ckpt_pb.CheckpointCommittedResponse(
+        kept_steps=self._host.committed(r.final_item, manifest))
 
   def abort(self, r: ckpt_pb.CheckpointAbortRequest, _) -> ckpt_pb.CheckpointAbortResponse:
     self._host.abort(r.item, r.final_item)
