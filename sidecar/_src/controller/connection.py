@@ -205,6 +205,30 @@ class CallWindow:
         e.fail(self.waited_too_long(e.what, e.timeout))
 
 
+_TLS_HINT = ("TLS on both sides or neither: a sidecar with --tls-cert needs tls_ca=... here, "
+             "or SIDECAR_TLS_CA")
+
+
+def _connect_error(e: grpc.RpcError, address: str, timeout: float) -> errors.SidecarError:
+  """The error of a handshake that failed: the connection is the handshake's first step.
+
+  The handshake is sent without ``wait_for_ready``, so a connection that cannot be made
+  (refused, unresolvable name, reset) fails it at once, with gRPC's reason and the
+  address it resolved; a sidecar that accepts and does not answer (stopped, or not a
+  sidecar) takes the whole ``timeout``.
+  """
+  code = e.code() if hasattr(e, "code") else None
+  if code == grpc.StatusCode.UNAVAILABLE:
+    return errors.HostLostError(
+        f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
+        f"and the port reachable ({_TLS_HINT})?")
+  if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    return errors.HostLostError(
+        f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
+        f"running there, not stopped ({_TLS_HINT})?")
+  return protocol.error_from_rpc(e, host=address)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostInfo:
   """A sidecar's identity and what it can run, as its handshake told."""
@@ -230,14 +254,6 @@ class Connection:
     options = channel_options(peer_timeout)
     self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
                      else grpc.secure_channel(address, credentials, options=options))
-    try:
-      grpc.channel_ready_future(self._channel).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
-      self._channel.close()
-      raise errors.HostLostError(
-          f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
-          "running there and the port reachable (and TLS on both sides or neither: a "
-          "sidecar with --tls-cert needs tls_ca=... here, or SIDECAR_TLS_CA)?") from None
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
@@ -258,10 +274,10 @@ class Connection:
       reply = self._handshake(
           pb.HandshakeRequest(versions=protocol.local_versions(),
                               client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-          timeout=timeout, metadata=self._auth)
+          timeout=timeout, metadata=self._auth, wait_for_ready=False)
     except grpc.RpcError as e:
       self._channel.close()
-      raise protocol.error_from_rpc(e, host=address) from None
+      raise _connect_error(e, address, timeout) from None
     self.reply = reply
     self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
     ident = reply.identity

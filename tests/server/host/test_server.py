@@ -532,7 +532,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
                                                                               tmp_path):
   from sidecar._src.wire.checkpoint_wire import shard_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
-  from tests.server.host.test_security import Raw
+  from tests.support.raw_client import Raw
   server = make_server()
   raw = Raw(server.port)
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
@@ -567,7 +567,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
 
   from sidecar._src.wire.checkpoint_wire import shard_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
-  from tests.server.host.test_security import Raw
+  from tests.support.raw_client import Raw
   server = make_server()
   raw = Raw(server.port)
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
