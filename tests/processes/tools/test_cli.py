@@ -283,8 +283,9 @@ def test_serve_names_the_socket_flag_when_it_cannot_make_the_socket(tmp_path):
                       "0", "--socket", str(tmp_path / "file" / "s.sock"), "--shm-size", "8MiB"],
                      capture_output=True, text=True, timeout=60)
   assert p.returncode == 2, p.stderr
-  assert f"cannot make the worker socket's directory {tmp_path / 'file'}" in p.stderr
-  assert "give --socket (socket_path) a path in a writable directory" in p.stderr
+  assert f"cannot make the worker socket {tmp_path / 'file' / 's.sock'}" in p.stderr
+  assert f"{tmp_path / 'file'} is not a directory" in p.stderr
+  assert "give --socket or $SIDECAR_SOCKET a path in a writable directory" in p.stderr
 
 
 def test_demo_without_scikit_learn_names_the_extra():
