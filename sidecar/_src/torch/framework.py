@@ -29,7 +29,7 @@ from sidecar._src.controller.framework import (
   whole,
 )
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import dtypes
+from sidecar._src.core import dtypes, errors
 from sidecar._src.torch import distributed, tensors
 
 
@@ -50,9 +50,18 @@ def to_tensors(tree: Any, device: Any = None, *, non_blocking: bool = True) -> A
 
 
 def host_array(value: Any, where: str) -> np.ndarray:
-  """A tensor (any device, any layout) or array leaf as a host numpy array."""
+  """A tensor (any device, any layout: copied to the CPU, contiguous) or array leaf as a
+  host numpy array.
+
+  Raises:
+    InvalidArgumentError: a tensor on the meta device (it has no data); names ``where``.
+  """
   if isinstance(value, torch.Tensor):
     t = value.detach()
+    if t.device.type == "meta":
+      raise errors.InvalidArgumentError(
+          f"{where} is on the meta device: it has no data to save; materialise it first "
+          "(module.to_empty(device=...) and its initialisation)")
     if t.device.type != "cpu" or not t.is_contiguous():
       t = t.to("cpu").contiguous()
     return tensors.as_array(t, where)
