@@ -1,7 +1,8 @@
 """sidecar.torch.DataLoader under ``sidecar launch --torch``: each rank's slice of the global
 batches that ``ctl.feed`` (JAX) yields for the same pipeline, arguments and seed; two ranks
 beside one sidecar read what two ranks beside two read; a state_dict resumes on another
-world size; no jax in the torch ranks."""
+world size; no jax in the torch ranks; a sidecar killed mid-feed raises HostLostError
+naming its host."""
 
 import json
 import subprocess
@@ -62,3 +63,18 @@ def test_two_ranks_beside_one_sidecar_read_what_two_sidecars_give(tmp_path, refe
   batches, _ = launch(tmp_path / "state.json", hosts=1, procs=2, batch_size=2, steps=3)
   for rank in (0, 1):
     assert batches[rank] == [g[2 * rank:2 * rank + 2] for g in reference[:3]]
+
+
+def test_a_sidecar_killed_mid_feed_raises_host_lost_naming_it():
+  import sidecar
+  import sidecar.torch
+  with LocalCluster(2, 1, imports=["tests.support.feed_fns"], shm_size="16MiB") as cluster:
+    with sidecar.torch.Controller(cluster.addresses, token=cluster.token) as ctl:
+      loader = sidecar.torch.DataLoader("ids", 4, kwargs={"n": 64}, controller=ctl)
+      batches = iter(loader)
+      assert next(batches)["id"].shape == (4,)  # 2 rows from each host's sidecar
+      cluster.kill(1)
+      with pytest.raises(sidecar.HostLostError, match="host 1"):
+        for _ in range(20):
+          next(batches)
+      loader.close()
