@@ -1,7 +1,9 @@
 """DCP through the sidecars, 2 ranks under ``sidecar launch --torch``: ``dcp.save`` and
 ``dcp.async_save`` with ``sidecar.torch.StorageWriter`` write DCP's own layout that stock
 ``dcp.load`` + ``FileSystemReader`` restores bit-exact with no sidecar; ``StorageReader``
-restores from the RAM tier with the ``.distcp`` files corrupted, and a new job from storage."""
+restores from the RAM tier with the ``.distcp`` files corrupted; a new job of another world
+size (4 ranks, two per sidecar) restores from storage, the DTensor resharded, refuses a
+state dict with a key the checkpoint lacks, and saves with ranks sharing a sidecar."""
 
 import json
 import os
@@ -18,17 +20,25 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(400),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
-def launch(directory, mode):
+def launch(directory, mode, *, hosts, procs):
   p = subprocess.run(
-      [sys.executable, "-m", "sidecar", "launch", "--torch", "--hosts", "2", "--shm-size",
-       "32MiB", "--", sys.executable, "-m", "tests.support.torch_ckpt", str(directory), mode],
+      [sys.executable, "-m", "sidecar", "launch", "--torch", "--hosts", str(hosts),
+       "--procs-per-host", str(procs), "--shm-size", "32MiB", "--", sys.executable, "-m",
+       "tests.support.torch_ckpt", str(directory), mode],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert p.returncode == 0, p.stdout + p.stderr
   return [json.loads(line.split("] ", 1)[1]) for line in p.stdout.splitlines() if "] {" in line]
 
 
+def stock_load(directory, rank, world, step):
+  """Rank ``rank``'s part of ``directory``, read by stock DCP alone: no sidecar, no group."""
+  target = zeros_like(state(rank, world, step))  # the sharded entry whole
+  dcp.load(target, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+  return same(target, state(rank, world, step))
+
+
 def test_dcp_saves_through_the_sidecars_restore_from_ram_stock_dcp_and_storage(tmp_path):
-  records = launch(tmp_path, "save")
+  records = launch(tmp_path, "save", hosts=2, procs=1)
   restored = [r for r in records if r.get("restored") == 2]
   assert len(restored) == 2 and all(r["same"] for r in restored), records
   assert all(r["stats"]["items"] > 0 for r in restored)
@@ -36,11 +46,19 @@ def test_dcp_saves_through_the_sidecars_restore_from_ram_stock_dcp_and_storage(t
   assert sorted(os.listdir(tmp_path / "1")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                 "sidecar_manifest.json"]
   assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # no tmp directory left
-  # Stock DCP, no sidecar, no process group: every rank's part, bit-exact.
-  for rank in (0, 1):
-    target = zeros_like(state(rank, 2, 1))
-    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "1")), no_dist=True)
-    assert same(target, state(rank, 2, 1))
-  # A new job, new sidecars (empty RAM tiers): from storage, through the sidecars.
-  records = launch(tmp_path, "restore")
-  assert [r["same"] for r in records if r.get("restored") == 1] == [True, True], records
+  for rank in (0, 1):  # every rank's part, bit-exact, the DTensor's rows whole
+    assert stock_load(tmp_path / "1", rank, 2, 1)
+  # A new job of 4 ranks, two beside each of 2 new sidecars (empty RAM tiers).
+  records = launch(tmp_path, "restore", hosts=2, procs=2)
+  mismatch = [r["mismatch"] for r in records if "mismatch" in r]
+  assert len(mismatch) == 4 and all("Missing key in checkpoint state_dict: model.missing" in m for m in mismatch), mismatch
+  # From storage, through the sidecars, the DTensor resharded from 2 ranks' rows to 4's.
+  assert [r["same"] for r in records if r.get("restored") == 1] == [True] * 4, records
+  # Saved by 2 ranks per sidecar, restored from the RAM tier with the files corrupt.
+  restored = [r for r in records if r.get("restored") == 3]
+  assert [r["same"] for r in restored] == [True] * 4, records
+  assert sorted(os.listdir(tmp_path / "3")) == [
+      ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
+      "sidecar_manifest.json"]
+  for rank in range(4):
+    assert stock_load(tmp_path / "3.copy", rank, 4, 3)
