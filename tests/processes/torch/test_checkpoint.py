@@ -51,7 +51,8 @@ def test_dcp_saves_through_the_sidecars_restore_from_ram_stock_dcp_and_storage(t
   # A new job of 4 ranks, two beside each of 2 new sidecars (empty RAM tiers).
   records = launch(tmp_path, "restore", hosts=2, procs=2)
   mismatch = [r["mismatch"] for r in records if "mismatch" in r]
-  assert len(mismatch) == 4 and all("Missing key in checkpoint state_dict: model.missing" in m for m in mismatch), mismatch
+  assert len(mismatch) == 4, records
+  assert all("Missing key in checkpoint state_dict: model.missing" in m for m in mismatch)
   # From storage, through the sidecars, the DTensor resharded from 2 ranks' rows to 4's.
   assert [r["same"] for r in records if r.get("restored") == 1] == [True] * 4, records
   # Saved by 2 ranks per sidecar, restored from the RAM tier with the files corrupt.
