@@ -2,16 +2,18 @@
 
 Run under ``sidecar launch --torch``::
 
-  python -m tests.support.torch_ckpt DIRECTORY save|restore
+  python -m tests.support.torch_ckpt DIRECTORY save|die|restore
 
 The state dict: plain tensors, a non-contiguous view, bf16, a scalar, a non-tensor value,
 optimizer-like nesting, a row-sharded DTensor over all ranks (as FSDP2's) and one entry
 per rank. ``save`` (2 ranks): step 1 through ``dcp.save`` and step 2 through
 ``dcp.async_save`` with ``sidecar.torch.StorageWriter``; then the ``.distcp`` files of
 step 2 are overwritten with garbage (rank 0) and every rank restores it from the
-sidecars' RAM tier with ``StorageReader``, bit-exact. ``restore`` (a new job, new
+sidecars' RAM tier with ``StorageReader``, bit-exact. ``die`` (2 ranks): rank 1 is killed
+in the middle of saving step 4, once its part is in its sidecar, before the commit.
+``restore`` (a new job, new
 sidecars, another world size): a state dict with a key the checkpoint lacks is refused
-(DCP's error); step 1 restores from storage, the DTensor resharded; step 3 is saved by
+(DCP's error); the steps a Checkpointer lists (not 4); step 1 restores from storage, the DTensor resharded; step 3 is saved by
 ranks sharing a sidecar, copied aside (``3.copy``, for stock DCP) and restored from the
 RAM tier with its files corrupt. Prints JSON lines.
 """
@@ -101,7 +103,17 @@ def main() -> None:
     target, r = zeros_like(state(rank, world, 2, mesh)), reader(2)
     dcp.load(target, storage_reader=r)
     say(restored=2, same=same(target, sd2), tier="ram", stats=r.last_stats)
+  elif mode == "die":
+    class Dies(sidecar.torch.StorageWriter):
+      def write_data(self, plan, planner):
+        out = super().write_data(plan, planner)
+        if rank == 1:
+          os._exit(9)  # as a SIGKILL: staged, and gone before the commit
+        return out
+    dcp.save(state(rank, world, 4, mesh), storage_writer=Dies(f"{directory}/4", controller=ctl))
+    say(saved=4)  # not reached: rank 1's death ends the job
   else:
+    say(steps=sidecar.torch.Checkpointer(directory, controller=ctl).all_steps())
     # The saving job had 2 ranks: the entries of ranks 2.. are not in step 1.
     own = lambda sd: {k: v for k, v in sd.items()
                       if not (k.startswith("rank") and int(k[4:]) >= 2)}
