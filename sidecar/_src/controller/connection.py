@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import os
 import socket
 import threading
@@ -254,11 +255,11 @@ class Connection:
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)
+    self._timeout = timeout
+    self._renew_lock = threading.Lock()
+    self._renewed = -math.inf  # time.monotonic() of the last renew()
     try:
-      reply = self._handshake(
-          pb.HandshakeRequest(versions=protocol.local_versions(),
-                              client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-          timeout=timeout, metadata=self._auth)
+      reply = self._shake_hands()
     except grpc.RpcError as e:
       self._channel.close()
       raise protocol.error_from_rpc(e, host=address) from None
@@ -274,6 +275,31 @@ class Connection:
         versions={"protocol": str(reply.versions.protocol), "package": reply.versions.package,
                   "python": reply.versions.python, "numpy": reply.versions.numpy,
                   "jax": reply.versions.jax})
+
+  def _shake_hands(self) -> pb.HandshakeResponse:
+    return self._handshake(
+        pb.HandshakeRequest(versions=protocol.local_versions(),
+                            client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
+        timeout=self._timeout, metadata=self._auth)
+
+  def renew(self) -> None:
+    """Handshakes again, for a new session: the sidecar lost ours (SessionLostError).
+
+    The calls that failed for it renew at once; one renewal serves them all (a second
+    within a second of the last is skipped: the session is new already).
+
+    Raises:
+      SidecarError: the handshake failed.
+    """
+    with self._renew_lock:
+      if time.monotonic() - self._renewed < 1.0:
+        return
+      try:
+        reply = self._shake_hands()
+      except grpc.RpcError as e:
+        raise protocol.error_from_rpc(e, host=self.address) from None
+      self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
+      self._renewed = time.monotonic()
 
   def close(self) -> None:
     self.calls.close()

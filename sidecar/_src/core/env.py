@@ -92,6 +92,13 @@ TOKEN_FILE = _var(
     "SIDECAR_TOKEN_FILE", "a file holding the bearer token (read if no TOKEN)",
     default="no token", readers=f"{_SERVE} --token-file, Controller, sidecar launch",
     launcher=True)
+PEER_TOKEN = _var(
+    "SIDECAR_PEER_TOKEN", "the token sidecars present to their peers; only a session that "
+    "presented it may send replicas", default="SIDECAR_PEER_TOKEN_FILE's content, else none: "
+    "no replicas are accepted", readers=f"{_SERVE}, sidecar launch, LocalCluster (which make one)")
+PEER_TOKEN_FILE = _var(
+    "SIDECAR_PEER_TOKEN_FILE", "a file holding the peer token (read if no PEER_TOKEN)",
+    default="no peer token", readers=f"{_SERVE} --peer-token-file")
 
 # ---- `sidecar serve`: the defaults of its flags (k8s/render.py sets them in the pod) ----
 DEVICE_IDS = _var("SIDECAR_DEVICE_IDS", "--device-ids: the devices of this host, 0,1,...",
@@ -223,6 +230,23 @@ def token(token_file: str | None = None, environ: Mapping[str, str] | None = Non
     text = f.read().strip()
   if not text:
     raise errors.InvalidArgumentError(f"token file {token_file!r} is empty; put the token in it")
+  return text
+
+
+def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
+               ) -> str | None:
+  """The peer token in ``token_file``, else ``$SIDECAR_PEER_TOKEN``, else in
+  ``$SIDECAR_PEER_TOKEN_FILE``; raises as :func:`token` does."""
+  if not token_file and get(PEER_TOKEN, environ=environ):
+    return get(PEER_TOKEN, environ=environ)
+  token_file = token_file or get(PEER_TOKEN_FILE, environ=environ)
+  if not token_file:
+    return None
+  with open(token_file) as f:
+    text = f.read().strip()
+  if not text:
+    raise errors.InvalidArgumentError(
+        f"peer token file {token_file!r} is empty; put the peer token in it")
   return text
 
 

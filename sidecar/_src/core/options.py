@@ -32,6 +32,26 @@ def is_loopback(listen: str) -> bool:
     return False
 
 
+def check_token(token: str | None, name: str = "token") -> None:
+  """A token travels as gRPC metadata (``Bearer <token>``): visible ASCII, no spaces.
+
+  Raises:
+    ValueError: it is empty or holds anything else (a newline left in a token file, a
+      non-ASCII letter), which no client could ever send: said at start, not as
+      ``INTERNAL: Invalid metadata`` on every call.
+  """
+  if token is None:
+    return
+  if not isinstance(token, str) or not token:
+    raise ValueError(f"{name} must be a non-empty string or None")
+  bad = next((c for c in token if not "!" <= c <= "~"), None)
+  if bad is not None:
+    raise ValueError(
+        f"{name} holds {bad!r} at position {token.index(bad)}: a token must be visible ASCII "
+        "(no spaces, newlines or other letters), as gRPC metadata carries it; write the file "
+        "again with only the token, e.g. `openssl rand -hex 32 > FILE`")
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ServerOptions:
   """How one sidecar serves. Every field has a ``sidecar serve`` flag."""
@@ -44,6 +64,8 @@ class ServerOptions:
   socket_path: str = "/run/sidecar/sidecar.sock"
   shm_size: int = 1 << 30
   token: str | None = None
+  # What peer sidecars present at the handshake: only their sessions may send replicas.
+  peer_token: str | None = None
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
@@ -55,7 +77,12 @@ class ServerOptions:
   max_streams_per_session: int = 8
   max_sessions: int = 4096
   session_idle_s: float = 86400.0
+  session_evict_s: float = 60.0  # past max_sessions, only a session unused this long is evicted
   max_worker_connections: int = 256
+  # TCP connections the control port keeps at once (more are closed as they come), and how
+  # long a new one may take to say its first HTTP/2 frames (TLS included) before it is.
+  max_connections: int = 2048
+  handshake_timeout_s: float = 10.0
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
@@ -91,8 +118,8 @@ class ServerOptions:
       raise ValueError(f"device_ids must be non-negative ints, got {self.device_ids!r}")
     if not self.socket_path:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
-    if self.token is not None and not self.token.strip():
-      raise ValueError("token must be a non-empty string or None")
+    for name in ("token", "peer_token"):
+      check_token(getattr(self, name), name)
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
                        f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")
@@ -116,10 +143,16 @@ class ServerOptions:
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
     for name in ("max_streams", "max_streams_per_session", "max_sessions",
-                 "max_worker_connections"):
+                 "max_worker_connections", "max_connections"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if (not isinstance(self.handshake_timeout_s, (int, float))
+        or not 0 < self.handshake_timeout_s < float("inf")):
+      raise ValueError(
+          f"handshake_timeout_s must be positive finite seconds, got {self.handshake_timeout_s!r}")
+    if not isinstance(self.session_evict_s, (int, float)) or not self.session_evict_s >= 0:
+      raise ValueError(f"session_evict_s must be seconds >= 0, got {self.session_evict_s!r}")
     if not isinstance(self.session_idle_s, (int, float)) or not self.session_idle_s > 0:
       raise ValueError(f"session_idle_s must be positive seconds, got {self.session_idle_s!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:

@@ -130,45 +130,69 @@ class CheckpointSlots(Slots):
             f"limit of one session ({self.per_session}); wait for those in flight")
 
 
+# A session used this recently is never evicted to make room for a new one.
+EVICT_IDLE_S = 60.0
+
+
 class Sessions:
   """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
 
-  Every use refreshes a session. Past ``limit`` the one unused the longest goes: only a
-  flood of handshakes makes that happen, and then to a session idle through all of it.
+  Every use refreshes a session. Past ``limit`` the one unused the longest goes, if it
+  was unused for ``evict_idle_s`` at least; else the new handshake is refused
+  (RESOURCE_EXHAUSTED): a flood of handshakes never evicts a session in use.
   """
 
-  def __init__(self, *, idle_s: float, limit: int,
+  def __init__(self, *, idle_s: float, limit: int, evict_idle_s: float = EVICT_IDLE_S,
                clock: Callable[[], float] = time.monotonic):
     self.idle_s, self.limit = idle_s, limit
+    self.evict_idle_s = min(evict_idle_s, idle_s)
     self._clock = clock
     self._lock = threading.Lock()
     self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
+    self._peers: set[str] = set()  # sessions of peer sidecars (they presented the peer token)
     self.expired = 0  # sessions dropped, idle or evicted
 
-  def new(self) -> str:
-    session = "c-" + secrets.token_hex(16)
+  def new(self, *, peer: bool = False) -> str:
+    """A new session; ``peer``: a peer sidecar's, which may send replicas."""
+    session = ("p-" if peer else "c-") + secrets.token_hex(16)
     with self._lock:
       now = self._clock()
       self._sweep(now)
-      while len(self._last) >= self.limit:
-        self._last.popitem(last=False)
-        self.expired += 1
+      if len(self._last) >= self.limit:
+        oldest, last = next(iter(self._last.items()))
+        if now - last < self.evict_idle_s:
+          raise errors.BusyError(
+              f"this sidecar keeps {self.limit} handshake sessions (max_sessions), every one "
+              f"used in the last {self.evict_idle_s:.0f} s; handshake again later, or raise "
+              "max_sessions")
+        self._drop(oldest)
       self._last[session] = now
+      if peer:
+        self._peers.add(session)
     return session
+
+  def _drop(self, session: str) -> None:
+    del self._last[session]
+    self._peers.discard(session)
+    self.expired += 1
 
   def _sweep(self, now: float) -> None:
     while self._last:
       oldest, last = next(iter(self._last.items()))
       if now - last < self.idle_s:
         return
-      del self._last[oldest]
-      self.expired += 1
+      self._drop(oldest)
+
+  def is_peer(self, session: object) -> bool:
+    """Whether ``session`` is a live peer sidecar's."""
+    with self._lock:
+      return isinstance(session, str) and session in self._peers
 
   def touch(self, session: object) -> bool:
     """Refreshes ``session`` if it is live; whether it was."""
     try:
       self.use(session)
-    except errors.VersionMismatchError:
+    except errors.SessionLostError:
       return False
     return True
 
@@ -176,7 +200,7 @@ class Sessions:
     """Refreshes ``session``.
 
     Raises:
-      VersionMismatchError: it is unknown, or expired (FAILED_PRECONDITION: handshake again).
+      SessionLostError: it is unknown, or expired (FAILED_PRECONDITION: handshake again).
     """
     with self._lock:
       now = self._clock()
@@ -186,10 +210,10 @@ class Sessions:
         self._last.move_to_end(session)
         return
       self._sweep(now)
-    raise errors.VersionMismatchError(
-        f"no live handshake session {session!r} (none was made, or it was unused for "
-        f"{self.idle_s:.0f} s or evicted by {self.limit} newer ones); call Handshake first "
-        "and send its session as metadata 'sidecar-session'")
+    raise errors.SessionLostError(
+        f"no live handshake session {session!r:.100} (none was made, or it was unused for "
+        f"{self.idle_s:.0f} s, or for {self.evict_idle_s:.0f} s and evicted by a newer one); "
+        "call Handshake first and send its session as metadata 'sidecar-session'")
 
   def __len__(self) -> int:
     with self._lock:

@@ -41,6 +41,27 @@ log = logging.getLogger(__name__)
 # Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
 # to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
 KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
+# The health port answers the kubelet, which opens a connection per probe: a few at once,
+# each closed when idle this long. A flood of idle connections takes these, no more.
+HEALTH_CONNECTIONS = 64
+HEALTH_IDLE_S = 30.0
+# The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
+# connection caps together stay well below it.
+NOFILE = 65536
+
+
+def _raise_nofile() -> int:
+  """Raises the soft RLIMIT_NOFILE toward ``NOFILE`` (never past the hard limit); returns it."""
+  import resource
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
+  if soft != resource.RLIM_INFINITY and soft < want:
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+      soft = want
+    except (ValueError, OSError) as e:
+      log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
+  return soft
 
 
 class State(enum.Enum):
@@ -135,25 +156,36 @@ class Server:
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
     self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
-        o.host_id, token=o.token, roots=o.checkpoint_roots, metrics=self.metrics,
+        o.host_id, token=o.token, peer_token=o.peer_token, roots=o.checkpoint_roots,
+        metrics=self.metrics,
         peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
-                                  self.stream_runner, max_connections=o.max_worker_connections)
-    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions)
+                                  self.stream_runner, max_connections=o.max_worker_connections,
+                                  on_dead=self._listener_dead)
+    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
+                        evict_idle_s=o.session_evict_s)
     self.service = Service(runner=self.runner, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
                            checkpoints=self.checkpoints.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
-                           calls=CallSlots(o.threads))
+                           calls=CallSlots(o.threads), peer_token=o.peer_token)
+    handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
+    nofile = _raise_nofile()
+    if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
+      log.warning("the descriptor limit (%d) is below twice the connections this sidecar "
+                  "keeps (max_connections=%d, health %d, worker socket %d): a flood of them "
+                  "could leave none; raise `ulimit -n`", nofile, o.max_connections,
+                  HEALTH_CONNECTIONS, o.max_worker_connections)
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
-           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
+           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS,
+           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake]
     self._grpc = grpc.server(
         # Streams and checkpoint rpcs have budgets of their own: streams that never send
         # a credit, or saves that wait on a slow disk, cannot take the threads of
@@ -169,15 +201,26 @@ class Server:
     self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
     self._grpc.start()
     self._health = health.HealthServicer()
-    self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
+        handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
     health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
     self.health_port = self._bind(self._health_grpc, o.listen, o.health_port, "health_port")
     self._health_grpc.start()
     if isinstance(self.metrics, metrics_lib.Metrics):
       assert o.metrics_port is not None
       self.metrics_port = self.metrics.serve(o.listen, o.metrics_port)
+    status = (health_pb2.HealthCheckResponse.SERVING if self.workers.alive
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", protocol.SERVICE):
-      self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+      self._health.set(name, status)
+
+  def _listener_dead(self, error: BaseException) -> None:
+    """A listener the sidecar needs is gone for good: health says so, the kubelet restarts."""
+    health = getattr(self, "_health", None)
+    if health is not None:
+      for name in ("", protocol.SERVICE):
+        health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
   def _snapshot(self) -> metrics_lib.Snapshot:
     """What ``/metrics`` reads when scraped."""

@@ -7,6 +7,7 @@ leaves through ``protocol.abort``, the one place exceptions become statuses.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -52,8 +53,10 @@ class Service:
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
-               calls: Slots | None = None):
+               calls: Slots | None = None, peer_token: str | None = None):
     self._runner = runner
+    # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
+    self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
     self._stream_runner = stream_runner
     self._identity = identity
     self._arena_size = arena_size
@@ -110,7 +113,7 @@ class Service:
 
   def _require_session(self, context: grpc.ServicerContext) -> str:
     session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
-    self._sessions.use(session)  # VersionMismatchError if unknown or expired
+    self._sessions.use(session)  # SessionLostError if unknown or expired
     return str(session)
 
   def handshake(self, raw: bytes, context: grpc.ServicerContext) -> pb.HandshakeResponse:
@@ -121,11 +124,19 @@ class Service:
       raise errors.VersionMismatchError(
           f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
-    session = self._sessions.new()
+    session = self._sessions.new(peer=self._is_peer(context))
     return pb.HandshakeResponse(
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
+
+  def _is_peer(self, context: grpc.ServicerContext) -> bool:
+    """Whether the handshake carries the peer token (compared in constant time)."""
+    given = dict(context.invocation_metadata()).get(protocol.PEER_KEY)
+    if self._peer is None or given is None:
+      return False
+    given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+    return hmac.compare_digest(given, self._peer)
 
   def registry_entries(self) -> list[pb.RegistryEntry]:
     return [pb.RegistryEntry(kind=e.kind, name=e.name, code_hash=e.code_hash)

@@ -72,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
   load_user_code(imports)
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
+    peer_token = env_lib.peer_token(args.peer_token_file)
   except (OSError, errors.InvalidArgumentError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -82,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
-        insecure=args.insecure, imports=tuple(imports),
+        peer_token=peer_token, insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
         metrics_port=args.metrics_port,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
@@ -263,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
                  help="file holding the token every controller must present "
                       "(default: $SIDECAR_TOKEN_FILE; $SIDECAR_TOKEN gives the token itself; "
                       "else no token, loopback only)")
+  s.add_argument("--peer-token-file", default=_env(env_lib.PEER_TOKEN_FILE), metavar="FILE",
+                 help="file holding the token this job's sidecars present to each other: "
+                      "only they may send replicas, never a controller (default: "
+                      "$SIDECAR_PEER_TOKEN_FILE; $SIDECAR_PEER_TOKEN gives it itself; else "
+                      "none: no replicas are accepted)")
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")

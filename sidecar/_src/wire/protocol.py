@@ -33,12 +33,16 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb", "pb_grpc"]
 
-PROTOCOL_VERSION = 3  # 2: the Checkpoint service; 3: an error is one pb.Error trailer
+PROTOCOL_VERSION = 4  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+# 4: replicas carry their sender's crc32c and need a peer session
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
 MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
 AUTH_KEY = "authorization"
+# A peer sidecar's handshake carries ``Bearer <peer token>`` here: its session may send
+# replicas (Checkpoint.Receive), which no controller's may.
+PEER_KEY = "sidecar-peer"
 _ERROR_KEY = "sidecar-error-bin"  # a failed RPC's trailer: its pb.Error, serialized
 # An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.
 MAX_ERROR_MESSAGE = 8 << 10
@@ -94,6 +98,7 @@ _CODES: tuple[tuple[type[errors.SidecarError], grpc.StatusCode], ...] = (
     (errors.StaleDescriptorError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.SessionLostError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -497,11 +497,13 @@ def test_sidecar_empty_outside_a_sidecar_is_numpy():
 
 def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(make_server,
                                                                               tmp_path):
+  from sidecar._src.ckptfmt.shards import shard_crc32c
   from sidecar._src.wire.checkpoint_wire import shard_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
+  from tests.conftest import PEER_TOKEN
   from tests.server.host.test_security import Raw
   server = make_server()
-  raw = Raw(server.port)
+  raw = Raw(server.port, peer_token=PEER_TOKEN)  # a peer sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
@@ -511,7 +513,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   def part(offset):
     return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
         shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
-        data=data[offset:offset + 4].tobytes()))
+        data=data[offset:offset + 4].tobytes(), crc32c=shard_crc32c(data)))
 
   replicas = server.checkpoints._tier.replicas
   cut = [header, part(0), header]  # a second header: the stream fails there
@@ -532,11 +534,13 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   """Stream A breaks after stream B resent the replica: A's cleanup drops only its own."""
   import queue
 
+  from sidecar._src.ckptfmt.shards import shard_crc32c
   from sidecar._src.wire.checkpoint_wire import shard_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
+  from tests.conftest import PEER_TOKEN
   from tests.server.host.test_security import Raw
   server = make_server()
-  raw = Raw(server.port)
+  raw = Raw(server.port, peer_token=PEER_TOKEN)  # a peer sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
@@ -546,7 +550,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   def part(offset):
     return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
         shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
-        data=data[offset:offset + 4].tobytes()))
+        data=data[offset:offset + 4].tobytes(), crc32c=shard_crc32c(data)))
 
   def stream():
     q: queue.SimpleQueue = queue.SimpleQueue()

@@ -74,7 +74,8 @@ def _seconds(text: str | None, default: float) -> float:
 class CheckpointHost:
   """The checkpoint phases of one sidecar (the ``Checkpoint`` service calls them)."""
 
-  def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = (),
+  def __init__(self, host_id: int, *, token: str | None = None,
+               peer_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                peer_credentials: Any = None):
     self._host_id = host_id
@@ -84,7 +85,8 @@ class CheckpointHost:
     self._tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
     self._reader = checkpoint_read.Reader(self._tier, metrics)
-    self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
+    self._links = replicas_lib.Links(token=token, peer_token=peer_token,
+                                     credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
@@ -162,14 +164,17 @@ class CheckpointHost:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
     return self._saver.open(directory, ram_steps, ram_budget, sweep)
 
-  def begin(self, directory: str, step: int) -> str:
+  def begin(self, directory: str, step: int, owner: str = "") -> str:
     """Creates the step's uncommitted directory; returns it."""
-    return self._saver.begin(directory, step)
+    return self._saver.begin(directory, step, owner)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True) -> int:
-    """Takes shards of this host and starts writing them; returns the bytes staged so far."""
-    return self._saver.stage(directory, step, item, final_item, leaves, shards, last)
+            shards: list[dict], last: bool = True, owner: str = "") -> int:
+    """Takes shards of this host and starts writing them; returns the bytes staged so far.
+
+    ``owner``: the session whose save it is (the first part's); see ``Saver.stage``.
+    """
+    return self._saver.stage(directory, step, item, final_item, leaves, shards, last, owner)
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     """Waits for this host's write of the step; returns its shards' checksums."""
@@ -177,10 +182,13 @@ class CheckpointHost:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None) -> str:
-    """On host 0: the manifest, then the checks; with ``whole_step`` also the rename."""
+             replicas: dict | None = None, owner: str = "") -> str:
+    """On host 0: the manifest, then the checks; with ``whole_step`` also the rename.
+
+    Only ``owner``, the session that staged ``item`` here, commits it.
+    """
     return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
-                              whole_step, replicas)
+                              whole_step, replicas, owner)
 
   def committed(self, final_item: str) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""

@@ -50,6 +50,8 @@ class Step:
   verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
+  tmp_item: str = ""  # the uncommitted item directory its writer fills
+  owner: str = ""  # the handshake session that began it: only it stages more and commits
 
 
 @dataclasses.dataclass
@@ -79,6 +81,9 @@ class Replica:
   whole: bool = False  # the source sent everything
   committed: bool = False
   verified: set = dataclasses.field(default_factory=set)
+  # A whole replica held of the same step and source, which this one (sent again)
+  # replaces once whole.
+  replaces: Replica | None = None
 
 
 class RamTier:

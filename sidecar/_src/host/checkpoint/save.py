@@ -88,28 +88,79 @@ class Saver:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
     return {"steps": ol_read.list_steps(directory)}
 
-  def begin(self, directory: str, step: int) -> str:
-    self._path(directory, "directory")
-    return str(ol_commit.create_tmp_step(directory, roots_lib.as_int(step, "step")))
+  def begin(self, directory: str, step: int, owner: str = "") -> str:
+    """Creates the step's uncommitted directory (anew); refused while another session's
+    save of the step is being staged or written (it would remove that save's files)."""
+    resolved = self._path(directory, "directory")
+    step = roots_lib.as_int(step, "step")
+    with self._tier.lock:
+      busy = [s for s in self._tier.steps.values()
+              if s.step == step and not s.done.is_set() and s.owner != owner
+              and self._path(s.directory, "directory") == resolved]
+    if busy:
+      raise errors.PermissionDeniedError(
+          f"begin: step {step} of {directory!r:.200} is being saved by another session on "
+          f"host {self._host_id}; wait for that save to end, or save another step")
+    return str(ol_commit.create_tmp_step(directory, step))
+
+  def _uncommitted(self, item: str, name: str) -> tuple[str, str]:
+    """``item`` (resolved) and where it will be once committed, if ``item`` lies in an
+    uncommitted step directory (``*.orbax-checkpoint-tmp``) whose step is not committed.
+
+    What keeps a save from writing into, or a commit from rewriting, a committed step.
+    """
+    path = pathlib.Path(self._path(item, name))
+    root = pathlib.Path(self._roots.root_of(str(path)) or "/")
+    tmp = next((p for p in path.parents if layout.TMP_SUFFIX in p.name), None)
+    # Not in a committed step or item either (Orbax's markers, our manifest, above it).
+    inside = next((p for p in (tmp.parents if tmp is not None else ())
+                   if p.is_relative_to(root) and roots_lib.has_markers(p)), None)
+    if tmp is None or inside is not None:
+      raise errors.PermissionDeniedError(
+          f"{name} {item!r:.200} is not inside an uncommitted step directory "
+          f"(*{layout.TMP_SUFFIX}) outside any committed one; a save writes only into the "
+          "step it began, never into a committed one")
+    step_dir = tmp.with_name(tmp.name.split(layout.TMP_SUFFIX)[0])
+    if step_dir.exists():
+      raise errors.PermissionDeniedError(
+          f"{name} {item!r:.200}: step {step_dir.name} is committed already ({step_dir}); "
+          "nothing writes into or over a committed step")
+    return str(path), str(step_dir / path.relative_to(tmp))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True) -> int:
+            shards: list[dict], last: bool = True, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
     first part starts the writer, each part's shards are written as they arrive.
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
+
+    ``item`` must lie in an uncommitted step directory, and ``final_item`` be where it
+    goes; the save belongs to the session that staged its first part (``owner``): a
+    part of another session is refused while the save is being written.
     """
     step = roots_lib.as_int(step, "step")
-    for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
+    for value, name in ((directory, "directory"), (final_item, "final_item")):
       self._path(value, name)
+    tmp_item, final = self._uncommitted(item, "item")
+    if final != self._path(final_item, "final_item"):
+      raise errors.InvalidArgumentError(
+          f"stage: final_item {final_item!r:.200} is not where item {item!r:.200} goes once "
+          f"committed ({final!r:.200})")
     faults.fault("stage", step)
     with self._tier.lock:
       record = self._tier.steps.get(final_item)
+      if record is not None and not record.done.is_set() and (
+          record.owner != owner or record.tmp_item != tmp_item):
+        raise errors.PermissionDeniedError(
+            f"stage: step {record.step} at {final_item!r:.200} is being saved by another "
+            f"session on host {self._host_id}; only the session that began a save stages "
+            "its parts")
       if record is None or record.done.is_set():
         specs = [layout.spec_from_dict(d) for d in leaves]
-        record = ram_tier.Step(directory, step, final_item, {}, 0, specs)
+        record = ram_tier.Step(directory, step, final_item, {}, 0, specs, tmp_item=tmp_item,
+                               owner=owner)
         self._tier.steps[final_item] = record
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
@@ -199,15 +250,27 @@ class Saver:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None) -> str:
+             replicas: dict | None = None, owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
-    so that a restore that finds shards lost can say which hosts are gone.
+    so that a restore that finds shards lost can say which hosts are gone. Only the
+    session that staged ``item`` here (``owner``) commits it, once it is written, and
+    only into an uncommitted step.
     """
     step = roots_lib.as_int(step, "step")
-    self._path(item, "item")
+    tmp_item, _ = self._uncommitted(item, "item")
+    with self._tier.lock:
+      record = next((s for s in self._tier.steps.values() if s.tmp_item == tmp_item), None)
+    if record is None or record.owner != owner or record.step != step or record.committed:
+      raise errors.PermissionDeniedError(
+          f"commit: item {item!r:.200} is not a step {step} this session staged on host "
+          f"{self._host_id}; a session commits only the save it began")
+    if not record.done.is_set() or record.error is not None:
+      raise errors.InvalidArgumentError(
+          f"commit: step {step} at {item!r:.200} is not written on host {self._host_id} "
+          f"({'still writing' if record.error is None else record.error}); wait for prepared")
     if whole_step:  # the rename acts on the item's parent, the tmp step directory
       parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
       if not parent.endswith(layout.TMP_SUFFIX):

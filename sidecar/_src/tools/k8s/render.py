@@ -25,6 +25,7 @@ from sidecar._src.tools.k8s import quantity
 
 SOCKET_DIR = "/run/sidecar"
 TOKEN_DIR = "/var/run/secrets/sidecar"
+PEER_TOKEN_DIR = "/var/run/secrets/sidecar-peer"  # the sidecar's alone: only peers send replicas
 # The sidecar's checkpoint root (SIDECAR_CHECKPOINT_ROOTS): mount the checkpoint volume here.
 CHECKPOINT_ROOT = "/ckpt"
 ARENA_OVERHEAD = 512 * 2**20
@@ -96,6 +97,7 @@ class RenderOptions:
   coordinator_port: int = 8476  # the jax.distributed coordinator, in process 0's trainer
   metrics_port: int | None = 8492  # Prometheus /metrics of the sidecar; None: no metrics
   token_secret: str = "sidecar-token"
+  peer_token_secret: str = "sidecar-peer-token"
   grace_seconds: int = 300
   # In-place restarts of a pod's trainer the Job allows (pod restartPolicy OnFailure):
   # the native sidecar keeps its arena through them. 0: restartPolicy Never.
@@ -151,6 +153,8 @@ def render_jobset(options: RenderOptions) -> dict[str, Any]:
           {"name": "sidecar-socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
           {"name": "sidecar-token",
            "secret": {"secretName": options.token_secret, "defaultMode": 0o444}},
+          {"name": "sidecar-peer-token",
+           "secret": {"secretName": options.peer_token_secret, "defaultMode": 0o444}},
       ],
   }
   metadata: dict[str, Any] = {"name": options.name}
@@ -228,6 +232,7 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_SHM_SIZE", "value": options.shm_size},
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
+          {"name": "SIDECAR_PEER_TOKEN_FILE", "value": f"{PEER_TOKEN_DIR}/token"},
           # Beyond loopback the sidecar requires the token above.
           {"name": "SIDECAR_LISTEN", "value": "[::]"},
           # Where the checkpoint calls may act: mount the checkpoint volume there.
@@ -239,7 +244,8 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
       "readinessProbe": dict(probe, periodSeconds=5),
       "livenessProbe": dict(probe, periodSeconds=10, failureThreshold=6),
       "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False},
-      "volumeMounts": _mounts(),
+      "volumeMounts": [*_mounts(), {"name": "sidecar-peer-token", "mountPath": PEER_TOKEN_DIR,
+                                    "readOnly": True}],
   }
 
 

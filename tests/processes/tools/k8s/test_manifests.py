@@ -76,6 +76,12 @@ def test_identity_and_discovery_env_come_from_the_downward_api(rendered_overlays
   assert sidecar["SIDECAR_TOKEN_FILE"]["value"] == trainer["SIDECAR_TOKEN_FILE"]["value"]
   token = next(v for v in util.pod_spec(jobset)["volumes"] if v["name"] == "sidecar-token")
   assert token["secret"]["secretName"] == "sidecar-token"
+  # The peer token is the sidecars' alone: a trainer that had it could send replicas.
+  assert sidecar["SIDECAR_PEER_TOKEN_FILE"]["value"] == "/var/run/secrets/sidecar-peer/token"
+  assert "SIDECAR_PEER_TOKEN_FILE" not in trainer
+  mounts = {c["name"]: {m["name"] for m in c["volumeMounts"]}
+            for c in util.pod_spec(jobset)["initContainers"] + util.pod_spec(jobset)["containers"]}
+  assert "sidecar-peer-token" in mounts["sidecar"] and "sidecar-peer-token" not in mounts["trainer"]
 
 
 def test_gke_overlay_asks_for_tpu_slices(rendered_overlays):
@@ -150,7 +156,8 @@ def test_component_adds_the_sidecar_to_a_users_own_jobset(kustomize, tmp_path):
   spec = util.pod_spec(jobset)
   assert jobset["spec"]["replicatedJobs"][0]["replicas"] == 3
   assert {c["name"] for c in spec["initContainers"]} == {"fetch", "sidecar"}
-  assert {v["name"] for v in spec["volumes"]} == {"data", "sidecar-socket", "sidecar-token"}
+  assert {v["name"] for v in spec["volumes"]} == {"data", "sidecar-socket", "sidecar-token",
+                                                   "sidecar-peer-token"}
   trainer_env = util.env(jobset, "trainer")
   assert trainer_env["MY_FLAG"]["value"] == "1"
   assert trainer_env["SIDECAR_HOSTS_PER_SLICE"]["value"] == "2"
