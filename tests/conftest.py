@@ -1,23 +1,26 @@
 """Shared fixtures. Every test that makes shared memory proves it is gone afterwards.
 
-Every test has one tier, declared in one line after its module's imports:
-``pytestmark = pytest.mark.unit`` (no sockets, no processes), ``pytest.mark.server`` (an
-in-process gRPC sidecar) or ``pytest.mark.processes`` (sidecar, trainer or kernel processes:
-LocalCluster, ``sidecar launch``, subprocesses). A test of another tier than its module's
-carries its own ``@pytest.mark.<tier>``, which wins. So ``pytest -m unit`` runs in half a
-minute, and ``pytest -m "not processes"`` in about a minute and a half.
+Every test has one tier, and its folder says which: ``tests/unit`` (no sockets, no
+processes), ``tests/server`` (an in-process gRPC sidecar), ``tests/processes`` (sidecar,
+trainer or kernel processes: LocalCluster, ``sidecar launch``, subprocesses), each mirroring
+``sidecar/_src``. A module declares its folder's tier in one line after its imports,
+``pytestmark = pytest.mark.unit`` (``server``, ``processes``), so that ``pytest -m unit`` runs
+in half a minute and ``pytest -m "not processes"`` in about two.
 
-Collection fails, naming the test and the fix, where a test has no tier, two on one node, or a
-tier below what its code (and its fixtures' code) visibly uses: ``subprocess`` or
-``LocalCluster`` needs ``processes``, ``make_server`` or ``Server`` needs ``server``. That
-cross-check reads names in the code, not strings or comments, so it is a lower bound: a test
-that starts processes through a helper of its module must be marked by hand.
+Collection fails, naming the test and the fix, where a module declares no tier, two, or
+another than its folder's; where a test or class carries a tier marker of its own (a test of
+another tier goes to a module of the same subject in that tier's folder); where a test module
+is in no tier's folder; and where a test's tier is below what its code (and its fixtures'
+code) visibly uses: ``subprocess`` or ``LocalCluster`` needs ``processes``, ``make_server`` or
+``Server`` needs ``server``. That cross-check reads names in the code, not strings or
+comments, so it is a lower bound: a test that starts processes through a helper of its module
+must be put in tests/processes by hand.
 """
-
 import ast
 import functools
 import inspect
 import os
+import pathlib
 import textwrap
 
 # Before jax starts anywhere in the test process: 8 CPU devices, CPU only.
@@ -25,6 +28,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
+
+from tests.support import leaks  # noqa: E402
 
 
 def eventually(predicate, timeout: float = 5.0) -> bool:
@@ -48,8 +53,9 @@ def alive(pid: int) -> bool:
     return False
 
 
-def shm_entries() -> set[str]:
-  return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "lttng"))}
+# Only names this project can make count: another program's files (podman's libpod_lock)
+# are not a leak of ours. tests/support/leaks.py lists the prefixes and why.
+shm_entries = leaks.shm_entries
 
 
 def _parent(pid: int) -> int:
@@ -104,7 +110,8 @@ def root_logging_restored():
 def no_shm_leak():
   before = shm_entries()
   yield
-  assert shm_entries() - before == set(), "a test left segments in /dev/shm"
+  left = shm_entries() - before
+  assert not left, f"a test left segments in /dev/shm: {sorted(left)}"
 
 
 @pytest.fixture
@@ -155,22 +162,29 @@ def make_server(tmp_path):
 
 
 TIERS = ("unit", "server", "processes")  # each tier may do what the ones before it do
-_MARK_IT = ("`pytestmark = pytest.mark.unit` (no sockets, no processes), `pytest.mark.server` "
-            "(an in-process gRPC sidecar) or `pytest.mark.processes` (LocalCluster, "
-            "subprocesses)")
+TESTS = pathlib.Path(__file__).parent
+_MARK_IT = {"unit": "(no sockets, no processes)", "server": "(an in-process gRPC sidecar)",
+            "processes": "(LocalCluster, subprocesses)"}
 # Names whose use in a test or its fixtures shows the tier it needs at least.
 _STARTS_PROCESSES = frozenset({"LocalCluster", "subprocess", "Popen", "multiprocessing",
                                "KernelManager", "nbclient", "launch.run"})
 _STARTS_A_SERVER = frozenset({"make_server", "Server", "grpc.server"})
 
 
-def _declared_tiers(item) -> list[str]:
-  """The tier markers nearest the test: its own win over its class's, which win over its
-  module's. One, unless a marker is missing (none) or doubled (several)."""
-  for node in item.iter_parents():
-    if tiers := sorted({m.name for m in node.own_markers if m.name in TIERS}, key=TIERS.index):
-      return tiers
-  return []
+def _tiers_of(node) -> list[str]:
+  return sorted({m.name for m in node.own_markers if m.name in TIERS}, key=TIERS.index)
+
+
+def _folder_tier(item) -> str | None:
+  """The tier of the folder the test's module is in: tests/<tier>/..., else None."""
+  parts = item.path.relative_to(TESTS).parts
+  return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def _same_subject(item, tier: str) -> str:
+  """Where a test of ``tier`` on the subject of ``item``'s module goes."""
+  parts = item.path.relative_to(TESTS).parts
+  return "/".join(("tests", tier, *parts[1:]))
 
 
 @functools.cache
@@ -209,33 +223,44 @@ def _visible_tier(item) -> tuple[str, set[str]]:
   return "unit", set()
 
 
+def _tier_problems(item) -> list[str]:
+  """What is wrong with ``item``'s tier (nothing, mostly): each problem names the fix."""
+  module = item.nodeid.split("::")[0]
+  folder = _folder_tier(item)
+  if folder is None:
+    return [f"{module} is in no tier's folder: move it to tests/unit, tests/server or "
+            f"tests/processes (the tier its tests need), mirroring sidecar/_src"]
+  declare = f"`pytestmark = pytest.mark.{folder}` {_MARK_IT[folder]}"
+  problems = []
+  for node in item.listchain()[item.listchain().index(item.getparent(pytest.Module)) + 1:]:
+    for tier in _tiers_of(node):
+      problems.append(f"{node.nodeid} carries its own @pytest.mark.{tier}: a test's tier is its "
+                      f"folder's, declared once by its module; drop the marker" + (
+                          "" if tier == folder else
+                          f" and move the test to {_same_subject(item, tier)}"))
+  match _tiers_of(item.getparent(pytest.Module)):
+    case []:
+      return [*problems, f"{module} declares no tier: put {declare} in one line after its imports"]
+    case [tier] if tier != folder:
+      return [*problems, f"{module} declares {tier} but is in tests/{folder}: move it to "
+                         f"{_same_subject(item, tier)}, or declare {declare}"]
+    case [_]:
+      pass
+    case several:
+      return [*problems, f"{module} declares the tiers {' and '.join(several)}: keep {declare}"]
+  needs, why = _visible_tier(item)
+  if TIERS.index(needs) > TIERS.index(folder):
+    problems.append(f"{item.nodeid} is in tests/{folder} but uses {', '.join(sorted(why))}: "
+                    f"move it to {_same_subject(item, needs)}")
+  return problems
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these markers
 def pytest_collection_modifyitems(config, items):
-  problems, tiers = [], {}
-  for item in items:
-    if not isinstance(item, pytest.Function):
-      continue
-    match _declared_tiers(item):
-      case []:
-        module = item.nodeid.split("::")[0]
-        problems.append(f"{module} has a test with no tier marker: put {_MARK_IT} in one line "
-                        f"after the imports of {module}, or mark the test itself")
-      case [tier]:
-        needs, why = _visible_tier(item)
-        if TIERS.index(needs) > TIERS.index(tier):
-          problems.append(f"{item.nodeid} is marked {tier} but uses {', '.join(sorted(why))}: "
-                          f"mark it `@pytest.mark.{needs}`")
-        tiers[item] = tier
-      case several:
-        problems.append(f"{item.nodeid} has the tier markers {' and '.join(several)} on one "
-                        f"node: keep the one it needs")
+  problems = [p for item in items if isinstance(item, pytest.Function)
+              for p in _tier_problems(item)]
   if problems:
     raise pytest.UsageError("test tiers:\n  " + "\n  ".join(dict.fromkeys(problems)))
-  # Each item then holds its one tier itself, so that ``-m`` sees that and not the module's.
-  for item, tier in tiers.items():
-    for node in item.iter_parents():
-      node.own_markers[:] = [m for m in node.own_markers if m.name not in TIERS]
-    item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session", autouse=True)

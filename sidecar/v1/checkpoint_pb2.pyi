@@ -128,7 +128,7 @@ class StagedShard(_message.Message):
     def __init__(self, leaf: _Optional[int] = ..., index: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., data: _Optional[_Union[ShardData, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageRequest(_message.Message):
-    __slots__ = ("directory", "step", "item", "final_item", "leaves", "shards", "last", "worker_session")
+    __slots__ = ("directory", "step", "item", "final_item", "leaves", "shards", "last", "worker_session", "writers")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class CheckpointStageRequest(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    WRITERS_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
     item: str
@@ -145,7 +146,8 @@ class CheckpointStageRequest(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[StagedShard]
     last: bool
     worker_session: str
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., final_item: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ...) -> None: ...
+    writers: int
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., final_item: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ...) -> None: ...
 
 class CheckpointStageResponse(_message.Message):
     __slots__ = ("staged_bytes",)

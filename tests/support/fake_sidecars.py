@@ -1,17 +1,22 @@
-"""An in-process fake of the checkpoint phases: a CheckpointTransport on dicts.
+"""Sidecars in process: what the controller's seams reach, with no process, socket, arena or disk.
 
-No process, socket, arena or disk: what a step's shards become is kept in memory, so
-Checkpointer's logic (staging in parts, commit or abort, max_to_keep, restore from the
-RAM tier) runs in unit tests. ``fail={"delete": error}`` makes a phase fail with
-``error``; ``calls`` records ``(phase, host)`` in order.
+One fake for every seam. ``FakeSidecars.connect(address, timeout)``, through which ``Hosts``
+reaches sidecars, answers from ``answers``: the :class:`FakeConnection` a handshake with that
+address makes, or the error connecting raised. A FakeConnection's Call RPC answers each
+request at once, behind a real CallWindow (``Calls``' seam). The checkpoint phases
+(``FakeSidecars`` is a CheckpointTransport) keep what a step's shards become in dicts, so
+Checkpointer's logic (staging in parts, commit or abort, max_to_keep, restore from the RAM
+tier) runs in unit tests: ``fail={"delete": error}`` makes a phase fail with ``error``;
+``calls`` records ``(phase, host)`` in order.
 """
-
 import concurrent.futures
 import json
 
+import grpc
 import numpy as np
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held, Manifest
+from sidecar._src.controller.connection import CallWindow, HostInfo
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
 
@@ -25,11 +30,58 @@ def _done(value=None, error=None) -> concurrent.futures.Future:
   return f
 
 
-class FakeSidecars(CheckpointTransport):
-  """Sidecars ``hosts`` whose checkpoint directories hold ``steps`` already."""
+class FakeCallRpc:
+  """``conn.call_rpc``: blocking, or ``.future()``; records each request."""
 
-  def __init__(self, hosts=(0,), *, steps=(), fail=None):
+  def __init__(self, answer):
+    self.answer = answer
+    self.requests: list[pb.CallRequest] = []
+
+  def __call__(self, request, *, timeout, metadata):
+    self.requests.append(request)
+    return self.answer(request)
+
+  def future(self, request, *, timeout, metadata):
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+      out.set_result(self(request, timeout=timeout, metadata=metadata))
+    except grpc.RpcError as e:
+      out.set_exception(e)
+    return out
+
+
+class FakeConnection:
+  """One sidecar's connection as the controller reads it: its address, what the handshake
+  told (host id, devices, registry fingerprint), the status RPC, the Call RPC (``answer``,
+  see :class:`FakeCallRpc`) behind a real CallWindow of ``window`` slots; close()."""
+
+  def __init__(self, address: str = "fake:1", host_id: int = 0, *, fingerprint: str = "f1",
+               device_ids: tuple[int, ...] = (), answer=None, window: int = 4):
+    self.address = address
+    self.info = HostInfo(host_id=host_id, slice_id=0, device_ids=device_ids,
+                         hostname="fake", pid=100 + host_id, address=address,
+                         functions=("double",), pipelines=(),
+                         registry_fingerprint=fingerprint, versions={})
+    self.reply = pb.HandshakeResponse()  # no boot id: never on this machine
+    self.status_rpc = f"status of {address}"
+    self.metadata = (("session", address),)
+    self.calls = CallWindow(window, name=address)
+    self.call_rpc = FakeCallRpc(answer)
+    self.closed = False
+
+  def close(self) -> None:
+    self.closed = True
+
+
+class FakeSidecars(CheckpointTransport):
+  """Sidecars ``hosts`` whose checkpoint directories hold ``steps`` already, reached at the
+  addresses of ``answers`` (address -> FakeConnection, or the error connecting raises)."""
+
+  def __init__(self, hosts=(0,), *, answers=None, steps=(), fail=None):
     self.hosts = list(hosts)
+    self.answers = dict(answers or {})
+    self.made: list[FakeConnection] = []  # the connections handed out, in order
+    self.asked: list[str] = []  # the addresses connect was asked for, in order
     self.fail = dict(fail or {})
     self.calls: list[tuple[str, int]] = []
     self.steps: dict[str, set[int]] = {}
@@ -45,6 +97,16 @@ class FakeSidecars(CheckpointTransport):
       raise errors.HostLostError(f"host {host} is lost", host_id=host)
     return _done(value, self.fail.get(name))
 
+  def connect(self, address: str, timeout: float) -> FakeConnection:
+    """Hosts' seam: the answer for ``address``, returned or raised."""
+    del timeout
+    self.asked.append(address)
+    answer = self.answers[address]
+    if isinstance(answer, Exception):
+      raise answer
+    self.made.append(answer)
+    return answer
+
   def put(self, host, data):
     return np.array(data)
 
@@ -59,7 +121,8 @@ class FakeSidecars(CheckpointTransport):
   def begin(self, host, directory, step):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
-  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last):
+  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last,
+            writers=1):
     if leaves:
       self.leaves[final_item] = [dict(d) for d in leaves]
     held = self.staged.setdefault((host, final_item), {})

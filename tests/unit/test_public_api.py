@@ -29,17 +29,3 @@ def test_orbax_integration_api_is_pinned():
   assert sidecar.orbax.__all__ == [
       "FeedStateHandler", "FeedStateRestore", "FeedStateSave", "SidecarCheckpointHandler",
       "SidecarRestore", "SidecarSave"]
-
-
-@pytest.mark.processes
-def test_importing_the_package_its_decorators_or_the_cli_loads_no_jax_grpc_or_grain():
-  # test_public_api_is_pinned shows that every name still resolves; the command line
-  # (`sidecar launch`, `status`, `--help`) imports what a command runs when it runs.
-  import subprocess
-  import sys
-  script = ("import sys, sidecar; heavy = lambda: sorted(m for m in ('jax', 'grpc', 'grain') "
-            "if m in sys.modules); print(heavy()); sidecar.function; "
-            "import sidecar._src.tools.cli, sidecar._src.tools.launch; print(heavy())")
-  out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
-                       text=True, timeout=120).stdout
-  assert out.splitlines() == ["[]", "[]"], out

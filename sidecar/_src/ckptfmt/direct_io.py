@@ -81,6 +81,76 @@ def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
   return done
 
 
+def write_at(fd: int, data: np.ndarray, offset: int) -> int:
+  """Writes the C-order bytes of ``data`` at ``offset`` of the open file ``fd``; no fsync.
+
+  Page-aligned memory at a page-aligned offset goes direct but for a tail under a page,
+  as :func:`write_file`. It sets ``O_DIRECT`` on ``fd`` for the while: give each thread
+  its own descriptor. Returns how many bytes went direct.
+  """
+  data = np.ascontiguousarray(data)
+  buf = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+  n = len(buf)
+  direct = 0
+  if n >= ALIGN and data.ctypes.data % ALIGN == 0 and offset % ALIGN == 0:
+    direct = _direct(fd, buf, n - n % ALIGN,
+                     lambda piece, at: os.pwrite(fd, piece, offset + at))
+  done = direct
+  while done < n:
+    done += os.pwrite(fd, buf[done:], offset + done)
+  return direct
+
+
+def read_at(fd: int, out: np.ndarray, offset: int) -> int:
+  """Reads into the C-contiguous ``out`` from ``offset`` of the open file ``fd``; returns
+  the bytes read (fewer at the end of the file). Direct where :func:`write_at` would be."""
+  if not out.flags.c_contiguous:
+    raise ValueError("out must be C-contiguous")
+  buf = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+  n = len(buf)
+  done = 0
+  if n >= ALIGN and out.ctypes.data % ALIGN == 0 and offset % ALIGN == 0:
+    done = _direct(fd, buf, n - n % ALIGN,
+                   lambda piece, at: os.preadv(fd, [piece], offset + at))
+  while done < n:
+    got = os.preadv(fd, [buf[done:]], offset + done)
+    if not got:
+      break  # end of file
+    done += got
+  return done
+
+
+def background_thread() -> None:
+  """Puts the calling thread in Linux's idle scheduling class (``SCHED_IDLE``).
+
+  A save persists while the training step runs on the same cores: its writes and
+  checksums run only on a core nothing else wants, and a waking training thread
+  preempts them at once (a niced thread may finish its time slice first). Threads a
+  ``SCHED_IDLE`` thread starts inherit the class.
+  """
+  try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+  except (AttributeError, OSError):  # not Linux: the ordinary priority
+    pass
+
+
+def write_small(path: os.PathLike | str, data: bytes) -> None:
+  """Writes a small file durably (buffered, fsynced); sync its directory before a commit."""
+  with open(path, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def fsync_dir(path: os.PathLike | str) -> None:
+  """Makes a directory's entries durable (files created or renamed in it)."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _direct(fd: int, buf: memoryview, end: int, transfer: Callable[[memoryview, int], int]
             ) -> int:
   """``transfer(piece, offset)`` over ``buf[:end]`` with O_DIRECT, as far as the file

@@ -20,6 +20,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from sidecar._src.ckptfmt import direct_io, files
+from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.shards import HostLeaf, Shard, ShardChecksum, shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
@@ -45,21 +46,6 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
                          [leaf.spec for leaf in leaves],
                          [(i, shard) for i, leaf in enumerate(leaves) for shard in leaf.shards],
                          use_compression=use_compression)
-
-
-def background_thread() -> None:
-  """Puts the calling thread in Linux's idle scheduling class (``SCHED_IDLE``).
-
-  A save persists while the training step runs on the same cores: its chunk writes
-  and checksums run only on a core nothing else wants, and a waking training thread
-  preempts them at once (a niced thread may finish its time slice first). Threads a
-  ``SCHED_IDLE`` thread starts inherit the class, so these threads never call
-  TensorStore: its shared pool outlives them and serves restores too.
-  """
-  try:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-  except (AttributeError, OSError):  # not Linux: the ordinary priority
-    pass
 
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],

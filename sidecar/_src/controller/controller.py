@@ -336,7 +336,8 @@ class Controller:
                                        global_batch_size=global_batch_size,
                                        num_epochs=num_epochs)
     prefetch, workers = options.prefetch, options.workers
-    plans = feed_lib.plan(sharding, global_batch_size, self._hosts.device_hosts)
+    plans = feed_lib.plan(sharding, global_batch_size, self._hosts.device_hosts,
+                          self._hosts.device_processes)
     encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
     self._feeds += 1
     key = f"feed/{self._feeds}"
@@ -409,7 +410,8 @@ class Controller:
         sidecars={h: {"address": c.address, "socket": c.reply.worker_socket,
                       "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
                   for h, c in self._hosts.conns.items() if h not in self._hosts.lost},
-        mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost))
+        mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost),
+        sharers=self._hosts.sharers)
     self._children.add(ckpt)
     return ckpt
 

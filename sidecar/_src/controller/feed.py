@@ -36,15 +36,23 @@ class State(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostPlan:
-  """One host's part: its row ranges and, for each, the devices that take those rows."""
+  """One host's part (one process's, where several share the host): its row ranges and,
+  for each, the devices that take those rows."""
   host_id: int
   ranges: tuple[tuple[int, int], ...]
   devices: tuple[tuple[jax.Device, ...], ...]
+  process: int = -1  # the trainer process whose devices these are; -1: not told
 
 
 def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
-         device_hosts: dict[int, int]) -> list[HostPlan]:
-  """Splits the rows of a global batch among hosts by where ``sharding`` puts them."""
+         device_hosts: dict[int, int], device_processes: Mapping[int, int] | None = None
+         ) -> list[HostPlan]:
+  """Splits the rows of a global batch among hosts by where ``sharding`` puts them.
+
+  Where several processes share a host (``device_processes`` says whose each device is),
+  each process's devices on it make a part of their own, which that process streams.
+  """
+  owners = device_processes or {}
   if not isinstance(sharding, jax.sharding.Sharding):
     raise errors.InvalidArgumentError(
         f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
@@ -64,7 +72,7 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
   except Exception as e:
     raise errors.InvalidArgumentError(
         f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: {e}") from None
-  by_host: dict[int, dict[tuple[int, int], list[jax.Device]]] = {}
+  by_host: dict[tuple[int, int], dict[tuple[int, int], list[jax.Device]]] = {}
   for device, (rows,) in index.items():
     start, stop, _ = rows.indices(global_batch_size)
     host = device_hosts.get(device.id)
@@ -72,16 +80,19 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
       raise errors.InvalidArgumentError(
           f"device {device.id} of the sharding belongs to no sidecar; the hosts declare "
           f"devices {sorted(device_hosts)} (sidecar serve --device-ids)")
-    by_host.setdefault(host, {}).setdefault((start, stop), []).append(device)
+    part = (host, owners.get(device.id, -1))
+    by_host.setdefault(part, {}).setdefault((start, stop), []).append(device)
   plans = []
-  for host in sorted(by_host):
-    ranges = sorted(by_host[host])
+  for part in sorted(by_host):
+    host = part[0]
+    ranges = sorted(by_host[part])
     for (a, b), (c, d) in zip(ranges, ranges[1:]):
       if b > c:
         raise errors.InvalidArgumentError(
             f"devices of host {host} take overlapping rows [{a}, {b}) and [{c}, {d}); "
             "use a sharding that splits the batch evenly")
-    plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[host][r]) for r in ranges)))
+    plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[part][r]) for r in ranges),
+                          process=part[1]))
   return plans
 
 
@@ -134,9 +145,10 @@ class Feed:
     self.name = name
     self._arena_use = arena_use
     self._all_plans = plans
-    local = {p.host_id for p in plans} if local_hosts is None else set(local_hosts)
-    self._plans = [p for p in plans if p.host_id in local]  # the hosts this process drives
     self._peers = peers if peers is not None else distributed.LocalPeers()
+    local = {p.host_id for p in plans} if local_hosts is None else set(local_hosts)
+    mine = lambda p: p.host_id in local and p.process in (-1, self._peers.index)
+    self._plans = [p for p in plans if mine(p)]  # the hosts (parts) this process drives
     self._key = key
     self._sharding = sharding
     self._g = global_batch_size
@@ -148,7 +160,7 @@ class Feed:
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
-        if p.host_id not in local:
+        if not mine(p):
           continue
         spec = pb.FeedSpec(
             global_batch_size=global_batch_size,
@@ -240,13 +252,14 @@ class Feed:
       return dict(self._state)
     # A plain iterable's shards are positioned one by one: every process tells its own.
     if self._gathered[0] != self._batches:
-      mine = {str(p.host_id): shard for p, shard in zip(self._plans, self._state["shards"])}
+      part = lambda p: f"{p.host_id}/{p.process}"
+      mine = {part(p): shard for p, shard in zip(self._plans, self._state["shards"])}
       shards: dict[str, Any] = {}
       for text in self._peers.all_gather(f"{self._key}/state/{self._batches}",
                                          json.dumps(mine)):
         shards.update(json.loads(text))
       self._gathered = (self._batches, {
-          **self._state, "shards": [shards[str(p.host_id)] for p in self._all_plans]})
+          **self._state, "shards": [shards[part(p)] for p in self._all_plans]})
     return dict(self._gathered[1])
 
   def stats(self) -> dict[str, Any]:

@@ -54,6 +54,10 @@ class Hosts:
     self.workers: dict[int, worker_lib.Worker] = {}
     self.own_workers: list[worker_lib.Worker] = []
     self.device_hosts: dict[int, int] = {}  # global device id -> host id
+    # N processes: global device id -> the process that owns it, and host id -> the
+    # processes that drive it (several share a host's sidecar, each its own session).
+    self.device_processes: dict[int, int] = {}
+    self.sharers: dict[int, list[int]] = {}
     self.driven: list[int] = []  # the hosts this process drives, lost or not
     self.lost: dict[int, str] = {}  # host id -> why it is lost
     self.refused: dict[int, str] = {}  # lost host -> why its returned sidecar was refused
@@ -234,8 +238,12 @@ class Hosts:
     self.workers[host_id] = w
     self.driven = [host_id]
     mine = {"host_id": host_id, "device_ids": [d.id for d in jax.local_devices()]}
-    everyone = self.peers.all_gather("controller/hosts", json.dumps(mine))
-    self.device_hosts = distributed.hosts_by_process([json.loads(v) for v in everyone])
+    everyone = [json.loads(v) for v in self.peers.all_gather("controller/hosts",
+                                                             json.dumps(mine))]
+    self.device_hosts = distributed.hosts_by_process(everyone)
+    self.device_processes = {int(d): p for p, ident in enumerate(everyone)
+                             for d in ident["device_ids"]}
+    self.sharers = distributed.processes_by_host(everyone)
     for h, c in self.conns.items():  # what each host's trainer said, not what its sidecar
       c.info = dataclasses.replace(c.info, device_ids=tuple(  # knew at the handshake
           sorted(d for d, owner in self.device_hosts.items() if owner == h)))

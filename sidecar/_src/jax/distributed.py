@@ -313,16 +313,28 @@ def local_identity() -> dict[str, Any] | None:
 
 
 def hosts_by_process(identities: Sequence[dict[str, Any]]) -> dict[int, int]:
-  """``{device id: host id}`` from each process's ``{"host_id", "device_ids"}``."""
+  """``{device id: host id}`` from each process's ``{"host_id", "device_ids"}``.
+
+  Several processes may share one host's sidecar (a node's ranks beside one sidecar,
+  each with its own Worker session); no device may belong to two of them.
+  """
   out: dict[int, int] = {}
-  seen: dict[int, int] = {}
+  owner: dict[int, int] = {}
   for p, ident in enumerate(identities):
     host = int(ident["host_id"])
-    if host in seen:
-      raise errors.InvalidArgumentError(
-          f"processes {seen[host]} and {p} both drive sidecar host {host}; give each process "
-          "its own host's sidecar (SIDECAR_ADDRESS)")
-    seen[host] = p
     for d in ident["device_ids"]:
+      if int(d) in owner:
+        raise errors.InvalidArgumentError(
+            f"processes {owner[int(d)]} and {p} both say they own device {d}; give each "
+            "process its own devices (SIDECAR_LOCAL_DEVICES, CUDA_VISIBLE_DEVICES)")
+      owner[int(d)] = p
       out[int(d)] = host
+  return out
+
+
+def processes_by_host(identities: Sequence[dict[str, Any]]) -> dict[int, list[int]]:
+  """``{host id: [process index, ...]}``: which processes drive each host, in order."""
+  out: dict[int, list[int]] = {}
+  for p, ident in enumerate(identities):
+    out.setdefault(int(ident["host_id"]), []).append(p)
   return out

@@ -167,7 +167,8 @@ def _launch(args: argparse.Namespace) -> int:
   if not command:
     args.parser.error("CMD is missing: give the trainer command after --, "
                       "e.g. sidecar launch --hosts 2 -- python train.py")
-  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+  for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host),
+                      ("--procs-per-host", args.procs_per_host)):
     if value < 1:
       args.parser.error(f"{flag} must be at least 1, got {value}")
   try:
@@ -191,7 +192,8 @@ def _launch(args: argparse.Namespace) -> int:
                     imports=args.imports or [], shm_size=args.shm_size, token=token,
                     elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
                     max_restarts=(launch.DEFAULT_MAX_RESTARTS if args.max_restarts is None
-                                  else args.max_restarts))
+                                  else args.max_restarts),
+                    procs_per_host=args.procs_per_host, torch=args.torch)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -319,11 +321,18 @@ def parser() -> argparse.ArgumentParser:
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
                      usage="sidecar launch [options] -- CMD [ARGS...]", epilog=launch.HELP,
                      description="Local multi-process mode, as torchrun: N sidecars on this "
-                                 "machine and one trainer process beside each.",
+                                 "machine and one trainer process (or P) beside each.",
                      formatter_class=cli_format.RawDescriptionDefaultsFormatter)
   s.add_argument("--hosts", type=int, default=2, help="sidecars and trainers (default: 2)")
   s.add_argument("--devices-per-host", type=int, default=1,
                  help="CPU devices of each trainer, SIDECAR_LOCAL_DEVICES (default: 1)")
+  s.add_argument("--procs-per-host", type=int, default=1, metavar="P",
+                 help="trainer processes beside each sidecar, each its own Worker session, "
+                 "as torchrun --nproc-per-node (default: 1)")
+  s.add_argument("--torch", action="store_true",
+                 help="also set torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, "
+                 "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, "
+                 "TORCHELASTIC_RESTART_COUNT, ... (default: off)")
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                  help="module each sidecar imports, so its decorators register (repeatable; "
                       "default: none)")
@@ -333,7 +342,7 @@ def parser() -> argparse.ArgumentParser:
                  "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
   s.add_argument("--elastic", action="store_true",
                  help="when a host is lost, restart the other hosts' trainers as a job of one "
-                 "process fewer, beside the same sidecars (see below; default: off)")
+                 "host fewer, beside the same sidecars (see below; default: off)")
   s.add_argument("--min-hosts", type=int, metavar="K",
                  help="with --elastic: restart while at least K hosts remain (default: 1)")
   s.add_argument("--in-place", action="store_true",

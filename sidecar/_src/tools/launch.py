@@ -39,8 +39,9 @@ _READ_CHUNK = 1 << 16
 
 HELP = f"""\
 Starts --hosts sidecars on this machine, then --hosts copies of CMD ("trainers"), one per
-host, each in its own session and process group, stdin from /dev/null. Trainer i's stdout
-and stderr come back merged, line by line, prefixed "[host i] ".
+host (or --procs-per-host per host), each in its own session and process group, stdin
+from /dev/null. Trainer i's stdout and stderr come back merged, line by line, prefixed
+"[host i] ".
 
 Each trainer gets this environment added to the launcher's:
 {chr(10).join(f"  {name:29} {text}" for name, text in env.DESCRIPTIONS.items()
@@ -52,6 +53,20 @@ SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host, SIDECAR_RESTART=0.
 is set when there is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of
 the launcher. The sidecars get no device ids: each learns its own from the trainer that
 attaches to it.
+
+With --procs-per-host P, P trainers run beside each sidecar (one per accelerator, as
+torchrun --nproc-per-node P), each attaching its own Worker session to that sidecar: host
+i's trainers are ranks i*P..i*P+P-1 (SIDECAR_PROCESS_ID), all with SIDECAR_HOST_ID=i,
+SIDECAR_NUM_PROCESSES=N*P, and their lines are prefixed "[host i rank r] ".
+
+With --torch, each trainer also gets torchrun's environment, by its names: RANK,
+LOCAL_RANK (0..P-1), WORLD_SIZE (N*P), LOCAL_WORLD_SIZE (P), GROUP_RANK (the host's place
+in the job), GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
+MASTER_ADDR=127.0.0.1, MASTER_PORT=<free port> (torchrun's --master-port=0 hangs in its
+rendezvous), TORCHELASTIC_RESTART_COUNT (SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS,
+TORCHELASTIC_RUN_ID=none, TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store),
+and OMP_NUM_THREADS=1 unless set, when P > 1. torch.distributed.init_process_group()
+(env://) and sidecar.torch.connect() then need no arguments.
 
 Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
 exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
@@ -66,7 +81,7 @@ directory or shared memory is left behind. A trainer that exits 0 leaves the oth
 With --elastic, losing a host does not end the job. When host H's trainer fails or its
 sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
 stopped if it still runs, and the trainers of the other hosts start again as a job of one
-process fewer, while their sidecars keep running, with their arenas and RAM tiers: so the
+host fewer, while their sidecars keep running, with their arenas and RAM tiers: so the
 new job can restore the latest step from host memory. The new job's environment:
 SIDECAR_PROCESS_ID 0..N-2 in host order, SIDECAR_NUM_PROCESSES=N-1, a fresh coordinator
 port, SIDECAR_HOSTS listing only the hosts that remain, SIDECAR_ADDRESS each one's own
@@ -90,12 +105,13 @@ SIDECAR_RESTART counts the restarts. After --max-restarts of them (default
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Exit:
-  """An event for the supervisor: trainer ``host`` of start ``restart`` exited, or signal
-  ``signum`` arrived."""
+  """An event for the supervisor: trainer ``rank`` (beside ``host``) of start ``restart``
+  exited, or signal ``signum`` arrived."""
   host: int = -1
   code: int = 0
   signum: int = 0
   restart: int = -1
+  rank: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,22 +137,30 @@ def free_port() -> int:
 
 def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
                 base: Mapping[str, str], *, hosts: Sequence[int] | None = None,
-                restart: int = 0) -> dict[str, str]:
-  """The environment of trainer ``host``: ``base`` plus what ``env.py`` lists.
+                restart: int = 0, procs_per_host: int = 1, local_rank: int = 0,
+                torch_master: str | None = None, max_restarts: int = 0) -> dict[str, str]:
+  """The environment of trainer ``local_rank`` beside ``host``: ``base`` plus what
+  ``env.py`` lists, and with ``torch_master`` (``addr:port``) what torchrun sets.
 
   ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
-  the process ids follow that order. ``restart`` is how often the job was restarted.
+  the process ids (ranks) follow that order, ``procs_per_host`` per host, the local ranks
+  of one host in a row. ``restart`` is how often the job was restarted.
   """
   hosts = list(range(cluster.num_hosts)) if hosts is None else list(hosts)
+  if not 0 <= local_rank < procs_per_host:
+    raise errors.InvalidArgumentError(
+        f"local_rank must be in 0..{procs_per_host - 1}, got {local_rank!r}")
   ports = [a.rsplit(":", 1)[1] for a in cluster.health_addresses]
   addresses = cluster.addresses
+  group = hosts.index(host)
+  rank, world = group * procs_per_host + local_rank, len(hosts) * procs_per_host
   result = dict(base)
   result.setdefault("JAX_PLATFORMS", "cpu")
   result.setdefault("PYTHONUNBUFFERED", "1")
   result.update({
       env.COORDINATOR_ADDRESS: coordinator,
-      env.NUM_PROCESSES: str(len(hosts)),
-      env.PROCESS_ID: str(hosts.index(host)),
+      env.NUM_PROCESSES: str(world),
+      env.PROCESS_ID: str(rank),
       env.LOCAL_DEVICES: str(cluster.devices_per_host),
       env.HOST_ID: str(host),
       env.SLICE_ID: "0",
@@ -144,9 +168,35 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
       env.HOSTS: ",".join(f"{addresses[h]}:{ports[h]}" for h in hosts),
       env.RESTART: str(restart),
   })
+  if torch_master is not None:
+    addr, port = torch_master.rsplit(":", 1)
+    result.update(torchrun_env(rank=rank, local_rank=local_rank, world_size=world,
+                               local_world_size=procs_per_host, group_rank=group,
+                               group_world_size=len(hosts), master_addr=addr,
+                               master_port=int(port), restart=restart,
+                               max_restarts=max_restarts))
+    if procs_per_host > 1:
+      result.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks of a node share its cores
   if cluster.token:
     result[env.TOKEN] = cluster.token
   return result
+
+
+def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
+                 group_rank: int, group_world_size: int, master_addr: str, master_port: int,
+                 restart: int = 0, max_restarts: int = 0) -> dict[str, str]:
+  """The variables torchrun (torchelastic) gives each worker, by the names it uses."""
+  return {
+      "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+      "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
+      "GROUP_WORLD_SIZE": str(group_world_size), "ROLE_RANK": str(rank),
+      "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default",
+      "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+      "TORCHELASTIC_RESTART_COUNT": str(restart),
+      "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_RUN_ID": "none",
+      # No agent hosts the store here: rank 0 serves it at MASTER_ADDR:MASTER_PORT.
+      "TORCHELASTIC_USE_AGENT_STORE": "False",
+  }
 
 
 def _pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> None:
@@ -174,8 +224,10 @@ class _Run:
 
   def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
                stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
-               in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS):
+               in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
+               procs_per_host: int = 1, torch: bool = False):
     self.command = list(command)
+    self.procs_per_host, self.torch = procs_per_host, torch
     self.in_place, self.max_restarts = in_place, max_restarts
     self.cluster = cluster
     self.grace = grace
@@ -186,7 +238,7 @@ class _Run:
     self.events: queue.SimpleQueue[_Exit] = queue.SimpleQueue()  # put() is signal-safe
     self.hosts = list(range(cluster.num_hosts))  # the hosts that remain, in order
     self.restart = 0  # how often the job was restarted; tags its trainers' events
-    self.trainers: dict[int, subprocess.Popen] = {}  # host id -> trainer of this start
+    self.trainers: dict[int, subprocess.Popen] = {}  # rank -> trainer of this start
     self.threads: list[threading.Thread] = []
     self.lock = threading.Lock()
 
@@ -196,15 +248,28 @@ class _Run:
 
   def start_trainers(self) -> None:
     coordinator = f"127.0.0.1:{free_port()}"
+    # torchrun --master-port=0 hangs in rendezvous: a port that was free a moment ago.
+    master = f"127.0.0.1:{free_port()}" if self.torch else None
     for h in self.hosts:
-      proc = subprocess.Popen(
-          self.command, env=trainer_env(self.cluster, h, coordinator, os.environ,
-                                        hosts=self.hosts, restart=self.restart),
-          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-          start_new_session=True)
-      self.trainers[h] = proc
-      self._thread(_pump, proc.stdout, f"[host {h}] ".encode(), self.stdout, self.lock)
-      self._thread(self._wait, h, proc, self.restart)
+      for local in range(self.procs_per_host):
+        environ = trainer_env(self.cluster, h, coordinator, os.environ, hosts=self.hosts,
+                              restart=self.restart, procs_per_host=self.procs_per_host,
+                              local_rank=local, torch_master=master,
+                              max_restarts=self._max_restarts())
+        rank = int(environ[env.PROCESS_ID])
+        proc = subprocess.Popen(
+            self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self.trainers[rank] = proc
+        prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
+        self._thread(_pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
+        self._thread(self._wait, h, rank, proc, self.restart)
+
+  def _max_restarts(self) -> int:
+    """How often the job may restart, as torchelastic's TORCHELASTIC_MAX_RESTARTS."""
+    if not self.elastic:
+      return 0
+    return self.max_restarts if self.in_place else self.cluster.num_hosts - self.min_hosts
 
   def _thread(self, target, *args) -> None:
     t = threading.Thread(target=target, args=args, daemon=True,  # daemon: a safety net only
@@ -212,13 +277,13 @@ class _Run:
     t.start()
     self.threads.append(t)
 
-  def _wait(self, host: int, proc: subprocess.Popen, restart: int) -> None:
-    self.events.put(_Exit(host=host, code=proc.wait(), restart=restart))
+  def _wait(self, host: int, rank: int, proc: subprocess.Popen, restart: int) -> None:
+    self.events.put(_Exit(host=host, code=proc.wait(), restart=restart, rank=rank))
 
   def supervise(self) -> int:
     """Waits for every trainer to exit 0, or for the failure that ends the job; returns
     the exit code. With ``elastic``, a lost host restarts the job on the others."""
-    running = set(self.hosts)
+    running = set(self.trainers)
     while running:
       try:
         event = self.events.get(timeout=_POLL)
@@ -230,7 +295,7 @@ class _Run:
           return 128 + event.signum
         if event.restart != self.restart:
           continue  # a trainer of an earlier start, stopped by us
-        running.discard(event.host)
+        running.discard(event.rank)
         if event.code == 0:
           continue
         # A dead sidecar, if any, is the cause: its trainer's failure is the symptom.
@@ -240,7 +305,7 @@ class _Run:
         continue
       if not self._restart(loss):
         return loss.exit_code
-      running = set(self.hosts)
+      running = set(self.trainers)
     return 0
 
   def _check_sidecars(self) -> _Loss | None:
@@ -274,7 +339,7 @@ class _Run:
     stop, sidecar, spawn = self._relaunch(left, lambda: self.cluster.kill(loss.host),
                                           since=lost)
     self.say(f"restart {self.restart}: host {loss.host} lost (its {loss.what} "
-             f"{_how(loss.code)}); {len(left)} process{'es' * (len(left) > 1)} "
+             f"{_how(loss.code)}); {_processes(len(left) * self.procs_per_host)} "
              f"on hosts {left}, started {stop + sidecar + spawn:.2f} s after the loss "
              f"(stopping the trainers {stop:.2f} s, the lost sidecar {sidecar:.2f} s, "
              f"starting the new trainers {spawn:.2f} s)")
@@ -323,7 +388,7 @@ class _Run:
       self.say(f"host {loss.host}'s sidecar did not start again: {e}")
       return False
     self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {_how(loss.code)}; "
-             f"{len(self.hosts)} processes on hosts {self.hosts} in place, started "
+             f"{_processes(len(self.hosts) * self.procs_per_host)} on hosts {self.hosts} in place, started "
              f"{stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
              f"{stop:.2f} s, the sidecar {sidecar:.2f} s, starting the new trainers "
              f"{spawn:.2f} s)")
@@ -355,6 +420,10 @@ class _Run:
   def on_signal(self, signum: int, frame) -> None:
     del frame
     self.events.put(_Exit(signum=signum))
+
+
+def _processes(n: int) -> str:
+  return f"{n} process{'es' * (n != 1)}"
 
 
 def _how(returncode: int) -> str:
@@ -390,9 +459,10 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
         in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
-        stdout: BinaryIO | None = None,
+        procs_per_host: int = 1, torch: bool = False, stdout: BinaryIO | None = None,
         stderr: TextIO | None = None) -> int:
-  """Runs ``command`` once per host beside a LocalCluster of sidecars; returns the exit code.
+  """Runs ``command`` ``procs_per_host`` times per host beside a LocalCluster of sidecars;
+  returns the exit code.
 
   See ``HELP`` for the environment each process gets and the exit code rule. SIGINT and
   SIGTERM are handled (and restored afterwards) only when called from the main thread.
@@ -410,12 +480,16 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     in_place: with ``elastic``, restart at full size: a dead sidecar is started again
       (empty) and every trainer restarts, as Kubernetes restarts containers in place.
     max_restarts: with ``in_place``, how many restarts at most; the next failure ends it.
+    procs_per_host: trainer processes beside each sidecar (one per accelerator, as
+      ``torchrun --nproc-per-node``), each with its own Worker session.
+    torch: also set torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+      ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...).
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
     stderr: where the launcher's own messages go; default this process's stderr.
 
   Raises:
-    InvalidArgumentError: an empty command, hosts or devices_per_host below 1, or
-      min_hosts not in 1..hosts.
+    InvalidArgumentError: an empty command, hosts, devices_per_host or procs_per_host
+      below 1, or min_hosts not in 1..hosts.
   """
   if isinstance(command, str) or not command:
     raise errors.InvalidArgumentError(
@@ -429,11 +503,15 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if not 1 <= min_hosts <= hosts:
     raise errors.InvalidArgumentError(
         f"min_hosts must be in 1..hosts ({hosts}), got {min_hosts!r}")
+  if isinstance(procs_per_host, bool) or not isinstance(procs_per_host, int) or procs_per_host < 1:
+    raise errors.InvalidArgumentError(
+        f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
-                in_place=in_place, max_restarts=max_restarts)
+                in_place=in_place, max_restarts=max_restarts,
+                procs_per_host=procs_per_host, torch=torch)
   in_start = True
 
   def handler(signum, frame):

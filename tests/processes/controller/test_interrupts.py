@@ -17,7 +17,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
-from sidecar._src.controller import interrupts
 from tests.conftest import alive, eventually
 
 pytestmark = pytest.mark.processes
@@ -63,51 +62,6 @@ def back_to(ctl, baseline: list[int]) -> bool:
 
 def sharding(n: int = 2) -> NamedSharding:
   return NamedSharding(Mesh(np.array(jax.devices()[:n]), ("d",)), P("d"))
-
-
-@pytest.mark.unit
-def test_deferred_raises_at_its_end_and_restores_the_handler():
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.05)  # noted, not raised: we are still here
-    assert interrupts.requested()
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-@pytest.mark.unit
-def test_a_call_slot_that_came_is_kept_though_ctrl_c_came_too():
-  """A wait that got its slot returns it though Ctrl-C is pending; none is ever lost."""
-  from sidecar._src.controller.connection import CallWindow
-  came = threading.Event()
-  came.set()
-  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.05)
-    assert interrupts.wait_event(came, 1.0)  # what came is kept; Ctrl-C at the block's end
-  window = CallWindow(1, name="h")
-  assert window.enter(0.0)
-  # Ctrl-C ends the wait, or comes at the block's end if the slot came first.
-  with contextlib.suppress(KeyboardInterrupt), interrupts.deferred():
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.05)
-    threading.Timer(0.05, window.exit).start()  # the slot comes about as Ctrl-C is seen
-    if window.enter(5.0):
-      window.exit()
-  def free() -> bool:  # the one slot can be taken (and is given back)
-    taken = window.enter(0.0)
-    if taken:
-      window.exit()
-    return taken
-  assert eventually(free)
-  ready, seen = threading.Event(), []
-  worker = threading.Thread(target=lambda: seen.append(interrupts.wait_event(ready, 0.3)))
-  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.05)
-    worker.start()
-    worker.join()  # another thread's wait leaves the main thread's Ctrl-C to it
-  assert seen == [False]
 
 
 def test_call_interrupted_drops_its_result_and_the_next_call_works(ctl):

@@ -23,7 +23,7 @@ from sidecar._src.host.limits import MAX_PREFETCH, Sessions, StreamSlots
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
-from tests.server.host.test_security import Raw, rejected
+from tests.support.raw_client import Raw, rejected
 
 pytestmark = pytest.mark.server
 

@@ -1,39 +1,18 @@
-"""/metrics: exposition with no sockets; one in-process server; a LocalCluster scraped over HTTP."""
+"""/metrics: the exposition with no sockets, then one in-process server scraped over HTTP."""
 
-import gc
 import socket
-import urllib.request
 
-import jax
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from prometheus_client.parser import text_string_to_metric_families
 
 import sidecar
 from sidecar._src.core import options
 from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.server import Server
-from tests.conftest import eventually
+from tests.support.metrics import samples, scrape, value
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.server
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-  """Every sample of an exposition, by (name, sorted labels)."""
-  return {(s.name, tuple(sorted(s.labels.items()))): s.value
-          for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(found: dict, metric: str, /, **labels: str) -> float:
-  return found.get((metric, tuple(sorted(labels.items()))), 0.0)
-
-
-def total(found: dict, metric: str, /, **labels: str) -> float:
-  """The sum over every series of ``name`` whose labels include ``labels``."""
-  return sum(v for (n, ls), v in found.items()
-             if n == metric and set(labels.items()) <= set(ls))
 
 
 def snapshot(**kw) -> metrics_lib.Snapshot:
@@ -96,79 +75,6 @@ def test_off_by_default_and_unregistered_names_share_one_label(make_server):
   assert value(found, "sidecar_calls_total", kind="call", name=metrics_lib.UNREGISTERED,
                code="NOT_FOUND") == 2
   assert not any("nope" in str(labels) for _, labels in found)
-
-
-def scrape(url: str) -> str:
-  with urllib.request.urlopen(url, timeout=10) as response:
-    assert response.status == 200
-    return response.read().decode()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
-                                    imports=["tests.support.feed_fns"], metrics=True) as c:
-    yield c
-
-
-def scrape_all(cluster) -> list[dict]:
-  return [samples(scrape(url)) for url in cluster.metrics_urls]
-
-
-@pytest.mark.processes
-def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluster, tmp_path):
-  sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
-  before = scrape_all(cluster)
-  with cluster.controller() as ctl:
-    with ctl.feed("ids", kwargs={"n": 64}, global_batch_size=8, sharding=sharding,
-                  options=sidecar.FeedOptions(prefetch=2)) as feed:
-      batches = [next(feed) for _ in range(3)]
-      during = scrape_all(cluster)
-      for found in during:
-        assert value(found, "sidecar_feeds_running", pipeline="ids") == 1
-        assert value(found, "sidecar_calls_in_flight", kind="feed") == 1
-        assert total(found, "sidecar_arena_leased_bytes") > 0  # batches the trainer holds
-        assert value(found, "sidecar_workers_connected") == 1
-    del batches
-    state = {"w": jax.device_put(np.arange(4096, dtype=np.float32), sharding)}
-    with ctl.checkpointer(tmp_path / "ck", replicas=1) as ckpt:
-      ckpt.save(1, state)
-      ckpt.wait()
-      for url in cluster.metrics_urls:  # each host holds the other's replica
-        assert eventually(lambda url=url: value(samples(scrape(url)), "sidecar_ram_tier_steps",
-                                                kind="replica") == 1)
-      restored = ckpt.restore(1, target=state)
-      np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
-      del restored
-      gc.collect()
-      after = scrape_all(cluster)
-      for old, new in zip(before, after):
-        assert value(new, "sidecar_feed_batches_total", pipeline="ids") >= value(
-            old, "sidecar_feed_batches_total", pipeline="ids") + 3
-        assert value(new, "sidecar_calls_total", kind="feed", name="ids", code="OK") + value(
-            new, "sidecar_calls_total", kind="feed", name="ids", code="CANCELLED") >= 1
-        assert value(new, "sidecar_checkpoint_bytes_total", what="staged") >= 8192
-        assert value(new, "sidecar_checkpoint_bytes_total", what="written") >= 8192
-        assert value(new, "sidecar_call_seconds_count", name="sidecar.ckpt.stage") >= 1
-        assert value(new, "sidecar_checkpoint_phase_seconds_count", phase="write") == 1
-        assert value(new, "sidecar_checkpoint_bytes_total", what="replicated") == 8192
-        assert value(new, "sidecar_checkpoint_phase_seconds_count", phase="replicate") == 1
-        assert value(new, "sidecar_ram_tier_bytes", kind="replica") == 8192
-        assert value(new, "sidecar_ram_tier_steps", kind="own") == 1
-        assert value(new, "sidecar_ram_tier_bytes", kind="own") == 8192
-        assert total(new, "sidecar_restore_bytes_total") >= 8192
-        assert value(new, "sidecar_checkpoint_writing_steps") == 0
-        assert value(new, "sidecar_feeds_running", pipeline="ids") == 0
-        assert value(new, "sidecar_calls_in_flight", kind="feed") == 0
-  # The controller is closed: its workers detached, every lease went back. What stays is
-  # the replica link of each host's peer (host/replicas.Links keeps it between steps).
-  for url in cluster.metrics_urls:
-    assert eventually(lambda url=url: total(samples(scrape(url)),
-                                            "sidecar_arena_leased_bytes") == 0)
-  for found in scrape_all(cluster):
-    assert value(found, "sidecar_workers_connected") == 1
-    assert all(value(found, "sidecar_calls_in_flight", kind=k) == 0
-               for k in ("call", "stream", "feed"))
 
 
 def test_the_grafana_dashboard_queries_only_metrics_the_sidecar_exports():

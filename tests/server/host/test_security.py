@@ -18,56 +18,9 @@ from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 from tests.conftest import eventually
+from tests.support.raw_client import Raw, arena_ref, rejected
 
 pytestmark = pytest.mark.server
-
-
-class Raw:
-  """A client that speaks ``sidecar.v1`` by hand: none of the Controller's checks."""
-
-  def __init__(self, port: int, *, token: str | None = None, peer_token: str | None = None):
-    # Room for a whole arena in a reply: what leaks, if anything does, arrives whole.
-    self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-        ("grpc.max_receive_message_length", 64 << 20)])
-    auth = [] if token is None else [(protocol.AUTH_KEY, f"Bearer {token}")]
-    handshake = self.channel.unary_unary(
-        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
-        response_deserializer=pb.HandshakeResponse.FromString)
-    peer = [] if peer_token is None else [(protocol.PEER_KEY, f"Bearer {peer_token}")]
-    reply = handshake(pb.HandshakeRequest(versions=protocol.local_versions(), client="attacker"),
-                      metadata=auth + peer, timeout=10)
-    self.metadata = auth + [(protocol.SESSION_KEY, reply.session)]
-    self._call = self.channel.unary_unary(
-        f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
-        response_deserializer=pb.CallResponse.FromString)
-    self.ckpt = protocol.ckpt_pb_grpc.CheckpointStub(self.channel)
-    self._stream = self.channel.stream_stream(
-        f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
-        response_deserializer=pb.StreamItem.FromString)
-
-  def call(self, name: str, *args: pb.Value, worker_session: str = "", **kwargs) -> pb.Value:
-    request = pb.CallRequest(name=name, args=pb.Value(tuple=pb.ListValue(items=list(args))),
-                             kwargs=codec.encode(kwargs), worker_session=worker_session)
-    return self._call(request, metadata=self.metadata, timeout=10).result
-
-  def feed(self, name: str, spec: pb.FeedSpec) -> list[pb.StreamItem]:
-    request = pb.CallRequest(name=name, args=codec.encode(()), kwargs=codec.encode({}), feed=spec)
-    return list(self._stream(iter([pb.StreamRequest(start=request, prefetch=1)]),
-                             metadata=self.metadata, timeout=10))
-
-  def close(self):
-    self.channel.close()
-
-
-def arena_ref(offset: int, generation: int, nbytes: int, shape=None, dtype="uint8") -> pb.Value:
-  return pb.Value(arena=pb.ArenaRef(offset=offset, nbytes=nbytes, generation=generation,
-                                    dtype=dtype, shape=(nbytes,) if shape is None else shape))
-
-
-def rejected(fn) -> grpc.RpcError:
-  with pytest.raises(grpc.RpcError) as info:
-    fn()
-  return info.value
 
 
 @pytest.fixture
@@ -297,37 +250,6 @@ def test_every_wrong_token_is_unauthenticated(make_server, sent):
   raw = Raw(server.port, token="s3cret")
   assert codec.decode(raw.call("add", pb.Value(int_value=2))) == 2
   raw.close()
-
-
-@pytest.mark.processes
-def test_an_unauthenticated_client_learns_nothing_beyond_what_health_says(make_server, capsys,
-                                                                            monkeypatch):
-  import os
-  import socket
-
-  from sidecar._src.tools import cli
-  server = make_server(token="s3cret")
-  secrets = [socket.gethostname(), str(os.getpid()), server.identity.boot_id,
-             server.options.socket_path]
-  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-    told = []
-    for method in ("Handshake", "Status", "Call"):
-      told.append(rejected(lambda m=method: ch.unary_unary(f"/{protocol.SERVICE}/{m}")(
-          b"", timeout=5)))
-    told.append(rejected(lambda: list(ch.stream_stream(f"/{protocol.SERVICE}/Stream")(
-        iter([b""]), timeout=5))))
-    told.append(rejected(lambda: list(reflection_pb2_grpc.ServerReflectionStub(
-        ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-            list_services="")]), timeout=5))))
-    for e in told:
-      assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
-      assert not [s for s in secrets if s in e.details() + str(e.trailing_metadata())]
-  # `sidecar status` with the token (SIDECAR_TOKEN) gets all of it.
-  assert cli.main(["status", f"127.0.0.1:{server.port}", "--json"]) == 1
-  assert "AuthenticationError: " in capsys.readouterr().out
-  monkeypatch.setenv("SIDECAR_TOKEN", "s3cret")
-  assert cli.main(["status", f"127.0.0.1:{server.port}", "--json"]) == 0
-  assert socket.gethostname() in capsys.readouterr().out
 
 
 # ---- checkpoint roots: the Checkpoint service acts only under them ---------------------

@@ -356,6 +356,39 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     assert_still_serving(ctl)
 
 
+def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
+  """Trainer processes sharing a sidecar: each stages its shards from its own session;
+  the step is whole (written, prepared) only once both sent their last part."""
+  from sidecar._src.ckptfmt import spec as layout
+  server = make_server()
+  with controller(server) as a, controller(server) as b:
+    assert a.worker(0).session != b.worker(0).session
+    directory = str(tmp_path / "ck")
+    clients = [a._checkpoint_client(), b._checkpoint_client()]
+    clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
+    tmp = clients[0].begin(0, directory, 3).result()
+    n = 1 << 16
+    spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+                                               kind="np.ndarray", write_shape=(1, n)))
+    rows = []
+    for i, (ctl, client) in enumerate(zip((a, b), clients)):
+      part, _ = ctl.worker(0).put(np.full((1, n), i, np.float32))
+      client.stage(0, directory=directory, step=3, item=tmp + "/default",
+                   final_item=directory + "/3/default", leaves=[spec],
+                   shards=[StagedShard(0, ((i, i + 1), (0, n)), part)], last=True,
+                   writers=2).result()
+      del part
+      rows.append(i)
+      prepared = clients[0].prepared(0, directory + "/3/default", timeout=0.3 if i == 0 else 30)
+      if i == 0:  # one writer of two is not the whole step
+        with pytest.raises(sidecar.SidecarError, match="still being written|Deadline Exceeded"):
+          prepared.result()
+    sums = prepared.result()
+    assert sorted(tuple(map(tuple, c["index"])) for c in sums) == [((0, 1), (0, n)),
+                                                                   ((1, 2), (0, n))]
+    assert_still_serving(a)
+
+
 def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server, tmp_path,
                                                                    caplog):
   from sidecar._src.ckptfmt import spec as layout
@@ -501,7 +534,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   from sidecar._src.wire.checkpoint_wire import shard_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
   from tests.conftest import PEER_TOKEN
-  from tests.server.host.test_security import Raw
+  from tests.support.raw_client import Raw
   server = make_server()
   raw = Raw(server.port, peer_token=PEER_TOKEN)  # a peer sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
@@ -538,7 +571,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   from sidecar._src.wire.checkpoint_wire import shard_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
   from tests.conftest import PEER_TOKEN
-  from tests.server.host.test_security import Raw
+  from tests.support.raw_client import Raw
   server = make_server()
   raw = Raw(server.port, peer_token=PEER_TOKEN)  # a peer sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")

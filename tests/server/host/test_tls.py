@@ -1,6 +1,5 @@
 """Tier 2: TLS and mTLS on the control port (test certificates in tests/data/tls, to 2126)."""
 
-
 import grpc
 import numpy as np
 import pytest
@@ -8,14 +7,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import sidecar
 from sidecar._src.core import options
-from tests.support.paths import DATA
+from tests.support.tls import CA, CLIENT, CLIENT_KEY, SERVER, SERVER_KEY
 
 pytestmark = pytest.mark.server
-
-TLS = DATA / "tls"
-CA, SERVER, SERVER_KEY = str(TLS / "ca.pem"), str(TLS / "server.pem"), str(TLS / "server.key")
-CLIENT, CLIENT_KEY = str(TLS / "client.pem"), str(TLS / "client.key")
-
 
 def controller(server, **kw):
   kw.setdefault("attach", False)  # over gRPC: through the TLS channel
@@ -58,32 +52,6 @@ def test_tls_options_are_checked():
   options.ServerOptions(listen="0.0.0.0", tls_cert=SERVER, tls_key=SERVER_KEY, tls_client_ca=CA)
   with pytest.raises(sidecar.InvalidArgumentError, match="tls_cert and tls_key go together"):
     sidecar.Controller(["127.0.0.1:1"], tls_cert=CLIENT)
-
-
-@pytest.mark.processes
-def test_replicas_go_to_peers_over_mtls(tmp_path):
-  """Two sidecars with mTLS: the replica of each host's shards reaches its peer over TLS
-  (inline, as between machines), with the client certificate SIDECAR_TLS_CLIENT_* names."""
-  import jax
-
-  from tests.processes.controller.checkpoint.test_replicas import assert_same, state_on, target_on
-  tls = ["--tls-cert", SERVER, "--tls-key", SERVER_KEY, "--tls-client-ca", CA]
-  env = {"SIDECAR_REPLICA_SHM": "0", "SIDECAR_TLS_CA": CA, "SIDECAR_TLS_CLIENT_CERT": CLIENT,
-         "SIDECAR_TLS_CLIENT_KEY": CLIENT_KEY}
-  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
-                                    extra_args=tls, host_env={0: env, 1: env}) as cluster:
-    devices = jax.devices()[:2]
-    state = state_on(devices)
-    mtls = dict(tls_ca=CA, tls_cert=CLIENT, tls_key=CLIENT_KEY)
-    with cluster.controller(**mtls) as ctl, ctl.checkpointer(tmp_path / "ck", replicas=1) as ckpt:
-      handle = ckpt.save(1, state)
-      assert handle.durable.result(60) == 1 and handle.replicated.result(60) == 1
-    assert "over gRPC" in cluster.log(0) and "over gRPC" in cluster.log(1)
-    cluster.kill(1)
-    with sidecar.Controller(cluster.addresses[:1], **mtls) as ctl:
-      with ctl.checkpointer(tmp_path / "ck") as ckpt:
-        assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
-        assert "replica:host0" in ckpt.last_restore_stats().shards
 
 
 def test_sidecar_status_reaches_a_tls_sidecar_with_the_ca_in_the_environment(make_server,

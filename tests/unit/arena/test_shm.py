@@ -5,6 +5,7 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
+from tests.support.leaks import shm_entries
 
 pytestmark = pytest.mark.unit
 
@@ -30,10 +31,10 @@ def test_capacity_check_names_sizes_and_fix():
 
 
 def test_arena_is_a_memfd_not_a_dev_shm_file():
-  before = set(os.listdir("/dev/shm"))
+  before = shm_entries()
   arena = shm.Arena.create(4 << 20)
   try:
-    assert set(os.listdir("/dev/shm")) == before
+    assert shm_entries() == before
     assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:sidecar-arena")
     arena.buffer[:3] = [1, 2, 3]
     other = shm.Arena.attach(os.dup(arena.fd), arena.size)

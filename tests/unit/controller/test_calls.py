@@ -1,11 +1,10 @@
 """``controller.calls.Calls`` with no process: the Call RPC is an in-process fake.
 
-A :class:`FakeConnection` has a real CallWindow and a ``call_rpc`` that answers each
-request at once: ``answer(request)`` is the CallResponse, or the RpcError raised.
+tests/support's :class:`FakeConnection` has a real CallWindow and a ``call_rpc`` that answers
+each request at once: ``answer(request)`` is the CallResponse, or the RpcError raised.
 No worker maps an arena here, so arguments and results travel inline.
 """
 
-import concurrent.futures
 import threading
 
 import grpc
@@ -13,10 +12,10 @@ import numpy as np
 import pytest
 
 from sidecar._src.controller.calls import Calls
-from sidecar._src.controller.connection import CallWindow
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
+from tests.support.fake_sidecars import FakeConnection
 
 pytestmark = pytest.mark.unit
 
@@ -27,34 +26,6 @@ class Unavailable(grpc.RpcError):
 
   def details(self):
     return "connection refused"
-
-
-class FakeCallRpc:
-  """``conn.call_rpc``: blocking, or ``.future()``; records each request."""
-
-  def __init__(self, answer):
-    self.answer = answer
-    self.requests: list[pb.CallRequest] = []
-
-  def __call__(self, request, *, timeout, metadata):
-    self.requests.append(request)
-    return self.answer(request)
-
-  def future(self, request, *, timeout, metadata):
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-      out.set_result(self(request, timeout=timeout, metadata=metadata))
-    except grpc.RpcError as e:
-      out.set_exception(e)
-    return out
-
-
-class FakeConnection:
-  def __init__(self, answer, *, window: int = 4):
-    self.address = "fake:1"
-    self.metadata = ()
-    self.calls = CallWindow(window, name=self.address)
-    self.call_rpc = FakeCallRpc(answer)
 
 
 def _doubled(request: pb.CallRequest) -> pb.CallResponse:
@@ -68,7 +39,7 @@ def _calls(conn):
 
 def test_the_request_carries_the_arguments_inline_without_a_worker():
   held: list = []
-  request = _calls(FakeConnection(_doubled)).request(
+  request = _calls(FakeConnection(answer=_doubled)).request(
       0, "double", (np.arange(3),), {"timeout": 5.0}, 1.0, held)
   assert request.name == "double" and request.worker_session == "" and held == []
   (x,) = codec.decode(request.args)
@@ -78,12 +49,12 @@ def test_the_request_carries_the_arguments_inline_without_a_worker():
 
 def test_a_name_that_is_no_str_is_refused():
   with pytest.raises(errors.InvalidArgumentError, match=r"name must be a str, got 3"):
-    _calls(FakeConnection(_doubled)).request(0, 3, (), {}, 1.0, [])
+    _calls(FakeConnection(answer=_doubled)).request(0, 3, (), {}, 1.0, [])
 
 
 @pytest.mark.parametrize("on_main_thread", [True, False], ids=["main-thread", "other-thread"])
 def test_a_sync_call_returns_the_result_and_its_slot(on_main_thread):
-  conn = FakeConnection(_doubled, window=1)
+  conn = FakeConnection(answer=_doubled, window=1)
   calls, out = _calls(conn), []
   run = lambda: out.append(calls.call_sync(0, "double", (np.int64(21),), {}, 5.0))
   if on_main_thread:
@@ -97,7 +68,7 @@ def test_a_sync_call_returns_the_result_and_its_slot(on_main_thread):
 
 
 def test_a_sync_call_that_waits_out_its_timeout_for_a_slot_names_it():
-  conn = FakeConnection(_doubled, window=1)
+  conn = FakeConnection(answer=_doubled, window=1)
   assert conn.calls.enter(0.0)  # another call holds the only slot
   with pytest.raises(errors.DeadlineExceededError,
                      match=r"call 'double' on host 0 waited 0.01 s \(its timeout\) behind "
@@ -111,7 +82,7 @@ def _unavailable(request):
 
 
 def test_a_failed_rpc_becomes_the_matching_error_naming_the_host():
-  conn = FakeConnection(_unavailable)
+  conn = FakeConnection(answer=_unavailable)
   with pytest.raises(errors.HostLostError,
                      match=r"sidecar fake:1 \(host 0\) is unreachable: connection refused"):
     _calls(conn).call_sync(0, "double", (1,), {}, 5.0)
@@ -122,11 +93,11 @@ def test_a_failed_rpc_becomes_the_matching_error_naming_the_host():
 
 
 def test_a_future_call_resolves_to_the_result():
-  future = _calls(FakeConnection(_doubled)).call_future(0, "double", (np.int64(4),), {}, 5.0)
+  future = _calls(FakeConnection(answer=_doubled)).call_future(0, "double", (np.int64(4),), {}, 5.0)
   assert future.result(5) == 8
 
 
 def test_a_future_call_that_cannot_encode_fails_its_future():
-  future = _calls(FakeConnection(_doubled)).call_future(0, 3, (), {}, 5.0)
+  future = _calls(FakeConnection(answer=_doubled)).call_future(0, 3, (), {}, 5.0)
   with pytest.raises(errors.InvalidArgumentError, match=r"name must be a str"):
     future.result(5)

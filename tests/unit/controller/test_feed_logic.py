@@ -147,3 +147,16 @@ def test_feed_arguments_give_the_options_to_use():
   legacy = feed_lib.check_arguments("ids", None, {"workers": 2}, hosts, global_batch_size=8,
                                     num_epochs=None)
   assert legacy == sidecar.FeedOptions(workers=2)
+
+
+def test_processes_sharing_a_host_each_get_a_part_of_their_own():
+  devices = jax.devices()[:4]  # one host; devices 0-1 of process 0, 2-3 of process 1
+  sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
+  owners = {d.id: i // 2 for i, d in enumerate(devices)}
+  plans = feed_lib.plan(sharding, BATCH, {d.id: 0 for d in devices}, owners)
+  assert [(p.host_id, p.process, p.ranges) for p in plans] == [
+      (0, 0, ((0, 2), (2, 4))), (0, 1, ((4, 6), (6, 8)))]
+  assert [d for p in plans for ds in p.devices for d in ds] == devices
+  # Without owners (one process drives every device) the host is one part.
+  (whole,) = feed_lib.plan(sharding, BATCH, {d.id: 0 for d in devices})
+  assert whole.process == -1 and whole.ranges == ((0, 2), (2, 4), (4, 6), (6, 8))

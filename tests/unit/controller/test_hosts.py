@@ -1,8 +1,8 @@
 """``controller.hosts.Hosts`` with no process: its connections are in-process fakes.
 
-Hosts reaches sidecars through one seam, ``connect(address, timeout)``; the fake below
-answers from a table of addresses, with a :class:`FakeConnection` (what a handshake
-told: host id, registry fingerprint) or the error that connecting raised.
+Hosts reaches sidecars through one seam, ``connect(address, timeout)``; tests/support's
+FakeSidecars answers it from a table of addresses, with a :class:`FakeConnection` (what a
+handshake told: host id, registry fingerprint) or the error that connecting raised.
 """
 
 import logging
@@ -10,54 +10,16 @@ import re
 
 import pytest
 
-from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.core import errors
 from sidecar._src.jax import distributed
-from sidecar._src.wire.protocol import pb
+from tests.support.fake_sidecars import FakeConnection, FakeSidecars
 
 pytestmark = pytest.mark.unit
 
 
-class FakeConnection:
-  """What Hosts reads of a Connection: its address, handshake, status call; close()."""
-
-  def __init__(self, address: str, host_id: int, *, fingerprint: str = "f1",
-               device_ids: tuple[int, ...] = ()):
-    self.address = address
-    self.info = HostInfo(host_id=host_id, slice_id=0, device_ids=device_ids,
-                         hostname="fake", pid=100 + host_id, address=address,
-                         functions=("double",), pipelines=(),
-                         registry_fingerprint=fingerprint, versions={})
-    self.reply = pb.HandshakeResponse()  # no boot id: never on this machine
-    self.status_rpc = f"status of {address}"
-    self.metadata = (("session", address),)
-    self.closed = False
-
-  def close(self) -> None:
-    self.closed = True
-
-
-class FakeSidecars:
-  """``connect`` for Hosts: ``answers[address]`` is a FakeConnection or an error."""
-
-  def __init__(self, answers):
-    self.answers = dict(answers)
-    self.made: list[FakeConnection] = []
-    self.asked: list[str] = []
-
-  def connect(self, address: str, timeout: float) -> FakeConnection:
-    del timeout
-    self.asked.append(address)
-    answer = self.answers[address]
-    if isinstance(answer, Exception):
-      raise answer
-    self.made.append(answer)
-    return answer
-
-
 def _hosts(answers, **kwargs):
-  sidecars = FakeSidecars(answers)
+  sidecars = FakeSidecars(answers=answers)
   cancelled = []
   hosts = Hosts(sidecars.connect, peers=distributed.LocalPeers(), peer_timeout=1.0,
                 map_arenas=False, cancel=lambda: cancelled.append(True), **kwargs)

@@ -165,10 +165,15 @@ def test_local_peers_agree_with_themselves():
   peers.agree("a", 1, what="anything")
 
 
-def test_two_processes_driving_one_host_is_an_error():
-  with pytest.raises(errors.InvalidArgumentError, match="processes 0 and 1 both drive sidecar"):
-    distributed.hosts_by_process([{"host_id": 0, "device_ids": [0]},
-                                  {"host_id": 0, "device_ids": [2048]}])
+def test_processes_may_share_a_host_but_not_a_device():
+  shared = [{"host_id": 0, "device_ids": [0]}, {"host_id": 0, "device_ids": [2048]},
+            {"host_id": 1, "device_ids": [4096]}]
+  assert distributed.hosts_by_process(shared) == {0: 0, 2048: 0, 4096: 1}
+  assert distributed.processes_by_host(shared) == {0: [0, 1], 1: [2]}
+  with pytest.raises(errors.InvalidArgumentError, match="processes 0 and 1 both say they own "
+                                                        "device 7"):
+    distributed.hosts_by_process([{"host_id": 0, "device_ids": [7]},
+                                  {"host_id": 1, "device_ids": [7]}])
   assert distributed.hosts_by_process([{"host_id": 1, "device_ids": [0, 1]},
                                        {"host_id": 0, "device_ids": [2048]}]) == {
                                            0: 1, 1: 1, 2048: 0}

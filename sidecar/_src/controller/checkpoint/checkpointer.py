@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
@@ -66,7 +66,8 @@ class Checkpointer:
                local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
                key: str = "ckpt", replicas: int = 0,
                sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = (),
-               replica_bandwidth: int | str | None = None):
+               replica_bandwidth: int | str | None = None,
+               sharers: Mapping[int, Sequence[int]] | None = None):
     if if_busy not in ("wait", "skip"):
       raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
@@ -121,7 +122,7 @@ class Checkpointer:
                         device_hosts=device_hosts, peers=self._peers, key=key,
                         replicas=replicas, placement=placement, sidecars=sidecars,
                         replica_bandwidth=replica_bandwidth, list_step=self._retention.add,
-                        collect_garbage=self._retention.collect)
+                        collect_garbage=self._retention.collect, sharers=sharers)
     self._restorer = Restorer(client=client, directory=self.directory, hosts=hosts,
                               local=self._local, device_hosts=device_hosts, mapped=set(mapped),
                               ask_all=bool(replicas) or self._peers.count == 1,

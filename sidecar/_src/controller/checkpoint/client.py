@@ -91,8 +91,9 @@ class CheckpointTransport(abc.ABC):
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, item: str, final_item: str,
             leaves: Sequence[Mapping[str, Any]], shards: Sequence[StagedShard],
-            last: bool) -> concurrent.futures.Future:
-    """Future of the bytes of the step staged on ``host`` so far."""
+            last: bool, writers: int = 1) -> concurrent.futures.Future:
+    """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
+    processes stage into ``host`` (each sends its own ``last``)."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_item: str, *, timeout: float
@@ -239,11 +240,12 @@ class CheckpointClient(CheckpointTransport):
                                                                    step=step),
                      lambda r: r.tmp_directory)
 
-  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last):
+  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last,
+            writers=1):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
         directory=directory, step=step, item=item, final_item=final_item,
-        leaves=[wire.leaf_to_pb(d) for d in leaves], last=last,
+        leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
     for s in shards:
       staged = request.shards.add(leaf=s.leaf, index=wire.index_to_pb(s.index))

@@ -17,7 +17,7 @@ import pathlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -104,19 +104,23 @@ class Saver:
     replicas: peer copies per shard; ``placement``: each host's peers;
       ``sidecars``: their addresses; ``replica_bandwidth``: bytes/s, or None.
     list_step: lists a committed step; ``collect_garbage``: drops the steps no longer kept.
+    sharers: the processes that stage into each host, where several share one (each
+      sends its own parts; the host's step is whole once all of them have).
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
                local: list[int], device_hosts: dict[int, int], peers: distributed.Peers,
                key: str, replicas: int, placement: dict[int, list[int]],
                sidecars: dict[int, dict[str, Any]], replica_bandwidth: int | None,
-               list_step: Callable[[int], None], collect_garbage: Callable[[], None]):
+               list_step: Callable[[int], None], collect_garbage: Callable[[], None],
+               sharers: Mapping[int, Sequence[int]] | None = None):
     self._client, self.directory, self._hosts, self._local = client, directory, hosts, local
     self._device_hosts, self._peers, self._key = device_hosts, peers, key
     self._lead = peers.index == 0
     self._replicas, self._placement, self._sidecars = replicas, placement, sidecars
     self._replica_bandwidth = replica_bandwidth
     self._list_step, self._collect_garbage = list_step, collect_garbage
+    self._writers = {h: max(len((sharers or {}).get(h, ())), 1) for h in hosts}
     self._saves = 0
     self.finisher: threading.Thread | None = None  # the latest save's, until it ends
 
@@ -358,7 +362,8 @@ class Saver:
         specs = [] if host in last else leaves  # the first part carries the leaves
         last[host] = self._client.stage(host, directory=self.directory, step=step,
                                         item=target.item, final_item=target.final_item,
-                                        leaves=specs, shards=part[1], last=final)
+                                        leaves=specs, shards=part[1], last=final,
+                                        writers=self._writers.get(host, 1))
         closed += final
     except BaseException:
       # The abort that follows must reach each sidecar after its last stage call: one
@@ -400,7 +405,9 @@ class Saver:
       if failures:
         raise errors.InvalidArgumentError(
             f"the save of step {target.step} failed in {'; '.join(failures)}")
-      checksums = [c for g in gathered for c in g["ok"]]
+      # A host that several processes share reports its checksums to each: keep one.
+      checksums = list({(c["host"], json.dumps(c["key_path"]), json.dumps(c["index"])): c
+                        for g in gathered for c in g["ok"]}.values())
       self._client.commit(self._local[0], item=target.item, step=target.step,
                           num_hosts=len(self._hosts), leaves=leaves, checksums=checksums,
                           data_state_json=data_json, whole_step=target.whole_step,

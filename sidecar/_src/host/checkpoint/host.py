@@ -169,12 +169,13 @@ class CheckpointHost:
     return self._saver.begin(directory, step, owner)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, owner: str = "") -> int:
+            shards: list[dict], last: bool = True, writers: int = 1, owner: str = "") -> int:
     """Takes shards of this host and starts writing them; returns the bytes staged so far.
 
     ``owner``: the session whose save it is (the first part's); see ``Saver.stage``.
     """
-    return self._saver.stage(directory, step, item, final_item, leaves, shards, last, owner)
+    return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
+                             writers=writers, owner=owner)
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     """Waits for this host's write of the step; returns its shards' checksums."""

@@ -40,7 +40,10 @@ class Step:
   specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
   # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
   incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
-  closed: bool = False  # the last part is staged
+  closed: bool = False  # the last part is staged (of every writer)
+  lasts: int = 0  # the writers (trainer processes) that sent their last part
+  # Set once closed, or once the write ended or the save was aborted: no more parts come.
+  whole: threading.Event = dataclasses.field(default_factory=threading.Event)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   checksums: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   error: BaseException | None = None
@@ -51,7 +54,10 @@ class Step:
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
   tmp_item: str = ""  # the uncommitted item directory its writer fills
-  owner: str = ""  # the handshake session that began it: only it stages more and commits
+  # The handshake sessions that staged it (at most ``writers``, the trainer processes of
+  # this host): only they stage more parts of it, and commit it.
+  owners: set = dataclasses.field(default_factory=set)
+  writers: int = 1
 
 
 @dataclasses.dataclass

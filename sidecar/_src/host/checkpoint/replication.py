@@ -64,6 +64,8 @@ class Replicator:
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
     record = self._tier.record(final_item)
     targets = [replicas_lib.Peer.from_dict(p) for p in peers]
+    if record.lasts and not record.closed:  # processes sharing this host: wait for them all
+      record.whole.wait(timeout)
     with self._tier.lock:
       if not record.closed:
         raise errors.InvalidArgumentError(

@@ -95,7 +95,7 @@ class Saver:
     step = roots_lib.as_int(step, "step")
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
-              if s.step == step and not s.done.is_set() and s.owner != owner
+              if s.step == step and not s.done.is_set() and owner not in s.owners
               and self._path(s.directory, "directory") == resolved]
     if busy:
       raise errors.PermissionDeniedError(
@@ -128,17 +128,19 @@ class Saver:
     return str(path), str(step_dir / path.relative_to(tmp))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, owner: str = "") -> int:
+            shards: list[dict], last: bool = True, writers: int = 1, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
     first part starts the writer, each part's shards are written as they arrive.
+    Where ``writers`` trainer processes share this host, the step is whole once each
+    has sent its ``last`` part.
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
 
     ``item`` must lie in an uncommitted step directory, and ``final_item`` be where it
-    goes; the save belongs to the session that staged its first part (``owner``): a
-    part of another session is refused while the save is being written.
+    goes; the save belongs to the sessions that staged its parts (``owner``), at most
+    ``writers`` of them: a part of another session is refused while it is being written.
     """
     step = roots_lib.as_int(step, "step")
     for value, name in ((directory, "directory"), (final_item, "final_item")):
@@ -152,7 +154,8 @@ class Saver:
     with self._tier.lock:
       record = self._tier.steps.get(final_item)
       if record is not None and not record.done.is_set() and (
-          record.owner != owner or record.tmp_item != tmp_item):
+          record.tmp_item != tmp_item
+          or (owner not in record.owners and len(record.owners) >= record.writers)):
         raise errors.PermissionDeniedError(
             f"stage: step {record.step} at {final_item!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
@@ -160,11 +163,12 @@ class Saver:
       if record is None or record.done.is_set():
         specs = [layout.spec_from_dict(d) for d in leaves]
         record = ram_tier.Step(directory, step, final_item, {}, 0, specs, tmp_item=tmp_item,
-                               owner=owner)
+                               writers=max(writers, 1))
         self._tier.steps[final_item] = record
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
+      record.owners.add(owner)
       for s in shards:
         leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
         if not 0 <= leaf < len(record.specs):
@@ -175,8 +179,11 @@ class Saver:
         self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
         record.incoming.put((leaf, ol_shards.Shard(index, s["data"])))
       if last:
-        record.closed = True
-        record.incoming.put(None)
+        record.lasts += 1
+        if record.lasts >= writers:
+          record.closed = True
+          record.incoming.put(None)
+          record.whole.set()
       return record.nbytes
 
   def _write(self, record: ram_tier.Step, item: str) -> None:
@@ -235,6 +242,7 @@ class Saver:
     finally:
       record.finished = time.monotonic()
       record.done.set()
+      record.whole.set()
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     self._path(final_item, "final_item")
@@ -263,7 +271,8 @@ class Saver:
     tmp_item, _ = self._uncommitted(item, "item")
     with self._tier.lock:
       record = next((s for s in self._tier.steps.values() if s.tmp_item == tmp_item), None)
-    if record is None or record.owner != owner or record.step != step or record.committed:
+    if (record is None or owner not in record.owners or record.step != step
+        or record.committed):
       raise errors.PermissionDeniedError(
           f"commit: item {item!r:.200} is not a step {step} this session staged on host "
           f"{self._host_id}; a session commits only the save it began")
@@ -320,6 +329,7 @@ class Saver:
         record.replication.cancelled.set()
       if not record.closed:
         record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
+      record.whole.set()
       record.done.wait(60)
       record.shards.clear()  # the staged blocks go back to the arena
     shutil.rmtree(path, ignore_errors=True)

@@ -181,7 +181,7 @@ class CheckpointService:
               for i, s in enumerate(r.shards)]
     try:
       staged = self._host.stage(r.directory, step, r.item, r.final_item, leaves, shards, r.last,
-                                owner=_session(context))
+                                writers=max(r.writers, 1), owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)

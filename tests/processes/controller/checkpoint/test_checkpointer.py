@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from tests.conftest import eventually
+from tests.support.states import abstract, assert_same
 
 pytestmark = pytest.mark.processes
 
@@ -43,17 +44,6 @@ def make_state():
       "step_count": jax.device_put(jnp.int32(7), replicated),
       "table": np.arange(10, dtype=np.int64),
   }
-
-
-def abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                      if isinstance(x, jax.Array) else x, tree)
-
-
-def assert_same(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert np.asarray(x).dtype == np.asarray(y).dtype
 
 
 def test_save_is_staged_then_durable_and_stock_orbax_restores_it(cluster, tmp_path):

@@ -4,54 +4,20 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.controller import status as status_lib
 from sidecar._src.controller.checkpoint import restore as checkpoint_restore
-from sidecar._src.controller.checkpoint.checkpointer import replica_peers
 from sidecar._src.core import errors
 from sidecar._src.host.checkpoint.host import FAULT_ENV
 from tests.conftest import arena_mappers, eventually, shm_entries
+from tests.support.states import assert_same, state_on, target_on
 
 pytestmark = pytest.mark.processes
 
 FNS = ["tests.support.sidecar_fns"]
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("slices, host, replicas, expected", [
-    ({0: 0, 1: 0, 2: 0}, 0, 1, [1]),
-    ({0: 0, 1: 0, 2: 0}, 2, 2, [0, 1]),  # wraps
-    ({0: 0, 1: 0, 2: 1, 3: 1}, 0, 1, [2]),  # another slice first
-    ({0: 0, 1: 0, 2: 1, 3: 1}, 3, 2, [0, 1]),
-    ({0: 0, 1: 0, 2: 1, 3: 1}, 1, 3, [2, 3, 0]),  # then its own slice
-], ids=["next", "wrap", "other-slice", "other-slice-wrap", "then-same-slice"])
-def test_replica_peers(slices, host, replicas, expected):
-  assert replica_peers(slices, host, replicas) == expected
-
-
-def state_on(devices):
-  mesh = Mesh(np.array(devices), ("data",))
-  w = jnp.arange(1536 * 64, dtype=jnp.float32).reshape(1536, 64)
-  return {"w": jax.device_put(w, NamedSharding(mesh, P("data"))),
-          "b": jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P())),
-          "table": np.arange(10, dtype=np.int64)}
-
-
-def target_on(devices, like):
-  mesh = Mesh(np.array(devices), ("data",))
-  specs = {"w": P("data"), "b": P()}
-  return {k: (jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
-              if k in specs else v) for k, v in like.items()}
-
-
-def assert_same(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def chunk_files(directory: pathlib.Path, step: int) -> list[pathlib.Path]:

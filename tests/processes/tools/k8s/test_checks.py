@@ -7,7 +7,7 @@ import re
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.tools.k8s import checks, quantity
+from sidecar._src.tools.k8s import checks
 from tests.support import k8s_util as util
 
 pytestmark = pytest.mark.processes
@@ -228,13 +228,6 @@ def test_a_field_newer_than_1_29_fails_only_at_1_29(cpu_jobset):
       "('resources' was unexpected)"]
 
 
-@pytest.mark.unit
-def test_pod_schema_checks_the_default_versions():
-  versions = checks.schemas.default_versions()
-  assert versions[0] == "1.29"
-  assert len(versions) == 2 and tuple(map(int, versions[1].split("."))) > (1, 29)
-
-
 def test_sidecar_settings_from_flags_override_env(cpu_jobset):
   sidecar = util.container(cpu_jobset, "sidecar")
   sidecar["command"] = ["sidecar", "serve", "--health-port", "9000"]
@@ -266,15 +259,6 @@ def test_trainer_with_the_whole_contract_explicit_needs_no_jobset_env(cpu_jobset
   assert checks.check_documents([cpu_jobset], kubernetes_versions=()) == []
 
 
-@pytest.mark.unit
-def test_documents_without_a_jobset_are_reported():
-  findings = checks.check_documents([{"apiVersion": "v1", "kind": "ConfigMap"}],
-                                    kubernetes_versions=())
-  assert [str(f) for f in findings] == [
-      "manifests: no JobSet found; pass the rendered JobSet (kubectl kustomize DIR, or sidecar "
-      "k8s render)"]
-
-
 def test_raise_for_findings_lists_every_finding(cpu_jobset):
   _spec(cpu_jobset)["volumes"][0]["emptyDir"].pop("sizeLimit")
   util.container(cpu_jobset, "sidecar").pop("restartPolicy")
@@ -283,30 +267,6 @@ def test_raise_for_findings_lists_every_finding(cpu_jobset):
                      match=r"(?s)2 problem\(s\) in the manifests:.*no sizeLimit.*native sidecar"):
     checks.raise_for_findings(findings)
   checks.raise_for_findings([])
-
-
-@pytest.mark.unit
-def test_crd_that_is_not_a_crd_is_rejected(tmp_path):
-  path = tmp_path / "not-a-crd.yaml"
-  path.write_text("apiVersion: v1\nkind: ConfigMap\n")
-  with pytest.raises(errors.InvalidArgumentError, match=r"is not a CustomResourceDefinition"):
-    checks.check_documents([{"kind": "JobSet"}], crd_path=path)
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("text, expected", [
-    ("4608Mi", 4608 * 2**20), ("5Gi", 5 * 2**30), ("1G", 10**9), ("1e3", 1000), ("500m", 0),
-    ("1.5Ki", 1536), (1024, 1024),
-], ids=["Mi", "Gi", "G", "exponent", "milli", "fraction", "int"])
-def test_parse_quantity(text, expected):
-  assert quantity.parse_quantity(text) == expected
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("bad", ["lots", "4 GiBs", "-1Gi", "", "4GiB"])
-def test_bad_quantities_name_the_value(bad):
-  with pytest.raises(ValueError, match=re.escape(repr(bad))):
-    quantity.parse_quantity(bad)
 
 
 def test_mounts_of_volume_claim_policies_count_as_volumes(cpu_jobset):

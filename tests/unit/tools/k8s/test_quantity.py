@@ -1,8 +1,10 @@
 """Kubernetes quantities as byte counts: exact decimal arithmetic, rounded down.
 
 The parse of the common forms (``4608Mi``, ``5G``, ``1e3``, ...) and of bad text is
-pinned in test_checks.py, beside the memory check that relies on it.
+pinned here too; the memory check that relies on it is in test_checks.py.
 """
+
+import re
 
 import pytest
 
@@ -53,4 +55,18 @@ def test_format_mebibytes_rounds_up(num_bytes, expected):
 @pytest.mark.parametrize("bad", ["1e999999", "1e-999999999", "5e31Mi"], ids=["huge", "tiny", "suffix"])
 def test_an_exponent_out_of_range_is_refused_at_once(bad):
   with pytest.raises(ValueError, match=r"exponent of quantity .* is out of range: at most e30"):
+    quantity.parse_quantity(bad)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4608Mi", 4608 * 2**20), ("5Gi", 5 * 2**30), ("1G", 10**9), ("1e3", 1000), ("500m", 0),
+    ("1.5Ki", 1536), (1024, 1024),
+], ids=["Mi", "Gi", "G", "exponent", "milli", "fraction", "int"])
+def test_parse_quantity(text, expected):
+  assert quantity.parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "4 GiBs", "-1Gi", "", "4GiB"])
+def test_bad_quantities_name_the_value(bad):
+  with pytest.raises(ValueError, match=re.escape(repr(bad))):
     quantity.parse_quantity(bad)

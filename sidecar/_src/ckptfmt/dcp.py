@@ -1,0 +1,364 @@
+"""A checkpoint in ``torch.distributed.checkpoint``'s (DCP's) own layout, written by sidecars.
+
+Stock DCP (``FileSystemWriter``, one file per rank) saves a checkpoint directory::
+
+  <path>/.metadata            DCP's Metadata, pickled: every item, and where it is stored
+  <path>/__<rank>_0.distcp    rank r's items, one record after the other:
+                                a tensor chunk: a whole torch.save archive (dcp_record)
+                                bytes (non-tensor values): the bytes DCP's planner made
+
+That is the layout written here, so stock ``dcp.load(sd,
+storage_reader=FileSystemReader(path))`` restores it with no sidecar running. Each
+sidecar writes the files of the ranks beside it (:func:`write_rank_part`) straight from
+its arena, and one caller commits (:func:`finalize`) once every rank's file is down:
+
+  <path>.dcp-checkpoint-tmp/    while writing; renamed to <path> to commit
+    __<rank>_0.distcp ...       fsynced as they are written
+    sidecar_manifest.json       each shard's crc32c (what a restore checks)
+    .metadata                   written last, then the directory is fsynced and renamed
+
+So a checkpoint is visible only once every rank's part and the metadata are durable;
+an attempt that died leaves only a ``*.dcp-checkpoint-tmp`` directory, swept later.
+
+Where each item lies is fixed by the items alone (:func:`layout`): records start on 64
+bytes and a tensor's own bytes on 4 KiB, so they go to disk with ``O_DIRECT``, no copy
+through the page cache; the trainer computes the same offsets for DCP's ``storage_data``.
+
+**Who pickles.** DCP's ``.metadata`` is a pickle (of ``Metadata``, ``MetadataIndex``,
+``_StorageInfo``, torch dtypes...). The sidecar never pickles or unpickles it, and
+never imports torch: rank 0's trainer, which has DCP's ``Metadata`` in hand in
+``StorageWriter.finish``, pickles it there, in its own process, and the sidecar writes
+those bytes as they are (:func:`finalize` checks only that they begin as a pickle
+does). Nothing is unpickled from the network: the trainer that reads ``.metadata``
+from storage is doing what stock DCP does with the same file; and for a restore from
+the RAM tier (no files read) the trainer gets no pickle at all: the plan travels in our
+own typed form (:class:`Item`, :class:`Placement`, JSON in the manifest), and the
+trainer rebuilds DCP's ``Metadata`` from it. The bytes items (DCP's own ``torch.save``
+of non-tensor values) are opaque to the sidecar too; DCP's load planner turns them back
+into values in the trainer, as it does for stock files.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.ckptfmt import dcp_record, direct_io
+from sidecar._src.ckptfmt.direct_io import background_thread
+from sidecar._src.ckptfmt.shards import ShardChecksum, shard_crc32c
+from sidecar._src.core import errors
+
+METADATA_FILE = ".metadata"
+MANIFEST = "sidecar_manifest.json"  # as in a sidecar's Orbax steps
+TMP_SUFFIX = ".dcp-checkpoint-tmp"
+FORMAT = "dcp"
+_WRITERS = 4
+
+
+class ItemKind(enum.StrEnum):
+  """What a write item holds, as DCP's ``WriteItemType`` (shards of both tensor kinds)."""
+  TENSOR = "tensor"
+  BYTES = "bytes"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Item:
+  """One write item of a rank: a chunk of a tensor, or the bytes of a non-tensor value.
+
+  Attributes:
+    fqn: the state dict key (DCP's flattened name, ``"model.layer.weight"``).
+    kind: a tensor chunk or bytes.
+    nbytes: the bytes stored: a chunk's C-order bytes, or the blob's length.
+    dtype: a tensor's numpy (ml_dtypes) dtype name, ``"float32"``, ``"bfloat16"``.
+    sizes: the chunk's shape; ``offsets``: where it starts in the whole tensor.
+  """
+
+  fqn: str
+  kind: ItemKind
+  nbytes: int
+  dtype: str = ""
+  sizes: tuple[int, ...] = ()
+  offsets: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "kind", ItemKind(self.kind))
+    object.__setattr__(self, "sizes", tuple(int(d) for d in self.sizes))
+    object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))
+    if not isinstance(self.fqn, str) or not self.fqn:
+      raise errors.InvalidArgumentError(f"an item's fqn must be a non-empty str, got {self.fqn!r}")
+    if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes < 0:
+      raise errors.InvalidArgumentError(
+          f"item {self.fqn!r}: nbytes must be an int >= 0, got {self.nbytes!r}")
+    if self.kind is ItemKind.TENSOR:
+      expected = dcp_record.data_nbytes(self.dtype, self.sizes)
+      if len(self.offsets) != len(self.sizes) or self.nbytes != expected:
+        raise errors.InvalidArgumentError(
+            f"item {self.fqn!r}: a {self.dtype} chunk of sizes {self.sizes} at offsets "
+            f"{self.offsets} holds {expected} bytes, got nbytes {self.nbytes}")
+    elif self.dtype or self.sizes or self.offsets:
+      raise errors.InvalidArgumentError(f"bytes item {self.fqn!r} has no dtype, sizes or offsets")
+
+  @property
+  def index(self) -> tuple[tuple[int, int], ...]:
+    """The chunk as ``((start, stop), ...)`` per dimension: its RAM-tier key with the fqn."""
+    return tuple((o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"fqn": self.fqn, "kind": str(self.kind), "nbytes": self.nbytes, "dtype": self.dtype,
+            "sizes": list(self.sizes), "offsets": list(self.offsets)}
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> Item:
+    try:
+      return cls(fqn=d["fqn"], kind=d["kind"], nbytes=d["nbytes"], dtype=d.get("dtype", ""),
+                 sizes=tuple(d.get("sizes", ())), offsets=tuple(d.get("offsets", ())))
+    except (KeyError, TypeError, ValueError) as e:
+      if isinstance(e, errors.SidecarError):
+        raise
+      raise errors.InvalidArgumentError(f"malformed DCP item {dict(d)!r:.200}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placement:
+  """Where an item's record lies: DCP's ``_StorageInfo`` (file, offset, length of the
+  record) and where its own bytes start in that file (``data_offset``)."""
+
+  relative_path: str
+  offset: int
+  length: int
+  data_offset: int
+
+
+def file_name(rank: int) -> str:
+  """Rank ``rank``'s file, as DCP's ``FileSystemWriter`` names it (one file per rank)."""
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    raise errors.InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}")
+  return f"__{rank}_0.distcp"
+
+
+def layout(rank: int, items: Sequence[Item]) -> tuple[list[Placement], int]:
+  """Where each of rank ``rank``'s items goes in its file, and the file's size.
+
+  Records follow one another in the order given, each on 64 bytes; a tensor's bytes
+  start on 4 KiB where there are at least that many. The same items always give the
+  same layout: the sidecar writes it, the trainer records it in DCP's metadata.
+  """
+  name, at, out = file_name(rank), 0, []
+  for item in items:
+    at += -at % dcp_record.SMALL_ALIGN
+    if item.kind is ItemKind.TENSOR:
+      head = len(dcp_record.header(item.dtype, item.sizes, at=at))
+      length = dcp_record.record_length(item.dtype, item.sizes, at=at)
+      out.append(Placement(name, at, length, at + head))
+    else:
+      length = item.nbytes
+      out.append(Placement(name, at, length, at))
+    at += length
+  return out, at
+
+
+def item_checksum(item: Item, data: np.ndarray) -> ShardChecksum:
+  """The crc32c of an item's bytes, keyed as the RAM tier keys it: ``((fqn,), index)``."""
+  return ShardChecksum((item.fqn,), item.index, data.nbytes, shard_crc32c(data))
+
+
+def _as_bytes(item: Item, data: np.ndarray) -> np.ndarray:
+  data = np.asarray(data)
+  if data.nbytes != item.nbytes:
+    raise errors.InvalidArgumentError(
+        f"item {item.fqn!r} at {item.offsets}: expected {item.nbytes} bytes, got "
+        f"{data.nbytes} ({data.shape} {data.dtype})")
+  if item.kind is ItemKind.TENSOR and data.dtype.name != item.dtype:
+    raise errors.InvalidArgumentError(
+        f"item {item.fqn!r}: expected dtype {item.dtype}, got {data.dtype.name}")
+  return data
+
+
+def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Item],
+                    datas: Iterable[tuple[int, np.ndarray]], *,
+                    progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
+  """Writes rank ``rank``'s file into the uncommitted checkpoint ``directory``, durably.
+
+  ``datas`` yields ``(item number, array)`` for every item exactly once, in any order;
+  it may be a generator that waits for parts still being staged: each item's write
+  and checksum start as it arrives, on idle-class threads. The arrays must not change
+  until this returns (they are written without a copy). ``progress(nbytes)`` is called
+  as each item is written.
+
+  Returns:
+    The crc32c of every item, in the order of ``items``.
+  """
+  directory = pathlib.Path(directory)
+  if not directory.name.endswith(TMP_SUFFIX):
+    raise errors.InvalidArgumentError(
+        f"{directory} is not an uncommitted DCP checkpoint (its name must end with "
+        f"{TMP_SUFFIX!r}); make one with create_tmp()")
+  placements, size = layout(rank, items)
+  path = directory / file_name(rank)
+  with open(path, "wb") as f:
+    f.truncate(size)
+  sums: dict[int, concurrent.futures.Future[ShardChecksum]] = {}
+  writes: list[concurrent.futures.Future[int]] = []
+  with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-dcp-write",
+                                              initializer=background_thread) as pool,
+        concurrent.futures.ThreadPoolExecutor(1, "sidecar-dcp-crc32c",
+                                              initializer=background_thread) as checksums):
+    for number, data in datas:
+      if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < len(items):
+        raise errors.InvalidArgumentError(
+            f"item number {number!r}: rank {rank} has {len(items)} items")
+      if number in sums:
+        raise errors.InvalidArgumentError(f"item {items[number].fqn!r} of rank {rank} came twice")
+      item = items[number]
+      data = _as_bytes(item, data)
+      writes.append(pool.submit(_write_record, path, item, placements[number], data))
+      sums[number] = checksums.submit(item_checksum, item, data)
+    missing = [items[i].fqn for i in range(len(items)) if i not in sums]
+    if missing:
+      raise errors.InvalidArgumentError(
+          f"rank {rank}'s part is missing items {missing[:8]}{'...' * (len(missing) > 8)}")
+    for w in writes:
+      nbytes = w.result()
+      if progress is not None:
+        progress(nbytes)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    return [sums[i].result() for i in range(len(items))]
+
+
+def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray) -> int:
+  fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # its own: write_at sets O_DIRECT on it
+  try:
+    if item.kind is ItemKind.TENSOR:
+      os.pwrite(fd, dcp_record.header(item.dtype, item.sizes, at=where.offset), where.offset)
+      trailer = dcp_record.trailer(item.dtype, item.sizes, at=where.offset)
+      os.pwrite(fd, trailer, where.data_offset + item.nbytes)
+    direct_io.write_at(fd, data, where.data_offset)
+  finally:
+    os.close(fd)
+  return item.nbytes
+
+
+# ---- commit ----------------------------------------------------------------------------
+
+def tmp_path(path: os.PathLike | str) -> pathlib.Path:
+  """Where the checkpoint at ``path`` is written before its commit."""
+  path = pathlib.Path(path)
+  return path.with_name(path.name + TMP_SUFFIX)
+
+
+def create_tmp(path: os.PathLike | str) -> pathlib.Path:
+  """Makes the uncommitted directory of the checkpoint at ``path`` (a leftover of an
+  attempt that never committed is removed first) and returns it."""
+  tmp = tmp_path(path)
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  return tmp
+
+
+def is_checkpoint(path: os.PathLike | str) -> bool:
+  """Whether ``path`` is a committed DCP checkpoint (it has a ``.metadata``)."""
+  return (pathlib.Path(path) / METADATA_FILE).is_file()
+
+
+def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int, int],
+             manifest: Mapping[str, Any] | None = None, replace: bool = True) -> pathlib.Path:
+  """Commits the checkpoint written into ``tmp``: checks every rank's file, writes the
+  manifest and ``.metadata`` (the bytes rank 0's trainer pickled), fsyncs, renames.
+
+  Args:
+    tmp: the directory :func:`create_tmp` returned.
+    metadata: DCP's ``Metadata``, pickled by the trainer; written as it is.
+    file_sizes: every rank's file size (:func:`layout`), by rank.
+    manifest: JSON, our record of the checkpoint (items, placements, checksums).
+    replace: a committed checkpoint already at the path is replaced (as DCP's
+      ``overwrite=True``): it stays whole until the rename and is removed after;
+      False: FileExistsError.
+
+  Returns:
+    The committed checkpoint directory.
+
+  Raises:
+    InvalidArgumentError: a rank's file is missing or of the wrong size, or
+      ``metadata`` is not a pickle.
+    FileExistsError: something other than a committed checkpoint is at the path, or
+      one is and ``replace`` is False.
+  """
+  tmp = pathlib.Path(tmp)
+  if not tmp.name.endswith(TMP_SUFFIX):
+    raise errors.InvalidArgumentError(f"{tmp} is not an uncommitted DCP checkpoint (*{TMP_SUFFIX})")
+  final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
+  if not isinstance(metadata, bytes) or not metadata.startswith(b"\x80"):
+    raise errors.InvalidArgumentError(
+        "metadata must be DCP's Metadata as pickle bytes (rank 0's trainer pickles it), got "
+        f"{type(metadata).__name__} {bytes(metadata[:8]) if isinstance(metadata, bytes) else ''!r}")
+  for rank, size in sorted(file_sizes.items()):
+    path = tmp / file_name(rank)
+    got = path.stat().st_size if path.is_file() else None
+    if got != size:
+      raise errors.InvalidArgumentError(
+          f"checkpoint at {final} is incomplete: rank {rank}'s {path.name} is "
+          + ("missing" if got is None else f"{got} bytes, expected {size}")
+          + "; every rank's part must be written before the commit")
+  if manifest is not None:
+    direct_io.write_small(tmp / MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
+  direct_io.write_small(tmp / METADATA_FILE, metadata)
+  direct_io.fsync_dir(tmp)
+  old = None
+  if final.exists() or final.is_symlink():
+    if not is_checkpoint(final):
+      raise FileExistsError(f"{final} exists and is not a DCP checkpoint; not replacing it")
+    if not replace:
+      raise FileExistsError(f"a checkpoint is already committed at {final}")
+    old = final.with_name(final.name + ".dcp-checkpoint-old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(final, old)
+  os.rename(tmp, final)
+  direct_io.fsync_dir(final.parent)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+  return final
+
+
+# ---- read ------------------------------------------------------------------------------
+
+def read_item(path: os.PathLike | str, where: Placement, out: np.ndarray) -> None:
+  """Reads an item's own bytes (a tensor chunk's C-order bytes, or a blob) from the
+  committed checkpoint at ``path`` into ``out`` (C-contiguous, its size), direct from disk
+  where aligned. Only for checkpoints written here: stock DCP's records may hold views.
+
+  Raises:
+    CorruptCheckpointError: the file is shorter than the item.
+    OSError: the file cannot be read.
+  """
+  fd = os.open(pathlib.Path(path) / where.relative_path, os.O_RDONLY | os.O_CLOEXEC)
+  try:
+    got = direct_io.read_at(fd, out, where.data_offset)
+  finally:
+    os.close(fd)
+  if got != out.nbytes:
+    raise errors.CorruptCheckpointError(
+        f"{pathlib.Path(path) / where.relative_path} holds {got} of the {out.nbytes} bytes at "
+        f"offset {where.data_offset}: the file is truncated")
+
+
+def manifest_of(path: os.PathLike | str) -> dict[str, Any] | None:
+  """The manifest of a checkpoint a sidecar wrote; None for one stock DCP wrote."""
+  try:
+    with open(pathlib.Path(path) / MANIFEST) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+

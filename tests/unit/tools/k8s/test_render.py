@@ -1,0 +1,86 @@
+"""``sidecar k8s render``'s options and the JobSets they render, checked without kubectl."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar._src.core import errors
+from sidecar._src.tools.k8s import checks, render
+from tests.support import k8s_util as util
+
+pytestmark = pytest.mark.unit
+
+
+def test_no_metrics_renders_no_port_env_or_annotations():
+  doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1",
+                                                  metrics_port=None))
+  template = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+  assert "metadata" not in template
+  assert [p["name"] for p in util.container(doc, "sidecar")["ports"]] == ["grpc", "health"]
+  assert "SIDECAR_METRICS_PORT" not in util.env(doc, "sidecar")
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  with pytest.raises(errors.InvalidArgumentError, match="metrics_port 8491 is also the port"):
+    render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1", metrics_port=8491)
+
+
+@pytest.mark.parametrize("options", [
+    dict(slices=1, hosts_per_slice=1, image="sidecar:1"),
+    dict(slices=3, hosts_per_slice=4, image="sidecar:1", shm_size="256MiB"),
+    dict(slices=4, hosts_per_slice=16, image="sidecar:1", tpu=render.parse_tpu("v6e:8x8"),
+         shm_size="64GiB", imports=("a.fns", "b.fns"), namespace="ml", name="big-run"),
+    dict(slices=2, hosts_per_slice=8, image="sidecar:1", tpu=render.parse_tpu("v5p:2x4x4"),
+         port=9000, health_port=9001, coordinator_port=9002, grace_seconds=900),
+], ids=["minimal", "cpu", "v6e-namespace", "v5p-ports"])
+def test_rendered_jobsets_pass_every_check(options):
+  doc = render.render_jobset(render.RenderOptions(**options))
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  rjob = doc["spec"]["replicatedJobs"][0]
+  assert rjob["replicas"] == options["slices"]
+  assert rjob["template"]["spec"]["completions"] == options["hosts_per_slice"]
+
+
+@pytest.mark.parametrize("text, accelerator, chips, hosts", [
+    ("v5e:4x4", "tpu-v5-lite-podslice", 4, 4),
+    ("v5e:2x4", "tpu-v5-lite-podslice", 8, 1),
+    ("v5e:1x1", "tpu-v5-lite-podslice", 1, 1),
+    ("v6e:16x16", "tpu-v6e-slice", 4, 64),
+    ("v5p:2x2x1", "tpu-v5p-slice", 4, 1),
+    ("v4:2x2x4", "tpu-v4-podslice", 4, 4),
+], ids=["v5e-multi-host", "v5e-8-chip-host", "v5e-one-chip", "v6e-pod", "v5p-one-host", "v4"])
+def test_parse_tpu(text, accelerator, chips, hosts):
+  tpu = render.parse_tpu(text)
+  assert (tpu.accelerator, tpu.chips_per_host, tpu.hosts) == (accelerator, chips, hosts)
+  assert tpu.topology == text.split(":")[1]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("v5e", r"is not VERSION:TOPOLOGY with VERSION one of v4, v5p, v5e, v6e"),
+    ("v9:4x4", r"'v9:4x4' is not VERSION:TOPOLOGY"),
+    ("v5e:4x4x4", r"TPU v5e topologies have 2 dimensions, e\.g\. v5e:4x4"),
+    ("v5p:4x4", r"TPU v5p topologies have 3 dimensions, e\.g\. v5p:2x2x4"),
+    ("v5e:0x4", r"TPU v5e topologies have 2 dimensions"),
+    ("v5e:3x3", r"9 chips do not split into hosts of 4"),
+], ids=["no-topology", "unknown-version", "v5e-3d", "v5p-2d", "zero", "odd-chips"])
+def test_bad_tpu_names_the_fix(text, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    render.parse_tpu(text)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(slices=0, hosts_per_slice=1), r"slices must be an integer >= 1, got 0"),
+    (dict(slices=1, hosts_per_slice=2, tpu=render.parse_tpu("v5e:4x4")),
+     r"hosts_per_slice is 2 but TPU topology 4x4 has 4 hosts of 4 chips"),
+    (dict(slices=1, hosts_per_slice=1, name="Train_1"), r"name must be a DNS label"),
+    (dict(slices=1, hosts_per_slice=1, shm_size="lots"), r"shm_size: cannot parse size 'lots'"),
+    (dict(slices=1, hosts_per_slice=1, port=9000, health_port=9000),
+     r"port and health_port must differ, both are 9000"),
+    (dict(slices=1, hosts_per_slice=1, coordinator_port=8491),
+     r"coordinator_port 8491 is also a sidecar port \(port 8490, health_port 8491\); pick "
+     r"another"),
+    (dict(slices=1, hosts_per_slice=1, trainer_restarts=-1),
+     r"trainer_restarts must be an integer >= 0, got -1"),
+], ids=["zero-slices", "hosts-vs-tpu", "bad-name", "bad-shm", "same-ports",
+        "coordinator-on-sidecar-port", "negative-restarts"])
+def test_bad_options_name_the_value(options, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    render.RenderOptions(image="sidecar:1", **options)
