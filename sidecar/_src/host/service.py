@@ -41,8 +41,10 @@ def parse(cls, raw: bytes):
   try:
     return cls.FromString(raw)
   except (pb_message.DecodeError, RuntimeError) as e:
+    deep = (f"; values nest at most {codec.MAX_DEPTH} levels (codec.MAX_DEPTH)"
+            if "MaxDepth" in str(e) else "")
     raise errors.InvalidArgumentError(
-        f"malformed {cls.__name__} ({len(raw)} bytes): {e}") from None
+        f"malformed {cls.__name__} ({len(raw)} bytes): {e}{deep}") from None
 
 
 class Service:
@@ -89,9 +91,9 @@ class Service:
   @staticmethod
   def _log(e: Exception, what: str) -> None:
     if isinstance(e, errors.SidecarError):
-      log.info("%s: %s: %s", what, type(e).__name__, e)
+      log.info("%s: %s: %s", what, type(e).__name__, protocol.for_log(e))
     else:
-      log.warning("%s raised %s: %s", what, type(e).__name__, e)
+      log.warning("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e))
 
   def _guard(self, fn: Callable[[bytes, grpc.ServicerContext], Any]):
     def handle(raw: bytes, context: grpc.ServicerContext):

@@ -235,7 +235,7 @@ class WorkerListener:
       return
     except Exception as e:
       log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
-              "stream: %s: %s", type(e).__name__, e)
+              "stream: %s: %s", type(e).__name__, protocol.for_log(e))
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
     with contextlib.suppress(OSError):
       ipc.send_bytes(conn, end.SerializeToString())

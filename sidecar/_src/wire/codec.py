@@ -20,7 +20,10 @@ from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
 
 INLINE_LIMIT = 64 * 1024
-MAX_DEPTH = 64
+# Containers nested in one value, at most: the one limit, both ways. Protobuf's parse
+# refuses messages nested deeper than 100; a dict level takes 3 of them (Value, DictValue,
+# DictEntry) and a request's own wrapping 4, so 30 levels always parse.
+MAX_DEPTH = 30
 # What one request may decode (Budget): a value costs the decoder ~0.5 us and ~50 bytes
 # of Python objects however few bytes it took on the wire (a `none` takes 4), so the
 # count of values is bounded as well as their bytes: a request costs what it sent.
@@ -78,7 +81,8 @@ def encode(tree: Any, *, to_arena: ToArena | None = None,
 
 def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
   if depth > MAX_DEPTH:
-    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+    raise errors.InvalidArgumentError(
+        f"{where}: nesting deeper than {MAX_DEPTH} levels (codec.MAX_DEPTH); flatten the value")
   if x is None:
     return pb.Value(none=True)
   if isinstance(x, np.generic):  # before float: np.float64 subclasses float
@@ -185,7 +189,8 @@ def arena_blocks(value: pb.Value) -> list[int]:
 
 def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | None) -> Any:
   if depth > MAX_DEPTH:
-    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+    raise errors.InvalidArgumentError(
+        f"{where}: nesting deeper than {MAX_DEPTH} levels (codec.MAX_DEPTH); flatten the value")
   kind = v.WhichOneof("kind")
   if kind == "none":
     return None

@@ -112,6 +112,14 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
   return grpc.StatusCode.UNKNOWN
 
 
+MAX_LOG_MESSAGE = 2 << 10  # of an error's text in a log line: it may quote a request
+
+
+def for_log(exc: BaseException) -> str:
+  """``exc``'s message cut for a log line (a 64 MiB name once made one 64 MiB line)."""
+  return truncate(str(exc), MAX_LOG_MESSAGE)
+
+
 def truncate(text: str, limit: int, *, keep: str = "head") -> str:
   """``text`` cut to at most ``limit`` UTF-8 bytes (and a note saying how much was cut).
 

@@ -147,9 +147,9 @@ class CheckpointService:
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name
         if isinstance(e, errors.SidecarError):
-          log.info("%s: %s: %s", label, type(e).__name__, e)
+          log.info("%s: %s: %s", label, type(e).__name__, protocol.for_log(e))
         else:
-          log.warning("%s raised %s: %s", label, type(e).__name__, e)
+          log.warning("%s raised %s: %s", label, type(e).__name__, protocol.for_log(e))
         protocol.abort(context, e)
       finally:
         self._metrics.call_done("checkpoint", label, code, time.perf_counter() - t0)
