@@ -15,7 +15,7 @@ from collections.abc import Callable
 import grpc
 
 from sidecar._src.controller import interrupts
-from sidecar._src.core import env, errors
+from sidecar._src.core import env, errors, options as options_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
@@ -221,6 +221,51 @@ class HostInfo:
   versions: dict[str, str]
 
 
+# Words of gRPC's reason for a connection that failed in its TLS handshake.
+_TLS_WORDS = ("tls", "ssl", "certificate", "handshake")
+_PROBE_S = 0.25  # how often a channel that is not ready yet is asked why
+
+
+def _wait_ready(channel: grpc.Channel, address: str, timeout: float, *, tls: bool) -> None:
+  """Waits until ``channel`` connects; raises HostLostError with gRPC's reason.
+
+  A TLS handshake that fails (an unknown CA, an expired certificate, a sidecar that
+  wants a client certificate) fails at once with gRPC's words for it, not after the
+  whole timeout with a guess.
+  """
+  ready = grpc.channel_ready_future(channel)
+  probe = channel.unary_unary(f"/{protocol.SERVICE}/Status",
+                              request_serializer=pb.StatusRequest.SerializeToString)
+  deadline, reason, closed = time.monotonic() + timeout, "", 0
+  while True:
+    try:
+      ready.result(timeout=max(min(_PROBE_S, deadline - time.monotonic()), 0.0))
+      return
+    except grpc.FutureTimeoutError:
+      pass
+    try:  # fails at once while the channel cannot connect, saying why
+      probe(pb.StatusRequest(), timeout=_PROBE_S, wait_for_ready=False)
+    except grpc.RpcError as e:
+      if e.code() == grpc.StatusCode.UNAVAILABLE:
+        reason = (e.details() or "").rsplit("last error: ", 1)[-1]
+    low = reason.lower()
+    closed = closed + 1 if "socket closed" in low else 0
+    if tls and (any(w in low for w in _TLS_WORDS) or closed >= 3):
+      ready.cancel()
+      raise errors.HostLostError(
+          f"sidecar {address} refused the TLS connection: {reason}"
+          + ("; it closed the handshake: does it want a client certificate (mTLS: tls_cert="
+             "/tls_key=, or SIDECAR_TLS_CLIENT_CERT/_KEY), or not speak TLS at all?"
+             if "socket closed" in low else ""))
+    if time.monotonic() >= deadline:
+      ready.cancel()
+      raise errors.HostLostError(
+          f"sidecar {address} did not answer within {timeout:.3g} s"
+          + (f" ({reason})" if reason else "") + "; is `sidecar serve` running there and the "
+          "port reachable (and TLS on both sides or neither: a sidecar with --tls-cert needs "
+          "tls_ca=... here, or SIDECAR_TLS_CA)?")
+
+
 class Connection:
   """A channel to one sidecar, after a successful handshake."""
 
@@ -228,17 +273,19 @@ class Connection:
                peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S,
                credentials: grpc.ChannelCredentials | None = None):
     self.address = address
+    try:  # as the sidecar refuses at start: no client could ever send it
+      options_lib.check_token(token)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(str(e).replace("token holds", "the token holds", 1)
+                                        ) from None
     options = channel_options(peer_timeout)
     self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
                      else grpc.secure_channel(address, credentials, options=options))
     try:
-      grpc.channel_ready_future(self._channel).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
+      _wait_ready(self._channel, address, timeout, tls=credentials is not None)
+    except BaseException:
       self._channel.close()
-      raise errors.HostLostError(
-          f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
-          "running there and the port reachable (and TLS on both sides or neither: a "
-          "sidecar with --tls-cert needs tls_ca=... here, or SIDECAR_TLS_CA)?") from None
+      raise
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,

@@ -19,8 +19,10 @@ The table, by who reads it (``python -c "from sidecar._src import env; print(env
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import stat
 from collections.abc import Mapping
 
 from sidecar._src.core import errors
@@ -228,9 +230,22 @@ def token(token_file: str | None = None, environ: Mapping[str, str] | None = Non
     return None
   with open(token_file) as f:
     text = f.read().strip()
+    _warn_if_readable(f.fileno(), token_file)
   if not text:
     raise errors.InvalidArgumentError(f"token file {token_file!r} is empty; put the token in it")
   return text
+
+
+def _warn_if_readable(fd: int, path: str) -> None:
+  """Warns where a token file is readable by others, or by a group this process is not in
+  (a Kubernetes fsGroup, which the sidecar shares, is fine)."""
+  st = os.fstat(fd)
+  mine = st.st_gid == os.getgid() or st.st_gid in os.getgroups()
+  if st.st_mode & stat.S_IROTH or (st.st_mode & stat.S_IRGRP and not mine):
+    logging.getLogger(__name__).warning(
+        "token file %s is readable by %s (mode %o): anyone who reads it may use the sidecars; "
+        "chmod 600 %s", path, "everyone" if st.st_mode & stat.S_IROTH else "its group",
+        stat.S_IMODE(st.st_mode), path)
 
 
 def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
@@ -244,6 +259,7 @@ def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None 
     return None
   with open(token_file) as f:
     text = f.read().strip()
+    _warn_if_readable(f.fileno(), token_file)
   if not text:
     raise errors.InvalidArgumentError(
         f"peer token file {token_file!r} is empty; put the peer token in it")

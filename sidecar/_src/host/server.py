@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -102,10 +103,42 @@ def _tls_credentials(o: options_lib.ServerOptions) -> grpc.ServerCredentials | N
         return f.read()
     except OSError as e:
       raise OSError(e.errno, f"cannot read {flag} {path}: {e.strerror}") from None
+  _check_tls_files(o.tls_cert, o.tls_key, o.tls_client_ca)
   ca = None if o.tls_client_ca is None else read(o.tls_client_ca, "--tls-client-ca")
   return grpc.ssl_server_credentials(
       [(read(o.tls_key, "--tls-key"), read(o.tls_cert, "--tls-cert"))], root_certificates=ca,
       require_client_auth=ca is not None)
+
+
+def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+  """Says at start what gRPC would only report as "cannot listen": a key that is not the
+  certificate's, a CA file that holds no certificate; warns of a certificate expired.
+
+  Raises:
+    OSError: naming the file, the flag and OpenSSL's reason.
+  """
+  import ssl
+  try:
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+  except (ssl.SSLError, OSError) as e:
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+    what = ("the key does not match the certificate" if "MISMATCH" in str(e)
+            else f"they cannot be loaded: {reason}")
+    raise OSError(f"--tls-cert {cert} and --tls-key {key}: {what}; give the certificate "
+                  "chain (PEM) and its own private key") from None
+  if client_ca is not None:
+    try:
+      ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(client_ca)
+    except (ssl.SSLError, OSError) as e:
+      raise OSError(f"--tls-client-ca {client_ca} holds no CA certificate ({e}); give the "
+                    "PEM certificate of the CA that signs the clients' certificates") from None
+  try:
+    not_after = ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(cert)["notAfter"])
+  except (ssl.SSLError, OSError, KeyError, ValueError, AttributeError):
+    return
+  if not_after < time.time():
+    log.warning("--tls-cert %s expired on %s: clients will refuse it; renew the certificate",
+                cert, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after)))
 
 
 class Server:
