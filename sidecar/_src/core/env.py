@@ -117,6 +117,8 @@ SHM_SIZE = _var("SIDECAR_SHM_SIZE", "--shm-size: the arena's size, e.g. 4GiB",
                 default="1GiB", readers=_SERVE)
 IMPORTS = _var("SIDECAR_IMPORTS", "modules to import, comma-separated, after the --import ones",
                default="none", readers=_SERVE)
+SESSION_QUOTA = _var("SIDECAR_SESSION_QUOTA", "--session-quota: one worker session's share of "
+                     "the arena, a fraction or a size", default="0.9", readers=_SERVE)
 INSECURE = _var("SIDECAR_INSECURE", "1: --insecure, serve a non-loopback --listen without a token",
                 default="0", readers=_SERVE)
 CHECKPOINT_ROOTS = _var(

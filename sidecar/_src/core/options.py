@@ -32,6 +32,11 @@ def is_loopback(listen: str) -> bool:
     return False
 
 
+def quota_bytes(quota: float | int, arena: int) -> int:
+  """``session_quota`` in bytes of an arena of ``arena`` bytes."""
+  return max(1, int(arena * quota)) if isinstance(quota, float) else min(int(quota), arena)
+
+
 def check_token(token: str | None, name: str = "token") -> None:
   """A token travels as gRPC metadata (``Bearer <token>``): visible ASCII, no spaces.
 
@@ -79,6 +84,8 @@ class ServerOptions:
   session_idle_s: float = 86400.0
   session_evict_s: float = 60.0  # past max_sessions, only a session unused this long is evicted
   max_worker_connections: int = 256
+  # What one worker session may hold of the arena: a fraction of it (0 < f <= 1) or bytes.
+  session_quota: float | int = 0.9
   # TCP connections the control port keeps at once (more are closed as they come), and how
   # long a new one may take to say its first HTTP/2 frames (TLS included) before it is.
   max_connections: int = 2048
@@ -155,6 +162,11 @@ class ServerOptions:
       raise ValueError(f"session_evict_s must be seconds >= 0, got {self.session_evict_s!r}")
     if not isinstance(self.session_idle_s, (int, float)) or not self.session_idle_s > 0:
       raise ValueError(f"session_idle_s must be positive seconds, got {self.session_idle_s!r}")
+    q = self.session_quota
+    if (isinstance(q, bool) or not isinstance(q, (int, float))
+        or not (0 < q <= 1 if isinstance(q, float) else q >= 1)):
+      raise ValueError(
+          f"session_quota must be a fraction of the arena in (0, 1] or bytes >= 1, got {q!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:
       raise ValueError(
           f"inline_limit must be >= 0 and max_message_size >= 65536, got {self.inline_limit!r} "

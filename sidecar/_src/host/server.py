@@ -133,7 +133,8 @@ def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
       raise OSError(f"--tls-client-ca {client_ca} holds no CA certificate ({e}); give the "
                     "PEM certificate of the CA that signs the clients' certificates") from None
   try:
-    not_after = ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(cert)["notAfter"])
+    decoded = ssl._ssl._test_decode_cert(cert)  # type: ignore[attr-defined]  # no public way
+    not_after = ssl.cert_time_to_seconds(decoded["notAfter"])
   except (ssl.SSLError, OSError, KeyError, ValueError, AttributeError):
     return
   if not_after < time.time():
@@ -185,7 +186,8 @@ class Server:
           "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     self.arena = shm.Arena.create(o.shm_size)
-    self.leases = Leases(shm.Allocator(self.arena.size))
+    self.leases = Leases(shm.Allocator(self.arena.size),
+                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size))
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
     self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)

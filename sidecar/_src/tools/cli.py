@@ -45,6 +45,18 @@ def _size(text: str) -> int:
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _quota(text: str) -> float | int:
+  """``--session-quota``: a fraction of the arena (``0.5``) or a size (``2GiB``)."""
+  try:
+    share = float(text)
+  except ValueError:
+    return _size(text)
+  if not 0 < share <= 1:
+    raise argparse.ArgumentTypeError(
+        f"a share of the arena must be in (0, 1] (or a size such as 2GiB), got {text!r}")
+  return share
+
+
 def _import_from_cwd() -> None:
   """Puts the working directory first on sys.path, as ``python -m`` does.
 
@@ -85,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         peer_token=peer_token, insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, session_quota=args.session_quota,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
@@ -271,6 +283,11 @@ def parser() -> argparse.ArgumentParser:
                       "only they may send replicas, never a controller (default: "
                       "$SIDECAR_PEER_TOKEN_FILE; $SIDECAR_PEER_TOKEN gives it itself; else "
                       "none: no replicas are accepted)")
+  s.add_argument("--session-quota", type=_quota, metavar="SHARE",
+                 default=_quota(_env(env_lib.SESSION_QUOTA, "0.9")),
+                 help="what one worker session may hold of the arena: a fraction (0.5) or a "
+                      "size (2GiB), so no client takes all of it "
+                      + _from_env(env_lib.SESSION_QUOTA, "0.9"))
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")
