@@ -34,10 +34,12 @@ log = logging.getLogger(__name__)
 CREDITS_JOIN_S = 0.1
 
 
-def parse(cls, raw: bytes):
+def parse(cls, raw: bytes, *, counted: bool = False):
   """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
-  ResourceExhaustedError for more values than a request may hold, before parsing)."""
-  codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
+  ResourceExhaustedError for more values than a request may hold, before parsing, unless
+  ``counted`` already)."""
+  if not counted:
+    codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
   try:
     return cls.FromString(raw)
   except (pb_message.DecodeError, RuntimeError) as e:
@@ -147,9 +149,13 @@ class Service:
   def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
     # The slot first, as for streams: parsing a big request takes a while, on its thread.
     with self._calls.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
-      request = parse(pb.CallRequest, raw)
+      codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
+                                what=f"a CallRequest of {len(raw)} bytes")
+      # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
+      stripped, views = codec.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+      request = parse(pb.CallRequest, stripped, counted=True)
       return pb.CallResponse(result=self._runner.call(
-          request, alive=context.is_active, time_left=context.time_remaining))
+          request, alive=context.is_active, time_left=context.time_remaining, views=views))
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
