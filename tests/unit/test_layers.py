@@ -1,8 +1,8 @@
 """Import layers as a test: each module's imports read with ``ast``, none executed.
 
-The layers (STYLE.md, "Paths show the process boundary"): ``_src/host/`` runs in the
-sidecar, ``_src/controller/`` in the controller, ``_src/worker.py`` beside the devices;
-they share only lower layers. Only ``protocol.py`` touches the generated code, the
+The layers (``LAYERS`` below; README's "Layout" lists the packages in that order):
+``_src/host/`` runs in the sidecar, ``_src/controller/`` in the controller, ``_src/arena/``'s
+Worker beside the devices; they share only lower layers. Only ``protocol.py`` touches the generated code, the
 leaves ``errors.py`` and ``options.py`` need nothing but the standard library, and the
 pipelines are written against the public API, as a user's would be.
 """

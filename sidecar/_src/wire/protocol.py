@@ -28,10 +28,9 @@ from sidecar.v1 import (
     checkpoint_pb2 as ckpt_pb,
     checkpoint_pb2_grpc as ckpt_pb_grpc,
     sidecar_pb2 as pb,
-    sidecar_pb2_grpc as pb_grpc,
 )
 
-__all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb", "pb_grpc"]
+__all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
 PROTOCOL_VERSION = 4  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session

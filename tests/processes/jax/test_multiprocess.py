@@ -5,7 +5,6 @@ real shared memory, gloo collectives), against the same trainer as one process.
 The trainer is tests/support/train.py; each process prints ``RESULT {json}`` lines.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -18,12 +17,9 @@ import pytest
 
 from sidecar._src.ckptfmt import read as ol_read
 from tests.support.paths import ROOT
+from tests.support.trainers import by_process, results, single, without
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
-
-
-def _results(output: str) -> list[dict]:
-  return [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", output)]
 
 
 def launch(directory, scenario: str, **env: str) -> tuple[int, list[dict], str]:
@@ -34,25 +30,7 @@ def launch(directory, scenario: str, **env: str) -> tuple[int, list[dict], str]:
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                         env={**os.environ, **env})
   output = done.stdout + done.stderr
-  return done.returncode, _results(done.stdout), output
-
-
-def single(directory, scenario: str) -> list[dict]:
-  """Runs the trainer as one process that owns every device (a LocalCluster of 2 hosts)."""
-  done = subprocess.run([sys.executable, "-m", "tests.support.train", "single",
-                         str(directory), scenario], cwd=ROOT, capture_output=True, text=True,
-                        timeout=240, env={**os.environ, "XLA_FLAGS": ""})
-  assert done.returncode == 0, done.stdout + done.stderr
-  return _results(done.stdout)
-
-
-def by_process(results: list[dict], process: int) -> list[dict]:
-  return [{k: v for k, v in r.items() if k != "process"} for r in results
-          if r["process"] == process]
-
-
-def without(results: list[dict], *kinds: str) -> list[dict]:
-  return [r for r in results if r["kind"] not in kinds]
+  return done.returncode, results(done.stdout), output
 
 
 def test_one_script_trains_alike_as_one_process_or_two(tmp_path):

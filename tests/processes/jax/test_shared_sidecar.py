@@ -4,7 +4,7 @@ own Worker session; feeds give each process the rows its devices own; a save sta
 processes' shards into the one host and commits once; a restore reads both back.
 
 The trainer is tests/support/train.py, as in test_multiprocess.py; the results must be
-those of one process that owns every device.
+those of one process that owns every device (tests/support/trainers.single).
 """
 
 import os
@@ -18,8 +18,8 @@ import pytest
 from sidecar._src.ckptfmt import read as ol_read
 from sidecar._src.tools import launch
 from sidecar._src.tools.local import LocalCluster
-from tests.processes.jax.test_multiprocess import _results, by_process, single, without
 from tests.support.paths import ROOT
+from tests.support.trainers import by_process, results, single, without
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
@@ -38,7 +38,7 @@ def shared(directory, scenario: str) -> tuple[list[int], list[dict], str]:
           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=240)[0] for p in procs]
   output = "\n".join(f"--- process {i}:\n{o}" for i, o in enumerate(outputs))
-  return [p.returncode for p in procs], [r for o in outputs for r in _results(o)], output
+  return [p.returncode for p in procs], [r for o in outputs for r in results(o)], output
 
 
 def test_two_processes_share_one_sidecar_and_train_as_one_process(tmp_path):

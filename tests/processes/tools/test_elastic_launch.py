@@ -15,9 +15,9 @@ import pytest
 
 from sidecar._src.ckptfmt import read as ol_read
 from tests.conftest import alive, eventually
-from tests.processes.jax.test_multiprocess import _results
 from tests.support.paths import ROOT
 from tests.support.train_elastic import GLOBAL_BATCH, STEPS
+from tests.support.trainers import results
 
 KILL_AT = 5  # process 1 kills its sidecar before batch 5: step 3 is the last committed
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
@@ -36,7 +36,7 @@ def _start(directory, *flags: str, kill_at: int | None = None,
 
 def _finish(p: subprocess.Popen) -> tuple[int, list[dict], str, str]:
   out, err = p.communicate(timeout=240)
-  return p.returncode, _results(out), out, err
+  return p.returncode, results(out), out, err
 
 
 def _of(results: list[dict], kind: str, **where) -> list[dict]:

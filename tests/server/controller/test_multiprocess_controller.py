@@ -8,7 +8,7 @@ import pytest
 
 import sidecar
 from sidecar._src.jax import distributed
-from tests.unit.jax.test_distributed import FakeCoordinationClient
+from tests.support.fake_coordination import FakeCoordinationClient
 
 pytestmark = pytest.mark.server
 

@@ -36,7 +36,6 @@ import numpy as np
 from sidecar._src.core import env, errors
 from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.checkpoint import (
-  faults,
   peers as replicas_lib,
   ram_tier,
   read as checkpoint_read,
@@ -47,11 +46,6 @@ from sidecar._src.host.checkpoint import (
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
-# Re-exported: the crash tests and benchmarks import these from here.
-MANIFEST = roots_lib.MANIFEST
-FAULT_ENV = faults.FAULT_ENV
-ROOTS_FLAG = roots_lib.ROOTS_FLAG
-ROOTS_ENV = roots_lib.ROOTS_ENV
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
 # on another machine), instead of through the peer's arena mapped here.
 SHM_ENV = env.REPLICA_SHM
