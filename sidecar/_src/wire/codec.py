@@ -212,7 +212,8 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | No
       raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
   if kind == "array":
     data: bytes | memoryview = v.array.data  # once: each read copies it out of protobuf
-    if budget is not None and budget.views and len(data) == _MARK_LEN and data.startswith(_MARK):
+    if budget is not None and budget.views and len(data) == _MARK_LEN and (
+        bytes(data[:len(_MARK)]) == _MARK):
       data = budget.views[int.from_bytes(data[len(_MARK):], "little")]
     if budget is not None:
       budget.spend(where, nbytes=len(data))
