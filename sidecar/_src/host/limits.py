@@ -218,3 +218,44 @@ class Sessions:
   def __len__(self) -> int:
     with self._lock:
       return len(self._last)
+
+
+# Bytes of large inline requests (those with arrays left in their wire bytes) being decoded
+# at once: each costs about its size again while its arrays are copied out, so together
+# they cost at most this (one larger request still runs, alone).
+INLINE_BYTES_IN_FLIGHT = 256 << 20
+
+
+class InlineBytes:
+  """At most ``limit`` bytes of large inline requests decoded at once; the others wait,
+  within their deadline."""
+
+  def __init__(self, limit: int = INLINE_BYTES_IN_FLIGHT):
+    self.limit = limit
+    self._cv = threading.Condition()
+    self._held = 0
+
+  @contextlib.contextmanager
+  def hold(self, nbytes: int, timeout: float | None) -> Iterator[None]:
+    """Holds ``nbytes`` of the budget while the block runs.
+
+    Raises:
+      BusyError: no room within ``timeout`` seconds (None: wait as long as it takes).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._cv:
+      while self._held and self._held + nbytes > self.limit:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise errors.BusyError(
+              f"this sidecar is decoding {self._held} bytes of inline requests, its limit "
+              f"({self.limit}, limits.INLINE_BYTES_IN_FLIGHT); pass large arrays through a "
+              "Worker's arena, or retry")
+        self._cv.wait(left)
+      self._held += nbytes
+    try:
+      yield
+    finally:
+      with self._cv:
+        self._held -= nbytes
+        self._cv.notify_all()

@@ -21,7 +21,14 @@ from sidecar._src.core import errors
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.credits import Credits
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
+from sidecar._src.host.limits import (
+  CallSlots,
+  InlineBytes,
+  Sessions,
+  Slots,
+  StreamSlots,
+  check_prefetch,
+)
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.wire import codec, protocol
@@ -70,6 +77,7 @@ class Service:
     self._sessions = Sessions(idle_s=86400.0, limit=4096) if sessions is None else sessions
     self._streams = StreamSlots(total=16, per_session=8) if streams is None else streams
     self._calls = CallSlots(threads=32) if calls is None else calls
+    self._inline = InlineBytes()
     self._lock = threading.Lock()
     self._started = time.monotonic()
 
@@ -154,8 +162,10 @@ class Service:
       # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
       stripped, views = codec.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
       request = parse(pb.CallRequest, stripped, counted=True)
-      return pb.CallResponse(result=self._runner.call(
-          request, alive=context.is_active, time_left=context.time_remaining, views=views))
+      inline = len(raw) if views else 0  # what decoding it costs again, until it returns
+      with self._inline.hold(inline, context.time_remaining()):
+        return pb.CallResponse(result=self._runner.call(
+            request, alive=context.is_active, time_left=context.time_remaining, views=views))
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
