@@ -257,7 +257,7 @@ def slow_calls(cluster, count: int = 60, seconds: float = 12.0) -> str:
     with sidecar.Controller(cluster.addresses[:1], connect_timeout=5, timeout=5,
                             attach=False) as ctl:
       ctl.status()
-      ctl.call("echo", 1)
+      ctl.call("echo", args=(1,))
     result = f"handshake, status and call OK in {time.monotonic() - t0:.2f} s"
   except sidecar.SidecarError as e:
     result = f"{type(e).__name__} after {time.monotonic() - t0:.1f} s"
@@ -405,7 +405,7 @@ def handshake_flood(count: int = 4200) -> str:
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
                                     imports=FNS, configure_jax=False) as cluster:
     with cluster.controller(attach=False) as ctl:
-      ctl.call("echo", 1)
+      ctl.call("echo", args=(1,))
       channel, handshake = _raw(cluster, "Handshake")
       request = pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString()
       refused = 0
@@ -416,7 +416,7 @@ def handshake_flood(count: int = 4200) -> str:
           refused += 1
       channel.close()
       try:
-        ctl.call("echo", 1)
+        ctl.call("echo", args=(1,))
         victim = "its next call OK"
       except sidecar.SidecarError as e:
         victim = f"its next call: {type(e).__name__}: {str(e)[:40]}..."

@@ -94,6 +94,10 @@ TOKEN_FILE = _var(
     "SIDECAR_TOKEN_FILE", "a file holding the bearer token (read if no TOKEN)",
     default="no token", readers=f"{_SERVE} --token-file, Controller, sidecar launch",
     launcher=True)
+CLIENT_TOKENS_FILE = _var(
+    "SIDECAR_CLIENT_TOKENS_FILE", "--client-tokens: a file of per-client tokens, one "
+    "'NAME TOKEN' a line, instead of the shared SIDECAR_TOKEN", default="none: the shared token",
+    readers=_SERVE)
 PEER_TOKEN = _var(
     "SIDECAR_PEER_TOKEN", "the token sidecars present to their peers; only a session that "
     "presented it may send replicas", default="SIDECAR_PEER_TOKEN_FILE's content, else none: "
@@ -248,6 +252,33 @@ def _warn_if_readable(fd: int, path: str) -> None:
         "token file %s is readable by %s (mode %o): anyone who reads it may use the sidecars; "
         "chmod 600 %s", path, "everyone" if st.st_mode & stat.S_IROTH else "its group",
         stat.S_IMODE(st.st_mode), path)
+
+
+def client_tokens(path: str | None) -> tuple[tuple[str, str], ...]:
+  """The ``(name, token)`` pairs of a client tokens file: one ``NAME TOKEN`` a line ('#'
+  starts a comment); ``()`` without a file.
+
+  Raises:
+    OSError: the file cannot be read.
+    InvalidArgumentError: a line is not ``NAME TOKEN``, or the file holds none.
+  """
+  if not path:
+    return ()
+  pairs = []
+  with open(path) as f:
+    _warn_if_readable(f.fileno(), path)
+    for number, line in enumerate(f, 1):
+      words = line.split("#", 1)[0].split()
+      if not words:
+        continue
+      if len(words) != 2:
+        raise errors.InvalidArgumentError(
+            f"{path}:{number}: a line of a client tokens file is 'NAME TOKEN', got "
+            f"{len(words)} words")
+      pairs.append((words[0], words[1]))
+  if not pairs:
+    raise errors.InvalidArgumentError(f"client tokens file {path!r} names no client")
+  return tuple(pairs)
 
 
 def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None = None

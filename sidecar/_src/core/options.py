@@ -69,6 +69,9 @@ class ServerOptions:
   socket_path: str = "/run/sidecar/sidecar.sock"
   shm_size: int = 1 << 30
   token: str | None = None
+  # Per-client tokens instead of the shared one: ((name, token), ...). Each client then
+  # sees and reads only the checkpoint directories it opened (docs/security.md).
+  client_tokens: tuple[tuple[str, str], ...] = ()
   # What peer sidecars present at the handshake: only their sessions may send replicas.
   peer_token: str | None = None
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
@@ -127,6 +130,18 @@ class ServerOptions:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
     for name in ("token", "peer_token"):
       check_token(getattr(self, name), name)
+    if self.client_tokens:
+      if self.token is not None:
+        raise ValueError("token and client_tokens exclude each other: give the shared token "
+                         "(--token-file) or one per client (--client-tokens), not both")
+      names = [n for n, _ in self.client_tokens]
+      for n, t in self.client_tokens:
+        if not isinstance(n, str) or not n or not all(c.isalnum() or c in "._-" for c in n):
+          raise ValueError(f"a client's name is letters, digits, '.', '_' or '-', got {n!r}")
+        check_token(t, f"client {n}'s token")
+      tokens = [t for _, t in self.client_tokens]
+      if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
+        raise ValueError("client_tokens: each client needs a name and a token of its own")
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
                        f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")
@@ -134,8 +149,8 @@ class ServerOptions:
       raise ValueError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and "
                        "--tls-key too")
     # mTLS authenticates every client as a token does.
-    if (self.token is None and self.tls_client_ca is None and not self.insecure
-        and not is_loopback(self.listen)):
+    if (self.token is None and not self.client_tokens and self.tls_client_ca is None
+        and not self.insecure and not is_loopback(self.listen)):
       raise ValueError(
           f"listen {self.listen!r} is not a loopback address and no token is set: anyone who "
           "can reach the port could run functions, feeds and checkpoints here; pass "

@@ -150,10 +150,12 @@ class Sessions:
     self._lock = threading.Lock()
     self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
     self._peers: set[str] = set()  # sessions of peer sidecars (they presented the peer token)
+    self._clients: dict[str, str] = {}  # session -> client name, with per-client tokens
     self.expired = 0  # sessions dropped, idle or evicted
 
-  def new(self, *, peer: bool = False) -> str:
-    """A new session; ``peer``: a peer sidecar's, which may send replicas."""
+  def new(self, *, peer: bool = False, client: str | None = None) -> str:
+    """A new session; ``peer``: a peer sidecar's, which may send replicas; ``client``: the
+    name of the client whose token made it (per-client tokens)."""
     session = ("p-" if peer else "c-") + secrets.token_hex(16)
     with self._lock:
       now = self._clock()
@@ -169,11 +171,14 @@ class Sessions:
       self._last[session] = now
       if peer:
         self._peers.add(session)
+      if client is not None:
+        self._clients[session] = client
     return session
 
   def _drop(self, session: str) -> None:
     del self._last[session]
     self._peers.discard(session)
+    self._clients.pop(session, None)
     self.expired += 1
 
   def _sweep(self, now: float) -> None:
@@ -182,6 +187,11 @@ class Sessions:
       if now - last < self.idle_s:
         return
       self._drop(oldest)
+
+  def client(self, session: object) -> str | None:
+    """The client name of ``session`` (per-client tokens), else None."""
+    with self._lock:
+      return self._clients.get(session) if isinstance(session, str) else None
 
   def is_peer(self, session: object) -> bool:
     """Whether ``session`` is a live peer sidecar's."""

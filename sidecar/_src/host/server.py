@@ -6,7 +6,6 @@ Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
 from __future__ import annotations
 
 import enum
-import hmac
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from sidecar._src.host.checkpoint.host import CheckpointHost
 from sidecar._src.host.checkpoint.service import CheckpointService
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CHECKPOINT_THREADS, CallSlots, Sessions, StreamSlots
-from sidecar._src.host.service import Service
+from sidecar._src.host.service import Service, client_of
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
@@ -72,10 +71,11 @@ class State(enum.Enum):
 
 
 class _TokenAuth(grpc.ServerInterceptor):
-  """Refuses every RPC without ``authorization: Bearer <token>``."""
+  """Refuses every RPC without ``authorization: Bearer <token>``, of one of ``tokens``
+  (``{b"Bearer <token>": client name}``)."""
 
-  def __init__(self, token: str):
-    self._expected = f"Bearer {token}".encode()
+  def __init__(self, tokens: dict[bytes, str]):
+    self._tokens = tokens
 
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -84,11 +84,7 @@ class _TokenAuth(grpc.ServerInterceptor):
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
   def intercept_service(self, continuation, handler_call_details):
-    meta = dict(handler_call_details.invocation_metadata or ())
-    given = meta.get(protocol.AUTH_KEY) or ""
-    given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
-    # Constant time: how long the check takes says nothing of how much of a guess was right.
-    if not hmac.compare_digest(given, self._expected):
+    if client_of(self._tokens, handler_call_details.invocation_metadata) is None:
       return self._deny
     return continuation(handler_call_details)
 
@@ -180,7 +176,7 @@ class Server:
 
   def _start(self) -> None:
     o = self.options
-    if o.token is None and not options_lib.is_loopback(o.listen):
+    if o.token is None and not o.client_tokens and not options_lib.is_loopback(o.listen):
       log.warning(
           "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "
           "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
@@ -191,7 +187,7 @@ class Server:
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
     self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
-        o.host_id, token=o.token, peer_token=o.peer_token, roots=o.checkpoint_roots,
+        o.host_id, token=o.peer_token if o.client_tokens else o.token, peer_token=o.peer_token, roots=o.checkpoint_roots,
         metrics=self.metrics,
         peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
@@ -201,6 +197,11 @@ class Server:
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.stream_runner, max_connections=o.max_worker_connections,
                                   on_dead=self._listener_dead)
+    # The tokens a client may present: the shared one, or one per client (named).
+    tokens = ({f"Bearer {t}".encode(): n for n, t in o.client_tokens} if o.client_tokens
+              else {f"Bearer {o.token}".encode(): ""} if o.token else {})
+    if o.client_tokens and o.peer_token:  # the peer sidecars authenticate with theirs
+      tokens[f"Bearer {o.peer_token}".encode()] = ""
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
                         evict_idle_s=o.session_evict_s)
     self.service = Service(runner=self.runner, stream_runner=self.stream_runner,
@@ -209,7 +210,9 @@ class Server:
                            checkpoints=self.checkpoints.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
-                           calls=CallSlots(o.threads), peer_token=o.peer_token)
+                           calls=CallSlots(o.threads), peer_token=o.peer_token,
+                           clients=tokens if o.client_tokens else {},
+                           opened=self.checkpoints.opened_by)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
@@ -227,9 +230,10 @@ class Server:
         # handshakes, calls and status.
         futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
                                    thread_name_prefix="sidecar-rpc"),
-        options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
+        options=msg, interceptors=[_TokenAuth(tokens)] if tokens else [])
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
-                                   sessions=sessions, metrics=self.metrics)
+                                   sessions=sessions, metrics=self.metrics,
+                                   per_client=bool(o.client_tokens))
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +57,19 @@ def parse(cls, raw: bytes, *, counted: bool = False):
         f"malformed {cls.__name__} ({len(raw)} bytes): {e}{deep}") from None
 
 
+def client_of(tokens: dict[bytes, str], metadata) -> str | None:
+  """The name of the client whose token ``metadata`` carries, compared in constant time
+  with every token (how long it takes says nothing of which one came close)."""
+  meta = dict(metadata or ())
+  given = meta.get(protocol.AUTH_KEY) or ""
+  given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+  found = None
+  for expected, name in tokens.items():
+    if hmac.compare_digest(given, expected):
+      found = name
+  return found
+
+
 class Service:
   """Handlers for ``sidecar.v1.Sidecar``; owns no resources, only references."""
 
@@ -64,8 +78,13 @@ class Service:
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
-               calls: Slots | None = None, peer_token: str | None = None):
+               calls: Slots | None = None, peer_token: str | None = None,
+               clients: dict[bytes, str] | None = None,
+               opened: Callable[[str], set[str]] | None = None):
     self._runner = runner
+    # Per-client tokens ({b"Bearer <token>": name}); empty: the shared token, or none.
+    self._clients = clients or {}
+    self._opened = opened  # the checkpoint directories a client opened
     # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
     self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
     self._stream_runner = stream_runner
@@ -136,11 +155,17 @@ class Service:
       raise errors.VersionMismatchError(
           f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
-    session = self._sessions.new(peer=self._is_peer(context))
+    session = self._sessions.new(peer=self._is_peer(context), client=self._client(context))
     return pb.HandshakeResponse(
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
+
+  def _client(self, context: grpc.ServicerContext) -> str | None:
+    """The client whose token the call carries (per-client tokens), else None."""
+    if not self._clients:
+      return None
+    return client_of(self._clients, context.invocation_metadata())
 
   def _is_peer(self, context: grpc.ServicerContext) -> bool:
     """Whether the handshake carries the peer token (compared in constant time)."""
@@ -201,7 +226,15 @@ class Service:
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
         calls=self._runner.calls, feeds=self._stream_runner.feeds(),
-        checkpoints=self._checkpoints())
+        checkpoints=self._visible_checkpoints(context))
+
+  def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:
+    """Every checkpoint directory; with per-client tokens, those the caller opened only."""
+    client = self._client(context)
+    if client is None or self._opened is None:
+      return self._checkpoints()
+    mine = self._opened(client)
+    return [c for c in self._checkpoints() if os.path.realpath(c.directory) in mine]
 
 
 def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:

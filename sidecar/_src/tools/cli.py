@@ -85,17 +85,19 @@ def _serve(args: argparse.Namespace) -> int:
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
     peer_token = env_lib.peer_token(args.peer_token_file)
+    client_tokens = env_lib.client_tokens(args.client_tokens)
   except (OSError, errors.InvalidArgumentError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
   # Loopback unless a token guards the ports: then every interface, so peers reach it.
-  listen = args.listen or (options_lib.ALL_INTERFACES if token else options_lib.LOOPBACK)
+  listen = args.listen or (options_lib.ALL_INTERFACES if token or client_tokens
+                           else options_lib.LOOPBACK)
   try:
     opts = options_lib.ServerOptions(
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
-        peer_token=peer_token, insecure=args.insecure, imports=tuple(imports),
+        peer_token=peer_token, client_tokens=client_tokens, insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
         metrics_port=args.metrics_port, session_quota=args.session_quota,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
@@ -278,6 +280,11 @@ def parser() -> argparse.ArgumentParser:
                  help="file holding the token every controller must present "
                       "(default: $SIDECAR_TOKEN_FILE; $SIDECAR_TOKEN gives the token itself; "
                       "else no token, loopback only)")
+  s.add_argument("--client-tokens", default=_env(env_lib.CLIENT_TOKENS_FILE), metavar="FILE",
+                 help="instead of one shared token: a file of per-client tokens, one 'NAME "
+                      "TOKEN' a line; each client then sees and reads only the checkpoint "
+                      "directories it opened (default: $SIDECAR_CLIENT_TOKENS_FILE, else the "
+                      "shared token of --token-file)")
   s.add_argument("--peer-token-file", default=_env(env_lib.PEER_TOKEN_FILE), metavar="FILE",
                  help="file holding the token this job's sidecars present to each other: "
                       "only they may send replicas, never a controller (default: "

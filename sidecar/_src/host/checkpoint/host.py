@@ -26,6 +26,7 @@ The concerns live beside this facade, which owns the threads (``close`` joins th
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -83,6 +84,9 @@ class CheckpointHost:
                                      credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
+    # With per-client tokens: the checkpoint directories (resolved) each client opened.
+    self._opened: dict[str, set[str]] = {}
+    self._opened_lock = threading.Lock()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
     self._saver = checkpoint_save.Saver(host_id, tier=self._tier, roots=self._roots,
@@ -157,6 +161,40 @@ class CheckpointHost:
            sweep: bool = True) -> dict:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
     return self._saver.open(directory, ram_steps, ram_budget, sweep)
+
+  def open_for(self, client: str, directory: str) -> None:
+    """Records that ``client`` opened ``directory``: it may act in it from now on.
+
+    Raises:
+      PermissionDeniedError: another client opened it, or a directory inside it or
+        holding it (the first to open a directory has it, until the sidecar stops).
+    """
+    resolved = self._path(directory, "directory")
+    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+    with self._opened_lock:
+      for other, theirs in self._opened.items():
+        if other != client and any(inside(resolved, d) or inside(d, resolved) for d in theirs):
+          raise errors.PermissionDeniedError(
+              f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
+              f"client opened on host {self._host_id}; with per-client tokens "
+              "(--client-tokens) each client checkpoints in directories of its own")
+      self._opened.setdefault(client, set()).add(resolved)
+
+  def opened_by(self, client: str) -> set[str]:
+    """The directories (resolved) ``client`` opened."""
+    with self._opened_lock:
+      return set(self._opened.get(client, ()))
+
+  def check_client(self, client: str, path: str, name: str) -> None:
+    """PermissionDeniedError unless ``path`` lies in a directory ``client`` opened."""
+    resolved = self._path(path, name)
+    with self._opened_lock:
+      mine = self._opened.get(client, set())
+    if not any(resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in mine):
+      raise errors.PermissionDeniedError(
+          f"{name} {path!r:.200} is in no checkpoint directory client {client!r} opened on "
+          f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
+          "acts only in the directories it opened (Controller.checkpointer(directory))")
 
   def begin(self, directory: str, step: int, owner: str = "") -> str:
     """Creates the step's uncommitted directory; returns it."""

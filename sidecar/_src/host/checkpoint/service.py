@@ -53,6 +53,11 @@ def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout
   return wait if left is None else max(min(wait, left), 0.0)
 
 
+# The fields of the Checkpoint service's requests that name a path: with per-client
+# tokens each must lie in a directory the caller's client opened.
+_PATH_FIELDS = ("directory", "item", "final_item")
+
+
 def _session(context: grpc.ServicerContext) -> str:
   """The caller's handshake session (``_guard`` checked it is live)."""
   return str(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
@@ -91,8 +96,9 @@ class CheckpointService:
 
   def __init__(self, *, host: CheckpointHost, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
-               slots: Slots | None = None):
+               slots: Slots | None = None, per_client: bool = False):
     self._host = host
+    self._per_client = per_client  # each client acts only in the directories it opened
     self._slots = CheckpointSlots() if slots is None else slots
     self._arena_io = arena_io  # views of a caller's blocks, results leased to it
     self._sessions = sessions
@@ -143,6 +149,13 @@ class CheckpointService:
         self._sessions.use(session)
         with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full; then the parse
           request = raw if request_cls is None else parse(request_cls, raw)
+          client = self._sessions.client(session) if self._per_client else None
+          if client is not None and name == "Open":
+            self._host.open_for(client, request.directory)  # refused if another's
+          elif client is not None and request_cls is not None:
+            for field in _PATH_FIELDS:
+              if field in request_cls.DESCRIPTOR.fields_by_name and getattr(request, field):
+                self._host.check_client(client, getattr(request, field), field)
           return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name

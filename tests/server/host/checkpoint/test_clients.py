@@ -115,9 +115,11 @@ def handshake(server, *, peer_token: str | None = None) -> tuple[grpc.Channel, l
   auth = [(protocol.AUTH_KEY, f"Bearer {TOKEN}")]
   if peer_token is not None:
     auth.append((protocol.PEER_KEY, f"Bearer {peer_token}"))
-  reply = protocol.pb_grpc.SidecarStub(channel).Handshake(
-      pb.HandshakeRequest(versions=protocol.local_versions(), client="test"), metadata=auth,
-      timeout=10)
+  reply = channel.unary_unary(
+      f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+      response_deserializer=pb.HandshakeResponse.FromString)(
+          pb.HandshakeRequest(versions=protocol.local_versions(), client="test"),
+          metadata=auth, timeout=10)
   return channel, [*auth[:1], (protocol.SESSION_KEY, reply.session)]
 
 
@@ -213,3 +215,59 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
   assert sorted(p.name for p in (directory / "1").iterdir()) == [
       "_CHECKPOINT_METADATA", "commit_success.txt", "default"]
   victim.close()
+
+
+# ---- per-client tokens: each client sees and reads only the directories it opened -------
+
+
+CLIENTS = (("alice", "alice-s3cret"), ("bob", "bob-s3cret"))
+
+
+def test_with_per_client_tokens_a_client_sees_and_reads_only_its_own_checkpoints(
+    make_server, tmp_path):
+  server = make_server(client_tokens=CLIENTS)
+  mine, theirs = tmp_path / "alice", tmp_path / "bob"
+  state = {"w": np.full(1024, 1.0, np.float32)}
+  alice = sidecar.Controller([f"127.0.0.1:{server.port}"], token="alice-s3cret", timeout=10)
+  with alice.checkpointer(mine) as ckpt:
+    assert ckpt.save(1, state).durable.result(30) == 1
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], token="bob-s3cret", timeout=10,
+                          attach=False) as bob:
+    with bob.checkpointer(theirs) as ckpt:
+      assert ckpt.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30) == 1
+    (status,) = bob.status()
+    assert [c.directory for c in status.checkpoints] == [str(theirs)]  # not alice's
+    client = bob._checkpoint_client()
+    item = str(mine / "1" / "default")
+    for attempt in (lambda: client.held(0, str(mine)), lambda: client.info(0, item),
+                    lambda: client.delete(0, str(mine), 1),
+                    lambda: client.forget(0, str(mine), 1)):
+      with pytest.raises(sidecar.SidecarError, match="in no checkpoint directory client "
+                         "'bob' opened") as info:
+        attempt().result()
+      assert isinstance(info.value, PermissionError)
+    for other in (mine, tmp_path):  # alice's, or one that holds it
+      with pytest.raises(PermissionError, match="another client opened"):
+        bob.checkpointer(other)
+  (status,) = alice.status()
+  assert [c.directory for c in status.checkpoints] == [str(mine)]
+  np.testing.assert_array_equal(restored(alice, mine), state["w"])
+  alice.close()
+  # A token not in the file, or the shared mode's absent token: nothing at all.
+  with pytest.raises(sidecar.SidecarError):
+    sidecar.Controller([f"127.0.0.1:{server.port}"], token="s3cret", connect_timeout=5)
+
+
+def test_client_tokens_are_checked(tmp_path):
+  from sidecar._src.core import env, options
+  with pytest.raises(ValueError, match="exclude each other"):
+    options.ServerOptions(token="x", client_tokens=CLIENTS)
+  with pytest.raises(ValueError, match="a name and a token of its own"):
+    options.ServerOptions(client_tokens=(("a", "t"), ("b", "t")))
+  path = tmp_path / "clients"
+  path.write_text("# name token\nalice alice-s3cret\n\nbob bob-s3cret  # the second\n")
+  path.chmod(0o600)
+  assert env.client_tokens(str(path)) == CLIENTS
+  path.write_text("alice\n")
+  with pytest.raises(sidecar.InvalidArgumentError, match="clients:1: a line .* is 'NAME TOKEN'"):
+    env.client_tokens(str(path))
