@@ -5,7 +5,7 @@ processes), ``tests/server`` (an in-process gRPC sidecar), ``tests/processes`` (
 trainer or kernel processes: LocalCluster, ``sidecar launch``, subprocesses), each mirroring
 ``sidecar/_src``. A module declares its folder's tier in one line after its imports,
 ``pytestmark = pytest.mark.unit`` (``server``, ``processes``), so that ``pytest -m unit`` runs
-in half a minute and ``pytest -m "not processes"`` in about two.
+in half a minute and ``pytest -m "not processes"`` in about a minute and a half.
 
 Collection fails, naming the test and the fix, where a module declares no tier, two, or
 another than its folder's; where a test or class carries a tier marker of its own (a test of
@@ -91,6 +91,20 @@ def arena_mappers() -> list[int]:
     except OSError:
       continue
   return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises_keyboard_interrupt():
+  """SIGINT raises KeyboardInterrupt, as in a terminal, though the run is a background job
+  (``pytest &``, nohup), which a shell starts with SIGINT ignored: the interrupt tests send
+  this process SIGINT as a kernel interrupt does, and stop their children with it."""
+  import signal
+  ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  if ignored:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  if ignored:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(autouse=True)

@@ -41,3 +41,63 @@ def test_the_quick_start_runs_as_written_and_a_rerun_resumes(tmp_path):
   assert "trained steps 100-199; saved steps [149, 174, 199]" in outputs[1], outputs[1]
   assert "-1.34164079" in outputs[0]  # normalize ran on the sidecars
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["149", "174", "199"]
+
+
+def _block(section: str, path: str) -> str:
+  """The python block of README section ``section`` whose first line names ``path``."""
+  text = (ROOT / "README.md").read_text()
+  body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", body, re.S)
+            if b.startswith(f"# {path}:")]
+  assert len(blocks) == 1, f"README section {section!r} has no block naming {path}"
+  return blocks[0]
+
+
+def _copy_examples(tmp_path, *names: str):
+  """The example files, as a user who runs them from examples/ has them."""
+  work = tmp_path / "examples"
+  work.mkdir()
+  for name in ("quickstart_fns.py", *names):
+    (work / name).write_text((ROOT / "examples" / name).read_text())
+  return work
+
+
+@pytest.mark.timeout(600)  # two launches of 2 trainers and 2 sidecars, on a busy machine
+def test_the_multiprocess_trainer_is_the_readmes_and_resumes_under_sidecar_launch(tmp_path):
+  source = (ROOT / "examples" / "train_multiprocess.py").read_text()
+  assert _block("One process, or one per host", "examples/train_multiprocess.py") == source
+  work = _copy_examples(tmp_path, "train_multiprocess.py")
+  (tmp_path / "tmp").mkdir()
+  ckpt = tmp_path / "ckpt"  # neither the temp directory nor the working one: a root is needed
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHONPATH="", TMPDIR=str(tmp_path / "tmp"))
+  command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "2", "--devices-per-host",
+             "2", "--import", "quickstart_fns", "--checkpoint-root", str(ckpt), "--",
+             sys.executable, "train_multiprocess.py", str(ckpt / "run1")]
+  outputs = []
+  for _ in range(2):
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    outputs.append(done.stdout)
+  assert "[host 0] 2 process(es): trained steps 0-99; saved steps [49, 74, 99]" in outputs[0]
+  assert "[host 0] 2 process(es): trained steps 100-199; saved steps [149, 174, 199]" in (
+      outputs[1]), outputs[1]
+  assert sorted(os.listdir(ckpt / "run1")) == ["149", "174", "199"]
+
+
+@pytest.mark.timeout(600)
+def test_the_elastic_trainer_is_the_readmes_and_goes_on_when_a_host_dies(tmp_path):
+  source = (ROOT / "examples" / "train_elastic.py").read_text()
+  block = _block("Keep training when a host dies", "examples/train_elastic.py")
+  train = block.split("\n", 1)[1].split("\nstate, step = train()")[0]
+  assert "def train(hosts):" in train and train in source  # the README shows its training
+  work = _copy_examples(tmp_path, "train_elastic.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = ""
+  done = subprocess.run([sys.executable, "train_elastic.py", str(tmp_path / "ckpt")], cwd=work,
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  for event in ("host_lost: host 2", "\nretry: ", "start: attempt 2", "phase: restore"):
+    assert event in done.stdout, done.stdout
+  assert "trained to step 59 on hosts [0, 1]" in done.stdout, done.stdout

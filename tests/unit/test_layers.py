@@ -137,8 +137,6 @@ KNOWN_VIOLATIONS = {
     'sidecar._src.controller.elastic': ['jax'],
     'sidecar._src.controller.feed': ['jax', 'sidecar._src.jax.distributed', 'sidecar._src.jax.transfer'],
     'sidecar._src.controller.hosts': ['jax', 'sidecar._src.jax.distributed'],
-    'sidecar._src.host.arena_io': ['jax'],
-    'sidecar._src.host.feeds.producer': ['grain', 'jax'],
     'sidecar._src.streams.consumer': ['sidecar._src.jax.transfer'],
 }
 

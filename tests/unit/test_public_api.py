@@ -22,6 +22,9 @@ def test_public_api_is_pinned():
       "JaxPeers", "LocalPeers", "Peers", "initialize", "is_initialized"]
   for name in sidecar.__all__:
     assert getattr(sidecar, name) is not None
+  # How a Controller finds its sidecars: addresses, the environment, a service's file.
+  assert [m for m in vars(sidecar.Controller) if m.startswith("from_")] == [
+      "from_env", "from_cluster_file"]
 
 
 def test_orbax_integration_api_is_pinned():

@@ -67,6 +67,13 @@ def _read_int(path: str) -> int | None:
   return None if text == "max" else int(text)
 
 
+# A container's memory limit and use: cgroup v2, else v1 (whose "no limit" is a huge number).
+_CGROUP_MEMORY = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
 def available_memory() -> tuple[int, str]:
   """Bytes this process can still take, and how that figure was found."""
   meminfo = {}
@@ -76,12 +83,15 @@ def available_memory() -> tuple[int, str]:
       meminfo[key] = int(value.split()[0]) * 1024
   avail = meminfo.get("MemAvailable", meminfo["MemFree"])
   how = f"MemAvailable {format_size(avail)}"
-  limit = _read_int("/sys/fs/cgroup/memory.max")
-  if limit is not None:
-    used = _read_int("/sys/fs/cgroup/memory.current") or 0
-    if limit - used < avail:
-      avail = limit - used
-      how = f"cgroup memory.max {format_size(limit)} with {format_size(used)} in use"
+  for limit_file, used_file in _CGROUP_MEMORY:
+    limit = _read_int(limit_file)
+    if limit is not None:
+      used = _read_int(used_file) or 0
+      if limit - used < avail:
+        avail = limit - used
+        how = (f"cgroup {os.path.basename(limit_file)} {format_size(limit)} with "
+               f"{format_size(used)} in use")
+      break
   return max(avail, 0), how
 
 

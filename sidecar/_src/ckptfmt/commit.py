@@ -16,18 +16,7 @@ import pathlib
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-from orbax.checkpoint._src.handlers import standard_checkpoint_handler
-from orbax.checkpoint._src.metadata import (
-  array_metadata_store,
-  checkpoint as checkpoint_metadata,
-  step_metadata_serialization,
-  tree as tree_metadata,
-  value_metadata_entry,
-)
-from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+from typing import TYPE_CHECKING, Any
 
 from sidecar._src.ckptfmt import files
 from sidecar._src.ckptfmt.spec import (
@@ -42,7 +31,10 @@ from sidecar._src.ckptfmt.spec import (
 )
 from sidecar._src.core import errors
 
-_HANDLER_TYPESTR = standard_checkpoint_handler.StandardCheckpointHandler.typestr()
+# Orbax loads with the first checkpoint that needs it (a sidecar starts without it): each
+# function imports what it uses.
+if TYPE_CHECKING:
+  from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 
 def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
@@ -129,6 +121,7 @@ def _check_array_metadatas(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],
   """Checks every host wrote its part and all agree, as Orbax's finalize does."""
   if not any(leaf.kind is LeafKind.JAX_ARRAY for leaf in leaves):
     return
+  from orbax.checkpoint._src.metadata import array_metadata_store
   meta_dir = item_dir / "array_metadatas"
   found = sorted(p.name for p in meta_dir.glob("process_*"))
   # One part per host, named by host id: after a lost host the ids need not be 0..n-1.
@@ -175,6 +168,9 @@ def _chunk_shape(item_dir: pathlib.Path, leaf: LeafSpec) -> tuple[int, ...]:
 def _tree_metadata(leaves: Sequence[LeafSpec],
                    custom_metadata: Mapping[str, Any] | None,
                    ) -> tree_metadata.InternalTreeMetadata:
+  from orbax.checkpoint._src.metadata import tree as tree_metadata, value_metadata_entry
+  from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   entries = []
   for leaf in leaves:
     key_metadata = tree_metadata.KeyMetadataEntry([
@@ -195,12 +191,17 @@ def _tree_metadata(leaves: Sequence[LeafSpec],
 
 
 def _write_step_metadata(step_dir: pathlib.Path, **timestamps: int) -> None:
+  from orbax.checkpoint._src.handlers import standard_checkpoint_handler
+  from orbax.checkpoint._src.metadata import (
+    checkpoint as checkpoint_metadata,
+    step_metadata_serialization,
+  )
   path = checkpoint_metadata.step_metadata_file_path(step_dir)
   fields = {}
   if path.exists():
     fields = json.loads(path.read_text())
   fields = step_metadata_serialization.serialize(checkpoint_metadata.StepMetadata(
-      item_handlers={ITEM: _HANDLER_TYPESTR},
+      item_handlers={ITEM: standard_checkpoint_handler.StandardCheckpointHandler.typestr()},
       init_timestamp_nsecs=timestamps.get(
           "init_timestamp_nsecs", fields.get("init_timestamp_nsecs")),
       commit_timestamp_nsecs=timestamps.get("commit_timestamp_nsecs")))

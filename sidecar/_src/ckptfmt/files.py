@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
-
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+from typing import TYPE_CHECKING
 
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
+
+if TYPE_CHECKING:
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 
 def item_dir(step_dir: os.PathLike | str, *, must_be_tmp: bool) -> pathlib.Path:
@@ -43,6 +45,8 @@ def write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
                use_compression: bool) -> ts_utils.ArrayWriteSpec:
   """Orbax's own TensorStore spec (and chunk shape, file names) for a leaf, as host
   ``host_index`` writes it: Zarr v2, no OCDBT."""
+  # Orbax loads with the first checkpoint (a sidecar starts without it).
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   return ts_utils.ArrayWriteSpec(
       item_dir.as_posix(), spec.param_name, global_shape=spec.shape,
       write_shape=spec.write_shape, dtype=spec.dtype, use_ocdbt=False,

@@ -12,16 +12,19 @@ import json
 import os
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from sidecar._src.ckptfmt import direct_io, files
 from sidecar._src.ckptfmt.spec import METADATA_FILE, Index, KeyPath
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
+
+# Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
+# without them): each function imports what it uses.
+if TYPE_CHECKING:
+  import tensorstore as ts
 
 
 def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
@@ -40,6 +43,8 @@ def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
 def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
                    index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
   """:func:`read_leaf` from an item directory given as such."""
+  import tensorstore as ts
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   item_dir = pathlib.Path(item_dir).absolute()
   meta, context = _reader(item_dir)
   name = ".".join(str(k) for k in key_path)
@@ -101,6 +106,7 @@ def _reader(item_dir: pathlib.Path) -> tuple[dict[str, Any], ts.Context]:
 def _cached_reader(item_dir: str, stamp: tuple[int, int, int]
                    ) -> tuple[dict[str, Any], ts.Context]:
   del stamp  # part of the key only
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   meta = json.loads((pathlib.Path(item_dir) / METADATA_FILE).read_text())
   return meta, ts_utils.get_ts_context(use_ocdbt=True)
 
@@ -111,6 +117,7 @@ def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
 
   Only a step saved without OCDBT has a directory with a ``.zarray`` per leaf.
   """
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   name = ".".join(str(k) for k in key_path)
   directory = pathlib.Path(ts_utils.ArrayReadSpec(
       item_dir.as_posix(), name, use_zarr3=False, use_ocdbt=False).json["kvstore"]["path"])
@@ -139,6 +146,8 @@ def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
 
   Read from ``_METADATA`` and each array's TensorStore metadata; no data is read.
   """
+  import tensorstore as ts
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   item_dir = pathlib.Path(item_dir).absolute()
   meta, context = _reader(item_dir)
   opened = []  # all at once: each open waits on storage

@@ -12,18 +12,20 @@ import concurrent.futures
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tensorstore as ts
-from orbax.checkpoint._src.metadata import array_metadata_store
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from sidecar._src.ckptfmt import direct_io, files
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.shards import HostLeaf, Shard, ShardChecksum, shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
+
+# Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
+# without them): each function imports what it uses.
+if TYPE_CHECKING:
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
 
@@ -58,6 +60,9 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   staged: each one's write and checksum start as it arrives.
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
+  import tensorstore as ts
+  from orbax.checkpoint._src.metadata import array_metadata_store
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   item_dir = pathlib.Path(item_dir).absolute()
   if isinstance(host_index, bool) or not isinstance(host_index, int) or host_index < 0:
     raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")

@@ -206,6 +206,45 @@ class CallWindow:
         e.fail(self.waited_too_long(e.what, e.timeout))
 
 
+_TLS_HINT = ("TLS on both sides or neither: a sidecar with --tls-cert needs tls_ca=... here, "
+             "or SIDECAR_TLS_CA")
+
+
+# Words of gRPC's reason for a connection that failed in its TLS handshake.
+_TLS_WORDS = ("tls", "ssl", "certificate", "handshake")
+
+
+def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
+                   tls: bool) -> errors.SidecarError:
+  """The error of a handshake that failed: the connection is the handshake's first step.
+
+  The handshake is sent without ``wait_for_ready``, so a connection that cannot be made
+  (refused, unresolvable name, reset) fails it at once, with gRPC's reason and the
+  address it resolved; a sidecar that accepts and does not answer (stopped, or not a
+  sidecar) takes the whole ``timeout``.
+  """
+  code = e.code() if hasattr(e, "code") else None
+  reason = (e.details() or "") if code is not None else ""
+  closed = "socket closed" in reason.lower()
+  if code == grpc.StatusCode.UNAVAILABLE and tls and (
+      closed or any(w in reason.lower() for w in _TLS_WORDS)):
+    # an unknown CA, an expired certificate, a sidecar that wants a client certificate
+    return errors.HostLostError(
+        f"sidecar {address} refused the TLS connection: {reason}"
+        + ("; it closed the handshake: does it want a client certificate (mTLS: tls_cert="
+           "/tls_key=, or SIDECAR_TLS_CLIENT_CERT/_KEY), or not speak TLS at all?"
+           if closed else ""))
+  if code == grpc.StatusCode.UNAVAILABLE:
+    return errors.HostLostError(
+        f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
+        f"and the port reachable ({_TLS_HINT})?")
+  if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    return errors.HostLostError(
+        f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
+        f"running there, not stopped ({_TLS_HINT})?")
+  return protocol.error_from_rpc(e, host=address)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostInfo:
   """A sidecar's identity and what it can run, as its handshake told."""
@@ -219,51 +258,6 @@ class HostInfo:
   pipelines: tuple[str, ...]
   registry_fingerprint: str
   versions: dict[str, str]
-
-
-# Words of gRPC's reason for a connection that failed in its TLS handshake.
-_TLS_WORDS = ("tls", "ssl", "certificate", "handshake")
-_PROBE_S = 0.25  # how often a channel that is not ready yet is asked why
-
-
-def _wait_ready(channel: grpc.Channel, address: str, timeout: float, *, tls: bool) -> None:
-  """Waits until ``channel`` connects; raises HostLostError with gRPC's reason.
-
-  A TLS handshake that fails (an unknown CA, an expired certificate, a sidecar that
-  wants a client certificate) fails at once with gRPC's words for it, not after the
-  whole timeout with a guess.
-  """
-  ready = grpc.channel_ready_future(channel)
-  probe = channel.unary_unary(f"/{protocol.SERVICE}/Status",
-                              request_serializer=pb.StatusRequest.SerializeToString)
-  deadline, reason, closed = time.monotonic() + timeout, "", 0
-  while True:
-    try:
-      ready.result(timeout=max(min(_PROBE_S, deadline - time.monotonic()), 0.0))
-      return
-    except grpc.FutureTimeoutError:
-      pass
-    try:  # fails at once while the channel cannot connect, saying why
-      probe(pb.StatusRequest(), timeout=_PROBE_S, wait_for_ready=False)
-    except grpc.RpcError as e:
-      if e.code() == grpc.StatusCode.UNAVAILABLE:
-        reason = (e.details() or "").rsplit("last error: ", 1)[-1]
-    low = reason.lower()
-    closed = closed + 1 if "socket closed" in low else 0
-    if tls and (any(w in low for w in _TLS_WORDS) or closed >= 3):
-      ready.cancel()
-      raise errors.HostLostError(
-          f"sidecar {address} refused the TLS connection: {reason}"
-          + ("; it closed the handshake: does it want a client certificate (mTLS: tls_cert="
-             "/tls_key=, or SIDECAR_TLS_CLIENT_CERT/_KEY), or not speak TLS at all?"
-             if "socket closed" in low else ""))
-    if time.monotonic() >= deadline:
-      ready.cancel()
-      raise errors.HostLostError(
-          f"sidecar {address} did not answer within {timeout:.3g} s"
-          + (f" ({reason})" if reason else "") + "; is `sidecar serve` running there and the "
-          "port reachable (and TLS on both sides or neither: a sidecar with --tls-cert needs "
-          "tls_ca=... here, or SIDECAR_TLS_CA)?")
 
 
 class Connection:
@@ -281,11 +275,6 @@ class Connection:
     options = channel_options(peer_timeout)
     self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
                      else grpc.secure_channel(address, credentials, options=options))
-    try:
-      _wait_ready(self._channel, address, timeout, tls=credentials is not None)
-    except BaseException:
-      self._channel.close()
-      raise
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
@@ -309,7 +298,7 @@ class Connection:
       reply = self._shake_hands()
     except grpc.RpcError as e:
       self._channel.close()
-      raise protocol.error_from_rpc(e, host=address) from None
+      raise _connect_error(e, address, timeout, tls=credentials is not None) from None
     self.reply = reply
     self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
     ident = reply.identity
@@ -327,7 +316,7 @@ class Connection:
     return self._handshake(
         pb.HandshakeRequest(versions=protocol.local_versions(),
                             client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-        timeout=self._timeout, metadata=self._auth)
+        timeout=self._timeout, metadata=self._auth, wait_for_ready=False)
 
   def renew(self) -> None:
     """Handshakes again, for a new session: the sidecar lost ours (SessionLostError).

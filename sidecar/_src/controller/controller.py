@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import hashlib
+import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed
 from sidecar._src.controller.hosts import Hosts
-from sidecar._src.core import env, errors, options as options_lib
+from sidecar._src.core import env, errors, options as options_lib, rendezvous
 from sidecar._src.jax import distributed
 from sidecar._src.streams.grpc_transport import Stream, open_stream as open_grpc_stream
 from sidecar._src.wire import codec, protocol
@@ -123,9 +124,34 @@ class Controller:
     On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices,
     hosts per slice, ports); elsewhere ``SIDECAR_HOSTS=host[:port],...`` lists them.
     Waits up to ``timeout`` seconds for every sidecar to answer its health check, then
-    raises DiscoveryError listing those that did not.
+    raises DiscoveryError listing those that did not. Under Slurm (``sidecar slurm
+    batch``) it reads the job's rendezvous directory; with ``SIDECAR_CLUSTER_FILE`` it
+    joins a service as :meth:`from_cluster_file` does.
     """
-    return cls(discovery.discover(timeout=timeout), **kwargs)
+    found = discovery.find(timeout=timeout)
+    if found.token_file and kwargs.get("token") is None and not env.get(env.TOKEN):
+      kwargs["token"] = rendezvous.read_token_file(found.token_file)
+    return cls(list(found.addresses), **kwargs)
+
+  @classmethod
+  def from_cluster_file(cls, path: str, *, timeout: float = 60.0, **kwargs: Any
+                        ) -> Controller:
+    """Joins the sidecars of a service (``sidecar slurm service``) through its cluster file.
+
+    Example::
+
+      ctl = sidecar.Controller.from_cluster_file("~/.sidecar/my-service/cluster.env")
+
+    Raises:
+      InvalidArgumentError: the file is missing or malformed, or its token file is
+        unreadable or readable by others (the message names it).
+      DiscoveryError: the service's Slurm job has ended (the message names the job), or
+        its sidecars do not all answer within ``timeout`` seconds.
+    """
+    found = discovery.from_cluster_file(os.path.expanduser(str(path)), timeout=timeout)
+    if kwargs.get("token") is None and found.token_file:
+      kwargs["token"] = rendezvous.read_token_file(found.token_file)
+    return cls(list(found.addresses), **kwargs)
 
   # ---- introspection -----------------------------------------------------
 

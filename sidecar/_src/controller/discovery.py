@@ -1,12 +1,17 @@
 """Finds every sidecar of a job from the environment and waits until each answers.
 
-Runs in the controller process. Two ways to name the sidecars, checked in this order:
+Runs in the controller process. Four ways to name the sidecars, checked in this order:
 
 1. ``SIDECAR_HOSTS``: an explicit comma-separated list in host order (slice-major), each
    entry ``HOST``, ``HOST:PORT`` or ``HOST:PORT:HEALTH_PORT`` (IPv6 in brackets:
    ``[::1]:8480:8481``). Useful off Kubernetes, e.g. ``SIDECAR_HOSTS=$TPU_WORKER_HOSTNAMES``
    on TPU VMs, or for sidecars started by hand.
-2. A JobSet: the pod hostnames JobSet gives with ``network.enableDNSHostnames``,
+2. ``SIDECAR_CLUSTER_FILE``: a service's ``cluster.env`` (``sidecar slurm service``), with
+   the sidecars' addresses, its token file and its Slurm job, which must still run.
+3. Inside a Slurm job whose rendezvous directory exists (``sidecar slurm batch`` makes it,
+   see core/rendezvous.py): the entries its sidecars wrote there, once all have, and its
+   token file. A task of ``srun`` then also finds its own sidecar there (:func:`own_address`).
+4. A JobSet: the pod hostnames JobSet gives with ``network.enableDNSHostnames``,
    ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>``, for every slice (job index)
    and host (pod completion index). The manifests in ``k8s/`` set these in the trainer's env:
 
@@ -38,13 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src.core import env as env_lib, errors, options
+from sidecar._src.core import env as env_lib, errors, options, rendezvous
 
 DEFAULT_PORT = options.DEFAULT_PORT
 DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
@@ -89,6 +96,124 @@ class Endpoint:
     return f"slice {self.slice_id} host {self.host_id} ({self.health_address})"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Found:
+  """The sidecars of a job, and the token file that guards them where the place they were
+  found names one (a cluster file, a Slurm job's rendezvous directory)."""
+  addresses: tuple[str, ...]
+  token_file: str | None = None
+
+
+def find(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) -> Found:
+  """Like :func:`discover`, with the token file of a cluster file or Slurm job."""
+  env = os.environ if env is None else env
+  if not env.get(env_lib.HOSTS, "").strip():
+    if env_lib.get(env_lib.CLUSTER_FILE, environ=env):
+      return from_cluster_file(str(env_lib.get(env_lib.CLUSTER_FILE, environ=env)),
+                               timeout=timeout)
+    directory = rendezvous.job_dir(env)
+    if directory and os.path.exists(os.path.join(directory, rendezvous.JOB_FILE)):
+      found = _from_job_dir(directory, timeout=timeout)
+      wait_until_serving(found, timeout=timeout)
+      token = os.path.join(directory, rendezvous.TOKEN_FILE)
+      return Found(tuple(e.address for e in found), token if os.path.exists(token) else None)
+  found = endpoints_from_env(env)
+  wait_until_serving(found, timeout=timeout)
+  return Found(tuple(e.address for e in found))
+
+
+def from_cluster_file(path: str, *, timeout: float = 60.0) -> Found:
+  """The sidecars a service's ``cluster.env`` names, once every one serves.
+
+  Raises:
+    InvalidArgumentError: the file is missing or malformed, or its token file is
+      unreadable or readable by others.
+    DiscoveryError: the service's Slurm job has ended (the message names it), or a
+      sidecar does not answer within ``timeout``.
+  """
+  cluster = rendezvous.ClusterFile.read(path)
+  gone = _slurm_job_gone(cluster.job_id)
+  if gone:
+    raise errors.DiscoveryError(
+        f"cluster file {path} names Slurm job {cluster.job_id} (service {cluster.name!r}), "
+        f"which is gone ({gone}); start the service again: sidecar slurm service --name "
+        f"{cluster.name}")
+  rendezvous.read_token_file(cluster.token_file)  # refused early, naming it
+  found = _from_host_list({env_lib.HOSTS: ",".join(cluster.hosts)}, DEFAULT_PORT,
+                          DEFAULT_HEALTH_PORT)
+  try:
+    wait_until_serving(found, timeout=timeout)
+  except errors.DiscoveryError as e:
+    raise errors.DiscoveryError(
+        f"the sidecars of service {cluster.name!r} (Slurm job {cluster.job_id}, cluster file "
+        f"{path}) do not all serve: {e}") from None
+  return Found(tuple(e.address for e in found), cluster.token_file)
+
+
+_LIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING",
+                "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT"}
+
+
+def _slurm_job_gone(job_id: str) -> str | None:
+  """Why Slurm job ``job_id`` no longer runs, or None if it does (or Slurm can't tell)."""
+  if not shutil.which("squeue"):
+    return None  # off the cluster: the health checks tell
+  try:
+    done = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"],
+                          capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  states = set(done.stdout.split())
+  if done.returncode and "Invalid job id" in done.stderr or (not done.returncode and not states):
+    return "squeue no longer lists it"
+  if done.returncode:
+    return None  # the controller unreachable, say: the health checks tell
+  if states and not states & _LIVE_STATES:
+    return f"its state is {', '.join(sorted(states))}"
+  return None
+
+
+def _from_job_dir(directory: str, *, timeout: float) -> tuple[Endpoint, ...]:
+  """The sidecars of a Slurm job's rendezvous directory, once every one wrote its entry."""
+  job = rendezvous.read_json(os.path.join(directory, rendezvous.JOB_FILE))
+  expected = int(job["num_hosts"])
+  deadline = time.monotonic() + timeout
+  while True:
+    entries = rendezvous.read_hosts(directory)
+    if len(entries) >= expected:
+      return tuple(Endpoint(e.slice_id, e.host_id, e.address, e.port, e.health_port)
+                   for e in entries)
+    if time.monotonic() >= deadline:
+      have = sorted(e.host_id for e in entries)
+      raise errors.DiscoveryError(
+          f"Slurm job {job.get('job_id')}: {len(entries)} of {expected} sidecars wrote their "
+          f"entry in {directory} within {timeout:g} s (hosts {have}); see the logs in "
+          f"{os.path.join(directory, rendezvous.LOGS_DIR)}")
+    time.sleep(_POLL_INTERVAL)
+
+
+def own_address(env: Mapping[str, str] | None = None) -> str | None:
+  """``unix://PATH`` of this Slurm task's own sidecar, from the rendezvous directory;
+  None outside a Slurm step or where the job has none.
+
+  Tasks and sidecars pair up by node: the node's tasks, by ``SLURM_LOCALID``, go in
+  equal shares to its sidecars, by host id.
+  """
+  env = os.environ if env is None else env
+  directory = rendezvous.job_dir(env)
+  node, local = env.get("SLURMD_NODENAME", "").strip(), env.get("SLURM_LOCALID", "").strip()
+  if not directory or not node or not local.isdigit():
+    return None
+  try:
+    job = rendezvous.read_json(os.path.join(directory, rendezvous.JOB_FILE))
+  except OSError:
+    return None
+  mine = [e for e in rendezvous.read_hosts(directory) if e.node == node]
+  share = max(int(job["tasks_per_node"]) // max(int(job["hosts_per_node"]), 1), 1)
+  index = int(local) // share
+  return f"unix://{mine[index].socket}" if index < len(mine) else None
+
+
 def discover(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) -> list[str]:
   """Returns the gRPC addresses of all sidecars, in host order, once every one is serving.
 
@@ -104,9 +229,7 @@ def discover(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) ->
     DiscoveryError: some sidecars did not answer SERVING within ``timeout``; the message
       lists each of them with its last error.
   """
-  found = endpoints_from_env(env)
-  wait_until_serving(found, timeout=timeout)
-  return [e.address for e in found]
+  return list(find(timeout=timeout, env=env).addresses)
 
 
 def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, ...]:
@@ -121,8 +244,9 @@ def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, 
   if missing:
     raise errors.InvalidArgumentError(
         f"cannot find the sidecars: {', '.join(missing)} not set. Set SIDECAR_HOSTS to a "
-        "comma-separated list of HOST[:PORT[:HEALTH_PORT]], or run in a JobSet pod whose "
-        f"env sets {', '.join(_JOBSET_VARS)} (the manifests in k8s/ do; see "
+        "comma-separated list of HOST[:PORT[:HEALTH_PORT]], SIDECAR_CLUSTER_FILE to a "
+        "service's cluster.env, run in a Slurm job of `sidecar slurm batch`, or in a "
+        f"JobSet pod whose env sets {', '.join(_JOBSET_VARS)} (the manifests in k8s/ do; see "
         "docs/kubernetes.md).")
   return _from_jobset(env, port, health_port)
 

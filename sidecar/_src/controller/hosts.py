@@ -15,7 +15,7 @@ import grpc
 import jax
 
 from sidecar._src.arena import shm, worker as worker_lib
-from sidecar._src.controller import interrupts
+from sidecar._src.controller import discovery, interrupts
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.core import env, errors
 from sidecar._src.jax import distributed
@@ -217,17 +217,19 @@ class Hosts:
     if workers:
       (host_id, w), = workers.items()
     else:
-      if not env.get(env.ADDRESS):
+      # Under a Slurm step of `sidecar slurm batch`, the job's rendezvous directory says.
+      address = env.get(env.ADDRESS) or discovery.own_address()
+      if not address:
         raise errors.InvalidArgumentError(
             f"process {self.peers.index} of {self.peers.count} does not know its own "
             f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
-        w = worker_lib.Worker(timeout=self.peer_timeout)
+        w = worker_lib.Worker(address, timeout=self.peer_timeout)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self.peers.index}: its own sidecar at "
-            f"{env.get(env.ADDRESS)} is unreachable: {e}") from None
+            f"{address} is unreachable: {e}") from None
       self.own_workers.append(w)
       host_id = w.host_id
     if host_id not in self.conns:

@@ -181,6 +181,21 @@ COORDINATOR_PORT = _var(
     "SIDECAR_COORDINATOR_PORT", "the port of the coordinator a JobSet's trainers derive",
     default=str(DEFAULT_COORDINATOR_PORT), readers=_TRAINER + " in a JobSet")
 
+# ---- Slurm: `sidecar slurm` (tools/slurm/) and what its jobs' trainers read ------------
+_RDV = "Controller.from_env, sidecar slurm (core/rendezvous.py)"
+HOME = _var("SIDECAR_HOME", "where `sidecar slurm` keeps services and job directories",
+            default="~/.sidecar", readers=_RDV)
+SLURM_DIR = _var(
+    "SIDECAR_SLURM_DIR", "a Slurm job's rendezvous directory: its sidecars' entries, token",
+    default="$SIDECAR_HOME/slurm/$SLURM_JOB_ID inside a Slurm job", readers=_RDV)
+CLUSTER_FILE = _var(
+    "SIDECAR_CLUSTER_FILE", "a service's cluster.env: Controller.from_env connects to it",
+    default="none", readers=_DISCOVERY)
+SERVICE = _var("SIDECAR_SERVICE", "in a cluster.env: the name of the service that wrote it",
+               default="none", readers="Controller.from_cluster_file (its messages)")
+SLURM_JOB = _var("SIDECAR_SLURM_JOB", "in a cluster.env: the service's Slurm job id",
+                 default="none", readers="Controller.from_cluster_file: is the job alive?")
+
 # ---- the checkpoint host; read in host/checkpoint.py and host/checkpoint_faults.py -----
 CKPT_FAULT = _var(
     "SIDECAR_CKPT_FAULT", "tests only: POINT@STEP makes the sidecar SIGKILL itself there "

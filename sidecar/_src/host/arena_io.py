@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import jax
 import numpy as np
 
 from sidecar._src.arena import shm
@@ -232,7 +231,7 @@ class BatchBlocks:
   def sent(self, tree: Any) -> None:
     """The blocks of a batch that was encoded: the session's to free now, or, copied
     into the message (no session), unpinned."""
-    for leaf in jax.tree_util.tree_leaves(tree):
+    for leaf in _arrays(tree):
       found = self._placed.pop(leaf.ctypes.data, None)
       if found is not None and not self._session:
         block, _, holder = found
@@ -243,3 +242,18 @@ class BatchBlocks:
     placed, self._placed = self._placed, {}
     for block, _, holder in placed.values():
       self._io.leases.release(block.offset, block.generation, holder)
+
+
+def _arrays(tree: Any):
+  """The numpy arrays in ``tree``, a value the codec has encoded: dicts, lists and tuples
+  (namedtuples too) of leaves. Walked here, not with ``jax.tree_util``: the sidecar starts
+  without JAX."""
+  todo = [tree]
+  while todo:
+    x = todo.pop()
+    if isinstance(x, np.ndarray):
+      yield x
+    elif isinstance(x, dict):
+      todo.extend(x.values())
+    elif isinstance(x, (list, tuple)):
+      todo.extend(x)

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.host import metrics as metrics_lib
+from sidecar._src.host import metrics as metrics_lib, preflight
 from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.checkpoint import peers as replicas
@@ -176,6 +176,7 @@ class Server:
 
   def _start(self) -> None:
     o = self.options
+    preflight.check(o)  # the socket's and checkpoints' mounts, before the arena takes seconds
     if o.token is None and not o.client_tokens and not options_lib.is_loopback(o.listen):
       log.warning(
           "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "

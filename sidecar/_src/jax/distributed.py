@@ -70,9 +70,10 @@ def is_initialized() -> bool:
 def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
   """Starts ``jax.distributed`` from the environment; call it before any other JAX call.
 
-  Reads the variables in this module's docstring (set by ``sidecar launch`` and by the
-  manifests in ``k8s/``). Where none is set and JAX detects the cluster itself (Cloud
-  TPU VMs, GKE TPU pods, SLURM, Open MPI), defers to ``jax.distributed.initialize()``.
+  Reads the variables in this module's docstring (set by ``sidecar launch``, ``sidecar
+  slurm batch`` and the manifests in ``k8s/``). Where none is set and JAX detects the
+  cluster itself (Cloud TPU VMs, GKE TPU pods, a Slurm ``srun`` step, Open MPI), defers to
+  ``jax.distributed.initialize()``, with ``SIDECAR_LOCAL_DEVICES`` CPU devices if set.
   Where nothing names a job, does nothing: the script then runs as one process that
   owns every device, unchanged. Idempotent. ``kwargs`` go to
   ``jax.distributed.initialize`` (e.g. ``heartbeat_timeout_seconds``).
@@ -93,12 +94,18 @@ def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
   if is_initialized():
     return True
   env = os.environ if env is None else env
+  get = lambda name: env.get(name, "").strip()
   args = job_from_env(env)
   if args is None:
     if not _jax_detects_cluster():
       log.info("no jax.distributed job in the environment (%s, %s, %s or a JobSet's): one "
                "process", COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID)
       return False
+    # JAX's own detection (Slurm's srun among others) knows the job, not how many CPU
+    # devices each process should have: SIDECAR_LOCAL_DEVICES says, as with our variables.
+    if get(LOCAL_DEVICES):
+      jax.config.update("jax_num_cpu_devices",
+                        env_lib.int_var(env, LOCAL_DEVICES, None, minimum=1))
     jax.distributed.initialize(**kwargs)
     return True
   local = args.pop("local_devices", None)

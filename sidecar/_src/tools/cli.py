@@ -1,4 +1,4 @@
-"""The ``sidecar`` command: serve, local, launch, status, demo, k8s."""
+"""The ``sidecar`` command: serve, local, launch, status, health, demo, k8s, slurm."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
 from sidecar._src.tools import cli_format, launch
 from sidecar._src.tools.k8s import cli as k8s_cli
+from sidecar._src.tools.slurm import cli as slurm_cli
 from sidecar._src.user import registry as registry_lib
 
 # Each command imports what it runs (the server, the controller, JAX) when it runs, so
@@ -81,7 +82,6 @@ def load_user_code(modules: Sequence[str]) -> None:
 def _serve(args: argparse.Namespace) -> int:
   imports = list(args.imports or []) + [
       m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
-  load_user_code(imports)
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
     peer_token = env_lib.peer_token(args.peer_token_file)
@@ -104,6 +104,16 @@ def _serve(args: argparse.Namespace) -> int:
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
+  # The mounts and the memory first, in a fraction of a second: the user's modules and the
+  # server import jax, grain and gRPC, which take seconds (20 s in a container on a loaded
+  # machine).
+  from sidecar._src.host import preflight
+  try:
+    preflight.check(opts)
+  except (errors.ArenaCapacityError, OSError) as e:
+    print(f"sidecar serve: {e}", file=sys.stderr)
+    return 2
+  load_user_code(imports)
   from sidecar._src.host.server import Server
   server = Server(opts)
   try:
@@ -163,7 +173,7 @@ def _run_local(args: argparse.Namespace) -> int:
   from sidecar._src.tools.local import LocalCluster
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False,
-                    metrics=args.metrics) as cluster:
+                    metrics=args.metrics, checkpoint_roots=args.checkpoint_roots) as cluster:
     metrics = cluster.metrics_urls if args.metrics else [""] * args.hosts
     for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
       print(f"host {h}: {a}  worker socket unix://{s}" + (f"  metrics {metrics[h]}" if metrics[h] else ""))
@@ -205,34 +215,57 @@ def _launch(args: argparse.Namespace) -> int:
   return launch.run(command, hosts=args.hosts, devices_per_host=args.devices_per_host,
                     imports=args.imports or [], shm_size=args.shm_size, token=token,
                     elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
+                    checkpoint_roots=args.checkpoint_roots,
                     max_restarts=(launch.DEFAULT_MAX_RESTARTS if args.max_restarts is None
                                   else args.max_restarts),
                     procs_per_host=args.procs_per_host, torch=args.torch)
 
 
 def _status(args: argparse.Namespace) -> int:
-  from sidecar._src.controller import status
+  from sidecar._src.controller import discovery, status
   token = _env(env_lib.TOKEN)
+  addresses = args.addresses
+  if not addresses:  # the job's sidecars, as Controller.from_env() finds them
+    try:
+      addresses = [e.address for e in discovery.endpoints_from_env()]
+    except errors.SidecarError as e:
+      args.parser.error(f"no ADDR given, and {e}")
   if args.watch and args.json:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:
     args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
   if args.watch:
     _raise_on_sigterm()
-    return status.watch(args.addresses, interval=args.interval, timeout=args.timeout,
+    return status.watch(addresses, interval=args.interval, timeout=args.timeout,
                         token=token)
-  return status.print_status(args.addresses, timeout=args.timeout, token=token,
-                             as_json_=args.json)
+  return status.print_status(addresses, timeout=args.timeout, token=token, as_json_=args.json)
+
+
+def _health(args: argparse.Namespace) -> int:
+  from sidecar._src.tools import health
+  if args.timeout <= 0:
+    args.parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+  serving, answer = health.check(args.address, timeout=args.timeout)
+  print(answer, file=sys.stdout if serving else sys.stderr)
+  return 0 if serving else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
   from sidecar._src.tools import demo
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
-                  processes=args.processes, elastic=args.elastic)
+                  processes=args.processes, elastic=args.elastic, verbose=args.verbose)
 
 
 def _from_env(var: str, otherwise: str) -> str:
   return f"(default: ${var}, else {otherwise})"
+
+
+def _checkpoint_root_flag(p: argparse.ArgumentParser) -> None:
+  """``--checkpoint-root`` of ``sidecar local`` and ``launch``: every sidecar gets them."""
+  p.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", metavar="DIR",
+                 type=os.path.abspath,
+                 help="directory every sidecar may checkpoint in, and below (repeatable; "
+                      "default: the temp directory and the working directory)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -340,6 +373,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--metrics", action="store_true",
                  help="each sidecar serves Prometheus /metrics on a free port, printed "
                       "(default: off)")
+  _checkpoint_root_flag(s)
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
@@ -376,6 +410,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--max-restarts", type=int, metavar="N",
                  help="with --in-place: restart at most N times, then end on the next failure "
                  f"(default: {launch.DEFAULT_MAX_RESTARTS})")
+  _checkpoint_root_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)
@@ -384,8 +419,9 @@ def parser() -> argparse.ArgumentParser:
           description="Ask each sidecar for its identity, registry, arena use, feeds and "
                       "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
                       "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
-  s.add_argument("addresses", nargs="+", metavar="ADDR",
-                 help="the sidecars' gRPC addresses, HOST:PORT")
+  s.add_argument("addresses", nargs="*", metavar="ADDR",
+                 help="the sidecars' gRPC addresses, HOST:PORT (default: those SIDECAR_HOSTS "
+                      "lists, or the JobSet's as Controller.from_env() finds them)")
   s.add_argument("--timeout", type=float, default=5.0, metavar="S",
                  help="seconds each sidecar is given to answer")
   s.add_argument("--json", action="store_true",
@@ -411,9 +447,25 @@ def parser() -> argparse.ArgumentParser:
                  help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
                  "go on on the others (sidecar.elastic.retry), with the recovery time "
                  "(default: off)")
+  s.add_argument("--verbose", action="store_true",
+                 help="show log records, the launcher's lines and the trainers' stderr here "
+                      "(default: off: they go to the log file named at the end)")
   s.set_defaults(func=_demo)
 
+  s = add("health", help="ask a sidecar's health port whether it serves (exit 0 if so)",
+          description="One grpc.health.v1 Check of a sidecar's plaintext health port, as the "
+                      "kubelet's probes and the image's HEALTHCHECK ask it: exit status 0 "
+                      "when it answers SERVING, 1 otherwise, with what it answered.")
+  health_port = _env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT))
+  s.add_argument("address", nargs="?", default=f"127.0.0.1:{health_port}", metavar="ADDR",
+                 help="HOST:PORT of the health port (default: 127.0.0.1:$SIDECAR_HEALTH_PORT, "
+                      f"else 127.0.0.1:{options_lib.DEFAULT_HEALTH_PORT})")
+  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                 help="seconds to wait for the answer")
+  s.set_defaults(func=_health, parser=s)
+
   k8s_cli.register(sub)
+  slurm_cli.register(sub)
   return p
 
 

@@ -7,12 +7,16 @@ devices own, which arrive as one sharded ``jax.Array`` per step.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +25,39 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src.controller import elastic as elastic_lib
 from sidecar._src.controller.controller import Controller
-from sidecar._src.core import options as options_lib
+from sidecar._src.core import logs, options as options_lib
 from sidecar._src.jax import distributed
 from sidecar._src.tools import launch
 from sidecar._src.tools.local import LocalCluster
 
 PIPELINES = "pipelines.digits"
+# Without --verbose the demo prints its story only: log records below ERROR, the
+# launcher's lines and what the trainer processes write to stderr (Gloo's connection
+# lines, say) go here, overwritten by each run.
+LOG_FILE = os.path.join(tempfile.gettempdir(), "sidecar-demo.log")
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool) -> Iterator[str | None]:
+  """Sends this process's log records below ERROR to ``LOG_FILE`` unless ``verbose``;
+  yields the file's path (None when verbose)."""
+  if verbose:
+    yield None
+    return
+  root = logging.getLogger()
+  handlers, level = root.handlers[:], root.level
+  to_file = logging.FileHandler(LOG_FILE, mode="w")
+  to_file.setFormatter(logging.Formatter(logs.TEXT_FORMAT))
+  errors_only = logging.StreamHandler(sys.stderr)
+  errors_only.setLevel(logging.ERROR)
+  root.handlers[:] = [to_file, errors_only]
+  root.setLevel(min(level, logging.INFO) if level else logging.INFO)
+  try:
+    yield LOG_FILE
+  finally:
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    to_file.close()
 
 
 def init_params(key: jax.Array, sizes=(64, 128, 10)) -> list[tuple[jax.Array, jax.Array]]:
@@ -88,18 +119,30 @@ def evaluate(ctl, params, sharding) -> tuple[int, int]:
 
 def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
         global_batch_size: int = 64, checkpoint_every: int = 100, processes: int = 1,
-        elastic: bool = False) -> int:
+        elastic: bool = False, verbose: bool = False) -> int:
   """Runs the demo; returns a process exit code.
 
   ``processes=1``: one process owns every device and drives a LocalCluster of ``hosts``
   sidecars. ``processes=N``: the same training as a multi-controller job, N trainer
   processes under ``jax.distributed`` (one per host, each beside its own sidecar),
-  started by ``sidecar launch``.
+  started by ``sidecar launch``. ``verbose``: log records and the trainers' stderr come
+  to the terminal too; else they go to ``LOG_FILE``, named at the end.
   """
   if importlib.util.find_spec("sklearn") is None:  # pipelines.digits, in every sidecar
     print("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
           "pip install 'colocated-sidecar[demo]'", file=sys.stderr)
     return 2
+  with _quiet(verbose) as log_file:
+    code = _run(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
+                global_batch_size=global_batch_size, checkpoint_every=checkpoint_every,
+                processes=processes, elastic=elastic, log_file=log_file)
+  if log_file is not None:
+    print(f"The log: {log_file} (--verbose shows it here).")
+  return code
+
+
+def _run(*, hosts: int, devices_per_host: int, steps: int, global_batch_size: int,
+         checkpoint_every: int, processes: int, elastic: bool, log_file: str | None) -> int:
   if elastic:
     hosts = max(hosts, 3)  # a global batch both meshes split evenly, before and after
     batch = math.lcm(hosts * devices_per_host, (hosts - 1) * devices_per_host) * 4
@@ -108,10 +151,14 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   if processes > 1:
     print(f"Launching {processes} trainer processes under jax.distributed, each beside its "
           f"own sidecar ({devices_per_host} CPU devices each), through `sidecar launch`.")
-    code = launch.run([sys.executable, "-m", "sidecar._src.tools.demo", str(steps),
-                       str(global_batch_size), str(checkpoint_every)],
-                      hosts=processes, devices_per_host=devices_per_host, imports=[PIPELINES],
-                      shm_size="64MiB")
+    quiet = log_file is not None
+    with open(log_file or os.devnull, "a") as launcher_log:
+      code = launch.run([sys.executable, "-m", "sidecar._src.tools.demo", str(steps),
+                         str(global_batch_size), str(checkpoint_every),
+                         *([log_file] if log_file else [])],
+                        hosts=processes, devices_per_host=devices_per_host,
+                        imports=[PIPELINES], shm_size="64MiB",
+                        stderr=launcher_log if quiet else None)
     if code == 0:
       print("Done: every trainer and sidecar stopped, no shared memory left behind.")
     return code
@@ -263,11 +310,23 @@ def _sources(ckpt) -> str:
 
 
 def main(argv: list[str]) -> int:
-  """One trainer process of ``sidecar demo --processes N`` (started by ``sidecar launch``)."""
+  """One trainer process of ``sidecar demo --processes N`` (started by ``sidecar launch``).
+
+  ``argv``: steps, global batch size, checkpoint interval, and the log file that takes
+  everything but the story (log records, what JAX and Gloo print to stdout and stderr),
+  if there is one.
+  """
+  story = sys.stdout
+  if len(argv) > 3:  # the story keeps the launcher's pipe; file descriptors 1 and 2 go
+    story = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    with open(argv[3], "a") as log:
+      os.dup2(log.fileno(), sys.stdout.fileno())
+      os.dup2(log.fileno(), sys.stderr.fileno())
   distributed.initialize()
-  steps, global_batch_size, checkpoint_every = (int(a) for a in argv)
+  steps, global_batch_size, checkpoint_every = (int(a) for a in argv[:3])
   with Controller.from_env(timeout=60) as ctl:
-    say = print if ctl.process_index == 0 else (lambda *_: None)
+    say = (lambda text: print(text, file=story, flush=True)) if ctl.process_index == 0 else (
+        lambda *_: None)
     train(ctl, steps=steps, global_batch_size=global_batch_size,
           checkpoint_every=checkpoint_every, say=say)
   return 0

@@ -34,6 +34,7 @@ from sidecar._src.tools.local import LocalCluster
 DEFAULT_MAX_RESTARTS = 4  # in-place restarts, as the manifests' backoffLimit
 DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
 _POLL = 0.1
+PREEMPTION_SERVICE = "JAX_ENABLE_PREEMPTION_SERVICE"
 _LOG_TAIL_LINES = 40
 _READ_CHUNK = 1 << 16
 
@@ -48,6 +49,9 @@ Each trainer gets this environment added to the launcher's:
                if name != env.TOKEN_FILE)}
   JAX_PLATFORMS                 cpu, unless already set
   PYTHONUNBUFFERED              1, unless already set
+  JAX_ENABLE_PREEMPTION_SERVICE false, unless already set: JAX's preemption notifier
+                                catches SIGTERM, so a stopped trainer would run on until
+                                the SIGKILL after the grace
 with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port>, SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
 SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host, SIDECAR_RESTART=0. SIDECAR_TOKEN
 is set when there is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of
@@ -157,6 +161,10 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
   result = dict(base)
   result.setdefault("JAX_PLATFORMS", "cpu")
   result.setdefault("PYTHONUNBUFFERED", "1")
+  # jax.distributed.initialize() would start JAX's preemption service, whose notifier
+  # catches SIGTERM (to sync a save at preemption, on Cloud TPU): a trainer stopped here
+  # would go on until the SIGKILL after the grace, seconds of every elastic restart.
+  result.setdefault(PREEMPTION_SERVICE, "false")
   result.update({
       env.COORDINATOR_ADDRESS: coordinator,
       env.NUM_PROCESSES: str(world),
@@ -402,14 +410,18 @@ class _Run:
       self.stderr.flush()
 
   def stop_trainers(self) -> None:
-    """SIGTERM to every trainer's process group, SIGKILL to those left after the grace."""
-    groups = [p.pid for p in self.trainers.values()]
-    for g in groups:
+    """SIGTERM to every trainer's process group, SIGKILL to those left after the grace
+    (each one named: a trainer that catches SIGTERM costs every restart the grace)."""
+    groups = {rank: p.pid for rank, p in self.trainers.items()}
+    for g in groups.values():
       _signal_group(g, signal.SIGTERM)
     deadline = time.monotonic() + self.grace
-    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
-      time.sleep(0.02)
-    for g in groups:
+    while any(_group_alive(g) for g in groups.values()) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    for rank, g in groups.items():
+      if _group_alive(g):
+        self.say(f"trainer {rank} still ran {self.grace:g} s after SIGTERM; killing it "
+                 "(SIGKILL). Does it catch SIGTERM?")
       _signal_group(g, signal.SIGKILL)
     for p in self.trainers.values():
       p.wait()
@@ -459,7 +471,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
         in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
-        procs_per_host: int = 1, torch: bool = False, stdout: BinaryIO | None = None,
+        procs_per_host: int = 1, torch: bool = False,
+        checkpoint_roots: Sequence[str] | None = None, stdout: BinaryIO | None = None,
         stderr: TextIO | None = None) -> int:
   """Runs ``command`` ``procs_per_host`` times per host beside a LocalCluster of sidecars;
   returns the exit code.
@@ -484,6 +497,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
       ``torchrun --nproc-per-node``), each with its own Worker session.
     torch: also set torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
       ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...).
+    checkpoint_roots: the directories every sidecar may checkpoint in; default the temp
+      directory and the working directory (``LocalCluster``'s).
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
     stderr: where the launcher's own messages go; default this process's stderr.
 
@@ -507,7 +522,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     raise errors.InvalidArgumentError(
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
-                         token=token, configure_jax=False, assign_device_ids=False)
+                         token=token, configure_jax=False, assign_device_ids=False,
+                         checkpoint_roots=checkpoint_roots)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
                 in_place=in_place, max_restarts=max_restarts,

@@ -21,7 +21,9 @@ from tests.conftest import eventually
 
 pytestmark = pytest.mark.processes
 
-PEER_TIMEOUT = 1.0
+# Long enough that a sidecar that merely waits for a core (a load of 4 on 2 cores) still
+# answers the attach, the handshake and gRPC's keepalive pings (half of it each) in time.
+PEER_TIMEOUT = 3.0
 WATCHDOG_S = 60.0  # far past PEER_TIMEOUT: a hang would be this long, then a failure
 
 
@@ -77,7 +79,8 @@ def test_a_stopped_sidecar_ends_a_feed_with_host_lost(cluster, attach):
 
 
 def test_a_stopped_sidecar_fails_an_arena_request_and_every_later_one(cluster):
-  w = sidecar.Worker(cluster.socket(0), timeout=PEER_TIMEOUT)
+  w = sidecar.Worker(cluster.socket(0))  # attached with the default timeout, then
+  w.timeout = PEER_TIMEOUT                # the short one for the request that hangs
   try:
     with stopped(cluster):
       with pytest.raises(sidecar.HostLostError, match="did not answer 'alloc'"):

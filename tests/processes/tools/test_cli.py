@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,35 @@ def test_status_table(capsys):
     assert "UNREACHABLE" in capsys.readouterr().out
 
 
+def test_status_without_addresses_asks_the_sidecars_that_sidecar_hosts_lists(capsys, monkeypatch):
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="8MiB",
+                                    imports=FNS) as c:
+    monkeypatch.setenv("SIDECAR_HOSTS", ",".join(c.addresses))
+    assert cli.main(["status", "--json"]) == 0
+    hosts = json.loads(capsys.readouterr().out)["hosts"]
+    assert [h["address"] for h in hosts] == c.addresses and all(h["ok"] for h in hosts)
+    # --watch too (before: "the following arguments are required: ADDR"), until Ctrl-C.
+    watch = subprocess.Popen([sys.executable, "-m", "sidecar", "status", "--watch",
+                              "--interval", "0.2"], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, SIDECAR_HOSTS=",".join(c.addresses)))
+    try:
+      out = ""
+      while out.count(c.addresses[1]) < 1:
+        line = watch.stdout.readline()
+        assert line, out
+        out += line
+      assert c.addresses[0] in out
+    finally:
+      watch.send_signal(signal.SIGINT)
+      assert watch.wait(60) == 0
+      watch.stdout.close()
+  monkeypatch.delenv("SIDECAR_HOSTS")
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["status"])
+  assert exit_.value.code == 2
+  assert "no ADDR given, and cannot find the sidecars" in capsys.readouterr().err
+
+
 def test_serve_rejects_bad_flags_and_too_big_arenas(tmp_path):
   run = lambda *a: subprocess.run([sys.executable, "-m", "sidecar", "serve", *a],
                                   capture_output=True, text=True, timeout=60)
@@ -43,12 +73,20 @@ def test_serve_rejects_bad_flags_and_too_big_arenas(tmp_path):
 
 @pytest.mark.parametrize("flags", [[], ["--processes", "2"], ["--elastic"]],
                          ids=["one-process", "two-processes", "elastic"])
+@pytest.mark.timeout(420)  # 2.5 min for --processes 2 at a load of 15 on 2 cores
 def test_demo_runs(tmp_path, flags):
-  env = dict(os.environ, SIDECAR_LOG_LEVEL="WARNING")
+  env = dict(os.environ, TMPDIR=str(tmp_path))  # its log file goes there
+  env.pop("SIDECAR_LOG_LEVEL", None)
   p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100", *flags],
-                     capture_output=True, text=True,
-                     timeout=300, env=env)
+                     capture_output=True, text=True, timeout=400, env=env)
   assert p.returncode == 0, p.stderr[-3000:]
+  # The story only: log records, the launcher's lines and Gloo's go to the log file.
+  log = (tmp_path / "sidecar-demo.log").read_text()
+  record = re.compile(r"\d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING) ")
+  assert not record.search(p.stdout + p.stderr), p.stdout + p.stderr
+  assert "[Gloo]" not in p.stdout and "sidecar launch:" not in p.stderr, p.stdout + p.stderr
+  assert f"The log: {tmp_path / 'sidecar-demo.log'}" in p.stdout
+  assert record.search(log) or "[Gloo]" in log, log
   assert "test accuracy" in p.stdout
   assert "--elastic" in flags or "trainer waited for data" in p.stdout
   accuracy = float(p.stdout.split("test accuracy ")[1].split("%")[0])
@@ -245,8 +283,9 @@ def test_serve_names_the_socket_flag_when_it_cannot_make_the_socket(tmp_path):
                       "0", "--socket", str(tmp_path / "file" / "s.sock"), "--shm-size", "8MiB"],
                      capture_output=True, text=True, timeout=60)
   assert p.returncode == 2, p.stderr
-  assert f"cannot make the worker socket's directory {tmp_path / 'file'}" in p.stderr
-  assert "give --socket (socket_path) a path in a writable directory" in p.stderr
+  assert f"cannot make the worker socket {tmp_path / 'file' / 's.sock'}" in p.stderr
+  assert f"{tmp_path / 'file'} is not a directory" in p.stderr
+  assert "give --socket or $SIDECAR_SOCKET a path in a writable directory" in p.stderr
 
 
 def test_demo_without_scikit_learn_names_the_extra():

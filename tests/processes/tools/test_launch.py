@@ -177,6 +177,29 @@ def test_a_signal_to_the_launcher_stops_everything(signum, code):
   _assert_nothing_left(_pids(out) + list(sidecar_pids.values()), temp_dir)
 
 
+DISTRIBUTED_SLEEP_SCRIPT = """
+    import os, time
+    import sidecar
+    sidecar.distributed.initialize()  # jax.distributed: its preemption notifier wants SIGTERM
+    print("pid=%d" % os.getpid(), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_trainer_under_jax_distributed_stops_at_sigterm_not_at_the_sigkill_after_the_grace():
+  p = _start(DISTRIBUTED_SLEEP_SCRIPT)
+  err = _read_until(p.stderr, r"'s sidecar \(pid", 2)
+  out = _read_until(p.stdout, r"pid=\d+", 2)
+  p.send_signal(signal.SIGTERM)
+  out, err = _finish(p, out, err)
+  assert p.returncode == 143, out + err
+  # Before: JAX's preemption notifier caught SIGTERM ("SIGTERM caught" in the log), and
+  # each trainer ran on until the SIGKILL after the 5 s grace.
+  assert "after SIGTERM; killing it" not in err, out + err
+  sidecar_pids, temp_dir = _sidecars(err)
+  _assert_nothing_left(_pids(out) + list(sidecar_pids.values()), temp_dir)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--hosts", "2"], "CMD is missing: give the trainer command after --"),
     (["--hosts", "2", "--"], "CMD is missing: give the trainer command after --"),

@@ -54,6 +54,7 @@ def test_quickstart_notebook_runs(tmp_path):
   assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
       "examples/quickstart.ipynb must be committed with its outputs cleared"
   env = kernel_env(4)
+  env["TMPDIR"] = str(tmp_path)  # the notebook's checkpoint directory, which it removes
   client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                    resources={"metadata": {"path": str(ROOT / "examples")}})
   os.environ.update({k: env[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS")})
@@ -63,6 +64,7 @@ def test_quickstart_notebook_runs(tmp_path):
   assert "restores as saved: True" in text
   assert "from ram:host0" in text and "storage" not in text.split("restored step")[1][:200]
   assert "sidecar.Controller" in text and "<table>" in text  # the rich display rendered
+  assert not list(tmp_path.glob("quickstart-*"))  # before: each run left its checkpoints
 
 
 class Kernel:

@@ -74,8 +74,9 @@ def test_local_stream_finalizer_needs_no_module_globals(monkeypatch):
 def test_a_slow_stream_is_waited_on_past_the_peer_timeout(make_server):
   """Items slower than the peer timeout still arrive: the sidecar answers the pings."""
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], peer_timeout=0.3) as ctl:
-    with ctl.stream("slow_count", args=(2, 0.8)) as s:
+  # Pings every 0.5 s, each answered within 0.5 s: a margin at a load of 4 on 2 cores.
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], peer_timeout=1.0) as ctl:
+    with ctl.stream("slow_count", args=(2, 1.5)) as s:
       assert list(s) == [0, 1]
 
 

@@ -136,3 +136,24 @@ def test_copy_of_strided_or_other_dtype_copies_as_copyto(monkeypatch):
   np.testing.assert_array_equal(dst, src.T.astype(np.float32))
   with pytest.raises(ValueError):
     shm.copy(np.zeros((3, 3)), np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("version,limit_file,used_file", [
+    ("v2", "memory.max", "memory.current"),
+    ("v1", "memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")], ids=str)
+def test_a_container_memory_limit_below_the_arena_names_it(tmp_path, monkeypatch, version,
+                                                           limit_file, used_file):
+  # A fake cgroup file system, as a container with a 64 MiB memory limit sees it.
+  (tmp_path / "memory").mkdir()
+  (tmp_path / limit_file).write_text(f"{64 << 20}\n")
+  (tmp_path / used_file).write_text(f"{16 << 20}\n")
+  tables = {"v2": (tmp_path / "memory.max", tmp_path / "memory.current"),
+            "v1": (tmp_path / "memory/memory.limit_in_bytes",
+                   tmp_path / "memory/memory.usage_in_bytes")}
+  monkeypatch.setattr(shm, "_CGROUP_MEMORY", (tuple(map(str, tables[version])),))
+  assert shm.available_memory()[0] == 48 << 20
+  with pytest.raises(errors.ArenaCapacityError,
+                     match=rf"needs 128.0 MiB .* only 48.0 MiB is available \(cgroup "
+                           rf"{os.path.basename(limit_file)} 64.0 MiB with 16.0 MiB in use\); "
+                           r"lower --shm-size"):
+    shm.check_capacity(128 << 20)

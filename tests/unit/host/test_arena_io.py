@@ -53,6 +53,17 @@ def test_a_feed_without_a_worker_pins_its_batches_until_they_are_sent_inline(io)
   del unsent
 
 
+def test_sent_finds_every_array_of_a_nested_batch(io):
+  # A batch tree as the feed sends it: per-range lists of arrays inside dicts and tuples.
+  blocks = BatchBlocks(io, "", _forever, _no_deadline)
+  alloc = lambda: blocks.alloc((2,), np.dtype(np.int32))
+  tree = {"x": [alloc(), alloc()], "y": ({"z": [alloc()]}, "tag", None), "n": 3}
+  assert io.leases.held_bytes() == ({}, 3 * shm.ALIGN)
+  blocks.sent(tree)
+  assert io.leases.held_bytes() == ({}, 0)
+  blocks.close()
+
+
 def test_a_feed_for_a_worker_leases_it_what_was_sent_and_takes_back_the_rest(io):
   blocks = BatchBlocks(io, SESSION, _forever, _no_deadline)
   sent = blocks.alloc((3,), np.dtype(np.int64))

@@ -23,12 +23,11 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-import grain
-import jax
 import numpy as np
 
 from sidecar._src.core import errors
@@ -38,6 +37,10 @@ from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
 
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+# A grain.MapDataset. Grain (which brings JAX, Orbax and TensorStore) is never imported
+# here: a pipeline that returns one has imported it, and a sidecar that serves none
+# starts without it.
+MapDataset = Any
 # Each feed worker is a Python interpreter with the user's modules (~250 MiB here):
 # one request may start at most as many as this host has CPUs (at least 2, at most 64).
 MAX_WORKERS = min(64, max(2, len(os.sched_getaffinity(0))))
@@ -108,6 +111,17 @@ def _start_state(text: str) -> dict[str, Any]:
   return start
 
 
+def _is_map_dataset(x: Any) -> bool:
+  grain = sys.modules.get("grain")  # loaded by the pipeline's module if it made one
+  return grain is not None and isinstance(x, grain.MapDataset)
+
+
+def _tree_util() -> Any:
+  """``jax.tree_util``, imported by the first feed: the sidecar starts without JAX."""
+  import jax.tree_util
+  return jax.tree_util
+
+
 def epoch_seed(seed: int, epoch: int) -> int:
   """The shuffle seed of one epoch: independent permutations, reproducible."""
   digest = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
@@ -128,6 +142,7 @@ class Batcher:
     self._spec = spec
     self._alloc = alloc
     self._name = name
+    self._trees = _tree_util()
     self._treedef = None
     self._leaf_specs: list[tuple[tuple[int, ...], np.dtype]] = []
 
@@ -140,7 +155,7 @@ class Batcher:
 
   def learn(self, element: Any) -> None:
     """Takes the batch layout (structure, leaf shapes and dtypes) from ``element``."""
-    leaves, self._treedef = jax.tree_util.tree_flatten(element)
+    leaves, self._treedef = self._trees.tree_flatten(element)
     self._leaf_specs = []
     for i, leaf in enumerate(leaves):
       a = np.asarray(leaf)
@@ -169,7 +184,7 @@ class Batcher:
       assert out is not None  # learn() has set the layout
     flat = []
     for element in elements:
-      leaves, treedef = jax.tree_util.tree_flatten(element)
+      leaves, treedef = self._trees.tree_flatten(element)
       if treedef != self._treedef:
         raise errors.InvalidArgumentError(
             f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
@@ -188,7 +203,7 @@ class Batcher:
 
   def put(self, out: list[list[np.ndarray]], row: int, element: Any) -> None:
     """Writes ``element`` as row ``row`` (of this host's rows, in order) of ``out``."""
-    leaves, treedef = jax.tree_util.tree_flatten(element)
+    leaves, treedef = self._trees.tree_flatten(element)
     if treedef != self._treedef:
       raise errors.InvalidArgumentError(
           f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
@@ -211,20 +226,20 @@ class Batcher:
 
   def _raise_shape(self, elements: list[Any], i: int, shape: tuple[int, ...]):
     for element in elements:
-      (path, leaf), = [jax.tree_util.tree_flatten_with_path(element)[0][i]]
+      (path, leaf), = [self._trees.tree_flatten_with_path(element)[0][i]]
       if np.shape(leaf) != shape:
         raise errors.InvalidArgumentError(
-            f"pipeline {self._name!r}: element leaf {jax.tree_util.keystr(path)} has shape "
+            f"pipeline {self._name!r}: element leaf {self._trees.keystr(path)} has shape "
             f"{np.shape(leaf)}, but the first element's had {shape}; pad or crop to a fixed "
             "shape before batching")
-    dtypes = sorted({str(np.asarray(jax.tree_util.tree_leaves(e)[i]).dtype) for e in elements})
+    dtypes = sorted({str(np.asarray(self._trees.tree_leaves(e)[i]).dtype) for e in elements})
     raise errors.InvalidArgumentError(
         f"pipeline {self._name!r}: cannot batch leaf {i} of dtypes {dtypes} as the first "
         f"element's {self._leaf_specs[i][1]}; yield one dtype for each leaf")
 
   def tree(self, out: list[list[np.ndarray]]) -> Any:
     """The element structure with each leaf a list of per-range arrays."""
-    return jax.tree_util.tree_unflatten(self._treedef, out)
+    return self._trees.tree_unflatten(self._treedef, out)
 
 
 PERMUTATION_LIMIT = 1 << 24  # Up to 16M examples a permutation costs <= 64 MiB an epoch.
@@ -233,7 +248,7 @@ PERMUTATION_LIMIT = 1 << 24  # Up to 16M examples a permutation costs <= 64 MiB 
 class Order:
   """Random access to one epoch-shuffled ``MapDataset``, a batch of rows at a time."""
 
-  def __init__(self, ds: grain.MapDataset, seed: int):
+  def __init__(self, ds: MapDataset, seed: int):
     self._ds, self._seed = ds, seed
     self._epoch: int | None = None
     self._perm: np.ndarray | None = None
@@ -278,7 +293,7 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
   """
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
                       int(spec.start.get("position", 0)))
-  if isinstance(first, grain.MapDataset):
+  if _is_map_dataset(first):
     if spec.workers:
       yield from _from_map_pool(first, entry.name, spec, alloc, pool)
     else:
@@ -299,7 +314,7 @@ def _check_kind(spec: Spec, kind: str, name: str) -> None:
         "resume with the pipeline that made the state")
 
 
-def _check_map(ds: grain.MapDataset, name: str, spec: Spec) -> None:
+def _check_map(ds: MapDataset, name: str, spec: Spec) -> None:
   _check_kind(spec, "map", name)
   if len(ds) < spec.global_batch_size:
     raise errors.InvalidArgumentError(
@@ -307,7 +322,7 @@ def _check_map(ds: grain.MapDataset, name: str, spec: Spec) -> None:
         f"pipeline {name!r}")
 
 
-def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
+def _from_map(ds: MapDataset, name: str, spec: Spec, alloc: Alloc):
   _check_map(ds, name, spec)
   batcher, order = Batcher(spec, alloc, name), Order(ds, spec.seed)
   # The layout from one element, so that every batch's blocks are allocated before its rows
@@ -320,7 +335,7 @@ def _from_map(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc):
     yield batcher.tree(out), state, time.perf_counter() - t0
 
 
-def _from_map_pool(ds: grain.MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
+def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
   """As ``_from_map``, with batches filled by worker processes, in order."""
   _check_map(ds, name, spec)
   batcher = Batcher(spec, alloc, name)

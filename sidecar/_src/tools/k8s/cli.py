@@ -39,7 +39,10 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
   p.add_argument("--hosts-per-slice", type=int,
                  help="pods per slice (default: what --tpu's topology needs; required "
                       "without --tpu)")
-  p.add_argument("--image", required=True, help="the sidecar image, with your package in it")
+  p.add_argument("--image", required=True,
+                 help="the sidecar image, with your package in it: build it with "
+                      "k8s/image/build.sh --tag REGISTRY/sidecar:TAG, then docker push it "
+                      "(docs/kubernetes.md)")
   p.add_argument("--tpu", type=_tpu, metavar="VERSION:TOPOLOGY",
                  help="GKE TPU slice shape, e.g. v5e:4x4, v6e:2x4, v5p:2x2x4 (default: none, "
                       "pods without TPUs)")

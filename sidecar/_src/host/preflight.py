@@ -1,0 +1,71 @@
+"""What ``sidecar serve`` checks before it makes its arena: the mounts and the memory it needs.
+
+In a container each of these is a mount or a limit of the pod spec, and each mistake would
+otherwise surface late: a socket directory on the read-only root after seconds of arena
+pre-faulting, a read-only checkpoint volume at the first save, an arena above the memory
+limit as an OOM kill. Each check raises at once with the flag, the path and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from sidecar._src.arena import shm
+from sidecar._src.core import env, options as options_lib
+
+SOCKET_FLAG = f"--socket or ${env.SOCKET}"
+ROOTS_FLAG = f"--checkpoint-root, ${env.CHECKPOINT_ROOTS}"
+
+
+def check(o: options_lib.ServerOptions) -> None:
+  """Raises OSError for a mount this sidecar needs and lacks, ArenaCapacityError for an
+  arena the machine or the container's memory limit (cgroup v2 or v1) cannot give."""
+  socket_directory(o.socket_path)
+  for root in o.checkpoint_roots:
+    checkpoint_root(root)
+  shm.check_capacity(o.shm_size)
+
+
+def _nearest_existing(path: str) -> str:
+  while not os.path.lexists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
+
+
+def _who() -> str:
+  return f"uid {os.getuid()}, gid {os.getgid()}"
+
+
+def _not_writable(path: str) -> tuple[int, str] | None:
+  """Why this process cannot make files in directory ``path`` (errno, text), or None."""
+  if not os.path.isdir(path):
+    return errno.ENOTDIR, f"{path} is not a directory"
+  if os.access(path, os.W_OK | os.X_OK):
+    return None
+  if os.statvfs(path).f_flag & os.ST_RDONLY:
+    return errno.EROFS, f"{path} is on a read-only file system"
+  info = os.stat(path)
+  return errno.EACCES, (f"{path} (owner uid {info.st_uid}, gid {info.st_gid}, mode "
+                        f"{info.st_mode & 0o7777:o}) is not writable by this process ({_who()})")
+
+
+def socket_directory(socket_path: str) -> None:
+  """The worker socket's directory exists and is writable, or can be made."""
+  directory = os.path.dirname(os.path.abspath(socket_path))
+  if problem := _not_writable(_nearest_existing(directory)):
+    code, why = problem
+    raise OSError(code, f"cannot make the worker socket {socket_path}: {why}. Mount a "
+                  f"writable volume at {directory}, shared with the trainer (on Kubernetes: "
+                  f"the manifests' sidecar-socket emptyDir), or give {SOCKET_FLAG} a path in "
+                  "a writable directory")
+
+
+def checkpoint_root(root: str) -> None:
+  """Checkpoints can be written in ``root``: it is a writable directory, or can be made."""
+  if problem := _not_writable(_nearest_existing(root)):
+    code, why = problem
+    raise OSError(code, f"checkpoint root {root} ({ROOTS_FLAG}) cannot take checkpoints: "
+                  f"{why}. Mount the checkpoint volume there read-write (on Kubernetes: no "
+                  "readOnly on the sidecar's volumeMount, and a pod fsGroup the sidecar's "
+                  "user belongs to), or name a writable directory")

@@ -1,0 +1,1 @@
+"""Slurm: ``sidecar slurm batch|service|status|stop`` (docs/slurm.md)."""

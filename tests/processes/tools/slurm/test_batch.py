@@ -1,0 +1,131 @@
+"""``sidecar slurm batch`` on a real single-node Slurm: sidecars beside JAX trainer tasks.
+
+The trainers are the scripts of the multi-process tier (tests/support/train.py,
+train_elastic.py), run by ``srun`` tasks with nothing set but what the job's driver gives.
+"""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from sidecar._src.ckptfmt import read as ol_read
+from tests.conftest import alive
+from tests.support.paths import ROOT
+from tests.support.trainers import results
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+
+
+def of(found: list[dict], kind: str, process: int = 0) -> list[dict]:
+  return [r for r in found if r["kind"] == kind and r["process"] == process]
+
+
+def submit(slurm, tmp_path, *flags: str, command: list[str], env=None, timeout=300,
+           with_submit=False) -> tuple[str, int, str]:
+  """Writes the job's script with ``sidecar slurm batch``, submits it (with sbatch, or
+  with its ``--submit``), waits for its end; returns the job id, its exit code and its
+  output. Checks that nothing of the job is left behind."""
+  home = str(tmp_path / "home")
+  run_env = {**slurm.env, "SIDECAR_HOME": home, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu",
+             **(env or {})}
+  out = tmp_path / f"job-{len(list(tmp_path.glob('job-*.out')))}.out"
+  text = subprocess.run(
+      [sys.executable, "-m", "sidecar", "slurm", "batch", *flags, "--shm-size", "64MiB",
+       "--checkpoint-root", str(tmp_path), f"--sbatch-arg=--output={out}",
+       *(["--submit"] if with_submit else []), "--", *command], cwd=ROOT, env=run_env,
+      capture_output=True, text=True, check=True, timeout=60).stdout
+  job = text.strip() if with_submit else slurm.run(
+      ["sbatch", "--parsable"], input=text, env=run_env, cwd=ROOT).stdout.strip()
+  assert job.isdigit(), text
+  deadline = time.monotonic() + timeout
+  while job in slurm.jobs():
+    assert time.monotonic() < deadline, f"job {job} still runs after {timeout} s"
+    time.sleep(0.5)
+  shown = slurm.run(["scontrol", "show", "job", job]).stdout
+  code = int(re.search(r"ExitCode=(\d+):", shown).group(1))
+  output = out.read_text()
+  # Nothing of the job is left: its rendezvous directory, sockets, sidecar processes.
+  assert not os.path.exists(os.path.join(home, "slurm", job)), output
+  assert glob.glob(f"/tmp/sidecar-slurm-{job}-*") == [], output
+  for pid in re.findall(r"sidecar host \d+ \(node \S+, pid (\d+)\)", output):
+    assert not alive(int(pid)), f"sidecar pid {pid} of job {job} still runs"
+  return job, code, output
+
+
+TRAIN = [sys.executable, "-m", "tests.support.train", "multi"]
+
+
+def test_a_job_trains_and_saves_and_one_sharing_a_sidecar_restores_it_bit_exact(slurm,
+                                                                                 tmp_path):
+  # Job 1: 2 trainer tasks, each beside its own sidecar (2 per node).
+  ckpt = tmp_path / "ckpt"
+  _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "2",
+                           "--devices-per-task", "2", "--import", "tests.support.feed_fns",
+                           command=[*TRAIN, str(ckpt), "train"])
+  assert code == 0, output
+  found = results(output)
+  ident = of(found, "identity")[0]
+  assert ident["processes"] == 2 and ident["local_hosts"] == [0]
+  assert of(found, "identity", 1)[0]["local_hosts"] == [1]
+  assert ident["device_hosts"] == {"0": 0, "1": 0, "2048": 1, "2049": 1}
+  saved = of(found, "saved")[0]
+  assert saved["steps"] == [2, 4] and of(found, "restored")[0]["same"]
+  assert of(found, "orbax")[0] == {"kind": "orbax", "process": 0, "same": True, "step": 4}
+  assert sorted(ol_read.list_steps(str(ckpt))) == [2, 4]
+  # Job 2: 2 tasks sharing ONE sidecar restore what job 1 saved, bit-exact.
+  _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "1",
+                           "--devices-per-task", "2", "--import", "tests.support.feed_fns",
+                           command=[*TRAIN, str(ckpt), "restore"])
+  assert code == 0, output
+  again = results(output)
+  for p in (0, 1):
+    assert of(again, "identity", p)[0]["local_hosts"] == [0]
+    restored = of(again, "restored", p)[0]
+    assert restored["step"] == 4 and restored["w"] == saved["w"], output
+  assert "1 serves" not in output and "sidecar host 0 (node" in output  # one sidecar
+
+
+def test_a_sidecar_that_fails_to_start_fails_the_job_naming_its_node_and_log(slurm,
+                                                                             tmp_path):
+  t0 = time.monotonic()
+  _, code, output = submit(slurm, tmp_path, "--import", "no_such_module_here",
+                           command=["true"], with_submit=True)
+  assert code == 1, output
+  assert time.monotonic() - t0 < 120
+  assert re.search(r"the sidecars did not start: sidecar host 0 \(node \S+, task 0\) "
+                   r"exited with code 1\. Its log ends", output), output
+  assert re.search(r"\[sidecar 0\] .*no_such_module_here", output), output
+  assert "trainer processes" not in output  # no trainer ever ran
+
+
+def test_an_elastic_job_restarts_the_survivors_trainers_when_a_sidecar_dies(slurm, tmp_path):
+  # Process 1 SIGKILLs its own sidecar before step 3: the trainers start again on host 0,
+  # restoring step 1 from host memory (its own shards, and host 1's from their replica).
+  ckpt = tmp_path / "elastic"
+  _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "2",
+                           "--devices-per-task", "1", "--elastic",
+                           "--import", "tests.support.feed_fns",
+                           command=[sys.executable, "-m", "tests.support.train_elastic",
+                                    str(ckpt), "3"], env={"SIDECAR_TEST_REPLICAS": "1"})
+  assert code == 0, output
+  assert re.search(r"sidecar host 1 \(node \S+, task 0\) was killed by SIGKILL", output)
+  assert "restart 1: hosts [1] lost; 1 hosts remain" in output, output
+  found = results(output)
+  first = [r for r in found if r["restart"] == 0]
+  assert {r["processes"] for r in first if r["kind"] == "start"} == {2}
+  after = [r for r in found if r["restart"] == 1]
+  (start,) = [r for r in after if r["kind"] == "start"]
+  assert start["processes"] == 1 and start["host"] == 0
+  (restored,) = [r for r in after if r["kind"] == "restored"]
+  committed = [r for r in first if r["kind"] == "committed" and r["process"] == 0]
+  assert restored["step"] == committed[-1]["step"] == 1
+  assert restored["w"] == committed[-1]["w"]
+  assert "storage" not in restored["sources"], restored  # from host memory
+  final = [r for r in after if r["kind"] == "final"][0]
+  assert final["steps"][-1] == 7 and np.asarray(final["w"]).shape == (12, 4)

@@ -1,0 +1,99 @@
+"""``sidecar slurm service|status|stop`` on a real single-node Slurm: a service of 2 array
+tasks of sidecars, a client through its cluster.env, one task killed and requeued while
+the client trains on, and a stop that leaves nothing behind."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import sidecar
+from tests.conftest import alive
+from tests.support.paths import ROOT
+from tests.support.trainers import results
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+
+
+def cli(slurm, env, *args, check=True):
+  return subprocess.run([sys.executable, "-m", "sidecar", "slurm", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120, check=check)
+
+
+def wait_for(path, timeout=120.0):
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    assert time.monotonic() < deadline, f"{path} was not written in {timeout} s"
+    time.sleep(0.2)
+
+
+def test_a_service_serves_a_client_through_a_requeue_and_stops_clean(slurm, tmp_path,
+                                                                     monkeypatch):
+  home = tmp_path / "home"
+  env = {**slurm.env, "SIDECAR_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+  started = cli(slurm, env, "service", "--name", "svc", "--nodes", "2", "--min-nodes", "2",
+                "--shm-size", "64MiB", "--import", "tests.support.feed_fns",
+                "--checkpoint-root", str(tmp_path))
+  job = re.search(r"job (\d+)", started.stdout).group(1)
+  cluster_file = home / "svc" / "cluster.env"
+  wait_for(cluster_file)
+  text = cluster_file.read_text()
+  assert f"SIDECAR_SLURM_JOB={job}\n" in text and "SIDECAR_SERVICE=svc\n" in text
+  assert oct((home / "svc" / "token").stat().st_mode & 0o777) == "0o600"
+
+  # A client trains through it; host 1's sidecar dies at step 3 and its task is requeued.
+  client = subprocess.run(
+      [sys.executable, "-m", "tests.support.slurm_client", str(cluster_file),
+       str(tmp_path / "ckpt"), "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=300)
+  found = results(client.stdout)
+  assert client.returncode == 0, client.stdout + client.stderr
+  (hosts,) = [r for r in found if r["kind"] == "hosts"]
+  assert hosts["hosts"] == [0, 1]
+  (back,) = [r for r in found if r["kind"] == "back"]
+  assert back["hosts"] == [0, 1], client.stdout
+  (final,) = [r for r in found if r["kind"] == "final"]
+  assert final["hosts"] == [0, 1]  # grown back to both
+  assert sorted(map(int, final["seen"])) == list(range(1, 9))
+  want = np.sum([final["seen"][str(s)] for s in range(1, 9)], axis=0)
+  np.testing.assert_array_equal(final["w"], want)  # bit-exact through the loss and regrow
+  kinds = final["events"]
+  assert kinds.index("host_lost") < kinds.index("retry") < kinds.index("host_back") \
+      < kinds.index("grow")
+  log = (home / "svc" / "service.log").read_text()
+  assert "sidecar host 1 (node" in log and "requeueing array task 1" in log, log
+  # The requeued task's sidecar is a new process at the old address.
+  entries = {h: e for h, e in enumerate(cluster_file.read_text().split("SIDECAR_HOSTS=")[1]
+                                        .splitlines()[0].split(","))}
+  assert entries == dict(enumerate(text.split("SIDECAR_HOSTS=")[1].splitlines()[0].split(",")))
+
+  shown = cli(slurm, env, "status", "svc", check=False)
+  assert shown.returncode == 0, shown.stdout + shown.stderr
+  assert f"service job {job}" in shown.stdout and "RUNNING" in shown.stdout
+  assert "host 0" in shown.stdout and "host 1" in shown.stdout, shown.stdout
+
+  saved = cluster_file.read_text()
+  entries = [json.loads((home / "svc" / "hosts" / f).read_text())
+             for f in os.listdir(home / "svc" / "hosts") if f.endswith(".json")]
+  assert len(entries) == 2
+  stopped = cli(slurm, env, "stop", "svc")
+  assert "stopped" in stopped.stdout
+  assert slurm.jobs() == []
+  # Nothing is left: the service's directory, the sidecars, their sockets' directories.
+  assert not (home / "svc").exists()
+  assert not any(alive(e["pid"]) for e in entries)
+  assert not any(os.path.exists(os.path.dirname(e["socket"])) for e in entries)
+
+  # A cluster file whose job has ended: the client says which job and that it is gone.
+  stale = tmp_path / "stale.env"
+  stale.write_text(saved)
+  monkeypatch.setenv("SLURM_CONF", slurm.conf)
+  with pytest.raises(sidecar.DiscoveryError,
+                     match=f"cluster file {stale} names Slurm job {job} \\(service 'svc'\\), "
+                           "which is gone"):
+    sidecar.Controller.from_cluster_file(str(stale))

@@ -1,0 +1,50 @@
+"""Connecting to a sidecar: an address where none listens fails at once, with gRPC's
+reason; one that accepts and never answers waits out the connect timeout (issue 22, 11)."""
+
+import contextlib
+import socket
+
+import pytest
+
+import sidecar
+
+pytestmark = pytest.mark.server
+
+
+@contextlib.contextmanager
+def _port(*, listening: bool):
+  """A loopback port: free (a connection is refused), or listening without a server."""
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  port = s.getsockname()[1]
+  if listening:
+    s.listen()
+  else:
+    s.close()
+  try:
+    yield port
+  finally:
+    s.close()
+
+
+def test_a_refused_connection_fails_with_the_resolved_address_and_grpcs_reason():
+  with _port(listening=False) as port:
+    # Before: the full connect timeout, then "did not answer within 300 s".
+    with pytest.raises(sidecar.HostLostError,
+                       match=rf"cannot reach sidecar localhost:{port}: .*ipv[46]:.*{port}.*"
+                             "Connection refused.*is `sidecar serve` running there"):
+      sidecar.Controller([f"localhost:{port}"], connect_timeout=300)
+
+
+def test_a_host_that_accepts_and_never_answers_waits_out_the_connect_timeout():
+  with _port(listening=True) as port:
+    with pytest.raises(sidecar.HostLostError,
+                       match=rf"sidecar 127.0.0.1:{port} did not answer within 1 s"):
+      sidecar.Controller([f"127.0.0.1:{port}"], connect_timeout=1)
+
+
+def test_one_refused_address_among_several_is_named():
+  with _port(listening=False) as a, _port(listening=False) as b:
+    with pytest.raises(sidecar.HostLostError) as info:
+      sidecar.Controller([f"127.0.0.1:{a}", f"127.0.0.1:{b}"], connect_timeout=300)
+  assert f"127.0.0.1:{a}" in str(info.value) and f"127.0.0.1:{b}" in str(info.value)
