@@ -5,9 +5,7 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:
   from sidecar import distributed, elastic, testing
-  from sidecar._src.arena.worker import Worker
   from sidecar._src.controller.connection import HostInfo
-  from sidecar._src.controller.controller import Controller
   from sidecar._src.core.errors import (
     AlreadyRegisteredError,
     ArenaCapacityError,
@@ -26,6 +24,8 @@ if _typing.TYPE_CHECKING:
     VersionMismatchError,
   )
   from sidecar._src.core.options import FeedOptions
+  from sidecar._src.jax.controller import Controller
+  from sidecar._src.jax.worker import Worker
   from sidecar._src.user.outputs import empty
   from sidecar._src.user.pipeline_context import PipelineContext
   from sidecar._src.user.registry import (
@@ -42,10 +42,10 @@ if _typing.TYPE_CHECKING:
 _ERRORS = "sidecar._src.core.errors"
 _REGISTRY = "sidecar._src.user.registry"
 _HOME = {
-    "Controller": "sidecar._src.controller.controller",
+    "Controller": "sidecar._src.jax.controller",
     "HostInfo": "sidecar._src.controller.connection",
     "PipelineContext": "sidecar._src.user.pipeline_context",
-    "Worker": "sidecar._src.arena.worker",
+    "Worker": "sidecar._src.jax.worker",
     "FeedOptions": "sidecar._src.core.options",
     "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (

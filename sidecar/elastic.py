@@ -11,6 +11,7 @@ Example::
   print(train.events)
 """
 
-from sidecar._src.controller.elastic import Event, Regrow, Retry, devices, phase, retry
+from sidecar._src.controller.elastic import Event, Regrow, Retry, phase, retry
+from sidecar._src.jax.elastic import devices
 
 __all__ = ["Event", "Regrow", "Retry", "devices", "phase", "retry"]

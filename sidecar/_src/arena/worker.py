@@ -2,14 +2,18 @@
 
 It attaches to its host's sidecar over a Unix socket, receives the arena's
 memfd once, and from then on turns arena descriptors into numpy views with no
-copy, and those into ``jax.Array``s. Every view holds its block: on the CPU
-backend ``jax.device_put`` of a page-aligned view aliases the memory, so the
-block is given back only when no array (numpy or jax) can read it any more.
+copy. Every view holds its block: on the CPU backend ``jax.device_put`` of a
+page-aligned view aliases the memory (a torch tensor made by ``from_numpy`` always
+does), so the block is given back only when no array can read it any more.
+
+It knows no framework: a framework's Worker (``jax/worker.py``) turns views into its
+arrays, and streams over this socket are opened by ``streams/socket_transport.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import json
 import math
@@ -21,21 +25,28 @@ import threading
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env, errors
-from sidecar._src.jax import distributed, transfer
-from sidecar._src.streams import consumer as streaming
 from sidecar._src.wire import codec, ipc, protocol
-from sidecar._src.wire.protocol import pb
 
 ENV_ADDRESS = env.ADDRESS
 # How long the release thread lets frees gather before it sends them. Streams carry
 # frees with their credits; this thread sends the rest, a message per interval at
 # most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
 FREE_DELAY_S = 0.01
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainerProcess:
+  """Who drives a host in a job of several trainer processes: told to its sidecar at
+  attach, which then takes ``device_ids`` as its host's devices (unless ``--device-ids``)."""
+  index: int
+  device_ids: tuple[int, ...]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"process_index": self.index, "device_ids": list(self.device_ids)}
 
 
 class State(enum.Enum):
@@ -66,8 +77,8 @@ class Worker:
 
   Example::
 
-    worker = sidecar.Worker("unix:///run/sidecar/sidecar.sock")
-    x = worker.to_jax(batch_from_sidecar, sharding=sharding)
+    worker = Worker("unix:///run/sidecar/sidecar.sock")
+    array, ref = worker.put(np.arange(1 << 20))  # in the arena: ref is all that travels
 
   Args:
     address: the sidecar's Unix socket (``unix:///path``); default ``$SIDECAR_ADDRESS``.
@@ -76,9 +87,12 @@ class Worker:
       ``$SIDECAR_PEER_TIMEOUT`` or 30. A sidecar silent for longer (hung, SIGSTOPped)
       is lost: what waited on it raises HostLostError, and so does every later request
       of this Worker (make a new one).
+    process: under several trainer processes, this one's index and devices, for the
+      sidecar (a framework's Worker fills it in); None: say nothing.
   """
 
-  def __init__(self, address: str | None = None, *, timeout: float | None = None):
+  def __init__(self, address: str | None = None, *, timeout: float | None = None,
+               process: TrainerProcess | None = None):
     self.path = socket_path(address)
     self.timeout = env.peer_timeout(timeout)
     self._lost: str | None = None  # why the sidecar counts as lost, once it does
@@ -95,9 +109,8 @@ class Worker:
     try:
       hello = {"op": "attach", "pid": os.getpid(),
                "versions": protocol.versions_dict(protocol.local_versions())}
-      process = distributed.local_identity()  # under jax.distributed: who drives this host
-      if process is not None:
-        hello["process"] = process
+      if process is not None:  # who drives this host
+        hello["process"] = process.to_dict()
       try:
         ipc.send(self._sock, hello)
       except OSError:
@@ -293,41 +306,11 @@ class Worker:
 
   # ---- streams -----------------------------------------------------------
 
-  def open_stream(self, request: pb.CallRequest, *, prefetch: int, timeout: float | None = None,
-                  device: jax.Device | None = None) -> streaming.Stream:
-    """Runs a registered iterable in the sidecar; its items arrive over this socket.
-
-    Credits go back in batches of half the prefetch (one message for several items),
-    with the blocks freed meanwhile. ``timeout`` bounds the wait for each item (see
-    ``streaming.Stream``). With ``device``, arrays arrive as ``jax.Array``s on it (on
-    the CPU backend, views of the arena: no copy).
-    """
+  def check_usable(self) -> None:
+    """Raises ClosedError if closed, HostLostError if its sidecar counts as lost."""
     self._check_open()
-    streaming.check_prefetch(prefetch)
-    request.worker_session = self.session
     if self._lost is not None:
       raise errors.HostLostError(self._lost, host_id=self.host_id)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(self.timeout)  # a stopped sidecar's full backlog must not hang connect()
-    try:
-      sock.connect(self.path)
-      ipc.send(sock, {"op": "stream", "session": self.session})
-      ipc.send_bytes(sock, pb.StreamRequest(start=request, prefetch=prefetch).SerializeToString())
-    except OSError as e:
-      sock.close()
-      raise errors.HostLostError(f"the sidecar of host {self.host_id} is gone: {e}",
-                                 host_id=self.host_id) from None
-    return streaming.Stream(SocketTransport(self, sock, request.name), name=request.name,
-                            credit_every=prefetch // 2, timeout=timeout, device=device)
-
-  # ---- jax ---------------------------------------------------------------
-
-  def to_jax(self, tree: Any, *, device: jax.Device | None = None,
-             sharding: jax.sharding.Sharding | None = None) -> Any:
-    """``jax.device_put`` of every array leaf; views keep their blocks alive."""
-    if sharding is None and device is not None:
-      return transfer.to_devices(tree, device)
-    return jax.device_put(tree, sharding if sharding is not None else device)
 
   # ---- lifecycle ---------------------------------------------------------
 
@@ -371,63 +354,3 @@ class Worker:
 
   def __repr__(self) -> str:
     return f"Worker(host_id={self.host_id}, path={self.path!r}, state={self.state.value})"
-
-
-class SocketTransport(streaming.Transport):
-  """A stream's own connection to the worker's sidecar: item frames in, credit frames out.
-
-  Credits carry the blocks let go of meanwhile. While the consumer waits, the worker
-  asks the sidecar for a sign of life after every half peer timeout of silence, so a
-  slow pipeline is waited on but a hung or stopped sidecar ends the stream with
-  HostLostError within about the peer timeout.
-  """
-
-  def __init__(self, worker: Worker, sock: socket.socket, name: str):
-    self._worker = worker
-    self._sock = sock
-    self._frames = ipc.FrameReader(sock, limit=1 << 30)
-    self._name = name
-    self.host, self.host_id = worker.path, worker.host_id
-    self.poll_s = worker.timeout / 2
-    self.from_arena = worker.view
-
-  def receive(self, wait: float) -> pb.StreamItem | None:
-    self._sock.settimeout(wait)
-    try:
-      return pb.StreamItem.FromString(self._frames.read())
-    except TimeoutError:
-      return None  # The reader stays where it was.
-    except (OSError, ConnectionError) as e:
-      raise errors.HostLostError(
-          f"the sidecar of host {self.host_id} at {self.host} is gone during stream "
-          f"{self._name!r}: {e}", host_id=self.host_id) from None
-
-  def check_alive(self, waited: float) -> None:
-    try:
-      self._worker.check_alive(self.poll_s)
-    except errors.HostLostError as e:
-      raise errors.HostLostError(f"no item of stream {self._name!r} for {waited:.3g} s, and {e}",
-                                 host_id=self.host_id) from None
-
-  def credit(self, n: int, *, wait_s: float) -> None:
-    message = pb.StreamRequest(credit=n, freed=self._worker.take_freed(), wait_s=wait_s)
-    try:
-      self._sock.settimeout(self._worker.timeout)  # receive may have left a short one
-      ipc.send_bytes(self._sock, message.SerializeToString())
-    except OSError:
-      pass  # The sidecar already finished; the end frame waits in the socket.
-
-  def close(self, *, owed: int) -> None:
-    # The sidecar learns how many items were taken: it takes back the blocks of those
-    # it sent ahead that were never read.
-    done = pb.StreamRequest(credit=owed, freed=self._worker.take_freed(), close=True)
-    with contextlib.suppress(OSError):
-      self._sock.settimeout(self._worker.timeout)
-      ipc.send_bytes(self._sock, done.SerializeToString())
-    with contextlib.suppress(OSError):  # wakes a reader blocked on another thread
-      self._sock.shutdown(socket.SHUT_RDWR)
-    self._sock.close()
-
-
-# The name the worker's stream had before both ways in shared one consumer.
-LocalStream = streaming.Stream

@@ -1,32 +1,26 @@
 """The names and leaf specs of a checkpoint in stock Orbax's layout: what the controller
-and the sidecars both need, with no TensorStore or Orbax import.
+and the sidecars both need, with no TensorStore, Orbax or framework import.
 
-``orbax_layout`` writes and reads the files; this module says what they are called and
-describes the leaves (:class:`LeafSpec`), so that a controller that only plans saves and
-restores loads neither TensorStore nor ``orbax.checkpoint`` (about 1.5 s of
-``import sidecar``). Names and the serialized sharding are Orbax's own, byte for byte
-(tests/unit/ckptfmt/test_spec.py compares them with Orbax's).
+The rest of ``ckptfmt`` writes and reads the files; this module says what they are called
+and describes the leaves (:class:`LeafSpec`), so that a controller that only plans saves
+and restores loads neither TensorStore nor ``orbax.checkpoint`` (about 1.5 s of
+``import sidecar``), nor JAX. Names are Orbax's own, byte for byte
+(tests/unit/ckptfmt/test_spec.py compares them with Orbax's); the JAX adapter
+(``jax/checkpoint.py``) names a JAX tree's leaves and serializes its shardings as Orbax does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import json
-import logging
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
-from sidecar._src.core import errors
-from sidecar._src.wire import codec
-
-log = logging.getLogger(__name__)
+from sidecar._src.core import dtypes, errors
 
 ITEM = "default"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax atomicity_types.TMP_DIR_SUFFIX
@@ -38,54 +32,9 @@ KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
 
 
-def key_path(path: Sequence[Any]) -> KeyPath:
-  """A jax tree path as Orbax names it: dict keys and attributes as str, indices as int."""
-  out = []
-  for k in path:
-    if isinstance(k, jax.tree_util.SequenceKey):
-      out.append(k.idx)
-    elif isinstance(k, jax.tree_util.DictKey):
-      out.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      out.append(k.name)
-    else:
-      out.append(str(getattr(k, "key", k)))
-  return tuple(out)
-
-
 def shard_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
   """A shard's index as ``((start, stop), ...)`` per dimension."""
   return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-@functools.lru_cache(maxsize=64)
-def serialized_sharding(sharding: jax.sharding.Sharding) -> str | None:
-  """Orbax's serialized ``ShardingMetadata`` of ``sharding`` (what ``_sharding`` stores),
-  as ``orbax.checkpoint``'s ``from_jax_sharding(s).to_serialized_string()`` makes it.
-
-  Cached: every save describes every leaf, in the trainer's blocked time, and the string
-  lists every device of the mesh (a leaf of a 4096-device mesh: ~7 ms); leaves share a
-  few shardings.
-  """
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    mesh = sharding.mesh
-    devices = mesh.devices.tolist() if isinstance(mesh.devices, np.ndarray) else mesh.devices
-    data: dict[str, Any] = {
-        "sharding_type": "NamedSharding",
-        "shape": np.array(list(mesh.shape.values())).tolist(),
-        "axis_names": list(mesh.axis_names),
-        "axis_types": [str(a) for a in mesh.axis_types],
-        "partition_spec": tuple(sharding.spec),
-        "device_mesh": {"mesh": jax.tree.map(lambda d: {"id": d.id}, devices,
-                                             is_leaf=lambda x: isinstance(x, jax.Device))},
-    }
-    return json.dumps(data)
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return json.dumps({"sharding_type": "SingleDeviceSharding",
-                       "device_str": str(next(iter(sharding.device_set)))})
-  log.warning("Sharding %s is not supported by Orbax's sharding metadata; it is not stored",
-              type(sharding).__name__)
-  return None
 
 
 class LeafKind(enum.StrEnum):
@@ -108,7 +57,7 @@ class LeafSpec:
     kind: what stock Orbax restores the leaf as.
     write_shape: the shape of one shard, the Zarr chunk every host writes in
       (``sharding.shard_shape(shape)``); defaults to ``shape`` (unsharded).
-    sharding: Orbax's serialized sharding (see :meth:`from_value`), stored in
+    sharding: Orbax's serialized sharding (``jax/checkpoint.serialized_sharding``), stored in
       ``_sharding`` so that a restore without target shardings can rebuild it.
   """
 
@@ -149,18 +98,12 @@ class LeafSpec:
 
   @classmethod
   def from_value(cls, key_path: KeyPath, value: Any) -> LeafSpec:
-    """Describes a ``jax.Array``, ``jax.ShapeDtypeStruct``, numpy array or scalar.
+    """Describes a numpy array or an int/float scalar (a framework's arrays: its adapter,
+    e.g. ``jax/checkpoint.leaf_spec``).
 
     Runs where the value lives (the worker); only the returned spec crosses to
     the sidecar.
     """
-    if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
-      sharding = value.sharding
-      return cls(
-          key_path=tuple(key_path), shape=value.shape, dtype=value.dtype,
-          kind=LeafKind.JAX_ARRAY,
-          write_shape=sharding.shard_shape(value.shape) if sharding else None,
-          sharding=serialized_sharding(sharding) if sharding else None)
     if isinstance(value, np.ndarray):
       return cls(key_path=tuple(key_path), shape=value.shape, dtype=value.dtype,
                  kind=LeafKind.NUMPY)
@@ -169,7 +112,7 @@ class LeafSpec:
                  kind=LeafKind.SCALAR)
     raise errors.InvalidArgumentError(
         f"leaf {key_path!r}: cannot checkpoint a {type(value).__name__}; expected a"
-        " jax.Array, jax.ShapeDtypeStruct, numpy array or int/float scalar")
+        " numpy array or int/float scalar")
 
 
 def spec_to_dict(s: LeafSpec) -> dict[str, Any]:
@@ -181,7 +124,7 @@ def spec_to_dict(s: LeafSpec) -> dict[str, Any]:
 
 def spec_from_dict(d: Mapping[str, Any]) -> LeafSpec:
   return LeafSpec(key_path=tuple(d["key_path"]), shape=tuple(d["shape"]),
-                  dtype=codec.dtype_of(d["dtype"], f"leaf {d['key_path']}"), kind=d["kind"],
+                  dtype=dtypes.dtype_of(d["dtype"], f"leaf {d['key_path']}"), kind=d["kind"],
                   write_shape=tuple(d["write_shape"]), sharding=d.get("sharding"))
 
 

@@ -1,19 +1,27 @@
-"""The controller: one client with the global view of every sidecar."""
+"""The controller: one client with the global view of every sidecar, with no framework.
+
+This is the core that every framework's controller builds on: hosts, calls, streams,
+feeds over a :class:`~sidecar._src.controller.feed.BatchLayout` and the checkpoint
+protocol, with a :class:`~sidecar._src.controller.framework.Framework` adapter for what
+names a framework's types (``controller/framework.py`` draws the picture). With the
+default adapter (``HostArrays``) it calls, streams and checkpoints numpy arrays and loads
+no framework; ``sidecar.Controller`` is the JAX one (``jax/controller.py``).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import hashlib
 import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import grpc
-import jax
 
 from sidecar._src.arena import worker as worker_lib
 from sidecar._src.controller import (
@@ -28,13 +36,22 @@ from sidecar._src.controller.calls import Calls
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
-from sidecar._src.controller.feed import Feed
+from sidecar._src.controller.feed import BatchLayout, Feed
+from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.hosts import Hosts
+from sidecar._src.controller.peers import Peers
 from sidecar._src.core import env, errors, options as options_lib, rendezvous
-from sidecar._src.jax import distributed
-from sidecar._src.streams.grpc_transport import Stream, open_stream as open_grpc_stream
+from sidecar._src.streams import socket_transport
+from sidecar._src.streams.consumer import Stream
+from sidecar._src.streams.grpc_transport import open_stream as open_grpc_stream
 from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
+
+# The names of FeedOptions' fields: the deprecated keywords of a feed that go to options.
+FEED_OPTIONS = [f.name for f in dataclasses.fields(options_lib.FeedOptions)]
+# Makes a feed's BatchLayout: (global_batch_size, {device id: host id},
+# {device id: process index}, known where several processes share hosts) -> layout.
+LayoutFactory = Callable[[int, Mapping[int, int], Mapping[int, int]], BatchLayout]
 
 
 class State(enum.Enum):
@@ -64,7 +81,8 @@ class Controller:
     workers: ``{host_id: Worker}`` for hosts whose arena this process maps. By default
       (``attach=True``) the controller attaches to every sidecar on this machine itself,
       so large arrays move through shared memory instead of the network.
-    peers: the trainer processes of this job (default: those of ``jax.distributed``).
+    peers: the trainer processes of this job (default: the framework's, e.g. those of
+      ``jax.distributed``).
     peer_timeout: seconds a sidecar may stay silent (hung, SIGSTOPped) before what waits
       on it (a feed, a stream, a request of its worker) ends with HostLostError; default
       ``$SIDECAR_PEER_TIMEOUT`` or 30. A slow pipeline is no silence: its sidecar still
@@ -74,6 +92,8 @@ class Controller:
       ``$SIDECAR_TLS_CA``, else the system's roots), and for mTLS (``--tls-client-ca``)
       this controller's certificate and key (``$SIDECAR_TLS_CLIENT_CERT``,
       ``$SIDECAR_TLS_CLIENT_KEY``). None given or set: plaintext.
+    framework: the adapter of the trainer's framework (``controller/framework.py``);
+      default: this class's (numpy arrays only here, JAX in ``sidecar.Controller``).
 
   With one process that owns every device, this controller drives every host. Under
   ``jax.distributed`` with N processes (one per host, see ``sidecar.distributed``), each
@@ -86,9 +106,9 @@ class Controller:
   def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                timeout: float = 60.0, connect_timeout: float = 30.0,
                workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True,
-               peers: distributed.Peers | None = None, peer_timeout: float | None = None,
+               peers: Peers | None = None, peer_timeout: float | None = None,
                tls_ca: str | None = None, tls_cert: str | None = None,
-               tls_key: str | None = None):
+               tls_key: str | None = None, framework: Framework | None = None):
     if isinstance(addresses, str) or not addresses:
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
@@ -99,13 +119,14 @@ class Controller:
     self.state = State.OPEN
     token = token if token is not None else token_from_env()
     credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
-    self._peers = peers if peers is not None else distributed.peers()
+    self._framework = framework if framework is not None else self._default_framework()
+    self._peers = peers if peers is not None else self._framework.peers()
     self._hosts = Hosts(  # a lost host's sidecar that comes back: the same token
         lambda address, timeout: Connection(address, token=token, timeout=timeout,
                                             peer_timeout=self.peer_timeout,
                                             credentials=credentials),
         peers=self._peers, peer_timeout=self.peer_timeout, map_arenas=attach,
-        cancel=self.cancel)
+        cancel=self.cancel, framework=self._framework)
     self._calls = Calls(connection=self._hosts.conns.__getitem__, worker=self._hosts.workers.get)
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
     self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
@@ -117,8 +138,13 @@ class Controller:
       self.close()
       raise
 
+  @staticmethod
+  def _default_framework() -> Framework:
+    """The adapter of a Controller made with no ``framework``; subclasses name theirs."""
+    return HostArrays()
+
   @classmethod
-  def from_env(cls, *, timeout: float = 300.0, **kwargs: Any) -> Controller:
+  def from_env(cls, *, timeout: float = 300.0, **kwargs: Any) -> Self:
     """Finds every sidecar of this job from the environment, then connects.
 
     On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices,
@@ -135,7 +161,7 @@ class Controller:
 
   @classmethod
   def from_cluster_file(cls, path: str, *, timeout: float = 60.0, **kwargs: Any
-                        ) -> Controller:
+                        ) -> Self:
     """Joins the sidecars of a service (``sidecar slurm service``) through its cluster file.
 
     Example::
@@ -161,7 +187,12 @@ class Controller:
     return self._peers.count > 1
 
   @property
-  def peers(self) -> distributed.Peers:
+  def framework(self) -> Framework:
+    """The adapter of the trainer's framework that this controller uses."""
+    return self._framework
+
+  @property
+  def peers(self) -> Peers:
     """This job's trainer processes, for agreements of your own (``all_gather``,
     ``broadcast``, ``agree``); with one process, trivially itself."""
     return self._peers
@@ -277,7 +308,7 @@ class Controller:
 
   def stream(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
              kwargs: Mapping[str, Any] | None = None, host: int | None = None,
-             prefetch: int = 2, timeout: float | None = None, device: jax.Device | None = None,
+             prefetch: int = 2, timeout: float | None = None, device: Any = None,
              **legacy_kwargs: Any) -> Stream:
     """Iterates what registered function ``name(*args, **kwargs)`` returns (an iterable).
 
@@ -285,8 +316,9 @@ class Controller:
 
     The sidecar runs at most ``prefetch`` items ahead of this consumer. When this
     process maps that host's arena, items come over its Unix socket (the fast
-    path); otherwise over gRPC, with arrays inline. With ``device``, arrays
-    arrive as ``jax.Array``s on it (from the arena with no copy on the CPU backend).
+    path); otherwise over gRPC, with arrays inline. With ``device``, arrays arrive
+    on it as the framework's (``jax.Array``s, from the arena with no copy on the CPU
+    backend).
     ``timeout`` bounds the wait for each item: past it ``next()`` raises
     DeadlineExceededError and the stream stays open.
     ``*legacy_args``/``**legacy_kwargs``: the deprecated shorthand for ``args``/``kwargs``.
@@ -308,62 +340,58 @@ class Controller:
                              device=device)
 
   def _open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
-                   timeout: float | None, held: list, device: jax.Device | None = None
-                   ) -> Stream:
+                   timeout: float | None, held: list, device: Any = None) -> Stream:
     conn, w = self._hosts.conns[host_id], self._hosts.workers.get(host_id)
+    to_device = None
+    if device is not None:
+      to_device = functools.partial(self._framework.to_device, device=device)
     if w is not None:
-      stream = w.open_stream(request, prefetch=prefetch, timeout=timeout, device=device)
+      stream = socket_transport.open_stream(w, request, prefetch=prefetch, timeout=timeout,
+                                            to_device=to_device)
     else:
       stream = open_grpc_stream(conn.stream_rpc, request, prefetch=prefetch,
                                 metadata=conn.metadata, timeout=timeout, host=conn.address,
-                                host_id=host_id, device=device)
+                                host_id=host_id, to_device=to_device)
     stream.args = held  # Argument blocks live as long as the stream.
     self._children.add(stream)
     return stream
 
-  def feed(self, name: str, /, *, global_batch_size: int, sharding: jax.sharding.Sharding,
-           kwargs: Mapping[str, Any] | None = None, seed: int = 0,
-           num_epochs: int | None = None, state: dict[str, Any] | None = None,
-           options: options_lib.FeedOptions | None = None, **legacy_kwargs: Any) -> Feed:
-    """Global batches of registered pipeline ``name``, laid out by ``sharding``.
+  def open_feed(self, name: str, /, *, global_batch_size: int, layout: LayoutFactory,
+                kwargs: Mapping[str, Any] | None = None, seed: int = 0,
+                num_epochs: int | None = None, state: dict[str, Any] | None = None,
+                options: options_lib.FeedOptions | None = None) -> Feed:
+    """Global batches of registered pipeline ``name``, each host's rows laid out by a
+    framework's :class:`~sidecar._src.controller.feed.BatchLayout`.
 
-    Each host's sidecar runs the pipeline and produces the rows its devices own;
-    they arrive through its arena. Iterating yields pytrees of global ``jax.Array``s.
-    The batches depend only on ``name``, ``kwargs``, ``seed`` and the batch index;
-    ``options`` say how they are produced.
-
-    Example::
-
-      mesh = jax.sharding.Mesh(jax.devices(), ("data",))
-      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-      with ctl.feed("digits", global_batch_size=64, sharding=sharding,
-                    kwargs={"split": "train"}) as feed:
-        for batch in feed:
-          state = train_step(state, batch)
-        saved = feed.state()  # resume with ctl.feed(..., state=saved)
+    What a framework's feed is made of (``sidecar.Controller.feed`` for JAX): each host's
+    sidecar runs the pipeline and produces the rows ``layout`` gives it; they arrive
+    through its arena and the layout makes each leaf of a batch of them. The batches
+    depend only on ``name``, ``kwargs``, ``seed`` and the batch index.
 
     Args:
       name: a registered ``@sidecar.pipeline``.
-      global_batch_size: rows of every global batch, split among hosts by ``sharding``.
-      sharding: how the batch dimension lies over this process's devices.
-      kwargs: the pipeline's own arguments (a parameter named ``seed`` goes here too).
-      seed: shuffling seed (for pipelines that return a ``grain.MapDataset``).
-      num_epochs: epochs to run; None repeats forever.
-      state: a ``feed.state()`` to resume after.
-      options: ``sidecar.FeedOptions``: prefetch depth, worker processes.
-      **legacy_kwargs: deprecated: ``prefetch=``/``workers=`` for ``options``, anything
-        else for ``kwargs``; each with a DeprecationWarning.
+      global_batch_size: rows of every global batch.
+      layout: ``layout(global_batch_size, device_hosts, device_processes)`` -> the
+        BatchLayout, made once the arguments are checked (``{device id: host id}``, and
+        ``{device id: process index}`` where several processes share hosts, else empty).
+      kwargs, seed, num_epochs, state, options: as ``sidecar.Controller.feed``'s.
     """
+    return self._feed(name, global_batch_size=global_batch_size, layout=layout,
+                      kwargs=kwargs or {}, seed=seed, num_epochs=num_epochs, state=state,
+                      options=options, old_options={})
+
+  def _feed(self, name: str, *, global_batch_size: int, layout: LayoutFactory,
+            kwargs: Mapping[str, Any], seed: int, num_epochs: int | None,
+            state: dict[str, Any] | None, options: options_lib.FeedOptions | None,
+            old_options: Mapping[str, Any]) -> Feed:
+    """:meth:`open_feed`, with the options the deprecated keywords gave (``old_options``)."""
     self._check_open()
-    kwargs, old_options = arguments.split_legacy_feed(
-        name, kwargs, options, legacy_kwargs,
-        [f.name for f in dataclasses.fields(options_lib.FeedOptions)])
     options = feed_lib.check_arguments(name, options, old_options, self.hosts,
                                        global_batch_size=global_batch_size,
                                        num_epochs=num_epochs)
     prefetch, workers = options.prefetch, options.workers
-    plans = feed_lib.plan(sharding, global_batch_size, self._hosts.device_hosts,
-                          self._hosts.device_processes)
+    rows = layout(global_batch_size, dict(self._hosts.device_hosts),
+                  dict(self._hosts.device_processes))
     encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
     self._feeds += 1
     key = f"feed/{self._feeds}"
@@ -371,7 +399,7 @@ class Controller:
         "pipeline": name, "global_batch_size": global_batch_size, "seed": seed,
         "num_epochs": num_epochs, "workers": workers, "state": state,
         "kwargs": hashlib.sha256(encoded.SerializeToString(deterministic=True)).hexdigest()[:16],
-        "mesh": [[d.id for d in ds] for p in plans for ds in p.devices]},
+        "mesh": rows.describe()},
         what=f"the arguments of feed {self._feeds} ({name!r})")
 
     def open_stream(host_id: int, spec: pb.FeedSpec):
@@ -380,10 +408,9 @@ class Controller:
                                worker_session=w.session if w is not None else "")
       return self._open_stream(host_id, request, prefetch=prefetch, timeout=None, held=[])
 
-    feed = Feed(name=name, plans=plans, sharding=sharding, global_batch_size=global_batch_size,
-                seed=seed, num_epochs=num_epochs, prefetch=prefetch, state=state,
-                workers=workers, open_stream=open_stream, local_hosts=self.local_hosts,
-                peers=self._peers, key=key,
+    feed = Feed(name=name, layout=rows, seed=seed, num_epochs=num_epochs, prefetch=prefetch,
+                state=state, workers=workers, open_stream=open_stream,
+                local_hosts=self.local_hosts, peers=self._peers, key=key,
                 arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                                    for s in self.status()})
     self._children.add(feed)
@@ -437,7 +464,7 @@ class Controller:
                       "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
                   for h, c in self._hosts.conns.items() if h not in self._hosts.lost},
         mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost),
-        sharers=self._hosts.sharers)
+        framework=self._framework, sharers=self._hosts.sharers)
     self._children.add(ckpt)
     return ckpt
 
@@ -525,7 +552,7 @@ class Controller:
     self.state = State.CLOSED
     self._hosts.close()  # the workers it made, then the channels
 
-  def __enter__(self) -> Controller:
+  def __enter__(self) -> Self:
     return self
 
   def __exit__(self, *exc) -> None:

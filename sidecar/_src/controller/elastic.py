@@ -1,8 +1,10 @@
 """``sidecar.elastic.retry``: when a host is lost, train on, on the hosts that remain.
 
-Runs in the controller (single-controller JAX: one process owns every device). The
-training function ``train(hosts)`` builds its mesh from those hosts' devices,
-restores the latest step (with its data position) and opens its feed; when a host
+Runs in the controller (single-controller JAX: one process owns every device), and
+knows no framework (``sidecar.elastic.devices``, the JAX devices of some hosts, is
+``jax/elastic.py``'s). The training function ``train(hosts)`` builds its mesh from
+those hosts' devices, restores the latest step (with its data position) and opens its
+feed; when a host
 is lost mid-way (its sidecar dies or stops answering), the controller drops it,
 cancels the feeds and streams in flight, and calls ``train`` again with the hosts
 that are left. Every phase is an :class:`Event`, logged at INFO and kept.
@@ -40,8 +42,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
-
 from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,6 @@ class Event:
   hosts: tuple[int, ...]  # the live hosts then
   detail: str = ""
   seconds: float | None = None
-
-
-def devices(ctl: Any, hosts: Sequence[int]) -> list[jax.Device]:
-  """This process's JAX devices that belong to ``hosts``, in device order."""
-  owners = ctl.device_hosts
-  return [d for d in jax.devices() if owners.get(d.id) in set(hosts)]
 
 
 @contextlib.contextmanager

@@ -1,14 +1,18 @@
-"""``ctl.feed``: global batches as ``jax.Array``s, each host's part made by its sidecar.
+"""A feed: global batches, each host's rows made by its sidecar, with no framework.
 
-The controller plans which rows of every global batch each host produces (the
-rows its devices own under ``sharding``), opens one stream per host, and
-assembles each step's per-device arrays into global arrays. ``state()`` is the
-position after the last batch handed to the trainer, not after what was
-prefetched, so a feed resumed from it continues with exactly the next batch.
+A :class:`BatchLayout` (a framework adapter's) says which rows of every global batch
+each host produces (for JAX, the rows its devices own under a sharding:
+``jax/feed.py``; for PyTorch, each rank's slice) and how one leaf's row blocks become
+the framework's array. :class:`Feed` opens one stream per host this process drives,
+gathers each step's parts and hands them to the layout. ``state()`` is the position
+after the last batch handed to the trainer, not after what was prefetched, so a feed
+resumed from it continues with exactly the next batch. The batch order is the core's:
+it depends only on the pipeline, its arguments, the seed and the batch index.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import enum
@@ -18,12 +22,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-
-from sidecar._src.controller import display, progress as progress_lib
+from sidecar._src.controller import display, progress as progress_lib, trees
 from sidecar._src.controller.connection import HostInfo
+from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.jax import distributed, transfer
 from sidecar._src.wire.protocol import pb
 
 STATE_VERSION = 1
@@ -35,65 +37,36 @@ class State(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class HostPlan:
-  """One host's part (one process's, where several share the host): its row ranges and,
-  for each, the devices that take those rows."""
+class HostRows:
+  """The rows of every global batch that one host produces (one process's part of them,
+  where several processes share the host): ``[start, stop)`` ranges, sorted and disjoint."""
   host_id: int
   ranges: tuple[tuple[int, int], ...]
-  devices: tuple[tuple[jax.Device, ...], ...]
-  process: int = -1  # the trainer process whose devices these are; -1: not told
+  process: int = -1  # the trainer process that streams this part; -1: whoever drives the host
 
 
-def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
-         device_hosts: dict[int, int], device_processes: Mapping[int, int] | None = None
-         ) -> list[HostPlan]:
-  """Splits the rows of a global batch among hosts by where ``sharding`` puts them.
+class BatchLayout(abc.ABC):
+  """Where the rows of each global batch go: a framework adapter implements it.
 
-  Where several processes share a host (``device_processes`` says whose each device is),
-  each process's devices on it make a part of their own, which that process streams.
+  Attributes:
+    global_batch_size: rows of every global batch.
+    hosts: every host's rows (a part per process where several share a host), by host
+      id then process (the hosts of all processes).
   """
-  owners = device_processes or {}
-  if not isinstance(sharding, jax.sharding.Sharding):
-    raise errors.InvalidArgumentError(
-        f"sharding must be a jax.sharding.Sharding, got {type(sharding).__name__}")
-  if isinstance(sharding, jax.sharding.NamedSharding) and any(
-      p is not None for p in tuple(sharding.spec)[1:]):
-    raise errors.InvalidArgumentError(
-        f"sharding {sharding.spec} splits a dimension after the batch; feeds split the leading "
-        "(batch) dimension only: use PartitionSpec(axes) with one entry")
-  local = set(jax.devices())
-  missing: list[jax.Device] = [d for d in sharding.device_set if d not in local]
-  if missing:
-    raise errors.InvalidArgumentError(
-        f"sharding uses devices {sorted(d.id for d in missing)} that this process does not "
-        f"have (it has {sorted(d.id for d in local)})")
-  try:
-    index: Mapping[jax.Device, Any] = sharding.devices_indices_map((global_batch_size,))
-  except Exception as e:
-    raise errors.InvalidArgumentError(
-        f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: {e}") from None
-  by_host: dict[tuple[int, int], dict[tuple[int, int], list[jax.Device]]] = {}
-  for device, (rows,) in index.items():
-    start, stop, _ = rows.indices(global_batch_size)
-    host = device_hosts.get(device.id)
-    if host is None:
-      raise errors.InvalidArgumentError(
-          f"device {device.id} of the sharding belongs to no sidecar; the hosts declare "
-          f"devices {sorted(device_hosts)} (sidecar serve --device-ids)")
-    part = (host, owners.get(device.id, -1))
-    by_host.setdefault(part, {}).setdefault((start, stop), []).append(device)
-  plans = []
-  for part in sorted(by_host):
-    host = part[0]
-    ranges = sorted(by_host[part])
-    for (a, b), (c, d) in zip(ranges, ranges[1:]):
-      if b > c:
-        raise errors.InvalidArgumentError(
-            f"devices of host {host} take overlapping rows [{a}, {b}) and [{c}, {d}); "
-            "use a sharding that splits the batch evenly")
-    plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[part][r]) for r in ranges),
-                          process=part[1]))
-  return plans
+
+  global_batch_size: int
+  hosts: Sequence[HostRows]
+
+  @abc.abstractmethod
+  def describe(self) -> Any:
+    """A JSON value that every process of a job must agree on (say, the device ids that
+    take each range)."""
+
+  @abc.abstractmethod
+  def assemble(self, blocks: Sequence[Sequence[Any]], hosts: Sequence[HostRows]) -> Any:
+    """One leaf of a global batch, from ``blocks[h][r]``: the rows of range ``r`` of
+    ``hosts[h]`` (this process's hosts), numpy arrays that may be views of an arena
+    (what is made of them must keep them alive)."""
 
 
 def check_arguments(name: str, options: Any, old_options: Mapping[str, Any],
@@ -127,7 +100,7 @@ def check_arguments(name: str, options: Any, old_options: Mapping[str, Any],
   return options
 
 
-def _rows_disjoint_across_hosts(plans: list[HostPlan]) -> bool:
+def _rows_disjoint_across_hosts(plans: Sequence[HostRows]) -> bool:
   rows = sorted(r for p in plans for r in p.ranges)
   return all(b <= c for (_, b), (c, _) in zip(rows, rows[1:]))
 
@@ -135,23 +108,23 @@ def _rows_disjoint_across_hosts(plans: list[HostPlan]) -> bool:
 class Feed:
   """An iterator of global batches; use as a context manager. Made by ``Controller.feed``."""
 
-  def __init__(self, *, name: str, plans: list[HostPlan], sharding: jax.sharding.Sharding,
-               global_batch_size: int, seed: int, num_epochs: int | None, prefetch: int,
-               state: dict[str, Any] | None, workers: int,
+  def __init__(self, *, name: str, layout: BatchLayout, seed: int, num_epochs: int | None,
+               prefetch: int, state: dict[str, Any] | None, workers: int,
                open_stream: Callable[[int, pb.FeedSpec], Any],
                arena_use: Callable[[], dict[int, float]] = dict,
-               local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
+               local_hosts: Sequence[int] | None = None, peers: Peers | None = None,
                key: str = "feed"):
     self.name = name
     self._arena_use = arena_use
+    self._layout = layout
+    plans = list(layout.hosts)
     self._all_plans = plans
-    self._peers = peers if peers is not None else distributed.LocalPeers()
+    self._peers = peers if peers is not None else LocalPeers()
     local = {p.host_id for p in plans} if local_hosts is None else set(local_hosts)
     mine = lambda p: p.host_id in local and p.process in (-1, self._peers.index)
     self._plans = [p for p in plans if mine(p)]  # the hosts (parts) this process drives
     self._key = key
-    self._sharding = sharding
-    self._g = global_batch_size
+    global_batch_size = self._g = layout.global_batch_size
     self._seed = seed
     self._state = _check_state(state, name=name, seed=seed, num_hosts=len(plans))
     shardable = _rows_disjoint_across_hosts(plans)
@@ -218,21 +191,13 @@ class Feed:
     return batch
 
   def _assemble(self, parts: list[Any]) -> Any:
-    """Per-host ``leaf -> [array per range]`` into global ``jax.Array``s."""
+    """Per-host ``leaf -> [array per range]`` into the layout's batch, leaf by leaf."""
     is_part = lambda x: isinstance(x, list)
-    leaves = [jax.tree_util.tree_flatten(p, is_leaf=is_part)[0] for p in parts]
-    treedef = jax.tree_util.tree_structure(parts[0], is_leaf=is_part)
-    out = []
-    for i in range(len(leaves[0])):
-      arrays, devices = [], []
-      for p, host_leaves in zip(self._plans, leaves):
-        for rng_devices, array in zip(p.devices, host_leaves[i]):
-          for d in rng_devices:
-            arrays.append(array)
-            devices.append(d)
-      shape = (self._g, *arrays[0].shape[1:])
-      out.append(transfer.global_array(shape, self._sharding, arrays, devices))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    flat = [trees.flatten(p, is_leaf=is_part) for p in parts]
+    treedef = flat[0][1]
+    out = [self._layout.assemble([leaves[i] for leaves, _ in flat], self._plans)
+           for i in range(treedef.num_leaves)]
+    return trees.unflatten(treedef, out)
 
   def _merge(self, states: list[dict[str, Any]]) -> dict[str, Any]:
     base = {"version": STATE_VERSION, "pipeline": self.name, "seed": self._seed,

@@ -12,13 +12,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
-import jax
 
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.controller import discovery, interrupts
 from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.framework import Framework, HostArrays
+from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_host
 from sidecar._src.core import env, errors
-from sidecar._src.jax import distributed
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,14 @@ class Hosts:
     map_arenas: whether to attach to the sidecars on this machine (one process only).
     cancel: closes the feeds and streams in flight; called when a host is lost,
       before its worker is closed.
+    framework: makes the workers, and says which devices this process owns.
   """
 
   def __init__(self, connect: Callable[[str, float], Connection], *,
-               peers: distributed.Peers, peer_timeout: float, map_arenas: bool,
-               cancel: Callable[[], None]):
+               peers: Peers, peer_timeout: float, map_arenas: bool,
+               cancel: Callable[[], None], framework: Framework | None = None):
     self._new_connection = connect
+    self._framework = framework if framework is not None else HostArrays()
     self.peers = peers
     self.peer_timeout = peer_timeout
     self.map_arenas = map_arenas
@@ -206,7 +208,7 @@ class Hosts:
     here, sock = shm.boot_id(), conn.reply.worker_socket
     if not here or conn.reply.identity.boot_id != here or not os.path.exists(sock):
       return None
-    return worker_lib.Worker(sock, timeout=self.peer_timeout)
+    return self._framework.worker(sock, timeout=self.peer_timeout)
 
   def attach_own(self, workers: Mapping[int, worker_lib.Worker]) -> None:
     """N processes: attaches to this process's own sidecar; learns every process's host."""
@@ -225,7 +227,7 @@ class Hosts:
             f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
-        w = worker_lib.Worker(address, timeout=self.peer_timeout)
+        w = self._framework.worker(address, timeout=self.peer_timeout)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self.peers.index}: its own sidecar at "
@@ -239,13 +241,13 @@ class Hosts:
           "list it in SIDECAR_HOSTS")
     self.workers[host_id] = w
     self.driven = [host_id]
-    mine = {"host_id": host_id, "device_ids": [d.id for d in jax.local_devices()]}
+    mine = {"host_id": host_id, "device_ids": self._framework.local_device_ids()}
     everyone = [json.loads(v) for v in self.peers.all_gather("controller/hosts",
                                                              json.dumps(mine))]
-    self.device_hosts = distributed.hosts_by_process(everyone)
+    self.device_hosts = hosts_by_process(everyone)
     self.device_processes = {int(d): p for p, ident in enumerate(everyone)
                              for d in ident["device_ids"]}
-    self.sharers = distributed.processes_by_host(everyone)
+    self.sharers = processes_by_host(everyone)
     for h, c in self.conns.items():  # what each host's trainer said, not what its sidecar
       c.info = dataclasses.replace(c.info, device_ids=tuple(  # knew at the handshake
           sorted(d for d, owner in self.device_hosts.items() if owner == h)))

@@ -4,12 +4,11 @@ Runs in the trainer processes. Two things live here:
 
 - :func:`initialize`: ``jax.distributed.initialize`` from what ``sidecar launch`` or the
   k8s manifests put in the environment (or JAX's own cluster detection).
-- :class:`Peers`: how the processes of one job agree, through the ``jax.distributed``
+- :class:`JaxPeers`: how the processes of one job agree, through the ``jax.distributed``
   coordination service (its key-value store, with timeouts), as Orbax's multihost
-  utilities do. :class:`LocalPeers` is the one-process case, where agreement is free.
-
-Every process makes the same calls in the same order (SPMD), so each agreement is
-named by a key every process computes alike (``ckpt/3/save/7/prepared``, say).
+  utilities do. The interface, :class:`Peers`, and the one-process :class:`LocalPeers`
+  are the controller core's (``controller/peers.py``): a PyTorch job agrees the same way
+  through ``torch.distributed``'s store.
 
 The environment :func:`initialize` reads:
 
@@ -29,15 +28,16 @@ The environment :func:`initialize` reads:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
+from sidecar._src.arena.worker import TrainerProcess
+from sidecar._src.controller.peers import LocalPeers, Peers  # also sidecar.distributed's
 from sidecar._src.core import env as env_lib, errors
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ LOCAL_DEVICES = env_lib.LOCAL_DEVICES
 COORDINATOR_PORT = env_lib.COORDINATOR_PORT  # k8s only: sidecar launch gives the address
 SYNC_TIMEOUT = env_lib.SYNC_TIMEOUT
 DEFAULT_COORDINATOR_PORT = env_lib.DEFAULT_COORDINATOR_PORT
-DEFAULT_SYNC_TIMEOUT_S = env_lib.DEFAULT_SYNC_TIMEOUT_S
 _JOBSET = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
            env_lib.HOSTS_PER_SLICE)
 
@@ -171,92 +170,6 @@ def _jax_detects_cluster() -> bool:
     return False
 
 
-def sync_timeout(env: Mapping[str, str] | None = None) -> float:
-  """Seconds to wait for the other processes at an agreement (``SIDECAR_SYNC_TIMEOUT``)."""
-  text = (os.environ if env is None else env).get(SYNC_TIMEOUT, "").strip()
-  if not text:
-    return DEFAULT_SYNC_TIMEOUT_S
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if value <= 0:
-    raise errors.InvalidArgumentError(f"{SYNC_TIMEOUT} must be positive seconds, got {text!r}")
-  return value
-
-
-def _timeout(timeout: float | None) -> float:
-  return sync_timeout() if timeout is None else timeout
-
-
-class Peers:
-  """The processes of one job, and how they agree. Subclasses move the values.
-
-  Every method is called by every process with the same ``key`` (SPMD); values are
-  short strings (JSON).
-  """
-
-  index: int = 0
-  count: int = 1
-
-  def publish(self, key: str, value: str) -> None:
-    """Makes ``value`` this process's answer to ``key``; once per key."""
-    raise NotImplementedError
-
-  def read(self, key: str, process: int, *, timeout: float) -> str:
-    """Process ``process``'s answer to ``key``, waiting up to ``timeout`` seconds."""
-    raise NotImplementedError
-
-  def all_gather(self, key: str, value: str, *, timeout: float | None = None) -> list[str]:
-    """Every process's ``value`` for ``key``, by process index."""
-    self.publish(key, value)
-    wait = _timeout(timeout)
-    return [value if p == self.index else self.read(key, p, timeout=wait)
-            for p in range(self.count)]
-
-  def broadcast(self, key: str, value: str | None = None, *,
-                timeout: float | None = None) -> str:
-    """Process 0's ``value`` for ``key``, in every process (the others pass None)."""
-    if self.index == 0:
-      if value is None:
-        raise errors.InvalidArgumentError(f"process 0 must give the value of {key!r}")
-      self.publish(key, value)
-      return value
-    return self.read(key, 0, timeout=_timeout(timeout))
-
-  def agree(self, key: str, value: Any, *, what: str, timeout: float | None = None) -> None:
-    """Raises in every process unless every process passes an equal ``value``.
-
-    ``what`` names the value in the error, e.g. ``"the step of the save"``.
-    """
-    text = json.dumps(value, sort_keys=True, default=repr)
-    values = self.all_gather(key, text, timeout=timeout)
-    if len(set(values)) == 1:
-      return
-    decoded = [json.loads(v) for v in values]
-    if all(isinstance(d, dict) for d in decoded):  # name only the fields that differ
-      fields = sorted({k for d in decoded for k in d
-                       if len({json.dumps(e.get(k), sort_keys=True) for e in decoded}) > 1})
-      values = [", ".join(f"{k}={json.dumps(d.get(k))}" for k in fields) for d in decoded]
-    raise errors.InvalidArgumentError(
-        f"the {self.count} processes disagree on {what}: "
-        + "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
-        + ". Every process must make the same calls with the same arguments, in the same "
-        "order")
-
-
-class LocalPeers(Peers):
-  """One process: it agrees with itself, and nobody else reads what it publishes."""
-
-  def publish(self, key: str, value: str) -> None:
-    del key, value
-
-  def read(self, key: str, process: int, *, timeout: float) -> str:
-    del timeout
-    raise errors.InvalidArgumentError(f"a job of one process has no process {process} to "
-                                      f"answer {key!r}")
-
-
 class JaxPeers(Peers):
   """The processes of a ``jax.distributed`` job, through its key-value store."""
 
@@ -306,8 +219,8 @@ def peers() -> Peers:
   return LocalPeers()
 
 
-def local_identity() -> dict[str, Any] | None:
-  """``{"process_index", "device_ids"}`` of this process under ``jax.distributed``, else None.
+def local_process() -> TrainerProcess | None:
+  """This process's index and devices under ``jax.distributed``, else None.
 
   A Worker tells its sidecar this on attach. Without ``jax.distributed`` it says
   nothing: asking JAX for devices would start its backends, and in one process
@@ -315,33 +228,4 @@ def local_identity() -> dict[str, Any] | None:
   """
   if not is_initialized():
     return None
-  return {"process_index": jax.process_index(),
-          "device_ids": [d.id for d in jax.local_devices()]}
-
-
-def hosts_by_process(identities: Sequence[dict[str, Any]]) -> dict[int, int]:
-  """``{device id: host id}`` from each process's ``{"host_id", "device_ids"}``.
-
-  Several processes may share one host's sidecar (a node's ranks beside one sidecar,
-  each with its own Worker session); no device may belong to two of them.
-  """
-  out: dict[int, int] = {}
-  owner: dict[int, int] = {}
-  for p, ident in enumerate(identities):
-    host = int(ident["host_id"])
-    for d in ident["device_ids"]:
-      if int(d) in owner:
-        raise errors.InvalidArgumentError(
-            f"processes {owner[int(d)]} and {p} both say they own device {d}; give each "
-            "process its own devices (SIDECAR_LOCAL_DEVICES, CUDA_VISIBLE_DEVICES)")
-      owner[int(d)] = p
-      out[int(d)] = host
-  return out
-
-
-def processes_by_host(identities: Sequence[dict[str, Any]]) -> dict[int, list[int]]:
-  """``{host id: [process index, ...]}``: which processes drive each host, in order."""
-  out: dict[int, list[int]] = {}
-  for p, ident in enumerate(identities):
-    out.setdefault(int(ident["host_id"]), []).append(p)
-  return out
+  return TrainerProcess(jax.process_index(), tuple(d.id for d in jax.local_devices()))

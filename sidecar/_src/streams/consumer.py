@@ -3,21 +3,26 @@
 One :class:`Stream` holds what a user sees of ``ctl.stream`` (and what a feed reads
 from each host): iteration, the end, the sidecar's error, a timeout per item that
 leaves the stream open, ``close()``. Under it a :class:`Transport` moves
-``pb.StreamItem``s in and credits out: over gRPC (``controller/stream.py``) or over
-the worker's Unix socket (``worker.py``), where credits also carry the blocks let go of.
+``pb.StreamItem``s in and credits out: over gRPC (``grpc_transport.py``) or over
+the worker's Unix socket (``socket_transport.py``), where credits also carry the blocks
+let go of. What lands on a device is the framework adapter's (a ``ToDevice`` hook).
 """
 
 from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.core import errors
-from sidecar._src.jax import transfer
 from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 
+# Moves an item's arrays onto a device (a framework adapter's: ``jax/transfer.to_devices``):
+# a pytree of numpy arrays (arena views, which must stay alive as long as what is made
+# of them) in, the same tree with the framework's arrays out.
+ToDevice = Callable[[Any], Any]
 # What a transport's receive hands back after its consumer closed it from another thread.
 _CLOSED_ITEM = pb.StreamItem(end=True)
 
@@ -94,16 +99,16 @@ class Stream:
     credit_every: credits are sent once this many items were taken (one message for
       several); at most the prefetch.
     timeout: seconds one ``next()`` may wait for an item; None: no limit.
-    device: with one, arrays arrive as ``jax.Array``s on it.
+    to_device: with one, each item goes through it (arrays onto a device).
   """
 
   def __init__(self, transport: Transport, *, name: str, credit_every: int = 1,
-               timeout: float | None = None, device: Any = None):
+               timeout: float | None = None, to_device: ToDevice | None = None):
     self._transport = transport
     self._name = name
     self._credit_every = max(1, credit_every)
     self._timeout = timeout
-    self._device = device
+    self._to_device = to_device
     self._owed, self._waited = 0, 0.0  # taken and not yet credited, and the wait for them
     self.closed = False
     self.args: list = []  # the argument blocks, held as long as the stream
@@ -141,7 +146,7 @@ class Stream:
       t.credit(owed, wait_s=waited)
     value = codec.decode(item.value, from_arena=t.from_arena,
                          where=f"item {item.index} of {self._name!r} from host {t.host_id}")
-    return value if self._device is None else transfer.to_devices(value, self._device)
+    return value if self._to_device is None else self._to_device(value)
 
   def _wait(self, t0: float) -> pb.StreamItem | None:
     """The next item; None once the timeout passed."""

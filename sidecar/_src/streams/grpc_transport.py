@@ -76,12 +76,13 @@ class GrpcTransport(streaming.Transport):
 
 def open_stream(rpc: Callable[..., Any], start: pb.CallRequest, *, prefetch: int,
                 metadata: Any, timeout: float | None, host: str, host_id: int,
-                device: Any = None) -> Stream:
+                to_device: streaming.ToDevice | None = None) -> Stream:
   """Starts registered iterable ``start.name`` on a sidecar over gRPC; a credit per item.
 
-  ``timeout`` bounds the wait for each item (see ``streaming.Stream``).
+  ``timeout`` bounds the wait for each item, ``to_device`` moves each item's arrays
+  (see ``consumer.Stream``).
   """
   streaming.check_prefetch(prefetch)
   transport = GrpcTransport(rpc, start, prefetch=prefetch, metadata=metadata, host=host,
                             host_id=host_id)
-  return Stream(transport, name=start.name, timeout=timeout, device=device)
+  return Stream(transport, name=start.name, timeout=timeout, to_device=to_device)

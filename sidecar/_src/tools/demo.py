@@ -24,9 +24,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src.controller import elastic as elastic_lib
-from sidecar._src.controller.controller import Controller
 from sidecar._src.core import logs, options as options_lib
-from sidecar._src.jax import distributed
+from sidecar._src.jax import distributed, elastic as jax_elastic
+from sidecar._src.jax.controller import Controller
 from sidecar._src.tools import launch
 from sidecar._src.tools.local import LocalCluster
 
@@ -250,7 +250,7 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
 
         @elastic_lib.retry(ctl, min_hosts=hosts - 1)
         def train(live):
-          mesh = Mesh(np.array(elastic_lib.devices(ctl, live)), ("data",))
+          mesh = Mesh(np.array(jax_elastic.devices(ctl, live)), ("data",))
           sharding = NamedSharding(mesh, P("data"))
           ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2, replicas=1)
           start, data, restarted = ckpt.latest_step(), None, "killed" in marks

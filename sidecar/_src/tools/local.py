@@ -21,8 +21,8 @@ from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors
 
 if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither
-  from sidecar._src.arena.worker import Worker
-  from sidecar._src.controller.controller import Controller
+  from sidecar._src.jax.controller import Controller
+  from sidecar._src.jax.worker import Worker
 
 # The LocalClusters running in this process: several may (each has its own sidecars,
 # ports, sockets and temp directory); error messages name them.
@@ -270,13 +270,13 @@ class LocalCluster:
 
   def controller(self, **kwargs: Any) -> Controller:
     """A Controller of every host, attached to their arenas."""
-    from sidecar._src.controller.controller import Controller
+    from sidecar._src.jax.controller import Controller
     kwargs.setdefault("token", self.token)
     return Controller(self.addresses, **kwargs)
 
   def worker(self, host_id: int) -> Worker:
     """A new Worker attached to host ``host_id``'s sidecar."""
-    from sidecar._src.arena.worker import Worker
+    from sidecar._src.jax.worker import Worker
     return Worker(self.socket(host_id))
 
 

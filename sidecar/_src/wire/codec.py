@@ -13,10 +13,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from sidecar._src.core import errors
+from sidecar._src.core.dtypes import dtype_of
 from sidecar._src.wire.protocol import pb
 
 INLINE_LIMIT = 64 * 1024
@@ -31,15 +31,6 @@ MAX_ELEMENTS = 1 << 20
 MAX_DECODED_BYTES = 256 << 20  # the control port's default max_message_size
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
-_DTYPES: dict[str, np.dtype] = {
-    np.dtype(t).name: np.dtype(t) for t in (
-        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
-        ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
-        ml_dtypes.int4, ml_dtypes.uint4)
-}
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArenaRef:
   """Where an array lies in a sidecar's arena. The only thing that crosses for it."""
@@ -48,15 +39,6 @@ class ArenaRef:
   generation: int
   dtype: str
   shape: tuple[int, ...]
-
-
-def dtype_of(name: str, where: str = "array") -> np.dtype:
-  """The allowed dtype called ``name``, or InvalidArgumentError."""
-  dtype = _DTYPES.get(name)
-  if dtype is None:
-    raise errors.InvalidArgumentError(
-        f"{where}: dtype {name!r} is not allowed; allowed dtypes: {', '.join(sorted(_DTYPES))}")
-  return dtype
 
 
 def check_array(a: np.ndarray, where: str) -> np.ndarray:

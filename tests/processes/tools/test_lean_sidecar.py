@@ -15,8 +15,6 @@ pytestmark = pytest.mark.processes
 LEAN = ["tests.support.lean_fns"]
 
 
-@pytest.mark.xfail(reason="arena.worker and ckptfmt.spec import jax at the sidecar's start "
-                   "until the framework-neutral core (issue 27) lands", strict=False)
 def test_a_sidecar_serving_framework_free_code_loads_no_framework():
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="8MiB",
                                     imports=LEAN) as cluster, cluster.controller() as ctl:

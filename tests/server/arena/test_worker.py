@@ -5,6 +5,7 @@ import pytest
 
 import sidecar
 from sidecar._src.arena import worker as worker_lib
+from sidecar._src.streams import consumer, socket_transport
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.server
@@ -61,12 +62,12 @@ def test_close_waits_for_live_views(make_server):
                     and server.leases.allocator.used_bytes == 0)
 
 
-def test_local_stream_finalizer_needs_no_module_globals(monkeypatch):
+def test_socket_stream_finalizer_needs_no_module_globals(monkeypatch):
   """At interpreter exit a module's globals may already be None when __del__ runs."""
-  stream = worker_lib.LocalStream.__new__(worker_lib.LocalStream)
+  stream = consumer.Stream.__new__(consumer.Stream)
   stream.closed = False  # close() then fails: the stream has no socket
-  monkeypatch.setattr(worker_lib, "contextlib", None)
-  monkeypatch.setattr(worker_lib, "pb", None)
+  monkeypatch.setattr(socket_transport, "contextlib", None)
+  monkeypatch.setattr(socket_transport, "pb", None)
   stream.__del__()  # raises nothing
   stream.closed = True  # so that the collector's own __del__ has nothing to do
 

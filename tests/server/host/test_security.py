@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
 from sidecar._src.host.feeds import producer as host_feed
+from sidecar._src.streams import socket_transport
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -72,7 +73,7 @@ def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
         name="echo_items", kwargs=codec.encode({}), args=pb.Value(tuple=pb.ListValue(items=[
             arena_ref(ref.offset, ref.generation, ref.nbytes), pb.Value(int_value=1)])))
     with pytest.raises(sidecar.StaleDescriptorError, match="is held by this worker session"):
-      next(iter(thief.open_stream(request, prefetch=1, timeout=10)))
+      next(iter(socket_transport.open_stream(thief, request, prefetch=1, timeout=10)))
   assert (array == 0x5A).all()
   # The victim itself still may: its own block, through the arena, no copy.
   assert ctl.call("stats", args=(array,))[0]["sum"] == float(0x5A * array.size)

@@ -21,7 +21,7 @@ from google.protobuf import descriptor as pb_descriptor, message as pb_message
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sidecar
-from sidecar._src.core import errors, options
+from sidecar._src.core import dtypes as dtypes_lib, errors, options
 from sidecar._src.host.server import Server
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, ipc, protocol
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.server
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-DTYPES = sorted(codec._DTYPES)
+DTYPES = sorted(dtypes_lib.NAMES)
 # Statuses that say what was wrong with a request. UNKNOWN is only for a registered
 # function's own exception (a RemoteError from the test modules' code).
 TOLD = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -59,8 +59,8 @@ dtypes = st.sampled_from(DTYPES) | st.text(max_size=8)
 def arrays(draw) -> pb.Value:
   shape = draw(shapes)
   dtype = draw(dtypes)
-  if draw(st.booleans()) and dtype in codec._DTYPES and all(0 <= d < 8 for d in shape):
-    size = math.prod(shape) * codec._DTYPES[dtype].itemsize  # a consistent one
+  if draw(st.booleans()) and dtype in dtypes_lib.NAMES and all(0 <= d < 8 for d in shape):
+    size = math.prod(shape) * dtypes_lib.dtype_of(dtype).itemsize  # a consistent one
     data = draw(st.binary(min_size=size, max_size=size))
   else:
     data = draw(st.binary(max_size=64))

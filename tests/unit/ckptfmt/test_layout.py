@@ -27,6 +27,7 @@ from sidecar._src.ckptfmt import (
   write as orbax_write,
 )
 from sidecar._src.core import errors
+from sidecar._src.jax import checkpoint as jax_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +95,7 @@ def host_parts(tree, mesh, num_hosts):
   """Each host's leaves: the replica-0 shards on its devices, numpy and scalars on the last."""
   owner = {d: i * num_hosts // mesh.size for i, d in enumerate(mesh.devices.flat)}
   leaves = flat(tree)
-  specs = [layout_spec.LeafSpec.from_value(kp, v) for kp, v in leaves]
+  specs = [jax_checkpoint.leaf_spec(kp, v) for kp, v in leaves]
   parts = []
   for host in range(num_hosts):
     part = []

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.controller import feed as feed_lib
+from sidecar._src.jax import feed as jax_feed
 
 pytestmark = pytest.mark.unit
 
@@ -54,16 +55,15 @@ class FakeStream:
 def make_feed(state=None, seed=0, fake=None):
   devices = jax.devices()[:4]  # hosts 0 and 1, two devices each
   sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
-  plans = feed_lib.plan(sharding, BATCH, {d.id: i // 2 for i, d in enumerate(devices)})
+  layout = jax_feed.Layout(sharding, BATCH, {d.id: i // 2 for i, d in enumerate(devices)})
   streams = {}
 
   def open_stream(host, spec):
     streams[host] = FakeStream(spec, **(fake or {}).get(host, {}))
     return streams[host]
 
-  feed = feed_lib.Feed(name="ids", plans=plans, sharding=sharding, global_batch_size=BATCH,
-                       seed=seed, num_epochs=None, prefetch=2, state=state, workers=0,
-                       open_stream=open_stream)
+  feed = feed_lib.Feed(name="ids", layout=layout, seed=seed, num_epochs=None, prefetch=2,
+                       state=state, workers=0, open_stream=open_stream)
   return feed, streams
 
 
@@ -153,10 +153,10 @@ def test_processes_sharing_a_host_each_get_a_part_of_their_own():
   devices = jax.devices()[:4]  # one host; devices 0-1 of process 0, 2-3 of process 1
   sharding = NamedSharding(Mesh(np.array(devices), ("data",)), P("data"))
   owners = {d.id: i // 2 for i, d in enumerate(devices)}
-  plans = feed_lib.plan(sharding, BATCH, {d.id: 0 for d in devices}, owners)
+  plans = jax_feed.plan(sharding, BATCH, {d.id: 0 for d in devices}, owners)
   assert [(p.host_id, p.process, p.ranges) for p in plans] == [
       (0, 0, ((0, 2), (2, 4))), (0, 1, ((4, 6), (6, 8)))]
   assert [d for p in plans for ds in p.devices for d in ds] == devices
   # Without owners (one process drives every device) the host is one part.
-  (whole,) = feed_lib.plan(sharding, BATCH, {d.id: 0 for d in devices})
+  (whole,) = jax_feed.plan(sharding, BATCH, {d.id: 0 for d in devices})
   assert whole.process == -1 and whole.ranges == ((0, 2), (2, 4), (4, 6), (6, 8))

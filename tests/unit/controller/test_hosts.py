@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from sidecar._src.controller import peers as peers_lib
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.core import errors
-from sidecar._src.jax import distributed
 from tests.support.fake_sidecars import FakeConnection, FakeSidecars
 
 pytestmark = pytest.mark.unit
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 def _hosts(answers, **kwargs):
   sidecars = FakeSidecars(answers=answers)
   cancelled = []
-  hosts = Hosts(sidecars.connect, peers=distributed.LocalPeers(), peer_timeout=1.0,
+  hosts = Hosts(sidecars.connect, peers=peers_lib.LocalPeers(), peer_timeout=1.0,
                 map_arenas=False, cancel=lambda: cancelled.append(True), **kwargs)
   return hosts, sidecars, cancelled
 

@@ -1,7 +1,8 @@
 """sidecar.distributed: the job from the environment, and agreement between processes.
 
-No sockets: Peers run over a fake of the coordination client, shared by threads that
-stand for the processes.
+No sockets: JaxPeers run over a fake of the coordination client, shared by threads that
+stand for the processes. The store-neutral part (LocalPeers, the sync timeout, who drives
+which host): tests/unit/controller/test_peers.py.
 """
 
 import threading
@@ -89,13 +90,6 @@ def test_initialize_with_part_of_a_job_names_what_is_missing():
   assert not distributed.is_initialized()
 
 
-def test_sync_timeout_from_env():
-  assert distributed.sync_timeout({}) == distributed.DEFAULT_SYNC_TIMEOUT_S
-  assert distributed.sync_timeout({"SIDECAR_SYNC_TIMEOUT": "2.5"}) == 2.5
-  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_SYNC_TIMEOUT"):
-    distributed.sync_timeout({"SIDECAR_SYNC_TIMEOUT": "0"})
-
-
 def test_all_gather_and_broadcast_across_three_processes():
   def body(peers):
     return (peers.all_gather("g", f"v{peers.index}"),
@@ -132,24 +126,3 @@ def test_publishing_a_key_twice_says_the_calls_are_out_of_step():
   peers.publish("k", "1")
   with pytest.raises(errors.InvalidArgumentError, match="out of step"):
     peers.publish("k", "2")
-
-
-def test_local_peers_agree_with_themselves():
-  peers = distributed.LocalPeers()
-  assert peers.all_gather("k", "v") == ["v"]
-  assert peers.broadcast("b", "x") == "x"
-  peers.agree("a", 1, what="anything")
-
-
-def test_processes_may_share_a_host_but_not_a_device():
-  shared = [{"host_id": 0, "device_ids": [0]}, {"host_id": 0, "device_ids": [2048]},
-            {"host_id": 1, "device_ids": [4096]}]
-  assert distributed.hosts_by_process(shared) == {0: 0, 2048: 0, 4096: 1}
-  assert distributed.processes_by_host(shared) == {0: [0, 1], 1: [2]}
-  with pytest.raises(errors.InvalidArgumentError, match="processes 0 and 1 both say they own "
-                                                        "device 7"):
-    distributed.hosts_by_process([{"host_id": 0, "device_ids": [7]},
-                                  {"host_id": 1, "device_ids": [7]}])
-  assert distributed.hosts_by_process([{"host_id": 1, "device_ids": [0, 1]},
-                                       {"host_id": 0, "device_ids": [2048]}]) == {
-                                           0: 1, 1: 1, 2048: 0}

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.spec import KeyPath, key_path
+from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic, interrupts, progress as progress_lib
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
@@ -36,11 +36,11 @@ from sidecar._src.controller.checkpoint.save import (
   done_handle,
   replica_peers,
 )
+from sidecar._src.controller.framework import Framework, HostArrays
+from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors
-from sidecar._src.jax import distributed
 
-__all__ = ["Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "key_path",
-           "replica_peers"]
+__all__ = ["Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "replica_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class Checkpointer:
   It reaches the sidecars only through ``client``, a :class:`CheckpointTransport` (one
   typed method per phase of the ``Checkpoint`` service): the Controller's gRPC
   :class:`~sidecar._src.controller.checkpoint.client.CheckpointClient`, or an in-process
-  fake in unit tests.
+  fake in unit tests. Trees of a framework's arrays reach it through ``framework``
+  (``controller/framework.py``): the shards to save, the blocks to restore.
 
   Under N trainer processes (one per host) every process makes the same calls. Each
   stages the shards it holds (``replica_id == 0``) into its own sidecar; process 0
@@ -63,10 +64,10 @@ class Checkpointer:
                hosts: list[int], device_hosts: dict[int, int], max_to_keep: int | None,
                keep_period: int | None, ram_steps: int,
                ram_budget: int | None, if_busy: str, sweep: bool = True,
-               local_hosts: Sequence[int] | None = None, peers: distributed.Peers | None = None,
+               local_hosts: Sequence[int] | None = None, peers: Peers | None = None,
                key: str = "ckpt", replicas: int = 0,
                sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = (),
-               replica_bandwidth: int | str | None = None,
+               replica_bandwidth: int | str | None = None, framework: Framework | None = None,
                sharers: Mapping[int, Sequence[int]] | None = None):
     if if_busy not in ("wait", "skip"):
       raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
@@ -106,7 +107,8 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self._client = client  # the sidecars, one typed method per phase
     self._local = list(hosts if local_hosts is None else local_hosts)  # hosts we stage into
-    self._peers = peers if peers is not None else distributed.LocalPeers()
+    self._peers = peers if peers is not None else LocalPeers()
+    framework = framework if framework is not None else HostArrays()
     self._key, self._restores = key, 0
     self._lead = self._peers.index == 0  # begins, commits, sweeps and deletes, once
     self._if_busy = if_busy
@@ -122,11 +124,12 @@ class Checkpointer:
                         device_hosts=device_hosts, peers=self._peers, key=key,
                         replicas=replicas, placement=placement, sidecars=sidecars,
                         replica_bandwidth=replica_bandwidth, list_step=self._retention.add,
-                        collect_garbage=self._retention.collect, sharers=sharers)
+                        collect_garbage=self._retention.collect, framework=framework,
+                        sharers=sharers)
     self._restorer = Restorer(client=client, directory=self.directory, hosts=hosts,
                               local=self._local, device_hosts=device_hosts, mapped=set(mapped),
                               ask_all=bool(replicas) or self._peers.count == 1,
-                              steps=self.all_steps)
+                              steps=self.all_steps, framework=framework)
     self._in_flight: SaveHandle | None = None
     self._closed = False
 
@@ -253,7 +256,8 @@ class Checkpointer:
         try:
           interrupts.wait_done(handle.durable, timeout=1.0)
         except concurrent.futures.TimeoutError:
-          report(self._progress_line(handle.step))
+          if line := self._progress_line(handle.step):
+            report(line)
     interrupts.wait_done(handle.durable)
     self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
@@ -265,7 +269,8 @@ class Checkpointer:
         finisher.join(interrupts.POLL_S)
         interrupts.check()
 
-  def _progress_line(self, step: int) -> str:
+  def _progress_line(self, step: int) -> str | None:
+    """How much of ``step`` is durable; None until a sidecar has begun writing it."""
     done = total = 0
     seconds = 0.0
     for s in self._client.status():
@@ -273,6 +278,8 @@ class Checkpointer:
         if c.directory == self.directory and step in c.writing:
           done, total = done + c.written_bytes, total + c.total_bytes
           seconds = max(seconds, c.writing_s)
+    if not total:
+      return None
     rate = done / seconds / 1e9 if seconds else 0.0
     return (f"saving step {step}: {shm.format_size(done)} of {shm.format_size(total)} "
             f"durable ({rate:.2f} GB/s)")

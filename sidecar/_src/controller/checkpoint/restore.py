@@ -17,15 +17,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.spec import KeyPath, key_path, shard_index
+from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import interrupts
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.framework import Framework, RestoreLeaf
 from sidecar._src.core import errors
-from sidecar._src.jax import transfer
 
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
 # at most this many bytes: well under the channel's 256 MiB message limit.
@@ -62,11 +61,13 @@ class Restorer:
     mapped: the hosts whose arenas this process maps.
     ask_all: ask every host for its RAM copies (else only the local ones).
     steps: the committed steps, for the message of a restore that fails.
+    framework: the blocks of a target to fill, and the arrays made of them.
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: Sequence[int],
                local: Sequence[int], device_hosts: dict[int, int], mapped: set[int],
-               ask_all: bool, steps: Callable[[], list[int]]):
+               ask_all: bool, steps: Callable[[], list[int]], framework: Framework):
+    self._framework = framework
     self._client, self.directory = client, directory
     self._hosts, self._local, self._device_hosts = hosts, local, device_hosts
     self._mapped, self._ask_all, self._steps = mapped, ask_all, steps
@@ -85,9 +86,10 @@ class Restorer:
       stored.setdefault(kp, []).append((index, c["crc32c"]))
       if c.get("host") is not None:
         owners[(kp, index)] = int(c["host"])
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    for path, want in flat:
-      self._check_leaf(key_path(path), want, saved, step)
+    wanted = self._framework.restore_target(target)
+    flat = wanted.leaves
+    for want in flat:
+      self._check_leaf(want, saved, step)
     held, gone = self._holdings(final_item)
     reads = self._read_all(final_item, flat, stored, held)
     shards, lost = {}, []
@@ -108,10 +110,10 @@ class Restorer:
       placed = dict(manifest.replicas)
       raise self._lost(step, lost, owners, placed, gone)
     out = []
-    for path, want in flat:
-      kp = key_path(path)
-      out.append(self._restore_leaf(final_item, kp, want, stored[kp], shards))
-      done += out[-1].nbytes if hasattr(out[-1], "nbytes") else 0
+    for want in flat:
+      out.append([self._assemble(final_item, want.key_path, region, stored[want.key_path],
+                                 shards) for region, _ in want.blocks])
+      done += sum(b.nbytes for b in out[-1])
       now = time.perf_counter()
       if progress is not None and now - last[0] >= 1.0:
         last[0] = now
@@ -123,17 +125,17 @@ class Restorer:
       counts[source] = counts.get(source, 0) + 1
       sizes[source] = sizes.get(source, 0) + data.nbytes
     stats = RestoreStats(step, time.perf_counter() - t0, counts, sizes)
-    return jax.tree_util.tree_unflatten(treedef, out), stats
-
+    return wanted.build(out), stats
 
   @staticmethod
-  def _check_leaf(kp: KeyPath, want: Any, saved: dict, step: int) -> None:
+  def _check_leaf(want: RestoreLeaf, saved: dict, step: int) -> None:
+    kp = want.key_path
     name = ".".join(map(str, kp))
     if kp not in saved:
       raise errors.InvalidArgumentError(
           f"target leaf {name!r} is not in step {step}; it has {sorted('.'.join(map(str, k)) for k in saved)}")
     d = saved[kp]
-    shape, dtype = tuple(np.shape(want)), np.dtype(getattr(want, "dtype", np.asarray(want).dtype))
+    shape, dtype = want.shape, want.dtype
     if shape != tuple(d["shape"]) or dtype.name != d["dtype"]:
       raise errors.InvalidArgumentError(
           f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
@@ -175,29 +177,23 @@ class Restorer:
     tries = sorted(held.get(key, []), key=rank)
     return tries + [(h, "disk") for h in dict.fromkeys([host, *self._local])]
 
-  def _regions(self, want: Any) -> list[tuple[Any, tuple, int]]:
-    """``(device or None, region, host)`` of each block of a target leaf to fill."""
-    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
-    if sharding is None:  # numpy or scalar leaf
-      return [(None, tuple((0, n) for n in shape), self._local[0])]
-    return [(d, shard_index(index, shape), self._device_hosts.get(d.id, self._local[0]))
-            for d, index in sharding.addressable_devices_indices_map(shape).items()]
-
   def _read_all(self, item: str, flat, stored, held) -> dict:
     """Starts every stored-shard read a restore needs, all at once: they overlap.
 
     Each is a future of ``(data, source)`` that tries the shard's sources in turn.
     """
     reads = {}
-    for path, want in flat:
-      kp = key_path(path)
-      for _, region, host in self._regions(want):
+    for want in flat:
+      kp = want.key_path
+      for region, device_id in want.blocks:
+        host = self._local[0] if device_id is None else self._device_hosts.get(
+            device_id, self._local[0])
         for index, crc in stored[kp]:
           if (kp, index) in reads or not _overlaps(index, region):
             continue
           reads[(kp, index)] = self._read_shard(item, kp, index, crc,
                                                 self._sources((kp, index), held, host),
-                                                np.dtype(want.dtype))
+                                                want.dtype)
     return reads
 
   def _read_shard(self, item: str, kp: KeyPath, index, crc: int | None,
@@ -294,16 +290,6 @@ class Restorer:
            if owners_lost else "")
         + f"; hosts gone: {gone_hosts or 'none'}. First shard's tries: {first}. Restore an "
         f"older step ({self._steps()}), or save with more replicas")
-
-  def _restore_leaf(self, item: str, kp: KeyPath, want: Any, stored, shards) -> Any:
-    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
-    blocks = [(d, self._assemble(item, kp, region, stored, shards))
-              for d, region, _ in self._regions(want)]
-    if sharding is None:
-      data = blocks[0][1]
-      return data if shape else data[()]
-    return transfer.global_array(shape, sharding, [b for _, b in blocks],
-                                   [d for d, _ in blocks])
 
   @staticmethod
   def _assemble(item: str, kp: KeyPath, region, stored, shards) -> np.ndarray:

@@ -20,16 +20,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.ckptfmt.spec import key_path, shard_index
 from sidecar._src.controller import interrupts
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, StagedShard
+from sidecar._src.controller.framework import Framework
+from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
-from sidecar._src.jax import distributed
 
 # The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger(__name__)
@@ -104,16 +103,18 @@ class Saver:
     replicas: peer copies per shard; ``placement``: each host's peers;
       ``sidecars``: their addresses; ``replica_bandwidth``: bytes/s, or None.
     list_step: lists a committed step; ``collect_garbage``: drops the steps no longer kept.
+    framework: describes a state tree's shards (which this process saves).
     sharers: the processes that stage into each host, where several share one (each
       sends its own parts; the host's step is whole once all of them have).
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
-               local: list[int], device_hosts: dict[int, int], peers: distributed.Peers,
+               local: list[int], device_hosts: dict[int, int], peers: Peers,
                key: str, replicas: int, placement: dict[int, list[int]],
                sidecars: dict[int, dict[str, Any]], replica_bandwidth: int | None,
                list_step: Callable[[int], None], collect_garbage: Callable[[], None],
-               sharers: Mapping[int, Sequence[int]] | None = None):
+               framework: Framework, sharers: Mapping[int, Sequence[int]] | None = None):
+    self._framework = framework
     self._client, self.directory, self._hosts, self._local = client, directory, hosts, local
     self._device_hosts, self._peers, self._key = device_hosts, peers, key
     self._lead = peers.index == 0
@@ -189,34 +190,24 @@ class Saver:
             ) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
     """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
 
-    Of replicated shards only replica 0 is copied, by the process that holds it; leaves
-    that are not ``jax.Array``s, by process 0 into its first host.
+    The framework says which shards this process saves (of replicated ones only
+    replica 0, by the process that holds it); those on no device, process 0 copies
+    into its first host.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    if not flat:
-      raise errors.InvalidArgumentError("tree has no leaves to save")
-    if len(flat) == 1 and not flat[0][0]:
-      raise errors.InvalidArgumentError(
-          f"save a tree of arrays such as {{'w': w}}, not a bare {type(tree).__name__}: "
-          "stock Orbax names each leaf by its path in the tree")
     specs, plan = [], []
-    for i, (path, value) in enumerate(flat):
-      spec = layout.LeafSpec.from_value(key_path(path), value)
-      specs.append(spec)
-      if isinstance(value, jax.Array):
-        for shard in value.addressable_shards:
-          if shard.replica_id != 0:
-            continue  # a replica: saved once, by whoever holds replica 0
-          index = shard_index(shard.index, value.shape)
-          host = self._device_hosts.get(shard.device.id)
-          if host is None:
-            raise errors.InvalidArgumentError(
-                f"leaf {spec.param_name!r} has a shard on device {shard.device.id}, which no "
-                "sidecar host declares (sidecar serve --device-ids)")
-          plan.append((host, i, index, np.asarray(shard.data)))
-      elif self._lead:
-        data = np.asarray(value)
-        plan.append((self._local[0], i, tuple((0, n) for n in data.shape), data))
+    for i, leaf in enumerate(self._framework.save_leaves(tree)):
+      specs.append(leaf.spec)
+      for shard in leaf.shards:
+        if shard.device_id is None:
+          if self._lead:
+            plan.append((self._local[0], i, shard.index, shard.data))
+          continue
+        host = self._device_hosts.get(shard.device_id)
+        if host is None:
+          raise errors.InvalidArgumentError(
+              f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
+              "no sidecar host declares (sidecar serve --device-ids)")
+        plan.append((host, i, shard.index, shard.data))
     return specs, plan
 
   def _check_fits(self, plan) -> None:
@@ -321,7 +312,7 @@ class Saver:
         if mine is not None:
           break
         try:
-          theirs = self._peers.read(f"{key}/replicated", p, timeout=distributed.sync_timeout())
+          theirs = self._peers.read(f"{key}/replicated", p, timeout=sync_timeout())
         except errors.SidecarError as e:
           theirs = _describe(e)
         if theirs:
@@ -332,7 +323,7 @@ class Saver:
   def _begin(self, target: Target, key: str) -> None:
     """Process 0 creates the step's tmp directory; the others wait until it has."""
     if not self._lead:
-      failed = self._peers.read(f"{key}/begun", 0, timeout=distributed.sync_timeout())
+      failed = self._peers.read(f"{key}/begun", 0, timeout=sync_timeout())
       if failed:
         raise errors.InvalidArgumentError(
             f"process 0 could not begin step {target.step}: {failed}")

@@ -1,0 +1,204 @@
+"""The framework adapter: what the controller core asks of JAX, of PyTorch, or of nothing.
+
+The core (``sidecar/_src/controller/``) knows hosts, sessions and workers, calls,
+streams, the rows of a global batch each host produces, and the checkpoint protocol
+over shards described with no framework's types: a key path, a global shape, a dtype
+name, a shard's index as ``((start, stop), ...)`` per dimension, and a host numpy
+buffer. It walks trees with ``controller/trees.py``, agrees between processes through
+``controller/peers.Peers``, and imports no framework. Whatever needs one lives in that
+framework's adapter package, behind the interfaces below::
+
+  sidecar.Controller (jax/controller.py)        sidecar.torch (torch/)
+    .feed(sharding=...) -> jax/feed.Layout        DataLoader -> a BatchLayout of ranks
+    framework=JaxFramework (jax/framework.py)     framework=a torch Framework
+                    \\                               /
+                     controller.Controller (the core): hosts, calls, streams,
+                     open_feed(layout=...) -> Feed, checkpointer() -> Checkpointer
+                                      |
+                     Framework: devices, arrays, shards (this module)
+                     BatchLayout: rows of a global batch -> arrays (controller/feed.py)
+                     Peers: agreement between processes (controller/peers.py)
+
+What an adapter implements:
+
+- :class:`Framework` (this module), an ABC: ``to_device`` (``ctl.stream(device=)``),
+  ``save_leaves`` (a state tree's shards that this process saves: replica 0 only, each
+  with its device and a host buffer), ``restore_target`` (the blocks a restore fills
+  and how to make the framework's arrays of them); and where the one-process, no-device
+  defaults do not fit: ``peers`` (the job's processes), ``process`` and
+  ``local_device_ids`` (this process's identity), ``worker`` (a Worker of its own class).
+- ``controller/feed.BatchLayout``: which rows of each global batch each host produces,
+  and how one leaf's per-host row blocks become the framework's batch array.
+- ``controller/peers.Peers``: ``publish`` and ``read`` over the framework's key-value
+  store (``jax.distributed``'s, ``torch.distributed``'s).
+
+A key path must be what stock Orbax names the leaf: the JAX adapter makes them from
+``jax.tree_util``'s paths (``jax/checkpoint.key_path``), so registered pytrees keep their
+names. :class:`HostArrays` is the adapter of no framework: numpy arrays and scalars,
+one process, no devices; with it a core Controller calls, streams and checkpoints host
+arrays without importing any framework.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.arena.worker import TrainerProcess, Worker
+from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
+from sidecar._src.controller import trees
+from sidecar._src.controller.peers import LocalPeers, Peers
+from sidecar._src.core import errors
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveShard:
+  """One shard of a leaf that this process saves.
+
+  Attributes:
+    index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.
+    data: its elements, a host array of the shard's shape (copied once into the arena).
+    device_id: the global id of the device it lies on (the sidecar of that device's
+      host stages it); None: a host value, which process 0 alone saves, through its
+      first host.
+  """
+  index: Index
+  data: np.ndarray
+  device_id: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveLeaf:
+  """One leaf of a state tree to save: its spec (the same in every process) and the
+  shards this process saves (of replicated shards only replica 0, by whoever holds it)."""
+  spec: LeafSpec
+  shards: tuple[SaveShard, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreLeaf:
+  """One leaf of a restore target: what it must be, and the blocks this process fills.
+
+  Attributes:
+    key_path: the leaf's name in the checkpoint (as stock Orbax names it).
+    shape: its global shape; ``dtype``: its dtype.
+    blocks: ``(index, device id or None)`` of each block to fill: one per addressable
+      device, or the whole leaf on the host (None).
+  """
+  key_path: KeyPath
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  blocks: tuple[tuple[Index, int | None], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreTarget:
+  """What a restore fills: ``leaves`` in order, and ``build``, which makes the restored
+  tree of ``blocks[i][j]`` (leaf ``i``'s ``j``-th block, a host array) in that order."""
+  leaves: tuple[RestoreLeaf, ...]
+  build: Callable[[list[list[np.ndarray]]], Any]
+
+
+def check_tree(paths: Sequence[KeyPath], tree: Any) -> None:
+  """Raises unless ``tree``'s leaves (at ``paths``) can be saved under Orbax's names."""
+  if not paths:
+    raise errors.InvalidArgumentError("tree has no leaves to save")
+  if len(paths) == 1 and not paths[0]:
+    raise errors.InvalidArgumentError(
+        f"save a tree of arrays such as {{'w': w}}, not a bare {type(tree).__name__}: "
+        "stock Orbax names each leaf by its path in the tree")
+
+
+def whole(shape: Sequence[int]) -> Index:
+  """The index of a whole array of ``shape``."""
+  return tuple((0, int(n)) for n in shape)
+
+
+class Framework(abc.ABC):
+  """What the controller core needs of the trainer's framework; one per Controller.
+
+  Subclasses implement the three abstract methods; the others have the answers of one
+  process that owns no device.
+  """
+
+  name: str = "none"
+
+  def peers(self) -> Peers:
+    """This job's trainer processes (a Controller's default ``peers``)."""
+    return LocalPeers()
+
+  def process(self) -> TrainerProcess | None:
+    """Under several trainer processes, this one's index and devices (told to its
+    sidecar at attach); else None. Must not start a framework that is not running."""
+    return None
+
+  def local_device_ids(self) -> list[int]:
+    """The global ids of this process's devices (a job of several processes learns
+    which host owns which device from them)."""
+    return []
+
+  def worker(self, address: str | None, *, timeout: float) -> Worker:
+    """A Worker attached to the sidecar at ``address`` (None: ``$SIDECAR_ADDRESS``)."""
+    return Worker(address, timeout=timeout, process=self.process())
+
+  @abc.abstractmethod
+  def to_device(self, tree: Any, device: Any) -> Any:
+    """Every array leaf of ``tree`` (host arrays, maybe arena views) onto ``device``;
+    what is made of a view must keep it alive (it holds the view's block)."""
+
+  @abc.abstractmethod
+  def save_leaves(self, tree: Any) -> list[SaveLeaf]:
+    """The leaves of state ``tree``, in order, with the shards this process saves.
+
+    Raises:
+      InvalidArgumentError: a leaf that cannot be saved (naming it), or no leaves
+        (:func:`check_tree`).
+    """
+
+  @abc.abstractmethod
+  def restore_target(self, target: Any) -> RestoreTarget:
+    """The leaves of restore ``target`` (the framework's abstract or concrete arrays),
+    the blocks this process fills, and how they become the restored tree."""
+
+
+class HostArrays(Framework):
+  """No framework: numpy arrays and int/float scalars, one process, no devices.
+
+  Saves each leaf whole (by process 0); restores onto a tree of numpy arrays (or of
+  anything with ``shape`` and ``dtype``) as numpy arrays (scalars as numpy scalars).
+  """
+
+  name = "numpy"
+
+  def to_device(self, tree: Any, device: Any) -> Any:
+    raise errors.InvalidArgumentError(
+        f"device={device!r}: this controller has no framework to put arrays on a device; "
+        "use sidecar.Controller (JAX) or leave device=None for numpy arrays")
+
+  def save_leaves(self, tree: Any) -> list[SaveLeaf]:
+    flat, _ = trees.flatten_with_path(tree)
+    check_tree([path for path, _ in flat], tree)
+    out = []
+    for path, value in flat:
+      spec = LeafSpec.from_value(path, value)
+      data = np.asarray(value)
+      out.append(SaveLeaf(spec, (SaveShard(whole(data.shape), data, None),)))
+    return out
+
+  def restore_target(self, target: Any) -> RestoreTarget:
+    flat, treedef = trees.flatten_with_path(target)
+    leaves = []
+    for path, want in flat:
+      shape = tuple(np.shape(want))
+      dtype = np.dtype(want.dtype if hasattr(want, "dtype") else np.asarray(want).dtype)
+      leaves.append(RestoreLeaf(path, shape, dtype, ((whole(shape), None),)))
+
+    def build(blocks: list[list[np.ndarray]]) -> Any:
+      out = [b[0] if leaf.shape else b[0][()] for leaf, b in zip(leaves, blocks)]
+      return trees.unflatten(treedef, out)
+
+    return RestoreTarget(tuple(leaves), build)

@@ -1,0 +1,47 @@
+"""The JAX adapter of the controller core (``controller/framework.Framework``).
+
+Devices are ``jax.Device``s and their global ids; a stream's arrays go onto a device
+with ``jax/transfer``; a state tree's shards and a restore target's blocks come from
+``jax/checkpoint``; the processes of a job agree through ``jax.distributed``
+(``jax/distributed.JaxPeers``). Nothing here starts JAX's backends before a
+Controller needs a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from sidecar._src.arena.worker import TrainerProcess
+from sidecar._src.controller.framework import Framework, RestoreTarget, SaveLeaf
+from sidecar._src.controller.peers import Peers
+from sidecar._src.jax import checkpoint, distributed, transfer
+from sidecar._src.jax.worker import Worker
+
+
+class JaxFramework(Framework):
+  """JAX: ``jax.Array``s, ``jax.Device``s, ``jax.distributed``."""
+
+  name = "jax"
+
+  def peers(self) -> Peers:
+    return distributed.peers()
+
+  def process(self) -> TrainerProcess | None:
+    return distributed.local_process()
+
+  def local_device_ids(self) -> list[int]:
+    return [d.id for d in jax.local_devices()]
+
+  def worker(self, address: str | None, *, timeout: float) -> Worker:
+    return Worker(address, timeout=timeout)
+
+  def to_device(self, tree: Any, device: Any) -> Any:
+    return transfer.to_devices(tree, device)
+
+  def save_leaves(self, tree: Any) -> list[SaveLeaf]:
+    return checkpoint.save_leaves(tree)
+
+  def restore_target(self, target: Any) -> RestoreTarget:
+    return checkpoint.restore_target(target)

@@ -1,0 +1,94 @@
+"""controller.peers: agreement between trainer processes, over any store.
+
+No sockets: DictPeers (the store of the Peers docstring) stands for a framework's
+key-value store, shared by threads that stand for the processes.
+"""
+
+import threading
+import time
+
+import pytest
+
+from sidecar._src.controller import peers as peers_lib
+from sidecar._src.core import errors
+
+pytestmark = pytest.mark.unit
+
+
+class DictPeers(peers_lib.Peers):
+  """The docstring's example: every process in one Python process."""
+
+  def __init__(self, store: dict, index: int, count: int):
+    self._store, self.index, self.count = store, index, count
+
+  def publish(self, key, value):
+    self._store[f"{key}/{self.index}"] = value
+
+  def read(self, key, process, *, timeout):
+    deadline = time.monotonic() + timeout
+    while f"{key}/{process}" not in self._store:
+      if time.monotonic() > deadline:
+        raise errors.DeadlineExceededError(f"process {process} gave no {key!r}")
+      time.sleep(0.01)
+    return self._store[f"{key}/{process}"]
+
+
+def run(count, body):
+  store, outcomes = {}, [None] * count
+
+  def one(p):
+    try:
+      outcomes[p] = body(DictPeers(store, p, count))
+    except Exception as e:  # the test looks at it
+      outcomes[p] = e
+  threads = [threading.Thread(target=one, args=(p,)) for p in range(count)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  return outcomes
+
+
+def test_any_store_with_publish_and_read_gathers_broadcasts_and_agrees():
+  def body(peers):
+    gathered = peers.all_gather("g", f"v{peers.index}")
+    told = peers.broadcast("b", "from-0" if peers.index == 0 else None)
+    peers.agree("a", {"step": 3}, what="the step")
+    return gathered, told
+  assert run(3, body) == [(["v0", "v1", "v2"], "from-0")] * 3
+  outcomes = run(2, lambda peers: peers.agree("a", {"step": peers.index}, what="the step"))
+  assert all(isinstance(e, errors.InvalidArgumentError) and "process 1: step=1" in str(e)
+             for e in outcomes)
+
+
+def test_the_interface_needs_both_methods():
+  with pytest.raises(TypeError, match="abstract"):
+    type("OnlyPublish", (peers_lib.Peers,), {"publish": lambda self, k, v: None})()
+
+
+def test_sync_timeout_from_env():
+  assert peers_lib.sync_timeout({}) == peers_lib.DEFAULT_SYNC_TIMEOUT_S
+  assert peers_lib.sync_timeout({"SIDECAR_SYNC_TIMEOUT": "2.5"}) == 2.5
+  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_SYNC_TIMEOUT"):
+    peers_lib.sync_timeout({"SIDECAR_SYNC_TIMEOUT": "0"})
+
+
+def test_local_peers_agree_with_themselves():
+  peers = peers_lib.LocalPeers()
+  assert peers.all_gather("k", "v") == ["v"]
+  assert peers.broadcast("b", "x") == "x"
+  peers.agree("a", 1, what="anything")
+
+
+def test_processes_may_share_a_host_but_not_a_device():
+  shared = [{"host_id": 0, "device_ids": [0]}, {"host_id": 0, "device_ids": [2048]},
+            {"host_id": 1, "device_ids": [4096]}]
+  assert peers_lib.hosts_by_process(shared) == {0: 0, 2048: 0, 4096: 1}
+  assert peers_lib.processes_by_host(shared) == {0: [0, 1], 1: [2]}
+  with pytest.raises(errors.InvalidArgumentError, match="processes 0 and 1 both say they own "
+                                                        "device 7"):
+    peers_lib.hosts_by_process([{"host_id": 0, "device_ids": [7]},
+                                {"host_id": 1, "device_ids": [7]}])
+  assert peers_lib.hosts_by_process([{"host_id": 1, "device_ids": [0, 1]},
+                                     {"host_id": 0, "device_ids": [2048]}]) == {
+                                         0: 1, 1: 1, 2048: 0}
