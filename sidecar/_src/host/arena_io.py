@@ -85,7 +85,7 @@ class ArenaIO:
       try:
         return self.leases.alloc(nbytes, holder, timeout=max(0.0, min(left, 1.0)))
       except errors.ResourceExhaustedError as e:
-        if not self.leases.allocator.fits(nbytes) or not alive():
+        if not self.leases.fits(nbytes, holder) or not alive():
           raise
         if left <= 1.0:
           raise self._no_room(nbytes, holder, time.monotonic() - start, e) from None
@@ -100,7 +100,7 @@ class ArenaIO:
     others = sum(by_session.values()) - mine
     fmt = shm.format_size
     return errors.ResourceExhaustedError(
-        f"no room in the arena for {fmt(nbytes)} after waiting {waited:.3g} s: "
+        f"the arena is full: no room for {fmt(nbytes)} after waiting {waited:.3g} s: "
         f"{fmt(a.size - a.used_bytes)} free of {fmt(a.size)}; this caller holds {fmt(mine)}, "
         f"other worker sessions {fmt(others)}, the sidecar itself {fmt(pinned)} (RAM tier, "
         "batches in flight); free arrays sooner, lower prefetch, give each session a "

@@ -49,17 +49,15 @@ class Leases:
     Raises:
       ResourceExhaustedError: no room in time; the message gives the sizes.
     """
+    if not self.fits(nbytes, holder):
+      self._never_fits(nbytes)
     deadline = None if timeout is None else time.monotonic() + timeout
     if self.quota is not None and isinstance(holder, str):
       with self._lock:
         while self._bytes.get(holder, 0) + nbytes > self.quota:
           left = None if deadline is None else deadline - time.monotonic()
           if left is not None and left <= 0:
-            raise errors.ResourceExhaustedError(
-                f"worker session {holder} holds {shm.format_size(self._bytes.get(holder, 0))}"
-                f" of the arena; {shm.format_size(nbytes)} more would pass its quota of "
-                f"{shm.format_size(self.quota)} (of {shm.format_size(self.allocator.size)}: "
-                f"sidecar serve {QUOTA_FLAG}); free arrays sooner, or raise the quota")
+            raise self._past_quota(nbytes, holder)
           self._freed.wait(left)
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     block = self.allocator.alloc(nbytes, timeout=left)
@@ -68,6 +66,31 @@ class Leases:
       self._by_holder.setdefault(holder, set()).add(block.offset)
       self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
     return block
+
+  def fits(self, nbytes: int, holder: Hashable) -> bool:
+    """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
+    within its quota if it is a worker session."""
+    return self.allocator.fits(nbytes) and (
+        self.quota is None or not isinstance(holder, str) or nbytes <= self.quota)
+
+  def _never_fits(self, nbytes: int) -> None:
+    self.allocator.alloc(nbytes, timeout=0)  # raises at once if it cannot fit the arena
+    fmt = shm.format_size
+    raise errors.ResourceExhaustedError(
+        f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit a worker session's quota of "
+        f"{fmt(self.quota or 0)} (of an arena of {fmt(self.allocator.size)}: sidecar serve "
+        f"{QUOTA_FLAG}); raise the quota or --shm-size")
+
+  def _past_quota(self, nbytes: int, holder: str) -> errors.ResourceExhaustedError:
+    fmt, a = shm.format_size, self.allocator
+    free = a.size - a.used_bytes
+    full = (f"; the arena is full too ({fmt(free)} free of {fmt(a.size)})"
+            if free < nbytes else "")
+    return errors.ResourceExhaustedError(
+        f"worker session {holder} holds {fmt(self._bytes.get(holder, 0))} of the arena; "
+        f"{fmt(nbytes)} more would pass its quota of {fmt(self.quota or 0)} (of "
+        f"{fmt(a.size)}: sidecar serve {QUOTA_FLAG}){full}; free arrays sooner, or raise "
+        "the quota" + (" or --shm-size" if full else ""))
 
   def bytes_of(self, holder: Hashable) -> int:
     """The bytes of the blocks ``holder`` holds."""

@@ -206,7 +206,14 @@ class WorkerListener:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
                                lambda freed: self._free(session, freed))
-      alive = lambda: self.has_session(session)
+      producer = threading.get_ident()
+
+      def alive() -> bool:
+        # A producer that waits for arena room reads no credit frames, so it reads them
+        # here: the consumer's frees may be what makes room, and its close ends the wait.
+        if threading.get_ident() == producer:
+          credits.drain()
+        return self.has_session(session) and not credits.closed
       # Blocks of the last items sent, those not yet reported taken (items are taken in
       # order); once taken, the worker holds (and frees) them. Those never taken come
       # back here when the consumer closes the stream.

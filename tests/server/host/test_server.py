@@ -309,7 +309,8 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
   with controller(server) as ctl:
     s = ctl.stream("count", args=(100,), kwargs={"nbytes": 1 << 20}, prefetch=8)
     first, second = next(s), next(s)  # taken, not yet credited (credits go 4 at a time)
-    assert eventually(lambda: used() >= 8 << 20)  # the sidecar ran ahead
+    # the sidecar ran ahead, as far as the session's quota (0.9 of 8 MiB) lets it
+    assert eventually(lambda: used() >= 7 << 20)
     s.close()
     assert eventually(lambda: used() == 2 << 20)  # the two taken stay held
     assert (first["data"] == 0).all() and (second["data"] == 1).all()
