@@ -196,36 +196,48 @@ class CheckpointHost:
           f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
           "acts only in the directories it opened (Controller.checkpointer(directory))")
 
-  def begin(self, directory: str, step: int, owner: str = "") -> str:
-    """Creates the step's uncommitted directory; returns it."""
-    return self._saver.begin(directory, step, owner)
+  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
+    """Creates the step's uncommitted directory (``format="dcp"``: DCP's); returns it."""
+    return self._saver.begin(directory, step, format, owner)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, writers: int = 1, owner: str = "") -> int:
+            shards: list[dict], last: bool = True, writers: int = 1,
+            dcp_part: dict | None = None, owner: str = "") -> int:
     """Takes shards of this host and starts writing them; returns the bytes staged so far.
 
     ``owner``: the session whose save it is (the first part's); see ``Saver.stage``.
     """
     return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
-                             writers=writers, owner=owner)
-
+                             writers=writers, dcp_part=dcp_part, owner=owner)
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     """Waits for this host's write of the step; returns its shards' checksums."""
     return self._saver.prepared(final_item, timeout)
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None, owner: str = "") -> str:
+             replicas: dict | None = None, dcp_commit: dict | None = None,
+             owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the rename.
 
     Only ``owner``, the session that staged ``item`` here, commits it.
     """
     return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
-                              whole_step, replicas, owner)
+                              whole_step, replicas, dcp_commit=dcp_commit, owner=owner)
 
-  def committed(self, final_item: str) -> list[int]:
-    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
+  def committed(self, final_item: str, manifest: dict | None = None) -> list[int]:
+    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
+
+    ``manifest``: a DCP step's, kept with its RAM-tier copy (and replicas held here), so
+    that :meth:`info` needs no file of the step.
+    """
     self._path(final_item, "final_item")
+    if manifest is not None:
+      with self._tier.lock:
+        held = [self._tier.steps.get(final_item),
+                *(r for r in self._tier.replicas.values() if r.item == final_item)]
+        for record in held:
+          if record is not None:
+            record.manifest = manifest
     return self._tier.mark_committed(final_item)
 
   def abort(self, item: str, final_item: str) -> None:
@@ -293,6 +305,12 @@ class CheckpointHost:
     with no checksum to check.
     """
     self._path(final_item, "final_item")
+    with self._tier.lock:
+      held = [self._tier.steps.get(final_item),
+              *(r for r in self._tier.replicas.values() if r.item == final_item)]
+    for record in held:
+      if record is not None and record.manifest is not None:
+        return record.manifest  # a DCP step in host memory: its files may be gone
     return checkpoint_read.info(final_item)
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,

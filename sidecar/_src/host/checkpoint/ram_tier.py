@@ -58,6 +58,9 @@ class Step:
   # this host): only they stage more parts of it, and commit it.
   owners: set = dataclasses.field(default_factory=set)
   writers: int = 1
+  format: str = ""  # "" (stock Orbax's layout) or "dcp" (DCP's: dcp_steps.py)
+  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
+  dcp_items: dict[int, list] = dataclasses.field(default_factory=dict)  # rank -> dcp.Items
 
 
 @dataclasses.dataclass
@@ -90,6 +93,7 @@ class Replica:
   # A whole replica held of the same step and source, which this one (sent again)
   # replaces once whole.
   replaces: Replica | None = None
+  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
 
 
 class RamTier:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import (
   commit as ol_commit,
+  dcp,
   read as ol_read,
   shards as ol_shards,
   spec as layout,
@@ -30,7 +31,7 @@ from sidecar._src.ckptfmt import (
 )
 from sidecar._src.core import errors
 from sidecar._src.host import metrics as metrics_lib
-from sidecar._src.host.checkpoint import faults, ram_tier, roots as roots_lib
+from sidecar._src.host.checkpoint import dcp_steps, faults, ram_tier, roots as roots_lib
 from sidecar._src.host.checkpoint.roots import MANIFEST
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class Saver:
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
-    for tmp in path.glob(f"*{layout.TMP_SUFFIX}") if sweep else ():
+    tmps = [*path.glob(f"*{layout.TMP_SUFFIX}"), *path.glob(f"*{dcp.TMP_SUFFIX}")]
+    for tmp in tmps if sweep else ():
       with self._tier.lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
                         for s in self._tier.steps.values())
@@ -88,38 +90,52 @@ class Saver:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
     return {"steps": ol_read.list_steps(directory)}
 
-  def begin(self, directory: str, step: int, owner: str = "") -> str:
-    """Creates the step's uncommitted directory (anew); refused while another session's
-    save of the step is being staged or written (it would remove that save's files)."""
+  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
+    """Creates the step's uncommitted directory (anew): ``<directory>/<step>.orbax-checkpoint-tmp``,
+    or with ``format="dcp"`` ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at
+    ``directory`` is replaced at the commit, as DCP overwrites). Refused while another
+    session's save of the step is being staged or written (it would remove that save's files)."""
     resolved = self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
+    if format not in ("", dcp_steps.FORMAT):
+      raise errors.InvalidArgumentError(f"format must be '' or 'dcp', got {format!r}")
+    dcp_tmp = str(dcp.tmp_path(resolved)) if format else ""
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
-              if s.step == step and not s.done.is_set() and owner not in s.owners
-              and self._path(s.directory, "directory") == resolved]
+              if not s.done.is_set() and owner not in s.owners
+              and (s.tmp_item == dcp_tmp if format else
+                   s.step == step and self._path(s.directory, "directory") == resolved)]
     if busy:
       raise errors.PermissionDeniedError(
           f"begin: step {step} of {directory!r:.200} is being saved by another session on "
           f"host {self._host_id}; wait for that save to end, or save another step")
+    if format:  # ``directory`` is the checkpoint's own (DCP's path)
+      return str(dcp.create_tmp(directory))
     return str(ol_commit.create_tmp_step(directory, step))
 
   def _uncommitted(self, item: str, name: str) -> tuple[str, str]:
     """``item`` (resolved) and where it will be once committed, if ``item`` lies in an
-    uncommitted step directory (``*.orbax-checkpoint-tmp``) whose step is not committed.
+    uncommitted step directory (``*.orbax-checkpoint-tmp``) whose step is not committed,
+    or is an uncommitted DCP checkpoint (``*.dcp-checkpoint-tmp``; its commit replaces
+    a committed one at its path, as DCP overwrites).
 
     What keeps a save from writing into, or a commit from rewriting, a committed step.
     """
     path = pathlib.Path(self._path(item, name))
     root = pathlib.Path(self._roots.root_of(str(path)) or "/")
-    tmp = next((p for p in path.parents if layout.TMP_SUFFIX in p.name), None)
+    dcp_tmp = path.name.endswith(dcp.TMP_SUFFIX)
+    tmp = path if dcp_tmp else next((p for p in path.parents if layout.TMP_SUFFIX in p.name),
+                                    None)
     # Not in a committed step or item either (Orbax's markers, our manifest, above it).
     inside = next((p for p in (tmp.parents if tmp is not None else ())
                    if p.is_relative_to(root) and roots_lib.has_markers(p)), None)
     if tmp is None or inside is not None:
       raise errors.PermissionDeniedError(
           f"{name} {item!r:.200} is not inside an uncommitted step directory "
-          f"(*{layout.TMP_SUFFIX}) outside any committed one; a save writes only into the "
-          "step it began, never into a committed one")
+          f"(*{layout.TMP_SUFFIX}, or *{dcp.TMP_SUFFIX}) outside any committed one; a save "
+          "writes only into the step it began, never into a committed one")
+    if dcp_tmp:
+      return str(path), str(path.with_name(path.name.removesuffix(dcp.TMP_SUFFIX)))
     step_dir = tmp.with_name(tmp.name.split(layout.TMP_SUFFIX)[0])
     if step_dir.exists():
       raise errors.PermissionDeniedError(
@@ -128,7 +144,8 @@ class Saver:
     return str(path), str(step_dir / path.relative_to(tmp))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, writers: int = 1, owner: str = "") -> int:
+            shards: list[dict], last: bool = True, writers: int = 1,
+            dcp_part: dict | None = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -141,6 +158,8 @@ class Saver:
     ``item`` must lie in an uncommitted step directory, and ``final_item`` be where it
     goes; the save belongs to the sessions that staged its parts (``owner``), at most
     ``writers`` of them: a part of another session is refused while it is being written.
+    ``dcp_part`` (``{"rank", "items"}``): a step in DCP's layout, this rank's part of it
+    (its shards' ``leaf`` numbers its items); ``item`` is then the tmp step directory.
     """
     step = roots_lib.as_int(step, "step")
     for value, name in ((directory, "directory"), (final_item, "final_item")):
@@ -161,14 +180,22 @@ class Saver:
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
       if record is None or record.done.is_set():
-        specs = [layout.spec_from_dict(d) for d in leaves]
+        specs = [] if dcp_part is not None else [layout.spec_from_dict(d) for d in leaves]
         record = ram_tier.Step(directory, step, final_item, {}, 0, specs, tmp_item=tmp_item,
-                               writers=max(writers, 1))
+                               writers=max(writers, 1),
+                               format=dcp_steps.FORMAT if dcp_part is not None else "")
         self._tier.steps[final_item] = record
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
+      if (dcp_part is not None) != (record.format == dcp_steps.FORMAT):
+        raise errors.InvalidArgumentError(
+            f"step {step} on host {self._host_id} is staged in "
+            f"{record.format or 'Orbax'}'s layout; a part in the other came")
       record.owners.add(owner)
+      if dcp_part is not None:
+        self._stage_dcp(record, dcp_part, shards)
+        shards = []
       for s in shards:
         leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
         if not 0 <= leaf < len(record.specs):
@@ -185,6 +212,21 @@ class Saver:
           record.incoming.put(None)
           record.whole.set()
       return record.nbytes
+
+  def _stage_dcp(self, record: ram_tier.Step, part: dict, shards: list[dict]) -> None:
+    """Takes one rank's part of a DCP step; the lock is held."""
+    rank = roots_lib.as_int(part["rank"], "dcp.rank")
+    items = record.dcp_items.setdefault(rank, dcp_steps.items_from_dicts(part["items"]))
+    for s in shards:
+      number = int(s["leaf"])
+      if not 0 <= number < len(items):
+        raise errors.InvalidArgumentError(
+            f"shard of item {number}: rank {rank} of step {record.step} has {len(items)} items")
+      key = ((items[number].fqn,), items[number].index)
+      record.shards[key] = s["data"]
+      record.nbytes += s["data"].nbytes
+      self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
+      record.incoming.put(((rank, number), s["data"]))
 
   def _write(self, record: ram_tier.Step, item: str) -> None:
     # The bytes are written and checksummed on idle-class threads (orbax_write): a
@@ -220,10 +262,15 @@ class Saver:
             raise shard
           yield shard
 
-      sums = ol_write.write_item_part(item, self._host_id, record.specs, incoming(), progress=progress)
-      record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
-                           "nbytes": c.nbytes, "crc32c": c.crc32c, "host": self._host_id}
-                          for c in sums]
+      if record.format == dcp_steps.FORMAT:
+        record.checksums = dcp_steps.write_ranks(item, record.dcp_items, incoming(),
+                                                 host_id=self._host_id, progress=progress)
+      else:
+        sums = ol_write.write_item_part(item, self._host_id, record.specs, incoming(),
+                                        progress=progress)
+        record.checksums = [{"key_path": list(c.key_path),
+                             "index": [list(i) for i in c.index], "nbytes": c.nbytes,
+                             "crc32c": c.crc32c, "host": self._host_id} for c in sums]
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
@@ -258,7 +305,8 @@ class Saver:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None, owner: str = "") -> str:
+             replicas: dict | None = None, dcp_commit: dict | None = None,
+             owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
@@ -266,6 +314,8 @@ class Saver:
     so that a restore that finds shards lost can say which hosts are gone. Only the
     session that staged ``item`` here (``owner``) commits it, once it is written, and
     only into an uncommitted step.
+    ``dcp_commit`` (``{"metadata", "file_sizes", "plan_json"}``): a step in DCP's layout,
+    whose tmp directory ``item`` is.
     """
     step = roots_lib.as_int(step, "step")
     tmp_item, _ = self._uncommitted(item, "item")
@@ -280,6 +330,15 @@ class Saver:
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {item!r:.200} is not written on host {self._host_id} "
           f"({'still writing' if record.error is None else record.error}); wait for prepared")
+    if dcp_commit is not None:
+      if not item.endswith(dcp.TMP_SUFFIX):
+        raise errors.InvalidArgumentError(
+            f"item {item!r:.200} is not an uncommitted DCP step directory (*{dcp.TMP_SUFFIX})")
+      faults.fault("commit", step)
+      return dcp_steps.commit(item, step=step, metadata=dcp_commit["metadata"],
+                              file_sizes=dcp_commit["file_sizes"],
+                              plan_json=dcp_commit["plan_json"], checksums=checksums,
+                              data_state=data_state, replicas=replicas)
     if whole_step:  # the rename acts on the item's parent, the tmp step directory
       parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
       if not parent.endswith(layout.TMP_SUFFIX):
@@ -315,7 +374,7 @@ class Saver:
     self._path(final_item, "final_item")
     root = self._roots.root_of(path)
     assert root is not None
-    if not any(part.endswith(layout.TMP_SUFFIX)
+    if not any(part.endswith((layout.TMP_SUFFIX, dcp.TMP_SUFFIX))
                for part in pathlib.Path(path).relative_to(root).parts):
       raise errors.InvalidArgumentError(
           f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "
