@@ -13,6 +13,7 @@ The tree::
     │   └── ShardsLostError                       shards with no live copy and no valid stored one
     ├── CheckpointWriteError(OSError)             a checkpoint's bytes could not be written (ENOSPC, EIO)
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
+    ├── SessionLostError                          a handshake session expired or evicted (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
     ├── PermissionDeniedError(PermissionError)    a path outside the checkpoint roots (PERMISSION_DENIED)
     ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
@@ -98,6 +99,11 @@ def _checkpoint_write_error(message: str, errno: int | None, path: str | None,
 
 class VersionMismatchError(SidecarError):
   """Controller, worker and sidecar disagree on versions or registries."""
+
+
+class SessionLostError(SidecarError):
+  """The sidecar no longer knows the caller's handshake session (unused too long, or
+  evicted): handshake again. A Controller does so once, by itself."""
 
 
 class AuthenticationError(SidecarError, PermissionError):

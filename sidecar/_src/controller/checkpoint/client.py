@@ -83,7 +83,7 @@ class _Call:
     self._conn, self._host, self._method, self._request = conn, host, method, request
     self._decode, self._held, self._deadline = decode, held, deadline
     self._retries = retries
-    self._tries = 0
+    self._tries, self._renewed = 0, False
     self.out: concurrent.futures.Future = concurrent.futures.Future()
 
   def send(self) -> None:
@@ -107,13 +107,26 @@ class _Call:
         # The sidecar's checkpoint threads are taken by other controllers (and peers):
         # ask again shortly, within the deadline, rather than call a live copy lost.
         self._tries += 1
-        self._retries.later(wait, self)
+        self._retries.later(wait, self, self.send)
+        return
+      if isinstance(error, errors.SessionLostError) and not self._renewed:
+        self._renewed = True  # the sidecar lost our session: once more, anew
+        self._retries.later(0, self, self._again)
         return
       self.out.set_exception(error)
     except Exception as e:
       self.out.set_exception(e)
     if self._held is not None:
       self._held.clear()
+
+  def _again(self) -> None:
+    """Sends the call again on a renewed session (off the rpc's callback thread)."""
+    try:
+      self._conn.renew()
+    except Exception as e:
+      self.fail(e)
+      return
+    self.send()
 
   def fail(self, e: BaseException) -> None:
     """Ends the call with ``e`` (unless it ended)."""
@@ -135,17 +148,18 @@ class _Retries:
 
   def __init__(self) -> None:
     self._lock = threading.Lock()
-    self._waiting: dict[int, tuple[threading.Timer, _Call]] = {}
+    self._waiting: dict[int, tuple[threading.Timer, _Call, Callable[[], None]]] = {}
     self._next = 0
     self._closed = False
 
-  def later(self, wait: float, call: _Call) -> None:
+  def later(self, wait: float, call: _Call, again: Callable[[], None]) -> None:
+    """Runs ``again`` (``call``'s) in ``wait`` seconds, on a timer thread of its own."""
     with self._lock:
       if not self._closed:
         self._next += 1
         timer = threading.Timer(wait, self._fire, args=(self._next,))
         timer.name, timer.daemon = "sidecar-ckpt-retry", True
-        self._waiting[self._next] = (timer, call)
+        self._waiting[self._next] = (timer, call, again)
         timer.start()
         return
     call.fail(errors.ClosedError("the checkpointer closed while a busy sidecar was asked again"))
@@ -154,13 +168,13 @@ class _Retries:
     with self._lock:
       entry = self._waiting.pop(number, None)
     if entry is not None:  # else closed meanwhile: close() fails the call
-      entry[1].send()
+      entry[2]()
 
   def close(self) -> None:
     with self._lock:
       self._closed = True
       waiting, self._waiting = list(self._waiting.values()), {}
-    for timer, call in waiting:
+    for timer, call, _ in waiting:
       timer.cancel()
       if timer is not threading.current_thread():
         timer.join(5)
