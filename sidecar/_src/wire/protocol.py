@@ -32,7 +32,8 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 3  # 2: the Checkpoint service; 3: an error is one pb.Error trailer
+PROTOCOL_VERSION = 4  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+# 4: a feed batch is a FeedBatch (its structure apart from its arrays), namedtuples travel
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
