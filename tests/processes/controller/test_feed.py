@@ -132,7 +132,8 @@ def test_pipeline_exception_reaches_next_with_the_remote_traceback(cluster4):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(global_batch_size=6), r"global_batch_size 6 cannot be laid out"),
+    (dict(global_batch_size=6), r"global_batch_size 6 cannot be laid out by .*: it splits the "
+                                r"batch into 4 shards; use a multiple of 4 \(4 or 8\)"),
     (dict(global_batch_size=0), r"global_batch_size must be a positive int, got 0"),
     (dict(options={"prefetch": 4}), r"options must be a sidecar.FeedOptions, got dict"),
     (dict(sharding=data_sharding(8)), r"device 4 of the sharding belongs to no sidecar"),

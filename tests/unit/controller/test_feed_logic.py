@@ -189,3 +189,16 @@ def test_processes_sharing_a_host_each_get_a_part_of_their_own():
   # Without owners (one process drives every device) the host is one part.
   (whole,) = jax_feed.plan(sharding, BATCH, {d.id: 0 for d in devices})
   assert whole.process == -1 and whole.ranges == ((0, 2), (2, 4), (4, 6), (6, 8))
+
+
+@pytest.mark.parametrize("size,axes,match", [
+    (6, ("data",), r"splits the batch into 4 shards; use a multiple of 4 \(4 or 8\)"),
+    (3, ("data",), r"use a multiple of 4 \(4\)$"),
+    (6, ("data", "model"), r"splits the batch into 8 shards; use a multiple of 8 \(8\)"),
+], ids=["four", "below-one-shard", "two-axes"])
+def test_a_batch_the_devices_do_not_divide_says_which_multiple_to_use(size, axes, match):
+  devices = np.array(jax.devices()[:8]).reshape(4, 2) if len(axes) == 2 else np.array(
+      jax.devices()[:4])
+  sharding = NamedSharding(Mesh(devices, ("data", "model")[:devices.ndim]), P(axes))
+  with pytest.raises(sidecar.InvalidArgumentError, match=match):
+    jax_feed.plan(sharding, size, {d.id: 0 for d in devices.flat})
