@@ -256,7 +256,8 @@ class Checkpointer:
         try:
           interrupts.wait_done(handle.durable, timeout=1.0)
         except concurrent.futures.TimeoutError:
-          report(self._progress_line(handle.step))
+          if line := self._progress_line(handle.step):
+            report(line)
     interrupts.wait_done(handle.durable)
     self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
@@ -268,7 +269,8 @@ class Checkpointer:
         finisher.join(interrupts.POLL_S)
         interrupts.check()
 
-  def _progress_line(self, step: int) -> str:
+  def _progress_line(self, step: int) -> str | None:
+    """How much of ``step`` is durable; None until a sidecar has begun writing it."""
     done = total = 0
     seconds = 0.0
     for s in self._client.status():
@@ -276,6 +278,8 @@ class Checkpointer:
         if c.directory == self.directory and step in c.writing:
           done, total = done + c.written_bytes, total + c.total_bytes
           seconds = max(seconds, c.writing_s)
+    if not total:
+      return None
     rate = done / seconds / 1e9 if seconds else 0.0
     return (f"saving step {step}: {shm.format_size(done)} of {shm.format_size(total)} "
             f"durable ({rate:.2f} GB/s)")

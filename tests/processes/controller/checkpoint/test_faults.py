@@ -95,7 +95,8 @@ def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_
   """The trainer is SIGKILLed once step 2 is staged, while its write is slowed (the
   "slow" fault): the sidecars finish writing it, nobody commits it; it is listed as
   uncommitted, then freed after SIDECAR_UNCOMMITTED_TIMEOUT."""
-  env = {"SIDECAR_UNCOMMITTED_TIMEOUT": "2", "SIDECAR_CKPT_FAULT": "slow@2"}
+  # 6 s: long enough that, at a load of 8, the controller below still sees step 2 held.
+  env = {"SIDECAR_UNCOMMITTED_TIMEOUT": "6", "SIDECAR_CKPT_FAULT": "slow@2"}
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="16MiB",
                                     host_env={0: env, 1: env}) as c:
     script = textwrap.dedent(f"""
@@ -117,8 +118,8 @@ def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_
       def held():
         return {s.identity.host_id: (list(s.checkpoints[0].uncommitted), s.arena_used)
                 for s in ctl.status() if s.checkpoints}
-      assert eventually(lambda: [u for u, _ in held().values()] == [[2], [2]], timeout=10)
+      assert eventually(lambda: [u for u, _ in held().values()] == [[2], [2]], timeout=30)
       used = {h: n for h, (_, n) in held().items()}
-      assert eventually(lambda: [u for u, _ in held().values()] == [[], []], timeout=10)
+      assert eventually(lambda: [u for u, _ in held().values()] == [[], []], timeout=30)
       assert all(n < used[h] for h, (_, n) in held().items())  # step 2's blocks came back
       assert "never committed" in c.log(0)
