@@ -16,7 +16,7 @@ import signal
 import subprocess
 import tempfile
 
-from tests.processes.tools.test_notebook import Kernel, kernel_env, start_local
+from tests.support.kernels import Kernel, kernel_env, start_local
 
 SETUP = """
 import json, time

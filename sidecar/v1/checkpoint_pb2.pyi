@@ -85,6 +85,47 @@ class HostIds(_message.Message):
     hosts: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, hosts: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DcpItem(_message.Message):
+    __slots__ = ("fqn", "kind", "nbytes", "dtype", "sizes", "offsets")
+    FQN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    fqn: str
+    kind: str
+    nbytes: int
+    dtype: str
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fqn: _Optional[str] = ..., kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DcpPart(_message.Message):
+    __slots__ = ("rank", "items")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    items: _containers.RepeatedCompositeFieldContainer[DcpItem]
+    def __init__(self, rank: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DcpItem, _Mapping]]] = ...) -> None: ...
+
+class DcpCommit(_message.Message):
+    __slots__ = ("metadata", "file_sizes", "plan_json")
+    class FileSizesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    metadata: bytes
+    file_sizes: _containers.ScalarMap[int, int]
+    plan_json: str
+    def __init__(self, metadata: _Optional[bytes] = ..., file_sizes: _Optional[_Mapping[int, int]] = ..., plan_json: _Optional[str] = ...) -> None: ...
+
 class CheckpointOpenRequest(_message.Message):
     __slots__ = ("directory", "ram_steps", "ram_budget", "sweep")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
@@ -104,12 +145,14 @@ class CheckpointOpenResponse(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointBeginRequest(_message.Message):
-    __slots__ = ("directory", "step")
+    __slots__ = ("directory", "step", "format")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    format: str
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., format: _Optional[str] = ...) -> None: ...
 
 class CheckpointBeginResponse(_message.Message):
     __slots__ = ("tmp_directory",)
@@ -128,7 +171,7 @@ class StagedShard(_message.Message):
     def __init__(self, leaf: _Optional[int] = ..., index: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., data: _Optional[_Union[ShardData, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageRequest(_message.Message):
-    __slots__ = ("directory", "step", "item", "final_item", "leaves", "shards", "last", "worker_session", "writers")
+    __slots__ = ("directory", "step", "item", "final_item", "leaves", "shards", "last", "worker_session", "writers", "dcp")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +181,7 @@ class CheckpointStageRequest(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
+    DCP_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
     item: str
@@ -147,7 +191,8 @@ class CheckpointStageRequest(_message.Message):
     last: bool
     worker_session: str
     writers: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., final_item: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ...) -> None: ...
+    dcp: DcpPart
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., final_item: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageResponse(_message.Message):
     __slots__ = ("staged_bytes",)
@@ -170,7 +215,7 @@ class CheckpointPreparedResponse(_message.Message):
     def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
 
 class CheckpointCommitRequest(_message.Message):
-    __slots__ = ("item", "step", "num_hosts", "leaves", "checksums", "data_state_json", "whole_step", "replicas")
+    __slots__ = ("item", "step", "num_hosts", "leaves", "checksums", "data_state_json", "whole_step", "replicas", "dcp")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +231,7 @@ class CheckpointCommitRequest(_message.Message):
     DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     WHOLE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DCP_FIELD_NUMBER: _ClassVar[int]
     item: str
     step: int
     num_hosts: int
@@ -194,7 +240,8 @@ class CheckpointCommitRequest(_message.Message):
     data_state_json: str
     whole_step: bool
     replicas: _containers.MessageMap[int, HostIds]
-    def __init__(self, item: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ...) -> None: ...
+    dcp: DcpCommit
+    def __init__(self, item: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ...) -> None: ...
 
 class CheckpointCommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -203,10 +250,12 @@ class CheckpointCommitResponse(_message.Message):
     def __init__(self, committed: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommittedRequest(_message.Message):
-    __slots__ = ("final_item",)
+    __slots__ = ("final_item", "manifest_json")
     FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     final_item: str
-    def __init__(self, final_item: _Optional[str] = ...) -> None: ...
+    manifest_json: str
+    def __init__(self, final_item: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommittedResponse(_message.Message):
     __slots__ = ("kept_steps",)
@@ -413,7 +462,7 @@ class CheckpointInfoRequest(_message.Message):
     def __init__(self, final_item: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfoResponse(_message.Message):
-    __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas")
+    __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas", "dcp_plan_json")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -426,12 +475,14 @@ class CheckpointInfoResponse(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DCP_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     format: str
     leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
     shards: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
     data_state_json: str
     replicas: _containers.MessageMap[int, HostIds]
-    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ...) -> None: ...
+    dcp_plan_json: str
+    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp_plan_json: _Optional[str] = ...) -> None: ...
 
 class ByteRange(_message.Message):
     __slots__ = ("offset", "nbytes")

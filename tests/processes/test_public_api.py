@@ -1,4 +1,5 @@
-"""Importing the package, its decorators or the CLI loads no jax, grpc or grain."""
+"""Importing the package, its decorators or the CLI loads no jax, grpc or grain; importing
+sidecar.torch loads no jax."""
 
 import pytest
 
@@ -16,3 +17,13 @@ def test_importing_the_package_its_decorators_or_the_cli_loads_no_jax_grpc_or_gr
   out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                        text=True, timeout=120).stdout
   assert out.splitlines() == ["[]", "[]"], out
+
+
+def test_importing_sidecar_torch_loads_no_jax():
+  import subprocess
+  import sys
+  script = ("import sys, sidecar.torch; "
+            "print(sorted(m for m in ('jax', 'jaxlib', 'orbax', 'tensorstore') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                       text=True, timeout=120).stdout
+  assert out.splitlines() == ["[]"], out

@@ -130,12 +130,15 @@ LAYERS = {
     "host": {"core", "ckptfmt", "wire", "arena", "streams", "user"},
     "controller": {"core", "ckptfmt", "wire", "arena", "streams", "user"},
     "jax": {"core", "ckptfmt", "wire", "arena", "streams", "user", "controller"},
-    "tools": {"core", "ckptfmt", "wire", "arena", "streams", "user", "host", "controller", "jax"},
+    "torch": {"core", "ckptfmt", "wire", "arena", "streams", "user", "controller"},
+    "tools": {"core", "ckptfmt", "wire", "arena", "streams", "user", "host", "controller", "jax",
+              "torch"},
 }
 # Frameworks a trainer may not have (a PyTorch trainer has no JAX): only the jax/ adapter and
 # the tools import them, and ckptfmt (the stock-Orbax format) Orbax's and TensorStore's own.
 FRAMEWORKS = ("jax", "jaxlib", "orbax", "tensorstore", "grain", "torch")
-MAY_IMPORT_FRAMEWORKS = {"jax": FRAMEWORKS, "tools": FRAMEWORKS,
+# The torch/ adapter imports torch only: a PyTorch trainer loads no JAX.
+MAY_IMPORT_FRAMEWORKS = {"jax": FRAMEWORKS, "tools": FRAMEWORKS, "torch": ("torch",),
                          "ckptfmt": ("orbax", "tensorstore")}
 # What the layout still breaks while the architecture issue is in progress. Each entry goes
 # when its module is fixed (the test fails on an entry that no longer applies).

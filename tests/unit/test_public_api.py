@@ -28,6 +28,15 @@ def test_public_api_is_pinned():
       "from_cluster_file", "from_env"]
 
 
+def test_torch_api_is_pinned():
+  import sidecar.torch
+  assert sidecar.torch.__all__ == [
+      "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle", "StorageReader",
+      "StorageWriter", "TorchPeers", "connect", "ranks"]
+  for name in sidecar.torch.__all__:
+    assert getattr(sidecar.torch, name) is not None
+
+
 def test_orbax_integration_api_is_pinned():
   import sidecar.orbax
   assert sidecar.orbax.__all__ == [

@@ -156,14 +156,19 @@ def layout(rank: int, items: Sequence[Item]) -> tuple[list[Placement], int]:
   for item in items:
     at += -at % dcp_record.SMALL_ALIGN
     if item.kind is ItemKind.TENSOR:
-      head = len(dcp_record.header(item.dtype, item.sizes, at=at))
       length = dcp_record.record_length(item.dtype, item.sizes, at=at)
-      out.append(Placement(name, at, length, at + head))
     else:
       length = item.nbytes
-      out.append(Placement(name, at, length, at))
+    out.append(Placement(name, at, length, data_offset(item, at)))
     at += length
   return out, at
+
+
+def data_offset(item: Item, at: int) -> int:
+  """Where the bytes of ``item`` start in its file, for a record that starts at ``at``."""
+  if item.kind is ItemKind.TENSOR:
+    return at + len(dcp_record.header(item.dtype, item.sizes, at=at))
+  return at
 
 
 def item_checksum(item: Item, data: np.ndarray) -> ShardChecksum:

@@ -236,6 +236,9 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+  if args.torch:
+    from sidecar._src.tools import torch_demo
+    return torch_demo.run(hosts=args.hosts, steps=args.steps if args.steps != 300 else 60)
   from sidecar._src.tools import demo
   return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
                   processes=args.processes, elastic=args.elastic, verbose=args.verbose)
@@ -417,6 +420,11 @@ def parser() -> argparse.ArgumentParser:
                  help="train on 3 hosts (or --hosts), SIGKILL one host's sidecar mid-way, and "
                  "go on on the others (sidecar.elastic.retry), with the recovery time "
                  "(default: off)")
+  s.add_argument("--torch", action="store_true",
+                 help="run examples/torch_train.py instead: PyTorch, DDP on gloo, --hosts ranks "
+                 "beside --hosts sidecars (sidecar launch --torch), fed by sidecar.torch."
+                 "DataLoader, saved with sidecar.torch.Checkpointer, then resumed by a second "
+                 "run (default: off; 60 steps unless --steps)")
   s.add_argument("--verbose", action="store_true",
                  help="show log records, the launcher's lines and the trainers' stderr here "
                       "(default: off: they go to the log file named at the end)")

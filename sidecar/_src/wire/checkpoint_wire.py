@@ -132,6 +132,26 @@ def checksum_from_pb(c: ckpt_pb.ShardChecksum, where: str) -> dict[str, Any]:
           "host": c.host if c.HasField("host") else None}
 
 
+def dcp_part_to_pb(rank: int, items: Iterable[Mapping[str, Any]]) -> ckpt_pb.DcpPart:
+  """A rank's part of a DCP step (``ckptfmt/dcp.Item.to_dict`` values) as its message."""
+  return ckpt_pb.DcpPart(rank=rank, items=[
+      ckpt_pb.DcpItem(fqn=d["fqn"], kind=d["kind"], nbytes=d["nbytes"], dtype=d.get("dtype", ""),
+                      sizes=d.get("sizes", ()), offsets=d.get("offsets", ())) for d in items])
+
+
+def dcp_part_from_pb(part: ckpt_pb.DcpPart, where: str) -> dict[str, Any]:
+  """``{"rank", "items"}``, the items as ``ckptfmt/dcp.Item.from_dict`` takes them."""
+  items = []
+  for i, m in enumerate(part.items):
+    if m.kind not in ("tensor", "bytes") or not m.fqn:
+      raise errors.InvalidArgumentError(
+          f"{where}.items[{i}]: kind must be 'tensor' or 'bytes' with an fqn, got "
+          f"{m.kind!r} {m.fqn!r:.100}")
+    items.append({"fqn": m.fqn, "kind": m.kind, "nbytes": m.nbytes, "dtype": m.dtype,
+                  "sizes": list(m.sizes), "offsets": list(m.offsets)})
+  return {"rank": part.rank, "items": items}
+
+
 def replicas_to_pb(target, placement: Mapping[Any, Iterable[int]] | None) -> None:
   """Fills the map ``target`` (host -> HostIds) from ``{host: [peers]}``."""
   for h, peers in (placement or {}).items():

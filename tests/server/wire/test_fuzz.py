@@ -345,11 +345,15 @@ def ckpt_messages(draw, cls, root: str, depth: int = 0):
       entry = field.message_type
       if entry.GetOptions().map_entry:
         container = getattr(message, field.name)
+        key_field, value_field = entry.fields_by_name["key"], entry.fields_by_name["value"]
         for _ in range(draw(st.integers(0, 2))):
-          key = draw(st.integers(-2, 3) if entry.fields_by_name["key"].type != _F.TYPE_STRING
-                     else _paths(root))
-          container[key].CopyFrom(draw(ckpt_messages(
-              entry.fields_by_name["value"].message_type._concrete_class, root, depth + 1)))
+          key = draw(_paths(root) if key_field.type == _F.TYPE_STRING else
+                     _scalars(key_field, root).filter(lambda k: -2 <= k <= 3))
+          if value_field.type == _F.TYPE_MESSAGE:  # map<K, Message>
+            container[key].CopyFrom(draw(ckpt_messages(
+                value_field.message_type._concrete_class, root, depth + 1)))
+          else:  # map<K, scalar>: DCP's file sizes
+            container[key] = draw(_scalars(value_field, root))
         continue
       sub_cls = entry._concrete_class
       if field.is_repeated:

@@ -37,6 +37,16 @@ def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypat
   assert cli.parser().parse_args(["serve"]).checkpoint_roots == ["/x", "/y"]
 
 
+@pytest.mark.parametrize("command", [["local"], ["launch"]], ids=["local", "launch"])
+def test_local_and_launch_take_checkpoint_roots_for_every_sidecar(command):
+  # Before: "unrecognized arguments: --checkpoint-root"; only SIDECAR_CHECKPOINT_ROOTS worked.
+  tail = ["--", "true"] if command == ["launch"] else []
+  assert cli.parser().parse_args(command + tail).checkpoint_roots is None  # LocalCluster's
+  args = cli.parser().parse_args(
+      command + ["--checkpoint-root", "/ckpt", "--checkpoint-root", "rel"] + tail)
+  assert args.checkpoint_roots == ["/ckpt", os.path.abspath("rel")]
+
+
 def _commands(p: argparse.ArgumentParser, prefix: str = "sidecar"):
   """Every (command line, parser) under ``p``, ``p`` itself first."""
   yield prefix, p

@@ -63,6 +63,7 @@ class Manifest:
   shards: list[dict[str, Any]]
   data_state: Any
   replicas: dict[int, list[int]]
+  dcp_plan: dict[str, Any] | None = None  # a DCP step's plan (sidecar/_src/torch/metadata)
 
 
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
@@ -85,15 +86,21 @@ class CheckpointTransport(abc.ABC):
     """Future of the committed steps, ascending."""
 
   @abc.abstractmethod
-  def begin(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
-    """Future of the step's tmp directory."""
+  def begin(self, host: int, directory: str, step: int, format: str = ""
+            ) -> concurrent.futures.Future:
+    """Future of the step's tmp directory (``format="dcp"``: ``directory`` is the
+    checkpoint's own, its tmp one beside it)."""
 
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, item: str, final_item: str,
             leaves: Sequence[Mapping[str, Any]], shards: Sequence[StagedShard],
-            last: bool, writers: int = 1) -> concurrent.futures.Future:
+            last: bool, writers: int = 1,
+            dcp: tuple[int, Sequence[Mapping[str, Any]]] | None = None
+            ) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
-    processes stage into ``host`` (each sends its own ``last``)."""
+    processes stage into ``host`` (each sends its own ``last``). ``dcp``: ``(rank,
+    items)`` of a DCP step (``ckptfmt/dcp.Item.to_dict``), the shards' ``leaf`` numbering
+    the items."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_item: str, *, timeout: float
@@ -104,13 +111,15 @@ class CheckpointTransport(abc.ABC):
   def commit(self, host: int, *, item: str, step: int, num_hosts: int,
              leaves: Sequence[Mapping[str, Any]], checksums: Sequence[Mapping[str, Any]],
              data_state_json: str, whole_step: bool,
-             replicas: Mapping[int, Sequence[int]] | None, timeout: float
-             ) -> concurrent.futures.Future:
-    """Future of the committed directory."""
+             replicas: Mapping[int, Sequence[int]] | None, timeout: float,
+             dcp: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
+    """Future of the committed directory. ``dcp``: ``{"metadata", "file_sizes",
+    "plan_json"}`` of a DCP step."""
 
   @abc.abstractmethod
-  def committed(self, host: int, final_item: str) -> concurrent.futures.Future:
-    """Future of the steps ``host``'s RAM tier keeps."""
+  def committed(self, host: int, final_item: str, manifest_json: str = ""
+                ) -> concurrent.futures.Future:
+    """Future of the steps ``host``'s RAM tier keeps (``manifest_json``: a DCP step's)."""
 
   @abc.abstractmethod
   def abort(self, host: int, item: str, final_item: str, *, timeout: float
@@ -223,18 +232,20 @@ class CheckpointClient(CheckpointTransport):
       request.ram_budget = ram_budget
     return self._rpc(host, "Open", request, lambda r: list(r.steps))
 
-  def begin(self, host, directory, step):
+  def begin(self, host, directory, step, format=""):
     return self._rpc(host, "Begin", ckpt_pb.CheckpointBeginRequest(directory=directory,
-                                                                   step=step),
+                                                                   step=step, format=format),
                      lambda r: r.tmp_directory)
 
   def stage(self, host, *, directory, step, item, final_item, leaves, shards, last,
-            writers=1):
+            writers=1, dcp=None):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
         directory=directory, step=step, item=item, final_item=final_item,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
+    if dcp is not None:
+      request.dcp.CopyFrom(wire.dcp_part_to_pb(*dcp))
     for s in shards:
       staged = request.shards.add(leaf=s.leaf, index=wire.index_to_pb(s.index))
       wire.fill_data(staged.data, s.data, w.ref_of if w is not None else None)
@@ -247,17 +258,21 @@ class CheckpointClient(CheckpointTransport):
         lambda r: [wire.checksum_from_pb(c, "checksum") for c in r.checksums], timeout=timeout)
 
   def commit(self, host, *, item, step, num_hosts, leaves, checksums, data_state_json,
-             whole_step, replicas, timeout):
+             whole_step, replicas, timeout, dcp=None):
     request = ckpt_pb.CheckpointCommitRequest(
         item=item, step=step, num_hosts=num_hosts, leaves=[wire.leaf_to_pb(d) for d in leaves],
         checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
         whole_step=whole_step)
+    if dcp is not None:
+      request.dcp.metadata, request.dcp.plan_json = dcp["metadata"], dcp["plan_json"]
+      for rank, size in dcp["file_sizes"].items():
+        request.dcp.file_sizes[int(rank)] = int(size)
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
 
-  def committed(self, host, final_item):
+  def committed(self, host, final_item, manifest_json=""):
     return self._rpc(host, "Committed", ckpt_pb.CheckpointCommittedRequest(
-        final_item=final_item), lambda r: list(r.kept_steps))
+        final_item=final_item, manifest_json=manifest_json), lambda r: list(r.kept_steps))
 
   def abort(self, host, item, final_item, *, timeout):
     return self._rpc(host, "Abort", ckpt_pb.CheckpointAbortRequest(
@@ -299,7 +314,8 @@ class CheckpointClient(CheckpointTransport):
           leaves=[wire.leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves],
           shards=[wire.checksum_from_pb(c, "shard") for c in r.shards],
           data_state=json.loads(r.data_state_json) if r.data_state_json else None,
-          replicas=wire.replicas_from_pb(r.replicas))
+          replicas=wire.replicas_from_pb(r.replicas),
+          dcp_plan=json.loads(r.dcp_plan_json) if r.dcp_plan_json else None)
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_item=final_item), decode)
 
   def read(self, host, final_item, shard, *, crc32c, tier, part=None):

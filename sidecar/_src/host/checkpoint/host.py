@@ -156,15 +156,16 @@ class CheckpointHost:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
     return self._saver.open(directory, ram_steps, ram_budget, sweep)
 
-  def begin(self, directory: str, step: int) -> str:
-    """Creates the step's uncommitted directory; returns it."""
-    return self._saver.begin(directory, step)
+  def begin(self, directory: str, step: int, format: str = "") -> str:
+    """Creates the step's uncommitted directory (``format="dcp"``: DCP's); returns it."""
+    return self._saver.begin(directory, step, format)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, writers: int = 1) -> int:
+            shards: list[dict], last: bool = True, writers: int = 1,
+            dcp_part: dict | None = None) -> int:
     """Takes shards of this host and starts writing them; returns the bytes staged so far."""
     return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
-                             writers=writers)
+                             writers=writers, dcp_part=dcp_part)
 
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     """Waits for this host's write of the step; returns its shards' checksums."""
@@ -172,14 +173,25 @@ class CheckpointHost:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None) -> str:
+             replicas: dict | None = None, dcp_commit: dict | None = None) -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the rename."""
     return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
-                              whole_step, replicas)
+                              whole_step, replicas, dcp_commit=dcp_commit)
 
-  def committed(self, final_item: str) -> list[int]:
-    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps."""
+  def committed(self, final_item: str, manifest: dict | None = None) -> list[int]:
+    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
+
+    ``manifest``: a DCP step's, kept with its RAM-tier copy (and replicas held here), so
+    that :meth:`info` needs no file of the step.
+    """
     self._path(final_item, "final_item")
+    if manifest is not None:
+      with self._tier.lock:
+        held = [self._tier.steps.get(final_item),
+                *(r for r in self._tier.replicas.values() if r.item == final_item)]
+        for record in held:
+          if record is not None:
+            record.manifest = manifest
     return self._tier.mark_committed(final_item)
 
   def abort(self, item: str, final_item: str) -> None:
@@ -247,6 +259,12 @@ class CheckpointHost:
     with no checksum to check.
     """
     self._path(final_item, "final_item")
+    with self._tier.lock:
+      held = [self._tier.steps.get(final_item),
+              *(r for r in self._tier.replicas.values() if r.item == final_item)]
+    for record in held:
+      if record is not None and record.manifest is not None:
+        return record.manifest  # a DCP step in host memory: its files may be gone
     return checkpoint_read.info(final_item)
 
   def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,

@@ -53,6 +53,9 @@ class Step:
   verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
+  format: str = ""  # "" (stock Orbax's layout) or "dcp" (DCP's: dcp_steps.py)
+  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
+  dcp_items: dict[int, list] = dataclasses.field(default_factory=dict)  # rank -> dcp.Items
 
 
 @dataclasses.dataclass
@@ -82,6 +85,7 @@ class Replica:
   whole: bool = False  # the source sent everything
   committed: bool = False
   verified: set = dataclasses.field(default_factory=set)
+  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
 
 
 class RamTier:

@@ -17,7 +17,7 @@ import numpy as np
 from sidecar._src.ckptfmt import read as ol_read, shards as ol_shards
 from sidecar._src.core import errors
 from sidecar._src.host import metrics as metrics_lib
-from sidecar._src.host.checkpoint import faults, ram_tier
+from sidecar._src.host.checkpoint import dcp_steps, faults, ram_tier
 from sidecar._src.host.checkpoint.roots import MANIFEST
 from sidecar._src.user import outputs
 
@@ -111,7 +111,10 @@ class Reader:
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
     try:
-      data = ol_read.read_item_shard(final_item, key, idx, allocate=outputs.empty)
+      if dcp_steps.is_dcp(final_item):
+        data = dcp_steps.read_item(final_item, key, idx, allocate=outputs.empty)
+      else:
+        data = ol_read.read_item_shard(final_item, key, idx, allocate=outputs.empty)
     except (FileNotFoundError, NotADirectoryError) as e:
       raise errors.InvalidArgumentError(f"cannot read {final_item}: {e}") from None
     if crc32c is not None:

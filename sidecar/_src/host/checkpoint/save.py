@@ -23,6 +23,7 @@ from collections.abc import Callable
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import (
   commit as ol_commit,
+  dcp,
   read as ol_read,
   shards as ol_shards,
   spec as layout,
@@ -30,7 +31,7 @@ from sidecar._src.ckptfmt import (
 )
 from sidecar._src.core import errors
 from sidecar._src.host import metrics as metrics_lib
-from sidecar._src.host.checkpoint import faults, ram_tier, roots as roots_lib
+from sidecar._src.host.checkpoint import dcp_steps, faults, ram_tier, roots as roots_lib
 from sidecar._src.host.checkpoint.roots import MANIFEST
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class Saver:
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
-    for tmp in path.glob(f"*{layout.TMP_SUFFIX}") if sweep else ():
+    tmps = [*path.glob(f"*{layout.TMP_SUFFIX}"), *path.glob(f"*{dcp.TMP_SUFFIX}")]
+    for tmp in tmps if sweep else ():
       with self._tier.lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
                         for s in self._tier.steps.values())
@@ -88,12 +90,21 @@ class Saver:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
     return {"steps": ol_read.list_steps(directory)}
 
-  def begin(self, directory: str, step: int) -> str:
+  def begin(self, directory: str, step: int, format: str = "") -> str:
+    """Creates the step's uncommitted directory: ``<directory>/<step>.orbax-checkpoint-tmp``,
+    or with ``format="dcp"`` ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at
+    ``directory`` is replaced at the commit, as DCP overwrites)."""
     self._path(directory, "directory")
-    return str(ol_commit.create_tmp_step(directory, roots_lib.as_int(step, "step")))
+    step = roots_lib.as_int(step, "step")
+    if format == dcp_steps.FORMAT:  # ``directory`` is the checkpoint's own (DCP's path)
+      return str(dcp.create_tmp(directory))
+    if format:
+      raise errors.InvalidArgumentError(f"format must be '' or 'dcp', got {format!r}")
+    return str(ol_commit.create_tmp_step(directory, step))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, writers: int = 1) -> int:
+            shards: list[dict], last: bool = True, writers: int = 1,
+            dcp_part: dict | None = None) -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -102,6 +113,8 @@ class Saver:
     has sent its ``last`` part.
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
+    ``dcp_part`` (``{"rank", "items"}``): a step in DCP's layout, this rank's part of it
+    (its shards' ``leaf`` numbers its items); ``item`` is then the tmp step directory.
     """
     step = roots_lib.as_int(step, "step")
     for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
@@ -110,12 +123,20 @@ class Saver:
     with self._tier.lock:
       record = self._tier.steps.get(final_item)
       if record is None or record.done.is_set():
-        specs = [layout.spec_from_dict(d) for d in leaves]
-        record = ram_tier.Step(directory, step, final_item, {}, 0, specs)
+        specs = [] if dcp_part is not None else [layout.spec_from_dict(d) for d in leaves]
+        record = ram_tier.Step(directory, step, final_item, {}, 0, specs,
+                               format=dcp_steps.FORMAT if dcp_part is not None else "")
         self._tier.steps[final_item] = record
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
+      if (dcp_part is not None) != (record.format == dcp_steps.FORMAT):
+        raise errors.InvalidArgumentError(
+            f"step {step} on host {self._host_id} is staged in "
+            f"{record.format or 'Orbax'}'s layout; a part in the other came")
+      if dcp_part is not None:
+        self._stage_dcp(record, dcp_part, shards)
+        shards = []
       for s in shards:
         leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
         if not 0 <= leaf < len(record.specs):
@@ -132,6 +153,21 @@ class Saver:
           record.incoming.put(None)
           record.whole.set()
       return record.nbytes
+
+  def _stage_dcp(self, record: ram_tier.Step, part: dict, shards: list[dict]) -> None:
+    """Takes one rank's part of a DCP step; the lock is held."""
+    rank = roots_lib.as_int(part["rank"], "dcp.rank")
+    items = record.dcp_items.setdefault(rank, dcp_steps.items_from_dicts(part["items"]))
+    for s in shards:
+      number = int(s["leaf"])
+      if not 0 <= number < len(items):
+        raise errors.InvalidArgumentError(
+            f"shard of item {number}: rank {rank} of step {record.step} has {len(items)} items")
+      key = ((items[number].fqn,), items[number].index)
+      record.shards[key] = s["data"]
+      record.nbytes += s["data"].nbytes
+      self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
+      record.incoming.put(((rank, number), s["data"]))
 
   def _write(self, record: ram_tier.Step, item: str) -> None:
     # The bytes are written and checksummed on idle-class threads (orbax_write): a
@@ -167,10 +203,15 @@ class Saver:
             raise shard
           yield shard
 
-      sums = ol_write.write_item_part(item, self._host_id, record.specs, incoming(), progress=progress)
-      record.checksums = [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
-                           "nbytes": c.nbytes, "crc32c": c.crc32c, "host": self._host_id}
-                          for c in sums]
+      if record.format == dcp_steps.FORMAT:
+        record.checksums = dcp_steps.write_ranks(item, record.dcp_items, incoming(),
+                                                 host_id=self._host_id, progress=progress)
+      else:
+        sums = ol_write.write_item_part(item, self._host_id, record.specs, incoming(),
+                                        progress=progress)
+        record.checksums = [{"key_path": list(c.key_path),
+                             "index": [list(i) for i in c.index], "nbytes": c.nbytes,
+                             "crc32c": c.crc32c, "host": self._host_id} for c in sums]
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
@@ -205,15 +246,26 @@ class Saver:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None) -> str:
+             replicas: dict | None = None, dcp_commit: dict | None = None) -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
     so that a restore that finds shards lost can say which hosts are gone.
+    ``dcp_commit`` (``{"metadata", "file_sizes", "plan_json"}``): a step in DCP's layout,
+    whose tmp directory ``item`` is.
     """
     step = roots_lib.as_int(step, "step")
     self._path(item, "item")
+    if dcp_commit is not None:
+      if not item.endswith(dcp.TMP_SUFFIX):
+        raise errors.InvalidArgumentError(
+            f"item {item!r:.200} is not an uncommitted DCP step directory (*{dcp.TMP_SUFFIX})")
+      faults.fault("commit", step)
+      return dcp_steps.commit(item, step=step, metadata=dcp_commit["metadata"],
+                              file_sizes=dcp_commit["file_sizes"],
+                              plan_json=dcp_commit["plan_json"], checksums=checksums,
+                              data_state=data_state, replicas=replicas)
     if whole_step:  # the rename acts on the item's parent, the tmp step directory
       parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
       if not parent.endswith(layout.TMP_SUFFIX):
@@ -249,7 +301,7 @@ class Saver:
     self._path(final_item, "final_item")
     root = self._roots.root_of(path)
     assert root is not None
-    if not any(part.endswith(layout.TMP_SUFFIX)
+    if not any(part.endswith((layout.TMP_SUFFIX, dcp.TMP_SUFFIX))
                for part in pathlib.Path(path).relative_to(root).parts):
       raise errors.InvalidArgumentError(
           f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "

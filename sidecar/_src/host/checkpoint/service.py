@@ -163,7 +163,7 @@ class CheckpointService:
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, _) -> ckpt_pb.CheckpointBeginResponse:
     return ckpt_pb.CheckpointBeginResponse(
-        tmp_directory=self._host.begin(r.directory, _step(r.step)))
+        tmp_directory=self._host.begin(r.directory, _step(r.step), r.format))
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, _) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
@@ -172,9 +172,10 @@ class CheckpointService:
     shards = [{"leaf": s.leaf, "index": wire.index_from_pb(s.index, f"shards[{i}].index"),
                "data": wire.data_from_pb(s.data, view, f"shards[{i}].data")}
               for i, s in enumerate(r.shards)]
+    part = wire.dcp_part_from_pb(r.dcp, "dcp") if r.HasField("dcp") else None
     try:
       staged = self._host.stage(r.directory, step, r.item, r.final_item, leaves, shards, r.last,
-                                writers=max(r.writers, 1))
+                                writers=max(r.writers, 1), dcp_part=part)
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
@@ -195,13 +196,25 @@ class CheckpointService:
         json.loads(r.data_state_json)
       except ValueError as e:
         raise errors.InvalidArgumentError(f"data_state_json is not JSON: {e}") from None
+    dcp_commit = None
+    if r.HasField("dcp"):
+      dcp_commit = {"metadata": r.dcp.metadata, "plan_json": r.dcp.plan_json,
+                    "file_sizes": {int(k): int(v) for k, v in r.dcp.file_sizes.items()}}
     committed = self._host.commit(r.item, step, r.num_hosts, leaves, sums, r.data_state_json,
-                                  r.whole_step, wire.replicas_from_pb(r.replicas) or None)
+                                  r.whole_step, wire.replicas_from_pb(r.replicas) or None,
+                                  dcp_commit=dcp_commit)
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _
                 ) -> ckpt_pb.CheckpointCommittedResponse:
-    return ckpt_pb.CheckpointCommittedResponse(kept_steps=self._host.committed(r.final_item))
+    manifest = None
+    if r.manifest_json:
+      try:
+        manifest = json.loads(r.manifest_json)
+      except ValueError as e:
+        raise errors.InvalidArgumentError(f"manifest_json is not JSON: {e}") from None
+    return ckpt_pb.CheckpointCommittedResponse(
+        kept_steps=self._host.committed(r.final_item, manifest))
 
   def abort(self, r: ckpt_pb.CheckpointAbortRequest, _) -> ckpt_pb.CheckpointAbortResponse:
     self._host.abort(r.item, r.final_item)
@@ -317,6 +330,8 @@ class CheckpointService:
           shards=[wire.checksum_to_pb(c) for c in manifest["shards"]])
       if manifest.get("data_state") is not None:
         out.data_state_json = json.dumps(manifest["data_state"])
+      if manifest.get("plan") is not None:
+        out.dcp_plan_json = json.dumps(manifest["plan"])
       wire.replicas_to_pb(out.replicas, manifest.get("replicas"))
     except (KeyError, TypeError, ValueError, errors.InvalidArgumentError) as e:
       raise errors.InvalidArgumentError(

@@ -1,0 +1,153 @@
+"""DCP through the sidecars against stock DCP, 2 ranks, one run.
+
+Run from the repository root: ``python -m benchmarks.torch_checkpoint [--mib 128 --leaves 8]``
+(it starts ``sidecar launch --torch --hosts 2`` itself). Not run by CI.
+
+Each rank holds ``leaves`` float32 tensors of ``mib`` MiB (the default: 8 x 128 MiB = 1 GiB
+a rank). Rows, each the median of ``rounds``:
+
+- ``memcpy``: one copy of the rank's tensors (the limit of a save's stall).
+- ``dcp.save`` (FileSystemWriter): the whole save, blocking.
+- ``dcp.async_save`` (FileSystemWriter, thread and process modes) and with
+  ``sidecar.torch.StorageWriter``: blocked = until ``async_save`` returns; durable = until
+  its future resolves; steps/s = a training step (a 512x512 matmul) run while the save
+  goes on, until durable.
+- restore: ``dcp.load`` with ``FileSystemReader`` (disk, page cache dropped where allowed)
+  against ``sidecar.torch.StorageReader`` (the RAM tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROUNDS = 3
+
+
+def _step_rate(until) -> float:
+  import torch
+  a = torch.randn(512, 512)
+  n, t0 = 0, time.perf_counter()
+  while not until():
+    a = (a @ a).tanh_()
+    n += 1
+  return n / max(time.perf_counter() - t0, 1e-9)
+
+
+def rank_main(args) -> None:
+  import torch
+  import torch.distributed as dist
+  import torch.distributed.checkpoint as dcp
+  from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+  import sidecar.torch
+  ctl = sidecar.torch.connect()
+  rank = dist.get_rank()
+  group = dist.new_group(backend="gloo")
+  n = args.mib << 18  # float32 elements
+  # Keys of its own: each rank saves its own leaves (replicated keys would be split
+  # among the ranks by DCP's dedup).
+  sd = {f"rank{rank}.w{i}": torch.full((n,), float(rank * 100 + i)) for i in range(args.leaves)}
+  out: dict[str, list[float]] = {}
+  add = lambda k, v: out.setdefault(k, []).append(v)
+  root = args.dir
+  for r in range(args.rounds):
+    t0 = time.perf_counter()
+    copies = {k: v.clone() for k, v in sd.items()}
+    add("memcpy", time.perf_counter() - t0)
+    del copies
+    dist.barrier()
+    path = f"{root}/save{r}"
+    t0 = time.perf_counter()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), process_group=group)
+    add("dcp.save", time.perf_counter() - t0)
+    for name, make, kind in (
+        ("dcp.async_save thread", lambda p: dcp.FileSystemWriter(p), AsyncCheckpointerType.THREAD),
+        ("dcp.async_save process", lambda p: dcp.FileSystemWriter(p),
+         AsyncCheckpointerType.PROCESS),
+        ("sidecar StorageWriter", lambda p: sidecar.torch.StorageWriter(p, controller=ctl),
+         AsyncCheckpointerType.THREAD)):
+      dist.barrier()
+      p = f"{root}/{name.replace(' ', '_')}{r}"
+      t0 = time.perf_counter()
+      f = dcp.async_save(sd, storage_writer=make(p), process_group=group,
+                         async_checkpointer_type=kind)
+      add(f"{name} blocked", time.perf_counter() - t0)
+      add(f"{name} steps/s", _step_rate(f.done))
+      f.result()
+      add(f"{name} durable", time.perf_counter() - t0)
+    dist.barrier()
+    target = {k: torch.empty_like(v) for k, v in sd.items()}
+    if rank == 0:
+      subprocess.run(["sh", "-c", "sync; echo 1 > /proc/sys/vm/drop_caches"],
+                     stderr=subprocess.DEVNULL, check=False)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(target, storage_reader=dcp.FileSystemReader(f"{root}/save{r}"), process_group=group)
+    add("restore dcp.load (disk)", time.perf_counter() - t0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(target, storage_reader=sidecar.torch.StorageReader(
+        f"{root}/sidecar_StorageWriter{r}", controller=ctl), process_group=group)
+    add("restore StorageReader (RAM tier)", time.perf_counter() - t0)
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    dist.barrier()
+    if rank == 0:
+      for name in os.listdir(root):
+        shutil.rmtree(f"{root}/{name}", ignore_errors=True)
+    dist.barrier()
+  print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+  ctl.close()
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--mib", type=int, default=128)
+  ap.add_argument("--leaves", type=int, default=8)
+  ap.add_argument("--rounds", type=int, default=ROUNDS)
+  ap.add_argument("--dir", default=None)
+  ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.rank:
+    return rank_main(args)
+  work = args.dir or tempfile.mkdtemp(prefix="sidecar-torch-ckpt-", dir=os.getcwd())
+  arena = f"{args.mib * args.leaves * 2 + 256}MiB"  # a save staged and one in the RAM tier
+  try:
+    p = subprocess.run(
+        [sys.executable, "-m", "sidecar", "launch", "--torch", "--hosts", "2", "--shm-size",
+         arena, "--", sys.executable, "-m", "benchmarks.torch_checkpoint", "--rank", "--mib",
+         str(args.mib), "--leaves", str(args.leaves), "--rounds", str(args.rounds), "--dir",
+         work], capture_output=True, text=True)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  results = [json.loads(line.split("RESULT ", 1)[1]) for line in p.stdout.splitlines()
+             if "RESULT " in line]
+  if p.returncode or len(results) != 2:
+    sys.exit(p.stdout[-4000:] + p.stderr[-4000:])
+  med = {k: max(statistics.median(r[k]) for r in results) for k in results[0] if k != "rank"}
+  from benchmarks.common import table
+  memcpy = med["memcpy"]
+  rows = [("memcpy of a rank's tensors", f"{memcpy:.3f}", "1.00x", "", "")]
+  rows.append(("dcp.save (FileSystemWriter)", "", "", f"{med['dcp.save']:.3f}", ""))
+  for name in ("dcp.async_save thread", "dcp.async_save process", "sidecar StorageWriter"):
+    rows.append((name, f"{med[name + ' blocked']:.3f}",
+                 f"{med[name + ' blocked'] / memcpy:.2f}x", f"{med[name + ' durable']:.3f}",
+                 f"{med[name + ' steps/s']:.1f}"))
+  print(f"{args.leaves} x {args.mib} MiB float32 per rank, 2 ranks, median of {args.rounds}")
+  print(table(("path", "blocked s", "vs memcpy", "durable s", "steps/s during save"), rows))
+  disk, ram = med["restore dcp.load (disk)"], med["restore StorageReader (RAM tier)"]
+  print(table(("restore", "s", "vs dcp.load"), [
+      ("dcp.load, FileSystemReader (disk)", f"{disk:.3f}", "1.00x"),
+      ("dcp.load, sidecar StorageReader (RAM tier)", f"{ram:.3f}", f"{disk / ram:.1f}x")]))
+  print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+  main()

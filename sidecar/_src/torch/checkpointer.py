@@ -1,0 +1,156 @@
+"""``sidecar.torch.Checkpointer``: numbered steps of DCP checkpoints through the sidecars.
+
+The PyTorch counterpart of ``ctl.checkpointer``: ``save(step, state_dict)`` runs
+``dcp.async_save`` with :class:`~sidecar._src.torch.storage.StorageWriter` into
+``<directory>/<step>`` and returns once this rank's tensors are copied into its sidecar's
+arena (``handle.staged``); the sidecars write and commit in the background
+(``handle.durable``), then steps beyond ``max_to_keep`` are deleted. ``restore`` runs
+``dcp.load`` with :class:`~sidecar._src.torch.storage.StorageReader`: from the RAM tier
+when the sidecars kept the step, else from storage. Each step is a plain DCP checkpoint:
+``dcp.load(sd, storage_reader=FileSystemReader(f"{directory}/{step}"))`` reads it too.
+Every rank makes the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from sidecar._src.controller import controller as core
+from sidecar._src.core import errors
+from sidecar._src.torch import controller as torch_controller, storage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveHandle:
+  """``staged``: this rank's tensors are in the arena (change them at will); ``durable``:
+  the step is committed on storage. ``concurrent.futures.Future``s of the step."""
+  step: int
+  staged: concurrent.futures.Future
+  durable: concurrent.futures.Future
+
+
+class Checkpointer:
+  """Steps of a training run as DCP checkpoints under ``directory``, through the sidecars.
+
+  Example::
+
+    ckpt = sidecar.torch.Checkpointer("/ckpt/run1", max_to_keep=3)
+    start = ckpt.latest_step()
+    if start is not None:
+      ckpt.restore(start, state)          # state: {"model": ..., "optim": ..., "data": ...}
+    ...
+    ckpt.save(step, state)                # returns after one copy into the arena
+    ckpt.close()                          # waits for the last save to be durable
+
+  Args:
+    directory: where the steps go, ``<directory>/<step>``.
+    max_to_keep: the newest steps kept; older ones are deleted once a newer is durable.
+    replicas: peer sidecars that also keep each shard (see ``StorageWriter``).
+    controller: default this rank's, from :func:`sidecar.torch.connect`.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
+               replicas: int = 0, controller: core.Controller | None = None):
+    if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+      raise errors.InvalidArgumentError(f"max_to_keep must be None or >= 1, got {max_to_keep!r}")
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.max_to_keep, self.replicas = max_to_keep, replicas
+    self._ctl = torch_controller.controller_or_connect(controller)
+    self._client = self._ctl._checkpoint_client()
+    self._host = self._ctl.local_hosts[0]
+    # Saves run on their own thread: their collectives get a group of their own, so they
+    # never interleave with the training step's on the default group.
+    self._group: Any = (dist.new_group(backend="gloo")
+                   if dist.is_initialized() and dist.get_world_size() > 1 else None)
+    self._last: SaveHandle | None = None
+    self._lock = threading.Lock()
+    self._closed = False
+    self._steps = self._client.open(self._host, self.directory, ram_steps=1, ram_budget=None,
+                                    sweep=self._ctl.peers.index == 0).result()
+
+  def all_steps(self) -> list[int]:
+    """The committed steps, ascending."""
+    return list(self._client.open(self._host, self.directory, ram_steps=1, ram_budget=None,
+                                  sweep=False).result())
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
+    """Saves ``state_dict`` as step ``step``; returns once it is staged (see the class)."""
+    self._check_open()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+      raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+    self.wait()  # one save at a time, as DCP's async_save asks
+    writer = storage.StorageWriter(os.path.join(self.directory, str(step)),
+                                   replicas=self.replicas, controller=self._ctl)
+    response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group)
+    upload = response if isinstance(response, concurrent.futures.Future) else (
+        response.upload_completion)
+    staged: concurrent.futures.Future = concurrent.futures.Future()
+    staged.set_result(step)
+    durable: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: Any) -> None:
+      try:
+        f.result()
+        self._retain(step)
+        durable.set_result(step)
+      except BaseException as e:
+        durable.set_exception(e)
+    upload.add_done_callback(done)
+    handle = self._last = SaveHandle(step, staged, durable)
+    return handle
+
+  def _retain(self, step: int) -> None:
+    if self.max_to_keep is None or self._ctl.peers.index != 0:
+      return
+    for old in self.all_steps()[:-self.max_to_keep]:
+      if old != step:
+        self._client.delete(self._host, self.directory, old).result()
+
+  def restore(self, step: int | None, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Loads step ``step`` (None: the latest) into ``state_dict`` in place, as ``dcp.load``;
+    returns it."""
+    self._check_open()
+    self.wait()
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise errors.InvalidArgumentError(f"no committed step in {self.directory} to restore")
+    dcp.load(state_dict, storage_reader=storage.StorageReader(
+        os.path.join(self.directory, str(step)), controller=self._ctl),
+        process_group=self._group)
+    return state_dict
+
+  def wait(self) -> None:
+    """Waits for the last save to be durable (its error, if any, is raised here)."""
+    last = self._last
+    if last is not None:
+      last.durable.result()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise errors.ClosedError("this Checkpointer is closed; make a new one")
+
+  def close(self) -> None:
+    """Waits for the last save; idempotent."""
+    if self._closed:
+      return
+    try:
+      self.wait()
+    finally:
+      self._closed = True
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
