@@ -237,12 +237,17 @@ class WorkerListener:
         log.warning("worker %s: %s", session, e, extra={"session": session})
 
   def close(self) -> None:
-    """Stops accepting, ends every connection and joins its thread; idempotent."""
+    """Stops accepting (joining the accept thread), ends every connection and joins its
+    thread; idempotent."""
     with self._lock:
       if self._closed:
         return
       self._closed = True
       conns = dict(self._connections)
+    # shutdown() wakes the accept; on Linux close() alone leaves it blocked for good.
+    with contextlib.suppress(OSError):
+      self._sock.shutdown(socket.SHUT_RDWR)
+    self._thread.join(timeout=2.0)
     self._sock.close()
     for conn in conns:
       with contextlib.suppress(OSError):
