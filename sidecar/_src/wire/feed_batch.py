@@ -75,6 +75,14 @@ def decode(batch: pb.FeedBatch, *, from_arena: codec.FromArena | None, where: st
   return out
 
 
+def item_blocks(item: pb.StreamItem) -> list[int]:
+  """The arena blocks a stream item refers to (its value's, or its feed batch's), as
+  flattened (offset, generation) pairs."""
+  if not item.HasField("batch"):
+    return codec.arena_blocks(item.value)
+  return [x for leaf in item.batch.leaves for p in leaf.parts for x in codec.arena_blocks(p)]
+
+
 def _array(x: Any, where: str) -> np.ndarray:
   if not isinstance(x, np.ndarray):
     raise errors.InvalidArgumentError(f"{where}: a leaf part is {type(x).__name__}, not an array")

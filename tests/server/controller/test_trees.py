@@ -3,6 +3,7 @@ back as it was through ``ctl.feed``, ``ctl.stream`` and ``ctl.call``; a structur
 codec cannot carry is InvalidArgumentError naming its path in the tree."""
 
 import dataclasses
+import gc
 from typing import NamedTuple
 
 import grain
@@ -13,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.user import registry as registry_lib
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.server
 
@@ -113,3 +115,14 @@ def test_a_structure_the_codec_cannot_carry_names_its_path(ctl):
       next(feed)
   with pytest.raises(sidecar.InvalidArgumentError, match=r"args\[0\]\['b'\]\[1\]: .*Box"):
     ctl.call("echo", args=({"b": [1, Box(np.zeros(2))]},))
+
+
+def test_the_blocks_of_batches_sent_ahead_and_never_taken_go_back(ctl):
+  with ctl.feed("listed", global_batch_size=4, sharding=_sharding(),
+                options=sidecar.FeedOptions(prefetch=3)) as feed:
+    batch = next(feed)
+    if ctl.worker(0) is not None:  # inline, each batch's blocks went back once it was sent
+      assert eventually(lambda: ctl.status()[0].arena_used > 0)  # the batches sent ahead
+  del batch
+  gc.collect()
+  assert eventually(lambda: ctl.status()[0].arena_used == 0)
