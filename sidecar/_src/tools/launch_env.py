@@ -1,0 +1,88 @@
+"""The environment ``sidecar launch`` gives each trainer: what ``env.py`` lists (the
+``SIDECAR_*`` variables that ``Worker`` and ``Controller.from_env()`` read) and, with
+``--torch``, what torchrun gives its workers (``RANK``, ``MASTER_PORT``, ...)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping, Sequence
+
+from sidecar._src.core import env, errors
+from sidecar._src.tools.local import LocalCluster
+
+PREEMPTION_SERVICE = "JAX_ENABLE_PREEMPTION_SERVICE"
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
+                base: Mapping[str, str], *, hosts: Sequence[int] | None = None,
+                restart: int = 0, procs_per_host: int = 1, local_rank: int = 0,
+                torch_master: str | None = None, max_restarts: int = 0) -> dict[str, str]:
+  """The environment of trainer ``local_rank`` beside ``host``: ``base`` plus what
+  ``env.py`` lists, and with ``torch_master`` (``addr:port``) what torchrun sets.
+
+  ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
+  the process ids (ranks) follow that order, ``procs_per_host`` per host, the local ranks
+  of one host in a row. ``restart`` is how often the job was restarted.
+  """
+  hosts = list(range(cluster.num_hosts)) if hosts is None else list(hosts)
+  if not 0 <= local_rank < procs_per_host:
+    raise errors.InvalidArgumentError(
+        f"local_rank must be in 0..{procs_per_host - 1}, got {local_rank!r}")
+  ports = [a.rsplit(":", 1)[1] for a in cluster.health_addresses]
+  addresses = cluster.addresses
+  group = hosts.index(host)
+  rank, world = group * procs_per_host + local_rank, len(hosts) * procs_per_host
+  result = dict(base)
+  result.setdefault("JAX_PLATFORMS", "cpu")
+  result.setdefault("PYTHONUNBUFFERED", "1")
+  # jax.distributed.initialize() would start JAX's preemption service, whose notifier
+  # catches SIGTERM (to sync a save at preemption, on Cloud TPU): a trainer stopped here
+  # would go on until the SIGKILL after the grace, seconds of every elastic restart.
+  result.setdefault(PREEMPTION_SERVICE, "false")
+  result.update({
+      env.COORDINATOR_ADDRESS: coordinator,
+      env.NUM_PROCESSES: str(world),
+      env.PROCESS_ID: str(rank),
+      env.LOCAL_DEVICES: str(cluster.devices_per_host),
+      env.HOST_ID: str(host),
+      env.SLICE_ID: "0",
+      env.ADDRESS: f"unix://{cluster.socket(host)}",
+      env.HOSTS: ",".join(f"{addresses[h]}:{ports[h]}" for h in hosts),
+      env.RESTART: str(restart),
+  })
+  if torch_master is not None:
+    addr, port = torch_master.rsplit(":", 1)
+    result.update(torchrun_env(rank=rank, local_rank=local_rank, world_size=world,
+                               local_world_size=procs_per_host, group_rank=group,
+                               group_world_size=len(hosts), master_addr=addr,
+                               master_port=int(port), restart=restart,
+                               max_restarts=max_restarts))
+    if procs_per_host > 1:
+      result.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks of a node share its cores
+  if cluster.token:
+    result[env.TOKEN] = cluster.token
+  return result
+
+
+def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
+                 group_rank: int, group_world_size: int, master_addr: str, master_port: int,
+                 restart: int = 0, max_restarts: int = 0) -> dict[str, str]:
+  """The variables torchrun (torchelastic) gives each worker, by the names it uses."""
+  return {
+      "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+      "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
+      "GROUP_WORLD_SIZE": str(group_world_size), "ROLE_RANK": str(rank),
+      "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default",
+      "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+      "TORCHELASTIC_RESTART_COUNT": str(restart),
+      "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_RUN_ID": "none",
+      # No agent hosts the store here: rank 0 serves it at MASTER_ADDR:MASTER_PORT.
+      "TORCHELASTIC_USE_AGENT_STORE": "False",
+  }
