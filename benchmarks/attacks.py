@@ -1,4 +1,4 @@
-"""The attacks of issue 16 that the bounds stop, each run once, with what it got.
+"""The attacks of issues 16 and 23 that the bounds stop, each run once, with what it got.
 
 Run it against two trees to get a before/after table (the same script, either code):
 
@@ -257,7 +257,7 @@ def slow_calls(cluster, count: int = 60, seconds: float = 12.0) -> str:
     with sidecar.Controller(cluster.addresses[:1], connect_timeout=5, timeout=5,
                             attach=False) as ctl:
       ctl.status()
-      ctl.call("echo", 1)
+      ctl.call("echo", args=(1,))
     result = f"handshake, status and call OK in {time.monotonic() - t0:.2f} s"
   except sidecar.SidecarError as e:
     result = f"{type(e).__name__} after {time.monotonic() - t0:.1f} s"
@@ -312,12 +312,200 @@ def full_disk(tmp: str) -> str:
   return f"step 2: {step2}; trainer live_blocks after it: {live}; step 3: {step3}"
 
 
+# ---- round 2 (issue 23) ----------------------------------------------------------------
+
+
+def _fds(pid: int) -> int:
+  return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _health(address: str) -> str:
+  from grpc_health.v1 import health_pb2, health_pb2_grpc
+  with grpc.insecure_channel(address) as ch:
+    try:
+      status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    except grpc.RpcError as e:
+      return e.code().name
+  return health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+
+
+def _idle(port: int, count: int) -> list[socket.socket]:
+  return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)]
+
+
+def _closed(conns: list[socket.socket]) -> int:
+  """How many of ``conns`` the server closed."""
+  n = 0
+  for c in conns:
+    c.setblocking(False)
+    try:
+      while True:
+        if not c.recv(1 << 16):
+          n += 1
+          break
+    except BlockingIOError:
+      pass
+    except OSError:
+      n += 1
+  return n
+
+
+def fd_exhaustion() -> str:
+  """Item 1: idle health-port connections use up a sidecar's descriptors (its soft limit
+  set to what it has open + 24); a worker attaches meanwhile; then once they close."""
+  import resource
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    imports=FNS, configure_jax=False) as cluster:
+    pid = cluster.pid(0)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (_fds(pid) + 24, hard))
+    conns = _idle(int(cluster.health_addresses[0].rsplit(":", 1)[1]), 64)
+    time.sleep(1.0)
+    try:
+      sidecar.Worker(cluster.socket(0), timeout=2).close()
+      during = "attached"
+    except sidecar.SidecarError as e:
+      during = type(e).__name__
+    for c in conns:
+      c.close()
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    try:
+      sidecar.Worker(cluster.socket(0), timeout=20).close()
+      after = f"attached in {time.monotonic() - t0:.2f} s"
+    except sidecar.SidecarError as e:
+      after = f"{type(e).__name__} after {time.monotonic() - t0:.0f} s: {str(e)[-40:]}"
+    return (f"a worker during the flood: {during}; after it: {after}; health "
+            f"{_health(cluster.health_addresses[0])}")
+
+
+def idle_side_ports() -> str:
+  """Item 2: 200 idle connections to /metrics, 200 to the health port: threads, and how
+  many the sidecar closed at once and after 15 s."""
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    imports=FNS, configure_jax=False, metrics=True) as cluster:
+    pid = cluster.pid(0)
+    out = []
+    for name, port in (("/metrics", int(cluster.metrics_urls[0].rsplit(":", 1)[1].split("/")[0])),
+                       ("health", int(cluster.health_addresses[0].rsplit(":", 1)[1]))):
+      threads = _threads(pid)
+      conns = _idle(port, 200)
+      time.sleep(1.0)
+      at_once, grown = _closed(conns), _threads(pid) - threads
+      time.sleep(15.0)
+      later = _closed(conns)
+      for c in conns:
+        c.close()
+      out.append(f"{name}: threads +{grown}, {at_once} closed at once, {later} after 15 s")
+    return "; ".join(out)
+
+
+def handshake_flood(count: int = 4200) -> str:
+  """Item 5: ``count`` handshakes from one client, then a live controller's next call."""
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    imports=FNS, configure_jax=False) as cluster:
+    with cluster.controller(attach=False) as ctl:
+      ctl.call("echo", args=(1,))
+      channel, handshake = _raw(cluster, "Handshake")
+      request = pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString()
+      refused = 0
+      for _ in range(count):
+        try:
+          handshake(request, timeout=10)
+        except grpc.RpcError:
+          refused += 1
+      channel.close()
+      try:
+        ctl.call("echo", args=(1,))
+        victim = "its next call OK"
+      except sidecar.SidecarError as e:
+        victim = f"its next call: {type(e).__name__}: {str(e)[:40]}..."
+  return f"{refused} of {count} handshakes refused; {victim}"
+
+
+def arena_hog(give_up: float) -> str:
+  """Item 6: one worker takes what it can of a 64 MiB arena in 1 MiB blocks; another
+  client's stream of 1 MiB items, then."""
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB",
+                                    imports=FNS, configure_jax=False) as cluster:
+    hog, held = sidecar.Worker(cluster.socket(0)), []
+    try:
+      for _ in range(64):
+        held.append(hog.empty((1 << 20,), np.uint8)[0])
+      took = "all of it"
+    except sidecar.SidecarError as e:
+      took = f"{len(held)} MiB, then {type(e).__name__}"
+    took = f"{len(held)} MiB" if took == "all of it" else took
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    ctl = cluster.controller()
+    t0 = time.monotonic()
+
+    def consume():
+      try:
+        with ctl.stream("big_items", args=(3, 1 << 20)) as s:
+          out.put(f"{len(list(s))} items")
+      except Exception as e:
+        out.put(f"{type(e).__name__} after {time.monotonic() - t0:.0f} s"
+                + (" (with the sizes)" if "free of" in str(e) else ""))
+    threading.Thread(target=consume, daemon=True).start()
+    try:
+      result = out.get(timeout=give_up)
+    except queue.Empty:
+      result = f"still blocked after {give_up:.0f} s"
+    held.clear()
+    hog.close()
+    time.sleep(1.0)
+    ctl.close()
+  return f"the hog took {took}; the other's stream: {result}"
+
+
+def inline_call(mib: int) -> str:
+  """Item 8: one call with a ``mib`` MiB array inline (no arena): the sidecar's peak RSS."""
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    imports=FNS, configure_jax=False) as cluster:
+    channel, call = _raw(cluster, "Call")
+    metadata = _handshake(channel)
+    call(pb.CallRequest(name="size_of", args=codec.encode((np.ones(1 << 20, np.uint8),)),
+                        kwargs=codec.encode({})).SerializeToString(), metadata=metadata,
+         timeout=60)  # warm: the first call's imports and threads are not the payload's
+    raw = pb.CallRequest(name="size_of", args=codec.encode(
+        (np.ones(mib << 20, np.uint8),), inline_limit=1 << 40),
+        kwargs=codec.encode({})).SerializeToString()
+    time.sleep(1.0)
+    _reset_peak(cluster.pid(0))
+    hwm, _ = _proc(cluster.pid(0))
+    try:
+      call(raw, metadata=metadata, timeout=120)
+      outcome = "OK"
+    except grpc.RpcError as e:
+      outcome = e.code().name
+    hwm2, _ = _proc(cluster.pid(0))
+    channel.close()
+  grown = hwm2 - hwm
+  return f"{outcome}; sidecar peak RSS +{grown:.0f} MiB ({grown / mib:.1f}x the payload)"
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--give-up", type=float, default=45.0)
   ap.add_argument("--label", default="this tree")
+  ap.add_argument("--round", type=int, choices=[1, 2], default=None,
+                  help="only the first round's attacks (issue 16) or the second's (issue 23)")
   args = ap.parse_args()
   rows = []
+  if args.round != 1:
+    rows.append(["2. 200 idle connections to /metrics, then 200 to health", idle_side_ports()])
+    rows.append(["5. 4,200 handshakes of one client, then a live controller's call",
+                 handshake_flood()])
+    rows.append(["6. one worker takes the arena; another client's stream of 1 MiB items",
+                 arena_hog(max(args.give_up, 90.0))])
+    for mib in (128, 200):
+      rows.append([f"8. a call with a {mib} MiB array inline", inline_call(mib)])
+    rows.append(["1. idle health connections use up the fds; a worker attaches, then after",
+                 fd_exhaustion()])
+    if args.round == 2:
+      _print(args, rows)
+      return
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB",
                                     imports=FNS) as cluster:
     rows.append(["a Call of 8,000,000 `none` values", many_nones(cluster)])
@@ -339,8 +527,13 @@ def main() -> None:
   rows.append(["Handshake and Status without the token", unauthenticated()])
   with tempfile.TemporaryDirectory() as tmp:
     rows.append(["a save that fails with ENOSPC, then the next save", full_disk(tmp)])
+  _print(args, rows)
+
+
+def _print(args: argparse.Namespace, rows: list) -> None:
   print(f"\nattacks against {args.label} (SIDECAR_PEER_TIMEOUT="
-        f"{os.environ.get('SIDECAR_PEER_TIMEOUT', 'unset')})\n")
+        f"{os.environ.get('SIDECAR_PEER_TIMEOUT', 'unset')}; load average "
+        f"{os.getloadavg()[0]:.1f})\n")
   print(table(["attack", "outcome"], rows))
 
 

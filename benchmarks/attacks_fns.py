@@ -32,3 +32,16 @@ def pulled() -> int:
   """How many elements ``huge_rows`` yielded in this sidecar."""
   with _lock:
     return _pulled[0]
+
+
+@sidecar.function
+def size_of(a) -> int:
+  """The bytes of ``a``: a call whose cost is its argument's decoding alone."""
+  return int(np.asarray(a).nbytes)
+
+
+@sidecar.function
+def big_items(n: int, nbytes: int):
+  """``n`` items of ``nbytes`` each: through the arena to an attached consumer."""
+  for i in range(n):
+    yield np.full((nbytes,), i % 251, np.uint8)

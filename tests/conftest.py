@@ -138,6 +138,9 @@ def registry():
   sidecar.set_default_registry(previous)
 
 
+PEER_TOKEN = "test-peer-token"  # what make_server's sidecars present to each other
+
+
 @pytest.fixture
 def make_server(tmp_path):
   """Starts in-process sidecar servers on loopback with the test functions registered."""
@@ -160,6 +163,7 @@ def make_server(tmp_path):
           reg.add(entry.kind, entry.name, entry.fn)
     kw.setdefault("shm_size", 8 << 20)
     kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))
+    kw.setdefault("peer_token", PEER_TOKEN)  # the servers of one test are one job's peers
     opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0,
                                  socket_path=str(tmp_path / f"s{len(servers)}.sock"), **kw)
     server = Server(opts, registry=reg).start()

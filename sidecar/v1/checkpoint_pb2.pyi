@@ -348,26 +348,30 @@ class ReplicaHeader(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
 
 class ReplicaBlock(_message.Message):
-    __slots__ = ("shard", "data")
+    __slots__ = ("shard", "data", "crc32c")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     data: _sidecar_pb2.ArenaRef
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., data: _Optional[_Union[_sidecar_pb2.ArenaRef, _Mapping]] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., data: _Optional[_Union[_sidecar_pb2.ArenaRef, _Mapping]] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class ReplicaPart(_message.Message):
-    __slots__ = ("shard", "dtype", "shape", "offset", "data")
+    __slots__ = ("shard", "dtype", "shape", "offset", "data", "crc32c")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     data: bytes
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
     __slots__ = ("header", "worker_session", "blocks", "part", "done")

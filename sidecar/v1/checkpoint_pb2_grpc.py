@@ -175,7 +175,8 @@ class CheckpointServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Receive(self, request_iterator, context):
-        """Peer replication, sidecar to sidecar: one stream per replica.
+        """Peer replication, sidecar to sidecar: one stream per replica. Only a session whose
+        handshake carried the peer token ("sidecar-peer" metadata) may send one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

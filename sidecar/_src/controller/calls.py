@@ -91,7 +91,15 @@ class Calls:
           rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept, conn))
           raise
     except grpc.RpcError as e:
-      raise protocol.error_from_rpc(e, host=conn.address, host_id=host_id) from None
+      error = protocol.error_from_rpc(e, host=conn.address, host_id=host_id)
+      if not isinstance(error, errors.SessionLostError):
+        raise error from None
+      conn.renew()  # the sidecar lost our session (a flood evicted it): once more, anew
+      left = max(deadline - time.monotonic(), 0.0)
+      try:
+        response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
+      except grpc.RpcError as e2:
+        raise protocol.error_from_rpc(e2, host=conn.address, host_id=host_id) from None
     except ValueError:
       if conn.calls.closed:  # gRPC's "Channel closed!": the controller closed meanwhile
         raise errors.ClosedError(f"call {name!r} on host {host_id}: the connection "
@@ -124,20 +132,40 @@ class Calls:
       out.set_exception(e)
       return out
 
+    deadline = time.monotonic() + timeout
+    renewed = [False]
+
     def done(f: grpc.Future) -> None:
-      held.clear()
       try:
         out.set_result(self.decode(host_id, name, f.result()))
       except grpc.RpcError as e:
-        out.set_exception(protocol.error_from_rpc(e, host=conn.address, host_id=host_id))
+        error = protocol.error_from_rpc(e, host=conn.address, host_id=host_id)
+        if isinstance(error, errors.SessionLostError) and not renewed[0]:
+          renewed[0] = True  # the sidecar lost our session: once more, anew, off gRPC's thread
+          threading.Thread(target=again, name="sidecar-renew", daemon=True).start()
+          return
+        out.set_exception(error)
       except Exception as e:
         out.set_exception(e)
+      held.clear()
 
     def fail(e: BaseException) -> None:
       held.clear()
       out.set_exception(e)
 
-    conn.calls.call(  # the wait for a slot counts toward the timeout
-        lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
-        done=done, fail=fail, timeout=timeout, what=f"call {name!r} on host {host_id}")
+    def send() -> None:
+      conn.calls.call(  # the wait for a slot counts toward the timeout
+          lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
+          done=done, fail=fail, timeout=deadline - time.monotonic(),
+          what=f"call {name!r} on host {host_id}")
+
+    def again() -> None:
+      try:
+        conn.renew()
+      except Exception as e:
+        fail(e)
+        return
+      send()
+
+    send()
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import os
 import socket
 import threading
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import grpc
 
 from sidecar._src.controller import interrupts
-from sidecar._src.core import env, errors
+from sidecar._src.core import env, errors, options as options_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
@@ -209,7 +210,12 @@ _TLS_HINT = ("TLS on both sides or neither: a sidecar with --tls-cert needs tls_
              "or SIDECAR_TLS_CA")
 
 
-def _connect_error(e: grpc.RpcError, address: str, timeout: float) -> errors.SidecarError:
+# Words of gRPC's reason for a connection that failed in its TLS handshake.
+_TLS_WORDS = ("tls", "ssl", "certificate", "handshake")
+
+
+def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
+                   tls: bool) -> errors.SidecarError:
   """The error of a handshake that failed: the connection is the handshake's first step.
 
   The handshake is sent without ``wait_for_ready``, so a connection that cannot be made
@@ -218,6 +224,16 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float) -> errors.Sid
   sidecar) takes the whole ``timeout``.
   """
   code = e.code() if hasattr(e, "code") else None
+  reason = (e.details() or "") if code is not None else ""
+  closed = "socket closed" in reason.lower()
+  if code == grpc.StatusCode.UNAVAILABLE and tls and (
+      closed or any(w in reason.lower() for w in _TLS_WORDS)):
+    # an unknown CA, an expired certificate, a sidecar that wants a client certificate
+    return errors.HostLostError(
+        f"sidecar {address} refused the TLS connection: {reason}"
+        + ("; it closed the handshake: does it want a client certificate (mTLS: tls_cert="
+           "/tls_key=, or SIDECAR_TLS_CLIENT_CERT/_KEY), or not speak TLS at all?"
+           if closed else ""))
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
@@ -251,6 +267,11 @@ class Connection:
                peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S,
                credentials: grpc.ChannelCredentials | None = None):
     self.address = address
+    try:  # as the sidecar refuses at start: no client could ever send it
+      options_lib.check_token(token)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(str(e).replace("token holds", "the token holds", 1)
+                                        ) from None
     options = channel_options(peer_timeout)
     self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
                      else grpc.secure_channel(address, credentials, options=options))
@@ -270,14 +291,14 @@ class Connection:
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)
+    self._timeout = timeout
+    self._renew_lock = threading.Lock()
+    self._renewed = -math.inf  # time.monotonic() of the last renew()
     try:
-      reply = self._handshake(
-          pb.HandshakeRequest(versions=protocol.local_versions(),
-                              client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-          timeout=timeout, metadata=self._auth, wait_for_ready=False)
+      reply = self._shake_hands()
     except grpc.RpcError as e:
       self._channel.close()
-      raise _connect_error(e, address, timeout) from None
+      raise _connect_error(e, address, timeout, tls=credentials is not None) from None
     self.reply = reply
     self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
     ident = reply.identity
@@ -290,6 +311,31 @@ class Connection:
         versions={"protocol": str(reply.versions.protocol), "package": reply.versions.package,
                   "python": reply.versions.python, "numpy": reply.versions.numpy,
                   "jax": reply.versions.jax})
+
+  def _shake_hands(self) -> pb.HandshakeResponse:
+    return self._handshake(
+        pb.HandshakeRequest(versions=protocol.local_versions(),
+                            client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
+        timeout=self._timeout, metadata=self._auth, wait_for_ready=False)
+
+  def renew(self) -> None:
+    """Handshakes again, for a new session: the sidecar lost ours (SessionLostError).
+
+    The calls that failed for it renew at once; one renewal serves them all (a second
+    within a second of the last is skipped: the session is new already).
+
+    Raises:
+      SidecarError: the handshake failed.
+    """
+    with self._renew_lock:
+      if time.monotonic() - self._renewed < 1.0:
+        return
+      try:
+        reply = self._shake_hands()
+      except grpc.RpcError as e:
+        raise protocol.error_from_rpc(e, host=self.address) from None
+      self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
+      self._renewed = time.monotonic()
 
   def close(self) -> None:
     self.calls.close()

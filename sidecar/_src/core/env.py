@@ -19,8 +19,10 @@ The table, by who reads it (``python -c "from sidecar._src import env; print(env
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import stat
 from collections.abc import Mapping
 
 from sidecar._src.core import errors
@@ -92,6 +94,17 @@ TOKEN_FILE = _var(
     "SIDECAR_TOKEN_FILE", "a file holding the bearer token (read if no TOKEN)",
     default="no token", readers=f"{_SERVE} --token-file, Controller, sidecar launch",
     launcher=True)
+CLIENT_TOKENS_FILE = _var(
+    "SIDECAR_CLIENT_TOKENS_FILE", "--client-tokens: a file of per-client tokens, one "
+    "'NAME TOKEN' a line, instead of the shared SIDECAR_TOKEN", default="none: the shared token",
+    readers=_SERVE)
+PEER_TOKEN = _var(
+    "SIDECAR_PEER_TOKEN", "the token sidecars present to their peers; only a session that "
+    "presented it may send replicas", default="SIDECAR_PEER_TOKEN_FILE's content, else none: "
+    "no replicas are accepted", readers=f"{_SERVE}, sidecar launch, LocalCluster (which make one)")
+PEER_TOKEN_FILE = _var(
+    "SIDECAR_PEER_TOKEN_FILE", "a file holding the peer token (read if no PEER_TOKEN)",
+    default="no peer token", readers=f"{_SERVE} --peer-token-file")
 
 # ---- `sidecar serve`: the defaults of its flags (k8s/render.py sets them in the pod) ----
 DEVICE_IDS = _var("SIDECAR_DEVICE_IDS", "--device-ids: the devices of this host, 0,1,...",
@@ -108,6 +121,8 @@ SHM_SIZE = _var("SIDECAR_SHM_SIZE", "--shm-size: the arena's size, e.g. 4GiB",
                 default="1GiB", readers=_SERVE)
 IMPORTS = _var("SIDECAR_IMPORTS", "modules to import, comma-separated, after the --import ones",
                default="none", readers=_SERVE)
+SESSION_QUOTA = _var("SIDECAR_SESSION_QUOTA", "--session-quota: one worker session's share of "
+                     "the arena, a fraction or a size", default="0.9", readers=_SERVE)
 INSECURE = _var("SIDECAR_INSECURE", "1: --insecure, serve a non-loopback --listen without a token",
                 default="0", readers=_SERVE)
 CHECKPOINT_ROOTS = _var(
@@ -236,8 +251,66 @@ def token(token_file: str | None = None, environ: Mapping[str, str] | None = Non
     return None
   with open(token_file) as f:
     text = f.read().strip()
+    _warn_if_readable(f.fileno(), token_file)
   if not text:
     raise errors.InvalidArgumentError(f"token file {token_file!r} is empty; put the token in it")
+  return text
+
+
+def _warn_if_readable(fd: int, path: str) -> None:
+  """Warns where a token file is readable by others, or by a group this process is not in
+  (a Kubernetes fsGroup, which the sidecar shares, is fine)."""
+  st = os.fstat(fd)
+  mine = st.st_gid == os.getgid() or st.st_gid in os.getgroups()
+  if st.st_mode & stat.S_IROTH or (st.st_mode & stat.S_IRGRP and not mine):
+    logging.getLogger(__name__).warning(
+        "token file %s is readable by %s (mode %o): anyone who reads it may use the sidecars; "
+        "chmod 600 %s", path, "everyone" if st.st_mode & stat.S_IROTH else "its group",
+        stat.S_IMODE(st.st_mode), path)
+
+
+def client_tokens(path: str | None) -> tuple[tuple[str, str], ...]:
+  """The ``(name, token)`` pairs of a client tokens file: one ``NAME TOKEN`` a line ('#'
+  starts a comment); ``()`` without a file.
+
+  Raises:
+    OSError: the file cannot be read.
+    InvalidArgumentError: a line is not ``NAME TOKEN``, or the file holds none.
+  """
+  if not path:
+    return ()
+  pairs = []
+  with open(path) as f:
+    _warn_if_readable(f.fileno(), path)
+    for number, line in enumerate(f, 1):
+      words = line.split("#", 1)[0].split()
+      if not words:
+        continue
+      if len(words) != 2:
+        raise errors.InvalidArgumentError(
+            f"{path}:{number}: a line of a client tokens file is 'NAME TOKEN', got "
+            f"{len(words)} words")
+      pairs.append((words[0], words[1]))
+  if not pairs:
+    raise errors.InvalidArgumentError(f"client tokens file {path!r} names no client")
+  return tuple(pairs)
+
+
+def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
+               ) -> str | None:
+  """The peer token in ``token_file``, else ``$SIDECAR_PEER_TOKEN``, else in
+  ``$SIDECAR_PEER_TOKEN_FILE``; raises as :func:`token` does."""
+  if not token_file and get(PEER_TOKEN, environ=environ):
+    return get(PEER_TOKEN, environ=environ)
+  token_file = token_file or get(PEER_TOKEN_FILE, environ=environ)
+  if not token_file:
+    return None
+  with open(token_file) as f:
+    text = f.read().strip()
+    _warn_if_readable(f.fileno(), token_file)
+  if not text:
+    raise errors.InvalidArgumentError(
+        f"peer token file {token_file!r} is empty; put the peer token in it")
   return text
 
 

@@ -12,6 +12,7 @@ The tree::
     ├── CorruptCheckpointError(ValueError)        a stored shard that fails its crc32c or size
     │   └── ShardsLostError                       shards with no live copy and no valid stored one
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
+    ├── SessionLostError                          a handshake session expired or evicted (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
     ├── PermissionDeniedError(PermissionError)    a path outside the checkpoint roots (PERMISSION_DENIED)
     ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
@@ -70,6 +71,11 @@ class ShardsLostError(CorruptCheckpointError):
 
 class VersionMismatchError(SidecarError):
   """Controller, worker and sidecar disagree on versions or registries."""
+
+
+class SessionLostError(SidecarError):
+  """The sidecar no longer knows the caller's handshake session (unused too long, or
+  evicted): handshake again. A Controller does so once, by itself."""
 
 
 class AuthenticationError(SidecarError, PermissionError):

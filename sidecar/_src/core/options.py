@@ -32,6 +32,31 @@ def is_loopback(listen: str) -> bool:
     return False
 
 
+def quota_bytes(quota: float | int, arena: int) -> int:
+  """``session_quota`` in bytes of an arena of ``arena`` bytes."""
+  return max(1, int(arena * quota)) if isinstance(quota, float) else min(int(quota), arena)
+
+
+def check_token(token: str | None, name: str = "token") -> None:
+  """A token travels as gRPC metadata (``Bearer <token>``): visible ASCII, no spaces.
+
+  Raises:
+    ValueError: it is empty or holds anything else (a newline left in a token file, a
+      non-ASCII letter), which no client could ever send: said at start, not as
+      ``INTERNAL: Invalid metadata`` on every call.
+  """
+  if token is None:
+    return
+  if not isinstance(token, str) or not token:
+    raise ValueError(f"{name} must be a non-empty string or None")
+  bad = next((c for c in token if not "!" <= c <= "~"), None)
+  if bad is not None:
+    raise ValueError(
+        f"{name} holds {bad!r} at position {token.index(bad)}: a token must be visible ASCII "
+        "(no spaces, newlines or other letters), as gRPC metadata carries it; write the file "
+        "again with only the token, e.g. `openssl rand -hex 32 > FILE`")
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ServerOptions:
   """How one sidecar serves. Every field has a ``sidecar serve`` flag."""
@@ -44,6 +69,11 @@ class ServerOptions:
   socket_path: str = "/run/sidecar/sidecar.sock"
   shm_size: int = 1 << 30
   token: str | None = None
+  # Per-client tokens instead of the shared one: ((name, token), ...). Each client then
+  # sees and reads only the checkpoint directories it opened (docs/security.md).
+  client_tokens: tuple[tuple[str, str], ...] = ()
+  # What peer sidecars present at the handshake: only their sessions may send replicas.
+  peer_token: str | None = None
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
@@ -55,7 +85,14 @@ class ServerOptions:
   max_streams_per_session: int = 8
   max_sessions: int = 4096
   session_idle_s: float = 86400.0
+  session_evict_s: float = 60.0  # past max_sessions, only a session unused this long is evicted
   max_worker_connections: int = 256
+  # What one worker session may hold of the arena: a fraction of it (0 < f <= 1) or bytes.
+  session_quota: float | int = 0.9
+  # TCP connections the control port keeps at once (more are closed as they come), and how
+  # long a new one may take to say its first HTTP/2 frames (TLS included) before it is.
+  max_connections: int = 2048
+  handshake_timeout_s: float = 10.0
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
@@ -91,8 +128,20 @@ class ServerOptions:
       raise ValueError(f"device_ids must be non-negative ints, got {self.device_ids!r}")
     if not self.socket_path:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
-    if self.token is not None and not self.token.strip():
-      raise ValueError("token must be a non-empty string or None")
+    for name in ("token", "peer_token"):
+      check_token(getattr(self, name), name)
+    if self.client_tokens:
+      if self.token is not None:
+        raise ValueError("token and client_tokens exclude each other: give the shared token "
+                         "(--token-file) or one per client (--client-tokens), not both")
+      names = [n for n, _ in self.client_tokens]
+      for n, t in self.client_tokens:
+        if not isinstance(n, str) or not n or not all(c.isalnum() or c in "._-" for c in n):
+          raise ValueError(f"a client's name is letters, digits, '.', '_' or '-', got {n!r}")
+        check_token(t, f"client {n}'s token")
+      tokens = [t for _, t in self.client_tokens]
+      if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
+        raise ValueError("client_tokens: each client needs a name and a token of its own")
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
                        f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")
@@ -100,8 +149,8 @@ class ServerOptions:
       raise ValueError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and "
                        "--tls-key too")
     # mTLS authenticates every client as a token does.
-    if (self.token is None and self.tls_client_ca is None and not self.insecure
-        and not is_loopback(self.listen)):
+    if (self.token is None and not self.client_tokens and self.tls_client_ca is None
+        and not self.insecure and not is_loopback(self.listen)):
       raise ValueError(
           f"listen {self.listen!r} is not a loopback address and no token is set: anyone who "
           "can reach the port could run functions, feeds and checkpoints here; pass "
@@ -116,12 +165,23 @@ class ServerOptions:
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
     for name in ("max_streams", "max_streams_per_session", "max_sessions",
-                 "max_worker_connections"):
+                 "max_worker_connections", "max_connections"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if (not isinstance(self.handshake_timeout_s, (int, float))
+        or not 0 < self.handshake_timeout_s < float("inf")):
+      raise ValueError(
+          f"handshake_timeout_s must be positive finite seconds, got {self.handshake_timeout_s!r}")
+    if not isinstance(self.session_evict_s, (int, float)) or not self.session_evict_s >= 0:
+      raise ValueError(f"session_evict_s must be seconds >= 0, got {self.session_evict_s!r}")
     if not isinstance(self.session_idle_s, (int, float)) or not self.session_idle_s > 0:
       raise ValueError(f"session_idle_s must be positive seconds, got {self.session_idle_s!r}")
+    q = self.session_quota
+    if (isinstance(q, bool) or not isinstance(q, (int, float))
+        or not (0 < q <= 1 if isinstance(q, float) else q >= 1)):
+      raise ValueError(
+          f"session_quota must be a fraction of the arena in (0, 1] or bytes >= 1, got {q!r}")
     if self.inline_limit < 0 or self.max_message_size < 1 << 16:
       raise ValueError(
           f"inline_limit must be >= 0 and max_message_size >= 65536, got {self.inline_limit!r} "

@@ -20,6 +20,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
+from sidecar._src.host import leases as leases_lib
 from sidecar._src.host.leases import Leases
 from sidecar._src.user import outputs
 from sidecar._src.wire import codec
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 
 Alive = Callable[[], bool]  # whether the caller is still there
 TimeLeft = Callable[[], float | None]  # seconds to its deadline; None without one
+# The longest a request waits for room in the arena, deadline or not: a feed that cannot
+# get room says so (ResourceExhaustedError, with the sizes) instead of blocking for ever.
+ARENA_WAIT_S = 60.0
 
 
 class ArenaIO:
@@ -62,21 +67,44 @@ class ArenaIO:
 
   def alloc(self, nbytes: int, holder: Hashable, alive: Alive, time_left: TimeLeft
             ) -> shm.Block:
-    """Allocates, waiting for space while the caller lives and its deadline allows."""
+    """Allocates, waiting for space while the caller lives and its deadline allows, and
+    at most ``ARENA_WAIT_S`` (a feed or stream has no deadline: another client that
+    holds the arena would block it for ever).
+
+    Raises:
+      ResourceExhaustedError: no room in time, with the sizes asked, free and held.
+    """
     first = time_left()
     # Give up a little before the deadline: the error must reach the caller in time.
     margin = 0.0 if first is None else min(0.5, 0.1 + 0.1 * first)
+    start = time.monotonic()
     while True:
       left = time_left()  # None without a deadline
-      if left is not None:
-        left -= margin
+      left = ARENA_WAIT_S if left is None else left - margin
+      left = min(left, ARENA_WAIT_S - (time.monotonic() - start))
       try:
-        return self.leases.alloc(
-            nbytes, holder, timeout=1.0 if left is None else max(0.0, min(left, 1.0)))
-      except errors.ResourceExhaustedError:
-        if not self.leases.allocator.fits(nbytes) or not alive() or (
-            left is not None and left <= 1.0):
+        return self.leases.alloc(nbytes, holder, timeout=max(0.0, min(left, 1.0)))
+      except errors.ResourceExhaustedError as e:
+        if not self.leases.fits(nbytes, holder) or not alive():
           raise
+        if left <= 1.0:
+          raise self._no_room(nbytes, holder, time.monotonic() - start, e) from None
+
+  def _no_room(self, nbytes: int, holder: Hashable, waited: float,
+               error: errors.ResourceExhaustedError) -> errors.ResourceExhaustedError:
+    if "quota" in str(error):
+      return errors.ResourceExhaustedError(f"{error} (waited {waited:.3g} s)")
+    a = self.leases.allocator
+    by_session, pinned = self.leases.held_bytes()
+    mine = by_session.get(holder, 0) if isinstance(holder, str) else 0
+    others = sum(by_session.values()) - mine
+    fmt = shm.format_size
+    return errors.ResourceExhaustedError(
+        f"the arena is full: no room for {fmt(nbytes)} after waiting {waited:.3g} s: "
+        f"{fmt(a.size - a.used_bytes)} free of {fmt(a.size)}; this caller holds {fmt(mine)}, "
+        f"other worker sessions {fmt(others)}, the sidecar itself {fmt(pinned)} (RAM tier, "
+        "batches in flight); free arrays sooner, lower prefetch, give each session a "
+        f"smaller share ({leases_lib.QUOTA_FLAG}), or raise --shm-size")
 
   def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
              where: str) -> pb.Value:

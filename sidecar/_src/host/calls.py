@@ -38,12 +38,16 @@ class Runner:
     self._lock = threading.Lock()
     self.calls = 0  # calls, streams and feeds whose arguments were accepted
 
-  def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION
-              ) -> tuple[registry_lib.Entry, tuple, dict]:
-    """The registered entry and decoded, signature-checked arguments of a call."""
+  def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION, *,
+              views: list[memoryview] | None = None) -> tuple[registry_lib.Entry, tuple, dict]:
+    """The registered entry and decoded, signature-checked arguments of a call.
+
+    ``views``: the large inline arrays' bytes, where ``codec.strip_arrays`` left them.
+    """
     entry = self.registry.get(kind, request.name)
     view = lambda ref: self.arena_io.view(ref, request.worker_session)
-    budget = codec.Budget()  # one for the request: what it costs to decode is what it sent
+    # One budget for the request: what it costs to decode is what it sent.
+    budget = codec.Budget(views=views or [])
     args = codec.decode(request.args, from_arena=view, where="args", budget=budget)
     kwargs = codec.decode(request.kwargs, from_arena=view, where="kwargs", budget=budget)
     if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
@@ -66,15 +70,17 @@ class Runner:
     """``name`` if it is registered (the metrics' label), else ``<unregistered>``."""
     return name if self.registry.has(kind, name) else metrics_lib.UNREGISTERED
 
-  def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
+  def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft,
+           views: list[memoryview] | None = None) -> pb.Value:
     """Runs a unary call; its result, encoded (large arrays leased to its worker)."""
     if not self.metrics.enabled:
-      return self._call(request, alive=alive, time_left=time_left)
+      return self._call(request, alive=alive, time_left=time_left, views=views)
     with measured(self.metrics, "call", self.label(registry_lib.FUNCTION, request.name)):
-      return self._call(request, alive=alive, time_left=time_left)
+      return self._call(request, alive=alive, time_left=time_left, views=views)
 
-  def _call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft) -> pb.Value:
-    entry, args, kwargs = self.prepare(request)
+  def _call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft,
+            views: list[memoryview] | None = None) -> pb.Value:
+    entry, args, kwargs = self.prepare(request, views=views)
     with self.arena_io.allocating(alive, time_left):
       result = entry.fn(*args, **kwargs)
     return self.arena_io.encode(result, request.worker_session, alive=alive,

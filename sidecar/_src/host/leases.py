@@ -10,20 +10,32 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
 
+QUOTA_FLAG = "--session-quota"
+# What one worker session may hold of the arena by default: the rest stays for the others.
+DEFAULT_QUOTA = 0.9
+
 
 class Leases:
-  """Reference-counted holders over a :class:`shm.Allocator`."""
+  """Reference-counted holders over a :class:`shm.Allocator`.
 
-  def __init__(self, allocator: shm.Allocator):
+  ``quota``: the most bytes one worker session (a ``str`` holder) may allocate while it
+  holds what it has: so no client takes the whole arena from the others. None: no quota.
+  """
+
+  def __init__(self, allocator: shm.Allocator, *, quota: int | None = None):
     self.allocator = allocator
+    self.quota = quota
     self._lock = threading.Lock()
+    self._freed = threading.Condition(self._lock)  # a block let go of: a quota may have room
     self._holders: dict[int, tuple[shm.Block, set[Hashable]]] = {}
     self._by_holder: dict[Hashable, set[int]] = {}
+    self._bytes: dict[Hashable, int] = {}  # bytes each holder holds
     self._pins = itertools.count()
 
   def new_pin(self) -> tuple[str, int]:
@@ -31,11 +43,59 @@ class Leases:
     return ("pin", next(self._pins))
 
   def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None) -> shm.Block:
-    block = self.allocator.alloc(nbytes, timeout=timeout)
+    """A new block held by ``holder``, waiting up to ``timeout`` s (None: for ever) for
+    room in the arena, and in ``holder``'s quota if it is a worker session.
+
+    Raises:
+      ResourceExhaustedError: no room in time; the message gives the sizes.
+    """
+    if not self.fits(nbytes, holder):
+      self._never_fits(nbytes)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if self.quota is not None and isinstance(holder, str):
+      with self._lock:
+        while self._bytes.get(holder, 0) + nbytes > self.quota:
+          left = None if deadline is None else deadline - time.monotonic()
+          if left is not None and left <= 0:
+            raise self._past_quota(nbytes, holder)
+          self._freed.wait(left)
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    block = self.allocator.alloc(nbytes, timeout=left)
     with self._lock:
       self._holders[block.offset] = (block, {holder})
       self._by_holder.setdefault(holder, set()).add(block.offset)
+      self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
     return block
+
+  def fits(self, nbytes: int, holder: Hashable) -> bool:
+    """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
+    within its quota if it is a worker session."""
+    return self.allocator.fits(nbytes) and (
+        self.quota is None or not isinstance(holder, str) or nbytes <= self.quota)
+
+  def _never_fits(self, nbytes: int) -> None:
+    self.allocator.alloc(nbytes, timeout=0)  # raises at once if it cannot fit the arena
+    fmt = shm.format_size
+    raise errors.ResourceExhaustedError(
+        f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit a worker session's quota of "
+        f"{fmt(self.quota or 0)} (of an arena of {fmt(self.allocator.size)}: sidecar serve "
+        f"{QUOTA_FLAG}); raise the quota or --shm-size")
+
+  def _past_quota(self, nbytes: int, holder: str) -> errors.ResourceExhaustedError:
+    fmt, a = shm.format_size, self.allocator
+    free = a.size - a.used_bytes
+    full = (f"; the arena is full too ({fmt(free)} free of {fmt(a.size)})"
+            if free < nbytes else "")
+    return errors.ResourceExhaustedError(
+        f"worker session {holder} holds {fmt(self._bytes.get(holder, 0))} of the arena; "
+        f"{fmt(nbytes)} more would pass its quota of {fmt(self.quota or 0)} (of "
+        f"{fmt(a.size)}: sidecar serve {QUOTA_FLAG}){full}; free arrays sooner, or raise "
+        "the quota" + (" or --shm-size" if full else ""))
+
+  def bytes_of(self, holder: Hashable) -> int:
+    """The bytes of the blocks ``holder`` holds."""
+    with self._lock:
+      return self._bytes.get(holder, 0)
 
   def hold(self, offset: int, generation: int, holder: Hashable) -> shm.Block:
     """Adds ``holder`` to a live block; StaleDescriptorError if it is gone."""
@@ -45,6 +105,8 @@ class Leases:
         raise errors.StaleDescriptorError(
             f"arena block at offset {offset} generation {generation} is not allocated "
             "(released or reused since the descriptor was made)")
+      if holder not in entry[1]:
+        self._bytes[holder] = self._bytes.get(holder, 0) + entry[0].nbytes
       entry[1].add(holder)
       self._by_holder.setdefault(holder, set()).add(offset)
       return entry[0]
@@ -70,6 +132,8 @@ class Leases:
         raise errors.InvalidArgumentError(
             f"nbytes {nbytes} does not fit the arena block at offset {offset}, "
             f"which has {block.nbytes} bytes")
+      if holder not in entry[1]:
+        self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
       entry[1].add(holder)
       self._by_holder.setdefault(holder, set()).add(offset)
       return block
@@ -100,6 +164,13 @@ class Leases:
 
   def _drop(self, offset: int, holder: Hashable) -> None:
     block, holders = self._holders[offset]
+    if holder in holders:
+      left = self._bytes.get(holder, 0) - block.nbytes
+      if left > 0:
+        self._bytes[holder] = left
+      else:
+        self._bytes.pop(holder, None)
+      self._freed.notify_all()
     holders.discard(holder)
     mine = self._by_holder.get(holder)
     if mine is not None:

@@ -130,45 +130,79 @@ class CheckpointSlots(Slots):
             f"limit of one session ({self.per_session}); wait for those in flight")
 
 
+# A session used this recently is never evicted to make room for a new one.
+EVICT_IDLE_S = 60.0
+
+
 class Sessions:
   """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
 
-  Every use refreshes a session. Past ``limit`` the one unused the longest goes: only a
-  flood of handshakes makes that happen, and then to a session idle through all of it.
+  Every use refreshes a session. Past ``limit`` the one unused the longest goes, if it
+  was unused for ``evict_idle_s`` at least; else the new handshake is refused
+  (RESOURCE_EXHAUSTED): a flood of handshakes never evicts a session in use.
   """
 
-  def __init__(self, *, idle_s: float, limit: int,
+  def __init__(self, *, idle_s: float, limit: int, evict_idle_s: float = EVICT_IDLE_S,
                clock: Callable[[], float] = time.monotonic):
     self.idle_s, self.limit = idle_s, limit
+    self.evict_idle_s = min(evict_idle_s, idle_s)
     self._clock = clock
     self._lock = threading.Lock()
     self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
+    self._peers: set[str] = set()  # sessions of peer sidecars (they presented the peer token)
+    self._clients: dict[str, str] = {}  # session -> client name, with per-client tokens
     self.expired = 0  # sessions dropped, idle or evicted
 
-  def new(self) -> str:
-    session = "c-" + secrets.token_hex(16)
+  def new(self, *, peer: bool = False, client: str | None = None) -> str:
+    """A new session; ``peer``: a peer sidecar's, which may send replicas; ``client``: the
+    name of the client whose token made it (per-client tokens)."""
+    session = ("p-" if peer else "c-") + secrets.token_hex(16)
     with self._lock:
       now = self._clock()
       self._sweep(now)
-      while len(self._last) >= self.limit:
-        self._last.popitem(last=False)
-        self.expired += 1
+      if len(self._last) >= self.limit:
+        oldest, last = next(iter(self._last.items()))
+        if now - last < self.evict_idle_s:
+          raise errors.BusyError(
+              f"this sidecar keeps {self.limit} handshake sessions (max_sessions), every one "
+              f"used in the last {self.evict_idle_s:.0f} s; handshake again later, or raise "
+              "max_sessions")
+        self._drop(oldest)
       self._last[session] = now
+      if peer:
+        self._peers.add(session)
+      if client is not None:
+        self._clients[session] = client
     return session
+
+  def _drop(self, session: str) -> None:
+    del self._last[session]
+    self._peers.discard(session)
+    self._clients.pop(session, None)
+    self.expired += 1
 
   def _sweep(self, now: float) -> None:
     while self._last:
       oldest, last = next(iter(self._last.items()))
       if now - last < self.idle_s:
         return
-      del self._last[oldest]
-      self.expired += 1
+      self._drop(oldest)
+
+  def client(self, session: object) -> str | None:
+    """The client name of ``session`` (per-client tokens), else None."""
+    with self._lock:
+      return self._clients.get(session) if isinstance(session, str) else None
+
+  def is_peer(self, session: object) -> bool:
+    """Whether ``session`` is a live peer sidecar's."""
+    with self._lock:
+      return isinstance(session, str) and session in self._peers
 
   def touch(self, session: object) -> bool:
     """Refreshes ``session`` if it is live; whether it was."""
     try:
       self.use(session)
-    except errors.VersionMismatchError:
+    except errors.SessionLostError:
       return False
     return True
 
@@ -176,7 +210,7 @@ class Sessions:
     """Refreshes ``session``.
 
     Raises:
-      VersionMismatchError: it is unknown, or expired (FAILED_PRECONDITION: handshake again).
+      SessionLostError: it is unknown, or expired (FAILED_PRECONDITION: handshake again).
     """
     with self._lock:
       now = self._clock()
@@ -186,11 +220,52 @@ class Sessions:
         self._last.move_to_end(session)
         return
       self._sweep(now)
-    raise errors.VersionMismatchError(
-        f"no live handshake session {session!r} (none was made, or it was unused for "
-        f"{self.idle_s:.0f} s or evicted by {self.limit} newer ones); call Handshake first "
-        "and send its session as metadata 'sidecar-session'")
+    raise errors.SessionLostError(
+        f"no live handshake session {session!r:.100} (none was made, or it was unused for "
+        f"{self.idle_s:.0f} s, or for {self.evict_idle_s:.0f} s and evicted by a newer one); "
+        "call Handshake first and send its session as metadata 'sidecar-session'")
 
   def __len__(self) -> int:
     with self._lock:
       return len(self._last)
+
+
+# Bytes of large inline requests (those with arrays left in their wire bytes) being decoded
+# at once: each costs about its size again while its arrays are copied out, so together
+# they cost at most this (one larger request still runs, alone).
+INLINE_BYTES_IN_FLIGHT = 256 << 20
+
+
+class InlineBytes:
+  """At most ``limit`` bytes of large inline requests decoded at once; the others wait,
+  within their deadline."""
+
+  def __init__(self, limit: int = INLINE_BYTES_IN_FLIGHT):
+    self.limit = limit
+    self._cv = threading.Condition()
+    self._held = 0
+
+  @contextlib.contextmanager
+  def hold(self, nbytes: int, timeout: float | None) -> Iterator[None]:
+    """Holds ``nbytes`` of the budget while the block runs.
+
+    Raises:
+      BusyError: no room within ``timeout`` seconds (None: wait as long as it takes).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._cv:
+      while self._held and self._held + nbytes > self.limit:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise errors.BusyError(
+              f"this sidecar is decoding {self._held} bytes of inline requests, its limit "
+              f"({self.limit}, limits.INLINE_BYTES_IN_FLIGHT); pass large arrays through a "
+              "Worker's arena, or retry")
+        self._cv.wait(left)
+      self._held += nbytes
+    try:
+      yield
+    finally:
+      with self._cv:
+        self._held -= nbytes
+        self._cv.notify_all()

@@ -26,6 +26,8 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar._src.host import metrics_server
+
 log = logging.getLogger(__name__)
 
 UNREGISTERED = "<unregistered>"
@@ -112,7 +114,7 @@ class Metrics(Recorder):
     self._restored: dict[str, int] = {}
     self._phases: dict[str, list] = {}
     self.registry.register(_Collector(snapshot, self))
-    self._http: Any = None  # a wsgiref server
+    self._http: Any = None  # a metrics_server server
     self._thread: threading.Thread | None = None
     self.port = 0
 
@@ -160,8 +162,7 @@ class Metrics(Recorder):
     """
     addr = listen.strip("[]")
     try:
-      self._http, self._thread = exposition.start_http_server(port, addr=addr,
-                                                              registry=self.registry)
+      self._http, self._thread = metrics_server.serve(self.registry, addr, port)
     except OSError as e:
       raise OSError(f"cannot serve metrics on {listen}:{port} ({e.strerror or e}); pick "
                     f"another {FLAG} (0 picks a free one)") from None

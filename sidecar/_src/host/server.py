@@ -6,12 +6,12 @@ Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
 from __future__ import annotations
 
 import enum
-import hmac
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -28,7 +28,7 @@ from sidecar._src.host.checkpoint.host import CheckpointHost
 from sidecar._src.host.checkpoint.service import CheckpointService
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import CHECKPOINT_THREADS, CallSlots, Sessions, StreamSlots
-from sidecar._src.host.service import Service
+from sidecar._src.host.service import Service, client_of
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
@@ -41,6 +41,27 @@ log = logging.getLogger(__name__)
 # Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
 # to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
 KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
+# The health port answers the kubelet, which opens a connection per probe: a few at once,
+# each closed when idle this long. A flood of idle connections takes these, no more.
+HEALTH_CONNECTIONS = 64
+HEALTH_IDLE_S = 30.0
+# The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
+# connection caps together stay well below it.
+NOFILE = 65536
+
+
+def _raise_nofile() -> int:
+  """Raises the soft RLIMIT_NOFILE toward ``NOFILE`` (never past the hard limit); returns it."""
+  import resource
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
+  if soft != resource.RLIM_INFINITY and soft < want:
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+      soft = want
+    except (ValueError, OSError) as e:
+      log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
+  return soft
 
 
 class State(enum.Enum):
@@ -50,10 +71,11 @@ class State(enum.Enum):
 
 
 class _TokenAuth(grpc.ServerInterceptor):
-  """Refuses every RPC without ``authorization: Bearer <token>``."""
+  """Refuses every RPC without ``authorization: Bearer <token>``, of one of ``tokens``
+  (``{b"Bearer <token>": client name}``)."""
 
-  def __init__(self, token: str):
-    self._expected = f"Bearer {token}".encode()
+  def __init__(self, tokens: dict[bytes, str]):
+    self._tokens = tokens
 
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -62,11 +84,7 @@ class _TokenAuth(grpc.ServerInterceptor):
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
   def intercept_service(self, continuation, handler_call_details):
-    meta = dict(handler_call_details.invocation_metadata or ())
-    given = meta.get(protocol.AUTH_KEY) or ""
-    given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
-    # Constant time: how long the check takes says nothing of how much of a guess was right.
-    if not hmac.compare_digest(given, self._expected):
+    if client_of(self._tokens, handler_call_details.invocation_metadata) is None:
       return self._deny
     return continuation(handler_call_details)
 
@@ -81,10 +99,43 @@ def _tls_credentials(o: options_lib.ServerOptions) -> grpc.ServerCredentials | N
         return f.read()
     except OSError as e:
       raise OSError(e.errno, f"cannot read {flag} {path}: {e.strerror}") from None
+  _check_tls_files(o.tls_cert, o.tls_key, o.tls_client_ca)
   ca = None if o.tls_client_ca is None else read(o.tls_client_ca, "--tls-client-ca")
   return grpc.ssl_server_credentials(
       [(read(o.tls_key, "--tls-key"), read(o.tls_cert, "--tls-cert"))], root_certificates=ca,
       require_client_auth=ca is not None)
+
+
+def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+  """Says at start what gRPC would only report as "cannot listen": a key that is not the
+  certificate's, a CA file that holds no certificate; warns of a certificate expired.
+
+  Raises:
+    OSError: naming the file, the flag and OpenSSL's reason.
+  """
+  import ssl
+  try:
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+  except (ssl.SSLError, OSError) as e:
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+    what = ("the key does not match the certificate" if "MISMATCH" in str(e)
+            else f"they cannot be loaded: {reason}")
+    raise OSError(f"--tls-cert {cert} and --tls-key {key}: {what}; give the certificate "
+                  "chain (PEM) and its own private key") from None
+  if client_ca is not None:
+    try:
+      ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(client_ca)
+    except (ssl.SSLError, OSError) as e:
+      raise OSError(f"--tls-client-ca {client_ca} holds no CA certificate ({e}); give the "
+                    "PEM certificate of the CA that signs the clients' certificates") from None
+  try:
+    decoded = ssl._ssl._test_decode_cert(cert)  # type: ignore[attr-defined]  # no public way
+    not_after = ssl.cert_time_to_seconds(decoded["notAfter"])
+  except (ssl.SSLError, OSError, KeyError, ValueError, AttributeError):
+    return
+  if not_after < time.time():
+    log.warning("--tls-cert %s expired on %s: clients will refuse it; renew the certificate",
+                cert, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after)))
 
 
 class Server:
@@ -126,59 +177,90 @@ class Server:
   def _start(self) -> None:
     o = self.options
     preflight.check(o)  # the socket's and checkpoints' mounts, before the arena takes seconds
-    if o.token is None and not options_lib.is_loopback(o.listen):
+    if o.token is None and not o.client_tokens and not options_lib.is_loopback(o.listen):
       log.warning(
           "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "
           "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     self.arena = shm.Arena.create(o.shm_size)
-    self.leases = Leases(shm.Allocator(self.arena.size))
+    self.leases = Leases(shm.Allocator(self.arena.size),
+                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size))
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
     self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
-        o.host_id, token=o.token, roots=o.checkpoint_roots, metrics=self.metrics,
+        o.host_id, token=o.peer_token if o.client_tokens else o.token, peer_token=o.peer_token, roots=o.checkpoint_roots,
+        metrics=self.metrics,
         peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
-                                  self.stream_runner, max_connections=o.max_worker_connections)
-    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions)
+                                  self.stream_runner, max_connections=o.max_worker_connections,
+                                  on_dead=self._listener_dead)
+    # The tokens a client may present: the shared one, or one per client (named).
+    tokens = ({f"Bearer {t}".encode(): n for n, t in o.client_tokens} if o.client_tokens
+              else {f"Bearer {o.token}".encode(): ""} if o.token else {})
+    if o.client_tokens and o.peer_token:  # the peer sidecars authenticate with theirs
+      tokens[f"Bearer {o.peer_token}".encode()] = ""
+    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
+                        evict_idle_s=o.session_evict_s)
     self.service = Service(runner=self.runner, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
                            checkpoints=self.checkpoints.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
-                           calls=CallSlots(o.threads))
+                           calls=CallSlots(o.threads), peer_token=o.peer_token,
+                           clients=tokens if o.client_tokens else {},
+                           opened=self.checkpoints.opened_by)
+    handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
+    nofile = _raise_nofile()
+    if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
+      log.warning("the descriptor limit (%d) is below twice the connections this sidecar "
+                  "keeps (max_connections=%d, health %d, worker socket %d): a flood of them "
+                  "could leave none; raise `ulimit -n`", nofile, o.max_connections,
+                  HEALTH_CONNECTIONS, o.max_worker_connections)
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
-           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
+           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS,
+           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake]
     self._grpc = grpc.server(
         # Streams and checkpoint rpcs have budgets of their own: streams that never send
         # a credit, or saves that wait on a slow disk, cannot take the threads of
         # handshakes, calls and status.
         futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
                                    thread_name_prefix="sidecar-rpc"),
-        options=msg, interceptors=[_TokenAuth(o.token)] if o.token else [])
+        options=msg, interceptors=[_TokenAuth(tokens)] if tokens else [])
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
-                                   sessions=sessions, metrics=self.metrics)
+                                   sessions=sessions, metrics=self.metrics,
+                                   per_client=bool(o.client_tokens))
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
     self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
     self._grpc.start()
     self._health = health.HealthServicer()
-    self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
+        handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
     health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
     self.health_port = self._bind(self._health_grpc, o.listen, o.health_port, "health_port")
     self._health_grpc.start()
     if isinstance(self.metrics, metrics_lib.Metrics):
       assert o.metrics_port is not None
       self.metrics_port = self.metrics.serve(o.listen, o.metrics_port)
+    status = (health_pb2.HealthCheckResponse.SERVING if self.workers.alive
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", protocol.SERVICE):
-      self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+      self._health.set(name, status)
+
+  def _listener_dead(self, error: BaseException) -> None:
+    """A listener the sidecar needs is gone for good: health says so, the kubelet restarts."""
+    health = getattr(self, "_health", None)
+    if health is not None:
+      for name in ("", protocol.SERVICE):
+        health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
   def _snapshot(self) -> metrics_lib.Snapshot:
     """What ``/metrics`` reads when scraped."""

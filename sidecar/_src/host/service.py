@@ -7,7 +7,9 @@ leaves through ``protocol.abort``, the one place exceptions become statuses.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,14 @@ from sidecar._src.core import errors
 from sidecar._src.host.calls import Runner
 from sidecar._src.host.credits import Credits
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import CallSlots, Sessions, Slots, StreamSlots, check_prefetch
+from sidecar._src.host.limits import (
+  CallSlots,
+  InlineBytes,
+  Sessions,
+  Slots,
+  StreamSlots,
+  check_prefetch,
+)
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
 from sidecar._src.wire import codec, protocol
@@ -33,15 +42,32 @@ log = logging.getLogger(__name__)
 CREDITS_JOIN_S = 0.1
 
 
-def parse(cls, raw: bytes):
+def parse(cls, raw: bytes, *, counted: bool = False):
   """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
-  ResourceExhaustedError for more values than a request may hold, before parsing)."""
-  codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
+  ResourceExhaustedError for more values than a request may hold, before parsing, unless
+  ``counted`` already)."""
+  if not counted:
+    codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
   try:
     return cls.FromString(raw)
   except (pb_message.DecodeError, RuntimeError) as e:
+    deep = (f"; values nest at most {codec.MAX_DEPTH} levels (codec.MAX_DEPTH)"
+            if "MaxDepth" in str(e) else "")
     raise errors.InvalidArgumentError(
-        f"malformed {cls.__name__} ({len(raw)} bytes): {e}") from None
+        f"malformed {cls.__name__} ({len(raw)} bytes): {e}{deep}") from None
+
+
+def client_of(tokens: dict[bytes, str], metadata) -> str | None:
+  """The name of the client whose token ``metadata`` carries, compared in constant time
+  with every token (how long it takes says nothing of which one came close)."""
+  meta = dict(metadata or ())
+  given = meta.get(protocol.AUTH_KEY) or ""
+  given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+  found = None
+  for expected, name in tokens.items():
+    if hmac.compare_digest(given, expected):
+      found = name
+  return found
 
 
 class Service:
@@ -52,8 +78,15 @@ class Service:
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
-               calls: Slots | None = None):
+               calls: Slots | None = None, peer_token: str | None = None,
+               clients: dict[bytes, str] | None = None,
+               opened: Callable[[str], set[str]] | None = None):
     self._runner = runner
+    # Per-client tokens ({b"Bearer <token>": name}); empty: the shared token, or none.
+    self._clients = clients or {}
+    self._opened = opened  # the checkpoint directories a client opened
+    # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
+    self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
     self._stream_runner = stream_runner
     self._identity = identity
     self._arena_size = arena_size
@@ -63,6 +96,7 @@ class Service:
     self._sessions = Sessions(idle_s=86400.0, limit=4096) if sessions is None else sessions
     self._streams = StreamSlots(total=16, per_session=8) if streams is None else streams
     self._calls = CallSlots(threads=32) if calls is None else calls
+    self._inline = InlineBytes()
     self._lock = threading.Lock()
     self._started = time.monotonic()
 
@@ -86,9 +120,9 @@ class Service:
   @staticmethod
   def _log(e: Exception, what: str) -> None:
     if isinstance(e, errors.SidecarError):
-      log.info("%s: %s: %s", what, type(e).__name__, e)
+      log.info("%s: %s: %s", what, type(e).__name__, protocol.for_log(e))
     else:
-      log.warning("%s raised %s: %s", what, type(e).__name__, e)
+      log.warning("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e))
 
   def _guard(self, fn: Callable[[bytes, grpc.ServicerContext], Any]):
     def handle(raw: bytes, context: grpc.ServicerContext):
@@ -110,7 +144,7 @@ class Service:
 
   def _require_session(self, context: grpc.ServicerContext) -> str:
     session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
-    self._sessions.use(session)  # VersionMismatchError if unknown or expired
+    self._sessions.use(session)  # SessionLostError if unknown or expired
     return str(session)
 
   def handshake(self, raw: bytes, context: grpc.ServicerContext) -> pb.HandshakeResponse:
@@ -121,11 +155,25 @@ class Service:
       raise errors.VersionMismatchError(
           f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
-    session = self._sessions.new()
+    session = self._sessions.new(peer=self._is_peer(context), client=self._client(context))
     return pb.HandshakeResponse(
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
+
+  def _client(self, context: grpc.ServicerContext) -> str | None:
+    """The client whose token the call carries (per-client tokens), else None."""
+    if not self._clients:
+      return None
+    return client_of(self._clients, context.invocation_metadata())
+
+  def _is_peer(self, context: grpc.ServicerContext) -> bool:
+    """Whether the handshake carries the peer token (compared in constant time)."""
+    given = dict(context.invocation_metadata()).get(protocol.PEER_KEY)
+    if self._peer is None or given is None:
+      return False
+    given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+    return hmac.compare_digest(given, self._peer)
 
   def registry_entries(self) -> list[pb.RegistryEntry]:
     return [pb.RegistryEntry(kind=e.kind, name=e.name, code_hash=e.code_hash)
@@ -134,9 +182,15 @@ class Service:
   def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
     # The slot first, as for streams: parsing a big request takes a while, on its thread.
     with self._calls.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
-      request = parse(pb.CallRequest, raw)
-      return pb.CallResponse(result=self._runner.call(
-          request, alive=context.is_active, time_left=context.time_remaining))
+      codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
+                                what=f"a CallRequest of {len(raw)} bytes")
+      # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
+      stripped, views = codec.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+      request = parse(pb.CallRequest, stripped, counted=True)
+      inline = len(raw) if views else 0  # what decoding it costs again, until it returns
+      with self._inline.hold(inline, context.time_remaining()):
+        return pb.CallResponse(result=self._runner.call(
+            request, alive=context.is_active, time_left=context.time_remaining, views=views))
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
@@ -172,7 +226,15 @@ class Service:
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
         calls=self._runner.calls, feeds=self._stream_runner.feeds(),
-        checkpoints=self._checkpoints())
+        checkpoints=self._visible_checkpoints(context))
+
+  def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:
+    """Every checkpoint directory; with per-client tokens, those the caller opened only."""
+    client = self._client(context)
+    if client is None or self._opened is None:
+      return self._checkpoints()
+    mine = self._opened(client)
+    return [c for c in self._checkpoints() if os.path.realpath(c.directory) in mine]
 
 
 def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:

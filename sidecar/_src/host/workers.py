@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -35,6 +36,13 @@ log = logging.getLogger(__name__)
 # A new connection must send its first frame within this: one that says nothing would
 # hold its thread (and a connection slot) for ever.
 FIRST_FRAME_S = 10.0
+# accept() errors that pass: out of descriptors (a flood of idle connections on another
+# port), of buffers, of memory, or a client that left before it was accepted. The loop
+# waits this long and accepts again; only close() ends it.
+_PASSING = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                      errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
+ACCEPT_RETRY_S = 0.1
+_LOG_EVERY_S = 10.0  # a passing accept error is logged at most this often
 
 
 class WorkerListener:
@@ -42,8 +50,11 @@ class WorkerListener:
 
   def __init__(self, path: str, arena: shm.Arena, leases: Leases,
                hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
-               max_connections: int = 256):
+               max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
+                   lambda e: None)):
     self.path = path
+    self._on_dead = on_dead  # told if accepting fails for good (the health goes NOT_SERVING)
+    self._stop = threading.Event()
     self.max_connections = max_connections
     # Open connections of any kind, each with its thread: close() ends and joins them.
     self._connections: dict[socket.socket, threading.Thread] = {}
@@ -86,12 +97,32 @@ class WorkerListener:
     with self._lock:
       return len(self._sessions)
 
+  @property
+  def alive(self) -> bool:
+    """Whether the socket still accepts workers (until close(), unless accepting broke)."""
+    return self._thread.is_alive() and not self._stop.is_set()
+
   def _accept_loop(self) -> None:
-    while True:
+    """Accepts until close(): an error that passes (EMFILE, ...) is logged and waited out."""
+    logged = -_LOG_EVERY_S
+    while not self._stop.is_set():
       try:
         conn, _ = self._sock.accept()
-      except OSError:
-        return  # closed
+      except OSError as e:
+        if self._stop.is_set():
+          return  # closed
+        if e.errno not in _PASSING:
+          log.error("worker socket %s: accept failed (%s): no worker can attach any more; "
+                    "restart the sidecar", self.path, e)
+          self._on_dead(e)
+          return
+        if time.monotonic() - logged >= _LOG_EVERY_S:
+          logged = time.monotonic()
+          log.warning("worker socket %s: accept failed (%s); retrying every %.1f s (too many "
+                      "open connections on this sidecar's ports?)", self.path, e,
+                      ACCEPT_RETRY_S)
+        self._stop.wait(ACCEPT_RETRY_S)
+        continue
       thread = threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
                                 daemon=True)
       with self._lock:
@@ -101,7 +132,13 @@ class WorkerListener:
       if full:
         self._refuse(conn)
         continue
-      thread.start()
+      try:
+        thread.start()
+      except RuntimeError as e:  # no thread to be had: this one connection is refused
+        with self._lock:
+          self._connections.pop(conn, None)
+        log.warning("worker socket: cannot start a thread for a connection (%s)", e)
+        conn.close()
 
   def _refuse(self, conn: socket.socket) -> None:
     """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
@@ -169,7 +206,14 @@ class WorkerListener:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
                                lambda freed: self._free(session, freed))
-      alive = lambda: self.has_session(session)
+      producer = threading.get_ident()
+
+      def alive() -> bool:
+        # A producer that waits for arena room reads no credit frames, so it reads them
+        # here: the consumer's frees may be what makes room, and its close ends the wait.
+        if threading.get_ident() == producer:
+          credits.drain()
+        return self.has_session(session) and not credits.closed
       # Blocks of the last items sent, those not yet reported taken (items are taken in
       # order); once taken, the worker holds (and frees) them. Those never taken come
       # back here when the consumer closes the stream.
@@ -198,7 +242,7 @@ class WorkerListener:
       return
     except Exception as e:
       log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
-              "stream: %s: %s", type(e).__name__, e)
+              "stream: %s: %s", type(e).__name__, protocol.for_log(e))
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
     with contextlib.suppress(OSError):
       ipc.send_bytes(conn, end.SerializeToString())
@@ -243,7 +287,11 @@ class WorkerListener:
         return
       self._closed = True
       conns = dict(self._connections)
+    self._stop.set()
+    with contextlib.suppress(OSError):
+      self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() in flight (Linux)
     self._sock.close()
+    self._thread.join(timeout=2.0)
     for conn in conns:
       with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)

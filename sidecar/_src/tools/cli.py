@@ -46,6 +46,18 @@ def _size(text: str) -> int:
     raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _quota(text: str) -> float | int:
+  """``--session-quota``: a fraction of the arena (``0.5``) or a size (``2GiB``)."""
+  try:
+    share = float(text)
+  except ValueError:
+    return _size(text)
+  if not 0 < share <= 1:
+    raise argparse.ArgumentTypeError(
+        f"a share of the arena must be in (0, 1] (or a size such as 2GiB), got {text!r}")
+  return share
+
+
 def _import_from_cwd() -> None:
   """Puts the working directory first on sys.path, as ``python -m`` does.
 
@@ -72,19 +84,22 @@ def _serve(args: argparse.Namespace) -> int:
       m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
+    peer_token = env_lib.peer_token(args.peer_token_file)
+    client_tokens = env_lib.client_tokens(args.client_tokens)
   except (OSError, errors.InvalidArgumentError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
   # Loopback unless a token guards the ports: then every interface, so peers reach it.
-  listen = args.listen or (options_lib.ALL_INTERFACES if token else options_lib.LOOPBACK)
+  listen = args.listen or (options_lib.ALL_INTERFACES if token or client_tokens
+                           else options_lib.LOOPBACK)
   try:
     opts = options_lib.ServerOptions(
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
-        insecure=args.insecure, imports=tuple(imports),
+        peer_token=peer_token, client_tokens=client_tokens, insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, session_quota=args.session_quota,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
@@ -301,6 +316,21 @@ def parser() -> argparse.ArgumentParser:
                  help="file holding the token every controller must present "
                       "(default: $SIDECAR_TOKEN_FILE; $SIDECAR_TOKEN gives the token itself; "
                       "else no token, loopback only)")
+  s.add_argument("--client-tokens", default=_env(env_lib.CLIENT_TOKENS_FILE), metavar="FILE",
+                 help="instead of one shared token: a file of per-client tokens, one 'NAME "
+                      "TOKEN' a line; each client then sees and reads only the checkpoint "
+                      "directories it opened (default: $SIDECAR_CLIENT_TOKENS_FILE, else the "
+                      "shared token of --token-file)")
+  s.add_argument("--peer-token-file", default=_env(env_lib.PEER_TOKEN_FILE), metavar="FILE",
+                 help="file holding the token this job's sidecars present to each other: "
+                      "only they may send replicas, never a controller (default: "
+                      "$SIDECAR_PEER_TOKEN_FILE; $SIDECAR_PEER_TOKEN gives it itself; else "
+                      "none: no replicas are accepted)")
+  s.add_argument("--session-quota", type=_quota, metavar="SHARE",
+                 default=_quota(_env(env_lib.SESSION_QUOTA, "0.9")),
+                 help="what one worker session may hold of the arena: a fraction (0.5) or a "
+                      "size (2GiB), so no client takes all of it "
+                      + _from_env(env_lib.SESSION_QUOTA, "0.9"))
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")

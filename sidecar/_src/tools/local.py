@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -90,6 +91,8 @@ class LocalCluster:
     self.shm_size = shm.parse_size(shm_size)
     self.imports = tuple(imports)
     self.token = token
+    # The sidecars' own secret: only sessions that present it may send replicas.
+    self._peer_token = secrets.token_hex(16)
     self.start_timeout = start_timeout
     self._configure_jax = configure_jax
     self._extra_args = tuple(extra_args)
@@ -144,6 +147,8 @@ class LocalCluster:
     if self.token:
       env[env_lib.TOKEN] = self.token
     env.pop(env_lib.TOKEN_FILE, None)
+    env[env_lib.PEER_TOKEN] = self._peer_token
+    env.pop(env_lib.PEER_TOKEN_FILE, None)
     if not self._assign_device_ids:
       env.pop(env_lib.DEVICE_IDS, None)  # `sidecar serve` would read it as --device-ids
     log = open(self._path(h, "log"), "ab")  # a restarted host appends

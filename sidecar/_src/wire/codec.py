@@ -20,7 +20,10 @@ from sidecar._src.core.dtypes import dtype_of
 from sidecar._src.wire.protocol import pb
 
 INLINE_LIMIT = 64 * 1024
-MAX_DEPTH = 64
+# Containers nested in one value, at most: the one limit, both ways. Protobuf's parse
+# refuses messages nested deeper than 100; a dict level takes 3 of them (Value, DictValue,
+# DictEntry) and a request's own wrapping 4, so 30 levels always parse.
+MAX_DEPTH = 30
 # What one request may decode (Budget): a value costs the decoder ~0.5 us and ~50 bytes
 # of Python objects however few bytes it took on the wire (a `none` takes 4), so the
 # count of values is bounded as well as their bytes: a request costs what it sent.
@@ -60,7 +63,8 @@ def encode(tree: Any, *, to_arena: ToArena | None = None,
 
 def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
   if depth > MAX_DEPTH:
-    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+    raise errors.InvalidArgumentError(
+        f"{where}: nesting deeper than {MAX_DEPTH} levels (codec.MAX_DEPTH); flatten the value")
   if x is None:
     return pb.Value(none=True)
   if isinstance(x, np.generic):  # before float: np.float64 subclasses float
@@ -117,6 +121,8 @@ class Budget:
   """
   elements: int = MAX_ELEMENTS
   nbytes: int = MAX_DECODED_BYTES
+  # The large arrays' bytes, left in the request's wire bytes (``strip_arrays``).
+  views: list[memoryview] = dataclasses.field(default_factory=list)
   max_elements: int = dataclasses.field(init=False)
   max_nbytes: int = dataclasses.field(init=False)
 
@@ -167,7 +173,8 @@ def arena_blocks(value: pb.Value) -> list[int]:
 
 def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | None) -> Any:
   if depth > MAX_DEPTH:
-    raise errors.InvalidArgumentError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
+    raise errors.InvalidArgumentError(
+        f"{where}: nesting deeper than {MAX_DEPTH} levels (codec.MAX_DEPTH); flatten the value")
   kind = v.WhichOneof("kind")
   if kind == "none":
     return None
@@ -186,9 +193,13 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | No
     except ValueError:
       raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
   if kind == "array":
+    data: bytes | memoryview = v.array.data  # once: each read copies it out of protobuf
+    if budget is not None and budget.views and len(data) == _MARK_LEN and (
+        bytes(data[:len(_MARK)]) == _MARK):
+      data = budget.views[int.from_bytes(data[len(_MARK):], "little")]
     if budget is not None:
-      budget.spend(where, nbytes=len(v.array.data))
-    return _decode_array(v.array, where)
+      budget.spend(where, nbytes=len(data))
+    return _decode_array(v.array, where, data)
   if kind == "arena":
     r = v.arena
     ref = ArenaRef(r.offset, r.nbytes, r.generation, r.dtype, tuple(r.shape))
@@ -242,11 +253,12 @@ def _check_size(shape, dtype: np.dtype, nbytes: int, where: str):
         f"{where}: shape {tuple(shape)} of {dtype.name} needs {need} bytes, got {nbytes}")
 
 
-def _decode_array(a: pb.Array, where: str) -> Any:
+def _decode_array(a: pb.Array, where: str, data: bytes | memoryview | None = None) -> Any:
   dtype = dtype_of(a.dtype, where)
   shape = () if a.scalar else tuple(a.shape)
-  _check_size(shape, dtype, len(a.data), where)
-  arr = np.frombuffer(a.data, dtype=dtype).reshape(shape)
+  data = a.data if data is None else data
+  _check_size(shape, dtype, len(data), where)
+  arr = np.frombuffer(data, dtype=dtype).reshape(shape)
   return arr[()] if a.scalar else arr.copy()
 
 
@@ -274,6 +286,83 @@ def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENT
     raise errors.ResourceExhaustedError(
         f"{what or descriptor.name} holds more than {limit} values, the limit of one request "
         "(codec.MAX_ELEMENTS); send many numbers as one numpy array")
+
+
+# An inline array of at least this many bytes is not parsed by protobuf (which would
+# copy it, and its decoding again): its bytes stay where they arrived, in the request,
+# and the array is copied once from there (``strip_arrays``).
+BIG_ARRAY = 1 << 20
+_MARK = b"\x00sidecar-wire-view\x00"  # in place of such bytes: the mark, then the view's index
+_MARK_LEN = len(_MARK) + 4
+_ARRAY = pb.Array.DESCRIPTOR.full_name
+_ARRAY_DATA = pb.Array.DESCRIPTOR.fields_by_name["data"].number
+
+
+def strip_arrays(raw: bytes, descriptor: Any) -> tuple[bytes, list[memoryview]]:
+  """``raw`` (a ``descriptor`` message) with each inline array's bytes of ``BIG_ARRAY``
+  or more taken out, and views of those bytes in ``raw``, for a ``Budget(views=...)``.
+
+  A 128 MiB inline call cost the sidecar 5-7 times its size: gRPC's bytes, protobuf's
+  copy, the bytes field read out of it, the array. Now: gRPC's bytes and the array.
+  Bytes this cannot read are returned as they are, for the parse to refuse.
+  """
+  if len(raw) < BIG_ARRAY:
+    return raw, []
+  views: list[memoryview] = []
+  try:
+    out = _strip(raw, descriptor, 0, len(raw), views, 0)
+  except (IndexError, ValueError):
+    return raw, []
+  return (raw, []) if out is None else (out, views)
+
+
+def _key(n: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte, n = n & 0x7F, n >> 7
+    out.append(byte | (0x80 if n else 0))
+    if not n:
+      return bytes(out)
+
+
+def _strip(buf: bytes, descriptor: Any, start: int, end: int, views: list[memoryview],
+           depth: int) -> bytes | None:
+  """``buf[start:end]`` with big arrays' bytes replaced by marks; None if none was."""
+  fields = _message_fields(descriptor)
+  array = descriptor.full_name == _ARRAY
+  pieces: list[bytes] = []
+  last = pos = start
+  while pos < end:
+    key, after_key = _varint(buf, pos)
+    wire = key & 7
+    if wire == 0:
+      _, pos = _varint(buf, after_key)
+    elif wire == 1:
+      pos = after_key + 8
+    elif wire == 5:
+      pos = after_key + 4
+    elif wire == 2:
+      n, value = _varint(buf, after_key)
+      if value + n > end:
+        raise ValueError("a field runs past its message")
+      new = None
+      if array and key >> 3 == _ARRAY_DATA and n >= BIG_ARRAY:
+        new = _MARK + len(views).to_bytes(4, "little")
+        views.append(memoryview(buf)[value:value + n])
+      elif n >= BIG_ARRAY and key >> 3 in fields and depth < _MAX_SCAN_DEPTH:  # room for one
+        new = _strip(buf, fields[key >> 3][0], value, value + n, views, depth + 1)
+      if new is not None:
+        pieces += [buf[last:after_key], _key(len(new)), new]
+        last = value + n
+      pos = value + n
+    else:
+      raise ValueError(f"wire type {wire}")
+  if pos != end:
+    raise ValueError("a field runs past its message")
+  if not pieces:
+    return None
+  pieces.append(buf[last:end])
+  return b"".join(pieces)
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:

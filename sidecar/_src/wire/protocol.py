@@ -32,12 +32,16 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 3  # 2: the Checkpoint service; 3: an error is one pb.Error trailer
+PROTOCOL_VERSION = 4  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+# 4: replicas carry their sender's crc32c and need a peer session
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
 MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
 AUTH_KEY = "authorization"
+# A peer sidecar's handshake carries ``Bearer <peer token>`` here: its session may send
+# replicas (Checkpoint.Receive), which no controller's may.
+PEER_KEY = "sidecar-peer"
 _ERROR_KEY = "sidecar-error-bin"  # a failed RPC's trailer: its pb.Error, serialized
 # An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.
 MAX_ERROR_MESSAGE = 8 << 10
@@ -93,6 +97,7 @@ _CODES: tuple[tuple[type[errors.SidecarError], grpc.StatusCode], ...] = (
     (errors.StaleDescriptorError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.SessionLostError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -104,6 +109,14 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, cls):
       return code
   return grpc.StatusCode.UNKNOWN
+
+
+MAX_LOG_MESSAGE = 2 << 10  # of an error's text in a log line: it may quote a request
+
+
+def for_log(exc: BaseException) -> str:
+  """``exc``'s message cut for a log line (a 64 MiB name once made one 64 MiB line)."""
+  return truncate(str(exc), MAX_LOG_MESSAGE)
 
 
 def truncate(text: str, limit: int, *, keep: str = "head") -> str:

@@ -63,11 +63,11 @@ def test_sessions_expire_when_unused_and_every_use_refreshes():
   sessions.use(a)
   clock.now = 15
   sessions.use(a)  # used at 9: alive
-  with pytest.raises(sidecar.VersionMismatchError, match=r"unused for 10 s.*call Handshake first"):
+  with pytest.raises(errors.SessionLostError, match=r"unused for 10 s.*call Handshake first"):
     sessions.use(b)
   assert len(sessions) == 1 and sessions.expired == 1
   for bad in (None, "", "c-guess", b"bytes", 5):
-    with pytest.raises(sidecar.VersionMismatchError, match="no live handshake session"):
+    with pytest.raises(errors.SessionLostError, match="no live handshake session"):
       sessions.use(bad)
     assert not sessions.touch(bad)
   clock.now = 24
@@ -76,15 +76,21 @@ def test_sessions_expire_when_unused_and_every_use_refreshes():
   sessions.use(a)
 
 
-def test_a_flood_of_handshakes_keeps_at_most_the_limit_evicting_the_least_recently_used():
-  sessions = Sessions(idle_s=1e9, limit=3, clock=Clock())
+def test_a_flood_of_handshakes_evicts_only_sessions_unused_for_a_while():
+  clock = Clock()
+  sessions = Sessions(idle_s=1e9, limit=3, evict_idle_s=60, clock=clock)
   first, second = sessions.new(), sessions.new()
+  sessions.new()
+  clock.now = 30
   sessions.use(first)
-  for _ in range(2):
-    sessions.new()
+  with pytest.raises(errors.BusyError, match=r"keeps 3 handshake sessions \(max_sessions\), "
+                     "every one used in the last 60 s"):
+    sessions.new()  # none unused for 60 s: the flood is refused, nobody evicted
+  clock.now = 61
+  sessions.new()  # the least recently used, unused for 61 s, goes
   assert len(sessions) == 3
   sessions.use(first)
-  with pytest.raises(sidecar.VersionMismatchError):
+  with pytest.raises(errors.SessionLostError):
     sessions.use(second)
 
 
@@ -176,15 +182,67 @@ def test_a_prefetch_past_the_limit_is_invalid_argument(make_server):
 
 
 def test_sessions_evicted_by_a_flood_of_handshakes_must_handshake_again(make_server):
-  server = make_server(max_sessions=2)
+  server = make_server(max_sessions=2, session_evict_s=0.2)
   first = Raw(server.port)
+  time.sleep(0.3)  # unused long enough to be evicted
   others = [Raw(server.port) for _ in range(2)]
   e = rejected(lambda: first.call("add", pb.Value(int_value=1)))
   assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
-  assert "no live handshake session" in e.details() and "call Handshake first" in e.details()
+  assert e.details().startswith("SessionLostError: no live handshake session")
+  assert "call Handshake first" in e.details()
   assert codec.decode(others[1].call("add", pb.Value(int_value=1))) == 1
   for r in (first, *others):
     r.close()
+
+
+def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_again(
+    make_server, tmp_path):
+  """4,200 handshakes used to push a live controller's session out for good (every later
+  call: VersionMismatchError). Now the flood is refused while the session is in use, and
+  a session evicted after being unused a while is made again by the Controller itself."""
+  live = make_server(max_sessions=64)  # session_evict_s: 60 s, longer than the flood
+  with sidecar.Controller([f"127.0.0.1:{live.port}"], timeout=10) as ctl:
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+    session = ctl._hosts.conns[0].metadata
+    flood = Raw(live.port)
+    handshake = flood.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+    refused = 0
+    for _ in range(200):
+      try:
+        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
+      except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+        assert "every one used in the last 60 s" in e.details()
+        refused += 1
+    assert refused >= 200 - 64
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # still its own session
+    assert ctl._hosts.conns[0].metadata == session
+    flood.close()
+  quick = make_server(max_sessions=64, session_evict_s=0.5)
+  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10) as ctl:
+    flood = Raw(quick.port)
+    handshake = flood.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+
+    def evicted() -> None:
+      time.sleep(0.7)  # every session unused long enough: a flood of 64 evicts them all
+      for _ in range(64):
+        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
+      time.sleep(0.7)  # and the flood's own, unused since, make room for a new handshake
+
+    session = ctl._hosts.conns[0].metadata
+    evicted()
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # handshook again, by itself
+    assert ctl._hosts.conns[0].metadata != session
+    evicted()
+    (future,) = ctl.call_async("add", args=(2,), kwargs={"b": 3})
+    assert future.result(10) == 5
+    evicted()
+    opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
+                                           ram_budget=None, sweep=True)
+    assert opened.result(timeout=10) == []  # a checkpoint rpc too
+    flood.close()
 
 
 # ---- tier 2: the worker socket ----------------------------------------------------------------
@@ -391,8 +449,9 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
   import threading
 
   from sidecar._src.host.limits import CHECKPOINT_THREADS
+  from tests.conftest import PEER_TOKEN
   server = make_server()
-  raws = [Raw(server.port) for _ in range(3)]
+  raws = [Raw(server.port, peer_token=PEER_TOKEN) for _ in range(3)]  # peers: they may
   stop = threading.Event()
 
   def silent():  # a Receive stream that never sends its header

@@ -412,3 +412,59 @@ def test_a_sidecar_without_roots_refuses_checkpoint_calls_naming_the_flag(make_s
     with pytest.raises(PermissionError):
       ctl.checkpointer(tmp_path / "ck2")
   assert not (tmp_path / "ck").exists() and not (tmp_path / "ck2").exists()
+
+
+# ---- bad input that got the wrong answer (issue 23, item 9) -------------------------------------
+
+
+def test_a_huge_name_is_cut_in_the_log_too(make_server, caplog):
+  import logging
+  server = make_server()
+  raw = Raw(server.port)
+  with caplog.at_level(logging.INFO, logger="sidecar"):
+    e = rejected(lambda: raw._call(pb.CallRequest(name="x" * (4 << 20)), metadata=raw.metadata,
+                                   timeout=30))
+  assert e.code() == grpc.StatusCode.NOT_FOUND
+  lines = [r.getMessage() for r in caplog.records if "NotRegisteredError" in r.getMessage()]
+  assert lines and max(map(len, lines)) <= protocol.MAX_LOG_MESSAGE + 200  # not 4 Mi chars
+  assert "bytes cut" in lines[0]
+  raw.close()
+
+
+@pytest.mark.parametrize("state_json,match", [
+    ('{"epoch": ' + "9" * 5000 + "}", "is not the JSON of a feed state"),
+    ('{"kind": "' + "k" * (17 << 20) + '"}', r"more than a feed state's 16777216 \(MAX_STATE_BYTES\)"),
+], ids=["epoch-5000-digits", "17-MiB"])
+def test_a_feed_state_too_big_is_invalid_argument(feed_server, state_json, match):
+  raw = Raw(feed_server.port)
+  e = rejected(lambda: raw.feed("ids", _spec(state_json=state_json)))
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()[:200]
+  assert re.search(match, e.details()), e.details()[:300]
+  raw.close()
+
+
+def nested(depth: int, leaf, kind: str):
+  for _ in range(depth):
+    leaf = [leaf] if kind == "list" else {"k": leaf}
+  return leaf
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_one_nesting_limit_both_ways(make_server, kind):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], attach=False, timeout=10) as ctl:
+    deepest = nested(codec.MAX_DEPTH - 1, 1, kind)  # in the call's args: 30 levels
+    assert ctl.call("echo", args=(deepest,)) == [deepest]  # through and back
+    for depth in (codec.MAX_DEPTH, 49, 63, 64, 100):  # refused before it is sent
+      with pytest.raises(sidecar.InvalidArgumentError,
+                         match=rf"nesting deeper than {codec.MAX_DEPTH} levels \(codec.MAX_DEPTH\)"):
+        ctl.call("echo", args=(nested(depth, 1, kind),))
+  raw = Raw(server.port)  # a client that does not check: the sidecar refuses as clearly
+  for depth in (codec.MAX_DEPTH + 1, 40, 45):  # (protobuf itself builds no deeper)
+    value = pb.Value(int_value=1)
+    for _ in range(depth):
+      value = pb.Value(list=pb.ListValue(items=[value]))
+    e = rejected(lambda value=value: raw.call("echo", value))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()[:200]
+    assert f"{codec.MAX_DEPTH} levels (codec.MAX_DEPTH)" in e.details(), e.details()[:300]
+  raw.close()

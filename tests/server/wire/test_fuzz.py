@@ -192,14 +192,15 @@ def target(tmp_path_factory):
         reg.add(entry.kind, entry.name, entry.fn)
   opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
                                socket_path=str(tmp / "fuzz.sock"),
-                               checkpoint_roots=(str(tmp),))
+                               checkpoint_roots=(str(tmp),), peer_token="fuzz-peer")
   server = Server(opts, registry=reg).start()
   worker = sidecar.Worker(opts.socket_path, timeout=10)
   channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
   handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
                                   response_deserializer=pb.HandshakeResponse.FromString)
+  # A peer sidecar's session: Receive gets past the peer check to the parsing it fuzzes.
   session = handshake(pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString(),
-                      timeout=10).session
+                      timeout=10, metadata=[(protocol.PEER_KEY, "Bearer fuzz-peer")]).session
   rpcs = {m: channel.unary_unary(f"/{protocol.SERVICE}/{m}") for m in ("Handshake", "Call",
                                                                          "Status")}
   rpcs["Stream"] = channel.stream_stream(f"/{protocol.SERVICE}/Stream")

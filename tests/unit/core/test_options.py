@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
     ({"shm_size": 10}, "shm_size must be at least 1048576 bytes, got 10"),
     ({"device_ids": (0, -2)}, "device_ids must be non-negative"),
     ({"socket_path": ""}, "socket_path must name"),
-    ({"token": "  "}, "token must be a non-empty string"),
+    ({"token": "  "}, "token holds ' ' at position 0: a token must be visible ASCII"),
     ({"checkpoint_roots": "/ckpt"}, r"checkpoint_roots must be a tuple .*--checkpoint-root"),
     ({"checkpoint_roots": ("/ckpt", "")}, "checkpoint_roots must be a tuple of directory paths"),
 ], ids=["host", "port", "same-port", "shm", "devices", "socket", "token", "roots-str",

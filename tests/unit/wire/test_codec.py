@@ -192,3 +192,30 @@ def test_the_scan_budget_for_fields_that_are_no_value_is_one_for_the_whole_messa
   few = pb.CallRequest(name="echo", args=pb.Value(list=pb.ListValue(
       items=[stuffed] + [big]))).SerializeToString()
   codec.check_message_count(few, pb.CallRequest.DESCRIPTOR, limit=100)  # 50 + 3 fields
+
+
+def test_a_big_inline_array_stays_in_the_request_bytes_until_it_is_decoded():
+  """Protobuf's parse copied a large inline array twice more (its own copy, the bytes
+  field read out of it): strip_arrays leaves it in the request's bytes, a view decodes it."""
+  big = np.arange(codec.BIG_ARRAY // 4 + 3, dtype=np.int32)
+  small = np.arange(10, dtype=np.int16)
+  request = pb.CallRequest(name="f", args=codec.encode((big, {"s": small, "b": big[::-1]}),
+                                                       inline_limit=1 << 40),
+                           kwargs=codec.encode({"k": big[:5]}))
+  raw = request.SerializeToString()
+  stripped, views = codec.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+  assert len(stripped) < 1024 and len(views) == 2
+  assert all(v.obj is raw for v in views)  # views of the bytes gRPC gave, not copies
+  parsed = pb.CallRequest.FromString(stripped)
+  budget = codec.Budget(views=views)
+  args = codec.decode(parsed.args, budget=budget)
+  np.testing.assert_array_equal(args[0], big)
+  np.testing.assert_array_equal(args[1]["b"], big[::-1])
+  np.testing.assert_array_equal(args[1]["s"], small)
+  np.testing.assert_array_equal(codec.decode(parsed.kwargs, budget=budget)["k"], big[:5])
+  assert args[0].flags.writeable and not np.shares_memory(args[0], np.frombuffer(raw, np.uint8))
+  assert budget.nbytes == codec.MAX_DECODED_BYTES - 2 * big.nbytes - small.nbytes - 20 - 3  # keys
+  # Bytes it cannot read come back as they are, for protobuf's parse to refuse.
+  broken = raw[:-3]  # its last field runs past the end
+  assert codec.strip_arrays(broken, pb.CallRequest.DESCRIPTOR) == (broken, [])
+  assert codec.strip_arrays(raw[:100], pb.CallRequest.DESCRIPTOR) == (raw[:100], [])

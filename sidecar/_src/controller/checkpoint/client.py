@@ -191,7 +191,7 @@ class CheckpointClient(CheckpointTransport):
     out: concurrent.futures.Future = concurrent.futures.Future()
     deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
     what = f"checkpoint rpc {method} on host {host}"
-    tries = [0]
+    tries, renewed = [0], [False]
 
     def done(f: grpc.Future) -> None:
       try:
@@ -204,6 +204,10 @@ class CheckpointClient(CheckpointTransport):
           # ask again shortly, within the deadline, rather than call a live copy lost.
           tries[0] += 1
           threading.Timer(wait, send).start()
+          return
+        if isinstance(error, errors.SessionLostError) and not renewed[0]:
+          renewed[0] = True  # the sidecar lost our session: once more, anew
+          threading.Timer(0, again).start()
           return
         out.set_exception(error)
       except Exception as e:
@@ -221,6 +225,14 @@ class CheckpointClient(CheckpointTransport):
           lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
                                                                metadata=conn.metadata),
           done=done, fail=fail, timeout=deadline - time.monotonic(), what=what)
+
+    def again() -> None:
+      try:
+        conn.renew()
+      except Exception as e:
+        fail(e)
+        return
+      send()
 
     send()
     return out

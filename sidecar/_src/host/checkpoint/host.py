@@ -26,6 +26,7 @@ The concerns live beside this facade, which owns the threads (``close`` joins th
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -68,7 +69,8 @@ def _seconds(text: str | None, default: float) -> float:
 class CheckpointHost:
   """The checkpoint phases of one sidecar (the ``Checkpoint`` service calls them)."""
 
-  def __init__(self, host_id: int, *, token: str | None = None, roots: tuple[str, ...] = (),
+  def __init__(self, host_id: int, *, token: str | None = None,
+               peer_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                peer_credentials: Any = None):
     self._host_id = host_id
@@ -78,9 +80,13 @@ class CheckpointHost:
     self._tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
     self._reader = checkpoint_read.Reader(self._tier, metrics)
-    self._links = replicas_lib.Links(token=token, credentials=peer_credentials,
+    self._links = replicas_lib.Links(token=token, peer_token=peer_token,
+                                     credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()
+    # With per-client tokens: the checkpoint directories (resolved) each client opened.
+    self._opened: dict[str, set[str]] = {}
+    self._opened_lock = threading.Lock()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
     self._saver = checkpoint_save.Saver(host_id, tier=self._tier, roots=self._roots,
@@ -156,27 +162,67 @@ class CheckpointHost:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
     return self._saver.open(directory, ram_steps, ram_budget, sweep)
 
-  def begin(self, directory: str, step: int, format: str = "") -> str:
+  def open_for(self, client: str, directory: str) -> None:
+    """Records that ``client`` opened ``directory``: it may act in it from now on.
+
+    Raises:
+      PermissionDeniedError: another client opened it, or a directory inside it or
+        holding it (the first to open a directory has it, until the sidecar stops).
+    """
+    resolved = self._path(directory, "directory")
+    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+    with self._opened_lock:
+      for other, theirs in self._opened.items():
+        if other != client and any(inside(resolved, d) or inside(d, resolved) for d in theirs):
+          raise errors.PermissionDeniedError(
+              f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
+              f"client opened on host {self._host_id}; with per-client tokens "
+              "(--client-tokens) each client checkpoints in directories of its own")
+      self._opened.setdefault(client, set()).add(resolved)
+
+  def opened_by(self, client: str) -> set[str]:
+    """The directories (resolved) ``client`` opened."""
+    with self._opened_lock:
+      return set(self._opened.get(client, ()))
+
+  def check_client(self, client: str, path: str, name: str) -> None:
+    """PermissionDeniedError unless ``path`` lies in a directory ``client`` opened."""
+    resolved = self._path(path, name)
+    with self._opened_lock:
+      mine = self._opened.get(client, set())
+    if not any(resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in mine):
+      raise errors.PermissionDeniedError(
+          f"{name} {path!r:.200} is in no checkpoint directory client {client!r} opened on "
+          f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
+          "acts only in the directories it opened (Controller.checkpointer(directory))")
+
+  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
     """Creates the step's uncommitted directory (``format="dcp"``: DCP's); returns it."""
-    return self._saver.begin(directory, step, format)
+    return self._saver.begin(directory, step, format, owner)
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
             shards: list[dict], last: bool = True, writers: int = 1,
-            dcp_part: dict | None = None) -> int:
-    """Takes shards of this host and starts writing them; returns the bytes staged so far."""
-    return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
-                             writers=writers, dcp_part=dcp_part)
+            dcp_part: dict | None = None, owner: str = "") -> int:
+    """Takes shards of this host and starts writing them; returns the bytes staged so far.
 
+    ``owner``: the session whose save it is (the first part's); see ``Saver.stage``.
+    """
+    return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
+                             writers=writers, dcp_part=dcp_part, owner=owner)
   def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
     """Waits for this host's write of the step; returns its shards' checksums."""
     return self._saver.prepared(final_item, timeout)
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None, dcp_commit: dict | None = None) -> str:
-    """On host 0: the manifest, then the checks; with ``whole_step`` also the rename."""
+             replicas: dict | None = None, dcp_commit: dict | None = None,
+             owner: str = "") -> str:
+    """On host 0: the manifest, then the checks; with ``whole_step`` also the rename.
+
+    Only ``owner``, the session that staged ``item`` here, commits it.
+    """
     return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
-                              whole_step, replicas, dcp_commit=dcp_commit)
+                              whole_step, replicas, dcp_commit=dcp_commit, owner=owner)
 
   def committed(self, final_item: str, manifest: dict | None = None) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.

@@ -2,7 +2,8 @@
 
 Runs in the sending sidecar, on an idle-class thread (``SCHED_IDLE``, as the writes:
 the training step preempts it at once). A :class:`PeerLink` reaches one peer sidecar
-over the same authenticated gRPC as the controller (the job's token). Each replica of
+over the same authenticated gRPC as the controller (the job's token), its handshake marked as a
+peer's by the peer token (only such a session may send a replica). Each replica of
 a step is one client stream (``Checkpoint.Receive``): a header naming it, the shards,
 and a last message marked ``done``:
 
@@ -37,6 +38,7 @@ import grpc
 import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
+from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import env, errors
 from sidecar._src.wire import checkpoint_wire as wire, protocol
@@ -188,8 +190,9 @@ class PeerLink:
   Close it (or use it as a context manager): that unmaps the peer's arena.
   """
 
-  def __init__(self, peer: Peer, *, token: str | None, timeout: float = 30.0,
-               shared_memory: bool = True, credentials: grpc.ChannelCredentials | None = None):
+  def __init__(self, peer: Peer, *, token: str | None, peer_token: str | None = None,
+               timeout: float = 30.0, shared_memory: bool = True,
+               credentials: grpc.ChannelCredentials | None = None):
     self.peer = peer
     self._channel = (grpc.insecure_channel(peer.address, options=_CHANNEL_OPTIONS)
                      if credentials is None else
@@ -209,7 +212,8 @@ class PeerLink:
         reply = handshake(pb.HandshakeRequest(
             versions=protocol.local_versions(),
             client=f"sidecar pid {os.getpid()} on {socket.gethostname()} (replicas)"),
-            timeout=timeout, metadata=auth)
+            timeout=timeout, metadata=auth + (
+                ((protocol.PEER_KEY, f"Bearer {peer_token}"),) if peer_token else ()))
       except grpc.FutureTimeoutError:
         raise errors.HostLostError(
             f"peer sidecar host {peer.host_id} at {peer.address} did not answer within "
@@ -312,7 +316,8 @@ class PeerLink:
         np.copyto(dst_bytes[a:a + step], src_bytes[a:a + step])
         pace.after(min(step, dst.nbytes - a))
       held.append(dst)
-      block = batch.blocks.add(shard=wire.shard_to_pb(kp, index))
+      block = batch.blocks.add(shard=wire.shard_to_pb(kp, index),
+                               crc32c=shards_lib.shard_crc32c(data))
       block.data.CopyFrom(pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
                                       generation=ref.generation, dtype=ref.dtype,
                                       shape=ref.shape))
@@ -331,11 +336,12 @@ class PeerLink:
     for kp, index, data in shards:
       flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
       shard = wire.shard_to_pb(kp, index)
+      crc32c = shards_lib.shard_crc32c(data)
       for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
         if cancelled():
           raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
         part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
-                                   offset=offset)
+                                   offset=offset, crc32c=crc32c)
         chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
         yield _Part(part, chunk)
         pace.after(chunk.nbytes)
@@ -365,9 +371,10 @@ class Links:
   the next step needs that peer.
   """
 
-  def __init__(self, *, token: str | None, shared_memory: bool = True,
-               credentials: grpc.ChannelCredentials | None = None):
+  def __init__(self, *, token: str | None, peer_token: str | None = None,
+               shared_memory: bool = True, credentials: grpc.ChannelCredentials | None = None):
     self._token = token
+    self._peer_token = peer_token  # marks our handshakes as a peer sidecar's
     self._shared_memory = shared_memory
     self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
     self._lock = threading.Lock()
@@ -401,7 +408,8 @@ class Links:
       return entry[0], entry[1], False
     if entry is not None:  # the peer moved
       self._retire(peer.host_id, *entry)
-    link = PeerLink(peer, token=self._token, timeout=min(timeout, 30.0),
+    link = PeerLink(peer, token=self._token, peer_token=self._peer_token,
+                    timeout=min(timeout, 30.0),
                     shared_memory=self._shared_memory, credentials=self._credentials)
     with self._lock:
       if self._closed.is_set():

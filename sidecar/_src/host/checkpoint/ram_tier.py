@@ -53,6 +53,11 @@ class Step:
   verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
+  tmp_item: str = ""  # the uncommitted item directory its writer fills
+  # The handshake sessions that staged it (at most ``writers``, the trainer processes of
+  # this host): only they stage more parts of it, and commit it.
+  owners: set = dataclasses.field(default_factory=set)
+  writers: int = 1
   format: str = ""  # "" (stock Orbax's layout) or "dcp" (DCP's: dcp_steps.py)
   manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
   dcp_items: dict[int, list] = dataclasses.field(default_factory=dict)  # rank -> dcp.Items
@@ -85,6 +90,9 @@ class Replica:
   whole: bool = False  # the source sent everything
   committed: bool = False
   verified: set = dataclasses.field(default_factory=set)
+  # A whole replica held of the same step and source, which this one (sent again)
+  # replaces once whole.
+  replaces: Replica | None = None
   manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
 
 

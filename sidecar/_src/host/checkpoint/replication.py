@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import write as orbax_write
+from sidecar._src.ckptfmt import shards as ol_shards, write as orbax_write
 from sidecar._src.core import errors
 from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.checkpoint import faults, peers as replicas_lib, ram_tier, roots as roots_lib
@@ -119,7 +119,9 @@ class Replicator:
     """A new replica record for one stream of a peer's shards (``header`` names them).
 
     It replaces one of the same step and source that is not whole (a resent replica
-    starts afresh: chunks are counted by bytes, so none may come twice).
+    starts afresh: chunks are counted by bytes, so none may come twice); a whole one it
+    replaces only once it is whole itself (``receive``), so a resend that breaks leaves
+    the old copy.
     """
     try:
       directory, step = header["directory"], roots_lib.as_int(header["step"], "header.step")
@@ -135,6 +137,8 @@ class Replicator:
       old = self._tier.replicas.get((item, source))
       if old is None or not old.whole:
         self._tier.replicas[(item, source)] = replica
+      else:
+        replica.replaces = old
     return replica
 
   def receive(self, replica: ram_tier.Replica, shards: list[dict], done: bool = False,
@@ -151,7 +155,7 @@ class Replicator:
     for s in shards:
       key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
       if "offset" not in s:  # a whole block of our arena
-        self._add_shard(replica, key, s["data"])
+        self._add_shard(replica, key, s["data"], s.get("crc32c"))
         continue
       if payload is None or len(shards) != 1:
         raise errors.InvalidArgumentError(
@@ -176,11 +180,17 @@ class Replicator:
         if whole:
           del replica.partial[key]
       if whole:
-        self._add_shard(replica, key, entry[0])
+        self._add_shard(replica, key, entry[0], s.get("crc32c"))
     if done:
       with self._tier.lock:
         replica.whole, replica.partial = True, {}
-        if self._tier.replicas.get((item, source)) is not replica:
+        held = self._tier.replicas.get((item, source))
+        if held is not None and held is replica.replaces:  # a resend: the newer copy wins
+          self._tier.replicas[(item, source)] = replica
+          replica.committed, replica.replaces = held.committed, None
+          log.info("step %d: host %d's replica, sent again, replaces the one held", step,
+                   source, extra={"step": step})
+        elif held is not replica:
           return 0  # aborted or evicted while it came
         fate = self._tier.committed_items.get(item)
         if fate is not None:  # its step committed before the replica was whole
@@ -200,7 +210,14 @@ class Replicator:
       if self._tier.replicas.get(key) is replica and not replica.whole:
         del self._tier.replicas[key]  # its blocks go back to the arena
 
-  def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray) -> None:
+  def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray,
+                 crc32c: int | None) -> None:
+    """Adds a whole shard, if it has the crc32c its sender computed."""
+    if crc32c is None or ol_shards.shard_crc32c(data) != crc32c:
+      raise errors.InvalidArgumentError(
+          f"receive: shard {[*key[0]]} {[list(i) for i in key[1]]} of host {replica.source}'s "
+          f"replica of step {replica.step} does not match the crc32c its sender computed "
+          f"({crc32c}): the replica is dropped")
     with self._tier.lock:
       old = replica.shards.get(key)
       replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)

@@ -33,10 +33,15 @@ def as_int(value: Any, name: str) -> int:
   return int(value)
 
 
+def has_markers(path: pathlib.Path) -> bool:
+  """Whether Orbax's markers or this format's manifest lie in ``path`` itself."""
+  return any((path / m).is_file() for m in _MARKERS)
+
+
 def is_checkpoint_dir(path: pathlib.Path) -> bool:
   """Whether ``path`` is a step (or item) directory a checkpoint wrote: Orbax's markers
   or this format's manifest in it or in one of its item directories."""
-  if any((path / m).is_file() for m in _MARKERS):
+  if has_markers(path):
     return True
   return any(child.is_dir() and not child.is_symlink()
              and any((child / m).is_file() for m in _MARKERS) for child in path.iterdir())

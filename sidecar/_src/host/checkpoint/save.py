@@ -90,21 +90,62 @@ class Saver:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
     return {"steps": ol_read.list_steps(directory)}
 
-  def begin(self, directory: str, step: int, format: str = "") -> str:
-    """Creates the step's uncommitted directory: ``<directory>/<step>.orbax-checkpoint-tmp``,
+  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
+    """Creates the step's uncommitted directory (anew): ``<directory>/<step>.orbax-checkpoint-tmp``,
     or with ``format="dcp"`` ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at
-    ``directory`` is replaced at the commit, as DCP overwrites)."""
-    self._path(directory, "directory")
+    ``directory`` is replaced at the commit, as DCP overwrites). Refused while another
+    session's save of the step is being staged or written (it would remove that save's files)."""
+    resolved = self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
-    if format == dcp_steps.FORMAT:  # ``directory`` is the checkpoint's own (DCP's path)
-      return str(dcp.create_tmp(directory))
-    if format:
+    if format not in ("", dcp_steps.FORMAT):
       raise errors.InvalidArgumentError(f"format must be '' or 'dcp', got {format!r}")
+    dcp_tmp = str(dcp.tmp_path(resolved)) if format else ""
+    with self._tier.lock:
+      busy = [s for s in self._tier.steps.values()
+              if not s.done.is_set() and owner not in s.owners
+              and (s.tmp_item == dcp_tmp if format else
+                   s.step == step and self._path(s.directory, "directory") == resolved)]
+    if busy:
+      raise errors.PermissionDeniedError(
+          f"begin: step {step} of {directory!r:.200} is being saved by another session on "
+          f"host {self._host_id}; wait for that save to end, or save another step")
+    if format:  # ``directory`` is the checkpoint's own (DCP's path)
+      return str(dcp.create_tmp(directory))
     return str(ol_commit.create_tmp_step(directory, step))
+
+  def _uncommitted(self, item: str, name: str) -> tuple[str, str]:
+    """``item`` (resolved) and where it will be once committed, if ``item`` lies in an
+    uncommitted step directory (``*.orbax-checkpoint-tmp``) whose step is not committed,
+    or is an uncommitted DCP checkpoint (``*.dcp-checkpoint-tmp``; its commit replaces
+    a committed one at its path, as DCP overwrites).
+
+    What keeps a save from writing into, or a commit from rewriting, a committed step.
+    """
+    path = pathlib.Path(self._path(item, name))
+    root = pathlib.Path(self._roots.root_of(str(path)) or "/")
+    dcp_tmp = path.name.endswith(dcp.TMP_SUFFIX)
+    tmp = path if dcp_tmp else next((p for p in path.parents if layout.TMP_SUFFIX in p.name),
+                                    None)
+    # Not in a committed step or item either (Orbax's markers, our manifest, above it).
+    inside = next((p for p in (tmp.parents if tmp is not None else ())
+                   if p.is_relative_to(root) and roots_lib.has_markers(p)), None)
+    if tmp is None or inside is not None:
+      raise errors.PermissionDeniedError(
+          f"{name} {item!r:.200} is not inside an uncommitted step directory "
+          f"(*{layout.TMP_SUFFIX}, or *{dcp.TMP_SUFFIX}) outside any committed one; a save "
+          "writes only into the step it began, never into a committed one")
+    if dcp_tmp:
+      return str(path), str(path.with_name(path.name.removesuffix(dcp.TMP_SUFFIX)))
+    step_dir = tmp.with_name(tmp.name.split(layout.TMP_SUFFIX)[0])
+    if step_dir.exists():
+      raise errors.PermissionDeniedError(
+          f"{name} {item!r:.200}: step {step_dir.name} is committed already ({step_dir}); "
+          "nothing writes into or over a committed step")
+    return str(path), str(step_dir / path.relative_to(tmp))
 
   def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
             shards: list[dict], last: bool = True, writers: int = 1,
-            dcp_part: dict | None = None) -> int:
+            dcp_part: dict | None = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -113,18 +154,35 @@ class Saver:
     has sent its ``last`` part.
     ``item`` is the uncommitted item directory to write; ``final_item`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
+
+    ``item`` must lie in an uncommitted step directory, and ``final_item`` be where it
+    goes; the save belongs to the sessions that staged its parts (``owner``), at most
+    ``writers`` of them: a part of another session is refused while it is being written.
     ``dcp_part`` (``{"rank", "items"}``): a step in DCP's layout, this rank's part of it
     (its shards' ``leaf`` numbers its items); ``item`` is then the tmp step directory.
     """
     step = roots_lib.as_int(step, "step")
-    for value, name in ((directory, "directory"), (item, "item"), (final_item, "final_item")):
+    for value, name in ((directory, "directory"), (final_item, "final_item")):
       self._path(value, name)
+    tmp_item, final = self._uncommitted(item, "item")
+    if final != self._path(final_item, "final_item"):
+      raise errors.InvalidArgumentError(
+          f"stage: final_item {final_item!r:.200} is not where item {item!r:.200} goes once "
+          f"committed ({final!r:.200})")
     faults.fault("stage", step)
     with self._tier.lock:
       record = self._tier.steps.get(final_item)
+      if record is not None and not record.done.is_set() and (
+          record.tmp_item != tmp_item
+          or (owner not in record.owners and len(record.owners) >= record.writers)):
+        raise errors.PermissionDeniedError(
+            f"stage: step {record.step} at {final_item!r:.200} is being saved by another "
+            f"session on host {self._host_id}; only the session that began a save stages "
+            "its parts")
       if record is None or record.done.is_set():
         specs = [] if dcp_part is not None else [layout.spec_from_dict(d) for d in leaves]
-        record = ram_tier.Step(directory, step, final_item, {}, 0, specs,
+        record = ram_tier.Step(directory, step, final_item, {}, 0, specs, tmp_item=tmp_item,
+                               writers=max(writers, 1),
                                format=dcp_steps.FORMAT if dcp_part is not None else "")
         self._tier.steps[final_item] = record
         self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
@@ -134,6 +192,7 @@ class Saver:
         raise errors.InvalidArgumentError(
             f"step {step} on host {self._host_id} is staged in "
             f"{record.format or 'Orbax'}'s layout; a part in the other came")
+      record.owners.add(owner)
       if dcp_part is not None:
         self._stage_dcp(record, dcp_part, shards)
         shards = []
@@ -246,17 +305,31 @@ class Saver:
 
   def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None, dcp_commit: dict | None = None) -> str:
+             replicas: dict | None = None, dcp_commit: dict | None = None,
+             owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
-    so that a restore that finds shards lost can say which hosts are gone.
+    so that a restore that finds shards lost can say which hosts are gone. Only the
+    session that staged ``item`` here (``owner``) commits it, once it is written, and
+    only into an uncommitted step.
     ``dcp_commit`` (``{"metadata", "file_sizes", "plan_json"}``): a step in DCP's layout,
     whose tmp directory ``item`` is.
     """
     step = roots_lib.as_int(step, "step")
-    self._path(item, "item")
+    tmp_item, _ = self._uncommitted(item, "item")
+    with self._tier.lock:
+      record = next((s for s in self._tier.steps.values() if s.tmp_item == tmp_item), None)
+    if (record is None or owner not in record.owners or record.step != step
+        or record.committed):
+      raise errors.PermissionDeniedError(
+          f"commit: item {item!r:.200} is not a step {step} this session staged on host "
+          f"{self._host_id}; a session commits only the save it began")
+    if not record.done.is_set() or record.error is not None:
+      raise errors.InvalidArgumentError(
+          f"commit: step {step} at {item!r:.200} is not written on host {self._host_id} "
+          f"({'still writing' if record.error is None else record.error}); wait for prepared")
     if dcp_commit is not None:
       if not item.endswith(dcp.TMP_SUFFIX):
         raise errors.InvalidArgumentError(

@@ -53,6 +53,16 @@ def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout
   return wait if left is None else max(min(wait, left), 0.0)
 
 
+# The fields of the Checkpoint service's requests that name a path: with per-client
+# tokens each must lie in a directory the caller's client opened.
+_PATH_FIELDS = ("directory", "item", "final_item")
+
+
+def _session(context: grpc.ServicerContext) -> str:
+  """The caller's handshake session (``_guard`` checked it is live)."""
+  return str(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
+
+
 _PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
 _DATA = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
@@ -86,8 +96,9 @@ class CheckpointService:
 
   def __init__(self, *, host: CheckpointHost, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
-               slots: Slots | None = None):
+               slots: Slots | None = None, per_client: bool = False):
     self._host = host
+    self._per_client = per_client  # each client acts only in the directories it opened
     self._slots = CheckpointSlots() if slots is None else slots
     self._arena_io = arena_io  # views of a caller's blocks, results leased to it
     self._sessions = sessions
@@ -138,13 +149,20 @@ class CheckpointService:
         self._sessions.use(session)
         with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full; then the parse
           request = raw if request_cls is None else parse(request_cls, raw)
+          client = self._sessions.client(session) if self._per_client else None
+          if client is not None and name == "Open":
+            self._host.open_for(client, request.directory)  # refused if another's
+          elif client is not None and request_cls is not None:
+            for field in _PATH_FIELDS:
+              if field in request_cls.DESCRIPTOR.fields_by_name and getattr(request, field):
+                self._host.check_client(client, getattr(request, field), field)
           return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name
         if isinstance(e, errors.SidecarError):
-          log.info("%s: %s: %s", label, type(e).__name__, e)
+          log.info("%s: %s: %s", label, type(e).__name__, protocol.for_log(e))
         else:
-          log.warning("%s raised %s: %s", label, type(e).__name__, e)
+          log.warning("%s raised %s: %s", label, type(e).__name__, protocol.for_log(e))
         protocol.abort(context, e)
       finally:
         self._metrics.call_done("checkpoint", label, code, time.perf_counter() - t0)
@@ -161,11 +179,14 @@ class CheckpointService:
                              r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
     return ckpt_pb.CheckpointOpenResponse(steps=opened["steps"])
 
-  def begin(self, r: ckpt_pb.CheckpointBeginRequest, _) -> ckpt_pb.CheckpointBeginResponse:
+  def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
+            ) -> ckpt_pb.CheckpointBeginResponse:
     return ckpt_pb.CheckpointBeginResponse(
-        tmp_directory=self._host.begin(r.directory, _step(r.step), r.format))
+        tmp_directory=self._host.begin(r.directory, _step(r.step), r.format,
+                                       _session(context)))
 
-  def stage(self, r: ckpt_pb.CheckpointStageRequest, _) -> ckpt_pb.CheckpointStageResponse:
+  def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
+            ) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
     view = lambda ref: self._arena_io.view(ref, r.worker_session)
@@ -175,7 +196,8 @@ class CheckpointService:
     part = wire.dcp_part_from_pb(r.dcp, "dcp") if r.HasField("dcp") else None
     try:
       staged = self._host.stage(r.directory, step, r.item, r.final_item, leaves, shards, r.last,
-                                writers=max(r.writers, 1), dcp_part=part)
+                                writers=max(r.writers, 1), dcp_part=part,
+                                owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
@@ -185,7 +207,8 @@ class CheckpointService:
     sums = self._host.prepared(r.final_item, _timeout(r.timeout_s, context))
     return ckpt_pb.CheckpointPreparedResponse(checksums=[wire.checksum_to_pb(c) for c in sums])
 
-  def commit(self, r: ckpt_pb.CheckpointCommitRequest, _) -> ckpt_pb.CheckpointCommitResponse:
+  def commit(self, r: ckpt_pb.CheckpointCommitRequest, context: grpc.ServicerContext
+             ) -> ckpt_pb.CheckpointCommitResponse:
     step = _step(r.step)
     if r.num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
@@ -202,7 +225,7 @@ class CheckpointService:
                     "file_sizes": {int(k): int(v) for k, v in r.dcp.file_sizes.items()}}
     committed = self._host.commit(r.item, step, r.num_hosts, leaves, sums, r.data_state_json,
                                   r.whole_step, wire.replicas_from_pb(r.replicas) or None,
-                                  dcp_commit=dcp_commit)
+                                  dcp_commit=dcp_commit, owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _
@@ -244,7 +267,16 @@ class CheckpointService:
 
   def receive(self, requests: Iterator[bytes], context: grpc.ServicerContext
               ) -> ckpt_pb.ReceiveResponse:
-    """A peer's replica of one step: the header, then blocks or parts, then ``done``."""
+    """A peer's replica of one step: the header, then blocks or parts, then ``done``.
+
+    Only a peer sidecar's session sends one (its handshake carried the peer token): a
+    controller's, whatever token it holds, could plant shards a restore would take.
+    """
+    if not self._sessions.is_peer(_session(context)):
+      raise errors.PermissionDeniedError(
+          "Receive: replicas are accepted only from this job's peer sidecars, whose handshake "
+          f"carries the peer token ('{protocol.PEER_KEY}' metadata); this session's did not. "
+          "Give every sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
     first, data = parse_receive(next(requests, b""))
     if not first.HasField("header"):
       raise errors.InvalidArgumentError("the first ReceiveRequest must carry the header")
@@ -288,6 +320,7 @@ class CheckpointService:
     for i, b in enumerate(m.blocks):
       kp, index = wire.shard_from_pb(b.shard, f"{where}.blocks[{i}].shard")
       shards.append({"key_path": list(kp), "index": [list(x) for x in index],
+                     "crc32c": b.crc32c,
                      "data": wire.data_from_pb(ckpt_pb.ShardData(arena=b.data), view,
                                                f"{where}.blocks[{i}].data")})
     if m.HasField("part"):
@@ -296,7 +329,8 @@ class CheckpointService:
       if any(d < 0 for d in p.shape) or len(p.shape) > wire.MAX_DIMS:
         raise errors.InvalidArgumentError(f"{where}.part: bad shape {list(p.shape)[:8]}")
       shards.append({"key_path": list(kp), "index": [list(x) for x in index],
-                     "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset})
+                     "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset,
+                     "crc32c": p.crc32c})
       payload = np.frombuffer(p.data if data is None else data, np.uint8)
     try:
       return self._host.receive(replica, shards, m.done, payload)

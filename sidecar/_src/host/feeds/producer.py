@@ -44,6 +44,9 @@ MapDataset = Any
 # Each feed worker is a Python interpreter with the user's modules (~250 MiB here):
 # one request may start at most as many as this host has CPUs (at least 2, at most 64).
 MAX_WORKERS = min(64, max(2, len(os.sched_getaffinity(0))))
+# A feed state is a few numbers and names (epoch, position, kind, an iterator's own state):
+# far less than this.
+MAX_STATE_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,9 +87,13 @@ class Spec:
 def _start_state(text: str) -> dict[str, Any]:
   """The feed state in ``FeedSpec.state_json``, checked: a JSON object whose
   ``epoch`` and ``position`` are ints >= 0 and ``kind`` a str, where present."""
+  if len(text) > MAX_STATE_BYTES:
+    raise errors.InvalidArgumentError(
+        f"feed state_json holds {len(text)} characters, more than a feed state's "
+        f"{MAX_STATE_BYTES} (MAX_STATE_BYTES); pass the state a feed's state() returned")
   try:
     start = json.loads(text) if text else {}
-  except (json.JSONDecodeError, RecursionError) as e:
+  except (ValueError, RecursionError) as e:  # ValueError: an int of over 4300 digits too
     raise errors.InvalidArgumentError(
         f"feed state_json is not the JSON of a feed state(): {type(e).__name__}: {e}"[:300]
     ) from None

@@ -9,7 +9,7 @@ Schemas catch malformed fields (:mod:`schemas`); this module checks what they mi
 - the sidecar is a native sidecar: an ``initContainers`` entry with ``restartPolicy: Always``;
 - trainer and sidecar share the socket: the trainer's ``SIDECAR_ADDRESS`` names the sidecar's
   socket, on the same volume in both containers;
-- the sidecar's memory limit covers the arena (shm size + 512Mi);
+- the sidecar's memory limit covers the arena (shm size + 1Gi);
 - a sidecar serving metrics declares its metrics port, and the pod's ``prometheus.io/port``
   annotation, where there is one, names that port;
 - ``terminationGracePeriodSeconds`` leaves time to flush a checkpoint;
@@ -43,7 +43,7 @@ from sidecar._src.tools.k8s.schemas import Finding
 DEFAULT_SOCKET = "/run/sidecar/sidecar.sock"
 DEFAULT_PORT = options.DEFAULT_PORT
 DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
-ARENA_OVERHEAD = 512 * 2**20
+ARENA_OVERHEAD = 1024 * 2**20
 MIN_GRACE_SECONDS = 60
 _PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 DEFAULT_COORDINATOR_PORT = 8476
@@ -257,7 +257,7 @@ def _check_memory(sidecar: Mapping[str, Any], swhere: str) -> list[Finding]:
   if limit_text is None:
     return [Finding(f"{swhere}.resources.limits.memory",
                     "the sidecar has no memory limit; the arena is charged to it: set one of "
-                    "at least the shm size + 512Mi")]
+                    "at least the shm size + 1Gi")]
   if shm_text is None:
     return []
   try:
@@ -267,7 +267,7 @@ def _check_memory(sidecar: Mapping[str, Any], swhere: str) -> list[Finding]:
     return [Finding(f"{swhere}.resources.limits.memory", str(e))]
   if limit < need:
     return [Finding(f"{swhere}.resources.limits.memory",
-                    f"is {limit_text} but the arena ({shm_text}) plus 512Mi needs "
+                    f"is {limit_text} but the arena ({shm_text}) plus 1Gi needs "
                     f"{quantity.format_mebibytes(need)}; raise the limit or shrink "
                     "SIDECAR_SHM_SIZE")]
   return []

@@ -25,9 +25,10 @@ from sidecar._src.tools.k8s import quantity
 
 SOCKET_DIR = "/run/sidecar"
 TOKEN_DIR = "/var/run/secrets/sidecar"
+PEER_TOKEN_DIR = "/var/run/secrets/sidecar-peer"  # the sidecar's alone: only peers send replicas
 # The sidecar's checkpoint root (SIDECAR_CHECKPOINT_ROOTS): mount the checkpoint volume here.
 CHECKPOINT_ROOT = "/ckpt"
-ARENA_OVERHEAD = 512 * 2**20
+ARENA_OVERHEAD = 1024 * 2**20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +97,7 @@ class RenderOptions:
   coordinator_port: int = 8476  # the jax.distributed coordinator, in process 0's trainer
   metrics_port: int | None = 8492  # Prometheus /metrics of the sidecar; None: no metrics
   token_secret: str = "sidecar-token"
+  peer_token_secret: str = "sidecar-peer-token"
   grace_seconds: int = 300
   # In-place restarts of a pod's trainer the Job allows (pod restartPolicy OnFailure):
   # the native sidecar keeps its arena through them. 0: restartPolicy Never.
@@ -145,12 +147,18 @@ def render_jobset(options: RenderOptions) -> dict[str, Any]:
       # OnFailure: a failed trainer restarts in its pod, beside the sidecar and its RAM tier.
       "restartPolicy": "OnFailure" if options.trainer_restarts else "Never",
       "terminationGracePeriodSeconds": options.grace_seconds,
+      "automountServiceAccountToken": False,
+      # The worker socket (0660) and the token files are this group's: both containers'.
+      "securityContext": {"fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
       "initContainers": [_sidecar(options)],
       "containers": [_trainer(options)],
       "volumes": [
           {"name": "sidecar-socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+          {"name": "sidecar-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
           {"name": "sidecar-token",
-           "secret": {"secretName": options.token_secret, "defaultMode": 0o444}},
+           "secret": {"secretName": options.token_secret, "defaultMode": 0o400}},
+          {"name": "sidecar-peer-token",
+           "secret": {"secretName": options.peer_token_secret, "defaultMode": 0o400}},
       ],
   }
   metadata: dict[str, Any] = {"name": options.name}
@@ -228,6 +236,7 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_SHM_SIZE", "value": options.shm_size},
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
+          {"name": "SIDECAR_PEER_TOKEN_FILE", "value": f"{PEER_TOKEN_DIR}/token"},
           # Beyond loopback the sidecar requires the token above.
           {"name": "SIDECAR_LISTEN", "value": "[::]"},
           # Where the checkpoint calls may act: mount the checkpoint volume there.
@@ -238,8 +247,10 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
       "startupProbe": dict(probe, periodSeconds=2, failureThreshold=150),
       "readinessProbe": dict(probe, periodSeconds=5),
       "livenessProbe": dict(probe, periodSeconds=10, failureThreshold=6),
-      "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False},
-      "volumeMounts": _mounts(),
+      "securityContext": dict(_RESTRICTED, readOnlyRootFilesystem=True),
+      "volumeMounts": [_mounts()[0], {"name": "sidecar-tmp", "mountPath": "/tmp"},
+                       *_mounts()[1:], {"name": "sidecar-peer-token",
+                                        "mountPath": PEER_TOKEN_DIR, "readOnly": True}],
   }
 
 
@@ -268,11 +279,17 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
                      "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
           {"name": "SIDECAR_COORDINATOR_PORT", "value": str(options.coordinator_port)},
       ],
+      "securityContext": dict(_RESTRICTED),
       "volumeMounts": _mounts(),
   }
   if options.tpu is not None:
     container["resources"] = {"limits": {"google.com/tpu": options.tpu.chips_per_host}}
   return container
+
+
+# Both containers: no root, no privilege escalation, no capabilities, the runtime's seccomp.
+_RESTRICTED = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+               "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:

@@ -76,6 +76,12 @@ def test_identity_and_discovery_env_come_from_the_downward_api(rendered_overlays
   assert sidecar["SIDECAR_TOKEN_FILE"]["value"] == trainer["SIDECAR_TOKEN_FILE"]["value"]
   token = next(v for v in util.pod_spec(jobset)["volumes"] if v["name"] == "sidecar-token")
   assert token["secret"]["secretName"] == "sidecar-token"
+  # The peer token is the sidecars' alone: a trainer that had it could send replicas.
+  assert sidecar["SIDECAR_PEER_TOKEN_FILE"]["value"] == "/var/run/secrets/sidecar-peer/token"
+  assert "SIDECAR_PEER_TOKEN_FILE" not in trainer
+  mounts = {c["name"]: {m["name"] for m in c["volumeMounts"]}
+            for c in util.pod_spec(jobset)["initContainers"] + util.pod_spec(jobset)["containers"]}
+  assert "sidecar-peer-token" in mounts["sidecar"] and "sidecar-peer-token" not in mounts["trainer"]
 
 
 def test_gke_overlay_asks_for_tpu_slices(rendered_overlays):
@@ -90,7 +96,7 @@ def test_gke_overlay_asks_for_tpu_slices(rendered_overlays):
       "cloud.google.com/gke-tpu-topology": "4x4",
   }
   assert util.container(jobset, "trainer")["resources"]["limits"] == {"google.com/tpu": 4}
-  assert util.container(jobset, "sidecar")["resources"]["limits"] == {"memory": "33280Mi"}
+  assert util.container(jobset, "sidecar")["resources"]["limits"] == {"memory": "33792Mi"}
   assert util.env(jobset, "sidecar")["SIDECAR_SHM_SIZE"]["value"] == "32GiB"
 
 
@@ -150,7 +156,8 @@ def test_component_adds_the_sidecar_to_a_users_own_jobset(kustomize, tmp_path):
   spec = util.pod_spec(jobset)
   assert jobset["spec"]["replicatedJobs"][0]["replicas"] == 3
   assert {c["name"] for c in spec["initContainers"]} == {"fetch", "sidecar"}
-  assert {v["name"] for v in spec["volumes"]} == {"data", "sidecar-socket", "sidecar-token"}
+  assert {v["name"] for v in spec["volumes"]} == {"data", "sidecar-socket", "sidecar-tmp",
+                                                   "sidecar-token", "sidecar-peer-token"}
   trainer_env = util.env(jobset, "trainer")
   assert trainer_env["MY_FLAG"]["value"] == "1"
   assert trainer_env["SIDECAR_HOSTS_PER_SLICE"]["value"] == "2"
@@ -193,18 +200,67 @@ def test_the_tls_component_mounts_the_certificates_for_both_sides(kustomize, tmp
                 for c in ("sidecar", "sidecar-tls")))
   (jobset,) = kustomize(tmp_path)
   spec = util.pod_spec(jobset)
-  (volume,) = [v for v in spec["volumes"] if v["name"] == "sidecar-tls"]
-  assert volume["secret"]["secretName"] == "sidecar-tls"
+  secrets = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
+  assert secrets["sidecar-tls"]["secretName"] == "sidecar-tls"
+  assert secrets["sidecar-tls-client"]["secretName"] == "sidecar-tls-client"
+  assert {s["defaultMode"] for s in secrets.values()} == {0o400}
   sidecar, trainer = util.env(jobset, "sidecar"), util.env(jobset, "trainer")
   where = "/var/run/secrets/sidecar-tls/"
   assert {k: sidecar[k]["value"] for k in ("SIDECAR_TLS_CERT", "SIDECAR_TLS_KEY",
                                            "SIDECAR_TLS_CLIENT_CA")} == {
       "SIDECAR_TLS_CERT": where + "tls.crt", "SIDECAR_TLS_KEY": where + "tls.key",
       "SIDECAR_TLS_CLIENT_CA": where + "ca.crt"}
-  assert trainer["SIDECAR_TLS_CA"]["value"] == where + "ca.crt"
-  assert trainer["SIDECAR_TLS_CLIENT_CERT"]["value"] == where + "tls.crt"
+  client = "/var/run/secrets/sidecar-tls-client/"
+  assert trainer["SIDECAR_TLS_CA"]["value"] == client + "ca.crt"
+  assert trainer["SIDECAR_TLS_CLIENT_CERT"]["value"] == client + "tls.crt"
   assert "SIDECAR_TOKEN_FILE" in sidecar and "SIDECAR_PORT" in trainer  # merged, not replaced
-  for name in ("sidecar", "trainer"):
-    mounts = {m["name"]: m for m in util.container(jobset, name)["volumeMounts"]}
-    assert mounts["sidecar-tls"]["readOnly"] and "sidecar-socket" in mounts
+  mounts = {name: {m["name"]: m for m in util.container(jobset, name)["volumeMounts"]}
+            for name in ("sidecar", "trainer")}
+  assert mounts["sidecar"]["sidecar-tls"]["readOnly"]
+  assert mounts["trainer"]["sidecar-tls-client"]["readOnly"]
+  # The sidecar's private key (and the peer token) never enter the trainer.
+  assert "sidecar-tls" not in mounts["trainer"] and "sidecar-peer-token" not in mounts["trainer"]
+  assert all("sidecar-tls/" not in e.get("value", "") for e in trainer.values())
   assert checks.check_documents([jobset], crd_path=util.CRD) == []
+
+
+@pytest.mark.parametrize("overlay", util.OVERLAYS)
+def test_the_pods_are_hardened(rendered_overlays, overlay):
+  (jobset,) = rendered_overlays[overlay]
+  spec = util.pod_spec(jobset)
+  assert spec["automountServiceAccountToken"] is False
+  assert spec["securityContext"]["fsGroup"] == 1000  # the 0660 socket's group, both sides'
+  sidecar, trainer = (util.container(jobset, n)["securityContext"] for n in ("sidecar", "trainer"))
+  for context in (sidecar, trainer):
+    assert context["runAsNonRoot"] and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+  assert sidecar["readOnlyRootFilesystem"] is True
+  assert {v["name"]: v["secret"]["defaultMode"] for v in spec["volumes"] if "secret" in v} == {
+      "sidecar-token": 0o400, "sidecar-peer-token": 0o400}
+
+
+def test_the_network_policy_admits_only_the_jobsets_pods_and_the_scraper(kustomize, tmp_path):
+  import kubernetes_validate
+
+  from sidecar._src.tools.k8s import schemas
+  (tmp_path / "kustomization.yaml").write_text(
+      f"resources: [{os.path.relpath(util.K8S / 'base', tmp_path)}]\ncomponents:\n"
+      + "".join(f"- {os.path.relpath(util.K8S / 'components' / c, tmp_path)}\n"
+                for c in ("sidecar", "sidecar-network-policy")))
+  docs = kustomize(tmp_path)
+  (jobset,) = [d for d in docs if d["kind"] == "JobSet"]
+  (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+  for version in schemas.default_versions():
+    kubernetes_validate.validate(policy, version, strict=True)
+  assert policy["metadata"]["name"] == "train-sidecar"
+  pods = {"jobset.sigs.k8s.io/jobset-name": "train"}  # the label JobSet gives its pods
+  assert policy["spec"]["podSelector"] == {"matchLabels": pods}
+  assert policy["spec"]["policyTypes"] == ["Ingress"]
+  own, scraper = policy["spec"]["ingress"]
+  assert own == {"from": [{"podSelector": {"matchLabels": pods}}]}
+  assert scraper["ports"] == [{"port": 8492, "protocol": "TCP"}]  # /metrics, nothing else
+  ports = {p["containerPort"] for c in util.pod_spec(jobset)["initContainers"]
+           for p in c.get("ports", [])}
+  assert ports == {8490, 8491, 8492}
+  assert checks.check_documents(docs, crd_path=util.CRD) == []
