@@ -5,6 +5,7 @@ through a client of its own; what it tries used to work.
 """
 
 import json
+import pathlib
 
 import grpc
 import numpy as np
@@ -103,6 +104,38 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
     got = ckpt.restore(2, target={"w": np.zeros(1024, np.float32)})["w"]
   np.testing.assert_array_equal(got, np.full(1024, 2.0, np.float32))
   victim.close()
+
+
+def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_server, tmp_path):
+  """The same for a step in DCP's layout (``<path>.dcp-checkpoint-tmp``, committed over
+  ``path`` as DCP overwrites): only the session that began staging it stages and commits."""
+  from sidecar._src.ckptfmt import dcp
+  server = make_server(token=TOKEN)
+  path = tmp_path / "ck" / "step-3"
+  item = dcp.Item(fqn="w", kind="tensor", nbytes=4096, dtype="float32", sizes=(1024,),
+                  offsets=(0,)).to_dict()
+  with controller(server) as victim, controller(server, attach=False) as attacker:
+    mine, theirs = victim._checkpoint_client(), attacker._checkpoint_client()
+    mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
+    tmp = mine.begin(0, str(path), 3, format=dcp.FORMAT).result()
+    assert tmp == str(dcp.tmp_path(path))
+    mine.stage(0, directory=str(path.parent), step=3, item=tmp, final_item=str(path),
+               leaves=[], shards=[], last=False, dcp=(0, [item])).result()
+    evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
+    with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
+      theirs.stage(0, directory=str(path.parent), step=3, item=tmp, final_item=str(path),
+                   leaves=[], shards=[evil], last=True, dcp=(0, [item])).result()
+    with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
+      theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
+    with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
+      theirs.commit(0, item=tmp, step=3, num_hosts=1, leaves=[], checksums=[],
+                    data_state_json="", whole_step=True, replicas=None, timeout=10).result()
+    with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
+      theirs.stage(0, directory=str(path.parent), step=3, item=str(path),
+                   final_item=str(path), leaves=[], shards=[evil], last=True,
+                   dcp=(0, [item])).result()
+    assert pathlib.Path(tmp).is_dir()  # the victim's save is still there
+    mine.abort(0, tmp, str(path), timeout=10).result()
 
 
 # ---- peer replicas: only from peer sidecars, checked, never silently dropped ------------
