@@ -120,8 +120,20 @@ class DictValue(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[DictEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[DictEntry, _Mapping]]] = ...) -> None: ...
 
+class NamedTupleValue(_message.Message):
+    __slots__ = ("module", "qualname", "fields", "items")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    QUALNAME_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    qualname: str
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    items: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, module: _Optional[str] = ..., qualname: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., items: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
+
 class Value(_message.Message):
-    __slots__ = ("none", "bool_value", "int_value", "big_int", "float_value", "str_value", "bytes_value", "array", "arena", "list", "tuple", "dict")
+    __slots__ = ("none", "bool_value", "int_value", "big_int", "float_value", "str_value", "bytes_value", "array", "arena", "list", "tuple", "dict", "named_tuple")
     NONE_FIELD_NUMBER: _ClassVar[int]
     BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
     INT_VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +146,7 @@ class Value(_message.Message):
     LIST_FIELD_NUMBER: _ClassVar[int]
     TUPLE_FIELD_NUMBER: _ClassVar[int]
     DICT_FIELD_NUMBER: _ClassVar[int]
+    NAMED_TUPLE_FIELD_NUMBER: _ClassVar[int]
     none: bool
     bool_value: bool
     int_value: int
@@ -146,7 +159,8 @@ class Value(_message.Message):
     list: ListValue
     tuple: ListValue
     dict: DictValue
-    def __init__(self, none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., array: _Optional[_Union[Array, _Mapping]] = ..., arena: _Optional[_Union[ArenaRef, _Mapping]] = ..., list: _Optional[_Union[ListValue, _Mapping]] = ..., tuple: _Optional[_Union[ListValue, _Mapping]] = ..., dict: _Optional[_Union[DictValue, _Mapping]] = ...) -> None: ...
+    named_tuple: NamedTupleValue
+    def __init__(self, none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., array: _Optional[_Union[Array, _Mapping]] = ..., arena: _Optional[_Union[ArenaRef, _Mapping]] = ..., list: _Optional[_Union[ListValue, _Mapping]] = ..., tuple: _Optional[_Union[ListValue, _Mapping]] = ..., dict: _Optional[_Union[DictValue, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTupleValue, _Mapping]] = ...) -> None: ...
 
 class CallRequest(_message.Message):
     __slots__ = ("name", "args", "kwargs", "worker_session", "feed")
@@ -213,16 +227,36 @@ class StreamRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., close: _Optional[bool] = ...) -> None: ...
 
 class StreamItem(_message.Message):
-    __slots__ = ("value", "index", "error", "end")
+    __slots__ = ("value", "index", "error", "end", "batch")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     value: Value
     index: int
     error: Error
     end: bool
-    def __init__(self, value: _Optional[_Union[Value, _Mapping]] = ..., index: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+    batch: FeedBatch
+    def __init__(self, value: _Optional[_Union[Value, _Mapping]] = ..., index: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., end: _Optional[bool] = ..., batch: _Optional[_Union[FeedBatch, _Mapping]] = ...) -> None: ...
+
+class FeedBatch(_message.Message):
+    __slots__ = ("structure", "leaves", "state_json", "produce_s")
+    STRUCTURE_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    PRODUCE_S_FIELD_NUMBER: _ClassVar[int]
+    structure: Value
+    leaves: _containers.RepeatedCompositeFieldContainer[FeedLeaf]
+    state_json: str
+    produce_s: float
+    def __init__(self, structure: _Optional[_Union[Value, _Mapping]] = ..., leaves: _Optional[_Iterable[_Union[FeedLeaf, _Mapping]]] = ..., state_json: _Optional[str] = ..., produce_s: _Optional[float] = ...) -> None: ...
+
+class FeedLeaf(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[Value]
+    def __init__(self, parts: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("type", "message", "traceback", "errno", "path", "host_id")

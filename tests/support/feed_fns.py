@@ -2,6 +2,7 @@
 
 import os
 import signal
+from typing import NamedTuple
 
 import grain
 import numpy as np
@@ -78,3 +79,18 @@ def huge_rows(ctx: sidecar.PipelineContext, nbytes: int = 1 << 20):
   while True:
     pulled.append(nbytes)
     yield {"x": np.zeros((nbytes,), np.uint8)}
+
+
+class Views(NamedTuple):
+  crop: np.ndarray
+  extra: list
+
+
+@sidecar.pipeline
+def crops(ctx: sidecar.PipelineContext, n: int = 48):
+  """Elements with a list of crops and a tuple holding a namedtuple, as Grain takes them."""
+  def element(i):
+    i = int(i)
+    return {"x": [np.full((4,), i, np.float32), np.full((2,), -i, np.float32)],
+            "id": np.int64(i), "t": (np.int32(i), Views(np.full((3,), i, np.int16), [None, i]))}
+  return grain.MapDataset.range(n).map(element)

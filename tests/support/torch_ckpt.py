@@ -2,7 +2,7 @@
 
 Run under ``sidecar launch --torch``::
 
-  python -m tests.support.torch_ckpt DIRECTORY save|die|restore
+  python -m tests.support.torch_ckpt DIRECTORY save|die|restore|elastic
 
 The state dict: plain tensors, a non-contiguous view, bf16, a scalar, a non-tensor value,
 optimizer-like nesting, a row-sharded DTensor over all ranks (as FSDP2's) and one entry
@@ -15,7 +15,9 @@ in the middle of saving step 4, once its part is in its sidecar, before the comm
 sidecars, another world size): a state dict with a key the checkpoint lacks is refused
 (DCP's error); the steps a Checkpointer lists (not 4); step 1 restores from storage, the DTensor resharded; step 3 is saved by
 ranks sharing a sidecar, copied aside (``3.copy``, for stock DCP) and restored from the
-RAM tier with its files corrupt. Prints JSON lines.
+RAM tier with its files corrupt. ``elastic`` (under ``--elastic --in-place``): the first
+attempt saves step 1, deletes its directory and rank 1 dies; the restarted job restores
+step 1 from the sidecars' RAM tiers alone. Prints JSON lines.
 """
 
 import json
@@ -112,6 +114,21 @@ def main() -> None:
         return out
     dcp.save(state(rank, world, 4, mesh), storage_writer=Dies(f"{directory}/4", controller=ctl))
     say(saved=4)  # not reached: rank 1's death ends the job
+  elif mode == "elastic":
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restart == 0:
+      dcp.save(state(rank, world, 1, mesh), storage_writer=writer(1))
+      dist.barrier()
+      if rank == 0:
+        shutil.rmtree(f"{directory}/1")  # only the RAM tiers have it now
+      dist.barrier()
+      if rank == 1:
+        os._exit(3)  # the launcher restarts every rank beside the same sidecars
+      dist.barrier()  # rank 0 waits here for the launcher's SIGTERM
+    target, r = zeros_like(state(rank, world, 1, mesh)), reader(1)
+    dcp.load(target, storage_reader=r)
+    say(restored=1, restart=restart, same=same(target, state(rank, world, 1, mesh)),
+        stats=r.last_stats)
   else:
     say(steps=sidecar.torch.Checkpointer(directory, controller=ctl).all_steps())
     # The saving job had 2 ranks: the entries of ranks 2.. are not in step 1.

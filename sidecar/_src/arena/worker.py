@@ -36,6 +36,7 @@ ENV_ADDRESS = env.ADDRESS
 # frees with their credits; this thread sends the rest, a message per interval at
 # most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
 FREE_DELAY_S = 0.01
+JOIN_S = 2.0  # close() waits this long for the releasing thread (it sleeps FREE_DELAY_S)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,14 +321,20 @@ class Worker:
       return self._live
 
   def close(self) -> None:
-    """Detaches; idempotent. Blocks still read by live arrays stay held until they die."""
+    """Detaches and joins the releasing thread; idempotent. Blocks still read by live
+    arrays stay held until they die: the thread sends their frees and ends with the last
+    (then a later ``close()`` joins it)."""
     with self._lock:
-      if self.state is not State.ATTACHED:
-        return
-      self.state = State.CLOSING
-      if self._live == 0:
-        self._shutdown()
-    self._freed.put(None)  # Wakes the releaser so it can finish.
+      closing = self.state is State.ATTACHED
+      if closing:
+        self.state = State.CLOSING
+        if self._live == 0:
+          self._shutdown()
+      done = self.state is State.CLOSED
+    if closing:
+      self._freed.put(None)  # Wakes the releaser so it can finish.
+    if done and self._releaser is not threading.current_thread():
+      self._releaser.join(timeout=JOIN_S)
 
   def hung_up(self, timeout: float = 0.0) -> bool:
     """Whether the sidecar closed its end (it exited), waiting up to ``timeout`` s."""

@@ -2,11 +2,18 @@
 
 Large array arguments go through the host's arena when this process maps it (its
 Worker), inline otherwise; ``held`` keeps their blocks until the call ends.
+
+A call from the main thread is made by a :class:`Callers` thread, so that Ctrl-C can
+leave it running: a blocking gRPC call holds a KeyboardInterrupt off until it ends, and
+one sent as a future starts a thread of gRPC's for every call (its channel's spin
+thread, which ends with the call): half the round trip of a no-op call.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +28,115 @@ from sidecar._src.core import errors
 from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 
+log = logging.getLogger(__name__)
+_NO_ARGS, _NO_KWARGS = codec.encode(()), codec.encode({})  # copied into each request
+JOIN_S = 5.0  # how long close() waits for a caller thread (its call's channel is closed)
+# What becomes of a call Ctrl-C left: ``abandoned(response, error)`` gets its outcome.
+Abandoned = Callable[[Any, BaseException | None], None]
+
+
+class _Job:
+  """One call a caller thread makes; ``done`` is released when it is made, unless the
+  main thread left it (``abandoned``), which ``mu`` decides."""
+
+  __slots__ = ("send", "abandon", "mu", "done", "finished", "left", "response", "error")
+
+  def __init__(self, send: Callable[[], Any], abandon: Abandoned):
+    self.send, self.abandon = send, abandon
+    self.mu = threading.Lock()
+    self.done = threading.Lock()
+    self.done.acquire()
+    self.finished = self.left = False
+    self.response: Any = None
+    self.error: BaseException | None = None
+
+  def run(self) -> None:
+    try:
+      response, error = self.send(), None
+    except BaseException as e:  # the caller's to raise (a RpcError, gRPC's ValueError)
+      response, error = None, e
+    with self.mu:
+      self.response, self.error, self.finished = response, error, True
+      left = self.left
+    if left:
+      self.abandon(response, error)
+    else:
+      self.done.release()
+
+
+class Callers:
+  """Long-lived threads that make the main thread's blocking calls.
+
+  :meth:`run` hands a call to an idle thread (a new one if none is idle: only after
+  Ctrl-C left one running) and waits for it with SIGINT deferred (``interrupts``), so
+  Ctrl-C ends the wait at once, never inside gRPC's locks. ``close()`` joins them.
+  """
+
+  def __init__(self, name: str = "sidecar-call"):
+    self._name = name
+    self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+    self._mu = threading.Lock()
+    self._threads: list[threading.Thread] = []
+    self._idle = 0
+    self._closed = False
+
+  def run(self, send: Callable[[], Any], *, abandoned: Abandoned) -> Any:
+    """``send()``'s result, made on a caller thread; its error raised here.
+
+    Raises:
+      KeyboardInterrupt: Ctrl-C came first; the call goes on and ``abandoned`` gets its
+        outcome (on the caller thread, or here if it came meanwhile).
+      ClosedError: after :meth:`close`.
+    """
+    job = _Job(send, abandoned)
+    with self._mu:
+      if self._closed:
+        raise errors.ClosedError("the controller's calls are closed")
+      if self._idle:
+        self._idle -= 1  # that thread takes this job
+      else:
+        t = threading.Thread(target=self._loop, daemon=True,
+                             name=f"{self._name}-{len(self._threads)}")
+        self._threads.append(t)
+        t.start()
+      self._jobs.put(job)
+    try:
+      while not job.done.acquire(timeout=interrupts.POLL_S):
+        interrupts.check()
+    except KeyboardInterrupt:
+      with job.mu:
+        job.left = True
+        finished = job.finished
+      if finished:  # it came as Ctrl-C did: dropped here
+        abandoned(job.response, job.error)
+      raise
+    if job.error is not None:
+      raise job.error
+    return job.response
+
+  def _loop(self) -> None:
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      job.run()
+      del job  # nothing of a call outlives it here (its result's arena views)
+      with self._mu:
+        self._idle += 1
+
+  def close(self) -> None:
+    """Stops and joins the threads (after their calls); idempotent."""
+    with self._mu:
+      self._closed = True
+      threads, self._threads = self._threads, []
+    for _ in threads:
+      self._jobs.put(None)
+    for t in threads:
+      t.join(JOIN_S)
+      if t.is_alive():
+        log.warning("%s still runs a call %.0f s after close(); its channel is closed, "
+                    "it ends within the call's deadline", t.name, JOIN_S)
+
 
 class Calls:
   """Runs registered functions on sidecars, through one controller's connections.
@@ -34,6 +150,7 @@ class Calls:
                worker: Callable[[int], worker_lib.Worker | None]):
     self._connection = connection
     self._worker = worker
+    self._callers = Callers()
 
   def request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
               held: list) -> pb.CallRequest:
@@ -52,9 +169,9 @@ class Calls:
         held.append(dst)  # This side holds argument blocks until the call ends.
         return ref
     return pb.CallRequest(
-        name=name, args=codec.encode(tuple(args), to_arena=to_arena, where="args"),
-        kwargs=codec.encode(dict(kwargs), to_arena=to_arena, where="kwargs"),
-        worker_session=w.session if w is not None else "")
+        name=name, args=codec.encode(tuple(args), to_arena=to_arena, where="args") if args
+        else _NO_ARGS, kwargs=codec.encode(dict(kwargs), to_arena=to_arena, where="kwargs")
+        if kwargs else _NO_KWARGS, worker_session=w.session if w is not None else "")
 
   def decode(self, host_id: int, name: str, response: pb.CallResponse) -> Any:
     w = self._worker(host_id)
@@ -80,15 +197,16 @@ class Calls:
       left = max(deadline - time.monotonic(), 0.0)
       if threading.current_thread() is not threading.main_thread():
         response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
-      else:  # a future, which Ctrl-C can leave; a blocking call would hold it off to the end
-        rpc = conn.call_rpc.future(request, timeout=left, metadata=conn.metadata)
+      else:  # on a caller thread, which Ctrl-C can leave: the main thread's would hold it
+        kept = list(held)  # if Ctrl-C leaves the call: its arguments' blocks, until it ends
         try:
-          response = interrupts.wait(rpc)
+          response = self._callers.run(
+              lambda: conn.call_rpc(request, timeout=left, metadata=conn.metadata),
+              abandoned=lambda r, e: self._drop(host_id, name, r, kept, conn))
         except KeyboardInterrupt:
           # The call goes on (within its deadline), holding its arguments' blocks; what
           # it returns is dropped then, so its result's blocks go back too.
-          kept, leave = list(held), False
-          rpc.add_done_callback(lambda f: self._drop(host_id, name, f, kept, conn))
+          leave = False
           raise
     except grpc.RpcError as e:
       error = protocol.error_from_rpc(e, host=conn.address, host_id=host_id)
@@ -111,15 +229,21 @@ class Calls:
         conn.calls.exit()
     return self.decode(host_id, name, response)
 
-  def _drop(self, host_id: int, name: str, rpc: grpc.Future, held: list,
+  def _drop(self, host_id: int, name: str, response: pb.CallResponse | None, held: list,
             conn: Connection) -> None:
     """Decodes and drops the result of a call nobody waits for: its blocks go back."""
     conn.calls.exit()
     held.clear()
+    if response is None:
+      return  # it failed; its error has nobody to reach
     try:
-      self.decode(host_id, name, rpc.result())
+      self.decode(host_id, name, response)
     except Exception:  # the caller is gone; its error has nobody to reach
       pass
+
+  def close(self) -> None:
+    """Joins the threads that made this controller's calls; idempotent."""
+    self._callers.close()
 
   def call_future(self, host_id: int, name: str, args: tuple, kwargs: dict,
                   timeout: float) -> concurrent.futures.Future:

@@ -551,6 +551,7 @@ class Controller:
       child.close()  # the checkpointers: each waits for its save in flight
     self.state = State.CLOSED
     self._hosts.close()  # the workers it made, then the channels
+    self._calls.close()  # its caller threads: their calls ended with the channels
 
   def __enter__(self) -> Self:
     return self

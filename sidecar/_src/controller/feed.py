@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sidecar._src.controller import display, progress as progress_lib, trees
+from sidecar._src.controller import display, progress as progress_lib
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, options as options_lib
+from sidecar._src.wire import feed_batch
 from sidecar._src.wire.protocol import pb
 
 STATE_VERSION = 1
@@ -181,23 +182,31 @@ class Feed:
       # their blocks as long as the notebook keeps the traceback.
       raise e.with_traceback(None) from None
     wait = time.perf_counter() - t0
-    batch = self._assemble([item["batch"] for item in items])
-    state = self._merge([item["state"] for item in items])
+    try:
+      batch = self._assemble(items)
+    except errors.SidecarError:
+      self.close()
+      raise
+    state = self._merge([item.state for item in items])
     self._parts = []  # from here on the batch is the trainer's
     self._state = state
     self._waits.append(wait)
-    self._produce.append(max(item["produce_s"] for item in items))
+    self._produce.append(max(item.produce_s for item in items))
     self._batches += 1
     return batch
 
-  def _assemble(self, parts: list[Any]) -> Any:
-    """Per-host ``leaf -> [array per range]`` into the layout's batch, leaf by leaf."""
-    is_part = lambda x: isinstance(x, list)
-    flat = [trees.flatten(p, is_leaf=is_part) for p in parts]
-    treedef = flat[0][1]
-    out = [self._layout.assemble([leaves[i] for leaves, _ in flat], self._plans)
-           for i in range(treedef.num_leaves)]
-    return trees.unflatten(treedef, out)
+  def _assemble(self, parts: list[feed_batch.HostBatch]) -> Any:
+    """Every host's part (per leaf, an array per range) into the layout's batch, leaf by
+    leaf, in the structure of the pipeline's elements."""
+    structure = parts[0].structure
+    for p in parts[1:]:
+      if len(p.leaves) != len(parts[0].leaves) or p.structure != structure:
+        raise errors.InvalidArgumentError(
+            f"feed {self.name!r}: hosts' batches differ in structure ({structure!r:.200} and "
+            f"{p.structure!r:.200}); every host must run the same pipeline code")
+    leaves = [self._layout.assemble([p.leaves[i] for p in parts], self._plans)
+              for i in range(len(parts[0].leaves))]
+    return feed_batch.fill(structure, leaves)
 
   def _merge(self, states: list[dict[str, Any]]) -> dict[str, Any]:
     base = {"version": STATE_VERSION, "pipeline": self.name, "seed": self._seed,

@@ -1,8 +1,8 @@
 """Pytrees of the codec's containers, with no framework: flatten, unflatten, key paths.
 
-The controller core walks the trees a sidecar sends (dict, list, tuple, None, with
-arrays and scalars as leaves) without ``jax.tree_util``, which a PyTorch trainer does
-not have. It walks them the way ``jax.tree_util`` does: dict keys in sorted order,
+The controller core walks the trees a sidecar sends (dict, list, tuple, namedtuple,
+None, with arrays and scalars as leaves) without ``jax.tree_util``, which a PyTorch
+trainer does not have. It walks them the way ``jax.tree_util`` does: dict keys in sorted order,
 None as an empty node. A framework's own trees (registered JAX pytrees, dataclasses)
 are its adapter's to flatten; their key paths must stay what stock Orbax names.
 """
@@ -21,10 +21,12 @@ IsLeaf = Callable[[Any], bool]
 @dataclasses.dataclass(frozen=True, slots=True)
 class TreeDef:
   """The structure of a flattened tree: ``kind`` is "leaf", "none", "dict", "list" or
-  "tuple"; ``keys`` a dict's keys, in the order of ``children``."""
+  "tuple"; ``keys`` a dict's keys, in the order of ``children``; ``tuple_type`` a
+  namedtuple's class (a tuple's, None)."""
   kind: str
   children: tuple[TreeDef, ...] = ()
   keys: tuple[Any, ...] = ()
+  tuple_type: type | None = None
 
   @property
   def num_leaves(self) -> int:
@@ -61,7 +63,8 @@ def flatten_with_path(tree: Any, *, is_leaf: IsLeaf | None = None
       return TreeDef("dict", tuple(walk(x[k], (*path, str(k))) for k in keys), tuple(keys))
     if isinstance(x, (list, tuple)):
       kind = "tuple" if isinstance(x, tuple) else "list"
-      return TreeDef(kind, tuple(walk(v, (*path, i)) for i, v in enumerate(x)))
+      return TreeDef(kind, tuple(walk(v, (*path, i)) for i, v in enumerate(x)),
+                     tuple_type=type(x) if kind == "tuple" and type(x) is not tuple else None)
     out.append((path, x))
     return _LEAF
 
@@ -89,6 +92,8 @@ def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
     children = [build(c) for c in t.children]
     if t.kind == "dict":
       return dict(zip(t.keys, children))
-    return tuple(children) if t.kind == "tuple" else children
+    if t.kind == "list":
+      return children
+    return tuple(children) if t.tuple_type is None else tuple.__new__(t.tuple_type, children)
 
   return build(treedef)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.host import metrics as metrics_lib
+from sidecar._src.host import argument_types, metrics as metrics_lib
 from sidecar._src.host.arena_io import Alive, ArenaIO, TimeLeft
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, protocol
@@ -62,6 +62,8 @@ class Runner:
       except TypeError as e:
         raise errors.InvalidArgumentError(
             f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
+    if kind == registry_lib.PIPELINE:
+      argument_types.check(entry.fn, kwargs, what=f"pipeline {entry.name!r}")
     with self._lock:
       self.calls += 1
     return entry, args, kwargs

@@ -8,10 +8,12 @@ nothing for ``read_timeout`` seconds is closed.
 
 from __future__ import annotations
 
+import errno
 import http.server
 import logging
 import socketserver
 import threading
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, exposition
@@ -20,6 +22,12 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16  # a scraper needs one; a few more for people with curl
 READ_TIMEOUT_S = 10.0
+# An accept that fails for want of descriptors, buffers or memory is waited out this long:
+# socketserver drops the error and selects again at once, and the connection still
+# waiting keeps the listener readable, so without a pause its thread spins a core.
+ACCEPT_RETRY_S = 0.1
+_PASSING = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_LOG_EVERY_S = 10.0
 
 
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -29,7 +37,21 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
   def __init__(self, address: tuple[Any, ...], handler: type, *, max_connections: int):
     self.slots = threading.BoundedSemaphore(max_connections)
     self.refused = 0
+    self._logged = -_LOG_EVERY_S  # time.monotonic() of the last passing accept error logged
     super().__init__(address, handler)
+
+  def get_request(self) -> tuple[Any, Any]:
+    try:
+      return super().get_request()
+    except OSError as e:
+      if e.errno in _PASSING:
+        now = time.monotonic()
+        if now - self._logged >= _LOG_EVERY_S:
+          self._logged = now
+          log.warning("/metrics cannot accept a connection (%s); waiting %.3g s between "
+                      "tries while it lasts", e, ACCEPT_RETRY_S)
+        time.sleep(ACCEPT_RETRY_S)
+      raise  # socketserver drops it and selects again
 
   def process_request(self, request: Any, client_address: Any) -> None:
     if not self.slots.acquire(blocking=False):

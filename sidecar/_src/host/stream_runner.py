@@ -21,7 +21,7 @@ from sidecar._src.host.calls import Runner, measured
 from sidecar._src.host.credits import CreditSource
 from sidecar._src.host.feeds import pool as feed_pool, producer as feed_lib
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import codec
+from sidecar._src.wire import feed_batch
 from sidecar._src.wire.protocol import pb
 
 Items = Generator[pb.StreamItem, None, None]
@@ -120,16 +120,16 @@ class StreamRunner:
             return
           status.backpressure_s += time.perf_counter() - t0
           try:
-            tree, state, seconds = next(batches)
+            batch, state, seconds = next(batches)
           except StopIteration:
             return
           status.batches += 1
           status.produce_s += seconds
-          value = codec.encode({"batch": tree, "state": state, "produce_s": seconds},
-                               to_arena=blocks.to_arena, inline_limit=0,
-                               where=f"batch {index} of pipeline {request.name!r}")
-          blocks.sent(tree)
-          yield pb.StreamItem(index=index, value=value)
+          value = feed_batch.encode(batch.structure, batch.leaves, state, seconds,
+                                    to_arena=blocks.to_arena,
+                                    where=f"batch {index} of pipeline {request.name!r}")
+          blocks.sent(batch.leaves)
+          yield pb.StreamItem(index=index, batch=value)
           index += 1
     finally:
       batches.close()

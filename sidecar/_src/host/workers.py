@@ -28,7 +28,7 @@ from sidecar._src.host.credits import SocketCredits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import check_prefetch
 from sidecar._src.host.stream_runner import StreamRunner
-from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire import feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class WorkerListener:
       try:
         for item in self._streams.run(first.start, credits, alive=alive,
                                       time_left=lambda: None):
-          blocks = codec.arena_blocks(item.value)
+          blocks = feed_batch.item_blocks(item)
           try:
             ipc.send_bytes(conn, item.SerializeToString())
           except OSError:
@@ -281,7 +281,8 @@ class WorkerListener:
         log.warning("worker %s: %s", session, e, extra={"session": session})
 
   def close(self) -> None:
-    """Stops accepting, ends every connection and joins its thread; idempotent."""
+    """Stops accepting (joining the accept thread), ends every connection and joins its
+    thread; idempotent."""
     with self._lock:
       if self._closed:
         return

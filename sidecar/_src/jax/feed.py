@@ -56,6 +56,13 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
   try:
     index: Mapping[jax.Device, Any] = sharding.devices_indices_map((global_batch_size,))
   except Exception as e:
+    n = _batch_shards(sharding)
+    if n and global_batch_size % n:
+      lower = global_batch_size // n * n
+      raise errors.InvalidArgumentError(
+          f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: it splits "
+          f"the batch into {n} shards; use a multiple of {n} "
+          f"({f'{lower} or ' if lower else ''}{lower + n})") from None
     raise errors.InvalidArgumentError(
         f"global_batch_size {global_batch_size} cannot be laid out by {sharding}: {e}") from None
   by_host: dict[tuple[int, int], dict[tuple[int, int], list[jax.Device]]] = {}
@@ -80,6 +87,16 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
     plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[part][r]) for r in ranges),
                           process=part[1]))
   return plans
+
+
+def _batch_shards(sharding: jax.sharding.Sharding) -> int | None:
+  """How many row blocks ``sharding`` cuts the batch into (None if it cannot say): a
+  batch of one row per device is always laid out."""
+  try:
+    probe = sharding.devices_indices_map((len(sharding.device_set),))
+    return len({rows.indices(len(sharding.device_set))[:2] for (rows,) in probe.values()})
+  except Exception:
+    return None
 
 
 class Layout(BatchLayout):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.core import errors
-from sidecar._src.wire import codec, protocol
+from sidecar._src.wire import codec, feed_batch, protocol
 from sidecar._src.wire.protocol import pb
 
 # Moves an item's arrays onto a device (a framework adapter's: ``jax/transfer.to_devices``):
@@ -144,8 +144,10 @@ class Stream:
       owed, waited = self._owed, self._waited
       self._owed, self._waited = 0, 0.0
       t.credit(owed, wait_s=waited)
-    value = codec.decode(item.value, from_arena=t.from_arena,
-                         where=f"item {item.index} of {self._name!r} from host {t.host_id}")
+    where = f"item {item.index} of {self._name!r} from host {t.host_id}"
+    if item.HasField("batch"):  # a feed's: our own record, never a user's value
+      return feed_batch.decode(item.batch, from_arena=t.from_arena, where=where)
+    value = codec.decode(item.value, from_arena=t.from_arena, where=where)
     return value if self._to_device is None else self._to_device(value)
 
   def _wait(self, t0: float) -> pb.StreamItem | None:

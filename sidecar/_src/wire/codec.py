@@ -1,15 +1,22 @@
 """The safe codec: pytrees of arrays, scalars, strings and bytes <-> ``pb.Value``.
 
-Only these travel: dict, list, tuple, None, numpy arrays and scalars of numeric
-dtypes, int, float, bool, str and bytes. Nothing is pickled, in any mode. Arrays
+Only these travel: dict, list, tuple, namedtuple, None, numpy arrays and scalars of
+numeric dtypes, int, float, bool, str and bytes. Nothing is pickled, in any mode. A
+namedtuple arrives as its own class where the receiver has imported it (with the same
+fields), else as a namedtuple of the same name and fields; decoding imports nothing
+and runs no code of the class. Arrays
 of ``inline_limit`` bytes or more go through the arena when a ``to_arena``
 callback is given; then only an :class:`ArenaRef` crosses the wire.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import keyword
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -94,8 +101,14 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
     return pb.Value(dict=pb.DictValue(entries=entries))
   if isinstance(x, (list, tuple)):
     items = [_encode(v, to_arena, limit, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
-    return pb.Value(tuple=pb.ListValue(items=items)) if isinstance(x, tuple) else pb.Value(
-        list=pb.ListValue(items=items))
+    if isinstance(x, list):
+      return pb.Value(list=pb.ListValue(items=items))
+    fields = _namedtuple_fields(type(x))
+    if fields is None:
+      return pb.Value(tuple=pb.ListValue(items=items))
+    cls = type(x)
+    return pb.Value(named_tuple=pb.NamedTupleValue(
+        module=cls.__module__, qualname=cls.__qualname__, fields=fields, items=items))
   if not isinstance(x, np.ndarray) and hasattr(x, "__array__") and hasattr(x, "dtype"):
     x = np.asarray(x)  # e.g. a jax.Array: its host value travels.
   if isinstance(x, np.ndarray):
@@ -109,8 +122,49 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
     return pb.Value(array=pb.Array(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()))
   raise errors.InvalidArgumentError(
       f"{where}: values of type {type(x).__module__}.{type(x).__qualname__} cannot be sent; "
-      "arguments and results are pytrees (dict, list, tuple, None) of numpy arrays, numpy "
+      "arguments and results are pytrees (dict, list, tuple, namedtuple, None) of numpy arrays, numpy "
       "scalars, int, float, bool, str and bytes")
+
+
+def _namedtuple_fields(cls: type) -> tuple[str, ...] | None:
+  """The fields of namedtuple class ``cls`` (a tuple subclass with ``_fields``), else None."""
+  if cls is tuple:
+    return None
+  fields = getattr(cls, "_fields", None)
+  if isinstance(fields, tuple) and all(isinstance(f, str) for f in fields):
+    return fields
+  return None
+
+
+def _namedtuple_class(v: pb.NamedTupleValue, where: str) -> type:
+  """The class a namedtuple is decoded as: the one its module (when this process has
+  imported it) defines under its qualname with the same fields, else one made here."""
+  fields = tuple(v.fields)
+  if len(fields) != len(v.items):
+    raise errors.InvalidArgumentError(
+        f"{where}: a namedtuple of {len(fields)} fields holds {len(v.items)} items")
+  found: Any = sys.modules.get(v.module)
+  for part in v.qualname.split("."):  # vars(): no module __getattr__ or descriptor runs
+    try:
+      found = vars(found).get(part)
+    except TypeError:
+      found = None
+      break
+  if isinstance(found, type) and issubclass(found, tuple) and _namedtuple_fields(
+      found) == fields:
+    return found
+  name = v.qualname.rpartition(".")[2]
+  if not all(n.isidentifier() and not keyword.iskeyword(n) and not n.startswith("_")
+             for n in (name, *fields)) or len(set(fields)) != len(fields):
+    raise errors.InvalidArgumentError(
+        f"{where}: namedtuple {v.qualname[:80]!r} with fields {list(fields)[:20]} cannot be "
+        "made: names must be distinct identifiers not starting with '_'")
+  return _made_namedtuple(name, fields)
+
+
+@functools.lru_cache(maxsize=256)
+def _made_namedtuple(name: str, fields: tuple[str, ...]) -> type:
+  return collections.namedtuple(name, fields)
 
 
 @dataclasses.dataclass(slots=True)
@@ -164,7 +218,7 @@ def arena_blocks(value: pb.Value) -> list[int]:
   kind = value.WhichOneof("kind")
   if kind == "arena":
     return [value.arena.offset, value.arena.generation]
-  if kind in ("list", "tuple"):
+  if kind in ("list", "tuple", "named_tuple"):
     return [x for item in getattr(value, kind).items for x in arena_blocks(item)]
   if kind == "dict":
     return [x for e in value.dict.entries for x in arena_blocks(e.value)]
@@ -223,6 +277,15 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | No
     items = [_decode(x, from_arena, f"{where}[{i}]", depth + 1, budget)
              for i, x in enumerate(children)]
     return tuple(items) if kind == "tuple" else items
+  if kind == "named_tuple":
+    nt = v.named_tuple
+    if budget is not None:
+      budget.spend(where, elements=len(nt.items),
+                   nbytes=len(nt.module) + len(nt.qualname) + sum(map(len, nt.fields)))
+    cls = _namedtuple_class(nt, where)
+    items = [_decode(x, from_arena, f"{where}.{f}", depth + 1, budget)
+             for f, x in zip(nt.fields, nt.items)]
+    return tuple.__new__(cls, items)  # no __new__ of the class runs
   if kind == "dict":
     entries = v.dict.entries
     if budget is not None:
@@ -418,7 +481,7 @@ _OTHER_FIELDS_PER_VALUE = 2
 # Parts of a Value that the decoder does not count apart from it (the items and entries
 # of lists and dicts it does).
 _UNCOUNTED = frozenset(m.DESCRIPTOR.full_name for m in (
-    pb.ListValue, pb.DictValue, pb.DictEntry, pb.Array, pb.ArenaRef))
+    pb.ListValue, pb.DictValue, pb.DictEntry, pb.Array, pb.ArenaRef, pb.NamedTupleValue))
 
 
 def _message_fields(descriptor: Any) -> dict[int, tuple[Any, int]]:

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
+from tests.support import feed_fns
 
 pytestmark = pytest.mark.processes
 
@@ -131,7 +132,8 @@ def test_pipeline_exception_reaches_next_with_the_remote_traceback(cluster4):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(global_batch_size=6), r"global_batch_size 6 cannot be laid out"),
+    (dict(global_batch_size=6), r"global_batch_size 6 cannot be laid out by .*: it splits the "
+                                r"batch into 4 shards; use a multiple of 4 \(4 or 8\)"),
     (dict(global_batch_size=0), r"global_batch_size must be a positive int, got 0"),
     (dict(options={"prefetch": 4}), r"options must be a sidecar.FeedOptions, got dict"),
     (dict(sharding=data_sharding(8)), r"device 4 of the sharding belongs to no sidecar"),
@@ -184,6 +186,22 @@ def test_workers_give_the_same_stream(cluster1):
     with pytest.raises(sidecar.InvalidArgumentError, match="workers=N needs random access"):
       next(ctl.feed("shard_ids", global_batch_size=8, sharding=data_sharding(2),
                     options=sidecar.FeedOptions(workers=2)))
+
+
+def test_elements_with_lists_and_namedtuples_come_whole_from_workers_too(cluster1):
+  kw = dict(global_batch_size=8, sharding=data_sharding(2), seed=1, num_epochs=1)
+  with cluster1.controller() as ctl:
+    runs = []
+    for workers in (0, 2):
+      with ctl.feed("crops", options=sidecar.FeedOptions(workers=workers), **kw) as feed:
+        runs.append(list(feed))
+  for plain, pooled in zip(*runs, strict=True):
+    for batch in (plain, pooled):
+      ids = np.asarray(batch["id"])
+      np.testing.assert_array_equal(np.asarray(batch["x"][1]), -np.repeat(ids[:, None], 2, 1))
+      assert type(batch["t"][1]) is feed_fns.Views and batch["t"][1].extra[0] is None
+      np.testing.assert_array_equal(np.asarray(batch["t"][1].extra[1]), ids)
+    np.testing.assert_array_equal(np.asarray(plain["id"]), np.asarray(pooled["id"]))
 
 
 def test_a_dead_feed_worker_is_restarted_without_gap_or_duplicate(cluster1, tmp_path):

@@ -4,7 +4,8 @@
 restores from the RAM tier with the ``.distcp`` files corrupted; a new job of another world
 size (4 ranks, two per sidecar) restores from storage, the DTensor resharded, refuses a
 state dict with a key the checkpoint lacks, and saves with ranks sharing a sidecar; a rank
-killed mid-save leaves no step listed, and the job before it loads."""
+killed mid-save leaves no step listed, and the job before it loads; ranks restarted in place
+(``--elastic --in-place``) restore from the RAM tiers with the files gone."""
 
 import json
 import os
@@ -21,13 +22,15 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(400),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
-def launch(directory, mode, *, hosts, procs, code=0):
+def launch(directory, mode, *, hosts, procs, code=0, flags=()):
   p = subprocess.run(
-      [sys.executable, "-m", "sidecar", "launch", "--torch", "--hosts", str(hosts),
+      [sys.executable, "-m", "sidecar", "launch", "--torch", *flags, "--hosts", str(hosts),
        "--procs-per-host", str(procs), "--shm-size", "32MiB", "--", sys.executable, "-m",
        "tests.support.torch_ckpt", str(directory), mode],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert p.returncode == code, p.stdout + p.stderr
+  if flags:
+    assert "restart 1: host 1's trainer exited with code 3" in p.stderr, p.stderr
   return [json.loads(line.split("] ", 1)[1]) for line in p.stdout.splitlines() if "] {" in line]
 
 
@@ -70,3 +73,11 @@ def test_dcp_saves_through_the_sidecars_restore_from_ram_stock_dcp_and_storage(t
       "sidecar_manifest.json"]
   for rank in range(4):
     assert stock_load(tmp_path / "3.copy", rank, 4, 3)
+
+
+def test_ranks_restarted_in_place_restore_from_the_ram_tiers_with_the_files_gone(tmp_path):
+  records = launch(tmp_path, "elastic", hosts=2, procs=1, flags=("--elastic", "--in-place"))
+  restored = [r for r in records if r.get("restored") == 1]
+  assert [(r["restart"], r["same"]) for r in restored] == [(1, True), (1, True)], records
+  assert all(r["stats"]["items"] > 0 for r in restored)
+  assert not (tmp_path / "1").exists()  # no storage read: there was nothing to read

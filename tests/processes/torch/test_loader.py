@@ -1,8 +1,8 @@
 """sidecar.torch.DataLoader under ``sidecar launch --torch``: each rank's slice of the global
 batches that ``ctl.feed`` (JAX) yields for the same pipeline, arguments and seed; two ranks
 beside one sidecar read what two ranks beside two read; a state_dict resumes on another
-world size; no jax in the torch ranks; a sidecar killed mid-feed raises HostLostError
-naming its host."""
+world size; no jax in the torch ranks; a state of another global batch is refused naming
+the batch size that fits; a sidecar killed mid-feed raises HostLostError naming its host."""
 
 import json
 import subprocess
@@ -65,7 +65,7 @@ def test_two_ranks_beside_one_sidecar_read_what_two_sidecars_give(tmp_path, refe
     assert batches[rank] == [g[2 * rank:2 * rank + 2] for g in reference[:3]]
 
 
-def test_a_sidecar_killed_mid_feed_raises_host_lost_naming_it():
+def test_a_resume_of_another_global_batch_is_refused_and_a_sidecar_killed_mid_feed_named():
   import sidecar
   import sidecar.torch
   with LocalCluster(2, 1, imports=["tests.support.feed_fns"], shm_size="16MiB") as cluster:
@@ -73,6 +73,11 @@ def test_a_sidecar_killed_mid_feed_raises_host_lost_naming_it():
       loader = sidecar.torch.DataLoader("ids", 4, kwargs={"n": 64}, controller=ctl)
       batches = iter(loader)
       assert next(batches)["id"].shape == (4,)  # 2 rows from each host's sidecar
+      with pytest.raises(sidecar.InvalidArgumentError,
+                         match="saved with a global batch of 4 rows; this loader's is 3 x 1 "
+                               "ranks = 3: use batch_size 4"):
+        sidecar.torch.DataLoader("ids", 3, kwargs={"n": 64}, controller=ctl).load_state_dict(
+            loader.state_dict())
       cluster.kill(1)
       with pytest.raises(sidecar.HostLostError, match="host 1"):
         for _ in range(20):

@@ -101,6 +101,14 @@ def test_a_pipeline_parameter_named_seed_goes_through_apart_from_the_feed_seed(c
   assert ids == [3000 + i for i in range(8)]
 
 
+def test_pipeline_arguments_are_checked_against_its_annotations(ctl):
+  with ctl.feed("seeded", global_batch_size=4, sharding=_sharding(), kwargs={"n": "ten"}) as feed:
+    with pytest.raises(sidecar.InvalidArgumentError,
+                       match=r"pipeline 'seeded': argument 'n' must be int \(as annotated\), "
+                             r"got str 'ten'"):
+      next(feed)
+
+
 def test_the_old_feed_shorthand_still_works_with_a_warning(ctl):
   with pytest.warns(DeprecationWarning) as caught:
     feed = ctl.feed("seeded", global_batch_size=4, sharding=_sharding(), num_epochs=1, seed=0,

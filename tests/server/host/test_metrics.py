@@ -1,13 +1,15 @@
 """/metrics: the exposition with no sockets, then one in-process server scraped over HTTP."""
 
+import errno
 import socket
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import sidecar
 from sidecar._src.core import options
-from sidecar._src.host import metrics as metrics_lib
+from sidecar._src.host import metrics as metrics_lib, metrics_server
 from sidecar._src.host.server import Server
 from tests.support.metrics import samples, scrape, value
 from tests.support.paths import ROOT
@@ -90,3 +92,40 @@ def test_the_grafana_dashboard_queries_only_metrics_the_sidecar_exports():
   m.restored_bytes("ram", 1)
   exported = {s.name for f in text_string_to_metric_families(m.text()) for s in f.samples}
   assert len(used) >= 15 and used <= exported, used - exported
+
+
+class _OutOfDescriptors:
+  """The listener of a process that has used up its descriptors: accept() fails with
+  EMFILE while a connection waits (select says it is readable), as after an fd flood."""
+
+  def __init__(self, sock: socket.socket):
+    self._sock, self.accepts = sock, 0
+
+  def fileno(self) -> int:
+    return self._sock.fileno()
+
+  def accept(self):
+    self.accepts += 1
+    raise OSError(errno.EMFILE, "Too many open files")
+
+  def close(self) -> None:
+    self._sock.close()
+
+
+def test_the_metrics_server_waits_out_running_out_of_descriptors():
+  """socketserver drops an accept's OSError and selects again at once: with no descriptor
+  left, the waiting connection kept the listener readable and the thread spun a core."""
+  server, thread = metrics_server.serve(metrics_lib.Metrics(snapshot).registry, "127.0.0.1", 0)
+  try:
+    fake = _OutOfDescriptors(server.socket)
+    server.socket = fake
+    waiting = socket.create_connection(server.server_address[:2], timeout=5)
+    time.sleep(1.0)
+    accepts = fake.accepts
+    assert 1 <= accepts <= 1.0 / metrics_server.ACCEPT_RETRY_S + 5, accepts  # before: ~10**5
+    waiting.close()
+  finally:
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+  assert not thread.is_alive()

@@ -5,16 +5,20 @@ each request at once: ``answer(request)`` is the CallResponse, or the RpcError r
 No worker maps an arena here, so arguments and results travel inline.
 """
 
+import os
+import signal
 import threading
 
 import grpc
 import numpy as np
 import pytest
 
+from sidecar._src.controller import interrupts
 from sidecar._src.controller.calls import Calls
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
+from tests.conftest import eventually
 from tests.support.fake_sidecars import FakeConnection
 
 pytestmark = pytest.mark.unit
@@ -101,3 +105,47 @@ def test_a_future_call_that_cannot_encode_fails_its_future():
   future = _calls(FakeConnection(answer=_doubled)).call_future(0, 3, (), {}, 5.0)
   with pytest.raises(errors.InvalidArgumentError, match=r"name must be a str"):
     future.result(5)
+
+
+def test_main_thread_calls_are_made_by_one_long_lived_thread_that_close_joins():
+  made_on = []
+
+  def answer(request):
+    made_on.append(threading.current_thread())
+    return _doubled(request)
+  calls = _calls(FakeConnection(answer=answer))
+  assert [calls.call_sync(0, "double", (np.int64(i),), {}, 5.0) for i in range(5)] == [
+      0, 2, 4, 6, 8]
+  (thread,) = set(made_on)  # not one thread a call (gRPC's futures), nor the main thread
+  assert thread is not threading.main_thread() and thread.name.startswith("sidecar-call")
+  calls.close()
+  assert not thread.is_alive()
+  calls.close()  # idempotent
+  with pytest.raises(errors.ClosedError, match="closed"):
+    calls.call_sync(0, "double", (np.int64(1),), {}, 5.0)
+
+
+def test_ctrl_c_leaves_a_main_thread_call_running_and_drops_its_result():
+  release, started, answered = threading.Event(), threading.Event(), []
+
+  def answer(request):
+    (x,) = codec.decode(request.args)
+    if x == 1:  # the call Ctrl-C leaves
+      started.set()
+      release.wait(10)
+    answered.append(int(x))
+    return _doubled(request)
+  conn = FakeConnection(answer=answer, window=2)
+  calls = _calls(conn)
+  threading.Timer(0.0, lambda: started.wait(5) and os.kill(os.getpid(), signal.SIGINT)).start()
+  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+    calls.call_sync(0, "double", (np.int64(1),), {}, 30.0)
+  assert answered == []  # it goes on
+  assert calls.call_sync(0, "double", (np.int64(2),), {}, 5.0) == 4  # on another thread
+  assert conn.calls.enter(0.0) and not conn.calls.enter(0.0)  # the left call holds 1 of 2
+  conn.calls.exit()
+  release.set()
+  assert eventually(lambda: answered == [2, 1])
+  assert eventually(lambda: conn.calls.enter(0.0))  # its slot came back
+  conn.calls.exit()
+  calls.close()

@@ -1,13 +1,15 @@
 """``controller.feed.Feed`` with no process: the sidecars' streams are in-process fakes.
 
 Feed talks to the sidecars through one seam, ``open_stream(host, FeedSpec)``, which
-returns an iterator of items (``batch``: per leaf, one array per row range of the
-host's plan; ``state``: the position after that batch; ``produce_s``). The fake below
+returns an iterator of items (``feed_batch.HostBatch``: the element's structure, per
+leaf one array per row range of the host's plan, the position after that batch and
+the time it took). The fake below
 yields the integers of row ``r`` of global batch ``k`` (``k * batch + r``), from the
 position the FeedSpec's state names, as a sidecar does with a ``grain.MapDataset``.
 """
 
 import json
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -17,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from sidecar._src.controller import feed as feed_lib
 from sidecar._src.jax import feed as jax_feed
+from sidecar._src.wire import feed_batch
 
 pytestmark = pytest.mark.unit
 
@@ -27,11 +30,12 @@ class FakeStream:
   """One host's stream: batches from ``spec``'s start position; ``fail_at`` raises there."""
 
   def __init__(self, spec, *, batches: int = 100, fail_at: int | None = None,
-               interrupt_at: int | None = None):
+               interrupt_at: int | None = None, structure=None):
     start = json.loads(spec.state_json)
     self.position = start.get("position", 0)
     self.ranges = [(r.start, r.stop) for r in spec.rows]
     self.batches, self.fail_at, self.interrupt_at = batches, fail_at, interrupt_at
+    self.structure = {"x": 0} if structure is None else structure
     self.closed = False
 
   def __next__(self):
@@ -44,9 +48,11 @@ class FakeStream:
       raise KeyboardInterrupt
     k = self.position
     self.position += 1
-    return {"batch": {"x": [np.arange(k * BATCH + a, k * BATCH + b) for a, b in self.ranges]},
-            "state": {"kind": "map", "epoch": 0, "position": self.position},
-            "produce_s": 0.0}
+    n = len(jax.tree_util.tree_leaves(self.structure))  # its leaves are the indices
+    leaves = tuple(tuple(np.arange(k * BATCH + a, k * BATCH + b) * (i + 1)
+                         for a, b in self.ranges) for i in range(n))
+    return feed_batch.HostBatch(self.structure, leaves,
+                                {"kind": "map", "epoch": 0, "position": self.position}, 0.0)
 
   def close(self):
     self.closed = True
@@ -75,6 +81,29 @@ def test_hosts_parts_become_global_batches_in_row_order():
       assert batch["x"].shape == (BATCH,)
       np.testing.assert_array_equal(np.asarray(batch["x"]), np.arange(k * BATCH, (k + 1) * BATCH))
     assert feed.state()["position"] == 3 and feed.stats()["batches"] == 3
+  assert all(s.closed for s in streams.values())
+
+
+class Pair(NamedTuple):
+  a: Any
+  b: Any
+
+
+def test_the_pipelines_lists_tuples_and_namedtuples_are_the_batchs():
+  structure = {"x": [0, 1], "t": (2, Pair(3, [None, 4]))}
+  feed, _ = make_feed(fake={0: {"structure": structure}, 1: {"structure": structure}})
+  with feed:
+    batch = next(feed)
+  assert isinstance(batch["x"], list) and len(batch["x"]) == 2
+  assert type(batch["t"]) is tuple and type(batch["t"][1]) is Pair and batch["t"][1].b[0] is None
+  np.testing.assert_array_equal(np.asarray(batch["x"][1]), 2 * np.arange(BATCH))
+  np.testing.assert_array_equal(np.asarray(batch["t"][1].b[1]), 5 * np.arange(BATCH))
+
+
+def test_hosts_batches_of_another_structure_are_invalid_argument():
+  feed, streams = make_feed(fake={1: {"structure": {"x": [0]}}})
+  with pytest.raises(sidecar.InvalidArgumentError, match="hosts' batches differ in structure"):
+    next(feed)
   assert all(s.closed for s in streams.values())
 
 
@@ -160,3 +189,16 @@ def test_processes_sharing_a_host_each_get_a_part_of_their_own():
   # Without owners (one process drives every device) the host is one part.
   (whole,) = jax_feed.plan(sharding, BATCH, {d.id: 0 for d in devices})
   assert whole.process == -1 and whole.ranges == ((0, 2), (2, 4), (4, 6), (6, 8))
+
+
+@pytest.mark.parametrize("size,axes,match", [
+    (6, ("data",), r"splits the batch into 4 shards; use a multiple of 4 \(4 or 8\)"),
+    (3, ("data",), r"use a multiple of 4 \(4\)$"),
+    (6, ("data", "model"), r"splits the batch into 8 shards; use a multiple of 8 \(8\)"),
+], ids=["four", "below-one-shard", "two-axes"])
+def test_a_batch_the_devices_do_not_divide_says_which_multiple_to_use(size, axes, match):
+  devices = np.array(jax.devices()[:8]).reshape(4, 2) if len(axes) == 2 else np.array(
+      jax.devices()[:4])
+  sharding = NamedSharding(Mesh(devices, ("data", "model")[:devices.ndim]), P(axes))
+  with pytest.raises(sidecar.InvalidArgumentError, match=match):
+    jax_feed.plan(sharding, size, {d.id: 0 for d in devices.flat})

@@ -1,3 +1,6 @@
+import collections
+from typing import NamedTuple
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -192,6 +195,53 @@ def test_the_scan_budget_for_fields_that_are_no_value_is_one_for_the_whole_messa
   few = pb.CallRequest(name="echo", args=pb.Value(list=pb.ListValue(
       items=[stuffed] + [big]))).SerializeToString()
   codec.check_message_count(few, pb.CallRequest.DESCRIPTOR, limit=100)  # 50 + 3 fields
+
+
+class Point(NamedTuple):
+  x: int
+  y: np.ndarray
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_namedtuples_come_back_as_their_class_where_it_is_imported():
+  value = {"p": Point(1, np.arange(3)), "q": [Pair(None, (2, Point(3, np.zeros(1))))]}
+  out = codec.decode(codec.encode(value), budget=codec.Budget())
+  assert type(out["p"]) is Point and type(out["q"][0]) is Pair
+  assert type(out["q"][0].b) is tuple and type(out["q"][0].b[1]) is Point
+  np.testing.assert_array_equal(out["p"].y, np.arange(3))
+
+
+def test_a_namedtuple_whose_class_is_not_here_is_a_namedtuple_of_its_name_and_fields():
+  encoded = codec.encode(Point(1, 2))
+  encoded.named_tuple.module = "not.imported"
+  out = codec.decode(encoded)
+  assert type(out) is not Point and type(out).__name__ == "Point"
+  assert out._fields == ("x", "y") and (out.x, out.y) == (1, 2) and out == (1, 2)
+  encoded.named_tuple.module = __name__
+  encoded.named_tuple.fields[:] = ["x", "z"]  # this module's Point has other fields
+  assert codec.decode(encoded)._fields == ("x", "z")
+
+
+@pytest.mark.parametrize("fields,match", [
+    (["x"], "a namedtuple of 1 fields holds 2 items"),
+    (["x", "x"], "names must be distinct identifiers"),
+    (["x", "_y"], "names must be distinct identifiers"),
+    (["x", "class"], "names must be distinct identifiers"),
+], ids=["count", "twice", "underscore", "keyword"])
+def test_a_malformed_namedtuple_is_invalid_argument(fields, match):
+  encoded = codec.encode(Point(1, 2))
+  encoded.named_tuple.module = "not.imported"
+  encoded.named_tuple.fields[:] = fields
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    codec.decode(encoded)
+
+
+def test_a_namedtuples_arena_blocks_are_listed():
+  ref = codec.ArenaRef(4096, 8, 7, "float32", (2,))
+  value = codec.encode(Pair(np.zeros(2, np.float32), 1), to_arena=lambda a: ref, inline_limit=1)
+  assert codec.arena_blocks(value) == [4096, 7]
 
 
 def test_a_big_inline_array_stays_in_the_request_bytes_until_it_is_decoded():

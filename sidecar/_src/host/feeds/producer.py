@@ -33,7 +33,7 @@ import numpy as np
 from sidecar._src.core import errors
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.user.pipeline_context import PipelineContext
-from sidecar._src.wire import codec
+from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
@@ -135,6 +135,13 @@ def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
   return entry.fn(ctx, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batch:
+  """One batch of this host's rows: the element's structure and, per leaf, its arrays."""
+  structure: pb.Value  # encoded: the element's tree, each leaf its index in ``leaves``
+  leaves: list[list[np.ndarray]]  # [leaf][row range]
+
+
 class Batcher:
   """Writes elements into per-range, per-leaf output arrays of one batch."""
 
@@ -144,6 +151,7 @@ class Batcher:
     self._name = name
     self._trees = _tree_util()
     self._treedef = None
+    self._structure: pb.Value | None = None
     self._leaf_specs: list[tuple[tuple[int, ...], np.dtype]] = []
 
   def new_batch(self) -> list[list[np.ndarray]] | None:
@@ -154,13 +162,22 @@ class Batcher:
             for shape, dtype in self._leaf_specs]
 
   def learn(self, element: Any) -> None:
-    """Takes the batch layout (structure, leaf shapes and dtypes) from ``element``."""
-    leaves, self._treedef = self._trees.tree_flatten(element)
+    """Takes the batch layout (structure, leaf shapes and dtypes) from ``element``.
+
+    Raises:
+      InvalidArgumentError: a container the codec cannot carry (a registered pytree
+        node of the user's) or a leaf of a dtype it cannot, naming its path.
+    """
+    leaves, treedef = self._trees.tree_flatten_with_path(element)
+    where = f"pipeline {self._name!r}: element"
+    self._structure = feed_batch.structure(
+        self._trees.tree_unflatten(treedef, list(range(len(leaves)))), where=where)
     self._leaf_specs = []
-    for i, leaf in enumerate(leaves):
+    for path, leaf in leaves:
       a = np.asarray(leaf)
-      codec.dtype_of(a.dtype.name, f"leaf {i} of an element of pipeline {self._name!r}")
+      codec.dtype_of(a.dtype.name, f"{where}{self._trees.keystr(path)}")
       self._leaf_specs.append((a.shape, a.dtype))
+    self._treedef = treedef
 
   @property
   def learned(self) -> bool:
@@ -237,9 +254,10 @@ class Batcher:
         f"pipeline {self._name!r}: cannot batch leaf {i} of dtypes {dtypes} as the first "
         f"element's {self._leaf_specs[i][1]}; yield one dtype for each leaf")
 
-  def tree(self, out: list[list[np.ndarray]]) -> Any:
-    """The element structure with each leaf a list of per-range arrays."""
-    return self._trees.tree_unflatten(self._treedef, out)
+  def batch(self, out: list[list[np.ndarray]]) -> Batch:
+    """The batch of arrays ``out``: ``[leaf][range]``."""
+    assert self._structure is not None  # learn() has set the layout
+    return Batch(self._structure, out)
 
 
 PERMUTATION_LIMIT = 1 << 24  # Up to 16M examples a permutation costs <= 64 MiB an epoch.
@@ -286,8 +304,8 @@ def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
             pool: Callable[[], Any] | None = None
-            ) -> Generator[tuple[Any, dict[str, Any], float], None, None]:
-  """Yields ``(batch tree, state after it, seconds spent producing it)`` per step.
+            ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
+  """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
   With ``spec.workers``, ``pool()`` makes the worker processes that fill batches.
   """
@@ -332,7 +350,7 @@ def _from_map(ds: MapDataset, name: str, spec: Spec, alloc: Alloc):
     t0 = time.perf_counter()
     out = batcher.write(batcher.new_batch(), order.rows(epoch, position, spec.ranges))
     state = {"kind": "map", "epoch": epoch, "position": position + spec.global_batch_size}
-    yield batcher.tree(out), state, time.perf_counter() - t0
+    yield batcher.batch(out), state, time.perf_counter() - t0
 
 
 def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
@@ -359,7 +377,7 @@ def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
       ticket, out, (epoch, position) = in_flight.popleft()
       seconds = workers.wait(ticket)
       state = {"kind": "map", "epoch": epoch, "position": position + spec.global_batch_size}
-      yield batcher.tree(out), state, seconds
+      yield batcher.batch(out), state, seconds
 
 
 def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,
@@ -383,7 +401,7 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
         break  # the shard ran out: the partial batch is dropped, the epoch ends
       position += spec.rows
       batches += 1
-      yield batcher.tree(out), {"kind": "iter", "epoch": epoch, "position": position}, (
+      yield batcher.batch(out), {"kind": "iter", "epoch": epoch, "position": position}, (
           time.perf_counter() - t0)
     if batches == 0 and position == 0:
       raise errors.InvalidArgumentError(

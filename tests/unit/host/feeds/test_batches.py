@@ -1,11 +1,16 @@
 """Tier 1: a plain iterable's batches are written element by element into their blocks."""
 
+import dataclasses
+from typing import NamedTuple
+
+import jax
 import numpy as np
 import pytest
 
 import sidecar
 from sidecar._src.host.feeds import producer as feed
 from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import codec, feed_batch
 
 pytestmark = pytest.mark.unit
 
@@ -24,8 +29,13 @@ def run(elements, *, ranges=((0, 2), (3, 5)), epochs=1):
                    shard_count=1, start={}, workers=0)
   entry = registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
                              signature=None)
-  out = [tree for tree, _, _ in feed.produce(entry, {}, spec, alloc)]
+  out = [as_tree(batch) for batch, _, _ in feed.produce(entry, {}, spec, alloc)]
   return out, allocs
+
+
+def as_tree(batch):
+  """The element's structure with each leaf its list of per-range arrays."""
+  return feed_batch.fill(codec.decode(batch.structure), batch.leaves)
 
 
 def test_rows_land_in_their_ranges():
@@ -63,3 +73,35 @@ def test_a_map_datasets_element_of_another_dtype_is_invalid_argument():
                      match=r"cannot batch leaf 0 of dtypes \['complex64', 'int32'\] as the "
                            r"first element's int32"):
     batcher.write(None, [{"x": np.int32(0)}, {"x": np.complex64(1j)}])
+
+
+class Pair(NamedTuple):
+  a: np.ndarray
+  b: list
+
+
+def test_elements_holding_lists_tuples_and_namedtuples_keep_them_apart_from_the_ranges():
+  elements = [{"x": [np.full((4,), i), np.full((2,), -i)], "y": np.int32(i),
+               "t": (np.int64(i), Pair(np.int8(i), [None, np.float32(i)]))} for i in range(8)]
+  out, _ = run(elements)
+  assert len(out) == 2
+  first = out[0]
+  assert isinstance(first["x"], list) and len(first["x"]) == 2  # the element's list
+  np.testing.assert_array_equal(first["x"][0][1], [[2, 2, 2, 2], [3, 3, 3, 3]])  # range 1
+  np.testing.assert_array_equal(first["x"][1][0], [[0, 0], [-1, -1]])
+  assert type(first["t"]) is tuple and type(first["t"][1]) is Pair
+  assert first["t"][1].b[0] is None
+  np.testing.assert_array_equal(first["t"][1].b[1][1], [2, 3])
+
+
+def test_a_container_the_codec_cannot_carry_is_invalid_argument_naming_its_path():
+  @dataclasses.dataclass
+  class Box:
+    v: np.ndarray
+  jax.tree_util.register_dataclass(Box, data_fields=["v"], meta_fields=[])
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"pipeline 'p': element\['x'\]\[1\]: values of type .*Box cannot"):
+    run([{"x": [np.int32(i), Box(np.zeros(2))]} for i in range(8)])
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"pipeline 'p': element\['x'\]\[0\].*dtype"):
+    run([{"x": [object()]} for i in range(8)])
