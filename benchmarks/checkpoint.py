@@ -403,10 +403,8 @@ def blocked_phases(ctl, state, repeats: int = 3) -> dict[str, float]:
   worker, src = ctl.worker(0), [np.asarray(a) for a in state.values()]
   private = [np.ones_like(a) for a in src]  # pre-faulted
   used = lambda: ctl.status()[0].arena_used
-  baseline, out = used(), {"status": [], "alloc": [], "copy": [], "memcpy": []}
+  baseline, out = used(), {"alloc": [], "copy": [], "memcpy": []}
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    ctl.status()
     t1 = time.perf_counter()
     blocks = [worker.empty(a.shape, a.dtype)[0] for a in src]
     t2 = time.perf_counter()
@@ -415,7 +413,7 @@ def blocked_phases(ctl, state, repeats: int = 3) -> dict[str, float]:
     t3 = time.perf_counter()
     for dst, a in zip(private, src):
       shm.copy(dst, a)
-    for k, v in zip(out, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
+    for k, v in zip(out, (t2 - t1, t3 - t2, time.perf_counter() - t3)):
       out[k].append(v)
     del blocks, dst
     deadline = time.monotonic() + 10  # the blocks go back asynchronously: reuse them
@@ -541,13 +539,12 @@ def phase_table(records: list[SaveRecord], staged_at: dict[int, float],
 
 def blocked_table(pieces: dict[str, float], records: list[SaveRecord]) -> str:
   blocked = statistics.median(r.blocked for r in records)
-  rows = [("ctl.status(): save()'s fit check asks every sidecar", pieces["status"]),
-          ("8 arena allocations (worker.empty)", pieces["alloc"]),
+  # save() asks no sidecar's Status any more (its fit check uses the arena sizes it knows).
+  rows = [("8 arena allocations (worker.empty)", pieces["alloc"]),
           (f"8 copies into those arena blocks ({shm.COPY_THREADS} threads each)", pieces["copy"]),
           ("the same 8 copies into pre-faulted private buffers", pieces["memcpy"]),
           ("save() blocked (the saves above)", blocked),
-          ("save() blocked - status - allocations - copies", blocked - pieces["status"]
-           - pieces["alloc"] - pieces["copy"])]
+          ("save() blocked - allocations - copies", blocked - pieces["alloc"] - pieces["copy"])]
   return table(("sidecar save() stall, piece by piece", "s"),
                [(n, f"{v:+.3f}" if n.startswith("save() blocked -") else _s(v)) for n, v in rows])
 

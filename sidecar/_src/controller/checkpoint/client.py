@@ -43,6 +43,7 @@ class StagedShard:
   leaf: int
   index: Index
   data: np.ndarray
+  ref: codec.ArenaRef | None = None  # its block, where ``data`` is in a mapped arena
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,6 +193,16 @@ class CheckpointTransport(abc.ABC):
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into ``host``'s arena (as is, to travel inline, if not mapped)."""
 
+  def copy_in(self, host: int, data: np.ndarray) -> tuple[np.ndarray, codec.ArenaRef | None]:
+    """:meth:`put`, with the copy's arena descriptor where it has one: a stage then
+    names its block without looking it up again."""
+    return self.put(host, data), None
+
+  def arena_size(self, host: int) -> int | None:
+    """The size of ``host``'s arena where this process maps it (known, no rpc); else None."""
+    del host
+    return None
+
   @abc.abstractmethod
   def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
     """Every live sidecar's status (arena use, checkpoint tiers)."""
@@ -293,8 +304,15 @@ class CheckpointClient(CheckpointTransport):
     self._retries.close()
 
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
+    return self.copy_in(host, data)[0]
+
+  def copy_in(self, host: int, data: np.ndarray) -> tuple[np.ndarray, codec.ArenaRef | None]:
     w = self._worker(host)
-    return w.put(data)[0] if w is not None else np.array(data)
+    return w.put(data) if w is not None else (np.array(data), None)
+
+  def arena_size(self, host: int) -> int | None:
+    w = self._worker(host)
+    return w.arena.size if w is not None else None
 
   def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
     return self._status() if timeout is None else self._status(timeout=timeout)
@@ -337,7 +355,9 @@ class CheckpointClient(CheckpointTransport):
       request.dcp.CopyFrom(wire.dcp_part_to_pb(*dcp))
     for s in shards:
       staged = request.shards.add(leaf=s.leaf, index=wire.index_to_pb(s.index))
-      wire.fill_data(staged.data, s.data, w.ref_of if w is not None else None)
+      found = (lambda _, ref=s.ref: ref) if s.ref is not None else (
+          w.ref_of if w is not None else None)
+      wire.fill_data(staged.data, s.data, found)
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
                      held=[s.data for s in shards])
 

@@ -163,7 +163,7 @@ class Saver:
     parts: queue.SimpleQueue = queue.SimpleQueue()
     try:
       specs, plan = self._plan(tree)
-      self._check_fits(plan)
+      need = self._check_fits(plan)
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
         parts.put(e)
@@ -176,7 +176,8 @@ class Saver:
     try:
       for host, leaf, index, data in plan:  # the one copy the trainer waits for
         interrupts.check()  # Ctrl-C aborts the save (below)
-        pending[host].append(StagedShard(leaf, index, self._client.put(host, data)))
+        copy, ref = self._client.copy_in(host, data)
+        pending[host].append(StagedShard(leaf, index, copy, ref))
         pending_bytes[host] += data.nbytes
         if pending_bytes[host] >= STAGE_PART_BYTES:
           parts.put((host, pending[host], False))
@@ -185,6 +186,10 @@ class Saver:
       pending.clear()  # The traceback keeps this frame: let the blocks go.
       parts.put(e)  # the save is aborted
       finisher.join()  # and its files are gone before the caller can retry the step
+      if isinstance(e, errors.ResourceExhaustedError) and not isinstance(e, errors.BusyError):
+        raise errors.ResourceExhaustedError(
+            f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
+            f"to copy there): {e}; nothing was kept") from None
       raise
     for host in self._local:
       parts.put((host, pending.pop(host), True))
@@ -214,19 +219,21 @@ class Saver:
         plan.append((host, i, shard.index, shard.data))
     return specs, plan
 
-  def _check_fits(self, plan) -> None:
+  def _check_fits(self, plan) -> dict[int, int]:
+    """The arena bytes the plan takes on each host; raises where it exceeds a whole arena
+    (no rpc while the trainer waits: an arena too full now fails the copy's allocation)."""
     need: dict[int, int] = {}
     for host, _, _, data in plan:
       need[host] = need.get(host, 0) + -(-max(data.nbytes, 1) // shm.PAGE) * shm.PAGE
-    free = {s.identity.host_id: (s.arena_size - s.arena_used, s.arena_size)
-            for s in self._client.status()}
-    short = {h: (n, free[h]) for h, n in need.items() if n > free[h][0]}
+    short = {h: (n, size) for h, n in need.items()
+             if (size := self._client.arena_size(h)) is not None and n > size}
     if short:
-      detail = "; ".join(f"host {h} needs {shm.format_size(n)}, has {shm.format_size(f)} free "
-                         f"of {shm.format_size(size)}" for h, (n, (f, size)) in short.items())
+      detail = "; ".join(f"host {h} needs {shm.format_size(n)}, its arena is "
+                         f"{shm.format_size(size)}" for h, (n, size) in short.items())
       raise errors.ResourceExhaustedError(
           f"the state does not fit the arenas ({detail}); nothing was copied. Raise the "
           "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
+    return need
 
   def _start_finisher(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue,
                       leaves: list, data_json: str, key: str) -> threading.Thread:

@@ -1,0 +1,49 @@
+"""Tier 1: what save() does while the trainer waits: no rpc but the copies' (fakes, no sockets)."""
+
+import numpy as np
+import pytest
+
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.core import errors
+from tests.support.fake_sidecars import FakeSidecars
+
+pytestmark = pytest.mark.unit
+
+
+class Watched(FakeSidecars):
+  """Counts the Status rpcs; its arenas are ``arena`` bytes."""
+
+  def __init__(self, arena=None, **kw):
+    super().__init__(**kw)
+    self.arena, self.statuses = arena, 0
+
+  def status(self, *, timeout=None):
+    self.statuses += 1
+    return super().status(timeout=timeout)
+
+  def arena_size(self, host):
+    return self.arena
+
+
+def checkpointer(fake):
+  return Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
+                      max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
+                      if_busy="wait")
+
+
+def test_a_save_asks_no_sidecar_for_its_status_while_the_trainer_waits():
+  """The fit check asked every sidecar's Status in the trainer's blocked time."""
+  fake = Watched()
+  with checkpointer(fake) as ckpt:
+    asked = fake.statuses
+    assert ckpt.save(1, {"x": np.ones(1024, np.float32)}).durable.result(30) == 1
+    assert fake.statuses == asked
+
+
+def test_a_state_larger_than_an_arena_fails_before_any_copy():
+  fake = Watched(arena=1 << 20)
+  with checkpointer(fake) as ckpt, pytest.raises(
+      errors.ResourceExhaustedError, match=r"the state does not fit the arenas \(host 0 needs "
+      r"2.0 MiB, its arena is 1.0 MiB\); nothing was copied"):
+    ckpt.save(1, {"x": np.ones(1 << 19, np.float32)})
+  assert ("stage", 0) not in fake.calls
