@@ -299,16 +299,16 @@ def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monk
     gc.collect()
     before = settled(lambda: arena_used(ctl))  # step 1 in the RAM tier, frees all arrived
 
-    put, calls = ckpt._client.put, []
-    def failing_put(host, data):
+    copy_in, calls = ckpt._client.copy_in, []
+    def failing_copy_in(host, data):
       calls.append(host)
       if len(calls) == 4:
         raise OSError("copy failed")
-      return put(host, data)
-    monkeypatch.setattr(ckpt._client, "put", failing_put)
+      return copy_in(host, data)
+    monkeypatch.setattr(ckpt._client, "copy_in", failing_copy_in)
     with pytest.raises(OSError, match="copy failed"):
       ckpt.save(2, state)
-    monkeypatch.setattr(ckpt._client, "put", put)
+    monkeypatch.setattr(ckpt._client, "copy_in", copy_in)
     # The parts already staged were dropped with the step, before save() raised: its
     # files (the uncommitted step directory too), RAM tier, blocks.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]
