@@ -10,6 +10,7 @@ if _typing.TYPE_CHECKING:
     AlreadyRegisteredError,
     ArenaCapacityError,
     AuthenticationError,
+    CheckpointWriteError,
     ClosedError,
     CorruptCheckpointError,
     DeadlineExceededError,
@@ -49,8 +50,8 @@ _HOME = {
     "FeedOptions": "sidecar._src.core.options",
     "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (
-        "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
-        "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError", "HostLostError",
+        "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
+        "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError", "HostLostError",
         "InvalidArgumentError", "NotRegisteredError", "RemoteError", "ResourceExhaustedError",
         "SidecarError", "StaleDescriptorError", "VersionMismatchError")},
     **{name: _REGISTRY for name in (
@@ -77,6 +78,7 @@ __all__ = [
     "AlreadyRegisteredError",
     "ArenaCapacityError",
     "AuthenticationError",
+    "CheckpointWriteError",
     "ClosedError",
     "Controller",
     "CorruptCheckpointError",

@@ -259,14 +259,20 @@ class FeedLeaf(_message.Message):
     def __init__(self, parts: _Optional[_Iterable[_Union[Value, _Mapping]]] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("type", "message", "traceback")
+    __slots__ = ("type", "message", "traceback", "errno", "path", "host_id")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    ERRNO_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     type: str
     message: str
     traceback: str
-    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+    errno: int
+    path: str
+    host_id: int
+    def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., errno: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

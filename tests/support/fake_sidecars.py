@@ -11,12 +11,14 @@ tier) runs in unit tests: ``fail={"delete": error}`` makes a phase fail with ``e
 """
 import concurrent.futures
 import json
+import time
 
 import grpc
 import numpy as np
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held, Manifest
 from sidecar._src.controller.connection import CallWindow, HostInfo
+from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
 
@@ -71,6 +73,24 @@ class FakeConnection:
 
   def close(self) -> None:
     self.closed = True
+
+
+class DictPeers(Peers):
+  """Trainer processes as threads of one Python process, agreeing through ``store``."""
+
+  def __init__(self, store: dict, index: int, count: int):
+    self._store, self.index, self.count = store, index, count
+
+  def publish(self, key, value):
+    self._store[f"{key}/{self.index}"] = value
+
+  def read(self, key, process, *, timeout):
+    deadline = time.monotonic() + timeout
+    while f"{key}/{process}" not in self._store:
+      if time.monotonic() > deadline:
+        raise errors.DeadlineExceededError(f"process {process} gave no {key!r}")
+      time.sleep(0.01)
+    return self._store[f"{key}/{process}"]
 
 
 class FakeSidecars(CheckpointTransport):

@@ -8,7 +8,8 @@ pytestmark = pytest.mark.unit
 def test_public_api_is_pinned():
   assert sidecar.__all__ == sorted(sidecar.__all__)
   assert sidecar.__all__ == [
-      "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "ClosedError",
+      "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
+      "CheckpointWriteError", "ClosedError",
       "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
       "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
       "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",

@@ -46,6 +46,10 @@ def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
     while done < n:
       done += os.pwrite(fd, buf[done:], done)
     os.fsync(fd)
+  except OSError as e:  # pwrite and fsync name no file: the error says which (ENOSPC, EIO)
+    if e.filename is not None:
+      raise
+    raise OSError(e.errno, e.strerror, os.fspath(path)) from None
   finally:
     os.close(fd)
   return direct

@@ -52,10 +52,15 @@ def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
   spec = ts_utils.ArrayReadSpec(
       item_dir.as_posix(), name, use_zarr3=bool(meta.get("use_zarr3")),
       use_ocdbt=bool(meta.get("use_ocdbt")))
-  store = ts.open(spec.json, open=True, context=context).result()
-  if index is not None:
-    store = store[tuple(_as_slice(i) for i in index)]
-  return store.read().result()
+  try:
+    store = ts.open(spec.json, open=True, context=context).result()
+    if index is not None:
+      store = store[tuple(_as_slice(i) for i in index)]
+    return store.read().result()
+  except ValueError as e:  # TensorStore's status, as text: a missing chunk file is NOT_FOUND
+    if str(e).startswith("NOT_FOUND"):
+      raise FileNotFoundError(f"leaf {name!r} of {item_dir}: {e}") from None
+    raise
 
 
 def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index, *,
@@ -69,7 +74,7 @@ def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index
   ``O_DIRECT``; any other goes through TensorStore, as :func:`read_item_leaf`.
 
   Raises:
-    FileNotFoundError: no such item or leaf.
+    FileNotFoundError: no such item or leaf, or a chunk file of it is missing.
     errors.CorruptCheckpointError: the chunk file has the wrong size.
   """
   item_dir = pathlib.Path(item_dir).absolute()

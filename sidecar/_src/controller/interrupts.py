@@ -119,7 +119,8 @@ def wait(future: concurrent.futures.Future | Any, timeout: float | None = None) 
     try:
       return future.result(step)
     except (concurrent.futures.TimeoutError, TimeoutError):
-      pass
+      if future.done():  # the future's own error (DeadlineExceededError is a TimeoutError)
+        raise
     except Exception as e:  # gRPC futures raise grpc.FutureTimeoutError
       if type(e).__name__ != "FutureTimeoutError":
         raise
@@ -151,6 +152,7 @@ def wait_done(future: concurrent.futures.Future, timeout: float | None = None) -
   try:
     wait(future, timeout)
   except (concurrent.futures.TimeoutError, KeyboardInterrupt):
-    raise
+    if not future.done():  # else its outcome is a TimeoutError (DeadlineExceededError)
+      raise
   except BaseException:
     pass

@@ -11,6 +11,7 @@ The tree::
     ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
     ├── CorruptCheckpointError(ValueError)        a stored shard that fails its crc32c or size
     │   └── ShardsLostError                       shards with no live copy and no valid stored one
+    ├── CheckpointWriteError(OSError)             a checkpoint's bytes could not be written (ENOSPC, EIO)
     ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
     ├── SessionLostError                          a handshake session expired or evicted (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
@@ -67,6 +68,33 @@ class CorruptCheckpointError(SidecarError, ValueError):
 class ShardsLostError(CorruptCheckpointError):
   """A restore found shards with no live copy (their hosts and replicas are gone) and no
   valid stored copy; the message names the arrays, the shards and the hosts gone."""
+
+
+class CheckpointWriteError(SidecarError, OSError):
+  """A sidecar could not write a checkpoint's bytes: a full disk (``ENOSPC``), an I/O
+  error (``EIO``), a read-only file system.
+
+  Attributes:
+    errno: the OS error number (``errno.ENOSPC``), or None where none was given.
+    path: the file or directory being written, or None.
+    host_id: the host whose sidecar failed, when known.
+  """
+
+  def __init__(self, message: str, *, errno: int | None = None, path: str | None = None,
+               host_id: int | None = None):
+    super().__init__(message)
+    self.errno, self.path, self.filename, self.host_id = errno, path, path, host_id
+
+  def __str__(self) -> str:  # OSError's would be its first argument, as this is
+    return str(self.args[0]) if self.args else ""
+
+  def __reduce__(self):
+    return (_checkpoint_write_error, (str(self), self.errno, self.path, self.host_id))
+
+
+def _checkpoint_write_error(message: str, errno: int | None, path: str | None,
+                            host_id: int | None) -> CheckpointWriteError:
+  return CheckpointWriteError(message, errno=errno, path=path, host_id=host_id)
 
 
 class VersionMismatchError(SidecarError):

@@ -121,6 +121,7 @@ def save_leaves(tree: Any) -> list[SaveLeaf]:
 def restore_target(target: Any) -> RestoreTarget:
   """The blocks of ``target`` (``jax.ShapeDtypeStruct``s with shardings, arrays) that this
   process fills: one per addressable device of a sharded leaf, else the whole leaf."""
+  transfer.release_dropped()  # the blocks of trees restored before and dropped come back
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
   leaves, shardings = [], []
   for path, want in flat:

@@ -25,6 +25,10 @@ try:
   from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
 except ImportError:  # pragma: no cover - a JAX without them takes the public path
   _abstractify = _batched_device_put = None  # type: ignore[assignment]
+try:
+  from jax._src.lib import _jax as _xla_client
+except ImportError:  # pragma: no cover
+  _xla_client = None
 
 
 @functools.cache
@@ -53,6 +57,19 @@ def to_devices(tree: Any, device: jax.Device) -> Any:
   """Every array leaf of ``tree`` onto ``device``; other leaves stay as they are."""
   return jax.tree_util.tree_map(
       lambda x: put(x, device) if isinstance(x, (np.ndarray, np.generic)) else x, tree)
+
+
+def release_dropped() -> None:
+  """Lets go now of the host arrays that dropped ``jax.Array``s aliased.
+
+  An array made of a page-aligned numpy view (an arena block) holds the view until it
+  dies; JAX then queues the release and carries it out at its next call into XLA or the
+  next garbage collection (jax-ml/jax#14882), so the block would stay taken meanwhile.
+  Called before work that allocates blocks (a restore's reads): trees the user
+  dropped give theirs back first.
+  """
+  if _xla_client is not None and hasattr(_xla_client, "collect_garbage"):
+    _xla_client.collect_garbage()
 
 
 def global_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding,

@@ -146,21 +146,40 @@ def error_info(exc: BaseException) -> pb.Error:
     parts = (truncate(p.rstrip("\n"), 512) + "\n" for p in traceback.format_exception(exc))
     return pb.Error(type=f"{type(exc).__module__}.{type(exc).__qualname__}", message=message,
                     traceback=truncate("".join(parts), MAX_ERROR_TRACEBACK, keep="tail"))
-  return pb.Error(type=type(exc).__name__, message=message)
+  info = pb.Error(type=type(exc).__name__, message=message)
+  if isinstance(exc, errors.CheckpointWriteError):
+    if exc.errno is not None:
+      info.errno = exc.errno
+    info.path = exc.path or ""
+  host_id = getattr(exc, "host_id", None)
+  if isinstance(host_id, int):
+    info.host_id = host_id
+  return info
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
   """Ends the RPC with ``exc``'s status and its pb.Error in a trailer, cut to fit."""
   info = error_info(exc)
-  info = pb.Error(type=truncate(info.type, 200), message=truncate(info.message, _TRAILER_MESSAGE),
-                  traceback=truncate(info.traceback, _TRAILER_TRACEBACK, keep="tail"))
+  info.type, info.message = truncate(info.type, 200), truncate(info.message, _TRAILER_MESSAGE)
+  info.traceback = truncate(info.traceback, _TRAILER_TRACEBACK, keep="tail")
+  info.path = truncate(info.path, 1024)
   context.set_trailing_metadata(((_ERROR_KEY, info.SerializeToString()),))
   context.abort(status_code(exc), truncate(f"{info.type}: {info.message}", _TRAILER_DETAILS))
 
 
 def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None
                     ) -> errors.SidecarError:
-  """The SidecarError that ``info`` (from ``error_info``) stands for."""
+  """The SidecarError that ``info`` (from ``error_info``) stands for.
+
+  ``host_id``: the host it came from, unless ``info`` names one (a failure another
+  process gathered keeps the host where it happened).
+  """
+  if info.HasField("host_id"):
+    host_id = info.host_id
+  if info.type == "CheckpointWriteError":
+    return errors.CheckpointWriteError(
+        info.message, errno=info.errno if info.HasField("errno") else None,
+        path=info.path or None, host_id=host_id)
   cls = getattr(errors, info.type, None)
   if isinstance(cls, type) and issubclass(cls, errors.SidecarError) and cls not in (
       errors.RemoteError, errors.HostLostError):

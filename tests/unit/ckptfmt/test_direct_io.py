@@ -88,3 +88,13 @@ def test_read_file_reports_a_short_file_and_reads_no_more_than_asked(tmp_path):
     direct_io.read_file(path, np.zeros((4, 4), np.uint8)[:, ::2])
   with pytest.raises(FileNotFoundError):
     direct_io.read_file(tmp_path / "missing", small)
+
+
+def test_a_write_that_fails_names_its_file_and_errno(tmp_path):
+  """pwrite and fsync name no file; the error of a chunk written to a full disk does."""
+  import errno
+  path = tmp_path / "0.0"
+  path.symlink_to("/dev/full")  # every write fails with ENOSPC
+  with pytest.raises(OSError) as raised:
+    direct_io.write_file(path, np.ones(4096, np.uint8))
+  assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, str(path))

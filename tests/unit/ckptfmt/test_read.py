@@ -74,6 +74,15 @@ def test_a_chunk_file_of_the_wrong_size_is_corrupt(tmp_path):
     orbax_read.read_item_shard(item, ("opt", 0, "e"), ((2, 4),))
 
 
+def test_a_missing_chunk_file_is_file_not_found(tmp_path):
+  """TensorStore says NOT_FOUND in a ValueError; a restore must read it as a copy that
+  is not there (the shard is lost only then), not as a failure of another kind."""
+  item = orbax_steps.write_step(tmp_path, 5) / "default"
+  (item / "opt.0.e" / "1").unlink()
+  with pytest.raises(FileNotFoundError, match=r"^leaf 'opt\.0\.e' of .*/default: NOT_FOUND"):
+    orbax_read.read_item_shard(item, ("opt", 0, "e"), ((2, 4),))
+
+
 def test_missing_steps_and_leaves_are_named(step, tmp_path):
   with pytest.raises(FileNotFoundError, match=r"^leaf 'opt\.1' is not in the checkpoint at .*/5/"
                                               r"default$"):

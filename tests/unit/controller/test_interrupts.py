@@ -1,5 +1,6 @@
 """Ctrl-C deferred to a block's end, and a wait that got what it waited for keeps it."""
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from sidecar._src.controller import interrupts
+from sidecar._src.core import errors
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.unit
@@ -55,3 +57,16 @@ def test_a_call_slot_that_came_is_kept_though_ctrl_c_came_too():
     worker.start()
     worker.join()  # another thread's wait leaves the main thread's Ctrl-C to it
   assert seen == [False]
+
+
+def test_a_future_that_fails_with_a_timeout_error_raises_it_and_does_not_poll_forever():
+  """DeadlineExceededError is a TimeoutError: it was taken for the poll's own timeout."""
+  assert threading.current_thread() is threading.main_thread()
+  future = concurrent.futures.Future()
+  future.set_exception(errors.DeadlineExceededError("Read on host 0 timed out"))
+  with interrupts.deferred(), pytest.raises(errors.DeadlineExceededError, match="timed out"):
+    interrupts.wait(future, timeout=5)
+  with interrupts.deferred(), pytest.raises(concurrent.futures.TimeoutError):
+    interrupts.wait(concurrent.futures.Future(), timeout=0.2)  # its own timeout still is
+  with interrupts.deferred():
+    interrupts.wait_done(future, timeout=5)  # done: whatever its outcome, no timeout

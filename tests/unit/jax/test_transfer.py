@@ -67,3 +67,26 @@ def test_global_array_matches_device_put_with_the_sharding():
 def test_put_many_wants_one_device_per_array():
   with pytest.raises(ValueError):
     transfer.put_many([np.ones(2)], jax.devices()[:2])
+
+
+def test_release_dropped_lets_go_of_the_view_a_dropped_array_aliased():
+  """JAX holds the host array a dropped jax.Array aliased until its next call into XLA
+  (or a garbage collection); release_dropped() carries that out at once, so a restore's
+  reads find the blocks of trees dropped before it free."""
+  import gc
+  import weakref
+  mm = mmap.mmap(-1, 1 << 20)
+  freed = []
+  host = np.frombuffer(mm, np.float32, count=1024)
+  weakref.finalize(host, freed.append, True)
+  x = transfer.put(host, jax.devices()[0])
+  x.block_until_ready()
+  del host
+  gc.disable()
+  try:
+    del x
+    assert freed == []  # what the fix is for: dropped, yet still held
+    transfer.release_dropped()
+    assert freed == [True]
+  finally:
+    gc.enable()

@@ -143,3 +143,14 @@ def test_a_malformed_json_error_is_named(reply):
   e = protocol.error_from_dict(reply, host="feed worker 1")
   assert isinstance(e, errors.RemoteError) and e.remote_type == "ProtocolError"
   assert "feed worker 1 sent an error that is no pb.Error" in str(e)
+
+
+def test_a_checkpoint_write_error_crosses_with_its_errno_path_and_host():
+  import errno
+  sent = errors.CheckpointWriteError("host 3 could not write step 2: EIO", errno=errno.EIO,
+                                     path="/ckpt/2.orbax-checkpoint-tmp/x/0", host_id=3)
+  for got in (protocol.error_from_info(protocol.error_info(sent), host="h", host_id=9),
+              protocol.error_from_dict(protocol.error_dict(sent), host="h", host_id=9)):
+    assert isinstance(got, errors.CheckpointWriteError) and isinstance(got, OSError)
+    assert (str(got), got.errno, got.path, got.host_id) == (
+        str(sent), errno.EIO, "/ckpt/2.orbax-checkpoint-tmp/x/0", 3)  # its host, not the sender

@@ -190,6 +190,9 @@ class Checkpointer:
 
     Raises:
       ShardsLostError: some shard has no live copy and no valid stored one.
+      ResourceExhaustedError: an arena had no room for a shard read from storage within
+        the deadline (the data is intact: drop trees restored before, or a larger
+        ``--shm-size``).
     """
     self._check_open()
     step = self._pick(step)
@@ -262,12 +265,14 @@ class Checkpointer:
     self._join_finisher()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
 
-  def _join_finisher(self) -> None:
-    finisher = self._saver.finisher
-    if finisher is not None and finisher is not threading.current_thread():
-      while finisher.is_alive():  # a join Ctrl-C can stop
-        finisher.join(interrupts.POLL_S)
-        interrupts.check()
+  def _join_finisher(self, *, every: bool = False) -> None:
+    """Joins the latest save's finisher; ``every``: those of older saves too."""
+    finishers = self._saver.finishers if every else [self._saver.finisher]
+    for finisher in finishers:
+      if finisher is not None and finisher is not threading.current_thread():
+        while finisher.is_alive():  # a join Ctrl-C can stop
+          finisher.join(interrupts.POLL_S)
+          interrupts.check()
 
   def _progress_line(self, step: int) -> str | None:
     """How much of ``step`` is durable; None until a sidecar has begun writing it."""
@@ -290,13 +295,15 @@ class Checkpointer:
 
   @interrupts.deferring
   def close(self) -> None:
-    """Waits for the save in flight, then closes; idempotent."""
+    """Waits for the save in flight (and what older saves still settle: replication,
+    deleting old steps), then closes; idempotent."""
     if self._closed:
       return
     try:
-      self._join_finisher()
+      self._join_finisher(every=True)
     finally:
       self._closed = True
+      self._client.close()  # its busy retries, if any
 
   def __enter__(self) -> Checkpointer:
     return self

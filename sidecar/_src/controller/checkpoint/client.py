@@ -69,8 +69,124 @@ class Manifest:
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
 
 
+class _Call:
+  """One checkpoint rpc to one host, asked again while the host is busy, until ``deadline``.
+
+  Its callbacks are bound methods and nothing here refers back to them: no reference
+  cycle holds the decoded result (a restored shard is an arena view, whose block must
+  go back at the caller's last reference, not when the garbage collector runs).
+  """
+
+  def __init__(self, conn: Any, host: int, method: str, request: Any,
+               decode: Callable[[Any], Any], held: list | None, deadline: float,
+               retries: _Retries):
+    self._conn, self._host, self._method, self._request = conn, host, method, request
+    self._decode, self._held, self._deadline = decode, held, deadline
+    self._retries = retries
+    self._tries, self._renewed = 0, False
+    self.out: concurrent.futures.Future = concurrent.futures.Future()
+
+  def send(self) -> None:
+    self._conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
+        self._start, done=self._done, fail=self.fail,
+        timeout=self._deadline - time.monotonic(),
+        what=f"checkpoint rpc {self._method} on host {self._host}")
+
+  def _start(self, left: float) -> grpc.Future:
+    conn = self._conn
+    return getattr(conn.checkpoint, self._method).future(self._request, timeout=left,
+                                                         metadata=conn.metadata)
+
+  def _done(self, f: grpc.Future) -> None:
+    try:
+      self.out.set_result(self._decode(f.result()))
+    except grpc.RpcError as e:
+      error = protocol.error_from_rpc(e, host=self._conn.address, host_id=self._host)
+      wait = _RETRY_S * (self._tries + 1)
+      if isinstance(error, errors.BusyError) and time.monotonic() + wait < self._deadline:
+        # The sidecar's checkpoint threads are taken by other controllers (and peers):
+        # ask again shortly, within the deadline, rather than call a live copy lost.
+        self._tries += 1
+        self._retries.later(wait, self, self.send)
+        return
+      if isinstance(error, errors.SessionLostError) and not self._renewed:
+        self._renewed = True  # the sidecar lost our session: once more, anew
+        self._retries.later(0, self, self._again)
+        return
+      self.out.set_exception(error)
+    except Exception as e:
+      self.out.set_exception(e)
+    if self._held is not None:
+      self._held.clear()
+
+  def _again(self) -> None:
+    """Sends the call again on a renewed session (off the rpc's callback thread)."""
+    try:
+      self._conn.renew()
+    except Exception as e:
+      self.fail(e)
+      return
+    self.send()
+
+  def fail(self, e: BaseException) -> None:
+    """Ends the call with ``e`` (unless it ended)."""
+    if self._held is not None:
+      self._held.clear()
+    try:
+      self.out.set_exception(e)
+    except concurrent.futures.InvalidStateError:
+      pass
+
+
+
+class _Retries:
+  """The busy calls waiting to be sent again, each on a timer; ``close()`` cancels and
+  joins them (their calls fail with ClosedError), so no timer outlives its client.
+
+  A timer knows its call only by number: no cycle holds a call (and its result) once sent.
+  """
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._waiting: dict[int, tuple[threading.Timer, _Call, Callable[[], None]]] = {}
+    self._next = 0
+    self._closed = False
+
+  def later(self, wait: float, call: _Call, again: Callable[[], None]) -> None:
+    """Runs ``again`` (``call``'s) in ``wait`` seconds, on a timer thread of its own."""
+    with self._lock:
+      if not self._closed:
+        self._next += 1
+        timer = threading.Timer(wait, self._fire, args=(self._next,))
+        timer.name, timer.daemon = "sidecar-ckpt-retry", True
+        self._waiting[self._next] = (timer, call, again)
+        timer.start()
+        return
+    call.fail(errors.ClosedError("the checkpointer closed while a busy sidecar was asked again"))
+
+  def _fire(self, number: int) -> None:
+    with self._lock:
+      entry = self._waiting.pop(number, None)
+    if entry is not None:  # else closed meanwhile: close() fails the call
+      entry[2]()
+
+  def close(self) -> None:
+    with self._lock:
+      self._closed = True
+      waiting, self._waiting = list(self._waiting.values()), {}
+    for timer, call, _ in waiting:
+      timer.cancel()
+      if timer is not threading.current_thread():
+        timer.join(5)
+      call.fail(errors.ClosedError(
+          "the checkpointer closed while a busy sidecar was to be asked again"))
+
+
 class CheckpointTransport(abc.ABC):
   """The checkpoint phases on one host each; see the service in ``checkpoint.proto``."""
+
+  def close(self) -> None:  # noqa: B027 - a transport with nothing to stop needs none
+    """Stops what the transport runs in the background; idempotent."""
 
   @abc.abstractmethod
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
@@ -170,6 +286,11 @@ class CheckpointClient(CheckpointTransport):
                status: Callable[..., list[pb.StatusResponse]], timeout: float):
     self._select, self._connection, self._worker = select, connection, worker
     self._status, self._timeout = status, timeout
+    self._retries = _Retries()
+
+  def close(self) -> None:
+    """Cancels the busy retries waiting; their calls fail with ClosedError. Idempotent."""
+    self._retries.close()
 
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
     w = self._worker(host)
@@ -187,55 +308,11 @@ class CheckpointClient(CheckpointTransport):
     (the sidecar then holds them itself): a block let go of sooner could be gone.
     """
     (host,) = self._select([host])  # HostLostError / InvalidArgumentError, raised here
-    conn = self._connection(host)
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
-    what = f"checkpoint rpc {method} on host {host}"
-    tries, renewed = [0], [False]
-
-    def done(f: grpc.Future) -> None:
-      try:
-        out.set_result(decode(f.result()))
-      except grpc.RpcError as e:
-        error = protocol.error_from_rpc(e, host=conn.address, host_id=host)
-        wait = _RETRY_S * (tries[0] + 1)
-        if isinstance(error, errors.BusyError) and time.monotonic() + wait < deadline:
-          # The sidecar's checkpoint threads are taken by other controllers (and peers):
-          # ask again shortly, within the deadline, rather than call a live copy lost.
-          tries[0] += 1
-          threading.Timer(wait, send).start()
-          return
-        if isinstance(error, errors.SessionLostError) and not renewed[0]:
-          renewed[0] = True  # the sidecar lost our session: once more, anew
-          threading.Timer(0, again).start()
-          return
-        out.set_exception(error)
-      except Exception as e:
-        out.set_exception(e)
-      if held is not None:
-        held.clear()
-
-    def fail(e: BaseException) -> None:
-      if held is not None:
-        held.clear()
-      out.set_exception(e)
-
-    def send() -> None:
-      conn.checkpoint_calls.call(  # at most CHECKPOINT_CALLS_IN_FLIGHT at once; waits count
-          lambda left: getattr(conn.checkpoint, method).future(request, timeout=left,
-                                                               metadata=conn.metadata),
-          done=done, fail=fail, timeout=deadline - time.monotonic(), what=what)
-
-    def again() -> None:
-      try:
-        conn.renew()
-      except Exception as e:
-        fail(e)
-        return
-      send()
-
-    send()
-    return out
+    call = _Call(self._connection(host), host, method, request, decode, held,
+                 time.monotonic() + (self._timeout if timeout is None else timeout),
+                 self._retries)
+    call.send()
+    return call.out
 
   def open(self, host, directory, *, ram_steps, ram_budget, sweep):
     request = ckpt_pb.CheckpointOpenRequest(directory=directory, ram_steps=ram_steps,

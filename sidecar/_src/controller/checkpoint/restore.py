@@ -98,7 +98,7 @@ class Restorer:
         try:
           shards[k] = interrupts.wait(f)
         except errors.SidecarError as e:
-          lost.append((k, e))
+          lost.append((k, e.with_traceback(None)))  # no cycle through this frame
         if progress is not None and time.perf_counter() - last[0] >= 1.0:
           last[0] = time.perf_counter()
           progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
@@ -107,8 +107,11 @@ class Restorer:
       shards.clear()
       raise
     if lost:
-      placed = dict(manifest.replicas)
-      raise self._lost(step, lost, owners, placed, gone)
+      needed = sum(f.result()[0].nbytes for f in reads.values() if f.exception() is None)
+      reads.clear()  # the error's traceback keeps this frame: let the blocks read go
+      shards.clear()
+      raise self._failure(step, lost, owners, dict(manifest.replicas), gone, needed,
+                          {w.key_path: w.dtype for w in flat})
     out = []
     for want in flat:
       out.append([self._assemble(final_item, want.key_path, region, stored[want.key_path],
@@ -199,39 +202,9 @@ class Restorer:
   def _read_shard(self, item: str, kp: KeyPath, index, crc: int | None,
                   sources: list[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of ``(data, source)``: the first source whose copy reads and checks."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    failures: list[str] = []
-
-    def attempt(i: int) -> None:
-      if i == len(sources):
-        out.set_exception(errors.ShardsLostError("; ".join(failures)))
-        return
-      host, tier = sources[i]
-      label = "storage" if tier == "disk" else f"{tier}:host{host}"
-
-      def done(f: concurrent.futures.Future) -> None:
-        try:
-          data = f.result()
-        except errors.SidecarError as e:
-          failures.append(f"{label} (host {host}): {str(e).splitlines()[0]}")
-          attempt(i + 1)
-          return
-        out.set_result((data, label))
-
-      try:
-        shape = tuple(b - a for a, b in index)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if tier != "disk" and host not in self._mapped and nbytes > READ_PART_BYTES:
-          self._read_parts(item, kp, index, crc, tier, host, shape, dtype).add_done_callback(done)
-        else:
-          self._client.read(host, item, (kp, index), crc32c=crc,
-                            tier=tier).add_done_callback(done)
-      except errors.SidecarError as e:
-        failures.append(f"{label} (host {host}): {e}")
-        attempt(i + 1)
-
-    attempt(0)
-    return out
+    read = _ShardRead(self, item, kp, index, crc, sources, dtype)
+    read.attempt(0)
+    return read.out
 
   def _read_parts(self, item: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
@@ -267,6 +240,28 @@ class Restorer:
                                  tier=tier, part=(offset, nbytes))
       future.add_done_callback(functools.partial(done, offset))
     return out
+
+  def _failure(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
+               gone: list[int], read: int, dtypes: dict[KeyPath, np.dtype]
+               ) -> errors.SidecarError:
+    """The error of a restore with shards that no source gave: ResourceExhaustedError
+    where an arena had no room for one (the data is intact), another failure's own kind
+    (a deadline), ShardsLostError only where no copy was there or valid."""
+    full = [(k, e) for k, e in lost if isinstance(e, errors.ResourceExhaustedError)]
+    if full:
+      nbytes = sum(math.prod(b - a for a, b in index) * dtypes[kp].itemsize
+                   for (kp, index), _ in full)
+      return errors.ResourceExhaustedError(
+          f"step {step} of {self.directory} cannot be restored now: no arena had room for "
+          f"{len(full)} of its shards ({shm.format_size(nbytes)}; "
+          f"{shm.format_size(read)} of the others were read). The data is intact: {full[0][1]}. "
+          "Drop the trees restored earlier that you no longer need (del; gc.collect() if "
+          "your code keeps them in a reference cycle), restore fewer at once, or start the "
+          "sidecars with a larger --shm-size")
+    other = next((e for _, e in lost if not isinstance(e, errors.ShardsLostError)), None)
+    if other is not None:
+      return other
+    return self._lost(step, lost, owners, placed, gone)
 
   def _lost(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
             gone: list[int]) -> errors.SidecarError:
@@ -312,6 +307,69 @@ class Restorer:
     if out is None:
       raise errors.InvalidArgumentError(f"{item}: no stored shard covers {kp} {region}")
     return out
+
+
+class _ShardRead:
+  """One stored shard's read, trying its sources in turn until one reads and checks.
+
+  Its callbacks are partials of its methods, and nothing here refers back to them: no
+  reference cycle holds the shard (an arena view), so its block goes back at the last
+  reference to the restored array, without the garbage collector.
+  """
+
+  def __init__(self, restorer: Restorer, item: str, kp: KeyPath, index, crc: int | None,
+               sources: list[tuple[int, str]], dtype: np.dtype):
+    self._restorer, self._item, self._kp, self._index, self._crc = restorer, item, kp, index, crc
+    self._sources, self._dtype = sources, dtype
+    self.failures: list[tuple[str, errors.SidecarError]] = []
+    self.out: concurrent.futures.Future = concurrent.futures.Future()
+
+  def attempt(self, i: int) -> None:
+    if i == len(self._sources):
+      self.out.set_exception(_failed(self.failures))
+      return
+    host, tier = self._sources[i]
+    label = "storage" if tier == "disk" else f"{tier}:host{host}"
+    r = self._restorer
+    try:
+      shape = tuple(b - a for a, b in self._index)
+      nbytes = math.prod(shape) * self._dtype.itemsize
+      if tier != "disk" and host not in r._mapped and nbytes > READ_PART_BYTES:
+        f = r._read_parts(self._item, self._kp, self._index, self._crc, tier, host, shape,
+                          self._dtype)
+      else:
+        f = r._client.read(host, self._item, (self._kp, self._index), crc32c=self._crc,
+                           tier=tier)
+    except errors.SidecarError as e:
+      self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
+      self.attempt(i + 1)
+      return
+    f.add_done_callback(functools.partial(self._done, i, label, host))
+
+  def _done(self, i: int, label: str, host: int, f: concurrent.futures.Future) -> None:
+    try:
+      data = f.result()
+    except errors.SidecarError as e:
+      self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
+      self.attempt(i + 1)
+      return
+    self.out.set_result((data, label))
+
+
+# A copy that fails with one of these is not there (its host is gone, it holds none, the
+# file is missing) or not valid (its checksum): the shard is lost only if every copy is.
+_GONE = (errors.CorruptCheckpointError, errors.HostLostError, errors.InvalidArgumentError)
+
+
+def _failed(failures: list[tuple[str, errors.SidecarError]]) -> errors.SidecarError:
+  """The error of a shard no source gave: ShardsLostError (naming every try) if no copy
+  is there or valid; else the first other failure (an arena full, a deadline) as it is."""
+  other = next((e for _, e in failures if not isinstance(e, _GONE)), None)
+  if other is not None:
+    return other
+  return errors.ShardsLostError(
+      "; ".join(f"{where}: {str(e).splitlines()[0]}" for where, e in failures)
+      or "no source to read it from")
 
 
 def _overlaps(index, region) -> bool:

@@ -29,6 +29,7 @@ from sidecar._src.controller.checkpoint.client import CheckpointTransport, Stage
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
+from sidecar._src.wire import protocol
 
 # The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class Saver:
     self._writers = {h: max(len((sharers or {}).get(h, ())), 1) for h in hosts}
     self._saves = 0
     self.finisher: threading.Thread | None = None  # the latest save's, until it ends
+    # Every save's that may still run: an older one settles its replication (replicas > 0)
+    # and deletes old steps after its durable, while the next save runs.
+    self.finishers: list[threading.Thread] = []
 
   def agree_on_save(self, step: int, busy: bool) -> bool:
     """Checks every process saves ``step``; returns whether any has a save in flight."""
@@ -231,6 +235,7 @@ class Saver:
                                 daemon=True, name=f"sidecar-save-{handle.step}")
     finisher.start()
     self.finisher = finisher
+    self.finishers = [t for t in self.finishers if t.is_alive()] + [finisher]
     return finisher
 
   def _finish(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves,
@@ -378,24 +383,27 @@ class Saver:
     Every process gets here once per save, failed or not, so nobody waits for one
     that gave up. The save fails in every process if it failed in any.
     """
-    mine = json.dumps({"error": _describe(error)} if error is not None else {"ok": sums})
+    mine = json.dumps({"error": protocol.error_dict(error)} if error is not None
+                      else {"ok": sums})
     if not self._lead:
       self._peers.publish(f"{key}/prepared", mine)
       failed = self._peers.read(f"{key}/outcome", 0, timeout=_LONG_S)
       if error is not None:
         raise error
       if failed:
-        raise errors.InvalidArgumentError(f"the save of step {target.step} failed: {failed}")
+        raise _gathered(json.loads(failed), 0, f"the save of step {target.step} failed")
       return
     try:
       gathered = [json.loads(v) for v in self._peers.all_gather(
           f"{key}/prepared", mine, timeout=_LONG_S)]
-      failures = [f"process {p}: {g['error']}" for p, g in enumerate(gathered) if "error" in g]
+      failures = [(p, g["error"]) for p, g in enumerate(gathered) if "error" in g]
       if error is not None:
         raise error
-      if failures:
-        raise errors.InvalidArgumentError(
-            f"the save of step {target.step} failed in {'; '.join(failures)}")
+      if failures:  # the first as it was raised (its kind, its host); the others noted
+        p, first = failures[0]
+        raise _gathered(first, p, f"the save of step {target.step} failed in process {p}"
+                        + "".join(f"; also in process {q}: {d.get('type')}: "
+                                  f"{str(d.get('message'))[:500]}" for q, d in failures[1:]))
       # A host that several processes share reports its checksums to each: keep one.
       checksums = list({(c["host"], json.dumps(c["key_path"]), json.dumps(c["index"])): c
                         for g in gathered for c in g["ok"]}.values())
@@ -406,7 +414,7 @@ class Saver:
                           timeout=_LONG_S).result()
     except BaseException as e:
       self._abort(target)  # before anyone fails: a retry must not race the cleanup
-      self._peers.publish(f"{key}/outcome", _describe(e))
+      self._peers.publish(f"{key}/outcome", json.dumps(protocol.error_dict(e)))
       raise
     self._peers.publish(f"{key}/outcome", "")
 
@@ -466,6 +474,14 @@ def _resolve(future: concurrent.futures.Future, error: BaseException | None, val
 
 def _describe(e: BaseException | None) -> str:
   return f"{type(e).__name__}: {e}"[:2000] if e is not None else ""
+
+
+def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:
+  """The error another process gathered at the commit (``protocol.error_dict``): its
+  kind and host as raised there, with ``note`` saying where the save failed."""
+  error = protocol.error_from_dict(d, host=f"trainer process {process}")
+  error.add_note(note)
+  return error
 
 
 def done_handle(step: int, value: Any) -> SaveHandle:

@@ -10,6 +10,7 @@ checkpoint wrote.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -298,8 +299,7 @@ class Saver:
       raise errors.DeadlineExceededError(
           f"step {record.step} is still being written after {timeout} s")
     if record.error is not None:
-      raise errors.InvalidArgumentError(
-          f"host {self._host_id} could not write step {record.step}: {record.error}")
+      raise write_failure(self._host_id, record.step, final_item, record.error)
     faults.fault("prepared", record.step)
     return record.checksums
 
@@ -412,3 +412,19 @@ class Saver:
           "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
           "wrote")
     shutil.rmtree(target, ignore_errors=True)
+
+
+def write_failure(host_id: int, step: int, item: str, e: BaseException) -> errors.SidecarError:
+  """The error of a host's part of ``step`` that could not be written: an OSError (a full
+  disk, an I/O error) is CheckpointWriteError with its errno, file and host; our own
+  errors keep their kind."""
+  if isinstance(e, errors.SidecarError):
+    return e
+  if isinstance(e, OSError):
+    path = os.fsdecode(e.filename) if e.filename is not None else item
+    name = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
+    return errors.CheckpointWriteError(
+        f"host {host_id} could not write step {step}: {e.strerror or e}"
+        + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
+        "another directory), then save again", errno=e.errno, path=path, host_id=host_id)
+  return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {e}")

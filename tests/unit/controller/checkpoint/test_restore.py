@@ -1,0 +1,53 @@
+"""Tier 1: what a restore raises when a shard cannot be read, against the in-process fake."""
+
+import numpy as np
+import pytest
+
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.core import errors
+from tests.support.fake_sidecars import FakeSidecars
+
+pytestmark = pytest.mark.unit
+
+STATE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.int64(7)}
+TARGET = {"w": np.zeros((3, 4), np.float32), "step": np.int64(0)}
+
+
+def saved(**fail) -> tuple[FakeSidecars, Checkpointer]:
+  fake = FakeSidecars()
+  ckpt = Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
+                      max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
+                      if_busy="wait")
+  assert ckpt.save(5, STATE).durable.result() == 5
+  fake.fail.update(fail)
+  return fake, ckpt
+
+
+def test_an_arena_full_during_the_reads_is_resource_exhausted_not_lost_data():
+  full = errors.ResourceExhaustedError(
+      "the arena is full: 48 B asked, 0 B free of 64.0 MiB in 3 blocks after waiting 29.5 s")
+  _, ckpt = saved(read=full)
+  with ckpt, pytest.raises(errors.ResourceExhaustedError) as raised:
+    ckpt.restore(target=TARGET)
+  assert not isinstance(raised.value, errors.ShardsLostError)
+  message = str(raised.value)
+  assert "step 5 of /ckpt/run cannot be restored now: no arena had room for 2 of its " \
+         "shards (56 B" in message
+  assert "The data is intact: the arena is full: 48 B asked" in message
+  assert "larger --shm-size" in message
+
+
+def test_another_failure_keeps_its_kind():
+  _, ckpt = saved(read=errors.DeadlineExceededError("Read on host 0 timed out"))
+  with ckpt, pytest.raises(errors.DeadlineExceededError, match="Read on host 0 timed out"):
+    ckpt.restore(target=TARGET)
+
+
+@pytest.mark.parametrize("error", [
+    errors.CorruptCheckpointError("array 'w' shard [[0, 3], [0, 4]] does not match its crc32c"),
+    errors.HostLostError("host 0 is gone", host_id=0),
+], ids=["checksum", "host-gone"])
+def test_shards_are_lost_only_where_no_copy_is_there_or_valid(error):
+  _, ckpt = saved(read=error)
+  with ckpt, pytest.raises(errors.ShardsLostError, match="2 shards have no live copy"):
+    ckpt.restore(target=TARGET)
