@@ -12,11 +12,15 @@ The shorthand still works, with a ``DeprecationWarning`` that shows the new spel
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, options as options_lib
+
+# The names of FeedOptions' fields: the deprecated keywords of a feed that go to options.
+FEED_OPTIONS = [f.name for f in dataclasses.fields(options_lib.FeedOptions)]
 
 # warnings.warn's stacklevel from split_legacy to the user's line: split_legacy, the
 # Controller method, interrupts.deferring's wrapper.

@@ -11,10 +11,8 @@ no framework; ``sidecar.Controller`` is the JAX one (``jax/controller.py``).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import enum
 import functools
-import hashlib
 import os
 import threading
 import weakref
@@ -36,32 +34,19 @@ from sidecar._src.controller.calls import Calls
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import Connection, HostInfo
-from sidecar._src.controller.feed import BatchLayout, Feed
+from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import env, errors, options as options_lib, rendezvous
-from sidecar._src.streams import socket_transport
 from sidecar._src.streams.consumer import Stream
-from sidecar._src.streams.grpc_transport import open_stream as open_grpc_stream
-from sidecar._src.wire import codec, protocol
+from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
-
-# The names of FeedOptions' fields: the deprecated keywords of a feed that go to options.
-FEED_OPTIONS = [f.name for f in dataclasses.fields(options_lib.FeedOptions)]
-# Makes a feed's BatchLayout: (global_batch_size, {device id: host id},
-# {device id: process index}, known where several processes share hosts) -> layout.
-LayoutFactory = Callable[[int, Mapping[int, int], Mapping[int, int]], BatchLayout]
 
 
 class State(enum.Enum):
   OPEN = "open"
   CLOSED = "closed"
-
-
-def token_from_env() -> str | None:
-  """``$SIDECAR_TOKEN``, else the content of ``$SIDECAR_TOKEN_FILE``, else None."""
-  return env.token()
 
 
 class Controller:
@@ -117,7 +102,7 @@ class Controller:
     self.timeout = timeout
     self.peer_timeout = env.peer_timeout(peer_timeout)
     self.state = State.OPEN
-    token = token if token is not None else token_from_env()
+    token = token if token is not None else env.token()  # $SIDECAR_TOKEN(_FILE)
     credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
     self._framework = framework if framework is not None else self._default_framework()
     self._peers = peers if peers is not None else self._framework.peers()
@@ -147,12 +132,12 @@ class Controller:
   def from_env(cls, *, timeout: float = 300.0, **kwargs: Any) -> Self:
     """Finds every sidecar of this job from the environment, then connects.
 
-    On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices,
-    hosts per slice, ports); elsewhere ``SIDECAR_HOSTS=host[:port],...`` lists them.
-    Waits up to ``timeout`` seconds for every sidecar to answer its health check, then
-    raises DiscoveryError listing those that did not. Under Slurm (``sidecar slurm
-    batch``) it reads the job's rendezvous directory; with ``SIDECAR_CLUSTER_FILE`` it
-    joins a service as :meth:`from_cluster_file` does.
+    On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices, hosts
+    per slice, ports); elsewhere ``SIDECAR_HOSTS=host[:port],...`` lists them. Waits up to
+    ``timeout`` seconds for every sidecar to answer its health check, then raises
+    DiscoveryError listing those that did not. Under Slurm (``sidecar slurm batch``) it
+    reads the job's rendezvous directory; with ``SIDECAR_CLUSTER_FILE`` it joins a service
+    as :meth:`from_cluster_file` does.
     """
     found = discovery.find(timeout=timeout)
     if found.token_file and kwargs.get("token") is None and not env.get(env.TOKEN):
@@ -178,8 +163,6 @@ class Controller:
     if kwargs.get("token") is None and found.token_file:
       kwargs["token"] = rendezvous.read_token_file(found.token_file)
     return cls(list(found.addresses), **kwargs)
-
-  # ---- introspection -----------------------------------------------------
 
   @property
   def multiprocess(self) -> bool:
@@ -226,13 +209,13 @@ class Controller:
             lost_after: float = health.DEFAULT_LOST_AFTER_S, rejoin: bool = False) -> None:
     """Polls every live host's health; one silent for ``lost_after`` s is lost.
 
-    A lost host leaves :attr:`hosts`; the feeds and streams this controller made are
-    closed (their ``next()`` raises instead of waiting on a host that will not answer),
-    its arena is unmapped here once no array reads it, and the listeners added with
-    :meth:`on_host_lost` are told. With ``rejoin=True`` a lost host is asked every
-    second whether its sidecar is back (a new one at the same address, with the same
-    registered code): then it is reconnected, rejoins :attr:`hosts` with an empty
-    arena, and the listeners added with :meth:`on_host_back` are told. Idempotent.
+    A lost host leaves :attr:`hosts`; the feeds and streams this controller made are closed
+    (their ``next()`` raises instead of waiting on a host that will not answer), its arena
+    is unmapped here once no array reads it, and the listeners added with
+    :meth:`on_host_lost` are told. With ``rejoin=True`` a lost host is asked every second
+    whether its sidecar is back (a new one at the same address, with the same registered
+    code): then it is reconnected, rejoins :attr:`hosts` with an empty arena, and the
+    listeners added with :meth:`on_host_back` are told. Idempotent.
     """
     self._check_open()
     with self._lock:
@@ -265,8 +248,6 @@ class Controller:
   def _check_open(self) -> None:
     if self.state is State.CLOSED:
       raise errors.ClosedError("this Controller is closed; make a new one")
-
-  # ---- calls -------------------------------------------------------------
 
   @interrupts.deferring  # Ctrl-C: the call's result, when it comes, is dropped
   def call(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
@@ -314,13 +295,12 @@ class Controller:
 
     ``host`` defaults to the first host this process drives (its own under N processes).
 
-    The sidecar runs at most ``prefetch`` items ahead of this consumer. When this
-    process maps that host's arena, items come over its Unix socket (the fast
-    path); otherwise over gRPC, with arrays inline. With ``device``, arrays arrive
-    on it as the framework's (``jax.Array``s, from the arena with no copy on the CPU
-    backend).
-    ``timeout`` bounds the wait for each item: past it ``next()`` raises
-    DeadlineExceededError and the stream stays open.
+    The sidecar runs at most ``prefetch`` items ahead of this consumer. When this process
+    maps that host's arena, items come over its Unix socket (the fast path); otherwise
+    over gRPC, with arrays inline. With ``device``, arrays arrive on it as the framework's
+    (``jax.Array``s, from the arena with no copy on the CPU backend). ``timeout`` bounds
+    the wait for each item: past it ``next()`` raises DeadlineExceededError and the
+    stream stays open.
     ``*legacy_args``/``**legacy_kwargs``: the deprecated shorthand for ``args``/``kwargs``.
 
     Example::
@@ -341,17 +321,10 @@ class Controller:
 
   def _open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
                    timeout: float | None, held: list, device: Any = None) -> Stream:
-    conn, w = self._hosts.conns[host_id], self._hosts.workers.get(host_id)
-    to_device = None
-    if device is not None:
-      to_device = functools.partial(self._framework.to_device, device=device)
-    if w is not None:
-      stream = socket_transport.open_stream(w, request, prefetch=prefetch, timeout=timeout,
-                                            to_device=to_device)
-    else:
-      stream = open_grpc_stream(conn.stream_rpc, request, prefetch=prefetch,
-                                metadata=conn.metadata, timeout=timeout, host=conn.address,
-                                host_id=host_id, to_device=to_device)
+    to_device = None if device is None else functools.partial(self._framework.to_device,
+                                                              device=device)
+    stream = self._hosts.open_stream(host_id, request, prefetch=prefetch, timeout=timeout,
+                                     to_device=to_device)
     stream.args = held  # Argument blocks live as long as the stream.
     self._children.add(stream)
     return stream
@@ -389,30 +362,18 @@ class Controller:
     options = feed_lib.check_arguments(name, options, old_options, self.hosts,
                                        global_batch_size=global_batch_size,
                                        num_epochs=num_epochs)
-    prefetch, workers = options.prefetch, options.workers
     rows = layout(global_batch_size, dict(self._hosts.device_hosts),
                   dict(self._hosts.device_processes))
-    encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
     self._feeds += 1
-    key = f"feed/{self._feeds}"
-    self._peers.agree(f"{key}/open", {
-        "pipeline": name, "global_batch_size": global_batch_size, "seed": seed,
-        "num_epochs": num_epochs, "workers": workers, "state": state,
-        "kwargs": hashlib.sha256(encoded.SerializeToString(deterministic=True)).hexdigest()[:16],
-        "mesh": rows.describe()},
-        what=f"the arguments of feed {self._feeds} ({name!r})")
-
-    def open_stream(host_id: int, spec: pb.FeedSpec):
-      w = self._hosts.workers.get(host_id)
-      request = pb.CallRequest(name=name, args=no_args, kwargs=encoded, feed=spec,
-                               worker_session=w.session if w is not None else "")
-      return self._open_stream(host_id, request, prefetch=prefetch, timeout=None, held=[])
-
-    feed = Feed(name=name, layout=rows, seed=seed, num_epochs=num_epochs, prefetch=prefetch,
-                state=state, workers=workers, open_stream=open_stream,
-                local_hosts=self.local_hosts, peers=self._peers, key=key,
-                arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
-                                   for s in self.status()})
+    feed = feed_lib.agree_and_open(
+        name, self._feeds, global_batch_size=global_batch_size, layout=rows, kwargs=kwargs,
+        seed=seed, num_epochs=num_epochs, state=state, options=options, peers=self._peers,
+        open_call=lambda host_id, request: self._open_stream(
+            host_id, request, prefetch=options.prefetch, timeout=None, held=[]),
+        session=lambda host_id: getattr(self._hosts.workers.get(host_id), "session", ""),
+        local_hosts=self.local_hosts,
+        arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
+                           for s in self.status()})
     self._children.add(feed)
     return feed
 
@@ -438,15 +399,14 @@ class Controller:
 
     ``sweep=False`` leaves uncommitted steps alone (where an Orbax manager owns them).
 
-    With ``replicas=R`` (at most hosts - 1: fewer live hosts get fewer, with a warning),
-    once a step is staged each sidecar sends its
-    shards to R peer sidecars (another slice's first, else the next hosts), sidecar to
-    sidecar, in the background: ``handle.replicated`` resolves once every shard has its
-    copies. Replicas count toward ``ram_budget`` and leave with their step. A restore
-    then takes each shard from any live copy, storage last, so losing a host loses no
-    step the RAM tiers hold (``ckpt.last_restore_stats()`` says where shards came from).
-    ``replica_bandwidth`` (bytes per second per sidecar, or a size such as ``"500MiB"``)
-    paces the sending, to leave the training step its cores, memory bandwidth or network.
+    With ``replicas=R`` (at most hosts - 1; fewer live hosts get fewer, with a warning),
+    each sidecar sends a staged step's shards to R peer sidecars (another slice's first,
+    else the next hosts) in the background: ``handle.replicated`` resolves once every
+    shard has its copies. Replicas count toward ``ram_budget`` and leave with their step;
+    a restore takes each shard from any live copy, storage last, so losing a host loses
+    no step the RAM tiers hold (``ckpt.last_restore_stats()`` says where shards came
+    from). ``replica_bandwidth`` (bytes/s per sidecar, or a size such as ``"500MiB"``)
+    paces the sending, leaving the training step its cores, memory bandwidth or network.
 
     Raises:
       InvalidArgumentError: ``directory`` is not writable from every sidecar.
@@ -460,9 +420,7 @@ class Controller:
         ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
         peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
         replica_bandwidth=replica_bandwidth,
-        sidecars={h: {"address": c.address, "socket": c.reply.worker_socket,
-                      "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
-                  for h, c in self._hosts.conns.items() if h not in self._hosts.lost},
+        sidecars=self._hosts.sidecar_records(),
         mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost),
         framework=self._framework, sharers=self._hosts.sharers)
     self._children.add(ckpt)
@@ -501,43 +459,25 @@ class Controller:
       out.append(s)
     return out
 
-  # ---- display -----------------------------------------------------------
-
   @interrupts.deferring
-  def _display_rows(self) -> list[display.Row]:
-    if self.state is State.CLOSED:
-      return []
-    rows: list[display.Row] = []
-    for h, c, s in self._hosts.statuses(display.STATUS_TIMEOUT_S):
-      if isinstance(s, grpc.RpcError):
-        s = protocol.error_from_rpc(s, host=c.address, host_id=h)
-      rows.append((h, c.address, s))
-    return rows
-
-  def _display_facts(self) -> list[tuple[str, str]]:
+  def _display(self, *, as_html: bool) -> str:
+    rows = [] if self.state is State.CLOSED else display.status_rows(
+        self._hosts.statuses(display.STATUS_TIMEOUT_S))
     children = list(self._children)
-    feeds = [c for c in children if isinstance(c, Feed) and c.status is feed_lib.State.OPEN]
-    ckpts = [c for c in children if isinstance(c, Checkpointer) and not c._closed]
-    facts = [("state", self.state.value),
-             ("hosts", f"{len(self.hosts)} live" + (f", lost: {self.lost_hosts}"
-                                                    if self._hosts.lost else "")),
-             ("this process", f"{self.process_index} of {self._peers.count}, drives hosts "
-                              f"{self.local_hosts}"),
-             ("feeds open", ", ".join(repr(f.name) for f in feeds) or "none"),
-             ("checkpointers", ", ".join(c.directory for c in ckpts) or "none")]
-    return facts
+    facts = display.controller_facts(
+        state=self.state.value, live=len(self.hosts), lost=self.lost_hosts,
+        process=self.process_index, processes=self._peers.count, local_hosts=self.local_hosts,
+        feeds=[c.name for c in children
+               if isinstance(c, Feed) and c.status is feed_lib.State.OPEN],
+        checkpointers=[c.directory for c in children
+                       if isinstance(c, Checkpointer) and not c._closed])
+    return display.hosts_block("sidecar.Controller", facts, rows, as_html=as_html)
 
   def __repr__(self) -> str:
-    rows = self._display_rows()
-    table = display.text_table(display.HOST_HEADER, display.host_rows(rows)) if rows else ""
-    return display.text_block("sidecar.Controller", self._display_facts(), table)
+    return self._display(as_html=False)
 
   def _repr_html_(self) -> str:
-    rows = self._display_rows()
-    table = display.html_table(display.HOST_HEADER, display.host_rows(rows)) if rows else ""
-    return display.html_block("sidecar.Controller", self._display_facts(), table)
-
-  # ---- lifecycle ---------------------------------------------------------
+    return self._display(as_html=True)
 
   def close(self) -> None:
     """Closes what this controller made (feeds and streams, then checkpointers, which

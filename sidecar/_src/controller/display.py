@@ -8,10 +8,13 @@ not answer shows as such); a feed's own figures need no call at all.
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import grpc
+
 from sidecar._src.arena import shm
+from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
 STATUS_TIMEOUT_S = 1.0
@@ -35,6 +38,36 @@ def host_rows(rows: Sequence[Row]) -> list[list[str]]:
 
 
 HOST_HEADER = ["host", "address", "arena", "workers", "feeds", "checkpoints"]
+
+
+def status_rows(statuses: Iterable[tuple[int, Any, Any]]) -> list[Row]:
+  """``(host id, address, Status or error)`` of each ``(host id, connection, Status or
+  RpcError)``, an RPC's failure made this package's error."""
+  rows: list[Row] = []
+  for h, c, s in statuses:
+    if isinstance(s, grpc.RpcError):
+      s = protocol.error_from_rpc(s, host=c.address, host_id=h)
+    rows.append((h, c.address, s))
+  return rows
+
+
+def controller_facts(*, state: str, live: int, lost: dict[int, str], process: int,
+                     processes: int, local_hosts: Sequence[int], feeds: Sequence[str],
+                     checkpointers: Sequence[str]) -> list[tuple[str, str]]:
+  """What a Controller shows above its hosts' table."""
+  return [("state", state),
+          ("hosts", f"{live} live" + (f", lost: {lost}" if lost else "")),
+          ("this process", f"{process} of {processes}, drives hosts {list(local_hosts)}"),
+          ("feeds open", ", ".join(repr(f) for f in feeds) or "none"),
+          ("checkpointers", ", ".join(checkpointers) or "none")]
+
+
+def hosts_block(title: str, facts: Sequence[tuple[str, str]], rows: Sequence[Row], *,
+                as_html: bool) -> str:
+  """``facts``, then a table of one row a host (none without ``rows``), as text or HTML."""
+  if as_html:
+    return html_block(title, facts, html_table(HOST_HEADER, host_rows(rows)) if rows else "")
+  return text_block(title, facts, text_table(HOST_HEADER, host_rows(rows)) if rows else "")
 
 
 def feeds_text(feeds: Sequence[pb.FeedStatus]) -> str:

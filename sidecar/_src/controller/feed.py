@@ -16,6 +16,7 @@ import abc
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import json
 import statistics
 import time
@@ -26,7 +27,7 @@ from sidecar._src.controller import display, progress as progress_lib
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.wire import feed_batch
+from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 
 STATE_VERSION = 1
@@ -68,6 +69,11 @@ class BatchLayout(abc.ABC):
     """One leaf of a global batch, from ``blocks[h][r]``: the rows of range ``r`` of
     ``hosts[h]`` (this process's hosts), numpy arrays that may be views of an arena
     (what is made of them must keep them alive)."""
+
+
+# Makes a feed's BatchLayout: (global_batch_size, {device id: host id},
+# {device id: process index}, known where several processes share hosts) -> layout.
+LayoutFactory = Callable[[int, Mapping[int, int], Mapping[int, int]], BatchLayout]
 
 
 def check_arguments(name: str, options: Any, old_options: Mapping[str, Any],
@@ -303,3 +309,32 @@ def _host_start(state: dict[str, Any], i: int) -> dict[str, Any]:
   if kind == "iter":
     return {"kind": "iter", **state["shards"][i]}
   return {}
+
+
+def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: BatchLayout,
+                   kwargs: Mapping[str, Any], seed: int, num_epochs: int | None,
+                   state: dict[str, Any] | None, options: options_lib.FeedOptions,
+                   peers: Peers, open_call: Callable[[int, pb.CallRequest], Any],
+                   session: Callable[[int], str], local_hosts: Sequence[int],
+                   arena_use: Callable[[], dict[int, float]]) -> Feed:
+  """Feed ``number`` of a controller, of registered pipeline ``name``, once every process
+  of the job agrees on its arguments: each of ``local_hosts`` streams its rows,
+  ``open_call(host_id, request)`` opening the stream with that host's worker
+  ``session(host_id)``."""
+  key = f"feed/{number}"
+  encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
+  peers.agree(f"{key}/open", {
+      "pipeline": name, "global_batch_size": global_batch_size, "seed": seed,
+      "num_epochs": num_epochs, "workers": options.workers, "state": state,
+      "kwargs": hashlib.sha256(encoded.SerializeToString(deterministic=True)).hexdigest()[:16],
+      "mesh": layout.describe()}, what=f"the arguments of feed {number} ({name!r})")
+
+  def open_stream(host_id: int, spec: pb.FeedSpec):
+    request = pb.CallRequest(name=name, args=no_args, kwargs=encoded, feed=spec,
+                             worker_session=session(host_id))
+    return open_call(host_id, request)
+
+  return Feed(name=name, layout=layout, seed=seed, num_epochs=num_epochs,
+              prefetch=options.prefetch, state=state, workers=options.workers,
+              open_stream=open_stream, local_hosts=local_hosts, peers=peers, key=key,
+              arena_use=arena_use)

@@ -19,6 +19,8 @@ from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_host
 from sidecar._src.core import env, errors
+from sidecar._src.streams import grpc_transport, socket_transport
+from sidecar._src.streams.consumer import Stream, ToDevice
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,24 @@ class Hosts:
     with self.lock:
       return {h: (c.status_rpc, c.metadata) for h, c in self.conns.items()
               if h not in self.lost}
+
+  def open_stream(self, host_id: int, request: pb.CallRequest, *, prefetch: int,
+                  timeout: float | None, to_device: ToDevice | None) -> Stream:
+    """A stream of ``request`` from host ``host_id``: over its worker's socket where this
+    process maps its arena, else over gRPC."""
+    conn, w = self.conns[host_id], self.workers.get(host_id)
+    if w is not None:
+      return socket_transport.open_stream(w, request, prefetch=prefetch, timeout=timeout,
+                                          to_device=to_device)
+    return grpc_transport.open_stream(conn.stream_rpc, request, prefetch=prefetch,
+                                      metadata=conn.metadata, timeout=timeout,
+                                      host=conn.address, host_id=host_id, to_device=to_device)
+
+  def sidecar_records(self) -> dict[int, dict[str, Any]]:
+    """Each live sidecar's address, socket, boot id and slice: what a checkpointer keeps."""
+    return {h: {"address": c.address, "socket": c.reply.worker_socket,
+                "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
+            for h, c in self.conns.items() if h not in self.lost}
 
   def statuses(self, timeout: float) -> list[tuple[int, Connection, Any]]:
     """``(host, connection, status or grpc.RpcError)`` of every live host, asked at once."""

@@ -42,7 +42,7 @@ class Runner:
               views: list[memoryview] | None = None) -> tuple[registry_lib.Entry, tuple, dict]:
     """The registered entry and decoded, signature-checked arguments of a call.
 
-    ``views``: the large inline arrays' bytes, where ``codec.strip_arrays`` left them.
+    ``views``: the large inline arrays' bytes, where ``pbscan.strip_arrays`` left them.
     """
     entry = self.registry.get(kind, request.name)
     view = lambda ref: self.arena_io.view(ref, request.worker_session)

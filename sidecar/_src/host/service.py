@@ -32,7 +32,7 @@ from sidecar._src.host.limits import (
 )
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
-from sidecar._src.wire import codec, protocol
+from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class Service:
       codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
                                 what=f"a CallRequest of {len(raw)} bytes")
       # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
-      stripped, views = codec.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+      stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
       request = parse(pb.CallRequest, stripped, counted=True)
       inline = len(raw) if views else 0  # what decoding it costs again, until it returns
       with self._inline.hold(inline, context.time_remaining()):

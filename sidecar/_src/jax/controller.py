@@ -79,7 +79,7 @@ class Controller(core.Controller):
     """
     self._check_open()
     kwargs, old_options = arguments.split_legacy_feed(
-        name, kwargs, options, legacy_kwargs, core.FEED_OPTIONS)
+        name, kwargs, options, legacy_kwargs, arguments.FEED_OPTIONS)
     return self._feed(
         name, global_batch_size=global_batch_size,
         layout=lambda g, hosts, processes: jax_feed.Layout(sharding, g, hosts, processes),

@@ -24,6 +24,7 @@ import numpy as np
 
 from sidecar._src.core import errors
 from sidecar._src.core.dtypes import dtype_of
+from sidecar._src.wire import pbscan
 from sidecar._src.wire.protocol import pb
 
 INLINE_LIMIT = 64 * 1024
@@ -248,9 +249,8 @@ def _decode(v: pb.Value, from_arena, where: str, depth: int, budget: Budget | No
       raise errors.InvalidArgumentError(f"{where}: bad big_int {v.big_int[:40]!r}") from None
   if kind == "array":
     data: bytes | memoryview = v.array.data  # once: each read copies it out of protobuf
-    if budget is not None and budget.views and len(data) == _MARK_LEN and (
-        bytes(data[:len(_MARK)]) == _MARK):
-      data = budget.views[int.from_bytes(data[len(_MARK):], "little")]
+    if budget is not None and budget.views:
+      data = pbscan.stripped(data, budget.views)
     if budget is not None:
       budget.spend(where, nbytes=len(data))
     return _decode_array(v.array, where, data)
@@ -328,7 +328,6 @@ def _decode_array(a: pb.Array, where: str, data: bytes | memoryview | None = Non
 # A message is at least 2 bytes on the wire, so one under this size cannot hold more than
 # MAX_ELEMENTS of them: it is parsed without a count.
 SCAN_FROM = 2 * MAX_ELEMENTS
-_MAX_SCAN_DEPTH = 100  # protobuf's own nesting limit: deeper, its parse refuses
 
 
 def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENTS,
@@ -344,199 +343,8 @@ def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENT
   """
   if len(raw) < SCAN_FROM:
     return
-  count = _count(raw, descriptor, limit, 0)
+  count = pbscan.count(raw, descriptor, limit)
   if count > limit:
     raise errors.ResourceExhaustedError(
         f"{what or descriptor.name} holds more than {limit} values, the limit of one request "
         "(codec.MAX_ELEMENTS); send many numbers as one numpy array")
-
-
-# An inline array of at least this many bytes is not parsed by protobuf (which would
-# copy it, and its decoding again): its bytes stay where they arrived, in the request,
-# and the array is copied once from there (``strip_arrays``).
-BIG_ARRAY = 1 << 20
-_MARK = b"\x00sidecar-wire-view\x00"  # in place of such bytes: the mark, then the view's index
-_MARK_LEN = len(_MARK) + 4
-_ARRAY = pb.Array.DESCRIPTOR.full_name
-_ARRAY_DATA = pb.Array.DESCRIPTOR.fields_by_name["data"].number
-
-
-def strip_arrays(raw: bytes, descriptor: Any) -> tuple[bytes, list[memoryview]]:
-  """``raw`` (a ``descriptor`` message) with each inline array's bytes of ``BIG_ARRAY``
-  or more taken out, and views of those bytes in ``raw``, for a ``Budget(views=...)``.
-
-  A 128 MiB inline call cost the sidecar 5-7 times its size: gRPC's bytes, protobuf's
-  copy, the bytes field read out of it, the array. Now: gRPC's bytes and the array.
-  Bytes this cannot read are returned as they are, for the parse to refuse.
-  """
-  if len(raw) < BIG_ARRAY:
-    return raw, []
-  views: list[memoryview] = []
-  try:
-    out = _strip(raw, descriptor, 0, len(raw), views, 0)
-  except (IndexError, ValueError):
-    return raw, []
-  return (raw, []) if out is None else (out, views)
-
-
-def _key(n: int) -> bytes:
-  out = bytearray()
-  while True:
-    byte, n = n & 0x7F, n >> 7
-    out.append(byte | (0x80 if n else 0))
-    if not n:
-      return bytes(out)
-
-
-def _strip(buf: bytes, descriptor: Any, start: int, end: int, views: list[memoryview],
-           depth: int) -> bytes | None:
-  """``buf[start:end]`` with big arrays' bytes replaced by marks; None if none was."""
-  fields = _message_fields(descriptor)
-  array = descriptor.full_name == _ARRAY
-  pieces: list[bytes] = []
-  last = pos = start
-  while pos < end:
-    key, after_key = _varint(buf, pos)
-    wire = key & 7
-    if wire == 0:
-      _, pos = _varint(buf, after_key)
-    elif wire == 1:
-      pos = after_key + 8
-    elif wire == 5:
-      pos = after_key + 4
-    elif wire == 2:
-      n, value = _varint(buf, after_key)
-      if value + n > end:
-        raise ValueError("a field runs past its message")
-      new = None
-      if array and key >> 3 == _ARRAY_DATA and n >= BIG_ARRAY:
-        new = _MARK + len(views).to_bytes(4, "little")
-        views.append(memoryview(buf)[value:value + n])
-      elif n >= BIG_ARRAY and key >> 3 in fields and depth < _MAX_SCAN_DEPTH:  # room for one
-        new = _strip(buf, fields[key >> 3][0], value, value + n, views, depth + 1)
-      if new is not None:
-        pieces += [buf[last:after_key], _key(len(new)), new]
-        last = value + n
-      pos = value + n
-    else:
-      raise ValueError(f"wire type {wire}")
-  if pos != end:
-    raise ValueError("a field runs past its message")
-  if not pieces:
-    return None
-  pieces.append(buf[last:end])
-  return b"".join(pieces)
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-  result = shift = 0
-  while True:
-    b = buf[pos]
-    pos += 1
-    result |= (b & 0x7F) << shift
-    if b < 0x80:
-      return result, pos
-    shift += 7
-    if shift > 63:
-      raise ValueError("varint too long")
-
-
-def length_delimited(buf: bytes, start: int, end: int, field: int
-                     ) -> list[tuple[int, int, int]]:
-  """``(field start, value start, value end)`` of each length-delimited field ``field`` of
-  the message in ``buf[start:end]``, read off the wire without parsing it.
-
-  Raises:
-    ValueError, IndexError: not a plain message (a group, a field past the end).
-  """
-  found, pos = [], start
-  while pos < end:
-    field_start = pos
-    key, pos = _varint(buf, pos)
-    wire = key & 7
-    if wire == 0:
-      _, pos = _varint(buf, pos)
-    elif wire == 1:
-      pos += 8
-    elif wire == 5:
-      pos += 4
-    elif wire == 2:
-      n, pos = _varint(buf, pos)
-      if key >> 3 == field:
-        found.append((field_start, pos, pos + n))
-      pos += n
-    else:
-      raise ValueError(f"wire type {wire}")
-  if pos != end:
-    raise ValueError("a field runs past its message")
-  return found
-
-
-_FIELDS: dict[str, dict[int, tuple[Any, int]]] = {}
-# The scan's own cost: a field that is no value (a scalar, a string, a DictEntry, an
-# unknown field, empty or not) takes it as long as a value does. A value comes with at
-# most two (its scalar; a dict entry and its key for two values); millions more than
-# the values are no request of ours (2-byte fields: 70 s for 256 MiB).
-_OTHER_FIELDS_PER_VALUE = 2
-# Parts of a Value that the decoder does not count apart from it (the items and entries
-# of lists and dicts it does).
-_UNCOUNTED = frozenset(m.DESCRIPTOR.full_name for m in (
-    pb.ListValue, pb.DictValue, pb.DictEntry, pb.Array, pb.ArenaRef, pb.NamedTupleValue))
-
-
-def _message_fields(descriptor: Any) -> dict[int, tuple[Any, int]]:
-  """Field number -> (message descriptor, what one counts) of ``descriptor``'s message fields."""
-  fields = _FIELDS.get(descriptor.full_name)
-  if fields is None:
-    fields = _FIELDS[descriptor.full_name] = {
-        f.number: (f.message_type, int(f.message_type.full_name not in _UNCOUNTED))
-        for f in descriptor.fields if f.message_type is not None}
-  return fields
-
-
-def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
-           end: int | None = None, others: list[int] | None = None) -> int:
-  """Sub-messages in ``buf[pos:end]``, stopping once past ``limit``; what it cannot read
-  it leaves to the parse. ``others``: how many more fields that are no value the whole
-  scan may visit (shared by every level)."""
-  fields = _message_fields(descriptor)
-  end = len(buf) if end is None else end
-  others = [_OTHER_FIELDS_PER_VALUE * limit] if others is None else others
-  count = 0
-  try:
-    while pos < end:
-      key = buf[pos]
-      pos += 1
-      if key >= 0x80:
-        key, pos = _varint(buf, pos - 1)
-      wire = key & 7
-      child, weight = fields.get(key >> 3, (None, 0)) if wire == 2 else (None, 0)
-      if not weight:
-        others[0] -= 1
-        if others[0] < 0:
-          return limit + 1
-      if wire == 0:
-        while buf[pos] >= 0x80:
-          pos += 1
-        pos += 1
-      elif wire == 2:
-        n = buf[pos]
-        pos += 1
-        if n >= 0x80:
-          n, pos = _varint(buf, pos - 1)
-        if child is not None:
-          count += weight
-          if n and depth < _MAX_SCAN_DEPTH:
-            count += _count(buf, child, limit - count, depth + 1, pos, pos + n, others)
-          if count > limit:
-            return count
-        pos += n
-      elif wire == 1:
-        pos += 8
-      elif wire == 5:
-        pos += 4
-      else:
-        return count  # groups or garbage: the parse decides
-  except (IndexError, ValueError):
-    pass  # truncated or malformed: the parse decides
-  return count

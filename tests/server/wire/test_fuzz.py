@@ -24,7 +24,7 @@ import sidecar
 from sidecar._src.core import dtypes as dtypes_lib, errors, options
 from sidecar._src.host.server import Server
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire import codec, ipc, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 from tests.support import feed_fns, sidecar_fns
 
@@ -161,7 +161,7 @@ def test_the_wire_count_of_a_request_is_what_its_decoding_spends(args, kwargs):
   except errors.SidecarError:
     return
   raw = pb.CallRequest(name="f", args=args, kwargs=kwargs).SerializeToString()
-  assert codec._count(raw, pb.CallRequest.DESCRIPTOR, 1 << 30, 0) == (
+  assert pbscan.count(raw, pb.CallRequest.DESCRIPTOR, 1 << 30) == (
       budget.max_elements - budget.elements)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.wire import codec
+from sidecar._src.wire import codec, pbscan
 from sidecar._src.wire.protocol import pb
 
 pytestmark = pytest.mark.unit
@@ -247,13 +247,13 @@ def test_a_namedtuples_arena_blocks_are_listed():
 def test_a_big_inline_array_stays_in_the_request_bytes_until_it_is_decoded():
   """Protobuf's parse copied a large inline array twice more (its own copy, the bytes
   field read out of it): strip_arrays leaves it in the request's bytes, a view decodes it."""
-  big = np.arange(codec.BIG_ARRAY // 4 + 3, dtype=np.int32)
+  big = np.arange(pbscan.BIG_ARRAY // 4 + 3, dtype=np.int32)
   small = np.arange(10, dtype=np.int16)
   request = pb.CallRequest(name="f", args=codec.encode((big, {"s": small, "b": big[::-1]}),
                                                        inline_limit=1 << 40),
                            kwargs=codec.encode({"k": big[:5]}))
   raw = request.SerializeToString()
-  stripped, views = codec.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+  stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
   assert len(stripped) < 1024 and len(views) == 2
   assert all(v.obj is raw for v in views)  # views of the bytes gRPC gave, not copies
   parsed = pb.CallRequest.FromString(stripped)
@@ -267,5 +267,5 @@ def test_a_big_inline_array_stays_in_the_request_bytes_until_it_is_decoded():
   assert budget.nbytes == codec.MAX_DECODED_BYTES - 2 * big.nbytes - small.nbytes - 20 - 3  # keys
   # Bytes it cannot read come back as they are, for protobuf's parse to refuse.
   broken = raw[:-3]  # its last field runs past the end
-  assert codec.strip_arrays(broken, pb.CallRequest.DESCRIPTOR) == (broken, [])
-  assert codec.strip_arrays(raw[:100], pb.CallRequest.DESCRIPTOR) == (raw[:100], [])
+  assert pbscan.strip_arrays(broken, pb.CallRequest.DESCRIPTOR) == (broken, [])
+  assert pbscan.strip_arrays(raw[:100], pb.CallRequest.DESCRIPTOR) == (raw[:100], [])

@@ -27,7 +27,7 @@ from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.checkpoint.host import CheckpointHost
 from sidecar._src.host.limits import CheckpointSlots, Sessions, Slots
 from sidecar._src.host.service import parse
-from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
+from sidecar._src.wire import checkpoint_wire as wire, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,10 @@ def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None
   what the sender never writes (a field twice, a group), protobuf parses it all.
   """
   try:
-    parts = codec.length_delimited(raw, 0, len(raw), _PART)
+    parts = pbscan.length_delimited(raw, 0, len(raw), _PART)
     if len(parts) == 1:
       field_start, start, end = parts[0]
-      datas = codec.length_delimited(raw, start, end, _DATA)
+      datas = pbscan.length_delimited(raw, start, end, _DATA)
       if len(datas) == 1:
         data_start, value_start, value_end = datas[0]
         message = parse(ckpt_pb.ReceiveRequest, raw[:field_start] + raw[end:])
