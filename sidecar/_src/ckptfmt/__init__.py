@@ -23,27 +23,31 @@ busy from the first byte. Stock Orbax restores either (it looks for
 
 A sidecar is not part of a ``jax.distributed`` job, so Orbax's own barriers and
 ``jax.process_index()`` cannot place its part. Each sidecar instead plays the Orbax
-process ``host_index``: :func:`write_host_part` writes the shards its host owns with
+process ``host_index``: ``write.write_item_part`` writes the shards its host owns with
 Orbax's own TensorStore specs (and file names), and once every host is done one
-caller runs :func:`finalize`, which checks every chunk is there, writes the metadata
+caller runs ``commit.finalize``, which checks every chunk is there, writes the metadata
 files and commits with one atomic rename.
 
 Chunks are stored uncompressed by default: Orbax's default zstd makes a save CPU-bound,
 and stock Orbax reads whatever compressor ``.zarray`` names.
 
-Typical flow (host 0 or the controller on shared storage)::
+Typical flow (host/checkpoint/save.py)::
 
-  tmp = orbax_layout.create_tmp_step(directory, step)
-  # on every host h, concurrently, with that host's shards:
-  sums = orbax_layout.write_host_part(tmp, h, host_leaves)
+  tmp = commit.create_tmp_step(directory, step)
+  # on every host h, concurrently, with that host's shards as they are staged:
+  sums = write.write_item_part(tmp / "default", h, specs, shards)
   # once all hosts reported:
-  final = orbax_layout.finalize(tmp, specs, num_hosts=n)
+  final = commit.finalize(tmp, specs, num_hosts=n)
 
-One module per concern; this one re-exports their public names:
+One module per concern, no RPC in any:
 
-* ``orbax_shards``: :class:`Shard`, :class:`HostLeaf`, :class:`ShardChecksum` (values).
-* ``orbax_write``: the write engine (idle-class threads, ``O_DIRECT`` chunk files).
-* ``orbax_commit``: the tmp step, the checks, the metadata files, fsync and rename.
-* ``orbax_read``: leaves and shards of a committed step, ours or stock Orbax's.
-* ``orbax_files``: what they share (item directory, write specs, chunk names).
+* ``spec``: :class:`LeafSpec` (a leaf's key path, shape, dtype, write shape), step paths.
+* ``shards``: :class:`Shard`, :class:`HostLeaf`, :class:`ShardChecksum` (values).
+* ``write``: the write engine (idle-class threads, ``O_DIRECT`` chunk files).
+* ``commit``: the tmp step, the checks, the metadata files, fsync and rename.
+* ``read``: leaves and shards of a committed step, ours or stock Orbax's.
+* ``files``: what they share (item directory, write specs, chunk names).
+* ``direct_io``: ``O_DIRECT`` writes where they pay, fsync of files and directories.
+* ``feed_state``: a feed's position, stored beside the state.
+* ``dcp``, ``dcp_record``: PyTorch DCP's layout (``.metadata``, ``__{rank}_{n}.distcp``).
 """

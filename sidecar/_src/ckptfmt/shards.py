@@ -1,6 +1,6 @@
 """What a host writes into a step, and the checksum it reports: values, no Orbax.
 
-:mod:`orbax_write` takes :class:`HostLeaf` values and returns one :class:`ShardChecksum`
+``write`` takes :class:`HostLeaf` values and returns one :class:`ShardChecksum`
 per shard written; the step's manifest keeps the checksums.
 """
 

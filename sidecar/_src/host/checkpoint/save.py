@@ -230,7 +230,7 @@ class Saver:
       record.incoming.put(((rank, number), s["data"]))
 
   def _write(self, record: ram_tier.Step, item: str) -> None:
-    # The bytes are written and checksummed on idle-class threads (orbax_write): a
+    # The bytes are written and checksummed on idle-class threads (ckptfmt/write.py): a
     # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
     try:
