@@ -37,6 +37,8 @@ from sidecar._src.core import env as env_lib, errors
 
 JOB_FILE = "job.json"
 TOKEN_FILE = "token"
+# The sidecars' own: the token they present to each other, so that only peers send replicas.
+PEER_TOKEN_FILE = "peer-token"
 HOSTS_DIR = "hosts"
 LOGS_DIR = "logs"
 STEPS_DIR = "steps"

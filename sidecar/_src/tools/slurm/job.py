@@ -144,6 +144,7 @@ class Job:
       os.mkdir(os.path.join(self.directory, sub), 0o700)
     token = os.path.join(self.directory, rendezvous.TOKEN_FILE)
     rendezvous.make_token_file(token)
+    rendezvous.make_token_file(os.path.join(self.directory, rendezvous.PEER_TOKEN_FILE))
     rendezvous.write_json(os.path.join(self.directory, rendezvous.JOB_FILE), {
         "job_id": self.job_id, "nodes": self.nodes, "num_hosts": len(self.live),
         "hosts_per_node": self.o.hosts_per_node, "tasks_per_node": self.per_node,

@@ -93,6 +93,7 @@ def submit(spec: ServiceSpec) -> int:
   for sub in (rendezvous.HOSTS_DIR, rendezvous.LOGS_DIR, "ports"):
     os.mkdir(os.path.join(directory, sub), 0o700)
   rendezvous.make_token_file(os.path.join(directory, rendezvous.TOKEN_FILE))
+  rendezvous.make_token_file(os.path.join(directory, rendezvous.PEER_TOKEN_FILE))
   rendezvous.write_json(os.path.join(directory, "service.json"), spec.to_dict())
   text = script.service_script(spec.name, spec.sbatch_args,
                                os.path.join(directory, "service.log"))

@@ -47,6 +47,9 @@ def serve_args(host_id: int, slice_id: int, *, sock: str, ready: str, shm_size: 
   args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(host_id),
           "--slice-id", str(slice_id), "--port", str(port), "--health-port", str(health_port),
           "--socket", sock, "--shm-size", shm_size, "--token-file", token_file,
+          # beside the token file, in the job's (or service's) 0700 directory
+          "--peer-token-file",
+          os.path.join(os.path.dirname(token_file), rendezvous.PEER_TOKEN_FILE),
           "--ready-file", ready, "--exit-with-parent", str(os.getpid())]
   args += [f"--checkpoint-root={r}" for r in checkpoint_roots]
   if device_ids:
