@@ -256,40 +256,53 @@ class Calls:
       out.set_exception(e)
       return out
 
-    deadline = time.monotonic() + timeout
-    renewed = [False]
-
-    def done(f: grpc.Future) -> None:
-      try:
-        out.set_result(self.decode(host_id, name, f.result()))
-      except grpc.RpcError as e:
-        error = protocol.error_from_rpc(e, host=conn.address, host_id=host_id)
-        if isinstance(error, errors.SessionLostError) and not renewed[0]:
-          renewed[0] = True  # the sidecar lost our session: once more, anew, off gRPC's thread
-          threading.Thread(target=again, name="sidecar-renew", daemon=True).start()
-          return
-        out.set_exception(error)
-      except Exception as e:
-        out.set_exception(e)
-      held.clear()
-
-    def fail(e: BaseException) -> None:
-      held.clear()
-      out.set_exception(e)
-
-    def send() -> None:
-      conn.calls.call(  # the wait for a slot counts toward the timeout
-          lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
-          done=done, fail=fail, timeout=deadline - time.monotonic(),
-          what=f"call {name!r} on host {host_id}")
-
-    def again() -> None:
-      try:
-        conn.renew()
-      except Exception as e:
-        fail(e)
-        return
-      send()
-
-    send()
+    _Call(self, conn, host_id, name, request, held, out,
+          deadline=time.monotonic() + timeout).send()
     return out
+
+
+class _Call:
+  """One ``call_future`` in flight. Its callbacks are bound methods of this object, which
+  nothing refers back to: once gRPC and the slot let go of them, the result's arena views
+  are the future's alone (closures calling one another made a cycle that held every
+  result's blocks until the garbage collector ran)."""
+
+  def __init__(self, calls: Calls, conn: Any, host_id: int, name: str,
+               request: pb.CallRequest, held: list, out: concurrent.futures.Future, *,
+               deadline: float):
+    self.calls, self.conn, self.host_id, self.name = calls, conn, host_id, name
+    self.request, self.held, self.out, self.deadline = request, held, out, deadline
+    self.renewed = False
+
+  def send(self) -> None:
+    request, conn = self.request, self.conn
+    conn.calls.call(  # the wait for a slot counts toward the timeout
+        lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
+        done=self.done, fail=self.fail, timeout=self.deadline - time.monotonic(),
+        what=f"call {self.name!r} on host {self.host_id}")
+
+  def done(self, f: grpc.Future) -> None:
+    try:
+      self.out.set_result(self.calls.decode(self.host_id, self.name, f.result()))
+    except grpc.RpcError as e:
+      error = protocol.error_from_rpc(e, host=self.conn.address, host_id=self.host_id)
+      if isinstance(error, errors.SessionLostError) and not self.renewed:
+        self.renewed = True  # the sidecar lost our session: once more, anew, off gRPC's thread
+        threading.Thread(target=self.again, name="sidecar-renew", daemon=True).start()
+        return
+      self.out.set_exception(error)
+    except Exception as e:
+      self.out.set_exception(e)
+    self.held.clear()
+
+  def fail(self, e: BaseException) -> None:
+    self.held.clear()
+    self.out.set_exception(e)
+
+  def again(self) -> None:
+    try:
+      self.conn.renew()
+    except Exception as e:
+      self.fail(e)
+      return
+    self.send()
