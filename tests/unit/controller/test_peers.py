@@ -1,52 +1,23 @@
 """controller.peers: agreement between trainer processes, over any store.
 
-No sockets: DictPeers (the store of the Peers docstring) stands for a framework's
+No sockets: DictPeers (tests/support, the store of the Peers docstring) stands for a framework's
 key-value store, shared by threads that stand for the processes.
 """
 
-import threading
-import time
 
 import pytest
 
 from sidecar._src.controller import peers as peers_lib
 from sidecar._src.core import errors
+from tests.support.fake_sidecars import DictPeers
+from tests.support.processes_as_threads import run_as_processes
 
 pytestmark = pytest.mark.unit
 
 
-class DictPeers(peers_lib.Peers):
-  """The docstring's example: every process in one Python process."""
-
-  def __init__(self, store: dict, index: int, count: int):
-    self._store, self.index, self.count = store, index, count
-
-  def publish(self, key, value):
-    self._store[f"{key}/{self.index}"] = value
-
-  def read(self, key, process, *, timeout):
-    deadline = time.monotonic() + timeout
-    while f"{key}/{process}" not in self._store:
-      if time.monotonic() > deadline:
-        raise errors.DeadlineExceededError(f"process {process} gave no {key!r}")
-      time.sleep(0.01)
-    return self._store[f"{key}/{process}"]
-
-
 def run(count, body):
-  store, outcomes = {}, [None] * count
-
-  def one(p):
-    try:
-      outcomes[p] = body(DictPeers(store, p, count))
-    except Exception as e:  # the test looks at it
-      outcomes[p] = e
-  threads = [threading.Thread(target=one, args=(p,)) for p in range(count)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(30)
-  return outcomes
+  store: dict = {}
+  return run_as_processes(count, lambda p: body(DictPeers(store, p, count)))
 
 
 def test_any_store_with_publish_and_read_gathers_broadcasts_and_agrees():

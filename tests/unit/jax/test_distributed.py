@@ -5,7 +5,6 @@ stand for the processes. The store-neutral part (LocalPeers, the sync timeout, w
 which host): tests/unit/controller/test_peers.py.
 """
 
-import threading
 import time
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from sidecar._src.core import errors
 from sidecar._src.jax import distributed
 from tests.support.fake_coordination import FakeCoordinationClient
+from tests.support.processes_as_threads import run_as_processes
 
 pytestmark = pytest.mark.unit
 
@@ -20,19 +20,8 @@ pytestmark = pytest.mark.unit
 def run_processes(count: int, body):
   """Runs ``body(peers)`` for ``count`` peers of one job on threads; returns each outcome."""
   client = FakeCoordinationClient()
-  outcomes: list = [None] * count
-
-  def one(p):
-    try:
-      outcomes[p] = body(distributed.JaxPeers(client, index=p, count=count))
-    except Exception as e:  # the test looks at it
-      outcomes[p] = e
-  threads = [threading.Thread(target=one, args=(p,)) for p in range(count)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(30)
-  return outcomes
+  return run_as_processes(
+      count, lambda p: body(distributed.JaxPeers(client, index=p, count=count)))
 
 
 JOBSET = {"SIDECAR_JOBSET_NAME": "train", "SIDECAR_REPLICATED_JOB": "slice",
