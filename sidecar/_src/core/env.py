@@ -244,17 +244,7 @@ def token(token_file: str | None = None, environ: Mapping[str, str] | None = Non
     OSError: the file cannot be read.
     InvalidArgumentError: the file is empty.
   """
-  if not token_file and get(TOKEN, environ=environ):
-    return get(TOKEN, environ=environ)
-  token_file = token_file or get(TOKEN_FILE, environ=environ)
-  if not token_file:
-    return None
-  with open(token_file) as f:
-    text = f.read().strip()
-    _warn_if_readable(f.fileno(), token_file)
-  if not text:
-    raise errors.InvalidArgumentError(f"token file {token_file!r} is empty; put the token in it")
-  return text
+  return _token(TOKEN, TOKEN_FILE, "token", token_file, environ)
 
 
 def _warn_if_readable(fd: int, path: str) -> None:
@@ -300,17 +290,22 @@ def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None 
                ) -> str | None:
   """The peer token in ``token_file``, else ``$SIDECAR_PEER_TOKEN``, else in
   ``$SIDECAR_PEER_TOKEN_FILE``; raises as :func:`token` does."""
-  if not token_file and get(PEER_TOKEN, environ=environ):
-    return get(PEER_TOKEN, environ=environ)
-  token_file = token_file or get(PEER_TOKEN_FILE, environ=environ)
+  return _token(PEER_TOKEN, PEER_TOKEN_FILE, "peer token", token_file, environ)
+
+
+def _token(var: str, file_var: str, what: str, token_file: str | None,
+           environ: Mapping[str, str] | None) -> str | None:
+  """The ``what`` in ``token_file``, else ``$var``, else in ``$file_var``."""
+  if not token_file and get(var, environ=environ):
+    return get(var, environ=environ)
+  token_file = token_file or get(file_var, environ=environ)
   if not token_file:
     return None
   with open(token_file) as f:
     text = f.read().strip()
     _warn_if_readable(f.fileno(), token_file)
   if not text:
-    raise errors.InvalidArgumentError(
-        f"peer token file {token_file!r} is empty; put the peer token in it")
+    raise errors.InvalidArgumentError(f"{what} file {token_file!r} is empty; put the {what} in it")
   return text
 
 
