@@ -29,14 +29,16 @@ from pathlib import Path
 import pytest
 from podman_pod import Pod, Podman, render, result, wait_for  # k8s/image/, beside this file
 
+from sidecar._src.arena.shm import format_size
 from sidecar._src.tools import health
+from sidecar._src.tools.k8s.quantity import parse_quantity
 
 pytestmark = pytest.mark.timeout(1800)  # a first build downloads and installs every wheel
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build.sh"
 TAG = os.environ.get("SIDECAR_TEST_IMAGE", "localhost/sidecar:test")
-SHM = "256MiB"  # the render makes the sidecar's memory limit this + 512Mi
+SHM = "256MiB"  # the render makes the sidecar's memory limit this + render.ARENA_OVERHEAD
 POD_CODE = "/podtest"  # k8s/image/pod, read-only: the user's package and the trainer
 
 
@@ -203,14 +205,21 @@ def bad_pod(podman, spec, tmp_path):
      r"checkpoint root /ckpt \(--checkpoint-root, \$SIDECAR_CHECKPOINT_ROOTS\) cannot take "
      r"checkpoints: /ckpt is on a read-only file system. Mount the checkpoint volume there "
      r"read-write"),
-    ("arena above the memory limit", {"env": {"SIDECAR_SHM_SIZE": "1GiB"}},
-     r"the arena needs 1.0 GiB .* \(cgroup memory\.(max|limit_in_bytes) 768.0 MiB with .* in "
+    # Twice the rendered limit (the arena + render.ARENA_OVERHEAD), whatever that overhead is.
+    ("arena above the memory limit", {"env": {"SIDECAR_SHM_SIZE": "2xlimit"}},
+     r"the arena needs {arena} .* \(cgroup memory\.(max|limit_in_bytes) {limit} with .* in "
      r"use\); lower --shm-size or give the sidecar more memory"),
 ]])
 def test_a_sidecar_without_what_it_needs_exits_at_once_saying_what_to_fix(bad_pod, spec, case,
                                                                           kw, message, figures):
   sc = container(spec, "sidecar")
-  kw["env"] = {**sidecar_env(), **kw.get("env", {})}
+  env = {**sidecar_env(), **kw.get("env", {})}
+  if env.get("SIDECAR_SHM_SIZE") == "2xlimit":
+    limit = parse_quantity(sc["resources"]["limits"]["memory"])
+    env["SIDECAR_SHM_SIZE"] = str(2 * limit)
+    message = message.format(arena=re.escape(format_size(2 * limit)),
+                             limit=re.escape(format_size(limit)))
+  kw = {**kw, "env": env}
   start = time.monotonic()
   done = bad_pod.run(sc, sc["command"], timeout=120, extra=code_mount(), **kw)
   figures[f"exit with {case}"] = f"{time.monotonic() - start:.1f} s"
