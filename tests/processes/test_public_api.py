@@ -27,3 +27,16 @@ def test_importing_sidecar_torch_loads_no_jax():
   out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                        text=True, timeout=120).stdout
   assert out.splitlines() == ["[]"], out
+
+
+def test_a_sidecars_server_loads_no_ml_dtypes_until_an_array_of_its_types_comes():
+  # ml_dtypes' import is most of a sidecar's start (core/dtypes.py): it waits for a bfloat16.
+  import subprocess
+  import sys
+  script = ("import sys, sidecar._src.host.server as s; from sidecar._src.core import dtypes; "
+            "print('ml_dtypes' in sys.modules); dtypes.dtype_of('float32'); "
+            "print('ml_dtypes' in sys.modules); print(dtypes.dtype_of('bfloat16')); "
+            "print('ml_dtypes' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                       text=True, timeout=120).stdout
+  assert out.splitlines() == ["False", "False", "bfloat16", "True"], out
