@@ -134,9 +134,14 @@ class Hosts:
     if w is not None:
       return socket_transport.open_stream(w, request, prefetch=prefetch, timeout=timeout,
                                           to_device=to_device)
+    def renew() -> Any:
+      conn.renew()
+      return conn.metadata
+
     return grpc_transport.open_stream(conn.stream_rpc, request, prefetch=prefetch,
                                       metadata=conn.metadata, timeout=timeout,
-                                      host=conn.address, host_id=host_id, to_device=to_device)
+                                      host=conn.address, host_id=host_id, to_device=to_device,
+                                      renew=renew)
 
   def sidecar_records(self) -> dict[int, dict[str, Any]]:
     """Each live sidecar's address, socket, boot id and slice: what a checkpointer keeps."""

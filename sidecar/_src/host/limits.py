@@ -165,7 +165,7 @@ class Sessions:
         if now - last < self.evict_idle_s:
           raise errors.BusyError(
               f"this sidecar keeps {self.limit} handshake sessions (max_sessions), every one "
-              f"used in the last {self.evict_idle_s:.0f} s; handshake again later, or raise "
+              f"used in the last {self.evict_idle_s:g} s; handshake again later, or raise "
               "max_sessions")
         self._drop(oldest)
       self._last[session] = now
@@ -222,7 +222,7 @@ class Sessions:
       self._sweep(now)
     raise errors.SessionLostError(
         f"no live handshake session {session!r:.100} (none was made, or it was unused for "
-        f"{self.idle_s:.0f} s, or for {self.evict_idle_s:.0f} s and evicted by a newer one); "
+        f"{self.idle_s:g} s, or for {self.evict_idle_s:g} s and evicted by a newer one); "
         "call Handshake first and send its session as metadata 'sidecar-session'")
 
   def __len__(self) -> int:

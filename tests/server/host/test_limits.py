@@ -199,7 +199,8 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     make_server, tmp_path):
   """4,200 handshakes used to push a live controller's session out for good (every later
   call: VersionMismatchError). Now the flood is refused while the session is in use, and
-  a session evicted after being unused a while is made again by the Controller itself."""
+  a session evicted after being unused a while is made again by the Controller itself, for
+  a call, a checkpoint rpc or a stream."""
   live = make_server(max_sessions=64)  # session_evict_s: 60 s, longer than the flood
   with sidecar.Controller([f"127.0.0.1:{live.port}"], timeout=10) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
@@ -242,6 +243,20 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
                                            ram_budget=None, sweep=True)
     assert opened.result(timeout=10) == []  # a checkpoint rpc too
+    evicted()
+    session = ctl._hosts.conns[0].metadata
+    flood.close()
+  # A stream over gRPC too (a controller that maps no arena; a Worker's stream, over its
+  # socket, needs no handshake session).
+  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
+    flood = Raw(quick.port)
+    handshake = flood.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+    session = ctl._hosts.conns[0].metadata
+    evicted()
+    with ctl.stream("echo_items", args=(7, 3), timeout=10) as s:
+      assert list(s) == [7, 7, 7]
+    assert ctl._hosts.conns[0].metadata != session
     flood.close()
 
 
