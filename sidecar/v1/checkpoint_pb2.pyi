@@ -440,25 +440,6 @@ class CheckpointHeldResponse(_message.Message):
     replicas: _containers.MessageMap[str, HeldReplicas]
     def __init__(self, own: _Optional[_Mapping[str, ShardIds]] = ..., replicas: _Optional[_Mapping[str, HeldReplicas]] = ...) -> None: ...
 
-class CheckpointRamRequest(_message.Message):
-    __slots__ = ("directory",)
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
-    directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
-
-class CheckpointRamResponse(_message.Message):
-    __slots__ = ("items",)
-    class ItemsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: ShardIds
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ShardIds, _Mapping]] = ...) -> None: ...
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.MessageMap[str, ShardIds]
-    def __init__(self, items: _Optional[_Mapping[str, ShardIds]] = ...) -> None: ...
-
 class CheckpointInfoRequest(_message.Message):
     __slots__ = ("final_item",)
     FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]

@@ -94,11 +94,6 @@ class CheckpointStub:
                 request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldResponse.FromString,
                 _registered_method=True)
-        self.Ram = channel.unary_unary(
-                '/sidecar.v1.Checkpoint/Ram',
-                request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointRamRequest.SerializeToString,
-                response_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointRamResponse.FromString,
-                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/sidecar.v1.Checkpoint/Info',
                 request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointInfoRequest.SerializeToString,
@@ -188,12 +183,6 @@ class CheckpointServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Ram(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -268,11 +257,6 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.Held,
                     request_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldResponse.SerializeToString,
-            ),
-            'Ram': grpc.unary_unary_rpc_method_handler(
-                    servicer.Ram,
-                    request_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointRamRequest.FromString,
-                    response_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointRamResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -609,33 +593,6 @@ class Checkpoint:
             '/sidecar.v1.Checkpoint/Held',
             sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldRequest.SerializeToString,
             sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Ram(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/sidecar.v1.Checkpoint/Ram',
-            sidecar_dot_v1_dot_checkpoint__pb2.CheckpointRamRequest.SerializeToString,
-            sidecar_dot_v1_dot_checkpoint__pb2.CheckpointRamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -282,7 +282,7 @@ class CheckpointHost:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
     shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
     self._path(directory, "directory")
-    return {"own": self.ram(directory), "replicas": self._tier.held_replicas(directory)}
+    return {"own": self._tier.own(directory), "replicas": self._tier.held_replicas(directory)}
 
   def forget(self, directory: str, step: int) -> None:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
@@ -292,11 +292,6 @@ class CheckpointHost:
       self._tier.drop(directory, step)
 
   # ---- restore -----------------------------------------------------------
-
-  def ram(self, directory: str) -> dict[str, Any]:
-    """What the RAM tier holds under ``directory``: per committed item, its shards."""
-    self._path(directory, "directory")
-    return self._tier.own(directory)
 
   def info(self, final_item: str) -> dict[str, Any]:
     """The manifest of a committed item (leaves, shard checksums, data position).

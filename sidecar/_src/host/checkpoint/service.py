@@ -123,7 +123,6 @@ class CheckpointService:
         "Replicate": (ckpt_pb.CheckpointReplicateRequest, ckpt_pb.CheckpointReplicateResponse,
                       self.replicate),
         "Held": (ckpt_pb.CheckpointHeldRequest, ckpt_pb.CheckpointHeldResponse, self.held),
-        "Ram": (ckpt_pb.CheckpointRamRequest, ckpt_pb.CheckpointRamResponse, self.ram),
         "Info": (ckpt_pb.CheckpointInfoRequest, ckpt_pb.CheckpointInfoResponse, self.info),
         "Read": (ckpt_pb.CheckpointReadRequest, ckpt_pb.CheckpointReadResponse, self.read),
     }
@@ -347,12 +346,6 @@ class CheckpointService:
     for item, by_source in held["replicas"].items():
       for source, shards in by_source.items():
         out.replicas[item].by_source[int(source)].CopyFrom(wire.shard_ids(shards))
-    return out
-
-  def ram(self, r: ckpt_pb.CheckpointRamRequest, _) -> ckpt_pb.CheckpointRamResponse:
-    out = ckpt_pb.CheckpointRamResponse()
-    for item, shards in self._host.ram(r.directory).items():
-      out.items[item].CopyFrom(wire.shard_ids(shards))
     return out
 
   def info(self, r: ckpt_pb.CheckpointInfoRequest, _) -> ckpt_pb.CheckpointInfoResponse:
