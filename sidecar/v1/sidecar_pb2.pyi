@@ -185,7 +185,7 @@ class RowRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class FeedSpec(_message.Message):
-    __slots__ = ("global_batch_size", "rows", "seed", "num_epochs", "shard_index", "shard_count", "state_json", "workers")
+    __slots__ = ("global_batch_size", "rows", "seed", "num_epochs", "shard_index", "shard_count", "state_json", "workers", "length_only")
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class FeedSpec(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_ONLY_FIELD_NUMBER: _ClassVar[int]
     global_batch_size: int
     rows: _containers.RepeatedCompositeFieldContainer[RowRange]
     seed: int
@@ -202,7 +203,8 @@ class FeedSpec(_message.Message):
     shard_count: int
     state_json: str
     workers: int
-    def __init__(self, global_batch_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., state_json: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+    length_only: bool
+    def __init__(self, global_batch_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., state_json: _Optional[str] = ..., workers: _Optional[int] = ..., length_only: _Optional[bool] = ...) -> None: ...
 
 class CallResponse(_message.Message):
     __slots__ = ("result",)

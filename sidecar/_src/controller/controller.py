@@ -377,6 +377,20 @@ class Controller:
     self._children.add(feed)
     return feed
 
+  def feed_length(self, name: str, /, *, global_batch_size: int,
+                  kwargs: Mapping[str, Any] | None = None, seed: int = 0,
+                  num_epochs: int | None = None) -> int | None:
+    """Global batches a feed of ``name`` with these arguments yields from its start, as
+    this process's first sidecar answers without reading a row (a ``grain.MapDataset``'s
+    for ``num_epochs``); None where the pipeline returns an iterable or reads forever."""
+    self._check_open()
+    return feed_lib.length(name, global_batch_size=global_batch_size, kwargs=kwargs or {},
+                           seed=seed, num_epochs=num_epochs,
+                           open_call=lambda request: self._open_stream(
+                               (self.local_hosts or self._hosts.driven)[0], request,
+                               prefetch=1, timeout=None,
+                               held=[]))
+
   def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
                    keep_period: int | None = None, ram_steps: int = 1,
                    ram_budget: int | None = None, if_busy: str = "wait",

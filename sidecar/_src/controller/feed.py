@@ -338,3 +338,19 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
               prefetch=options.prefetch, state=state, workers=options.workers,
               open_stream=open_stream, local_hosts=local_hosts, peers=peers, key=key,
               arena_use=arena_use)
+
+
+def length(name: str, *, global_batch_size: int, kwargs: Mapping[str, Any], seed: int,
+           num_epochs: int | None, open_call: Callable[[pb.CallRequest], Any]) -> int | None:
+  """Global batches a feed of pipeline ``name`` yields from its start to its end, as one
+  sidecar (``open_call``) answers without reading a row: None for a pipeline that returns
+  an iterable (no length), or with ``num_epochs`` None (endless)."""
+  spec = pb.FeedSpec(global_batch_size=global_batch_size,
+                     rows=[pb.RowRange(start=0, stop=global_batch_size)], seed=seed,
+                     num_epochs=num_epochs or 0, shard_index=0, shard_count=1,
+                     length_only=True)
+  request = pb.CallRequest(name=name, args=codec.encode(()),
+                           kwargs=codec.encode(dict(kwargs), where="kwargs"), feed=spec)
+  with contextlib.closing(open_call(request)) as stream:
+    answer = next(iter(stream))
+  return answer.state.get("length")

@@ -10,6 +10,7 @@ carries a ``FeedSpec``: its batches are written straight into arena blocks
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -21,7 +22,7 @@ from sidecar._src.host.calls import Runner, measured
 from sidecar._src.host.credits import CreditSource
 from sidecar._src.host.feeds import pool as feed_pool, producer as feed_lib
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import feed_batch
+from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 
 Items = Generator[pb.StreamItem, None, None]
@@ -100,6 +101,12 @@ class StreamRunner:
       raise errors.InvalidArgumentError(
           f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
     spec = feed_lib.Spec.from_proto(request.feed)
+    if spec.length_only:
+      if credits.take():
+        state = {"length": feed_lib.length(entry, kwargs, spec)}
+        yield pb.StreamItem(batch=pb.FeedBatch(structure=codec.encode(None),
+                                               state_json=json.dumps(state)))
+      return
     session = request.worker_session
     if session and not self._io.is_attached(session):
       raise errors.InvalidArgumentError(f"worker_session {session!r} is not attached")

@@ -94,8 +94,8 @@ class DataLoader:
     controller: default this rank's, from :func:`sidecar.torch.connect`.
 
   One iteration runs the whole feed; iterating again starts it from the beginning, or
-  from the state :meth:`load_state_dict` gave. ``len()`` is not known: the sidecars make
-  the batches.
+  from the state :meth:`load_state_dict` gave. ``len()`` is its batches from the start
+  where the pipeline has a length (a ``grain.MapDataset`` read for ``num_epochs``).
   """
 
   def __init__(self, pipeline: str, batch_size: int, *, kwargs: Mapping[str, Any] | None = None,
@@ -115,6 +115,7 @@ class DataLoader:
     self._feed: Feed | None = None
     self._resume: dict[str, Any] | None = None
     self._copies: collections.deque = collections.deque()  # (event, host batch) in flight
+    self._length: int | None = None  # len(), once asked
     if pin_memory:
       self._pin()
 
@@ -228,7 +229,19 @@ class DataLoader:
       feed.close()
 
   def __len__(self) -> int:
-    raise TypeError("a sidecar.torch.DataLoader has no len(): its sidecars make the batches")
+    """Batches of one iteration from the start, where the pipeline has a length: a
+    ``grain.MapDataset`` read for ``num_epochs`` (its sidecar answers without reading)."""
+    if self.num_epochs is not None and self._length is None:
+      self._length = self._ctl.feed_length(
+          self.pipeline, global_batch_size=self.global_batch_size, kwargs=self.kwargs,
+          seed=self.seed, num_epochs=self.num_epochs)
+    if self._length is None:
+      raise TypeError(
+          f"this sidecar.torch.DataLoader of {self.pipeline!r} has no len(): " + (
+              "num_epochs is None (it reads forever); pass num_epochs"
+              if self.num_epochs is None else
+              "its pipeline returns an iterable; return a grain.MapDataset for one"))
+    return self._length
 
   def __enter__(self) -> DataLoader:
     return self

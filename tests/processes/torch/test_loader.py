@@ -1,8 +1,8 @@
 """sidecar.torch.DataLoader under ``sidecar launch --torch``: each rank's slice of the global
 batches that ``ctl.feed`` (JAX) yields for the same pipeline, arguments and seed; two ranks
 beside one sidecar read what two ranks beside two read; a state_dict resumes on another
-world size; no jax in the torch ranks; a state of another global batch is refused naming
-the batch size that fits; a sidecar killed mid-feed raises HostLostError naming its host."""
+world size; no jax in the torch ranks; len() where the pipeline has a length; a state of
+another global batch is refused naming the batch size that fits; a sidecar killed mid-feed raises HostLostError naming its host."""
 
 import json
 import subprocess
@@ -73,6 +73,11 @@ def test_a_resume_of_another_global_batch_is_refused_and_a_sidecar_killed_mid_fe
       loader = sidecar.torch.DataLoader("ids", 4, kwargs={"n": 64}, controller=ctl)
       batches = iter(loader)
       assert next(batches)["id"].shape == (4,)  # 2 rows from each host's sidecar
+      # len(): 64 rows a pass, 4 a global batch, 2 passes; none for a loader that reads forever
+      assert len(sidecar.torch.DataLoader("ids", 4, kwargs={"n": 64}, num_epochs=2,
+                                          controller=ctl)) == 32
+      with pytest.raises(TypeError, match="no len\\(\\): num_epochs is None"):
+        len(loader)
       with pytest.raises(sidecar.InvalidArgumentError,
                          match="saved with a global batch of 4 rows; this loader's is 3 x 1 "
                                "ranks = 3: use batch_size 4"):

@@ -60,6 +60,7 @@ class Spec:
   shard_count: int
   start: dict[str, Any]
   workers: int
+  length_only: bool = False
 
   @classmethod
   def from_proto(cls, p: pb.FeedSpec) -> Spec:
@@ -77,7 +78,7 @@ class Spec:
       raise errors.InvalidArgumentError(
           f"feed shard_index must be in [0, shard_count={p.shard_count}), got {p.shard_index}")
     return cls(p.global_batch_size, ranges, p.seed, p.num_epochs or None, p.shard_index,
-               p.shard_count, _start_state(p.state_json), p.workers)
+               p.shard_count, _start_state(p.state_json), p.workers, p.length_only)
 
   @property
   def rows(self) -> int:
@@ -300,6 +301,18 @@ def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
       yield epoch, position
       position += spec.global_batch_size
     epoch, position = epoch + 1, 0
+
+
+def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec) -> int | None:
+  """Global batches of the feed from its start state to its end: known for a
+  ``grain.MapDataset`` read for ``num_epochs``, else None (an iterable, or forever)."""
+  source = open_source(entry, kwargs, spec, 0, 0)
+  if not _is_map_dataset(source):
+    return None
+  _check_map(source, entry.name, spec)
+  if spec.num_epochs is None:
+    return None
+  return sum(1 for _ in map_steps(len(source), spec))
 
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
