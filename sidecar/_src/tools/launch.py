@@ -31,7 +31,6 @@ from sidecar._src.core import env, errors
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
-  torchrun_env,
   trainer_env,
 )
 from sidecar._src.tools.local import LocalCluster

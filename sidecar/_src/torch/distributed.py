@@ -11,6 +11,12 @@ manifests give each rank the same variables, by torchrun's names:
 ``TORCHELASTIC_RESTART_COUNT``     how often the job was restarted (0 on its first start)
 =================================  =======================================================
 
+Under plain ``srun`` (a user's own sbatch script), where none of them is set, they come
+from Slurm's (:func:`slurm_env`): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_NODEID``, the step's first node
+(``SLURM_STEP_NODELIST``) as ``MASTER_ADDR`` and, as PyTorch Lightning chooses it,
+15000 + the job id's last four digits as ``MASTER_PORT``.
+
 :class:`TorchPeers` agrees through the default process group's store (the TCPStore at
 ``MASTER_ADDR:MASTER_PORT``), as ``jax/distributed.JaxPeers`` does through JAX's
 key-value store. The sidecars themselves are named by ``SIDECAR_*`` as for JAX
@@ -22,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import re
 import time
 from collections.abc import Mapping
 
@@ -60,10 +67,54 @@ def _int(environ: Mapping[str, str], name: str, default: int, minimum: int = 0) 
   return value
 
 
+SLURM_PORT_BASE = 15000  # MASTER_PORT under srun: this + the job id's last 4 digits
+
+
+def first_node(nodelist: str) -> str:
+  """The first host of a Slurm host list: ``gpu[03-05,9],login`` is ``gpu03``."""
+  first = re.split(r",(?![^\[]*\])", nodelist.strip(), maxsplit=1)[0]
+  return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+
+
+def _tasks_on_node(per_node: str, node: int) -> int | None:
+  """The tasks of node ``node`` from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``)."""
+  counts: list[int] = []
+  for item in filter(None, per_node.split(",")):
+    m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+    if m is None:
+      return None
+    counts += [int(m.group(1))] * int(m.group(2) or 1)
+  return counts[node] if node < len(counts) else None
+
+
+def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
+  """torchrun's variables from Slurm's, for a task of an ``srun`` step that has none of
+  them (empty otherwise: under torchrun, ``sidecar launch`` or ``sidecar slurm batch``,
+  outside Slurm, or in a batch script itself, which is no step of ``srun``)."""
+  if RANK in environ or WORLD_SIZE in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+    return {}
+  node = environ.get("SLURM_NODEID", "0")
+  out = {RANK: environ.get("SLURM_PROCID", "0"), WORLD_SIZE: environ["SLURM_STEP_NUM_TASKS"],
+         LOCAL_RANK: environ.get("SLURM_LOCALID", "0"), GROUP_RANK: node}
+  local = _tasks_on_node(environ.get("SLURM_STEP_TASKS_PER_NODE", ""), int(node or 0))
+  if local is not None:
+    out[LOCAL_WORLD_SIZE] = str(local)
+  nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
+  if MASTER_ADDR not in environ and nodes:
+    out[MASTER_ADDR] = first_node(nodes)
+  job = environ.get("SLURM_JOB_ID", "").strip()
+  if MASTER_PORT not in environ and job.isdigit():
+    out[MASTER_PORT] = str(SLURM_PORT_BASE + int(job[-4:]))
+  if RESTART_COUNT not in environ and environ.get("SLURM_RESTART_COUNT"):
+    out[RESTART_COUNT] = environ["SLURM_RESTART_COUNT"]
+  return out
+
+
 def ranks(environ: Mapping[str, str] | None = None) -> Ranks:
   """This process's :class:`Ranks`: from ``torch.distributed`` when it is initialized,
-  else from torchrun's variables (none set: one process)."""
+  else from torchrun's variables, else from Slurm's (none set: one process)."""
   environ = os.environ if environ is None else environ
+  environ = {**environ, **slurm_env(environ)}
   world = _int(environ, WORLD_SIZE, 1, minimum=1)
   rank = _int(environ, RANK, 0)
   if dist.is_available() and dist.is_initialized():

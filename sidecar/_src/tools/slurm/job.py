@@ -226,11 +226,15 @@ class Job:
     processes = [h for h in self.live for _ in range(share)]
     first_node = entries[processes[0]].node
     here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    port = (_free_port() if first_node == here
-            else 61440 + (int(self.job_id) + self.restart) % 4096)
+    # JAX's coordinator and torch.distributed's store (MASTER_PORT), on the first process's
+    # node: ports free a moment ago where that is this node, else derived from the job.
+    seq = int(self.job_id) + self.restart
+    port, torch_port = ((_free_port(), _free_port()) if first_node == here
+                        else (61440 + seq % 4096, 57344 + seq % 4096))
     steps = os.path.join(self.directory, rendezvous.STEPS_DIR)
     plan = {"restart": self.restart, "coordinator": f"{entries[processes[0]].address}:{port}",
-            "processes": processes, "local_devices": self.o.devices_per_task}
+            "torch_master_port": torch_port, "processes": processes,
+            "local_devices": self.o.devices_per_task}
     rendezvous.write_json(os.path.join(steps, f"{self.restart}.json"), plan)
     hostfile = os.path.join(steps, f"{self.restart}.hosts")
     with open(hostfile, "w") as f:

@@ -8,8 +8,8 @@ writes ``hosts/H.exit`` (the others serve on); on SIGTERM (``scancel``, the end 
 it stops them all. Its temporary directory goes with it.
 
 ``sidecar slurm _trainer --step R -- CMD`` (one task per trainer process) reads the step's
-plan, sets the environment ``sidecar launch`` sets (env.py lists it) from the entry of its
-sidecar, and becomes CMD.
+plan, sets the environment ``sidecar launch --torch`` sets (env.py lists it, and torchrun's
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) from the entry of its sidecar, and becomes CMD.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 from sidecar._src.core import env as env_lib, errors, rendezvous
+from sidecar._src.tools.torchrun import torchrun_env
 
 _START_TIMEOUT_S = 120.0
 _GRACE_S = 10.0
@@ -214,8 +215,8 @@ def run_sidecars(directory: str, *, hosts_per_node: int, shm_size: str,
 
 
 def trainer_env(directory: str, step: int, process: int) -> dict[str, str]:
-  """The environment of trainer ``process`` of start ``step``: what ``sidecar launch``
-  gives its trainers, from the step's plan and the sidecars' entries.
+  """The environment of trainer ``process`` of start ``step``: what ``sidecar launch
+  --torch`` gives its trainers, from the step's plan and the sidecars' entries.
 
   Raises:
     InvalidArgumentError: the plan or an entry is missing, or the token file is not 0600.
@@ -249,6 +250,15 @@ def trainer_env(directory: str, step: int, process: int) -> dict[str, str]:
   }
   if plan.get("local_devices"):
     out[env_lib.LOCAL_DEVICES] = str(plan["local_devices"])
+  # torchrun's variables too: ranks by the plan's order, a node's ranks in a row.
+  nodes = list(dict.fromkeys(entries[h].node for h in hosts))
+  node = entries[hosts[process]].node
+  on_node = [p for p, h in enumerate(hosts) if entries[h].node == node]
+  out.update(torchrun_env(
+      rank=process, local_rank=on_node.index(process), world_size=len(hosts),
+      local_world_size=len(on_node), group_rank=nodes.index(node),
+      group_world_size=len(nodes), master_addr=entries[hosts[0]].address,
+      master_port=int(plan["torch_master_port"]), restart=step))
   return out
 
 

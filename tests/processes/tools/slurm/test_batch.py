@@ -1,10 +1,13 @@
-"""``sidecar slurm batch`` on a real single-node Slurm: sidecars beside JAX trainer tasks.
+"""``sidecar slurm batch`` on a real single-node Slurm: sidecars beside JAX trainer tasks,
+and torch ranks that find their ranks from Slurm's variables alone.
 
 The trainers are the scripts of the multi-process tier (tests/support/train.py,
-train_elastic.py), run by ``srun`` tasks with nothing set but what the job's driver gives.
+train_elastic.py, torch_feed.py), run by ``srun`` tasks with nothing set but what the job's
+driver gives.
 """
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -129,3 +132,29 @@ def test_an_elastic_job_restarts_the_survivors_trainers_when_a_sidecar_dies(slur
   assert "storage" not in restored["sources"], restored  # from host memory
   final = [r for r in after if r["kind"] == "final"][0]
   assert final["steps"][-1] == 7 and np.asarray(final["w"]).shape == (12, 4)
+
+
+# The variables sidecar slurm batch sets by torchrun's names, unset again: what is left is a
+# task of a plain srun step, whose ranks sidecar.torch takes from Slurm's own variables.
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_torch_ranks_under_srun_take_their_ranks_from_slurm_and_read_their_slices(slurm,
+                                                                                  tmp_path):
+  unset = [a for name in TORCHRUN for a in ("-u", name)]
+  _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "1",
+                           "--import", "tests.support.feed_fns",
+                           command=["env", *unset, sys.executable, "-m",
+                                    "tests.support.torch_feed", "2", "3",
+                                    str(tmp_path / "state.json")])
+  assert code == 0, output
+  records = [json.loads(m) for m in re.findall(r"^\d+: (\{.*\})$", output, re.M)]
+  batches = {r: [x["ids"] for x in records if x["rank"] == r and "ids" in x] for r in (0, 1)}
+  assert [len(b) for b in batches.values()] == [3, 3], output
+  for step in range(3):  # two halves of one global batch
+    assert len(set(batches[0][step]) | set(batches[1][step])) == 4, batches
+  states = [x["state"] for x in records if "state" in x]
+  assert len(states) == 2 and states[0] == states[1]
+  assert states[0]["global_batch_size"] == 4  # 2 rows x WORLD_SIZE 2, from SLURM_*
+  assert not any(x.get("jax") for x in records)
