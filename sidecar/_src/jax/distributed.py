@@ -39,6 +39,7 @@ import jax
 from sidecar._src.arena.worker import TrainerProcess
 from sidecar._src.controller.peers import LocalPeers, Peers  # also sidecar.distributed's
 from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core.job import job_from_env
 
 log = logging.getLogger(__name__)
 COORDINATOR_ADDRESS = env_lib.COORDINATOR_ADDRESS
@@ -48,8 +49,6 @@ LOCAL_DEVICES = env_lib.LOCAL_DEVICES
 COORDINATOR_PORT = env_lib.COORDINATOR_PORT  # k8s only: sidecar launch gives the address
 SYNC_TIMEOUT = env_lib.SYNC_TIMEOUT
 DEFAULT_COORDINATOR_PORT = env_lib.DEFAULT_COORDINATOR_PORT
-_JOBSET = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
-           env_lib.HOSTS_PER_SLICE)
 
 
 def _client() -> Any:
@@ -112,53 +111,6 @@ def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
     jax.config.update("jax_num_cpu_devices", local)
   jax.distributed.initialize(**args, **kwargs)
   return True
-
-
-def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
-  """``jax.distributed.initialize`` arguments from ``env``; None where it names no job."""
-  get = lambda name: env.get(name, "").strip()
-  jobset = all(get(n) for n in _JOBSET)
-  ours = [n for n in (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID) if get(n)]
-  if not ours and not jobset:
-    return None
-  if jobset:
-    per_slice = env_lib.int_var(env, env_lib.HOSTS_PER_SLICE, None, minimum=1)
-    slices = env_lib.int_var(env, env_lib.NUM_SLICES, None, minimum=1)
-    subdomain = get(env_lib.SUBDOMAIN) or get(env_lib.JOBSET_NAME)
-    port = env_lib.int_var(env, COORDINATOR_PORT, DEFAULT_COORDINATOR_PORT, minimum=1)
-    coordinator = get(COORDINATOR_ADDRESS) or (
-        f"{get(env_lib.JOBSET_NAME)}-{get(env_lib.REPLICATED_JOB)}-0-0.{subdomain}:{port}")
-    count = env_lib.int_var(env, NUM_PROCESSES, slices * per_slice, minimum=1)
-    if get(PROCESS_ID):
-      index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
-    else:
-      missing = [n for n in (env_lib.SLICE_ID, env_lib.HOST_ID) if not get(n)]
-      if missing:
-        raise errors.InvalidArgumentError(
-            f"cannot tell this process's id: {PROCESS_ID} is not set and neither is "
-            f"{' nor '.join(missing)} (the manifests in k8s/ set both from the pod's "
-            "job-index and job-completion-index annotations)")
-      index = (env_lib.int_var(env, env_lib.SLICE_ID, None, minimum=0) * per_slice
-               + env_lib.int_var(env, env_lib.HOST_ID, None, minimum=0))
-  else:
-    missing = [n for n in (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID) if not get(n)]
-    if missing:
-      raise errors.InvalidArgumentError(
-          f"the environment names a jax.distributed job ({', '.join(ours)} set) but "
-          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; set all three "
-          "(sidecar launch does)")
-    coordinator = get(COORDINATOR_ADDRESS)
-    count = env_lib.int_var(env, NUM_PROCESSES, None, minimum=1)
-    index = env_lib.int_var(env, PROCESS_ID, None, minimum=0)
-  if index >= count:
-    raise errors.InvalidArgumentError(
-        f"process id {index} is not below the {count} processes of the job; check "
-        f"{PROCESS_ID} / SIDECAR_SLICE_ID / SIDECAR_HOST_ID against {NUM_PROCESSES}")
-  out: dict[str, Any] = {"coordinator_address": coordinator, "num_processes": count,
-                         "process_id": index}
-  if get(LOCAL_DEVICES):
-    out["local_devices"] = env_lib.int_var(env, LOCAL_DEVICES, None, minimum=1)
-  return out
 
 
 def _jax_detects_cluster() -> bool:

@@ -40,13 +40,13 @@ _connected: Controller | None = None
 def connect(*, timeout: float = 300.0, **kwargs: Any) -> Controller:
   """This rank's controller, made from the environment once and then shared.
 
-  Under torchrun, ``sidecar launch --torch``, ``sidecar slurm batch`` or the torch
-  manifests, every variable it needs is set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-  ``MASTER_PORT`` for the ranks; ``SIDECAR_ADDRESS`` and ``SIDECAR_HOSTS`` for the
-  sidecars). Under plain ``srun`` the ranks' come from Slurm's and are set in
-  ``os.environ`` (``distributed.slurm_env``), the sidecars' from the job's rendezvous
-  directory. With several ranks and no
-  process group yet, starts the default one (``torch.distributed.init_process_group()``).
+  Under torchrun, ``sidecar launch --torch`` or ``sidecar slurm batch``, every variable
+  it needs is set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` for the
+  ranks; ``SIDECAR_ADDRESS`` and ``SIDECAR_HOSTS`` for the sidecars). Under plain ``srun``
+  or in a pod of the k8s manifests (one rank per pod) the ranks' come from Slurm's or the
+  pod's ``SIDECAR_*`` job and are set in ``os.environ`` (``distributed.launcher_env``).
+  With several ranks and no process group yet, starts the default one
+  (``torch.distributed.init_process_group()``).
   Later calls return the same controller until it is closed; ``kwargs`` (those of
   ``sidecar.Controller``) apply to the first.
 
@@ -64,9 +64,9 @@ def connect(*, timeout: float = 300.0, **kwargs: Any) -> Controller:
       return _connected
     ranks = distributed.ranks()
     if ranks.world_size > 1 and not dist.is_initialized():
-      # Under plain srun, init_process_group's env:// finds torchrun's variables unset:
-      # they are Slurm's then (distributed.slurm_env), given here as the environment.
-      os.environ.update(distributed.slurm_env(os.environ))
+      # Under plain srun or in a JobSet's pod, init_process_group's env:// finds torchrun's
+      # variables unset: they come from the job's other names (distributed.launcher_env).
+      os.environ.update(distributed.launcher_env(os.environ))
       dist.init_process_group()
     try:
       _connected = Controller.from_env(timeout=timeout, **kwargs)

@@ -1,7 +1,7 @@
 """A PyTorch job's ranks, from torchrun's environment, and how they agree.
 
-torchrun (torchelastic), ``sidecar launch --torch`` and the torch variant of the k8s
-manifests give each rank the same variables, by torchrun's names:
+torchrun (torchelastic), ``sidecar launch --torch`` and ``sidecar slurm batch`` give each
+rank the same variables, by torchrun's names:
 
 =================================  =======================================================
 ``RANK``, ``WORLD_SIZE``           this rank and the job's ranks
@@ -11,11 +11,14 @@ manifests give each rank the same variables, by torchrun's names:
 ``TORCHELASTIC_RESTART_COUNT``     how often the job was restarted (0 on its first start)
 =================================  =======================================================
 
-Under plain ``srun`` (a user's own sbatch script), where none of them is set, they come
-from Slurm's (:func:`slurm_env`): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
-``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_NODEID``, the step's first node
-(``SLURM_STEP_NODELIST``) as ``MASTER_ADDR`` and, as PyTorch Lightning chooses it,
-15000 + the job id's last four digits as ``MASTER_PORT``.
+Where none of them is set they come from the job's other names (:func:`launcher_env`):
+under plain ``srun`` (a user's own sbatch script) from Slurm's, ``SLURM_PROCID``,
+``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``,
+``SLURM_NODEID``, the step's first node (``SLURM_STEP_NODELIST``) as ``MASTER_ADDR`` and,
+as PyTorch Lightning chooses it, 15000 + the job id's last four digits as ``MASTER_PORT``;
+in a JobSet's pod of the k8s manifests (one rank per pod) from the ``SIDECAR_*`` job that
+``sidecar.distributed`` reads (``core/job.py``), the coordinator's address and port (process
+0's pod, the trainer's ``coordinator`` port) as ``MASTER_ADDR`` and ``MASTER_PORT``.
 
 :class:`TorchPeers` agrees through the default process group's store (the TCPStore at
 ``MASTER_ADDR:MASTER_PORT``), as ``jax/distributed.JaxPeers`` does through JAX's
@@ -35,7 +38,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from sidecar._src.controller.peers import LocalPeers, Peers
-from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core import env as env_lib, errors, job as job_lib
 
 RANK, WORLD_SIZE = "RANK", "WORLD_SIZE"
 LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK = "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"
@@ -87,12 +90,27 @@ def _tasks_on_node(per_node: str, node: int) -> int | None:
   return counts[node] if node < len(counts) else None
 
 
-def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
-  """torchrun's variables from Slurm's, for a task of an ``srun`` step that has none of
-  them (empty otherwise: under torchrun, ``sidecar launch`` or ``sidecar slurm batch``,
-  outside Slurm, or in a batch script itself, which is no step of ``srun``)."""
-  if RANK in environ or WORLD_SIZE in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
+  """torchrun's variables from the job's other names, for a process that has none of them
+  (empty otherwise: under torchrun, ``sidecar launch --torch`` or ``sidecar slurm batch``,
+  or for one process alone): a task of an ``srun`` step, or a JobSet's pod."""
+  if RANK in environ or WORLD_SIZE in environ:
     return {}
+  if "SLURM_STEP_NUM_TASKS" in environ:
+    return slurm_env(environ)
+  job = job_lib.job_from_env(environ)
+  if job is None:
+    return {}
+  host, _, port = job["coordinator_address"].rpartition(":")
+  rank = str(job["process_id"])
+  return {RANK: rank, WORLD_SIZE: str(job["num_processes"]), LOCAL_RANK: "0",
+          LOCAL_WORLD_SIZE: "1", GROUP_RANK: rank, MASTER_ADDR: host.strip("[]"),
+          MASTER_PORT: port}
+
+
+def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
+  """torchrun's variables from Slurm's, for a task of an ``srun`` step (the batch script
+  itself is none: it has no ``SLURM_STEP_NUM_TASKS``)."""
   node = environ.get("SLURM_NODEID", "0")
   out = {RANK: environ.get("SLURM_PROCID", "0"), WORLD_SIZE: environ["SLURM_STEP_NUM_TASKS"],
          LOCAL_RANK: environ.get("SLURM_LOCALID", "0"), GROUP_RANK: node}
@@ -112,9 +130,10 @@ def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def ranks(environ: Mapping[str, str] | None = None) -> Ranks:
   """This process's :class:`Ranks`: from ``torch.distributed`` when it is initialized,
-  else from torchrun's variables, else from Slurm's (none set: one process)."""
+  else from torchrun's variables, else from the job's other names (:func:`launcher_env`;
+  none: one process)."""
   environ = os.environ if environ is None else environ
-  environ = {**environ, **slurm_env(environ)}
+  environ = {**environ, **launcher_env(environ)}
   world = _int(environ, WORLD_SIZE, 1, minimum=1)
   rank = _int(environ, RANK, 0)
   if dist.is_available() and dist.is_initialized():

@@ -132,6 +132,23 @@ def test_every_pod_resolves_its_own_process_and_the_same_coordinator(jobset):
   assert int(port) not in {p["containerPort"] for p in sidecar["ports"]}
 
 
+def test_every_pod_is_a_torch_rank_whose_master_is_process_0s_pod(jobset):
+  # The same manifests serve a PyTorch trainer, one rank per pod: sidecar.torch.connect()
+  # takes torchrun's variables from the pod's SIDECAR_* job (torch/distributed.launcher_env).
+  from sidecar._src.torch.distributed import launcher_env
+  (rjob,) = jobset["spec"]["replicatedJobs"]
+  replicas, completions = rjob["replicas"], rjob["template"]["spec"]["completions"]
+  trainer = util.container(jobset, "trainer")
+  ranks = [launcher_env(resolve_env(trainer, pod_metadata(jobset, rjob, s, h)))
+           for s in range(replicas) for h in range(completions)]
+  assert [int(r["RANK"]) for r in ranks] == list(range(replicas * completions))
+  assert {r["WORLD_SIZE"] for r in ranks} == {str(replicas * completions)}
+  (master,) = {(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in ranks}
+  assert master[0] == pod_fqdn(jobset, rjob, 0, 0)
+  assert {p["containerPort"]: p["name"] for p in trainer["ports"]}[int(master[1])] == (
+      "coordinator")
+
+
 def test_trainer_identity_matches_its_sidecars(jobset):
   # The process on pod (s, h) drives the sidecar on pod (s, h): same fields, same values.
   trainer, sidecar = util.env(jobset, "trainer"), util.env(jobset, "sidecar")

@@ -1,9 +1,11 @@
-"""A torch rank under plain ``srun``: torchrun's variables from Slurm's (no Slurm here)."""
+"""A torch rank that torchrun did not start: torchrun's variables from Slurm's (a task of
+plain ``srun``) or from a JobSet pod's ``SIDECAR_*`` job (no Slurm, no Kubernetes here)."""
 
 import pytest
 
 from sidecar._src.core import errors
 from sidecar._src.torch import distributed
+from tests.support.jobset_env import JOBSET_ENV
 
 pytestmark = pytest.mark.unit
 
@@ -14,7 +16,7 @@ STEP = {  # task 3 of a 4-task srun step over 2 nodes, as slurmstepd sets it
 
 
 def test_an_srun_task_gets_its_rank_and_rank_0s_node_and_a_port_from_the_job():
-  assert distributed.slurm_env(STEP) == {
+  assert distributed.launcher_env(STEP) == {
       "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
       "GROUP_RANK": "1", "MASTER_ADDR": "gpu07", "MASTER_PORT": str(15000 + 4567)}
   assert distributed.ranks(STEP) == distributed.Ranks(
@@ -27,12 +29,12 @@ def test_an_srun_task_gets_its_rank_and_rank_0s_node_and_a_port_from_the_job():
     {},  # no Slurm
 ])
 def test_torchruns_variables_or_no_srun_step_take_nothing_from_slurm(environ):
-  assert distributed.slurm_env(environ) == {}
+  assert distributed.launcher_env(environ) == {}
 
 
 def test_what_the_script_set_itself_stays():
   env = {**STEP, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-  out = distributed.slurm_env(env)
+  out = distributed.launcher_env(env)
   assert "MASTER_ADDR" not in out and "MASTER_PORT" not in out and out["RANK"] == "3"
 
 
@@ -46,3 +48,22 @@ def test_the_first_node_of_a_slurm_host_list(nodelist, first):
 def test_a_bad_task_count_is_named():
   with pytest.raises(errors.InvalidArgumentError, match="WORLD_SIZE must be an integer"):
     distributed.ranks({**STEP, "SLURM_STEP_NUM_TASKS": "four"})
+
+
+def test_a_jobset_pod_is_one_rank_whose_master_is_process_0s_pod():
+  # Pod (slice 1, host 2) of 2 slices of 3 hosts, as the manifests' env gives it.
+  pod = {**JOBSET_ENV, "SIDECAR_SLICE_ID": "1", "SIDECAR_HOST_ID": "2",
+         "SIDECAR_COORDINATOR_PORT": "8476"}
+  assert distributed.launcher_env(pod) == {
+      "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+      "GROUP_RANK": "5", "MASTER_ADDR": "train-slice-0-0.train", "MASTER_PORT": "8476"}
+  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_SLICE_ID nor SIDECAR_HOST_ID"):
+    distributed.launcher_env(JOBSET_ENV)  # a pod without its identity: named
+
+
+def test_sidecar_launchs_job_without_torch_gives_the_ranks_too():
+  env = {"SIDECAR_COORDINATOR_ADDRESS": "127.0.0.1:4000", "SIDECAR_NUM_PROCESSES": "2",
+         "SIDECAR_PROCESS_ID": "1"}
+  out = distributed.launcher_env(env)
+  assert (out["RANK"], out["WORLD_SIZE"], out["MASTER_ADDR"], out["MASTER_PORT"]) == (
+      "1", "2", "127.0.0.1", "4000")
