@@ -33,6 +33,10 @@ _LOG_EVERY_S = 10.0
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
   daemon_threads = True  # each ends within its read timeout once its client is quiet
   block_on_close = False
+  # socketserver's default backlog of 5 keeps a flood's connections in SYN retries (1 s,
+  # then 3 s...): a scraper behind them waits seconds. Accepted, those past the cap are
+  # closed at once.
+  request_queue_size = 128
 
   def __init__(self, address: tuple[Any, ...], handler: type, *, max_connections: int):
     self.slots = threading.BoundedSemaphore(max_connections)
