@@ -187,11 +187,14 @@ def test_recycled_blocks_never_change_a_live_jax_array(make_server):
     x = jax.device_put(first, jax.devices()[0])  # aliases the arena on the CPU backend
     del first
     gc.collect()
-    for value in range(2, 30):  # far more than the arena holds: blocks are recycled
-      (a,) = ctl.call("full", args=(1 << 20, value), timeout=10)
-      assert int(a[0]) == value
-      del a
-      gc.collect()
+    gc.disable()  # each result's block goes back at its last reference, not at a collection
+    try:
+      for value in range(2, 30):  # far more than the arena holds: blocks are recycled
+        (a,) = ctl.call("full", args=(1 << 20, value), timeout=10)
+        assert int(a[0]) == value
+        del a
+    finally:
+      gc.enable()
     assert int(np.asarray(x).min()) == 1 and int(np.asarray(x).max()) == 1
     live = ctl.worker(0).live_blocks
     del x
