@@ -21,7 +21,9 @@ import functools
 import inspect
 import os
 import pathlib
+import sys
 import textwrap
+import threading
 
 # Before jax starts anywhere in the test process: 8 CPU devices, CPU only.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -118,6 +120,39 @@ def root_logging_restored():
   yield
   root.handlers[:] = handlers
   root.setLevel(level)
+
+
+# A server's gRPC thread pools grow when work comes: a module-wide server's get new threads
+# during a later test. Server.stop() joins them (test_server.py checks it).
+_POOLS = ("sidecar-rpc", "sidecar-health")
+
+
+def our_threads() -> set[threading.Thread]:
+  """The live threads this package started (each is named ``sidecar-...``)."""
+  return {t for t in threading.enumerate()
+          if t.name.startswith("sidecar") and not t.name.startswith(_POOLS)}
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak():
+  """A test ends with no thread of ours that it started still running: each one's owner
+  joins it at ``close()`` (issue 22 item 4). Module-wide fixtures' threads are older."""
+  before = our_threads()
+  yield
+  if our_threads() - before:
+    # A closed Worker's releaser ends with the last arena view it lent (by design), and
+    # JAX lets go of an aliased view at a collection (jax-ml/jax#14882): collect first.
+    import gc
+    gc.collect()
+    if "jax" in sys.modules:
+      from sidecar._src.jax import transfer
+      transfer.release_dropped()
+  if not eventually(lambda: not our_threads() - before, timeout=5):
+    import traceback
+    frames = sys._current_frames()
+    left = "\n".join(f"{t.name}:\n" + "".join(traceback.format_stack(frames[t.ident])[-6:])
+                     for t in our_threads() - before if t.ident in frames)
+    pytest.fail(f"a test left threads of ours running:\n{left}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -225,13 +225,14 @@ class Server:
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS,
            ("grpc.max_allowed_incoming_connections", o.max_connections), handshake]
-    self._grpc = grpc.server(
-        # Streams and checkpoint rpcs have budgets of their own: streams that never send
-        # a credit, or saves that wait on a slow disk, cannot take the threads of
-        # handshakes, calls and status.
-        futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
-                                   thread_name_prefix="sidecar-rpc"),
-        options=msg, interceptors=[_TokenAuth(tokens)] if tokens else [])
+    # Streams and checkpoint rpcs have budgets of their own: streams that never send a
+    # credit, or saves that wait on a slow disk, cannot take the threads of handshakes,
+    # calls and status.
+    self._pools = [futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
+                                              thread_name_prefix="sidecar-rpc"),
+                   futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
+    self._grpc = grpc.server(self._pools[0], options=msg,
+                             interceptors=[_TokenAuth(tokens)] if tokens else [])
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=bool(o.client_tokens))
@@ -241,7 +242,7 @@ class Server:
     self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
     self._grpc.start()
     self._health = health.HealthServicer()
-    self._health_grpc = grpc.server(futures.ThreadPoolExecutor(2), options=[
+    self._health_grpc = grpc.server(self._pools[1], options=[
         ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
         handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
     health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
@@ -364,6 +365,12 @@ class Server:
       server = getattr(self, name, None)
       if server is not None:
         server.stop(grace).wait(grace + 1)
+    # Their threads: idle ones end at once; one still in a handler (a user function that
+    # ignores its cancelled RPC) is waited for a moment, not for ever.
+    for pool in getattr(self, "_pools", ()):
+      pool.shutdown(wait=False, cancel_futures=True)
+      for thread in list(getattr(pool, "_threads", ())):
+        thread.join(grace + 1)
     if getattr(self, "workers", None) is not None:
       self.workers.close()
     if getattr(self, "checkpoints", None) is not None:

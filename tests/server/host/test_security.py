@@ -32,9 +32,11 @@ def victim(make_server):
   secret = np.full(1 << 16, 0x5A, np.uint8)
   array, ref = ctl.worker(0).put(secret)
   raw = Raw(server.port)
-  yield server, ctl, array, ref, raw
-  raw.close()
+  held = [server, ctl, array, ref, raw]
   del array
+  yield held
+  held.clear()  # pytest keeps what a fixture gave until its teardown ends: the block's too
+  raw.close()
   ctl.close()
 
 

@@ -1,5 +1,5 @@
-"""Tier 2: the threads of a sidecar's worker socket and of a Worker end with their owner's
-close(), joined there."""
+"""Tier 2: the threads of a sidecar's worker socket, its gRPC servers and a Worker end with
+their owner's close(), joined there (tests/conftest.py's no_thread_leak checks every test)."""
 
 import gc
 import threading
@@ -19,6 +19,17 @@ def test_the_worker_sockets_accept_thread_is_joined_by_the_servers_stop(make_ser
   assert accept.name == "sidecar-workers" and accept.is_alive()
   server.stop(grace=0)
   assert not accept.is_alive()  # it was blocked in accept() for good
+
+
+def test_the_grpc_servers_thread_pools_are_joined_by_the_servers_stop(make_server):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+  pools = [t for p in server._pools for t in p._threads]
+  assert {t.name.rsplit("_", 1)[0] for t in pools} >= {"sidecar-rpc"} and all(
+      t.is_alive() for t in pools)
+  server.stop(grace=0)
+  assert not any(t.is_alive() for t in pools)  # an idle pool's threads had waited for ever
 
 
 def test_a_workers_releasing_thread_is_joined_by_close_once_no_block_is_read(make_server):

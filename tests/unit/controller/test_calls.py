@@ -38,7 +38,20 @@ def _doubled(request: pb.CallRequest) -> pb.CallResponse:
 
 
 def _calls(conn):
-  return Calls(connection={0: conn}.__getitem__, worker=lambda host: None)
+  calls = Calls(connection={0: conn}.__getitem__, worker=lambda host: None)
+  _made.append(calls)
+  return calls
+
+
+_made: list[Calls] = []
+
+
+@pytest.fixture(autouse=True)
+def _calls_closed():
+  """Each test's Calls closed after it, as a Controller's close() closes its own."""
+  yield
+  while _made:
+    _made.pop().close()
 
 
 def test_the_request_carries_the_arguments_inline_without_a_worker():
