@@ -25,13 +25,14 @@ def endless(ctx):
     yield {"x": np.int64(0)}
 
 
-@pytest.fixture
-def ctl(make_server):
+@pytest.fixture(params=[True, False], ids=["worker-socket", "grpc"])
+def ctl(make_server, request):
   reg = registry_lib.Registry()
   reg.add("pipeline", "rows", rows)
   reg.add("pipeline", "endless", endless)
   server = make_server(registry=reg, device_ids=(0,))
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as c:
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], attach=request.param) as c:
+    assert (c.worker(0) is not None) is request.param
     yield c
 
 
