@@ -2,7 +2,7 @@
 
 Run under ``sidecar launch --torch``::
 
-  python -m tests.support.torch_ckpt DIRECTORY save|die|restore|elastic
+  python -m tests.support.torch_ckpt DIRECTORY save|die|restore|elastic|shrink
 
 The state dict: plain tensors, a non-contiguous view, bf16, a scalar, a non-tensor value,
 optimizer-like nesting, a row-sharded DTensor over all ranks (as FSDP2's) and one entry
@@ -17,13 +17,17 @@ sidecars, another world size): a state dict with a key the checkpoint lacks is r
 ranks sharing a sidecar, copied aside (``3.copy``, for stock DCP) and restored from the
 RAM tier with its files corrupt. ``elastic`` (under ``--elastic --in-place``): the first
 attempt saves step 1, deletes its directory and rank 1 dies; the restarted job restores
-step 1 from the sidecars' RAM tiers alone. Prints JSON lines.
+step 1 from the sidecars' RAM tiers alone. ``shrink`` (under ``--elastic``): step 1 is saved
+with ``replicas=1``, its directory deleted, and rank 1 SIGKILLs its own sidecar; the job
+restarted on host 0 alone restores all of step 1, rank 1's part from its replica on host 0.
+Prints JSON lines.
 """
 
 import json
 import os
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -86,6 +90,8 @@ def corrupt(directory: str) -> None:
 def main() -> None:
   directory, mode = sys.argv[1], sys.argv[2]
   ctl = sidecar.torch.connect()
+  if not dist.is_initialized():  # one rank (connect() starts a group for several only)
+    dist.init_process_group("gloo")
   rank, world = dist.get_rank(), dist.get_world_size()
   mesh = init_device_mesh("cpu", (world,))
   say = lambda **kw: print(json.dumps({"rank": rank, **kw}), flush=True)
@@ -129,6 +135,27 @@ def main() -> None:
     dcp.load(target, storage_reader=r)
     say(restored=1, restart=restart, same=same(target, state(rank, world, 1, mesh)),
         stats=r.last_stats)
+  elif mode == "shrink":
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restart == 0:
+      w = sidecar.torch.StorageWriter(f"{directory}/1", replicas=1, controller=ctl)
+      dcp.save(state(rank, world, 1, mesh), storage_writer=w)
+      if rank == 0:
+        say(replicated=w.last_stats.get("replicated_bytes", 0))
+      dist.barrier()
+      if rank == 0:
+        shutil.rmtree(f"{directory}/1")  # only the RAM tiers and the replicas have it now
+      dist.barrier()
+      if rank == 1:  # its own sidecar, with its part of step 1: the job goes on without it
+        os.kill(next(h.pid for h in ctl.hosts if h.host_id == ctl.local_hosts[0]), 9)
+        time.sleep(600)  # both wait for the launcher's SIGTERM
+      dist.barrier()
+    # One rank now, beside host 0: rank 1's entry of the 2-rank save, too, is its part.
+    target = {**zeros_like(state(rank, world, 1, mesh)), "rank1": torch.zeros(3)}
+    r = reader(1)
+    dcp.load(target, storage_reader=r)
+    want = {**state(rank, world, 1, mesh), "rank1": torch.full((3,), 11.0)}
+    say(restored=1, restart=restart, world=world, same=same(target, want), stats=r.last_stats)
   else:
     say(steps=sidecar.torch.Checkpointer(directory, controller=ctl).all_steps())
     # The saving job had 2 ranks: the entries of ranks 2.. are not in step 1.

@@ -15,9 +15,11 @@ else from storage, each shard's crc32c checked; a directory stock DCP wrote is r
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import json
+import logging
 import os
 import time
 import uuid
@@ -42,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from sidecar._src.ckptfmt import dcp
 from sidecar._src.controller import controller as core
+from sidecar._src.controller.checkpoint.checkpointer import replica_peers
 from sidecar._src.controller.checkpoint.client import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.torch import (
@@ -51,6 +54,7 @@ from sidecar._src.torch import (
   tensors,
 )
 
+log = logging.getLogger(__name__)
 STAGE_PART_BYTES = 512 << 20  # a rank stages in parts of about this many bytes
 _LONG_S = 3600.0
 
@@ -101,8 +105,15 @@ class StorageWriter(_Writer):
                controller: core.Controller | None = None):
     super().__init__()
     self.path = os.path.abspath(os.fspath(path))
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+      raise errors.InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
     self.replicas, self.ram_steps = replicas, ram_steps
     self._ctl = torch_controller.controller_or_connect(controller)
+    hosts = len(self._ctl.hosts)
+    if replicas > hosts - 1:  # e.g. an elastic job down to fewer hosts than it planned
+      log.warning("replicas=%d, but there are %d hosts: each part gets %d peer copies",
+                  replicas, hosts, max(hosts - 1, 0))
+      self.replicas = max(hosts - 1, 0)
     self._client = self._ctl._checkpoint_client()
     self.save_id = uuid.uuid4().hex
     self.is_coordinator = False
@@ -195,13 +206,14 @@ class StorageWriter(_Writer):
     sizes: dict[int, int] = {}
     for name, size in plans_lib.file_sizes(results).items():
       sizes[int(name.removeprefix("__").split("_")[0])] = size
+    placement = self._placement(hosts)
     try:
       sums = [c for f in [self._client.prepared(h, target.final, timeout=_LONG_S) for h in hosts]
               for c in f.result()]
       home = _host_of_this_rank(self._ctl)
       self._client.commit(home, item=target.tmp, step=target.label, num_hosts=len(hosts),
                           leaves=[], checksums=sums, data_state_json="", whole_step=True,
-                          replicas=None, timeout=_LONG_S,
+                          replicas=placement or None, timeout=_LONG_S,
                           dcp={"metadata": raw, "file_sizes": sizes,
                                "plan_json": json.dumps(plan)}).result()
     except BaseException:
@@ -212,9 +224,34 @@ class StorageWriter(_Writer):
           pass  # that host is gone: its part went with it
       raise
     manifest = json.dumps({"format": dcp.FORMAT, "version": 1, "step": target.label,
-                           "plan": plan, "leaves": [], "shards": sums, "data_state": None})
+                           "plan": plan, "leaves": [], "shards": sums, "data_state": None,
+                           "replicas": {str(h): p for h, p in placement.items()}})
     for f in [self._client.committed(h, target.final, manifest) for h in hosts]:
       f.result()
+    if placement:
+      self._replicate(target, placement)
+
+  def _placement(self, hosts: list[int]) -> dict[int, list[int]]:
+    """``{host: the peers that keep its part}`` (another slice's first); empty with no
+    replicas."""
+    if not self.replicas:
+      return {}
+    records = self._ctl._hosts.sidecar_records()
+    slices = {h: int(r.get("slice_id", 0)) for h, r in records.items()}
+    return {h: replica_peers(slices, h, self.replicas) for h in hosts}
+
+  def _replicate(self, target: _Target, placement: dict[int, list[int]]) -> None:
+    """Each host's part, committed, to its peers' RAM tiers: a lost sidecar's part is then
+    restored from memory, with no storage read."""
+    records = self._ctl._hosts.sidecar_records()
+    t0 = time.perf_counter()
+    futures = [self._client.replicate(h, target.final,
+                                      [dict(records[p], host_id=p) for p in peers],
+                                      bandwidth=None, timeout=_LONG_S)
+               for h, peers in placement.items()]
+    sent = sum(f.result()["bytes"] for f in futures)
+    self.last_stats = {**self.last_stats, "replicated_bytes": float(sent),
+                       "replicate_s": time.perf_counter() - t0}
 
   def storage_meta(self) -> md.StorageMeta | None:
     return md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -283,6 +320,7 @@ class StorageReader(_Reader):
     self._stock: FileSystemReader | None = None
     self._metadata: md.Metadata | None = None
     self._sums: dict[tuple[str, tuple], dict[str, Any]] = {}
+    self._replicas: dict[int, list[int]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
 
   def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -301,6 +339,7 @@ class StorageReader(_Reader):
       return self._stock.read_metadata(*args, **kwargs)
     self._sums = {(str(s["key_path"][0]), tuple(tuple(i) for i in s["index"])): s
                   for s in manifest.shards}
+    self._replicas = {int(h): list(peers) for h, peers in (manifest.replicas or {}).items()}
     self._metadata = plans_lib.from_plan(manifest.dcp_plan)
     return self._metadata
 
@@ -321,7 +360,7 @@ class StorageReader(_Reader):
       return self._stock.read_data(plan, planner)
     assert self._metadata is not None
     here = _host_of_this_rank(self._ctl)
-    counts = {"items": 0, "bytes": 0}
+    counts = {"items": 0, "bytes": 0, "from_replicas": 0, "from_storage": 0}
     pending = []
     for req in plan.items:
       fqn = req.storage_index.fqn
@@ -334,15 +373,14 @@ class StorageReader(_Reader):
         sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
         index = tuple((o, o + s) for o, s in zip(offsets, sizes))
       s = self._sums.get((fqn, index), {})
-      shard, crc = ((fqn,), index), s.get("crc32c")
-      pending.append((req, shard, crc, self._client.read(s.get("host", here), self.path, shard,
-                                                         crc32c=crc, tier="any")))
-    for req, shard, crc, future in pending:
+      shard, crc, source = ((fqn,), index), s.get("crc32c"), s.get("host", here)
+      pending.append((req, shard, crc, source, self._read(source, shard, crc, "any")))
+    for req, shard, crc, source, future in pending:
       try:
         data = future.result()
       except (errors.HostLostError, errors.InvalidArgumentError):
-        # Its sidecar is gone (or kept no copy): storage, through this rank's own.
-        data = self._client.read(here, self.path, shard, crc32c=crc, tier="disk").result()
+        # Its sidecar is gone (or kept no copy): a peer's replica, else storage.
+        data = self._fallback(shard, crc, source, here, counts)
       counts["items"] += 1
       counts["bytes"] += data.nbytes
       if req.type == LoadItemType.BYTE_IO:
@@ -363,6 +401,31 @@ class StorageReader(_Reader):
     out: torch.futures.Future[None] = torch.futures.Future()
     out.set_result(None)
     return out
+
+  def _read(self, host: int, shard: tuple, crc: int | None, tier: str
+            ) -> concurrent.futures.Future:
+    """A read of ``shard`` from ``host``'s ``tier``; one the controller refuses at once (a
+    host lost, or of the job before an elastic restart) as a failed future."""
+    try:
+      return self._client.read(host, self.path, shard, crc32c=crc, tier=tier)
+    except (errors.HostLostError, errors.InvalidArgumentError) as e:
+      failed: concurrent.futures.Future = concurrent.futures.Future()
+      failed.set_exception(e)
+      return failed
+
+  def _fallback(self, shard: tuple, crc: int | None, source: int, here: int,
+                counts: dict[str, int]) -> np.ndarray:
+    """A shard its own sidecar could not give: from a peer that keeps a replica of
+    ``source``'s part (the manifest names them), else from storage through this rank's."""
+    for peer in self._replicas.get(source, []):
+      try:
+        data = self._read(peer, shard, crc, "replica").result()
+      except (errors.HostLostError, errors.InvalidArgumentError):
+        continue  # that peer is gone too, or let its copy go
+      counts["from_replicas"] += 1
+      return data
+    counts["from_storage"] += 1
+    return self._client.read(here, self.path, shard, crc32c=crc, tier="disk").result()
 
   @classmethod
   def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -5,7 +5,8 @@ restores from the RAM tier with the ``.distcp`` files corrupted; a new job of an
 size (4 ranks, two per sidecar) restores from storage, the DTensor resharded, refuses a
 state dict with a key the checkpoint lacks, and saves with ranks sharing a sidecar; a rank
 killed mid-save leaves no step listed, and the job before it loads; ranks restarted in place
-(``--elastic --in-place``) restore from the RAM tiers with the files gone."""
+(``--elastic --in-place``) restore from the RAM tiers with the files gone; a job shrunk by a
+lost sidecar restores that sidecar's part from a peer's replica (``replicas=1``)."""
 
 import json
 import os
@@ -29,8 +30,10 @@ def launch(directory, mode, *, hosts, procs, code=0, flags=()):
        "tests.support.torch_ckpt", str(directory), mode],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert p.returncode == code, p.stdout + p.stderr
-  if flags:
+  if "--in-place" in flags:
     assert "restart 1: host 1's trainer exited with code 3" in p.stderr, p.stderr
+  elif flags:
+    assert "restart 1: host 1 lost (its sidecar was killed by SIGKILL)" in p.stderr, p.stderr
   return [json.loads(line.split("] ", 1)[1]) for line in p.stdout.splitlines() if "] {" in line]
 
 
@@ -81,3 +84,13 @@ def test_ranks_restarted_in_place_restore_from_the_ram_tiers_with_the_files_gone
   assert [(r["restart"], r["same"]) for r in restored] == [(1, True), (1, True)], records
   assert all(r["stats"]["items"] > 0 for r in restored)
   assert not (tmp_path / "1").exists()  # no storage read: there was nothing to read
+
+
+def test_a_job_shrunk_by_a_lost_sidecar_restores_its_part_from_a_peers_replica(tmp_path):
+  records = launch(tmp_path, "shrink", hosts=2, procs=1, flags=("--elastic",))
+  assert [r["replicated"] for r in records if "replicated" in r][0] > 0, records
+  (restored,) = [r for r in records if r.get("restored") == 1]
+  assert (restored["restart"], restored["world"], restored["same"]) == (1, 1, True), records
+  # Rank 1's items from host 0's replica of host 1's part; none from storage (it is gone).
+  assert restored["stats"]["from_replicas"] > 0 and restored["stats"]["from_storage"] == 0
+  assert not (tmp_path / "1").exists()
