@@ -68,7 +68,7 @@ class Retention:
       try:
         self._client.delete(self._local[0], self.directory, s).result()
       except errors.SidecarError as e:  # the step is durable all the same; retried next save
-        log.warning("could not delete step %d of %s: %s", s, self.directory, e)
+        log.warning("could not delete step %d of %s: %s", s, self.directory, str(e))
         with self._lock:
           self._steps = sorted(set(self._steps) | {s})
         return

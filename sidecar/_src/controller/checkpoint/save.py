@@ -448,14 +448,16 @@ class Saver:
       try:
         futures[h] = start(h)
       except errors.SidecarError as e:  # a host known lost: nothing to call
-        log.warning("could not %s on host %d: %s", what, h, e)
+        # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
+        # would keep its traceback's frames, and their arrays' arena blocks, alive.
+        log.warning("could not %s on host %d: %s", what, h, str(e))
     ok = []
     for h, future in futures.items():
       try:
         future.result()
         ok.append(h)
       except errors.SidecarError as e:
-        log.warning("could not %s on host %d: %s", what, h, e)
+        log.warning("could not %s on host %d: %s", what, h, str(e))
     return ok
 
   def mark_committed(self, target: Target) -> None:

@@ -52,3 +52,23 @@ def test_a_write_failure_on_another_process_keeps_its_kind_and_host():
         errno.ENOSPC, 1, "/ckpt/run/4.orbax-checkpoint-tmp/default/x/0")
     assert "No space left on device (ENOSPC)" in str(e)
   assert "the save of step 4 failed in process 1" in "".join(outcomes[0].__notes__)
+
+
+def test_a_host_that_could_not_abort_is_logged_as_text_not_as_its_error(caplog):
+  # A handler that keeps records (pytest's, a MemoryHandler) would otherwise keep the
+  # error's traceback, its frames and the arrays in them (arena blocks) alive.
+  from sidecar._src.controller.checkpoint.save import Saver
+
+  def start(h):
+    if h == 0:
+      raise errors.HostLostError("host 0 is lost", host_id=0)
+    f = concurrent.futures.Future()
+    f.set_exception(errors.HostLostError("host 1 went away", host_id=1))
+    return f
+
+  with caplog.at_level("WARNING"):
+    assert Saver._on_each(start, hosts=[0, 1], what="abort step 3") == []
+  assert [r.getMessage() for r in caplog.records] == [
+      "could not abort step 3 on host 0: host 0 is lost",
+      "could not abort step 3 on host 1: host 1 went away"]
+  assert not any(isinstance(a, BaseException) for r in caplog.records for a in r.args)
