@@ -47,6 +47,11 @@ FS_GROUP = 1000
 CONTAINERS_CONF = """\
 [containers]
 default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
+
+[engine]
+# File locks (under podman's tmp dir), not its shared-memory segment /dev/shm/libpod_lock,
+# which would stay behind after the test.
+lock_type = "file"
 """
 
 
@@ -67,7 +72,7 @@ class Podman:
     conf = workdir / "containers.conf"
     text = CONTAINERS_CONF
     if shutil.which("runc"):
-      text += '\n[engine]\nruntime = "runc"\n'
+      text += 'runtime = "runc"\n'
     conf.write_text(text)
     self.env = {**os.environ, "CONTAINERS_CONF": str(conf)}
 
