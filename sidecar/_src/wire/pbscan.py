@@ -59,7 +59,8 @@ def strip_arrays(raw: bytes, descriptor: Any) -> tuple[bytes, list[memoryview]]:
   return (raw, []) if out is None else (out, views)
 
 
-def _key(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+  """``n`` as a protobuf varint (a field's key or a length)."""
   out = bytearray()
   while True:
     byte, n = n & 0x7F, n >> 7
@@ -95,7 +96,7 @@ def _strip(buf: bytes, descriptor: Any, start: int, end: int, views: list[memory
       elif n >= BIG_ARRAY and key >> 3 in fields and depth < _MAX_SCAN_DEPTH:  # room for one
         new = _strip(buf, fields[key >> 3][0], value, value + n, views, depth + 1)
       if new is not None:
-        pieces += [buf[last:after_key], _key(len(new)), new]
+        pieces += [buf[last:after_key], encode_varint(len(new)), new]
         last = value + n
       pos = value + n
     else:

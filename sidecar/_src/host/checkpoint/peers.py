@@ -42,6 +42,7 @@ from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import env, errors
 from sidecar._src.wire import checkpoint_wire as wire, protocol
+from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # One part of a shard sent inline. Small enough that the peer's copy of one part
@@ -117,15 +118,6 @@ class _Part:
   data: memoryview
 
 
-def _varint(n: int) -> bytes:
-  out = bytearray()
-  while True:
-    byte, n = n & 0x7F, n >> 7
-    out.append(byte | (0x80 if n else 0))
-    if not n:
-      return bytes(out)
-
-
 _PART_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
 _DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
@@ -140,9 +132,9 @@ def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
   if not isinstance(message, _Part):
     return message.SerializeToString()
   head = message.part.SerializeToString()
-  data_key = _varint(_DATA_FIELD << 3 | 2) + _varint(message.data.nbytes)
+  data_key = encode_varint(_DATA_FIELD << 3 | 2) + encode_varint(message.data.nbytes)
   inner = len(head) + len(data_key) + message.data.nbytes
-  return b"".join((_varint(_PART_FIELD << 3 | 2), _varint(inner), head, data_key,
+  return b"".join((encode_varint(_PART_FIELD << 3 | 2), encode_varint(inner), head, data_key,
                    message.data))
 
 
