@@ -171,11 +171,11 @@ class StagedShard(_message.Message):
     def __init__(self, leaf: _Optional[int] = ..., index: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., data: _Optional[_Union[ShardData, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageRequest(_message.Message):
-    __slots__ = ("directory", "step", "item", "final_item", "leaves", "shards", "last", "worker_session", "writers", "dcp")
+    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "shards", "last", "worker_session", "writers", "dcp")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    ITEM_FIELD_NUMBER: _ClassVar[int]
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    TMP_DIR_FIELD_NUMBER: _ClassVar[int]
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
@@ -184,15 +184,15 @@ class CheckpointStageRequest(_message.Message):
     DCP_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
-    item: str
-    final_item: str
+    tmp_dir: str
+    final_dir: str
     leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
     shards: _containers.RepeatedCompositeFieldContainer[StagedShard]
     last: bool
     worker_session: str
     writers: int
     dcp: DcpPart
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., final_item: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ...) -> None: ...
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageResponse(_message.Message):
     __slots__ = ("staged_bytes",)
@@ -201,12 +201,12 @@ class CheckpointStageResponse(_message.Message):
     def __init__(self, staged_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointPreparedRequest(_message.Message):
-    __slots__ = ("final_item", "timeout_s")
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("final_dir", "timeout_s")
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    final_item: str
+    final_dir: str
     timeout_s: float
-    def __init__(self, final_item: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, final_dir: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointPreparedResponse(_message.Message):
     __slots__ = ("checksums",)
@@ -215,7 +215,7 @@ class CheckpointPreparedResponse(_message.Message):
     def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
 
 class CheckpointCommitRequest(_message.Message):
-    __slots__ = ("item", "step", "num_hosts", "leaves", "checksums", "data_state_json", "whole_step", "replicas", "dcp")
+    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "checksums", "data_state_json", "whole_step", "replicas", "dcp")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,7 +223,7 @@ class CheckpointCommitRequest(_message.Message):
         key: int
         value: HostIds
         def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[HostIds, _Mapping]] = ...) -> None: ...
-    ITEM_FIELD_NUMBER: _ClassVar[int]
+    TMP_DIR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_HOSTS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
@@ -232,7 +232,7 @@ class CheckpointCommitRequest(_message.Message):
     WHOLE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
-    item: str
+    tmp_dir: str
     step: int
     num_hosts: int
     leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
@@ -241,7 +241,7 @@ class CheckpointCommitRequest(_message.Message):
     whole_step: bool
     replicas: _containers.MessageMap[int, HostIds]
     dcp: DcpCommit
-    def __init__(self, item: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ...) -> None: ...
+    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ...) -> None: ...
 
 class CheckpointCommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -250,12 +250,12 @@ class CheckpointCommitResponse(_message.Message):
     def __init__(self, committed: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommittedRequest(_message.Message):
-    __slots__ = ("final_item", "manifest_json")
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("final_dir", "manifest_json")
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
-    final_item: str
+    final_dir: str
     manifest_json: str
-    def __init__(self, final_item: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, final_dir: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommittedResponse(_message.Message):
     __slots__ = ("kept_steps",)
@@ -264,12 +264,12 @@ class CheckpointCommittedResponse(_message.Message):
     def __init__(self, kept_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointAbortRequest(_message.Message):
-    __slots__ = ("item", "final_item")
-    ITEM_FIELD_NUMBER: _ClassVar[int]
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
-    item: str
-    final_item: str
-    def __init__(self, item: _Optional[str] = ..., final_item: _Optional[str] = ...) -> None: ...
+    __slots__ = ("tmp_dir", "final_dir")
+    TMP_DIR_FIELD_NUMBER: _ClassVar[int]
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    tmp_dir: str
+    final_dir: str
+    def __init__(self, tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ...) -> None: ...
 
 class CheckpointAbortResponse(_message.Message):
     __slots__ = ()
@@ -312,16 +312,16 @@ class Peer(_message.Message):
     def __init__(self, host_id: _Optional[int] = ..., address: _Optional[str] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointReplicateRequest(_message.Message):
-    __slots__ = ("final_item", "peers", "timeout_s", "bandwidth")
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("final_dir", "peers", "timeout_s", "bandwidth")
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
-    final_item: str
+    final_dir: str
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
     timeout_s: float
     bandwidth: int
-    def __init__(self, final_item: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., bandwidth: _Optional[int] = ...) -> None: ...
+    def __init__(self, final_dir: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., bandwidth: _Optional[int] = ...) -> None: ...
 
 class CheckpointReplicateResponse(_message.Message):
     __slots__ = ("peers", "shards", "bytes", "seconds")
@@ -336,16 +336,16 @@ class CheckpointReplicateResponse(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[int]] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("directory", "step", "item", "source")
+    __slots__ = ("directory", "step", "final_dir", "source")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    ITEM_FIELD_NUMBER: _ClassVar[int]
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
-    item: str
+    final_dir: str
     source: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., item: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., final_dir: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
 
 class ReplicaBlock(_message.Message):
     __slots__ = ("shard", "data", "crc32c")
@@ -441,10 +441,10 @@ class CheckpointHeldResponse(_message.Message):
     def __init__(self, own: _Optional[_Mapping[str, ShardIds]] = ..., replicas: _Optional[_Mapping[str, HeldReplicas]] = ...) -> None: ...
 
 class CheckpointInfoRequest(_message.Message):
-    __slots__ = ("final_item",)
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
-    final_item: str
-    def __init__(self, final_item: _Optional[str] = ...) -> None: ...
+    __slots__ = ("final_dir",)
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    final_dir: str
+    def __init__(self, final_dir: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfoResponse(_message.Message):
     __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas", "dcp_plan_json")
@@ -478,20 +478,20 @@ class ByteRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointReadRequest(_message.Message):
-    __slots__ = ("final_item", "shard", "crc32c", "tier", "part", "worker_session")
-    FINAL_ITEM_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("final_dir", "shard", "crc32c", "tier", "part", "worker_session")
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
-    final_item: str
+    final_dir: str
     shard: ShardId
     crc32c: int
     tier: Tier
     part: ByteRange
     worker_session: str
-    def __init__(self, final_item: _Optional[str] = ..., shard: _Optional[_Union[ShardId, _Mapping]] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., part: _Optional[_Union[ByteRange, _Mapping]] = ..., worker_session: _Optional[str] = ...) -> None: ...
+    def __init__(self, final_dir: _Optional[str] = ..., shard: _Optional[_Union[ShardId, _Mapping]] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., part: _Optional[_Union[ByteRange, _Mapping]] = ..., worker_session: _Optional[str] = ...) -> None: ...
 
 class CheckpointReadResponse(_message.Message):
     __slots__ = ("data",)

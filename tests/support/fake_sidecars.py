@@ -106,9 +106,9 @@ class FakeSidecars(CheckpointTransport):
     self.calls: list[tuple[str, int]] = []
     self.steps: dict[str, set[int]] = {}
     self.initial = list(steps)
-    self.leaves: dict[str, list] = {}  # final item -> leaf dicts
-    self.staged: dict[tuple[int, str], dict] = {}  # (host, final item) -> {(kp, index): array}
-    self.manifests: dict[str, Manifest] = {}  # final item -> its manifest, once committed
+    self.leaves: dict[str, list] = {}  # final dir -> leaf dicts
+    self.staged: dict[tuple[int, str], dict] = {}  # (host, final dir) -> {(kp, index): array}
+    self.manifests: dict[str, Manifest] = {}  # final dir -> its manifest, once committed
     self.aborted: list[tuple[int, str]] = []
 
   def _phase(self, name: str, host: int, value=None) -> concurrent.futures.Future:
@@ -141,27 +141,27 @@ class FakeSidecars(CheckpointTransport):
   def begin(self, host, directory, step):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
-  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last,
+  def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
             writers=1):
     if leaves:
-      self.leaves[final_item] = [dict(d) for d in leaves]
-    held = self.staged.setdefault((host, final_item), {})
+      self.leaves[final_dir] = [dict(d) for d in leaves]
+    held = self.staged.setdefault((host, final_dir), {})
     for s in shards:
-      kp = tuple(self.leaves[final_item][s.leaf]["key_path"])
+      kp = tuple(self.leaves[final_dir][s.leaf]["key_path"])
       held[(kp, tuple(s.index))] = np.array(s.data)
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
-  def prepared(self, host, final_item, *, timeout):
+  def prepared(self, host, final_dir, *, timeout):
     sums = [{"key_path": list(kp), "index": [list(i) for i in index], "nbytes": a.nbytes,
              "crc32c": None, "host": host}
-            for (kp, index), a in self.staged.get((host, final_item), {}).items()]
+            for (kp, index), a in self.staged.get((host, final_dir), {}).items()]
     return self._phase("prepared", host, sums)
 
-  def commit(self, host, *, item, step, num_hosts, leaves, checksums, data_state_json,
+  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
              whole_step, replicas, timeout):
-    future = self._phase("commit", host, item)
+    future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
-      final = item.replace(".orbax-checkpoint-tmp", "")
+      final = tmp_dir.replace(".orbax-checkpoint-tmp", "")
       self.manifests[final] = Manifest("colocated-sidecar", [dict(d) for d in leaves],
                                        [dict(c) for c in checksums],
                                        json.loads(data_state_json) if data_state_json else None,
@@ -170,12 +170,12 @@ class FakeSidecars(CheckpointTransport):
       self.steps.setdefault(directory, set()).add(step)
     return future
 
-  def committed(self, host, final_item):
+  def committed(self, host, final_dir):
     return self._phase("committed", host, [])
 
-  def abort(self, host, item, final_item, *, timeout):
-    self.aborted.append((host, item))
-    self.staged.pop((host, final_item), None)
+  def abort(self, host, tmp_dir, final_dir, *, timeout):
+    self.aborted.append((host, tmp_dir))
+    self.staged.pop((host, final_dir), None)
     return self._phase("abort", host)
 
   def delete(self, host, directory, step):
@@ -187,7 +187,7 @@ class FakeSidecars(CheckpointTransport):
   def forget(self, host, directory, step):
     return self._phase("forget", host)
 
-  def replicate(self, host, final_item, peers, *, bandwidth, timeout):
+  def replicate(self, host, final_dir, peers, *, bandwidth, timeout):
     return self._phase("replicate", host, {"peers": [p["host_id"] for p in peers],
                                            "shards": 0, "bytes": 0, "seconds": 0.0})
 
@@ -196,14 +196,14 @@ class FakeSidecars(CheckpointTransport):
            if h == host and item in self.manifests}
     return self._phase("held", host, Held(own=own, replicas={}))
 
-  def info(self, host, final_item):
-    manifest = self.manifests.get(final_item)
+  def info(self, host, final_dir):
+    manifest = self.manifests.get(final_dir)
     if manifest is None:
-      return _done(error=errors.InvalidArgumentError(f"cannot restore {final_item}"))
+      return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
     return self._phase("info", host, manifest)
 
-  def read(self, host, final_item, shard, *, crc32c, tier, part=None):
-    data = self.staged.get((host, final_item), {}).get((tuple(shard[0]), tuple(shard[1])))
+  def read(self, host, final_dir, shard, *, crc32c, tier, part=None):
+    data = self.staged.get((host, final_dir), {}).get((tuple(shard[0]), tuple(shard[1])))
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))
     return self._phase("read", host, data)

@@ -208,7 +208,7 @@ class Server:
     self.service = Service(runner=self.runner, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
-                           checkpoints=self.checkpoints.status, sessions=sessions,
+                           checkpoints=self.checkpoints.tier.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
                            calls=CallSlots(o.threads), peer_token=o.peer_token,
@@ -271,7 +271,7 @@ class Server:
     leased: dict[str, int] = {}
     for session, pid in pids.items():
       leased[f"pid{pid}"] = leased.get(f"pid{pid}", 0) + by_session.get(session, 0)
-    usage = self.checkpoints.usage()
+    usage = self.checkpoints.tier.usage()
     return metrics_lib.Snapshot(
         host_id=self.options.host_id, slice_id=self.options.slice_id,
         uptime_s=self.service.uptime_s(),

@@ -174,8 +174,8 @@ class StorageWriter(_Writer):
       nbytes += array.nbytes
     arrays.clear()
     for n, part in enumerate(parts):
-      self._client.stage(host, directory=parent, step=target.label, item=target.tmp,
-                         final_item=target.final, leaves=[], shards=part,
+      self._client.stage(host, directory=parent, step=target.label, tmp_dir=target.tmp,
+                         final_dir=target.final, leaves=[], shards=part,
                          last=n == len(parts) - 1, writers=writers,
                          dcp=(rank, dicts if n == 0 else [])).result()
     parts.clear()
@@ -211,7 +211,7 @@ class StorageWriter(_Writer):
       sums = [c for f in [self._client.prepared(h, target.final, timeout=_LONG_S) for h in hosts]
               for c in f.result()]
       home = _host_of_this_rank(self._ctl)
-      self._client.commit(home, item=target.tmp, step=target.label, num_hosts=len(hosts),
+      self._client.commit(home, tmp_dir=target.tmp, step=target.label, num_hosts=len(hosts),
                           leaves=[], checksums=sums, data_state_json="", whole_step=True,
                           replicas=placement or None, timeout=_LONG_S,
                           dcp={"metadata": raw, "file_sizes": sizes,

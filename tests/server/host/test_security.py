@@ -279,14 +279,14 @@ def ckpt_server(make_server, tmp_path):
 CKPT_REQUESTS = {
     "open": (ckpt_pb.CheckpointOpenRequest, ("directory",)),
     "begin": (ckpt_pb.CheckpointBeginRequest, ("directory", "step")),
-    "abort": (ckpt_pb.CheckpointAbortRequest, ("item", "final_item")),
+    "abort": (ckpt_pb.CheckpointAbortRequest, ("tmp_dir", "final_dir")),
     "delete": (ckpt_pb.CheckpointDeleteRequest, ("directory", "step")),
     "forget": (ckpt_pb.CheckpointForgetRequest, ("directory", "step")),
-    "info": (ckpt_pb.CheckpointInfoRequest, ("final_item",)),
+    "info": (ckpt_pb.CheckpointInfoRequest, ("final_dir",)),
     "held": (ckpt_pb.CheckpointHeldRequest, ("directory",)),
-    "commit": (ckpt_pb.CheckpointCommitRequest, ("item", "step", "num_hosts", "leaves",
+    "commit": (ckpt_pb.CheckpointCommitRequest, ("tmp_dir", "step", "num_hosts", "leaves",
                                                  "checksums", "data_state_json", "whole_step")),
-    "read": (ckpt_pb.CheckpointReadRequest, ("final_item", "shard")),
+    "read": (ckpt_pb.CheckpointReadRequest, ("final_dir", "shard")),
 }
 
 

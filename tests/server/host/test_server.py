@@ -350,8 +350,8 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                        kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    client.stage(0, directory=directory, step=3, item=tmp + "/default",
-                 final_item=directory + "/3/default", leaves=[spec],
+    client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
+                 final_dir=directory + "/3/default", leaves=[spec],
                  shards=[StagedShard(0, ((0, 1), (0, n)), part)], last=False).result()
     del part  # the trainer dies before its last part
     gc.collect()
@@ -379,8 +379,8 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     rows = []
     for i, (ctl, client) in enumerate(zip((a, b), clients)):
       part, _ = ctl.worker(0).put(np.full((1, n), i, np.float32))
-      client.stage(0, directory=directory, step=3, item=tmp + "/default",
-                   final_item=directory + "/3/default", leaves=[spec],
+      client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
+                   final_dir=directory + "/3/default", leaves=[spec],
                    shards=[StagedShard(0, ((i, i + 1), (0, n)), part)], last=True,
                    writers=2).result()
       del part
@@ -411,8 +411,8 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                                                kind="np.ndarray", write_shape=(1, n)))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    client.stage(0, directory=directory, step=3, item=tmp + "/default",
-                 final_item=directory + "/3/default", leaves=[spec],
+    client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
+                 final_dir=directory + "/3/default", leaves=[spec],
                  shards=[StagedShard(0, ((0, 1), (0, n)), part)], last=False).result()
     del part
     writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
@@ -546,7 +546,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
-      directory=str(tmp_path / "ck"), step=3, item=item, source=1))
+      directory=str(tmp_path / "ck"), step=3, final_dir=item, source=1))
   data = np.arange(16, dtype=np.uint8)
 
   def part(offset):
@@ -554,7 +554,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
         shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
         data=data[offset:offset + 4].tobytes(), crc32c=shard_crc32c(data)))
 
-  replicas = server.checkpoints._tier.replicas
+  replicas = server.checkpoints.tier.replicas
   cut = [header, part(0), header]  # a second header: the stream fails there
   with pytest.raises(grpc.RpcError) as e:
     receive(iter(m.SerializeToString() for m in cut), metadata=raw.metadata, timeout=10)
@@ -583,7 +583,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
-      directory=str(tmp_path / "ck"), step=3, item=item, source=1))
+      directory=str(tmp_path / "ck"), step=3, final_dir=item, source=1))
   data = np.arange(16, dtype=np.uint8)
 
   def part(offset):
@@ -597,7 +597,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
                             metadata=raw.metadata, timeout=10)
     return q, future
 
-  replicas = server.checkpoints._tier.replicas
+  replicas = server.checkpoints.tier.replicas
   qa, a = stream()
   qa.put(header)
   qa.put(part(0))

@@ -90,7 +90,7 @@ def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
 
 @pytest.mark.parametrize("message", [
     ckpt_pb.ReceiveRequest(done=True),
-    ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(directory="/d", step=3, item="i",
+    ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(directory="/d", step=3, final_dir="i",
                                                         source=1), worker_session="s"),
     ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(dtype="f4", shape=[2], data=b"12345678"),
                            done=True),

@@ -30,8 +30,8 @@ from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save import (
+  SaveCoordinator,
   SaveHandle,
-  Saver,
   Target,
   done_handle,
   replica_peers,
@@ -120,12 +120,12 @@ class Checkpointer:
     self._retention = Retention(client=client, directory=self.directory, local=self._local,
                                 lead=self._lead, max_to_keep=max_to_keep,
                                 keep_period=keep_period, steps=list(json.loads(steps)))
-    self._saver = Saver(client=client, directory=self.directory, hosts=hosts, local=self._local,
-                        device_hosts=device_hosts, peers=self._peers, key=key,
-                        replicas=replicas, placement=placement, sidecars=sidecars,
-                        replica_bandwidth=replica_bandwidth, list_step=self._retention.add,
-                        collect_garbage=self._retention.collect, framework=framework,
-                        sharers=sharers)
+    self._coordinator = SaveCoordinator(
+        client=client, directory=self.directory, hosts=hosts, local=self._local,
+        device_hosts=device_hosts, peers=self._peers, key=key, replicas=replicas,
+        placement=placement, sidecars=sidecars, replica_bandwidth=replica_bandwidth,
+        list_step=self._retention.add, collect_garbage=self._retention.collect,
+        framework=framework, sharers=sharers)
     self._restorer = Restorer(client=client, directory=self.directory, hosts=hosts,
                               local=self._local, device_hosts=device_hosts, mapped=set(mapped),
                               ask_all=bool(replicas) or self._peers.count == 1,
@@ -150,7 +150,7 @@ class Checkpointer:
     previous = self._in_flight
     busy = previous is not None and not previous.durable.done()
     if self._peers.count > 1:  # every process must take the same decision on the same step
-      busy = self._saver.agree_on_save(step, busy)
+      busy = self._coordinator.agree_on_save(step, busy)
     if busy:
       if self._if_busy == "skip":
         return done_handle(step, None)
@@ -166,11 +166,11 @@ class Checkpointer:
   def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
               ) -> SaveHandle:
     """Copies ``tree`` into the arenas; the sidecars write and commit ``target``."""
-    return self._saver.save_to(target, tree, data_state=data_state)
+    return self._coordinator.save_to(target, tree, data_state=data_state)
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
-    self._saver.mark_committed(target)
+    self._coordinator.mark_committed(target)
 
   # ---- restore -----------------------------------------------------------
 
@@ -201,16 +201,16 @@ class Checkpointer:
       step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
                                        str(step) if self._lead else None))
     with progress_lib.lines(progress, f"restoring step {step}") as report:
-      return self.restore_from(Target.for_step(self.directory, step).final_item, step, target,
+      return self.restore_from(Target.for_step(self.directory, step).final_dir, step, target,
                                progress=report)
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""
     return self._last_restore
-  def restore_from(self, final_item: str, step: int, target: Any, *,
+  def restore_from(self, final_dir: str, step: int, target: Any, *,
                    progress: Callable[[str], None] | None = None) -> Any:
-    """Restores the committed item at ``final_item`` onto ``target``'s shardings."""
-    tree, self._last_restore = self._restorer.restore(final_item, step, target,
+    """Restores the committed item at ``final_dir`` onto ``target``'s shardings."""
+    tree, self._last_restore = self._restorer.restore(final_dir, step, target,
                                                       progress=progress)
     log.info("%s of %s", self._last_restore.summary(), self.directory)
     return tree
@@ -219,7 +219,7 @@ class Checkpointer:
     """The data position saved with ``step`` (default: the latest), or None."""
     step = self._pick(step)
     return interrupts.wait(self._client.info(
-        self._local[0], Target.for_step(self.directory, step).final_item)).data_state
+        self._local[0], Target.for_step(self.directory, step).final_dir)).data_state
 
   def _pick(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -267,7 +267,7 @@ class Checkpointer:
 
   def _join_finisher(self, *, every: bool = False) -> None:
     """Joins the latest save's finisher; ``every``: those of older saves too."""
-    finishers = self._saver.finishers if every else [self._saver.finisher]
+    finishers = self._coordinator.finishers if every else [self._coordinator.finisher]
     for finisher in finishers:
       if finisher is not None and finisher is not threading.current_thread():
         while finisher.is_alive():  # a join Ctrl-C can stop

@@ -219,7 +219,7 @@ class CheckpointTransport(abc.ABC):
     checkpoint's own, its tmp one beside it)."""
 
   @abc.abstractmethod
-  def stage(self, host: int, *, directory: str, step: int, item: str, final_item: str,
+  def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[Mapping[str, Any]], shards: Sequence[StagedShard],
             last: bool, writers: int = 1,
             dcp: tuple[int, Sequence[Mapping[str, Any]]] | None = None
@@ -230,12 +230,12 @@ class CheckpointTransport(abc.ABC):
     the items."""
 
   @abc.abstractmethod
-  def prepared(self, host: int, final_item: str, *, timeout: float
+  def prepared(self, host: int, final_dir: str, *, timeout: float
                ) -> concurrent.futures.Future:
     """Future of ``host``'s checksums of the step, once written."""
 
   @abc.abstractmethod
-  def commit(self, host: int, *, item: str, step: int, num_hosts: int,
+  def commit(self, host: int, *, tmp_dir: str, step: int, num_hosts: int,
              leaves: Sequence[Mapping[str, Any]], checksums: Sequence[Mapping[str, Any]],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
@@ -244,14 +244,14 @@ class CheckpointTransport(abc.ABC):
     "plan_json"}`` of a DCP step."""
 
   @abc.abstractmethod
-  def committed(self, host: int, final_item: str, manifest_json: str = ""
+  def committed(self, host: int, final_dir: str, manifest_json: str = ""
                 ) -> concurrent.futures.Future:
     """Future of the steps ``host``'s RAM tier keeps (``manifest_json``: a DCP step's)."""
 
   @abc.abstractmethod
-  def abort(self, host: int, item: str, final_item: str, *, timeout: float
+  def abort(self, host: int, tmp_dir: str, final_dir: str, *, timeout: float
             ) -> concurrent.futures.Future:
-    """Future of None once ``host`` dropped the save and removed ``item``."""
+    """Future of None once ``host`` dropped the save and removed ``tmp_dir``."""
 
   @abc.abstractmethod
   def delete(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
@@ -262,7 +262,7 @@ class CheckpointTransport(abc.ABC):
     """Future of None once ``host``'s RAM tier dropped the step."""
 
   @abc.abstractmethod
-  def replicate(self, host: int, final_item: str, peers: Sequence[Mapping[str, Any]], *,
+  def replicate(self, host: int, final_dir: str, peers: Sequence[Mapping[str, Any]], *,
                 bandwidth: int | None, timeout: float) -> concurrent.futures.Future:
     """Future of ``{"peers", "shards", "bytes", "seconds"}`` once every peer holds them."""
 
@@ -272,11 +272,11 @@ class CheckpointTransport(abc.ABC):
     """Future of a :class:`Held`."""
 
   @abc.abstractmethod
-  def info(self, host: int, final_item: str) -> concurrent.futures.Future:
+  def info(self, host: int, final_dir: str) -> concurrent.futures.Future:
     """Future of a :class:`Manifest`."""
 
   @abc.abstractmethod
-  def read(self, host: int, final_item: str, shard: Shard, *, crc32c: int | None,
+  def read(self, host: int, final_dir: str, shard: Shard, *, crc32c: int | None,
            tier: str, part: tuple[int, int] | None = None) -> concurrent.futures.Future:
     """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8)."""
 
@@ -344,11 +344,11 @@ class CheckpointClient(CheckpointTransport):
                                                                    step=step, format=format),
                      lambda r: r.tmp_directory)
 
-  def stage(self, host, *, directory, step, item, final_item, leaves, shards, last,
+  def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
             writers=1, dcp=None):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
-        directory=directory, step=step, item=item, final_item=final_item,
+        directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
     if dcp is not None:
@@ -361,15 +361,16 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
                      held=[s.data for s in shards])
 
-  def prepared(self, host, final_item, *, timeout):
+  def prepared(self, host, final_dir, *, timeout):
     return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(
-        final_item=final_item, timeout_s=timeout),
+        final_dir=final_dir, timeout_s=timeout),
         lambda r: [wire.checksum_from_pb(c, "checksum") for c in r.checksums], timeout=timeout)
 
-  def commit(self, host, *, item, step, num_hosts, leaves, checksums, data_state_json,
+  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
              whole_step, replicas, timeout, dcp=None):
     request = ckpt_pb.CheckpointCommitRequest(
-        item=item, step=step, num_hosts=num_hosts, leaves=[wire.leaf_to_pb(d) for d in leaves],
+        tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
+        leaves=[wire.leaf_to_pb(d) for d in leaves],
         checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
         whole_step=whole_step)
     if dcp is not None:
@@ -379,13 +380,13 @@ class CheckpointClient(CheckpointTransport):
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
 
-  def committed(self, host, final_item, manifest_json=""):
+  def committed(self, host, final_dir, manifest_json=""):
     return self._rpc(host, "Committed", ckpt_pb.CheckpointCommittedRequest(
-        final_item=final_item, manifest_json=manifest_json), lambda r: list(r.kept_steps))
+        final_dir=final_dir, manifest_json=manifest_json), lambda r: list(r.kept_steps))
 
-  def abort(self, host, item, final_item, *, timeout):
+  def abort(self, host, tmp_dir, final_dir, *, timeout):
     return self._rpc(host, "Abort", ckpt_pb.CheckpointAbortRequest(
-        item=item, final_item=final_item), lambda r: None, timeout=timeout)
+        tmp_dir=tmp_dir, final_dir=final_dir), lambda r: None, timeout=timeout)
 
   def delete(self, host, directory, step):
     return self._rpc(host, "Delete", ckpt_pb.CheckpointDeleteRequest(
@@ -395,9 +396,9 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Forget", ckpt_pb.CheckpointForgetRequest(
         directory=directory, step=step), lambda r: None)
 
-  def replicate(self, host, final_item, peers, *, bandwidth, timeout):
+  def replicate(self, host, final_dir, peers, *, bandwidth, timeout):
     request = ckpt_pb.CheckpointReplicateRequest(
-        final_item=final_item, timeout_s=timeout,
+        final_dir=final_dir, timeout_s=timeout,
         peers=[ckpt_pb.Peer(host_id=int(p["host_id"]), address=str(p["address"]),
                             socket=str(p.get("socket") or ""),
                             boot_id=str(p.get("boot_id") or "")) for p in peers])
@@ -409,14 +410,14 @@ class CheckpointClient(CheckpointTransport):
 
   def held(self, host, directory, *, timeout=None):
     def decode(r: ckpt_pb.CheckpointHeldResponse) -> Held:
-      return Held(own={item: wire.shards_from_ids(ids, "own") for item, ids in r.own.items()},
-                  replicas={item: {int(src): wire.shards_from_ids(ids, "replicas")
+      return Held(own={d: wire.shards_from_ids(ids, "own") for d, ids in r.own.items()},
+                  replicas={d: {int(src): wire.shards_from_ids(ids, "replicas")
                                    for src, ids in h.by_source.items()}
-                            for item, h in r.replicas.items()})
+                            for d, h in r.replicas.items()})
     return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory), decode,
                      timeout=timeout)
 
-  def info(self, host, final_item):
+  def info(self, host, final_dir):
     def decode(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
       return Manifest(
           format=r.format,
@@ -425,15 +426,15 @@ class CheckpointClient(CheckpointTransport):
           data_state=json.loads(r.data_state_json) if r.data_state_json else None,
           replicas=wire.replicas_from_pb(r.replicas),
           dcp_plan=json.loads(r.dcp_plan_json) if r.dcp_plan_json else None)
-    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_item=final_item), decode)
+    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir), decode)
 
-  def read(self, host, final_item, shard, *, crc32c, tier, part=None):
+  def read(self, host, final_dir, shard, *, crc32c, tier, part=None):
     if tier not in wire.TIERS:
       raise errors.InvalidArgumentError(
           f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
     w = self._worker(host)
     request = ckpt_pb.CheckpointReadRequest(
-        final_item=final_item, shard=wire.shard_to_pb(*shard), tier=wire.TIERS[tier],
+        final_dir=final_dir, shard=wire.shard_to_pb(*shard), tier=wire.TIERS[tier],
         worker_session=w.session if w is not None else "")
     if crc32c is not None:
       request.crc32c = crc32c

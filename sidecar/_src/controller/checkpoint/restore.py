@@ -72,12 +72,12 @@ class Restorer:
     self._hosts, self._local, self._device_hosts = hosts, local, device_hosts
     self._mapped, self._ask_all, self._steps = mapped, ask_all, steps
 
-  def restore(self, final_item: str, step: int, target: Any, *,
+  def restore(self, final_dir: str, step: int, target: Any, *,
               progress: Callable[[str], None] | None = None) -> tuple[Any, RestoreStats]:
-    """Restores the committed item at ``final_item`` onto ``target``'s shardings;
+    """Restores the committed final_dir at ``final_dir`` onto ``target``'s shardings;
     returns the tree and where its shards came from."""
     t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
-    manifest = interrupts.wait(self._client.info(self._local[0], final_item))
+    manifest = interrupts.wait(self._client.info(self._local[0], final_dir))
     saved = {tuple(d["key_path"]): d for d in manifest.leaves}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
@@ -90,8 +90,8 @@ class Restorer:
     flat = wanted.leaves
     for want in flat:
       self._check_leaf(want, saved, step)
-    held, gone = self._holdings(final_item)
-    reads = self._read_all(final_item, flat, stored, held)
+    held, gone = self._holdings(final_dir)
+    reads = self._read_all(final_dir, flat, stored, held)
     shards, lost = {}, []
     try:
       for k, f in reads.items():
@@ -114,7 +114,7 @@ class Restorer:
                           {w.key_path: w.dtype for w in flat})
     out = []
     for want in flat:
-      out.append([self._assemble(final_item, want.key_path, region, stored[want.key_path],
+      out.append([self._assemble(final_dir, want.key_path, region, stored[want.key_path],
                                  shards) for region, _ in want.blocks])
       done += sum(b.nbytes for b in out[-1])
       now = time.perf_counter()
@@ -144,7 +144,7 @@ class Restorer:
           f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
           f"{d['dtype']}{d['shape']}")
 
-  def _holdings(self, final_item: str
+  def _holdings(self, final_dir: str
                 ) -> tuple[dict[tuple[KeyPath, tuple], list[tuple[int, str]]], list[int]]:
     """Every live RAM copy of each shard, as ``(host, tier)``, and the hosts that did
     not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: a peer's."""
@@ -163,8 +163,8 @@ class Restorer:
       except errors.SidecarError:
         gone.append(h)
         continue
-      copies = [(kp, index, "ram") for kp, index in held.own.get(final_item, [])]
-      copies += [(kp, index, "replica") for shards in held.replicas.get(final_item, {}).values()
+      copies = [(kp, index, "ram") for kp, index in held.own.get(final_dir, [])]
+      copies += [(kp, index, "replica") for shards in held.replicas.get(final_dir, {}).values()
                  for kp, index in shards]
       for kp, index, tier in copies:
         where.setdefault((tuple(kp), tuple(tuple(i) for i in index)), []).append((h, tier))
@@ -180,7 +180,7 @@ class Restorer:
     tries = sorted(held.get(key, []), key=rank)
     return tries + [(h, "disk") for h in dict.fromkeys([host, *self._local])]
 
-  def _read_all(self, item: str, flat, stored, held) -> dict:
+  def _read_all(self, final_dir: str, flat, stored, held) -> dict:
     """Starts every stored-shard read a restore needs, all at once: they overlap.
 
     Each is a future of ``(data, source)`` that tries the shard's sources in turn.
@@ -194,19 +194,19 @@ class Restorer:
         for index, crc in stored[kp]:
           if (kp, index) in reads or not _overlaps(index, region):
             continue
-          reads[(kp, index)] = self._read_shard(item, kp, index, crc,
+          reads[(kp, index)] = self._read_shard(final_dir, kp, index, crc,
                                                 self._sources((kp, index), held, host),
                                                 want.dtype)
     return reads
 
-  def _read_shard(self, item: str, kp: KeyPath, index, crc: int | None,
+  def _read_shard(self, final_dir: str, kp: KeyPath, index, crc: int | None,
                   sources: list[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of ``(data, source)``: the first source whose copy reads and checks."""
-    read = _ShardRead(self, item, kp, index, crc, sources, dtype)
+    read = _ShardRead(self, final_dir, kp, index, crc, sources, dtype)
     read.attempt(0)
     return read.out
 
-  def _read_parts(self, item: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
+  def _read_parts(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
     READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c, with the
@@ -236,7 +236,7 @@ class Restorer:
     for offset, nbytes in parts:
       # Only the first part asks for the check: the host checks the whole shard once, and
       # its failure fails the shard (the parts all go at once, so each would check it).
-      future = self._client.read(host, item, (kp, index), crc32c=crc if offset == 0 else None,
+      future = self._client.read(host, final_dir, (kp, index), crc32c=crc if offset == 0 else None,
                                  tier=tier, part=(offset, nbytes))
       future.add_done_callback(functools.partial(done, offset))
     return out
@@ -287,7 +287,7 @@ class Restorer:
         f"older step ({self._steps()}), or save with more replicas")
 
   @staticmethod
-  def _assemble(item: str, kp: KeyPath, region, stored, shards) -> np.ndarray:
+  def _assemble(final_dir: str, kp: KeyPath, region, stored, shards) -> np.ndarray:
     """The block ``region`` of a leaf, from the stored shards overlapping it."""
     for index, _ in stored:
       if index == region:  # the common case: same sharding as saved, no copy
@@ -305,7 +305,7 @@ class Restorer:
       dst = tuple(slice(l - r0, h - r0) for l, h, (r0, _) in zip(lo, hi, region))
       out[dst] = data[src]
     if out is None:
-      raise errors.InvalidArgumentError(f"{item}: no stored shard covers {kp} {region}")
+      raise errors.InvalidArgumentError(f"{final_dir}: no stored shard covers {kp} {region}")
     return out
 
 
@@ -317,9 +317,10 @@ class _ShardRead:
   reference to the restored array, without the garbage collector.
   """
 
-  def __init__(self, restorer: Restorer, item: str, kp: KeyPath, index, crc: int | None,
+  def __init__(self, restorer: Restorer, final_dir: str, kp: KeyPath, index, crc: int | None,
                sources: list[tuple[int, str]], dtype: np.dtype):
-    self._restorer, self._item, self._kp, self._index, self._crc = restorer, item, kp, index, crc
+    self._restorer, self._final_dir, self._kp = restorer, final_dir, kp
+    self._index, self._crc = index, crc
     self._sources, self._dtype = sources, dtype
     self.failures: list[tuple[str, errors.SidecarError]] = []
     self.out: concurrent.futures.Future = concurrent.futures.Future()
@@ -335,10 +336,10 @@ class _ShardRead:
       shape = tuple(b - a for a, b in self._index)
       nbytes = math.prod(shape) * self._dtype.itemsize
       if tier != "disk" and host not in r._mapped and nbytes > READ_PART_BYTES:
-        f = r._read_parts(self._item, self._kp, self._index, self._crc, tier, host, shape,
+        f = r._read_parts(self._final_dir, self._kp, self._index, self._crc, tier, host, shape,
                           self._dtype)
       else:
-        f = r._client.read(host, self._item, (self._kp, self._index), crc32c=self._crc,
+        f = r._client.read(host, self._final_dir, (self._kp, self._index), crc32c=self._crc,
                            tier=tier)
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))

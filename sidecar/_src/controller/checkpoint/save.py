@@ -51,8 +51,8 @@ class Target:
   """Where a step goes: the item directory written, and where it is once committed."""
   directory: str
   step: int
-  item: str
-  final_item: str
+  tmp_dir: str
+  final_dir: str
   whole_step: bool  # True: we commit the step (rename); False: Orbax's manager does
 
   @classmethod
@@ -91,7 +91,7 @@ def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]
           + [h for h in ring if slices[h] == slices[host]])[:replicas]
 
 
-class Saver:
+class SaveCoordinator:
   """Runs saves: stages this process's shards, then commits with the others or aborts.
 
   Args:
@@ -282,7 +282,7 @@ class Saver:
     futures = []
     for h in self._local:
       peers = [dict(self._sidecars[p], host_id=p) for p in self._placement[h]]
-      futures.append(self._client.replicate(h, target.final_item, peers,
+      futures.append(self._client.replicate(h, target.final_dir, peers,
                                             bandwidth=self._replica_bandwidth, timeout=_LONG_S))
     out: concurrent.futures.Future = concurrent.futures.Future()
     t0 = time.perf_counter()
@@ -364,7 +364,7 @@ class Saver:
           last[host].result()  # a host's parts arrive in order
         specs = [] if host in last else leaves  # the first part carries the leaves
         last[host] = self._client.stage(host, directory=self.directory, step=step,
-                                        item=target.item, final_item=target.final_item,
+                                        tmp_dir=target.tmp_dir, final_dir=target.final_dir,
                                         leaves=specs, shards=part[1], last=final,
                                         writers=self._writers.get(host, 1))
         closed += final
@@ -379,7 +379,7 @@ class Saver:
 
   def _prepared(self, target: Target) -> list[dict]:
     """Waits for this process's sidecars to write their parts; returns their checksums."""
-    prepared = [f.result() for f in [self._client.prepared(h, target.final_item, timeout=_LONG_S)
+    prepared = [f.result() for f in [self._client.prepared(h, target.final_dir, timeout=_LONG_S)
                                      for h in self._local]]
     return [c for host_sums in prepared for c in host_sums]
 
@@ -414,7 +414,7 @@ class Saver:
       # A host that several processes share reports its checksums to each: keep one.
       checksums = list({(c["host"], json.dumps(c["key_path"]), json.dumps(c["index"])): c
                         for g in gathered for c in g["ok"]}.values())
-      self._client.commit(self._local[0], item=target.item, step=target.step,
+      self._client.commit(self._local[0], tmp_dir=target.tmp_dir, step=target.step,
                           num_hosts=len(self._hosts), leaves=leaves, checksums=checksums,
                           data_state_json=data_json, whole_step=target.whole_step,
                           replicas={h: p for h, p in self._placement.items() if p} or None,
@@ -432,11 +432,11 @@ class Saver:
     step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
     """
     done = self._on_each(
-        lambda h: self._client.abort(h, target.item, target.final_item, timeout=_ABORT_S),
+        lambda h: self._client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
         hosts=self._hosts, what=f"abort step {target.step}")
     if target.whole_step and done:  # Every host is done with the step: its tmp directory goes.
-      tmp = str(pathlib.Path(target.item).parent)
-      self._on_each(lambda h: self._client.abort(h, tmp, target.final_item, timeout=_ABORT_S),
+      tmp = str(pathlib.Path(target.tmp_dir).parent)
+      self._on_each(lambda h: self._client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
                     hosts=done, what=f"remove step {target.step}'s tmp files")
 
   @staticmethod
@@ -463,7 +463,7 @@ class Saver:
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
     # Durable all the same where a host does not answer: a lost host's RAM tier is gone anyway.
-    self._on_each(lambda h: self._client.committed(h, target.final_item), hosts=self._local,
+    self._on_each(lambda h: self._client.committed(h, target.final_dir), hosts=self._local,
                   what=f"mark step {target.step} committed in the RAM tier")
     if target.whole_step:
       self._list_step(target.step)

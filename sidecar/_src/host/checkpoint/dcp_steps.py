@@ -103,10 +103,10 @@ def commit(tmp: str, *, step: int, metadata: bytes, file_sizes: Mapping[int, int
 
 
 @functools.lru_cache(maxsize=16)
-def _index(final_item: str, mtime: float) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
+def _index(final_dir: str, mtime: float) -> dict[tuple[str, tuple[int, ...]], dict[str, Any]]:
   """Every item of a committed DCP step by ``(fqn, chunk offsets)``: file, place, dtype."""
   del mtime  # in the key only: a rewritten step is read again
-  with open(pathlib.Path(final_item) / MANIFEST) as f:
+  with open(pathlib.Path(final_dir) / MANIFEST) as f:
     plan = json.load(f)["plan"]
   out = {}
   for s in plan["storage"]:
@@ -123,22 +123,22 @@ def _index(final_item: str, mtime: float) -> dict[tuple[str, tuple[int, ...]], d
   return out
 
 
-def is_dcp(final_item: str) -> bool:
-  return dcp.is_checkpoint(final_item) and (pathlib.Path(final_item) / MANIFEST).is_file()
+def is_dcp(final_dir: str) -> bool:
+  return dcp.is_checkpoint(final_dir) and (pathlib.Path(final_dir) / MANIFEST).is_file()
 
 
-def read_item(final_item: str, key: tuple, index: tuple[tuple[int, int], ...], *,
+def read_item(final_dir: str, key: tuple, index: tuple[tuple[int, int], ...], *,
               allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> np.ndarray:
   """The stored bytes of one item of a committed DCP step, into ``allocate(shape, dtype)``."""
-  path = pathlib.Path(final_item)
+  path = pathlib.Path(final_dir)
   try:
     found = _index(str(path), (path / MANIFEST).stat().st_mtime)
   except (OSError, KeyError, StopIteration, ValueError) as e:
-    raise errors.InvalidArgumentError(f"cannot read {final_item}: its manifest: {e}") from None
+    raise errors.InvalidArgumentError(f"cannot read {final_dir}: its manifest: {e}") from None
   entry = found.get((str(key[0]) if key else "", tuple(a for a, _ in index)))
   if entry is None or len(key) != 1:
     raise errors.InvalidArgumentError(
-        f"{final_item} has no item {list(key)} at {[list(i) for i in index]}")
+        f"{final_dir} has no item {list(key)} at {[list(i) for i in index]}")
   item: dcp.Item = entry["item"]
   if item.kind is dcp.ItemKind.BYTES:
     out = allocate((item.nbytes,), np.dtype(np.uint8))

@@ -1,10 +1,10 @@
-"""The sidecar's half of checkpointing: keep staged shards, persist them, commit, read back.
+"""One sidecar's checkpointing: its parts, the threads they share, and who may act where.
 
 The controller drives a save in phases, each an rpc of the ``sidecar.v1.Checkpoint``
-service (``checkpoint_service.py`` checks the typed requests and calls these methods;
+service (``service.py`` checks the typed requests and calls the part that does the work;
 none of them is reachable through ``Call``):
 
-1. ``begin`` (host 0): creates ``<step>.orbax-checkpoint-tmp``.
+1. ``begin`` (host 0): creates ``<step>.orbax-checkpoint-tmp`` (``writer``).
 2. ``stage`` (every host): takes the shards the worker copied into the arena. From
    then on the trainer's arrays are free; this sidecar holds the only copy it needs
    (its RAM tier) and writes its part in a background thread, in stock Orbax's layout.
@@ -13,14 +13,15 @@ none of them is reachable through ``Call``):
    renames: the step becomes visible at once, or not at all.
 5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
 
-The concerns live beside this facade, which owns the threads (``close`` joins them):
-``checkpoint_save`` (the phases above, the writer, ``abort``, ``delete``),
-``ram_tier`` (the records, budgets, eviction, expiry of uncommitted steps, status),
-``checkpoint_replication`` (``replicate`` to peers, ``receive`` from them),
-``checkpoint_read`` (``read`` from the tier asked, ``info``), ``checkpoint_roots``
-(every path a call names must lie under one of the sidecar's checkpoint roots;
-``delete`` and ``abort`` remove only step directories a checkpoint wrote) and
-``checkpoint_faults`` (fault injection for the crash tests).
+The parts, built and owned here (``close`` joins their threads): ``writer``
+(``save.StepWriter``: the phases above, ``abort``, ``delete``), ``tier``
+(``ram_tier.RamTier``: the records, budgets, eviction, expiry of uncommitted steps,
+status), ``replicator`` (``replication.Replicator``: ``replicate`` to peers, ``receive``
+from them) and ``reader`` (``read.Reader``). This class keeps only what spans them: the
+per-client directories (``open_for``, ``check_client``), a commit's notice to the RAM tier
+and replicas (``committed``), and the restore calls that check a path under the roots
+first (``roots.py``: every path a call names must lie under one of the sidecar's
+checkpoint roots; ``delete`` and ``abort`` remove only step directories a checkpoint wrote).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from sidecar._src.host.checkpoint import (
   roots as roots_lib,
   save as checkpoint_save,
 )
-from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
@@ -67,7 +67,7 @@ def _seconds(text: str | None, default: float) -> float:
 
 
 class CheckpointHost:
-  """The checkpoint phases of one sidecar (the ``Checkpoint`` service calls them)."""
+  """The checkpoint parts of one sidecar (``writer``, ``tier``, ``replicator``, ``reader``)."""
 
   def __init__(self, host_id: int, *, token: str | None = None,
                peer_token: str | None = None, roots: tuple[str, ...] = (),
@@ -77,9 +77,9 @@ class CheckpointHost:
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
     self._path = self._roots.resolve
-    self._tier = ram_tier.RamTier(
+    self.tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
-    self._reader = checkpoint_read.Reader(self._tier, metrics)
+    self.reader = checkpoint_read.Reader(self.tier, metrics)
     self._links = replicas_lib.Links(token=token, peer_token=peer_token,
                                      credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
@@ -89,10 +89,10 @@ class CheckpointHost:
     self._opened_lock = threading.Lock()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
-    self._saver = checkpoint_save.Saver(host_id, tier=self._tier, roots=self._roots,
-                                        spawn=self._spawn, metrics=metrics)
-    self._replicator = checkpoint_replication.Replicator(
-        host_id, tier=self._tier, links=self._links, path=self._path, spawn=self._spawn,
+    self.writer = checkpoint_save.StepWriter(host_id, tier=self.tier, roots=self._roots,
+                                             spawn=self._spawn, metrics=metrics)
+    self.replicator = checkpoint_replication.Replicator(
+        host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics)
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
@@ -107,8 +107,8 @@ class CheckpointHost:
     committed, and a later save's sweep removes it). Then the links to peers close.
     """
     self._closed.set()
-    with self._tier.lock:
-      steps = list(self._tier.steps.values())
+    with self.tier.lock:
+      steps = list(self.tier.steps.values())
     for record in steps:
       if record.replication is not None:
         record.replication.cancelled.set()
@@ -140,27 +140,10 @@ class CheckpointHost:
     thread.start()
 
   def _reap(self) -> None:
-    while not self._closed.wait(min(max(self._tier.uncommitted_s / 4, 0.1), 30.0)):
-      self.expire_uncommitted()
+    while not self._closed.wait(min(max(self.tier.uncommitted_s / 4, 0.1), 30.0)):
+      self.tier.expire_uncommitted()
 
-  def expire_uncommitted(self) -> list[int]:
-    """Drops the steps written here whose commit has not come in time; returns them."""
-    return self._tier.expire_uncommitted()
-
-  def status(self) -> list[pb.CheckpointStatus]:
-    """Per directory: the steps in the RAM tier and those still being written."""
-    return self._tier.status()
-
-  def usage(self) -> dict[str, int]:
-    """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
-    return self._tier.usage()
-
-  # ---- save (checkpoint_save) ---------------------------------------------
-
-  def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
-           sweep: bool = True) -> dict:
-    """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps."""
-    return self._saver.open(directory, ram_steps, ram_budget, sweep)
+  # ---- who may act where, and commits -----------------------------------
 
   def open_for(self, client: str, directory: str) -> None:
     """Records that ``client`` opened ``directory``: it may act in it from now on.
@@ -196,124 +179,60 @@ class CheckpointHost:
           f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
           "acts only in the directories it opened (Controller.checkpointer(directory))")
 
-  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
-    """Creates the step's uncommitted directory (``format="dcp"``: DCP's); returns it."""
-    return self._saver.begin(directory, step, format, owner)
-
-  def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
-            shards: list[dict], last: bool = True, writers: int = 1,
-            dcp_part: dict | None = None, owner: str = "") -> int:
-    """Takes shards of this host and starts writing them; returns the bytes staged so far.
-
-    ``owner``: the session whose save it is (the first part's); see ``Saver.stage``.
-    """
-    return self._saver.stage(directory, step, item, final_item, leaves, shards, last,
-                             writers=writers, dcp_part=dcp_part, owner=owner)
-  def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
-    """Waits for this host's write of the step; returns its shards' checksums."""
-    return self._saver.prepared(final_item, timeout)
-
-  def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
-             checksums: list[dict], data_state: str, whole_step: bool,
-             replicas: dict | None = None, dcp_commit: dict | None = None,
-             owner: str = "") -> str:
-    """On host 0: the manifest, then the checks; with ``whole_step`` also the rename.
-
-    Only ``owner``, the session that staged ``item`` here, commits it.
-    """
-    return self._saver.commit(item, step, num_hosts, leaves, checksums, data_state,
-                              whole_step, replicas, dcp_commit=dcp_commit, owner=owner)
-
-  def committed(self, final_item: str, manifest: dict | None = None) -> list[int]:
+  def committed(self, final_dir: str, manifest: dict | None = None) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
 
     ``manifest``: a DCP step's, kept with its RAM-tier copy (and replicas held here), so
     that :meth:`info` needs no file of the step.
     """
-    self._path(final_item, "final_item")
+    self._path(final_dir, "final_dir")
     if manifest is not None:
-      with self._tier.lock:
-        held = [self._tier.steps.get(final_item),
-                *(r for r in self._tier.replicas.values() if r.item == final_item)]
+      with self.tier.lock:
+        held = [self.tier.steps.get(final_dir),
+                *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
         for record in held:
           if record is not None:
             record.manifest = manifest
-    return self._tier.mark_committed(final_item)
-
-  def abort(self, item: str, final_item: str) -> None:
-    """Forgets a step whose save failed; removes its uncommitted files."""
-    self._saver.abort(item, final_item)
-
-  def delete(self, directory: str, step: int) -> None:
-    """Removes a committed step (max_to_keep), if a checkpoint wrote it."""
-    self._saver.delete(directory, step)
+    return self.tier.mark_committed(final_dir)
 
   # ---- peer replicas ----------------------------------------------------
-
-  def replicate(self, final_item: str, peers: list[dict], timeout: float = 3600.0,
-                bandwidth: int | None = None) -> dict[str, Any]:
-    """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
-
-    See :meth:`checkpoint_replication.Replicator.replicate`.
-    """
-    return self._replicator.replicate(final_item, peers, timeout, bandwidth)
-
-  def open_replica(self, header: dict) -> ram_tier.Replica:
-    """A replica record for one stream of a peer's shards, replacing one not whole.
-
-    See :meth:`checkpoint_replication.Replicator.open_replica`.
-    """
-    return self._replicator.open_replica(header)
-
-  def receive(self, replica: ram_tier.Replica, shards: list[dict], done: bool = False,
-              payload: np.ndarray | None = None) -> int:
-    """Takes shards a peer sends into ``replica``; returns the bytes held.
-
-    See :meth:`checkpoint_replication.Replicator.receive`.
-    """
-    return self._replicator.receive(replica, shards, done, payload)
-
-  def drop_partial_replica(self, replica: ram_tier.Replica) -> None:
-    """Forgets ``replica`` if it is not whole (its stream broke), and only it: a newer
-    stream of the same replica keeps its own."""
-    self._replicator.drop_partial(replica)
 
   def held(self, directory: str) -> dict[str, Any]:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
     shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
     self._path(directory, "directory")
-    return {"own": self._tier.own(directory), "replicas": self._tier.held_replicas(directory)}
+    return {"own": self.tier.own(directory), "replicas": self.tier.held_replicas(directory)}
 
   def forget(self, directory: str, step: int) -> None:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
-    with self._tier.lock:
-      self._tier.drop(directory, step)
+    with self.tier.lock:
+      self.tier.drop(directory, step)
 
   # ---- restore -----------------------------------------------------------
 
-  def info(self, final_item: str) -> dict[str, Any]:
+  def info(self, final_dir: str) -> dict[str, Any]:
     """The manifest of a committed item (leaves, shard checksums, data position).
 
     An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
     with no checksum to check.
     """
-    self._path(final_item, "final_item")
-    with self._tier.lock:
-      held = [self._tier.steps.get(final_item),
-              *(r for r in self._tier.replicas.values() if r.item == final_item)]
+    self._path(final_dir, "final_dir")
+    with self.tier.lock:
+      held = [self.tier.steps.get(final_dir),
+              *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
     for record in held:
       if record is not None and record.manifest is not None:
         return record.manifest  # a DCP step in host memory: its files may be gone
-    return checkpoint_read.info(final_item)
+    return checkpoint_read.info(final_dir)
 
-  def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
+  def read(self, final_dir: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any", part: list | None = None) -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
 
     ``part=[offset, nbytes]``: only those bytes of a RAM-tier copy's C-order bytes, for a
     client that reads a large shard over gRPC in messages of bounded size.
     """
-    self._path(final_item, "final_item")
-    return self._reader.read(final_item, key_path, index, crc32c, tier, part)
+    self._path(final_dir, "final_dir")
+    return self.reader.read(final_dir, key_path, index, crc32c, tier, part)

@@ -243,14 +243,14 @@ class PeerLink:
     """Sends every shard, then marks the replica whole; returns the bytes sent.
 
     One ``Receive`` stream: the header, the shards, then ``done``. ``header`` names
-    the replica (directory, step, item, source host); ``bandwidth`` (bytes per second)
+    the replica (directory, step, final_dir, source host); ``bandwidth`` (bytes per second)
     paces the sending. Raises HostLostError if the peer goes away, ClosedError if
     ``cancelled()`` turns true.
     """
     w = self._worker
     first = ckpt_pb.ReceiveRequest(
         header=ckpt_pb.ReplicaHeader(directory=header["directory"], step=header["step"],
-                                     item=header["item"], source=header["source"]),
+                                     final_dir=header["final_dir"], source=header["source"]),
         worker_session=w.session if w is not None else "")
     sent = [0]
     held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
@@ -299,7 +299,7 @@ class PeerLink:
     batch_bytes = 0
     for kp, index, data in shards:
       if cancelled():
-        raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
+        raise errors.ClosedError(f"the replication of {header['final_dir']} was cancelled")
       # A full peer arena fails the replica soon, not after the whole deadline.
       dst, ref = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
       dst_bytes, src_bytes = (a.reshape(-1).view(np.uint8) for a in (dst, data))
@@ -331,7 +331,7 @@ class PeerLink:
       crc32c = shards_lib.shard_crc32c(data)
       for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
         if cancelled():
-          raise errors.ClosedError(f"the replication of {header['item']} was cancelled")
+          raise errors.ClosedError(f"the replication of {header['final_dir']} was cancelled")
         part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
                                    offset=offset, crc32c=crc32c)
         chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it

@@ -34,7 +34,7 @@ class Step:
   """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
   directory: str
   step: int
-  item: str  # the committed item directory: the key of the RAM tier
+  final_dir: str  # the committed item directory: the key of the RAM tier
   shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
   nbytes: int
   specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
@@ -53,7 +53,7 @@ class Step:
   verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
-  tmp_item: str = ""  # the uncommitted item directory its writer fills
+  tmp_dir: str = ""  # the uncommitted item directory its writer fills
   # The handshake sessions that staged it (at most ``writers``, the trainer processes of
   # this host): only they stage more parts of it, and commit it.
   owners: set = dataclasses.field(default_factory=set)
@@ -79,7 +79,7 @@ class Replica:
   """The shards of one step that a peer (``source``) sent here: a replica record."""
   directory: str
   step: int
-  item: str
+  final_dir: str
   source: int
   shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = dataclasses.field(
       default_factory=dict)
@@ -104,29 +104,29 @@ class RamTier:
     self.uncommitted_s = uncommitted_s
     self.lock = threading.Lock()
     self.steps: dict[str, Step] = {}  # by committed item directory
-    self.replicas: dict[tuple[str, int], Replica] = {}  # by (item, source host)
+    self.replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
     # Items committed() was told of: True while in the RAM tier, False once evicted
     # (a replica that arrives after its step's commit learns its fate here).
-    self.committed_items: dict[str, bool] = {}
+    self.committed_dirs: dict[str, bool] = {}
     self.ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
 
-  def record(self, final_item: str) -> Step:
-    """The step staged here for ``final_item``; InvalidArgumentError if there is none."""
+  def record(self, final_dir: str) -> Step:
+    """The step staged here for ``final_dir``; InvalidArgumentError if there is none."""
     with self.lock:
-      record = self.steps.get(final_item)
+      record = self.steps.get(final_dir)
     if record is None:
-      raise errors.InvalidArgumentError(f"host {self.host_id} has not staged {final_item}")
+      raise errors.InvalidArgumentError(f"host {self.host_id} has not staged {final_dir}")
     return record
 
-  def mark_committed(self, final_item: str) -> list[int]:
+  def mark_committed(self, final_dir: str) -> list[int]:
     """Marks a step (own shards and replicas) committed; evicts steps beyond the budget.
     Returns the kept steps."""
     with self.lock:
-      record = self.steps.get(final_item)
-      held = [r for r in self.replicas.values() if r.item == final_item]
+      record = self.steps.get(final_dir)
+      held = [r for r in self.replicas.values() if r.final_dir == final_dir]
       if record is None and not held:
         return []
-      self.committed_items[final_item] = True
+      self.committed_dirs[final_dir] = True
       for r in held:
         r.committed = True
       if record is not None:
@@ -137,7 +137,7 @@ class RamTier:
     """This host's own shards of the committed items under ``directory``, per item."""
     with self.lock:
       steps = [s for s in self.steps.values() if s.directory == directory and s.committed]
-    return {s.item: [[list(k), [list(i) for i in index]] for k, index in s.shards]
+    return {s.final_dir: [[list(k), [list(i) for i in index]] for k, index in s.shards]
             for s in steps}
 
   def held_replicas(self, directory: str) -> dict[str, dict[int, list]]:
@@ -147,7 +147,7 @@ class RamTier:
       held = [r for r in self.replicas.values()
               if r.directory == directory and r.whole and r.committed]
     for r in held:
-      out.setdefault(r.item, {})[r.source] = [
+      out.setdefault(r.final_dir, {})[r.source] = [
           [list(k), [list(i) for i in index]] for k, index in r.shards]
     return out
 
@@ -158,7 +158,7 @@ class RamTier:
       stale = [s for s in self.steps.values() if not s.committed and s.finished is not None
                and now - s.finished >= self.uncommitted_s]
       for s in stale:
-        del self.steps[s.item]
+        del self.steps[s.final_dir]
     for s in stale:
       if s.replication is not None:
         s.replication.cancelled.set()
@@ -231,15 +231,15 @@ class RamTier:
   def drop(self, directory: str, step: int) -> None:
     """Forgets the step's own shards and replicas here; their arena blocks go back as
     their views die. The lock is held."""
-    for item, s in list(self.steps.items()):
+    for final_dir, s in list(self.steps.items()):
       if s.directory == directory and s.step == step and s.committed:
-        del self.steps[item]
-        if item in self.committed_items:  # a replica still on its way is dropped on arrival
-          self.committed_items[item] = False
+        del self.steps[final_dir]
+        if final_dir in self.committed_dirs:  # a replica still on its way is dropped on arrival
+          self.committed_dirs[final_dir] = False
         if s.replication is not None:
           s.replication.cancelled.set()
     for key, r in list(self.replicas.items()):
       if r.directory == directory and r.step == step:
         del self.replicas[key]
-        if r.item in self.committed_items:
-          self.committed_items[r.item] = False
+        if r.final_dir in self.committed_dirs:
+          self.committed_dirs[r.final_dir] = False

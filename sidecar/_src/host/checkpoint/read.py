@@ -22,32 +22,32 @@ from sidecar._src.host.checkpoint.roots import MANIFEST
 from sidecar._src.user import outputs
 
 
-def info(final_item: str) -> dict[str, Any]:
+def info(final_dir: str) -> dict[str, Any]:
   """The manifest of a committed item (leaves, shard checksums, data position).
 
   An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
   with no checksum to check.
   """
   try:
-    with open(pathlib.Path(final_item) / MANIFEST) as f:
+    with open(pathlib.Path(final_dir) / MANIFEST) as f:
       return json.load(f)
   except FileNotFoundError:
     pass
   try:
-    leaves = ol_read.item_leaves(final_item)
+    leaves = ol_read.item_leaves(final_dir)
   except FileNotFoundError as e:
-    raise errors.InvalidArgumentError(f"cannot restore {final_item}: {e}") from None
+    raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
   return {"format": "orbax", "leaves": leaves, "data_state": None,
           "shards": [{"key_path": d["key_path"], "index": [[0, n] for n in d["shape"]],
                       "crc32c": None} for d in leaves]}
 
 
-def _check(final_item: str, key, idx, data: np.ndarray, crc32c: int, what: str) -> None:
+def _check(final_dir: str, key, idx, data: np.ndarray, crc32c: int, what: str) -> None:
   """CorruptCheckpointError unless ``data`` (the ``what`` of a shard) has ``crc32c``."""
   if ol_shards.shard_crc32c(data) != crc32c:
     name = ".".join(str(k) for k in key)
     raise errors.CorruptCheckpointError(
-        f"{final_item}: array {name!r} shard {[list(i) for i in idx]} does not match its "
+        f"{final_dir}: array {name!r} shard {[list(i) for i in idx]} does not match its "
         f"crc32c in {MANIFEST} ({what}): the file is corrupt or was changed after the save")
 
 
@@ -71,7 +71,7 @@ class Reader:
     self._tier = tier
     self._metrics = metrics
 
-  def read(self, final_item: str, key_path: list, index: list, crc32c: int | None = None,
+  def read(self, final_dir: str, key_path: list, index: list, crc32c: int | None = None,
            tier: str = "any", part: list | None = None) -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
 
@@ -82,7 +82,7 @@ class Reader:
       raise errors.InvalidArgumentError(
           f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
     key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
-    step = pathlib.Path(final_item).parent.name
+    step = pathlib.Path(final_dir).parent.name
     if step.isdigit():
       faults.fault("read", int(step))
     if tier not in ("any", "ram", "replica", "disk"):
@@ -92,16 +92,16 @@ class Reader:
       held: ram_tier.Step | ram_tier.Replica | None = None
       with self._tier.lock:
         if tier == "replica":
-          held = next((r for r in self._tier.replicas.values() if r.item == final_item
+          held = next((r for r in self._tier.replicas.values() if r.final_dir == final_dir
                        and r.whole and r.committed and (key, idx) in r.shards), None)
         else:
-          held = self._tier.steps.get(final_item)
+          held = self._tier.steps.get(final_dir)
           if held is not None and not (held.committed and (key, idx) in held.shards):
             held = None
       if held is not None:
         data = held.shards[(key, idx)]
         if crc32c is not None and (key, idx) not in held.verified:
-          _check(final_item, key, idx, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
+          _check(final_dir, key, idx, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
           held.verified.add((key, idx))
         out = data if part is None else _part(data, part)
         self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
@@ -111,13 +111,13 @@ class Reader:
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
     try:
-      if dcp_steps.is_dcp(final_item):
-        data = dcp_steps.read_item(final_item, key, idx, allocate=outputs.empty)
+      if dcp_steps.is_dcp(final_dir):
+        data = dcp_steps.read_item(final_dir, key, idx, allocate=outputs.empty)
       else:
-        data = ol_read.read_item_shard(final_item, key, idx, allocate=outputs.empty)
+        data = ol_read.read_item_shard(final_dir, key, idx, allocate=outputs.empty)
     except (FileNotFoundError, NotADirectoryError) as e:
-      raise errors.InvalidArgumentError(f"cannot read {final_item}: {e}") from None
+      raise errors.InvalidArgumentError(f"cannot read {final_dir}: {e}") from None
     if crc32c is not None:
-      _check(final_item, key, idx, data, crc32c, "stored copy")
+      _check(final_dir, key, idx, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)
     return data

@@ -50,7 +50,7 @@ class Replicator:
     self._spawn = spawn
     self._metrics = metrics
 
-  def replicate(self, final_item: str, peers: list[dict], timeout: float = 3600.0,
+  def replicate(self, final_dir: str, peers: list[dict], timeout: float = 3600.0,
                 bandwidth: int | None = None) -> dict[str, Any]:
     """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
 
@@ -58,11 +58,11 @@ class Replicator:
     most ``bandwidth`` bytes per second if given.
     Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
     """
-    self._path(final_item, "final_item")
+    self._path(final_dir, "final_dir")
     if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
       raise errors.InvalidArgumentError(
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
-    record = self._tier.record(final_item)
+    record = self._tier.record(final_dir)
     targets = [replicas_lib.Peer.from_dict(p) for p in peers]
     if record.lasts and not record.closed:  # processes sharing this host: wait for them all
       record.whole.wait(timeout)
@@ -89,7 +89,7 @@ class Replicator:
     orbax_write.background_thread()
     t0 = time.perf_counter()
     shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
-    header = {"directory": record.directory, "step": record.step, "item": record.item,
+    header = {"directory": record.directory, "step": record.step, "final_dir": record.final_dir,
               "source": self._host_id}
     try:
       nbytes = 0
@@ -125,18 +125,18 @@ class Replicator:
     """
     try:
       directory, step = header["directory"], roots_lib.as_int(header["step"], "header.step")
-      item, source = header["item"], roots_lib.as_int(header["source"], "header.source")
+      final_dir, source = header["final_dir"], roots_lib.as_int(header["source"], "header.source")
     except (KeyError, TypeError, errors.InvalidArgumentError):
       raise errors.InvalidArgumentError(
-          f"receive: header must have directory, step, item and source, got {header!r:.200}"
+          f"receive: header must have directory, step, final_dir and source, got {header!r:.200}"
       ) from None
     self._path(directory, "header.directory")
-    self._path(item, "header.item")
-    replica = ram_tier.Replica(directory, step, item, source)
+    self._path(final_dir, "header.final_dir")
+    replica = ram_tier.Replica(directory, step, final_dir, source)
     with self._tier.lock:
-      old = self._tier.replicas.get((item, source))
+      old = self._tier.replicas.get((final_dir, source))
       if old is None or not old.whole:
-        self._tier.replicas[(item, source)] = replica
+        self._tier.replicas[(final_dir, source)] = replica
       else:
         replica.replaces = old
     return replica
@@ -150,7 +150,8 @@ class Replicator:
     assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
     held.
     """
-    directory, step, item, source = replica.directory, replica.step, replica.item, replica.source
+    directory, step = replica.directory, replica.step
+    final_dir, source = replica.final_dir, replica.source
     self._replica_fault(step)
     for s in shards:
       key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
@@ -184,28 +185,28 @@ class Replicator:
     if done:
       with self._tier.lock:
         replica.whole, replica.partial = True, {}
-        held = self._tier.replicas.get((item, source))
+        held = self._tier.replicas.get((final_dir, source))
         if held is not None and held is replica.replaces:  # a resend: the newer copy wins
-          self._tier.replicas[(item, source)] = replica
+          self._tier.replicas[(final_dir, source)] = replica
           replica.committed, replica.replaces = held.committed, None
           log.info("step %d: host %d's replica, sent again, replaces the one held", step,
                    source, extra={"step": step})
         elif held is not replica:
           return 0  # aborted or evicted while it came
-        fate = self._tier.committed_items.get(item)
+        fate = self._tier.committed_dirs.get(final_dir)
         if fate is not None:  # its step committed before the replica was whole
           replica.committed = True
           if fate:
             self._tier.evict(directory)
           else:
-            del self._tier.replicas[(item, source)]
+            del self._tier.replicas[(final_dir, source)]
       log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
                len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
   def drop_partial(self, replica: ram_tier.Replica) -> None:
     """Forgets ``replica`` if it is not whole, and only it: not a newer stream's."""
-    key = (replica.item, replica.source)
+    key = (replica.final_dir, replica.source)
     with self._tier.lock:
       if self._tier.replicas.get(key) is replica and not replica.whole:
         del self._tier.replicas[key]  # its blocks go back to the arena

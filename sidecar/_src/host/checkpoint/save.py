@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 STAGE_TIMEOUT_S = 60.0
 
 
-class Saver:
+class StepWriter:
   """The save phases of one sidecar (``host_id``) over its RAM ``tier``.
 
   Args:
@@ -104,7 +104,7 @@ class Saver:
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
               if not s.done.is_set() and owner not in s.owners
-              and (s.tmp_item == dcp_tmp if format else
+              and (s.tmp_dir == dcp_tmp if format else
                    s.step == step and self._path(s.directory, "directory") == resolved)]
     if busy:
       raise errors.PermissionDeniedError(
@@ -114,15 +114,15 @@ class Saver:
       return str(dcp.create_tmp(directory))
     return str(ol_commit.create_tmp_step(directory, step))
 
-  def _uncommitted(self, item: str, name: str) -> tuple[str, str]:
-    """``item`` (resolved) and where it will be once committed, if ``item`` lies in an
+  def _uncommitted(self, tmp_dir: str, name: str) -> tuple[str, str]:
+    """``tmp_dir`` (resolved) and where it will be once committed, if ``tmp_dir`` lies in an
     uncommitted step directory (``*.orbax-checkpoint-tmp``) whose step is not committed,
     or is an uncommitted DCP checkpoint (``*.dcp-checkpoint-tmp``; its commit replaces
     a committed one at its path, as DCP overwrites).
 
     What keeps a save from writing into, or a commit from rewriting, a committed step.
     """
-    path = pathlib.Path(self._path(item, name))
+    path = pathlib.Path(self._path(tmp_dir, name))
     root = pathlib.Path(self._roots.root_of(str(path)) or "/")
     dcp_tmp = path.name.endswith(dcp.TMP_SUFFIX)
     tmp = path if dcp_tmp else next((p for p in path.parents if layout.TMP_SUFFIX in p.name),
@@ -132,7 +132,7 @@ class Saver:
                    if p.is_relative_to(root) and roots_lib.has_markers(p)), None)
     if tmp is None or inside is not None:
       raise errors.PermissionDeniedError(
-          f"{name} {item!r:.200} is not inside an uncommitted step directory "
+          f"{name} {tmp_dir!r:.200} is not inside an uncommitted step directory "
           f"(*{layout.TMP_SUFFIX}, or *{dcp.TMP_SUFFIX}) outside any committed one; a save "
           "writes only into the step it began, never into a committed one")
     if dcp_tmp:
@@ -140,11 +140,11 @@ class Saver:
     step_dir = tmp.with_name(tmp.name.split(layout.TMP_SUFFIX)[0])
     if step_dir.exists():
       raise errors.PermissionDeniedError(
-          f"{name} {item!r:.200}: step {step_dir.name} is committed already ({step_dir}); "
+          f"{name} {tmp_dir!r:.200}: step {step_dir.name} is committed already ({step_dir}); "
           "nothing writes into or over a committed step")
     return str(path), str(step_dir / path.relative_to(tmp))
 
-  def stage(self, directory: str, step: int, item: str, final_item: str, leaves: list[dict],
+  def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str, leaves: list[dict],
             shards: list[dict], last: bool = True, writers: int = 1,
             dcp_part: dict | None = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
@@ -153,40 +153,40 @@ class Saver:
     first part starts the writer, each part's shards are written as they arrive.
     Where ``writers`` trainer processes share this host, the step is whole once each
     has sent its ``last`` part.
-    ``item`` is the uncommitted item directory to write; ``final_item`` where it will
+    ``tmp_dir`` is the uncommitted item directory to write; ``final_dir`` where it will
     be once committed (the RAM tier's key). Returns the bytes staged so far.
 
-    ``item`` must lie in an uncommitted step directory, and ``final_item`` be where it
+    ``tmp_dir`` must lie in an uncommitted step directory, and ``final_dir`` be where it
     goes; the save belongs to the sessions that staged its parts (``owner``), at most
     ``writers`` of them: a part of another session is refused while it is being written.
     ``dcp_part`` (``{"rank", "items"}``): a step in DCP's layout, this rank's part of it
-    (its shards' ``leaf`` numbers its items); ``item`` is then the tmp step directory.
+    (its shards' ``leaf`` numbers its items); ``tmp_dir`` is then the tmp step directory.
     """
     step = roots_lib.as_int(step, "step")
-    for value, name in ((directory, "directory"), (final_item, "final_item")):
+    for value, name in ((directory, "directory"), (final_dir, "final_dir")):
       self._path(value, name)
-    tmp_item, final = self._uncommitted(item, "item")
-    if final != self._path(final_item, "final_item"):
+    tmp_dir, final = self._uncommitted(tmp_dir, "tmp_dir")
+    if final != self._path(final_dir, "final_dir"):
       raise errors.InvalidArgumentError(
-          f"stage: final_item {final_item!r:.200} is not where item {item!r:.200} goes once "
+          f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
           f"committed ({final!r:.200})")
     faults.fault("stage", step)
     with self._tier.lock:
-      record = self._tier.steps.get(final_item)
+      record = self._tier.steps.get(final_dir)
       if record is not None and not record.done.is_set() and (
-          record.tmp_item != tmp_item
+          record.tmp_dir != tmp_dir
           or (owner not in record.owners and len(record.owners) >= record.writers)):
         raise errors.PermissionDeniedError(
-            f"stage: step {record.step} at {final_item!r:.200} is being saved by another "
+            f"stage: step {record.step} at {final_dir!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
       if record is None or record.done.is_set():
         specs = [] if dcp_part is not None else [layout.spec_from_dict(d) for d in leaves]
-        record = ram_tier.Step(directory, step, final_item, {}, 0, specs, tmp_item=tmp_item,
+        record = ram_tier.Step(directory, step, final_dir, {}, 0, specs, tmp_dir=tmp_dir,
                                writers=max(writers, 1),
                                format=dcp_steps.FORMAT if dcp_part is not None else "")
-        self._tier.steps[final_item] = record
-        self._spawn(self._write, record, item, name=f"sidecar-ckpt-{step}")
+        self._tier.steps[final_dir] = record
+        self._spawn(self._write, record, tmp_dir, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
       if (dcp_part is not None) != (record.format == dcp_steps.FORMAT):
@@ -229,7 +229,7 @@ class Saver:
       self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
       record.incoming.put(((rank, number), s["data"]))
 
-  def _write(self, record: ram_tier.Step, item: str) -> None:
+  def _write(self, record: ram_tier.Step, tmp_dir: str) -> None:
     # The bytes are written and checksummed on idle-class threads (ckptfmt/write.py): a
     # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
@@ -264,10 +264,10 @@ class Saver:
           yield shard
 
       if record.format == dcp_steps.FORMAT:
-        record.checksums = dcp_steps.write_ranks(item, record.dcp_items, incoming(),
+        record.checksums = dcp_steps.write_ranks(tmp_dir, record.dcp_items, incoming(),
                                                  host_id=self._host_id, progress=progress)
       else:
-        sums = ol_write.write_item_part(item, self._host_id, record.specs, incoming(),
+        sums = ol_write.write_item_part(tmp_dir, self._host_id, record.specs, incoming(),
                                         progress=progress)
         record.checksums = [{"key_path": list(c.key_path),
                              "index": [list(i) for i in c.index], "nbytes": c.nbytes,
@@ -284,26 +284,26 @@ class Saver:
                 extra={"step": record.step})
       if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
         with self._tier.lock:
-          if self._tier.steps.get(record.item) is record:
-            del self._tier.steps[record.item]
+          if self._tier.steps.get(record.final_dir) is record:
+            del self._tier.steps[record.final_dir]
         record.shards.clear()
     finally:
       record.finished = time.monotonic()
       record.done.set()
       record.whole.set()
 
-  def prepared(self, final_item: str, timeout: float = 3600.0) -> list[dict]:
-    self._path(final_item, "final_item")
-    record = self._tier.record(final_item)
+  def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[dict]:
+    self._path(final_dir, "final_dir")
+    record = self._tier.record(final_dir)
     if not record.done.wait(timeout):
       raise errors.DeadlineExceededError(
           f"step {record.step} is still being written after {timeout} s")
     if record.error is not None:
-      raise write_failure(self._host_id, record.step, final_item, record.error)
+      raise write_failure(self._host_id, record.step, final_dir, record.error)
     faults.fault("prepared", record.step)
     return record.checksums
 
-  def commit(self, item: str, step: int, num_hosts: int, leaves: list[dict],
+  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: list[dict],
              checksums: list[dict], data_state: str, whole_step: bool,
              replicas: dict | None = None, dcp_commit: dict | None = None,
              owner: str = "") -> str:
@@ -312,76 +312,79 @@ class Saver:
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
     so that a restore that finds shards lost can say which hosts are gone. Only the
-    session that staged ``item`` here (``owner``) commits it, once it is written, and
+    session that staged ``tmp_dir`` here (``owner``) commits it, once it is written, and
     only into an uncommitted step.
     ``dcp_commit`` (``{"metadata", "file_sizes", "plan_json"}``): a step in DCP's layout,
-    whose tmp directory ``item`` is.
+    whose tmp directory ``tmp_dir`` is.
     """
     step = roots_lib.as_int(step, "step")
-    tmp_item, _ = self._uncommitted(item, "item")
+    tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
     with self._tier.lock:
-      record = next((s for s in self._tier.steps.values() if s.tmp_item == tmp_item), None)
+      record = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
     if (record is None or owner not in record.owners or record.step != step
         or record.committed):
       raise errors.PermissionDeniedError(
-          f"commit: item {item!r:.200} is not a step {step} this session staged on host "
+          f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on host "
           f"{self._host_id}; a session commits only the save it began")
     if not record.done.is_set() or record.error is not None:
       raise errors.InvalidArgumentError(
-          f"commit: step {step} at {item!r:.200} is not written on host {self._host_id} "
+          f"commit: step {step} at {tmp_dir!r:.200} is not written on host {self._host_id} "
           f"({'still writing' if record.error is None else record.error}); wait for prepared")
     if dcp_commit is not None:
-      if not item.endswith(dcp.TMP_SUFFIX):
+      if not tmp_dir.endswith(dcp.TMP_SUFFIX):
         raise errors.InvalidArgumentError(
-            f"item {item!r:.200} is not an uncommitted DCP step directory (*{dcp.TMP_SUFFIX})")
+            f"tmp_dir {tmp_dir!r:.200} is not an uncommitted DCP step directory "
+            f"(*{dcp.TMP_SUFFIX})")
       faults.fault("commit", step)
-      return dcp_steps.commit(item, step=step, metadata=dcp_commit["metadata"],
+      return dcp_steps.commit(tmp_dir, step=step, metadata=dcp_commit["metadata"],
                               file_sizes=dcp_commit["file_sizes"],
                               plan_json=dcp_commit["plan_json"], checksums=checksums,
                               data_state=data_state, replicas=replicas)
-    if whole_step:  # the rename acts on the item's parent, the tmp step directory
-      parent = self._path(str(pathlib.Path(item).parent), "item's step directory")
+    if whole_step:  # the rename acts on tmp_dir's parent, the tmp step directory
+      parent = self._path(str(pathlib.Path(tmp_dir).parent), "tmp_dir's step directory")
       if not parent.endswith(layout.TMP_SUFFIX):
         raise errors.InvalidArgumentError(
-            f"item {item!r:.200} is not in an uncommitted step directory (*{layout.TMP_SUFFIX})")
+            f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory "
+            f"(*{layout.TMP_SUFFIX})")
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
                 "leaves": leaves, "shards": checksums,
                 "data_state": json.loads(data_state) if data_state else None}
     if replicas:
       manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
     try:
-      with open(pathlib.Path(item) / MANIFEST, "w") as f:
+      with open(pathlib.Path(tmp_dir) / MANIFEST, "w") as f:
         json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
     except (FileNotFoundError, NotADirectoryError) as e:
       raise errors.InvalidArgumentError(
-          f"commit: item {item!r:.200} is not a directory this sidecar staged and wrote "
+          f"commit: tmp_dir {tmp_dir!r:.200} is not a directory this sidecar staged and wrote "
           f"({e.strerror}); stage and prepare a step before committing it") from None
     faults.fault("commit", step)
     specs = [layout.spec_from_dict(d) for d in leaves]
     if whole_step:
-      return str(ol_commit.finalize(pathlib.Path(item).parent, specs, num_hosts=num_hosts))
-    ol_commit.finalize_item(item, specs, num_hosts=num_hosts)
-    return item
+      return str(ol_commit.finalize(pathlib.Path(tmp_dir).parent, specs, num_hosts=num_hosts))
+    ol_commit.finalize_item(tmp_dir, specs, num_hosts=num_hosts)
+    return tmp_dir
 
-  def abort(self, item: str, final_item: str) -> None:
-    """Forgets a step whose save failed; removes ``item`` (its uncommitted files) once
+  def abort(self, tmp_dir: str, final_dir: str) -> None:
+    """Forgets a step whose save failed; removes ``tmp_dir`` (its uncommitted files) once
     written. The controller calls it again with the whole uncommitted step directory
-    once every host is done. ``item`` must be an uncommitted step directory
+    once every host is done. ``tmp_dir`` must be an uncommitted step directory
     (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed."""
-    path = self._path(item, "item")
-    self._path(final_item, "final_item")
+    path = self._path(tmp_dir, "tmp_dir")
+    self._path(final_dir, "final_dir")
     root = self._roots.root_of(path)
     assert root is not None
     if not any(part.endswith((layout.TMP_SUFFIX, dcp.TMP_SUFFIX))
                for part in pathlib.Path(path).relative_to(root).parts):
       raise errors.InvalidArgumentError(
-          f"abort: item {item!r:.200} is not an uncommitted step directory (*{layout.TMP_SUFFIX}) "
+          f"abort: tmp_dir {tmp_dir!r:.200} is not an uncommitted step directory "
+          f"(*{layout.TMP_SUFFIX}) "
           "nor inside one; abort removes only a save's uncommitted files")
     with self._tier.lock:
-      record = self._tier.steps.pop(final_item, None)
-      for key in [k for k in self._tier.replicas if k[0] == final_item]:
+      record = self._tier.steps.pop(final_dir, None)
+      for key in [k for k in self._tier.replicas if k[0] == final_dir]:
         del self._tier.replicas[key]
     if record is not None:
       if record.replication is not None:
@@ -414,14 +417,14 @@ class Saver:
     shutil.rmtree(target, ignore_errors=True)
 
 
-def write_failure(host_id: int, step: int, item: str, e: BaseException) -> errors.SidecarError:
+def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> errors.SidecarError:
   """The error of a host's part of ``step`` that could not be written: an OSError (a full
   disk, an I/O error) is CheckpointWriteError with its errno, file and host; our own
   errors keep their kind."""
   if isinstance(e, errors.SidecarError):
     return e
   if isinstance(e, OSError):
-    path = os.fsdecode(e.filename) if e.filename is not None else item
+    path = os.fsdecode(e.filename) if e.filename is not None else final_dir
     name = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
     return errors.CheckpointWriteError(
         f"host {host_id} could not write step {step}: {e.strerror or e}"

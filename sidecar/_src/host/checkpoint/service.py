@@ -3,8 +3,9 @@
 Each rpc parses its request from raw bytes (malformed bytes get INVALID_ARGUMENT),
 needs a handshake session as ``Call`` does (and the token, which the server's
 interceptor checks for every service), checks every field (a step >= 0, a path that
-is not empty; ``CheckpointHost`` then resolves each path under the checkpoint roots),
-calls :class:`~sidecar._src.host.checkpoint.host.CheckpointHost`, and leaves through
+is not empty; the parts resolve each path under the checkpoint roots), calls the part
+of :class:`~sidecar._src.host.checkpoint.host.CheckpointHost` that does the work (its
+``writer``, ``replicator``, or the host itself for what spans them), and leaves through
 ``protocol.abort`` on failure, so the status codes are ``Call``'s. ``Receive`` is a
 client stream: a peer's replica of one step, its shards' bytes raw in each message.
 """
@@ -55,7 +56,7 @@ def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout
 
 # The fields of the Checkpoint service's requests that name a path: with per-client
 # tokens each must lie in a directory the caller's client opened.
-_PATH_FIELDS = ("directory", "item", "final_item")
+_PATH_FIELDS = ("directory", "tmp_dir", "final_dir")
 
 
 def _session(context: grpc.ServicerContext) -> str:
@@ -174,15 +175,15 @@ class CheckpointService:
   # ---- save --------------------------------------------------------------
 
   def open(self, r: ckpt_pb.CheckpointOpenRequest, _) -> ckpt_pb.CheckpointOpenResponse:
-    opened = self._host.open(r.directory, r.ram_steps,
-                             r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
+    opened = self._host.writer.open(r.directory, r.ram_steps,
+                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
     return ckpt_pb.CheckpointOpenResponse(steps=opened["steps"])
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
     return ckpt_pb.CheckpointBeginResponse(
-        tmp_directory=self._host.begin(r.directory, _step(r.step), r.format,
-                                       _session(context)))
+        tmp_directory=self._host.writer.begin(r.directory, _step(r.step), r.format,
+                                              _session(context)))
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
@@ -194,16 +195,16 @@ class CheckpointService:
               for i, s in enumerate(r.shards)]
     part = wire.dcp_part_from_pb(r.dcp, "dcp") if r.HasField("dcp") else None
     try:
-      staged = self._host.stage(r.directory, step, r.item, r.final_item, leaves, shards, r.last,
-                                writers=max(r.writers, 1), dcp_part=part,
-                                owner=_session(context))
+      staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves, shards,
+                                       r.last, writers=max(r.writers, 1), dcp_part=part,
+                                       owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
                ) -> ckpt_pb.CheckpointPreparedResponse:
-    sums = self._host.prepared(r.final_item, _timeout(r.timeout_s, context))
+    sums = self._host.writer.prepared(r.final_dir, _timeout(r.timeout_s, context))
     return ckpt_pb.CheckpointPreparedResponse(checksums=[wire.checksum_to_pb(c) for c in sums])
 
   def commit(self, r: ckpt_pb.CheckpointCommitRequest, context: grpc.ServicerContext
@@ -222,9 +223,10 @@ class CheckpointService:
     if r.HasField("dcp"):
       dcp_commit = {"metadata": r.dcp.metadata, "plan_json": r.dcp.plan_json,
                     "file_sizes": {int(k): int(v) for k, v in r.dcp.file_sizes.items()}}
-    committed = self._host.commit(r.item, step, r.num_hosts, leaves, sums, r.data_state_json,
-                                  r.whole_step, wire.replicas_from_pb(r.replicas) or None,
-                                  dcp_commit=dcp_commit, owner=_session(context))
+    committed = self._host.writer.commit(
+        r.tmp_dir, step, r.num_hosts, leaves, sums, r.data_state_json, r.whole_step,
+        wire.replicas_from_pb(r.replicas) or None, dcp_commit=dcp_commit,
+        owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _
@@ -236,14 +238,14 @@ class CheckpointService:
       except ValueError as e:
         raise errors.InvalidArgumentError(f"manifest_json is not JSON: {e}") from None
     return ckpt_pb.CheckpointCommittedResponse(
-        kept_steps=self._host.committed(r.final_item, manifest))
+        kept_steps=self._host.committed(r.final_dir, manifest))
 
   def abort(self, r: ckpt_pb.CheckpointAbortRequest, _) -> ckpt_pb.CheckpointAbortResponse:
-    self._host.abort(r.item, r.final_item)
+    self._host.writer.abort(r.tmp_dir, r.final_dir)
     return ckpt_pb.CheckpointAbortResponse()
 
   def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _) -> ckpt_pb.CheckpointDeleteResponse:
-    self._host.delete(r.directory, _step(r.step))
+    self._host.writer.delete(r.directory, _step(r.step))
     return ckpt_pb.CheckpointDeleteResponse()
 
   def forget(self, r: ckpt_pb.CheckpointForgetRequest, _) -> ckpt_pb.CheckpointForgetResponse:
@@ -259,8 +261,8 @@ class CheckpointService:
           f"bandwidth must be absent or bytes per second >= 1, got {r.bandwidth}")
     peers = [{"host_id": p.host_id, "address": p.address, "socket": p.socket,
               "boot_id": p.boot_id} for p in r.peers]
-    out = self._host.replicate(r.final_item, peers, _timeout(r.timeout_s, context),
-                               r.bandwidth if r.HasField("bandwidth") else None)
+    out = self._host.replicator.replicate(r.final_dir, peers, _timeout(r.timeout_s, context),
+                                          r.bandwidth if r.HasField("bandwidth") else None)
     return ckpt_pb.CheckpointReplicateResponse(peers=out["peers"], shards=out["shards"],
                                                bytes=out["bytes"], seconds=out["seconds"])
 
@@ -280,15 +282,15 @@ class CheckpointService:
     if not first.HasField("header"):
       raise errors.InvalidArgumentError("the first ReceiveRequest must carry the header")
     h = first.header
-    header = {"directory": h.directory, "step": _step(h.step, "header.step"), "item": h.item,
-              "source": h.source}
+    header = {"directory": h.directory, "step": _step(h.step, "header.step"),
+              "final_dir": h.final_dir, "source": h.source}
     session = first.worker_session
     view = lambda ref: self._arena_io.view(ref, session)
-    replica = self._host.open_replica(header)  # a resent replica starts afresh
+    replica = self._host.replicator.open_replica(header)  # a resent replica starts afresh
     try:
       return self._receive_all(replica, first, data, requests, view, context)
     except BaseException:
-      self._host.drop_partial_replica(replica)  # a stream cut short leaves none
+      self._host.replicator.drop_partial(replica)  # a stream cut short leaves none
       raise
 
   def _receive_all(self, replica: Any, message: ckpt_pb.ReceiveRequest,
@@ -332,7 +334,7 @@ class CheckpointService:
                      "crc32c": p.crc32c})
       payload = np.frombuffer(p.data if data is None else data, np.uint8)
     try:
-      return self._host.receive(replica, shards, m.done, payload)
+      return self._host.replicator.receive(replica, shards, m.done, payload)
     finally:
       shards.clear()
 
@@ -349,7 +351,7 @@ class CheckpointService:
     return out
 
   def info(self, r: ckpt_pb.CheckpointInfoRequest, _) -> ckpt_pb.CheckpointInfoResponse:
-    manifest = self._host.info(r.final_item)
+    manifest = self._host.info(r.final_dir)
     try:
       out = ckpt_pb.CheckpointInfoResponse(
           format=str(manifest.get("format") or ""),
@@ -362,7 +364,7 @@ class CheckpointService:
       wire.replicas_to_pb(out.replicas, manifest.get("replicas"))
     except (KeyError, TypeError, ValueError, errors.InvalidArgumentError) as e:
       raise errors.InvalidArgumentError(
-          f"{r.final_item}: its manifest is not one this sidecar wrote ({type(e).__name__}: "
+          f"{r.final_dir}: its manifest is not one this sidecar wrote ({type(e).__name__}: "
           f"{e}); restore it with Orbax, or an older step") from None
     return out
 
@@ -374,7 +376,7 @@ class CheckpointService:
     if tier is None:
       raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
     with self._allocating(context):
-      data = self._host.read(r.final_item, list(kp), [list(i) for i in index],
+      data = self._host.read(r.final_dir, list(kp), [list(i) for i in index],
                              r.crc32c if r.HasField("crc32c") else None, tier, part)
     out = ckpt_pb.CheckpointReadResponse()
     if not r.worker_session:  # inline, the bytes copied once into the message

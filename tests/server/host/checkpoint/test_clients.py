@@ -50,21 +50,21 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
     client = attacker._checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError) as info:  # the committed item as the tmp one
-      client.stage(0, directory=str(directory), step=1, item=item, final_item=item,
+      client.stage(0, directory=str(directory), step=1, tmp_dir=item, final_dir=item,
                    leaves=leaves, shards=[evil], last=True).result()
     assert isinstance(info.value, PermissionError), info.value
     assert "is not inside an uncommitted step directory" in str(info.value)
     for whole_step in (False, True):
       with pytest.raises(sidecar.SidecarError) as info:
-        client.commit(0, item=item, step=1, num_hosts=1, leaves=leaves, checksums=[],
+        client.commit(0, tmp_dir=item, step=1, num_hosts=1, leaves=leaves, checksums=[],
                       data_state_json="", whole_step=whole_step, replicas=None,
                       timeout=10).result()
       assert isinstance(info.value, PermissionError), info.value
     # A tmp step of its own beside it, committed over the victim's item: refused too.
     tmp_item = str(directory / "1.orbax-checkpoint-tmp" / "default")
     with pytest.raises(sidecar.SidecarError, match="is committed already"):
-      client.stage(0, directory=str(directory), step=1, item=tmp_item,
-                   final_item=item, leaves=leaves, shards=[evil], last=True).result()
+      client.stage(0, directory=str(directory), step=1, tmp_dir=tmp_item,
+                   final_dir=item, leaves=leaves, shards=[evil], last=True).result()
   np.testing.assert_array_equal(restored(victim, directory), np.full(1024, 1.0, np.float32))
   victim.close()
 
@@ -76,29 +76,29 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   directory = tmp_path / "ck"
   victim = saved(server, directory, 1.0)
   tmp_item = str(directory / "2.orbax-checkpoint-tmp" / "default")
-  final_item = str(directory / "2" / "default")
+  final_dir = str(directory / "2" / "default")
   leaves = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())[
       "leaves"]
   mine = victim._checkpoint_client()
   mine.begin(0, str(directory), 2).result()
   half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
-  mine.stage(0, directory=str(directory), step=2, item=tmp_item, final_item=final_item,
+  mine.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
              leaves=leaves, shards=[], last=False).result()
   with controller(server, attach=False) as attacker:
     theirs = attacker._checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.stage(0, directory=str(directory), step=2, item=tmp_item, final_item=final_item,
+      theirs.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                    leaves=leaves, shards=[evil], last=True).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.begin(0, str(directory), 2).result()  # would remove the victim's files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, item=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=[],
+      theirs.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=[],
                     data_state_json="", whole_step=True, replicas=None, timeout=10).result()
-  mine.stage(0, directory=str(directory), step=2, item=tmp_item, final_item=final_item,
+  mine.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
              leaves=[], shards=[half], last=True).result()
-  sums = mine.prepared(0, final_item, timeout=30).result()
-  mine.commit(0, item=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=sums,
+  sums = mine.prepared(0, final_dir, timeout=30).result()
+  mine.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=sums,
               data_state_json="", whole_step=True, replicas=None, timeout=10).result()
   with victim.checkpointer(directory) as ckpt:
     got = ckpt.restore(2, target={"w": np.zeros(1024, np.float32)})["w"]
@@ -119,20 +119,20 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
     tmp = mine.begin(0, str(path), 3, format=dcp.FORMAT).result()
     assert tmp == str(dcp.tmp_path(path))
-    mine.stage(0, directory=str(path.parent), step=3, item=tmp, final_item=str(path),
+    mine.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                leaves=[], shards=[], last=False, dcp=(0, [item])).result()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.stage(0, directory=str(path.parent), step=3, item=tmp, final_item=str(path),
+      theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                    leaves=[], shards=[evil], last=True, dcp=(0, [item])).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, item=tmp, step=3, num_hosts=1, leaves=[], checksums=[],
+      theirs.commit(0, tmp_dir=tmp, step=3, num_hosts=1, leaves=[], checksums=[],
                     data_state_json="", whole_step=True, replicas=None, timeout=10).result()
     with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
-      theirs.stage(0, directory=str(path.parent), step=3, item=str(path),
-                   final_item=str(path), leaves=[], shards=[evil], last=True,
+      theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=str(path),
+                   final_dir=str(path), leaves=[], shards=[evil], last=True,
                    dcp=(0, [item])).result()
     assert pathlib.Path(tmp).is_dir()  # the victim's save is still there
     mine.abort(0, tmp, str(path), timeout=10).result()
@@ -161,7 +161,7 @@ def replica(directory, values: np.ndarray, *, crc32c: int | None = None, step: i
   from sidecar._src.ckptfmt import shards
   from sidecar._src.wire import checkpoint_wire as wire
   header = ckpt_pb.ReplicaHeader(directory=str(directory), step=step,
-                                 item=str(directory / str(step) / "default"), source=0)
+                                 final_dir=str(directory / str(step) / "default"), source=0)
   part = ckpt_pb.ReplicaPart(
       shard=wire.shard_to_pb(["w"], [(0, values.size)]), dtype=values.dtype.name,
       shape=values.shape, offset=0, data=values.tobytes(),
@@ -222,10 +222,10 @@ def test_a_replica_is_checked_against_its_senders_crc32c_and_a_resend_replaces_i
     receive(channel, metadata, replica(directory, second, crc32c=12345))
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
   assert "does not match the crc32c its sender computed (12345)" in info.value.details()
-  assert held_replicas(server, directory) == {} and not server.checkpoints._tier.replicas
+  assert held_replicas(server, directory) == {} and not server.checkpoints.tier.replicas
   assert receive(channel, metadata, replica(directory, first)).nbytes == first.nbytes
   assert receive(channel, metadata, replica(directory, second)).nbytes == second.nbytes
-  (record,) = server.checkpoints._tier.replicas.values()
+  (record,) = server.checkpoints.tier.replicas.values()
   np.testing.assert_array_equal(record.shards[(("w",), ((0, 1024),))], second)  # the resend
   channel.close()
 
@@ -242,8 +242,8 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
     for inside in ("1/x.orbax-checkpoint-tmp/default", "1/default/x.orbax-checkpoint-tmp/w"):
       item = str(directory / inside)
       with pytest.raises(sidecar.SidecarError, match="outside any committed one"):
-        client.stage(0, directory=str(directory), step=7, item=item,
-                     final_item=item.replace(".orbax-checkpoint-tmp", ""), leaves=leaves,
+        client.stage(0, directory=str(directory), step=7, tmp_dir=item,
+                     final_dir=item.replace(".orbax-checkpoint-tmp", ""), leaves=leaves,
                      shards=[evil], last=True).result()
   assert sorted(p.name for p in (directory / "1").iterdir()) == [
       "_CHECKPOINT_METADATA", "commit_success.txt", "default"]

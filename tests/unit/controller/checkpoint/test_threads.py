@@ -29,10 +29,10 @@ class SlowReplicas(FakeSidecars):
     super().__init__(**kw)
     self.pending: list[tuple[str, concurrent.futures.Future]] = []
 
-  def replicate(self, host, final_item, peers, *, bandwidth, timeout):
+  def replicate(self, host, final_dir, peers, *, bandwidth, timeout):
     self.calls.append(("replicate", host))
     out: concurrent.futures.Future = concurrent.futures.Future()
-    self.pending.append((final_item, out))
+    self.pending.append((final_dir, out))
     return out
 
   def finish(self, step: int) -> None:
@@ -43,7 +43,7 @@ class SlowReplicas(FakeSidecars):
 
 def test_close_joins_an_older_saves_finisher_still_settling_its_replication():
   """With replicas, save 1's finisher waits for its replication after durable, while
-  save 2 runs: it was no longer the Saver's, and close() did not wait for it."""
+  save 2 runs: it was no longer the SaveCoordinator's, and close() did not wait for it."""
   fake = SlowReplicas(hosts=(0, 1))
   ckpt = Checkpointer(directory="/ckpt/run", client=fake, hosts=[0, 1], device_hosts={},
                       max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,

@@ -60,7 +60,7 @@ def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=
     record.done.set()
     record.finished = 0.0
   record.committed = committed
-  tier.steps[record.item] = record
+  tier.steps[record.final_dir] = record
 
 
 def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
@@ -86,7 +86,7 @@ def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena
   assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
   assert used_blocks(arena) == 2
   assert sorted(s.step for s in tier.steps.values()) == [2, 3]
-  assert tier.committed_items == {item(1): False, item(2): True, item(3): True}
+  assert tier.committed_dirs == {item(1): False, item(2): True, item(3): True}
 
 
 def test_a_directory_never_opened_keeps_one_step(tier, arena):
@@ -118,7 +118,7 @@ def test_replicas_count_toward_the_budget_and_leave_with_their_step(tier, arena)
   add_replica(tier, arena, 3, source=3)
   assert commit(tier, arena, 3) == [3]  # 3 blocks; with step 2's 2 it would not fit
   assert sorted(tier.replicas) == [(item(3), 2), (item(3), 3)]
-  assert tier.committed_items == {item(1): False, item(2): False, item(3): True}
+  assert tier.committed_dirs == {item(1): False, item(2): False, item(3): True}
   assert used_blocks(arena) == 3
 
 
@@ -133,20 +133,20 @@ def test_a_step_held_only_as_a_replica_is_committed_and_kept(tier, arena):
 
 def test_a_step_this_host_never_held_is_not_recorded(tier):
   assert tier.mark_committed(item(5)) == []
-  assert tier.committed_items == {}
+  assert tier.committed_dirs == {}
 
 
 def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
   """A peer's replica that becomes whole after its step was committed here learns the
-  step's fate from committed_items: False once the step left the RAM tier, so the
+  step's fate from committed_dirs: False once the step left the RAM tier, so the
   replica is dropped, not kept for a step deleted since (checkpoint_replication)."""
   tier.ram_steps[D] = (1, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
-  assert tier.committed_items[item(1)] is False
+  assert tier.committed_dirs[item(1)] is False
   with tier.lock:
     tier.drop(D, 2)  # forget: max_to_keep deleted it
-  assert tier.committed_items[item(2)] is False
+  assert tier.committed_dirs[item(2)] is False
   assert tier.steps == {} and used_blocks(arena) == 0
 
 

@@ -68,9 +68,9 @@ def test_the_filesystem_root_holds_every_path(tmp_path):
 def test_a_sidecar_without_roots_refuses_every_path_and_says_how_to_give_one(tmp_path):
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"^sidecar host 1 has no checkpoint root, so it refuses checkpoint "
-                           r"calls \(final_item '.*/x'\); start it with --checkpoint-root DIR "
+                           r"calls \(final_dir '.*/x'\); start it with --checkpoint-root DIR "
                            r"\(repeatable, or SIDECAR_CHECKPOINT_ROOTS\) naming the directory"):
-    roots_lib.Roots(1).resolve(str(tmp_path / "x"), "final_item")
+    roots_lib.Roots(1).resolve(str(tmp_path / "x"), "final_dir")
 
 
 @pytest.mark.parametrize("bad", [None, 5, b"/tmp", "", "/tmp/a\0b"],
