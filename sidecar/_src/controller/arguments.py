@@ -90,19 +90,20 @@ def split_legacy(method: str, name: str, args: Any, kwargs: Any, legacy_args: tu
 
 
 def split_legacy_feed(name: str, kwargs: Any, options: Any, legacy_kwargs: dict[str, Any],
-                      option_names: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+                      option_names: Sequence[str]
+                      ) -> tuple[dict[str, Any], options_lib.FeedOptions | None]:
   """The pipeline's kwargs and the feed options given the old way, from ``ctl.feed``.
 
   The old ``ctl.feed(name, ..., prefetch=, workers=, **pipeline_kwargs)`` took both in
   one namespace; each part still works, with a ``DeprecationWarning`` naming the new one.
 
   Returns:
-    The pipeline's keyword arguments, and the options (of ``option_names``) given as
-    keywords, for ``FeedOptions(**them)``.
+    The pipeline's keyword arguments, and the options: ``options``, or those (of
+    ``option_names``) given as keywords.
 
   Raises:
     TypeError: both spellings of the same thing at once.
-    InvalidArgumentError: ``kwargs`` is not a mapping with str keys.
+    InvalidArgumentError: ``kwargs`` is not a mapping with str keys; a bad option.
   """
   where = f"ctl.feed({name!r})"
   old_options = {k: v for k, v in legacy_kwargs.items() if k in option_names}
@@ -114,6 +115,10 @@ def split_legacy_feed(name: str, kwargs: Any, options: Any, legacy_kwargs: dict[
     spelled = ", ".join(f"{k}={v!r}" for k, v in old_options.items())
     warnings.warn(f"{where} with {', '.join(old_options)}= is deprecated: write "
                   f"options=sidecar.FeedOptions({spelled})", DeprecationWarning, stacklevel=3)
+    try:
+      options = options_lib.FeedOptions(**old_options)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(str(e)) from None
   if old_kwargs:
     if kwargs is not None:
       raise TypeError(
@@ -126,4 +131,4 @@ def split_legacy_feed(name: str, kwargs: Any, options: Any, legacy_kwargs: dict[
         DeprecationWarning, stacklevel=3)
     kwargs = old_kwargs
   _, kwargs = check((), kwargs, where=where)
-  return kwargs, old_options
+  return kwargs, options

@@ -19,8 +19,6 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
-import grpc
-
 from sidecar._src.arena import worker as worker_lib
 from sidecar._src.controller import (
   arguments,
@@ -38,7 +36,7 @@ from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import env, errors, options as options_lib, rendezvous
+from sidecar._src.core import env, errors, options as options_lib
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
@@ -140,9 +138,7 @@ class Controller:
     as :meth:`from_cluster_file` does.
     """
     found = discovery.find(timeout=timeout)
-    if found.token_file and kwargs.get("token") is None and not env.get(env.TOKEN):
-      kwargs["token"] = rendezvous.read_token_file(found.token_file)
-    return cls(list(found.addresses), **kwargs)
+    return cls(list(found.addresses), **found.controller_kwargs(kwargs, env_token_first=True))
 
   @classmethod
   def from_cluster_file(cls, path: str, *, timeout: float = 60.0, **kwargs: Any
@@ -160,9 +156,7 @@ class Controller:
         its sidecars do not all answer within ``timeout`` seconds.
     """
     found = discovery.from_cluster_file(os.path.expanduser(str(path)), timeout=timeout)
-    if kwargs.get("token") is None and found.token_file:
-      kwargs["token"] = rendezvous.read_token_file(found.token_file)
-    return cls(list(found.addresses), **kwargs)
+    return cls(list(found.addresses), **found.controller_kwargs(kwargs, env_token_first=False))
 
   @property
   def multiprocess(self) -> bool:
@@ -245,6 +239,10 @@ class Controller:
     """The worker that maps host ``host_id``'s arena here, if any."""
     return self._hosts.workers.get(host_id)
 
+  def _first_host(self) -> int:
+    """The host a stream goes to by default: this process's first."""
+    return (self.local_hosts or self._hosts.driven)[0]
+
   def _check_open(self) -> None:
     if self.state is State.CLOSED:
       raise errors.ClosedError("this Controller is closed; make a new one")
@@ -312,8 +310,7 @@ class Controller:
     self._check_open()
     args, kwargs = arguments.split_legacy("stream", name, args, kwargs, legacy_args,
                                           legacy_kwargs, stacklevel=3)
-    (host_id,) = self._hosts.select([(self.local_hosts or self._hosts.driven)[0] if host is None
-                                     else host])
+    (host_id,) = self._hosts.select([self._first_host() if host is None else host])
     held: list = []
     request = self._calls.request(host_id, name, args, kwargs, self.timeout, held)
     return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held,
@@ -349,29 +346,20 @@ class Controller:
         ``{device id: process index}`` where several processes share hosts, else empty).
       kwargs, seed, num_epochs, state, options: as ``sidecar.Controller.feed``'s.
     """
-    return self._feed(name, global_batch_size=global_batch_size, layout=layout,
-                      kwargs=kwargs or {}, seed=seed, num_epochs=num_epochs, state=state,
-                      options=options, old_options={})
-
-  def _feed(self, name: str, *, global_batch_size: int, layout: LayoutFactory,
-            kwargs: Mapping[str, Any], seed: int, num_epochs: int | None,
-            state: dict[str, Any] | None, options: options_lib.FeedOptions | None,
-            old_options: Mapping[str, Any]) -> Feed:
-    """:meth:`open_feed`, with the options the deprecated keywords gave (``old_options``)."""
     self._check_open()
-    options = feed_lib.check_arguments(name, options, old_options, self.hosts,
+    options = feed_lib.check_arguments(name, options, self.hosts,
                                        global_batch_size=global_batch_size,
                                        num_epochs=num_epochs)
     rows = layout(global_batch_size, dict(self._hosts.device_hosts),
                   dict(self._hosts.device_processes))
     self._feeds += 1
     feed = feed_lib.agree_and_open(
-        name, self._feeds, global_batch_size=global_batch_size, layout=rows, kwargs=kwargs,
-        seed=seed, num_epochs=num_epochs, state=state, options=options, peers=self._peers,
+        name, self._feeds, global_batch_size=global_batch_size, layout=rows,
+        kwargs=kwargs or {}, seed=seed, num_epochs=num_epochs, state=state, options=options,
+        peers=self._peers, local_hosts=self.local_hosts,
         open_call=lambda host_id, request: self._open_stream(
             host_id, request, prefetch=options.prefetch, timeout=None, held=[]),
         session=lambda host_id: getattr(self._hosts.workers.get(host_id), "session", ""),
-        local_hosts=self.local_hosts,
         arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                            for s in self.status()})
     self._children.add(feed)
@@ -387,9 +375,7 @@ class Controller:
     return feed_lib.length(name, global_batch_size=global_batch_size, kwargs=kwargs or {},
                            seed=seed, num_epochs=num_epochs,
                            open_call=lambda request: self._open_stream(
-                               (self.local_hosts or self._hosts.driven)[0], request,
-                               prefetch=1, timeout=None,
-                               held=[]))
+                               self._first_host(), request, prefetch=1, timeout=None, held=[]))
 
   def checkpointer(self, directory: str, *, max_to_keep: int | None = None,
                    keep_period: int | None = None, ram_steps: int = 1,
@@ -466,12 +452,7 @@ class Controller:
     Asks every host at once; ``timeout`` (default: the controller's) bounds each.
     """
     self._check_open()
-    out = []
-    for h, c, s in self._hosts.statuses(self.timeout if timeout is None else timeout):
-      if isinstance(s, grpc.RpcError):
-        raise protocol.error_from_rpc(s, host=c.address, host_id=h) from None
-      out.append(s)
-    return out
+    return self._hosts.statuses_or_raise(self.timeout if timeout is None else timeout)
 
   @interrupts.deferring
   def _display(self, *, as_html: bool) -> str:

@@ -103,6 +103,14 @@ class Found:
   addresses: tuple[str, ...]
   token_file: str | None = None
 
+  def controller_kwargs(self, kwargs: dict, *, env_token_first: bool) -> dict:
+    """A Controller's ``kwargs`` with the token file's token where they give none (nor,
+    with ``env_token_first``, ``$SIDECAR_TOKEN``)."""
+    if (self.token_file and kwargs.get("token") is None
+        and not (env_token_first and env_lib.get(env_lib.TOKEN))):
+      kwargs = {**kwargs, "token": rendezvous.read_token_file(self.token_file)}
+    return kwargs
+
 
 def find(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) -> Found:
   """Like :func:`discover`, with the token file of a cluster file or Slurm job."""

@@ -76,21 +76,17 @@ class BatchLayout(abc.ABC):
 LayoutFactory = Callable[[int, Mapping[int, int], Mapping[int, int]], BatchLayout]
 
 
-def check_arguments(name: str, options: Any, old_options: Mapping[str, Any],
-                    hosts: Sequence[HostInfo], *, global_batch_size: Any, num_epochs: Any
-                    ) -> options_lib.FeedOptions:
-  """``ctl.feed``'s options (from ``old_options``, the deprecated keywords, if None),
-  checked with its batch size, epochs and pipeline ``name`` on every host in ``hosts``.
+def check_arguments(name: str, options: Any, hosts: Sequence[HostInfo], *,
+                    global_batch_size: Any, num_epochs: Any) -> options_lib.FeedOptions:
+  """``ctl.feed``'s options (the defaults if None), checked with its batch size, epochs
+  and pipeline ``name`` on every host in ``hosts``.
 
   Raises:
     InvalidArgumentError: a bad option, batch size or epoch count, naming the value.
     NotRegisteredError: a host has no pipeline ``name``.
   """
   if options is None:
-    try:
-      options = options_lib.FeedOptions(**old_options)
-    except ValueError as e:
-      raise errors.InvalidArgumentError(str(e)) from None
+    options = options_lib.FeedOptions()
   if not isinstance(options, options_lib.FeedOptions):
     raise errors.InvalidArgumentError(
         f"options must be a sidecar.FeedOptions, got {type(options).__name__}")

@@ -21,6 +21,7 @@ from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_
 from sidecar._src.core import env, errors
 from sidecar._src.streams import grpc_transport, socket_transport
 from sidecar._src.streams.consumer import Stream, ToDevice
+from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,15 @@ class Hosts:
         out.append((h, c, interrupts.wait(f)))
       except grpc.RpcError as e:
         out.append((h, c, e))
+    return out
+
+  def statuses_or_raise(self, timeout: float) -> list[pb.StatusResponse]:
+    """Every live host's status, by host id; the first failure raised as ours."""
+    out = []
+    for h, c, s in self.statuses(timeout):
+      if isinstance(s, grpc.RpcError):
+        raise protocol.error_from_rpc(s, host=c.address, host_id=h) from None
+      out.append(s)
     return out
 
   # ---- connecting --------------------------------------------------------

@@ -78,10 +78,9 @@ class Controller(core.Controller):
         else for ``kwargs``; each with a DeprecationWarning.
     """
     self._check_open()
-    kwargs, old_options = arguments.split_legacy_feed(
+    kwargs, options = arguments.split_legacy_feed(
         name, kwargs, options, legacy_kwargs, arguments.FEED_OPTIONS)
-    return self._feed(
+    return self.open_feed(
         name, global_batch_size=global_batch_size,
         layout=lambda g, hosts, processes: jax_feed.Layout(sharding, g, hosts, processes),
-        kwargs=kwargs, seed=seed, num_epochs=num_epochs, state=state, options=options,
-        old_options=old_options)
+        kwargs=kwargs, seed=seed, num_epochs=num_epochs, state=state, options=options)

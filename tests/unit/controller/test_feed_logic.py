@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
-from sidecar._src.controller import feed as feed_lib
+from sidecar._src.controller import arguments, feed as feed_lib
 from sidecar._src.jax import feed as jax_feed
 from sidecar._src.wire import feed_batch
 
@@ -152,30 +152,38 @@ class _Host:
     self.host_id, self.pipelines = host_id, pipelines
 
 
-@pytest.mark.parametrize("options,old,kwargs,error,match", [
-    (None, {"prefetch": 0}, {}, sidecar.InvalidArgumentError, r"prefetch must be"),
-    ({"prefetch": 4}, {}, {}, sidecar.InvalidArgumentError, r"options must be a sidecar.FeedOptions"),
-    (None, {}, {"global_batch_size": 2.5}, sidecar.InvalidArgumentError,
+@pytest.mark.parametrize("options,kwargs,error,match", [
+    ({"prefetch": 4}, {}, sidecar.InvalidArgumentError, r"options must be a sidecar.FeedOptions"),
+    (None, {"global_batch_size": 2.5}, sidecar.InvalidArgumentError,
      r"global_batch_size must be a positive int, got 2.5"),
-    (None, {}, {"num_epochs": 0}, sidecar.InvalidArgumentError, r"num_epochs must be None or >= 1"),
-    (None, {}, {"name": "nope"}, sidecar.NotRegisteredError,
+    (None, {"num_epochs": 0}, sidecar.InvalidArgumentError, r"num_epochs must be None or >= 1"),
+    (None, {"name": "nope"}, sidecar.NotRegisteredError,
      r"no pipeline named 'nope' is registered on hosts \[1\]; registered pipelines: ids"),
-], ids=["legacy-prefetch", "options-dict", "float-batch", "zero-epochs", "missing-pipeline"])
-def test_feed_arguments_are_checked_before_anything_opens(options, old, kwargs, error, match):
+], ids=["options-dict", "float-batch", "zero-epochs", "missing-pipeline"])
+def test_feed_arguments_are_checked_before_anything_opens(options, kwargs, error, match):
   hosts = [_Host(0, ("ids", "nope")), _Host(1, ("ids",))]
   args = {"name": "ids", "global_batch_size": 8, "num_epochs": None} | kwargs
   with pytest.raises(error, match=match):
-    feed_lib.check_arguments(args.pop("name"), options, old, hosts, **args)
+    feed_lib.check_arguments(args.pop("name"), options, hosts, **args)
 
 
 def test_feed_arguments_give_the_options_to_use():
   hosts = [_Host(0, ("ids",))]
   given = sidecar.FeedOptions(prefetch=3)
-  assert feed_lib.check_arguments("ids", given, {}, hosts, global_batch_size=8,
+  assert feed_lib.check_arguments("ids", given, hosts, global_batch_size=8,
                                   num_epochs=2) is given
-  legacy = feed_lib.check_arguments("ids", None, {"workers": 2}, hosts, global_batch_size=8,
-                                    num_epochs=None)
-  assert legacy == sidecar.FeedOptions(workers=2)
+  assert feed_lib.check_arguments("ids", None, hosts, global_batch_size=8,
+                                  num_epochs=None) == sidecar.FeedOptions()
+
+
+def test_options_given_the_old_way_are_checked_and_become_feed_options():
+  with pytest.warns(DeprecationWarning, match=r"options=sidecar.FeedOptions\(workers=2\)"):
+    kwargs, options = arguments.split_legacy_feed("ids", {"n": 1}, None, {"workers": 2},
+                                                  arguments.FEED_OPTIONS)
+  assert options == sidecar.FeedOptions(workers=2) and kwargs == {"n": 1}
+  with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be"), \
+      pytest.warns(DeprecationWarning):
+    arguments.split_legacy_feed("ids", None, None, {"prefetch": 0}, arguments.FEED_OPTIONS)
 
 
 def test_processes_sharing_a_host_each_get_a_part_of_their_own():
