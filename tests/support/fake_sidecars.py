@@ -16,6 +16,8 @@ import time
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.spec import LeafSpec, spec_to_dict
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held, Manifest
 from sidecar._src.controller.connection import CallWindow, HostInfo
 from sidecar._src.controller.peers import Peers
@@ -106,7 +108,7 @@ class FakeSidecars(CheckpointTransport):
     self.calls: list[tuple[str, int]] = []
     self.steps: dict[str, set[int]] = {}
     self.initial = list(steps)
-    self.leaves: dict[str, list] = {}  # final dir -> leaf dicts
+    self.leaves: dict[str, list[LeafSpec]] = {}  # final dir -> its leaves
     self.staged: dict[tuple[int, str], dict] = {}  # (host, final dir) -> {(kp, index): array}
     self.manifests: dict[str, Manifest] = {}  # final dir -> its manifest, once committed
     self.aborted: list[tuple[int, str]] = []
@@ -144,16 +146,15 @@ class FakeSidecars(CheckpointTransport):
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
             writers=1):
     if leaves:
-      self.leaves[final_dir] = [dict(d) for d in leaves]
+      self.leaves[final_dir] = list(leaves)
     held = self.staged.setdefault((host, final_dir), {})
     for s in shards:
-      kp = tuple(self.leaves[final_dir][s.leaf]["key_path"])
+      kp = self.leaves[final_dir][s.leaf].key_path
       held[(kp, tuple(s.index))] = np.array(s.data)
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
   def prepared(self, host, final_dir, *, timeout):
-    sums = [{"key_path": list(kp), "index": [list(i) for i in index], "nbytes": a.nbytes,
-             "crc32c": None, "host": host}
+    sums = [ShardChecksum(kp, index, a.nbytes, None, host)
             for (kp, index), a in self.staged.get((host, final_dir), {}).items()]
     return self._phase("prepared", host, sums)
 
@@ -162,8 +163,8 @@ class FakeSidecars(CheckpointTransport):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       final = tmp_dir.replace(".orbax-checkpoint-tmp", "")
-      self.manifests[final] = Manifest("colocated-sidecar", [dict(d) for d in leaves],
-                                       [dict(c) for c in checksums],
+      self.manifests[final] = Manifest("colocated-sidecar", [spec_to_dict(s) for s in leaves],
+                                       list(checksums),
                                        json.loads(data_state_json) if data_state_json else None,
                                        {int(h): list(p) for h, p in (replicas or {}).items()})
       directory = final.rsplit("/", 2)[0]

@@ -23,6 +23,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -191,9 +192,11 @@ class Worker:
       except json.JSONDecodeError as e:
         raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {e}") from None
     if interrupted is not None:
-      if "offset" in reply:
+      granted = ([[reply["offset"], reply["generation"]]] if "offset" in reply else
+                 [[b[0], b[2]] for b in reply.get("blocks", ())])
+      if granted:
         with contextlib.suppress(OSError):
-          ipc.send(self._sock, {"op": "free", "blocks": [[reply["offset"], reply["generation"]]]})
+          ipc.send(self._sock, {"op": "free", "blocks": granted})
       raise interrupted
     if not isinstance(reply, dict):
       raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {reply!r:.80}")
@@ -246,6 +249,26 @@ class Worker:
                           wait=timeout or 0.0)
     ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
     return self.view(ref), ref
+
+  def empty_like(self, arrays: Sequence[np.ndarray], *, timeout: float = 0.0
+                 ) -> list[tuple[np.ndarray, codec.ArenaRef]]:
+    """New arrays in the arena shaped as ``arrays`` (a save's shards), and their
+    descriptors: one round trip for up to ``ipc.MAX_ALLOC_BLOCKS`` of them, all or none."""
+    self._check_open()
+    out: list[tuple[np.ndarray, codec.ArenaRef]] = []
+    try:
+      for start in range(0, len(arrays), ipc.MAX_ALLOC_BLOCKS):
+        part = arrays[start:start + ipc.MAX_ALLOC_BLOCKS]
+        sizes = [max(a.nbytes, 1) for a in part]
+        reply = self._request({"op": "alloc", "sizes": sizes, "timeout": timeout},
+                              wait=timeout or 0.0)
+        for a, n, (offset, _, generation) in zip(part, sizes, reply["blocks"]):
+          ref = codec.ArenaRef(offset, n, generation, a.dtype.name, tuple(a.shape))
+          out.append((self.view(ref), ref))
+    except BaseException:
+      out.clear()  # the views let their blocks go
+      raise
+    return out
 
   def put(self, array: np.ndarray, *, timeout: float = 0.0) -> tuple[np.ndarray, codec.ArenaRef]:
     """Copies ``array`` into the arena; returns the arena copy and its descriptor."""

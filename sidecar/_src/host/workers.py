@@ -260,9 +260,13 @@ class WorkerListener:
         timeout = float(message.get("timeout", 0.0))
         if not 0 <= timeout < math.inf:
           raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
-        block = self._leases.alloc(int(message["nbytes"]), session, timeout=timeout)
-        reply: dict[str, Any] = {"offset": block.offset, "nbytes": block.nbytes,
-                                 "generation": block.generation}
+        if "sizes" in message:  # a save's blocks on this host: one round trip for all
+          reply: dict[str, Any] = {"blocks": self._alloc_many(message["sizes"], session,
+                                                              timeout)}
+        else:
+          block = self._leases.alloc(int(message["nbytes"]), session, timeout=timeout)
+          reply = {"offset": block.offset, "nbytes": block.nbytes,
+                   "generation": block.generation}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:
@@ -271,6 +275,24 @@ class WorkerListener:
       ipc.send(conn, reply)
       return
     ipc.send(conn, {"error": protocol.error_dict(errors.InvalidArgumentError(f"unknown op {op!r}"))})
+
+  def _alloc_many(self, sizes: Any, session: str, timeout: float) -> list[list[int]]:
+    """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s for all: every
+    one, or none (those granted go back) and the error."""
+    if not isinstance(sizes, list) or not 0 < len(sizes) <= ipc.MAX_ALLOC_BLOCKS:
+      raise ValueError(f"sizes must be a list of 1 to {ipc.MAX_ALLOC_BLOCKS} byte counts")
+    deadline = time.monotonic() + timeout
+    blocks: list[list[int]] = []
+    try:
+      for n in sizes:
+        block = self._leases.alloc(int(n), session,
+                                   timeout=max(deadline - time.monotonic(), 0.0))
+        blocks.append([block.offset, block.nbytes, block.generation])
+    except BaseException:
+      for offset, _, generation in blocks:
+        self._leases.release(offset, generation, session)
+      raise
+    return blocks
 
   def _free(self, session: str, flat: list[int]) -> None:
     """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""

@@ -42,7 +42,9 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.distributed.tensor import DTensor
 
+from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import dcp
+from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.checkpointer import replica_peers
 from sidecar._src.controller.checkpoint.client import StagedShard
@@ -53,6 +55,7 @@ from sidecar._src.torch import (
   metadata as plans_lib,
   tensors,
 )
+from sidecar._src.wire import codec
 
 log = logging.getLogger(__name__)
 STAGE_PART_BYTES = 512 << 20  # a rank stages in parts of about this many bytes
@@ -154,12 +157,9 @@ class StorageWriter(_Writer):
     rank = self._ctl.peers.index
     host = _host_of_this_rank(self._ctl)
     t0 = time.perf_counter()
-    items, arrays = [], []
-    for w in plan.items:
-      data = planner.resolve_data(w)
-      array = self._to_arena(host, data, w.index.fqn)
-      items.append(plans_lib.item_of(w, array.nbytes))
-      arrays.append(array)
+    arrays, refs = self._to_arena(host, [(planner.resolve_data(w), w.index.fqn)
+                                         for w in plan.items])
+    items = [plans_lib.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
     copied = time.perf_counter()
     writers = sum(1 for h in _rank_hosts(self._ctl).values() if h == host)
     parent = os.path.dirname(target.final)
@@ -170,7 +170,7 @@ class StorageWriter(_Writer):
       if nbytes >= STAGE_PART_BYTES:
         parts.append([])
         nbytes = 0
-      parts[-1].append(StagedShard(i, item.index, array))
+      parts[-1].append(StagedShard(i, item.index, array, refs[i]))
       nbytes += array.nbytes
     arrays.clear()
     for n, part in enumerate(parts):
@@ -184,16 +184,21 @@ class StorageWriter(_Writer):
     out.set_result(plans_lib.write_results(rank, plan.items, items))
     return out
 
-  def _to_arena(self, host: int, data: Any, fqn: str) -> np.ndarray:
-    """``data`` (a tensor or DCP's BytesIO) in ``host``'s arena: as is if it is there."""
-    if isinstance(data, io.BytesIO):
-      array = np.frombuffer(data.getbuffer(), np.uint8)
-    else:
-      array = framework.host_array(data, f"state dict entry {fqn!r}")
+  def _to_arena(self, host: int, entries: list[tuple[Any, str]]
+                ) -> tuple[list[np.ndarray], list[codec.ArenaRef | None]]:
+    """Each ``(data, fqn)`` (a tensor or DCP's BytesIO) in ``host``'s arena, and its
+    descriptor: as is if it is there, else copied into blocks allocated in one request."""
+    arrays = [np.frombuffer(data.getbuffer(), np.uint8) if isinstance(data, io.BytesIO)
+              else framework.host_array(data, f"state dict entry {fqn!r}")
+              for data, fqn in entries]
     worker = self._ctl.worker(host)
-    if worker is not None and worker.ref_of(array) is not None:
-      return array  # staged already (async_save's stage): no second copy
-    return self._client.put(host, array)
+    # Staged already (async_save's stage): no second copy.
+    refs = [worker.ref_of(a) if worker is not None else None for a in arrays]
+    fresh = [i for i, r in enumerate(refs) if r is None]
+    for i, (block, ref) in zip(fresh, self._client.empty_like(host, [arrays[i] for i in fresh])):
+      shm.copy(block, arrays[i])
+      arrays[i], refs[i] = block, ref
+    return arrays, refs
 
   def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
     """Rank 0: pickles the metadata, waits for every sidecar's part, commits once."""
@@ -224,7 +229,8 @@ class StorageWriter(_Writer):
           pass  # that host is gone: its part went with it
       raise
     manifest = json.dumps({"format": dcp.FORMAT, "version": 1, "step": target.label,
-                           "plan": plan, "leaves": [], "shards": sums, "data_state": None,
+                           "plan": plan, "leaves": [], "shards": [c.to_dict() for c in sums],
+                           "data_state": None,
                            "replicas": {str(h): p for h, p in placement.items()}})
     for f in [self._client.committed(h, target.final, manifest) for h in hosts]:
       f.result()
@@ -319,7 +325,7 @@ class StorageReader(_Reader):
     self._client = self._ctl._checkpoint_client()
     self._stock: FileSystemReader | None = None
     self._metadata: md.Metadata | None = None
-    self._sums: dict[tuple[str, tuple], dict[str, Any]] = {}
+    self._sums: dict[tuple[str, tuple], ShardChecksum] = {}
     self._replicas: dict[int, list[int]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
 
@@ -337,8 +343,7 @@ class StorageReader(_Reader):
     if manifest is None or manifest.dcp_plan is None:
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)
-    self._sums = {(str(s["key_path"][0]), tuple(tuple(i) for i in s["index"])): s
-                  for s in manifest.shards}
+    self._sums = {(str(s.key_path[0]), s.index): s for s in manifest.shards}
     self._replicas = {int(h): list(peers) for h, peers in (manifest.replicas or {}).items()}
     self._metadata = plans_lib.from_plan(manifest.dcp_plan)
     return self._metadata
@@ -372,8 +377,10 @@ class StorageReader(_Reader):
         assert isinstance(entry, md.TensorStorageMetadata)
         sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
         index = tuple((o, o + s) for o, s in zip(offsets, sizes))
-      s = self._sums.get((fqn, index), {})
-      shard, crc, source = ((fqn,), index), s.get("crc32c"), s.get("host", here)
+      s = self._sums.get((fqn, index))
+      crc = s.crc32c if s is not None else None
+      source = s.host if s is not None and s.host is not None else here
+      shard = ((fqn,), index)
       pending.append((req, shard, crc, source, self._read(source, shard, crc, "any")))
     for req, shard, crc, source, future in pending:
       try:

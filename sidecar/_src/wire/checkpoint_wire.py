@@ -1,10 +1,12 @@
 """The checkpoint protocol's messages (``protos/sidecar/v1/checkpoint.proto``) <-> values.
 
 Both sides of the ``Checkpoint`` service use these: the controller's client
-(``controller/checkpoint_client.py``) and the sidecar's servicer
-(``host/checkpoint_service.py``). Every ``*_from_pb`` checks what the message cannot say itself (an interval's order, a
-dtype on the allow-list) and raises InvalidArgumentError naming the field. Inside each
-side, checksums and manifests stay the plain dicts the manifest file holds on disk.
+(``controller/checkpoint/client.py``) and the sidecar's servicer
+(``host/checkpoint/service.py``). Every ``*_from_pb`` checks what the message cannot say
+itself (an interval's order, a dtype on the allow-list) and raises InvalidArgumentError
+naming the field. Inside each
+side, leaf specs and checksums are ``ckptfmt``'s frozen types (``LeafSpec``,
+``ShardChecksum``); a manifest read from a file stays the dict the file holds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.ckptfmt.spec import Index, KeyPath
+from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -83,28 +86,36 @@ def shards_from_ids(ids: ckpt_pb.ShardIds, where: str) -> list[tuple[KeyPath, In
   return [shard_from_pb(s, where) for s in ids.shards]
 
 
-def leaf_to_pb(d: Mapping[str, Any]) -> ckpt_pb.LeafSpec:
-  """A leaf as ``layout.spec_to_dict`` writes it (or ``item_leaves``, with fewer fields)."""
+def leaf_to_pb(s: LeafSpec) -> ckpt_pb.LeafSpec:
+  out = ckpt_pb.LeafSpec(key_path=key_path_to_pb(s.key_path), shape=s.shape,
+                         dtype=s.dtype.name, kind=str(s.kind), write_shape=s.write_shape)
+  if s.sharding is not None:
+    out.sharding = s.sharding
+  return out
+
+
+def leaf_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> LeafSpec:
+  """The LeafSpec ``leaf`` says, checked (its dtype on the allow-list, its kind known)."""
+  if len(leaf.shape) > MAX_DIMS:
+    raise errors.InvalidArgumentError(f"{where}: {len(leaf.shape)} dimensions, at most {MAX_DIMS}")
+  try:
+    return LeafSpec(key_path=key_path_from_pb(leaf.key_path, f"{where}.key_path"),
+                    shape=tuple(leaf.shape), dtype=codec.dtype_of(leaf.dtype, where),
+                    kind=layout.LeafKind(leaf.kind), write_shape=tuple(leaf.write_shape),
+                    sharding=leaf.sharding if leaf.HasField("sharding") else None)
+  except (ValueError, TypeError) as e:  # LeafKind("bad"), say
+    raise errors.InvalidArgumentError(f"{where}: {e}") from None
+
+
+def manifest_leaf_to_pb(d: Mapping[str, Any]) -> ckpt_pb.LeafSpec:
+  """A leaf of a manifest file (``layout.spec_to_dict``'s, or ``read.item_leaves``' for an
+  item stock Orbax wrote, with fewer fields)."""
   out = ckpt_pb.LeafSpec(key_path=key_path_to_pb(d["key_path"]), shape=list(d["shape"]),
                          dtype=str(d["dtype"]), kind=str(d.get("kind") or ""),
                          write_shape=list(d.get("write_shape") or ()))
   if d.get("sharding") is not None:
     out.sharding = d["sharding"]
   return out
-
-
-def leaf_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> dict[str, Any]:
-  """A leaf as ``layout.spec_to_dict`` writes it, checked by building its LeafSpec."""
-  d = {"key_path": list(key_path_from_pb(leaf.key_path, f"{where}.key_path")),
-       "shape": list(leaf.shape), "dtype": leaf.dtype, "kind": leaf.kind,
-       "write_shape": list(leaf.write_shape),
-       "sharding": leaf.sharding if leaf.HasField("sharding") else None}
-  if len(leaf.shape) > MAX_DIMS:
-    raise errors.InvalidArgumentError(f"{where}: {len(leaf.shape)} dimensions, at most {MAX_DIMS}")
-  try:
-    return layout.spec_to_dict(layout.spec_from_dict(d))
-  except (ValueError, TypeError) as e:  # LeafKind("bad"), say
-    raise errors.InvalidArgumentError(f"{where}: {e}") from None
 
 
 def leaf_info_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> dict[str, Any]:
@@ -114,22 +125,19 @@ def leaf_info_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> dict[str, Any]:
           "kind": leaf.kind}
 
 
-def checksum_to_pb(c: Mapping[str, Any]) -> ckpt_pb.ShardChecksum:
-  """A manifest's shard entry (``key_path``, ``index``, ``nbytes``, ``crc32c``, ``host``)."""
-  out = ckpt_pb.ShardChecksum(shard=shard_to_pb(c["key_path"], c["index"]),
-                              nbytes=int(c.get("nbytes") or 0))
-  if c.get("crc32c") is not None:
-    out.crc32c = int(c["crc32c"])
-  if c.get("host") is not None:
-    out.host = int(c["host"])
+def checksum_to_pb(c: ShardChecksum) -> ckpt_pb.ShardChecksum:
+  out = ckpt_pb.ShardChecksum(shard=shard_to_pb(c.key_path, c.index), nbytes=c.nbytes)
+  if c.crc32c is not None:
+    out.crc32c = c.crc32c
+  if c.host is not None:
+    out.host = c.host
   return out
 
 
-def checksum_from_pb(c: ckpt_pb.ShardChecksum, where: str) -> dict[str, Any]:
+def checksum_from_pb(c: ckpt_pb.ShardChecksum, where: str) -> ShardChecksum:
   kp, index = shard_from_pb(c.shard, f"{where}.shard")
-  return {"key_path": list(kp), "index": [list(i) for i in index], "nbytes": c.nbytes,
-          "crc32c": c.crc32c if c.HasField("crc32c") else None,
-          "host": c.host if c.HasField("host") else None}
+  return ShardChecksum(kp, index, c.nbytes, c.crc32c if c.HasField("crc32c") else None,
+                       c.host if c.HasField("host") else None)
 
 
 def dcp_part_to_pb(rank: int, items: Iterable[Mapping[str, Any]]) -> ckpt_pb.DcpPart:

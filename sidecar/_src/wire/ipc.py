@@ -17,6 +17,9 @@ from sidecar._src.core import errors
 
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20
+# Blocks one alloc request on the worker socket may ask for: its reply stays well under
+# MAX_MESSAGE.
+MAX_ALLOC_BLOCKS = 8192
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:

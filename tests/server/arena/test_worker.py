@@ -49,6 +49,30 @@ def test_worker_from_env_allocates_and_frees(make_server, monkeypatch):
     w.empty((4,), np.uint8)
 
 
+def test_a_saves_blocks_come_in_one_request_all_or_none(make_server, monkeypatch):
+  server = make_server()
+  with sidecar.Worker(server.options.socket_path) as w:
+    requests = []
+    send = w._request
+    monkeypatch.setattr(w, "_request", lambda m, **kw: requests.append(m["op"]) or send(m, **kw))
+    shards = [np.zeros((3, 4), np.float32), np.zeros((0,), np.int8), np.zeros(5000, np.uint8)]
+    got = w.empty_like(shards)
+    assert requests == ["alloc"]
+    assert [(a.shape, a.dtype) for a, _ in got] == [(s.shape, s.dtype) for s in shards]
+    assert len({ref.offset for _, ref in got}) == 3
+    for i, (a, _) in enumerate(got):
+      a[...] = i
+    assert [int(a.sum()) for a, _ in got] == [0, 0, 2 * 5000]
+    used = server.leases.allocator.used_bytes
+    half = server.leases.allocator.size // 2 + 4096
+    with pytest.raises(sidecar.ResourceExhaustedError, match="arena is full"):
+      w.empty_like([np.empty(half, np.uint8), np.empty(half, np.uint8)])
+    assert server.leases.allocator.used_bytes == used  # the first went back
+    del got, a
+    gc.collect()
+  assert eventually(lambda: server.leases.allocator.used_bytes == 0)
+
+
 def test_close_waits_for_live_views(make_server):
   server = make_server()
   w = sidecar.Worker(server.options.socket_path)

@@ -301,9 +301,12 @@ def still_serves(server) -> None:
     (json.dumps({"op": "alloc", "nbytes": 64, "timeout": float("nan")}).encode(),
      "malformed alloc request"),
     (json.dumps({"op": "alloc", "nbytes": "many"}).encode(), "malformed alloc request"),
+    (json.dumps({"op": "alloc", "sizes": 64}).encode(), "sizes must be a list of 1 to"),
+    (json.dumps({"op": "alloc", "sizes": [64] * 10_000}).encode(), "sizes must be a list of"),
+    (json.dumps({"op": "alloc", "sizes": [64, -1]}).encode(), "nbytes must be positive"),
     (json.dumps({"op": "steal"}).encode(), "unknown op 'steal'"),
 ], ids=["blocks-int", "blocks-str", "utf8", "deep", "garbage", "list", "nan-timeout",
-        "nbytes-str", "unknown-op"])
+        "nbytes-str", "sizes-int", "sizes-many", "sizes-negative", "unknown-op"])
 def test_every_malformed_frame_is_answered(make_server, data, match):
   server = make_server()
   sock = attach(server)

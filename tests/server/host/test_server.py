@@ -347,8 +347,8 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = client.begin(0, directory, 3).result()
     n = 1 << 18  # large enough to go through the arena
-    spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
-                                       kind="np.ndarray", write_shape=(1, n)))
+    spec = layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
+                           write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
                  final_dir=directory + "/3/default", leaves=[spec],
@@ -374,8 +374,8 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = clients[0].begin(0, directory, 3).result()
     n = 1 << 16
-    spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
-                                               kind="np.ndarray", write_shape=(1, n)))
+    spec = layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+                           kind="np.ndarray", write_shape=(1, n))
     rows = []
     for i, (ctl, client) in enumerate(zip((a, b), clients)):
       part, _ = ctl.worker(0).put(np.full((1, n), i, np.float32))
@@ -390,8 +390,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
         with pytest.raises(sidecar.SidecarError, match="still being written|Deadline Exceeded"):
           prepared.result()
     sums = prepared.result()
-    assert sorted(tuple(map(tuple, c["index"])) for c in sums) == [((0, 1), (0, n)),
-                                                                   ((1, 2), (0, n))]
+    assert sorted(c.index for c in sums) == [((0, 1), (0, n)), ((1, 2), (0, n))]
     assert_still_serving(a)
 
 
@@ -408,8 +407,8 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = client.begin(0, directory, 3).result()
     n = 1 << 18
-    spec = layout.spec_to_dict(layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
-                                               kind="np.ndarray", write_shape=(1, n)))
+    spec = layout.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+                           kind="np.ndarray", write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
                  final_dir=directory + "/3/default", leaves=[spec],

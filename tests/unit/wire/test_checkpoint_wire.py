@@ -1,9 +1,12 @@
 """Tier 1: the checkpoint protocol's messages <-> values, and replicas' raw-bytes serializer."""
 
+import json
+
 import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.core import errors
 from sidecar._src.host.checkpoint import peers as replicas
 from sidecar._src.wire import checkpoint_wire as wire
@@ -12,17 +15,18 @@ from sidecar._src.wire.protocol import ckpt_pb, pb
 pytestmark = pytest.mark.unit
 
 
-def test_leaves_and_checksums_survive_the_wire():
-  spec = layout.spec_to_dict(layout.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6),
-                                             dtype=np.float32, write_shape=(2, 6),
-                                             sharding='{"sharding_type": "x"}'))
+def test_leaves_and_checksums_survive_the_wire_as_the_same_values():
+  spec = layout.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6), dtype=np.float32,
+                         write_shape=(2, 6), sharding='{"sharding_type": "x"}')
   leaf = ckpt_pb.LeafSpec.FromString(wire.leaf_to_pb(spec).SerializeToString())
   assert wire.leaf_from_pb(leaf, "leaves[0]") == spec
-  checksum = {"key_path": ["opt", 0, "mu"], "index": [[0, 2], [0, 6]], "nbytes": 48,
-              "crc32c": 123, "host": 1}
-  assert wire.checksum_from_pb(wire.checksum_to_pb(checksum), "c") == checksum
-  unchecked = dict(checksum, crc32c=None, host=None)  # a stock Orbax item's shard
+  checksum = ShardChecksum(("opt", 0, "mu"), ((0, 2), (0, 6)), 48, 123, 1)
+  sent = ckpt_pb.ShardChecksum.FromString(wire.checksum_to_pb(checksum).SerializeToString())
+  assert wire.checksum_from_pb(sent, "c") == checksum
+  unchecked = ShardChecksum(("w",), ((0, 4),), 16, None)  # a stock Orbax item's shard
   assert wire.checksum_from_pb(wire.checksum_to_pb(unchecked), "c") == unchecked
+  # The manifest file's form, and back: the same value (JSON between processes too).
+  assert ShardChecksum.from_dict(json.loads(json.dumps(checksum.to_dict()))) == checksum
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -31,8 +35,7 @@ def test_leaves_and_checksums_survive_the_wire():
     ("write_shape", [9, 6], "write_shape of 'w' must be a shard shape"),
 ], ids=["dtype", "kind", "write-shape"])
 def test_a_bad_leaf_is_refused_naming_the_field(field, value, match):
-  leaf = wire.leaf_to_pb(layout.spec_to_dict(layout.LeafSpec(
-      key_path=("w",), shape=(4, 6), dtype=np.float32)))
+  leaf = wire.leaf_to_pb(layout.LeafSpec(key_path=("w",), shape=(4, 6), dtype=np.float32))
   if isinstance(value, list):
     del getattr(leaf, field)[:]
     getattr(leaf, field).extend(value)

@@ -29,8 +29,8 @@ from sidecar._src.controller import display, elastic, interrupts, progress as pr
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save import (
-  SaveCoordinator,
+from sidecar._src.controller.checkpoint.save import SaveCoordinator
+from sidecar._src.controller.checkpoint.target import (
   SaveHandle,
   Target,
   done_handle,

@@ -28,7 +28,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.spec import Index, KeyPath
+from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -57,11 +58,11 @@ class Held:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Manifest:
   """A committed item's manifest: leaves (``key_path``, ``shape``, ``dtype``), shards
-  (``key_path``, ``index``, ``nbytes``, ``crc32c``, ``host``), the data position saved
-  with it, and which peers held each host's replicas."""
+  (their checksums, and the host that wrote each), the data position saved with it, and
+  which peers held each host's replicas."""
   format: str
   leaves: list[dict[str, Any]]
-  shards: list[dict[str, Any]]
+  shards: list[ShardChecksum]
   data_state: Any
   replicas: dict[int, list[int]]
   dcp_plan: dict[str, Any] | None = None  # a DCP step's plan (sidecar/_src/torch/metadata)
@@ -193,10 +194,11 @@ class CheckpointTransport(abc.ABC):
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into ``host``'s arena (as is, to travel inline, if not mapped)."""
 
-  def copy_in(self, host: int, data: np.ndarray) -> tuple[np.ndarray, codec.ArenaRef | None]:
-    """:meth:`put`, with the copy's arena descriptor where it has one: a stage then
-    names its block without looking it up again."""
-    return self.put(host, data), None
+  def empty_like(self, host: int, arrays: Sequence[np.ndarray]
+                 ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
+    """Arrays shaped as ``arrays`` in ``host``'s arena, with their descriptors, in one
+    round trip (host memory, to travel inline, if the arena is not mapped here)."""
+    return [(np.empty(a.shape, a.dtype), None) for a in arrays]
 
   def arena_size(self, host: int) -> int | None:
     """The size of ``host``'s arena where this process maps it (known, no rpc); else None."""
@@ -220,7 +222,7 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[Mapping[str, Any]], shards: Sequence[StagedShard],
+            leaves: Sequence[LeafSpec], shards: Sequence[StagedShard],
             last: bool, writers: int = 1,
             dcp: tuple[int, Sequence[Mapping[str, Any]]] | None = None
             ) -> concurrent.futures.Future:
@@ -236,7 +238,7 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def commit(self, host: int, *, tmp_dir: str, step: int, num_hosts: int,
-             leaves: Sequence[Mapping[str, Any]], checksums: Sequence[Mapping[str, Any]],
+             leaves: Sequence[LeafSpec], checksums: Sequence[ShardChecksum],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
              dcp: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
@@ -304,11 +306,15 @@ class CheckpointClient(CheckpointTransport):
     self._retries.close()
 
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
-    return self.copy_in(host, data)[0]
-
-  def copy_in(self, host: int, data: np.ndarray) -> tuple[np.ndarray, codec.ArenaRef | None]:
     w = self._worker(host)
-    return w.put(data) if w is not None else (np.array(data), None)
+    return w.put(data)[0] if w is not None else np.array(data)
+
+  def empty_like(self, host: int, arrays: Sequence[np.ndarray]
+                 ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
+    w = self._worker(host)
+    if w is None:
+      return super().empty_like(host, arrays)
+    return list(w.empty_like(arrays))
 
   def arena_size(self, host: int) -> int | None:
     w = self._worker(host)

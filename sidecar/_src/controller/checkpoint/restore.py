@@ -82,10 +82,10 @@ class Restorer:
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
     for c in manifest.shards:
-      kp, index = tuple(c["key_path"]), tuple(tuple(i) for i in c["index"])
-      stored.setdefault(kp, []).append((index, c["crc32c"]))
-      if c.get("host") is not None:
-        owners[(kp, index)] = int(c["host"])
+      kp, index = c.key_path, c.index
+      stored.setdefault(kp, []).append((index, c.crc32c))
+      if c.host is not None:
+        owners[(kp, index)] = c.host
     wanted = self._framework.restore_target(target)
     flat = wanted.leaves
     for want in flat:

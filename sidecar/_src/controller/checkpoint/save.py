@@ -10,7 +10,6 @@ starts the peer replication, waits for every host's writes (prepared) and commit
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import logging
 import pathlib
@@ -24,12 +23,14 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.controller import interrupts
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, StagedShard
+from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
-from sidecar._src.wire import protocol
+from sidecar._src.wire import codec, protocol
 
 # The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger(__name__)
@@ -44,51 +45,6 @@ STAGE_PART_BYTES = 512 << 20
 _LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
 _ABORT_S = 90.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Target:
-  """Where a step goes: the item directory written, and where it is once committed."""
-  directory: str
-  step: int
-  tmp_dir: str
-  final_dir: str
-  whole_step: bool  # True: we commit the step (rename); False: Orbax's manager does
-
-  @classmethod
-  def for_step(cls, directory: str, step: int) -> Target:
-    return cls(directory, step, str(layout.tmp_step_path(directory, step) / layout.ITEM),
-               str(pathlib.Path(directory) / str(step) / layout.ITEM), True)
-
-  @classmethod
-  def for_orbax_item(cls, item: str, step: int) -> Target:
-    """An item directory inside a step that an ``ocp.CheckpointManager`` commits."""
-    path = pathlib.Path(item)
-    final = path.parent.with_name(path.parent.name.split(layout.TMP_SUFFIX)[0]) / path.name
-    return cls(str(path.parent.parent), step, str(path), str(final), False)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SaveHandle:
-  """``staged``: the state is in the arenas (the trainer may change its arrays);
-  ``durable``: the step is committed on storage; ``replicated``: every shard has its
-  peer copies (``replicas=R``; at once with R=0). All are ``concurrent.futures.Future``s
-  that hold the step (None for a skipped save)."""
-  step: int
-  staged: concurrent.futures.Future
-  durable: concurrent.futures.Future
-  replicated: concurrent.futures.Future = dataclasses.field(
-      default_factory=concurrent.futures.Future)
-
-
-def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]:
-  """The ``replicas`` hosts that keep copies of ``host``'s shards: the next hosts in host
-  order (wrapping), those on another slice first."""
-  order = sorted(slices)
-  i = order.index(host)
-  ring = order[i + 1:] + order[:i]
-  return ([h for h in ring if slices[h] != slices[host]]
-          + [h for h in ring if slices[h] == slices[host]])[:replicas]
 
 
 class SaveCoordinator:
@@ -169,14 +125,15 @@ class SaveCoordinator:
         parts.put(e)
         self._start_finisher(handle, target, parts, [], data_json, key).join()
       raise
-    leaves = [layout.spec_to_dict(s) for s in specs]
-    finisher = self._start_finisher(handle, target, parts, leaves, data_json, key)
+    finisher = self._start_finisher(handle, target, parts, specs, data_json, key)
     pending: dict[int, list] = {h: [] for h in self._local}
     pending_bytes = dict.fromkeys(self._local, 0)
+    blocks: list = []
     try:
-      for host, leaf, index, data in plan:  # the one copy the trainer waits for
+      blocks = self._blocks(plan, need)
+      for (host, leaf, index, data), (copy, ref) in zip(plan, blocks):
         interrupts.check()  # Ctrl-C aborts the save (below)
-        copy, ref = self._client.copy_in(host, data)
+        shm.copy(copy, data)  # the one copy the trainer waits for
         pending[host].append(StagedShard(leaf, index, copy, ref))
         pending_bytes[host] += data.nbytes
         if pending_bytes[host] >= STAGE_PART_BYTES:
@@ -184,16 +141,33 @@ class SaveCoordinator:
           pending[host], pending_bytes[host] = [], 0
     except BaseException as e:
       pending.clear()  # The traceback keeps this frame: let the blocks go.
+      blocks.clear()
       parts.put(e)  # the save is aborted
       finisher.join()  # and its files are gone before the caller can retry the step
-      if isinstance(e, errors.ResourceExhaustedError) and not isinstance(e, errors.BusyError):
-        raise errors.ResourceExhaustedError(
-            f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
-            f"to copy there): {e}; nothing was kept") from None
       raise
     for host in self._local:
       parts.put((host, pending.pop(host), True))
     return handle
+
+  def _blocks(self, plan: list[tuple[int, int, Any, np.ndarray]], need: Mapping[int, int]
+              ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
+    """An arena block for each shard of ``plan``, in its order: one request per host."""
+    out: list = [None] * len(plan)
+    for host in self._local:
+      mine = [i for i, p in enumerate(plan) if p[0] == host]
+      if not mine:
+        continue
+      try:
+        got = self._client.empty_like(host, [plan[i][3] for i in mine])
+      except errors.ResourceExhaustedError as e:
+        if isinstance(e, errors.BusyError):
+          raise
+        raise errors.ResourceExhaustedError(
+            f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
+            f"to copy there): {e}; nothing was kept") from None
+      for i, block in zip(mine, got):
+        out[i] = block
+    return out
 
   def _plan(self, tree: Any
             ) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
@@ -377,13 +351,14 @@ class SaveCoordinator:
       f.result()
     handle.staged.set_result(step)
 
-  def _prepared(self, target: Target) -> list[dict]:
+  def _prepared(self, target: Target) -> list[ShardChecksum]:
     """Waits for this process's sidecars to write their parts; returns their checksums."""
     prepared = [f.result() for f in [self._client.prepared(h, target.final_dir, timeout=_LONG_S)
                                      for h in self._local]]
     return [c for host_sums in prepared for c in host_sums]
 
-  def _commit(self, target: Target, key: str, leaves, sums: list[dict], data_json: str,
+  def _commit(self, target: Target, key: str, leaves: list[layout.LeafSpec],
+              sums: list[ShardChecksum], data_json: str,
               error: BaseException | None) -> None:
     """Process 0 gathers every process's prepared, then commits once or aborts.
 
@@ -391,7 +366,7 @@ class SaveCoordinator:
     that gave up. The save fails in every process if it failed in any.
     """
     mine = json.dumps({"error": protocol.error_dict(error)} if error is not None
-                      else {"ok": sums})
+                      else {"ok": [c.to_dict() for c in sums]})
     if not self._lead:
       self._peers.publish(f"{key}/prepared", mine)
       failed = self._peers.read(f"{key}/outcome", 0, timeout=_LONG_S)
@@ -412,8 +387,8 @@ class SaveCoordinator:
                         + "".join(f"; also in process {q}: {d.get('type')}: "
                                   f"{str(d.get('message'))[:500]}" for q, d in failures[1:]))
       # A host that several processes share reports its checksums to each: keep one.
-      checksums = list({(c["host"], json.dumps(c["key_path"]), json.dumps(c["index"])): c
-                        for g in gathered for c in g["ok"]}.values())
+      checksums = list(dict.fromkeys(ShardChecksum.from_dict(c)
+                                     for g in gathered for c in g["ok"]))
       self._client.commit(self._local[0], tmp_dir=target.tmp_dir, step=target.step,
                           num_hosts=len(self._hosts), leaves=leaves, checksums=checksums,
                           data_state_json=data_json, whole_step=target.whole_step,
@@ -491,12 +466,3 @@ def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:
   error = protocol.error_from_dict(d, host=f"trainer process {process}")
   error.add_note(note)
   return error
-
-
-def done_handle(step: int, value: Any) -> SaveHandle:
-  staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
-  staged.set_result(value)
-  durable.set_result(value)
-  replicated: concurrent.futures.Future = concurrent.futures.Future()
-  replicated.set_result(value)
-  return SaveHandle(step, staged, durable, replicated)

@@ -13,6 +13,7 @@ and never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import dcp, dcp_record
+from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.core import dtypes, errors
 from sidecar._src.host.checkpoint.roots import MANIFEST
 
@@ -37,7 +39,7 @@ def items_from_dicts(items: list[dict[str, Any]]) -> list[dcp.Item]:
 
 def write_ranks(tmp: str, items: Mapping[int, list[dcp.Item]],
                 incoming: Iterator[tuple[tuple[int, int], np.ndarray]], *, host_id: int,
-                progress: Callable[[int], None]) -> list[dict[str, Any]]:
+                progress: Callable[[int], None]) -> list[ShardChecksum]:
   """Writes the file of every rank that stages into this host, each on its own thread.
 
   ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
@@ -81,13 +83,11 @@ def write_ranks(tmp: str, items: Mapping[int, list[dcp.Item]],
       t.join()
   if failures:
     raise failures[min(failures)]
-  return [{"key_path": list(c.key_path), "index": [list(i) for i in c.index],
-           "nbytes": c.nbytes, "crc32c": c.crc32c, "host": host_id}
-          for rank in sorted(results) for c in results[rank]]
+  return [dataclasses.replace(c, host=host_id) for rank in sorted(results) for c in results[rank]]
 
 
 def commit(tmp: str, *, step: int, metadata: bytes, file_sizes: Mapping[int, int],
-           plan_json: str, checksums: list[dict], data_state: str,
+           plan_json: str, checksums: list[ShardChecksum], data_state: str,
            replicas: Mapping | None) -> str:
   """Writes the manifest and DCP's ``.metadata`` (as the trainer pickled it), renames."""
   try:
@@ -96,7 +96,7 @@ def commit(tmp: str, *, step: int, metadata: bytes, file_sizes: Mapping[int, int
     raise errors.InvalidArgumentError(f"dcp.plan_json is not JSON: {e}") from None
   manifest: dict[str, Any] = {
       "format": FORMAT, "version": 1, "step": step, "plan": plan, "leaves": [],
-      "shards": checksums, "data_state": json.loads(data_state) if data_state else None}
+      "shards": [c.to_dict() for c in checksums], "data_state": json.loads(data_state) if data_state else None}
   if replicas:
     manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
   return str(dcp.finalize(tmp, metadata=metadata, file_sizes=file_sizes, manifest=manifest))

@@ -21,6 +21,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.ckptfmt.spec import Index
 from sidecar._src.core import errors
 from sidecar._src.host.checkpoint import peers as replicas_lib
@@ -45,7 +46,7 @@ class Step:
   # Set once closed, or once the write ended or the save was aborted: no more parts come.
   whole: threading.Event = dataclasses.field(default_factory=threading.Event)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  checksums: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  checksums: list[ShardChecksum] = dataclasses.field(default_factory=list)
   error: BaseException | None = None
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)

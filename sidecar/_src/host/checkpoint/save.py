@@ -10,6 +10,7 @@ checkpoint wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -144,7 +145,8 @@ class StepWriter:
           "nothing writes into or over a committed step")
     return str(path), str(step_dir / path.relative_to(tmp))
 
-  def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str, leaves: list[dict],
+  def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
+            leaves: list[layout.LeafSpec],
             shards: list[dict], last: bool = True, writers: int = 1,
             dcp_part: dict | None = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
@@ -181,7 +183,7 @@ class StepWriter:
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
       if record is None or record.done.is_set():
-        specs = [] if dcp_part is not None else [layout.spec_from_dict(d) for d in leaves]
+        specs = [] if dcp_part is not None else list(leaves)
         record = ram_tier.Step(directory, step, final_dir, {}, 0, specs, tmp_dir=tmp_dir,
                                writers=max(writers, 1),
                                format=dcp_steps.FORMAT if dcp_part is not None else "")
@@ -269,9 +271,7 @@ class StepWriter:
       else:
         sums = ol_write.write_item_part(tmp_dir, self._host_id, record.specs, incoming(),
                                         progress=progress)
-        record.checksums = [{"key_path": list(c.key_path),
-                             "index": [list(i) for i in c.index], "nbytes": c.nbytes,
-                             "crc32c": c.crc32c, "host": self._host_id} for c in sums]
+        record.checksums = [dataclasses.replace(c, host=self._host_id) for c in sums]
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
@@ -292,7 +292,8 @@ class StepWriter:
       record.done.set()
       record.whole.set()
 
-  def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[dict]:
+  def prepared(self, final_dir: str, timeout: float = 3600.0
+               ) -> list[ol_shards.ShardChecksum]:
     self._path(final_dir, "final_dir")
     record = self._tier.record(final_dir)
     if not record.done.wait(timeout):
@@ -303,8 +304,8 @@ class StepWriter:
     faults.fault("prepared", record.step)
     return record.checksums
 
-  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: list[dict],
-             checksums: list[dict], data_state: str, whole_step: bool,
+  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: list[layout.LeafSpec],
+             checksums: list[ol_shards.ShardChecksum], data_state: str, whole_step: bool,
              replicas: dict | None = None, dcp_commit: dict | None = None,
              owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
@@ -347,7 +348,8 @@ class StepWriter:
             f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory "
             f"(*{layout.TMP_SUFFIX})")
     manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
-                "leaves": leaves, "shards": checksums,
+                "leaves": [layout.spec_to_dict(s) for s in leaves],
+                "shards": [c.to_dict() for c in checksums],
                 "data_state": json.loads(data_state) if data_state else None}
     if replicas:
       manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
@@ -361,10 +363,9 @@ class StepWriter:
           f"commit: tmp_dir {tmp_dir!r:.200} is not a directory this sidecar staged and wrote "
           f"({e.strerror}); stage and prepare a step before committing it") from None
     faults.fault("commit", step)
-    specs = [layout.spec_from_dict(d) for d in leaves]
     if whole_step:
-      return str(ol_commit.finalize(pathlib.Path(tmp_dir).parent, specs, num_hosts=num_hosts))
-    ol_commit.finalize_item(tmp_dir, specs, num_hosts=num_hosts)
+      return str(ol_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts))
+    ol_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts)
     return tmp_dir
 
   def abort(self, tmp_dir: str, final_dir: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.core import errors
 from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.arena_io import ArenaIO
@@ -355,8 +356,8 @@ class CheckpointService:
     try:
       out = ckpt_pb.CheckpointInfoResponse(
           format=str(manifest.get("format") or ""),
-          leaves=[wire.leaf_to_pb(d) for d in manifest["leaves"]],
-          shards=[wire.checksum_to_pb(c) for c in manifest["shards"]])
+          leaves=[wire.manifest_leaf_to_pb(d) for d in manifest["leaves"]],
+          shards=[wire.checksum_to_pb(ShardChecksum.from_dict(c)) for c in manifest["shards"]])
       if manifest.get("data_state") is not None:
         out.data_state_json = json.dumps(manifest["data_state"])
       if manifest.get("plan") is not None:

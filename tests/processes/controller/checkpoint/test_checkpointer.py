@@ -299,16 +299,16 @@ def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monk
     gc.collect()
     before = settled(lambda: arena_used(ctl))  # step 1 in the RAM tier, frees all arrived
 
-    copy_in, calls = ckpt._client.copy_in, []
-    def failing_copy_in(host, data):
-      calls.append(host)
+    copy, calls = checkpoint_save.shm.copy, []
+    def failing_copy(dst, src):
+      calls.append(src.nbytes)
       if len(calls) == 4:
         raise OSError("copy failed")
-      return copy_in(host, data)
-    monkeypatch.setattr(ckpt._client, "copy_in", failing_copy_in)
+      copy(dst, src)
+    monkeypatch.setattr(checkpoint_save.shm, "copy", failing_copy)
     with pytest.raises(OSError, match="copy failed"):
       ckpt.save(2, state)
-    monkeypatch.setattr(ckpt._client, "copy_in", copy_in)
+    monkeypatch.setattr(checkpoint_save.shm, "copy", copy)
     # The parts already staged were dropped with the step, before save() raised: its
     # files (the uncommitted step directory too), RAM tier, blocks.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import sidecar
+from sidecar._src.ckptfmt import spec as layout
 from sidecar._src.controller.checkpoint.client import StagedShard
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -44,8 +45,8 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
   directory = tmp_path / "ck"
   victim = saved(server, directory, 1.0)
   item = str(directory / "1" / "default")
-  leaves = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())[
-      "leaves"]
+  manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
+  leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
   with controller(server, attach=False) as attacker:
     client = attacker._checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
@@ -77,8 +78,8 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   victim = saved(server, directory, 1.0)
   tmp_item = str(directory / "2.orbax-checkpoint-tmp" / "default")
   final_dir = str(directory / "2" / "default")
-  leaves = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())[
-      "leaves"]
+  manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
+  leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim._checkpoint_client()
   mine.begin(0, str(directory), 2).result()
   half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
@@ -234,8 +235,8 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
   server = make_server(token=TOKEN)
   directory = tmp_path / "ck"
   victim = saved(server, directory, 1.0)
-  leaves = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())[
-      "leaves"]
+  manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
+  leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
   evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
   with controller(server, attach=False) as attacker:
     client = attacker._checkpoint_client()

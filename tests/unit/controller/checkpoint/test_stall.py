@@ -24,6 +24,10 @@ class Watched(FakeSidecars):
   def arena_size(self, host):
     return self.arena
 
+  def empty_like(self, host, arrays):
+    self.calls.append(("alloc", host, [a.shape for a in arrays]))
+    return super().empty_like(host, arrays)
+
 
 def checkpointer(fake):
   return Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
@@ -47,3 +51,15 @@ def test_a_state_larger_than_an_arena_fails_before_any_copy():
       r"2.0 MiB, its arena is 1.0 MiB\); nothing was copied"):
     ckpt.save(1, {"x": np.ones(1 << 19, np.float32)})
   assert ("stage", 0) not in fake.calls
+
+
+def test_a_saves_blocks_are_allocated_in_one_request_per_host():
+  """Each shard's block was one round trip on the worker socket, under the Worker's lock."""
+  fake = Watched()
+  state = {f"w{i}": np.full((i + 1, 2), i, np.float32) for i in range(5)}
+  with checkpointer(fake) as ckpt:
+    assert ckpt.save(1, state).durable.result(30) == 1
+  assert [c for c in fake.calls if c[0] == "alloc"] == [
+      ("alloc", 0, [(i + 1, 2) for i in range(5)])]
+  staged = fake.staged[(0, "/ckpt/run/1/default")]
+  assert sorted(int(a.sum()) for a in staged.values()) == [2 * i * (i + 1) for i in range(5)]

@@ -1,0 +1,65 @@
+"""Where a step goes: its directories (:class:`Target`), the hosts that keep its
+replicas (:func:`replica_peers`), and the handle its saver waits on (:class:`SaveHandle`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import pathlib
+from typing import Any
+
+from sidecar._src.ckptfmt import spec as layout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+  """Where a step goes: the item directory written, and where it is once committed."""
+  directory: str
+  step: int
+  tmp_dir: str
+  final_dir: str
+  whole_step: bool  # True: we commit the step (rename); False: Orbax's manager does
+
+  @classmethod
+  def for_step(cls, directory: str, step: int) -> Target:
+    return cls(directory, step, str(layout.tmp_step_path(directory, step) / layout.ITEM),
+               str(pathlib.Path(directory) / str(step) / layout.ITEM), True)
+
+  @classmethod
+  def for_orbax_item(cls, item: str, step: int) -> Target:
+    """An item directory inside a step that an ``ocp.CheckpointManager`` commits."""
+    path = pathlib.Path(item)
+    final = path.parent.with_name(path.parent.name.split(layout.TMP_SUFFIX)[0]) / path.name
+    return cls(str(path.parent.parent), step, str(path), str(final), False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveHandle:
+  """``staged``: the state is in the arenas (the trainer may change its arrays);
+  ``durable``: the step is committed on storage; ``replicated``: every shard has its
+  peer copies (``replicas=R``; at once with R=0). All are ``concurrent.futures.Future``s
+  that hold the step (None for a skipped save)."""
+  step: int
+  staged: concurrent.futures.Future
+  durable: concurrent.futures.Future
+  replicated: concurrent.futures.Future = dataclasses.field(
+      default_factory=concurrent.futures.Future)
+
+
+def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]:
+  """The ``replicas`` hosts that keep copies of ``host``'s shards: the next hosts in host
+  order (wrapping), those on another slice first."""
+  order = sorted(slices)
+  i = order.index(host)
+  ring = order[i + 1:] + order[:i]
+  return ([h for h in ring if slices[h] != slices[host]]
+          + [h for h in ring if slices[h] == slices[host]])[:replicas]
+
+
+def done_handle(step: int, value: Any) -> SaveHandle:
+  staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
+  staged.set_result(value)
+  durable.set_result(value)
+  replicated: concurrent.futures.Future = concurrent.futures.Future()
+  replicated.set_result(value)
+  return SaveHandle(step, staged, durable, replicated)
