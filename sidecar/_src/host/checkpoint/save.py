@@ -43,6 +43,16 @@ log = logging.getLogger(__name__)
 STAGE_TIMEOUT_S = 60.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteEngine:
+  """What writes a staged step's bytes, each shard as it comes, and returns their
+  checksums: ``item_part`` a part of an Orbax item (``ckptfmt/write.write_item_part``),
+  ``dcp_ranks`` the rank files of a DCP step (``dcp_steps.write_ranks``). The step
+  writer's seam: a unit test gives it one that records, waits or fails."""
+  item_part: Callable[..., list[ol_shards.ShardChecksum]] = ol_write.write_item_part
+  dcp_ranks: Callable[..., list[ol_shards.ShardChecksum]] = dcp_steps.write_ranks
+
+
 class StepWriter:
   """The save phases of one sidecar (``host_id``) over its RAM ``tier``.
 
@@ -52,16 +62,19 @@ class StepWriter:
     roots: its checkpoint roots; every path a phase names is checked against them.
     spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
     metrics: where the bytes staged and written and the write's time are recorded.
+    engine: what writes the bytes (the files of stock Orbax's and DCP's layouts).
   """
 
   def __init__(self, host_id: int, *, tier: ram_tier.RamTier, roots: roots_lib.Roots,
-               spawn: Callable[..., None], metrics: metrics_lib.Recorder):
+               spawn: Callable[..., None], metrics: metrics_lib.Recorder,
+               engine: WriteEngine = WriteEngine()):
     self._host_id = host_id
     self._tier = tier
     self._roots = roots
     self._path = roots.resolve
     self._spawn = spawn
     self._metrics = metrics
+    self._engine = engine
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
            sweep: bool = True) -> dict:
@@ -266,11 +279,11 @@ class StepWriter:
           yield shard
 
       if record.format == dcp_steps.FORMAT:
-        record.checksums = dcp_steps.write_ranks(tmp_dir, record.dcp_items, incoming(),
-                                                 host_id=self._host_id, progress=progress)
+        record.checksums = self._engine.dcp_ranks(tmp_dir, record.dcp_items, incoming(),
+                                                  host_id=self._host_id, progress=progress)
       else:
-        sums = ol_write.write_item_part(tmp_dir, self._host_id, record.specs, incoming(),
-                                        progress=progress)
+        sums = self._engine.item_part(tmp_dir, self._host_id, record.specs, incoming(),
+                                      progress=progress)
         record.checksums = [dataclasses.replace(c, host=self._host_id) for c in sums]
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
