@@ -16,9 +16,10 @@ import time
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.manifest import Manifest, SavedLeaf
 from sidecar._src.ckptfmt.shards import ShardChecksum
-from sidecar._src.ckptfmt.spec import LeafSpec, spec_to_dict
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held, Manifest
+from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.connection import CallWindow, HostInfo
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors
@@ -163,10 +164,10 @@ class FakeSidecars(CheckpointTransport):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       final = tmp_dir.replace(".orbax-checkpoint-tmp", "")
-      self.manifests[final] = Manifest("colocated-sidecar", [spec_to_dict(s) for s in leaves],
-                                       list(checksums),
+      self.manifests[final] = Manifest("colocated-sidecar",
+                                       tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),
                                        json.loads(data_state_json) if data_state_json else None,
-                                       {int(h): list(p) for h, p in (replicas or {}).items()})
+                                       {int(h): tuple(p) for h, p in (replicas or {}).items()})
       directory = final.rsplit("/", 2)[0]
       self.steps.setdefault(directory, set()).add(step)
     return future

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt.manifest import SavedLeaf
 from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
@@ -118,11 +119,11 @@ def manifest_leaf_to_pb(d: Mapping[str, Any]) -> ckpt_pb.LeafSpec:
   return out
 
 
-def leaf_info_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> dict[str, Any]:
+def leaf_info_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> SavedLeaf:
   """A saved leaf's key path, shape and dtype (a stock Orbax item tells no more)."""
-  return {"key_path": list(key_path_from_pb(leaf.key_path, f"{where}.key_path")),
-          "shape": list(leaf.shape), "dtype": codec.dtype_of(leaf.dtype, where).name,
-          "kind": leaf.kind}
+  return SavedLeaf(key_path_from_pb(leaf.key_path, f"{where}.key_path"),
+                   tuple(int(d) for d in leaf.shape), codec.dtype_of(leaf.dtype, where).name,
+                   leaf.kind)
 
 
 def checksum_to_pb(c: ShardChecksum) -> ckpt_pb.ShardChecksum:

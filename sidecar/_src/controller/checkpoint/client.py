@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.manifest import Manifest
 from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
@@ -53,19 +54,6 @@ class Held:
   its own shards, and its peers' replicas by source host."""
   own: dict[str, list[Shard]]
   replicas: dict[str, dict[int, list[Shard]]]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Manifest:
-  """A committed item's manifest: leaves (``key_path``, ``shape``, ``dtype``), shards
-  (their checksums, and the host that wrote each), the data position saved with it, and
-  which peers held each host's replicas."""
-  format: str
-  leaves: list[dict[str, Any]]
-  shards: list[ShardChecksum]
-  data_state: Any
-  replicas: dict[int, list[int]]
-  dcp_plan: dict[str, Any] | None = None  # a DCP step's plan (sidecar/_src/torch/metadata)
 
 
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
@@ -427,10 +415,10 @@ class CheckpointClient(CheckpointTransport):
     def decode(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
       return Manifest(
           format=r.format,
-          leaves=[wire.leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves],
-          shards=[wire.checksum_from_pb(c, "shard") for c in r.shards],
+          leaves=tuple(wire.leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves),
+          shards=tuple(wire.checksum_from_pb(c, "shard") for c in r.shards),
           data_state=json.loads(r.data_state_json) if r.data_state_json else None,
-          replicas=wire.replicas_from_pb(r.replicas),
+          replicas={h: tuple(p) for h, p in wire.replicas_from_pb(r.replicas).items()},
           dcp_plan=json.loads(r.dcp_plan_json) if r.dcp_plan_json else None)
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir), decode)
 

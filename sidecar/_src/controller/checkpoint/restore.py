@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt.manifest import SavedLeaf
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import interrupts
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
@@ -78,7 +79,7 @@ class Restorer:
     returns the tree and where its shards came from."""
     t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
     manifest = interrupts.wait(self._client.info(self._local[0], final_dir))
-    saved = {tuple(d["key_path"]): d for d in manifest.leaves}
+    saved = {leaf.key_path: leaf for leaf in manifest.leaves}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
     for c in manifest.shards:
@@ -131,18 +132,18 @@ class Restorer:
     return wanted.build(out), stats
 
   @staticmethod
-  def _check_leaf(want: RestoreLeaf, saved: dict, step: int) -> None:
+  def _check_leaf(want: RestoreLeaf, saved: dict[KeyPath, SavedLeaf], step: int) -> None:
     kp = want.key_path
     name = ".".join(map(str, kp))
     if kp not in saved:
       raise errors.InvalidArgumentError(
           f"target leaf {name!r} is not in step {step}; it has {sorted('.'.join(map(str, k)) for k in saved)}")
-    d = saved[kp]
+    leaf = saved[kp]
     shape, dtype = want.shape, want.dtype
-    if shape != tuple(d["shape"]) or dtype.name != d["dtype"]:
+    if shape != leaf.shape or dtype.name != leaf.dtype:
       raise errors.InvalidArgumentError(
           f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
-          f"{d['dtype']}{d['shape']}")
+          f"{leaf.dtype}{list(leaf.shape)}")
 
   def _holdings(self, final_dir: str
                 ) -> tuple[dict[tuple[KeyPath, tuple], list[tuple[int, str]]], list[int]]:
