@@ -18,6 +18,7 @@ must be put in tests/processes by hand.
 """
 import ast
 import functools
+import gc
 import inspect
 import os
 import pathlib
@@ -142,7 +143,6 @@ def no_thread_leak():
   if our_threads() - before:
     # A closed Worker's releaser ends with the last arena view it lent (by design), and
     # JAX lets go of an aliased view at a collection (jax-ml/jax#14882): collect first.
-    import gc
     gc.collect()
     if "jax" in sys.modules:
       from sidecar._src.jax import transfer
@@ -305,6 +305,14 @@ def _tier_problems(item) -> list[str]:
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these markers
+def pytest_collection_finish(session):
+  """Every test module, and all it imports (jax, torch, Orbax, TensorStore), is loaded:
+  frozen, that heap is out of the way of each later collection. tests/server spent 15.7 s
+  of its 85 in 2,377 collections without; 3.8 s of 74 with."""
+  gc.collect()
+  gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
   problems = [p for item in items if isinstance(item, pytest.Function)
               for p in _tier_problems(item)]
