@@ -192,8 +192,7 @@ class Worker:
       except json.JSONDecodeError as e:
         raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {e}") from None
     if interrupted is not None:
-      granted = ([[reply["offset"], reply["generation"]]] if "offset" in reply else
-                 [[b[0], b[2]] for b in reply.get("blocks", ())])
+      granted = [[b[0], b[2]] for b in reply.get("blocks", ())]
       if granted:
         with contextlib.suppress(OSError):
           ipc.send(self._sock, {"op": "free", "blocks": granted})
@@ -245,10 +244,14 @@ class Worker:
     self._check_open()
     dtype = np.dtype(dtype)
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
-    reply = self._request({"op": "alloc", "nbytes": nbytes, "timeout": timeout},
-                          wait=timeout or 0.0)
-    ref = codec.ArenaRef(reply["offset"], nbytes, reply["generation"], dtype.name, tuple(shape))
+    ((offset, _, generation),) = self._alloc([nbytes], timeout)
+    ref = codec.ArenaRef(offset, nbytes, generation, dtype.name, tuple(shape))
     return self.view(ref), ref
+
+  def _alloc(self, sizes: list[int], timeout: float) -> list[list[int]]:
+    """``[offset, nbytes, generation]`` of a new block of each size: all or none."""
+    return self._request({"op": "alloc", "sizes": sizes, "timeout": timeout},
+                         wait=timeout or 0.0)["blocks"]
 
   def empty_like(self, arrays: Sequence[np.ndarray], *, timeout: float = 0.0
                  ) -> list[tuple[np.ndarray, codec.ArenaRef]]:
@@ -260,9 +263,7 @@ class Worker:
       for start in range(0, len(arrays), ipc.MAX_ALLOC_BLOCKS):
         part = arrays[start:start + ipc.MAX_ALLOC_BLOCKS]
         sizes = [max(a.nbytes, 1) for a in part]
-        reply = self._request({"op": "alloc", "sizes": sizes, "timeout": timeout},
-                              wait=timeout or 0.0)
-        for a, n, (offset, _, generation) in zip(part, sizes, reply["blocks"]):
+        for a, n, (offset, _, generation) in zip(part, sizes, self._alloc(sizes, timeout)):
           ref = codec.ArenaRef(offset, n, generation, a.dtype.name, tuple(a.shape))
           out.append((self.view(ref), ref))
     except BaseException:

@@ -9,7 +9,7 @@ it, or makes one for an item stock Orbax wrote).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt.shards import ShardChecksum
@@ -39,5 +39,5 @@ class Manifest:
   leaves: tuple[SavedLeaf, ...]
   shards: tuple[ShardChecksum, ...]
   data_state: Any
-  replicas: Mapping[int, tuple[int, ...]]
+  replicas: Mapping[int, Sequence[int]]
   dcp_plan: Mapping[str, Any] | None = None  # a DCP step's plan (sidecar/_src/torch/metadata)

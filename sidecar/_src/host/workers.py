@@ -260,13 +260,8 @@ class WorkerListener:
         timeout = float(message.get("timeout", 0.0))
         if not 0 <= timeout < math.inf:
           raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
-        if "sizes" in message:  # a save's blocks on this host: one round trip for all
-          reply: dict[str, Any] = {"blocks": self._alloc_many(message["sizes"], session,
-                                                              timeout)}
-        else:
-          block = self._leases.alloc(int(message["nbytes"]), session, timeout=timeout)
-          reply = {"offset": block.offset, "nbytes": block.nbytes,
-                   "generation": block.generation}
+        # One block (an argument's), or a save's blocks on this host in one round trip.
+        reply: dict[str, Any] = {"blocks": self._alloc(message["sizes"], session, timeout)}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:
@@ -276,7 +271,7 @@ class WorkerListener:
       return
     ipc.send(conn, {"error": protocol.error_dict(errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
-  def _alloc_many(self, sizes: Any, session: str, timeout: float) -> list[list[int]]:
+  def _alloc(self, sizes: Any, session: str, timeout: float) -> list[list[int]]:
     """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s for all: every
     one, or none (those granted go back) and the error."""
     if not isinstance(sizes, list) or not 0 < len(sizes) <= ipc.MAX_ALLOC_BLOCKS:

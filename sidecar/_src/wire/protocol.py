@@ -35,8 +35,8 @@ __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 PROTOCOL_VERSION = 7  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session; 5: a feed batch is a
 # FeedBatch (its structure apart from its arrays), namedtuples travel; 6: a feed's length
-# (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc takes sizes (a save's blocks in
-# one request)
+# (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc asks for sizes (one block, or a
+# save's in one request)
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"

@@ -418,7 +418,7 @@ class CheckpointClient(CheckpointTransport):
           leaves=tuple(wire.leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves),
           shards=tuple(wire.checksum_from_pb(c, "shard") for c in r.shards),
           data_state=json.loads(r.data_state_json) if r.data_state_json else None,
-          replicas={h: tuple(p) for h, p in wire.replicas_from_pb(r.replicas).items()},
+          replicas=wire.replicas_from_pb(r.replicas),
           dcp_plan=json.loads(r.dcp_plan_json) if r.dcp_plan_json else None)
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir), decode)
 

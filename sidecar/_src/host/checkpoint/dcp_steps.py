@@ -96,7 +96,8 @@ def commit(tmp: str, *, step: int, metadata: bytes, file_sizes: Mapping[int, int
     raise errors.InvalidArgumentError(f"dcp.plan_json is not JSON: {e}") from None
   manifest: dict[str, Any] = {
       "format": FORMAT, "version": 1, "step": step, "plan": plan, "leaves": [],
-      "shards": [c.to_dict() for c in checksums], "data_state": json.loads(data_state) if data_state else None}
+      "shards": [c.to_dict() for c in checksums],
+      "data_state": json.loads(data_state) if data_state else None}
   if replicas:
     manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
   return str(dcp.finalize(tmp, metadata=metadata, file_sizes=file_sizes, manifest=manifest))
