@@ -66,6 +66,7 @@ class WorkerListener:
     self._sessions: dict[str, socket.socket] = {}
     self._pids: dict[str, int] = {}  # the pid each session's worker said it has
     self._closed = False
+    ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
     self._made_dirs = _make_dirs(os.path.dirname(os.path.abspath(path)))
     with contextlib.suppress(FileNotFoundError):
       os.unlink(path)  # A socket file left by a killed sidecar.

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors
+from sidecar._src.wire import ipc
 
 if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither
   from sidecar._src.jax.controller import Controller
@@ -117,7 +118,7 @@ class LocalCluster:
       return self
     if self._configure_jax:
       configure_jax_devices(self.num_hosts * self.devices_per_host)
-    self._dir = tempfile.mkdtemp(prefix="sidecar-local-")
+    self._dir = ipc.socket_dir("sidecar-local-")  # the sidecars' sockets and files
     # A cluster dropped without close() (a notebook cell that makes one again, rebinding
     # its name) stops its sidecars when it is collected; close() is the main path.
     self._finalizer = weakref.finalize(self, _stop, self._procs, self._dir)

@@ -8,9 +8,12 @@ died, the sidecar frees every block the worker held.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
 import struct
+import tempfile
 from typing import Any
 
 from sidecar._src.core import errors
@@ -20,6 +23,27 @@ MAX_MESSAGE = 1 << 20
 # Blocks one alloc request on the worker socket may ask for: its reply stays well under
 # MAX_MESSAGE.
 MAX_ALLOC_BLOCKS = 8192
+# The longest path a Unix socket may bind to: sun_path is 108 bytes, with its final NUL.
+SOCKET_PATH_MAX = 107
+_SOCKET_NAME_MAX = 16  # what socket_dir leaves for a socket's name in it, with the slash
+
+
+def socket_dir(prefix: str) -> str:
+  """A new private directory for Unix sockets (``prefix`` starts its name): in the temp
+  directory, unless sockets there could pass SOCKET_PATH_MAX (a long TMPDIR), then /tmp."""
+  directory = tempfile.mkdtemp(prefix=prefix)
+  if len(os.fsencode(directory)) + _SOCKET_NAME_MAX <= SOCKET_PATH_MAX:
+    return directory
+  os.rmdir(directory)
+  return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def check_socket_path(path: str, *, fix: str) -> None:
+  """Raises OSError (ENAMETOOLONG) naming ``path``, its length and ``fix`` where a Unix
+  socket cannot bind to it (Python's own error names neither)."""
+  if (n := len(os.fsencode(path))) > SOCKET_PATH_MAX:
+    raise OSError(errno.ENAMETOOLONG, f"cannot make the Unix socket {path}: its path is {n} "
+                  f"bytes, a Unix socket's may be at most {SOCKET_PATH_MAX}; {fix}")
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:

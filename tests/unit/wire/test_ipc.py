@@ -1,4 +1,7 @@
+import errno
+import os
 import socket
+import tempfile
 
 import pytest
 
@@ -34,3 +37,35 @@ def test_frame_reader_limits_and_eof():
     a.close()
     with pytest.raises(ConnectionError, match="closed"):
       ipc.FrameReader(b).read()
+
+
+def test_socket_dirs_leave_room_for_a_socket_under_a_long_temp_dir(tmp_path, monkeypatch):
+  long = tmp_path / ("t" * 90)
+  long.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(long))
+  short = tempfile.mkdtemp(prefix="s", dir="/tmp")
+  made = [short]
+  try:
+    made.append(ipc.socket_dir("sidecar-test-"))  # the temp dir has no room: /tmp
+    assert made[-1].startswith("/tmp/sidecar-test-")
+    assert len(os.path.join(made[-1], "host99.sock")) <= ipc.SOCKET_PATH_MAX
+    assert list(long.iterdir()) == []  # the one it tried first is gone
+    monkeypatch.setattr(tempfile, "tempdir", short)
+    made.append(ipc.socket_dir("sidecar-test-"))
+    assert os.path.dirname(made[-1]) == short
+    assert oct(os.stat(made[-1]).st_mode & 0o777) == "0o700"
+  finally:
+    for d in reversed(made):
+      os.rmdir(d)
+
+
+def test_a_socket_path_too_long_names_its_length_the_limit_and_the_fix():
+  path = "/tmp/" + "x" * 103
+  ipc.check_socket_path(path[:-1], fix="unused")  # 107 bytes: fits
+  with pytest.raises(OSError, match=rf"cannot make the Unix socket {path}: its path is 108 "
+                                    r"bytes, a Unix socket's may be at most 107; give a shorter "
+                                    r"path") as e:
+    ipc.check_socket_path(path, fix="give a shorter path")
+  assert e.value.errno == errno.ENAMETOOLONG
+  with socket.socket(socket.AF_UNIX) as s, pytest.raises(OSError, match="too long"):
+    s.bind(path)  # what the limit is for: the kernel refuses it too

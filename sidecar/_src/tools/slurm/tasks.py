@@ -22,12 +22,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 from sidecar._src.core import env as env_lib, errors, rendezvous
 from sidecar._src.tools.torchrun import torchrun_env
+from sidecar._src.wire import ipc
 
 _START_TIMEOUT_S = 120.0
 _GRACE_S = 10.0
@@ -74,7 +74,7 @@ class NodeSidecars:
     self.token_file = os.path.join(directory, rendezvous.TOKEN_FILE)
     self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     self.job = os.environ.get("SLURM_JOB_ID", "")
-    self.tmp = tempfile.mkdtemp(prefix=f"sidecar-slurm-{self.job}-")
+    self.tmp = ipc.socket_dir(f"sidecar-slurm-{self.job}-")  # the sidecars' sockets
     self.procs: dict[int, subprocess.Popen] = {}
     self.exited: dict[int, int] = {}  # host -> exit code, of those that exited
 
