@@ -17,6 +17,7 @@ comments, so it is a lower bound: a test that starts processes through a helper 
 must be put in tests/processes by hand.
 """
 import ast
+import contextlib
 import functools
 import gc
 import inspect
@@ -155,11 +156,35 @@ def no_thread_leak():
     pytest.fail(f"a test left threads of ours running:\n{left}", pytrace=False)
 
 
+def _held_by_others(names: set[str]) -> set[str]:
+  """Those of ``names`` that a process outside this one's tree maps or holds open: a test
+  of another pytest-xdist worker made them (or another run's), not this process's test."""
+  paths = {os.path.join(leaks.SHM_DIR, n): n for n in names}
+  held = set()
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid() or _descends_from_us(int(pid)):
+      continue
+    try:
+      with open(f"/proc/{pid}/maps") as f:
+        held.update(n for p, n in paths.items() if p in f.read())
+      for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+          if (n := paths.get(os.readlink(f"/proc/{pid}/fd/{fd}"))) is not None:
+            held.add(n)
+    except OSError:
+      continue
+  return held
+
+
 @pytest.fixture(autouse=True)
 def no_shm_leak():
+  """A test leaves no segment of ours in /dev/shm. One that a process of another tree
+  holds is not this test's: under ``pytest -n``, the other worker's test runs meanwhile."""
   before = shm_entries()
   yield
   left = shm_entries() - before
+  if left:
+    left -= _held_by_others(left)
   assert not left, f"a test left segments in /dev/shm: {sorted(left)}"
 
 

@@ -15,14 +15,15 @@ def shm_file():
 
   def make(name: str) -> str:
     path = os.path.join(leaks.SHM_DIR, name)
-    with open(path, "x"):
-      pass
-    made.append(path)
+    # Held open until the test ends, as a library's segment is while in use: a test of
+    # another pytest-xdist worker that ends meanwhile sees it held, so not its leak.
+    made.append(open(path, "x"))
     return name
 
   yield make
-  for path in made:
-    os.unlink(path)
+  for f in made:
+    f.close()
+    os.unlink(f.name)
 
 
 def test_another_programs_files_are_not_ours(shm_file):

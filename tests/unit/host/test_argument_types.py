@@ -15,6 +15,14 @@ class Config:
   pass
 
 
+class Opaque:
+  """A value of a type no annotation names; its repr is the same in every process (test
+  ids must be, for pytest-xdist's workers to agree on them)."""
+
+  def __repr__(self) -> str:
+    return "Opaque()"
+
+
 def pipeline(ctx, n: int = 3, rate: float = 1.0, split: Optional[str] = None,  # noqa: UP045
              mode: Literal["a", "b"] = "a", sizes: list[int] | None = None,
              table: np.ndarray | None = None, config: Config | None = None, free=None):
@@ -24,7 +32,7 @@ def pipeline(ctx, n: int = 3, rate: float = 1.0, split: Optional[str] = None,  #
 @pytest.mark.parametrize("kwargs", [
     {"n": 3}, {"n": np.int64(3)}, {"rate": 2}, {"rate": np.float32(2)}, {"split": None},
     {"split": "train"}, {"mode": "b"}, {"sizes": [1, 2]}, {"sizes": None},
-    {"table": np.zeros(2)}, {"table": [1]}, {"config": "anything"}, {"free": object()},
+    {"table": np.zeros(2)}, {"table": [1]}, {"config": "anything"}, {"free": Opaque()},
 ], ids=repr)
 def test_what_the_annotations_allow_goes_through(kwargs):
   argument_types.check(pipeline, kwargs, what="pipeline 'p'")
