@@ -7,8 +7,8 @@ rendezvous entries of its sidecars (``hosts/``, as a batch job's), their logs, a
 
 - The **service job** (one task, ``_service``) submits the **array job** (``_array``: task i
   runs the sidecars of hosts ``i*H .. i*H+H-1`` on its node), then watches it: a task
-  whose sidecar exits is requeued (``scontrol requeue``, started again at once rather
-  than after Slurm's requeue delay), and ``cluster.env`` is rewritten whenever a
+  whose sidecar exits is requeued (``scontrol requeue``, started again a second later
+  rather than after Slurm's requeue delay), and ``cluster.env`` is rewritten whenever a
   sidecar's address changes. A requeued task on the node it ran on reuses its sidecars'
   ports, so clients reconnect to the same addresses. On ``scancel`` (``sidecar slurm
   stop``) it cancels the array job and removes ``cluster.env``.
@@ -174,7 +174,11 @@ class _Service:
     else:
       self.say(f"could not requeue {task}: {done.stderr.strip()}")
       return
-    subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"],
+    # A second from now, not now: slurmd refuses to launch a job again within the second its
+    # last run was killed in ("Job N already killed, do not launch batch job": it compares
+    # the new credential's time, in whole seconds, with the revocation's), and the task
+    # would then end without a sidecar, never requeued again.
+    subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now+1"],
                    capture_output=True, timeout=30)
 
   def write_cluster_file(self) -> None:
