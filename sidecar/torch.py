@@ -11,14 +11,36 @@ Example::
     if step % 100 == 0:
       ckpt.save(step, {"model": model.state_dict(), "data": loader.state_dict()})
 
-Importing it loads neither jax nor jaxlib.
+Importing it loads neither jax nor jaxlib, and ``torch.distributed.checkpoint`` (2.5 s of
+CPU here) only once a checkpoint class is first named: a rank that only reads batches
+starts without it.
 """
 
-from sidecar._src.torch.checkpointer import Checkpointer, SaveHandle
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from sidecar._src.torch.controller import Controller, connect
 from sidecar._src.torch.distributed import Ranks, TorchPeers, ranks
 from sidecar._src.torch.loader import DataLoader
-from sidecar._src.torch.storage import StorageReader, StorageWriter
+
+if TYPE_CHECKING:
+  from sidecar._src.torch.checkpointer import Checkpointer, SaveHandle
+  from sidecar._src.torch.storage import StorageReader, StorageWriter
 
 __all__ = ["Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle", "StorageReader",
            "StorageWriter", "TorchPeers", "connect", "ranks"]
+
+_WITH_DCP = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer",
+             "StorageReader": "storage", "StorageWriter": "storage"}
+
+
+def __getattr__(name: str) -> Any:
+  if (module := _WITH_DCP.get(name)) is None:
+    raise AttributeError(f"module 'sidecar.torch' has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"sidecar._src.torch.{module}"), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *__all__})

@@ -19,14 +19,19 @@ def test_importing_the_package_its_decorators_or_the_cli_loads_no_jax_grpc_or_gr
   assert out.splitlines() == ["[]", "[]"], out
 
 
-def test_importing_sidecar_torch_loads_no_jax():
+def test_importing_sidecar_torch_loads_no_jax_and_dcp_once_a_checkpoint_class_is_named():
   import subprocess
   import sys
   script = ("import sys, sidecar.torch; "
-            "print(sorted(m for m in ('jax', 'jaxlib', 'orbax', 'tensorstore') if m in sys.modules))")
+            "print(sorted(m for m in ('jax', 'jaxlib', 'orbax', 'tensorstore') if m in sys.modules)); "
+            "dcp = lambda: 'torch.distributed.checkpoint' in sys.modules; print(dcp()); "
+            "sidecar.torch.DataLoader, sidecar.torch.connect; print(dcp()); "
+            "w = sidecar.torch.StorageWriter; print(dcp(), w.__module__); "
+            "print(sidecar.torch.Checkpointer.__module__, 'Checkpointer' in dir(sidecar.torch))")
   out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                        text=True, timeout=120).stdout
-  assert out.splitlines() == ["[]"], out
+  assert out.splitlines() == ["[]", "False", "False", "True sidecar._src.torch.storage",
+                              "sidecar._src.torch.checkpointer True"], out
 
 
 def test_a_sidecars_server_loads_no_ml_dtypes_until_an_array_of_its_types_comes():
