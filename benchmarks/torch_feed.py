@@ -54,14 +54,22 @@ def consume(iterator, seconds: float) -> tuple[float, float]:
   return n / (time.perf_counter() - t0), waited / n * 1e3
 
 
+def epochs(loader):
+  """Batches of every epoch in turn, as the sidecar's feed (num_epochs=None) gives them:
+  one epoch of feed_fns.N elements lasts only a few seconds."""
+  while True:
+    yield from loader
+
+
 def torch_loader(kind: str, seconds: float, workers: int):
   loader = torch.utils.data.DataLoader(Images(kind), batch_size=BATCH, shuffle=True,
                                        num_workers=workers, persistent_workers=True,
                                        prefetch_factor=2)
-  it = iter(loader)
+  it = epochs(loader)
   try:
     return consume(it, seconds)
   finally:
+    it.close()
     del it, loader
 
 

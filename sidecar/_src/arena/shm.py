@@ -209,19 +209,21 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
     return
   d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
-  starts = range(0, src.nbytes, COPY_PIECE)
+  # One iterator for all threads: each takes the next piece, so a thread the scheduler
+  # holds back (another process on the core) leaves its share to the others.
+  starts = iter(range(0, src.nbytes, COPY_PIECE))
 
-  def pieces(first: int) -> None:
-    for i in starts[first::COPY_THREADS]:
+  def pieces() -> None:
+    for i in starts:
       np.copyto(d[i:i + COPY_PIECE], s[i:i + COPY_PIECE])
 
   global _copy_pool
   with _copy_pool_lock:
     if _copy_pool is None:
       _copy_pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, "sidecar-copy")
-    others = [_copy_pool.submit(pieces, t) for t in range(1, COPY_THREADS)]
+    others = [_copy_pool.submit(pieces) for _ in range(1, COPY_THREADS)]
   try:
-    pieces(0)  # the caller's thread takes a share too
+    pieces()  # the caller's thread takes a share too
   finally:
     for f in others:
       f.result()

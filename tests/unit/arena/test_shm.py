@@ -1,4 +1,7 @@
+import concurrent.futures
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,6 +128,36 @@ def test_copy_in_pieces_is_exact(monkeypatch, threads):
   dst = np.zeros_like(src)
   shm.copy(dst, src)
   np.testing.assert_array_equal(dst, src)
+
+
+def test_copy_leaves_a_held_back_thread_s_share_to_the_others(monkeypatch):
+  # The pool's one thread is busy elsewhere (as when another process has its core): the
+  # caller's thread takes every piece instead of waiting for that thread's half.
+  monkeypatch.setattr(shm, "COPY_PIECE", 4096)
+  monkeypatch.setattr(shm, "COPY_THREADS", 2)
+  pool = concurrent.futures.ThreadPoolExecutor(1, "test-copy")
+  monkeypatch.setattr(shm, "_copy_pool", pool)
+  src = np.random.default_rng(1).standard_normal((40, 1000)).astype(np.float32)
+  dst = np.zeros_like(src)
+  started = threading.Event()
+
+  def busy() -> bool:  # holds the pool's thread until the copy is whole, or 5 s
+    started.set()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+      if np.array_equal(dst, src):
+        return True
+      time.sleep(0.01)
+    return False
+
+  held = pool.submit(busy)
+  started.wait(5)
+  shm.copy(dst, src)
+  try:
+    assert held.result(), "the caller left the held-back thread's pieces undone"
+    np.testing.assert_array_equal(dst, src)
+  finally:
+    pool.shutdown()
 
 
 def test_copy_of_strided_or_other_dtype_copies_as_copyto(monkeypatch):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 import pathlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,13 +36,15 @@ from sidecar._src.wire import codec, protocol
 
 # The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger(__name__)
-# A save is staged in parts of about this many bytes per host, as the copy goes: a
-# sidecar starts writing and checksumming one part while the trainer copies the next.
-# Smaller parts start the disk sooner but slow the copy more: its DMA and the
-# sidecar's work share the memory and the cores (1 GiB here, copied on 2 threads, 24
-# saves each, alternating: 128 MiB parts blocked 1.6x a memcpy, durable 0.66-0.70 s;
-# 256 MiB 1.5x, 0.73-0.75 s; 512 MiB 1.1-1.2x, 0.70-0.73 s).
-STAGE_PART_BYTES = 512 << 20
+# A save is staged in parts of about this many bytes per host, as the copy goes, where
+# the machine has a core beyond the copy's threads (``shm.COPY_THREADS``): a sidecar then
+# writes and checksums one part while the trainer copies the next. Where the copy takes
+# every core, the sidecar's work during it takes one away, and the trainer waits for
+# that: 1 GiB on 2 cores, 12 saves each, twice: 512 MiB parts blocked 1.35-1.4x a memcpy
+# (durable 0.46-0.50 s), one part after the copy 0.85-0.9x (durable 0.51-0.53 s). So
+# there the save is staged once, after the copy.
+STAGE_PART_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
+                    else sys.maxsize)
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 _LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
