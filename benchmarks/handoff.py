@@ -16,7 +16,9 @@ Rows, for a 4.8 MB batch (32x224x224x3 uint8) and a 64 MiB array:
   mp.Queue    multiprocessing.Queue with pickle from a spawned producer
   gRPC bytes  the same bytes in a gRPC response on loopback (a service without shm)
 And the round trip of a no-op ctl.call against a raw gRPC unary call (to a server in
-this process) and against the same request sent to the sidecar with no controller.
+this process) and against the same request sent to the sidecar with no controller: by a
+controller that maps the host's arena (its calls go over the Worker's Unix socket) and by
+one that does not (over gRPC, as to a host on another machine).
 """
 
 from __future__ import annotations
@@ -143,18 +145,20 @@ def main() -> None:
                             ("mp.Queue + pickle", queue), ("gRPC bytes, loopback", grpc_bytes)):
           rows.append((label, name, f"{per_s:,.0f}", f"{per_s * n / 1e9:.2f}",
                        f"{per_s / limit:.0%}", f"{per_s / ring:.0%}"))
-      # The request ctl.call sends, sent with no controller around it: what the sidecar
-      # and the process boundary cost apart from the controller.
+      # The request ctl.call sends over gRPC, sent with no controller around it: what the
+      # sidecar and the process boundary cost apart from the controller.
       conn = ctl._hosts.conns[0]
       noop = pb.CallRequest(name="noop", args=codec.encode(()), kwargs=codec.encode({}))
       # Interleaved rounds, so that all see the same load on a shared machine.
-      ours_rt, raw_rt, direct_rt = [], [], []
-      for _ in range(4):
-        ours_rt += latencies(lambda: ctl.call("noop", hosts=[0]), n=500)
-        raw_rt += latencies(lambda: raw(b"\0"), n=500)
-        direct_rt += latencies(
-            lambda: conn.call_rpc(noop, timeout=30, metadata=conn.metadata), n=500)
-      for x in (ours_rt, raw_rt, direct_rt):
+      ours_rt, grpc_rt, raw_rt, direct_rt = [], [], [], []
+      with cluster.controller(attach=False) as remote:  # maps no arena: calls over gRPC
+        for _ in range(4):
+          ours_rt += latencies(lambda: ctl.call("noop", hosts=[0]), n=500)
+          grpc_rt += latencies(lambda: remote.call("noop", hosts=[0]), n=500)
+          raw_rt += latencies(lambda: raw(b"\0"), n=500)
+          direct_rt += latencies(
+              lambda: conn.call_rpc(noop, timeout=30, metadata=conn.metadata), n=500)
+      for x in (ours_rt, grpc_rt, raw_rt, direct_rt):
         x.sort()
   server.stop(0)
   if rows:
@@ -164,7 +168,10 @@ def main() -> None:
               f"{pct(rt, 50) / pct(raw_rt, 50):.2f}x")
              for name, rt in (("raw gRPC unary", raw_rt),
                               ("gRPC unary to the sidecar's Call, no controller", direct_rt),
-                              ("ctl.call no-op", ours_rt))]
+                              ("ctl.call no-op, over gRPC (a controller that maps no arena)",
+                               grpc_rt),
+                              ("ctl.call no-op (this process maps the arena: its Unix socket)",
+                               ours_rt))]
   print(table(("round trip", "p50 ms", "p99 ms", "p50 vs raw"), rt_rows))
 
 

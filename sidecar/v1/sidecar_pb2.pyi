@@ -163,18 +163,20 @@ class Value(_message.Message):
     def __init__(self, none: _Optional[bool] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., big_int: _Optional[str] = ..., float_value: _Optional[float] = ..., str_value: _Optional[str] = ..., bytes_value: _Optional[bytes] = ..., array: _Optional[_Union[Array, _Mapping]] = ..., arena: _Optional[_Union[ArenaRef, _Mapping]] = ..., list: _Optional[_Union[ListValue, _Mapping]] = ..., tuple: _Optional[_Union[ListValue, _Mapping]] = ..., dict: _Optional[_Union[DictValue, _Mapping]] = ..., named_tuple: _Optional[_Union[NamedTupleValue, _Mapping]] = ...) -> None: ...
 
 class CallRequest(_message.Message):
-    __slots__ = ("name", "args", "kwargs", "worker_session", "feed")
+    __slots__ = ("name", "args", "kwargs", "worker_session", "feed", "timeout_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
     KWARGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
     FEED_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     args: Value
     kwargs: Value
     worker_session: str
     feed: FeedSpec
-    def __init__(self, name: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., worker_session: _Optional[str] = ..., feed: _Optional[_Union[FeedSpec, _Mapping]] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, name: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., worker_session: _Optional[str] = ..., feed: _Optional[_Union[FeedSpec, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class RowRange(_message.Message):
     __slots__ = ("start", "stop")
@@ -207,10 +209,12 @@ class FeedSpec(_message.Message):
     def __init__(self, global_batch_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., state_json: _Optional[str] = ..., workers: _Optional[int] = ..., length_only: _Optional[bool] = ...) -> None: ...
 
 class CallResponse(_message.Message):
-    __slots__ = ("result",)
+    __slots__ = ("result", "error")
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     result: Value
-    def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    error: Error
+    def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("start", "credit", "prefetch", "freed", "wait_s", "close")

@@ -89,7 +89,8 @@ def open_gate(name: str) -> None:
 
 
 @sidecar.function
-def full(n: int, value: int):
+def full(n: int, value: int, delay: float = 0.0):
+  time.sleep(delay)
   return np.full((n,), value, dtype=np.uint8)
 
 

@@ -3,7 +3,9 @@
 Large array arguments go through the host's arena when this process maps it (its
 Worker), inline otherwise; ``held`` keeps their blocks until the call ends.
 
-A call from the main thread is made by a :class:`Callers` thread, so that Ctrl-C can
+A call to a host whose arena this process maps goes over the Worker's Unix socket
+(``socket_calls``), on the calling thread, Ctrl-C polled for. Others go over gRPC: a
+call from the main thread is made by a :class:`Callers` thread, so that Ctrl-C can
 leave it running: a blocking gRPC call holds a KeyboardInterrupt off until it ends, and
 one sent as a future starts a thread of gRPC's for every call (its channel's spin
 thread, which ends with the call): half the round trip of a no-op call.
@@ -12,6 +14,7 @@ thread, which ends with the call): half the round trip of a no-op call.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -22,7 +25,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.arena import worker as worker_lib
-from sidecar._src.controller import interrupts
+from sidecar._src.controller import interrupts, socket_calls
 from sidecar._src.controller.connection import Connection
 from sidecar._src.core import errors
 from sidecar._src.wire import codec, protocol
@@ -89,17 +92,7 @@ class Callers:
       ClosedError: after :meth:`close`.
     """
     job = _Job(send, abandoned)
-    with self._mu:
-      if self._closed:
-        raise errors.ClosedError("the controller's calls are closed")
-      if self._idle:
-        self._idle -= 1  # that thread takes this job
-      else:
-        t = threading.Thread(target=self._loop, daemon=True,
-                             name=f"{self._name}-{len(self._threads)}")
-        self._threads.append(t)
-        t.start()
-      self._jobs.put(job)
+    self._submit(job)
     try:
       while not job.done.acquire(timeout=interrupts.POLL_S):
         interrupts.check()
@@ -113,6 +106,25 @@ class Callers:
     if job.error is not None:
       raise job.error
     return job.response
+
+  def start(self, fn: Callable[[], None]) -> None:
+    """Runs ``fn`` on a caller thread and returns at once (``close()`` joins it)."""
+    job = _Job(fn, lambda response, error: None)
+    job.left = True  # nobody waits for it
+    self._submit(job)
+
+  def _submit(self, job: _Job) -> None:
+    with self._mu:
+      if self._closed:
+        raise errors.ClosedError("the controller's calls are closed")
+      if self._idle:
+        self._idle -= 1  # that thread takes this job
+      else:
+        t = threading.Thread(target=self._loop, daemon=True,
+                             name=f"{self._name}-{len(self._threads)}")
+        self._threads.append(t)
+        t.start()
+      self._jobs.put(job)
 
   def _loop(self) -> None:
     while True:
@@ -151,6 +163,9 @@ class Calls:
     self._connection = connection
     self._worker = worker
     self._callers = Callers()
+    self._lock = threading.Lock()
+    self._lanes: dict[int, socket_calls.Lanes] = {}  # per host, over its Worker's socket
+    self._closed = False
 
   def request(self, host_id: int, name: str, args: tuple, kwargs: dict, timeout: float,
               held: list) -> pb.CallRequest:
@@ -192,6 +207,10 @@ class Calls:
     if not entered:
       held.clear()
       raise conn.calls.waited_too_long(f"call {name!r} on host {host_id}", timeout)
+    w = self._worker(host_id)
+    if w is not None:  # the fast path: over its Unix socket
+      response = self._socket_call(w, conn, host_id, name, request, deadline, timeout, held)
+      return self.decode(host_id, name, response)
     leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
     try:
       left = max(deadline - time.monotonic(), 0.0)
@@ -229,6 +248,83 @@ class Calls:
         conn.calls.exit()
     return self.decode(host_id, name, response)
 
+  def _socket_call(self, w: worker_lib.Worker, conn: Connection, host_id: int, name: str,
+                   request: pb.CallRequest, deadline: float, timeout: float, held: list
+                   ) -> pb.CallResponse:
+    """``request``'s response over a lane of ``w``'s Unix socket.
+
+    The window's slot and ``held`` are the call's until its response is read: here, or
+    where the caller leaves first (Ctrl-C, its timeout) by a caller thread that reads the
+    response and drops it (its result's blocks go back). A main thread's wait polls for
+    Ctrl-C (``interrupts``).
+    """
+    def end(lane: socket_calls.Lane | None, *, usable: bool) -> None:
+      """The call is over: its lane back, then its arguments' blocks and its slot."""
+      if lane is not None:
+        lanes.give_back(lane, usable=usable)
+      held.clear()
+      conn.calls.exit()
+
+    lane = None
+    try:
+      w.check_usable()
+      lanes = self._lanes_of(host_id, w)
+      lane = lanes.take()
+      request.timeout_s = max(deadline - time.monotonic(), 1e-3)
+      lane.send(request)
+    except BaseException:
+      end(lane, usable=False)
+      raise
+    poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else None
+    try:
+      while (response := lane.receive(_wait(deadline, poll))) is None:
+        interrupts.check()  # Ctrl-C: KeyboardInterrupt
+        if time.monotonic() >= deadline:
+          raise errors.DeadlineExceededError(
+              f"call {name!r} on host {host_id} gave no result within its timeout of "
+              f"{timeout:.3g} s; it goes on in the sidecar, and its result is dropped")
+    except errors.HostLostError:
+      end(lane, usable=False)
+      raise
+    except BaseException:  # it runs on: a caller thread reads its response, and drops it
+      left = lane
+      self._callers.start(lambda: self._drain(lanes, left, conn, host_id, name, held))
+      raise
+    end(lane, usable=True)
+    if response.HasField("error"):
+      raise protocol.error_from_info(response.error, host=w.path, host_id=host_id)
+    return response
+
+  def _lanes_of(self, host_id: int, w: worker_lib.Worker) -> socket_calls.Lanes:
+    """``w``'s lanes (a Worker made anew, after a restart, gets new ones)."""
+    with self._lock:
+      if self._closed:
+        raise errors.ClosedError("the controller's calls are closed")
+      lanes = self._lanes.get(host_id)
+      if lanes is not None and lanes.worker is w:
+        return lanes
+      self._lanes[host_id] = fresh = socket_calls.Lanes(w)
+    if lanes is not None:
+      lanes.close()
+    return fresh
+
+  def _drain(self, lanes: socket_calls.Lanes, lane: socket_calls.Lane, conn: Connection,
+             host_id: int, name: str, held: list) -> None:
+    """Reads the response of a call its caller left and drops it: its result's blocks
+    go back, then its arguments' and its slot."""
+    try:
+      response = lane.receive(None)  # until it comes, or close() closes the lane
+    except errors.SidecarError:
+      lanes.give_back(lane, usable=False)
+    else:
+      lanes.give_back(lane)
+      if response is not None and not response.HasField("error"):
+        with contextlib.suppress(Exception):  # its caller is gone: nobody to tell
+          self.decode(host_id, name, response)  # views made and dropped at once
+    finally:
+      held.clear()
+      conn.calls.exit()
+
   def _drop(self, host_id: int, name: str, response: pb.CallResponse | None, held: list,
             conn: Connection) -> None:
     """Decodes and drops the result of a call nobody waits for: its blocks go back."""
@@ -242,7 +338,13 @@ class Calls:
       pass
 
   def close(self) -> None:
-    """Joins the threads that made this controller's calls; idempotent."""
+    """Closes the Unix-socket lanes and joins the threads that made this controller's
+    calls (or read the responses of those Ctrl-C left); idempotent."""
+    with self._lock:
+      self._closed = True
+      lanes, self._lanes = list(self._lanes.values()), {}
+    for lane_pool in lanes:
+      lane_pool.close()
     self._callers.close()
 
   def call_future(self, host_id: int, name: str, args: tuple, kwargs: dict,
@@ -306,3 +408,9 @@ class _Call:
       self.fail(e)
       return
     self.send()
+
+
+def _wait(deadline: float, poll: float | None) -> float:
+  """How long to wait for a response: until ``deadline``, in steps of ``poll`` if any."""
+  left = max(deadline - time.monotonic(), 0.0)
+  return left if poll is None else min(left, poll)

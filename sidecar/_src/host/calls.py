@@ -9,6 +9,7 @@ from :meth:`Runner.prepare` too. What touches the arena is ``arena_io``'s.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +17,9 @@ from collections.abc import Iterator
 from sidecar._src.core import errors
 from sidecar._src.host import argument_types, metrics as metrics_lib
 from sidecar._src.host.arena_io import Alive, ArenaIO, TimeLeft
+from sidecar._src.host.limits import InlineBytes, Slots
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import codec, protocol
+from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import pb
 
 
@@ -87,6 +89,65 @@ class Runner:
       result = entry.fn(*args, **kwargs)
     return self.arena_io.encode(result, request.worker_session, alive=alive,
                                 time_left=time_left, where=f"result of {request.name!r}")
+
+
+class UnaryCalls:
+  """A unary call's way in, whichever transport brought it (gRPC's Call, or a worker's
+  ``calls`` connection on the Unix socket): a slot of its caller's, its values counted
+  before it is parsed, large inline arrays left in its bytes, then the Runner.
+
+  Args:
+    runner: runs the call.
+    slots: the calls one caller (a gRPC or worker session) and all may run at once.
+    inline: the bytes of large inline requests decoded at once.
+  """
+
+  def __init__(self, runner: Runner, slots: Slots, inline: InlineBytes):
+    self.runner, self.slots, self._inline = runner, slots, inline
+
+  def run(self, raw: bytes, caller: str, *, alive: Alive, time_left: TimeLeft | None = None,
+          worker: str | None = None) -> pb.CallResponse:
+    """The response to a serialized CallRequest of session ``caller``.
+
+    ``time_left``: the seconds the caller still waits (gRPC's deadline); None: from the
+    request's ``timeout_s`` (the worker socket's). ``worker``: the worker session whose
+    connection brought the request, which it must name as its ``worker_session``.
+
+    Raises:
+      BusyError: ``caller`` or the sidecar runs as many calls as it may.
+      InvalidArgumentError: ``raw`` is malformed. Whatever the call raises.
+    """
+    start = time.monotonic()
+    # The slot first, as for streams: parsing a big request takes a while, on its thread.
+    with self.slots.hold(caller):
+      codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
+                                what=f"a CallRequest of {len(raw)} bytes")
+      # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
+      stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+      request = codec.parse(pb.CallRequest, stripped, counted=True)
+      if worker is not None and request.worker_session != worker:
+        raise errors.InvalidArgumentError(
+            f"a call on worker session {worker}'s connection names worker_session "
+            f"{request.worker_session!r}; a connection's calls are its session's")
+      if time_left is None:
+        time_left = _time_left(start, request.timeout_s)
+      if not views:
+        return pb.CallResponse(result=self.runner.call(
+            request, alive=alive, time_left=time_left))
+      with self._inline.hold(len(raw), time_left()):  # decoding it costs that again
+        return pb.CallResponse(result=self.runner.call(
+            request, alive=alive, time_left=time_left, views=views))
+
+
+def _time_left(start: float, timeout_s: float) -> TimeLeft:
+  """The seconds left of ``timeout_s`` from ``start`` (None: no limit, for 0)."""
+  if not 0 < timeout_s < math.inf:
+    if timeout_s == 0:
+      return lambda: None
+    raise errors.InvalidArgumentError(
+        f"timeout_s must be finite seconds >= 0, got {timeout_s!r}")
+  deadline = start + timeout_s
+  return lambda: max(deadline - time.monotonic(), 0.0)
 
 
 @contextlib.contextmanager

@@ -22,12 +22,18 @@ from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
 from sidecar._src.host import metrics as metrics_lib, preflight
 from sidecar._src.host.arena_io import ArenaIO
-from sidecar._src.host.calls import Runner
+from sidecar._src.host.calls import Runner, UnaryCalls
 from sidecar._src.host.checkpoint import peers as replicas
 from sidecar._src.host.checkpoint.host import CheckpointHost
 from sidecar._src.host.checkpoint.service import CheckpointService
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import CHECKPOINT_THREADS, CallSlots, Sessions, StreamSlots
+from sidecar._src.host.limits import (
+  CHECKPOINT_THREADS,
+  CallSlots,
+  InlineBytes,
+  Sessions,
+  StreamSlots,
+)
 from sidecar._src.host.service import Service, client_of
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
@@ -195,8 +201,12 @@ class Server:
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports)
+    # One budget of calls, whether they come over gRPC or a worker's socket.
+    calls = UnaryCalls(self.runner, CallSlots(o.threads), InlineBytes())
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
-                                  self.stream_runner, max_connections=o.max_worker_connections,
+                                  self.stream_runner, calls=calls,
+                                  call_bytes=o.max_message_size,
+                                  max_connections=o.max_worker_connections,
                                   on_dead=self._listener_dead)
     # The tokens a client may present: the shared one, or one per client (named).
     tokens = ({f"Bearer {t}".encode(): n for n, t in o.client_tokens} if o.client_tokens
@@ -205,13 +215,13 @@ class Server:
       tokens[f"Bearer {o.peer_token}".encode()] = ""
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
                         evict_idle_s=o.session_evict_s)
-    self.service = Service(runner=self.runner, stream_runner=self.stream_runner,
+    self.service = Service(calls=calls, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
                            checkpoints=self.checkpoints.tier.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session),
-                           calls=CallSlots(o.threads), peer_token=o.peer_token,
+                           peer_token=o.peer_token,
                            clients=tokens if o.client_tokens else {},
                            opened=self.checkpoints.opened_by)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))

@@ -16,23 +16,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from google.protobuf import message as pb_message
 
 from sidecar._src.core import errors
-from sidecar._src.host.calls import Runner
+from sidecar._src.host.calls import UnaryCalls
 from sidecar._src.host.credits import Credits
 from sidecar._src.host.leases import Leases
-from sidecar._src.host.limits import (
-  CallSlots,
-  InlineBytes,
-  Sessions,
-  Slots,
-  StreamSlots,
-  check_prefetch,
-)
+from sidecar._src.host.limits import Sessions, Slots, StreamSlots, check_prefetch
 from sidecar._src.host.stream_runner import StreamRunner
 from sidecar._src.host.workers import WorkerListener
-from sidecar._src.wire import codec, pbscan, protocol
+from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -40,21 +32,6 @@ log = logging.getLogger(__name__)
 # gRPC's one event thread, which every RPC of the server needs: short, as the reader has
 # been woken by then.
 CREDITS_JOIN_S = 0.1
-
-
-def parse(cls, raw: bytes, *, counted: bool = False):
-  """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
-  ResourceExhaustedError for more values than a request may hold, before parsing, unless
-  ``counted`` already)."""
-  if not counted:
-    codec.check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
-  try:
-    return cls.FromString(raw)
-  except (pb_message.DecodeError, RuntimeError) as e:
-    deep = (f"; values nest at most {codec.MAX_DEPTH} levels (codec.MAX_DEPTH)"
-            if "MaxDepth" in str(e) else "")
-    raise errors.InvalidArgumentError(
-        f"malformed {cls.__name__} ({len(raw)} bytes): {e}{deep}") from None
 
 
 def client_of(tokens: dict[bytes, str], metadata) -> str | None:
@@ -73,15 +50,16 @@ def client_of(tokens: dict[bytes, str], metadata) -> str | None:
 class Service:
   """Handlers for ``sidecar.v1.Sidecar``; owns no resources, only references."""
 
-  def __init__(self, *, runner: Runner, stream_runner: StreamRunner,
+  def __init__(self, *, calls: UnaryCalls, stream_runner: StreamRunner,
                identity: pb.HostIdentity, arena_size: int,
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
-               calls: Slots | None = None, peer_token: str | None = None,
+               peer_token: str | None = None,
                clients: dict[bytes, str] | None = None,
                opened: Callable[[str], set[str]] | None = None):
-    self._runner = runner
+    self._unary = calls
+    self._runner = calls.runner
     # Per-client tokens ({b"Bearer <token>": name}); empty: the shared token, or none.
     self._clients = clients or {}
     self._opened = opened  # the checkpoint directories a client opened
@@ -95,8 +73,6 @@ class Service:
     self._checkpoints = checkpoints
     self._sessions = Sessions(idle_s=86400.0, limit=4096) if sessions is None else sessions
     self._streams = StreamSlots(total=16, per_session=8) if streams is None else streams
-    self._calls = CallSlots(threads=32) if calls is None else calls
-    self._inline = InlineBytes()
     self._lock = threading.Lock()
     self._started = time.monotonic()
 
@@ -148,7 +124,7 @@ class Service:
     return str(session)
 
   def handshake(self, raw: bytes, context: grpc.ServicerContext) -> pb.HandshakeResponse:
-    request = parse(pb.HandshakeRequest, raw)
+    request = codec.parse(pb.HandshakeRequest, raw)
     ours = protocol.local_versions()
     diffs = protocol.version_differences(request.versions, ours)
     if diffs:
@@ -180,23 +156,14 @@ class Service:
             for e in self._runner.registry]
 
   def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
-    # The slot first, as for streams: parsing a big request takes a while, on its thread.
-    with self._calls.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
-      codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
-                                what=f"a CallRequest of {len(raw)} bytes")
-      # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
-      stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
-      request = parse(pb.CallRequest, stripped, counted=True)
-      inline = len(raw) if views else 0  # what decoding it costs again, until it returns
-      with self._inline.hold(inline, context.time_remaining()):
-        return pb.CallResponse(result=self._runner.call(
-            request, alive=context.is_active, time_left=context.time_remaining, views=views))
+    return self._unary.run(raw, self._require_session(context), alive=context.is_active,
+                           time_left=context.time_remaining)
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
     # The slot before the first message: a stream that never sends one holds a thread too.
     with self._streams.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
-      first = parse(pb.StreamRequest, next(requests, b""))
+      first = codec.parse(pb.StreamRequest, next(requests, b""))
       if first.WhichOneof("kind") != "start":
         raise errors.InvalidArgumentError("the first StreamRequest must carry `start`")
       yield from self._stream(first, requests, context)
@@ -216,7 +183,7 @@ class Service:
                                        time_left=context.time_remaining)
 
   def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
-    parse(pb.StatusRequest, raw)
+    codec.parse(pb.StatusRequest, raw)
     # Needs no session; one sent along is kept alive (a controller's health watch polls).
     self._sessions.touch(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
     return pb.StatusResponse(
@@ -241,7 +208,7 @@ def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:
   """Grants what a stream's consumer credits, until it half-closes or goes away."""
   try:
     for raw in requests:
-      message = parse(pb.StreamRequest, raw)
+      message = codec.parse(pb.StreamRequest, raw)
       credits.grant(message.credit, message.wait_s)
   except Exception:
     credits.close()  # The consumer went away (or sent garbage).

@@ -4,7 +4,8 @@ An ``attach`` connection is one worker session. The session ends when the
 connection closes, and then every block leased to it goes back to the arena: a
 worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
 attached worker, carries one stream of descriptors: the fast path for batches,
-with no TCP and no HTTP/2 in the way.
+with no TCP and no HTTP/2 in the way. A ``calls`` connection carries one worker's
+unary calls, one after another (the fast path for ``ctl.call``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
+from sidecar._src.host.calls import UnaryCalls
 from sidecar._src.host.credits import SocketCredits
 from sidecar._src.host.leases import Leases
 from sidecar._src.host.limits import check_prefetch
 from sidecar._src.host.stream_runner import StreamRunner
-from sidecar._src.wire import feed_batch, ipc, protocol
+from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,11 @@ class WorkerListener:
 
   def __init__(self, path: str, arena: shm.Arena, leases: Leases,
                hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
+               calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
                    lambda e: None)):
     self.path = path
+    self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
     self._on_dead = on_dead  # told if accepting fails for good (the health goes NOT_SERVING)
     self._stop = threading.Event()
     self.max_connections = max_connections
@@ -161,6 +165,8 @@ class WorkerListener:
       conn.settimeout(None)  # an attached worker may be quiet for hours
       if message.get("op") == "stream":
         return self._stream(conn, str(message.get("session")))
+      if message.get("op") == "calls":
+        return self._serve_calls(conn, str(message.get("session")))
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -242,11 +248,35 @@ class WorkerListener:
     except (ConnectionError, OSError):
       return
     except Exception as e:
-      log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
-              "stream: %s: %s", type(e).__name__, protocol.for_log(e))
+      _log_failure("stream", e, session)
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
     with contextlib.suppress(OSError):
       ipc.send_bytes(conn, end.SerializeToString())
+
+  def _serve_calls(self, conn: socket.socket, session: str) -> None:
+    """Serves a worker's calls, one after another: a CallRequest frame in, a
+    CallResponse frame out (its ``error`` where the call failed). An unknown session or
+    a frame past the limit is answered the same way, and ends the connection."""
+    try:
+      if self._calls is None or not self.has_session(session):
+        raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
+      alive = lambda: self.has_session(session) and _peer_open(conn)
+      while True:
+        raw = ipc.recv_bytes(conn, limit=self._call_bytes)
+        try:
+          response = self._calls.run(raw, session, alive=alive, worker=session)
+        except Exception as e:  # this call's error, answered; the connection serves on
+          _log_failure("call", e, session)
+          response = pb.CallResponse(error=protocol.error_info(e))
+        try:
+          ipc.send_bytes(conn, response.SerializeToString())
+        except OSError:  # never arrived whole: nobody can read its result's blocks
+          self._free(session, codec.arena_blocks(response.result))
+          raise
+    except errors.SidecarError as e:  # nothing more on it can be trusted to be a frame
+      _log_failure("calls", e, session)
+      with contextlib.suppress(OSError):
+        ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     op = message.get("op")
@@ -320,6 +350,23 @@ class WorkerListener:
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
     _remove_dirs(self._made_dirs)
+
+
+def _log_failure(what: str, e: Exception, session: str) -> None:
+  """Our errors at INFO (the caller gets them), anything else (user code's) at WARNING."""
+  log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
+          "%s: %s: %s", what, type(e).__name__, protocol.for_log(e), extra={"session": session})
+
+
+def _peer_open(conn: socket.socket) -> bool:
+  """Whether the other end of ``conn`` is still there (it sends nothing during a call, so
+  a readable socket with no data is one it closed)."""
+  try:
+    return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+  except BlockingIOError:
+    return True
+  except OSError:
+    return False
 
 
 def _blocks(pairs: Any) -> list[int]:

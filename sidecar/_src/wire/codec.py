@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from google.protobuf import message as pb_message
 
 from sidecar._src.core import errors
 from sidecar._src.core.dtypes import dtype_of
@@ -348,3 +349,18 @@ def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENT
     raise errors.ResourceExhaustedError(
         f"{what or descriptor.name} holds more than {limit} values, the limit of one request "
         "(codec.MAX_ELEMENTS); send many numbers as one numpy array")
+
+
+def parse(cls: Any, raw: bytes, *, counted: bool = False) -> Any:
+  """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
+  ResourceExhaustedError for more values than a request may hold, before parsing, unless
+  ``counted`` already)."""
+  if not counted:
+    check_message_count(raw, cls.DESCRIPTOR, what=f"a {cls.__name__} of {len(raw)} bytes")
+  try:
+    return cls.FromString(raw)
+  except (pb_message.DecodeError, RuntimeError) as e:
+    deep = (f"; values nest at most {MAX_DEPTH} levels (codec.MAX_DEPTH)"
+            if "MaxDepth" in str(e) else "")
+    raise errors.InvalidArgumentError(
+        f"malformed {cls.__name__} ({len(raw)} bytes): {e}{deep}") from None

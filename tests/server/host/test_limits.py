@@ -221,7 +221,8 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     assert ctl._hosts.conns[0].metadata == session
     flood.close()
   quick = make_server(max_sessions=64, session_evict_s=0.5)
-  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10) as ctl:
+  # Not attached: its calls go over gRPC, in its session (a Worker's go over its socket).
+  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
     flood = Raw(quick.port)
     handshake = flood.channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)

@@ -222,13 +222,17 @@ def answered(fn) -> None:
     if e.code() in TOLD:
       return
     assert e.code() == grpc.StatusCode.UNKNOWN, (e.code(), e.details())
-    error = protocol.error_from_rpc(e, host="fuzz")
-    assert isinstance(error, errors.RemoteError), (e.code(), e.details())
-    # Raised in the test modules' own code (or what it called), not in the sidecar's.
-    frames = re.findall(r'File "([^"]+)"', error.remote_traceback)
-    user = [i for i, f in enumerate(frames) if f.endswith(USER_CODE)]
-    assert user and not [f for f in frames[user[-1] + 1:] if "/sidecar/_src/" in f], (
-        e.details(), error.remote_traceback[-2000:])
+    from_user_code(protocol.error_from_rpc(e, host="fuzz"))
+
+
+def from_user_code(error: errors.SidecarError) -> None:
+  """``error`` is a registered function's own exception (a RemoteError), raised in the
+  test modules' code (or what it called), not in the sidecar's."""
+  assert isinstance(error, errors.RemoteError), (type(error), str(error))
+  frames = re.findall(r'File "([^"]+)"', error.remote_traceback)
+  user = [i for i, f in enumerate(frames) if f.endswith(USER_CODE)]
+  assert user and not [f for f in frames[user[-1] + 1:] if "/sidecar/_src/" in f], (
+      str(error), error.remote_traceback[-2000:])
 
 
 def stream(rpcs, metadata, first: bytes, *, items: int = 2):
@@ -448,7 +452,7 @@ json_values = st.recursive(
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
     max_leaves=8)
 messages = st.fixed_dictionaries(
-    {"op": st.sampled_from(["free", "alloc", "ping", "attach", "stream", "steal"])},
+    {"op": st.sampled_from(["free", "alloc", "ping", "attach", "stream", "calls", "steal"])},
     optional={"blocks": json_values, "nbytes": json_values | st.integers(0, 1 << 24),
               "timeout": st.floats(0, 0.01) | st.text(max_size=3), "session": json_values})
 
@@ -490,6 +494,29 @@ def test_any_first_frame_on_a_new_connection_is_answered(target, data):
     assert pb.StreamItem.FromString(raw).HasField("error")  # a stream's first frame
     return
   assert "error" in reply or "session" in reply, reply
+
+
+@FUZZ
+@given(st.data())
+def test_random_calls_on_a_calls_connection_are_answered(target, data):
+  server, worker, _, _, root = target
+  request = data.draw(calls(worker, root)).SerializeToString()
+  frame = data.draw(st.just(request) | st.binary(max_size=300))
+  with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    sock.settimeout(10)
+    sock.connect(server.options.socket_path)
+    ipc.send(sock, {"op": "calls", "session": worker.session})
+    ipc.send_bytes(sock, frame)
+    reply = pb.CallResponse.FromString(ipc.recv_bytes(sock, limit=1 << 30))
+    if reply.HasField("error"):
+      error = protocol.error_from_info(reply.error, host="fuzz")
+      if isinstance(error, errors.RemoteError):
+        from_user_code(error)
+    # The connection serves on.
+    ipc.send_bytes(sock, pb.CallRequest(
+        name="add", args=codec.encode((2, 3)), kwargs=codec.encode({}),
+        worker_session=worker.session).SerializeToString())
+    assert codec.decode(pb.CallResponse.FromString(ipc.recv_bytes(sock)).result) == 5
 
 
 def test_after_the_fuzz_the_sidecar_still_serves(target):

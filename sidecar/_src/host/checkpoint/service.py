@@ -28,8 +28,7 @@ from sidecar._src.host import metrics as metrics_lib
 from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.checkpoint.host import CheckpointHost
 from sidecar._src.host.limits import CheckpointSlots, Sessions, Slots
-from sidecar._src.host.service import parse
-from sidecar._src.wire import checkpoint_wire as wire, pbscan, protocol
+from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb
 
 log = logging.getLogger(__name__)
@@ -84,13 +83,13 @@ def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None
       datas = pbscan.length_delimited(raw, start, end, _DATA)
       if len(datas) == 1:
         data_start, value_start, value_end = datas[0]
-        message = parse(ckpt_pb.ReceiveRequest, raw[:field_start] + raw[end:])
+        message = codec.parse(ckpt_pb.ReceiveRequest, raw[:field_start] + raw[end:])
         part = raw[start:data_start] + raw[value_end:end]  # the part, but its data
-        message.part.CopyFrom(parse(ckpt_pb.ReplicaPart, part))
+        message.part.CopyFrom(codec.parse(ckpt_pb.ReplicaPart, part))
         return message, memoryview(raw)[value_start:value_end]
   except (ValueError, IndexError):
     pass  # malformed: protobuf's own parse says how
-  return parse(ckpt_pb.ReceiveRequest, raw), None
+  return codec.parse(ckpt_pb.ReceiveRequest, raw), None
 
 
 class CheckpointService:
@@ -149,7 +148,7 @@ class CheckpointService:
         session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
         self._sessions.use(session)
         with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full; then the parse
-          request = raw if request_cls is None else parse(request_cls, raw)
+          request = raw if request_cls is None else codec.parse(request_cls, raw)
           client = self._sessions.client(session) if self._per_client else None
           if client is not None and name == "Open":
             self._host.open_for(client, request.directory)  # refused if another's

@@ -1,0 +1,165 @@
+"""ctl.call over a Worker's Unix socket (controller/socket_calls.py, the sidecar's ``calls``
+connections in host/workers.py) against an in-process sidecar."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.core import errors
+from sidecar._src.wire import codec, ipc
+from sidecar._src.wire.protocol import pb
+from tests.conftest import eventually
+from tests.support import sidecar_fns
+
+pytestmark = pytest.mark.server
+
+
+def used(server) -> int:
+  return server.leases.allocator.used_bytes
+
+
+class NoGrpcCalls:
+  """Stands for a connection's Call rpc: fails the test if a call goes over gRPC."""
+
+  def __call__(self, *args, **kwargs):
+    raise AssertionError("a call to an attached host went over gRPC")
+
+  future = __call__
+
+
+def test_a_call_to_an_attached_host_goes_over_its_socket_on_one_connection(make_server):
+  server = make_server(shm_size=8 << 20)
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+    assert [ctl.call("add", args=(i,), kwargs={"b": 1}) for i in range(5)] == [[1], [2], [3],
+                                                                               [4], [5]]
+    (a,) = ctl.call("full", args=(1 << 20, 7))  # a view of the arena, leased to the worker
+    assert isinstance(a, np.ndarray) and int(a[0]) == 7 and ctl.worker(0).live_blocks == 1
+    arena = ctl.worker(0).arena.buffer
+    assert arena.ctypes.data <= a.ctypes.data < arena.ctypes.data + arena.nbytes
+    del a
+    assert eventually(lambda: ctl.worker(0).live_blocks == 0)
+    assert len(server.workers._connections) == 2  # the attach, and one lane for every call
+
+
+def test_errors_over_the_socket_keep_their_kind_and_the_remote_traceback(make_server):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    with pytest.raises(sidecar.RemoteError, match="boom") as caught:
+      ctl.call("fail", args=("boom",))
+    assert "sidecar_fns.py" in caught.value.remote_traceback
+    with pytest.raises(sidecar.NotRegisteredError, match="nope"):
+      ctl.call("nope")
+    with pytest.raises(sidecar.InvalidArgumentError, match="bad arguments"):
+      ctl.call("add", args=(1, 2, 3))
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # the lane serves on
+
+
+def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_works(
+    make_server):
+  server = make_server(shm_size=8 << 20)
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    baseline = used(server)
+    t0 = time.monotonic()
+    with pytest.raises(errors.DeadlineExceededError, match="within its timeout of 0.2 s"):
+      ctl.call("full", args=(1 << 20, 1, 0.6), timeout=0.2)
+    assert time.monotonic() - t0 < 0.5  # not the function's 0.6 s
+    assert ctl.call("add", args=(1,)) == [1]  # on another lane, meanwhile
+    # The late result came to the reader the call left behind, which let it go.
+    assert eventually(lambda: used(server) == baseline)
+    assert eventually(lambda: ctl._hosts.conns[0].calls.enter(0.0))
+    ctl._hosts.conns[0].calls.exit()
+
+
+def test_close_ends_the_wait_for_a_left_calls_result(make_server):
+  server = make_server()
+  try:
+    ctl = sidecar.Controller([f"127.0.0.1:{server.port}"])
+    with pytest.raises(errors.DeadlineExceededError):
+      ctl.call("wait_gate", args=("close-while-left",), timeout=0.2)
+    t0 = time.monotonic()
+    ctl.close()  # its reader blocked on the lane: closed and joined (no thread left)
+    assert time.monotonic() - t0 < 3
+  finally:
+    sidecar_fns.open_gate("close-while-left")
+  assert eventually(lambda: sidecar_fns.waiting("close-while-left") == 0)
+
+
+def lane(server, session: str) -> socket.socket:
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  sock.settimeout(10)
+  sock.connect(server.workers.path)
+  ipc.send(sock, {"op": "calls", "session": session})
+  return sock
+
+
+def answer(sock: socket.socket) -> pb.CallResponse:
+  return pb.CallResponse.FromString(ipc.recv_bytes(sock, limit=1 << 30))
+
+
+def request(name: str, *args, session: str, timeout_s: float = 10.0) -> bytes:
+  return pb.CallRequest(name=name, args=codec.encode(args), kwargs=codec.encode({}),
+                        worker_session=session, timeout_s=timeout_s).SerializeToString()
+
+
+def test_a_calls_connection_is_its_sessions_alone(make_server):
+  server = make_server()
+  with sidecar.Worker(server.workers.path) as w:
+    with lane(server, "w-nobody") as sock:  # no such session: answered, then closed
+      reply = answer(sock)
+      assert reply.error.type == "InvalidArgumentError"
+      assert "unknown worker session" in reply.error.message
+      assert sock.recv(1) == b""
+    with lane(server, w.session) as sock:
+      # Results leased to another session's blocks: refused, and the lane serves on.
+      ipc.send_bytes(sock, request("add", 1, 2, session="w-" + "0" * 32))
+      reply = answer(sock)
+      assert reply.error.type == "InvalidArgumentError"
+      assert "a connection's calls are its session's" in reply.error.message
+      ipc.send_bytes(sock, request("add", 1, 2, session=w.session, timeout_s=-1))
+      assert "timeout_s must be finite seconds >= 0" in answer(sock).error.message
+      ipc.send_bytes(sock, b"\xff\xff\xff")  # not a CallRequest
+      assert answer(sock).error.type == "InvalidArgumentError"
+      ipc.send_bytes(sock, request("add", 1, 2, session=w.session))
+      assert codec.decode(answer(sock).result) == 3
+      # A frame past the limit: answered, and the connection ends (its bytes unread).
+      sock.sendall((server.options.max_message_size + 1).to_bytes(4, "little"))
+      assert "exceeds the limit" in answer(sock).error.message
+      assert sock.recv(1) == b""
+    with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # the sidecar serves on
+
+
+def test_a_result_the_caller_is_gone_for_goes_back_to_the_arena(make_server):
+  # The caller's lane closes while its call runs (its process died, or it closed): the
+  # result's block, leased to a session that lives on, is given back when the answer
+  # cannot be sent.
+  server = make_server(shm_size=8 << 20)
+  with sidecar.Worker(server.workers.path) as w:
+    baseline = used(server)
+    sock = lane(server, w.session)
+    ipc.send_bytes(sock, request("full", 1 << 20, 3, 0.5, session=w.session))
+    time.sleep(0.1)
+    sock.close()
+    # Its thread ends once the answer could not be sent (the attach's connection stays).
+    assert eventually(lambda: len(server.workers._connections) == 1, timeout=5)
+    assert used(server) == baseline  # the result's block was made, then given back
+    assert w.session in server.workers.pids()  # the worker's session lives on
+
+
+def test_several_threads_call_at_once_each_on_a_lane_of_its_own(make_server):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(
+        ctl.call("rendezvous", args=(3,), timeout=10))) for _ in range(3)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(15)
+    assert results == [[True]] * 3  # all three inside the sidecar at once
