@@ -209,7 +209,10 @@ class Calls:
       raise conn.calls.waited_too_long(f"call {name!r} on host {host_id}", timeout)
     w = self._worker(host_id)
     if w is not None:  # the fast path: over its Unix socket
-      response = self._socket_call(w, conn, host_id, name, request, deadline, timeout, held)
+      def end() -> None:  # the call is over: its arguments' blocks and its slot go back
+        held.clear()
+        conn.calls.exit()
+      response = self._exchange(w, host_id, name, request, deadline, timeout, end)
       return self.decode(host_id, name, response)
     leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
     try:
@@ -248,23 +251,14 @@ class Calls:
         conn.calls.exit()
     return self.decode(host_id, name, response)
 
-  def _socket_call(self, w: worker_lib.Worker, conn: Connection, host_id: int, name: str,
-                   request: pb.CallRequest, deadline: float, timeout: float, held: list
-                   ) -> pb.CallResponse:
+  def _exchange(self, w: worker_lib.Worker, host_id: int, name: str, request: pb.CallRequest,
+                deadline: float, timeout: float, end: Callable[[], None]) -> pb.CallResponse:
     """``request``'s response over a lane of ``w``'s Unix socket.
 
-    The window's slot and ``held`` are the call's until its response is read: here, or
-    where the caller leaves first (Ctrl-C, its timeout) by a caller thread that reads the
-    response and drops it (its result's blocks go back). A main thread's wait polls for
-    Ctrl-C (``interrupts``).
+    ``end()`` runs once the call is over: here, or, where the caller leaves first (Ctrl-C,
+    its timeout), on a caller thread that reads the response and drops it (its result's
+    blocks go back). A main thread's wait polls for Ctrl-C (``interrupts``).
     """
-    def end(lane: socket_calls.Lane | None, *, usable: bool) -> None:
-      """The call is over: its lane back, then its arguments' blocks and its slot."""
-      if lane is not None:
-        lanes.give_back(lane, usable=usable)
-      held.clear()
-      conn.calls.exit()
-
     lane = None
     try:
       w.check_usable()
@@ -273,7 +267,9 @@ class Calls:
       request.timeout_s = max(deadline - time.monotonic(), 1e-3)
       lane.send(request)
     except BaseException:
-      end(lane, usable=False)
+      if lane is not None:
+        lanes.give_back(lane, usable=False)
+      end()
       raise
     poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else None
     try:
@@ -284,13 +280,15 @@ class Calls:
               f"call {name!r} on host {host_id} gave no result within its timeout of "
               f"{timeout:.3g} s; it goes on in the sidecar, and its result is dropped")
     except errors.HostLostError:
-      end(lane, usable=False)
+      lanes.give_back(lane, usable=False)
+      end()
       raise
     except BaseException:  # it runs on: a caller thread reads its response, and drops it
       left = lane
-      self._callers.start(lambda: self._drain(lanes, left, conn, host_id, name, held))
+      self._callers.start(lambda: self._drain(lanes, left, host_id, name, end))
       raise
-    end(lane, usable=True)
+    lanes.give_back(lane)
+    end()
     if response.HasField("error"):
       raise protocol.error_from_info(response.error, host=w.path, host_id=host_id)
     return response
@@ -308,10 +306,10 @@ class Calls:
       lanes.close()
     return fresh
 
-  def _drain(self, lanes: socket_calls.Lanes, lane: socket_calls.Lane, conn: Connection,
-             host_id: int, name: str, held: list) -> None:
-    """Reads the response of a call its caller left and drops it: its result's blocks
-    go back, then its arguments' and its slot."""
+  def _drain(self, lanes: socket_calls.Lanes, lane: socket_calls.Lane, host_id: int,
+             name: str, end: Callable[[], None]) -> None:
+    """Reads the response of a call its caller left and drops it (its result's blocks go
+    back); then ``end()``."""
     try:
       response = lane.receive(None)  # until it comes, or close() closes the lane
     except errors.SidecarError:
@@ -322,8 +320,7 @@ class Calls:
         with contextlib.suppress(Exception):  # its caller is gone: nobody to tell
           self.decode(host_id, name, response)  # views made and dropped at once
     finally:
-      held.clear()
-      conn.calls.exit()
+      end()
 
   def _drop(self, host_id: int, name: str, response: pb.CallResponse | None, held: list,
             conn: Connection) -> None:
@@ -358,9 +355,55 @@ class Calls:
       out.set_exception(e)
       return out
 
-    _Call(self, conn, host_id, name, request, held, out,
-          deadline=time.monotonic() + timeout).send()
+    deadline = time.monotonic() + timeout
+    w = self._worker(host_id)
+    if w is not None:  # over its Unix socket, from a caller thread
+      _SocketCall(self, w, conn, host_id, name, request, held, out, deadline=deadline,
+                  timeout=timeout).send()
+    else:
+      _Call(self, conn, host_id, name, request, held, out, deadline=deadline).send()
     return out
+
+
+class _SocketCall:
+  """One ``call_future`` over a Worker's socket: it waits for a slot in the window as a
+  gRPC call does, then a caller thread makes it. ``ended`` (what the window waits for)
+  resolves once the call is over, ``out`` once its result or error is known (at its
+  timeout, before a late result comes and is dropped). Nothing here refers back to this
+  object once the call is over (see :class:`_Call`)."""
+
+  def __init__(self, calls: Calls, w: worker_lib.Worker, conn: Any, host_id: int, name: str,
+               request: pb.CallRequest, held: list, out: concurrent.futures.Future, *,
+               deadline: float, timeout: float):
+    self.calls, self.w, self.conn, self.host_id, self.name = calls, w, conn, host_id, name
+    self.request, self.held, self.out = request, held, out
+    self.deadline, self.timeout = deadline, timeout
+
+  def send(self) -> None:
+    self.conn.calls.call(self.start, done=self.done, fail=self.fail,
+                         timeout=self.deadline - time.monotonic(),
+                         what=f"call {self.name!r} on host {self.host_id}")
+
+  def start(self, left: float) -> concurrent.futures.Future:
+    ended: concurrent.futures.Future = concurrent.futures.Future()
+    self.calls._callers.start(lambda: self.run(ended))
+    return ended
+
+  def run(self, ended: concurrent.futures.Future) -> None:
+    try:
+      response = self.calls._exchange(self.w, self.host_id, self.name, self.request,
+                                      self.deadline, self.timeout,
+                                      end=lambda: ended.set_result(None))
+      self.out.set_result(self.calls.decode(self.host_id, self.name, response))
+    except Exception as e:
+      self.out.set_exception(e)
+
+  def done(self, ended: concurrent.futures.Future) -> None:
+    self.held.clear()  # the call is over: its arguments' blocks go back
+
+  def fail(self, e: BaseException) -> None:
+    self.held.clear()
+    self.out.set_exception(e)
 
 
 class _Call:

@@ -136,6 +136,12 @@ class ArenaIO:
         self.leases.release(block.offset, block.generation, session)
       raise
 
+  def release(self, blocks: list[int], session: str) -> None:
+    """Gives back ``session``'s hold on ``blocks`` (flattened (offset, generation) pairs,
+    as ``codec.arena_blocks`` lists those of an encoded value)."""
+    for offset, generation in zip(blocks[::2], blocks[1::2]):
+      self.leases.release(offset, generation, session)
+
   def allocating(self, alive: Alive, time_left: TimeLeft) -> contextlib.AbstractContextManager:
     """The context user code runs in: ``sidecar.empty`` makes arena arrays, pinned while
     the sidecar holds a view of one; a full arena is waited on while the caller lives and

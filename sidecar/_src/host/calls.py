@@ -87,8 +87,16 @@ class Runner:
     entry, args, kwargs = self.prepare(request, views=views)
     with self.arena_io.allocating(alive, time_left):
       result = entry.fn(*args, **kwargs)
-    return self.arena_io.encode(result, request.worker_session, alive=alive,
-                                time_left=time_left, where=f"result of {request.name!r}")
+    value = self.arena_io.encode(result, request.worker_session, alive=alive,
+                                 time_left=time_left, where=f"result of {request.name!r}")
+    if (blocks := codec.arena_blocks(value)) and not alive():
+      # Its caller left (its deadline passed, it cancelled): nobody will read the answer,
+      # and its blocks would stay leased to the worker session until that ended.
+      self.arena_io.release(blocks, request.worker_session)
+      raise errors.DeadlineExceededError(
+          f"the caller of {request.name!r} left before its result was sent; the result's "
+          "arena blocks went back")
+    return value
 
 
 class UnaryCalls:

@@ -73,6 +73,13 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
     assert eventually(lambda: used(server) == baseline)
     assert eventually(lambda: ctl._hosts.conns[0].calls.enter(0.0))
     ctl._hosts.conns[0].calls.exit()
+    (f,) = ctl.call_async("full", args=(1 << 20, 2, 0.6), timeout=0.2)  # the same, async
+    with pytest.raises(errors.DeadlineExceededError, match="within its timeout of 0.2 s"):
+      f.result(5)
+    del f
+    assert eventually(lambda: used(server) == baseline)
+    assert eventually(lambda: ctl._hosts.conns[0].calls.enter(0.0))
+    ctl._hosts.conns[0].calls.exit()
 
 
 def test_close_ends_the_wait_for_a_left_calls_result(make_server):
@@ -149,6 +156,17 @@ def test_a_result_the_caller_is_gone_for_goes_back_to_the_arena(make_server):
     assert eventually(lambda: len(server.workers._connections) == 1, timeout=5)
     assert used(server) == baseline  # the result's block was made, then given back
     assert w.session in server.workers.pids()  # the worker's session lives on
+
+
+def test_call_async_to_an_attached_host_goes_over_its_socket_too(make_server):
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+    futures = [ctl.call_async("add", args=(i,), kwargs={"b": 10})[0] for i in range(20)]
+    assert [f.result(10) for f in futures] == [i + 10 for i in range(20)]
+    (f,) = ctl.call_async("fail", args=("async boom",))
+    with pytest.raises(sidecar.RemoteError, match="async boom"):
+      f.result(10)
 
 
 def test_several_threads_call_at_once_each_on_a_lane_of_its_own(make_server):

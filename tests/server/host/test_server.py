@@ -151,6 +151,23 @@ def test_full_arena_waits_for_the_deadline_then_fails_and_recovers(make_server):
     assert f.result()[0] == 3
 
 
+def test_a_result_whose_caller_left_gives_its_blocks_back(make_server):
+  # A gRPC call naming a worker session, past its deadline before the result was made:
+  # nobody reads the answer, so its arena blocks must not stay leased to the session.
+  from sidecar._src.wire import codec
+  server = make_server(shm_size=8 << 20)
+  with controller(server) as ctl:
+    conn, w = ctl._hosts.conns[0], ctl.worker(0)
+    request = pb.CallRequest(name="full", args=codec.encode((1 << 20, 5, 0.5)),
+                             kwargs=codec.encode({}), worker_session=w.session)
+    with pytest.raises(grpc.RpcError) as caught:
+      conn.call_rpc(request, timeout=0.1, metadata=conn.metadata)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.8)  # the call made its result meanwhile
+    assert eventually(lambda: server.leases.allocator.used_bytes == 0)
+    assert_still_serving(ctl)
+
+
 def test_large_results_arrive_as_views_of_the_arena_small_ones_inline(make_server):
   with controller(make_server()) as ctl:
     big, small = ctl.call("echo",
