@@ -11,7 +11,8 @@ a rank). Rows, each the median of ``rounds``:
 - ``dcp.async_save`` (FileSystemWriter, thread and process modes) and with
   ``sidecar.torch.StorageWriter``: blocked = until ``async_save`` returns; durable = until
   its future resolves; steps/s = a training step (a 512x512 matmul) run while the save
-  goes on, until durable.
+  goes on, until durable, against the same loop for 1 s with no save just before; steps
+  lost = (no save - during) x durable: the training the save cost.
 - restore: ``dcp.load`` with ``FileSystemReader`` (disk, page cache dropped where allowed)
   against ``sidecar.torch.StorageReader`` (the RAM tier).
 """
@@ -29,6 +30,14 @@ import tempfile
 import time
 
 ROUNDS = 3
+IDLE_S = 1.0  # the training loop with no save, just before each save
+
+
+def _idle_rate(seconds: float = IDLE_S) -> float:
+  """The same training step with no save in flight, for ``seconds``: the baseline of the
+  rate during a save (both ranks run it at once, as they run the save)."""
+  t0 = time.perf_counter()
+  return _step_rate(lambda: time.perf_counter() - t0 >= seconds)
 
 
 def _step_rate(until) -> float:
@@ -74,6 +83,8 @@ def rank_main(args) -> None:
          AsyncCheckpointerType.PROCESS),
         ("sidecar StorageWriter", lambda p: sidecar.torch.StorageWriter(p, controller=ctl),
          AsyncCheckpointerType.THREAD)):
+      dist.barrier()
+      add(f"{name} idle steps/s", _idle_rate())
       dist.barrier()
       p = f"{root}/{name.replace(' ', '_')}{r}"
       t0 = time.perf_counter()
@@ -134,14 +145,19 @@ def main() -> None:
   med = {k: max(statistics.median(r[k]) for r in results) for k in results[0] if k != "rank"}
   from benchmarks.common import table
   memcpy = med["memcpy"]
-  rows = [("memcpy of a rank's tensors", f"{memcpy:.3f}", "1.00x", "", "")]
-  rows.append(("dcp.save (FileSystemWriter)", "", "", f"{med['dcp.save']:.3f}", ""))
+  rows = [("memcpy of a rank's tensors", f"{memcpy:.3f}", "1.00x", "", "", "", "", "")]
+  rows.append(("dcp.save (FileSystemWriter)", "", "", f"{med['dcp.save']:.3f}", "", "", "",
+               ""))
   for name in ("dcp.async_save thread", "dcp.async_save process", "sidecar StorageWriter"):
+    during, idle = med[name + " steps/s"], med[name + " idle steps/s"]
+    durable = med[name + " durable"]
     rows.append((name, f"{med[name + ' blocked']:.3f}",
-                 f"{med[name + ' blocked'] / memcpy:.2f}x", f"{med[name + ' durable']:.3f}",
-                 f"{med[name + ' steps/s']:.1f}"))
+                 f"{med[name + ' blocked'] / memcpy:.2f}x", f"{durable:.3f}",
+                 f"{during:.1f}", f"{idle:.1f}", f"{during / idle:.0%}",
+                 f"{(idle - during) * durable:.0f}"))
   print(f"{args.leaves} x {args.mib} MiB float32 per rank, 2 ranks, median of {args.rounds}")
-  print(table(("path", "blocked s", "vs memcpy", "durable s", "steps/s during save"), rows))
+  print(table(("path", "blocked s", "vs memcpy", "durable s", "steps/s during save",
+               "steps/s, no save", "during / no save", "steps lost to the save"), rows))
   disk, ram = med["restore dcp.load (disk)"], med["restore StorageReader (RAM tier)"]
   print(table(("restore", "s", "vs dcp.load"), [
       ("dcp.load, FileSystemReader (disk)", f"{disk:.3f}", "1.00x"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
-from sidecar._src.tools import cli_format, launch
+from sidecar._src.tools import cli_format, launch, torchrun
 from sidecar._src.tools.k8s import cli as k8s_cli
 from sidecar._src.tools.slurm import cli as slurm_cli
 from sidecar._src.user import registry as registry_lib
@@ -474,6 +474,7 @@ def parser() -> argparse.ArgumentParser:
 
   k8s_cli.register(sub)
   slurm_cli.register(sub)
+  torchrun.register(sub)
   return p
 
 

@@ -1,9 +1,22 @@
-"""The variables torchrun (torchelastic) gives each worker, by its names: what
-``sidecar launch --torch`` and ``sidecar slurm batch`` give each trainer, so that
-``torch.distributed.init_process_group()`` and ``sidecar.torch.connect()`` need no
-arguments. Standard library only: the Slurm trainer wrapper reads it before it execs."""
+"""torchrun, as the sidecar's launchers give it.
+
+:func:`torchrun_env`: the variables torchrun (torchelastic) gives each worker, by its
+names: what ``sidecar launch --torch`` and ``sidecar slurm batch`` give each trainer, so
+that ``torch.distributed.init_process_group()`` and ``sidecar.torch.connect()`` need no
+arguments. ``sidecar torchrun``: stock torchrun for one node of a job the ``SIDECAR_*``
+variables name (a pod of the k8s manifests: ``sidecar k8s render --procs-per-pod``), its
+ranks sharing the node's sidecar. Standard library only: the Slurm trainer wrapper reads
+it before it execs.
+"""
 
 from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+
+from sidecar._src.core import errors, job as job_lib
 
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
@@ -21,3 +34,61 @@ def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_siz
       # No agent hosts the store here: rank 0 serves it at MASTER_ADDR:MASTER_PORT.
       "TORCHELASTIC_USE_AGENT_STORE": "False",
   }
+
+
+def node_args(environ: Mapping[str, str], nproc_per_node: int) -> list[str]:
+  """torchrun's flags for this node: one node per process of the job ``environ`` names
+  (``core/job.py``: a JobSet's pod, or ``SIDECAR_COORDINATOR_ADDRESS``,
+  ``SIDECAR_NUM_PROCESSES`` and ``SIDECAR_PROCESS_ID``), the node rank that process's
+  id, and its coordinator (process 0's) as torchrun's master, whose agent keeps the store.
+
+  Raises:
+    InvalidArgumentError: the environment names no job, or ``nproc_per_node`` < 1.
+  """
+  if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+    raise errors.InvalidArgumentError(
+        f"--nproc-per-node must be an integer >= 1, got {nproc_per_node!r}")
+  job = job_lib.job_from_env(environ)
+  if job is None:
+    raise errors.InvalidArgumentError(
+        "sidecar torchrun: the environment names no job: run it in a pod of the manifests "
+        "(sidecar k8s render), or set SIDECAR_COORDINATOR_ADDRESS, SIDECAR_NUM_PROCESSES and "
+        "SIDECAR_PROCESS_ID (one process per node)")
+  host, _, port = job["coordinator_address"].rpartition(":")
+  return ["--nnodes", str(job["num_processes"]), "--node-rank", str(job["process_id"]),
+          "--nproc-per-node", str(nproc_per_node), "--master-addr", host.strip("[]"),
+          "--master-port", port]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+  """Adds ``sidecar torchrun`` to the CLI's ``subparsers``."""
+  p = subparsers.add_parser(
+      "torchrun", usage="sidecar torchrun [--nproc-per-node P] -- CMD [ARGS...]",
+      help="stock torchrun for this node of a job the SIDECAR_* variables name",
+      description="Run torchrun (python -m torch.distributed.run) for one node of the job "
+                  "the environment names: a pod of the k8s manifests (sidecar k8s render "
+                  "--procs-per-pod P runs it), or SIDECAR_COORDINATOR_ADDRESS, "
+                  "SIDECAR_NUM_PROCESSES and SIDECAR_PROCESS_ID. Node count, node rank and "
+                  "master come from the job; the node's P ranks share its sidecar "
+                  "(SIDECAR_ADDRESS), each with a Worker session of its own.")
+  p.add_argument("--nproc-per-node", type=int, default=1, metavar="P",
+                 help="ranks on this node, one per accelerator (default: 1)")
+  p.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                 help="each rank's command, whole (e.g. python train.py: torchrun --no-python)")
+  p.set_defaults(func=run, parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+  """Execs torchrun for this node (returns only where that cannot start)."""
+  command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+  if not command:
+    args.parser.error("CMD is missing: give each rank's command after --, e.g. "
+                      "sidecar torchrun --nproc-per-node 8 -- python train.py")
+  try:
+    flags = node_args(os.environ, args.nproc_per_node)
+  except errors.InvalidArgumentError as e:
+    args.parser.error(str(e))
+  sys.stdout.flush()
+  # --no-python: CMD is a whole command (python train.py), as sidecar launch's is.
+  os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *flags,
+                            "--no-python", *command])

@@ -76,6 +76,11 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
                  help="in-place restarts of a trainer the Job allows (pod restartPolicy "
                  "OnFailure; the sidecar keeps its arena); 0: restartPolicy Never "
                  "(default: %(default)s)")
+  p.add_argument("--procs-per-pod", type=int, default=1, metavar="P",
+                 help="PyTorch ranks per pod, one per accelerator: the trainer runs its "
+                 "command under `sidecar torchrun --nproc-per-node P`, a torchrun node per "
+                 "pod, its ranks sharing the pod's sidecar (default: %(default)s: the command "
+                 "is the rank)")
   p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
   p.set_defaults(func=run_render)
 
@@ -117,7 +122,7 @@ def options_from_args(args: argparse.Namespace) -> render.RenderOptions:
       port=args.port, health_port=args.health_port, coordinator_port=args.coordinator_port,
       metrics_port=None if args.no_metrics else args.metrics_port,
       token_secret=args.token_secret, grace_seconds=args.grace_seconds,
-      trainer_restarts=args.trainer_restarts)
+      trainer_restarts=args.trainer_restarts, procs_per_pod=args.procs_per_pod)
 
 
 def run_render(args: argparse.Namespace) -> int:

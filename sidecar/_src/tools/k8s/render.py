@@ -102,9 +102,12 @@ class RenderOptions:
   # In-place restarts of a pod's trainer the Job allows (pod restartPolicy OnFailure):
   # the native sidecar keeps its arena through them. 0: restartPolicy Never.
   trainer_restarts: int = 4
+  # PyTorch ranks per pod (a GPU node's 8): the trainer container runs ``sidecar torchrun
+  # --nproc-per-node P -- trainer_command``, a node per pod; 1: the command is the rank.
+  procs_per_pod: int = 1
 
   def __post_init__(self):
-    for field in ("slices", "hosts_per_slice"):
+    for field in ("slices", "hosts_per_slice", "procs_per_pod"):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
         raise errors.InvalidArgumentError(f"{field} must be an integer >= 1, got {value!r}")
@@ -258,7 +261,7 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
   container: dict[str, Any] = {
       "name": "trainer",
       "image": options.trainer_image or options.image,
-      "command": list(options.trainer_command),
+      "command": _trainer_command(options),
       "ports": [{"name": "coordinator", "containerPort": options.coordinator_port}],
       "env": [
           {"name": "SIDECAR_ADDRESS", "value": f"unix://{SOCKET_DIR}/sidecar.sock"},
@@ -285,6 +288,15 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
   if options.tpu is not None:
     container["resources"] = {"limits": {"google.com/tpu": options.tpu.chips_per_host}}
   return container
+
+
+def _trainer_command(options: RenderOptions) -> list[str]:
+  """The trainer's command; with several ranks per pod, under torchrun (a node per pod:
+  ``sidecar torchrun`` takes node rank, node count and master from the pod's job)."""
+  if options.procs_per_pod == 1:
+    return list(options.trainer_command)
+  return ["sidecar", "torchrun", "--nproc-per-node", str(options.procs_per_pod), "--",
+          *options.trainer_command]
 
 
 # Both containers: no root, no privilege escalation, no capabilities, the runtime's seccomp.

@@ -149,6 +149,29 @@ def test_every_pod_is_a_torch_rank_whose_master_is_process_0s_pod(jobset):
       "coordinator")
 
 
+@pytest.mark.parametrize("shape", ["render-cpu-shape", "render-v5p-ports"])
+def test_with_procs_per_pod_every_pod_is_a_torchrun_node_of_one_job(shape):
+  # Several ranks per pod (a GPU node's 8): the trainer runs `sidecar torchrun`, whose
+  # node rank, node count and master come from the pod's SIDECAR_* job.
+  from sidecar._src.tools.torchrun import node_args
+  jobset = render.render_jobset(render.RenderOptions(**RENDERED[shape], procs_per_pod=4))
+  (rjob,) = jobset["spec"]["replicatedJobs"]
+  replicas, completions = rjob["replicas"], rjob["template"]["spec"]["completions"]
+  trainer = util.container(jobset, "trainer")
+  assert trainer["command"] == ["sidecar", "torchrun", "--nproc-per-node", "4", "--", "python",
+                                "-m", "my_pkg.train"]
+  nodes = [dict(zip(*[iter(node_args(resolve_env(trainer, pod_metadata(jobset, rjob, s, h)),
+                                     4))] * 2))
+           for s in range(replicas) for h in range(completions)]
+  assert [int(n["--node-rank"]) for n in nodes] == list(range(replicas * completions))
+  assert {(n["--nnodes"], n["--nproc-per-node"]) for n in nodes} == {
+      (str(replicas * completions), "4")}
+  (master,) = {(n["--master-addr"], n["--master-port"]) for n in nodes}
+  assert master[0] == pod_fqdn(jobset, rjob, 0, 0)
+  assert {p["containerPort"]: p["name"] for p in trainer["ports"]}[int(master[1])] == (
+      "coordinator")
+
+
 def test_trainer_identity_matches_its_sidecars(jobset):
   # The process on pod (s, h) drives the sidecar on pod (s, h): same fields, same values.
   trainer, sidecar = util.env(jobset, "trainer"), util.env(jobset, "sidecar")

@@ -84,3 +84,16 @@ def test_bad_tpu_names_the_fix(text, match):
 def test_bad_options_name_the_value(options, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     render.RenderOptions(image="sidecar:1", **options)
+
+
+def test_procs_per_pod_runs_the_trainer_under_sidecar_torchrun():
+  one = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=2, image="s:1"))
+  eight = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=2, image="s:1",
+                                                    procs_per_pod=8))
+  assert util.container(one, "trainer")["command"] == ["python", "-m", "my_pkg.train"]
+  assert util.container(eight, "trainer")["command"] == [
+      "sidecar", "torchrun", "--nproc-per-node", "8", "--", "python", "-m", "my_pkg.train"]
+  assert checks.check_jobset(eight, kubernetes_versions=()) == []
+  with pytest.raises(errors.InvalidArgumentError,
+                     match="procs_per_pod must be an integer >= 1, got 0"):
+    render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1", procs_per_pod=0)
