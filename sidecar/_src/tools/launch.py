@@ -72,7 +72,8 @@ in the job), GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
 MASTER_ADDR=127.0.0.1, MASTER_PORT=<free port> (torchrun's --master-port=0 hangs in its
 rendezvous), TORCHELASTIC_RESTART_COUNT (SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS,
 TORCHELASTIC_RUN_ID=none, TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store),
-and OMP_NUM_THREADS=1 unless set, when P > 1. torch.distributed.init_process_group()
+and OMP_NUM_THREADS=1 unless set, when N*P > 1 (torchrun sets it for a node's ranks; here
+every rank shares this machine's cores). torch.distributed.init_process_group()
 (env://) and sidecar.torch.connect() then need no arguments.
 
 Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero

@@ -65,8 +65,8 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
                                group_world_size=len(hosts), master_addr=addr,
                                master_port=int(port), restart=restart,
                                max_restarts=max_restarts))
-    if procs_per_host > 1:
-      result.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks of a node share its cores
+    if world > 1:  # as torchrun for a node's ranks: every rank here shares this machine's cores
+      result.setdefault("OMP_NUM_THREADS", "1")
   if cluster.token:
     result[env.TOKEN] = cluster.token
   return result

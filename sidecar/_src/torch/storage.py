@@ -273,19 +273,30 @@ class StorageWriter(_Writer):
     return self._synchronize_after_execute
 
   def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Copies every tensor of ``state_dict`` into this rank's sidecar's arena: the state
-    dict the background save then writes (DCP's ``AsyncStager``)."""
-    host = _host_of_this_rank(self._ctl)
-    return _map_tensors(state_dict, lambda t, name: self._stage_tensor(host, t, name))
+    """Copies every tensor of ``state_dict`` into this rank's sidecar's arena (its blocks
+    allocated in one request): the state dict the background save then writes (DCP's
+    ``AsyncStager``)."""
+    found: list[tuple[torch.Tensor, np.ndarray]] = []
 
-  def _stage_tensor(self, host: int, t: torch.Tensor, name: str) -> torch.Tensor:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    copy = tensors.from_array(self._client.put(
-        host, framework.host_array(local, f"state dict entry {name!r}"))).view(local.shape)
+    def collect(t: torch.Tensor, name: str) -> torch.Tensor:
+      local = t.to_local() if isinstance(t, DTensor) else t
+      found.append((t, framework.host_array(local, f"state dict entry {name!r}")))
+      return t
+    _map_tensors(state_dict, collect)
+    blocks = self._client.empty_like(_host_of_this_rank(self._ctl), [a for _, a in found])
+    staged = iter([self._staged(t, a, block) for (t, a), (block, _) in zip(found, blocks)])
+    found.clear()
+    return _map_tensors(state_dict, lambda t, name: next(staged))
+
+  @staticmethod
+  def _staged(t: torch.Tensor, array: np.ndarray, block: np.ndarray) -> torch.Tensor:
+    """``t`` over its arena ``block``, once ``array`` (its host copy) is copied there."""
+    shm.copy(block, array)
+    copy = tensors.from_array(block)
     if isinstance(t, DTensor):  # FSDP2's shards: the same placement, over the arena copy
-      return DTensor.from_local(copy, t.device_mesh, t.placements, run_check=False,
-                                shape=t.shape, stride=t.stride())
-    return copy
+      return DTensor.from_local(copy.view(t.to_local().shape), t.device_mesh, t.placements,
+                                run_check=False, shape=t.shape, stride=t.stride())
+    return copy.view(t.shape)
 
   def synchronize_staging(self) -> None:
     pass

@@ -86,6 +86,13 @@ def test_without_torch_procs_per_host_sets_only_the_sidecar_variables(tmp_path):
             for h in (0, 1) for l in range(3)]
     torch_env = launch.trainer_env(cluster, 1, "127.0.0.1:1", {}, procs_per_host=3,
                                    local_rank=2, torch_master="10.0.0.1:29500", restart=2)
+    # One rank per sidecar, two sidecars: both ranks share this machine's cores, so each
+    # gets one OpenMP thread (two each made a training loop on 2 cores 5x slower), as
+    # torchrun gives a node's ranks; unless the caller set its own.
+    one_each = launch.trainer_env(cluster, 0, "127.0.0.1:1", {}, torch_master="10.0.0.1:1")
+    own = launch.trainer_env(cluster, 0, "127.0.0.1:1", {"OMP_NUM_THREADS": "2"},
+                             torch_master="10.0.0.1:1")
+  assert one_each["OMP_NUM_THREADS"] == "1" and own["OMP_NUM_THREADS"] == "2"
   assert [e["SIDECAR_PROCESS_ID"] for e in envs] == [str(r) for r in range(6)]
   assert {e["SIDECAR_NUM_PROCESSES"] for e in envs} == {"6"}
   assert [e["SIDECAR_HOST_ID"] for e in envs] == ["0"] * 3 + ["1"] * 3
