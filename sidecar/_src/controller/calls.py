@@ -454,6 +454,7 @@ class _Call:
 
 
 def _wait(deadline: float, poll: float | None) -> float:
-  """How long to wait for a response: until ``deadline``, in steps of ``poll`` if any."""
-  left = max(deadline - time.monotonic(), 0.0)
+  """How long to wait for a response: until ``deadline``, in steps of ``poll`` if any;
+  never 0, which would make the socket non-blocking (EAGAIN, not a timeout)."""
+  left = max(deadline - time.monotonic(), 1e-3)
   return left if poll is None else min(left, poll)

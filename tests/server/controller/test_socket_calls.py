@@ -73,6 +73,9 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
     assert eventually(lambda: used(server) == baseline)
     assert eventually(lambda: ctl._hosts.conns[0].calls.enter(0.0))
     ctl._hosts.conns[0].calls.exit()
+    # A timeout that passes before the wait begins is a timeout too, not a lost host.
+    with pytest.raises(errors.DeadlineExceededError):
+      ctl.call("sleep", args=(0.3,), timeout=1e-5)
     (f,) = ctl.call_async("full", args=(1 << 20, 2, 0.6), timeout=0.2)  # the same, async
     with pytest.raises(errors.DeadlineExceededError, match="within its timeout of 0.2 s"):
       f.result(5)
