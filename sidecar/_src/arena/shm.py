@@ -198,12 +198,13 @@ _copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
 
-def copy(dst: np.ndarray, src: np.ndarray) -> None:
-  """``np.copyto(dst, src)``, with up to ``COPY_THREADS`` threads when both are
-  C-contiguous, alike and large: the copy into the arena is what a caller waits
-  for, and the threads work only while it waits."""
+def copy(dst: np.ndarray, src: np.ndarray, *, threads: int | None = None) -> None:
+  """``np.copyto(dst, src)``, with up to ``COPY_THREADS`` threads (fewer if ``threads``
+  says so) when both are C-contiguous, alike and large: the copy into the arena is what a
+  caller waits for, and the threads work only while it waits."""
   src = np.asarray(src)
-  if (COPY_THREADS < 2 or src.nbytes < 2 * COPY_PIECE or dst.shape != src.shape
+  n = COPY_THREADS if threads is None else max(1, min(threads, COPY_THREADS))
+  if (n < 2 or src.nbytes < 2 * COPY_PIECE or dst.shape != src.shape
       or dst.dtype != src.dtype or src.dtype.hasobject
       or not (dst.flags.c_contiguous and src.flags.c_contiguous)):
     np.copyto(dst, src)
@@ -221,7 +222,7 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
   with _copy_pool_lock:
     if _copy_pool is None:
       _copy_pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, "sidecar-copy")
-    others = [_copy_pool.submit(pieces) for _ in range(1, COPY_THREADS)]
+    others = [_copy_pool.submit(pieces) for _ in range(1, n)]
   try:
     pieces()  # the caller's thread takes a share too
   finally:

@@ -160,6 +160,21 @@ def test_copy_leaves_a_held_back_thread_s_share_to_the_others(monkeypatch):
     pool.shutdown()
 
 
+def test_copy_with_one_thread_asked_uses_the_callers_only(monkeypatch):
+  class NoPool:
+    def submit(self, *args):
+      raise AssertionError("a copy asked to use one thread used the pool")
+  monkeypatch.setattr(shm, "COPY_PIECE", 4096)
+  monkeypatch.setattr(shm, "COPY_THREADS", 4)
+  monkeypatch.setattr(shm, "_copy_pool", NoPool())
+  src = np.random.default_rng(2).standard_normal((40, 1000)).astype(np.float32)
+  dst = np.zeros_like(src)
+  shm.copy(dst, src, threads=1)
+  np.testing.assert_array_equal(dst, src)
+  with pytest.raises(AssertionError, match="used the pool"):
+    shm.copy(dst, src, threads=2)
+
+
 def test_copy_of_strided_or_other_dtype_copies_as_copyto(monkeypatch):
   monkeypatch.setattr(shm, "COPY_PIECE", 4096)
   monkeypatch.setattr(shm, "COPY_THREADS", 2)
