@@ -3,7 +3,7 @@ this process maps.
 
 A ``calls`` connection (a :class:`Lane`) carries one call at a time: a CallRequest frame
 out, a CallResponse frame back, with no TCP, HTTP/2 or gRPC thread in the way (a no-op
-round trip is about a tenth of a gRPC unary's here). A host's idle lanes wait in its
+round trip is about a third of a gRPC unary's here). A host's idle lanes wait in its
 :class:`Lanes` for the next call. The wait for a response polls, so Ctrl-C ends it at once
 and never inside a lock; the call goes on in the sidecar, and whoever takes the lane
 over (``calls.Calls``) reads its response and drops it.
