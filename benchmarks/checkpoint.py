@@ -528,7 +528,7 @@ def phase_table(records: list[SaveRecord], staged_at: dict[int, float],
   names = ("save() returns: plan + copy into the arena (trainer blocked)",
            "the last stage call, until staged",
            "from staged to durable: the writes' tail, prepared, commit",
-           "sidecar writes its part (its log; from its first part, during the copy)",
+           "sidecar writes its part (its log; from its first part staged)",
            "durable, total")
   cols = []
   for busy in (False, True):
