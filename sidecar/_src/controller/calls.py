@@ -271,14 +271,28 @@ class Calls:
         lanes.give_back(lane, usable=False)
       end()
       raise
-    poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else None
+    # After this long without a response the sidecar is asked for a sign of life (its
+    # Worker's connection answers while the call runs): a stopped or hung sidecar ends the
+    # call with HostLostError within about the peer timeout, as gRPC's keepalive does.
+    quiet_s = w.timeout / 2
+    poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else quiet_s
+    heard = started = time.monotonic()
     try:
       while (response := lane.receive(_wait(deadline, poll))) is None:
         interrupts.check()  # Ctrl-C: KeyboardInterrupt
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
           raise errors.DeadlineExceededError(
               f"call {name!r} on host {host_id} gave no result within its timeout of "
               f"{timeout:.3g} s; it goes on in the sidecar, and its result is dropped")
+        if now - heard >= quiet_s:
+          try:
+            w.check_alive(quiet_s)
+          except errors.HostLostError as e:
+            raise errors.HostLostError(
+                f"call {name!r} on host {host_id} had no result for {now - started:.3g} s, "
+                f"and {e}", host_id=host_id) from None
+          heard = time.monotonic()
     except errors.HostLostError:
       lanes.give_back(lane, usable=False)
       end()
@@ -453,8 +467,7 @@ class _Call:
     self.send()
 
 
-def _wait(deadline: float, poll: float | None) -> float:
-  """How long to wait for a response: until ``deadline``, in steps of ``poll`` if any;
-  never 0, which would make the socket non-blocking (EAGAIN, not a timeout)."""
-  left = max(deadline - time.monotonic(), 1e-3)
-  return left if poll is None else min(left, poll)
+def _wait(deadline: float, poll: float) -> float:
+  """How long to wait for a response: until ``deadline``, in steps of ``poll``; never 0,
+  which would make the socket non-blocking (EAGAIN, not a timeout)."""
+  return min(max(deadline - time.monotonic(), 1e-3), poll)

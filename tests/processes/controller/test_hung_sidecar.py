@@ -1,6 +1,6 @@
 """Tier 3: a sidecar that stops answering (SIGSTOP) ends what waits on it with HostLostError.
 
-Over the worker's Unix socket (a feed, an arena request) and over gRPC (a feed without a
+Over the worker's Unix socket (a feed, a call, an arena request) and over gRPC (a feed without a
 worker), with a short peer timeout. Each wait is guarded: a watchdog SIGCONTs the sidecar
 after a while, so a regression shows as a feed that goes on (a failure), never a hang.
 """
@@ -30,7 +30,8 @@ WATCHDOG_S = 60.0  # far past PEER_TIMEOUT: a hang would be this long, then a fa
 @pytest.fixture(scope="module")
 def cluster():
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
-                                    imports=["tests.support.feed_fns"]) as c:
+                                    imports=["tests.support.feed_fns",
+                                             "tests.support.sidecar_fns"]) as c:
     yield c
 
 
@@ -76,6 +77,26 @@ def test_a_stopped_sidecar_ends_a_feed_with_host_lost(cluster, attach):
   with cluster.controller() as ctl:
     assert ctl.call("sidecar_pid") == [cluster.pid(0)]
     assert eventually(lambda: ctl.status()[0].arena_used == 0 and ctl.status()[0].workers == 1)
+
+
+def test_a_stopped_sidecar_ends_a_call_over_its_socket_with_host_lost(cluster):
+  # The call's own timeout is far longer: the sidecar is found silent, not waited out.
+  with cluster.controller(peer_timeout=PEER_TIMEOUT, timeout=WATCHDOG_S) as ctl:
+    assert ctl.worker(0) is not None and ctl.call("sidecar_pid") == [cluster.pid(0)]
+    with stopped(cluster), pytest.raises(sidecar.HostLostError) as info:
+      ctl.call("sidecar_pid")
+    assert info.value.host_id == 0 and "call 'sidecar_pid' on host 0" in str(info.value)
+  with cluster.controller() as ctl:  # SIGCONTed, it serves again
+    assert ctl.call("sidecar_pid") == [cluster.pid(0)]
+
+
+def test_a_call_longer_than_the_peer_timeout_is_waited_for(cluster):
+  # A busy sidecar answers the ping while the call runs: slow is not lost.
+  with cluster.controller(peer_timeout=PEER_TIMEOUT, timeout=WATCHDOG_S) as ctl:
+    assert ctl.worker(0) is not None
+    assert ctl.call("sleep", args=(2.5 * PEER_TIMEOUT,)) == [2.5 * PEER_TIMEOUT]
+    [future] = ctl.call_async("sleep", args=(1.5 * PEER_TIMEOUT,))
+    assert future.result() == 1.5 * PEER_TIMEOUT
 
 
 def test_a_stopped_sidecar_fails_an_arena_request_and_every_later_one(cluster):
