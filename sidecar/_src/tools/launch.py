@@ -137,14 +137,24 @@ def exit_status(returncode: int) -> int:
 
 
 def _pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> None:
-  """Copies ``pipe`` to ``out`` line by line, each line prefixed; ends a partial last line."""
-  at_start = True
+  """Copies ``pipe`` to ``out`` line by line, each line prefixed; ends a partial last line.
+
+  A chunk that ends mid-line (a line longer than a chunk, or the last one) is held until
+  the next read: the last line and its added newline go out in one write, so another
+  trainer's line never lands between them.
+  """
+  at_start, held = True, b""
   with pipe:
     for chunk in iter(lambda: pipe.readline(_READ_CHUNK), b""):
-      _write(out, prefix + chunk if at_start else chunk, lock)
+      if held:  # more of its line came: it was not the last
+        _write(out, held, lock)
+      data = prefix + chunk if at_start else chunk
       at_start = chunk.endswith(b"\n")
-  if not at_start:
-    _write(out, b"\n", lock)
+      held = b"" if at_start else data
+      if at_start:
+        _write(out, data, lock)
+  if held:
+    _write(out, held + b"\n", lock)
 
 
 def _write(out: BinaryIO, data: bytes, lock: threading.Lock) -> None:
