@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO, TextIO
 
 from sidecar._src.core import env, errors
+from sidecar._src.tools import relay
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
@@ -39,7 +40,6 @@ DEFAULT_MAX_RESTARTS = 4  # in-place restarts, as the manifests' backoffLimit
 DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
 _POLL = 0.1
 _LOG_TAIL_LINES = 40
-_READ_CHUNK = 1 << 16
 
 HELP = f"""\
 Starts --hosts sidecars on this machine, then --hosts copies of CMD ("trainers"), one per
@@ -136,36 +136,6 @@ def exit_status(returncode: int) -> int:
   return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> None:
-  """Copies ``pipe`` to ``out`` line by line, each line prefixed; ends a partial last line.
-
-  A chunk that ends mid-line (a line longer than a chunk, or the last one) is held until
-  the next read: the last line and its added newline go out in one write, so another
-  trainer's line never lands between them.
-  """
-  at_start, held = True, b""
-  with pipe:
-    for chunk in iter(lambda: pipe.readline(_READ_CHUNK), b""):
-      if held:  # more of its line came: it was not the last
-        _write(out, held, lock)
-      data = prefix + chunk if at_start else chunk
-      at_start = chunk.endswith(b"\n")
-      held = b"" if at_start else data
-      if at_start:
-        _write(out, data, lock)
-  if held:
-    _write(out, held + b"\n", lock)
-
-
-def _write(out: BinaryIO, data: bytes, lock: threading.Lock) -> None:
-  with lock:
-    try:
-      out.write(data)
-      out.flush()
-    except (OSError, ValueError):
-      pass  # Our stdout is gone; keep draining so the trainer never blocks on a full pipe.
-
-
 class _Run:
   """One launch: owns the trainers, their output threads and the signal handlers."""
 
@@ -209,7 +179,7 @@ class _Run:
             stderr=subprocess.STDOUT, start_new_session=True)
         self.trainers[rank] = proc
         prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
-        self._thread(_pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
+        self._thread(relay.pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
         self._thread(self._wait, h, rank, proc, self.restart)
 
   def _max_restarts(self) -> int:

@@ -1,11 +1,11 @@
-"""Tier 1: a trainer's output relayed by ``sidecar launch``, prefixed line by line."""
+"""Tier 1: a trainer's output relayed by ``sidecar launch`` (tools/relay.py), prefixed line by line."""
 
 import io
 import threading
 
 import pytest
 
-from sidecar._src.tools import launch
+from sidecar._src.tools import relay
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ class Writes(io.BytesIO):
 
 def pump(data: bytes) -> Writes:
   out = Writes()
-  launch._pump(io.BufferedReader(io.BytesIO(data)), b"[host 1] ", out, threading.Lock())
+  relay.pump(io.BufferedReader(io.BytesIO(data)), b"[host 1] ", out, threading.Lock())
   return out
 
 
@@ -36,7 +36,7 @@ def test_each_line_is_prefixed_and_a_partial_last_line_ends_in_the_same_write():
 
 
 def test_a_line_longer_than_a_chunk_is_prefixed_once(monkeypatch):
-  monkeypatch.setattr(launch, "_READ_CHUNK", 4)
+  monkeypatch.setattr(relay, "READ_CHUNK", 4)
   out = pump(b"abcdefghij\nxy\n")
   assert out.getvalue() == b"[host 1] abcdefghij\n[host 1] xy\n"
 
