@@ -3,7 +3,7 @@
 Each package of ``sidecar/_src`` is one subsystem, and imports only from itself and the
 packages below it (``LAYERS``, lowest first; README's "Layout" draws them):
 
-- ``core``: errors, options, env, logs (the standard library only), dtypes (numpy's);
+- ``core``: errors, options, env, logs, interrupts (the standard library only), dtypes (numpy's);
 - ``ckptfmt``: stock Orbax's layout on disk, on core only (no RPC, no framework);
 - ``wire``: the protocol (the only importer of the generated code), codec, ipc;
 - ``arena``: shared memory and the Worker that maps it in a trainer process;

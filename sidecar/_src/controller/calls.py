@@ -25,9 +25,9 @@ from typing import Any
 import grpc
 
 from sidecar._src.arena import worker as worker_lib
-from sidecar._src.controller import interrupts, socket_calls
+from sidecar._src.controller import socket_calls
 from sidecar._src.controller.connection import Connection
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 

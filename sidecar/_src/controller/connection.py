@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
-from sidecar._src.controller import interrupts
-from sidecar._src.core import env, errors, options as options_lib
+from sidecar._src.core import env, errors, interrupts, options as options_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 

@@ -26,7 +26,6 @@ from sidecar._src.controller import (
   display,
   feed as feed_lib,
   health,
-  interrupts,
 )
 from sidecar._src.controller.calls import Calls
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
@@ -36,7 +35,7 @@ from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import env, errors, options as options_lib
+from sidecar._src.core import env, errors, interrupts, options as options_lib
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb

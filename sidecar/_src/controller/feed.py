@@ -26,7 +26,7 @@ from typing import Any
 from sidecar._src.controller import display, progress as progress_lib
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.peers import LocalPeers, Peers
-from sidecar._src.core import errors, options as options_lib
+from sidecar._src.core import errors, interrupts, options as options_lib
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 
@@ -129,10 +129,12 @@ class Feed:
     self._key = key
     global_batch_size = self._g = layout.global_batch_size
     self._seed = seed
-    self._state = _check_state(state, name=name, seed=seed, num_hosts=len(plans))
+    self._state = self._state_before = _check_state(state, name=name, seed=seed,
+                                                    num_hosts=len(plans))
     shardable = _rows_disjoint_across_hosts(plans)
     self._streams = []
     self._parts: list[Any] = []  # of the batch being gathered
+    self._kept = interrupts.Kept()  # a batch Ctrl-C left behind, for the next next()
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
@@ -158,6 +160,11 @@ class Feed:
     return self
 
   def __next__(self) -> Any:
+    # Ctrl-C raises only while no host's item is half taken, or after the batch was made,
+    # which the next call then returns (``interrupts.Kept``).
+    return self._kept.take(self._next)
+
+  def _next(self) -> Any:
     if self.status is State.CLOSED:
       raise errors.ClosedError(f"feed {self.name!r} is closed")
     t0 = time.perf_counter()
@@ -191,7 +198,7 @@ class Feed:
       raise
     state = self._merge([item.state for item in items])
     self._parts = []  # from here on the batch is the trainer's
-    self._state = state
+    self._state_before, self._state = self._state, state
     self._waits.append(wait)
     self._produce.append(max(item.produce_s for item in items))
     self._batches += 1
@@ -224,18 +231,19 @@ class Feed:
 
     The same in every process of a multi-process job (all of them must call it).
     """
-    if self._peers.count == 1 or self._state.get("kind") != "iter" or not self._batches:
-      return dict(self._state)
+    batches, own = self._batches, self._state
+    if self._kept.held:  # the batch a Ctrl-C kept for the next next() is not the trainer's yet
+      batches, own = batches - 1, self._state_before
+    if self._peers.count == 1 or own.get("kind") != "iter" or not batches:
+      return dict(own)
     # A plain iterable's shards are positioned one by one: every process tells its own.
-    if self._gathered[0] != self._batches:
+    if self._gathered[0] != batches:
       part = lambda p: f"{p.host_id}/{p.process}"
-      mine = {part(p): shard for p, shard in zip(self._plans, self._state["shards"])}
+      mine = {part(p): shard for p, shard in zip(self._plans, own["shards"])}
       shards: dict[str, Any] = {}
-      for text in self._peers.all_gather(f"{self._key}/state/{self._batches}",
-                                         json.dumps(mine)):
+      for text in self._peers.all_gather(f"{self._key}/state/{batches}", json.dumps(mine)):
         shards.update(json.loads(text))
-      self._gathered = (self._batches, {
-          **self._state, "shards": [shards[part(p)] for p in self._all_plans]})
+      self._gathered = (batches, {**own, "shards": [shards[part(p)] for p in self._all_plans]})
     return dict(self._gathered[1])
 
   def stats(self) -> dict[str, Any]:
@@ -269,6 +277,7 @@ class Feed:
     """Stops every host's stream; idempotent."""
     self.status = State.CLOSED
     self._parts.clear()  # also where an interrupt's traceback still holds the list
+    self._kept.clear()
     for s in self._streams:
       s.close()
 

@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 
 from sidecar._src.arena import shm, worker as worker_lib
-from sidecar._src.controller import discovery, interrupts
+from sidecar._src.controller import discovery
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_host
-from sidecar._src.core import env, errors
+from sidecar._src.core import env, errors, interrupts
 from sidecar._src.streams import grpc_transport, socket_transport
 from sidecar._src.streams.consumer import Stream, ToDevice
 from sidecar._src.wire import protocol

@@ -11,11 +11,12 @@ let go of. What lands on a device is the framework adapter's (a ``ToDevice`` hoo
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, feed_batch, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -111,12 +112,18 @@ class Stream:
     self._to_device = to_device
     self._owed, self._waited = 0, 0.0  # taken and not yet credited, and the wait for them
     self.closed = False
+    self._kept = interrupts.Kept()  # an item Ctrl-C left behind, for the next next()
     self.args: list = []  # the argument blocks, held as long as the stream
 
   def __iter__(self) -> Stream:
     return self
 
   def __next__(self) -> Any:
+    # Ctrl-C raises only while no item is half taken: during the wait, or after the
+    # item was made, which the next call then returns (``interrupts.Kept``).
+    return self._kept.take(self._next)
+
+  def _next(self) -> Any:
     if self.closed:
       raise StopIteration
     t = self._transport
@@ -151,10 +158,15 @@ class Stream:
     return value if self._to_device is None else self._to_device(value)
 
   def _wait(self, t0: float) -> pb.StreamItem | None:
-    """The next item; None once the timeout passed."""
+    """The next item; None once the timeout passed. A deferred Ctrl-C raises here, before
+    an item is read: the main thread waits in steps of ``interrupts.POLL_S`` to see it."""
     t = self._transport
+    step = (min(interrupts.POLL_S, t.poll_s)
+            if threading.current_thread() is threading.main_thread() else t.poll_s)
+    heard = t0
     while True:
-      wait = t.poll_s
+      interrupts.check()
+      wait = step
       if self._timeout is not None:
         wait = min(wait, t0 + self._timeout - time.perf_counter())
       item = t.receive(max(wait, 1e-3))
@@ -162,10 +174,12 @@ class Stream:
         return item
       if self.closed:
         return _CLOSED_ITEM
-      waited = time.perf_counter() - t0
-      if self._timeout is not None and waited >= self._timeout:
+      now = time.perf_counter()
+      if self._timeout is not None and now - t0 >= self._timeout:
         return None
-      t.check_alive(waited)
+      if now - heard >= t.poll_s - 1e-3:  # a sign of life after each poll_s of silence
+        t.check_alive(now - t0)
+        heard = time.perf_counter()
 
   def close(self) -> None:
     """Ends the stream; the sidecar stops producing. Idempotent.
@@ -176,6 +190,7 @@ class Stream:
     if self.closed:
       return
     self.closed = True
+    self._kept.clear()
     owed, self._owed = self._owed, 0
     self._transport.close(owed=owed)
 

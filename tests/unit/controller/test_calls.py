@@ -13,9 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
-from sidecar._src.controller import interrupts
 from sidecar._src.controller.calls import Calls
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually

@@ -9,6 +9,8 @@ position the FeedSpec's state names, as a sidecar does with a ``grain.MapDataset
 """
 
 import json
+import os
+import signal
 from typing import Any, NamedTuple
 
 import jax
@@ -30,11 +32,12 @@ class FakeStream:
   """One host's stream: batches from ``spec``'s start position; ``fail_at`` raises there."""
 
   def __init__(self, spec, *, batches: int = 100, fail_at: int | None = None,
-               interrupt_at: int | None = None, structure=None):
+               interrupt_at: int | None = None, sigint_at: int | None = None, structure=None):
     start = json.loads(spec.state_json)
     self.position = start.get("position", 0)
     self.ranges = [(r.start, r.stop) for r in spec.rows]
     self.batches, self.fail_at, self.interrupt_at = batches, fail_at, interrupt_at
+    self.sigint_at = sigint_at  # a real Ctrl-C, after this part was read
     self.structure = {"x": 0} if structure is None else structure
     self.closed = False
 
@@ -46,6 +49,8 @@ class FakeStream:
     if self.position == self.interrupt_at:
       self.interrupt_at = None
       raise KeyboardInterrupt
+    if self.position == self.sigint_at:
+      os.kill(os.getpid(), signal.SIGINT)
     k = self.position
     self.position += 1
     n = len(jax.tree_util.tree_leaves(self.structure))  # its leaves are the indices
@@ -129,6 +134,19 @@ def test_an_interrupted_batch_loses_no_host_part():
       next(feed)
     np.testing.assert_array_equal(np.asarray(next(feed)["x"]), np.arange(8, 16))
     np.testing.assert_array_equal(np.asarray(next(feed)["x"]), np.arange(16, 24))
+
+
+def test_ctrl_c_after_a_batchs_parts_were_read_keeps_the_batch_for_the_next_next():
+  feed, _ = make_feed(fake={1: {"sigint_at": 1}})  # as host 1's part of batch 1 is read
+  with feed:
+    next(feed)
+    with pytest.raises(KeyboardInterrupt):
+      next(feed)
+    assert feed.state()["position"] == 1  # the kept batch is not the trainer's yet
+    np.testing.assert_array_equal(np.asarray(next(feed)["x"]), np.arange(8, 16))
+    assert feed.state()["position"] == 2
+    np.testing.assert_array_equal(np.asarray(next(feed)["x"]), np.arange(16, 24))
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_lost_host_closes_every_stream_and_the_feed():

@@ -6,7 +6,10 @@ back; the gRPC and Unix-socket transports are tested with real sidecars elsewher
 """
 
 import collections
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -138,6 +141,41 @@ def test_values_go_through_the_device_hook_and_are_decoded_naming_the_item():
   np.testing.assert_array_equal(moved[0]["x"], np.arange(4))
   with pytest.raises(sidecar.InvalidArgumentError, match="item 1 of 'batches' from host 7"):
     next(s)
+
+
+def test_ctrl_c_after_an_item_was_read_keeps_it_for_the_next_next():
+  # The hook runs after the item left the transport: a Ctrl-C there raised, and lost it.
+  t = FakeTransport(0, 1, 2, end=pb.StreamItem(end=True))
+  hooked = []
+
+  def to_device(value):
+    hooked.append(value)
+    if len(hooked) == 2:
+      os.kill(os.getpid(), signal.SIGINT)  # in item 1's decoding
+    return value
+
+  s = streaming.Stream(t, name="count", to_device=to_device)
+  assert next(s) == 0
+  with pytest.raises(KeyboardInterrupt):
+    next(s)
+  assert list(s) == [1, 2]  # item 1 kept, not made again
+  assert hooked == [0, 1, 2] and t.credits == [1, 1, 1]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_during_the_wait_raises_at_once_and_the_stream_goes_on():
+  t = FakeTransport()
+  t.poll_s = 10.0  # no sign-of-life checks: the wait's own steps must see the Ctrl-C
+  s = streaming.Stream(t, name="count")
+  timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+  timer.start()
+  t0 = time.monotonic()
+  with pytest.raises(KeyboardInterrupt):
+    next(s)
+  assert time.monotonic() - t0 < 2.0 and not s.closed
+  timer.join()
+  t.items.append(pb.StreamItem(index=0, value=codec.encode("late")))
+  assert next(s) == "late"
 
 
 def test_a_bad_prefetch_is_refused_naming_it():

@@ -25,7 +25,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
-from sidecar._src.controller import display, elastic, interrupts, progress as progress_lib
+from sidecar._src.controller import display, elastic, progress as progress_lib
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
@@ -38,7 +38,7 @@ from sidecar._src.controller.checkpoint.target import (
 )
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import LocalPeers, Peers
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 
 __all__ = ["Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "replica_peers"]
 

@@ -22,10 +22,9 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.manifest import SavedLeaf
 from sidecar._src.ckptfmt.spec import KeyPath
-from sidecar._src.controller import interrupts
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.framework import Framework, RestoreLeaf
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
 # at most this many bytes: well under the channel's 256 MiB message limit.

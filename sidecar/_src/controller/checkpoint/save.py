@@ -26,12 +26,11 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as layout
 from sidecar._src.ckptfmt.shards import ShardChecksum
-from sidecar._src.controller import interrupts
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, StagedShard
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers, sync_timeout
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, protocol
 
 # The checkpointer's one logger, whichever of its modules logs.

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from sidecar._src.controller import interrupts
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.unit
@@ -23,6 +22,26 @@ def test_deferred_raises_at_its_end_and_restores_the_handler():
     time.sleep(0.05)  # noted, not raised: we are still here
     assert interrupts.requested()
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_another_threads_check_leaves_the_main_threads_ctrl_c_to_it():
+  # A caller thread's wait (a call_async over a socket) polls check() too: it must not
+  # take the KeyboardInterrupt the main thread's deferred block is to raise.
+  raised = []
+
+  def other():
+    try:
+      interrupts.check()
+    except KeyboardInterrupt:
+      raised.append(True)
+
+  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert not raised and interrupts.requested()
 
 
 def test_a_call_slot_that_came_is_kept_though_ctrl_c_came_too():

@@ -4,13 +4,16 @@ A KeyboardInterrupt is raised in the main thread between any two bytecodes. Rais
 just after a ``threading.Condition`` was entered (Python code: gRPC's channel state
 and every ``concurrent.futures.Future`` use one), it leaves that lock held for good,
 and the gRPC threads that deliver every later result on the channel wait for it
-forever (found with py-spy: an interrupted ``ckpt.save`` hung its own abort). So the
-controller's calls run with SIGINT *deferred*: the handler only notes it, the long
-waits inside poll :func:`requested` and clean up, and the KeyboardInterrupt is raised
-once the call is out of gRPC's and the futures' locks.
+forever (found with py-spy: an interrupted ``ckpt.save`` hung its own abort). Raised
+just after a stream's item was read from its socket, it loses that item. So the
+controller's calls and a stream's or feed's ``next()`` run with SIGINT *deferred*: the
+handler only notes it, the long waits inside poll :func:`check` and clean up, and the
+KeyboardInterrupt is raised once the call is out of gRPC's and the futures' locks, or
+no item is half taken.
 
 Only the main thread gets SIGINT, and only Python's own handler is deferred: a
-program that installed its own handler keeps it.
+program that installed its own handler keeps it. Other threads' waits never take the
+main thread's Ctrl-C (:func:`check` is the main thread's alone).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 # How often a deferred wait looks whether Ctrl-C was pressed.
 POLL_S = 0.05
@@ -83,6 +87,40 @@ class deferred:
         raise KeyboardInterrupt
 
 
+class Kept:
+  """What ``next()`` took, kept across a Ctrl-C: :meth:`take` makes the value in a
+  deferred block, and where Ctrl-C came meanwhile (after an item was read, say) the
+  KeyboardInterrupt leaves the value here, for the next :meth:`take` to return first.
+
+  Example::
+
+    def __next__(self):
+      return self._kept.take(self._next)   # _next waits with check() (no item read yet)
+  """
+
+  __slots__ = ("_value", "_held")
+
+  def __init__(self) -> None:
+    self._value: Any = None
+    self._held = False
+
+  def take(self, make: Callable[[], T]) -> T:
+    if not self._held:
+      with deferred():
+        self._value, self._held = make(), True
+    value, self._value, self._held = self._value, None, False
+    return value
+
+  @property
+  def held(self) -> bool:
+    """Whether a value made before a Ctrl-C waits for the next :meth:`take`."""
+    return self._held
+
+  def clear(self) -> None:
+    """Drops a kept value (its arena views with it)."""
+    self._value, self._held = None, False
+
+
 def deferring(fn: F) -> F:
   """Runs ``fn`` in a :class:`deferred` block (a decorator)."""
   @functools.wraps(fn)
@@ -98,9 +136,10 @@ def requested() -> bool:
 
 
 def check() -> None:
-  """Raises KeyboardInterrupt now if Ctrl-C was pressed inside a deferred block."""
+  """Raises KeyboardInterrupt now if Ctrl-C was pressed inside a deferred block, in the
+  main thread (another thread's wait, a caller thread's say, leaves it to the main one)."""
   global _pending
-  if _pending:
+  if _pending and threading.current_thread() is threading.main_thread():
     _pending = False
     raise KeyboardInterrupt
 
