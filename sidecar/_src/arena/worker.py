@@ -85,8 +85,8 @@ class Worker:
   Args:
     address: the sidecar's Unix socket (``unix:///path``); default ``$SIDECAR_ADDRESS``.
     timeout: seconds the sidecar is given to answer anything (the attach, each request,
-      a sign of life while a stream waits for its next item); default
-      ``$SIDECAR_PEER_TIMEOUT`` or 30. A sidecar silent for longer (hung, SIGSTOPped)
+      a sign of life while a stream waits for its next item or a call for its result);
+      default ``$SIDECAR_PEER_TIMEOUT`` or 30. A sidecar silent for longer (hung, SIGSTOPped)
       is lost: what waited on it raises HostLostError, and so does every later request
       of this Worker (make a new one).
     process: under several trainer processes, this one's index and devices, for the
@@ -204,6 +204,13 @@ class Worker:
   def _check_open(self) -> None:
     if self.state is not State.ATTACHED:
       raise errors.ClosedError(f"this Worker is {self.state.value}; make a new one")
+
+  @property
+  def quiet_s(self) -> float:
+    """How long a wait on this sidecar (a stream's next item, a call's result) hears
+    nothing before it asks for a sign of life (:meth:`check_alive` with as long again):
+    half the timeout, so a silent sidecar is lost within about the timeout."""
+    return self.timeout / 2
 
   def check_alive(self, timeout: float | None = None) -> None:
     """Asks the sidecar for a sign of life; HostLostError if none comes within ``timeout``

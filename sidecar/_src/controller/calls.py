@@ -271,10 +271,10 @@ class Calls:
         lanes.give_back(lane, usable=False)
       end()
       raise
-    # After this long without a response the sidecar is asked for a sign of life (its
-    # Worker's connection answers while the call runs): a stopped or hung sidecar ends the
-    # call with HostLostError within about the peer timeout, as gRPC's keepalive does.
-    quiet_s = w.timeout / 2
+    # A silent sidecar is asked for a sign of life (its Worker's connection answers while
+    # the call runs): a stopped or hung one ends the call with HostLostError within about
+    # the peer timeout, as gRPC's keepalive does.
+    quiet_s = w.quiet_s
     poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else quiet_s
     heard = started = time.monotonic()
     try:

@@ -33,7 +33,7 @@ class SocketTransport(streaming.Transport):
     self._frames = ipc.FrameReader(sock, limit=1 << 30)
     self._name = name
     self.host, self.host_id = worker.path, worker.host_id
-    self.poll_s = worker.timeout / 2
+    self.poll_s = worker.quiet_s
     self.from_arena = worker.view
 
   def receive(self, wait: float) -> pb.StreamItem | None:
