@@ -80,7 +80,7 @@ ADDRESS = _var(
     default="none: Worker() needs an address", readers="Worker (worker.py), Controller",
     launcher=True)
 HOSTS = _var(
-    "SIDECAR_HOSTS", "every sidecar, in host order: HOST:PORT:HEALTH_PORT,...",
+    "SIDECAR_HOSTS", "every sidecar, in host order: HOST:PORT:HEALTH_PORT or unix:PATH,...",
     default="the JobSet's pods, from SIDECAR_JOBSET_NAME and the rest", readers=_DISCOVERY,
     launcher=True)
 RESTART = _var(
@@ -109,8 +109,12 @@ PEER_TOKEN_FILE = _var(
 # ---- `sidecar serve`: the defaults of its flags (k8s/render.py sets them in the pod) ----
 DEVICE_IDS = _var("SIDECAR_DEVICE_IDS", "--device-ids: the devices of this host, 0,1,...",
                   default="none", readers=_SERVE)
-LISTEN = _var("SIDECAR_LISTEN", "--listen: the address of the control and health ports",
+LISTEN = _var("SIDECAR_LISTEN", "--listen: unix:PATH (gRPC and health on that Unix socket), "
+              "or the TCP address of the control and health ports",
               default="127.0.0.1, or [::] with a token", readers=_SERVE)
+SOCKET_GROUP = _var("SIDECAR_SOCKET_GROUP", "--socket-group: the group that may connect to a "
+                    "unix: --listen socket too (mode 0660)", default="none: mode 0600",
+                    readers=_SERVE)
 PORT = _var("SIDECAR_PORT", "--port: the gRPC control port; every sidecar's, to discovery",
             default="8490", readers=f"{_SERVE}, {_DISCOVERY}")
 HEALTH_PORT = _var("SIDECAR_HEALTH_PORT", "--health-port: the plaintext grpc.health.v1 port",

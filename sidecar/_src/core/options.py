@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
+
+from sidecar._src.core import address
 
 MIN_SHM = 1 << 20
 # Not 8470/8471: libtpu listens on 8471 inside TPU VMs and pods.
@@ -16,11 +19,14 @@ ALL_INTERFACES = "[::]"
 
 
 def is_loopback(listen: str) -> bool:
-  """Whether ``listen`` (``127.0.0.1``, ``[::1]``, ``localhost``, ...) reaches only this host.
+  """Whether ``listen`` (``127.0.0.1``, ``[::1]``, ``localhost``, a ``unix:`` socket, ...)
+  reaches only this host.
 
   Host names other than ``localhost`` count as not loopback: what they resolve to
   can change.
   """
+  if address.is_unix(listen):
+    return True
   host = listen.strip()
   if host.startswith("[") and host.endswith("]"):
     host = host[1:-1]
@@ -63,7 +69,9 @@ class ServerOptions:
   host_id: int = 0
   slice_id: int = 0
   device_ids: tuple[int, ...] = ()
-  listen: str = LOOPBACK  # the health port listens on the same address
+  # A TCP host (with ``port``; the health port listens on the same address), or
+  # ``unix:PATH``: the gRPC server and its health on one Unix socket, no port at all.
+  listen: str = LOOPBACK
   port: int = DEFAULT_PORT
   health_port: int = DEFAULT_HEALTH_PORT
   socket_path: str = "/run/sidecar/sidecar.sock"
@@ -103,6 +111,14 @@ class ServerOptions:
   tls_cert: str | None = None
   tls_key: str | None = None
   tls_client_ca: str | None = None
+  # With a ``unix:`` listen: the group (name or gid) that may connect too; its socket is
+  # then mode 0660, else 0600 (only this user).
+  socket_group: str | None = None
+
+  @property
+  def unix(self) -> address.Address | None:
+    """The Unix socket the gRPC server listens on; None for TCP."""
+    return address.parse(self.listen) if address.is_unix(self.listen) else None
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):
@@ -120,7 +136,12 @@ class ServerOptions:
     if self.metrics_port and self.metrics_port in (self.port, self.health_port):
       raise ValueError(f"metrics_port {self.metrics_port} is also the port or the health_port; "
                        "pick another --metrics-port")
-    if self.port and self.port == self.health_port:
+    if address.is_unix(self.listen):
+      self._check_unix()
+    elif self.socket_group is not None:
+      raise ValueError(f"socket_group (--socket-group) applies to a unix: listen address, "
+                       f"not to TCP {self.listen!r}")
+    elif self.port and self.port == self.health_port:
       raise ValueError(f"port and health_port must differ, both are {self.port}")
     if not isinstance(self.shm_size, int) or self.shm_size < MIN_SHM:
       raise ValueError(f"shm_size must be at least {MIN_SHM} bytes, got {self.shm_size!r}")
@@ -186,6 +207,22 @@ class ServerOptions:
       raise ValueError(
           f"inline_limit must be >= 0 and max_message_size >= 65536, got {self.inline_limit!r} "
           f"and {self.max_message_size!r}")
+
+  def _check_unix(self) -> None:
+    """A ``unix:`` listen address: a path a socket can bind, not the worker socket's, and
+    no TLS (the socket file's mode is what guards it)."""
+    unix = self.unix  # raises InvalidArgumentError (a ValueError) for a bad path
+    assert unix is not None
+    if unix.path == os.path.abspath(self.socket_path):
+      raise ValueError(f"listen {self.listen!r} is the worker socket (socket_path); the gRPC "
+                       "server needs a socket of its own, e.g. unix:DIR/grpc.sock")
+    if self.tls_cert is not None:
+      raise ValueError(f"TLS (--tls-cert) is for TCP; listen {self.listen!r} is a Unix "
+                       "socket, which only who may open its file reaches: drop the TLS "
+                       "flags, or listen on a TCP address")
+    if self.socket_group is not None and not (
+        isinstance(self.socket_group, str) and self.socket_group.strip()):
+      raise ValueError(f"socket_group must be a group name or gid, got {self.socket_group!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

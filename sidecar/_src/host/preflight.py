@@ -22,6 +22,8 @@ def check(o: options_lib.ServerOptions) -> None:
   """Raises OSError for a mount this sidecar needs and lacks, ArenaCapacityError for an
   arena the machine or the container's memory limit (cgroup v2 or v1) cannot give."""
   socket_directory(o.socket_path)
+  if (unix := o.unix) is not None:
+    listen_directory(unix.path)
   for root in o.checkpoint_roots:
     checkpoint_root(root)
   shm.check_capacity(o.shm_size)
@@ -59,6 +61,16 @@ def socket_directory(socket_path: str) -> None:
                   f"writable volume at {directory}, shared with the trainer (on Kubernetes: "
                   f"the manifests' sidecar-socket emptyDir), or give {SOCKET_FLAG} a path in "
                   "a writable directory")
+
+
+def listen_directory(path: str) -> None:
+  """The directory of a ``unix:`` listen address exists and is writable, or can be made."""
+  directory = os.path.dirname(path)
+  if problem := _not_writable(_nearest_existing(directory)):
+    code, why = problem
+    raise OSError(code, f"cannot make the gRPC socket {path} (--listen unix:{path}): {why}. "
+                  "Give --listen a unix: path in a directory this sidecar may write, or "
+                  "make that one writable for it")
 
 
 def checkpoint_root(root: str) -> None:

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.host import metrics as metrics_lib, preflight
+from sidecar._src.host import metrics as metrics_lib, preflight, sockets
 from sidecar._src.host.arena_io import ArenaIO
 from sidecar._src.host.calls import Runner, UnaryCalls
 from sidecar._src.host.checkpoint import peers as replicas
@@ -76,9 +76,14 @@ class State(enum.Enum):
   STOPPED = "stopped"
 
 
+# On a unix: socket health shares the server with the services: health asks no token
+# (it tells only whether the sidecar serves), as on the TCP health port.
+_HEALTH_METHODS = "/grpc.health.v1.Health/"
+
+
 class _TokenAuth(grpc.ServerInterceptor):
-  """Refuses every RPC without ``authorization: Bearer <token>``, of one of ``tokens``
-  (``{b"Bearer <token>": client name}``)."""
+  """Refuses every RPC but health's without ``authorization: Bearer <token>``, of one of
+  ``tokens`` (``{b"Bearer <token>": client name}``)."""
 
   def __init__(self, tokens: dict[bytes, str]):
     self._tokens = tokens
@@ -90,6 +95,8 @@ class _TokenAuth(grpc.ServerInterceptor):
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
   def intercept_service(self, continuation, handler_call_details):
+    if handler_call_details.method.startswith(_HEALTH_METHODS):
+      return continuation(handler_call_details)
     if client_of(self._tokens, handler_call_details.invocation_metadata) is None:
       return self._deny
     return continuation(handler_call_details)
@@ -144,6 +151,11 @@ def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
                 cert, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after)))
 
 
+def _dialable(listen: str) -> str:
+  """A TCP listen address as this machine dials it: a wildcard is reached on loopback."""
+  return options_lib.LOOPBACK if listen.strip("[]") in ("::", "0.0.0.0", "") else listen
+
+
 class Server:
   """A sidecar server. Use as a context manager, or ``start()`` then ``stop()``."""
 
@@ -152,8 +164,9 @@ class Server:
     self.options = opts
     self.registry = registry or registry_lib.default_registry()
     self.state = State.NEW
-    self.port = 0
+    self.port = 0  # TCP only; a unix: sidecar has none
     self.health_port = 0
+    self.address = ""  # what a client dials: unix:PATH or HOST:PORT
     self.metrics_port: int | None = None
     self.metrics: metrics_lib.Recorder = metrics_lib.OFF
     self.identity = pb.HostIdentity(
@@ -175,9 +188,9 @@ class Server:
         raise
       self.state = State.SERVING
     # Debug: `sidecar serve` prints its own line, with the address it listens on.
-    log.debug("sidecar host %d serving on port %d (health %d), socket %s, arena %s",
-             self.options.host_id, self.port, self.health_port, self.options.socket_path,
-             shm.format_size(self.arena.size))
+    log.debug("sidecar host %d serving on %s (health %s), socket %s, arena %s",
+              self.options.host_id, self.address, self.health_port or "on the same socket",
+              self.options.socket_path, shm.format_size(self.arena.size))
     return self
 
   def _start(self) -> None:
@@ -249,18 +262,27 @@ class Server:
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
-    self.port = self._bind(self._grpc, o.listen, o.port, "port", _tls_credentials(o))
-    self._grpc.start()
     self._health = health.HealthServicer()
-    self._health_grpc = grpc.server(self._pools[1], options=[
-        ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
-        handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
-    health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
-    self.health_port = self._bind(self._health_grpc, o.listen, o.health_port, "health_port")
-    self._health_grpc.start()
+    if (unix := o.unix) is not None:  # one socket: the services and health, no port
+      health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+      self._listen_unix(unix.path)
+      self.address = unix.target
+      self._grpc.start()
+    else:
+      self.port = self._bind(self._grpc, f"{o.listen}:{o.port}", "--port", _tls_credentials(o))
+      self.address = f"{_dialable(o.listen)}:{self.port}"
+      self._grpc.start()
+      self._health_grpc = grpc.server(self._pools[1], options=[
+          ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
+          handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
+      health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
+      self.health_port = self._bind(self._health_grpc, f"{o.listen}:{o.health_port}",
+                                    "--health-port")
+      self._health_grpc.start()
     if isinstance(self.metrics, metrics_lib.Metrics):
-      assert o.metrics_port is not None
-      self.metrics_port = self.metrics.serve(o.listen, o.metrics_port)
+      assert o.metrics_port is not None  # TCP always; a unix: sidecar's on loopback
+      self.metrics_port = self.metrics.serve(
+          options_lib.LOOPBACK if unix is not None else o.listen, o.metrics_port)
     status = (health_pb2.HealthCheckResponse.SERVING if self.workers.alive
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", protocol.SERVICE):
@@ -289,19 +311,32 @@ class Server:
         arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
         pinned_bytes=pinned, workers=len(pids), feeds=self.stream_runner.feed_totals(), **usage)
 
+  def _listen_unix(self, path: str) -> None:
+    """Binds the gRPC server to the Unix socket ``path``: its directory made if missing,
+    a stale socket file replaced, a live one refused; mode 0600, or 0660 for
+    ``--socket-group``, before the server accepts anyone."""
+    o = self.options
+    self._unix_dirs = sockets.make_dirs(os.path.dirname(path), what="gRPC socket",
+                                        flag="--listen")
+    sockets.claim(path, what="gRPC socket", flag="--listen unix:PATH")
+    with sockets.private_umask():
+      self._bind(self._grpc, f"unix:{path}", "--listen unix:PATH")
+    self._unix_inode = sockets.inode_of(path)
+    sockets.restrict(path, mode=0o660 if o.socket_group else 0o600, group=o.socket_group)
+
   @staticmethod
-  def _bind(server: grpc.Server, listen: str, port: int, flag: str,
+  def _bind(server: grpc.Server, target: str, flag: str,
             credentials: grpc.ServerCredentials | None = None) -> int:
     try:
-      bound = (server.add_insecure_port(f"{listen}:{port}") if credentials is None
-               else server.add_secure_port(f"{listen}:{port}", credentials))
+      bound = (server.add_insecure_port(target) if credentials is None
+               else server.add_secure_port(target, credentials))
     except RuntimeError as e:
       bound = 0
       reason = str(e)
     else:
       reason = "port in use or address not available"
     if not bound:
-      raise OSError(f"cannot listen on {listen}:{port} ({reason}); pick another --{flag.replace('_', '-')}")
+      raise OSError(f"cannot listen on {target} ({reason}); pick another {flag}")
     return bound
 
   def _worker_hello(self, message: dict) -> dict:
@@ -346,7 +381,7 @@ class Server:
 
   def write_ready_file(self, path: str) -> None:
     """Atomically writes where this sidecar listens (LocalCluster waits for it)."""
-    data = {"port": self.port, "health_port": self.health_port,
+    data = {"address": self.address, "port": self.port, "health_port": self.health_port,
             "metrics_port": self.metrics_port,
             "socket": self.options.socket_path, "pid": os.getpid()}
     tmp = f"{path}.tmp"
@@ -375,6 +410,9 @@ class Server:
       server = getattr(self, name, None)
       if server is not None:
         server.stop(grace).wait(grace + 1)
+    if (unix := self.options.unix) is not None:  # ours only: not a live sidecar's
+      sockets.remove_if_same(unix.path, getattr(self, "_unix_inode", None))
+      sockets.remove_dirs(getattr(self, "_unix_dirs", []))
     # Their threads: idle ones end at once; one still in a handler (a user function that
     # ignores its cancelled RPC) is waited for a moment, not for ever.
     for pool in getattr(self, "_pools", ()):

@@ -25,6 +25,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
+from sidecar._src.host import sockets
 from sidecar._src.host.calls import UnaryCalls
 from sidecar._src.host.credits import SocketCredits
 from sidecar._src.host.leases import Leases
@@ -45,6 +46,7 @@ _PASSING = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
                       errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 ACCEPT_RETRY_S = 0.1
 _LOG_EVERY_S = 10.0  # a passing accept error is logged at most this often
+_FLAG = "--socket (socket_path)"
 
 
 class WorkerListener:
@@ -71,17 +73,21 @@ class WorkerListener:
     self._pids: dict[str, int] = {}  # the pid each session's worker said it has
     self._closed = False
     ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
-    self._made_dirs = _make_dirs(os.path.dirname(os.path.abspath(path)))
-    with contextlib.suppress(FileNotFoundError):
-      os.unlink(path)  # A socket file left by a killed sidecar.
+    self._made_dirs = sockets.make_dirs(os.path.dirname(os.path.abspath(path)),
+                                        what="worker socket", flag=_FLAG)
+    try:  # one left by a killed sidecar is replaced; one a live sidecar serves is refused
+      sockets.claim(path, what="worker socket", flag=_FLAG)
+    except OSError:
+      sockets.remove_dirs(self._made_dirs)
+      raise
     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
       self._sock.bind(path)
     except OSError as e:
       self._sock.close()
-      _remove_dirs(self._made_dirs)
+      sockets.remove_dirs(self._made_dirs)
       raise OSError(e.errno, f"cannot make the worker socket {path} ({e.strerror}): give "
-                    "--socket (socket_path) a path in a writable directory") from e
+                    f"{_FLAG} a path in a writable directory") from e
     # Owner and group may attach (connecting needs write permission on the socket): on
     # Kubernetes, a pod fsGroup shared by trainer and sidecar; nobody else.
     os.chmod(path, 0o660)
@@ -349,7 +355,7 @@ class WorkerListener:
       thread.join(timeout=max(0.0, deadline - time.monotonic()))
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
-    _remove_dirs(self._made_dirs)
+    sockets.remove_dirs(self._made_dirs)
 
 
 def _log_failure(what: str, e: Exception, session: str) -> None:
@@ -382,29 +388,3 @@ def _blocks(pairs: Any) -> list[int]:
   raise errors.InvalidArgumentError(
       f"malformed free message: 'blocks' must be a list of [offset, generation] pairs, "
       f"got {pairs!r:.200}")
-
-
-def _make_dirs(directory: str) -> list[str]:
-  """Makes ``directory`` and its missing parents; returns those it made, deepest first."""
-  made = []
-  d = directory
-  while not os.path.isdir(d) and os.path.dirname(d) != d:
-    made.append(d)
-    d = os.path.dirname(d)
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise OSError(e.errno, f"cannot make the worker socket's directory {directory} "
-                  f"({e.strerror}): give --socket (socket_path) a path in a writable "
-                  "directory") from e
-  return made
-
-
-def _remove_dirs(made: list[str]) -> None:
-  """Removes the directories ``_make_dirs`` made, deepest first, while they are empty."""
-  for d in made:
-    try:
-      os.rmdir(d)
-    except OSError:
-      return  # Not empty (someone else's files) or gone: leave it and its parents.
-

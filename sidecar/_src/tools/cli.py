@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
+from sidecar._src.core import env as env_lib, errors, logs, options as options_lib, platform
 from sidecar._src.tools import cli_format, launch, torchrun
 from sidecar._src.tools.k8s import cli as k8s_cli
 from sidecar._src.tools.slurm import cli as slurm_cli
@@ -80,6 +80,7 @@ def load_user_code(modules: Sequence[str]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+  platform.apply_to_sidecar()  # JAX on the CPU, before anything imports it: never the chip
   imports = list(args.imports or []) + [
       m for m in (_env(env_lib.IMPORTS) or "").split(",") if m.strip()]
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
@@ -100,7 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
         peer_token=peer_token, client_tokens=client_tokens, insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
         metrics_port=args.metrics_port, session_quota=args.session_quota,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        socket_group=args.socket_group)
   except ValueError as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -128,11 +130,11 @@ def _serve(args: argparse.Namespace) -> int:
                      daemon=True).start()
   if args.ready_file:
     server.write_ready_file(args.ready_file)
-  metrics = ("" if server.metrics_port is None
-             else f", metrics http://{opts.listen}:{server.metrics_port}/metrics")
-  serving = (f"sidecar host {opts.host_id} serving on {opts.listen}:{server.port} "
-             f"(health {server.health_port}), worker socket {opts.socket_path}, "
-             f"arena {shm.format_size(opts.shm_size)}{metrics}")
+  metrics = ("" if server.metrics_port is None else ", metrics http://"
+             f"{options_lib.LOOPBACK if opts.unix else opts.listen}:{server.metrics_port}/metrics")
+  health = "on the same socket" if opts.unix else server.health_port
+  serving = (f"sidecar host {opts.host_id} serving on {server.address} (health {health}), "
+             f"worker socket {opts.socket_path}, arena {shm.format_size(opts.shm_size)}{metrics}")
   if args.log_format == logs.JSON:  # every line of the container's log is JSON
     log.info("%s", serving)
   else:
@@ -291,17 +293,22 @@ def parser() -> argparse.ArgumentParser:
                  metavar="IDS", help="the JAX device ids this host owns, comma-separated, e.g. "
                  "0,1; feeds place rows by them " + _from_env(env_lib.DEVICE_IDS, "none"))
   s.add_argument("--listen", default=_env(env_lib.LISTEN), metavar="ADDR",
-                 help="address of the control and health ports; a non-loopback one needs "
-                      "--token-file or --insecure "
+                 help="unix:PATH: serve gRPC, reflection and health on that Unix socket (no "
+                      "port, nothing on the network, no token needed: the file's mode 0600 "
+                      "is the access control); or a TCP address for the control and health "
+                      "ports, where a non-loopback one needs --token-file or --insecure "
                       + _from_env(env_lib.LISTEN, "127.0.0.1, or [::] with a token"))
+  s.add_argument("--socket-group", default=_env(env_lib.SOCKET_GROUP), metavar="GROUP",
+                 help="with --listen unix:PATH: this group may connect too (mode 0660) "
+                      + _from_env(env_lib.SOCKET_GROUP, "none: mode 0600, this user only"))
   s.add_argument("--port", type=int, default=int(_env(env_lib.PORT, options_lib.DEFAULT_PORT)),
-                 help="the gRPC control port; 0 picks a free one "
+                 help="the gRPC control port (TCP only); 0 picks a free one "
                       + _from_env(env_lib.PORT, str(options_lib.DEFAULT_PORT)))
   s.add_argument("--health-port", type=int,
                  default=int(_env(env_lib.HEALTH_PORT, options_lib.DEFAULT_HEALTH_PORT)),
-                 help="the plaintext grpc.health.v1 port, for the kubelet's probes; 0 picks a "
-                      "free one " + _from_env(env_lib.HEALTH_PORT,
-                                              str(options_lib.DEFAULT_HEALTH_PORT)))
+                 help="the plaintext grpc.health.v1 port, for the kubelet's probes (TCP "
+                      "only: a unix: sidecar answers health on its socket); 0 picks a free "
+                      "one " + _from_env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT)))
   s.add_argument("--socket", default=_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"),
                  metavar="PATH", help="the Unix socket the workers attach to "
                  + _from_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"))

@@ -16,15 +16,14 @@ import struct
 import tempfile
 from typing import Any
 
-from sidecar._src.core import errors
+from sidecar._src.core import address, errors
 
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20
 # Blocks one alloc request on the worker socket may ask for: its reply stays well under
 # MAX_MESSAGE.
 MAX_ALLOC_BLOCKS = 8192
-# The longest path a Unix socket may bind to: sun_path is 108 bytes, with its final NUL.
-SOCKET_PATH_MAX = 107
+SOCKET_PATH_MAX = address.SOCKET_PATH_MAX
 _SOCKET_NAME_MAX = 16  # what socket_dir leaves for a socket's name in it, with the slash
 
 
