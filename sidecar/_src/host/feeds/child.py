@@ -1,4 +1,8 @@
-"""The main of a feed worker process (see ``feed_pool``): fill batches until told to stop."""
+"""The main of a feed worker process (see ``pool.py``): fill batches until told to stop.
+
+It runs JAX on the CPU, as the sidecar does: ``pool.py`` starts it with
+``platform.sidecar_env``, and its main sets the same again before the pipeline's modules
+(which may import JAX) load."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import sys
 import time
 
 from sidecar._src.arena import shm
+from sidecar._src.core import platform
 from sidecar._src.host.feeds import producer as feed_lib
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, ipc, protocol
@@ -48,4 +53,5 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
 
 
 if __name__ == "__main__":
+  platform.apply_to_sidecar()
   serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))

@@ -5,7 +5,8 @@ sidecar's modules, maps the arena through an inherited memfd and builds the
 pipeline itself. The sidecar sends it (batch position, output blocks); the
 worker writes the rows straight into those blocks and answers. A worker that
 dies is restarted and given its unfinished batches again, so the stream the
-trainer sees has no gap and no duplicate.
+trainer sees has no gap and no duplicate. Workers run as the sidecar does, JAX on
+the CPU and no accelerator in sight (``core/platform.py``): the trainer owns the chip.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors
+from sidecar._src.core import errors, platform
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -62,7 +64,7 @@ class Pool:
       proc = subprocess.Popen(
           [sys.executable, "-m", "sidecar._src.host.feeds.child", str(theirs.fileno()),
            str(self._arena.fd)], pass_fds=(theirs.fileno(), self._arena.fd),
-          stdin=subprocess.DEVNULL)
+          stdin=subprocess.DEVNULL, env=platform.sidecar_env(os.environ))
     worker = _Worker(proc, ours, tasks)
     ipc.send(ours, self._hello)
     reply, _ = ipc.recv(ours)
