@@ -94,3 +94,15 @@ def crops(ctx: sidecar.PipelineContext, n: int = 48):
     return {"x": [np.full((4,), i, np.float32), np.full((2,), -i, np.float32)],
             "id": np.int64(i), "t": (np.int32(i), Views(np.full((3,), i, np.int16), [None, i]))}
   return grain.MapDataset.range(n).map(element)
+
+
+def marked_row(i: int, nbytes: int) -> np.ndarray:
+  """Row ``i`` of ``marked_rows``: bytes that differ from every other row's at each place."""
+  return ((np.arange(nbytes, dtype=np.int64) * 7 + i * 13) % 251).astype(np.uint8)
+
+
+@sidecar.pipeline
+def marked_rows(ctx: sidecar.PipelineContext, nbytes: int = 1 << 20, n: int = 1 << 20):
+  """Random access: example i is ``{"i": i, "x": marked_row(i, nbytes)}``."""
+  return grain.MapDataset.range(n).map(
+      lambda i: {"i": np.int64(i), "x": marked_row(int(i), nbytes)})

@@ -18,10 +18,13 @@ import dataclasses
 import enum
 import hashlib
 import json
+import logging
+import queue
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sidecar._src.controller import display, progress as progress_lib
 from sidecar._src.controller.connection import HostInfo
@@ -31,6 +34,7 @@ from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 
 STATE_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 class State(enum.Enum):
@@ -58,6 +62,10 @@ class BatchLayout(abc.ABC):
 
   global_batch_size: int
   hosts: Sequence[HostRows]
+
+  # Batches a feed keeps ahead on the devices when FeedOptions.device_prefetch is None:
+  # a framework whose arrays cost a transfer (an accelerator) says how many.
+  default_device_prefetch: int = 0
 
   @abc.abstractmethod
   def describe(self) -> Any:
@@ -116,7 +124,7 @@ class Feed:
                open_stream: Callable[[int, pb.FeedSpec], Any],
                arena_use: Callable[[], dict[int, float]] = dict,
                local_hosts: Sequence[int] | None = None, peers: Peers | None = None,
-               key: str = "feed"):
+               key: str = "feed", device_prefetch: int | None = None):
     self.name = name
     self._arena_use = arena_use
     self._layout = layout
@@ -135,6 +143,8 @@ class Feed:
     self._streams = []
     self._parts: list[Any] = []  # of the batch being gathered
     self._kept = interrupts.Kept()  # a batch Ctrl-C left behind, for the next next()
+    ahead = layout.default_device_prefetch if device_prefetch is None else device_prefetch
+    self._ahead = _Ahead(self, ahead) if ahead else None
     self.status = State.OPEN
     try:
       for i, p in enumerate(plans):
@@ -167,6 +177,27 @@ class Feed:
   def _next(self) -> Any:
     if self.status is State.CLOSED:
       raise errors.ClosedError(f"feed {self.name!r} is closed")
+    if self._ahead is None:
+      made = self._make()
+    else:
+      t0 = time.perf_counter()
+      with (progress_lib.waiting(f"feed {self.name!r}: waiting for the first batch")
+            if not self._batches else contextlib.nullcontext()):
+        made = self._ahead.take()
+      made = made._replace(wait_s=time.perf_counter() - t0)
+    self._state_before, self._state = self._state, made.state
+    self._waits.append(made.wait_s)
+    self._produce.append(made.produce_s)
+    self._batches += 1
+    return made.batch
+
+  def _make(self, *, ahead: bool = False) -> _Made:
+    """The next batch, made in this thread: every host's part, gathered and assembled.
+
+    Raises StopIteration at the end, or the sidecars' errors: the feed is then closed,
+    except in the thread that makes batches ahead (``ahead``), whose batches made before
+    are still the trainer's to take (it closes the feed when it takes the end).
+    """
     t0 = time.perf_counter()
     # A batch's parts, one per host, kept across a KeyboardInterrupt (a notebook cell
     # stopped mid-batch): the next call goes on with the host it stopped at, so no
@@ -175,16 +206,18 @@ class Feed:
     try:
       # The first batch may take a while (a pipeline opening its files): say so after 2 s.
       with (progress_lib.waiting(f"feed {self.name!r}: waiting for the first batch")
-            if not self._batches else contextlib.nullcontext()):
+            if not self._batches and not ahead else contextlib.nullcontext()):
         while len(items) < len(self._streams):
           items.append(next(self._streams[len(items)]))
     except StopIteration:
       if self.status is State.CLOSED:  # closed under us (Controller.cancel), not the end
         raise errors.ClosedError(f"feed {self.name!r} was closed") from None
-      self.close()
+      if not ahead:
+        self.close()
       raise
     except errors.SidecarError:
-      self.close()
+      if not ahead:
+        self.close()
       raise
     except KeyboardInterrupt as e:
       # Raised from here: the frames below (a half-decoded item's views) would keep
@@ -194,15 +227,12 @@ class Feed:
     try:
       batch = self._assemble(items)
     except errors.SidecarError:
-      self.close()
+      if not ahead:
+        self.close()
       raise
     state = self._merge([item.state for item in items])
     self._parts = []  # from here on the batch is the trainer's
-    self._state_before, self._state = self._state, state
-    self._waits.append(wait)
-    self._produce.append(max(item.produce_s for item in items))
-    self._batches += 1
-    return batch
+    return _Made(batch, state, wait, max(item.produce_s for item in items))
 
   def _assemble(self, parts: list[feed_batch.HostBatch]) -> Any:
     """Every host's part (per leaf, an array per range) into the layout's batch, leaf by
@@ -274,18 +304,105 @@ class Feed:
     return display.html_block(f"sidecar feed {self.name!r}", self._facts())
 
   def close(self) -> None:
-    """Stops every host's stream; idempotent."""
+    """Stops every host's stream (and the thread that puts batches ahead); idempotent."""
     self.status = State.CLOSED
-    self._parts.clear()  # also where an interrupt's traceback still holds the list
     self._kept.clear()
     for s in self._streams:
       s.close()
+    if self._ahead is not None:
+      self._ahead.close()  # after the streams: a wait for a host's part ends with them
+    self._parts.clear()  # also where an interrupt's traceback still holds the list
 
   def __enter__(self) -> Feed:
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class _Made(NamedTuple):
+  """A batch made for the trainer, with the feed's position after it."""
+  batch: Any
+  state: dict[str, Any]
+  wait_s: float  # how long the hosts' parts were waited for
+  produce_s: float  # the slowest host's time to produce its part
+
+
+_END = object()  # the thread's last queue entry where the feed ended
+
+
+class _Ahead:
+  """A thread that makes a feed's next batches while the trainer computes, so their
+  transfers to the devices overlap its steps: ``depth`` batches wait in a queue (each
+  holding its arena blocks until its device copies are done: the arrays keep the views
+  they were made of), and :meth:`take` hands the oldest over.
+
+  The thread is the feed's: :meth:`close` (called by ``Feed.close``, after the streams
+  are closed, so a wait for a host's part ends) stops and joins it, dropping what is
+  queued.
+  """
+
+  def __init__(self, feed: Feed, depth: int):
+    self._feed = feed
+    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def take(self) -> _Made:
+    """The oldest batch made (starting the thread at the first call); raises where the
+    thread ended: StopIteration at the feed's end, or the error it met (the feed then
+    closes). Ctrl-C raises while the wait goes on (no batch is half taken)."""
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, daemon=True,
+                                      name=f"sidecar-feed-{self._feed.name}")
+      self._thread.start()
+    while True:
+      try:
+        made = self._queue.get(timeout=interrupts.POLL_S)
+        break
+      except queue.Empty:
+        interrupts.check()
+        if self._stop.is_set():
+          raise errors.ClosedError(f"feed {self._feed.name!r} was closed") from None
+    if isinstance(made, _Made):
+      return made
+    self._feed.close()
+    if made is _END:
+      raise StopIteration
+    raise made
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        if not self._put(self._feed._make(ahead=True)):
+          return
+    except StopIteration:
+      self._put(_END)
+    except BaseException as e:  # the trainer's next take() raises it; this thread's
+      self._put(e.with_traceback(None))  # frames would hold the parts' blocks
+
+  def _put(self, entry: Any) -> bool:
+    """Queues ``entry`` once there is room; False if the feed closed meanwhile."""
+    while not self._stop.is_set():
+      try:
+        self._queue.put(entry, timeout=interrupts.POLL_S)
+        return True
+      except queue.Full:
+        pass
+    return False
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=30.0)
+      if self._thread.is_alive():
+        log.warning("feed %r: its device-prefetch thread did not stop in 30 s",
+                    self._feed.name)
+    while True:  # the batches made ahead, with their blocks
+      try:
+        self._queue.get_nowait()
+      except queue.Empty:
+        break
 
 
 def _check_state(state: dict[str, Any] | None, *, name: str, seed: int, num_hosts: int
@@ -342,7 +459,7 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
   return Feed(name=name, layout=layout, seed=seed, num_epochs=num_epochs,
               prefetch=options.prefetch, state=state, workers=options.workers,
               open_stream=open_stream, local_hosts=local_hosts, peers=peers, key=key,
-              arena_use=arena_use)
+              arena_use=arena_use, device_prefetch=options.device_prefetch)
 
 
 def length(name: str, *, global_batch_size: int, kwargs: Mapping[str, Any], seed: int,

@@ -243,9 +243,16 @@ class FeedOptions:
     prefetch: batches each sidecar may run ahead of the trainer, each holding arena slots.
     workers: processes per sidecar producing batches straight into the arena; 0: the
       sidecar itself produces them.
+    device_prefetch: batches the trainer process keeps ahead on its devices: a thread
+      of the feed puts them there while the trainer computes, so the next batch is
+      already on (or on its way to) the accelerator. None: the framework's choice
+      (``DEVICE_PREFETCH`` where the devices are accelerators; 0 on CPU devices, where
+      a batch aliases its arena block and a put costs nothing). 0: each batch is put
+      when ``next()`` is called.
   """
   prefetch: int = 2
   workers: int = 0
+  device_prefetch: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 1:
@@ -253,3 +260,7 @@ class FeedOptions:
     if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
       raise ValueError(f"workers must be an int >= 0 (0: the sidecar itself), got "
                        f"{self.workers!r}")
+    d = self.device_prefetch
+    if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
+      raise ValueError(f"device_prefetch must be None (the framework's choice) or an int "
+                       f">= 0, got {d!r}")
