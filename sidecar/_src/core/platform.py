@@ -8,7 +8,7 @@ lockfile``) and does not fall back to the CPU. So:
 - The sidecar, and every process it starts (feed workers), runs JAX on the CPU and sees no
   accelerator, whatever the user set: :func:`sidecar_env` for a process about to start,
   :func:`apply_to_sidecar` for this one (``sidecar serve`` calls it before anything
-  imports JAX). :data:`SIDECAR_VARS` lists what they set. No variable hides a TPU chip from
+  imports JAX). :data:`CPU_ONLY` lists what they set. No variable hides a TPU chip from
   libtpu (``TPU_VISIBLE_CHIPS`` picks chips; no value picks none): ``JAX_PLATFORMS=cpu``
   keeps JAX from loading libtpu at all, and ``PJRT_DEVICE=CPU`` keeps torch_xla off it.
 - Trainers get the platform JAX would pick (:func:`for_trainers`): nothing is set where an
@@ -38,7 +38,7 @@ CPU = "cpu"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 # What the sidecar and its processes run with, whatever the user set.
-SIDECAR_VARS: Mapping[str, str] = {
+CPU_ONLY: Mapping[str, str] = {
     JAX_PLATFORMS: CPU,          # JAX on the CPU: libtpu, CUDA and ROCm plugins stay unloaded
     "CUDA_VISIBLE_DEVICES": "",  # no GPU for CUDA code in a pipeline (torch, TensorFlow, CuPy)
     "PJRT_DEVICE": "CPU",        # torch_xla on the CPU
@@ -72,20 +72,20 @@ class TrainerPlatform:
 
 
 def sidecar_env(base: Mapping[str, str]) -> dict[str, str]:
-  """``base`` with :data:`SIDECAR_VARS` set over it: the environment of a process the
+  """``base`` with :data:`CPU_ONLY` set over it: the environment of a process the
   sidecar starts, or of a sidecar about to start."""
-  return {**base, **SIDECAR_VARS}
+  return {**base, **CPU_ONLY}
 
 
 def apply_to_sidecar(environ: MutableMapping[str, str] | None = None) -> None:
-  """Sets :data:`SIDECAR_VARS` in ``environ`` (default ``os.environ``): call it before
+  """Sets :data:`CPU_ONLY` in ``environ`` (default ``os.environ``): call it before
   anything imports JAX. A value the user had set otherwise is logged at debug.
 
   Where JAX is imported already (too late for the variable), sets its ``jax_platforms``
   too, and warns if that cannot be done.
   """
   environ = os.environ if environ is None else environ
-  for name, value in SIDECAR_VARS.items():
+  for name, value in CPU_ONLY.items():
     old = environ.get(name)
     if old is not None and old != value:
       log.debug("%s was %r; the sidecar sets %r: it never takes an accelerator, the trainer "

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, TextIO
 
-from sidecar._src.core import env, errors
+from sidecar._src.core import env, errors, platform
 from sidecar._src.tools import relay
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
@@ -50,7 +50,13 @@ from /dev/null. Trainer i's stdout and stderr come back merged, line by line, pr
 Each trainer gets this environment added to the launcher's:
 {chr(10).join(f"  {name:29} {text}" for name, text in env.DESCRIPTIONS.items()
                if name != env.TOKEN_FILE)}
-  JAX_PLATFORMS                 cpu, unless already set
+  JAX_PLATFORMS                 yours if set; else unset where an accelerator is here
+                                (/dev/accel*, /dev/vfio/N, a TPU on PCI, TPU_* variables,
+                                /dev/nvidiaN), so JAX picks it; else cpu, with
+                                --devices-per-host CPU devices (XLA_FLAGS gets
+                                --xla_force_host_platform_device_count=N). The first line
+                                says which. The sidecars run JAX on the CPU whatever is set:
+                                they never take the chip
   PYTHONUNBUFFERED              1, unless already set
   JAX_ENABLE_PREEMPTION_SERVICE false, unless already set: JAX's preemption notifier
                                 catches SIGTERM, so a stopped trainer would run on until
@@ -451,6 +457,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
     try:
+      launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
       cluster.start()
       for h in range(hosts):
         launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "

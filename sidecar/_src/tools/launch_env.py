@@ -1,13 +1,14 @@
 """The environment ``sidecar launch`` gives each trainer: what ``env.py`` lists (the
-``SIDECAR_*`` variables that ``Worker`` and ``Controller.from_env()`` read) and, with
-``--torch``, what torchrun gives its workers (``RANK``, ``MASTER_PORT``, ...)."""
+``SIDECAR_*`` variables that ``Worker`` and ``Controller.from_env()`` read), the platform
+JAX would pick (``core/platform.py``: CPU devices only where no accelerator is here) and,
+with ``--torch``, what torchrun gives its workers (``RANK``, ``MASTER_PORT``, ...)."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Mapping, Sequence
 
-from sidecar._src.core import env, errors
+from sidecar._src.core import env, errors, platform
 from sidecar._src.tools.local import LocalCluster
 from sidecar._src.tools.torchrun import torchrun_env
 
@@ -26,7 +27,9 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
                 restart: int = 0, procs_per_host: int = 1, local_rank: int = 0,
                 torch_master: str | None = None, max_restarts: int = 0) -> dict[str, str]:
   """The environment of trainer ``local_rank`` beside ``host``: ``base`` plus what
-  ``env.py`` lists, and with ``torch_master`` (``addr:port``) what torchrun sets.
+  ``env.py`` lists and ``platform.for_trainers`` sets (``JAX_PLATFORMS=cpu`` and
+  ``cluster.devices_per_host`` CPU devices where no accelerator is here, nothing where one
+  is), and with ``torch_master`` (``addr:port``) what torchrun sets.
 
   ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
   the process ids (ranks) follow that order, ``procs_per_host`` per host, the local ranks
@@ -41,7 +44,7 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
   group = hosts.index(host)
   rank, world = group * procs_per_host + local_rank, len(hosts) * procs_per_host
   result = dict(base)
-  result.setdefault("JAX_PLATFORMS", "cpu")
+  result.update(platform.for_trainers(base, devices=cluster.devices_per_host).env)
   result.setdefault("PYTHONUNBUFFERED", "1")
   # jax.distributed.initialize() would start JAX's preemption service, whose notifier
   # catches SIGTERM (to sync a save at preemption, on Cloud TPU): a trainer stopped here

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core import env as env_lib, errors, platform
 from sidecar._src.wire import ipc
 
 if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither
@@ -144,7 +144,9 @@ class LocalCluster:
             *(["--metrics-port", "0"] if self._metrics else []), *self._extra_args]
     for module in self.imports:
       args += ["--import", module]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
+    # JAX on the CPU, no accelerator in sight (core/platform.py); `sidecar serve` sets it
+    # again itself, whatever host_env says.
+    env = dict(platform.sidecar_env(os.environ), PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
     if self.token:
       env[env_lib.TOKEN] = self.token
     env.pop(env_lib.TOKEN_FILE, None)

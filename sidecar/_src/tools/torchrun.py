@@ -5,8 +5,9 @@ names: what ``sidecar launch --torch`` and ``sidecar slurm batch`` give each tra
 that ``torch.distributed.init_process_group()`` and ``sidecar.torch.connect()`` need no
 arguments. ``sidecar torchrun``: stock torchrun for one node of a job the ``SIDECAR_*``
 variables name (a pod of the k8s manifests: ``sidecar k8s render --procs-per-pod``), its
-ranks sharing the node's sidecar. Standard library only: the Slurm trainer wrapper reads
-it before it execs.
+ranks sharing the node's sidecar, on the platform JAX would pick (``core/platform.py``:
+CPU devices only where no accelerator is here). Standard library only: the Slurm trainer
+wrapper reads it before it execs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from sidecar._src.core import errors, job as job_lib
+from sidecar._src.core import errors, job as job_lib, platform
 
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
@@ -88,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     flags = node_args(os.environ, args.nproc_per_node)
   except errors.InvalidArgumentError as e:
     args.parser.error(str(e))
+  chosen = platform.for_trainers(os.environ, devices=None)
+  print(f"sidecar torchrun: {chosen.summary}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   # --no-python: CMD is a whole command (python train.py), as sidecar launch's is.
-  os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *flags,
-                            "--no-python", *command])
+  os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", *flags,
+                             "--no-python", *command], {**os.environ, **chosen.env})

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from sidecar._src.core import platform
 from sidecar._src.tools.launch_env import free_port
 from tests.support.jobset_env import JOBSET_ENV
 
@@ -15,8 +16,14 @@ pytestmark = pytest.mark.processes
 
 RANK = """import json, os
 names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
-print("RANK " + json.dumps({n: os.environ[n] for n in names}), flush=True)
+got = {n: os.environ[n] for n in names}
+got["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS")
+os.write(1, ("RANK " + json.dumps(got) + "\\n").encode())  # one write: ranks share the pipe
 """
+# Pod 0's node shows no accelerator (as this machine), pod 1's a TPU by its variables.
+NO_PLATFORM = {k: v for k, v in os.environ.items()
+               if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("TPU_")}
+POD_ENV = [{}, {"TPU_ACCELERATOR_TYPE": "v5litepod-8"}]
 
 
 def test_two_pods_of_two_ranks_are_one_job_of_four(tmp_path):
@@ -25,7 +32,7 @@ def test_two_pods_of_two_ranks_are_one_job_of_four(tmp_path):
   port = free_port()
   pods = []
   for host in range(2):  # one slice of two pods; process 0's pod is the master
-    env = {**os.environ, **JOBSET_ENV, "SIDECAR_NUM_SLICES": "1",
+    env = {**NO_PLATFORM, **POD_ENV[host], **JOBSET_ENV, "SIDECAR_NUM_SLICES": "1",
            "SIDECAR_HOSTS_PER_SLICE": "2", "SIDECAR_SLICE_ID": "0",
            "SIDECAR_HOST_ID": str(host),
            # The pods' DNS name of process 0's pod, here: loopback.
@@ -50,6 +57,15 @@ def test_two_pods_of_two_ranks_are_one_job_of_four(tmp_path):
     assert {(r["GROUP_RANK"], r["LOCAL_WORLD_SIZE"], r["WORLD_SIZE"], r["MASTER_PORT"])
             for r in node} == {(str(host), "2", "4", str(port))}
     assert sorted(int(r["RANK"]) for r in node) == [2 * host, 2 * host + 1]
+  # Each node's ranks get the platform JAX would pick there; the first line says which.
+  here = platform.find_accelerator(environ=NO_PLATFORM)
+  assert {r["JAX_PLATFORMS"] for r in ranks[0]} == {None if here else "cpu"}
+  assert {r["JAX_PLATFORMS"] for r in ranks[1]} == {None}
+  firsts = [err.splitlines()[0] for _, err in outs]
+  assert firsts[0].startswith("sidecar torchrun: trainers get "), firsts
+  assert firsts[1] == ("sidecar torchrun: trainers get the platform JAX picks (JAX_PLATFORMS "
+                       "unset): a tpu is here (TPU_ACCELERATOR_TYPE=v5litepod-8); the sidecars "
+                       "run JAX on the CPU")
 
 
 def test_without_a_job_it_says_what_to_set():

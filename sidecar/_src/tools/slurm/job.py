@@ -33,7 +33,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src.core import errors, rendezvous
+from sidecar._src.core import errors, platform, rendezvous
 from sidecar._src.tools.slurm import tasks
 
 _POLL_S = 0.25
@@ -332,6 +332,8 @@ def run(options: JobOptions) -> int:
     return 2
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, job.on_signal)
+  # As each trainer's node decides for itself (tasks.py); this is the first node's answer.
+  say(platform.for_trainers(os.environ, devices=options.devices_per_task).summary)
   try:
     job.make_directory()
     try:

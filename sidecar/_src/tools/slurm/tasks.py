@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from sidecar._src.core import env as env_lib, errors, rendezvous
+from sidecar._src.core import env as env_lib, errors, platform, rendezvous
 from sidecar._src.tools.torchrun import torchrun_env
 from sidecar._src.wire import ipc
 
@@ -100,7 +100,7 @@ class NodeSidecars:
                         imports=self.imports, checkpoint_roots=self.checkpoint_roots,
                         token_file=self.token_file, port=port, health_port=health,
                         device_ids=self.device_ids.get(h, ()))
-      env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+      env = {**platform.sidecar_env(os.environ), "PYTHONUNBUFFERED": "1"}  # never the chip
       env.pop(env_lib.TOKEN, None)
       with open(log, "ab") as out:
         self.procs[h] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -250,6 +250,8 @@ def trainer_env(directory: str, step: int, process: int) -> dict[str, str]:
   }
   if plan.get("local_devices"):
     out[env_lib.LOCAL_DEVICES] = str(plan["local_devices"])
+  # The platform JAX would pick on this node: CPU devices only where no accelerator is.
+  out.update(platform.for_trainers(os.environ, devices=plan.get("local_devices")).env)
   # torchrun's variables too: ranks by the plan's order, a node's ranks in a row.
   nodes = list(dict.fromkeys(entries[h].node for h in hosts))
   node = entries[hosts[process]].node

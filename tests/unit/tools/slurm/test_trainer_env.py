@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from sidecar._src.core import rendezvous
+from sidecar._src.core import platform, rendezvous
 from sidecar._src.tools.slurm import tasks
 
 pytestmark = pytest.mark.unit
@@ -50,3 +50,24 @@ def test_a_restart_counts_in_torchelastics_variable(tmp_path):
       **rendezvous.read_json(os.path.join(plan, "0.json")), "restart": 3})
   env = tasks.trainer_env(d, 3, 0)
   assert env["TORCHELASTIC_RESTART_COUNT"] == "3" and env["SIDECAR_RESTART"] == "3"
+
+
+@pytest.mark.parametrize("files, users, added", [
+    ((), {}, {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}),
+    (("dev/accel0",), {}, {}),
+    (("dev/accel0",), {"JAX_PLATFORMS": "cpu"},
+     {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}),
+], ids=["no-accelerator", "tpu", "users-cpu-on-a-tpu"])
+def test_a_trainer_gets_the_platform_jax_would_pick_on_its_node(tmp_path, monkeypatch, files,
+                                                                users, added):
+  root = tmp_path / "root"
+  for f in files:
+    (root / f).parent.mkdir(parents=True, exist_ok=True)
+    (root / f).touch()
+  monkeypatch.setattr(platform, "ROOT", str(root))
+  for name in ("JAX_PLATFORMS", "XLA_FLAGS"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in users.items():
+    monkeypatch.setenv(name, value)
+  env = tasks.trainer_env(directory_of(tmp_path, {0: "a"}, [0]), 0, 0)
+  assert {k: env[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS") if k in env} == added
