@@ -203,7 +203,8 @@ PEER_TOKEN = "test-peer-token"  # what make_server's sidecars present to each ot
 
 @pytest.fixture
 def make_server(tmp_path):
-  """Starts in-process sidecar servers on loopback with the test functions registered."""
+  """Starts in-process sidecar servers on loopback (or ``listen="unix:PATH"``) with the test
+  functions registered."""
   import tempfile
 
   import sidecar
@@ -224,7 +225,8 @@ def make_server(tmp_path):
     kw.setdefault("shm_size", 8 << 20)
     kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))
     kw.setdefault("peer_token", PEER_TOKEN)  # the servers of one test are one job's peers
-    opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0,
+    kw.setdefault("listen", "127.0.0.1")  # or unix:PATH
+    opts = options.ServerOptions(port=0, health_port=0,
                                  socket_path=str(tmp_path / f"s{len(servers)}.sock"), **kw)
     server = Server(opts, registry=reg).start()
     servers.append(server)

@@ -14,7 +14,13 @@ from collections.abc import Callable
 
 import grpc
 
-from sidecar._src.core import env, errors, interrupts, options as options_lib
+from sidecar._src.core import (
+  address as address_lib,
+  env,
+  errors,
+  interrupts,
+  options as options_lib,
+)
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
@@ -233,6 +239,10 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
         + ("; it closed the handshake: does it want a client certificate (mTLS: tls_cert="
            "/tls_key=, or SIDECAR_TLS_CLIENT_CERT/_KEY), or not speak TLS at all?"
            if closed else ""))
+  if code == grpc.StatusCode.UNAVAILABLE and address_lib.is_unix(address):
+    return errors.HostLostError(
+        f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve --listen "
+        f"{address}` running? (The worker socket, --socket, is not its gRPC address.)")
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
@@ -271,6 +281,8 @@ class Connection:
     except ValueError as e:
       raise errors.InvalidArgumentError(str(e).replace("token holds", "the token holds", 1)
                                         ) from None
+    if address_lib.is_unix(address):  # a bad path, or no permission: said now, not a timeout
+      address_lib.check_access(address)
     options = channel_options(peer_timeout)
     self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
                      else grpc.secure_channel(address, credentials, options=options))

@@ -56,7 +56,8 @@ class Controller:
       results = ctl.call("normalize", args=(batch,), hosts=[0])
 
   Args:
-    addresses: the sidecars' gRPC addresses (``host:port``).
+    addresses: the sidecars' gRPC addresses: ``unix:PATH`` for one on this machine's Unix
+      socket (``sidecar serve --listen unix:PATH``), else ``host:port``.
     token: the sidecars' bearer token; default ``$SIDECAR_TOKEN`` or ``$SIDECAR_TOKEN_FILE``.
     timeout: default deadline in seconds of every call.
     connect_timeout: how long to wait for each sidecar to answer the handshake.
@@ -93,7 +94,8 @@ class Controller:
                tls_key: str | None = None, framework: Framework | None = None):
     if isinstance(addresses, str) or not addresses:
       raise errors.InvalidArgumentError(
-          f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
+          f"addresses must be a non-empty list of 'unix:PATH' or 'host:port' strings, got "
+          f"{addresses!r}")
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout

@@ -4,8 +4,9 @@ Runs in the controller process. Four ways to name the sidecars, checked in this 
 
 1. ``SIDECAR_HOSTS``: an explicit comma-separated list in host order (slice-major), each
    entry ``HOST``, ``HOST:PORT`` or ``HOST:PORT:HEALTH_PORT`` (IPv6 in brackets:
-   ``[::1]:8480:8481``). Useful off Kubernetes, e.g. ``SIDECAR_HOSTS=$TPU_WORKER_HOSTNAMES``
-   on TPU VMs, or for sidecars started by hand.
+   ``[::1]:8480:8481``), or ``unix:PATH`` for a sidecar of this machine serving on a Unix
+   socket (its health answers there too). Useful off Kubernetes, e.g.
+   ``SIDECAR_HOSTS=$TPU_WORKER_HOSTNAMES`` on TPU VMs, or for sidecars started by hand.
 2. ``SIDECAR_CLUSTER_FILE``: a service's ``cluster.env`` (``sidecar slurm service``), with
    the sidecars' addresses, its token file and its Slurm job, which must still run.
 3. Inside a Slurm job whose rendezvous directory exists (``sidecar slurm batch`` makes it,
@@ -51,7 +52,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src.core import env as env_lib, errors, options, rendezvous
+from sidecar._src.core import address as address_lib, env as env_lib, errors, options, rendezvous
 
 DEFAULT_PORT = options.DEFAULT_PORT
 DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
@@ -75,7 +76,7 @@ _JOBSET_VARS = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Endpoint:
-  """Where one sidecar listens."""
+  """Where one sidecar listens: ``host`` with its ports, or a ``unix:PATH`` (ports 0)."""
   slice_id: int
   host_id: int
   host: str
@@ -84,13 +85,17 @@ class Endpoint:
 
   @property
   def address(self) -> str:
-    """The gRPC address, ``host:port``."""
-    return f"{_bracket(self.host)}:{self.port}"
+    """The gRPC address, ``host:port`` or ``unix:PATH``."""
+    if address_lib.is_unix(self.host):
+      return self.host
+    return str(address_lib.Address(host=self.host, port=self.port))
 
   @property
   def health_address(self) -> str:
-    """The plaintext health address, ``host:health_port``."""
-    return f"{_bracket(self.host)}:{self.health_port}"
+    """The plaintext health address, ``host:health_port``, or the ``unix:PATH`` itself."""
+    if address_lib.is_unix(self.host):
+      return self.host
+    return str(address_lib.Address(host=self.host, port=self.health_port))
 
   def __str__(self) -> str:
     return f"slice {self.slice_id} host {self.host_id} ({self.health_address})"
@@ -252,8 +257,8 @@ def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, 
   if missing:
     raise errors.InvalidArgumentError(
         f"cannot find the sidecars: {', '.join(missing)} not set. Set SIDECAR_HOSTS to a "
-        "comma-separated list of HOST[:PORT[:HEALTH_PORT]], SIDECAR_CLUSTER_FILE to a "
-        "service's cluster.env, run in a Slurm job of `sidecar slurm batch`, or in a "
+        "comma-separated list of HOST[:PORT[:HEALTH_PORT]] or unix:PATH, SIDECAR_CLUSTER_FILE "
+        "to a service's cluster.env, run in a Slurm job of `sidecar slurm batch`, or in a "
         f"JobSet pod whose env sets {', '.join(_JOBSET_VARS)} (the manifests in k8s/ do; see "
         "docs/kubernetes.md).")
   return _from_jobset(env, port, health_port)
@@ -299,6 +304,8 @@ def _check_once(pending: list[Endpoint], channels: Mapping[Endpoint, grpc.Channe
     try:
       status = future.result().status
     except grpc.RpcError as e:
+      # A socket this process may not open will not open later: said now, not a timeout.
+      address_lib.check_access(endpoint.health_address)
       last_error[endpoint] = f"{e.code().name}: {e.details()}"
       still.append(endpoint)
       continue
@@ -361,6 +368,10 @@ def _from_host_list(env: Mapping[str, str], port: int,
           f"SIDECAR_HOSTS_PER_SLICE={per_slice}; list every host of every slice")
   found = []
   for index, entry in enumerate(entries):
+    if address_lib.is_unix(entry):
+      unix = address_lib.parse(entry, what="SIDECAR_HOSTS entry")
+      found.append(Endpoint(index // per_slice, index % per_slice, unix.target, 0, 0))
+      continue
     host, entry_port, entry_health = _parse_entry(entry)
     found.append(Endpoint(index // per_slice, index % per_slice, host,
                           entry_port or port, entry_health or health_port))
@@ -379,8 +390,8 @@ def _parse_entry(entry: str) -> tuple[str, int | None, int | None]:
     parts = entry.split(":")
   if len(parts) > 3 or not parts[0]:
     raise errors.InvalidArgumentError(
-        f"SIDECAR_HOSTS entry {entry!r} is not HOST[:PORT[:HEALTH_PORT]]; put IPv6 "
-        "addresses in brackets, e.g. [::1]:8490:8491")
+        f"SIDECAR_HOSTS entry {entry!r} is not HOST[:PORT[:HEALTH_PORT]] or unix:PATH; put "
+        "IPv6 addresses in brackets, e.g. [::1]:8490:8491")
   ports: list[int | None] = []
   for text in parts[1:]:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
@@ -390,6 +401,3 @@ def _parse_entry(entry: str) -> tuple[str, int | None, int | None]:
   ports += [None] * (2 - len(ports))
   return parts[0], ports[0], ports[1]
 
-
-def _bracket(host: str) -> str:
-  return f"[{host}]" if ":" in host else host

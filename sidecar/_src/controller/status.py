@@ -17,13 +17,16 @@ from google.protobuf import message as pb_message
 
 from sidecar._src.arena import shm
 from sidecar._src.controller.connection import CHANNEL_OPTIONS
+from sidecar._src.core import address as address_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
 
 def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.StatusResponse:
-  """One sidecar's status; needs no handshake, so it works across versions. Over TLS
-  where ``$SIDECAR_TLS_CA`` (and for mTLS ``$SIDECAR_TLS_CLIENT_CERT``/``_KEY``) say so."""
+  """One sidecar's status (``address``: ``unix:PATH`` or ``HOST:PORT``); needs no
+  handshake, so it works across versions. Over TLS where ``$SIDECAR_TLS_CA`` (and for mTLS
+  ``$SIDECAR_TLS_CLIENT_CERT``/``_KEY``) say so."""
+  address_lib.check_access(address)
   credentials = protocol.tls_credentials(None, None, None)
   with (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None else
         grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)) as channel:

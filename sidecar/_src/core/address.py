@@ -140,3 +140,17 @@ def access_problem(path: str) -> str | None:
           f"owner uid {info.st_uid}, gid {info.st_gid}, and this process is uid "
           f"{os.getuid()}, gid {os.getgid()}; run it as the sidecar's user, or serve with "
           "--socket-group GROUP (mode 0660) and a group this process is in")
+
+
+def check_access(text: str) -> None:
+  """For a client about to dial ``text``: a ``unix:`` socket this process may not open is
+  an error now, naming the path and its mode, not a connection that fails or times out.
+
+  Raises:
+    PermissionDeniedError: this process lacks the permission to connect.
+  """
+  if not is_unix(text):
+    return
+  path = parse(text).path
+  if problem := access_problem(path):
+    raise errors.PermissionDeniedError(f"cannot connect to the sidecar at {text}: {problem}")

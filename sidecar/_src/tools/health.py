@@ -9,9 +9,16 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar._src.core import address as address_lib, errors
+
 
 def check(address: str, *, timeout: float = 5.0) -> tuple[bool, str]:
-  """Whether the sidecar at ``address`` (HOST:PORT) answers SERVING, and what it answered."""
+  """Whether the sidecar at ``address`` (HOST:PORT of its health port, or the unix:PATH it
+  serves everything on) answers SERVING, and what it answered."""
+  try:
+    address_lib.check_access(address)
+  except errors.SidecarError as e:
+    return False, str(e)
   with grpc.insecure_channel(address) as channel:
     try:
       reply = health_pb2_grpc.HealthStub(channel).Check(

@@ -39,8 +39,6 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
   if not 0 <= local_rank < procs_per_host:
     raise errors.InvalidArgumentError(
         f"local_rank must be in 0..{procs_per_host - 1}, got {local_rank!r}")
-  ports = [a.rsplit(":", 1)[1] for a in cluster.health_addresses]
-  addresses = cluster.addresses
   group = hosts.index(host)
   rank, world = group * procs_per_host + local_rank, len(hosts) * procs_per_host
   result = dict(base)
@@ -58,7 +56,7 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
       env.HOST_ID: str(host),
       env.SLICE_ID: "0",
       env.ADDRESS: f"unix://{cluster.socket(host)}",
-      env.HOSTS: ",".join(f"{addresses[h]}:{ports[h]}" for h in hosts),
+      env.HOSTS: ",".join(cluster.host_entry(h) for h in hosts),
       env.RESTART: str(restart),
   })
   if torch_master is not None:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` 
   from sidecar._src.jax.controller import Controller
   from sidecar._src.jax.worker import Worker
 
+TRANSPORTS = ("unix", "tcp")
 # The LocalClusters running in this process: several may (each has its own sidecars,
 # ports, sockets and temp directory); error messages name them.
 _running: weakref.WeakSet = weakref.WeakSet()
@@ -70,6 +71,9 @@ class LocalCluster:
   ``checkpoint_roots``: the directories the sidecars may checkpoint in (and below), by
   default the system temp directory and the working directory (``--checkpoint-root``).
   ``metrics=True``: each sidecar serves Prometheus metrics on a free port (``metrics_urls``).
+  ``transport``: ``"unix"`` (the default) serves each sidecar's gRPC and health on a Unix
+  socket of the cluster's temp directory, ``unix:PATH``: no ports, nothing on the network,
+  so it runs where TCP is refused; ``"tcp"`` on free ports of 127.0.0.1.
   Everything started is stopped on exit, also when the body raises.
   """
 
@@ -79,7 +83,8 @@ class LocalCluster:
                configure_jax: bool = True, extra_args: Sequence[str] = (),
                host_env: Mapping[int, Mapping[str, str]] | None = None,
                assign_device_ids: bool = True,
-               checkpoint_roots: Sequence[str] | None = None, metrics: bool = False):
+               checkpoint_roots: Sequence[str] | None = None, metrics: bool = False,
+               transport: str = "unix"):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -87,6 +92,10 @@ class LocalCluster:
           f"devices_per_host must be a positive int, got {devices_per_host!r}")
     if isinstance(imports, str):
       raise errors.InvalidArgumentError(f"imports must be a list of module names, got {imports!r}")
+    if transport not in TRANSPORTS:
+      raise errors.InvalidArgumentError(
+          f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    self.transport = transport
     self.num_hosts = num_hosts
     self.devices_per_host = devices_per_host
     self.shm_size = shm.parse_size(shm_size)
@@ -136,9 +145,10 @@ class LocalCluster:
     d = self.devices_per_host
     ids = (["--device-ids", ",".join(str(i) for i in range(h * d, (h + 1) * d))]
            if self._assign_device_ids else [])
+    listen = (["--listen", f"unix:{self._path(h, 'grpc')}"] if self.transport == "unix" else
+              ["--listen", "127.0.0.1", "--port", str(port), "--health-port", str(health_port)])
     args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(h), "--slice-id", "0",
-            *ids, "--listen", "127.0.0.1", "--port", str(port), "--health-port", str(health_port),
-            "--socket", self.socket(h), "--shm-size", str(self.shm_size),
+            *ids, *listen, "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
             *(f"--checkpoint-root={r}" for r in self.checkpoint_roots),
             *(["--metrics-port", "0"] if self._metrics else []), *self._extra_args]
@@ -204,7 +214,7 @@ class LocalCluster:
       proc.wait()
 
   def restart(self, host_id: int) -> None:
-    """Starts host ``host_id``'s sidecar again, at its old ports, after it exited.
+    """Starts host ``host_id``'s sidecar again, at its old address, after it exited.
 
     It comes back as a new process with an empty arena, as a replaced host's sidecar
     does; a Controller sees it again when its watch probes lost hosts (``rejoin=True``).
@@ -216,8 +226,8 @@ class LocalCluster:
     old = self._ready[host_id]
     with contextlib.suppress(FileNotFoundError):
       os.remove(self._path(host_id, "json"))
-    self._procs[host_id] = self._spawn(host_id, port=int(old["port"]),
-                                       health_port=int(old["health_port"]))
+    self._procs[host_id] = self._spawn(host_id, port=int(old.get("port") or 0),
+                                       health_port=int(old.get("health_port") or 0))
     self._ready[host_id] = self._wait_ready(host_id)
 
   def close(self) -> None:
@@ -246,12 +256,21 @@ class LocalCluster:
 
   @property
   def addresses(self) -> list[str]:
-    """Each host's gRPC address, by host id."""
-    return [f"127.0.0.1:{r['port']}" for r in self._ready]
+    """Each host's gRPC address, by host id: ``unix:PATH``, or ``127.0.0.1:PORT`` (tcp)."""
+    return [str(r["address"]) for r in self._ready]
 
   @property
   def health_addresses(self) -> list[str]:
-    return [f"127.0.0.1:{r['health_port']}" for r in self._ready]
+    """Each host's grpc.health.v1 address: its gRPC address itself on a Unix socket."""
+    return [str(r["address"]) if self.transport == "unix" else f"127.0.0.1:{r['health_port']}"
+            for r in self._ready]
+
+  def host_entry(self, host_id: int) -> str:
+    """Host ``host_id``'s entry of ``SIDECAR_HOSTS``: ``unix:PATH`` or ``HOST:PORT:HEALTH``."""
+    r = self._ready[host_id]
+    if self.transport == "unix":
+      return str(r["address"])
+    return f"{r['address']}:{r['health_port']}"
 
   @property
   def metrics_urls(self) -> list[str]:

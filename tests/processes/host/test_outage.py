@@ -37,7 +37,7 @@ def test_the_worker_socket_survives_running_out_of_descriptors():
   """Idle connections to the health port use up the sidecar's descriptors; a worker that
   attaches meanwhile fails, but once they close the worker socket accepts again."""
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
-                                    configure_jax=False) as cluster:
+                                    configure_jax=False, transport="tcp") as cluster:
     pid = cluster.pid(0)
     health_port = int(cluster.health_addresses[0].rsplit(":", 1)[1])
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

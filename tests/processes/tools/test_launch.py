@@ -66,8 +66,7 @@ ENV_SCRIPT = """
         print("%s=%s" % (name, e[name]))
     print("socket_exists=%s" % os.path.exists(e["SIDECAR_ADDRESS"].removeprefix("unix://")))
     for entry in e["SIDECAR_HOSTS"].split(","):
-      host, port, health = entry.split(":")
-      with grpc.insecure_channel("%s:%s" % (host, health)) as ch:
+      with grpc.insecure_channel(entry) as ch:  # unix:PATH: health on the sidecar's socket
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
       print("health %s %s" % (entry, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)))
     if e["SIDECAR_PROCESS_ID"] == "0":
@@ -103,7 +102,7 @@ def test_two_hosts_get_their_environment_and_reach_every_sidecar(tmp_path):
     hosts = hosts or env["SIDECAR_HOSTS"]
     assert env["SIDECAR_HOSTS"] == hosts  # every process sees the same list, in host order
     entries = hosts.split(",")
-    assert len(entries) == 2 and all(re.fullmatch(r"127\.0\.0\.1:\d+:\d+", x) for x in entries)
+    assert entries == [f"unix:{temp_dir}/host{h}.grpc" for h in (0, 1)]  # no ports
     assert sorted(l for l in got if l.startswith("health")) == sorted(
         f"health {x} SERVING" for x in entries)
     assert got[-1] == "last line without newline"

@@ -170,8 +170,8 @@ def test_sidecars_exit_when_the_trainer_is_killed(tmp_path):
 
 
 def test_controller_from_env_discovers_every_sidecar(cluster, monkeypatch):
-  hosts = ",".join(f"{a}:{h.rsplit(':', 1)[1]}"
-                   for a, h in zip(cluster.addresses, cluster.health_addresses))
+  hosts = ",".join(cluster.host_entry(h) for h in range(cluster.num_hosts))
+  assert all(a.startswith("unix:/") for a in cluster.addresses)
   monkeypatch.setenv("SIDECAR_HOSTS", hosts)
   with sidecar.Controller.from_env(timeout=10) as ctl:
     assert [h.address for h in ctl.hosts] == cluster.addresses

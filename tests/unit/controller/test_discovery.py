@@ -51,6 +51,22 @@ def test_host_list_overrides_jobset_env_and_parses_ports():
   assert [e.health_address for e in found] == ["a:8491", "b:8491", "c:9001", "[::1]:7001"]
 
 
+def test_host_list_takes_unix_sockets_whose_health_answers_on_the_same_socket():
+  found = discovery.endpoints_from_env(
+      {"SIDECAR_HOSTS": "unix:/run/s/h0.grpc,unix:///run/s/h1.grpc, node-2:9000:9001"})
+  assert [e.address for e in found] == ["unix:/run/s/h0.grpc", "unix:/run/s/h1.grpc",
+                                        "node-2:9000"]
+  assert [e.health_address for e in found] == ["unix:/run/s/h0.grpc", "unix:/run/s/h1.grpc",
+                                               "node-2:9001"]
+  assert [e.host_id for e in found] == [0, 1, 2]
+
+
+def test_a_unix_entry_over_the_socket_limit_is_named():
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"its path is 206 bytes, a Unix socket's may be at most 107"):
+    discovery.endpoints_from_env({"SIDECAR_HOSTS": "unix:/" + "x" * 205})
+
+
 def test_host_list_without_hosts_per_slice_is_one_slice():
   found = discovery.endpoints_from_env({"SIDECAR_HOSTS": "a,b,c"})
   assert [(e.slice_id, e.host_id) for e in found] == [(0, 0), (0, 1), (0, 2)]

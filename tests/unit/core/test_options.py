@@ -51,6 +51,29 @@ def test_loopback_addresses_need_no_token(listen):
   assert ServerOptions(listen=listen).token is None
 
 
+def test_a_unix_listen_needs_no_token_and_no_port():
+  o = ServerOptions(listen="unix:/run/sidecar/grpc.sock", port=0, health_port=0)
+  assert options.is_loopback(o.listen) and o.token is None
+  assert o.unix is not None and o.unix.target == "unix:/run/sidecar/grpc.sock"
+  assert ServerOptions().unix is None
+  assert ServerOptions(listen="unix:///run/g.sock", socket_group="trainers").socket_group
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"listen": "unix:/run/sidecar/sidecar.sock"},
+     r"is the worker socket \(socket_path\); the gRPC server needs a socket of its own"),
+    ({"listen": "unix:/run/g.sock", "tls_cert": "c.pem", "tls_key": "k.pem"},
+     r"TLS \(--tls-cert\) is for TCP; listen 'unix:/run/g.sock' is a Unix socket"),
+    ({"listen": "127.0.0.1", "socket_group": "trainers"},
+     r"socket_group \(--socket-group\) applies to a unix: listen address"),
+    ({"listen": "unix:/run/g.sock", "socket_group": " "}, "socket_group must be a group name"),
+    ({"listen": "unix:/" + "x" * 120}, r"its path is 121 bytes, a Unix socket's may be at most 107"),
+], ids=["worker-socket", "tls", "group-on-tcp", "empty-group", "too-long"])
+def test_bad_unix_listen_options_name_the_value_and_the_fix(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ServerOptions(**kwargs)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"prefetch": 0}, "prefetch must be a positive int, got 0"),
     ({"prefetch": True}, "prefetch must be a positive int, got True"),
