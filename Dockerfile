@@ -18,6 +18,9 @@
 #
 # It runs as uid 1000 with a read-only root file system, as the manifests in k8s/ run it:
 # nothing in it is writable by uid 1000 outside /home/sidecar, and it needs no accelerator.
+# `sidecar serve` runs JAX on the CPU and hides the accelerators from itself and its feed
+# workers (JAX_PLATFORMS=cpu, CUDA_VISIBLE_DEVICES="", PJRT_DEVICE=CPU), set at its start:
+# not here, where an ENV would put a trainer run from this image on the CPU too.
 
 # The base: any Debian-like image with python3 (>= 3.11) and its venv module. With no
 # registry, k8s/image/build.sh makes one with debootstrap.

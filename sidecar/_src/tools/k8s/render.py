@@ -244,6 +244,8 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_LISTEN", "value": "[::]"},
           # Where the checkpoint calls may act: mount the checkpoint volume there.
           {"name": "SIDECAR_CHECKPOINT_ROOTS", "value": CHECKPOINT_ROOT},
+          # JAX on the CPU: the trainer owns the accelerator (`sidecar serve` sets it too).
+          {"name": "JAX_PLATFORMS", "value": "cpu"},
       ],
       "resources": {"requests": {"cpu": options.sidecar_cpu, "memory": memory},
                     "limits": {"memory": memory}},
