@@ -213,7 +213,8 @@ def test_the_stream_consumer_sits_below_both_of_its_transports():
   assert consumer in _imports("sidecar._src.streams.grpc_transport")
 
 
-@pytest.mark.parametrize("module", ["sidecar._src.core.errors", "sidecar._src.core.options"])
+@pytest.mark.parametrize("module", ["sidecar._src.core.errors", "sidecar._src.core.options",
+                                    "sidecar._src.core.platform"])
 def test_leaves_import_only_the_standard_library(module):
   outside = sorted(n for n in _imports(module)
                    if n.split(".")[0] not in sys.stdlib_module_names | {"__future__"})
