@@ -8,9 +8,11 @@ lockfile``) and does not fall back to the CPU. So:
 - The sidecar, and every process it starts (feed workers), runs JAX on the CPU and sees no
   accelerator, whatever the user set: :func:`sidecar_env` for a process about to start,
   :func:`apply_to_sidecar` for this one (``sidecar serve`` calls it before anything
-  imports JAX). :data:`CPU_ONLY` lists what they set. No variable hides a TPU chip from
-  libtpu (``TPU_VISIBLE_CHIPS`` picks chips; no value picks none): ``JAX_PLATFORMS=cpu``
-  keeps JAX from loading libtpu at all, and ``PJRT_DEVICE=CPU`` keeps torch_xla off it.
+  imports JAX). :data:`CPU_ONLY` lists what they set. It sets no ``TPU_*`` variable:
+  ``TPU_VISIBLE_CHIPS`` and its kin pick which chips a process opens, and we know of no
+  documented value that picks none; ``JAX_PLATFORMS=cpu`` keeps JAX from loading libtpu at
+  all (a helper process so started runs beside a trainer holding the chip, measured on the
+  lent v5e), and ``PJRT_DEVICE=CPU`` keeps torch_xla off it.
 - Trainers get the platform JAX would pick (:func:`for_trainers`): nothing is set where an
   accelerator is here, found without opening it (:func:`find_accelerator`: opening it
   would take the chip); CPU device emulation (``JAX_PLATFORMS=cpu`` and
@@ -53,7 +55,7 @@ _TPU_PCI_DEVICES = {"0x0027": "v3", "0x0056": "plc", "0x005e": "v4", "0x0062": "
 # Variables a Cloud TPU VM or a GKE TPU pod sets for the process that owns the chips.
 _TPU_VARS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
              "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS")
-_LOOKED_FOR = ("/dev/accel*, /dev/vfio/N, a TPU on PCI, TPU_* variables or /dev/nvidiaN")
+_LOOKED_FOR = "/dev/accel*, /dev/vfio/N, a TPU on PCI, TPU_* variables or /dev/nvidiaN"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
