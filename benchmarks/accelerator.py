@@ -1,0 +1,386 @@
+"""The project on the accelerator JAX sees, against the chip's limits, Grain and Orbax: one table.
+
+Run from the repository root: ``python -m benchmarks.accelerator`` (a few minutes on a TPU
+host), or ``--quick`` (a smaller state, shorter windows: about two minutes on a 2-core CPU
+machine, where it must run too). Not run by CI. Prints one table and writes it as JSON and
+markdown under ``--out`` (default ``benchmarks/results/``, ignored by git).
+
+Everything runs in this one process, the only one that opens the chip; the sidecars are a
+1-host LocalCluster's processes (JAX on the CPU). Every ratio is to a baseline measured in
+the same run:
+
+  chip        the chip's limits: host-to-device of a 32x224x224x3 uint8 batch (4.8 MB) with
+              many puts in flight, and one put waited for; device-to-host of the checkpoint
+              state (``copy_to_host_async`` on every array, then ``np.asarray``), one memcpy
+              of it (numpy, one thread), host-to-device of it (a put per array, all in flight)
+  grain       Grain in-process and ``mp_prefetch`` into device arrays, 'noop' and 'light'
+              elements (``benchmarks/feed_fns.py``): the consumer keeps N batches in flight
+              on the device (puts a batch, then uses the one N steps older), best of N in
+              ``--depths``
+  feed        ``ctl.feed`` of the same pipelines into device arrays, the consumer using each
+              batch at once (``block_until_ready`` of a tiny reduction of it, as a training
+              step would); ``FeedOptions.device_prefetch`` at its default, where it exists
+  checkpoint  Orbax's async save (``PyTreeCheckpointHandler``, no compression) and restore
+              beside ``ctl.checkpointer``'s of the same state (``benchmarks/accelerator_checkpoint.py``)
+  training    a chip-bound loop (jitted bf16 matmuls): steps/s with no save, and while a
+              save is in flight (ours, Orbax's), from ``save()`` until durable
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+import absl.flags
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from benchmarks import accelerator_checkpoint as ckpt, accelerator_rows, feed_fns
+from benchmarks.accelerator_rows import Row
+
+BATCH = 32
+BATCH_SHAPE = (BATCH, 224, 224, 3)
+FNS = ["benchmarks.feed_fns"]
+KINDS = ("noop", "light")
+T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+  print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+  seconds: float  # each rate's window
+  warmup_s: float  # before each window of a feed or in-process Grain
+  most_warmup_s: float  # of a path with worker processes: they start, then reach their rate
+  chip_depth: int  # puts in flight for the chip's pipelined rate
+  depths: tuple[int, ...]  # batches Grain's consumer keeps in flight
+  workers: int  # ctl.feed's and Grain mp_prefetch's worker processes
+  prefetch: int
+  repeats: int  # of each state transfer
+
+
+# ---- the chip's limits -------------------------------------------------------------
+
+
+def pipelined_puts(host: np.ndarray, device, *, depth: int, seconds: float) -> float:
+  """Batches per second onto ``device`` with ``depth`` puts in flight."""
+  in_flight, n = collections.deque(), 0
+  t0 = time.perf_counter()
+  while (elapsed := time.perf_counter() - t0) < seconds or n < 10:
+    in_flight.append(jax.device_put(host, device))
+    if len(in_flight) > depth:
+      in_flight.popleft().block_until_ready()
+      n += 1
+  return n / elapsed
+
+
+def waited_put_ms(host: np.ndarray, device, n: int = 50) -> float:
+  took = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    jax.device_put(host, device).block_until_ready()
+    took.append(time.perf_counter() - t0)
+  return statistics.median(took) * 1e3
+
+
+def state_limits(state, device, repeats: int) -> tuple[ckpt.ChipLimits, dict]:
+  """The state's device-to-host, memcpy and host-to-device times (medians); the state,
+  bumped (a fresh jax.Array keeps no host copy from these reads)."""
+  d2h, host = [], []
+  for _ in range(repeats):
+    state = jax.block_until_ready(ckpt.bump(state))
+    leaves = jax.tree.leaves(state)
+    t0 = time.perf_counter()
+    for a in leaves:
+      a.copy_to_host_async()
+    host = [np.asarray(a) for a in leaves]
+    d2h.append(time.perf_counter() - t0)
+  dst = [np.ones_like(h) for h in host]  # pre-faulted
+  memcpy, h2d = [], []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for d, h in zip(dst, host):
+      np.copyto(d, h)
+    memcpy.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    jax.block_until_ready([jax.device_put(d, device) for d in dst])
+    h2d.append(time.perf_counter() - t0)
+  med = statistics.median
+  limits = ckpt.ChipLimits(d2h_s=med(d2h), h2d_s=med(h2d), memcpy_s=med(memcpy))
+  return limits, jax.block_until_ready(ckpt.bump(state))
+
+
+def chip_rows(device, state, s: Settings) -> tuple[list[Row], float, ckpt.ChipLimits, dict]:
+  host = np.random.default_rng(0).integers(0, 256, BATCH_SHAPE, dtype=np.uint8)
+  mb = host.nbytes / 1e6
+  pipelined_puts(host, device, depth=s.chip_depth, seconds=0.3)  # warm-up
+  chip_rate = pipelined_puts(host, device, depth=s.chip_depth, seconds=s.seconds)
+  put_ms = waited_put_ms(host, device)
+  limits, state = state_limits(state, device, s.repeats)
+  nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
+  gbs = lambda sec: f"{nbytes / sec / 1e9:.1f} GB/s"
+  rows = [
+      Row("chip", f"host-to-device, {mb:.1f} MB batch, {s.chip_depth} puts in flight", chip_rate,
+          "batches/s", note=f"{chip_rate * host.nbytes / 1e9:.1f} GB/s"),
+      Row("chip", "host-to-device, one batch put and waited for", put_ms, "ms",
+          (("of a pipelined batch's time", put_ms / 1e3 * chip_rate),)),
+      Row("chip", "memcpy of the state, numpy, one thread", limits.memcpy_s, "s",
+          note=gbs(limits.memcpy_s)),
+      Row("chip", f"device-to-host of the state ({len(jax.tree.leaves(state))} arrays: "
+          "copy_to_host_async on all, then np.asarray)", limits.d2h_s, "s",
+          (("of the memcpy", limits.d2h_s / limits.memcpy_s),), note=gbs(limits.d2h_s)),
+      Row("chip", "host-to-device of the state (a put per array, all in flight)", limits.h2d_s,
+          "s", (("of the memcpy", limits.h2d_s / limits.memcpy_s),), note=gbs(limits.h2d_s)),
+  ]
+  return rows, chip_rate, limits, state
+
+
+# ---- feeds -------------------------------------------------------------------------
+
+
+@jax.jit
+def use(batch):
+  """A training step's first touch of a batch: a tiny reduction, which waits for it."""
+  return batch["image"][:, 0, 0, 0].astype(jnp.int32).sum() + batch["label"].sum()
+
+
+def in_flight_rate(iterator, device, *, depth: int, seconds: float) -> float:
+  """Batches/s when the consumer puts each batch on ``device`` and uses the one
+  ``depth`` steps older."""
+  waiting, n = collections.deque(), 0
+  t0 = time.perf_counter()
+  while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
+    waiting.append(jax.device_put(next(iterator), device))
+    if len(waiting) > depth:
+      use(waiting.popleft()).block_until_ready()
+      n += 1
+  return n / elapsed
+
+
+def warm_up(measure: Callable[[float], float], *, least_s: float, most_s: float) -> None:
+  """Calls ``measure(seconds)`` (a rate over a window of that length) until the rate stops
+  rising (by 10%) after ``least_s``, or ``most_s`` passed: worker processes start, then
+  reach their rate (Grain's mp_prefetch takes ~8 s on 2 cores)."""
+  t0, last = time.perf_counter(), 0.0
+  while (elapsed := time.perf_counter() - t0) < most_s:
+    rate = measure(1.0)
+    if elapsed >= least_s and rate <= 1.1 * last:
+      return
+    last = rate
+
+
+@contextlib.contextmanager
+def children_on_cpu():
+  """Processes started meanwhile run JAX on the CPU: only one process may open the chip
+  (this one has, and its own platform was fixed when it imported JAX)."""
+  old = os.environ.get("JAX_PLATFORMS")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop("JAX_PLATFORMS")
+    else:
+      os.environ["JAX_PLATFORMS"] = old
+
+
+def grain_best(kind: str, device, s: Settings, *, workers: int = 0) -> tuple[float, int]:
+  """Grain's best batches/s over ``s.depths``, and its depth; ``workers``: mp_prefetch."""
+  ds = feed_fns.dataset(kind).repeat().batch(BATCH).to_iter_dataset()
+  if workers:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  with children_on_cpu():
+    it = iter(ds)
+    try:
+      warm_up(lambda sec: in_flight_rate(it, device, depth=max(s.depths), seconds=sec),
+              least_s=s.warmup_s, most_s=s.most_warmup_s if workers else s.warmup_s)
+      rates = {d: in_flight_rate(it, device, depth=d, seconds=s.seconds) for d in s.depths}
+    finally:
+      if hasattr(it, "close"):
+        it.close()
+  best = max(rates, key=rates.get)
+  return rates[best], best
+
+
+def feed_options(s: Settings) -> tuple[sidecar.FeedOptions, str]:
+  """The feed's options, and how the table names them (device_prefetch where it exists)."""
+  options = sidecar.FeedOptions(workers=s.workers, prefetch=s.prefetch)
+  label = f"workers={s.workers}, prefetch={s.prefetch}"
+  if "device_prefetch" in {f.name for f in dataclasses.fields(options)}:
+    label += f", device_prefetch={options.device_prefetch} (its default)"
+  return options, label
+
+
+def feed_rate(ctl, kind: str, device, s: Settings) -> tuple[float, float]:
+  """ctl.feed's batches/s with each batch used at once, and the mean wait ms in next()."""
+  sharding = NamedSharding(Mesh(np.array([device]), ("data",)), P("data"))
+  with ctl.feed("bench_images", kwargs={"kind": kind}, global_batch_size=BATCH,
+                sharding=sharding, options=feed_options(s)[0]) as feed:
+
+    def measure(seconds: float) -> tuple[float, float]:
+      n, waited, t0 = 0, 0.0, time.perf_counter()
+      while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
+        w = time.perf_counter()
+        batch = next(feed)
+        waited += time.perf_counter() - w
+        use(batch).block_until_ready()
+        n += 1
+      return n / elapsed, waited / n * 1e3
+
+    use(next(feed)).block_until_ready()  # its workers are up
+    warm_up(lambda sec: measure(sec)[0], least_s=s.warmup_s, most_s=s.most_warmup_s)
+    return measure(s.seconds)
+
+
+def failed(section: str, what: str, e: BaseException) -> Row:
+  """A row for a measurement that raised: the run goes on, the table says what failed."""
+  traceback.print_exc()
+  return Row(section, what, None, "", note=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def grain_rows(device, s: Settings, chip_rate: float) -> tuple[list[Row], dict[str, float]]:
+  rows, best = [], {}
+  for workers in (0, s.workers):
+    for kind in KINDS:
+      name = f"mp_prefetch({workers} workers)" if workers else "in-process"
+      what = f"Grain {name}, {kind} elements, into device arrays"
+      progress(what)
+      try:
+        per_s, depth = grain_best(kind, device, s, workers=workers)
+      except Exception as e:
+        rows.append(failed("grain", what, e))
+        continue
+      best[kind] = max(best.get(kind, 0.0), per_s)
+      rows.append(Row("grain", what, per_s, "batches/s",
+                      (("of the chip's pipelined H2D", per_s / chip_rate),),
+                      note=f"best of {'/'.join(map(str, s.depths))} in flight: {depth}"))
+  return rows, best
+
+
+FEED_TARGETS = {"noop": (2000, 0.7, 5.0), "light": (600, 0.0, 0.0)}  # issue 34 item 3
+
+
+def feed_rows(ctl, device, s: Settings, chip_rate: float, grain: dict[str, float]) -> list[Row]:
+  rows = []
+  for kind in KINDS:
+    what = f"ctl.feed, {kind} elements, {feed_options(s)[1]}, each batch used at once"
+    progress(what)
+    try:
+      per_s, wait_ms = feed_rate(ctl, kind, device, s)
+    except Exception as e:
+      rows.append(failed("feed", what, e))
+      continue
+    least, of_chip, of_grain = FEED_TARGETS[kind]
+    target = ", ".join([f">= {least:,}/s"] + ([f">= {of_chip:.0%} of chip"] if of_chip else [])
+                       + ([f">= {of_grain:g}x Grain"] if of_grain else []))
+    vs = [("of the chip's pipelined H2D", per_s / chip_rate)]
+    met: bool | None = per_s >= least and per_s >= of_chip * chip_rate
+    if kind in grain:
+      vs.append(("of Grain's best", per_s / grain[kind]))
+      met = met and per_s >= of_grain * grain[kind]
+    elif of_grain:
+      met = None  # Grain failed: the target cannot be judged
+    rows.append(Row("feed", what, per_s, "batches/s", tuple(vs), target, met,
+                    note=f"next() waits {wait_ms:.2f} ms a step"))
+  return rows
+
+
+# ---- main --------------------------------------------------------------------------
+
+
+def settings(args, quick: bool) -> tuple[Settings, ckpt.Plan]:
+  s = Settings(seconds=args.seconds or (1.5 if quick else 3.0), warmup_s=1.0 if quick else 2.0,
+               most_warmup_s=12.0 if quick else 20.0, chip_depth=16, depths=tuple(args.depths),
+               workers=args.workers, prefetch=args.prefetch, repeats=3)
+  state_mib = args.state_mib or (64 if quick else 1024)
+  on_cpu = jax.devices()[0].platform == "cpu"
+  plan = ckpt.Plan(leaves=args.leaves, state_bytes=state_mib << 20, saves=2 if quick else 3,
+                   busy_saves=1 if quick else 3, window_s=0.5 if quick else 1.0,
+                   matmul=args.matmul or (256 if on_cpu else 4096))
+  return s, plan
+
+
+def parse(argv=None) -> argparse.Namespace:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true",
+                  help="a 64 MiB state and short windows (a check that it runs, on a CPU)")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
+                  help="the folder the table goes to, as JSON and markdown")
+  ap.add_argument("--workers", type=int, default=8 if (os.cpu_count() or 1) >= 12 else 2,
+                  help="ctl.feed's and Grain mp_prefetch's worker processes")
+  ap.add_argument("--prefetch", type=int, default=4, help="ctl.feed's FeedOptions.prefetch")
+  ap.add_argument("--depths", type=int, nargs="+", default=[2, 8],
+                  help="batches Grain's consumer keeps in flight on the device (best is kept)")
+  ap.add_argument("--seconds", type=float, default=None, help="each rate's window")
+  ap.add_argument("--state-mib", type=int, default=None,
+                  help="the checkpoint state (default 1024, 64 with --quick)")
+  ap.add_argument("--leaves", type=int, default=8, help="arrays in the state")
+  ap.add_argument("--matmul", type=int, default=None,
+                  help="the training loop's matrices (default 4096 on an accelerator, 256 on CPU)")
+  ap.add_argument("--dir", default=None, help="where the temp dir of checkpoints goes")
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  args = parse(argv)
+  absl.flags.FLAGS.mark_as_parsed()  # Grain's multiprocessing reads absl flags
+  device = jax.devices()[0]
+  s, plan = settings(args, args.quick)
+  leaves, shape = plan.leaves, plan.leaf_shape
+  meta = {"platform": device.platform, "device": device.device_kind, "cores": os.cpu_count(),
+          "date": time.strftime("%Y-%m-%d %H:%M"), "argv": " ".join(sys.argv[1:]),
+          "jax": jax.__version__, "batch": "x".join(map(str, BATCH_SHAPE)) + " uint8",
+          "state": f"{leaves} x {shape[0] * shape[1] * 4 >> 20} MiB float32"}
+  out = accelerator_rows.Output(args.out, meta, judge=device.platform != "cpu",
+                                started=T0)
+  base = tempfile.mkdtemp(prefix="sidecar-accel-bench-", dir=args.dir)
+  shm_size = max(4 * plan.state_bytes + (256 << 20), 512 << 20)  # 2 saves in flight, restores
+  progress(f"{device.device_kind} ({device.platform}); checkpoints under {base}; the table "
+           f"goes to {out.paths[1]} as each part ends")
+  rows: list[Row] = []
+  try:
+    progress("the chip's limits")
+    state = ckpt.make_state(device, plan)
+    more, chip_rate, limits, state = chip_rows(device, state, s)
+    out.write(rows := rows + more)
+    more, grain_best_rates = grain_rows(device, s, chip_rate)
+    out.write(rows := rows + more)
+    progress(f"a 1-host LocalCluster, arena {shm_size >> 20} MiB")
+    try:
+      with sidecar.testing.LocalCluster(
+          num_hosts=1, devices_per_host=1, shm_size=shm_size, imports=FNS,
+          checkpoint_roots=[base], start_timeout=180) as cluster, cluster.controller() as ctl:
+        out.write(rows := rows + feed_rows(ctl, device, s, chip_rate, grain_best_rates))
+        try:
+          more = ckpt.measure(ctl, device, state, limits, base, plan, progress)
+        except Exception as e:
+          more = [failed("checkpoint", "the checkpoint part", e)]
+        out.write(rows := rows + more)
+    except Exception as e:  # the cluster did not start, or did not stop
+      out.write(rows := rows + [failed("sidecar", "LocalCluster(num_hosts=1)", e)])
+  finally:
+    shutil.rmtree(base, ignore_errors=True)
+  out.write(rows)
+  print(accelerator_rows.headline(meta) + "\n")
+  print(accelerator_rows.render(out.judged(rows)))
+  print(f"\nwritten: {', '.join(out.paths)}")
+
+
+if __name__ == "__main__":
+  main()
