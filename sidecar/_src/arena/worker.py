@@ -260,10 +260,11 @@ class Worker:
     return self._request({"op": "alloc", "sizes": sizes, "timeout": timeout},
                          wait=timeout or 0.0)["blocks"]
 
-  def empty_like(self, arrays: Sequence[np.ndarray], *, timeout: float = 0.0
+  def empty_like(self, arrays: Sequence[Any], *, timeout: float = 0.0
                  ) -> list[tuple[np.ndarray, codec.ArenaRef]]:
-    """New arrays in the arena shaped as ``arrays`` (a save's shards), and their
-    descriptors: one round trip for up to ``ipc.MAX_ALLOC_BLOCKS`` of them, all or none."""
+    """New arrays in the arena shaped as ``arrays`` (a save's shards: arrays, or anything
+    with their ``shape``, ``dtype`` and ``nbytes``), and their descriptors: one round
+    trip for up to ``ipc.MAX_ALLOC_BLOCKS`` of them, all or none."""
     self._check_open()
     out: list[tuple[np.ndarray, codec.ArenaRef]] = []
     try:

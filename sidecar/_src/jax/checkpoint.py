@@ -22,6 +22,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt.spec import KeyPath, LeafKind, LeafSpec, shard_index
 from sidecar._src.controller.framework import (
+  HostCopy,
   RestoreLeaf,
   RestoreTarget,
   SaveLeaf,
@@ -98,24 +99,100 @@ def leaf_spec(path: KeyPath, value: Any) -> LeafSpec:
       " jax.Array, jax.ShapeDtypeStruct, numpy array or int/float scalar")
 
 
-def save_leaves(tree: Any) -> list[SaveLeaf]:
+class DeviceToHost(HostCopy):
+  """A shard's device-to-host copy, started and not waited for, of an on-device copy
+  that only the save holds: a step that donates the state reuses the state's memory,
+  never this copy's, and the runtime orders the copy before that step."""
+
+  __slots__ = ("_array",)
+
+  def __init__(self, array: jax.Array):
+    self._array: jax.Array | None = array
+    self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+    array.copy_to_host_async()
+
+  def result(self) -> np.ndarray:
+    if self._array is None:
+      raise errors.ClosedError("this shard's host copy was already taken")
+    out, self._array = np.asarray(self._array), None  # the device's copy goes now
+    return out
+
+
+def save_leaves(tree: Any, *, device_copies: bool | None = None) -> list[SaveLeaf]:
   """The leaves of ``tree`` with this process's shards to save: of a ``jax.Array`` its
-  addressable replica-0 shards; of a host value the whole of it (no device)."""
+  addressable replica-0 shards; of a host value the whole of it (no device).
+
+  A shard on a CPU device is a host array already (the arena copy made before ``save()``
+  returns is the one copy); one on an accelerator is copied on its device at once (the
+  copies dispatched together, not waited for) and comes as a :class:`DeviceToHost` of
+  that copy, so ``save()`` returns before the device-to-host transfer ends. Where a
+  device lacks the memory for the copy, its shards' transfers are waited for instead.
+  ``device_copies`` True or False takes one way for every device (None: by platform).
+  """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   paths = [key_path(path) for path, _ in flat]
   check_tree(paths, tree)
-  out = []
+  out: list[tuple[LeafSpec, list]] = []
+  on_device: list[tuple[list, int, jax.Array]] = []  # (the leaf's shards, slot, shard)
   for path, (_, value) in zip(paths, flat):
     spec = leaf_spec(path, value)
+    shards: list = []
     if isinstance(value, jax.Array):
-      shards = tuple(
-          SaveShard(shard_index(s.index, value.shape), np.asarray(s.data), s.device.id)
-          for s in value.addressable_shards if s.replica_id == 0)  # replicas: saved once
+      for s in value.addressable_shards:
+        if s.replica_id != 0:  # replicas: saved once
+          continue
+        shards.append([shard_index(s.index, value.shape), None, s.device.id])
+        if not (s.device.platform != "cpu" if device_copies is None else device_copies):
+          shards[-1][1] = np.asarray(s.data)
+        else:
+          on_device.append((shards, len(shards) - 1, s.data))
     else:
       data = np.asarray(value)
-      shards = (SaveShard(whole(data.shape), data, None),)
-    out.append(SaveLeaf(spec, shards))
+      shards.append([whole(data.shape), data, None])
+    out.append((spec, shards))
+  for shards, i, host in _host_copies(on_device):
+    shards[i][1] = host
+  return [SaveLeaf(spec, tuple(SaveShard(*s) for s in shards)) for spec, shards in out]
+
+
+# Device memory a save's on-device copies leave free at least (the next step's).
+_COPY_HEADROOM = 0.05
+
+
+def _host_copies(on_device: list[tuple[list, int, jax.Array]]
+                 ) -> list[tuple[list, int, np.ndarray | HostCopy]]:
+  """Each accelerator shard's way to host memory: a :class:`DeviceToHost` of an
+  on-device copy, or, on a device without room for the copies, the host array itself
+  (its transfers started together, then waited for)."""
+  need: dict[jax.Device, int] = {}
+  for _, _, data in on_device:
+    need[data.device] = need.get(data.device, 0) + data.nbytes
+  roomy = {d for d, n in need.items() if _fits(d, n)}
+  copy = [x for x in on_device if x[2].device in roomy]
+  copies = jax.device_put([x[2] for x in copy], [x[2].sharding for x in copy],
+                          may_alias=False) if copy else []
+  out: list[tuple[list, int, np.ndarray | HostCopy]] = [
+      (shards, i, DeviceToHost(c)) for (shards, i, _), c in zip(copy, copies)]
+  waited = [x for x in on_device if x[2].device not in roomy]
+  for _, _, data in waited:
+    data.copy_to_host_async()
+  if waited:
+    log.info("save: devices %s lack the memory to copy the state there; their shards' "
+             "transfers to the host are waited for", sorted(d.id for d in need if d not in roomy))
+  out.extend((shards, i, np.asarray(data)) for shards, i, data in waited)
   return out
+
+
+def _fits(device: jax.Device, nbytes: int) -> bool:
+  """Whether ``device`` has ``nbytes`` free beside a headroom (True where it cannot say)."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # a backend without memory statistics
+    return True
+  limit = stats.get("bytes_limit")
+  if not limit:
+    return True
+  return stats.get("bytes_in_use", 0) + nbytes <= limit * (1 - _COPY_HEADROOM)
 
 
 def restore_target(target: Any) -> RestoreTarget:

@@ -21,9 +21,18 @@ from sidecar._src.jax.worker import Worker
 
 
 class JaxFramework(Framework):
-  """JAX: ``jax.Array``s, ``jax.Device``s, ``jax.distributed``."""
+  """JAX: ``jax.Array``s, ``jax.Device``s, ``jax.distributed``.
+
+  Args:
+    device_copies: whether a save copies each shard on its device and returns before
+      the transfers to the host end (``jax/checkpoint.save_leaves``); None: on
+      accelerators, not on CPU devices (whose shards are host memory already).
+  """
 
   name = "jax"
+
+  def __init__(self, *, device_copies: bool | None = None):
+    self._device_copies = device_copies
 
   def peers(self) -> Peers:
     return distributed.peers()
@@ -41,7 +50,7 @@ class JaxFramework(Framework):
     return transfer.to_devices(tree, device)
 
   def save_leaves(self, tree: Any) -> list[SaveLeaf]:
-    return checkpoint.save_leaves(tree)
+    return checkpoint.save_leaves(tree, device_copies=self._device_copies)
 
   def restore_target(self, target: Any) -> RestoreTarget:
     return checkpoint.restore_target(target)

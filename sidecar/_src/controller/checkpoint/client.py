@@ -182,10 +182,11 @@ class CheckpointTransport(abc.ABC):
   def put(self, host: int, data: np.ndarray) -> np.ndarray:
     """``data`` copied into ``host``'s arena (as is, to travel inline, if not mapped)."""
 
-  def empty_like(self, host: int, arrays: Sequence[np.ndarray]
+  def empty_like(self, host: int, arrays: Sequence[Any]
                  ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
-    """Arrays shaped as ``arrays`` in ``host``'s arena, with their descriptors, in one
-    round trip (host memory, to travel inline, if the arena is not mapped here)."""
+    """Arrays shaped as ``arrays`` (arrays, or anything with their ``shape``, ``dtype``
+    and ``nbytes``) in ``host``'s arena, with their descriptors, in one round trip
+    (host memory, to travel inline, if the arena is not mapped here)."""
     return [(np.empty(a.shape, a.dtype), None) for a in arrays]
 
   def arena_size(self, host: int) -> int | None:
@@ -297,7 +298,7 @@ class CheckpointClient(CheckpointTransport):
     w = self._worker(host)
     return w.put(data)[0] if w is not None else np.array(data)
 
-  def empty_like(self, host: int, arrays: Sequence[np.ndarray]
+  def empty_like(self, host: int, arrays: Sequence[Any]
                  ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
     w = self._worker(host)
     if w is None:

@@ -2,7 +2,8 @@
 
 A save copies every addressable shard once into the arena of the host that owns its
 device (replicated shards once), hands the blocks to the sidecars in parts (``staged``)
-and returns; a finisher thread then begins the step (process 0), stages the parts,
+and returns; a shard still on its way from an accelerator (a ``HostCopy``) is copied by
+a stager thread once it has landed, after the save returned. A finisher thread then begins the step (process 0), stages the parts,
 starts the peer replication, waits for every host's writes (prepared) and commits once
 (process 0), or aborts everywhere (``durable``, ``replicated``).
 """
@@ -12,10 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import os
 import pathlib
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,23 +26,15 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as layout
 from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, StagedShard
+from sidecar._src.controller.checkpoint.staging import Parts, stage_late
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
-from sidecar._src.controller.framework import Framework
+from sidecar._src.controller.framework import Framework, HostCopy
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, protocol
 
 # The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger(__name__)
-# A save is staged in parts of about this many bytes per host, as the copy goes, where
-# the machine has a core beyond the copy's threads (``shm.COPY_THREADS``): a sidecar then
-# writes and checksums one part while the trainer copies the next. Where the copy takes
-# every core, the sidecar's work during it takes one away, and the trainer waits for
-# that: 1 GiB on 2 cores, 12 saves each, twice: 512 MiB parts blocked 1.35-1.4x a memcpy
-# (durable 0.46-0.50 s), one part after the copy 0.85-0.9x (durable 0.51-0.53 s). So
-# there the save is staged once, after the copy.
-STAGE_PART_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
-                    else sys.maxsize)
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 _LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
@@ -120,39 +111,44 @@ class SaveCoordinator:
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
+    staging = Parts(self._local, parts)
     try:
       specs, plan = self._plan(tree)
       need = self._check_fits(plan)
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
         parts.put(e)
-        self._start_finisher(handle, target, parts, [], data_json, key).join()
+        self._start_finisher(handle, target, staging, [], data_json, key).join()
       raise
-    finisher = self._start_finisher(handle, target, parts, specs, data_json, key)
-    pending: dict[int, list] = {h: [] for h in self._local}
-    pending_bytes = dict.fromkeys(self._local, 0)
+    finisher = self._start_finisher(handle, target, staging, specs, data_json, key)
     blocks: list = []
+    late: list = []  # shards on their way from a device: the stager copies them
     try:
       blocks = self._blocks(plan, need)
       for (host, leaf, index, data), (copy, ref) in zip(plan, blocks):
+        if isinstance(data, HostCopy):
+          late.append((host, leaf, index, data, copy, ref))
+          continue
         interrupts.check()  # Ctrl-C aborts the save (below)
         shm.copy(copy, data)  # the one copy the trainer waits for
-        pending[host].append(StagedShard(leaf, index, copy, ref))
-        pending_bytes[host] += data.nbytes
-        if pending_bytes[host] >= STAGE_PART_BYTES:
-          parts.put((host, pending[host], False))
-          pending[host], pending_bytes[host] = [], 0
+        staging.add(host, StagedShard(leaf, index, copy, ref), data.nbytes)
     except BaseException as e:
-      pending.clear()  # The traceback keeps this frame: let the blocks go.
+      staging.clear()  # The traceback keeps this frame: let the blocks go.
       blocks.clear()
+      late.clear()
       parts.put(e)  # the save is aborted
       finisher.join()  # and its files are gone before the caller can retry the step
       raise
-    for host in self._local:
-      parts.put((host, pending.pop(host), True))
+    blocks.clear()
+    if not late:
+      staging.close()
+      return handle
+    staging.stager = threading.Thread(target=stage_late, args=(late, staging), daemon=True,
+                                      name=f"sidecar-stage-{step}")
+    staging.stager.start()  # the finisher joins it
     return handle
 
-  def _blocks(self, plan: list[tuple[int, int, Any, np.ndarray]], need: Mapping[int, int]
+  def _blocks(self, plan: list[tuple[int, int, Any, np.ndarray | HostCopy]], need: Mapping[int, int]
               ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
     """An arena block for each shard of ``plan``, in its order: one request per host."""
     out: list = [None] * len(plan)
@@ -173,7 +169,7 @@ class SaveCoordinator:
     return out
 
   def _plan(self, tree: Any
-            ) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray]]]:
+            ) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray | HostCopy]]]:
     """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
@@ -212,19 +208,27 @@ class SaveCoordinator:
           "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
     return need
 
-  def _start_finisher(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue,
+  def _start_finisher(self, handle: SaveHandle, target: Target, staging: Parts,
                       leaves: list, data_json: str, key: str) -> threading.Thread:
     finisher = threading.Thread(target=self._finish,
-                                args=(handle, target, parts, leaves, data_json, key),
+                                args=(handle, target, staging, leaves, data_json, key),
                                 daemon=True, name=f"sidecar-save-{handle.step}")
     finisher.start()
     self.finisher = finisher
     self.finishers = [t for t in self.finishers if t.is_alive()] + [finisher]
     return finisher
 
-  def _finish(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves,
+  def _finish(self, handle: SaveHandle, target: Target, staging: Parts, leaves,
               data_json: str, key: str) -> None:
     """Stages this process's parts, then commits with the others (or aborts)."""
+    try:
+      self._finish_staged(handle, target, staging.parts, leaves, data_json, key)
+    finally:
+      if staging.stager is not None:
+        staging.stager.join()  # done, or copying what nobody will stage
+
+  def _finish_staged(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue,
+                     leaves, data_json: str, key: str) -> None:
     step, error, sums, replication = handle.step, None, [], None
     try:
       self._begin(target, key)

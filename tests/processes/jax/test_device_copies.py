@@ -1,0 +1,122 @@
+"""Tier 3: a save that returns before its device-to-host copies end (accelerators' way).
+
+On an accelerator ``save()`` copies each shard on its device, starts the copies' transfers
+to the host and returns; a stager thread lands them in the arena. CPU devices take the
+direct way by default (their shards are host memory), so these tests turn the device
+copies on (``JaxFramework(device_copies=True)``) to run that path here: bit-exact
+restores, a jitted step that donates the state right after ``save()``, the state
+changed in place, a copy that fails, and what it leaves behind.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar._src.jax import checkpoint as jax_checkpoint
+from sidecar._src.jax.framework import JaxFramework
+from tests.conftest import eventually
+from tests.support.states import abstract, assert_same
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="64MiB") as c:
+    yield c
+
+
+def make_state():
+  m = Mesh(np.array(jax.devices()[:4]), ("data",))
+  return {"w": jax.device_put(jnp.arange(4096 * 64, dtype=jnp.float32).reshape(4096, 64),
+                              NamedSharding(m, P("data"))),
+          "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), NamedSharding(m, P())),
+          "host": np.arange(10, dtype=np.int64)}
+
+
+def copying(cluster):
+  return cluster.controller(framework=JaxFramework(device_copies=True))
+
+
+def test_shards_come_as_host_copies_of_copies_on_their_devices():
+  state = make_state()
+  leaves = jax_checkpoint.save_leaves(state, device_copies=True)
+  by_name = {leaf.spec.param_name: leaf for leaf in leaves}
+  w = by_name["w"].shards
+  assert len(w) == 4 and all(isinstance(s.data, jax_checkpoint.DeviceToHost) for s in w)
+  assert len(by_name["b"].shards) == 1  # replicated: saved once
+  assert isinstance(by_name["host"].shards[0].data, np.ndarray)
+  for s in w:
+    (a, b), _ = s.index
+    np.testing.assert_array_equal(s.data.result(), np.asarray(state["w"])[a:b])
+  with pytest.raises(sidecar.ClosedError, match="already taken"):
+    w[0].data.result()
+  direct = jax_checkpoint.save_leaves(state)  # CPU devices: host arrays, no copies
+  assert all(isinstance(s.data, np.ndarray) for leaf in direct for s in leaf.shards)
+
+
+def test_save_then_a_donating_step_restores_what_was_saved(cluster, tmp_path):
+  state = make_state()
+  want = jax.tree.map(lambda x: np.array(x, copy=True), state)
+  step = jax.jit(lambda s: {"w": s["w"] * 2 + 1, "b": s["b"] + 1, "host": s["host"]},
+                 donate_argnums=0)
+  with copying(cluster) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    handle = ckpt.save(1, state)
+    for _ in range(3):  # at once, before the copies could have landed
+      state = step(state)
+    assert handle.staged.result(30) == 1 and handle.durable.result(60) == 1
+    assert_same(ckpt.restore(1, target=abstract(want)), want)
+    np.testing.assert_array_equal(np.asarray(state["w"]), want["w"] * 8 + 7)
+
+
+def test_a_host_leaf_changed_after_save_returns_is_saved_as_it_was(cluster, tmp_path):
+  state = make_state()
+  with copying(cluster) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    ckpt.save(1, state)
+    state["host"][:] = -1  # the host leaf was copied before save() returned
+    ckpt.wait()
+    restored = ckpt.restore(1, target=abstract(state))
+  np.testing.assert_array_equal(restored["host"], np.arange(10))
+
+
+def test_a_copy_that_fails_after_save_returned_fails_the_save_and_frees_it(
+    cluster, tmp_path, monkeypatch):
+  state = make_state()
+  arena_used = lambda ctl: sorted(s.arena_used for s in ctl.status())
+  with copying(cluster) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    ckpt.save(1, state).durable.result(60)
+    before = arena_used(ctl)
+
+    def failing(self):
+      raise RuntimeError("the device lost the copy")
+    monkeypatch.setattr(jax_checkpoint.DeviceToHost, "result", failing)
+    handle = ckpt.save(2, state)  # returns: the copies fail later, in the stager
+    with pytest.raises(RuntimeError, match="the device lost the copy"):
+      handle.durable.result(60)
+    with pytest.raises(RuntimeError, match="the device lost the copy"):
+      handle.staged.result(0)
+    monkeypatch.undo()
+    assert ckpt.all_steps() == [1]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]
+    assert eventually(lambda: arena_used(ctl) == before)
+    ckpt.save(2, state).durable.result(60)
+    assert_same(ckpt.restore(2, target=abstract(state)), state)
+  assert not [t for t in threading.enumerate() if t.name.startswith("sidecar-stage-")]
+
+
+def test_a_device_without_room_for_the_copies_waits_for_its_transfers(monkeypatch):
+  state = make_state()
+  monkeypatch.setattr(jax_checkpoint, "_fits", lambda device, nbytes: device.id != 1)
+  leaves = {leaf.spec.param_name: leaf for leaf in
+            jax_checkpoint.save_leaves(state, device_copies=True)}
+  kinds = {s.device_id: type(s.data).__name__ for s in leaves["w"].shards}
+  assert kinds == {0: "DeviceToHost", 1: "ndarray", 2: "DeviceToHost", 3: "DeviceToHost"}
+  for s in leaves["w"].shards:
+    (a, b), _ = s.index
+    got = s.data if isinstance(s.data, np.ndarray) else s.data.result()
+    np.testing.assert_array_equal(got, np.asarray(state["w"])[a:b])
