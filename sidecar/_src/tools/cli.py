@@ -430,8 +430,8 @@ def parser() -> argparse.ArgumentParser:
                       "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
                       "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
   s.add_argument("addresses", nargs="*", metavar="ADDR",
-                 help="the sidecars' gRPC addresses, HOST:PORT (default: those SIDECAR_HOSTS "
-                      "lists, or the JobSet's as Controller.from_env() finds them)")
+                 help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
+                      "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")
   s.add_argument("--timeout", type=float, default=5.0, metavar="S",
                  help="seconds each sidecar is given to answer")
   s.add_argument("--json", action="store_true",
@@ -473,7 +473,8 @@ def parser() -> argparse.ArgumentParser:
                       "when it answers SERVING, 1 otherwise, with what it answered.")
   health_port = _env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT))
   s.add_argument("address", nargs="?", default=f"127.0.0.1:{health_port}", metavar="ADDR",
-                 help="HOST:PORT of the health port (default: 127.0.0.1:$SIDECAR_HEALTH_PORT, "
+                 help="HOST:PORT of the health port, or the unix:PATH a sidecar serves on "
+                      "(default: 127.0.0.1:$SIDECAR_HEALTH_PORT, "
                       f"else 127.0.0.1:{options_lib.DEFAULT_HEALTH_PORT})")
   s.add_argument("--timeout", type=float, default=5.0, metavar="S",
                  help="seconds to wait for the answer")

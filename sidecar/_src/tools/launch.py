@@ -388,7 +388,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
         procs_per_host: int = 1, torch: bool = False,
         checkpoint_roots: Sequence[str] | None = None, stdout: BinaryIO | None = None,
-        stderr: TextIO | None = None) -> int:
+        stderr: TextIO | None = None, transport: str = "unix") -> int:
   """Runs ``command`` ``procs_per_host`` times per host beside a LocalCluster of sidecars;
   returns the exit code.
 
@@ -416,6 +416,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
       directory and the working directory (``LocalCluster``'s).
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
     stderr: where the launcher's own messages go; default this process's stderr.
+    transport: how trainers reach the sidecars: ``"unix"`` sockets (no ports), or ``"tcp"``
+      on loopback ports (``LocalCluster``'s). jax.distributed's coordinator is TCP either way.
 
   Raises:
     InvalidArgumentError: an empty command, hosts, devices_per_host or procs_per_host
@@ -438,7 +440,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False,
-                         checkpoint_roots=checkpoint_roots)
+                         checkpoint_roots=checkpoint_roots, transport=transport)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
                 in_place=in_place, max_restarts=max_restarts,

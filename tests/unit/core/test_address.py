@@ -3,7 +3,7 @@ import os
 import pytest
 
 import sidecar
-from sidecar._src.core import address
+from sidecar._src.core import address, errors
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,7 @@ def test_a_socket_this_process_may_not_open_names_the_path_and_its_mode(tmp_path
   path = tmp_path / "g.sock"
   path.write_text("")
   path.chmod(0o400)
-  with pytest.raises(sidecar.PermissionDeniedError,
+  with pytest.raises(errors.PermissionDeniedError,
                      match=rf"unix:{path}: permission denied: {path} is a file, not a socket, "
                            r"of mode 0400, owner uid \d+.*--socket-group"):
     address.check_access(f"unix:{path}")
