@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 class Peer:
   """Where a peer sidecar is: what the controller tells the sender."""
   host_id: int
-  address: str  # gRPC ``host:port``
+  address: str  # gRPC ``host:port``, or ``unix:PATH`` for a peer of this machine
   socket: str = ""  # its worker socket, usable where boot_id is ours
   boot_id: str = ""
 
@@ -91,7 +91,8 @@ class Peer:
                  socket=str(d.get("socket") or ""), boot_id=str(d.get("boot_id") or ""))
     except (KeyError, TypeError, ValueError):
       raise errors.InvalidArgumentError(
-          f"a peer must be {{'host_id': int, 'address': 'host:port', 'socket': str, "
+          f"a peer must be {{'host_id': int, 'address': 'host:port' or 'unix:PATH', 'socket': "
+          f"str, "
           f"'boot_id': str}}, got {d!r:.200}") from None
 
 
