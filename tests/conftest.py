@@ -6,6 +6,8 @@ trainer or kernel processes: LocalCluster, ``sidecar launch``, subprocesses), ea
 ``sidecar/_src``. A module declares its folder's tier in one line after its imports,
 ``pytestmark = pytest.mark.unit`` (``server``, ``processes``), so that ``pytest -m unit`` runs
 in half a minute and ``pytest -m "not processes"`` in about a minute and a half.
+``tests/accelerator`` (``accelerator``) needs the machine's TPU or GPU and runs alone, never
+in CI nor under the default command (``testpaths``): tests/accelerator/conftest.py.
 
 Collection fails, naming the test and the fix, where a module declares no tier, two, or
 another than its folder's; where a test or class carries a tier marker of its own (a test of
@@ -27,7 +29,8 @@ import sys
 import textwrap
 import threading
 
-# Before jax starts anywhere in the test process: 8 CPU devices, CPU only.
+# Before jax starts anywhere in the test process: 8 CPU devices, CPU only (tests/accelerator,
+# run alone, drops the cpu again in its conftest: it needs the machine's accelerator).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -237,10 +240,13 @@ def make_server(tmp_path):
     s.stop(grace=0)
 
 
-TIERS = ("unit", "server", "processes")  # each tier may do what the ones before it do
+# Each tier may do what the ones before it do. tests/accelerator (the machine's TPU or GPU) runs
+# alone and never in CI: tests/accelerator/conftest.py.
+TIERS = ("unit", "server", "processes", "accelerator")
 TESTS = pathlib.Path(__file__).parent
 _MARK_IT = {"unit": "(no sockets, no processes)", "server": "(an in-process gRPC sidecar)",
-            "processes": "(LocalCluster, subprocesses)"}
+            "processes": "(LocalCluster, subprocesses)",
+            "accelerator": "(the machine's TPU or GPU, run alone)"}
 # Names whose use in a test or its fixtures shows the tier it needs at least.
 _STARTS_PROCESSES = frozenset({"LocalCluster", "subprocess", "Popen", "multiprocessing",
                                "KernelManager", "nbclient", "launch.run"})

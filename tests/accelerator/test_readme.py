@@ -1,0 +1,42 @@
+"""The README's quick start on the accelerator host: its two runs, the trainer on the chip."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.accelerator.conftest import DRY_RUN
+from tests.processes.test_readme import quick_start
+
+pytestmark = pytest.mark.accelerator
+
+# train.py as written, then the platform its trainer had: the one JAX picks on this host.
+RUN = ("import jax, runpy; runpy.run_path('train.py', run_name='__main__'); "
+       "print('trainer platform:', jax.devices()[0].platform)")
+
+
+@pytest.mark.timeout(900)  # two trainers that open the chip (~15 s each there) and 2 sidecars
+def test_the_quick_start_runs_as_written_on_the_chip_and_a_rerun_resumes(tmp_path, accelerator):
+  files = quick_start()
+  assert sorted(files) == ["my_pkg/sidecar_fns.py", "train.py"]
+  for name, source in files.items():
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text(source)
+  (tmp_path / "my_pkg" / "__init__.py").write_text("")
+  # As a user's shell on that host (its PYTHONPATH finds the project, docs/tpu.md): no
+  # XLA_FLAGS, no JAX_PLATFORMS (a dry run keeps its cpu).
+  env = {k: v for k, v in os.environ.items()
+         if k != "XLA_FLAGS" and (k != "JAX_PLATFORMS" or DRY_RUN)}
+  outputs = []
+  for _ in range(2):
+    done = subprocess.run([sys.executable, "-c", RUN], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    outputs.append(done.stdout)
+  assert "trained steps 0-99; saved steps [49, 74, 99]" in outputs[0], outputs[0]
+  assert "trained steps 100-199; saved steps [149, 174, 199]" in outputs[1], outputs[1]
+  assert "-1.34164079" in outputs[0]  # normalize ran on the sidecars
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["149", "174", "199"]
+  platform = accelerator["platform"].split()[0]
+  assert f"trainer platform: {platform}" in outputs[1], outputs[1]
