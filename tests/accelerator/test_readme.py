@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.accelerator.conftest import DRY_RUN
-from tests.processes.test_readme import quick_start
+from tests.support.readme import quick_start
 
 pytestmark = pytest.mark.accelerator
 

@@ -8,18 +8,10 @@ import sys
 import pytest
 
 from tests.support.paths import ROOT
+from tests.support.readme import quick_start
 
 pytestmark = pytest.mark.processes
 
-
-
-def quick_start() -> dict[str, str]:
-  """{relative path: source} of the python blocks under "In five minutes", each named by
-  its first line's comment (``# my_pkg/sidecar_fns.py: ...``)."""
-  text = (ROOT / "README.md").read_text()
-  section = text.split("## In five minutes", 1)[1].split("\n## ", 1)[0]
-  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-  return {re.match(r"# (\S+\.py):", b).group(1): b for b in blocks}
 
 
 def test_the_quick_start_runs_as_written_and_a_rerun_resumes(tmp_path):
