@@ -77,8 +77,7 @@ def pytest_collection_modifyitems(config, items):
   if not mine:
     return
   if DRY_RUN:
-    config.stash[DEVICE] = {"platform": "cpu (SIDECAR_ACCELERATOR_DRY_RUN=1)", "count": "-",
-                            "kind": "a dry run: it proves nothing about an accelerator"}
+    config.stash[DEVICE] = {"platform": "cpu", "count": "-", "kind": "dry run"}
   elif not _alone:
     raise pytest.UsageError(RUN_ALONE)
   else:
@@ -94,6 +93,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_collectionfinish(config, start_path, items):
+  if DRY_RUN:
+    return ["tests/accelerator: a DRY RUN on the CPU (SIDECAR_ACCELERATOR_DRY_RUN=1): it "
+            "proves nothing about an accelerator"]
   if (found := config.stash.get(DEVICE, None)) is not None:
     return [f"tests/accelerator on {found['count']} x {found['kind']} ({found['platform']})"]
   return []

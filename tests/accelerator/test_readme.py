@@ -38,5 +38,4 @@ def test_the_quick_start_runs_as_written_on_the_chip_and_a_rerun_resumes(tmp_pat
   assert "trained steps 100-199; saved steps [149, 174, 199]" in outputs[1], outputs[1]
   assert "-1.34164079" in outputs[0]  # normalize ran on the sidecars
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["149", "174", "199"]
-  platform = accelerator["platform"].split()[0]
-  assert f"trainer platform: {platform}" in outputs[1], outputs[1]
+  assert f"trainer platform: {accelerator['platform']}" in outputs[1], outputs[1]
