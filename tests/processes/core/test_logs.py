@@ -19,11 +19,12 @@ def test_sidecar_serve_logs_json_with_host_session_and_step(tmp_path):
     with c.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
       ckpt.save(4, {"w": jax.device_put(np.ones(1024, np.float32), sharding)})
       ckpt.wait()
-    text = c.log(0)
+    text, address = c.log(0), c.addresses[0]
   records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
   assert all({"time", "level", "logger", "message"} <= r.keys() and r["host_id"] == 0
              for r in records)
   assert any(r.get("session", "").startswith("w-") and "attached" in r["message"]
              for r in records), records
   assert any(r.get("step") == 4 and "wrote" in r["message"] for r in records), records
-  assert sum(r["message"].startswith("sidecar host 0 serving on 127.0.0.1:") for r in records) == 1
+  assert sum(r["message"].startswith(f"sidecar host 0 serving on {address} ")
+             for r in records) == 1

@@ -18,7 +18,8 @@ def test_replicas_go_to_peers_over_mtls(tmp_path):
   env = {"SIDECAR_REPLICA_SHM": "0", "SIDECAR_TLS_CA": CA, "SIDECAR_TLS_CLIENT_CERT": CLIENT,
          "SIDECAR_TLS_CLIENT_KEY": CLIENT_KEY}
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
-                                    extra_args=tls, host_env={0: env, 1: env}) as cluster:
+                                    extra_args=tls, host_env={0: env, 1: env},
+                                    transport="tcp") as cluster:  # TLS is TCP's
     devices = jax.devices()[:2]
     state = state_on(devices)
     mtls = dict(tls_ca=CA, tls_cert=CLIENT, tls_key=CLIENT_KEY)
