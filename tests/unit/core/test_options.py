@@ -79,7 +79,11 @@ def test_bad_unix_listen_options_name_the_value_and_the_fix(kwargs, match):
     ({"prefetch": True}, "prefetch must be a positive int, got True"),
     ({"workers": -1}, r"workers must be an int >= 0 \(0: the sidecar itself\), got -1"),
     ({"workers": 1.5}, "workers must be an int >= 0"),
-], ids=["prefetch-zero", "prefetch-bool", "workers-negative", "workers-float"])
+    ({"device_prefetch": -1}, r"device_prefetch must be None \(the framework's choice\) or an "
+                              r"int >= 0, got -1"),
+    ({"device_prefetch": False}, r"device_prefetch must be None .* got False"),
+], ids=["prefetch-zero", "prefetch-bool", "workers-negative", "workers-float",
+        "device-prefetch-negative", "device-prefetch-bool"])
 def test_bad_feed_options_name_the_value(kwargs, match):
   with pytest.raises(ValueError, match=match):
     options.FeedOptions(**kwargs)
