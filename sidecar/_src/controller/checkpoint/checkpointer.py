@@ -131,6 +131,8 @@ class Checkpointer:
                               ask_all=bool(replicas) or self._peers.count == 1,
                               steps=self.all_steps, framework=framework)
     self._in_flight: SaveHandle | None = None
+    self._saving: set[int] = set()  # steps a save() of this process is copying now
+    self._saving_lock = threading.Lock()
     self._closed = False
 
   # ---- save --------------------------------------------------------------
@@ -147,6 +149,19 @@ class Checkpointer:
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
       raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+    with self._saving_lock:  # two threads saving one step: the second would break both
+      if step in self._saving:
+        raise errors.InvalidArgumentError(
+            f"step {step} is being saved already (another save({step}) of this checkpointer "
+            "runs now); save each step once, from one thread")
+      self._saving.add(step)
+    try:
+      return self._save(step, tree, data_state)
+    finally:
+      with self._saving_lock:
+        self._saving.discard(step)
+
+  def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:
     previous = self._in_flight
     busy = previous is not None and not previous.durable.done()
     if self._peers.count > 1:  # every process must take the same decision on the same step
