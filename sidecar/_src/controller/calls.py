@@ -209,10 +209,8 @@ class Calls:
       raise conn.calls.waited_too_long(f"call {name!r} on host {host_id}", timeout)
     w = self._worker(host_id)
     if w is not None:  # the fast path: over its Unix socket
-      def end() -> None:  # the call is over: its arguments' blocks and its slot go back
-        held.clear()
-        conn.calls.exit()
-      response = self._exchange(w, host_id, name, request, deadline, timeout, end)
+      response = self._exchange(w, host_id, name, request, deadline, timeout,
+                                slot=conn.calls.exit, end=held.clear)
       return self.decode(host_id, name, response)
     leave = True  # give the window's slot back here (not when a call outlives Ctrl-C)
     try:
@@ -252,12 +250,16 @@ class Calls:
     return self.decode(host_id, name, response)
 
   def _exchange(self, w: worker_lib.Worker, host_id: int, name: str, request: pb.CallRequest,
-                deadline: float, timeout: float, end: Callable[[], None]) -> pb.CallResponse:
+                deadline: float, timeout: float, *, slot: Callable[[], None],
+                end: Callable[[], None]) -> pb.CallResponse:
     """``request``'s response over a lane of ``w``'s Unix socket.
 
-    ``end()`` runs once the call is over: here, or, where the caller leaves first (Ctrl-C,
-    its timeout), on a caller thread that reads the response and drops it (its result's
-    blocks go back). A main thread's wait polls for Ctrl-C (``interrupts``).
+    ``slot()`` gives back the call's slot in the window, ``end()`` what the call holds
+    (its arguments' blocks); each runs once. Both run here when the call ends here. Where
+    the caller leaves first, a caller thread reads the response and drops it (its result's
+    blocks go back), then runs ``end()``; the slot goes back at the caller's deadline
+    (at once, when that is why it left), as a gRPC call's does, so calls left running
+    never hold up the next. A main thread's wait polls for Ctrl-C (``interrupts``).
     """
     lane = None
     try:
@@ -269,6 +271,7 @@ class Calls:
     except BaseException:
       if lane is not None:
         lanes.give_back(lane, usable=False)
+      slot()
       end()
       raise
     # A silent sidecar is asked for a sign of life (its Worker's connection answers while
@@ -295,13 +298,18 @@ class Calls:
           heard = time.monotonic()
     except errors.HostLostError:
       lanes.give_back(lane, usable=False)
+      slot()
       end()
       raise
-    except BaseException:  # it runs on: a caller thread reads its response, and drops it
-      left = lane
-      self._callers.start(lambda: self._drain(lanes, left, host_id, name, end))
+    except errors.DeadlineExceededError:  # it runs on; its slot goes back now
+      slot()
+      self._callers.start(lambda: self._drain(lanes, lane, host_id, name, deadline, None, end))
+      raise
+    except BaseException:  # Ctrl-C: it runs on, its slot held until its deadline
+      self._callers.start(lambda: self._drain(lanes, lane, host_id, name, deadline, slot, end))
       raise
     lanes.give_back(lane)
+    slot()
     end()
     if response.HasField("error"):
       raise protocol.error_from_info(response.error, host=w.path, host_id=host_id)
@@ -321,11 +329,20 @@ class Calls:
     return fresh
 
   def _drain(self, lanes: socket_calls.Lanes, lane: socket_calls.Lane, host_id: int,
-             name: str, end: Callable[[], None]) -> None:
+             name: str, deadline: float, slot: Callable[[], None] | None,
+             end: Callable[[], None]) -> None:
     """Reads the response of a call its caller left and drops it (its result's blocks go
-    back); then ``end()``."""
+    back); ``slot()`` (if given) at the response or at ``deadline``, whichever comes
+    first; then ``end()``."""
     try:
-      response = lane.receive(None)  # until it comes, or close() closes the lane
+      response = None
+      if slot is not None:
+        while response is None and time.monotonic() < deadline:
+          response = lane.receive(max(deadline - time.monotonic(), 1e-3))
+        give, slot = slot, None  # once: not again below
+        give()
+      if response is None:
+        response = lane.receive(None)  # until it comes, or close() closes the lane
     except errors.SidecarError:
       lanes.give_back(lane, usable=False)
     else:
@@ -334,6 +351,8 @@ class Calls:
         with contextlib.suppress(Exception):  # its caller is gone: nobody to tell
           self.decode(host_id, name, response)  # views made and dropped at once
     finally:
+      if slot is not None:  # the lane failed before the deadline
+        slot()
       end()
 
   def _drop(self, host_id: int, name: str, response: pb.CallResponse | None, held: list,
@@ -407,13 +426,13 @@ class _SocketCall:
     try:
       response = self.calls._exchange(self.w, self.host_id, self.name, self.request,
                                       self.deadline, self.timeout,
-                                      end=lambda: ended.set_result(None))
+                                      slot=lambda: ended.set_result(None), end=self.held.clear)
       self.out.set_result(self.calls.decode(self.host_id, self.name, response))
     except Exception as e:
       self.out.set_exception(e)
 
   def done(self, ended: concurrent.futures.Future) -> None:
-    self.held.clear()  # the call is over: its arguments' blocks go back
+    pass  # its slot is back; its arguments' blocks go back when the call ends (``end``)
 
   def fail(self, e: BaseException) -> None:
     self.held.clear()

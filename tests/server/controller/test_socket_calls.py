@@ -184,3 +184,31 @@ def test_several_threads_call_at_once_each_on_a_lane_of_its_own(make_server):
     for t in threads:
       t.join(15)
     assert results == [[True]] * 3  # all three inside the sidecar at once
+
+
+@pytest.mark.parametrize("how", ["call", "call_async"])
+def test_calls_left_at_their_timeout_give_their_slot_back_at_once(make_server, how):
+  # Issue 35 item 7: nine calls abandoned at their timeout held the window's eight slots
+  # until their functions ended, so the next call waited out its own timeout behind them
+  # (over gRPC it answers at once). The slot goes back at the caller's deadline; the
+  # arguments' blocks stay with the call until it ends.
+  gate = f"left-at-timeout-{how}"
+  server = make_server()
+  try:
+    with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+      ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+      for _ in range(9):
+        with pytest.raises(errors.DeadlineExceededError):
+          if how == "call":
+            ctl.call("wait_gate", args=(gate,), timeout=0.1)
+          else:
+            ctl.call_async("wait_gate", args=(gate,), timeout=0.1)[0].result(5)
+      # Each was sent (none timed out waiting for a slot), and each runs on.
+      assert eventually(lambda: sidecar_fns.waiting(gate) == 9), sidecar_fns.waiting(gate)
+      t0 = time.monotonic()
+      assert ctl.call("add", args=(1,), timeout=3) == [1]
+      assert time.monotonic() - t0 < 1.5  # not the 3 s of its timeout
+      sidecar_fns.open_gate(gate)
+      assert eventually(lambda: sidecar_fns.waiting(gate) == 0)
+  finally:
+    sidecar_fns.open_gate(gate)
