@@ -125,6 +125,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 2
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: threading.Thread(target=server.stop).start())
+  # SIGHUP (a closed terminal, a reload by habit) used to end it: nothing reloads.
+  signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=log.warning, args=(
+      "got SIGHUP; ignored: a sidecar reloads nothing (SIGTERM stops it)",)).start())
   if args.exit_with_parent:
     threading.Thread(target=_watch_parent, args=(args.exit_with_parent, server),
                      daemon=True).start()

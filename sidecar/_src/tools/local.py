@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -74,7 +75,8 @@ class LocalCluster:
   ``transport``: ``"unix"`` (the default) serves each sidecar's gRPC and health on a Unix
   socket of the cluster's temp directory, ``unix:PATH``: no ports, nothing on the network,
   so it runs where TCP is refused; ``"tcp"`` on free ports of 127.0.0.1.
-  Everything started is stopped on exit, also when the body raises.
+  Everything started is stopped on exit, also when the body raises, and on SIGTERM to this
+  process where nothing else handles it (the process then dies of it, as it would have).
   """
 
   def __init__(self, num_hosts: int = 4, devices_per_host: int = 2, *,
@@ -132,6 +134,7 @@ class LocalCluster:
     # its name) stops its sidecars when it is collected; close() is the main path.
     self._finalizer = weakref.finalize(self, _stop, self._procs, self._dir)
     _running.add(self)
+    _catch_sigterm()
     try:
       for h in range(self.num_hosts):
         self._procs.append(self._spawn(h))
@@ -239,6 +242,7 @@ class LocalCluster:
     self._procs = []
     self._dir = None
     _running.discard(self)
+    _release_sigterm()
 
   def __repr__(self) -> str:
     state = "running" if self._dir is not None else "closed"
@@ -300,6 +304,31 @@ class LocalCluster:
     """A new Worker attached to host ``host_id``'s sidecar."""
     from sidecar._src.jax.worker import Worker
     return Worker(self.socket(host_id))
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+  """SIGTERM to a process whose LocalClusters run: stops them (sidecars, temp directory),
+  then dies of SIGTERM as it would have (its default action left the directory behind)."""
+  del frame
+  for cluster in running():
+    cluster.close()
+  signal.signal(signum, signal.SIG_DFL)
+  os.kill(os.getpid(), signum)
+
+
+def _catch_sigterm() -> None:
+  """Installs ``_on_sigterm`` where SIGTERM has its default action (a program that
+  handles SIGTERM itself, as ``sidecar launch`` does, closes its clusters itself)."""
+  if (threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _release_sigterm() -> None:
+  """Gives SIGTERM its default action back once no LocalCluster of this process runs."""
+  if (not running() and threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _stop(procs: list[subprocess.Popen], directory: str | None) -> None:
