@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO, TextIO
 
 from sidecar._src.core import env, errors, platform
-from sidecar._src.tools import relay
+from sidecar._src.tools import relay, torchrun
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
@@ -70,7 +70,9 @@ attaches to it.
 With --procs-per-host P, P trainers run beside each sidecar (one per accelerator, as
 torchrun --nproc-per-node P), each attaching its own Worker session to that sidecar: host
 i's trainers are ranks i*P..i*P+P-1 (SIDECAR_PROCESS_ID), all with SIDECAR_HOST_ID=i,
-SIDECAR_NUM_PROCESSES=N*P, and their lines are prefixed "[host i rank r] ".
+SIDECAR_NUM_PROCESSES=N*P, and their lines are prefixed "[host i rank r] ". Each rank's
+session may hold about 1/P of its sidecar's arena (the sidecars get --session-quota 0.96/P,
+0.12 for 8, unless SIDECAR_SESSION_QUOTA is set): one rank cannot take what the others need.
 
 With --torch, each trainer also gets torchrun's environment, by its names: RANK,
 LOCAL_RANK (0..P-1), WORLD_SIZE (N*P), LOCAL_WORLD_SIZE (P), GROUP_RANK (the host's place
@@ -438,9 +440,13 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if isinstance(procs_per_host, bool) or not isinstance(procs_per_host, int) or procs_per_host < 1:
     raise errors.InvalidArgumentError(
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
+  # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
+  share = torchrun.session_share(procs_per_host)
+  quota = ("--session-quota", share) if share and not os.environ.get(env.SESSION_QUOTA) else ()
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False,
-                         checkpoint_roots=checkpoint_roots, transport=transport)
+                         checkpoint_roots=checkpoint_roots, transport=transport,
+                         extra_args=quota)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
                 in_place=in_place, max_restarts=max_restarts,

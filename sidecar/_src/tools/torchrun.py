@@ -37,6 +37,15 @@ def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_siz
   }
 
 
+def session_share(ranks: int) -> str | None:
+  """``--session-quota`` for a sidecar that ``ranks`` trainer processes share: about 1/P of
+  the arena each (0.96/P: the sidecar keeps a little for the controllers' streams), so that
+  one rank cannot take what its neighbours need; None for one rank (the default, 0.9)."""
+  if ranks <= 1:
+    return None
+  return f"{0.96 / ranks:.3g}"
+
+
 def node_args(environ: Mapping[str, str], nproc_per_node: int) -> list[str]:
   """torchrun's flags for this node: one node per process of the job ``environ`` names
   (``core/job.py``: a JobSet's pod, or ``SIDECAR_COORDINATOR_ADDRESS``,
