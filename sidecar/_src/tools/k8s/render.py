@@ -21,6 +21,7 @@ import yaml
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
+from sidecar._src.tools import torchrun
 from sidecar._src.tools.k8s import quantity
 
 SOCKET_DIR = "/run/sidecar"
@@ -246,6 +247,7 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_CHECKPOINT_ROOTS", "value": CHECKPOINT_ROOT},
           # JAX on the CPU: the trainer owns the accelerator (`sidecar serve` sets it too).
           {"name": "JAX_PLATFORMS", "value": "cpu"},
+          *_session_quota(options),
       ],
       "resources": {"requests": {"cpu": options.sidecar_cpu, "memory": memory},
                     "limits": {"memory": memory}},
@@ -257,6 +259,13 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
                        *_mounts()[1:], {"name": "sidecar-peer-token",
                                         "mountPath": PEER_TOKEN_DIR, "readOnly": True}],
   }
+
+
+def _session_quota(options: RenderOptions) -> list[dict[str, Any]]:
+  """P ranks share the pod's sidecar: each may hold about 1/P of its arena, so that one
+  cannot take what the others need (the default 0.9 is one rank's)."""
+  share = torchrun.session_share(options.procs_per_pod)
+  return [] if share is None else [{"name": "SIDECAR_SESSION_QUOTA", "value": share}]
 
 
 def _trainer(options: RenderOptions) -> dict[str, Any]:

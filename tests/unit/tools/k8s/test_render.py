@@ -97,3 +97,21 @@ def test_procs_per_pod_runs_the_trainer_under_sidecar_torchrun():
   with pytest.raises(errors.InvalidArgumentError,
                      match="procs_per_pod must be an integer >= 1, got 0"):
     render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1", procs_per_pod=0)
+
+
+@pytest.mark.parametrize("procs, share", [(1, None), (2, "0.48"), (8, "0.12")],
+                         ids=["one-rank", "two-ranks", "eight-ranks"])
+def test_ranks_of_a_pod_each_get_a_share_of_the_arena_and_check_wants_one(procs, share):
+  """Issue 35 item 8: P ranks shared the default 0.9 quota, so one took 57 of 64 MiB."""
+  doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=2, image="s:1",
+                                                  procs_per_pod=procs))
+  quota = util.env(doc, "sidecar").get("SIDECAR_SESSION_QUOTA")
+  assert (quota and quota["value"]) == share
+  sidecar = util.container(doc, "sidecar")
+  sidecar["env"] = [e for e in sidecar["env"] if e["name"] != "SIDECAR_SESSION_QUOTA"]
+  found = [str(f) for f in checks.check_jobset(doc, kubernetes_versions=())]
+  assert found == ([] if procs == 1 else [
+      "JobSet train: spec.replicatedJobs[0].template.spec.template.spec.initContainers[0].env: "
+      f"{procs} ranks share this sidecar (torchrun --nproc-per-node {procs}) but it sets no "
+      "SIDECAR_SESSION_QUOTA: one rank may take 0.9 of the arena and its neighbours are "
+      f"refused; set SIDECAR_SESSION_QUOTA={share} (about 1/{procs})"])
