@@ -43,8 +43,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -70,6 +73,21 @@ _CHANNEL_OPTIONS = (
 )
 _PER_TRY_TIMEOUT = 5.0
 _POLL_INTERVAL = 0.25
+FIRST_LOG_S, LOG_EVERY_S = 1.0, 5.0  # when a wait says what it waits for, and again
+# How long a sidecar of this machine (loopback, unix:) may refuse connections (nothing
+# listens, no socket file) before the wait gives up on it: one starting beside the
+# trainer listens within this; a wrong port or path never will.
+REFUSED_GRACE_S = 5.0
+log = logging.getLogger(__name__)
+ADVICE_HOSTS = (
+    "Check that each SIDECAR_HOSTS entry is where a sidecar serves: unix:PATH, or "
+    "HOST:PORT:HEALTH_PORT (an entry without HEALTH_PORT is checked on SIDECAR_HEALTH_PORT, "
+    f"default {DEFAULT_HEALTH_PORT}); `sidecar local` prints the SIDECAR_HOSTS line to paste, "
+    "`sidecar status ADDRESS` asks one sidecar. Raise the timeout if they are still starting.")
+ADVICE_JOBSET = (
+    "Check that their pods are running (kubectl get pods -l "
+    "jobset.sigs.k8s.io/jobset-name=NAME), that the health port matches "
+    "SIDECAR_HEALTH_PORT, and raise the timeout if pods are still being scheduled.")
 _JOBSET_VARS = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
                 env_lib.HOSTS_PER_SLICE)
 
@@ -127,11 +145,13 @@ def find(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) -> Fou
     directory = rendezvous.job_dir(env)
     if directory and os.path.exists(os.path.join(directory, rendezvous.JOB_FILE)):
       found = _from_job_dir(directory, timeout=timeout)
-      wait_until_serving(found, timeout=timeout)
+      wait_until_serving(found, timeout=timeout, advice=(
+          f"See the sidecars' logs in {os.path.join(directory, rendezvous.LOGS_DIR)}."))
       token = os.path.join(directory, rendezvous.TOKEN_FILE)
       return Found(tuple(e.address for e in found), token if os.path.exists(token) else None)
   found = endpoints_from_env(env)
-  wait_until_serving(found, timeout=timeout)
+  wait_until_serving(found, timeout=timeout,
+                     advice=ADVICE_HOSTS if env.get(env_lib.HOSTS, "").strip() else ADVICE_JOBSET)
   return Found(tuple(e.address for e in found))
 
 
@@ -155,7 +175,8 @@ def from_cluster_file(path: str, *, timeout: float = 60.0) -> Found:
   found = _from_host_list({env_lib.HOSTS: ",".join(cluster.hosts)}, DEFAULT_PORT,
                           DEFAULT_HEALTH_PORT)
   try:
-    wait_until_serving(found, timeout=timeout)
+    wait_until_serving(found, timeout=timeout, advice=(
+        f"Check the service's sidecars: sidecar status {' '.join(cluster.hosts)}"))
   except errors.DiscoveryError as e:
     raise errors.DiscoveryError(
         f"the sidecars of service {cluster.name!r} (Slurm job {cluster.job_id}, cluster file "
@@ -264,27 +285,50 @@ def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, 
   return _from_jobset(env, port, health_port)
 
 
-def wait_until_serving(endpoints: Sequence[Endpoint], *, timeout: float) -> None:
+def wait_until_serving(endpoints: Sequence[Endpoint], *, timeout: float,
+                       advice: str = ADVICE_HOSTS) -> None:
   """Polls each endpoint's ``grpc.health.v1`` Check until all say SERVING.
 
+  Logs what it waits for after ``FIRST_LOG_S``, then every ``LOG_EVERY_S``. A sidecar of
+  this machine that refuses connections for ``REFUSED_GRACE_S`` (nothing listens on the
+  port, no socket at the path) ends the wait at once: nothing will answer there.
+
+  Args:
+    advice: what the error tells the user to check, fit for where the sidecars run.
+
   Raises:
-    DiscoveryError: when ``timeout`` passes first, listing every endpoint still not
-      serving and the last error it gave.
+    DiscoveryError: when ``timeout`` passes first, or a sidecar of this machine refuses,
+      listing every endpoint still not serving and the last error it gave.
   """
   if timeout < 0:
     raise errors.InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout!r}")
-  deadline = time.monotonic() + timeout
+  start = time.monotonic()
+  deadline, logged = start + timeout, start + FIRST_LOG_S - LOG_EVERY_S
   channels = {e: grpc.insecure_channel(e.health_address, options=_CHANNEL_OPTIONS)
               for e in endpoints}
   last_error = {e: "no answer yet" for e in endpoints}
+  refused_since: dict[Endpoint, float] = {}
   pending = list(dict.fromkeys(endpoints))
   try:
     while pending:
       pending = _check_once(pending, channels, last_error, deadline)
       now = time.monotonic()
-      if pending and now >= deadline:
-        raise errors.DiscoveryError(_failure_message(pending, len(endpoints), timeout,
-                                                     last_error))
+      for e in pending:
+        if (why := _refused(e)) is None:
+          refused_since.pop(e, None)
+        else:
+          last_error[e] = why
+          refused_since.setdefault(e, now)
+      gone = [e for e in pending if now - refused_since.get(e, now) >= REFUSED_GRACE_S]
+      if gone or (pending and now >= deadline):
+        raise errors.DiscoveryError(_failure_message(
+            pending, len(endpoints), timeout, last_error, advice,
+            waited=None if not gone else now - start))
+      if pending and now - logged >= LOG_EVERY_S:
+        logged = now
+        log.warning("waiting for %d of %d sidecars to answer SERVING (%.0f of %.0f s): %s",
+                    len(pending), len(endpoints), now - start, timeout,
+                    "; ".join(f"{e}: {last_error[e]}" for e in pending))
       if pending:
         time.sleep(min(_POLL_INTERVAL, deadline - now))
   finally:
@@ -316,13 +360,45 @@ def _check_once(pending: list[Endpoint], channels: Mapping[Endpoint, grpc.Channe
   return still
 
 
+def _refused(e: Endpoint) -> str | None:
+  """Why nothing can answer at ``e``, a sidecar of this machine (a Unix socket or a
+  loopback port): no socket file, or the connection refused; None if it may yet answer
+  (it accepts, or it is another machine's)."""
+  if address_lib.is_unix(e.host):
+    path = address_lib.parse(e.host).path
+    if not os.path.exists(path):
+      return f"no socket at {path}"
+    family, target = socket.AF_UNIX, path
+  else:
+    try:
+      local = e.host == "localhost" or ipaddress.ip_address(e.host).is_loopback
+    except ValueError:
+      local = False
+    if not local:
+      return None
+    family = socket.AF_INET6 if ":" in e.host else socket.AF_INET
+    target = (e.host, e.health_port)  # type: ignore[assignment]
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    s.settimeout(1.0)
+    try:
+      s.connect(target)
+    except (ConnectionRefusedError, FileNotFoundError) as err:
+      return f"nothing listens at {e.health_address} ({err.strerror})"
+    except OSError:
+      return None  # busy, or slow: the health check tells
+  return None
+
+
 def _failure_message(pending: Sequence[Endpoint], total: int, timeout: float,
-                     last_error: Mapping[Endpoint, str]) -> str:
-  lines = [f"{len(pending)} of {total} sidecars did not answer SERVING within {timeout:g}s:"]
+                     last_error: Mapping[Endpoint, str], advice: str, *,
+                     waited: float | None = None) -> str:
+  if waited is None:
+    lines = [f"{len(pending)} of {total} sidecars did not answer SERVING within {timeout:g}s:"]
+  else:
+    lines = [f"{len(pending)} of {total} sidecars did not answer SERVING, and nothing listens "
+             f"where one of this machine should (after {waited:.1f} s of {timeout:g} s):"]
   lines += [f"  {e}: {last_error[e]}" for e in pending]
-  lines.append("Check that their pods are running (kubectl get pods -l "
-               "jobset.sigs.k8s.io/jobset-name=NAME), that the health port matches "
-               "SIDECAR_HEALTH_PORT, and raise the timeout if pods are still being scheduled.")
+  lines.append(advice)
   return "\n".join(lines)
 
 

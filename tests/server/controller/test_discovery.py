@@ -96,7 +96,7 @@ def test_discover_lists_every_host_that_did_not_answer_with_its_last_error():
   message = str(info.value)
   assert "2 of 3 sidecars did not answer SERVING within 1s" in message
   assert f"slice 1 host 0 (127.0.0.1:{sick}): health status NOT_SERVING" in message
-  assert f"slice 2 host 0 (127.0.0.1:{dead}): UNAVAILABLE" in message
+  assert f"slice 2 host 0 (127.0.0.1:{dead}): nothing listens at 127.0.0.1:{dead}" in message
   assert f"127.0.0.1:{good}" not in message
   assert 1.0 <= elapsed < 8.0
 
@@ -106,3 +106,46 @@ def test_a_host_that_recovers_before_the_deadline_is_not_listed():
     threading.Timer(0.5, servicer.set, args=("", SERVING)).start()
     assert discovery.discover(timeout=10, env={"SIDECAR_HOSTS": f"127.0.0.1:1:{port}"}) == [
         "127.0.0.1:1"]
+
+
+def test_a_closed_port_or_a_missing_socket_of_this_machine_fails_fast_saying_what_to_fix(
+    tmp_path):
+  # Issue 35 item 12: an entry without its health port (8491 where nothing listens) was
+  # polled silently for the whole timeout (300 s), then failed with Kubernetes advice.
+  dead = closed_port()  # SIDECAR_HEALTH_PORT stands for 8491, which may be taken here
+  for entry, says in ((f"127.0.0.1:{dead + 1}", f"nothing listens at 127.0.0.1:{dead}"),
+                      (f"unix:{tmp_path}/host0.grpc", f"no socket at {tmp_path}/host0.grpc")):
+    start = time.monotonic()
+    with pytest.raises(errors.DiscoveryError) as info:
+      discovery.discover(timeout=60, env={"SIDECAR_HOSTS": entry,
+                                          "SIDECAR_HEALTH_PORT": str(dead)})
+    assert time.monotonic() - start < discovery.REFUSED_GRACE_S + 5
+    message = str(info.value)
+    assert "nothing listens where one of this machine should" in message
+    assert says in message and "sidecar local" in message and "kubectl" not in message
+
+
+def test_a_wait_says_what_it_waits_for_then_again_every_few_seconds(monkeypatch, caplog):
+  monkeypatch.setattr(discovery, "FIRST_LOG_S", 0.3)
+  monkeypatch.setattr(discovery, "LOG_EVERY_S", 0.5)
+  with health_server() as (_, early), health_server(NOT_SERVING) as (servicer, late):
+    threading.Timer(1.8, servicer.set, args=("", SERVING)).start()
+    with caplog.at_level("WARNING", logger=discovery.__name__):
+      assert discovery.discover(
+          timeout=20, env={"SIDECAR_HOSTS": f"127.0.0.1:1:{early},127.0.0.1:2:{late}"}) == [
+              "127.0.0.1:1", "127.0.0.1:2"]
+  said = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+  assert 2 <= len(said) <= 5, said
+  assert all(m.startswith("waiting for 1 of 2 sidecars to answer SERVING") for m in said)
+  assert f"slice 0 host 1 (127.0.0.1:{late}): health status NOT_SERVING" in said[0]
+
+
+def test_the_advice_fits_where_the_sidecars_run():
+  dead = closed_port()
+  with pytest.raises(errors.DiscoveryError, match="kubectl get pods"):
+    discovery.discover(timeout=0.5, env=dict(
+        JOBSET_ENV, SIDECAR_HOSTS_PER_SLICE="1", SIDECAR_NUM_SLICES="1",
+        SIDECAR_HEALTH_PORT=str(dead), SIDECAR_HOST_TEMPLATE="127.0.0.1"))
+  with pytest.raises(errors.DiscoveryError) as info:
+    discovery.discover(timeout=0.5, env={"SIDECAR_HOSTS": f"127.0.0.1:1:{dead}"})
+  assert "SIDECAR_HOSTS line to paste" in str(info.value) and "kubectl" not in str(info.value)
