@@ -15,7 +15,9 @@ It runs on the job's first node, in the batch step, and:
    trainers and starts them again beside the sidecars that remain, whose RAM tiers
    hold the last steps (as ``sidecar launch --elastic``), while at least ``--min-hosts``
    remain;
-5. on exit, failure or ``scancel`` (SIGTERM) stops both steps and removes the directory.
+5. on exit, failure or ``scancel`` (SIGTERM) stops both steps and removes what it made in
+   the directory (owned.py: a directory it did not make, it leaves; one that is not empty
+   and not its own, it refuses at the start).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,13 +34,16 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src.core import errors, platform, rendezvous
-from sidecar._src.tools.slurm import tasks
+from sidecar._src.core import env as env_lib, errors, platform, rendezvous
+from sidecar._src.tools.slurm import owned, tasks
 
 _POLL_S = 0.25
 _LOST_AFTER_S = 5.0  # a health port silent this long: its node is lost
 _GRACE_S = 10.0
 _LOG_TAIL_LINES = 30
+# What a job writes in its rendezvous directory, all it removes there (owned.py).
+ENTRIES = (rendezvous.JOB_FILE, rendezvous.TOKEN_FILE, rendezvous.PEER_TOKEN_FILE,
+           rendezvous.HOSTS_DIR, rendezvous.LOGS_DIR, rendezvous.STEPS_DIR)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +130,7 @@ class Job:
           f"--hosts-per-node {options.hosts_per_node} does not divide --ntasks-per-node "
           f"{self.per_node}")
     self.directory = rendezvous.job_dir() or ""
+    self.claimed = False
     self.sidecars: subprocess.Popen | None = None
     self.trainers: subprocess.Popen | None = None
     self.live = list(range(len(self.nodes) * options.hosts_per_node))
@@ -137,9 +142,16 @@ class Job:
   # ---- set up -------------------------------------------------------------
 
   def make_directory(self) -> None:
-    if os.path.exists(self.directory):
-      shutil.rmtree(self.directory)  # a requeued job's earlier run
-    os.makedirs(self.directory, mode=0o700)
+    """Takes the rendezvous directory (owned.py; a requeued job's earlier run there is
+    cleared) and writes the job's files.
+
+    Raises:
+      InvalidArgumentError: the directory is not the job's to take (owned.claim).
+    """
+    owned.claim(self.directory, f"job {self.job_id}", ENTRIES,
+                what=env_lib.SLURM_DIR if os.environ.get(env_lib.SLURM_DIR)
+                else "the job's rendezvous directory")
+    self.claimed = True
     for sub in (rendezvous.HOSTS_DIR, rendezvous.LOGS_DIR, rendezvous.STEPS_DIR):
       os.mkdir(os.path.join(self.directory, sub), 0o700)
     token = os.path.join(self.directory, rendezvous.TOKEN_FILE)
@@ -301,14 +313,16 @@ class Job:
     self.interrupted = signum
 
   def close(self) -> None:
-    """Stops the trainers, then the sidecars; removes the directory; idempotent."""
+    """Stops the trainers, then the sidecars; removes what the job made in its directory
+    (the directory too if it made it); idempotent."""
     _stop(self.trainers, "trainers")
     _stop(self.sidecars, "sidecars", grace=_GRACE_S + 5)  # the sidecars' own grace first
     for channel in self.channels.values():
       channel.close()
     self.channels = {}
-    if self.directory and os.path.isdir(self.directory):
-      shutil.rmtree(self.directory, ignore_errors=True)
+    if self.claimed:
+      owned.release(self.directory, f"job {self.job_id}", ENTRIES)
+      self.claimed = False
 
 
 def _how(code: int) -> str:
@@ -335,7 +349,11 @@ def run(options: JobOptions) -> int:
   # As each trainer's node decides for itself (tasks.py); this is the first node's answer.
   say(platform.for_trainers(os.environ, devices=options.devices_per_task).summary)
   try:
-    job.make_directory()
+    try:
+      job.make_directory()
+    except errors.SidecarError as e:
+      say(f"no rendezvous directory: {e}")
+      return 2
     try:
       job.start_sidecars()
     except errors.SidecarError as e:

@@ -3,7 +3,10 @@
 A service ``NAME`` lives in ``$SIDECAR_HOME/NAME`` (mode 0700): its token file (0600),
 ``service.json`` (what it was started with), ``state.json`` (its job ids), the
 rendezvous entries of its sidecars (``hosts/``, as a batch job's), their logs, and, once
-``--min-nodes`` array tasks serve, ``cluster.env`` (core/rendezvous.py).
+``--min-nodes`` array tasks serve, ``cluster.env`` (core/rendezvous.py). Its marker file
+(owned.py) says the directory is the service's: the tool takes only a new or empty
+directory, and ``stop`` removes only what the service wrote there. ``slurm`` is no name
+for a service: ``$SIDECAR_HOME/slurm`` holds the batch jobs' rendezvous directories.
 
 - The **service job** (one task, ``_service``) submits the **array job** (``_array``: task i
   runs the sidecars of hosts ``i*H .. i*H+H-1`` on its node), then watches it: a task
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,9 +29,15 @@ import sys
 import time
 
 from sidecar._src.core import errors, rendezvous
-from sidecar._src.tools.slurm import script, tasks
+from sidecar._src.tools.slurm import owned, script, tasks
 
 _POLL_S = 0.5
+# What a service writes in its directory, all that ``stop`` removes there (owned.py).
+ENTRIES = (rendezvous.TOKEN_FILE, rendezvous.PEER_TOKEN_FILE, rendezvous.HOSTS_DIR,
+           rendezvous.LOGS_DIR, "ports", "service.json", "state.json", "service.log",
+           rendezvous.CLUSTER_FILE)
+# $SIDECAR_HOME's own entries, which no service may be named after.
+RESERVED = ("slurm",)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +58,10 @@ class ServiceSpec:
         or self.name.startswith("."):
       raise errors.InvalidArgumentError(
           f"--name must be letters, digits, '-', '_' or '.', got {self.name!r}")
+    if self.name in RESERVED:
+      raise errors.InvalidArgumentError(
+          f"--name {self.name!r} is taken: $SIDECAR_HOME/{self.name} holds the batch jobs' "
+          "rendezvous directories; pick another name")
     for field in ("nodes", "min_nodes", "hosts_per_node", "devices_per_host"):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
@@ -80,16 +92,24 @@ def _alive(job: str) -> bool:
   return done.returncode == 0 and bool(done.stdout.split())
 
 
+def _holder(name: str) -> str:
+  return f"service {name}"
+
+
 def submit(spec: ServiceSpec) -> int:
   """Submits the service job; prints its id and where the cluster file will be."""
   directory = service_dir(spec.name)
-  job = _state(directory).get("service_job")
-  if job and _alive(str(job)):
+  mark = owned.holder(directory)
+  job = _state(directory).get("service_job") if mark else None
+  if mark and mark["holder"] == _holder(spec.name) and job and _alive(str(job)):
     print(f"sidecar slurm service: service {spec.name!r} runs already (job {job}); stop it "
           f"first: sidecar slurm stop {spec.name}", file=sys.stderr)
     return 1
-  shutil.rmtree(directory, ignore_errors=True)
-  os.makedirs(directory, mode=0o700)
+  try:
+    owned.claim(directory, _holder(spec.name), ENTRIES, what=f"--name {spec.name}")
+  except errors.InvalidArgumentError as e:
+    print(f"sidecar slurm service: {e}", file=sys.stderr)
+    return 2
   for sub in (rendezvous.HOSTS_DIR, rendezvous.LOGS_DIR, "ports"):
     os.mkdir(os.path.join(directory, sub), 0o700)
   rendezvous.make_token_file(os.path.join(directory, rendezvous.TOKEN_FILE))
@@ -308,6 +328,12 @@ def status(name: str, *, timeout: float = 5.0) -> int:
 def stop(name: str, *, timeout: float = 60.0) -> int:
   """``sidecar slurm stop NAME``: cancels its jobs, waits for them, removes its directory."""
   directory = service_dir(name)
+  mark = owned.holder(directory)
+  if mark is None or mark["holder"] != _holder(name):
+    raise errors.InvalidArgumentError(
+        f"no service {name!r} in {rendezvous.home()}" + (
+            f" ({directory} was not made by sidecar slurm service: left as it is)"
+            if os.path.exists(directory) else ""))
   service_job, array = _jobs(directory)
   if not service_job:
     raise errors.InvalidArgumentError(f"no service {name!r} in {rendezvous.home()}")
@@ -321,6 +347,8 @@ def stop(name: str, *, timeout: float = 60.0) -> int:
           f"the jobs of service {name!r} ({service_job}, {array}) still run after "
           f"{timeout:g} s")
     time.sleep(0.5)
-  shutil.rmtree(directory, ignore_errors=True)
-  print(f"service {name!r} stopped (jobs {service_job} and {array} ended); removed {directory}")
+  gone = owned.release(directory, _holder(name), ENTRIES)
+  print(f"service {name!r} stopped (jobs {service_job} and {array} ended); removed "
+        + (directory if gone else f"its files from {directory} (left: not made by it, or "
+           "holding files of someone else's)"))
   return 0
