@@ -13,7 +13,8 @@ for a service: ``$SIDECAR_HOME/slurm`` holds the batch jobs' rendezvous director
   whose sidecar exits is requeued (``scontrol requeue``, started again a second later
   rather than after Slurm's requeue delay), and ``cluster.env`` is rewritten whenever a
   sidecar's address changes. A requeued task on the node it ran on reuses its sidecars'
-  ports, so clients reconnect to the same addresses. On ``scancel`` (``sidecar slurm
+  ports, so clients reconnect to the same addresses; a port someone else took meanwhile is
+  not reused (a fresh one, which ``cluster.env`` then names). On ``scancel`` (``sidecar slurm
   stop``) it cancels the array job and removes ``cluster.env``.
 - Clients read ``cluster.env``: ``Controller.from_cluster_file(PATH)``.
 """
@@ -267,7 +268,8 @@ def run_array(name: str) -> int:
     except (OSError, ValueError):
       continue
     if old.get("node") == node:
-      ports[h] = (int(old["port"]), int(old["health_port"]))
+      ports[h] = (_if_free(int(old["port"]), h, node), _if_free(int(old["health_port"]), h,
+                                                                 node))
   stop = [False]
   tasks._stop_on_signals(stop)
   d = spec.devices_per_host
@@ -288,6 +290,26 @@ def run_array(name: str) -> int:
   finally:
     sidecars.close()
   return 0 if lost is None else 1
+
+
+def _if_free(port: int, host: int, node: str) -> int:
+  """``port`` if no one holds it on this node now, else 0 (a fresh one): a port someone
+  took while the task was away would fail its sidecar at every requeue."""
+  try:
+    s, where = socket.socket(socket.AF_INET6), "::"  # as the sidecar binds: [::], IPv4 too
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+  except OSError:
+    s, where = socket.socket(socket.AF_INET), "0.0.0.0"  # no IPv6 here
+  with s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT holds none
+    try:
+      s.bind((where, port))
+      return port
+    except OSError:
+      pass
+  print(f"sidecar slurm: host {host}'s port {port} on node {node} is taken; the sidecar "
+        "takes a fresh one (the service rewrites cluster.env)", file=sys.stderr, flush=True)
+  return 0
 
 
 def _jobs(directory: str) -> tuple[str, str]:

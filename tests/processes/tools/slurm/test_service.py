@@ -1,10 +1,13 @@
 """``sidecar slurm service|status|stop`` on a real single-node Slurm: a service of 2 array
 tasks of sidecars, a client through its cluster.env, one task killed and requeued while
-the client trains on, and a stop that leaves nothing behind."""
+the client trains on, and a stop that leaves nothing behind; a task requeued while its
+port is taken serves on a fresh one."""
 
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,3 +100,57 @@ def test_a_service_serves_a_client_through_a_requeue_and_stops_clean(slurm, tmp_
                      match=f"cluster file {stale} names Slurm job {job} \\(service 'svc'\\), "
                            "which is gone"):
     sidecar.Controller.from_cluster_file(str(stale))
+
+
+def hosts_of(cluster_file) -> list[str]:
+  text = cluster_file.read_text()
+  return text.split("SIDECAR_HOSTS=")[1].splitlines()[0].split(",")
+
+
+def test_a_requeued_task_whose_port_was_taken_serves_on_a_fresh_one(slurm, tmp_path):
+  # Issue 35 item 6: the task used to reuse its old port, fail at once while anyone held
+  # it, and be requeued onto it again, for as long as it was held.
+  home = tmp_path / "home"
+  env = {**slurm.env, "SIDECAR_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+  cli(slurm, env, "service", "--name", "busy", "--shm-size", "64MiB",
+      "--checkpoint-root", str(tmp_path))
+  cluster_file = home / "busy" / "cluster.env"
+  try:
+    wait_for(cluster_file)
+    (before,) = hosts_of(cluster_file)
+    port = int(before.rsplit(":", 2)[1])
+    pid = json.loads((home / "busy" / "hosts" / "0.json").read_text())["pid"]
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with holder:
+      os.kill(pid, signal.SIGKILL)
+      deadline = time.monotonic() + 30
+      while True:  # the port, once the killed sidecar lets it go
+        try:
+          holder.bind(("0.0.0.0", port))
+          break
+        except OSError:
+          assert time.monotonic() < deadline, f"port {port} was not let go in 30 s"
+          time.sleep(0.05)
+      holder.listen()
+      deadline = time.monotonic() + 90
+      while hosts_of(cluster_file) == [before]:
+        assert time.monotonic() < deadline, (
+            "cluster.env still names the taken port after 90 s; the service's log:\n"
+            + (home / "busy" / "service.log").read_text())
+        time.sleep(0.2)
+      (after,) = hosts_of(cluster_file)
+      assert after.rsplit(":", 2)[0] == before.rsplit(":", 2)[0]  # the same node
+      assert int(after.rsplit(":", 2)[1]) != port
+      shown = cli(slurm, env, "status", "busy", check=False)  # a client reaches it there
+      assert shown.returncode == 0, shown.stdout + shown.stderr
+      assert re.search(rf"^{re.escape(after.rsplit(':', 1)[0])} +0 ", shown.stdout, re.M), \
+          shown.stdout
+      log = (home / "busy" / "service.log").read_text()
+      assert log.count("requeueing array task 0") == 1, log  # once: no crash loop
+      task_log = (home / "busy" / "logs" / "task-0.log").read_text()
+      assert f"host 0's port {port} on node" in task_log and "is taken" in task_log, task_log
+  finally:
+    cli(slurm, env, "stop", "busy", check=False)
+  assert slurm.jobs() == []
+  assert not (home / "busy").exists()
