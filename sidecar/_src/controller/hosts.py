@@ -86,6 +86,15 @@ class Hosts:
       self.attach(workers)
       self.driven = sorted(self.conns)
       self.device_hosts = {d: h.host_id for h in self.live() for d in h.device_ids}
+      if not self.device_hosts and len(self.conns) == 1 and self.workers:
+        self._own_devices()
+
+  def _own_devices(self) -> None:
+    """One process attached to the one sidecar, and nothing declares devices (the
+    manifests for one host, a trainer without jax.distributed): they are this process's."""
+    ((host_id, conn),) = self.conns.items()
+    self.device_hosts = {d: host_id for d in self._framework.local_device_ids()}
+    conn.info = dataclasses.replace(conn.info, device_ids=tuple(sorted(self.device_hosts)))
 
   # ---- membership --------------------------------------------------------
 
