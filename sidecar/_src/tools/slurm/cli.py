@@ -23,8 +23,10 @@ node, task and last log lines), runs CMD as the trainer step (--ntasks-per-node 
 node, each in equal shares beside its node's sidecars, with the environment of `sidecar
 launch`: SIDECAR_ADDRESS, SIDECAR_HOSTS, SIDECAR_PROCESS_ID, ... so that
 sidecar.distributed.initialize() and sidecar.Controller.from_env() need nothing else), and
-when the trainers end, fail, or the job is cancelled, stops every step and removes the
-job's rendezvous directory ($SIDECAR_HOME/slurm/JOB_ID, with its 0600 token file).
+when the trainers end, fail, or the job is cancelled, stops every step and removes what
+it wrote in the job's rendezvous directory ($SIDECAR_HOME/slurm/JOB_ID, with its 0600 token
+file), and the directory if it made it. SIDECAR_SLURM_DIR may name another: a path that does
+not exist, or an empty directory (a non-empty one is refused, untouched).
 
 With --elastic, a lost sidecar or node stops the trainers and starts them again on the
 sidecars that remain (their RAM tiers keep the last steps), while --min-hosts remain.
@@ -171,7 +173,8 @@ def _add_status_stop(commands: argparse._SubParsersAction) -> None:
   p = commands.add_parser("stop", help="end a service and remove its cluster file",
                           formatter_class=cli_format.DefaultsFormatter,
                           description="Cancel a service's jobs, wait until they are gone, "
-                                      "and remove $SIDECAR_HOME/NAME.")
+                                      "and remove what the service wrote in "
+                                      "$SIDECAR_HOME/NAME (and it, if the service made it).")
   p.add_argument("name", help="the service's name")
   p.add_argument("--timeout", type=float, default=60.0,
                  help="seconds to wait for the jobs to end")
