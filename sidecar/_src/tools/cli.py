@@ -175,20 +175,8 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-  from sidecar._src.tools.local import LocalCluster
-  with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
-                    imports=args.imports or [], configure_jax=False,
-                    metrics=args.metrics, checkpoint_roots=args.checkpoint_roots) as cluster:
-    metrics = cluster.metrics_urls if args.metrics else [""] * args.hosts
-    for h, (a, s) in enumerate(zip(cluster.addresses, (cluster.socket(i) for i in range(args.hosts)))):
-      print(f"host {h}: {a}  worker socket unix://{s}" + (f"  metrics {metrics[h]}" if metrics[h] else ""))
-    try:  # from the line that tells how to stop it, a stop is a clean exit
-      print("Ctrl-C to stop.", flush=True)
-      while True:
-        signal.pause()
-    except KeyboardInterrupt:
-      pass
-  return 0
+  from sidecar._src.tools import local_command
+  return local_command.run(args)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -227,6 +228,37 @@ def test_local_stops_on_sigterm_and_removes_its_temp_dir():
     p.wait(30)
     p.stdout.close()
   assert not os.path.exists(os.path.dirname(socket_path))
+
+
+def test_local_prints_the_sidecar_hosts_line_that_from_env_reads():
+  # Issue 35 item 12: the README said to set SIDECAR_HOSTS to what `sidecar local` printed,
+  # which had no such line; a guessed entry without its health port waited 300 s.
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "2",
+                        "--shm-size", "8MiB"], stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL, text=True)
+  try:
+    lines = []
+    for line in p.stdout:
+      lines.append(line.strip())
+      if line.startswith("Ctrl-C to stop."):
+        break
+    (hosts,) = [line for line in lines if line.startswith("SIDECAR_HOSTS=")]
+    addresses = [line.split()[2] for line in lines if line.startswith("host ")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    env["SIDECAR_HOSTS"] = hosts.split("=", 1)[1]  # pasted into another shell as printed
+    t0 = time.monotonic()
+    found = subprocess.run(
+        [sys.executable, "-c", "import sidecar\nwith sidecar.Controller.from_env(timeout=60)"
+         " as ctl:\n  print(*[h.address for h in ctl.hosts])"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert found.stdout.split() == addresses, found.stderr
+    assert time.monotonic() - t0 < 30  # not the wait of a timeout
+    p.send_signal(signal.SIGINT)
+    assert p.wait(60) == 0
+  finally:
+    p.kill()
+    p.wait(30)
+    p.stdout.close()
 
 
 def test_serve_says_which_flag_when_the_metrics_port_is_taken(tmp_path, capsys):
