@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO, TextIO
 
 from sidecar._src.core import env, errors, platform
-from sidecar._src.tools import relay, torchrun
+from sidecar._src.tools import c10d_store, relay, torchrun
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
@@ -77,9 +77,10 @@ session may hold about 1/P of its sidecar's arena (the sidecars get --session-qu
 With --torch, each trainer also gets torchrun's environment, by its names: RANK,
 LOCAL_RANK (0..P-1), WORLD_SIZE (N*P), LOCAL_WORLD_SIZE (P), GROUP_RANK (the host's place
 in the job), GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
-MASTER_ADDR=127.0.0.1, MASTER_PORT=<free port> (torchrun's --master-port=0 hangs in its
-rendezvous), TORCHELASTIC_RESTART_COUNT (SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS,
-TORCHELASTIC_RUN_ID=none, TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store),
+MASTER_ADDR=127.0.0.1, MASTER_PORT=<the job's c10d store>, TORCHELASTIC_RESTART_COUNT
+(SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID=none,
+TORCHELASTIC_USE_AGENT_STORE=True (the launcher serves the store, as torchrun's agent, on
+127.0.0.1 only: a rank's TCPStore would listen on every interface; a fresh one each start),
 and OMP_NUM_THREADS=1 unless set, when N*P > 1 (torchrun sets it for a node's ranks; here
 every rank shares this machine's cores). torch.distributed.init_process_group()
 (env://) and sidecar.torch.connect() then need no arguments.
@@ -164,6 +165,7 @@ class _Run:
     self.hosts = list(range(cluster.num_hosts))  # the hosts that remain, in order
     self.restart = 0  # how often the job was restarted; tags its trainers' events
     self.trainers: dict[int, subprocess.Popen] = {}  # rank -> trainer of this start
+    self.store: c10d_store.LoopbackStore | None = None  # with torch: this start's store
     self.threads: list[threading.Thread] = []
     self.lock = threading.Lock()
 
@@ -173,8 +175,10 @@ class _Run:
 
   def start_trainers(self) -> None:
     coordinator = f"127.0.0.1:{free_port()}"
-    # torchrun --master-port=0 hangs in rendezvous: a port that was free a moment ago.
-    master = f"127.0.0.1:{free_port()}" if self.torch else None
+    master = None
+    if self.torch:  # the job's c10d store, on loopback: a fresh one for each start
+      self.store = c10d_store.LoopbackStore()
+      master = self.store.address
     for h in self.hosts:
       for local in range(self.procs_per_host):
         environ = trainer_env(self.cluster, h, coordinator, os.environ, hosts=self.hosts,
@@ -342,6 +346,9 @@ class _Run:
       _signal_group(g, signal.SIGKILL)
     for p in self.trainers.values():
       p.wait()
+    if self.store is not None:
+      self.store.close()
+      self.store = None
     for t in self.threads:
       t.join(timeout=2.0)  # A pipe can stay open only in a process outside the group.
     self.threads = [t for t in self.threads if t.is_alive()]

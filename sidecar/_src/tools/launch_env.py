@@ -29,7 +29,8 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
   """The environment of trainer ``local_rank`` beside ``host``: ``base`` plus what
   ``env.py`` lists and ``platform.for_trainers`` sets (``JAX_PLATFORMS=cpu`` and
   ``cluster.devices_per_host`` CPU devices where no accelerator is here, nothing where one
-  is), and with ``torch_master`` (``addr:port``) what torchrun sets.
+  is), and with ``torch_master`` (``addr:port``, where the launcher serves the job's c10d
+  store: ``c10d_store.py``) what torchrun sets.
 
   ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
   the process ids (ranks) follow that order, ``procs_per_host`` per host, the local ranks
@@ -65,7 +66,7 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
                                local_world_size=procs_per_host, group_rank=group,
                                group_world_size=len(hosts), master_addr=addr,
                                master_port=int(port), restart=restart,
-                               max_restarts=max_restarts))
+                               max_restarts=max_restarts, agent_store=True))
     if world > 1:  # as torchrun for a node's ranks: every rank here shares this machine's cores
       result.setdefault("OMP_NUM_THREADS", "1")
   if cluster.token:

@@ -22,8 +22,13 @@ from sidecar._src.core import errors, job as job_lib, platform
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
                  group_rank: int, group_world_size: int, master_addr: str, master_port: int,
-                 restart: int = 0, max_restarts: int = 0) -> dict[str, str]:
-  """The variables torchrun (torchelastic) gives each worker, by the names it uses."""
+                 restart: int = 0, max_restarts: int = 0,
+                 agent_store: bool = False) -> dict[str, str]:
+  """The variables torchrun (torchelastic) gives each worker, by the names it uses.
+
+  ``agent_store``: the launcher serves the c10d store at ``master_addr:master_port``
+  (every rank is a client), as torchrun's agent does; else rank 0 serves it.
+  """
   return {
       "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
       "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(group_rank),
@@ -32,8 +37,8 @@ def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_siz
       "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
       "TORCHELASTIC_RESTART_COUNT": str(restart),
       "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_RUN_ID": "none",
-      # No agent hosts the store here: rank 0 serves it at MASTER_ADDR:MASTER_PORT.
-      "TORCHELASTIC_USE_AGENT_STORE": "False",
+      # Else no agent hosts the store: rank 0 serves it at MASTER_ADDR:MASTER_PORT.
+      "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
   }
 
 
