@@ -149,7 +149,7 @@ class Job:
       InvalidArgumentError: the directory is not the job's to take (owned.claim).
     """
     owned.claim(self.directory, f"job {self.job_id}", ENTRIES,
-                what=env_lib.SLURM_DIR if os.environ.get(env_lib.SLURM_DIR)
+                what=env_lib.SLURM_DIR if env_lib.get(env_lib.SLURM_DIR)
                 else "the job's rendezvous directory")
     self.claimed = True
     for sub in (rendezvous.HOSTS_DIR, rendezvous.LOGS_DIR, rendezvous.STEPS_DIR):
