@@ -449,7 +449,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
   # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
   share = torchrun.session_share(procs_per_host)
-  quota = ("--session-quota", share) if share and not os.environ.get(env.SESSION_QUOTA) else ()
+  quota = ("--session-quota", share) if share and not env.get(env.SESSION_QUOTA) else ()
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False,
                          checkpoint_roots=checkpoint_roots, transport=transport,
