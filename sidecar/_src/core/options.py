@@ -63,6 +63,19 @@ def check_token(token: str | None, name: str = "token") -> None:
         "again with only the token, e.g. `openssl rand -hex 32 > FILE`")
 
 
+def _check_port(name: str, value: object) -> None:
+  """A port field is 1..65535, or 0 for a free one (None too for ``metrics_port``): said
+  naming its ``sidecar serve`` flag, not left to gRPC, which binds such a port modulo 65536
+  and names that one in its error."""
+  if value is None and name == "metrics_port":
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+    flag = "--" + name.replace("_", "-")
+    extra = ", or None for no metrics" if name == "metrics_port" else ""
+    raise ValueError(f"{name} ({flag}) must be a TCP port in 1..65535, or 0 to pick a free "
+                     f"one{extra}; got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ServerOptions:
   """How one sidecar serves. Every field has a ``sidecar serve`` flag."""
@@ -125,14 +138,8 @@ class ServerOptions:
       v = getattr(self, name)
       if not isinstance(v, int) or v < 0:
         raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-    for name in ("port", "health_port"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or not 0 <= v <= 65535:
-        raise ValueError(f"{name} must be a TCP port in [0, 65535] (0 picks a free one), got {v!r}")
-    if self.metrics_port is not None and (
-        not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port <= 65535):
-      raise ValueError(f"metrics_port must be a TCP port in [0, 65535] (0 picks a free one) or "
-                       f"None (no metrics), got {self.metrics_port!r}")
+    for name in ("port", "health_port", "metrics_port"):
+      _check_port(name, getattr(self, name))
     if self.metrics_port and self.metrics_port in (self.port, self.health_port):
       raise ValueError(f"metrics_port {self.metrics_port} is also the port or the health_port; "
                        "pick another --metrics-port")

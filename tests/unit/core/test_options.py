@@ -8,7 +8,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"host_id": -1}, "host_id must be a non-negative int, got -1"),
-    ({"port": 70000}, r"port must be a TCP port in \[0, 65535\].*got 70000"),
+    ({"port": 70000}, r"port \(--port\) must be a TCP port in 1..65535.*got 70000"),
     ({"port": 9000, "health_port": 9000}, "port and health_port must differ"),
     ({"shm_size": 10}, "shm_size must be at least 1048576 bytes, got 10"),
     ({"device_ids": (0, -2)}, "device_ids must be non-negative"),
@@ -21,6 +21,27 @@ pytestmark = pytest.mark.unit
 def test_bad_options_name_the_value(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ServerOptions(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"port": 70000}, "--port"), ({"port": 65536}, "--port"), ({"health_port": -1}, "--health-port"),
+    ({"metrics_port": 99999}, "--metrics-port"), ({"metrics_port": -1}, "--metrics-port"),
+    ({"port": True}, "--port"),
+], ids=["port-70000", "port-65536", "health-minus-1", "metrics-99999", "metrics-minus-1",
+        "port-bool"])
+def test_a_port_outside_the_range_names_its_flag_value_and_range(kwargs, flag):
+  # gRPC would bind 70000 as 4464 and -1 as 65535, and name that port in its error.
+  (name, value), = kwargs.items()
+  with pytest.raises(ValueError, match=rf"^{name} \({flag}\) must be a TCP port in 1\.\.65535, "
+                     rf"or 0 to pick a free one.*; got {value!r}$"):
+    ServerOptions(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"port": 0, "health_port": 0}, {"metrics_port": 0},
+                                    {"metrics_port": None}, {"port": 65535, "health_port": 1}],
+                         ids=["free-ports", "free-metrics", "no-metrics", "ends"])
+def test_ports_zero_and_the_ends_of_the_range_are_taken(kwargs):
+  ServerOptions(**kwargs)
 
 
 def test_options_are_frozen():

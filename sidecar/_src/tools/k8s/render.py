@@ -128,6 +128,14 @@ class RenderOptions:
     if not isinstance(self.trainer_restarts, int) or self.trainer_restarts < 0:
       raise errors.InvalidArgumentError(
           f"trainer_restarts must be an integer >= 0, got {self.trainer_restarts!r}")
+    for field in ("port", "health_port", "coordinator_port", "metrics_port"):
+      value = getattr(self, field)
+      if field == "metrics_port" and value is None:
+        continue
+      # A containerPort is 1..65535; a pod cannot pick a free one (0) for its probes.
+      if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise errors.InvalidArgumentError(
+            f"{field} (--{field.replace('_', '-')}) must be a TCP port in 1..65535, got {value!r}")
     if self.port == self.health_port:
       raise errors.InvalidArgumentError(
           f"port and health_port must differ, both are {self.port}")

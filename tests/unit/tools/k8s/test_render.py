@@ -79,8 +79,17 @@ def test_bad_tpu_names_the_fix(text, match):
      r"another"),
     (dict(slices=1, hosts_per_slice=1, trainer_restarts=-1),
      r"trainer_restarts must be an integer >= 0, got -1"),
+    (dict(slices=1, hosts_per_slice=1, port=70000),
+     r"port \(--port\) must be a TCP port in 1\.\.65535, got 70000"),
+    (dict(slices=1, hosts_per_slice=1, health_port=0),
+     r"health_port \(--health-port\) must be a TCP port in 1\.\.65535, got 0"),
+    (dict(slices=1, hosts_per_slice=1, coordinator_port=-1),
+     r"coordinator_port \(--coordinator-port\) must be a TCP port in 1\.\.65535, got -1"),
+    (dict(slices=1, hosts_per_slice=1, metrics_port=99999),
+     r"metrics_port \(--metrics-port\) must be a TCP port in 1\.\.65535, got 99999"),
 ], ids=["zero-slices", "hosts-vs-tpu", "bad-name", "bad-shm", "same-ports",
-        "coordinator-on-sidecar-port", "negative-restarts"])
+        "coordinator-on-sidecar-port", "negative-restarts", "port-70000", "health-port-0",
+        "coordinator-port-minus-1", "metrics-port-99999"])
 def test_bad_options_name_the_value(options, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     render.RenderOptions(image="sidecar:1", **options)
