@@ -11,34 +11,10 @@ from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.processes
 
-# Rank 0 takes 1 MiB blocks until refused and holds them; then rank 1 does the same.
-_FILL = """
-    import os, sys, time
-    import numpy as np
-    import sidecar
-    rank, flag = int(os.environ["SIDECAR_PROCESS_ID"]), sys.argv[1]
-    if rank == 1:
-      while not os.path.exists(flag + ".0"):
-        time.sleep(0.05)
-    with sidecar.Worker() as w:
-      held = []
-      try:
-        while len(held) < 64:
-          held.append(w.empty((1 << 20,), np.uint8)[0])
-      except sidecar.ResourceExhaustedError:
-        pass
-      print(f"rank {rank} held {len(held)} MiB", flush=True)
-      open(f"{flag}.{rank}", "w").close()
-      while not os.path.exists(flag + ".1"):
-        time.sleep(0.05)
-      del held
-"""
-
-
 def test_ranks_beside_one_sidecar_each_get_their_share_of_its_arena(tmp_path):
   done = subprocess.run(
       [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--procs-per-host", "2",
-       "--shm-size", "64MiB", "--", sys.executable, "-c", textwrap.dedent(_FILL),
+       "--shm-size", "64MiB", "--", sys.executable, "-m", "tests.support.arena_fill",
        str(tmp_path / "filled")], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
   held = sorted(int(line.split()[-2]) for line in done.stdout.splitlines() if "held" in line)

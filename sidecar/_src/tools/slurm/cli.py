@@ -208,6 +208,7 @@ def _add_internal(commands: argparse._SubParsersAction) -> None:
   p.add_argument("--shm-size", default="1GiB", help=argparse.SUPPRESS)
   p.add_argument("--import", dest="imports", action="append", default=[], help=argparse.SUPPRESS)
   p.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", default=[], help=argparse.SUPPRESS)
+  p.add_argument("--session-quota", default=None, help=argparse.SUPPRESS)
   p.set_defaults(func=_sidecars)
 
   p = commands.add_parser("_trainer", formatter_class=cli_format.DefaultsFormatter)
@@ -236,7 +237,8 @@ def _sidecars(args: argparse.Namespace) -> int:
   from sidecar._src.tools.slurm import tasks
   return tasks.run_sidecars(args.dir, hosts_per_node=args.hosts_per_node,
                             shm_size=args.shm_size, imports=args.imports,
-                            checkpoint_roots=args.checkpoint_roots)
+                            checkpoint_roots=args.checkpoint_roots,
+                            session_quota=args.session_quota)
 
 
 def _trainer(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar._src.core import env as env_lib, errors, platform, rendezvous
+from sidecar._src.tools import torchrun
 from sidecar._src.tools.slurm import owned, tasks
 
 _POLL_S = 0.25
@@ -167,6 +168,11 @@ class Job:
     command = [sys.executable, "-m", "sidecar", "slurm", "_sidecars", "--dir", self.directory,
                "--hosts-per-node", str(self.o.hosts_per_node), "--shm-size", self.o.shm_size]
     command += [f"--checkpoint-root={r}" for r in self.o.checkpoint_roots]
+    # The node's ranks share each of its sidecars: each gets about 1/P of the arena, so one
+    # cannot take what the others need ($SIDECAR_SESSION_QUOTA wins, as sidecar serve reads it).
+    share = torchrun.session_share(self.per_node // self.o.hosts_per_node)
+    if share and not env_lib.get(env_lib.SESSION_QUOTA):
+      command += ["--session-quota", share]
     for module in self.o.imports:
       command += ["--import", module]
     self.sidecars = subprocess.Popen(

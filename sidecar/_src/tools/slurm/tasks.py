@@ -43,7 +43,7 @@ def paths(directory: str, host_id: int) -> tuple[str, str, str]:
 def serve_args(host_id: int, slice_id: int, *, sock: str, ready: str, shm_size: str,
                imports: Sequence[str], checkpoint_roots: Sequence[str], token_file: str,
                port: int = 0, health_port: int = 0,
-               device_ids: Sequence[int] = ()) -> list[str]:
+               device_ids: Sequence[int] = (), session_quota: str | None = None) -> list[str]:
   """The ``sidecar serve`` command of one host of a Slurm job."""
   args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(host_id),
           "--slice-id", str(slice_id), "--port", str(port), "--health-port", str(health_port),
@@ -55,6 +55,8 @@ def serve_args(host_id: int, slice_id: int, *, sock: str, ready: str, shm_size: 
   args += [f"--checkpoint-root={r}" for r in checkpoint_roots]
   if device_ids:
     args += ["--device-ids", ",".join(map(str, device_ids))]
+  if session_quota:
+    args += ["--session-quota", session_quota]
   for module in imports:
     args += ["--import", module]
   return args
@@ -66,8 +68,9 @@ class NodeSidecars:
   def __init__(self, directory: str, *, first: int, count: int, slice_id: int,
                shm_size: str, imports: Sequence[str], checkpoint_roots: Sequence[str],
                ports: dict[int, tuple[int, int]] | None = None,
-               device_ids: dict[int, list[int]] | None = None):
+               device_ids: dict[int, list[int]] | None = None, session_quota: str | None = None):
     self.directory, self.first, self.count, self.slice_id = directory, first, count, slice_id
+    self.session_quota = session_quota  # each session's share of the arena (several ranks)
     self.shm_size, self.imports, self.checkpoint_roots = shm_size, imports, checkpoint_roots
     self.ports = ports or {}
     self.device_ids = device_ids or {}
@@ -99,7 +102,7 @@ class NodeSidecars:
                         ready=os.path.join(self.tmp, f"{h}.ready"), shm_size=self.shm_size,
                         imports=self.imports, checkpoint_roots=self.checkpoint_roots,
                         token_file=self.token_file, port=port, health_port=health,
-                        device_ids=self.device_ids.get(h, ()))
+                        device_ids=self.device_ids.get(h, ()), session_quota=self.session_quota)
       env = {**platform.sidecar_env(os.environ), "PYTHONUNBUFFERED": "1"}  # never the chip
       env.pop(env_lib.TOKEN, None)
       with open(log, "ab") as out:
@@ -190,7 +193,8 @@ def _stop_on_signals(stop: list[bool]) -> None:
 
 
 def run_sidecars(directory: str, *, hosts_per_node: int, shm_size: str,
-                 imports: Sequence[str], checkpoint_roots: Sequence[str]) -> int:
+                 imports: Sequence[str], checkpoint_roots: Sequence[str],
+                 session_quota: str | None = None) -> int:
   """``sidecar slurm _sidecars``: this task's sidecars until all exit or a signal comes.
 
   Host ids are ``SLURM_NODEID * hosts_per_node + i``; the node's index is their slice.
@@ -200,7 +204,7 @@ def run_sidecars(directory: str, *, hosts_per_node: int, shm_size: str,
   _stop_on_signals(stop)
   sidecars = NodeSidecars(directory, first=node_index * hosts_per_node, count=hosts_per_node,
                           slice_id=node_index, shm_size=shm_size, imports=imports,
-                          checkpoint_roots=checkpoint_roots)
+                          checkpoint_roots=checkpoint_roots, session_quota=session_quota)
   try:
     sidecars.start()
     lost = sidecars.wait_all(stop)

@@ -158,3 +158,14 @@ def test_torch_ranks_under_srun_take_their_ranks_from_slurm_and_read_their_slice
   assert len(states) == 2 and states[0] == states[1]
   assert states[0]["global_batch_size"] == 4  # 2 rows x WORLD_SIZE 2, from SLURM_*
   assert not any(x.get("jax") for x in records)
+
+
+def test_tasks_that_share_a_sidecar_each_get_their_share_of_its_arena(slurm, tmp_path):
+  # 2 tasks beside one 64 MiB sidecar, rank 0 taking blocks first (issue 35 item 8).
+  _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "1",
+                           command=[sys.executable, "-m", "tests.support.arena_fill",
+                                    str(tmp_path / "filled")])
+  assert code == 0, output
+  held = sorted(int(m) for m in re.findall(r"rank \d held (\d+) MiB", output))
+  # Before: rank 0 held 57 MiB (the 0.9 default), rank 1 the 7 left.
+  assert len(held) == 2 and all(24 <= h <= 31 for h in held), output
