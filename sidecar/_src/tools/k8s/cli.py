@@ -35,10 +35,10 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
       description="Print a JobSet (jobset.x-k8s.io/v1alpha2) whose pods run the trainer "
                   "beside a native sidecar container. Apply it with `kubectl apply -f -` after "
                   "creating the token Secret (see docs/kubernetes.md).")
-  p.add_argument("--slices", type=int, required=True, help="number of slices (JobSet replicas)")
+  p.add_argument("--slices", type=int, default=1,
+                 help="number of slices (JobSet replicas) (default: %(default)s)")
   p.add_argument("--hosts-per-slice", type=int,
-                 help="pods per slice (default: what --tpu's topology needs; required "
-                      "without --tpu)")
+                 help="pods per slice (default: what --tpu's topology needs; 1 without --tpu)")
   p.add_argument("--image", required=True,
                  help="the sidecar image, with your package in it: build it with "
                       "k8s/image/build.sh --tag REGISTRY/sidecar:TAG, then docker push it "
@@ -109,11 +109,8 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
 def options_from_args(args: argparse.Namespace) -> render.RenderOptions:
   """The RenderOptions that ``k8s render`` flags describe."""
   hosts = args.hosts_per_slice
-  if hosts is None:
-    if args.tpu is None:
-      raise errors.InvalidArgumentError(
-          "--hosts-per-slice is required without --tpu; give the pods per slice")
-    hosts = args.tpu.hosts
+  if hosts is None:  # a TPU topology says how many hosts it needs; else one pod
+    hosts = 1 if args.tpu is None else args.tpu.hosts
   return render.RenderOptions(
       slices=args.slices, hosts_per_slice=hosts, image=args.image, tpu=args.tpu,
       trainer_image=args.trainer_image, trainer_command=tuple(shlex.split(args.trainer_command)),

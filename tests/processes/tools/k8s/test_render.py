@@ -85,10 +85,20 @@ def test_cli_render_sets_the_coordinator_port_and_hosts_from_its_arguments(capsy
   assert checks.check_documents([doc], crd_path=util.CRD) == []
 
 
-def test_cli_render_needs_hosts_without_tpu(capsys):
-  status, out, err = run_cli(["k8s", "render", "--slices", "2", "--image", "sidecar:1"], capsys)
-  assert (status, out) == (2, "")
-  assert "--hosts-per-slice is required without --tpu" in err
+@pytest.mark.parametrize("flags, slices, hosts", [
+    ([], 1, 1), (["--tpu", "v5e:4x4"], 1, 4), (["--slices", "2"], 2, 1)],
+    ids=["readme-line", "tpu", "slices"])
+def test_cli_render_defaults_to_one_slice_of_one_pod_or_the_tpus_hosts(
+    capsys, flags, slices, hosts):
+  # The README's line, `sidecar k8s render --image REGISTRY/sidecar:TAG`, as written.
+  status, out, err = run_cli(["k8s", "render", "--image", "REGISTRY/sidecar:TAG", *flags],
+                             capsys)
+  assert (status, err) == (0, "")
+  (doc,) = checks.load_documents(out)
+  job = doc["spec"]["replicatedJobs"][0]
+  assert (job["replicas"], job["template"]["spec"]["completions"]) == (slices, hosts)
+  assert util.env(doc, "trainer")["SIDECAR_HOSTS_PER_SLICE"]["value"] == str(hosts)
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
 
 
 def test_cli_render_rejects_a_bad_tpu_with_its_message(capsys):
