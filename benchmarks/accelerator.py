@@ -73,6 +73,8 @@ class Settings:
   workers: int  # ctl.feed's and Grain mp_prefetch's worker processes
   prefetch: int
   repeats: int  # of each state transfer
+  device_prefetch: tuple[int | None, ...] = (None,)  # ctl.feed's, a no-op row each
+  host_half: bool = False  # a row of ctl.feed into host arrays (the layout's puts skipped)
 
 
 # ---- the chip's limits -------------------------------------------------------------
@@ -218,20 +220,28 @@ def grain_best(kind: str, device, s: Settings, *, workers: int = 0) -> tuple[flo
   return rates[best], best
 
 
-def feed_options(s: Settings) -> tuple[sidecar.FeedOptions, str]:
-  """The feed's options, and how the table names them (device_prefetch where it exists)."""
-  options = sidecar.FeedOptions(workers=s.workers, prefetch=s.prefetch)
-  label = f"workers={s.workers}, prefetch={s.prefetch}"
-  if "device_prefetch" in {f.name for f in dataclasses.fields(options)}:
-    label += f", device_prefetch={options.device_prefetch} (its default)"
+def feed_options(s: Settings, device_prefetch: int | None = None
+                 ) -> tuple[sidecar.FeedOptions, str]:
+  """The feed's options, and how the table names them."""
+  options = sidecar.FeedOptions(workers=s.workers, prefetch=s.prefetch,
+                                device_prefetch=device_prefetch)
+  label = (f"workers={s.workers}, prefetch={s.prefetch}, device_prefetch="
+           + ("None (its default)" if device_prefetch is None else str(device_prefetch)))
   return options, label
 
 
-def feed_rate(ctl, kind: str, device, s: Settings) -> tuple[float, float]:
-  """ctl.feed's batches/s with each batch used at once, and the mean wait ms in next()."""
+def feed_rate(ctl, kind: str, device, s: Settings, device_prefetch: int | None = None, *,
+              host_only: bool = False) -> tuple[float, float]:
+  """ctl.feed's batches/s with each batch used at once, and the mean wait ms in next();
+  ``host_only``: the layout hands the arena views over as they are (no put, no use)."""
   sharding = NamedSharding(Mesh(np.array([device]), ("data",)), P("data"))
   with ctl.feed("bench_images", kwargs={"kind": kind}, global_batch_size=BATCH,
-                sharding=sharding, options=feed_options(s)[0]) as feed:
+                sharding=sharding, options=feed_options(s, device_prefetch)[0]) as feed:
+    step = use
+    if host_only:  # the host half alone: what the feed costs before any transfer
+      feed._layout.assemble = lambda blocks, hosts: blocks[0][0]
+      done = jax.numpy.zeros(())
+      step = lambda batch: done
 
     def measure(seconds: float) -> tuple[float, float]:
       n, waited, t0 = 0, 0.0, time.perf_counter()
@@ -239,11 +249,11 @@ def feed_rate(ctl, kind: str, device, s: Settings) -> tuple[float, float]:
         w = time.perf_counter()
         batch = next(feed)
         waited += time.perf_counter() - w
-        use(batch).block_until_ready()
+        step(batch).block_until_ready()
         n += 1
       return n / elapsed, waited / n * 1e3
 
-    use(next(feed)).block_until_ready()  # its workers are up
+    step(next(feed)).block_until_ready()  # its workers are up
     warm_up(lambda sec: measure(sec)[0], least_s=s.warmup_s, most_s=s.most_warmup_s)
     return measure(s.seconds)
 
@@ -278,11 +288,23 @@ FEED_TARGETS = {"noop": (2000, 0.7, 5.0), "light": (600, 0.0, 0.0)}  # issue 34 
 
 def feed_rows(ctl, device, s: Settings, chip_rate: float, grain: dict[str, float]) -> list[Row]:
   rows = []
-  for kind in KINDS:
-    what = f"ctl.feed, {kind} elements, {feed_options(s)[1]}, each batch used at once"
+  if s.host_half:
+    what = (f"ctl.feed, noop elements, {feed_options(s, 0)[1]}, into host arrays (the "
+            "layout's puts skipped): the host half alone")
     progress(what)
     try:
-      per_s, wait_ms = feed_rate(ctl, kind, device, s)
+      per_s, wait_ms = feed_rate(ctl, "noop", device, s, 0, host_only=True)
+      rows.append(Row("feed", what, per_s, "batches/s",
+                      (("of the chip's pipelined H2D", per_s / chip_rate),),
+                      note=f"next() takes {wait_ms:.2f} ms a step"))
+    except Exception as e:
+      rows.append(failed("feed", what, e))
+  for kind, depth in [(k, d) for k in KINDS
+                      for d in (s.device_prefetch if k == "noop" else s.device_prefetch[:1])]:
+    what = f"ctl.feed, {kind} elements, {feed_options(s, depth)[1]}, each batch used at once"
+    progress(what)
+    try:
+      per_s, wait_ms = feed_rate(ctl, kind, device, s, depth)
     except Exception as e:
       rows.append(failed("feed", what, e))
       continue
@@ -307,7 +329,8 @@ def feed_rows(ctl, device, s: Settings, chip_rate: float, grain: dict[str, float
 def settings(args, quick: bool) -> tuple[Settings, ckpt.Plan]:
   s = Settings(seconds=args.seconds or (1.5 if quick else 3.0), warmup_s=1.0 if quick else 2.0,
                most_warmup_s=12.0 if quick else 20.0, chip_depth=16, depths=tuple(args.depths),
-               workers=args.workers, prefetch=args.prefetch, repeats=3)
+               workers=args.workers, prefetch=args.prefetch, repeats=3,
+               device_prefetch=tuple(args.device_prefetch), host_half=args.host_half)
   state_mib = args.state_mib or (64 if quick else 1024)
   on_cpu = jax.devices()[0].platform == "cpu"
   plan = ckpt.Plan(leaves=args.leaves, state_bytes=state_mib << 20, saves=2 if quick else 3,
@@ -325,6 +348,12 @@ def parse(argv=None) -> argparse.Namespace:
   ap.add_argument("--workers", type=int, default=8 if (os.cpu_count() or 1) >= 12 else 2,
                   help="ctl.feed's and Grain mp_prefetch's worker processes")
   ap.add_argument("--prefetch", type=int, default=4, help="ctl.feed's FeedOptions.prefetch")
+  ap.add_argument("--device-prefetch", type=int, nargs="+", default=[None],
+                  help="ctl.feed's FeedOptions.device_prefetch: a no-op row for each (the "
+                       "light row takes the first); default: the framework's choice")
+  ap.add_argument("--host-half", action="store_true",
+                  help="add a row of ctl.feed into host arrays, the layout's puts skipped "
+                       "(what the feed's host side gives alone)")
   ap.add_argument("--depths", type=int, nargs="+", default=[2, 8],
                   help="batches Grain's consumer keeps in flight on the device (best is kept)")
   ap.add_argument("--seconds", type=float, default=None, help="each rate's window")
