@@ -1,4 +1,5 @@
-"""The README's quick start, run as written: its two code blocks, as the files they name."""
+"""The README's quick start, run as written: its two code blocks, as the files they name; and
+the example trainers that docs/multiprocess.md and docs/elastic.md show, as those files."""
 
 import os
 import re
@@ -35,13 +36,12 @@ def test_the_quick_start_runs_as_written_and_a_rerun_resumes(tmp_path):
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["149", "174", "199"]
 
 
-def _block(section: str, path: str) -> str:
-  """The python block of README section ``section`` whose first line names ``path``."""
-  text = (ROOT / "README.md").read_text()
-  body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-  blocks = [b for b in re.findall(r"```python\n(.*?)```", body, re.S)
+def _block(doc: str, path: str) -> str:
+  """The python block of ``doc`` (a page under the root) whose first line names ``path``."""
+  text = (ROOT / doc).read_text()
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
             if b.startswith(f"# {path}:")]
-  assert len(blocks) == 1, f"README section {section!r} has no block naming {path}"
+  assert len(blocks) == 1, f"{doc} has no block naming {path}"
   return blocks[0]
 
 
@@ -55,9 +55,9 @@ def _copy_examples(tmp_path, *names: str):
 
 
 @pytest.mark.timeout(600)  # two launches of 2 trainers and 2 sidecars, on a busy machine
-def test_the_multiprocess_trainer_is_the_readmes_and_resumes_under_sidecar_launch(tmp_path):
+def test_the_multiprocess_trainer_is_the_docs_and_resumes_under_sidecar_launch(tmp_path):
   source = (ROOT / "examples" / "train_multiprocess.py").read_text()
-  assert _block("One process, or one per host", "examples/train_multiprocess.py") == source
+  assert _block("docs/multiprocess.md", "examples/train_multiprocess.py") == source
   work = _copy_examples(tmp_path, "train_multiprocess.py")
   (tmp_path / "tmp").mkdir()
   ckpt = tmp_path / "ckpt"  # neither the temp directory nor the working one: a root is needed
@@ -79,11 +79,11 @@ def test_the_multiprocess_trainer_is_the_readmes_and_resumes_under_sidecar_launc
 
 
 @pytest.mark.timeout(600)
-def test_the_elastic_trainer_is_the_readmes_and_goes_on_when_a_host_dies(tmp_path):
+def test_the_elastic_trainer_is_the_docs_and_goes_on_when_a_host_dies(tmp_path):
   source = (ROOT / "examples" / "train_elastic.py").read_text()
-  block = _block("Keep training when a host dies", "examples/train_elastic.py")
+  block = _block("docs/elastic.md", "examples/train_elastic.py")
   train = block.split("\n", 1)[1].split("\nstate, step = train()")[0]
-  assert "def train(hosts):" in train and train in source  # the README shows its training
+  assert "def train(hosts):" in train and train in source  # docs/elastic.md shows its training
   work = _copy_examples(tmp_path, "train_elastic.py")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = ""
