@@ -15,7 +15,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, logs, options as options_lib, platform
-from sidecar._src.tools import cli_format, launch, torchrun
+from sidecar._src.tools import cli_format, cli_types, launch, torchrun
 from sidecar._src.tools.k8s import cli as k8s_cli
 from sidecar._src.tools.slurm import cli as slurm_cli
 from sidecar._src.user import registry as registry_lib
@@ -30,32 +30,6 @@ def _env(name: str, default: Any = None) -> Any:
   """``$name`` (a name in env.py's table), else ``default`` when unset or empty."""
   value = env_lib.get(name)
   return default if value is None else value
-
-
-def _ids(text: str) -> tuple[int, ...]:
-  try:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated ints like 0,1, got {text!r}") from None
-
-
-def _size(text: str) -> int:
-  try:
-    return shm.parse_size(text)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _quota(text: str) -> float | int:
-  """``--session-quota``: a fraction of the arena (``0.5``) or a size (``2GiB``)."""
-  try:
-    share = float(text)
-  except ValueError:
-    return _size(text)
-  if not 0 < share <= 1:
-    raise argparse.ArgumentTypeError(
-        f"a share of the arena must be in (0, 1] (or a size such as 2GiB), got {text!r}")
-  return share
 
 
 def _import_from_cwd() -> None:
@@ -276,11 +250,13 @@ def parser() -> argparse.ArgumentParser:
                       "pipelines and checkpoint writers, create the arena, and serve gRPC "
                       "until SIGTERM or Ctrl-C. Every flag's default can come from a "
                       "SIDECAR_* variable, as the Kubernetes manifests set them.")
-  s.add_argument("--host-id", type=int, default=int(_env(env_lib.HOST_ID, 0)),
+  # String defaults (a SIDECAR_ variable's text): argparse reads them with the flag's type only
+  # when the flag is not given, so a bad value is `sidecar serve: error: argument --port`.
+  s.add_argument("--host-id", type=int, default=_env(env_lib.HOST_ID, "0"),
                  help="this host's id, 0..N-1 in host order " + _from_env(env_lib.HOST_ID, "0"))
-  s.add_argument("--slice-id", type=int, default=int(_env(env_lib.SLICE_ID, 0)),
+  s.add_argument("--slice-id", type=int, default=_env(env_lib.SLICE_ID, "0"),
                  help="the slice this host belongs to " + _from_env(env_lib.SLICE_ID, "0"))
-  s.add_argument("--device-ids", type=_ids, default=_ids(_env(env_lib.DEVICE_IDS, "")),
+  s.add_argument("--device-ids", type=cli_types.ids, default=_env(env_lib.DEVICE_IDS, ""),
                  metavar="IDS", help="the JAX device ids this host owns, comma-separated, e.g. "
                  "0,1; feeds place rows by them " + _from_env(env_lib.DEVICE_IDS, "none"))
   s.add_argument("--listen", default=_env(env_lib.LISTEN), metavar="ADDR",
@@ -292,18 +268,18 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--socket-group", default=_env(env_lib.SOCKET_GROUP), metavar="GROUP",
                  help="with --listen unix:PATH: this group may connect too (mode 0660) "
                       + _from_env(env_lib.SOCKET_GROUP, "none: mode 0600, this user only"))
-  s.add_argument("--port", type=int, default=int(_env(env_lib.PORT, options_lib.DEFAULT_PORT)),
+  s.add_argument("--port", type=int, default=_env(env_lib.PORT, str(options_lib.DEFAULT_PORT)),
                  help="the gRPC control port (TCP only); 0 picks a free one "
                       + _from_env(env_lib.PORT, str(options_lib.DEFAULT_PORT)))
   s.add_argument("--health-port", type=int,
-                 default=int(_env(env_lib.HEALTH_PORT, options_lib.DEFAULT_HEALTH_PORT)),
+                 default=_env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT)),
                  help="the plaintext grpc.health.v1 port, for the kubelet's probes (TCP "
                       "only: a unix: sidecar answers health on its socket); 0 picks a free "
                       "one " + _from_env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT)))
   s.add_argument("--socket", default=_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"),
                  metavar="PATH", help="the Unix socket the workers attach to "
                  + _from_env(env_lib.SOCKET, "/run/sidecar/sidecar.sock"))
-  s.add_argument("--shm-size", type=_size, default=_size(_env(env_lib.SHM_SIZE, "1GiB")),
+  s.add_argument("--shm-size", type=cli_types.size, default=_env(env_lib.SHM_SIZE, "1GiB"),
                  metavar="SIZE", help="arena size, e.g. 4GiB; checked against what the "
                  "machine can give at start " + _from_env(env_lib.SHM_SIZE, "1GiB"))
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
@@ -324,8 +300,8 @@ def parser() -> argparse.ArgumentParser:
                       "only they may send replicas, never a controller (default: "
                       "$SIDECAR_PEER_TOKEN_FILE; $SIDECAR_PEER_TOKEN gives it itself; else "
                       "none: no replicas are accepted)")
-  s.add_argument("--session-quota", type=_quota, metavar="SHARE",
-                 default=_quota(_env(env_lib.SESSION_QUOTA, "0.9")),
+  s.add_argument("--session-quota", type=cli_types.quota, metavar="SHARE",
+                 default=_env(env_lib.SESSION_QUOTA, "0.9"),
                  help="what one worker session may hold of the arena: a fraction (0.5) or a "
                       "size (2GiB), so no client takes all of it "
                       + _from_env(env_lib.SESSION_QUOTA, "0.9"))
@@ -338,8 +314,7 @@ def parser() -> argparse.ArgumentParser:
                  help="directory the checkpoint calls may act in, and below (repeatable; "
                       "default: $SIDECAR_CHECKPOINT_ROOTS, else none: checkpoints are refused)")
   s.add_argument("--metrics-port", type=int, metavar="PORT",
-                 default=None if _env(env_lib.METRICS_PORT) is None
-                 else int(_env(env_lib.METRICS_PORT)),
+                 default=_env(env_lib.METRICS_PORT),
                  help="serve Prometheus metrics on http://LISTEN:PORT/metrics, on the address "
                       "of --listen (0 picks a free port; default: $SIDECAR_METRICS_PORT, else "
                       "no metrics)")
@@ -366,7 +341,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--hosts", type=int, default=2, help="sidecars to start")
   s.add_argument("--devices-per-host", type=int, default=1,
                  help="device ids each sidecar declares (host h owns h*D..h*D+D-1)")
-  s.add_argument("--shm-size", type=_size, default=_size("256MiB"), metavar="SIZE",
+  s.add_argument("--shm-size", type=cli_types.size, default="256MiB", metavar="SIZE",
                  help="each sidecar's arena size (default: 256MiB)")
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                  help="module each sidecar imports, so its decorators register (repeatable; "
@@ -395,7 +370,7 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                  help="module each sidecar imports, so its decorators register (repeatable; "
                       "default: none)")
-  s.add_argument("--shm-size", type=_size, default=_size("256MiB"),
+  s.add_argument("--shm-size", type=cli_types.size, default="256MiB",
                  help="each sidecar's arena size (default: 256MiB)")
   s.add_argument("--token-file", help="file with the sidecars' bearer token, also given to the "
                  "trainers (default: $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE, else none)")
@@ -420,7 +395,7 @@ def parser() -> argparse.ArgumentParser:
           description="Ask each sidecar for its identity, registry, arena use, feeds and "
                       "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
                       "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
-  s.add_argument("addresses", nargs="*", metavar="ADDR",
+  s.add_argument("addresses", nargs="*", metavar="ADDR", type=cli_types.address,
                  help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
                       "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")
   s.add_argument("--timeout", type=float, default=5.0, metavar="S",
@@ -464,6 +439,7 @@ def parser() -> argparse.ArgumentParser:
                       "when it answers SERVING, 1 otherwise, with what it answered.")
   health_port = _env(env_lib.HEALTH_PORT, str(options_lib.DEFAULT_HEALTH_PORT))
   s.add_argument("address", nargs="?", default=f"127.0.0.1:{health_port}", metavar="ADDR",
+                 type=cli_types.address,
                  help="HOST:PORT of the health port, or the unix:PATH a sidecar serves on "
                       "(default: 127.0.0.1:$SIDECAR_HEALTH_PORT, "
                       f"else 127.0.0.1:{options_lib.DEFAULT_HEALTH_PORT})")
@@ -478,9 +454,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs one ``sidecar`` command and returns its exit status.
+
+  A user's mistake the command did not catch itself (a SidecarError or ValueError, e.g.
+  ``sidecar demo --hosts 0``) is one line, ``sidecar CMD: MESSAGE``, and exit status 2; its
+  traceback goes to the log at DEBUG (``SIDECAR_LOG_LEVEL=DEBUG``). Any other error keeps its
+  traceback.
+  """
   args = parser().parse_args(argv)
   fmt = getattr(args, "log_format", logs.TEXT)
   logs.configure(fmt, _env(env_lib.LOG_LEVEL, "INFO"),
                  **({"host_id": args.host_id} if fmt == logs.JSON else {}))
   logging.getLogger("jax").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'"
-  return args.func(args)
+  try:
+    return args.func(args)
+  except (errors.SidecarError, ValueError) as e:
+    log.debug("the command ended with this error", exc_info=True)
+    words = [args.command, getattr(args, f"{args.command}_command", None)]
+    print(f"sidecar {' '.join(w for w in words if w)}: {e}", file=sys.stderr)
+    return 2

@@ -335,3 +335,10 @@ def test_serve_with_an_empty_token_file_refuses_to_start(tmp_path, capsys):
   empty.write_text("\n")
   assert cli.main(["serve", "--token-file", str(empty), "--port", "0"]) == 2
   assert f"token file {str(empty)!r} is empty" in capsys.readouterr().err
+
+
+def test_a_user_error_is_one_line_not_a_traceback():
+  # Before: a 20-line traceback ending in InvalidArgumentError, exit status 1.
+  p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--hosts", "0"],
+                     capture_output=True, text=True, timeout=120)
+  assert (p.returncode, p.stderr) == (2, "sidecar demo: num_hosts must be a positive int, got 0\n")

@@ -85,3 +85,56 @@ def test_serve_help_names_the_variable_and_the_fallback_of_each_default():
   assert "(default: $SIDECAR_PORT, else 8490)" in text
   assert "(default: $SIDECAR_SHM_SIZE, else 1GiB)" in text
   assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("argv, port", [
+    (["status", "127.0.0.1:70000"], "70000"), (["health", "127.0.0.1:99999"], "99999"),
+    (["status", "127.0.0.1:8490", "[::1]:0"], "0")], ids=["status", "health", "status-zero"])
+def test_status_and_health_refuse_a_port_outside_the_range(capsys, argv, port):
+  # Before: dialled modulo 65536, "UNAVAILABLE: ... ipv4:127.0.0.1:4464: Connection refused".
+  with pytest.raises(SystemExit) as exit_:
+    cli.parser().parse_args(argv)
+  assert exit_.value.code == 2
+  assert (f"sidecar {argv[0]}: error: argument ADDR: ADDR '{argv[-1]}' has port '{port}'; "
+          "ports are integers in 1..65535") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("var, value, flag", [
+    ("SIDECAR_PORT", "abc", "--port: invalid int value: 'abc'"),
+    ("SIDECAR_METRICS_PORT", "x", "--metrics-port: invalid int value: 'x'"),
+    ("SIDECAR_SHM_SIZE", "lots", "--shm-size: cannot parse size 'lots'"),
+    ("SIDECAR_DEVICE_IDS", "0,a", "--device-ids: expected comma-separated ints")],
+    ids=["port", "metrics-port", "shm-size", "device-ids"])
+def test_a_bad_serve_variable_is_a_usage_error_of_serve_alone(monkeypatch, capsys, var, value,
+                                                              flag):
+  # Before: a ValueError traceback from building the parser, for every command.
+  monkeypatch.setenv(var, value)
+  assert cli.parser().parse_args(["health"]).address == "127.0.0.1:8491"
+  with pytest.raises(SystemExit) as exit_:
+    cli.parser().parse_args(["serve"])
+  assert exit_.value.code == 2
+  assert f"sidecar serve: error: argument {flag}" in capsys.readouterr().err
+  monkeypatch.delenv(var)
+  args = cli.parser().parse_args(["serve"])
+  assert (args.port, args.metrics_port, args.shm_size, args.device_ids) == (8490, None, 1 << 30, ())
+
+
+@pytest.mark.parametrize("error", [ValueError("bad value 7"),
+                                   sidecar.InvalidArgumentError("bad value 7")],
+                         ids=["value-error", "sidecar-error"])
+def test_a_user_error_is_one_line_and_exit_status_2(monkeypatch, capsys, error):
+  def fails(args):
+    raise error
+  monkeypatch.setattr(cli, "_health", fails)
+  monkeypatch.setattr(cli.logs, "configure", lambda *a, **k: None)  # pytest's root logger stays
+  assert cli.main(["health"]) == 2
+  assert capsys.readouterr().err == "sidecar health: bad value 7\n"
+
+
+def test_an_unexpected_error_keeps_its_traceback(monkeypatch):
+  def fails(args):
+    raise RuntimeError("a bug")
+  monkeypatch.setattr(cli, "_health", fails)
+  monkeypatch.setattr(cli.logs, "configure", lambda *a, **k: None)
+  with pytest.raises(RuntimeError, match="a bug"):
+    cli.main(["health"])

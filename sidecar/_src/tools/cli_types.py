@@ -1,0 +1,47 @@
+"""The ``sidecar`` command's argument types: each reads one flag's text or says, as argparse
+does for a bad ``type=int``, what it wanted (``sidecar serve: error: argument ...``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sidecar._src.arena import shm
+from sidecar._src.core import address as address_lib, errors
+
+
+def ids(text: str) -> tuple[int, ...]:
+  """``--device-ids``: comma-separated ints."""
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated ints like 0,1, got {text!r}") from None
+
+
+def size(text: str) -> int:
+  """A size such as ``4GiB``, in bytes."""
+  try:
+    return shm.parse_size(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def quota(text: str) -> float | int:
+  """``--session-quota``: a fraction of the arena (``0.5``) or a size (``2GiB``)."""
+  try:
+    share = float(text)
+  except ValueError:
+    return size(text)
+  if not 0 < share <= 1:
+    raise argparse.ArgumentTypeError(
+        f"a share of the arena must be in (0, 1] (or a size such as 2GiB), got {text!r}")
+  return share
+
+
+def address(text: str) -> str:
+  """A sidecar's ``unix:PATH`` or ``HOST:PORT``, unchanged once read: a port outside
+  1..65535 is refused here, where gRPC would dial it modulo 65536 and name that port."""
+  try:
+    address_lib.parse(text, what="ADDR")
+  except errors.InvalidArgumentError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
