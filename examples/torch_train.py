@@ -14,12 +14,16 @@ last step saved, with the data where it stopped. With torchrun, start the sideca
 ``sidecar local`` and set ``SIDECAR_HOSTS`` and each rank's ``SIDECAR_ADDRESS`` (README,
 "PyTorch").
 
-Options: ``--steps N`` (default 60), ``--dir DIR`` (default ./torch_ckpt).
+Options: ``--steps N`` (default 60), ``--dir DIR``: where the checkpoints go (default:
+``$TMPDIR/sidecar-torch-train-UID``, outside the checkout, the same for every rank of this
+machine and every run, so a second run resumes; give a directory of your own to keep them).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -29,11 +33,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sidecar.torch
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=60)
-  parser.add_argument("--dir", default="torch_ckpt")
-  args = parser.parse_args()
+  parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(),
+                                                     f"sidecar-torch-train-{os.getuid()}"),
+                      help="where the checkpoints go (default: %(default)s)")
+  return parser.parse_args(argv)
+
+
+def main() -> None:
+  args = parse_args()
 
   ctl = sidecar.torch.connect()  # starts the gloo group from torchrun's environment
   rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,6 +80,7 @@ def main() -> None:
   if rank == 0:
     print(f"trained steps {first}-{step} on {world} ranks, loss {loss.item():.3f}; "
           f"saved steps {ckpt.all_steps()}", flush=True)
+    print(f"checkpoints in {os.path.abspath(args.dir)}: run again to resume", flush=True)
   ctl.close()
   dist.destroy_process_group()
 
