@@ -12,7 +12,8 @@ storage_reader=FileSystemReader(path))`` restores it with no sidecar running. Ea
 sidecar writes the files of the ranks beside it (:func:`write_rank_part`) straight from
 its arena, and one caller commits (:func:`finalize`) once every rank's file is down:
 
-  <path>.dcp-checkpoint-tmp/    while writing; renamed to <path> to commit
+  <path>.dcp-checkpoint-tmp/    while writing; renamed to <path> to commit (swapped with
+                                a committed one there in one step: renameat2's exchange)
     __<rank>_0.distcp ...       fsynced as they are written
     sidecar_manifest.json       each shard's crc32c (what a restore checks)
     .metadata                   written last, then the directory is fsynced and renamed
@@ -41,8 +42,11 @@ into values in the trainer, as it does for stock files.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import enum
+import errno
+import functools
 import json
 import os
 import pathlib
@@ -60,6 +64,8 @@ from sidecar._src.core import errors
 METADATA_FILE = ".metadata"
 MANIFEST = "sidecar_manifest.json"  # as in a sidecar's Orbax steps
 TMP_SUFFIX = ".dcp-checkpoint-tmp"
+OLD_SUFFIX = ".dcp-checkpoint-old"  # a replaced checkpoint, until its removal
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 FORMAT = "dcp"
 _WRITERS = 4
 
@@ -267,10 +273,48 @@ def tmp_path(path: os.PathLike | str) -> pathlib.Path:
 def create_tmp(path: os.PathLike | str) -> pathlib.Path:
   """Makes the uncommitted directory of the checkpoint at ``path`` (a leftover of an
   attempt that never committed is removed first) and returns it."""
+  recover(path)  # a complete copy first, where an overwrite was cut short
   tmp = tmp_path(path)
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   return tmp
+
+
+def old_path(path: os.PathLike | str) -> pathlib.Path:
+  """Where a replaced checkpoint waits for its removal (only where the file system has
+  no atomic exchange: :func:`finalize`)."""
+  path = pathlib.Path(path)
+  return path.with_name(path.name + OLD_SUFFIX)
+
+
+def recover(path: os.PathLike | str) -> bool:
+  """Puts the replaced copy back at ``path`` if an overwrite was cut short between its two
+  renames (nothing at ``path``, a complete copy at :func:`old_path`); whether it did."""
+  path, old = pathlib.Path(path), old_path(path)
+  if path.exists() or path.is_symlink() or not is_checkpoint(old):
+    return False
+  os.rename(old, path)
+  direct_io.fsync_dir(path.parent)
+  return True
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+  """Swaps the directories ``a`` and ``b`` in one step (Linux's ``renameat2`` with
+  ``RENAME_EXCHANGE``); False where the system or the file system has no such swap."""
+  fn = getattr(_libc(), "renameat2", None)
+  if fn is None:
+    return False
+  if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+  return ctypes.CDLL(None, use_errno=True)
 
 
 def is_checkpoint(path: os.PathLike | str) -> bool:
@@ -279,7 +323,8 @@ def is_checkpoint(path: os.PathLike | str) -> bool:
 
 
 def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int, int],
-             manifest: Mapping[str, Any] | None = None, replace: bool = True) -> pathlib.Path:
+             manifest: Mapping[str, Any] | None = None, replace: bool = True,
+             swapping: Callable[[], None] | None = None) -> pathlib.Path:
   """Commits the checkpoint written into ``tmp``: checks every rank's file, writes the
   manifest and ``.metadata`` (the bytes rank 0's trainer pickled), fsyncs, renames.
 
@@ -321,15 +366,26 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
     direct_io.write_small(tmp / MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
   direct_io.write_small(tmp / METADATA_FILE, metadata)
   direct_io.fsync_dir(tmp)
+  recover(final)
   old = None
   if final.exists() or final.is_symlink():
     if not is_checkpoint(final):
       raise FileExistsError(f"{final} exists and is not a DCP checkpoint; not replacing it")
     if not replace:
       raise FileExistsError(f"a checkpoint is already committed at {final}")
-    old = final.with_name(final.name + ".dcp-checkpoint-old")
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old_path(final), ignore_errors=True)  # a stale one: ``final`` is whole
+    if _exchange(tmp, final):  # one step: the path always holds a complete checkpoint
+      if swapping is not None:
+        swapping()
+      direct_io.fsync_dir(final.parent)
+      shutil.rmtree(tmp, ignore_errors=True)  # the replaced copy, now at the tmp name
+      return final
+    # No atomic swap here: two renames, and recover() puts the old copy back if this
+    # process dies between them (the next open or save of the path calls it).
+    old = old_path(final)
     os.rename(final, old)
+    if swapping is not None:
+      swapping()
   os.rename(tmp, final)
   direct_io.fsync_dir(final.parent)
   if old is not None:

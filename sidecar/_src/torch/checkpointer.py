@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import threading
 from typing import Any
@@ -25,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from sidecar._src.controller import controller as core
 from sidecar._src.core import errors
 from sidecar._src.torch import controller as torch_controller, storage
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,7 +92,7 @@ class Checkpointer:
     self._check_open()
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
       raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
-    self.wait()  # one save at a time, as DCP's async_save asks
+    self._settle()  # one save at a time, as DCP's async_save asks
     writer = storage.StorageWriter(os.path.join(self.directory, str(step)),
                                    replicas=self.replicas, controller=self._ctl)
     response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group)
@@ -102,10 +105,14 @@ class Checkpointer:
     def done(f: Any) -> None:
       try:
         f.result()
-        self._retain(step)
-        durable.set_result(step)
       except BaseException as e:
         durable.set_exception(e)
+        return
+      try:  # the step is durable whatever retention does: a failed delete is logged
+        self._retain(step)
+      except errors.SidecarError as e:
+        log.warning("could not delete old steps of %s: %s", self.directory, e)
+      durable.set_result(step)
     upload.add_done_callback(done)
     handle = self._last = SaveHandle(step, staged, durable)
     return handle
@@ -121,7 +128,7 @@ class Checkpointer:
     """Loads step ``step`` (None: the latest) into ``state_dict`` in place, as ``dcp.load``;
     returns it."""
     self._check_open()
-    self.wait()
+    self._settle()
     step = self.latest_step() if step is None else step
     if step is None:
       raise errors.InvalidArgumentError(f"no committed step in {self.directory} to restore")
@@ -131,10 +138,22 @@ class Checkpointer:
     return state_dict
 
   def wait(self) -> None:
-    """Waits for the last save to be durable (its error, if any, is raised here)."""
+    """Waits for the last save to be durable; raises its error, if any, once (its
+    ``handle.durable`` keeps it). ``save`` and ``restore`` wait for it to end, and leave
+    its error to its handle and here: one failed save fails nothing after it."""
     last = self._last
     if last is not None:
-      last.durable.result()
+      try:
+        last.durable.result()
+      finally:
+        if self._last is last:
+          self._last = None
+
+  def _settle(self) -> None:
+    """Waits for the save in flight to end, durable or failed."""
+    last = self._last
+    if last is not None:
+      concurrent.futures.wait([last.durable])
 
   def _check_open(self) -> None:
     if self._closed:

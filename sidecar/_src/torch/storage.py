@@ -399,8 +399,9 @@ class StorageReader(_Reader):
     for req, shard, crc, source, future in pending:
       try:
         data = future.result()
-      except (errors.HostLostError, errors.InvalidArgumentError):
-        # Its sidecar is gone (or kept no copy): a peer's replica, else storage.
+      except (errors.HostLostError, errors.InvalidArgumentError, errors.CorruptCheckpointError):
+        # Its sidecar is gone, kept no copy, or its copy fails the committed manifest's
+        # crc32c (another save's): a peer's replica, else storage.
         data = self._fallback(shard, crc, source, here, counts)
       counts["items"] += 1
       counts["bytes"] += data.nbytes
@@ -441,8 +442,8 @@ class StorageReader(_Reader):
     for peer in self._replicas.get(source, []):
       try:
         data = self._read(peer, shard, crc, "replica").result()
-      except (errors.HostLostError, errors.InvalidArgumentError):
-        continue  # that peer is gone too, or let its copy go
+      except (errors.HostLostError, errors.InvalidArgumentError, errors.CorruptCheckpointError):
+        continue  # that peer is gone too, let its copy go, or holds another save's
       counts["from_replicas"] += 1
       return data
     counts["from_storage"] += 1

@@ -27,6 +27,7 @@ import numpy as np
 from sidecar._src.ckptfmt import dcp, dcp_record
 from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.core import dtypes, errors
+from sidecar._src.host.checkpoint import faults
 from sidecar._src.host.checkpoint.roots import MANIFEST
 
 FORMAT = dcp.FORMAT
@@ -52,14 +53,20 @@ def write_ranks(tmp: str, items: Mapping[int, list[dcp.Item]],
   failures: dict[int, BaseException] = {}
 
   def run(rank: int) -> None:
+    ended = False
+
     def datas():
+      nonlocal ended
       while (got := queues[rank].get()) is not _END:
         yield got
+      ended = True
     try:
       results[rank] = dcp.write_rank_part(tmp, rank, items[rank], datas(), progress=progress)
     except BaseException as e:
       failures[rank] = e
-      while queues[rank].get() is not _END:  # let the router go on; the error is kept
+      # Let the router go on (the error is kept), unless the end marker is consumed
+      # already: a write that fails after its last item would wait here for good.
+      while not ended and queues[rank].get() is not _END:
         pass
 
   def start(rank: int) -> None:
@@ -100,7 +107,8 @@ def commit(tmp: str, *, step: int, metadata: bytes, file_sizes: Mapping[int, int
       "data_state": json.loads(data_state) if data_state else None}
   if replicas:
     manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
-  return str(dcp.finalize(tmp, metadata=metadata, file_sizes=file_sizes, manifest=manifest))
+  return str(dcp.finalize(tmp, metadata=metadata, file_sizes=file_sizes, manifest=manifest,
+                          swapping=lambda: faults.fault("swap", step)))
 
 
 @functools.lru_cache(maxsize=16)

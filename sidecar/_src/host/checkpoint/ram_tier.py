@@ -51,7 +51,7 @@ class Step:
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)
   written: int = 0
-  verified: set = dataclasses.field(default_factory=set)  # shards whose crc32c matched
+  verified: set = dataclasses.field(default_factory=set)  # (key, index, crc32c) that matched
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
   tmp_dir: str = ""  # the uncommitted item directory its writer fills

@@ -100,9 +100,11 @@ class Reader:
             held = None
       if held is not None:
         data = held.shards[(key, idx)]
-        if crc32c is not None and (key, idx) not in held.verified:
+        # Keyed by the checksum checked: a copy verified against another save's manifest
+        # (an older save of the same path) is checked again against this one's.
+        if crc32c is not None and (key, idx, crc32c) not in held.verified:
           _check(final_dir, key, idx, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
-          held.verified.add((key, idx))
+          held.verified.add((key, idx, crc32c))
         out = data if part is None else _part(data, part)
         self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
                                      out.nbytes)

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
+DELETING = ".sidecar-deleting-"  # a step being deleted: ``.<step>.sidecar-deleting-<id>``
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +94,11 @@ class StepWriter:
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
+    for old in path.glob(f"*{dcp.OLD_SUFFIX}") if sweep else ():
+      if dcp.recover(old.with_name(old.name.removesuffix(dcp.OLD_SUFFIX))):
+        log.warning("put %s back: an overwrite of it was cut short", old)
+    for gone in path.glob(f".*{DELETING}*") if sweep else ():
+      shutil.rmtree(gone, ignore_errors=True)  # a delete cut short
     tmps = [*path.glob(f"*{layout.TMP_SUFFIX}"), *path.glob(f"*{dcp.TMP_SUFFIX}")]
     for tmp in tmps if sweep else ():
       with self._tier.lock:
@@ -103,7 +109,11 @@ class StepWriter:
         log.warning("removed %s, left by a save that never committed", tmp)
     with self._tier.lock:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
-    return {"steps": ol_read.list_steps(directory)}
+    # Only numbered directories that hold a checkpoint's marker are steps: an empty
+    # ``999/`` (or one being made by hand) is neither listed nor ever deleted.
+    return {"steps": [s for s in ol_read.list_steps(directory)
+                      if roots_lib.is_checkpoint_dir(path / str(s))
+                      or dcp.is_checkpoint(path / str(s))]}
 
   def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
     """Creates the step's uncommitted directory (anew): ``<directory>/<step>.orbax-checkpoint-tmp``,
@@ -428,7 +438,10 @@ class StepWriter:
           f"delete: {target} is not a checkpoint step directory (no {MANIFEST} nor Orbax's "
           "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
           "wrote")
-    shutil.rmtree(target, ignore_errors=True)
+    # Renamed away first: a delete cut short leaves no half step under a step's name.
+    gone = target.with_name(f".{target.name}{DELETING}{uuid.uuid4().hex[:8]}")
+    os.rename(target, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> errors.SidecarError:

@@ -1,0 +1,140 @@
+"""Torch ranks that save through the sidecars while something goes wrong (issue 35, items
+1, 2, 4 and 5). Run under ``sidecar launch --torch``::
+
+  python -m tests.processes.torch.ckpt_faults DIRECTORY mix|enospc|swap|listing
+
+``mix`` (2 hosts, ``--elastic``): ``<dir>/1`` saved with ``replicas=1, ram_steps=2``; a
+restore reads rank 1's part from host 0's replica (host 1's own copy refused, as if
+lost); ``<dir>/1`` saved again with new values, no replica sent (as a rank 0 that stops
+right after the commit); rank 1 SIGKILLs its sidecar; the job restarted on host 0 alone
+restores ``<dir>/1``: it must be the second save's values. ``enospc`` (the sidecar under
+``SIDECAR_CKPT_FAULT=enospc@2``): a ``Checkpointer`` saves 1, 2 (its write fails) and 3.
+``swap`` (under ``SIDECAR_CKPT_FAULT=swap@1``): ``<dir>/1`` saved twice; the sidecar is
+killed in the middle of the second's overwrite. ``listing``: an empty ``999/`` and an
+empty ``0/`` beside the steps of a ``Checkpointer(max_to_keep=1)``. Prints JSON lines.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import sidecar.torch
+from sidecar._src.core import errors
+from tests.support.torch_ckpt import same, state, zeros_like
+
+
+def main() -> None:
+  directory, mode = sys.argv[1], sys.argv[2]
+  ctl = sidecar.torch.connect()
+  if not dist.is_initialized():
+    dist.init_process_group("gloo")
+  rank, world = dist.get_rank(), dist.get_world_size()
+  say = lambda **kw: print(json.dumps({"rank": rank, **kw}), flush=True)
+  if mode == "mix":
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if restart == 0:
+      w = sidecar.torch.StorageWriter(f"{directory}/1", replicas=1, ram_steps=2, controller=ctl)
+      dcp.save(state(rank, world, 1), storage_writer=w)
+
+      class ViaReplica(sidecar.torch.StorageReader):
+        def _read(self, host, shard, crc, tier):  # host 1's own copy, as if it were lost
+          if host == 1 and tier == "any":
+            return super()._read(-1, shard, crc, tier)
+          return super()._read(host, shard, crc, tier)
+      target, r = zeros_like(state(rank, world, 1)), ViaReplica(f"{directory}/1", controller=ctl)
+      dcp.load(target, storage_reader=r)
+      say(first=same(target, state(rank, world, 1)), stats=r.last_stats)
+
+      class NoReplicas(sidecar.torch.StorageWriter):
+        def _replicate(self, target, placement):  # stopped right after the commit
+          pass
+      w = NoReplicas(f"{directory}/1", replicas=1, ram_steps=2, controller=ctl)
+      dcp.save(state(rank, world, 2), storage_writer=w)
+      dist.barrier()
+      if rank == 1:
+        os.kill(next(h.pid for h in ctl.hosts if h.host_id == ctl.local_hosts[0]), 9)
+        time.sleep(600)
+      dist.barrier()
+    target = {**zeros_like(state(rank, world, 2)), "rank1": torch.zeros(3)}
+    r = sidecar.torch.StorageReader(f"{directory}/1", controller=ctl)
+    try:
+      dcp.load(target, storage_reader=r)
+    except BaseException as e:
+      say(restored=1, restart=restart, error=f"{type(e).__name__}: {e}"[:1500])
+    else:
+      want = {**state(rank, world, 2), "rank1": torch.full((3,), 21.0)}
+      say(restored=1, restart=restart, same=same(target, want),
+          rank1=target["rank1"].tolist(), stats=r.last_stats)
+  elif mode == "enospc":
+    ckpt = sidecar.torch.Checkpointer(directory, controller=ctl)
+    ckpt.save(1, state(rank, world, 1)).durable.result(timeout=60)
+    t0 = time.monotonic()
+    handle = ckpt.save(2, state(rank, world, 2))
+    try:
+      handle.durable.result(timeout=20)
+      outcome = "durable"
+    except TimeoutError:
+      say(save2="hung", seconds=time.monotonic() - t0)
+      os._exit(7)  # the sidecar is wedged: nothing after this can work
+    except BaseException as e:  # DCP's CheckpointException, the sidecar's error in it
+      outcome = type(e).__name__ + "".join(
+          f" {w}" for w in ("CheckpointWriteError", "ENOSPC") if w in str(e))
+    say(save2=outcome, seconds=time.monotonic() - t0, listing=sorted(os.listdir(directory)))
+    try:
+      ckpt.save(3, state(rank, world, 3)).durable.result(timeout=60)
+      target = ckpt.restore(None, zeros_like(state(rank, world, 3)))
+      say(save3=True, same=same(target, state(rank, world, 3)), steps=ckpt.all_steps())
+      ckpt.close()
+    except BaseException as e:
+      say(save3=f"{type(e).__name__}: {e}"[:500])
+  elif mode == "swap":
+    for step in (1, 2):
+      w = sidecar.torch.StorageWriter(f"{directory}/1", controller=ctl)
+      try:
+        dcp.save(state(rank, world, step), storage_writer=w)
+        say(saved=step)
+      except BaseException as e:
+        say(saved=step, error=f"{type(e).__name__}"[:200])
+        os._exit(5)
+  elif mode == "restore":  # after ``swap``: a new job, a new sidecar
+    ckpt = sidecar.torch.Checkpointer(directory, controller=ctl)
+    steps = ckpt.all_steps()
+    got = {}
+    for step in (1, 2):
+      target = ckpt.restore(1, zeros_like(state(rank, world, step)))
+      got[step] = same(target, state(rank, world, step))
+    ckpt.save(1, state(rank, world, 3)).durable.result(timeout=60)
+    target = ckpt.restore(1, zeros_like(state(rank, world, 3)))
+    say(steps=steps, got=got, resaved=same(target, state(rank, world, 3)))
+    ckpt.close()
+  elif mode == "listing":
+    os.makedirs(f"{directory}/999", exist_ok=True)
+    os.makedirs(f"{directory}/0", exist_ok=True)
+    ckpt = sidecar.torch.Checkpointer(directory, max_to_keep=1, controller=ctl)
+    say(latest=ckpt.latest_step())
+    out = {}
+    for step in (1, 2):
+      try:
+        ckpt.save(step, state(rank, world, step)).durable.result(timeout=60)
+        out[step] = "durable"
+      except errors.SidecarError as e:
+        out[step] = f"{type(e).__name__}: {e}"[:300]
+    try:
+      target = ckpt.restore(None, zeros_like(state(rank, world, 2)))
+      restored = same(target, state(rank, world, 2))
+    except BaseException as e:
+      restored = f"{type(e).__name__}: {e}"[:300]
+    say(saves=out, restored=restored, steps=ckpt.all_steps(),
+        listing=sorted(os.listdir(directory)))
+    ckpt.close()
+  dist.barrier()
+  ctl.close()
+
+
+if __name__ == "__main__":
+  main()

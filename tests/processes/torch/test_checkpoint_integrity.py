@@ -1,0 +1,98 @@
+"""The PyTorch checkpoint path's data integrity (issue 35, items 1, 2, 4 and 5), each with
+real sidecar processes under ``sidecar launch --torch`` and real files
+(``tests/processes/torch/ckpt_faults.py`` is the trainer):
+
+1. a restore never mixes two saves of one DCP path: a replica of the older save on a
+   surviving sidecar is not served for the newer (its crc32c is checked against the
+   committed manifest, and a copy that fails the check is skipped for storage);
+2. a save whose write fails (``SIDECAR_CKPT_FAULT=enospc@2``: ENOSPC once its first bytes
+   are on disk) fails at once, leaves no partial files, and the next save is durable;
+4. a sidecar killed in the middle of an overwrite (``swap@1``) leaves a complete
+   checkpoint at the path, which a new job restores and saves over;
+5. empty numbered directories are not steps, and a save's failure is raised once.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from tests.support.paths import ROOT
+from tests.support.torch_ckpt import same, state, zeros_like
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def launch(directory, mode, *, hosts=1, flags=(), fault=None, timeout=150):
+  env = {k: v for k, v in os.environ.items() if k != "SIDECAR_CKPT_FAULT"}
+  if fault:
+    env["SIDECAR_CKPT_FAULT"] = fault
+  p = subprocess.run(
+      [sys.executable, "-m", "sidecar", "launch", "--torch", *flags, "--hosts", str(hosts),
+       "--procs-per-host", "1", "--shm-size", "32MiB", "--", sys.executable, "-m",
+       "tests.processes.torch.ckpt_faults", str(directory), mode],
+      cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+  records = [json.loads(line.split("] ", 1)[1]) for line in p.stdout.splitlines()
+             if "] {" in line]
+  return p, records
+
+
+def test_a_restore_never_serves_a_replica_of_an_older_save_of_the_path(tmp_path):
+  p, records = launch(tmp_path, "mix", hosts=2, flags=("--elastic",))
+  assert p.returncode == 0, p.stdout + p.stderr
+  first = [r for r in records if "first" in r]
+  assert [r["first"] for r in first] == [True, True], records
+  assert sum(r["stats"]["from_replicas"] for r in first) > 0, records  # host 0's replica read
+  (restored,) = [r for r in records if r.get("restored") == 1]
+  assert restored["restart"] == 1, records
+  assert restored.get("rank1") == [21.0] * 3, restored  # save 2's, not rank 1's of save 1
+  assert restored["same"] is True, records
+  # Rank 1's part was on the lost host alone: from storage, the stale replica skipped.
+  assert restored["stats"]["from_storage"] > 0, records
+
+
+def test_a_save_whose_write_fails_fails_at_once_and_the_next_save_is_durable(tmp_path):
+  p, records = launch(tmp_path, "enospc", fault="enospc@2")
+  assert p.returncode == 0, p.stdout + p.stderr
+  (failed,) = [r for r in records if "save2" in r]
+  assert failed["save2"] == "CheckpointException CheckpointWriteError ENOSPC", records
+  assert failed["seconds"] < 10, records  # before: no outcome (its wait was 3,600 s)
+  assert failed["listing"] == ["1"], records  # no partial file of step 2 left
+  (next_save,) = [r for r in records if "save3" in r]
+  assert next_save["save3"] is True and next_save["same"] is True, records
+  assert next_save["steps"] == [1, 3], records
+  assert sorted(os.listdir(tmp_path)) == ["1", "3"]
+
+
+def test_a_sidecar_killed_mid_overwrite_leaves_a_whole_checkpoint_at_the_path(tmp_path):
+  p, records = launch(tmp_path, "swap", fault="swap@1")
+  # The commit's sidecar died: DCP raises its CheckpointException on the trainer.
+  assert [r.get("error") for r in records] == [None, "CheckpointException"], p.stdout + p.stderr
+  # The path holds one complete checkpoint, the old or the new, read by stock DCP alone.
+  assert os.path.isdir(tmp_path / "1"), sorted(os.listdir(tmp_path))
+  got = []
+  for step in (1, 2):
+    target = zeros_like(state(0, 1, step))
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "1")), no_dist=True)
+    got.append(same(target, state(0, 1, step)))
+  assert got.count(True) == 1, got
+  # A new job lists it, restores it, and saves over it.
+  p, records = launch(tmp_path, "restore")
+  assert p.returncode == 0, p.stdout + p.stderr
+  (r,) = records
+  assert r["steps"] == [1] and list(r["got"].values()) == got and r["resaved"], records
+  assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_empty_numbered_directories_are_not_steps_and_a_failure_is_raised_once(tmp_path):
+  p, records = launch(tmp_path, "listing")
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert records[0]["latest"] is None, records
+  (r,) = [r for r in records if "saves" in r]
+  assert r["saves"] == {"1": "durable", "2": "durable"}, records
+  assert r["restored"] is True and r["steps"] == [2], records
+  assert r["listing"] == ["0", "2", "999"], records  # not steps: never deleted
