@@ -1,7 +1,7 @@
 """Import layers as a test: each module's imports read with ``ast``, none executed.
 
 Each package of ``sidecar/_src`` is one subsystem, and imports only from itself and the
-packages below it (``LAYERS``, lowest first; README's "Layout" draws them):
+packages below it (``LAYERS``, lowest first; ARCHITECTURE.md's "Layout" draws them):
 
 - ``core``: errors, options, env, logs, interrupts (the standard library only), dtypes (numpy's);
 - ``ckptfmt``: stock Orbax's layout on disk, on core only (no RPC, no framework);
