@@ -33,27 +33,29 @@ from sidecar._src.tools.local import LocalCluster
 PIPELINES = "pipelines.digits"
 # Without --verbose the demo prints its story only: log records below ERROR, the
 # launcher's lines and what the trainer processes write to stderr (Gloo's connection
-# lines, say) go here, overwritten by each run.
-LOG_FILE = os.path.join(tempfile.gettempdir(), "sidecar-demo.log")
+# lines, say) go to a log file of this run's own, kept: $TMPDIR/sidecar-demo-*.log.
+LOG_PREFIX, LOG_SUFFIX = "sidecar-demo-", ".log"
 
 
 @contextlib.contextmanager
 def _quiet(verbose: bool) -> Iterator[str | None]:
-  """Sends this process's log records below ERROR to ``LOG_FILE`` unless ``verbose``;
-  yields the file's path (None when verbose)."""
+  """Sends this process's log records below ERROR to a new log file unless ``verbose``
+  (one per run, so two demos never write into one); yields its path (None when verbose)."""
   if verbose:
     yield None
     return
+  fd, path = tempfile.mkstemp(prefix=LOG_PREFIX, suffix=LOG_SUFFIX)
+  os.close(fd)
   root = logging.getLogger()
   handlers, level = root.handlers[:], root.level
-  to_file = logging.FileHandler(LOG_FILE, mode="w")
+  to_file = logging.FileHandler(path, mode="a")
   to_file.setFormatter(logging.Formatter(logs.TEXT_FORMAT))
   errors_only = logging.StreamHandler(sys.stderr)
   errors_only.setLevel(logging.ERROR)
   root.handlers[:] = [to_file, errors_only]
   root.setLevel(min(level, logging.INFO) if level else logging.INFO)
   try:
-    yield LOG_FILE
+    yield path
   finally:
     root.handlers[:] = handlers
     root.setLevel(level)
@@ -126,19 +128,21 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   sidecars. ``processes=N``: the same training as a multi-controller job, N trainer
   processes under ``jax.distributed`` (one per host, each beside its own sidecar),
   started by ``sidecar launch``. ``verbose``: log records and the trainers' stderr come
-  to the terminal too; else they go to ``LOG_FILE``, named at the end.
+  to the terminal too; else they go to a log file of this run's own, named at the end and
+  kept. The checkpoints go to a new temporary directory, removed at the end.
   """
   if importlib.util.find_spec("sklearn") is None:  # pipelines.digits, in every sidecar
     print("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
           "pip install 'colocated-sidecar[demo]'", file=sys.stderr)
     return 2
   with _quiet(verbose) as log_file:
-    code = _run(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
-                global_batch_size=global_batch_size, checkpoint_every=checkpoint_every,
-                processes=processes, elastic=elastic, log_file=log_file)
-  if log_file is not None:
-    print(f"The log: {log_file} (--verbose shows it here).")
-  return code
+    try:
+      return _run(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
+                  global_batch_size=global_batch_size, checkpoint_every=checkpoint_every,
+                  processes=processes, elastic=elastic, log_file=log_file)
+    finally:  # named on a failure too: that is when it is read
+      if log_file is not None:
+        print(f"The log: {log_file}, kept (--verbose shows it here instead).")
 
 
 def _run(*, hosts: int, devices_per_host: int, steps: int, global_batch_size: int,
@@ -217,7 +221,8 @@ def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
   say(f"Checkpoints: {len(blocked)} saves, the trainer blocked "
       f"{np.median(blocked) * 1e3:.1f} ms per save (median); the sidecars wrote them in "
       f"Orbax's layout to {ckpt_dir} (steps {ckpt.all_steps()}, the last durable "
-      f"{(time.perf_counter() - t) * 1e3:.0f} ms after training ended).")
+      f"{(time.perf_counter() - t) * 1e3:.0f} ms after training ended); the demo removes "
+      "that directory when it ends.")
   target = {"params": jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)}
   t = time.perf_counter()
@@ -233,6 +238,7 @@ def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
   ctl.peers.all_gather("demo/done", "")  # nobody reads the directory any more
   if ctl.process_index == 0:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
+    say(f"  {'could not remove' if os.path.exists(ckpt_dir) else 'removed'} {ckpt_dir}")
 
 
 def run_elastic(*, hosts: int, devices_per_host: int, steps: int,

@@ -81,12 +81,21 @@ def test_demo_runs(tmp_path, flags):
   p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--steps", "100", *flags],
                      capture_output=True, text=True, timeout=400, env=env)
   assert p.returncode == 0, p.stderr[-3000:]
-  # The story only: log records, the launcher's lines and Gloo's go to the log file.
-  log = (tmp_path / "sidecar-demo.log").read_text()
+  # The story only: log records, the launcher's lines and Gloo's go to the log file, this
+  # run's own (before: $TMPDIR/sidecar-demo.log, overwritten by each run), named and kept.
+  (log_path,) = tmp_path.glob("sidecar-demo-*.log")
+  assert f"The log: {log_path}, kept (--verbose shows it here instead)." in p.stdout
+  log = log_path.read_text()
   record = re.compile(r"\d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING) ")
   assert not record.search(p.stdout + p.stderr), p.stdout + p.stderr
   assert "[Gloo]" not in p.stdout and "sidecar launch:" not in p.stderr, p.stdout + p.stderr
-  assert f"The log: {tmp_path / 'sidecar-demo.log'}" in p.stdout
+  # The checkpoint directory it names, it says it removes, and does (before: named, removed
+  # unsaid); nothing else of it is left.
+  if "--elastic" not in flags:
+    ckpt_dir = re.search(r"in Orbax's layout to (\S+) \(steps", p.stdout)[1]
+    assert "the demo removes that directory when it ends" in p.stdout
+    assert f"  removed {ckpt_dir}\n" in p.stdout and not os.path.exists(ckpt_dir)
+  assert list(tmp_path.iterdir()) == [log_path]
   assert record.search(log) or "[Gloo]" in log, log
   assert "test accuracy" in p.stdout
   assert "--elastic" in flags or "trainer waited for data" in p.stdout
