@@ -14,7 +14,6 @@ Every rank makes the same calls in the same order.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
@@ -24,19 +23,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from sidecar._src.controller import controller as core
+from sidecar._src.controller.checkpoint.retention import Retention
+from sidecar._src.controller.checkpoint.target import SaveHandle
 from sidecar._src.core import errors
 from sidecar._src.torch import controller as torch_controller, storage
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SaveHandle:
-  """``staged``: this rank's tensors are in the arena (change them at will); ``durable``:
-  the step is committed on storage. ``concurrent.futures.Future``s of the step."""
-  step: int
-  staged: concurrent.futures.Future
-  durable: concurrent.futures.Future
 
 
 class Checkpointer:
@@ -75,13 +67,18 @@ class Checkpointer:
     self._last: SaveHandle | None = None
     self._lock = threading.Lock()
     self._closed = False
-    self._steps = self._client.open(self._host, self.directory, ram_steps=1, ram_budget=None,
-                                    sweep=self._ctl.peers.index == 0).result()
+    lead = self._ctl.peers.index == 0
+    steps = self._client.open(self._host, self.directory, ram_steps=1, ram_budget=None,
+                              sweep=lead).result()
+    # The core's retention, as ``ctl.checkpointer``'s: rank 0 deletes, every rank forgets
+    # a deleted step in its sidecar's RAM tier, a failed delete is logged and retried.
+    self._retention = Retention(client=self._client, directory=self.directory,
+                                local=[self._host], lead=lead, max_to_keep=max_to_keep,
+                                keep_period=None, steps=list(steps))
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending."""
-    return list(self._client.open(self._host, self.directory, ram_steps=1, ram_budget=None,
-                                  sweep=False).result())
+    return self._retention.all()
 
   def latest_step(self) -> int | None:
     steps = self.all_steps()
@@ -98,31 +95,26 @@ class Checkpointer:
     response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group)
     upload = response if isinstance(response, concurrent.futures.Future) else (
         response.upload_completion)
-    staged: concurrent.futures.Future = concurrent.futures.Future()
-    staged.set_result(step)
-    durable: concurrent.futures.Future = concurrent.futures.Future()
+    handle = self._last = SaveHandle(step, concurrent.futures.Future(),
+                                     concurrent.futures.Future())
+    handle.staged.set_result(step)
 
     def done(f: Any) -> None:
       try:
         f.result()
       except BaseException as e:
-        durable.set_exception(e)
+        handle.durable.set_exception(e)
+        handle.replicated.set_exception(e)
         return
+      self._retention.add(step)
       try:  # the step is durable whatever retention does: a failed delete is logged
-        self._retain(step)
+        self._retention.collect()
       except errors.SidecarError as e:
         log.warning("could not delete old steps of %s: %s", self.directory, e)
-      durable.set_result(step)
+      handle.durable.set_result(step)
+      handle.replicated.set_result(step)  # StorageWriter.finish replicates before it returns
     upload.add_done_callback(done)
-    handle = self._last = SaveHandle(step, staged, durable)
     return handle
-
-  def _retain(self, step: int) -> None:
-    if self.max_to_keep is None or self._ctl.peers.index != 0:
-      return
-    for old in self.all_steps()[:-self.max_to_keep]:
-      if old != step:
-        self._client.delete(self._host, self.directory, old).result()
 
   def restore(self, step: int | None, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Loads step ``step`` (None: the latest) into ``state_dict`` in place, as ``dcp.load``;

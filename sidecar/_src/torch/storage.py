@@ -46,6 +46,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import dcp
 from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.controller import controller as core
+from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.checkpointer import replica_peers
 from sidecar._src.controller.checkpoint.client import StagedShard
 from sidecar._src.core import errors
@@ -58,7 +59,6 @@ from sidecar._src.torch import (
 from sidecar._src.wire import codec
 
 log = logging.getLogger(__name__)
-STAGE_PART_BYTES = 512 << 20  # a rank stages in parts of about this many bytes
 _LONG_S = 3600.0
 
 
@@ -167,7 +167,7 @@ class StorageWriter(_Writer):
     parts: list[list[StagedShard]] = [[]]
     nbytes = 0
     for i, (item, array) in enumerate(zip(items, arrays)):
-      if nbytes >= STAGE_PART_BYTES:
+      if nbytes >= staging.STAGE_PART_BYTES:  # the core's measured size (one part on 2 cores)
         parts.append([])
         nbytes = 0
       parts[-1].append(StagedShard(i, item.index, array, refs[i]))

@@ -120,8 +120,9 @@ def main() -> None:
     out = {}
     for step in (1, 2):
       try:
-        ckpt.save(step, state(rank, world, step)).durable.result(timeout=60)
-        out[step] = "durable"
+        handle = ckpt.save(step, state(rank, world, step))
+        handle.durable.result(timeout=60)
+        out[step] = "durable" if handle.replicated.result(timeout=5) == step else "?"
       except errors.SidecarError as e:
         out[step] = f"{type(e).__name__}: {e}"[:300]
     try:

@@ -9,7 +9,9 @@ real sidecar processes under ``sidecar launch --torch`` and real files
    are on disk) fails at once, leaves no partial files, and the next save is durable;
 4. a sidecar killed in the middle of an overwrite (``swap@1``) leaves a complete
    checkpoint at the path, which a new job restores and saves over;
-5. empty numbered directories are not steps, and a save's failure is raised once.
+5. empty numbered directories are not steps, and a save's failure is raised once (the
+   ``Checkpointer`` keeps its steps with the core's ``Retention`` and returns the core's
+   ``SaveHandle``, its ``replicated`` future set).
 """
 
 import json
@@ -93,6 +95,6 @@ def test_empty_numbered_directories_are_not_steps_and_a_failure_is_raised_once(t
   assert p.returncode == 0, p.stdout + p.stderr
   assert records[0]["latest"] is None, records
   (r,) = [r for r in records if "saves" in r]
-  assert r["saves"] == {"1": "durable", "2": "durable"}, records
+  assert r["saves"] == {"1": "durable", "2": "durable"}, records  # and `replicated` set
   assert r["restored"] is True and r["steps"] == [2], records
   assert r["listing"] == ["0", "2", "999"], records  # not steps: never deleted
