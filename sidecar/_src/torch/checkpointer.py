@@ -14,6 +14,8 @@ Every rank makes the same calls in the same order.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import json
 import logging
 import os
 import threading
@@ -24,11 +26,12 @@ import torch.distributed.checkpoint as dcp
 
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.target import SaveHandle
+from sidecar._src.controller.checkpoint.target import SaveHandle, done_handle
 from sidecar._src.core import errors
 from sidecar._src.torch import controller as torch_controller, storage
 
 log = logging.getLogger(__name__)
+_instances = itertools.count()  # every rank makes its Checkpointers in the same order
 
 
 class Checkpointer:
@@ -48,11 +51,17 @@ class Checkpointer:
     directory: where the steps go, ``<directory>/<step>``.
     max_to_keep: the newest steps kept; older ones are deleted once a newer is durable.
     replicas: peer sidecars that also keep each shard (see ``StorageWriter``).
+    if_busy: what ``save`` does while the previous save is not durable yet: ``"wait"``
+      for it (the default), or ``"skip"`` this save (its handle's futures hold None), as
+      ``ctl.checkpointer``'s; every rank takes the same decision.
     controller: default this rank's, from :func:`sidecar.torch.connect`.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
-               replicas: int = 0, controller: core.Controller | None = None):
+               replicas: int = 0, if_busy: str = "wait",
+               controller: core.Controller | None = None):
+    if if_busy not in ("wait", "skip"):
+      raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
       raise errors.InvalidArgumentError(f"max_to_keep must be None or >= 1, got {max_to_keep!r}")
     self.directory = os.path.abspath(os.fspath(directory))
@@ -65,6 +74,7 @@ class Checkpointer:
     self._group: Any = (dist.new_group(backend="gloo")
                    if dist.is_initialized() and dist.get_world_size() > 1 else None)
     self._last: SaveHandle | None = None
+    self._if_busy, self._key, self._saves = if_busy, f"torch-ckpt/{next(_instances)}", 0
     self._lock = threading.Lock()
     self._closed = False
     lead = self._ctl.peers.index == 0
@@ -89,6 +99,8 @@ class Checkpointer:
     self._check_open()
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
       raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+    if self._busy(step) and self._if_busy == "skip":
+      return done_handle(step, None)
     self._settle()  # one save at a time, as DCP's async_save asks
     writer = storage.StorageWriter(os.path.join(self.directory, str(step)),
                                    replicas=self.replicas, controller=self._ctl)
@@ -140,6 +152,23 @@ class Checkpointer:
       finally:
         if self._last is last:
           self._last = None
+
+  def _busy(self, step: int) -> bool:
+    """Whether any rank's previous save is in flight; every rank must save ``step``."""
+    last = self._last
+    busy = last is not None and not last.durable.done()
+    peers = self._ctl.peers
+    if peers.count == 1:
+      return busy
+    self._saves += 1
+    gathered = [json.loads(v) for v in peers.all_gather(
+        f"{self._key}/save/{self._saves}", json.dumps({"step": step, "busy": busy}))]
+    if len({g["step"] for g in gathered}) > 1:
+      raise errors.InvalidArgumentError(
+          f"the ranks disagree on the step of save {self._saves} in {self.directory}: "
+          + "; ".join(f"rank {r}: step {g['step']}" for r, g in enumerate(gathered))
+          + ". Every rank must call save with the same step, in the same order")
+    return any(g["busy"] for g in gathered)
 
   def _settle(self) -> None:
     """Waits for the save in flight to end, durable or failed."""

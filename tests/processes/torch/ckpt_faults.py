@@ -1,7 +1,7 @@
 """Torch ranks that save through the sidecars while something goes wrong (issue 35, items
 1, 2, 4 and 5). Run under ``sidecar launch --torch``::
 
-  python -m tests.processes.torch.ckpt_faults DIRECTORY mix|enospc|swap|listing
+  python -m tests.processes.torch.ckpt_faults DIRECTORY mix|enospc|swap|restore|listing|skip
 
 ``mix`` (2 hosts, ``--elastic``): ``<dir>/1`` saved with ``replicas=1, ram_steps=2``; a
 restore reads rank 1's part from host 0's replica (host 1's own copy refused, as if
@@ -11,7 +11,9 @@ restores ``<dir>/1``: it must be the second save's values. ``enospc`` (the sidec
 ``SIDECAR_CKPT_FAULT=enospc@2``): a ``Checkpointer`` saves 1, 2 (its write fails) and 3.
 ``swap`` (under ``SIDECAR_CKPT_FAULT=swap@1``): ``<dir>/1`` saved twice; the sidecar is
 killed in the middle of the second's overwrite. ``listing``: an empty ``999/`` and an
-empty ``0/`` beside the steps of a ``Checkpointer(max_to_keep=1)``. Prints JSON lines.
+empty ``0/`` beside the steps of a ``Checkpointer(max_to_keep=1)``. ``skip`` (2 hosts,
+``slow@2``): ``Checkpointer(if_busy="skip")`` saves 1, 2, then 3 while 2 is in flight,
+then 4. Prints JSON lines.
 """
 
 import json
@@ -111,6 +113,21 @@ def main() -> None:
     ckpt.save(1, state(rank, world, 3)).durable.result(timeout=60)
     target = ckpt.restore(1, zeros_like(state(rank, world, 3)))
     say(steps=steps, got=got, resaved=same(target, state(rank, world, 3)))
+    ckpt.close()
+  elif mode == "skip":  # the sidecars under ``slow@2``: step 2's write starts 2 s late
+    try:
+      sidecar.torch.Checkpointer(directory, if_busy="later", controller=ctl)
+    except errors.InvalidArgumentError as e:
+      say(refused=str(e))
+    ckpt = sidecar.torch.Checkpointer(directory, if_busy="skip", controller=ctl)
+    ckpt.save(1, state(rank, world, 1)).durable.result(timeout=60)
+    second = ckpt.save(2, state(rank, world, 2))
+    third = ckpt.save(3, state(rank, world, 3))  # step 2 in flight on every rank: skipped
+    skipped = [third.staged.result(), third.durable.result(), third.replicated.result()]
+    busy = not second.durable.done()
+    second.durable.result(timeout=60)
+    ckpt.save(4, state(rank, world, 4)).durable.result(timeout=60)
+    say(skipped=skipped, busy=busy, steps=ckpt.all_steps())
     ckpt.close()
   elif mode == "listing":
     os.makedirs(f"{directory}/999", exist_ok=True)

@@ -12,6 +12,9 @@ real sidecar processes under ``sidecar launch --torch`` and real files
 5. empty numbered directories are not steps, and a save's failure is raised once (the
    ``Checkpointer`` keeps its steps with the core's ``Retention`` and returns the core's
    ``SaveHandle``, its ``replicated`` future set).
+
+And (issue 36 item 1) ``Checkpointer(if_busy="skip")`` skips a save while the previous is
+in flight, every rank alike, as ``ctl.checkpointer`` does.
 """
 
 import json
@@ -98,3 +101,15 @@ def test_empty_numbered_directories_are_not_steps_and_a_failure_is_raised_once(t
   assert r["saves"] == {"1": "durable", "2": "durable"}, records  # and `replicated` set
   assert r["restored"] is True and r["steps"] == [2], records
   assert r["listing"] == ["0", "2", "999"], records  # not steps: never deleted
+
+
+def test_a_save_while_the_previous_is_in_flight_is_skipped_by_every_rank(tmp_path):
+  # issue 36 item 1: the torch Checkpointer's busy/skip, as ctl.checkpointer's
+  p, records = launch(tmp_path, "skip", hosts=2, fault="slow@2")
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert [r["refused"] for r in records if "refused" in r] == [
+      "if_busy must be 'wait' or 'skip', got 'later'"] * 2, records
+  done = [r for r in records if "skipped" in r]
+  assert [(r["skipped"], r["busy"], r["steps"]) for r in done] == [
+      ([None] * 3, True, [1, 2, 4])] * 2, records
+  assert sorted(os.listdir(tmp_path)) == ["1", "2", "4"]
