@@ -203,8 +203,9 @@ SLURM_JOB = _var("SIDECAR_SLURM_JOB", "in a cluster.env: the service's Slurm job
 # ---- the checkpoint host; read in host/checkpoint.py and host/checkpoint_faults.py -----
 CKPT_FAULT = _var(
     "SIDECAR_CKPT_FAULT", "tests only: POINT@STEP makes the sidecar SIGKILL itself there "
-    "(stage, write, prepared, commit, read, replicate), slow@STEP pauses 2 s",
-    default="no fault", readers="the checkpoint host (host/checkpoint_faults.py)")
+    "(stage, write, prepared, commit, read, replicate; swap: between a DCP overwrite's two "
+    "renames), slow@STEP pauses 2 s, enospc@STEP fails the write with ENOSPC",
+    default="no fault", readers="the checkpoint host (host/checkpoint/faults.py)")
 REPLICA_SHM = _var(
     "SIDECAR_REPLICA_SHM", "0: replicas go inline over gRPC even to a peer on this machine",
     default="1: through the peer's arena when it is mapped here", readers=_CKPT)
