@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -27,6 +28,10 @@ if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` 
   from sidecar._src.jax.worker import Worker
 
 TRANSPORTS = ("unix", "tcp")
+PREFIX = "sidecar-local-"
+# In each cluster's directory: which process made it (pid, boot id, pid namespace), so a
+# later start removes a directory whose owner was SIGKILLed (its close() never ran).
+OWNER_FILE = "owner.json"
 # The LocalClusters running in this process: several may (each has its own sidecars,
 # ports, sockets and temp directory); error messages name them.
 _running: weakref.WeakSet = weakref.WeakSet()
@@ -129,7 +134,9 @@ class LocalCluster:
       return self
     if self._configure_jax:
       configure_jax_devices(self.num_hosts * self.devices_per_host)
-    self._dir = ipc.socket_dir("sidecar-local-")  # the sidecars' sockets and files
+    remove_orphans()
+    self._dir = ipc.socket_dir(PREFIX)  # the sidecars' sockets and files
+    _write_owner(self._dir)
     # A cluster dropped without close() (a notebook cell that makes one again, rebinding
     # its name) stops its sidecars when it is collected; close() is the main path.
     self._finalizer = weakref.finalize(self, _stop, self._procs, self._dir)
@@ -347,3 +354,54 @@ def _stop(procs: list[subprocess.Popen], directory: str | None) -> None:
       proc.wait()
   if directory is not None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _owner() -> dict[str, Any]:
+  """This process as a directory's owner: a pid means something only on the same kernel
+  boot and in the same pid namespace."""
+  try:
+    pid_ns = os.readlink("/proc/self/ns/pid")
+  except OSError:
+    pid_ns = ""
+  return {"pid": os.getpid(), "boot_id": shm.boot_id(), "pid_ns": pid_ns}
+
+
+def _write_owner(directory: str) -> None:
+  tmp = os.path.join(directory, OWNER_FILE + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(_owner(), f)
+  os.replace(tmp, os.path.join(directory, OWNER_FILE))  # whole or absent, never half
+
+
+def _orphaned(directory: str, here: dict[str, Any]) -> bool:
+  """Whether ``directory`` is a LocalCluster's of ours whose owner process is dead."""
+  try:
+    if os.lstat(directory).st_uid != os.getuid():
+      return False
+    with open(os.path.join(directory, OWNER_FILE)) as f:
+      owner = json.load(f)
+    pid = owner["pid"]
+    if (not isinstance(pid, int) or pid <= 0 or not here["boot_id"]
+        or owner.get("boot_id") != here["boot_id"] or owner.get("pid_ns") != here["pid_ns"]):
+      return False  # another kernel's or namespace's pid: can't tell, so keep it
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  except (OSError, ValueError, KeyError, TypeError):
+    return False  # not ours, not written yet, or its owner runs (EPERM: someone's else)
+  return False
+
+
+def remove_orphans() -> list[str]:
+  """Removes the directories of LocalClusters whose process died without closing them
+  (SIGKILL, a crash), in the temp directory and /tmp; returns them. A directory is
+  removed only where it is ours (our uid, our prefix, an owner file) and its owner's pid,
+  on this boot and in this pid namespace, is gone: never a live process's."""
+  here = _owner()
+  removed = []
+  for parent in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+    for directory in glob.glob(os.path.join(glob.escape(parent), PREFIX + "*")):
+      if _orphaned(directory, here):
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory)
+  return removed
