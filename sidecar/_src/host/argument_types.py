@@ -1,8 +1,8 @@
-"""A pipeline's keyword arguments checked against its parameters' annotations.
+"""A registered function's or pipeline's arguments checked against its annotations.
 
 A value of the wrong type for a parameter annotated with a plain type (``n: int``)
-would fail somewhere inside the pipeline as a remote TypeError, or not at all and
-make other data; it is refused at the start, naming the parameter and the type.
+would fail somewhere inside the function or pipeline as a remote TypeError, or not at
+all and make other data; it is refused at the start, naming the parameter and the type.
 Only what the codec can carry is checked: bool, int, float, str, bytes, None, the
 containers (list, tuple, dict) by their own type, ``Literal``, ``Optional`` and
 unions of those. Any other annotation (a class of the user's, ``np.ndarray``,
@@ -12,6 +12,7 @@ unions of those. Any other annotation (a class of the user's, ``np.ndarray``,
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -31,12 +32,35 @@ def check(fn: Callable[..., Any], kwargs: Mapping[str, Any], *, what: str) -> No
   """
   hints = _hints(fn)
   for name, value in kwargs.items():
+    _check_one(hints.get(name, _UNCHECKED), name, value, what=what)
+
+
+def check_call(fn: Callable[..., Any], signature: inspect.Signature, args: tuple,
+               kwargs: Mapping[str, Any], *, what: str) -> None:
+  """As :func:`check`, for positional and keyword arguments both, bound to ``signature``
+  (which must accept them): each element of ``*args`` and each value of ``**kwargs``
+  against their parameter's annotation.
+  """
+  hints = _hints(fn)
+  for name, value in signature.bind(*args, **kwargs).arguments.items():
     hint = hints.get(name, _UNCHECKED)
-    if hint is _UNCHECKED or _accepts(hint, value) is not False:
-      continue
-    raise errors.InvalidArgumentError(
-        f"{what}: argument {name!r} must be {_describe(hint)} (as annotated), got "
-        f"{type(value).__name__} {value!r:.60}")
+    kind = signature.parameters[name].kind
+    if kind is inspect.Parameter.VAR_POSITIONAL:
+      for i, v in enumerate(value):
+        _check_one(hint, f"{name}[{i}]", v, what=what)
+    elif kind is inspect.Parameter.VAR_KEYWORD:
+      for key, v in value.items():
+        _check_one(hint, key, v, what=what)
+    else:
+      _check_one(hint, name, value, what=what)
+
+
+def _check_one(hint: Any, name: str, value: Any, *, what: str) -> None:
+  if hint is _UNCHECKED or _accepts(hint, value) is not False:
+    return
+  raise errors.InvalidArgumentError(
+      f"{what}: argument {name!r} must be {_describe(hint)} (as annotated), got "
+      f"{type(value).__name__} {value!r:.60}")
 
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:

@@ -66,6 +66,9 @@ class Runner:
             f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
     if kind == registry_lib.PIPELINE:
       argument_types.check(entry.fn, kwargs, what=f"pipeline {entry.name!r}")
+    elif entry.signature is not None:
+      argument_types.check_call(entry.fn, entry.signature, args, kwargs,
+                                what=f"{entry.kind} {entry.name!r}")
     with self._lock:
       self.calls += 1
     return entry, args, kwargs

@@ -24,6 +24,10 @@ def named_like_ours(timeout, hosts=None, name=None, args=None, kwargs=None):
   return {"timeout": timeout, "hosts": hosts, "name": name, "args": args, "kwargs": kwargs}
 
 
+def count(n: int, scale: float = 1.0, *rest: int, table: np.ndarray | None = None, free=None):
+  return n * scale + sum(rest) + (0 if table is None else float(table.sum()))
+
+
 def seeded(ctx: sidecar.PipelineContext, seed: int = 0, n: int = 8):
   """Example i is ``seed * 1000 + i``: the pipeline's own seed, not the feed's shuffle seed."""
   return grain.MapDataset.range(n).map(lambda i: {"id": np.int64(seed * 1000 + i)})
@@ -35,6 +39,7 @@ def ctl(make_server):
   reg.add("function", "named_like_ours", named_like_ours)
   reg.add("function", "add", lambda a, b=0: a + b)
   reg.add("pipeline", "seeded", seeded)
+  reg.add("function", "count", count)
   server = make_server(registry=reg, device_ids=(0,))
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as c:
     yield c
@@ -127,3 +132,21 @@ def test_the_old_feed_shorthand_still_works_with_a_warning(ctl):
   with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be a positive int"), \
       pytest.warns(DeprecationWarning):
     ctl.feed("seeded", global_batch_size=4, sharding=_sharding(), prefetch=0)
+
+
+def test_function_arguments_are_checked_against_its_annotations(ctl):
+  # issue 35 item 14: a pipeline's were checked, a function's ran with whatever came.
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"function 'count': argument 'n' must be int \(as annotated\), "
+                           r"got str 'x'"):
+    ctl.call("count", args=("x",))
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"argument 'scale' must be float \(as annotated\), got str '2'"):
+    ctl.call("count", args=(1,), kwargs={"scale": "2"})
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"argument 'rest\[1\]' must be int \(as annotated\), got float 2.5"):
+    ctl.call("count", args=(1, 1.0, 2, 2.5))
+  # What the annotations allow goes through: numpy scalars for int, an int for float, an
+  # array for np.ndarray, anything for an unannotated parameter.
+  assert ctl.call("count", args=(np.int64(2), 3, 4),
+                  kwargs={"table": np.ones(3), "free": object.__name__}) == [13.0]

@@ -1,5 +1,7 @@
-"""Tier 1: a pipeline's keyword arguments are checked against its annotations."""
+"""Tier 1: a pipeline's keyword arguments and a function's arguments are checked against
+their annotations."""
 
+import inspect
 from typing import Literal, Optional
 
 import numpy as np
@@ -57,3 +59,19 @@ def test_annotations_that_cannot_be_resolved_are_not_checked():
   def p(ctx, n: "NotAName" = 1):  # noqa: F821
     return []
   argument_types.check(p, {"n": "ten"}, what="pipeline 'p'")
+
+
+def function(n: int, *rest: int, scale: float = 1.0, **named: str):
+  return n
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    (("x",), {}, r"function 'f': argument 'n' must be int \(as annotated\), got str 'x'"),
+    ((1, 2, "3"), {}, r"argument 'rest\[1\]' must be int .*got str '3'"),
+    ((1,), {"scale": "2"}, r"argument 'scale' must be float .*got str '2'"),
+    ((1,), {"tag": 5}, r"argument 'tag' must be str .*got int 5"),
+], ids=["positional", "var-positional", "keyword", "var-keyword"])
+def test_a_functions_positional_and_keyword_arguments_are_checked(args, kwargs, match):
+  with pytest.raises(sidecar.InvalidArgumentError, match=match):
+    argument_types.check_call(function, inspect.signature(function), args, kwargs,
+                              what="function 'f'")
