@@ -94,9 +94,15 @@ def log_tail(directory: str, host: int, lines: int = _LOG_TAIL_LINES) -> str:
     return f"[sidecar {host}] (no log)"
 
 
-def _stop(proc: subprocess.Popen | None, step_name: str, grace: float = _GRACE_S) -> None:
-  """Stops the step ``proc`` (an srun) runs: SIGTERM to its tasks (scancel --signal, so
-  that they clean up: srun itself would kill them), SIGKILL to srun after ``grace``."""
+def _stop(proc: subprocess.Popen | None, step_name: str, grace: float = _GRACE_S, *,
+          sig: signal.Signals = signal.SIGTERM) -> None:
+  """Stops the step ``proc`` (an srun) runs: ``sig`` to its tasks (scancel --signal, so
+  that they clean up: srun itself would kill them), SIGKILL to srun after ``grace``.
+
+  slurmstepd reports a step signalled with SIGTERM or SIGKILL as cancelled, in the job's
+  output (``error: *** STEP J.S ON NODE CANCELLED AT ... ***``); with another signal that
+  its tasks take as a stop, the step ends by itself, unreported.
+  """
   if proc is None or proc.poll() is not None:
     return
   job = os.environ.get("SLURM_JOB_ID", "")
@@ -105,7 +111,8 @@ def _stop(proc: subprocess.Popen | None, step_name: str, grace: float = _GRACE_S
   steps = [line.split()[0] for line in listed.stdout.splitlines()
            if line.split()[1:] == [step_name]]
   for step in steps:
-    subprocess.run(["scancel", "--signal=TERM", step], capture_output=True, timeout=30)
+    subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step],
+                   capture_output=True, timeout=30)
   if not steps:
     proc.send_signal(signal.SIGTERM)
   try:
@@ -322,7 +329,10 @@ class Job:
     """Stops the trainers, then the sidecars; removes what the job made in its directory
     (the directory too if it made it); idempotent."""
     _stop(self.trainers, "trainers")
-    _stop(self.sidecars, "sidecars", grace=_GRACE_S + 5)  # the sidecars' own grace first
+    # SIGINT, which `sidecar slurm _sidecars` takes as SIGTERM: a successful job's output
+    # then ends with its own last line, not slurmstepd's "STEP ... CANCELLED" error.
+    _stop(self.sidecars, "sidecars", grace=_GRACE_S + 5,  # the sidecars' own grace first
+          sig=signal.SIGINT)
     for channel in self.channels.values():
       channel.close()
     self.channels = {}

@@ -169,3 +169,13 @@ def test_tasks_that_share_a_sidecar_each_get_their_share_of_its_arena(slurm, tmp
   held = sorted(int(m) for m in re.findall(r"rank \d held (\d+) MiB", output))
   # Before: rank 0 held 57 MiB (the 0.9 default), rank 1 the 7 left.
   assert len(held) == 2 and all(24 <= h <= 31 for h in held), output
+
+
+def test_a_successful_job_ends_without_a_cancelled_step(slurm, tmp_path):
+  # issue 35 item 14: every successful job's output ended with `slurmstepd: error: ***
+  # STEP N.0 ON node CANCELLED AT ... ***`, which reads like a failure.
+  job, code, output = submit(slurm, tmp_path, "--hosts-per-node", "1",
+                             command=[sys.executable, "-c", "pass"])
+  assert code == 0, output
+  assert output.rstrip().endswith("sidecar slurm: the trainers exited 0"), output
+  assert "CANCELLED" not in output and "slurmstepd: error" not in output, output
