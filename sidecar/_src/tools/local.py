@@ -82,6 +82,8 @@ class LocalCluster:
   so it runs where TCP is refused; ``"tcp"`` on free ports of 127.0.0.1.
   Everything started is stopped on exit, also when the body raises, and on SIGTERM to this
   process where nothing else handles it (the process then dies of it, as it would have).
+  After a SIGKILL its sidecars stop by themselves (they watch their parent), and the next
+  LocalCluster start (or ``sidecar local``) removes the temp directory (``remove_orphans``).
   """
 
   def __init__(self, num_hosts: int = 4, devices_per_host: int = 2, *,
