@@ -2,6 +2,8 @@
 
 import json
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,35 +174,44 @@ def test_sidecars_exit_when_the_trainer_is_killed(tmp_path):
   assert set(arena_mappers()) <= mappers
 
 
-def test_a_later_start_removes_the_directory_of_a_killed_cluster(tmp_path, monkeypatch):
+def test_a_later_start_removes_the_directory_of_a_killed_cluster(monkeypatch):
   # issue 35 item 14: a SIGKILLed `sidecar local` left /tmp/sidecar-local-* behind for good.
-  live = tmp_path / "sidecar-local-live"  # a live process's (ours): never touched
-  live.mkdir()
-  (live / "owner.json").write_text(json.dumps(local_lib._owner()))
-  unowned = tmp_path / "sidecar-local-unowned"  # no owner file: not known to be ours
-  unowned.mkdir()
-  proc = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1"],
-                          stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                          env=dict(os.environ, TMPDIR=str(tmp_path)))
-  first = proc.stdout.readline()
-  directory = os.path.dirname(first.split("unix://")[1].split()[0])
-  assert directory.startswith(str(tmp_path / "sidecar-local-")), first
-  while "Ctrl-C" not in proc.stdout.readline():
-    pass
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  proc.stdout.close()
-  with open(os.path.join(directory, "host0.json")) as f:
-    pid = json.load(f)["pid"]
-  assert eventually(lambda: not alive(pid), timeout=10)  # --exit-with-parent
-  assert os.path.isdir(directory)  # SIGKILL ran no cleanup
-  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="8MiB",
-                                    configure_jax=False) as c:
+  # A short temp dir: under a long one (pytest's under xdist) the sockets go to /tmp.
+  base = pathlib.Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+  proc = None
+  try:
+    live = base / "sidecar-local-live"  # a live process's (ours): never touched
+    live.mkdir()
+    (live / "owner.json").write_text(json.dumps(local_lib._owner()))
+    unowned = base / "sidecar-local-unowned"  # no owner file: not known to be ours
+    unowned.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, TMPDIR=str(base)))
+    first = proc.stdout.readline()
+    directory = os.path.dirname(first.split("unix://")[1].split()[0])
+    assert directory.startswith(str(base / "sidecar-local-")), first
+    while "Ctrl-C" not in proc.stdout.readline():
+      pass
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with open(os.path.join(directory, "host0.json")) as f:
+      pid = json.load(f)["pid"]
+    assert eventually(lambda: not alive(pid), timeout=10)  # --exit-with-parent
+    assert os.path.isdir(directory)  # SIGKILL ran no cleanup
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="8MiB",
+                                      configure_jax=False) as c:
+      assert not os.path.exists(directory)
+      assert live.is_dir() and unowned.is_dir()
+      assert c._dir != directory and os.path.dirname(c._dir) == str(base)
     assert not os.path.exists(directory)
-    assert live.is_dir() and unowned.is_dir()
-    assert c._dir != directory and os.path.dirname(c._dir) == str(tmp_path)
-  assert not os.path.exists(directory)
+  finally:
+    if proc is not None:
+      proc.kill()  # a failed check before the SIGKILL leaves no sidecar behind
+      proc.wait()
+      proc.stdout.close()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_controller_from_env_discovers_every_sidecar(cluster, monkeypatch):
