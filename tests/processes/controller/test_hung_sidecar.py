@@ -49,11 +49,26 @@ def stopped(cluster):
   watchdog = threading.Timer(WATCHDOG_S, resume)
   os.kill(pid, signal.SIGSTOP)
   watchdog.start()
+  # The stop reaches each thread as it next runs: one running on the other core could
+  # still answer a request sent at once (.ci/run saw an alloc answered "after" SIGSTOP).
+  assert eventually(lambda: all_threads_stopped(pid), timeout=10)
   try:
     yield
   finally:
     watchdog.cancel()
     resume()
+
+
+def all_threads_stopped(pid: int) -> bool:
+  """Whether every thread of ``pid`` is stopped (state T in /proc)."""
+  states = []
+  for task in os.listdir(f"/proc/{pid}/task"):
+    try:
+      with open(f"/proc/{pid}/task/{task}/stat") as f:
+        states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except FileNotFoundError:  # a thread that ended meanwhile
+      pass
+  return all(state in ("T", "t") for state in states)
 
 
 def sharding():
