@@ -135,7 +135,7 @@ def access_problem(path: str) -> str | None:
     directory = os.path.dirname(path)
     return (f"this process (uid {os.getuid()}, gid {os.getgid()}) may not enter "
             f"{directory}, which holds the socket")
-  kind = "socket" if stat.S_ISSOCK(info.st_mode) else "file, not a socket"
+  kind = "socket" if stat.S_ISSOCK(info.st_mode) else "file, not a socket,"
   return (f"permission denied: {path} is a {kind} of mode {info.st_mode & 0o7777:04o}, "
           f"owner uid {info.st_uid}, gid {info.st_gid}, and this process is uid "
           f"{os.getuid()}, gid {os.getgid()}; run it as the sidecar's user, or serve with "
