@@ -1,9 +1,19 @@
 """The README's quick start, as the files it names: run by tests/processes/test_readme.py on
 CPU devices and by tests/accelerator/test_readme.py on the chip."""
 
+import os
 import re
 
 from tests.support.paths import ROOT
+
+
+def check_two_runs(outputs: list[str], directory) -> None:
+  """The quick start's two runs as the README says: 100 steps, then resumed for 100 more,
+  ``normalize`` run on the sidecars, the last three saves kept in ``directory/ckpt``."""
+  assert "trained steps 0-99; saved steps [49, 74, 99]" in outputs[0], outputs[0]
+  assert "trained steps 100-199; saved steps [149, 174, 199]" in outputs[1], outputs[1]
+  assert "-1.34164079" in outputs[0]  # normalize ran on the sidecars
+  assert sorted(os.listdir(os.path.join(directory, "ckpt"))) == ["149", "174", "199"]
 
 
 def quick_start() -> dict[str, str]:

@@ -12,6 +12,7 @@ import sidecar
 from sidecar._src.controller import status
 from sidecar._src.tools import cli
 from tests.conftest import eventually
+from tests.support import procfs
 
 pytestmark = pytest.mark.processes
 
@@ -127,14 +128,7 @@ def test_status_shows_running_feeds(capsys):
 def _listening(pid: int) -> list[tuple[str, int]]:
   """(address, port) of every TCP socket process ``pid`` listens on, from /proc."""
   import ipaddress
-  inodes = set()
-  for fd in os.listdir(f"/proc/{pid}/fd"):
-    try:
-      link = os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-      continue
-    if link.startswith("socket:["):
-      inodes.add(link[8:-1])
+  inodes = procfs.socket_inodes(pid)
   out = []
   for table in ("tcp", "tcp6"):
     with open(f"/proc/net/{table}") as f:

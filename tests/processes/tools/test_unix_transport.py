@@ -18,6 +18,7 @@ import pytest
 import sidecar
 from sidecar._src.tools import cli
 from tests.conftest import eventually
+from tests.support import procfs
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.processes
@@ -27,14 +28,7 @@ FNS = ["tests.support.sidecar_fns"]
 
 def _tcp_sockets(pid: int) -> list[str]:
   """The TCP sockets (any state) process ``pid`` holds, as /proc/net rows."""
-  inodes = set()
-  for fd in os.listdir(f"/proc/{pid}/fd"):
-    try:
-      link = os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-      continue
-    if link.startswith("socket:["):
-      inodes.add(link[8:-1])
+  inodes = procfs.socket_inodes(pid)
   rows = []
   for table in ("tcp", "tcp6", "udp", "udp6"):
     with open(f"/proc/{pid}/net/{table}") as f:
