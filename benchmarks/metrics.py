@@ -100,7 +100,7 @@ def feed_rate(ctl, sharding, seconds: float, pid: int) -> tuple[float, float, in
 
 def recorder_us(n: int = 200_000) -> float:
   """What one call costs the sidecar in the metrics code: label, in-flight, count, latency."""
-  from sidecar._src.host import metrics as metrics_lib
+  from sidecar._src.server import metrics as metrics_lib
   from sidecar._src.user import registry as registry_lib
   reg = registry_lib.Registry()
   reg.add(registry_lib.FUNCTION, "bench_echo", lambda x: x)

@@ -50,8 +50,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
-from sidecar._src.host.checkpoint import peers as replicas_lib
-from sidecar._src.host.checkpoint.host import SHM_ENV
+from sidecar._src.server.checkpoint import peers as replicas_lib
+from sidecar._src.server.checkpoint.host import SHM_ENV
 
 LEAVES, LEAF_SHAPE = checkpoint_bench.LEAVES, checkpoint_bench.LEAF_SHAPE  # 1 GiB
 progress = checkpoint_bench.progress

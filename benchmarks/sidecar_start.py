@@ -85,7 +85,7 @@ def _python(code: str) -> tuple[float, float]:
 def _loaded(work: pathlib.Path, module: str) -> list[str]:
   """The frameworks a sidecar serving ``module`` has loaded once ready (imported here)."""
   code = (f"import sys; sys.path.insert(0, {str(work)!r}); "
-          "from sidecar._src.tools import cli; from sidecar._src.host import server; "
+          "from sidecar._src.tools import cli; from sidecar._src.server import server; "
           f"import {module}; "
           f"print(','.join(m for m in {_FRAMEWORKS!r} if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -212,7 +212,7 @@ def make_server(tmp_path):
 
   import sidecar
   from sidecar._src.core import options
-  from sidecar._src.host.server import Server
+  from sidecar._src.server.server import Server
   from sidecar._src.user import registry as registry_lib
   from tests.support import sidecar_fns  # noqa: F401  (registers into the default registry)
 

@@ -20,7 +20,7 @@ pkg.__path__ = [sys.argv[1]]
 sys.modules["sidecar"] = pkg
 def controller():
   return sorted(m for m in sys.modules if m.startswith("sidecar._src.controller"))
-import sidecar._src.host.server
+import sidecar._src.server.server
 print("after server:", controller())
 import sidecar._src.tools.demo  # imports the controller at its top: the probe sees such loads
 print("after demo:", bool(controller()))

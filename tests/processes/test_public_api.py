@@ -38,7 +38,7 @@ def test_a_sidecars_server_loads_no_ml_dtypes_until_an_array_of_its_types_comes(
   # ml_dtypes' import is most of a sidecar's start (core/dtypes.py): it waits for a bfloat16.
   import subprocess
   import sys
-  script = ("import sys, sidecar._src.host.server as s; from sidecar._src.core import dtypes; "
+  script = ("import sys, sidecar._src.server.server as s; from sidecar._src.core import dtypes; "
             "print('ml_dtypes' in sys.modules); dtypes.dtype_of('float32'); "
             "print('ml_dtypes' in sys.modules); print(dtypes.dtype_of('bfloat16')); "
             "print('ml_dtypes' in sys.modules)")

@@ -9,7 +9,7 @@ packages below it (``LAYERS``, lowest first; ARCHITECTURE.md's "Layout" draws th
 - ``arena``: shared memory and the Worker that maps it in a trainer process;
 - ``streams``: the one stream consumer and its gRPC and Unix-socket transports;
 - ``user``: what registered code imports;
-- ``host``: the sidecar process; ``controller``: the trainer's client, framework-neutral
+- ``server``: the sidecar process; ``controller``: the trainer's client, framework-neutral
   (a Framework adapter interface, ``controller/framework.py``). They never import each
   other: the process boundary;
 - ``jax`` (and later ``torch``): the framework adapters over the controller core;
@@ -108,10 +108,10 @@ def _under(prefix: str) -> list[str]:
 
 def test_the_parser_sees_the_modules_and_their_imports():
   # Guards the tests below against passing on nothing.
-  assert {"sidecar._src.host.server", "sidecar._src.controller.controller",
+  assert {"sidecar._src.server.server", "sidecar._src.controller.controller",
           "sidecar._src.arena.worker", "pipelines.tfds"} <= set(SOURCES)
-  assert len(_under("sidecar._src.host")) >= 8 and len(_under("sidecar._src.controller")) >= 8
-  assert "sidecar._src.host.calls" in _imports("sidecar._src.host.server")
+  assert len(_under("sidecar._src.server")) >= 8 and len(_under("sidecar._src.controller")) >= 8
+  assert "sidecar._src.server.calls" in _imports("sidecar._src.server.server")
   assert "sidecar.v1.sidecar_pb2" in _imports("sidecar._src.wire.protocol")
   snippet = "try:\n  import a\nexcept ImportError:\n  import b\ndef f():\n  import c\n"
   assert _imports("x", source=snippet) == {"a", "b", "c"}
@@ -127,12 +127,12 @@ LAYERS = {
     "arena": {"core", "wire"},
     "streams": {"core", "wire", "arena"},
     "user": {"core", "wire"},
-    "host": {"core", "ckptfmt", "wire", "arena", "streams", "user"},
+    "server": {"core", "ckptfmt", "wire", "arena", "streams", "user"},
     "controller": {"core", "ckptfmt", "wire", "arena", "streams", "user"},
     "jax": {"core", "ckptfmt", "wire", "arena", "streams", "user", "controller"},
     "torch": {"core", "ckptfmt", "wire", "arena", "streams", "user", "controller"},
-    "tools": {"core", "ckptfmt", "wire", "arena", "streams", "user", "host", "controller", "jax",
-              "torch"},
+    "tools": {"core", "ckptfmt", "wire", "arena", "streams", "user", "server", "controller",
+              "jax", "torch"},
 }
 # Frameworks a trainer may not have (a PyTorch trainer has no JAX): only the jax/ adapter and
 # the tools import them, and ckptfmt (the stock-Orbax format) Orbax's and TensorStore's own.
@@ -154,7 +154,7 @@ def _package(module: str) -> str | None:
 def _layer_violations(module: str) -> list[str]:
   """The imports of ``module`` its layer does not allow.
 
-  The sidecar (``host``) may import a framework where a registered function, a feed or a
+  The sidecar (``server``) may import a framework where a registered function, a feed or a
   checkpoint needs it, never at its start: a lean sidecar starts in a fraction of a second.
   """
   pkg = _package(module)
@@ -166,7 +166,7 @@ def _layer_violations(module: str) -> list[str]:
       bad.append(name)
     top = name.split(".")[0]
     if (top in FRAMEWORKS and top not in MAY_IMPORT_FRAMEWORKS.get(pkg, ())
-        and (pkg != "host" or name in at_start)):
+        and (pkg != "server" or name in at_start)):
       bad.append(name)
   return bad
 
@@ -186,10 +186,10 @@ def test_each_package_imports_only_the_layers_below_it(pkg):
 def test_the_layer_check_sees_a_violation(tmp_path):
   # Guards the test above against passing on nothing.
   probe = tmp_path / "probe.py"
-  probe.write_text("import jax\nfrom sidecar._src.host import calls\n"
+  probe.write_text("import jax\nfrom sidecar._src.server import calls\n"
                    "from sidecar._src.core import errors\ndef f():\n  import torch\n")
-  for pkg, bad in [("controller", ["jax", "sidecar._src.host.calls", "torch"]),
-                   ("host", ["jax"]), ("tools", [])]:
+  for pkg, bad in [("controller", ["jax", "sidecar._src.server.calls", "torch"]),
+                   ("server", ["jax"]), ("tools", [])]:
     module = f"sidecar._src.{pkg}.probe"
     SOURCES[module] = probe
     try:
@@ -199,10 +199,10 @@ def test_the_layer_check_sees_a_violation(tmp_path):
 
 
 @pytest.mark.parametrize("side, other", [
-    ("sidecar._src.host", "sidecar._src.controller"),
-    ("sidecar._src.controller", "sidecar._src.host"),
-], ids=["host-imports-no-controller", "controller-imports-no-host"])
-def test_host_and_controller_never_import_each_other(side, other):
+    ("sidecar._src.server", "sidecar._src.controller"),
+    ("sidecar._src.controller", "sidecar._src.server"),
+], ids=["server-imports-no-controller", "controller-imports-no-server"])
+def test_server_and_controller_never_import_each_other(side, other):
   assert _violations(_under(side), other) == {}
 
 
@@ -267,8 +267,8 @@ def _import_time_closure(start: str) -> set[str]:
 
 
 def test_the_sidecar_server_imports_no_controller_code():
-  closure = _import_time_closure("sidecar._src.host.server")
-  assert {"sidecar._src.host.calls", "sidecar._src.wire.protocol"} <= closure
+  closure = _import_time_closure("sidecar._src.server.server")
+  assert {"sidecar._src.server.calls", "sidecar._src.wire.protocol"} <= closure
   assert sorted(m for m in closure if _is_under(m, "sidecar._src.controller")) == []
   # The closure does follow imports into the controller: local.py's reaches it.
   assert "sidecar._src.controller.controller" in _import_time_closure("sidecar._src.tools.local")

@@ -31,7 +31,7 @@ files and commits with one atomic rename.
 Chunks are stored uncompressed by default: Orbax's default zstd makes a save CPU-bound,
 and stock Orbax reads whatever compressor ``.zarray`` names.
 
-Typical flow (host/checkpoint/save.py)::
+Typical flow (server/checkpoint/save.py)::
 
   tmp = commit.create_tmp_step(directory, step)
   # on every host h, concurrently, with that host's shards as they are staged:

@@ -2,7 +2,7 @@
 the data position saved with it, where its replicas went.
 
 The same on both sides of the wire (``wire/checkpoint_wire``: the Info rpc); the file is
-JSON (``host/checkpoint/save.StepWriter.commit`` writes it, ``host/checkpoint/read`` reads
+JSON (``server/checkpoint/save.StepWriter.commit`` writes it, ``server/checkpoint/read`` reads
 it, or makes one for an item stock Orbax wrote).
 """
 

@@ -51,11 +51,11 @@ def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
 
 
 # A sidecar runs at most half its RPC threads' worth of one session's unary calls and
-# refuses the rest (host/limits.CallSlots: 16 of the default 32). A controller keeps this
+# refuses the rest (server/limits.CallSlots: 16 of the default 32). A controller keeps this
 # many of its calls in flight per host and queues the others itself, so many
 # ``call_async`` at once wait their turn instead of coming back RESOURCE_EXHAUSTED.
 CALLS_IN_FLIGHT = 8
-# The same for the Checkpoint service's rpcs (host/limits.CheckpointSlots: 8 per session).
+# The same for the Checkpoint service's rpcs (server/limits.CheckpointSlots: 8 per session).
 CHECKPOINT_CALLS_IN_FLIGHT = 8
 
 

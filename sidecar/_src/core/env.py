@@ -13,7 +13,7 @@ The table, by who reads it (``python -c "from sidecar._src import env; print(env
 - ``Worker``, ``Controller``, ``sidecar.distributed.initialize``: the trainer's view of
   its job, which ``sidecar launch`` or the k8s manifests set.
 - ``Controller.from_env`` (controller/discovery.py): where the sidecars are.
-- The checkpoint host (host/checkpoint*.py, host/replicas.py): tuning and fault injection.
+- The checkpoint host (server/checkpoint*.py, server/replicas.py): tuning and fault injection.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _var(name: str, meaning: str, *, default: str, readers: str, launcher: bool 
 _SERVE = "sidecar serve (cli.py)"
 _TRAINER = "sidecar.distributed.initialize (distributed.py)"
 _DISCOVERY = "Controller.from_env (controller/discovery.py)"
-_CKPT = "the checkpoint host (host/checkpoint.py)"
+_CKPT = "the checkpoint host (server/checkpoint.py)"
 
 # ---- set by `sidecar launch` for each trainer (and by the k8s manifests) ----------------
 COORDINATOR_ADDRESS = _var(
@@ -149,11 +149,11 @@ TLS_CLIENT_CA = _var("SIDECAR_TLS_CLIENT_CA", "--tls-client-ca: mTLS, the CA of 
 # ---- the clients of a sidecar: TLS and liveness ------------------------------------------
 TLS_CA = _var("SIDECAR_TLS_CA", "the CA (PEM) that verifies the sidecars' certificates",
               default="plaintext unless tls_ca=... is given",
-              readers="Controller, sidecar status (protocol.py), host/replicas.py")
+              readers="Controller, sidecar status (protocol.py), server/replicas.py")
 TLS_CLIENT_CERT = _var("SIDECAR_TLS_CLIENT_CERT", "this client's certificate (PEM), for mTLS",
-                       default="none", readers="Controller (protocol.py), host/replicas.py")
+                       default="none", readers="Controller (protocol.py), server/replicas.py")
 TLS_CLIENT_KEY = _var("SIDECAR_TLS_CLIENT_KEY", "this client's private key (PEM), for mTLS",
-                      default="none", readers="Controller (protocol.py), host/replicas.py")
+                      default="none", readers="Controller (protocol.py), server/replicas.py")
 DEFAULT_PEER_TIMEOUT_S = 30.0
 PEER_TIMEOUT = _var(
     "SIDECAR_PEER_TIMEOUT", "seconds a silent sidecar is given before waits on it end with "
@@ -200,12 +200,12 @@ SERVICE = _var("SIDECAR_SERVICE", "in a cluster.env: the name of the service tha
 SLURM_JOB = _var("SIDECAR_SLURM_JOB", "in a cluster.env: the service's Slurm job id",
                  default="none", readers="Controller.from_cluster_file: is the job alive?")
 
-# ---- the checkpoint host; read in host/checkpoint.py and host/checkpoint_faults.py -----
+# ---- the checkpoint host; read in server/checkpoint.py and server/checkpoint_faults.py -----
 CKPT_FAULT = _var(
     "SIDECAR_CKPT_FAULT", "tests only: POINT@STEP makes the sidecar SIGKILL itself there "
     "(stage, write, prepared, commit, read, replicate; swap: between a DCP overwrite's two "
     "renames), slow@STEP pauses 2 s, enospc@STEP fails the write with ENOSPC",
-    default="no fault", readers="the checkpoint host (host/checkpoint/faults.py)")
+    default="no fault", readers="the checkpoint host (server/checkpoint/faults.py)")
 REPLICA_SHM = _var(
     "SIDECAR_REPLICA_SHM", "0: replicas go inline over gRPC even to a peer on this machine",
     default="1: through the peer's arena when it is mapped here", readers=_CKPT)

@@ -83,14 +83,14 @@ def _serve(args: argparse.Namespace) -> int:
   # The mounts and the memory first, in a fraction of a second: the user's modules and the
   # server import jax, grain and gRPC, which take seconds (20 s in a container on a loaded
   # machine).
-  from sidecar._src.host import preflight
+  from sidecar._src.server import preflight
   try:
     preflight.check(opts)
   except (errors.ArenaCapacityError, OSError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
   load_user_code(imports)
-  from sidecar._src.host.server import Server
+  from sidecar._src.server.server import Server
   server = Server(opts)
   try:
     server.start()

@@ -2,7 +2,7 @@
 
 Both sides of the ``Checkpoint`` service use these: the controller's client
 (``controller/checkpoint/client.py``) and the sidecar's servicer
-(``host/checkpoint/service.py``). Every ``*_from_pb`` checks what the message cannot say
+(``server/checkpoint/service.py``). Every ``*_from_pb`` checks what the message cannot say
 itself (an interval's order, a dtype on the allow-list) and raises InvalidArgumentError
 naming the field. Inside each
 side, leaf specs and checksums are ``ckptfmt``'s frozen types (``LeafSpec``,

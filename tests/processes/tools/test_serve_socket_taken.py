@@ -1,5 +1,5 @@
 """Two real ``sidecar serve`` processes, the second given a socket the first serves (issue 35
-item 13): before host/sockets.py, the second took the path over silently and removed it when
+item 13): before server/sockets.py, the second took the path over silently and removed it when
 it exited, so Workers could no longer attach to the first and controllers fell back to gRPC.
 """
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sidecar
 from sidecar._src.core import dtypes as dtypes_lib, errors, options
-from sidecar._src.host.server import Server
+from sidecar._src.server.server import Server
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, ipc, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb

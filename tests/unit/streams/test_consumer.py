@@ -2,7 +2,7 @@
 
 The fake holds the items a sidecar would send and records what the consumer sends
 back; the gRPC and Unix-socket transports are tested with real sidecars elsewhere
-(tests/server/host/test_server.py, tests/server/arena/test_worker.py).
+(tests/server/server/test_server.py, tests/server/arena/test_worker.py).
 """
 
 import collections

@@ -8,7 +8,7 @@ import pytest
 from sidecar._src.ckptfmt import spec as layout
 from sidecar._src.ckptfmt.shards import ShardChecksum
 from sidecar._src.core import errors
-from sidecar._src.host.checkpoint import peers as replicas
+from sidecar._src.server.checkpoint import peers as replicas
 from sidecar._src.wire import checkpoint_wire as wire
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
@@ -81,7 +81,7 @@ def _as_protobuf_parses(message: ckpt_pb.ReceiveRequest, data) -> ckpt_pb.Receiv
 
 @pytest.mark.parametrize("nbytes", [0, 1, 128, 1 << 20], ids=str)
 def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
-  from sidecar._src.host.checkpoint.service import parse_receive
+  from sidecar._src.server.checkpoint.service import parse_receive
   data = (np.arange(nbytes) % 251).astype(np.uint8)
   part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
                              shape=[nbytes], offset=64 << 20)
@@ -100,7 +100,7 @@ def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
     ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart()),  # a part with nothing set
 ], ids=["done", "header", "part-and-done", "empty-part"])
 def test_the_receiver_reads_any_receive_request_as_protobuf_would(message):
-  from sidecar._src.host.checkpoint.service import parse_receive
+  from sidecar._src.server.checkpoint.service import parse_receive
   raw = message.SerializeToString()
   assert _as_protobuf_parses(*parse_receive(raw)) == message
   # The same fields twice (protobuf merges them) and garbage take protobuf's own path.

@@ -11,7 +11,7 @@ import sidecar
 from sidecar._src.controller import status as status_lib
 from sidecar._src.controller.checkpoint import restore as checkpoint_restore
 from sidecar._src.core import errors
-from sidecar._src.host.checkpoint.faults import FAULT_ENV
+from sidecar._src.server.checkpoint.faults import FAULT_ENV
 from tests.conftest import arena_mappers, eventually, shm_entries
 from tests.support.states import assert_same, state_on, target_on
 

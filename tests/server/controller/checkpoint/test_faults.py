@@ -17,7 +17,7 @@ def test_a_save_that_fails_on_a_full_disk_releases_everything_and_the_next_save_
     make_server, tmp_path, monkeypatch):
   """ENOSPC once step 2's first shard is on disk ("enospc@2"): step 2 fails, the trainer's
   arena copy and the sidecar's staged blocks come back, and step 3 saves and restores."""
-  from sidecar._src.host.checkpoint.faults import FAULT_ENV
+  from sidecar._src.server.checkpoint.faults import FAULT_ENV
   monkeypatch.setenv(FAULT_ENV, "enospc@2")  # read by the in-process sidecar as it writes
   server = make_server(shm_size=16 << 20, device_ids=(0,))
   one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())

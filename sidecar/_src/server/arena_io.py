@@ -1,0 +1,265 @@
+"""The arena side of a call: views of a caller's blocks, results and batches put in blocks.
+
+Ownership, block by block:
+- an argument's block is the caller's worker session's; the sidecar's view of it
+  pins it (a local holder) until the view dies;
+- a result encoded for a worker session is leased to that session, which frees it;
+- an array made by ``sidecar.empty`` is pinned while the sidecar holds a view of it;
+- a feed batch's arrays (:class:`BatchBlocks`) are leased to the worker session, or
+  pinned until the batch is encoded inline.
+
+Views die in whatever thread drops the last reference (a finalizer), so they hand
+their block back through a queue that the thread of :class:`ArenaIO` drains: a
+finalizer never takes a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
+from sidecar._src.server import leases as leases_lib
+from sidecar._src.server.leases import Leases
+from sidecar._src.user import outputs
+from sidecar._src.wire import codec
+from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
+
+Alive = Callable[[], bool]  # whether the caller is still there
+TimeLeft = Callable[[], float | None]  # seconds to its deadline; None without one
+# The longest a request waits for room in the arena, deadline or not: a feed that cannot
+# get room says so (ResourceExhaustedError, with the sizes) instead of blocking for ever.
+ARENA_WAIT_S = 60.0
+
+
+class ArenaIO:
+  """Reads and writes arena blocks on behalf of callers; owns the thread that frees views.
+
+  Args:
+    arena: the sidecar's arena.
+    leases: who holds which of its blocks.
+    inline_limit: arrays up to this many bytes travel in the message, not the arena.
+    is_attached: whether a worker session is attached now.
+  """
+
+  def __init__(self, arena: shm.Arena, leases: Leases, *, inline_limit: int,
+               is_attached: Callable[[str], bool]):
+    self.arena = arena
+    self.leases = leases
+    self._inline_limit = inline_limit
+    self.is_attached = is_attached
+    # Finalizers of sidecar-side views hand their block back here, never under a lock.
+    self._released: queue.SimpleQueue = queue.SimpleQueue()
+    self._releaser = threading.Thread(target=self._release_loop, name="sidecar-release",
+                                      daemon=True)
+    self._releaser.start()
+
+  def alloc(self, nbytes: int, holder: Hashable, alive: Alive, time_left: TimeLeft
+            ) -> shm.Block:
+    """Allocates, waiting for space while the caller lives and its deadline allows, and
+    at most ``ARENA_WAIT_S`` (a feed or stream has no deadline: another client that
+    holds the arena would block it for ever).
+
+    Raises:
+      ResourceExhaustedError: no room in time, with the sizes asked, free and held.
+    """
+    first = time_left()
+    # Give up a little before the deadline: the error must reach the caller in time.
+    margin = 0.0 if first is None else min(0.5, 0.1 + 0.1 * first)
+    start = time.monotonic()
+    while True:
+      left = time_left()  # None without a deadline
+      left = ARENA_WAIT_S if left is None else left - margin
+      left = min(left, ARENA_WAIT_S - (time.monotonic() - start))
+      try:
+        return self.leases.alloc(nbytes, holder, timeout=max(0.0, min(left, 1.0)))
+      except errors.ResourceExhaustedError as e:
+        if not self.leases.fits(nbytes, holder) or not alive():
+          raise
+        if left <= 1.0:
+          raise self._no_room(nbytes, holder, time.monotonic() - start, e) from None
+
+  def _no_room(self, nbytes: int, holder: Hashable, waited: float,
+               error: errors.ResourceExhaustedError) -> errors.ResourceExhaustedError:
+    if "quota" in str(error):
+      return errors.ResourceExhaustedError(f"{error} (waited {waited:.3g} s)")
+    a = self.leases.allocator
+    by_session, pinned = self.leases.held_bytes()
+    mine = by_session.get(holder, 0) if isinstance(holder, str) else 0
+    others = sum(by_session.values()) - mine
+    fmt = shm.format_size
+    return errors.ResourceExhaustedError(
+        f"the arena is full: no room for {fmt(nbytes)} after waiting {waited:.3g} s: "
+        f"{fmt(a.size - a.used_bytes)} free of {fmt(a.size)}; this caller holds {fmt(mine)}, "
+        f"other worker sessions {fmt(others)}, the sidecar itself {fmt(pinned)} (RAM tier, "
+        "batches in flight); free arrays sooner, lower prefetch, give each session a "
+        f"smaller share ({leases_lib.QUOTA_FLAG}), or raise --shm-size")
+
+  def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
+             where: str) -> pb.Value:
+    """Encodes a result; its large arrays go to the arena, leased to worker ``session``."""
+    if not session:
+      return codec.encode(value, inline_limit=self._inline_limit, where=where)
+    if not self.is_attached(session):
+      raise errors.InvalidArgumentError(
+          f"worker_session {session!r} is not attached to this sidecar")
+    granted: list[shm.Block] = []
+
+    def to_arena(a: np.ndarray) -> codec.ArenaRef:
+      offset = self.arena.contains(a)
+      block = None if offset is None else self.leases.block_at(offset)
+      if block is not None and a.nbytes <= block.nbytes:
+        # Already in the arena (a RAM-tier shard, an argument): lease it, copy nothing.
+        self.leases.hold(block.offset, block.generation, session)
+        granted.append(block)
+        return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
+      block = self.alloc(a.nbytes, session, alive, time_left)
+      granted.append(block)
+      np.copyto(self.arena.view(block.offset, a.nbytes), a.reshape(-1).view(np.uint8))
+      return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
+
+    try:
+      return codec.encode(value, to_arena=to_arena, inline_limit=self._inline_limit, where=where)
+    except BaseException:
+      for block in granted:
+        self.leases.release(block.offset, block.generation, session)
+      raise
+
+  def release(self, blocks: list[int], session: str) -> None:
+    """Gives back ``session``'s hold on ``blocks`` (flattened (offset, generation) pairs,
+    as ``codec.arena_blocks`` lists those of an encoded value)."""
+    for offset, generation in zip(blocks[::2], blocks[1::2]):
+      self.leases.release(offset, generation, session)
+
+  def allocating(self, alive: Alive, time_left: TimeLeft) -> contextlib.AbstractContextManager:
+    """The context user code runs in: ``sidecar.empty`` makes arena arrays, pinned while
+    the sidecar holds a view of one; a full arena is waited on while the caller lives and
+    its deadline allows."""
+    return outputs.allocating(
+        lambda shape, dtype: self._empty_array(shape, dtype, alive, time_left))
+
+  def _empty_array(self, shape: tuple[int, ...], dtype: np.dtype, alive: Alive,
+                   time_left: TimeLeft) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    pin = self.leases.new_pin()
+    block = self.alloc(max(nbytes, 1), pin, alive, time_left)
+    put = self._released.put
+    holder = self.arena.lease(block.offset, max(nbytes, 1),
+                              lambda: put((block.offset, block.generation, pin)))
+    return codec.as_array(holder, codec.ArenaRef(block.offset, nbytes, block.generation,
+                                                 dtype.name, shape))
+
+  def view(self, ref: codec.ArenaRef, session: str) -> np.ndarray:
+    """A sidecar-side array on an arena block, pinned while any view of it lives.
+
+    The block must be held by the caller's worker ``session`` and have room for
+    ``ref`` (the codec checked that ``ref`` agrees with its shape and dtype): a
+    caller reads and writes only its own blocks. Nothing is pinned unless all holds.
+    """
+    if not session or not self.is_attached(session):
+      raise errors.InvalidArgumentError(
+          f"an arena reference needs the request's worker_session to name the attached "
+          f"worker that holds its block, got worker_session {session!r}; without a worker, "
+          "send arrays inline")
+    pin = self.leases.new_pin()
+    self.leases.hold_owned(ref.offset, ref.generation, ref.nbytes, owner=session, holder=pin)
+    put = self._released.put
+    try:
+      holder = self.arena.lease(ref.offset, ref.nbytes,
+                                lambda: put((ref.offset, ref.generation, pin)))
+    except BaseException:
+      self.leases.release(ref.offset, ref.generation, pin)
+      raise
+    return codec.as_array(holder, ref)
+
+  def close(self) -> None:
+    """Stops the thread that hands blocks back (once those queued are back); idempotent."""
+    self._released.put(None)
+    if self._releaser is not threading.current_thread():
+      self._releaser.join(10)
+
+  def _release_loop(self) -> None:
+    while True:
+      item = self._released.get()
+      if item is None:
+        return
+      offset, generation, pin = item
+      try:
+        self.leases.release(offset, generation, pin)
+      except errors.StaleDescriptorError as e:
+        log.error("%s", e)
+
+
+class BatchBlocks:
+  """The arena blocks of one feed's batches, from allocation until they are sent.
+
+  Every batch array is a block of its own: leased to the worker ``session`` (which
+  then receives it without a copy), or, with no session, pinned here until the
+  batch is encoded inline. ``close`` gives back those made but never sent.
+  """
+
+  def __init__(self, io: ArenaIO, session: str, alive: Alive, time_left: TimeLeft):
+    self._io = io
+    self._session = session
+    self._alive, self._time_left = alive, time_left
+    # By the address of its array: each block, its descriptor and its holder.
+    self._placed: dict[int, tuple[shm.Block, codec.ArenaRef, Hashable]] = {}
+
+  def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new batch array in a block of its own (``feed.Alloc``)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    holder = self._session or self._io.leases.new_pin()
+    block = self._io.alloc(max(nbytes, 1), holder, self._alive, self._time_left)
+    ref = codec.ArenaRef(block.offset, nbytes, block.generation, dtype.name, tuple(shape))
+    out = codec.as_array(self._io.arena.view(block.offset, max(nbytes, 1)), ref)
+    self._placed[out.ctypes.data] = (block, ref, holder)
+    return out
+
+  def to_arena(self, a: np.ndarray) -> codec.ArenaRef | None:
+    """The descriptor a batch array is sent as (``codec.encode``'s ``to_arena``); None
+    (inline) without a session."""
+    if not self._session:
+      return None  # inline: the bytes are copied into the message
+    found = self._placed.get(a.ctypes.data)
+    return None if found is None else found[1]
+
+  def sent(self, tree: Any) -> None:
+    """The blocks of a batch that was encoded: the session's to free now, or, copied
+    into the message (no session), unpinned."""
+    for leaf in _arrays(tree):
+      found = self._placed.pop(leaf.ctypes.data, None)
+      if found is not None and not self._session:
+        block, _, holder = found
+        self._io.leases.release(block.offset, block.generation, holder)
+
+  def close(self) -> None:
+    """Gives back the blocks made but never sent; idempotent."""
+    placed, self._placed = self._placed, {}
+    for block, _, holder in placed.values():
+      self._io.leases.release(block.offset, block.generation, holder)
+
+
+def _arrays(tree: Any):
+  """The numpy arrays in ``tree``, a value the codec has encoded: dicts, lists and tuples
+  (namedtuples too) of leaves. Walked here, not with ``jax.tree_util``: the sidecar starts
+  without JAX."""
+  todo = [tree]
+  while todo:
+    x = todo.pop()
+    if isinstance(x, np.ndarray):
+      yield x
+    elif isinstance(x, dict):
+      todo.extend(x.values())
+    elif isinstance(x, (list, tuple)):
+      todo.extend(x)

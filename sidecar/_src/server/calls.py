@@ -1,0 +1,183 @@
+"""Running registered code for a caller: arguments decoded and checked, results encoded.
+
+Shared by the two ways in: the gRPC service (controllers anywhere) and the
+worker socket (the device-owning process on this host, the fast path). A unary
+call runs here; streams and feeds (``streams``) take their entry and arguments
+from :meth:`Runner.prepare` too. What touches the arena is ``arena_io``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+from sidecar._src.core import errors
+from sidecar._src.server import argument_types, metrics as metrics_lib
+from sidecar._src.server.arena_io import Alive, ArenaIO, TimeLeft
+from sidecar._src.server.limits import InlineBytes, Slots
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import codec, pbscan, protocol
+from sidecar._src.wire.protocol import pb
+
+
+class Runner:
+  """Decodes calls, runs registered functions, encodes their results.
+
+  Args:
+    registry: the user's registered functions and pipelines.
+    arena_io: where arguments' views and results' blocks come from.
+    metrics: what calls are reported to.
+  """
+
+  def __init__(self, *, registry: registry_lib.Registry, arena_io: ArenaIO,
+               metrics: metrics_lib.Recorder = metrics_lib.OFF):
+    self.registry = registry
+    self.metrics = metrics
+    self.arena_io = arena_io
+    self._lock = threading.Lock()
+    self.calls = 0  # calls, streams and feeds whose arguments were accepted
+
+  def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION, *,
+              views: list[memoryview] | None = None) -> tuple[registry_lib.Entry, tuple, dict]:
+    """The registered entry and decoded, signature-checked arguments of a call.
+
+    ``views``: the large inline arrays' bytes, where ``pbscan.strip_arrays`` left them.
+    """
+    entry = self.registry.get(kind, request.name)
+    view = lambda ref: self.arena_io.view(ref, request.worker_session)
+    # One budget for the request: what it costs to decode is what it sent.
+    budget = codec.Budget(views=views or [])
+    args = codec.decode(request.args, from_arena=view, where="args", budget=budget)
+    kwargs = codec.decode(request.kwargs, from_arena=view, where="kwargs", budget=budget)
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
+        isinstance(k, str) for k in kwargs):
+      raise errors.InvalidArgumentError(
+          f"args must be a tuple and kwargs a dict with str keys, got {type(args).__name__} "
+          f"and {type(kwargs).__name__}")
+    if entry.signature is not None:
+      try:
+        entry.signature.bind(*((None,) if kind == registry_lib.PIPELINE else ()), *args,
+                             **kwargs)
+      except TypeError as e:
+        raise errors.InvalidArgumentError(
+            f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
+    if kind == registry_lib.PIPELINE:
+      argument_types.check(entry.fn, kwargs, what=f"pipeline {entry.name!r}")
+    elif entry.signature is not None:
+      argument_types.check_call(entry.fn, entry.signature, args, kwargs,
+                                what=f"{entry.kind} {entry.name!r}")
+    with self._lock:
+      self.calls += 1
+    return entry, args, kwargs
+
+  def label(self, kind: str, name: str) -> str:
+    """``name`` if it is registered (the metrics' label), else ``<unregistered>``."""
+    return name if self.registry.has(kind, name) else metrics_lib.UNREGISTERED
+
+  def call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft,
+           views: list[memoryview] | None = None) -> pb.Value:
+    """Runs a unary call; its result, encoded (large arrays leased to its worker)."""
+    if not self.metrics.enabled:
+      return self._call(request, alive=alive, time_left=time_left, views=views)
+    with measured(self.metrics, "call", self.label(registry_lib.FUNCTION, request.name)):
+      return self._call(request, alive=alive, time_left=time_left, views=views)
+
+  def _call(self, request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft,
+            views: list[memoryview] | None = None) -> pb.Value:
+    entry, args, kwargs = self.prepare(request, views=views)
+    with self.arena_io.allocating(alive, time_left):
+      result = entry.fn(*args, **kwargs)
+    value = self.arena_io.encode(result, request.worker_session, alive=alive,
+                                 time_left=time_left, where=f"result of {request.name!r}")
+    if (blocks := codec.arena_blocks(value)) and not alive():
+      # Its caller left (its deadline passed, it cancelled): nobody will read the answer,
+      # and its blocks would stay leased to the worker session until that ended.
+      self.arena_io.release(blocks, request.worker_session)
+      raise errors.DeadlineExceededError(
+          f"the caller of {request.name!r} left before its result was sent; the result's "
+          "arena blocks went back")
+    return value
+
+
+class UnaryCalls:
+  """A unary call's way in, whichever transport brought it (gRPC's Call, or a worker's
+  ``calls`` connection on the Unix socket): a slot of its caller's, its values counted
+  before it is parsed, large inline arrays left in its bytes, then the Runner.
+
+  Args:
+    runner: runs the call.
+    slots: the calls one caller (a gRPC or worker session) and all may run at once.
+    inline: the bytes of large inline requests decoded at once.
+  """
+
+  def __init__(self, runner: Runner, slots: Slots, inline: InlineBytes):
+    self.runner, self.slots, self._inline = runner, slots, inline
+
+  def run(self, raw: bytes, caller: str, *, alive: Alive, time_left: TimeLeft | None = None,
+          worker: str | None = None) -> pb.CallResponse:
+    """The response to a serialized CallRequest of session ``caller``.
+
+    ``time_left``: the seconds the caller still waits (gRPC's deadline); None: from the
+    request's ``timeout_s`` (the worker socket's). ``worker``: the worker session whose
+    connection brought the request, which it must name as its ``worker_session``.
+
+    Raises:
+      BusyError: ``caller`` or the sidecar runs as many calls as it may.
+      InvalidArgumentError: ``raw`` is malformed. Whatever the call raises.
+    """
+    start = time.monotonic()
+    # The slot first, as for streams: parsing a big request takes a while, on its thread.
+    with self.slots.hold(caller):
+      codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
+                                what=f"a CallRequest of {len(raw)} bytes")
+      # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
+      stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+      request = codec.parse(pb.CallRequest, stripped, counted=True)
+      if worker is not None and request.worker_session != worker:
+        raise errors.InvalidArgumentError(
+            f"a call on worker session {worker}'s connection names worker_session "
+            f"{request.worker_session!r}; a connection's calls are its session's")
+      if time_left is None:
+        time_left = _time_left(start, request.timeout_s)
+      if not views:
+        return pb.CallResponse(result=self.runner.call(
+            request, alive=alive, time_left=time_left))
+      with self._inline.hold(len(raw), time_left()):  # decoding it costs that again
+        return pb.CallResponse(result=self.runner.call(
+            request, alive=alive, time_left=time_left, views=views))
+
+
+def _time_left(start: float, timeout_s: float) -> TimeLeft:
+  """The seconds left of ``timeout_s`` from ``start`` (None: no limit, for 0)."""
+  if not 0 < timeout_s < math.inf:
+    if timeout_s == 0:
+      return lambda: None
+    raise errors.InvalidArgumentError(
+        f"timeout_s must be finite seconds >= 0, got {timeout_s!r}")
+  deadline = start + timeout_s
+  return lambda: max(deadline - time.monotonic(), 0.0)
+
+
+@contextlib.contextmanager
+def measured(metrics: metrics_lib.Recorder, kind: str, label: str) -> Iterator[None]:
+  """Reports a call, stream or feed (``label``: its name, see ``Runner.label``) to
+  ``metrics``: in flight, then its code and time.
+
+  A stream whose consumer went away mid-stream (its generator closed) counts as
+  CANCELLED.
+  """
+  metrics.call_started(kind)
+  t0, code = time.perf_counter(), "OK"
+  try:
+    yield
+  except GeneratorExit:
+    code = "CANCELLED"
+    raise
+  except BaseException as e:
+    code = protocol.status_code(e).name
+    raise
+  finally:
+    metrics.call_done(kind, label, code, time.perf_counter() - t0)

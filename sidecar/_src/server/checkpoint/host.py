@@ -1,0 +1,238 @@
+"""One sidecar's checkpointing: its parts, the threads they share, and who may act where.
+
+The controller drives a save in phases, each an rpc of the ``sidecar.v1.Checkpoint``
+service (``service.py`` checks the typed requests and calls the part that does the work;
+none of them is reachable through ``Call``):
+
+1. ``begin`` (host 0): creates ``<step>.orbax-checkpoint-tmp`` (``writer``).
+2. ``stage`` (every host): takes the shards the worker copied into the arena. From
+   then on the trainer's arrays are free; this sidecar holds the only copy it needs
+   (its RAM tier) and writes its part in a background thread, in stock Orbax's layout.
+3. ``prepared`` (every host): waits for that write; returns the shards' crc32c.
+4. ``commit`` (host 0): writes the manifest (checksums, data position), merges and
+   renames: the step becomes visible at once, or not at all.
+5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
+
+The parts, built and owned here (``close`` joins their threads): ``writer``
+(``save.StepWriter``: the phases above, ``abort``, ``delete``), ``tier``
+(``ram_tier.RamTier``: the records, budgets, eviction, expiry of uncommitted steps,
+status), ``replicator`` (``replication.Replicator``: ``replicate`` to peers, ``receive``
+from them) and ``reader`` (``read.Reader``). This class keeps only what spans them: the
+per-client directories (``open_for``, ``check_client``), a commit's notice to the RAM tier
+and replicas (``committed``), and the restore calls that check a path under the roots
+first (``roots.py``: every path a call names must lie under one of the sidecar's
+checkpoint roots; ``delete`` and ``abort`` remove only step directories a checkpoint wrote).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.core import env, errors
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.checkpoint import (
+  peers as replicas_lib,
+  ram_tier,
+  read as checkpoint_read,
+  replication as checkpoint_replication,
+  roots as roots_lib,
+  save as checkpoint_save,
+)
+
+log = logging.getLogger(__name__)
+# "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
+# on another machine), instead of through the peer's arena mapped here.
+SHM_ENV = env.REPLICA_SHM
+# A step staged and written here whose commit never comes (the controller that staged
+# it died between staging and committing) is dropped this long after its write ended,
+# its arena memory given back. Long enough for the slowest host of a big save.
+UNCOMMITTED_ENV = env.UNCOMMITTED_TIMEOUT
+UNCOMMITTED_TIMEOUT_S = 600.0
+CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in flight
+
+
+def _seconds(text: str | None, default: float) -> float:
+  try:
+    value = float(text) if text else default
+  except ValueError:
+    value = default
+  return value if value > 0 else default
+
+
+class CheckpointHost:
+  """The checkpoint parts of one sidecar (``writer``, ``tier``, ``replicator``, ``reader``)."""
+
+  def __init__(self, host_id: int, *, token: str | None = None,
+               peer_token: str | None = None, roots: tuple[str, ...] = (),
+               metrics: metrics_lib.Recorder = metrics_lib.OFF,
+               peer_credentials: Any = None):
+    self._host_id = host_id
+    self._metrics = metrics
+    self._roots = roots_lib.Roots(host_id, roots)
+    self._path = self._roots.resolve
+    self.tier = ram_tier.RamTier(
+        host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
+    self.reader = checkpoint_read.Reader(self.tier, metrics)
+    self._links = replicas_lib.Links(token=token, peer_token=peer_token,
+                                     credentials=peer_credentials,
+                                     shared_memory=env.get(SHM_ENV) != "0")
+    self._closed = threading.Event()
+    # With per-client tokens: the checkpoint directories (resolved) each client opened.
+    self._opened: dict[str, set[str]] = {}
+    self._opened_lock = threading.Lock()
+    self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
+    self._threads_lock = threading.Lock()
+    self.writer = checkpoint_save.StepWriter(host_id, tier=self.tier, roots=self._roots,
+                                             spawn=self._spawn, metrics=metrics)
+    self.replicator = checkpoint_replication.Replicator(
+        host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
+        metrics=metrics)
+    self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
+                                    daemon=True)
+    self._reaper.start()
+
+  def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    """Stops this host's checkpoint threads and joins them; idempotent.
+
+    A step still being staged is aborted (its trainer's part will not come), a
+    replication in flight cancelled; a write whose shards are all here finishes, within
+    ``timeout`` s for all of them (one still running then is logged: its step is not
+    committed, and a later save's sweep removes it). Then the links to peers close.
+    """
+    self._closed.set()
+    with self.tier.lock:
+      steps = list(self.tier.steps.values())
+    for record in steps:
+      if record.replication is not None:
+        record.replication.cancelled.set()
+      if not record.closed and not record.done.is_set():
+        record.incoming.put(errors.ClosedError(f"the sidecar of host {self._host_id} is "
+                                               f"stopping mid-save of step {record.step}"))
+    deadline = time.monotonic() + timeout
+    with self._threads_lock:
+      threads = [self._reaper, *self._threads]
+    for thread in threads:
+      if thread is not threading.current_thread():
+        thread.join(max(deadline - time.monotonic(), 0.0))
+      if thread.is_alive():
+        log.warning("%s still runs after %.0f s as the sidecar stops", thread.name, timeout)
+    self._links.close()
+
+  def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
+    """Starts a thread this host owns: close() joins it."""
+    def run() -> None:
+      try:
+        target(*args)
+      finally:
+        with self._threads_lock:
+          self._threads.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: a safety net
+    with self._threads_lock:
+      self._threads.add(thread)
+    thread.start()
+
+  def _reap(self) -> None:
+    while not self._closed.wait(min(max(self.tier.uncommitted_s / 4, 0.1), 30.0)):
+      self.tier.expire_uncommitted()
+
+  # ---- who may act where, and commits -----------------------------------
+
+  def open_for(self, client: str, directory: str) -> None:
+    """Records that ``client`` opened ``directory``: it may act in it from now on.
+
+    Raises:
+      PermissionDeniedError: another client opened it, or a directory inside it or
+        holding it (the first to open a directory has it, until the sidecar stops).
+    """
+    resolved = self._path(directory, "directory")
+    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+    with self._opened_lock:
+      for other, theirs in self._opened.items():
+        if other != client and any(inside(resolved, d) or inside(d, resolved) for d in theirs):
+          raise errors.PermissionDeniedError(
+              f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
+              f"client opened on host {self._host_id}; with per-client tokens "
+              "(--client-tokens) each client checkpoints in directories of its own")
+      self._opened.setdefault(client, set()).add(resolved)
+
+  def opened_by(self, client: str) -> set[str]:
+    """The directories (resolved) ``client`` opened."""
+    with self._opened_lock:
+      return set(self._opened.get(client, ()))
+
+  def check_client(self, client: str, path: str, name: str) -> None:
+    """PermissionDeniedError unless ``path`` lies in a directory ``client`` opened."""
+    resolved = self._path(path, name)
+    with self._opened_lock:
+      mine = self._opened.get(client, set())
+    if not any(resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in mine):
+      raise errors.PermissionDeniedError(
+          f"{name} {path!r:.200} is in no checkpoint directory client {client!r} opened on "
+          f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
+          "acts only in the directories it opened (Controller.checkpointer(directory))")
+
+  def committed(self, final_dir: str, manifest: dict | None = None) -> list[int]:
+    """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
+
+    ``manifest``: a DCP step's, kept with its RAM-tier copy (and replicas held here), so
+    that :meth:`info` needs no file of the step.
+    """
+    self._path(final_dir, "final_dir")
+    if manifest is not None:
+      with self.tier.lock:
+        held = [self.tier.steps.get(final_dir),
+                *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
+        for record in held:
+          if record is not None:
+            record.manifest = manifest
+    return self.tier.mark_committed(final_dir)
+
+  # ---- peer replicas ----------------------------------------------------
+
+  def held(self, directory: str) -> dict[str, Any]:
+    """What the RAM tier holds under ``directory``, per committed item: this host's own
+    shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
+    self._path(directory, "directory")
+    return {"own": self.tier.own(directory), "replicas": self.tier.held_replicas(directory)}
+
+  def forget(self, directory: str, step: int) -> None:
+    """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
+    self._path(directory, "directory")
+    step = roots_lib.as_int(step, "step")
+    with self.tier.lock:
+      self.tier.drop(directory, step)
+
+  # ---- restore -----------------------------------------------------------
+
+  def info(self, final_dir: str) -> dict[str, Any]:
+    """The manifest of a committed item (leaves, shard checksums, data position).
+
+    An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
+    with no checksum to check.
+    """
+    self._path(final_dir, "final_dir")
+    with self.tier.lock:
+      held = [self.tier.steps.get(final_dir),
+              *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
+    for record in held:
+      if record is not None and record.manifest is not None:
+        return record.manifest  # a DCP step in host memory: its files may be gone
+    return checkpoint_read.info(final_dir)
+
+  def read(self, final_dir: str, key_path: list, index: list, crc32c: int | None = None,
+           tier: str = "any", part: list | None = None) -> np.ndarray:
+    """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
+
+    ``part=[offset, nbytes]``: only those bytes of a RAM-tier copy's C-order bytes, for a
+    client that reads a large shard over gRPC in messages of bounded size.
+    """
+    self._path(final_dir, "final_dir")
+    return self.reader.read(final_dir, key_path, index, crc32c, tier, part)

@@ -1,0 +1,246 @@
+"""The RAM tier of one sidecar: the steps it staged, the replicas it holds, its budgets.
+
+Records: a :class:`Step` (this host's own shards of a step, and its write's outcome),
+its :class:`Replication` (those shards on their way to the peers) and a
+:class:`Replica` (the shards a peer sent here). :class:`RamTier` keeps them under one
+lock: ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
+``ram_budget`` (own shards and replicas counted together), steps written but never
+committed expire, and ``status``/``usage`` report what is held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.spec import Index
+from sidecar._src.core import errors
+from sidecar._src.server.checkpoint import peers as replicas_lib
+from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Step:
+  """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
+  directory: str
+  step: int
+  final_dir: str  # the committed item directory: the key of the RAM tier
+  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
+  nbytes: int
+  specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
+  # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
+  incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+  closed: bool = False  # the last part is staged (of every writer)
+  lasts: int = 0  # the writers (trainer processes) that sent their last part
+  # Set once closed, or once the write ended or the save was aborted: no more parts come.
+  whole: threading.Event = dataclasses.field(default_factory=threading.Event)
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  checksums: list[ShardChecksum] = dataclasses.field(default_factory=list)
+  error: BaseException | None = None
+  committed: bool = False
+  started: float = dataclasses.field(default_factory=time.monotonic)
+  written: int = 0
+  verified: set = dataclasses.field(default_factory=set)  # (key, index, crc32c) that matched
+  replication: Replication | None = None
+  finished: float | None = None  # time.monotonic() when its write ended
+  tmp_dir: str = ""  # the uncommitted item directory its writer fills
+  # The handshake sessions that staged it (at most ``writers``, the trainer processes of
+  # this host): only they stage more parts of it, and commit it.
+  owners: set = dataclasses.field(default_factory=set)
+  writers: int = 1
+  format: str = ""  # "" (stock Orbax's layout) or "dcp" (DCP's: dcp_steps.py)
+  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
+  dcp_items: dict[int, list] = dataclasses.field(default_factory=dict)  # rank -> dcp.Items
+
+
+@dataclasses.dataclass
+class Replication:
+  """This host's shards of one step on their way to its peers."""
+  peers: list[replicas_lib.Peer]
+  bandwidth: int | None = None  # bytes per second, each peer's copy in turn
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  result: dict[str, Any] | None = None
+  error: BaseException | None = None
+
+
+@dataclasses.dataclass
+class Replica:
+  """The shards of one step that a peer (``source``) sent here: a replica record."""
+  directory: str
+  step: int
+  final_dir: str
+  source: int
+  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = dataclasses.field(
+      default_factory=dict)
+  # Shards arriving inline, in chunks: (block, bytes received so far).
+  partial: dict[tuple[tuple[str | int, ...], Index], list] = dataclasses.field(
+      default_factory=dict)
+  nbytes: int = 0
+  whole: bool = False  # the source sent everything
+  committed: bool = False
+  verified: set = dataclasses.field(default_factory=set)
+  # A whole replica held of the same step and source, which this one (sent again)
+  # replaces once whole.
+  replaces: Replica | None = None
+  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
+
+
+class RamTier:
+  """The steps and replicas one sidecar (``host_id``) holds; ``lock`` guards them all."""
+
+  def __init__(self, host_id: int, *, uncommitted_s: float):
+    self.host_id = host_id
+    self.uncommitted_s = uncommitted_s
+    self.lock = threading.Lock()
+    self.steps: dict[str, Step] = {}  # by committed item directory
+    self.replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
+    # Items committed() was told of: True while in the RAM tier, False once evicted
+    # (a replica that arrives after its step's commit learns its fate here).
+    self.committed_dirs: dict[str, bool] = {}
+    self.ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
+
+  def record(self, final_dir: str) -> Step:
+    """The step staged here for ``final_dir``; InvalidArgumentError if there is none."""
+    with self.lock:
+      record = self.steps.get(final_dir)
+    if record is None:
+      raise errors.InvalidArgumentError(f"host {self.host_id} has not staged {final_dir}")
+    return record
+
+  def mark_committed(self, final_dir: str) -> list[int]:
+    """Marks a step (own shards and replicas) committed; evicts steps beyond the budget.
+    Returns the kept steps."""
+    with self.lock:
+      record = self.steps.get(final_dir)
+      held = [r for r in self.replicas.values() if r.final_dir == final_dir]
+      if record is None and not held:
+        return []
+      self.committed_dirs[final_dir] = True
+      for r in held:
+        r.committed = True
+      if record is not None:
+        record.committed = True
+      return self.evict(record.directory if record is not None else held[0].directory)
+
+  def own(self, directory: str) -> dict[str, Any]:
+    """This host's own shards of the committed items under ``directory``, per item."""
+    with self.lock:
+      steps = [s for s in self.steps.values() if s.directory == directory and s.committed]
+    return {s.final_dir: [[list(k), [list(i) for i in index]] for k, index in s.shards]
+            for s in steps}
+
+  def held_replicas(self, directory: str) -> dict[str, dict[int, list]]:
+    """The whole, committed replicas held under ``directory``: per item, per source."""
+    out: dict[str, dict[int, list]] = {}
+    with self.lock:
+      held = [r for r in self.replicas.values()
+              if r.directory == directory and r.whole and r.committed]
+    for r in held:
+      out.setdefault(r.final_dir, {})[r.source] = [
+          [list(k), [list(i) for i in index]] for k, index in r.shards]
+    return out
+
+  def expire_uncommitted(self) -> list[int]:
+    """Drops the steps written here whose commit has not come in time; returns them."""
+    now = time.monotonic()
+    with self.lock:
+      stale = [s for s in self.steps.values() if not s.committed and s.finished is not None
+               and now - s.finished >= self.uncommitted_s]
+      for s in stale:
+        del self.steps[s.final_dir]
+    for s in stale:
+      if s.replication is not None:
+        s.replication.cancelled.set()
+      s.shards.clear()  # the staged blocks go back to the arena
+      log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
+                  "controller that staged it is gone?): its %s are freed", s.step, s.directory,
+                  now - (s.finished or now), shm.format_size(s.nbytes), extra={"step": s.step})
+    return [s.step for s in stale]
+
+  def status(self) -> list[pb.CheckpointStatus]:
+    """Per directory: the steps in the RAM tier and those still being written."""
+    with self.lock:
+      steps = list(self.steps.values())
+      held = [r for r in self.replicas.values() if r.whole and r.committed]
+    out: dict[str, pb.CheckpointStatus] = {}
+    for s in sorted(steps, key=lambda s: s.step):
+      entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
+      if s.committed:
+        entry.ram_steps.append(s.step)
+      elif s.done.is_set():
+        entry.uncommitted.append(s.step)
+      else:
+        entry.writing.append(s.step)
+        entry.written_bytes += s.written
+        entry.total_bytes += s.nbytes
+        entry.writing_s = max(entry.writing_s, time.monotonic() - s.started)
+    by_source: dict[tuple[str, int], pb.ReplicaSteps] = {}
+    for r in sorted(held, key=lambda r: (r.source, r.step)):
+      entry = out.setdefault(r.directory, pb.CheckpointStatus(directory=r.directory))
+      steps_of = by_source.get((r.directory, r.source))
+      if steps_of is None:
+        steps_of = by_source[(r.directory, r.source)] = entry.replicas.add(source_host=r.source)
+      steps_of.steps.append(r.step)
+      steps_of.nbytes += r.nbytes
+    return list(out.values())
+
+  def usage(self) -> dict[str, int]:
+    """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
+    with self.lock:
+      steps = list(self.steps.values())
+      held = [r for r in self.replicas.values() if r.whole and r.committed]
+    own = [s for s in steps if s.committed]
+    writing = [s for s in steps if not s.committed and not s.done.is_set()]
+    return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
+            "replica_steps": len(held), "replica_bytes": sum(r.nbytes for r in held),
+            "writing_steps": len(writing),
+            "writing_bytes": sum(max(s.nbytes - s.written, 0) for s in writing)}
+
+  def evict(self, directory: str) -> list[int]:
+    """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
+    counting this host's own shards and the replicas it holds; returns the kept steps.
+    The lock is held."""
+    keep, budget = self.ram_steps.get(directory, (1, None))
+    size: dict[int, int] = {}
+    for s in self.steps.values():
+      if s.directory == directory and s.committed:
+        size[s.step] = size.get(s.step, 0) + s.nbytes
+    for r in self.replicas.values():
+      if r.directory == directory and r.committed:
+        size[r.step] = size.get(r.step, 0) + r.nbytes
+    kept, used = [], 0
+    for step in sorted(size, reverse=True):
+      if len(kept) < keep and (budget is None or used + size[step] <= budget):
+        kept.append(step)
+        used += size[step]
+      else:
+        self.drop(directory, step)
+    return sorted(kept)
+
+  def drop(self, directory: str, step: int) -> None:
+    """Forgets the step's own shards and replicas here; their arena blocks go back as
+    their views die. The lock is held."""
+    for final_dir, s in list(self.steps.items()):
+      if s.directory == directory and s.step == step and s.committed:
+        del self.steps[final_dir]
+        if final_dir in self.committed_dirs:  # a replica still on its way is dropped on arrival
+          self.committed_dirs[final_dir] = False
+        if s.replication is not None:
+          s.replication.cancelled.set()
+    for key, r in list(self.replicas.items()):
+      if r.directory == directory and r.step == step:
+        del self.replicas[key]
+        if r.final_dir in self.committed_dirs:
+          self.committed_dirs[r.final_dir] = False

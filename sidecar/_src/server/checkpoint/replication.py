@@ -1,0 +1,241 @@
+"""Peer replicas of a step's shards: this host sends its own, and holds its peers'.
+
+``replicate`` (every host, once its part is staged) sends this host's shards of the
+step to its peers (``replicas.PeerLink``), on an idle-class thread, while the write
+goes on; each peer takes them with ``receive`` (the ``Receive`` stream, one per
+replica) and keeps a *replica record* (the step's item, the source host, the shards)
+in its RAM tier. A replica counts toward the peer's ``ram_budget`` and leaves with its
+step: eviction by ``committed``, ``abort``, ``forget``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import shards as ol_shards, write as orbax_write
+from sidecar._src.core import errors
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.checkpoint import (
+  faults,
+  peers as replicas_lib,
+  ram_tier,
+  roots as roots_lib,
+)
+from sidecar._src.user import outputs
+from sidecar._src.wire import codec
+
+log = logging.getLogger(__name__)
+
+
+class Replicator:
+  """The replication of one sidecar (``host_id``): the steps it sends, the replicas it takes.
+
+  Args:
+    host_id: this sidecar's host.
+    tier: its RAM tier, where the staged steps are and the replicas go.
+    links: its connections to peers (the owner closes them).
+    path: resolves a path under the checkpoint roots, or raises.
+    spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
+    metrics: where the bytes replicated and the time it took are recorded.
+  """
+
+  def __init__(self, host_id: int, *, tier: ram_tier.RamTier, links: replicas_lib.Links,
+               path: Callable[[Any, str], str], spawn: Callable[..., None],
+               metrics: metrics_lib.Recorder):
+    self._host_id = host_id
+    self._tier = tier
+    self._links = links
+    self._path = path
+    self._spawn = spawn
+    self._metrics = metrics
+
+  def replicate(self, final_dir: str, peers: list[dict], timeout: float = 3600.0,
+                bandwidth: int | None = None) -> dict[str, Any]:
+    """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
+
+    The sending runs once per step, on an idle-class thread, whoever waits for it, at
+    most ``bandwidth`` bytes per second if given.
+    Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
+    """
+    self._path(final_dir, "final_dir")
+    if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
+      raise errors.InvalidArgumentError(
+          f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
+    record = self._tier.record(final_dir)
+    targets = [replicas_lib.Peer.from_dict(p) for p in peers]
+    if record.lasts and not record.closed:  # processes sharing this host: wait for them all
+      record.whole.wait(timeout)
+    with self._tier.lock:
+      if not record.closed:
+        raise errors.InvalidArgumentError(
+            f"step {record.step} is not staged whole on host {self._host_id}; replicate it "
+            "after its last part")
+      job = record.replication
+      if job is None:
+        job = record.replication = ram_tier.Replication(targets, bandwidth)
+        self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
+    if not job.done.wait(timeout):
+      raise errors.DeadlineExceededError(
+          f"step {record.step} is still being replicated after {timeout} s")
+    if job.error is not None:
+      raise errors.HostLostError(
+          f"host {self._host_id} could not replicate step {record.step} to hosts "
+          f"{[p.host_id for p in job.peers]}: {job.error}")
+    assert job.result is not None
+    return job.result
+
+  def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
+    orbax_write.background_thread()
+    t0 = time.perf_counter()
+    shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
+    header = {"directory": record.directory, "step": record.step, "final_dir": record.final_dir,
+              "source": self._host_id}
+    try:
+      nbytes = 0
+      for peer in job.peers:
+        nbytes, same_machine = self._links.send(peer, header, shards,
+                                                cancelled=job.cancelled.is_set,
+                                                bandwidth=job.bandwidth)
+        how = "shared memory" if same_machine else "gRPC"
+        log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
+                 record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
+                 time.perf_counter() - t0, extra={"step": record.step})
+      job.result = {"peers": [p.host_id for p in job.peers], "shards": len(shards),
+                    "bytes": sum(a.nbytes for _, _, a in shards),
+                    "seconds": time.perf_counter() - t0}
+      self._metrics.checkpoint_bytes("replicated", job.result["bytes"] * len(job.peers))
+      self._metrics.phase("replicate", job.result["seconds"])
+    except BaseException as e:
+      job.error = e.with_traceback(None)
+      e.__context__ = e.__cause__ = None
+      log.error("step %d: replicating host %d's shards failed: %s", record.step,
+                self._host_id, e, extra={"step": record.step})
+    finally:
+      shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
+      job.done.set()
+
+  def open_replica(self, header: dict) -> ram_tier.Replica:
+    """A new replica record for one stream of a peer's shards (``header`` names them).
+
+    It replaces one of the same step and source that is not whole (a resent replica
+    starts afresh: chunks are counted by bytes, so none may come twice); a whole one it
+    replaces only once it is whole itself (``receive``), so a resend that breaks leaves
+    the old copy.
+    """
+    try:
+      directory, step = header["directory"], roots_lib.as_int(header["step"], "header.step")
+      final_dir, source = header["final_dir"], roots_lib.as_int(header["source"], "header.source")
+    except (KeyError, TypeError, errors.InvalidArgumentError):
+      raise errors.InvalidArgumentError(
+          f"receive: header must have directory, step, final_dir and source, got {header!r:.200}"
+      ) from None
+    self._path(directory, "header.directory")
+    self._path(final_dir, "header.final_dir")
+    replica = ram_tier.Replica(directory, step, final_dir, source)
+    with self._tier.lock:
+      old = self._tier.replicas.get((final_dir, source))
+      if old is None or not old.whole:
+        self._tier.replicas[(final_dir, source)] = replica
+      else:
+        replica.replaces = old
+    return replica
+
+  def receive(self, replica: ram_tier.Replica, shards: list[dict], done: bool = False,
+              payload: np.ndarray | None = None) -> int:
+    """Takes shards a peer sends (``replicas.PeerLink``) into ``replica`` (``open_replica``).
+
+    A shard comes whole as an arena block the sender filled (same machine), or inline
+    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
+    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
+    held.
+    """
+    directory, step = replica.directory, replica.step
+    final_dir, source = replica.final_dir, replica.source
+    self._replica_fault(step)
+    for s in shards:
+      key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
+      if "offset" not in s:  # a whole block of our arena
+        self._add_shard(replica, key, s["data"], s.get("crc32c"))
+        continue
+      if payload is None or len(shards) != 1:
+        raise errors.InvalidArgumentError(
+            "receive: a chunk of a shard comes alone, with its bytes as payload")
+      data = payload
+      shape = tuple(int(n) for n in s["shape"])
+      offset, chunk = int(s["offset"]), np.asarray(data).reshape(-1).view(np.uint8)
+      with self._tier.lock:
+        entry = replica.partial.get(key)
+        if entry is None:
+          block = outputs.empty(shape, codec.dtype_of(s["dtype"], f"replica of {key[0]}"))
+          entry = replica.partial[key] = [block, 0]
+      flat = entry[0].reshape(-1).view(np.uint8)
+      if not 0 <= offset <= flat.nbytes - chunk.nbytes:
+        raise errors.InvalidArgumentError(
+            f"receive: chunk at {offset} of {chunk.nbytes} bytes does not fit a shard of "
+            f"{flat.nbytes}")
+      flat[offset:offset + chunk.nbytes] = chunk
+      with self._tier.lock:
+        entry[1] += chunk.nbytes
+        whole = entry[1] >= flat.nbytes
+        if whole:
+          del replica.partial[key]
+      if whole:
+        self._add_shard(replica, key, entry[0], s.get("crc32c"))
+    if done:
+      with self._tier.lock:
+        replica.whole, replica.partial = True, {}
+        held = self._tier.replicas.get((final_dir, source))
+        if held is not None and held is replica.replaces:  # a resend: the newer copy wins
+          self._tier.replicas[(final_dir, source)] = replica
+          replica.committed, replica.replaces = held.committed, None
+          log.info("step %d: host %d's replica, sent again, replaces the one held", step,
+                   source, extra={"step": step})
+        elif held is not replica:
+          return 0  # aborted or evicted while it came
+        fate = self._tier.committed_dirs.get(final_dir)
+        if fate is not None:  # its step committed before the replica was whole
+          replica.committed = True
+          if fate:
+            self._tier.evict(directory)
+          else:
+            del self._tier.replicas[(final_dir, source)]
+      log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
+               len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
+    return replica.nbytes
+
+  def drop_partial(self, replica: ram_tier.Replica) -> None:
+    """Forgets ``replica`` if it is not whole, and only it: not a newer stream's."""
+    key = (replica.final_dir, replica.source)
+    with self._tier.lock:
+      if self._tier.replicas.get(key) is replica and not replica.whole:
+        del self._tier.replicas[key]  # its blocks go back to the arena
+
+  def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray,
+                 crc32c: int | None) -> None:
+    """Adds a whole shard, if it has the crc32c its sender computed."""
+    if crc32c is None or ol_shards.shard_crc32c(data) != crc32c:
+      raise errors.InvalidArgumentError(
+          f"receive: shard {[*key[0]]} {[list(i) for i in key[1]]} of host {replica.source}'s "
+          f"replica of step {replica.step} does not match the crc32c its sender computed "
+          f"({crc32c}): the replica is dropped")
+    with self._tier.lock:
+      old = replica.shards.get(key)
+      replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)
+      replica.shards[key] = data
+
+  def _replica_fault(self, step: int) -> None:
+    if not faults.armed("replicate", step):
+      return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until our own part of the step is committed
+      with self._tier.lock:
+        if any(s.step == step and s.committed for s in self._tier.steps.values()):
+          break
+      time.sleep(0.02)
+    faults.fault("replicate", step)

@@ -1,0 +1,57 @@
+"""The main of a feed worker process (see ``pool.py``): fill batches until told to stop.
+
+It runs JAX on the CPU, as the sidecar does: ``pool.py`` starts it with
+``platform.sidecar_env``, and its main sets the same again before the pipeline's modules
+(which may import JAX) load."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import sys
+import time
+
+from sidecar._src.arena import shm
+from sidecar._src.core import platform
+from sidecar._src.server.feeds import producer as feed_lib
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire.protocol import pb
+
+
+def serve(sock: socket.socket, arena_fd: int) -> None:
+  hello, _ = ipc.recv(sock)
+  try:
+    registry_lib.load_modules(hello["imports"])
+    entry = registry_lib.default_registry().get(registry_lib.PIPELINE, hello["name"])
+    spec = feed_lib.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
+    kwargs = codec.decode(pb.Value.FromString(base64.b64decode(hello["kwargs"])))
+    ds = feed_lib.open_source(entry, kwargs, spec, 0, 0)
+    arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]))
+  except Exception as e:
+    ipc.send(sock, {"error": protocol.error_dict(e)})
+    return
+  ipc.send(sock, {"ready": True})
+  # No allocator: every task brings its output arrays.
+  batcher = feed_lib.Batcher(spec, None, entry.name)  # type: ignore[arg-type]
+  order = feed_lib.Order(ds, spec.seed)
+  while True:
+    try:
+      task, _ = ipc.recv(sock)
+    except (ConnectionError, OSError):
+      return  # the sidecar closed the pool, or died
+    try:
+      t0 = time.perf_counter()
+      out = [[codec.as_array(arena.view(offset, arena.size - offset),
+                             codec.ArenaRef(offset, 0, 0, dtype, tuple(shape)))
+              for offset, shape, dtype in leaf] for leaf in task["blocks"]]
+      batcher.write(out, order.rows(task["epoch"], task["position"], spec.ranges))
+      reply = {"seq": task["seq"], "produce_s": time.perf_counter() - t0}
+    except Exception as e:
+      reply = {"seq": task["seq"], "error": protocol.error_dict(e)}
+    ipc.send(sock, reply)
+
+
+if __name__ == "__main__":
+  platform.apply_to_sidecar()
+  serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))

@@ -1,0 +1,140 @@
+"""Worker processes that fill a feed's batches in the arena (``FeedOptions(workers=N)``).
+
+Each worker is a fresh interpreter (spawned, never forked) that imports the
+sidecar's modules, maps the arena through an inherited memfd and builds the
+pipeline itself. The sidecar sends it (batch position, output blocks); the
+worker writes the rows straight into those blocks and answers. A worker that
+dies is restarted and given its unfinished batches again, so the stream the
+trainer sees has no gap and no duplicate. Workers run as the sidecar does, JAX on
+the CPU and no accelerator in sight (``core/platform.py``): the trainer owns the chip.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.arena import shm
+from sidecar._src.core import errors, platform
+from sidecar._src.wire import ipc, protocol
+from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
+MAX_RESTARTS = 3
+
+
+@dataclasses.dataclass(slots=True)
+class _Worker:
+  proc: subprocess.Popen
+  sock: socket.socket
+  tasks: dict[int, dict[str, Any]]  # sent, unanswered, by sequence number
+
+
+class Pool:
+  """``size`` worker processes for one feed; a context manager."""
+
+  def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
+               kwargs: pb.Value, spec: pb.FeedSpec):
+    self.size = size
+    self._arena = arena
+    self._hello = {"imports": list(imports), "name": name, "arena_size": arena.size,
+                   "kwargs": base64.b64encode(kwargs.SerializeToString()).decode(),
+                   "spec": base64.b64encode(spec.SerializeToString()).decode()}
+    self._workers: list[_Worker] = []
+    self._seq = 0
+    self._restarts = 0
+    try:
+      for i in range(size):
+        self._workers.append(self._spawn(i, {}))
+    except BaseException:
+      self.close()
+      raise
+
+  def _spawn(self, i: int, tasks: dict[int, dict[str, Any]]) -> _Worker:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with theirs:
+      proc = subprocess.Popen(
+          [sys.executable, "-m", "sidecar._src.server.feeds.child", str(theirs.fileno()),
+           str(self._arena.fd)], pass_fds=(theirs.fileno(), self._arena.fd),
+          stdin=subprocess.DEVNULL, env=platform.sidecar_env(os.environ))
+    worker = _Worker(proc, ours, tasks)
+    ipc.send(ours, self._hello)
+    reply, _ = ipc.recv(ours)
+    if "error" in reply:
+      self._stop(worker)
+      raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
+    for task in tasks.values():  # a restarted worker redoes what its predecessor left
+      ipc.send(ours, task)
+    return worker
+
+  def submit(self, step: tuple[int, int], out: list[list[np.ndarray]]) -> tuple[int, int]:
+    """Sends batch ``(epoch, position)`` into arrays ``out`` to a worker; returns a ticket."""
+    seq, self._seq = self._seq, self._seq + 1
+    i = seq % self.size
+    blocks = [[[self._arena.contains(a), list(a.shape), a.dtype.name] for a in leaf]
+              for leaf in out]
+    task = {"seq": seq, "epoch": step[0], "position": step[1], "blocks": blocks}
+    worker = self._workers[i]
+    worker.tasks[seq] = task
+    try:
+      ipc.send(worker.sock, task)
+    except OSError:
+      pass  # found dead in wait(), which restarts it with this task
+    return i, seq
+
+  def wait(self, ticket: tuple[int, int]) -> float:
+    """Waits for a batch; returns the seconds the worker spent on it."""
+    i, seq = ticket
+    while True:
+      worker = self._workers[i]
+      try:
+        reply, _ = ipc.recv(worker.sock)
+      except (ConnectionError, OSError):
+        self._restart(i, seq)
+        continue
+      worker.tasks.pop(reply["seq"], None)
+      if "error" in reply:
+        raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
+      if reply["seq"] == seq:
+        return float(reply["produce_s"])
+
+  def _restart(self, i: int, seq: int) -> None:
+    old = self._workers[i]
+    code = old.proc.wait()
+    self._restarts += 1
+    if self._restarts > MAX_RESTARTS * self.size:
+      raise errors.HostLostError(
+          f"feed worker {i} died (exit code {code}) and workers were restarted "
+          f"{self._restarts - 1} times; giving up at batch {seq}")
+    log.warning("feed worker %d died (exit code %s); restarting it from batch %d, the first "
+                "it had not delivered", i, code, min(old.tasks, default=seq))
+    old.sock.close()
+    self._workers[i] = self._spawn(i, old.tasks)
+
+  @staticmethod
+  def _stop(worker: _Worker) -> None:
+    worker.sock.close()  # a worker exits when its socket closes
+    try:
+      worker.proc.wait(5)
+    except subprocess.TimeoutExpired:
+      worker.proc.kill()
+      worker.proc.wait()
+
+  def close(self) -> None:
+    for w in self._workers:
+      self._stop(w)
+    self._workers = []
+
+  def __enter__(self) -> Pool:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,299 @@
+"""Prometheus metrics of one sidecar, served on ``/metrics`` (``sidecar serve --metrics-port``).
+
+Two kinds of figures:
+- pushed from the hot paths (calls, latencies, checkpoint bytes): a :class:`Recorder`
+  the runner and the checkpoint host report to. The base class records nothing, so a
+  sidecar without ``--metrics-port`` pays one no-op method call per event;
+- read when scraped (arena, leases, workers, feeds, RAM tier): a collector that asks the
+  server's parts for a snapshot, so the feed loop and the allocator pay nothing at all.
+
+Every sidecar has a ``CollectorRegistry`` of its own (never the global one): several
+servers in one process do not clash. Label values are bounded: registered names only
+(anything else is ``<unregistered>``), status code names, a few fixed phases and tiers,
+and the worker sessions attached now.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from sidecar._src.server import metrics_server
+
+log = logging.getLogger(__name__)
+
+UNREGISTERED = "<unregistered>"
+KINDS = ("call", "stream", "feed", "checkpoint")  # checkpoint: the Checkpoint service's RPCs
+FLAG = "--metrics-port"
+# 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 25.0, 100.0)
+
+
+class Recorder:
+  """What the hot paths report to. This base records nothing: metrics are off."""
+
+  enabled = False
+
+  def call_started(self, kind: str) -> None:
+    """A call (``kind`` "call", "stream", "feed" or "checkpoint") began."""
+
+  def call_done(self, kind: str, name: str, code: str, seconds: float) -> None:
+    """A call ended with gRPC status ``code`` ("OK", "NOT_FOUND", ...) after ``seconds``."""
+
+  def checkpoint_bytes(self, what: str, nbytes: int) -> None:
+    """``nbytes`` more ``what`` ("staged", "written", "replicated") on this host."""
+
+  def restored_bytes(self, tier: str, nbytes: int) -> None:
+    """``nbytes`` of shards read for a restore from ``tier`` ("ram", "replica", "storage")."""
+
+  def phase(self, phase: str, seconds: float) -> None:
+    """A checkpoint phase this host ran in the background ("write", "replicate") took."""
+
+
+OFF = Recorder()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedTotals:
+  """One pipeline's feeds on this host, summed (running and finished)."""
+  pipeline: str
+  running: int
+  batches: int
+  produce_s: float
+  backpressure_s: float
+  trainer_wait_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Snapshot:
+  """What the server reads for a scrape; every field is a plain number or tuple."""
+  host_id: int
+  slice_id: int
+  uptime_s: float
+  arena_size: int
+  arena_used: int
+  arena_blocks: int
+  leased: tuple[tuple[str, int], ...]  # ("pid<N>" of an attached worker, bytes it holds)
+  pinned_bytes: int  # held by the sidecar itself (views, RAM tier, unsent batches)
+  workers: int
+  feeds: tuple[FeedTotals, ...]
+  ram_steps: int
+  ram_bytes: int
+  replica_steps: int
+  replica_bytes: int
+  writing_steps: int
+  writing_bytes: int  # staged, not yet written
+
+
+class Metrics(Recorder):
+  """The metrics of one sidecar, in a registry of its own; ``serve`` starts ``/metrics``.
+
+  The hot paths add to plain counters under one lock (about a microsecond a call);
+  the collector turns them into metric families when scraped.
+  """
+
+  enabled = True
+
+  def __init__(self, snapshot: Callable[[], Snapshot]):
+    self.registry = CollectorRegistry(auto_describe=False)
+    self._lock = threading.Lock()
+    self._in_flight = dict.fromkeys(KINDS, 0)
+    self._calls: dict[tuple[str, str, str], int] = {}  # (kind, name, code) -> calls
+    # name -> [count per bucket (the last is +Inf), sum of seconds]
+    self._latency: dict[str, list] = {}
+    self._bytes = dict.fromkeys(("staged", "written", "replicated"), 0)
+    self._restored: dict[str, int] = {}
+    self._phases: dict[str, list] = {}
+    self.registry.register(_Collector(snapshot, self))
+    self._http: Any = None  # a metrics_server server
+    self._thread: threading.Thread | None = None
+    self.port = 0
+
+  def call_started(self, kind: str) -> None:
+    with self._lock:
+      self._in_flight[kind] += 1
+
+  def call_done(self, kind: str, name: str, code: str, seconds: float) -> None:
+    key = (kind, name, code)
+    with self._lock:
+      self._in_flight[kind] -= 1
+      self._calls[key] = self._calls.get(key, 0) + 1
+      if kind in ("call", "checkpoint"):
+        _observe(self._latency, name, seconds)
+
+  def checkpoint_bytes(self, what: str, nbytes: int) -> None:
+    with self._lock:
+      self._bytes[what] += nbytes
+
+  def restored_bytes(self, tier: str, nbytes: int) -> None:
+    with self._lock:
+      self._restored[tier] = self._restored.get(tier, 0) + nbytes
+
+  def phase(self, phase: str, seconds: float) -> None:
+    with self._lock:
+      _observe(self._phases, phase, seconds)
+
+  def pushed(self) -> dict[str, Any]:
+    """A copy of the pushed figures, for the collector."""
+    with self._lock:
+      return {"in_flight": dict(self._in_flight), "calls": dict(self._calls),
+              "latency": {k: [list(v[0]), v[1]] for k, v in self._latency.items()},
+              "bytes": dict(self._bytes), "restored": dict(self._restored),
+              "phases": {k: [list(v[0]), v[1]] for k, v in self._phases.items()}}
+
+  def text(self) -> str:
+    """The exposition text, as ``/metrics`` serves it."""
+    return exposition.generate_latest(self.registry).decode()
+
+  def serve(self, listen: str, port: int) -> int:
+    """Serves ``/metrics`` on ``listen:port`` (0 picks a free port); returns the port.
+
+    Raises:
+      OSError: the port is taken or the address is not available, naming the flag.
+    """
+    addr = listen.strip("[]")
+    try:
+      self._http, self._thread = metrics_server.serve(self.registry, addr, port)
+    except OSError as e:
+      raise OSError(f"cannot serve metrics on {listen}:{port} ({e.strerror or e}); pick "
+                    f"another {FLAG} (0 picks a free one)") from None
+    self.port = int(self._http.server_port)
+    return self.port
+
+  def close(self) -> None:
+    """Stops serving ``/metrics``; idempotent."""
+    http, self._http = self._http, None
+    if http is not None:
+      http.shutdown()
+      http.server_close()
+    if self._thread is not None:
+      self._thread.join(5)
+      self._thread = None
+
+
+def _observe(histograms: dict[str, list], key: str, seconds: float) -> None:
+  h = histograms.get(key)
+  if h is None:
+    h = histograms[key] = [[0] * (len(LATENCY_BUCKETS) + 1), 0.0]
+  h[0][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+  h[1] += seconds
+
+
+def _histogram(name: str, doc: str, label: str, data: dict[str, list]) -> HistogramMetricFamily:
+  family = HistogramMetricFamily(name, doc, labels=[label])
+  for key, (counts, total) in sorted(data.items()):
+    cumulative, buckets = 0, []
+    for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), counts):
+      cumulative += n
+      buckets.append((bound, cumulative))
+    family.add_metric([key], buckets, total)
+  return family
+
+
+class _Collector(Collector):
+  """The figures read at scrape time, from one :class:`Snapshot`."""
+
+  def __init__(self, snapshot: Callable[[], Snapshot], metrics: Metrics):
+    self._snapshot = snapshot
+    self._metrics = metrics
+
+  def collect(self) -> Iterable:
+    yield from self._pushed(self._metrics.pushed())
+    yield from self._read(self._snapshot())
+
+  @staticmethod
+  def _pushed(p: dict[str, Any]) -> Iterable:
+    calls = CounterMetricFamily("sidecar_calls", "Calls, streams and feeds served, by "
+                                "registered name and gRPC status code",
+                                labels=["kind", "name", "code"])
+    for labels, n in sorted(p["calls"].items()):
+      calls.add_metric(list(labels), n)
+    yield calls
+    yield _histogram("sidecar_call_seconds", "Time in a call on the sidecar (unary calls; "
+                     "sidecar.ckpt.<phase> are the Checkpoint service's RPCs, the phases the controller "
+                     "drives)", "name",
+                     p["latency"])
+    in_flight = GaugeMetricFamily("sidecar_calls_in_flight", "Calls, streams and feeds "
+                                  "running now", labels=["kind"])
+    for kind, n in p["in_flight"].items():
+      in_flight.add_metric([kind], n)
+    yield in_flight
+    ckpt = CounterMetricFamily("sidecar_checkpoint_bytes", "Checkpoint bytes this host staged "
+                               "(trainer to arena), wrote to storage, and replicated to peers",
+                               labels=["what"])
+    for what, n in p["bytes"].items():
+      ckpt.add_metric([what], n)
+    yield ckpt
+    restored = CounterMetricFamily("sidecar_restore_bytes", "Checkpoint shard bytes read "
+                                   "for restores, by tier", labels=["tier"])
+    for tier, n in sorted(p["restored"].items()):
+      restored.add_metric([tier], n)
+    yield restored
+    yield _histogram("sidecar_checkpoint_phase_seconds", "Background checkpoint phases of "
+                     "this host, per step", "phase", p["phases"])
+
+  @staticmethod
+  def _read(s: Snapshot) -> Iterable:
+
+    def gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+      g = GaugeMetricFamily(name, doc, labels=list(labels))
+      g.add_metric(list(labels.values()), value)
+      return g
+
+    yield gauge("sidecar_host_info", "This sidecar's host and slice (always 1)", 1,
+                host_id=str(s.host_id), slice_id=str(s.slice_id))
+    yield gauge("sidecar_uptime_seconds", "Seconds since this sidecar started", s.uptime_s)
+    yield gauge("sidecar_arena_size_bytes", "Size of the shared-memory arena", s.arena_size)
+    yield gauge("sidecar_arena_used_bytes", "Arena bytes allocated", s.arena_used)
+    yield gauge("sidecar_arena_blocks", "Arena blocks allocated", s.arena_blocks)
+    leased = GaugeMetricFamily("sidecar_arena_leased_bytes", "Arena bytes held by each "
+                               "attached worker (by pid; a session id is a capability, "
+                               "never shown)", labels=["worker"])
+    for worker, nbytes in s.leased:
+      leased.add_metric([worker], nbytes)
+    yield leased
+    yield gauge("sidecar_arena_pinned_bytes", "Arena bytes held by the sidecar itself "
+                "(its views, the RAM tier, batches not yet sent)", s.pinned_bytes)
+    yield gauge("sidecar_workers_connected", "Worker sessions attached", s.workers)
+    running = GaugeMetricFamily("sidecar_feeds_running", "Feeds running, by pipeline",
+                                labels=["pipeline"])
+    families = {name: CounterMetricFamily(f"sidecar_feed_{name}", doc, labels=["pipeline"])
+                for name, doc in (
+                    ("batches", "Batches produced"),
+                    ("produce_seconds", "Seconds spent producing batches"),
+                    ("backpressure_seconds", "Seconds the producer waited for credits "
+                     "(the trainer is slower)"),
+                    ("trainer_wait_seconds", "Seconds the trainer reported waiting for "
+                     "batches (the feed is slower)"))}
+    for f in s.feeds:
+      running.add_metric([f.pipeline], f.running)
+      for name, value in (("batches", f.batches), ("produce_seconds", f.produce_s),
+                          ("backpressure_seconds", f.backpressure_s),
+                          ("trainer_wait_seconds", f.trainer_wait_s)):
+        families[name].add_metric([f.pipeline], value)
+    yield running
+    yield from families.values()
+    tier_steps = GaugeMetricFamily("sidecar_ram_tier_steps", "Committed steps held in host memory",
+                              labels=["kind"])
+    tier_bytes = GaugeMetricFamily("sidecar_ram_tier_bytes", "Bytes of committed steps held in "
+                               "host memory", labels=["kind"])
+    for kind, n, b in (("own", s.ram_steps, s.ram_bytes),
+                       ("replica", s.replica_steps, s.replica_bytes)):
+      tier_steps.add_metric([kind], n)
+      tier_bytes.add_metric([kind], b)
+    yield tier_steps
+    yield tier_bytes
+    yield gauge("sidecar_checkpoint_writing_steps", "Steps being written to storage",
+                s.writing_steps)
+    yield gauge("sidecar_checkpoint_writing_bytes", "Staged bytes not yet written to "
+                "storage", s.writing_bytes)
+

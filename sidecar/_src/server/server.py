@@ -1,0 +1,436 @@
+"""One sidecar: the arena, the worker socket, the gRPC and health servers.
+
+Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar._src.arena import shm
+from sidecar._src.core import errors, options as options_lib
+from sidecar._src.server import metrics as metrics_lib, preflight, sockets
+from sidecar._src.server.arena_io import ArenaIO
+from sidecar._src.server.calls import Runner, UnaryCalls
+from sidecar._src.server.checkpoint import peers as replicas
+from sidecar._src.server.checkpoint.host import CheckpointHost
+from sidecar._src.server.checkpoint.service import CheckpointService
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import (
+  CHECKPOINT_THREADS,
+  CallSlots,
+  InlineBytes,
+  Sessions,
+  StreamSlots,
+)
+from sidecar._src.server.service import Service, client_of
+from sidecar._src.server.stream_runner import StreamRunner
+from sidecar._src.server.workers import WorkerListener
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
+
+
+# Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
+# to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
+KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
+# The health port answers the kubelet, which opens a connection per probe: a few at once,
+# each closed when idle this long. A flood of idle connections takes these, no more.
+HEALTH_CONNECTIONS = 64
+HEALTH_IDLE_S = 30.0
+# The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
+# connection caps together stay well below it.
+NOFILE = 65536
+
+
+def _raise_nofile() -> int:
+  """Raises the soft RLIMIT_NOFILE toward ``NOFILE`` (never past the hard limit); returns it."""
+  import resource
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
+  if soft != resource.RLIM_INFINITY and soft < want:
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+      soft = want
+    except (ValueError, OSError) as e:
+      log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
+  return soft
+
+
+class State(enum.Enum):
+  NEW = "new"
+  SERVING = "serving"
+  STOPPED = "stopped"
+
+
+# On a unix: socket health shares the server with the services: health asks no token
+# (it tells only whether the sidecar serves), as on the TCP health port.
+_HEALTH_METHODS = "/grpc.health.v1.Health/"
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+  """Refuses every RPC but health's without ``authorization: Bearer <token>``, of one of
+  ``tokens`` (``{b"Bearer <token>": client name}``)."""
+
+  def __init__(self, tokens: dict[bytes, str]):
+    self._tokens = tokens
+
+    def deny(request, context):
+      context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                    "AuthenticationError: missing or wrong token; pass token=... to the "
+                    "Controller or set SIDECAR_TOKEN / SIDECAR_TOKEN_FILE")
+    self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+  def intercept_service(self, continuation, handler_call_details):
+    if handler_call_details.method.startswith(_HEALTH_METHODS):
+      return continuation(handler_call_details)
+    if client_of(self._tokens, handler_call_details.invocation_metadata) is None:
+      return self._deny
+    return continuation(handler_call_details)
+
+
+def _tls_credentials(o: options_lib.ServerOptions) -> grpc.ServerCredentials | None:
+  """The control port's TLS (mTLS with a client CA) from PEM files; None without TLS."""
+  if o.tls_cert is None or o.tls_key is None:
+    return None
+  def read(path: str, flag: str) -> bytes:
+    try:
+      with open(path, "rb") as f:
+        return f.read()
+    except OSError as e:
+      raise OSError(e.errno, f"cannot read {flag} {path}: {e.strerror}") from None
+  _check_tls_files(o.tls_cert, o.tls_key, o.tls_client_ca)
+  ca = None if o.tls_client_ca is None else read(o.tls_client_ca, "--tls-client-ca")
+  return grpc.ssl_server_credentials(
+      [(read(o.tls_key, "--tls-key"), read(o.tls_cert, "--tls-cert"))], root_certificates=ca,
+      require_client_auth=ca is not None)
+
+
+def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+  """Says at start what gRPC would only report as "cannot listen": a key that is not the
+  certificate's, a CA file that holds no certificate; warns of a certificate expired.
+
+  Raises:
+    OSError: naming the file, the flag and OpenSSL's reason.
+  """
+  import ssl
+  try:
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+  except (ssl.SSLError, OSError) as e:
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+    what = ("the key does not match the certificate" if "MISMATCH" in str(e)
+            else f"they cannot be loaded: {reason}")
+    raise OSError(f"--tls-cert {cert} and --tls-key {key}: {what}; give the certificate "
+                  "chain (PEM) and its own private key") from None
+  if client_ca is not None:
+    try:
+      ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(client_ca)
+    except (ssl.SSLError, OSError) as e:
+      raise OSError(f"--tls-client-ca {client_ca} holds no CA certificate ({e}); give the "
+                    "PEM certificate of the CA that signs the clients' certificates") from None
+  try:
+    decoded = ssl._ssl._test_decode_cert(cert)  # type: ignore[attr-defined]  # no public way
+    not_after = ssl.cert_time_to_seconds(decoded["notAfter"])
+  except (ssl.SSLError, OSError, KeyError, ValueError, AttributeError):
+    return
+  if not_after < time.time():
+    log.warning("--tls-cert %s expired on %s: clients will refuse it; renew the certificate",
+                cert, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after)))
+
+
+def _dialable(listen: str) -> str:
+  """A TCP listen address as this machine dials it: a wildcard is reached on loopback."""
+  return options_lib.LOOPBACK if listen.strip("[]") in ("::", "0.0.0.0", "") else listen
+
+
+class Server:
+  """A sidecar server. Use as a context manager, or ``start()`` then ``stop()``."""
+
+  def __init__(self, opts: options_lib.ServerOptions, *,
+               registry: registry_lib.Registry | None = None):
+    self.options = opts
+    self.registry = registry or registry_lib.default_registry()
+    self.state = State.NEW
+    self.port = 0  # TCP only; a unix: sidecar has none
+    self.health_port = 0
+    self.address = ""  # what a client dials: unix:PATH or HOST:PORT
+    self.metrics_port: int | None = None
+    self.metrics: metrics_lib.Recorder = metrics_lib.OFF
+    self.identity = pb.HostIdentity(
+        host_id=opts.host_id, slice_id=opts.slice_id, device_ids=list(opts.device_ids),
+        hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id())
+    self._lock = threading.Lock()
+    self._stopped = threading.Event()
+
+  def start(self) -> Server:
+    with self._lock:
+      if self.state is State.SERVING:
+        return self
+      if self.state is State.STOPPED:
+        raise errors.ClosedError("this sidecar server was stopped; make a new one")
+      try:
+        self._start()
+      except BaseException:
+        self._teardown()
+        raise
+      self.state = State.SERVING
+    # Debug: `sidecar serve` prints its own line, with the address it listens on.
+    log.debug("sidecar host %d serving on %s (health %s), socket %s, arena %s",
+              self.options.host_id, self.address, self.health_port or "on the same socket",
+              self.options.socket_path, shm.format_size(self.arena.size))
+    return self
+
+  def _start(self) -> None:
+    o = self.options
+    preflight.check(o)  # the socket's and checkpoints' mounts, before the arena takes seconds
+    if o.token is None and not o.client_tokens and not options_lib.is_loopback(o.listen):
+      log.warning(
+          "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "
+          "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
+          "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
+    self.arena = shm.Arena.create(o.shm_size)
+    self.leases = Leases(shm.Allocator(self.arena.size),
+                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size))
+    if o.metrics_port is not None:
+      self.metrics = metrics_lib.Metrics(self._snapshot)
+    self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
+        o.host_id, token=o.peer_token if o.client_tokens else o.token, peer_token=o.peer_token, roots=o.checkpoint_roots,
+        metrics=self.metrics,
+        peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
+    self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
+                            is_attached=lambda session: self.workers.has_session(session))
+    self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics)
+    self.stream_runner = StreamRunner(self.runner, imports=o.imports)
+    # One budget of calls, whether they come over gRPC or a worker's socket.
+    calls = UnaryCalls(self.runner, CallSlots(o.threads), InlineBytes())
+    self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
+                                  self.stream_runner, calls=calls,
+                                  call_bytes=o.max_message_size,
+                                  max_connections=o.max_worker_connections,
+                                  on_dead=self._listener_dead)
+    # The tokens a client may present: the shared one, or one per client (named).
+    tokens = ({f"Bearer {t}".encode(): n for n, t in o.client_tokens} if o.client_tokens
+              else {f"Bearer {o.token}".encode(): ""} if o.token else {})
+    if o.client_tokens and o.peer_token:  # the peer sidecars authenticate with theirs
+      tokens[f"Bearer {o.peer_token}".encode()] = ""
+    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
+                        evict_idle_s=o.session_evict_s)
+    self.service = Service(calls=calls, stream_runner=self.stream_runner,
+                           identity=self.identity, arena_size=self.arena.size,
+                           leases=self.leases, workers=self.workers,
+                           checkpoints=self.checkpoints.tier.status, sessions=sessions,
+                           streams=StreamSlots(total=o.max_streams,
+                                               per_session=o.max_streams_per_session),
+                           peer_token=o.peer_token,
+                           clients=tokens if o.client_tokens else {},
+                           opened=self.checkpoints.opened_by)
+    handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
+    nofile = _raise_nofile()
+    if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
+      log.warning("the descriptor limit (%d) is below twice the connections this sidecar "
+                  "keeps (max_connections=%d, health %d, worker socket %d): a flood of them "
+                  "could leave none; raise `ulimit -n`", nofile, o.max_connections,
+                  HEALTH_CONNECTIONS, o.max_worker_connections)
+    msg = [("grpc.max_receive_message_length", o.max_message_size),
+           ("grpc.max_send_message_length", o.max_message_size),
+           ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS,
+           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake]
+    # Streams and checkpoint rpcs have budgets of their own: streams that never send a
+    # credit, or saves that wait on a slow disk, cannot take the threads of handshakes,
+    # calls and status.
+    self._pools = [futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
+                                              thread_name_prefix="sidecar-rpc"),
+                   futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
+    self._grpc = grpc.server(self._pools[0], options=msg,
+                             interceptors=[_TokenAuth(tokens)] if tokens else [])
+    checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
+                                   sessions=sessions, metrics=self.metrics,
+                                   per_client=bool(o.client_tokens))
+    self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
+    reflection.enable_server_reflection(
+        (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
+    self._health = health.HealthServicer()
+    if (unix := o.unix) is not None:  # one socket: the services and health, no port
+      health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+      self._listen_unix(unix.path)
+      self.address = unix.target
+      self._grpc.start()
+    else:
+      self.port = self._bind(self._grpc, f"{o.listen}:{o.port}", "--port", _tls_credentials(o))
+      self.address = f"{_dialable(o.listen)}:{self.port}"
+      self._grpc.start()
+      self._health_grpc = grpc.server(self._pools[1], options=[
+          ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
+          handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
+      health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
+      self.health_port = self._bind(self._health_grpc, f"{o.listen}:{o.health_port}",
+                                    "--health-port")
+      self._health_grpc.start()
+    if isinstance(self.metrics, metrics_lib.Metrics):
+      assert o.metrics_port is not None  # TCP always; a unix: sidecar's on loopback
+      self.metrics_port = self.metrics.serve(
+          options_lib.LOOPBACK if unix is not None else o.listen, o.metrics_port)
+    status = (health_pb2.HealthCheckResponse.SERVING if self.workers.alive
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", protocol.SERVICE):
+      self._health.set(name, status)
+
+  def _listener_dead(self, error: BaseException) -> None:
+    """A listener the sidecar needs is gone for good: health says so, the kubelet restarts."""
+    health = getattr(self, "_health", None)
+    if health is not None:
+      for name in ("", protocol.SERVICE):
+        health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+  def _snapshot(self) -> metrics_lib.Snapshot:
+    """What ``/metrics`` reads when scraped."""
+    allocator = self.leases.allocator
+    by_session, pinned = self.leases.held_bytes()
+    pids = self.workers.pids()
+    leased: dict[str, int] = {}
+    for session, pid in pids.items():
+      leased[f"pid{pid}"] = leased.get(f"pid{pid}", 0) + by_session.get(session, 0)
+    usage = self.checkpoints.tier.usage()
+    return metrics_lib.Snapshot(
+        host_id=self.options.host_id, slice_id=self.options.slice_id,
+        uptime_s=self.service.uptime_s(),
+        arena_size=self.arena.size, arena_used=allocator.used_bytes,
+        arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
+        pinned_bytes=pinned, workers=len(pids), feeds=self.stream_runner.feed_totals(), **usage)
+
+  def _listen_unix(self, path: str) -> None:
+    """Binds the gRPC server to the Unix socket ``path``: its directory made if missing,
+    a stale socket file replaced, a live one refused; mode 0600, or 0660 for
+    ``--socket-group``, before the server accepts anyone."""
+    o = self.options
+    self._unix_dirs = sockets.make_dirs(os.path.dirname(path), what="gRPC socket",
+                                        flag="--listen")
+    sockets.claim(path, what="gRPC socket", flag="--listen unix:PATH")
+    with sockets.private_umask():
+      self._bind(self._grpc, f"unix:{path}", "--listen unix:PATH")
+    self._unix_inode = sockets.inode_of(path)
+    sockets.restrict(path, mode=0o660 if o.socket_group else 0o600, group=o.socket_group)
+
+  @staticmethod
+  def _bind(server: grpc.Server, target: str, flag: str,
+            credentials: grpc.ServerCredentials | None = None) -> int:
+    try:
+      bound = (server.add_insecure_port(target) if credentials is None
+               else server.add_secure_port(target, credentials))
+    except RuntimeError as e:
+      bound = 0
+      reason = str(e)
+    else:
+      reason = "port in use or address not available"
+    if not bound:
+      raise OSError(f"cannot listen on {target} ({reason}); pick another {flag}")
+    return bound
+
+  def _worker_hello(self, message: dict) -> dict:
+    theirs = pb.Versions(**{k: v for k, v in (message.get("versions") or {}).items()
+                            if k in ("protocol", "package", "python", "numpy", "jax")})
+    ours = protocol.local_versions()
+    diffs = protocol.version_differences(theirs, ours)
+    if diffs:
+      raise errors.VersionMismatchError(
+          f"worker pid {message.get('pid')} and sidecar host {self.options.host_id} differ: "
+          + "; ".join(diffs) + ". Install the same versions on both sides")
+    self._adopt(message.get("process"))
+    ident = self.identity
+    return {"versions": protocol.versions_dict(ours),
+            "identity": {"host_id": ident.host_id, "slice_id": ident.slice_id,
+                         "device_ids": list(ident.device_ids), "hostname": ident.hostname,
+                         "pid": ident.pid, "boot_id": ident.boot_id}}
+
+  def _adopt(self, process: object) -> None:
+    """Takes the attaching trainer's process index and devices as this host's identity.
+
+    Under ``jax.distributed`` the trainer process beside this sidecar says which devices
+    it owns; ``--device-ids`` overrides that.
+    """
+    if process is None:
+      return
+    try:
+      index = int(process["process_index"])  # type: ignore[index]
+      devices = [int(d) for d in process["device_ids"]]  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+      raise errors.InvalidArgumentError(
+          f"attach: 'process' must be {{'process_index': int, 'device_ids': [int]}}, got "
+          f"{process!r:.200}") from None
+    if index < 0 or any(d < 0 or d >= 1 << 31 for d in devices):
+      raise errors.InvalidArgumentError(f"attach: bad process identity {process!r:.200}")
+    with self._lock:
+      self.identity.process_index = index
+      if not self.options.device_ids:
+        del self.identity.device_ids[:]
+        self.identity.device_ids.extend(devices)
+    log.info("trainer process %d attached with devices %s", index, devices)
+
+  def write_ready_file(self, path: str) -> None:
+    """Atomically writes where this sidecar listens (LocalCluster waits for it)."""
+    data = {"address": self.address, "port": self.port, "health_port": self.health_port,
+            "metrics_port": self.metrics_port,
+            "socket": self.options.socket_path, "pid": os.getpid()}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(data, f)
+    os.replace(tmp, path)
+
+  def wait(self, timeout: float | None = None) -> bool:
+    return self._stopped.wait(timeout)
+
+  def stop(self, grace: float = 2.0) -> None:
+    """Stops serving and frees the arena; idempotent."""
+    with self._lock:
+      if self.state is State.STOPPED:
+        return
+      self.state = State.STOPPED
+      self._teardown(grace)
+    self._stopped.set()
+
+  def _teardown(self, grace: float = 0.0) -> None:
+    if getattr(self, "_health", None) is not None:
+      self._health.enter_graceful_shutdown()
+    if isinstance(self.metrics, metrics_lib.Metrics):
+      self.metrics.close()
+    for name in ("_grpc", "_health_grpc"):
+      server = getattr(self, name, None)
+      if server is not None:
+        server.stop(grace).wait(grace + 1)
+    if (unix := self.options.unix) is not None:  # ours only: not a live sidecar's
+      sockets.remove_if_same(unix.path, getattr(self, "_unix_inode", None))
+      sockets.remove_dirs(getattr(self, "_unix_dirs", []))
+    # Their threads: idle ones end at once; one still in a handler (a user function that
+    # ignores its cancelled RPC) is waited for a moment, not for ever.
+    for pool in getattr(self, "_pools", ()):
+      pool.shutdown(wait=False, cancel_futures=True)
+      for thread in list(getattr(pool, "_threads", ())):
+        thread.join(grace + 1)
+    if getattr(self, "workers", None) is not None:
+      self.workers.close()
+    if getattr(self, "checkpoints", None) is not None:
+      self.checkpoints.close()
+    if getattr(self, "arena_io", None) is not None:
+      self.arena_io.close()
+    if getattr(self, "arena", None) is not None:
+      self.arena.close()
+
+  def __enter__(self) -> Server:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+

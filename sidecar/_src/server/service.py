@@ -1,0 +1,225 @@
+"""The gRPC service a sidecar exposes: Handshake, Call, Stream, Status.
+
+Requests arrive as raw bytes and are parsed here, so malformed bytes get
+INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL). Every failure
+leaves through ``protocol.abort``, the one place exceptions become statuses.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from sidecar._src.core import errors
+from sidecar._src.server.calls import UnaryCalls
+from sidecar._src.server.credits import Credits
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import Sessions, Slots, StreamSlots, check_prefetch
+from sidecar._src.server.stream_runner import StreamRunner
+from sidecar._src.server.workers import WorkerListener
+from sidecar._src.wire import codec, protocol
+from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
+# How long the end of a Stream RPC waits for its credit reader to finish. The wait runs on
+# gRPC's one event thread, which every RPC of the server needs: short, as the reader has
+# been woken by then.
+CREDITS_JOIN_S = 0.1
+
+
+def client_of(tokens: dict[bytes, str], metadata) -> str | None:
+  """The name of the client whose token ``metadata`` carries, compared in constant time
+  with every token (how long it takes says nothing of which one came close)."""
+  meta = dict(metadata or ())
+  given = meta.get(protocol.AUTH_KEY) or ""
+  given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+  found = None
+  for expected, name in tokens.items():
+    if hmac.compare_digest(given, expected):
+      found = name
+  return found
+
+
+class Service:
+  """Handlers for ``sidecar.v1.Sidecar``; owns no resources, only references."""
+
+  def __init__(self, *, calls: UnaryCalls, stream_runner: StreamRunner,
+               identity: pb.HostIdentity, arena_size: int,
+               leases: Leases, workers: WorkerListener,
+               checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
+               sessions: Sessions | None = None, streams: Slots | None = None,
+               peer_token: str | None = None,
+               clients: dict[bytes, str] | None = None,
+               opened: Callable[[str], set[str]] | None = None):
+    self._unary = calls
+    self._runner = calls.runner
+    # Per-client tokens ({b"Bearer <token>": name}); empty: the shared token, or none.
+    self._clients = clients or {}
+    self._opened = opened  # the checkpoint directories a client opened
+    # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
+    self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
+    self._stream_runner = stream_runner
+    self._identity = identity
+    self._arena_size = arena_size
+    self._leases = leases
+    self._workers = workers
+    self._checkpoints = checkpoints
+    self._sessions = Sessions(idle_s=86400.0, limit=4096) if sessions is None else sessions
+    self._streams = StreamSlots(total=16, per_session=8) if streams is None else streams
+    self._lock = threading.Lock()
+    self._started = time.monotonic()
+
+  def uptime_s(self) -> float:
+    return time.monotonic() - self._started
+
+  def handler(self) -> grpc.GenericRpcHandler:
+    def unary(fn, response_cls):
+      return grpc.unary_unary_rpc_method_handler(
+          self._guard(fn), request_deserializer=None,
+          response_serializer=response_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(protocol.SERVICE, {
+        "Handshake": unary(self.handshake, pb.HandshakeResponse),
+        "Call": unary(self.call, pb.CallResponse),
+        "Stream": grpc.stream_stream_rpc_method_handler(
+            self._guard_stream(self.stream), request_deserializer=None,
+            response_serializer=pb.StreamItem.SerializeToString),
+        "Status": unary(self.status, pb.StatusResponse),
+    })
+
+  @staticmethod
+  def _log(e: Exception, what: str) -> None:
+    if isinstance(e, errors.SidecarError):
+      log.info("%s: %s: %s", what, type(e).__name__, protocol.for_log(e))
+    else:
+      log.warning("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e))
+
+  def _guard(self, fn: Callable[[bytes, grpc.ServicerContext], Any]):
+    def handle(raw: bytes, context: grpc.ServicerContext):
+      try:
+        return fn(raw, context)
+      except Exception as e:  # Every failure becomes a status; the server keeps serving.
+        self._log(e, fn.__name__)
+        protocol.abort(context, e)
+    return handle
+
+  def _guard_stream(self, fn):
+    def handle(requests, context: grpc.ServicerContext):
+      try:
+        yield from fn(requests, context)
+      except Exception as e:  # As _guard, for a streaming handler.
+        self._log(e, fn.__name__)
+        protocol.abort(context, e)
+    return handle
+
+  def _require_session(self, context: grpc.ServicerContext) -> str:
+    session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
+    self._sessions.use(session)  # SessionLostError if unknown or expired
+    return str(session)
+
+  def handshake(self, raw: bytes, context: grpc.ServicerContext) -> pb.HandshakeResponse:
+    request = codec.parse(pb.HandshakeRequest, raw)
+    ours = protocol.local_versions()
+    diffs = protocol.version_differences(request.versions, ours)
+    if diffs:
+      raise errors.VersionMismatchError(
+          f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
+          + "; ".join(diffs) + ". Install the same versions on both sides")
+    session = self._sessions.new(peer=self._is_peer(context), client=self._client(context))
+    return pb.HandshakeResponse(
+        versions=ours, identity=self._identity, registry=self.registry_entries(),
+        registry_fingerprint=self._runner.registry.fingerprint(), session=session,
+        worker_socket=self._workers.path, arena_size=self._arena_size)
+
+  def _client(self, context: grpc.ServicerContext) -> str | None:
+    """The client whose token the call carries (per-client tokens), else None."""
+    if not self._clients:
+      return None
+    return client_of(self._clients, context.invocation_metadata())
+
+  def _is_peer(self, context: grpc.ServicerContext) -> bool:
+    """Whether the handshake carries the peer token (compared in constant time)."""
+    given = dict(context.invocation_metadata()).get(protocol.PEER_KEY)
+    if self._peer is None or given is None:
+      return False
+    given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
+    return hmac.compare_digest(given, self._peer)
+
+  def registry_entries(self) -> list[pb.RegistryEntry]:
+    return [pb.RegistryEntry(kind=e.kind, name=e.name, code_hash=e.code_hash)
+            for e in self._runner.registry]
+
+  def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
+    return self._unary.run(raw, self._require_session(context), alive=context.is_active,
+                           time_left=context.time_remaining)
+
+  def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
+             ) -> Iterator[pb.StreamItem]:
+    # The slot before the first message: a stream that never sends one holds a thread too.
+    with self._streams.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
+      first = codec.parse(pb.StreamRequest, next(requests, b""))
+      if first.WhichOneof("kind") != "start":
+        raise errors.InvalidArgumentError("the first StreamRequest must carry `start`")
+      yield from self._stream(first, requests, context)
+
+  def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
+              context: grpc.ServicerContext) -> Iterator[pb.StreamItem]:
+    credits = Credits(check_prefetch(first.prefetch))
+    reader = threading.Thread(target=_read_credits, args=(requests, credits), daemon=True,
+                              name="sidecar-credits")
+    reader.start()
+    # gRPC ends the requests only once the RPC is over, after this handler returned (a
+    # consumer half-closes when it saw the end): the RPC's end joins the reader.
+    if not context.add_callback(lambda: _join_credits(reader)):
+      _join_credits(reader)  # already over: nobody to run the stream for
+      return
+    yield from self._stream_runner.run(first.start, credits, alive=context.is_active,
+                                       time_left=context.time_remaining)
+
+  def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
+    codec.parse(pb.StatusRequest, raw)
+    # Needs no session; one sent along is kept alive (a controller's health watch polls).
+    self._sessions.touch(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
+    return pb.StatusResponse(
+        identity=self._identity, versions=protocol.local_versions(),
+        registry=self.registry_entries(), arena_size=self._arena_size,
+        arena_used=self._leases.allocator.used_bytes,
+        arena_blocks=self._leases.allocator.num_blocks,
+        workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
+        calls=self._runner.calls, feeds=self._stream_runner.feeds(),
+        checkpoints=self._visible_checkpoints(context))
+
+  def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:
+    """Every checkpoint directory; with per-client tokens, those the caller opened only."""
+    client = self._client(context)
+    if client is None or self._opened is None:
+      return self._checkpoints()
+    mine = self._opened(client)
+    return [c for c in self._checkpoints() if os.path.realpath(c.directory) in mine]
+
+
+def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:
+  """Grants what a stream's consumer credits, until it half-closes or goes away."""
+  try:
+    for raw in requests:
+      message = codec.parse(pb.StreamRequest, raw)
+      credits.grant(message.credit, message.wait_s)
+  except Exception:
+    credits.close()  # The consumer went away (or sent garbage).
+  else:
+    credits.finish()  # Half-closed: what it credited is still sent.
+
+
+def _join_credits(reader: threading.Thread) -> None:
+  # Runs on gRPC's thread once the RPC is over, when its requests have just ended: the
+  # join is short, and bounded all the same.
+  reader.join(CREDITS_JOIN_S)
+  if reader.is_alive():
+    log.warning("a stream's credit reader did not end within %.3g s of its RPC",
+                CREDITS_JOIN_S)

@@ -1,0 +1,196 @@
+"""Streams: a registered iterable's items, or a feed's batches, each made once a credit allows.
+
+Both ways in (the gRPC service and the worker socket) hand :meth:`StreamRunner.run`
+a start request and a :class:`~sidecar._src.server.credits.CreditSource`; what comes
+back is the stream of ``pb.StreamItem``s to send. A feed is a stream whose request
+carries a ``FeedSpec``: its batches are written straight into arena blocks
+(``arena_io.BatchBlocks``), and its figures are kept in a :class:`FeedBook`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Generator, Iterator
+
+from sidecar._src.core import errors
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
+from sidecar._src.server.calls import Runner, measured
+from sidecar._src.server.credits import CreditSource
+from sidecar._src.server.feeds import pool as feed_pool, producer as feed_lib
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import codec, feed_batch
+from sidecar._src.wire.protocol import pb
+
+Items = Generator[pb.StreamItem, None, None]
+
+
+class StreamRunner:
+  """Runs streams and feeds with the functions, pipelines and arena of a :class:`Runner`.
+
+  Args:
+    runner: what decodes and checks a stream's arguments.
+    imports: the modules a feed's worker processes import (the sidecar's own).
+  """
+
+  def __init__(self, runner: Runner, *, imports: tuple[str, ...] = ()):
+    self._runner = runner
+    self._io = runner.arena_io
+    self._imports = imports
+    self._book = FeedBook()
+
+  def run(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
+          time_left: TimeLeft) -> Iterator[pb.StreamItem]:
+    """Items of a registered iterable (or a feed's batches), each made only once a credit
+    allows it."""
+    feed = request.HasField("feed")
+    items: Items = (self._feed if feed else self._stream)(
+        request, credits, alive=alive, time_left=time_left)
+    if not self._runner.metrics.enabled:
+      yield from items
+      return
+    label = self._runner.label(registry_lib.PIPELINE if feed else registry_lib.FUNCTION,
+                               request.name)
+    with measured(self._runner.metrics, "feed" if feed else "stream", label):
+      yield from items  # closes items when this generator is closed
+
+  def feeds(self) -> list[pb.FeedStatus]:
+    """A snapshot of every running feed on this sidecar."""
+    return self._book.running()
+
+  def feed_totals(self) -> tuple[metrics_lib.FeedTotals, ...]:
+    """Per pipeline, its feeds' figures so far: those running and those that ended."""
+    return self._book.totals()
+
+  def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
+              time_left: TimeLeft) -> Items:
+    entry, args, kwargs = self._runner.prepare(request)
+    with self._io.allocating(alive, time_left):
+      items = entry.fn(*args, **kwargs)
+    try:
+      iterator = iter(items)
+    except TypeError:
+      raise errors.InvalidArgumentError(
+          f"function {request.name!r} returned {type(items).__name__}, not an iterable; "
+          "streams need a function that returns an iterable (a generator, say)") from None
+    index = 0
+    try:
+      while credits.take():
+        try:
+          with self._io.allocating(alive, time_left):
+            item = next(iterator)
+        except StopIteration:
+          return
+        yield pb.StreamItem(index=index, value=self._io.encode(
+            item, request.worker_session, alive=alive, time_left=time_left,
+            where=f"item {index} of {request.name!r}"))
+        index += 1
+    finally:
+      close = getattr(iterator, "close", None)
+      if close is not None:
+        close()
+
+  def _feed(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
+            time_left: TimeLeft) -> Items:
+    """This host's batches of a feed, written straight into arena blocks."""
+    entry, args, kwargs = self._runner.prepare(request, registry_lib.PIPELINE)
+    if args:
+      raise errors.InvalidArgumentError(
+          f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
+    spec = feed_lib.Spec.from_proto(request.feed)
+    if spec.length_only:
+      if credits.take():
+        state = {"length": feed_lib.length(entry, kwargs, spec)}
+        yield pb.StreamItem(batch=pb.FeedBatch(structure=codec.encode(None),
+                                               state_json=json.dumps(state)))
+      return
+    session = request.worker_session
+    if session and not self._io.is_attached(session):
+      raise errors.InvalidArgumentError(f"worker_session {session!r} is not attached")
+    blocks = BatchBlocks(self._io, session, alive, time_left)
+
+    def pool() -> feed_pool.Pool:
+      return feed_pool.Pool(spec.workers, arena=self._io.arena, imports=self._imports,
+                            name=request.name, kwargs=request.kwargs, spec=request.feed)
+
+    batches = feed_lib.produce(entry, kwargs, spec, blocks.alloc, pool)
+    status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
+    try:
+      with self._book.feeding(status, credits):
+        index = 0
+        while True:
+          t0 = time.perf_counter()
+          if not credits.take():
+            return
+          status.backpressure_s += time.perf_counter() - t0
+          try:
+            batch, state, seconds = next(batches)
+          except StopIteration:
+            return
+          status.batches += 1
+          status.produce_s += seconds
+          value = feed_batch.encode(batch.structure, batch.leaves, state, seconds,
+                                    to_arena=blocks.to_arena,
+                                    where=f"batch {index} of pipeline {request.name!r}")
+          blocks.sent(batch.leaves)
+          yield pb.StreamItem(index=index, batch=value)
+          index += 1
+    finally:
+      batches.close()
+      blocks.close()
+
+
+class FeedBook:
+  """The figures of a sidecar's feeds: each running one's, and per pipeline those ended."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._running: dict[int, tuple[pb.FeedStatus, float, CreditSource]] = {}
+    # Per pipeline, the feeds that ended: [feeds, batches, produce, backpressure, wait].
+    self._ended: dict[str, list[float]] = {}
+
+  @contextlib.contextmanager
+  def feeding(self, status: pb.FeedStatus, credits: CreditSource) -> Iterator[None]:
+    """Counts ``status`` (which the feed updates) as running while the context lasts."""
+    with self._lock:
+      self._running[id(status)] = (status, time.perf_counter(), credits)
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._running.pop(id(status), None)
+        totals = self._ended.setdefault(status.pipeline, [0, 0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1, status.batches, status.produce_s, status.backpressure_s,
+                               credits.consumer_wait_s)):
+          totals[i] += v
+
+  def running(self) -> list[pb.FeedStatus]:
+    """A snapshot of every running feed."""
+    with self._lock:
+      running = list(self._running.values())
+    out = []
+    for status, started, credits in running:
+      snap = pb.FeedStatus()
+      snap.CopyFrom(status)
+      snap.uptime_s = time.perf_counter() - started
+      snap.trainer_wait_s = credits.consumer_wait_s
+      out.append(snap)
+    return out
+
+  def totals(self) -> tuple[metrics_lib.FeedTotals, ...]:
+    """Per pipeline, its feeds' figures so far: those running and those that ended."""
+    with self._lock:  # one lock: a feed that ends now is counted once, either way
+      totals = {name: list(t) for name, t in self._ended.items()}
+      running = [(status.pipeline, status.batches, status.produce_s, status.backpressure_s,
+                  credits.consumer_wait_s) for status, _, credits in self._running.values()]
+    count: dict[str, int] = {}
+    for name, *figures in running:
+      t = totals.setdefault(name, [0, 0, 0.0, 0.0, 0.0])
+      for i, v in enumerate(figures, 1):
+        t[i] += v
+      count[name] = count.get(name, 0) + 1
+    return tuple(metrics_lib.FeedTotals(name, count.get(name, 0), int(t[1]), t[2], t[3], t[4])
+                 for name, t in sorted(totals.items()))

@@ -1,0 +1,390 @@
+"""The Unix socket that workers attach to: arena fd out, allocate and free in.
+
+An ``attach`` connection is one worker session. The session ends when the
+connection closes, and then every block leased to it goes back to the arena: a
+worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
+attached worker, carries one stream of descriptors: the fast path for batches,
+with no TCP and no HTTP/2 in the way. A ``calls`` connection carries one worker's
+unary calls, one after another (the fast path for ``ctl.call``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
+from sidecar._src.server import sockets
+from sidecar._src.server.calls import UnaryCalls
+from sidecar._src.server.credits import SocketCredits
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import check_prefetch
+from sidecar._src.server.stream_runner import StreamRunner
+from sidecar._src.wire import codec, feed_batch, ipc, protocol
+from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
+
+# A new connection must send its first frame within this: one that says nothing would
+# hold its thread (and a connection slot) for ever.
+FIRST_FRAME_S = 10.0
+# accept() errors that pass: out of descriptors (a flood of idle connections on another
+# port), of buffers, of memory, or a client that left before it was accepted. The loop
+# waits this long and accepts again; only close() ends it.
+_PASSING = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                      errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
+ACCEPT_RETRY_S = 0.1
+_LOG_EVERY_S = 10.0  # a passing accept error is logged at most this often
+_FLAG = "--socket (socket_path)"
+
+
+class WorkerListener:
+  """Accepts worker connections on ``path`` and serves their requests."""
+
+  def __init__(self, path: str, arena: shm.Arena, leases: Leases,
+               hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
+               calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
+               max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
+                   lambda e: None)):
+    self.path = path
+    self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
+    self._on_dead = on_dead  # told if accepting fails for good (the health goes NOT_SERVING)
+    self._stop = threading.Event()
+    self.max_connections = max_connections
+    # Open connections of any kind, each with its thread: close() ends and joins them.
+    self._connections: dict[socket.socket, threading.Thread] = {}
+    self._streams = streams
+    self._arena = arena
+    self._leases = leases
+    self._hello = hello
+    self._lock = threading.Lock()
+    self._sessions: dict[str, socket.socket] = {}
+    self._pids: dict[str, int] = {}  # the pid each session's worker said it has
+    self._closed = False
+    ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
+    self._made_dirs = sockets.make_dirs(os.path.dirname(os.path.abspath(path)),
+                                        what="worker socket", flag=_FLAG)
+    try:  # one left by a killed sidecar is replaced; one a live sidecar serves is refused
+      sockets.claim(path, what="worker socket", flag=_FLAG)
+    except OSError:
+      sockets.remove_dirs(self._made_dirs)
+      raise
+    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      self._sock.bind(path)
+    except OSError as e:
+      self._sock.close()
+      sockets.remove_dirs(self._made_dirs)
+      raise OSError(e.errno, f"cannot make the worker socket {path} ({e.strerror}): give "
+                    f"{_FLAG} a path in a writable directory") from e
+    # Owner and group may attach (connecting needs write permission on the socket): on
+    # Kubernetes, a pod fsGroup shared by trainer and sidecar; nobody else.
+    os.chmod(path, 0o660)
+    self._sock.listen(64)
+    self._thread = threading.Thread(target=self._accept_loop, name="sidecar-workers", daemon=True)
+    self._thread.start()
+
+  def has_session(self, session: str) -> bool:
+    with self._lock:
+      return session in self._sessions
+
+  def pids(self) -> dict[str, int]:
+    """The worker pid of each session attached now."""
+    with self._lock:
+      return {s: self._pids.get(s, 0) for s in self._sessions}
+
+  def num_sessions(self) -> int:
+    with self._lock:
+      return len(self._sessions)
+
+  @property
+  def alive(self) -> bool:
+    """Whether the socket still accepts workers (until close(), unless accepting broke)."""
+    return self._thread.is_alive() and not self._stop.is_set()
+
+  def _accept_loop(self) -> None:
+    """Accepts until close(): an error that passes (EMFILE, ...) is logged and waited out."""
+    logged = -_LOG_EVERY_S
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._sock.accept()
+      except OSError as e:
+        if self._stop.is_set():
+          return  # closed
+        if e.errno not in _PASSING:
+          log.error("worker socket %s: accept failed (%s): no worker can attach any more; "
+                    "restart the sidecar", self.path, e)
+          self._on_dead(e)
+          return
+        if time.monotonic() - logged >= _LOG_EVERY_S:
+          logged = time.monotonic()
+          log.warning("worker socket %s: accept failed (%s); retrying every %.1f s (too many "
+                      "open connections on this sidecar's ports?)", self.path, e,
+                      ACCEPT_RETRY_S)
+        self._stop.wait(ACCEPT_RETRY_S)
+        continue
+      thread = threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
+                                daemon=True)
+      with self._lock:
+        full = self._closed or len(self._connections) >= self.max_connections
+        if not full:
+          self._connections[conn] = thread
+      if full:
+        self._refuse(conn)
+        continue
+      try:
+        thread.start()
+      except RuntimeError as e:  # no thread to be had: this one connection is refused
+        with self._lock:
+          self._connections.pop(conn, None)
+        log.warning("worker socket: cannot start a thread for a connection (%s)", e)
+        conn.close()
+
+  def _refuse(self, conn: socket.socket) -> None:
+    """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
+    log.warning("worker socket: %d connections open, the limit; refused one",
+                self.max_connections)
+    error = errors.ResourceExhaustedError(
+        f"the sidecar's worker socket has {self.max_connections} connections open, its limit "
+        "(max_worker_connections); close Workers and streams that are done")
+    with contextlib.suppress(OSError):
+      conn.settimeout(0.5)  # never let one refusal hold the accept loop
+      ipc.send(conn, {"error": protocol.error_dict(error)})
+    conn.close()
+
+  def _serve(self, conn: socket.socket) -> None:
+    session = None
+    try:
+      conn.settimeout(FIRST_FRAME_S)
+      message, _ = ipc.recv(conn)
+      conn.settimeout(None)  # an attached worker may be quiet for hours
+      if message.get("op") == "stream":
+        return self._stream(conn, str(message.get("session")))
+      if message.get("op") == "calls":
+        return self._serve_calls(conn, str(message.get("session")))
+      if message.get("op") != "attach":
+        raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
+      reply = self._hello(message)  # raises VersionMismatchError on skew
+      session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
+      with self._lock:
+        if self._closed:
+          return
+        self._sessions[session] = conn
+        pid = message.get("pid")
+        self._pids[session] = pid if isinstance(pid, int) else 0
+      reply.update(session=session, arena_size=self._arena.size)
+      ipc.send(conn, reply, fds=(self._arena.fd,))
+      log.info("worker pid %s attached as %s", message.get("pid"), session,
+               extra={"session": session})
+      while True:
+        message, _ = ipc.recv(conn)
+        self._handle(conn, session, message)
+    except (ConnectionError, OSError):
+      pass
+    except errors.SidecarError as e:
+      # Malformed frames included: answered, then the connection ends (after garbage,
+      # nothing on it can be trusted to be a frame boundary).
+      with contextlib.suppress(OSError):
+        ipc.send(conn, {"error": protocol.error_dict(e)})
+    finally:
+      if session is not None:
+        with self._lock:
+          self._sessions.pop(session, None)
+          self._pids.pop(session, None)
+        freed = self._leases.release_all(session)
+        log.info("worker session %s ended; %d arena blocks released", session, freed,
+                 extra={"session": session})
+      conn.close()
+      with self._lock:
+        self._connections.pop(conn, None)
+
+  def _stream(self, conn: socket.socket, session: str) -> None:
+    """Serves one stream: StreamRequest frames in, StreamItem frames out."""
+    try:
+      if not self.has_session(session):
+        raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
+      first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
+      if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
+        raise errors.InvalidArgumentError("the first frame must start a stream for this session")
+      credits = SocketCredits(conn, check_prefetch(first.prefetch),
+                               lambda freed: self._free(session, freed))
+      producer = threading.get_ident()
+
+      def alive() -> bool:
+        # A producer that waits for arena room reads no credit frames, so it reads them
+        # here: the consumer's frees may be what makes room, and its close ends the wait.
+        if threading.get_ident() == producer:
+          credits.drain()
+        return self.has_session(session) and not credits.closed
+      # Blocks of the last items sent, those not yet reported taken (items are taken in
+      # order); once taken, the worker holds (and frees) them. Those never taken come
+      # back here when the consumer closes the stream.
+      sent, unread = 0, collections.deque()
+      try:
+        for item in self._streams.run(first.start, credits, alive=alive,
+                                      time_left=lambda: None):
+          blocks = feed_batch.item_blocks(item)
+          try:
+            ipc.send_bytes(conn, item.SerializeToString())
+          except OSError:
+            self._free(session, blocks)  # never arrived whole: nobody can read it
+            raise
+          sent += 1
+          unread.append(blocks)
+          while len(unread) > sent - credits.taken:
+            unread.popleft()
+      finally:
+        credits.drain()
+        if credits.closed:  # The consumer took exactly what it credited.
+          while len(unread) > sent - credits.taken:
+            unread.popleft()
+          self._free(session, [x for blocks in unread for x in blocks])
+      end = pb.StreamItem(end=True)
+    except (ConnectionError, OSError):
+      return
+    except Exception as e:
+      _log_failure("stream", e, session)
+      end = pb.StreamItem(end=True, error=protocol.error_info(e))
+    with contextlib.suppress(OSError):
+      ipc.send_bytes(conn, end.SerializeToString())
+
+  def _serve_calls(self, conn: socket.socket, session: str) -> None:
+    """Serves a worker's calls, one after another: a CallRequest frame in, a
+    CallResponse frame out (its ``error`` where the call failed). An unknown session or
+    a frame past the limit is answered the same way, and ends the connection."""
+    try:
+      if self._calls is None or not self.has_session(session):
+        raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
+      alive = lambda: self.has_session(session) and _peer_open(conn)
+      while True:
+        raw = ipc.recv_bytes(conn, limit=self._call_bytes)
+        try:
+          response = self._calls.run(raw, session, alive=alive, worker=session)
+        except Exception as e:  # this call's error, answered; the connection serves on
+          _log_failure("call", e, session)
+          response = pb.CallResponse(error=protocol.error_info(e))
+        try:
+          ipc.send_bytes(conn, response.SerializeToString())
+        except OSError:  # never arrived whole: nobody can read its result's blocks
+          self._free(session, codec.arena_blocks(response.result))
+          raise
+    except errors.SidecarError as e:  # nothing more on it can be trusted to be a frame
+      _log_failure("calls", e, session)
+      with contextlib.suppress(OSError):
+        ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
+
+  def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
+    op = message.get("op")
+    if op == "ping":  # a sign of life, asked while a stream of this worker waits
+      ipc.send(conn, {"ok": True})
+      return
+    if op == "free":
+      self._free(session, _blocks(message.get("blocks", [])))
+      return
+    if op == "alloc":
+      try:
+        timeout = float(message.get("timeout", 0.0))
+        if not 0 <= timeout < math.inf:
+          raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
+        # One block (an argument's), or a save's blocks on this host in one round trip.
+        reply: dict[str, Any] = {"blocks": self._alloc(message["sizes"], session, timeout)}
+      except errors.SidecarError as e:
+        reply = {"error": protocol.error_dict(e)}
+      except (KeyError, TypeError, ValueError) as e:
+        reply = {"error": protocol.error_dict(
+            errors.InvalidArgumentError(f"malformed alloc request {message!r:.200}: {e!r}"))}
+      ipc.send(conn, reply)
+      return
+    ipc.send(conn, {"error": protocol.error_dict(errors.InvalidArgumentError(f"unknown op {op!r}"))})
+
+  def _alloc(self, sizes: Any, session: str, timeout: float) -> list[list[int]]:
+    """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s for all: every
+    one, or none (those granted go back) and the error."""
+    if not isinstance(sizes, list) or not 0 < len(sizes) <= ipc.MAX_ALLOC_BLOCKS:
+      raise ValueError(f"sizes must be a list of 1 to {ipc.MAX_ALLOC_BLOCKS} byte counts")
+    deadline = time.monotonic() + timeout
+    blocks: list[list[int]] = []
+    try:
+      for n in sizes:
+        block = self._leases.alloc(int(n), session,
+                                   timeout=max(deadline - time.monotonic(), 0.0))
+        blocks.append([block.offset, block.nbytes, block.generation])
+    except BaseException:
+      for offset, _, generation in blocks:
+        self._leases.release(offset, generation, session)
+      raise
+    return blocks
+
+  def _free(self, session: str, flat: list[int]) -> None:
+    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
+    for offset, generation in zip(flat[::2], flat[1::2]):
+      try:
+        self._leases.release(offset, generation, session)
+      except errors.StaleDescriptorError as e:
+        log.warning("worker %s: %s", session, e, extra={"session": session})
+
+  def close(self) -> None:
+    """Stops accepting (joining the accept thread), ends every connection and joins its
+    thread; idempotent."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      conns = dict(self._connections)
+    self._stop.set()
+    with contextlib.suppress(OSError):
+      self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() in flight (Linux)
+    self._sock.close()
+    self._thread.join(timeout=2.0)
+    for conn in conns:
+      with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 2.0  # one stuck in user code (a pipeline) stays a daemon
+    for thread in conns.values():
+      thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(self.path)
+    sockets.remove_dirs(self._made_dirs)
+
+
+def _log_failure(what: str, e: Exception, session: str) -> None:
+  """Our errors at INFO (the caller gets them), anything else (user code's) at WARNING."""
+  log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
+          "%s: %s: %s", what, type(e).__name__, protocol.for_log(e), extra={"session": session})
+
+
+def _peer_open(conn: socket.socket) -> bool:
+  """Whether the other end of ``conn`` is still there (it sends nothing during a call, so
+  a readable socket with no data is one it closed)."""
+  try:
+    return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+  except BlockingIOError:
+    return True
+  except OSError:
+    return False
+
+
+def _blocks(pairs: Any) -> list[int]:
+  """The flattened (offset, generation) pairs of a ``free`` message, checked.
+
+  Raises:
+    InvalidArgumentError: ``pairs`` is not a list of [int, int].
+  """
+  if isinstance(pairs, list) and all(
+      isinstance(p, list) and len(p) == 2 and all(
+          isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs):
+    return [x for pair in pairs for x in pair]
+  raise errors.InvalidArgumentError(
+      f"malformed free message: 'blocks' must be a list of [offset, generation] pairs, "
+      f"got {pairs!r:.200}")

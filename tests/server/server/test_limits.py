@@ -1,0 +1,510 @@
+"""The bounds of server/limits.py and the worker socket, and the attacks of issue 16 they stop.
+
+Tier 1: StreamSlots, Sessions and Credits alone. Tier 2: one in-process sidecar, attacked
+over raw gRPC and its Unix socket; after each attack it still serves a Controller.
+"""
+
+import concurrent.futures
+import json
+import queue
+import socket
+import struct
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.core import errors
+from sidecar._src.server import workers as workers_lib
+from sidecar._src.server.credits import Credits
+from sidecar._src.server.limits import MAX_PREFETCH, Sessions, StreamSlots
+from sidecar._src.wire import codec, ipc, protocol
+from sidecar._src.wire.protocol import pb
+from tests.conftest import eventually
+from tests.support.raw_client import Raw, rejected
+
+pytestmark = pytest.mark.server
+
+
+class Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+# ---- tier 1 -----------------------------------------------------------------------------------
+
+
+def test_stream_slots_bound_all_streams_and_those_of_one_session():
+  slots = StreamSlots(total=3, per_session=2)
+  with slots.hold("a"), slots.hold("a"):
+    with pytest.raises(errors.BusyError, match=r"max_streams_per_session=2"):
+      with slots.hold("a"):
+        pass
+    with slots.hold("b"):
+      with pytest.raises(errors.BusyError, match=r"its limit \(max_streams=3\)"):
+        with slots.hold("c"):
+          pass
+      assert slots.running == 3
+  assert slots.running == 0
+  with slots.hold("a"), slots.hold("a"), slots.hold("b"):
+    pass  # every slot came back
+
+
+def test_sessions_expire_when_unused_and_every_use_refreshes():
+  clock = Clock()
+  sessions = Sessions(idle_s=10, limit=100, clock=clock)
+  a, b = sessions.new(), sessions.new()
+  clock.now = 9
+  sessions.use(a)
+  clock.now = 15
+  sessions.use(a)  # used at 9: alive
+  with pytest.raises(errors.SessionLostError, match=r"unused for 10 s.*call Handshake first"):
+    sessions.use(b)
+  assert len(sessions) == 1 and sessions.expired == 1
+  for bad in (None, "", "c-guess", b"bytes", 5):
+    with pytest.raises(errors.SessionLostError, match="no live handshake session"):
+      sessions.use(bad)
+    assert not sessions.touch(bad)
+  clock.now = 24
+  assert sessions.touch(a)  # as Status does for a watching controller
+  clock.now = 33
+  sessions.use(a)
+
+
+def test_a_flood_of_handshakes_evicts_only_sessions_unused_for_a_while():
+  clock = Clock()
+  sessions = Sessions(idle_s=1e9, limit=3, evict_idle_s=60, clock=clock)
+  first, second = sessions.new(), sessions.new()
+  sessions.new()
+  clock.now = 30
+  sessions.use(first)
+  with pytest.raises(errors.BusyError, match=r"keeps 3 handshake sessions \(max_sessions\), "
+                     "every one used in the last 60 s"):
+    sessions.new()  # none unused for 60 s: the flood is refused, nobody evicted
+  clock.now = 61
+  sessions.new()  # the least recently used, unused for 61 s, goes
+  assert len(sessions) == 3
+  sessions.use(first)
+  with pytest.raises(errors.SessionLostError):
+    sessions.use(second)
+
+
+def test_credits_beyond_the_prefetch_are_ignored():
+  credits = Credits(2)
+  credits.grant(1 << 40)
+  assert credits.take() and credits.take()
+  credits.close()
+  assert not credits.take()  # a third would have needed a credit the consumer never owed
+
+
+def test_credits_granted_before_a_half_close_are_still_taken_but_not_after_a_close():
+  credits = Credits(3)
+  credits.finish()  # the consumer sent its credits and closed its side of the stream
+  assert [credits.take() for _ in range(4)] == [True, True, True, False]  # never blocks
+  gone = Credits(3)
+  gone.close()  # the consumer went away: what it had credited is not sent
+  assert not gone.take()
+
+
+# ---- tier 2: gRPC -----------------------------------------------------------------------------
+
+
+class Starver:
+  """Streams that take their first item and then never send a credit."""
+
+  def __init__(self, raw: Raw):
+    self._raw = raw
+    self._queues: list[queue.SimpleQueue] = []
+    self.calls: list = []
+
+  def open(self) -> grpc.RpcError | None:
+    """Opens one; returns the error it met, or None once its first item came."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    request = pb.CallRequest(name="echo_items", args=codec.encode((1, 1000)), kwargs=codec.encode({}))
+    q.put(pb.StreamRequest(start=request, prefetch=1))
+    call = self._raw._stream(iter(q.get, None), metadata=self._raw.metadata, timeout=60)
+    self._queues.append(q)
+    self.calls.append(call)
+    try:
+      next(call)
+    except grpc.RpcError as e:
+      return e
+    return None
+
+  def close(self):
+    for q, call in zip(self._queues, self.calls):
+      q.put(None)
+      call.cancel()
+
+
+def test_streams_that_never_send_a_credit_starve_nobody(make_server):
+  server = make_server()  # defaults: 32 threads, 16 streams, 8 per session
+  raws = [Raw(server.port) for _ in range(4)]
+  starvers = [Starver(r) for r in raws]
+  try:
+    errors_a = [starvers[0].open() for _ in range(9)]
+    assert errors_a[:8] == [None] * 8
+    assert errors_a[8].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_streams_per_session=8" in errors_a[8].details()
+    errors_b = [s.open() for s in starvers[1:] for _ in range(8)]  # 32 streams tried in all
+    assert errors_b[:8] == [None] * 8 and all(
+        e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "its limit (max_streams=16)"
+        in e.details() for e in errors_b[8:])
+    # With 16 streams holding their threads: a new controller's handshake, calls, status.
+    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                            timeout=10) as ctl:
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+      assert ctl.status()[0].workers == 1
+      starvers[0].close()  # its 8 slots come back
+      with ctl.stream("echo_items", args=(7, 3)) as s:
+        assert list(s) == [7, 7, 7]
+  finally:
+    for s in starvers:
+      s.close()
+    for r in raws:
+      r.close()
+
+
+def test_a_prefetch_past_the_limit_is_invalid_argument(make_server):
+  server = make_server()
+  raw = Raw(server.port)
+  request = pb.CallRequest(name="echo_items", args=codec.encode((1, 3)), kwargs=codec.encode({}))
+  e = rejected(lambda: list(raw._stream(iter([pb.StreamRequest(
+      start=request, prefetch=MAX_PREFETCH + 1)]), metadata=raw.metadata, timeout=10)))
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert f"prefetch must be at most {MAX_PREFETCH}" in e.details()
+  raw.close()
+
+
+def test_sessions_evicted_by_a_flood_of_handshakes_must_handshake_again(make_server):
+  server = make_server(max_sessions=2, session_evict_s=0.2)
+  first = Raw(server.port)
+  time.sleep(0.3)  # unused long enough to be evicted
+  others = [Raw(server.port) for _ in range(2)]
+  e = rejected(lambda: first.call("add", pb.Value(int_value=1)))
+  assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+  assert e.details().startswith("SessionLostError: no live handshake session")
+  assert "call Handshake first" in e.details()
+  assert codec.decode(others[1].call("add", pb.Value(int_value=1))) == 1
+  for r in (first, *others):
+    r.close()
+
+
+def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_again(
+    make_server, tmp_path):
+  """4,200 handshakes used to push a live controller's session out for good (every later
+  call: VersionMismatchError). Now the flood is refused while the session is in use, and
+  a session evicted after being unused a while is made again by the Controller itself, for
+  a call, a checkpoint rpc or a stream."""
+  live = make_server(max_sessions=64)  # session_evict_s: 60 s, longer than the flood
+  with sidecar.Controller([f"127.0.0.1:{live.port}"], timeout=10) as ctl:
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+    session = ctl._hosts.conns[0].metadata
+    flood = Raw(live.port)
+    handshake = flood.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+    refused = 0
+    for _ in range(200):
+      try:
+        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
+      except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+        assert "every one used in the last 60 s" in e.details()
+        refused += 1
+    assert refused >= 200 - 64
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # still its own session
+    assert ctl._hosts.conns[0].metadata == session
+    flood.close()
+  quick = make_server(max_sessions=64, session_evict_s=0.5)
+  # Not attached: its calls go over gRPC, in its session (a Worker's go over its socket).
+  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
+    flood = Raw(quick.port)
+    handshake = flood.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+
+    def evicted() -> None:
+      time.sleep(0.7)  # every session unused long enough: a flood of 64 evicts them all
+      for _ in range(64):
+        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
+      time.sleep(0.7)  # and the flood's own, unused since, make room for a new handshake
+
+    session = ctl._hosts.conns[0].metadata
+    evicted()
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # handshook again, by itself
+    assert ctl._hosts.conns[0].metadata != session
+    evicted()
+    (future,) = ctl.call_async("add", args=(2,), kwargs={"b": 3})
+    assert future.result(10) == 5
+    evicted()
+    opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
+                                           ram_budget=None, sweep=True)
+    assert opened.result(timeout=10) == []  # a checkpoint rpc too
+    evicted()
+    session = ctl._hosts.conns[0].metadata
+    flood.close()
+  # A stream over gRPC too (a controller that maps no arena; a Worker's stream, over its
+  # socket, needs no handshake session).
+  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
+    flood = Raw(quick.port)
+    handshake = flood.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+    session = ctl._hosts.conns[0].metadata
+    evicted()
+    with ctl.stream("echo_items", args=(7, 3), timeout=10) as s:
+      assert list(s) == [7, 7, 7]
+    assert ctl._hosts.conns[0].metadata != session
+    flood.close()
+
+
+# ---- tier 2: the worker socket ----------------------------------------------------------------
+
+
+def connect(server) -> socket.socket:
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  sock.settimeout(10)
+  sock.connect(server.options.socket_path)
+  return sock
+
+
+def attach(server) -> socket.socket:
+  sock = connect(server)
+  ipc.send(sock, {"op": "attach", "pid": 1,
+                  "versions": protocol.versions_dict(protocol.local_versions())})
+  reply, fds = ipc.recv(sock, max_fds=1)
+  for fd in fds:
+    socket.close(fd)
+  assert "session" in reply, reply
+  return sock
+
+
+def frame(data: bytes) -> bytes:
+  return struct.pack("<I", len(data)) + data
+
+
+def still_serves(server) -> None:
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
+    big = np.arange(1 << 14, dtype=np.float32)
+    np.testing.assert_array_equal(ctl.call("echo", args=(big,))[0], big)  # through the arena
+
+
+@pytest.mark.parametrize("data,match", [
+    (json.dumps({"op": "free", "blocks": 5}).encode(), "'blocks' must be a list of"),
+    (json.dumps({"op": "free", "blocks": [[1, "x"]]}).encode(), "'blocks' must be a list of"),
+    (b'{"op": "\xff\xfe"}', "malformed control message: UnicodeDecodeError"),
+    (b"[" * 100_000, "malformed control message"),
+    (b"\x00garbage", "malformed control message"),
+    (b"[1, 2]", "control message must be an object"),
+    (json.dumps({"op": "alloc", "nbytes": 64, "timeout": float("nan")}).encode(),
+     "malformed alloc request"),
+    (json.dumps({"op": "alloc", "nbytes": "many"}).encode(), "malformed alloc request"),
+    (json.dumps({"op": "alloc", "sizes": 64}).encode(), "sizes must be a list of 1 to"),
+    (json.dumps({"op": "alloc", "sizes": [64] * 10_000}).encode(), "sizes must be a list of"),
+    (json.dumps({"op": "alloc", "sizes": [64, -1]}).encode(), "nbytes must be positive"),
+    (json.dumps({"op": "steal"}).encode(), "unknown op 'steal'"),
+], ids=["blocks-int", "blocks-str", "utf8", "deep", "garbage", "list", "nan-timeout",
+        "nbytes-str", "sizes-int", "sizes-many", "sizes-negative", "unknown-op"])
+def test_every_malformed_frame_is_answered(make_server, data, match):
+  server = make_server()
+  sock = attach(server)
+  sock.sendall(frame(data))
+  reply, _ = ipc.recv(sock)
+  assert reply["error"]["type"].endswith("InvalidArgumentError") and match in reply["error"]["message"], reply
+  sock.close()
+  still_serves(server)
+
+
+def test_worker_socket_connections_are_capped(make_server):
+  server = make_server(max_worker_connections=3)
+  held = [attach(server), connect(server), connect(server)]  # two that say nothing yet
+  refused = connect(server)
+  reply, _ = ipc.recv(refused)
+  assert reply["error"]["type"].endswith("ResourceExhaustedError")
+  assert "max_worker_connections" in reply["error"]["message"]
+  refused.close()
+  held.pop().close()  # a slot comes back once its thread saw the close
+
+  attached = []
+
+  def attaches():
+    if not attached:
+      try:
+        with sidecar.Worker(server.options.socket_path, timeout=10) as w:
+          attached.append(float(w.put(np.ones(8))[0].sum()))
+      except sidecar.ResourceExhaustedError:
+        pass
+    return attached == [8.0]
+  assert eventually(attaches)
+  for s in held:
+    s.close()
+
+
+def test_a_connection_that_says_nothing_is_closed(make_server, monkeypatch):
+  monkeypatch.setattr(workers_lib, "FIRST_FRAME_S", 0.2)
+  server = make_server()
+  sock = connect(server)
+  assert sock.recv(1) == b""  # closed by the sidecar, not by a timeout here (10 s)
+  sock.close()
+
+
+def test_a_feed_batch_too_big_for_the_arena_fails_before_its_rows_are_read(make_server):
+  """10 million rows of 16 B would be read (minutes, GiBs) before the 8 MiB arena said no."""
+  from sidecar._src.user import registry as registry_lib
+  from tests.support import feed_fns  # noqa: F401  (registers into the default registry)
+  reg = registry_lib.Registry()
+  for entry in sidecar.default_registry():
+    if entry.fn.__module__ == "tests.support.feed_fns":
+      reg.add(entry.kind, entry.name, entry.fn)
+  raw = Raw(make_server(registry=reg).port)
+  rows = 10_000_000
+  request = pb.CallRequest(name="ids", args=codec.encode(()), kwargs=codec.encode({"n": rows}),
+                           feed=pb.FeedSpec(global_batch_size=rows, shard_count=1,
+                                            rows=[pb.RowRange(start=0, stop=rows)]))
+  e = rejected(lambda: list(raw._stream(iter([pb.StreamRequest(start=request, prefetch=1)]),
+                                        metadata=raw.metadata, timeout=30)))
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cannot fit an arena" in e.details()
+  raw.close()
+
+
+# ---- tier 2: slow calls -----------------------------------------------------------------------
+
+
+def test_slow_calls_of_one_session_starve_neither_handshakes_nor_other_sessions(make_server):
+  from tests.support import sidecar_fns
+  server = make_server(threads=4, max_streams=1)  # 5 RPC threads; calls 3, one session 2
+  attacker, other = Raw(server.port), Raw(server.port)
+  gate = pb.CallRequest(name="wait_gate", args=codec.encode(("calls",)), kwargs=codec.encode({}))
+  calls = [attacker._call.future(gate, metadata=attacker.metadata, timeout=60) for _ in range(6)]
+  try:
+    assert eventually(lambda: sum(c.done() for c in calls) == 4 and
+                      sidecar_fns.waiting("calls") == 2, timeout=10)
+    for c in (c for c in calls if c.done()):
+      assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+      assert "the limit of one session (half of threads=4: 2)" in c.details(), c.details()
+    # Another session's call runs; handshakes and status get a thread.
+    third = other._call.future(gate, metadata=other.metadata, timeout=60)
+    assert eventually(lambda: sidecar_fns.waiting("calls") == 3, timeout=10)
+    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                            timeout=10) as ctl:
+      assert ctl.status()[0].identity.host_id == 0
+      # Every call thread is taken now: a fourth is told so at once, not queued.
+      with pytest.raises(sidecar.ResourceExhaustedError,
+                         match=r"runs 3 calls, its limit \(all but an eighth of threads=4\)"):
+        ctl.call("add", args=(2,), kwargs={"b": 3})
+      sidecar_fns.open_gate("calls")
+      assert [c.result().result for c in calls if c.code() == grpc.StatusCode.OK] == [
+          codec.encode(True)] * 2 and third.result().result == codec.encode(True)
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # every slot came back
+  finally:
+    sidecar_fns.open_gate("calls")
+    attacker.close()
+    other.close()
+
+
+def test_many_calls_at_once_from_one_controller_queue_instead_of_being_refused(make_server):
+  import time
+
+  from sidecar._src.controller.connection import CALLS_IN_FLIGHT
+  from tests.support import sidecar_fns
+  server = make_server()  # 32 threads: one session may run 16 calls, then is refused
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                          timeout=30) as ctl:
+    try:
+      futures = [ctl.call_async("wait_gate", args=("window",))[0] for _ in range(40)]
+      assert eventually(lambda: sidecar_fns.waiting("window") == CALLS_IN_FLIGHT, timeout=10)
+      time.sleep(0.2)
+      assert sidecar_fns.waiting("window") == CALLS_IN_FLIGHT  # the rest wait here
+      assert not any(f.done() for f in futures)
+    finally:
+      sidecar_fns.open_gate("window")
+    assert [f.result(timeout=30) for f in futures] == [True] * 40
+    # A call whose timeout passes while it waits its turn says so.
+    sidecar_fns._gates.pop("late", None)
+    blockers = [ctl.call_async("wait_gate", args=("late", 5.0))[0]
+                for _ in range(CALLS_IN_FLIGHT)]
+    with pytest.raises(sidecar.DeadlineExceededError, match="behind this controller's other"):
+      ctl.call("add", args=(2,), timeout=0.5)
+    queued = ctl.call_async("add", args=(2,), timeout=0.5)[0]
+    with pytest.raises(sidecar.DeadlineExceededError, match="behind this controller's other"):
+      queued.result(timeout=3)  # at its deadline, while the calls ahead still run
+    sidecar_fns.open_gate("late")
+    assert [f.result(timeout=30) for f in blockers] == [True] * CALLS_IN_FLIGHT
+    # Calls still queued when the controller closes end with ClosedError, none hangs.
+    sidecar_fns._gates.pop("closing", None)
+    running = [ctl.call_async("wait_gate", args=("closing", 5.0))[0]
+               for _ in range(CALLS_IN_FLIGHT)]
+    waiting = ctl.call_async("add", args=(2,))[0]
+    ctl.close()
+    with pytest.raises(sidecar.ClosedError):
+      waiting.result(timeout=3)
+    sidecar_fns.open_gate("closing")
+    for f in running:
+      f.exception(timeout=10)  # ended one way or another
+
+
+def test_many_threads_calling_one_host_at_once_queue_instead_of_being_refused(make_server):
+  import concurrent.futures
+
+  from sidecar._src.controller.connection import CALLS_IN_FLIGHT
+  from tests.support import sidecar_fns
+  server = make_server()
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                          timeout=30) as ctl, concurrent.futures.ThreadPoolExecutor(24) as pool:
+    try:
+      futures = [pool.submit(ctl.call, "wait_gate", args=("threads",)) for _ in range(24)]
+      assert eventually(lambda: sidecar_fns.waiting("threads") == CALLS_IN_FLIGHT, timeout=10)
+    finally:
+      sidecar_fns.open_gate("threads")
+    assert [f.result(timeout=30) for f in futures] == [[True]] * 24
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # every slot came back
+
+
+def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(make_server,
+                                                                             tmp_path):
+  import threading
+
+  from sidecar._src.server.limits import CHECKPOINT_THREADS
+  from tests.conftest import PEER_TOKEN
+  server = make_server()
+  raws = [Raw(server.port, peer_token=PEER_TOKEN) for _ in range(3)]  # peers: they may
+  stop = threading.Event()
+
+  def silent():  # a Receive stream that never sends its header
+    stop.wait(30)
+    yield b""
+
+  def receive(raw):
+    return raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")(
+        silent(), metadata=raw.metadata, timeout=30, wait_for_ready=True)
+
+  pool = concurrent.futures.ThreadPoolExecutor(CHECKPOINT_THREADS + 2)
+  try:
+    calls = [pool.submit(receive, r) for r in raws for _ in range(CHECKPOINT_THREADS // 2 + 1)]
+    refused = lambda: [c for c in calls if c.done()]
+    assert eventually(lambda: len(refused()) == len(calls) - CHECKPOINT_THREADS, timeout=10)
+    for c in refused():
+      with pytest.raises(grpc.RpcError) as e:
+        c.result()
+      assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+      assert "checkpoint rpcs" in e.value.details()
+    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+                            timeout=10) as ctl:  # every checkpoint thread is taken
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+      assert ctl.status()[0].identity.host_id == 0
+      # The controller's own checkpoint rpc is refused as busy, and asks again until a
+      # thread is free (within its deadline), rather than fail.
+      opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
+                                             ram_budget=None, sweep=True)
+      time.sleep(0.5)
+      assert not opened.done()
+      stop.set()
+      assert opened.result(timeout=10) == []
+  finally:
+    stop.set()
+    pool.shutdown(wait=True)
+    for r in raws:
+      r.close()

@@ -1,0 +1,213 @@
+"""The RAM tier's records and budgets: which committed steps stay, which go, and that
+their arena blocks go back.
+
+A real arena: each staged shard is a leased view of an arena block, as the sidecar
+stages it; a block returns to the allocator once no record (and no test) holds its
+view. No server, no processes.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
+from sidecar._src.server.checkpoint import peers as replicas_lib, ram_tier
+from sidecar._src.server.leases import Leases
+
+pytestmark = pytest.mark.unit
+
+D = "/ck/run"
+KB = shm.ALIGN  # one arena block per shard
+
+
+@pytest.fixture
+def arena():
+  arena = shm.Arena.create(shm.MIN_SIZE)
+  leases = Leases(shm.Allocator(arena.size))
+  yield arena, leases
+  assert leases.allocator.used_bytes == 0, "a staged block was never freed"
+  arena.close()
+
+
+@pytest.fixture
+def tier(arena):
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
+  yield tier
+  tier.steps.clear()
+  tier.replicas.clear()
+
+
+def staged(arena, nbytes=KB) -> np.ndarray:
+  """A view of a fresh arena block that frees the block once the view dies."""
+  arena, leases = arena
+  pin = leases.new_pin()
+  block = leases.alloc(nbytes, pin, timeout=0)
+  return arena.lease(block.offset, nbytes,
+                     lambda: leases.release(block.offset, block.generation, pin))
+
+
+def item(step, directory=D):
+  return f"{directory}/{step}/default"
+
+
+def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=True):
+  """This host's own shards of ``step`` (``blocks`` of them), as a finished write."""
+  shards = {(("w",), ((i, i + 1),)): staged(arena) for i in range(blocks)}
+  record = ram_tier.Step(directory, step, item(step, directory), shards, blocks * KB)
+  if done:
+    record.done.set()
+    record.finished = 0.0
+  record.committed = committed
+  tier.steps[record.final_dir] = record
+
+
+def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
+  replica = ram_tier.Replica(D, step, item(step), source, whole=whole, committed=committed)
+  for i in range(blocks):
+    replica.shards[(("w",), ((i, i + 1),))] = staged(arena)
+    replica.nbytes += KB
+  tier.replicas[(item(step), source)] = replica
+
+
+def commit(tier, arena, step, **kw):
+  add_step(tier, arena, step, **kw)
+  return tier.mark_committed(item(step))
+
+
+def used_blocks(arena) -> int:
+  """Blocks in use now: a view's block goes back as its last reference dies, no GC needed."""
+  return arena[1].allocator.num_blocks
+
+
+def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena):
+  tier.ram_steps[D] = (2, None)
+  assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
+  assert used_blocks(arena) == 2
+  assert sorted(s.step for s in tier.steps.values()) == [2, 3]
+  assert tier.committed_dirs == {item(1): False, item(2): True, item(3): True}
+
+
+def test_a_directory_never_opened_keeps_one_step(tier, arena):
+  assert [commit(tier, arena, s) for s in (4, 9, 6)] == [[4], [9], [9]]
+  assert used_blocks(arena) == 1  # step 6 came after 9 but is older: it went at once
+
+
+@pytest.mark.parametrize(("budget", "kept"), [
+    (3 * KB, [3, 4]), (3 * KB - 1, [4]), (2 * KB, [4]), (2 * KB - 1, [3]), (KB - 1, []),
+], ids=["both-fit-exactly", "one-byte-short", "newest-fits-exactly",
+        "newest-too-big-older-stays", "none-fit"])
+def test_the_budget_edge(tier, arena, budget, kept):
+  """Newest first, a step stays if its bytes fit what the steps kept so far leave of
+  the budget; one that does not fit goes, even the one just committed, and an older,
+  smaller one may still stay."""
+  tier.ram_steps[D] = (5, budget)
+  commit(tier, arena, 3, blocks=1)
+  assert commit(tier, arena, 4, blocks=2) == kept
+  assert used_blocks(arena) == sum({3: 1, 4: 2}[s] for s in kept)
+
+
+def test_replicas_count_toward_the_budget_and_leave_with_their_step(tier, arena):
+  tier.ram_steps[D] = (2, 4 * KB)
+  add_replica(tier, arena, 1, source=2)
+  assert commit(tier, arena, 1) == [1]  # own + host 2's replica: 2 blocks
+  add_replica(tier, arena, 2, source=2)
+  assert commit(tier, arena, 2) == [1, 2]  # 4 blocks: fits
+  add_replica(tier, arena, 3, source=2)
+  add_replica(tier, arena, 3, source=3)
+  assert commit(tier, arena, 3) == [3]  # 3 blocks; with step 2's 2 it would not fit
+  assert sorted(tier.replicas) == [(item(3), 2), (item(3), 3)]
+  assert tier.committed_dirs == {item(1): False, item(2): False, item(3): True}
+  assert used_blocks(arena) == 3
+
+
+def test_a_step_held_only_as_a_replica_is_committed_and_kept(tier, arena):
+  tier.ram_steps[D] = (1, None)
+  add_replica(tier, arena, 7, source=1)
+  assert tier.mark_committed(item(7)) == [7]
+  assert tier.replicas[(item(7), 1)].committed
+  assert tier.held_replicas(D) == {item(7): {1: [[["w"], [[0, 1]]]]}}
+  assert tier.own(D) == {}
+
+
+def test_a_step_this_host_never_held_is_not_recorded(tier):
+  assert tier.mark_committed(item(5)) == []
+  assert tier.committed_dirs == {}
+
+
+def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
+  """A peer's replica that becomes whole after its step was committed here learns the
+  step's fate from committed_dirs: False once the step left the RAM tier, so the
+  replica is dropped, not kept for a step deleted since (checkpoint_replication)."""
+  tier.ram_steps[D] = (1, None)
+  commit(tier, arena, 1)
+  commit(tier, arena, 2)
+  assert tier.committed_dirs[item(1)] is False
+  with tier.lock:
+    tier.drop(D, 2)  # forget: max_to_keep deleted it
+  assert tier.committed_dirs[item(2)] is False
+  assert tier.steps == {} and used_blocks(arena) == 0
+
+
+def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
+  commit(tier, arena, 1)
+  job = tier.steps[item(1)].replication = ram_tier.Replication(
+      [replicas_lib.Peer(host_id=1, address="127.0.0.1:1")])
+  with tier.lock:
+    tier.drop(D, 1)
+  assert job.cancelled.is_set() and used_blocks(arena) == 0
+
+
+def test_drop_keeps_uncommitted_steps_and_other_directories(tier, arena):
+  add_step(tier, arena, 1)  # written, commit not yet in
+  add_step(tier, arena, 1, directory="/ck/other", committed=True)
+  with tier.lock:
+    tier.drop(D, 1)
+  assert sorted(tier.steps) == ["/ck/other/1/default", item(1)]
+
+
+def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, caplog):
+  tier = ram_tier.RamTier(4, uncommitted_s=0.0)
+  add_step(tier, arena, 1, blocks=2)  # written, never committed
+  add_step(tier, arena, 2, done=False)  # still being written: never expires
+  add_step(tier, arena, 3, committed=True)
+  stale = tier.steps[item(1)]
+  job = stale.replication = ram_tier.Replication([])
+  with caplog.at_level(logging.WARNING, logger="sidecar._src.server.checkpoint.ram_tier"):
+    assert tier.expire_uncommitted() == [1]
+  assert "step 1 of /ck/run was staged and written" in caplog.text
+  assert ("never committed (the controller that staged it is gone?): its "
+          f"{shm.format_size(2 * KB)} are freed") in caplog.text
+  assert job.cancelled.is_set() and stale.shards == {}
+  assert sorted(s.step for s in tier.steps.values()) == [2, 3]
+  assert used_blocks(arena) == 2  # the record is still referenced here; its blocks are not
+  assert tier.expire_uncommitted() == []
+  tier.steps.clear()
+
+
+def test_record_names_the_host_and_the_item(tier, arena):
+  add_step(tier, arena, 1)
+  assert tier.record(item(1)).step == 1
+  with pytest.raises(errors.InvalidArgumentError, match=r"^host 0 has not staged /ck/run/2/default$"):
+    tier.record(item(2))
+
+
+def test_status_and_usage_say_what_is_held_and_written(tier, arena):
+  tier.ram_steps[D] = (3, None)
+  commit(tier, arena, 1, blocks=2)
+  add_step(tier, arena, 2)  # written, commit not yet in
+  add_step(tier, arena, 3, blocks=3, done=False)
+  tier.steps[item(3)].written = KB
+  add_replica(tier, arena, 1, source=2)
+  tier.replicas[(item(1), 2)].committed = True
+  add_replica(tier, arena, 0, source=2, committed=True)
+  add_replica(tier, arena, 1, source=3, whole=False, committed=True)  # still arriving
+  [status] = tier.status()
+  assert status.directory == D
+  assert (list(status.ram_steps), list(status.uncommitted), list(status.writing)) == ([1], [2], [3])
+  assert (status.written_bytes, status.total_bytes) == (KB, 3 * KB) and status.writing_s >= 0
+  assert [(r.source_host, list(r.steps), r.nbytes) for r in status.replicas] == [(2, [0, 1], 2 * KB)]
+  assert tier.usage() == {"ram_steps": 1, "ram_bytes": 2 * KB, "replica_steps": 2,
+                          "replica_bytes": 2 * KB, "writing_steps": 1, "writing_bytes": 2 * KB}
+  assert tier.own(D) == {item(1): [[["w"], [[0, 1]]], [["w"], [[1, 2]]]]}

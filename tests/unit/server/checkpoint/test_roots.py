@@ -1,0 +1,122 @@
+"""What a checkpoint call may name: paths under the sidecar's roots, resolved first.
+
+Real directories and symlinks in tmp_path; no server.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from sidecar._src.core import errors
+from sidecar._src.server.checkpoint import roots as roots_lib
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def root(tmp_path):
+  (tmp_path / "ck" / "run1").mkdir(parents=True)
+  (tmp_path / "ck-sibling").mkdir()
+  (tmp_path / "outside").mkdir()
+  return tmp_path / "ck"
+
+
+@pytest.mark.parametrize("name", ["ck", "ck/run1", "ck/run1/5.orbax-checkpoint-tmp/default",
+                                  "ck/run1/../run2", "ck/./run1//", "ck-link/run1"],
+                         ids=["root", "child", "not-yet-there", "dotdot-inside", "dots",
+                              "link-into-root"])
+def test_paths_under_a_root_resolve(root, tmp_path, name):
+  (tmp_path / "ck-link").symlink_to(root)
+  resolved = roots_lib.Roots(0, (str(root),)).resolve(str(tmp_path / name), "directory")
+  assert resolved == os.path.realpath(tmp_path / name)
+  assert resolved.startswith(os.path.realpath(root))
+
+
+@pytest.mark.parametrize("name", ["ck/../outside", "ck/run1/../../outside", "ck-sibling",
+                                  "ck/escape", "ck/escape/deeper", "."],
+                         ids=["dotdot", "dotdot-twice", "prefix-sibling", "symlink-out",
+                              "through-symlink-out", "parent"])
+def test_paths_that_leave_the_root_are_refused(root, tmp_path, name):
+  """``..`` and symlinks are resolved before the check; ``ck-sibling`` shares the
+  root's name as a prefix but is not under it."""
+  (root / "escape").symlink_to(tmp_path / "outside")
+  path = str(tmp_path / name)
+  resolved = os.path.realpath(path)
+  with pytest.raises(errors.PermissionDeniedError) as raised:
+    roots_lib.Roots(3, (str(root),)).resolve(path, "directory")
+  assert str(raised.value) == (
+      f"directory {path!r} (resolved: {resolved!r}) is not under a checkpoint root of sidecar "
+      f"host 3 ({os.path.realpath(root)}); checkpoint there, or start the sidecar with "
+      "--checkpoint-root naming its directory")
+
+
+def test_a_root_given_through_a_symlink_holds_what_its_target_holds(root, tmp_path):
+  (tmp_path / "link").symlink_to(root)
+  roots = roots_lib.Roots(0, (str(tmp_path / "link"), str(tmp_path / "outside")))
+  assert roots.resolve(str(root / "run1"), "item") == os.path.realpath(root / "run1")
+  assert roots.root_of(os.path.realpath(tmp_path / "outside" / "x")) == os.path.realpath(
+      tmp_path / "outside")
+  assert roots.root_of(os.path.realpath(tmp_path / "ck-sibling")) is None
+
+
+def test_the_filesystem_root_holds_every_path(tmp_path):
+  assert roots_lib.Roots(0, ("/",)).resolve(str(tmp_path / "a"), "directory") == os.path.realpath(
+      tmp_path / "a")
+
+
+def test_a_sidecar_without_roots_refuses_every_path_and_says_how_to_give_one(tmp_path):
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"^sidecar host 1 has no checkpoint root, so it refuses checkpoint "
+                           r"calls \(final_dir '.*/x'\); start it with --checkpoint-root DIR "
+                           r"\(repeatable, or SIDECAR_CHECKPOINT_ROOTS\) naming the directory"):
+    roots_lib.Roots(1).resolve(str(tmp_path / "x"), "final_dir")
+
+
+@pytest.mark.parametrize("bad", [None, 5, b"/tmp", "", "/tmp/a\0b"],
+                         ids=["none", "int", "bytes", "empty", "nul"])
+def test_a_path_that_is_not_a_path_string_is_invalid(root, bad):
+  with pytest.raises(errors.InvalidArgumentError, match=r"^item must be a directory path, got "):
+    roots_lib.Roots(0, (str(root),)).resolve(bad, "item")
+
+
+def test_long_paths_are_cut_in_the_message(root):
+  with pytest.raises(errors.PermissionDeniedError) as raised:
+    roots_lib.Roots(0, (str(root),)).resolve("/" + "a" * 10_000, "directory")
+  assert len(str(raised.value)) < 700
+
+
+@pytest.mark.parametrize(("value", "expected"), [(3, 3), (np.int64(7), 7), (-1, -1)],
+                         ids=["int", "numpy", "negative"])
+def test_as_int_takes_ints(value, expected):
+  assert roots_lib.as_int(value, "step") == expected and type(roots_lib.as_int(value, "s")) is int
+
+
+@pytest.mark.parametrize("bad", [True, 3.0, "3", None], ids=["bool", "float", "str", "none"])
+def test_as_int_names_the_value(bad):
+  with pytest.raises(errors.InvalidArgumentError, match=rf"^step must be an int, got {bad!r}"):
+    roots_lib.as_int(bad, "step")
+
+
+@pytest.mark.parametrize("marker", ["_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt",
+                                    "sidecar_manifest.json", "default/_METADATA",
+                                    "default/sidecar_manifest.json"],
+                         ids=["step-metadata", "item-metadata", "commit", "manifest",
+                              "in-item", "manifest-in-item"])
+def test_a_directory_with_a_checkpoint_marker_is_a_checkpoint(tmp_path, marker):
+  (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
+  (tmp_path / marker).write_text("{}")
+  assert roots_lib.is_checkpoint_dir(tmp_path)
+
+
+def test_other_directories_are_not_checkpoints(tmp_path):
+  """Nothing deeper than an item counts, nor a marker that is a directory, nor an item
+  that is a symlink to a checkpoint elsewhere (delete would remove what it points to)."""
+  (tmp_path / "data" / "a" / "b").mkdir(parents=True)
+  (tmp_path / "data" / "a" / "b" / "_METADATA").write_text("{}")
+  (tmp_path / "data" / "_CHECKPOINT_METADATA" / "x").mkdir(parents=True)
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "_METADATA").write_text("{}")
+  (tmp_path / "data" / "default").symlink_to(tmp_path / "elsewhere")
+  (tmp_path / "data" / "notes.txt").write_text("not a checkpoint")
+  assert not roots_lib.is_checkpoint_dir(tmp_path / "data")

@@ -1,0 +1,148 @@
+"""The host's save phases (begin, stage, prepared, commit, abort) through the step writer's
+seam, its WriteEngine: the real one wrapped to record what it is given and when, or one
+that fails or waits. Real files under tmp_path; no server, no processes."""
+
+import errno
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.core import errors
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save
+
+pytestmark = pytest.mark.unit
+
+SPECS = [layout.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2)),
+         layout.LeafSpec(key_path=("b",), shape=(3,), dtype=np.int32)]
+
+
+def shard(leaf, index, value):
+  spec = SPECS[leaf]
+  shape = tuple(b - a for a, b in index)
+  return {"leaf": leaf, "index": [list(i) for i in index],
+          "data": np.full(shape, value, spec.dtype)}
+
+
+class Recording:
+  """The real engine, recording each shard as it reaches it (``first`` set at the first);
+  ``fail`` raised in a shard's place."""
+
+  def __init__(self, fail=None):
+    self.seen, self.fail = [], fail
+    self.first = threading.Event()
+
+  def item_part(self, tmp_dir, host_id, specs, shards, *, progress):
+    def recorded():
+      for leaf, s in shards:
+        self.seen.append((leaf, s.index))
+        self.first.set()
+        if self.fail is not None:
+          raise self.fail
+        yield leaf, s
+    return save.WriteEngine().item_part(tmp_dir, host_id, specs, recorded(), progress=progress)
+
+
+@pytest.fixture
+def make_writer(tmp_path):
+  threads = []
+
+  def spawn(target, *args, name):
+    t = threading.Thread(target=target, args=args, name=name, daemon=True)
+    threads.append(t)
+    t.start()
+
+  def make(engine):
+    tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
+    engine = save.WriteEngine(item_part=engine.item_part)
+    return save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
+                           spawn=spawn, metrics=metrics_lib.Recorder(), engine=engine), tier
+
+  yield make
+  for t in threads:
+    t.join(30)
+    assert not t.is_alive(), f"{t.name} still writing"
+
+
+def begun(writer, tmp_path, step, owner="a"):
+  directory = str(tmp_path / "ck")
+  writer.open(directory)
+  tmp_step = writer.begin(directory, step, owner=owner)
+  final = str(tmp_path / "ck" / str(step) / layout.ITEM)
+  return directory, os.path.join(tmp_step, layout.ITEM), final
+
+
+def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_writer, tmp_path):
+  engine = Recording()
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final = begun(writer, tmp_path, 3)
+  stage = lambda shards, last, owner: writer.stage(directory, 3, tmp_dir, final, SPECS,
+                                                   shards, last=last, writers=2, owner=owner)
+  stage([shard(0, ((0, 2), (0, 2)), 1.0)], False, "a")
+  assert engine.first.wait(30)  # written before the rest is staged
+  assert engine.seen == [(0, ((0, 2), (0, 2)))]
+  stage([shard(0, ((2, 4), (0, 2)), 2.0)], True, "a")
+  assert not tier.steps[final].whole.is_set()  # the other process's last part is due
+  assert stage([shard(1, ((0, 3),), 7)], True, "b") == 16 + 16 + 12
+  sums = writer.prepared(final, timeout=30)
+  assert sorted((c.key_path, c.index, c.host) for c in sums) == [
+      (("b",), ((0, 3),), 0), (("w",), ((0, 2), (0, 2)), 0), (("w",), ((2, 4), (0, 2)), 0)]
+  committed = writer.commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True, owner="a")
+  assert committed == str(tmp_path / "ck" / "3")
+  with open(os.path.join(final, roots_lib.MANIFEST)) as f:
+    manifest = json.load(f)
+  assert manifest["data_state"] == {"batch": 5} and len(manifest["shards"]) == 3
+
+
+def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_committed(
+    make_writer, tmp_path):
+  path = str(tmp_path / "ck" / "w" / "0")
+  writer, _ = make_writer(Recording(fail=OSError(errno.ENOSPC, "No space left on device",
+                                                 path)))
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=True,
+               owner="a")
+  with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: "
+                     r"No space left on device \(ENOSPC\)") as e:
+    writer.prepared(final, timeout=30)
+  assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
+  with pytest.raises(errors.InvalidArgumentError, match="is not written on host 0"):
+    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+  writer.abort(os.path.dirname(tmp_dir), final)
+  assert os.listdir(directory) == []  # no step, no tmp directory
+
+
+def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writer, tmp_path):
+  engine = Recording()
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final = begun(writer, tmp_path, 5)
+  part = [shard(0, ((0, 2), (0, 2)), 1.0)]
+  writer.stage(directory, 5, tmp_dir, final, SPECS, part, last=False, owner="a")
+  assert engine.first.wait(30)
+  record = tier.steps[final]
+  writer.abort(os.path.dirname(tmp_dir), final)
+  assert record.done.is_set() and isinstance(record.error, errors.ClosedError)
+  assert final not in tier.steps and record.shards == {}
+  assert os.listdir(directory) == []
+
+
+def test_another_session_neither_stages_into_nor_commits_a_save(make_writer, tmp_path):
+  writer, _ = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 6)
+  writer.stage(directory, 6, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=False,
+               owner="a")
+  with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
+    writer.stage(directory, 6, tmp_dir, final, SPECS, [], last=True, owner="b")
+  with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
+    writer.begin(directory, 6, owner="b")
+  writer.stage(directory, 6, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 2.0)],
+               last=True, owner="a")
+  sums = writer.prepared(final, timeout=30)
+  with pytest.raises(errors.PermissionDeniedError, match="a session commits only the save"):
+    writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="b")
+  writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="a")
+  assert sorted(os.listdir(directory)) == ["6"]

@@ -1,0 +1,107 @@
+"""Tier 1: a plain iterable's batches are written element by element into their blocks."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.server.feeds import producer as feed
+from sidecar._src.user import registry as registry_lib
+from sidecar._src.wire import codec, feed_batch
+
+pytestmark = pytest.mark.unit
+
+
+def run(elements, *, ranges=((0, 2), (3, 5)), epochs=1):
+  """Batches of ``elements`` from a plain pipeline, with numpy arrays as the arena."""
+  allocs = []
+
+  def alloc(shape, dtype):
+    allocs.append(shape)
+    return np.full(shape, -1, dtype)
+
+  def pipeline(ctx):
+    return iter(elements)
+  spec = feed.Spec(global_batch_size=5, ranges=ranges, seed=0, num_epochs=epochs, shard_index=0,
+                   shard_count=1, start={}, workers=0)
+  entry = registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
+                             signature=None)
+  out = [as_tree(batch) for batch, _, _ in feed.produce(entry, {}, spec, alloc)]
+  return out, allocs
+
+
+def as_tree(batch):
+  """The element's structure with each leaf its list of per-range arrays."""
+  return feed_batch.fill(codec.decode(batch.structure), batch.leaves)
+
+
+def test_rows_land_in_their_ranges():
+  out, _ = run([{"x": np.int32(i), "v": np.full(2, i, np.float32)} for i in range(8)])
+  assert len(out) == 2
+  np.testing.assert_array_equal(out[0]["x"][0], [0, 1])
+  np.testing.assert_array_equal(out[0]["x"][1], [2, 3])
+  np.testing.assert_array_equal(out[1]["v"][1], [[6, 6], [7, 7]])
+
+
+def test_the_blocks_of_an_epochs_partial_batch_serve_the_next_batch():
+  out, allocs = run([{"x": np.int32(i)} for i in range(6)], epochs=2)  # 4 + 2 an epoch
+  assert len(out) == 2 and len(allocs) == 3 * 2  # not 4 x 2: epoch 1's batch reused blocks
+  np.testing.assert_array_equal(out[1]["x"][1], [2, 3])
+  with pytest.raises(sidecar.InvalidArgumentError, match="fewer than the 4 elements"):
+    run([{"x": np.int32(0)}])
+
+
+@pytest.mark.parametrize("second,match", [
+    ({"x": np.zeros(3, np.int32)}, r"element leaf \['x'\] has shape \(3,\), but the first .* \(\)"),
+    ({"x": np.int32(1), "y": 2}, "yielded an element of structure"),
+    ({"x": np.complex64(1j)}, "cannot write leaf 0 of dtype complex64 into the batch's int32"),
+], ids=["shape", "structure", "dtype"])
+def test_an_element_unlike_the_first_is_invalid_argument(second, match):
+  with pytest.raises(sidecar.InvalidArgumentError, match=match):
+    run([{"x": np.int32(0)}, second, {"x": np.int32(2)}, {"x": np.int32(3)}])
+
+
+def test_a_map_datasets_element_of_another_dtype_is_invalid_argument():
+  spec = feed.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1, shard_index=0,
+                   shard_count=1, start={}, workers=0)
+  batcher = feed.Batcher(spec, lambda shape, dtype: np.zeros(shape, dtype), "p")
+  batcher.learn({"x": np.int32(0)})
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"cannot batch leaf 0 of dtypes \['complex64', 'int32'\] as the "
+                           r"first element's int32"):
+    batcher.write(None, [{"x": np.int32(0)}, {"x": np.complex64(1j)}])
+
+
+class Pair(NamedTuple):
+  a: np.ndarray
+  b: list
+
+
+def test_elements_holding_lists_tuples_and_namedtuples_keep_them_apart_from_the_ranges():
+  elements = [{"x": [np.full((4,), i), np.full((2,), -i)], "y": np.int32(i),
+               "t": (np.int64(i), Pair(np.int8(i), [None, np.float32(i)]))} for i in range(8)]
+  out, _ = run(elements)
+  assert len(out) == 2
+  first = out[0]
+  assert isinstance(first["x"], list) and len(first["x"]) == 2  # the element's list
+  np.testing.assert_array_equal(first["x"][0][1], [[2, 2, 2, 2], [3, 3, 3, 3]])  # range 1
+  np.testing.assert_array_equal(first["x"][1][0], [[0, 0], [-1, -1]])
+  assert type(first["t"]) is tuple and type(first["t"][1]) is Pair
+  assert first["t"][1].b[0] is None
+  np.testing.assert_array_equal(first["t"][1].b[1][1], [2, 3])
+
+
+def test_a_container_the_codec_cannot_carry_is_invalid_argument_naming_its_path():
+  @dataclasses.dataclass
+  class Box:
+    v: np.ndarray
+  jax.tree_util.register_dataclass(Box, data_fields=["v"], meta_fields=[])
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"pipeline 'p': element\['x'\]\[1\]: values of type .*Box cannot"):
+    run([{"x": [np.int32(i), Box(np.zeros(2))]} for i in range(8)])
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"pipeline 'p': element\['x'\]\[0\].*dtype"):
+    run([{"x": [object()]} for i in range(8)])
