@@ -1,0 +1,239 @@
+"""What crosses the ``sidecar.v1.Checkpoint`` service, as frozen values: one type per concept.
+
+Both halves use these, the trainer's (``controller/checkpoint/client.py``) and the
+sidecar's (``server/checkpoint/``); ``wire/checkpoint_wire.py`` converts them to and
+from protobuf and does nothing else, and a dict appears only where a manifest file is
+read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
+
+- :class:`ShardId`: a shard of a leaf (its key path and where it lies).
+- :class:`StagedShard`: a shard the trainer stages, by its leaf's (or item's) number.
+- :class:`ShardChecksum`: what a host wrote of one shard (the manifest's entry).
+- :class:`ReplicaTarget`: a sidecar that holds replicas of this one's shards. The
+  protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
+  is a replica target, never a "peer" (which means the trainer's processes).
+- :class:`Replicated`: what a replication sent.
+- :class:`Held`: what one sidecar's RAM tier holds under a directory.
+- :class:`SavedLeaf`, :class:`Manifest`: a committed step's manifest, which owns its
+  file name (:data:`MANIFEST_FILE`) and its JSON; :meth:`Manifest.of_save` is the one
+  builder a commit uses, whatever the format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
+from sidecar._src.core import errors
+
+MANIFEST_FILE = "sidecar_manifest.json"  # in a committed step's item directory (or DCP step)
+MANIFEST_VERSION = 1
+SIDECAR_FORMAT = "colocated-sidecar"  # a manifest of a step in stock Orbax's layout, ours
+STOCK_ORBAX = "orbax"  # an item stock Orbax wrote: no manifest file, one made when read
+_EMPTY: Mapping[str, Any] = types.MappingProxyType({})
+
+
+def as_index(index: Sequence[Sequence[int]]) -> Index:
+  """``index`` as ``((start, stop), ...)`` of ints."""
+  return tuple((int(a), int(b)) for a, b in index)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardId:
+  """A shard of a leaf: the leaf's key path and where the shard lies in the global array
+  (a DCP item: ``((fqn,), ((start, stop), ...))``, a bytes item's index empty).
+
+  Unpacks as ``key_path, index = shard``, as the tuples it replaces did.
+  """
+
+  key_path: KeyPath
+  index: Index
+
+  def __iter__(self) -> Iterator[Any]:
+    return iter((self.key_path, self.index))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagedShard:
+  """One shard to stage: its leaf (an index into the step's leaves, or into a DCP rank's
+  items), where it lies, its bytes (an arena array of the host), and, where the trainer
+  maps that arena, its block (a ``wire.codec.ArenaRef``; ``ckptfmt`` imports no wire)."""
+
+  leaf: int
+  index: Index
+  data: np.ndarray
+  ref: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardChecksum:
+  """The crc32c of one written shard's C-order bytes, for the step's manifest.
+
+  The same value on both sides of the wire (``wire/checkpoint_wire.checksum_to_pb``);
+  a dict only in a manifest file (``to_dict``/``from_dict``).
+  """
+
+  key_path: KeyPath
+  index: Index
+  nbytes: int
+  crc32c: int | None  # None: a leaf stock Orbax wrote, nothing to check
+  host: int | None = None  # the host that wrote it; None: not known (stock Orbax)
+
+  @property
+  def shard(self) -> ShardId:
+    return ShardId(self.key_path, self.index)
+
+  def to_dict(self) -> dict[str, Any]:
+    """The manifest's entry for this shard."""
+    return {"key_path": list(self.key_path), "index": [list(i) for i in self.index],
+            "nbytes": self.nbytes, "crc32c": self.crc32c, "host": self.host}
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> ShardChecksum:
+    return cls(tuple(d["key_path"]), as_index(d["index"]), int(d.get("nbytes") or 0),
+               None if d.get("crc32c") is None else int(d["crc32c"]),
+               None if d.get("host") is None else int(d["host"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaTarget:
+  """A sidecar that is to hold replicas of this sidecar's shards (the ``Peer`` message)."""
+
+  host_id: int
+  address: str  # gRPC host:port
+  socket: str = ""  # its worker socket, usable where boot_id is this machine's
+  boot_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replicated:
+  """What one replication sent: to which hosts, how many shards and bytes, in how long."""
+
+  hosts: tuple[int, ...]
+  shards: int
+  nbytes: int
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+  """What one host's RAM tier holds under a directory, per committed item directory:
+  its own shards, and the replicas it holds of other hosts' by source host."""
+
+  own: Mapping[str, Sequence[ShardId]]
+  replicas: Mapping[str, Mapping[int, Sequence[ShardId]]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavedLeaf:
+  """A leaf as its step saved it: a stock Orbax item tells no more than key path, shape
+  and dtype (``kind`` is then its value type, or empty)."""
+
+  key_path: KeyPath
+  shape: tuple[int, ...]
+  dtype: str  # the numpy name: "float32", "bfloat16"
+  kind: str = ""
+  write_shape: tuple[int, ...] = ()  # empty: not known (a stock Orbax item)
+  sharding: str | None = None
+
+  @classmethod
+  def of(cls, spec: LeafSpec) -> SavedLeaf:
+    return cls(spec.key_path, spec.shape, spec.dtype.name, spec.kind.value,
+               tuple(spec.write_shape or ()), spec.sharding)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"key_path": list(self.key_path), "shape": list(self.shape), "dtype": self.dtype,
+            "kind": self.kind, "write_shape": list(self.write_shape), "sharding": self.sharding}
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> SavedLeaf:
+    return cls(tuple(d["key_path"]), tuple(int(n) for n in d["shape"]), str(d["dtype"]),
+               str(d.get("kind") or ""), tuple(int(n) for n in d.get("write_shape") or ()),
+               d.get("sharding"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Manifest:
+  """A committed item's manifest: its format, its leaves, its shards (their checksums,
+  and the host that wrote each), the data position saved with it, which hosts hold each
+  host's replicas, and what its format adds (``extras``: a DCP step's ``plan``).
+
+  Its file is ``MANIFEST_FILE`` in the committed directory, JSON (:meth:`to_json`).
+  """
+
+  format: str
+  leaves: tuple[SavedLeaf, ...]
+  shards: tuple[ShardChecksum, ...]
+  data_state: Any
+  replicas: Mapping[int, tuple[int, ...]]
+  extras: Mapping[str, Any]
+  step: int | None
+
+  def __init__(self, format: str, leaves: Sequence[SavedLeaf],  # noqa: A002 - the field
+               shards: Sequence[ShardChecksum], data_state: Any = None,
+               replicas: Mapping[int, Sequence[int]] | None = None, *,
+               extras: Mapping[str, Any] | None = None, step: int | None = None,
+               dcp_plan: Mapping[str, Any] | None = None):
+    extras = dict(extras or {})
+    if dcp_plan is not None:  # the trainer's name until it builds extras itself
+      extras["plan"] = dcp_plan
+    set_ = object.__setattr__
+    set_(self, "format", format)
+    set_(self, "leaves", tuple(leaves))
+    set_(self, "shards", tuple(shards))
+    set_(self, "data_state", data_state)
+    set_(self, "replicas", types.MappingProxyType(
+        {int(h): tuple(int(p) for p in ps) for h, ps in (replicas or {}).items()}))
+    set_(self, "extras", types.MappingProxyType(extras) if extras else _EMPTY)
+    set_(self, "step", step)
+
+  @property
+  def dcp_plan(self) -> Mapping[str, Any] | None:
+    """A DCP step's plan (``sidecar/_src/torch/metadata.to_plan``), or None."""
+    return self.extras.get("plan")
+
+  @classmethod
+  def of_save(cls, format: str, *, step: int, leaves: Sequence[LeafSpec],  # noqa: A002
+              checksums: Sequence[ShardChecksum], data_state_json: str,
+              replicas: Mapping[int, Sequence[int]] | None,
+              extras: Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest a commit writes: the one builder, for every format."""
+    try:
+      data_state = json.loads(data_state_json) if data_state_json else None
+    except ValueError as e:
+      raise errors.InvalidArgumentError(f"data_state_json is not JSON: {e}") from None
+    return cls(format, [SavedLeaf.of(s) for s in leaves], checksums, data_state, replicas,
+               extras=extras, step=step)
+
+  def to_json(self) -> str:
+    """The file's text."""
+    out: dict[str, Any] = {
+        "format": self.format, "version": MANIFEST_VERSION, "step": self.step,
+        **self.extras, "leaves": [leaf.to_dict() for leaf in self.leaves],
+        "shards": [c.to_dict() for c in self.shards], "data_state": self.data_state}
+    if self.replicas:
+      out["replicas"] = {str(h): list(ps) for h, ps in self.replicas.items()}
+    return json.dumps(out, separators=(",", ":"))
+
+  @classmethod
+  def from_json(cls, text: str | bytes, where: str) -> Manifest:
+    """The manifest a file holds; InvalidArgumentError naming ``where`` if it is not one."""
+    try:
+      d = json.loads(text)
+      extras = {k: v for k, v in d.items() if k not in _KEYS}
+      return cls(str(d.get("format") or ""), [SavedLeaf.from_dict(x) for x in d["leaves"]],
+                 [ShardChecksum.from_dict(c) for c in d["shards"]], d.get("data_state"),
+                 {int(h): ps for h, ps in (d.get("replicas") or {}).items()},
+                 extras=extras, step=None if d.get("step") is None else int(d["step"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise errors.InvalidArgumentError(
+          f"{where}: its manifest is not one this sidecar wrote ({type(e).__name__}: {e}); "
+          "restore it with Orbax, or an older step") from None
+
+
+_KEYS = frozenset({"format", "version", "step", "leaves", "shards", "data_state", "replicas"})
