@@ -8,13 +8,15 @@ a worker's connection drops for any reason, lets go of everything it held.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
+from sidecar._src.server import tenants as tenants_lib
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.
@@ -26,11 +28,23 @@ class Leases:
 
   ``quota``: the most bytes one worker session (a ``str`` holder) may allocate while it
   holds what it has: so no client takes the whole arena from the others. None: no quota.
+
+  With tenants (``tenancy``; ``tenant_of``: a worker session's tenant, others count as
+  ``tenants.CURRENT``'s), a block counts against the tenant that allocated it until it is
+  freed, whoever holds it then (the RAM tier keeps a save's blocks): a tenant never holds
+  more than its ``arena_ceiling``, and never takes what other tenants are guaranteed
+  (``arena``) and do not use yet.
   """
 
-  def __init__(self, allocator: shm.Allocator, *, quota: int | None = None):
+  def __init__(self, allocator: shm.Allocator, *, quota: int | None = None,
+               tenancy: tenants_lib.Tenancy | None = None,
+               tenant_of: Callable[[str], str | None] = lambda session: None):
     self.allocator = allocator
     self.quota = quota
+    self._tenancy, self._tenant_of = tenancy, tenant_of
+    self._tenant_bytes: collections.Counter[str] = collections.Counter()  # allocated, live
+    self._block_tenant: dict[int, str] = {}  # block offset -> the tenant that allocated it
+    self._pending = 0  # bytes tenants reserved, not allocated yet
     self._lock = threading.Lock()
     self._freed = threading.Condition(self._lock)  # a block let go of: a quota may have room
     self._holders: dict[int, tuple[shm.Block, set[Hashable]]] = {}
@@ -50,7 +64,7 @@ class Leases:
       ResourceExhaustedError: no room in time; the message gives the sizes.
     """
     if not self.fits(nbytes, holder):
-      self._never_fits(nbytes)
+      self._never_fits(nbytes, holder)
     deadline = None if timeout is None else time.monotonic() + timeout
     if self.quota is not None and isinstance(holder, str):
       with self._lock:
@@ -59,23 +73,117 @@ class Leases:
           if left is not None and left <= 0:
             raise self._past_quota(nbytes, holder)
           self._freed.wait(left)
+    tenant = self._tenant(holder)
+    if tenant is not None:
+      self._reserve(tenant, nbytes, deadline)
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-    block = self.allocator.alloc(nbytes, timeout=left)
+    try:
+      block = self.allocator.alloc(nbytes, timeout=left)
+    except BaseException:
+      if tenant is not None:
+        with self._lock:
+          self._pending -= nbytes
+          self._unreserve(tenant, nbytes)
+      raise
     with self._lock:
+      if tenant is not None:
+        self._pending -= nbytes
+        self._tenant_bytes[tenant.name] += block.nbytes - nbytes
+        self._block_tenant[block.offset] = tenant.name
       self._holders[block.offset] = (block, {holder})
       self._by_holder.setdefault(holder, set()).add(block.offset)
       self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
     return block
 
+  def _tenant(self, holder: Hashable) -> tenants_lib.Tenant | None:
+    if self._tenancy is None:
+      return None
+    name = self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
+    return self._tenancy.tenant(name)
+
+  def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
+    """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
+    not hold yet, in bytes."""
+    size = self.allocator.size
+    ceiling = None if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size)
+    pool = None if self._tenancy is None else self._tenancy.pool
+    reserved = 0
+    for other in (pool.tenants if pool is not None else ()):
+      if other.name != t.name:
+        reserved += max(0, other.arena.bytes_of(size) - self._tenant_bytes.get(other.name, 0))
+    return ceiling, reserved
+
+  def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None) -> None:
+    """Counts ``nbytes`` more against tenant ``t`` once its ceiling and the others'
+    guarantees leave room, waiting until ``deadline``.
+
+    Raises:
+      ResourceExhaustedError: no room in time; naming the tenant and the quota.
+    """
+    with self._lock:
+      while True:
+        ceiling, reserved = self._shares(t)
+        mine = self._tenant_bytes.get(t.name, 0)
+        # Bytes reserved but not allocated yet are as good as used.
+        free = self.allocator.size - self.allocator.used_bytes - self._pending
+        over_ceiling = ceiling is not None and mine + nbytes > ceiling
+        if not over_ceiling and free - nbytes >= reserved:
+          self._tenant_bytes[t.name] += nbytes
+          self._pending += nbytes
+          return
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise self._past_share(t, nbytes, mine, ceiling, reserved, over_ceiling)
+        self._freed.wait(left)
+
+  def _unreserve(self, t: tenants_lib.Tenant, nbytes: int) -> None:
+    self._tenant_bytes[t.name] -= nbytes
+    if self._tenant_bytes[t.name] <= 0:
+      del self._tenant_bytes[t.name]
+    self._freed.notify_all()
+
+  def _past_share(self, t: tenants_lib.Tenant, nbytes: int, mine: int, ceiling: int | None,
+                  reserved: int, over_ceiling: bool) -> errors.ResourceExhaustedError:
+    fmt = shm.format_size
+    where = self._tenancy.where(t.name) if self._tenancy is not None else ""
+    if over_ceiling:
+      return errors.ResourceExhaustedError(
+          f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would pass "
+          f"its quota (arena_ceiling={t.arena_ceiling} = {fmt(ceiling or 0)}, {where}); free "
+          "arrays, feeds' batches or RAM-tier steps sooner, or raise its arena_ceiling")
+    return errors.ResourceExhaustedError(
+        f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would take "
+        f"from the guaranteed arena of other tenants ({fmt(reserved)} they are guaranteed and "
+        f"do not use yet; its own quota: arena={t.arena}, {where}); free arrays sooner, or "
+        "give it a larger guaranteed arena in the pool file")
+
+  def tenant_bytes(self) -> dict[str, int]:
+    """The arena bytes each tenant allocated and are not freed yet."""
+    with self._lock:
+      return {n: b for n, b in self._tenant_bytes.items() if b > 0}
+
   def fits(self, nbytes: int, holder: Hashable) -> bool:
     """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
     within its quota if it is a worker session."""
+    t = self._tenant(holder)
+    if t is not None and t.arena_ceiling is not None and (
+        nbytes > t.arena_ceiling.bytes_of(self.allocator.size)):
+      return False
     return self.allocator.fits(nbytes) and (
         self.quota is None or not isinstance(holder, str) or nbytes <= self.quota)
 
-  def _never_fits(self, nbytes: int) -> None:
-    self.allocator.alloc(nbytes, timeout=0)  # raises at once if it cannot fit the arena
+  def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
+    if not self.allocator.fits(nbytes):
+      self.allocator.alloc(nbytes, timeout=0)  # raises, saying the arena's size
     fmt = shm.format_size
+    t = self._tenant(holder)
+    if t is not None and t.arena_ceiling is not None and (
+        nbytes > (ceiling := t.arena_ceiling.bytes_of(self.allocator.size))):
+      where = self._tenancy.where(t.name) if self._tenancy is not None else ""
+      raise errors.ResourceExhaustedError(
+          f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit its "
+          f"quota (arena_ceiling={t.arena_ceiling} = {fmt(ceiling)}, {where}); raise its "
+          "arena_ceiling in the pool file, or use smaller arrays")
     raise errors.ResourceExhaustedError(
         f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit a worker session's quota of "
         f"{fmt(self.quota or 0)} (of an arena of {fmt(self.allocator.size)}: sidecar serve "
@@ -180,6 +288,12 @@ class Leases:
     if not holders:
       del self._holders[offset]
       self.allocator.free(block.offset, block.generation)
+      tenant = self._block_tenant.pop(offset, None)
+      if tenant is not None:
+        self._tenant_bytes[tenant] -= block.nbytes
+        if self._tenant_bytes[tenant] <= 0:
+          del self._tenant_bytes[tenant]
+        self._freed.notify_all()
 
   def held_bytes(self) -> tuple[dict[str, int], int]:
     """Bytes each worker session (a str holder) holds, and bytes held by local pins only."""

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from sidecar._src.core import errors
+from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.wire.protocol import MAX_PREFETCH
 
 
@@ -36,13 +37,40 @@ def check_prefetch(prefetch: int) -> int:
 
 
 class Slots:
-  """At most ``total`` RPCs of one kind at once, and at most ``per_session`` of one session."""
+  """At most ``total`` RPCs of one kind at once, and at most ``per_session`` of one session.
 
-  def __init__(self, *, total: int, per_session: int):
+  With tenants (``tenancy``, ``tenant_of``: a session's tenant), at most a tenant's quota
+  of ``kind`` (``calls``, ``streams``) of its sessions together; a pool file's tenant
+  without one gets its share of ``total`` by weight, so no tenant takes them all.
+  """
+
+  kind = "streams"
+
+  def __init__(self, *, total: int, per_session: int,
+               tenancy: tenants_lib.Tenancy | None = None,
+               tenant_of: Callable[[str], str | None] = lambda session: None):
     self.total, self.per_session = total, per_session
+    self._tenancy, self._tenant_of = tenancy, tenant_of
     self._lock = threading.Lock()
     self._open: collections.Counter[str] = collections.Counter()
+    self._by_tenant: collections.Counter[str] = collections.Counter()
     self._count = 0
+
+  def tenant_limit(self, name: str | None) -> tuple[int, str] | None:
+    """The most RPCs of this kind tenant ``name`` may run at once, and what sets it."""
+    t = None if self._tenancy is None else self._tenancy.tenant(name)
+    if t is None or self._tenancy is None:
+      return None
+    where = self._tenancy.where(t.name)
+    quota = getattr(t, self.kind)
+    if quota is not None:
+      return quota, f"{self.kind}={quota}, {where}"
+    pool = self._tenancy.pool
+    if pool is None or not pool.quotas:
+      return None
+    weights = sum(x.weight for x in pool.tenants)
+    share = max(1, int(self.total * t.weight / weights))
+    return share, f"its share by weight of {self.total}, {where}"
 
   def _full(self) -> str:
     return (f"this sidecar already runs {self._count} streams, its limit (max_streams="
@@ -60,13 +88,21 @@ class Slots:
     Raises:
       BusyError: a limit is reached; the message names it and its option.
     """
+    tenant = self._tenant_of(session)
+    limit = self.tenant_limit(tenant)
     with self._lock:
+      if limit is not None and tenant is not None and self._by_tenant[tenant] >= limit[0]:
+        raise errors.ResourceExhaustedError(
+            f"tenant {tenant!r} already runs {self._by_tenant[tenant]} {self.kind}, its quota "
+            f"({limit[1]}); wait for those in flight, or raise its quota in the pool file")
       if self._count >= self.total:
         raise errors.BusyError(self._full())
       if self._open[session] >= self.per_session:
         raise errors.BusyError(self._session_full(session))
       self._open[session] += 1
       self._count += 1
+      if tenant is not None:
+        self._by_tenant[tenant] += 1
     try:
       yield
     finally:
@@ -75,6 +111,10 @@ class Slots:
         self._open[session] -= 1
         if not self._open[session]:
           del self._open[session]
+        if tenant is not None:
+          self._by_tenant[tenant] -= 1
+          if not self._by_tenant[tenant]:
+            del self._by_tenant[tenant]
 
   @property
   def running(self) -> int:
@@ -94,10 +134,13 @@ class CallSlots(Slots):
   status.
   """
 
-  def __init__(self, threads: int):
+  kind = "calls"
+
+  def __init__(self, threads: int, *, tenancy: tenants_lib.Tenancy | None = None,
+               tenant_of: Callable[[str], str | None] = lambda session: None):
     self.threads = threads
     super().__init__(total=max(1, threads - max(1, threads // 8)),
-                     per_session=max(1, threads // 2))
+                     per_session=max(1, threads // 2), tenancy=tenancy, tenant_of=tenant_of)
 
   def _full(self) -> str:
     return (f"this sidecar already runs {self._count} calls, its limit (all but an eighth "
@@ -140,11 +183,18 @@ class Sessions:
   Every use refreshes a session. Past ``limit`` the one unused the longest goes, if it
   was unused for ``evict_idle_s`` at least; else the new handshake is refused
   (RESOURCE_EXHAUSTED): a flood of handshakes never evicts a session in use.
+
+  With tenants (``tenancy``), each tenant keeps at most its ``sessions`` quota (a pool
+  file's tenant without one: its share of ``limit`` by weight), evicting only its own: one
+  tenant's flood of handshakes is refused as its own, and never fills the table that the
+  other tenants' handshakes need.
   """
 
   def __init__(self, *, idle_s: float, limit: int, evict_idle_s: float = EVICT_IDLE_S,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic,
+               tenancy: tenants_lib.Tenancy | None = None):
     self.idle_s, self.limit = idle_s, limit
+    self._tenancy = tenancy
     self.evict_idle_s = min(evict_idle_s, idle_s)
     self._clock = clock
     self._lock = threading.Lock()
@@ -157,9 +207,12 @@ class Sessions:
     """A new session; ``peer``: a peer sidecar's, which may send replicas; ``client``: the
     name of the client whose token made it (per-client tokens)."""
     session = ("p-" if peer else "c-") + secrets.token_hex(16)
+    quota = self._quota(client)
     with self._lock:
       now = self._clock()
       self._sweep(now)
+      if quota is not None and client is not None:
+        self._make_room(client, quota, now)
       if len(self._last) >= self.limit:
         oldest, last = next(iter(self._last.items()))
         if now - last < self.evict_idle_s:
@@ -174,6 +227,57 @@ class Sessions:
       if client is not None:
         self._clients[session] = client
     return session
+
+  def _quota(self, client: str | None) -> tuple[int, str] | None:
+    """Tenant ``client``'s most sessions, and what sets it; None: no quota."""
+    if self._tenancy is None or client is None:
+      return None
+    t = self._tenancy.tenant(client)
+    if t is None:
+      return None
+    where = self._tenancy.where(t.name)
+    if t.sessions is not None:
+      return t.sessions, f"sessions={t.sessions}, {where}"
+    pool = self._tenancy.pool
+    if pool is None or not pool.quotas:
+      return None
+    share = max(1, int(self.limit * t.weight / sum(x.weight for x in pool.tenants)))
+    return share, f"its share by weight of max_sessions={self.limit}, {where}"
+
+  def _make_room(self, client: str, quota: tuple[int, str], now: float) -> None:
+    """Room for one more session of tenant ``client``: its oldest goes if idle long enough.
+
+    Raises:
+      ResourceExhaustedError: every one of its sessions was used recently.
+    """
+    mine = [s for s in self._last if self._clients.get(s) == client]  # oldest first
+    if len(mine) < quota[0]:
+      return
+    oldest = mine[0]
+    if now - self._last[oldest] < self.evict_idle_s:
+      raise errors.ResourceExhaustedError(
+          f"tenant {client!r} keeps {len(mine)} handshake sessions, its quota ({quota[1]}), "
+          f"every one used in the last {self.evict_idle_s:g} s; close Controllers that are "
+          "done, handshake again later, or raise its sessions quota in the pool file")
+    self._drop(oldest)
+
+  def revoke(self, client: str) -> int:
+    """Drops every session of tenant ``client`` (removed from the pool); how many."""
+    with self._lock:
+      mine = [s for s in self._last if self._clients.get(s) == client]
+      for s in mine:
+        self._drop(s)
+      return len(mine)
+
+  def count_of(self) -> dict[str, int]:
+    """Live sessions per tenant."""
+    with self._lock:
+      out: dict[str, int] = {}
+      for s in self._last:
+        c = self._clients.get(s)
+        if c is not None:
+          out[c] = out.get(c, 0) + 1
+      return out
 
   def _drop(self, session: str) -> None:
     del self._last[session]
@@ -238,12 +342,16 @@ INLINE_BYTES_IN_FLIGHT = 256 << 20
 
 class InlineBytes:
   """At most ``limit`` bytes of large inline requests decoded at once; the others wait,
-  within their deadline."""
+  within their deadline. With tenants, at most a tenant's ``inline_bytes`` of its own (the
+  tenant a call runs for is ``tenants.CURRENT``)."""
 
-  def __init__(self, limit: int = INLINE_BYTES_IN_FLIGHT):
+  def __init__(self, limit: int = INLINE_BYTES_IN_FLIGHT, *,
+               tenancy: tenants_lib.Tenancy | None = None):
     self.limit = limit
+    self._tenancy = tenancy
     self._cv = threading.Condition()
     self._held = 0
+    self._by_tenant: collections.Counter[str] = collections.Counter()
 
   @contextlib.contextmanager
   def hold(self, nbytes: int, timeout: float | None) -> Iterator[None]:
@@ -251,21 +359,41 @@ class InlineBytes:
 
     Raises:
       BusyError: no room within ``timeout`` seconds (None: wait as long as it takes).
+      ResourceExhaustedError: the request alone passes its tenant's ``inline_bytes``, or
+        its tenant's others leave no room within ``timeout``.
     """
+    name = tenants_lib.CURRENT.get()
+    t = None if self._tenancy is None else self._tenancy.tenant(name)
+    quota = None if t is None else t.inline_bytes
+    if t is not None and quota is not None and nbytes > quota:
+      raise errors.ResourceExhaustedError(
+          f"tenant {t.name!r} sent an inline request of {nbytes} bytes, more than its quota "
+          f"(inline_bytes={quota}, {self._tenancy and self._tenancy.where(t.name)}); pass "
+          "large arrays through a Worker's arena, or raise its quota in the pool file")
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cv:
-      while self._held and self._held + nbytes > self.limit:
+      while ((self._held and self._held + nbytes > self.limit) or (
+          t is not None and quota is not None and self._by_tenant[t.name] + nbytes > quota)):
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
+          if t is not None and quota is not None and self._by_tenant[t.name] + nbytes > quota:
+            raise errors.ResourceExhaustedError(
+                f"tenant {t.name!r} is decoding {self._by_tenant[t.name]} bytes of inline "
+                f"requests; {nbytes} more would pass its quota (inline_bytes={quota}); pass "
+                "large arrays through a Worker's arena, or retry")
           raise errors.BusyError(
               f"this sidecar is decoding {self._held} bytes of inline requests, its limit "
               f"({self.limit}, limits.INLINE_BYTES_IN_FLIGHT); pass large arrays through a "
               "Worker's arena, or retry")
         self._cv.wait(left)
       self._held += nbytes
+      if t is not None:
+        self._by_tenant[t.name] += nbytes
     try:
       yield
     finally:
       with self._cv:
         self._held -= nbytes
+        if t is not None:
+          self._by_tenant[t.name] -= nbytes
         self._cv.notify_all()

@@ -1,0 +1,338 @@
+"""The pool file: each mistake refused naming its line; the tenants' quotas at run time.
+
+Real files in tmp_path; the budgets (Sessions, Slots, InlineBytes, Leases) are the real
+ones over a real allocator, with no sockets.
+"""
+
+import logging
+import os
+import threading
+
+import pytest
+
+from sidecar._src.arena import shm
+from sidecar._src.core import errors
+from sidecar._src.server import tenants
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import CallSlots, InlineBytes, Sessions
+
+pytestmark = pytest.mark.unit
+
+MiB = 1 << 20
+
+
+def _tokens(tmp_path, *names):
+  for name in names:
+    path = tmp_path / f"{name}.token"
+    path.write_text(f"token-of-{name}\n")
+    os.chmod(path, 0o600)
+
+
+def _pool(tmp_path, text: str, *names: str) -> str:
+  _tokens(tmp_path, *(names or ("alice", "bob")))
+  path = tmp_path / "pool.yaml"
+  path.write_text(text)
+  os.chmod(path, 0o600)
+  return str(path)
+
+
+MINIMAL = ("tenants: [{name: alice, token_file: alice.token, arena: 0.4},"
+           " {name: bob, token_file: bob.token, arena: 0.4}]\n")
+
+
+def test_the_minimal_file(tmp_path):
+  pool = tenants.load(_pool(tmp_path, MINIMAL))
+  alice, bob = pool.tenants
+  assert (alice.name, alice.token, bob.token) == ("alice", "token-of-alice", "token-of-bob")
+  assert alice.arena.bytes_of(1000) == 400 and alice.arena_ceiling is None
+  assert alice.sessions is None and alice.allows("function", "anything")
+  assert pool.quotas and "token-of" not in repr(pool)  # a token never shows in a repr
+
+
+def test_every_key(tmp_path):
+  (tmp_path / "ckpt" / "alice").mkdir(parents=True)
+  pool = tenants.load(_pool(tmp_path, """\
+tenants:
+  - name: alice
+    token_file: alice.token
+    arena: 2GiB
+    arena_ceiling: 0.5
+    sessions: 8
+    calls: 4
+    streams: 2
+    feeds: 3
+    feed_workers: 16
+    inline_bytes: 128MiB
+    checkpoint_roots: [ckpt/alice]
+    functions: [add]
+    pipelines: [numbers]
+    weight: 2
+""", "alice"))
+  (t,) = pool.tenants
+  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants.Share(fraction=0.5)
+  assert (t.sessions, t.calls, t.streams, t.feeds, t.feed_workers) == (8, 4, 2, 3, 16)
+  assert t.inline_bytes == 128 * MiB and t.weight == 2.0 and t.line == 2
+  assert t.checkpoint_roots == (os.path.realpath(tmp_path / "ckpt" / "alice"),)
+  assert t.allows("function", "add") and not t.allows("function", "sub")
+  assert t.allows("pipeline", "numbers") and not t.allows("pipeline", "add")
+
+
+BAD = [
+    ("tenants: [{name: alice, token_file: alice.token, colour: red}]\n",
+     r"pool.yaml:1: unknown key 'colour' in a tenant \(line 1\); the keys are arena, "),
+    ("tenants:\n  - {name: alice, token_file: alice.token}\n  - {name: alice, token_file: "
+     "bob.token}\n", r"pool.yaml:3: tenant name 'alice' is also the name of the tenant on line 2"),
+    ("tenants:\n  - {name: alice, token_file: alice.token}\n  - {name: bob, token_file: "
+     "alice.token}\n", r"pool.yaml:3: tenant 'bob' has the same token as tenant 'alice' \(line 2\)"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, arena: 0.7}\n  - {name: bob, "
+     "token_file: bob.token, arena: 0.5}\n",
+     r"pool.yaml:2: the tenants' guaranteed arena shares \(alice 0.7, bob 0.5\) sum to 1.2 "
+     r"of the arena, more than all of it"),
+    ("tenants:\n  - {name: alice, token_file: alice.token,\n     sessions: 0}\n",
+     r"pool.yaml:3: tenant 'alice': sessions must be an int >= 1, got 0"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, arena_ceiling: 4KiB}\n",
+     r"pool.yaml:2: tenant 'alice': arena_ceiling 4.0 KiB is below one batch \(1.0 MiB\)"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, inline_bytes: 1KiB}\n",
+     r"pool.yaml:2: tenant 'alice': inline_bytes must be a size of at least 64.0 KiB"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, arena: lots}\n",
+     r"pool.yaml:2: tenant 'alice': arena is a fraction of the arena in \(0, 1\] or a size"),
+    ("tenants:\n  - {name: alice}\n", r"pool.yaml:2: tenant 'alice' has no token_file"),
+    ("tenants:\n  - {name: alice, token_file: nobody.token}\n",
+     r"pool.yaml:2: tenant 'alice': cannot read its token_file .*nobody.token"),
+    ("tenants:\n  - {name: 'a b', token_file: alice.token}\n",
+     r"pool.yaml:2: a tenant's name is letters, digits"),
+    ("tenant: []\n", r"pool.yaml:1: unknown key 'tenant' in the pool file; the keys are tenants"),
+    ("tenants: []\n", r"pool.yaml:1: 'tenants' must be a non-empty list"),
+    ("tenants: [\n", r"pool.yaml:2: not YAML"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, weight: -1}\n",
+     r"pool.yaml:2: tenant 'alice': weight must be a positive number, got -1"),
+]
+
+
+@pytest.mark.parametrize("text, match", BAD, ids=[
+    "unknown-key", "duplicate-name", "duplicate-token", "guarantees-above-arena",
+    "sessions-below-1", "ceiling-below-a-batch", "inline-below-least", "bad-size",
+    "no-token-file", "missing-token-file", "bad-name", "unknown-top-key", "no-tenants",
+    "not-yaml", "bad-weight"])
+def test_a_bad_file_is_refused_naming_its_line(tmp_path, text, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    tenants.load(_pool(tmp_path, text))
+
+
+def test_shares_are_checked_against_the_arena(tmp_path):
+  pool = tenants.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                            "arena: 600MiB}\n  - {name: bob, token_file: bob.token, arena: "
+                            "600MiB}\n"))
+  pool.check_arena(2 << 30)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"pool.yaml:2: the tenants' guaranteed arena shares \(alice 600.0 MiB, "
+                     r"bob 600.0 MiB\) sum to 1.2 GiB, more than the arena \(1.0 GiB"):
+    pool.check_arena(1 << 30)
+  big = tenants.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                           "arena_ceiling: 2GiB}\n"))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"pool.yaml:2: tenant 'alice': arena_ceiling 2.0 GiB is more than the "
+                     r"whole arena \(1.0 GiB, --shm-size\)"):
+    big.check_arena(1 << 30)
+
+
+def test_a_tenants_roots_must_lie_under_the_sidecars(tmp_path):
+  pool = tenants.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                            "checkpoint_roots: [/elsewhere]}\n", "alice"))
+  pool.check_roots(("/",))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"pool.yaml:2: tenant 'alice': checkpoint root /elsewhere is under no "
+                     r"--checkpoint-root of the sidecar"):
+    pool.check_roots((str(tmp_path),))
+
+
+def test_a_world_readable_file_is_named_with_the_fix(tmp_path, caplog):
+  path = _pool(tmp_path, MINIMAL)
+  os.chmod(path, 0o644)
+  os.chmod(tmp_path / "bob.token", 0o644)
+  with caplog.at_level(logging.WARNING):
+    tenants.load(path)
+  text = caplog.text
+  assert f"pool file {path} is readable by everyone (mode 644)" in text
+  assert f"chmod 600 {path}" in text
+  assert f"chmod 600 {tmp_path / 'bob.token'}" in text and "alice.token" not in text
+
+
+def _tenancy(tmp_path, text):
+  return tenants.Tenancy(tenants.load(_pool(tmp_path, text)))
+
+
+def test_a_tenants_handshake_flood_is_its_own(tmp_path):
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "sessions: 3}\n  - {name: bob, token_file: bob.token}\n")
+  sessions = Sessions(idle_s=3600, limit=100, tenancy=tenancy)
+  mine = [sessions.new(client="alice") for _ in range(3)]
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=r"tenant 'alice' keeps 3 handshake sessions, its quota \(sessions=3, "
+                     r".*pool.yaml:2\), every one used in the last 60 s") as raised:
+    sessions.new(client="alice")
+  assert not isinstance(raised.value, errors.BusyError)
+  # Bob's share by weight is half of max_sessions: his handshakes still work.
+  theirs = [sessions.new(client="bob") for _ in range(50)]
+  with pytest.raises(errors.ResourceExhaustedError, match=r"tenant 'bob' keeps 50 .* its quota "
+                     r"\(its share by weight of max_sessions=100"):
+    sessions.new(client="bob")
+  assert sessions.count_of() == {"alice": 3, "bob": 50}
+  assert sessions.revoke("alice") == 3 and all(not sessions.touch(s) for s in mine)
+  assert all(sessions.touch(s) for s in theirs)
+
+
+def test_a_tenants_idle_session_makes_room_for_its_own_only(tmp_path):
+  now = [0.0]
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "sessions: 2}\n  - {name: bob, token_file: bob.token}\n")
+  sessions = Sessions(idle_s=3600, limit=100, tenancy=tenancy, clock=lambda: now[0])
+  old = sessions.new(client="alice")
+  bob = sessions.new(client="bob")
+  sessions.new(client="alice")
+  now[0] = 61.0
+  sessions.new(client="alice")  # alice's oldest goes, not bob's older one
+  assert not sessions.touch(old) and sessions.touch(bob)
+
+
+def test_call_slots_per_tenant(tmp_path):
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "calls: 1}\n  - {name: bob, token_file: bob.token}\n")
+  owner = {"s1": "alice", "s2": "alice", "s3": "bob"}
+  slots = CallSlots(32, tenancy=tenancy, tenant_of=owner.get)
+  with slots.hold("s1"):
+    with pytest.raises(errors.ResourceExhaustedError,
+                       match=r"tenant 'alice' already runs 1 calls, its quota \(calls=1, "):
+      with slots.hold("s2"):
+        pass
+    with slots.hold("s3"):  # bob's share by weight: 14 of the 28 call slots
+      assert slots.tenant_limit("bob")[0] == 14
+  with slots.hold("s2"):
+    pass
+
+
+def test_inline_bytes_per_tenant(tmp_path):
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "inline_bytes: 1MiB}\n  - {name: bob, token_file: bob.token}\n")
+  inline = InlineBytes(64 * MiB, tenancy=tenancy)
+  with tenants.acting_as("alice"):
+    with pytest.raises(errors.ResourceExhaustedError,
+                       match=r"tenant 'alice' sent an inline request of 2097152 bytes, more "
+                       r"than its quota \(inline_bytes=1048576"):
+      with inline.hold(2 * MiB, timeout=0):
+        pass
+    with inline.hold(MiB // 2, timeout=0):
+      with pytest.raises(errors.ResourceExhaustedError,
+                         match=r"tenant 'alice' is decoding 524288 bytes .* its quota"):
+        with inline.hold(MiB, timeout=0.01):
+          pass
+      with tenants.acting_as("bob"), inline.hold(8 * MiB, timeout=0):
+        pass
+
+
+ARENA = 16 * MiB
+
+
+def _leases(tmp_path, text):
+  tenancy = _tenancy(tmp_path, text)
+  workers = {"w-a": "alice", "w-b": "bob"}
+  return Leases(shm.Allocator(ARENA), tenancy=tenancy, tenant_of=workers.get)
+
+
+def test_a_ceiling_caps_a_tenant(tmp_path):
+  leases = _leases(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                   "arena_ceiling: 4MiB}\n  - {name: bob, token_file: bob.token}\n")
+  a = leases.alloc(3 * MiB, "w-a", timeout=0)
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=r"tenant 'alice' holds 3.0 MiB of the arena; 2.0 MiB more would pass "
+                     r"its quota \(arena_ceiling=4.0 MiB = 4.0 MiB, .*pool.yaml:2\)"):
+    leases.alloc(2 * MiB, "w-a", timeout=0)
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=r"tenant 'alice': a block of 5.0 MiB .* cannot fit its quota"):
+    leases.alloc(5 * MiB, "w-a", timeout=0)
+  b = leases.alloc(10 * MiB, "w-b", timeout=0)  # bob has no ceiling
+  assert leases.tenant_bytes() == {"alice": 3 * MiB, "bob": 10 * MiB}
+  leases.release_all("w-a")
+  leases.release_all("w-b")
+  assert leases.tenant_bytes() == {} and leases.allocator.used_bytes == 0
+  del a, b
+
+
+def test_a_guarantee_is_kept_for_its_tenant(tmp_path):
+  leases = _leases(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                   "arena: 0.25}\n  - {name: bob, token_file: bob.token}\n")
+  first = leases.alloc(6 * MiB, "w-b", timeout=0)
+  leases.alloc(6 * MiB, "w-b", timeout=0)  # all bob may have: alice's quarter stays
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=r"tenant 'bob' holds 12.0 MiB of the arena; 1.0 MiB more would take "
+                     r"from the guaranteed arena of other tenants \(4.0 MiB they are "):
+    leases.alloc(MiB, "w-b", timeout=0)
+  leases.alloc(4 * MiB, "w-a", timeout=0)  # at once: nobody took it
+  # A tenant that waits gets in once room comes back (not from the other's guarantee).
+  got = []
+  waiter = threading.Thread(target=lambda: got.append(leases.alloc(MiB, "w-b", timeout=5)))
+  waiter.start()
+  leases.release_all("w-a")
+  assert not got
+  leases.release(first.offset, first.generation, "w-b")
+  waiter.join(5)
+  assert got and leases.tenant_bytes() == {"bob": 7 * MiB}
+  leases.release_all("w-b")
+  assert leases.allocator.used_bytes == 0
+
+
+def test_feeds_and_feed_workers_per_tenant(tmp_path):
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "feeds: 2, feed_workers: 3}\n  - {name: bob, token_file: bob.token}\n")
+  with tenancy.feeding("alice", 2):
+    with pytest.raises(errors.ResourceExhaustedError,
+                       match=r"tenant 'alice' runs 2 feed worker processes; 2 more would pass "
+                       r"its quota \(feed_workers=3, .*pool.yaml:2\)"):
+      with tenancy.feeding("alice", 2):
+        pass
+    with tenancy.feeding("alice", 1):
+      with pytest.raises(errors.ResourceExhaustedError,
+                         match=r"tenant 'alice' already runs 2 feeds, its quota \(feeds=2"):
+        with tenancy.feeding("alice", 0):
+          pass
+      with tenancy.feeding("bob", 16):
+        assert tenancy.feed_counts() == {"alice": (2, 3), "bob": (1, 16)}
+  assert tenancy.feed_counts() == {"alice": (0, 0), "bob": (0, 0)}
+
+
+def test_allowlists(tmp_path):
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "functions: [add]}\n  - {name: bob, token_file: bob.token}\n")
+  tenancy.check_allowed("alice", "function", "add")
+  tenancy.check_allowed("bob", "function", "sub")
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"tenant 'alice' may not run function 'sub': its functions "
+                     r"allowlist \(.*pool.yaml:2\) holds add; add it there"):
+    tenancy.check_allowed("alice", "function", "sub")
+
+
+def test_a_worker_says_whose_it_is(tmp_path):
+  tenancy = _tenancy(tmp_path, MINIMAL)
+  assert tenancy.worker_tenant("token-of-bob") == "bob"
+  with pytest.raises(errors.AuthenticationError,
+                     match=r"a worker must present its tenant's token at attach; set "
+                     r"SIDECAR_TOKEN"):
+    tenancy.worker_tenant(None)
+  shared = tenants.Tenancy(tenants.Pool.shared("t0"))
+  assert shared.worker_tenant(None) == ""  # the shared token: every worker is its tenant's
+  assert tenants.Tenancy(None).worker_tenant("x") is None
+
+
+def test_a_reload_revokes_removed_tenants(tmp_path):
+  path = _pool(tmp_path, MINIMAL)
+  tenancy = tenants.Tenancy(tenants.load(path))
+  tokens = tenants.Tokens.of(tenancy.pool, None)
+  with open(path, "w") as f:
+    f.write("tenants: [{name: alice, token_file: alice.token}]\n")
+  pool = tenants.load(path)
+  removed, changed = tenancy.swap(pool)
+  assert (removed, changed) == (["bob"], [])
+  tokens.swap(tenants.Tokens.of(pool, None), {"bob": tenancy.revoked["bob"]})
+  assert tokens.table == {b"Bearer token-of-alice": "alice"}
+  assert tokens.revoked == {
+      b"Bearer token-of-bob": f"tenant 'bob' was removed from the pool file {path}"}
