@@ -57,7 +57,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("versions", "identity", "registry", "registry_fingerprint", "session", "worker_socket", "arena_size")
+    __slots__ = ("versions", "identity", "registry", "registry_fingerprint", "session", "worker_socket", "arena_size", "tenant")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class HandshakeResponse(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     versions: Versions
     identity: HostIdentity
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -72,7 +73,8 @@ class HandshakeResponse(_message.Message):
     session: str
     worker_socket: str
     arena_size: int
-    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., registry_fingerprint: _Optional[str] = ..., session: _Optional[str] = ..., worker_socket: _Optional[str] = ..., arena_size: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., registry_fingerprint: _Optional[str] = ..., session: _Optional[str] = ..., worker_socket: _Optional[str] = ..., arena_size: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Array(_message.Message):
     __slots__ = ("dtype", "shape", "data", "scalar")
@@ -333,7 +335,7 @@ class ReplicaSteps(_message.Message):
     def __init__(self, source_host: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints")
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +347,7 @@ class StatusResponse(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     identity: HostIdentity
     versions: Versions
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -356,4 +359,27 @@ class StatusResponse(_message.Message):
     calls: int
     feeds: _containers.RepeatedCompositeFieldContainer[FeedStatus]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
-    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
+
+class TenantStatus(_message.Message):
+    __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_GUARANTEED_FIELD_NUMBER: _ClassVar[int]
+    ARENA_CEILING_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    FEED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sessions: int
+    workers: int
+    arena_bytes: int
+    arena_guaranteed: int
+    arena_ceiling: int
+    feeds: int
+    feed_workers: int
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., sessions: _Optional[int] = ..., workers: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., arena_guaranteed: _Optional[int] = ..., arena_ceiling: _Optional[int] = ..., feeds: _Optional[int] = ..., feed_workers: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...

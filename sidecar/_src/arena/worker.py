@@ -57,6 +57,15 @@ class State(enum.Enum):
   CLOSED = "closed"
 
 
+def _env_token() -> str | None:
+  """``$SIDECAR_TOKEN`` (or its file's), None where there is none or it cannot be read:
+  only a pool's sidecar asks it, and says so."""
+  try:
+    return env.token()
+  except (OSError, errors.SidecarError):
+    return None
+
+
 def socket_path(address: str | None) -> str:
   """The Unix socket path in ``unix:///path``, ``unix:/path`` or ``/path``."""
   address = address or env.get(ENV_ADDRESS)
@@ -91,10 +100,12 @@ class Worker:
       of this Worker (make a new one).
     process: under several trainer processes, this one's index and devices, for the
       sidecar (a framework's Worker fills it in); None: say nothing.
+    token: the tenant's token, which a pool's sidecar (``--pool``) asks at attach; default
+      ``$SIDECAR_TOKEN`` or ``$SIDECAR_TOKEN_FILE``'s.
   """
 
   def __init__(self, address: str | None = None, *, timeout: float | None = None,
-               process: TrainerProcess | None = None):
+               process: TrainerProcess | None = None, token: str | None = None):
     self.path = socket_path(address)
     self.timeout = env.peer_timeout(timeout)
     self._lost: str | None = None  # why the sidecar counts as lost, once it does
@@ -113,6 +124,8 @@ class Worker:
                "versions": protocol.versions_dict(protocol.local_versions())}
       if process is not None:  # who drives this host
         hello["process"] = process.to_dict()
+      if (token := token if token is not None else _env_token()) is not None:
+        hello["token"] = token  # whose arena share this worker's blocks count against
       try:
         ipc.send(self._sock, hello)
       except OSError:

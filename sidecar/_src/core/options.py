@@ -93,6 +93,9 @@ class ServerOptions:
   # Per-client tokens instead of the shared one: ((name, token), ...). Each client then
   # sees and reads only the checkpoint directories it opened (docs/security.md).
   client_tokens: tuple[tuple[str, str], ...] = ()
+  # A pool file (sidecar serve --pool FILE): tenants with their tokens and quotas, instead of
+  # the shared token or client_tokens (docs/pool.md). Reloaded on SIGHUP.
+  pool: str | None = None
   # What peer sidecars present at the handshake: only their sessions may send replicas.
   peer_token: str | None = None
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
@@ -170,6 +173,12 @@ class ServerOptions:
       tokens = [t for _, t in self.client_tokens]
       if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
         raise ValueError("client_tokens: each client needs a name and a token of its own")
+    if self.pool is not None:
+      if not isinstance(self.pool, str) or not self.pool:
+        raise ValueError(f"pool must be the path of a pool file (--pool FILE), got {self.pool!r}")
+      if self.token is not None or self.client_tokens:
+        raise ValueError("a pool file (--pool) holds the tenants' tokens: give it alone, not "
+                         "with --token-file or --client-tokens")
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
                        f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")
@@ -177,7 +186,8 @@ class ServerOptions:
       raise ValueError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and "
                        "--tls-key too")
     # mTLS authenticates every client as a token does.
-    if (self.token is None and not self.client_tokens and self.tls_client_ca is None
+    if (self.token is None and not self.client_tokens and self.pool is None
+        and self.tls_client_ca is None
         and not self.insecure and not is_loopback(self.listen)):
       raise ValueError(
           f"listen {self.listen!r} is not a loopback address and no token is set: anyone who "

@@ -20,11 +20,10 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.server import metrics as metrics_lib, preflight, sockets
+from sidecar._src.server import metrics as metrics_lib, preflight, sockets, tenants as tenants_lib
 from sidecar._src.server.arena_io import ArenaIO
-from sidecar._src.server.calls import Runner, UnaryCalls
+from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.checkpoint import peers as replicas
-from sidecar._src.server.checkpoint.host import CheckpointHost
 from sidecar._src.server.checkpoint.service import CheckpointService
 from sidecar._src.server.leases import Leases
 from sidecar._src.server.limits import (
@@ -36,6 +35,7 @@ from sidecar._src.server.limits import (
 )
 from sidecar._src.server.service import Service, client_of
 from sidecar._src.server.stream_runner import StreamRunner
+from sidecar._src.server.tenant_checks import TenantCheckpoints, TenantRunner
 from sidecar._src.server.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import protocol
@@ -83,9 +83,10 @@ _HEALTH_METHODS = "/grpc.health.v1.Health/"
 
 class _TokenAuth(grpc.ServerInterceptor):
   """Refuses every RPC but health's without ``authorization: Bearer <token>``, of one of
-  ``tokens`` (``{b"Bearer <token>": client name}``)."""
+  ``tokens`` (read at each RPC: a reload swaps them); a token a reload revoked is refused
+  with the reason (its tenant was removed from the pool file, say)."""
 
-  def __init__(self, tokens: dict[bytes, str]):
+  def __init__(self, tokens: tenants_lib.Tokens):
     self._tokens = tokens
 
     def deny(request, context):
@@ -94,10 +95,20 @@ class _TokenAuth(grpc.ServerInterceptor):
                     "Controller or set SIDECAR_TOKEN / SIDECAR_TOKEN_FILE")
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
+  def _revoked(self, why: str):
+    def deny(request, context):
+      context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                    f"AuthenticationError: {why}; its token no longer works on this sidecar: "
+                    "ask the pool's operator")
+    return grpc.unary_unary_rpc_method_handler(deny)
+
   def intercept_service(self, continuation, handler_call_details):
     if handler_call_details.method.startswith(_HEALTH_METHODS):
       return continuation(handler_call_details)
-    if client_of(self._tokens, handler_call_details.invocation_metadata) is None:
+    metadata = handler_call_details.invocation_metadata
+    if client_of(self._tokens.table, metadata) is None:
+      if self._tokens.revoked and (why := client_of(self._tokens.revoked, metadata)):
+        return self._revoked(why)
       return self._deny
     return continuation(handler_call_details)
 
@@ -201,42 +212,50 @@ class Server:
           "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "
           "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
+    pool = self._pool(o)
+    self.tenancy = tenants_lib.Tenancy(pool)
     self.arena = shm.Arena.create(o.shm_size)
     self.leases = Leases(shm.Allocator(self.arena.size),
-                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size))
+                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size),
+                         tenancy=self.tenancy, tenant_of=self.tenancy.of_worker)
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
-    self.checkpoints = CheckpointHost(  # peers share the token (and the TLS CA)
-        o.host_id, token=o.peer_token if o.client_tokens else o.token, peer_token=o.peer_token, roots=o.checkpoint_roots,
-        metrics=self.metrics,
+    named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
+    self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
+        o.host_id, tenancy=self.tenancy, token=o.peer_token if named else o.token,
+        peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
         peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
-    self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics)
-    self.stream_runner = StreamRunner(self.runner, imports=o.imports)
+    self.runner = TenantRunner(tenancy=self.tenancy, registry=self.registry,
+                               arena_io=self.arena_io, metrics=self.metrics)
+    self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy)
+    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
+                        evict_idle_s=o.session_evict_s, tenancy=self.tenancy)
+    self.sessions = sessions
+    # A caller's tenant: its handshake session's, or its worker's.
+    tenant_of = lambda s: sessions.client(s) or self.tenancy.of_worker(s)
     # One budget of calls, whether they come over gRPC or a worker's socket.
-    calls = UnaryCalls(self.runner, CallSlots(o.threads), InlineBytes())
+    calls = UnaryCalls(self.runner, CallSlots(o.threads, tenancy=self.tenancy,
+                                              tenant_of=tenant_of),
+                       InlineBytes(tenancy=self.tenancy))
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
                                   max_connections=o.max_worker_connections,
-                                  on_dead=self._listener_dead)
-    # The tokens a client may present: the shared one, or one per client (named).
-    tokens = ({f"Bearer {t}".encode(): n for n, t in o.client_tokens} if o.client_tokens
-              else {f"Bearer {o.token}".encode(): ""} if o.token else {})
-    if o.client_tokens and o.peer_token:  # the peer sidecars authenticate with theirs
-      tokens[f"Bearer {o.peer_token}".encode()] = ""
-    sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
-                        evict_idle_s=o.session_evict_s)
+                                  on_dead=self._listener_dead, tenancy=self.tenancy)
+    # The tokens a client may present: the shared one, one per client, or the pool's.
+    self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.peer_token)
+    tokens = tokens_holder.table
     self.service = Service(calls=calls, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
                            checkpoints=self.checkpoints.tier.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
-                                               per_session=o.max_streams_per_session),
-                           peer_token=o.peer_token,
-                           clients=tokens if o.client_tokens else {},
-                           opened=self.checkpoints.opened_by)
+                                               per_session=o.max_streams_per_session,
+                                               tenancy=self.tenancy, tenant_of=tenant_of),
+                           peer_token=o.peer_token, tokens=tokens_holder,
+                           tenancy=self.tenancy, opened=self.checkpoints.opened_by)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
@@ -255,10 +274,10 @@ class Server:
                                               thread_name_prefix="sidecar-rpc"),
                    futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
     self._grpc = grpc.server(self._pools[0], options=msg,
-                             interceptors=[_TokenAuth(tokens)] if tokens else [])
+                             interceptors=[_TokenAuth(tokens_holder)] if tokens else [])
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
-                                   per_client=bool(o.client_tokens))
+                                   per_client=named)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
@@ -287,6 +306,49 @@ class Server:
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", protocol.SERVICE):
       self._health.set(name, status)
+
+  def _pool(self, o: options_lib.ServerOptions) -> tenants_lib.Pool | None:
+    """The tenants: the pool file's (checked against the arena and the checkpoint roots),
+    one per client token, the shared token's one, or None (no token)."""
+    if o.pool is not None:
+      pool = tenants_lib.load(o.pool)
+      pool.check_arena(o.shm_size)
+      pool.check_roots(o.checkpoint_roots)
+      return pool
+    if o.client_tokens:
+      return tenants_lib.Pool.clients(o.client_tokens)
+    return tenants_lib.Pool.shared(o.token) if o.token else None
+
+  def reload(self) -> str:
+    """Reads the pool file again (SIGHUP) and puts it in force without dropping sessions.
+
+    A tenant removed (or whose token changed) loses its sessions and workers at once: its
+    next call fails naming why. A bad file changes nothing.
+
+    Returns:
+      What changed, in words.
+
+    Raises:
+      InvalidArgumentError, OSError: the file is bad (the pool in force stays).
+    """
+    o = self.options
+    if o.pool is None:
+      raise errors.InvalidArgumentError(
+          "this sidecar has no pool file (sidecar serve --pool FILE): nothing to reload")
+    pool = self._pool(o)
+    assert pool is not None
+    with self._lock:
+      removed, changed = self.tenancy.swap(pool)
+      revoked = {n: self.tenancy.revoked[n] for n in removed + changed}
+      self.tokens.swap(tenants_lib.Tokens.of(pool, o.peer_token), revoked)
+      for name, why in revoked.items():
+        self.sessions.revoke(name)
+        self.workers.end(self.tenancy.workers_of(name), why)
+    done = (f"pool file {o.pool} reloaded: {len(pool.tenants)} tenants"
+            + (f"; removed {', '.join(removed)}" if removed else "")
+            + (f"; token changed for {', '.join(changed)}" if changed else ""))
+    log.warning("%s", done)
+    return done
 
   def _listener_dead(self, error: BaseException) -> None:
     """A listener the sidecar needs is gone for good: health says so, the kubelet restarts."""

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
+from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import Credits
 from sidecar._src.server.leases import Leases
@@ -56,12 +57,14 @@ class Service:
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
                peer_token: str | None = None,
-               clients: dict[bytes, str] | None = None,
+               tokens: tenants_lib.Tokens | None = None,
+               tenancy: tenants_lib.Tenancy | None = None,
                opened: Callable[[str], set[str]] | None = None):
     self._unary = calls
     self._runner = calls.runner
-    # Per-client tokens ({b"Bearer <token>": name}); empty: the shared token, or none.
-    self._clients = clients or {}
+    # The tokens ({b"Bearer <token>": tenant}); named: per-client tokens or a pool file.
+    self._tokens = tokens or tenants_lib.Tokens({}, named=False)
+    self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._opened = opened  # the checkpoint directories a client opened
     # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
     self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
@@ -131,17 +134,18 @@ class Service:
       raise errors.VersionMismatchError(
           f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
-    session = self._sessions.new(peer=self._is_peer(context), client=self._client(context))
-    return pb.HandshakeResponse(
+    client = self._client(context)
+    session = self._sessions.new(peer=self._is_peer(context), client=client)
+    return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
 
   def _client(self, context: grpc.ServicerContext) -> str | None:
     """The client whose token the call carries (per-client tokens), else None."""
-    if not self._clients:
+    if not self._tokens.named:
       return None
-    return client_of(self._clients, context.invocation_metadata())
+    return client_of(self._tokens.table, context.invocation_metadata())
 
   def _is_peer(self, context: grpc.ServicerContext) -> bool:
     """Whether the handshake carries the peer token (compared in constant time)."""
@@ -156,20 +160,23 @@ class Service:
             for e in self._runner.registry]
 
   def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
-    return self._unary.run(raw, self._require_session(context), alive=context.is_active,
-                           time_left=context.time_remaining)
+    session = self._require_session(context)
+    with tenants_lib.acting_as(self._sessions.client(session)):
+      return self._unary.run(raw, session, alive=context.is_active,
+                             time_left=context.time_remaining)
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
     # The slot before the first message: a stream that never sends one holds a thread too.
-    with self._streams.hold(self._require_session(context)):  # RESOURCE_EXHAUSTED when full
+    session = self._require_session(context)
+    with self._streams.hold(session):  # RESOURCE_EXHAUSTED when full
       first = codec.parse(pb.StreamRequest, next(requests, b""))
       if first.WhichOneof("kind") != "start":
         raise errors.InvalidArgumentError("the first StreamRequest must carry `start`")
-      yield from self._stream(first, requests, context)
+      yield from self._stream(first, requests, context, self._sessions.client(session))
 
   def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
-              context: grpc.ServicerContext) -> Iterator[pb.StreamItem]:
+              context: grpc.ServicerContext, tenant: str | None) -> Iterator[pb.StreamItem]:
     credits = Credits(check_prefetch(first.prefetch))
     reader = threading.Thread(target=_read_credits, args=(requests, credits), daemon=True,
                               name="sidecar-credits")
@@ -179,11 +186,15 @@ class Service:
     if not context.add_callback(lambda: _join_credits(reader)):
       _join_credits(reader)  # already over: nobody to run the stream for
       return
-    yield from self._stream_runner.run(first.start, credits, alive=context.is_active,
-                                       time_left=context.time_remaining)
+    revoked = self._tenancy.revoked
+    alive = ((lambda: context.is_active() and tenant not in revoked) if tenant is not None
+             else context.is_active)
+    yield from self._stream_runner.run(first.start, credits, alive=alive,
+                                       time_left=context.time_remaining, tenant=tenant)
 
   def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
     codec.parse(pb.StatusRequest, raw)
+    client = self._client(context)
     # Needs no session; one sent along is kept alive (a controller's health watch polls).
     self._sessions.touch(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
     return pb.StatusResponse(
@@ -192,8 +203,30 @@ class Service:
         arena_used=self._leases.allocator.used_bytes,
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
-        calls=self._runner.calls, feeds=self._stream_runner.feeds(),
-        checkpoints=self._visible_checkpoints(context))
+        calls=self._runner.calls, feeds=self._stream_runner.feeds(client),
+        checkpoints=self._visible_checkpoints(context), tenants=self._tenant_status(client))
+
+  def _tenant_status(self, client: str | None) -> list[pb.TenantStatus]:
+    """Each tenant's use (with a pool file); a tenant sees only its own row."""
+    pool = self._tenancy.pool
+    if pool is None or not pool.quotas:
+      return []
+    size = self._arena_size
+    held = self._leases.tenant_bytes()
+    sessions = self._sessions.count_of()
+    feeds = self._tenancy.feed_counts()
+    out = []
+    for t in pool.tenants:
+      if client is not None and t.name != client:
+        continue
+      n_feeds, n_workers = feeds.get(t.name, (0, 0))
+      out.append(pb.TenantStatus(
+          name=t.name, sessions=sessions.get(t.name, 0),
+          workers=len(self._tenancy.workers_of(t.name)), arena_bytes=held.get(t.name, 0),
+          arena_guaranteed=t.arena.bytes_of(size),
+          arena_ceiling=size if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size),
+          feeds=n_feeds, feed_workers=n_workers, weight=t.weight))
+    return out
 
   def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:
     """Every checkpoint directory; with per-client tokens, those the caller opened only."""

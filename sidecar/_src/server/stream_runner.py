@@ -16,7 +16,7 @@ import time
 from collections.abc import Generator, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls import Runner, measured
 from sidecar._src.server.credits import CreditSource
@@ -36,19 +36,28 @@ class StreamRunner:
     imports: the modules a feed's worker processes import (the sidecar's own).
   """
 
-  def __init__(self, runner: Runner, *, imports: tuple[str, ...] = ()):
+  def __init__(self, runner: Runner, *, imports: tuple[str, ...] = (),
+               tenancy: tenants_lib.Tenancy | None = None):
     self._runner = runner
     self._io = runner.arena_io
     self._imports = imports
     self._book = FeedBook()
+    self._tenancy = tenancy or tenants_lib.Tenancy(None)
 
   def run(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
-          time_left: TimeLeft) -> Iterator[pb.StreamItem]:
+          time_left: TimeLeft, tenant: str | None = None) -> Iterator[pb.StreamItem]:
     """Items of a registered iterable (or a feed's batches), each made only once a credit
-    allows it."""
+    allows it. ``tenant``: whose stream it is (its allowlists and feed quotas hold).
+
+    Raises:
+      PermissionDeniedError: ``tenant``'s allowlist does not hold the name.
+      ResourceExhaustedError: ``tenant`` runs as many feeds or feed workers as it may.
+    """
     feed = request.HasField("feed")
+    self._tenancy.check_allowed(tenant, registry_lib.PIPELINE if feed
+                                else registry_lib.FUNCTION, request.name)
     items: Items = (self._feed if feed else self._stream)(
-        request, credits, alive=alive, time_left=time_left)
+        request, credits, alive=alive, time_left=time_left, tenant=tenant)
     if not self._runner.metrics.enabled:
       yield from items
       return
@@ -57,16 +66,16 @@ class StreamRunner:
     with measured(self._runner.metrics, "feed" if feed else "stream", label):
       yield from items  # closes items when this generator is closed
 
-  def feeds(self) -> list[pb.FeedStatus]:
-    """A snapshot of every running feed on this sidecar."""
-    return self._book.running()
+  def feeds(self, tenant: str | None = None) -> list[pb.FeedStatus]:
+    """A snapshot of every running feed on this sidecar (of ``tenant`` only, if named)."""
+    return self._book.running(tenant)
 
   def feed_totals(self) -> tuple[metrics_lib.FeedTotals, ...]:
     """Per pipeline, its feeds' figures so far: those running and those that ended."""
     return self._book.totals()
 
   def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
-              time_left: TimeLeft) -> Items:
+              time_left: TimeLeft, tenant: str | None) -> Items:
     entry, args, kwargs = self._runner.prepare(request)
     with self._io.allocating(alive, time_left):
       items = entry.fn(*args, **kwargs)
@@ -94,7 +103,7 @@ class StreamRunner:
         close()
 
   def _feed(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
-            time_left: TimeLeft) -> Items:
+            time_left: TimeLeft, tenant: str | None) -> Items:
     """This host's batches of a feed, written straight into arena blocks."""
     entry, args, kwargs = self._runner.prepare(request, registry_lib.PIPELINE)
     if args:
@@ -119,7 +128,8 @@ class StreamRunner:
     batches = feed_lib.produce(entry, kwargs, spec, blocks.alloc, pool)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
-      with self._book.feeding(status, credits):
+      with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(
+          status, credits, tenant):
         index = 0
         while True:
           t0 = time.perf_counter()
@@ -148,15 +158,16 @@ class FeedBook:
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._running: dict[int, tuple[pb.FeedStatus, float, CreditSource]] = {}
+    self._running: dict[int, tuple[pb.FeedStatus, float, CreditSource, str | None]] = {}
     # Per pipeline, the feeds that ended: [feeds, batches, produce, backpressure, wait].
     self._ended: dict[str, list[float]] = {}
 
   @contextlib.contextmanager
-  def feeding(self, status: pb.FeedStatus, credits: CreditSource) -> Iterator[None]:
+  def feeding(self, status: pb.FeedStatus, credits: CreditSource,
+              tenant: str | None = None) -> Iterator[None]:
     """Counts ``status`` (which the feed updates) as running while the context lasts."""
     with self._lock:
-      self._running[id(status)] = (status, time.perf_counter(), credits)
+      self._running[id(status)] = (status, time.perf_counter(), credits, tenant)
     try:
       yield
     finally:
@@ -167,12 +178,12 @@ class FeedBook:
                                credits.consumer_wait_s)):
           totals[i] += v
 
-  def running(self) -> list[pb.FeedStatus]:
-    """A snapshot of every running feed."""
+  def running(self, tenant: str | None = None) -> list[pb.FeedStatus]:
+    """A snapshot of every running feed (of ``tenant`` only, if named)."""
     with self._lock:
-      running = list(self._running.values())
+      running = [r for r in self._running.values() if tenant is None or r[3] == tenant]
     out = []
-    for status, started, credits in running:
+    for status, started, credits, _ in running:
       snap = pb.FeedStatus()
       snap.CopyFrom(status)
       snap.uptime_s = time.perf_counter() - started
@@ -185,7 +196,7 @@ class FeedBook:
     with self._lock:  # one lock: a feed that ends now is counted once, either way
       totals = {name: list(t) for name, t in self._ended.items()}
       running = [(status.pipeline, status.batches, status.produce_s, status.backpressure_s,
-                  credits.consumer_wait_s) for status, _, credits in self._running.values()]
+                  credits.consumer_wait_s) for status, _, credits, _ in self._running.values()]
     count: dict[str, int] = {}
     for name, *figures in running:
       t = totals.setdefault(name, [0, 0, 0.0, 0.0, 0.0])

@@ -25,7 +25,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import sockets
+from sidecar._src.server import sockets, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import SocketCredits
 from sidecar._src.server.leases import Leases
@@ -56,8 +56,10 @@ class WorkerListener:
                hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
-                   lambda e: None)):
+                   lambda e: None), tenancy: tenants_lib.Tenancy | None = None):
     self.path = path
+    # Which tenant each worker is (the token it presents at attach), and their quotas.
+    self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
     self._on_dead = on_dead  # told if accepting fails for good (the health goes NOT_SERVING)
     self._stop = threading.Event()
@@ -175,11 +177,13 @@ class WorkerListener:
         return self._serve_calls(conn, str(message.get("session")))
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
+      tenant = self._tenancy.worker_tenant(message.get("token"))  # AuthenticationError
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
       with self._lock:
         if self._closed:
           return
+        self._tenancy.add_worker(session, tenant)
         self._sessions[session] = conn
         pid = message.get("pid")
         self._pids[session] = pid if isinstance(pid, int) else 0
@@ -190,19 +194,21 @@ class WorkerListener:
       while True:
         message, _ = ipc.recv(conn)
         self._handle(conn, session, message)
-    except (ConnectionError, OSError):
-      pass
     except errors.SidecarError as e:
       # Malformed frames included: answered, then the connection ends (after garbage,
-      # nothing on it can be trusted to be a frame boundary).
+      # nothing on it can be trusted to be a frame boundary). First: a refused attach is a
+      # PermissionError, an OSError.
       with contextlib.suppress(OSError):
         ipc.send(conn, {"error": protocol.error_dict(e)})
+    except (ConnectionError, OSError):
+      pass
     finally:
       if session is not None:
         with self._lock:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
         freed = self._leases.release_all(session)
+        self._tenancy.drop_worker(session)
         log.info("worker session %s ended; %d arena blocks released", session, freed,
                  extra={"session": session})
       conn.close()
@@ -233,7 +239,8 @@ class WorkerListener:
       sent, unread = 0, collections.deque()
       try:
         for item in self._streams.run(first.start, credits, alive=alive,
-                                      time_left=lambda: None):
+                                      time_left=lambda: None,
+                                      tenant=self._tenancy.of_worker(session)):
           blocks = feed_batch.item_blocks(item)
           try:
             ipc.send_bytes(conn, item.SerializeToString())
@@ -270,7 +277,8 @@ class WorkerListener:
       while True:
         raw = ipc.recv_bytes(conn, limit=self._call_bytes)
         try:
-          response = self._calls.run(raw, session, alive=alive, worker=session)
+          with tenants_lib.acting_as(self._tenancy.of_worker(session)):
+            response = self._calls.run(raw, session, alive=alive, worker=session)
         except Exception as e:  # this call's error, answered; the connection serves on
           _log_failure("call", e, session)
           response = pb.CallResponse(error=protocol.error_info(e))
@@ -333,6 +341,16 @@ class WorkerListener:
         self._leases.release(offset, generation, session)
       except errors.StaleDescriptorError as e:
         log.warning("worker %s: %s", session, e, extra={"session": session})
+
+  def end(self, sessions: list[str], why: str) -> None:
+    """Ends the connections of worker ``sessions`` (a revoked tenant's): their blocks go
+    back as their connections close, and their streams end."""
+    with self._lock:
+      conns = [self._sessions[s] for s in sessions if s in self._sessions]
+    for conn in conns:
+      log.info("worker connection ended: %s", why)
+      with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
   def close(self) -> None:
     """Stops accepting (joining the accept thread), ends every connection and joins its

@@ -1,0 +1,170 @@
+"""Tier 2: a sidecar serving a pool of tenants (``--pool``, issue 37): each tenant within its
+quotas and its own checkpoints; a flood of one is its own refusal while another joins;
+a reload (SIGHUP) revokes a removed tenant without dropping the others' sessions.
+"""
+
+import os
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.arena.worker import Worker
+from sidecar._src.core import errors
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
+
+pytestmark = pytest.mark.server
+
+ALICE, BOB = "token-of-alice", "token-of-bob"
+
+
+def write_pool(tmp_path, text: str) -> str:
+  for name, token in (("alice", ALICE), ("bob", BOB)):
+    (tmp_path / f"{name}.token").write_text(token + "\n")
+    os.chmod(tmp_path / f"{name}.token", 0o600)
+  path = tmp_path / "pool.yaml"
+  path.write_text(text)
+  os.chmod(path, 0o600)
+  return str(path)
+
+
+POOL = """\
+tenants:
+  - name: alice
+    token_file: alice.token
+    arena_ceiling: 3MiB
+    sessions: 8
+    checkpoint_roots: [alice]
+  - name: bob
+    token_file: bob.token
+    arena: 4MiB
+    functions: [add, echo]
+    checkpoint_roots: [bob]
+"""
+
+
+@pytest.fixture
+def pool_server(make_server, tmp_path):
+  (tmp_path / "alice").mkdir()
+  (tmp_path / "bob").mkdir()
+  return make_server(pool=write_pool(tmp_path, POOL), max_sessions=64)
+
+
+def controller(server, token, **kw):
+  kw.setdefault("attach", False)
+  return sidecar.Controller([f"127.0.0.1:{server.port}"], token=token, timeout=10, **kw)
+
+
+def handshake(server, token):
+  channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+  call = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
+                             request_serializer=pb.HandshakeRequest.SerializeToString,
+                             response_deserializer=pb.HandshakeResponse.FromString)
+  return channel, lambda: call(pb.HandshakeRequest(versions=protocol.local_versions()),
+                               metadata=[(protocol.AUTH_KEY, f"Bearer {token}")], timeout=10)
+
+
+def test_one_tenants_handshake_flood_is_its_own_and_another_joins_at_once(pool_server):
+  channel, flood = handshake(pool_server, ALICE)
+  refused = []
+  for _ in range(100):
+    try:
+      assert flood().tenant == "alice"
+    except grpc.RpcError as e:
+      refused.append(e)
+  channel.close()
+  assert len(refused) == 100 - 8
+  e = refused[-1]
+  assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  assert e.details().startswith(
+      "ResourceExhaustedError: tenant 'alice' keeps 8 handshake sessions, its quota "
+      "(sessions=8, "), e.details()
+  t0 = time.monotonic()
+  with controller(pool_server, BOB) as ctl:
+    assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+  assert time.monotonic() - t0 < 1.0
+  with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'alice' keeps 8"):
+    controller(pool_server, ALICE)
+
+
+def test_arena_ceiling_and_guarantee_hold_for_workers(pool_server):
+  with pytest.raises(sidecar.AuthenticationError,
+                     match="a worker must present its tenant's token at attach"):
+    Worker(pool_server.options.socket_path, token=None)
+  alice = Worker(pool_server.options.socket_path, token=ALICE)
+  bob = Worker(pool_server.options.socket_path, token=BOB)
+  try:
+    a = alice.empty((3 << 20,), np.uint8)
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"tenant 'alice' holds 3.0 MiB of the arena; 64.0 KiB more would "
+                       r"pass its quota \(arena_ceiling=3.0 MiB"):
+      alice.empty((64 << 10,), np.uint8)
+    b = bob.empty((4 << 20,), np.uint8)  # his guarantee: there, whatever alice did
+    status = pool_server.service.status(pb.StatusRequest().SerializeToString(), _Context(BOB))
+    (row,) = status.tenants  # bob sees his own row only
+    assert (row.name, row.arena_bytes, row.arena_guaranteed, row.workers) == (
+        "bob", 4 << 20, 4 << 20, 1)
+    del a, b
+  finally:
+    alice.close()
+    bob.close()
+
+
+class _Context:
+  """The little of a ServicerContext that Status reads."""
+
+  def __init__(self, token):
+    self._metadata = ((protocol.AUTH_KEY, f"Bearer {token}"),)
+
+  def invocation_metadata(self):
+    return self._metadata
+
+
+def test_allowlists_and_checkpoint_roots_are_each_tenants(pool_server, tmp_path):
+  with controller(pool_server, BOB) as bob:
+    with pytest.raises(errors.PermissionDeniedError,
+                       match=r"tenant 'bob' may not run function 'sleep': its functions "
+                       r"allowlist \(.*pool.yaml:7\) holds add, echo"):
+      bob.call("sleep", args=(0.0,))
+    with pytest.raises(errors.PermissionDeniedError,
+                       match=r"tenant 'bob' may checkpoint only under its checkpoint_roots"):
+      with bob.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
+        ckpt.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30)
+  with controller(pool_server, ALICE) as alice:
+    with alice.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
+      assert ckpt.save(1, {"w": np.arange(256, dtype=np.float32)}).durable.result(30) == 1
+  with controller(pool_server, BOB) as bob:  # alice's step, read by path: refused
+    with pytest.raises(errors.PermissionDeniedError):
+      with bob.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
+        ckpt.restore(1, target={"w": np.zeros(256, np.float32)})
+
+
+def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp_path):
+  alice = controller(pool_server, ALICE)
+  bob = controller(pool_server, BOB)
+  worker = Worker(pool_server.options.socket_path, token=BOB)
+  assert alice.call("add", args=(1,)) == bob.call("add", args=(1,)) == [1]
+  session = alice._hosts.conns[0].metadata
+  path = pool_server.options.pool
+  with open(path, "w") as f:
+    f.write("tenants: [{name: alice, token_file: alice.token, colour: red}]\n")
+  with pytest.raises(sidecar.InvalidArgumentError, match=r"pool.yaml:1: unknown key 'colour'"):
+    pool_server.reload()
+  assert bob.call("add", args=(1,)) == [1]  # a bad file changed nothing
+  with open(path, "w") as f:
+    f.write("tenants: [{name: alice, token_file: alice.token}]\n")
+  assert pool_server.reload().endswith("1 tenants; removed bob")
+  with pytest.raises(sidecar.AuthenticationError,
+                     match=f"tenant 'bob' was removed from the pool file {path}"):
+    bob.call("add", args=(1,))
+  t0 = time.monotonic()
+  while not worker.hung_up() and time.monotonic() - t0 < 1.0:
+    time.sleep(0.01)
+  assert worker.hung_up(), "the revoked tenant's worker still attached after 1 s"
+  assert alice.call("add", args=(1,)) == [1] and alice._hosts.conns[0].metadata == session
+  worker.close()
+  bob.close()
+  alice.close()
