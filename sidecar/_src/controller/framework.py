@@ -4,7 +4,7 @@ The core (``sidecar/_src/controller/``) knows hosts, sessions and workers, calls
 streams, the rows of a global batch each host produces, and the checkpoint protocol
 over shards described with no framework's types: a key path, a global shape, a dtype
 name, a shard's index as ``((start, stop), ...)`` per dimension, and a host numpy
-buffer. It walks trees with ``controller/trees.py``, agrees between processes through
+buffer. It walks trees with ``core/trees.py``, agrees between processes through
 ``controller/peers.Peers``, and imports no framework. Whatever needs one lives in that
 framework's adapter package, behind the interfaces below::
 
@@ -50,9 +50,8 @@ import numpy as np
 
 from sidecar._src.arena.worker import TrainerProcess, Worker
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
-from sidecar._src.controller import trees
 from sidecar._src.controller.peers import LocalPeers, Peers
-from sidecar._src.core import errors
+from sidecar._src.core import errors, trees
 
 
 class HostCopy(abc.ABC):

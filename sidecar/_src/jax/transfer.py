@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from sidecar._src.core import trees
+
 try:
   from jax._src.core import shaped_abstractify as _abstractify
   from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
@@ -55,7 +57,7 @@ def put_many(xs: Sequence[Any], devices: Sequence[jax.Device]) -> list[jax.Array
 
 def to_devices(tree: Any, device: jax.Device) -> Any:
   """Every array leaf of ``tree`` onto ``device``; other leaves stay as they are."""
-  return jax.tree_util.tree_map(
+  return trees.map_leaves(
       lambda x: put(x, device) if isinstance(x, (np.ndarray, np.generic)) else x, tree)
 
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from sidecar._src.controller import controller as core, trees
+from sidecar._src.controller import controller as core
 from sidecar._src.controller.feed import BatchLayout, Feed, HostRows
-from sidecar._src.core import errors, options as options_lib
+from sidecar._src.core import errors, options as options_lib, trees
 from sidecar._src.torch import controller as torch_controller, framework
 
 STATE_VERSION = 1
@@ -170,10 +170,9 @@ class DataLoader:
   def _to_device(self, batch: Any) -> Any:
     if self.device is None or self.device.type == "cpu":
       return batch
-    leaves, treedef = trees.flatten(batch)
-    out = trees.unflatten(treedef, [
-        t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
-        for t in leaves])
+    out = trees.map_leaves(
+        lambda t: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+        batch)
     if self.pin_memory:  # the DMA reads the arena block: hold it until the copy is done
       event = torch.cuda.Event()
       event.record(torch.cuda.current_stream(self.device))

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, trees
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
 
@@ -90,30 +90,16 @@ def _array(x: Any, where: str) -> np.ndarray:
 
 
 def _indices(tree: Any, where: str) -> list[int]:
-  out: list[int] = []
-  todo = [tree]
-  while todo:
-    x = todo.pop()
-    if isinstance(x, dict):
-      todo.extend(x.values())
-    elif isinstance(x, (list, tuple)):
-      todo.extend(x)
-    elif x is not None:
-      if not isinstance(x, int) or isinstance(x, bool):
-        raise errors.InvalidArgumentError(
-            f"{where}: the structure holds {x!r:.40}, not a leaf's index")
-      out.append(x)
+  out = trees.leaves(tree)
+  for x in out:
+    if not isinstance(x, int) or isinstance(x, bool):
+      raise errors.InvalidArgumentError(
+          f"{where}: the structure holds {x!r:.40}, not a leaf's index")
   return out
 
 
 def fill(tree: Any, leaves: Sequence[Any]) -> Any:
   """``tree`` (a structure) with each index replaced by its entry of ``leaves``, every
   container of the same type (a namedtuple as its class)."""
-  if isinstance(x := tree, dict):
-    return {k: fill(v, leaves) for k, v in x.items()}
-  if isinstance(x, list):
-    return [fill(v, leaves) for v in x]
-  if isinstance(x, tuple):
-    items = [fill(v, leaves) for v in x]
-    return tuple(items) if type(x) is tuple else tuple.__new__(type(x), items)
-  return None if x is None else leaves[x]
+  indices, treedef = trees.flatten(tree)
+  return trees.unflatten(treedef, [leaves[i] for i in indices])

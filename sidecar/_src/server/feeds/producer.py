@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, trees
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.user.pipeline_context import PipelineContext
 from sidecar._src.wire import codec, feed_batch
@@ -117,12 +117,6 @@ def _is_map_dataset(x: Any) -> bool:
   return grain is not None and isinstance(x, grain.MapDataset)
 
 
-def _tree_util() -> Any:
-  """``jax.tree_util``, imported by the first feed: the sidecar starts without JAX."""
-  import jax.tree_util
-  return jax.tree_util
-
-
 def epoch_seed(seed: int, epoch: int) -> int:
   """The shuffle seed of one epoch: independent permutations, reproducible."""
   digest = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
@@ -150,8 +144,7 @@ class Batcher:
     self._spec = spec
     self._alloc = alloc
     self._name = name
-    self._trees = _tree_util()
-    self._treedef = None
+    self._treedef: trees.TreeDef | None = None
     self._structure: pb.Value | None = None
     self._leaf_specs: list[tuple[tuple[int, ...], np.dtype]] = []
 
@@ -169,14 +162,14 @@ class Batcher:
       InvalidArgumentError: a container the codec cannot carry (a registered pytree
         node of the user's) or a leaf of a dtype it cannot, naming its path.
     """
-    leaves, treedef = self._trees.tree_flatten_with_path(element)
+    leaves, treedef = trees.flatten_with_path(element)
     where = f"pipeline {self._name!r}: element"
     self._structure = feed_batch.structure(
-        self._trees.tree_unflatten(treedef, list(range(len(leaves)))), where=where)
+        trees.unflatten(treedef, list(range(len(leaves)))), where=where)
     self._leaf_specs = []
     for path, leaf in leaves:
       a = np.asarray(leaf)
-      codec.dtype_of(a.dtype.name, f"{where}{self._trees.keystr(path)}")
+      codec.dtype_of(a.dtype.name, f"{where}{trees.keystr(path)}")
       self._leaf_specs.append((a.shape, a.dtype))
     self._treedef = treedef
 
@@ -202,7 +195,7 @@ class Batcher:
       assert out is not None  # learn() has set the layout
     flat = []
     for element in elements:
-      leaves, treedef = self._trees.tree_flatten(element)
+      leaves, treedef = trees.flatten(element)
       if treedef != self._treedef:
         raise errors.InvalidArgumentError(
             f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
@@ -221,7 +214,7 @@ class Batcher:
 
   def put(self, out: list[list[np.ndarray]], row: int, element: Any) -> None:
     """Writes ``element`` as row ``row`` (of this host's rows, in order) of ``out``."""
-    leaves, treedef = self._trees.tree_flatten(element)
+    leaves, treedef = trees.flatten(element)
     if treedef != self._treedef:
       raise errors.InvalidArgumentError(
           f"pipeline {self._name!r} yielded an element of structure {treedef}, unlike the "
@@ -244,13 +237,13 @@ class Batcher:
 
   def _raise_shape(self, elements: list[Any], i: int, shape: tuple[int, ...]):
     for element in elements:
-      (path, leaf), = [self._trees.tree_flatten_with_path(element)[0][i]]
+      path, leaf = trees.flatten_with_path(element)[0][i]
       if np.shape(leaf) != shape:
         raise errors.InvalidArgumentError(
-            f"pipeline {self._name!r}: element leaf {self._trees.keystr(path)} has shape "
+            f"pipeline {self._name!r}: element leaf {trees.keystr(path)} has shape "
             f"{np.shape(leaf)}, but the first element's had {shape}; pad or crop to a fixed "
             "shape before batching")
-    dtypes = sorted({str(np.asarray(self._trees.tree_leaves(e)[i]).dtype) for e in elements})
+    dtypes = sorted({str(np.asarray(trees.leaves(e)[i]).dtype) for e in elements})
     raise errors.InvalidArgumentError(
         f"pipeline {self._name!r}: cannot batch leaf {i} of dtypes {dtypes} as the first "
         f"element's {self._leaf_specs[i][1]}; yield one dtype for each leaf")
