@@ -40,6 +40,8 @@ if _typing.TYPE_CHECKING:
 # Where each public name lives. Importing ``sidecar`` loads none of them (JAX, gRPC and
 # Grain take seconds), so ``sidecar serve``, ``sidecar status`` and ``sidecar launch``
 # start without them; the first use of a name imports its module (PEP 562).
+# ``Controller`` and ``Worker`` are JAX's (``sidecar.jax``'s, kept here for compatibility):
+# without the ``jax`` extra, naming them says which extra to install.
 _ERRORS = "sidecar._src.core.errors"
 _REGISTRY = "sidecar._src.user.registry"
 _HOME = {
@@ -61,13 +63,17 @@ _SUBMODULES = ("distributed", "elastic", "testing")
 
 
 def __getattr__(name: str) -> _typing.Any:
-  if name in _SUBMODULES:
-    return _importlib.import_module(f"sidecar.{name}")
-  if name in _HOME:
+  if name not in _SUBMODULES and name not in _HOME:
+    raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
+  try:
+    if name in _SUBMODULES:
+      return _importlib.import_module(f"sidecar.{name}")
     value = getattr(_importlib.import_module(_HOME[name]), name)
-    globals()[name] = value  # the next access is a plain attribute
-    return value
-  raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
+  except ImportError as e:
+    from sidecar._src.core import extras
+    raise extras.missing(e, f"sidecar.{name}") from e
+  globals()[name] = value  # the next access is a plain attribute
+  return value
 
 
 def __dir__() -> list[str]:

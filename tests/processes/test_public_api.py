@@ -1,5 +1,5 @@
 """Importing the package, its decorators or the CLI loads no jax, grpc or grain; importing
-sidecar.torch loads no jax."""
+sidecar.torch (its DataLoader too) loads no jax, Grain, Orbax or TensorStore."""
 
 import pytest
 
@@ -23,7 +23,8 @@ def test_importing_sidecar_torch_loads_no_jax_and_dcp_once_a_checkpoint_class_is
   import subprocess
   import sys
   script = ("import sys, sidecar.torch; "
-            "print(sorted(m for m in ('jax', 'jaxlib', 'orbax', 'tensorstore') if m in sys.modules)); "
+            "print(sorted(m for m in ('jax', 'jaxlib', 'grain', 'orbax', 'tensorstore') "
+            "if m in sys.modules)); "
             "dcp = lambda: 'torch.distributed.checkpoint' in sys.modules; print(dcp()); "
             "sidecar.torch.DataLoader, sidecar.torch.connect; print(dcp()); "
             "w = sidecar.torch.StorageWriter; print(dcp(), w.__module__); "

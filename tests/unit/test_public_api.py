@@ -38,6 +38,19 @@ def test_torch_api_is_pinned():
     assert getattr(sidecar.torch, name) is not None
 
 
+def test_jax_api_is_pinned_and_the_root_controller_is_its():
+  import sidecar.jax
+  assert sidecar.jax.__all__ == [
+      "Controller", "FeedOptions", "JaxPeers", "Worker", "initialize", "is_initialized"]
+  for name in sidecar.jax.__all__:
+    assert getattr(sidecar.jax, name) is not None
+  # sidecar.Controller and sidecar.Worker stay the JAX ones, for compatibility.
+  assert sidecar.Controller is sidecar.jax.Controller
+  assert sidecar.Worker is sidecar.jax.Worker
+  assert sidecar.FeedOptions is sidecar.jax.FeedOptions
+  assert sidecar.distributed.initialize is sidecar.jax.initialize
+
+
 def test_orbax_integration_api_is_pinned():
   import sidecar.orbax
   assert sidecar.orbax.__all__ == [

@@ -1,0 +1,96 @@
+"""A PyTorch-only install: a torch feed through a real ``sidecar serve`` with JAX, jaxlib,
+Grain, Orbax and TensorStore unimportable, in the trainer and in the sidecar (issue 36,
+item 4). Neither process loads any of them; naming the JAX API says which extra to install.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.paths import ROOT
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
+
+BLOCKED = ("jax", "jaxlib", "grain", "orbax", "tensorstore")
+
+# On PYTHONPATH as sitecustomize: every process of the run (the trainer, LocalCluster's
+# sidecars, their feed workers) starts with these packages unimportable, as where they
+# are not installed.
+_SITECUSTOMIZE = f'''
+import importlib.abc, sys
+
+class _NotInstalled(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in {BLOCKED!r}:
+      raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+    return None
+
+sys.meta_path.insert(0, _NotInstalled())
+'''
+
+_TRAINER = r'''
+import json, sys
+
+import sidecar
+import sidecar.torch
+from sidecar._src.tools.local import LocalCluster
+from tests.support.torch_only_fns import Pair
+
+BLOCKED = ("jax", "jaxlib", "grain", "orbax", "tensorstore")
+out = {}
+imports = ["tests.support.lean_fns", "tests.support.torch_only_fns"]
+with LocalCluster(1, 1, imports=imports, shm_size="16MiB", configure_jax=False) as cluster:
+  with sidecar.torch.Controller(cluster.addresses, token=cluster.token) as ctl:
+    with sidecar.torch.DataLoader("nested", 4, kwargs={"n": 32}, controller=ctl) as loader:
+      batches = [b for _, b in zip(range(3), loader)]
+    b = batches[1]
+    out["keys"] = sorted(b)
+    out["types"] = [type(b["z"]).__name__, type(b["pair"]).__name__, type(b["pair"].b).__name__,
+                    type(b["a"]).__name__]
+    out["z"] = b["z"][:, 0].tolist()
+    out["pair"] = [b["pair"].a.tolist(), b["pair"].b[0], b["pair"].b[1].tolist()]
+    out["a"] = b["a"][0].tolist()
+    out["is_pair"] = type(b["pair"]) is Pair
+    out["sidecar_loaded"] = ctl.call("frameworks_loaded")
+for name in ("Controller", "Worker"):
+  try:
+    getattr(sidecar, name)
+  except ImportError as e:
+    out[name] = str(e)
+try:
+  import sidecar.jax
+except ImportError as e:
+  out["sidecar.jax"] = str(e)
+out["trainer_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+print(json.dumps(out))
+'''
+
+
+def test_a_torch_feed_runs_with_no_jax_grain_orbax_or_tensorstore(tmp_path):
+  (tmp_path / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+  run = subprocess.run([sys.executable, "-c", _TRAINER], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.splitlines()[-1])
+  hint = "pip install 'colocated-sidecar[jax]'"
+  assert out == {
+      "keys": ["a", "pair", "z"], "types": ["Tensor", "Pair", "list", "tuple"],
+      "z": [4.0, 5.0, 6.0, 7.0], "pair": [[4, 5, 6, 7], None, [-4, -5, -6, -7]],
+      "a": [2.0, 2.5, 3.0, 3.5], "is_pair": True,
+      "sidecar_loaded": [[]], "trainer_loaded": [],
+      "Controller": f"sidecar.Controller needs jax, which is not installed: {hint}",
+      "Worker": f"sidecar.Worker needs jax, which is not installed: {hint}",
+      "sidecar.jax": f"sidecar.jax needs jax, which is not installed: {hint}"}
+
+
+def test_the_blocker_blocks(tmp_path):
+  # Guards the test above against passing because nothing was blocked.
+  (tmp_path / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+  run = subprocess.run([sys.executable, "-c", "import grain"], env=env, capture_output=True,
+                       text=True, timeout=60)
+  assert run.returncode == 1 and "No module named 'grain'" in run.stderr
