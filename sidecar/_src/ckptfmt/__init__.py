@@ -31,7 +31,7 @@ files and commits with one atomic rename.
 Chunks are stored uncompressed by default: Orbax's default zstd makes a save CPU-bound,
 and stock Orbax reads whatever compressor ``.zarray`` names.
 
-Typical flow (server/checkpoint/save.py)::
+Typical flow (``orbax/format.py``, driven by server/checkpoint/save.py)::
 
   tmp = commit.create_tmp_step(directory, step)
   # on every host h, concurrently, with that host's shards as they are staged:
@@ -41,13 +41,15 @@ Typical flow (server/checkpoint/save.py)::
 
 One module per concern, no RPC in any:
 
+* ``records``: what crosses the Checkpoint service, frozen (``ShardId``, ``StagedShard``,
+  ``ShardChecksum``, ``ReplicaTarget``, ``Replicated``, ``Held``, ``Manifest`` with its file).
+* ``format``: the format seam (``Format``, ``Numbering``); ``registry``: the formats by name.
+* ``orbax/``: stock Orbax's layout (``format``, ``write``, ``commit``, ``read``, ``files``).
+* ``dcp/``: PyTorch DCP's layout (``format``, ``parts``, ``distcp``, ``record``).
 * ``spec``: :class:`LeafSpec` (a leaf's key path, shape, dtype, write shape), step paths.
-* ``shards``: :class:`Shard`, :class:`HostLeaf`, :class:`ShardChecksum` (values).
-* ``write``: the write engine (idle-class threads, ``O_DIRECT`` chunk files).
-* ``commit``: the tmp step, the checks, the metadata files, fsync and rename.
-* ``read``: leaves and shards of a committed step, ours or stock Orbax's.
-* ``files``: what they share (item directory, write specs, chunk names).
+* ``shards``: :class:`Shard`, :class:`HostLeaf`, the crc32c of a shard.
 * ``direct_io``: ``O_DIRECT`` writes where they pay, fsync of files and directories.
 * ``feed_state``: a feed's position, stored beside the state.
-* ``dcp``, ``dcp_record``: PyTorch DCP's layout (``.metadata``, ``__{rank}_{n}.distcp``).
+* ``read``, ``write``, ``commit``, ``manifest``: the old homes of ``orbax/*`` and of
+  ``records``, kept until their importers outside ``ckptfmt`` name the new ones.
 """

@@ -2,24 +2,39 @@
 
 Both sides of the ``Checkpoint`` service use these: the controller's client
 (``controller/checkpoint/client.py``) and the sidecar's servicer
-(``server/checkpoint/service.py``). Every ``*_from_pb`` checks what the message cannot say
-itself (an interval's order, a dtype on the allow-list) and raises InvalidArgumentError
-naming the field. Inside each
-side, leaf specs and checksums are ``ckptfmt``'s frozen types (``LeafSpec``,
-``ShardChecksum``); a manifest read from a file stays the dict the file holds.
+(``server/checkpoint/service.py``). Each side holds ``ckptfmt``'s frozen types
+(``records``: ``ShardId``, ``StagedShard``, ``ShardChecksum``, ``ReplicaTarget``,
+``Replicated``, ``Held``, ``Manifest``; ``spec.LeafSpec``; a format's typed parts); this
+module converts them to and from protobuf and does nothing else. Every ``*_from_pb``
+checks what the message cannot say itself (an interval's order, a dtype on the
+allow-list) and raises InvalidArgumentError naming the field.
+
+A format's typed parts travel in the ``format_part`` oneofs of the Stage and Commit
+requests; :data:`STAGE_PARTS` and :data:`COMMIT_PARTS` convert them, one entry per
+member (a new format adds its entries).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.ckptfmt.manifest import SavedLeaf
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
+from sidecar._src.ckptfmt.records import (
+  Held,
+  Manifest,
+  ReplicaTarget,
+  Replicated,
+  SavedLeaf,
+  ShardChecksum,
+  ShardId,
+  StagedShard,
+)
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
@@ -70,21 +85,39 @@ def index_from_pb(intervals: Sequence[ckpt_pb.Interval], where: str) -> Index:
 
 
 def shard_to_pb(kp: Iterable[str | int], index: Iterable[Sequence[int]]) -> ckpt_pb.ShardId:
+  """A shard's message (``shard_to_pb(*shard_id)`` for a :class:`ShardId`)."""
   return ckpt_pb.ShardId(key_path=key_path_to_pb(kp), index=index_to_pb(index))
 
 
-def shard_from_pb(shard: ckpt_pb.ShardId, where: str) -> tuple[KeyPath, Index]:
-  return (key_path_from_pb(shard.key_path, f"{where}.key_path"),
-          index_from_pb(shard.index, f"{where}.index"))
+def shard_from_pb(shard: ckpt_pb.ShardId, where: str) -> ShardId:
+  return ShardId(key_path_from_pb(shard.key_path, f"{where}.key_path"),
+                 index_from_pb(shard.index, f"{where}.index"))
 
 
-def shard_ids(shards: Iterable[tuple[Any, Any]]) -> ckpt_pb.ShardIds:
-  """``[(key_path, index), ...]`` (as ``CheckpointHost.ram`` lists them) as a message."""
-  return ckpt_pb.ShardIds(shards=[shard_to_pb(kp, index) for kp, index in shards])
+def shard_ids(shards: Iterable[ShardId]) -> ckpt_pb.ShardIds:
+  return ckpt_pb.ShardIds(shards=[shard_to_pb(s.key_path, s.index) for s in shards])
 
 
-def shards_from_ids(ids: ckpt_pb.ShardIds, where: str) -> list[tuple[KeyPath, Index]]:
+def shards_from_ids(ids: ckpt_pb.ShardIds, where: str) -> list[ShardId]:
   return [shard_from_pb(s, where) for s in ids.shards]
+
+
+def staged_shards_to_pb(request: ckpt_pb.CheckpointStageRequest, shards: Iterable[StagedShard],
+                        to_arena: codec.ToArena | None) -> None:
+  """Adds ``shards`` to a Stage ``request``: each as its arena block where it has one (its
+  ``ref``, or ``to_arena``'s), else inline."""
+  for s in shards:
+    staged = request.shards.add(leaf=s.leaf, index=index_to_pb(s.index))
+    found = (lambda _, ref=s.ref: ref) if s.ref is not None else to_arena
+    fill_data(staged.data, s.data, found)
+
+
+def staged_shards_from_pb(request: ckpt_pb.CheckpointStageRequest,
+                          from_arena: codec.FromArena | None) -> list[StagedShard]:
+  """A Stage request's shards: their bytes views of their arena blocks (``from_arena``)."""
+  return [StagedShard(s.leaf, index_from_pb(s.index, f"shards[{i}].index"),
+                      data_from_pb(s.data, from_arena, f"shards[{i}].data"))
+          for i, s in enumerate(request.shards)]
 
 
 def leaf_to_pb(s: LeafSpec) -> ckpt_pb.LeafSpec:
@@ -108,22 +141,21 @@ def leaf_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> LeafSpec:
     raise errors.InvalidArgumentError(f"{where}: {e}") from None
 
 
-def manifest_leaf_to_pb(d: Mapping[str, Any]) -> ckpt_pb.LeafSpec:
-  """A leaf of a manifest file (``layout.spec_to_dict``'s, or ``read.item_leaves``' for an
-  item stock Orbax wrote, with fewer fields)."""
-  out = ckpt_pb.LeafSpec(key_path=key_path_to_pb(d["key_path"]), shape=list(d["shape"]),
-                         dtype=str(d["dtype"]), kind=str(d.get("kind") or ""),
-                         write_shape=list(d.get("write_shape") or ()))
-  if d.get("sharding") is not None:
-    out.sharding = d["sharding"]
+def saved_leaf_to_pb(leaf: SavedLeaf) -> ckpt_pb.LeafSpec:
+  """A leaf of a manifest (a stock Orbax item's has no write shape nor sharding)."""
+  out = ckpt_pb.LeafSpec(key_path=key_path_to_pb(leaf.key_path), shape=list(leaf.shape),
+                         dtype=leaf.dtype, kind=leaf.kind, write_shape=list(leaf.write_shape))
+  if leaf.sharding is not None:
+    out.sharding = leaf.sharding
   return out
 
 
 def leaf_info_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> SavedLeaf:
-  """A saved leaf's key path, shape and dtype (a stock Orbax item tells no more)."""
+  """A saved leaf, as its step's manifest has it."""
   return SavedLeaf(key_path_from_pb(leaf.key_path, f"{where}.key_path"),
                    tuple(int(d) for d in leaf.shape), codec.dtype_of(leaf.dtype, where).name,
-                   leaf.kind)
+                   leaf.kind, tuple(int(d) for d in leaf.write_shape),
+                   leaf.sharding if leaf.HasField("sharding") else None)
 
 
 def checksum_to_pb(c: ShardChecksum) -> ckpt_pb.ShardChecksum:
@@ -141,34 +173,149 @@ def checksum_from_pb(c: ckpt_pb.ShardChecksum, where: str) -> ShardChecksum:
                        c.host if c.HasField("host") else None)
 
 
-def dcp_part_to_pb(rank: int, items: Iterable[Mapping[str, Any]]) -> ckpt_pb.DcpPart:
-  """A rank's part of a DCP step (``ckptfmt/dcp.Item.to_dict`` values) as its message."""
-  return ckpt_pb.DcpPart(rank=rank, items=[
-      ckpt_pb.DcpItem(fqn=d["fqn"], kind=d["kind"], nbytes=d["nbytes"], dtype=d.get("dtype", ""),
-                      sizes=d.get("sizes", ()), offsets=d.get("offsets", ())) for d in items])
+def dcp_part_to_pb(part: DcpPart | int, items: Iterable[Item | Mapping[str, Any]] = ()
+                   ) -> ckpt_pb.DcpPart:
+  """A rank's part of a DCP step as its message: a :class:`DcpPart`, or (the trainer's
+  form until it sends one) its rank and items (``Item.to_dict`` values taken too)."""
+  if not isinstance(part, DcpPart):
+    part = DcpPart.of(part, list(items))
+  return ckpt_pb.DcpPart(rank=part.rank, items=[
+      ckpt_pb.DcpItem(fqn=i.fqn, kind=str(i.kind), nbytes=i.nbytes, dtype=i.dtype,
+                      sizes=i.sizes, offsets=i.offsets) for i in part.items])
 
 
-def dcp_part_from_pb(part: ckpt_pb.DcpPart, where: str) -> dict[str, Any]:
-  """``{"rank", "items"}``, the items as ``ckptfmt/dcp.Item.from_dict`` takes them."""
+def dcp_part_from_pb(part: ckpt_pb.DcpPart, where: str) -> DcpPart:
   items = []
   for i, m in enumerate(part.items):
     if m.kind not in ("tensor", "bytes") or not m.fqn:
       raise errors.InvalidArgumentError(
           f"{where}.items[{i}]: kind must be 'tensor' or 'bytes' with an fqn, got "
           f"{m.kind!r} {m.fqn!r:.100}")
-    items.append({"fqn": m.fqn, "kind": m.kind, "nbytes": m.nbytes, "dtype": m.dtype,
-                  "sizes": list(m.sizes), "offsets": list(m.offsets)})
-  return {"rank": part.rank, "items": items}
+    try:
+      items.append(Item(fqn=m.fqn, kind=ItemKind(m.kind), nbytes=m.nbytes, dtype=m.dtype,
+                        sizes=tuple(m.sizes), offsets=tuple(m.offsets)))
+    except errors.InvalidArgumentError as e:
+      raise errors.InvalidArgumentError(f"{where}.items[{i}]: {e}") from None
+  return DcpPart(part.rank, tuple(items))
+
+
+def dcp_commit_to_pb(part: DcpCommit | Mapping[str, Any]) -> ckpt_pb.DcpCommit:
+  """What commits a DCP step as its message (a ``{"metadata", "file_sizes", "plan_json"}``
+  dict taken too: the trainer's form until it sends a :class:`DcpCommit`)."""
+  if not isinstance(part, DcpCommit):
+    part = DcpCommit(part["metadata"], part["file_sizes"], part["plan_json"])
+  out = ckpt_pb.DcpCommit(metadata=part.metadata, plan_json=part.plan_json)
+  for rank, size in part.file_sizes.items():
+    out.file_sizes[rank] = size
+  return out
+
+
+def dcp_commit_from_pb(part: ckpt_pb.DcpCommit, where: str) -> DcpCommit:
+  del where  # every value a message holds is one
+  return DcpCommit(part.metadata, dict(part.file_sizes), part.plan_json)
+
+
+# A format's typed parts, by their member of the requests' ``format_part`` oneof:
+# (its type, to message, from message). One entry per format that has parts.
+STAGE_PARTS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+    "dcp": (DcpPart, dcp_part_to_pb, dcp_part_from_pb)}
+COMMIT_PARTS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+    "dcp": (DcpCommit, dcp_commit_to_pb, dcp_commit_from_pb)}
+
+
+def format_part_to_pb(request: Any, part: Any, table: Mapping[str, tuple]) -> None:
+  """Sets ``request``'s ``format_part`` to ``part`` (None: leaves it unset)."""
+  if part is None:
+    return
+  for member, (kind, to_pb, _) in table.items():
+    if isinstance(part, kind):
+      getattr(request, member).CopyFrom(to_pb(part))
+      return
+  raise errors.InvalidArgumentError(f"no format part is a {type(part).__name__}")
+
+
+def format_part_from_pb(request: Any, table: Mapping[str, tuple]) -> Any:
+  """``request``'s ``format_part`` as its typed value; None where it has none."""
+  member = request.WhichOneof("format_part")
+  return None if member is None else table[member][2](getattr(request, member), member)
 
 
 def replicas_to_pb(target, placement: Mapping[Any, Iterable[int]] | None) -> None:
-  """Fills the map ``target`` (host -> HostIds) from ``{host: [peers]}``."""
-  for h, peers in (placement or {}).items():
-    target[int(h)].hosts.extend(int(p) for p in peers)
+  """Fills the map ``target`` (host -> HostIds) from ``{host: [hosts holding its replicas]}``."""
+  for h, hosts in (placement or {}).items():
+    target[int(h)].hosts.extend(int(p) for p in hosts)
 
 
 def replicas_from_pb(source) -> dict[int, list[int]]:
   return {int(h): list(v.hosts) for h, v in source.items()}
+
+
+def replica_target_to_pb(t: ReplicaTarget) -> ckpt_pb.Peer:
+  return ckpt_pb.Peer(host_id=t.host_id, address=t.address, socket=t.socket,
+                      boot_id=t.boot_id)
+
+
+def replica_target_from_pb(p: ckpt_pb.Peer, where: str) -> ReplicaTarget:
+  if not p.address:
+    raise errors.InvalidArgumentError(
+        f"{where}: a replica target needs its address ('host:port' or 'unix:PATH')")
+  return ReplicaTarget(p.host_id, p.address, p.socket, p.boot_id)
+
+
+def replicated_to_pb(r: Replicated) -> ckpt_pb.CheckpointReplicateResponse:
+  return ckpt_pb.CheckpointReplicateResponse(peers=r.hosts, shards=r.shards, bytes=r.nbytes,
+                                             seconds=r.seconds)
+
+
+def replicated_from_pb(r: ckpt_pb.CheckpointReplicateResponse) -> Replicated:
+  return Replicated(tuple(r.peers), r.shards, r.bytes, r.seconds)
+
+
+def held_to_pb(held: Held) -> ckpt_pb.CheckpointHeldResponse:
+  out = ckpt_pb.CheckpointHeldResponse()
+  for item, shards in held.own.items():
+    out.own[item].CopyFrom(shard_ids(shards))
+  for item, by_source in held.replicas.items():
+    for source, shards in by_source.items():
+      out.replicas[item].by_source[source].CopyFrom(shard_ids(shards))
+  return out
+
+
+def held_from_pb(r: ckpt_pb.CheckpointHeldResponse) -> Held:
+  return Held(own={d: shards_from_ids(ids, "own") for d, ids in r.own.items()},
+              replicas={d: {int(src): shards_from_ids(ids, "replicas")
+                            for src, ids in h.by_source.items()}
+                        for d, h in r.replicas.items()})
+
+
+def manifest_to_pb(m: Manifest) -> ckpt_pb.CheckpointInfoResponse:
+  out = ckpt_pb.CheckpointInfoResponse(
+      format=m.format, leaves=[saved_leaf_to_pb(leaf) for leaf in m.leaves],
+      shards=[checksum_to_pb(c) for c in m.shards])
+  if m.data_state is not None:
+    out.data_state_json = json.dumps(m.data_state)
+  if m.extras:
+    out.extras_json = json.dumps(dict(m.extras))
+  if m.dcp_plan is not None:  # for callers that read only this field
+    out.dcp_plan_json = json.dumps(m.dcp_plan)
+  if m.step is not None:
+    out.step = m.step
+  replicas_to_pb(out.replicas, m.replicas)
+  return out
+
+
+def manifest_from_pb(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
+  try:
+    extras = json.loads(r.extras_json) if r.extras_json else {}
+    if r.dcp_plan_json and "plan" not in extras:  # a sidecar from before extras_json
+      extras["plan"] = json.loads(r.dcp_plan_json)
+    data_state = json.loads(r.data_state_json) if r.data_state_json else None
+  except ValueError as e:
+    raise errors.InvalidArgumentError(f"the manifest's JSON is not JSON: {e}") from None
+  return Manifest(r.format, [leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves],
+                  [checksum_from_pb(c, "shard") for c in r.shards], data_state,
+                  replicas_from_pb(r.replicas), extras=extras,
+                  step=r.step if r.HasField("step") else None)
 
 
 def fill_data(target: ckpt_pb.ShardData, a: np.ndarray,

@@ -12,10 +12,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sidecar._src.ckptfmt import (
+from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
   read as orbax_read,
-  spec as layout_spec,
   write as orbax_write,
 )
 from sidecar._src.ckptfmt.shards import HostLeaf, Shard

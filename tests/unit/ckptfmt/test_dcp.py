@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint import metadata as tmeta
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from sidecar._src.ckptfmt import dcp, dcp_record
+from sidecar._src.ckptfmt.dcp import distcp as dcp, record as dcp_record
+from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 
 pytestmark = [pytest.mark.unit,
@@ -88,7 +89,7 @@ def write_checkpoint(path, ranks, expected):
                                      reversed(list(enumerate(a for _, a in pairs))))
   shapes = {k: np.shape(v) for k, v in expected.items() if isinstance(v, np.ndarray)}
   final = dcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
-                       manifest={"format": dcp.FORMAT})
+                       manifest=Manifest(dcp.FORMAT, (), ()))
   return final, sums
 
 

@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import files, spec as layout_spec
+from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.core import errors
 
 pytestmark = pytest.mark.unit

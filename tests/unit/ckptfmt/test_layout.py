@@ -17,15 +17,8 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src.ckptfmt import (
-  commit as ol_commit,
-  direct_io,
-  read as ol_read,
-  shards as ol_shards,
-  spec as layout_spec,
-  write as ol_write,
-  write as orbax_write,
-)
+from sidecar._src.ckptfmt import direct_io, shards as ol_shards, spec as layout_spec
+from sidecar._src.ckptfmt.orbax import commit as ol_commit, read as ol_read, write as ol_write
 from sidecar._src.core import errors
 from sidecar._src.jax import checkpoint as jax_checkpoint
 
@@ -225,7 +218,7 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
 
   monkeypatch.setattr(direct_io, "write_file", spy(direct_io.write_file))
   # Patched where the write engine looks it up.
-  monkeypatch.setattr(orbax_write, "shard_crc32c", spy(orbax_write.shard_crc32c))
+  monkeypatch.setattr(ol_write, "shard_crc32c", spy(ol_write.shard_crc32c))
   before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
   specs, parts = host_parts(tree, mesh, 1)
   tmp = ol_commit.create_tmp_step(tmp_path, 0)

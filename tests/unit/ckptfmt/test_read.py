@@ -7,7 +7,8 @@ Stock Orbax's own layouts (OCDBT, zstd) are read in test_orbax_layout.py.
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import direct_io, read as orbax_read
+from sidecar._src.ckptfmt import direct_io
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 from sidecar._src.core import errors
 from tests.support import orbax_steps
 from tests.support.orbax_steps import VALUES, E, W

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import commit as orbax_commit, spec as layout_spec, write as orbax_write
+from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
 from sidecar._src.ckptfmt.shards import HostLeaf, Shard, shard_crc32c
 from sidecar._src.core import errors
 from tests.support import orbax_steps

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import env, errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -179,7 +180,7 @@ class CheckpointHost:
           f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
           "acts only in the directories it opened (Controller.checkpointer(directory))")
 
-  def committed(self, final_dir: str, manifest: dict | None = None) -> list[int]:
+  def committed(self, final_dir: str, manifest: Manifest | None = None) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
 
     ``manifest``: a DCP step's, kept with its RAM-tier copy (and replicas held here), so
@@ -197,11 +198,11 @@ class CheckpointHost:
 
   # ---- peer replicas ----------------------------------------------------
 
-  def held(self, directory: str) -> dict[str, Any]:
+  def held(self, directory: str) -> Held:
     """What the RAM tier holds under ``directory``, per committed item: this host's own
-    shards (``own``) and the whole replicas of its peers' (``replicas``, by source)."""
+    shards and the whole replicas of other hosts' (by source)."""
     self._path(directory, "directory")
-    return {"own": self.tier.own(directory), "replicas": self.tier.held_replicas(directory)}
+    return self.tier.held(directory)
 
   def forget(self, directory: str, step: int) -> None:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
@@ -212,7 +213,7 @@ class CheckpointHost:
 
   # ---- restore -----------------------------------------------------------
 
-  def info(self, final_dir: str) -> dict[str, Any]:
+  def info(self, final_dir: str) -> Manifest:
     """The manifest of a committed item (leaves, shard checksums, data position).
 
     An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
@@ -227,12 +228,12 @@ class CheckpointHost:
         return record.manifest  # a DCP step in host memory: its files may be gone
     return checkpoint_read.info(final_dir)
 
-  def read(self, final_dir: str, key_path: list, index: list, crc32c: int | None = None,
-           tier: str = "any", part: list | None = None) -> np.ndarray:
+  def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
+           tier: str = "any", part: tuple[int, int] | None = None) -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
 
-    ``part=[offset, nbytes]``: only those bytes of a RAM-tier copy's C-order bytes, for a
+    ``part=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
     client that reads a large shard over gRPC in messages of bounded size.
     """
     self._path(final_dir, "final_dir")
-    return self.reader.read(final_dir, key_path, index, crc32c, tier, part)
+    return self.reader.read(final_dir, shard, crc32c, tier, part)

@@ -39,6 +39,7 @@ import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
+from sidecar._src.ckptfmt.records import ReplicaTarget
 from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import env, errors
 from sidecar._src.wire import checkpoint_wire as wire, protocol
@@ -72,28 +73,9 @@ _CHANNEL_OPTIONS = (
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Peer:
-  """Where a peer sidecar is: what the controller tells the sender."""
-  host_id: int
-  address: str  # gRPC ``host:port``, or ``unix:PATH`` for a peer of this machine
-  socket: str = ""  # its worker socket, usable where boot_id is ours
-  boot_id: str = ""
-
-  def to_dict(self) -> dict[str, Any]:
-    return {"host_id": self.host_id, "address": self.address, "socket": self.socket,
-            "boot_id": self.boot_id}
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> Peer:
-    try:
-      return cls(host_id=int(d["host_id"]), address=str(d["address"]),
-                 socket=str(d.get("socket") or ""), boot_id=str(d.get("boot_id") or ""))
-    except (KeyError, TypeError, ValueError):
-      raise errors.InvalidArgumentError(
-          f"a peer must be {{'host_id': int, 'address': 'host:port' or 'unix:PATH', 'socket': "
-          f"str, "
-          f"'boot_id': str}}, got {d!r:.200}") from None
+# The sidecar this one sends replicas to: ckptfmt/records.ReplicaTarget. ``Peer`` is its
+# old name, kept for benchmarks/replication.py until it says ReplicaTarget.
+Peer = ReplicaTarget
 
 
 def peer_credentials(tls_cert: str | None, tls_key: str | None,
@@ -183,7 +165,7 @@ class PeerLink:
   Close it (or use it as a context manager): that unmaps the peer's arena.
   """
 
-  def __init__(self, peer: Peer, *, token: str | None, peer_token: str | None = None,
+  def __init__(self, peer: ReplicaTarget, *, token: str | None, peer_token: str | None = None,
                timeout: float = 30.0, shared_memory: bool = True,
                credentials: grpc.ChannelCredentials | None = None):
     self.peer = peer
@@ -375,7 +357,7 @@ class Links:
     self._closed = threading.Event()
     self._watcher: threading.Thread | None = None
 
-  def send(self, peer: Peer, header: dict[str, Any],
+  def send(self, peer: ReplicaTarget, header: dict[str, Any],
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
@@ -394,7 +376,7 @@ class Links:
             raise
           log.info("the link to host %d failed (%s); making a new one", peer.host_id, e)
 
-  def _get(self, peer: Peer, timeout: float) -> tuple[PeerLink, threading.Lock, bool]:
+  def _get(self, peer: ReplicaTarget, timeout: float) -> tuple[PeerLink, threading.Lock, bool]:
     with self._lock:
       entry = self._links.get(peer.host_id)
     if entry is not None and entry[0].peer == peer:

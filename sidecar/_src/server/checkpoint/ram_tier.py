@@ -15,16 +15,21 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.format import Numbering
+from sidecar._src.ckptfmt.records import (
+  Held,
+  Manifest,
+  ReplicaTarget,
+  Replicated,
+  ShardChecksum,
+  ShardId,
+)
 from sidecar._src.ckptfmt.spec import Index
 from sidecar._src.core import errors
-from sidecar._src.server.checkpoint import peers as replicas_lib
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -38,8 +43,9 @@ class Step:
   final_dir: str  # the committed item directory: the key of the RAM tier
   shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
   nbytes: int
-  specs: list[layout.LeafSpec] = dataclasses.field(default_factory=list)
-  # Staged shards on their way to the writer: (leaf, Shard), None once all are staged.
+  # How its format numbers its staged shards (the leaves, or a DCP rank's items).
+  numbering: Numbering | None = None
+  # Staged shards on their way to the writer (as the numbering made them), None once all are.
   incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
   closed: bool = False  # the last part is staged (of every writer)
   lasts: int = 0  # the writers (trainer processes) that sent their last part
@@ -59,19 +65,18 @@ class Step:
   # this host): only they stage more parts of it, and commit it.
   owners: set = dataclasses.field(default_factory=set)
   writers: int = 1
-  format: str = ""  # "" (stock Orbax's layout) or "dcp" (DCP's: dcp_steps.py)
-  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
-  dcp_items: dict[int, list] = dataclasses.field(default_factory=dict)  # rank -> dcp.Items
+  format: str = "orbax"  # its format's name (ckptfmt/registry.py)
+  manifest: Manifest | None = None  # a DCP step's, told at its commit
 
 
 @dataclasses.dataclass
 class Replication:
   """This host's shards of one step on their way to its peers."""
-  peers: list[replicas_lib.Peer]
+  peers: list[ReplicaTarget]
   bandwidth: int | None = None  # bytes per second, each peer's copy in turn
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-  result: dict[str, Any] | None = None
+  result: Replicated | None = None
   error: BaseException | None = None
 
 
@@ -94,7 +99,7 @@ class Replica:
   # A whole replica held of the same step and source, which this one (sent again)
   # replaces once whole.
   replaces: Replica | None = None
-  manifest: dict[str, Any] | None = None  # a DCP step's, told at its commit
+  manifest: Manifest | None = None  # a DCP step's, told at its commit
 
 
 class RamTier:
@@ -134,23 +139,18 @@ class RamTier:
         record.committed = True
       return self.evict(record.directory if record is not None else held[0].directory)
 
-  def own(self, directory: str) -> dict[str, Any]:
-    """This host's own shards of the committed items under ``directory``, per item."""
+  def held(self, directory: str) -> Held:
+    """What this host holds of the committed items under ``directory``, per item: its own
+    shards, and the whole, committed replicas of other hosts' by source."""
     with self.lock:
-      steps = [s for s in self.steps.values() if s.directory == directory and s.committed]
-    return {s.final_dir: [[list(k), [list(i) for i in index]] for k, index in s.shards]
-            for s in steps}
-
-  def held_replicas(self, directory: str) -> dict[str, dict[int, list]]:
-    """The whole, committed replicas held under ``directory``: per item, per source."""
-    out: dict[str, dict[int, list]] = {}
-    with self.lock:
-      held = [r for r in self.replicas.values()
-              if r.directory == directory and r.whole and r.committed]
-    for r in held:
-      out.setdefault(r.final_dir, {})[r.source] = [
-          [list(k), [list(i) for i in index]] for k, index in r.shards]
-    return out
+      own = {s.final_dir: tuple(ShardId(k, i) for k, i in s.shards)
+             for s in self.steps.values() if s.directory == directory and s.committed}
+      replicas: dict[str, dict[int, tuple[ShardId, ...]]] = {}
+      for r in self.replicas.values():
+        if r.directory == directory and r.whole and r.committed:
+          replicas.setdefault(r.final_dir, {})[r.source] = tuple(
+              ShardId(k, i) for k, i in r.shards)
+    return Held(own, replicas)
 
   def expire_uncommitted(self) -> list[int]:
     """Drops the steps written here whose commit has not come in time; returns them."""

@@ -8,55 +8,48 @@ RAM copy once). The caller (``CheckpointHost``) has checked the path under the r
 
 from __future__ import annotations
 
-import json
 import pathlib
-from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import read as ol_read, shards as ol_shards
+from sidecar._src.ckptfmt import registry as formats_lib, shards as shards_lib
+from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import dcp_steps, faults, ram_tier
-from sidecar._src.server.checkpoint.roots import MANIFEST
+from sidecar._src.server.checkpoint import faults, ram_tier
 from sidecar._src.user import outputs
 
 
-def info(final_dir: str) -> dict[str, Any]:
+def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) -> Manifest:
   """The manifest of a committed item (leaves, shard checksums, data position).
 
-  An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
-  with no checksum to check.
+  A directory its format wrote with no manifest (an item stock Orbax wrote) gets one from
+  its metadata: each leaf one shard, with no checksum to check.
   """
   try:
-    with open(pathlib.Path(final_dir) / MANIFEST) as f:
-      return json.load(f)
+    text = (pathlib.Path(final_dir) / MANIFEST_FILE).read_bytes()
   except FileNotFoundError:
-    pass
-  try:
-    leaves = ol_read.item_leaves(final_dir)
-  except FileNotFoundError as e:
-    raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
-  return {"format": "orbax", "leaves": leaves, "data_state": None,
-          "shards": [{"key_path": d["key_path"], "index": [[0, n] for n in d["shape"]],
-                      "crc32c": None} for d in leaves]}
+    made = formats.of_committed(final_dir).stock_manifest(final_dir)
+    if made is None:
+      raise errors.InvalidArgumentError(
+          f"cannot restore {final_dir}: it has no {MANIFEST_FILE}") from None
+    return made
+  return Manifest.from_json(text, final_dir)
 
 
-def _check(final_dir: str, key, idx, data: np.ndarray, crc32c: int, what: str) -> None:
+def _check(final_dir: str, shard: ShardId, data: np.ndarray, crc32c: int, what: str) -> None:
   """CorruptCheckpointError unless ``data`` (the ``what`` of a shard) has ``crc32c``."""
-  if ol_shards.shard_crc32c(data) != crc32c:
-    name = ".".join(str(k) for k in key)
+  if shards_lib.shard_crc32c(data) != crc32c:
+    name = ".".join(str(k) for k in shard.key_path)
     raise errors.CorruptCheckpointError(
-        f"{final_dir}: array {name!r} shard {[list(i) for i in idx]} does not match its "
-        f"crc32c in {MANIFEST} ({what}): the file is corrupt or was changed after the save")
+        f"{final_dir}: array {name!r} shard {[list(i) for i in shard.index]} does not match "
+        f"its crc32c in {MANIFEST_FILE} ({what}): the file is corrupt or was changed after the "
+        "save")
 
 
-def _part(data: np.ndarray, part: Any) -> np.ndarray:
+def _part(data: np.ndarray, part: tuple[int, int]) -> np.ndarray:
   """Bytes ``[offset, offset + nbytes)`` of ``data``'s C-order bytes, as a view."""
-  try:
-    offset, nbytes = (int(x) for x in part)
-  except (TypeError, ValueError):
-    raise errors.InvalidArgumentError(f"part must be [offset, nbytes], got {part!r:.100}") from None
+  offset, nbytes = part
   flat = data.reshape(-1).view(np.uint8)
   if not (0 <= offset and 0 < nbytes and offset + nbytes <= flat.nbytes):
     raise errors.InvalidArgumentError(
@@ -67,21 +60,23 @@ def _part(data: np.ndarray, part: Any) -> np.ndarray:
 class Reader:
   """Serves reads of shards from ``tier`` (a sidecar's RAM tier) or from storage."""
 
-  def __init__(self, tier: ram_tier.RamTier, metrics: metrics_lib.Recorder):
+  def __init__(self, tier: ram_tier.RamTier, metrics: metrics_lib.Recorder,
+               formats: formats_lib.Registry = formats_lib.DEFAULT):
     self._tier = tier
     self._metrics = metrics
+    self._formats = formats
 
-  def read(self, final_dir: str, key_path: list, index: list, crc32c: int | None = None,
-           tier: str = "any", part: list | None = None) -> np.ndarray:
+  def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
+           tier: str = "any", part: tuple[int, int] | None = None) -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
 
-    ``part=[offset, nbytes]``: only those bytes of a RAM-tier copy's C-order bytes, for a
+    ``part=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
     client that reads a large shard over gRPC in messages of bounded size.
     """
     if part is not None and tier not in ("ram", "replica"):
       raise errors.InvalidArgumentError(
           f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
-    key, idx = tuple(key_path), tuple((int(a), int(b)) for a, b in index)
+    key, idx = shard.key_path, shard.index
     step = pathlib.Path(final_dir).parent.name
     if step.isdigit():
       faults.fault("read", int(step))
@@ -103,7 +98,7 @@ class Reader:
         # Keyed by the checksum checked: a copy verified against another save's manifest
         # (an older save of the same path) is checked again against this one's.
         if crc32c is not None and (key, idx, crc32c) not in held.verified:
-          _check(final_dir, key, idx, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
+          _check(final_dir, shard, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
           held.verified.add((key, idx, crc32c))
         out = data if part is None else _part(data, part)
         self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
@@ -113,13 +108,11 @@ class Reader:
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
     try:
-      if dcp_steps.is_dcp(final_dir):
-        data = dcp_steps.read_item(final_dir, key, idx, allocate=outputs.empty)
-      else:
-        data = ol_read.read_item_shard(final_dir, key, idx, allocate=outputs.empty)
+      data = self._formats.of_committed(final_dir).read(final_dir, shard,
+                                                        allocate=outputs.empty)
     except (FileNotFoundError, NotADirectoryError) as e:
       raise errors.InvalidArgumentError(f"cannot read {final_dir}: {e}") from None
     if crc32c is not None:
-      _check(final_dir, key, idx, data, crc32c, "stored copy")
+      _check(final_dir, shard, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)
     return data

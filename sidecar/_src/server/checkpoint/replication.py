@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import shards as ol_shards, write as orbax_write
+from sidecar._src.ckptfmt import direct_io, shards as shards_lib
+from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -55,20 +56,18 @@ class Replicator:
     self._spawn = spawn
     self._metrics = metrics
 
-  def replicate(self, final_dir: str, peers: list[dict], timeout: float = 3600.0,
-                bandwidth: int | None = None) -> dict[str, Any]:
-    """Sends this host's staged shards of a step to ``peers``; waits until each holds them.
+  def replicate(self, final_dir: str, targets: Sequence[ReplicaTarget],
+                timeout: float = 3600.0, bandwidth: int | None = None) -> Replicated:
+    """Sends this host's staged shards of a step to ``targets``; waits until each holds them.
 
     The sending runs once per step, on an idle-class thread, whoever waits for it, at
     most ``bandwidth`` bytes per second if given.
-    Returns ``{"peers": [host ids], "shards": n, "bytes": b, "seconds": s}``.
     """
     self._path(final_dir, "final_dir")
     if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
       raise errors.InvalidArgumentError(
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
     record = self._tier.record(final_dir)
-    targets = [replicas_lib.Peer.from_dict(p) for p in peers]
     if record.lasts and not record.closed:  # processes sharing this host: wait for them all
       record.whole.wait(timeout)
     with self._tier.lock:
@@ -78,7 +77,7 @@ class Replicator:
             "after its last part")
       job = record.replication
       if job is None:
-        job = record.replication = ram_tier.Replication(targets, bandwidth)
+        job = record.replication = ram_tier.Replication(list(targets), bandwidth)
         self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
     if not job.done.wait(timeout):
       raise errors.DeadlineExceededError(
@@ -91,7 +90,7 @@ class Replicator:
     return job.result
 
   def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
-    orbax_write.background_thread()
+    direct_io.background_thread()
     t0 = time.perf_counter()
     shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
     header = {"directory": record.directory, "step": record.step, "final_dir": record.final_dir,
@@ -106,11 +105,10 @@ class Replicator:
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
                  record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
                  time.perf_counter() - t0, extra={"step": record.step})
-      job.result = {"peers": [p.host_id for p in job.peers], "shards": len(shards),
-                    "bytes": sum(a.nbytes for _, _, a in shards),
-                    "seconds": time.perf_counter() - t0}
-      self._metrics.checkpoint_bytes("replicated", job.result["bytes"] * len(job.peers))
-      self._metrics.phase("replicate", job.result["seconds"])
+      job.result = Replicated(tuple(p.host_id for p in job.peers), len(shards),
+                              sum(a.nbytes for _, _, a in shards), time.perf_counter() - t0)
+      self._metrics.checkpoint_bytes("replicated", job.result.nbytes * len(job.peers))
+      self._metrics.phase("replicate", job.result.seconds)
     except BaseException as e:
       job.error = e.with_traceback(None)
       e.__context__ = e.__cause__ = None
@@ -219,7 +217,7 @@ class Replicator:
   def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray,
                  crc32c: int | None) -> None:
     """Adds a whole shard, if it has the crc32c its sender computed."""
-    if crc32c is None or ol_shards.shard_crc32c(data) != crc32c:
+    if crc32c is None or shards_lib.shard_crc32c(data) != crc32c:
       raise errors.InvalidArgumentError(
           f"receive: shard {[*key[0]]} {[list(i) for i in key[1]]} of host {replica.source}'s "
           f"replica of step {replica.step} does not match the crc32c its sender computed "

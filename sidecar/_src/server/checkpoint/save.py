@@ -3,16 +3,17 @@
 ``stage`` takes shards the worker copied into the arena; from then on the trainer's
 arrays are free: this host's RAM tier holds the only copy it needs, and one writer
 thread per step (started through ``spawn``, so the owner joins it) writes them as
-they arrive, in stock Orbax's layout. ``commit`` writes the manifest, then Orbax's
-finalize and rename. ``delete`` and ``abort`` remove only step directories a
+they arrive. ``commit`` builds the manifest (``records.Manifest.of_save``), and the
+step's format writes it, finalizes and renames. What differs between formats (tmp
+directories, how parts are numbered, the write engine, the commit) is the step's
+``ckptfmt.format.Format``, found by name in the ``formats`` registry: nothing here
+branches on a format. ``delete`` and ``abort`` remove only step directories a
 checkpoint wrote.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import json
 import logging
 import os
 import pathlib
@@ -20,21 +21,17 @@ import queue
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import (
-  commit as ol_commit,
-  dcp,
-  read as ol_read,
-  shards as ol_shards,
-  spec as layout,
-  write as ol_write,
-)
+from sidecar._src.ckptfmt import records, registry as formats_lib, spec as layout
+from sidecar._src.ckptfmt.format import Format
+from sidecar._src.ckptfmt.orbax import read as orbax_read
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, StagedShard
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import dcp_steps, faults, ram_tier, roots as roots_lib
-from sidecar._src.server.checkpoint.roots import MANIFEST
+from sidecar._src.server.checkpoint import faults, ram_tier, roots as roots_lib
 
 log = logging.getLogger(__name__)
 # A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
@@ -42,16 +39,6 @@ log = logging.getLogger(__name__)
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
 DELETING = ".sidecar-deleting-"  # a step being deleted: ``.<step>.sidecar-deleting-<id>``
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WriteEngine:
-  """What writes a staged step's bytes, each shard as it comes, and returns their
-  checksums: ``item_part`` a part of an Orbax item (``ckptfmt/write.write_item_part``),
-  ``dcp_ranks`` the rank files of a DCP step (``dcp_steps.write_ranks``). The step
-  writer's seam: a unit test gives it one that records, waits or fails."""
-  item_part: Callable[..., list[ol_shards.ShardChecksum]] = ol_write.write_item_part
-  dcp_ranks: Callable[..., list[ol_shards.ShardChecksum]] = dcp_steps.write_ranks
 
 
 class StepWriter:
@@ -63,22 +50,22 @@ class StepWriter:
     roots: its checkpoint roots; every path a phase names is checked against them.
     spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
     metrics: where the bytes staged and written and the write's time are recorded.
-    engine: what writes the bytes (the files of stock Orbax's and DCP's layouts).
+    formats: the formats by name (a unit test gives one whose write records, waits or fails).
   """
 
   def __init__(self, host_id: int, *, tier: ram_tier.RamTier, roots: roots_lib.Roots,
                spawn: Callable[..., None], metrics: metrics_lib.Recorder,
-               engine: WriteEngine = WriteEngine()):
+               formats: formats_lib.Registry = formats_lib.DEFAULT):
     self._host_id = host_id
     self._tier = tier
     self._roots = roots
     self._path = roots.resolve
     self._spawn = spawn
     self._metrics = metrics
-    self._engine = engine
+    self._formats = formats
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
-           sweep: bool = True) -> dict:
+           sweep: bool = True) -> list[int]:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps.
 
     ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps.
@@ -94,13 +81,10 @@ class StepWriter:
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
-    for old in path.glob(f"*{dcp.OLD_SUFFIX}") if sweep else ():
-      if dcp.recover(old.with_name(old.name.removesuffix(dcp.OLD_SUFFIX))):
-        log.warning("put %s back: an overwrite of it was cut short", old)
     for gone in path.glob(f".*{DELETING}*") if sweep else ():
       shutil.rmtree(gone, ignore_errors=True)  # a delete cut short
-    tmps = [*path.glob(f"*{layout.TMP_SUFFIX}"), *path.glob(f"*{dcp.TMP_SUFFIX}")]
-    for tmp in tmps if sweep else ():
+    tmps = [t for f in self._formats.formats.values() for t in f.sweep(path)] if sweep else []
+    for tmp in tmps:
       with self._tier.lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
                         for s in self._tier.steps.values())
@@ -111,67 +95,59 @@ class StepWriter:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
     # Only numbered directories that hold a checkpoint's marker are steps: an empty
     # ``999/`` (or one being made by hand) is neither listed nor ever deleted.
-    return {"steps": [s for s in ol_read.list_steps(directory)
-                      if roots_lib.is_checkpoint_dir(path / str(s))
-                      or dcp.is_checkpoint(path / str(s))]}
+    return [s for s in orbax_read.list_steps(directory)
+            if formats_lib.is_checkpoint(path / str(s), self._formats)]
 
-  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:
-    """Creates the step's uncommitted directory (anew): ``<directory>/<step>.orbax-checkpoint-tmp``,
-    or with ``format="dcp"`` ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at
-    ``directory`` is replaced at the commit, as DCP overwrites). Refused while another
-    session's save of the step is being staged or written (it would remove that save's files)."""
+  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:  # noqa: A002
+    """Creates the step's uncommitted directory (anew), as its format names it:
+    ``<directory>/<step>.orbax-checkpoint-tmp`` (``format`` "" or "orbax"), or with "dcp"
+    ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at ``directory`` is replaced
+    at the commit, as DCP overwrites). Refused while another session's save of the step is
+    being staged or written (it would remove that save's files)."""
     resolved = self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
-    if format not in ("", dcp_steps.FORMAT):
-      raise errors.InvalidArgumentError(f"format must be '' or 'dcp', got {format!r}")
-    dcp_tmp = str(dcp.tmp_path(resolved)) if format else ""
+    fmt = self._formats.get(format)
+    tmp = pathlib.Path(fmt.tmp_of(resolved, step))
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
-              if not s.done.is_set() and owner not in s.owners
-              and (s.tmp_dir == dcp_tmp if format else
-                   s.step == step and self._path(s.directory, "directory") == resolved)]
+              if not s.done.is_set() and owner not in s.owners and s.format == fmt.name
+              and pathlib.Path(s.tmp_dir).is_relative_to(tmp)]
     if busy:
       raise errors.PermissionDeniedError(
           f"begin: step {step} of {directory!r:.200} is being saved by another session on "
           f"host {self._host_id}; wait for that save to end, or save another step")
-    if format:  # ``directory`` is the checkpoint's own (DCP's path)
-      return str(dcp.create_tmp(directory))
-    return str(ol_commit.create_tmp_step(directory, step))
+    return str(fmt.create_tmp(directory, step))
 
-  def _uncommitted(self, tmp_dir: str, name: str) -> tuple[str, str]:
-    """``tmp_dir`` (resolved) and where it will be once committed, if ``tmp_dir`` lies in an
-    uncommitted step directory (``*.orbax-checkpoint-tmp``) whose step is not committed,
-    or is an uncommitted DCP checkpoint (``*.dcp-checkpoint-tmp``; its commit replaces
-    a committed one at its path, as DCP overwrites).
+  def _uncommitted(self, tmp_dir: str, name: str) -> tuple[Format, str, str]:
+    """The format of ``tmp_dir``, ``tmp_dir`` (resolved) and where it will be once
+    committed, if ``tmp_dir`` lies in (or is) an uncommitted step directory of a format
+    (``*.orbax-checkpoint-tmp``, ``*.dcp-checkpoint-tmp``) whose step is not committed, or
+    whose format overwrites (DCP's commit replaces a committed one at its path).
 
     What keeps a save from writing into, or a commit from rewriting, a committed step.
     """
     path = pathlib.Path(self._path(tmp_dir, name))
     root = pathlib.Path(self._roots.root_of(str(path)) or "/")
-    dcp_tmp = path.name.endswith(dcp.TMP_SUFFIX)
-    tmp = path if dcp_tmp else next((p for p in path.parents if layout.TMP_SUFFIX in p.name),
-                                    None)
+    found = self._formats.of_tmp(path)
     # Not in a committed step or item either (Orbax's markers, our manifest, above it).
-    inside = next((p for p in (tmp.parents if tmp is not None else ())
+    inside = next((p for p in (found[1].tmp.parents if found is not None else ())
                    if p.is_relative_to(root) and roots_lib.has_markers(p)), None)
-    if tmp is None or inside is not None:
+    if found is None or inside is not None:
+      suffixes = ", or ".join(f"*{f.tmp_suffix}" for f in self._formats.formats.values())
       raise errors.PermissionDeniedError(
           f"{name} {tmp_dir!r:.200} is not inside an uncommitted step directory "
-          f"(*{layout.TMP_SUFFIX}, or *{dcp.TMP_SUFFIX}) outside any committed one; a save "
+          f"({suffixes}) outside any committed one; a save "
           "writes only into the step it began, never into a committed one")
-    if dcp_tmp:
-      return str(path), str(path.with_name(path.name.removesuffix(dcp.TMP_SUFFIX)))
-    step_dir = tmp.with_name(tmp.name.split(layout.TMP_SUFFIX)[0])
-    if step_dir.exists():
+    fmt, where = found
+    if not fmt.overwrites and where.committed.exists():
       raise errors.PermissionDeniedError(
-          f"{name} {tmp_dir!r:.200}: step {step_dir.name} is committed already ({step_dir}); "
-          "nothing writes into or over a committed step")
-    return str(path), str(step_dir / path.relative_to(tmp))
+          f"{name} {tmp_dir!r:.200}: step {where.committed.name} is committed already "
+          f"({where.committed}); nothing writes into or over a committed step")
+    return fmt, str(path), str(where.final)
 
   def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: list[layout.LeafSpec],
-            shards: list[dict], last: bool = True, writers: int = 1,
-            dcp_part: dict | None = None, owner: str = "") -> int:
+            leaves: Sequence[layout.LeafSpec], shards: list[StagedShard], last: bool = True,
+            writers: int = 1, part: Any = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -184,13 +160,20 @@ class StepWriter:
     ``tmp_dir`` must lie in an uncommitted step directory, and ``final_dir`` be where it
     goes; the save belongs to the sessions that staged its parts (``owner``), at most
     ``writers`` of them: a part of another session is refused while it is being written.
-    ``dcp_part`` (``{"rank", "items"}``): a step in DCP's layout, this rank's part of it
-    (its shards' ``leaf`` numbers its items); ``tmp_dir`` is then the tmp step directory.
+    ``part``: the typed part of ``tmp_dir``'s format, if it has one (a DCP step's
+    ``DcpPart``: the rank's items, its shards' ``leaf`` numbering them); the format
+    numbers the shards (``Format.numbering``).
     """
     step = roots_lib.as_int(step, "step")
     for value, name in ((directory, "directory"), (final_dir, "final_dir")):
       self._path(value, name)
-    tmp_dir, final = self._uncommitted(tmp_dir, "tmp_dir")
+    fmt, tmp_dir, final = self._uncommitted(tmp_dir, "tmp_dir")
+    if (part is not None) != (fmt.stage_part is not None) or (
+        part is not None and not isinstance(part, fmt.stage_part)):  # type: ignore[arg-type]
+      raise errors.InvalidArgumentError(
+          f"stage: a part of a step in {fmt.name}'s layout carries "
+          f"{fmt.stage_part.__name__ if fmt.stage_part else 'no format part'}, got "
+          f"{type(part).__name__ if part is not None else 'none'}")
     if final != self._path(final_dir, "final_dir"):
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
@@ -206,31 +189,25 @@ class StepWriter:
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
       if record is None or record.done.is_set():
-        specs = [] if dcp_part is not None else list(leaves)
-        record = ram_tier.Step(directory, step, final_dir, {}, 0, specs, tmp_dir=tmp_dir,
-                               writers=max(writers, 1),
-                               format=dcp_steps.FORMAT if dcp_part is not None else "")
+        record = ram_tier.Step(directory, step, final_dir, {}, 0, tmp_dir=tmp_dir,
+                               writers=max(writers, 1), format=fmt.name,
+                               numbering=fmt.numbering(leaves))
         self._tier.steps[final_dir] = record
-        self._spawn(self._write, record, tmp_dir, name=f"sidecar-ckpt-{step}")
+        self._spawn(self._write, record, fmt, tmp_dir, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
-      if (dcp_part is not None) != (record.format == dcp_steps.FORMAT):
-        raise errors.InvalidArgumentError(
-            f"step {step} on host {self._host_id} is staged in "
-            f"{record.format or 'Orbax'}'s layout; a part in the other came")
       record.owners.add(owner)
-      if dcp_part is not None:
-        self._stage_dcp(record, dcp_part, shards)
-        shards = []
-      for s in shards:
-        leaf, index = int(s["leaf"]), tuple((int(a), int(b)) for a, b in s["index"])
-        if not 0 <= leaf < len(record.specs):
-          raise errors.InvalidArgumentError(
-              f"shard of leaf {leaf}: step {step} has {len(record.specs)} leaves")
-        record.shards[(record.specs[leaf].key_path, index)] = s["data"]
-        record.nbytes += s["data"].nbytes
-        self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
-        record.incoming.put((leaf, ol_shards.Shard(index, s["data"])))
+      assert record.numbering is not None
+      try:
+        taken = record.numbering.take(part, shards)
+      except errors.InvalidArgumentError as e:
+        raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
+      for (key, to_write), s in zip(taken, shards):
+        record.shards[(key.key_path, key.index)] = s.data
+        record.nbytes += s.data.nbytes
+        self._metrics.checkpoint_bytes("staged", s.data.nbytes)
+        record.incoming.put(to_write)
+      del taken
       if last:
         record.lasts += 1
         if record.lasts >= writers:
@@ -239,22 +216,7 @@ class StepWriter:
           record.whole.set()
       return record.nbytes
 
-  def _stage_dcp(self, record: ram_tier.Step, part: dict, shards: list[dict]) -> None:
-    """Takes one rank's part of a DCP step; the lock is held."""
-    rank = roots_lib.as_int(part["rank"], "dcp.rank")
-    items = record.dcp_items.setdefault(rank, dcp_steps.items_from_dicts(part["items"]))
-    for s in shards:
-      number = int(s["leaf"])
-      if not 0 <= number < len(items):
-        raise errors.InvalidArgumentError(
-            f"shard of item {number}: rank {rank} of step {record.step} has {len(items)} items")
-      key = ((items[number].fqn,), items[number].index)
-      record.shards[key] = s["data"]
-      record.nbytes += s["data"].nbytes
-      self._metrics.checkpoint_bytes("staged", s["data"].nbytes)
-      record.incoming.put(((rank, number), s["data"]))
-
-  def _write(self, record: ram_tier.Step, tmp_dir: str) -> None:
+  def _write(self, record: ram_tier.Step, fmt: Format, tmp_dir: str) -> None:
     # The bytes are written and checksummed on idle-class threads (ckptfmt/write.py): a
     # save yields the CPU to the training step and feeds wherever they compete.
     t0 = time.perf_counter()
@@ -274,7 +236,7 @@ class StepWriter:
                    shm.format_size(record.written), shm.format_size(record.nbytes),
                    record.written / (now - record.started) / 1e9, extra={"step": record.step})
 
-      def incoming():
+      def incoming() -> Iterator[Any]:
         while True:
           try:
             shard = record.incoming.get(timeout=STAGE_TIMEOUT_S)
@@ -288,13 +250,9 @@ class StepWriter:
             raise shard
           yield shard
 
-      if record.format == dcp_steps.FORMAT:
-        record.checksums = self._engine.dcp_ranks(tmp_dir, record.dcp_items, incoming(),
-                                                  host_id=self._host_id, progress=progress)
-      else:
-        sums = self._engine.item_part(tmp_dir, self._host_id, record.specs, incoming(),
-                                      progress=progress)
-        record.checksums = [dataclasses.replace(c, host=self._host_id) for c in sums]
+      assert record.numbering is not None
+      record.checksums = fmt.write(tmp_dir, self._host_id, record.numbering, incoming(),
+                                   progress=progress)
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
@@ -315,8 +273,7 @@ class StepWriter:
       record.done.set()
       record.whole.set()
 
-  def prepared(self, final_dir: str, timeout: float = 3600.0
-               ) -> list[ol_shards.ShardChecksum]:
+  def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[ShardChecksum]:
     self._path(final_dir, "final_dir")
     record = self._tier.record(final_dir)
     if not record.done.wait(timeout):
@@ -327,22 +284,22 @@ class StepWriter:
     faults.fault("prepared", record.step)
     return record.checksums
 
-  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: list[layout.LeafSpec],
-             checksums: list[ol_shards.ShardChecksum], data_state: str, whole_step: bool,
-             replicas: dict | None = None, dcp_commit: dict | None = None,
+  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[layout.LeafSpec],
+             checksums: Sequence[ShardChecksum], data_state: str, whole_step: bool,
+             replicas: dict[int, list[int]] | None = None, part: Any = None,
              owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
-    ``replicas``: which peers hold each host's replicas (``{host: [peers]}``), recorded
+    ``replicas``: which hosts hold each host's replicas (``{host: [hosts]}``), recorded
     so that a restore that finds shards lost can say which hosts are gone. Only the
     session that staged ``tmp_dir`` here (``owner``) commits it, once it is written, and
     only into an uncommitted step.
-    ``dcp_commit`` (``{"metadata", "file_sizes", "plan_json"}``): a step in DCP's layout,
-    whose tmp directory ``tmp_dir`` is.
+    ``part``: the typed commit part of ``tmp_dir``'s format, if it has one (a DCP step's
+    ``DcpCommit``: its metadata, file sizes and plan).
     """
     step = roots_lib.as_int(step, "step")
-    tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
+    fmt, tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
     with self._tier.lock:
       record = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
     if (record is None or owner not in record.owners or record.step != step
@@ -354,42 +311,19 @@ class StepWriter:
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} is not written on host {self._host_id} "
           f"({'still writing' if record.error is None else record.error}); wait for prepared")
-    if dcp_commit is not None:
-      if not tmp_dir.endswith(dcp.TMP_SUFFIX):
-        raise errors.InvalidArgumentError(
-            f"tmp_dir {tmp_dir!r:.200} is not an uncommitted DCP step directory "
-            f"(*{dcp.TMP_SUFFIX})")
-      faults.fault("commit", step)
-      return dcp_steps.commit(tmp_dir, step=step, metadata=dcp_commit["metadata"],
-                              file_sizes=dcp_commit["file_sizes"],
-                              plan_json=dcp_commit["plan_json"], checksums=checksums,
-                              data_state=data_state, replicas=replicas)
-    if whole_step:  # the rename acts on tmp_dir's parent, the tmp step directory
-      parent = self._path(str(pathlib.Path(tmp_dir).parent), "tmp_dir's step directory")
-      if not parent.endswith(layout.TMP_SUFFIX):
-        raise errors.InvalidArgumentError(
-            f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory "
-            f"(*{layout.TMP_SUFFIX})")
-    manifest = {"format": "colocated-sidecar", "version": 1, "step": step,
-                "leaves": [layout.spec_to_dict(s) for s in leaves],
-                "shards": [c.to_dict() for c in checksums],
-                "data_state": json.loads(data_state) if data_state else None}
-    if replicas:
-      manifest["replicas"] = {str(h): [int(p) for p in peers] for h, peers in replicas.items()}
-    try:
-      with open(pathlib.Path(tmp_dir) / MANIFEST, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    except (FileNotFoundError, NotADirectoryError) as e:
+    if (part is not None) != (fmt.commit_part is not None) or (
+        part is not None and not isinstance(part, fmt.commit_part)):  # type: ignore[arg-type]
       raise errors.InvalidArgumentError(
-          f"commit: tmp_dir {tmp_dir!r:.200} is not a directory this sidecar staged and wrote "
-          f"({e.strerror}); stage and prepare a step before committing it") from None
+          f"commit: a step in {fmt.name}'s layout commits with "
+          f"{fmt.commit_part.__name__ if fmt.commit_part else 'no format part'}, got "
+          f"{type(part).__name__ if part is not None else 'none'}")
+    manifest = Manifest.of_save(fmt.manifest_format, step=step, leaves=leaves,
+                                checksums=checksums, data_state_json=data_state,
+                                replicas=replicas, extras=fmt.manifest_extras(part))
     faults.fault("commit", step)
-    if whole_step:
-      return str(ol_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts))
-    ol_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts)
-    return tmp_dir
+    return fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
+                      whole_step=whole_step, part=part,
+                      swapping=lambda: faults.fault("swap", step))
 
   def abort(self, tmp_dir: str, final_dir: str) -> None:
     """Forgets a step whose save failed; removes ``tmp_dir`` (its uncommitted files) once
@@ -400,12 +334,12 @@ class StepWriter:
     self._path(final_dir, "final_dir")
     root = self._roots.root_of(path)
     assert root is not None
-    if not any(part.endswith((layout.TMP_SUFFIX, dcp.TMP_SUFFIX))
-               for part in pathlib.Path(path).relative_to(root).parts):
+    suffixes = tuple(f.tmp_suffix for f in self._formats.formats.values())
+    if not any(part.endswith(suffixes) for part in pathlib.Path(path).relative_to(root).parts):
       raise errors.InvalidArgumentError(
           f"abort: tmp_dir {tmp_dir!r:.200} is not an uncommitted step directory "
-          f"(*{layout.TMP_SUFFIX}) "
-          "nor inside one; abort removes only a save's uncommitted files")
+          f"(*{', *'.join(suffixes)}) nor inside one; abort removes only a save's uncommitted "
+          "files")
     with self._tier.lock:
       record = self._tier.steps.pop(final_dir, None)
       for key in [k for k in self._tier.replicas if k[0] == final_dir]:
@@ -435,7 +369,8 @@ class StepWriter:
       return  # gone already
     if not roots_lib.is_checkpoint_dir(target):
       raise errors.InvalidArgumentError(
-          f"delete: {target} is not a checkpoint step directory (no {MANIFEST} nor Orbax's "
+          f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
+          "Orbax's "
           "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
           "wrote")
     # Renamed away first: a delete cut short leaves no half step under a step's name.

@@ -12,7 +12,6 @@ client stream: a peer's replica of one step, its shards' bytes raw in each messa
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arena_io import ArenaIO
@@ -175,9 +174,9 @@ class CheckpointService:
   # ---- save --------------------------------------------------------------
 
   def open(self, r: ckpt_pb.CheckpointOpenRequest, _) -> ckpt_pb.CheckpointOpenResponse:
-    opened = self._host.writer.open(r.directory, r.ram_steps,
-                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
-    return ckpt_pb.CheckpointOpenResponse(steps=opened["steps"])
+    steps = self._host.writer.open(r.directory, r.ram_steps,
+                                   r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
+    return ckpt_pb.CheckpointOpenResponse(steps=steps)
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
@@ -189,14 +188,11 @@ class CheckpointService:
             ) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    view = lambda ref: self._arena_io.view(ref, r.worker_session)
-    shards = [{"leaf": s.leaf, "index": wire.index_from_pb(s.index, f"shards[{i}].index"),
-               "data": wire.data_from_pb(s.data, view, f"shards[{i}].data")}
-              for i, s in enumerate(r.shards)]
-    part = wire.dcp_part_from_pb(r.dcp, "dcp") if r.HasField("dcp") else None
+    part = wire.format_part_from_pb(r, wire.STAGE_PARTS)
+    shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session))
     try:
       staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves, shards,
-                                       r.last, writers=max(r.writers, 1), dcp_part=part,
+                                       r.last, writers=max(r.writers, 1), part=part,
                                        owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
@@ -214,29 +210,15 @@ class CheckpointService:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
     sums = [wire.checksum_from_pb(c, f"checksums[{i}]") for i, c in enumerate(r.checksums)]
-    if r.data_state_json:
-      try:
-        json.loads(r.data_state_json)
-      except ValueError as e:
-        raise errors.InvalidArgumentError(f"data_state_json is not JSON: {e}") from None
-    dcp_commit = None
-    if r.HasField("dcp"):
-      dcp_commit = {"metadata": r.dcp.metadata, "plan_json": r.dcp.plan_json,
-                    "file_sizes": {int(k): int(v) for k, v in r.dcp.file_sizes.items()}}
     committed = self._host.writer.commit(
         r.tmp_dir, step, r.num_hosts, leaves, sums, r.data_state_json, r.whole_step,
-        wire.replicas_from_pb(r.replicas) or None, dcp_commit=dcp_commit,
-        owner=_session(context))
+        wire.replicas_from_pb(r.replicas) or None,
+        part=wire.format_part_from_pb(r, wire.COMMIT_PARTS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _
                 ) -> ckpt_pb.CheckpointCommittedResponse:
-    manifest = None
-    if r.manifest_json:
-      try:
-        manifest = json.loads(r.manifest_json)
-      except ValueError as e:
-        raise errors.InvalidArgumentError(f"manifest_json is not JSON: {e}") from None
+    manifest = Manifest.from_json(r.manifest_json, "manifest_json") if r.manifest_json else None
     return ckpt_pb.CheckpointCommittedResponse(
         kept_steps=self._host.committed(r.final_dir, manifest))
 
@@ -252,19 +234,17 @@ class CheckpointService:
     self._host.forget(r.directory, _step(r.step))
     return ckpt_pb.CheckpointForgetResponse()
 
-  # ---- peer replicas ------------------------------------------------------
+  # ---- replicas -----------------------------------------------------------
 
   def replicate(self, r: ckpt_pb.CheckpointReplicateRequest, context: grpc.ServicerContext
                 ) -> ckpt_pb.CheckpointReplicateResponse:
     if r.HasField("bandwidth") and r.bandwidth < 1:
       raise errors.InvalidArgumentError(
           f"bandwidth must be absent or bytes per second >= 1, got {r.bandwidth}")
-    peers = [{"host_id": p.host_id, "address": p.address, "socket": p.socket,
-              "boot_id": p.boot_id} for p in r.peers]
-    out = self._host.replicator.replicate(r.final_dir, peers, _timeout(r.timeout_s, context),
-                                          r.bandwidth if r.HasField("bandwidth") else None)
-    return ckpt_pb.CheckpointReplicateResponse(peers=out["peers"], shards=out["shards"],
-                                               bytes=out["bytes"], seconds=out["seconds"])
+    targets = [wire.replica_target_from_pb(p, f"peers[{i}]") for i, p in enumerate(r.peers)]
+    return wire.replicated_to_pb(self._host.replicator.replicate(
+        r.final_dir, targets, _timeout(r.timeout_s, context),
+        r.bandwidth if r.HasField("bandwidth") else None))
 
   def receive(self, requests: Iterator[bytes], context: grpc.ServicerContext
               ) -> ckpt_pb.ReceiveResponse:
@@ -341,43 +321,26 @@ class CheckpointService:
   # ---- restore ------------------------------------------------------------
 
   def held(self, r: ckpt_pb.CheckpointHeldRequest, _) -> ckpt_pb.CheckpointHeldResponse:
-    held = self._host.held(r.directory)
-    out = ckpt_pb.CheckpointHeldResponse()
-    for item, shards in held["own"].items():
-      out.own[item].CopyFrom(wire.shard_ids(shards))
-    for item, by_source in held["replicas"].items():
-      for source, shards in by_source.items():
-        out.replicas[item].by_source[int(source)].CopyFrom(wire.shard_ids(shards))
-    return out
+    return wire.held_to_pb(self._host.held(r.directory))
 
   def info(self, r: ckpt_pb.CheckpointInfoRequest, _) -> ckpt_pb.CheckpointInfoResponse:
-    manifest = self._host.info(r.final_dir)
     try:
-      out = ckpt_pb.CheckpointInfoResponse(
-          format=str(manifest.get("format") or ""),
-          leaves=[wire.manifest_leaf_to_pb(d) for d in manifest["leaves"]],
-          shards=[wire.checksum_to_pb(ShardChecksum.from_dict(c)) for c in manifest["shards"]])
-      if manifest.get("data_state") is not None:
-        out.data_state_json = json.dumps(manifest["data_state"])
-      if manifest.get("plan") is not None:
-        out.dcp_plan_json = json.dumps(manifest["plan"])
-      wire.replicas_to_pb(out.replicas, manifest.get("replicas"))
-    except (KeyError, TypeError, ValueError, errors.InvalidArgumentError) as e:
+      return wire.manifest_to_pb(self._host.info(r.final_dir))
+    except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values
       raise errors.InvalidArgumentError(
           f"{r.final_dir}: its manifest is not one this sidecar wrote ({type(e).__name__}: "
           f"{e}); restore it with Orbax, or an older step") from None
-    return out
 
   def read(self, r: ckpt_pb.CheckpointReadRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointReadResponse:
-    kp, index = wire.shard_from_pb(r.shard, "shard")
-    part = [r.part.offset, r.part.nbytes] if r.HasField("part") else None
+    shard = wire.shard_from_pb(r.shard, "shard")
+    part = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
     tier = _TIERS.get(r.tier)
     if tier is None:
       raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
     with self._allocating(context):
-      data = self._host.read(r.final_dir, list(kp), [list(i) for i in index],
-                             r.crc32c if r.HasField("crc32c") else None, tier, part)
+      data = self._host.read(r.final_dir, shard, r.crc32c if r.HasField("crc32c") else None,
+                             tier, part)
     out = ckpt_pb.CheckpointReadResponse()
     if not r.worker_session:  # inline, the bytes copied once into the message
       wire.fill_data(out.data, data)

@@ -13,7 +13,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.controller.checkpoint.client import StagedShard
+from sidecar._src.ckptfmt.records import ShardId, StagedShard
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
@@ -114,18 +114,19 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
   server = make_server(token=TOKEN)
   path = tmp_path / "ck" / "step-3"
   item = dcp.Item(fqn="w", kind="tensor", nbytes=4096, dtype="float32", sizes=(1024,),
-                  offsets=(0,)).to_dict()
+                  offsets=(0,))
+  part = dcp.DcpPart(0, (item,))
   with controller(server) as victim, controller(server, attach=False) as attacker:
     mine, theirs = victim._checkpoint_client(), attacker._checkpoint_client()
     mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
     tmp = mine.begin(0, str(path), 3, format=dcp.FORMAT).result()
     assert tmp == str(dcp.tmp_path(path))
     mine.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
-               leaves=[], shards=[], last=False, dcp=(0, [item])).result()
+               leaves=[], shards=[], last=False, part=part).result()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
-                   leaves=[], shards=[evil], last=True, dcp=(0, [item])).result()
+                   leaves=[], shards=[evil], last=True, part=part).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
@@ -134,7 +135,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
       theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=str(path),
                    final_dir=str(path), leaves=[], shards=[evil], last=True,
-                   dcp=(0, [item])).result()
+                   part=part).result()
     assert pathlib.Path(tmp).is_dir()  # the victim's save is still there
     mine.abort(0, tmp, str(path), timeout=10).result()
 
@@ -177,7 +178,7 @@ def receive(channel, metadata, messages):
 
 
 def held_replicas(server, directory) -> dict:
-  return server.checkpoints.held(str(directory))["replicas"]
+  return dict(server.checkpoints.held(str(directory)).replicas)
 
 
 def test_a_controller_cannot_plant_a_replica(make_server, tmp_path):
@@ -207,8 +208,8 @@ def test_a_controller_cannot_plant_a_replica(make_server, tmp_path):
     held = {h: held_replicas(s, directory) for h, s in enumerate(servers)}
     source, holder = (0, 1) if held[1] else (1, 0)  # whichever host staged the leaf
     assert list(held[holder][str(directory / "1" / "default")]) == [source]
-    got = servers[holder].checkpoints.read(str(directory / "1" / "default"), ["w"], [[0, 1024]],
-                                           tier="replica")
+    got = servers[holder].checkpoints.read(str(directory / "1" / "default"),
+                                           ShardId(("w",), ((0, 1024),)), tier="replica")
     np.testing.assert_array_equal(got, state["w"])
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sidecar._src.ckptfmt import dcp
+from sidecar._src.ckptfmt.dcp import distcp as dcp
 
 pytestmark = pytest.mark.unit
 

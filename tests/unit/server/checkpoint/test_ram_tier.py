@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt.records import Held, ReplicaTarget, ShardId
 from sidecar._src.core import errors
-from sidecar._src.server.checkpoint import peers as replicas_lib, ram_tier
+from sidecar._src.server.checkpoint import ram_tier
 from sidecar._src.server.leases import Leases
 
 pytestmark = pytest.mark.unit
@@ -127,8 +128,7 @@ def test_a_step_held_only_as_a_replica_is_committed_and_kept(tier, arena):
   add_replica(tier, arena, 7, source=1)
   assert tier.mark_committed(item(7)) == [7]
   assert tier.replicas[(item(7), 1)].committed
-  assert tier.held_replicas(D) == {item(7): {1: [[["w"], [[0, 1]]]]}}
-  assert tier.own(D) == {}
+  assert tier.held(D) == Held({}, {item(7): {1: (ShardId(("w",), ((0, 1),)),)}})
 
 
 def test_a_step_this_host_never_held_is_not_recorded(tier):
@@ -153,7 +153,7 @@ def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
 def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
   commit(tier, arena, 1)
   job = tier.steps[item(1)].replication = ram_tier.Replication(
-      [replicas_lib.Peer(host_id=1, address="127.0.0.1:1")])
+      [ReplicaTarget(host_id=1, address="127.0.0.1:1")])
   with tier.lock:
     tier.drop(D, 1)
   assert job.cancelled.is_set() and used_blocks(arena) == 0
@@ -210,4 +210,4 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   assert [(r.source_host, list(r.steps), r.nbytes) for r in status.replicas] == [(2, [0, 1], 2 * KB)]
   assert tier.usage() == {"ram_steps": 1, "ram_bytes": 2 * KB, "replica_steps": 2,
                           "replica_bytes": 2 * KB, "writing_steps": 1, "writing_bytes": 2 * KB}
-  assert tier.own(D) == {item(1): [[["w"], [[0, 1]]], [["w"], [[1, 2]]]]}
+  assert tier.held(D).own == {item(1): (ShardId(("w",), ((0, 1),)), ShardId(("w",), ((1, 2),)))}

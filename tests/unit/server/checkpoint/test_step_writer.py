@@ -1,6 +1,6 @@
 """The host's save phases (begin, stage, prepared, commit, abort) through the step writer's
-seam, its WriteEngine: the real one wrapped to record what it is given and when, or one
-that fails or waits. Real files under tmp_path; no server, no processes."""
+seam, its format registry: the real Orbax format, its write wrapped to record what it is
+given and when, or to fail. Real files under tmp_path; no server, no processes."""
 
 import errno
 import json
@@ -10,7 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt import records, registry, spec as layout
+from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
+from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save
@@ -24,27 +26,26 @@ SPECS = [layout.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_
 def shard(leaf, index, value):
   spec = SPECS[leaf]
   shape = tuple(b - a for a, b in index)
-  return {"leaf": leaf, "index": [list(i) for i in index],
-          "data": np.full(shape, value, spec.dtype)}
+  return StagedShard(leaf, index, np.full(shape, value, spec.dtype))
 
 
-class Recording:
-  """The real engine, recording each shard as it reaches it (``first`` set at the first);
-  ``fail`` raised in a shard's place."""
+class Recording(OrbaxFormat):
+  """The real Orbax format, its write recording each shard as it reaches it (``first`` set
+  at the first); ``fail`` raised in a shard's place."""
 
   def __init__(self, fail=None):
     self.seen, self.fail = [], fail
     self.first = threading.Event()
 
-  def item_part(self, tmp_dir, host_id, specs, shards, *, progress):
+  def write(self, tmp_dir, host_id, numbering, incoming, *, progress):
     def recorded():
-      for leaf, s in shards:
+      for leaf, s in incoming:
         self.seen.append((leaf, s.index))
         self.first.set()
         if self.fail is not None:
           raise self.fail
         yield leaf, s
-    return save.WriteEngine().item_part(tmp_dir, host_id, specs, recorded(), progress=progress)
+    return super().write(tmp_dir, host_id, numbering, recorded(), progress=progress)
 
 
 @pytest.fixture
@@ -56,11 +57,11 @@ def make_writer(tmp_path):
     threads.append(t)
     t.start()
 
-  def make(engine):
+  def make(fmt):
     tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
-    engine = save.WriteEngine(item_part=engine.item_part)
     return save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
-                           spawn=spawn, metrics=metrics_lib.Recorder(), engine=engine), tier
+                           spawn=spawn, metrics=metrics_lib.Recorder(),
+                           formats=registry.DEFAULT.replacing(fmt)), tier
 
   yield make
   for t in threads:
@@ -93,9 +94,10 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
       (("b",), ((0, 3),), 0), (("w",), ((0, 2), (0, 2)), 0), (("w",), ((2, 4), (0, 2)), 0)]
   committed = writer.commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True, owner="a")
   assert committed == str(tmp_path / "ck" / "3")
-  with open(os.path.join(final, roots_lib.MANIFEST)) as f:
+  with open(os.path.join(final, records.MANIFEST_FILE)) as f:
     manifest = json.load(f)
   assert manifest["data_state"] == {"batch": 5} and len(manifest["shards"]) == 3
+  assert manifest["format"] == records.SIDECAR_FORMAT and manifest["step"] == 3
 
 
 def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_committed(
@@ -146,3 +148,28 @@ def test_another_session_neither_stages_into_nor_commits_a_save(make_writer, tmp
     writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="b")
   writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="a")
   assert sorted(os.listdir(directory)) == ["6"]
+
+
+def test_a_shard_of_a_leaf_the_step_lacks_is_refused_and_nothing_is_staged(make_writer, tmp_path):
+  writer, tier = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 7)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"^step 7 on host 0: shard of leaf 2: the step has 2 leaves$"):
+    writer.stage(directory, 7, tmp_dir, final, SPECS,
+                 [shard(1, ((0, 3),), 1), StagedShard(2, ((0, 1),), np.zeros(1))], last=False,
+                 owner="a")
+  assert tier.steps[final].shards == {} and tier.steps[final].nbytes == 0
+  writer.abort(os.path.dirname(tmp_dir), final)
+
+
+def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tmp_path):
+  from sidecar._src.ckptfmt.dcp import DcpPart
+  writer, _ = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 8)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"stage: a part of a step in orbax's layout carries no format part, "
+                     r"got DcpPart"):
+    writer.stage(directory, 8, tmp_dir, final, SPECS, [], part=DcpPart(0, ()), owner="a")
+  with pytest.raises(errors.InvalidArgumentError, match=r"format must be one of \['dcp', "
+                     r"'orbax'\] \('' is 'orbax'\), got 'safetensors'"):
+    writer.begin(directory, 9, format="safetensors", owner="a")

@@ -47,7 +47,6 @@ import dataclasses
 import enum
 import errno
 import functools
-import json
 import os
 import pathlib
 import shutil
@@ -56,13 +55,14 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import dcp_record, direct_io
+from sidecar._src.ckptfmt import direct_io, records
+from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.shards import ShardChecksum, shard_crc32c
 from sidecar._src.core import errors
 
 METADATA_FILE = ".metadata"
-MANIFEST = "sidecar_manifest.json"  # as in a sidecar's Orbax steps
+MANIFEST = records.MANIFEST_FILE
 TMP_SUFFIX = ".dcp-checkpoint-tmp"
 OLD_SUFFIX = ".dcp-checkpoint-old"  # a replaced checkpoint, until its removal
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
@@ -323,7 +323,7 @@ def is_checkpoint(path: os.PathLike | str) -> bool:
 
 
 def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int, int],
-             manifest: Mapping[str, Any] | None = None, replace: bool = True,
+             manifest: records.Manifest | None = None, replace: bool = True,
              swapping: Callable[[], None] | None = None) -> pathlib.Path:
   """Commits the checkpoint written into ``tmp``: checks every rank's file, writes the
   manifest and ``.metadata`` (the bytes rank 0's trainer pickled), fsyncs, renames.
@@ -332,7 +332,7 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
     tmp: the directory :func:`create_tmp` returned.
     metadata: DCP's ``Metadata``, pickled by the trainer; written as it is.
     file_sizes: every rank's file size (:func:`layout`), by rank.
-    manifest: JSON, our record of the checkpoint (items, placements, checksums).
+    manifest: our record of the checkpoint (its plan, checksums), written as its JSON.
     replace: a committed checkpoint already at the path is replaced (as DCP's
       ``overwrite=True``): it stays whole until the rename and is removed after;
       False: FileExistsError.
@@ -363,7 +363,7 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
           + ("missing" if got is None else f"{got} bytes, expected {size}")
           + "; every rank's part must be written before the commit")
   if manifest is not None:
-    direct_io.write_small(tmp / MANIFEST, json.dumps(manifest, separators=(",", ":")).encode())
+    direct_io.write_small(tmp / MANIFEST, manifest.to_json().encode())
   direct_io.write_small(tmp / METADATA_FILE, metadata)
   direct_io.fsync_dir(tmp)
   recover(final)
@@ -413,13 +413,4 @@ def read_item(path: os.PathLike | str, where: Placement, out: np.ndarray) -> Non
     raise errors.CorruptCheckpointError(
         f"{pathlib.Path(path) / where.relative_path} holds {got} of the {out.nbytes} bytes at "
         f"offset {where.data_offset}: the file is truncated")
-
-
-def manifest_of(path: os.PathLike | str) -> dict[str, Any] | None:
-  """The manifest of a checkpoint a sidecar wrote; None for one stock DCP wrote."""
-  try:
-    with open(pathlib.Path(path) / MANIFEST) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    return None
 

@@ -1,0 +1,41 @@
+"""PyTorch DCP's on-disk layout, written by sidecars (``.metadata``, ``__{rank}_0.distcp``).
+
+* ``distcp``: the files: items, placements, each rank's file, the commit, reads.
+* ``record``: one tensor chunk's record, a ``torch.save`` archive byte for byte.
+* ``parts``: the typed parts a DCP save carries (``DcpPart``, ``DcpCommit``).
+* ``format``: :class:`~sidecar._src.ckptfmt.dcp.format.DcpFormat`, the format seam's
+  implementation (``ckptfmt/format.py``).
+
+None imports torch, Orbax, TensorStore or JAX. The names below are ``distcp``'s, as the
+trainer's DCP adapter (``sidecar/_src/torch``) imports them from ``ckptfmt.dcp``.
+"""
+
+from sidecar._src.ckptfmt.dcp.distcp import (
+  FORMAT,
+  METADATA_FILE,
+  OLD_SUFFIX,
+  TMP_SUFFIX,
+  Item,
+  ItemKind,
+  Placement,
+  create_tmp,
+  data_offset,
+  file_name,
+  finalize,
+  is_checkpoint,
+  item_checksum,
+  layout,
+  old_path,
+  read_item,
+  recover,
+  tmp_path,
+  write_rank_part,
+)
+from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
+
+__all__ = [
+  "FORMAT", "METADATA_FILE", "OLD_SUFFIX", "TMP_SUFFIX", "DcpCommit", "DcpPart", "Item",
+  "ItemKind", "Placement", "create_tmp", "data_offset", "file_name", "finalize",
+  "is_checkpoint", "item_checksum", "layout", "old_path", "read_item", "recover", "tmp_path",
+  "write_rank_part",
+]

@@ -1,0 +1,222 @@
+"""DCP's layout (``torch.distributed.checkpoint``) as a :class:`~sidecar._src.ckptfmt.format.Format`.
+
+A DCP step goes through the same phases as an Orbax one; what differs is here. Each
+trainer rank beside a sidecar stages its own part (:class:`~.parts.DcpPart`: its items,
+in the order of its file), and each rank's file is written by its own thread
+(:func:`write_ranks`, ``distcp.write_rank_part``) as the rank's shards arrive. The RAM
+tier keys a tensor chunk as ``((fqn,), ((start, stop), ...))`` and a bytes item as
+``((fqn,), ())``, so restores and replicas treat them as any shard. A read from storage
+(:meth:`DcpFormat.read`) finds the item's bytes through the plan in the manifest (plain
+JSON values the trainer made); the sidecar never unpickles DCP's ``.metadata`` and never
+imports torch, Orbax, TensorStore or JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from sidecar._src.ckptfmt import records
+from sidecar._src.ckptfmt.dcp import distcp, record
+from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
+from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.core import dtypes, errors
+
+_END = object()
+
+
+class ItemNumbering(Numbering):
+  """A staged shard's number is its item's, in its rank's items (the rank's first part
+  carries them)."""
+
+  def __init__(self) -> None:
+    self.items: dict[int, tuple[distcp.Item, ...]] = {}  # by rank
+
+  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[tuple[ShardId, Any]]:
+    if not isinstance(part, DcpPart):
+      raise errors.InvalidArgumentError(
+          f"a part of a DCP step carries its rank's items (dcp), got {type(part).__name__}")
+    items = self.items.get(part.rank, part.items)
+    out = []
+    for s in shards:
+      if not 0 <= s.leaf < len(items):
+        raise errors.InvalidArgumentError(
+            f"shard of item {s.leaf}: rank {part.rank} has {len(items)} items")
+      item = items[s.leaf]
+      out.append((ShardId((item.fqn,), item.index), ((part.rank, s.leaf), s.data)))
+    self.items.setdefault(part.rank, items)
+    return out
+
+
+class DcpFormat(Format):
+  """DCP's layout; see the module's docstring."""
+
+  name: ClassVar[str] = distcp.FORMAT
+  manifest_format: ClassVar[str] = distcp.FORMAT
+  tmp_suffix: ClassVar[str] = distcp.TMP_SUFFIX
+  overwrites: ClassVar[bool] = True  # as DCP's: the path is the checkpoint's, not a step's
+  stage_part: ClassVar[type | None] = DcpPart
+  commit_part: ClassVar[type | None] = DcpCommit
+
+  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
+    del step  # ``directory`` is the checkpoint's own path
+    return distcp.create_tmp(directory)
+
+  def tmp_of(self, directory: str, step: int) -> str:
+    del step
+    return str(distcp.tmp_path(directory))
+
+  def final_of(self, path: pathlib.Path) -> Uncommitted | None:
+    if not path.name.endswith(distcp.TMP_SUFFIX):
+      return None
+    final = path.with_name(path.name.removesuffix(distcp.TMP_SUFFIX))
+    return Uncommitted(path, final, final)
+
+  def sweep(self, directory: pathlib.Path) -> list[pathlib.Path]:
+    for old in sorted(directory.glob(f"*{distcp.OLD_SUFFIX}")):
+      distcp.recover(old.with_name(old.name.removesuffix(distcp.OLD_SUFFIX)))
+    return super().sweep(directory)
+
+  def is_checkpoint(self, path: pathlib.Path) -> bool:
+    return distcp.is_checkpoint(path)
+
+  def numbering(self, leaves: Sequence[LeafSpec]) -> ItemNumbering:
+    del leaves  # a DCP step has items, by rank
+    return ItemNumbering()
+
+  def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
+            *, progress: Callable[[int], None]) -> list[ShardChecksum]:
+    assert isinstance(numbering, ItemNumbering)
+    return write_ranks(tmp_dir, numbering.items, incoming, host_id=host_id, progress=progress)
+
+  def manifest_extras(self, part: Any) -> Mapping[str, Any]:
+    return {"plan": _commit_part(part).plan()}
+
+  def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
+             num_hosts: int, whole_step: bool, part: Any,
+             swapping: Callable[[], None]) -> str:
+    """Writes the manifest and DCP's ``.metadata`` (as the trainer pickled it), renames
+    (swapping in one step with a committed checkpoint at the path)."""
+    del leaves, num_hosts, whole_step  # every rank's file size is checked instead
+    if not tmp_dir.endswith(distcp.TMP_SUFFIX):
+      raise errors.InvalidArgumentError(
+          f"tmp_dir {tmp_dir!r:.200} is not an uncommitted DCP step directory "
+          f"(*{distcp.TMP_SUFFIX})")
+    part = _commit_part(part)
+    return str(distcp.finalize(tmp_dir, metadata=part.metadata, file_sizes=part.file_sizes,
+                               manifest=manifest, swapping=swapping))
+
+  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
+    """The stored bytes of one item of a committed DCP step."""
+    path = pathlib.Path(final_dir)
+    try:
+      found = _index(str(path), (path / records.MANIFEST_FILE).stat().st_mtime)
+    except (OSError, KeyError, StopIteration, ValueError, TypeError) as e:
+      raise errors.InvalidArgumentError(f"cannot read {final_dir}: its manifest: {e}") from None
+    key, index = shard.key_path, shard.index
+    entry = found.get((str(key[0]) if key else "", tuple(a for a, _ in index)))
+    if entry is None or len(key) != 1:
+      raise errors.InvalidArgumentError(
+          f"{final_dir} has no item {list(key)} at {[list(i) for i in index]}")
+    item, where = entry
+    if item.kind is distcp.ItemKind.BYTES:
+      out = allocate((item.nbytes,), np.dtype(np.uint8))
+    else:
+      out = allocate(item.sizes, dtypes.dtype_of(item.dtype, f"item {item.fqn!r}"))
+    distcp.read_item(path, where, out)
+    return out
+
+
+def _commit_part(part: Any) -> DcpCommit:
+  if not isinstance(part, DcpCommit):
+    raise errors.InvalidArgumentError(
+        "a DCP step's commit carries its metadata, file sizes and plan (dcp), got "
+        f"{type(part).__name__}")
+  return part
+
+
+@functools.lru_cache(maxsize=16)
+def _index(final_dir: str, mtime: float
+           ) -> dict[tuple[str, tuple[int, ...]], tuple[distcp.Item, distcp.Placement]]:
+  """Every item of a committed DCP step by ``(fqn, chunk offsets)``: the item, its place."""
+  del mtime  # in the key only: a rewritten step is read again
+  path = pathlib.Path(final_dir) / records.MANIFEST_FILE
+  plan = Manifest.from_json(path.read_bytes(), final_dir).extras["plan"]
+  out = {}
+  for s in plan["storage"]:
+    entry = plan["state"][s["fqn"]]
+    offsets = tuple(s["offset"] or ())
+    if entry["kind"] == "bytes":
+      item = distcp.Item(fqn=s["fqn"], kind=distcp.ItemKind.BYTES, nbytes=s["length"])
+    else:
+      sizes = next(c["sizes"] for c in entry["chunks"] if tuple(c["offsets"]) == offsets)
+      item = distcp.Item(fqn=s["fqn"], kind=distcp.ItemKind.TENSOR, dtype=entry["dtype"],
+                         sizes=sizes, offsets=offsets,
+                         nbytes=record.data_nbytes(entry["dtype"], sizes))
+    out[(s["fqn"], offsets)] = (item, distcp.Placement(
+        s["path"], s["at"], s["length"], distcp.data_offset(item, s["at"])))
+  return out
+
+
+def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
+                incoming: Iterator[tuple[tuple[int, int], np.ndarray]], *, host_id: int,
+                progress: Callable[[int], None]) -> list[ShardChecksum]:
+  """Writes the file of every rank that stages into this host, each on its own thread.
+
+  ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
+  before their shards); ``incoming`` yields ``((rank, item number), data)`` until the
+  step is staged whole. Returns every item's checksum, as the manifest keeps them.
+  """
+  queues: dict[int, queue.SimpleQueue] = {}
+  threads: dict[int, threading.Thread] = {}
+  results: dict[int, list] = {}
+  failures: dict[int, BaseException] = {}
+
+  def run(rank: int) -> None:
+    ended = False
+
+    def datas():
+      nonlocal ended
+      while (got := queues[rank].get()) is not _END:
+        yield got
+      ended = True
+    try:
+      results[rank] = distcp.write_rank_part(tmp, rank, items[rank], datas(), progress=progress)
+    except BaseException as e:
+      failures[rank] = e
+      # Let the router go on (the error is kept), unless the end marker is consumed
+      # already: a write that fails after its last item would wait here for good.
+      while not ended and queues[rank].get() is not _END:
+        pass
+
+  def start(rank: int) -> None:
+    queues[rank] = queue.SimpleQueue()
+    threads[rank] = threading.Thread(target=run, args=(rank,), daemon=True,
+                                     name=f"sidecar-dcp-rank-{rank}")
+    threads[rank].start()
+
+  try:
+    for (rank, number), data in incoming:
+      if rank not in threads:
+        start(rank)
+      queues[rank].put((number, data))
+    for rank in items:  # a rank whose items never came: its write names what is missing
+      if rank not in threads and items[rank]:
+        start(rank)
+  finally:
+    for q in queues.values():
+      q.put(_END)
+    for t in threads.values():
+      t.join()
+  if failures:
+    raise failures[min(failures)]
+  return [dataclasses.replace(c, host=host_id) for rank in sorted(results) for c in results[rank]]

@@ -1,0 +1,135 @@
+"""The format seam: what a checkpoint format does, and the registry of formats by name.
+
+The sidecar's save phases (``server/checkpoint/save.py``), its reads
+(``server/checkpoint/read.py``) and the wire (``wire/checkpoint_wire.py``) know a format
+only by its name and its typed parts; everything else that differs between formats is
+a :class:`Format`:
+
+- its directories: where a step is written before its commit (:meth:`Format.create_tmp`,
+  ``tmp_suffix``), where a tmp path goes once committed (:meth:`Format.final_of`), what a
+  sweep removes or puts back (:meth:`Format.sweep`), what marks a committed one;
+- how a step's staged shards are numbered (:meth:`Format.numbering`: an Orbax step's
+  shards name its leaves, a DCP rank's its items) and the typed parts a save carries
+  (``stage_part`` at Stage, ``commit_part`` at Commit);
+- the write engine (:meth:`Format.write`), the finalize and commit (:meth:`Format.commit`)
+  and what the format adds to the manifest (:meth:`Format.manifest_extras`);
+- reading an item back (:meth:`Format.read`), and the manifest of a committed directory
+  that has no manifest file (:meth:`Format.stock_manifest`).
+
+Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whose
+``Format`` subclass implements these, and one line in ``registry.py``. A format
+imports its heavy libraries lazily (in its methods) or only in its own sub-package: the
+registry imports every format, and a PyTorch-only sidecar serves DCP with no Orbax,
+TensorStore or JAX importable.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import pathlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.spec import LeafSpec
+
+Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+class Numbering(abc.ABC):
+  """How one step's staged shards are numbered: each to its RAM-tier key and its writer.
+
+  One per step on a sidecar; its writer thread reads what :meth:`take` recorded, so
+  every rank's (or leaf's) description arrives before that part's shards.
+  """
+
+  @abc.abstractmethod
+  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[tuple[ShardId, Any]]:
+    """One staged part: ``part`` (the format's ``stage_part``, or None) and its
+    ``shards``, each as its key in the RAM tier and what its writer gets.
+    InvalidArgumentError if a shard's number is out of range; nothing is recorded then."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Uncommitted:
+  """A path in an uncommitted step: the step's tmp directory, where that directory goes
+  once committed, and where the path goes."""
+
+  tmp: pathlib.Path
+  committed: pathlib.Path
+  final: pathlib.Path
+
+
+class Format(abc.ABC):
+  """A checkpoint format on the sidecar. See the module's docstring."""
+
+  name: ClassVar[str]  # the registry's key, and the format the wire names
+  manifest_format: ClassVar[str]  # the manifest's "format"
+  tmp_suffix: ClassVar[str]  # an uncommitted step directory's name ends with it
+  overwrites: ClassVar[bool]  # a commit replaces a committed checkpoint at its path
+  stage_part: ClassVar[type | None] = None  # the typed part a Stage carries, if any
+  commit_part: ClassVar[type | None] = None  # the typed part a Commit carries, if any
+
+  # ---- directories --------------------------------------------------------
+
+  @abc.abstractmethod
+  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
+    """Creates (anew) the directory ``step`` of ``directory`` is written into."""
+
+  @abc.abstractmethod
+  def tmp_of(self, directory: str, step: int) -> str:
+    """Where :meth:`create_tmp` would create it, made of ``directory`` (resolved) as given."""
+
+  @abc.abstractmethod
+  def final_of(self, path: pathlib.Path) -> Uncommitted | None:
+    """Where ``path`` (resolved) lies if it is in (or is) an uncommitted step of this
+    format; None if it lies in none."""
+
+  def sweep(self, directory: pathlib.Path) -> list[pathlib.Path]:
+    """Puts back what a commit cut short left in ``directory``; returns its uncommitted
+    directories (the caller removes those no save in flight writes)."""
+    return sorted(directory.glob(f"*{self.tmp_suffix}"))
+
+  @abc.abstractmethod
+  def is_checkpoint(self, path: pathlib.Path) -> bool:
+    """Whether ``path`` is a committed checkpoint of this format."""
+
+  # ---- save ---------------------------------------------------------------
+
+  @abc.abstractmethod
+  def numbering(self, leaves: Sequence[LeafSpec]) -> Numbering:
+    """A step's numbering, from the leaves its first part carries."""
+
+  @abc.abstractmethod
+  def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
+            *, progress: Callable[[int], None]) -> list[ShardChecksum]:
+    """Writes what ``incoming`` yields (what :meth:`Numbering.take` made) as it comes,
+    until the step is staged whole; returns every shard's checksum, its host set."""
+
+  def manifest_extras(self, part: Any) -> Mapping[str, Any]:
+    """What this format adds to a step's manifest, from the commit ``part``."""
+    del part
+    return {}
+
+  @abc.abstractmethod
+  def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
+             num_hosts: int, whole_step: bool, part: Any,
+             swapping: Callable[[], None]) -> str:
+    """Writes ``manifest`` and the format's metadata, checks every host's part is there,
+    and commits (with ``whole_step``, the step's rename). Returns the committed directory.
+    ``swapping`` runs between the two renames of an overwrite (a fault point)."""
+
+  # ---- restore ------------------------------------------------------------
+
+  @abc.abstractmethod
+  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
+    """The stored bytes of ``shard`` of the committed ``final_dir``, into ``allocate``."""
+
+  def stock_manifest(self, final_dir: str) -> Manifest | None:
+    """The manifest of a committed directory this format wrote without one (stock
+    Orbax's), made from its metadata; None where the format always writes one."""
+    del final_dir
+    return None

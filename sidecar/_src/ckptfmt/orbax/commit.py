@@ -1,0 +1,208 @@
+"""Committing a step: the tmp directory, the checks, the metadata files, one rename.
+
+:func:`create_tmp_step` makes ``<step>.orbax-checkpoint-tmp`` with its
+``_CHECKPOINT_METADATA``; once every host wrote its part, :func:`finalize` checks every
+chunk is there, writes the item's ``_sharding``, ``_METADATA`` and
+``commit_success.txt``, fsyncs the directories and renames the step into place.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sidecar._src.ckptfmt.orbax import files
+from sidecar._src.ckptfmt.spec import (
+  COMMIT_SUCCESS_FILE,
+  ITEM,
+  METADATA_FILE,
+  SHARDING_FILE,
+  TMP_SUFFIX,
+  LeafKind,
+  LeafSpec,
+  tmp_step_path,
+)
+from sidecar._src.core import errors
+
+# Orbax loads with the first checkpoint that needs it (a sidecar starts without it): each
+# function imports what it uses.
+if TYPE_CHECKING:
+  from orbax.checkpoint._src.metadata import tree as tree_metadata
+
+
+def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
+  """Creates the uncommitted step directory and its ``_CHECKPOINT_METADATA``.
+
+  A tmp directory left over by an attempt that never committed is removed first,
+  as Orbax's CheckpointManager does at start.
+
+  Raises:
+    FileExistsError: the step is already committed.
+  """
+  final = pathlib.Path(directory) / str(int(step))
+  if final.exists():
+    raise FileExistsError(f"step {step} is already committed at {final}")
+  tmp = tmp_step_path(directory, step)
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  _write_step_metadata(tmp, init_timestamp_nsecs=time.time_ns())
+  return tmp
+
+
+def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
+             num_hosts: int, custom_metadata: Mapping[str, Any] | None = None,
+             ) -> pathlib.Path:
+  """Checks the hosts' parts, writes the tree metadata and commits the step.
+
+  Run once, after every host's :func:`write_host_part` returned. Checks that every
+  chunk of every leaf was written before anything becomes visible.
+
+  Args:
+    tmp_step_dir: the directory :func:`create_tmp_step` returned.
+    leaves: every leaf of the tree, in tree-flattening order.
+    num_hosts: how many hosts wrote parts.
+    custom_metadata: JSON-serializable, stored in ``_METADATA`` as Orbax's
+      ``StandardSave(custom_metadata=...)`` does.
+
+  Returns:
+    The committed step directory.
+
+  Raises:
+    InvalidArgumentError: a host's part is missing or disagrees with the others.
+    FileExistsError: the step was committed meanwhile.
+  """
+  tmp = pathlib.Path(tmp_step_dir)
+  item_dir = files.item_dir(tmp, must_be_tmp=True)
+  final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
+  finalize_item(item_dir, leaves, num_hosts=num_hosts, custom_metadata=custom_metadata)
+  _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
+  files.write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
+  # Its entries are durable (finalize_item synced the item's) before the rename.
+  files.fsync_dir(tmp)
+  if final.exists():
+    raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
+  os.rename(tmp, final)
+  files.fsync_dir(final.parent)
+  return final
+
+
+def finalize_item(item_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *, num_hosts: int,
+                  custom_metadata: Mapping[str, Any] | None = None) -> None:
+  """The item half of :func:`finalize`: check, metadata. No step files, no rename.
+
+  What an Orbax checkpoint handler does for its item; the CheckpointManager then
+  commits the step. ``item_dir`` is the item's directory inside the uncommitted step.
+  """
+  item_dir = pathlib.Path(item_dir).absolute()
+  files.check_unique(leaves)
+  _check_array_metadatas(item_dir, leaves, num_hosts)
+  _check_complete(item_dir, leaves)
+  shardings = {base64.urlsafe_b64encode(leaf.param_name.encode()).decode(): leaf.sharding
+               for leaf in leaves if leaf.sharding is not None}
+  if shardings:
+    files.write_text(item_dir / SHARDING_FILE, json.dumps(shardings, separators=(",", ":")))
+  files.write_text(item_dir / METADATA_FILE,
+              json.dumps(_tree_metadata(leaves, custom_metadata).to_json()))
+  files.write_text(item_dir / COMMIT_SUCCESS_FILE,
+              f"Checkpoint commit was successful to {item_dir}")
+  for d in [*(p for p in item_dir.rglob("*") if p.is_dir()), item_dir]:
+    files.fsync_dir(d)
+
+
+def _check_array_metadatas(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],
+                           num_hosts: int) -> None:
+  """Checks every host wrote its part and all agree, as Orbax's finalize does."""
+  if not any(leaf.kind is LeafKind.JAX_ARRAY for leaf in leaves):
+    return
+  from orbax.checkpoint._src.metadata import array_metadata_store
+  meta_dir = item_dir / "array_metadatas"
+  found = sorted(p.name for p in meta_dir.glob("process_*"))
+  # One part per host, named by host id: after a lost host the ids need not be 0..n-1.
+  if len(found) != num_hosts or not all(n.removeprefix("process_").isdigit() for n in found):
+    raise errors.InvalidArgumentError(
+        f"expected the parts of {num_hosts} hosts in {item_dir}, found {found}; run"
+        " write_host_part on every host (with every leaf) before finalize")
+  serializer = array_metadata_store.Serializer()
+  per_host = {int(name.removeprefix("process_")):
+              serializer.deserialize((meta_dir / name).read_text()) for name in found}
+  names = {leaf.param_name for leaf in leaves if leaf.kind is LeafKind.JAX_ARRAY}
+  for host, metas in per_host.items():
+    if {m.param_name for m in metas} != names:
+      raise errors.InvalidArgumentError(
+          f"host {host} wrote metadata for {sorted(m.param_name for m in metas)},"
+          f" expected {sorted(names)}")
+  if len(per_host) > 1:
+    try:
+      array_metadata_store.Validator().validate_all_array_metadatas(per_host)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(f"hosts disagree on the arrays: {e}") from e
+
+
+def _check_complete(item_dir: pathlib.Path, leaves: Sequence[LeafSpec]) -> None:
+  """Checks that every leaf has its ``.zarray`` and a file for every chunk."""
+  for leaf in leaves:
+    directory = item_dir / leaf.param_name
+    names = os.listdir(directory) if directory.is_dir() else []
+    chunk = _chunk_shape(item_dir, leaf)
+    expected = math.prod(-(-s // c) for s, c in zip(leaf.shape, chunk))
+    got = sum(not name.startswith(".") for name in names)  # chunk keys: "0.1", ...
+    if ".zarray" not in names or got != expected:
+      raise errors.InvalidArgumentError(
+          f"step at {item_dir.parent} is incomplete: leaf {leaf.param_name!r} has"
+          f" {got} of {expected} chunks (metadata written: {'.zarray' in names});"
+          " some host did not write its shards")
+
+
+def _chunk_shape(item_dir: pathlib.Path, leaf: LeafSpec) -> tuple[int, ...]:
+  # Computed as write_host_part did: Orbax may split shards over 2 GiB.
+  return tuple(files.write_spec(item_dir, leaf, 0, False).metadata.chunk_shape)
+
+
+def _tree_metadata(leaves: Sequence[LeafSpec],
+                   custom_metadata: Mapping[str, Any] | None,
+                   ) -> tree_metadata.InternalTreeMetadata:
+  from orbax.checkpoint._src.metadata import tree as tree_metadata, value_metadata_entry
+  from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  entries = []
+  for leaf in leaves:
+    key_metadata = tree_metadata.KeyMetadataEntry([
+        tree_metadata.NestedKeyMetadataEntry(
+            str(k), tree_metadata.KeyType.SEQUENCE if isinstance(k, int)
+            else tree_metadata.KeyType.DICT)
+        for k in leaf.key_path])
+    value = value_metadata_entry.ValueMetadataEntry(
+        value_type=str(leaf.kind),
+        write_shape=leaf.write_shape if leaf.kind is LeafKind.JAX_ARRAY else None)
+    entries.append(tree_metadata.InternalTreeMetadataEntry(
+        str(tuple(str(k) for k in leaf.key_path)), key_metadata, value))
+  return tree_metadata.InternalTreeMetadata(
+      tree_metadata_entries=entries, use_ocdbt=False, use_zarr3=False,
+      custom_metadata=dict(custom_metadata) if custom_metadata is not None else None,
+      store_array_data_equal_to_fill_value=ts_utils.STORE_ARRAY_DATA_EQUAL_TO_FILL_VALUE,
+      pytree_metadata_options=PyTreeMetadataOptions(support_rich_types=False))
+
+
+def _write_step_metadata(step_dir: pathlib.Path, **timestamps: int) -> None:
+  from orbax.checkpoint._src.handlers import standard_checkpoint_handler
+  from orbax.checkpoint._src.metadata import (
+    checkpoint as checkpoint_metadata,
+    step_metadata_serialization,
+  )
+  path = checkpoint_metadata.step_metadata_file_path(step_dir)
+  fields = {}
+  if path.exists():
+    fields = json.loads(path.read_text())
+  fields = step_metadata_serialization.serialize(checkpoint_metadata.StepMetadata(
+      item_handlers={ITEM: standard_checkpoint_handler.StandardCheckpointHandler.typestr()},
+      init_timestamp_nsecs=timestamps.get(
+          "init_timestamp_nsecs", fields.get("init_timestamp_nsecs")),
+      commit_timestamp_nsecs=timestamps.get("commit_timestamp_nsecs")))
+  files.write_text(pathlib.Path(path), json.dumps(fields))

@@ -1,0 +1,129 @@
+"""Stock Orbax's layout (Zarr v2 without OCDBT) as a :class:`~sidecar._src.ckptfmt.format.Format`.
+
+A step is ``<directory>/<step>.orbax-checkpoint-tmp/`` while written, each host writing
+its shards of the item ``default`` into it (``write.write_item_part``), renamed to
+``<step>`` at the commit (``commit.finalize``). A staged shard's number is its leaf's
+(the step's leaves come with its first part). Orbax and TensorStore are imported by
+``write``, ``commit`` and ``read`` inside the functions that use them: this module loads
+none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from sidecar._src.ckptfmt import direct_io, records
+from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
+from sidecar._src.ckptfmt.orbax import commit, read, write
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.shards import Shard
+from sidecar._src.ckptfmt.spec import (
+  COMMIT_SUCCESS_FILE,
+  METADATA_FILE,
+  TMP_SUFFIX,
+  LeafSpec,
+  tmp_step_path,
+)
+from sidecar._src.core import errors
+
+MARKERS = ("_CHECKPOINT_METADATA", METADATA_FILE, COMMIT_SUCCESS_FILE, records.MANIFEST_FILE)
+
+
+class LeafNumbering(Numbering):
+  """A staged shard's number is its leaf's, in the step's leaves."""
+
+  def __init__(self, leaves: Sequence[LeafSpec]):
+    self.leaves = tuple(leaves)
+
+  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[tuple[ShardId, Any]]:
+    del part  # Orbax's steps carry none
+    out = []
+    for s in shards:
+      if not 0 <= s.leaf < len(self.leaves):
+        raise errors.InvalidArgumentError(
+            f"shard of leaf {s.leaf}: the step has {len(self.leaves)} leaves")
+      out.append((ShardId(self.leaves[s.leaf].key_path, s.index),
+                  (s.leaf, Shard(s.index, s.data))))
+    return out
+
+
+class OrbaxFormat(Format):
+  """Stock Orbax's layout; see the module's docstring."""
+
+  name: ClassVar[str] = "orbax"
+  manifest_format: ClassVar[str] = records.SIDECAR_FORMAT
+  tmp_suffix: ClassVar[str] = TMP_SUFFIX
+  overwrites: ClassVar[bool] = False
+
+  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
+    return commit.create_tmp_step(directory, step)
+
+  def tmp_of(self, directory: str, step: int) -> str:
+    return str(tmp_step_path(directory, step))
+
+  def final_of(self, path: pathlib.Path) -> Uncommitted | None:
+    # A save writes its item directory inside the tmp step directory.
+    tmp = next((p for p in path.parents if TMP_SUFFIX in p.name), None)
+    if tmp is None:
+      return None
+    step_dir = tmp.with_name(tmp.name.split(TMP_SUFFIX)[0])
+    return Uncommitted(tmp, step_dir, step_dir / path.relative_to(tmp))
+
+  def is_checkpoint(self, path: pathlib.Path) -> bool:
+    """Orbax's markers or our manifest in ``path`` or one of its item directories."""
+    if not path.is_dir():
+      return False
+    if any((path / m).is_file() for m in MARKERS):
+      return True
+    return any(child.is_dir() and not child.is_symlink()
+               and any((child / m).is_file() for m in MARKERS) for child in path.iterdir())
+
+  def numbering(self, leaves: Sequence[LeafSpec]) -> LeafNumbering:
+    return LeafNumbering(leaves)
+
+  def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
+            *, progress: Callable[[int], None]) -> list[ShardChecksum]:
+    assert isinstance(numbering, LeafNumbering)
+    sums = write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming, progress=progress)
+    return [dataclasses.replace(c, host=host_id) for c in sums]
+
+  def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
+             num_hosts: int, whole_step: bool, part: Any,
+             swapping: Callable[[], None]) -> str:
+    """The manifest, the checks and the metadata files; with ``whole_step`` the step's
+    rename (the rename acts on ``tmp_dir``'s parent, the tmp step directory), else the
+    item is done and the Orbax CheckpointManager that owns the step commits it."""
+    del part, swapping  # no overwrite: nothing between two renames
+    if whole_step and not pathlib.Path(tmp_dir).parent.name.endswith(TMP_SUFFIX):
+      raise errors.InvalidArgumentError(
+          f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory (*{TMP_SUFFIX})")
+    try:
+      direct_io.write_small(pathlib.Path(tmp_dir) / records.MANIFEST_FILE,
+                            manifest.to_json().encode())
+    except (FileNotFoundError, NotADirectoryError) as e:
+      raise errors.InvalidArgumentError(
+          f"commit: tmp_dir {tmp_dir!r:.200} is not a directory this sidecar staged and wrote "
+          f"({e.strerror}); stage and prepare a step before committing it") from None
+    if whole_step:
+      return str(commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts))
+    commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts)
+    return tmp_dir
+
+  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
+    return read.read_item_shard(final_dir, shard.key_path, shard.index, allocate=allocate)
+
+  def stock_manifest(self, final_dir: str) -> Manifest:
+    """An item stock Orbax wrote has no manifest: each leaf counts as one shard, with no
+    checksum to check."""
+    try:
+      leaves = [records.SavedLeaf.from_dict(d) for d in read.item_leaves(final_dir)]
+    except FileNotFoundError as e:
+      raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
+    return Manifest(records.STOCK_ORBAX, leaves,
+                    [ShardChecksum(leaf.key_path, tuple((0, n) for n in leaf.shape), 0, None)
+                     for leaf in leaves])

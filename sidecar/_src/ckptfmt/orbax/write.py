@@ -1,0 +1,179 @@
+"""The write engine: one host's shards into a step's chunk files, off the training step.
+
+Whole uncompressed chunks go from the arena straight to their files with ``O_DIRECT``
+(:mod:`direct_io`) on a few idle-class (``SCHED_IDLE``) threads; edge chunks, split
+shards and compressed ones go through TensorStore. Each shard's crc32c is taken as it
+arrives, on an idle-class thread too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import pathlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sidecar._src.ckptfmt import direct_io
+from sidecar._src.ckptfmt.direct_io import background_thread
+from sidecar._src.ckptfmt.orbax import files
+from sidecar._src.ckptfmt.shards import HostLeaf, Shard, ShardChecksum, shard_crc32c
+from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
+from sidecar._src.core import errors
+
+# Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
+# without them): each function imports what it uses.
+if TYPE_CHECKING:
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+_WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
+
+
+def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
+                    leaves: Sequence[HostLeaf], *, use_compression: bool = False,
+                    ) -> list[ShardChecksum]:
+  """Writes this host's shards into the step's chunk files.
+
+  Every host passes every leaf of the tree, with the shards it owns (replicated
+  shards on exactly one host); host 0 also writes each array's ``.zarray``, as Orbax's
+  primary host does. The shard arrays must not change until this returns: they are
+  written without a copy.
+
+  Returns:
+    The crc32c of every shard written, in the order given.
+  """
+  leaves = list(leaves)
+  return write_item_part(files.item_dir(tmp_step_dir, must_be_tmp=True), host_index,
+                         [leaf.spec for leaf in leaves],
+                         [(i, shard) for i, leaf in enumerate(leaves) for shard in leaf.shards],
+                         use_compression=use_compression)
+
+
+def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
+                    shards: Iterable[tuple[int, Shard]], *, use_compression: bool = False,
+                    progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
+  """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
+
+  ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as
+  ``(leaf number, shard)``. It may be a generator that waits for shards still being
+  staged: each one's write and checksum start as it arrives.
+  ``progress(nbytes)`` is called as each shard becomes durable.
+  """
+  import tensorstore as ts
+  from orbax.checkpoint._src.metadata import array_metadata_store
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  item_dir = pathlib.Path(item_dir).absolute()
+  if isinstance(host_index, bool) or not isinstance(host_index, int) or host_index < 0:
+    raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
+  files.check_unique(specs)
+  item_dir.mkdir(parents=True, exist_ok=True)
+  context = ts_utils.get_ts_context(use_ocdbt=False)
+  write_specs = [files.write_spec(item_dir, spec, host_index, use_compression) for spec in specs]
+  # Host 0 creates every array (its .zarray), as Orbax's primary host does.
+  opened = [ts.open(w.json, create=host_index == 0, open=True,
+                    assume_metadata=host_index != 0, context=context)
+            for w in write_specs]
+  try:
+    sums = _write_shards(specs, write_specs, opened, shards, use_compression, progress)
+  except BaseException:
+    # The opens create .zarray files on TensorStore's threads: let them end before the
+    # caller removes the directory of a failed or aborted save (a file landing after the
+    # removal would leave the directory behind). Their own failures add nothing.
+    for f in opened:
+      with contextlib.suppress(Exception):
+        f.result()
+    raise
+  array_metas = [w.metadata for w, spec in zip(write_specs, specs)
+                 if spec.kind is LeafKind.JAX_ARRAY]
+  if array_metas:
+    files.write_text(item_dir / "array_metadatas" / f"process_{host_index}",
+                array_metadata_store.Serializer().serialize(array_metas))
+  return sums
+
+
+def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened: Sequence[Any],
+                  shards: Iterable[tuple[int, Shard]], use_compression: bool,
+                  progress: Callable[[int], None] | None) -> list[ShardChecksum]:
+  """Writes each shard as it comes; returns their checksums once all are durable."""
+  writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
+  pending_sums: list[concurrent.futures.Future[ShardChecksum]] = []
+  # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
+  with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
+                                              initializer=background_thread) as pool,
+        concurrent.futures.ThreadPoolExecutor(1, "sidecar-ckpt-crc32c",
+                                              initializer=background_thread) as checksums):
+    for leaf, shard in shards:
+      if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
+        raise errors.InvalidArgumentError(f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
+      spec, w = specs[leaf], write_specs[leaf]
+      index, data = _resolve(spec, shard)
+      path = _chunk_file(w, index, data, use_compression)
+      if path is not None:  # The common case: one uncompressed chunk, its bytes as they are.
+        write: Any = pool.submit(direct_io.write_file, path, data)
+      else:
+        store = opened[leaf].result()
+        write = store[tuple(slice(a, b) for a, b in index)].write(
+            data, can_reference_source_data_indefinitely=True)
+      writes.append((write, data.nbytes))
+      # The checksum too: those of the first parts then run while the trainer is
+      # still copying the rest, not while it trains.
+      pending_sums.append(checksums.submit(_checksum, spec, index, data))
+    for f in opened:
+      f.result()  # .zarray written (host 0), or the spec checked
+    for write, nbytes in writes:
+      write.result()  # Durable: both paths fsync before they resolve.
+      if progress is not None:
+        progress(nbytes)
+    return [f.result() for f in pending_sums]
+
+
+def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
+  return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
+
+
+def _resolve(spec: LeafSpec, shard: Shard) -> tuple[Index, np.ndarray]:
+  """Normalizes a shard's index to (start, stop) pairs and checks it fits."""
+  if len(shard.index) != len(spec.shape):
+    raise errors.InvalidArgumentError(
+        f"shard of {spec.param_name!r}: index {shard.index!r} has {len(shard.index)}"
+        f" entries for a {len(spec.shape)}-d array")
+  pairs = []
+  for i, dim in zip(shard.index, spec.shape):
+    start, stop, step = (i if isinstance(i, slice) else slice(*i)).indices(dim)
+    if step != 1:
+      raise errors.InvalidArgumentError(
+          f"shard of {spec.param_name!r}: index {shard.index!r} has a stride")
+    pairs.append((start, stop))
+  index = tuple(pairs)
+  data = np.asarray(shard.data)
+  expected = tuple(b - a for a, b in index)
+  if data.shape != expected or data.dtype != spec.dtype:
+    raise errors.InvalidArgumentError(
+        f"shard of {spec.param_name!r} at {index}: expected {expected} {spec.dtype},"
+        f" got {data.shape} {data.dtype}")
+  for (a, b), w, dim in zip(index, spec.write_shape, spec.shape):  # type: ignore[arg-type]
+    if a % w or (b != dim and b - a != w):
+      raise errors.InvalidArgumentError(
+          f"shard of {spec.param_name!r} at {index} is not one block of write_shape"
+          f" {spec.write_shape}; hosts must write whole chunks")
+  return index, data
+
+
+def _chunk_file(spec: ts_utils.ArrayWriteSpec, index: Index, data: np.ndarray,
+                use_compression: bool) -> pathlib.Path | None:
+  """The Zarr v2 chunk file that holds exactly ``data``, if it can be written as is.
+
+  An uncompressed chunk is its array's C-order bytes (little-endian, as on every
+  host JAX runs on); a shard that is one whole chunk can go to its file straight
+  from the arena. Edge chunks (padded), split shards and compressed ones go
+  through TensorStore.
+  """
+  name = files.whole_chunk(index, spec.metadata.chunk_shape)
+  if use_compression or data.dtype.byteorder == ">" or name is None:
+    return None
+  directory = pathlib.Path(spec.json["kvstore"]["path"])
+  directory.mkdir(parents=True, exist_ok=True)
+  return directory / name
