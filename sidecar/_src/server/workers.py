@@ -73,6 +73,9 @@ class WorkerListener:
     self._lock = threading.Lock()
     self._sessions: dict[str, socket.socket] = {}
     self._pids: dict[str, int] = {}  # the pid each session's worker said it has
+    # Sessions of revoked tenants, ended: why, for the calls and streams that still name
+    # them (a tenant removed from the pool file is told so, not "unknown session").
+    self._ended: dict[str, str] = {}
     self._closed = False
     ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
     self._made_dirs = sockets.make_dirs(os.path.dirname(os.path.abspath(path)),
@@ -219,6 +222,7 @@ class WorkerListener:
     """Serves one stream: StreamRequest frames in, StreamItem frames out."""
     try:
       if not self.has_session(session):
+        self._check_ended(session)
         raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
       first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
@@ -272,10 +276,14 @@ class WorkerListener:
     a frame past the limit is answered the same way, and ends the connection."""
     try:
       if self._calls is None or not self.has_session(session):
+        self._check_ended(session)
         raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
       alive = lambda: self.has_session(session) and _peer_open(conn)
       while True:
         raw = ipc.recv_bytes(conn, limit=self._call_bytes)
+        if not self.has_session(session):  # ended since (its tenant revoked, say)
+          self._check_ended(session)
+          raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
         try:
           with tenants_lib.acting_as(self._tenancy.of_worker(session)):
             response = self._calls.run(raw, session, alive=alive, worker=session)
@@ -342,11 +350,20 @@ class WorkerListener:
       except errors.StaleDescriptorError as e:
         log.warning("worker %s: %s", session, e, extra={"session": session})
 
+  def _check_ended(self, session: str) -> None:
+    """AuthenticationError naming why, if ``session`` was ended by :meth:`end`."""
+    with self._lock:
+      why = self._ended.get(session)
+    if why is not None:
+      raise errors.AuthenticationError(f"{why}; this worker's session was ended")
+
   def end(self, sessions: list[str], why: str) -> None:
     """Ends the connections of worker ``sessions`` (a revoked tenant's): their blocks go
     back as their connections close, and their streams end."""
     with self._lock:
       conns = [self._sessions[s] for s in sessions if s in self._sessions]
+      for s in sessions:
+        self._ended[s] = why
     for conn in conns:
       log.info("worker connection ended: %s", why)
       with contextlib.suppress(OSError):

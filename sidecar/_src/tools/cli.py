@@ -65,14 +65,18 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
   # Loopback unless a token guards the ports: then every interface, so peers reach it.
-  listen = args.listen or (options_lib.ALL_INTERFACES if token or client_tokens
+  pool = os.path.abspath(args.pool) if args.pool else None
+  if pool is not None and (token or client_tokens):  # the pool file holds every token
+    token, client_tokens = None, ()
+  listen = args.listen or (options_lib.ALL_INTERFACES if token or client_tokens or pool
                            else options_lib.LOOPBACK)
   try:
     opts = options_lib.ServerOptions(
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
-        peer_token=peer_token, client_tokens=client_tokens, insecure=args.insecure, imports=tuple(imports),
+        peer_token=peer_token, client_tokens=client_tokens, pool=pool,
+        insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
         metrics_port=args.metrics_port, session_quota=args.session_quota,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
@@ -94,14 +98,15 @@ def _serve(args: argparse.Namespace) -> int:
   server = Server(opts)
   try:
     server.start()
-  except (errors.ArenaCapacityError, OSError) as e:
+  except (errors.ArenaCapacityError, errors.InvalidArgumentError, OSError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: threading.Thread(target=server.stop).start())
-  # SIGHUP (a closed terminal, a reload by habit) used to end it: nothing reloads.
-  signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=log.warning, args=(
-      "got SIGHUP; ignored: a sidecar reloads nothing (SIGTERM stops it)",)).start())
+  # SIGHUP (a closed terminal, a reload by habit) used to end it: it reloads the pool file,
+  # if there is one, and nothing else.
+  signal.signal(signal.SIGHUP, lambda *_: threading.Thread(
+      target=_reload, args=(server,), name="sidecar-reload").start())
   if args.exit_with_parent:
     threading.Thread(target=_watch_parent, args=(args.exit_with_parent, server),
                      daemon=True).start()
@@ -119,6 +124,19 @@ def _serve(args: argparse.Namespace) -> int:
   while not server.wait(1.0):
     pass
   return 0
+
+
+def _reload(server) -> None:
+  """SIGHUP: the pool file read again; a bad one is logged and changes nothing."""
+  if server.options.pool is None:
+    log.warning("got SIGHUP; ignored: this sidecar has no pool file (--pool) to reload "
+                "(SIGTERM stops it)")
+    return
+  try:
+    server.reload()
+  except (errors.SidecarError, OSError) as e:
+    log.error("got SIGHUP; the pool file was not reloaded, the tenants stay as they were: %s",
+              e)
 
 
 def _watch_parent(pid: int, server) -> None:
@@ -295,6 +313,10 @@ def parser() -> argparse.ArgumentParser:
                       "TOKEN' a line; each client then sees and reads only the checkpoint "
                       "directories it opened (default: $SIDECAR_CLIENT_TOKENS_FILE, else the "
                       "shared token of --token-file)")
+  s.add_argument("--pool", metavar="FILE",
+                 help="a pool file (YAML): tenants, each with its token file and quotas (arena "
+                      "share and ceiling, sessions, feeds, ...), instead of --token-file or "
+                      "--client-tokens; SIGHUP reloads it; docs/pool.md (default: none)")
   s.add_argument("--peer-token-file", default=_env(env_lib.PEER_TOKEN_FILE), metavar="FILE",
                  help="file holding the token this job's sidecars present to each other: "
                       "only they may send replicas, never a controller (default: "
@@ -350,6 +372,9 @@ def parser() -> argparse.ArgumentParser:
                  help="each sidecar serves Prometheus /metrics on a free port, printed "
                       "(default: off)")
   _checkpoint_root_flag(s)
+  s.add_argument("--pool", metavar="FILE",
+                 help="a pool file: each sidecar serves its tenants, each with its token and "
+                      "quotas (sidecar serve --pool); docs/pool.md (default: none)")
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",

@@ -93,7 +93,7 @@ class LocalCluster:
                host_env: Mapping[int, Mapping[str, str]] | None = None,
                assign_device_ids: bool = True,
                checkpoint_roots: Sequence[str] | None = None, metrics: bool = False,
-               transport: str = "unix"):
+               transport: str = "unix", pool: str | None = None):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -109,6 +109,12 @@ class LocalCluster:
     self.devices_per_host = devices_per_host
     self.shm_size = shm.parse_size(shm_size)
     self.imports = tuple(imports)
+    if pool is not None and token is not None:
+      raise errors.InvalidArgumentError(
+          "pool= and token= exclude each other: a pool file holds its tenants' tokens; give "
+          "each tenant's Controller its own token= instead")
+    # A pool file (sidecar serve --pool): its tenants' tokens and quotas; reload() rereads it.
+    self.pool = None if pool is None else os.path.abspath(pool)
     self.token = token
     # The sidecars' own secret: only sessions that present it may send replicas.
     self._peer_token = secrets.token_hex(16)
@@ -163,7 +169,8 @@ class LocalCluster:
             *ids, *listen, "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
             *(f"--checkpoint-root={r}" for r in self.checkpoint_roots),
-            *(["--metrics-port", "0"] if self._metrics else []), *self._extra_args]
+            *(["--metrics-port", "0"] if self._metrics else []),
+            *(["--pool", self.pool] if self.pool else []), *self._extra_args]
     for module in self.imports:
       args += ["--import", module]
     # JAX on the CPU, no accelerator in sight (core/platform.py); `sidecar serve` sets it
@@ -171,7 +178,11 @@ class LocalCluster:
     env = dict(platform.sidecar_env(os.environ), PYTHONUNBUFFERED="1", **self._host_env.get(h, {}))
     if self.token:
       env[env_lib.TOKEN] = self.token
+    elif self.pool:  # the pool file holds every token: none from this environment
+      env.pop(env_lib.TOKEN, None)
     env.pop(env_lib.TOKEN_FILE, None)
+    if self.pool:
+      env.pop(env_lib.CLIENT_TOKENS_FILE, None)
     env[env_lib.PEER_TOKEN] = self._peer_token
     env.pop(env_lib.PEER_TOKEN_FILE, None)
     if not self._assign_device_ids:
@@ -296,6 +307,16 @@ class LocalCluster:
 
   def pid(self, host_id: int) -> int:
     return self._procs[host_id].pid
+
+  def reload(self) -> None:
+    """Makes every sidecar read its pool file again (SIGHUP), as an operator would after
+    editing it; a bad file is logged by each sidecar and changes nothing."""
+    if self.pool is None:
+      raise errors.InvalidArgumentError(
+          "this LocalCluster has no pool file; make it with LocalCluster(..., pool=FILE)")
+    for proc in self._procs:
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGHUP)
 
   def devices(self, host_id: int) -> list[Any]:
     """The JAX devices of this process that host ``host_id`` owns."""

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
   """Serves ``args.hosts`` sidecars until Ctrl-C (or SIGTERM raised as KeyboardInterrupt)."""
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False,
-                    metrics=args.metrics, checkpoint_roots=args.checkpoint_roots) as cluster:
+                    metrics=args.metrics, checkpoint_roots=args.checkpoint_roots,
+                    pool=args.pool) as cluster:
     print("\n".join(lines(cluster, metrics=args.metrics)))
     try:  # from the line that tells how to stop it, a stop is a clean exit
       print("Ctrl-C to stop.", flush=True)

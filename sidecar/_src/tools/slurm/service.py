@@ -30,6 +30,7 @@ import sys
 import time
 
 from sidecar._src.core import errors, rendezvous
+from sidecar._src.server import tenants
 from sidecar._src.tools.slurm import owned, script, tasks
 
 _POLL_S = 0.5
@@ -53,6 +54,9 @@ class ServiceSpec:
   imports: tuple[str, ...] = ()
   checkpoint_root: str = ""
   sbatch_args: tuple[str, ...] = ()
+  # A pool file (--pool): every sidecar of the service serves its tenants (docs/pool.md);
+  # "": the service's own token, one tenant.
+  pool: str = ""
 
   def __post_init__(self):
     if not self.name or not all(c.isalnum() or c in "-_." for c in self.name) \
@@ -71,6 +75,14 @@ class ServiceSpec:
     if self.min_nodes > self.nodes:
       raise errors.InvalidArgumentError(
           f"--min-nodes {self.min_nodes} is more than --nodes {self.nodes}")
+    if self.pool:
+      if not os.path.isabs(self.pool):
+        raise errors.InvalidArgumentError(
+            f"--pool must be an absolute path (the tasks run elsewhere), got {self.pool!r}")
+      try:  # a bad pool file is said now, not by every task's sidecar on its node
+        tenants.load(self.pool)
+      except OSError as e:
+        raise errors.InvalidArgumentError(f"--pool {self.pool}: {e}") from None
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -1,0 +1,155 @@
+"""Tier 3: one local pool (``LocalCluster(pool=...)``) of three tenants, one of them
+misbehaving in turn (a handshake flood, filling its arena ceiling, reading another
+tenant's step by path) while the other two keep feeding bit-exact and saving and
+restoring bit-exact; then the misbehaving one is removed from the pool file (SIGHUP) and
+its next call says so (issue 37).
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar._src.arena.worker import Worker
+from sidecar._src.core import env as env_lib
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
+
+pytestmark = pytest.mark.processes
+
+TOKENS = {"alice": "token-of-alice", "bob": "token-of-bob", "carol": "token-of-carol"}
+POOL = """\
+tenants:
+  - {name: alice, token_file: alice.token, arena: 0.25, checkpoint_roots: [alice]}
+  - {name: bob, token_file: bob.token, arena: 0.25, checkpoint_roots: [bob]}
+  - {name: carol, token_file: carol.token, arena: 0.1, arena_ceiling: 16MiB, sessions: 8,
+     checkpoint_roots: [carol]}
+"""
+
+
+def _write(tmp_path, text: str) -> str:
+  for name, token in TOKENS.items():
+    (tmp_path / f"{name}.token").write_text(token)
+    os.chmod(tmp_path / f"{name}.token", 0o600)
+    (tmp_path / name).mkdir(exist_ok=True)
+  path = tmp_path / "pool.yaml"
+  path.write_text(text)
+  os.chmod(path, 0o600)
+  return str(path)
+
+
+def _controller(cluster, monkeypatch, name):
+  """A tenant's Controller, attached: its Worker presents the tenant's token."""
+  monkeypatch.setenv(env_lib.TOKEN, TOKENS[name])
+  ctl = cluster.controller(timeout=20)
+  monkeypatch.delenv(env_lib.TOKEN)
+  return ctl
+
+
+def _batches(ctl, n=4):
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+  with ctl.feed("ids", global_batch_size=4, sharding=sharding) as feed:
+    return [np.asarray(next(feed)["x"]).copy() for _ in range(n)]
+
+
+def _save_restore(ctl, directory, step):
+  state = {"w": np.arange(1 << 16, dtype=np.float32) * step}
+  with ctl.checkpointer(str(directory)) as ckpt:
+    assert ckpt.save(step, state).durable.result(60) == step
+    back = ckpt.restore(step, target={"w": np.zeros(1 << 16, np.float32)})
+  assert np.asarray(back["w"]).tobytes() == state["w"].tobytes()
+
+
+def _well_behaved(alice, bob, reference, tmp_path, step):
+  assert all(np.array_equal(a, b) for a, b in zip(_batches(alice), reference, strict=True))
+  _save_restore(bob, tmp_path / "bob" / "ck", step)
+  _save_restore(alice, tmp_path / "alice" / "ck", step)
+
+
+def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
+  monkeypatch.delenv(env_lib.TOKEN, raising=False)
+  monkeypatch.delenv(env_lib.TOKEN_FILE, raising=False)
+  path = _write(tmp_path, POOL)
+  with sidecar.testing.LocalCluster(1, 1, shm_size="64MiB", pool=path, configure_jax=False,
+                                    imports=["tests.support.feed_fns", "tests.support.sidecar_fns"],
+                                    checkpoint_roots=[str(tmp_path)]) as cluster:
+    alice = _controller(cluster, monkeypatch, "alice")
+    bob = _controller(cluster, monkeypatch, "bob")
+    carol = _controller(cluster, monkeypatch, "carol")
+    reference = _batches(alice)
+    _well_behaved(alice, bob, reference, tmp_path, 1)
+
+    # 1. Carol floods handshakes: refused as hers, and a new client joins at once.
+    channel = grpc.insecure_channel(cluster.addresses[0])
+    handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
+                                    request_serializer=pb.HandshakeRequest.SerializeToString)
+    refused = []
+    for _ in range(40):
+      try:
+        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10,
+                  metadata=[(protocol.AUTH_KEY, f"Bearer {TOKENS['carol']}")])
+      except grpc.RpcError as e:
+        refused.append(e.details())
+    channel.close()
+    assert len(refused) >= 40 - 8
+    assert refused[-1].startswith("ResourceExhaustedError: tenant 'carol' keeps 8 handshake "
+                                  "sessions, its quota (sessions=8, "), refused[-1]
+    t0 = time.monotonic()
+    late = _controller(cluster, monkeypatch, "bob")
+    assert late.call("add", args=(1,), kwargs={"b": 2}) == [3]
+    assert time.monotonic() - t0 < 1.0 + 2.0  # joined at once (an attach included)
+    late.close()
+    _well_behaved(alice, bob, reference, tmp_path, 2)
+
+    # 2. Carol fills her arena ceiling: her own refusal, the others unharmed.
+    hog = Worker(cluster.socket(0), token=TOKENS["carol"])
+    held = []
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"tenant 'carol' holds .* more would pass its quota "
+                       r"\(arena_ceiling=16.0 MiB"):
+      for _ in range(64):
+        held.append(hog.empty((1 << 20,), np.uint8))
+    assert len(held) >= 14
+    _well_behaved(alice, bob, reference, tmp_path, 3)
+    del held
+    hog.close()
+
+    # 3. Carol reads alice's step by its path: refused.
+    with pytest.raises(PermissionError):
+      with carol.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
+        ckpt.restore(1, target={"w": np.zeros(1 << 16, np.float32)})
+
+    # 4. Carol is removed from the pool file: her next call says so within a second.
+    (tmp_path / "pool.yaml").write_text("\n".join(POOL.splitlines()[:3]) + "\n")
+    cluster.reload()
+    deadline = time.monotonic() + 1.0
+    while True:
+      try:
+        carol.call("add", args=(1,))
+      except sidecar.AuthenticationError as e:
+        assert f"tenant 'carol' was removed from the pool file {path}" in str(e)
+        break
+      assert time.monotonic() < deadline, "carol still served a second after the reload"
+      time.sleep(0.05)
+    _well_behaved(alice, bob, reference, tmp_path, 4)
+    for ctl in (alice, bob):
+      ctl.close()
+    carol.close()
+
+
+def test_serve_refuses_a_bad_pool_file_naming_its_line(tmp_path):
+  path = _write(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, quota: 1}\n")
+  done = subprocess.run(
+      [sys.executable, "-m", "sidecar", "serve", "--pool", path, "--listen", "127.0.0.1",
+       "--port", "0", "--health-port", "0", "--socket", str(tmp_path / "s.sock"),
+       "--shm-size", "8MiB"], capture_output=True, text=True, timeout=120,
+      env={k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")})
+  assert done.returncode == 2
+  assert f"sidecar serve: {path}:2: unknown key 'quota' in a tenant (line 2)" in done.stderr
