@@ -1,6 +1,7 @@
-"""A PyTorch-only install: a torch feed through a real ``sidecar serve`` with JAX, jaxlib,
-Grain, Orbax and TensorStore unimportable, in the trainer and in the sidecar (issue 36,
-item 4). Neither process loads any of them; naming the JAX API says which extra to install.
+"""A PyTorch-only install: a torch feed and a DCP save and restore through a real
+``sidecar serve`` with JAX, jaxlib, Grain, Orbax and TensorStore unimportable, in the
+trainer and in the sidecar (issue 36, item 4). Neither process loads any of them; naming
+the JAX API says which extra to install.
 """
 
 import json
@@ -34,6 +35,8 @@ sys.meta_path.insert(0, _NotInstalled())
 _TRAINER = r'''
 import json, sys
 
+import torch
+
 import sidecar
 import sidecar.torch
 from sidecar._src.tools.local import LocalCluster
@@ -54,6 +57,14 @@ with LocalCluster(1, 1, imports=imports, shm_size="16MiB", configure_jax=False) 
     out["pair"] = [b["pair"].a.tolist(), b["pair"].b[0], b["pair"].b[1].tolist()]
     out["a"] = b["a"][0].tolist()
     out["is_pair"] = type(b["pair"]) is Pair
+    ckpt = sidecar.torch.Checkpointer(sys.argv[1], controller=ctl)
+    bf16 = torch.bfloat16
+    saved = {"w": torch.arange(12.0).reshape(3, 4), "n": {"b": torch.ones(2, dtype=bf16)}}
+    out["durable"] = ckpt.save(1, saved).durable.result(60)
+    back = ckpt.restore(1, {"w": torch.zeros(3, 4), "n": {"b": torch.zeros(2, dtype=bf16)}})
+    out["restored"] = (torch.equal(back["w"], saved["w"])
+                       and torch.equal(back["n"]["b"], saved["n"]["b"]))
+    ckpt.close()
     out["sidecar_loaded"] = ctl.call("frameworks_loaded")
 for name in ("Controller", "Worker"):
   try:
@@ -69,18 +80,18 @@ print(json.dumps(out))
 '''
 
 
-def test_a_torch_feed_runs_with_no_jax_grain_orbax_or_tensorstore(tmp_path):
+def test_a_torch_feed_and_checkpoint_run_with_no_jax_grain_orbax_or_tensorstore(tmp_path):
   (tmp_path / "sitecustomize.py").write_text(_SITECUSTOMIZE)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-  run = subprocess.run([sys.executable, "-c", _TRAINER], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=240)
+  run = subprocess.run([sys.executable, "-c", _TRAINER, str(tmp_path / "ckpt")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=240)
   assert run.returncode == 0, run.stderr[-3000:]
   out = json.loads(run.stdout.splitlines()[-1])
   hint = "pip install 'colocated-sidecar[jax]'"
   assert out == {
       "keys": ["a", "pair", "z"], "types": ["Tensor", "Pair", "list", "tuple"],
       "z": [4.0, 5.0, 6.0, 7.0], "pair": [[4, 5, 6, 7], None, [-4, -5, -6, -7]],
-      "a": [2.0, 2.5, 3.0, 3.5], "is_pair": True,
+      "a": [2.0, 2.5, 3.0, 3.5], "is_pair": True, "durable": 1, "restored": True,
       "sidecar_loaded": [[]], "trainer_loaded": [],
       "Controller": f"sidecar.Controller needs jax, which is not installed: {hint}",
       "Worker": f"sidecar.Worker needs jax, which is not installed: {hint}",
