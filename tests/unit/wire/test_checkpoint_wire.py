@@ -108,3 +108,56 @@ def test_the_receiver_reads_any_receive_request_as_protobuf_would(message):
   assert doubled == ckpt_pb.ReceiveRequest.FromString(raw + raw)
   with pytest.raises(errors.InvalidArgumentError, match="malformed ReceiveRequest"):
     parse_receive(raw + b"\x22\xff")
+
+
+def _sent(message):
+  return type(message).FromString(message.SerializeToString())
+
+
+def test_the_services_records_survive_the_wire_as_the_same_values():
+  from sidecar._src.ckptfmt.records import (
+    Held,
+    Manifest,
+    ReplicaTarget,
+    Replicated,
+    SavedLeaf,
+    ShardId,
+  )
+  target = ReplicaTarget(2, "10.0.0.2:50051", "/tmp/w.sock", "boot")
+  assert wire.replica_target_from_pb(_sent(wire.replica_target_to_pb(target)), "p") == target
+  done = Replicated((1, 2), 3, 4096, 0.5)
+  assert wire.replicated_from_pb(_sent(wire.replicated_to_pb(done))) == done
+  a, b = ShardId(("w",), ((0, 2),)), ShardId(("b", 0), ())
+  held = Held({"/d/1/default": [a, b]}, {"/d/1/default": {3: [a]}})
+  assert wire.held_from_pb(_sent(wire.held_to_pb(held))) == held
+  manifest = Manifest(
+      "dcp", [SavedLeaf(("w",), (4,), "float32", "jax.Array", (2,), '{"s": 1}')],
+      [ShardChecksum(("w",), ((0, 2),), 8, 7, 0), ShardChecksum(("w",), ((2, 4),), 8, None)],
+      {"epoch": 1}, {0: [1]}, extras={"plan": {"state": {}}}, step=5)
+  info = _sent(wire.manifest_to_pb(manifest))
+  assert wire.manifest_from_pb(info) == manifest
+  assert json.loads(info.dcp_plan_json) == {"state": {}}  # the field older callers read
+  info.ClearField("extras_json")  # a sidecar from before extras_json: the plan still comes
+  assert wire.manifest_from_pb(info).dcp_plan == {"state": {}}
+
+
+def test_a_formats_parts_travel_in_the_format_part_oneof():
+  from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item
+  part = DcpPart(1, (Item(fqn="w", kind="tensor", nbytes=16, dtype="float32", sizes=(4,),
+                          offsets=(4,)), Item(fqn="extra", kind="bytes", nbytes=9)))
+  stage = ckpt_pb.CheckpointStageRequest()
+  wire.format_part_to_pb(stage, part, wire.STAGE_PARTS)
+  assert wire.format_part_from_pb(_sent(stage), wire.STAGE_PARTS) == part
+  assert wire.format_part_from_pb(ckpt_pb.CheckpointStageRequest(), wire.STAGE_PARTS) is None
+  done = DcpCommit(b"\x80\x04N.", {0: 4096, 1: 8192}, '{"storage": []}')
+  commit = ckpt_pb.CheckpointCommitRequest()
+  wire.format_part_to_pb(commit, done, wire.COMMIT_PARTS)
+  assert wire.format_part_from_pb(_sent(commit), wire.COMMIT_PARTS) == done
+  # The trainer's older forms still fill the same fields.
+  assert wire.dcp_part_to_pb(1, [i.to_dict() for i in part.items]) == stage.dcp
+  with pytest.raises(errors.InvalidArgumentError, match="no format part is a DcpCommit"):
+    wire.format_part_to_pb(stage, done, wire.STAGE_PARTS)
+  stage.dcp.items[0].nbytes = 8
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"^dcp.items\[0\]: item 'w': a float32 chunk of sizes \(4,\)"):
+    wire.format_part_from_pb(stage, wire.STAGE_PARTS)
