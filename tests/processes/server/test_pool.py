@@ -30,7 +30,7 @@ tenants:
   - {name: alice, token_file: alice.token, arena: 0.25, checkpoint_roots: [alice]}
   - {name: bob, token_file: bob.token, arena: 0.25, checkpoint_roots: [bob]}
   - {name: carol, token_file: carol.token, arena: 0.1, arena_ceiling: 16MiB, sessions: 8,
-     checkpoint_roots: [carol]}
+     inline_bytes: 16MiB, checkpoint_roots: [carol]}
 """
 
 
@@ -83,6 +83,9 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
     alice = _controller(cluster, monkeypatch, "alice")
     bob = _controller(cluster, monkeypatch, "bob")
     carol = _controller(cluster, monkeypatch, "carol")
+    # Not attached: its calls' arrays travel inline, not through the arena.
+    inline = sidecar.Controller(cluster.addresses, token=TOKENS["carol"], attach=False,
+                                timeout=20)
     reference = _batches(alice)
     _well_behaved(alice, bob, reference, tmp_path, 1)
 
@@ -98,7 +101,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
       except grpc.RpcError as e:
         refused.append(e.details())
     channel.close()
-    assert len(refused) >= 40 - 8
+    assert len(refused) == 40 - (8 - 2)  # two are carol's Controllers'
     assert refused[-1].startswith("ResourceExhaustedError: tenant 'carol' keeps 8 handshake "
                                   "sessions, its quota (sessions=8, "), refused[-1]
     t0 = time.monotonic()
@@ -126,6 +129,17 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
       with carol.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
         ckpt.restore(1, target={"w": np.zeros(1 << 16, np.float32)})
 
+    # 3b. Carol's large inline calls (not through the arena): past her inline_bytes.
+    big = np.ones(32 << 20, np.uint8)
+    for _ in range(3):
+      with pytest.raises(sidecar.ResourceExhaustedError,
+                         match=r"tenant 'carol' sent an inline request of \d+ bytes, more "
+                         r"than its quota \(inline_bytes=16777216"):
+        inline.call("size_of", args=(big,))
+    del big
+    inline.close()
+    _well_behaved(alice, bob, reference, tmp_path, 4)
+
     # 4. Carol is removed from the pool file: her next call says so within a second.
     (tmp_path / "pool.yaml").write_text("\n".join(POOL.splitlines()[:3]) + "\n")
     cluster.reload()
@@ -138,10 +152,23 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
         break
       assert time.monotonic() < deadline, "carol still served a second after the reload"
       time.sleep(0.05)
-    _well_behaved(alice, bob, reference, tmp_path, 4)
+    _well_behaved(alice, bob, reference, tmp_path, 5)
     for ctl in (alice, bob):
       ctl.close()
     carol.close()
+
+    # 5. The pool's sidecar is killed and started again: a tenant reconnects, and finds its
+    # durable steps (and only its own directories may be opened, as before).
+    cluster.kill(0)
+    cluster.restart(0)
+    alice = _controller(cluster, monkeypatch, "alice")
+    with alice.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
+      assert ckpt.all_steps() == [1, 2, 3, 4, 5]
+      back = ckpt.restore(5, target={"w": np.zeros(1 << 16, np.float32)})
+    assert np.asarray(back["w"]).tobytes() == (np.arange(1 << 16, dtype=np.float32) * 5
+                                                ).tobytes()
+    assert all(np.array_equal(a, b) for a, b in zip(_batches(alice), reference, strict=True))
+    alice.close()
 
 
 def test_serve_refuses_a_bad_pool_file_naming_its_line(tmp_path):
