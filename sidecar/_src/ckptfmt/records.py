@@ -11,7 +11,9 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
 - :class:`ReplicaTarget`: a sidecar that holds replicas of this one's shards. The
   protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
   is a replica target, never a "peer" (which means the trainer's processes).
-- :class:`Replicated`: what a replication sent.
+- :class:`Replicated`: what a replication sent; :class:`ReplicaHeader`,
+  :class:`ReplicaBlock`, :class:`ReplicaPart`: what one sidecar's ``Receive`` stream to
+  another carries.
 - :class:`Held`: what one sidecar's RAM tier holds under a directory.
 - :class:`SavedLeaf`, :class:`Manifest`: a committed step's manifest, which owns its
   file name (:data:`MANIFEST_FILE`) and its JSON; :meth:`Manifest.of_save` is the one
@@ -108,6 +110,37 @@ class ReplicaTarget:
   address: str  # gRPC host:port
   socket: str = ""  # its worker socket, usable where boot_id is this machine's
   boot_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaHeader:
+  """Which replica a ``Receive`` stream carries: ``source``'s shards of a step's item."""
+
+  directory: str
+  step: int
+  final_dir: str  # the committed item directory
+  source: int  # the host whose shards these are
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaBlock:
+  """A whole shard of a replica, in a block of the receiver's arena the sender filled."""
+
+  shard: ShardId
+  data: np.ndarray
+  crc32c: int  # the sender's, checked as it arrives
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaPart:
+  """Some of one shard's C-order bytes, inline (the bytes travel beside, unparsed): the
+  receiver assembles the shard in a block of its arena."""
+
+  shard: ShardId
+  dtype: str
+  shape: tuple[int, ...]  # the whole shard's
+  offset: int  # of these bytes in the shard's
+  crc32c: int  # the sender's, of the whole shard: checked once it is whole
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

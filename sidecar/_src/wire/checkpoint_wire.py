@@ -28,6 +28,9 @@ from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import (
   Held,
   Manifest,
+  ReplicaBlock,
+  ReplicaHeader,
+  ReplicaPart,
   ReplicaTarget,
   Replicated,
   SavedLeaf,
@@ -269,6 +272,33 @@ def replicated_to_pb(r: Replicated) -> ckpt_pb.CheckpointReplicateResponse:
 
 def replicated_from_pb(r: ckpt_pb.CheckpointReplicateResponse) -> Replicated:
   return Replicated(tuple(r.peers), r.shards, r.bytes, r.seconds)
+
+
+def replica_header_to_pb(h: ReplicaHeader) -> ckpt_pb.ReplicaHeader:
+  return ckpt_pb.ReplicaHeader(directory=h.directory, step=h.step, final_dir=h.final_dir,
+                               source=h.source)
+
+
+def replica_header_from_pb(h: ckpt_pb.ReplicaHeader, where: str) -> ReplicaHeader:
+  if h.step < 0:
+    raise errors.InvalidArgumentError(f"{where}.step must be a non-negative int, got {h.step}")
+  return ReplicaHeader(h.directory, h.step, h.final_dir, h.source)
+
+
+def replica_blocks_from_pb(blocks: Sequence[ckpt_pb.ReplicaBlock],
+                           from_arena: codec.FromArena | None, where: str) -> list[ReplicaBlock]:
+  return [ReplicaBlock(shard_from_pb(b.shard, f"{where}[{i}].shard"),
+                       data_from_pb(ckpt_pb.ShardData(arena=b.data), from_arena,
+                                    f"{where}[{i}].data"), b.crc32c)
+          for i, b in enumerate(blocks)]
+
+
+def replica_part_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPart:
+  """A part's description (its bytes travel beside: ``service.parse_receive``)."""
+  if any(d < 0 for d in p.shape) or len(p.shape) > MAX_DIMS:
+    raise errors.InvalidArgumentError(f"{where}: bad shape {list(p.shape)[:8]}")
+  return ReplicaPart(shard_from_pb(p.shard, f"{where}.shard"), p.dtype, tuple(p.shape),
+                     p.offset, p.crc32c)
 
 
 def held_to_pb(held: Held) -> ckpt_pb.CheckpointHeldResponse:

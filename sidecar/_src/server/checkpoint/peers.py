@@ -39,7 +39,7 @@ import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
-from sidecar._src.ckptfmt.records import ReplicaTarget
+from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget
 from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import env, errors
 from sidecar._src.wire import checkpoint_wire as wire, protocol
@@ -219,7 +219,7 @@ class PeerLink:
   def _error(self, e: grpc.RpcError) -> errors.SidecarError:
     return protocol.error_from_rpc(e, host=self.peer.address, host_id=self.peer.host_id)
 
-  def send(self, header: dict[str, Any],
+  def send(self, header: ReplicaHeader,
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> int:
@@ -232,8 +232,7 @@ class PeerLink:
     """
     w = self._worker
     first = ckpt_pb.ReceiveRequest(
-        header=ckpt_pb.ReplicaHeader(directory=header["directory"], step=header["step"],
-                                     final_dir=header["final_dir"], source=header["source"]),
+        header=wire.replica_header_to_pb(header),
         worker_session=w.session if w is not None else "")
     sent = [0]
     held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
@@ -282,7 +281,7 @@ class PeerLink:
     batch_bytes = 0
     for kp, index, data in shards:
       if cancelled():
-        raise errors.ClosedError(f"the replication of {header['final_dir']} was cancelled")
+        raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
       # A full peer arena fails the replica soon, not after the whole deadline.
       dst, ref = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
       dst_bytes, src_bytes = (a.reshape(-1).view(np.uint8) for a in (dst, data))
@@ -314,7 +313,7 @@ class PeerLink:
       crc32c = shards_lib.shard_crc32c(data)
       for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
         if cancelled():
-          raise errors.ClosedError(f"the replication of {header['final_dir']} was cancelled")
+          raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
         part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
                                    offset=offset, crc32c=crc32c)
         chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
@@ -357,7 +356,7 @@ class Links:
     self._closed = threading.Event()
     self._watcher: threading.Thread | None = None
 
-  def send(self, peer: ReplicaTarget, header: dict[str, Any],
+  def send(self, peer: ReplicaTarget, header: ReplicaHeader,
            shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:

@@ -19,14 +19,19 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, shards as shards_lib
-from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated
+from sidecar._src.ckptfmt.records import (
+  ReplicaBlock,
+  ReplicaHeader,
+  ReplicaPart,
+  ReplicaTarget,
+  Replicated,
+)
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
   faults,
   peers as replicas_lib,
   ram_tier,
-  roots as roots_lib,
 )
 from sidecar._src.user import outputs
 from sidecar._src.wire import codec
@@ -93,8 +98,7 @@ class Replicator:
     direct_io.background_thread()
     t0 = time.perf_counter()
     shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
-    header = {"directory": record.directory, "step": record.step, "final_dir": record.final_dir,
-              "source": self._host_id}
+    header = ReplicaHeader(record.directory, record.step, record.final_dir, self._host_id)
     try:
       nbytes = 0
       for peer in job.peers:
@@ -118,7 +122,7 @@ class Replicator:
       shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
       job.done.set()
 
-  def open_replica(self, header: dict) -> ram_tier.Replica:
+  def open_replica(self, header: ReplicaHeader) -> ram_tier.Replica:
     """A new replica record for one stream of a peer's shards (``header`` names them).
 
     It replaces one of the same step and source that is not whole (a resent replica
@@ -126,13 +130,8 @@ class Replicator:
     replaces only once it is whole itself (``receive``), so a resend that breaks leaves
     the old copy.
     """
-    try:
-      directory, step = header["directory"], roots_lib.as_int(header["step"], "header.step")
-      final_dir, source = header["final_dir"], roots_lib.as_int(header["source"], "header.source")
-    except (KeyError, TypeError, errors.InvalidArgumentError):
-      raise errors.InvalidArgumentError(
-          f"receive: header must have directory, step, final_dir and source, got {header!r:.200}"
-      ) from None
+    directory, step, final_dir, source = (header.directory, header.step, header.final_dir,
+                                          header.source)
     self._path(directory, "header.directory")
     self._path(final_dir, "header.final_dir")
     replica = ram_tier.Replica(directory, step, final_dir, source)
@@ -144,33 +143,31 @@ class Replicator:
         replica.replaces = old
     return replica
 
-  def receive(self, replica: ram_tier.Replica, shards: list[dict], done: bool = False,
-              payload: np.ndarray | None = None) -> int:
-    """Takes shards a peer sends (``replicas.PeerLink``) into ``replica`` (``open_replica``).
+  def receive(self, replica: ram_tier.Replica, blocks: Sequence[ReplicaBlock],
+              part: ReplicaPart | None = None, payload: np.ndarray | None = None, *,
+              done: bool = False) -> int:
+    """Takes shards another sidecar sends (``peers.PeerLink``) into ``replica``
+    (``open_replica``).
 
     A shard comes whole as an arena block the sender filled (same machine), or inline
-    in chunks: one shard's ``offset`` into its bytes, with ``payload`` the chunk's bytes,
-    assembled here in an arena block. ``done``: the replica is whole. Returns the bytes
-    held.
+    in parts: ``part`` says where ``payload``'s bytes go in one shard's, assembled here
+    in an arena block. ``done``: the replica is whole. Returns the bytes held.
     """
     directory, step = replica.directory, replica.step
     final_dir, source = replica.final_dir, replica.source
     self._replica_fault(step)
-    for s in shards:
-      key = (tuple(s["key_path"]), tuple((int(a), int(b)) for a, b in s["index"]))
-      if "offset" not in s:  # a whole block of our arena
-        self._add_shard(replica, key, s["data"], s.get("crc32c"))
-        continue
-      if payload is None or len(shards) != 1:
+    for b in blocks:  # whole blocks of our arena
+      self._add_shard(replica, (b.shard.key_path, b.shard.index), b.data, b.crc32c)
+    if part is not None:
+      if payload is None or blocks:
         raise errors.InvalidArgumentError(
-            "receive: a chunk of a shard comes alone, with its bytes as payload")
-      data = payload
-      shape = tuple(int(n) for n in s["shape"])
-      offset, chunk = int(s["offset"]), np.asarray(data).reshape(-1).view(np.uint8)
+            "receive: a part of a shard comes alone, with its bytes as payload")
+      key = (part.shard.key_path, part.shard.index)
+      offset, chunk = part.offset, np.asarray(payload).reshape(-1).view(np.uint8)
       with self._tier.lock:
         entry = replica.partial.get(key)
         if entry is None:
-          block = outputs.empty(shape, codec.dtype_of(s["dtype"], f"replica of {key[0]}"))
+          block = outputs.empty(part.shape, codec.dtype_of(part.dtype, f"replica of {key[0]}"))
           entry = replica.partial[key] = [block, 0]
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
@@ -184,7 +181,7 @@ class Replicator:
         if whole:
           del replica.partial[key]
       if whole:
-        self._add_shard(replica, key, entry[0], s.get("crc32c"))
+        self._add_shard(replica, key, entry[0], part.crc32c)
     if done:
       with self._tier.lock:
         replica.whole, replica.partial = True, {}

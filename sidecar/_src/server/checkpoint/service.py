@@ -261,9 +261,7 @@ class CheckpointService:
     first, data = parse_receive(next(requests, b""))
     if not first.HasField("header"):
       raise errors.InvalidArgumentError("the first ReceiveRequest must carry the header")
-    h = first.header
-    header = {"directory": h.directory, "step": _step(h.step, "header.step"),
-              "final_dir": h.final_dir, "source": h.source}
+    header = wire.replica_header_from_pb(first.header, "header")
     session = first.worker_session
     view = lambda ref: self._arena_io.view(ref, session)
     replica = self._host.replicator.open_replica(header)  # a resent replica starts afresh
@@ -294,29 +292,17 @@ class CheckpointService:
   def _receive_one(self, replica: Any, m: ckpt_pb.ReceiveRequest, view, n: int,
                    data: memoryview | None) -> int:
     where = f"ReceiveRequest {n}"
-    shards: list[dict[str, Any]] = []
-    payload = None
     if m.blocks and m.HasField("part"):
       raise errors.InvalidArgumentError(f"{where}: blocks or a part, not both")
-    for i, b in enumerate(m.blocks):
-      kp, index = wire.shard_from_pb(b.shard, f"{where}.blocks[{i}].shard")
-      shards.append({"key_path": list(kp), "index": [list(x) for x in index],
-                     "crc32c": b.crc32c,
-                     "data": wire.data_from_pb(ckpt_pb.ShardData(arena=b.data), view,
-                                               f"{where}.blocks[{i}].data")})
+    blocks = wire.replica_blocks_from_pb(m.blocks, view, f"{where}.blocks")
+    part, payload = None, None
     if m.HasField("part"):
-      p = m.part
-      kp, index = wire.shard_from_pb(p.shard, f"{where}.part.shard")
-      if any(d < 0 for d in p.shape) or len(p.shape) > wire.MAX_DIMS:
-        raise errors.InvalidArgumentError(f"{where}.part: bad shape {list(p.shape)[:8]}")
-      shards.append({"key_path": list(kp), "index": [list(x) for x in index],
-                     "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset,
-                     "crc32c": p.crc32c})
-      payload = np.frombuffer(p.data if data is None else data, np.uint8)
+      part = wire.replica_part_from_pb(m.part, f"{where}.part")
+      payload = np.frombuffer(m.part.data if data is None else data, np.uint8)
     try:
-      return self._host.replicator.receive(replica, shards, m.done, payload)
+      return self._host.replicator.receive(replica, blocks, part, payload, done=m.done)
     finally:
-      shards.clear()
+      blocks.clear()
 
   # ---- restore ------------------------------------------------------------
 
