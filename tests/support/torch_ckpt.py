@@ -140,7 +140,8 @@ def main() -> None:
     if restart == 0:
       w = sidecar.torch.StorageWriter(f"{directory}/1", replicas=1, controller=ctl)
       dcp.save(state(rank, world, 1, mesh), storage_writer=w)
-      if rank == 0:
+      if rank == 0:  # the coordinator replicated every part: apart from the commit
+        w.replicated.result(timeout=60)
         say(replicated=w.last_stats.get("replicated_bytes", 0))
       dist.barrier()
       if rank == 0:

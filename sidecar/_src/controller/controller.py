@@ -30,6 +30,8 @@ from sidecar._src.controller import (
 from sidecar._src.controller.calls import Calls
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
+from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
+from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, HostArrays
@@ -382,7 +384,8 @@ class Controller:
                    keep_period: int | None = None, ram_steps: int = 1,
                    ram_budget: int | None = None, if_busy: str = "wait",
                    sweep: bool = True, replicas: int = 0,
-                   replica_bandwidth: int | str | None = None) -> Checkpointer:
+                   replica_bandwidth: int | str | None = None,
+                   options: CheckpointOptions | None = None) -> Checkpointer:
     """Checkpoints that stall the trainer for one copy into shared memory.
 
     The sidecars persist each step in stock Orbax's layout (``ocp.CheckpointManager``
@@ -409,29 +412,50 @@ class Controller:
     from). ``replica_bandwidth`` (bytes/s per sidecar, or a size such as ``"500MiB"``)
     paces the sending, leaving the training step its cores, memory bandwidth or network.
 
+    ``options`` (a :class:`~sidecar._src.controller.checkpoint.options.CheckpointOptions`,
+    the same as ``sidecar.torch.Checkpointer``'s) instead of those keyword arguments.
+
     Raises:
-      InvalidArgumentError: ``directory`` is not writable from every sidecar.
+      InvalidArgumentError: ``directory`` is not writable from every sidecar, or both
+        ``options`` and the keyword arguments it holds are given.
     """
     self._check_open()
+    o = options_or(options, max_to_keep=max_to_keep, keep_period=keep_period,
+                   ram_steps=ram_steps, ram_budget=ram_budget, if_busy=if_busy,
+                   replicas=replicas, replica_bandwidth=replica_bandwidth)
     self._checkpointers += 1
+    site = self.checkpoint_sidecars()
     ckpt = Checkpointer(
-        directory=str(directory), client=self._checkpoint_client(),
-        hosts=[h.host_id for h in self.hosts], device_hosts=self._hosts.device_hosts,
-        max_to_keep=max_to_keep, keep_period=keep_period, ram_steps=ram_steps,
-        ram_budget=ram_budget, if_busy=if_busy, sweep=sweep, local_hosts=self.local_hosts,
-        peers=self._peers, key=f"ckpt/{self._checkpointers}", replicas=replicas,
-        replica_bandwidth=replica_bandwidth,
-        sidecars=self._hosts.sidecar_records(),
-        mapped=sorted(h for h in self._hosts.workers if h not in self._hosts.lost),
-        framework=self._framework, sharers=self._hosts.sharers)
+        directory=str(directory), client=site.client, hosts=list(site.hosts),
+        device_hosts=self._hosts.device_hosts, max_to_keep=o.max_to_keep,
+        keep_period=o.keep_period, ram_steps=o.ram_steps, ram_budget=o.ram_budget,
+        if_busy=o.if_busy, sweep=sweep, local_hosts=list(site.local), peers=self._peers,
+        key=f"ckpt/{self._checkpointers}", replicas=o.replicas,
+        replica_bandwidth=o.replica_bandwidth,
+        sidecars={h: dict(r) for h, r in site.records.items()}, mapped=sorted(site.mapped),
+        framework=self._framework, sharers=site.sharers)
     self._children.add(ckpt)
     return ckpt
 
-  def _checkpoint_client(self) -> CheckpointClient:
-    """The checkpoint phases on these sidecars, through this controller's channels."""
+  def checkpoint_client(self) -> CheckpointClient:
+    """The checkpoint phases on these sidecars, through this controller's channels: what
+    a framework's checkpoint adapter (``sidecar.torch.StorageWriter``) drives."""
     return CheckpointClient(select=self._hosts.select, connection=self._hosts.conns.__getitem__,
                             worker=self._hosts.workers.get, status=self.status,
                             timeout=self.timeout)
+
+  _checkpoint_client = checkpoint_client  # its name before the torch adapter used it
+
+  def checkpoint_sidecars(self) -> Sidecars:
+    """These sidecars as a checkpointer sees them now (a new checkpoint client, the hosts,
+    which of them this process drives and maps, where their replicas go)."""
+    self._check_open()
+    return Sidecars(
+        client=self.checkpoint_client(), hosts=tuple(h.host_id for h in self.hosts),
+        local=tuple(self.local_hosts), device_hosts=dict(self._hosts.device_hosts),
+        records=self._hosts.sidecar_records(),
+        mapped=frozenset(h for h in self._hosts.workers if h not in self._hosts.lost),
+        sharers=dict(self._hosts.sharers))
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),

@@ -14,8 +14,8 @@ Every rank makes the same calls in the same order.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
-import json
 import logging
 import os
 import threading
@@ -25,12 +25,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from sidecar._src.controller import controller as core
+from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.retention import Retention
+from sidecar._src.controller.checkpoint.save import agree_on_save, settle_replicated
 from sidecar._src.controller.checkpoint.target import SaveHandle, done_handle
-from sidecar._src.core import errors
+from sidecar._src.core import errors, interrupts
 from sidecar._src.torch import controller as torch_controller, storage
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointOptions", "Checkpointer", "SaveHandle"]
+
 _instances = itertools.count()  # every rank makes its Checkpointers in the same order
 
 
@@ -50,41 +55,44 @@ class Checkpointer:
   Args:
     directory: where the steps go, ``<directory>/<step>``.
     max_to_keep: the newest steps kept; older ones are deleted once a newer is durable.
-    replicas: peer sidecars that also keep each shard (see ``StorageWriter``).
+    replicas: peer sidecars that also keep each shard (see ``StorageWriter``);
+      ``handle.replicated`` resolves once every rank's part has its copies.
     if_busy: what ``save`` does while the previous save is not durable yet: ``"wait"``
       for it (the default), or ``"skip"`` this save (its handle's futures hold None), as
       ``ctl.checkpointer``'s; every rank takes the same decision.
+    options: a :class:`CheckpointOptions` (the same as ``ctl.checkpointer``'s) instead of
+      the keyword arguments above; it also sets ``ram_steps``, ``ram_budget``,
+      ``keep_period`` and ``replica_bandwidth``.
     controller: default this rank's, from :func:`sidecar.torch.connect`.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
                replicas: int = 0, if_busy: str = "wait",
+               options: CheckpointOptions | None = None,
                controller: core.Controller | None = None):
-    if if_busy not in ("wait", "skip"):
-      raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-    if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-      raise errors.InvalidArgumentError(f"max_to_keep must be None or >= 1, got {max_to_keep!r}")
+    self.options = options_or(options, max_to_keep=max_to_keep, replicas=replicas,
+                                    if_busy=if_busy)
     self.directory = os.path.abspath(os.fspath(directory))
-    self.max_to_keep, self.replicas = max_to_keep, replicas
     self._ctl = torch_controller.controller_or_connect(controller)
-    self._client = self._ctl._checkpoint_client()
-    self._host = self._ctl.local_hosts[0]
+    site = self._ctl.checkpoint_sidecars()
+    self._host = site.local[0]
     # Saves run on their own thread: their collectives get a group of their own, so they
     # never interleave with the training step's on the default group.
     self._group: Any = (dist.new_group(backend="gloo")
                    if dist.is_initialized() and dist.get_world_size() > 1 else None)
     self._last: SaveHandle | None = None
-    self._if_busy, self._key, self._saves = if_busy, f"torch-ckpt/{next(_instances)}", 0
-    self._lock = threading.Lock()
+    self._key, self._saves = f"torch-ckpt/{next(_instances)}", 0
+    self._settlers: list[threading.Thread] = []  # each resolves a save's `replicated`
     self._closed = False
     lead = self._ctl.peers.index == 0
-    steps = self._client.open(self._host, self.directory, ram_steps=1, ram_budget=None,
-                              sweep=lead).result()
+    steps = site.client.open(self._host, self.directory, ram_steps=self.options.ram_steps,
+                             ram_budget=self.options.ram_budget, sweep=lead).result()
     # The core's retention, as ``ctl.checkpointer``'s: rank 0 deletes, every rank forgets
     # a deleted step in its sidecar's RAM tier, a failed delete is logged and retried.
-    self._retention = Retention(client=self._client, directory=self.directory,
-                                local=[self._host], lead=lead, max_to_keep=max_to_keep,
-                                keep_period=None, steps=list(steps))
+    self._retention = Retention(client=site.client, directory=self.directory,
+                                local=[self._host], lead=lead,
+                                max_to_keep=self.options.max_to_keep,
+                                keep_period=self.options.keep_period, steps=list(steps))
 
   def all_steps(self) -> list[int]:
     """The committed steps, ascending."""
@@ -94,40 +102,66 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  @interrupts.deferring  # Ctrl-C: the copy stops, nothing is saved; a save begun goes on
   def save(self, step: int, state_dict: dict[str, Any]) -> SaveHandle:
     """Saves ``state_dict`` as step ``step``; returns once it is staged (see the class)."""
     self._check_open()
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
       raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
-    if self._busy(step) and self._if_busy == "skip":
+    last = self._last
+    self._saves += 1
+    key = f"{self._key}/save/{self._saves}"
+    busy = agree_on_save(self._ctl.peers, key, step, last is not None and not last.durable.done(),
+                         what=f"save {self._saves} in {self.directory}")
+    if busy and self.options.if_busy == "skip":
       return done_handle(step, None)
     self._settle()  # one save at a time, as DCP's async_save asks
     writer = storage.StorageWriter(os.path.join(self.directory, str(step)),
-                                   replicas=self.replicas, controller=self._ctl)
+                                   options=self.options, controller=self._ctl)
     response = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group)
     upload = response if isinstance(response, concurrent.futures.Future) else (
         response.upload_completion)
     handle = self._last = SaveHandle(step, concurrent.futures.Future(),
                                      concurrent.futures.Future())
     handle.staged.set_result(step)
-
-    def done(f: Any) -> None:
-      try:
-        f.result()
-      except BaseException as e:
-        handle.durable.set_exception(e)
-        handle.replicated.set_exception(e)
-        return
-      self._retention.add(step)
-      try:  # the step is durable whatever retention does: a failed delete is logged
-        self._retention.collect()
-      except errors.SidecarError as e:
-        log.warning("could not delete old steps of %s: %s", self.directory, e)
-      handle.durable.set_result(step)
-      handle.replicated.set_result(step)  # StorageWriter.finish replicates before it returns
-    upload.add_done_callback(done)
+    upload.add_done_callback(functools.partial(self._durable, handle, writer, key))
     return handle
 
+  def _durable(self, handle: SaveHandle, writer: storage.StorageWriter, key: str,
+               upload: concurrent.futures.Future) -> None:
+    """The save's end (DCP's thread): lists the step, drops old ones, resolves ``durable``;
+    ``replicated`` apart, once every rank knows the replication's outcome."""
+    try:
+      upload.result()
+    except BaseException as e:
+      handle.durable.set_exception(e)
+      handle.replicated.set_exception(e)
+      return
+    step = handle.step
+    self._retention.add(step)
+    try:  # the step is durable whatever retention does: a failed delete is logged
+      self._retention.collect()
+    except errors.SidecarError as e:
+      log.warning("could not delete old steps of %s: %s", self.directory, str(e))
+    handle.durable.set_result(step)
+    if not writer.replicas:
+      handle.replicated.set_result(step)
+      return
+    settler = threading.Thread(target=self._settle_replicated, args=(handle, writer, key),
+                               daemon=True, name=f"sidecar-torch-replicated-{step}")
+    self._settlers = [t for t in self._settlers if t.is_alive()] + [settler]
+    settler.start()
+
+  def _settle_replicated(self, handle: SaveHandle, writer: storage.StorageWriter,
+                         key: str) -> None:
+    """Rank 0 replicated every host's part (``StorageWriter.finish``): every rank learns
+    how it went through the ranks' store, as the core's ``replicated`` does."""
+    mine: BaseException | None = None
+    if writer.replicated is not None:
+      mine = writer.replicated.exception()  # waits for it
+    settle_replicated(handle.replicated, handle.step, mine, peers=self._ctl.peers, key=key)
+
+  @interrupts.deferring
   def restore(self, step: int | None, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Loads step ``step`` (None: the latest) into ``state_dict`` in place, as ``dcp.load``;
     returns it."""
@@ -148,46 +182,33 @@ class Checkpointer:
     last = self._last
     if last is not None:
       try:
+        interrupts.wait_done(last.durable)
         last.durable.result()
       finally:
         if self._last is last:
           self._last = None
 
-  def _busy(self, step: int) -> bool:
-    """Whether any rank's previous save is in flight; every rank must save ``step``."""
-    last = self._last
-    busy = last is not None and not last.durable.done()
-    peers = self._ctl.peers
-    if peers.count == 1:
-      return busy
-    self._saves += 1
-    gathered = [json.loads(v) for v in peers.all_gather(
-        f"{self._key}/save/{self._saves}", json.dumps({"step": step, "busy": busy}))]
-    if len({g["step"] for g in gathered}) > 1:
-      raise errors.InvalidArgumentError(
-          f"the ranks disagree on the step of save {self._saves} in {self.directory}: "
-          + "; ".join(f"rank {r}: step {g['step']}" for r, g in enumerate(gathered))
-          + ". Every rank must call save with the same step, in the same order")
-    return any(g["busy"] for g in gathered)
-
   def _settle(self) -> None:
     """Waits for the save in flight to end, durable or failed."""
     last = self._last
     if last is not None:
-      concurrent.futures.wait([last.durable])
+      interrupts.wait_done(last.durable)
 
   def _check_open(self) -> None:
     if self._closed:
       raise errors.ClosedError("this Checkpointer is closed; make a new one")
 
   def close(self) -> None:
-    """Waits for the last save; idempotent."""
+    """Waits for the last save (and its replication's outcome); idempotent."""
     if self._closed:
       return
     try:
       self.wait()
     finally:
       self._closed = True
+      for settler in self._settlers:
+        settler.join()
+      self._settlers = []
 
   def __enter__(self) -> Checkpointer:
     return self

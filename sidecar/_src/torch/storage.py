@@ -1,16 +1,22 @@
 """DCP's storage classes through the sidecars: ``dcp.save``, ``dcp.async_save`` and ``dcp.load``
 work unchanged with ``storage_writer=StorageWriter(path)`` / ``storage_reader=StorageReader(path)``.
 
+Thin adapters over the core's checkpoint protocol: a save runs the core's
+``controller/checkpoint/save.SaveProtocol`` with DCP's coordinator rank as the agreement
+between the ranks, a restore the core's tier fallback (``restore.ShardReads``).
+
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
-(``write_data``, or ``stage`` under ``dcp.async_save``); the sidecar then writes the rank's
-``__{rank}_0.distcp`` in DCP's own layout from its arena, in its own process, and keeps
-the step in its RAM tier. Rank 0 (DCP's coordinator) begins the step (the tmp
-directory) in ``prepare_global_plan``, and in ``finish`` pickles DCP's Metadata, waits for
-every sidecar's part and commits with one rename: stock ``FileSystemReader`` then reads
-the directory. ``StorageReader`` takes each item from the RAM tier of the sidecar that
-holds it (no storage read, no pickle: the plan in the manifest rebuilds the Metadata),
-else from storage, each shard's crc32c checked; a directory stock DCP wrote is read as
-``FileSystemReader`` reads it.
+(``write_data``, or ``stage`` under ``dcp.async_save``), staged in the core's parts
+(``staging.Parts``); the sidecar then writes the rank's ``__{rank}_0.distcp`` in DCP's
+own layout from its arena, in its own process, and keeps the step in its RAM tier. Rank 0
+(DCP's coordinator) begins the step (the tmp directory) in ``prepare_global_plan``, and
+in ``finish`` pickles DCP's Metadata, waits for every sidecar's part and commits with one
+rename (or aborts everywhere): stock ``FileSystemReader`` then reads the directory. With
+``replicas`` it then starts the replication and returns: ``replicated`` resolves apart.
+``StorageReader`` takes each item from the RAM tier of the sidecar that holds it (no
+storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a peer's
+replica, else storage, each shard's crc32c checked; a directory stock DCP wrote is read
+as ``FileSystemReader`` reads it.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import concurrent.futures
 import dataclasses
 import io
 import json
-import logging
 import os
+import queue
+import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -44,47 +52,34 @@ from torch.distributed.tensor import DTensor
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import dcp
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, StagedShard
 from sidecar._src.controller import controller as core
-from sidecar._src.controller.checkpoint import staging
-from sidecar._src.controller.checkpoint.checkpointer import replica_peers
-from sidecar._src.controller.checkpoint.client import StagedShard
-from sidecar._src.core import errors
+from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
+from sidecar._src.controller.checkpoint.restore import ShardReads
+from sidecar._src.controller.checkpoint.save import SaveProtocol
+from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.staging import Parts
+from sidecar._src.controller.checkpoint.target import Target
+from sidecar._src.core import dtypes, errors, interrupts
 from sidecar._src.torch import (
   controller as torch_controller,
   framework,
   metadata as plans_lib,
   tensors,
 )
-from sidecar._src.wire import codec
-
-log = logging.getLogger(__name__)
-_LONG_S = 3600.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Target:
-  """Where a save goes, as rank 0 began it: in every rank's plan (``storage_data``)."""
-  final: str
-  tmp: str
-  label: int  # the step's number in the sidecars' RAM tier (its retention order)
 
 
 def _label(path: str) -> int:
+  """A checkpoint's number in its sidecars' RAM tier (their retention order)."""
   name = os.path.basename(path)
   return int(name) if name.isdigit() else time.time_ns() // 1000
 
 
-def _rank_hosts(ctl: core.Controller) -> dict[int, int]:
+def _rank_hosts(ctl: core.Controller, site: Sidecars) -> dict[int, int]:
   """``{rank: host}``: a rank's one device id is its rank."""
-  hosts = ctl.device_hosts
   if ctl.peers.count == 1:
-    return {0: ctl.local_hosts[0]}
-  return {r: hosts[r] for r in range(ctl.peers.count)}
-
-
-def _host_of_this_rank(ctl: core.Controller) -> int:
-  return ctl.local_hosts[0]
+    return {0: site.local[0]}
+  return {r: site.device_hosts[r] for r in range(ctl.peers.count)}
 
 
 class StorageWriter(_Writer):
@@ -99,30 +94,44 @@ class StorageWriter(_Writer):
     path: the checkpoint directory (as ``FileSystemWriter``'s); a committed one is replaced.
     replicas: peer sidecars that also keep each shard in their RAM tier.
     ram_steps: committed checkpoints under ``path``'s parent that the RAM tier keeps.
+    options: a :class:`CheckpointOptions` instead of ``replicas`` and ``ram_steps`` (its
+      ``ram_budget`` and ``replica_bandwidth`` too).
     controller: default this rank's, from :func:`sidecar.torch.connect`.
+
+  Attributes:
+    replicated: on the coordinator rank, a future of the latest save's replication
+      (its results), None before one; resolved once every host's part has its copies.
+    last_stats: this rank's latest save: ``copy_s``, ``stage_s`` (and on the coordinator,
+      once replicated, ``replicated_bytes``, ``replicate_s``).
   """
 
   _synchronize_after_execute = False  # stage() copies synchronously: nothing to wait for
 
   def __init__(self, path: str | os.PathLike, *, replicas: int = 0, ram_steps: int = 1,
+               options: CheckpointOptions | None = None,
                controller: core.Controller | None = None):
     super().__init__()
     self.path = os.path.abspath(os.fspath(path))
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-      raise errors.InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
-    self.replicas, self.ram_steps = replicas, ram_steps
+    self.options = options_or(options, replicas=replicas, ram_steps=ram_steps)
     self._ctl = torch_controller.controller_or_connect(controller)
-    hosts = len(self._ctl.hosts)
-    if replicas > hosts - 1:  # e.g. an elastic job down to fewer hosts than it planned
-      log.warning("replicas=%d, but there are %d hosts: each part gets %d peer copies",
-                  replicas, hosts, max(hosts - 1, 0))
-      self.replicas = max(hosts - 1, 0)
-    self._client = self._ctl._checkpoint_client()
+    self._site = self._ctl.checkpoint_sidecars()
+    self.replicas = self._site.replicas(self.options.replicas)
+    self._ranks = _rank_hosts(self._ctl, self._site)
+    self._home = self._site.local[0]  # this rank's sidecar
     self.save_id = uuid.uuid4().hex
     self.is_coordinator = False
     self._opened: set[str] = set()
-    self._begun: _Target | None = None  # rank 0: the save prepare_global_plan began
+    self._begun: Target | None = None  # rank 0: the save prepare_global_plan began
+    self.replicated: concurrent.futures.Future | None = None
     self.last_stats: dict[str, float] = {}
+
+  def _protocol(self, directory: str) -> SaveProtocol:
+    """The core's save protocol in DCP's format; each host is staged into by its ranks."""
+    writers: dict[int, int] = {}
+    for h in self._ranks.values():
+      writers[h] = writers.get(h, 0) + 1
+    return SaveProtocol(client=self._site.client, directory=directory, format=dcp.FORMAT,
+                        writers=writers)
 
   # ---- DCP's StorageWriter ---------------------------------------------
 
@@ -138,126 +147,124 @@ class StorageWriter(_Writer):
     return plan
 
   def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-    """Rank 0 begins the step: the sidecar makes its tmp directory beside ``path``."""
-    host = _host_of_this_rank(self._ctl)
+    """Rank 0 begins the step: the sidecar makes its tmp directory beside ``path``; DCP
+    hands every rank the target in its plan."""
     parent = os.path.dirname(self.path)
     if parent not in self._opened:
-      self._client.open(host, parent, ram_steps=self.ram_steps, ram_budget=None,
-                        sweep=False).result()
+      self._site.client.open(self._home, parent, ram_steps=self.options.ram_steps,
+                             ram_budget=self.options.ram_budget, sweep=False).result()
       self._opened.add(parent)
     label = _label(self.path)
-    tmp = self._client.begin(host, self.path, label, format=dcp.FORMAT).result()
-    target = self._begun = _Target(self.path, tmp, label)
+    tmp = self._protocol(parent).begin(self._home, self.path, label)
+    target = self._begun = Target.for_checkpoint(self.path, tmp, label)
     return [dataclasses.replace(p, storage_data=target) for p in plans]
 
+  @interrupts.deferring  # Ctrl-C: this rank's part is dropped from its sidecar
   def write_data(self, plan: SavePlan, planner: SavePlanner
                  ) -> torch.futures.Future[list[WriteResult]]:
-    """Copies this rank's items into its sidecar's arena (the stall) and stages them."""
-    target: _Target = plan.storage_data
+    """Copies this rank's items into its sidecar's arena (the stall) and stages them, in
+    the core's parts as the copy goes."""
+    target: Target = plan.storage_data
     rank = self._ctl.peers.index
-    host = _host_of_this_rank(self._ctl)
     t0 = time.perf_counter()
-    arrays, refs = self._to_arena(host, [(planner.resolve_data(w), w.index.fqn)
-                                         for w in plan.items])
+    arrays = [np.frombuffer(data.getbuffer(), np.uint8) if isinstance(data, io.BytesIO)
+              else framework.host_array(data, f"state dict entry {w.index.fqn!r}")
+              for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
     items = [plans_lib.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
+    protocol = self._protocol(target.directory)
+    parts: queue.SimpleQueue = queue.SimpleQueue()
+    staging = Parts([self._home], parts)
+    failed: list[BaseException] = []
+
+    def stage() -> None:
+      try:
+        protocol.stage(target, parts, hosts=[self._home], part=dcp.DcpPart(rank, tuple(items)),
+                       rest=dcp.DcpPart(rank, ()))
+      except BaseException as e:
+        failed.append(e.with_traceback(None))  # its frames would hold the blocks
+
+    stager = threading.Thread(target=stage, daemon=True, name=f"sidecar-dcp-stage-{rank}")
+    stager.start()
+    try:
+      self._copy(arrays, items, staging)
+    except BaseException as e:
+      staging.fail(e.with_traceback(None))
+      arrays.clear()
+      stager.join()
+      protocol.abort(target, [self._home])
+      raise
     copied = time.perf_counter()
-    writers = sum(1 for h in _rank_hosts(self._ctl).values() if h == host)
-    parent = os.path.dirname(target.final)
-    dicts = [item.to_dict() for item in items]
-    parts: list[list[StagedShard]] = [[]]
-    nbytes = 0
-    for i, (item, array) in enumerate(zip(items, arrays)):
-      if nbytes >= staging.STAGE_PART_BYTES:  # the core's measured size (one part on 2 cores)
-        parts.append([])
-        nbytes = 0
-      parts[-1].append(StagedShard(i, item.index, array, refs[i]))
-      nbytes += array.nbytes
+    staging.close()
     arrays.clear()
-    for n, part in enumerate(parts):
-      self._client.stage(host, directory=parent, step=target.label, tmp_dir=target.tmp,
-                         final_dir=target.final, leaves=[], shards=part,
-                         last=n == len(parts) - 1, writers=writers,
-                         dcp=(rank, dicts if n == 0 else [])).result()
-    parts.clear()
+    stager.join()
+    if failed:
+      protocol.abort(target, [self._home])
+      raise failed[0]
     self.last_stats = {"copy_s": copied - t0, "stage_s": time.perf_counter() - copied}
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
     out.set_result(plans_lib.write_results(rank, plan.items, items))
     return out
 
-  def _to_arena(self, host: int, entries: list[tuple[Any, str]]
-                ) -> tuple[list[np.ndarray], list[codec.ArenaRef | None]]:
-    """Each ``(data, fqn)`` (a tensor or DCP's BytesIO) in ``host``'s arena, and its
-    descriptor: as is if it is there, else copied into blocks allocated in one request."""
-    arrays = [np.frombuffer(data.getbuffer(), np.uint8) if isinstance(data, io.BytesIO)
-              else framework.host_array(data, f"state dict entry {fqn!r}")
-              for data, fqn in entries]
-    worker = self._ctl.worker(host)
-    # Staged already (async_save's stage): no second copy.
+  def _copy(self, arrays: list[np.ndarray], items: Sequence[dcp.Item], staging: Parts) -> None:
+    """Each array into this rank's arena (as is where it is there already: staged by
+    ``stage``), its blocks allocated in one request, handed on in parts as it goes."""
+    worker = self._ctl.worker(self._home)
     refs = [worker.ref_of(a) if worker is not None else None for a in arrays]
     fresh = [i for i, r in enumerate(refs) if r is None]
-    for i, (block, ref) in zip(fresh, self._client.empty_like(host, [arrays[i] for i in fresh])):
-      shm.copy(block, arrays[i], threads=torch.get_num_threads())
-      arrays[i], refs[i] = block, ref
-    return arrays, refs
+    blocks = dict(zip(fresh, self._site.client.empty_like(self._home,
+                                                          [arrays[i] for i in fresh])))
+    for i, (item, array) in enumerate(zip(items, arrays)):
+      interrupts.check()  # Ctrl-C aborts the save (write_data)
+      if i in blocks:
+        block, ref = blocks.pop(i)
+        shm.copy(block, array, threads=torch.get_num_threads())
+        array, refs[i] = block, ref
+      staging.add(self._home, StagedShard(i, item.index, array, refs[i]), array.nbytes)
+      arrays[i] = array
 
   def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
-    """Rank 0: pickles the metadata, waits for every sidecar's part, commits once."""
+    """Rank 0: pickles the metadata, waits for every sidecar's part, commits once (or
+    aborts everywhere), then starts the replication (``replicated``)."""
     target = self._begun
     if target is None:
       raise errors.InvalidArgumentError("finish() before prepare_global_plan(): use dcp.save")
     raw = plans_lib.finish(metadata, results, checkpoint_id=self.path, save_id=self.save_id)
     plan = plans_lib.to_plan(metadata)
-    hosts = sorted(set(_rank_hosts(self._ctl).values()))
-    sizes: dict[int, int] = {}
-    for name, size in plans_lib.file_sizes(results).items():
-      sizes[int(name.removeprefix("__").split("_")[0])] = size
-    placement = self._placement(hosts)
+    hosts = sorted(set(self._ranks.values()))
+    sizes = {int(name.removeprefix("__").split("_")[0]): size
+             for name, size in plans_lib.file_sizes(results).items()}
+    placement = {h: p for h, p in self._site.placement(self.replicas).items() if h in hosts}
+    protocol = self._protocol(target.directory)
     try:
-      sums = [c for f in [self._client.prepared(h, target.final, timeout=_LONG_S) for h in hosts]
-              for c in f.result()]
-      home = _host_of_this_rank(self._ctl)
-      self._client.commit(home, tmp_dir=target.tmp, step=target.label, num_hosts=len(hosts),
-                          leaves=[], checksums=sums, data_state_json="", whole_step=True,
-                          replicas=placement or None, timeout=_LONG_S,
-                          dcp={"metadata": raw, "file_sizes": sizes,
-                               "plan_json": json.dumps(plan)}).result()
+      sums = protocol.prepared(target, hosts)
+      protocol.commit(self._home, target, num_hosts=len(hosts), checksums=sums,
+                      replicas=placement,
+                      part=dcp.DcpCommit(raw, sizes, json.dumps(plan)))
     except BaseException:
-      for h in hosts:
-        try:
-          self._client.abort(h, target.tmp, target.final, timeout=90.0).result()
-        except errors.SidecarError:
-          pass  # that host is gone: its part went with it
+      protocol.abort(target, hosts)
       raise
-    manifest = json.dumps({"format": dcp.FORMAT, "version": 1, "step": target.label,
-                           "plan": plan, "leaves": [], "shards": [c.to_dict() for c in sums],
-                           "data_state": None,
-                           "replicas": {str(h): p for h, p in placement.items()}})
-    for f in [self._client.committed(h, target.final, manifest) for h in hosts]:
-      f.result()
-    if placement:
-      self._replicate(target, placement)
+    manifest = Manifest.of_save(dcp.FORMAT, step=target.step, leaves=(), checksums=sums,
+                                data_state_json="", replicas=placement,
+                                extras={"plan": plan})
+    protocol.mark_committed(target, hosts, manifest.to_json())
+    self.replicated = self._replicate(protocol, target, placement)
 
-  def _placement(self, hosts: list[int]) -> dict[int, list[int]]:
-    """``{host: the peers that keep its part}`` (another slice's first); empty with no
-    replicas."""
-    if not self.replicas:
-      return {}
-    records = self._ctl._hosts.sidecar_records()
-    slices = {h: int(r.get("slice_id", 0)) for h, r in records.items()}
-    return {h: replica_peers(slices, h, self.replicas) for h in hosts}
-
-  def _replicate(self, target: _Target, placement: dict[int, list[int]]) -> None:
+  def _replicate(self, protocol: SaveProtocol, target: Target,
+                 placement: dict[int, list[int]]) -> concurrent.futures.Future | None:
     """Each host's part, committed, to its peers' RAM tiers: a lost sidecar's part is then
-    restored from memory, with no storage read."""
-    records = self._ctl._hosts.sidecar_records()
+    restored from memory, with no storage read. Returns at once; None with no replicas."""
+    replication = protocol.start_replication(target, placement, self._site.records,
+                                             bandwidth=self.options.bandwidth)
+    if replication is None:
+      return None
     t0 = time.perf_counter()
-    futures = [self._client.replicate(h, target.final,
-                                      [dict(records[p], host_id=p) for p in peers],
-                                      bandwidth=None, timeout=_LONG_S)
-               for h, peers in placement.items()]
-    sent = sum(f.result()["bytes"] for f in futures)
-    self.last_stats = {**self.last_stats, "replicated_bytes": float(sent),
-                       "replicate_s": time.perf_counter() - t0}
+
+    def done(f: concurrent.futures.Future) -> None:
+      if f.exception() is None:
+        self.last_stats = {**self.last_stats, "replicate_s": time.perf_counter() - t0,
+                           "replicated_bytes": float(sum(r["bytes"] for r in f.result()))}
+    replication.add_done_callback(done)
+    return replication
 
   def storage_meta(self) -> md.StorageMeta | None:
     return md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -272,6 +279,7 @@ class StorageWriter(_Writer):
   def should_synchronize_after_execute(self) -> bool:
     return self._synchronize_after_execute
 
+  @interrupts.deferring  # Ctrl-C: nothing is saved, the blocks go back
   def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Copies every tensor of ``state_dict`` into this rank's sidecar's arena (its blocks
     allocated in one request): the state dict the background save then writes (DCP's
@@ -283,7 +291,7 @@ class StorageWriter(_Writer):
       found.append((t, framework.host_array(local, f"state dict entry {name!r}")))
       return t
     _map_tensors(state_dict, collect)
-    blocks = self._client.empty_like(_host_of_this_rank(self._ctl), [a for _, a in found])
+    blocks = self._site.client.empty_like(self._home, [a for _, a in found])
     staged = iter([self._staged(t, a, block) for (t, a), (block, _) in zip(found, blocks)])
     found.clear()
     return _map_tensors(state_dict, lambda t, name: next(staged))
@@ -294,6 +302,7 @@ class StorageWriter(_Writer):
     as many threads as torch's own pool (torchrun gives each of a node's ranks one, so
     that they do not take each other's cores: 2 ranks on 2 cores blocked 0.90x a memcpy
     with one copy thread each, 1.06x with two)."""
+    interrupts.check()
     shm.copy(block, array, threads=torch.get_num_threads())
     copy = tensors.from_array(block)
     if isinstance(t, DTensor):  # FSDP2's shards: the same placement, over the arena copy
@@ -327,20 +336,23 @@ class StorageReader(_Reader):
     dcp.load(state_dict, storage_reader=sidecar.torch.StorageReader("/ckpt/step_100"))
 
   Each item comes from the RAM tier of the sidecar that staged it (another sidecar on
-  this machine's arena is mapped here: no copy), else from storage through this rank's
-  sidecar, its crc32c checked. A checkpoint stock DCP wrote (no manifest of ours) is read
-  as ``FileSystemReader`` reads it.
+  this machine's arena is mapped here: no copy), else from a peer's replica, else from
+  storage through this rank's sidecar, its crc32c checked (the core's tier fallback,
+  ``restore.ShardReads``). A checkpoint stock DCP wrote (no manifest of ours) is read as
+  ``FileSystemReader`` reads it.
   """
 
   def __init__(self, path: str | os.PathLike, *, controller: core.Controller | None = None):
     super().__init__()
     self.path = os.path.abspath(os.fspath(path))
     self._ctl = torch_controller.controller_or_connect(controller)
-    self._client = self._ctl._checkpoint_client()
+    self._site = self._ctl.checkpoint_sidecars()
+    self._home = self._site.local[0]
+    self._reads = ShardReads(self._site.client, self._site.mapped)
     self._stock: FileSystemReader | None = None
     self._metadata: md.Metadata | None = None
     self._sums: dict[tuple[str, tuple], ShardChecksum] = {}
-    self._replicas: dict[int, list[int]] = {}  # {host: the peers that keep its part}
+    self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
 
   def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -349,16 +361,15 @@ class StorageReader(_Reader):
     self._stock, self._metadata = None, None
 
   def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
-    host = _host_of_this_rank(self._ctl)
     try:
-      manifest = self._client.info(host, self.path).result()
+      manifest = self._site.client.info(self._home, self.path).result()
     except errors.InvalidArgumentError:
       manifest = None
     if manifest is None or manifest.dcp_plan is None:
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)
     self._sums = {(str(s.key_path[0]), s.index): s for s in manifest.shards}
-    self._replicas = {int(h): list(peers) for h, peers in (manifest.replicas or {}).items()}
+    self._replicas = dict(manifest.replicas)
     self._metadata = plans_lib.from_plan(manifest.dcp_plan)
     return self._metadata
 
@@ -374,37 +385,26 @@ class StorageReader(_Reader):
   def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
     return plans
 
+  def _sources(self, owner: int) -> list[tuple[int, str]]:
+    """Where to read an item ``owner`` staged, in order: its RAM tier (else its storage),
+    the peers that keep its replica (the manifest names them), storage through this rank's
+    sidecar."""
+    return [(owner, "any"), *((p, "replica") for p in self._replicas.get(owner, ())),
+            (self._home, "disk")]
+
+  @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
     if self._stock is not None:
       return self._stock.read_data(plan, planner)
     assert self._metadata is not None
-    here = _host_of_this_rank(self._ctl)
+    pending = [(req, self._start(req)) for req in plan.items]
     counts = {"items": 0, "bytes": 0, "from_replicas": 0, "from_storage": 0}
-    pending = []
-    for req in plan.items:
-      fqn = req.storage_index.fqn
-      entry = self._metadata.state_dict_metadata[fqn]
-      if req.type == LoadItemType.BYTE_IO:
-        index: tuple = ()
-      else:
-        offsets = tuple(req.storage_index.offset or ())
-        assert isinstance(entry, md.TensorStorageMetadata)
-        sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
-        index = tuple((o, o + s) for o, s in zip(offsets, sizes))
-      s = self._sums.get((fqn, index))
-      crc = s.crc32c if s is not None else None
-      source = s.host if s is not None and s.host is not None else here
-      shard = ((fqn,), index)
-      pending.append((req, shard, crc, source, self._read(source, shard, crc, "any")))
-    for req, shard, crc, source, future in pending:
-      try:
-        data = future.result()
-      except (errors.HostLostError, errors.InvalidArgumentError, errors.CorruptCheckpointError):
-        # Its sidecar is gone, kept no copy, or its copy fails the committed manifest's
-        # crc32c (another save's): a peer's replica, else storage.
-        data = self._fallback(shard, crc, source, here, counts)
+    for req, future in pending:
+      data, source = interrupts.wait(future)
       counts["items"] += 1
       counts["bytes"] += data.nbytes
+      counts["from_replicas"] += source.startswith("replica:")
+      counts["from_storage"] += source == "storage"
       if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(data.tobytes()))
         continue
@@ -424,32 +424,25 @@ class StorageReader(_Reader):
     out.set_result(None)
     return out
 
-  def _read(self, host: int, shard: tuple, crc: int | None, tier: str
-            ) -> concurrent.futures.Future:
-    """A read of ``shard`` from ``host``'s ``tier``; one the controller refuses at once (a
-    host lost, or of the job before an elastic restart) as a failed future."""
-    try:
-      return self._client.read(host, self.path, shard, crc32c=crc, tier=tier)
-    except (errors.HostLostError, errors.InvalidArgumentError) as e:
-      failed: concurrent.futures.Future = concurrent.futures.Future()
-      failed.set_exception(e)
-      return failed
-
-  def _fallback(self, shard: tuple, crc: int | None, source: int, here: int,
-                counts: dict[str, int]) -> np.ndarray:
-    """A shard its own sidecar could not give: from a peer that keeps a replica of
-    ``source``'s part (the manifest names them), else from storage through this rank's."""
-    for peer in self._replicas.get(source, []):
-      try:
-        data = self._read(peer, shard, crc, "replica").result()
-      except (errors.HostLostError, errors.InvalidArgumentError, errors.CorruptCheckpointError):
-        continue  # that peer is gone too, let its copy go, or holds another save's
-      counts["from_replicas"] += 1
-      return data
-    counts["from_storage"] += 1
-    return self._client.read(here, self.path, shard, crc32c=crc, tier="disk").result()
+  def _start(self, req: Any) -> concurrent.futures.Future:
+    """The read of one load item's stored chunk, through the core's tier fallback."""
+    assert self._metadata is not None
+    fqn = req.storage_index.fqn
+    entry = self._metadata.state_dict_metadata[fqn]
+    if req.type == LoadItemType.BYTE_IO:
+      index: tuple = ()
+      dtype = np.dtype(np.uint8)
+    else:
+      offsets = tuple(req.storage_index.offset or ())
+      assert isinstance(entry, md.TensorStorageMetadata)
+      sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
+      index = tuple((o, o + s) for o, s in zip(offsets, sizes))
+      dtype = dtypes.dtype_of(tensors.dtype_name(entry.properties.dtype, repr(fqn)), repr(fqn))
+    s = self._sums.get((fqn, index))
+    owner = s.host if s is not None and s.host is not None else self._home
+    return self._reads.first(self.path, (fqn,), index, s.crc32c if s is not None else None,
+                             self._sources(owner), dtype)
 
   @classmethod
   def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
     return isinstance(checkpoint_id, (str, os.PathLike))
-

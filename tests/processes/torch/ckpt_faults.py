@@ -42,19 +42,21 @@ def main() -> None:
     if restart == 0:
       w = sidecar.torch.StorageWriter(f"{directory}/1", replicas=1, ram_steps=2, controller=ctl)
       dcp.save(state(rank, world, 1), storage_writer=w)
+      if rank == 0:  # the coordinator replicates every part, apart from the commit
+        w.replicated.result(timeout=60)
+      dist.barrier()
 
       class ViaReplica(sidecar.torch.StorageReader):
-        def _read(self, host, shard, crc, tier):  # host 1's own copy, as if it were lost
-          if host == 1 and tier == "any":
-            return super()._read(-1, shard, crc, tier)
-          return super()._read(host, shard, crc, tier)
+        def _sources(self, owner):  # host 1's own copy, as if it were lost
+          return [(-1 if h == 1 and tier == "any" else h, tier)
+                  for h, tier in super()._sources(owner)]
       target, r = zeros_like(state(rank, world, 1)), ViaReplica(f"{directory}/1", controller=ctl)
       dcp.load(target, storage_reader=r)
       say(first=same(target, state(rank, world, 1)), stats=r.last_stats)
 
       class NoReplicas(sidecar.torch.StorageWriter):
-        def _replicate(self, target, placement):  # stopped right after the commit
-          pass
+        def _replicate(self, protocol, target, placement):  # stopped right after the commit
+          return None
       w = NoReplicas(f"{directory}/1", replicas=1, ram_steps=2, controller=ctl)
       dcp.save(state(rank, world, 2), storage_writer=w)
       dist.barrier()

@@ -27,6 +27,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic, progress as progress_lib
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save import SaveCoordinator
@@ -40,7 +41,7 @@ from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, interrupts
 
-__all__ = ["Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "replica_peers"]
+__all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "replica_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -69,32 +70,14 @@ class Checkpointer:
                sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = (),
                replica_bandwidth: int | str | None = None, framework: Framework | None = None,
                sharers: Mapping[int, Sequence[int]] | None = None):
-    if if_busy not in ("wait", "skip"):
-      raise errors.InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-    for name, v in (("max_to_keep", max_to_keep), ("keep_period", keep_period)):
-      if v is not None and (not isinstance(v, int) or v < 1):
-        raise errors.InvalidArgumentError(f"{name} must be None or an int >= 1, got {v!r}")
-    if not isinstance(ram_steps, int) or isinstance(ram_steps, bool) or ram_steps < 0:
-      raise errors.InvalidArgumentError(f"ram_steps must be an int >= 0, got {ram_steps!r}")
-    if ram_budget is not None and (not isinstance(ram_budget, int) or ram_budget < 0):
-      raise errors.InvalidArgumentError(
-          f"ram_budget must be None or bytes (an int >= 0), got {ram_budget!r}")
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-      raise errors.InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
+    options = CheckpointOptions(max_to_keep=max_to_keep, keep_period=keep_period,
+                                replicas=replicas, ram_steps=ram_steps, ram_budget=ram_budget,
+                                replica_bandwidth=replica_bandwidth, if_busy=if_busy)
+    replica_bandwidth = options.bandwidth
     if replicas > len(hosts) - 1:  # e.g. an elastic job down to fewer hosts than it planned
       log.warning("replicas=%d, but there are %d hosts: each shard gets %d peer copies",
                   replicas, len(hosts), max(len(hosts) - 1, 0))
       replicas = max(len(hosts) - 1, 0)
-    if isinstance(replica_bandwidth, str):
-      try:
-        replica_bandwidth = shm.parse_size(replica_bandwidth)
-      except ValueError as e:
-        raise errors.InvalidArgumentError(f"replica_bandwidth: {e}") from None
-    if replica_bandwidth is not None and (
-        not isinstance(replica_bandwidth, int) or replica_bandwidth < 1):
-      raise errors.InvalidArgumentError(
-          f"replica_bandwidth must be None or bytes per second (an int >= 1, or a size such "
-          f"as '500MiB'), got {replica_bandwidth!r}")
     sidecars = sidecars or {}
     if replicas and set(sidecars) != set(hosts):
       raise errors.InvalidArgumentError(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-import dataclasses
 import json
 import threading
 import time
@@ -28,8 +27,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.manifest import Manifest
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
+from sidecar._src.ckptfmt.records import Held, Manifest, ShardChecksum, StagedShard
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
@@ -38,22 +37,11 @@ from sidecar._src.wire.protocol import ckpt_pb, pb
 Shard = tuple[KeyPath, Index]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StagedShard:
-  """One shard to stage: its leaf (an index into the step's leaves), where it lies, its
-  bytes (an arena array of the host, from :meth:`CheckpointTransport.put`)."""
-  leaf: int
-  index: Index
-  data: np.ndarray
-  ref: codec.ArenaRef | None = None  # its block, where ``data`` is in a mapped arena
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Held:
-  """What one host's RAM tier holds under a directory, per committed item directory:
-  its own shards, and its peers' replicas by source host."""
-  own: dict[str, list[Shard]]
-  replicas: dict[str, dict[int, list[Shard]]]
+# A format's own part of a host's Stage requests and of the Commit request (stock Orbax's
+# layout has none: its leaves travel as ``leaves``): typed values of ``ckptfmt/<format>``,
+# one more member here for a new format.
+StagePart = DcpPart
+CommitPart = DcpCommit
 
 
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
@@ -212,13 +200,11 @@ class CheckpointTransport(abc.ABC):
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: Sequence[StagedShard],
-            last: bool, writers: int = 1,
-            dcp: tuple[int, Sequence[Mapping[str, Any]]] | None = None
+            last: bool, writers: int = 1, part: StagePart | None = None
             ) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
-    processes stage into ``host`` (each sends its own ``last``). ``dcp``: ``(rank,
-    items)`` of a DCP step (``ckptfmt/dcp.Item.to_dict``), the shards' ``leaf`` numbering
-    the items."""
+    processes stage into ``host`` (each sends its own ``last``). ``part``: the format's
+    own part (a DCP rank's items, the shards' ``leaf`` numbering them)."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -230,9 +216,9 @@ class CheckpointTransport(abc.ABC):
              leaves: Sequence[LeafSpec], checksums: Sequence[ShardChecksum],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             dcp: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
-    """Future of the committed directory. ``dcp``: ``{"metadata", "file_sizes",
-    "plan_json"}`` of a DCP step."""
+             part: CommitPart | None = None) -> concurrent.futures.Future:
+    """Future of the committed directory. ``part``: the format's own part (a DCP step's
+    pickled metadata, file sizes and plan)."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""
@@ -340,14 +326,14 @@ class CheckpointClient(CheckpointTransport):
                      lambda r: r.tmp_directory)
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, dcp=None):
+            writers=1, part=None):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
         directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
-    if dcp is not None:
-      request.dcp.CopyFrom(wire.dcp_part_to_pb(*dcp))
+    if part is not None:
+      request.dcp.CopyFrom(wire.dcp_part_to_pb(part.rank, [i.to_dict() for i in part.items]))
     for s in shards:
       staged = request.shards.add(leaf=s.leaf, index=wire.index_to_pb(s.index))
       found = (lambda _, ref=s.ref: ref) if s.ref is not None else (
@@ -362,16 +348,16 @@ class CheckpointClient(CheckpointTransport):
         lambda r: [wire.checksum_from_pb(c, "checksum") for c in r.checksums], timeout=timeout)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
-             whole_step, replicas, timeout, dcp=None):
+             whole_step, replicas, timeout, part=None):
     request = ckpt_pb.CheckpointCommitRequest(
         tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
         leaves=[wire.leaf_to_pb(d) for d in leaves],
         checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
         whole_step=whole_step)
-    if dcp is not None:
-      request.dcp.metadata, request.dcp.plan_json = dcp["metadata"], dcp["plan_json"]
-      for rank, size in dcp["file_sizes"].items():
-        request.dcp.file_sizes[int(rank)] = int(size)
+    if part is not None:
+      request.dcp.metadata, request.dcp.plan_json = part.metadata, part.plan_json
+      for rank, size in part.file_sizes.items():
+        request.dcp.file_sizes[rank] = size
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
 

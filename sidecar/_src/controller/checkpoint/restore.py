@@ -71,6 +71,7 @@ class Restorer:
     self._client, self.directory = client, directory
     self._hosts, self._local, self._device_hosts = hosts, local, device_hosts
     self._mapped, self._ask_all, self._steps = mapped, ask_all, steps
+    self._reads = ShardReads(client, mapped)
 
   def restore(self, final_dir: str, step: int, target: Any, *,
               progress: Callable[[str], None] | None = None) -> tuple[Any, RestoreStats]:
@@ -202,44 +203,7 @@ class Restorer:
   def _read_shard(self, final_dir: str, kp: KeyPath, index, crc: int | None,
                   sources: list[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of ``(data, source)``: the first source whose copy reads and checks."""
-    read = _ShardRead(self, final_dir, kp, index, crc, sources, dtype)
-    read.attempt(0)
-    return read.out
-
-  def _read_parts(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
-                  shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
-    """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
-    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c, with the
-    first part)."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    data = np.empty(shape, dtype)
-    flat = data.reshape(-1).view(np.uint8)
-    parts = [(o, min(READ_PART_BYTES, flat.nbytes - o))
-             for o in range(0, flat.nbytes, READ_PART_BYTES)]
-    left = [len(parts)]
-    lock = threading.Lock()
-
-    def done(offset: int, f: concurrent.futures.Future) -> None:
-      error = f.exception()
-      if error is None:
-        part = f.result()
-        flat[offset:offset + part.nbytes] = part
-      with lock:  # the first failure fails the shard; else the last part completes it
-        left[0] -= 1
-        if out.done():
-          return
-        if error is not None:
-          out.set_exception(error)
-        elif left[0] == 0:
-          out.set_result(data)
-
-    for offset, nbytes in parts:
-      # Only the first part asks for the check: the host checks the whole shard once, and
-      # its failure fails the shard (the parts all go at once, so each would check it).
-      future = self._client.read(host, final_dir, (kp, index), crc32c=crc if offset == 0 else None,
-                                 tier=tier, part=(offset, nbytes))
-      future.add_done_callback(functools.partial(done, offset))
-    return out
+    return self._reads.first(final_dir, kp, index, crc, sources, dtype)
 
   def _failure(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
                gone: list[int], read: int, dtypes: dict[KeyPath, np.dtype]
@@ -309,6 +273,75 @@ class Restorer:
     return out
 
 
+class ShardReads:
+  """The tier fallback of a restore, for every framework and format: a stored shard read
+  from the first of its sources (``(host, tier)``: ``"ram"``, ``"replica"``, ``"any"``,
+  ``"disk"``) whose copy reads and passes its crc32c.
+
+  Args:
+    client: the sidecars.
+    mapped: the hosts whose arenas this process maps (a RAM-tier shard of another host,
+      read over gRPC, comes in parts of at most ``READ_PART_BYTES``).
+  """
+
+  def __init__(self, client: CheckpointTransport, mapped: set[int] | frozenset[int]):
+    self.client, self.mapped = client, mapped
+
+  def first(self, final_dir: str, kp: KeyPath, index, crc: int | None,
+            sources: Sequence[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
+    """A future of ``(data, source)``, ``source`` its label (``"ram:host0"``,
+    ``"replica:host1"``, ``"storage"``), from the first of ``sources`` that gives a valid
+    copy; else of ShardsLostError naming every try (or another failure as it is)."""
+    read = _ShardRead(self, final_dir, kp, index, crc, list(sources), dtype)
+    read.attempt(0)
+    return read.out
+
+  def read(self, host: int, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str,
+           dtype: np.dtype) -> concurrent.futures.Future:
+    """One source's read of the shard: in parts where it is large and not mapped here."""
+    shape = tuple(b - a for a, b in index)
+    if tier in ("ram", "replica") and host not in self.mapped and (
+        math.prod(shape) * dtype.itemsize > READ_PART_BYTES):
+      return self._read_parts(final_dir, kp, index, crc, tier, host, shape, dtype)
+    return self.client.read(host, final_dir, (kp, index), crc32c=crc, tier=tier)
+
+  def _read_parts(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
+                  shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
+    """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
+    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c, with the
+    first part)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    data = np.empty(shape, dtype)
+    flat = data.reshape(-1).view(np.uint8)
+    parts = [(o, min(READ_PART_BYTES, flat.nbytes - o))
+             for o in range(0, flat.nbytes, READ_PART_BYTES)]
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(offset: int, f: concurrent.futures.Future) -> None:
+      error = f.exception()
+      if error is None:
+        part = f.result()
+        flat[offset:offset + part.nbytes] = part
+      with lock:  # the first failure fails the shard; else the last part completes it
+        left[0] -= 1
+        if out.done():
+          return
+        if error is not None:
+          out.set_exception(error)
+        elif left[0] == 0:
+          out.set_result(data)
+
+    for offset, nbytes in parts:
+      # Only the first part asks for the check: the host checks the whole shard once, and
+      # its failure fails the shard (the parts all go at once, so each would check it).
+      future = self.client.read(host, final_dir, (kp, index),
+                                crc32c=crc if offset == 0 else None, tier=tier,
+                                part=(offset, nbytes))
+      future.add_done_callback(functools.partial(done, offset))
+    return out
+
+
 class _ShardRead:
   """One stored shard's read, trying its sources in turn until one reads and checks.
 
@@ -317,9 +350,9 @@ class _ShardRead:
   reference to the restored array, without the garbage collector.
   """
 
-  def __init__(self, restorer: Restorer, final_dir: str, kp: KeyPath, index, crc: int | None,
+  def __init__(self, reads: ShardReads, final_dir: str, kp: KeyPath, index, crc: int | None,
                sources: list[tuple[int, str]], dtype: np.dtype):
-    self._restorer, self._final_dir, self._kp = restorer, final_dir, kp
+    self._reads, self._final_dir, self._kp = reads, final_dir, kp
     self._index, self._crc = index, crc
     self._sources, self._dtype = sources, dtype
     self.failures: list[tuple[str, errors.SidecarError]] = []
@@ -331,16 +364,9 @@ class _ShardRead:
       return
     host, tier = self._sources[i]
     label = "storage" if tier == "disk" else f"{tier}:host{host}"
-    r = self._restorer
     try:
-      shape = tuple(b - a for a, b in self._index)
-      nbytes = math.prod(shape) * self._dtype.itemsize
-      if tier != "disk" and host not in r._mapped and nbytes > READ_PART_BYTES:
-        f = r._read_parts(self._final_dir, self._kp, self._index, self._crc, tier, host, shape,
-                          self._dtype)
-      else:
-        f = r._client.read(host, self._final_dir, (self._kp, self._index), crc32c=self._crc,
-                           tier=tier)
+      f = self._reads.read(host, self._final_dir, self._kp, self._index, self._crc, tier,
+                           self._dtype)
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)

@@ -1,10 +1,20 @@
-"""The save protocol of :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`.
+"""The save protocol, once for every framework and format.
 
-A save copies every addressable shard once into the arena of the host that owns its
-device (replicated shards once), hands the blocks to the sidecars in parts (``staged``)
-and returns; a shard still on its way from an accelerator (a ``HostCopy``) is copied by
-a stager thread once it has landed, after the save returned. A finisher thread then begins the step (process 0), stages the parts,
-starts the peer replication, waits for every host's writes (prepared) and commits once
+:class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
+phase, each on the hosts it is given: begin (the tmp directory), stage a host's parts,
+prepared (each host's checksums once written), commit once or abort everywhere, mark
+committed, replicate. Who calls each phase, and how the trainer processes agree between
+them, is pluggable: :class:`SaveCoordinator` (JAX's and the numpy core's checkpointer)
+agrees through the processes' key-value store (``controller/peers.Peers``); PyTorch's
+``torch/storage.StorageWriter`` through DCP's coordinator rank (DCP's own gather and
+scatter around its ``prepare_global_plan`` and ``finish``).
+
+With :class:`SaveCoordinator` a save copies every addressable shard once into the arena
+of the host that owns its device (replicated shards once), hands the blocks to the
+sidecars in parts (``staged``) and returns; a shard still on its way from an accelerator
+(a ``HostCopy``) is copied by a stager thread once it has landed, after the save
+returned. A finisher thread then begins the step (process 0), stages the parts, starts
+the peer replication, waits for every host's writes (prepared) and commits once
 (process 0), or aborts everywhere (``durable``, ``replicated``).
 """
 
@@ -13,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import pathlib
 import queue
 import threading
 import time
@@ -25,7 +34,12 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as layout
 from sidecar._src.ckptfmt.shards import ShardChecksum
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, StagedShard
+from sidecar._src.controller.checkpoint.client import (
+  CheckpointTransport,
+  CommitPart,
+  StagedShard,
+  StagePart,
+)
 from sidecar._src.controller.checkpoint.staging import Parts, stage_late
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.framework import Framework, HostCopy
@@ -39,6 +53,201 @@ log = logging.getLogger(__name__)
 _LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
 _ABORT_S = 90.0
+
+
+class SaveProtocol:
+  """The phases of one step's save on the sidecars, each on the hosts it is given.
+
+  Format-neutral: a format's own part of a request travels as a typed value
+  (``client.StagePart``, ``client.CommitPart``: ``ckptfmt/dcp``'s; none for stock Orbax's
+  layout), never as a branch here. The caller agrees with the other trainer processes
+  between phases.
+
+  Args:
+    client: the sidecars.
+    directory: the checkpoint directory (absolute): where the steps are.
+    format: the format's name (``""``: stock Orbax's layout; ``"dcp"``).
+    writers: how many processes stage into each host (each sends its own last part).
+  """
+
+  def __init__(self, *, client: CheckpointTransport, directory: str, format: str = "",
+               writers: Mapping[int, int] | None = None):
+    self.client, self.directory, self.format = client, directory, format
+    self._writers = dict(writers or {})
+
+  def begin(self, host: int, path: str, step: int) -> str:
+    """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
+    directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
+    fmt = {"format": self.format} if self.format else {}
+    return self.client.begin(host, path, step, **fmt).result()
+
+  def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
+            leaves: Sequence[layout.LeafSpec] = (), part: StagePart | None = None,
+            rest: StagePart | None = None) -> None:
+    """Hands the parts ``parts`` holds (``(host, shards, last)``, as ``staging.Parts`` puts
+    them; an exception aborts) to their sidecars as they come, until each of ``hosts``
+    had its last. A host's first part carries ``leaves`` and the format's ``part``, its
+    later ones ``rest``."""
+    last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
+    closed = 0
+    try:
+      while closed < len(hosts):
+        got = parts.get()  # (host, shards, last); no other local holds the shards, as
+        if isinstance(got, BaseException):  # the raise would keep them in its frame
+          raise got
+        host, final = got[0], got[2]
+        first = host not in last
+        if not first:
+          last[host].result()  # a host's parts arrive in order
+        now = part if first else rest
+        fmt = {} if now is None else {"part": now}
+        last[host] = self.client.stage(host, directory=self.directory, step=target.step,
+                                       tmp_dir=target.tmp_dir, final_dir=target.final_dir,
+                                       leaves=list(leaves) if first else [], shards=got[1],
+                                       last=final, writers=self._writers.get(host, 1), **fmt)
+        closed += final
+    except BaseException:
+      # The abort that follows must reach each sidecar after its last stage call: one
+      # arriving later would stage the step anew, and hold its blocks until it times out.
+      concurrent.futures.wait(list(last.values()))
+      raise
+    for f in last.values():
+      f.result()
+
+  def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardChecksum]:
+    """Waits for ``hosts`` to write their parts; returns their checksums."""
+    prepared = [f.result() for f in [self.client.prepared(h, target.final_dir, timeout=_LONG_S)
+                                     for h in hosts]]
+    return [c for host_sums in prepared for c in host_sums]
+
+  def commit(self, host: int, target: Target, *, num_hosts: int,
+             checksums: Sequence[ShardChecksum], leaves: Sequence[layout.LeafSpec] = (),
+             data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
+             part: CommitPart | None = None) -> str:
+    """``host`` commits the step (every host prepared); returns the committed directory."""
+    fmt = {} if part is None else {"part": part}
+    return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
+                              num_hosts=num_hosts, leaves=list(leaves), checksums=checksums,
+                              data_state_json=data_state_json, whole_step=target.whole_step,
+                              replicas={h: p for h, p in (replicas or {}).items() if p} or None,
+                              timeout=_LONG_S, **fmt).result()
+
+  def abort(self, target: Target, hosts: Sequence[int]) -> None:
+    """Drops a failed save from every sidecar that answers, then its uncommitted files.
+
+    A host that does not answer keeps its part only until its writer gives up on the
+    step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
+    """
+    done = on_each(
+        lambda h: self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
+        hosts=hosts, what=f"abort step {target.step}")
+    tmp = target.tmp_step
+    if target.whole_step and done and tmp and tmp != target.tmp_dir:
+      # Every host is done with the step: its tmp directory goes.
+      on_each(lambda h: self.client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
+              hosts=done, what=f"remove step {target.step}'s tmp files")
+
+  def mark_committed(self, target: Target, hosts: Sequence[int], manifest_json: str = ""
+                     ) -> None:
+    """Tells ``hosts``' RAM tiers the step is visible (``manifest_json``: its manifest,
+    where the committing sidecar alone wrote it: a DCP step's)."""
+    # Durable all the same where a host does not answer: a lost host's RAM tier is gone anyway.
+    extra = {"manifest_json": manifest_json} if manifest_json else {}
+    on_each(lambda h: self.client.committed(h, target.final_dir, **extra), hosts=hosts,
+            what=f"mark step {target.step} committed in the RAM tier")
+
+  def start_replication(self, target: Target, placement: Mapping[int, Sequence[int]],
+                        sidecars: Mapping[int, Mapping[str, Any]], *,
+                        bandwidth: int | None) -> concurrent.futures.Future | None:
+    """Each host of ``placement`` sends its staged shards to its replica hosts (sidecar
+    to sidecar); returns a future of their results once all of them hold their copies,
+    or None where no host has any."""
+    placement = {h: p for h, p in placement.items() if p}
+    if not placement:
+      return None
+    futures = [self.client.replicate(h, target.final_dir,
+                                     [dict(sidecars[p], host_id=p) for p in to],
+                                     bandwidth=bandwidth, timeout=_LONG_S)
+               for h, to in placement.items()]
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    t0 = time.perf_counter()
+
+    def done(_):
+      if out.done() or not all(f.done() for f in futures):
+        return
+      failed = [f.exception() for f in futures if f.exception() is not None]
+      try:
+        if failed:
+          out.set_exception(failed[0])
+        else:
+          results = [f.result() for f in futures]
+          out.set_result(results)
+          log.info("step %d: %s replicated from %d hosts in %.2f s", target.step,
+                   shm.format_size(sum(r["bytes"] for r in results)), len(futures),
+                   time.perf_counter() - t0)
+      except concurrent.futures.InvalidStateError:
+        pass  # two last callbacks raced
+
+    for f in futures:
+      f.add_done_callback(done)
+    return out
+
+
+def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],
+            what: str) -> list[int]:
+  """Runs ``start(host)`` on each host at once; returns those that did it, logs the others."""
+  futures: dict[int, concurrent.futures.Future] = {}
+  for h in hosts:
+    try:
+      futures[h] = start(h)
+    except errors.SidecarError as e:  # a host known lost: nothing to call
+      # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
+      # would keep its traceback's frames, and their arrays' arena blocks, alive.
+      log.warning("could not %s on host %d: %s", what, h, str(e))
+  ok = []
+  for h, future in futures.items():
+    try:
+      future.result()
+      ok.append(h)
+    except errors.SidecarError as e:
+      log.warning("could not %s on host %d: %s", what, h, str(e))
+  return ok
+
+
+def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
+  """Checks every process saves ``step`` (raises in every process if not); returns
+  whether any process has a save in flight, so that all take the same busy decision
+  (``if_busy``: wait for it, or skip this save)."""
+  if peers.count == 1:
+    return busy
+  gathered = [json.loads(v) for v in peers.all_gather(
+      key, json.dumps({"step": step, "busy": busy}))]
+  if len({g["step"] for g in gathered}) > 1:
+    raise errors.InvalidArgumentError(
+        f"the {peers.count} processes disagree on the step of {what}: "
+        + "; ".join(f"process {p}: step {g['step']}" for p, g in enumerate(gathered))
+        + ". Every process must call save with the same step, in the same order")
+  return any(g["busy"] for g in gathered)
+
+
+def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseException | None,
+                      *, peers: Peers, key: str) -> None:
+  """Resolves ``future`` (a handle's ``replicated``) with this process's outcome, and
+  under N processes once every process's is (or failed): the first failure fails it."""
+  if future.done():
+    return
+  if peers.count > 1:
+    peers.publish(f"{key}/replicated", _describe(mine))
+    for p in range(peers.count):
+      if mine is not None:
+        break
+      try:
+        theirs = peers.read(f"{key}/replicated", p, timeout=sync_timeout())
+      except errors.SidecarError as e:
+        theirs = _describe(e)
+      if theirs:
+        mine = errors.HostLostError(f"process {p} could not replicate step {step}: {theirs}")
+  _resolve(future, mine, step)
 
 
 class SaveCoordinator:
@@ -72,7 +281,9 @@ class SaveCoordinator:
     self._replicas, self._placement, self._sidecars = replicas, placement, sidecars
     self._replica_bandwidth = replica_bandwidth
     self._list_step, self._collect_garbage = list_step, collect_garbage
-    self._writers = {h: max(len((sharers or {}).get(h, ())), 1) for h in hosts}
+    self._protocol = SaveProtocol(
+        client=client, directory=directory,
+        writers={h: max(len((sharers or {}).get(h, ())), 1) for h in hosts})
     self._saves = 0
     self.finisher: threading.Thread | None = None  # the latest save's, until it ends
     # Every save's that may still run: an older one settles its replication (replicas > 0)
@@ -81,16 +292,8 @@ class SaveCoordinator:
 
   def agree_on_save(self, step: int, busy: bool) -> bool:
     """Checks every process saves ``step``; returns whether any has a save in flight."""
-    n = self._saves + 1
-    gathered = [json.loads(v) for v in self._peers.all_gather(
-        f"{self._key}/save/{n}/step", json.dumps({"step": step, "busy": busy}))]
-    if len({g["step"] for g in gathered}) > 1:
-      raise errors.InvalidArgumentError(
-          f"the {self._peers.count} processes disagree on the step of save {n} in "
-          f"{self.directory}: " + "; ".join(f"process {p}: step {g['step']}"
-                                           for p, g in enumerate(gathered))
-          + ". Every process must call save with the same step, in the same order")
-    return any(g["busy"] for g in gathered)
+    return agree_on_save(self._peers, f"{self._key}/save/{self._saves + 1}/step", step, busy,
+                         what=f"save {self._saves + 1} in {self.directory}")
 
   def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
               ) -> SaveHandle:
@@ -232,12 +435,15 @@ class SaveCoordinator:
     step, error, sums, replication = handle.step, None, [], None
     try:
       self._begin(target, key)
-      self._stage(handle, target, parts, leaves)
-      replication = self._start_replication(target)
+      self._protocol.stage(target, parts, hosts=self._local, leaves=leaves)
+      handle.staged.set_result(step)
+      replication = (self._protocol.start_replication(
+          target, {h: self._placement[h] for h in self._local}, self._sidecars,
+          bandwidth=self._replica_bandwidth) if self._replicas else None)
       if replication is not None and self._peers.count == 1:  # resolved as soon as done
         replication.add_done_callback(
             lambda f: _resolve(handle.replicated, f.exception(), handle.step))
-      sums = self._prepared(target)
+      sums = self._protocol.prepared(target, self._local)
     except BaseException as e:  # every process must reach the commit's agreement
       error = e.with_traceback(None)  # its frames would hold the staged blocks
     try:
@@ -255,39 +461,6 @@ class SaveCoordinator:
       self._collect_garbage()
     self._settle_replication(handle, replication, key, None)
 
-  def _start_replication(self, target: Target) -> concurrent.futures.Future | None:
-    """Each local host sends its staged shards to its peers (in the sidecars); returns a
-    future that holds when all of them hold their copies."""
-    if not self._replicas:
-      return None
-    futures = []
-    for h in self._local:
-      peers = [dict(self._sidecars[p], host_id=p) for p in self._placement[h]]
-      futures.append(self._client.replicate(h, target.final_dir, peers,
-                                            bandwidth=self._replica_bandwidth, timeout=_LONG_S))
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    t0 = time.perf_counter()
-
-    def done(_):
-      if out.done() or not all(f.done() for f in futures):
-        return
-      failed = [f.exception() for f in futures if f.exception() is not None]
-      try:
-        if failed:
-          out.set_exception(failed[0])
-        else:
-          results = [f.result() for f in futures]
-          out.set_result(results)
-          log.info("step %d: %s replicated to %d peers per host in %.2f s", target.step,
-                   shm.format_size(sum(r["bytes"] for r in results)), self._replicas,
-                   time.perf_counter() - t0)
-      except concurrent.futures.InvalidStateError:
-        pass  # two last callbacks raced
-
-    for f in futures:
-      f.add_done_callback(done)
-    return out
-
   def _settle_replication(self, handle: SaveHandle, replication, key: str,
                           error: BaseException | None) -> None:
     """Resolves ``handle.replicated``: with this process's replication, and under N
@@ -299,19 +472,7 @@ class SaveCoordinator:
       mine = replication.exception()  # waits for it
     if mine is None and replication is None:
       mine = errors.InvalidArgumentError(f"step {handle.step} was not replicated")
-    if self._peers.count > 1:
-      self._peers.publish(f"{key}/replicated", _describe(mine))
-      for p in range(self._peers.count):
-        if mine is not None:
-          break
-        try:
-          theirs = self._peers.read(f"{key}/replicated", p, timeout=sync_timeout())
-        except errors.SidecarError as e:
-          theirs = _describe(e)
-        if theirs:
-          mine = errors.HostLostError(f"process {p} could not replicate step {handle.step}: "
-                                      f"{theirs}")
-    _resolve(handle.replicated, mine, handle.step)
+    settle_replicated(handle.replicated, handle.step, mine, peers=self._peers, key=key)
 
   def _begin(self, target: Target, key: str) -> None:
     """Process 0 creates the step's tmp directory; the others wait until it has."""
@@ -323,46 +484,11 @@ class SaveCoordinator:
       return
     try:
       if target.whole_step:
-        self._client.begin(self._local[0], self.directory, target.step).result()
+        self._protocol.begin(self._local[0], self.directory, target.step)
     except BaseException as e:
       self._peers.publish(f"{key}/begun", _describe(e))
       raise
     self._peers.publish(f"{key}/begun", "")
-
-  def _stage(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue, leaves
-             ) -> None:
-    """Hands this process's parts to its sidecars as they come."""
-    step = handle.step
-    last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
-    closed = 0
-    try:
-      while closed < len(self._local):
-        part = parts.get()  # (host, shards, last); no other local holds the shards, as
-        if isinstance(part, BaseException):  # the raise would keep them in its frame
-          raise part
-        host, final = part[0], part[2]
-        if host in last:
-          last[host].result()  # a host's parts arrive in order
-        specs = [] if host in last else leaves  # the first part carries the leaves
-        last[host] = self._client.stage(host, directory=self.directory, step=step,
-                                        tmp_dir=target.tmp_dir, final_dir=target.final_dir,
-                                        leaves=specs, shards=part[1], last=final,
-                                        writers=self._writers.get(host, 1))
-        closed += final
-    except BaseException:
-      # The abort that follows must reach each sidecar after its last stage call: one
-      # arriving later would stage the step anew, and hold its blocks until it times out.
-      concurrent.futures.wait(list(last.values()))
-      raise
-    for f in last.values():
-      f.result()
-    handle.staged.set_result(step)
-
-  def _prepared(self, target: Target) -> list[ShardChecksum]:
-    """Waits for this process's sidecars to write their parts; returns their checksums."""
-    prepared = [f.result() for f in [self._client.prepared(h, target.final_dir, timeout=_LONG_S)
-                                     for h in self._local]]
-    return [c for host_sums in prepared for c in host_sums]
 
   def _commit(self, target: Target, key: str, leaves: list[layout.LeafSpec],
               sums: list[ShardChecksum], data_json: str,
@@ -396,57 +522,18 @@ class SaveCoordinator:
       # A host that several processes share reports its checksums to each: keep one.
       checksums = list(dict.fromkeys(ShardChecksum.from_dict(c)
                                      for g in gathered for c in g["ok"]))
-      self._client.commit(self._local[0], tmp_dir=target.tmp_dir, step=target.step,
-                          num_hosts=len(self._hosts), leaves=leaves, checksums=checksums,
-                          data_state_json=data_json, whole_step=target.whole_step,
-                          replicas={h: p for h, p in self._placement.items() if p} or None,
-                          timeout=_LONG_S).result()
+      self._protocol.commit(self._local[0], target, num_hosts=len(self._hosts),
+                            checksums=checksums, leaves=leaves, data_state_json=data_json,
+                            replicas=self._placement)
     except BaseException as e:
-      self._abort(target)  # before anyone fails: a retry must not race the cleanup
+      self._protocol.abort(target, self._hosts)  # before anyone fails: a retry must not race
       self._peers.publish(f"{key}/outcome", json.dumps(protocol.error_dict(e)))
       raise
     self._peers.publish(f"{key}/outcome", "")
 
-  def _abort(self, target: Target) -> None:
-    """Drops a failed save from every sidecar that answers, then its uncommitted files.
-
-    A host that does not answer keeps its part only until its writer gives up on the
-    step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
-    """
-    done = self._on_each(
-        lambda h: self._client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
-        hosts=self._hosts, what=f"abort step {target.step}")
-    if target.whole_step and done:  # Every host is done with the step: its tmp directory goes.
-      tmp = str(pathlib.Path(target.tmp_dir).parent)
-      self._on_each(lambda h: self._client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
-                    hosts=done, what=f"remove step {target.step}'s tmp files")
-
-  @staticmethod
-  def _on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],
-               what: str) -> list[int]:
-    """Runs ``start(host)`` on each host at once; returns those that did it, logs the others."""
-    futures: dict[int, concurrent.futures.Future] = {}
-    for h in hosts:
-      try:
-        futures[h] = start(h)
-      except errors.SidecarError as e:  # a host known lost: nothing to call
-        # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
-        # would keep its traceback's frames, and their arrays' arena blocks, alive.
-        log.warning("could not %s on host %d: %s", what, h, str(e))
-    ok = []
-    for h, future in futures.items():
-      try:
-        future.result()
-        ok.append(h)
-      except errors.SidecarError as e:
-        log.warning("could not %s on host %d: %s", what, h, str(e))
-    return ok
-
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it."""
-    # Durable all the same where a host does not answer: a lost host's RAM tier is gone anyway.
-    self._on_each(lambda h: self._client.committed(h, target.final_dir), hosts=self._local,
-                  what=f"mark step {target.step} committed in the RAM tier")
+    self._protocol.mark_committed(target, self._local)
     if target.whole_step:
       self._list_step(target.step)
 

@@ -13,17 +13,24 @@ from sidecar._src.ckptfmt import spec as layout
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Target:
-  """Where a step goes: the item directory written, and where it is once committed."""
+  """Where a step goes: the item directory written, and where it is once committed.
+
+  ``tmp_step``: the whole uncommitted step, which an aborted save removes once every
+  host let go of it (the item's parent in stock Orbax's layout; a DCP checkpoint's tmp
+  directory itself); empty where another commits the step (``whole_step`` False).
+  """
   directory: str
   step: int
   tmp_dir: str
   final_dir: str
   whole_step: bool  # True: we commit the step (rename); False: Orbax's manager does
+  tmp_step: str = ""
 
   @classmethod
   def for_step(cls, directory: str, step: int) -> Target:
-    return cls(directory, step, str(layout.tmp_step_path(directory, step) / layout.ITEM),
-               str(pathlib.Path(directory) / str(step) / layout.ITEM), True)
+    tmp = layout.tmp_step_path(directory, step)
+    return cls(directory, step, str(tmp / layout.ITEM),
+               str(pathlib.Path(directory) / str(step) / layout.ITEM), True, str(tmp))
 
   @classmethod
   def for_orbax_item(cls, item: str, step: int) -> Target:
@@ -31,6 +38,12 @@ class Target:
     path = pathlib.Path(item)
     final = path.parent.with_name(path.parent.name.split(layout.TMP_SUFFIX)[0]) / path.name
     return cls(str(path.parent.parent), step, str(path), str(final), False)
+
+  @classmethod
+  def for_checkpoint(cls, path: str, tmp_dir: str, step: int) -> Target:
+    """A checkpoint that is one directory (DCP's), written in ``tmp_dir`` beside it (as
+    its sidecar began it) and renamed to ``path``; ``step`` orders it in the RAM tier."""
+    return cls(str(pathlib.Path(path).parent), step, tmp_dir, path, True, tmp_dir)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -145,8 +145,8 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
   replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
   monkeypatch.setattr(checkpoint_restore, "READ_PART_BYTES", 4096)
   parts = []
-  read_parts = checkpoint_restore.Restorer._read_parts
-  monkeypatch.setattr(checkpoint_restore.Restorer, "_read_parts",
+  read_parts = checkpoint_restore.ShardReads._read_parts
+  monkeypatch.setattr(checkpoint_restore.ShardReads, "_read_parts",
                       lambda self, *a: parts.append(a[5]) or read_parts(self, *a))
   directory = tmp_path / "ck"
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",

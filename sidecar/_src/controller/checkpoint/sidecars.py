@@ -1,0 +1,54 @@
+"""A controller's sidecars as a checkpointer sees them: :class:`Sidecars`.
+
+What JAX's and PyTorch's checkpointers (``controller/checkpoint/checkpointer.py``,
+``torch/storage.py``, ``torch/checkpointer.py``) need of a controller, handed out by
+``Controller.checkpoint_sidecars()``: the checkpoint client, which hosts there are and
+which this process drives, and where each host's replicas go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.checkpoint.target import replica_peers
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sidecars:
+  """The sidecars of a controller, as they are when a checkpointer is made.
+
+  Attributes:
+    client: the checkpoint phases on them.
+    hosts: every live host; ``local``: those this process drives (stages into).
+    device_hosts: the host of each device id (under PyTorch a rank's device is its rank).
+    records: each live sidecar's address, worker socket, boot id and slice.
+    mapped: the hosts whose arenas this process maps.
+    sharers: the processes that stage into each host, where several share one.
+  """
+  client: CheckpointTransport
+  hosts: tuple[int, ...]
+  local: tuple[int, ...]
+  device_hosts: Mapping[int, int]
+  records: Mapping[int, Mapping[str, Any]]
+  mapped: frozenset[int]
+  sharers: Mapping[int, Sequence[int]]
+
+  def replicas(self, wanted: int) -> int:
+    """``wanted`` replicas, or as many as there are other hosts (with a warning): an
+    elastic job down to fewer hosts than it planned keeps saving."""
+    most = max(len(self.hosts) - 1, 0)
+    if wanted > most:
+      log.warning("replicas=%d, but there are %d hosts: each shard gets %d peer copies",
+                  wanted, len(self.hosts), most)
+    return min(wanted, most)
+
+  def placement(self, replicas: int) -> dict[int, list[int]]:
+    """``{host: the hosts that keep its replicas}`` (another slice's first)."""
+    slices = {h: int(self.records.get(h, {}).get("slice_id", 0)) for h in self.hosts}
+    return {h: replica_peers(slices, h, replicas) for h in self.hosts}
