@@ -58,6 +58,8 @@ class StreamRunner:
                                 else registry_lib.FUNCTION, request.name)
     items: Items = (self._feed if feed else self._stream)(
         request, credits, alive=alive, time_left=time_left, tenant=tenant)
+    if tenant is not None:
+      items = self._unless_revoked(items, tenant)
     if not self._runner.metrics.enabled:
       yield from items
       return
@@ -65,6 +67,18 @@ class StreamRunner:
                                request.name)
     with measured(self._runner.metrics, "feed" if feed else "stream", label):
       yield from items  # closes items when this generator is closed
+
+  def _unless_revoked(self, items: Items, tenant: str) -> Items:
+    """``items``, ended (AuthenticationError, naming why) at the first item after a reload
+    revoked ``tenant``: a removed tenant's streams and feeds stop with its sessions."""
+    revoked = self._tenancy.revoked
+    try:
+      for item in items:
+        if tenant in revoked:
+          raise errors.AuthenticationError(f"{revoked[tenant]}; its stream was ended")
+        yield item
+    finally:
+      items.close()
 
   def feeds(self, tenant: str | None = None) -> list[pb.FeedStatus]:
     """A snapshot of every running feed on this sidecar (of ``tenant`` only, if named)."""

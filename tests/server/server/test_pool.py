@@ -41,7 +41,7 @@ tenants:
   - name: bob
     token_file: bob.token
     arena: 4MiB
-    functions: [add, echo]
+    functions: [add, echo, slow_count]
     checkpoint_roots: [bob]
 """
 
@@ -127,7 +127,7 @@ def test_allowlists_and_checkpoint_roots_are_each_tenants(pool_server, tmp_path)
   with controller(pool_server, BOB) as bob:
     with pytest.raises(errors.PermissionDeniedError,
                        match=r"tenant 'bob' may not run function 'sleep': its functions "
-                       r"allowlist \(.*pool.yaml:7\) holds add, echo"):
+                       r"allowlist \(.*pool.yaml:7\) holds add, echo, slow_count"):
       bob.call("sleep", args=(0.0,))
     with pytest.raises(errors.PermissionDeniedError,
                        match=r"tenant 'bob' may checkpoint only under its checkpoint_roots"):
@@ -147,6 +147,9 @@ def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp
   bob = controller(pool_server, BOB)
   worker = Worker(pool_server.options.socket_path, token=BOB)
   assert alice.call("add", args=(1,)) == bob.call("add", args=(1,)) == [1]
+  theirs = alice.stream("slow_count", args=(1000, 0.01))
+  stream = bob.stream("slow_count", args=(1000, 0.01))
+  assert [next(stream), next(stream), next(theirs)] == [0, 1, 0]
   session = alice._hosts.conns[0].metadata
   path = pool_server.options.pool
   with open(path, "w") as f:
@@ -164,6 +167,15 @@ def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp
   while not worker.hung_up() and time.monotonic() - t0 < 1.0:
     time.sleep(0.01)
   assert worker.hung_up(), "the revoked tenant's worker still attached after 1 s"
+  with pytest.raises(sidecar.AuthenticationError,
+                     match=f"tenant 'bob' was removed from the pool file {path}; its stream "
+                     "was ended"):
+    for _ in range(100):  # the items made before the reload, then the end
+      next(stream)
+  assert time.monotonic() - t0 < 1.0
+  assert next(theirs) == 1  # alice's runs on
+  theirs.close()
+  stream.close()
   assert alice.call("add", args=(1,)) == [1] and alice._hosts.conns[0].metadata == session
   worker.close()
   bob.close()
