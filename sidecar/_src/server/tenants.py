@@ -46,7 +46,8 @@ MIN_INLINE = 64 << 10
 
 _TENANT_KEYS = frozenset({
     "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
-    "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight"})
+    "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
+    "uids"})
 _POOL_KEYS = frozenset({"tenants"})
 
 
@@ -86,6 +87,9 @@ class Tenant:
   functions: frozenset[str] | None = None  # None: every registered one
   pipelines: frozenset[str] | None = None
   weight: float = 1.0
+  # Workers whose process runs as one of these users belong to it without a token (the
+  # kernel says who connected to the worker socket: SO_PEERCRED).
+  uids: frozenset[int] = frozenset()
 
   def allows(self, kind: str, name: str) -> bool:
     """Whether its allowlist of ``kind`` ("function" or "pipeline") lets it run ``name``."""
@@ -225,6 +229,11 @@ def load(path: str) -> Pool:
         raise _error(path, line, f"tenant {tenant.name!r} has the same token as tenant "
                      f"{other.name!r} (line {other.line}); each tenant needs a token of its "
                      "own, e.g. `openssl rand -hex 32 > FILE`")
+    for other in tenants:
+      if other.uids & tenant.uids:
+        raise _error(path, line, f"tenant {tenant.name!r} shares uids "
+                     f"{sorted(other.uids & tenant.uids)} with tenant {other.name!r} (line "
+                     f"{other.line}); a user's workers can belong to one tenant only")
     tenants.append(tenant)
   pool = Pool(tenants=tuple(tenants), path=path)
   fractions = sum(t.arena.fraction or 0.0 for t in pool.tenants)
@@ -329,6 +338,14 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       raise _error(path, at("checkpoint_roots"), f"{where}: checkpoint_roots must be a list "
                    f"of directories, got {v!r:.100}")
     roots = tuple(os.path.realpath(os.path.join(base, x)) for x in v)
+  uids: frozenset[int] = frozenset()
+  if "uids" in m:
+    v = yaml.safe_load(yaml.serialize(m["uids"]))
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+      raise _error(path, at("uids"), f"{where}: uids must be a list of user ids (ints >= 0), "
+                   f"got {v!r:.100}")
+    uids = frozenset(v)
   weight = 1.0
   if "weight" in m:
     w = _scalar(path, m["weight"], "weight")
@@ -340,7 +357,7 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
       streams=count("streams", 1), feeds=count("feeds", 1),
       feed_workers=count("feed_workers", 0), inline_bytes=inline, checkpoint_roots=roots,
-      functions=names("functions"), pipelines=names("pipelines"), weight=weight)
+      functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids)
 
 
 def _read_token(path: str, line: int, where: str, token_file: str) -> str:
@@ -430,11 +447,13 @@ class Tenancy:
       return removed, changed
 
   # worker sessions
-  def worker_tenant(self, token: object) -> str | None:
-    """The tenant whose token a worker presented at attach.
+  def worker_tenant(self, token: object, uid: int | None = None) -> str | None:
+    """The tenant whose token a worker presented at attach, else the one whose ``uids``
+    hold the user its process runs as (``uid``, from the kernel).
 
     Raises:
-      AuthenticationError: with a pool file, a worker with no token or a wrong one.
+      AuthenticationError: with a pool file, a worker with no token or a wrong one, whose
+        user no tenant names.
     """
     with self._lock:
       pool = self._pool
@@ -447,13 +466,18 @@ class Tenancy:
           found = t.name
     if found is not None:
       return found
+    if token is None and uid is not None:
+      found = next((t.name for t in pool.tenants if uid in t.uids), None)
+      if found is not None:
+        return found
     if len(pool.tenants) == 1 and not pool.quotas:
       return pool.tenants[0].name  # the shared token: every worker is its one tenant's
     if pool.quotas:
       raise errors.AuthenticationError(
           "this sidecar serves a pool of tenants (--pool): a worker must present its "
           "tenant's token at attach; set SIDECAR_TOKEN (or SIDECAR_TOKEN_FILE) in the "
-          "trainer's environment, or pass token= to the Worker")
+          "trainer's environment, pass token= to the Worker, or name its user in the "
+          "tenant's uids")
     return None
 
   def add_worker(self, session: str, tenant: str | None) -> None:

@@ -18,6 +18,7 @@ import math
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -180,7 +181,7 @@ class WorkerListener:
         return self._serve_calls(conn, str(message.get("session")))
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
-      tenant = self._tenancy.worker_tenant(message.get("token"))  # AuthenticationError
+      tenant = self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
       with self._lock:
@@ -397,6 +398,15 @@ def _log_failure(what: str, e: Exception, session: str) -> None:
   """Our errors at INFO (the caller gets them), anything else (user code's) at WARNING."""
   log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
           "%s: %s: %s", what, type(e).__name__, protocol.for_log(e), extra={"session": session})
+
+
+def _peer_uid(conn: socket.socket) -> int | None:
+  """The user id the kernel says the process at the other end of ``conn`` runs as."""
+  try:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+  except OSError:
+    return None
+  return struct.unpack("3i", creds)[1]
 
 
 def _peer_open(conn: socket.socket) -> bool:

@@ -68,6 +68,8 @@ def handshake(server, token):
 
 
 def test_one_tenants_handshake_flood_is_its_own_and_another_joins_at_once(pool_server):
+  with controller(pool_server, BOB) as ctl:  # the imports a first Controller makes, done
+    assert ctl.call("add", args=(1,)) == [1]
   channel, flood = handshake(pool_server, ALICE)
   refused = []
   for _ in range(100):
@@ -180,3 +182,16 @@ def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp
   worker.close()
   bob.close()
   alice.close()
+
+
+def test_a_worker_belongs_to_the_tenant_that_names_its_user(make_server, tmp_path):
+  """No token at attach: the kernel's word on the worker's user (SO_PEERCRED) says whose."""
+  server = make_server(pool=write_pool(tmp_path, (
+      "tenants:\n  - {name: alice, token_file: alice.token, arena_ceiling: 2MiB, "
+      f"uids: [{os.getuid()}]}}\n  - {{name: bob, token_file: bob.token}}\n")))
+  worker = Worker(server.options.socket_path, token=None)
+  try:
+    with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'alice': a block of 3.0 MiB"):
+      worker.empty((3 << 20,), np.uint8)
+  finally:
+    worker.close()

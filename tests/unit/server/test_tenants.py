@@ -106,6 +106,9 @@ BAD = [
     ("tenants: [\n", r"pool.yaml:2: not YAML"),
     ("tenants:\n  - {name: alice, token_file: alice.token, weight: -1}\n",
      r"pool.yaml:2: tenant 'alice': weight must be a positive number, got -1"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, uids: [7]}\n  - {name: bob, "
+     "token_file: bob.token, uids: [8, 7]}\n",
+     r"pool.yaml:3: tenant 'bob' shares uids \[7\] with tenant 'alice' \(line 2\)"),
 ]
 
 
@@ -113,7 +116,7 @@ BAD = [
     "unknown-key", "duplicate-name", "duplicate-token", "guarantees-above-arena",
     "sessions-below-1", "ceiling-below-a-batch", "inline-below-least", "bad-size",
     "no-token-file", "missing-token-file", "bad-name", "unknown-top-key", "no-tenants",
-    "not-yaml", "bad-weight"])
+    "not-yaml", "bad-weight", "shared-uids"])
 def test_a_bad_file_is_refused_naming_its_line(tmp_path, text, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     tenants.load(_pool(tmp_path, text))
@@ -318,6 +321,12 @@ def test_a_worker_says_whose_it_is(tmp_path):
                      match=r"a worker must present its tenant's token at attach; set "
                      r"SIDECAR_TOKEN"):
     tenancy.worker_tenant(None)
+  with pytest.raises(errors.AuthenticationError, match="or name its user in the tenant's uids"):
+    tenancy.worker_tenant(None, uid=os.getuid())
+  by_user = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     f"uids: [{os.getuid()}]}}\n  - {{name: bob, token_file: bob.token}}\n")
+  assert by_user.worker_tenant(None, uid=os.getuid()) == "alice"
+  assert by_user.worker_tenant("token-of-bob", uid=os.getuid()) == "bob"  # a token first
   shared = tenants.Tenancy(tenants.Pool.shared("t0"))
   assert shared.worker_tenant(None) == ""  # the shared token: every worker is its tenant's
   assert tenants.Tenancy(None).worker_tenant("x") is None
