@@ -13,7 +13,8 @@ restores ``<dir>/1``: it must be the second save's values. ``enospc`` (the sidec
 killed in the middle of the second's overwrite. ``listing``: an empty ``999/`` and an
 empty ``0/`` beside the steps of a ``Checkpointer(max_to_keep=1)``. ``skip`` (2 hosts,
 ``slow@2``): ``Checkpointer(if_busy="skip")`` saves 1, 2, then 3 while 2 is in flight,
-then 4. Prints JSON lines.
+then 4; then step 5 of ``<dir>/r`` with ``CheckpointOptions(replicas=1)``. Prints JSON
+lines.
 """
 
 import json
@@ -131,6 +132,18 @@ def main() -> None:
     ckpt.save(4, state(rank, world, 4)).durable.result(timeout=60)
     say(skipped=skipped, busy=busy, steps=ckpt.all_steps())
     ckpt.close()
+    # The options of ctl.checkpointer; `replicated` resolves apart from `durable`, on
+    # every rank, once rank 0 has replicated every host's part.
+    options = sidecar.torch.CheckpointOptions(replicas=1, ram_steps=2)
+    try:
+      sidecar.torch.StorageWriter(f"{directory}/r/9", replicas=1, options=options,
+                                  controller=ctl)
+    except errors.InvalidArgumentError as e:
+      say(both=str(e))
+    with sidecar.torch.Checkpointer(f"{directory}/r", options=options, controller=ctl) as rep:
+      handle = rep.save(5, state(rank, world, 5))
+      say(durable=handle.durable.result(timeout=60),
+          replicated=handle.replicated.result(timeout=60))
   elif mode == "listing":
     os.makedirs(f"{directory}/999", exist_ok=True)
     os.makedirs(f"{directory}/0", exist_ok=True)

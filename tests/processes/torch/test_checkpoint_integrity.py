@@ -14,7 +14,8 @@ real sidecar processes under ``sidecar launch --torch`` and real files
    ``SaveHandle``, its ``replicated`` future set).
 
 And (issue 36 item 1) ``Checkpointer(if_busy="skip")`` skips a save while the previous is
-in flight, every rank alike, as ``ctl.checkpointer`` does.
+in flight, every rank alike, as ``ctl.checkpointer`` does; it takes the same
+``CheckpointOptions``, and its ``replicated`` future resolves apart from ``durable``.
 """
 
 import json
@@ -112,4 +113,9 @@ def test_a_save_while_the_previous_is_in_flight_is_skipped_by_every_rank(tmp_pat
   done = [r for r in records if "skipped" in r]
   assert [(r["skipped"], r["busy"], r["steps"]) for r in done] == [
       ([None] * 3, True, [1, 2, 4])] * 2, records
-  assert sorted(os.listdir(tmp_path)) == ["1", "2", "4"]
+  assert sorted(os.listdir(tmp_path)) == ["1", "2", "4", "r"]
+  # One CheckpointOptions for both frameworks; `replicated` apart from `durable`, every rank.
+  assert [r["both"] for r in records if "both" in r] == [
+      "give either options=CheckpointOptions(...) or ram_steps, replicas, not both"] * 2
+  assert [(r["durable"], r["replicated"]) for r in records if "durable" in r] == [(5, 5)] * 2
+  assert sorted(os.listdir(tmp_path / "r")) == ["5"]

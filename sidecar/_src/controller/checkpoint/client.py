@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +32,10 @@ from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
+
+# Held and StagedShard are ckptfmt/records' (both halves' types), named here as well.
+__all__ = ["CheckpointClient", "CheckpointTransport", "CommitPart", "Held", "Manifest", "Shard",
+           "StagePart", "StagedShard"]
 
 Shard = tuple[KeyPath, Index]
 
@@ -332,13 +335,8 @@ class CheckpointClient(CheckpointTransport):
         directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
-    if part is not None:
-      request.dcp.CopyFrom(wire.dcp_part_to_pb(part.rank, [i.to_dict() for i in part.items]))
-    for s in shards:
-      staged = request.shards.add(leaf=s.leaf, index=wire.index_to_pb(s.index))
-      found = (lambda _, ref=s.ref: ref) if s.ref is not None else (
-          w.ref_of if w is not None else None)
-      wire.fill_data(staged.data, s.data, found)
+    wire.format_part_to_pb(request, part, wire.STAGE_PARTS)
+    wire.staged_shards_to_pb(request, shards, w.ref_of if w is not None else None)
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
                      held=[s.data for s in shards])
 
@@ -354,10 +352,7 @@ class CheckpointClient(CheckpointTransport):
         leaves=[wire.leaf_to_pb(d) for d in leaves],
         checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
         whole_step=whole_step)
-    if part is not None:
-      request.dcp.metadata, request.dcp.plan_json = part.metadata, part.plan_json
-      for rank, size in part.file_sizes.items():
-        request.dcp.file_sizes[rank] = size
+    wire.format_part_to_pb(request, part, wire.COMMIT_PARTS)
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
 
@@ -390,24 +385,12 @@ class CheckpointClient(CheckpointTransport):
         timeout=timeout)
 
   def held(self, host, directory, *, timeout=None):
-    def decode(r: ckpt_pb.CheckpointHeldResponse) -> Held:
-      return Held(own={d: wire.shards_from_ids(ids, "own") for d, ids in r.own.items()},
-                  replicas={d: {int(src): wire.shards_from_ids(ids, "replicas")
-                                   for src, ids in h.by_source.items()}
-                            for d, h in r.replicas.items()})
-    return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory), decode,
-                     timeout=timeout)
+    return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory),
+                     wire.held_from_pb, timeout=timeout)
 
   def info(self, host, final_dir):
-    def decode(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
-      return Manifest(
-          format=r.format,
-          leaves=tuple(wire.leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves),
-          shards=tuple(wire.checksum_from_pb(c, "shard") for c in r.shards),
-          data_state=json.loads(r.data_state_json) if r.data_state_json else None,
-          replicas=wire.replicas_from_pb(r.replicas),
-          dcp_plan=json.loads(r.dcp_plan_json) if r.dcp_plan_json else None)
-    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir), decode)
+    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
+                     wire.manifest_from_pb)
 
   def read(self, host, final_dir, shard, *, crc32c, tier, part=None):
     if tier not in wire.TIERS:

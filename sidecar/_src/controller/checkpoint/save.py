@@ -32,14 +32,9 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.ckptfmt.shards import ShardChecksum
-from sidecar._src.controller.checkpoint.client import (
-  CheckpointTransport,
-  CommitPart,
-  StagedShard,
-  StagePart,
-)
+from sidecar._src.ckptfmt import spec
+from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
 from sidecar._src.controller.checkpoint.staging import Parts, stage_late
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.framework import Framework, HostCopy
@@ -82,7 +77,7 @@ class SaveProtocol:
     return self.client.begin(host, path, step, **fmt).result()
 
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[layout.LeafSpec] = (), part: StagePart | None = None,
+            leaves: Sequence[spec.LeafSpec] = (), part: StagePart | None = None,
             rest: StagePart | None = None) -> None:
     """Hands the parts ``parts`` holds (``(host, shards, last)``, as ``staging.Parts`` puts
     them; an exception aborts) to their sidecars as they come, until each of ``hosts``
@@ -121,7 +116,7 @@ class SaveProtocol:
     return [c for host_sums in prepared for c in host_sums]
 
   def commit(self, host: int, target: Target, *, num_hosts: int,
-             checksums: Sequence[ShardChecksum], leaves: Sequence[layout.LeafSpec] = (),
+             checksums: Sequence[ShardChecksum], leaves: Sequence[spec.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
              part: CommitPart | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
@@ -372,7 +367,7 @@ class SaveCoordinator:
     return out
 
   def _plan(self, tree: Any
-            ) -> tuple[list[layout.LeafSpec], list[tuple[int, int, Any, np.ndarray | HostCopy]]]:
+            ) -> tuple[list[spec.LeafSpec], list[tuple[int, int, Any, np.ndarray | HostCopy]]]:
     """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
@@ -490,7 +485,7 @@ class SaveCoordinator:
       raise
     self._peers.publish(f"{key}/begun", "")
 
-  def _commit(self, target: Target, key: str, leaves: list[layout.LeafSpec],
+  def _commit(self, target: Target, key: str, leaves: list[spec.LeafSpec],
               sums: list[ShardChecksum], data_json: str,
               error: BaseException | None) -> None:
     """Process 0 gathers every process's prepared, then commits once or aborts.

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from sidecar._src.arena import shm
-from sidecar._src.controller.checkpoint.client import StagedShard
+from sidecar._src.ckptfmt.records import StagedShard
 
 # A save is staged in parts of about this many bytes per host, as the copy goes, where
 # the machine has a core beyond the copy's threads (``shm.COPY_THREADS``): a sidecar then

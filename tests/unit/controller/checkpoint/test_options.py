@@ -1,0 +1,53 @@
+"""Tier 1: one CheckpointOptions checks a checkpointer's options once, for JAX and PyTorch."""
+
+import pytest
+
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
+from sidecar._src.core import errors
+from tests.support.fake_sidecars import FakeSidecars
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_to_keep": 0}, r"max_to_keep must be None or an int >= 1, got 0"),
+    ({"keep_period": "5"}, r"keep_period must be None or an int >= 1, got '5'"),
+    ({"replicas": -1}, r"replicas must be an int >= 0 \(peer sidecars per shard\), got -1"),
+    ({"replicas": True}, r"replicas must be an int >= 0 .*got True"),
+    ({"ram_steps": 1.5}, r"ram_steps must be an int >= 0 \(0: the RAM tier keeps no step\)"),
+    ({"ram_budget": -1}, r"ram_budget must be None or bytes \(an int >= 0\), got -1"),
+    ({"replica_bandwidth": "fast"}, r"replica_bandwidth: cannot parse size 'fast'; write e.g."),
+    ({"replica_bandwidth": 0}, r"replica_bandwidth must be None or bytes per second .*got 0"),
+    ({"if_busy": "later"}, r"if_busy must be 'wait' or 'skip', got 'later'"),
+], ids=["max_to_keep", "keep_period", "replicas", "replicas-bool", "ram_steps", "ram_budget",
+        "bandwidth-text", "bandwidth-zero", "if_busy"])
+def test_a_bad_option_is_refused_naming_the_value_and_what_it_must_be(kwargs, match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    CheckpointOptions(**kwargs)
+
+
+def test_options_are_frozen_keyword_only_and_a_size_becomes_bytes():
+  options = CheckpointOptions(replicas=1, replica_bandwidth="2MiB")
+  assert options.replica_bandwidth == options.bandwidth == 2 << 20
+  with pytest.raises(AttributeError):
+    options.replicas = 2  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    CheckpointOptions(3)  # type: ignore[misc]
+
+
+def test_options_or_the_keyword_arguments_not_both():
+  given = CheckpointOptions(max_to_keep=3)
+  assert options_or(given, replicas=0, if_busy="wait") is given
+  assert options_or(None, replicas=2) == CheckpointOptions(replicas=2)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"give either options=CheckpointOptions\(...\) or max_to_keep, "
+                           r"replicas, not both"):
+    options_or(given, replicas=1, max_to_keep=None)
+
+
+def test_the_core_checkpointer_checks_its_options_with_the_same_type():
+  with pytest.raises(errors.InvalidArgumentError, match=r"ram_steps must be an int >= 0"):
+    Checkpointer(directory="/ckpt/run", client=FakeSidecars(), hosts=[0], device_hosts={},
+                 max_to_keep=None, keep_period=None, ram_steps=-1, ram_budget=None,
+                 if_busy="wait")

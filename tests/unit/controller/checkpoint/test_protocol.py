@@ -1,0 +1,94 @@
+"""Tier 1: the save protocol's phases (save.SaveProtocol), which JAX's SaveCoordinator and
+PyTorch's StorageWriter both drive, against an in-process fake of the sidecars."""
+
+import queue
+
+import numpy as np
+import pytest
+
+from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
+from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.controller.checkpoint.save import SaveProtocol
+from sidecar._src.controller.checkpoint.staging import Parts
+from sidecar._src.controller.checkpoint.target import Target
+from tests.support.fake_sidecars import FakeSidecars
+
+pytestmark = pytest.mark.unit
+
+
+class Recording(FakeSidecars):
+  """Records what each phase was given, format parts too."""
+
+  def __init__(self, hosts):
+    super().__init__(hosts)
+    self.sent: list[tuple] = []
+
+  def stage(self, host, *, leaves, shards, last, writers=1, part=None, **kw):
+    self.sent.append(("stage", host, len(shards), last, writers, part))
+    return self._phase("stage", host, 0)
+
+  def abort(self, host, tmp_dir, final_dir, *, timeout):
+    self.sent.append(("abort", host, tmp_dir))
+    return self._phase("abort", host)
+
+  def committed(self, host, final_dir, manifest_json=""):
+    self.sent.append(("committed", host, manifest_json))
+    return self._phase("committed", host, [])
+
+
+def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest():
+  fake = Recording([0, 1])
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: 2})
+  target = Target.for_checkpoint("/ckpt/7", "/ckpt/7.dcp-checkpoint-tmp", 7)
+  first = DcpPart(1, (Item(fqn="w", kind=ItemKind.BYTES, nbytes=3),))
+  rest = DcpPart(1, ())
+  parts: queue.SimpleQueue = queue.SimpleQueue()
+  shard = StagedShard(0, (), np.zeros(3, np.uint8))
+  for host, last in ((0, False), (1, True), (0, True)):
+    parts.put((host, [shard], last))
+  protocol.stage(target, parts, hosts=[0, 1], part=first, rest=rest)
+  assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
+                       ("stage", 0, 1, True, 2, rest)]
+
+
+def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
+  fake = Recording([0])
+  protocol = SaveProtocol(client=fake, directory="/ckpt")
+  parts: queue.SimpleQueue = queue.SimpleQueue()
+  staging = Parts([0], parts)
+  staging.fail(KeyboardInterrupt())
+  with pytest.raises(KeyboardInterrupt):
+    protocol.stage(Target.for_step("/ckpt", 3), parts, hosts=[0])
+  assert fake.sent == []
+
+
+@pytest.mark.parametrize("target, removed", [
+    (Target.for_step("/ckpt", 3), ["/ckpt/3.orbax-checkpoint-tmp/default",
+                                    "/ckpt/3.orbax-checkpoint-tmp"]),
+    (Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3),
+     ["/ckpt/3.dcp-checkpoint-tmp"]),
+], ids=["orbax-step", "dcp-checkpoint"])
+def test_an_abort_drops_the_part_on_each_host_then_the_whole_uncommitted_step(target, removed):
+  fake = Recording([0, 1])
+  SaveProtocol(client=fake, directory="/ckpt").abort(target, [0, 1])
+  by_host = {h: [t for phase, host, t in fake.sent if host == h] for h in (0, 1)}
+  assert by_host == {0: removed, 1: removed}
+
+
+def test_an_abort_removes_the_tmp_step_only_through_the_hosts_that_answered():
+  fake = Recording([0])  # host 1 is lost: its part stays until its writer gives up
+  SaveProtocol(client=fake, directory="/ckpt").abort(Target.for_step("/ckpt", 3), [0, 1])
+  item = "/ckpt/3.orbax-checkpoint-tmp/default"
+  assert fake.sent == [("abort", 0, item), ("abort", 1, item),
+                       ("abort", 0, "/ckpt/3.orbax-checkpoint-tmp")]
+
+
+def test_a_manifest_goes_with_committed_only_where_the_format_gives_one():
+  fake = Recording([0, 1])
+  protocol = SaveProtocol(client=fake, directory="/ckpt")
+  target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
+  protocol.mark_committed(target, [0, 1], '{"format": "dcp"}')
+  protocol.mark_committed(target, [1])
+  manifest = '{"format": "dcp"}'
+  assert fake.sent == [("committed", 0, manifest), ("committed", 1, manifest),
+                       ("committed", 1, "")]
