@@ -62,7 +62,7 @@ class Slots:
     if t is None or self._tenancy is None:
       return None
     where = self._tenancy.where(t.name)
-    quota = getattr(t, self.kind)
+    quota = getattr(t, self.kind, None)  # checkpoint rpcs have no quota key: a share only
     if quota is not None:
       return quota, f"{self.kind}={quota}, {where}"
     pool = self._tenancy.pool
@@ -161,8 +161,13 @@ CHECKPOINT_THREADS = 16
 class CheckpointSlots(Slots):
   """Slots for the Checkpoint service: ``CHECKPOINT_THREADS`` threads, half per session."""
 
-  def __init__(self, total: int = CHECKPOINT_THREADS):
-    super().__init__(total=total, per_session=max(1, total // 2))
+  kind = "checkpoint rpcs"
+
+  def __init__(self, total: int = CHECKPOINT_THREADS, *,
+               tenancy: tenants_lib.Tenancy | None = None,
+               tenant_of: Callable[[str], str | None] = lambda session: None):
+    super().__init__(total=total, per_session=max(1, total // 2), tenancy=tenancy,
+                     tenant_of=tenant_of)
 
   def _full(self) -> str:
     return (f"this sidecar already runs {self._count} checkpoint rpcs, its limit "

@@ -29,6 +29,7 @@ from sidecar._src.server.leases import Leases
 from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
   CallSlots,
+  CheckpointSlots,
   InlineBytes,
   Sessions,
   StreamSlots,
@@ -277,7 +278,9 @@ class Server:
                              interceptors=[_TokenAuth(tokens_holder)] if tokens else [])
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
-                                   per_client=named)
+                                   per_client=named,
+                                   slots=CheckpointSlots(tenancy=self.tenancy,
+                                                         tenant_of=tenant_of))
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)

@@ -4,6 +4,7 @@ Real files in tmp_path; the budgets (Sessions, Slots, InlineBytes, Leases) are t
 ones over a real allocator, with no sockets.
 """
 
+import contextlib
 import logging
 import os
 import threading
@@ -14,7 +15,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import errors
 from sidecar._src.server import tenants
 from sidecar._src.server.leases import Leases
-from sidecar._src.server.limits import CallSlots, InlineBytes, Sessions
+from sidecar._src.server.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
 
 pytestmark = pytest.mark.unit
 
@@ -212,6 +213,20 @@ def test_call_slots_per_tenant(tmp_path):
       assert slots.tenant_limit("bob")[0] == 14
   with slots.hold("s2"):
     pass
+
+
+def test_checkpoint_rpcs_per_tenant(tmp_path):
+  tenancy = _tenancy(tmp_path, MINIMAL)
+  owner = {f"a{i}": "alice" for i in range(9)} | {"b": "bob"}
+  slots = CheckpointSlots(tenancy=tenancy, tenant_of=owner.get)
+  with contextlib.ExitStack() as held:
+    for i in range(8):  # alice's share by weight of 16, over sessions of her own
+      held.enter_context(slots.hold(f"a{i}"))
+    with pytest.raises(errors.ResourceExhaustedError,
+                       match=r"tenant 'alice' already runs 8 checkpoint rpcs, its quota \(its "
+                       r"share by weight of 16, .*pool.yaml:1\)"):
+      held.enter_context(slots.hold("a8"))
+    held.enter_context(slots.hold("b"))  # bob's own share is untouched
 
 
 def test_inline_bytes_per_tenant(tmp_path):
