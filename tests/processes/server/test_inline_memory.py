@@ -1,0 +1,68 @@
+"""Tier 3: what one large inline call (no arena) costs a real ``sidecar serve`` in peak
+RSS, as a ratio of its payload (issue 37: the target is 3x).
+
+gRPC's own receipt of a unary message costs 3.0x its size (a plain ``grpc.server``
+measured 2.89-3.00x for 128 MiB): the sidecar's decoding and answering must add nothing
+above that. Memory, not time, is asserted; one cluster serves every case."""
+
+import time
+
+import numpy as np
+import pytest
+
+import sidecar
+
+pytestmark = pytest.mark.processes
+
+PAYLOAD = 128 << 20
+# gRPC's 3.0x, and what a sample of VmHWM moves by between runs on a loaded machine.
+BOUND = 3.1
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    imports=["tests.support.sidecar_fns"],
+                                    configure_jax=False) as c:
+    yield c
+
+
+def peak_growth(pid: int, call) -> float:
+  """How far ``call()`` raises process ``pid``'s peak RSS above its RSS before, in bytes."""
+  time.sleep(0.2)  # the previous call's memory is back
+  with open(f"/proc/{pid}/clear_refs", "w") as f:
+    f.write("5")  # the peak RSS starts afresh from the RSS now
+
+  def hwm() -> int:
+    with open(f"/proc/{pid}/status") as f:
+      return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) << 10
+
+  before = hwm()
+  call()
+  return hwm() - before
+
+
+def test_an_inline_argument_costs_at_most_grpcs_receipt(cluster):
+  """size_of: the argument is decoded (one copy, once gRPC's chunks went back to the
+  system) and dropped; 3.0-3.6x of 128 MiB before (the freed chunks stayed under it)."""
+  with cluster.controller(attach=False, connect_timeout=10) as ctl:
+    assert ctl.call("size_of", args=(np.ones(1 << 20, np.uint8),)) == [1 << 20]  # warm
+    big = np.ones(PAYLOAD, np.uint8)
+    grown = peak_growth(cluster.pid(0), lambda: ctl.call("size_of", args=(big,), timeout=120))
+  assert grown <= BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB call"
+
+
+@pytest.mark.xfail(strict=True, reason="needs service.py's Call to answer with "
+                   "UnaryCalls.run_serialized (helper F's report, issue 37); then remove this")
+def test_an_inline_argument_and_result_cost_at_most_grpcs_receipt(cluster):
+  """echo: 128 MiB in and back. The result's array was copied four times on its way to
+  gRPC (tobytes, the Array, the Value in the CallResponse, the serialization): 6.0x of
+  the argument's size before, the issue's 5.4x; written once into gRPC's bytes now."""
+  with cluster.controller(attach=False, connect_timeout=10) as ctl:
+    ctl.call("echo", args=(np.ones(1 << 20, np.uint8),))  # warm
+    big = np.arange(PAYLOAD, dtype=np.uint8)
+    out: list = []
+    grown = peak_growth(cluster.pid(0), lambda: out.extend(
+        ctl.call("echo", args=(big,), timeout=120)))
+    np.testing.assert_array_equal(out[0], big)
+  assert grown <= BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB echo"
