@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.arena.worker import Worker
+from sidecar._src.controller import status as status_lib
 from sidecar._src.core import env as env_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
@@ -43,6 +44,26 @@ def _write(tmp_path, text: str) -> str:
   path.write_text(text)
   os.chmod(path, 0o600)
   return str(path)
+
+
+# A tenant's trainer that stages a save of step 99 (which the sidecar writes only 2 s later:
+# SIDECAR_CKPT_FAULT=slow@99) and then waits to be killed, before the commit.
+KILLED_MID_SAVE = """
+import sys, time
+import numpy as np
+import sidecar
+ctl = sidecar.Controller(sys.argv[2:], timeout=30)
+ckpt = ctl.checkpointer(sys.argv[1])
+ckpt.save(99, {"w": np.ones(2 << 20, np.float32)}).staged.result(30)
+print("staged", flush=True)
+time.sleep(120)
+"""
+
+
+def _arena_bytes(cluster, name) -> int:
+  """The arena bytes tenant ``name`` holds, as its own Status says."""
+  (row,) = status_lib.fetch(cluster.addresses[0], timeout=10, token=TOKENS[name]).tenants
+  return row.arena_bytes
 
 
 def _controller(cluster, monkeypatch, name):
@@ -77,9 +98,11 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
   monkeypatch.delenv(env_lib.TOKEN, raising=False)
   monkeypatch.delenv(env_lib.TOKEN_FILE, raising=False)
   path = _write(tmp_path, POOL)
+  fault = {env_lib.CKPT_FAULT: "slow@99", env_lib.UNCOMMITTED_TIMEOUT: "2"}
   with sidecar.testing.LocalCluster(1, 1, shm_size="64MiB", pool=path, configure_jax=False,
                                     imports=["tests.support.feed_fns", "tests.support.sidecar_fns"],
-                                    checkpoint_roots=[str(tmp_path)]) as cluster:
+                                    checkpoint_roots=[str(tmp_path)],
+                                    host_env={0: fault}) as cluster:
     alice = _controller(cluster, monkeypatch, "alice")
     bob = _controller(cluster, monkeypatch, "bob")
     carol = _controller(cluster, monkeypatch, "carol")
@@ -88,6 +111,26 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
                                 timeout=20)
     reference = _batches(alice)
     _well_behaved(alice, bob, reference, tmp_path, 1)
+
+    # 0. Carol's trainer is killed mid-save (staged, never committed): the step's arena
+    # blocks come back to the pool once its uncommitted time passes; nobody else's step
+    # is touched.
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path / "carol" / "ck"),
+         *cluster.addresses], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, env_lib.TOKEN: TOKENS["carol"]})
+    try:
+      assert child.stdout.readline().strip() == "staged", "carol's trainer did not stage"
+      assert _arena_bytes(cluster, "carol") >= 8 << 20
+    finally:
+      child.kill()
+      child.wait()
+    _well_behaved(alice, bob, reference, tmp_path, 2)
+    deadline = time.monotonic() + 20
+    while _arena_bytes(cluster, "carol") and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert _arena_bytes(cluster, "carol") == 0, "carol's uncommitted save still holds the arena"
+    assert not (tmp_path / "carol" / "ck" / "99").exists()
 
     # 1. Carol floods handshakes: refused as hers, and a new client joins at once.
     channel = grpc.insecure_channel(cluster.addresses[0])
@@ -101,7 +144,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
       except grpc.RpcError as e:
         refused.append(e.details())
     channel.close()
-    assert len(refused) == 40 - (8 - 2)  # two are carol's Controllers'
+    assert len(refused) == 40 - (8 - 3)  # three are carol's Controllers' (one killed)
     assert refused[-1].startswith("ResourceExhaustedError: tenant 'carol' keeps 8 handshake "
                                   "sessions, its quota (sessions=8, "), refused[-1]
     t0 = time.monotonic()
@@ -109,7 +152,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
     assert late.call("add", args=(1,), kwargs={"b": 2}) == [3]
     assert time.monotonic() - t0 < 1.0 + 2.0  # joined at once (an attach included)
     late.close()
-    _well_behaved(alice, bob, reference, tmp_path, 2)
+    _well_behaved(alice, bob, reference, tmp_path, 3)
 
     # 2. Carol fills her arena ceiling: her own refusal, the others unharmed.
     hog = Worker(cluster.socket(0), token=TOKENS["carol"])
@@ -120,7 +163,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
       for _ in range(64):
         held.append(hog.empty((1 << 20,), np.uint8))
     assert len(held) >= 14
-    _well_behaved(alice, bob, reference, tmp_path, 3)
+    _well_behaved(alice, bob, reference, tmp_path, 4)
     del held
     hog.close()
 
@@ -138,7 +181,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
         inline.call("size_of", args=(big,))
     del big
     inline.close()
-    _well_behaved(alice, bob, reference, tmp_path, 4)
+    _well_behaved(alice, bob, reference, tmp_path, 5)
 
     # 4. Carol is removed from the pool file: her next call says so within a second.
     (tmp_path / "pool.yaml").write_text("\n".join(POOL.splitlines()[:3]) + "\n")
@@ -152,7 +195,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
         break
       assert time.monotonic() < deadline, "carol still served a second after the reload"
       time.sleep(0.05)
-    _well_behaved(alice, bob, reference, tmp_path, 5)
+    _well_behaved(alice, bob, reference, tmp_path, 6)
     for ctl in (alice, bob):
       ctl.close()
     carol.close()
@@ -163,9 +206,9 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
     cluster.restart(0)
     alice = _controller(cluster, monkeypatch, "alice")
     with alice.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
-      assert ckpt.all_steps() == [1, 2, 3, 4, 5]
-      back = ckpt.restore(5, target={"w": np.zeros(1 << 16, np.float32)})
-    assert np.asarray(back["w"]).tobytes() == (np.arange(1 << 16, dtype=np.float32) * 5
+      assert ckpt.all_steps() == [1, 2, 3, 4, 5, 6]
+      back = ckpt.restore(6, target={"w": np.zeros(1 << 16, np.float32)})
+    assert np.asarray(back["w"]).tobytes() == (np.arange(1 << 16, dtype=np.float32) * 6
                                                 ).tobytes()
     assert all(np.array_equal(a, b) for a, b in zip(_batches(alice), reference, strict=True))
     alice.close()
