@@ -28,7 +28,6 @@ from sidecar._src.ckptfmt.records import (
   ShardChecksum,
   ShardId,
 )
-from sidecar._src.ckptfmt.spec import Index
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
 
@@ -41,7 +40,7 @@ class Step:
   directory: str
   step: int
   final_dir: str  # the committed item directory: the key of the RAM tier
-  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray]
+  shards: dict[ShardId, np.ndarray]
   nbytes: int
   # How its format numbers its staged shards (the leaves, or a DCP rank's items).
   numbering: Numbering | None = None
@@ -57,7 +56,8 @@ class Step:
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)
   written: int = 0
-  verified: set = dataclasses.field(default_factory=set)  # (key, index, crc32c) that matched
+  # (shard, crc32c) that matched: keyed by the checksum checked (another save's may differ)
+  verified: set[tuple[ShardId, int]] = dataclasses.field(default_factory=set)
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
   tmp_dir: str = ""  # the uncommitted item directory its writer fills
@@ -87,15 +87,15 @@ class Replica:
   step: int
   final_dir: str
   source: int
-  shards: dict[tuple[tuple[str | int, ...], Index], np.ndarray] = dataclasses.field(
+  shards: dict[ShardId, np.ndarray] = dataclasses.field(
       default_factory=dict)
   # Shards arriving inline, in chunks: (block, bytes received so far).
-  partial: dict[tuple[tuple[str | int, ...], Index], list] = dataclasses.field(
+  partial: dict[ShardId, list] = dataclasses.field(
       default_factory=dict)
   nbytes: int = 0
   whole: bool = False  # the source sent everything
   committed: bool = False
-  verified: set = dataclasses.field(default_factory=set)
+  verified: set[tuple[ShardId, int]] = dataclasses.field(default_factory=set)
   # A whole replica held of the same step and source, which this one (sent again)
   # replaces once whole.
   replaces: Replica | None = None
@@ -143,13 +143,12 @@ class RamTier:
     """What this host holds of the committed items under ``directory``, per item: its own
     shards, and the whole, committed replicas of other hosts' by source."""
     with self.lock:
-      own = {s.final_dir: tuple(ShardId(k, i) for k, i in s.shards)
+      own = {s.final_dir: tuple(s.shards)
              for s in self.steps.values() if s.directory == directory and s.committed}
       replicas: dict[str, dict[int, tuple[ShardId, ...]]] = {}
       for r in self.replicas.values():
         if r.directory == directory and r.whole and r.committed:
-          replicas.setdefault(r.final_dir, {})[r.source] = tuple(
-              ShardId(k, i) for k, i in r.shards)
+          replicas.setdefault(r.final_dir, {})[r.source] = tuple(r.shards)
     return Held(own, replicas)
 
   def expire_uncommitted(self) -> list[int]:

@@ -76,7 +76,6 @@ class Reader:
     if part is not None and tier not in ("ram", "replica"):
       raise errors.InvalidArgumentError(
           f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
-    key, idx = shard.key_path, shard.index
     step = pathlib.Path(final_dir).parent.name
     if step.isdigit():
       faults.fault("read", int(step))
@@ -88,18 +87,18 @@ class Reader:
       with self._tier.lock:
         if tier == "replica":
           held = next((r for r in self._tier.replicas.values() if r.final_dir == final_dir
-                       and r.whole and r.committed and (key, idx) in r.shards), None)
+                       and r.whole and r.committed and shard in r.shards), None)
         else:
           held = self._tier.steps.get(final_dir)
-          if held is not None and not (held.committed and (key, idx) in held.shards):
+          if held is not None and not (held.committed and shard in held.shards):
             held = None
       if held is not None:
-        data = held.shards[(key, idx)]
+        data = held.shards[shard]
         # Keyed by the checksum checked: a copy verified against another save's manifest
         # (an older save of the same path) is checked again against this one's.
-        if crc32c is not None and (key, idx, crc32c) not in held.verified:
+        if crc32c is not None and (shard, crc32c) not in held.verified:
           _check(final_dir, shard, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
-          held.verified.add((key, idx, crc32c))
+          held.verified.add((shard, crc32c))
         out = data if part is None else _part(data, part)
         self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
                                      out.nbytes)

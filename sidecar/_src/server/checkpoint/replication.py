@@ -25,6 +25,7 @@ from sidecar._src.ckptfmt.records import (
   ReplicaPart,
   ReplicaTarget,
   Replicated,
+  ShardId,
 )
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -97,7 +98,7 @@ class Replicator:
   def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
     direct_io.background_thread()
     t0 = time.perf_counter()
-    shards = [(k, i, a) for (k, i), a in list(record.shards.items())]
+    shards = [(s.key_path, s.index, a) for s, a in list(record.shards.items())]
     header = ReplicaHeader(record.directory, record.step, record.final_dir, self._host_id)
     try:
       nbytes = 0
@@ -157,17 +158,18 @@ class Replicator:
     final_dir, source = replica.final_dir, replica.source
     self._replica_fault(step)
     for b in blocks:  # whole blocks of our arena
-      self._add_shard(replica, (b.shard.key_path, b.shard.index), b.data, b.crc32c)
+      self._add_shard(replica, b.shard, b.data, b.crc32c)
     if part is not None:
       if payload is None or blocks:
         raise errors.InvalidArgumentError(
             "receive: a part of a shard comes alone, with its bytes as payload")
-      key = (part.shard.key_path, part.shard.index)
+      key = part.shard
       offset, chunk = part.offset, np.asarray(payload).reshape(-1).view(np.uint8)
       with self._tier.lock:
         entry = replica.partial.get(key)
         if entry is None:
-          block = outputs.empty(part.shape, codec.dtype_of(part.dtype, f"replica of {key[0]}"))
+          block = outputs.empty(part.shape,
+                                codec.dtype_of(part.dtype, f"replica of {key.key_path}"))
           entry = replica.partial[key] = [block, 0]
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
@@ -211,12 +213,12 @@ class Replicator:
       if self._tier.replicas.get(key) is replica and not replica.whole:
         del self._tier.replicas[key]  # its blocks go back to the arena
 
-  def _add_shard(self, replica: ram_tier.Replica, key, data: np.ndarray,
+  def _add_shard(self, replica: ram_tier.Replica, key: ShardId, data: np.ndarray,
                  crc32c: int | None) -> None:
     """Adds a whole shard, if it has the crc32c its sender computed."""
     if crc32c is None or shards_lib.shard_crc32c(data) != crc32c:
       raise errors.InvalidArgumentError(
-          f"receive: shard {[*key[0]]} {[list(i) for i in key[1]]} of host {replica.source}'s "
+          f"receive: shard {[*key.key_path]} {[list(i) for i in key.index]} of host {replica.source}'s "
           f"replica of step {replica.step} does not match the crc32c its sender computed "
           f"({crc32c}): the replica is dropped")
     with self._tier.lock:

@@ -203,7 +203,7 @@ class StepWriter:
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
       for (key, to_write), s in zip(taken, shards):
-        record.shards[(key.key_path, key.index)] = s.data
+        record.shards[key] = s.data
         record.nbytes += s.data.nbytes
         self._metrics.checkpoint_bytes("staged", s.data.nbytes)
         record.incoming.put(to_write)

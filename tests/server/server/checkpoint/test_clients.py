@@ -228,7 +228,7 @@ def test_a_replica_is_checked_against_its_senders_crc32c_and_a_resend_replaces_i
   assert receive(channel, metadata, replica(directory, first)).nbytes == first.nbytes
   assert receive(channel, metadata, replica(directory, second)).nbytes == second.nbytes
   (record,) = server.checkpoints.tier.replicas.values()
-  np.testing.assert_array_equal(record.shards[(("w",), ((0, 1024),))], second)  # the resend
+  np.testing.assert_array_equal(record.shards[ShardId(("w",), ((0, 1024),))], second)  # the resend
   channel.close()
 
 

@@ -55,7 +55,7 @@ def item(step, directory=D):
 
 def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=True):
   """This host's own shards of ``step`` (``blocks`` of them), as a finished write."""
-  shards = {(("w",), ((i, i + 1),)): staged(arena) for i in range(blocks)}
+  shards = {ShardId(("w",), ((i, i + 1),)): staged(arena) for i in range(blocks)}
   record = ram_tier.Step(directory, step, item(step, directory), shards, blocks * KB)
   if done:
     record.done.set()
@@ -67,7 +67,7 @@ def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=
 def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
   replica = ram_tier.Replica(D, step, item(step), source, whole=whole, committed=committed)
   for i in range(blocks):
-    replica.shards[(("w",), ((i, i + 1),))] = staged(arena)
+    replica.shards[ShardId(("w",), ((i, i + 1),))] = staged(arena)
     replica.nbytes += KB
   tier.replicas[(item(step), source)] = replica
 
