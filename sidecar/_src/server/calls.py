@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors
-from sidecar._src.server import argument_types, metrics as metrics_lib
+from sidecar._src.server import argument_types, metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import Alive, ArenaIO, TimeLeft
 from sidecar._src.server.limits import InlineBytes, Slots
 from sidecar._src.user import registry as registry_lib
@@ -176,7 +176,11 @@ class UnaryCalls:
       if not views:
         return pb.CallResponse(result=self.runner.call(
             request, alive=alive, time_left=time_left, inline=inline))
-      with self._inline.hold(len(raw), time_left()):  # decoding it costs that again
+      metrics, tenant = self.runner.metrics, tenants_lib.CURRENT.get()
+      metrics.tenant_requested(tenant, "inline", len(raw))
+      with contextlib.ExitStack() as admitted:
+        with metrics.waiting(tenant, "inline"):  # decoding it costs its size again
+          admitted.enter_context(self._inline.hold(len(raw), time_left()))
         _trim_heap()
         return pb.CallResponse(result=self.runner.call(
             request, alive=alive, time_left=time_left, views=views, inline=inline))
@@ -230,6 +234,7 @@ def measured(metrics: metrics_lib.Recorder, kind: str, label: str) -> Iterator[N
   CANCELLED.
   """
   metrics.call_started(kind)
+  tenant = tenants_lib.CURRENT.get()  # who it runs for (the way in set it), None: no pool
   t0, code = time.perf_counter(), "OK"
   try:
     yield
@@ -241,3 +246,4 @@ def measured(metrics: metrics_lib.Recorder, kind: str, label: str) -> Iterator[N
     raise
   finally:
     metrics.call_done(kind, label, code, time.perf_counter() - t0)
+    metrics.tenant_request(tenant, kind, code)

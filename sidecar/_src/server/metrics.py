@@ -10,16 +10,26 @@ Two kinds of figures:
 Every sidecar has a ``CollectorRegistry`` of its own (never the global one): several
 servers in one process do not clash. Label values are bounded: registered names only
 (anything else is ``<unregistered>``), status code names, a few fixed phases and tiers,
-and the worker sessions attached now.
+the worker sessions attached now, and the pool file's tenant names.
+
+A pool's six figures (issue 37), in the terms of the managed Shared Pathways Service's
+(active users, chips in use, assignment time, users waiting, requested chips, successful
+requests): ``sidecar_pool_tenants_active`` and ``sidecar_tenant_sessions``,
+``sidecar_tenant_arena_bytes``, ``sidecar_tenant_admission_wait_seconds``,
+``sidecar_pool_tenants_waiting`` and ``sidecar_tenant_waiting``,
+``sidecar_tenant_requested_bytes``, ``sidecar_tenant_requests`` (by status code: the
+successful ones are ``code="OK"``). docs/pool.md draws the dashboard's panel of them.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, exposition
@@ -31,6 +41,10 @@ from sidecar._src.server import metrics_server
 log = logging.getLogger(__name__)
 
 UNREGISTERED = "<unregistered>"
+# The tenant label of the shared-token mode's one unnamed tenant.
+SHARED_TENANT = "<shared>"
+WAITS = ("inline", "arena", "session")  # what a tenant's request waits for admission to
+REQUESTED = ("inline", "arena")  # what a tenant's requested bytes are of
 KINDS = ("call", "stream", "feed", "checkpoint")  # checkpoint: the Checkpoint service's RPCs
 FLAG = "--metrics-port"
 # 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
@@ -58,8 +72,42 @@ class Recorder:
   def phase(self, phase: str, seconds: float) -> None:
     """A checkpoint phase this host ran in the background ("write", "replicate") took."""
 
+  def tenant_request(self, tenant: str | None, kind: str, code: str) -> None:
+    """A request of ``tenant`` (None: no pool) of ``kind`` (as ``call_done``'s) ended with
+    gRPC status ``code``."""
+
+  def tenant_requested(self, tenant: str | None, what: str, nbytes: int) -> None:
+    """``tenant`` asked for ``nbytes`` of ``what`` (REQUESTED: an inline request's bytes
+    to decode, arena bytes to allocate)."""
+
+  def waiting(self, tenant: str | None, what: str) -> contextlib.AbstractContextManager:
+    """The block in which a request of ``tenant`` waits for admission to ``what``
+    (WAITS); counted as waiting while it runs, its time observed when it ends."""
+    del tenant, what
+    return contextlib.nullcontext()
+
 
 OFF = Recorder()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TenantFigures:
+  """One tenant's use of the sidecar now, as the Status RPC's ``TenantStatus`` has it."""
+  name: str
+  sessions: int
+  workers: int
+  arena_bytes: int
+  arena_guaranteed: int
+  arena_ceiling: int
+  feeds: int
+  feed_workers: int
+
+  @classmethod
+  def from_status(cls, s: Any) -> TenantFigures:
+    """From a ``pb.TenantStatus``."""
+    return cls(name=s.name, sessions=s.sessions, workers=s.workers, arena_bytes=s.arena_bytes,
+               arena_guaranteed=s.arena_guaranteed, arena_ceiling=s.arena_ceiling,
+               feeds=s.feeds, feed_workers=s.feed_workers)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,6 +140,7 @@ class Snapshot:
   replica_bytes: int
   writing_steps: int
   writing_bytes: int  # staged, not yet written
+  tenants: tuple[TenantFigures, ...] = ()  # with a pool file: every tenant's
 
 
 class Metrics(Recorder):
@@ -113,6 +162,10 @@ class Metrics(Recorder):
     self._bytes = dict.fromkeys(("staged", "written", "replicated"), 0)
     self._restored: dict[str, int] = {}
     self._phases: dict[str, list] = {}
+    self._tenant_requests: dict[tuple[str, str, str], int] = {}  # (tenant, kind, code)
+    self._tenant_bytes: dict[tuple[str, str], int] = {}  # (tenant, what) -> bytes asked
+    self._tenant_waiting: dict[str, int] = {}  # tenant -> requests waiting now
+    self._tenant_waits: dict[str, list] = {}  # tenant -> histogram of admission waits
     self.registry.register(_Collector(snapshot, self))
     self._http: Any = None  # a metrics_server server
     self._thread: threading.Thread | None = None
@@ -142,13 +195,47 @@ class Metrics(Recorder):
     with self._lock:
       _observe(self._phases, phase, seconds)
 
+  def tenant_request(self, tenant: str | None, kind: str, code: str) -> None:
+    if tenant is None:
+      return
+    key = (tenant or SHARED_TENANT, kind, code)
+    with self._lock:
+      self._tenant_requests[key] = self._tenant_requests.get(key, 0) + 1
+
+  def tenant_requested(self, tenant: str | None, what: str, nbytes: int) -> None:
+    if tenant is None:
+      return
+    key = (tenant or SHARED_TENANT, what)
+    with self._lock:
+      self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + nbytes
+
+  @contextlib.contextmanager
+  def waiting(self, tenant: str | None, what: str) -> Iterator[None]:
+    if tenant is None:
+      yield
+      return
+    name = tenant or SHARED_TENANT
+    with self._lock:
+      self._tenant_waiting[name] = self._tenant_waiting.get(name, 0) + 1
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._tenant_waiting[name] -= 1
+        _observe(self._tenant_waits, name, time.perf_counter() - t0)
+
   def pushed(self) -> dict[str, Any]:
     """A copy of the pushed figures, for the collector."""
     with self._lock:
       return {"in_flight": dict(self._in_flight), "calls": dict(self._calls),
               "latency": {k: [list(v[0]), v[1]] for k, v in self._latency.items()},
               "bytes": dict(self._bytes), "restored": dict(self._restored),
-              "phases": {k: [list(v[0]), v[1]] for k, v in self._phases.items()}}
+              "phases": {k: [list(v[0]), v[1]] for k, v in self._phases.items()},
+              "tenant_requests": dict(self._tenant_requests),
+              "tenant_bytes": dict(self._tenant_bytes),
+              "tenant_waiting": dict(self._tenant_waiting),
+              "tenant_waits": {k: [list(v[0]), v[1]] for k, v in self._tenant_waits.items()}}
 
   def text(self) -> str:
     """The exposition text, as ``/metrics`` serves it."""
@@ -207,8 +294,10 @@ class _Collector(Collector):
     self._metrics = metrics
 
   def collect(self) -> Iterable:
-    yield from self._pushed(self._metrics.pushed())
-    yield from self._read(self._snapshot())
+    pushed, snapshot = self._metrics.pushed(), self._snapshot()
+    yield from self._pushed(pushed)
+    yield from self._read(snapshot)
+    yield from _tenant_families(pushed, snapshot.tenants)
 
   @staticmethod
   def _pushed(p: dict[str, Any]) -> Iterable:
@@ -297,3 +386,52 @@ class _Collector(Collector):
     yield gauge("sidecar_checkpoint_writing_bytes", "Staged bytes not yet written to "
                 "storage", s.writing_bytes)
 
+
+
+def _tenant_families(p: dict[str, Any], tenants: tuple[TenantFigures, ...]) -> Iterable:
+  """The pool's figures, by tenant: the six of the managed service's, and their parts."""
+  names = sorted({t.name for t in tenants} | set(p["tenant_waiting"])
+                 | {k[0] for k in p["tenant_requests"]} | {k[0] for k in p["tenant_bytes"]})
+  active = [t for t in tenants if t.sessions or t.workers]
+  waiting = {n: p["tenant_waiting"].get(n, 0) for n in names}
+  yield GaugeMetricFamily("sidecar_pool_tenants_active", "Tenants with a session or a "
+                          "worker attached (the managed service's active users)",
+                          value=len(active))
+  yield GaugeMetricFamily("sidecar_pool_tenants_waiting", "Tenants with a request waiting "
+                          "for admission (the managed service's users waiting)",
+                          value=sum(1 for n in waiting.values() if n > 0))
+  per_tenant = {
+      "sessions": ("Handshake sessions", lambda t: t.sessions),
+      "workers": ("Workers attached", lambda t: t.workers),
+      "arena_bytes": ("Arena bytes it holds (the managed service's chips in use)",
+                      lambda t: t.arena_bytes),
+      "arena_guaranteed_bytes": ("Its guaranteed arena share (the pool file's arena)",
+                                 lambda t: t.arena_guaranteed),
+      "arena_ceiling_bytes": ("The most arena it may hold", lambda t: t.arena_ceiling),
+      "feeds": ("Feeds running", lambda t: t.feeds),
+      "feed_workers": ("Feed worker processes of its feeds", lambda t: t.feed_workers)}
+  for metric, (doc, get) in per_tenant.items():
+    family = GaugeMetricFamily(f"sidecar_tenant_{metric}", doc, labels=["tenant"])
+    for t in tenants:
+      family.add_metric([t.name or SHARED_TENANT], get(t))
+    yield family
+  now = GaugeMetricFamily("sidecar_tenant_waiting", "Its requests waiting for admission now",
+                          labels=["tenant"])
+  for name, n in waiting.items():
+    now.add_metric([name], n)
+  yield now
+  yield _histogram("sidecar_tenant_admission_wait_seconds", "Time its requests waited for "
+                   "admission: inline bytes, arena room, a session (the managed service's "
+                   "assignment time)", "tenant", p["tenant_waits"])
+  requested = CounterMetricFamily("sidecar_tenant_requested_bytes", "Bytes it asked for: inline "
+                               "requests to decode, arena blocks (the managed service's "
+                               "requested chips)", labels=["tenant", "what"])
+  for (name, what), n in sorted(p["tenant_bytes"].items()):
+    requested.add_metric([name, what], n)
+  yield requested
+  requests = CounterMetricFamily("sidecar_tenant_requests", "Its calls, streams and feeds, by "
+                               "gRPC status code (code=\"OK\": the managed service's "
+                               "successful requests)", labels=["tenant", "kind", "code"])
+  for labels, n in sorted(p["tenant_requests"].items()):
+    requests.add_metric(list(labels), n)
+  yield requests

@@ -86,12 +86,19 @@ def test_the_grafana_dashboard_queries_only_metrics_the_sidecar_exports():
   dashboard = json.loads(path.read_text())
   used = {name for panel in dashboard["panels"] for target in panel["targets"]
           for name in re.findall(r"\bsidecar_\w+", target["expr"])}
-  m = metrics_lib.Metrics(snapshot)
+  tenant = metrics_lib.TenantFigures(name="alice", sessions=1, workers=0, arena_bytes=1,
+                                     arena_guaranteed=1, arena_ceiling=1, feeds=0,
+                                     feed_workers=0)
+  m = metrics_lib.Metrics(lambda: snapshot(tenants=(tenant,)))
   m.call_done("call", "echo", "OK", 0.001)
   m.phase("write", 1.0)
   m.restored_bytes("ram", 1)
+  m.tenant_request("alice", "call", "OK")
+  m.tenant_requested("alice", "inline", 1)
+  with m.waiting("alice", "inline"):
+    pass
   exported = {s.name for f in text_string_to_metric_families(m.text()) for s in f.samples}
-  assert len(used) >= 15 and used <= exported, used - exported
+  assert len(used) >= 22 and used <= exported, used - exported
 
 
 class _OutOfDescriptors:
