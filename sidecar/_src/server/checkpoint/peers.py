@@ -39,8 +39,7 @@ import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
-from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget
-from sidecar._src.ckptfmt.spec import Index, KeyPath
+from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
 from sidecar._src.core import env, errors
 from sidecar._src.wire import checkpoint_wire as wire, protocol
 from sidecar._src.wire.pbscan import encode_varint
@@ -220,7 +219,7 @@ class PeerLink:
     return protocol.error_from_rpc(e, host=self.peer.address, host_id=self.peer.host_id)
 
   def send(self, header: ReplicaHeader,
-           shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
+           shards: Sequence[tuple[ShardId, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> int:
     """Sends every shard, then marks the replica whole; returns the bytes sent.
@@ -279,7 +278,7 @@ class PeerLink:
     assert w is not None
     batch = ckpt_pb.ReceiveRequest()
     batch_bytes = 0
-    for kp, index, data in shards:
+    for shard_id, data in shards:
       if cancelled():
         raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
       # A full peer arena fails the replica soon, not after the whole deadline.
@@ -290,7 +289,7 @@ class PeerLink:
         np.copyto(dst_bytes[a:a + step], src_bytes[a:a + step])
         pace.after(min(step, dst.nbytes - a))
       held.append(dst)
-      block = batch.blocks.add(shard=wire.shard_to_pb(kp, index),
+      block = batch.blocks.add(shard=wire.shard_to_pb(*shard_id),
                                crc32c=shards_lib.shard_crc32c(data))
       block.data.CopyFrom(pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
                                       generation=ref.generation, dtype=ref.dtype,
@@ -307,9 +306,9 @@ class PeerLink:
   def _inline(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
               held: list) -> Iterator[_Part]:
     """Each shard's bytes, raw, in parts of PART_BYTES."""
-    for kp, index, data in shards:
+    for shard_id, data in shards:
       flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-      shard = wire.shard_to_pb(kp, index)
+      shard = wire.shard_to_pb(*shard_id)
       crc32c = shards_lib.shard_crc32c(data)
       for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
         if cancelled():
@@ -357,7 +356,7 @@ class Links:
     self._watcher: threading.Thread | None = None
 
   def send(self, peer: ReplicaTarget, header: ReplicaHeader,
-           shards: Sequence[tuple[KeyPath, Index, np.ndarray]], *,
+           shards: Sequence[tuple[ShardId, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
     """:meth:`PeerLink.send` over ``peer``'s link; returns (bytes, same machine)."""

@@ -98,7 +98,7 @@ class Replicator:
   def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
     direct_io.background_thread()
     t0 = time.perf_counter()
-    shards = [(s.key_path, s.index, a) for s, a in list(record.shards.items())]
+    shards = list(record.shards.items())
     header = ReplicaHeader(record.directory, record.step, record.final_dir, self._host_id)
     try:
       nbytes = 0
@@ -111,7 +111,7 @@ class Replicator:
                  record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
                  time.perf_counter() - t0, extra={"step": record.step})
       job.result = Replicated(tuple(p.host_id for p in job.peers), len(shards),
-                              sum(a.nbytes for _, _, a in shards), time.perf_counter() - t0)
+                              sum(a.nbytes for _, a in shards), time.perf_counter() - t0)
       self._metrics.checkpoint_bytes("replicated", job.result.nbytes * len(job.peers))
       self._metrics.phase("replicate", job.result.seconds)
     except BaseException as e:
