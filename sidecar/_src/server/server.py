@@ -87,8 +87,11 @@ class _TokenAuth(grpc.ServerInterceptor):
   ``tokens`` (read at each RPC: a reload swaps them); a token a reload revoked is refused
   with the reason (its tenant was removed from the pool file, say)."""
 
-  def __init__(self, tokens: tenants_lib.Tokens):
+  def __init__(self, tokens: tenants_lib.Tokens, *, mtls: bool = False):
     self._tokens = tokens
+    # With mTLS every connection has a certificate the CA signed: a pool's tenants named
+    # by certificate (tls_names) come without a token, and the service says whose.
+    self._mtls = mtls
 
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -107,6 +110,9 @@ class _TokenAuth(grpc.ServerInterceptor):
     if handler_call_details.method.startswith(_HEALTH_METHODS):
       return continuation(handler_call_details)
     metadata = handler_call_details.invocation_metadata
+    if self._mtls and (self._tokens.tls or self._tokens.revoked_tls) and not any(
+        k == protocol.AUTH_KEY for k, _ in metadata or ()):
+      return continuation(handler_call_details)
     if client_of(self._tokens.table, metadata) is None:
       if self._tokens.revoked and (why := client_of(self._tokens.revoked, metadata)):
         return self._revoked(why)
@@ -275,7 +281,9 @@ class Server:
                                               thread_name_prefix="sidecar-rpc"),
                    futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
     self._grpc = grpc.server(self._pools[0], options=msg,
-                             interceptors=[_TokenAuth(tokens_holder)] if tokens else [])
+                             interceptors=[_TokenAuth(tokens_holder,
+                                                      mtls=o.tls_client_ca is not None)]
+                             if tokens or tokens_holder.tls else [])
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,

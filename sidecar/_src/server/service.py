@@ -135,6 +135,8 @@ class Service:
           f"client {request.client or '?'} and sidecar host {self._identity.host_id} differ: "
           + "; ".join(diffs) + ". Install the same versions on both sides")
     client = self._client(context)
+    if client is None and self._tokens.named:  # no token: a certificate no tenant names
+      raise errors.AuthenticationError(self._no_tenant(context))
     session = self._sessions.new(peer=self._is_peer(context), client=client)
     return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
@@ -145,7 +147,22 @@ class Service:
     """The client whose token the call carries (per-client tokens), else None."""
     if not self._tokens.named:
       return None
-    return client_of(self._tokens.table, context.invocation_metadata())
+    client = client_of(self._tokens.table, context.invocation_metadata())
+    if client is None and self._tokens.tls:
+      for name in _certificate_names(context):
+        if name in self._tokens.tls:
+          return self._tokens.tls[name]
+    return client
+
+  def _no_tenant(self, context: grpc.ServicerContext) -> str:
+    names = _certificate_names(context)
+    why = next((self._tokens.revoked_tls[n] for n in names if n in self._tokens.revoked_tls),
+               None)
+    if why is not None:
+      return f"{why}; its certificate no longer works on this sidecar: ask the pool's operator"
+    return (f"this sidecar serves a pool of tenants, and the client certificate "
+            f"({', '.join(names) or 'no name'}) is no tenant's: name it in a tenant's "
+            "tls_names in the pool file, or pass that tenant's token")
 
   def _is_peer(self, context: grpc.ServicerContext) -> bool:
     """Whether the handshake carries the peer token (compared in constant time)."""
@@ -197,19 +214,21 @@ class Service:
     client = self._client(context)
     # Needs no session; one sent along is kept alive (a controller's health watch polls).
     self._sessions.touch(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
+    hidden = client is None and self._tokens.named  # a certificate no tenant names
     return pb.StatusResponse(
         identity=self._identity, versions=protocol.local_versions(),
         registry=self.registry_entries(), arena_size=self._arena_size,
         arena_used=self._leases.allocator.used_bytes,
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
-        calls=self._runner.calls, feeds=self._stream_runner.feeds(client),
-        checkpoints=self._visible_checkpoints(context), tenants=self._tenant_status(client))
+        calls=self._runner.calls, feeds=[] if hidden else self._stream_runner.feeds(client),
+        checkpoints=[] if hidden else self._visible_checkpoints(context),
+        tenants=self._tenant_status(client))
 
   def _tenant_status(self, client: str | None) -> list[pb.TenantStatus]:
     """Each tenant's use (with a pool file); a tenant sees only its own row."""
     pool = self._tenancy.pool
-    if pool is None or not pool.quotas:
+    if pool is None or not pool.quotas or client is None:
       return []
     size = self._arena_size
     held = self._leases.tenant_bytes()
@@ -235,6 +254,15 @@ class Service:
       return self._checkpoints()
     mine = self._opened(client)
     return [c for c in self._checkpoints() if os.path.realpath(c.directory) in mine]
+
+
+def _certificate_names(context: grpc.ServicerContext) -> list[str]:
+  """The common and DNS names of the caller's client certificate (mTLS), verified by the
+  TLS layer against --tls-client-ca; none without one."""
+  auth: Any = context.auth_context() or {}
+  return [n.decode(errors="replace") if isinstance(n, bytes) else str(n)
+          for key in ("x509_common_name", "x509_subject_alternative_name")
+          for n in auth.get(key) or ()]
 
 
 def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:

@@ -47,7 +47,7 @@ MIN_INLINE = 64 << 10
 _TENANT_KEYS = frozenset({
     "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
     "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
-    "uids"})
+    "uids", "tls_names"})
 _POOL_KEYS = frozenset({"tenants"})
 
 
@@ -90,6 +90,9 @@ class Tenant:
   # Workers whose process runs as one of these users belong to it without a token (the
   # kernel says who connected to the worker socket: SO_PEERCRED).
   uids: frozenset[int] = frozenset()
+  # With mTLS (--tls-client-ca): client certificates whose common name (or a DNS name of
+  # theirs) is one of these are this tenant's, with no token.
+  tls_names: frozenset[str] = frozenset()
 
   def allows(self, kind: str, name: str) -> bool:
     """Whether its allowlist of ``kind`` ("function" or "pipeline") lets it run ``name``."""
@@ -225,7 +228,11 @@ def load(path: str) -> Pool:
       if other.name == tenant.name:
         raise _error(path, line, f"tenant name {tenant.name!r} is also the name of the tenant "
                      f"on line {other.line}; each tenant needs a name of its own")
-      if other.token == tenant.token:
+      if other.tls_names & tenant.tls_names:
+        raise _error(path, line, f"tenant {tenant.name!r} shares tls_names "
+                     f"{sorted(other.tls_names & tenant.tls_names)} with tenant {other.name!r} "
+                     f"(line {other.line}); a certificate can belong to one tenant only")
+      if other.token and other.token == tenant.token:
         raise _error(path, line, f"tenant {tenant.name!r} has the same token as tenant "
                      f"{other.name!r} (line {other.line}); each tenant needs a token of its "
                      "own, e.g. `openssl rand -hex 32 > FILE`")
@@ -312,12 +319,16 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
                    f"{v!r:.100}")
     return frozenset(v)
 
+  tls_names = names("tls_names") or frozenset()
   token_file = _scalar(path, m["token_file"], "token_file") if "token_file" in m else None
-  if not isinstance(token_file, str) or not token_file:
+  if token_file is None and tls_names:
+    token = ""  # its certificate says who it is
+  elif not isinstance(token_file, str) or not token_file:
     raise _error(path, line, f"{where} has no token_file: give the file that holds its token "
-                 "(`openssl rand -hex 32 > FILE; chmod 600 FILE`)")
-  token_file = os.path.join(base, os.path.expanduser(token_file))
-  token = _read_token(path, at("token_file"), where, token_file)
+                 "(`openssl rand -hex 32 > FILE; chmod 600 FILE`), or its tls_names")
+  else:
+    token_file = os.path.join(base, os.path.expanduser(token_file))
+    token = _read_token(path, at("token_file"), where, token_file)
   arena = share("arena") or Share(nbytes=0)
   ceiling = share("arena_ceiling")
   if ceiling is not None and (ceiling.nbytes or 0) < MIN_ARENA and ceiling.fraction is None:
@@ -357,7 +368,8 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
       streams=count("streams", 1), feeds=count("feeds", 1),
       feed_workers=count("feed_workers", 0), inline_bytes=inline, checkpoint_roots=roots,
-      functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids)
+      functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids,
+      tls_names=tls_names)
 
 
 def _read_token(path: str, line: int, where: str, token_file: str) -> str:
@@ -435,11 +447,13 @@ class Tenancy:
       old = self._tenants
       new = pool.by_name()
       removed = sorted(n for n in old if n not in new)
-      changed = sorted(n for n in old if n in new and new[n].token != old[n].token)
+      changed = sorted(n for n in old if n in new and (
+          new[n].token != old[n].token or not old[n].tls_names <= new[n].tls_names))
       for n in removed:
         self.revoked[n] = f"tenant {n!r} was removed from the pool file {pool.path}"
       for n in changed:
-        self.revoked[n] = f"tenant {n!r}'s token was changed in the pool file {pool.path}"
+        self.revoked[n] = (f"tenant {n!r}'s token (or tls_names) was changed in the pool "
+                           f"file {pool.path}")
       for n in new:
         if n not in removed and n not in changed:
           self.revoked.pop(n, None)
@@ -462,7 +476,7 @@ class Tenancy:
     found = None
     if isinstance(token, str):
       for t in pool.tenants:
-        if hmac.compare_digest(token.encode(errors="replace"), t.token.encode()):
+        if t.token and hmac.compare_digest(token.encode(errors="replace"), t.token.encode()):
           found = t.name
     if found is not None:
       return found
@@ -560,10 +574,13 @@ class Tokens:
   each sees only its own checkpoints; the shared token's one tenant has none.
   """
 
-  def __init__(self, table: dict[bytes, str], *, named: bool):
+  def __init__(self, table: dict[bytes, str], *, named: bool,
+               tls: dict[str, str] | None = None):
     self.table = table
     self.named = named
+    self.tls = tls or {}  # certificate name -> tenant (mTLS identities)
     self.revoked: dict[bytes, str] = {}
+    self.revoked_tls: dict[str, str] = {}  # certificate name -> why
 
   @staticmethod
   def of(pool: Pool | None, peer_token: str | None) -> Tokens:
@@ -571,10 +588,11 @@ class Tokens:
     if pool is None:
       return Tokens({}, named=False)
     named = pool.quotas or any(t.name for t in pool.tenants)
-    table = {f"Bearer {t.token}".encode(): t.name for t in pool.tenants}
+    table = {f"Bearer {t.token}".encode(): t.name for t in pool.tenants if t.token}
     if named and peer_token:  # the peer sidecars authenticate with theirs
       table[f"Bearer {peer_token}".encode()] = ""
-    return Tokens(table, named=named)
+    return Tokens(table, named=named,
+                  tls={n: t.name for t in pool.tenants for n in t.tls_names})
 
   def swap(self, new: Tokens, revoked: dict[str, str]) -> None:
     """Takes ``new``'s table; the old tokens of tenants in ``revoked`` (name: why) are
@@ -582,6 +600,11 @@ class Tokens:
     for bearer, name in self.table.items():
       if name in revoked and bearer not in new.table:
         self.revoked[bearer] = revoked[name]
+    for cert, name in self.tls.items():
+      if name in revoked and cert not in new.tls:
+        self.revoked_tls[cert] = revoked[name]
     for bearer in new.table:
       self.revoked.pop(bearer, None)
-    self.table = new.table
+    for cert in new.tls:
+      self.revoked_tls.pop(cert, None)
+    self.table, self.tls = new.table, new.tls

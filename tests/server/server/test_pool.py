@@ -208,3 +208,32 @@ def test_a_worker_belongs_to_the_tenant_that_names_its_user(make_server, tmp_pat
       worker.empty((3 << 20,), np.uint8)
   finally:
     worker.close()
+
+
+def test_a_tenant_named_by_its_client_certificate(make_server, tmp_path, monkeypatch):
+  """mTLS: a tenant with tls_names needs no token; its certificate says whose it is."""
+  from tests.support.tls import CA, CLIENT, CLIENT_KEY, SERVER, SERVER_KEY
+  path = write_pool(tmp_path, (
+      "tenants:\n  - {name: alice, tls_names: [sidecar test controller], sessions: 2}\n"
+      "  - {name: bob, token_file: bob.token}\n"))
+  server = make_server(pool=path, tls_cert=SERVER, tls_key=SERVER_KEY, tls_client_ca=CA)
+  monkeypatch.setenv("SIDECAR_TLS_CA", CA)
+  monkeypatch.setenv("SIDECAR_TLS_CLIENT_CERT", CLIENT)
+  monkeypatch.setenv("SIDECAR_TLS_CLIENT_KEY", CLIENT_KEY)
+  first, second = controller(server, None), controller(server, None)
+  assert first.call("add", args=(2,), kwargs={"b": 3}) == [5]
+  with pytest.raises(sidecar.ResourceExhaustedError,
+                     match=r"tenant 'alice' keeps 2 handshake sessions, its quota \(sessions=2"):
+    controller(server, None)
+  with controller(server, BOB) as bob:  # a token decides first, over the same certificate
+    assert bob.call("add", args=(1,)) == [1]
+  with pytest.raises(sidecar.AuthenticationError, match="missing or wrong token"):
+    controller(server, "not-a-tenants-token")
+  with open(path, "w") as f:
+    f.write("tenants: [{name: bob, token_file: bob.token}]\n")
+  server.reload()
+  with pytest.raises(sidecar.AuthenticationError,
+                     match=f"tenant 'alice' was removed from the pool file {path}"):
+    controller(server, None)
+  first.close()
+  second.close()

@@ -97,7 +97,8 @@ BAD = [
      r"pool.yaml:2: tenant 'alice': inline_bytes must be a size of at least 64.0 KiB"),
     ("tenants:\n  - {name: alice, token_file: alice.token, arena: lots}\n",
      r"pool.yaml:2: tenant 'alice': arena is a fraction of the arena in \(0, 1\] or a size"),
-    ("tenants:\n  - {name: alice}\n", r"pool.yaml:2: tenant 'alice' has no token_file"),
+    ("tenants:\n  - {name: alice}\n", r"pool.yaml:2: tenant 'alice' has no token_file: .* or "
+     "its tls_names"),
     ("tenants:\n  - {name: alice, token_file: nobody.token}\n",
      r"pool.yaml:2: tenant 'alice': cannot read its token_file .*nobody.token"),
     ("tenants:\n  - {name: 'a b', token_file: alice.token}\n",
@@ -107,6 +108,9 @@ BAD = [
     ("tenants: [\n", r"pool.yaml:2: not YAML"),
     ("tenants:\n  - {name: alice, token_file: alice.token, weight: -1}\n",
      r"pool.yaml:2: tenant 'alice': weight must be a positive number, got -1"),
+    ("tenants:\n  - {name: alice, tls_names: [a.example]}\n  - {name: bob, "
+     "token_file: bob.token, tls_names: [a.example]}\n",
+     r"pool.yaml:3: tenant 'bob' shares tls_names \['a.example'\] with tenant 'alice'"),
     ("tenants:\n  - {name: alice, token_file: alice.token, uids: [7]}\n  - {name: bob, "
      "token_file: bob.token, uids: [8, 7]}\n",
      r"pool.yaml:3: tenant 'bob' shares uids \[7\] with tenant 'alice' \(line 2\)"),
@@ -117,7 +121,7 @@ BAD = [
     "unknown-key", "duplicate-name", "duplicate-token", "guarantees-above-arena",
     "sessions-below-1", "ceiling-below-a-batch", "inline-below-least", "bad-size",
     "no-token-file", "missing-token-file", "bad-name", "unknown-top-key", "no-tenants",
-    "not-yaml", "bad-weight", "shared-uids"])
+    "not-yaml", "bad-weight", "shared-tls-names", "shared-uids"])
 def test_a_bad_file_is_refused_naming_its_line(tmp_path, text, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     tenants.load(_pool(tmp_path, text))
