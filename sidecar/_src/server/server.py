@@ -382,7 +382,12 @@ class Server:
         uptime_s=self.service.uptime_s(),
         arena_size=self.arena.size, arena_used=allocator.used_bytes,
         arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
-        pinned_bytes=pinned, workers=len(pids), feeds=self.stream_runner.feed_totals(), **usage)
+        pinned_bytes=pinned, workers=len(pids), feeds=self.stream_runner.feed_totals(),
+        ram_steps=usage["ram_steps"], ram_bytes=usage["ram_bytes"],
+        replica_steps=usage["replica_steps"], replica_bytes=usage["replica_bytes"],
+        writing_steps=usage["writing_steps"], writing_bytes=usage["writing_bytes"],
+        tenants=tuple(metrics_lib.TenantFigures.from_status(t)
+                      for t in self.service.tenant_status()))
 
   def _listen_unix(self, path: str) -> None:
     """Binds the gRPC server to the Unix socket ``path``: its directory made if missing,

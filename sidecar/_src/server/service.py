@@ -226,9 +226,14 @@ class Service:
         tenants=self._tenant_status(client))
 
   def _tenant_status(self, client: str | None) -> list[pb.TenantStatus]:
-    """Each tenant's use (with a pool file); a tenant sees only its own row."""
+    """The caller's own tenant's row (with a pool file); none for a caller of no tenant."""
+    return [] if client is None else self.tenant_status(client)
+
+  def tenant_status(self, client: str | None = None) -> list[pb.TenantStatus]:
+    """Each tenant's use now (with a pool file), or ``client``'s only: what Status and
+    the metrics report."""
     pool = self._tenancy.pool
-    if pool is None or not pool.quotas or client is None:
+    if pool is None or not pool.quotas:
       return []
     size = self._arena_size
     held = self._leases.tenant_bytes()
