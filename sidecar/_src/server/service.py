@@ -226,8 +226,9 @@ class Service:
         tenants=self._tenant_status(client))
 
   def _tenant_status(self, client: str | None) -> list[pb.TenantStatus]:
-    """The caller's own tenant's row (with a pool file); none for a caller of no tenant."""
-    return [] if client is None else self.tenant_status(client)
+    """The caller's own tenant's row (with a pool file); every tenant's for the pool's peer
+    token (its operator's: client ""), none for a caller of no tenant."""
+    return [] if client is None else self.tenant_status(client or None)
 
   def tenant_status(self, client: str | None = None) -> list[pb.TenantStatus]:
     """Each tenant's use now (with a pool file), or ``client``'s only: what Status and

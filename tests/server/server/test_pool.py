@@ -16,7 +16,7 @@ from sidecar._src.arena.worker import Worker
 from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
-from tests.conftest import eventually
+from tests.conftest import PEER_TOKEN, eventually
 
 pytestmark = pytest.mark.server
 
@@ -122,6 +122,10 @@ def test_arena_ceiling_and_guarantee_hold_for_workers(pool_server):
     (row,) = status.tenants  # bob sees his own row only
     assert (row.name, row.arena_bytes, row.arena_guaranteed, row.workers) == (
         "bob", 4 << 20, 4 << 20, 1)
+    every = pool_server.service.status(pb.StatusRequest().SerializeToString(),
+                                       _Context(PEER_TOKEN))  # the pool's operator
+    assert [(t.name, t.arena_bytes, t.arena_ceiling) for t in every.tenants] == [
+        ("alice", 3 << 20, 3 << 20), ("bob", 4 << 20, 8 << 20)]
     del a, b
   finally:
     alice.close()
