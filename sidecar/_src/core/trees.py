@@ -2,21 +2,21 @@
 
 One library walks every tree the sidecar and the trainer share: a feed element the
 sidecar batches, the structure a feed batch travels with, a state a checkpoint saves
-or restores. It walks the standard containers itself, the way ``jax.tree_util`` does,
-so leaves come in JAX's order whether JAX is there or not (a PyTorch trainer and its
-sidecar have none):
+or restores. As Grain's ``tree_lib``, it takes JAX's path where JAX is loaded
+(``"jax" in sys.modules``: ``jax.tree_util``, its C++ walk and every type registered
+with it) and walks the trees itself where it is not (a PyTorch trainer and its sidecar
+have no JAX), in JAX's leaf order:
 
 - ``None``: a node with no children;
-- ``dict`` and ``collections.defaultdict``: children in sorted key order (keys of
-  types that do not sort: in the dict's order, where JAX refuses);
+- ``dict`` and ``collections.defaultdict``: children in sorted key order;
   ``collections.OrderedDict``: in its own order;
 - ``list``, ``tuple`` and namedtuples (a namedtuple's key path entries are its field
   names, as JAX's ``GetAttrKey``);
-- everything else is a leaf, except, when JAX is loaded (``"jax" in sys.modules``), a
-  type registered with ``jax.tree_util`` (a Flax struct, a registered dataclass): JAX
-  flattens it, one level at a time, as Grain's ``tree_lib`` takes JAX's path when it
-  can. A subclass of dict, list or tuple that JAX does not know is walked as its base
-  container (JAX would make it a leaf, which no array or codec takes).
+- everything else is a leaf.
+
+Where they differ: keys of types that do not sort (JAX refuses them) are walked here, in
+the dict's order, with JAX loaded too; without JAX a subclass of dict, list or tuple is
+walked as its base container (JAX makes it a leaf).
 
 A key path is what stock Orbax names a leaf: dict keys and attribute names as ``str``,
 sequence indices as ``int`` (``jax/checkpoint.key_path`` makes the same of JAX's paths).
@@ -25,9 +25,8 @@ sequence indices as ``int`` (``jax/checkpoint.key_path`` makes the same of JAX's
 from __future__ import annotations
 
 import collections
-import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,73 +34,64 @@ import numpy as np
 KeyPath = tuple[str | int, ...]
 IsLeaf = Callable[[Any], bool]
 
-# The kinds of node of a TreeDef.
-LEAF, NONE, DICT, ORDERED_DICT, DEFAULT_DICT, LIST, TUPLE, NAMEDTUPLE, REGISTERED = (
-    "leaf", "none", "dict", "ordered_dict", "default_dict", "list", "tuple", "namedtuple",
-    "registered")
-# Leaves by their exact type, told apart before any other check: a feed flattens every
-# element it batches.
+# A structure is JAX's PyTreeDef where JAX flattened the tree, else a nested tuple (C code
+# compares and hashes it, a feed compares one per element): a leaf is _LEAF, None is
+# None, any other node (kind, aux, children) with ``aux`` a dict's keys, a namedtuple's
+# class, a defaultdict's (default_factory, keys) or a registered type's one-level
+# jax.tree_util.PyTreeDef.
+_LEAF = "*"
+DICT, ORDERED_DICT, DEFAULT_DICT, LIST, TUPLE, NAMEDTUPLE, REGISTERED = (
+    "dict", "ordered_dict", "default_dict", "list", "tuple", "namedtuple", "registered")
+# Leaves by their exact type, told apart before any other check.
 _LEAF_TYPES = frozenset({np.ndarray, int, float, bool, complex, str, bytes})
 
 
-@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class TreeDef:
-  """The structure of a flattened tree.
+  """The structure of a flattened tree: equal to another of the same containers, keys
+  and types (hashable); ``num_leaves`` leaves."""
 
-  Attributes:
-    kind: one of LEAF, NONE, DICT, ORDERED_DICT, DEFAULT_DICT, LIST, TUPLE, NAMEDTUPLE,
-      REGISTERED (a type registered with ``jax.tree_util``).
-    children: the child nodes, in leaf order.
-    keys: a dict's keys, in the order of ``children``.
-    node: a namedtuple's class, a defaultdict's ``default_factory``, or a registered
-      type's one-level ``jax.tree_util.PyTreeDef``; None otherwise.
-    num_leaves: the leaves below this node.
-  """
-  kind: str
-  children: tuple[TreeDef, ...] = ()
-  keys: tuple[Any, ...] = ()
-  node: Any = None
-  num_leaves: int = 1
+  __slots__ = ("_node", "num_leaves")
+
+  def __init__(self, node: Any, num_leaves: int):
+    self._node, self.num_leaves = node, num_leaves
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, TreeDef) and self._node == other._node
+
+  def __hash__(self) -> int:
+    return hash(self._node)
 
   def __repr__(self) -> str:
-    if self.kind == LEAF:
-      return "*"
-    if self.kind == NONE:
-      return "None"
-    items = [repr(c) for c in self.children]
-    if self.kind in (DICT, ORDERED_DICT, DEFAULT_DICT):
-      body = "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(self.keys, items)) + "}"
-      return body if self.kind == DICT else f"{self.kind}{body}"
-    if self.kind == LIST:
-      return "[" + ", ".join(items) + "]"
-    if self.kind == TUPLE:
-      return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-    if self.kind == NAMEDTUPLE:
-      fields = self.node._fields
-      return f"{self.node.__name__}(" + ", ".join(
-          f"{f}={c}" for f, c in zip(fields, items)) + ")"
-    return f"registered[{self.node}]({', '.join(items)})"
+    return _repr(self._node)
 
 
-_LEAF = TreeDef(LEAF)
-_NONE = TreeDef(NONE, num_leaves=0)
+def _repr(node: Any) -> str:
+  if node is _LEAF:
+    return "*"
+  if node is None:
+    return "None"
+  if not isinstance(node, tuple):
+    return str(node)  # JAX's PyTreeDef
+  kind, aux, children = node
+  items = [_repr(c) for c in children]
+  if kind in (DICT, ORDERED_DICT, DEFAULT_DICT):
+    keys = aux[1] if kind == DEFAULT_DICT else aux
+    body = "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(keys, items)) + "}"
+    return body if kind == DICT else f"{kind}{body}"
+  if kind == LIST:
+    return "[" + ", ".join(items) + "]"
+  if kind == TUPLE:
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+  if kind == NAMEDTUPLE:
+    return f"{aux.__name__}(" + ", ".join(f"{f}={c}" for f, c in zip(aux._fields, items)) + ")"
+  return f"registered[{aux}]({', '.join(items)})"
 
 
-def _inner(kind: str, children: tuple[TreeDef, ...], keys: tuple[Any, ...] = (),
-           node: Any = None) -> TreeDef:
-  return TreeDef(kind, children, keys, node, sum(c.num_leaves for c in children))
-
-
-def _sorted_keys(d: dict) -> list:
+def _sorted_keys(d: dict) -> tuple:
   try:
-    return sorted(d)
+    return tuple(sorted(d))
   except TypeError:  # keys of types that do not sort (JAX refuses these): the dict's order
-    return list(d)
-
-
-def _namedtuple_fields(t: type) -> tuple[str, ...] | None:
-  fields = getattr(t, "_fields", None)
-  return fields if isinstance(fields, tuple) else None
+    return tuple(d)
 
 
 def _registered(x: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
@@ -129,60 +119,85 @@ def _jax_key(key: Any) -> str | int:
   return str(getattr(key, "key", key))
 
 
-class _Walk:
-  """One flatten: the leaves (and their paths, where asked) in order."""
+def _split(x: Any, t: type) -> tuple[str, Any, list, list] | None:
+  """A node other than dict, list, tuple and None: ``(kind, aux, key path entries,
+  children)``; None for a leaf."""
+  if isinstance(x, np.generic):
+    return None
+  if isinstance(x, tuple) and isinstance(fields := getattr(t, "_fields", None), tuple):
+    return NAMEDTUPLE, t, list(fields), list(x)
+  if t is collections.OrderedDict:
+    keys = tuple(x)
+    return ORDERED_DICT, keys, [str(k) for k in keys], [x[k] for k in keys]
+  if t is collections.defaultdict:
+    keys = _sorted_keys(x)
+    return DEFAULT_DICT, (x.default_factory, keys), [str(k) for k in keys], [x[k] for k in keys]
+  if (found := _registered(x)) is not None:
+    kids, treedef = found
+    return REGISTERED, treedef, [_jax_key(k) for k, _ in kids], [v for _, v in kids]
+  if isinstance(x, dict):  # a subclass JAX does not know: as a dict
+    keys = _sorted_keys(x)
+    return DICT, keys, [str(k) for k in keys], [x[k] for k in keys]
+  if isinstance(x, (list, tuple)):
+    return (LIST if isinstance(x, list) else TUPLE), None, list(range(len(x))), list(x)
+  return None
 
-  __slots__ = ("leaves", "paths", "is_leaf")
 
-  def __init__(self, with_paths: bool, is_leaf: IsLeaf | None):
-    self.leaves: list[Any] = []
-    self.paths: list[KeyPath] | None = [] if with_paths else None
-    self.is_leaf = is_leaf
-
-  def leaf(self, x: Any, path: KeyPath) -> TreeDef:
-    self.leaves.append(x)
-    if self.paths is not None:
-      self.paths.append(path)
+def _flat(x: Any, leaves: list, is_leaf: IsLeaf | None) -> Any:
+  """The structure of ``x``; its leaves appended to ``leaves``."""
+  if is_leaf is not None and is_leaf(x):
+    leaves.append(x)
     return _LEAF
+  t = type(x)
+  if t in _LEAF_TYPES:
+    leaves.append(x)
+    return _LEAF
+  if x is None:
+    return None
+  if t is dict:
+    keys = _sorted_keys(x)
+    return DICT, keys, tuple([_flat(x[k], leaves, is_leaf) for k in keys])
+  if t is list:
+    return LIST, None, tuple([_flat(v, leaves, is_leaf) for v in x])
+  if t is tuple:
+    return TUPLE, None, tuple([_flat(v, leaves, is_leaf) for v in x])
+  node = _split(x, t)
+  if node is None:
+    leaves.append(x)
+    return _LEAF
+  kind, aux, _, children = node
+  return kind, aux, tuple([_flat(v, leaves, is_leaf) for v in children])
 
-  def items(self, kind: str, pairs: list[tuple[Any, Any]], path: KeyPath,
-            keys: tuple[Any, ...] = (), node: Any = None) -> TreeDef:
-    """A node of children ``[(key path entry, child)]``."""
-    paths = self.paths is not None
-    return _inner(kind, tuple(self.walk(v, (*path, k) if paths else path) for k, v in pairs),
-                  keys, node)
 
-  def mapping(self, kind: str, x: Any, keys: list, path: KeyPath, node: Any = None) -> TreeDef:
-    return self.items(kind, [(str(k), x[k]) for k in keys], path, tuple(keys), node)
+def _flat_path(x: Any, path: KeyPath, leaves: list, paths: list, is_leaf: IsLeaf | None
+               ) -> Any:
+  """As ``_flat``, with each leaf's key path appended to ``paths``."""
+  if is_leaf is not None and is_leaf(x):
+    leaves.append(x)
+    paths.append(path)
+    return _LEAF
+  t = type(x)
+  if x is None:
+    return None
+  if t is dict:
+    keys = _sorted_keys(x)
+    node: tuple | None = DICT, keys, [str(k) for k in keys], [x[k] for k in keys]
+  elif t is list or t is tuple:
+    node = LIST if t is list else TUPLE, None, list(range(len(x))), x
+  else:
+    node = None if t in _LEAF_TYPES else _split(x, t)
+  if node is None:
+    leaves.append(x)
+    paths.append(path)
+    return _LEAF
+  kind, aux, entries, children = node
+  return kind, aux, tuple([_flat_path(v, (*path, k), leaves, paths, is_leaf)
+                           for k, v in zip(entries, children)])
 
-  def walk(self, x: Any, path: KeyPath) -> TreeDef:
-    if self.is_leaf is not None and self.is_leaf(x):
-      return self.leaf(x, path)
-    t = type(x)
-    if t in _LEAF_TYPES:
-      return self.leaf(x, path)
-    if x is None:
-      return _NONE
-    if t is dict:
-      return self.mapping(DICT, x, _sorted_keys(x), path)
-    if t is list or t is tuple:
-      return self.items(LIST if t is list else TUPLE, list(enumerate(x)), path)
-    if isinstance(x, np.generic):
-      return self.leaf(x, path)
-    if isinstance(x, tuple) and (fields := _namedtuple_fields(t)) is not None:
-      return self.items(NAMEDTUPLE, list(zip(fields, x)), path, node=t)
-    if t is collections.OrderedDict:
-      return self.mapping(ORDERED_DICT, x, list(x), path)
-    if t is collections.defaultdict:
-      return self.mapping(DEFAULT_DICT, x, _sorted_keys(x), path, x.default_factory)
-    if (found := _registered(x)) is not None:
-      kids, treedef = found
-      return self.items(REGISTERED, [(_jax_key(k), v) for k, v in kids], path, node=treedef)
-    if isinstance(x, dict):
-      return self.mapping(DICT, x, _sorted_keys(x), path)
-    if isinstance(x, (list, tuple)):
-      return self.items(LIST if isinstance(x, list) else TUPLE, list(enumerate(x)), path)
-    return self.leaf(x, path)
+
+def _tree_util() -> Any:
+  """``jax.tree_util`` where JAX is loaded, else None."""
+  return getattr(sys.modules.get("jax"), "tree_util", None)
 
 
 def flatten_with_path(tree: Any, *, is_leaf: IsLeaf | None = None
@@ -194,17 +209,32 @@ def flatten_with_path(tree: Any, *, is_leaf: IsLeaf | None = None
     >>> flatten_with_path({"b": [1, None], "a": 2})[0]
     [(('a',), 2), (('b', 0), 1)]
   """
-  w = _Walk(True, is_leaf)
-  treedef = w.walk(tree, ())
-  assert w.paths is not None
-  return list(zip(w.paths, w.leaves)), treedef
+  if (tree_util := _tree_util()) is not None:
+    try:
+      flat, treedef = tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    except ValueError:  # dict keys that do not sort: walked here, in the dict's order
+      pass
+    else:
+      return ([(tuple([_jax_key(k) for k in path]), leaf) for path, leaf in flat],
+              TreeDef(treedef, len(flat)))
+  leaves: list = []
+  paths: list = []
+  node = _flat_path(tree, (), leaves, paths, is_leaf)
+  return list(zip(paths, leaves)), TreeDef(node, len(leaves))
 
 
 def flatten(tree: Any, *, is_leaf: IsLeaf | None = None) -> tuple[list[Any], TreeDef]:
   """The leaves of ``tree`` in order, and its structure."""
-  w = _Walk(False, is_leaf)
-  treedef = w.walk(tree, ())
-  return w.leaves, treedef
+  if (tree_util := _tree_util()) is not None:
+    try:
+      flat, treedef = tree_util.tree_flatten(tree, is_leaf=is_leaf)
+    except ValueError:  # dict keys that do not sort: walked here, in the dict's order
+      pass
+    else:
+      return flat, TreeDef(treedef, len(flat))
+  leaves: list = []
+  node = _flat(tree, leaves, is_leaf)
+  return leaves, TreeDef(node, len(leaves))
 
 
 def leaves(tree: Any, *, is_leaf: IsLeaf | None = None) -> list[Any]:
@@ -220,29 +250,32 @@ def unflatten(treedef: TreeDef, leaves: list[Any]) -> Any:
   """
   if len(leaves) != treedef.num_leaves:
     raise ValueError(f"{treedef.num_leaves} leaves expected, got {len(leaves)}")
-  return _build(treedef, iter(leaves))
+  node = treedef._node
+  if node is None or node is _LEAF or type(node) is tuple:
+    return _build(node, iter(leaves))
+  return sys.modules["jax"].tree_util.tree_unflatten(node, leaves)  # JAX's own
 
 
-def _build(t: TreeDef, it: Iterator[Any]) -> Any:
-  kind = t.kind
-  if kind == LEAF:
+def _build(node: Any, it: Any) -> Any:
+  if node is _LEAF:
     return next(it)
-  if kind == NONE:
+  if node is None:
     return None
-  children = [_build(c, it) for c in t.children]
-  if kind == DICT:
-    return dict(zip(t.keys, children))
-  if kind == LIST:
-    return children
-  if kind == TUPLE:
-    return tuple(children)
-  if kind == NAMEDTUPLE:
-    return t.node(*children)
-  if kind == ORDERED_DICT:
-    return collections.OrderedDict(zip(t.keys, children))
-  if kind == DEFAULT_DICT:
-    return collections.defaultdict(t.node, zip(t.keys, children))
-  return sys.modules["jax"].tree_util.tree_unflatten(t.node, children)
+  kind, aux, children = node
+  if kind is DICT:
+    return {k: _build(c, it) for k, c in zip(aux, children)}
+  if kind is LIST:
+    return [_build(c, it) for c in children]
+  if kind is TUPLE:
+    return tuple([_build(c, it) for c in children])
+  if kind is NAMEDTUPLE:
+    return aux(*[_build(c, it) for c in children])
+  if kind is ORDERED_DICT:
+    return collections.OrderedDict([(k, _build(c, it)) for k, c in zip(aux, children)])
+  if kind is DEFAULT_DICT:
+    factory, keys = aux
+    return collections.defaultdict(factory, [(k, _build(c, it)) for k, c in zip(keys, children)])
+  return sys.modules["jax"].tree_util.tree_unflatten(aux, [_build(c, it) for c in children])
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any, *, is_leaf: IsLeaf | None = None) -> Any:

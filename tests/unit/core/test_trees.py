@@ -1,4 +1,5 @@
-"""Tier 1: the one tree library walks trees as jax.tree_util does, with JAX or without it."""
+"""Tier 1: the one tree library walks trees as jax.tree_util does, with JAX loaded (its
+path) or without it (its own walk)."""
 
 import collections
 import dataclasses
@@ -48,7 +49,7 @@ class Attrs(dict):
   """A dict subclass JAX does not know (a leaf to JAX)."""
 
 
-TREES = {
+STANDARD = {
     "leaf": np.arange(3),
     "none": None,
     "empty-containers": {"d": {}, "l": [], "t": ()},
@@ -58,31 +59,52 @@ TREES = {
     "namedtuples": [Typed(1, Typed(2, None)), SubPair(3, 4)],
     "ordered-dict": collections.OrderedDict([("b", 1), ("a", {"d": 2, "c": 3})]),
     "default-dict": collections.defaultdict(list, {"y": 1, "x": [2, 3]}),
-    "registered": {"box": Box(np.zeros(2), {"q": 9, "p": None}), "e": Empty()},
-    "registered-in-registered": Box(Box(1, 2), [Box(3, (4,)), None]),
     "scalars": [True, 1, 2.5, 3j, "s", b"b", np.float32(1), np.bool_(False)],
     "arrays": (jax.numpy.ones(2), np.zeros((2, 2))),
 }
+REGISTERED = {
+    "registered": {"box": Box(np.zeros(2), {"q": 9, "p": None}), "e": Empty()},
+    "registered-in-registered": Box(Box(1, 2), [Box(3, (4,)), None]),
+}
+TREE_UTIL = jax.tree_util  # JAX's own, to compare with, also where a test hides jax
 
 
-@pytest.mark.parametrize("tree", list(TREES.values()), ids=list(TREES))
-def test_leaves_paths_and_structure_are_jax_tree_utils(tree):
+@pytest.fixture(params=["jax-loaded", "no-jax"])
+def walker(request, monkeypatch):
+  """Where JAX is loaded trees.py takes its path; where it is not (a PyTorch process),
+  it walks the trees itself."""
+  if request.param == "no-jax":
+    monkeypatch.delitem(sys.modules, "jax")
+  return request.param
+
+
+def _check_like_jax(tree):
   flat, treedef = trees.flatten_with_path(tree)
-  want, want_def = jax.tree_util.tree_flatten_with_path(tree)
-  assert [x for _, x in flat] == [x for _, x in want] or all(
-      a is b for (_, a), (_, b) in zip(flat, want))
+  want, want_def = TREE_UTIL.tree_flatten_with_path(tree)
+  assert [id(x) for _, x in flat] == [id(x) for _, x in want]
   assert [p for p, _ in flat] == [key_path(p) for p, _ in want]
   assert treedef.num_leaves == want_def.num_leaves == len(flat)
+  leaves, treedef2 = trees.flatten(tree)
+  assert [id(x) for x in leaves] == [id(x) for _, x in want] and treedef2 == treedef
   back = trees.unflatten(treedef, [x for _, x in flat])
-  assert jax.tree_util.tree_structure(back) == want_def
+  assert TREE_UTIL.tree_structure(back) == want_def
   assert trees.flatten(back)[1] == treedef
 
 
-def _random_tree(rng: random.Random, depth: int):
-  kind = rng.choice(["leaf", "none", "dict", "list", "tuple", "named", "ordered", "box"]
-                    if depth < 4 else ["leaf", "none"])
+@pytest.mark.parametrize("tree", list(STANDARD.values()), ids=list(STANDARD))
+def test_leaves_paths_and_structure_are_jax_tree_utils(tree, walker):
+  _check_like_jax(tree)
+
+
+@pytest.mark.parametrize("tree", list(REGISTERED.values()), ids=list(REGISTERED))
+def test_types_registered_with_jax_go_through_it(tree):
+  _check_like_jax(tree)
+
+
+def _random_tree(rng: random.Random, depth: int, kinds: list[str]):
+  kind = rng.choice(kinds if depth < 4 else ["leaf", "none"])
   width = rng.randrange(4)
-  child = lambda: _random_tree(rng, depth + 1)
+  child = lambda: _random_tree(rng, depth + 1, kinds)
   if kind == "leaf":
     return rng.choice([rng.randrange(100), np.float32(rng.random()), np.arange(rng.randrange(3))])
   if kind == "none":
@@ -99,59 +121,71 @@ def _random_tree(rng: random.Random, depth: int):
   return Box(child(), child())
 
 
-def test_random_trees_flatten_in_jaxs_order_with_jaxs_paths():
+def test_random_trees_flatten_in_jaxs_order_with_jaxs_paths(walker):
   rng = random.Random(36)
+  kinds = ["leaf", "none", "dict", "list", "tuple", "named", "ordered"] + (
+      ["box"] if walker == "jax-loaded" else [])
   for _ in range(300):
-    tree = _random_tree(rng, 0)
-    flat, treedef = trees.flatten_with_path(tree)
-    want, want_def = jax.tree_util.tree_flatten_with_path(tree)
-    assert [id(x) for _, x in flat] == [id(x) for _, x in want], tree
-    assert [p for p, _ in flat] == [key_path(p) for p, _ in want], tree
-    assert jax.tree_util.tree_structure(trees.unflatten(treedef, [0] * len(flat))) == (
-        jax.tree_util.tree_structure(jax.tree_util.tree_unflatten(want_def, [0] * len(flat))))
+    _check_like_jax(_random_tree(rng, 0, kinds))
 
 
-def test_unflatten_rebuilds_every_container_as_its_type():
+def test_unflatten_rebuilds_every_container_as_its_type(walker):
   tree = {"p": Pair(1, [None, 2]), "o": collections.OrderedDict(b=3, a=4),
-          "d": collections.defaultdict(int, k=5), "t": (6,), "x": Box(7, 8)}
+          "d": collections.defaultdict(int, k=5), "t": (6,)}
   leaves, treedef = trees.flatten(tree)
   back = trees.unflatten(treedef, [v * 10 for v in leaves])
   assert back == {"p": Pair(10, [None, 20]), "o": {"b": 30, "a": 40}, "d": {"k": 50},
-                  "t": (60,), "x": Box(70, 80)}
+                  "t": (60,)}
   assert type(back["p"]) is Pair and type(back["t"]) is tuple
   assert type(back["o"]) is collections.OrderedDict and list(back["o"]) == ["b", "a"]
   assert type(back["d"]) is collections.defaultdict and back["d"].default_factory is int
-  assert type(back["x"]) is Box
 
 
-def test_a_structure_is_equal_only_to_the_same_structure():
+def test_a_structure_is_equal_only_to_the_same_structure(walker):
   a = trees.flatten({"x": [1, 2], "y": None})[1]
   assert a == trees.flatten({"y": None, "x": [np.ones(3), "s"]})[1]
+  assert hash(a) == hash(trees.flatten({"y": None, "x": [np.ones(3), "s"]})[1])
   assert a != trees.flatten({"x": [1, 2], "z": None})[1]
   assert a != trees.flatten({"x": (1, 2), "y": None})[1]
   assert a != trees.flatten({"x": [1, 2, 3], "y": None})[1]
+  assert a != trees.flatten({"x": [1, Pair(2, 3)], "y": None})[1]
+
+
+def test_a_structure_shows_its_containers(monkeypatch):
+  monkeypatch.delitem(sys.modules, "jax")
   assert repr(trees.flatten({"b": Pair(1, None), "a": [2, (3,)]})[1]) == (
       "{'a': [*, (*,)], 'b': Pair(a=*, b=None)}")
 
 
-def test_is_leaf_stops_the_walk():
+def test_is_leaf_stops_the_walk(walker):
   flat, treedef = trees.flatten_with_path({"a": [1, 2], "b": (3,)},
                                           is_leaf=lambda x: isinstance(x, list))
   assert flat == [(("a",), [1, 2]), (("b", 0), 3)]
   assert trees.unflatten(treedef, ["L", 4]) == {"a": "L", "b": (4,)}
 
 
-def test_keys_that_do_not_sort_keep_the_dicts_order():
-  # JAX refuses these ("Comparator raised exception"); the codec carries them.
-  flat, treedef = trees.flatten_with_path({"b": 1, 2: 2, "a": 3})
-  assert flat == [(("b",), 1), (("2",), 2), (("a",), 3)]
-  assert trees.unflatten(treedef, [4, 5, 6]) == {"b": 4, 2: 5, "a": 6}
+def test_keys_that_do_not_sort_keep_the_dicts_order(walker):
+  # JAX refuses these ("Comparator raised exception"); the codec carries them. With JAX
+  # loaded, a registered type below them still goes through JAX.
+  box = Box(np.int8(1), None)
+  tree = {"b": 1, 2: 2, "a": box}
+  with pytest.raises(ValueError, match="Comparator"):
+    TREE_UTIL.tree_flatten(tree)
+  flat, treedef = trees.flatten_with_path(tree)
+  if walker == "jax-loaded":
+    assert flat == [(("b",), 1), (("2",), 2), (("a", "v"), box.v)]
+    assert trees.unflatten(treedef, [4, 5, 6]) == {"b": 4, 2: 5, "a": Box(6, None)}
+  else:
+    assert flat == [(("b",), 1), (("2",), 2), (("a",), box)]
+  assert trees.leaves(tree) == [x for _, x in flat]
 
 
-def test_a_container_subclass_jax_does_not_know_is_walked_as_its_base():
+def test_a_container_subclass_jax_does_not_know(walker):
   leaves, treedef = trees.flatten(Attrs(b=1, a=[2]))
-  assert leaves == [2, 1] and trees.unflatten(treedef, [3, 4]) == {"a": [3], "b": 4}
-  assert jax.tree_util.tree_leaves(Attrs(b=1)) == [Attrs(b=1)]  # a leaf to JAX
+  if walker == "no-jax":  # walked as its base container (controller/trees did so)
+    assert leaves == [2, 1] and trees.unflatten(treedef, [3, 4]) == {"a": [3], "b": 4}
+  else:  # a leaf, as JAX has it
+    assert leaves == [Attrs(b=1, a=[2])]
 
 
 def test_without_jax_loaded_a_registered_type_is_a_leaf(monkeypatch):
@@ -162,7 +196,7 @@ def test_without_jax_loaded_a_registered_type_is_a_leaf(monkeypatch):
   assert flat == [(("b",), box), (("l", "a"), 3)]
 
 
-def test_map_and_leaves():
+def test_map_and_leaves(walker):
   tree = {"b": [1, 2], "a": Pair(3, None)}
   assert trees.leaves(tree) == [3, 1, 2]
   assert trees.map_leaves(lambda x: -x, tree) == {"b": [-1, -2], "a": Pair(-3, None)}
@@ -170,7 +204,7 @@ def test_map_and_leaves():
       "b": ["['b'][0]", "['b'][1]"], "a": Pair("['a']['a']", None)}
 
 
-def test_unflatten_with_the_wrong_number_of_leaves_raises():
+def test_unflatten_with_the_wrong_number_of_leaves_raises(walker):
   _, treedef = trees.flatten([1, (2, 3)])
   with pytest.raises(ValueError, match="3 leaves expected, got 2"):
     trees.unflatten(treedef, [1, 2])
