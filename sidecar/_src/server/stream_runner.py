@@ -56,6 +56,7 @@ class StreamRunner:
     feed = request.HasField("feed")
     self._tenancy.check_allowed(tenant, registry_lib.PIPELINE if feed
                                 else registry_lib.FUNCTION, request.name)
+    self._tenancy.check_worker(tenant, request.worker_session)
     items: Items = (self._feed if feed else self._stream)(
         request, credits, alive=alive, time_left=time_left, tenant=tenant)
     if tenant is not None:

@@ -24,7 +24,9 @@ class TenantRunner(Runner):
 
   def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION, *,
               views: list[memoryview] | None = None):
-    self._tenancy.check_allowed(tenants_lib.CURRENT.get(), kind, request.name)
+    tenant = tenants_lib.CURRENT.get()
+    self._tenancy.check_allowed(tenant, kind, request.name)
+    self._tenancy.check_worker(tenant, request.worker_session)
     return super().prepare(request, kind, views=views)
 
 

@@ -47,7 +47,7 @@ MIN_INLINE = 64 << 10
 _TENANT_KEYS = frozenset({
     "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
     "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
-    "uids", "tls_names"})
+    "uids", "tls_names", "connections"})
 _POOL_KEYS = frozenset({"tenants"})
 
 
@@ -83,6 +83,7 @@ class Tenant:
   feeds: int | None = None  # feeds at once
   feed_workers: int | None = None  # feed worker processes at once, all its feeds together
   inline_bytes: int | None = None  # bytes of large inline calls decoded at once
+  connections: int | None = None  # worker-socket connections (attach, streams, calls)
   checkpoint_roots: tuple[str, ...] = ()  # resolved; empty: the sidecar's roots
   functions: frozenset[str] | None = None  # None: every registered one
   pipelines: frozenset[str] | None = None
@@ -367,6 +368,7 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       name=name, token=token, token_file=token_file, line=line, arena=arena,
       arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
       streams=count("streams", 1), feeds=count("feeds", 1),
+      connections=count("connections", 1),
       feed_workers=count("feed_workers", 0), inline_bytes=inline, checkpoint_roots=roots,
       functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids,
       tls_names=tls_names)
@@ -555,6 +557,17 @@ class Tenancy:
   def where(self, name: str) -> str:
     t = self.tenant(name)
     return self._where(t) if t is not None else "the pool file"
+
+  def check_worker(self, tenant: str | None, worker_session: str) -> None:
+    """PermissionDeniedError unless ``worker_session`` (a request's, whose arena it uses)
+    is one of ``tenant``'s workers: with a pool file, no tenant names another's."""
+    if not self.quotas or not worker_session or tenant is None:
+      return
+    if self.of_worker(worker_session) != tenant:
+      raise errors.PermissionDeniedError(
+          f"worker_session {worker_session!r:.60} is no worker of tenant {tenant!r} (on this "
+          "sidecar each tenant's requests name only its own workers); attach a Worker with "
+          "its token")
 
   def check_allowed(self, tenant: str | None, kind: str, name: str) -> None:
     """PermissionDeniedError unless ``tenant``'s allowlist of ``kind`` holds ``name``."""

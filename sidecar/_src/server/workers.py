@@ -77,6 +77,7 @@ class WorkerListener:
     # Sessions of revoked tenants, ended: why, for the calls and streams that still name
     # them (a tenant removed from the pool file is told so, not "unknown session").
     self._ended: dict[str, str] = {}
+    self._by_tenant: dict[str, int] = {}  # connections each tenant holds (with a pool)
     self._closed = False
     ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
     self._made_dirs = sockets.make_dirs(os.path.dirname(os.path.abspath(path)),
@@ -171,6 +172,7 @@ class WorkerListener:
 
   def _serve(self, conn: socket.socket) -> None:
     session = None
+    counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
     try:
       conn.settimeout(FIRST_FRAME_S)
       message, _ = ipc.recv(conn)
@@ -182,6 +184,7 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
       tenant = self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
+      counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
       with self._lock:
@@ -215,12 +218,65 @@ class WorkerListener:
         self._tenancy.drop_worker(session)
         log.info("worker session %s ended; %d arena blocks released", session, freed,
                  extra={"session": session})
+      counts.close()
       conn.close()
       with self._lock:
         self._connections.pop(conn, None)
 
+  def _connection_limit(self, name: str | None) -> tuple[int, str] | None:
+    """The most worker-socket connections tenant ``name`` may hold, and what sets it."""
+    t = self._tenancy.tenant(name)
+    pool = self._tenancy.pool
+    if t is None or pool is None:
+      return None
+    where = self._tenancy.where(t.name)
+    if t.connections is not None:
+      return t.connections, f"connections={t.connections}, {where}"
+    if not pool.quotas:
+      return None
+    share = max(1, int(self.max_connections * t.weight / sum(x.weight for x in pool.tenants)))
+    return share, f"its share by weight of max_worker_connections={self.max_connections}, {where}"
+
+  @contextlib.contextmanager
+  def _counted(self, tenant: str | None):
+    """Counts a connection of ``tenant`` while the block runs.
+
+    Raises:
+      ResourceExhaustedError: the tenant holds as many as it may: its flood of
+        connections is its own, and other tenants' workers still attach.
+    """
+    limit = self._connection_limit(tenant)
+    if limit is None or tenant is None:
+      yield
+      return
+    with self._lock:
+      held = self._by_tenant.get(tenant, 0)
+      if held >= limit[0]:
+        raise errors.ResourceExhaustedError(
+            f"tenant {tenant!r} holds {held} connections to the worker socket, its quota "
+            f"({limit[1]}); close Workers and streams that are done")
+      self._by_tenant[tenant] = held + 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._by_tenant[tenant] -= 1
+
   def _stream(self, conn: socket.socket, session: str) -> None:
     """Serves one stream: StreamRequest frames in, StreamItem frames out."""
+    try:
+      with self._counted(self._tenancy.of_worker(session)):
+        self._stream_in(conn, session)
+    except (ConnectionError, OSError):
+      return
+    except Exception as e:
+      _log_failure("stream", e, session)
+      with contextlib.suppress(OSError):
+        ipc.send_bytes(conn, pb.StreamItem(end=True, error=protocol.error_info(e))
+                       .SerializeToString())
+
+  def _stream_in(self, conn: socket.socket, session: str) -> None:
+    """:meth:`_stream`'s body, within the tenant's count of connections."""
     try:
       if not self.has_session(session):
         self._check_ended(session)
@@ -276,30 +332,35 @@ class WorkerListener:
     CallResponse frame out (its ``error`` where the call failed). An unknown session or
     a frame past the limit is answered the same way, and ends the connection."""
     try:
-      if self._calls is None or not self.has_session(session):
-        self._check_ended(session)
-        raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
-      alive = lambda: self.has_session(session) and _peer_open(conn)
-      while True:
-        raw = ipc.recv_bytes(conn, limit=self._call_bytes)
-        if not self.has_session(session):  # ended since (its tenant revoked, say)
-          self._check_ended(session)
-          raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
-        try:
-          with tenants_lib.acting_as(self._tenancy.of_worker(session)):
-            response = self._calls.run(raw, session, alive=alive, worker=session)
-        except Exception as e:  # this call's error, answered; the connection serves on
-          _log_failure("call", e, session)
-          response = pb.CallResponse(error=protocol.error_info(e))
-        try:
-          ipc.send_bytes(conn, response.SerializeToString())
-        except OSError:  # never arrived whole: nobody can read its result's blocks
-          self._free(session, codec.arena_blocks(response.result))
-          raise
+      with self._counted(self._tenancy.of_worker(session)):
+        self._serve_calls_in(conn, session)
     except errors.SidecarError as e:  # nothing more on it can be trusted to be a frame
       _log_failure("calls", e, session)
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
+
+  def _serve_calls_in(self, conn: socket.socket, session: str) -> None:
+    """:meth:`_serve_calls`'s loop, within the tenant's count of connections."""
+    if self._calls is None or not self.has_session(session):
+      self._check_ended(session)
+      raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
+    alive = lambda: self.has_session(session) and _peer_open(conn)
+    while True:
+      raw = ipc.recv_bytes(conn, limit=self._call_bytes)
+      if not self.has_session(session):  # ended since (its tenant revoked, say)
+        self._check_ended(session)
+        raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
+      try:
+        with tenants_lib.acting_as(self._tenancy.of_worker(session)):
+          response = self._calls.run(raw, session, alive=alive, worker=session)
+      except Exception as e:  # this call's error, answered; the connection serves on
+        _log_failure("call", e, session)
+        response = pb.CallResponse(error=protocol.error_info(e))
+      try:
+        ipc.send_bytes(conn, response.SerializeToString())
+      except OSError:  # never arrived whole: nobody can read its result's blocks
+        self._free(session, codec.arena_blocks(response.result))
+        raise
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     op = message.get("op")

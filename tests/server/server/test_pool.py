@@ -17,6 +17,7 @@ from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import PEER_TOKEN, eventually
+from tests.support.raw_client import Raw
 
 pytestmark = pytest.mark.server
 
@@ -39,6 +40,7 @@ tenants:
     token_file: alice.token
     arena_ceiling: 3MiB
     sessions: 8
+    connections: 3
     checkpoint_roots: [alice]
   - name: bob
     token_file: bob.token
@@ -146,7 +148,7 @@ def test_allowlists_and_checkpoint_roots_are_each_tenants(pool_server, tmp_path)
   with controller(pool_server, BOB) as bob:
     with pytest.raises(errors.PermissionDeniedError,
                        match=r"tenant 'bob' may not run function 'sleep': its functions "
-                       r"allowlist \(.*pool.yaml:7\) holds add, echo, slow_count"):
+                       r"allowlist \(.*pool.yaml:8\) holds add, echo, slow_count"):
       bob.call("sleep", args=(0.0,))
     with pytest.raises(errors.PermissionDeniedError,
                        match=r"tenant 'bob' may checkpoint only under its checkpoint_roots"):
@@ -241,3 +243,26 @@ def test_a_tenant_named_by_its_client_certificate(make_server, tmp_path, monkeyp
     controller(server, None)
   first.close()
   second.close()
+
+
+def test_worker_connections_and_worker_sessions_are_each_tenants(pool_server):
+  socket_path = pool_server.options.socket_path
+  alice = [Worker(socket_path, token=ALICE) for _ in range(3)]
+  bob = Worker(socket_path, token=BOB)
+  try:
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"tenant 'alice' holds 3 connections to the worker socket, its "
+                       r"quota \(connections=3, "):
+      Worker(socket_path, token=ALICE)
+    with Worker(socket_path, token=BOB):  # bob's still attach
+      pass
+    # Bob names alice's worker session in a request of his: refused.
+    raw = Raw(pool_server.port, token=BOB)
+    with pytest.raises(grpc.RpcError) as info:
+      raw.call("echo", pb.Value(int_value=1), worker_session=alice[0].session)
+    raw.close()
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "is no worker of tenant 'bob'" in info.value.details()
+  finally:
+    for w in (*alice, bob):
+      w.close()
