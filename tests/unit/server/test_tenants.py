@@ -64,6 +64,9 @@ tenants:
     feeds: 3
     feed_workers: 16
     inline_bytes: 128MiB
+    connections: 4
+    uids: [1000, 1001]
+    tls_names: [alice.example]
     checkpoint_roots: [ckpt/alice]
     functions: [add]
     pipelines: [numbers]
@@ -73,6 +76,7 @@ tenants:
   assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants.Share(fraction=0.5)
   assert (t.sessions, t.calls, t.streams, t.feeds, t.feed_workers) == (8, 4, 2, 3, 16)
   assert t.inline_bytes == 128 * MiB and t.weight == 2.0 and t.line == 2
+  assert t.connections == 4 and t.uids == {1000, 1001} and t.tls_names == {"alice.example"}
   assert t.checkpoint_roots == (os.path.realpath(tmp_path / "ckpt" / "alice"),)
   assert t.allows("function", "add") and not t.allows("function", "sub")
   assert t.allows("pipeline", "numbers") and not t.allows("pipeline", "add")
