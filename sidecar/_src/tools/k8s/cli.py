@@ -14,7 +14,7 @@ import yaml
 
 from sidecar._src.core import errors
 from sidecar._src.tools import cli_format
-from sidecar._src.tools.k8s import checks, render
+from sidecar._src.tools.k8s import checks, pool, render
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,13 +87,15 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
 
 def _add_check(commands: argparse._SubParsersAction) -> None:
   p = commands.add_parser(
-      "check", help="check JobSet manifests offline",
+      "check", help="check JobSet or pool manifests offline",
       formatter_class=cli_format.DefaultsFormatter,
       description="Check JobSet manifests without a cluster: the JobSet CRD schema (with "
                   "--crd), each pod template as a Pod (kubernetes-validate --strict), and what "
                   "schemas miss (volumes, probe ports, sizeLimits, the native sidecar, the "
-                  "shared socket, the arena's memory, discovery env). Exit status 1 on any "
-                  "finding.")
+                  "shared socket, the arena's memory, discovery env). A shared pool's "
+                  "StatefulSet and Service (k8s/pool) are checked too: the pool file in a "
+                  "Secret others cannot read, the headless Service, the host id from the "
+                  "pod's ordinal. Exit status 1 on any finding.")
   p.add_argument("files", nargs="+", metavar="FILE", help="manifest files; '-' for stdin")
   p.add_argument("--crd", help="JobSet CRD YAML, e.g. from "
                                "`kubectl get crd jobsets.jobset.x-k8s.io -o yaml` (default: "
@@ -152,8 +154,10 @@ def run_check(args: argparse.Namespace) -> int:
   for name in args.files:
     try:
       text = sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
-      found = checks.check_documents(checks.load_documents(text), crd_path=args.crd,
-                                     kubernetes_versions=versions)
+      docs = checks.load_documents(text)
+      found = pool.check_pool(docs, kubernetes_versions=versions)
+      if not pool.pool_sets(docs) or any(d.get("kind") == "JobSet" for d in docs):
+        found += checks.check_documents(docs, crd_path=args.crd, kubernetes_versions=versions)
     except (OSError, ImportError, yaml.YAMLError, errors.InvalidArgumentError) as e:
       print(f"sidecar k8s check: {name}: {e}", file=sys.stderr)
       return 2

@@ -136,6 +136,24 @@ def validate_pod(template: Mapping[str, Any], where: str,
   return findings
 
 
+def validate_object(doc: Mapping[str, Any], versions: Sequence[str] | None = None
+                    ) -> list[Finding]:
+  """Validates a built-in object (a StatefulSet, a Service, a Job) with
+  ``kubernetes-validate --strict`` at ``versions`` (default as :func:`validate_pod`)."""
+  kv = _require("kubernetes_validate", "kubernetes-validate")
+  if versions is None:
+    versions = default_versions()
+  findings = []
+  for version in versions:
+    try:
+      kv.validate(dict(doc), version, strict=True)
+    except kv.ValidationError as e:
+      findings.append(Finding(f"{_name(doc)}: {path_text(e.path)}",
+                              f"{doc.get('kind')} schema (Kubernetes {version}, strict): "
+                              f"{e.message}"))
+  return findings
+
+
 def default_versions() -> tuple[str, ...]:
   """Kubernetes 1.29 and the newest version kubernetes-validate knows."""
   kv = _require("kubernetes_validate", "kubernetes-validate")

@@ -1,0 +1,59 @@
+"""The shared pool's manifests (k8s/pool, issue 37): rendered with `kubectl kustomize`,
+validated offline (strict schemas at 1.29 and the newest), and a tenant's job finds the
+pool's sidecars as Controller.from_env() would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sidecar._src.controller import discovery
+from sidecar._src.tools.k8s import pool, schemas
+from tests.support import k8s_util as util
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture(scope="module")
+def rendered(kustomize):
+  return kustomize(util.K8S / "pool"), kustomize(util.K8S / "pool" / "example")
+
+
+def test_the_pool_renders_a_headless_service_and_a_statefulset_that_pass_every_check(rendered):
+  docs, _ = rendered
+  assert [(d["apiVersion"], d["kind"]) for d in docs] == [("v1", "Service"),
+                                                           ("apps/v1", "StatefulSet")]
+  assert pool.check_pool(docs) == []  # with the strict schemas
+
+
+def test_sidecar_k8s_check_takes_the_pool_and_names_a_readable_pool_file(rendered, kubectl):
+  render = subprocess.run([kubectl, "kustomize", str(util.K8S / "pool")], capture_output=True,
+                          text=True, check=True, timeout=60).stdout
+  check = [sys.executable, "-m", "sidecar", "k8s", "check", "-"]
+  ok = subprocess.run(check, input=render, capture_output=True, text=True, timeout=120)
+  assert ok.returncode == 0, ok.stdout + ok.stderr
+  assert "0 problem(s) in 1 file(s)" in ok.stderr
+  bad = subprocess.run(check + ["--no-pod-schema"], input=render.replace(
+      "defaultMode: 256", "defaultMode: 292"), capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 1
+  assert "mode 444 lets everyone read the pool file" in bad.stdout
+
+
+def test_a_tenants_job_finds_every_sidecar_of_the_pool_in_host_id_order(rendered):
+  docs, (job,) = rendered
+  assert schemas.validate_object(job) == []
+  (statefulset,) = pool.pool_sets(docs)
+  service = statefulset["spec"]["serviceName"]
+  (trainer,) = job["spec"]["template"]["spec"]["containers"]
+  env = {e["name"]: e.get("value") for e in trainer["env"]}
+  endpoints = discovery.endpoints_from_env(env)
+  replicas = statefulset["spec"]["replicas"]
+  assert [e.address for e in endpoints] == [
+      f"{statefulset['metadata']['name']}-{i}.{service}:8490" for i in range(replicas)]
+  assert [e.health_address for e in endpoints] == [
+      f"{statefulset['metadata']['name']}-{i}.{service}:8491" for i in range(replicas)]
+  token = next(v for v in job["spec"]["template"]["spec"]["volumes"]
+               if v["name"] == "sidecar-token")
+  assert token["secret"]["defaultMode"] == 0o400
