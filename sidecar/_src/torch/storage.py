@@ -26,11 +26,8 @@ import dataclasses
 import io
 import json
 import os
-import queue
-import threading
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,13 +49,12 @@ from torch.distributed.tensor import DTensor
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import dcp
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save import SaveProtocol
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
-from sidecar._src.controller.checkpoint.staging import Parts
 from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import dtypes, errors, interrupts
 from sidecar._src.torch import (
@@ -101,8 +97,8 @@ class StorageWriter(_Writer):
   Attributes:
     replicated: on the coordinator rank, a future of the latest save's replication
       (its results), None before one; resolved once every host's part has its copies.
-    last_stats: this rank's latest save: ``copy_s``, ``stage_s`` (and on the coordinator,
-      once replicated, ``replicated_bytes``, ``replicate_s``).
+    last_stats: this rank's latest save: ``stage_s`` (its copy and staging; on the
+      coordinator, once replicated, ``replicated_bytes`` and ``replicate_s`` too).
   """
 
   _synchronize_after_execute = False  # stage() copies synchronously: nothing to wait for
@@ -171,56 +167,16 @@ class StorageWriter(_Writer):
               else framework.host_array(data, f"state dict entry {w.index.fqn!r}")
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
     items = [plans_lib.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
-    protocol = self._protocol(target.directory)
-    parts: queue.SimpleQueue = queue.SimpleQueue()
-    staging = Parts([self._home], parts)
-    failed: list[BaseException] = []
-
-    def stage() -> None:
-      try:
-        protocol.stage(target, parts, hosts=[self._home], part=dcp.DcpPart(rank, tuple(items)),
-                       rest=dcp.DcpPart(rank, ()))
-      except BaseException as e:
-        failed.append(e.with_traceback(None))  # its frames would hold the blocks
-
-    stager = threading.Thread(target=stage, daemon=True, name=f"sidecar-dcp-stage-{rank}")
-    stager.start()
-    try:
-      self._copy(arrays, items, staging)
-    except BaseException as e:
-      staging.fail(e.with_traceback(None))
-      arrays.clear()
-      stager.join()
-      protocol.abort(target, [self._home])
-      raise
-    copied = time.perf_counter()
-    staging.close()
-    arrays.clear()
-    stager.join()
-    if failed:
-      protocol.abort(target, [self._home])
-      raise failed[0]
-    self.last_stats = {"copy_s": copied - t0, "stage_s": time.perf_counter() - copied}
+    worker = self._ctl.worker(self._home)  # an array staged by stage() is there already
+    self._protocol(target.directory).stage_copies(
+        target, self._home, arrays, [item.index for item in items],
+        [worker.ref_of(a) if worker is not None else None for a in arrays],
+        part=dcp.DcpPart(rank, tuple(items)), rest=dcp.DcpPart(rank, ()),
+        threads=torch.get_num_threads())
+    self.last_stats = {"stage_s": time.perf_counter() - t0}
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
     out.set_result(plans_lib.write_results(rank, plan.items, items))
     return out
-
-  def _copy(self, arrays: list[np.ndarray], items: Sequence[dcp.Item], staging: Parts) -> None:
-    """Each array into this rank's arena (as is where it is there already: staged by
-    ``stage``), its blocks allocated in one request, handed on in parts as it goes."""
-    worker = self._ctl.worker(self._home)
-    refs = [worker.ref_of(a) if worker is not None else None for a in arrays]
-    fresh = [i for i, r in enumerate(refs) if r is None]
-    blocks = dict(zip(fresh, self._site.client.empty_like(self._home,
-                                                          [arrays[i] for i in fresh])))
-    for i, (item, array) in enumerate(zip(items, arrays)):
-      interrupts.check()  # Ctrl-C aborts the save (write_data)
-      if i in blocks:
-        block, ref = blocks.pop(i)
-        shm.copy(block, array, threads=torch.get_num_threads())
-        array, refs[i] = block, ref
-      staging.add(self._home, StagedShard(i, item.index, array, refs[i]), array.nbytes)
-      arrays[i] = array
 
   def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
     """Rank 0: pickles the metadata, waits for every sidecar's part, commits once (or

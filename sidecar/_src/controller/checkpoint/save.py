@@ -109,6 +109,51 @@ class SaveProtocol:
     for f in last.values():
       f.result()
 
+  def stage_copies(self, target: Target, host: int, arrays: list[np.ndarray],
+                   indexes: Sequence[spec.Index], refs: Sequence[codec.ArenaRef | None], *,
+                   part: StagePart | None = None, rest: StagePart | None = None,
+                   threads: int | None = None) -> None:
+    """Stages this process's shards on ``host``: each of ``arrays`` (the shard of leaf
+    ``i`` at ``indexes[i]``) copied into the host's arena where ``refs`` has no block of it
+    (the blocks allocated in one request), and handed to the sidecar in parts of about
+    ``STAGE_PART_BYTES`` as the copy goes, by a stager thread of this call. On a failure
+    (Ctrl-C too, between two copies) the host's part is dropped again, and it raises.
+    ``arrays`` is emptied: its blocks are the sidecar's once staged."""
+    parts: queue.SimpleQueue = queue.SimpleQueue()
+    staging = Parts([host], parts)
+    failed: list[BaseException] = []
+
+    def stage() -> None:
+      try:
+        self.stage(target, parts, hosts=[host], part=part, rest=rest)
+      except BaseException as e:
+        failed.append(e.with_traceback(None))  # its frames would hold the blocks
+
+    stager = threading.Thread(target=stage, daemon=True, name=f"sidecar-stage-{target.step}")
+    stager.start()
+    try:
+      fresh = [i for i, r in enumerate(refs) if r is None]
+      blocks = dict(zip(fresh, self.client.empty_like(host, [arrays[i] for i in fresh])))
+      for i, (array, index) in enumerate(zip(arrays, indexes)):
+        interrupts.check()  # Ctrl-C aborts the save
+        ref = refs[i]
+        if i in blocks:
+          block, ref = blocks.pop(i)
+          shm.copy(block, array, threads=threads)  # the one copy the trainer waits for
+          array = block
+        staging.add(host, StagedShard(i, index, array, ref), array.nbytes)
+        arrays[i] = array
+      staging.close()
+    except BaseException as e:
+      staging.fail(e.with_traceback(None))
+      failed.append(e)
+    finally:
+      arrays.clear()
+      stager.join()
+    if failed:
+      self.abort(target, [host])
+      raise failed[0]
+
   def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardChecksum]:
     """Waits for ``hosts`` to write their parts; returns their checksums."""
     prepared = [f.result() for f in [self.client.prepared(h, target.final_dir, timeout=_LONG_S)
