@@ -35,13 +35,14 @@ from sidecar._src.controller.checkpoint.target import (
   SaveHandle,
   Target,
   done_handle,
-  replica_peers,
+  replica_hosts,
 )
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, interrupts
 
-__all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target", "replica_peers"]
+__all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target",
+           "replica_hosts"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Checkpointer:
           f"replicas={replicas} needs every sidecar's address: sidecars names hosts "
           f"{sorted(sidecars)}, the hosts are {sorted(hosts)}")
     slices = {h: int(sidecars.get(h, {}).get("slice_id", 0)) for h in hosts}
-    placement = {h: replica_peers(slices, h, replicas) for h in hosts}
+    placement = {h: replica_hosts(slices, h, replicas) for h in hosts}
     self._last_restore: RestoreStats | None = None
     # Absolute here: the sidecars' working directory is not the trainer's.
     self.directory = os.path.abspath(directory)

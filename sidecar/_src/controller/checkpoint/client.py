@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.records import Held, Manifest, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import Held, Manifest, ReplicaTarget, ShardChecksum, StagedShard
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
@@ -242,9 +242,10 @@ class CheckpointTransport(abc.ABC):
     """Future of None once ``host``'s RAM tier dropped the step."""
 
   @abc.abstractmethod
-  def replicate(self, host: int, final_dir: str, peers: Sequence[Mapping[str, Any]], *,
+  def replicate(self, host: int, final_dir: str, targets: Sequence[Mapping[str, Any]], *,
                 bandwidth: int | None, timeout: float) -> concurrent.futures.Future:
-    """Future of ``{"peers", "shards", "bytes", "seconds"}`` once every peer holds them."""
+    """Future of ``{"peers", "shards", "bytes", "seconds"}`` once every replica target
+    (another sidecar: ``{"host_id", "address", "socket", "boot_id"}``) holds them."""
 
   @abc.abstractmethod
   def held(self, host: int, directory: str, *, timeout: float | None = None
@@ -372,12 +373,12 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Forget", ckpt_pb.CheckpointForgetRequest(
         directory=directory, step=step), lambda r: None)
 
-  def replicate(self, host, final_dir, peers, *, bandwidth, timeout):
+  def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     request = ckpt_pb.CheckpointReplicateRequest(
         final_dir=final_dir, timeout_s=timeout,
-        peers=[ckpt_pb.Peer(host_id=int(p["host_id"]), address=str(p["address"]),
-                            socket=str(p.get("socket") or ""),
-                            boot_id=str(p.get("boot_id") or "")) for p in peers])
+        peers=[wire.replica_target_to_pb(ReplicaTarget(
+            int(t["host_id"]), str(t["address"]), str(t.get("socket") or ""),
+            str(t.get("boot_id") or ""))) for t in targets])
     if bandwidth is not None:
       request.bandwidth = bandwidth
     return self._rpc(host, "Replicate", request, lambda r: {

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
-from sidecar._src.controller.checkpoint.target import replica_peers
+from sidecar._src.controller.checkpoint.target import replica_hosts
 
 log = logging.getLogger(__name__)
 
@@ -51,4 +51,4 @@ class Sidecars:
   def placement(self, replicas: int) -> dict[int, list[int]]:
     """``{host: the hosts that keep its replicas}`` (another slice's first)."""
     slices = {h: int(self.records.get(h, {}).get("slice_id", 0)) for h in self.hosts}
-    return {h: replica_peers(slices, h, replicas) for h in self.hosts}
+    return {h: replica_hosts(slices, h, replicas) for h in self.hosts}

@@ -1,5 +1,5 @@
 """Where a step goes: its directories (:class:`Target`), the hosts that keep its
-replicas (:func:`replica_peers`), and the handle its saver waits on (:class:`SaveHandle`)."""
+replicas (:func:`replica_hosts`), and the handle its saver waits on (:class:`SaveHandle`)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class SaveHandle:
       default_factory=concurrent.futures.Future)
 
 
-def replica_peers(slices: dict[int, int], host: int, replicas: int) -> list[int]:
+def replica_hosts(slices: dict[int, int], host: int, replicas: int) -> list[int]:
   """The ``replicas`` hosts that keep copies of ``host``'s shards: the next hosts in host
   order (wrapping), those on another slice first."""
   order = sorted(slices)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import replica_peers
+from sidecar._src.controller.checkpoint.checkpointer import replica_hosts
 
 pytestmark = pytest.mark.unit
 
@@ -14,5 +14,5 @@ pytestmark = pytest.mark.unit
     ({0: 0, 1: 0, 2: 1, 3: 1}, 3, 2, [0, 1]),
     ({0: 0, 1: 0, 2: 1, 3: 1}, 1, 3, [2, 3, 0]),  # then its own slice
 ], ids=["next", "wrap", "other-slice", "other-slice-wrap", "then-same-slice"])
-def test_replica_peers(slices, host, replicas, expected):
-  assert replica_peers(slices, host, replicas) == expected
+def test_replica_hosts(slices, host, replicas, expected):
+  assert replica_hosts(slices, host, replicas) == expected
