@@ -1,16 +1,20 @@
 """Tier 1: the save protocol's phases (save.SaveProtocol), which JAX's SaveCoordinator and
 PyTorch's StorageWriter both drive, against an in-process fake of the sidecars."""
 
+import os
 import queue
+import signal
+import threading
 
 import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save import SaveProtocol
-from sidecar._src.controller.checkpoint.staging import Parts
 from sidecar._src.controller.checkpoint.target import Target
+from sidecar._src.core import interrupts
 from tests.support.fake_sidecars import FakeSidecars
 
 pytestmark = pytest.mark.unit
@@ -55,8 +59,7 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   fake = Recording([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt")
   parts: queue.SimpleQueue = queue.SimpleQueue()
-  staging = Parts([0], parts)
-  staging.fail(KeyboardInterrupt())
+  staging.Parts([0], parts).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
     protocol.stage(Target.for_step("/ckpt", 3), parts, hosts=[0])
   assert fake.sent == []
@@ -92,3 +95,37 @@ def test_a_manifest_goes_with_committed_only_where_the_format_gives_one():
   manifest = '{"format": "dcp"}'
   assert fake.sent == [("committed", 0, manifest), ("committed", 1, manifest),
                        ("committed", 1, "")]
+
+
+class Arena(Recording):
+  """Blocks in host memory; ``on_alloc`` runs when they are asked for (a Ctrl-C, say)."""
+
+  on_alloc = staticmethod(lambda: None)
+
+  def empty_like(self, host, arrays):
+    self.on_alloc()
+    return [(np.empty(a.shape, a.dtype), None) for a in arrays]
+
+
+def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(monkeypatch):
+  monkeypatch.setattr(staging, "STAGE_PART_BYTES", 8)
+  fake = Arena([0])
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
+  arrays = [np.full(4, i, np.int32) for i in range(3)]  # 16 bytes each: a part each
+  protocol.stage_copies(Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3), 0,
+                        arrays, [((0, 4),)] * 3, [None] * 3, part=DcpPart(0, ()))
+  assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 3 + [(0, True)]
+  assert arrays == []  # the blocks are the sidecar's now
+
+
+def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_ended():
+  fake = Arena([0])
+  fake.on_alloc = lambda: os.kill(os.getpid(), signal.SIGINT)  # noted, not raised, here
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
+  target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
+  threads = threading.active_count()
+  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+    protocol.stage_copies(target, 0, [np.zeros(4, np.int32)], [((0, 4),)], [None],
+                          part=DcpPart(0, ()))
+  assert fake.sent == [("abort", 0, "/ckpt/3.dcp-checkpoint-tmp")]  # nothing staged
+  assert threading.active_count() == threads  # the stager was joined
