@@ -52,7 +52,7 @@ class ItemNumbering(Numbering):
         raise errors.InvalidArgumentError(
             f"shard of item {s.leaf}: rank {part.rank} has {len(items)} items")
       item = items[s.leaf]
-      out.append((ShardId((item.fqn,), item.index), ((part.rank, s.leaf), s.data)))
+      out.append((ShardId((item.fqn,), item.index), (part.rank, s)))
     self.items.setdefault(part.rank, items)
     return out
 
@@ -168,13 +168,13 @@ def _index(final_dir: str, mtime: float
 
 
 def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
-                incoming: Iterator[tuple[tuple[int, int], np.ndarray]], *, host_id: int,
+                incoming: Iterator[tuple[int, StagedShard]], *, host_id: int,
                 progress: Callable[[int], None]) -> list[ShardChecksum]:
   """Writes the file of every rank that stages into this host, each on its own thread.
 
   ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
-  before their shards); ``incoming`` yields ``((rank, item number), data)`` until the
-  step is staged whole. Returns every item's checksum, as the manifest keeps them.
+  before their shards); ``incoming`` yields ``(rank, staged shard)`` (its ``leaf`` the
+  item's number) until the step is staged whole. Returns every item's checksum, as the manifest keeps them.
   """
   queues: dict[int, queue.SimpleQueue] = {}
   threads: dict[int, threading.Thread] = {}
@@ -205,10 +205,10 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
     threads[rank].start()
 
   try:
-    for (rank, number), data in incoming:
+    for rank, s in incoming:
       if rank not in threads:
         start(rank)
-      queues[rank].put((number, data))
+      queues[rank].put((s.leaf, s.data))
     for rank in items:  # a rank whose items never came: its write names what is missing
       if rank not in threads and items[rank]:
         start(rank)

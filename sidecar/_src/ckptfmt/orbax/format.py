@@ -3,7 +3,8 @@
 A step is ``<directory>/<step>.orbax-checkpoint-tmp/`` while written, each host writing
 its shards of the item ``default`` into it (``write.write_item_part``), renamed to
 ``<step>`` at the commit (``commit.finalize``). A staged shard's number is its leaf's
-(the step's leaves come with its first part). Orbax and TensorStore are imported by
+(the step's leaves come with its first part); the writer takes the staged shards as
+they are. Orbax and TensorStore are imported by
 ``write``, ``commit`` and ``read`` inside the functions that use them: this module loads
 none of them.
 """
@@ -21,7 +22,6 @@ from sidecar._src.ckptfmt import direct_io, records
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
 from sidecar._src.ckptfmt.orbax import commit, read, write
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
-from sidecar._src.ckptfmt.shards import Shard
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
   METADATA_FILE,
@@ -47,8 +47,7 @@ class LeafNumbering(Numbering):
       if not 0 <= s.leaf < len(self.leaves):
         raise errors.InvalidArgumentError(
             f"shard of leaf {s.leaf}: the step has {len(self.leaves)} leaves")
-      out.append((ShardId(self.leaves[s.leaf].key_path, s.index),
-                  (s.leaf, Shard(s.index, s.data))))
+      out.append((ShardId(self.leaves[s.leaf].key_path, s.index), s))
     return out
 
 
@@ -89,7 +88,8 @@ class OrbaxFormat(Format):
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
             *, progress: Callable[[int], None]) -> list[ShardChecksum]:
     assert isinstance(numbering, LeafNumbering)
-    sums = write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming, progress=progress)
+    sums = write.write_item_part(tmp_dir, host_id, numbering.leaves,
+                                 ((s.leaf, s) for s in incoming), progress=progress)
     return [dataclasses.replace(c, host=host_id) for c in sums]
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],

@@ -20,6 +20,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
+from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.shards import HostLeaf, Shard, ShardChecksum, shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
@@ -53,12 +54,13 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
 
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
-                    shards: Iterable[tuple[int, Shard]], *, use_compression: bool = False,
+                    shards: Iterable[tuple[int, Shard | StagedShard]], *,
+                    use_compression: bool = False,
                     progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
   """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
 
   ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as
-  ``(leaf number, shard)``. It may be a generator that waits for shards still being
+  ``(leaf number, shard)`` (a :class:`Shard`, or the :class:`StagedShard` a sidecar staged). It may be a generator that waits for shards still being
   staged: each one's write and checksum start as it arrives.
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
@@ -95,7 +97,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
 
 
 def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened: Sequence[Any],
-                  shards: Iterable[tuple[int, Shard]], use_compression: bool,
+                  shards: Iterable[tuple[int, Shard | StagedShard]], use_compression: bool,
                   progress: Callable[[int], None] | None) -> list[ShardChecksum]:
   """Writes each shard as it comes; returns their checksums once all are durable."""
   writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
@@ -134,7 +136,7 @@ def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
   return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
 
 
-def _resolve(spec: LeafSpec, shard: Shard) -> tuple[Index, np.ndarray]:
+def _resolve(spec: LeafSpec, shard: Shard | StagedShard) -> tuple[Index, np.ndarray]:
   """Normalizes a shard's index to (start, stop) pairs and checks it fits."""
   if len(shard.index) != len(spec.shape):
     raise errors.InvalidArgumentError(

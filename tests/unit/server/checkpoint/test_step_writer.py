@@ -39,12 +39,12 @@ class Recording(OrbaxFormat):
 
   def write(self, tmp_dir, host_id, numbering, incoming, *, progress):
     def recorded():
-      for leaf, s in incoming:
-        self.seen.append((leaf, s.index))
+      for s in incoming:  # the staged shards themselves
+        self.seen.append((s.leaf, s.index))
         self.first.set()
         if self.fail is not None:
           raise self.fail
-        yield leaf, s
+        yield s
     return super().write(tmp_dir, host_id, numbering, recorded(), progress=progress)
 
 

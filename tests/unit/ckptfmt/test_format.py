@@ -1,0 +1,117 @@
+"""The format seam: a new format is one ``Format`` subclass and one registry entry.
+
+``NpyFormat`` here is a whole format (one ``.npy`` file per shard, a rename to commit) in
+about forty lines, run through the sidecar's own save phases (``server/checkpoint/save``)
+and read back by its ``read.Reader`` with nothing else changed: what a safetensors format
+would do in ``ckptfmt/safetensors/``.
+"""
+
+import os
+import pathlib
+import threading
+
+import numpy as np
+import pytest
+
+from sidecar._src.ckptfmt import direct_io, records, registry
+from sidecar._src.ckptfmt.format import Format, Uncommitted
+from sidecar._src.ckptfmt.orbax.format import LeafNumbering
+from sidecar._src.ckptfmt.records import ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.shards import shard_crc32c
+from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.core import errors
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.checkpoint import ram_tier, read, roots as roots_lib, save
+
+pytestmark = pytest.mark.unit
+
+SUFFIX = ".npy-checkpoint-tmp"
+
+
+def _file(directory, key_path, index) -> pathlib.Path:
+  return pathlib.Path(directory) / (".".join(map(str, key_path)) + "@"
+                                    + "_".join(f"{a}-{b}" for a, b in index) + ".npy")
+
+
+class NpyFormat(Format):
+  name, manifest_format, tmp_suffix, overwrites = "npy", "npy", SUFFIX, False
+
+  def create_tmp(self, directory, step):
+    tmp = pathlib.Path(self.tmp_of(directory, step))
+    tmp.mkdir(parents=True)
+    return tmp
+
+  def tmp_of(self, directory, step):
+    return os.path.join(directory, f"{step}{SUFFIX}")
+
+  def final_of(self, path):
+    if not path.name.endswith(SUFFIX):
+      return None
+    final = path.with_name(path.name.removesuffix(SUFFIX))
+    return Uncommitted(path, final, final)
+
+  def is_checkpoint(self, path):
+    return (path / records.MANIFEST_FILE).is_file() and any(path.glob("*.npy"))
+
+  def numbering(self, leaves):
+    return LeafNumbering(leaves)
+
+  def write(self, tmp_dir, host_id, numbering, incoming, *, progress):
+    sums = []
+    for s in incoming:
+      np.save(_file(tmp_dir, numbering.leaves[s.leaf].key_path, s.index), s.data)
+      progress(s.data.nbytes)
+      sums.append(ShardChecksum(numbering.leaves[s.leaf].key_path, s.index, s.data.nbytes,
+                                shard_crc32c(s.data), host_id))
+    return sums
+
+  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, part, swapping):
+    direct_io.write_small(pathlib.Path(tmp_dir) / records.MANIFEST_FILE,
+                          manifest.to_json().encode())
+    final = tmp_dir.removesuffix(SUFFIX)
+    os.rename(tmp_dir, final)
+    return final
+
+  def read(self, final_dir, shard, *, allocate):
+    stored = np.load(_file(final_dir, shard.key_path, shard.index))
+    out = allocate(stored.shape, stored.dtype)
+    out[...] = stored
+    return out
+
+
+def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
+  formats = registry.DEFAULT.replacing(NpyFormat())
+  threads = []
+
+  def spawn(target, *args, name):
+    threads.append(threading.Thread(target=target, args=args, name=name))
+    threads[-1].start()
+
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
+  writer = save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
+                           spawn=spawn, metrics=metrics_lib.Recorder(), formats=formats)
+  spec = LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2))
+  w = np.arange(8, dtype=np.float32).reshape(4, 2)
+  directory = str(tmp_path / "ck")
+  writer.open(directory)
+  tmp = writer.begin(directory, 5, format="npy", owner="a")
+  final = tmp.removesuffix(SUFFIX)
+  writer.stage(directory, 5, tmp, final, [spec], [StagedShard(0, ((0, 2), (0, 2)), w[:2])],
+               last=False, owner="a")
+  writer.stage(directory, 5, tmp, final, [spec], [StagedShard(0, ((2, 4), (0, 2)), w[2:])],
+               last=True, owner="a")
+  sums = writer.prepared(final, timeout=30)
+  assert writer.commit(tmp, 5, 1, [spec], sums, "", True, owner="a") == final
+  for t in threads:
+    t.join(30)
+  assert writer.open(directory) == [5]  # listed as a step: its format says it is one
+  manifest = read.info(final, formats)
+  assert manifest.format == "npy" and {c.index for c in manifest.shards} == {
+      ((0, 2), (0, 2)), ((2, 4), (0, 2))}
+  reader = read.Reader(tier, metrics_lib.Recorder(), formats)
+  crc32c = {c.index: c.crc32c for c in sums}
+  got = reader.read(final, ShardId(("w",), ((2, 4), (0, 2))), crc32c=crc32c[((2, 4), (0, 2))],
+                    tier="disk")
+  np.testing.assert_array_equal(got, w[2:])
+  with pytest.raises(errors.CorruptCheckpointError, match="does not match its crc32c"):
+    reader.read(final, ShardId(("w",), ((0, 2), (0, 2))), crc32c=1, tier="disk")
