@@ -1,0 +1,28 @@
+"""ctl.checkpointer takes the CheckpointOptions that sidecar.torch's checkpointers take
+(issue 36 item 1), against an in-process sidecar: its options are kept, and given twice
+they are refused before anything is opened."""
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.controller.checkpoint.options import CheckpointOptions
+
+pytestmark = pytest.mark.server
+
+
+def test_the_checkpointer_keeps_the_steps_its_options_say(make_server, tmp_path):
+  server = make_server(shm_size=16 << 20)
+  state = {"w": np.arange(1024, dtype=np.float32)}
+  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    with pytest.raises(sidecar.InvalidArgumentError,
+                       match=r"give either options=CheckpointOptions\(...\) or .*max_to_keep"):
+      ctl.checkpointer(tmp_path / "ck", max_to_keep=3, options=CheckpointOptions())
+    assert not (tmp_path / "ck").exists()
+    options = CheckpointOptions(max_to_keep=2, keep_period=4, if_busy="skip")
+    with ctl.checkpointer(tmp_path / "ck", options=options) as ckpt:
+      for step in range(1, 7):
+        ckpt.save(step, state).durable.result(60)
+        ckpt.wait()
+      assert ckpt.all_steps() == [4, 5, 6]  # the 2 newest, and 4 for keep_period
+  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["4", "5", "6"]
