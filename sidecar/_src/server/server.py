@@ -20,7 +20,13 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.server import metrics as metrics_lib, preflight, sockets, tenants as tenants_lib
+from sidecar._src.server import (
+  metrics as metrics_lib,
+  pool_file,
+  preflight,
+  sockets,
+  tenants as tenants_lib,
+)
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.checkpoint import peers as replicas
@@ -322,7 +328,7 @@ class Server:
     """The tenants: the pool file's (checked against the arena and the checkpoint roots),
     one per client token, the shared token's one, or None (no token)."""
     if o.pool is not None:
-      pool = tenants_lib.load(o.pool)
+      pool = pool_file.load(o.pool)
       pool.check_arena(o.shm_size)
       pool.check_roots(o.checkpoint_roots)
       return pool

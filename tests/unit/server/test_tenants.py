@@ -13,7 +13,7 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import tenants
+from sidecar._src.server import pool_file, tenants
 from sidecar._src.server.leases import Leases
 from sidecar._src.server.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
 
@@ -42,7 +42,7 @@ MINIMAL = ("tenants: [{name: alice, token_file: alice.token, arena: 0.4},"
 
 
 def test_the_minimal_file(tmp_path):
-  pool = tenants.load(_pool(tmp_path, MINIMAL))
+  pool = pool_file.load(_pool(tmp_path, MINIMAL))
   alice, bob = pool.tenants
   assert (alice.name, alice.token, bob.token) == ("alice", "token-of-alice", "token-of-bob")
   assert alice.arena.bytes_of(1000) == 400 and alice.arena_ceiling is None
@@ -52,7 +52,7 @@ def test_the_minimal_file(tmp_path):
 
 def test_every_key(tmp_path):
   (tmp_path / "ckpt" / "alice").mkdir(parents=True)
-  pool = tenants.load(_pool(tmp_path, """\
+  pool = pool_file.load(_pool(tmp_path, """\
 tenants:
   - name: alice
     token_file: alice.token
@@ -128,11 +128,11 @@ BAD = [
     "not-yaml", "bad-weight", "shared-tls-names", "shared-uids"])
 def test_a_bad_file_is_refused_naming_its_line(tmp_path, text, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
-    tenants.load(_pool(tmp_path, text))
+    pool_file.load(_pool(tmp_path, text))
 
 
 def test_shares_are_checked_against_the_arena(tmp_path):
-  pool = tenants.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+  pool = pool_file.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
                             "arena: 600MiB}\n  - {name: bob, token_file: bob.token, arena: "
                             "600MiB}\n"))
   pool.check_arena(2 << 30)
@@ -140,7 +140,7 @@ def test_shares_are_checked_against_the_arena(tmp_path):
                      match=r"pool.yaml:2: the tenants' guaranteed arena shares \(alice 600.0 MiB, "
                      r"bob 600.0 MiB\) sum to 1.2 GiB, more than the arena \(1.0 GiB"):
     pool.check_arena(1 << 30)
-  big = tenants.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+  big = pool_file.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
                            "arena_ceiling: 2GiB}\n"))
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"pool.yaml:2: tenant 'alice': arena_ceiling 2.0 GiB is more than the "
@@ -149,7 +149,7 @@ def test_shares_are_checked_against_the_arena(tmp_path):
 
 
 def test_a_tenants_roots_must_lie_under_the_sidecars(tmp_path):
-  pool = tenants.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+  pool = pool_file.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
                             "checkpoint_roots: [/elsewhere]}\n", "alice"))
   pool.check_roots(("/",))
   with pytest.raises(errors.InvalidArgumentError,
@@ -163,7 +163,7 @@ def test_a_world_readable_file_is_named_with_the_fix(tmp_path, caplog):
   os.chmod(path, 0o644)
   os.chmod(tmp_path / "bob.token", 0o644)
   with caplog.at_level(logging.WARNING):
-    tenants.load(path)
+    pool_file.load(path)
   text = caplog.text
   assert f"pool file {path} is readable by everyone (mode 644)" in text
   assert f"chmod 600 {path}" in text
@@ -171,7 +171,7 @@ def test_a_world_readable_file_is_named_with_the_fix(tmp_path, caplog):
 
 
 def _tenancy(tmp_path, text):
-  return tenants.Tenancy(tenants.load(_pool(tmp_path, text)))
+  return tenants.Tenancy(pool_file.load(_pool(tmp_path, text)))
 
 
 def test_a_tenants_handshake_flood_is_its_own(tmp_path):
@@ -357,11 +357,11 @@ def test_a_worker_says_whose_it_is(tmp_path):
 
 def test_a_reload_revokes_removed_tenants(tmp_path):
   path = _pool(tmp_path, MINIMAL)
-  tenancy = tenants.Tenancy(tenants.load(path))
+  tenancy = tenants.Tenancy(pool_file.load(path))
   tokens = tenants.Tokens.of(tenancy.pool, None)
   with open(path, "w") as f:
     f.write("tenants: [{name: alice, token_file: alice.token}]\n")
-  pool = tenants.load(path)
+  pool = pool_file.load(path)
   removed, changed = tenancy.swap(pool)
   assert (removed, changed) == (["bob"], [])
   tokens.swap(tenants.Tokens.of(pool, None), {"bob": tenancy.revoked["bob"]})

@@ -30,7 +30,7 @@ import sys
 import time
 
 from sidecar._src.core import errors, rendezvous
-from sidecar._src.server import tenants
+from sidecar._src.server import pool_file
 from sidecar._src.tools.slurm import owned, script, tasks
 
 _POLL_S = 0.5
@@ -80,7 +80,7 @@ class ServiceSpec:
         raise errors.InvalidArgumentError(
             f"--pool must be an absolute path (the tasks run elsewhere), got {self.pool!r}")
       try:  # a bad pool file is said now, not by every task's sidecar on its node
-        tenants.load(self.pool)
+        pool_file.load(self.pool)
       except OSError as e:
         raise errors.InvalidArgumentError(f"--pool {self.pool}: {e}") from None
 

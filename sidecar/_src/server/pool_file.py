@@ -1,0 +1,235 @@
+"""Reading a pool file (``sidecar serve --pool FILE``): YAML in, a checked ``tenants.Pool``
+out, every mistake named with its line (yaml's node marks). The keys are in docs/pool.md
+("The pool file").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from typing import Any
+
+import yaml
+
+from sidecar._src.arena import shm
+from sidecar._src.core import options as options_lib
+from sidecar._src.server.tenants import MIN_ARENA, Pool, Share, Tenant, error_at
+
+log = logging.getLogger(__name__)
+
+POOL_FLAG = "--pool"
+# The least ``inline_bytes`` a tenant may have: a call's small arguments travel inline.
+MIN_INLINE = 64 << 10
+_TENANT_KEYS = frozenset({
+    "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
+    "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
+    "uids", "tls_names", "connections"})
+_POOL_KEYS = frozenset({"tenants"})
+
+
+def warn_if_readable(path: str, what: str) -> bool:
+  """Warns (naming ``path`` and the fix) where others may read it; whether it did."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return False
+  if not mode & (stat.S_IROTH | stat.S_IWOTH):
+    return False
+  log.warning("%s %s is readable by everyone (mode %o): anyone on this machine may read the "
+              "tenants' tokens from it; chmod 600 %s", what, path, stat.S_IMODE(mode), path)
+  return True
+
+
+def load(path: str) -> Pool:
+  """The pool in the YAML file ``path``, checked.
+
+  Raises:
+    OSError: the file (or a token file it names) cannot be read.
+    InvalidArgumentError: the file is malformed; the message names the line.
+  """
+  warn_if_readable(path, "pool file")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  try:
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    raise error_at(path, mark.line + 1 if mark else 0,
+                 f"not YAML: {getattr(e, 'problem', e)}") from None
+  if not isinstance(node, yaml.MappingNode):
+    raise error_at(path, node.start_mark.line + 1 if node else 1,
+                 "a pool file is a mapping with 'tenants: [...]'")
+  top = _mapping(path, node, _POOL_KEYS, "the pool file")
+  if "tenants" not in top:
+    raise error_at(path, node.start_mark.line + 1, "the pool file has no 'tenants' list")
+  seq = top["tenants"]
+  if not isinstance(seq, yaml.SequenceNode) or not seq.value:
+    raise error_at(path, seq.start_mark.line + 1, "'tenants' must be a non-empty list")
+  base = os.path.dirname(os.path.abspath(path))
+  tenants: list[Tenant] = []
+  for item in seq.value:
+    tenant = _tenant(path, item, base)
+    line = item.start_mark.line + 1
+    for other in tenants:
+      if other.name == tenant.name:
+        raise error_at(path, line, f"tenant name {tenant.name!r} is also the name of the tenant "
+                     f"on line {other.line}; each tenant needs a name of its own")
+      if other.tls_names & tenant.tls_names:
+        raise error_at(path, line, f"tenant {tenant.name!r} shares tls_names "
+                     f"{sorted(other.tls_names & tenant.tls_names)} with tenant {other.name!r} "
+                     f"(line {other.line}); a certificate can belong to one tenant only")
+      if other.token and other.token == tenant.token:
+        raise error_at(path, line, f"tenant {tenant.name!r} has the same token as tenant "
+                     f"{other.name!r} (line {other.line}); each tenant needs a token of its "
+                     "own, e.g. `openssl rand -hex 32 > FILE`")
+    for other in tenants:
+      if other.uids & tenant.uids:
+        raise error_at(path, line, f"tenant {tenant.name!r} shares uids "
+                     f"{sorted(other.uids & tenant.uids)} with tenant {other.name!r} (line "
+                     f"{other.line}); a user's workers can belong to one tenant only")
+    tenants.append(tenant)
+  pool = Pool(tenants=tuple(tenants), path=path)
+  fractions = sum(t.arena.fraction or 0.0 for t in pool.tenants)
+  if fractions > 1.0 + 1e-9:
+    raise error_at(path, seq.start_mark.line + 1,
+                 "the tenants' guaranteed arena shares ("
+                 + ", ".join(f"{t.name} {t.arena}" for t in pool.tenants if t.arena.fraction)
+                 + f") sum to {fractions:g} of the arena, more than all of it; lower them")
+  return pool
+
+
+def _mapping(path: str, node: yaml.Node, keys: frozenset[str], what: str
+             ) -> dict[str, yaml.Node]:
+  if not isinstance(node, yaml.MappingNode):
+    raise error_at(path, node.start_mark.line + 1, f"{what} must be a mapping of keys")
+  out: dict[str, yaml.Node] = {}
+  for k, v in node.value:
+    key = k.value if isinstance(k, yaml.ScalarNode) else None
+    line = k.start_mark.line + 1
+    if key not in keys:
+      raise error_at(path, line, f"unknown key {key!r} in {what}; the keys are "
+                   f"{', '.join(sorted(keys))} (docs/pool.md)")
+    if key in out:
+      raise error_at(path, line, f"key {key!r} given twice in {what}")
+    out[key] = v
+  return out
+
+
+def _scalar(path: str, node: yaml.Node, what: str) -> Any:
+  if not isinstance(node, yaml.ScalarNode):
+    raise error_at(path, node.start_mark.line + 1, f"{what} must be a single value")
+  return yaml.safe_load(yaml.serialize(node))
+
+
+def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
+  line = node.start_mark.line + 1
+  m = _mapping(path, node, _TENANT_KEYS, f"a tenant (line {line})")
+  name = _scalar(path, m["name"], "name") if "name" in m else None
+  if not isinstance(name, str) or not name or not all(c.isalnum() or c in "._-" for c in name):
+    raise error_at(path, line, f"a tenant's name is letters, digits, '.', '_' or '-', got "
+                 f"{name!r}")
+  where = f"tenant {name!r}"
+
+  def at(key: str) -> int:
+    return m[key].start_mark.line + 1
+
+  def count(key: str, least: int) -> int | None:
+    if key not in m:
+      return None
+    v = _scalar(path, m[key], key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+      raise error_at(path, at(key), f"{where}: {key} must be an int >= {least}, got {v!r}")
+    return v
+
+  def share(key: str) -> Share | None:
+    if key not in m:
+      return None
+    v = _scalar(path, m[key], key)
+    if isinstance(v, float) and 0 < v <= 1:
+      return Share(fraction=v)
+    try:
+      n = None if isinstance(v, (bool, float)) else shm.parse_size(v)
+    except ValueError:
+      n = None
+    if n is None or n < 0:
+      raise error_at(path, at(key), f"{where}: {key} is a fraction of the arena in (0, 1] or a "
+                   f"size such as 2GiB, got {v!r}")
+    return Share(nbytes=n)
+
+  def names(key: str) -> frozenset[str] | None:
+    if key not in m:
+      return None
+    v = yaml.safe_load(yaml.serialize(m[key]))
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+      raise error_at(path, at(key), f"{where}: {key} must be a list of registered names, got "
+                   f"{v!r:.100}")
+    return frozenset(v)
+
+  tls_names = names("tls_names") or frozenset()
+  token_file = _scalar(path, m["token_file"], "token_file") if "token_file" in m else None
+  if token_file is None and tls_names:
+    token = ""  # its certificate says who it is
+  elif not isinstance(token_file, str) or not token_file:
+    raise error_at(path, line, f"{where} has no token_file: give the file that holds its token "
+                 "(`openssl rand -hex 32 > FILE; chmod 600 FILE`), or its tls_names")
+  else:
+    token_file = os.path.join(base, os.path.expanduser(token_file))
+    token = _read_token(path, at("token_file"), where, token_file)
+  arena = share("arena") or Share(nbytes=0)
+  ceiling = share("arena_ceiling")
+  if ceiling is not None and (ceiling.nbytes or 0) < MIN_ARENA and ceiling.fraction is None:
+    raise error_at(path, at("arena_ceiling"), f"{where}: arena_ceiling {ceiling} is below one "
+                 f"batch ({shm.format_size(MIN_ARENA)}); raise it")
+  inline = None
+  if "inline_bytes" in m:
+    s = share("inline_bytes")
+    inline = s.nbytes if s is not None else None
+    if inline is None or inline < MIN_INLINE:
+      raise error_at(path, at("inline_bytes"), f"{where}: inline_bytes must be a size of at "
+                   f"least {shm.format_size(MIN_INLINE)} (e.g. 256MiB), got "
+                   f"{_scalar(path, m['inline_bytes'], 'inline_bytes')!r}")
+  roots: tuple[str, ...] = ()
+  if "checkpoint_roots" in m:
+    v = yaml.safe_load(yaml.serialize(m["checkpoint_roots"]))
+    if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+      raise error_at(path, at("checkpoint_roots"), f"{where}: checkpoint_roots must be a list "
+                   f"of directories, got {v!r:.100}")
+    roots = tuple(os.path.realpath(os.path.join(base, x)) for x in v)
+  uids: frozenset[int] = frozenset()
+  if "uids" in m:
+    v = yaml.safe_load(yaml.serialize(m["uids"]))
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+      raise error_at(path, at("uids"), f"{where}: uids must be a list of user ids (ints >= 0), "
+                   f"got {v!r:.100}")
+    uids = frozenset(v)
+  weight = 1.0
+  if "weight" in m:
+    w = _scalar(path, m["weight"], "weight")
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
+      raise error_at(path, at("weight"), f"{where}: weight must be a positive number, got {w!r}")
+    weight = float(w)
+  return Tenant(
+      name=name, token=token, token_file=token_file, line=line, arena=arena,
+      arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
+      streams=count("streams", 1), feeds=count("feeds", 1),
+      connections=count("connections", 1),
+      feed_workers=count("feed_workers", 0), inline_bytes=inline, checkpoint_roots=roots,
+      functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids,
+      tls_names=tls_names)
+
+
+def _read_token(path: str, line: int, where: str, token_file: str) -> str:
+  try:
+    with open(token_file, encoding="utf-8") as f:
+      token = f.read().strip()
+  except (OSError, UnicodeDecodeError) as e:
+    raise error_at(path, line, f"{where}: cannot read its token_file {token_file}: "
+                 f"{getattr(e, 'strerror', None) or e}") from None
+  try:
+    options_lib.check_token(token, f"{where}'s token ({token_file})")
+  except ValueError as e:
+    raise error_at(path, line, str(e)) from None
+  warn_if_readable(token_file, f"{where}'s token file")
+  return token
