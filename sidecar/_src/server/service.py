@@ -89,7 +89,10 @@ class Service:
           response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(protocol.SERVICE, {
         "Handshake": unary(self.handshake, pb.HandshakeResponse),
-        "Call": unary(self.call, pb.CallResponse),
+        # Call answers bytes made by UnaryCalls.run_serialized: a result's large arrays
+        # are copied once, into them (gRPC sends bytes as they are).
+        "Call": grpc.unary_unary_rpc_method_handler(
+            self._guard(self.call), request_deserializer=None, response_serializer=None),
         "Stream": grpc.stream_stream_rpc_method_handler(
             self._guard_stream(self.stream), request_deserializer=None,
             response_serializer=pb.StreamItem.SerializeToString),
@@ -176,11 +179,13 @@ class Service:
     return [pb.RegistryEntry(kind=e.kind, name=e.name, code_hash=e.code_hash)
             for e in self._runner.registry]
 
-  def call(self, raw: bytes, context: grpc.ServicerContext) -> pb.CallResponse:
+  def call(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    """A serialized CallResponse (``UnaryCalls.run_serialized``: no copy of a result's
+    large arrays beyond the one into these bytes)."""
     session = self._require_session(context)
     with tenants_lib.acting_as(self._sessions.client(session)):
-      return self._unary.run(raw, session, alive=context.is_active,
-                             time_left=context.time_remaining)
+      return self._unary.run_serialized(raw, session, alive=context.is_active,
+                                        time_left=context.time_remaining)
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
