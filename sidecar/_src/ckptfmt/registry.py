@@ -2,7 +2,7 @@
 
 A format is one line here (and its sub-package, ``ckptfmt/<name>/``). Importing this
 imports every format's ``Format`` class, none of which imports Orbax, TensorStore, JAX
-or torch at import time (tests/unit/ckptfmt/test_registry.py runs it with them
+or torch at import time (tests/processes/ckptfmt/test_no_orbax.py saves with them
 unimportable).
 """
 
