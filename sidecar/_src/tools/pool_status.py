@@ -115,7 +115,13 @@ def _text(n: int | None) -> str:
 
 
 def _unreachable(answers: Sequence[tuple[str, Any]]) -> list[str]:
-  return [f"{a}: {type(s).__name__}: {s}" for a, s in answers if isinstance(s, Exception)]
+  """``ADDR: ErrorType: message`` of each sidecar that did not answer."""
+  out = []
+  for address, s in answers:
+    if isinstance(s, Exception):
+      text, kind = str(s), type(s).__name__
+      out.append(f"{address}: {text if text.startswith(kind) else f'{kind}: {text}'}")
+  return out
 
 
 def _fetch(addresses: Sequence[str], timeout: float, token: str | None
