@@ -52,12 +52,11 @@ def test_an_inline_argument_costs_at_most_grpcs_receipt(cluster):
   assert grown <= BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB call"
 
 
-@pytest.mark.xfail(strict=True, reason="needs service.py's Call to answer with "
-                   "UnaryCalls.run_serialized (helper F's report, issue 37); then remove this")
 def test_an_inline_argument_and_result_cost_at_most_grpcs_receipt(cluster):
   """echo: 128 MiB in and back. The result's array was copied four times on its way to
   gRPC (tobytes, the Array, the Value in the CallResponse, the serialization): 6.0x of
-  the argument's size before, the issue's 5.4x; written once into gRPC's bytes now."""
+  the argument's size before, the issue's 5.4x; written once into gRPC's bytes now
+  (UnaryCalls.run_serialized, which gRPC's Call sends as it is)."""
   with cluster.controller(attach=False, connect_timeout=10) as ctl:
     ctl.call("echo", args=(np.ones(1 << 20, np.uint8),))  # warm
     big = np.arange(PAYLOAD, dtype=np.uint8)
