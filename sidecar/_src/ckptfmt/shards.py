@@ -34,7 +34,7 @@ class HostLeaf:
   spec: LeafSpec
   shards: tuple[Shard, ...] = ()
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     object.__setattr__(self, "shards", tuple(self.shards))
 
 

@@ -68,7 +68,7 @@ class LeafSpec:
   write_shape: tuple[int, ...] | None = None
   sharding: str | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not self.key_path or not all(isinstance(k, (str, int)) for k in self.key_path):
       raise errors.InvalidArgumentError(
           f"key_path must be a non-empty tuple of str/int, got {self.key_path!r}")

@@ -243,13 +243,13 @@ def format_part_from_pb(request: Any, table: Mapping[str, tuple]) -> Any:
   return None if member is None else table[member][2](getattr(request, member), member)
 
 
-def replicas_to_pb(target, placement: Mapping[Any, Iterable[int]] | None) -> None:
+def replicas_to_pb(target: Any, placement: Mapping[Any, Iterable[int]] | None) -> None:
   """Fills the map ``target`` (host -> HostIds) from ``{host: [hosts holding its replicas]}``."""
   for h, hosts in (placement or {}).items():
     target[int(h)].hosts.extend(int(p) for p in hosts)
 
 
-def replicas_from_pb(source) -> dict[int, list[int]]:
+def replicas_from_pb(source: Mapping[int, ckpt_pb.HostIds]) -> dict[int, list[int]]:
   return {int(h): list(v.hosts) for h, v in source.items()}
 
 

@@ -95,7 +95,7 @@ class Item:
   sizes: tuple[int, ...] = ()
   offsets: tuple[int, ...] = ()
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     object.__setattr__(self, "kind", ItemKind(self.kind))
     object.__setattr__(self, "sizes", tuple(int(d) for d in self.sizes))
     object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))

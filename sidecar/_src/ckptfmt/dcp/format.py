@@ -184,7 +184,7 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
   def run(rank: int) -> None:
     ended = False
 
-    def datas():
+    def datas() -> Iterator[tuple[int, np.ndarray]]:
       nonlocal ended
       while (got := queues[rank].get()) is not _END:
         yield got

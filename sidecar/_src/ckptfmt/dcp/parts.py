@@ -23,7 +23,7 @@ class DcpPart:
   rank: int
   items: tuple[Item, ...]
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
       raise errors.InvalidArgumentError(f"dcp.rank must be an int >= 0, got {self.rank!r:.100}")
     object.__setattr__(self, "items", tuple(self.items))
@@ -49,7 +49,7 @@ class DcpCommit:
   file_sizes: Mapping[int, int]
   plan_json: str
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     object.__setattr__(self, "file_sizes", types.MappingProxyType(
         {int(r): int(n) for r, n in self.file_sizes.items()}))
 

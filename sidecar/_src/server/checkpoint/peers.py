@@ -271,7 +271,8 @@ class PeerLink:
       held.clear()
     return sent[0]
 
-  def _shared(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
+  def _shared(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
+              cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[ckpt_pb.ReceiveRequest]:
     """Each shard copied into a block of the peer's arena; the blocks' descriptors sent."""
     w = self._worker
@@ -303,7 +304,8 @@ class PeerLink:
       yield batch
       sent[0] += batch_bytes
 
-  def _inline(self, header, shards, cancelled, timeout, pace: _Pace, sent: list,
+  def _inline(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
+              cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[_Part]:
     """Each shard's bytes, raw, in parts of PART_BYTES."""
     for shard_id, data in shards:
@@ -330,7 +332,7 @@ class PeerLink:
   def __enter__(self) -> PeerLink:
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
 

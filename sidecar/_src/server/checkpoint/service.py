@@ -12,6 +12,7 @@ client stream: a peer's replica of one step, its shards' bytes raw in each messa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arena_io import ArenaIO
+from sidecar._src.server.checkpoint import ram_tier
 from sidecar._src.server.checkpoint.host import CheckpointHost
 from sidecar._src.server.limits import CheckpointSlots, Sessions, Slots
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
@@ -136,11 +138,11 @@ class CheckpointService:
         response_serializer=ckpt_pb.ReceiveResponse.SerializeToString)
     return grpc.method_handlers_generic_handler(protocol.CHECKPOINT_SERVICE, methods)
 
-  def _guard(self, name: str, request_cls, fn: Handler):
+  def _guard(self, name: str, request_cls: Any, fn: Handler) -> Handler:
     """Parses, checks the session, runs ``fn``, records it; every failure a status."""
     label = f"sidecar.ckpt.{name.lower()}"
 
-    def handle(raw: Any, context: grpc.ServicerContext):
+    def handle(raw: Any, context: grpc.ServicerContext) -> Any:
       self._metrics.call_started("checkpoint")
       t0, code = time.perf_counter(), "OK"
       try:
@@ -167,13 +169,13 @@ class CheckpointService:
         self._metrics.call_done("checkpoint", label, code, time.perf_counter() - t0)
     return handle
 
-  def _allocating(self, context: grpc.ServicerContext):
+  def _allocating(self, context: grpc.ServicerContext) -> contextlib.AbstractContextManager:
     """``sidecar.empty`` in the arena for this request (reads from storage, replica parts)."""
     return self._arena_io.allocating(context.is_active, context.time_remaining)
 
   # ---- save --------------------------------------------------------------
 
-  def open(self, r: ckpt_pb.CheckpointOpenRequest, _) -> ckpt_pb.CheckpointOpenResponse:
+  def open(self, r: ckpt_pb.CheckpointOpenRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointOpenResponse:
     steps = self._host.writer.open(r.directory, r.ram_steps,
                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
@@ -216,21 +218,21 @@ class CheckpointService:
         part=wire.format_part_from_pb(r, wire.COMMIT_PARTS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
-  def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _
+  def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext
                 ) -> ckpt_pb.CheckpointCommittedResponse:
     manifest = Manifest.from_json(r.manifest_json, "manifest_json") if r.manifest_json else None
     return ckpt_pb.CheckpointCommittedResponse(
         kept_steps=self._host.committed(r.final_dir, manifest))
 
-  def abort(self, r: ckpt_pb.CheckpointAbortRequest, _) -> ckpt_pb.CheckpointAbortResponse:
+  def abort(self, r: ckpt_pb.CheckpointAbortRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointAbortResponse:
     self._host.writer.abort(r.tmp_dir, r.final_dir)
     return ckpt_pb.CheckpointAbortResponse()
 
-  def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _) -> ckpt_pb.CheckpointDeleteResponse:
+  def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointDeleteResponse:
     self._host.writer.delete(r.directory, _step(r.step))
     return ckpt_pb.CheckpointDeleteResponse()
 
-  def forget(self, r: ckpt_pb.CheckpointForgetRequest, _) -> ckpt_pb.CheckpointForgetResponse:
+  def forget(self, r: ckpt_pb.CheckpointForgetRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointForgetResponse:
     self._host.forget(r.directory, _step(r.step))
     return ckpt_pb.CheckpointForgetResponse()
 
@@ -271,8 +273,8 @@ class CheckpointService:
       self._host.replicator.drop_partial(replica)  # a stream cut short leaves none
       raise
 
-  def _receive_all(self, replica: Any, message: ckpt_pb.ReceiveRequest,
-                   data: memoryview | None, requests: Iterator[bytes], view,
+  def _receive_all(self, replica: ram_tier.Replica, message: ckpt_pb.ReceiveRequest,
+                   data: memoryview | None, requests: Iterator[bytes], view: codec.FromArena,
                    context: grpc.ServicerContext) -> ckpt_pb.ReceiveResponse:
     held, n = 0, 0
     with self._allocating(context):
@@ -289,7 +291,8 @@ class CheckpointService:
               "without `done`: it is not whole")
         (message, data), n = parse_receive(raw), n + 1
 
-  def _receive_one(self, replica: Any, m: ckpt_pb.ReceiveRequest, view, n: int,
+  def _receive_one(self, replica: ram_tier.Replica, m: ckpt_pb.ReceiveRequest,
+                   view: codec.FromArena, n: int,
                    data: memoryview | None) -> int:
     where = f"ReceiveRequest {n}"
     if m.blocks and m.HasField("part"):
@@ -306,10 +309,10 @@ class CheckpointService:
 
   # ---- restore ------------------------------------------------------------
 
-  def held(self, r: ckpt_pb.CheckpointHeldRequest, _) -> ckpt_pb.CheckpointHeldResponse:
+  def held(self, r: ckpt_pb.CheckpointHeldRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointHeldResponse:
     return wire.held_to_pb(self._host.held(r.directory))
 
-  def info(self, r: ckpt_pb.CheckpointInfoRequest, _) -> ckpt_pb.CheckpointInfoResponse:
+  def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointInfoResponse:
     try:
       return wire.manifest_to_pb(self._host.info(r.final_dir))
     except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values
