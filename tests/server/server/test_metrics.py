@@ -11,19 +11,10 @@ import sidecar
 from sidecar._src.core import options
 from sidecar._src.server import metrics as metrics_lib, metrics_server
 from sidecar._src.server.server import Server
-from tests.support.metrics import samples, scrape, value
+from tests.support.metrics import samples, scrape, snapshot, value
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.server
-
-
-def snapshot(**kw) -> metrics_lib.Snapshot:
-  base = dict(host_id=0, slice_id=0, uptime_s=1.0, arena_size=1 << 20, arena_used=4096, arena_blocks=1,
-              leased=(("pid7", 4096),), pinned_bytes=0, workers=1,
-              feeds=(metrics_lib.FeedTotals("ids", 1, 5, 0.5, 0.25, 0.125),), ram_steps=2,
-              ram_bytes=100, replica_steps=1, replica_bytes=50, writing_steps=0,
-              writing_bytes=0)
-  return metrics_lib.Snapshot(**{**base, **kw})
 
 
 def test_exposition_parses_and_each_server_has_its_own_registry():

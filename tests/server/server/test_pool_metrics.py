@@ -6,9 +6,8 @@ import pytest
 
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from tests.server.server.test_metrics import snapshot
-from tests.server.server.test_pool import ALICE, BOB, POOL, controller, write_pool
-from tests.support.metrics import samples, scrape, value
+from tests.support.metrics import samples, scrape, snapshot, value
+from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
 pytestmark = pytest.mark.server
 
@@ -70,9 +69,7 @@ def test_without_a_pool_no_tenant_is_counted():
 
 
 def test_a_live_pool_counts_each_tenants_requests_and_inline_bytes(make_server, tmp_path):
-  (tmp_path / "alice").mkdir()
-  (tmp_path / "bob").mkdir()
-  server = make_server(pool=write_pool(tmp_path, POOL), metrics_port=0)
+  server = make_server(pool=write_pool(tmp_path), metrics_port=0)
   big = np.ones(2 << 20, np.uint8)  # inline, large: decoded from the request's bytes
   with controller(server, ALICE) as alice, controller(server, BOB) as bob:
     assert alice.call("echo", args=(1,)) == [1]

@@ -9,16 +9,14 @@ import pytest
 
 from sidecar._src.arena.worker import Worker
 from sidecar._src.tools import pool_status
-from tests.server.server.test_pool import ALICE, BOB, POOL, controller, write_pool
+from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
 pytestmark = pytest.mark.server
 
 
 @pytest.fixture
 def pool_server(make_server, tmp_path):
-  (tmp_path / "alice").mkdir()
-  (tmp_path / "bob").mkdir()
-  return make_server(pool=write_pool(tmp_path, POOL))
+  return make_server(pool=write_pool(tmp_path))
 
 
 def test_a_tenant_sees_its_own_sessions_workers_and_arena(pool_server):
