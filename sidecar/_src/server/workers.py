@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 # A new connection must send its first frame within this: one that says nothing would
 # hold its thread (and a connection slot) for ever.
 FIRST_FRAME_S = 10.0
+# How long a refused connection waits for the request its client may be sending (_linger).
+LINGER_S = 1.0
 # accept() errors that pass: out of descriptors (a flood of idle connections on another
 # port), of buffers, of memory, or a client that left before it was accepted. The loop
 # waits this long and accepts again; only close() ends it.
@@ -267,6 +269,8 @@ class WorkerListener:
     try:
       with self._counted(self._tenancy.of_worker(session)):
         self._stream_in(conn, session)
+      if not self.has_session(session):  # refused (or ended): its consumer reads why
+        _linger(conn, ipc.MAX_MESSAGE)
     except (ConnectionError, OSError):
       return
     except Exception as e:
@@ -338,6 +342,7 @@ class WorkerListener:
       _log_failure("calls", e, session)
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
+      _linger(conn, self._call_bytes)
 
   def _serve_calls_in(self, conn: socket.socket, session: str) -> None:
     """:meth:`_serve_calls`'s loop, within the tenant's count of connections."""
@@ -459,6 +464,17 @@ def _log_failure(what: str, e: Exception, session: str) -> None:
   """Our errors at INFO (the caller gets them), anything else (user code's) at WARNING."""
   log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
           "%s: %s: %s", what, type(e).__name__, protocol.for_log(e), extra={"session": session})
+
+
+def _linger(conn: socket.socket, limit: int) -> None:
+  """After the answer that refuses a connection: says the end (EOF), then reads the
+  request its client may be sending, for at most LINGER_S. A client sends its first
+  request right after the connection's opening frame; closed at once, the connection
+  would fail that send (EPIPE: 'the sidecar is gone') before its client read why."""
+  with contextlib.suppress(OSError, ConnectionError, errors.SidecarError):
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(LINGER_S)
+    ipc.recv_bytes(conn, limit=limit)
 
 
 def _peer_uid(conn: socket.socket) -> int | None:

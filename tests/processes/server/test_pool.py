@@ -8,6 +8,7 @@ its next call says so (issue 37).
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -31,7 +32,7 @@ tenants:
   - {name: alice, token_file: alice.token, arena: 0.25, checkpoint_roots: [alice]}
   - {name: bob, token_file: bob.token, arena: 0.25, checkpoint_roots: [bob]}
   - {name: carol, token_file: carol.token, arena: 0.1, arena_ceiling: 16MiB, sessions: 8,
-     inline_bytes: 16MiB, checkpoint_roots: [carol]}
+     inline_bytes: 160MiB, checkpoint_roots: [carol]}
 """
 
 
@@ -172,16 +173,28 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
       with carol.checkpointer(str(tmp_path / "alice" / "ck")) as ckpt:
         ckpt.restore(1, target={"w": np.zeros(1 << 16, np.float32)})
 
-    # 3b. Carol's large inline calls (not through the arena): past her inline_bytes.
-    big = np.ones(32 << 20, np.uint8)
-    for _ in range(3):
-      with pytest.raises(sidecar.ResourceExhaustedError,
-                         match=r"tenant 'carol' sent an inline request of \d+ bytes, more "
-                         r"than its quota \(inline_bytes=16777216"):
-        inline.call("size_of", args=(big,))
-    del big
+    # 3b. Carol's 128 MiB inline calls (not through the arena) in a loop, while the others
+    # feed and save: within her inline_bytes they run; one past it is refused.
+    sizes: list = []
+
+    def inline_loop():
+      big = np.ones(128 << 20, np.uint8)
+      for _ in range(3):
+        sizes.append(inline.call("size_of", args=(big,)))
+    looping = threading.Thread(target=inline_loop, name="test-inline-loop")
+    looping.start()
+    try:
+      _well_behaved(alice, bob, reference, tmp_path, 5)
+    finally:
+      looping.join(120)
+    assert sizes == [[128 << 20]] * 3
+    bigger = np.ones(176 << 20, np.uint8)
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"tenant 'carol' sent an inline request of \d+ bytes, more "
+                       r"than its quota \(inline_bytes=167772160"):
+      inline.call("size_of", args=(bigger,))
+    del bigger
     inline.close()
-    _well_behaved(alice, bob, reference, tmp_path, 5)
 
     # 4. Carol is removed from the pool file: her next call says so within a second.
     (tmp_path / "pool.yaml").write_text("\n".join(POOL.splitlines()[:3]) + "\n")
