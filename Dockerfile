@@ -5,7 +5,7 @@
 #
 #   k8s/image/build.sh --tag sidecar:dev                    # docker or podman, labels, checks
 #   docker build -t sidecar:dev .                           # the same, by hand
-#   docker build -t sidecar:dev --build-arg EXTRAS=parquet,tfds .   # built-in pipelines' libraries
+#   docker build -t sidecar:dev --build-arg EXTRAS=jax,parquet,tfds .   # + pipelines' libraries
 #   docker build -t sidecar:dev --build-arg USER_PACKAGES="my-pkg==1.2" .
 #
 # For code that is not on an index, build on top of this image (docs/kubernetes.md):
@@ -41,9 +41,9 @@ WORKDIR /src
 # Every dependency's wheel, from pyproject.toml alone (with a stand-in README), so that
 # this layer is rebuilt only when the dependencies change, not with every source change.
 COPY pyproject.toml ./
-# The extras of the built-in pipelines the image should serve (pyproject.toml): tfds, parquet,
-# arrayrecord, demo or all; none by default.
-ARG EXTRAS=""
+# The extras the image should serve (pyproject.toml): jax (JAX, Grain, Orbax, TensorStore: the
+# default), torch, and the built-in pipelines' tfds, parquet, arrayrecord, demo or all.
+ARG EXTRAS="jax"
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
  && touch README.md \
@@ -77,7 +77,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links=/wheels/deps \
       -r /opt/sidecar/requirements.txt
 COPY --from=build /wheels/project/SHA256SUMS /opt/sidecar/colocated-sidecar.sha256
-ARG EXTRAS=""
+ARG EXTRAS="jax"
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links=/wheels/deps \
       --find-links=/wheels/project "colocated-sidecar${EXTRAS:+[$EXTRAS]}"

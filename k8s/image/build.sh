@@ -5,8 +5,9 @@
 #                      [-- MORE BUILD FLAGS]
 #
 #   --tag TAG       the image to make (default: sidecar:dev); push it with `docker push TAG`
-#   --extras E      pyproject extras of the built-in pipelines: tfds, parquet, arrayrecord,
-#                   demo or all, comma-separated (default: none)
+#   --extras E      pyproject extras, comma-separated: jax (JAX, Grain, Orbax, TensorStore),
+#                   torch, and the built-in pipelines' tfds, parquet, arrayrecord, demo or all
+#                   (default: jax)
 #   --base IMAGE    the base image, with python3 >= 3.11 and its venv module (default:
 #                   python:3.11-slim; where no registry answers, a Debian 12 base made here
 #                   with debootstrap, as root, kept as localhost/sidecar-base:bookworm)
@@ -30,7 +31,7 @@ say() { echo "build.sh: $*" >&2; }
 fail() { say "$*"; exit 2; }
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
-tag=sidecar:dev extras="" base="" engine="${SIDECAR_IMAGE_ENGINE:-}"
+tag=sidecar:dev extras="jax" base="" engine="${SIDECAR_IMAGE_ENGINE:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --tag|--extras|--base|--engine)
