@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, extras
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -138,7 +138,9 @@ def load_modules(modules: Sequence[str]) -> None:
     try:
       importlib.import_module(module)
     except ImportError as e:
-      raise ImportError(f"cannot import {module!r} given with --import: {e}") from e
+      extra = extras.extra_of(e)
+      hint = f"; pip install 'colocated-sidecar[{extra}]'" if extra else ""
+      raise ImportError(f"cannot import {module!r} given with --import: {e}{hint}") from e
   for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
     ep.load()
 

@@ -64,3 +64,17 @@ def test_explicit_registry_argument():
   sidecar.function(name="only_here", registry=r)(lambda: 0)
   assert r.names("function") == ["only_here"]
   assert "only_here" not in sidecar.default_registry().names("function")
+
+
+def test_a_module_that_needs_a_missing_extra_names_the_extra(tmp_path, monkeypatch):
+  # A user's module of pipelines imports grain, which a PyTorch-only install lacks.
+  (tmp_path / "needs_grain_fns.py").write_text("import grain_not_installed_probe\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(registry_lib.extras.EXTRA_OF, "grain_not_installed_probe", "jax")
+  with pytest.raises(ImportError, match=r"cannot import 'needs_grain_fns' given with --import: "
+                     r".*grain_not_installed_probe.*; pip install 'colocated-sidecar\[jax\]'"):
+    registry_lib.load_modules(["needs_grain_fns"])
+  (tmp_path / "broken_fns.py").write_text("import no_such_module_anywhere\n")
+  with pytest.raises(ImportError, match=r"given with --import: No module named "
+                     r"'no_such_module_anywhere'$"):
+    registry_lib.load_modules(["broken_fns"])
