@@ -210,11 +210,8 @@ class Manifest:
   def __init__(self, format: str, leaves: Sequence[SavedLeaf],  # noqa: A002 - the field
                shards: Sequence[ShardChecksum], data_state: Any = None,
                replicas: Mapping[int, Sequence[int]] | None = None, *,
-               extras: Mapping[str, Any] | None = None, step: int | None = None,
-               dcp_plan: Mapping[str, Any] | None = None):
+               extras: Mapping[str, Any] | None = None, step: int | None = None):
     extras = dict(extras or {})
-    if dcp_plan is not None:  # the trainer's name until it builds extras itself
-      extras["plan"] = dcp_plan
     set_ = object.__setattr__
     set_(self, "format", format)
     set_(self, "leaves", tuple(leaves))

@@ -38,9 +38,10 @@ def test_manifest_round_trips_through_its_file():
   assert back.dcp_plan == {"state": {}}
 
 
-def test_manifest_keeps_the_trainers_dcp_plan_keyword():
-  m = Manifest("dcp", (), (), None, {}, dcp_plan={"storage": []})
-  assert m.extras == {"plan": {"storage": []}} and m.dcp_plan == {"storage": []}
+def test_a_dcp_manifests_plan_is_its_format_extra():
+  m = Manifest("dcp", (), (), None, {}, extras={"plan": {"storage": []}})
+  assert m.dcp_plan == {"storage": []} and Manifest("orbax", (), ()).dcp_plan is None
+  assert '"plan":{"storage":[]}' in m.to_json()
 
 
 @pytest.mark.parametrize("text", ["{", '{"leaves": []}', '{"leaves": [{}], "shards": []}'],
