@@ -5,6 +5,7 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:
   from sidecar import distributed, elastic, testing
+  from sidecar._src.controller.checkpoint.options import CheckpointOptions
   from sidecar._src.controller.connection import HostInfo
   from sidecar._src.core.errors import (
     AlreadyRegisteredError,
@@ -50,6 +51,7 @@ _HOME = {
     "PipelineContext": "sidecar._src.user.pipeline_context",
     "Worker": "sidecar._src.jax.worker",
     "FeedOptions": "sidecar._src.core.options",
+    "CheckpointOptions": "sidecar._src.controller.checkpoint.options",
     "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (
         "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
@@ -84,6 +86,7 @@ __all__ = [
     "AlreadyRegisteredError",
     "ArenaCapacityError",
     "AuthenticationError",
+    "CheckpointOptions",
     "CheckpointWriteError",
     "ClosedError",
     "Controller",

@@ -9,7 +9,7 @@ def test_public_api_is_pinned():
   assert sidecar.__all__ == sorted(sidecar.__all__)
   assert sidecar.__all__ == [
       "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
-      "CheckpointWriteError", "ClosedError",
+      "CheckpointOptions", "CheckpointWriteError", "ClosedError",
       "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
       "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
       "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",
@@ -32,10 +32,12 @@ def test_public_api_is_pinned():
 def test_torch_api_is_pinned():
   import sidecar.torch
   assert sidecar.torch.__all__ == [
-      "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle", "StorageReader",
+      "CheckpointOptions", "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle", "StorageReader",
       "StorageWriter", "TorchPeers", "connect", "ranks"]
   for name in sidecar.torch.__all__:
     assert getattr(sidecar.torch, name) is not None
+  # One CheckpointOptions for both frameworks.
+  assert sidecar.torch.CheckpointOptions is sidecar.CheckpointOptions
 
 
 def test_jax_api_is_pinned_and_the_root_controller_is_its():
