@@ -363,7 +363,7 @@ class StatusResponse(_message.Message):
     def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
-    __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight")
+    __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight", "waiting", "batches", "saves")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,9 @@ class TenantStatus(_message.Message):
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     FEED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FIELD_NUMBER: _ClassVar[int]
     name: str
     sessions: int
     workers: int
@@ -382,4 +385,7 @@ class TenantStatus(_message.Message):
     feeds: int
     feed_workers: int
     weight: float
-    def __init__(self, name: _Optional[str] = ..., sessions: _Optional[int] = ..., workers: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., arena_guaranteed: _Optional[int] = ..., arena_ceiling: _Optional[int] = ..., feeds: _Optional[int] = ..., feed_workers: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    waiting: int
+    batches: int
+    saves: int
+    def __init__(self, name: _Optional[str] = ..., sessions: _Optional[int] = ..., workers: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., arena_guaranteed: _Optional[int] = ..., arena_ceiling: _Optional[int] = ..., feeds: _Optional[int] = ..., feed_workers: _Optional[int] = ..., weight: _Optional[float] = ..., waiting: _Optional[int] = ..., batches: _Optional[int] = ..., saves: _Optional[int] = ...) -> None: ...

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env, errors
+from sidecar._src.core import env, errors, progress
 from sidecar._src.wire import codec, ipc, protocol
 
 ENV_ADDRESS = env.ADDRESS
@@ -120,7 +120,7 @@ class Worker:
           f"cannot attach to the sidecar at {self.path}: {e.strerror or e}; is `sidecar serve "
           f"--socket {self.path}` running on this host?") from None
     try:
-      hello = {"op": "attach", "pid": os.getpid(),
+      hello = {"op": "attach", "pid": os.getpid(), "queue": True,
                "versions": protocol.versions_dict(protocol.local_versions())}
       if process is not None:  # who drives this host
         hello["process"] = process.to_dict()
@@ -153,9 +153,12 @@ class Worker:
   # ---- blocks ------------------------------------------------------------
 
   def _request(self, message: dict[str, Any], *, wait: float = 0.0,
-               timeout: float | None = None) -> dict[str, Any]:
+               timeout: float | None = None,
+               queued: progress.Queued | None = None) -> dict[str, Any]:
     """Sends ``message``, returns the reply: within ``wait`` (the time the sidecar may take
-    on purpose, an alloc's) plus ``timeout`` (default the peer timeout) seconds."""
+    on purpose, an alloc's) plus ``timeout`` (default the peer timeout) seconds, or the
+    peer timeout after each report of its place in a pool's admission queue (``queued``
+    shows them)."""
     timeout = self.timeout if timeout is None else timeout
     with self._lock:
       if self.state is State.CLOSED:
@@ -165,6 +168,10 @@ class Worker:
       try:
         ipc.send(self._sock, message)
         reply = self._reply(wait + timeout)
+        while "queued" in reply:  # its turn has not come: the sidecar says where it stands
+          if queued is not None:
+            queued.update(reply["queued"])
+          reply = self._reply(self.timeout)
       except TimeoutError as e:
         # Hung or stopped. The connection stays open (it is what holds this worker's
         # blocks, which live views still read), but its late reply must never be taken
@@ -204,6 +211,13 @@ class Worker:
         interrupted = e
       except json.JSONDecodeError as e:
         raise errors.InvalidArgumentError(f"malformed reply from the sidecar: {e}") from None
+    if interrupted is not None and isinstance(reply, dict) and "queued" in reply:
+      # Waiting its turn in a pool's queue: leave the queue, then read its answer.
+      with contextlib.suppress(OSError):
+        ipc.send(self._sock, {"op": "cancel"})
+      reply = self._reply(timeout)
+      while isinstance(reply, dict) and "queued" in reply:
+        reply = self._reply(timeout)
     if interrupted is not None:
       granted = [[b[0], b[2]] for b in reply.get("blocks", ())]
       if granted:
@@ -258,9 +272,14 @@ class Worker:
       return None
     return codec.ArenaRef(offset, array.nbytes, generation, array.dtype.name, array.shape)
 
-  def empty(self, shape: tuple[int, ...], dtype: Any, *, timeout: float = 0.0
+  def empty(self, shape: tuple[int, ...], dtype: Any, *, timeout: float | None = None
             ) -> tuple[np.ndarray, codec.ArenaRef]:
-    """A new array in the arena (for arguments and saves), and its descriptor."""
+    """A new array in the arena (for arguments and saves), and its descriptor.
+
+    ``timeout``: seconds to wait for room (ResourceExhaustedError after, naming the
+    tenant, its place in the queue and its quota); None: a pool's sidecar queues the
+    request until its turn comes (its place shown on a tqdm line), any other answers at
+    once."""
     self._check_open()
     dtype = np.dtype(dtype)
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
@@ -268,12 +287,18 @@ class Worker:
     ref = codec.ArenaRef(offset, nbytes, generation, dtype.name, tuple(shape))
     return self.view(ref), ref
 
-  def _alloc(self, sizes: list[int], timeout: float) -> list[list[int]]:
+  def _alloc(self, sizes: list[int], timeout: float | None) -> list[list[int]]:
     """``[offset, nbytes, generation]`` of a new block of each size: all or none."""
-    return self._request({"op": "alloc", "sizes": sizes, "timeout": timeout},
-                         wait=timeout or 0.0)["blocks"]
+    message: dict[str, Any] = {"op": "alloc", "sizes": sizes}
+    if timeout is not None:
+      message["timeout"] = timeout
+    bar = progress.queued(f"{sum(sizes)} bytes of arena")
+    try:
+      return self._request(message, wait=timeout or 0.0, queued=bar)["blocks"]
+    finally:
+      bar.close()
 
-  def empty_like(self, arrays: Sequence[Any], *, timeout: float = 0.0
+  def empty_like(self, arrays: Sequence[Any], *, timeout: float | None = None
                  ) -> list[tuple[np.ndarray, codec.ArenaRef]]:
     """New arrays in the arena shaped as ``arrays`` (a save's shards: arrays, or anything
     with their ``shape``, ``dtype`` and ``nbytes``), and their descriptors: one round
@@ -292,7 +317,8 @@ class Worker:
       raise
     return out
 
-  def put(self, array: np.ndarray, *, timeout: float = 0.0) -> tuple[np.ndarray, codec.ArenaRef]:
+  def put(self, array: np.ndarray, *, timeout: float | None = None
+          ) -> tuple[np.ndarray, codec.ArenaRef]:
     """Copies ``array`` into the arena; returns the arena copy and its descriptor."""
     array = np.asarray(array)
     dst, ref = self.empty(array.shape, array.dtype, timeout=timeout)

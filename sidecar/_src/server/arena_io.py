@@ -82,10 +82,14 @@ class ArenaIO:
       left = time_left()  # None without a deadline
       left = ARENA_WAIT_S if left is None else left - margin
       left = min(left, ARENA_WAIT_S - (time.monotonic() - start))
+      # A tenant's request waits its turn in the admission queue once (it checks alive
+      # itself): a retry would join at the end, behind the tenant's later requests.
+      queued = self.leases.queued(holder)
       try:
-        return self.leases.alloc(nbytes, holder, timeout=max(0.0, min(left, 1.0)))
+        return self.leases.alloc(nbytes, holder, timeout=max(0.0, left if queued else
+                                                             min(left, 1.0)), alive=alive)
       except errors.ResourceExhaustedError as e:
-        if not self.leases.fits(nbytes, holder) or not alive():
+        if queued or not self.leases.fits(nbytes, holder) or not alive():
           raise
         if left <= 1.0:
           raise self._no_room(nbytes, holder, time.monotonic() - start, e) from None

@@ -16,11 +16,14 @@ from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server import admission, metrics as metrics_lib, tenants as tenants_lib
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.
 DEFAULT_QUOTA = 0.9
+# How often a request waiting in the admission queue tells its caller where it stands
+# (and asks whether it is still there).
+ON_WAIT_S = 1.0
 
 
 class Leases:
@@ -33,14 +36,18 @@ class Leases:
   ``tenants.CURRENT``'s), a block counts against the tenant that allocated it until it is
   freed, whoever holds it then (the RAM tier keeps a save's blocks): a tenant never holds
   more than its ``arena_ceiling``, and never takes what other tenants are guaranteed
-  (``arena``) and do not use yet.
+  (``arena``) and do not use yet. A tenant's request that does not fit now waits its turn
+  in the :class:`admission.Queue` (within its timeout; ``metrics``: where its wait counts).
   """
 
   def __init__(self, allocator: shm.Allocator, *, quota: int | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
-               tenant_of: Callable[[str], str | None] = lambda session: None):
+               tenant_of: Callable[[str], str | None] = lambda session: None,
+               metrics: metrics_lib.Recorder = metrics_lib.OFF):
     self.allocator = allocator
     self.quota = quota
+    self._metrics = metrics
+    self._queue = admission.Queue()
     self._tenancy, self._tenant_of = tenancy, tenant_of
     self._tenant_bytes: collections.Counter[str] = collections.Counter()  # allocated, live
     self._block_tenant: dict[int, str] = {}  # block offset -> the tenant that allocated it
@@ -56,12 +63,19 @@ class Leases:
     """A fresh holder token for a local pin."""
     return ("pin", next(self._pins))
 
-  def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None) -> shm.Block:
+  def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None,
+            alive: Callable[[], bool] | None = None,
+            on_wait: Callable[[admission.Place], None] | None = None) -> shm.Block:
     """A new block held by ``holder``, waiting up to ``timeout`` s (None: for ever) for
     room in the arena, and in ``holder``'s quota if it is a worker session.
 
+    A tenant's request waits in the admission queue; ``on_wait`` is told its place about
+    every second, and ``alive`` (asked as often) ends the wait when its caller is gone.
+
     Raises:
-      ResourceExhaustedError: no room in time; the message gives the sizes.
+      ResourceExhaustedError: no room in time; the message gives the sizes (a tenant's:
+        its name, its place in the queue and its quota).
+      ClosedError: ``alive`` said its caller is gone.
     """
     if not self.fits(nbytes, holder):
       self._never_fits(nbytes, holder)
@@ -75,7 +89,7 @@ class Leases:
           self._freed.wait(left)
     tenant = self._tenant(holder)
     if tenant is not None:
-      self._reserve(tenant, nbytes, deadline)
+      self._reserve(tenant, nbytes, deadline, alive, on_wait)
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
       block = self.allocator.alloc(nbytes, timeout=left)
@@ -101,6 +115,10 @@ class Leases:
     name = self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
     return self._tenancy.tenant(name)
 
+  def queued(self, holder: Hashable) -> bool:
+    """Whether ``holder``'s requests wait their turn in the admission queue (a tenant's)."""
+    return self._tenant(holder) is not None
+
   def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
     """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
     not hold yet, in bytes."""
@@ -113,28 +131,97 @@ class Leases:
         reserved += max(0, other.arena.bytes_of(size) - self._tenant_bytes.get(other.name, 0))
     return ceiling, reserved
 
-  def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None) -> None:
+  def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
+               alive: Callable[[], bool] | None = None,
+               on_wait: Callable[[admission.Place], None] | None = None) -> None:
     """Counts ``nbytes`` more against tenant ``t`` once its ceiling and the others'
-    guarantees leave room, waiting until ``deadline``.
+    guarantees leave room and its turn in the admission queue comes, waiting until
+    ``deadline``.
 
     Raises:
-      ResourceExhaustedError: no room in time; naming the tenant and the quota.
+      ResourceExhaustedError: no room in time; naming the tenant, its place and the quota.
     """
+    self._metrics.tenant_requested(t.name, "arena", nbytes)
     with self._lock:
-      while True:
-        ceiling, reserved = self._shares(t)
-        mine = self._tenant_bytes.get(t.name, 0)
-        # Bytes reserved but not allocated yet are as good as used.
-        free = self.allocator.size - self.allocator.used_bytes - self._pending
-        over_ceiling = ceiling is not None and mine + nbytes > ceiling
-        if not over_ceiling and free - nbytes >= reserved:
-          self._tenant_bytes[t.name] += nbytes
-          self._pending += nbytes
-          return
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-          raise self._past_share(t, nbytes, mine, ceiling, reserved, over_ceiling)
-        self._freed.wait(left)
+      if self._admit(t, nbytes, None):
+        return
+      if deadline is not None and deadline <= time.monotonic():
+        raise self._queued_error(t, nbytes, None, 0.0)
+      w = self._queue.join(t.name, nbytes)
+    told = 0.0  # when on_wait was last told (at most once a second)
+    with self._metrics.waiting(t.name, "arena"), self._lock:
+      try:
+        while not self._admit(t, nbytes, w):
+          left = None if deadline is None else deadline - time.monotonic()
+          if left is not None and left <= 0:
+            raise self._queued_error(t, nbytes, w, time.monotonic() - w.since)
+          if alive is not None and not alive():
+            raise errors.ClosedError(
+                f"tenant {t.name!r}'s request for {shm.format_size(nbytes)} of the arena "
+                "left the queue: its caller is gone")
+          if on_wait is not None and time.monotonic() - told >= ON_WAIT_S:
+            told = time.monotonic()
+            place = self._place(t, nbytes, w)
+            self._lock.release()  # telling a client may block: never under the lock
+            try:
+              on_wait(place)
+            finally:
+              self._lock.acquire()
+          self._freed.wait(ON_WAIT_S if left is None else min(left, ON_WAIT_S))
+      finally:
+        self._queue.leave(w)
+        self._freed.notify_all()  # the next waiter's turn may have come
+
+  def _admit(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None) -> bool:
+    """Takes ``nbytes`` for tenant ``t`` if they fit and its turn has come; the lock is
+    held."""
+    ceiling, reserved = self._shares(t)
+    mine = self._tenant_bytes.get(t.name, 0)
+    over_ceiling = ceiling is not None and mine + nbytes > ceiling
+    if w is not None:
+      w.for_ceiling = over_ceiling
+    # Bytes reserved but not allocated yet are as good as used.
+    free = self.allocator.size - self.allocator.used_bytes - self._pending
+    within = mine + nbytes <= t.arena.bytes_of(self.allocator.size)
+    if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
+      return False
+    self._tenant_bytes[t.name] += nbytes
+    self._pending += nbytes
+    return True
+
+  def _place(self, t: tenants_lib.Tenant, nbytes: int,
+             w: admission.Waiter) -> admission.Place:
+    ceiling, reserved = self._shares(t)
+    mine = self._tenant_bytes.get(t.name, 0)
+    if w.for_ceiling and ceiling is not None:
+      short = mine + nbytes - ceiling
+    else:
+      free = self.allocator.size - self.allocator.used_bytes - self._pending
+      short = nbytes + reserved - free
+    return self._queue.place(w, short)
+
+  def _queued_error(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None,
+                    waited: float) -> errors.ResourceExhaustedError:
+    ceiling, reserved = self._shares(t)
+    mine = self._tenant_bytes.get(t.name, 0)
+    over_ceiling = ceiling is not None and mine + nbytes > ceiling
+    error = self._past_share(t, nbytes, mine, ceiling, reserved, over_ceiling)
+    if w is None:
+      w = self._queue.join(t.name, nbytes)  # where it would have stood
+      try:
+        place = self._place(t, nbytes, w)
+      finally:
+        self._queue.leave(w)
+    else:
+      place = self._place(t, nbytes, w)
+    return errors.ResourceExhaustedError(
+        f"{error} (it waited {waited:.3g} s, at {place.describe()}; pass a longer "
+        "timeout= to wait its turn)")
+
+  def waiting(self) -> dict[str, int]:
+    """The requests of each tenant waiting in the admission queue now."""
+    with self._lock:
+      return self._queue.counts()
 
   def _unreserve(self, t: tenants_lib.Tenant, nbytes: int) -> None:
     self._tenant_bytes[t.name] -= nbytes
@@ -288,6 +375,8 @@ class Leases:
     if not holders:
       del self._holders[offset]
       self.allocator.free(block.offset, block.generation)
+      self._queue.freed(block.nbytes)
+      self._freed.notify_all()
       tenant = self._block_tenant.pop(offset, None)
       if tenant is not None:
         self._tenant_bytes[tenant] -= block.nbytes

@@ -121,6 +121,11 @@ class Slots:
     with self._lock:
       return self._count
 
+  def by_tenant(self) -> dict[str, int]:
+    """The RPCs of this kind each tenant runs now."""
+    with self._lock:
+      return dict(self._by_tenant)
+
 
 StreamSlots = Slots  # streams: max_streams, max_streams_per_session
 

@@ -228,11 +228,12 @@ class Server:
     pool = self._pool(o)
     self.tenancy = tenants_lib.Tenancy(pool)
     self.arena = shm.Arena.create(o.shm_size)
-    self.leases = Leases(shm.Allocator(self.arena.size),
-                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size),
-                         tenancy=self.tenancy, tenant_of=self.tenancy.of_worker)
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
+    self.leases = Leases(shm.Allocator(self.arena.size),
+                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size),
+                         tenancy=self.tenancy, tenant_of=self.tenancy.of_worker,
+                         metrics=self.metrics)
     named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
         o.host_id, tenancy=self.tenancy, token=o.peer_token if named else o.token,
@@ -260,6 +261,7 @@ class Server:
     # The tokens a client may present: the shared one, one per client, or the pool's.
     self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.peer_token)
     tokens = tokens_holder.table
+    checkpoint_slots = CheckpointSlots(tenancy=self.tenancy, tenant_of=tenant_of)
     self.service = Service(calls=calls, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
@@ -268,7 +270,8 @@ class Server:
                                                per_session=o.max_streams_per_session,
                                                tenancy=self.tenancy, tenant_of=tenant_of),
                            peer_token=o.peer_token, tokens=tokens_holder,
-                           tenancy=self.tenancy, opened=self.checkpoints.opened_by)
+                           tenancy=self.tenancy, opened=self.checkpoints.opened_by,
+                           saves=checkpoint_slots.by_tenant)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
@@ -293,8 +296,7 @@ class Server:
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
-                                   slots=CheckpointSlots(tenancy=self.tenancy,
-                                                         tenant_of=tenant_of))
+                                   slots=checkpoint_slots)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -59,13 +59,15 @@ class Service:
                peer_token: str | None = None,
                tokens: tenants_lib.Tokens | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
-               opened: Callable[[str], set[str]] | None = None):
+               opened: Callable[[str], set[str]] | None = None,
+               saves: Callable[[], Mapping[str, int]] = dict):
     self._unary = calls
     self._runner = calls.runner
     # The tokens ({b"Bearer <token>": tenant}); named: per-client tokens or a pool file.
     self._tokens = tokens or tenants_lib.Tokens({}, named=False)
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._opened = opened  # the checkpoint directories a client opened
+    self._saves = saves  # per tenant, its checkpoint rpcs (a save's phases) running now
     # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
     self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
     self._stream_runner = stream_runner
@@ -245,6 +247,9 @@ class Service:
     held = self._leases.tenant_bytes()
     sessions = self._sessions.count_of()
     feeds = self._tenancy.feed_counts()
+    waiting = self._leases.waiting()
+    batches = self._stream_runner.tenant_batches()
+    saves = self._saves()
     out = []
     for t in pool.tenants:
       if client is not None and t.name != client:
@@ -255,7 +260,9 @@ class Service:
           workers=len(self._tenancy.workers_of(t.name)), arena_bytes=held.get(t.name, 0),
           arena_guaranteed=t.arena.bytes_of(size),
           arena_ceiling=size if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size),
-          feeds=n_feeds, feed_workers=n_workers, weight=t.weight))
+          feeds=n_feeds, feed_workers=n_workers, weight=t.weight,
+          waiting=waiting.get(t.name, 0), batches=batches.get(t.name, 0),
+          saves=saves.get(t.name, 0)))
     return out
 
   def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:

@@ -85,6 +85,10 @@ class StreamRunner:
     """A snapshot of every running feed on this sidecar (of ``tenant`` only, if named)."""
     return self._book.running(tenant)
 
+  def tenant_batches(self) -> dict[str, int]:
+    """Per tenant, the batches its feeds made here (running and ended)."""
+    return self._book.tenant_batches()
+
   def feed_totals(self) -> tuple[metrics_lib.FeedTotals, ...]:
     """Per pipeline, its feeds' figures so far: those running and those that ended."""
     return self._book.totals()
@@ -176,6 +180,7 @@ class FeedBook:
     self._running: dict[int, tuple[pb.FeedStatus, float, CreditSource, str | None]] = {}
     # Per pipeline, the feeds that ended: [feeds, batches, produce, backpressure, wait].
     self._ended: dict[str, list[float]] = {}
+    self._ended_batches: dict[str, int] = {}  # per tenant, batches of its feeds that ended
 
   @contextlib.contextmanager
   def feeding(self, status: pb.FeedStatus, credits: CreditSource,
@@ -192,6 +197,17 @@ class FeedBook:
         for i, v in enumerate((1, status.batches, status.produce_s, status.backpressure_s,
                                credits.consumer_wait_s)):
           totals[i] += v
+        if tenant is not None:
+          self._ended_batches[tenant] = self._ended_batches.get(tenant, 0) + status.batches
+
+  def tenant_batches(self) -> dict[str, int]:
+    """Per tenant, the batches its feeds made (those running and those that ended)."""
+    with self._lock:
+      out = dict(self._ended_batches)
+      for status, _, _, tenant in self._running.values():
+        if tenant is not None:
+          out[tenant] = out.get(tenant, 0) + status.batches
+    return out
 
   def running(self, tenant: str | None = None) -> list[pb.FeedStatus]:
     """A snapshot of every running feed (of ``tenant`` only, if named)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import sockets, tenants as tenants_lib
+from sidecar._src.server import admission, sockets, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import SocketCredits
 from sidecar._src.server.leases import Leases
@@ -200,9 +200,11 @@ class WorkerListener:
       ipc.send(conn, reply, fds=(self._arena.fd,))
       log.info("worker pid %s attached as %s", message.get("pid"), session,
                extra={"session": session})
+      # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
+      frames = message.get("queue") is True
       while True:
         message, _ = ipc.recv(conn)
-        self._handle(conn, session, message)
+        self._handle(conn, session, message, frames=frames)
     except errors.SidecarError as e:
       # Malformed frames included: answered, then the connection ends (after garbage,
       # nothing on it can be trusted to be a frame boundary). First: a refused attach is a
@@ -367,21 +369,28 @@ class WorkerListener:
         self._free(session, codec.arena_blocks(response.result))
         raise
 
-  def _handle(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
+  def _handle(self, conn: socket.socket, session: str, message: dict[str, Any], *,
+              frames: bool = False) -> None:
     op = message.get("op")
     if op == "ping":  # a sign of life, asked while a stream of this worker waits
       ipc.send(conn, {"ok": True})
+      return
+    if op == "cancel":  # sent while an alloc waited (Ctrl-C): that alloc has answered
       return
     if op == "free":
       self._free(session, _blocks(message.get("blocks", [])))
       return
     if op == "alloc":
       try:
-        timeout = float(message.get("timeout", 0.0))
-        if not 0 <= timeout < math.inf:
-          raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
+        timeout = _alloc_timeout(message.get("timeout"), self._leases.queued(session))
+
+        def on_wait(place: admission.Place) -> None:
+          if frames:
+            ipc.send(conn, {"queued": place.to_dict()})
+
         # One block (an argument's), or a save's blocks on this host in one round trip.
-        reply: dict[str, Any] = {"blocks": self._alloc(message["sizes"], session, timeout)}
+        reply: dict[str, Any] = {"blocks": self._alloc(
+            message["sizes"], session, timeout, alive=lambda: _quiet(conn), on_wait=on_wait)}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:
@@ -391,17 +400,21 @@ class WorkerListener:
       return
     ipc.send(conn, {"error": protocol.error_dict(errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
-  def _alloc(self, sizes: Any, session: str, timeout: float) -> list[list[int]]:
-    """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s for all: every
-    one, or none (those granted go back) and the error."""
+  def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
+             alive: Callable[[], bool] | None = None,
+             on_wait: Callable[[admission.Place], None] | None = None) -> list[list[int]]:
+    """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s (None: as long
+    as its turn in the admission queue takes, while ``alive``) for all: every one, or none
+    (those granted go back) and the error."""
     if not isinstance(sizes, list) or not 0 < len(sizes) <= ipc.MAX_ALLOC_BLOCKS:
       raise ValueError(f"sizes must be a list of 1 to {ipc.MAX_ALLOC_BLOCKS} byte counts")
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     blocks: list[list[int]] = []
     try:
       for n in sizes:
-        block = self._leases.alloc(int(n), session,
-                                   timeout=max(deadline - time.monotonic(), 0.0))
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        block = self._leases.alloc(int(n), session, timeout=left, alive=alive,
+                                   on_wait=on_wait)
         blocks.append([block.offset, block.nbytes, block.generation])
     except BaseException:
       for offset, _, generation in blocks:
@@ -484,6 +497,29 @@ def _peer_uid(conn: socket.socket) -> int | None:
   except OSError:
     return None
   return struct.unpack("3i", creds)[1]
+
+
+def _alloc_timeout(raw: Any, queued: bool) -> float | None:
+  """An alloc request's ``timeout``: seconds >= 0 as given; none given: wait its turn in
+  the admission queue (None) if the worker's tenant has one, else fail at once (0)."""
+  if raw is None:
+    return None if queued else 0.0
+  timeout = float(raw)
+  if not 0 <= timeout < math.inf:
+    raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
+  return timeout
+
+
+def _quiet(conn: socket.socket) -> bool:
+  """Whether a worker waiting for an alloc is still there and still waits: it sends
+  nothing meanwhile, so data (its cancel) or a hang-up ends the wait."""
+  try:
+    conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+  except BlockingIOError:
+    return True
+  except OSError:
+    return False
+  return False
 
 
 def _peer_open(conn: socket.socket) -> bool:

@@ -162,7 +162,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
                        match=r"tenant 'carol' holds .* more would pass its quota "
                        r"\(arena_ceiling=16.0 MiB"):
       for _ in range(64):
-        held.append(hog.empty((1 << 20,), np.uint8))
+        held.append(hog.empty((1 << 20,), np.uint8, timeout=0))  # else: it queues
     assert len(held) >= 14
     _well_behaved(alice, bob, reference, tmp_path, 4)
     del held

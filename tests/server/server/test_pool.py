@@ -118,7 +118,7 @@ def test_arena_ceiling_and_guarantee_hold_for_workers(pool_server):
     with pytest.raises(sidecar.ResourceExhaustedError,
                        match=r"tenant 'alice' holds 3.0 MiB of the arena; 64.0 KiB more would "
                        r"pass its quota \(arena_ceiling=3.0 MiB"):
-      alice.empty((64 << 10,), np.uint8)
+      alice.empty((64 << 10,), np.uint8, timeout=0)  # None: wait its turn in the queue
     b = bob.empty((4 << 20,), np.uint8)  # his guarantee: there, whatever alice did
     status = pool_server.service.status(pb.StatusRequest().SerializeToString(), _Context(BOB))
     (row,) = status.tenants  # bob sees his own row only
@@ -211,7 +211,7 @@ def test_a_worker_belongs_to_the_tenant_that_names_its_user(make_server, tmp_pat
   worker = Worker(server.options.socket_path, token=None)
   try:
     with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'alice': a block of 3.0 MiB"):
-      worker.empty((3 << 20,), np.uint8)
+      worker.empty((3 << 20,), np.uint8, timeout=0)
   finally:
     worker.close()
 

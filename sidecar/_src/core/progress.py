@@ -1,0 +1,123 @@
+"""Progress bars on long waits: tqdm (``tqdm.auto`` in a notebook), quiet elsewhere.
+
+A bar shows only when its output is a terminal or a notebook, and only once the
+wait has lasted ``delay`` seconds; a short wait prints nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def in_notebook() -> bool:
+  """Whether this process is a Jupyter kernel."""
+  shell = sys.modules.get("IPython")
+  get = getattr(shell, "get_ipython", None)
+  return get is not None and type(get()).__name__ == "ZMQInteractiveShell"
+
+
+def enabled() -> bool:
+  """Whether a bar would be seen: a notebook, or stderr is a terminal."""
+  try:
+    return in_notebook() or sys.stderr.isatty()
+  except (AttributeError, ValueError):  # stderr replaced or closed
+    return False
+
+
+def _tqdm() -> Any:
+  if in_notebook():
+    try:
+      import ipywidgets  # noqa: F401  (tqdm.auto's widget needs it)
+      from tqdm.auto import tqdm
+      return tqdm
+    except ImportError:
+      pass
+  from tqdm import tqdm as std
+  return std
+
+
+@contextlib.contextmanager
+def lines(progress: Callable[[str], None] | None | bool, what: str = ""
+          ) -> Iterator[Callable[[str], None] | None]:
+  """The ``progress`` a long wait reports its lines to: the caller's callable as it is;
+  ``None`` (the default): a one-line tqdm status when enabled, else nothing; ``False``:
+  nothing."""
+  if progress is False or (progress is None and not enabled()):
+    yield None
+    return
+  if progress is not None and progress is not True:
+    yield progress
+    return
+  bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=what, leave=False,
+                file=sys.stderr, delay=1.0)  # nothing for a wait under a second
+  try:
+    yield bar.set_description_str
+  finally:
+    bar.close()
+
+
+@contextlib.contextmanager
+def waiting(what: str, *, delay: float = 2.0) -> Iterator[None]:
+  """Shows ``what`` with the time waited, once the block has lasted ``delay`` seconds."""
+  if not enabled():
+    yield
+    return
+  stop = threading.Event()
+
+  def show() -> None:
+    if stop.wait(delay):
+      return
+    bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=what, leave=False,
+                  file=sys.stderr)
+    bar.start_t -= delay  # the wait began before the bar
+    try:
+      while not stop.wait(0.5):
+        bar.refresh()
+    finally:
+      bar.close()
+
+  thread = threading.Thread(target=show, name="sidecar-progress", daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    thread.join(5)
+
+
+class Queued:
+  """A tqdm line for a request waiting in a pool's admission queue: its tenant, place and
+  estimate, redrawn as the sidecar reports them; nothing where no bar would be seen.
+  ``close()`` is idempotent."""
+
+  def __init__(self, what: str):
+    self._what = what
+    self._bar: Any = None
+
+  def update(self, place: dict[str, Any]) -> None:
+    """Shows ``place`` (``admission.Place.to_dict()``: tenant, position, waiting, eta_s)."""
+    if not enabled():
+      return
+    eta = place.get("eta_s")
+    text = (f"{self._what}: tenant {place.get('tenant')!r} waits in the sidecar's arena "
+            f"queue, {place.get('position')} of {place.get('waiting')}, "
+            + ("no estimate yet" if eta is None else f"about {float(eta):.0f} s left"))
+    if self._bar is None:
+      self._bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=text,
+                          leave=False, file=sys.stderr)
+    else:
+      self._bar.set_description_str(text)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
+
+def queued(what: str) -> Queued:
+  """A :class:`Queued` line for ``what`` (e.g. ``"arena block"``)."""
+  return Queued(what)

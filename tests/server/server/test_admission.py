@@ -1,0 +1,90 @@
+"""Tier 2: a pool's admission queue over the Worker socket (issue 37, item 3).
+
+A tenant's arena request that does not fit waits its turn instead of failing: its place
+reaches the trainer (which keeps waiting past its peer timeout while the sidecar reports)
+and Status's ``waiting``; ``timeout=`` makes it fail, naming tenant, place and quota.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.arena.worker import Worker
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
+from tests.conftest import PEER_TOKEN, eventually
+from tests.support.pool_files import ALICE, BOB, write_pool
+
+pytestmark = pytest.mark.server
+
+
+class _Context:
+  """The little of a ServicerContext that Status reads."""
+
+  def __init__(self, token):
+    self._metadata = ((protocol.AUTH_KEY, f"Bearer {token}"),)
+
+  def invocation_metadata(self):
+    return self._metadata
+
+
+def _rows(server, token=PEER_TOKEN):
+  status = server.service.status(pb.StatusRequest().SerializeToString(), _Context(token))
+  return {t.name: t for t in status.tenants}
+
+
+def test_a_request_past_the_ceiling_waits_its_turn_and_status_shows_it(make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path))
+  first = Worker(server.options.socket_path, token=ALICE)
+  # A peer timeout shorter than the wait: the sidecar's reports of its place keep it alive.
+  second = Worker(server.options.socket_path, token=ALICE, timeout=1.0)
+  got: list = []
+  try:
+    held = first.empty((3 << 20,), np.uint8)  # all of alice's ceiling
+    waiter = threading.Thread(target=lambda: got.append(second.empty((1 << 20,), np.uint8)))
+    waiter.start()
+    assert eventually(lambda: _rows(server)["alice"].waiting == 1)
+    assert _rows(server, BOB)["bob"].waiting == 0 and "alice" not in _rows(server, BOB)
+    time.sleep(2.0)  # twice the waiter's peer timeout
+    assert not got and _rows(server, ALICE)["alice"].waiting == 1
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"tenant 'alice' holds 3.0 MiB .*\(arena_ceiling=3.0 MiB.*pool.yaml:"
+                       r".*\(it waited 0.3\d* s, at position 2 of 2 in the arena queue"):
+      first.empty((1 << 20,), np.uint8, timeout=0.3)
+    del held  # its block goes back: the waiter's turn
+    waiter.join(10)
+    assert len(got) == 1 and got[0][0].nbytes == 1 << 20
+    assert _rows(server)["alice"].waiting == 0
+    del got[:]
+  finally:
+    first.close()
+    second.close()
+
+
+def test_a_worker_that_leaves_the_queue_frees_its_place(make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path))
+  first = Worker(server.options.socket_path, token=ALICE)
+  second = Worker(server.options.socket_path, token=ALICE)
+  errors_seen: list = []
+  try:
+    held = first.empty((3 << 20,), np.uint8)
+
+    def wait() -> None:
+      try:
+        second.empty((1 << 20,), np.uint8)
+      except sidecar.SidecarError as e:
+        errors_seen.append(e)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert eventually(lambda: _rows(server)["alice"].waiting == 1)
+    second._sock.shutdown(2)  # the trainer is gone (killed): its wait ends within a second
+    assert eventually(lambda: _rows(server)["alice"].waiting == 0)
+    waiter.join(10)
+    assert errors_seen and isinstance(errors_seen[0], sidecar.HostLostError)
+    del held
+  finally:
+    first.close()
+    second.close()
