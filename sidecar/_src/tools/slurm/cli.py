@@ -143,6 +143,10 @@ def _add_service(commands: argparse._SubParsersAction) -> None:
   p.add_argument("--devices-per-host", type=int, default=1,
                  help="device ids each sidecar declares, for one-process clients (host h "
                       "owns h*D..h*D+D-1)")
+  p.add_argument("--pool", metavar="FILE",
+                 help="a pool file (YAML, on a filesystem every node reads): each sidecar "
+                      "serves its tenants, each with its token and quotas, instead of the "
+                      "service's one token; docs/pool.md (default: none)")
   _common(p)
   p.set_defaults(func=_service, parser=p)
 
@@ -156,7 +160,8 @@ def _service(args: argparse.Namespace) -> int:
         hosts_per_node=args.hosts_per_node, devices_per_host=args.devices_per_host,
         shm_size=args.shm_size, imports=tuple(args.imports),
         checkpoint_root=os.path.abspath(args.checkpoint_root or os.getcwd()),
-        sbatch_args=tuple(args.sbatch_args))
+        sbatch_args=tuple(args.sbatch_args),
+        pool=os.path.abspath(args.pool) if args.pool else "")
   except errors.InvalidArgumentError as e:
     args.parser.error(str(e))
   return service.submit(spec)

@@ -288,7 +288,8 @@ def run_array(name: str) -> int:
   sidecars = tasks.NodeSidecars(
       directory, first=first, count=per, slice_id=task, shm_size=spec.shm_size,
       imports=spec.imports, checkpoint_roots=(spec.checkpoint_root,), ports=ports,
-      device_ids={h: list(range(h * d, (h + 1) * d)) for h in range(first, first + per)})
+      device_ids={h: list(range(h * d, (h + 1) * d)) for h in range(first, first + per)},
+      pool=spec.pool)
   try:
     sidecars.start()
     for e in rendezvous.read_hosts(directory):
@@ -354,7 +355,11 @@ def status(name: str, *, timeout: float = 5.0) -> int:
   cluster = rendezvous.ClusterFile.read(path)
   print(f"  cluster file: {path}\n  hosts: {', '.join(cluster.hosts)}", flush=True)
   from sidecar._src.controller import status as status_lib
-  token = rendezvous.read_token_file(cluster.token_file)
+  spec = ServiceSpec(**rendezvous.read_json(os.path.join(directory, "service.json")))
+  # A pool's sidecars take their tenants' tokens and the peer token (the operator's, which
+  # sees every tenant), not the service's.
+  token = rendezvous.read_token_file(os.path.join(directory, rendezvous.PEER_TOKEN_FILE)
+                                     if spec.pool else cluster.token_file)
   addresses = [h.rsplit(":", 1)[0] for h in cluster.hosts]
   return status_lib.print_status(addresses, timeout=timeout, token=token, as_json_=False)
 

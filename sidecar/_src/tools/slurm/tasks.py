@@ -43,11 +43,14 @@ def paths(directory: str, host_id: int) -> tuple[str, str, str]:
 def serve_args(host_id: int, slice_id: int, *, sock: str, ready: str, shm_size: str,
                imports: Sequence[str], checkpoint_roots: Sequence[str], token_file: str,
                port: int = 0, health_port: int = 0,
-               device_ids: Sequence[int] = (), session_quota: str | None = None) -> list[str]:
-  """The ``sidecar serve`` command of one host of a Slurm job."""
+               device_ids: Sequence[int] = (), session_quota: str | None = None,
+               pool: str = "") -> list[str]:
+  """The ``sidecar serve`` command of one host of a Slurm job; with ``pool`` (a pool
+  file's absolute path) its tenants' tokens instead of the job's ``token_file``."""
   args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(host_id),
           "--slice-id", str(slice_id), "--port", str(port), "--health-port", str(health_port),
-          "--socket", sock, "--shm-size", shm_size, "--token-file", token_file,
+          "--socket", sock, "--shm-size", shm_size,
+          *(["--pool", pool] if pool else ["--token-file", token_file]),
           # beside the token file, in the job's (or service's) 0700 directory
           "--peer-token-file",
           os.path.join(os.path.dirname(token_file), rendezvous.PEER_TOKEN_FILE),
@@ -68,8 +71,10 @@ class NodeSidecars:
   def __init__(self, directory: str, *, first: int, count: int, slice_id: int,
                shm_size: str, imports: Sequence[str], checkpoint_roots: Sequence[str],
                ports: dict[int, tuple[int, int]] | None = None,
-               device_ids: dict[int, list[int]] | None = None, session_quota: str | None = None):
+               device_ids: dict[int, list[int]] | None = None, session_quota: str | None = None,
+               pool: str = ""):
     self.directory, self.first, self.count, self.slice_id = directory, first, count, slice_id
+    self.pool = pool  # a pool file: its tenants, not the job's token (sidecar serve --pool)
     self.session_quota = session_quota  # each session's share of the arena (several ranks)
     self.shm_size, self.imports, self.checkpoint_roots = shm_size, imports, checkpoint_roots
     self.ports = ports or {}
@@ -102,7 +107,8 @@ class NodeSidecars:
                         ready=os.path.join(self.tmp, f"{h}.ready"), shm_size=self.shm_size,
                         imports=self.imports, checkpoint_roots=self.checkpoint_roots,
                         token_file=self.token_file, port=port, health_port=health,
-                        device_ids=self.device_ids.get(h, ()), session_quota=self.session_quota)
+                        device_ids=self.device_ids.get(h, ()), session_quota=self.session_quota,
+                        pool=self.pool)
       env = {**platform.sidecar_env(os.environ), "PYTHONUNBUFFERED": "1"}  # never the chip
       env.pop(env_lib.TOKEN, None)
       with open(log, "ab") as out:

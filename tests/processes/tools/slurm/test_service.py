@@ -17,6 +17,7 @@ import pytest
 
 import sidecar
 from tests.conftest import alive
+from tests.support import pool_files
 from tests.support.paths import ROOT
 from tests.support.trainers import results
 
@@ -154,3 +155,36 @@ def test_a_requeued_task_whose_port_was_taken_serves_on_a_fresh_one(slurm, tmp_p
     cli(slurm, env, "stop", "busy", check=False)
   assert slurm.jobs() == []
   assert not (home / "busy").exists()
+
+
+def test_a_service_serves_a_pool_of_tenants(slurm, tmp_path):
+  """``--pool FILE`` (issue 37): every sidecar serves the pool's tenants with their own
+  tokens, not the service's; its status asks with the peer token, which sees them all."""
+  home = tmp_path / "home"
+  env = {**slurm.env, "SIDECAR_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+  pool = pool_files.write_pool(tmp_path)
+  bad = cli(slurm, env, "service", "--name", "pool", "--pool", str(tmp_path / "none.yaml"),
+            check=False)
+  assert bad.returncode == 2 and "--pool " + str(tmp_path / "none.yaml") in bad.stderr
+  cli(slurm, env, "service", "--name", "pool", "--shm-size", "64MiB",
+      "--import", "tests.support.sidecar_fns", "--checkpoint-root", str(tmp_path),
+      "--pool", os.path.relpath(pool, ROOT))  # made absolute: the tasks run elsewhere
+  cluster_file = home / "pool" / "cluster.env"
+  try:
+    wait_for(cluster_file)
+    spec = json.loads((home / "pool" / "service.json").read_text())
+    assert spec["pool"] == pool
+    (entry,) = hosts_of(cluster_file)
+    host = entry.rsplit(":", 1)[0]  # host:port (its health port after)
+    with sidecar.Controller([host], token=pool_files.ALICE, attach=False, timeout=30) as ctl:
+      assert ctl.call("add", args=(1,), kwargs={"b": 2}) == [3]
+    service_token = (home / "pool" / "token").read_text().strip()
+    with pytest.raises(sidecar.AuthenticationError):
+      sidecar.Controller([host], token=service_token, attach=False, timeout=30)
+    shown = cli(slurm, env, "status", "pool", check=False)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert re.search(rf"^{re.escape(host)} +0 ", shown.stdout, re.M), shown.stdout
+  finally:
+    cli(slurm, env, "stop", "pool", check=False)
+  assert slurm.jobs() == []
+  assert not (home / "pool").exists()
