@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import dtypes, errors
+from sidecar._src.core.trees import KeyPath
 
 ITEM = "default"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax atomicity_types.TMP_DIR_SUFFIX
@@ -28,7 +29,6 @@ COMMIT_SUCCESS_FILE = "commit_success.txt"  # orbax atomicity_types.COMMIT_SUCCE
 METADATA_FILE = "_METADATA"
 SHARDING_FILE = "_sharding"
 
-KeyPath = tuple[str | int, ...]
 Index = tuple[tuple[int, int], ...]
 
 

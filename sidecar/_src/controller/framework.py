@@ -32,10 +32,10 @@ What an adapter implements:
 - ``controller/peers.Peers``: ``publish`` and ``read`` over the framework's key-value
   store (``jax.distributed``'s, ``torch.distributed``'s).
 
-A key path must be what stock Orbax names the leaf: ``core/trees.py`` makes them as
-``jax/checkpoint.key_path`` makes them of ``jax.tree_util``'s paths (JAX's own where JAX
-is loaded), so registered pytrees keep their names. :class:`HostArrays` is the adapter of no framework: numpy arrays and scalars,
-one process, no devices; with it a core Controller calls, streams and checkpoints host
+A key path must be what stock Orbax names the leaf: ``core/trees.py`` makes them, from
+``jax.tree_util``'s paths where JAX is loaded, so registered pytrees keep their names.
+:class:`HostArrays` is the adapter of no framework: numpy arrays and scalars, one
+process, no devices; with it a core Controller calls, streams and checkpoints host
 arrays without importing any framework.
 """
 

@@ -4,8 +4,8 @@ Turns a pytree of ``jax.Array``s (numpy arrays, scalars) into the controller cor
 neutral description (``controller/framework.SaveLeaf``: a leaf spec and this process's
 replica-0 shards, each a host buffer with its device) and a target of
 ``jax.ShapeDtypeStruct``s or arrays into the blocks a restore fills, then the filled
-blocks back into global ``jax.Array``s. Leaves are named from ``jax.tree_util``'s paths
-and shardings serialized as ``orbax.checkpoint`` does, byte for byte
+blocks back into global ``jax.Array``s. Leaves are named from ``core/trees``' key paths
+(JAX's own walk) and shardings serialized as ``orbax.checkpoint`` does, byte for byte
 (tests/unit/jax/test_checkpoint.py compares them with Orbax's).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,25 +29,10 @@ from sidecar._src.controller.framework import (
   check_tree,
   whole,
 )
-from sidecar._src.core import errors
+from sidecar._src.core import errors, trees
 from sidecar._src.jax import transfer
 
 log = logging.getLogger(__name__)
-
-
-def key_path(path: Sequence[Any]) -> KeyPath:
-  """A jax tree path as Orbax names it: dict keys and attributes as str, indices as int."""
-  out = []
-  for k in path:
-    if isinstance(k, jax.tree_util.SequenceKey):
-      out.append(k.idx)
-    elif isinstance(k, jax.tree_util.DictKey):
-      out.append(str(k.key))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      out.append(k.name)
-    else:
-      out.append(str(getattr(k, "key", k)))
-  return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)
@@ -129,8 +113,8 @@ def save_leaves(tree: Any, *, device_copies: bool | None = None) -> list[SaveLea
   device lacks the memory for the copy, its shards' transfers are waited for instead.
   ``device_copies`` True or False takes one way for every device (None: by platform).
   """
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  paths = [key_path(path) for path, _ in flat]
+  flat, _ = trees.flatten_with_path(tree)
+  paths = [path for path, _ in flat]
   check_tree(paths, tree)
   out: list[tuple[LeafSpec, list]] = []
   on_device: list[tuple[list, int, jax.Array]] = []  # (the leaf's shards, slot, shard)
@@ -199,7 +183,7 @@ def restore_target(target: Any) -> RestoreTarget:
   """The blocks of ``target`` (``jax.ShapeDtypeStruct``s with shardings, arrays) that this
   process fills: one per addressable device of a sharded leaf, else the whole leaf."""
   transfer.release_dropped()  # the blocks of trees restored before and dropped come back
-  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+  flat, treedef = trees.flatten_with_path(target)
   leaves, shardings = [], []
   for path, want in flat:
     sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
@@ -211,7 +195,7 @@ def restore_target(target: Any) -> RestoreTarget:
       by_device = sharding.addressable_devices_indices_map(shape)
       devices = list(by_device)
       blocks = tuple((shard_index(index, shape), d.id) for d, index in by_device.items())
-    leaves.append(RestoreLeaf(key_path(path), shape, dtype, blocks))
+    leaves.append(RestoreLeaf(path, shape, dtype, blocks))
     shardings.append((sharding, devices))
 
   def build(filled: list[list[np.ndarray]]) -> Any:
@@ -221,6 +205,6 @@ def restore_target(target: Any) -> RestoreTarget:
         out.append(blocks[0] if leaf.shape else blocks[0][()])
       else:
         out.append(transfer.global_array(leaf.shape, sharding, blocks, devices))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return trees.unflatten(treedef, out)
 
   return RestoreTarget(tuple(leaves), build)

@@ -18,7 +18,6 @@ import torch
 
 from sidecar._src.arena.worker import TrainerProcess
 from sidecar._src.ckptfmt.spec import LeafSpec
-from sidecar._src.controller import trees
 from sidecar._src.controller.framework import (
   Framework,
   RestoreLeaf,
@@ -29,7 +28,7 @@ from sidecar._src.controller.framework import (
   whole,
 )
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import dtypes, errors
+from sidecar._src.core import dtypes, errors, trees
 from sidecar._src.torch import distributed, tensors
 
 

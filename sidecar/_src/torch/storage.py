@@ -56,7 +56,7 @@ from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save import SaveProtocol
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.checkpoint.target import Target
-from sidecar._src.core import dtypes, errors, interrupts
+from sidecar._src.core import dtypes, errors, interrupts, trees
 from sidecar._src.torch import (
   controller as torch_controller,
   framework,
@@ -218,7 +218,7 @@ class StorageWriter(_Writer):
     def done(f: concurrent.futures.Future) -> None:
       if f.exception() is None:
         self.last_stats = {**self.last_stats, "replicate_s": time.perf_counter() - t0,
-                           "replicated_bytes": float(sum(r["bytes"] for r in f.result()))}
+                           "replicated_bytes": float(sum(r.nbytes for r in f.result()))}
     replication.add_done_callback(done)
     return replication
 
@@ -240,17 +240,15 @@ class StorageWriter(_Writer):
     """Copies every tensor of ``state_dict`` into this rank's sidecar's arena (its blocks
     allocated in one request): the state dict the background save then writes (DCP's
     ``AsyncStager``)."""
-    found: list[tuple[torch.Tensor, np.ndarray]] = []
-
-    def collect(t: torch.Tensor, name: str) -> torch.Tensor:
-      local = t.to_local() if isinstance(t, DTensor) else t
-      found.append((t, framework.host_array(local, f"state dict entry {name!r}")))
-      return t
-    _map_tensors(state_dict, collect)
-    blocks = self._site.client.empty_like(self._home, [a for _, a in found])
-    staged = iter([self._staged(t, a, block) for (t, a), (block, _) in zip(found, blocks)])
-    found.clear()
-    return _map_tensors(state_dict, lambda t, name: next(staged))
+    flat, treedef = trees.flatten_with_path(state_dict)
+    leaves = [x for _, x in flat]
+    found = [(i, x, framework.host_array(x.to_local() if isinstance(x, DTensor) else x,
+                                         f"state dict entry {'.'.join(map(str, path))!r}"))
+             for i, (path, x) in enumerate(flat) if isinstance(x, torch.Tensor)]
+    blocks = self._site.client.empty_like(self._home, [a for _, _, a in found])
+    for (i, t, a), (block, _) in zip(found, blocks):
+      leaves[i] = self._staged(t, a, block)
+    return trees.unflatten(treedef, leaves)
 
   @staticmethod
   def _staged(t: torch.Tensor, array: np.ndarray, block: np.ndarray) -> torch.Tensor:
@@ -271,17 +269,6 @@ class StorageWriter(_Writer):
 
   def close(self) -> None:
     pass
-
-
-def _map_tensors(tree: Any, fn: Any, prefix: str = "") -> Any:
-  if isinstance(tree, torch.Tensor):
-    return fn(tree, prefix)
-  if isinstance(tree, dict):
-    return {k: _map_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k)) for k, v in tree.items()}
-  if isinstance(tree, (list, tuple)):
-    out = [_map_tensors(v, fn, f"{prefix}.{i}") for i, v in enumerate(tree)]
-    return type(tree)(out) if isinstance(tree, tuple) else out
-  return tree
 
 
 class StorageReader(_Reader):

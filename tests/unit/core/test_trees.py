@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from sidecar._src.core import trees
-from sidecar._src.jax.checkpoint import key_path
 
 pytestmark = pytest.mark.unit
 
@@ -26,6 +25,14 @@ class Typed(NamedTuple):
 
 class SubPair(Pair):
   pass
+
+
+def key_path(path):
+  """A JAX key path as stock Orbax names a leaf (dict keys and attributes str, indices int)."""
+  tu = jax.tree_util
+  return tuple(k.idx if isinstance(k, tu.SequenceKey) else str(k.key) if isinstance(k, tu.DictKey)
+               else k.name if isinstance(k, tu.GetAttrKey) else str(getattr(k, "key", k))
+               for k in path)
 
 
 @dataclasses.dataclass
