@@ -447,7 +447,7 @@ class CheckpointInfoRequest(_message.Message):
     def __init__(self, final_dir: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfoResponse(_message.Message):
-    __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas", "dcp_plan_json", "extras_json", "step")
+    __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas", "extras_json", "step")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -460,7 +460,6 @@ class CheckpointInfoResponse(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    DCP_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     format: str
@@ -468,10 +467,9 @@ class CheckpointInfoResponse(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
     data_state_json: str
     replicas: _containers.MessageMap[int, HostIds]
-    dcp_plan_json: str
     extras_json: str
     step: int
-    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp_plan_json: _Optional[str] = ..., extras_json: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., extras_json: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ByteRange(_message.Message):
     __slots__ = ("offset", "nbytes")

@@ -8,7 +8,8 @@ the last host writes.
 
 import numpy as np
 
-from sidecar._src.ckptfmt import commit as orbax_commit, spec as layout_spec, write as orbax_write
+from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
 from sidecar._src.ckptfmt.shards import HostLeaf, Shard
 
 W = np.arange(48, dtype=np.float32).reshape(8, 6)

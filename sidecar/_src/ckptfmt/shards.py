@@ -11,7 +11,6 @@ import dataclasses
 import crc32c
 import numpy as np
 
-from sidecar._src.ckptfmt.records import ShardChecksum  # noqa: F401 - its old home
 from sidecar._src.ckptfmt.spec import LeafSpec
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from sidecar._src.ckptfmt import read as ol_read
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, Target
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
@@ -83,7 +83,7 @@ class SidecarCheckpointHandler(ocp.AsyncCheckpointHandler):
     Nested dicts by key path (sequence indices as int keys); no shardings.
     """
     tree: dict[Any, Any] = {}
-    for leaf in ol_read.item_leaves(directory):
+    for leaf in orbax_read.item_leaves(directory):
       *parents, last = leaf["key_path"]
       node = tree
       for key in parents:

@@ -326,8 +326,6 @@ def manifest_to_pb(m: Manifest) -> ckpt_pb.CheckpointInfoResponse:
     out.data_state_json = json.dumps(m.data_state)
   if m.extras:
     out.extras_json = json.dumps(dict(m.extras))
-  if m.dcp_plan is not None:  # for callers that read only this field
-    out.dcp_plan_json = json.dumps(m.dcp_plan)
   if m.step is not None:
     out.step = m.step
   replicas_to_pb(out.replicas, m.replicas)
@@ -337,8 +335,6 @@ def manifest_to_pb(m: Manifest) -> ckpt_pb.CheckpointInfoResponse:
 def manifest_from_pb(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
   try:
     extras = json.loads(r.extras_json) if r.extras_json else {}
-    if r.dcp_plan_json and "plan" not in extras:  # a sidecar from before extras_json
-      extras["plan"] = json.loads(r.dcp_plan_json)
     data_state = json.loads(r.data_state_json) if r.data_state_json else None
   except ValueError as e:
     raise errors.InvalidArgumentError(f"the manifest's JSON is not JSON: {e}") from None

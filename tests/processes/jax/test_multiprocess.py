@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sidecar._src.ckptfmt import read as ol_read
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 from tests.support.paths import ROOT
 from tests.support.trainers import by_process, results, single, without
 
@@ -58,7 +58,7 @@ def test_one_script_trains_alike_as_one_process_or_two(tmp_path):
   calls = ident["calls"] + by_process(multi, 1)[0]["calls"]
   assert len(calls) == 2 and len(set(calls)) == 2
   assert len(by_process(one, 0)[0]["calls"]) == 2
-  assert sorted(ol_read.list_steps(str(tmp_path / "multi"))) == [2, 4]
+  assert sorted(orbax_read.list_steps(str(tmp_path / "multi"))) == [2, 4]
   # Stock Orbax in one process (this one) restores what the two processes saved.
   with ocp.CheckpointManager(tmp_path / "multi") as mngr:
     stock = mngr.restore(4, args=ocp.args.StandardRestore(
@@ -105,7 +105,7 @@ def test_a_killed_process_stops_the_job_and_the_last_step_restores(tmp_path, fau
   committed = steps[-1]
   assert committed in staged, output
   # Nothing partial is listed: the step in flight never committed.
-  assert ol_read.list_steps(str(tmp_path)) == steps, output
+  assert orbax_read.list_steps(str(tmp_path)) == steps, output
   # A new job restores the last committed step bit-exact.
   code, again, output = launch(tmp_path, "restore")
   assert code == 0, output

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sidecar._src.ckptfmt import read as ol_read
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 from sidecar._src.tools import launch
 from sidecar._src.tools.local import LocalCluster
 from tests.support.paths import ROOT
@@ -53,7 +53,7 @@ def test_two_processes_share_one_sidecar_and_train_as_one_process(tmp_path):
   assert set(ident["device_hosts"].values()) == {0} and len(ident["device_hosts"]) == 4
   restored = next(r for r in p0 if r["kind"] == "restored")
   assert restored["same"] and restored["step"] == 4
-  assert sorted(ol_read.list_steps(str(tmp_path / "shared"))) == [2, 4]
+  assert sorted(orbax_read.list_steps(str(tmp_path / "shared"))) == [2, 4]
   # Stock Orbax restores what the two processes saved through their one sidecar.
   with ocp.CheckpointManager(tmp_path / "shared") as mngr:
     stock = mngr.restore(4, args=ocp.args.StandardRestore(

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sidecar._src.ckptfmt import read as ol_read
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 from tests.conftest import alive, eventually
 from tests.support.paths import ROOT
 from tests.support.train_elastic import GLOBAL_BATCH, STEPS
@@ -127,7 +127,7 @@ def test_a_lost_host_restarts_the_job_on_the_others_from_the_last_step(tmp_path,
 
   # No step is listed that was not committed; the job after the loss saved steps too.
   committed = {r["step"] for r in _of(got, "committed")}
-  assert ol_read.list_steps(str(tmp_path / "elastic")) == [1, 3, 5, 7]
+  assert orbax_read.list_steps(str(tmp_path / "elastic")) == [1, 3, 5, 7]
   assert set(finals[0]["steps"]) <= committed and set(finals[0]["steps"]) == {1, 3, 5, 7}
   # Stock Orbax restores a step that hosts 0 and 2 saved as a job of 2.
   with ocp.CheckpointManager(tmp_path / "elastic") as mngr:
@@ -161,7 +161,7 @@ def test_in_place_a_lost_sidecar_starts_again_empty_and_the_job_keeps_its_size(
   assert "replica:host2" in restored[1]["sources"], restored[1]["sources"]
   assert set(restored[0]["sources"]) == {"ram:host0"}, restored[0]["sources"]
   _assert_same_run_after(got, reference(), restart=1)
-  assert ol_read.list_steps(str(tmp_path)) == [1, 3, 5, 7]
+  assert orbax_read.list_steps(str(tmp_path)) == [1, 3, 5, 7]
   pids = [int(p) for p in re.findall(r"sidecar \(pid (\d+)\)", err)]
   assert len(pids) == 4 and eventually(lambda: not any(alive(p) for p in pids)), err
 
@@ -173,7 +173,7 @@ def test_a_loss_below_min_hosts_ends_the_job(tmp_path):
   assert re.search(r"host 1's sidecar was killed by SIGKILL \(2 hosts would remain, fewer "
                    r"than --min-hosts 3\); stopping every process", err), err
   assert "restart 1:" not in err and not _of(got, "start", restart=1)
-  assert ol_read.list_steps(str(tmp_path)) == [1, 3]
+  assert orbax_read.list_steps(str(tmp_path)) == [1, 3]
   _assert_nothing_left(got, err)
 
 

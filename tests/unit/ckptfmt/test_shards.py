@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import spec as layout_spec
-from sidecar._src.ckptfmt.shards import HostLeaf, Shard, ShardChecksum, shard_crc32c
+from sidecar._src.ckptfmt.records import ShardChecksum
+from sidecar._src.ckptfmt.shards import HostLeaf, Shard, shard_crc32c
 
 pytestmark = pytest.mark.unit
 

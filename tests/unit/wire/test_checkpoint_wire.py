@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.records import ShardChecksum
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import peers as replicas
 from sidecar._src.wire import checkpoint_wire as wire
@@ -136,9 +136,7 @@ def test_the_services_records_survive_the_wire_as_the_same_values():
       {"epoch": 1}, {0: [1]}, extras={"plan": {"state": {}}}, step=5)
   info = _sent(wire.manifest_to_pb(manifest))
   assert wire.manifest_from_pb(info) == manifest
-  assert json.loads(info.dcp_plan_json) == {"state": {}}  # the field older callers read
-  info.ClearField("extras_json")  # a sidecar from before extras_json: the plan still comes
-  assert wire.manifest_from_pb(info).dcp_plan == {"state": {}}
+  assert json.loads(info.extras_json) == {"plan": {"state": {}}}  # the format's, as it gave it
 
 
 def test_a_formats_parts_travel_in_the_format_part_oneof():

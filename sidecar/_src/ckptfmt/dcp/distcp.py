@@ -58,7 +58,8 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io, records
 from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
-from sidecar._src.ckptfmt.shards import ShardChecksum, shard_crc32c
+from sidecar._src.ckptfmt.records import ShardChecksum
+from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.core import errors
 
 METADATA_FILE = ".metadata"

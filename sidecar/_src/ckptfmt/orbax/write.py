@@ -20,8 +20,8 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
-from sidecar._src.ckptfmt.records import StagedShard
-from sidecar._src.ckptfmt.shards import HostLeaf, Shard, ShardChecksum, shard_crc32c
+from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.shards import HostLeaf, Shard, shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.manifest import SavedLeaf
+from sidecar._src.ckptfmt.records import SavedLeaf
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.framework import Framework, RestoreLeaf

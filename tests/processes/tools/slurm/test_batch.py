@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import read as ol_read
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 from tests.conftest import alive
 from tests.support.paths import ROOT
 from tests.support.trainers import results
@@ -80,7 +80,7 @@ def test_a_job_trains_and_saves_and_one_sharing_a_sidecar_restores_it_bit_exact(
   saved = of(found, "saved")[0]
   assert saved["steps"] == [2, 4] and of(found, "restored")[0]["same"]
   assert of(found, "orbax")[0] == {"kind": "orbax", "process": 0, "same": True, "step": 4}
-  assert sorted(ol_read.list_steps(str(ckpt))) == [2, 4]
+  assert sorted(orbax_read.list_steps(str(ckpt))) == [2, 4]
   # Job 2: 2 tasks sharing ONE sidecar restore what job 1 saved, bit-exact.
   _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "1",
                            "--devices-per-task", "2", "--import", "tests.support.feed_fns",

@@ -18,7 +18,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src.ckptfmt import direct_io, shards as ol_shards, spec as layout_spec
-from sidecar._src.ckptfmt.orbax import commit as ol_commit, read as ol_read, write as ol_write
+from sidecar._src.ckptfmt.orbax import (
+  commit as orbax_commit,
+  read as orbax_read,
+  write as orbax_write,
+)
 from sidecar._src.core import errors
 from sidecar._src.jax import checkpoint as jax_checkpoint
 
@@ -122,14 +126,14 @@ def layout(step_dir):
 def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_hosts,
                                                      use_compression):
   specs, parts = host_parts(tree, mesh, num_hosts)
-  tmp = ol_commit.create_tmp_step(tmp_path, 5)
+  tmp = orbax_commit.create_tmp_step(tmp_path, 5)
   sums = []
   for host, part in enumerate(parts):
-    sums += ol_write.write_host_part(tmp, host, part, use_compression=use_compression)
-  final = ol_commit.finalize(tmp, specs, num_hosts=num_hosts)
+    sums += orbax_write.write_host_part(tmp, host, part, use_compression=use_compression)
+  final = orbax_commit.finalize(tmp, specs, num_hosts=num_hosts)
 
   assert final == tmp_path / "5" and not tmp.exists()
-  assert ol_read.list_steps(tmp_path) == [5]
+  assert orbax_read.list_steps(tmp_path) == [5]
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
   with ocp.CheckpointManager(tmp_path) as mgr:
     assert mgr.all_steps() == [5]
@@ -145,14 +149,14 @@ def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_ho
                else 1 for _, v in flat(tree))
   assert len(sums) == unique
   for s in sums:
-    assert s.crc32c == ol_shards.shard_crc32c(ol_read.read_leaf(final, s.key_path, s.index)), s
+    assert s.crc32c == ol_shards.shard_crc32c(orbax_read.read_leaf(final, s.key_path, s.index)), s
 
 
 def test_layout_matches_stock_orbax(tree, mesh, tmp_path, stock_plain_dir):
   specs, parts = host_parts(tree, mesh, 1)
-  tmp = ol_commit.create_tmp_step(tmp_path, 0)
-  ol_write.write_host_part(tmp, 0, parts[0])
-  ours, stock = ol_commit.finalize(tmp, specs, num_hosts=1), stock_plain_dir / "0"
+  tmp = orbax_commit.create_tmp_step(tmp_path, 0)
+  orbax_write.write_host_part(tmp, 0, parts[0])
+  ours, stock = orbax_commit.finalize(tmp, specs, num_hosts=1), stock_plain_dir / "0"
 
   # Stock Orbax splits the chunks of (partly) replicated arrays among the replicas.
   split = lambda name: name.split("/")[1] in ("b", "e", "k") if name.count("/") > 1 else False
@@ -183,10 +187,10 @@ def test_chunk_files_hold_the_bytes_orbax_writes(tree, mesh, tmp_path):
     mgr.save(0, args=ocp.args.PyTreeSave(tree))
     mgr.wait_until_finished()
   specs, parts = host_parts(tree, mesh, 2)
-  tmp = ol_commit.create_tmp_step(tmp_path / "ours", 0)
+  tmp = orbax_commit.create_tmp_step(tmp_path / "ours", 0)
   for host, part in enumerate(parts):
-    ol_write.write_host_part(tmp, host, part)
-  ours, stock = ol_commit.finalize(tmp, specs, num_hosts=2) / "default", tmp_path / "stock/0/default"
+    orbax_write.write_host_part(tmp, host, part)
+  ours, stock = orbax_commit.finalize(tmp, specs, num_hosts=2) / "default", tmp_path / "stock/0/default"
   chunks = [p.relative_to(stock) for p in stock.glob("[wo]*/[0-9]*")]  # w, opt.0.mu: sharded
   assert len(chunks) == 8 + 8
   chunks += [pathlib.Path(leaf, ".zarray") for leaf in ("w", "opt.0.mu", "table")]
@@ -218,18 +222,18 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
 
   monkeypatch.setattr(direct_io, "write_file", spy(direct_io.write_file))
   # Patched where the write engine looks it up.
-  monkeypatch.setattr(ol_write, "shard_crc32c", spy(ol_write.shard_crc32c))
+  monkeypatch.setattr(orbax_write, "shard_crc32c", spy(orbax_write.shard_crc32c))
   before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
   specs, parts = host_parts(tree, mesh, 1)
-  tmp = ol_commit.create_tmp_step(tmp_path, 0)
-  sums = ol_write.write_host_part(tmp, 0, parts[0])  # the scalars go through TensorStore
+  tmp = orbax_commit.create_tmp_step(tmp_path, 0)
+  sums = orbax_write.write_host_part(tmp, 0, parts[0])  # the scalars go through TensorStore
   calls = [name for name, _ in seen]
   assert set(calls) == {"write_file", "shard_crc32c"}, seen
   assert calls.count("shard_crc32c") == len(sums) == sum(len(leaf.shards) for leaf in parts[0])
   assert {policy for _, policy in seen} == {os.SCHED_IDLE}, seen
   assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
   assert set(thread_classes("ts_pool_")) == {before}
-  restored = ol_read.read_leaf(ol_commit.finalize(tmp, specs, num_hosts=1), ("w",))
+  restored = orbax_read.read_leaf(orbax_commit.finalize(tmp, specs, num_hosts=1), ("w",))
   assert_bit_exact(tree["w"], restored)
 
 
@@ -240,10 +244,10 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
   caller's array; the rest (scalars, OCDBT, zstd) through TensorStore; all the same."""
   if writer == "ours":
     specs, parts = host_parts(tree, mesh, 2)
-    tmp = ol_commit.create_tmp_step(tmp_path, 0)
+    tmp = orbax_commit.create_tmp_step(tmp_path, 0)
     for host, part in enumerate(parts):
-      ol_write.write_host_part(tmp, host, part)
-    item = ol_commit.finalize(tmp, specs, num_hosts=2) / layout_spec.ITEM
+      orbax_write.write_host_part(tmp, host, part)
+    item = orbax_commit.finalize(tmp, specs, num_hosts=2) / layout_spec.ITEM
   elif writer == "stock_raw":
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(None, ocp.args.PyTreeSave,
@@ -276,7 +280,7 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
       indices = {tuple((0, n) for n in np.shape(value))}
     for index in sorted(indices):
       before = len(direct)
-      got = ol_read.read_item_shard(item, kp, index, allocate=allocate)
+      got = orbax_read.read_item_shard(item, kp, index, allocate=allocate)
       expected = np.asarray(value)[tuple(slice(a, b) for a, b in index)]
       assert_bit_exact(expected, got)
       shards += 1
@@ -291,17 +295,17 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
 
 def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 1)
-  tmp = ol_commit.create_tmp_step(tmp_path, 0)
-  ol_write.write_host_part(tmp, 0, parts[0])
-  item = ol_commit.finalize(tmp, specs, num_hosts=1) / layout_spec.ITEM
+  tmp = orbax_commit.create_tmp_step(tmp_path, 0)
+  orbax_write.write_host_part(tmp, 0, parts[0])
+  item = orbax_commit.finalize(tmp, specs, num_hosts=1) / layout_spec.ITEM
   chunk = item / "w" / "1.2"  # rows 4:8, columns 8:12 of w's 2 x 4 grid
   with open(chunk, "r+b") as f:
     f.truncate(chunk.stat().st_size - 1)
   with pytest.raises(errors.CorruptCheckpointError,
                      match=r"1\.2 holds 63 bytes where the chunk \[\[4, 8\], \[8, 12\]\] of 'w' "
                            r"takes 64: the file is corrupt"):
-    ol_read.read_item_shard(item, ("w",), ((4, 8), (8, 12)))
-  assert_bit_exact(np.asarray(tree["w"])[:4, :4], ol_read.read_item_shard(item, ("w",), ((0, 4), (0, 4))))
+    orbax_read.read_item_shard(item, ("w",), ((4, 8), (8, 12)))
+  assert_bit_exact(np.asarray(tree["w"])[:4, :4], orbax_read.read_item_shard(item, ("w",), ((0, 4), (0, 4))))
 
 
 def test_a_step_written_again_reads_its_new_values(tmp_path):
@@ -311,47 +315,47 @@ def test_a_step_written_again_reads_its_new_values(tmp_path):
     with ocp.CheckpointManager(tmp_path) as mgr:
       mgr.save(0, args=ocp.args.StandardSave({"w": np.full((4, 4), value, np.float32)}))
       mgr.wait_until_finished()
-    assert (ol_read.read_leaf(tmp_path / "0", ("w",)) == value).all()
-    assert ol_read.item_leaves(tmp_path / "0" / layout_spec.ITEM)[0]["shape"] == [4, 4]
+    assert (orbax_read.read_leaf(tmp_path / "0", ("w",)) == value).all()
+    assert orbax_read.item_leaves(tmp_path / "0" / layout_spec.ITEM)[0]["shape"] == [4, 4]
     shutil.rmtree(tmp_path / "0")
 
 
 def test_read_leaf_reads_a_stock_orbax_step(tree, stock_dir):
-  assert ol_read.list_steps(stock_dir) == [0]
+  assert orbax_read.list_steps(stock_dir) == [0]
   step = stock_dir / "0"
   for kp, value in flat(tree):
-    assert_bit_exact(np.asarray(value), ol_read.read_leaf(step, kp))
+    assert_bit_exact(np.asarray(value), orbax_read.read_leaf(step, kp))
   w = np.asarray(tree["w"])
-  assert_bit_exact(w[4:8, 4:8], ol_read.read_leaf(step, ("w",), (slice(4, 8), slice(4, 8))))
-  assert_bit_exact(w[2:3, 0:16], ol_read.read_leaf(step, ("w",), ((2, 3), (0, 16))))
+  assert_bit_exact(w[4:8, 4:8], orbax_read.read_leaf(step, ("w",), (slice(4, 8), slice(4, 8))))
+  assert_bit_exact(w[2:3, 0:16], orbax_read.read_leaf(step, ("w",), ((2, 3), (0, 16))))
   with pytest.raises(FileNotFoundError, match=r"leaf 'nope.0' is not in the checkpoint"):
-    ol_read.read_leaf(step, ("nope", 0))
+    orbax_read.read_leaf(step, ("nope", 0))
   with pytest.raises(FileNotFoundError, match=r"_METADATA is missing"):
-    ol_read.read_leaf(stock_dir / "1", ("w",))
+    orbax_read.read_leaf(stock_dir / "1", ("w",))
 
 
 def test_uncommitted_step_is_not_listed(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
-  tmp = ol_commit.create_tmp_step(tmp_path, 3)
+  tmp = orbax_commit.create_tmp_step(tmp_path, 3)
   for host, part in enumerate(parts):
-    ol_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, part)
   assert tmp.name == "3.orbax-checkpoint-tmp"
-  assert ol_read.list_steps(tmp_path) == []
+  assert orbax_read.list_steps(tmp_path) == []
   with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
       cleanup_tmp_directories=False)) as mgr:
     assert mgr.all_steps() == []  # Stock Orbax agrees.
-  ol_commit.finalize(tmp, specs, num_hosts=2)
-  assert ol_read.list_steps(tmp_path) == [3]
+  orbax_commit.finalize(tmp, specs, num_hosts=2)
+  assert orbax_read.list_steps(tmp_path) == [3]
 
 
 def test_finalize_refuses_a_missing_host_part(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
-  tmp = ol_commit.create_tmp_step(tmp_path, 1)
-  ol_write.write_host_part(tmp, 0, parts[0])
+  tmp = orbax_commit.create_tmp_step(tmp_path, 1)
+  orbax_write.write_host_part(tmp, 0, parts[0])
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"expected the parts of 2 hosts .* found \['process_0'\]"):
-    ol_commit.finalize(tmp, specs, num_hosts=2)
-  assert ol_read.list_steps(tmp_path) == [] and tmp.exists()
+    orbax_commit.finalize(tmp, specs, num_hosts=2)
+  assert orbax_read.list_steps(tmp_path) == [] and tmp.exists()
 
 
 def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
@@ -359,13 +363,13 @@ def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
   # Host 1 reports in but drops its shards of "w".
   parts[1] = [ol_shards.HostLeaf(leaf.spec) if leaf.spec.key_path == ("w",) else leaf
               for leaf in parts[1]]
-  tmp = ol_commit.create_tmp_step(tmp_path, 1)
+  tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   for host, part in enumerate(parts):
-    ol_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, part)
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"incomplete: leaf 'w' has 4 of 8 chunks"):
-    ol_commit.finalize(tmp, specs, num_hosts=2)
-  assert ol_read.list_steps(tmp_path) == []
+    orbax_commit.finalize(tmp, specs, num_hosts=2)
+  assert orbax_read.list_steps(tmp_path) == []
 
 
 def test_leaf_spec_validates():
@@ -380,19 +384,19 @@ def test_leaf_spec_validates():
 
 
 def test_steps_are_created_and_committed_once(tmp_path):
-  stale = ol_commit.create_tmp_step(tmp_path, 2)
+  stale = orbax_commit.create_tmp_step(tmp_path, 2)
   (stale / "leftover").write_text("from a crashed attempt")
-  tmp = ol_commit.create_tmp_step(tmp_path, 2)
+  tmp = orbax_commit.create_tmp_step(tmp_path, 2)
   assert not (tmp / "leftover").exists()
   with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
-    ol_write.write_host_part(tmp_path / "2", 0, [])
+    orbax_write.write_host_part(tmp_path / "2", 0, [])
   spec = layout_spec.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
   shard = ol_shards.Shard(((0, 2),), np.arange(2, dtype=np.int32))
-  ol_write.write_host_part(tmp, 0, [ol_shards.HostLeaf(spec, (shard,))])
-  ol_commit.finalize(tmp, [spec], num_hosts=1)
-  assert_bit_exact(np.arange(2, dtype=np.int32), ol_read.read_leaf(tmp_path / "2", ("x",)))
+  orbax_write.write_host_part(tmp, 0, [ol_shards.HostLeaf(spec, (shard,))])
+  orbax_commit.finalize(tmp, [spec], num_hosts=1)
+  assert_bit_exact(np.arange(2, dtype=np.int32), orbax_read.read_leaf(tmp_path / "2", ("x",)))
   with pytest.raises(FileExistsError, match=r"step 2 is already committed"):
-    ol_commit.create_tmp_step(tmp_path, 2)
+    orbax_commit.create_tmp_step(tmp_path, 2)
   (tmp_path / "notes").mkdir()
   (tmp_path / "7.orbax-checkpoint-tmp").mkdir()
-  assert ol_read.list_steps(tmp_path) == [2]
+  assert orbax_read.list_steps(tmp_path) == [2]
