@@ -16,8 +16,13 @@ import time
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.manifest import Manifest, SavedLeaf
-from sidecar._src.ckptfmt.shards import ShardChecksum
+from sidecar._src.ckptfmt.records import (
+  Manifest,
+  ReplicaTarget,
+  Replicated,
+  SavedLeaf,
+  ShardChecksum,
+)
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.connection import CallWindow, HostInfo
@@ -189,9 +194,10 @@ class FakeSidecars(CheckpointTransport):
   def forget(self, host, directory, step):
     return self._phase("forget", host)
 
-  def replicate(self, host, final_dir, peers, *, bandwidth, timeout):
-    return self._phase("replicate", host, {"peers": [p["host_id"] for p in peers],
-                                           "shards": 0, "bytes": 0, "seconds": 0.0})
+  def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
+    assert all(isinstance(t, ReplicaTarget) for t in targets), targets
+    return self._phase("replicate", host, Replicated(tuple(t.host_id for t in targets), 0, 0,
+                                                      0.0))
 
   def held(self, host, directory, *, timeout=None):
     own = {item: list(shards) for (h, item), shards in self.staged.items()

@@ -27,15 +27,22 @@ import grpc
 import numpy as np
 
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.records import Held, Manifest, ReplicaTarget, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import (
+  Held,
+  Manifest,
+  ReplicaTarget,
+  Replicated,
+  ShardChecksum,
+  StagedShard,
+)
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
-# Held and StagedShard are ckptfmt/records' (both halves' types), named here as well.
-__all__ = ["CheckpointClient", "CheckpointTransport", "CommitPart", "Held", "Manifest", "Shard",
-           "StagePart", "StagedShard"]
+# ckptfmt/records' types (both halves'), named here as well.
+__all__ = ["CheckpointClient", "CheckpointTransport", "CommitPart", "Held", "Manifest",
+           "ReplicaTarget", "Replicated", "Shard", "StagePart", "StagedShard"]
 
 Shard = tuple[KeyPath, Index]
 
@@ -242,10 +249,10 @@ class CheckpointTransport(abc.ABC):
     """Future of None once ``host``'s RAM tier dropped the step."""
 
   @abc.abstractmethod
-  def replicate(self, host: int, final_dir: str, targets: Sequence[Mapping[str, Any]], *,
+  def replicate(self, host: int, final_dir: str, targets: Sequence[ReplicaTarget], *,
                 bandwidth: int | None, timeout: float) -> concurrent.futures.Future:
-    """Future of ``{"peers", "shards", "bytes", "seconds"}`` once every replica target
-    (another sidecar: ``{"host_id", "address", "socket", "boot_id"}``) holds them."""
+    """Future of a :class:`Replicated` once every replica target (another sidecar)
+    holds ``host``'s staged shards of ``final_dir``."""
 
   @abc.abstractmethod
   def held(self, host: int, directory: str, *, timeout: float | None = None
@@ -376,14 +383,10 @@ class CheckpointClient(CheckpointTransport):
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     request = ckpt_pb.CheckpointReplicateRequest(
         final_dir=final_dir, timeout_s=timeout,
-        peers=[wire.replica_target_to_pb(ReplicaTarget(
-            int(t["host_id"]), str(t["address"]), str(t.get("socket") or ""),
-            str(t.get("boot_id") or ""))) for t in targets])
+        peers=[wire.replica_target_to_pb(t) for t in targets])
     if bandwidth is not None:
       request.bandwidth = bandwidth
-    return self._rpc(host, "Replicate", request, lambda r: {
-        "peers": list(r.peers), "shards": r.shards, "bytes": r.bytes, "seconds": r.seconds},
-        timeout=timeout)
+    return self._rpc(host, "Replicate", request, wire.replicated_from_pb, timeout=timeout)
 
   def held(self, host, directory, *, timeout=None):
     return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory),

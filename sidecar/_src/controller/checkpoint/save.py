@@ -33,7 +33,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec
-from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardChecksum, StagedShard
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
 from sidecar._src.controller.checkpoint.staging import Parts, stage_late
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
@@ -200,13 +200,14 @@ class SaveProtocol:
                         sidecars: Mapping[int, Mapping[str, Any]], *,
                         bandwidth: int | None) -> concurrent.futures.Future | None:
     """Each host of ``placement`` sends its staged shards to its replica hosts (sidecar
-    to sidecar); returns a future of their results once all of them hold their copies,
-    or None where no host has any."""
+    to sidecar, ``sidecars`` their records); returns a future of their
+    :class:`Replicated` once all of them hold their copies, or None where no host has
+    any."""
     placement = {h: p for h, p in placement.items() if p}
     if not placement:
       return None
     futures = [self.client.replicate(h, target.final_dir,
-                                     [dict(sidecars[p], host_id=p) for p in to],
+                                     [_replica_target(p, sidecars[p]) for p in to],
                                      bandwidth=bandwidth, timeout=_LONG_S)
                for h, to in placement.items()]
     out: concurrent.futures.Future = concurrent.futures.Future()
@@ -220,10 +221,10 @@ class SaveProtocol:
         if failed:
           out.set_exception(failed[0])
         else:
-          results = [f.result() for f in futures]
+          results: list[Replicated] = [f.result() for f in futures]
           out.set_result(results)
           log.info("step %d: %s replicated from %d hosts in %.2f s", target.step,
-                   shm.format_size(sum(r["bytes"] for r in results)), len(futures),
+                   shm.format_size(sum(r.nbytes for r in results)), len(futures),
                    time.perf_counter() - t0)
       except concurrent.futures.InvalidStateError:
         pass  # two last callbacks raced
@@ -288,6 +289,13 @@ def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseEx
       if theirs:
         mine = errors.HostLostError(f"process {p} could not replicate step {step}: {theirs}")
   _resolve(future, mine, step)
+
+
+def _replica_target(host: int, record: Mapping[str, Any]) -> ReplicaTarget:
+  """A sidecar's record (``Sidecars.records``: address, worker socket, boot id) as the
+  replica target its replicas are sent to."""
+  return ReplicaTarget(host, str(record["address"]), str(record.get("socket") or ""),
+                       str(record.get("boot_id") or ""))
 
 
 class SaveCoordinator:
