@@ -444,8 +444,6 @@ class Controller:
                             worker=self._hosts.workers.get, status=self.status,
                             timeout=self.timeout)
 
-  _checkpoint_client = checkpoint_client  # its name before the torch adapter used it
-
   def checkpoint_sidecars(self) -> Sidecars:
     """These sidecars as a checkpointer sees them now (a new checkpoint client, the hosts,
     which of them this process drives and maps, where their replicas go)."""

@@ -241,7 +241,7 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     (future,) = ctl.call_async("add", args=(2,), kwargs={"b": 3})
     assert future.result(10) == 5
     evicted()
-    opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
+    opened = ctl.checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
                                            ram_budget=None, sweep=True)
     assert opened.result(timeout=10) == []  # a checkpoint rpc too
     evicted()
@@ -497,7 +497,7 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
       assert ctl.status()[0].identity.host_id == 0
       # The controller's own checkpoint rpc is refused as busy, and asks again until a
       # thread is free (within its deadline), rather than fail.
-      opened = ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
+      opened = ctl.checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
                                              ram_budget=None, sweep=True)
       time.sleep(0.5)
       assert not opened.done()

@@ -212,7 +212,7 @@ def test_a_checkpoint_error_naming_a_huge_path_arrives_cut(make_server):
   server = make_server()
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.SidecarError) as info:
-      ctl._checkpoint_client().open(0, "/" + "a" * 100_000, ram_steps=1, ram_budget=None,
+      ctl.checkpoint_client().open(0, "/" + "a" * 100_000, ram_steps=1, ram_budget=None,
                                     sweep=True).result()
   assert type(info.value).__name__ == "PermissionDeniedError"
   assert "is not under a checkpoint root" in str(info.value)
@@ -404,7 +404,7 @@ def test_a_sidecar_without_roots_refuses_checkpoint_calls_naming_the_flag(make_s
   server = make_server(checkpoint_roots=())
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.SidecarError) as info:
-      ctl._checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1, ram_budget=None,
+      ctl.checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1, ram_budget=None,
                                     sweep=True).result()
     assert isinstance(info.value, PermissionError)
     assert type(info.value).__name__ == "PermissionDeniedError"

@@ -360,7 +360,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
   used = lambda: server.leases.allocator.used_bytes
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
-    client = ctl._checkpoint_client()
+    client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = client.begin(0, directory, 3).result()
     n = 1 << 18  # large enough to go through the arena
@@ -387,7 +387,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
   with controller(server) as a, controller(server) as b:
     assert a.worker(0).session != b.worker(0).session
     directory = str(tmp_path / "ck")
-    clients = [a._checkpoint_client(), b._checkpoint_client()]
+    clients = [a.checkpoint_client(), b.checkpoint_client()]
     clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = clients[0].begin(0, directory, 3).result()
     n = 1 << 16
@@ -420,7 +420,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
   assert releasers() == before + 1
   with controller(server) as ctl:
     directory = str(tmp_path / "ck")
-    client = ctl._checkpoint_client()
+    client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = client.begin(0, directory, 3).result()
     n = 1 << 18

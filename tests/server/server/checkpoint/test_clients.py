@@ -48,7 +48,7 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
   leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
   with controller(server, attach=False) as attacker:
-    client = attacker._checkpoint_client()
+    client = attacker.checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError) as info:  # the committed item as the tmp one
       client.stage(0, directory=str(directory), step=1, tmp_dir=item, final_dir=item,
@@ -80,13 +80,13 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   final_dir = str(directory / "2" / "default")
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
   leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
-  mine = victim._checkpoint_client()
+  mine = victim.checkpoint_client()
   mine.begin(0, str(directory), 2).result()
   half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
   mine.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
              leaves=leaves, shards=[], last=False).result()
   with controller(server, attach=False) as attacker:
-    theirs = attacker._checkpoint_client()
+    theirs = attacker.checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
@@ -117,7 +117,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
                   offsets=(0,))
   part = dcp.DcpPart(0, (item,))
   with controller(server) as victim, controller(server, attach=False) as attacker:
-    mine, theirs = victim._checkpoint_client(), attacker._checkpoint_client()
+    mine, theirs = victim.checkpoint_client(), attacker.checkpoint_client()
     mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
     tmp = mine.begin(0, str(path), 3, format=dcp.FORMAT).result()
     assert tmp == str(dcp.tmp_path(path))
@@ -240,7 +240,7 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
   leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
   evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
   with controller(server, attach=False) as attacker:
-    client = attacker._checkpoint_client()
+    client = attacker.checkpoint_client()
     for inside in ("1/x.orbax-checkpoint-tmp/default", "1/default/x.orbax-checkpoint-tmp/w"):
       item = str(directory / inside)
       with pytest.raises(sidecar.SidecarError, match="outside any committed one"):
@@ -272,7 +272,7 @@ def test_with_per_client_tokens_a_client_sees_and_reads_only_its_own_checkpoints
       assert ckpt.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30) == 1
     (status,) = bob.status()
     assert [c.directory for c in status.checkpoints] == [str(theirs)]  # not alice's
-    client = bob._checkpoint_client()
+    client = bob.checkpoint_client()
     item = str(mine / "1" / "default")
     for attempt in (lambda: client.held(0, str(mine)), lambda: client.info(0, item),
                     lambda: client.delete(0, str(mine), 1),
