@@ -38,6 +38,23 @@ def host_rows(rows: Sequence[Row]) -> list[list[str]]:
 
 
 HOST_HEADER = ["host", "address", "arena", "workers", "feeds", "checkpoints"]
+TENANT_HEADER = ["host", "tenant", "sessions", "workers", "arena (guaranteed / ceiling)",
+                 "feeds", "feed workers", "batches", "saves", "queue"]
+
+
+def tenant_rows(rows: Sequence[Row]) -> list[list[str]]:
+  """One row per host and tenant of a pool's sidecars (``sidecar serve --pool``): the
+  tenant's own row for its token, every tenant's for the pool's operator; none elsewhere."""
+  out = []
+  for host, _, s in rows:
+    if isinstance(s, Exception):
+      continue
+    for t in s.tenants:
+      arena = (f"{shm.format_size(t.arena_bytes)} ({shm.format_size(t.arena_guaranteed)} / "
+               f"{shm.format_size(t.arena_ceiling)})")
+      out.append([str(host), t.name, str(t.sessions), str(t.workers), arena, str(t.feeds),
+                  str(t.feed_workers), str(t.batches), str(t.saves), str(t.waiting)])
+  return out
 
 
 def status_rows(statuses: Iterable[tuple[int, Any, Any]]) -> list[Row]:
@@ -65,9 +82,15 @@ def controller_facts(*, state: str, live: int, lost: dict[int, str], process: in
 def hosts_block(title: str, facts: Sequence[tuple[str, str]], rows: Sequence[Row], *,
                 as_html: bool) -> str:
   """``facts``, then a table of one row a host (none without ``rows``), as text or HTML."""
+  tenants = tenant_rows(rows)
   if as_html:
-    return html_block(title, facts, html_table(HOST_HEADER, host_rows(rows)) if rows else "")
-  return text_block(title, facts, text_table(HOST_HEADER, host_rows(rows)) if rows else "")
+    table = html_table(HOST_HEADER, host_rows(rows)) if rows else ""
+    return html_block(title, facts, table + (html_table(TENANT_HEADER, tenants) if tenants
+                                             else ""))
+  table = text_table(HOST_HEADER, host_rows(rows)) if rows else ""
+  if tenants:
+    table += "\n" + text_table(TENANT_HEADER, tenants)
+  return text_block(title, facts, table)
 
 
 def feeds_text(feeds: Sequence[pb.FeedStatus]) -> str:

@@ -16,6 +16,7 @@ import grpc
 from google.protobuf import message as pb_message
 
 from sidecar._src.arena import shm
+from sidecar._src.controller import display
 from sidecar._src.controller.connection import CHANNEL_OPTIONS
 from sidecar._src.core import address as address_lib
 from sidecar._src.wire import protocol
@@ -125,6 +126,17 @@ def format_feeds(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> s
   return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
 
+def format_tenants(rows: Rows) -> str:
+  """One line per host and tenant of a pool (``sidecar serve --pool``); "" elsewhere."""
+  table = display.tenant_rows([(s.identity.host_id, a, s) for a, s in rows
+                               if not isinstance(s, Exception)])
+  if not table:
+    return ""
+  lines = [[h.upper() for h in display.TENANT_HEADER], *table]
+  widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines)
+
+
 def format_checkpoints(rows: Rows, previous: Rows | None = None, seconds: float = 0.0) -> str:
   """One line per host and checkpoint directory: the steps each tier holds, and those
   being written with GB/s (between ``previous`` and ``rows``, ``seconds`` apart, when
@@ -168,6 +180,9 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
     return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
   print(format_table(rows), file=sys.stdout)
   print(file=sys.stdout)
+  if tenants := format_tenants(rows):
+    print(tenants, file=sys.stdout)
+    print(file=sys.stdout)
   print(format_feeds(rows), file=sys.stdout)
   print(file=sys.stdout)
   print(format_checkpoints(rows), file=sys.stdout)
@@ -195,6 +210,8 @@ def _feed_keys(rows: Rows) -> dict[tuple[str, str, int], pb.FeedStatus]:
 def format_live(rows: Rows, previous: Rows | None, seconds: float) -> str:
   """The watch screen: hosts, then feeds and writes with rates over the last ``seconds``."""
   lines = [format_table(rows), ""]
+  if tenants := format_tenants(rows):
+    lines += [tenants, ""]
   before = _feed_keys(previous or ())
   header = ("HOST", "PIPELINE", "BATCHES", "BATCHES/S", "PRODUCE MS", "BACKPRESSURE MS",
             "TRAINER WAIT MS")
