@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
-import logging
 import os
 import threading
 from typing import Any
@@ -27,12 +26,10 @@ import torch.distributed.checkpoint as dcp
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save import agree_on_save, settle_replicated
+from sidecar._src.controller.checkpoint.save import agree_on_save, end_save
 from sidecar._src.controller.checkpoint.target import SaveHandle, done_handle
 from sidecar._src.core import errors, interrupts
 from sidecar._src.torch import controller as torch_controller, storage
-
-log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointOptions", "Checkpointer", "SaveHandle"]
 
@@ -82,7 +79,7 @@ class Checkpointer:
                    if dist.is_initialized() and dist.get_world_size() > 1 else None)
     self._last: SaveHandle | None = None
     self._key, self._saves = f"torch-ckpt/{next(_instances)}", 0
-    self._settlers: list[threading.Thread] = []  # each resolves a save's `replicated`
+    self._enders: list[threading.Thread] = []  # each ends a save (durable, replicated)
     self._closed = False
     lead = self._ctl.peers.index == 0
     steps = site.client.open(self._host, self.directory, ram_steps=self.options.ram_steps,
@@ -124,42 +121,31 @@ class Checkpointer:
     handle = self._last = SaveHandle(step, concurrent.futures.Future(),
                                      concurrent.futures.Future())
     handle.staged.set_result(step)
-    upload.add_done_callback(functools.partial(self._durable, handle, writer, key))
-    return handle
-
-  def _durable(self, handle: SaveHandle, writer: storage.StorageWriter, key: str,
-               upload: concurrent.futures.Future) -> None:
-    """The save's end (DCP's thread): lists the step, drops old ones, resolves ``durable``;
-    ``replicated`` apart, once every rank knows the replication's outcome."""
-    try:
-      upload.result()
-    except BaseException as e:
-      handle.durable.set_exception(e)
-      handle.replicated.set_exception(e)
-      return
-    step = handle.step
-    self._retention.add(step)
-    try:  # the step is durable whatever retention does: a failed delete is logged
-      self._retention.collect()
-    except errors.SidecarError as e:
-      log.warning("could not delete old steps of %s: %s", self.directory, str(e))
-    handle.durable.set_result(step)
     if not writer.replicas:
       handle.replicated.set_result(step)
-      return
-    settler = threading.Thread(target=self._settle_replicated, args=(handle, writer, key),
-                               daemon=True, name=f"sidecar-torch-replicated-{step}")
-    self._settlers = [t for t in self._settlers if t.is_alive()] + [settler]
-    settler.start()
+    upload.add_done_callback(functools.partial(self._start_end, handle, writer, key))
+    return handle
 
-  def _settle_replicated(self, handle: SaveHandle, writer: storage.StorageWriter,
-                         key: str) -> None:
-    """Rank 0 replicated every host's part (``StorageWriter.finish``): every rank learns
-    how it went through the ranks' store, as the core's ``replicated`` does."""
-    mine: BaseException | None = None
-    if writer.replicated is not None:
-      mine = writer.replicated.exception()  # waits for it
-    settle_replicated(handle.replicated, handle.step, mine, peers=self._ctl.peers, key=key)
+  def _start_end(self, handle: SaveHandle, writer: storage.StorageWriter, key: str,
+                 upload: concurrent.futures.Future) -> None:
+    """The save's upload ended (DCP's thread): the core's end of a save (``end_save``:
+    the step listed, ``durable``, retention, then ``replicated`` with every rank) runs
+    on a thread of this Checkpointer's, which ``close`` joins."""
+    def replication() -> BaseException | None:  # rank 0 replicated every host's part
+      return writer.replicated.exception() if writer.replicated is not None else None
+
+    try:
+      error = upload.exception()
+    except concurrent.futures.CancelledError as e:
+      error = e
+    ender = threading.Thread(
+        target=end_save, args=(handle, error),
+        kwargs={"listed": functools.partial(self._retention.add, handle.step),
+                "collect_garbage": self._retention.collect, "replication": replication,
+                "peers": self._ctl.peers, "key": key},
+        daemon=True, name=f"sidecar-torch-save-{handle.step}")
+    self._enders = [t for t in self._enders if t.is_alive()] + [ender]
+    ender.start()
 
   @interrupts.deferring
   def restore(self, step: int | None, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -206,9 +192,9 @@ class Checkpointer:
       self.wait()
     finally:
       self._closed = True
-      for settler in self._settlers:
-        settler.join()
-      self._settlers = []
+      for ender in self._enders:
+        ender.join()
+      self._enders = []
 
   def __enter__(self) -> Checkpointer:
     return self

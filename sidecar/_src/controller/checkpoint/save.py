@@ -291,6 +291,27 @@ def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseEx
   _resolve(future, mine, step)
 
 
+def end_save(handle: SaveHandle, error: BaseException | None, *,
+             listed: Callable[[], None] | None, collect_garbage: Callable[[], None] | None,
+             replication: Callable[[], BaseException | None], peers: Peers, key: str) -> None:
+  """The end of one save in one process, whichever framework's: ``durable`` fails with
+  ``error``, or the step is listed (``listed``), ``durable`` resolves and the steps no
+  longer kept are deleted (no part of this save's time); then ``replicated`` settles,
+  once every process knows how its replication went (``replication()``: this process's
+  outcome, waited for). Blocks: a save's own thread calls it."""
+  if error is not None:
+    _resolve(handle.durable, error, None)
+  else:
+    if listed is not None:
+      listed()
+    _resolve(handle.durable, None, handle.step)
+    if collect_garbage is not None:
+      collect_garbage()
+  if not handle.replicated.done():
+    settle_replicated(handle.replicated, handle.step,
+                      error if error is not None else replication(), peers=peers, key=key)
+
+
 def _replica_target(host: int, record: Mapping[str, Any]) -> ReplicaTarget:
   """A sidecar's record (``Sidecars.records``: address, worker socket, boot id) as the
   replica target its replicas are sent to."""
@@ -499,28 +520,18 @@ class SaveCoordinator:
     except BaseException as e:  # the save failed: its futures say why
       if not handle.staged.done():
         handle.staged.set_exception(e)
-      handle.durable.set_exception(e)
-      self._settle_replication(handle, replication, key, e)
-      return
-    if target.whole_step:
-      self.mark_committed(target)
-    handle.durable.set_result(step)
-    if target.whole_step:  # Deleting older steps is no part of this save's time.
-      self._collect_garbage()
-    self._settle_replication(handle, replication, key, None)
+      error = e
+    else:
+      error = None
 
-  def _settle_replication(self, handle: SaveHandle, replication, key: str,
-                          error: BaseException | None) -> None:
-    """Resolves ``handle.replicated``: with this process's replication, and under N
-    processes once every process's is (or failed)."""
-    if handle.replicated.done():
-      return
-    mine: BaseException | None = error
-    if mine is None and replication is not None:
-      mine = replication.exception()  # waits for it
-    if mine is None and replication is None:
-      mine = errors.InvalidArgumentError(f"step {handle.step} was not replicated")
-    settle_replicated(handle.replicated, handle.step, mine, peers=self._peers, key=key)
+    def replicated() -> BaseException | None:
+      if replication is None:
+        return errors.InvalidArgumentError(f"step {step} was not replicated")
+      return replication.exception()  # waits for it
+    whole = target.whole_step  # a part of a step (save_to) is listed by its caller
+    end_save(handle, error, listed=(lambda: self.mark_committed(target)) if whole else None,
+             collect_garbage=self._collect_garbage if whole else None,
+             replication=replicated, peers=self._peers, key=key)
 
   def _begin(self, target: Target, key: str) -> None:
     """Process 0 creates the step's tmp directory; the others wait until it has."""
