@@ -289,7 +289,9 @@ class Worker:
 
   def _alloc(self, sizes: list[int], timeout: float | None) -> list[list[int]]:
     """``[offset, nbytes, generation]`` of a new block of each size: all or none."""
-    message: dict[str, Any] = {"op": "alloc", "sizes": sizes}
+    # While it waits its turn in a pool's queue, the sidecar reports within a third of the
+    # peer timeout: the reports are its sign of life.
+    message: dict[str, Any] = {"op": "alloc", "sizes": sizes, "report_s": self.timeout / 3}
     if timeout is not None:
       message["timeout"] = timeout
     bar = progress.queued(f"{sum(sizes)} bytes of arena")

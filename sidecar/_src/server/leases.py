@@ -65,12 +65,14 @@ class Leases:
 
   def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None,
             alive: Callable[[], bool] | None = None,
-            on_wait: Callable[[admission.Place], None] | None = None) -> shm.Block:
+            on_wait: Callable[[admission.Place], None] | None = None,
+            report_s: float = ON_WAIT_S) -> shm.Block:
     """A new block held by ``holder``, waiting up to ``timeout`` s (None: for ever) for
     room in the arena, and in ``holder``'s quota if it is a worker session.
 
-    A tenant's request waits in the admission queue; ``on_wait`` is told its place about
-    every second, and ``alive`` (asked as often) ends the wait when its caller is gone.
+    A tenant's request waits in the admission queue; ``on_wait`` is told its place every
+    ``report_s`` seconds, and ``alive`` (asked as often) ends the wait when its caller is
+    gone.
 
     Raises:
       ResourceExhaustedError: no room in time; the message gives the sizes (a tenant's:
@@ -89,7 +91,7 @@ class Leases:
           self._freed.wait(left)
     tenant = self._tenant(holder)
     if tenant is not None:
-      self._reserve(tenant, nbytes, deadline, alive, on_wait)
+      self._reserve(tenant, nbytes, deadline, alive, on_wait, report_s)
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
       block = self.allocator.alloc(nbytes, timeout=left)
@@ -133,7 +135,8 @@ class Leases:
 
   def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
                alive: Callable[[], bool] | None = None,
-               on_wait: Callable[[admission.Place], None] | None = None) -> None:
+               on_wait: Callable[[admission.Place], None] | None = None,
+               report_s: float = ON_WAIT_S) -> None:
     """Counts ``nbytes`` more against tenant ``t`` once its ceiling and the others'
     guarantees leave room and its turn in the admission queue comes, waiting until
     ``deadline``.
@@ -148,7 +151,7 @@ class Leases:
       if deadline is not None and deadline <= time.monotonic():
         raise self._queued_error(t, nbytes, None, 0.0)
       w = self._queue.join(t.name, nbytes)
-    told = 0.0  # when on_wait was last told (at most once a second)
+    told = -float("inf")  # when on_wait was last told (once every report_s)
     with self._metrics.waiting(t.name, "arena"), self._lock:
       try:
         while not self._admit(t, nbytes, w):
@@ -159,7 +162,7 @@ class Leases:
             raise errors.ClosedError(
                 f"tenant {t.name!r}'s request for {shm.format_size(nbytes)} of the arena "
                 "left the queue: its caller is gone")
-          if on_wait is not None and time.monotonic() - told >= ON_WAIT_S:
+          if on_wait is not None and time.monotonic() - told >= report_s:
             told = time.monotonic()
             place = self._place(t, nbytes, w)
             self._lock.release()  # telling a client may block: never under the lock
@@ -167,7 +170,7 @@ class Leases:
               on_wait(place)
             finally:
               self._lock.acquire()
-          self._freed.wait(ON_WAIT_S if left is None else min(left, ON_WAIT_S))
+          self._freed.wait(report_s if left is None else min(left, report_s))
       finally:
         self._queue.leave(w)
         self._freed.notify_all()  # the next waiter's turn may have come

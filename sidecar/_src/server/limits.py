@@ -289,6 +289,13 @@ class Sessions:
           out[c] = out.get(c, 0) + 1
       return out
 
+  def last_used(self, client: str) -> float | None:
+    """When a live session of tenant ``client`` was last used (the clock's time); None if
+    it has none."""
+    with self._lock:
+      times = [t for s, t in self._last.items() if self._clients.get(s) == client]
+    return max(times, default=None)
+
   def _drop(self, session: str) -> None:
     del self._last[session]
     self._peers.discard(session)

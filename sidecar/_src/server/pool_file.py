@@ -24,7 +24,9 @@ MIN_INLINE = 64 << 10
 _TENANT_KEYS = frozenset({
     "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
     "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
-    "uids", "tls_names", "connections"})
+    "uids", "tls_names", "connections", "ram_keep"})
+# ram_keep's units: a number is seconds; a string may end in one of these.
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _POOL_KEYS = frozenset({"tenants"})
 
 
@@ -210,7 +212,15 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
       raise error_at(path, at("weight"), f"{where}: weight must be a positive number, got {w!r}")
     weight = float(w)
+  ram_keep = None
+  if "ram_keep" in m:
+    v = _scalar(path, m["ram_keep"], "ram_keep")
+    ram_keep = _duration(v)
+    if ram_keep is None:
+      raise error_at(path, at("ram_keep"), f"{where}: ram_keep is seconds >= 0 or a duration "
+                   f"such as 90s, 10m or 2h, got {v!r}")
   return Tenant(
+      ram_keep_s=ram_keep,
       name=name, token=token, token_file=token_file, line=line, arena=arena,
       arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
       streams=count("streams", 1), feeds=count("feeds", 1),
@@ -218,6 +228,22 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       feed_workers=count("feed_workers", 0), inline_bytes=inline, checkpoint_roots=roots,
       functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids,
       tls_names=tls_names)
+
+
+def _duration(v: Any) -> float | None:
+  """Seconds from a number or a string such as ``90s``, ``10m``, ``2h``; None if neither."""
+  if isinstance(v, bool):
+    return None
+  if isinstance(v, str) and v[-1:] in _DURATION_UNITS:
+    scale, v = _DURATION_UNITS[v[-1]], v[:-1]
+    try:
+      v = float(v)
+    except ValueError:
+      return None
+    v *= scale
+  if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+    return None
+  return float(v)
 
 
 def _read_token(path: str, line: int, where: str, token_file: str) -> str:

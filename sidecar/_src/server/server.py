@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
+  departures as departures_lib,
   metrics as metrics_lib,
   pool_file,
   preflight,
@@ -262,6 +263,14 @@ class Server:
     self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.peer_token)
     tokens = tokens_holder.table
     checkpoint_slots = CheckpointSlots(tenancy=self.tenancy, tenant_of=tenant_of)
+    # A departed tenant's RAM-tier steps go back after its ram_keep (pool file).
+    self.departures = departures_lib.Departures(
+        self.tenancy,
+        busy=lambda name: bool(self.tenancy.workers_of(name))
+        or bool(self.tenancy.feed_counts().get(name, (0, 0))[0]),
+        last_used=sessions.last_used, release=self.checkpoints.release_ram)
+    if o.pool is not None:  # a reload may add ram_keep: any pool file's sidecar sweeps
+      self.departures.start()
     self.service = Service(calls=calls, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arena.size,
                            leases=self.leases, workers=self.workers,
@@ -505,6 +514,8 @@ class Server:
       pool.shutdown(wait=False, cancel_futures=True)
       for thread in list(getattr(pool, "_threads", ())):
         thread.join(grace + 1)
+    if getattr(self, "departures", None) is not None:
+      self.departures.close()
     if getattr(self, "workers", None) is not None:
       self.workers.close()
     if getattr(self, "checkpoints", None) is not None:

@@ -49,3 +49,20 @@ class TenantCheckpoints(CheckpointHost):
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
             f"{directory!r:.200}; checkpoint there, or add the directory to its roots")
     super().open_for(client, directory)
+
+  def release_ram(self, tenant: str) -> int:
+    """Drops the committed RAM-tier steps (own shards and replicas) of the checkpoint
+    directories tenant ``tenant`` opened here: its job left (``ram_keep``). Their blocks go
+    back as their views die; the durable steps stay. Returns how many steps went.
+
+    Uses the RAM tier's own ``drop`` under its lock (no change to ram_tier.py)."""
+    mine = {os.path.realpath(d) for d in self.opened_by(tenant)}
+    tier = self.tier
+    with tier.lock:
+      steps = {(s.directory, s.step) for s in tier.steps.values()
+               if s.committed and os.path.realpath(s.directory) in mine}
+      steps |= {(r.directory, r.step) for r in tier.replicas.values()
+                if r.committed and os.path.realpath(r.directory) in mine}
+      for directory, step in steps:
+        tier.drop(directory, step)
+    return len(steps)

@@ -73,6 +73,9 @@ class Tenant:
   # With mTLS (--tls-client-ca): client certificates whose common name (or a DNS name of
   # theirs) is one of these are this tenant's, with no token.
   tls_names: frozenset[str] = frozenset()
+  # Seconds its RAM-tier steps stay after its job left (None: kept as any job's, until
+  # newer steps evict them); durable steps stay either way.
+  ram_keep_s: float | None = None
 
   def allows(self, kind: str, name: str) -> bool:
     """Whether its allowlist of ``kind`` ("function" or "pipeline") lets it run ``name``."""

@@ -29,7 +29,7 @@ from sidecar._src.core import errors
 from sidecar._src.server import admission, sockets, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import SocketCredits
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.leases import ON_WAIT_S, Leases
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
@@ -389,8 +389,12 @@ class WorkerListener:
             ipc.send(conn, {"queued": place.to_dict()})
 
         # One block (an argument's), or a save's blocks on this host in one round trip.
+        # The worker says how often it must hear (a third of its peer timeout, say).
+        report_s = float(message.get("report_s", ON_WAIT_S))
+        report_s = min(report_s, ON_WAIT_S) if report_s >= MIN_REPORT_S else MIN_REPORT_S
         reply: dict[str, Any] = {"blocks": self._alloc(
-            message["sizes"], session, timeout, alive=lambda: _quiet(conn), on_wait=on_wait)}
+            message["sizes"], session, timeout, alive=lambda: _quiet(conn), on_wait=on_wait,
+            report_s=report_s)}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:
@@ -402,7 +406,8 @@ class WorkerListener:
 
   def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
              alive: Callable[[], bool] | None = None,
-             on_wait: Callable[[admission.Place], None] | None = None) -> list[list[int]]:
+             on_wait: Callable[[admission.Place], None] | None = None,
+             report_s: float = ON_WAIT_S) -> list[list[int]]:
     """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s (None: as long
     as its turn in the admission queue takes, while ``alive``) for all: every one, or none
     (those granted go back) and the error."""
@@ -414,7 +419,7 @@ class WorkerListener:
       for n in sizes:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         block = self._leases.alloc(int(n), session, timeout=left, alive=alive,
-                                   on_wait=on_wait)
+                                   on_wait=on_wait, report_s=report_s)
         blocks.append([block.offset, block.nbytes, block.generation])
     except BaseException:
       for offset, _, generation in blocks:
@@ -497,6 +502,10 @@ def _peer_uid(conn: socket.socket) -> int | None:
   except OSError:
     return None
   return struct.unpack("3i", creds)[1]
+
+
+# The most often a queued alloc reports its place, whatever the worker asks.
+MIN_REPORT_S = 0.05
 
 
 def _alloc_timeout(raw: Any, queued: bool) -> float | None:
