@@ -211,7 +211,7 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("info", host, manifest)
 
   def read(self, host, final_dir, shard, *, crc32c, tier, part=None):
-    data = self.staged.get((host, final_dir), {}).get((tuple(shard[0]), tuple(shard[1])))
+    data = self.staged.get((host, final_dir), {}).get((shard.key_path, shard.index))
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))
     return self._phase("read", host, data)

@@ -433,7 +433,7 @@ class Controller:
         key=f"ckpt/{self._checkpointers}", replicas=o.replicas,
         replica_bandwidth=o.replica_bandwidth,
         sidecars={h: dict(r) for h, r in site.records.items()}, mapped=sorted(site.mapped),
-        framework=self._framework, sharers=site.sharers)
+        framework=self._framework, writers=site.writers)
     self._children.add(ckpt)
     return ckpt
 
@@ -453,7 +453,7 @@ class Controller:
         local=tuple(self.local_hosts), device_hosts=dict(self._hosts.device_hosts),
         records=self._hosts.sidecar_records(),
         mapped=frozenset(h for h in self._hosts.workers if h not in self._hosts.lost),
-        sharers=dict(self._hosts.sharers))
+        writers=dict(self._hosts.sharers))
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),

@@ -123,9 +123,9 @@ class StorageWriter(_Writer):
 
   def _protocol(self, directory: str) -> SaveProtocol:
     """The core's save protocol in DCP's format; each host is staged into by its ranks."""
-    writers: dict[int, int] = {}
-    for h in self._ranks.values():
-      writers[h] = writers.get(h, 0) + 1
+    writers: dict[int, list[int]] = {}
+    for rank, h in sorted(self._ranks.items()):
+      writers.setdefault(h, []).append(rank)
     return SaveProtocol(client=self._site.client, directory=directory, format=dcp.FORMAT,
                         writers=writers)
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import spec as layout
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import (
   Held,
@@ -38,7 +37,7 @@ from sidecar._src.ckptfmt.records import (
   ShardId,
   StagedShard,
 )
-from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
+from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafKind, LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -138,7 +137,7 @@ def leaf_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> LeafSpec:
   try:
     return LeafSpec(key_path=key_path_from_pb(leaf.key_path, f"{where}.key_path"),
                     shape=tuple(leaf.shape), dtype=codec.dtype_of(leaf.dtype, where),
-                    kind=layout.LeafKind(leaf.kind), write_shape=tuple(leaf.write_shape),
+                    kind=LeafKind(leaf.kind), write_shape=tuple(leaf.write_shape),
                     sharding=leaf.sharding if leaf.HasField("sharding") else None)
   except (ValueError, TypeError) as e:  # LeafKind("bad"), say
     raise errors.InvalidArgumentError(f"{where}: {e}") from None
@@ -344,17 +343,20 @@ def manifest_from_pb(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
                   step=r.step if r.HasField("step") else None)
 
 
+def arena_ref_to_pb(ref: codec.ArenaRef) -> pb.ArenaRef:
+  return pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes, generation=ref.generation,
+                     dtype=ref.dtype, shape=ref.shape)
+
+
 def fill_data(target: ckpt_pb.ShardData, a: np.ndarray,
               to_arena: codec.ToArena | None = None) -> None:
-  """Sets ``target`` to a shard's bytes: its arena block's descriptor where ``to_arena``
+  """Sets ``target`` to a shard's bytes: its arena block's ``ArenaRef`` where ``to_arena``
   gives one, else inline (set in place: building a message and copying it in would copy
   the bytes once more)."""
   a = codec.check_array(np.asarray(a), "shard")
   ref = to_arena(a) if to_arena is not None and a.nbytes else None
   if ref is not None:
-    target.arena.CopyFrom(pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
-                                      generation=ref.generation, dtype=ref.dtype,
-                                      shape=ref.shape))
+    target.arena.CopyFrom(arena_ref_to_pb(ref))
     return
   target.array.dtype = a.dtype.name
   target.array.shape.extend(a.shape)

@@ -70,7 +70,7 @@ class Checkpointer:
                key: str = "ckpt", replicas: int = 0,
                sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = (),
                replica_bandwidth: int | str | None = None, framework: Framework | None = None,
-               sharers: Mapping[int, Sequence[int]] | None = None):
+               writers: Mapping[int, Sequence[int]] | None = None):
     options = CheckpointOptions(max_to_keep=max_to_keep, keep_period=keep_period,
                                 replicas=replicas, ram_steps=ram_steps, ram_budget=ram_budget,
                                 replica_bandwidth=replica_bandwidth, if_busy=if_busy)
@@ -109,7 +109,7 @@ class Checkpointer:
         device_hosts=device_hosts, peers=self._peers, key=key, replicas=replicas,
         placement=placement, sidecars=sidecars, replica_bandwidth=replica_bandwidth,
         list_step=self._retention.add, collect_garbage=self._retention.collect,
-        framework=framework, sharers=sharers)
+        framework=framework, writers=writers)
     self._restorer = Restorer(client=client, directory=self.directory, hosts=hosts,
                               local=self._local, device_hosts=device_hosts, mapped=set(mapped),
                               ask_all=bool(replicas) or self._peers.count == 1,

@@ -33,18 +33,17 @@ from sidecar._src.ckptfmt.records import (
   ReplicaTarget,
   Replicated,
   ShardChecksum,
+  ShardId,
   StagedShard,
 )
-from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
+from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # ckptfmt/records' types (both halves'), named here as well.
 __all__ = ["CheckpointClient", "CheckpointTransport", "CommitPart", "Held", "Manifest",
-           "ReplicaTarget", "Replicated", "Shard", "StagePart", "StagedShard"]
-
-Shard = tuple[KeyPath, Index]
+           "ReplicaTarget", "Replicated", "ShardId", "StagePart", "StagedShard"]
 
 
 # A format's own part of a host's Stage requests and of the Commit request (stock Orbax's
@@ -183,7 +182,7 @@ class CheckpointTransport(abc.ABC):
   def empty_like(self, host: int, arrays: Sequence[Any]
                  ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
     """Arrays shaped as ``arrays`` (arrays, or anything with their ``shape``, ``dtype``
-    and ``nbytes``) in ``host``'s arena, with their descriptors, in one round trip
+    and ``nbytes``) in ``host``'s arena, with their ``ArenaRef``s, in one round trip
     (host memory, to travel inline, if the arena is not mapped here)."""
     return [(np.empty(a.shape, a.dtype), None) for a in arrays]
 
@@ -264,7 +263,7 @@ class CheckpointTransport(abc.ABC):
     """Future of a :class:`Manifest`."""
 
   @abc.abstractmethod
-  def read(self, host: int, final_dir: str, shard: Shard, *, crc32c: int | None,
+  def read(self, host: int, final_dir: str, shard: ShardId, *, crc32c: int | None,
            tier: str, part: tuple[int, int] | None = None) -> concurrent.futures.Future:
     """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8)."""
 

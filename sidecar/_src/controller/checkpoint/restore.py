@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.records import SavedLeaf
+from sidecar._src.ckptfmt.records import SavedLeaf, ShardId
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.framework import Framework, RestoreLeaf
@@ -303,7 +303,7 @@ class ShardReads:
     if tier in ("ram", "replica") and host not in self.mapped and (
         math.prod(shape) * dtype.itemsize > READ_PART_BYTES):
       return self._read_parts(final_dir, kp, index, crc, tier, host, shape, dtype)
-    return self.client.read(host, final_dir, (kp, index), crc32c=crc, tier=tier)
+    return self.client.read(host, final_dir, ShardId(kp, index), crc32c=crc, tier=tier)
 
   def _read_parts(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
@@ -335,7 +335,7 @@ class ShardReads:
     for offset, nbytes in parts:
       # Only the first part asks for the check: the host checks the whole shard once, and
       # its failure fails the shard (the parts all go at once, so each would check it).
-      future = self.client.read(host, final_dir, (kp, index),
+      future = self.client.read(host, final_dir, ShardId(kp, index),
                                 crc32c=crc if offset == 0 else None, tier=tier,
                                 part=(offset, nbytes))
       future.add_done_callback(functools.partial(done, offset))

@@ -62,11 +62,12 @@ class SaveProtocol:
     client: the sidecars.
     directory: the checkpoint directory (absolute): where the steps are.
     format: the format's name (``""``: stock Orbax's layout; ``"dcp"``).
-    writers: how many processes stage into each host (each sends its own last part).
+    writers: the processes that stage into each host, where several share one (each
+      sends its own last part; the host's step is whole once all of them have).
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, format: str = "",
-               writers: Mapping[int, int] | None = None):
+               writers: Mapping[int, Sequence[int]] | None = None):
     self.client, self.directory, self.format = client, directory, format
     self._writers = dict(writers or {})
 
@@ -99,7 +100,7 @@ class SaveProtocol:
         last[host] = self.client.stage(host, directory=self.directory, step=target.step,
                                        tmp_dir=target.tmp_dir, final_dir=target.final_dir,
                                        leaves=list(leaves) if first else [], shards=got[1],
-                                       last=final, writers=self._writers.get(host, 1), **fmt)
+                                       last=final, writers=len(self._writers.get(host, ())) or 1, **fmt)
         closed += final
     except BaseException:
       # The abort that follows must reach each sidecar after its last stage call: one
@@ -333,7 +334,7 @@ class SaveCoordinator:
       ``sidecars``: their addresses; ``replica_bandwidth``: bytes/s, or None.
     list_step: lists a committed step; ``collect_garbage``: drops the steps no longer kept.
     framework: describes a state tree's shards (which this process saves).
-    sharers: the processes that stage into each host, where several share one (each
+    writers: the processes that stage into each host, where several share one (each
       sends its own parts; the host's step is whole once all of them have).
   """
 
@@ -342,7 +343,7 @@ class SaveCoordinator:
                key: str, replicas: int, placement: dict[int, list[int]],
                sidecars: dict[int, dict[str, Any]], replica_bandwidth: int | None,
                list_step: Callable[[int], None], collect_garbage: Callable[[], None],
-               framework: Framework, sharers: Mapping[int, Sequence[int]] | None = None):
+               framework: Framework, writers: Mapping[int, Sequence[int]] | None = None):
     self._framework = framework
     self._client, self.directory, self._hosts, self._local = client, directory, hosts, local
     self._device_hosts, self._peers, self._key = device_hosts, peers, key
@@ -351,8 +352,7 @@ class SaveCoordinator:
     self._replica_bandwidth = replica_bandwidth
     self._list_step, self._collect_garbage = list_step, collect_garbage
     self._protocol = SaveProtocol(
-        client=client, directory=directory,
-        writers={h: max(len((sharers or {}).get(h, ())), 1) for h in hosts})
+        client=client, directory=directory, writers=writers)
     self._saves = 0
     self.finisher: threading.Thread | None = None  # the latest save's, until it ends
     # Every save's that may still run: an older one settles its replication (replicas > 0)

@@ -29,7 +29,7 @@ class Sidecars:
     device_hosts: the host of each device id (under PyTorch a rank's device is its rank).
     records: each live sidecar's address, worker socket, boot id and slice.
     mapped: the hosts whose arenas this process maps.
-    sharers: the processes that stage into each host, where several share one.
+    writers: the processes that stage into each host, where several share one.
   """
   client: CheckpointTransport
   hosts: tuple[int, ...]
@@ -37,7 +37,7 @@ class Sidecars:
   device_hosts: Mapping[int, int]
   records: Mapping[int, Mapping[str, Any]]
   mapped: frozenset[int]
-  sharers: Mapping[int, Sequence[int]]
+  writers: Mapping[int, Sequence[int]]
 
   def replicas(self, wanted: int) -> int:
     """``wanted`` replicas, or as many as there are other hosts (with a warning): an

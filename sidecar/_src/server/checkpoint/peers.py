@@ -9,7 +9,7 @@ and a last message marked ``done``:
 
 - **same machine** (the peer's boot id is ours and its worker socket is here): maps
   the peer's arena through that socket, as a Worker does, copies each shard into a
-  block of it with one memcpy, and sends the blocks' descriptors: the peer takes the
+  block of it with one memcpy, and sends the blocks' ``ArenaRef``s: the peer takes the
   blocks with no copy;
 - **elsewhere**: sends each shard's bytes raw (a ``bytes`` field, no codec), in
   parts of :data:`PART_BYTES`, copied once from the shard into the message; the peer
@@ -274,7 +274,7 @@ class PeerLink:
   def _shared(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[ckpt_pb.ReceiveRequest]:
-    """Each shard copied into a block of the peer's arena; the blocks' descriptors sent."""
+    """Each shard copied into a block of the peer's arena; the blocks' ``ArenaRef``s sent."""
     w = self._worker
     assert w is not None
     batch = ckpt_pb.ReceiveRequest()
@@ -292,9 +292,7 @@ class PeerLink:
       held.append(dst)
       block = batch.blocks.add(shard=wire.shard_to_pb(*shard_id),
                                crc32c=shards_lib.shard_crc32c(data))
-      block.data.CopyFrom(pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
-                                      generation=ref.generation, dtype=ref.dtype,
-                                      shape=ref.shape))
+      block.data.CopyFrom(wire.arena_ref_to_pb(ref))
       batch_bytes += data.nbytes
       if batch_bytes >= BATCH_BYTES:
         yield batch

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import records, registry as formats_lib, spec as layout
+from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import faults, ram_tier, roots as roots_lib
@@ -146,7 +147,7 @@ class StepWriter:
     return fmt, str(path), str(where.final)
 
   def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[layout.LeafSpec], shards: list[StagedShard], last: bool = True,
+            leaves: Sequence[LeafSpec], shards: list[StagedShard], last: bool = True,
             writers: int = 1, part: Any = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
@@ -284,7 +285,7 @@ class StepWriter:
     faults.fault("prepared", record.step)
     return record.checksums
 
-  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[layout.LeafSpec],
+  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
              checksums: Sequence[ShardChecksum], data_state: str, whole_step: bool,
              replicas: dict[int, list[int]] | None = None, part: Any = None,
              owner: str = "") -> str:

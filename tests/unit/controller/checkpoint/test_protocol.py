@@ -42,7 +42,7 @@ class Recording(FakeSidecars):
 
 def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest():
   fake = Recording([0, 1])
-  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: 2})
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: [0, 1]})
   target = Target.for_checkpoint("/ckpt/7", "/ckpt/7.dcp-checkpoint-tmp", 7)
   first = DcpPart(1, (Item(fqn="w", kind=ItemKind.BYTES, nbytes=3),))
   rest = DcpPart(1, ())
