@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt import spec as layout
+from sidecar._src.ckptfmt import spec as layout_spec
 from sidecar._src.ckptfmt.records import ShardId, StagedShard
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -46,7 +46,7 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
   victim = saved(server, directory, 1.0)
   item = str(directory / "1" / "default")
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
-  leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
+  leaves = [layout_spec.spec_from_dict(d) for d in manifest["leaves"]]
   with controller(server, attach=False) as attacker:
     client = attacker.checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
@@ -79,7 +79,7 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   tmp_item = str(directory / "2.orbax-checkpoint-tmp" / "default")
   final_dir = str(directory / "2" / "default")
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
-  leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
+  leaves = [layout_spec.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim.checkpoint_client()
   mine.begin(0, str(directory), 2).result()
   half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
@@ -237,7 +237,7 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
   directory = tmp_path / "ck"
   victim = saved(server, directory, 1.0)
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
-  leaves = [layout.spec_from_dict(d) for d in manifest["leaves"]]
+  leaves = [layout_spec.spec_from_dict(d) for d in manifest["leaves"]]
   evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
   with controller(server, attach=False) as attacker:
     client = attacker.checkpoint_client()

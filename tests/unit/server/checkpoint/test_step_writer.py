@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import records, registry, spec as layout
+from sidecar._src.ckptfmt import records, registry, spec as layout_spec
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
@@ -19,8 +19,8 @@ from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save
 
 pytestmark = pytest.mark.unit
 
-SPECS = [layout.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2)),
-         layout.LeafSpec(key_path=("b",), shape=(3,), dtype=np.int32)]
+SPECS = [layout_spec.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2)),
+         layout_spec.LeafSpec(key_path=("b",), shape=(3,), dtype=np.int32)]
 
 
 def shard(leaf, index, value):
@@ -73,8 +73,8 @@ def begun(writer, tmp_path, step, owner="a"):
   directory = str(tmp_path / "ck")
   writer.open(directory)
   tmp_step = writer.begin(directory, step, owner=owner)
-  final = str(tmp_path / "ck" / str(step) / layout.ITEM)
-  return directory, os.path.join(tmp_step, layout.ITEM), final
+  final = str(tmp_path / "ck" / str(step) / layout_spec.ITEM)
+  return directory, os.path.join(tmp_step, layout_spec.ITEM), final
 
 
 def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_writer, tmp_path):
