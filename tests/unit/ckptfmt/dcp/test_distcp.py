@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint import metadata as tmeta
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from sidecar._src.ckptfmt.dcp import distcp as dcp, record as dcp_record
+from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.unit,
 
 def tensor_item(fqn, array, offsets=None):
   offsets = offsets or (0,) * array.ndim
-  return dcp.Item(fqn=fqn, kind="tensor", nbytes=array.nbytes, dtype=array.dtype.name,
+  return distcp.Item(fqn=fqn, kind="tensor", nbytes=array.nbytes, dtype=array.dtype.name,
                   sizes=array.shape, offsets=offsets)
 
 
@@ -35,7 +35,7 @@ def bytes_item(fqn, value):
   buf = io.BytesIO()
   torch.save(value, buf)  # what DCP's planner makes of a non-tensor value
   raw = np.frombuffer(buf.getvalue(), np.uint8)
-  return dcp.Item(fqn=fqn, kind="bytes", nbytes=raw.nbytes), raw
+  return distcp.Item(fqn=fqn, kind="bytes", nbytes=raw.nbytes), raw
 
 
 def two_ranks():
@@ -61,9 +61,9 @@ def metadata_for(ranks, shapes):
   state, storage = {}, {}
   for rank, pairs in ranks.items():
     items = [item for item, _ in pairs]
-    placements, _ = dcp.layout(rank, items)
+    placements, _ = distcp.layout(rank, items)
     for item, where in zip(items, placements):
-      if item.kind is dcp.ItemKind.BYTES:
+      if item.kind is distcp.ItemKind.BYTES:
         state[item.fqn] = tmeta.BytesStorageMetadata()
         index = tmeta.MetadataIndex(item.fqn)
       else:
@@ -79,17 +79,17 @@ def metadata_for(ranks, shapes):
 
 
 def write_checkpoint(path, ranks, expected):
-  tmp = dcp.create_tmp(path)
+  tmp = distcp.create_tmp(path)
   sizes, sums = {}, {}
   for rank, pairs in ranks.items():
     items = [item for item, _ in pairs]
-    _, sizes[rank] = dcp.layout(rank, items)
+    _, sizes[rank] = distcp.layout(rank, items)
     # Items arrive in any order: the layout, not the arrival, places them.
-    sums[rank] = dcp.write_rank_part(tmp, rank, items,
+    sums[rank] = distcp.write_rank_part(tmp, rank, items,
                                      reversed(list(enumerate(a for _, a in pairs))))
   shapes = {k: np.shape(v) for k, v in expected.items() if isinstance(v, np.ndarray)}
-  final = dcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
-                       manifest=Manifest(dcp.FORMAT, (), ()))
+  final = distcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
+                       manifest=Manifest(distcp.FORMAT, (), ()))
   return final, sums
 
 
@@ -107,7 +107,7 @@ def test_stock_dcp_load_restores_it_bit_exact(tmp_path):
   ranks, expected = two_ranks()
   final, _ = write_checkpoint(tmp_path / "ckpt", ranks, expected)
   assert sorted(os.listdir(final)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                       dcp.MANIFEST]
+                                       distcp.MANIFEST]
   state = target_like(expected)
   tdcp.load(state, storage_reader=tdcp.FileSystemReader(str(final)), no_dist=True)
   for k, v in expected.items():
@@ -123,31 +123,31 @@ def test_tensor_bytes_start_on_4k_and_read_back(tmp_path):
   ranks, expected = two_ranks()
   final, sums = write_checkpoint(tmp_path / "ckpt", ranks, expected)
   items = [item for item, _ in ranks[1]]
-  placements, size = dcp.layout(1, items)
+  placements, size = distcp.layout(1, items)
   assert os.path.getsize(final / "__1_0.distcp") == size
   big = placements[2]
   assert big.data_offset % 4096 == 0 and big.offset % 64 == 0
   out = np.empty_like(expected["big"])
-  dcp.read_item(final, big, out)
+  distcp.read_item(final, big, out)
   assert np.array_equal(out, expected["big"])
-  assert sums[1][2].crc32c == dcp.item_checksum(items[2], expected["big"]).crc32c
+  assert sums[1][2].crc32c == distcp.item_checksum(items[2], expected["big"]).crc32c
   assert sums[1][2].key_path == ("big",) and sums[1][2].index == ((0, 3), (0, 4096))
 
 
 def test_nothing_is_visible_before_the_commit(tmp_path):
   ranks, expected = two_ranks()
   path = tmp_path / "ckpt"
-  tmp = dcp.create_tmp(path)
+  tmp = distcp.create_tmp(path)
   items = [item for item, _ in ranks[0]]
-  dcp.write_rank_part(tmp, 0, items, enumerate(a for _, a in ranks[0]))
+  distcp.write_rank_part(tmp, 0, items, enumerate(a for _, a in ranks[0]))
   # Rank 1 never wrote: the commit refuses, and nothing is at the path.
-  _, size0 = dcp.layout(0, items)
-  _, size1 = dcp.layout(1, [item for item, _ in ranks[1]])
+  _, size0 = distcp.layout(0, items)
+  _, size1 = distcp.layout(1, [item for item, _ in ranks[1]])
   with pytest.raises(errors.InvalidArgumentError, match=r"incomplete: rank 1's __1_0.distcp is missing"):
-    dcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={0: size0, 1: size1})
-  assert not path.exists() and not dcp.is_checkpoint(path)
+    distcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={0: size0, 1: size1})
+  assert not path.exists() and not distcp.is_checkpoint(path)
   # A new attempt starts from a clean tmp directory.
-  assert dcp.create_tmp(path) == tmp and os.listdir(tmp) == []
+  assert distcp.create_tmp(path) == tmp and os.listdir(tmp) == []
 
 
 def test_a_committed_checkpoint_is_replaced_whole(tmp_path):
@@ -162,18 +162,18 @@ def test_a_committed_checkpoint_is_replaced_whole(tmp_path):
   tdcp.load(state, storage_reader=tdcp.FileSystemReader(str(path)), no_dist=True)
   assert torch.equal(state["w"], torch.from_numpy(expected["w"]))
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-  tmp = dcp.create_tmp(path)
+  tmp = distcp.create_tmp(path)
   with pytest.raises(FileExistsError, match="already committed"):
-    dcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={}, replace=False)
+    distcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={}, replace=False)
 
 
 def test_finalize_writes_the_trainers_bytes_and_never_unpickles(tmp_path):
-  tmp = dcp.create_tmp(tmp_path / "ckpt")
+  tmp = distcp.create_tmp(tmp_path / "ckpt")
   with pytest.raises(errors.InvalidArgumentError, match="pickle bytes"):
-    dcp.finalize(tmp, metadata=b"not a pickle", file_sizes={})
+    distcp.finalize(tmp, metadata=b"not a pickle", file_sizes={})
   # A pickle whose loading would run code is only written, never loaded.
   evil = pickle.dumps(os.system)  # GLOBAL posix.system: loading it would import
-  final = dcp.finalize(tmp, metadata=evil, file_sizes={})
+  final = distcp.finalize(tmp, metadata=evil, file_sizes={})
   assert (final / ".metadata").read_bytes() == evil
 
 
@@ -190,31 +190,31 @@ def test_finalize_writes_the_trainers_bytes_and_never_unpickles(tmp_path):
 ], ids=["fqn", "nbytes", "offsets", "dtype", "bytes-dtype", "negative"])
 def test_bad_items_are_named(kwargs, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
-    dcp.Item(**kwargs)
+    distcp.Item(**kwargs)
 
 
 def test_an_item_round_trips_through_its_dict():
-  item = dcp.Item(fqn="w", kind="tensor", nbytes=24, dtype="float32", sizes=(2, 3),
+  item = distcp.Item(fqn="w", kind="tensor", nbytes=24, dtype="float32", sizes=(2, 3),
                   offsets=(2, 0))
-  assert dcp.Item.from_dict(item.to_dict()) == item
+  assert distcp.Item.from_dict(item.to_dict()) == item
   with pytest.raises(errors.InvalidArgumentError, match="malformed DCP item"):
-    dcp.Item.from_dict({"fqn": "w"})
+    distcp.Item.from_dict({"fqn": "w"})
 
 
 def test_write_rank_part_refuses_wrong_or_missing_data(tmp_path):
-  tmp = dcp.create_tmp(tmp_path / "ckpt")
+  tmp = distcp.create_tmp(tmp_path / "ckpt")
   a = np.arange(6, dtype=np.float32)
   items = [tensor_item("a", a), tensor_item("b", a)]
   with pytest.raises(errors.InvalidArgumentError, match=r"missing items \['b'\]"):
-    dcp.write_rank_part(tmp, 0, items, [(0, a)])
+    distcp.write_rank_part(tmp, 0, items, [(0, a)])
   with pytest.raises(errors.InvalidArgumentError, match="expected dtype float32, got int32"):
-    dcp.write_rank_part(tmp, 0, items, [(0, a.view(np.int32))])
+    distcp.write_rank_part(tmp, 0, items, [(0, a.view(np.int32))])
   with pytest.raises(errors.InvalidArgumentError, match="expected 24 bytes"):
-    dcp.write_rank_part(tmp, 0, items, [(0, a[:3])])
+    distcp.write_rank_part(tmp, 0, items, [(0, a[:3])])
   with pytest.raises(errors.InvalidArgumentError, match="came twice"):
-    dcp.write_rank_part(tmp, 0, items, [(0, a), (0, a)])
+    distcp.write_rank_part(tmp, 0, items, [(0, a), (0, a)])
   with pytest.raises(errors.InvalidArgumentError, match="not an uncommitted DCP checkpoint"):
-    dcp.write_rank_part(tmp_path, 0, items, [])
+    distcp.write_rank_part(tmp_path, 0, items, [])
 
 
 # Every dtype a record holds, in every shape kind, at offsets of each alignment case.

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sidecar._src.ckptfmt.dcp import distcp as dcp
+from sidecar._src.ckptfmt.dcp import distcp
 
 pytestmark = pytest.mark.unit
 
@@ -18,9 +18,9 @@ class Killed(Exception):
 
 
 def commit(path, tag, **kw):
-  tmp = dcp.create_tmp(path)
+  tmp = distcp.create_tmp(path)
   (tmp / "tag").write_text(tag)
-  return dcp.finalize(tmp, metadata=META, file_sizes={}, **kw)
+  return distcp.finalize(tmp, metadata=META, file_sizes={}, **kw)
 
 
 def test_an_overwrite_swaps_in_one_step_and_leaves_only_the_new_copy(tmp_path):
@@ -29,12 +29,12 @@ def test_an_overwrite_swaps_in_one_step_and_leaves_only_the_new_copy(tmp_path):
   seen = []
   commit(path, "new", swapping=lambda: seen.append(sorted(os.listdir(tmp_path))))
   # At the swap's point both copies are whole: the new at the path, the old at the tmp name.
-  assert seen == [["ckpt", "ckpt" + dcp.TMP_SUFFIX]]
+  assert seen == [["ckpt", "ckpt" + distcp.TMP_SUFFIX]]
   assert (path / "tag").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_without_an_exchange_a_cut_overwrite_is_recovered_not_deleted(tmp_path, monkeypatch):
-  monkeypatch.setattr(dcp, "_exchange", lambda a, b: False)
+  monkeypatch.setattr(distcp, "_exchange", lambda a, b: False)
   path = tmp_path / "ckpt"
   commit(path, "old")
 
@@ -42,9 +42,9 @@ def test_without_an_exchange_a_cut_overwrite_is_recovered_not_deleted(tmp_path, 
     raise Killed
   with pytest.raises(Killed):  # between the two renames: nothing at the path
     commit(path, "new", swapping=die)
-  assert not path.exists() and dcp.is_checkpoint(dcp.old_path(path))
-  assert dcp.recover(path) and (path / "tag").read_text() == "old"
-  assert not dcp.recover(path)  # nothing more to recover
+  assert not path.exists() and distcp.is_checkpoint(distcp.old_path(path))
+  assert distcp.recover(path) and (path / "tag").read_text() == "old"
+  assert not distcp.recover(path)  # nothing more to recover
   with pytest.raises(Killed):
     commit(path, "new", swapping=die)
   commit(path, "newer")  # the next save puts the old copy back first, then replaces it

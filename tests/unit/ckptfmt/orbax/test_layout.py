@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src.ckptfmt import direct_io, shards as ol_shards, spec as layout_spec
+from sidecar._src.ckptfmt import direct_io, shards as shards_lib, spec as layout_spec
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
   read as orbax_read,
@@ -98,14 +98,14 @@ def host_parts(tree, mesh, num_hosts):
     part = []
     for (_, v), spec in zip(leaves, specs):
       if isinstance(v, jax.Array):
-        shards = tuple(ol_shards.Shard(s.index, np.asarray(s.data)) for s in v.addressable_shards
+        shards = tuple(shards_lib.Shard(s.index, np.asarray(s.data)) for s in v.addressable_shards
                        if s.replica_id == 0 and owner[s.device] == host)
       elif host == num_hosts - 1:
         value = np.asarray(v)
-        shards = (ol_shards.Shard((slice(None),) * value.ndim, value),)
+        shards = (shards_lib.Shard((slice(None),) * value.ndim, value),)
       else:
         shards = ()
-      part.append(ol_shards.HostLeaf(spec, shards))
+      part.append(shards_lib.HostLeaf(spec, shards))
     parts.append(part)
   return specs, parts
 
@@ -149,7 +149,7 @@ def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_ho
                else 1 for _, v in flat(tree))
   assert len(sums) == unique
   for s in sums:
-    assert s.crc32c == ol_shards.shard_crc32c(orbax_read.read_leaf(final, s.key_path, s.index)), s
+    assert s.crc32c == shards_lib.shard_crc32c(orbax_read.read_leaf(final, s.key_path, s.index)), s
 
 
 def test_layout_matches_stock_orbax(tree, mesh, tmp_path, stock_plain_dir):
@@ -361,7 +361,7 @@ def test_finalize_refuses_a_missing_host_part(tree, mesh, tmp_path):
 def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
   # Host 1 reports in but drops its shards of "w".
-  parts[1] = [ol_shards.HostLeaf(leaf.spec) if leaf.spec.key_path == ("w",) else leaf
+  parts[1] = [shards_lib.HostLeaf(leaf.spec) if leaf.spec.key_path == ("w",) else leaf
               for leaf in parts[1]]
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   for host, part in enumerate(parts):
@@ -391,8 +391,8 @@ def test_steps_are_created_and_committed_once(tmp_path):
   with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
     orbax_write.write_host_part(tmp_path / "2", 0, [])
   spec = layout_spec.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
-  shard = ol_shards.Shard(((0, 2),), np.arange(2, dtype=np.int32))
-  orbax_write.write_host_part(tmp, 0, [ol_shards.HostLeaf(spec, (shard,))])
+  shard = shards_lib.Shard(((0, 2),), np.arange(2, dtype=np.int32))
+  orbax_write.write_host_part(tmp, 0, [shards_lib.HostLeaf(spec, (shard,))])
   orbax_commit.finalize(tmp, [spec], num_hosts=1)
   assert_bit_exact(np.arange(2, dtype=np.int32), orbax_read.read_leaf(tmp_path / "2", ("x",)))
   with pytest.raises(FileExistsError, match=r"step 2 is already committed"):
