@@ -3,7 +3,7 @@
 Rank 0's ``StorageWriter.finish`` holds DCP's ``Metadata``; :func:`finish` completes it
 as ``FileSystemWriter`` does (``storage_data`` from every rank's write results, the
 version, the storage meta) and pickles it here, in the trainer, for the sidecar to write
-as opaque bytes (``ckptfmt/dcp.py`` says why the sidecar never pickles).
+as opaque bytes (``ckptfmt/dcp/distcp.py`` says why the sidecar never pickles).
 
 :func:`to_plan` writes the same metadata as plain JSON values (the plan: every item's
 dtype, size and chunks, where each is stored, DCP's planner data where it is the
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from sidecar._src.ckptfmt import dcp
+from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.core import errors
 from sidecar._src.torch import tensors
 
@@ -32,24 +32,24 @@ VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 PLAN_VERSION = 1
 
 
-def item_of(write_item: WriteItem, nbytes: int) -> dcp.Item:
+def item_of(write_item: WriteItem, nbytes: int) -> distcp.Item:
   """Our record of one of DCP's write items (``nbytes``: the bytes of a resolved bytes item)."""
   fqn = write_item.index.fqn
   if write_item.type == WriteItemType.BYTE_IO:
-    return dcp.Item(fqn=fqn, kind=dcp.ItemKind.BYTES, nbytes=nbytes)
+    return distcp.Item(fqn=fqn, kind=distcp.ItemKind.BYTES, nbytes=nbytes)
   data = write_item.tensor_data
   if data is None:
     raise errors.InvalidArgumentError(f"write item {fqn!r} is a tensor with no tensor data")
   dtype = tensors.dtype_name(data.properties.dtype, f"state dict entry {fqn!r}")
   sizes = tuple(int(s) for s in data.chunk.sizes)
-  return dcp.Item(fqn=fqn, kind=dcp.ItemKind.TENSOR, nbytes=nbytes, dtype=dtype, sizes=sizes,
+  return distcp.Item(fqn=fqn, kind=distcp.ItemKind.TENSOR, nbytes=nbytes, dtype=dtype, sizes=sizes,
                   offsets=tuple(int(o) for o in data.chunk.offsets))
 
 
-def write_results(rank: int, write_items: Sequence[WriteItem], items: Sequence[dcp.Item]
+def write_results(rank: int, write_items: Sequence[WriteItem], items: Sequence[distcp.Item]
                   ) -> list[WriteResult]:
-  """DCP's write results of rank ``rank``'s items: where :func:`dcp.layout` puts each."""
-  placements, _ = dcp.layout(rank, items)
+  """DCP's write results of rank ``rank``'s items: where :func:`distcp.layout` puts each."""
+  placements, _ = distcp.layout(rank, items)
   return [WriteResult(index=w.index, size_in_bytes=p.length,
                       storage_data=_StorageInfo(p.relative_path, p.offset, p.length))
           for w, p in zip(write_items, placements)]

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import (
 from torch.distributed.tensor import DTensor
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import dcp
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
@@ -126,7 +126,7 @@ class StorageWriter(_Writer):
     writers: dict[int, list[int]] = {}
     for rank, h in sorted(self._ranks.items()):
       writers.setdefault(h, []).append(rank)
-    return SaveProtocol(client=self._site.client, directory=directory, format=dcp.FORMAT,
+    return SaveProtocol(client=self._site.client, directory=directory, format=distcp.FORMAT,
                         writers=writers)
 
   # ---- DCP's StorageWriter ---------------------------------------------
@@ -171,7 +171,7 @@ class StorageWriter(_Writer):
     self._protocol(target.directory).stage_copies(
         target, self._home, arrays, [item.index for item in items],
         [worker.ref_of(a) if worker is not None else None for a in arrays],
-        part=dcp.DcpPart(rank, tuple(items)), rest=dcp.DcpPart(rank, ()),
+        part=DcpPart(rank, tuple(items)), rest=DcpPart(rank, ()),
         threads=torch.get_num_threads())
     self.last_stats = {"stage_s": time.perf_counter() - t0}
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -195,11 +195,11 @@ class StorageWriter(_Writer):
       sums = protocol.prepared(target, hosts)
       protocol.commit(self._home, target, num_hosts=len(hosts), checksums=sums,
                       replicas=placement,
-                      part=dcp.DcpCommit(raw, sizes, json.dumps(plan)))
+                      part=DcpCommit(raw, sizes, json.dumps(plan)))
     except BaseException:
       protocol.abort(target, hosts)
       raise
-    manifest = Manifest.of_save(dcp.FORMAT, step=target.step, leaves=(), checksums=sums,
+    manifest = Manifest.of_save(distcp.FORMAT, step=target.step, leaves=(), checksums=sums,
                                 data_state_json="", replicas=placement,
                                 extras={"plan": plan})
     protocol.mark_committed(target, hosts, manifest.to_json())
