@@ -5,6 +5,7 @@ reaches the trainer (which keeps waiting past its peer timeout while the sidecar
 and Status's ``waiting``; ``timeout=`` makes it fail, naming tenant, place and quota.
 """
 
+import _thread
 import threading
 import time
 
@@ -85,6 +86,29 @@ def test_a_worker_that_leaves_the_queue_frees_its_place(make_server, tmp_path):
     waiter.join(10)
     assert errors_seen and isinstance(errors_seen[0], sidecar.HostLostError)
     del held
+  finally:
+    first.close()
+    second.close()
+
+
+def test_ctrl_c_leaves_the_queue_and_the_worker_serves_on(make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path))
+  first = Worker(server.options.socket_path, token=ALICE)
+  second = Worker(server.options.socket_path, token=ALICE)
+  try:
+    held = first.empty((3 << 20,), np.uint8)
+    timer = threading.Timer(0.5, _thread.interrupt_main)  # a Ctrl-C while it waits
+    timer.start()
+    try:
+      with pytest.raises(KeyboardInterrupt):
+        second.empty((1 << 20,), np.uint8)
+    finally:
+      timer.join()
+    assert _rows(server)["alice"].waiting == 0
+    del held
+    got, _ = second.empty((1 << 20,), np.uint8, timeout=5)  # its connection is in step
+    assert got.nbytes == 1 << 20
+    del got
   finally:
     first.close()
     second.close()
