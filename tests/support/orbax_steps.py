@@ -10,7 +10,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt import spec as layout_spec
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
-from sidecar._src.ckptfmt.shards import HostLeaf, Shard
+from sidecar._src.ckptfmt.records import StagedShard
 
 W = np.arange(48, dtype=np.float32).reshape(8, 6)
 E = np.arange(10, 15, dtype=np.int32)
@@ -26,17 +26,16 @@ SPECS = [
 ]
 
 
-def host_parts() -> list[list[HostLeaf]]:
-  """Host 0: w's top row of chunks, e's first and edge chunks. Host 1: the rest."""
-  w, e, s = SPECS
+def host_parts() -> list[list[StagedShard]]:
+  """Each host's shards of SPECS (w 0, e 1, s 2). Host 0: w's top row of chunks, e's first
+  and edge chunks. Host 1: the rest."""
   return [
-      [HostLeaf(w, (Shard((slice(0, 4), slice(0, 3)), W[:4, :3]),
-                    Shard(((0, 4), (3, 6)), W[:4, 3:]))),
-       HostLeaf(e, (Shard(((0, 2),), E[:2]), Shard(((4, 5),), E[4:]))),
-       HostLeaf(s)],
-      [HostLeaf(w, (Shard(((4, 8), (0, 3)), W[4:, :3]), Shard(((4, 8), (3, 6)), W[4:, 3:]))),
-       HostLeaf(e, (Shard(((2, 4),), E[2:4]),)),
-       HostLeaf(s, (Shard((), np.asarray(S)),))],
+      [StagedShard(0, (slice(0, 4), slice(0, 3)), W[:4, :3]),
+       StagedShard(0, ((0, 4), (3, 6)), W[:4, 3:]),
+       StagedShard(1, ((0, 2),), E[:2]), StagedShard(1, ((4, 5),), E[4:])],
+      [StagedShard(0, ((4, 8), (0, 3)), W[4:, :3]), StagedShard(0, ((4, 8), (3, 6)), W[4:, 3:]),
+       StagedShard(1, ((2, 4),), E[2:4]),
+       StagedShard(2, (), np.asarray(S))],
   ]
 
 
@@ -44,7 +43,7 @@ def write_step(directory, step: int = 5, **finalize_kw):
   """The step written by both hosts (host 1 first) and committed; returns its directory."""
   tmp = orbax_commit.create_tmp_step(directory, step)
   for host, part in reversed(list(enumerate(host_parts()))):
-    orbax_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, SPECS, part)
   return orbax_commit.finalize(tmp, SPECS, num_hosts=2, **finalize_kw)
 
 

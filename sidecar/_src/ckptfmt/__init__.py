@@ -47,7 +47,7 @@ One module per concern, no RPC in any:
 * ``orbax/``: stock Orbax's layout (``format``, ``write``, ``commit``, ``read``, ``files``).
 * ``dcp/``: PyTorch DCP's layout (``format``, ``parts``, ``distcp``, ``record``).
 * ``spec``: :class:`LeafSpec` (a leaf's key path, shape, dtype, write shape), step paths.
-* ``shards``: :class:`Shard`, :class:`HostLeaf`, the crc32c of a shard.
+* ``shards``: the crc32c of a shard.
 * ``direct_io``: ``O_DIRECT`` writes where they pay, fsync of files and directories.
 * ``feed_state``: a feed's position, stored beside the state.
 * ``read``, ``write``, ``commit``, ``manifest``: the old homes of ``orbax/*`` and of

@@ -88,8 +88,8 @@ class OrbaxFormat(Format):
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
             *, progress: Callable[[int], None]) -> list[ShardChecksum]:
     assert isinstance(numbering, LeafNumbering)
-    sums = write.write_item_part(tmp_dir, host_id, numbering.leaves,
-                                 ((s.leaf, s) for s in incoming), progress=progress)
+    sums = write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
+                                 progress=progress)
     return [dataclasses.replace(c, host=host_id) for c in sums]
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],

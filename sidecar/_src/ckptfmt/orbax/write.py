@@ -21,7 +21,7 @@ from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
-from sidecar._src.ckptfmt.shards import HostLeaf, Shard, shard_crc32c
+from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
 
@@ -34,34 +34,31 @@ _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync 
 
 
 def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
-                    leaves: Sequence[HostLeaf], *, use_compression: bool = False,
-                    ) -> list[ShardChecksum]:
+                    specs: Sequence[LeafSpec], shards: Iterable[StagedShard], *,
+                    use_compression: bool = False) -> list[ShardChecksum]:
   """Writes this host's shards into the step's chunk files.
 
-  Every host passes every leaf of the tree, with the shards it owns (replicated
-  shards on exactly one host); host 0 also writes each array's ``.zarray``, as Orbax's
-  primary host does. The shard arrays must not change until this returns: they are
-  written without a copy.
+  Every host passes every leaf of the tree (``specs``) and the shards it owns
+  (replicated shards on exactly one host), each numbering its leaf in ``specs``; host 0
+  also writes each array's ``.zarray``, as Orbax's primary host does. The shard arrays
+  must not change until this returns: they are written without a copy.
 
   Returns:
     The crc32c of every shard written, in the order given.
   """
-  leaves = list(leaves)
-  return write_item_part(files.item_dir(tmp_step_dir, must_be_tmp=True), host_index,
-                         [leaf.spec for leaf in leaves],
-                         [(i, shard) for i, leaf in enumerate(leaves) for shard in leaf.shards],
-                         use_compression=use_compression)
+  return write_item_part(files.item_dir(tmp_step_dir, must_be_tmp=True), host_index, specs,
+                         shards, use_compression=use_compression)
 
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
-                    shards: Iterable[tuple[int, Shard | StagedShard]], *,
-                    use_compression: bool = False,
+                    shards: Iterable[StagedShard], *, use_compression: bool = False,
                     progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
   """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
 
-  ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as
-  ``(leaf number, shard)`` (a :class:`Shard`, or the :class:`StagedShard` a sidecar staged). It may be a generator that waits for shards still being
-  staged: each one's write and checksum start as it arrives.
+  ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as the
+  sidecar staged them (:class:`StagedShard`, its ``leaf`` a number in ``specs``; an
+  ``index`` of slices is taken too). It may be a generator that waits for shards still
+  being staged: each one's write and checksum start as it arrives.
   ``progress(nbytes)`` is called as each shard becomes durable.
   """
   import tensorstore as ts
@@ -97,7 +94,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
 
 
 def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened: Sequence[Any],
-                  shards: Iterable[tuple[int, Shard | StagedShard]], use_compression: bool,
+                  shards: Iterable[StagedShard], use_compression: bool,
                   progress: Callable[[int], None] | None) -> list[ShardChecksum]:
   """Writes each shard as it comes; returns their checksums once all are durable."""
   writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
@@ -107,7 +104,8 @@ def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened:
                                               initializer=background_thread) as pool,
         concurrent.futures.ThreadPoolExecutor(1, "sidecar-ckpt-crc32c",
                                               initializer=background_thread) as checksums):
-    for leaf, shard in shards:
+    for shard in shards:
+      leaf = shard.leaf
       if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
         raise errors.InvalidArgumentError(f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
       spec, w = specs[leaf], write_specs[leaf]
@@ -136,7 +134,7 @@ def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
   return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
 
 
-def _resolve(spec: LeafSpec, shard: Shard | StagedShard) -> tuple[Index, np.ndarray]:
+def _resolve(spec: LeafSpec, shard: StagedShard) -> tuple[Index, np.ndarray]:
   """Normalizes a shard's index to (start, stop) pairs and checks it fits."""
   if len(shard.index) != len(spec.shape):
     raise errors.InvalidArgumentError(

@@ -18,7 +18,7 @@ from sidecar._src.ckptfmt.orbax import (
   read as orbax_read,
   write as orbax_write,
 )
-from sidecar._src.ckptfmt.shards import HostLeaf, Shard
+from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from tests.support import orbax_steps
 from tests.support.orbax_steps import SPECS
@@ -51,7 +51,7 @@ def test_no_step_is_visible_until_the_rename(tmp_path):
   or to stock Orbax; finalize makes it one."""
   tmp = orbax_commit.create_tmp_step(tmp_path, 5)
   for host, part in enumerate(orbax_steps.host_parts()):
-    orbax_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, SPECS, part)
   orbax_commit.finalize_item(tmp / "default", SPECS, num_hosts=2)
   assert (tmp / "default" / "commit_success.txt").is_file()
   assert orbax_read.list_steps(tmp_path) == [] and orbax_steps_seen(tmp_path) == []
@@ -95,7 +95,7 @@ def test_shardings_are_stored_by_base64_param_name(tmp_path):
   spec = layout_spec.LeafSpec(key_path=("opt", 0), shape=(2,), dtype=np.int32, write_shape=(2,),
                               sharding=sharding)
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
-  orbax_write.write_host_part(tmp, 0, [HostLeaf(spec, (Shard(((0, 2),), np.arange(2, dtype=np.int32)),))])
+  orbax_write.write_host_part(tmp, 0, [spec], [StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))])
   final = orbax_commit.finalize(tmp, [spec], num_hosts=1)
   assert read_json(final / "default" / "_sharding") == {
       base64.urlsafe_b64encode(b"opt.0").decode(): sharding}
@@ -115,7 +115,7 @@ def test_a_step_committed_meanwhile_is_left_alone(tmp_path):
   shutil.move(tmp_path / "5", tmp_path / "winner")
   tmp = orbax_commit.create_tmp_step(tmp_path, 5)
   for host, part in enumerate(orbax_steps.host_parts()):
-    orbax_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, SPECS, part)
   shutil.move(tmp_path / "winner", tmp_path / "5")
   with pytest.raises(FileExistsError, match=r"^step 5 was committed meanwhile at "):
     orbax_commit.finalize(tmp, SPECS, num_hosts=2)
@@ -125,7 +125,7 @@ def test_a_step_committed_meanwhile_is_left_alone(tmp_path):
 def test_a_leaf_no_host_wrote_is_named(tmp_path):
   tmp = orbax_commit.create_tmp_step(tmp_path, 5)
   for host, part in enumerate(orbax_steps.host_parts()):
-    orbax_write.write_host_part(tmp, host, part[:2])  # "s" never written
+    orbax_write.write_host_part(tmp, host, SPECS[:2], [s for s in part if s.leaf < 2])  # no "s"
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^step at .*/5\.orbax-checkpoint-tmp is incomplete: leaf 's' has 0 "
                            r"of 1 chunks \(metadata written: False\); some host did not write"):
@@ -137,9 +137,9 @@ def test_hosts_that_disagree_on_the_arrays_are_refused(tmp_path):
   j = layout_spec.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
   k = layout_spec.LeafSpec(key_path=("k",), shape=(4,), dtype=np.int8, write_shape=(4,))
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
-  orbax_write.write_host_part(tmp, 0, [HostLeaf(j, (Shard(((0, 2),), np.zeros(2, np.int8)),)),
-                                       HostLeaf(k, (Shard(((0, 4),), np.zeros(4, np.int8)),))])
-  orbax_write.write_host_part(tmp, 1, [HostLeaf(j, (Shard(((2, 4),), np.zeros(2, np.int8)),))])
+  orbax_write.write_host_part(tmp, 0, [j, k], [StagedShard(0, ((0, 2),), np.zeros(2, np.int8)),
+                                               StagedShard(1, ((0, 4),), np.zeros(4, np.int8))])
+  orbax_write.write_host_part(tmp, 1, [j], [StagedShard(0, ((2, 4),), np.zeros(2, np.int8))])
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^host 1 wrote metadata for \['j'\], expected \['j', 'k'\]$"):
     orbax_commit.finalize(tmp, [j, k], num_hosts=2)

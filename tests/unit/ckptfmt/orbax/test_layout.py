@@ -23,6 +23,7 @@ from sidecar._src.ckptfmt.orbax import (
   read as orbax_read,
   write as orbax_write,
 )
+from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.jax import checkpoint as jax_checkpoint
 
@@ -89,23 +90,21 @@ def flat(tree):
 
 
 def host_parts(tree, mesh, num_hosts):
-  """Each host's leaves: the replica-0 shards on its devices, numpy and scalars on the last."""
+  """The leaves' specs and each host's shards: the replica-0 shards on its devices, numpy
+  and scalars on the last."""
   owner = {d: i * num_hosts // mesh.size for i, d in enumerate(mesh.devices.flat)}
   leaves = flat(tree)
   specs = [jax_checkpoint.leaf_spec(kp, v) for kp, v in leaves]
   parts = []
   for host in range(num_hosts):
     part = []
-    for (_, v), spec in zip(leaves, specs):
+    for leaf, (_, v) in enumerate(leaves):
       if isinstance(v, jax.Array):
-        shards = tuple(shards_lib.Shard(s.index, np.asarray(s.data)) for s in v.addressable_shards
-                       if s.replica_id == 0 and owner[s.device] == host)
+        part += [StagedShard(leaf, s.index, np.asarray(s.data)) for s in v.addressable_shards
+                 if s.replica_id == 0 and owner[s.device] == host]
       elif host == num_hosts - 1:
         value = np.asarray(v)
-        shards = (shards_lib.Shard((slice(None),) * value.ndim, value),)
-      else:
-        shards = ()
-      part.append(shards_lib.HostLeaf(spec, shards))
+        part.append(StagedShard(leaf, (slice(None),) * value.ndim, value))
     parts.append(part)
   return specs, parts
 
@@ -129,7 +128,7 @@ def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_ho
   tmp = orbax_commit.create_tmp_step(tmp_path, 5)
   sums = []
   for host, part in enumerate(parts):
-    sums += orbax_write.write_host_part(tmp, host, part, use_compression=use_compression)
+    sums += orbax_write.write_host_part(tmp, host, specs, part, use_compression=use_compression)
   final = orbax_commit.finalize(tmp, specs, num_hosts=num_hosts)
 
   assert final == tmp_path / "5" and not tmp.exists()
@@ -155,7 +154,7 @@ def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_ho
 def test_layout_matches_stock_orbax(tree, mesh, tmp_path, stock_plain_dir):
   specs, parts = host_parts(tree, mesh, 1)
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
-  orbax_write.write_host_part(tmp, 0, parts[0])
+  orbax_write.write_host_part(tmp, 0, specs, parts[0])
   ours, stock = orbax_commit.finalize(tmp, specs, num_hosts=1), stock_plain_dir / "0"
 
   # Stock Orbax splits the chunks of (partly) replicated arrays among the replicas.
@@ -189,7 +188,7 @@ def test_chunk_files_hold_the_bytes_orbax_writes(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
   tmp = orbax_commit.create_tmp_step(tmp_path / "ours", 0)
   for host, part in enumerate(parts):
-    orbax_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, specs, part)
   ours, stock = orbax_commit.finalize(tmp, specs, num_hosts=2) / "default", tmp_path / "stock/0/default"
   chunks = [p.relative_to(stock) for p in stock.glob("[wo]*/[0-9]*")]  # w, opt.0.mu: sharded
   assert len(chunks) == 8 + 8
@@ -226,10 +225,10 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
   before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
   specs, parts = host_parts(tree, mesh, 1)
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
-  sums = orbax_write.write_host_part(tmp, 0, parts[0])  # the scalars go through TensorStore
+  sums = orbax_write.write_host_part(tmp, 0, specs, parts[0])  # the scalars go through TensorStore
   calls = [name for name, _ in seen]
   assert set(calls) == {"write_file", "shard_crc32c"}, seen
-  assert calls.count("shard_crc32c") == len(sums) == sum(len(leaf.shards) for leaf in parts[0])
+  assert calls.count("shard_crc32c") == len(sums) == len(parts[0])
   assert {policy for _, policy in seen} == {os.SCHED_IDLE}, seen
   assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
   assert set(thread_classes("ts_pool_")) == {before}
@@ -246,7 +245,7 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
     specs, parts = host_parts(tree, mesh, 2)
     tmp = orbax_commit.create_tmp_step(tmp_path, 0)
     for host, part in enumerate(parts):
-      orbax_write.write_host_part(tmp, host, part)
+      orbax_write.write_host_part(tmp, host, specs, part)
     item = orbax_commit.finalize(tmp, specs, num_hosts=2) / layout_spec.ITEM
   elif writer == "stock_raw":
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -296,7 +295,7 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
 def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 1)
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
-  orbax_write.write_host_part(tmp, 0, parts[0])
+  orbax_write.write_host_part(tmp, 0, specs, parts[0])
   item = orbax_commit.finalize(tmp, specs, num_hosts=1) / layout_spec.ITEM
   chunk = item / "w" / "1.2"  # rows 4:8, columns 8:12 of w's 2 x 4 grid
   with open(chunk, "r+b") as f:
@@ -338,7 +337,7 @@ def test_uncommitted_step_is_not_listed(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
   tmp = orbax_commit.create_tmp_step(tmp_path, 3)
   for host, part in enumerate(parts):
-    orbax_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, specs, part)
   assert tmp.name == "3.orbax-checkpoint-tmp"
   assert orbax_read.list_steps(tmp_path) == []
   with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(
@@ -351,7 +350,7 @@ def test_uncommitted_step_is_not_listed(tree, mesh, tmp_path):
 def test_finalize_refuses_a_missing_host_part(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
-  orbax_write.write_host_part(tmp, 0, parts[0])
+  orbax_write.write_host_part(tmp, 0, specs, parts[0])
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"expected the parts of 2 hosts .* found \['process_0'\]"):
     orbax_commit.finalize(tmp, specs, num_hosts=2)
@@ -361,11 +360,10 @@ def test_finalize_refuses_a_missing_host_part(tree, mesh, tmp_path):
 def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
   # Host 1 reports in but drops its shards of "w".
-  parts[1] = [shards_lib.HostLeaf(leaf.spec) if leaf.spec.key_path == ("w",) else leaf
-              for leaf in parts[1]]
+  parts[1] = [s for s in parts[1] if specs[s.leaf].key_path != ("w",)]
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   for host, part in enumerate(parts):
-    orbax_write.write_host_part(tmp, host, part)
+    orbax_write.write_host_part(tmp, host, specs, part)
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"incomplete: leaf 'w' has 4 of 8 chunks"):
     orbax_commit.finalize(tmp, specs, num_hosts=2)
@@ -389,10 +387,10 @@ def test_steps_are_created_and_committed_once(tmp_path):
   tmp = orbax_commit.create_tmp_step(tmp_path, 2)
   assert not (tmp / "leftover").exists()
   with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
-    orbax_write.write_host_part(tmp_path / "2", 0, [])
+    orbax_write.write_host_part(tmp_path / "2", 0, [], [])
   spec = layout_spec.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
-  shard = shards_lib.Shard(((0, 2),), np.arange(2, dtype=np.int32))
-  orbax_write.write_host_part(tmp, 0, [shards_lib.HostLeaf(spec, (shard,))])
+  shard = StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))
+  orbax_write.write_host_part(tmp, 0, [spec], [shard])
   orbax_commit.finalize(tmp, [spec], num_hosts=1)
   assert_bit_exact(np.arange(2, dtype=np.int32), orbax_read.read_leaf(tmp_path / "2", ("x",)))
   with pytest.raises(FileExistsError, match=r"step 2 is already committed"):

@@ -10,7 +10,8 @@ import pytest
 
 from sidecar._src.ckptfmt import spec as layout_spec
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
-from sidecar._src.ckptfmt.shards import HostLeaf, Shard, shard_crc32c
+from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.core import errors
 from tests.support import orbax_steps
 from tests.support.orbax_steps import SPECS, E, W
@@ -24,12 +25,12 @@ def tmp(tmp_path):
 
 
 def test_whole_chunks_land_in_their_files_as_c_order_bytes(tmp):
-  orbax_write.write_host_part(tmp, 1, orbax_steps.host_parts()[1])
+  orbax_write.write_host_part(tmp, 1, SPECS, orbax_steps.host_parts()[1])
   w = tmp / "default" / "w"
   assert sorted(p.name for p in w.iterdir()) == ["1.0", "1.1"]  # host 1 writes no .zarray
   assert (w / "1.0").read_bytes() == W[4:, :3].tobytes()
   assert (w / "1.1").read_bytes() == W[4:, 3:].tobytes()
-  orbax_write.write_host_part(tmp, 0, orbax_steps.host_parts()[0])
+  orbax_write.write_host_part(tmp, 0, SPECS, orbax_steps.host_parts()[0])
   assert sorted(p.name for p in w.iterdir()) == [".zarray", "0.0", "0.1", "1.0", "1.1"]
   assert json.loads((w / ".zarray").read_text())["chunks"] == [4, 3]
   # The edge chunk (4:5 of chunk 2) went through TensorStore, padded to a whole chunk.
@@ -38,8 +39,8 @@ def test_whole_chunks_land_in_their_files_as_c_order_bytes(tmp):
 
 def test_the_checksums_come_in_the_order_given_with_the_index_resolved(tmp):
   part = orbax_steps.host_parts()[0]
-  sums = orbax_write.write_host_part(tmp, 0, part)
-  given = [(leaf.spec.key_path, shard) for leaf in part for shard in leaf.shards]
+  sums = orbax_write.write_host_part(tmp, 0, SPECS, part)
+  given = [(SPECS[shard.leaf].key_path, shard) for shard in part]
   assert [(s.key_path, s.index) for s in sums] == [
       (("w",), ((0, 4), (0, 3))), (("w",), ((0, 4), (3, 6))),
       (("opt", 0, "e"), ((0, 2),)), (("opt", 0, "e"), ((4, 5),))]
@@ -48,14 +49,14 @@ def test_the_checksums_come_in_the_order_given_with_the_index_resolved(tmp):
 
 
 def test_write_item_part_takes_shards_as_they_arrive_and_reports_progress(tmp):
-  """A generator of (leaf number, shard): the sidecar feeds shards as they are staged."""
+  """A generator of shards: the sidecar feeds them to the writer as they are staged."""
   done = []
   arrived = []
 
   def staged():
-    for leaf, shard in [(0, Shard(((0, 4), (0, 3)), W[:4, :3])), (2, Shard((), np.asarray(0.5)))]:
-      arrived.append(leaf)
-      yield leaf, shard
+    for shard in [StagedShard(0, ((0, 4), (0, 3)), W[:4, :3]), StagedShard(2, (), np.asarray(0.5))]:
+      arrived.append(shard.leaf)
+      yield shard
 
   sums = orbax_write.write_item_part(tmp / "default", 0, SPECS, staged(), progress=done.append)
   assert arrived == [0, 2] and len(sums) == 2
@@ -63,10 +64,10 @@ def test_write_item_part_takes_shards_as_they_arrive_and_reports_progress(tmp):
 
 
 def test_array_metadatas_are_written_per_host_for_jax_arrays_only(tmp):
-  orbax_write.write_host_part(tmp, 0, orbax_steps.host_parts()[0])
+  orbax_write.write_host_part(tmp, 0, SPECS, orbax_steps.host_parts()[0])
   assert not (tmp / "default" / "array_metadatas").exists()  # numpy and scalar leaves only
   spec = layout_spec.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
-  orbax_write.write_host_part(tmp, 3, [HostLeaf(spec, (Shard(((2, 4),), np.ones(2, np.int8)),))])
+  orbax_write.write_host_part(tmp, 3, [spec], [StagedShard(0, ((2, 4),), np.ones(2, np.int8))])
   [meta] = json.loads((tmp / "default" / "array_metadatas" / "process_3").read_text())[
       "array_metadatas"]
   assert meta["array_metadata"]["param_name"] == "j"
@@ -77,26 +78,26 @@ SPEC = layout_spec.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, wri
 
 
 @pytest.mark.parametrize(("shard", "match"), [
-    (Shard(((0, 2), (0, 3)), np.zeros((2, 2), np.float32)),
+    ((((0, 2), (0, 3)), np.zeros((2, 2), np.float32)),
      r"expected \(2, 3\) float32, got \(2, 2\) float32"),
-    (Shard(((0, 2), (0, 3)), np.zeros((2, 3), np.float64)),
+    ((((0, 2), (0, 3)), np.zeros((2, 3), np.float64)),
      r"expected \(2, 3\) float32, got \(2, 3\) float64"),
-    (Shard(((1, 3), (0, 3)), np.zeros((2, 3), np.float32)),
+    ((((1, 3), (0, 3)), np.zeros((2, 3), np.float32)),
      r"not one block of write_shape \(2, 3\)"),
-    (Shard((slice(0, 4, 2), slice(0, 3)), np.zeros((2, 3), np.float32)), r"has a stride"),
-    (Shard(((0, 2),), np.zeros((2,), np.float32)), r"has 1 entries for a 2-d array"),
+    (((slice(0, 4, 2), slice(0, 3)), np.zeros((2, 3), np.float32)), r"has a stride"),
+    ((((0, 2),), np.zeros((2,), np.float32)), r"has 1 entries for a 2-d array"),
 ], ids=["shape", "dtype", "misaligned", "strided", "rank"])
 def test_write_host_part_rejects_bad_shards(tmp_path, shard, match):
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
   with pytest.raises(errors.InvalidArgumentError, match=match):
-    orbax_write.write_host_part(tmp, 0, [HostLeaf(SPEC, (shard,))])
+    orbax_write.write_host_part(tmp, 0, [SPEC], [StagedShard(0, *shard)])
 
 
 @pytest.mark.parametrize("host_index", [-1, 1.0, "0", True], ids=["negative", "float", "str", "bool"])
 def test_the_host_index_is_an_int(tmp, host_index):
   with pytest.raises(errors.InvalidArgumentError,
                      match=rf"^host_index must be an int >= 0, got {host_index!r}$"):
-    orbax_write.write_host_part(tmp, host_index, [])
+    orbax_write.write_host_part(tmp, host_index, [], [])
   assert not (tmp / "default").exists()
 
 
@@ -104,15 +105,15 @@ def test_the_host_index_is_an_int(tmp, host_index):
 def test_a_shard_names_a_leaf_of_the_tree(tmp, leaf):
   with pytest.raises(errors.InvalidArgumentError,
                      match=rf"^shard of leaf {leaf!r}: there are 3 leaves$"):
-    orbax_write.write_item_part(tmp / "default", 0, SPECS, [(leaf, Shard((), np.asarray(0.5)))])
+    orbax_write.write_item_part(tmp / "default", 0, SPECS, [StagedShard(leaf, (), np.asarray(0.5))])
 
 
 def test_the_same_leaf_twice_is_refused(tmp):
   with pytest.raises(errors.InvalidArgumentError, match=r"^leaf 'w' is given twice$"):
-    orbax_write.write_host_part(tmp, 0, [HostLeaf(SPECS[0]), HostLeaf(SPECS[0])])
+    orbax_write.write_host_part(tmp, 0, [SPECS[0], SPECS[0]], [])
 
 
 def test_only_an_uncommitted_step_is_written(tmp_path):
   orbax_steps.write_step(tmp_path, 5)
   with pytest.raises(errors.InvalidArgumentError, match=r"5 is not an uncommitted step directory"):
-    orbax_write.write_host_part(tmp_path / "5", 0, orbax_steps.host_parts()[0])
+    orbax_write.write_host_part(tmp_path / "5", 0, SPECS, orbax_steps.host_parts()[0])
