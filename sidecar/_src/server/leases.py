@@ -259,14 +259,31 @@ class Leases:
     if t is not None and t.arena_ceiling is not None and (
         nbytes > t.arena_ceiling.bytes_of(self.allocator.size)):
       return False
+    if t is not None and nbytes > self._open_to(t):
+      return False
     return self.allocator.fits(nbytes) and (
         self.quota is None or not isinstance(holder, str) or nbytes <= self.quota)
+
+  def _open_to(self, t: tenants_lib.Tenant) -> int:
+    """The most arena tenant ``t`` could ever hold: all of it but the others' guarantees."""
+    pool = None if self._tenancy is None else self._tenancy.pool
+    size = self.allocator.size
+    return size - sum(o.arena.bytes_of(size) for o in (pool.tenants if pool is not None else ())
+                      if o.name != t.name)
 
   def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
     if not self.allocator.fits(nbytes):
       self.allocator.alloc(nbytes, timeout=0)  # raises, saying the arena's size
     fmt = shm.format_size
     t = self._tenant(holder)
+    if t is not None and nbytes > (open_to := self._open_to(t)) and (
+        t.arena_ceiling is None or nbytes <= t.arena_ceiling.bytes_of(self.allocator.size)):
+      where = self._tenancy.where(t.name) if self._tenancy is not None else ""
+      raise errors.ResourceExhaustedError(
+          f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) can never fit: the "
+          f"other tenants' guaranteed arena leaves it {fmt(open_to)} of "
+          f"{fmt(self.allocator.size)} ({where}); use smaller arrays, or lower the others' "
+          "guaranteed arena in the pool file")
     if t is not None and t.arena_ceiling is not None and (
         nbytes > (ceiling := t.arena_ceiling.bytes_of(self.allocator.size))):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""

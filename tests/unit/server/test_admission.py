@@ -150,3 +150,14 @@ def test_the_estimate_comes_from_the_rate_blocks_are_freed():
   queue.leave(w)
   queue.leave(later)
   assert len(queue) == 0
+
+
+def test_a_request_the_others_guarantees_never_leave_room_for_fails_at_once(tmp_path):
+  leases = _leases(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                   "arena: 0.25}\n  - {name: bob, token_file: bob.token}\n")
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=r"tenant 'bob': a block of 13.0 MiB \(13631488 bytes\) can never fit: "
+                     r"the other tenants' guaranteed arena leaves it 12.0 MiB of 16.0 MiB "
+                     r"\(.*pool.yaml:3\)"):
+    leases.alloc(13 * MiB, "w-b", timeout=None)  # no timeout: it would have waited for ever
+  assert leases.waiting() == {} and leases.allocator.used_bytes == 0
