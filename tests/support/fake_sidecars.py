@@ -22,6 +22,7 @@ from sidecar._src.ckptfmt.records import (
   Replicated,
   SavedLeaf,
   ShardChecksum,
+  ShardId,
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
@@ -156,12 +157,12 @@ class FakeSidecars(CheckpointTransport):
     held = self.staged.setdefault((host, final_dir), {})
     for s in shards:
       kp = self.leaves[final_dir][s.leaf].key_path
-      held[(kp, tuple(s.index))] = np.array(s.data)
+      held[ShardId(kp, tuple(s.index))] = np.array(s.data)
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
   def prepared(self, host, final_dir, *, timeout):
-    sums = [ShardChecksum(kp, index, a.nbytes, None, host)
-            for (kp, index), a in self.staged.get((host, final_dir), {}).items()]
+    sums = [ShardChecksum(shard.key_path, shard.index, a.nbytes, None, host)
+            for shard, a in self.staged.get((host, final_dir), {}).items()]
     return self._phase("prepared", host, sums)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
@@ -211,7 +212,7 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("info", host, manifest)
 
   def read(self, host, final_dir, shard, *, crc32c, tier, part=None):
-    data = self.staged.get((host, final_dir), {}).get((shard.key_path, shard.index))
+    data = self.staged.get((host, final_dir), {}).get(shard)
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))
     return self._phase("read", host, data)

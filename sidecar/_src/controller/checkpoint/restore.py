@@ -81,12 +81,11 @@ class Restorer:
     manifest = interrupts.wait(self._client.info(self._local[0], final_dir))
     saved = {leaf.key_path: leaf for leaf in manifest.leaves}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
-    owners: dict[tuple[KeyPath, tuple], int] = {}  # which host staged each shard, if known
+    owners: dict[ShardId, int] = {}  # which host staged each shard, if known
     for c in manifest.shards:
-      kp, index = c.key_path, c.index
-      stored.setdefault(kp, []).append((index, c.crc32c))
+      stored.setdefault(c.key_path, []).append((c.index, c.crc32c))
       if c.host is not None:
-        owners[(kp, index)] = c.host
+        owners[c.shard] = c.host
     wanted = self._framework.restore_target(target)
     flat = wanted.leaves
     for want in flat:
@@ -146,10 +145,10 @@ class Restorer:
           f"{leaf.dtype}{list(leaf.shape)}")
 
   def _holdings(self, final_dir: str
-                ) -> tuple[dict[tuple[KeyPath, tuple], list[tuple[int, str]]], list[int]]:
+                ) -> tuple[dict[ShardId, list[tuple[int, str]]], list[int]]:
     """Every live RAM copy of each shard, as ``(host, tier)``, and the hosts that did
     not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: a peer's."""
-    where: dict[tuple[KeyPath, tuple], list[tuple[int, str]]] = {}
+    where: dict[ShardId, list[tuple[int, str]]] = {}
     gone = []
     hosts = self._hosts if self._ask_all else self._local
     futures: dict[int, concurrent.futures.Future] = {}
@@ -164,14 +163,14 @@ class Restorer:
       except errors.SidecarError:
         gone.append(h)
         continue
-      copies = [(kp, index, "ram") for kp, index in held.own.get(final_dir, [])]
-      copies += [(kp, index, "replica") for shards in held.replicas.get(final_dir, {}).values()
-                 for kp, index in shards]
-      for kp, index, tier in copies:
-        where.setdefault((tuple(kp), tuple(tuple(i) for i in index)), []).append((h, tier))
+      copies = [(shard, "ram") for shard in held.own.get(final_dir, [])]
+      copies += [(shard, "replica") for shards in held.replicas.get(final_dir, {}).values()
+                 for shard in shards]
+      for shard, tier in copies:
+        where.setdefault(shard, []).append((h, tier))
     return where, gone
 
-  def _sources(self, key: tuple[KeyPath, tuple], held, host: int) -> list[tuple[int, str]]:
+  def _sources(self, key: ShardId, held, host: int) -> list[tuple[int, str]]:
     """Where to read a shard, in order: RAM copies (the target block's host, then the
     hosts whose arenas this process maps, then the rest; own copies before replicas),
     then storage through the block's host or this process's."""
@@ -193,11 +192,11 @@ class Restorer:
         host = self._local[0] if device_id is None else self._device_hosts.get(
             device_id, self._local[0])
         for index, crc in stored[kp]:
-          if (kp, index) in reads or not _overlaps(index, region):
+          shard = ShardId(kp, index)
+          if shard in reads or not _overlaps(index, region):
             continue
-          reads[(kp, index)] = self._read_shard(final_dir, kp, index, crc,
-                                                self._sources((kp, index), held, host),
-                                                want.dtype)
+          reads[shard] = self._read_shard(final_dir, kp, index, crc,
+                                          self._sources(shard, held, host), want.dtype)
     return reads
 
   def _read_shard(self, final_dir: str, kp: KeyPath, index, crc: int | None,
@@ -255,14 +254,14 @@ class Restorer:
     """The block ``region`` of a leaf, from the stored shards overlapping it."""
     for index, _ in stored:
       if index == region:  # the common case: same sharding as saved, no copy
-        return shards[(kp, index)][0]
+        return shards[ShardId(kp, index)][0]
     out = None
     for index, _ in stored:
       if not _overlaps(index, region):
         continue
       lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
       hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
-      data = shards[(kp, index)][0]
+      data = shards[ShardId(kp, index)][0]
       if out is None:
         out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
       src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
