@@ -37,7 +37,7 @@ from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardChecksu
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
 from sidecar._src.controller.checkpoint.staging import Parts, stage_late
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
-from sidecar._src.controller.framework import Framework, HostCopy
+from sidecar._src.controller.framework import Framework, HostCopy, SaveShard
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, protocol
@@ -397,13 +397,13 @@ class SaveCoordinator:
     late: list = []  # shards on their way from a device: the stager copies them
     try:
       blocks = self._blocks(plan, need)
-      for (host, leaf, index, data), (copy, ref) in zip(plan, blocks):
-        if isinstance(data, HostCopy):
-          late.append((host, leaf, index, data, copy, ref))
+      for (host, leaf, shard), (copy, ref) in zip(plan, blocks):
+        if isinstance(shard.data, HostCopy):
+          late.append((host, leaf, shard.index, shard.data, copy, ref))
           continue
         interrupts.check()  # Ctrl-C aborts the save (below)
-        shm.copy(copy, data)  # the one copy the trainer waits for
-        staging.add(host, StagedShard(leaf, index, copy, ref), data.nbytes)
+        shm.copy(copy, shard.data)  # the one copy the trainer waits for
+        staging.add(host, StagedShard(leaf, shard.index, copy, ref), shard.data.nbytes)
     except BaseException as e:
       staging.clear()  # The traceback keeps this frame: let the blocks go.
       blocks.clear()
@@ -420,7 +420,7 @@ class SaveCoordinator:
     staging.stager.start()  # the finisher joins it
     return handle
 
-  def _blocks(self, plan: list[tuple[int, int, Any, np.ndarray | HostCopy]], need: Mapping[int, int]
+  def _blocks(self, plan: list[tuple[int, int, SaveShard]], need: Mapping[int, int]
               ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
     """An arena block for each shard of ``plan``, in its order: one request per host."""
     out: list = [None] * len(plan)
@@ -429,7 +429,7 @@ class SaveCoordinator:
       if not mine:
         continue
       try:
-        got = self._client.empty_like(host, [plan[i][3] for i in mine])
+        got = self._client.empty_like(host, [plan[i][2].data for i in mine])
       except errors.ResourceExhaustedError as e:
         if isinstance(e, errors.BusyError):
           raise
@@ -440,9 +440,8 @@ class SaveCoordinator:
         out[i] = block
     return out
 
-  def _plan(self, tree: Any
-            ) -> tuple[list[spec.LeafSpec], list[tuple[int, int, Any, np.ndarray | HostCopy]]]:
-    """Leaf specs, and ``(host, leaf, index, data)`` for every shard to copy, each once.
+  def _plan(self, tree: Any) -> tuple[list[spec.LeafSpec], list[tuple[int, int, SaveShard]]]:
+    """Leaf specs, and ``(host, leaf number, shard)`` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
     replica 0, by the process that holds it); those on no device, process 0 copies
@@ -454,22 +453,22 @@ class SaveCoordinator:
       for shard in leaf.shards:
         if shard.device_id is None:
           if self._lead:
-            plan.append((self._local[0], i, shard.index, shard.data))
+            plan.append((self._local[0], i, shard))
           continue
         host = self._device_hosts.get(shard.device_id)
         if host is None:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
-        plan.append((host, i, shard.index, shard.data))
+        plan.append((host, i, shard))
     return specs, plan
 
   def _check_fits(self, plan) -> dict[int, int]:
     """The arena bytes the plan takes on each host; raises where it exceeds a whole arena
     (no rpc while the trainer waits: an arena too full now fails the copy's allocation)."""
     need: dict[int, int] = {}
-    for host, _, _, data in plan:
-      need[host] = need.get(host, 0) + -(-max(data.nbytes, 1) // shm.PAGE) * shm.PAGE
+    for host, _, shard in plan:
+      need[host] = need.get(host, 0) + -(-max(shard.data.nbytes, 1) // shm.PAGE) * shm.PAGE
     short = {h: (n, size) for h, n in need.items()
              if (size := self._client.arena_size(h)) is not None and n > size}
     if short:
