@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
@@ -294,7 +294,7 @@ class StorageReader(_Reader):
     self._reads = ShardReads(self._site.client, self._site.mapped)
     self._stock: FileSystemReader | None = None
     self._metadata: md.Metadata | None = None
-    self._sums: dict[tuple[str, tuple], ShardChecksum] = {}
+    self._sums: dict[ShardId, ShardChecksum] = {}
     self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
 
@@ -311,7 +311,7 @@ class StorageReader(_Reader):
     if manifest is None or manifest.dcp_plan is None:
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)
-    self._sums = {(str(s.key_path[0]), s.index): s for s in manifest.shards}
+    self._sums = {s.shard: s for s in manifest.shards}
     self._replicas = dict(manifest.replicas)
     self._metadata = plans_lib.from_plan(manifest.dcp_plan)
     return self._metadata
@@ -381,7 +381,7 @@ class StorageReader(_Reader):
       sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
       index = tuple((o, o + s) for o, s in zip(offsets, sizes))
       dtype = dtypes.dtype_of(tensors.dtype_name(entry.properties.dtype, repr(fqn)), repr(fqn))
-    s = self._sums.get((fqn, index))
+    s = self._sums.get(ShardId((fqn,), index))
     owner = s.host if s is not None and s.host is not None else self._home
     return self._reads.first(self.path, (fqn,), index, s.crc32c if s is not None else None,
                              self._sources(owner), dtype)
