@@ -4,7 +4,8 @@ import pathlib
 import time
 
 import sidecar
-from sidecar._src.ckptfmt import read as ol_read, shards as ol_shards, spec as layout
+from sidecar._src.ckptfmt import shards as shards_lib, spec as spec_lib
+from sidecar._src.ckptfmt.orbax import read as orbax_read
 
 
 @sidecar.function
@@ -17,13 +18,13 @@ def read_phases(directory: str, step: int, names: list[str], shape: list[int]
   chunk file into a new arena block, and ``crc32c``.
   """
   out = {"read": 0.0, "crc32c": 0.0}
-  item = pathlib.Path(directory) / str(step) / layout.ITEM
+  item = pathlib.Path(directory) / str(step) / spec_lib.ITEM
   index = tuple((0, n) for n in shape)
   for name in names:
     t0 = time.perf_counter()
-    data = ol_read.read_item_shard(item, (name,), index, allocate=sidecar.empty)
+    data = orbax_read.read_item_shard(item, (name,), index, allocate=sidecar.empty)
     t1 = time.perf_counter()
-    ol_shards.shard_crc32c(data)
+    shards_lib.shard_crc32c(data)
     out["read"] += t1 - t0
     out["crc32c"] += time.perf_counter() - t1
   return out

@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
+from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
 from sidecar._src.server.checkpoint import peers as replicas_lib
 from sidecar._src.server.checkpoint.host import SHM_ENV
 
@@ -145,15 +146,16 @@ def link_only(args) -> None:
   if args.link_part_mib:
     replicas_lib.PART_BYTES = args.link_part_mib << 20
   root = tempfile.mkdtemp(prefix="bench-link-", dir=args.dir)
-  shards = [(("w", i), ((0, 4096), (0, 4096)), np.full((4096, 4096), i, np.float32))
+  shards = [(ShardId(("w", i), ((0, 4096), (0, 4096))), np.full((4096, 4096), i, np.float32))
             for i in range(8)]
-  header = {"directory": root, "step": 1, "item": f"{root}/1/default", "source": 7}
+  header = ReplicaHeader(directory=root, step=1, final_dir=f"{root}/1/default", source=7)
   times = []
   try:
     with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="1536MiB",
                                       checkpoint_roots=(root,)) as cluster, \
-        replicas_lib.PeerLink(replicas_lib.Peer(host_id=0, address=cluster.addresses[0]),
-                              token=cluster.token, shared_memory=False) as link:
+        replicas_lib.PeerLink(ReplicaTarget(host_id=0, address=cluster.addresses[0]),
+                              token=cluster.token, shared_memory=False,
+                              peer_token=cluster._peer_token) as link:  # a sidecar's own
       for i in range(args.warmup + args.saves):
         t0 = time.perf_counter()
         link.send(header, shards)

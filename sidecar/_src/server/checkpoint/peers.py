@@ -72,11 +72,6 @@ _CHANNEL_OPTIONS = (
 log = logging.getLogger(__name__)
 
 
-# The sidecar this one sends replicas to: ckptfmt/records.ReplicaTarget. ``Peer`` is its
-# old name, kept for benchmarks/replication.py until it says ReplicaTarget.
-Peer = ReplicaTarget
-
-
 def peer_credentials(tls_cert: str | None, tls_key: str | None,
                      tls_client_ca: str | None) -> grpc.ChannelCredentials | None:
   """How a sidecar with TLS (``--tls-cert``) reaches its peers: None without TLS.
