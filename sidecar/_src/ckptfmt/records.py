@@ -35,7 +35,7 @@ from sidecar._src.core import errors
 
 MANIFEST_FILE = "sidecar_manifest.json"  # in a committed step's item directory (or DCP step)
 MANIFEST_VERSION = 1
-SIDECAR_FORMAT = "colocated-sidecar"  # a manifest of a step in stock Orbax's layout, ours
+ORBAX_LAYOUT_FORMAT = "colocated-sidecar"  # a manifest of a step in stock Orbax's layout, ours
 STOCK_ORBAX = "orbax"  # an item stock Orbax wrote: no manifest file, one made when read
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 

@@ -19,7 +19,7 @@ the dict's order, with JAX loaded too; without JAX a subclass of dict, list or t
 walked as its base container (JAX makes it a leaf).
 
 A key path is what stock Orbax names a leaf: dict keys and attribute names as ``str``,
-sequence indices as ``int`` (``jax/checkpoint.key_path`` makes the same of JAX's paths).
+sequence indices as ``int``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _registered(x: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
 
 
 def _jax_key(key: Any) -> str | int:
-  """One entry of a JAX key path as Orbax names it (as ``jax/checkpoint.key_path``)."""
+  """One entry of a JAX key path as Orbax names it."""
   name = type(key).__name__
   if name == "SequenceKey":
     return key.idx

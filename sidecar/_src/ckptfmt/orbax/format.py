@@ -55,7 +55,7 @@ class OrbaxFormat(Format):
   """Stock Orbax's layout; see the module's docstring."""
 
   name: ClassVar[str] = "orbax"
-  manifest_format: ClassVar[str] = records.SIDECAR_FORMAT
+  manifest_format: ClassVar[str] = records.ORBAX_LAYOUT_FORMAT
   tmp_suffix: ClassVar[str] = TMP_SUFFIX
   overwrites: ClassVar[bool] = False
 

@@ -97,7 +97,7 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   with open(os.path.join(final, records.MANIFEST_FILE)) as f:
     manifest = json.load(f)
   assert manifest["data_state"] == {"batch": 5} and len(manifest["shards"]) == 3
-  assert manifest["format"] == records.SIDECAR_FORMAT and manifest["step"] == 3
+  assert manifest["format"] == records.ORBAX_LAYOUT_FORMAT and manifest["step"] == 3
 
 
 def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_committed(
