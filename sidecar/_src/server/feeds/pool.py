@@ -24,6 +24,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, platform
+from sidecar._src.server.feeds import share
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -39,11 +40,17 @@ class _Worker:
 
 
 class Pool:
-  """``size`` worker processes for one feed; a context manager."""
+  """``size`` worker processes for one feed; a context manager.
+
+  ``turns``: its tenant's turns at the sidecar's feed workers (``share.Shares``): a batch
+  goes to a worker only on one of them, so a tenant's workers fill at most its fair share of
+  batches at once, however many it started. None: no tenant, no share.
+  """
 
   def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
-               kwargs: pb.Value, spec: pb.FeedSpec):
+               kwargs: pb.Value, spec: pb.FeedSpec, turns: share.Turns | None = None):
     self.size = size
+    self._turns = turns
     self._arena = arena
     self._hello = {"imports": list(imports), "name": name, "arena_size": arena.size,
                    "kwargs": base64.b64encode(kwargs.SerializeToString()).decode(),
@@ -75,8 +82,18 @@ class Pool:
       ipc.send(ours, task)
     return worker
 
+  def free(self) -> bool:
+    """Whether ``submit`` would send at once: its tenant is below its share of the workers."""
+    return self._turns is None or self._turns.free()
+
   def submit(self, step: tuple[int, int], out: list[list[np.ndarray]]) -> tuple[int, int]:
-    """Sends batch ``(epoch, position)`` into arrays ``out`` to a worker; returns a ticket."""
+    """Sends batch ``(epoch, position)`` into arrays ``out`` to a worker; returns a ticket.
+
+    Waits for its tenant's turn first: call it with batches of this pool in flight only
+    when ``free()`` says so (else those are what the turn waits for).
+    """
+    if self._turns is not None:
+      self._turns.take()
     seq, self._seq = self._seq, self._seq + 1
     i = seq % self.size
     blocks = [[[self._arena.contains(a), list(a.shape), a.dtype.name] for a in leaf]
@@ -100,7 +117,8 @@ class Pool:
       except (ConnectionError, OSError):
         self._restart(i, seq)
         continue
-      worker.tasks.pop(reply["seq"], None)
+      if worker.tasks.pop(reply["seq"], None) is not None and self._turns is not None:
+        self._turns.give()
       if "error" in reply:
         raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
       if reply["seq"] == seq:
@@ -130,6 +148,9 @@ class Pool:
 
   def close(self) -> None:
     for w in self._workers:
+      if self._turns is not None:
+        self._turns.give(len(w.tasks))  # unanswered: abandoned with the feed
+        w.tasks.clear()
       self._stop(w)
     self._workers = []
 

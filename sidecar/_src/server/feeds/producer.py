@@ -372,7 +372,9 @@ def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
   with pool() as workers:
     pending = itertools.chain([first], steps)
     while True:
-      while len(in_flight) < 2 * workers.size:  # keep every worker busy, one task queued
+      # Keep every worker busy, one task queued; past its tenant's fair share of the
+      # sidecar's workers, collect its own batches first (Pool.free).
+      while len(in_flight) < 2 * workers.size and (not in_flight or workers.free()):
         step = next(pending, None)
         if step is None:
           break

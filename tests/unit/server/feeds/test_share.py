@@ -1,0 +1,118 @@
+"""Feed workers shared among tenants with work, by weight (server/feeds/share.py)."""
+
+import contextlib
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sidecar._src.server.feeds import share
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_tenant_alone_has_every_worker_and_shares_shrink_by_weight_while_others_feed():
+  shares = share.Shares(8)
+  with shares.turns("hog"):
+    assert shares.share("hog") == 8
+    with shares.turns("alice", 3.0), shares.turns("bob"):
+      assert [shares.share(t) for t in ("hog", "alice", "bob")] == [1, 4, 1]
+      with shares.turns("alice", 3.0):  # a second feed of alice: no more weight
+        assert shares.share("alice") == 4
+    assert shares.share("hog") == 8  # the others' feeds ended: all of them again
+  assert shares.share("nobody") == 8
+
+
+def test_a_tenant_at_its_share_waits_for_its_own_batches_and_never_blocks_another():
+  shares = share.Shares(2)
+  with shares.turns("hog") as hog, shares.turns("alice") as alice:
+    hog.take()  # its share: 1 of 2
+    assert not hog.free() and alice.free()
+    took = threading.Event()
+
+    def second():
+      hog.take()
+      took.set()
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    alice.take()  # alice's turn comes at once, whatever the hog waits for
+    time.sleep(0.2)
+    assert not took.is_set() and shares.busy("hog") == 1
+    hog.give()  # one of the hog's own batches came back: its turn
+    assert took.wait(5)
+    waiter.join(5)
+    assert shares.busy("hog") == 1 and shares.busy("alice") == 1
+    hog.give()
+    alice.give()
+  assert shares.busy("hog") == 0
+
+
+def test_a_share_that_grows_wakes_a_waiting_tenant():
+  shares = share.Shares(2)
+  with shares.turns("hog") as hog:
+    took = threading.Event()
+    with shares.turns("alice"):
+      hog.take()
+      waiter = threading.Thread(target=lambda: (hog.take(), took.set()))
+      waiter.start()
+      time.sleep(0.2)
+      assert not took.is_set()
+    assert took.wait(5)  # alice's feed ended: the hog may use both
+    waiter.join(5)
+    hog.give(2)
+
+
+def test_total_below_one_is_refused():
+  with pytest.raises(ValueError, match="total must be at least 1, got 0"):
+    share.Shares(0)
+
+
+class _Workers:
+  """A feed_pool.Pool without processes: fills a batch in ``wait`` with its position, and
+  keeps the most batches of its tenant ever in flight at once."""
+
+  def __init__(self, size: int, turns: share.Turns):
+    self.size, self._turns = size, turns
+    self.most = 0
+    self._out: dict[int, tuple[int, list]] = {}
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._turns.give(len(self._out))
+
+  def free(self) -> bool:
+    return self._turns.free()
+
+  def submit(self, step, out):
+    self._turns.take()
+    self._out[step[1]] = (step[1], out)  # one epoch: its position names the batch
+    self.most = max(self.most, len(self._out))
+    return step[1]
+
+  def wait(self, ticket) -> float:
+    position, out = self._out.pop(ticket)
+    out[0][0][:] = position
+    self._turns.give()
+    return 0.0
+
+
+@pytest.mark.parametrize("others", [0, 1, 3], ids=["alone", "one-other", "three-others"])
+def test_a_feed_past_its_share_collects_its_own_batches_in_order(others):
+  from sidecar._src.server.feeds import producer
+  shares = share.Shares(4)
+  spec = producer.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1,
+                       shard_index=0, shard_count=1, start={}, workers=4)
+  rows = [{"x": np.float32(i)} for i in range(40)]
+  with shares.turns("hog") as turns, contextlib.ExitStack() as stack:
+    for i in range(others):
+      stack.enter_context(shares.turns(f"other{i}"))
+    workers = _Workers(4, turns)
+    batches = list(producer._from_map_pool(rows, "rows", spec, lambda s, d: np.zeros(s, d),
+                                           lambda: workers))
+  assert [b.leaves[0][0][0] for b, _, _ in batches] == [2 * i for i in range(20)]
+  assert workers.most == {0: 4, 1: 2, 3: 1}[others]  # 4 CPUs: all, a half, a quarter
+  assert shares.busy("hog") == 0
