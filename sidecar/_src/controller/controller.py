@@ -112,7 +112,7 @@ class Controller:
                                             peer_timeout=self.peer_timeout,
                                             credentials=credentials),
         peers=self._peers, peer_timeout=self.peer_timeout, map_arenas=attach,
-        cancel=self.cancel, framework=self._framework)
+        cancel=self.cancel, framework=self._framework, token=token)
     self._calls = Calls(connection=self._hosts.conns.__getitem__, worker=self._hosts.workers.get)
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
     self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made

@@ -164,9 +164,10 @@ class Framework(abc.ABC):
     which host owns which device from them)."""
     return []
 
-  def worker(self, address: str | None, *, timeout: float) -> Worker:
-    """A Worker attached to the sidecar at ``address`` (None: ``$SIDECAR_ADDRESS``)."""
-    return Worker(address, timeout=timeout, process=self.process())
+  def worker(self, address: str | None, *, timeout: float, token: str | None = None) -> Worker:
+    """A Worker attached to the sidecar at ``address`` (None: ``$SIDECAR_ADDRESS``),
+    presenting ``token`` at attach (None: ``$SIDECAR_TOKEN``)."""
+    return Worker(address, timeout=timeout, process=self.process(), token=token)
 
   @abc.abstractmethod
   def to_device(self, tree: Any, device: Any) -> Any:

@@ -44,12 +44,16 @@ class Hosts:
     cancel: closes the feeds and streams in flight; called when a host is lost,
       before its worker is closed.
     framework: makes the workers, and says which devices this process owns.
+    token: the token the workers made here present at attach (a pool's sidecar asks for
+      their tenant's); None: each Worker's own default, ``$SIDECAR_TOKEN``.
   """
 
   def __init__(self, connect: Callable[[str, float], Connection], *,
                peers: Peers, peer_timeout: float, map_arenas: bool,
-               cancel: Callable[[], None], framework: Framework | None = None):
+               cancel: Callable[[], None], framework: Framework | None = None,
+               token: str | None = None):
     self._new_connection = connect
+    self._token = token
     self._framework = framework if framework is not None else HostArrays()
     self.peers = peers
     self.peer_timeout = peer_timeout
@@ -252,7 +256,11 @@ class Hosts:
     here, sock = shm.boot_id(), conn.reply.worker_socket
     if not here or conn.reply.identity.boot_id != here or not os.path.exists(sock):
       return None
-    return self._framework.worker(sock, timeout=self.peer_timeout)
+    return self._worker(sock)
+
+  def _worker(self, address: str | None) -> worker_lib.Worker:
+    """A Worker of the sidecar at ``address``, presenting this controller's token."""
+    return self._framework.worker(address, timeout=self.peer_timeout, token=self._token)
 
   def attach_own(self, workers: Mapping[int, worker_lib.Worker]) -> None:
     """N processes: attaches to this process's own sidecar; learns every process's host."""
@@ -271,7 +279,7 @@ class Hosts:
             f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
-        w = self._framework.worker(address, timeout=self.peer_timeout)
+        w = self._worker(address)
       except errors.HostLostError as e:
         raise errors.DiscoveryError(
             f"process {self.peers.index}: its own sidecar at "

@@ -43,8 +43,8 @@ class JaxFramework(Framework):
   def local_device_ids(self) -> list[int]:
     return [d.id for d in jax.local_devices()]
 
-  def worker(self, address: str | None, *, timeout: float) -> Worker:
-    return Worker(address, timeout=timeout)
+  def worker(self, address: str | None, *, timeout: float, token: str | None = None) -> Worker:
+    return Worker(address, timeout=timeout, token=token)
 
   def to_device(self, tree: Any, device: Any) -> Any:
     return transfer.to_devices(tree, device)

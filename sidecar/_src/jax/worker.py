@@ -33,8 +33,9 @@ class Worker(worker_lib.Worker):
       of this Worker (make a new one).
   """
 
-  def __init__(self, address: str | None = None, *, timeout: float | None = None):
-    super().__init__(address, timeout=timeout, process=distributed.local_process())
+  def __init__(self, address: str | None = None, *, timeout: float | None = None,
+               token: str | None = None):
+    super().__init__(address, timeout=timeout, process=distributed.local_process(), token=token)
 
   def to_jax(self, tree: Any, *, device: jax.Device | None = None,
              sharding: jax.sharding.Sharding | None = None) -> Any:
