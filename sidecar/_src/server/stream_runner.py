@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -20,7 +21,7 @@ from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls import Runner, measured
 from sidecar._src.server.credits import CreditSource
-from sidecar._src.server.feeds import pool as feed_pool, producer as feed_lib
+from sidecar._src.server.feeds import pool as feed_pool, producer as feed_lib, share as feed_share
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
@@ -43,6 +44,8 @@ class StreamRunner:
     self._imports = imports
     self._book = FeedBook()
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
+    # A pool's tenants with feeds share the feed workers' CPUs by weight (feeds/share.py).
+    self._shares = feed_share.Shares(os.cpu_count() or 1)
 
   def run(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
           time_left: TimeLeft, tenant: str | None = None) -> Iterator[pb.StreamItem]:
@@ -139,16 +142,19 @@ class StreamRunner:
     if session and not self._io.is_attached(session):
       raise errors.InvalidArgumentError(f"worker_session {session!r} is not attached")
     blocks = BatchBlocks(self._io, session, alive, time_left)
+    t = self._tenancy.tenant(tenant) if self._tenancy.quotas else None
+    turns = None if t is None else self._shares.turns(t.name, t.weight)
 
     def pool() -> feed_pool.Pool:
       return feed_pool.Pool(spec.workers, arena=self._io.arena, imports=self._imports,
-                            name=request.name, kwargs=request.kwargs, spec=request.feed)
+                            name=request.name, kwargs=request.kwargs, spec=request.feed,
+                            turns=turns)
 
     batches = feed_lib.produce(entry, kwargs, spec, blocks.alloc, pool)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(
-          status, credits, tenant):
+          status, credits, tenant), turns or contextlib.nullcontext():
         index = 0
         while True:
           t0 = time.perf_counter()
