@@ -118,8 +118,11 @@ class Leases:
     return self._tenancy.tenant(name)
 
   def queued(self, holder: Hashable) -> bool:
-    """Whether ``holder``'s requests wait their turn in the admission queue (a tenant's)."""
-    return self._tenant(holder) is not None
+    """Whether ``holder``'s requests wait their turn in the admission queue: a tenant's of
+    a pool file. The older modes' tenants (a shared token, --client-tokens) have no queue:
+    their requests past a quota are refused at once, as before pools."""
+    pool = None if self._tenancy is None else self._tenancy.pool
+    return pool is not None and pool.quotas and self._tenant(holder) is not None
 
   def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
     """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do

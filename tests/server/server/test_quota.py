@@ -51,3 +51,19 @@ def test_a_stream_that_finds_no_room_says_so_within_its_wait(make_server, monkey
       gc.collect()  # fill()'s refusal, in a cycle with its frame, held the list too
       with ctl.stream("count", args=(3,), kwargs={"nbytes": 1 << 20}, timeout=30) as s:
         assert [item["i"] for item in s] == [0, 1, 2]  # room again once the hog let go
+
+
+@pytest.mark.parametrize("auth", [{"token": "shared-secret"},
+                                  {"client_tokens": (("alice", "alice-secret"),)}],
+                         ids=["shared-token", "client-tokens"])
+def test_the_older_modes_refuse_past_the_quota_at_once_with_no_queue(make_server, auth):
+  # The shared token and --client-tokens are pools of no quotas: a worker past its session
+  # quota is refused at once, as before pools. (With the pool's admission queue their
+  # requests waited on the quota for ever: a Slurm job's ranks that share a sidecar hung.)
+  server = make_server(shm_size=8 << 20, **auth)
+  token = auth.get("token") or auth["client_tokens"][0][1]
+  with sidecar.Worker(server.options.socket_path, token=token) as hog:
+    held, error = fill(hog)
+    assert "would pass its quota of 7.2 MiB" in error, error
+    assert len(held) * (512 << 10) <= 0.9 * (8 << 20)
+    del held
