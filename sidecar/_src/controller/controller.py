@@ -453,7 +453,7 @@ class Controller:
         local=tuple(self.local_hosts), device_hosts=dict(self._hosts.device_hosts),
         records=self._hosts.sidecar_records(),
         mapped=frozenset(h for h in self._hosts.workers if h not in self._hosts.lost),
-        writers=dict(self._hosts.sharers))
+        writers=dict(self._hosts.writers))
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),

@@ -66,7 +66,7 @@ class Hosts:
     # N processes: global device id -> the process that owns it, and host id -> the
     # processes that drive it (several share a host's sidecar, each its own session).
     self.device_processes: dict[int, int] = {}
-    self.sharers: dict[int, list[int]] = {}
+    self.writers: dict[int, list[int]] = {}
     self.driven: list[int] = []  # the hosts this process drives, lost or not
     self.lost: dict[int, str] = {}  # host id -> why it is lost
     self.refused: dict[int, str] = {}  # lost host -> why its returned sidecar was refused
@@ -299,7 +299,7 @@ class Hosts:
     self.device_hosts = hosts_by_process(everyone)
     self.device_processes = {int(d): p for p, ident in enumerate(everyone)
                              for d in ident["device_ids"]}
-    self.sharers = processes_by_host(everyone)
+    self.writers = processes_by_host(everyone)
     for h, c in self.conns.items():  # what each host's trainer said, not what its sidecar
       c.info = dataclasses.replace(c.info, device_ids=tuple(  # knew at the handshake
           sorted(d for d, owner in self.device_hosts.items() if owner == h)))

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors
+from sidecar._src.core import errors, trees
 from sidecar._src.server import leases as leases_lib
 from sidecar._src.server.leases import Leases
 from sidecar._src.user import outputs
@@ -254,16 +254,7 @@ class BatchBlocks:
       self._io.leases.release(block.offset, block.generation, holder)
 
 
-def _arrays(tree: Any):
-  """The numpy arrays in ``tree``, a value the codec has encoded: dicts, lists and tuples
-  (namedtuples too) of leaves. Walked here, not with ``jax.tree_util``: the sidecar starts
-  without JAX."""
-  todo = [tree]
-  while todo:
-    x = todo.pop()
-    if isinstance(x, np.ndarray):
-      yield x
-    elif isinstance(x, dict):
-      todo.extend(x.values())
-    elif isinstance(x, (list, tuple)):
-      todo.extend(x)
+def _arrays(tree: Any) -> list[np.ndarray]:
+  """The numpy arrays in ``tree``, a value the codec has encoded (core/trees walks it: the
+  sidecar starts without JAX)."""
+  return [x for x in trees.leaves(tree) if isinstance(x, np.ndarray)]
