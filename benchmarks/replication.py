@@ -23,7 +23,7 @@ Per save:
   trainer s lost        (1 - that ratio) x the window: the training time the save cost.
 Checkpoints go to a temp dir under ``--dir`` and are removed afterwards. ``--only
 grpc`` (or ``0``, ``shm``, ``paced``, comma-separated) runs only those configurations.
-``--link`` measures the gRPC link alone instead: ``PeerLink.send`` of 512 MiB (8 x 64 MiB shards) from this process
+``--link`` measures the gRPC link alone instead: ``ReplicaLink.send`` of 512 MiB (8 x 64 MiB shards) from this process
 to one sidecar, no trainer and no disk, as ``--link-part-mib`` parts.
 
 ``--pin`` runs every configuration with the trainer's threads on CPU 0 and the sidecars'
@@ -51,7 +51,7 @@ import sidecar
 from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
-from sidecar._src.server.checkpoint import peers as replicas_lib
+from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.host import SHM_ENV
 
 LEAVES, LEAF_SHAPE = checkpoint_bench.LEAVES, checkpoint_bench.LEAF_SHAPE  # 1 GiB
@@ -142,9 +142,9 @@ def cell(values: list[float], fmt: str) -> str:
 
 
 def link_only(args) -> None:
-  """Seconds for PeerLink.send of 512 MiB to a sidecar over gRPC, ``args.saves`` times."""
+  """Seconds for ReplicaLink.send of 512 MiB to a sidecar over gRPC, ``args.saves`` times."""
   if args.link_part_mib:
-    replicas_lib.PART_BYTES = args.link_part_mib << 20
+    links_lib.PART_BYTES = args.link_part_mib << 20
   root = tempfile.mkdtemp(prefix="bench-link-", dir=args.dir)
   shards = [(ShardId(("w", i), ((0, 4096), (0, 4096))), np.full((4096, 4096), i, np.float32))
             for i in range(8)]
@@ -153,7 +153,7 @@ def link_only(args) -> None:
   try:
     with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="1536MiB",
                                       checkpoint_roots=(root,)) as cluster, \
-        replicas_lib.PeerLink(ReplicaTarget(host_id=0, address=cluster.addresses[0]),
+        links_lib.ReplicaLink(ReplicaTarget(host_id=0, address=cluster.addresses[0]),
                               token=cluster.token, shared_memory=False,
                               peer_token=cluster._peer_token) as link:  # a sidecar's own
       for i in range(args.warmup + args.saves):
@@ -163,8 +163,8 @@ def link_only(args) -> None:
           times.append(time.perf_counter() - t0)
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  print(f"PeerLink.send of 512 MiB over gRPC, parts of "
-        f"{replicas_lib.PART_BYTES >> 20} MiB: {cell(times, '.3f')} s "
+  print(f"ReplicaLink.send of 512 MiB over gRPC, parts of "
+        f"{links_lib.PART_BYTES >> 20} MiB: {cell(times, '.3f')} s "
         f"({(512 << 20) / statistics.median(times) / 1e9:.2f} GB/s)")
 
 
@@ -179,7 +179,7 @@ def main() -> None:
                       help="the trainer on CPU 0, the sidecars on the other CPUs")
   parser.add_argument("--only", default=None,
                       help="comma-separated configurations to run, of 0, shm, grpc, paced")
-  parser.add_argument("--link", action="store_true", help="measure PeerLink.send alone")
+  parser.add_argument("--link", action="store_true", help="measure ReplicaLink.send alone")
   parser.add_argument("--link-part-mib", type=int, default=0,
                       help="with --link: parts of this many MiB (default: PART_BYTES)")
   args = parser.parse_args()

@@ -30,7 +30,7 @@ from sidecar._src.server import (
 )
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.calls import UnaryCalls
-from sidecar._src.server.checkpoint import peers as replicas
+from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.service import CheckpointService
 from sidecar._src.server.leases import Leases
 from sidecar._src.server.limits import (
@@ -239,7 +239,7 @@ class Server:
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
         o.host_id, tenancy=self.tenancy, token=o.peer_token if named else o.token,
         peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
-        peer_credentials=replicas.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
+        peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = TenantRunner(tenancy=self.tenancy, registry=self.registry,

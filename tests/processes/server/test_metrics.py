@@ -70,7 +70,7 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
         assert value(new, "sidecar_feeds_running", pipeline="ids") == 0
         assert value(new, "sidecar_calls_in_flight", kind="feed") == 0
   # The controller is closed: its workers detached, every lease went back. What stays is
-  # the replica link of each host's peer (server/replicas.Links keeps it between steps).
+  # the replica link of each host's peer (server/checkpoint/links.Links keeps it between steps).
   for url in cluster.metrics_urls:
     assert eventually(lambda url=url: total(samples(scrape(url)),
                                             "sidecar_arena_leased_bytes") == 0)

@@ -8,7 +8,7 @@ import pytest
 from sidecar._src.ckptfmt import spec as layout_spec
 from sidecar._src.ckptfmt.records import ShardChecksum
 from sidecar._src.core import errors
-from sidecar._src.server.checkpoint import peers as replicas
+from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.wire import checkpoint_wire as wire
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
@@ -67,7 +67,7 @@ def test_a_raw_part_serializes_as_protobuf_would(nbytes):
   data = (np.arange(nbytes) % 251).astype(np.uint8)
   part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
                              shape=[nbytes], offset=64 << 20)
-  raw = replicas._serialize(replicas._Part(part, data.data))
+  raw = links_lib._serialize(links_lib._Part(part, data.data))
   expected = ckpt_pb.ReceiveRequest(part=part)
   expected.part.data = data.tobytes()
   assert ckpt_pb.ReceiveRequest.FromString(raw) == expected
@@ -85,7 +85,7 @@ def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
   data = (np.arange(nbytes) % 251).astype(np.uint8)
   part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
                              shape=[nbytes], offset=64 << 20)
-  raw = replicas._serialize(replicas._Part(part, data.data))
+  raw = links_lib._serialize(links_lib._Part(part, data.data))
   message, view = parse_receive(raw)
   assert isinstance(view, memoryview) and view.obj is raw  # the bytes as they came
   assert _as_protobuf_parses(message, view) == ckpt_pb.ReceiveRequest.FromString(raw)

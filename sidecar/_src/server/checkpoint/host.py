@@ -39,7 +39,7 @@ from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import env, errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
-  peers as replicas_lib,
+  links as links_lib,
   ram_tier,
   read as checkpoint_read,
   replication as checkpoint_replication,
@@ -81,7 +81,7 @@ class CheckpointHost:
     self.tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
     self.reader = checkpoint_read.Reader(self.tier, metrics)
-    self._links = replicas_lib.Links(token=token, peer_token=peer_token,
+    self._links = links_lib.Links(token=token, peer_token=peer_token,
                                      credentials=peer_credentials,
                                      shared_memory=env.get(SHM_ENV) != "0")
     self._closed = threading.Event()

@@ -1,7 +1,7 @@
 """Peer replicas of a step's shards: this host sends its own, and holds its peers'.
 
 ``replicate`` (every host, once its part is staged) sends this host's shards of the
-step to its peers (``replicas.PeerLink``), on an idle-class thread, while the write
+step to its peers (``links.ReplicaLink``), on an idle-class thread, while the write
 goes on; each peer takes them with ``receive`` (the ``Receive`` stream, one per
 replica) and keeps a *replica record* (the step's item, the source host, the shards)
 in its RAM tier. A replica counts toward the peer's ``ram_budget`` and leaves with its
@@ -31,7 +31,7 @@ from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
   faults,
-  peers as replicas_lib,
+  links as links_lib,
   ram_tier,
 )
 from sidecar._src.user import outputs
@@ -52,7 +52,7 @@ class Replicator:
     metrics: where the bytes replicated and the time it took are recorded.
   """
 
-  def __init__(self, host_id: int, *, tier: ram_tier.RamTier, links: replicas_lib.Links,
+  def __init__(self, host_id: int, *, tier: ram_tier.RamTier, links: links_lib.Links,
                path: Callable[[Any, str], str], spawn: Callable[..., None],
                metrics: metrics_lib.Recorder):
     self._host_id = host_id
@@ -147,7 +147,7 @@ class Replicator:
   def receive(self, replica: ram_tier.Replica, blocks: Sequence[ReplicaBlock],
               part: ReplicaPart | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
-    """Takes shards another sidecar sends (``peers.PeerLink``) into ``replica``
+    """Takes shards another sidecar sends (``peers.ReplicaLink``) into ``replica``
     (``open_replica``).
 
     A shard comes whole as an arena block the sender filled (same machine), or inline

@@ -1,9 +1,10 @@
-"""Peer replicas, the sending side: one sidecar copies its staged shards into a peer's arena.
+"""Replica links, the sending side: one sidecar copies its staged shards into another's arena.
 
 Runs in the sending sidecar, on an idle-class thread (``SCHED_IDLE``, as the writes:
-the training step preempts it at once). A :class:`PeerLink` reaches one peer sidecar
-over the same authenticated gRPC as the controller (the job's token), its handshake marked as a
-peer's by the peer token (only such a session may send a replica). Each replica of
+the training step preempts it at once). A :class:`ReplicaLink` reaches one other sidecar
+of the job (a ``records.ReplicaTarget``) over the same authenticated gRPC as the
+controller (the job's token), its handshake marked as a sidecar's by the peer token
+(``--peer-token-file``: only such a session may send a replica). Each replica of
 a step is one client stream (``Checkpoint.Receive``): a header naming it, the shards,
 and a last message marked ``done``:
 
@@ -60,7 +61,7 @@ ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
 # A replica's whole stream: as long as a Replicate may wait (a paced or slow link takes
 # long; a peer that stops reading is found by the HTTP/2 pings, a cancel ends it at once).
 SEND_TIMEOUT_S = 3600.0
-WATCH_S = 0.5  # how often Links looks for peers that exited
+WATCH_S = 0.5  # how often Links looks for target sidecars that exited
 PACE_BYTES = 1 << 20  # with a bandwidth limit, the copy into a peer's arena goes in pieces:
 # small ones keep the pace smooth (2-4 ms of copy, then a sleep)
 _CHANNEL_OPTIONS = (
@@ -152,7 +153,7 @@ class _Pace:
       time.sleep(ahead)
 
 
-class PeerLink:
+class ReplicaLink:
   """An authenticated connection from this sidecar to one peer sidecar.
 
   ``same_machine`` says whether shards go through the peer's arena mapped here.
@@ -322,7 +323,7 @@ class PeerLink:
       self._worker = None
     self._channel.close()
 
-  def __enter__(self) -> PeerLink:
+  def __enter__(self) -> ReplicaLink:
     return self
 
   def __exit__(self, *exc: object) -> None:
@@ -330,7 +331,7 @@ class PeerLink:
 
 
 class Links:
-  """One :class:`PeerLink` per peer, kept from step to step; ``close()`` closes them.
+  """One :class:`ReplicaLink` per peer, kept from step to step; ``close()`` closes them.
 
   A link that fails is closed, and made once more if it had served an earlier step and
   the peer still answers (it may have restarted at the same address, or expired the
@@ -346,7 +347,7 @@ class Links:
     self._shared_memory = shared_memory
     self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
     self._lock = threading.Lock()
-    self._links: dict[int, tuple[PeerLink, threading.Lock]] = {}  # by peer host id
+    self._links: dict[int, tuple[ReplicaLink, threading.Lock]] = {}  # by peer host id
     self._closed = threading.Event()
     self._watcher: threading.Thread | None = None
 
@@ -354,7 +355,7 @@ class Links:
            shards: Sequence[tuple[ShardId, np.ndarray]], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
-    """:meth:`PeerLink.send` over ``peer``'s link; returns (bytes, same machine)."""
+    """:meth:`ReplicaLink.send` over ``peer``'s link; returns (bytes, same machine)."""
     while True:
       link, lock, fresh = self._get(peer, timeout)
       with lock:
@@ -369,14 +370,14 @@ class Links:
             raise
           log.info("the link to host %d failed (%s); making a new one", peer.host_id, e)
 
-  def _get(self, peer: ReplicaTarget, timeout: float) -> tuple[PeerLink, threading.Lock, bool]:
+  def _get(self, peer: ReplicaTarget, timeout: float) -> tuple[ReplicaLink, threading.Lock, bool]:
     with self._lock:
       entry = self._links.get(peer.host_id)
     if entry is not None and entry[0].peer == peer:
       return entry[0], entry[1], False
     if entry is not None:  # the peer moved
       self._retire(peer.host_id, *entry)
-    link = PeerLink(peer, token=self._token, peer_token=self._peer_token,
+    link = ReplicaLink(peer, token=self._token, peer_token=self._peer_token,
                     timeout=min(timeout, 30.0),
                     shared_memory=self._shared_memory, credentials=self._credentials)
     with self._lock:
@@ -394,12 +395,12 @@ class Links:
       self._retire(peer.host_id, *old)
     return link, lock, True
 
-  def _forget(self, host_id: int, link: PeerLink) -> None:
+  def _forget(self, host_id: int, link: ReplicaLink) -> None:
     with self._lock:
       if self._links.get(host_id, (None,))[0] is link:
         del self._links[host_id]
 
-  def _retire(self, host_id: int, link: PeerLink, lock: threading.Lock) -> None:
+  def _retire(self, host_id: int, link: ReplicaLink, lock: threading.Lock) -> None:
     self._forget(host_id, link)
     with lock:  # after a send in flight on it
       link.close()
