@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -45,7 +44,7 @@ class StreamRunner:
     self._book = FeedBook()
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     # A pool's tenants with feeds share the feed workers' CPUs by weight (feeds/share.py).
-    self._shares = feed_share.Shares(os.cpu_count() or 1)
+    self._shares = feed_share.Shares(feed_lib.MAX_WORKERS)  # the CPUs this sidecar may use
 
   def run(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
           time_left: TimeLeft, tenant: str | None = None) -> Iterator[pb.StreamItem]:
