@@ -211,7 +211,7 @@ def make_server(tmp_path):
   import tempfile
 
   import sidecar
-  from sidecar._src.core import options
+  from sidecar._src.core import options as options_lib
   from sidecar._src.server.server import Server
   from sidecar._src.user import registry as registry_lib
   from tests.support import sidecar_fns  # noqa: F401  (registers into the default registry)
@@ -229,7 +229,7 @@ def make_server(tmp_path):
     kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))
     kw.setdefault("peer_token", PEER_TOKEN)  # the servers of one test are one job's peers
     kw.setdefault("listen", "127.0.0.1")  # or unix:PATH
-    opts = options.ServerOptions(port=0, health_port=0,
+    opts = options_lib.ServerOptions(port=0, health_port=0,
                                  socket_path=str(tmp_path / f"s{len(servers)}.sock"), **kw)
     server = Server(opts, registry=reg).start()
     servers.append(server)

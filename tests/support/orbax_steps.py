@@ -8,7 +8,7 @@ the last host writes.
 
 import numpy as np
 
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
 from sidecar._src.ckptfmt.records import StagedShard
 
@@ -18,11 +18,11 @@ S = np.float64(0.5)
 VALUES = {("w",): W, ("opt", 0, "e"): E, ("s",): S}
 
 SPECS = [
-    layout_spec.LeafSpec(key_path=("w",), shape=(8, 6), dtype=np.float32, kind="np.ndarray",
+    spec_lib.LeafSpec(key_path=("w",), shape=(8, 6), dtype=np.float32, kind="np.ndarray",
                          write_shape=(4, 3)),
-    layout_spec.LeafSpec(key_path=("opt", 0, "e"), shape=(5,), dtype=np.int32,
+    spec_lib.LeafSpec(key_path=("opt", 0, "e"), shape=(5,), dtype=np.int32,
                          kind="np.ndarray", write_shape=(2,)),
-    layout_spec.LeafSpec(key_path=("s",), shape=(), dtype=np.float64, kind="scalar"),
+    spec_lib.LeafSpec(key_path=("s",), shape=(), dtype=np.float64, kind="scalar"),
 ]
 
 

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env, errors, progress
+from sidecar._src.core import env as env_lib, errors, progress
 from sidecar._src.wire import codec, ipc, protocol
 
-ENV_ADDRESS = env.ADDRESS
+ENV_ADDRESS = env_lib.ADDRESS
 # How long the release thread lets frees gather before it sends them. Streams carry
 # frees with their credits; this thread sends the rest, a message per interval at
 # most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
@@ -61,14 +61,14 @@ def _env_token() -> str | None:
   """``$SIDECAR_TOKEN`` (or its file's), None where there is none or it cannot be read:
   only a pool's sidecar asks it, and says so."""
   try:
-    return env.token()
+    return env_lib.token()
   except (OSError, errors.SidecarError):
     return None
 
 
 def socket_path(address: str | None) -> str:
   """The Unix socket path in ``unix:///path``, ``unix:/path`` or ``/path``."""
-  address = address or env.get(ENV_ADDRESS)
+  address = address or env_lib.get(ENV_ADDRESS)
   if not address:
     raise errors.InvalidArgumentError(
         f"no sidecar address: pass Worker(address='unix:///run/sidecar/sidecar.sock') or set "
@@ -107,7 +107,7 @@ class Worker:
   def __init__(self, address: str | None = None, *, timeout: float | None = None,
                process: TrainerProcess | None = None, token: str | None = None):
     self.path = socket_path(address)
-    self.timeout = env.peer_timeout(timeout)
+    self.timeout = env_lib.peer_timeout(timeout)
     self._lost: str | None = None  # why the sidecar counts as lost, once it does
     self._lock = threading.Lock()
     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.core import dtypes, errors
+from sidecar._src.core import dtypes as dtypes_lib, errors
 from sidecar._src.core.trees import KeyPath
 
 ITEM = "default"
@@ -124,7 +124,7 @@ def spec_to_dict(s: LeafSpec) -> dict[str, Any]:
 
 def spec_from_dict(d: Mapping[str, Any]) -> LeafSpec:
   return LeafSpec(key_path=tuple(d["key_path"]), shape=tuple(d["shape"]),
-                  dtype=dtypes.dtype_of(d["dtype"], f"leaf {d['key_path']}"), kind=d["kind"],
+                  dtype=dtypes_lib.dtype_of(d["dtype"], f"leaf {d['key_path']}"), kind=d["kind"],
                   write_shape=tuple(d["write_shape"]), sharding=d.get("sharding"))
 
 

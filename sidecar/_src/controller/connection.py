@@ -16,7 +16,7 @@ import grpc
 
 from sidecar._src.core import (
   address as address_lib,
-  env,
+  env as env_lib,
   errors,
   interrupts,
   options as options_lib,
@@ -273,7 +273,7 @@ class Connection:
   """A channel to one sidecar, after a successful handshake."""
 
   def __init__(self, address: str, *, token: str | None, timeout: float,
-               peer_timeout: float = env.DEFAULT_PEER_TIMEOUT_S,
+               peer_timeout: float = env_lib.DEFAULT_PEER_TIMEOUT_S,
                credentials: grpc.ChannelCredentials | None = None):
     self.address = address
     try:  # as the sidecar refuses at start: no client could ever send it

@@ -37,7 +37,7 @@ from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.hosts import Hosts
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import env, errors, interrupts, options as options_lib
+from sidecar._src.core import env as env_lib, errors, interrupts, options as options_lib
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
@@ -101,9 +101,9 @@ class Controller:
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
-    self.peer_timeout = env.peer_timeout(peer_timeout)
+    self.peer_timeout = env_lib.peer_timeout(peer_timeout)
     self.state = State.OPEN
-    token = token if token is not None else env.token()  # $SIDECAR_TOKEN(_FILE)
+    token = token if token is not None else env_lib.token()  # $SIDECAR_TOKEN(_FILE)
     credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
     self._framework = framework if framework is not None else self._default_framework()
     self._peers = peers if peers is not None else self._framework.peers()

@@ -55,10 +55,16 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar._src.core import address as address_lib, env as env_lib, errors, options, rendezvous
+from sidecar._src.core import (
+  address as address_lib,
+  env as env_lib,
+  errors,
+  options as options_lib,
+  rendezvous,
+)
 
-DEFAULT_PORT = options.DEFAULT_PORT
-DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
+DEFAULT_PORT = options_lib.DEFAULT_PORT
+DEFAULT_HEALTH_PORT = options_lib.DEFAULT_HEALTH_PORT
 DEFAULT_HOST_TEMPLATE = "{jobset}-{replicated_job}-{slice}-{host}.{subdomain}"
 
 # Short reconnect backoff: a sidecar whose pod is not scheduled yet must be seen within a

@@ -18,7 +18,7 @@ from sidecar._src.controller import discovery
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_host
-from sidecar._src.core import env, errors, interrupts
+from sidecar._src.core import env as env_lib, errors, interrupts
 from sidecar._src.streams import grpc_transport, socket_transport
 from sidecar._src.streams.consumer import Stream, ToDevice
 from sidecar._src.wire import protocol
@@ -272,11 +272,11 @@ class Hosts:
       (host_id, w), = workers.items()
     else:
       # Under a Slurm step of `sidecar slurm batch`, the job's rendezvous directory says.
-      address = env.get(env.ADDRESS) or discovery.own_address()
+      address = env_lib.get(env_lib.ADDRESS) or discovery.own_address()
       if not address:
         raise errors.InvalidArgumentError(
             f"process {self.peers.index} of {self.peers.count} does not know its own "
-            f"sidecar: set {env.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
+            f"sidecar: set {env_lib.ADDRESS}=unix:///path/to/sidecar.sock (sidecar "
             "launch and the k8s manifests do), or pass workers={host_id: Worker(...)}")
       try:
         w = self._worker(address)

@@ -6,7 +6,7 @@ import dataclasses
 import ipaddress
 import os
 
-from sidecar._src.core import address
+from sidecar._src.core import address as address_lib
 
 MIN_SHM = 1 << 20
 # Not 8470/8471: libtpu listens on 8471 inside TPU VMs and pods.
@@ -25,7 +25,7 @@ def is_loopback(listen: str) -> bool:
   Host names other than ``localhost`` count as not loopback: what they resolve to
   can change.
   """
-  if address.is_unix(listen):
+  if address_lib.is_unix(listen):
     return True
   host = listen.strip()
   if host.startswith("[") and host.endswith("]"):
@@ -132,9 +132,9 @@ class ServerOptions:
   socket_group: str | None = None
 
   @property
-  def unix(self) -> address.Address | None:
+  def unix(self) -> address_lib.Address | None:
     """The Unix socket the gRPC server listens on; None for TCP."""
-    return address.parse(self.listen) if address.is_unix(self.listen) else None
+    return address_lib.parse(self.listen) if address_lib.is_unix(self.listen) else None
 
   def __post_init__(self):
     for name in ("host_id", "slice_id"):
@@ -146,7 +146,7 @@ class ServerOptions:
     if self.metrics_port and self.metrics_port in (self.port, self.health_port):
       raise ValueError(f"metrics_port {self.metrics_port} is also the port or the health_port; "
                        "pick another --metrics-port")
-    if address.is_unix(self.listen):
+    if address_lib.is_unix(self.listen):
       self._check_unix()
     elif self.socket_group is not None:
       raise ValueError(f"socket_group (--socket-group) applies to a unix: listen address, "

@@ -16,7 +16,7 @@ import jax
 from sidecar._src.arena.worker import TrainerProcess
 from sidecar._src.controller.framework import Framework, RestoreTarget, SaveLeaf
 from sidecar._src.controller.peers import Peers
-from sidecar._src.jax import checkpoint, distributed, transfer
+from sidecar._src.jax import checkpoint as jax_checkpoint, distributed, transfer
 from sidecar._src.jax.worker import Worker
 
 
@@ -50,7 +50,7 @@ class JaxFramework(Framework):
     return transfer.to_devices(tree, device)
 
   def save_leaves(self, tree: Any) -> list[SaveLeaf]:
-    return checkpoint.save_leaves(tree, device_copies=self._device_copies)
+    return jax_checkpoint.save_leaves(tree, device_copies=self._device_copies)
 
   def restore_target(self, target: Any) -> RestoreTarget:
-    return checkpoint.restore_target(target)
+    return jax_checkpoint.restore_target(target)

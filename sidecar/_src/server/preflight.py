@@ -12,10 +12,10 @@ import errno
 import os
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env, options as options_lib
+from sidecar._src.core import env as env_lib, options as options_lib
 
-SOCKET_FLAG = f"--socket or ${env.SOCKET}"
-ROOTS_FLAG = f"--checkpoint-root, ${env.CHECKPOINT_ROOTS}"
+SOCKET_FLAG = f"--socket or ${env_lib.SOCKET}"
+ROOTS_FLAG = f"--checkpoint-root, ${env_lib.CHECKPOINT_ROOTS}"
 
 
 def check(o: options_lib.ServerOptions) -> None:

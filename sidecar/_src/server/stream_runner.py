@@ -20,7 +20,7 @@ from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls import Runner, measured
 from sidecar._src.server.credits import CreditSource
-from sidecar._src.server.feeds import pool as feed_pool, producer as feed_lib, share as feed_share
+from sidecar._src.server.feeds import pool as feed_pool, producer, share as feed_share
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
@@ -44,7 +44,7 @@ class StreamRunner:
     self._book = FeedBook()
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     # A pool's tenants with feeds share the feed workers' CPUs by weight (feeds/share.py).
-    self._shares = feed_share.Shares(feed_lib.MAX_WORKERS)  # the CPUs this sidecar may use
+    self._shares = feed_share.Shares(producer.MAX_WORKERS)  # the CPUs this sidecar may use
 
   def run(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
           time_left: TimeLeft, tenant: str | None = None) -> Iterator[pb.StreamItem]:
@@ -130,10 +130,10 @@ class StreamRunner:
     if args:
       raise errors.InvalidArgumentError(
           f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
-    spec = feed_lib.Spec.from_proto(request.feed)
+    spec = producer.Spec.from_proto(request.feed)
     if spec.length_only:
       if credits.take():
-        state = {"length": feed_lib.length(entry, kwargs, spec)}
+        state = {"length": producer.length(entry, kwargs, spec)}
         yield pb.StreamItem(batch=pb.FeedBatch(structure=codec.encode(None),
                                                state_json=json.dumps(state)))
       return
@@ -149,7 +149,7 @@ class StreamRunner:
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
                             turns=turns)
 
-    batches = feed_lib.produce(entry, kwargs, spec, blocks.alloc, pool)
+    batches = producer.produce(entry, kwargs, spec, blocks.alloc, pool)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
-from sidecar._src.streams import consumer as streaming
+from sidecar._src.streams import consumer
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
@@ -21,7 +21,7 @@ _END = object()
 POLL_S = 0.1
 
 
-class GrpcTransport(streaming.Transport):
+class GrpcTransport(consumer.Transport):
   """Items of one ``Stream`` RPC, with values inline; a credit is one request message.
 
   A thread of the transport's own takes the items from gRPC and ``receive`` takes
@@ -94,7 +94,7 @@ class GrpcTransport(streaming.Transport):
 
 def open_stream(rpc: Callable[..., Any], start: pb.CallRequest, *, prefetch: int,
                 metadata: Any, timeout: float | None, host: str, host_id: int,
-                to_device: streaming.ToDevice | None = None,
+                to_device: consumer.ToDevice | None = None,
                 renew: Callable[[], Any] | None = None) -> Stream:
   """Starts registered iterable ``start.name`` on a sidecar over gRPC; a credit per item.
 
@@ -102,7 +102,7 @@ def open_stream(rpc: Callable[..., Any], start: pb.CallRequest, *, prefetch: int
   (see ``consumer.Stream``). ``renew`` handshakes again and returns the new session's
   metadata: a stream refused for a lost session (SessionLostError) starts once more.
   """
-  streaming.check_prefetch(prefetch)
+  consumer.check_prefetch(prefetch)
   transport = GrpcTransport(rpc, start, prefetch=prefetch, metadata=metadata, host=host,
                             host_id=host_id, renew=renew)
   return Stream(transport, name=start.name, timeout=timeout, to_device=to_device)

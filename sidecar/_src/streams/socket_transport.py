@@ -12,13 +12,13 @@ import socket
 
 from sidecar._src.arena.worker import Worker
 from sidecar._src.core import errors
-from sidecar._src.streams import consumer as streaming
+from sidecar._src.streams import consumer
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import ipc
 from sidecar._src.wire.protocol import pb
 
 
-class SocketTransport(streaming.Transport):
+class SocketTransport(consumer.Transport):
   """A stream's own connection to the worker's sidecar: item frames in, credit frames out.
 
   Credits carry the blocks let go of meanwhile. While the consumer waits, the worker
@@ -75,7 +75,7 @@ class SocketTransport(streaming.Transport):
 
 
 def open_stream(worker: Worker, request: pb.CallRequest, *, prefetch: int,
-                timeout: float | None = None, to_device: streaming.ToDevice | None = None
+                timeout: float | None = None, to_device: consumer.ToDevice | None = None
                 ) -> Stream:
   """Runs a registered iterable in ``worker``'s sidecar; its items arrive over the socket.
 
@@ -85,7 +85,7 @@ def open_stream(worker: Worker, request: pb.CallRequest, *, prefetch: int,
   them (a framework adapter's; on JAX's CPU backend, views of the arena: no copy).
   """
   worker.check_usable()
-  streaming.check_prefetch(prefetch)
+  consumer.check_prefetch(prefetch)
   request.worker_session = worker.session
   sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   sock.settimeout(worker.timeout)  # a stopped sidecar's full backlog must not hang connect()

@@ -207,7 +207,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-  from sidecar._src.controller import discovery, status
+  from sidecar._src.controller import discovery, status as status_lib
   token = _env(env_lib.TOKEN)
   addresses = args.addresses
   if not addresses:  # the job's sidecars, as Controller.from_env() finds them
@@ -221,9 +221,9 @@ def _status(args: argparse.Namespace) -> int:
     args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
   if args.watch:
     _raise_on_sigterm()
-    return status.watch(addresses, interval=args.interval, timeout=args.timeout,
+    return status_lib.watch(addresses, interval=args.interval, timeout=args.timeout,
                         token=token)
-  return status.print_status(addresses, timeout=args.timeout, token=token, as_json_=args.json)
+  return status_lib.print_status(addresses, timeout=args.timeout, token=token, as_json_=args.json)
 
 
 def _health(args: argparse.Namespace) -> int:

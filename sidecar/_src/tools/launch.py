@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, TextIO
 
-from sidecar._src.core import env, errors, platform
+from sidecar._src.core import env as env_lib, errors, platform
 from sidecar._src.tools import c10d_store, relay, torchrun
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
@@ -48,8 +48,8 @@ from /dev/null. Trainer i's stdout and stderr come back merged, line by line, pr
 "[host i] ".
 
 Each trainer gets this environment added to the launcher's:
-{chr(10).join(f"  {name:29} {text}" for name, text in env.DESCRIPTIONS.items()
-               if name != env.TOKEN_FILE)}
+{chr(10).join(f"  {name:29} {text}" for name, text in env_lib.DESCRIPTIONS.items()
+               if name != env_lib.TOKEN_FILE)}
   JAX_PLATFORMS                 yours if set; else unset where an accelerator is here
                                 (/dev/accel*, /dev/vfio/N, a TPU on PCI, TPU_* variables,
                                 /dev/nvidiaN), so JAX picks it; else cpu, with
@@ -185,7 +185,7 @@ class _Run:
                               restart=self.restart, procs_per_host=self.procs_per_host,
                               local_rank=local, torch_master=master,
                               max_restarts=self._max_restarts())
-        rank = int(environ[env.PROCESS_ID])
+        rank = int(environ[env_lib.PROCESS_ID])
         proc = subprocess.Popen(
             self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True)
@@ -449,7 +449,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
   # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
   share = torchrun.session_share(procs_per_host)
-  quota = ("--session-quota", share) if share and not env.get(env.SESSION_QUOTA) else ()
+  quota = ("--session-quota", share) if share and not env_lib.get(env_lib.SESSION_QUOTA) else ()
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False,
                          checkpoint_roots=checkpoint_roots, transport=transport,

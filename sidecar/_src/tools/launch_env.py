@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping, Sequence
 
-from sidecar._src.core import env, errors, platform
+from sidecar._src.core import env as env_lib, errors, platform
 from sidecar._src.tools.local import LocalCluster
 from sidecar._src.tools.torchrun import torchrun_env
 
@@ -50,15 +50,15 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
   # would go on until the SIGKILL after the grace, seconds of every elastic restart.
   result.setdefault(PREEMPTION_SERVICE, "false")
   result.update({
-      env.COORDINATOR_ADDRESS: coordinator,
-      env.NUM_PROCESSES: str(world),
-      env.PROCESS_ID: str(rank),
-      env.LOCAL_DEVICES: str(cluster.devices_per_host),
-      env.HOST_ID: str(host),
-      env.SLICE_ID: "0",
-      env.ADDRESS: f"unix://{cluster.socket(host)}",
-      env.HOSTS: ",".join(cluster.host_entry(h) for h in hosts),
-      env.RESTART: str(restart),
+      env_lib.COORDINATOR_ADDRESS: coordinator,
+      env_lib.NUM_PROCESSES: str(world),
+      env_lib.PROCESS_ID: str(rank),
+      env_lib.LOCAL_DEVICES: str(cluster.devices_per_host),
+      env_lib.HOST_ID: str(host),
+      env_lib.SLICE_ID: "0",
+      env_lib.ADDRESS: f"unix://{cluster.socket(host)}",
+      env_lib.HOSTS: ",".join(cluster.host_entry(h) for h in hosts),
+      env_lib.RESTART: str(restart),
   })
   if torch_master is not None:
     addr, port = torch_master.rsplit(":", 1)
@@ -70,5 +70,5 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
     if world > 1:  # as torchrun for a node's ranks: every rank here shares this machine's cores
       result.setdefault("OMP_NUM_THREADS", "1")
   if cluster.token:
-    result[env.TOKEN] = cluster.token
+    result[env_lib.TOKEN] = cluster.token
   return result

@@ -65,8 +65,8 @@ def tenant_rows(statuses: Sequence[Any]) -> list[TenantRow]:
   """Each tenant's row, its figures summed over ``statuses`` (``pb.StatusResponse``s), in
   the order the pool file lists them."""
   rows: dict[str, TenantRow] = {}
-  for status in statuses:
-    for t in status.tenants:
+  for status_lib in statuses:
+    for t in status_lib.tenants:
       busy = int(bool(t.sessions or t.workers or t.arena_bytes or t.feeds))
       new = TenantRow(
           tenant=t.name, hosts=busy, sessions=t.sessions, workers=t.workers,
@@ -126,8 +126,8 @@ def _unreachable(answers: Sequence[tuple[str, Any]]) -> list[str]:
 
 def _fetch(addresses: Sequence[str], timeout: float, token: str | None
            ) -> tuple[list[TenantRow], list[str]]:
-  from sidecar._src.controller import status
-  answers = status.fetch_all(addresses, timeout=timeout, token=token)
+  from sidecar._src.controller import status as status_lib
+  answers = status_lib.fetch_all(addresses, timeout=timeout, token=token)
   return (tenant_rows([s for _, s in answers if not isinstance(s, Exception)]),
           _unreachable(answers))
 

@@ -28,7 +28,7 @@ from sidecar._src.controller.framework import (
   whole,
 )
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import dtypes, errors, trees
+from sidecar._src.core import dtypes as dtypes_lib, errors, trees
 from sidecar._src.torch import distributed, tensors
 
 
@@ -103,7 +103,7 @@ class TorchFramework(Framework):
         shape, dtype = tuple(want.shape), tensors.dtype_name(want.dtype, str(path))
       else:
         shape, dtype = tuple(np.shape(want)), np.asarray(want).dtype.name
-      leaves.append(RestoreLeaf(path, shape, dtypes.dtype_of(dtype, str(path)),
+      leaves.append(RestoreLeaf(path, shape, dtypes_lib.dtype_of(dtype, str(path)),
                                 ((whole(shape), None),)))
 
     def build(blocks: list[list[np.ndarray]]) -> Any:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import metadata as md
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -65,12 +65,12 @@ def file_sizes(results: Sequence[Sequence[WriteResult]]) -> dict[str, int]:
   return sizes
 
 
-def finish(metadata: md.Metadata, results: Sequence[Sequence[WriteResult]], *,
+def finish(metadata: dcp_metadata.Metadata, results: Sequence[Sequence[WriteResult]], *,
            checkpoint_id: str, save_id: str) -> bytes:
   """Completes ``metadata`` as DCP's ``FileSystemWriter.finish`` does, and pickles it."""
   metadata.version = VERSION
   metadata.storage_data = {r.index: r.storage_data for per_rank in results for r in per_rank}
-  metadata.storage_meta = md.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
+  metadata.storage_meta = dcp_metadata.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
   return pickle.dumps(metadata)
 
 
@@ -81,11 +81,11 @@ def _path(value: Any) -> list[str | int] | None:
   return None
 
 
-def to_plan(metadata: md.Metadata) -> dict[str, Any]:
+def to_plan(metadata: dcp_metadata.Metadata) -> dict[str, Any]:
   """The metadata as JSON values (see the module docstring)."""
   state: dict[str, Any] = {}
   for fqn, entry in metadata.state_dict_metadata.items():
-    if isinstance(entry, md.BytesStorageMetadata):
+    if isinstance(entry, dcp_metadata.BytesStorageMetadata):
       state[fqn] = {"kind": "bytes"}
     else:
       state[fqn] = {
@@ -112,28 +112,28 @@ def to_plan(metadata: md.Metadata) -> dict[str, Any]:
           else str(meta.checkpoint_id), "save_id": None if meta is None else meta.save_id}
 
 
-def from_plan(plan: Mapping[str, Any]) -> md.Metadata:
+def from_plan(plan: Mapping[str, Any]) -> dcp_metadata.Metadata:
   """DCP's ``Metadata`` rebuilt from :func:`to_plan`'s values; nothing unpickled."""
   if plan.get("version") != PLAN_VERSION:
     raise errors.InvalidArgumentError(
         f"checkpoint plan version {plan.get('version')!r}, expected {PLAN_VERSION}")
-  state: dict[str, md.STORAGE_TYPES] = {}
+  state: dict[str, dcp_metadata.STORAGE_TYPES] = {}
   for fqn, entry in plan["state"].items():
     if entry["kind"] == "bytes":
-      state[fqn] = md.BytesStorageMetadata()
+      state[fqn] = dcp_metadata.BytesStorageMetadata()
       continue
-    props = md.TensorProperties(dtype=tensors.torch_dtype(entry["dtype"], repr(fqn)),
+    props = dcp_metadata.TensorProperties(dtype=tensors.torch_dtype(entry["dtype"], repr(fqn)),
                                 requires_grad=bool(entry.get("requires_grad", False)))
-    state[fqn] = md.TensorStorageMetadata(
+    state[fqn] = dcp_metadata.TensorStorageMetadata(
         props, torch.Size(entry["size"]),
-        [md.ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
+        [dcp_metadata.ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
          for c in entry["chunks"]])
-  storage = {md.MetadataIndex(s["fqn"], s["offset"], s["index"]):
+  storage = {dcp_metadata.MetadataIndex(s["fqn"], s["offset"], s["index"]):
              _StorageInfo(s["path"], s["at"], s["length"]) for s in plan["storage"]}
   planner = plan.get("planner_data")
-  return md.Metadata(
+  return dcp_metadata.Metadata(
       state_dict_metadata=state,
       planner_data=None if planner is None else {k: tuple(v) for k, v in planner.items()},
       storage_data=storage, version=plan.get("dcp_version"),
-      storage_meta=md.StorageMeta(checkpoint_id=plan.get("checkpoint_id"),
+      storage_meta=dcp_metadata.StorageMeta(checkpoint_id=plan.get("checkpoint_id"),
                                   save_id=plan.get("save_id")))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemReader, metadata as md
+from torch.distributed.checkpoint import FileSystemReader, metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import (
   LoadItemType,
   LoadPlan,
@@ -56,11 +56,11 @@ from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save import SaveProtocol
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.checkpoint.target import Target
-from sidecar._src.core import dtypes, errors, interrupts, trees
+from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees
 from sidecar._src.torch import (
   controller as torch_controller,
   framework,
-  metadata as plans_lib,
+  metadata as torch_metadata,
   tensors,
 )
 
@@ -166,7 +166,7 @@ class StorageWriter(_Writer):
     arrays = [np.frombuffer(data.getbuffer(), np.uint8) if isinstance(data, io.BytesIO)
               else framework.host_array(data, f"state dict entry {w.index.fqn!r}")
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
-    items = [plans_lib.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
+    items = [torch_metadata.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
     worker = self._ctl.worker(self._home)  # an array staged by stage() is there already
     self._protocol(target.directory).stage_copies(
         target, self._home, arrays, [item.index for item in items],
@@ -175,20 +175,20 @@ class StorageWriter(_Writer):
         threads=torch.get_num_threads())
     self.last_stats = {"stage_s": time.perf_counter() - t0}
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-    out.set_result(plans_lib.write_results(rank, plan.items, items))
+    out.set_result(torch_metadata.write_results(rank, plan.items, items))
     return out
 
-  def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
+  def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
     """Rank 0: pickles the metadata, waits for every sidecar's part, commits once (or
     aborts everywhere), then starts the replication (``replicated``)."""
     target = self._begun
     if target is None:
       raise errors.InvalidArgumentError("finish() before prepare_global_plan(): use dcp.save")
-    raw = plans_lib.finish(metadata, results, checkpoint_id=self.path, save_id=self.save_id)
-    plan = plans_lib.to_plan(metadata)
+    raw = torch_metadata.finish(metadata, results, checkpoint_id=self.path, save_id=self.save_id)
+    plan = torch_metadata.to_plan(metadata)
     hosts = sorted(set(self._ranks.values()))
     sizes = {int(name.removeprefix("__").split("_")[0]): size
-             for name, size in plans_lib.file_sizes(results).items()}
+             for name, size in torch_metadata.file_sizes(results).items()}
     placement = {h: p for h, p in self._site.placement(self.replicas).items() if h in hosts}
     protocol = self._protocol(target.directory)
     try:
@@ -222,8 +222,8 @@ class StorageWriter(_Writer):
     replication.add_done_callback(done)
     return replication
 
-  def storage_meta(self) -> md.StorageMeta | None:
-    return md.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+  def storage_meta(self) -> dcp_metadata.StorageMeta | None:
+    return dcp_metadata.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
   @classmethod
   def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -293,7 +293,7 @@ class StorageReader(_Reader):
     self._home = self._site.local[0]
     self._reads = ShardReads(self._site.client, self._site.mapped)
     self._stock: FileSystemReader | None = None
-    self._metadata: md.Metadata | None = None
+    self._metadata: dcp_metadata.Metadata | None = None
     self._sums: dict[ShardId, ShardChecksum] = {}
     self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
@@ -303,7 +303,7 @@ class StorageReader(_Reader):
       self.path = os.path.abspath(os.fspath(checkpoint_id))
     self._stock, self._metadata = None, None
 
-  def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+  def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
     try:
       manifest = self._site.client.info(self._home, self.path).result()
     except errors.InvalidArgumentError:
@@ -313,10 +313,10 @@ class StorageReader(_Reader):
       return self._stock.read_metadata(*args, **kwargs)
     self._sums = {s.shard: s for s in manifest.shards}
     self._replicas = dict(manifest.replicas)
-    self._metadata = plans_lib.from_plan(manifest.dcp_plan)
+    self._metadata = torch_metadata.from_plan(manifest.dcp_plan)
     return self._metadata
 
-  def set_up_storage_reader(self, metadata: md.Metadata, is_coordinator: bool, *args: Any,
+  def set_up_storage_reader(self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any,
                             **kwargs: Any) -> None:
     if self._stock is not None:
       self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -377,10 +377,10 @@ class StorageReader(_Reader):
       dtype = np.dtype(np.uint8)
     else:
       offsets = tuple(req.storage_index.offset or ())
-      assert isinstance(entry, md.TensorStorageMetadata)
+      assert isinstance(entry, dcp_metadata.TensorStorageMetadata)
       sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
       index = tuple((o, o + s) for o, s in zip(offsets, sizes))
-      dtype = dtypes.dtype_of(tensors.dtype_name(entry.properties.dtype, repr(fqn)), repr(fqn))
+      dtype = dtypes_lib.dtype_of(tensors.dtype_name(entry.properties.dtype, repr(fqn)), repr(fqn))
     s = self._sums.get(ShardId((fqn,), index))
     owner = s.host if s is not None and s.host is not None else self._home
     return self._reads.first(self.path, (fqn,), index, s.crc32c if s is not None else None,

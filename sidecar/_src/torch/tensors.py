@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sidecar._src.core import dtypes, errors
+from sidecar._src.core import dtypes as dtypes_lib, errors
 
 # numpy (ml_dtypes) name -> torch dtype, for every dtype both sides have whole bytes of
 # (int4 and uint4 pack two elements a byte in torch, one a byte in ml_dtypes).
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in sorted(dtypes.NAMES - {"int4", "uint4"})
+    name: getattr(torch, name) for name in sorted(dtypes_lib.NAMES - {"int4", "uint4"})
     if isinstance(getattr(torch, name, None), torch.dtype)}
 NAMES: dict[torch.dtype, str] = {t: n for n, t in TORCH_DTYPES.items()}
 # Moved as integers of their size: numpy cannot hand torch these types directly.
@@ -70,6 +70,6 @@ def as_array(tensor: torch.Tensor, where: str = "tensor") -> np.ndarray:
   name = dtype_name(tensor.dtype, where)
   t = tensor.detach()
   if name in _BITS:
-    return t.view(_BITS[name][0]).numpy().view(dtypes.dtype_of(name))
+    return t.view(_BITS[name][0]).numpy().view(dtypes_lib.dtype_of(name))
   return t.numpy()
 

@@ -16,14 +16,14 @@ import struct
 import tempfile
 from typing import Any
 
-from sidecar._src.core import address, errors
+from sidecar._src.core import address as address_lib, errors
 
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20
 # Blocks one alloc request on the worker socket may ask for: its reply stays well under
 # MAX_MESSAGE.
 MAX_ALLOC_BLOCKS = 8192
-SOCKET_PATH_MAX = address.SOCKET_PATH_MAX
+SOCKET_PATH_MAX = address_lib.SOCKET_PATH_MAX
 _SOCKET_NAME_MAX = 16  # what socket_dir leaves for a socket's name in it, with the slash
 
 

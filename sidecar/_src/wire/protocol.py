@@ -23,7 +23,7 @@ import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from sidecar._src.core import env, errors
+from sidecar._src.core import env as env_lib, errors
 from sidecar.v1 import (
     checkpoint_pb2 as ckpt_pb,
     checkpoint_pb2_grpc as ckpt_pb_grpc,
@@ -260,14 +260,14 @@ def tls_credentials(ca: str | None, cert: str | None, key: str | None
   Raises:
     InvalidArgumentError: only one of cert and key, or a file that cannot be read.
   """
-  ca = ca or env.get(env.TLS_CA)
-  cert = cert or env.get(env.TLS_CLIENT_CERT)
-  key = key or env.get(env.TLS_CLIENT_KEY)
+  ca = ca or env_lib.get(env_lib.TLS_CA)
+  cert = cert or env_lib.get(env_lib.TLS_CLIENT_CERT)
+  key = key or env_lib.get(env_lib.TLS_CLIENT_KEY)
   if ca is None and cert is None and key is None:
     return None
   if (cert is None) != (key is None):
     raise errors.InvalidArgumentError(
-        f"tls_cert and tls_key go together (or {env.TLS_CLIENT_CERT} and {env.TLS_CLIENT_KEY}), "
+        f"tls_cert and tls_key go together (or {env_lib.TLS_CLIENT_CERT} and {env_lib.TLS_CLIENT_KEY}), "
         f"got {cert!r} and {key!r}")
 
   def read(path: str | None, what: str) -> bytes | None:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import sidecar
-from sidecar._src.controller import status
+from sidecar._src.controller import status as status_lib
 from sidecar._src.tools import cli
 from tests.conftest import eventually
 from tests.support import procfs
@@ -301,7 +301,7 @@ def test_serve_imports_from_the_cwd_says_serving_once_and_removes_the_dirs_it_ma
     assert eventually(lambda: ready.exists() or p.poll() is not None, timeout=60), "no ready file"
     assert p.poll() is None, p.stdout.read()[-2000:]
     port = json.loads(ready.read_text())["port"]
-    names = [e.name for e in status.fetch(f"127.0.0.1:{port}", timeout=10).registry]
+    names = [e.name for e in status_lib.fetch(f"127.0.0.1:{port}", timeout=10).registry]
     assert "from_cwd" in names
     assert socket_dir.is_dir()
   finally:

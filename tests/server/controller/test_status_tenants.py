@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.arena.worker import Worker
-from sidecar._src.controller import status
+from sidecar._src.controller import status as status_lib
 from tests.conftest import PEER_TOKEN
 from tests.support.pool_files import ALICE, controller, write_pool
 
@@ -32,14 +32,14 @@ def test_status_shows_each_tenants_row(make_server, tmp_path, capsys):
   try:
     block = worker.put(np.ones(1 << 20, np.uint8), timeout=10)
     with controller(server, ALICE) as ctl:
-      assert status.print_status([address], timeout=5, token=PEER_TOKEN) == 0
+      assert status_lib.print_status([address], timeout=5, token=PEER_TOKEN) == 0
       rows = _tenant_lines(capsys.readouterr().out)
       assert set(rows) == {"alice", "bob"}
       # host, tenant, sessions, workers, arena held (guaranteed / ceiling), ...
       assert rows["alice"][:5] == ["0", "alice", "1", "1", "1.0"]
       assert rows["alice"][-5:] == ["0", "0", "0", "0", "0"]  # feeds .. queue
       assert rows["bob"][2:4] == ["0", "0"]
-      assert status.print_status([address], timeout=5, token=ALICE) == 0
+      assert status_lib.print_status([address], timeout=5, token=ALICE) == 0
       assert set(_tenant_lines(capsys.readouterr().out)) == {"alice"}
       shown = repr(ctl)  # the Controller's own view: its tenant's row
       assert "tenant" in shown and "alice" in shown and "bob" not in shown
@@ -51,6 +51,6 @@ def test_status_shows_each_tenants_row(make_server, tmp_path, capsys):
 
 def test_no_tenants_table_without_a_pool(make_server, capsys):
   server = make_server()
-  assert status.print_status([f"127.0.0.1:{server.port}"], timeout=5,
+  assert status_lib.print_status([f"127.0.0.1:{server.port}"], timeout=5,
                              token=server.options.token) == 0
   assert "TENANT" not in capsys.readouterr().out

@@ -5,14 +5,14 @@ token, with nothing in the environment (issue 37)."""
 import numpy as np
 import pytest
 
-from sidecar._src.core import env
+from sidecar._src.core import env as env_lib
 from tests.support.pool_files import ALICE, controller, write_pool
 
 pytestmark = pytest.mark.server
 
 
 def test_an_explicit_token_reaches_the_controllers_worker(make_server, tmp_path, monkeypatch):
-  for var in (env.TOKEN, env.TOKEN_FILE):
+  for var in (env_lib.TOKEN, env_lib.TOKEN_FILE):
     monkeypatch.delenv(var, raising=False)
   server = make_server(pool=write_pool(tmp_path))
   with controller(server, ALICE, attach=True) as ctl:

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 import sidecar
-from sidecar._src.core import env
+from sidecar._src.core import env as env_lib
 from tests.support.paths import DATA
 from tests.support.tls import CA, CLIENT, CLIENT_KEY, SERVER, SERVER_KEY
 
@@ -39,13 +39,13 @@ def test_a_token_file_others_can_read_is_warned_of(tmp_path, caplog):
   path.write_text("s3cret\n")
   path.chmod(0o644)
   with caplog.at_level(logging.WARNING):
-    assert env.token(str(path)) == "s3cret"
+    assert env_lib.token(str(path)) == "s3cret"
   assert f"token file {path} is readable by everyone (mode 644)" in caplog.text
   assert f"chmod 600 {path}" in caplog.text
   caplog.clear()
   path.chmod(0o600)
   with caplog.at_level(logging.WARNING):
-    env.token(str(path))
+    env_lib.token(str(path))
   assert "readable" not in caplog.text
 
 

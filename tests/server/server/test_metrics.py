@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import sidecar
-from sidecar._src.core import options
+from sidecar._src.core import options as options_lib
 from sidecar._src.server import metrics as metrics_lib, metrics_server
 from sidecar._src.server.server import Server
 from tests.support.metrics import samples, scrape, snapshot, value
@@ -42,7 +42,7 @@ def test_metrics_port_in_use_is_a_start_up_error_naming_the_flag(tmp_path):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
-    opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
+    opts = options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
                                  socket_path=str(tmp_path / "s.sock"), metrics_port=port)
     with pytest.raises(OSError, match=f"127.0.0.1:{port}.*pick another --metrics-port"):
       Server(opts).start()
@@ -52,7 +52,7 @@ def test_metrics_port_in_use_is_a_start_up_error_naming_the_flag(tmp_path):
 @pytest.mark.parametrize("port", [-1, 70000, "9090"], ids=["negative", "too-big", "str"])
 def test_bad_metrics_port_is_refused(port):
   with pytest.raises(ValueError, match=r"metrics_port \(--metrics-port\) must be a TCP port in 1..65535"):
-    options.ServerOptions(metrics_port=port)
+    options_lib.ServerOptions(metrics_port=port)
 
 
 def test_off_by_default_and_unregistered_names_share_one_label(make_server):

@@ -1,8 +1,8 @@
 import pytest
 
-from sidecar._src.core import options
+from sidecar._src.core import options as options_lib
 from sidecar._src.server.server import Server
-from sidecar._src.user import registry
+from sidecar._src.user import registry as registry_lib
 
 pytestmark = pytest.mark.server
 
@@ -10,8 +10,8 @@ pytestmark = pytest.mark.server
 def server(tmp_path, **kw):
   kw.setdefault("socket_path", str(tmp_path / "run" / "s.sock"))
   kw.setdefault("checkpoint_roots", (str(tmp_path / "ckpt"),))
-  return Server(options.ServerOptions(listen="127.0.0.1", port=0, health_port=0,
-                                      shm_size=8 << 20, **kw), registry=registry.Registry())
+  return Server(options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0,
+                                      shm_size=8 << 20, **kw), registry=registry_lib.Registry())
 
 
 def test_a_socket_directory_that_cannot_be_made_stops_the_start_before_the_arena(tmp_path):

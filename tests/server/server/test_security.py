@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src.server.feeds import producer as host_feed
+from sidecar._src.server.feeds import producer
 from sidecar._src.streams import socket_transport
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
@@ -131,7 +131,7 @@ def test_feed_workers_are_capped(feed_server):
   assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
   assert re.search(r"feed workers must be at most \d+ \(this host's CPUs, at most 64\), got 1000",
                    e.details()), e.details()
-  assert f"at most {host_feed.MAX_WORKERS} " in e.details()
+  assert f"at most {producer.MAX_WORKERS} " in e.details()
   assert len(raw.feed("shard_ids", _spec(num_epochs=1))) > 0  # still serving
   raw.close()
 

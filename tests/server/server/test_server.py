@@ -352,7 +352,7 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
 
 def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path, monkeypatch,
                                                          caplog):
-  from sidecar._src.ckptfmt import spec as layout_spec
+  from sidecar._src.ckptfmt import spec as spec_lib
   from sidecar._src.server.checkpoint import save as checkpoint_save
   # 3 s: at a load of 8 the 0.5 s it was ran out before the first check below.
   monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 3.0)
@@ -364,7 +364,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = client.begin(0, directory, 3).result()
     n = 1 << 18  # large enough to go through the arena
-    spec = layout_spec.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
+    spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
                            write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
@@ -382,7 +382,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
 def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
   """Trainer processes sharing a sidecar: each stages its shards from its own session;
   the step is whole (written, prepared) only once both sent their last part."""
-  from sidecar._src.ckptfmt import spec as layout_spec
+  from sidecar._src.ckptfmt import spec as spec_lib
   server = make_server()
   with controller(server) as a, controller(server) as b:
     assert a.worker(0).session != b.worker(0).session
@@ -391,7 +391,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = clients[0].begin(0, directory, 3).result()
     n = 1 << 16
-    spec = layout_spec.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+    spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
     rows = []
     for i, (ctl, client) in enumerate(zip((a, b), clients)):
@@ -413,7 +413,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
 
 def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server, tmp_path,
                                                                    caplog):
-  from sidecar._src.ckptfmt import spec as layout_spec
+  from sidecar._src.ckptfmt import spec as spec_lib
   releasers = lambda: sum(t.name == "sidecar-release" for t in threading.enumerate())
   before = releasers()
   server = make_server()
@@ -424,7 +424,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
     tmp = client.begin(0, directory, 3).result()
     n = 1 << 18
-    spec = layout_spec.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
+    spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src.controller import discovery, status
-from sidecar._src.core import options
+from sidecar._src.controller import discovery, status as status_lib
+from sidecar._src.core import options as options_lib
 from sidecar._src.server.server import Server
 from sidecar._src.wire import protocol
 
@@ -34,7 +34,7 @@ def test_a_unix_sidecar_serves_calls_status_reflection_and_health_on_one_socket(
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
     assert ctl.hosts[0].address == f"unix:{path}"
     assert ctl.worker(0) is not None  # the worker socket, beside it
-  assert status.fetch(server.address, timeout=10).identity.pid == os.getpid()
+  assert status_lib.fetch(server.address, timeout=10).identity.pid == os.getpid()
   assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING
   discovery.wait_until_serving(discovery.endpoints_from_env(
       {"SIDECAR_HOSTS": server.address}), timeout=10)
@@ -93,7 +93,7 @@ def test_a_worker_socket_a_live_sidecar_serves_is_refused_too(make_server, tmp_p
   first = make_server()
   with pytest.raises(OSError, match=rf"worker socket {first.options.socket_path}: a live "
                      rf"process \(pid {os.getpid()}.*give --socket \(socket_path\) another"):
-    Server(options.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
+    Server(options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
                                  socket_path=first.options.socket_path)).start()
   with sidecar.Worker(first.options.socket_path) as w:  # still the first sidecar's
     assert w.session

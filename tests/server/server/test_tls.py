@@ -6,7 +6,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import sidecar
-from sidecar._src.core import options
+from sidecar._src.core import options as options_lib
 from tests.support.tls import CA, CLIENT, CLIENT_KEY, SERVER, SERVER_KEY
 
 pytestmark = pytest.mark.server
@@ -43,23 +43,23 @@ def test_mtls_refuses_a_controller_without_a_certificate(make_server, monkeypatc
 
 def test_tls_options_are_checked():
   with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
-    options.ServerOptions(tls_cert=SERVER)
+    options_lib.ServerOptions(tls_cert=SERVER)
   with pytest.raises(ValueError, match="tls_client_ca .* needs TLS"):
-    options.ServerOptions(tls_client_ca=CA)
+    options_lib.ServerOptions(tls_client_ca=CA)
   with pytest.raises(ValueError, match="no token is set"):  # TLS alone authenticates nobody
-    options.ServerOptions(listen="0.0.0.0", tls_cert=SERVER, tls_key=SERVER_KEY)
+    options_lib.ServerOptions(listen="0.0.0.0", tls_cert=SERVER, tls_key=SERVER_KEY)
   # mTLS authenticates every client, as a token does: any interface is allowed.
-  options.ServerOptions(listen="0.0.0.0", tls_cert=SERVER, tls_key=SERVER_KEY, tls_client_ca=CA)
+  options_lib.ServerOptions(listen="0.0.0.0", tls_cert=SERVER, tls_key=SERVER_KEY, tls_client_ca=CA)
   with pytest.raises(sidecar.InvalidArgumentError, match="tls_cert and tls_key go together"):
     sidecar.Controller(["127.0.0.1:1"], tls_cert=CLIENT)
 
 
 def test_sidecar_status_reaches_a_tls_sidecar_with_the_ca_in_the_environment(make_server,
                                                                            monkeypatch):
-  from sidecar._src.controller import status
+  from sidecar._src.controller import status as status_lib
   server = make_server(tls_cert=SERVER, tls_key=SERVER_KEY)
   with pytest.raises(sidecar.SidecarError):
-    status.fetch(f"127.0.0.1:{server.port}", timeout=2)  # plaintext against TLS
+    status_lib.fetch(f"127.0.0.1:{server.port}", timeout=2)  # plaintext against TLS
   monkeypatch.setenv("SIDECAR_TLS_CA", CA)
-  reply = status.fetch(f"127.0.0.1:{server.port}", timeout=10)
+  reply = status_lib.fetch(f"127.0.0.1:{server.port}", timeout=10)
   assert reply.identity.host_id == 0

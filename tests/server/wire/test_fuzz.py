@@ -21,7 +21,7 @@ from google.protobuf import descriptor as pb_descriptor, message as pb_message
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sidecar
-from sidecar._src.core import dtypes as dtypes_lib, errors, options
+from sidecar._src.core import dtypes as dtypes_lib, errors, options as options_lib
 from sidecar._src.server.server import Server
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, ipc, pbscan, protocol
@@ -190,7 +190,7 @@ def target(tmp_path_factory):
     for entry in sidecar.default_registry():
       if entry.fn.__module__ == module.__name__:
         reg.add(entry.kind, entry.name, entry.fn)
-  opts = options.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
+  opts = options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
                                socket_path=str(tmp / "fuzz.sock"),
                                checkpoint_roots=(str(tmp),), peer_token="fuzz-peer")
   server = Server(opts, registry=reg).start()

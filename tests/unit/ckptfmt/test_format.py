@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import direct_io, records, registry
+from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
 from sidecar._src.ckptfmt.records import ShardChecksum, ShardId, StagedShard
@@ -21,7 +21,12 @@ from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import ram_tier, read, roots as roots_lib, save
+from sidecar._src.server.checkpoint import (
+  ram_tier,
+  read as checkpoint_read,
+  roots as roots_lib,
+  save as checkpoint_save,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +85,7 @@ class NpyFormat(Format):
 
 
 def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
-  formats = registry.DEFAULT.replacing(NpyFormat())
+  formats = formats_lib.DEFAULT.replacing(NpyFormat())
   threads = []
 
   def spawn(target, *args, name):
@@ -88,7 +93,7 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
     threads[-1].start()
 
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
-  writer = save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
+  writer = checkpoint_save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
                            spawn=spawn, metrics=metrics_lib.Recorder(), formats=formats)
   spec = LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2))
   w = np.arange(8, dtype=np.float32).reshape(4, 2)
@@ -105,10 +110,10 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
   for t in threads:
     t.join(30)
   assert writer.open(directory) == [5]  # listed as a step: its format says it is one
-  manifest = read.info(final, formats)
+  manifest = checkpoint_read.info(final, formats)
   assert manifest.format == "npy" and {c.index for c in manifest.shards} == {
       ((0, 2), (0, 2)), ((2, 4), (0, 2))}
-  reader = read.Reader(tier, metrics_lib.Recorder(), formats)
+  reader = checkpoint_read.Reader(tier, metrics_lib.Recorder(), formats)
   crc32c = {c.index: c.crc32c for c in sums}
   got = reader.read(final, ShardId(("w",), ((2, 4), (0, 2))), crc32c=crc32c[((2, 4), (0, 2))],
                     tier="disk")

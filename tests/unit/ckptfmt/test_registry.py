@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from sidecar._src.ckptfmt import registry
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.dcp.format import DcpFormat
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
@@ -13,7 +13,7 @@ from sidecar._src.core import errors
 pytestmark = pytest.mark.unit
 
 def test_the_registry_finds_formats_by_name_and_by_their_directories(tmp_path):
-  formats = registry.DEFAULT
+  formats = formats_lib.DEFAULT
   assert isinstance(formats.get(""), OrbaxFormat) and isinstance(formats.get("dcp"), DcpFormat)
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"format must be one of \['dcp', 'orbax'\] \('' is 'orbax'\), got 'x'"):

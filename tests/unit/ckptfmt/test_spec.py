@@ -3,13 +3,13 @@
 import pytest
 from orbax.checkpoint._src.path import atomicity_types
 
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 
 pytestmark = pytest.mark.unit
 
 
 def test_the_names_are_orbaxs():
-  assert layout_spec.TMP_SUFFIX == atomicity_types.TMP_DIR_SUFFIX
-  assert layout_spec.COMMIT_SUCCESS_FILE == atomicity_types.COMMIT_SUCCESS_FILE
+  assert spec_lib.TMP_SUFFIX == atomicity_types.TMP_DIR_SUFFIX
+  assert spec_lib.COMMIT_SUCCESS_FILE == atomicity_types.COMMIT_SUCCESS_FILE
 
 

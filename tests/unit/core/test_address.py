@@ -3,30 +3,30 @@ import os
 import pytest
 
 import sidecar
-from sidecar._src.core import address, errors
+from sidecar._src.core import address as address_lib, errors
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("text,want", [
-    ("unix:/run/sidecar/grpc.sock", address.Address(path="/run/sidecar/grpc.sock")),
-    ("unix:///run/sidecar/grpc.sock", address.Address(path="/run/sidecar/grpc.sock")),
-    (" 10.0.0.7:8490 ", address.Address(host="10.0.0.7", port=8490)),
-    ("node-3.train:1", address.Address(host="node-3.train", port=1)),
-    ("[::1]:8490", address.Address(host="::1", port=8490)),
+    ("unix:/run/sidecar/grpc.sock", address_lib.Address(path="/run/sidecar/grpc.sock")),
+    ("unix:///run/sidecar/grpc.sock", address_lib.Address(path="/run/sidecar/grpc.sock")),
+    (" 10.0.0.7:8490 ", address_lib.Address(host="10.0.0.7", port=8490)),
+    ("node-3.train:1", address_lib.Address(host="node-3.train", port=1)),
+    ("[::1]:8490", address_lib.Address(host="::1", port=8490)),
 ], ids=["unix", "unix-triple-slash", "ipv4", "name", "ipv6"])
 def test_parse_reads_each_form(text, want):
-  assert address.parse(text) == want
-  assert address.parse(want.target) == want  # the target reads back as itself
+  assert address_lib.parse(text) == want
+  assert address_lib.parse(want.target) == want  # the target reads back as itself
 
 
 def test_a_relative_unix_path_is_made_absolute():
-  assert address.parse("unix:g.sock").path == os.path.join(os.getcwd(), "g.sock")
+  assert address_lib.parse("unix:g.sock").path == os.path.join(os.getcwd(), "g.sock")
 
 
 def test_a_bare_host_takes_the_default_port():
-  assert address.parse("node-3", default_port=8490).target == "node-3:8490"
-  assert address.parse("[fe80::1]", default_port=8490).target == "[fe80::1]:8490"
+  assert address_lib.parse("node-3", default_port=8490).target == "node-3:8490"
+  assert address_lib.parse("[fe80::1]", default_port=8490).target == "[fe80::1]:8490"
 
 
 @pytest.mark.parametrize("text,match", [
@@ -42,7 +42,7 @@ def test_a_bare_host_takes_the_default_port():
         "port-0", "no-host"])
 def test_malformed_addresses_name_the_text_and_the_forms(text, match):
   with pytest.raises(sidecar.InvalidArgumentError, match=match):
-    address.parse(text, what="address")
+    address_lib.parse(text, what="address")
 
 
 def test_a_unix_path_over_the_limit_names_its_length_the_limit_and_the_fix():
@@ -50,18 +50,18 @@ def test_a_unix_path_over_the_limit_names_its_length_the_limit_and_the_fix():
   with pytest.raises(sidecar.InvalidArgumentError,
                      match=rf"{path}: its path is {len(path)} bytes, a Unix socket's may be at "
                            r"most 107; use a shorter path"):
-    address.parse(f"unix:{path}")
-  assert address.parse("unix:/" + "d" * 106).path  # 107 bytes: the longest that binds
+    address_lib.parse(f"unix:{path}")
+  assert address_lib.parse("unix:/" + "d" * 106).path  # 107 bytes: the longest that binds
 
 
 def test_is_unix_tells_the_forms_apart():
-  assert address.is_unix("unix:/x") and address.is_unix(" unix:///x")
-  assert not address.is_unix("127.0.0.1:8490") and not address.is_unix("unixhost:1")
+  assert address_lib.is_unix("unix:/x") and address_lib.is_unix(" unix:///x")
+  assert not address_lib.is_unix("127.0.0.1:8490") and not address_lib.is_unix("unixhost:1")
 
 
 def test_access_to_a_socket_that_is_not_there_yet_is_left_to_the_connection(tmp_path):
-  address.check_access(f"unix:{tmp_path}/none.sock")  # gRPC says "No such file" itself
-  address.check_access("127.0.0.1:1")  # TCP: nothing to check
+  address_lib.check_access(f"unix:{tmp_path}/none.sock")  # gRPC says "No such file" itself
+  address_lib.check_access("127.0.0.1:1")  # TCP: nothing to check
 
 
 def test_a_socket_this_process_may_not_open_names_the_path_and_its_mode(tmp_path, monkeypatch):
@@ -70,8 +70,8 @@ def test_a_socket_this_process_may_not_open_names_the_path_and_its_mode(tmp_path
   path.chmod(0o400)
   # The kernel's answer for a user without write permission (root, who runs CI, may open
   # every file; tests/processes/tools/test_unix_transport.py drops that power for real).
-  monkeypatch.setattr(address.os, "access", lambda p, mode: False)
+  monkeypatch.setattr(address_lib.os, "access", lambda p, mode: False)
   with pytest.raises(errors.PermissionDeniedError,
                      match=rf"unix:{path}: permission denied: {path} is a file, not a socket, "
                            r"of mode 0400, owner uid \d+.*--socket-group"):
-    address.check_access(f"unix:{path}")
+    address_lib.check_access(f"unix:{path}")

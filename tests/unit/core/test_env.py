@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from sidecar._src.core import env, errors
+from sidecar._src.core import env as env_lib, errors
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
@@ -28,19 +28,19 @@ def test_every_sidecar_name_in_the_code_is_in_the_table():
     for name in re.findall(r"SIDECAR_[A-Z_]*[A-Z]", path.read_text()):
       found.setdefault(name, _rel(path))
   assert len(found) > 30  # the scan sees them
-  missing = {n: where for n, where in found.items() if n not in env.VARS}
+  missing = {n: where for n, where in found.items() if n not in env_lib.VARS}
   assert missing == {}, "add these to sidecar/_src/core/env.py's table"
 
 
 def test_every_row_says_what_it_means_its_default_and_who_reads_it():
-  for v in env.VARS.values():
+  for v in env_lib.VARS.values():
     assert v.name.startswith("SIDECAR_") and v.meaning and v.default and v.readers, v
-  assert {getattr(env, c) for c in dir(env) if c.isupper() and isinstance(getattr(env, c), str)
-          and getattr(env, c).startswith("SIDECAR_")} == set(env.VARS)
-  assert set(env.DESCRIPTIONS) == {v.name for v in env.VARS.values() if v.launcher}
-  assert env.COORDINATOR_ADDRESS in env.DESCRIPTIONS and env.PEER_TIMEOUT not in env.DESCRIPTIONS
+  assert {getattr(env_lib, c) for c in dir(env_lib) if c.isupper() and isinstance(getattr(env_lib, c), str)
+          and getattr(env_lib, c).startswith("SIDECAR_")} == set(env_lib.VARS)
+  assert set(env_lib.DESCRIPTIONS) == {v.name for v in env_lib.VARS.values() if v.launcher}
+  assert env_lib.COORDINATOR_ADDRESS in env_lib.DESCRIPTIONS and env_lib.PEER_TIMEOUT not in env_lib.DESCRIPTIONS
   assert "SIDECAR_SHM_SIZE\n  --shm-size: the arena's size, e.g. 4GiB\n  default: 1GiB\n" \
-      in env.table()
+      in env_lib.table()
 
 
 def _environ_reads(tree: ast.AST):
@@ -74,20 +74,20 @@ def test_only_env_py_reads_sidecar_variables_from_the_environment():
 
 def test_get_refuses_a_name_not_in_the_table_and_treats_empty_as_unset():
   with pytest.raises(KeyError, match=r"'SIDECAR_NOPE' is not in sidecar/_src/core/env.py's table"):
-    env.get("SIDECAR_NOPE", environ={})
-  assert env.get(env.PORT, "8490", environ={env.PORT: ""}) == "8490"
-  assert env.get(env.PORT, environ={env.PORT: "9"}) == "9"
+    env_lib.get("SIDECAR_NOPE", environ={})
+  assert env_lib.get(env_lib.PORT, "8490", environ={env_lib.PORT: ""}) == "8490"
+  assert env_lib.get(env_lib.PORT, environ={env_lib.PORT: "9"}) == "9"
   with pytest.raises(KeyError, match="not in sidecar/_src/core/env.py's table"):
-    env.int_var({}, "SIDECAR_NOPE", 1, minimum=0)
+    env_lib.int_var({}, "SIDECAR_NOPE", 1, minimum=0)
 
 
 def test_token_prefers_the_file_given_then_the_variable_then_its_file(tmp_path):
   f = tmp_path / "token"
   f.write_text("from-file\n")
-  assert env.token(environ={}) is None
-  assert env.token(environ={env.TOKEN: "t"}) == "t"
-  assert env.token(environ={env.TOKEN_FILE: str(f)}) == "from-file"
-  assert env.token(str(f), environ={env.TOKEN: "t"}) == "from-file"
+  assert env_lib.token(environ={}) is None
+  assert env_lib.token(environ={env_lib.TOKEN: "t"}) == "t"
+  assert env_lib.token(environ={env_lib.TOKEN_FILE: str(f)}) == "from-file"
+  assert env_lib.token(str(f), environ={env_lib.TOKEN: "t"}) == "from-file"
   f.write_text("  \n")
   with pytest.raises(errors.InvalidArgumentError, match=r"token file .* is empty; put the token"):
-    env.token(str(f), environ={})
+    env_lib.token(str(f), environ={})

@@ -1,6 +1,6 @@
 import pytest
 
-from sidecar._src.core import options
+from sidecar._src.core import options as options_lib
 from sidecar._src.core.options import ServerOptions
 
 pytestmark = pytest.mark.unit
@@ -51,13 +51,13 @@ def test_options_are_frozen():
 
 
 def test_the_default_listens_on_loopback_only():
-  assert options.is_loopback(ServerOptions().listen)
+  assert options_lib.is_loopback(ServerOptions().listen)
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0", "[::]", "::", "10.1.2.3", "[fe80::1]", "example.com",
                                     "sidecar-0.svc"])
 def test_a_non_loopback_listen_needs_a_token_or_insecure(listen):
-  assert not options.is_loopback(listen)
+  assert not options_lib.is_loopback(listen)
   with pytest.raises(ValueError, match=r"not a loopback address and no token.*--token-file.*"
                                        r"--insecure"):
     ServerOptions(listen=listen)
@@ -68,13 +68,13 @@ def test_a_non_loopback_listen_needs_a_token_or_insecure(listen):
 @pytest.mark.parametrize("listen", ["127.0.0.1", "127.8.9.10", "localhost", "LocalHost", "[::1]",
                                     "::1"])
 def test_loopback_addresses_need_no_token(listen):
-  assert options.is_loopback(listen)
+  assert options_lib.is_loopback(listen)
   assert ServerOptions(listen=listen).token is None
 
 
 def test_a_unix_listen_needs_no_token_and_no_port():
   o = ServerOptions(listen="unix:/run/sidecar/grpc.sock", port=0, health_port=0)
-  assert options.is_loopback(o.listen) and o.token is None
+  assert options_lib.is_loopback(o.listen) and o.token is None
   assert o.unix is not None and o.unix.target == "unix:/run/sidecar/grpc.sock"
   assert ServerOptions().unix is None
   assert ServerOptions(listen="unix:///run/g.sock", socket_group="trainers").socket_group
@@ -107,13 +107,13 @@ def test_bad_unix_listen_options_name_the_value_and_the_fix(kwargs, match):
         "device-prefetch-negative", "device-prefetch-bool"])
 def test_bad_feed_options_name_the_value(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    options.FeedOptions(**kwargs)
+    options_lib.FeedOptions(**kwargs)
 
 
 def test_feed_options_are_frozen_keyword_only_values():
-  o = options.FeedOptions(workers=2)
-  assert (o.prefetch, o.workers) == (2, 2) and o == options.FeedOptions(workers=2, prefetch=2)
+  o = options_lib.FeedOptions(workers=2)
+  assert (o.prefetch, o.workers) == (2, 2) and o == options_lib.FeedOptions(workers=2, prefetch=2)
   with pytest.raises(AttributeError):
     o.workers = 3  # type: ignore[misc]
   with pytest.raises(TypeError):
-    options.FeedOptions(4)  # type: ignore[misc]
+    options_lib.FeedOptions(4)  # type: ignore[misc]

@@ -12,7 +12,7 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import admission, pool_file, tenants
+from sidecar._src.server import admission, pool_file, tenants as tenants_lib
 from sidecar._src.server.leases import Leases
 
 pytestmark = pytest.mark.unit
@@ -28,7 +28,7 @@ def _leases(tmp_path, text: str) -> Leases:
   path = tmp_path / "pool.yaml"
   path.write_text(text)
   os.chmod(path, 0o600)
-  tenancy = tenants.Tenancy(pool_file.load(str(path)))
+  tenancy = tenants_lib.Tenancy(pool_file.load(str(path)))
   workers = {"w-a": "alice", "w-a2": "alice", "w-b": "bob"}
   return Leases(shm.Allocator(ARENA), tenancy=tenancy, tenant_of=workers.get)
 

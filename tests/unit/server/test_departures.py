@@ -6,19 +6,19 @@ import os
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.server import departures, pool_file, tenants
+from sidecar._src.server import departures as departures_lib, pool_file, tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 
 
-def _tenancy(tmp_path, text: str) -> tenants.Tenancy:
+def _tenancy(tmp_path, text: str) -> tenants_lib.Tenancy:
   for name in ("alice", "bob"):
     (tmp_path / f"{name}.token").write_text(f"token-of-{name}\n")
     os.chmod(tmp_path / f"{name}.token", 0o600)
   path = tmp_path / "pool.yaml"
   path.write_text(text)
   os.chmod(path, 0o600)
-  return tenants.Tenancy(pool_file.load(str(path)))
+  return tenants_lib.Tenancy(pool_file.load(str(path)))
 
 
 @pytest.mark.parametrize("value, seconds", [("90", 90.0), ("1.5", 1.5), ("10m", 600.0),
@@ -46,7 +46,7 @@ def test_released_once_ram_keep_after_the_job_left_and_again_after_it_came_back(
   busy = {"alice": True, "bob": False}
   last_used: dict[str, float | None] = {"alice": 100.0, "bob": None}
   released: list[str] = []
-  d = departures.Departures(tenancy, busy=busy.__getitem__, last_used=last_used.__getitem__,
+  d = departures_lib.Departures(tenancy, busy=busy.__getitem__, last_used=last_used.__getitem__,
                             release=lambda name: released.append(name) or 3,
                             clock=lambda: now[0])
   assert d.tick() == []  # alice is there; bob has no ram_keep

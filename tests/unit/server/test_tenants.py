@@ -13,7 +13,7 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import pool_file, tenants
+from sidecar._src.server import pool_file, tenants as tenants_lib
 from sidecar._src.server.leases import Leases
 from sidecar._src.server.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
 
@@ -73,7 +73,7 @@ tenants:
     weight: 2
 """, "alice"))
   (t,) = pool.tenants
-  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants.Share(fraction=0.5)
+  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants_lib.Share(fraction=0.5)
   assert (t.sessions, t.calls, t.streams, t.feeds, t.feed_workers) == (8, 4, 2, 3, 16)
   assert t.inline_bytes == 128 * MiB and t.weight == 2.0 and t.line == 2
   assert t.connections == 4 and t.uids == {1000, 1001} and t.tls_names == {"alice.example"}
@@ -171,7 +171,7 @@ def test_a_world_readable_file_is_named_with_the_fix(tmp_path, caplog):
 
 
 def _tenancy(tmp_path, text):
-  return tenants.Tenancy(pool_file.load(_pool(tmp_path, text)))
+  return tenants_lib.Tenancy(pool_file.load(_pool(tmp_path, text)))
 
 
 def test_a_tenants_handshake_flood_is_its_own(tmp_path):
@@ -241,7 +241,7 @@ def test_inline_bytes_per_tenant(tmp_path):
   tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
                      "inline_bytes: 1MiB}\n  - {name: bob, token_file: bob.token}\n")
   inline = InlineBytes(64 * MiB, tenancy=tenancy)
-  with tenants.acting_as("alice"):
+  with tenants_lib.acting_as("alice"):
     with pytest.raises(errors.ResourceExhaustedError,
                        match=r"tenant 'alice' sent an inline request of 2097152 bytes, more "
                        r"than its quota \(inline_bytes=1048576"):
@@ -252,7 +252,7 @@ def test_inline_bytes_per_tenant(tmp_path):
                          match=r"tenant 'alice' is decoding 524288 bytes .* its quota"):
         with inline.hold(MiB, timeout=0.01):
           pass
-      with tenants.acting_as("bob"), inline.hold(8 * MiB, timeout=0):
+      with tenants_lib.acting_as("bob"), inline.hold(8 * MiB, timeout=0):
         pass
 
 
@@ -350,21 +350,21 @@ def test_a_worker_says_whose_it_is(tmp_path):
                      f"uids: [{os.getuid()}]}}\n  - {{name: bob, token_file: bob.token}}\n")
   assert by_user.worker_tenant(None, uid=os.getuid()) == "alice"
   assert by_user.worker_tenant("token-of-bob", uid=os.getuid()) == "bob"  # a token first
-  shared = tenants.Tenancy(tenants.Pool.shared("t0"))
+  shared = tenants_lib.Tenancy(tenants_lib.Pool.shared("t0"))
   assert shared.worker_tenant(None) == ""  # the shared token: every worker is its tenant's
-  assert tenants.Tenancy(None).worker_tenant("x") is None
+  assert tenants_lib.Tenancy(None).worker_tenant("x") is None
 
 
 def test_a_reload_revokes_removed_tenants(tmp_path):
   path = _pool(tmp_path, MINIMAL)
-  tenancy = tenants.Tenancy(pool_file.load(path))
-  tokens = tenants.Tokens.of(tenancy.pool, None)
+  tenancy = tenants_lib.Tenancy(pool_file.load(path))
+  tokens = tenants_lib.Tokens.of(tenancy.pool, None)
   with open(path, "w") as f:
     f.write("tenants: [{name: alice, token_file: alice.token}]\n")
   pool = pool_file.load(path)
   removed, changed = tenancy.swap(pool)
   assert (removed, changed) == (["bob"], [])
-  tokens.swap(tenants.Tokens.of(pool, None), {"bob": tenancy.revoked["bob"]})
+  tokens.swap(tenants_lib.Tokens.of(pool, None), {"bob": tenancy.revoked["bob"]})
   assert tokens.table == {b"Bearer token-of-alice": "alice"}
   assert tokens.revoked == {
       b"Bearer token-of-bob": f"tenant 'bob' was removed from the pool file {path}"}

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.streams import consumer as streaming
+from sidecar._src.streams import consumer
 from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 
 pytestmark = pytest.mark.unit
 
 
-class FakeTransport(streaming.Transport):
+class FakeTransport(consumer.Transport):
   """Items queued by the test; ``receive`` waits (really) when there are none."""
 
   def __init__(self, *values, end: pb.StreamItem | None = None, lost_after_checks: int = -1):
@@ -65,7 +65,7 @@ def end_with(error: Exception) -> pb.StreamItem:
 
 def test_items_then_the_end_close_the_stream_once():
   t = FakeTransport(1, "two", end=pb.StreamItem(end=True))
-  with streaming.Stream(t, name="count") as s:
+  with consumer.Stream(t, name="count") as s:
     assert list(s) == [1, "two"] and s.closed
     assert next(s, "none") == "none"
   s.close()
@@ -74,7 +74,7 @@ def test_items_then_the_end_close_the_stream_once():
 
 def test_the_sidecars_error_ends_the_stream_with_its_type_and_host():
   t = FakeTransport(0, end=end_with(sidecar.HostLostError("its pipeline's disk is gone")))
-  s = streaming.Stream(t, name="count")
+  s = consumer.Stream(t, name="count")
   assert next(s) == 0
   with pytest.raises(sidecar.HostLostError, match="disk is gone") as info:
     next(s)
@@ -86,12 +86,12 @@ def test_the_sidecars_error_ends_the_stream_with_its_type_and_host():
 def test_a_remote_exception_arrives_as_remote_error():
   t = FakeTransport(end=end_with(RuntimeError("failed after 0")))
   with pytest.raises(sidecar.RemoteError, match="RuntimeError: failed after 0"):
-    next(streaming.Stream(t, name="count"))
+    next(consumer.Stream(t, name="count"))
 
 
 def test_a_timeout_keeps_the_stream_open_and_the_next_wait_gets_the_item():
   t = FakeTransport()
-  s = streaming.Stream(t, name="slow", timeout=0.02)
+  s = consumer.Stream(t, name="slow", timeout=0.02)
   with pytest.raises(sidecar.DeadlineExceededError,
                      match="no item of 'slow' from host 7 within the timeout of 0.02 s"):
     next(s)
@@ -101,7 +101,7 @@ def test_a_timeout_keeps_the_stream_open_and_the_next_wait_gets_the_item():
 
 
 def test_a_lost_sidecar_ends_the_stream():
-  s = streaming.Stream(FakeTransport(lost_after_checks=2), name="count")  # no timeout
+  s = consumer.Stream(FakeTransport(lost_after_checks=2), name="count")  # no timeout
   with pytest.raises(sidecar.HostLostError, match="stopped answering"):
     next(s)
   assert s.closed
@@ -109,7 +109,7 @@ def test_a_lost_sidecar_ends_the_stream():
 
 def test_close_from_another_thread_ends_a_waiting_next():
   t = FakeTransport()
-  s = streaming.Stream(t, name="count")
+  s = consumer.Stream(t, name="count")
   closer = threading.Timer(0.02, s.close)
   closer.start()
   with pytest.raises(StopIteration):
@@ -123,7 +123,7 @@ def test_close_from_another_thread_ends_a_waiting_next():
     ids=["each-item", "in-pairs", "none-full-yet"])
 def test_credits_go_back_in_batches_and_close_returns_the_rest(every, taken, sent, owed):
   t = FakeTransport(*range(10))
-  s = streaming.Stream(t, name="count", credit_every=every)
+  s = consumer.Stream(t, name="count", credit_every=every)
   assert [next(s) for _ in range(taken)] == list(range(taken))
   assert t.credits == sent
   s.close()
@@ -136,7 +136,7 @@ def test_values_go_through_the_device_hook_and_are_decoded_naming_the_item():
   moved = []
   t = FakeTransport({"x": np.arange(4, dtype=np.int32)})
   t.items.append(pb.StreamItem(index=1, value=pb.Value(big_int="nope")))
-  s = streaming.Stream(t, name="batches", to_device=lambda tree: moved.append(tree) or "here")
+  s = consumer.Stream(t, name="batches", to_device=lambda tree: moved.append(tree) or "here")
   assert next(s) == "here"
   np.testing.assert_array_equal(moved[0]["x"], np.arange(4))
   with pytest.raises(sidecar.InvalidArgumentError, match="item 1 of 'batches' from host 7"):
@@ -154,7 +154,7 @@ def test_ctrl_c_after_an_item_was_read_keeps_it_for_the_next_next():
       os.kill(os.getpid(), signal.SIGINT)  # in item 1's decoding
     return value
 
-  s = streaming.Stream(t, name="count", to_device=to_device)
+  s = consumer.Stream(t, name="count", to_device=to_device)
   assert next(s) == 0
   with pytest.raises(KeyboardInterrupt):
     next(s)
@@ -166,7 +166,7 @@ def test_ctrl_c_after_an_item_was_read_keeps_it_for_the_next_next():
 def test_ctrl_c_during_the_wait_raises_at_once_and_the_stream_goes_on():
   t = FakeTransport()
   t.poll_s = 10.0  # no sign-of-life checks: the wait's own steps must see the Ctrl-C
-  s = streaming.Stream(t, name="count")
+  s = consumer.Stream(t, name="count")
   timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
   timer.start()
   t0 = time.monotonic()
@@ -179,20 +179,20 @@ def test_ctrl_c_during_the_wait_raises_at_once_and_the_stream_goes_on():
 
 
 def test_a_bad_prefetch_is_refused_naming_it():
-  assert streaming.check_prefetch(3) == 3
+  assert consumer.check_prefetch(3) == 3
   with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be a positive int, got 0"):
-    streaming.check_prefetch(0)
+    consumer.check_prefetch(0)
   with pytest.raises(sidecar.InvalidArgumentError, match="prefetch must be at most 1024, got 1025"):
-    streaming.check_prefetch(1025)  # what a sidecar would refuse, refused before it is asked
+    consumer.check_prefetch(1025)  # what a sidecar would refuse, refused before it is asked
 
 
 def test_the_finalizer_needs_no_module_globals(monkeypatch):
   """At interpreter exit a module's globals may already be None when __del__ runs."""
-  stream = streaming.Stream(FakeTransport(), name="count")
+  stream = consumer.Stream(FakeTransport(), name="count")
   stream._transport = None  # close() then fails, as it would with its modules gone
   for name in ("codec", "errors", "protocol", "time", "pb"):
-    monkeypatch.setattr(streaming, name, None)
+    monkeypatch.setattr(consumer, name, None)
   stream.__del__()  # raises nothing
-  half_made = streaming.Stream.__new__(streaming.Stream)  # as when __init__ failed
+  half_made = consumer.Stream.__new__(consumer.Stream)  # as when __init__ failed
   half_made.__del__()
   stream.closed = half_made.closed = True  # the collector's own __del__: nothing to do

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import ShardChecksum
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import links as links_lib
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_leaves_and_checksums_survive_the_wire_as_the_same_values():
-  spec = layout_spec.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6), dtype=np.float32,
+  spec = spec_lib.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6), dtype=np.float32,
                          write_shape=(2, 6), sharding='{"sharding_type": "x"}')
   leaf = ckpt_pb.LeafSpec.FromString(wire.leaf_to_pb(spec).SerializeToString())
   assert wire.leaf_from_pb(leaf, "leaves[0]") == spec
@@ -35,7 +35,7 @@ def test_leaves_and_checksums_survive_the_wire_as_the_same_values():
     ("write_shape", [9, 6], "write_shape of 'w' must be a shard shape"),
 ], ids=["dtype", "kind", "write-shape"])
 def test_a_bad_leaf_is_refused_naming_the_field(field, value, match):
-  leaf = wire.leaf_to_pb(layout_spec.LeafSpec(key_path=("w",), shape=(4, 6), dtype=np.float32))
+  leaf = wire.leaf_to_pb(spec_lib.LeafSpec(key_path=("w",), shape=(4, 6), dtype=np.float32))
   if isinstance(value, list):
     del getattr(leaf, field)[:]
     getattr(leaf, field).extend(value)

@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt import records
-from sidecar._src.ckptfmt.dcp import distcp, record
+from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import LeafSpec
-from sidecar._src.core import dtypes, errors
+from sidecar._src.core import dtypes as dtypes_lib, errors
 
 _END = object()
 
@@ -131,7 +131,7 @@ class DcpFormat(Format):
     if item.kind is distcp.ItemKind.BYTES:
       out = allocate((item.nbytes,), np.dtype(np.uint8))
     else:
-      out = allocate(item.sizes, dtypes.dtype_of(item.dtype, f"item {item.fqn!r}"))
+      out = allocate(item.sizes, dtypes_lib.dtype_of(item.dtype, f"item {item.fqn!r}"))
     distcp.read_item(path, where, out)
     return out
 
@@ -161,7 +161,7 @@ def _index(final_dir: str, mtime: float
       sizes = next(c["sizes"] for c in entry["chunks"] if tuple(c["offsets"]) == offsets)
       item = distcp.Item(fqn=s["fqn"], kind=distcp.ItemKind.TENSOR, dtype=entry["dtype"],
                          sizes=sizes, offsets=offsets,
-                         nbytes=record.data_nbytes(entry["dtype"], sizes))
+                         nbytes=dcp_record.data_nbytes(entry["dtype"], sizes))
     out[(s["fqn"], offsets)] = (item, distcp.Placement(
         s["path"], s["at"], s["length"], distcp.data_offset(item, s["at"])))
   return out

@@ -20,7 +20,11 @@ import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, records
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
-from sidecar._src.ckptfmt.orbax import commit, read, write
+from sidecar._src.ckptfmt.orbax import (
+  commit as orbax_commit,
+  read as orbax_read,
+  write as orbax_write,
+)
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
@@ -60,7 +64,7 @@ class OrbaxFormat(Format):
   overwrites: ClassVar[bool] = False
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
-    return commit.create_tmp_step(directory, step)
+    return orbax_commit.create_tmp_step(directory, step)
 
   def tmp_of(self, directory: str, step: int) -> str:
     return str(tmp_step_path(directory, step))
@@ -88,7 +92,7 @@ class OrbaxFormat(Format):
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
             *, progress: Callable[[int], None]) -> list[ShardChecksum]:
     assert isinstance(numbering, LeafNumbering)
-    sums = write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
+    sums = orbax_write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
                                  progress=progress)
     return [dataclasses.replace(c, host=host_id) for c in sums]
 
@@ -110,18 +114,18 @@ class OrbaxFormat(Format):
           f"commit: tmp_dir {tmp_dir!r:.200} is not a directory this sidecar staged and wrote "
           f"({e.strerror}); stage and prepare a step before committing it") from None
     if whole_step:
-      return str(commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts))
-    commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts)
+      return str(orbax_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts))
+    orbax_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts)
     return tmp_dir
 
   def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
-    return read.read_item_shard(final_dir, shard.key_path, shard.index, allocate=allocate)
+    return orbax_read.read_item_shard(final_dir, shard.key_path, shard.index, allocate=allocate)
 
   def stock_manifest(self, final_dir: str) -> Manifest:
     """An item stock Orbax wrote has no manifest: each leaf counts as one shard, with no
     checksum to check."""
     try:
-      leaves = [records.SavedLeaf.from_dict(d) for d in read.item_leaves(final_dir)]
+      leaves = [records.SavedLeaf.from_dict(d) for d in orbax_read.item_leaves(final_dir)]
     except FileNotFoundError as e:
       raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
     return Manifest(records.STOCK_ORBAX, leaves,

@@ -19,7 +19,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.ckptfmt.spec import METADATA_FILE, Index, KeyPath
-from sidecar._src.core import dtypes, errors
+from sidecar._src.core import dtypes as dtypes_lib, errors
 
 # Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
 # without them): each function imports what it uses.
@@ -129,7 +129,7 @@ def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
   try:
     zarray = json.loads((directory / ".zarray").read_text())
     dtype = np.dtype(zarray["dtype"])
-    dtypes.dtype_of(dtype.newbyteorder("=").name)
+    dtypes_lib.dtype_of(dtype.newbyteorder("=").name)
   except (FileNotFoundError, KeyError, TypeError, ValueError, errors.InvalidArgumentError):
     return None
   chunk = files.whole_chunk(index, zarray.get("chunks") or (),

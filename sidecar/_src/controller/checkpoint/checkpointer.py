@@ -25,7 +25,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
-from sidecar._src.controller import display, elastic, progress as progress_lib
+from sidecar._src.controller import display, elastic as elastic_lib, progress as progress_lib
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
@@ -159,7 +159,7 @@ class Checkpointer:
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
     handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
     self._in_flight = handle
-    elastic.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
+    elastic_lib.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
     return handle
 
   def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardChecksum, StagedShard
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
 from sidecar._src.controller.checkpoint.staging import Parts, stage_late
@@ -78,7 +78,7 @@ class SaveProtocol:
     return self.client.begin(host, path, step, **fmt).result()
 
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec.LeafSpec] = (), part: StagePart | None = None,
+            leaves: Sequence[spec_lib.LeafSpec] = (), part: StagePart | None = None,
             rest: StagePart | None = None) -> None:
     """Hands the parts ``parts`` holds (``(host, shards, last)``, as ``staging.Parts`` puts
     them; an exception aborts) to their sidecars as they come, until each of ``hosts``
@@ -111,7 +111,7 @@ class SaveProtocol:
       f.result()
 
   def stage_copies(self, target: Target, host: int, arrays: list[np.ndarray],
-                   indexes: Sequence[spec.Index], refs: Sequence[codec.ArenaRef | None], *,
+                   indexes: Sequence[spec_lib.Index], refs: Sequence[codec.ArenaRef | None], *,
                    part: StagePart | None = None, rest: StagePart | None = None,
                    threads: int | None = None) -> None:
     """Stages this process's shards on ``host``: each of ``arrays`` (the shard of leaf
@@ -162,7 +162,7 @@ class SaveProtocol:
     return [c for host_sums in prepared for c in host_sums]
 
   def commit(self, host: int, target: Target, *, num_hosts: int,
-             checksums: Sequence[ShardChecksum], leaves: Sequence[spec.LeafSpec] = (),
+             checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
              part: CommitPart | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
@@ -440,7 +440,7 @@ class SaveCoordinator:
         out[i] = block
     return out
 
-  def _plan(self, tree: Any) -> tuple[list[spec.LeafSpec], list[tuple[int, int, SaveShard]]]:
+  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[tuple[int, int, SaveShard]]]:
     """Leaf specs, and ``(host, leaf number, shard)`` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
@@ -548,7 +548,7 @@ class SaveCoordinator:
       raise
     self._peers.publish(f"{key}/begun", "")
 
-  def _commit(self, target: Target, key: str, leaves: list[spec.LeafSpec],
+  def _commit(self, target: Target, key: str, leaves: list[spec_lib.LeafSpec],
               sums: list[ShardChecksum], data_json: str,
               error: BaseException | None) -> None:
     """Process 0 gathers every process's prepared, then commits once or aborts.

@@ -8,7 +8,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from sidecar._src.ckptfmt import spec
+from sidecar._src.ckptfmt import spec as spec_lib
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,15 +28,15 @@ class Target:
 
   @classmethod
   def for_step(cls, directory: str, step: int) -> Target:
-    tmp = spec.tmp_step_path(directory, step)
-    return cls(directory, step, str(tmp / spec.ITEM),
-               str(pathlib.Path(directory) / str(step) / spec.ITEM), True, str(tmp))
+    tmp = spec_lib.tmp_step_path(directory, step)
+    return cls(directory, step, str(tmp / spec_lib.ITEM),
+               str(pathlib.Path(directory) / str(step) / spec_lib.ITEM), True, str(tmp))
 
   @classmethod
   def for_orbax_item(cls, item: str, step: int) -> Target:
     """An item directory inside a step that an ``ocp.CheckpointManager`` commits."""
     path = pathlib.Path(item)
-    final = path.parent.with_name(path.parent.name.split(spec.TMP_SUFFIX)[0]) / path.name
+    final = path.parent.with_name(path.parent.name.split(spec_lib.TMP_SUFFIX)[0]) / path.name
     return cls(str(path.parent.parent), step, str(path), str(final), False)
 
   @classmethod

@@ -17,15 +17,15 @@ import os
 import signal
 import time
 
-from sidecar._src.core import env
+from sidecar._src.core import env as env_lib
 
 log = logging.getLogger(__name__)
-FAULT_ENV = env.CKPT_FAULT
+FAULT_ENV = env_lib.CKPT_FAULT
 
 
 def armed(point: str, step: int) -> bool:
   """Whether the fault ``point`` is set for ``step``."""
-  return env.get(FAULT_ENV) == f"{point}@{step}"
+  return env_lib.get(FAULT_ENV) == f"{point}@{step}"
 
 
 def fault(point: str, step: int) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
-from sidecar._src.core import env, errors
+from sidecar._src.core import env as env_lib, errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
   links as links_lib,
@@ -50,11 +50,11 @@ from sidecar._src.server.checkpoint import (
 log = logging.getLogger(__name__)
 # "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
 # on another machine), instead of through the peer's arena mapped here.
-SHM_ENV = env.REPLICA_SHM
+SHM_ENV = env_lib.REPLICA_SHM
 # A step staged and written here whose commit never comes (the controller that staged
 # it died between staging and committing) is dropped this long after its write ended,
 # its arena memory given back. Long enough for the slowest host of a big save.
-UNCOMMITTED_ENV = env.UNCOMMITTED_TIMEOUT
+UNCOMMITTED_ENV = env_lib.UNCOMMITTED_TIMEOUT
 UNCOMMITTED_TIMEOUT_S = 600.0
 CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in flight
 
@@ -79,11 +79,11 @@ class CheckpointHost:
     self._roots = roots_lib.Roots(host_id, roots)
     self._path = self._roots.resolve
     self.tier = ram_tier.RamTier(
-        host_id, uncommitted_s=_seconds(env.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
+        host_id, uncommitted_s=_seconds(env_lib.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
     self.reader = checkpoint_read.Reader(self.tier, metrics)
     self._links = links_lib.Links(token=token, peer_token=peer_token,
                                      credentials=peer_credentials,
-                                     shared_memory=env.get(SHM_ENV) != "0")
+                                     shared_memory=env_lib.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     # With per-client tokens: the checkpoint directories (resolved) each client opened.
     self._opened: dict[str, set[str]] = {}

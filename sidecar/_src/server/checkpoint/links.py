@@ -41,7 +41,7 @@ import numpy as np
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
-from sidecar._src.core import env, errors
+from sidecar._src.core import env as env_lib, errors
 from sidecar._src.wire import checkpoint_wire as wire, protocol
 from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -84,8 +84,8 @@ def peer_credentials(tls_cert: str | None, tls_key: str | None,
   """
   if tls_cert is None or tls_key is None:
     return None
-  mine = env.get(env.TLS_CLIENT_CERT) is None
-  return protocol.tls_credentials(env.get(env.TLS_CA) or tls_client_ca,
+  mine = env_lib.get(env_lib.TLS_CLIENT_CERT) is None
+  return protocol.tls_credentials(env_lib.get(env_lib.TLS_CA) or tls_client_ca,
                                   tls_cert if mine else None, tls_key if mine else None)
 
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import spec as layout
-from sidecar._src.core import env, errors
+from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.core import env as env_lib, errors
 
 MANIFEST = "sidecar_manifest.json"
 ROOTS_FLAG = "--checkpoint-root"
-ROOTS_ENV = env.CHECKPOINT_ROOTS
+ROOTS_ENV = env_lib.CHECKPOINT_ROOTS
 # Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
-_MARKERS = ("_CHECKPOINT_METADATA", layout.METADATA_FILE, layout.COMMIT_SUCCESS_FILE, MANIFEST)
+_MARKERS = ("_CHECKPOINT_METADATA", spec_lib.METADATA_FILE, spec_lib.COMMIT_SUCCESS_FILE, MANIFEST)
 
 
 def as_int(value: Any, name: str) -> int:

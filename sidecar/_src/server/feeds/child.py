@@ -13,7 +13,7 @@ import time
 
 from sidecar._src.arena import shm
 from sidecar._src.core import platform
-from sidecar._src.server.feeds import producer as feed_lib
+from sidecar._src.server.feeds import producer
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
@@ -24,17 +24,17 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
   try:
     registry_lib.load_modules(hello["imports"])
     entry = registry_lib.default_registry().get(registry_lib.PIPELINE, hello["name"])
-    spec = feed_lib.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
+    spec = producer.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
     kwargs = codec.decode(pb.Value.FromString(base64.b64decode(hello["kwargs"])))
-    ds = feed_lib.open_source(entry, kwargs, spec, 0, 0)
+    ds = producer.open_source(entry, kwargs, spec, 0, 0)
     arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]))
   except Exception as e:
     ipc.send(sock, {"error": protocol.error_dict(e)})
     return
   ipc.send(sock, {"ready": True})
   # No allocator: every task brings its output arrays.
-  batcher = feed_lib.Batcher(spec, None, entry.name)  # type: ignore[arg-type]
-  order = feed_lib.Order(ds, spec.seed)
+  batcher = producer.Batcher(spec, None, entry.name)  # type: ignore[arg-type]
+  order = producer.Order(ds, spec.seed)
   while True:
     try:
       task, _ = ipc.recv(sock)

@@ -37,15 +37,15 @@ from typing import Any
 import yaml
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors, options
+from sidecar._src.core import errors, options as options_lib
 from sidecar._src.tools import torchrun
 from sidecar._src.tools.k8s import quantity, schemas
 from sidecar._src.tools.k8s.schemas import Finding
 
 # The defaults of `sidecar serve`, for containers that do not set them.
 DEFAULT_SOCKET = "/run/sidecar/sidecar.sock"
-DEFAULT_PORT = options.DEFAULT_PORT
-DEFAULT_HEALTH_PORT = options.DEFAULT_HEALTH_PORT
+DEFAULT_PORT = options_lib.DEFAULT_PORT
+DEFAULT_HEALTH_PORT = options_lib.DEFAULT_HEALTH_PORT
 ARENA_OVERHEAD = 1024 * 2**20
 MIN_GRACE_SECONDS = 60
 _PROBES = ("startupProbe", "readinessProbe", "livenessProbe")

@@ -7,7 +7,7 @@ import argparse
 import pytest
 import yaml
 
-from sidecar._src.tools.k8s import checks, cli, render
+from sidecar._src.tools.k8s import checks, cli as k8s_cli, render
 from tests.support import k8s_util as util
 
 pytestmark = pytest.mark.processes
@@ -18,7 +18,7 @@ GKE_IMAGES = dict(image="us-docker.pkg.dev/my-project/my-repo/sidecar:latest",
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="sidecar")
-  cli.register(p.add_subparsers())
+  k8s_cli.register(p.add_subparsers())
   return p
 
 

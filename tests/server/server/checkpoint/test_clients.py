@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import ShardId, StagedShard
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -46,7 +46,7 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
   victim = saved(server, directory, 1.0)
   item = str(directory / "1" / "default")
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
-  leaves = [layout_spec.spec_from_dict(d) for d in manifest["leaves"]]
+  leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   with controller(server, attach=False) as attacker:
     client = attacker.checkpoint_client()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
@@ -79,7 +79,7 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   tmp_item = str(directory / "2.orbax-checkpoint-tmp" / "default")
   final_dir = str(directory / "2" / "default")
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
-  leaves = [layout_spec.spec_from_dict(d) for d in manifest["leaves"]]
+  leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim.checkpoint_client()
   mine.begin(0, str(directory), 2).result()
   half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
@@ -160,14 +160,14 @@ def handshake(server, *, peer_token: str | None = None) -> tuple[grpc.Channel, l
 
 def replica(directory, values: np.ndarray, *, crc32c: int | None = None, step: int = 1):
   """The messages of a replica of host 0's one shard of ``{"w": values}``, inline."""
-  from sidecar._src.ckptfmt import shards
+  from sidecar._src.ckptfmt import shards as shards_lib
   from sidecar._src.wire import checkpoint_wire as wire
   header = ckpt_pb.ReplicaHeader(directory=str(directory), step=step,
                                  final_dir=str(directory / str(step) / "default"), source=0)
   part = ckpt_pb.ReplicaPart(
       shard=wire.shard_to_pb(["w"], [(0, values.size)]), dtype=values.dtype.name,
       shape=values.shape, offset=0, data=values.tobytes(),
-      crc32c=shards.shard_crc32c(values) if crc32c is None else crc32c)
+      crc32c=shards_lib.shard_crc32c(values) if crc32c is None else crc32c)
   return [ckpt_pb.ReceiveRequest(header=header), ckpt_pb.ReceiveRequest(part=part),
           ckpt_pb.ReceiveRequest(done=True)]
 
@@ -237,7 +237,7 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
   directory = tmp_path / "ck"
   victim = saved(server, directory, 1.0)
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
-  leaves = [layout_spec.spec_from_dict(d) for d in manifest["leaves"]]
+  leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
   with controller(server, attach=False) as attacker:
     client = attacker.checkpoint_client()
@@ -294,15 +294,15 @@ def test_with_per_client_tokens_a_client_sees_and_reads_only_its_own_checkpoints
 
 
 def test_client_tokens_are_checked(tmp_path):
-  from sidecar._src.core import env, options
+  from sidecar._src.core import env as env_lib, options as options_lib
   with pytest.raises(ValueError, match="exclude each other"):
-    options.ServerOptions(token="x", client_tokens=CLIENTS)
+    options_lib.ServerOptions(token="x", client_tokens=CLIENTS)
   with pytest.raises(ValueError, match="a name and a token of its own"):
-    options.ServerOptions(client_tokens=(("a", "t"), ("b", "t")))
+    options_lib.ServerOptions(client_tokens=(("a", "t"), ("b", "t")))
   path = tmp_path / "clients"
   path.write_text("# name token\nalice alice-s3cret\n\nbob bob-s3cret  # the second\n")
   path.chmod(0o600)
-  assert env.client_tokens(str(path)) == CLIENTS
+  assert env_lib.client_tokens(str(path)) == CLIENTS
   path.write_text("alice\n")
   with pytest.raises(sidecar.InvalidArgumentError, match="clients:1: a line .* is 'NAME TOKEN'"):
-    env.client_tokens(str(path))
+    env_lib.client_tokens(str(path))

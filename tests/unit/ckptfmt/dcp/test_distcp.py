@@ -13,8 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as tdcp
-from torch.distributed.checkpoint import metadata as tmeta
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
@@ -64,17 +64,17 @@ def metadata_for(ranks, shapes):
     placements, _ = distcp.layout(rank, items)
     for item, where in zip(items, placements):
       if item.kind is distcp.ItemKind.BYTES:
-        state[item.fqn] = tmeta.BytesStorageMetadata()
-        index = tmeta.MetadataIndex(item.fqn)
+        state[item.fqn] = dcp_metadata.BytesStorageMetadata()
+        index = dcp_metadata.MetadataIndex(item.fqn)
       else:
-        md = state.setdefault(item.fqn, tmeta.TensorStorageMetadata(
-            tmeta.TensorProperties(dtype=getattr(torch, item.dtype)),
+        md = state.setdefault(item.fqn, dcp_metadata.TensorStorageMetadata(
+            dcp_metadata.TensorProperties(dtype=getattr(torch, item.dtype)),
             torch.Size(shapes[item.fqn]), []))
-        md.chunks.append(tmeta.ChunkStorageMetadata(torch.Size(item.offsets),
+        md.chunks.append(dcp_metadata.ChunkStorageMetadata(torch.Size(item.offsets),
                                                     torch.Size(item.sizes)))
-        index = tmeta.MetadataIndex(item.fqn, item.offsets)
+        index = dcp_metadata.MetadataIndex(item.fqn, item.offsets)
       storage[index] = _StorageInfo(where.relative_path, where.offset, where.length)
-  return pickle.dumps(tmeta.Metadata(state_dict_metadata=state, planner_data=None,
+  return pickle.dumps(dcp_metadata.Metadata(state_dict_metadata=state, planner_data=None,
                                      storage_data=storage, version="1.0.0"))
 
 
@@ -109,7 +109,7 @@ def test_stock_dcp_load_restores_it_bit_exact(tmp_path):
   assert sorted(os.listdir(final)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                        distcp.MANIFEST]
   state = target_like(expected)
-  tdcp.load(state, storage_reader=tdcp.FileSystemReader(str(final)), no_dist=True)
+  dcp.load(state, storage_reader=dcp.FileSystemReader(str(final)), no_dist=True)
   for k, v in expected.items():
     if isinstance(v, np.ndarray):
       assert state[k].dtype == as_torch(v).dtype
@@ -159,7 +159,7 @@ def test_a_committed_checkpoint_is_replaced_whole(tmp_path):
   ranks[1][0] = (ranks[1][0][0], expected["w"][2:])
   write_checkpoint(path, ranks, expected)
   state = target_like(expected)
-  tdcp.load(state, storage_reader=tdcp.FileSystemReader(str(path)), no_dist=True)
+  dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
   assert torch.equal(state["w"], torch.from_numpy(expected["w"]))
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
   tmp = distcp.create_tmp(path)

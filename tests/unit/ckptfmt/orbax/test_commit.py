@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
   read as orbax_read,
@@ -92,7 +92,7 @@ def test_the_tree_metadata_is_orbax_s(tmp_path):
 
 def test_shardings_are_stored_by_base64_param_name(tmp_path):
   sharding = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": "TFRT_CPU_0"})
-  spec = layout_spec.LeafSpec(key_path=("opt", 0), shape=(2,), dtype=np.int32, write_shape=(2,),
+  spec = spec_lib.LeafSpec(key_path=("opt", 0), shape=(2,), dtype=np.int32, write_shape=(2,),
                               sharding=sharding)
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   orbax_write.write_host_part(tmp, 0, [spec], [StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))])
@@ -134,8 +134,8 @@ def test_a_leaf_no_host_wrote_is_named(tmp_path):
 
 
 def test_hosts_that_disagree_on_the_arrays_are_refused(tmp_path):
-  j = layout_spec.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
-  k = layout_spec.LeafSpec(key_path=("k",), shape=(4,), dtype=np.int8, write_shape=(4,))
+  j = spec_lib.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
+  k = spec_lib.LeafSpec(key_path=("k",), shape=(4,), dtype=np.int8, write_shape=(4,))
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   orbax_write.write_host_part(tmp, 0, [j, k], [StagedShard(0, ((0, 2),), np.zeros(2, np.int8)),
                                                StagedShard(1, ((0, 4),), np.zeros(4, np.int8))])

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.core import errors
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 
 def spec(key_path, shape=(8, 6), write_shape=(4, 3)):
-  return layout_spec.LeafSpec(key_path=key_path, shape=shape, dtype=np.float32,
+  return spec_lib.LeafSpec(key_path=key_path, shape=shape, dtype=np.float32,
                               write_shape=write_shape)
 
 

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src.ckptfmt import direct_io, shards as shards_lib, spec as layout_spec
+from sidecar._src.ckptfmt import direct_io, shards as shards_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
   read as orbax_read,
@@ -246,7 +246,7 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
     tmp = orbax_commit.create_tmp_step(tmp_path, 0)
     for host, part in enumerate(parts):
       orbax_write.write_host_part(tmp, host, specs, part)
-    item = orbax_commit.finalize(tmp, specs, num_hosts=2) / layout_spec.ITEM
+    item = orbax_commit.finalize(tmp, specs, num_hosts=2) / spec_lib.ITEM
   elif writer == "stock_raw":
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(None, ocp.args.PyTreeSave,
@@ -254,9 +254,9 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
     with ocp.CheckpointManager(tmp_path, handler_registry=registry) as mgr:
       mgr.save(0, args=ocp.args.PyTreeSave(tree))
       mgr.wait_until_finished()
-    item = tmp_path / "0" / layout_spec.ITEM
+    item = tmp_path / "0" / spec_lib.ITEM
   else:
-    item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / layout_spec.ITEM
+    item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / spec_lib.ITEM
   direct, allocated = [], []
   read_file = direct_io.read_file
   monkeypatch.setattr(direct_io, "read_file",
@@ -296,7 +296,7 @@ def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_pa
   specs, parts = host_parts(tree, mesh, 1)
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
   orbax_write.write_host_part(tmp, 0, specs, parts[0])
-  item = orbax_commit.finalize(tmp, specs, num_hosts=1) / layout_spec.ITEM
+  item = orbax_commit.finalize(tmp, specs, num_hosts=1) / spec_lib.ITEM
   chunk = item / "w" / "1.2"  # rows 4:8, columns 8:12 of w's 2 x 4 grid
   with open(chunk, "r+b") as f:
     f.truncate(chunk.stat().st_size - 1)
@@ -315,7 +315,7 @@ def test_a_step_written_again_reads_its_new_values(tmp_path):
       mgr.save(0, args=ocp.args.StandardSave({"w": np.full((4, 4), value, np.float32)}))
       mgr.wait_until_finished()
     assert (orbax_read.read_leaf(tmp_path / "0", ("w",)) == value).all()
-    assert orbax_read.item_leaves(tmp_path / "0" / layout_spec.ITEM)[0]["shape"] == [4, 4]
+    assert orbax_read.item_leaves(tmp_path / "0" / spec_lib.ITEM)[0]["shape"] == [4, 4]
     shutil.rmtree(tmp_path / "0")
 
 
@@ -372,12 +372,12 @@ def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
 
 def test_leaf_spec_validates():
   with pytest.raises(errors.InvalidArgumentError, match=r"write_shape of 'a' must be a shard"):
-    layout_spec.LeafSpec(key_path=("a",), shape=(4,), dtype=np.float32, write_shape=(5,))
+    spec_lib.LeafSpec(key_path=("a",), shape=(4,), dtype=np.float32, write_shape=(5,))
   with pytest.raises(errors.InvalidArgumentError, match=r"key_path must be a non-empty tuple"):
-    layout_spec.LeafSpec(key_path=(), shape=(4,), dtype=np.float32)
+    spec_lib.LeafSpec(key_path=(), shape=(4,), dtype=np.float32)
   with pytest.raises(errors.InvalidArgumentError, match=r"cannot checkpoint a str"):
-    layout_spec.LeafSpec.from_value(("s",), "text")
-  spec = layout_spec.LeafSpec.from_value(("opt", 0, "mu"), np.zeros(3, np.int8))
+    spec_lib.LeafSpec.from_value(("s",), "text")
+  spec = spec_lib.LeafSpec.from_value(("opt", 0, "mu"), np.zeros(3, np.int8))
   assert (spec.param_name, spec.kind, spec.write_shape) == ("opt.0.mu", "np.ndarray", (3,))
 
 
@@ -388,7 +388,7 @@ def test_steps_are_created_and_committed_once(tmp_path):
   assert not (tmp / "leftover").exists()
   with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
     orbax_write.write_host_part(tmp_path / "2", 0, [], [])
-  spec = layout_spec.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
+  spec = spec_lib.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
   shard = StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))
   orbax_write.write_host_part(tmp, 0, [spec], [shard])
   orbax_commit.finalize(tmp, [spec], num_hosts=1)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import spec as layout_spec
+from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.shards import shard_crc32c
@@ -66,7 +66,7 @@ def test_write_item_part_takes_shards_as_they_arrive_and_reports_progress(tmp):
 def test_array_metadatas_are_written_per_host_for_jax_arrays_only(tmp):
   orbax_write.write_host_part(tmp, 0, SPECS, orbax_steps.host_parts()[0])
   assert not (tmp / "default" / "array_metadatas").exists()  # numpy and scalar leaves only
-  spec = layout_spec.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
+  spec = spec_lib.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
   orbax_write.write_host_part(tmp, 3, [spec], [StagedShard(0, ((2, 4),), np.ones(2, np.int8))])
   [meta] = json.loads((tmp / "default" / "array_metadatas" / "process_3").read_text())[
       "array_metadatas"]
@@ -74,7 +74,7 @@ def test_array_metadatas_are_written_per_host_for_jax_arrays_only(tmp):
   assert meta["array_metadata"]["write_shape"] == [2]
 
 
-SPEC = layout_spec.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_shape=(2, 3))
+SPEC = spec_lib.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_shape=(2, 3))
 
 
 @pytest.mark.parametrize(("shard", "match"), [

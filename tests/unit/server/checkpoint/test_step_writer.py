@@ -10,17 +10,17 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import records, registry, spec as layout_spec
+from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save
+from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
 
 pytestmark = pytest.mark.unit
 
-SPECS = [layout_spec.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2)),
-         layout_spec.LeafSpec(key_path=("b",), shape=(3,), dtype=np.int32)]
+SPECS = [spec_lib.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2)),
+         spec_lib.LeafSpec(key_path=("b",), shape=(3,), dtype=np.int32)]
 
 
 def shard(leaf, index, value):
@@ -59,9 +59,9 @@ def make_writer(tmp_path):
 
   def make(fmt):
     tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
-    return save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
+    return checkpoint_save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
                            spawn=spawn, metrics=metrics_lib.Recorder(),
-                           formats=registry.DEFAULT.replacing(fmt)), tier
+                           formats=formats_lib.DEFAULT.replacing(fmt)), tier
 
   yield make
   for t in threads:
@@ -73,8 +73,8 @@ def begun(writer, tmp_path, step, owner="a"):
   directory = str(tmp_path / "ck")
   writer.open(directory)
   tmp_step = writer.begin(directory, step, owner=owner)
-  final = str(tmp_path / "ck" / str(step) / layout_spec.ITEM)
-  return directory, os.path.join(tmp_step, layout_spec.ITEM), final
+  final = str(tmp_path / "ck" / str(step) / spec_lib.ITEM)
+  return directory, os.path.join(tmp_step, spec_lib.ITEM), final
 
 
 def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_writer, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.server.feeds import producer as feed
+from sidecar._src.server.feeds import producer
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, feed_batch
 
@@ -25,11 +25,11 @@ def run(elements, *, ranges=((0, 2), (3, 5)), epochs=1):
 
   def pipeline(ctx):
     return iter(elements)
-  spec = feed.Spec(global_batch_size=5, ranges=ranges, seed=0, num_epochs=epochs, shard_index=0,
+  spec = producer.Spec(global_batch_size=5, ranges=ranges, seed=0, num_epochs=epochs, shard_index=0,
                    shard_count=1, start={}, workers=0)
   entry = registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
                              signature=None)
-  out = [as_tree(batch) for batch, _, _ in feed.produce(entry, {}, spec, alloc)]
+  out = [as_tree(batch) for batch, _, _ in producer.produce(entry, {}, spec, alloc)]
   return out, allocs
 
 
@@ -65,9 +65,9 @@ def test_an_element_unlike_the_first_is_invalid_argument(second, match):
 
 
 def test_a_map_datasets_element_of_another_dtype_is_invalid_argument():
-  spec = feed.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1, shard_index=0,
+  spec = producer.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1, shard_index=0,
                    shard_count=1, start={}, workers=0)
-  batcher = feed.Batcher(spec, lambda shape, dtype: np.zeros(shape, dtype), "p")
+  batcher = producer.Batcher(spec, lambda shape, dtype: np.zeros(shape, dtype), "p")
   batcher.learn({"x": np.int32(0)})
   with pytest.raises(sidecar.InvalidArgumentError,
                      match=r"cannot batch leaf 0 of dtypes \['complex64', 'int32'\] as the "

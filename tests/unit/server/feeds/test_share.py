@@ -7,13 +7,13 @@ import time
 import numpy as np
 import pytest
 
-from sidecar._src.server.feeds import share
+from sidecar._src.server.feeds import share as feed_share
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_tenant_alone_has_every_worker_and_shares_shrink_by_weight_while_others_feed():
-  shares = share.Shares(8)
+  shares = feed_share.Shares(8)
   with shares.turns("hog"):
     assert shares.share("hog") == 8
     with shares.turns("alice", 3.0), shares.turns("bob"):
@@ -25,7 +25,7 @@ def test_a_tenant_alone_has_every_worker_and_shares_shrink_by_weight_while_other
 
 
 def test_a_tenant_at_its_share_waits_for_its_own_batches_and_never_blocks_another():
-  shares = share.Shares(2)
+  shares = feed_share.Shares(2)
   with shares.turns("hog") as hog, shares.turns("alice") as alice:
     hog.take()  # its share: 1 of 2
     assert not hog.free() and alice.free()
@@ -50,7 +50,7 @@ def test_a_tenant_at_its_share_waits_for_its_own_batches_and_never_blocks_anothe
 
 
 def test_a_share_that_grows_wakes_a_waiting_tenant():
-  shares = share.Shares(2)
+  shares = feed_share.Shares(2)
   with shares.turns("hog") as hog:
     took = threading.Event()
     with shares.turns("alice"):
@@ -66,14 +66,14 @@ def test_a_share_that_grows_wakes_a_waiting_tenant():
 
 def test_total_below_one_is_refused():
   with pytest.raises(ValueError, match="total must be at least 1, got 0"):
-    share.Shares(0)
+    feed_share.Shares(0)
 
 
 class _Workers:
   """A feed_pool.Pool without processes: fills a batch in ``wait`` with its position, and
   keeps the most batches of its tenant ever in flight at once."""
 
-  def __init__(self, size: int, turns: share.Turns):
+  def __init__(self, size: int, turns: feed_share.Turns):
     self.size, self._turns = size, turns
     self.most = 0
     self._out: dict[int, tuple[int, list]] = {}
@@ -103,7 +103,7 @@ class _Workers:
 @pytest.mark.parametrize("others", [0, 1, 3], ids=["alone", "one-other", "three-others"])
 def test_a_feed_past_its_share_collects_its_own_batches_in_order(others):
   from sidecar._src.server.feeds import producer
-  shares = share.Shares(4)
+  shares = feed_share.Shares(4)
   spec = producer.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1,
                        shard_index=0, shard_count=1, start={}, workers=4)
   rows = [{"x": np.float32(i)} for i in range(40)]
