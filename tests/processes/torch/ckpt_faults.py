@@ -19,6 +19,7 @@ lines.
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -98,6 +99,10 @@ def main() -> None:
     except BaseException as e:
       say(save3=f"{type(e).__name__}: {e}"[:500])
   elif mode == "swap":
+    # sidecar launch stops every trainer (SIGTERM) as soon as it sees the sidecar die, which
+    # may be before this rank's save has failed and said so: it waits for that instead
+    # (os._exit below; the launcher's SIGKILL after its grace if the failure never came).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for step in (1, 2):
       w = sidecar.torch.StorageWriter(f"{directory}/1", controller=ctl)
       try:
