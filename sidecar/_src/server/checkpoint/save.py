@@ -218,8 +218,9 @@ class StepWriter:
       return record.nbytes
 
   def _write(self, record: ram_tier.Step, fmt: Format, tmp_dir: str) -> None:
-    # The bytes are written and checksummed on idle-class threads (ckptfmt/write.py): a
-    # save yields the CPU to the training step and feeds wherever they compete.
+    # The bytes are written and checksummed on idle-class threads (the format's write
+    # engine, e.g. ckptfmt/orbax/write.py): a save yields the CPU to the training step and
+    # feeds wherever they compete.
     t0 = time.perf_counter()
     try:
       faults.fault("write", record.step)
