@@ -17,22 +17,10 @@ from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import PEER_TOKEN, eventually
+from tests.support.pool_files import ALICE, BOB, controller, write_pool
 from tests.support.raw_client import Raw
 
 pytestmark = pytest.mark.server
-
-ALICE, BOB = "token-of-alice", "token-of-bob"
-
-
-def write_pool(tmp_path, text: str) -> str:
-  for name, token in (("alice", ALICE), ("bob", BOB)):
-    (tmp_path / f"{name}.token").write_text(token + "\n")
-    os.chmod(tmp_path / f"{name}.token", 0o600)
-  path = tmp_path / "pool.yaml"
-  path.write_text(text)
-  os.chmod(path, 0o600)
-  return str(path)
-
 
 POOL = """\
 tenants:
@@ -52,14 +40,7 @@ tenants:
 
 @pytest.fixture
 def pool_server(make_server, tmp_path):
-  (tmp_path / "alice").mkdir()
-  (tmp_path / "bob").mkdir()
   return make_server(pool=write_pool(tmp_path, POOL), max_sessions=64)
-
-
-def controller(server, token, **kw):
-  kw.setdefault("attach", False)
-  return sidecar.Controller([f"127.0.0.1:{server.port}"], token=token, timeout=10, **kw)
 
 
 def handshake(server, token):
