@@ -420,18 +420,10 @@ def parser() -> argparse.ArgumentParser:
           description="Ask each sidecar for its identity, registry, arena use, feeds and "
                       "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
                       "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
-  s.add_argument("addresses", nargs="*", metavar="ADDR", type=cli_types.address,
-                 help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
-                      "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")
-  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                 help="seconds each sidecar is given to answer")
-  s.add_argument("--json", action="store_true",
-                 help="print one JSON object with every host, for scripts (default: a table)")
-  s.add_argument("--watch", action="store_true",
-                 help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
-                      "(default: print once)")
-  s.add_argument("--interval", type=float, default=2.0, metavar="S",
-                 help="seconds between refreshes of --watch (default: 2)")
+  cli_types.add_status_flags(
+      s, json_help="print one JSON object with every host, for scripts (default: a table)",
+      watch_help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
+                 "(default: print once)")
   s.set_defaults(func=_status, parser=s)
   pool_status.register(sub)  # sidecar pool status: a shared pool's tenants (docs/pool.md)
 

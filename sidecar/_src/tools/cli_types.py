@@ -45,3 +45,18 @@ def address(text: str) -> str:
   except errors.InvalidArgumentError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
   return text
+
+
+def add_status_flags(p: argparse.ArgumentParser, *, json_help: str, watch_help: str) -> None:
+  """The flags of a command that asks sidecars for their state (``sidecar status``,
+  ``sidecar pool status``): the addresses, ``--timeout``, ``--json``, ``--watch`` and
+  ``--interval``."""
+  p.add_argument("addresses", nargs="*", metavar="ADDR", type=address,
+                 help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
+                      "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")
+  p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                 help="seconds each sidecar is given to answer")
+  p.add_argument("--json", action="store_true", help=json_help)
+  p.add_argument("--watch", action="store_true", help=watch_help)
+  p.add_argument("--interval", type=float, default=2.0, metavar="S",
+                 help="seconds between refreshes of --watch")

@@ -202,16 +202,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
       description="Ask each sidecar of the pool for its tenants' use, with the token in "
                   "$SIDECAR_TOKEN: a tenant's token shows its own row, the pool's peer "
                   "token every tenant's. Exit status 1 if any sidecar is unreachable.")
-  s.add_argument("addresses", nargs="*", metavar="ADDR", type=cli_types.address,
-                 help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
-                      "SIDECAR_HOSTS lists, as Controller.from_env() finds them)")
-  s.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                 help="seconds each sidecar is given to answer")
-  s.add_argument("--json", action="store_true",
-                 help="print one JSON object, for scripts (default: a table)")
-  s.add_argument("--watch", action="store_true",
-                 help="redraw the table every --interval seconds, with batches/s, until "
-                      "Ctrl-C (default: print once)")
-  s.add_argument("--interval", type=float, default=2.0, metavar="S",
-                 help="seconds between refreshes of --watch")
+  cli_types.add_status_flags(
+      s, json_help="print one JSON object, for scripts (default: a table)",
+      watch_help="redraw the table every --interval seconds, with batches/s, until Ctrl-C "
+                 "(default: print once)")
   s.set_defaults(func=_run, parser=s)
