@@ -363,7 +363,7 @@ class StatusResponse(_message.Message):
     def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
-    __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight", "waiting", "batches", "saves")
+    __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight", "waiting", "batches", "saves", "ram_tier_bytes", "ram_tier_quota")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,8 @@ class TenantStatus(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SAVES_FIELD_NUMBER: _ClassVar[int]
+    RAM_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_TIER_QUOTA_FIELD_NUMBER: _ClassVar[int]
     name: str
     sessions: int
     workers: int
@@ -388,4 +390,6 @@ class TenantStatus(_message.Message):
     waiting: int
     batches: int
     saves: int
-    def __init__(self, name: _Optional[str] = ..., sessions: _Optional[int] = ..., workers: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., arena_guaranteed: _Optional[int] = ..., arena_ceiling: _Optional[int] = ..., feeds: _Optional[int] = ..., feed_workers: _Optional[int] = ..., weight: _Optional[float] = ..., waiting: _Optional[int] = ..., batches: _Optional[int] = ..., saves: _Optional[int] = ...) -> None: ...
+    ram_tier_bytes: int
+    ram_tier_quota: int
+    def __init__(self, name: _Optional[str] = ..., sessions: _Optional[int] = ..., workers: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., arena_guaranteed: _Optional[int] = ..., arena_ceiling: _Optional[int] = ..., feeds: _Optional[int] = ..., feed_workers: _Optional[int] = ..., weight: _Optional[float] = ..., waiting: _Optional[int] = ..., batches: _Optional[int] = ..., saves: _Optional[int] = ..., ram_tier_bytes: _Optional[int] = ..., ram_tier_quota: _Optional[int] = ...) -> None: ...

@@ -39,7 +39,7 @@ def host_rows(rows: Sequence[Row]) -> list[list[str]]:
 
 HOST_HEADER = ["host", "address", "arena", "workers", "feeds", "checkpoints"]
 TENANT_HEADER = ["host", "tenant", "sessions", "workers", "arena (guaranteed / ceiling)",
-                 "feeds", "feed workers", "batches", "saves", "queue"]
+                 "feeds", "feed workers", "batches", "saves", "ram tier (quota)", "queue"]
 
 
 def tenant_rows(rows: Sequence[Row]) -> list[list[str]]:
@@ -52,8 +52,10 @@ def tenant_rows(rows: Sequence[Row]) -> list[list[str]]:
     for t in s.tenants:
       arena = (f"{shm.format_size(t.arena_bytes)} ({shm.format_size(t.arena_guaranteed)} / "
                f"{shm.format_size(t.arena_ceiling)})")
+      ram_tier = (f"{shm.format_size(t.ram_tier_bytes)} ("
+                  f"{shm.format_size(t.ram_tier_quota) if t.ram_tier_quota else 'no quota'})")
       out.append([str(host), t.name, str(t.sessions), str(t.workers), arena, str(t.feeds),
-                  str(t.feed_workers), str(t.batches), str(t.saves), str(t.waiting)])
+                  str(t.feed_workers), str(t.batches), str(t.saves), ram_tier, str(t.waiting)])
   return out
 
 

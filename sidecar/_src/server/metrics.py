@@ -101,13 +101,16 @@ class TenantFigures:
   arena_ceiling: int
   feeds: int
   feed_workers: int
+  saves: int = 0
+  ram_tier_bytes: int = 0
 
   @classmethod
   def from_status(cls, s: Any) -> TenantFigures:
     """From a ``pb.TenantStatus``."""
     return cls(name=s.name, sessions=s.sessions, workers=s.workers, arena_bytes=s.arena_bytes,
                arena_guaranteed=s.arena_guaranteed, arena_ceiling=s.arena_ceiling,
-               feeds=s.feeds, feed_workers=s.feed_workers)
+               feeds=s.feeds, feed_workers=s.feed_workers, saves=s.saves,
+               ram_tier_bytes=s.ram_tier_bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -409,7 +412,11 @@ def _tenant_families(p: dict[str, Any], tenants: tuple[TenantFigures, ...]) -> I
                                  lambda t: t.arena_guaranteed),
       "arena_ceiling_bytes": ("The most arena it may hold", lambda t: t.arena_ceiling),
       "feeds": ("Feeds running", lambda t: t.feeds),
-      "feed_workers": ("Feed worker processes of its feeds", lambda t: t.feed_workers)}
+      "feed_workers": ("Feed worker processes of its feeds", lambda t: t.feed_workers),
+      "saves": ("Saves of its steps in progress (staged, being written or waiting for "
+                "their commit)", lambda t: t.saves),
+      "ram_tier_bytes": ("Bytes of the RAM-tier copies of its committed steps",
+                         lambda t: t.ram_tier_bytes)}
   for metric, (doc, get) in per_tenant.items():
     family = GaugeMetricFamily(f"sidecar_tenant_{metric}", doc, labels=["tenant"])
     for t in tenants:

@@ -24,7 +24,8 @@ MIN_INLINE = 64 << 10
 _TENANT_KEYS = frozenset({
     "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
     "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
-    "uids", "tls_names", "connections", "ram_keep"})
+    "uids", "tls_names", "connections", "ram_keep",
+    "ram_tier", "checkpoint_bytes"})
 # ram_keep's units: a number is seconds; a string may end in one of these.
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _POOL_KEYS = frozenset({"tenants"})
@@ -219,8 +220,17 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
     if ram_keep is None:
       raise error_at(path, at("ram_keep"), f"{where}: ram_keep is seconds >= 0 or a duration "
                    f"such as 90s, 10m or 2h, got {v!r}")
+  ram_tier = share("ram_tier")
+  stored = None
+  if "checkpoint_bytes" in m:
+    s = share("checkpoint_bytes")
+    stored = s.nbytes if s is not None else None
+    if stored is None or stored < MIN_ARENA:
+      raise error_at(path, at("checkpoint_bytes"), f"{where}: checkpoint_bytes must be a size "
+                   f"of at least {shm.format_size(MIN_ARENA)} (e.g. 500GiB), got "
+                   f"{_scalar(path, m['checkpoint_bytes'], 'checkpoint_bytes')!r}")
   return Tenant(
-      ram_keep_s=ram_keep,
+      ram_keep_s=ram_keep, ram_tier=ram_tier, checkpoint_bytes=stored,
       name=name, token=token, token_file=token_file, line=line, arena=arena,
       arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
       streams=count("streams", 1), feeds=count("feeds", 1),

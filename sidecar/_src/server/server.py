@@ -237,7 +237,8 @@ class Server:
                          metrics=self.metrics)
     named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
-        o.host_id, tenancy=self.tenancy, token=o.peer_token if named else o.token,
+        o.host_id, tenancy=self.tenancy, arena_bytes=self.arena.size,
+        token=o.peer_token if named else o.token,
         peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
         peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
@@ -280,7 +281,7 @@ class Server:
                                                tenancy=self.tenancy, tenant_of=tenant_of),
                            peer_token=o.peer_token, tokens=tokens_holder,
                            tenancy=self.tenancy, opened=self.checkpoints.opened_by,
-                           saves=checkpoint_slots.by_tenant)
+                           checkpoint_use=self.checkpoints.tier.group_use)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):

@@ -60,14 +60,15 @@ class Service:
                tokens: tenants_lib.Tokens | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
                opened: Callable[[str], set[str]] | None = None,
-               saves: Callable[[], Mapping[str, int]] = dict):
+               checkpoint_use: Callable[[], Mapping[str, tuple[int, int]]] = dict):
     self._unary = calls
     self._runner = calls.runner
     # The tokens ({b"Bearer <token>": tenant}); named: per-client tokens or a pool file.
     self._tokens = tokens or tenants_lib.Tokens({}, named=False)
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._opened = opened  # the checkpoint directories a client opened
-    self._saves = saves  # per tenant, its checkpoint rpcs (a save's phases) running now
+    # Per tenant: its saves in progress, and the bytes of its RAM-tier copies.
+    self._checkpoint_use = checkpoint_use
     # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
     self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
     self._stream_runner = stream_runner
@@ -249,7 +250,7 @@ class Service:
     feeds = self._tenancy.feed_counts()
     waiting = self._leases.waiting()
     batches = self._stream_runner.tenant_batches()
-    saves = self._saves()
+    use = self._checkpoint_use()
     out = []
     for t in pool.tenants:
       if client is not None and t.name != client:
@@ -262,7 +263,8 @@ class Service:
           arena_ceiling=size if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size),
           feeds=n_feeds, feed_workers=n_workers, weight=t.weight,
           waiting=waiting.get(t.name, 0), batches=batches.get(t.name, 0),
-          saves=saves.get(t.name, 0)))
+          saves=use.get(t.name, (0, 0))[0], ram_tier_bytes=use.get(t.name, (0, 0))[1],
+          ram_tier_quota=0 if t.ram_tier is None else t.ram_tier.bytes_of(size)))
     return out
 
   def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:

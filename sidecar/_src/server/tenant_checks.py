@@ -1,17 +1,24 @@
-"""Where a pool's tenants meet the parts that run their work: the allowlists of calls and
-each tenant's own checkpoint roots (``tenants.py`` holds the pool; these only enforce it).
+"""Where a pool's tenants meet the parts that run their work: the allowlists of calls, and
+each tenant's own checkpoint roots, RAM-tier bytes and storage bytes (``tenants.py`` holds
+the pool; these only enforce it).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.core import errors
 from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.calls import Runner
 from sidecar._src.server.checkpoint.host import CheckpointHost
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire.protocol import pb
+
+# Where a format writes a save beside its directory instead of in it (DCP's).
+_TMP_SUFFIXES = tuple(f.tmp_suffix for f in formats_lib.DEFAULT.formats.values())
 
 
 class TenantRunner(Runner):
@@ -31,12 +38,27 @@ class TenantRunner(Runner):
 
 
 class TenantCheckpoints(CheckpointHost):
-  """A :class:`CheckpointHost` where a tenant with ``checkpoint_roots`` opens checkpoint
-  directories under those only (the sidecar's roots still hold for everyone)."""
+  """A :class:`CheckpointHost` that holds each pool tenant to its checkpoint quotas:
 
-  def __init__(self, host_id: int, *, tenancy: tenants_lib.Tenancy, **kwargs):
-    super().__init__(host_id, **kwargs)
+  - ``checkpoint_roots``: it opens checkpoint directories under those only (the sidecar's
+    roots still hold for everyone);
+  - ``ram_tier``: the RAM-tier copies of the committed steps of the directories it opened
+    keep within it together (the RAM tier's group of those directories), newest first;
+  - ``checkpoint_bytes``: a part of a save is refused where what its directories hold on
+    this sidecar's storage, with what its saves here have still to write, would pass it.
+
+  ``arena_bytes``: the arena's size (``ram_tier`` may be a fraction of it).
+  """
+
+  def __init__(self, host_id: int, *, tenancy: tenants_lib.Tenancy, arena_bytes: int = 0,
+               **kwargs: Any):
     self._tenancy = tenancy
+    self._arena_bytes = arena_bytes
+    super().__init__(host_id, group_budget=self._ram_budget, **kwargs)
+
+  def _ram_budget(self, tenant: str) -> int | None:
+    t = self._tenancy.tenant(tenant)
+    return None if t is None or t.ram_tier is None else t.ram_tier.bytes_of(self._arena_bytes)
 
   def open_for(self, client: str, directory: str) -> None:
     t = self._tenancy.tenant(client)
@@ -49,6 +71,28 @@ class TenantCheckpoints(CheckpointHost):
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
             f"{directory!r:.200}; checkpoint there, or add the directory to its roots")
     super().open_for(client, directory)
+    if t is not None and self._tenancy.quotas:
+      with self.tier.lock:
+        self.tier.groups[os.path.realpath(directory)] = t.name
+
+  def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
+    t = self._tenancy.tenant(client)
+    if t is None or t.checkpoint_bytes is None:
+      return
+    mine = {os.path.realpath(d) for d in self.opened_by(t.name)}
+    stored = sum(_stored(d) for d in mine)
+    with self.tier.lock:  # staged here, not yet on storage
+      pending = sum(max(s.nbytes - s.written, 0) for s in self.tier.steps.values()
+                    if not s.done.is_set() and os.path.realpath(s.directory) in mine)
+    if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
+                                                          stored >= t.checkpoint_bytes):
+      fmt = shm.format_size
+      raise errors.ResourceExhaustedError(
+          f"tenant {t.name!r} holds {fmt(stored)} of checkpoints on the storage of host "
+          f"{self._host_id}" + (f", {fmt(pending)} more being written" if pending else "")
+          + f"; {fmt(nbytes)} more of step data in {directory!r:.200} would pass its quota "
+          f"(checkpoint_bytes={fmt(t.checkpoint_bytes)}, {self._tenancy.where(t.name)}); "
+          "keep fewer steps (max_to_keep=), delete old ones, or raise its quota")
 
   def release_ram(self, tenant: str) -> int:
     """Drops the committed RAM-tier steps (own shards and replicas) of the checkpoint
@@ -66,3 +110,25 @@ class TenantCheckpoints(CheckpointHost):
       for directory, step in steps:
         tier.drop(directory, step)
     return len(steps)
+
+
+def _stored(directory: str) -> int:
+  """The bytes of the files under ``directory`` and beside it in uncommitted step
+  directories of it (a DCP save's ``<directory>.dcp-checkpoint-tmp``)."""
+  total = 0
+  stack = [directory, *(directory + suffix for suffix in _TMP_SUFFIXES)]
+  while stack:
+    try:
+      entries = os.scandir(stack.pop())
+    except OSError:  # gone meanwhile, or never made
+      continue
+    with entries:
+      for entry in entries:
+        try:
+          if entry.is_dir(follow_symlinks=False):
+            stack.append(entry.path)
+          elif entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+          continue
+  return total

@@ -76,6 +76,12 @@ class Tenant:
   # Seconds its RAM-tier steps stay after its job left (None: kept as any job's, until
   # newer steps evict them); durable steps stay either way.
   ram_keep_s: float | None = None
+  # The most bytes of RAM-tier copies of its committed steps kept at once (own shards and
+  # replicas held for it, a fraction of the arena or bytes); past it its oldest go.
+  ram_tier: Share | None = None
+  # The most bytes its checkpoint directories may hold on a sidecar's storage (committed
+  # steps and saves being written).
+  checkpoint_bytes: int | None = None
 
   def allows(self, kind: str, name: str) -> bool:
     """Whether its allowlist of ``kind`` ("function" or "pipeline") lets it run ``name``."""
@@ -138,6 +144,10 @@ class Pool:
           raise error_at(self.path, t.line, f"tenant {t.name!r}: arena_ceiling "
                        f"{t.arena_ceiling} ({fmt(c)}) is below its guaranteed arena "
                        f"({fmt(g)}) or one batch ({fmt(MIN_ARENA)}); raise it")
+      if t.ram_tier is not None and t.ram_tier.bytes_of(arena) > arena:
+        raise error_at(self.path, t.line, f"tenant {t.name!r}: ram_tier {t.ram_tier} is more "
+                     f"than the whole arena ({fmt(arena)}, --shm-size), which holds the RAM "
+                     "tier; lower it")
       total += g
     if total > arena:
       shares = ", ".join(f"{t.name} {t.arena}" for t in self.tenants)

@@ -24,8 +24,8 @@ from sidecar._src.tools import cli_format, cli_types
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 # TenantStatus fields read if the sidecar has them (None otherwise): feed batches made,
-# saves in flight, requests waiting for admission.
-OPTIONAL = ("batches", "saves", "waiting")
+# saves in progress, requests waiting for admission, RAM-tier bytes and their quota.
+OPTIONAL = ("batches", "saves", "waiting", "ram_tier_bytes", "ram_tier_quota")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,6 +44,8 @@ class TenantRow:
   batches: int | None
   saves: int | None
   waiting: int | None
+  ram_tier_bytes: int | None
+  ram_tier_quota: int | None  # per sidecar, summed; 0: none
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -91,7 +93,7 @@ def format_table(rows: Sequence[TenantRow], previous: Sequence[TenantRow] | None
   fmt = shm.format_size
   before = {r.tenant: r for r in previous or ()}
   header = ("TENANT", "HOSTS", "SESSIONS", "WORKERS", "ARENA (GUARANTEED / CEILING)", "FEEDS",
-            "FEED WORKERS", "BATCHES/S", "SAVES", "QUEUE")
+            "FEED WORKERS", "BATCHES/S", "SAVES", "RAM TIER (QUOTA)", "QUEUE")
   table = [header]
   for r in rows:
     old = before.get(r.tenant)
@@ -102,7 +104,8 @@ def format_table(rows: Sequence[TenantRow], previous: Sequence[TenantRow] | None
     table.append((
         r.tenant or "<shared>", str(r.hosts), str(r.sessions), str(r.workers),
         f"{fmt(r.arena_bytes)} ({fmt(r.arena_guaranteed)} / {fmt(r.arena_ceiling)})",
-        str(r.feeds), str(r.feed_workers), rate, _text(r.saves), _text(r.waiting)))
+        str(r.feeds), str(r.feed_workers), rate, _text(r.saves), _ram_tier(r),
+        _text(r.waiting)))
   if len(table) == 1:
     return ("no tenants: the sidecars have no pool file (sidecar serve --pool), or this "
             "token's tenant is not in it")
@@ -112,6 +115,14 @@ def format_table(rows: Sequence[TenantRow], previous: Sequence[TenantRow] | None
 
 def _text(n: int | None) -> str:
   return "-" if n is None else str(n)
+
+
+def _ram_tier(r: TenantRow) -> str:
+  from sidecar._src.arena import shm
+  if r.ram_tier_bytes is None:
+    return "-"
+  quota = shm.format_size(r.ram_tier_quota) if r.ram_tier_quota else "no quota"
+  return f"{shm.format_size(r.ram_tier_bytes)} ({quota})"
 
 
 def _unreachable(answers: Sequence[tuple[str, Any]]) -> list[str]:

@@ -28,7 +28,7 @@ def figures(name, **kw):
 
 def test_each_tenant_has_the_six_figures():
   tenants = (figures("alice", sessions=2, arena_bytes=4096, arena_guaranteed=8192, feeds=1,
-                     feed_workers=3), figures("bob"))
+                     feed_workers=3, saves=1, ram_tier_bytes=1 << 20), figures("bob"))
   m = metrics_lib.Metrics(lambda: snapshot(tenants=tenants))
   m.tenant_request("alice", "call", "OK")
   m.tenant_request("alice", "call", "RESOURCE_EXHAUSTED")
@@ -45,6 +45,8 @@ def test_each_tenant_has_the_six_figures():
   assert value(found, "sidecar_tenant_arena_bytes", tenant="alice") == 4096
   assert value(found, "sidecar_tenant_arena_guaranteed_bytes", tenant="alice") == 8192
   assert value(found, "sidecar_tenant_feed_workers", tenant="alice") == 3
+  assert value(found, "sidecar_tenant_saves", tenant="alice") == 1
+  assert value(found, "sidecar_tenant_ram_tier_bytes", tenant="alice") == 1 << 20
   assert value(found, "sidecar_tenant_admission_wait_seconds_count", tenant="bob") == 1
   assert value(found, "sidecar_tenant_requested_bytes_total", tenant="alice",
                what="inline") == 3 << 20

@@ -71,6 +71,8 @@ tenants:
     functions: [add]
     pipelines: [numbers]
     weight: 2
+    ram_tier: 0.25
+    checkpoint_bytes: 500GiB
 """, "alice"))
   (t,) = pool.tenants
   assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants_lib.Share(fraction=0.5)
@@ -80,6 +82,7 @@ tenants:
   assert t.checkpoint_roots == (os.path.realpath(tmp_path / "ckpt" / "alice"),)
   assert t.allows("function", "add") and not t.allows("function", "sub")
   assert t.allows("pipeline", "numbers") and not t.allows("pipeline", "add")
+  assert t.ram_tier == tenants_lib.Share(fraction=0.25) and t.checkpoint_bytes == 500 << 30
 
 
 BAD = [
@@ -118,6 +121,12 @@ BAD = [
     ("tenants:\n  - {name: alice, token_file: alice.token, uids: [7]}\n  - {name: bob, "
      "token_file: bob.token, uids: [8, 7]}\n",
      r"pool.yaml:3: tenant 'bob' shares uids \[7\] with tenant 'alice' \(line 2\)"),
+    ("tenants:\n  - {name: alice, token_file: alice.token,\n     checkpoint_bytes: 0.5}\n",
+     r"pool.yaml:3: tenant 'alice': checkpoint_bytes must be a size of at least 1.0 MiB"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, checkpoint_bytes: 4KiB}\n",
+     r"pool.yaml:2: tenant 'alice': checkpoint_bytes must be a size of at least 1.0 MiB"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, ram_tier: -1}\n",
+     r"pool.yaml:2: tenant 'alice': ram_tier is a fraction of the arena in \(0, 1\] or a size"),
 ]
 
 
@@ -125,7 +134,8 @@ BAD = [
     "unknown-key", "duplicate-name", "duplicate-token", "guarantees-above-arena",
     "sessions-below-1", "ceiling-below-a-batch", "inline-below-least", "bad-size",
     "no-token-file", "missing-token-file", "bad-name", "unknown-top-key", "no-tenants",
-    "not-yaml", "bad-weight", "shared-tls-names", "shared-uids"])
+    "not-yaml", "bad-weight", "shared-tls-names", "shared-uids", "storage-a-fraction",
+    "storage-below-least", "ram-tier-negative"])
 def test_a_bad_file_is_refused_naming_its_line(tmp_path, text, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     pool_file.load(_pool(tmp_path, text))
@@ -146,6 +156,12 @@ def test_shares_are_checked_against_the_arena(tmp_path):
                      match=r"pool.yaml:2: tenant 'alice': arena_ceiling 2.0 GiB is more than the "
                      r"whole arena \(1.0 GiB, --shm-size\)"):
     big.check_arena(1 << 30)
+  ram = pool_file.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                           "ram_tier: 2GiB}\n"))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"pool.yaml:2: tenant 'alice': ram_tier 2.0 GiB is more than the "
+                     r"whole arena \(1.0 GiB, --shm-size\), which holds the RAM tier"):
+    ram.check_arena(1 << 30)
 
 
 def test_a_tenants_roots_must_lie_under_the_sidecars(tmp_path):

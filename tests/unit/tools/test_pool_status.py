@@ -58,4 +58,18 @@ def test_the_command_registers_under_pool_and_refuses_watch_with_json(capsys):
   with pytest.raises(SystemExit):
     args.func(args)
   assert "--watch and --json do not go together" in capsys.readouterr().err
-  json.dumps(pool_status.TenantRow("a", 0, 0, 0, 0, 0, 0, 0, 0, 1.0, None, None, None).to_dict())
+  json.dumps(pool_status.TenantRow("a", 0, 0, 0, 0, 0, 0, 0, 0, 1.0, None, None, None, None,
+                                   None).to_dict())
+
+
+def test_the_ram_tier_is_summed_against_its_quota_or_says_there_is_none():
+  rows = pool_status.tenant_rows([
+      answer(pb.TenantStatus(**ALICE, ram_tier_bytes=3 << 20, ram_tier_quota=4 << 20, saves=1),
+             pb.TenantStatus(**BOB, ram_tier_bytes=1 << 20)),
+      answer(pb.TenantStatus(**ALICE, ram_tier_bytes=1 << 20, ram_tier_quota=4 << 20),
+             pb.TenantStatus(**BOB))])
+  alice, bob = rows
+  assert (alice.ram_tier_bytes, alice.ram_tier_quota, alice.saves) == (4 << 20, 8 << 20, 1)
+  table = pool_status.format_table(rows).splitlines()
+  assert "RAM TIER (QUOTA)" in table[0]
+  assert "4.0 MiB (8.0 MiB)" in table[1] and "1.0 MiB (no quota)" in table[2]

@@ -73,13 +73,15 @@ class CheckpointHost:
   def __init__(self, host_id: int, *, token: str | None = None,
                peer_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
-               peer_credentials: Any = None):
+               peer_credentials: Any = None,
+               group_budget: Callable[[str], int | None] = lambda group: None):
     self._host_id = host_id
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
     self._path = self._roots.resolve
     self.tier = ram_tier.RamTier(
-        host_id, uncommitted_s=_seconds(env_lib.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S))
+        host_id, uncommitted_s=_seconds(env_lib.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S),
+        group_budget=group_budget)
     self.reader = checkpoint_read.Reader(self.tier, metrics)
     self._links = links_lib.Links(token=token, peer_token=peer_token,
                                      credentials=peer_credentials,
@@ -163,6 +165,11 @@ class CheckpointHost:
               f"client opened on host {self._host_id}; with per-client tokens "
               "(--client-tokens) each client checkpoints in directories of its own")
       self._opened.setdefault(client, set()).add(resolved)
+
+  def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
+    """Refuses (``ResourceExhaustedError``) ``nbytes`` more of a save by ``client`` in
+    ``directory`` where they would pass its storage quota; here there is none."""
+    del client, directory, nbytes
 
   def opened_by(self, client: str) -> set[str]:
     """The directories (resolved) ``client`` opened."""

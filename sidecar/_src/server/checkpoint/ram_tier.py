@@ -4,7 +4,8 @@ Records: a :class:`Step` (this host's own shards of a step, and its write's outc
 its :class:`Replication` (those shards on their way to the peers) and a
 :class:`Replica` (the shards a peer sent here). :class:`RamTier` keeps them under one
 lock: ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
-``ram_budget`` (own shards and replicas counted together), steps written but never
+``ram_budget`` (own shards and replicas counted together), and the newest committed steps of
+a group of directories (a pool tenant's) within the group's budget; steps written but never
 committed expire, and ``status``/``usage`` report what is held.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -105,16 +108,23 @@ class Replica:
 class RamTier:
   """The steps and replicas one sidecar (``host_id``) holds; ``lock`` guards them all."""
 
-  def __init__(self, host_id: int, *, uncommitted_s: float):
+  def __init__(self, host_id: int, *, uncommitted_s: float,
+               group_budget: Callable[[str], int | None] = lambda group: None):
     self.host_id = host_id
     self.uncommitted_s = uncommitted_s
     self.lock = threading.Lock()
     self.steps: dict[str, Step] = {}  # by committed item directory
     self.replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
-    # Items committed() was told of: True while in the RAM tier, False once evicted
-    # (a replica that arrives after its step's commit learns its fate here).
+    # Items committed() was told of, in the order of their commits: True while in the RAM
+    # tier, False once evicted (a replica that arrives after its step's commit learns its
+    # fate here).
     self.committed_dirs: dict[str, bool] = {}
     self.ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
+    # Directories (resolved) -> the group they count in (a pool tenant), whose committed
+    # steps together keep within ``group_budget(group)`` bytes (None: no bound).
+    self.groups: dict[str, str] = {}
+    self._group_budget = group_budget
+    self._resolved: dict[str, str] = {}  # directory as given -> resolved
 
   def record(self, final_dir: str) -> Step:
     """The step staged here for ``final_dir``; InvalidArgumentError if there is none."""
@@ -132,6 +142,7 @@ class RamTier:
       held = [r for r in self.replicas.values() if r.final_dir == final_dir]
       if record is None and not held:
         return []
+      self.committed_dirs.pop(final_dir, None)  # to the end: the newest commit
       self.committed_dirs[final_dir] = True
       for r in held:
         r.committed = True
@@ -207,10 +218,69 @@ class RamTier:
             "writing_steps": len(writing),
             "writing_bytes": sum(max(s.nbytes - s.written, 0) for s in writing)}
 
+  def group_use(self) -> dict[str, tuple[int, int]]:
+    """Per group: its saves in progress here (staged, being written or waiting for their
+    commit) and the bytes its committed steps (own shards and replicas) hold."""
+    out: dict[str, tuple[int, int]] = {}
+    with self.lock:
+      records: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
+      for held in records:
+        group = self.groups.get(self._resolve(held.directory))
+        if group is None:
+          continue
+        saves, nbytes = out.get(group, (0, 0))
+        if held.committed:
+          nbytes += held.nbytes
+        elif isinstance(held, Step) and held.error is None:
+          saves += 1
+        out[group] = (saves, nbytes)
+    return out
+
   def evict(self, directory: str) -> list[int]:
     """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
-    counting this host's own shards and the replicas it holds; returns the kept steps.
+    counting this host's own shards and the replicas it holds, then the newest committed
+    steps of its group within the group's budget; returns the kept steps of ``directory``.
     The lock is held."""
+    kept = self._evict_directory(directory)
+    group = self.groups.get(self._resolve(directory))
+    if group is None:
+      return kept
+    self._evict_group(group)
+    held = {s.step for s in self.steps.values() if s.directory == directory and s.committed}
+    held |= {r.step for r in self.replicas.values() if r.directory == directory and r.committed}
+    return [step for step in kept if step in held]
+
+  def _resolve(self, directory: str) -> str:
+    resolved = self._resolved.get(directory)
+    if resolved is None:
+      resolved = self._resolved[directory] = os.path.realpath(directory)
+    return resolved
+
+  def _evict_group(self, group: str) -> None:
+    """Keeps the newest committed steps (by commit) of ``group``'s directories within its
+    budget, own shards and replicas counted together; drops the rest. The lock is held."""
+    budget = self._group_budget(group)
+    if budget is None:
+      return
+    size: dict[str, tuple[str, int, int]] = {}  # final_dir -> (directory, step, bytes)
+    records: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
+    for held in records:
+      if held.committed and self.groups.get(self._resolve(held.directory)) == group:
+        _, _, nbytes = size.get(held.final_dir, (held.directory, held.step, 0))
+        size[held.final_dir] = (held.directory, held.step, nbytes + held.nbytes)
+    used = 0
+    for final_dir in reversed([d for d in self.committed_dirs if d in size]):
+      directory, step, nbytes = size[final_dir]
+      if used + nbytes <= budget:
+        used += nbytes
+        continue
+      self.drop(directory, step)
+      log.info("step %d of %s leaves the RAM tier of host %d: its %s would pass the RAM-tier "
+               "quota of %r (%s, its newer steps first); its durable copy stays", step,
+               directory, self.host_id, shm.format_size(nbytes), group, shm.format_size(budget),
+               extra={"step": step})
+
+  def _evict_directory(self, directory: str) -> list[int]:
     keep, budget = self.ram_steps.get(directory, (1, None))
     size: dict[int, int] = {}
     for s in self.steps.values():

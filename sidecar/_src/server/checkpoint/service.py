@@ -180,8 +180,13 @@ class CheckpointService:
                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
 
+  def _client(self, context: grpc.ServicerContext) -> str | None:
+    """The caller's client (a pool's tenant), where each has its own checkpoints."""
+    return self._sessions.client(_session(context)) if self._per_client else None
+
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
+    self._host.check_storage(self._client(context), r.directory, 0)
     return ckpt_pb.CheckpointBeginResponse(
         tmp_directory=self._host.writer.begin(r.directory, _step(r.step), r.format,
                                               _session(context)))
@@ -193,6 +198,8 @@ class CheckpointService:
     part = wire.format_part_from_pb(r, wire.STAGE_PARTS)
     shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session))
     try:
+      self._host.check_storage(self._client(context), r.directory,
+                               sum(s.data.nbytes for s in shards))
       staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves, shards,
                                        r.last, writers=max(r.writers, 1), part=part,
                                        owner=_session(context))

@@ -74,7 +74,7 @@ def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=Fa
 
 def commit(tier, arena, step, **kw):
   add_step(tier, arena, step, **kw)
-  return tier.mark_committed(item(step))
+  return tier.mark_committed(item(step, kw.get("directory", D)))
 
 
 def used_blocks(arena) -> int:
@@ -211,3 +211,32 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   assert tier.usage() == {"ram_steps": 1, "ram_bytes": 2 * KB, "replica_steps": 2,
                           "replica_bytes": 2 * KB, "writing_steps": 1, "writing_bytes": 2 * KB}
   assert tier.held(D).own == {item(1): (ShardId(("w",), ((0, 1),)), ShardId(("w",), ((1, 2),)))}
+
+
+def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena):
+  """A pool tenant's directories are one group: its newest commits (not its highest step
+  numbers) stay within its budget, whichever directory they are in, replicas counted; a
+  directory of no group, or of another, is untouched."""
+  budgets = {"alice": 3 * KB}
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget=budgets.get)
+  other = "/ck/other"
+  for directory, group in ((D, "alice"), ("/ck/alice2", "alice"), (other, "bob")):
+    tier.groups[directory] = group
+    tier.ram_steps[directory] = (5, None)
+  try:
+    assert commit(tier, arena, 1) == [1]
+    assert commit(tier, arena, 9, directory=other, blocks=4) == [9]  # bob: no budget
+    add_replica(tier, arena, 2, source=1)
+    assert commit(tier, arena, 2) == [1, 2]  # own shard and replica: 3 KB in all
+    assert commit(tier, arena, 5, directory="/ck/alice2") == [5]  # step 1 goes for it
+    assert sorted((s.directory, s.step) for s in tier.steps.values()) == [
+        ("/ck/alice2", 5), (other, 9), (D, 2)]
+    assert tier.group_use() == {"alice": (0, 3 * KB), "bob": (0, 4 * KB)}
+    assert commit(tier, arena, 3, blocks=4) == [2]  # larger than the budget: never kept
+    assert tier.committed_dirs[item(3)] is False
+    assert used_blocks(arena) == 3 + 4
+    add_step(tier, arena, 4, committed=False, done=False)  # a save in progress
+    assert tier.group_use()["alice"] == (1, 3 * KB)
+  finally:
+    tier.steps.clear()
+    tier.replicas.clear()

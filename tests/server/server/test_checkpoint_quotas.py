@@ -1,0 +1,109 @@
+"""Tier 2: a pool tenant's checkpoint quotas (issue 37): ``ram_tier`` bounds the RAM-tier
+copies of its committed steps over all its directories (its newest stay, its older ones
+restore from storage), ``checkpoint_bytes`` the bytes its directories hold on storage (a
+save past it is refused naming the tenant and the quota, and nothing of it stays); the
+other tenant's steps are untouched, and Status reports each tenant's RAM tier and saves."""
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.wire.protocol import pb
+from tests.support.pool_files import ALICE, BOB, controller, write_pool
+
+pytestmark = pytest.mark.server
+
+POOL = """\
+tenants:
+  - {name: alice, token_file: alice.token, checkpoint_roots: [alice], ram_tier: 600KiB}
+  - {name: bob, token_file: bob.token, checkpoint_roots: [bob], checkpoint_bytes: 1MiB}
+"""
+STEP = np.arange(1 << 16, dtype=np.float32)  # 256 KiB a step
+
+
+def _ram_steps(server) -> dict[str, list[int]]:
+  """``{"alice/a": [steps], ...}``: the committed steps in the RAM tier, by directory."""
+  return {"/".join(c.directory.rsplit("/", 2)[-2:]): list(c.ram_steps)
+          for c in server.checkpoints.tier.status() if c.ram_steps}
+
+
+def _tenants(server) -> dict[str, pb.TenantStatus]:
+  return {t.name: t for t in server.service.tenant_status()}
+
+
+def test_a_tenants_ram_tier_keeps_its_newest_steps_within_its_quota(make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path, POOL))
+  with controller(server, BOB) as ctl, ctl.checkpointer(str(tmp_path / "bob" / "b"),
+                                                        ram_steps=3) as ck:
+    for step in (1, 2, 3):  # bob has no RAM-tier quota: the arena's and ram_steps' only
+      assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
+  with controller(server, ALICE) as ctl:
+    a = ctl.checkpointer(str(tmp_path / "alice" / "a"), ram_steps=3)
+    b = ctl.checkpointer(str(tmp_path / "alice" / "b"), ram_steps=3)
+    with a, b:
+      assert a.save(1, {"w": STEP + 1}).durable.result(30) == 1
+      assert a.save(2, {"w": STEP + 2}).durable.result(30) == 2
+      assert _ram_steps(server)["alice/a"] == [1, 2]  # 512 KiB of her 600
+      # A step of her other directory counts against the same quota: a's oldest goes.
+      assert b.save(7, {"w": STEP + 7}).durable.result(30) == 7
+      assert _ram_steps(server) == {"alice/a": [2], "alice/b": [7], "bob/b": [1, 2, 3]}
+      alice = _tenants(server)["alice"]
+      assert (alice.ram_tier_bytes, alice.ram_tier_quota) == (2 * STEP.nbytes, 600 << 10)
+      assert alice.saves == 0  # every save of hers committed
+      bob = _tenants(server)["bob"]
+      assert (bob.ram_tier_bytes, bob.ram_tier_quota) == (3 * STEP.nbytes, 0)
+      got = a.restore(1, target={"w": np.zeros_like(STEP)})  # from storage, bit-exact
+      np.testing.assert_array_equal(got["w"], STEP + 1)
+      assert a.last_restore_stats().bytes.get("storage", 0) == STEP.nbytes
+      got = a.restore(2, target={"w": np.zeros_like(STEP)})  # from memory
+      np.testing.assert_array_equal(got["w"], STEP + 2)
+      assert a.last_restore_stats().bytes.get("storage", 0) == 0
+
+
+def _stored(directory: pathlib.Path) -> int:
+  return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def test_a_save_past_a_tenants_storage_quota_is_refused_and_leaves_nothing(
+    make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path, POOL))
+  directory = tmp_path / "bob" / "run"
+  with controller(server, BOB) as ctl, ctl.checkpointer(str(directory)) as ck:
+    for step in (1, 2, 3):
+      assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
+    before = _stored(directory)
+    assert 3 * STEP.nbytes <= before < (1 << 20)
+    with pytest.raises(sidecar.ResourceExhaustedError) as e:
+      ck.save(4, {"w": STEP + 4}).durable.result(30)
+    message = str(e.value)
+    assert "tenant 'bob'" in message and "checkpoint_bytes=1.0 MiB" in message, message
+    assert "pool.yaml:3" in message and "max_to_keep" in message, message
+    assert ck.all_steps() == [1, 2, 3]
+    assert _stored(directory) == before  # nothing of step 4 stays
+  # Alice's saves are not hers to refuse.
+  with controller(server, ALICE) as ctl, ctl.checkpointer(str(tmp_path / "alice" / "a")) as ck:
+    for step in range(1, 6):
+      assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
+  # Once bob keeps fewer steps (two old ones deleted, max_to_keep=2 from now on), his
+  # next saves fit again.
+  for step in (1, 2):
+    shutil.rmtree(directory / str(step))
+  with controller(server, BOB) as ctl, ctl.checkpointer(str(directory), max_to_keep=2) as ck:
+    for step in (4, 5, 6):
+      assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
+    assert ck.all_steps() == [5, 6]
+    got = ck.restore(6, target={"w": np.zeros_like(STEP)})
+    np.testing.assert_array_equal(got["w"], STEP + 6)
+
+
+def test_a_tenant_at_its_storage_quota_is_refused_at_begin(make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path, POOL))
+  (tmp_path / "bob" / "run").mkdir()
+  (tmp_path / "bob" / "run" / "filler").write_bytes(b"x" * (1 << 20))  # his quota, all of it
+  with controller(server, BOB) as ctl, ctl.checkpointer(str(tmp_path / "bob" / "run")) as ck:
+    with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'bob' holds 1.0 MiB"):
+      ck.save(1, {"w": STEP}).durable.result(30)
+    assert ck.all_steps() == []
