@@ -13,6 +13,7 @@ Reads mirror it: the disk fills the caller's pages (an arena block) directly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -22,13 +23,23 @@ import numpy as np
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 CHUNK = 64 << 20  # bytes per call: large enough to keep the device busy
+# A turn at the storage's write bandwidth for ``nbytes``, held while they are written:
+# a pool's tenants share the storage by turns (server/shares.py). ``no_turn``: no sharing.
+Turn = Callable[[int], contextlib.AbstractContextManager[None]]
+TURN_BYTES = 16 << 20  # bytes written in one turn: a fair share is that fine-grained
 
 
-def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
+def no_turn(nbytes: int) -> contextlib.AbstractContextManager[None]:
+  del nbytes
+  return contextlib.nullcontext()
+
+
+def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn) -> int:
   """Writes the C-order bytes of ``data`` to a new file at ``path`` and fsyncs it.
 
   ``data`` must stay unchanged until this returns. Returns how many bytes went
-  direct (the rest went through the page cache).
+  direct (the rest went through the page cache). With a ``turn``, each ``TURN_BYTES``
+  are written in a turn of their own.
 
   Raises:
     OSError: the file could not be written.
@@ -41,10 +52,12 @@ def write_file(path: os.PathLike | str, data: np.ndarray) -> int:
   try:
     direct = 0
     if n >= ALIGN and data.ctypes.data % ALIGN == 0:
-      direct = _direct(fd, buf, n - n % ALIGN, lambda piece, at: os.pwrite(fd, piece, at))
+      direct = _direct(fd, buf, n - n % ALIGN, lambda piece, at: os.pwrite(fd, piece, at),
+                       turn)
     done = direct
-    while done < n:
-      done += os.pwrite(fd, buf[done:], done)
+    with turn(n - done) if done < n else contextlib.nullcontext():
+      while done < n:
+        done += os.pwrite(fd, buf[done:], done)
     os.fsync(fd)
   except OSError as e:  # pwrite and fsync name no file: the error says which (ENOSPC, EIO)
     if e.filename is not None:
@@ -85,12 +98,12 @@ def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
   return done
 
 
-def write_at(fd: int, data: np.ndarray, offset: int) -> int:
+def write_at(fd: int, data: np.ndarray, offset: int, turn: Turn = no_turn) -> int:
   """Writes the C-order bytes of ``data`` at ``offset`` of the open file ``fd``; no fsync.
 
   Page-aligned memory at a page-aligned offset goes direct but for a tail under a page,
-  as :func:`write_file`. It sets ``O_DIRECT`` on ``fd`` for the while: give each thread
-  its own descriptor. Returns how many bytes went direct.
+  as :func:`write_file` (and in turns as it). It sets ``O_DIRECT`` on ``fd`` for the
+  while: give each thread its own descriptor. Returns how many bytes went direct.
   """
   data = np.ascontiguousarray(data)
   buf = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -98,10 +111,11 @@ def write_at(fd: int, data: np.ndarray, offset: int) -> int:
   direct = 0
   if n >= ALIGN and data.ctypes.data % ALIGN == 0 and offset % ALIGN == 0:
     direct = _direct(fd, buf, n - n % ALIGN,
-                     lambda piece, at: os.pwrite(fd, piece, offset + at))
+                     lambda piece, at: os.pwrite(fd, piece, offset + at), turn)
   done = direct
-  while done < n:
-    done += os.pwrite(fd, buf[done:], offset + done)
+  with turn(n - done) if done < n else contextlib.nullcontext():
+    while done < n:
+      done += os.pwrite(fd, buf[done:], offset + done)
   return direct
 
 
@@ -155,10 +169,11 @@ def fsync_dir(path: os.PathLike | str) -> None:
     os.close(fd)
 
 
-def _direct(fd: int, buf: memoryview, end: int, transfer: Callable[[memoryview, int], int]
-            ) -> int:
+def _direct(fd: int, buf: memoryview, end: int, transfer: Callable[[memoryview, int], int],
+            turn: Turn = no_turn) -> int:
   """``transfer(piece, offset)`` over ``buf[:end]`` with O_DIRECT, as far as the file
-  system allows; returns the bytes done (the caller does the rest buffered)."""
+  system allows; returns the bytes done (the caller does the rest buffered). With a
+  ``turn``, each piece (``TURN_BYTES``) is transferred in a turn."""
   flags = fcntl.fcntl(fd, fcntl.F_GETFL)
   try:
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
@@ -167,9 +182,12 @@ def _direct(fd: int, buf: memoryview, end: int, transfer: Callable[[memoryview, 
       return 0  # No direct I/O here.
     raise
   done = 0
+  piece = CHUNK if turn is no_turn else TURN_BYTES
   try:
     while done < end:
-      n = transfer(buf[done:min(end, done + CHUNK)], done)
+      size = min(end, done + piece) - done
+      with turn(size):
+        n = transfer(buf[done:done + size], done)
       done += n
       if not n or done % ALIGN:
         break  # The end of the file, or a short transfer left the offset unaligned.

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import LeafSpec
 
@@ -105,9 +106,11 @@ class Format(abc.ABC):
 
   @abc.abstractmethod
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
-            *, progress: Callable[[int], None]) -> list[ShardChecksum]:
+            *, progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
     """Writes what ``incoming`` yields (what :meth:`Numbering.take` made) as it comes,
-    until the step is staged whole; returns every shard's checksum, its host set."""
+    until the step is staged whole; returns every shard's checksum, its host set. Its
+    bytes are written in ``turn``s (``direct_io.Turn``): the storage's write bandwidth,
+    which a pool's tenants share."""
 
   def manifest_extras(self, part: Any) -> Mapping[str, Any]:
     """What this format adds to a step's manifest, from the commit ``part``."""

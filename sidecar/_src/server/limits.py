@@ -92,7 +92,9 @@ class Slots:
     limit = self.tenant_limit(tenant)
     with self._lock:
       if limit is not None and tenant is not None and self._by_tenant[tenant] >= limit[0]:
-        raise errors.ResourceExhaustedError(
+        # Busy: the same request succeeds once its tenant's own rpcs in flight end (a
+        # controller asks a checkpoint rpc again, within its deadline).
+        raise errors.BusyError(
             f"tenant {tenant!r} already runs {self._by_tenant[tenant]} {self.kind}, its quota "
             f"({limit[1]}); wait for those in flight, or raise its quota in the pool file")
       if self._count >= self.total:

@@ -238,6 +238,7 @@ class Server:
     named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
         o.host_id, tenancy=self.tenancy, arena_bytes=self.arena.size,
+        tenant_of=lambda session: self.sessions.client(session),
         token=o.peer_token if named else o.token,
         peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
         peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))

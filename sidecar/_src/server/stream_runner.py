@@ -16,11 +16,11 @@ import time
 from collections.abc import Generator, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
+from sidecar._src.server import metrics as metrics_lib, shares as shares_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls import Runner, measured
 from sidecar._src.server.credits import CreditSource
-from sidecar._src.server.feeds import pool as feed_pool, producer, share as feed_share
+from sidecar._src.server.feeds import pool as feed_pool, producer
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
@@ -43,8 +43,8 @@ class StreamRunner:
     self._imports = imports
     self._book = FeedBook()
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
-    # A pool's tenants with feeds share the feed workers' CPUs by weight (feeds/share.py).
-    self._shares = feed_share.Shares(producer.MAX_WORKERS)  # the CPUs this sidecar may use
+    # A pool's tenants with feeds share the feed workers' CPUs by weight (shares.py).
+    self._shares = shares_lib.Shares(producer.MAX_WORKERS)  # the CPUs this sidecar may use
 
   def run(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
           time_left: TimeLeft, tenant: str | None = None) -> Iterator[pb.StreamItem]:

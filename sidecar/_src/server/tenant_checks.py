@@ -5,18 +5,25 @@ the pool; these only enforce it).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import registry as formats_lib
+from sidecar._src.ckptfmt import direct_io, registry as formats_lib
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server import shares as shares_lib, tenants as tenants_lib
 from sidecar._src.server.calls import Runner
 from sidecar._src.server.checkpoint.host import CheckpointHost
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire.protocol import pb
 
+# Pieces of files (direct_io.TURN_BYTES) the saves of a pool's tenants write at once on
+# one sidecar: two large direct writes keep a disk busy (benchmarks/pool_writes.py: three
+# equal tenants write as fast as with no turns), and a tenant that asks for one gets half
+# the storage at once whatever the others ask (three gave a hog a third always).
+WRITE_TURNS = 2
 # Where a format writes a save beside its directory instead of in it (DCP's).
 _TMP_SUFFIXES = tuple(f.tmp_suffix for f in formats_lib.DEFAULT.formats.values())
 
@@ -45,16 +52,27 @@ class TenantCheckpoints(CheckpointHost):
   - ``ram_tier``: the RAM-tier copies of the committed steps of the directories it opened
     keep within it together (the RAM tier's group of those directories), newest first;
   - ``checkpoint_bytes``: a part of a save is refused where what its directories hold on
-    this sidecar's storage, with what its saves here have still to write, would pass it.
+    this sidecar's storage, with what its saves here have still to write, would pass it;
+  - ``weight``: its saves write in turns at the storage (``write_bandwidth``, max-min fair
+    by weight among the tenants writing: ``shares.Bandwidth``).
 
-  ``arena_bytes``: the arena's size (``ram_tier`` may be a fraction of it).
+  ``arena_bytes``: the arena's size (``ram_tier`` may be a fraction of it);
+  ``tenant_of``: the tenant of a handshake session (a save's owner).
   """
 
   def __init__(self, host_id: int, *, tenancy: tenants_lib.Tenancy, arena_bytes: int = 0,
-               **kwargs: Any):
+               tenant_of: Callable[[str], str | None] = lambda session: None, **kwargs: Any):
     self._tenancy = tenancy
     self._arena_bytes = arena_bytes
-    super().__init__(host_id, group_budget=self._ram_budget, **kwargs)
+    self._tenant_of = tenant_of
+    self.write_bandwidth = shares_lib.Bandwidth(WRITE_TURNS)
+    super().__init__(host_id, group_budget=self._ram_budget, write_turn=self._write_turn,
+                     **kwargs)
+
+  def _write_turn(self, owner: str) -> direct_io.Turn | None:
+    t = self._tenancy.tenant(self._tenant_of(owner)) if self._tenancy.quotas else None
+    return None if t is None else functools.partial(self.write_bandwidth.turn, t.name,
+                                                    weight=t.weight)
 
   def _ram_budget(self, tenant: str) -> int | None:
     t = self._tenancy.tenant(tenant)

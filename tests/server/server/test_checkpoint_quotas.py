@@ -4,13 +4,18 @@ restore from storage), ``checkpoint_bytes`` the bytes its directories hold on st
 save past it is refused naming the tenant and the quota, and nothing of it stays); the
 other tenant's steps are untouched, and Status reports each tenant's RAM tier and saves."""
 
+import os
 import pathlib
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
 
 import sidecar
+from sidecar._src.ckptfmt import direct_io
+from sidecar._src.server import tenant_checks
 from sidecar._src.wire.protocol import pb
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
@@ -107,3 +112,46 @@ def test_a_tenant_at_its_storage_quota_is_refused_at_begin(make_server, tmp_path
     with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'bob' holds 1.0 MiB"):
       ck.save(1, {"w": STEP}).durable.result(30)
     assert ck.all_steps() == []
+
+
+def test_a_tenants_saves_write_in_its_turns_at_the_storage(make_server, tmp_path,
+                                                            monkeypatch):
+  """Every byte a pool tenant's save writes is written in one of its tenant's turns at the
+  storage: four saves of one tenant at once write at most WRITE_TURNS pieces at once
+  (16 files without the turns), and another tenant's pieces go in between."""
+  server = make_server(pool=write_pool(tmp_path, POOL.replace("checkpoint_bytes: 1MiB",
+                                                              "weight: 2")))
+  bandwidth = server.checkpoints.write_bandwidth
+  lock = threading.Lock()
+  active = {"alice": 0, "bob": 0}
+  seen: list[tuple[str, int, int]] = []  # (tenant, its pieces being written, all of them)
+  pwrite = os.pwrite
+
+  def slow(fd, data, offset):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    tenant = "alice" if f"{os.sep}alice{os.sep}" in path else "bob"
+    with lock:
+      active[tenant] += 1
+      seen.append((tenant, active[tenant], sum(active.values())))
+    try:
+      time.sleep(0.01)
+      return pwrite(fd, data, offset)
+    finally:
+      with lock:
+        active[tenant] -= 1
+
+  monkeypatch.setattr(direct_io.os, "pwrite", slow)
+  tree = {f"w{i}": STEP + i for i in range(8)}  # 8 files of 256 KiB a step
+  before = bandwidth.lately("bob")
+  with controller(server, ALICE) as a, controller(server, BOB) as b:
+    cks = [a.checkpointer(str(tmp_path / "alice" / f"run{i}")) for i in range(4)]
+    cks.append(b.checkpointer(str(tmp_path / "bob" / "run")))
+    handles = [ck.save(1, tree) for ck in cks]
+    for h in handles:
+      assert h.durable.result(60) == 1
+    for ck in cks:
+      ck.close()
+  assert len(seen) == 5 * 8, seen  # one piece a file, each written in a turn
+  assert max(n for _, _, n in seen) <= tenant_checks.WRITE_TURNS, seen
+  assert {t for t, _, _ in seen} == {"alice", "bob"}
+  assert bandwidth.lately("bob") > before  # what he wrote is on his account

@@ -61,10 +61,11 @@ class NpyFormat(Format):
   def numbering(self, leaves):
     return LeafNumbering(leaves)
 
-  def write(self, tmp_dir, host_id, numbering, incoming, *, progress):
+  def write(self, tmp_dir, host_id, numbering, incoming, *, progress, turn):
     sums = []
     for s in incoming:
-      np.save(_file(tmp_dir, numbering.leaves[s.leaf].key_path, s.index), s.data)
+      with turn(s.data.nbytes):
+        np.save(_file(tmp_dir, numbering.leaves[s.leaf].key_path, s.index), s.data)
       progress(s.data.nbytes)
       sums.append(ShardChecksum(numbering.leaves[s.leaf].key_path, s.index, s.data.nbytes,
                                 shard_crc32c(s.data), host_id))

@@ -197,14 +197,16 @@ def _as_bytes(item: Item, data: np.ndarray) -> np.ndarray:
 
 def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Item],
                     datas: Iterable[tuple[int, np.ndarray]], *,
-                    progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
+                    progress: Callable[[int], None] | None = None,
+                    turn: direct_io.Turn = direct_io.no_turn) -> list[ShardChecksum]:
   """Writes rank ``rank``'s file into the uncommitted checkpoint ``directory``, durably.
 
   ``datas`` yields ``(item number, array)`` for every item exactly once, in any order;
   it may be a generator that waits for parts still being staged: each item's write
   and checksum start as it arrives, on idle-class threads. The arrays must not change
   until this returns (they are written without a copy). ``progress(nbytes)`` is called
-  as each item is written.
+  as each item is written; its bytes are written in ``turn``s (the storage's bandwidth,
+  shared among a pool's tenants).
 
   Returns:
     The crc32c of every item, in the order of ``items``.
@@ -232,7 +234,7 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
         raise errors.InvalidArgumentError(f"item {items[number].fqn!r} of rank {rank} came twice")
       item = items[number]
       data = _as_bytes(item, data)
-      writes.append(pool.submit(_write_record, path, item, placements[number], data))
+      writes.append(pool.submit(_write_record, path, item, placements[number], data, turn))
       sums[number] = checksums.submit(item_checksum, item, data)
     missing = [items[i].fqn for i in range(len(items)) if i not in sums]
     if missing:
@@ -250,14 +252,15 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
     return [sums[i].result() for i in range(len(items))]
 
 
-def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray) -> int:
+def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,
+                  turn: direct_io.Turn = direct_io.no_turn) -> int:
   fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # its own: write_at sets O_DIRECT on it
   try:
     if item.kind is ItemKind.TENSOR:
       os.pwrite(fd, dcp_record.header(item.dtype, item.sizes, at=where.offset), where.offset)
       trailer = dcp_record.trailer(item.dtype, item.sizes, at=where.offset)
       os.pwrite(fd, trailer, where.data_offset + item.nbytes)
-    direct_io.write_at(fd, data, where.data_offset)
+    direct_io.write_at(fd, data, where.data_offset, turn)
   finally:
     os.close(fd)
   return item.nbytes

@@ -26,7 +26,7 @@ import numpy as np
 from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
+from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import dtypes as dtypes_lib, errors
@@ -94,9 +94,10 @@ class DcpFormat(Format):
     return ItemNumbering()
 
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
-            *, progress: Callable[[int], None]) -> list[ShardChecksum]:
+            *, progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
     assert isinstance(numbering, ItemNumbering)
-    return write_ranks(tmp_dir, numbering.items, incoming, host_id=host_id, progress=progress)
+    return write_ranks(tmp_dir, numbering.items, incoming, host_id=host_id, progress=progress,
+                       turn=turn)
 
   def manifest_extras(self, part: Any) -> Mapping[str, Any]:
     return {"plan": _commit_part(part).plan()}
@@ -169,7 +170,7 @@ def _index(final_dir: str, mtime: float
 
 def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
                 incoming: Iterator[tuple[int, StagedShard]], *, host_id: int,
-                progress: Callable[[int], None]) -> list[ShardChecksum]:
+                progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
   """Writes the file of every rank that stages into this host, each on its own thread.
 
   ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
@@ -190,7 +191,8 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
         yield got
       ended = True
     try:
-      results[rank] = distcp.write_rank_part(tmp, rank, items[rank], datas(), progress=progress)
+      results[rank] = distcp.write_rank_part(tmp, rank, items[rank], datas(), progress=progress,
+                                             turn=turn)
     except BaseException as e:
       failures[rank] = e
       # Let the router go on (the error is kept), unless the end marker is consumed

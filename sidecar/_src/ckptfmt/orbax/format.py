@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, records
-from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Uncommitted
+from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
   read as orbax_read,
@@ -90,10 +90,10 @@ class OrbaxFormat(Format):
     return LeafNumbering(leaves)
 
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
-            *, progress: Callable[[int], None]) -> list[ShardChecksum]:
+            *, progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
     assert isinstance(numbering, LeafNumbering)
     sums = orbax_write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
-                                 progress=progress)
+                                       progress=progress, turn=turn)
     return [dataclasses.replace(c, host=host_id) for c in sums]
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],

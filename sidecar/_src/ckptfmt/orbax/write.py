@@ -52,14 +52,16 @@ def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
                     shards: Iterable[StagedShard], *, use_compression: bool = False,
-                    progress: Callable[[int], None] | None = None) -> list[ShardChecksum]:
+                    progress: Callable[[int], None] | None = None,
+                    turn: direct_io.Turn = direct_io.no_turn) -> list[ShardChecksum]:
   """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
 
   ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as the
   sidecar staged them (:class:`StagedShard`, its ``leaf`` a number in ``specs``; an
   ``index`` of slices is taken too). It may be a generator that waits for shards still
   being staged: each one's write and checksum start as it arrives.
-  ``progress(nbytes)`` is called as each shard becomes durable.
+  ``progress(nbytes)`` is called as each shard becomes durable. Its bytes are written in
+  ``turn``s (the storage's bandwidth, shared among a pool's tenants).
   """
   import tensorstore as ts
   from orbax.checkpoint._src.metadata import array_metadata_store
@@ -76,7 +78,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
                     assume_metadata=host_index != 0, context=context)
             for w in write_specs]
   try:
-    sums = _write_shards(specs, write_specs, opened, shards, use_compression, progress)
+    sums = _write_shards(specs, write_specs, opened, shards, use_compression, progress, turn)
   except BaseException:
     # The opens create .zarray files on TensorStore's threads: let them end before the
     # caller removes the directory of a failed or aborted save (a file landing after the
@@ -95,7 +97,8 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
 
 def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened: Sequence[Any],
                   shards: Iterable[StagedShard], use_compression: bool,
-                  progress: Callable[[int], None] | None) -> list[ShardChecksum]:
+                  progress: Callable[[int], None] | None,
+                  turn: direct_io.Turn) -> list[ShardChecksum]:
   """Writes each shard as it comes; returns their checksums once all are durable."""
   writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
   pending_sums: list[concurrent.futures.Future[ShardChecksum]] = []
@@ -112,11 +115,11 @@ def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened:
       index, data = _resolve(spec, shard)
       path = _chunk_file(w, index, data, use_compression)
       if path is not None:  # The common case: one uncompressed chunk, its bytes as they are.
-        write: Any = pool.submit(direct_io.write_file, path, data)
+        write: Any = pool.submit(direct_io.write_file, path, data, turn)
       else:
         store = opened[leaf].result()
-        write = store[tuple(slice(a, b) for a, b in index)].write(
-            data, can_reference_source_data_indefinitely=True)
+        target = store[tuple(slice(a, b) for a, b in index)]
+        write = pool.submit(_write_through, target, data, turn)
       writes.append((write, data.nbytes))
       # The checksum too: those of the first parts then run while the trainer is
       # still copying the rest, not while it trains.
@@ -128,6 +131,13 @@ def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened:
       if progress is not None:
         progress(nbytes)
     return [f.result() for f in pending_sums]
+
+
+def _write_through(target: Any, data: np.ndarray, turn: direct_io.Turn) -> None:
+  """TensorStore's write of ``data`` into ``target`` (a slice of an opened array), durable,
+  in one turn."""
+  with turn(data.nbytes):
+    target.write(data, can_reference_source_data_indefinitely=True).result()
 
 
 def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:

@@ -74,7 +74,8 @@ class CheckpointHost:
                peer_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                peer_credentials: Any = None,
-               group_budget: Callable[[str], int | None] = lambda group: None):
+               group_budget: Callable[[str], int | None] = lambda group: None,
+               write_turn: Callable[[str], Any] = lambda owner: None):
     self._host_id = host_id
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
@@ -93,7 +94,8 @@ class CheckpointHost:
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
     self.writer = checkpoint_save.StepWriter(host_id, tier=self.tier, roots=self._roots,
-                                             spawn=self._spawn, metrics=metrics)
+                                             spawn=self._spawn, metrics=metrics,
+                                             write_turn=write_turn)
     self.replicator = checkpoint_replication.Replicator(
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics)

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import records, registry as formats_lib
+from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
+from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, StagedShard
@@ -52,11 +53,14 @@ class StepWriter:
     spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
     metrics: where the bytes staged and written and the write's time are recorded.
     formats: the formats by name (a unit test gives one whose write records, waits or fails).
+    write_turn: the turns at the storage's write bandwidth of the session ``owner``'s saves
+      (a pool tenant's, shared by weight: ``server/shares.py``), or None: no sharing.
   """
 
   def __init__(self, host_id: int, *, tier: ram_tier.RamTier, roots: roots_lib.Roots,
                spawn: Callable[..., None], metrics: metrics_lib.Recorder,
-               formats: formats_lib.Registry = formats_lib.DEFAULT):
+               formats: formats_lib.Registry = formats_lib.DEFAULT,
+               write_turn: Callable[[str], Turn | None] = lambda owner: None):
     self._host_id = host_id
     self._tier = tier
     self._roots = roots
@@ -64,6 +68,7 @@ class StepWriter:
     self._spawn = spawn
     self._metrics = metrics
     self._formats = formats
+    self._write_turn = write_turn
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
            sweep: bool = True) -> list[int]:
@@ -194,7 +199,8 @@ class StepWriter:
                                writers=max(writers, 1), format=fmt.name,
                                numbering=fmt.numbering(leaves))
         self._tier.steps[final_dir] = record
-        self._spawn(self._write, record, fmt, tmp_dir, name=f"sidecar-ckpt-{step}")
+        self._spawn(self._write, record, fmt, tmp_dir,
+                    self._write_turn(owner) or direct_io.no_turn, name=f"sidecar-ckpt-{step}")
       if record.closed:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
       record.owners.add(owner)
@@ -217,10 +223,11 @@ class StepWriter:
           record.whole.set()
       return record.nbytes
 
-  def _write(self, record: ram_tier.Step, fmt: Format, tmp_dir: str) -> None:
+  def _write(self, record: ram_tier.Step, fmt: Format, tmp_dir: str, turn: Turn) -> None:
     # The bytes are written and checksummed on idle-class threads (the format's write
     # engine, e.g. ckptfmt/orbax/write.py): a save yields the CPU to the training step and
-    # feeds wherever they compete.
+    # feeds wherever they compete. A pool tenant's are written in its turns at the
+    # storage, which the tenants writing share.
     t0 = time.perf_counter()
     try:
       faults.fault("write", record.step)
@@ -254,7 +261,7 @@ class StepWriter:
 
       assert record.numbering is not None
       record.checksums = fmt.write(tmp_dir, self._host_id, record.numbering, incoming(),
-                                   progress=progress)
+                                   progress=progress, turn=turn)
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
       log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,

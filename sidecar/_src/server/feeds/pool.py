@@ -24,7 +24,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, platform
-from sidecar._src.server.feeds import share as feed_share
+from sidecar._src.server import shares as shares_lib
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -48,7 +48,7 @@ class Pool:
   """
 
   def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
-               kwargs: pb.Value, spec: pb.FeedSpec, turns: feed_share.Turns | None = None):
+               kwargs: pb.Value, spec: pb.FeedSpec, turns: shares_lib.Turns | None = None):
     self.size = size
     self._turns = turns
     self._arena = arena

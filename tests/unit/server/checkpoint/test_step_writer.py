@@ -37,7 +37,7 @@ class Recording(OrbaxFormat):
     self.seen, self.fail = [], fail
     self.first = threading.Event()
 
-  def write(self, tmp_dir, host_id, numbering, incoming, *, progress):
+  def write(self, tmp_dir, host_id, numbering, incoming, *, progress, turn):
     def recorded():
       for s in incoming:  # the staged shards themselves
         self.seen.append((s.leaf, s.index))
@@ -45,7 +45,7 @@ class Recording(OrbaxFormat):
         if self.fail is not None:
           raise self.fail
         yield s
-    return super().write(tmp_dir, host_id, numbering, recorded(), progress=progress)
+    return super().write(tmp_dir, host_id, numbering, recorded(), progress=progress, turn=turn)
 
 
 @pytest.fixture

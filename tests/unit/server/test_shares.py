@@ -1,4 +1,5 @@
-"""Feed workers shared among tenants with work, by weight (server/feeds/share.py)."""
+"""Feed workers and the storage's writes shared among tenants with work, by weight
+(server/shares.py)."""
 
 import contextlib
 import threading
@@ -7,13 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from sidecar._src.server.feeds import share as feed_share
+from sidecar._src.server import shares as shares_lib
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_tenant_alone_has_every_worker_and_shares_shrink_by_weight_while_others_feed():
-  shares = feed_share.Shares(8)
+  shares = shares_lib.Shares(8)
   with shares.turns("hog"):
     assert shares.share("hog") == 8
     with shares.turns("alice", 3.0), shares.turns("bob"):
@@ -25,7 +26,7 @@ def test_a_tenant_alone_has_every_worker_and_shares_shrink_by_weight_while_other
 
 
 def test_a_tenant_at_its_share_waits_for_its_own_batches_and_never_blocks_another():
-  shares = feed_share.Shares(2)
+  shares = shares_lib.Shares(2)
   with shares.turns("hog") as hog, shares.turns("alice") as alice:
     hog.take()  # its share: 1 of 2
     assert not hog.free() and alice.free()
@@ -50,7 +51,7 @@ def test_a_tenant_at_its_share_waits_for_its_own_batches_and_never_blocks_anothe
 
 
 def test_a_share_that_grows_wakes_a_waiting_tenant():
-  shares = feed_share.Shares(2)
+  shares = shares_lib.Shares(2)
   with shares.turns("hog") as hog:
     took = threading.Event()
     with shares.turns("alice"):
@@ -66,14 +67,14 @@ def test_a_share_that_grows_wakes_a_waiting_tenant():
 
 def test_total_below_one_is_refused():
   with pytest.raises(ValueError, match="total must be at least 1, got 0"):
-    feed_share.Shares(0)
+    shares_lib.Shares(0)
 
 
 class _Workers:
   """A feed_pool.Pool without processes: fills a batch in ``wait`` with its position, and
   keeps the most batches of its tenant ever in flight at once."""
 
-  def __init__(self, size: int, turns: feed_share.Turns):
+  def __init__(self, size: int, turns: shares_lib.Turns):
     self.size, self._turns = size, turns
     self.most = 0
     self._out: dict[int, tuple[int, list]] = {}
@@ -103,7 +104,7 @@ class _Workers:
 @pytest.mark.parametrize("others", [0, 1, 3], ids=["alone", "one-other", "three-others"])
 def test_a_feed_past_its_share_collects_its_own_batches_in_order(others):
   from sidecar._src.server.feeds import producer
-  shares = feed_share.Shares(4)
+  shares = shares_lib.Shares(4)
   spec = producer.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=1,
                        shard_index=0, shard_count=1, start={}, workers=4)
   rows = [{"x": np.float32(i)} for i in range(40)]
@@ -116,3 +117,91 @@ def test_a_feed_past_its_share_collects_its_own_batches_in_order(others):
   assert [b.leaves[0][0][0] for b, _, _ in batches] == [2 * i for i in range(20)]
   assert workers.most == {0: 4, 1: 2, 3: 1}[others]  # 4 CPUs: all, a half, a quarter
   assert shares.busy("hog") == 0
+
+
+class Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def test_the_storage_goes_to_the_tenant_that_wrote_least_lately_for_its_weight():
+  clock = Clock()
+  bandwidth = shares_lib.Bandwidth(1, half_life_s=1.0, anticipate_s=0.0, clock=clock)
+  with bandwidth.turn("hog", 8 << 20):
+    pass
+  with bandwidth.turn("light", 1 << 20, weight=2.0):
+    pass
+  assert bandwidth.lately("hog") == 8 << 20 and bandwidth.lately("light") == 1 << 19
+  clock.now = 2.0  # two half-lives on: a quarter counts
+  assert bandwidth.lately("hog") == 2 << 20
+  order, started = [], []
+  holder = bandwidth.turn("hog", 1)
+  holder.__enter__()  # the one turn is taken: the others wait
+
+  def ask(tenant, n):
+    started.append(tenant)
+    with bandwidth.turn(tenant, n):
+      order.append(tenant)
+
+  waiters = []
+  for tenant, n in (("hog", 1 << 20), ("hog", 1 << 20), ("light", 1 << 20), ("new", 64 << 20)):
+    waiters.append(threading.Thread(target=ask, args=(tenant, n)))
+    waiters[-1].start()
+    while len(started) < len(waiters):
+      time.sleep(0.001)
+  time.sleep(0.1)
+  assert order == []
+  holder.__exit__(None, None, None)
+  for w in waiters:
+    w.join(5)
+  # Least lately first: new (nothing), light (1/8 MiB faded), then the hog's two in turn.
+  assert order == ["new", "light", "hog", "hog"]
+
+
+def test_a_light_tenants_next_piece_finds_its_turn_kept():
+  """A light tenant writing a file piece after piece keeps its turn between pieces: a heavy
+  tenant waiting meanwhile goes once the light one's file is done (or the kept turn
+  lapses), not between its pieces."""
+  bandwidth = shares_lib.Bandwidth(1, anticipate_s=0.5)
+  with bandwidth.turn("hog", 64 << 20):
+    pass
+  order = []
+  first = bandwidth.turn("light", 1 << 20)
+  first.__enter__()
+  hog = threading.Thread(target=lambda: bandwidth.turn("hog", 1).__enter__() or
+                         order.append("hog"))
+  hog.start()
+  time.sleep(0.05)
+  first.__exit__(None, None, None)
+  time.sleep(0.05)  # the light tenant asks again, well within anticipate_s
+  with bandwidth.turn("light", 1 << 20):
+    order.append("light")
+  hog.join(5)
+  assert order == ["light", "hog"]
+
+
+def test_at_most_total_turns_at_once():
+  bandwidth = shares_lib.Bandwidth(2)
+  lock, now, most = threading.Lock(), [0], [0]
+
+  def write(tenant):
+    for _ in range(20):
+      with bandwidth.turn(tenant, 1 << 20):
+        with lock:
+          now[0] += 1
+          most[0] = max(most[0], now[0])
+        time.sleep(0.001)
+        with lock:
+          now[0] -= 1
+
+  threads = [threading.Thread(target=write, args=(t,)) for t in ("a", "a", "b", "c", "c")]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(10)
+  assert most[0] == 2
+  with pytest.raises(ValueError, match="total must be at least 1, got 0"):
+    shares_lib.Bandwidth(0)
