@@ -98,10 +98,12 @@ class TenantCheckpoints(CheckpointHost):
     if t is None or t.checkpoint_bytes is None:
       return
     mine = {os.path.realpath(d) for d in self.opened_by(t.name)}
-    stored = sum(_stored(d) for d in mine)
+    outer = [d for d in mine if not any(d.startswith(o.rstrip(os.sep) + os.sep) for o in mine)]
+    stored = sum(_stored(d) for d in outer)  # a directory inside another is counted there
     with self.tier.lock:  # staged here, not yet on storage
-      pending = sum(max(s.nbytes - s.written, 0) for s in self.tier.steps.values()
-                    if not s.done.is_set() and os.path.realpath(s.directory) in mine)
+      writing = [(s.directory, s.nbytes - s.written) for s in self.tier.steps.values()
+                 if not s.done.is_set()]
+    pending = sum(max(n, 0) for d, n in writing if os.path.realpath(d) in mine)
     if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
                                                           stored >= t.checkpoint_bytes):
       fmt = shm.format_size

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save import agree_on_save, end_save
+from sidecar._src.controller.checkpoint.save_protocol import agree_on_save, end_save
 from sidecar._src.controller.checkpoint.target import SaveHandle, done_handle
 from sidecar._src.core import errors, interrupts
 from sidecar._src.torch import controller as torch_controller, storage

@@ -2,7 +2,7 @@
 work unchanged with ``storage_writer=StorageWriter(path)`` / ``storage_reader=StorageReader(path)``.
 
 Thin adapters over the core's checkpoint protocol: a save runs the core's
-``controller/checkpoint/save.SaveProtocol`` with DCP's coordinator rank as the agreement
+``controller/checkpoint/save_protocol.SaveProtocol`` with DCP's coordinator rank as the agreement
 between the ranks, a restore the core's tier fallback (``restore.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
@@ -53,7 +53,7 @@ from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
-from sidecar._src.controller.checkpoint.save import SaveProtocol
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees

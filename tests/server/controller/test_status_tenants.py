@@ -37,7 +37,8 @@ def test_status_shows_each_tenants_row(make_server, tmp_path, capsys):
       assert set(rows) == {"alice", "bob"}
       # host, tenant, sessions, workers, arena held (guaranteed / ceiling), ...
       assert rows["alice"][:5] == ["0", "alice", "1", "1", "1.0"]
-      assert rows["alice"][-5:] == ["0", "0", "0", "0", "0"]  # feeds .. queue
+      # feeds, feed workers, batches, saves, RAM tier ("0 B (no quota)"), queue
+      assert rows["alice"][-9:] == ["0", "0", "0", "0", "0", "B", "(no", "quota)", "0"]
       assert rows["bob"][2:4] == ["0", "0"]
       assert status_lib.print_status([address], timeout=5, token=ALICE) == 0
       assert set(_tenant_lines(capsys.readouterr().out)) == {"alice"}

@@ -119,7 +119,10 @@ def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened:
       else:
         store = opened[leaf].result()
         target = store[tuple(slice(a, b) for a, b in index)]
-        write = pool.submit(_write_through, target, data, turn)
+        if turn is direct_io.no_turn:  # TensorStore's own threads, as many as it likes
+          write = target.write(data, can_reference_source_data_indefinitely=True)
+        else:  # one of the pool's, in a turn
+          write = pool.submit(_write_through, target, data, turn)
       writes.append((write, data.nbytes))
       # The checksum too: those of the first parts then run while the trainer is
       # still copying the rest, not while it trains.

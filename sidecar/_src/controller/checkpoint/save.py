@@ -1,21 +1,13 @@
-"""The save protocol, once for every framework and format.
+"""JAX's (and the numpy core's) driver of the save protocol: :class:`SaveCoordinator`.
 
-:class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
-phase, each on the hosts it is given: begin (the tmp directory), stage a host's parts,
-prepared (each host's checksums once written), commit once or abort everywhere, mark
-committed, replicate. Who calls each phase, and how the trainer processes agree between
-them, is pluggable: :class:`SaveCoordinator` (JAX's and the numpy core's checkpointer)
-agrees through the processes' key-value store (``controller/peers.Peers``); PyTorch's
-``torch/storage.StorageWriter`` through DCP's coordinator rank (DCP's own gather and
-scatter around its ``prepare_global_plan`` and ``finish``).
-
-With :class:`SaveCoordinator` a save copies every addressable shard once into the arena
-of the host that owns its device (replicated shards once), hands the blocks to the
-sidecars in parts (``staged``) and returns; a shard still on its way from an accelerator
-(a ``HostCopy``) is copied by a stager thread once it has landed, after the save
-returned. A finisher thread then begins the step (process 0), stages the parts, starts
-the peer replication, waits for every host's writes (prepared) and commits once
-(process 0), or aborts everywhere (``durable``, ``replicated``).
+A save copies every addressable shard once into the arena of the host that owns its
+device (replicated shards once), hands the blocks to the sidecars in parts (``staged``)
+and returns; a shard still on its way from an accelerator (a ``HostCopy``) is copied by a
+stager thread once it has landed, after the save returned. A finisher thread then begins
+the step (process 0), stages the parts, starts the peer replication, waits for every
+host's writes (prepared) and commits once (process 0), or aborts everywhere
+(``durable``, ``replicated``): the phases of ``save_protocol.SaveProtocol``, the
+processes agreeing through their key-value store (``controller/peers.Peers``).
 """
 
 from __future__ import annotations
@@ -25,7 +17,6 @@ import json
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,8 +24,16 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardChecksum, StagedShard
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
+from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.checkpoint.save_protocol import (
+  LONG_S,
+  SaveProtocol,
+  agree_on_save,
+  describe,
+  end_save,
+  resolve,
+)
 from sidecar._src.controller.checkpoint.staging import Parts, stage_late
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.framework import Framework, HostCopy, SaveShard
@@ -42,282 +41,7 @@ from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, protocol
 
-# The checkpointer's one logger, whichever of its modules logs.
 log = logging.getLogger(__name__)
-# The longest wait for a host's writes (prepared) and for the commit that follows.
-_LONG_S = 3600.0
-# An abort waits for the host's writer to stop (up to a minute there).
-_ABORT_S = 90.0
-
-
-class SaveProtocol:
-  """The phases of one step's save on the sidecars, each on the hosts it is given.
-
-  Format-neutral: a format's own part of a request travels as a typed value
-  (``client.StagePart``, ``client.CommitPart``: ``ckptfmt/dcp``'s; none for stock Orbax's
-  layout), never as a branch here. The caller agrees with the other trainer processes
-  between phases.
-
-  Args:
-    client: the sidecars.
-    directory: the checkpoint directory (absolute): where the steps are.
-    format: the format's name (``""``: stock Orbax's layout; ``"dcp"``).
-    writers: the processes that stage into each host, where several share one (each
-      sends its own last part; the host's step is whole once all of them have).
-  """
-
-  def __init__(self, *, client: CheckpointTransport, directory: str, format: str = "",
-               writers: Mapping[int, Sequence[int]] | None = None):
-    self.client, self.directory, self.format = client, directory, format
-    self._writers = dict(writers or {})
-
-  def begin(self, host: int, path: str, step: int) -> str:
-    """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
-    directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
-    fmt = {"format": self.format} if self.format else {}
-    return self.client.begin(host, path, step, **fmt).result()
-
-  def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), part: StagePart | None = None,
-            rest: StagePart | None = None) -> None:
-    """Hands the parts ``parts`` holds (``(host, shards, last)``, as ``staging.Parts`` puts
-    them; an exception aborts) to their sidecars as they come, until each of ``hosts``
-    had its last. A host's first part carries ``leaves`` and the format's ``part``, its
-    later ones ``rest``."""
-    last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
-    closed = 0
-    try:
-      while closed < len(hosts):
-        got = parts.get()  # (host, shards, last); no other local holds the shards, as
-        if isinstance(got, BaseException):  # the raise would keep them in its frame
-          raise got
-        host, final = got[0], got[2]
-        first = host not in last
-        if not first:
-          last[host].result()  # a host's parts arrive in order
-        now = part if first else rest
-        fmt = {} if now is None else {"part": now}
-        last[host] = self.client.stage(host, directory=self.directory, step=target.step,
-                                       tmp_dir=target.tmp_dir, final_dir=target.final_dir,
-                                       leaves=list(leaves) if first else [], shards=got[1],
-                                       last=final, writers=len(self._writers.get(host, ())) or 1, **fmt)
-        closed += final
-    except BaseException:
-      # The abort that follows must reach each sidecar after its last stage call: one
-      # arriving later would stage the step anew, and hold its blocks until it times out.
-      concurrent.futures.wait(list(last.values()))
-      raise
-    for f in last.values():
-      f.result()
-
-  def stage_copies(self, target: Target, host: int, arrays: list[np.ndarray],
-                   indexes: Sequence[spec_lib.Index], refs: Sequence[codec.ArenaRef | None], *,
-                   part: StagePart | None = None, rest: StagePart | None = None,
-                   threads: int | None = None) -> None:
-    """Stages this process's shards on ``host``: each of ``arrays`` (the shard of leaf
-    ``i`` at ``indexes[i]``) copied into the host's arena where ``refs`` has no block of it
-    (the blocks allocated in one request), and handed to the sidecar in parts of about
-    ``STAGE_PART_BYTES`` as the copy goes, by a stager thread of this call. On a failure
-    (Ctrl-C too, between two copies) the host's part is dropped again, and it raises.
-    ``arrays`` is emptied: its blocks are the sidecar's once staged."""
-    parts: queue.SimpleQueue = queue.SimpleQueue()
-    staging = Parts([host], parts)
-    failed: list[BaseException] = []
-
-    def stage() -> None:
-      try:
-        self.stage(target, parts, hosts=[host], part=part, rest=rest)
-      except BaseException as e:
-        failed.append(e.with_traceback(None))  # its frames would hold the blocks
-
-    stager = threading.Thread(target=stage, daemon=True, name=f"sidecar-stage-{target.step}")
-    stager.start()
-    try:
-      fresh = [i for i, r in enumerate(refs) if r is None]
-      blocks = dict(zip(fresh, self.client.empty_like(host, [arrays[i] for i in fresh])))
-      for i, (array, index) in enumerate(zip(arrays, indexes)):
-        interrupts.check()  # Ctrl-C aborts the save
-        ref = refs[i]
-        if i in blocks:
-          block, ref = blocks.pop(i)
-          shm.copy(block, array, threads=threads)  # the one copy the trainer waits for
-          array = block
-        staging.add(host, StagedShard(i, index, array, ref), array.nbytes)
-        arrays[i] = array
-      staging.close()
-    except BaseException as e:
-      staging.fail(e.with_traceback(None))
-      failed.append(e)
-    finally:
-      arrays.clear()
-      stager.join()
-    if failed:
-      self.abort(target, [host])
-      raise failed[0]
-
-  def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardChecksum]:
-    """Waits for ``hosts`` to write their parts; returns their checksums."""
-    prepared = [f.result() for f in [self.client.prepared(h, target.final_dir, timeout=_LONG_S)
-                                     for h in hosts]]
-    return [c for host_sums in prepared for c in host_sums]
-
-  def commit(self, host: int, target: Target, *, num_hosts: int,
-             checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
-             data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             part: CommitPart | None = None) -> str:
-    """``host`` commits the step (every host prepared); returns the committed directory."""
-    fmt = {} if part is None else {"part": part}
-    return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
-                              num_hosts=num_hosts, leaves=list(leaves), checksums=checksums,
-                              data_state_json=data_state_json, whole_step=target.whole_step,
-                              replicas={h: p for h, p in (replicas or {}).items() if p} or None,
-                              timeout=_LONG_S, **fmt).result()
-
-  def abort(self, target: Target, hosts: Sequence[int]) -> None:
-    """Drops a failed save from every sidecar that answers, then its uncommitted files.
-
-    A host that does not answer keeps its part only until its writer gives up on the
-    step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
-    """
-    done = on_each(
-        lambda h: self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
-        hosts=hosts, what=f"abort step {target.step}")
-    tmp = target.tmp_step
-    if target.whole_step and done and tmp and tmp != target.tmp_dir:
-      # Every host is done with the step: its tmp directory goes.
-      on_each(lambda h: self.client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
-              hosts=done, what=f"remove step {target.step}'s tmp files")
-
-  def mark_committed(self, target: Target, hosts: Sequence[int], manifest_json: str = ""
-                     ) -> None:
-    """Tells ``hosts``' RAM tiers the step is visible (``manifest_json``: its manifest,
-    where the committing sidecar alone wrote it: a DCP step's)."""
-    # Durable all the same where a host does not answer: a lost host's RAM tier is gone anyway.
-    extra = {"manifest_json": manifest_json} if manifest_json else {}
-    on_each(lambda h: self.client.committed(h, target.final_dir, **extra), hosts=hosts,
-            what=f"mark step {target.step} committed in the RAM tier")
-
-  def start_replication(self, target: Target, placement: Mapping[int, Sequence[int]],
-                        sidecars: Mapping[int, Mapping[str, Any]], *,
-                        bandwidth: int | None) -> concurrent.futures.Future | None:
-    """Each host of ``placement`` sends its staged shards to its replica hosts (sidecar
-    to sidecar, ``sidecars`` their records); returns a future of their
-    :class:`Replicated` once all of them hold their copies, or None where no host has
-    any."""
-    placement = {h: p for h, p in placement.items() if p}
-    if not placement:
-      return None
-    futures = [self.client.replicate(h, target.final_dir,
-                                     [_replica_target(p, sidecars[p]) for p in to],
-                                     bandwidth=bandwidth, timeout=_LONG_S)
-               for h, to in placement.items()]
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    t0 = time.perf_counter()
-
-    def done(_):
-      if out.done() or not all(f.done() for f in futures):
-        return
-      failed = [f.exception() for f in futures if f.exception() is not None]
-      try:
-        if failed:
-          out.set_exception(failed[0])
-        else:
-          results: list[Replicated] = [f.result() for f in futures]
-          out.set_result(results)
-          log.info("step %d: %s replicated from %d hosts in %.2f s", target.step,
-                   shm.format_size(sum(r.nbytes for r in results)), len(futures),
-                   time.perf_counter() - t0)
-      except concurrent.futures.InvalidStateError:
-        pass  # two last callbacks raced
-
-    for f in futures:
-      f.add_done_callback(done)
-    return out
-
-
-def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],
-            what: str) -> list[int]:
-  """Runs ``start(host)`` on each host at once; returns those that did it, logs the others."""
-  futures: dict[int, concurrent.futures.Future] = {}
-  for h in hosts:
-    try:
-      futures[h] = start(h)
-    except errors.SidecarError as e:  # a host known lost: nothing to call
-      # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
-      # would keep its traceback's frames, and their arrays' arena blocks, alive.
-      log.warning("could not %s on host %d: %s", what, h, str(e))
-  ok = []
-  for h, future in futures.items():
-    try:
-      future.result()
-      ok.append(h)
-    except errors.SidecarError as e:
-      log.warning("could not %s on host %d: %s", what, h, str(e))
-  return ok
-
-
-def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
-  """Checks every process saves ``step`` (raises in every process if not); returns
-  whether any process has a save in flight, so that all take the same busy decision
-  (``if_busy``: wait for it, or skip this save)."""
-  if peers.count == 1:
-    return busy
-  gathered = [json.loads(v) for v in peers.all_gather(
-      key, json.dumps({"step": step, "busy": busy}))]
-  if len({g["step"] for g in gathered}) > 1:
-    raise errors.InvalidArgumentError(
-        f"the {peers.count} processes disagree on the step of {what}: "
-        + "; ".join(f"process {p}: step {g['step']}" for p, g in enumerate(gathered))
-        + ". Every process must call save with the same step, in the same order")
-  return any(g["busy"] for g in gathered)
-
-
-def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseException | None,
-                      *, peers: Peers, key: str) -> None:
-  """Resolves ``future`` (a handle's ``replicated``) with this process's outcome, and
-  under N processes once every process's is (or failed): the first failure fails it."""
-  if future.done():
-    return
-  if peers.count > 1:
-    peers.publish(f"{key}/replicated", _describe(mine))
-    for p in range(peers.count):
-      if mine is not None:
-        break
-      try:
-        theirs = peers.read(f"{key}/replicated", p, timeout=sync_timeout())
-      except errors.SidecarError as e:
-        theirs = _describe(e)
-      if theirs:
-        mine = errors.HostLostError(f"process {p} could not replicate step {step}: {theirs}")
-  _resolve(future, mine, step)
-
-
-def end_save(handle: SaveHandle, error: BaseException | None, *,
-             listed: Callable[[], None] | None, collect_garbage: Callable[[], None] | None,
-             replication: Callable[[], BaseException | None], peers: Peers, key: str) -> None:
-  """The end of one save in one process, whichever framework's: ``durable`` fails with
-  ``error``, or the step is listed (``listed``), ``durable`` resolves and the steps no
-  longer kept are deleted (no part of this save's time); then ``replicated`` settles,
-  once every process knows how its replication went (``replication()``: this process's
-  outcome, waited for). Blocks: a save's own thread calls it."""
-  if error is not None:
-    _resolve(handle.durable, error, None)
-  else:
-    if listed is not None:
-      listed()
-    _resolve(handle.durable, None, handle.step)
-    if collect_garbage is not None:
-      collect_garbage()
-  if not handle.replicated.done():
-    settle_replicated(handle.replicated, handle.step,
-                      error if error is not None else replication(), peers=peers, key=key)
-
-
-def _replica_target(host: int, record: Mapping[str, Any]) -> ReplicaTarget:
-  """A sidecar's record (``Sidecars.records``: address, worker socket, boot id) as the
-  replica target its replicas are sent to."""
-  return ReplicaTarget(host, str(record["address"]), str(record.get("socket") or ""),
-                       str(record.get("boot_id") or ""))
 
 
 class SaveCoordinator:
@@ -510,7 +234,7 @@ class SaveCoordinator:
           bandwidth=self._replica_bandwidth) if self._replicas else None)
       if replication is not None and self._peers.count == 1:  # resolved as soon as done
         replication.add_done_callback(
-            lambda f: _resolve(handle.replicated, f.exception(), handle.step))
+            lambda f: resolve(handle.replicated, f.exception(), handle.step))
       sums = self._protocol.prepared(target, self._local)
     except BaseException as e:  # every process must reach the commit's agreement
       error = e.with_traceback(None)  # its frames would hold the staged blocks
@@ -544,7 +268,7 @@ class SaveCoordinator:
       if target.whole_step:
         self._protocol.begin(self._local[0], self.directory, target.step)
     except BaseException as e:
-      self._peers.publish(f"{key}/begun", _describe(e))
+      self._peers.publish(f"{key}/begun", describe(e))
       raise
     self._peers.publish(f"{key}/begun", "")
 
@@ -560,7 +284,7 @@ class SaveCoordinator:
                       else {"ok": [c.to_dict() for c in sums]})
     if not self._lead:
       self._peers.publish(f"{key}/prepared", mine)
-      failed = self._peers.read(f"{key}/outcome", 0, timeout=_LONG_S)
+      failed = self._peers.read(f"{key}/outcome", 0, timeout=LONG_S)
       if error is not None:
         raise error
       if failed:
@@ -568,7 +292,7 @@ class SaveCoordinator:
       return
     try:
       gathered = [json.loads(v) for v in self._peers.all_gather(
-          f"{key}/prepared", mine, timeout=_LONG_S)]
+          f"{key}/prepared", mine, timeout=LONG_S)]
       failures = [(p, g["error"]) for p, g in enumerate(gathered) if "error" in g]
       if error is not None:
         raise error
@@ -594,22 +318,6 @@ class SaveCoordinator:
     self._protocol.mark_committed(target, self._local)
     if target.whole_step:
       self._list_step(target.step)
-
-
-def _resolve(future: concurrent.futures.Future, error: BaseException | None, value: Any
-             ) -> None:
-  """Sets ``future`` unless it is set already (a callback and a thread may race)."""
-  try:
-    if error is not None:
-      future.set_exception(error)
-    else:
-      future.set_result(value)
-  except concurrent.futures.InvalidStateError:
-    pass
-
-
-def _describe(e: BaseException | None) -> str:
-  return f"{type(e).__name__}: {e}"[:2000] if e is not None else ""
 
 
 def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:

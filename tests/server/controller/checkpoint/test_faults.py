@@ -52,9 +52,9 @@ def test_a_chunk_write_that_fails_with_an_os_error_is_a_checkpoint_write_error(
   from sidecar._src.ckptfmt import direct_io
   write_file = direct_io.write_file
 
-  def onto_a_full_disk(path, data):
+  def onto_a_full_disk(path, data, *turn):
     os.symlink("/dev/full", path)  # every write to it fails with ENOSPC
-    return write_file(path, data)
+    return write_file(path, data, *turn)
   server = make_server(shm_size=16 << 20, device_ids=(0,))
   one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
   state = {"w": jax.device_put(jnp.ones((256, 128), jnp.float32), one)}

@@ -5,6 +5,7 @@ arrays; the test plays rank 0's trainer, pickling DCP's Metadata from the same l
 Then stock ``FileSystemReader`` reads the directory with no sidecar involved.
 """
 
+import contextlib
 import io
 import os
 import pickle
@@ -132,6 +133,23 @@ def test_tensor_bytes_start_on_4k_and_read_back(tmp_path):
   assert np.array_equal(out, expected["big"])
   assert sums[1][2].crc32c == distcp.item_checksum(items[2], expected["big"]).crc32c
   assert sums[1][2].key_path == ("big",) and sums[1][2].index == ((0, 3), (0, 4096))
+
+
+def test_a_ranks_items_are_written_in_turns_of_their_bytes(tmp_path):
+  """With a turn (a pool tenant's share of the storage), every byte of an item is
+  written holding one: the aligned part in pieces of at most TURN_BYTES, the tail too."""
+  ranks, _ = two_ranks()
+  tmp = distcp.create_tmp(tmp_path / "ckpt")
+  items = [item for item, _ in ranks[1]]
+  turns = []
+
+  def turn(nbytes):
+    turns.append(nbytes)
+    return contextlib.nullcontext()
+
+  distcp.write_rank_part(tmp, 1, items, enumerate(a for _, a in ranks[1]), turn=turn)
+  assert sum(turns) == sum(a.nbytes for _, a in ranks[1])
+  assert max(turns) <= distcp.direct_io.TURN_BYTES
 
 
 def test_nothing_is_visible_before_the_commit(tmp_path):

@@ -3,6 +3,7 @@
 Real files in tmp_path, real TensorStore for the edge and scalar chunks.
 """
 
+import contextlib
 import json
 
 import numpy as np
@@ -61,6 +62,27 @@ def test_write_item_part_takes_shards_as_they_arrive_and_reports_progress(tmp):
   sums = orbax_write.write_item_part(tmp / "default", 0, SPECS, staged(), progress=done.append)
   assert arrived == [0, 2] and len(sums) == 2
   assert sorted(done) == [8, 48]  # each shard's bytes once it is durable
+
+
+def test_every_shard_is_written_in_a_turn_of_its_bytes(tmp):
+  """With a turn (a pool tenant's share of the storage), each shard's bytes are written
+  holding one: whole chunks and the edge chunk TensorStore writes alike."""
+  held, turns = [], []
+
+  @contextlib.contextmanager
+  def turn(nbytes):
+    turns.append(nbytes)
+    held.append(nbytes)
+    try:
+      yield
+    finally:
+      held.remove(nbytes)
+
+  part = orbax_steps.host_parts()[0]
+  orbax_write.write_item_part(tmp / "default", 0, SPECS, part, turn=turn)
+  assert sorted(turns) == sorted(shard.data.nbytes for shard in part)
+  assert held == []
+  assert (tmp / "default" / "opt.0.e" / "2").stat().st_size == 2 * E.itemsize  # the edge
 
 
 def test_array_metadatas_are_written_per_host_for_jax_arrays_only(tmp):

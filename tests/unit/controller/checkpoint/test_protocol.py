@@ -1,5 +1,6 @@
-"""Tier 1: the save protocol's phases (save.SaveProtocol), which JAX's SaveCoordinator and
-PyTorch's StorageWriter both drive, against an in-process fake of the sidecars."""
+"""Tier 1: the save protocol's phases (save_protocol.SaveProtocol), which JAX's
+SaveCoordinator and PyTorch's StorageWriter both drive, against an in-process fake of the
+sidecars."""
 
 import os
 import queue
@@ -12,7 +13,7 @@ import pytest
 from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.controller.checkpoint import staging
-from sidecar._src.controller.checkpoint.save import SaveProtocol
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import interrupts
 from tests.support.fake_sidecars import FakeSidecars

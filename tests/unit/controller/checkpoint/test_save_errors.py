@@ -57,7 +57,7 @@ def test_a_write_failure_on_another_process_keeps_its_kind_and_host():
 def test_a_host_that_could_not_abort_is_logged_as_text_not_as_its_error(caplog):
   # A handler that keeps records (pytest's, a MemoryHandler) would otherwise keep the
   # error's traceback, its frames and the arrays in them (arena blocks) alive.
-  from sidecar._src.controller.checkpoint.save import on_each
+  from sidecar._src.controller.checkpoint.save_protocol import on_each
 
   def start(h):
     if h == 0:
