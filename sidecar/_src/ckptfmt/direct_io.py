@@ -54,10 +54,7 @@ def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn) 
     if n >= ALIGN and data.ctypes.data % ALIGN == 0:
       direct = _direct(fd, buf, n - n % ALIGN, lambda piece, at: os.pwrite(fd, piece, at),
                        turn)
-    done = direct
-    with turn(n - done) if done < n else contextlib.nullcontext():
-      while done < n:
-        done += os.pwrite(fd, buf[done:], done)
+    _buffered(buf, direct, lambda piece, at: os.pwrite(fd, piece, at), turn)
     os.fsync(fd)
   except OSError as e:  # pwrite and fsync name no file: the error says which (ENOSPC, EIO)
     if e.filename is not None:
@@ -112,10 +109,7 @@ def write_at(fd: int, data: np.ndarray, offset: int, turn: Turn = no_turn) -> in
   if n >= ALIGN and data.ctypes.data % ALIGN == 0 and offset % ALIGN == 0:
     direct = _direct(fd, buf, n - n % ALIGN,
                      lambda piece, at: os.pwrite(fd, piece, offset + at), turn)
-  done = direct
-  with turn(n - done) if done < n else contextlib.nullcontext():
-    while done < n:
-      done += os.pwrite(fd, buf[done:], offset + done)
+  _buffered(buf, direct, lambda piece, at: os.pwrite(fd, piece, offset + at), turn)
   return direct
 
 
@@ -167,6 +161,20 @@ def fsync_dir(path: os.PathLike | str) -> None:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+def _buffered(buf: memoryview, done: int, transfer: Callable[[memoryview, int], int],
+              turn: Turn) -> None:
+  """``transfer(piece, offset)`` over ``buf[done:]`` through the page cache (where direct
+  I/O stopped or never started), each piece of at most ``TURN_BYTES`` in a turn where
+  there are turns."""
+  piece = len(buf) if turn is no_turn else TURN_BYTES
+  while done < len(buf):
+    size = min(len(buf) - done, piece)
+    with turn(size):
+      end = done + size
+      while done < end:
+        done += transfer(buf[done:end], done)
 
 
 def _direct(fd: int, buf: memoryview, end: int, transfer: Callable[[memoryview, int], int],

@@ -1,5 +1,6 @@
 """Tier 1: durable file writes, direct from page-aligned memory, buffered otherwise."""
 
+import contextlib
 import mmap
 import os
 
@@ -39,6 +40,25 @@ def test_any_array_is_written_as_its_c_order_bytes(tmp_path, data):
   path = tmp_path / "chunk"
   direct_io.write_file(path, data)
   assert path.read_bytes() == np.ascontiguousarray(data).tobytes()
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["direct", "buffered"])
+def test_with_turns_each_piece_is_written_in_a_turn(tmp_path, offset):
+  """A pool tenant's write takes a turn per TURN_BYTES, direct or buffered (memory that is
+  not page-aligned, or a file system without direct I/O), and the tail under a page."""
+  n = direct_io.TURN_BYTES + (4 << 20) + 100
+  data = aligned(n + offset)[offset:]
+  data[:] = 3
+  turns = []
+
+  def turn(nbytes):
+    turns.append(nbytes)
+    return contextlib.nullcontext()
+
+  direct_io.write_file(tmp_path / "chunk", data, turn)
+  assert (tmp_path / "chunk").read_bytes() == data.tobytes()
+  assert sum(turns) == n and max(turns) == direct_io.TURN_BYTES
+  assert turns[-1] == (100 if offset == 0 else (4 << 20) + 100)
 
 
 def test_a_file_system_without_direct_io_gets_buffered_writes():
