@@ -282,6 +282,14 @@ class Error(_message.Message):
     host_id: int
     def __init__(self, type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., errno: _Optional[int] = ..., path: _Optional[str] = ..., host_id: _Optional[int] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class SidecarStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StatusRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/sidecar.v1.Sidecar/Leave',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -83,6 +88,12 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StatusRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.StatusResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Sidecar:
             '/sidecar.v1.Sidecar/Status',
             sidecar_dot_v1_dot_sidecar__pb2.StatusRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Sidecar/Leave',
+            sidecar_dot_v1_dot_sidecar__pb2.LeaveRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

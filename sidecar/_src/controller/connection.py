@@ -57,6 +57,8 @@ def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
 CALLS_IN_FLIGHT = 8
 # The same for the Checkpoint service's rpcs (server/limits.CheckpointSlots: 8 per session).
 CHECKPOINT_CALLS_IN_FLIGHT = 8
+# A closing Controller waits this long at most for its sidecars to end its sessions.
+LEAVE_S = 0.5
 
 
 @dataclasses.dataclass(eq=False)
@@ -302,6 +304,9 @@ class Connection:
     self.status_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusResponse.FromString)
+    self._leave = self._channel.unary_unary(
+        f"/{protocol.SERVICE}/Leave", request_serializer=pb.LeaveRequest.SerializeToString,
+        response_deserializer=pb.LeaveResponse.FromString)
     self._timeout = timeout
     self._renew_lock = threading.Lock()
     self._renewed = -math.inf  # time.monotonic() of the last renew()
@@ -347,6 +352,12 @@ class Connection:
         raise protocol.error_from_rpc(e, host=self.address) from None
       self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
       self._renewed = time.monotonic()
+
+  def leave(self) -> grpc.Future:
+    """Tells the sidecar our session ends (a closing Controller): its tenant has it back
+    at once. Best effort: a sidecar that is gone, or predates Leave, lets it expire."""
+    return self._leave.future(pb.LeaveRequest(), timeout=LEAVE_S, metadata=self.metadata,
+                              wait_for_ready=False)
 
   def close(self) -> None:
     self.calls.close()

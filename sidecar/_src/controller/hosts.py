@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +17,7 @@ import grpc
 
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.controller import discovery
-from sidecar._src.controller.connection import Connection, HostInfo
+from sidecar._src.controller.connection import LEAVE_S, Connection, HostInfo
 from sidecar._src.controller.framework import Framework, HostArrays
 from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_host
 from sidecar._src.core import env as env_lib, errors, interrupts
@@ -376,12 +378,21 @@ class Hosts:
   # ---- lifecycle ---------------------------------------------------------
 
   def close(self) -> None:
-    """Closes the workers made here, then every connection; idempotent."""
+    """Closes the workers made here, then every connection, each sidecar told that our
+    session ends (at once on all, waited for LEAVE_S at most); idempotent."""
     with self.lock:
       if self.closed:
         return
       self.closed = True
     for w in self.own_workers:
       w.close()
+    leaving = []
+    for c in self.conns.values():
+      with contextlib.suppress(Exception):  # a channel closed already: nothing to tell
+        leaving.append(c.leave())
+    deadline = time.monotonic() + LEAVE_S
+    for f in leaving:
+      with contextlib.suppress(Exception):  # gone, or older than Leave: it expires there
+        f.result(timeout=max(deadline - time.monotonic(), 0.0))
     for c in self.conns.values():
       c.close()

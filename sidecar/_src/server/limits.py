@@ -281,6 +281,16 @@ class Sessions:
         self._drop(s)
       return len(mine)
 
+  def end(self, session: object) -> bool:
+    """Ends ``session`` (its client left); whether it was live."""
+    with self._lock:
+      if not isinstance(session, str) or session not in self._last:
+        return False
+      del self._last[session]
+      self._peers.discard(session)
+      self._clients.pop(session, None)
+      return True
+
   def count_of(self) -> dict[str, int]:
     """Live sessions per tenant."""
     with self._lock:

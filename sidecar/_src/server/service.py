@@ -100,6 +100,7 @@ class Service:
             self._guard_stream(self.stream), request_deserializer=None,
             response_serializer=pb.StreamItem.SerializeToString),
         "Status": unary(self.status, pb.StatusResponse),
+        "Leave": unary(self.leave, pb.LeaveResponse),
     })
 
   @staticmethod
@@ -216,6 +217,15 @@ class Service:
              else context.is_active)
     yield from self._stream_runner.run(first.start, credits, alive=alive,
                                        time_left=context.time_remaining, tenant=tenant)
+
+  def leave(self, raw: bytes, context: grpc.ServicerContext) -> pb.LeaveResponse:
+    """Ends the caller's handshake session, if its token's tenant owns it (a session of
+    another tenant, or none, is left as it is)."""
+    codec.parse(pb.LeaveRequest, raw)
+    session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
+    if self._sessions.client(session) == self._client(context):
+      self._sessions.end(session)
+    return pb.LeaveResponse()
 
   def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
     codec.parse(pb.StatusRequest, raw)

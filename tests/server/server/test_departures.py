@@ -12,7 +12,7 @@ import pytest
 import sidecar
 from sidecar._src.arena.worker import Worker
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import codec
+from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 from tests.support import feed_fns, sidecar_fns  # noqa: F401  (they register)
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
@@ -102,3 +102,21 @@ def test_a_vanished_clients_streams_and_feeds_are_its_tenants_to_lose(make_serve
     hold.set()
     alice.close()
     bob.close()
+
+
+def test_a_closed_controllers_sessions_go_back_at_once(make_server, tmp_path):
+  """A Controller that closes ends its handshake sessions (Leave): its tenant's session
+  quota has them back at once, not after session_idle_s; another tenant's token cannot
+  end a session of alice's, and a session nobody knows is no error."""
+  server = make_server(pool=write_pool(tmp_path, POOL))
+  with controller(server, ALICE), controller(server, BOB) as b:
+    assert server.sessions.count_of() == {"alice": 1, "bob": 1}
+    alices = [s for s in list(server.sessions._last) if server.sessions.client(s) == "alice"]
+    conn = next(iter(b._hosts.conns.values()))
+    leave = conn._channel.unary_unary(f"/{protocol.SERVICE}/Leave")
+    for session in (*alices, "s-nobody"):  # bob's token, alice's session: it stays
+      leave(pb.LeaveRequest().SerializeToString(), timeout=5,
+            metadata=[(protocol.AUTH_KEY, f"Bearer {BOB}"), (protocol.SESSION_KEY, session)])
+    assert server.sessions.count_of().get("alice") == len(alices)
+  assert server.sessions.count_of() == {}
+  assert server.sessions.expired == 0  # ended, not expired

@@ -10,6 +10,7 @@ bounded and derandomized: the module costs a few seconds and never flakes.
 import contextlib
 import json
 import math
+import random
 import re
 import socket
 import struct
@@ -202,7 +203,7 @@ def target(tmp_path_factory):
   session = handshake(pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString(),
                       timeout=10, metadata=[(protocol.PEER_KEY, "Bearer fuzz-peer")]).session
   rpcs = {m: channel.unary_unary(f"/{protocol.SERVICE}/{m}") for m in ("Handshake", "Call",
-                                                                         "Status")}
+                                                                         "Status", "Leave")}
   rpcs["Stream"] = channel.stream_stream(f"/{protocol.SERVICE}/Stream")
   for method in CKPT_RPCS:
     path = f"/{protocol.CHECKPOINT_SERVICE}/{method}"
@@ -292,6 +293,21 @@ def test_random_bytes_to_every_rpc_are_answered(target, method, data):
     answered(lambda: stream(rpcs, metadata, data))
   else:
     answered(lambda: rpcs[method](data, metadata=metadata, timeout=10))
+
+
+def test_random_bytes_to_leave_are_answered(target):
+  """Leave ends the session it names (the other properties share the target's), so its
+  bytes go with a session of their own, and none: each answered, the sidecar serving."""
+  _, _, rpcs, metadata, _ = target
+  auth = [m for m in metadata if m[0] != protocol.SESSION_KEY]
+  rng = random.Random(37)
+  for data in (b"", b"\x00", b"\x08\x01", bytes(rng.randrange(256) for _ in range(300))):
+    session = pb.HandshakeResponse.FromString(rpcs["Handshake"](
+        pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString(),
+        metadata=auth, timeout=10)).session
+    for meta in (auth + [(protocol.SESSION_KEY, session)], auth):
+      answered(lambda d=data, m=meta: rpcs["Leave"](d, metadata=m, timeout=10))
+  answered(lambda: rpcs["Status"](b"", metadata=metadata, timeout=10))
 
 
 @FUZZ
