@@ -21,7 +21,8 @@ the same run:
               batch at once (``block_until_ready`` of a tiny reduction of it, as a training
               step would); ``FeedOptions.device_prefetch`` at its default, where it exists
   checkpoint  Orbax's async save (``PyTreeCheckpointHandler``, no compression) and restore
-              beside ``ctl.checkpointer``'s of the same state (``benchmarks/accelerator_checkpoint.py``)
+              beside ``ctl.checkpointer``'s of the same state
+              (``benchmarks/accelerator_checkpoint.py``)
   training    a chip-bound loop (jitted bf16 matmuls): steps/s with no save, and while a
               save is in flight (ours, Orbax's), from ``save()`` until durable
 """

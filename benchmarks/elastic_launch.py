@@ -43,8 +43,8 @@ PHASES = ("detect", "stop", "sidecar", "spawn", "imports", "jax init", "controll
 def one_run(directory: str, *, in_place: bool) -> tuple[dict[str, float], list[str]]:
   command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "3", "--elastic",
              *(["--in-place"] if in_place else []),
-             "--import", "tests.support.feed_fns", "--shm-size", "32MiB", "--", sys.executable, "-m",
-             "tests.support.train_elastic", directory, "5"]
+             "--import", "tests.support.feed_fns", "--shm-size", "32MiB", "--", sys.executable,
+             "-m", "tests.support.train_elastic", directory, "5"]
   p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, env={**os.environ, "SIDECAR_TEST_REPLICAS": "1"})
   err_lines: list[tuple[float, str]] = []

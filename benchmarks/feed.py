@@ -50,8 +50,8 @@ def consume(iterator, *, seconds: float, to_jax: bool = True) -> tuple[float, fl
 
 
 def grain_inprocess(kind: str, seconds: float, to_jax: bool = True):
-  return consume(iter(feed_fns.dataset(kind).repeat().batch(BATCH).to_iter_dataset()), seconds=seconds,
-                 to_jax=to_jax)
+  return consume(iter(feed_fns.dataset(kind).repeat().batch(BATCH).to_iter_dataset()),
+                 seconds=seconds, to_jax=to_jax)
 
 
 def grain_mp(kind: str, seconds: float, workers: int, to_jax: bool = True):

@@ -162,7 +162,8 @@ def overhead(args, clusters, sharding) -> None:
   per = {k: {p: v[0] / max(v[1], 1) * 1e6 for p, v in c.items()} for k, c in cpu.items()}
   for p, what in (("call", "sidecar CPU per call, us"), ("feed", "sidecar CPU per batch, us")):
     rows.append((what, f"{per['off'][p]:.0f}", f"{per['off again'][p]:.0f}", f"{per['on'][p]:.0f}",
-                 f"{per['off again'][p] / per['off'][p]:.3f}", f"{per['on'][p] / per['off'][p]:.3f}"))
+                 f"{per['off again'][p] / per['off'][p]:.3f}",
+                 f"{per['on'][p] / per['off'][p]:.3f}"))
   scraped = f"scraped every {args.scrape_period:g} s" if url else "not scraped"
   print(table(("path", "metrics off", "off again (A/A)", f"metrics on, {scraped}",
                "A/A ratio", "on / off"), rows))

@@ -81,7 +81,8 @@ def main() -> None:
     stop(proc)
     shutil.rmtree(directory, ignore_errors=True)  # 1 GiB of checkpoints
   base = rows[1][1]["seconds"]
-  print("| restore of 1 GiB after a kernel restart | s | GB/s | storage / this | sources | bit-exact |")
+  print("| restore of 1 GiB after a kernel restart | s | GB/s | storage / this | sources "
+        "| bit-exact |")
   print("|---|---|---|---|---|---|")
   for name, r in rows:
     print(f"| {name} | {r['seconds']:.3f} | {(1 << 30) / r['seconds'] / 1e9:.2f} | "

@@ -56,7 +56,8 @@ tenants:
   - {{name: t0, token_file: t0.token, arena: 0.2, checkpoint_roots: [t0]}}
   - {{name: t1, token_file: t1.token, arena: 0.2, checkpoint_roots: [t1]}}
   - {{name: t2, token_file: t2.token, arena: 0.2, checkpoint_roots: [t2]}}
-  - {{name: t3, token_file: t3.token, arena: 0.2, checkpoint_roots: [t3], sessions: {FLOOD_SESSIONS},
+  - {{name: t3, token_file: t3.token, arena: 0.2, checkpoint_roots: [t3], \
+sessions: {FLOOD_SESSIONS},
      feed_workers: {HOG_WORKERS}, arena_ceiling: 0.35, inline_bytes: {2 * INLINE_MIB}MiB}}
   - {{name: t4, token_file: t4.token, arena: 8MiB, checkpoint_roots: [t4],
      feed_workers: {REFUSED_WORKERS}}}

@@ -23,8 +23,8 @@ Per save:
   trainer s lost        (1 - that ratio) x the window: the training time the save cost.
 Checkpoints go to a temp dir under ``--dir`` and are removed afterwards. ``--only
 grpc`` (or ``0``, ``shm``, ``paced``, comma-separated) runs only those configurations.
-``--link`` measures the gRPC link alone instead: ``ReplicaLink.send`` of 512 MiB (8 x 64 MiB shards) from this process
-to one sidecar, no trainer and no disk, as ``--link-part-mib`` parts.
+``--link`` measures the gRPC link alone instead: ``ReplicaLink.send`` of 512 MiB (8 x 64 MiB
+shards) from this process to one sidecar, no trainer and no disk, as ``--link-part-mib`` parts.
 
 ``--pin`` runs every configuration with the trainer's threads on CPU 0 and the sidecars'
 on the others: what a TPU or GPU host looks like, where the step runs on the accelerator

@@ -6,7 +6,8 @@ On a LocalCluster (real ``sidecar serve`` processes) this runs, all at once:
              arenas, half over gRPC only), calling ``echo`` (a small array) in a loop;
   churners   a thread that makes a new Controller, handshakes, calls, closes, over and over;
   feeds      ``--feeds`` threads, each iterating a feed and reopening it every 200 batches;
-  saves      one thread saving a 2 MiB state (1 MiB a host) every ``--save-every`` s (max_to_keep=2).
+  saves      one thread saving a 2 MiB state (1 MiB a host) every ``--save-every`` s
+             (max_to_keep=2).
 
 It samples every sidecar's RSS, threads and open fds, its arena use and its handshake
 sessions, and this process's RSS, threads and fds: once after a warm-up, every minute, and

@@ -55,7 +55,8 @@ _HOME = {
     "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (
         "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
-        "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError", "HostLostError",
+        "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError",
+        "DiscoveryError", "HostLostError",
         "InvalidArgumentError", "NotRegisteredError", "RemoteError", "ResourceExhaustedError",
         "SidecarError", "StaleDescriptorError", "VersionMismatchError")},
     **{name: _REGISTRY for name in (

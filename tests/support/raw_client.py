@@ -33,7 +33,8 @@ class Raw:
   def call(self, name: str, *args: pb.Value, worker_session: str = "", **kwargs) -> pb.Value:
     request = pb.CallRequest(name=name, args=pb.Value(tuple=pb.ListValue(items=list(args))),
                              kwargs=codec.encode(kwargs), worker_session=worker_session)
-    return self._call(request, metadata=self.metadata, timeout=60).result  # 1M values: seconds at a load of 4
+    # 1M values: seconds at a load of 4
+    return self._call(request, metadata=self.metadata, timeout=60).result
 
   def feed(self, name: str, spec: pb.FeedSpec) -> list[pb.StreamItem]:
     request = pb.CallRequest(name=name, args=codec.encode(()), kwargs=codec.encode({}), feed=spec)

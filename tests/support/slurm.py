@@ -164,7 +164,8 @@ KillWait=5
 MinJobAge=300
 SchedulerParameters=defer_batch=0
 NodeName={self.node} CPUs={self.cpus} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:{self.oversubscribe}
+PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP \
+OverSubscribe=FORCE:{self.oversubscribe}
 """
     with open(self.conf, "w") as f:
       f.write(text)

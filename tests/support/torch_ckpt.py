@@ -13,9 +13,10 @@ sidecars' RAM tier with ``StorageReader``, bit-exact. ``die`` (2 ranks): rank 1 
 in the middle of saving step 4, once its part is in its sidecar, before the commit.
 ``restore`` (a new job, new
 sidecars, another world size): a state dict with a key the checkpoint lacks is refused
-(DCP's error); the steps a Checkpointer lists (not 4); step 1 restores from storage, the DTensor resharded; step 3 is saved by
-ranks sharing a sidecar, copied aside (``3.copy``, for stock DCP) and restored from the
-RAM tier with its files corrupt. ``elastic`` (under ``--elastic --in-place``): the first
+(DCP's error); the steps a Checkpointer lists (not 4); step 1 restores from storage, the
+DTensor resharded; step 3 is saved by ranks sharing a sidecar, copied aside (``3.copy``,
+for stock DCP) and restored from the RAM tier with its files corrupt. ``elastic`` (under
+``--elastic --in-place``): the first
 attempt saves step 1, deletes its directory and rank 1 dies; the restarted job restores
 step 1 from the sidecars' RAM tiers alone. ``shrink`` (under ``--elastic``): step 1 is saved
 with ``replicas=1``, its directory deleted, and rank 1 SIGKILLs its own sidecar; the job

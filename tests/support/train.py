@@ -100,8 +100,9 @@ def train(ctl, ckpt, state, step, rows, mesh, target, emit, gathered, directory)
 
   bias = jax.device_put(jnp.arange(4, dtype=jnp.float32), NamedSharding(mesh, P()))
   saved_at = saved = None
-  # Fault injection: "trainer@I" SIGKILLs process 1 as it would save at batch I; "sidecar@I" has process 1 SIGKILL its own sidecar before batch I. Saves
-  # then wait to be durable, so the step before is surely committed.
+  # Fault injection: "trainer@I" SIGKILLs process 1 as it would save at batch I; "sidecar@I"
+  # has process 1 SIGKILL its own sidecar before batch I. Saves then wait to be durable, so the
+  # step before is surely committed.
   fault, _, at = os.environ.get("SIDECAR_TEST_FAULT", "").partition("@")
   at = int(at) if at else -1
   me = jax.process_index()

@@ -51,7 +51,8 @@ def main(directory: str, kill_at: str = "-1") -> int:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   emit("start", processes=jax.process_count(), pid=os.getpid(), t_start=T_START,
-       t_import=t_import, t_init=t_init, t_ctl=t_ctl, sidecar_pids={str(h.host_id): h.pid for h in ctl.hosts})
+       t_import=t_import, t_init=t_init, t_ctl=t_ctl,
+       sidecar_pids={str(h.host_id): h.pid for h in ctl.hosts})
   mesh = Mesh(np.array(jax.devices()), ("data",))
   rows = NamedSharding(mesh, P("data"))
   target = {"w": jax.ShapeDtypeStruct((GLOBAL_BATCH, 4), jnp.float32, sharding=rows),

@@ -13,8 +13,8 @@ def test_public_api_is_pinned():
       "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
       "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
       "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",
-      "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "distributed", "elastic",
-      "empty",
+      "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "distributed",
+      "elastic", "empty",
       "function", "pipeline", "set_default_registry", "testing",
   ]
   assert sidecar.testing.__all__ == ["LocalCluster"]
@@ -32,8 +32,8 @@ def test_public_api_is_pinned():
 def test_torch_api_is_pinned():
   import sidecar.torch
   assert sidecar.torch.__all__ == [
-      "CheckpointOptions", "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle", "StorageReader",
-      "StorageWriter", "TorchPeers", "connect", "ranks"]
+      "CheckpointOptions", "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle",
+      "StorageReader", "StorageWriter", "TorchPeers", "connect", "ranks"]
   for name in sidecar.torch.__all__:
     assert getattr(sidecar.torch, name) is not None
   # One CheckpointOptions for both frameworks.

@@ -23,8 +23,9 @@ What an adapter implements:
 
 - :class:`Framework` (this module), an ABC: ``to_device`` (``ctl.stream(device=)``),
   ``save_leaves`` (a state tree's shards that this process saves: replica 0 only, each
-  with its device and a host buffer, or a :class:`HostCopy` on its way to one), ``restore_target`` (the blocks a restore fills
-  and how to make the framework's arrays of them); and where the one-process, no-device
+  with its device and a host buffer, or a :class:`HostCopy` on its way to one),
+  ``restore_target`` (the blocks a restore fills and how to make the framework's arrays of
+  them); and where the one-process, no-device
   defaults do not fit: ``peers`` (the job's processes), ``process`` and
   ``local_device_ids`` (this process's identity), ``worker`` (a Worker of its own class).
 - ``controller/feed.BatchLayout``: which rows of each global batch each host produces,

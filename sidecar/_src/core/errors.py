@@ -24,7 +24,7 @@ The tree::
     └── ClosedError(RuntimeError)                 use of a closed object
 
 Mapping to and from gRPC status codes happens in one place: ``protocol.py``.
-"""
+"""  # noqa: E501 (the drawn tree: one class a line, tests/unit/core/test_errors.py reads it)
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   """``jax.distributed.initialize`` arguments from ``env``; None where it names no job."""
   get = lambda name: env.get(name, "").strip()
   jobset = all(get(n) for n in _JOBSET)
-  ours = [n for n in (env_lib.COORDINATOR_ADDRESS, env_lib.NUM_PROCESSES, env_lib.PROCESS_ID) if get(n)]
+  ours = [n for n in (env_lib.COORDINATOR_ADDRESS, env_lib.NUM_PROCESSES, env_lib.PROCESS_ID)
+          if get(n)]
   if not ours and not jobset:
     return None
   if jobset:
@@ -48,7 +49,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
       index = (env_lib.int_var(env, env_lib.SLICE_ID, None, minimum=0) * per_slice
                + env_lib.int_var(env, env_lib.HOST_ID, None, minimum=0))
   else:
-    missing = [n for n in (env_lib.COORDINATOR_ADDRESS, env_lib.NUM_PROCESSES, env_lib.PROCESS_ID) if not get(n)]
+    missing = [n for n in (env_lib.COORDINATOR_ADDRESS, env_lib.NUM_PROCESSES, env_lib.PROCESS_ID)
+               if not get(n)]
     if missing:
       raise errors.InvalidArgumentError(
           f"the environment names a jax.distributed job ({', '.join(ours)} set) but "
@@ -60,7 +62,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   if index >= count:
     raise errors.InvalidArgumentError(
         f"process id {index} is not below the {count} processes of the job; check "
-        f"{env_lib.PROCESS_ID} / SIDECAR_SLICE_ID / SIDECAR_HOST_ID against {env_lib.NUM_PROCESSES}")
+        f"{env_lib.PROCESS_ID} / SIDECAR_SLICE_ID / SIDECAR_HOST_ID against "
+        f"{env_lib.NUM_PROCESSES}")
   out: dict[str, Any] = {"coordinator_address": coordinator, "num_processes": count,
                          "process_id": index}
   if get(env_lib.LOCAL_DEVICES):

@@ -311,8 +311,8 @@ class _Collector(Collector):
       calls.add_metric(list(labels), n)
     yield calls
     yield _histogram("sidecar_call_seconds", "Time in a call on the sidecar (unary calls; "
-                     "sidecar.ckpt.<phase> are the Checkpoint service's RPCs, the phases the controller "
-                     "drives)", "name",
+                     "sidecar.ckpt.<phase> are the Checkpoint service's RPCs, the phases the "
+                     "controller drives)", "name",
                      p["latency"])
     in_flight = GaugeMetricFamily("sidecar_calls_in_flight", "Calls, streams and feeds "
                                   "running now", labels=["kind"])

@@ -184,7 +184,8 @@ class WorkerListener:
       if message.get("op") == "calls":
         return self._serve_calls(conn, str(message.get("session")))
       if message.get("op") != "attach":
-        raise errors.InvalidArgumentError(f"first message must be attach, got {message.get('op')!r}")
+        raise errors.InvalidArgumentError(
+            f"first message must be attach, got {message.get('op')!r}")
       tenant = self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -402,7 +403,8 @@ class WorkerListener:
             errors.InvalidArgumentError(f"malformed alloc request {message!r:.200}: {e!r}"))}
       ipc.send(conn, reply)
       return
-    ipc.send(conn, {"error": protocol.error_dict(errors.InvalidArgumentError(f"unknown op {op!r}"))})
+    ipc.send(conn, {"error": protocol.error_dict(
+        errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
   def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
              alive: Callable[[], bool] | None = None,

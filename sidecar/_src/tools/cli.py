@@ -433,7 +433,8 @@ def parser() -> argparse.ArgumentParser:
                       "by a LocalCluster of sidecars on this machine, and print what each "
                       "part cost.")
   s.add_argument("--hosts", type=cli_types.positive, default=2, help="sidecars (simulated hosts)")
-  s.add_argument("--devices-per-host", type=cli_types.positive, default=2, help="CPU devices of each host")
+  s.add_argument("--devices-per-host", type=cli_types.positive, default=2,
+                 help="CPU devices of each host")
   s.add_argument("--steps", type=cli_types.positive, default=300, help="training steps")
   s.add_argument("--processes", type=cli_types.positive, default=1,
                  help="1 (default): one process owns every device; N: the same training as N "

@@ -14,7 +14,8 @@ def ids(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(x) for x in text.split(",") if x.strip())
   except ValueError:
-    raise argparse.ArgumentTypeError(f"expected comma-separated ints like 0,1, got {text!r}") from None
+    raise argparse.ArgumentTypeError(
+        f"expected comma-separated ints like 0,1, got {text!r}") from None
 
 
 def positive(text: str) -> int:

@@ -247,7 +247,8 @@ def run_elastic(*, hosts: int, devices_per_host: int, steps: int,
   lost_host, kill_at, every = hosts - 1, steps // 2, max(steps // 10, 1)
   print(f"Elastic: {hosts} sidecar hosts, {devices_per_host} CPU devices each; host "
         f"{lost_host}'s sidecar is SIGKILLed at step {kill_at}, and training goes on on the "
-        "others from the last checkpoint in host memory (each host's shards also live in a peer's arena: replicas=1).")
+        "others from the last checkpoint in host memory (each host's shards also live in a "
+        "peer's arena: replicas=1).")
   ckpt_dir = tempfile.mkdtemp(prefix="sidecar-demo-elastic-")
   marks: dict[str, float] = {}
   try:

@@ -1,4 +1,5 @@
-"""Functions the demo's sidecars register (``sidecar serve --import sidecar._src.tools.demo_functions``)."""
+"""Functions the demo's sidecars register
+(``sidecar serve --import sidecar._src.tools.demo_functions``)."""
 
 from __future__ import annotations
 

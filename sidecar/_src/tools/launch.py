@@ -317,8 +317,8 @@ class _Run:
       self.say(f"host {loss.host}'s sidecar did not start again: {e}")
       return False
     self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {_how(loss.code)}; "
-             f"{_processes(len(self.hosts) * self.procs_per_host)} on hosts {self.hosts} in place, started "
-             f"{stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
+             f"{_processes(len(self.hosts) * self.procs_per_host)} on hosts {self.hosts} in place, "
+             f"started {stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
              f"{stop:.2f} s, the sidecar {sidecar:.2f} s, starting the new trainers "
              f"{spawn:.2f} s)")
     return True

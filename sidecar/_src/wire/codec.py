@@ -124,8 +124,8 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
     return pb.Value(array=pb.Array(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()))
   raise errors.InvalidArgumentError(
       f"{where}: values of type {type(x).__module__}.{type(x).__qualname__} cannot be sent; "
-      "arguments and results are pytrees (dict, list, tuple, namedtuple, None) of numpy arrays, numpy "
-      "scalars, int, float, bool, str and bytes")
+      "arguments and results are pytrees (dict, list, tuple, namedtuple, None) of numpy arrays, "
+      "numpy scalars, int, float, bool, str and bytes")
 
 
 def _namedtuple_fields(cls: type) -> tuple[str, ...] | None:

@@ -84,7 +84,8 @@ class FrameReader:
     self._fill(_HEADER.size)
     (length,) = _HEADER.unpack_from(self._buf, self._pos)
     if length > self._limit:
-      raise errors.InvalidArgumentError(f"frame of {length} bytes exceeds the limit of {self._limit}")
+      raise errors.InvalidArgumentError(
+          f"frame of {length} bytes exceeds the limit of {self._limit}")
     self._fill(_HEADER.size + length)
     start = self._pos + _HEADER.size
     self._pos = start + length

@@ -267,8 +267,8 @@ def tls_credentials(ca: str | None, cert: str | None, key: str | None
     return None
   if (cert is None) != (key is None):
     raise errors.InvalidArgumentError(
-        f"tls_cert and tls_key go together (or {env_lib.TLS_CLIENT_CERT} and {env_lib.TLS_CLIENT_KEY}), "
-        f"got {cert!r} and {key!r}")
+        f"tls_cert and tls_key go together (or {env_lib.TLS_CLIENT_CERT} and "
+        f"{env_lib.TLS_CLIENT_KEY}), got {cert!r} and {key!r}")
 
   def read(path: str | None, what: str) -> bytes | None:
     if path is None:

@@ -1,4 +1,5 @@
-"""The attacks of issue 16 that need ``sidecar status``: an unauthenticated client learns nothing."""
+"""The attacks of issue 16 that need ``sidecar status``: an unauthenticated client learns
+nothing."""
 
 import grpc
 import pytest

@@ -68,12 +68,14 @@ ENV_SCRIPT = """
     for entry in e["SIDECAR_HOSTS"].split(","):
       with grpc.insecure_channel(entry) as ch:  # unix:PATH: health on the sidecar's socket
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-      print("health %s %s" % (entry, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)))
+      print("health %s %s"
+            % (entry, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)))
     if e["SIDECAR_PROCESS_ID"] == "0":
       import sidecar
       with sidecar.Controller.from_env(timeout=10, attach=False) as ctl:
         for h in ctl.hosts:
-          print("handshake host=%d devices=%s sidecar_pid=%d" % (h.host_id, list(h.device_ids), h.pid))
+          print("handshake host=%d devices=%s sidecar_pid=%d"
+                % (h.host_id, list(h.device_ids), h.pid))
     sys.stdout.write("last line without newline")
 """
 
@@ -232,7 +234,8 @@ def test_help_explains_environment_exit_codes_and_defaults(capsys):
 
 def test_run_from_python_flushes_a_partial_line_and_reports_a_signal():
   out, err = io.BytesIO(), io.StringIO()
-  script = "import os, signal, sys; sys.stdout.write('partial'); os.kill(os.getpid(), signal.SIGKILL)"
+  script = ("import os, signal, sys; sys.stdout.write('partial'); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
   code = launch.run([sys.executable, "-c", script], hosts=1, shm_size="8MiB", stdout=out,
                     stderr=err)
   assert code == 128 + signal.SIGKILL, err.getvalue()

@@ -221,5 +221,6 @@ def test_controller_from_env_discovers_every_sidecar(cluster, monkeypatch):
   with sidecar.Controller.from_env(timeout=10) as ctl:
     assert [h.address for h in ctl.hosts] == cluster.addresses
   monkeypatch.setenv("SIDECAR_HOSTS", hosts + ",127.0.0.1:1:2")
-  with pytest.raises(sidecar.DiscoveryError, match=r"(?s)1 of 5 sidecars did not answer.*host 4 \(127\.0\.0\.1:2\)"):
+  with pytest.raises(sidecar.DiscoveryError,
+                     match=r"(?s)1 of 5 sidecars did not answer.*host 4 \(127\.0\.0\.1:2\)"):
     sidecar.Controller.from_env(timeout=1)

@@ -131,11 +131,13 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
     # The next cells work: the feed goes on, a save commits.
     out = kernel.run(
         "batch = next(feed)\n"
-        "state = {'w': jax.device_put(np.arange(2 * 1024 * 256, dtype=np.float32).reshape(2048, 256), sh),\n"
+        "state = {'w': jax.device_put(np.arange(2 * 1024 * 256, dtype=np.float32)"
+        ".reshape(2048, 256), sh),\n"
         "         'b': batch['x']}\n"
         "ckpt.save(7, state, data_state=feed.state()); ckpt.wait()\n"
         "after = np.asarray(next(feed)['x'])\n"
-        "print(json.dumps({'steps': ckpt.all_steps(), 'sum_b': float(np.asarray(state['b']).sum()),\n"
+        "print(json.dumps({'steps': ckpt.all_steps(), "
+        "'sum_b': float(np.asarray(state['b']).sum()),\n"
         "                  'after': float(after.sum())}))")
     before = json.loads(out.strip().splitlines()[-1])
     assert before["steps"] == [7]
@@ -162,7 +164,8 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
           "print(json.dumps({'steps': ckpt.all_steps(), 'sources': sorted(stats.shards),\n"
           "  'w_exact': bool((np.asarray(got['w']) == np.arange(2 * 1024 * 256, dtype=np.float32)"
           ".reshape(2048, 256)).all()),\n"
-          "  'sum_b': float(np.asarray(got['b']).sum()), 'after': float(np.asarray(next(feed)['x']).sum())}))\n"
+          "  'sum_b': float(np.asarray(got['b']).sum()), "
+          "'after': float(np.asarray(next(feed)['x']).sum())}))\n"
           "from sidecar._src.controller import progress\n"
           "print(json.dumps({'in_notebook': progress.in_notebook()}))\n"
           "feed.close(); ctl.close()")

@@ -2,7 +2,8 @@
 batches that ``ctl.feed`` (JAX) yields for the same pipeline, arguments and seed; two ranks
 beside one sidecar read what two ranks beside two read; a state_dict resumes on another
 world size; no jax in the torch ranks; len() where the pipeline has a length; a state of
-another global batch is refused naming the batch size that fits; a sidecar killed mid-feed raises HostLostError naming its host."""
+another global batch is refused naming the batch size that fits; a sidecar killed mid-feed
+raises HostLostError naming its host."""
 
 import json
 import subprocess

@@ -27,7 +27,8 @@ def test_socket_path_errors(monkeypatch):
 
 
 def test_no_sidecar_at_the_path(tmp_path):
-  with pytest.raises(sidecar.HostLostError, match="cannot attach to the sidecar at .*sidecar serve"):
+  with pytest.raises(sidecar.HostLostError,
+                     match="cannot attach to the sidecar at .*sidecar serve"):
     sidecar.Worker(str(tmp_path / "none.sock"), timeout=1)
 
 

@@ -63,7 +63,8 @@ def test_the_containers_are_copied_into_a_tuple_and_a_dict():
 
 def test_the_shorthand_warns_with_the_new_spelling_and_both_at_once_is_refused():
   with pytest.warns(DeprecationWarning,
-                    match=r"write ctl.call\('f', args=\(\.\.\.,\), kwargs=\{'b': \.\.\.\}, \.\.\.\)"):
+                    match=r"write ctl.call\('f', args=\(\.\.\.,\), "
+                          r"kwargs=\{'b': \.\.\.\}, \.\.\.\)"):
     got = arguments.split_legacy("call", "f", (), None, (1,), {"b": 2}, stacklevel=2)
   assert got == ((1,), {"b": 2})
   with pytest.raises(TypeError, match=r"both in args=/kwargs= and as extra arguments"):

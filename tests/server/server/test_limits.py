@@ -125,7 +125,8 @@ class Starver:
   def open(self) -> grpc.RpcError | None:
     """Opens one; returns the error it met, or None once its first item came."""
     q: queue.SimpleQueue = queue.SimpleQueue()
-    request = pb.CallRequest(name="echo_items", args=codec.encode((1, 1000)), kwargs=codec.encode({}))
+    request = pb.CallRequest(name="echo_items", args=codec.encode((1, 1000)),
+                             kwargs=codec.encode({}))
     q.put(pb.StreamRequest(start=request, prefetch=1))
     call = self._raw._stream(iter(q.get, None), metadata=self._raw.metadata, timeout=60)
     self._queues.append(q)
@@ -313,7 +314,8 @@ def test_every_malformed_frame_is_answered(make_server, data, match):
   sock = attach(server)
   sock.sendall(frame(data))
   reply, _ = ipc.recv(sock)
-  assert reply["error"]["type"].endswith("InvalidArgumentError") and match in reply["error"]["message"], reply
+  assert (reply["error"]["type"].endswith("InvalidArgumentError")
+          and match in reply["error"]["message"]), reply
   sock.close()
   still_serves(server)
 

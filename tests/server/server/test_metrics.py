@@ -51,7 +51,8 @@ def test_metrics_port_in_use_is_a_start_up_error_naming_the_flag(tmp_path):
 
 @pytest.mark.parametrize("port", [-1, 70000, "9090"], ids=["negative", "too-big", "str"])
 def test_bad_metrics_port_is_refused(port):
-  with pytest.raises(ValueError, match=r"metrics_port \(--metrics-port\) must be a TCP port in 1..65535"):
+  with pytest.raises(ValueError,
+                     match=r"metrics_port \(--metrics-port\) must be a TCP port in 1..65535"):
     options_lib.ServerOptions(metrics_port=port)
 
 

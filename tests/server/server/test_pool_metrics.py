@@ -77,7 +77,8 @@ def test_a_live_pool_counts_each_tenants_requests_and_inline_bytes(make_server, 
     assert alice.call("echo", args=(1,)) == [1]
     assert alice.call("size_of", args=(big,)) == [big.nbytes]
     assert bob.call("echo", args=(2,)) == [2]
-    with pytest.raises(errors.PermissionDeniedError, match="tenant .bob. may not run function .size_of."):
+    with pytest.raises(errors.PermissionDeniedError,
+                       match="tenant .bob. may not run function .size_of."):
       bob.call("size_of", args=(1,))  # not in bob's allowlist
   found = samples(scrape(f"http://127.0.0.1:{server.metrics_port}/metrics"))
   assert value(found, "sidecar_tenant_requests_total", tenant="alice", kind="call",

@@ -435,7 +435,8 @@ def test_a_huge_name_is_cut_in_the_log_too(make_server, caplog):
 
 @pytest.mark.parametrize("state_json,match", [
     ('{"epoch": ' + "9" * 5000 + "}", "is not the JSON of a feed state"),
-    ('{"kind": "' + "k" * (17 << 20) + '"}', r"more than a feed state's 16777216 \(MAX_STATE_BYTES\)"),
+    ('{"kind": "' + "k" * (17 << 20) + '"}',
+     r"more than a feed state's 16777216 \(MAX_STATE_BYTES\)"),
 ], ids=["epoch-5000-digits", "17-MiB"])
 def test_a_feed_state_too_big_is_invalid_argument(feed_server, state_json, match):
   raw = Raw(feed_server.port)
@@ -459,7 +460,8 @@ def test_one_nesting_limit_both_ways(make_server, kind):
     assert ctl.call("echo", args=(deepest,)) == [deepest]  # through and back
     for depth in (codec.MAX_DEPTH, 49, 63, 64, 100):  # refused before it is sent
       with pytest.raises(sidecar.InvalidArgumentError,
-                         match=rf"nesting deeper than {codec.MAX_DEPTH} levels \(codec.MAX_DEPTH\)"):
+                         match=rf"nesting deeper than {codec.MAX_DEPTH} levels "
+                               r"\(codec.MAX_DEPTH\)"):
         ctl.call("echo", args=(nested(depth, 1, kind),))
   raw = Raw(server.port)  # a client that does not check: the sidecar refuses as clearly
   for depth in (codec.MAX_DEPTH + 1, 40, 45):  # (protobuf itself builds no deeper)

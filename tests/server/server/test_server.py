@@ -50,7 +50,8 @@ def test_unknown_function_is_not_found_listing_registered(make_server):
     ((1,), {"c": 2}, "unexpected keyword argument 'c'"),
     ((1, 2, 3), {}, "too many positional arguments"),
 ], ids=["missing", "unexpected", "too-many"])
-def test_wrong_arguments_are_invalid_argument_naming_the_parameter(make_server, args, kwargs, match):
+def test_wrong_arguments_are_invalid_argument_naming_the_parameter(make_server, args, kwargs,
+                                                                   match):
   with controller(make_server()) as ctl:
     with pytest.raises(sidecar.InvalidArgumentError, match=match):
       ctl.call("add", args=args, kwargs=kwargs)
@@ -72,7 +73,8 @@ def test_malformed_request_bytes_are_invalid_argument(make_server):
   with controller(server) as ctl, grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
     raw = ch.unary_unary(f"/{protocol.SERVICE}/Call")
     meta = ctl._hosts.conns[0].metadata
-    for garbage in (b"\xff\xff\xff", pb.CallRequest(name="echo").SerializeToString()[:-1] + b"\x80"):
+    for garbage in (b"\xff\xff\xff",
+                    pb.CallRequest(name="echo").SerializeToString()[:-1] + b"\x80"):
       with pytest.raises(grpc.RpcError) as info:
         raw(garbage, metadata=meta, timeout=5)
       assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -131,7 +133,8 @@ def test_payload_over_the_message_limit_is_resource_exhausted(make_server):
 
 def test_result_larger_than_the_arena_is_resource_exhausted_with_sizes(make_server):
   with controller(make_server(shm_size=4 << 20)) as ctl:
-    with pytest.raises(sidecar.ResourceExhaustedError, match=r"8.0 MiB .* cannot fit an arena of 4.0 MiB"):
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"8.0 MiB .* cannot fit an arena of 4.0 MiB"):
       ctl.call("full", args=(8 << 20, 1))
     assert_still_serving(ctl)
 
@@ -246,7 +249,8 @@ def test_str_and_bytes_payloads(make_server, payload):
     assert ctl.call("echo", args=(payload,)) == [payload]
 
 
-@pytest.mark.parametrize("hosts", [[5], [], [0, 0], 7], ids=["unknown", "empty", "duplicate", "int"])
+@pytest.mark.parametrize("hosts", [[5], [], [0, 0], 7],
+                         ids=["unknown", "empty", "duplicate", "int"])
 def test_invalid_placement_is_rejected(make_server, hosts):
   with controller(make_server()) as ctl:
     with pytest.raises(sidecar.InvalidArgumentError, match="not a valid placement"):

@@ -249,7 +249,8 @@ def stream(rpcs, metadata, first: bytes, *, items: int = 2):
 
 
 def names():
-  return st.sampled_from(SAFE_FUNCTIONS + BUILTINS + ("nope", "sidecar.nope")) | st.text(max_size=12)
+  return (st.sampled_from(SAFE_FUNCTIONS + BUILTINS + ("nope", "sidecar.nope"))
+          | st.text(max_size=12))
 
 
 def sessions(worker):
@@ -335,7 +336,8 @@ def test_random_streams_and_feeds_are_answered(target, data):
 
 
 @FUZZ
-@given(st.binary(max_size=80), st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20) | st.none())
+@given(st.binary(max_size=80),
+       st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20) | st.none())
 def test_handshake_and_status_with_any_session_are_answered(target, data, session):
   _, _, rpcs, _, _ = target
   metadata = [] if session is None else [(protocol.SESSION_KEY, session)]

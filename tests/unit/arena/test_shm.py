@@ -27,7 +27,8 @@ def test_parse_size_rejects(text):
 
 
 def test_capacity_check_names_sizes_and_fix():
-  with pytest.raises(errors.ArenaCapacityError, match=r"needs .* but only .* available .*--shm-size"):
+  with pytest.raises(errors.ArenaCapacityError,
+                     match=r"needs .* but only .* available .*--shm-size"):
     shm.check_capacity(1 << 50)
   with pytest.raises(errors.ArenaCapacityError, match="at least"):
     shm.check_capacity(4096)
@@ -124,7 +125,8 @@ def test_copy_in_pieces_is_exact(monkeypatch, threads):
   monkeypatch.setattr(shm, "COPY_PIECE", 4096)
   monkeypatch.setattr(shm, "COPY_THREADS", threads)
   monkeypatch.setattr(shm, "_copy_pool", None)
-  src = np.random.default_rng(0).standard_normal((37, 1000)).astype(np.float32)  # 36 pieces + a tail
+  # 36 pieces + a tail
+  src = np.random.default_rng(0).standard_normal((37, 1000)).astype(np.float32)
   dst = np.zeros_like(src)
   shm.copy(dst, src)
   np.testing.assert_array_equal(dst, src)

@@ -1,4 +1,5 @@
-"""ckptfmt.spec: Orbax's names, without importing Orbax (shardings: tests/unit/jax/test_checkpoint.py)."""
+"""ckptfmt.spec: Orbax's names, without importing Orbax
+(shardings: tests/unit/jax/test_checkpoint.py)."""
 
 import pytest
 from orbax.checkpoint._src.path import atomicity_types

@@ -35,10 +35,12 @@ def test_every_sidecar_name_in_the_code_is_in_the_table():
 def test_every_row_says_what_it_means_its_default_and_who_reads_it():
   for v in env_lib.VARS.values():
     assert v.name.startswith("SIDECAR_") and v.meaning and v.default and v.readers, v
-  assert {getattr(env_lib, c) for c in dir(env_lib) if c.isupper() and isinstance(getattr(env_lib, c), str)
+  assert {getattr(env_lib, c) for c in dir(env_lib)
+          if c.isupper() and isinstance(getattr(env_lib, c), str)
           and getattr(env_lib, c).startswith("SIDECAR_")} == set(env_lib.VARS)
   assert set(env_lib.DESCRIPTIONS) == {v.name for v in env_lib.VARS.values() if v.launcher}
-  assert env_lib.COORDINATOR_ADDRESS in env_lib.DESCRIPTIONS and env_lib.PEER_TIMEOUT not in env_lib.DESCRIPTIONS
+  assert (env_lib.COORDINATOR_ADDRESS in env_lib.DESCRIPTIONS
+          and env_lib.PEER_TIMEOUT not in env_lib.DESCRIPTIONS)
   assert "SIDECAR_SHM_SIZE\n  --shm-size: the arena's size, e.g. 4GiB\n  default: 1GiB\n" \
       in env_lib.table()
 

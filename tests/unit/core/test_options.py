@@ -24,7 +24,8 @@ def test_bad_options_name_the_value(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs,flag", [
-    ({"port": 70000}, "--port"), ({"port": 65536}, "--port"), ({"health_port": -1}, "--health-port"),
+    ({"port": 70000}, "--port"), ({"port": 65536}, "--port"),
+    ({"health_port": -1}, "--health-port"),
     ({"metrics_port": 99999}, "--metrics-port"), ({"metrics_port": -1}, "--metrics-port"),
     ({"port": True}, "--port"),
 ], ids=["port-70000", "port-65536", "health-minus-1", "metrics-99999", "metrics-minus-1",
@@ -88,7 +89,8 @@ def test_a_unix_listen_needs_no_token_and_no_port():
     ({"listen": "127.0.0.1", "socket_group": "trainers"},
      r"socket_group \(--socket-group\) applies to a unix: listen address"),
     ({"listen": "unix:/run/g.sock", "socket_group": " "}, "socket_group must be a group name"),
-    ({"listen": "unix:/" + "x" * 120}, r"its path is 121 bytes, a Unix socket's may be at most 107"),
+    ({"listen": "unix:/" + "x" * 120},
+     r"its path is 121 bytes, a Unix socket's may be at most 107"),
 ], ids=["worker-socket", "tls", "group-on-tcp", "empty-group", "too-long"])
 def test_bad_unix_listen_options_name_the_value_and_the_fix(kwargs, match):
   with pytest.raises(ValueError, match=match):

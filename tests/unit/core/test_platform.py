@@ -41,7 +41,8 @@ def machine(tmp_path, files: dict[str, str]) -> str:
     ({"dev/nvidiactl": "", "dev/nvidia-uvm": ""}, {}, None),
     ({"dev/nvidia0": ""}, {"CUDA_VISIBLE_DEVICES": ""}, None),
     ({"dev/nvidia0": ""}, {"CUDA_VISIBLE_DEVICES": "-1"}, None),
-    ({"dev/nvidia0": ""}, {"CUDA_VISIBLE_DEVICES": "1"}, platform.Accelerator("gpu", "/dev/nvidia0")),
+    ({"dev/nvidia0": ""}, {"CUDA_VISIBLE_DEVICES": "1"},
+     platform.Accelerator("gpu", "/dev/nvidia0")),
 ], ids=["nothing", "tpu-accel", "tpu-vfio", "vfio-alone", "tpu-pci", "google-nic",
         "tpu-variable", "tpu-variable-empty", "nvidia", "nvidia-control-only",
         "nvidia-hidden", "nvidia-hidden-minus-1", "nvidia-one-visible"])

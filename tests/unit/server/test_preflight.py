@@ -9,7 +9,8 @@ pytestmark = pytest.mark.unit
 def opts(tmp_path, **kw):
   kw.setdefault("socket_path", str(tmp_path / "run" / "sidecar.sock"))
   kw.setdefault("checkpoint_roots", (str(tmp_path / "ckpt"),))
-  return options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=1 << 20, **kw)
+  return options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=1 << 20,
+                                   **kw)
 
 
 def test_directories_that_can_be_made_pass(tmp_path):

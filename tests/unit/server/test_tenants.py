@@ -89,9 +89,11 @@ BAD = [
     ("tenants: [{name: alice, token_file: alice.token, colour: red}]\n",
      r"pool.yaml:1: unknown key 'colour' in a tenant \(line 1\); the keys are arena, "),
     ("tenants:\n  - {name: alice, token_file: alice.token}\n  - {name: alice, token_file: "
-     "bob.token}\n", r"pool.yaml:3: tenant name 'alice' is also the name of the tenant on line 2"),
+     "bob.token}\n",
+     r"pool.yaml:3: tenant name 'alice' is also the name of the tenant on line 2"),
     ("tenants:\n  - {name: alice, token_file: alice.token}\n  - {name: bob, token_file: "
-     "alice.token}\n", r"pool.yaml:3: tenant 'bob' has the same token as tenant 'alice' \(line 2\)"),
+     "alice.token}\n",
+     r"pool.yaml:3: tenant 'bob' has the same token as tenant 'alice' \(line 2\)"),
     ("tenants:\n  - {name: alice, token_file: alice.token, arena: 0.7}\n  - {name: bob, "
      "token_file: bob.token, arena: 0.5}\n",
      r"pool.yaml:2: the tenants' guaranteed arena shares \(alice 0.7, bob 0.5\) sum to 1.2 "

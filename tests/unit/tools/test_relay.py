@@ -1,4 +1,5 @@
-"""Tier 1: a trainer's output relayed by ``sidecar launch`` (tools/relay.py), prefixed line by line."""
+"""Tier 1: a trainer's output relayed by ``sidecar launch`` (tools/relay.py), prefixed line by
+line."""
 
 import io
 import threading

@@ -64,7 +64,8 @@ def test_too_deep_is_rejected():
 
 
 @pytest.mark.parametrize("value,match", [
-    (pb.Value(array=pb.Array(dtype="float32", shape=[4], data=b"\0" * 15)), "needs 16 bytes, got 15"),
+    (pb.Value(array=pb.Array(dtype="float32", shape=[4], data=b"\0" * 15)),
+     "needs 16 bytes, got 15"),
     (pb.Value(array=pb.Array(dtype="object", shape=[1], data=b"\0" * 8)), "not allowed"),
     (pb.Value(array=pb.Array(dtype="int8", shape=[-1], data=b"")), "negative dimension"),
     (pb.Value(big_int="12x"), "bad big_int"),
@@ -123,7 +124,8 @@ def test_arena_errors_name_the_field():
   ref = pb.Value(arena=pb.ArenaRef(offset=4096, nbytes=8, generation=1, dtype="int8", shape=[8]))
   entry = pb.DictEntry(key=pb.Value(str_value="w"), value=ref)
   value = pb.Value(dict=pb.DictValue(entries=[entry]))
-  with pytest.raises(errors.StaleDescriptorError, match=r"^kwargs\['w'\]: no block at offset 4096$"):
+  with pytest.raises(errors.StaleDescriptorError,
+                     match=r"^kwargs\['w'\]: no block at offset 4096$"):
     codec.decode(value, from_arena=from_arena, where="kwargs")
 
 

@@ -32,7 +32,8 @@ def test_frame_reader_limits_and_eof():
   with b:
     ipc.send_bytes(a, b"y" * 50)
     reader = ipc.FrameReader(b, limit=10)
-    with pytest.raises(errors.InvalidArgumentError, match="frame of 50 bytes exceeds the limit of 10"):
+    with pytest.raises(errors.InvalidArgumentError,
+                       match="frame of 50 bytes exceeds the limit of 10"):
       reader.read()
     a.close()
     with pytest.raises(ConnectionError, match="closed"):

@@ -1,4 +1,5 @@
-"""DCP's layout (``torch.distributed.checkpoint``) as a :class:`~sidecar._src.ckptfmt.format.Format`.
+"""DCP's layout (``torch.distributed.checkpoint``) as a
+:class:`~sidecar._src.ckptfmt.format.Format`.
 
 A DCP step goes through the same phases as an Orbax one; what differs is here. Each
 trainer rank beside a sidecar stages its own part (:class:`~.parts.DcpPart`: its items,
@@ -175,7 +176,8 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
 
   ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
   before their shards); ``incoming`` yields ``(rank, staged shard)`` (its ``leaf`` the
-  item's number) until the step is staged whole. Returns every item's checksum, as the manifest keeps them.
+  item's number) until the step is staged whole. Returns every item's checksum, as the
+  manifest keeps them.
   """
   queues: dict[int, queue.SimpleQueue] = {}
   threads: dict[int, threading.Thread] = {}

@@ -1,7 +1,8 @@
 """The controller's side of the ``sidecar.v1.Checkpoint`` service: one typed method per phase.
 
-:class:`CheckpointTransport` is what a :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`
-talks to: each phase on one host, returning a ``concurrent.futures.Future`` of plain
+:class:`CheckpointTransport` is what a
+:class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` talks to: each phase
+on one host, returning a ``concurrent.futures.Future`` of plain
 values (checksums and manifests as the dicts the manifest file holds). Two
 implement it: :class:`CheckpointClient`, over each host's gRPC channel (made by the
 Controller), and the in-process fake of the unit tests

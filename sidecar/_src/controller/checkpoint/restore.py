@@ -1,4 +1,5 @@
-"""Restores for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: tiers, reads, resharding.
+"""Restores for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: tiers,
+reads, resharding.
 
 A restore takes each shard from wherever a live copy is: the arena of the host that
 staged it, a peer's replica, storage last; it checks each crc32c, assembles the blocks
@@ -136,7 +137,8 @@ class Restorer:
     name = ".".join(map(str, kp))
     if kp not in saved:
       raise errors.InvalidArgumentError(
-          f"target leaf {name!r} is not in step {step}; it has {sorted('.'.join(map(str, k)) for k in saved)}")
+          f"target leaf {name!r} is not in step {step}; it has "
+          f"{sorted('.'.join(map(str, k)) for k in saved)}")
     leaf = saved[kp]
     shape, dtype = want.shape, want.dtype
     if shape != leaf.shape or dtype.name != leaf.dtype:

@@ -1,5 +1,5 @@
-"""Retention for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: the committed
-steps, and the deletion of those ``max_to_keep`` and ``keep_period`` no longer keep."""
+"""Retention for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: the
+committed steps, and the deletion of those ``max_to_keep`` and ``keep_period`` no longer keep."""
 
 from __future__ import annotations
 

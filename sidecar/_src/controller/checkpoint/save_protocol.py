@@ -93,7 +93,8 @@ class SaveProtocol:
         last[host] = self.client.stage(host, directory=self.directory, step=target.step,
                                        tmp_dir=target.tmp_dir, final_dir=target.final_dir,
                                        leaves=list(leaves) if first else [], shards=got[1],
-                                       last=final, writers=len(self._writers.get(host, ())) or 1, **fmt)
+                                       last=final, writers=len(self._writers.get(host, ())) or 1,
+                                       **fmt)
         closed += final
     except BaseException:
       # The abort that follows must reach each sidecar after its last stage call: one

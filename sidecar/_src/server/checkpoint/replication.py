@@ -218,7 +218,8 @@ class Replicator:
     """Adds a whole shard, if it has the crc32c its sender computed."""
     if crc32c is None or shards_lib.shard_crc32c(data) != crc32c:
       raise errors.InvalidArgumentError(
-          f"receive: shard {[*key.key_path]} {[list(i) for i in key.index]} of host {replica.source}'s "
+          f"receive: shard {[*key.key_path]} {[list(i) for i in key.index]} of host "
+          f"{replica.source}'s "
           f"replica of step {replica.step} does not match the crc32c its sender computed "
           f"({crc32c}): the replica is dropped")
     with self._tier.lock:

@@ -175,7 +175,8 @@ class CheckpointService:
 
   # ---- save --------------------------------------------------------------
 
-  def open(self, r: ckpt_pb.CheckpointOpenRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointOpenResponse:
+  def open(self, r: ckpt_pb.CheckpointOpenRequest, _: grpc.ServicerContext
+           ) -> ckpt_pb.CheckpointOpenResponse:
     steps = self._host.writer.open(r.directory, r.ram_steps,
                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
@@ -231,15 +232,18 @@ class CheckpointService:
     return ckpt_pb.CheckpointCommittedResponse(
         kept_steps=self._host.committed(r.final_dir, manifest))
 
-  def abort(self, r: ckpt_pb.CheckpointAbortRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointAbortResponse:
+  def abort(self, r: ckpt_pb.CheckpointAbortRequest, _: grpc.ServicerContext
+            ) -> ckpt_pb.CheckpointAbortResponse:
     self._host.writer.abort(r.tmp_dir, r.final_dir)
     return ckpt_pb.CheckpointAbortResponse()
 
-  def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointDeleteResponse:
+  def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext
+             ) -> ckpt_pb.CheckpointDeleteResponse:
     self._host.writer.delete(r.directory, _step(r.step))
     return ckpt_pb.CheckpointDeleteResponse()
 
-  def forget(self, r: ckpt_pb.CheckpointForgetRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointForgetResponse:
+  def forget(self, r: ckpt_pb.CheckpointForgetRequest, _: grpc.ServicerContext
+             ) -> ckpt_pb.CheckpointForgetResponse:
     self._host.forget(r.directory, _step(r.step))
     return ckpt_pb.CheckpointForgetResponse()
 
@@ -316,10 +320,12 @@ class CheckpointService:
 
   # ---- restore ------------------------------------------------------------
 
-  def held(self, r: ckpt_pb.CheckpointHeldRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointHeldResponse:
+  def held(self, r: ckpt_pb.CheckpointHeldRequest, _: grpc.ServicerContext
+           ) -> ckpt_pb.CheckpointHeldResponse:
     return wire.held_to_pb(self._host.held(r.directory))
 
-  def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext) -> ckpt_pb.CheckpointInfoResponse:
+  def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext
+           ) -> ckpt_pb.CheckpointInfoResponse:
     try:
       return wire.manifest_to_pb(self._host.info(r.final_dir))
     except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values

@@ -212,7 +212,8 @@ def _add_internal(commands: argparse._SubParsersAction) -> None:
   p.add_argument("--hosts-per-node", type=int, default=1, help=argparse.SUPPRESS)
   p.add_argument("--shm-size", default="1GiB", help=argparse.SUPPRESS)
   p.add_argument("--import", dest="imports", action="append", default=[], help=argparse.SUPPRESS)
-  p.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", default=[], help=argparse.SUPPRESS)
+  p.add_argument("--checkpoint-root", dest="checkpoint_roots", action="append", default=[],
+                 help=argparse.SUPPRESS)
   p.add_argument("--session-quota", default=None, help=argparse.SUPPRESS)
   p.set_defaults(func=_sidecars)
 

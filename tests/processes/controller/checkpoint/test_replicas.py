@@ -83,8 +83,8 @@ def test_three_hosts_lose_one_then_two(tmp_path):
                            match=r"step 2 of .* cannot be restored: 3 shards have no live copy "
                                  r"and no valid stored copy: array 'b' shards \[\[\[0, 8\]\]\]; "
                                  r"array 'table' shards \[\[\[0, 10\]\]\]; array 'w' shards "
-                                 r"\[\[\[0, 512\], \[0, 64\]\]\] \(staged by hosts \[0\], replicated on "
-                                 r"hosts \[1\]\); "
+                                 r"\[\[\[0, 512\], \[0, 64\]\]\] \(staged by hosts \[0\], "
+                                 r"replicated on hosts \[1\]\); "
                                  r"hosts gone: \[0, 1\]"):
           ckpt.restore(2, target=target_on(devices[2:], state))
   assert arena_mappers() == [] and shm_entries() == before
@@ -196,7 +196,8 @@ def test_replica_bandwidth_paces_the_sending(tmp_path, shared_memory):
         assert time.monotonic() - t0 >= 0.5  # the sleeps alone take 0.75 s from its start
       assert held_replicas(ctl, tmp_path / "ck") == {0: {1: [1]}, 1: {0: [1]}}
       cluster.kill(1)
-    with sidecar.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    with (sidecar.Controller(cluster.addresses[:1]) as ctl,
+          ctl.checkpointer(tmp_path / "ck") as ckpt):
       assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
       assert "replica:host0" in ckpt.last_restore_stats().shards
 

@@ -175,7 +175,8 @@ PLANTED = [
     ("host-id-from-the-job-index",
      lambda j: util.env(j, "trainer")["SIDECAR_HOST_ID"]["valueFrom"]["fieldRef"].update(
          fieldPath="metadata.annotations['jobset.sigs.k8s.io/job-index']"),
-     r"env\[SIDECAR_HOST_ID\]: is from \"metadata\.annotations\['jobset\.sigs\.k8s\.io/job-index'\]\""
+     r"env\[SIDECAR_HOST_ID\]: is from "
+     r"\"metadata\.annotations\['jobset\.sigs\.k8s\.io/job-index'\]\""
      r"; .* fieldPath metadata\.annotations\['batch\.kubernetes\.io/job-completion-index'\]"),
     ("process-id-literal",
      lambda j: util.container(j, "trainer")["env"].append(

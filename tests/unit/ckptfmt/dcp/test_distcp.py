@@ -49,7 +49,8 @@ def two_ranks():
   step = np.array(7, np.int64)
   meta_item, meta_raw = bytes_item("extra", {"epoch": 3, "name": "run"})
   ranks = {
-      0: [(tensor_item("w", w[:2]), w[:2]), (meta_item, meta_raw), (tensor_item("step", step), step)],
+      0: [(tensor_item("w", w[:2]), w[:2]), (meta_item, meta_raw),
+          (tensor_item("step", step), step)],
       1: [(tensor_item("w", w[2:], (2, 0)), w[2:]), (tensor_item("h", h), h),
           (tensor_item("big", big), big)],
   }
@@ -161,7 +162,8 @@ def test_nothing_is_visible_before_the_commit(tmp_path):
   # Rank 1 never wrote: the commit refuses, and nothing is at the path.
   _, size0 = distcp.layout(0, items)
   _, size1 = distcp.layout(1, [item for item, _ in ranks[1]])
-  with pytest.raises(errors.InvalidArgumentError, match=r"incomplete: rank 1's __1_0.distcp is missing"):
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"incomplete: rank 1's __1_0.distcp is missing"):
     distcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={0: size0, 1: size1})
   assert not path.exists() and not distcp.is_checkpoint(path)
   # A new attempt starts from a clean tmp directory.

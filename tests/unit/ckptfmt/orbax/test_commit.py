@@ -95,7 +95,8 @@ def test_shardings_are_stored_by_base64_param_name(tmp_path):
   spec = spec_lib.LeafSpec(key_path=("opt", 0), shape=(2,), dtype=np.int32, write_shape=(2,),
                               sharding=sharding)
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
-  orbax_write.write_host_part(tmp, 0, [spec], [StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))])
+  orbax_write.write_host_part(tmp, 0, [spec],
+                              [StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))])
   final = orbax_commit.finalize(tmp, [spec], num_hosts=1)
   assert read_json(final / "default" / "_sharding") == {
       base64.urlsafe_b64encode(b"opt.0").decode(): sharding}

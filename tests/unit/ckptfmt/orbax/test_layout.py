@@ -189,7 +189,8 @@ def test_chunk_files_hold_the_bytes_orbax_writes(tree, mesh, tmp_path):
   tmp = orbax_commit.create_tmp_step(tmp_path / "ours", 0)
   for host, part in enumerate(parts):
     orbax_write.write_host_part(tmp, host, specs, part)
-  ours, stock = orbax_commit.finalize(tmp, specs, num_hosts=2) / "default", tmp_path / "stock/0/default"
+  ours, stock = (orbax_commit.finalize(tmp, specs, num_hosts=2) / "default",
+                 tmp_path / "stock/0/default")
   chunks = [p.relative_to(stock) for p in stock.glob("[wo]*/[0-9]*")]  # w, opt.0.mu: sharded
   assert len(chunks) == 8 + 8
   chunks += [pathlib.Path(leaf, ".zarray") for leaf in ("w", "opt.0.mu", "table")]
@@ -304,7 +305,8 @@ def test_read_item_shard_names_a_chunk_file_of_the_wrong_size(tree, mesh, tmp_pa
                      match=r"1\.2 holds 63 bytes where the chunk \[\[4, 8\], \[8, 12\]\] of 'w' "
                            r"takes 64: the file is corrupt"):
     orbax_read.read_item_shard(item, ("w",), ((4, 8), (8, 12)))
-  assert_bit_exact(np.asarray(tree["w"])[:4, :4], orbax_read.read_item_shard(item, ("w",), ((0, 4), (0, 4))))
+  assert_bit_exact(np.asarray(tree["w"])[:4, :4],
+                   orbax_read.read_item_shard(item, ("w",), ((0, 4), (0, 4))))
 
 
 def test_a_step_written_again_reads_its_new_values(tmp_path):

@@ -71,7 +71,8 @@ def test_a_chunk_file_of_the_wrong_size_is_corrupt(tmp_path):
   (item / "opt.0.e" / "1").write_bytes(E[2:4].tobytes() + b"\0")
   with pytest.raises(errors.CorruptCheckpointError,
                      match=r"opt\.0\.e/1 holds 9 bytes where the chunk \[\[2, 4\]\] of "
-                           r"'opt\.0\.e' takes 8: the file is corrupt or was changed after the save"):
+                           r"'opt\.0\.e' takes 8: the file is corrupt or was changed after the "
+                           r"save"):
     orbax_read.read_item_shard(item, ("opt", 0, "e"), ((2, 4),))
 
 

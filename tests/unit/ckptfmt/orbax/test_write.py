@@ -115,7 +115,8 @@ def test_write_host_part_rejects_bad_shards(tmp_path, shard, match):
     orbax_write.write_host_part(tmp, 0, [SPEC], [StagedShard(0, *shard)])
 
 
-@pytest.mark.parametrize("host_index", [-1, 1.0, "0", True], ids=["negative", "float", "str", "bool"])
+@pytest.mark.parametrize("host_index", [-1, 1.0, "0", True],
+                         ids=["negative", "float", "str", "bool"])
 def test_the_host_index_is_an_int(tmp, host_index):
   with pytest.raises(errors.InvalidArgumentError,
                      match=rf"^host_index must be an int >= 0, got {host_index!r}$"):

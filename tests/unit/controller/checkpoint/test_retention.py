@@ -23,7 +23,8 @@ def test_a_failed_delete_is_logged_and_the_step_stays_listed(caplog):
   fake = FakeSidecars(steps=[1, 2], fail={"delete": errors.HostLostError("host 0 is gone",
                                                                          host_id=0)})
   ckpt = checkpointer(fake, max_to_keep=2)
-  with caplog.at_level(logging.WARNING, logger="sidecar._src.controller.checkpoint.retention"), ckpt:
+  with (caplog.at_level(logging.WARNING, logger="sidecar._src.controller.checkpoint.retention"),
+        ckpt):
     handle = ckpt.save(3, {"x": np.arange(4, dtype=np.int32)})
     ckpt.wait()
   assert handle.durable.result() == 3

@@ -189,7 +189,8 @@ def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, capl
 def test_record_names_the_host_and_the_item(tier, arena):
   add_step(tier, arena, 1)
   assert tier.record(item(1)).step == 1
-  with pytest.raises(errors.InvalidArgumentError, match=r"^host 0 has not staged /ck/run/2/default$"):
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"^host 0 has not staged /ck/run/2/default$"):
     tier.record(item(2))
 
 
@@ -207,7 +208,8 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   assert status.directory == D
   assert (list(status.ram_steps), list(status.uncommitted), list(status.writing)) == ([1], [2], [3])
   assert (status.written_bytes, status.total_bytes) == (KB, 3 * KB) and status.writing_s >= 0
-  assert [(r.source_host, list(r.steps), r.nbytes) for r in status.replicas] == [(2, [0, 1], 2 * KB)]
+  assert ([(r.source_host, list(r.steps), r.nbytes) for r in status.replicas]
+          == [(2, [0, 1], 2 * KB)])
   assert tier.usage() == {"ram_steps": 1, "ram_bytes": 2 * KB, "replica_steps": 2,
                           "replica_bytes": 2 * KB, "writing_steps": 1, "writing_bytes": 2 * KB}
   assert tier.held(D).own == {item(1): (ShardId(("w",), ((0, 1),)), ShardId(("w",), ((1, 2),)))}

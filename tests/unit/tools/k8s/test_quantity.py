@@ -52,7 +52,8 @@ def test_format_mebibytes_rounds_up(num_bytes, expected):
   assert quantity.parse_quantity(expected) >= num_bytes
 
 
-@pytest.mark.parametrize("bad", ["1e999999", "1e-999999999", "5e31Mi"], ids=["huge", "tiny", "suffix"])
+@pytest.mark.parametrize("bad", ["1e999999", "1e-999999999", "5e31Mi"],
+                         ids=["huge", "tiny", "suffix"])
 def test_an_exponent_out_of_range_is_refused_at_once(bad):
   with pytest.raises(ValueError, match=r"exponent of quantity .* is out of range: at most e30"):
     quantity.parse_quantity(bad)
