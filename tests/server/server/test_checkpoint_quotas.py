@@ -92,14 +92,16 @@ def test_a_save_past_a_tenants_storage_quota_is_refused_and_leaves_nothing(
   with controller(server, ALICE) as ctl, ctl.checkpointer(str(tmp_path / "alice" / "a")) as ck:
     for step in range(1, 6):
       assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
-  # Once bob keeps fewer steps (two old ones deleted, max_to_keep=2 from now on), his
-  # next saves fit again.
+  # Once bob keeps fewer steps (two old ones deleted, max_to_keep=1 from now on), his
+  # next saves fit again: three steps at most at once, as the step no longer kept is
+  # deleted once the next is durable, which the save after it need not wait for.
   for step in (1, 2):
     shutil.rmtree(directory / str(step))
-  with controller(server, BOB) as ctl, ctl.checkpointer(str(directory), max_to_keep=2) as ck:
+  with controller(server, BOB) as ctl, ctl.checkpointer(str(directory), max_to_keep=1) as ck:
     for step in (4, 5, 6):
       assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
-    assert ck.all_steps() == [5, 6]
+    ck.wait()
+    assert ck.all_steps() == [6]
     got = ck.restore(6, target={"w": np.zeros_like(STEP)})
     np.testing.assert_array_equal(got["w"], STEP + 6)
 
