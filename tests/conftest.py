@@ -185,10 +185,17 @@ def no_shm_leak():
   holds is not this test's: under ``pytest -n``, the other worker's test runs meanwhile."""
   before = shm_entries()
   yield
-  left = shm_entries() - before
-  if left:
-    left -= _held_by_others(left)
-  assert not left, f"a test left segments in /dev/shm: {sorted(left)}"
+
+  def ours() -> set[str]:
+    left = shm_entries() - before
+    return left - _held_by_others(left) if left else left
+
+  # Another worker's semaphore (sem.mp-) may be in /dev/shm for a moment held by no process
+  # (closed, not yet unlinked): ours stays, its goes within the wait.
+  left = ours()
+  if left and eventually(lambda: not ours(), timeout=3):
+    left = set()
+  assert not left, f"a test left segments in /dev/shm: {sorted(ours() or left)}"
 
 
 @pytest.fixture
