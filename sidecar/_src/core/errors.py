@@ -2,29 +2,29 @@
 
 The tree::
 
-    SidecarError                                  base of everything below
-    ├── AlreadyRegisteredError(ValueError)        a name registered twice
-    ├── NotRegisteredError(KeyError)              unknown function/pipeline name (NOT_FOUND)
-    ├── InvalidArgumentError(ValueError)          bad arguments or bytes (INVALID_ARGUMENT)
-    ├── ResourceExhaustedError                    arena, quota or limit full (RESOURCE_EXHAUSTED)
-    │   └── BusyError                             a sidecar's slots for such rpcs all taken: retry
-    ├── StaleDescriptorError(ValueError)          an arena block freed or reused since
-    ├── CorruptCheckpointError(ValueError)        a stored shard that fails its crc32c or size
-    │   └── ShardsLostError                       shards with no live copy and no valid stored one
-    ├── CheckpointWriteError(OSError)             a checkpoint's bytes could not be written (ENOSPC, EIO)
-    ├── VersionMismatchError                      handshake skew (FAILED_PRECONDITION)
-    ├── SessionLostError                          a handshake session expired or evicted (FAILED_PRECONDITION)
-    ├── AuthenticationError(PermissionError)      missing or bad token (UNAUTHENTICATED)
-    ├── PermissionDeniedError(PermissionError)    a path outside the checkpoint roots (PERMISSION_DENIED)
-    ├── ArenaCapacityError(MemoryError)           the machine cannot give the arena at start
-    ├── RemoteError                               user code raised inside a sidecar
-    ├── HostLostError(ConnectionError)            a sidecar died or became unreachable
-    ├── DeadlineExceededError(TimeoutError)       a call outran its deadline
-    ├── DiscoveryError(TimeoutError)              sidecars that never answered discovery
-    └── ClosedError(RuntimeError)                 use of a closed object
+    SidecarError                                base of everything below
+    ├── AlreadyRegisteredError(ValueError)      a name registered twice
+    ├── NotRegisteredError(KeyError)            unknown function/pipeline name (NOT_FOUND)
+    ├── InvalidArgumentError(ValueError)        bad arguments or bytes (INVALID_ARGUMENT)
+    ├── ResourceExhaustedError                  arena, quota or limit full (RESOURCE_EXHAUSTED)
+    │   └── BusyError                           every slot for such rpcs taken: retry
+    ├── StaleDescriptorError(ValueError)        an arena block freed or reused since
+    ├── CorruptCheckpointError(ValueError)      a stored shard that fails its crc32c or size
+    │   └── ShardsLostError                     shards with no live copy and no valid stored one
+    ├── CheckpointWriteError(OSError)           checkpoint bytes not written (ENOSPC, EIO)
+    ├── VersionMismatchError                    handshake skew (FAILED_PRECONDITION)
+    ├── SessionLostError                        session expired or evicted (FAILED_PRECONDITION)
+    ├── AuthenticationError(PermissionError)    missing or bad token (UNAUTHENTICATED)
+    ├── PermissionDeniedError(PermissionError)  path outside checkpoint roots (PERMISSION_DENIED)
+    ├── ArenaCapacityError(MemoryError)         the machine cannot give the arena at start
+    ├── RemoteError                             user code raised inside a sidecar
+    ├── HostLostError(ConnectionError)          a sidecar died or became unreachable
+    ├── DeadlineExceededError(TimeoutError)     a call outran its deadline
+    ├── DiscoveryError(TimeoutError)            sidecars that never answered discovery
+    └── ClosedError(RuntimeError)               use of a closed object
 
 Mapping to and from gRPC status codes happens in one place: ``protocol.py``.
-"""  # noqa: E501 (the drawn tree: one class a line, tests/unit/core/test_errors.py reads it)
+"""
 
 from __future__ import annotations
 
