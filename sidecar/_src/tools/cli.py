@@ -360,8 +360,8 @@ def parser() -> argparse.ArgumentParser:
           description="Start N sidecars on this machine (sidecar.testing.LocalCluster) and "
                       "print their addresses and worker sockets; connect a Controller or a "
                       "notebook to them. Ctrl-C or SIGTERM stops them.")
-  s.add_argument("--hosts", type=cli_types.positive, default=2, help="sidecars to start")
-  s.add_argument("--devices-per-host", type=cli_types.positive, default=1,
+  s.add_argument("--hosts", type=int, default=2, help="sidecars to start")
+  s.add_argument("--devices-per-host", type=int, default=1,
                  help="device ids each sidecar declares (host h owns h*D..h*D+D-1)")
   s.add_argument("--shm-size", type=cli_types.size, default="256MiB", metavar="SIZE",
                  help="each sidecar's arena size (default: 256MiB)")
@@ -382,11 +382,11 @@ def parser() -> argparse.ArgumentParser:
                      description="Local multi-process mode, as torchrun: N sidecars on this "
                                  "machine and one trainer process (or P) beside each.",
                      formatter_class=cli_format.RawDescriptionDefaultsFormatter)
-  s.add_argument("--hosts", type=cli_types.positive, default=2,
+  s.add_argument("--hosts", type=int, default=2,
                  help="sidecars and trainers (default: 2)")
-  s.add_argument("--devices-per-host", type=cli_types.positive, default=1,
+  s.add_argument("--devices-per-host", type=int, default=1,
                  help="CPU devices of each trainer, SIDECAR_LOCAL_DEVICES (default: 1)")
-  s.add_argument("--procs-per-host", type=cli_types.positive, default=1, metavar="P",
+  s.add_argument("--procs-per-host", type=int, default=1, metavar="P",
                  help="trainer processes beside each sidecar, each its own Worker session, "
                  "as torchrun --nproc-per-node (default: 1)")
   s.add_argument("--torch", action="store_true",
@@ -432,11 +432,11 @@ def parser() -> argparse.ArgumentParser:
           description="Train a small classifier on the digits data set, fed and checkpointed "
                       "by a LocalCluster of sidecars on this machine, and print what each "
                       "part cost.")
-  s.add_argument("--hosts", type=cli_types.positive, default=2, help="sidecars (simulated hosts)")
-  s.add_argument("--devices-per-host", type=cli_types.positive, default=2,
+  s.add_argument("--hosts", type=int, default=2, help="sidecars (simulated hosts)")
+  s.add_argument("--devices-per-host", type=int, default=2,
                  help="CPU devices of each host")
-  s.add_argument("--steps", type=cli_types.positive, default=300, help="training steps")
-  s.add_argument("--processes", type=cli_types.positive, default=1,
+  s.add_argument("--steps", type=int, default=300, help="training steps")
+  s.add_argument("--processes", type=int, default=1,
                  help="1 (default): one process owns every device; N: the same training as N "
                  "trainer processes under jax.distributed, one per host, via sidecar launch")
   s.add_argument("--elastic", action="store_true",

@@ -18,17 +18,6 @@ def ids(text: str) -> tuple[int, ...]:
         f"expected comma-separated ints like 0,1, got {text!r}") from None
 
 
-def positive(text: str) -> int:
-  """A count of hosts, devices, processes or steps: an int >= 1."""
-  try:
-    n = int(text)
-  except ValueError:
-    n = 0
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-  return n
-
-
 def size(text: str) -> int:
   """A size such as ``4GiB``, in bytes."""
   try:

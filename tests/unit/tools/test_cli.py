@@ -99,20 +99,6 @@ def test_status_and_health_refuse_a_port_outside_the_range(capsys, argv, port):
           "ports are integers in 1..65535") in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [
-    ["demo", "--hosts", "0"], ["demo", "--steps", "-3"], ["local", "--devices-per-host", "0"],
-    ["launch", "--procs-per-host", "x", "--", "true"]], ids=["demo", "steps", "local", "launch"])
-def test_a_count_below_one_is_a_usage_error_before_anything_starts(capsys, argv):
-  # Before: `sidecar demo --hosts 0` printed "Starting a LocalCluster: 0 sidecar
-  # processes" and made its log, then failed.
-  with pytest.raises(SystemExit) as exit_:
-    cli.parser().parse_args(argv)
-  assert exit_.value.code == 2
-  flag, value = argv[1], argv[2]
-  assert f"sidecar {argv[0]}: error: argument {flag}: expected an int >= 1, got '{value}'" \
-      in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("var, value, flag", [
     ("SIDECAR_PORT", "abc", "--port: invalid int value: 'abc'"),
     ("SIDECAR_METRICS_PORT", "x", "--metrics-port: invalid int value: 'x'"),
