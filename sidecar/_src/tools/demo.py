@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sidecar._src.controller import elastic as elastic_lib
-from sidecar._src.core import logs, options as options_lib
+from sidecar._src.core import errors, logs, options as options_lib
 from sidecar._src.jax import distributed, elastic as jax_elastic
 from sidecar._src.jax.controller import Controller
 from sidecar._src.tools import launch
@@ -131,6 +131,10 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   to the terminal too; else they go to a log file of this run's own, named at the end and
   kept. The checkpoints go to a new temporary directory, removed at the end.
   """
+  for name, value in (("num_hosts", hosts), ("devices_per_host", devices_per_host),
+                      ("steps", steps), ("processes", processes)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # before any print
+      raise errors.InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
   if importlib.util.find_spec("sklearn") is None:  # pipelines.digits, in every sidecar
     print("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
           "pip install 'colocated-sidecar[demo]'", file=sys.stderr)

@@ -345,3 +345,4 @@ def test_a_user_error_is_one_line_not_a_traceback():
   p = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--hosts", "0"],
                      capture_output=True, text=True, timeout=120)
   assert (p.returncode, p.stderr) == (2, "sidecar demo: num_hosts must be a positive int, got 0\n")
+  assert p.stdout == ""  # refused before it starts anything (it printed "Starting ..." first)
