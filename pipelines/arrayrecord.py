@@ -39,7 +39,8 @@ try:
   from array_record.python import array_record_module
 except ImportError as e:  # Not in the core install: an extra.
   raise ImportError(
-      "pipelines.arrayrecord needs array-record: pip install 'colocated-sidecar[arrayrecord]'") from e
+      "pipelines.arrayrecord needs array-record: "
+      "pip install 'colocated-sidecar[arrayrecord]'") from e
 
 MAGIC = b"SCX1"
 _ALIGN = 8

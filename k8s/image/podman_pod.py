@@ -58,8 +58,8 @@ lock_type = "file"
 def render(image: str, *, shm_size: str, imports: str) -> dict[str, Any]:
   """The pod template ``sidecar k8s render`` makes for one host with ``image``."""
   out = subprocess.run(
-      [sys.executable, "-m", "sidecar", "k8s", "render", "--slices", "1", "--hosts-per-slice", "1", "--image", image,
-       "--shm-size", shm_size, "--import", imports, "--name", JOBSET],
+      [sys.executable, "-m", "sidecar", "k8s", "render", "--slices", "1", "--hosts-per-slice",
+       "1", "--image", image, "--shm-size", shm_size, "--import", imports, "--name", JOBSET],
       check=True, capture_output=True, text=True).stdout
   jobset = yaml.safe_load(out)
   return jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
@@ -144,7 +144,8 @@ class Pod:
     args = ["--pod", self.name]
     values = {}
     for e in container.get("env", []):
-      values[e["name"]] = e["value"] if "value" in e else FIELDS[e["valueFrom"]["fieldRef"]["fieldPath"]]
+      values[e["name"]] = (e["value"] if "value" in e
+                           else FIELDS[e["valueFrom"]["fieldRef"]["fieldPath"]])
     values.update(env or {})
     for k, v in values.items():
       args += ["--env", f"{k}={v}"]
