@@ -75,8 +75,11 @@ def token(name: str) -> str:
   return f"benchmark-token-of-{name}"
 
 
-def write_pool(directory: str) -> str:
-  for name in (*TENANTS, "t4"):
+def write_pool(directory: str, text: str = POOL, names: tuple[str, ...] = (*TENANTS, "t4")
+               ) -> str:
+  """``text`` as ``directory``/pool.yaml, each of ``names`` with its token file and
+  checkpoint root; the pool file's path."""
+  for name in names:
     path = os.path.join(directory, f"{name}.token")
     with open(path, "w") as f:
       f.write(token(name))
@@ -84,7 +87,7 @@ def write_pool(directory: str) -> str:
     os.makedirs(os.path.join(directory, name), exist_ok=True)
   path = os.path.join(directory, "pool.yaml")
   with open(path, "w") as f:
-    f.write(POOL)
+    f.write(text)
   os.chmod(path, 0o600)
   return path
 

@@ -31,6 +31,7 @@ import numpy as np
 
 import sidecar
 from benchmarks.common import table
+from benchmarks.pool import token, write_pool
 
 TENANTS = ("t0", "t1", "t2", "t3")
 STATE_MIB = 128
@@ -38,24 +39,6 @@ HOG_DIRS = 4
 POOL = "tenants:\n" + "".join(
     f"  - {{name: {t}, token_file: {t}.token, arena: 0.2, checkpoint_roots: [{t}]}}\n"
     for t in TENANTS)
-
-
-def token(name: str) -> str:
-  return f"benchmark-token-of-{name}"
-
-
-def write_pool(directory: str) -> str:
-  for name in TENANTS:
-    path = os.path.join(directory, f"{name}.token")
-    with open(path, "w") as f:
-      f.write(token(name))
-    os.chmod(path, 0o600)
-    os.makedirs(os.path.join(directory, name), exist_ok=True)
-  path = os.path.join(directory, "pool.yaml")
-  with open(path, "w") as f:
-    f.write(POOL)
-  os.chmod(path, 0o600)
-  return path
 
 
 def saver(name: str, addresses: list[str], directory: str, dirs: int, mib: int,
@@ -114,7 +97,7 @@ def main() -> None:
   with contextlib.ExitStack() as stack:
     directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="sidecar-pool-writes-"))
     cluster = stack.enter_context(sidecar.testing.LocalCluster(
-        1, 1, shm_size=f"{args.state_mib * 32}MiB", pool=write_pool(directory),
+        1, 1, shm_size=f"{args.state_mib * 32}MiB", pool=write_pool(directory, POOL, TENANTS),
         configure_jax=False,
         checkpoint_roots=[directory]))
     fair: dict[str, list[float]] = {t: [] for t in well}

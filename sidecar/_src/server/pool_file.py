@@ -160,6 +160,18 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
                    f"size such as 2GiB, got {v!r}")
     return Share(nbytes=n)
 
+  def size(key: str, least: int, example: str) -> int | None:
+    """A size of at least ``least`` bytes (not a fraction of the arena)."""
+    if key not in m:
+      return None
+    s = share(key)
+    n = s.nbytes if s is not None else None
+    if n is None or n < least:
+      raise error_at(path, at(key), f"{where}: {key} must be a size of at least "
+                     f"{shm.format_size(least)} (e.g. {example}), got "
+                     f"{_scalar(path, m[key], key)!r}")
+    return n
+
   def names(key: str) -> frozenset[str] | None:
     if key not in m:
       return None
@@ -184,14 +196,7 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
   if ceiling is not None and (ceiling.nbytes or 0) < MIN_ARENA and ceiling.fraction is None:
     raise error_at(path, at("arena_ceiling"), f"{where}: arena_ceiling {ceiling} is below one "
                  f"batch ({shm.format_size(MIN_ARENA)}); raise it")
-  inline = None
-  if "inline_bytes" in m:
-    s = share("inline_bytes")
-    inline = s.nbytes if s is not None else None
-    if inline is None or inline < MIN_INLINE:
-      raise error_at(path, at("inline_bytes"), f"{where}: inline_bytes must be a size of at "
-                   f"least {shm.format_size(MIN_INLINE)} (e.g. 256MiB), got "
-                   f"{_scalar(path, m['inline_bytes'], 'inline_bytes')!r}")
+  inline = size("inline_bytes", MIN_INLINE, "256MiB")
   roots: tuple[str, ...] = ()
   if "checkpoint_roots" in m:
     v = yaml.safe_load(yaml.serialize(m["checkpoint_roots"]))
@@ -221,14 +226,7 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       raise error_at(path, at("ram_keep"), f"{where}: ram_keep is seconds >= 0 or a duration "
                    f"such as 90s, 10m or 2h, got {v!r}")
   ram_tier = share("ram_tier")
-  stored = None
-  if "checkpoint_bytes" in m:
-    s = share("checkpoint_bytes")
-    stored = s.nbytes if s is not None else None
-    if stored is None or stored < MIN_ARENA:
-      raise error_at(path, at("checkpoint_bytes"), f"{where}: checkpoint_bytes must be a size "
-                   f"of at least {shm.format_size(MIN_ARENA)} (e.g. 500GiB), got "
-                   f"{_scalar(path, m['checkpoint_bytes'], 'checkpoint_bytes')!r}")
+  stored = size("checkpoint_bytes", MIN_ARENA, "500GiB")
   return Tenant(
       ram_keep_s=ram_keep, ram_tier=ram_tier, checkpoint_bytes=stored,
       name=name, token=token, token_file=token_file, line=line, arena=arena,
