@@ -57,9 +57,17 @@ class Kernel:
       elif msg["msg_type"] == "error":
         out.append("\n".join(msg["content"]["traceback"]))
 
-    reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    for _ in range(3):
+      reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+      # "aborted": the kernel never ran it. After a cell that failed (an interrupted one),
+      # ipykernel aborts the requests that reach it until its stop_on_error timer has run,
+      # which under load can be later than our next cell: send it again.
+      if reply["content"]["status"] != "aborted":
+        break
+      time.sleep(0.2)
     if reply["content"]["status"] != "ok":
-      raise AssertionError(f"cell failed: {reply['content'].get('ename')}\n" + "".join(out))
+      raise AssertionError(f"cell failed: {reply['content']['status']} "
+                           f"{reply['content'].get('ename')}\n" + "".join(out))
     return "".join(out)
 
   def start(self, code: str) -> str:
