@@ -211,19 +211,25 @@ def run_tenants(cluster, directory: str, names: tuple[str, ...], seconds: float,
   if bad is not None:
     procs.append(ctx.Process(target=misbehave, args=(*bad, list(cluster.addresses),
                                                      cluster.socket(0), start_at, seconds, out)))
+  got = gather(procs, out, timeout=seconds + 240)
+  results = {r[0]: (r[1], r[2]) for r in got if len(r) == 3}
+  did = next((r[1] for r in got if len(r) == 2), "")
+  return results, did
+
+
+def gather(procs: list, out, *, timeout: float) -> list:
+  """Starts ``procs``, takes one answer of each from ``out``, then joins them (killing one
+  that has not ended 30 s later)."""
   for p in procs:
     p.start()
   try:
-    got = [out.get(timeout=seconds + 240) for _ in procs]
+    return [out.get(timeout=timeout) for _ in procs]
   finally:
     for p in procs:
       p.join(30)
       if p.is_alive():
         p.kill()
         p.join()
-  results = {r[0]: (r[1], r[2]) for r in got if len(r) == 3}
-  did = next((r[1] for r in got if len(r) == 2), "")
-  return results, did
 
 
 def jain(rates: list[float]) -> float:

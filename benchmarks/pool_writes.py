@@ -31,7 +31,7 @@ import numpy as np
 
 import sidecar
 from benchmarks.common import table
-from benchmarks.pool import token, write_pool
+from benchmarks.pool import gather, token, write_pool
 
 TENANTS = ("t0", "t1", "t2", "t3")
 STATE_MIB = 128
@@ -74,16 +74,7 @@ def run(cluster, directory: str, savers: dict[str, int], mib: int, seconds: floa
   procs = [ctx.Process(target=saver, args=(name, list(cluster.addresses), directory, dirs,
                                            mib, start_at, seconds, out))
            for name, dirs in savers.items()]
-  for p in procs:
-    p.start()
-  try:
-    got = [out.get(timeout=seconds + 240) for _ in procs]
-  finally:
-    for p in procs:
-      p.join(30)
-      if p.is_alive():
-        p.kill()
-        p.join()
+  got = gather(procs, out, timeout=seconds + 240)
   return dict(got)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import env as env_lib, errors
 from sidecar._src.server import metrics as metrics_lib
@@ -75,7 +76,7 @@ class CheckpointHost:
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                peer_credentials: Any = None,
                group_budget: Callable[[str], int | None] = lambda group: None,
-               write_turn: Callable[[str], Any] = lambda owner: None):
+               write_turn: Callable[[str], direct_io.Turn | None] = lambda owner: None):
     self._host_id = host_id
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
