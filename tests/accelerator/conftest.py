@@ -26,7 +26,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).parent
 DRY_RUN = os.environ.get("SIDECAR_ACCELERATOR_DRY_RUN") == "1"
-FIRST = ("test_readme.py", "test_platform.py")  # before this process opens the chip
+FIRST = ("test_readme.py", "test_launch.py", "test_platform.py")  # before this opens the chip
 RUN_ALONE = ("tests/accelerator runs alone, in a pytest process of its own (the other tiers "
              "hide the accelerator with JAX_PLATFORMS=cpu, and only one process may open a "
              "TPU): pytest -m accelerator tests/accelerator")

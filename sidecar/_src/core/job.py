@@ -51,6 +51,8 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   else:
     missing = [n for n in (env_lib.COORDINATOR_ADDRESS, env_lib.NUM_PROCESSES, env_lib.PROCESS_ID)
                if not get(n)]
+    if missing == [env_lib.COORDINATOR_ADDRESS] and get(env_lib.NUM_PROCESSES) == "1":
+      missing = []  # a job of one process needs no coordinator (sidecar launch sets none)
     if missing:
       raise errors.InvalidArgumentError(
           f"the environment names a jax.distributed job ({', '.join(ours)} set) but "
@@ -64,7 +66,7 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
         f"process id {index} is not below the {count} processes of the job; check "
         f"{env_lib.PROCESS_ID} / SIDECAR_SLICE_ID / SIDECAR_HOST_ID against "
         f"{env_lib.NUM_PROCESSES}")
-  out: dict[str, Any] = {"coordinator_address": coordinator, "num_processes": count,
+  out: dict[str, Any] = {"coordinator_address": coordinator or None, "num_processes": count,
                          "process_id": index}
   if get(env_lib.LOCAL_DEVICES):
     out["local_devices"] = env_lib.int_var(env, env_lib.LOCAL_DEVICES, None, minimum=1)

@@ -104,12 +104,28 @@ def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
     if get(LOCAL_DEVICES):
       jax.config.update("jax_num_cpu_devices",
                         env_lib.int_var(env, LOCAL_DEVICES, None, minimum=1))
-    jax.distributed.initialize(**kwargs)
-    return True
+    return _initialize_detected(kwargs)
   local = args.pop("local_devices", None)
   if local is not None:
     jax.config.update("jax_num_cpu_devices", local)
+  if args["num_processes"] == 1:  # sidecar launch --hosts 1: nothing to agree with
+    log.info("%s=1: one process, no jax.distributed", NUM_PROCESSES)
+    return False
   jax.distributed.initialize(**args, **kwargs)
+  return True
+
+
+def _initialize_detected(kwargs: Mapping[str, Any]) -> bool:
+  """``jax.distributed.initialize`` from JAX's own cluster detection; where that cannot
+  complete (a TPU VM's metadata server is not there: a lent or sandboxed TPU host) and
+  no variable of ours names a job, this process runs alone, saying so in one line."""
+  try:
+    jax.distributed.initialize(**kwargs)
+  except (OSError, RuntimeError, ValueError) as e:  # requests' ConnectionError is an OSError
+    log.warning("JAX detected a cluster but could not complete its detection (%s: %.200s); "
+                "no variable names a job (%s, %s, %s): running as one process",
+                type(e).__name__, e, COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID)
+    return False
   return True
 
 

@@ -61,7 +61,8 @@ Each trainer gets this environment added to the launcher's:
   JAX_ENABLE_PREEMPTION_SERVICE false, unless already set: JAX's preemption notifier
                                 catches SIGTERM, so a stopped trainer would run on until
                                 the SIGKILL after the grace
-with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port>, SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
+with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port> (none for a job of one process, which
+runs without jax.distributed), SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
 SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host, SIDECAR_RESTART=0. SIDECAR_TOKEN
 is set when there is a token: from --token-file, else $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE of
 the launcher. The sidecars get no device ids: each learns its own from the trainer that
@@ -174,7 +175,9 @@ class _Run:
       print(f"sidecar launch: {text}", file=self.stderr, flush=True)
 
   def start_trainers(self) -> None:
-    coordinator = f"127.0.0.1:{free_port()}"
+    # One process needs no coordinator: no TCP port (a TPU host may allow none).
+    one = len(self.hosts) * self.procs_per_host == 1
+    coordinator = None if one else f"127.0.0.1:{free_port()}"
     master = None
     if self.torch:  # the job's c10d store, on loopback: a fresh one for each start
       self.store = c10d_store.LoopbackStore()
@@ -391,6 +394,22 @@ class _Interrupted(BaseException):
     self.signum = signum
 
 
+def _loopback_tcp(say: Callable[[str], None], processes: int, torch: bool) -> bool:
+  """Whether a job of ``processes`` trainers has the loopback TCP port its coordinator
+  needs (none for one process); where not, says what failed and how to run here."""
+  if processes == 1:
+    return True
+  try:
+    free_port()
+  except OSError as e:
+    what = "torch's store" if torch else "jax.distributed's coordinator"
+    say(f"a job of {processes} trainer processes needs a TCP port on 127.0.0.1 for "
+               f"{what}, and this machine allows none ({e}); run one process here "
+               "(--hosts 1 --procs-per-host 1), which needs no coordinator")
+    return False
+  return True
+
+
 def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
@@ -473,6 +492,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   try:
     try:
       launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
+      if not _loopback_tcp(launch.say, hosts * procs_per_host, torch):
+        return 1
       cluster.start()
       for h in range(hosts):
         launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "

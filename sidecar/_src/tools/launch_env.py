@@ -22,7 +22,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
+def trainer_env(cluster: LocalCluster, host: int, coordinator: str | None,
                 base: Mapping[str, str], *, hosts: Sequence[int] | None = None,
                 restart: int = 0, procs_per_host: int = 1, local_rank: int = 0,
                 torch_master: str | None = None, max_restarts: int = 0) -> dict[str, str]:
@@ -49,8 +49,10 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str,
   # catches SIGTERM (to sync a save at preemption, on Cloud TPU): a trainer stopped here
   # would go on until the SIGKILL after the grace, seconds of every elastic restart.
   result.setdefault(PREEMPTION_SERVICE, "false")
+  result.pop(env_lib.COORDINATOR_ADDRESS, None)
+  if coordinator is not None:  # a job of one process has none
+    result[env_lib.COORDINATOR_ADDRESS] = coordinator
   result.update({
-      env_lib.COORDINATOR_ADDRESS: coordinator,
       env_lib.NUM_PROCESSES: str(world),
       env_lib.PROCESS_ID: str(rank),
       env_lib.LOCAL_DEVICES: str(cluster.devices_per_host),

@@ -69,10 +69,12 @@ def node_args(environ: Mapping[str, str], nproc_per_node: int) -> list[str]:
         "sidecar torchrun: the environment names no job: run it in a pod of the manifests "
         "(sidecar k8s render), or set SIDECAR_COORDINATOR_ADDRESS, SIDECAR_NUM_PROCESSES and "
         "SIDECAR_PROCESS_ID (one process per node)")
+  nodes = ["--nnodes", str(job["num_processes"]), "--node-rank", str(job["process_id"]),
+           "--nproc-per-node", str(nproc_per_node)]
+  if not job["coordinator_address"]:  # one node, no coordinator: torchrun picks its port
+    return ["--standalone", *nodes]
   host, _, port = job["coordinator_address"].rpartition(":")
-  return ["--nnodes", str(job["num_processes"]), "--node-rank", str(job["process_id"]),
-          "--nproc-per-node", str(nproc_per_node), "--master-addr", host.strip("[]"),
-          "--master-port", port]
+  return [*nodes, "--master-addr", host.strip("[]"), "--master-port", port]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -101,11 +101,13 @@ def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
   job = job_lib.job_from_env(environ)
   if job is None:
     return {}
-  host, _, port = job["coordinator_address"].rpartition(":")
   rank = str(job["process_id"])
-  return {RANK: rank, WORLD_SIZE: str(job["num_processes"]), LOCAL_RANK: "0",
-          LOCAL_WORLD_SIZE: "1", GROUP_RANK: rank, MASTER_ADDR: host.strip("[]"),
-          MASTER_PORT: port}
+  out = {RANK: rank, WORLD_SIZE: str(job["num_processes"]), LOCAL_RANK: "0",
+         LOCAL_WORLD_SIZE: "1", GROUP_RANK: rank}
+  if job["coordinator_address"]:  # a job of one process has none, and needs no store
+    host, _, port = job["coordinator_address"].rpartition(":")
+    out.update({MASTER_ADDR: host.strip("[]"), MASTER_PORT: port})
+  return out
 
 
 def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:

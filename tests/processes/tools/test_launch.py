@@ -80,6 +80,18 @@ ENV_SCRIPT = """
 """
 
 
+def test_one_host_gets_no_coordinator_and_runs_without_jax_distributed():
+  # One process needs no jax.distributed: nothing binds a TCP port, as on a TPU host.
+  p = _start("""
+      import os, sidecar
+      print("coordinator=%s" % os.environ.get("SIDECAR_COORDINATOR_ADDRESS"))
+      print("distributed=%s" % sidecar.distributed.initialize())
+      """, "--hosts", "1")
+  out, err = p.communicate(timeout=60)
+  assert p.returncode == 0, out + err
+  assert out.splitlines() == ["[host 0] coordinator=None", "[host 0] distributed=False"]
+
+
 def test_two_hosts_get_their_environment_and_reach_every_sidecar(tmp_path):
   token = tmp_path / "token"
   token.write_text("s3cret\n")

@@ -47,6 +47,35 @@ def test_job_from_env(env, want):
   assert distributed.job_from_env(env) == want
 
 
+def test_a_job_of_one_process_needs_no_coordinator():
+  env = {"SIDECAR_NUM_PROCESSES": "1", "SIDECAR_PROCESS_ID": "0"}
+  assert distributed.job_from_env(env) == {
+      "coordinator_address": None, "num_processes": 1, "process_id": 0}
+  with pytest.raises(errors.InvalidArgumentError, match="SIDECAR_COORDINATOR_ADDRESS is not"):
+    distributed.job_from_env({**env, "SIDECAR_NUM_PROCESSES": "2"})
+
+
+def test_initialize_for_one_process_starts_no_jax_distributed():
+  # sidecar launch --hosts 1 sets no coordinator: a TPU host may allow no TCP socket.
+  assert distributed.initialize(env={"SIDECAR_NUM_PROCESSES": "1",
+                                     "SIDECAR_PROCESS_ID": "0"}) is False
+  assert not distributed.is_initialized()
+
+
+def test_a_detected_cluster_that_cannot_be_completed_runs_as_one_process(monkeypatch, caplog):
+  # A lent TPU host looks like a Cloud TPU VM to JAX, whose detection then asks a metadata
+  # server that is not there: requests' ConnectionError (an OSError).
+  def unreachable(**kwargs):
+    raise OSError("Max retries exceeded with url: metadata.google.internal")
+  monkeypatch.setattr(distributed, "_jax_detects_cluster", lambda: True)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", unreachable)
+  assert distributed.initialize(env={"HOME": "/root"}) is False
+  assert not distributed.is_initialized()
+  [record] = [r for r in caplog.records if r.name == distributed.__name__]
+  assert "could not complete its detection (OSError: Max retries" in record.getMessage()
+  assert "running as one process" in record.getMessage()
+
+
 def test_no_job_in_the_environment_is_none():
   assert distributed.job_from_env({"HOME": "/root"}) is None
 

@@ -29,6 +29,12 @@ def test_the_sidecar_launchers_job_names_the_nodes_too():
       "--master-port": "8476"}
 
 
+def test_a_job_of_one_node_without_a_coordinator_is_standalone():
+  env = {"SIDECAR_NUM_PROCESSES": "1", "SIDECAR_PROCESS_ID": "0"}
+  assert node_args(env, 4) == ["--standalone", "--nnodes", "1", "--node-rank", "0",
+                               "--nproc-per-node", "4"]
+
+
 @pytest.mark.parametrize("env, nproc, match", [
     ({}, 2, "the environment names no job.*SIDECAR_COORDINATOR_ADDRESS"),
     ({**JOBSET_ENV, "SIDECAR_SLICE_ID": "0", "SIDECAR_HOST_ID": "0"}, 0,
