@@ -253,9 +253,10 @@ class Server:
     # A caller's tenant: its handshake session's, or its worker's.
     tenant_of = lambda s: sessions.client(s) or self.tenancy.of_worker(s)
     # One budget of calls, whether they come over gRPC or a worker's socket.
+    # The inline bytes decoded at once: a call's arrays and a Stage's shards.
+    self.inline = inline = InlineBytes(tenancy=self.tenancy)
     calls = UnaryCalls(self.runner, CallSlots(o.threads, tenancy=self.tenancy,
-                                              tenant_of=tenant_of),
-                       InlineBytes(tenancy=self.tenancy))
+                                              tenant_of=tenant_of), inline)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
@@ -307,7 +308,7 @@ class Server:
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
-                                   slots=checkpoint_slots)
+                                   slots=checkpoint_slots, inline=inline)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
