@@ -248,7 +248,8 @@ class Server:
                                arena_io=self.arena_io, metrics=self.metrics)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
-                        evict_idle_s=o.session_evict_s, tenancy=self.tenancy)
+                        evict_idle_s=o.session_evict_s, tenancy=self.tenancy,
+                        per_client=o.max_sessions_per_client)
     self.sessions = sessions
     # A caller's tenant: its handshake session's, or its worker's.
     tenant_of = lambda s: sessions.client(s) or self.tenancy.of_worker(s)

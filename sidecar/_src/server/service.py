@@ -22,7 +22,7 @@ from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import Credits
 from sidecar._src.server.leases import Leases
-from sidecar._src.server.limits import Sessions, Slots, StreamSlots, check_prefetch
+from sidecar._src.server.limits import Sessions, Slots, StreamSlots, check_prefetch, peer_of
 from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.server.workers import WorkerListener
 from sidecar._src.wire import codec, protocol
@@ -144,7 +144,8 @@ class Service:
     client = self._client(context)
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
-    session = self._sessions.new(peer=self._is_peer(context), client=client)
+    session = self._sessions.new(peer=self._is_peer(context), client=client,
+                                 holder=peer_of(context.peer()))
     return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
