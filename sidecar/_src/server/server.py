@@ -284,7 +284,8 @@ class Server:
                                                tenancy=self.tenancy, tenant_of=tenant_of),
                            peer_token=o.peer_token, tokens=tokens_holder,
                            tenancy=self.tenancy, opened=self.checkpoints.opened_by,
-                           checkpoint_use=self.checkpoints.tier.group_use)
+                           checkpoint_use=self.checkpoints.tier.group_use,
+                           max_request=o.max_message_size)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
