@@ -8,6 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
+import sidecar
+from sidecar._src.controller import calls as controller_calls
 from sidecar._src.server import calls as calls_lib
 from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import pb
@@ -130,3 +132,21 @@ def test_call_parts_past_max_message_size_or_inline_bytes_are_refused_unread(mak
     assert "tenant 'bob' sent an inline request of" in info.value.details()
   finally:
     bob.close()
+
+
+def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
+  """A request of calls.PARTS_FROM bytes or more goes as CallParts, a call_async too; a
+  small one as one Call."""
+  server = make_server()
+  big = np.arange(controller_calls.PARTS_FROM // 4 + 3, dtype=np.float32)
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
+    conn = ctl._hosts.conns[0]
+    assert controller_calls.call_rpc(conn, pb.CallRequest(name="x")) is conn.call_rpc
+    large = pb.CallRequest(name="echo", args=codec.encode((big,), inline_limit=1 << 40))
+    assert controller_calls.call_rpc(conn, large) is not conn.call_rpc  # CallParts
+    (out,) = ctl.call("echo", args=(big,))
+    np.testing.assert_array_equal(out, big)
+    (future,) = ctl.call_async("stats", args=(big,))
+    assert future.result(30) == {"sum": float(big.astype(np.float64).sum()),
+                                 "shape": list(big.shape), "dtype": "float32",
+                                 "writeable": True}
