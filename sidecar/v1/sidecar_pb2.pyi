@@ -180,6 +180,14 @@ class CallRequest(_message.Message):
     timeout_s: float
     def __init__(self, name: _Optional[str] = ..., args: _Optional[_Union[Value, _Mapping]] = ..., kwargs: _Optional[_Union[Value, _Mapping]] = ..., worker_session: _Optional[str] = ..., feed: _Optional[_Union[FeedSpec, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class CallPart(_message.Message):
+    __slots__ = ("total", "data")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    total: int
+    data: bytes
+    def __init__(self, total: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class RowRange(_message.Message):
     __slots__ = ("start", "stop")
     START_FIELD_NUMBER: _ClassVar[int]

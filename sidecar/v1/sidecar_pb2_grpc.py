@@ -44,6 +44,11 @@ class SidecarStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
                 _registered_method=True)
+        self.CallParts = channel.stream_unary(
+                '/sidecar.v1.Sidecar/CallParts',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallPart.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
+                _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/sidecar.v1.Sidecar/Stream',
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StreamRequest.SerializeToString,
@@ -72,6 +77,13 @@ class SidecarServicer:
 
     def Call(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CallParts(self, request_iterator, context):
+        """a large Call, in parts
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -105,6 +117,11 @@ def add_SidecarServicer_to_server(servicer, server):
             'Call': grpc.unary_unary_rpc_method_handler(
                     servicer.Call,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.SerializeToString,
+            ),
+            'CallParts': grpc.stream_unary_rpc_method_handler(
+                    servicer.CallParts,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallPart.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
@@ -176,6 +193,33 @@ class Sidecar:
             target,
             '/sidecar.v1.Sidecar/Call',
             sidecar_dot_v1_dot_sidecar__pb2.CallRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CallParts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sidecar.v1.Sidecar/CallParts',
+            sidecar_dot_v1_dot_sidecar__pb2.CallPart.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
             options,
             channel_credentials,

@@ -34,6 +34,10 @@ from sidecar._src.wire.protocol import pb
 log = logging.getLogger(__name__)
 _NO_ARGS, _NO_KWARGS = codec.encode(()), codec.encode({})  # copied into each request
 JOIN_S = 5.0  # how long close() waits for a caller thread (its call's channel is closed)
+# A request of at least this many bytes goes in parts (CallParts): gRPC's receipt of one
+# message costs the sidecar three times its size, parts cost it once.
+PARTS_FROM = 8 << 20
+PART_BYTES = 1 << 20
 # What becomes of a call Ctrl-C left: ``abandoned(response, error)`` gets its outcome.
 Abandoned = Callable[[Any, BaseException | None], None]
 
@@ -216,12 +220,12 @@ class Calls:
     try:
       left = max(deadline - time.monotonic(), 0.0)
       if threading.current_thread() is not threading.main_thread():
-        response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
+        response = call_rpc(conn, request)(request, timeout=left, metadata=conn.metadata)
       else:  # on a caller thread, which Ctrl-C can leave: the main thread's would hold it
         kept = list(held)  # if Ctrl-C leaves the call: its arguments' blocks, until it ends
         try:
           response = self._callers.run(
-              lambda: conn.call_rpc(request, timeout=left, metadata=conn.metadata),
+              lambda: call_rpc(conn, request)(request, timeout=left, metadata=conn.metadata),
               abandoned=lambda r, e: self._drop(host_id, name, r, kept, conn))
         except KeyboardInterrupt:
           # The call goes on (within its deadline), holding its arguments' blocks; what
@@ -235,7 +239,7 @@ class Calls:
       conn.renew()  # the sidecar lost our session (a flood evicted it): once more, anew
       left = max(deadline - time.monotonic(), 0.0)
       try:
-        response = conn.call_rpc(request, timeout=left, metadata=conn.metadata)
+        response = call_rpc(conn, request)(request, timeout=left, metadata=conn.metadata)
       except grpc.RpcError as e2:
         raise protocol.error_from_rpc(e2, host=conn.address, host_id=host_id) from None
     except ValueError:
@@ -455,7 +459,8 @@ class _Call:
   def send(self) -> None:
     request, conn = self.request, self.conn
     conn.calls.call(  # the wait for a slot counts toward the timeout
-        lambda left: conn.call_rpc.future(request, timeout=left, metadata=conn.metadata),
+        lambda left: call_rpc(conn, request).future(request, timeout=left,
+                                                     metadata=conn.metadata),
         done=self.done, fail=self.fail, timeout=self.deadline - time.monotonic(),
         what=f"call {self.name!r} on host {self.host_id}")
 
@@ -490,3 +495,37 @@ def _wait(deadline: float, poll: float) -> float:
   """How long to wait for a response: until ``deadline``, in steps of ``poll``; never 0,
   which would make the socket non-blocking (EAGAIN, not a timeout)."""
   return min(max(deadline - time.monotonic(), 1e-3), poll)
+
+
+def call_rpc(conn: Connection, request: pb.CallRequest) -> Any:
+  """The rpc that sends ``request`` to ``conn``'s sidecar: Call, or CallParts for one of
+  ``PARTS_FROM`` bytes or more (called the same way: ``rpc(request, ...)``,
+  ``rpc.future(request, ...)``)."""
+  if request.ByteSize() < PARTS_FROM:
+    return conn.call_rpc
+  # The channel's own stub (connection.py may make it once): a stream of CallParts.
+  return _InParts(conn._channel.stream_unary(  # noqa: SLF001
+      f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString,
+      response_deserializer=pb.CallResponse.FromString))
+
+
+class _InParts:
+  """A CallParts rpc called as Call is: with the request, made into its parts each time
+  (a renewed session sends them again)."""
+
+  def __init__(self, stub: grpc.StreamUnaryMultiCallable):
+    self._stub = stub
+
+  def __call__(self, request: pb.CallRequest, **kw: Any) -> pb.CallResponse:
+    return self._stub(_parts(request), **kw)
+
+  def future(self, request: pb.CallRequest, **kw: Any) -> Any:
+    return self._stub.future(_parts(request), **kw)
+
+
+def _parts(request: pb.CallRequest):
+  """``request`` serialized, in CallParts of ``PART_BYTES`` (the first with the total)."""
+  raw = memoryview(request.SerializeToString())
+  for offset in range(0, len(raw), PART_BYTES):
+    yield pb.CallPart(total=len(raw) if offset == 0 else 0,
+                      data=bytes(raw[offset:offset + PART_BYTES]))

@@ -108,6 +108,7 @@ class ServerOptions:
   max_streams: int = 16
   max_streams_per_session: int = 8
   max_sessions: int = 4096
+  max_sessions_per_client: int = 1024  # of one TCP connection: past it, its own oldest go
   session_idle_s: float = 86400.0
   session_evict_s: float = 60.0  # past max_sessions, only a session unused this long is evicted
   max_worker_connections: int = 256
@@ -203,7 +204,7 @@ class ServerOptions:
     if self.threads < 2:
       raise ValueError(f"threads must be at least 2, got {self.threads!r}")
     for name in ("max_streams", "max_streams_per_session", "max_sessions",
-                 "max_worker_connections", "max_connections"):
+                 "max_sessions_per_client", "max_worker_connections", "max_connections"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -15,7 +15,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -156,9 +156,43 @@ class UnaryCalls:
     return pbscan.splice_arrays(response.SerializeToString(), pb.CallResponse.DESCRIPTOR,
                                 inline)
 
-  def _run(self, raw: bytes, caller: str, *, alive: Alive, time_left: TimeLeft | None,
-           worker: str | None = None, inline: list[np.ndarray] | None = None
+  def run_parts_serialized(self, total: int, parts: Iterable[bytes], caller: str, *,
+                           alive: Alive, time_left: TimeLeft, limit: int) -> bytes:
+    """:meth:`run_serialized` for a CallRequest of ``total`` bytes that arrives in parts
+    (gRPC's CallParts: ``parts``, serialized ``CallPart``s, the first included).
+
+    The parts are copied into one buffer as they come, within the budget of inline bytes
+    (held for ``total`` first), and the request's large arrays are views of it: the
+    request costs its size once, where one message of it cost three times its size in
+    gRPC's receipt alone.
+
+    Raises:
+      ResourceExhaustedError: ``total`` is past ``limit`` (the largest message the
+        sidecar takes) or its tenant's ``inline_bytes``; BusyError: no room within the
+        deadline. InvalidArgumentError: the parts do not add up to ``total``.
+    """
+    if total > limit:
+      raise errors.ResourceExhaustedError(
+          f"a call of {total} bytes in parts is larger than this sidecar takes "
+          f"(max_message_size={limit}); pass large arrays through a Worker's arena")
+    metrics, tenant = self.runner.metrics, tenants_lib.CURRENT.get()
+    metrics.tenant_requested(tenant, "inline", total)
+    with contextlib.ExitStack() as admitted:
+      with metrics.waiting(tenant, "inline"):
+        admitted.enter_context(self._inline.hold(total, time_left()))
+      buffer = _assemble(total, parts)
+      inline: list[np.ndarray] = []
+      response = self._run(buffer, caller, alive=alive, time_left=time_left, inline=inline,
+                           held=True)
+      del buffer  # its arrays' views keep what the result still needs
+      return pbscan.splice_arrays(response.SerializeToString(), pb.CallResponse.DESCRIPTOR,
+                                  inline)
+
+  def _run(self, raw: bytes | bytearray, caller: str, *, alive: Alive,
+           time_left: TimeLeft | None, worker: str | None = None,
+           inline: list[np.ndarray] | None = None, held: bool = False
            ) -> pb.CallResponse:
+    """``held``: its bytes are held in the inline budget already (CallParts)."""
     start = time.monotonic()
     # The slot first, as for streams: parsing a big request takes a while, on its thread.
     with self.slots.hold(caller):
@@ -173,9 +207,9 @@ class UnaryCalls:
             f"{request.worker_session!r}; a connection's calls are its session's")
       if time_left is None:
         time_left = _time_left(start, request.timeout_s)
-      if not views:
+      if not views or held:
         return pb.CallResponse(result=self.runner.call(
-            request, alive=alive, time_left=time_left, inline=inline))
+            request, alive=alive, time_left=time_left, views=views, inline=inline))
       metrics, tenant = self.runner.metrics, tenants_lib.CURRENT.get()
       metrics.tenant_requested(tenant, "inline", len(raw))
       with contextlib.ExitStack() as admitted:
@@ -184,6 +218,27 @@ class UnaryCalls:
         _trim_heap()
         return pb.CallResponse(result=self.runner.call(
             request, alive=alive, time_left=time_left, views=views, inline=inline))
+
+
+def _assemble(total: int, parts: Iterable[bytes]) -> bytearray:
+  """The ``total`` bytes ``parts`` (serialized ``CallPart``s) carry, in one buffer.
+
+  Raises:
+    InvalidArgumentError: they carry more or fewer bytes than ``total``.
+  """
+  buffer = bytearray(total)  # its pages are faulted in as the parts are written
+  view, n = memoryview(buffer), 0
+  for i, raw in enumerate(parts):
+    data = codec.parse(pb.CallPart, raw).data
+    if n + len(data) > total:
+      raise errors.InvalidArgumentError(
+          f"CallPart {i} brings the call past the {total} bytes its first part announced")
+    view[n:n + len(data)] = data
+    n += len(data)
+  if n != total:
+    raise errors.InvalidArgumentError(
+        f"the call's parts ended after {n} of the {total} bytes its first part announced")
+  return buffer
 
 
 def serialize(response: pb.CallResponse | bytes) -> bytes:

@@ -192,9 +192,14 @@ EVICT_IDLE_S = 60.0
 class Sessions:
   """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
 
-  Every use refreshes a session. Past ``limit`` the one unused the longest goes, if it
+  Every use refreshes a session. Each is held by the client that made it (``holder``: its
+  TCP connection, ``peer_of``), which keeps at most ``per_client``: past it, that
+  client's own oldest goes. Past ``limit``, room is made by whoever holds the most,
+  oldest first: a client holding more sessions than the new one's client would (a
+  flood), else the new one's own client; else the one unused the longest goes, if it
   was unused for ``evict_idle_s`` at least; else the new handshake is refused
-  (RESOURCE_EXHAUSTED): a flood of handshakes never evicts a session in use.
+  (RESOURCE_EXHAUSTED). So one client's flood of handshakes evicts its own sessions, and
+  never locks another client out, nor evicts a session of a client holding one.
 
   With tenants (``tenancy``), each tenant keeps at most its ``sessions`` quota (a pool
   file's tenant without one: its share of ``limit`` by weight), evicting only its own: one
@@ -204,8 +209,9 @@ class Sessions:
 
   def __init__(self, *, idle_s: float, limit: int, evict_idle_s: float = EVICT_IDLE_S,
                clock: Callable[[], float] = time.monotonic,
-               tenancy: tenants_lib.Tenancy | None = None):
+               tenancy: tenants_lib.Tenancy | None = None, per_client: int | None = None):
     self.idle_s, self.limit = idle_s, limit
+    self.per_client = limit if per_client is None else min(per_client, limit)
     self._tenancy = tenancy
     self.evict_idle_s = min(evict_idle_s, idle_s)
     self._clock = clock
@@ -213,11 +219,15 @@ class Sessions:
     self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
     self._peers: set[str] = set()  # sessions of peer sidecars (they presented the peer token)
     self._clients: dict[str, str] = {}  # session -> client name, with per-client tokens
+    self._holders: dict[str, str] = {}  # session -> the connection that made it
+    self._held: collections.Counter[str] = collections.Counter()  # sessions per holder
     self.expired = 0  # sessions dropped, idle or evicted
 
-  def new(self, *, peer: bool = False, client: str | None = None) -> str:
+  def new(self, *, peer: bool = False, client: str | None = None,
+          holder: str | None = None) -> str:
     """A new session; ``peer``: a peer sidecar's, which may send replicas; ``client``: the
-    name of the client whose token made it (per-client tokens)."""
+    name of the client whose token made it (per-client tokens); ``holder``: the
+    connection it came over (``peer_of``; None: not known, a Unix socket's)."""
     session = ("p-" if peer else "c-") + secrets.token_hex(16)
     quota = self._quota(client)
     with self._lock:
@@ -225,20 +235,46 @@ class Sessions:
       self._sweep(now)
       if quota is not None and client is not None:
         self._make_room(client, quota, now)
+      if holder is not None and self._held[holder] >= self.per_client:
+        self._drop(self._oldest_of(holder))  # a flood of one client: its own oldest
       if len(self._last) >= self.limit:
-        oldest, last = next(iter(self._last.items()))
-        if now - last < self.evict_idle_s:
-          raise errors.BusyError(
-              f"this sidecar keeps {self.limit} handshake sessions (max_sessions), every one "
-              f"used in the last {self.evict_idle_s:g} s; handshake again later, or raise "
-              "max_sessions")
-        self._drop(oldest)
+        self._make_any_room(holder, now)
       self._last[session] = now
       if peer:
         self._peers.add(session)
       if client is not None:
         self._clients[session] = client
+      if holder is not None:
+        self._holders[session] = holder
+        self._held[holder] += 1
     return session
+
+  def _oldest_of(self, holder: str) -> str:
+    """The least recently used session of ``holder`` (which holds one at least)."""
+    return next(s for s in self._last if self._holders.get(s) == holder)
+
+  def _make_any_room(self, holder: str | None, now: float) -> None:
+    """Room for one more session in the full table: see the class docstring.
+
+    Raises:
+      BusyError: every session is held by a client holding as few as the new one's, and
+        was used in the last ``evict_idle_s``.
+    """
+    mine = self._held[holder] if holder is not None else 0
+    most, count = max(self._held.items(), key=lambda kv: kv[1], default=(None, 0))
+    if most is not None and count > mine + 1:
+      self._drop(self._oldest_of(most))
+      return
+    if mine:
+      self._drop(self._oldest_of(holder))  # type: ignore[arg-type]  # mine > 0: not None
+      return
+    oldest, last = next(iter(self._last.items()))
+    if now - last < self.evict_idle_s:
+      raise errors.BusyError(
+          f"this sidecar keeps {self.limit} handshake sessions (max_sessions), every one "
+          f"used in the last {self.evict_idle_s:g} s and none held by a client that holds "
+          "more than one; handshake again later, or raise max_sessions")
+    self._drop(oldest)
 
   def _quota(self, client: str | None) -> tuple[int, str] | None:
     """Tenant ``client``'s most sessions, and what sets it; None: no quota."""
@@ -286,9 +322,7 @@ class Sessions:
     with self._lock:
       if not isinstance(session, str) or session not in self._last:
         return False
-      del self._last[session]
-      self._peers.discard(session)
-      self._clients.pop(session, None)
+      self._forget(session)
       return True
 
   def count_of(self) -> dict[str, int]:
@@ -309,10 +343,18 @@ class Sessions:
     return max(times, default=None)
 
   def _drop(self, session: str) -> None:
+    self._forget(session)
+    self.expired += 1
+
+  def _forget(self, session: str) -> None:
     del self._last[session]
     self._peers.discard(session)
     self._clients.pop(session, None)
-    self.expired += 1
+    holder = self._holders.pop(session, None)
+    if holder is not None:
+      self._held[holder] -= 1
+      if not self._held[holder]:
+        del self._held[holder]
 
   def _sweep(self, now: float) -> None:
     while self._last:
@@ -355,12 +397,21 @@ class Sessions:
       self._sweep(now)
     raise errors.SessionLostError(
         f"no live handshake session {session!r:.100} (none was made, or it was unused for "
-        f"{self.idle_s:g} s, or for {self.evict_idle_s:g} s and evicted by a newer one); "
-        "call Handshake first and send its session as metadata 'sidecar-session'")
+        f"{self.idle_s:g} s, or for {self.evict_idle_s:g} s and evicted by a newer one, or "
+        f"evicted by newer ones of a client that made more than others or more than "
+        f"{self.per_client} (max_sessions_per_client)); call Handshake first and send its "
+        "session as metadata 'sidecar-session'")
 
   def __len__(self) -> int:
     with self._lock:
       return len(self._last)
+
+
+def peer_of(peer: str) -> str | None:
+  """The client a gRPC peer string names, as ``Sessions`` counts them: a TCP connection
+  (``ipv4:127.0.0.1:50412``, address and port); None for a Unix socket's (``unix:``),
+  where gRPC names no peer (its clients are the socket's owner and ``--socket-group``)."""
+  return peer if peer.startswith(("ipv4:", "ipv6:")) else None
 
 
 # Bytes of large inline requests (those with arrays left in their wire bytes) being decoded

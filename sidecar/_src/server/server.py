@@ -248,14 +248,16 @@ class Server:
                                arena_io=self.arena_io, metrics=self.metrics)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
-                        evict_idle_s=o.session_evict_s, tenancy=self.tenancy)
+                        evict_idle_s=o.session_evict_s, tenancy=self.tenancy,
+                        per_client=o.max_sessions_per_client)
     self.sessions = sessions
     # A caller's tenant: its handshake session's, or its worker's.
     tenant_of = lambda s: sessions.client(s) or self.tenancy.of_worker(s)
     # One budget of calls, whether they come over gRPC or a worker's socket.
+    # The inline bytes decoded at once: a call's arrays and a Stage's shards.
+    self.inline = inline = InlineBytes(tenancy=self.tenancy)
     calls = UnaryCalls(self.runner, CallSlots(o.threads, tenancy=self.tenancy,
-                                              tenant_of=tenant_of),
-                       InlineBytes(tenancy=self.tenancy))
+                                              tenant_of=tenant_of), inline)
     self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
@@ -282,7 +284,8 @@ class Server:
                                                tenancy=self.tenancy, tenant_of=tenant_of),
                            peer_token=o.peer_token, tokens=tokens_holder,
                            tenancy=self.tenancy, opened=self.checkpoints.opened_by,
-                           checkpoint_use=self.checkpoints.tier.group_use)
+                           checkpoint_use=self.checkpoints.tier.group_use,
+                           max_request=o.max_message_size)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
@@ -307,7 +310,7 @@ class Server:
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
-                                   slots=checkpoint_slots)
+                                   slots=checkpoint_slots, inline=inline)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)

@@ -8,6 +8,7 @@ leaves through ``protocol.abort``, the one place exceptions become statuses.
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import os
 import threading
@@ -22,7 +23,7 @@ from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import Credits
 from sidecar._src.server.leases import Leases
-from sidecar._src.server.limits import Sessions, Slots, StreamSlots, check_prefetch
+from sidecar._src.server.limits import Sessions, Slots, StreamSlots, check_prefetch, peer_of
 from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.server.workers import WorkerListener
 from sidecar._src.wire import codec, protocol
@@ -60,8 +61,10 @@ class Service:
                tokens: tenants_lib.Tokens | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
                opened: Callable[[str], set[str]] | None = None,
-               checkpoint_use: Callable[[], Mapping[str, tuple[int, int]]] = dict):
+               checkpoint_use: Callable[[], Mapping[str, tuple[int, int]]] = dict,
+               max_request: int = codec.MAX_DECODED_BYTES):
     self._unary = calls
+    self._max_request = max_request  # the largest call in parts: max_message_size
     self._runner = calls.runner
     # The tokens ({b"Bearer <token>": tenant}); named: per-client tokens or a pool file.
     self._tokens = tokens or tenants_lib.Tokens({}, named=False)
@@ -96,6 +99,9 @@ class Service:
         # are copied once, into them (gRPC sends bytes as they are).
         "Call": grpc.unary_unary_rpc_method_handler(
             self._guard(self.call), request_deserializer=None, response_serializer=None),
+        "CallParts": grpc.stream_unary_rpc_method_handler(
+            self._guard(self.call_parts), request_deserializer=None,
+            response_serializer=None),
         "Stream": grpc.stream_stream_rpc_method_handler(
             self._guard_stream(self.stream), request_deserializer=None,
             response_serializer=pb.StreamItem.SerializeToString),
@@ -110,7 +116,7 @@ class Service:
     else:
       log.warning("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e))
 
-  def _guard(self, fn: Callable[[bytes, grpc.ServicerContext], Any]):
+  def _guard(self, fn: Callable[[Any, grpc.ServicerContext], Any]):
     def handle(raw: bytes, context: grpc.ServicerContext):
       try:
         return fn(raw, context)
@@ -144,7 +150,8 @@ class Service:
     client = self._client(context)
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
-    session = self._sessions.new(peer=self._is_peer(context), client=client)
+    session = self._sessions.new(peer=self._is_peer(context), client=client,
+                                 holder=peer_of(context.peer()))
     return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
@@ -190,6 +197,19 @@ class Service:
     with tenants_lib.acting_as(self._sessions.client(session)):
       return self._unary.run_serialized(raw, session, alive=context.is_active,
                                         time_left=context.time_remaining)
+
+  def call_parts(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    """:meth:`call` for a large CallRequest in parts (``CallPart``s, the first one
+    announcing its size): they are copied into one buffer as they come."""
+    session = self._require_session(context)
+    first = next(requests, None)
+    if first is None:
+      raise errors.InvalidArgumentError("CallParts: no CallPart came")
+    total = codec.parse(pb.CallPart, first).total
+    with tenants_lib.acting_as(self._sessions.client(session)):
+      return self._unary.run_parts_serialized(
+          total, itertools.chain((first,), requests), session, alive=context.is_active,
+          time_left=context.time_remaining, limit=self._max_request)
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:

@@ -39,7 +39,7 @@ from sidecar._src.ckptfmt.records import (
 )
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafKind, LeafSpec
 from sidecar._src.core import errors
-from sidecar._src.wire import codec
+from sidecar._src.wire import codec, pbscan
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # Read tiers by name, as the Checkpointer and the sidecar's RAM tier say them.
@@ -115,10 +115,12 @@ def staged_shards_to_pb(request: ckpt_pb.CheckpointStageRequest, shards: Iterabl
 
 
 def staged_shards_from_pb(request: ckpt_pb.CheckpointStageRequest,
-                          from_arena: codec.FromArena | None) -> list[StagedShard]:
-  """A Stage request's shards: their bytes views of their arena blocks (``from_arena``)."""
+                          from_arena: codec.FromArena | None,
+                          views: Sequence[memoryview] = ()) -> list[StagedShard]:
+  """A Stage request's shards: their bytes views of their arena blocks (``from_arena``),
+  or of the request's own bytes where ``pbscan.strip_arrays`` left them (``views``)."""
   return [StagedShard(s.leaf, index_from_pb(s.index, f"shards[{i}].index"),
-                      data_from_pb(s.data, from_arena, f"shards[{i}].data"))
+                      data_from_pb(s.data, from_arena, f"shards[{i}].data", views))
           for i, s in enumerate(request.shards)]
 
 
@@ -363,9 +365,14 @@ def fill_data(target: ckpt_pb.ShardData, a: np.ndarray,
   target.array.data = a.tobytes()
 
 
-def data_from_pb(data: ckpt_pb.ShardData, from_arena: codec.FromArena | None, where: str
-                 ) -> np.ndarray:
-  """The array ``data`` carries: a view of its arena block (``from_arena``), or a copy."""
+def data_from_pb(data: ckpt_pb.ShardData, from_arena: codec.FromArena | None, where: str,
+                 views: Sequence[memoryview] | None = None) -> np.ndarray:
+  """The array ``data`` carries: a view of its arena block (``from_arena``), or a copy.
+
+  With ``views`` (a Stage request's on the sidecar, which only reads its shards), a
+  read-only view instead of the copy: of its bytes where they arrived, where
+  ``pbscan.strip_arrays`` left them, else of the one copy protobuf makes of them.
+  """
   kind = data.WhichOneof("kind")
   if kind == "arena":
     r = data.arena
@@ -381,8 +388,12 @@ def data_from_pb(data: ckpt_pb.ShardData, from_arena: codec.FromArena | None, wh
   if kind == "array":
     dtype = codec.dtype_of(data.array.dtype, where)
     shape = tuple(data.array.shape)
-    _check_size(shape, dtype, len(data.array.data), where)
-    return np.frombuffer(data.array.data, dtype).reshape(shape).copy()
+    payload: bytes | memoryview = data.array.data  # once: each read copies it out of protobuf
+    if views:
+      payload = pbscan.stripped(payload, list(views))
+    _check_size(shape, dtype, len(payload), where)
+    out = np.frombuffer(payload, dtype).reshape(shape)
+    return out if views is not None else out.copy()
   raise errors.InvalidArgumentError(f"{where}: the shard's data is missing")
 
 

@@ -323,7 +323,12 @@ def _decode_array(a: pb.Array, where: str, data: bytes | memoryview | None = Non
   data = a.data if data is None else data
   _check_size(shape, dtype, len(data), where)
   arr = np.frombuffer(data, dtype=dtype).reshape(shape)
-  return arr[()] if a.scalar else arr.copy()
+  if a.scalar:
+    return arr[()]
+  # A writable view is of the buffer a call that came in parts owns alone: the array
+  # views it. Bytes (gRPC's message, protobuf's field) are read-only: copied, so that an
+  # argument is writable either way.
+  return arr if isinstance(data, memoryview) and not data.readonly else arr.copy()
 
 
 # A message is at least 2 bytes on the wire, so one under this size cannot hold more than
@@ -331,7 +336,7 @@ def _decode_array(a: pb.Array, where: str, data: bytes | memoryview | None = Non
 SCAN_FROM = 2 * MAX_ELEMENTS
 
 
-def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENTS,
+def check_message_count(raw: bytes | bytearray, descriptor: Any, *, limit: int = MAX_ELEMENTS,
                         what: str | None = None) -> None:
   """Counts the values in wire-format ``raw`` (a ``descriptor`` message) before it is
   parsed, as the decoder's Budget would (every sub-message but the parts of a Value);
@@ -351,7 +356,7 @@ def check_message_count(raw: bytes, descriptor: Any, *, limit: int = MAX_ELEMENT
         "(codec.MAX_ELEMENTS); send many numbers as one numpy array")
 
 
-def parse(cls: Any, raw: bytes, *, counted: bool = False) -> Any:
+def parse(cls: Any, raw: bytes | bytearray, *, counted: bool = False) -> Any:
   """``cls.FromString(raw)``, or InvalidArgumentError for malformed bytes (and
   ResourceExhaustedError for more values than a request may hold, before parsing, unless
   ``counted`` already)."""

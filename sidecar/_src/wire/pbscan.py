@@ -21,7 +21,7 @@ from sidecar._src.wire.protocol import pb
 _MAX_SCAN_DEPTH = 100  # protobuf's own nesting limit: deeper, its parse refuses
 
 
-def count(raw: bytes, descriptor: Any, limit: int) -> int:
+def count(raw: bytes | bytearray, descriptor: Any, limit: int) -> int:
   """The values in wire-format ``raw`` (a ``descriptor`` message), as the decoder's Budget
   counts them (every sub-message but the parts of a Value); stops once past ``limit``."""
   return _count(raw, descriptor, limit, 0)
@@ -45,7 +45,8 @@ _ARRAY = pb.Array.DESCRIPTOR.full_name
 _ARRAY_DATA = pb.Array.DESCRIPTOR.fields_by_name["data"].number
 
 
-def strip_arrays(raw: bytes, descriptor: Any) -> tuple[bytes, list[memoryview]]:
+def strip_arrays(raw: bytes | bytearray, descriptor: Any
+                 ) -> tuple[bytes | bytearray, list[memoryview]]:
   """``raw`` (a ``descriptor`` message) with each inline array's bytes of ``BIG_ARRAY``
   or more taken out, and views of those bytes in ``raw``, for a ``Budget(views=...)``.
 
@@ -155,12 +156,12 @@ def encode_varint(n: int) -> bytes:
       return bytes(out)
 
 
-def _strip(buf: bytes, descriptor: Any, start: int, end: int, views: list[memoryview],
+def _strip(buf: bytes | bytearray, descriptor: Any, start: int, end: int, views: list[memoryview],
            depth: int) -> bytes | None:
   """``buf[start:end]`` with big arrays' bytes replaced by marks; None if none was."""
   fields = _message_fields(descriptor)
   array = descriptor.full_name == _ARRAY
-  pieces: list[bytes] = []
+  pieces: list[bytes | bytearray] = []
   last = pos = start
   while pos < end:
     key, after_key = _varint(buf, pos)
@@ -195,7 +196,7 @@ def _strip(buf: bytes, descriptor: Any, start: int, end: int, views: list[memory
   return b"".join(pieces)
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def _varint(buf: bytes | bytearray, pos: int) -> tuple[int, int]:
   result = shift = 0
   while True:
     b = buf[pos]
@@ -261,7 +262,7 @@ def _message_fields(descriptor: Any) -> dict[int, tuple[Any, int]]:
   return fields
 
 
-def _count(buf: bytes, descriptor: Any, limit: int, depth: int, pos: int = 0,
+def _count(buf: bytes | bytearray, descriptor: Any, limit: int, depth: int, pos: int = 0,
            end: int | None = None, others: list[int] | None = None) -> int:
   """Sub-messages in ``buf[pos:end]``, stopping once past ``limit``; what it cannot read
   it leaves to the parse. ``others``: how many more fields that are no value the whole

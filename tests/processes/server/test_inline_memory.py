@@ -1,9 +1,10 @@
 """Tier 3: what one large inline call (no arena) costs a real ``sidecar serve`` in peak
-RSS, as a ratio of its payload (issue 37: the target is 3x).
+RSS, as a ratio of its payload (issue 37: the target was 3x; issue 42: at most 2x).
 
 gRPC's own receipt of a unary message costs 3.0x its size (a plain ``grpc.server``
-measured 2.89-3.00x for 128 MiB): the sidecar's decoding and answering must add nothing
-above that. Memory, not time, is asserted; one cluster serves every case."""
+measured 2.89-3.00x for 128 MiB, grpcio 1.85: its slices, a bytearray, then bytes of
+it): a call of ``calls.PARTS_FROM`` bytes or more goes in parts (CallParts), copied into
+one buffer its arrays view. Memory, not time, is asserted; one cluster serves every case."""
 
 import time
 
@@ -15,8 +16,12 @@ import sidecar
 pytestmark = pytest.mark.processes
 
 PAYLOAD = 128 << 20
-# gRPC's 3.0x, and what a sample of VmHWM moves by between runs on a loaded machine.
-BOUND = 3.1
+# Its buffer (1x), a few parts in flight in gRPC (1 MiB each, 3x), the heap's slack, and
+# what a sample of VmHWM moves by between runs on a loaded machine: 1.06-1.13x measured.
+ARGUMENT_BOUND = 1.3
+# The argument's buffer and the response's bytes (the result viewing the argument is
+# copied once, into them): 2.00-2.02x measured.
+ECHO_BOUND = 2.1
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +47,23 @@ def peak_growth(pid: int, call) -> float:
   return hwm() - before
 
 
-def test_an_inline_argument_costs_at_most_grpcs_receipt(cluster):
-  """size_of: the argument is decoded (one copy, once gRPC's chunks went back to the
-  system) and dropped; 3.0-3.6x of 128 MiB before (the freed chunks stayed under it)."""
+def test_an_inline_argument_costs_its_size_once(cluster):
+  """size_of: the argument arrives in parts into one buffer, and is a view of it; 3.0-3.6x
+  of 128 MiB before issue 37 (the freed chunks stayed under it), 3.0x before issue 42
+  (gRPC's receipt of one message)."""
   with cluster.controller(attach=False, connect_timeout=10) as ctl:
     assert ctl.call("size_of", args=(np.ones(1 << 20, np.uint8),)) == [1 << 20]  # warm
     big = np.ones(PAYLOAD, np.uint8)
     grown = peak_growth(cluster.pid(0), lambda: ctl.call("size_of", args=(big,), timeout=120))
-  assert grown <= BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB call"
+  assert grown <= ARGUMENT_BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB call"
 
 
-def test_an_inline_argument_and_result_cost_at_most_grpcs_receipt(cluster):
+def test_an_inline_argument_and_result_cost_at_most_twice_their_size(cluster):
   """echo: 128 MiB in and back. The result's array was copied four times on its way to
   gRPC (tobytes, the Array, the Value in the CallResponse, the serialization): 6.0x of
-  the argument's size before, the issue's 5.4x; written once into gRPC's bytes now
-  (UnaryCalls.run_serialized, which gRPC's Call sends as it is)."""
+  the argument's size before issue 37; written once into gRPC's bytes since
+  (UnaryCalls.run_serialized, which gRPC's Call sends as it is): 3.0x, gRPC's receipt of
+  the argument, before issue 42."""
   with cluster.controller(attach=False, connect_timeout=10) as ctl:
     ctl.call("echo", args=(np.ones(1 << 20, np.uint8),))  # warm
     big = np.arange(PAYLOAD, dtype=np.uint8)
@@ -64,4 +71,4 @@ def test_an_inline_argument_and_result_cost_at_most_grpcs_receipt(cluster):
     grown = peak_growth(cluster.pid(0), lambda: out.extend(
         ctl.call("echo", args=(big,), timeout=120)))
     np.testing.assert_array_equal(out[0], big)
-  assert grown <= BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB echo"
+  assert grown <= ECHO_BOUND * PAYLOAD, f"peak RSS +{grown / 2**20:.0f} MiB for a 128 MiB echo"

@@ -1,12 +1,19 @@
 """Tier 2: a call's response serialized with its large arrays written once (issue 37):
-``UnaryCalls.run_serialized`` answers what ``run`` answers, byte for byte."""
+``UnaryCalls.run_serialized`` answers what ``run`` answers, byte for byte; a large call in
+parts (CallParts, issue 42) answers what it answers as one message."""
 
+import re
+
+import grpc
 import numpy as np
 import pytest
 
+import sidecar
+from sidecar._src.controller import calls as controller_calls
 from sidecar._src.server import calls as calls_lib
 from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import pb
+from tests.support.pool_files import BOB, POOL, write_pool
 from tests.support.raw_client import Raw
 
 pytestmark = pytest.mark.server
@@ -50,3 +57,96 @@ def test_run_serialized_raises_what_the_call_raises(make_server):
       server.service._unary.run_serialized(request("fail", "boom"), session, alive=lambda: True)
   finally:
     raw_client.close()
+
+
+# ---- CallParts: a large call in parts (issue 42: 128 MiB inline cost 3x its size) ----------
+
+
+def call_parts(raw_client: Raw, parts, *, timeout: float = 30):
+  stub = raw_client.channel.stream_unary(
+      f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString,
+      response_deserializer=pb.CallResponse.FromString)
+  return stub(iter(parts), metadata=raw_client.metadata, timeout=timeout)
+
+
+def in_parts(raw: bytes, size: int, total: int | None = None) -> list[pb.CallPart]:
+  return [pb.CallPart(total=(len(raw) if total is None else total) if o == 0 else 0,
+                      data=raw[o:o + size]) for o in range(0, len(raw), size)]
+
+
+def test_a_call_in_parts_answers_what_the_call_answers_its_arrays_writable(make_server):
+  server = make_server()
+  raw_client = Raw(server.port)
+  try:
+    a = np.arange(3 * BIG // 4, dtype=np.float32) + 0.5  # past BIG_ARRAY: viewed, not copied
+    for name in ("echo", "stats"):
+      raw = request(name, a)
+      got = call_parts(raw_client, in_parts(raw, 100_003))  # parts of any size
+      assert got == pb.CallResponse.FromString(
+          server.service._unary.run_serialized(raw, dict(raw_client.metadata)[
+              protocol.SESSION_KEY], alive=lambda: True))
+    assert codec.decode(got.result)["writeable"]  # a view of the call's own buffer
+    np.testing.assert_array_equal(codec.decode(call_parts(raw_client, in_parts(
+        request("echo", a), 1 << 20)).result), a)
+  finally:
+    raw_client.close()
+
+
+@pytest.mark.parametrize("total, match", [
+    (10, "brings the call past the 10 bytes its first part announced"),
+    (1 << 24, "ended after 4194[0-9]+ of the 16777216 bytes"),
+], ids=["more", "fewer"])
+def test_call_parts_that_do_not_add_up_are_invalid(make_server, total, match):
+  server = make_server()
+  raw_client = Raw(server.port)
+  try:
+    raw = request("size_of", np.ones(4 << 20, np.uint8))
+    with pytest.raises(grpc.RpcError) as info:
+      call_parts(raw_client, in_parts(raw, 1 << 20, total))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert re.search(match, info.value.details()), info.value.details()
+  finally:
+    raw_client.close()
+
+
+def test_call_parts_past_max_message_size_or_inline_bytes_are_refused_unread(make_server,
+                                                                              tmp_path):
+  server = make_server(max_message_size=8 << 20)
+  raw_client = Raw(server.port)
+  try:
+    with pytest.raises(grpc.RpcError) as info:  # announced: refused before any is kept
+      call_parts(raw_client, [pb.CallPart(total=1 << 40, data=b"x")])
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "(max_message_size=8388608)" in info.value.details()
+  finally:
+    raw_client.close()
+  pool = POOL.replace("    functions: [add, echo, slow_count]\n",
+                      "    functions: [add, echo, slow_count, size_of]\n    inline_bytes: 1MiB\n")
+  pooled = make_server(pool=write_pool(tmp_path, pool))
+  bob = Raw(pooled.port, token=BOB)
+  try:
+    raw = request("size_of", np.ones(2 << 20, np.uint8))
+    with pytest.raises(grpc.RpcError) as info:
+      call_parts(bob, in_parts(raw, 1 << 20))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'bob' sent an inline request of" in info.value.details()
+  finally:
+    bob.close()
+
+
+def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
+  """A request of calls.PARTS_FROM bytes or more goes as CallParts, a call_async too; a
+  small one as one Call."""
+  server = make_server()
+  big = np.arange(controller_calls.PARTS_FROM // 4 + 3, dtype=np.float32)
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
+    conn = ctl._hosts.conns[0]
+    assert controller_calls.call_rpc(conn, pb.CallRequest(name="x")) is conn.call_rpc
+    large = pb.CallRequest(name="echo", args=codec.encode((big,), inline_limit=1 << 40))
+    assert controller_calls.call_rpc(conn, large) is not conn.call_rpc  # CallParts
+    (out,) = ctl.call("echo", args=(big,))
+    np.testing.assert_array_equal(out, big)
+    (future,) = ctl.call_async("stats", args=(big,))
+    assert future.result(30) == {"sum": float(big.astype(np.float64).sum()),
+                                 "shape": list(big.shape), "dtype": "float32",
+                                 "writeable": True}

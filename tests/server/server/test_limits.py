@@ -94,6 +94,33 @@ def test_a_flood_of_handshakes_evicts_only_sessions_unused_for_a_while():
     sessions.use(second)
 
 
+def test_a_clients_flood_evicts_its_own_sessions_never_anothers_in_use():
+  """Issue 42: one client's 4,200 handshakes locked every new client out for 60 s. A
+  client (its connection) keeps at most ``per_client``, its own oldest going; a full
+  table makes room from the client holding the most."""
+  clock = Clock()
+  sessions = Sessions(idle_s=1e9, limit=8, evict_idle_s=60, clock=clock, per_client=4)
+  alice = sessions.new(holder="ipv4:127.0.0.1:1000")
+  flood = [sessions.new(holder="ipv4:127.0.0.1:2000") for _ in range(100)]  # none refused
+  for s in flood[-4:] + [alice]:
+    sessions.use(s)
+  with pytest.raises(errors.SessionLostError, match="max_sessions_per_client"):
+    sessions.use(flood[-5])
+  bob = [sessions.new(holder="ipv4:127.0.0.1:3000") for _ in range(3)]  # the table is full
+  carol = sessions.new(holder="ipv4:127.0.0.1:4000")  # the flood's oldest made room
+  assert len(sessions) == 8
+  for s in (alice, carol, *bob, *flood[-3:]):
+    sessions.use(s)
+  with pytest.raises(errors.SessionLostError):
+    sessions.use(flood[-4])
+  # Clients of one session each, all used within evict_idle_s: the new one waits.
+  few = Sessions(idle_s=1e9, limit=2, evict_idle_s=60, clock=clock, per_client=4)
+  few.new(holder="ipv4:127.0.0.1:1000")
+  few.new()  # a Unix socket's: no holder
+  with pytest.raises(errors.BusyError, match="none held by a client that holds more than one"):
+    few.new(holder="ipv4:127.0.0.1:2000")
+
+
 def test_credits_beyond_the_prefetch_are_ignored():
   credits = Credits(2)
   credits.grant(1 << 40)
@@ -199,9 +226,10 @@ def test_sessions_evicted_by_a_flood_of_handshakes_must_handshake_again(make_ser
 def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_again(
     make_server, tmp_path):
   """4,200 handshakes used to push a live controller's session out for good (every later
-  call: VersionMismatchError). Now the flood is refused while the session is in use, and
-  a session evicted after being unused a while is made again by the Controller itself, for
-  a call, a checkpoint rpc or a stream."""
+  call: VersionMismatchError), then (issue 42) to be refused while the session was in
+  use, locking every new client out. Now the flood evicts its own sessions, and a session
+  the sidecar dropped is made again by the Controller itself, for a call, a checkpoint rpc
+  or a stream."""
   live = make_server(max_sessions=64)  # session_evict_s: 60 s, longer than the flood
   with sidecar.Controller([f"127.0.0.1:{live.port}"], timeout=10) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
@@ -209,30 +237,20 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     flood = Raw(live.port)
     handshake = flood.channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
-    refused = 0
-    for _ in range(200):
-      try:
-        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
-      except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
-        assert "every one used in the last 60 s" in e.details()
-        refused += 1
-    assert refused >= 200 - 64
+    for _ in range(200):  # none refused: the flood's own oldest sessions make room
+      handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # still its own session
     assert ctl._hosts.conns[0].metadata == session
     flood.close()
-  quick = make_server(max_sessions=64, session_evict_s=0.5)
+  quick = make_server(max_sessions=64)
   # Not attached: its calls go over gRPC, in its session (a Worker's go over its socket).
   with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
-    flood = Raw(quick.port)
-    handshake = flood.channel.unary_unary(
-        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
 
     def evicted() -> None:
-      time.sleep(0.7)  # every session unused long enough: a flood of 64 evicts them all
-      for _ in range(64):
-        handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
-      time.sleep(0.7)  # and the flood's own, unused since, make room for a new handshake
+      """Its session dropped by the sidecar (as one idle for session_idle_s is), a
+      second after the last renewal (one renewal serves the calls of a second)."""
+      time.sleep(1.1)
+      assert quick.sessions.end(dict(ctl._hosts.conns[0].metadata)[protocol.SESSION_KEY])
 
     session = ctl._hosts.conns[0].metadata
     evicted()
@@ -245,21 +263,38 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     opened = ctl.checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1,
                                            ram_budget=None, sweep=True)
     assert opened.result(timeout=10) == []  # a checkpoint rpc too
-    evicted()
-    session = ctl._hosts.conns[0].metadata
-    flood.close()
-  # A stream over gRPC too (a controller that maps no arena; a Worker's stream, over its
-  # socket, needs no handshake session).
-  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
-    flood = Raw(quick.port)
-    handshake = flood.channel.unary_unary(
-        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
+    # A stream over gRPC too (a controller that maps no arena; a Worker's stream, over
+    # its socket, needs no handshake session).
     session = ctl._hosts.conns[0].metadata
     evicted()
     with ctl.stream("echo_items", args=(7, 3), timeout=10) as s:
       assert list(s) == [7, 7, 7]
     assert ctl._hosts.conns[0].metadata != session
-    flood.close()
+
+
+def test_a_flood_of_handshakes_over_one_or_several_connections_locks_no_client_out(
+    make_server):
+  """Issue 42: with one shared token, a client's 4,200 handshakes made every new client's
+  refused for 60 s (BusyError, max_sessions). Now a connection keeps at most
+  max_sessions_per_client, and a full table is made room in by the biggest holder."""
+  server = make_server(token="t", max_sessions=128, max_sessions_per_client=32)
+  target, auth = f"127.0.0.1:{server.port}", [(protocol.AUTH_KEY, "Bearer t")]
+  request = pb.HandshakeRequest(versions=protocol.local_versions(), client="flood")
+  channels = [grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(5)]  # a connection each
+  try:
+    for i, channel in enumerate(channels):
+      handshake = channel.unary_unary(
+          f"/{protocol.SERVICE}/Handshake",
+          request_serializer=pb.HandshakeRequest.SerializeToString)
+      for _ in range(600 if i == 0 else 40):  # none refused; 4 x 32 fill the table
+        handshake(request, metadata=auth, timeout=10)
+    assert len(server.sessions) == 128
+    with sidecar.Controller([target], token="t", timeout=10, attach=False) as ctl:
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+  finally:
+    for channel in channels:
+      channel.close()
 
 
 # ---- tier 2: the worker socket ----------------------------------------------------------------

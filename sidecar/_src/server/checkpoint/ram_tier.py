@@ -59,8 +59,6 @@ class Step:
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)
   written: int = 0
-  # (shard, crc32c) that matched: keyed by the checksum checked (another save's may differ)
-  verified: set[tuple[ShardId, int]] = dataclasses.field(default_factory=set)
   replication: Replication | None = None
   finished: float | None = None  # time.monotonic() when its write ended
   tmp_dir: str = ""  # the uncommitted item directory its writer fills
@@ -98,7 +96,6 @@ class Replica:
   nbytes: int = 0
   whole: bool = False  # the source sent everything
   committed: bool = False
-  verified: set[tuple[ShardId, int]] = dataclasses.field(default_factory=set)
   # A whole replica held of the same step and source, which this one (sent again)
   # replaces once whole.
   replaces: Replica | None = None

@@ -2,12 +2,14 @@
 
 ``ram`` (this host's own copy: no copy, the block itself is leased to the caller),
 ``replica`` (a peer's shard held here), ``disk`` (storage, straight into a new arena
-block), or ``any`` (own copy, else storage). Every read with a crc32c checks it (a
-RAM copy once). The caller (``CheckpointHost``) has checked the path under the roots.
+block), or ``any`` (own copy, else storage). Every read with a crc32c checks it, a RAM
+copy at every read (``any`` reads storage where it is corrupt). The caller
+(``CheckpointHost``) has checked the path under the roots.
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 import numpy as np
@@ -18,6 +20,8 @@ from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import faults, ram_tier
 from sidecar._src.user import outputs
+
+log = logging.getLogger(__name__)
 
 
 def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) -> Manifest:
@@ -94,16 +98,22 @@ class Reader:
             held = None
       if held is not None:
         data = held.shards[shard]
-        # Keyed by the checksum checked: a copy verified against another save's manifest
-        # (an older save of the same path) is checked again against this one's.
-        if crc32c is not None and (shard, crc32c) not in held.verified:
-          _check(final_dir, shard, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
-          held.verified.add((shard, crc32c))
         out = data if part is None else _part(data, part)
-        self._metrics.restored_bytes("replica" if isinstance(held, ram_tier.Replica) else "ram",
-                                     out.nbytes)
-        return out
-      if tier != "any":
+        try:
+          # At every read, never once for all: a Worker that maps the arena can write the
+          # block after an earlier restore checked it. A corrupt copy is one that is not
+          # there: tier "any" reads storage instead, the caller's fallback the next copy.
+          if crc32c is not None:
+            _check(final_dir, shard, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
+        except errors.CorruptCheckpointError as e:
+          if tier != "any":
+            raise
+          log.warning("%s; reading the stored copy instead", e)
+        else:
+          self._metrics.restored_bytes(
+              "replica" if isinstance(held, ram_tier.Replica) else "ram", out.nbytes)
+          return out
+      elif tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
     try:

@@ -13,6 +13,7 @@ client stream: a peer's replica of one step, its shards' bytes raw in each messa
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import time
@@ -24,11 +25,11 @@ import numpy as np
 
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.checkpoint import ram_tier
 from sidecar._src.server.checkpoint.host import CheckpointHost
-from sidecar._src.server.limits import CheckpointSlots, Sessions, Slots
+from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb
 
@@ -65,6 +66,11 @@ def _session(context: grpc.ServicerContext) -> str:
   return str(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
 
 
+# A Stage request's large inline shards, left in its bytes by ``_parse_stage``, for
+# ``stage`` (on the rpc's thread, while it runs).
+_STAGE_VIEWS: contextvars.ContextVar[tuple[memoryview, ...]] = contextvars.ContextVar(
+    "stage_views", default=())
+
 _PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
 _DATA = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
@@ -98,8 +104,11 @@ class CheckpointService:
 
   def __init__(self, *, host: CheckpointHost, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
-               slots: Slots | None = None, per_client: bool = False):
+               slots: Slots | None = None, per_client: bool = False,
+               inline: InlineBytes | None = None):
     self._host = host
+    # The bytes of large inline requests decoded at once: a Stage's shards, as a call's.
+    self._inline = InlineBytes() if inline is None else inline
     self._per_client = per_client  # each client acts only in the directories it opened
     self._slots = CheckpointSlots() if slots is None else slots
     self._arena_io = arena_io  # views of a caller's blocks, results leased to it
@@ -148,8 +157,12 @@ class CheckpointService:
       try:
         session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
         self._sessions.use(session)
-        with self._slots.hold(str(session)):  # RESOURCE_EXHAUSTED when full; then the parse
-          request = raw if request_cls is None else codec.parse(request_cls, raw)
+        # RESOURCE_EXHAUSTED when full; then the parse.
+        with self._slots.hold(str(session)), contextlib.ExitStack() as inline:
+          if request_cls is ckpt_pb.CheckpointStageRequest:
+            request = self._parse_stage(raw, session, context, inline)
+          else:
+            request = raw if request_cls is None else codec.parse(request_cls, raw)
           client = self._sessions.client(session) if self._per_client else None
           if client is not None and name == "Open":
             self._host.open_for(client, request.directory)  # refused if another's
@@ -168,6 +181,26 @@ class CheckpointService:
       finally:
         self._metrics.call_done("checkpoint", label, code, time.perf_counter() - t0)
     return handle
+
+  def _parse_stage(self, raw: bytes, session: object, context: grpc.ServicerContext,
+                   inline: contextlib.ExitStack) -> ckpt_pb.CheckpointStageRequest:
+    """A Stage request, its large inline shards left in ``raw`` (``stage`` views them
+    there: ``_STAGE_VIEWS``) and counted as inline bytes, as a call's arrays are: within
+    its tenant's ``inline_bytes`` and the sidecar's budget of them, held in ``inline``.
+    """
+    codec.check_message_count(raw, ckpt_pb.CheckpointStageRequest.DESCRIPTOR,
+                              what=f"a CheckpointStageRequest of {len(raw)} bytes")
+    stripped, views = pbscan.strip_arrays(raw, ckpt_pb.CheckpointStageRequest.DESCRIPTOR)
+    if views:
+      tenant = self._sessions.client(session)
+      self._metrics.tenant_requested(tenant, "inline", len(raw))
+      with tenants_lib.acting_as(tenant), self._metrics.waiting(tenant, "inline"):
+        inline.enter_context(self._inline.hold(len(raw), context.time_remaining()))
+      if not context.is_active():
+        raise errors.DeadlineExceededError(
+            "a Stage whose caller left while it waited for room to decode it: not staged")
+    inline.callback(_STAGE_VIEWS.reset, _STAGE_VIEWS.set(tuple(views)))
+    return codec.parse(ckpt_pb.CheckpointStageRequest, stripped, counted=True)
 
   def _allocating(self, context: grpc.ServicerContext) -> contextlib.AbstractContextManager:
     """``sidecar.empty`` in the arena for this request (reads from storage, replica parts)."""
@@ -197,7 +230,8 @@ class CheckpointService:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
     part = wire.format_part_from_pb(r, wire.STAGE_PARTS)
-    shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session))
+    shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
+                                        _STAGE_VIEWS.get())
     try:
       self._host.check_storage(self._client(context), r.directory,
                                sum(s.data.nbytes for s in shards))

@@ -1,0 +1,80 @@
+"""Tier 2: a RAM-tier copy is checked against its crc32c at every restore (issue 42,
+attack 9), not once: a Worker that maps the arena can write it after a restore checked it.
+
+The bytes are zeroed through the trainer's own Worker mapping, in process, as the
+attacker's mapping of the whole arena did.
+"""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.ckptfmt.records import ShardId
+from sidecar._src.core import errors
+
+pytestmark = pytest.mark.server
+
+N = 1 << 14
+
+
+def zero_ram_copy(server, ctl, final_dir: str) -> None:
+  """Zeroes every byte of step ``final_dir``'s RAM-tier shards through ``ctl``'s Worker."""
+  step = server.checkpoints.tier.steps[final_dir]
+  base = server.arena.buffer.ctypes.data
+  mapped = ctl.worker(0).arena.buffer  # the Worker's own mapping of the whole arena
+  for data in step.shards.values():
+    offset = data.ctypes.data - base
+    mapped[offset:offset + data.nbytes] = 0
+    assert not data.any()  # the sidecar's view of the block sees it
+
+
+@pytest.fixture
+def saved(make_server, tmp_path):
+  """A server and a Controller whose Worker maps its arena, with step 1 of ``{"w": w}``
+  saved and restored once from the RAM tier (which checked the copy)."""
+  server = make_server()
+  directory = tmp_path / "ck"
+  w = np.arange(1, N + 1, dtype=np.float32)
+  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
+    assert ctl.worker(0) is not None
+    with ctl.checkpointer(str(directory)) as ckpt:
+      assert ckpt.save(1, {"w": w}).durable.result(30) == 1
+      first = ckpt.restore(1, target={"w": np.zeros(N, np.float32)})["w"]
+      np.testing.assert_array_equal(np.asarray(first), w)
+      del first
+      yield server, ctl, ckpt, directory, w
+
+
+def test_a_ram_copy_zeroed_after_a_restore_is_read_from_storage(saved):
+  """Before: the second restore returned 65,536 zero bytes, no error."""
+  server, ctl, ckpt, directory, w = saved
+  final_dir = str(directory / "1" / "default")
+  zero_ram_copy(server, ctl, final_dir)
+  for _ in range(2):  # each restore checks again, and falls back again
+    back = ckpt.restore(1, target={"w": np.zeros(N, np.float32)})["w"]
+    np.testing.assert_array_equal(np.asarray(back), w)
+    del back
+  # The sidecar's own reads: tier "ram" refuses the copy, "any" reads storage instead.
+  (checksum,) = server.checkpoints.info(final_dir).shards
+  shard = ShardId(checksum.key_path, checksum.index)
+  with pytest.raises(errors.CorruptCheckpointError, match="ram copy on host 0"):
+    server.checkpoints.read(final_dir, shard, checksum.crc32c, "ram")
+  np.testing.assert_array_equal(
+      server.checkpoints.read(final_dir, shard, checksum.crc32c, "any"), w)
+
+
+def test_a_ram_copy_zeroed_with_no_valid_stored_copy_fails_the_restore(saved):
+  """The stored chunk is zeroed too: no copy is valid, and the restore says so."""
+  server, ctl, ckpt, directory, _ = saved
+  final_dir = pathlib.Path(directory / "1" / "default")
+  zero_ram_copy(server, ctl, str(final_dir))
+  chunks = [p for p in (final_dir / "w").rglob("*")
+            if p.is_file() and not p.name.startswith(".")]
+  assert chunks
+  for p in chunks:
+    p.write_bytes(bytes(p.stat().st_size))
+  with pytest.raises(errors.ShardsLostError, match="crc32c") as info:
+    ckpt.restore(1, target={"w": np.zeros(N, np.float32)})
+  assert "ram:host0" in str(info.value) and "storage" in str(info.value)
