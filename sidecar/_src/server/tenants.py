@@ -110,6 +110,14 @@ class Pool:
     """Whether this pool came from a pool file (its tenants' workers must say who they are)."""
     return self.path is not None
 
+  def mode(self) -> str:
+    """How this sidecar names its tenants, for messages: the pool file, or the tokens."""
+    if self.path is not None:
+      return f"the pool file {self.path} (--pool)"
+    if len(self.tenants) == 1 and not self.tenants[0].name:
+      return "one shared token"
+    return "per-client tokens (--client-tokens)"
+
   def by_name(self) -> dict[str, Tenant]:
     return {t.name: t for t in self.tenants}
 
