@@ -203,8 +203,11 @@ def make_dirs(directory: str, *, what: str, flag: str) -> list[str]:
   while not os.path.isdir(d) and os.path.dirname(d) != d:
     made.append(d)
     d = os.path.dirname(d)
-  try:
-    os.makedirs(directory, exist_ok=True)
+  try:  # each never writable by others, whatever the umask (check_directories refuses it)
+    for d in reversed(made):
+      with contextlib.suppress(FileExistsError):
+        os.mkdir(d)
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) & ~stat.S_IWOTH)
   except OSError as e:
     raise OSError(e.errno, f"cannot make the {what}'s directory {directory} "
                   f"({e.strerror}): give {flag} a path in a writable directory") from e

@@ -84,3 +84,14 @@ def test_a_directory_the_operator_vouches_for_passes_as_tmp_does(shared, monkeyp
   monkeypatch.setenv("SIDECAR_SHARED_SOCKET_DIR", str(shared / "other"))
   with pytest.raises(PermissionError, match=rf"the directory {shared} "):
     check(shared / "s.sock")  # only the directory named passes
+
+
+def test_the_directories_the_sidecar_makes_are_no_others_to_write_whatever_the_umask(tmp_path):
+  old = os.umask(0)  # as in a container started with umask 0
+  try:
+    made = sockets.make_dirs(str(tmp_path / "a" / "b"), what="worker socket", flag="--socket")
+  finally:
+    os.umask(old)
+  assert made == [str(tmp_path / "a" / "b"), str(tmp_path / "a")]
+  assert not any(os.stat(d).st_mode & stat.S_IWOTH for d in made)
+  check(tmp_path / "a" / "b" / "s.sock")
