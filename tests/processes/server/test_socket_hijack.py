@@ -19,6 +19,7 @@ import pytest
 import sidecar
 from sidecar._src.controller import status as status_lib
 from sidecar._src.core import errors
+from sidecar._src.wire import ipc
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.processes
@@ -113,6 +114,8 @@ def test_the_sidecar_refuses_the_directory_and_a_client_tells_the_impostor_nothi
     sidecar.Controller([address], token=TOKEN, connect_timeout=5)
   with pytest.raises(errors.PermissionDeniedError, match=who):
     status_lib.fetch(address, timeout=5, token=TOKEN)
+  with pytest.raises(errors.PermissionDeniedError, match=who):  # a worker socket's calls, streams
+    ipc.connect(f"{directory}/g.sock", timeout=5)
   assert eventually(lambda: p.poll() is None)  # still listening: it was refused, not gone
   received = _received(p)
-  assert len(received) == 2 and all(n == 0 for n, _ in received), received  # asked who, no more
+  assert len(received) == 3 and all(n == 0 for n, _ in received), received  # asked who, no more
