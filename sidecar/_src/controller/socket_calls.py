@@ -32,8 +32,7 @@ class Lane:
 
   def __init__(self, worker: Worker):
     self.worker = worker
-    try:  # its server's user checked before the session goes (a stopped sidecar's full
-      # backlog must not hang: the timeout)
+    try:  # its server's user checked before the session goes
       self._sock = ipc.connect(worker.path, timeout=worker.timeout)
     except errors.PermissionDeniedError:
       raise
