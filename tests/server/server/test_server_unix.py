@@ -150,6 +150,18 @@ def test_a_socket_directory_others_may_write_is_refused_before_the_arena(make_se
   s.stop()
 
 
+def test_a_directory_the_operator_vouches_for_is_taken_as_tmp_is(make_server, tmp_path,
+                                                                monkeypatch):
+  """A pod's emptyDir is mode 2777, seen only by the pod's containers: the manifests name
+  it in SIDECAR_SHARED_SOCKET_DIR."""
+  shared = tmp_path / "emptydir"
+  shared.mkdir()
+  shared.chmod(0o2777)
+  monkeypatch.setenv("SIDECAR_SHARED_SOCKET_DIR", str(shared))
+  server = make_server(listen=f"unix:{shared}/g.sock")
+  assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_a_pinned_socket_is_reached_however_its_name_is_taken_later(make_server, tmp_path):
   """A client's channel dials the socket it checked, not its name: an impostor that renames
   the sidecar's socket away and listens at the name gets none of its (re)connections."""
