@@ -153,15 +153,18 @@ class Pinned:
 
   def __init__(self, path: str, *, timeout: float | None):
     self.path = path
-    self._fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    o_path = getattr(os, "O_PATH", None)  # Linux's
+    if o_path is None:
+      os.stat(path)  # FileNotFoundError, as below
+    self._fd = -1 if o_path is None else os.open(path, o_path | os.O_CLOEXEC)
     try:
       pinned = f"/proc/self/fd/{self._fd}"
-      if not os.path.exists(pinned):  # no /proc: the path itself, checked once
+      if self._fd < 0 or not os.path.exists(pinned):  # no /proc: the path, checked once
         pinned = path
       with _dial(pinned, timeout) as probe:
         self.peer = check_peer(probe, path)
     except BaseException:
-      os.close(self._fd)
+      self.close()
       raise
     self.target = f"{address_lib.UNIX}{pinned}"
 
