@@ -21,7 +21,7 @@ from sidecar._src.core import (
   interrupts,
   options as options_lib,
 )
-from sidecar._src.wire import protocol
+from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
 CHANNEL_OPTIONS = (
@@ -256,6 +256,36 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
   return protocol.error_from_rpc(e, host=address)
 
 
+def open_channel(address: str, *, timeout: float, options: tuple[tuple[str, int], ...],
+                 credentials: grpc.ChannelCredentials | None = None
+                 ) -> tuple[grpc.Channel, ipc.Pinned | None]:
+  """A channel to the sidecar at ``address``; for ``unix:PATH`` also the socket it is
+  pinned to (close it after the channel), once the user serving it is one this process
+  trusts (``ipc.check_peer``): every (re)connect of the channel then goes to that very
+  socket, whatever takes its name later, so no token ever goes to an impostor.
+
+  Raises:
+    PermissionDeniedError: this process may not open the socket, or another user's
+      process serves it (naming its uid, user name and pid).
+    HostLostError: nothing serves at ``PATH``.
+  """
+  pin = None
+  if address_lib.is_unix(address):  # a bad path, or no permission: said now, not a timeout
+    address_lib.check_access(address)
+    try:
+      pin = ipc.Pinned(address_lib.parse(address).path, timeout=timeout)
+    except errors.SidecarError:
+      raise
+    except OSError as e:
+      raise errors.HostLostError(
+          f"cannot reach sidecar {address}: {e.strerror or e}; is `sidecar serve --listen "
+          f"{address}` running? (The worker socket, --socket, is not its gRPC address.)"
+      ) from None
+    address, options = pin.target, options + ipc.PINNED_CHANNEL_OPTIONS
+  return (grpc.insecure_channel(address, options=options) if credentials is None
+          else grpc.secure_channel(address, credentials, options=options)), pin
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostInfo:
   """A sidecar's identity and what it can run, as its handshake told."""
@@ -283,11 +313,8 @@ class Connection:
     except ValueError as e:
       raise errors.InvalidArgumentError(str(e).replace("token holds", "the token holds", 1)
                                         ) from None
-    if address_lib.is_unix(address):  # a bad path, or no permission: said now, not a timeout
-      address_lib.check_access(address)
-    options = channel_options(peer_timeout)
-    self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
-                     else grpc.secure_channel(address, credentials, options=options))
+    self._channel, self._pin = open_channel(address, timeout=timeout, credentials=credentials,
+                                            options=channel_options(peer_timeout))
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
@@ -313,7 +340,7 @@ class Connection:
     try:
       reply = self._shake_hands()
     except grpc.RpcError as e:
-      self._channel.close()
+      self.close()
       raise _connect_error(e, address, timeout, tls=credentials is not None) from None
     self.reply = reply
     self.metadata = self._auth + ((protocol.SESSION_KEY, reply.session),)
@@ -363,3 +390,5 @@ class Connection:
     self.calls.close()
     self.checkpoint_calls.close()
     self._channel.close()
+    if self._pin is not None:
+      self._pin.close()

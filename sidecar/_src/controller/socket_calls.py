@@ -32,10 +32,13 @@ class Lane:
 
   def __init__(self, worker: Worker):
     self.worker = worker
-    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._sock.settimeout(worker.timeout)  # a stopped sidecar's full backlog must not hang
+    try:  # its server's user checked before the session goes
+      self._sock = ipc.connect(worker.path, timeout=worker.timeout)
+    except errors.PermissionDeniedError:
+      raise
+    except OSError as e:
+      raise self._lost(e) from None
     try:
-      self._sock.connect(worker.path)
       ipc.send(self._sock, {"op": "calls", "session": worker.session})
     except OSError as e:
       self._sock.close()

@@ -6,6 +6,7 @@ tables every ``--interval`` seconds, with rates measured between two refreshes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -16,9 +17,8 @@ import grpc
 from google.protobuf import message as pb_message
 
 from sidecar._src.arena import shm
-from sidecar._src.controller import display
+from sidecar._src.controller import connection, display
 from sidecar._src.controller.connection import CHANNEL_OPTIONS
-from sidecar._src.core import address as address_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
@@ -27,10 +27,10 @@ def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.Statu
   """One sidecar's status (``address``: ``unix:PATH`` or ``HOST:PORT``); needs no
   handshake, so it works across versions. Over TLS where ``$SIDECAR_TLS_CA`` (and for mTLS
   ``$SIDECAR_TLS_CLIENT_CERT``/``_KEY``) say so."""
-  address_lib.check_access(address)
   credentials = protocol.tls_credentials(None, None, None)
-  with (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None else
-        grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)) as channel:
+  channel, pin = connection.open_channel(address, timeout=timeout, options=CHANNEL_OPTIONS,
+                                         credentials=credentials)
+  with channel, pin or contextlib.nullcontext():
     rpc = channel.unary_unary(f"/{protocol.SERVICE}/Status",
                               request_serializer=pb.StatusRequest.SerializeToString,
                               response_deserializer=pb.StatusResponse.FromString)

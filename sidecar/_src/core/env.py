@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import os
+import pwd
 import stat
 from collections.abc import Mapping
 
@@ -121,6 +122,11 @@ HEALTH_PORT = _var("SIDECAR_HEALTH_PORT", "--health-port: the plaintext grpc.hea
                    default="8491", readers=f"{_SERVE}, {_DISCOVERY}")
 SOCKET = _var("SIDECAR_SOCKET", "--socket: the worker Unix socket's path",
               default="/run/sidecar/sidecar.sock", readers=_SERVE)
+SHARED_SOCKET_DIR = _var(
+    "SIDECAR_SHARED_SOCKET_DIR", "a directory others may write that the operator vouches for "
+    "(a pod's emptyDir, which only the pod's containers see): sockets may be made there as in "
+    "the sticky /tmp, if their name is unclaimed", default="none: a socket directory others "
+    "may write is refused at start", readers=f"{_SERVE} (server/preflight.py)")
 SHM_SIZE = _var("SIDECAR_SHM_SIZE", "--shm-size: the arena's size, e.g. 4GiB",
                 default="1GiB", readers=_SERVE)
 IMPORTS = _var("SIDECAR_IMPORTS", "modules to import, comma-separated, after the --import ones",
@@ -154,6 +160,13 @@ TLS_CLIENT_CERT = _var("SIDECAR_TLS_CLIENT_CERT", "this client's certificate (PE
                        default="none", readers="Controller (protocol.py), server/replicas.py")
 TLS_CLIENT_KEY = _var("SIDECAR_TLS_CLIENT_KEY", "this client's private key (PEM), for mTLS",
                       default="none", readers="Controller (protocol.py), server/replicas.py")
+SOCKET_UID = _var(
+    "SIDECAR_SOCKET_UID", "users, besides this process's own and root, whose Unix socket a "
+    "client trusts with its token: uids or user names, comma-separated (a sidecar run as "
+    "another user, as the image's uid 1000 beside a trainer of another uid)",
+    default="none: a unix: socket served by any other user is refused before the token goes",
+    readers="Controller, sidecar status, the worker socket's calls and streams, replica links "
+    "(wire/ipc.py)")
 DEFAULT_PEER_TIMEOUT_S = 30.0
 PEER_TIMEOUT = _var(
     "SIDECAR_PEER_TIMEOUT", "seconds a silent sidecar is given before waits on it end with "
@@ -250,6 +263,28 @@ def token(token_file: str | None = None, environ: Mapping[str, str] | None = Non
     InvalidArgumentError: the file is empty.
   """
   return _token(TOKEN, TOKEN_FILE, "token", token_file, environ)
+
+
+def socket_uids(environ: Mapping[str, str] | None = None) -> frozenset[int]:
+  """The uids ``$SIDECAR_SOCKET_UID`` names (numbers or user names), empty where unset.
+
+  Raises:
+    InvalidArgumentError: a name no user of this machine has, naming the variable.
+  """
+  uids = set()
+  for item in (get(SOCKET_UID, "", environ) or "").split(","):
+    if not (item := item.strip()):
+      continue
+    if item.isdigit():
+      uids.add(int(item))
+      continue
+    try:
+      uids.add(pwd.getpwnam(item).pw_uid)
+    except KeyError:
+      raise errors.InvalidArgumentError(
+          f"{SOCKET_UID}={item!r}: no such user on this machine; name the user (or uid) the "
+          "sidecar runs as, comma-separated") from None
+  return frozenset(uids)
 
 
 def _warn_if_readable(fd: int, path: str) -> None:

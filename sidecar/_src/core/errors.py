@@ -9,7 +9,7 @@ The tree::
     ├── ResourceExhaustedError                  arena, quota or limit full (RESOURCE_EXHAUSTED)
     │   └── BusyError                           every slot for such rpcs taken: retry
     ├── StaleDescriptorError(ValueError)        an arena block freed or reused since
-    ├── CorruptCheckpointError(ValueError)      a stored shard that fails its crc32c or size
+    ├── CorruptCheckpointError(ValueError)      a stored shard fails its crc32c (DATA_LOSS)
     │   └── ShardsLostError                     shards with no live copy and no valid stored one
     ├── CheckpointWriteError(OSError)           checkpoint bytes not written (ENOSPC, EIO)
     ├── VersionMismatchError                    handshake skew (FAILED_PRECONDITION)

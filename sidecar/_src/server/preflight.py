@@ -3,7 +3,9 @@
 In a container each of these is a mount or a limit of the pod spec, and each mistake would
 otherwise surface late: a socket directory on the read-only root after seconds of arena
 pre-faulting, a read-only checkpoint volume at the first save, an arena above the memory
-limit as an OOM kill. Each check raises at once with the flag, the path and the fix.
+limit as an OOM kill, a socket directory where another user could take the socket's name
+as a client's token sent to an impostor. Each check raises at once with the flag, the path
+and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, options as options_lib
+from sidecar._src.server import sockets
 
 SOCKET_FLAG = f"--socket or ${env_lib.SOCKET}"
 ROOTS_FLAG = f"--checkpoint-root, ${env_lib.CHECKPOINT_ROOTS}"
@@ -53,7 +56,8 @@ def _not_writable(path: str) -> tuple[int, str] | None:
 
 
 def socket_directory(socket_path: str) -> None:
-  """The worker socket's directory exists and is writable, or can be made."""
+  """The worker socket's directory exists and is writable, or can be made; no other user
+  can take the socket's name (``sockets.check_directories``)."""
   directory = os.path.dirname(os.path.abspath(socket_path))
   if problem := _not_writable(_nearest_existing(directory)):
     code, why = problem
@@ -61,16 +65,19 @@ def socket_directory(socket_path: str) -> None:
                   f"writable volume at {directory}, shared with the trainer (on Kubernetes: "
                   f"the manifests' sidecar-socket emptyDir), or give {SOCKET_FLAG} a path in "
                   "a writable directory")
+  sockets.check_directories(socket_path, what="worker socket", flag=SOCKET_FLAG)
 
 
 def listen_directory(path: str) -> None:
-  """The directory of a ``unix:`` listen address exists and is writable, or can be made."""
+  """The directory of a ``unix:`` listen address exists and is writable, or can be made;
+  no other user can take the socket's name."""
   directory = os.path.dirname(path)
   if problem := _not_writable(_nearest_existing(directory)):
     code, why = problem
     raise OSError(code, f"cannot make the gRPC socket {path} (--listen unix:{path}): {why}. "
                   "Give --listen a unix: path in a directory this sidecar may write, or "
                   "make that one writable for it")
+  sockets.check_directories(path, what="gRPC socket", flag="--listen unix:PATH")
 
 
 def checkpoint_root(root: str) -> None:

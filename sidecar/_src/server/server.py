@@ -106,6 +106,14 @@ class _TokenAuth(grpc.ServerInterceptor):
                     "Controller or set SIDECAR_TOKEN / SIDECAR_TOKEN_FILE")
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
+    def deny_link(request, context):  # a handshake that carries the peer token's metadata
+      context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                    "AuthenticationError: a peer sidecar's replica link (the sidecars' own, "
+                    f"its handshake carries '{protocol.PEER_KEY}') presented no token this "
+                    "sidecar takes: the sidecars of one job share one peer token; give every "
+                    "sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
+    self._deny_link = grpc.unary_unary_rpc_method_handler(deny_link)
+
   def _revoked(self, why: str):
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -123,7 +131,8 @@ class _TokenAuth(grpc.ServerInterceptor):
     if client_of(self._tokens.table, metadata) is None:
       if self._tokens.revoked and (why := client_of(self._tokens.revoked, metadata)):
         return self._revoked(why)
-      return self._deny
+      return (self._deny_link if any(k == protocol.PEER_KEY for k, _ in metadata or ())
+              else self._deny)
     return continuation(handler_call_details)
 
 

@@ -4,6 +4,12 @@ Both are made the same way: their directory made if missing (and removed again i
 made and is left empty), a socket file left by a killed sidecar replaced, one a live
 process still serves refused with its pid (as a taken port is refused), and the file's
 mode set before anyone can connect.
+
+Nobody else may be able to take a socket's name: every directory on its way must be the
+sidecar user's or root's, and not writable by others unless sticky (``/tmp``), where the
+name itself must be unclaimed (``check_directories``). Otherwise another user could rename
+the socket away after start and listen in its place, and each client would send it its
+token (issue 42, attack 6). Clients check the serving user too (``wire/ipc.check_peer``).
 """
 
 from __future__ import annotations
@@ -12,9 +18,12 @@ import contextlib
 import errno
 import grp
 import os
+import pwd
 import socket
 import stat
 import struct
+
+from sidecar._src.core import env as env_lib
 
 # How long a connection to an existing socket file may take to say it is live.
 _PROBE_S = 1.0
@@ -30,14 +39,88 @@ def peer_pid(conn: socket.socket) -> int:
   return struct.unpack("3i", creds)[0]
 
 
+def _user(uid: int) -> str:
+  try:
+    return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+  except KeyError:
+    return f"uid {uid}"
+
+
+def _on_the_way(path: str) -> list[str]:
+  """The existing directories a client's path to socket ``path`` passes, as written and
+  as resolved (a symbolic link's own directory counts), nearest last."""
+  seen: list[str] = []
+  for start in (os.path.abspath(path), os.path.realpath(path)):
+    d = os.path.dirname(start)
+    chain = []
+    while True:
+      chain.append(d)
+      if os.path.dirname(d) == d:
+        break
+      d = os.path.dirname(d)
+    seen += [d for d in reversed(chain) if d not in seen and os.path.isdir(d)]
+  return seen
+
+
+def _shared(directory: str) -> bool:
+  """Whether the operator vouches for ``directory`` though others may write it
+  (``$SIDECAR_SHARED_SOCKET_DIR``: a pod's emptyDir, which only its containers see)."""
+  vouched = env_lib.get(env_lib.SHARED_SOCKET_DIR)
+  return vouched is not None and os.path.realpath(vouched) == os.path.realpath(directory)
+
+
+def check_directories(path: str, *, what: str, flag: str) -> None:
+  """Refuses a socket at ``path`` whose name another user could take: a directory on its
+  way (``_on_the_way``) that belongs to another user than the sidecar's or root, or that
+  others may write and is not sticky; in a sticky one others may write (``/tmp``), a
+  socket of another user already at ``path``.
+
+  Raises:
+    PermissionError: naming the directory, its owner and mode, and the fix.
+  """
+  me = os.geteuid()
+  for d in _on_the_way(path):
+    info = os.stat(d)
+    mode = info.st_mode & 0o7777
+    if info.st_uid not in (me, 0):
+      why = (f"belongs to {_user(info.st_uid)}, not to this sidecar's user ({_user(me)})"
+             + (" or root" if me else ""))
+      fix = f"as root: chown {me} {d}; chmod o-w {d}"
+    elif mode & stat.S_IWOTH and not mode & stat.S_ISVTX and not _shared(d):
+      why = "may be written by any user and is not sticky"
+      fix = (f"chmod o-w {d} (or o-w,+t); for a Kubernetes emptyDir, which only the pod's "
+             f"containers see, set {env_lib.SHARED_SOCKET_DIR}={d} instead")
+    else:
+      continue
+    raise OSError(errno.EACCES, (
+        f"refusing to make the {what} {path}: the directory {d} (owner {_user(info.st_uid)}, "
+        f"mode {mode:04o}) {why}: another user could rename the socket away and listen in "
+        f"its place, and clients would send it their token. Give {flag} a path in a "
+        f"directory of this sidecar's user that others may not write (mkdir -m 0700 DIR), "
+        f"or {fix}"))
+  try:
+    info = os.lstat(path)
+  except FileNotFoundError:
+    return
+  if stat.S_ISSOCK(info.st_mode) and info.st_uid != me:
+    d = os.path.dirname(os.path.abspath(path))
+    raise OSError(errno.EACCES, (
+        f"refusing to make the {what} {path}: a socket of another user ({_user(info.st_uid)}) "
+        f"already has its name in {d} (mode {os.stat(d).st_mode & 0o7777:04o}); it may be "
+        f"an impostor waiting for clients. Remove it (as root), or give {flag} a path in a "
+        f"directory of this sidecar's user (mkdir -m 0700 DIR)"))
+
+
 def claim(path: str, *, what: str, flag: str) -> None:
   """Makes way for a new socket at ``path``: removes one nobody serves (left by a killed
   sidecar), refuses one a live process serves.
 
   Raises:
     OSError: EADDRINUSE naming the live process's pid and ``flag``; EEXIST where ``path``
-      is something else than a socket (never removed: it is not ours).
+      is something else than a socket (never removed: it is not ours); EACCES where
+      another user could take its name (``check_directories``).
   """
+  check_directories(path, what=what, flag=flag)  # again: a directory made since preflight
   try:
     info = os.lstat(path)
   except FileNotFoundError:
@@ -120,8 +203,11 @@ def make_dirs(directory: str, *, what: str, flag: str) -> list[str]:
   while not os.path.isdir(d) and os.path.dirname(d) != d:
     made.append(d)
     d = os.path.dirname(d)
-  try:
-    os.makedirs(directory, exist_ok=True)
+  try:  # each never writable by others, whatever the umask (check_directories refuses it)
+    for d in reversed(made):
+      with contextlib.suppress(FileExistsError):
+        os.mkdir(d)
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) & ~stat.S_IWOTH)
   except OSError as e:
     raise OSError(e.errno, f"cannot make the {what}'s directory {directory} "
                   f"({e.strerror}): give {flag} a path in a writable directory") from e

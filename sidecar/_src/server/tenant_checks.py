@@ -93,6 +93,10 @@ class TenantCheckpoints(CheckpointHost):
       with self.tier.lock:
         self.tier.groups[os.path.realpath(directory)] = t.name
 
+  def clients_mode(self) -> str:
+    pool = self._tenancy.pool
+    return super().clients_mode() if pool is None else pool.mode()
+
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     t = self._tenancy.tenant(client)
     if t is None or t.checkpoint_bytes is None:

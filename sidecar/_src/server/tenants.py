@@ -110,6 +110,14 @@ class Pool:
     """Whether this pool came from a pool file (its tenants' workers must say who they are)."""
     return self.path is not None
 
+  def mode(self) -> str:
+    """How this sidecar names its tenants, for messages: the pool file, or the tokens."""
+    if self.path is not None:
+      return f"the pool file {self.path} (--pool)"
+    if len(self.tenants) == 1 and not self.tenants[0].name:
+      return "one shared token"
+    return "per-client tokens (--client-tokens)"
+
   def by_name(self) -> dict[str, Tenant]:
     return {t.name: t for t in self.tenants}
 
@@ -273,10 +281,13 @@ class Tenancy:
       return pool.tenants[0].name  # the shared token: every worker is its one tenant's
     if pool.quotas:
       raise errors.AuthenticationError(
-          "this sidecar serves a pool of tenants (--pool): a worker must present its "
-          "tenant's token at attach; set SIDECAR_TOKEN (or SIDECAR_TOKEN_FILE) in the "
-          "trainer's environment, pass token= to the Worker, or name its user in the "
-          "tenant's uids")
+          f"this sidecar serves a pool of tenants (the pool file {pool.path}): a worker must "
+          "present its tenant's token at attach; set SIDECAR_TOKEN (or SIDECAR_TOKEN_FILE) "
+          "in the trainer's environment, pass token= to the Worker, or name its user in the "
+          "tenant's uids. If this is the sidecars' own replica link (a peer sidecar on this "
+          "machine maps this one's arena through its worker socket), it is that link this "
+          "pool sidecar refused, not a trainer: replicate over gRPC (SIDECAR_REPLICA_SHM=0 "
+          "for the sending sidecar)")
     return None
 
   def add_worker(self, session: str, tenant: str | None) -> None:

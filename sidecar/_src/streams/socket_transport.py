@@ -87,10 +87,14 @@ def open_stream(worker: Worker, request: pb.CallRequest, *, prefetch: int,
   worker.check_usable()
   consumer.check_prefetch(prefetch)
   request.worker_session = worker.session
-  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  sock.settimeout(worker.timeout)  # a stopped sidecar's full backlog must not hang connect()
+  try:  # its server's user checked before the session goes
+    sock = ipc.connect(worker.path, timeout=worker.timeout)
+  except errors.PermissionDeniedError:
+    raise
+  except OSError as e:
+    raise errors.HostLostError(f"the sidecar of host {worker.host_id} is gone: {e}",
+                               host_id=worker.host_id) from None
   try:
-    sock.connect(worker.path)
     ipc.send(sock, {"op": "stream", "session": worker.session})
     ipc.send_bytes(sock, pb.StreamRequest(start=request, prefetch=prefetch).SerializeToString())
   except OSError as e:

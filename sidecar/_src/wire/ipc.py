@@ -4,19 +4,25 @@ The worker <-> sidecar control channel: the arena fd is handed over once with
 SCM_RIGHTS, then small messages (allocate, free) follow. JSON, never pickle.
 The connection itself is the worker's lease: when it closes, however the worker
 died, the sidecar frees every block the worker held.
+
+Every client that dials a sidecar's Unix socket (the worker socket, a ``unix:`` gRPC
+address) first asks the kernel who serves it (``SO_PEERCRED``) and sends nothing, no
+token, no session, to a process of a user it does not trust: :func:`check_peer`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import pwd
 import socket
 import struct
 import tempfile
 from typing import Any
 
-from sidecar._src.core import address as address_lib, errors
+from sidecar._src.core import address as address_lib, env as env_lib, errors
 
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20
@@ -43,6 +49,141 @@ def check_socket_path(path: str, *, fix: str) -> None:
   if (n := len(os.fsencode(path))) > SOCKET_PATH_MAX:
     raise OSError(errno.ENAMETOOLONG, f"cannot make the Unix socket {path}: its path is {n} "
                   f"bytes, a Unix socket's may be at most {SOCKET_PATH_MAX}; {fix}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+  """The process at the other end of a Unix socket connection, as the kernel says
+  (``SO_PEERCRED``: the one that listens, seen from a client)."""
+  pid: int
+  uid: int
+  gid: int
+
+  def __str__(self) -> str:
+    try:
+      name = f" ({pwd.getpwuid(self.uid).pw_name})"
+    except KeyError:
+      name = ""
+    return f"uid {self.uid}{name}, pid {self.pid}"
+
+
+def peer_of(sock: socket.socket) -> Peer:
+  """Who is at the other end of the connected Unix socket ``sock``."""
+  pid, uid, gid = struct.unpack(
+      "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+  return Peer(pid, uid, gid)
+
+
+def trusted_uids() -> frozenset[int]:
+  """The users whose Unix sockets a client sends its token to: its own, root's, and those
+  ``$SIDECAR_SOCKET_UID`` names."""
+  return frozenset({os.getuid(), 0}) | env_lib.socket_uids()
+
+
+def check_peer(sock: socket.socket, path: str) -> Peer:
+  """Returns who serves the Unix socket ``path`` that ``sock`` is connected to, if this
+  process may trust it: the same user, root, or one ``$SIDECAR_SOCKET_UID`` names.
+
+  Another user's process there may have taken the socket's name (renamed the sidecar's
+  away, or bound it before the sidecar started): nothing may be sent to it.
+
+  Raises:
+    PermissionDeniedError: naming the path, the serving uid, user name and pid, and the fix.
+  """
+  peer = peer_of(sock)
+  check_trusted(peer, path)
+  return peer
+
+
+def check_trusted(peer: Peer, path: str) -> None:
+  """:func:`check_peer`'s decision: PermissionDeniedError unless ``peer``, serving the
+  Unix socket ``path``, runs as a user in :func:`trusted_uids`."""
+  if peer.uid in trusted_uids():
+    return
+  raise errors.PermissionDeniedError(
+      f"refusing to talk to the Unix socket {path}: it is served by {peer}, not by this "
+      f"process's user (uid {os.getuid()}) or root, so no token or session is sent to it. "
+      f"Another user may have taken the socket's name (is its directory "
+      f"{os.path.dirname(path) or '.'} one others may write?): stop that process and restart "
+      f"the sidecar in a directory of its own; or, if the sidecar runs as that user on "
+      f"purpose, set {env_lib.SOCKET_UID}={peer.uid} in this process's environment")
+
+
+def connect(path: str, *, timeout: float | None) -> socket.socket:
+  """A stream connection to the Unix socket ``path``, checked with :func:`check_peer`
+  before anything is sent on it (the worker socket's attach, calls and streams).
+
+  Raises:
+    OSError: the connection failed (no socket there, refused, timed out).
+    PermissionDeniedError: an untrusted user's process serves it (the socket is closed).
+  """
+  sock = _dial(path, timeout)
+  try:
+    check_peer(sock, path)
+  except BaseException:
+    sock.close()
+    raise
+  return sock
+
+
+def _dial(target: str, timeout: float | None) -> socket.socket:
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  sock.settimeout(timeout)  # a stopped sidecar's full backlog must not hang connect()
+  try:
+    sock.connect(target)
+  except BaseException:
+    sock.close()
+    raise
+  return sock
+
+
+class Pinned:
+  """A ``unix:`` gRPC address pinned to the very socket whose server was checked.
+
+  The socket file is held open (``O_PATH``) and gRPC dials :attr:`target`,
+  ``unix:/proc/self/fd/N``, which reaches that socket however its name is renamed or
+  taken later: every reconnect of the channel goes to the process :func:`check_peer`
+  trusted, or fails (that process is gone), never to whoever listens at the path now.
+  Close it (or use it as a context manager) when its channel is closed.
+
+  Raises:
+    OSError: no socket at ``path`` (FileNotFoundError), or nothing listens on it.
+    PermissionDeniedError: an untrusted user's process serves it.
+  """
+
+  def __init__(self, path: str, *, timeout: float | None):
+    self.path = path
+    o_path = getattr(os, "O_PATH", None)  # Linux's
+    if o_path is None:
+      os.stat(path)  # FileNotFoundError, as below
+    self._fd = -1 if o_path is None else os.open(path, o_path | os.O_CLOEXEC)
+    try:
+      pinned = f"/proc/self/fd/{self._fd}"
+      if self._fd < 0 or not os.path.exists(pinned):  # no /proc: the path, checked once
+        pinned = path
+      with _dial(pinned, timeout) as probe:
+        self.peer = check_peer(probe, path)
+    except BaseException:
+      self.close()
+      raise
+    self.target = f"{address_lib.UNIX}{pinned}"
+
+  def close(self) -> None:
+    """Lets go of the socket file; idempotent."""
+    fd, self._fd = self._fd, -1
+    if fd >= 0:
+      os.close(fd)
+
+  def __enter__(self) -> Pinned:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
+# A channel of its own for each pinned target: fd numbers are reused once closed, and
+# gRPC's shared subchannels are keyed by target.
+PINNED_CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:

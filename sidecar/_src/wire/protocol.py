@@ -99,6 +99,8 @@ _CODES: tuple[tuple[type[errors.SidecarError], grpc.StatusCode], ...] = (
     (errors.NotRegisteredError, grpc.StatusCode.NOT_FOUND),
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.StaleDescriptorError, grpc.StatusCode.INVALID_ARGUMENT),
+    # Stored data that fails its checks (ShardsLostError too): gRPC's code for it, not UNKNOWN.
+    (errors.CorruptCheckpointError, grpc.StatusCode.DATA_LOSS),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.VersionMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.SessionLostError, grpc.StatusCode.FAILED_PRECONDITION),

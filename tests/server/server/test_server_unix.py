@@ -127,3 +127,75 @@ def test_a_client_of_a_socket_that_is_gone_says_what_to_start(tmp_path):
   with pytest.raises(sidecar.HostLostError, match=rf"cannot reach sidecar unix:{tmp_path}/g.sock"
                      r": .*is `sidecar serve --listen unix:.*` running\?"):
     sidecar.Controller([f"unix:{tmp_path}/g.sock"], connect_timeout=5)
+
+
+def test_a_socket_directory_others_may_write_is_refused_before_the_arena(make_server, tmp_path):
+  """Issue 42, attack 6 (the sidecar's half): another user pre-made the directory, world-
+  writable, to rename the socket away after start and listen at its name."""
+  shared = tmp_path / "ww"
+  shared.mkdir()
+  shared.chmod(0o777)
+  with pytest.raises(PermissionError, match=(
+      rf"refusing to make the gRPC socket {shared}/g.sock: the directory {shared} \(owner uid "
+      rf"{os.geteuid()}.*, mode 0777\) may be written by any user and is not sticky: another "
+      r"user could rename the socket away and listen in its place, and clients would send it "
+      r"their token\. Give --listen unix:PATH a path in a directory of this sidecar's user")):
+    make_server(listen=f"unix:{shared}/g.sock")
+  s = Server(options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
+                                       socket_path=str(shared / "s.sock")))
+  with pytest.raises(PermissionError, match=rf"refusing to make the worker socket {shared}/s.sock"
+                     r": .*mode 0777.*Give --socket or \$SIDECAR_SOCKET a path"):
+    s.start()
+  assert not hasattr(s, "arena") and os.listdir(shared) == []  # refused first, nothing made
+  s.stop()
+
+
+def test_a_directory_the_operator_vouches_for_is_taken_as_tmp_is(make_server, tmp_path,
+                                                                monkeypatch):
+  """A pod's emptyDir is mode 2777, seen only by the pod's containers: the manifests name
+  it in SIDECAR_SHARED_SOCKET_DIR."""
+  shared = tmp_path / "emptydir"
+  shared.mkdir()
+  shared.chmod(0o2777)
+  monkeypatch.setenv("SIDECAR_SHARED_SOCKET_DIR", str(shared))
+  server = make_server(listen=f"unix:{shared}/g.sock")
+  assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_pinned_socket_is_reached_however_its_name_is_taken_later(make_server, tmp_path):
+  """A client's channel dials the socket it checked, not its name: an impostor that renames
+  the sidecar's socket away and listens at the name gets none of its (re)connections."""
+  from sidecar._src.wire import ipc
+  path = tmp_path / "g.sock"
+  make_server(listen=f"unix:{path}")
+  with ipc.Pinned(str(path), timeout=5) as pin:
+    assert (pin.peer.pid, pin.peer.uid) == (os.getpid(), os.getuid())
+    os.rename(path, tmp_path / "away.sock")
+    with socket.socket(socket.AF_UNIX) as impostor:
+      impostor.bind(str(path))
+      impostor.listen()
+      impostor.setblocking(False)
+      assert _health(pin.target) == health_pb2.HealthCheckResponse.SERVING
+      with pytest.raises(BlockingIOError):
+        impostor.accept()  # nobody dialled the name
+
+
+def test_a_controller_lets_go_of_the_socket_it_pinned(make_server, tmp_path):
+  path = tmp_path / "g.sock"
+  make_server(listen=f"unix:{path}")
+
+  def pinned() -> int:  # this process's descriptors of the socket file
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if _link(f"/proc/self/fd/{fd}") == str(path))
+
+  with sidecar.Controller([f"unix:{path}"], connect_timeout=10) as ctl:
+    assert ctl.hosts[0].address == f"unix:{path}" and pinned() == 1
+  status_lib.fetch(f"unix:{path}", timeout=10)
+  assert pinned() == 0
+
+
+def _link(path: str) -> str | None:
+  try:
+    return os.readlink(path)
+  except OSError:
+    return None

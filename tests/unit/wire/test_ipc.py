@@ -70,3 +70,45 @@ def test_a_socket_path_too_long_names_its_length_the_limit_and_the_fix():
   assert e.value.errno == errno.ENAMETOOLONG
   with socket.socket(socket.AF_UNIX) as s, pytest.raises(OSError, match="too long"):
     s.bind(path)  # what the limit is for: the kernel refuses it too
+
+
+def _another_uid() -> int:
+  """A uid this process is not, and not root: nobody's where it exists."""
+  import pwd
+  try:
+    uid = pwd.getpwnam("nobody").pw_uid
+  except KeyError:
+    uid = 65534
+  return uid if uid != os.getuid() else uid - 1
+
+
+def test_a_socket_another_user_serves_is_refused_naming_who_and_the_fix(monkeypatch):
+  monkeypatch.delenv("SIDECAR_SOCKET_UID", raising=False)
+  uid = _another_uid()
+  with pytest.raises(errors.PermissionDeniedError, match=(
+      rf"refusing to talk to the Unix socket /tmp/x/g.sock: it is served by uid {uid}.*, pid "
+      rf"4242, not by this process's user \(uid {os.getuid()}\) or root, so no token or "
+      rf"session is sent to it\. .*its directory /tmp/x.*set SIDECAR_SOCKET_UID={uid}")):
+    ipc.check_trusted(ipc.Peer(pid=4242, uid=uid, gid=uid), "/tmp/x/g.sock")
+  ipc.check_trusted(ipc.Peer(pid=1, uid=os.getuid(), gid=0), "/tmp/x/g.sock")  # the same user
+  ipc.check_trusted(ipc.Peer(pid=1, uid=0, gid=0), "/tmp/x/g.sock")  # root
+
+
+@pytest.mark.parametrize("named", ["uid", "name"])
+def test_socket_uid_names_a_user_the_client_trusts_too(monkeypatch, named):
+  import pwd
+  uid = _another_uid()
+  try:
+    value = str(uid) if named == "uid" else pwd.getpwuid(uid).pw_name
+  except KeyError:
+    pytest.skip(f"uid {uid} has no user name on this machine")
+  monkeypatch.setenv("SIDECAR_SOCKET_UID", f"12345, {value}")
+  assert ipc.trusted_uids() == {os.getuid(), 0, 12345, uid}
+  ipc.check_trusted(ipc.Peer(pid=4242, uid=uid, gid=uid), "/tmp/x/g.sock")
+
+
+def test_socket_uid_naming_no_user_is_named(monkeypatch):
+  monkeypatch.setenv("SIDECAR_SOCKET_UID", "no-such-user-xyz")
+  with pytest.raises(errors.InvalidArgumentError, match=r"SIDECAR_SOCKET_UID='no-such-user-xyz'"
+                     r": no such user on this machine"):
+    ipc.trusted_uids()

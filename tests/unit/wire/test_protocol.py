@@ -28,6 +28,8 @@ def test_version_differences_exact_and_minor():
     (errors.ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.VersionMismatchError("x"), grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AuthenticationError("x"), grpc.StatusCode.UNAUTHENTICATED),
+    (errors.CorruptCheckpointError("x"), grpc.StatusCode.DATA_LOSS),
+    (errors.ShardsLostError("x"), grpc.StatusCode.DATA_LOSS),
     (ValueError("x"), grpc.StatusCode.UNKNOWN),
 ], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.name)
 def test_status_codes(exc, code):
@@ -126,6 +128,22 @@ def test_an_error_is_the_same_over_every_carrier(carry):
   assert "in _raised" in theirs.remote_traceback
   lost = carry(errors.HostLostError("peer gone"))
   assert type(lost) is errors.HostLostError and lost.host_id == 3
+
+
+@pytest.mark.parametrize("carry", [_over_trailer, _over_stream_item, _over_json],
+                         ids=["trailer", "stream-item", "json"])
+def test_a_corrupt_checkpoint_crosses_as_itself(carry):
+  """Issue 42 item 8: it crossed as gRPC UNKNOWN; a client without the trailer (another
+  language, ``grpcurl``) now reads DATA_LOSS, and ours the error itself."""
+  for sent in (errors.CorruptCheckpointError("array 'w' shard [[0, 8]] does not match its "
+                                             "crc32c"),
+               errors.ShardsLostError("shards of 'w' have no live copy")):
+    got = carry(_raised(sent))
+    assert type(got) is type(sent) and str(got) == str(sent)
+  context = _Context()
+  context.metadata, context.code, context.details = (), grpc.StatusCode.DATA_LOSS, "torn"
+  got = protocol.error_from_rpc(_Aborted(context), host="h", host_id=1)
+  assert type(got) is errors.CorruptCheckpointError and str(got) == "torn (sidecar h, host 1)"
 
 
 def test_a_status_without_a_trailer_falls_back_on_its_code():

@@ -165,8 +165,8 @@ class CheckpointHost:
         if other != client and any(inside(resolved, d) or inside(d, resolved) for d in theirs):
           raise errors.PermissionDeniedError(
               f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
-              f"client opened on host {self._host_id}; with per-client tokens "
-              "(--client-tokens) each client checkpoints in directories of its own")
+              f"client opened on host {self._host_id}; with {self.clients_mode()} each "
+              "client checkpoints in directories of its own")
       self._opened.setdefault(client, set()).add(resolved)
 
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
@@ -187,8 +187,12 @@ class CheckpointHost:
     if not any(resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in mine):
       raise errors.PermissionDeniedError(
           f"{name} {path!r:.200} is in no checkpoint directory client {client!r} opened on "
-          f"host {self._host_id}; with per-client tokens (--client-tokens) a client sees and "
-          "acts only in the directories it opened (Controller.checkpointer(directory))")
+          f"host {self._host_id}; with {self.clients_mode()} a client sees and acts only in "
+          "the directories it opened (Controller.checkpointer(directory))")
+
+  def clients_mode(self) -> str:
+    """How the sidecar names its clients, for messages (a pool's host says its file)."""
+    return "per-client tokens (--client-tokens)"
 
   def committed(self, final_dir: str, manifest: Manifest | None = None) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.

@@ -41,8 +41,8 @@ import numpy as np
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
-from sidecar._src.core import env as env_lib, errors
-from sidecar._src.wire import checkpoint_wire as wire, protocol
+from sidecar._src.core import address as address_lib, env as env_lib, errors
+from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
 from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
@@ -153,6 +153,21 @@ class _Pace:
       time.sleep(ahead)
 
 
+def _pin(peer: ReplicaTarget, timeout: float
+         ) -> tuple[ipc.Pinned | None, str, tuple[tuple[str, int], ...]]:
+  """The pinned socket, gRPC target and channel options of a link to ``peer``."""
+  if not address_lib.is_unix(peer.address):
+    return None, peer.address, _CHANNEL_OPTIONS
+  try:
+    pin = ipc.Pinned(address_lib.parse(peer.address).path, timeout=timeout)
+  except errors.SidecarError:
+    raise
+  except OSError as e:
+    raise errors.HostLostError(f"peer sidecar host {peer.host_id} at {peer.address}: "
+                               f"{e.strerror or e}", host_id=peer.host_id) from None
+  return pin, pin.target, _CHANNEL_OPTIONS + ipc.PINNED_CHANNEL_OPTIONS
+
+
 class ReplicaLink:
   """An authenticated connection from this sidecar to one peer sidecar.
 
@@ -164,9 +179,10 @@ class ReplicaLink:
                timeout: float = 30.0, shared_memory: bool = True,
                credentials: grpc.ChannelCredentials | None = None):
     self.peer = peer
-    self._channel = (grpc.insecure_channel(peer.address, options=_CHANNEL_OPTIONS)
-                     if credentials is None else
-                     grpc.secure_channel(peer.address, credentials, options=_CHANNEL_OPTIONS))
+    # A peer on a Unix socket: its server's user checked before the tokens go (ipc.Pinned)
+    self._pin, target, options = _pin(peer, timeout)
+    self._channel = (grpc.insecure_channel(target, options=options) if credentials is None
+                     else grpc.secure_channel(target, credentials, options=options))
     self._worker: worker_lib.Worker | None = None
     try:
       auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
@@ -322,6 +338,8 @@ class ReplicaLink:
       self._worker.close()
       self._worker = None
     self._channel.close()
+    if self._pin is not None:
+      self._pin.close()
 
   def __enter__(self) -> ReplicaLink:
     return self

@@ -25,6 +25,7 @@ from sidecar._src.tools import torchrun
 from sidecar._src.tools.k8s import quantity
 
 SOCKET_DIR = "/run/sidecar"
+IMAGE_UID = "1000"  # the image's sidecar user (Dockerfile: USER 1000:1000)
 TOKEN_DIR = "/var/run/secrets/sidecar"
 PEER_TOKEN_DIR = "/var/run/secrets/sidecar-peer"  # the sidecar's alone: only peers send replicas
 # The sidecar's checkpoint root (SIDECAR_CHECKPOINT_ROOTS): mount the checkpoint volume here.
@@ -245,6 +246,8 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           *([] if options.metrics_port is None else
             [{"name": "SIDECAR_METRICS_PORT", "value": str(options.metrics_port)}]),
           {"name": "SIDECAR_SOCKET", "value": f"{SOCKET_DIR}/sidecar.sock"},
+          # The emptyDir is mode 2777, and only the pod's containers see it.
+          {"name": "SIDECAR_SHARED_SOCKET_DIR", "value": SOCKET_DIR},
           {"name": "SIDECAR_SHM_SIZE", "value": options.shm_size},
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
@@ -284,6 +287,8 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
       "ports": [{"name": "coordinator", "containerPort": options.coordinator_port}],
       "env": [
           {"name": "SIDECAR_ADDRESS", "value": f"unix://{SOCKET_DIR}/sidecar.sock"},
+          # The image's sidecar user: a trainer of another uid trusts its socket.
+          {"name": "SIDECAR_SOCKET_UID", "value": IMAGE_UID},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
           _field_env("SIDECAR_JOBSET_NAME",
                      "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"),

@@ -293,6 +293,21 @@ def test_with_per_client_tokens_a_client_sees_and_reads_only_its_own_checkpoints
     sidecar.Controller([f"127.0.0.1:{server.port}"], token="s3cret", connect_timeout=5)
 
 
+def test_a_pool_tenant_is_told_about_its_pool_file_not_client_tokens(make_server, tmp_path):
+  """Issue 42 item 8: a refusal names the mode the sidecar runs in."""
+  from tests.support.pool_files import ALICE, BOB, controller, write_pool
+  server = make_server(pool=write_pool(tmp_path))
+  with controller(server, ALICE) as alice, alice.checkpointer(tmp_path / "alice" / "ck") as ckpt:
+    assert ckpt.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30) == 1
+  with controller(server, BOB) as bob, bob.checkpointer(tmp_path / "bob" / "ck"):
+    with pytest.raises(PermissionError, match=(
+        rf"directory '{tmp_path}/alice/ck' is in no checkpoint directory client 'bob' opened "
+        rf"on host 0; with the pool file {tmp_path}/pool.yaml \(--pool\) a client sees and "
+        r"acts only in the directories it opened")) as info:
+      bob.checkpoint_client().held(0, str(tmp_path / "alice" / "ck")).result()
+    assert "--client-tokens" not in str(info.value)
+
+
 def test_client_tokens_are_checked(tmp_path):
   from sidecar._src.core import env as env_lib, options as options_lib
   with pytest.raises(ValueError, match="exclude each other"):
