@@ -85,6 +85,15 @@ def test_a_finished_jobs_copy_yields_to_another_jobs_save(cluster, tmp_path):
     assert ckpt.restore(0, target=state(0.0))["w"][-1] == 1.0  # durable all along
 
 
+def test_reopening_a_directory_with_ram_steps_0_frees_its_copies(cluster, tmp_path):
+  with cluster.controller() as ctl:
+    with ctl.checkpointer(tmp_path / "ck") as ckpt:
+      ckpt.save(0, state(1.0)).durable.result(60)
+    assert ram_steps(cluster, tmp_path / "ck") == [0]
+    with ctl.checkpointer(tmp_path / "ck", ram_steps=0):
+      assert ram_steps(cluster, tmp_path / "ck") == []
+
+
 def test_a_step_not_durable_yet_is_never_evicted(cluster, gate, tmp_path):
   """Job 1's step is staged and held being written; job 2's save fails at once, saying
   what holds the arena; once job 1's step is durable it gives way."""
