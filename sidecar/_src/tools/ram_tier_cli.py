@@ -48,9 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   which = s.add_mutually_exclusive_group(required=True)
   which.add_argument("--directory", metavar="DIR",
                      help="the checkpoint directory (as the sidecars see it) whose copies go, "
-                          "with those of the directories in it")
+                          "with those of the directories in it (default: none: give this or "
+                          "--tenant)")
   which.add_argument("--tenant", metavar="NAME",
-                     help="the pool tenant whose copies go (every directory it opened)")
+                     help="the pool tenant whose copies go, every directory it opened "
+                          "(default: none: give this or --directory)")
   s.add_argument("addresses", nargs="*", metavar="ADDR", type=cli_types.address,
                  help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
                       "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")

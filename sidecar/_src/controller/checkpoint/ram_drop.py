@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.arena import shm
+from sidecar._src.controller.connection import Connection
 from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb
@@ -94,8 +95,6 @@ def drop_at(addresses: list[str], req: ckpt_pb.DropRamTierRequest, *, token: str
             timeout: float) -> RamTierDrop:
   """Sends ``req`` to the sidecars at ``addresses`` (``sidecar ram-tier drop``): a
   handshake with each (``token``; TLS where ``$SIDECAR_TLS_CA`` says), then the rpc."""
-  from sidecar._src.controller.connection import Connection  # the CLI's path only
-
   conns: dict[int, Any] = {}
   try:
     for address in addresses:

@@ -8,16 +8,45 @@ no server, no processes.
 import pytest
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt.records import ShardId
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, ram_yield
 from sidecar._src.server.leases import Leases
-from tests.unit.server.checkpoint.test_ram_tier import KB, add_step, commit, item
 
 pytestmark = pytest.mark.unit
 
 D = "/ck/run"
+KB = shm.ALIGN  # one arena block per shard
 BLOCKS = shm.MIN_SIZE // KB  # the arena's blocks
+
+
+def item(step, directory=D):
+  return f"{directory}/{step}/default"
+
+
+def add_step(arena, tier, step, *, blocks=1, directory=D, committed=False, done=True):
+  """This host's own shards of ``step`` (``blocks`` arena blocks, each freed as its view
+  dies), as a finished write (``done``) or one still being written."""
+  arena, leases = arena
+  shards = {}
+  for i in range(blocks):
+    pin = leases.new_pin()
+    block = leases.alloc(KB, pin, timeout=0)
+    shards[ShardId(("w",), ((i, i + 1),))] = arena.lease(
+        block.offset, KB,
+        lambda b=block, p=pin: leases.release(b.offset, b.generation, p))
+  record = ram_tier.Step(directory, step, item(step, directory), shards, blocks * KB)
+  if done:
+    record.done.set()
+    record.finished = 0.0
+  record.committed = committed
+  tier.steps[record.final_dir] = record
+
+
+def commit(tier, arena, step, **kw):
+  add_step(arena, tier, step, **kw)
+  return tier.mark_committed(item(step, kw.get("directory", D)))
 
 
 class Evictions(metrics_lib.Recorder):
@@ -76,8 +105,8 @@ def test_only_as_much_as_is_missing_goes(setup):
 
 def test_a_step_not_durable_yet_never_goes_and_the_error_says_it_holds_the_arena(setup):
   arena, tier, yielding, recorder, _ = setup
-  add_step(tier, arena, 4, blocks=BLOCKS // 2, done=False)  # being written
-  add_step(tier, arena, 5, blocks=BLOCKS // 2 - 1, directory="/ck/b")  # waiting for commit
+  add_step(arena, tier, 4, blocks=BLOCKS // 2, done=False)  # being written
+  add_step(arena, tier, 5, blocks=BLOCKS // 2 - 1, directory="/ck/b")  # waiting for commit
   with pytest.raises(errors.ResourceExhaustedError) as e:
     arena[1].alloc(4 * KB, "pin", timeout=0)
   message = str(e.value)
@@ -110,7 +139,7 @@ def test_an_operator_drops_durable_copies_and_the_rest_are_reported(setup):
   tier.ram_steps[D] = (5, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
-  add_step(tier, arena, 3, done=False)
+  add_step(arena, tier, 3, done=False)
   commit(tier, arena, 9, directory="/ck/other")
   dropped, kept = yielding.drop(lambda d: d == D)
   assert [(c.step, c.state) for c in dropped] == [(1, "durable"), (2, "durable")]
