@@ -299,6 +299,32 @@ class CheckpointForgetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DropRamTierRequest(_message.Message):
+    __slots__ = ("directory", "tenant")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    tenant: str
+    def __init__(self, directory: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class RamTierSteps(_message.Message):
+    __slots__ = ("directory", "steps", "nbytes")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, directory: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class DropRamTierResponse(_message.Message):
+    __slots__ = ("dropped", "kept")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    dropped: _containers.RepeatedCompositeFieldContainer[RamTierSteps]
+    kept: _containers.RepeatedCompositeFieldContainer[RamTierSteps]
+    def __init__(self, dropped: _Optional[_Iterable[_Union[RamTierSteps, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[RamTierSteps, _Mapping]]] = ...) -> None: ...
+
 class Peer(_message.Message):
     __slots__ = ("host_id", "address", "socket", "boot_id")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]

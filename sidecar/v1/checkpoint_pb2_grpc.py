@@ -79,6 +79,11 @@ class CheckpointStub:
                 request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointForgetRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointForgetResponse.FromString,
                 _registered_method=True)
+        self.DropRamTier = channel.unary_unary(
+                '/sidecar.v1.Checkpoint/DropRamTier',
+                request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.DropRamTierRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.DropRamTierResponse.FromString,
+                _registered_method=True)
         self.Replicate = channel.unary_unary(
                 '/sidecar.v1.Checkpoint/Replicate',
                 request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointReplicateRequest.SerializeToString,
@@ -163,6 +168,12 @@ class CheckpointServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropRamTier(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Replicate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -242,6 +253,11 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.Forget,
                     request_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointForgetRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointForgetResponse.SerializeToString,
+            ),
+            'DropRamTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropRamTier,
+                    request_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.DropRamTierRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_checkpoint__pb2.DropRamTierResponse.SerializeToString,
             ),
             'Replicate': grpc.unary_unary_rpc_method_handler(
                     servicer.Replicate,
@@ -512,6 +528,33 @@ class Checkpoint:
             '/sidecar.v1.Checkpoint/Forget',
             sidecar_dot_v1_dot_checkpoint__pb2.CheckpointForgetRequest.SerializeToString,
             sidecar_dot_v1_dot_checkpoint__pb2.CheckpointForgetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropRamTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Checkpoint/DropRamTier',
+            sidecar_dot_v1_dot_checkpoint__pb2.DropRamTierRequest.SerializeToString,
+            sidecar_dot_v1_dot_checkpoint__pb2.DropRamTierResponse.FromString,
             options,
             channel_credentials,
             insecure,

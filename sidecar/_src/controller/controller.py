@@ -28,6 +28,7 @@ from sidecar._src.controller import (
   health,
 )
 from sidecar._src.controller.calls import Calls
+from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
@@ -476,6 +477,27 @@ class Controller:
     """
     self._check_open()
     return self._hosts.statuses_or_raise(self.timeout if timeout is None else timeout)
+
+  def drop_ram_tier(self, directory: str | None = None, *, tenant: str | None = None,
+                    timeout: float | None = None) -> ram_drop.RamTierDrop:
+    """Drops RAM-tier copies of durable steps on every sidecar this controller reaches:
+    those of ``directory`` (and the directories in it), or every directory ``tenant``
+    opened (a pool's tenant; the pool's operator token may name any). They would give
+    way by themselves to new work that needs the arena; this frees them now. Steps not
+    durable yet stay, listed in ``kept``.
+
+    Example::
+
+      print(ctl.drop_ram_tier("/ckpt/run1").describe())
+
+    Raises:
+      InvalidArgumentError: neither or both of ``directory`` and ``tenant``.
+      PermissionDeniedError: a tenant's token named another tenant's copies.
+    """
+    self._check_open()
+    req = ram_drop.request(None if directory is None else os.path.abspath(directory), tenant)
+    conns = {h: c for h, c in self._hosts.conns.items() if h not in self._hosts.lost}
+    return ram_drop.drop(conns, req, timeout=self.timeout if timeout is None else timeout)
 
   @interrupts.deferring
   def _display(self, *, as_html: bool) -> str:

@@ -103,12 +103,13 @@ class ArenaIO:
     mine = by_session.get(holder, 0) if isinstance(holder, str) else 0
     others = sum(by_session.values()) - mine
     fmt = shm.format_size
+    ram = self.leases.holds() or "RAM-tier steps"
     return errors.ResourceExhaustedError(
         f"the arena is full: no room for {fmt(nbytes)} after waiting {waited:.3g} s: "
         f"{fmt(a.size - a.used_bytes)} free of {fmt(a.size)}; this caller holds {fmt(mine)}, "
-        f"other worker sessions {fmt(others)}, the sidecar itself {fmt(pinned)} (RAM tier, "
-        "batches in flight); free arrays sooner, lower prefetch, give each session a "
-        f"smaller share ({leases_lib.QUOTA_FLAG}), or raise --shm-size")
+        f"other worker sessions {fmt(others)}, the sidecar itself {fmt(pinned)} (feed batches "
+        f"in flight, staged saves, reads; {ram}); free arrays sooner, lower prefetch, give "
+        f"each session a smaller share ({leases_lib.QUOTA_FLAG}), or raise --shm-size")
 
   def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
              where: str) -> pb.Value:

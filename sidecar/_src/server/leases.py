@@ -24,6 +24,11 @@ DEFAULT_QUOTA = 0.9
 # How often a request waiting in the admission queue tells its caller where it stands
 # (and asks whether it is still there).
 ON_WAIT_S = 1.0
+# Where the arena is full and durable RAM-tier copies gave way (``reclaim``), how long an
+# allocation waits for their blocks to come back, past a deadline of 0 too; and how often
+# one that waits asks again (a step may have become durable).
+RECLAIM_WAIT_S = 1.0
+RECLAIM_POLL_S = 0.5
 
 
 class Leases:
@@ -38,13 +43,20 @@ class Leases:
   more than its ``arena_ceiling``, and never takes what other tenants are guaranteed
   (``arena``) and do not use yet. A tenant's request that does not fit now waits its turn
   in the :class:`admission.Queue` (within its timeout; ``metrics``: where its wait counts).
+
+  ``reclaim(nbytes, tenant)``: where the arena is full, lets go of about ``nbytes`` that
+  can give way (the RAM tier's durable copies; ``tenant``: whose request needs them) and
+  returns how many; ``holds()`` says what holds the arena besides, for the error.
   """
 
   def __init__(self, allocator: shm.Allocator, *, quota: int | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
                tenant_of: Callable[[str], str | None] = lambda session: None,
-               metrics: metrics_lib.Recorder = metrics_lib.OFF):
+               metrics: metrics_lib.Recorder = metrics_lib.OFF,
+               reclaim: Callable[[int, str | None], int] | None = None,
+               holds: Callable[[], str] = lambda: ""):
     self.allocator = allocator
+    self._reclaim, self.holds = reclaim, holds
     self.quota = quota
     self._metrics = metrics
     self._queue = admission.Queue()
@@ -92,9 +104,8 @@ class Leases:
     tenant = self._tenant(holder)
     if tenant is not None:
       self._reserve(tenant, nbytes, deadline, alive, on_wait, report_s)
-    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
-      block = self.allocator.alloc(nbytes, timeout=left)
+      block = self._take(nbytes, None if tenant is None else tenant.name, deadline)
     except BaseException:
       if tenant is not None:
         with self._lock:
@@ -110,6 +121,54 @@ class Leases:
       self._by_holder.setdefault(holder, set()).add(block.offset)
       self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
     return block
+
+  def _take(self, nbytes: int, tenant: str | None, deadline: float | None) -> shm.Block:
+    """A block from the allocator by ``deadline``; where the arena is full, durable RAM-tier
+    copies give way first, and are asked again while it waits (a step may become durable).
+    The lock is not held."""
+    start = time.monotonic()
+    while True:
+      left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+      if self._reclaim is None:
+        return self.allocator.alloc(nbytes, timeout=left)
+      try:
+        return self.allocator.alloc(nbytes, timeout=0.0)
+      except errors.ResourceExhaustedError:
+        if not self.allocator.fits(nbytes):
+          raise
+      free = self.allocator.size - self.allocator.used_bytes
+      freed = self._reclaim(max(nbytes - free, shm.ALIGN), tenant)  # free but split: 1 more
+      if not freed and left is not None and left <= 0:
+        fmt = shm.format_size
+        raise errors.ResourceExhaustedError(
+            f"the arena is full: {fmt(nbytes)} asked, {fmt(free)} free of "
+            f"{fmt(self.allocator.size)} after waiting {time.monotonic() - start:.3g} s; "
+            f"{self.held_by()}; release arrays sooner, lower prefetch, or raise --shm-size")
+      wait = RECLAIM_WAIT_S if freed else RECLAIM_POLL_S
+      try:
+        return self.allocator.alloc(nbytes, timeout=wait if left is None or freed else
+                                    min(wait, left))
+      except errors.ResourceExhaustedError:
+        continue
+
+  def held_by(self) -> str:
+    """What holds the arena now: worker sessions, the sidecar itself, and of that the RAM
+    tier's steps (``holds``), for an error about a full arena."""
+    by_session, pinned = self.held_bytes()
+    fmt = shm.format_size
+    ram = self.holds()
+    return (f"it holds {fmt(sum(by_session.values()))} for {len(by_session)} worker "
+            f"session(s) (their arrays, feed batches not yet freed, saves being copied in) and "
+            f"{fmt(pinned)} for the sidecar itself (feed batches in flight, staged saves, "
+            f"reads{', ' + ram if ram else ''})")
+
+  def spare(self, tenant: str) -> int:
+    """The arena bytes ``tenant`` holds beyond its guaranteed arena (0 outside a pool)."""
+    t = None if self._tenancy is None else self._tenancy.tenant(tenant)
+    if t is None:
+      return 0
+    with self._lock:
+      return max(0, self._tenant_bytes.get(t.name, 0) - t.arena.bytes_of(self.allocator.size))
 
   def _tenant(self, holder: Hashable) -> tenants_lib.Tenant | None:
     if self._tenancy is None:
@@ -151,6 +210,10 @@ class Leases:
     with self._lock:
       if self._admit(t, nbytes, None):
         return
+    self._give_way(t, nbytes)
+    with self._lock:
+      if self._admit(t, nbytes, None):
+        return
       if deadline is not None and deadline <= time.monotonic():
         raise self._queued_error(t, nbytes, None, 0.0)
       w = self._queue.join(t.name, nbytes)
@@ -173,10 +236,29 @@ class Leases:
               on_wait(place)
             finally:
               self._lock.acquire()
+          self._lock.release()  # durable RAM-tier copies give way, outside the lock
+          try:
+            self._give_way(t, nbytes)
+          finally:
+            self._lock.acquire()
           self._freed.wait(report_s if left is None else min(left, report_s))
       finally:
         self._queue.leave(w)
         self._freed.notify_all()  # the next waiter's turn may have come
+
+  def _give_way(self, t: tenants_lib.Tenant, nbytes: int) -> None:
+    """Lets durable RAM-tier copies go (``reclaim``) for what tenant ``t`` lacks of
+    ``nbytes`` now (within its ceiling, beside the others' guarantees). The lock is not held."""
+    if self._reclaim is None:
+      return
+    with self._lock:
+      ceiling, reserved = self._shares(t)
+      mine = self._tenant_bytes.get(t.name, 0)
+      free = self.allocator.size - self.allocator.used_bytes - self._pending
+      short = max(nbytes + reserved - free,
+                  0 if ceiling is None else mine + nbytes - ceiling)
+    if short > 0:
+      self._reclaim(short, t.name)
 
   def _admit(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None) -> bool:
     """Takes ``nbytes`` for tenant ``t`` if they fit and its turn has come; the lock is

@@ -46,6 +46,7 @@ SHARED_TENANT = "<shared>"
 WAITS = ("inline", "arena", "session")  # what a tenant's request waits for admission to
 REQUESTED = ("inline", "arena")  # what a tenant's requested bytes are of
 KINDS = ("call", "stream", "feed", "checkpoint")  # checkpoint: the Checkpoint service's RPCs
+EVICTIONS = ("room", "operator")  # why a durable RAM-tier copy left host memory
 FLAG = "--metrics-port"
 # 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
@@ -71,6 +72,10 @@ class Recorder:
 
   def phase(self, phase: str, seconds: float) -> None:
     """A checkpoint phase this host ran in the background ("write", "replicate") took."""
+
+  def ram_tier_evicted(self, reason: str, nbytes: int) -> None:
+    """A durable step's RAM-tier copy of ``nbytes`` left host memory for ``reason``
+    (EVICTIONS: "room", new work needed its arena room; "operator", dropped on request)."""
 
   def tenant_request(self, tenant: str | None, kind: str, code: str) -> None:
     """A request of ``tenant`` (None: no pool) of ``kind`` (as ``call_done``'s) ended with
@@ -165,6 +170,7 @@ class Metrics(Recorder):
     self._bytes = dict.fromkeys(("staged", "written", "replicated"), 0)
     self._restored: dict[str, int] = {}
     self._phases: dict[str, list] = {}
+    self._evicted = {reason: [0, 0] for reason in EVICTIONS}  # reason -> [steps, bytes]
     self._tenant_requests: dict[tuple[str, str, str], int] = {}  # (tenant, kind, code)
     self._tenant_bytes: dict[tuple[str, str], int] = {}  # (tenant, what) -> bytes asked
     self._tenant_waiting: dict[str, int] = {}  # tenant -> requests waiting now
@@ -197,6 +203,11 @@ class Metrics(Recorder):
   def phase(self, phase: str, seconds: float) -> None:
     with self._lock:
       _observe(self._phases, phase, seconds)
+
+  def ram_tier_evicted(self, reason: str, nbytes: int) -> None:
+    with self._lock:
+      self._evicted[reason][0] += 1
+      self._evicted[reason][1] += nbytes
 
   def tenant_request(self, tenant: str | None, kind: str, code: str) -> None:
     if tenant is None:
@@ -235,6 +246,7 @@ class Metrics(Recorder):
               "latency": {k: [list(v[0]), v[1]] for k, v in self._latency.items()},
               "bytes": dict(self._bytes), "restored": dict(self._restored),
               "phases": {k: [list(v[0]), v[1]] for k, v in self._phases.items()},
+              "evicted": {k: list(v) for k, v in self._evicted.items()},
               "tenant_requests": dict(self._tenant_requests),
               "tenant_bytes": dict(self._tenant_bytes),
               "tenant_waiting": dict(self._tenant_waiting),
@@ -332,6 +344,17 @@ class _Collector(Collector):
     yield restored
     yield _histogram("sidecar_checkpoint_phase_seconds", "Background checkpoint phases of "
                      "this host, per step", "phase", p["phases"])
+    evictions = CounterMetricFamily("sidecar_ram_tier_evictions", "Durable steps whose "
+                                    "RAM-tier copy left host memory before its budget said: "
+                                    "room (new work needed the arena), operator (dropped)",
+                                    labels=["reason"])
+    evicted = CounterMetricFamily("sidecar_ram_tier_evicted_bytes", "Bytes of those copies",
+                                  labels=["reason"])
+    for reason, (steps, nbytes) in p["evicted"].items():
+      evictions.add_metric([reason], steps)
+      evicted.add_metric([reason], nbytes)
+    yield evictions
+    yield evicted
 
   @staticmethod
   def _read(s: Snapshot) -> Iterable:

@@ -243,13 +243,16 @@ class Server:
     self.leases = Leases(shm.Allocator(self.arena.size),
                          quota=options_lib.quota_bytes(o.session_quota, self.arena.size),
                          tenancy=self.tenancy, tenant_of=self.tenancy.of_worker,
-                         metrics=self.metrics)
+                         metrics=self.metrics,  # durable RAM-tier copies give way to new work:
+                         reclaim=lambda n, tenant: self.checkpoints.reclaim(n, tenant),
+                         holds=lambda: self.checkpoints.describe_ram())
     named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
         o.host_id, tenancy=self.tenancy, arena_bytes=self.arena.size,
         tenant_of=lambda session: self.sessions.client(session),
         token=o.peer_token if named else o.token,
         peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
+        spare=self.leases.spare,
         peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))

@@ -15,7 +15,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, logs, options as options_lib, platform
-from sidecar._src.tools import cli_format, cli_types, launch, pool_status, torchrun
+from sidecar._src.tools import cli_format, cli_types, launch, pool_status, ram_tier_cli, torchrun
 from sidecar._src.tools.k8s import cli as k8s_cli
 from sidecar._src.tools.slurm import cli as slurm_cli
 from sidecar._src.user import registry as registry_lib
@@ -427,6 +427,7 @@ def parser() -> argparse.ArgumentParser:
                  "(default: print once)")
   s.set_defaults(func=_status, parser=s)
   pool_status.register(sub)  # sidecar pool status: a shared pool's tenants (docs/pool.md)
+  ram_tier_cli.register(sub)  # sidecar ram-tier drop: free RAM-tier copies now
 
   s = add("demo", help="train a small model fed by a LocalCluster of sidecars",
           description="Train a small classifier on the digits data set, fed and checkpointed "

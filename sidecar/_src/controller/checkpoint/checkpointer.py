@@ -26,6 +26,7 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib, progress as progress_lib
+from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
@@ -287,6 +288,20 @@ class Checkpointer:
     rate = done / seconds / 1e9 if seconds else 0.0
     return (f"saving step {step}: {shm.format_size(done)} of {shm.format_size(total)} "
             f"durable ({rate:.2f} GB/s)")
+
+  def drop_ram_tier(self) -> ram_drop.RamTierDrop:
+    """Drops this directory's durable RAM-tier copies on the sidecars this process
+    drives, at once (they also give way by themselves to new work that needs the arena);
+    steps not durable yet stay (``kept``). Restores then read from storage.
+
+    Example::
+
+      ckpt.wait()
+      print(ckpt.drop_ram_tier().describe())
+    """
+    self._check_open()
+    return ram_drop.merged([interrupts.wait(self._client.drop_ram_tier(h, self.directory))
+                            for h in self._local])
 
   def _check_open(self) -> None:
     if self._closed:

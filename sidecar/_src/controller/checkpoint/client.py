@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ from sidecar._src.ckptfmt.records import (
   StagedShard,
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -248,6 +250,14 @@ class CheckpointTransport(abc.ABC):
   def forget(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
     """Future of None once ``host``'s RAM tier dropped the step."""
 
+  def drop_ram_tier(self, host: int, directory: str) -> concurrent.futures.Future:
+    """Future of the :class:`ram_drop.RamTierDrop` once ``host`` dropped the durable
+    RAM-tier copies of ``directory`` (a transport with no RAM tier holds none)."""
+    del host, directory
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(ram_drop.RamTierDrop())
+    return done
+
   @abc.abstractmethod
   def replicate(self, host: int, final_dir: str, targets: Sequence[ReplicaTarget], *,
                 bandwidth: int | None, timeout: float) -> concurrent.futures.Future:
@@ -379,6 +389,10 @@ class CheckpointClient(CheckpointTransport):
   def forget(self, host, directory, step):
     return self._rpc(host, "Forget", ckpt_pb.CheckpointForgetRequest(
         directory=directory, step=step), lambda r: None)
+
+  def drop_ram_tier(self, host, directory):
+    return self._rpc(host, "DropRamTier", ram_drop.request(directory, None),
+                     functools.partial(ram_drop.from_pb, host))
 
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     request = ckpt_pb.CheckpointReplicateRequest(

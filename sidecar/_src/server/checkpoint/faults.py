@@ -2,10 +2,11 @@
 
 ``SIDECAR_CKPT_FAULT="POINT@STEP"`` makes this sidecar SIGKILL itself there (points:
 stage, write, prepared, commit, read: serving a restore's shard of the step), or
-"slow@STEP" pause 2 s before writing; "replicate@STEP" kills it as a peer's first
-shards of STEP arrive, once its own part of STEP is committed (so the step is durable
-and its replication half done); "enospc@STEP" fails the write with ENOSPC once its
-first shard is on disk (a full disk); "swap@STEP" kills it in the middle of a DCP
+"slow@STEP" pause 2 s before writing ("slow@STEP:PATH": until the file PATH exists, at
+most ``HOLD_S``: a test holds a step not durable while it looks); "replicate@STEP" kills
+it as a peer's first shards of STEP arrive, once its own part of STEP is committed (so
+the step is durable and its replication half done); "enospc@STEP" fails the write with
+ENOSPC once its first shard is on disk (a full disk); "swap@STEP" kills it in the middle of a DCP
 commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
 """
 
@@ -21,18 +22,22 @@ from sidecar._src.core import env as env_lib
 
 log = logging.getLogger(__name__)
 FAULT_ENV = env_lib.CKPT_FAULT
+HOLD_S = 120.0  # the longest "slow@STEP:PATH" waits for PATH
 
 
 def armed(point: str, step: int) -> bool:
   """Whether the fault ``point`` is set for ``step``."""
-  return env_lib.get(FAULT_ENV) == f"{point}@{step}"
+  return (env_lib.get(FAULT_ENV) or "").split(":", 1)[0] == f"{point}@{step}"
 
 
 def fault(point: str, step: int) -> None:
   """Acts out the fault ``point`` if it is set for ``step``; else does nothing."""
   if armed(point, step):
     if point == "slow":
-      time.sleep(2.0)
+      _, _, path = (env_lib.get(FAULT_ENV) or "").partition(":")
+      deadline = time.monotonic() + (HOLD_S if path else 2.0)
+      while time.monotonic() < deadline and not (path and os.path.exists(path)):
+        time.sleep(0.05)
       return
     if point == "enospc":
       raise OSError(errno.ENOSPC, f"No space left on device (fault injection, step {step})")

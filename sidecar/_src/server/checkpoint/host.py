@@ -42,6 +42,7 @@ from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
   links as links_lib,
   ram_tier,
+  ram_yield,
   read as checkpoint_read,
   replication as checkpoint_replication,
   roots as roots_lib,
@@ -76,7 +77,8 @@ class CheckpointHost:
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                peer_credentials: Any = None,
                group_budget: Callable[[str], int | None] = lambda group: None,
-               write_turn: Callable[[str], direct_io.Turn | None] = lambda owner: None):
+               write_turn: Callable[[str], direct_io.Turn | None] = lambda owner: None,
+               spare: Callable[[str], int] = lambda tenant: 0):
     self._host_id = host_id
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
@@ -84,6 +86,8 @@ class CheckpointHost:
     self.tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env_lib.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S),
         group_budget=group_budget)
+    # Its durable copies give way to new work (``reclaim``) and to an operator (``drop_ram``).
+    self.yielding = ram_yield.Yielding(self.tier, metrics=metrics, spare=spare)
     self.reader = checkpoint_read.Reader(self.tier, metrics)
     self._links = links_lib.Links(token=token, peer_token=peer_token,
                                      credentials=peer_credentials,
@@ -209,6 +213,36 @@ class CheckpointHost:
           if record is not None:
             record.manifest = manifest
     return self.tier.mark_committed(final_dir)
+
+  def reopened(self, directory: str) -> None:
+    """Applies ``directory``'s ``ram_steps``/``ram_budget`` as just (re)opened: a job that
+    reopens it with ``ram_steps=0`` frees its RAM-tier copies at once."""
+    with self.tier.lock:
+      self.tier.evict(directory)
+
+  # ---- the RAM tier gives way -------------------------------------------
+
+  def reclaim(self, nbytes: int, tenant: str | None = None) -> int:
+    """Drops durable RAM-tier copies for ``nbytes`` of new work's arena room
+    (``ram_yield.Yielding.reclaim``); returns the bytes let go of."""
+    return self.yielding.reclaim(nbytes, tenant)
+
+  def describe_ram(self) -> str:
+    """What the RAM tier holds, per directory, for an error about a full arena."""
+    return self.yielding.describe()
+
+  def drop_ram(self, directory: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
+    """Drops the durable RAM-tier copies of ``directory`` and the directories in it;
+    returns those dropped and those kept (not durable yet)."""
+    resolved = self._path(directory, "directory")
+    inside = resolved.rstrip(os.sep) + os.sep
+    return self.yielding.drop(lambda d: d == resolved or d.startswith(inside))
+
+  def drop_tenant_ram(self, tenant: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
+    """Drops the durable RAM-tier copies of the directories ``tenant`` opened here;
+    returns those dropped and those kept (not durable yet)."""
+    mine = self.opened_by(tenant)
+    return self.yielding.drop(lambda d: d in mine)
 
   # ---- peer replicas ----------------------------------------------------
 

@@ -27,7 +27,7 @@ from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import ArenaIO
-from sidecar._src.server.checkpoint import ram_tier
+from sidecar._src.server.checkpoint import ram_tier, ram_yield
 from sidecar._src.server.checkpoint.host import CheckpointHost
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
@@ -59,6 +59,8 @@ def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout
 # The fields of the Checkpoint service's requests that name a path: with per-client
 # tokens each must lie in a directory the caller's client opened.
 _PATH_FIELDS = ("directory", "tmp_dir", "final_dir")
+# The rpcs that check who may act where themselves (the pool's operator may name any).
+_OWN_CHECKS = ("DropRamTier",)
 
 
 def _session(context: grpc.ServicerContext) -> str:
@@ -99,6 +101,16 @@ def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None
   return codec.parse(ckpt_pb.ReceiveRequest, raw), None
 
 
+def _steps_pb(copies: list[ram_yield.Copy]) -> list[ckpt_pb.RamTierSteps]:
+  """``copies`` as one RamTierSteps per directory."""
+  out: dict[str, ckpt_pb.RamTierSteps] = {}
+  for c in copies:
+    entry = out.setdefault(c.directory, ckpt_pb.RamTierSteps(directory=c.directory))
+    entry.steps.append(c.step)
+    entry.nbytes += c.nbytes
+  return list(out.values())
+
+
 class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
@@ -131,6 +143,8 @@ class CheckpointService:
                    self.delete),
         "Forget": (ckpt_pb.CheckpointForgetRequest, ckpt_pb.CheckpointForgetResponse,
                    self.forget),
+        "DropRamTier": (ckpt_pb.DropRamTierRequest, ckpt_pb.DropRamTierResponse,
+                        self.drop_ram_tier),
         "Replicate": (ckpt_pb.CheckpointReplicateRequest, ckpt_pb.CheckpointReplicateResponse,
                       self.replicate),
         "Held": (ckpt_pb.CheckpointHeldRequest, ckpt_pb.CheckpointHeldResponse, self.held),
@@ -166,7 +180,7 @@ class CheckpointService:
           client = self._sessions.client(session) if self._per_client else None
           if client is not None and name == "Open":
             self._host.open_for(client, request.directory)  # refused if another's
-          elif client is not None and request_cls is not None:
+          elif client is not None and request_cls is not None and name not in _OWN_CHECKS:
             for field in _PATH_FIELDS:
               if field in request_cls.DESCRIPTOR.fields_by_name and getattr(request, field):
                 self._host.check_client(client, getattr(request, field), field)
@@ -212,6 +226,7 @@ class CheckpointService:
            ) -> ckpt_pb.CheckpointOpenResponse:
     steps = self._host.writer.open(r.directory, r.ram_steps,
                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
+    self._host.reopened(r.directory)  # fewer ram_steps than before: the others go now
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
 
   def _client(self, context: grpc.ServicerContext) -> str | None:
@@ -280,6 +295,32 @@ class CheckpointService:
              ) -> ckpt_pb.CheckpointForgetResponse:
     self._host.forget(r.directory, _step(r.step))
     return ckpt_pb.CheckpointForgetResponse()
+
+  def drop_ram_tier(self, r: ckpt_pb.DropRamTierRequest, context: grpc.ServicerContext
+                    ) -> ckpt_pb.DropRamTierResponse:
+    """Drops a directory's or a tenant's durable RAM-tier copies: a tenant its own, the
+    operator (the pool's peer token: client "", or any caller where there are no tenants)
+    anyone's."""
+    if bool(r.directory) == bool(r.tenant):
+      raise errors.InvalidArgumentError(
+          "DropRamTier: name a directory or a tenant (one of them), got directory="
+          f"{r.directory!r:.200} tenant={r.tenant!r:.100}")
+    client = self._client(context)
+    if r.tenant and not self._per_client:
+      raise errors.InvalidArgumentError(
+          f"tenant {r.tenant!r:.100}: this sidecar has no tenants (no pool file or "
+          "--client-tokens); drop a directory's RAM-tier copies instead")
+    if r.tenant and client and r.tenant != client:
+      raise errors.PermissionDeniedError(
+          f"tenant {client!r} may drop only its own RAM-tier copies, not tenant "
+          f"{r.tenant!r:.100}'s; the pool's operator (its peer token) may drop any")
+    if r.tenant:
+      dropped, kept = self._host.drop_tenant_ram(r.tenant)
+    else:
+      if client:
+        self._host.check_client(client, r.directory, "directory")
+      dropped, kept = self._host.drop_ram(r.directory)
+    return ckpt_pb.DropRamTierResponse(dropped=_steps_pb(dropped), kept=_steps_pb(kept))
 
   # ---- replicas -----------------------------------------------------------
 
