@@ -245,10 +245,20 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve --listen "
         f"{address}` running? (The worker socket, --socket, is not its gRPC address.)")
+  if code == grpc.StatusCode.UNAVAILABLE and address_lib.looks_like_path(address):
+    return errors.HostLostError(
+        f"cannot reach sidecar {address}: {e.details()}; it looks like a path: a sidecar on "
+        f"a Unix socket is unix:{address}")
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
         f"and the port reachable ({_TLS_HINT})?")
+  if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server without the sidecar's service
+    return errors.InvalidArgumentError(
+        f"{address} answers gRPC but serves no sidecar control service ({e.details()}): it "
+        "looks like a sidecar's health port; give its control port instead (sidecar serve "
+        f"--port, default {options_lib.DEFAULT_PORT}; the health port, --health-port, "
+        f"default {options_lib.DEFAULT_HEALTH_PORT}, only answers probes)")
   if code == grpc.StatusCode.DEADLINE_EXCEEDED:
     return errors.HostLostError(
         f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "

@@ -208,7 +208,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
   from sidecar._src.controller import discovery, status as status_lib
-  token = _env(env_lib.TOKEN)
+  token = cli_types.token(args)
   addresses = args.addresses
   if not addresses:  # the job's sidecars, as Controller.from_env() finds them
     try:
@@ -419,8 +419,9 @@ def parser() -> argparse.ArgumentParser:
 
   s = add("status", help="show sidecars' identity, registry and arena use",
           description="Ask each sidecar for its identity, registry, arena use, feeds and "
-                      "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
-                      "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
+                      "checkpoint steps, with the token of --token-file, $SIDECAR_TOKEN or "
+                      "$SIDECAR_TOKEN_FILE (and TLS where $SIDECAR_TLS_CA says so). Exit "
+                      "status 1 if any is unreachable.")
   cli_types.add_status_flags(
       s, json_help="print one JSON object with every host, for scripts (default: a table)",
       watch_help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
