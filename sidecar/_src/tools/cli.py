@@ -236,12 +236,17 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-  if args.torch:
-    from sidecar._src.tools import torch_demo
-    return torch_demo.run(hosts=args.hosts, steps=args.steps if args.steps != 300 else 60)
-  from sidecar._src.tools import demo
-  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
-                  processes=args.processes, elastic=args.elastic, verbose=args.verbose)
+  try:
+    if args.torch:
+      from sidecar._src.tools import torch_demo
+      return torch_demo.run(hosts=args.hosts, steps=args.steps if args.steps != 300 else 60)
+    from sidecar._src.tools import demo
+    return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host,
+                    steps=args.steps, processes=args.processes, elastic=args.elastic,
+                    verbose=args.verbose)
+  except KeyboardInterrupt:  # before the demo began (importing JAX), or in the torch demo
+    print("sidecar demo: interrupted", file=sys.stderr)
+    return 130
 
 
 def _from_env(var: str, otherwise: str) -> str:
