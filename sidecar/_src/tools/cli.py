@@ -456,7 +456,8 @@ def parser() -> argparse.ArgumentParser:
                  "run (default: off; 60 steps unless --steps)")
   s.add_argument("--verbose", action="store_true",
                  help="show log records, the launcher's lines and the trainers' stderr here "
-                      "(default: off: they go to the log file named at the end)")
+                      "(default: off: they go to a log file, removed when the run succeeds, "
+                      "kept and named when it fails)")
   s.set_defaults(func=_demo)
 
   s = add("health", help="ask a sidecar's health port whether it serves (exit 0 if so)",
