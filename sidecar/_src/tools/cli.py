@@ -379,7 +379,9 @@ def parser() -> argparse.ArgumentParser:
   _checkpoint_root_flag(s)
   s.add_argument("--pool", metavar="FILE",
                  help="a pool file: each sidecar serves its tenants, each with its token and "
-                      "quotas (sidecar serve --pool); docs/pool.md (default: none)")
+                      "quotas (sidecar serve --pool); SIGHUP to this command reloads it on "
+                      "every sidecar and prints what each answered; docs/pool.md (default: "
+                      "none)")
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",

@@ -285,6 +285,60 @@ def test_local_prints_the_sidecar_hosts_line_that_from_env_reads():
     p.stdout.close()
 
 
+def _read_until(stream, marker: str) -> list[str]:
+  lines = []
+  for line in stream:
+    lines.append(line.rstrip("\n"))
+    if line.startswith(marker):
+      return lines
+  raise AssertionError(f"no {marker!r} line in {lines}")
+
+
+@pytest.mark.timeout(300)
+def test_local_pool_shows_the_operators_view_and_relays_a_bad_reload(tmp_path):
+  from tests.support.pool_files import write_pool
+  pool = write_pool(tmp_path)
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "2",
+                        "--shm-size", "16MiB", "--pool", pool, "--checkpoint-root",
+                        str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       text=True)
+  try:
+    lines = _read_until(p.stdout, "Ctrl-C to stop.")
+    # Before: the peer token was random and never shown: no way to every tenant's rows.
+    (view,) = [line for line in lines if line.startswith("every tenant's use")]
+    command = view.split(": ", 1)[1].split()
+    assert command[:4] == ["sidecar", "pool", "status", "--token-file"]
+    assert oct(os.stat(command[4]).st_mode & 0o777) == "0o600"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    shown = subprocess.run([sys.executable, "-m", *command, "--json"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    tenants = json.loads(shown.stdout)["tenants"]
+    assert sorted(t["tenant"] for t in tenants) == ["alice", "bob"]
+    # Before: the per-host logs, where a reload's error went, were never named.
+    (logs,) = [line for line in lines if line.startswith("sidecar logs: ")]
+    assert all(os.path.exists(path) for path in logs.split(": ", 1)[1].split(", "))
+    # A typo in the pool file, then SIGHUP to `sidecar local`: each sidecar's refusal is
+    # printed where the operator looks, and the tenants stay.
+    with open(pool, "a") as f:
+      f.write("    sesions: 4\n")
+    p.send_signal(signal.SIGHUP)
+    said = [p.stdout.readline().rstrip("\n") for _ in range(2)]
+    assert [line.split("]")[0] for line in said] == ["[host 0", "[host 1"], said
+    assert all("the pool file was not reloaded, the tenants stay as they were" in line
+               and "sesions" in line for line in said), said
+    again = subprocess.run([sys.executable, "-m", *command, "--json"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert sorted(t["tenant"] for t in json.loads(again.stdout)["tenants"]) == ["alice", "bob"]
+    p.send_signal(signal.SIGINT)
+    assert p.wait(60) == 0
+  finally:
+    p.kill()
+    p.wait(30)
+    p.stdout.close()
+  assert not os.path.exists(command[4])  # the token file went with the cluster
+
+
 def test_serve_says_which_flag_when_the_metrics_port_is_taken(tmp_path, capsys):
   import socket
   with socket.socket() as taken:
