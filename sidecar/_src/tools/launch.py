@@ -472,7 +472,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
     try:
-      launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
+      if not torch:  # a PyTorch job's trainers need no word on JAX's platform
+        launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
       cluster.start()
       for h in range(hosts):
         launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "
