@@ -253,17 +253,23 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
         f"and the port reachable ({_TLS_HINT})?")
-  if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server without the sidecar's service
-    return errors.InvalidArgumentError(
-        f"{address} answers gRPC but serves no sidecar control service ({e.details()}): it "
-        "looks like a sidecar's health port; give its control port instead (sidecar serve "
-        f"--port, default {options_lib.DEFAULT_PORT}; the health port, --health-port, "
-        f"default {options_lib.DEFAULT_HEALTH_PORT}, only answers probes)")
   if code == grpc.StatusCode.DEADLINE_EXCEEDED:
     return errors.HostLostError(
         f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
         f"running there, not stopped ({_TLS_HINT})?")
-  return protocol.error_from_rpc(e, host=address)
+  return not_a_sidecar(e, address) or protocol.error_from_rpc(e, host=address)
+
+
+def not_a_sidecar(e: grpc.RpcError, address: str) -> errors.InvalidArgumentError | None:
+  """The error of an RPC that ``address`` does not serve (UNIMPLEMENTED): a gRPC server
+  without the sidecar's service, most likely a sidecar's health port; else None."""
+  if not hasattr(e, "code") or e.code() != grpc.StatusCode.UNIMPLEMENTED:
+    return None
+  return errors.InvalidArgumentError(
+      f"{address} answers gRPC but serves no sidecar control service ({e.details()}): it "
+      "looks like a sidecar's health port; give its control port instead (sidecar serve "
+      f"--port, default {options_lib.DEFAULT_PORT}; the health port, --health-port, "
+      f"default {options_lib.DEFAULT_HEALTH_PORT}, only answers probes)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf import message as pb_message
 
 from sidecar._src.arena import shm
-from sidecar._src.controller import display
+from sidecar._src.controller import connection, display
 from sidecar._src.controller.connection import CHANNEL_OPTIONS
 from sidecar._src.core import address as address_lib
 from sidecar._src.wire import protocol
@@ -38,7 +38,8 @@ def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.Statu
     try:
       return rpc(pb.StatusRequest(), timeout=timeout, metadata=meta)
     except grpc.RpcError as e:
-      raise protocol.error_from_rpc(e, host=address) from None
+      raise (connection.not_a_sidecar(e, address)
+             or protocol.error_from_rpc(e, host=address)) from None
 
 
 Rows = Sequence[tuple[str, "pb.StatusResponse | Exception"]]

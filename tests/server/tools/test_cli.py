@@ -53,3 +53,13 @@ def test_status_with_an_unreadable_token_file_is_a_usage_error(tmp_path, capsys)
     cli.main(["status", "127.0.0.1:1", "--token-file", str(tmp_path / "missing")])
   assert exit_.value.code == 2
   assert "cannot read the token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["status"], ["pool", "status"]], ids=["status", "pool"])
+def test_status_of_the_health_port_says_it_looks_like_the_health_port(make_server, capsys,
+                                                                      command):
+  server = make_server()
+  # Before: UNREACHABLE: StatusCode.UNIMPLEMENTED: Method not found!
+  assert cli.main([*command, f"127.0.0.1:{server.health_port}"]) == 1
+  assert "looks like a sidecar's health port; give its control port instead" in \
+      capsys.readouterr().out
