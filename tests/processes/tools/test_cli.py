@@ -113,10 +113,12 @@ def test_demo_interrupted_says_so_in_one_line_and_leaves_nothing(tmp_path):
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   try:
     out = ""
-    while "Training an MLP" not in out:  # its sidecars run, its checkpointer is open
+    while "Training an MLP" not in out:  # its sidecars run
       line = p.stdout.readline()
       assert line, out + p.stderr.read()
       out += line
+    # In its training loop: a step saved in its checkpoint directory.
+    assert eventually(lambda: list(tmp_path.glob("sidecar-demo-ckpt-*/*")), timeout=200)
     p.send_signal(signal.SIGINT)
     rest, err = p.communicate(timeout=240)
   finally:
