@@ -2,9 +2,11 @@
 
 Run it as 2 ranks beside 2 sidecars that serve scikit-learn's handwritten digits::
 
-  sidecar launch --torch --hosts 2 --import pipelines.digits -- python examples/torch_train.py
+  sidecar launch --torch --hosts 2 --import pipelines.digits_iterable \\
+      -- python examples/torch_train.py
 
-(``pip install 'colocated-sidecar[torch,demo]'``). Each rank reads its half of every global
+(``pip install 'colocated-sidecar[torch,digits]'``: no JAX in any process; ``pipelines.digits``
+serves the same data through Grain, which needs JAX). Each rank reads its half of every global
 batch of 64 digits from its own sidecar (``sidecar.torch.DataLoader``: tensors over the
 sidecar's arena, no copy), trains a small MLP under DDP, and every 20 steps saves the
 model, the optimizer and the loader's position with ``sidecar.torch.Checkpointer``: DCP

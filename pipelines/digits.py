@@ -2,7 +2,9 @@
 
 1,797 grey 8x8 images of the digits 0-9, read from the copy bundled inside
 scikit-learn (``sklearn.datasets.load_digits``): nothing is downloaded, so it is
-the smallest real dataset a sidecar can feed offline.
+the smallest real dataset a sidecar can feed offline. ``pipelines.digits_iterable``
+registers the same data under the same name without Grain (and so without JAX), for
+PyTorch jobs.
 
 Split: a fixed split by position in scikit-learn's order, which cycles through
 the classes, so both parts are balanced (every class has 146-153 train and 27-33
@@ -24,17 +26,16 @@ Example::
 from __future__ import annotations
 
 import grain
-import numpy as np
 
 import sidecar
 
 try:
-  from sklearn import datasets
+  from pipelines import _digits_data
 except ImportError as e:  # Not in the core install: an extra.
   raise ImportError(
       "pipelines.digits needs scikit-learn: pip install 'colocated-sidecar[demo]'") from e
 
-SPLITS = {"train": slice(0, 1500), "test": slice(1500, None)}
+SPLITS = _digits_data.SPLITS
 
 
 @sidecar.pipeline
@@ -52,10 +53,6 @@ def digits(ctx: sidecar.PipelineContext, *, split: str = "train") -> grain.MapDa
     ValueError: ``split`` is not ``"train"`` or ``"test"``.
   """
   del ctx
-  if split not in SPLITS:
-    raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
-  data = datasets.load_digits()
-  images = (data.images[SPLITS[split], :, :, None] / 16.0).astype(np.float32)
-  labels = data.target[SPLITS[split]].astype(np.int32)
+  images, labels = _digits_data.load(split)
   return grain.MapDataset.source(
       [{"image": image, "label": label} for image, label in zip(images, labels)])

@@ -245,6 +245,10 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve --listen "
         f"{address}` running? (The worker socket, --socket, is not its gRPC address.)")
+  if code == grpc.StatusCode.UNAVAILABLE and address_lib.looks_like_path(address):
+    return errors.HostLostError(
+        f"cannot reach sidecar {address}: {e.details()}; it looks like a path: a sidecar on "
+        f"a Unix socket is unix:{address}")
   if code == grpc.StatusCode.UNAVAILABLE:
     return errors.HostLostError(
         f"cannot reach sidecar {address}: {e.details()}; is `sidecar serve` running there "
@@ -253,7 +257,19 @@ def _connect_error(e: grpc.RpcError, address: str, timeout: float, *,
     return errors.HostLostError(
         f"sidecar {address} did not answer within {timeout:.3g} s; is `sidecar serve` "
         f"running there, not stopped ({_TLS_HINT})?")
-  return protocol.error_from_rpc(e, host=address)
+  return not_a_sidecar(e, address) or protocol.error_from_rpc(e, host=address)
+
+
+def not_a_sidecar(e: grpc.RpcError, address: str) -> errors.InvalidArgumentError | None:
+  """The error of an RPC that ``address`` does not serve (UNIMPLEMENTED): a gRPC server
+  without the sidecar's service, most likely a sidecar's health port; else None."""
+  if not hasattr(e, "code") or e.code() != grpc.StatusCode.UNIMPLEMENTED:
+    return None
+  return errors.InvalidArgumentError(
+      f"{address} answers gRPC but serves no sidecar control service ({e.details()}): it "
+      "looks like a sidecar's health port; give its control port instead (sidecar serve "
+      f"--port, default {options_lib.DEFAULT_PORT}; the health port, --health-port, "
+      f"default {options_lib.DEFAULT_HEALTH_PORT}, only answers probes)")
 
 
 def open_channel(address: str, *, timeout: float, options: tuple[tuple[str, int], ...],

@@ -38,7 +38,8 @@ def fetch(address: str, *, timeout: float, token: str | None = None) -> pb.Statu
     try:
       return rpc(pb.StatusRequest(), timeout=timeout, metadata=meta)
     except grpc.RpcError as e:
-      raise protocol.error_from_rpc(e, host=address) from None
+      raise (connection.not_a_sidecar(e, address)
+             or protocol.error_from_rpc(e, host=address)) from None
 
 
 Rows = Sequence[tuple[str, "pb.StatusResponse | Exception"]]

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import stat
 
@@ -98,6 +99,9 @@ def parse(text: str, *, default_port: int | None = None, what: str = "address") 
             "unix:PATH for a relative one")
     return unix(path)
   forms = "unix:PATH or HOST:PORT (IPv6 in brackets: [::1]:8490)"
+  if looks_like_path(text):
+    raise errors.InvalidArgumentError(
+        f"{what} {text!r} is a path, not {forms}: a sidecar on a Unix socket is unix:{text}")
   if text.startswith("["):
     host, sep, rest = text[1:].partition("]")
     if not sep or (rest and not rest.startswith(":")):
@@ -107,8 +111,7 @@ def parse(text: str, *, default_port: int | None = None, what: str = "address") 
     host, sep, port_text_ = text.partition(":")
     port_text = port_text_ if sep else None
     if ":" in port_text_:
-      raise errors.InvalidArgumentError(
-          f"{what} {text!r} is not {forms}: put an IPv6 address in brackets")
+      raise errors.InvalidArgumentError(f"{what} {text!r} is not {forms}: {_colons(text)}")
   if not host:
     raise errors.InvalidArgumentError(f"{what} {text!r} names no host; write {forms}")
   if port_text is None:
@@ -119,6 +122,34 @@ def parse(text: str, *, default_port: int | None = None, what: str = "address") 
     raise errors.InvalidArgumentError(
         f"{what} {text!r} has port {port_text!r}; ports are integers in 1..65535")
   return Address(host=host, port=int(port_text))
+
+
+def looks_like_path(text: str) -> bool:
+  """Whether ``text``, written without ``unix:``, names a socket file: it holds a '/' (no
+  host name or port does), or a socket of that name is here."""
+  try:
+    return "/" in text or stat.S_ISSOCK(os.stat(text).st_mode)
+  except (OSError, ValueError):
+    return False
+
+
+def _colons(text: str) -> str:
+  """What is wrong with ``text``, which holds more than one ':' and no brackets."""
+  if _is_ipv6(text) or _is_ipv6(text.rpartition(":")[0]):
+    return "put an IPv6 address in brackets"
+  host, _, ports = text.partition(":")
+  if all(p.isdigit() for p in ports.split(":")):
+    return (f"it has {ports.count(':') + 1} ports; give the control port alone, as "
+            f"{host}:PORT (sidecar serve --port; the health port is for the kubelet's probes)")
+  return "it holds more than one ':'"
+
+
+def _is_ipv6(text: str) -> bool:
+  try:
+    ipaddress.IPv6Address(text)
+  except ValueError:
+    return False
+  return True
 
 
 def access_problem(path: str) -> str | None:

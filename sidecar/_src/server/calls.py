@@ -286,7 +286,8 @@ def measured(metrics: metrics_lib.Recorder, kind: str, label: str) -> Iterator[N
   ``metrics``: in flight, then its code and time.
 
   A stream whose consumer went away mid-stream (its generator closed) counts as
-  CANCELLED.
+  CANCELLED; a feed's consumer closing it is how a feed ends (its controller's or worker's
+  ``close()``, the end of a ``with``): OK.
   """
   metrics.call_started(kind)
   tenant = tenants_lib.CURRENT.get()  # who it runs for (the way in set it), None: no pool
@@ -294,7 +295,7 @@ def measured(metrics: metrics_lib.Recorder, kind: str, label: str) -> Iterator[N
   try:
     yield
   except GeneratorExit:
-    code = "CANCELLED"
+    code = "OK" if kind == "feed" else "CANCELLED"
     raise
   except BaseException as e:
     code = protocol.status_code(e).name

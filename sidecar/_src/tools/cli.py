@@ -208,7 +208,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
   from sidecar._src.controller import discovery, status as status_lib
-  token = _env(env_lib.TOKEN)
+  token = cli_types.token(args)
   addresses = args.addresses
   if not addresses:  # the job's sidecars, as Controller.from_env() finds them
     try:
@@ -236,12 +236,17 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-  if args.torch:
-    from sidecar._src.tools import torch_demo
-    return torch_demo.run(hosts=args.hosts, steps=args.steps if args.steps != 300 else 60)
-  from sidecar._src.tools import demo
-  return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host, steps=args.steps,
-                  processes=args.processes, elastic=args.elastic, verbose=args.verbose)
+  try:
+    if args.torch:
+      from sidecar._src.tools import torch_demo
+      return torch_demo.run(hosts=args.hosts, steps=args.steps if args.steps != 300 else 60)
+    from sidecar._src.tools import demo
+    return demo.run(hosts=args.hosts, devices_per_host=args.devices_per_host,
+                    steps=args.steps, processes=args.processes, elastic=args.elastic,
+                    verbose=args.verbose)
+  except KeyboardInterrupt:  # before the demo began (importing JAX), or in the torch demo
+    print("sidecar demo: interrupted", file=sys.stderr)
+    return 130
 
 
 def _from_env(var: str, otherwise: str) -> str:
@@ -374,7 +379,9 @@ def parser() -> argparse.ArgumentParser:
   _checkpoint_root_flag(s)
   s.add_argument("--pool", metavar="FILE",
                  help="a pool file: each sidecar serves its tenants, each with its token and "
-                      "quotas (sidecar serve --pool); docs/pool.md (default: none)")
+                      "quotas (sidecar serve --pool); SIGHUP to this command reloads it on "
+                      "every sidecar and prints what each answered; docs/pool.md (default: "
+                      "none)")
   s.set_defaults(func=_local, parser=s)
 
   s = sub.add_parser("launch", help="run N sidecars and N copies of a trainer command here",
@@ -419,8 +426,9 @@ def parser() -> argparse.ArgumentParser:
 
   s = add("status", help="show sidecars' identity, registry and arena use",
           description="Ask each sidecar for its identity, registry, arena use, feeds and "
-                      "checkpoint steps, with the token in $SIDECAR_TOKEN (and TLS where "
-                      "$SIDECAR_TLS_CA says so). Exit status 1 if any is unreachable.")
+                      "checkpoint steps, with the token of --token-file, $SIDECAR_TOKEN or "
+                      "$SIDECAR_TOKEN_FILE (and TLS where $SIDECAR_TLS_CA says so). Exit "
+                      "status 1 if any is unreachable.")
   cli_types.add_status_flags(
       s, json_help="print one JSON object with every host, for scripts (default: a table)",
       watch_help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
@@ -451,7 +459,8 @@ def parser() -> argparse.ArgumentParser:
                  "run (default: off; 60 steps unless --steps)")
   s.add_argument("--verbose", action="store_true",
                  help="show log records, the launcher's lines and the trainers' stderr here "
-                      "(default: off: they go to the log file named at the end)")
+                      "(default: off: they go to a log file, removed when the run succeeds, "
+                      "kept and named when it fails)")
   s.set_defaults(func=_demo)
 
   s = add("health", help="ask a sidecar's health port whether it serves (exit 0 if so)",

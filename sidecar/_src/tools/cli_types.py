@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from sidecar._src.arena import shm
-from sidecar._src.core import address as address_lib, errors
+from sidecar._src.core import address as address_lib, env as env_lib, errors
 
 
 def ids(text: str) -> tuple[int, ...]:
@@ -61,3 +61,18 @@ def add_status_flags(p: argparse.ArgumentParser, *, json_help: str, watch_help: 
   p.add_argument("--watch", action="store_true", help=watch_help)
   p.add_argument("--interval", type=float, default=2.0, metavar="S",
                  help="seconds between refreshes of --watch")
+  p.add_argument("--token-file", metavar="FILE",
+                 help="file holding the token to present (default: $SIDECAR_TOKEN, else the "
+                      "file $SIDECAR_TOKEN_FILE names, as Controller.from_env() reads them; "
+                      "else none)")
+
+
+def token(args: argparse.Namespace) -> str | None:
+  """The token a command that asks sidecars presents: ``--token-file``, else
+  ``$SIDECAR_TOKEN``, else ``$SIDECAR_TOKEN_FILE``'s (env.token, as ``Controller.from_env()``);
+  a file that cannot be read is a usage error naming it."""
+  parser: argparse.ArgumentParser = args.parser
+  try:
+    return env_lib.token(args.token_file)
+  except (OSError, errors.InvalidArgumentError) as e:
+    parser.error(f"cannot read the token: {e}")

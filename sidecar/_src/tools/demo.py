@@ -33,8 +33,11 @@ from sidecar._src.tools.local import LocalCluster
 PIPELINES = "pipelines.digits"
 # Without --verbose the demo prints its story only: log records below ERROR, the
 # launcher's lines and what the trainer processes write to stderr (Gloo's connection
-# lines, say) go to a log file of this run's own, kept: $TMPDIR/sidecar-demo-*.log.
+# lines, say) go to a log file of this run's own, $TMPDIR/sidecar-demo-*.log: removed when
+# the run succeeds or is interrupted, kept and named when it fails.
 LOG_PREFIX, LOG_SUFFIX = "sidecar-demo-", ".log"
+CKPT_PREFIX = "sidecar-demo-ckpt-"
+INTERRUPTED = 130  # a shell's status for a command that SIGINT ended
 
 
 @contextlib.contextmanager
@@ -128,8 +131,9 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
   sidecars. ``processes=N``: the same training as a multi-controller job, N trainer
   processes under ``jax.distributed`` (one per host, each beside its own sidecar),
   started by ``sidecar launch``. ``verbose``: log records and the trainers' stderr come
-  to the terminal too; else they go to a log file of this run's own, named at the end and
-  kept. The checkpoints go to a new temporary directory, removed at the end.
+  to the terminal too; else they go to a log file of this run's own, removed at the end
+  unless the run failed (then named and kept). The checkpoints go to a new temporary
+  directory, removed at the end. Ctrl-C stops it with one line and removes both.
   """
   for name, value in (("num_hosts", hosts), ("devices_per_host", devices_per_host),
                       ("steps", steps), ("processes", processes)):
@@ -139,14 +143,24 @@ def run(*, hosts: int = 2, devices_per_host: int = 2, steps: int = 300,
     print("sidecar demo needs scikit-learn for its dataset (pipelines.digits): "
           "pip install 'colocated-sidecar[demo]'", file=sys.stderr)
     return 2
-  with _quiet(verbose) as log_file:
-    try:
-      return _run(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
-                  global_batch_size=global_batch_size, checkpoint_every=checkpoint_every,
-                  processes=processes, elastic=elastic, log_file=log_file)
-    finally:  # named on a failure too: that is when it is read
-      if log_file is not None:
-        print(f"The log: {log_file}, kept (--verbose shows it here instead).")
+  code, log_file = 1, None
+  try:
+    with _quiet(verbose) as log_file:
+      try:
+        code = _run(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
+                    global_batch_size=global_batch_size, checkpoint_every=checkpoint_every,
+                    processes=processes, elastic=elastic, log_file=log_file)
+      except KeyboardInterrupt:  # the sidecars and the checkpoints are gone by now
+        code = INTERRUPTED
+  finally:  # a failure keeps its log, and names it: that is when it is read
+    if log_file is not None and code in (0, INTERRUPTED):
+      os.unlink(log_file)
+    elif log_file is not None:
+      print(f"The log: {log_file}, kept (--verbose shows it here instead).", file=sys.stderr)
+  if code == INTERRUPTED:
+    print("sidecar demo: interrupted; its sidecars are stopped and what it made is removed",
+          file=sys.stderr)
+  return code
 
 
 def _run(*, hosts: int, devices_per_host: int, steps: int, global_batch_size: int,
@@ -156,34 +170,53 @@ def _run(*, hosts: int, devices_per_host: int, steps: int, global_batch_size: in
     batch = math.lcm(hosts * devices_per_host, (hosts - 1) * devices_per_host) * 4
     return run_elastic(hosts=hosts, devices_per_host=devices_per_host, steps=steps,
                        global_batch_size=batch)
-  if processes > 1:
-    print(f"Launching {processes} trainer processes under jax.distributed, each beside its "
-          f"own sidecar ({devices_per_host} CPU devices each), through `sidecar launch`.")
-    quiet = log_file is not None
-    with open(log_file or os.devnull, "a") as launcher_log:
-      code = launch.run([sys.executable, "-m", "sidecar._src.tools.demo", str(steps),
-                         str(global_batch_size), str(checkpoint_every),
-                         *([log_file] if log_file else [])],
-                        hosts=processes, devices_per_host=devices_per_host,
-                        imports=[PIPELINES], shm_size="64MiB",
-                        stderr=launcher_log if quiet else None)
-    if code == 0:
-      print("Done: every trainer and sidecar stopped, no shared memory left behind.")
-    return code
-  print(f"Starting a LocalCluster: {hosts} sidecar processes, {devices_per_host} CPU devices each.")
-  t0 = time.perf_counter()
-  with LocalCluster(hosts, devices_per_host, shm_size="64MiB", imports=[PIPELINES]) as cluster:
-    with cluster.controller() as ctl:
-      print(f"Sidecars ready in {time.perf_counter() - t0:.1f} s:")
-      train(ctl, steps=steps, global_batch_size=global_batch_size,
-            checkpoint_every=checkpoint_every)
-  print("Done: every sidecar stopped, no shared memory left behind.")
-  return 0
+  # Made here and removed here, once every sidecar and trainer is gone (nothing writes in
+  # it then), however the run ends: training removes it itself when it completes.
+  ckpt_dir = tempfile.mkdtemp(prefix=CKPT_PREFIX)
+  try:
+    if processes > 1:
+      return _launch(processes=processes, devices_per_host=devices_per_host, steps=steps,
+                     global_batch_size=global_batch_size, checkpoint_every=checkpoint_every,
+                     ckpt_dir=ckpt_dir, log_file=log_file)
+    print(f"Starting a LocalCluster: {hosts} sidecar processes, {devices_per_host} CPU "
+          "devices each.")
+    t0 = time.perf_counter()
+    with LocalCluster(hosts, devices_per_host, shm_size="64MiB", imports=[PIPELINES]) as cluster:
+      with cluster.controller() as ctl:
+        print(f"Sidecars ready in {time.perf_counter() - t0:.1f} s:")
+        train(ctl, steps=steps, global_batch_size=global_batch_size,
+              checkpoint_every=checkpoint_every, ckpt_dir=ckpt_dir)
+    print("Done: every sidecar stopped, no shared memory left behind.")
+    return 0
+  finally:
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
-def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
+def _launch(*, processes: int, devices_per_host: int, steps: int, global_batch_size: int,
+            checkpoint_every: int, ckpt_dir: str, log_file: str | None) -> int:
+  """``--processes N``: the training as N trainer processes, through ``sidecar launch``."""
+  print(f"Launching {processes} trainer processes under jax.distributed, each beside its "
+        f"own sidecar ({devices_per_host} CPU devices each), through `sidecar launch`.")
+  quiet = log_file is not None
+  with open(log_file or os.devnull, "a") as launcher_log:
+    code = launch.run([sys.executable, "-m", "sidecar._src.tools.demo", str(steps),
+                       str(global_batch_size), str(checkpoint_every), ckpt_dir,
+                       *([log_file] if log_file else [])],
+                      hosts=processes, devices_per_host=devices_per_host,
+                      imports=[PIPELINES], shm_size="64MiB",
+                      stderr=launcher_log if quiet else None)
+  if code == INTERRUPTED:
+    raise KeyboardInterrupt  # the launcher stopped every trainer and sidecar
+  if code == 0:
+    print("Done: every trainer and sidecar stopped, no shared memory left behind.")
+  return code
+
+
+def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int, ckpt_dir: str,
           say=print) -> None:
-  """The training: the same calls in one process that owns every device, or in each of N."""
+  """The training: the same calls in one process that owns every device, or in each of N;
+  its checkpoints in ``ckpt_dir`` (an empty directory every process sees), removed at the
+  end."""
   for h in ctl.hosts:
     say(f"  host {h.host_id}: {h.address}, pid {h.pid}, devices {list(h.device_ids)}, "
         f"pipelines {list(h.pipelines)}")
@@ -193,8 +226,6 @@ def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int,
   say(f"Training an MLP on the digits, global batch {global_batch_size} sharded over "
       f"{mesh.devices.size} devices of {jax.process_count()} process(es), {steps} steps:")
   progress = Progress(steps)
-  ckpt_dir = ctl.peers.broadcast("demo/checkpoints", tempfile.mkdtemp(
-      prefix="sidecar-demo-ckpt-") if ctl.process_index == 0 else None)
   ckpt = ctl.checkpointer(ckpt_dir, max_to_keep=2)
   blocked = []
   with ctl.feed("digits", kwargs={"split": "train"}, global_batch_size=global_batch_size,
@@ -323,14 +354,14 @@ def _sources(ckpt) -> str:
 def main(argv: list[str]) -> int:
   """One trainer process of ``sidecar demo --processes N`` (started by ``sidecar launch``).
 
-  ``argv``: steps, global batch size, checkpoint interval, and the log file that takes
-  everything but the story (log records, what JAX and Gloo print to stdout and stderr),
-  if there is one.
+  ``argv``: steps, global batch size, checkpoint interval, the checkpoint directory, and
+  the log file that takes everything but the story (log records, what JAX and Gloo print
+  to stdout and stderr), if there is one.
   """
   story = sys.stdout
-  if len(argv) > 3:  # the story keeps the launcher's pipe; file descriptors 1 and 2 go
+  if len(argv) > 4:  # the story keeps the launcher's pipe; file descriptors 1 and 2 go
     story = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    with open(argv[3], "a") as log:
+    with open(argv[4], "a") as log:
       os.dup2(log.fileno(), sys.stdout.fileno())
       os.dup2(log.fileno(), sys.stderr.fileno())
   distributed.initialize()
@@ -339,7 +370,7 @@ def main(argv: list[str]) -> int:
     say = (lambda text: print(text, file=story, flush=True)) if ctl.process_index == 0 else (
         lambda *_: None)
     train(ctl, steps=steps, global_batch_size=global_batch_size,
-          checkpoint_every=checkpoint_every, say=say)
+          checkpoint_every=checkpoint_every, ckpt_dir=argv[3], say=say)
   return 0
 
 

@@ -491,7 +491,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
     try:
-      launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
+      if not torch:  # a PyTorch job's trainers need no word on JAX's platform
+        launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
       if not _loopback_tcp(launch.say, hosts * procs_per_host, torch):
         return 1
       cluster.start()

@@ -42,6 +42,13 @@ def running() -> list[LocalCluster]:
   return [c for c in list(_running) if c._dir is not None]
 
 
+def _write_secret(path: str, text: str) -> None:
+  """``text`` in a new file at ``path`` that only this user may read."""
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  with open(fd, "w") as f:
+    f.write(text + "\n")
+
+
 def configure_jax_devices(count: int) -> None:
   """Makes the JAX CPU backend of this process show at least ``count`` devices."""
   import jax
@@ -151,6 +158,8 @@ class LocalCluster:
     _running.add(self)
     _catch_sigterm()
     try:
+      if self.pool:  # the operator's: it shows every tenant (sidecar pool status)
+        _write_secret(self.peer_token_file, self._peer_token)
       for h in range(self.num_hosts):
         self._procs.append(self._spawn(h))
       self._ready = [self._wait_ready(h) for h in range(self.num_hosts)]
@@ -216,6 +225,19 @@ class LocalCluster:
     raise errors.HostLostError(
         f"sidecar host {h} was not ready after {self.start_timeout:.3g} s:\n"
         + self.log(h)[-3000:], host_id=h)
+
+  @property
+  def peer_token_file(self) -> str:
+    """The file (mode 0600, in the cluster's directory, gone at close) that holds the
+    sidecars' peer token, with a pool file: the operator's, which sees every tenant
+    (``sidecar pool status --token-file FILE``)."""
+    if self._dir is None:
+      raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
+    return os.path.join(self._dir, "peer.token")
+
+  def log_path(self, host_id: int) -> str:
+    """The file host ``host_id``'s sidecar writes its output to (a reload's result too)."""
+    return self._path(host_id, "log")
 
   def log(self, host_id: int) -> str:
     """What host ``host_id``'s sidecar printed so far."""

@@ -9,31 +9,93 @@ a health port is checked on 8491).
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import signal
+import time
 
 from sidecar._src.tools.local import LocalCluster
+
+# How long `sidecar local` waits for each sidecar to say how its reload went.
+RELOAD_WAIT_S = 30.0
+# The lines a sidecar logs for a SIGHUP (cli._reload, Server.reload).
+_RELOAD_WORDS = ("got SIGHUP", "reloaded")
 
 
 def lines(cluster: LocalCluster, *, metrics: bool) -> list[str]:
   """What ``sidecar local`` prints once its sidecars serve, before "Ctrl-C to stop."."""
-  urls = cluster.metrics_urls if metrics else [""] * len(cluster.addresses)
+  n = len(cluster.addresses)
+  urls = cluster.metrics_urls if metrics else [""] * n
   out = [f"host {h}: {a}  worker socket unix://{cluster.socket(h)}"
          + (f"  metrics {urls[h]}" if urls[h] else "") for h, a in enumerate(cluster.addresses)]
-  entries = ",".join(cluster.host_entry(h) for h in range(len(cluster.addresses)))
-  return [*out, f"SIDECAR_HOSTS={entries}"]
+  entries = ",".join(cluster.host_entry(h) for h in range(n))
+  out += [f"SIDECAR_HOSTS={entries}",
+          "sidecar logs: " + ", ".join(cluster.log_path(h) for h in range(n))]
+  if cluster.pool is not None:
+    out += ["every tenant's use (the operator's view, with the peer token): sidecar pool status "
+            f"--token-file {shlex.quote(cluster.peer_token_file)} "
+            + " ".join(shlex.quote(a) for a in cluster.addresses),
+            f"reload {cluster.pool} after editing it: kill -HUP {os.getpid()} (each sidecar's "
+            "answer is printed here)"]
+  return out
+
+
+def reload(cluster: LocalCluster, *, wait_s: float = RELOAD_WAIT_S) -> list[str]:
+  """SIGHUP to every sidecar; returns what each logged about it (``[host h] LINE``), or
+  that it said nothing within ``wait_s``, naming its log."""
+  sizes = [_size(cluster.log_path(h)) for h in range(cluster.num_hosts)]
+  cluster.reload()
+  said: dict[int, str] = {}
+  deadline = time.monotonic() + wait_s
+  while len(said) < cluster.num_hosts and time.monotonic() < deadline:
+    for h in range(cluster.num_hosts):
+      if h not in said and (line := _reload_line(cluster.log_path(h), sizes[h])):
+        said[h] = line
+    time.sleep(0.05)
+  return [f"[host {h}] " + said.get(h, f"said nothing about the reload within {wait_s:g} s; "
+                                        f"see {cluster.log_path(h)}")
+          for h in range(cluster.num_hosts)]
+
+
+def _size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
+
+
+def _reload_line(path: str, offset: int) -> str | None:
+  """The first line about a reload in ``path`` after ``offset``, whole, or None yet."""
+  try:
+    with open(path, errors="replace") as f:
+      f.seek(offset)
+      text = f.read()
+  except OSError:
+    return None
+  for line in text.splitlines(keepends=True):
+    if line.endswith("\n") and any(w in line for w in _RELOAD_WORDS):
+      return line.strip()
+  return None
 
 
 def run(args: argparse.Namespace) -> int:
-  """Serves ``args.hosts`` sidecars until Ctrl-C (or SIGTERM raised as KeyboardInterrupt)."""
+  """Serves ``args.hosts`` sidecars until Ctrl-C (or SIGTERM raised as KeyboardInterrupt);
+  with a pool file, SIGHUP reloads it on every sidecar and prints what each said."""
+  hangups: list[int] = []
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False,
                     metrics=args.metrics, checkpoint_roots=args.checkpoint_roots,
                     pool=args.pool) as cluster:
+    if cluster.pool is not None:
+      signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     print("\n".join(lines(cluster, metrics=args.metrics)))
     try:  # from the line that tells how to stop it, a stop is a clean exit
       print("Ctrl-C to stop.", flush=True)
       while True:
         signal.pause()
+        while hangups:
+          hangups.pop()
+          print("\n".join(reload(cluster)), flush=True)
     except KeyboardInterrupt:
       pass
   return 0

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core import errors
 from sidecar._src.tools import cli_format, cli_types
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
@@ -193,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:
     args.parser.error(f"--interval must be a positive number of seconds, got {args.interval}")
-  token = env_lib.get(env_lib.TOKEN)
+  token = cli_types.token(args)
   if args.watch:
     return watch(addresses, interval=args.interval, timeout=args.timeout, token=token)
   return print_status(addresses, timeout=args.timeout, token=token, as_json=args.json)
@@ -210,9 +210,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   s = commands.add_parser(
       "status", help="each tenant's sessions, arena, feeds, batches/s, saves and queue",
       formatter_class=cli_format.DefaultsFormatter,
-      description="Ask each sidecar of the pool for its tenants' use, with the token in "
-                  "$SIDECAR_TOKEN: a tenant's token shows its own row, the pool's peer "
-                  "token every tenant's. Exit status 1 if any sidecar is unreachable.")
+      description="Ask each sidecar of the pool for its tenants' use, with the token of "
+                  "--token-file, $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE: a tenant's token "
+                  "shows its own row, the pool's peer token every tenant's. Exit "
+                  "status 1 if any sidecar is unreachable.")
   cli_types.add_status_flags(
       s, json_help="print one JSON object, for scripts (default: a table)",
       watch_help="redraw the table every --interval seconds, with batches/s, until Ctrl-C "

@@ -3,7 +3,8 @@
 The first run trains from scratch and saves DCP checkpoints through the sidecars; the
 second, a new job beside new sidecars, resumes from the last step saved (from storage,
 the sidecars' RAM tiers being new), with the data where it stopped. Both run under
-``sidecar launch --torch`` in a temporary directory, which is removed afterwards.
+``sidecar launch --torch`` in a temporary directory, which is removed afterwards; no
+process of it imports JAX (``pip install 'colocated-sidecar[torch,digits]'`` is enough).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import tempfile
 from sidecar._src.tools import launch
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "torch_train.py"
+# The digits without Grain: neither the sidecars nor the trainers import JAX.
+PIPELINES = "pipelines.digits_iterable"
 
 
 def run(*, hosts: int = 2, steps: int = 60) -> int:
@@ -24,7 +27,7 @@ def run(*, hosts: int = 2, steps: int = 60) -> int:
   missing = [m for m in ("torch", "sklearn") if importlib.util.find_spec(m) is None]
   if missing:
     print(f"sidecar demo --torch needs {' and '.join(missing)}: "
-          "pip install 'colocated-sidecar[torch,demo]'", file=sys.stderr)
+          "pip install 'colocated-sidecar[torch,digits]'", file=sys.stderr)
     return 1
   if not EXAMPLE.is_file():
     print(f"sidecar demo --torch runs {EXAMPLE}, which this install does not have: run it "
@@ -36,7 +39,7 @@ def run(*, hosts: int = 2, steps: int = 60) -> int:
       print(f"--- run {run_number}: {hosts} ranks beside {hosts} sidecars {what}", flush=True)
       code = launch.run([sys.executable, str(EXAMPLE), "--steps", str(steps), "--dir",
                          str(pathlib.Path(work) / "ckpt")], hosts=hosts,
-                        imports=["pipelines.digits"], shm_size="64MiB", torch=True)
+                        imports=[PIPELINES], shm_size="64MiB", torch=True)
       if code:
         return code
     return 0

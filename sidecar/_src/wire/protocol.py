@@ -248,8 +248,10 @@ def error_from_rpc(e: grpc.RpcError, *, host: str, host_id: int | None = None
   if info is not None:
     return error_from_info(info, host=host, host_id=host_id)
   fallback = _FALLBACK.get(code)
-  if fallback is not None:
-    return fallback(f"{e.details()} (sidecar {host}, host {host_id})")
+  if fallback is not None:  # the sidecar's text may start with the type's name, for grpcurl
+    details = (e.details() or "").removeprefix(f"{fallback.__name__}: ")
+    return fallback(f"{details} (sidecar {host}"
+                    + ("" if host_id is None else f", host {host_id}") + ")")
   return errors.RemoteError(str(code), e.details() or "", host_id=host_id)
 
 

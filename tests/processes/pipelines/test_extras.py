@@ -15,6 +15,8 @@ CASES = [
     ("pipelines.tfds", "tensorflow_datasets",
      "tensorflow-datasets: pip install 'colocated-sidecar[tfds]'"),
     ("pipelines.digits", "sklearn", "scikit-learn: pip install 'colocated-sidecar[demo]'"),
+    ("pipelines.digits_iterable", "sklearn",
+     "scikit-learn: pip install 'colocated-sidecar[digits]'"),
 ]
 
 
@@ -38,3 +40,12 @@ def test_imports_with_its_library(module):
   out = subprocess.run([sys.executable, "-c", f"import {module}; print('imported')"],
                        capture_output=True, text=True, timeout=60, check=True).stdout.strip()
   assert out == "imported"
+
+
+def test_digits_iterable_imports_without_grain_or_jax():
+  # The one built-in pipeline a PyTorch job without JAX can feed from (issue 45, item 4).
+  code = ("import sys\n"
+          "for name in ('jax', 'jaxlib', 'grain'):\n  sys.modules[name] = None\n"
+          "import pipelines.digits_iterable\nprint('imported')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.stdout.strip() == "imported", out.stderr

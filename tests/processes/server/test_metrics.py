@@ -54,8 +54,9 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
       for old, new in zip(before, after):
         assert value(new, "sidecar_feed_batches_total", pipeline="ids") >= value(
             old, "sidecar_feed_batches_total", pipeline="ids") + 3
-        assert value(new, "sidecar_calls_total", kind="feed", name="ids", code="OK") + value(
-            new, "sidecar_calls_total", kind="feed", name="ids", code="CANCELLED") >= 1
+        # A feed its trainer closed ended OK (before: often CANCELLED).
+        assert value(new, "sidecar_calls_total", kind="feed", name="ids", code="OK") >= 1
+        assert value(new, "sidecar_calls_total", kind="feed", name="ids", code="CANCELLED") == 0
         assert value(new, "sidecar_checkpoint_bytes_total", what="staged") >= 8192
         assert value(new, "sidecar_checkpoint_bytes_total", what="written") >= 8192
         assert value(new, "sidecar_call_seconds_count", name="sidecar.ckpt.stage") >= 1

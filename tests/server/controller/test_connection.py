@@ -48,3 +48,34 @@ def test_one_refused_address_among_several_is_named():
     with pytest.raises(sidecar.HostLostError) as info:
       sidecar.Controller([f"127.0.0.1:{a}", f"127.0.0.1:{b}"], connect_timeout=300)
   assert f"127.0.0.1:{a}" in str(info.value) and f"127.0.0.1:{b}" in str(info.value)
+
+
+def test_the_health_port_given_as_the_control_address_is_named_as_such(make_server):
+  server = make_server()
+  # Before: RemoteError: StatusCode.UNIMPLEMENTED: Method not found!
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=rf"127.0.0.1:{server.health_port} answers gRPC but serves no sidecar "
+                           r"control service .*looks like a sidecar's health port; give its "
+                           r"control port instead \(sidecar serve --port"):
+    sidecar.Controller([f"127.0.0.1:{server.health_port}"], connect_timeout=30)
+
+
+def test_a_wrong_token_is_named_once_with_its_type(make_server):
+  server = make_server(token="s3cret")
+  with pytest.raises(sidecar.AuthenticationError) as info:
+    sidecar.Controller([f"127.0.0.1:{server.port}"], token="wrong", connect_timeout=30)
+  # Before: "AuthenticationError: AuthenticationError: missing or wrong token ... host None)".
+  assert str(info.value).startswith("missing or wrong token; pass token=")
+  assert str(info.value).endswith(f"(sidecar 127.0.0.1:{server.port})")
+
+
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_a_socket_path_without_unix_is_hinted(make_server, tmp_path, monkeypatch, relative):
+  server = make_server(listen=f"unix:{tmp_path / 'grpc.sock'}")
+  assert server.options.unix
+  monkeypatch.chdir(tmp_path)
+  path = "grpc.sock" if relative else str(tmp_path / "grpc.sock")
+  # Before: a DNS error ("Domain name not found") and "is `sidecar serve` running there".
+  with pytest.raises(sidecar.HostLostError,
+                     match=rf"it looks like a path: a sidecar on a Unix socket is unix:{path}"):
+    sidecar.Controller([path], connect_timeout=30)

@@ -38,8 +38,15 @@ def test_a_bare_host_takes_the_default_port():
     ("node-3:http", r"has port 'http'; ports are integers in 1..65535"),
     ("node-3:0", r"has port '0'"),
     (":8490", r"names no host"),
+    # Before: "put an IPv6 address in brackets", for a host with its health port added.
+    ("node-3:8490:8491", r"it has 2 ports; give the control port alone, as node-3:PORT"),
+    ("fe80::1:8490", r"put an IPv6 address in brackets"),
+    ("node-3:a:b", r"holds more than one ':'"),
+    # Before: "has no port", or a DNS error from gRPC, for a socket without unix:.
+    ("/run/sidecar/grpc.sock", r"is a path, not .*: a sidecar on a Unix socket is "
+                               r"unix:/run/sidecar/grpc.sock"),
 ], ids=["empty-path", "relative-double-slash", "bare-ipv6", "bracket", "no-port", "named-port",
-        "port-0", "no-host"])
+        "port-0", "no-host", "health-port-added", "ipv6-with-port", "colons", "socket-path"])
 def test_malformed_addresses_name_the_text_and_the_forms(text, match):
   with pytest.raises(sidecar.InvalidArgumentError, match=match):
     address_lib.parse(text, what="address")

@@ -175,7 +175,10 @@ class SaveProtocol:
     """
     done = on_each(
         lambda h: self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
-        hosts=hosts, what=f"abort step {target.step}")
+        hosts=hosts, what=f"abort step {target.step}",
+        then=(f"step {target.step} was not saved (never committed, so no restore sees it; "
+              "restores take the last committed step), and that host's part of it goes "
+              "when its writer gives up or at the directory's next open()"))
     tmp = target.tmp_step
     if target.whole_step and done and tmp and tmp != target.tmp_dir:
       # Every host is done with the step: its tmp directory goes.
@@ -230,8 +233,10 @@ class SaveProtocol:
 
 
 def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],
-            what: str) -> list[int]:
-  """Runs ``start(host)`` on each host at once; returns those that did it, logs the others."""
+            what: str, then: str = "") -> list[int]:
+  """Runs ``start(host)`` on each host at once; returns those that did it, logs the others
+  (with ``then``: what that means for the user's data)."""
+  then = f"; {then}" if then else ""
   futures: dict[int, concurrent.futures.Future] = {}
   for h in hosts:
     try:
@@ -239,14 +244,14 @@ def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequenc
     except errors.SidecarError as e:  # a host known lost: nothing to call
       # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
       # would keep its traceback's frames, and their arrays' arena blocks, alive.
-      log.warning("could not %s on host %d: %s", what, h, str(e))
+      log.warning("could not %s on host %d: %s%s", what, h, str(e), then)
   ok = []
   for h, future in futures.items():
     try:
       future.result()
       ok.append(h)
     except errors.SidecarError as e:
-      log.warning("could not %s on host %d: %s", what, h, str(e))
+      log.warning("could not %s on host %d: %s%s", what, h, str(e), then)
   return ok
 
 

@@ -130,3 +130,13 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_e
                           part=DcpPart(0, ()))
   assert fake.sent == [("abort", 0, "/ckpt/3.dcp-checkpoint-tmp")]  # nothing staged
   assert threading.active_count() == threads  # the stager was joined
+
+
+def test_an_abort_a_host_misses_says_the_step_was_not_saved(caplog):
+  fake = Recording([0])  # host 1 is lost
+  SaveProtocol(client=fake, directory="/ckpt").abort(Target.for_step("/ckpt", 19), [0, 1])
+  (record,) = [r for r in caplog.records if "could not abort" in r.getMessage()]
+  # Before: "could not abort step 19 on host 1: host 1 is lost", and nothing on step 19.
+  assert record.getMessage().startswith("could not abort step 19 on host 1: host 1 is lost; "
+                                        "step 19 was not saved (never committed, so no "
+                                        "restore sees it")
