@@ -47,7 +47,7 @@ import numpy as np
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
-from sidecar._src.core import address as address_lib, env as env_lib, errors
+from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
 from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, protocol
 from sidecar._src.wire.pbscan import encode_varint
@@ -102,8 +102,10 @@ class ReplicaHosts:
 
   ``file``: a file holding that list instead (commas or newlines between entries), read
   each time a link is made: a launcher that learns the ports only once the sidecars run
-  (``LocalCluster`` over TCP) writes it then. Only the sidecar's own configuration names
-  these addresses; a client names a host id (``Replicate``'s ``hosts``).
+  (``LocalCluster`` over TCP) writes it then; or a Slurm job's rendezvous directory, whose
+  ``hosts/H.json`` entries the sidecars write as they serve (core/rendezvous.py). Only the
+  sidecar's own configuration names these addresses; a client names a host id
+  (``Replicate``'s ``hosts``).
   """
 
   def __init__(self, addresses: Sequence[str] = (), *, file: str | None = None):
@@ -116,14 +118,17 @@ class ReplicaHosts:
   def _parse(entries: Sequence[str], where: str) -> tuple[str, ...]:
     return tuple(address_lib.parse(e, what=f"{where} entry").target for e in entries)
 
-  def addresses(self) -> tuple[str, ...]:
+  def addresses(self) -> dict[int, str]:
     """The configured addresses, by host id (the file read now, if there is one).
 
     Raises:
       InvalidArgumentError: the file cannot be read, or holds a malformed entry.
     """
     if not self._file:
-      return self._parse(self._given, "--replica-hosts")
+      return dict(enumerate(self._parse(self._given, "--replica-hosts")))
+    if os.path.isdir(self._file):  # a Slurm job's: each sidecar's entry, once it serves
+      return {e.host_id: address_lib.Address(host=e.address, port=e.port).target
+              for e in rendezvous.read_hosts(self._file)}
     try:
       with open(self._file, encoding="utf-8") as f:
         text = f.read()
@@ -131,7 +136,7 @@ class ReplicaHosts:
       raise errors.InvalidArgumentError(
           f"cannot read --replica-hosts-file {self._file}: {e.strerror or e}") from None
     entries = [s.strip() for s in text.replace("\n", ",").split(",") if s.strip()]
-    return self._parse(entries, f"--replica-hosts-file {self._file}")
+    return dict(enumerate(self._parse(entries, f"--replica-hosts-file {self._file}")))
 
   def describe(self) -> str:
     """The configured hosts, for messages."""
@@ -142,7 +147,7 @@ class ReplicaHosts:
       return f"{where}: {e}"
     if not found:
       return f"none ({where} is empty)"
-    return f"{where}: " + ", ".join(f"host {i} {a}" for i, a in enumerate(found))
+    return f"{where}: " + ", ".join(f"host {i} {a}" for i, a in sorted(found.items()))
 
   def target(self, host_id: object, *, own: int) -> ReplicaTarget:
     """Host ``host_id``'s replica target, from the configured list.
@@ -153,7 +158,7 @@ class ReplicaHosts:
     """
     found = self.addresses()
     if (not isinstance(host_id, int) or isinstance(host_id, bool) or host_id == own
-        or not 0 <= host_id < len(found)):
+        or host_id not in found):
       why = "is this sidecar itself" if host_id == own else "is not one of them"
       raise errors.InvalidArgumentError(
           f"replica target host {host_id!r} {why}: host {own} sends replicas only to the "
