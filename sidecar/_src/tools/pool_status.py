@@ -2,7 +2,8 @@
 
 Read with the Status RPC (``controller/status.fetch``), as ``sidecar status`` is: its
 ``tenants`` rows (``TenantStatus``). A tenant's token shows that tenant's row only; the
-pool's peer token every tenant's. ``--json`` prints one object for scripts; ``--watch``
+pool's peer token, the sidecars' own, none (every tenant's is in the metrics). ``--json``
+prints one object for scripts; ``--watch``
 redraws the table every ``--interval`` seconds, batches/s measured between two refreshes.
 
 Figures a sidecar does not report (an older one, or one whose ``TenantStatus`` lacks the
@@ -211,8 +212,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
       "status", help="each tenant's sessions, arena, feeds, batches/s, saves and queue",
       formatter_class=cli_format.DefaultsFormatter,
       description="Ask each sidecar of the pool for its tenants' use, with the token in "
-                  "$SIDECAR_TOKEN: a tenant's token shows its own row, the pool's peer "
-                  "token every tenant's. Exit status 1 if any sidecar is unreachable.")
+                  "$SIDECAR_TOKEN: a tenant's token shows its own row (every tenant's is in "
+                  "the metrics, --metrics-port). Exit status 1 if any sidecar is unreachable.")
   cli_types.add_status_flags(
       s, json_help="print one JSON object, for scripts (default: a table)",
       watch_help="redraw the table every --interval seconds, with batches/s, until Ctrl-C "
