@@ -323,16 +323,18 @@ class Tenancy:
           + ("not this sidecar's" if self._peer else "set, this sidecar has none")
           + "; give every sidecar of the job the same --peer-token-file (or "
           "SIDECAR_PEER_TOKEN)")
-    if pool is None or not peer.tenant:
+    if not peer.tenant:
       if pool is not None and pool.quotas:
         raise errors.AuthenticationError(
             "the sidecars' replica link named no tenant, and this sidecar serves a pool "
             f"({pool.path}): every replica is some tenant's; give every sidecar the same pool")
+      if pool is not None and len(pool.tenants) == 1:
+        return pool.tenants[0].name  # the shared token's one tenant, as its workers
       return None
-    if peer.tenant not in pool.by_name():
+    if pool is None or peer.tenant not in pool.by_name():
       raise errors.AuthenticationError(
           f"the sidecars' replica link is for tenant {peer.tenant!r}, which is not in this "
-          f"sidecar's pool ({pool.path or 'its tokens'}); "
+          f"sidecar's pool ({(pool.path or 'its tokens') if pool else 'none'}); "
           "give every sidecar of the pool the same pool file")
     return peer.tenant
 

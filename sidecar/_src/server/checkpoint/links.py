@@ -297,7 +297,8 @@ class ReplicaLink:
       if reply.identity.host_id != peer.host_id:
         raise errors.InvalidArgumentError(
             f"the sidecar at {peer.address} is host {reply.identity.host_id}, not host "
-            f"{peer.host_id} as the controller said")
+            f"{peer.host_id} as this sidecar's --replica-hosts says (entry {peer.host_id}); "
+            "list the job's sidecars in host order")
       self._metadata = auth + ((protocol.SESSION_KEY, reply.session),)
       here = shm.boot_id()
       if (shared_memory and here and reply.identity.boot_id == here
