@@ -188,8 +188,7 @@ def attach(peer: ReplicaTarget, socket_path: str, *, peer_token: str | None,
   except (errors.AuthenticationError, errors.PermissionDeniedError) as e:
     raise type(e)(
         f"the sidecars' own replica link (host {peer.host_id}'s worker socket {socket_path}, "
-        f"for tenant {tenant or '(none)'}) was refused: {e}. Give every sidecar of the job "
-        "the same --peer-token-file (or SIDECAR_PEER_TOKEN) and pool file") from None
+        f"for tenant {tenant or '(none)'}) was refused: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
