@@ -224,6 +224,7 @@ def make_server(tmp_path):
   from tests.support import sidecar_fns  # noqa: F401  (registers into the default registry)
 
   servers = []
+  replica_hosts = tmp_path / "replica-hosts"
 
   def make(**kw):
     reg = kw.pop("registry", None)
@@ -236,10 +237,15 @@ def make_server(tmp_path):
     kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))
     kw.setdefault("peer_token", PEER_TOKEN)  # the servers of one test are one job's peers
     kw.setdefault("listen", "127.0.0.1")  # or unix:PATH
+    if "replica_hosts" not in kw:  # the test's servers by host id, as LocalCluster's
+      kw.setdefault("replica_hosts_file", str(replica_hosts))
     opts = options_lib.ServerOptions(port=0, health_port=0,
                                  socket_path=str(tmp_path / f"s{len(servers)}.sock"), **kw)
     server = Server(opts, registry=reg).start()
     servers.append(server)
+    by_host = {s.options.host_id: s for s in servers}
+    replica_hosts.write_text("\n".join(
+        by_host[h].address for h in range(len(by_host)) if h in by_host))
     return server
 
   yield make

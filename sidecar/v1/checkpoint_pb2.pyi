@@ -325,29 +325,17 @@ class DropRamTierResponse(_message.Message):
     kept: _containers.RepeatedCompositeFieldContainer[RamTierSteps]
     def __init__(self, dropped: _Optional[_Iterable[_Union[RamTierSteps, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[RamTierSteps, _Mapping]]] = ...) -> None: ...
 
-class Peer(_message.Message):
-    __slots__ = ("host_id", "address", "socket", "boot_id")
-    HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    SOCKET_FIELD_NUMBER: _ClassVar[int]
-    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
-    host_id: int
-    address: str
-    socket: str
-    boot_id: str
-    def __init__(self, host_id: _Optional[int] = ..., address: _Optional[str] = ..., socket: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
-
 class CheckpointReplicateRequest(_message.Message):
-    __slots__ = ("final_dir", "peers", "timeout_s", "bandwidth")
+    __slots__ = ("final_dir", "hosts", "timeout_s", "bandwidth")
     FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
-    PEERS_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     final_dir: str
-    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    hosts: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
     bandwidth: int
-    def __init__(self, final_dir: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., bandwidth: _Optional[int] = ...) -> None: ...
+    def __init__(self, final_dir: _Optional[str] = ..., hosts: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., bandwidth: _Optional[int] = ...) -> None: ...
 
 class CheckpointReplicateResponse(_message.Message):
     __slots__ = ("peers", "shards", "bytes", "seconds")
@@ -362,16 +350,18 @@ class CheckpointReplicateResponse(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[int]] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("directory", "step", "final_dir", "source")
+    __slots__ = ("directory", "step", "final_dir", "source", "tenant")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
     final_dir: str
     source: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., final_dir: _Optional[str] = ..., source: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., final_dir: _Optional[str] = ..., source: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ReplicaBlock(_message.Message):
     __slots__ = ("shard", "data", "crc32c")

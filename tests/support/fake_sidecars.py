@@ -18,7 +18,6 @@ import numpy as np
 
 from sidecar._src.ckptfmt.records import (
   Manifest,
-  ReplicaTarget,
   Replicated,
   SavedLeaf,
   ShardChecksum,
@@ -196,9 +195,8 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("forget", host)
 
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
-    assert all(isinstance(t, ReplicaTarget) for t in targets), targets
-    return self._phase("replicate", host, Replicated(tuple(t.host_id for t in targets), 0, 0,
-                                                      0.0))
+    assert all(type(t) is int for t in targets), targets  # host ids: never an address
+    return self._phase("replicate", host, Replicated(tuple(targets), 0, 0, 0.0))
 
   def held(self, host, directory, *, timeout=None):
     own = {item: list(shards) for (h, item), shards in self.staged.items()

@@ -94,7 +94,7 @@ ADVICE_JOBSET = (
     "Check that their pods are running (kubectl get pods -l "
     "jobset.sigs.k8s.io/jobset-name=NAME), that the health port matches "
     "SIDECAR_HEALTH_PORT, and raise the timeout if pods are still being scheduled.")
-_JOBSET_VARS = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
+JOBSET_VARS = (env_lib.JOBSET_NAME, env_lib.REPLICATED_JOB, env_lib.NUM_SLICES,
                 env_lib.HOSTS_PER_SLICE)
 
 
@@ -280,13 +280,13 @@ def endpoints_from_env(env: Mapping[str, str] | None = None) -> tuple[Endpoint, 
                          maximum=65535)
   if env.get(env_lib.HOSTS, "").strip():
     return _from_host_list(env, port, health_port)
-  missing = [name for name in _JOBSET_VARS if not env.get(name, "").strip()]
+  missing = [name for name in JOBSET_VARS if not env.get(name, "").strip()]
   if missing:
     raise errors.InvalidArgumentError(
         f"cannot find the sidecars: {', '.join(missing)} not set. Set SIDECAR_HOSTS to a "
         "comma-separated list of HOST[:PORT[:HEALTH_PORT]] or unix:PATH, SIDECAR_CLUSTER_FILE "
         "to a service's cluster.env, run in a Slurm job of `sidecar slurm batch`, or in a "
-        f"JobSet pod whose env sets {', '.join(_JOBSET_VARS)} (the manifests in k8s/ do; see "
+        f"JobSet pod whose env sets {', '.join(JOBSET_VARS)} (the manifests in k8s/ do; see "
         "docs/kubernetes.md).")
   return _from_jobset(env, port, health_port)
 

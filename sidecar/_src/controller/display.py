@@ -44,7 +44,7 @@ TENANT_HEADER = ["host", "tenant", "sessions", "workers", "arena (guaranteed / c
 
 def tenant_rows(rows: Sequence[Row]) -> list[list[str]]:
   """One row per host and tenant of a pool's sidecars (``sidecar serve --pool``): the
-  tenant's own row for its token, every tenant's for the pool's operator; none elsewhere."""
+  tenant's own row for its token; none elsewhere (the pool's peer token is no tenant's)."""
   out = []
   for host, _, s in rows:
     if isinstance(s, Exception):

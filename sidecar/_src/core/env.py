@@ -103,6 +103,16 @@ PEER_TOKEN = _var(
     "SIDECAR_PEER_TOKEN", "the token sidecars present to their peers; only a session that "
     "presented it may send replicas", default="SIDECAR_PEER_TOKEN_FILE's content, else none: "
     "no replicas are accepted", readers=f"{_SERVE}, sidecar launch, LocalCluster (which make one)")
+REPLICA_HOSTS = _var(
+    "SIDECAR_REPLICA_HOSTS", "--replica-hosts: the job's sidecars by host id (HOST:PORT or "
+    "unix:PATH, comma-separated), the only places a sidecar sends replicas to",
+    default="SIDECAR_REPLICA_HOSTS_FILE's list, else SIDECAR_HOSTS' or the JobSet's sidecars "
+    "where the sidecar's environment names them, else none: no replicas are sent",
+    readers=f"{_SERVE}, LocalCluster and the launchers (which set it)")
+REPLICA_HOSTS_FILE = _var(
+    "SIDECAR_REPLICA_HOSTS_FILE", "--replica-hosts-file: a file listing the job's sidecars "
+    "as SIDECAR_REPLICA_HOSTS does, read when a replica link is made",
+    default="none", readers=_SERVE)
 PEER_TOKEN_FILE = _var(
     "SIDECAR_PEER_TOKEN_FILE", "a file holding the peer token (read if no PEER_TOKEN)",
     default="no peer token", readers=f"{_SERVE} --peer-token-file")

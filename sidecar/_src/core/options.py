@@ -98,6 +98,11 @@ class ServerOptions:
   pool: str | None = None
   # What peer sidecars present at the handshake: only their sessions may send replicas.
   peer_token: str | None = None
+  # The job's (or pool's) sidecars, by host id (gRPC addresses: HOST:PORT or unix:PATH):
+  # the only places this one sends replicas to; or a file holding that list, read when a
+  # link is made (for launchers that learn the ports once the sidecars run).
+  replica_hosts: tuple[str, ...] = ()
+  replica_hosts_file: str | None = None
   insecure: bool = False  # serve a non-loopback address without a token (logged as a warning)
   max_message_size: int = 256 << 20
   inline_limit: int = 64 << 10
@@ -162,6 +167,15 @@ class ServerOptions:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
     for name in ("token", "peer_token"):
       check_token(getattr(self, name), name)
+    if not isinstance(self.replica_hosts, tuple) or any(
+        not isinstance(a, str) for a in self.replica_hosts):
+      raise ValueError(f"replica_hosts must be a tuple of gRPC addresses (--replica-hosts "
+                       f"HOST:PORT,unix:PATH,...), got {self.replica_hosts!r}")
+    for a in self.replica_hosts:
+      address_lib.parse(a, what="a --replica-hosts entry")
+    if self.replica_hosts and self.replica_hosts_file:
+      raise ValueError("replica_hosts and replica_hosts_file exclude each other: list the "
+                       "job's sidecars in one place (--replica-hosts or --replica-hosts-file)")
     if self.client_tokens:
       if self.token is not None:
         raise ValueError("token and client_tokens exclude each other: give the shared token "

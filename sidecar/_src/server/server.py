@@ -236,7 +236,7 @@ class Server:
           "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     pool = self._pool(o)
-    self.tenancy = tenants_lib.Tenancy(pool)
+    self.tenancy = tenants_lib.Tenancy(pool, peer_token=o.peer_token)
     self.arena = shm.Arena.create(o.shm_size)
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
@@ -253,6 +253,7 @@ class Server:
         token=o.peer_token if named else o.token,
         peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
         spare=self.leases.spare,
+        replica_hosts=links_lib.ReplicaHosts(o.replica_hosts, file=o.replica_hosts_file),
         peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))

@@ -194,6 +194,7 @@ class Service:
     """A serialized CallResponse (``UnaryCalls.run_serialized``: no copy of a result's
     large arrays beyond the one into these bytes)."""
     session = self._require_session(context)
+    self._no_peer(session, "Call")
     with tenants_lib.acting_as(self._sessions.client(session)):
       return self._unary.run_serialized(raw, session, alive=context.is_active,
                                         time_left=context.time_remaining)
@@ -210,11 +211,19 @@ class Service:
       return self._unary.run_parts_serialized(
           total, itertools.chain((first,), requests), session, alive=context.is_active,
           time_left=context.time_remaining, limit=self._max_request)
+  def _no_peer(self, session: str, what: str) -> None:
+    """PermissionDeniedError for a session of the pool's peer token (client ""): the
+    sidecars' own, for their replicas only; it is no tenant and has no quotas to run by."""
+    if self._tokens.named and self._sessions.client(session) == "":
+      raise errors.PermissionDeniedError(
+          f"{what}: the peer token is the sidecars' own, for their replicas only; it is no "
+          "tenant of this sidecar's pool: present a tenant's token")
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
     # The slot before the first message: a stream that never sends one holds a thread too.
     session = self._require_session(context)
+    self._no_peer(session, "Stream")
     with self._streams.hold(session):  # RESOURCE_EXHAUSTED when full
       first = codec.parse(pb.StreamRequest, next(requests, b""))
       if first.WhichOneof("kind") != "start":
@@ -264,9 +273,10 @@ class Service:
         tenants=self._tenant_status(client))
 
   def _tenant_status(self, client: str | None) -> list[pb.TenantStatus]:
-    """The caller's own tenant's row (with a pool file); every tenant's for the pool's peer
-    token (its operator's: client ""), none for a caller of no tenant."""
-    return [] if client is None else self.tenant_status(client or None)
+    """The caller's own tenant's row (with a pool file); none for a caller of no tenant,
+    the pool's peer token included (client ""): it is the sidecars' own, no tenant's, and
+    sees no tenant's use (every tenant's is in the metrics, --metrics-port)."""
+    return self.tenant_status(client) if client else []
 
   def tenant_status(self, client: str | None = None) -> list[pb.TenantStatus]:
     """Each tenant's use now (with a pool file), or ``client``'s only: what Status and

@@ -96,6 +96,19 @@ class TenantCheckpoints(CheckpointHost):
   def clients_mode(self) -> str:
     pool = self._tenancy.pool
     return super().clients_mode() if pool is None else pool.mode()
+  def accept_replica(self, tenant: str | None, directory: str) -> None:
+    """A replica is some tenant of the pool's, in its checkpoint roots; its committed
+    copies count in that tenant's RAM-tier group here (``ram_tier``), whether or not the
+    tenant opened the directory on this host."""
+    if not self._tenancy.quotas:
+      return
+    t = self._tenancy.tenant(tenant)
+    if t is None:
+      raise errors.PermissionDeniedError(
+          f"a replica of {directory!r:.200} for tenant {tenant!r}, which is not in this "
+          f"sidecar's pool ({self._tenancy.where(tenant or '')}): every replica is a "
+          "tenant's; give every sidecar of the pool the same pool file")
+    self.open_for(t.name, directory)  # its roots, its directories, its RAM-tier group
 
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     t = self._tenancy.tenant(client)

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import dataclasses
 import hmac
+import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -182,6 +183,33 @@ def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumen
 
 # ---- at run time ----------------------------------------------------------------------
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerAttach:
+  """What a peer sidecar's replica link presents at a worker-socket attach, in the place of
+  a tenant's token: the peer token, and the tenant whose replicas its blocks will hold (as
+  the sending sidecar authenticated it; "" outside pools). The peer token is not a tenant:
+  the blocks count against ``tenant``."""
+  PREFIX = "sidecar-peer-attach:"
+  peer_token: str = dataclasses.field(repr=False)
+  tenant: str = ""
+
+  def token(self) -> str:
+    return self.PREFIX + json.dumps({"peer_token": self.peer_token, "tenant": self.tenant})
+
+  @classmethod
+  def parse(cls, token: object) -> PeerAttach | None:
+    """The PeerAttach ``token`` is, or None where it is no such thing (a tenant's token)."""
+    if not isinstance(token, str) or not token.startswith(cls.PREFIX):
+      return None
+    try:
+      d = json.loads(token[len(cls.PREFIX):])
+      return cls(str(d["peer_token"]), str(d.get("tenant") or ""))
+    except (ValueError, KeyError, TypeError):
+      raise errors.AuthenticationError(
+          "a malformed peer attach (the sidecars' replica link) at the worker socket") from None
+
+
 # The tenant a unary call runs for, set by its way in (the gRPC service, the worker
 # socket) while it runs: the budgets that see only bytes (inline requests) and the
 # allowlists read it.
@@ -204,10 +232,13 @@ class Tenancy:
 
   Args:
     pool: the tenants; None: no authentication (every session is nobody's).
+    peer_token: what the job's other sidecars prove at a worker-socket attach (their
+      replica links, :class:`PeerAttach`); None: no sidecar's link is taken there.
   """
 
-  def __init__(self, pool: Pool | None):
+  def __init__(self, pool: Pool | None, *, peer_token: str | None = None):
     self._lock = threading.Lock()
+    self._peer = peer_token
     self._pool = pool
     self._tenants: dict[str, Tenant] = pool.by_name() if pool else {}
     self._workers: dict[str, str] = {}  # worker session -> tenant
@@ -260,10 +291,14 @@ class Tenancy:
 
     Raises:
       AuthenticationError: with a pool file, a worker with no token or a wrong one, whose
-        user no tenant names.
+        user no tenant names; a peer sidecar's link (:class:`PeerAttach`) with a wrong peer
+        token or a tenant not in the pool.
     """
     with self._lock:
       pool = self._pool
+    peer = PeerAttach.parse(token)
+    if peer is not None:
+      return self._peer_tenant(peer, pool)
     if pool is None:
       return None
     found = None
@@ -289,6 +324,30 @@ class Tenancy:
           "pool sidecar refused, not a trainer: replicate over gRPC (SIDECAR_REPLICA_SHM=0 "
           "for the sending sidecar)")
     return None
+
+  def _peer_tenant(self, peer: PeerAttach, pool: Pool | None) -> str | None:
+    """The tenant a peer sidecar's replica link attaches for, once its peer token holds."""
+    if self._peer is None or not hmac.compare_digest(
+        peer.peer_token.encode(errors="replace"), self._peer.encode()):
+      raise errors.AuthenticationError(
+          "the sidecars' replica link was refused at this worker socket: its peer token is "
+          + ("not this sidecar's" if self._peer else "set, this sidecar has none")
+          + "; give every sidecar of the job the same --peer-token-file (or "
+          "SIDECAR_PEER_TOKEN)")
+    if not peer.tenant:
+      if pool is not None and pool.quotas:
+        raise errors.AuthenticationError(
+            "the sidecars' replica link named no tenant, and this sidecar serves a pool "
+            f"({pool.path}): every replica is some tenant's; give every sidecar the same pool")
+      if pool is not None and len(pool.tenants) == 1:
+        return pool.tenants[0].name  # the shared token's one tenant, as its workers
+      return None
+    if pool is None or peer.tenant not in pool.by_name():
+      raise errors.AuthenticationError(
+          f"the sidecars' replica link is for tenant {peer.tenant!r}, which is not in this "
+          f"sidecar's pool ({(pool.path or 'its tokens') if pool else 'none'}); "
+          "give every sidecar of the pool the same pool file")
+    return peer.tenant
 
   def add_worker(self, session: str, tenant: str | None) -> None:
     if tenant is not None:

@@ -53,6 +53,21 @@ def load_user_code(modules: Sequence[str]) -> None:
     raise SystemExit(f"sidecar serve: {e}") from e
 
 
+def _replica_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+  """``--replica-hosts``, else (with no ``--replica-hosts-file``) the job's sidecars as
+  ``SIDECAR_HOSTS`` or a JobSet's variables name them in the sidecar's environment, else
+  none."""
+  if args.replica_hosts:
+    return tuple(e.strip() for e in args.replica_hosts.split(",") if e.strip())
+  if args.replica_hosts_file:
+    return ()
+  from sidecar._src.controller import discovery
+  env = os.environ
+  named = env.get(env_lib.HOSTS, "").strip() or all(
+      env.get(n, "").strip() for n in discovery.JOBSET_VARS)
+  return tuple(e.address for e in discovery.endpoints_from_env(env)) if named else ()
+
+
 def _serve(args: argparse.Namespace) -> int:
   platform.apply_to_sidecar()  # JAX on the CPU, before anything imports it: never the chip
   imports = list(args.imports or []) + [
@@ -61,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     token = env_lib.token(args.token_file)
     peer_token = env_lib.peer_token(args.peer_token_file)
     client_tokens = env_lib.client_tokens(args.client_tokens)
+    replica_hosts = _replica_hosts(args)
   except (OSError, errors.InvalidArgumentError) as e:
     print(f"sidecar serve: {e}", file=sys.stderr)
     return 2
@@ -76,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         peer_token=peer_token, client_tokens=client_tokens, pool=pool,
+        replica_hosts=replica_hosts, replica_hosts_file=args.replica_hosts_file,
         insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
         metrics_port=args.metrics_port, session_quota=args.session_quota,
@@ -327,6 +344,17 @@ def parser() -> argparse.ArgumentParser:
                       "only they may send replicas, never a controller (default: "
                       "$SIDECAR_PEER_TOKEN_FILE; $SIDECAR_PEER_TOKEN gives it itself; else "
                       "none: no replicas are accepted)")
+  s.add_argument("--replica-hosts", default=_env(env_lib.REPLICA_HOSTS), metavar="LIST",
+                 help="the job's sidecars in host order, HOST:PORT or unix:PATH, "
+                      "comma-separated: the only places this one sends replicas to (a client "
+                      "names a host id, never an address) (default: $SIDECAR_REPLICA_HOSTS, "
+                      "else SIDECAR_HOSTS' or a JobSet's sidecars where the environment "
+                      "names them, else none: no replicas are sent)")
+  s.add_argument("--replica-hosts-file", default=_env(env_lib.REPLICA_HOSTS_FILE),
+                 metavar="FILE",
+                 help="instead of --replica-hosts: a file holding that list, read when a "
+                      "replica link is made (for launchers that learn the ports after "
+                      "start) (default: $SIDECAR_REPLICA_HOSTS_FILE, else none)")
   s.add_argument("--session-quota", type=cli_types.quota, metavar="SHARE",
                  default=_env(env_lib.SESSION_QUOTA, "0.9"),
                  help="what one worker session may hold of the arena: a fraction (0.5) or a "

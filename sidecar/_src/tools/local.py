@@ -163,10 +163,19 @@ class LocalCluster:
       for h in range(self.num_hosts):
         self._procs.append(self._spawn(h))
       self._ready = [self._wait_ready(h) for h in range(self.num_hosts)]
+      self._write_replica_hosts()
     except BaseException:
       self.close()
       raise
     return self
+
+  def _write_replica_hosts(self) -> None:
+    """The sidecars' --replica-hosts-file: every sidecar's address by host id, once each
+    serves (over TCP their ports are known only then). Written whole, then renamed."""
+    path = self._replica_hosts()
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.write("\n".join(self.addresses) + "\n")
+    os.replace(path + ".tmp", path)
 
   def _spawn(self, h: int, *, port: int = 0, health_port: int = 0) -> subprocess.Popen:
     d = self.devices_per_host
@@ -177,6 +186,8 @@ class LocalCluster:
     args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(h), "--slice-id", "0",
             *ids, *listen, "--socket", self.socket(h), "--shm-size", str(self.shm_size),
             "--ready-file", self._path(h, "json"), "--exit-with-parent", str(os.getpid()),
+            # The job's sidecars, the only replica targets: written once all serve.
+            "--replica-hosts-file", self._replica_hosts(),
             *(f"--checkpoint-root={r}" for r in self.checkpoint_roots),
             *(["--metrics-port", "0"] if self._metrics else []),
             *(["--pool", self.pool] if self.pool else []), *self._extra_args]
@@ -194,6 +205,8 @@ class LocalCluster:
       env.pop(env_lib.CLIENT_TOKENS_FILE, None)
     env[env_lib.PEER_TOKEN] = self._peer_token
     env.pop(env_lib.PEER_TOKEN_FILE, None)
+    env.pop(env_lib.REPLICA_HOSTS, None)  # the file above names them
+    env.pop(env_lib.REPLICA_HOSTS_FILE, None)
     if not self._assign_device_ids:
       env.pop(env_lib.DEVICE_IDS, None)  # `sidecar serve` would read it as --device-ids
     log = open(self._path(h, "log"), "ab")  # a restarted host appends
@@ -205,6 +218,9 @@ class LocalCluster:
     if self._dir is None:
       raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
     return os.path.join(self._dir, f"host{h}.{ext}")
+
+  def _replica_hosts(self) -> str:
+    return os.path.join(os.path.dirname(self._path(0, "log")), "replica-hosts")
 
   def socket(self, host_id: int) -> str:
     """The worker Unix socket of host ``host_id``."""

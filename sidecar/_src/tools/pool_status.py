@@ -2,7 +2,8 @@
 
 Read with the Status RPC (``controller/status.fetch``), as ``sidecar status`` is: its
 ``tenants`` rows (``TenantStatus``). A tenant's token shows that tenant's row only; the
-pool's peer token every tenant's. ``--json`` prints one object for scripts; ``--watch``
+pool's peer token, the sidecars' own, none (every tenant's is in the metrics). ``--json``
+prints one object for scripts; ``--watch``
 redraws the table every ``--interval`` seconds, batches/s measured between two refreshes.
 
 Figures a sidecar does not report (an older one, or one whose ``TenantStatus`` lacks the
@@ -212,7 +213,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
       formatter_class=cli_format.DefaultsFormatter,
       description="Ask each sidecar of the pool for its tenants' use, with the token of "
                   "--token-file, $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE: a tenant's token "
-                  "shows its own row, the pool's peer token every tenant's. Exit "
+                  "shows its own row, the pool's operator token every tenant's. Exit "
                   "status 1 if any sidecar is unreachable.")
   cli_types.add_status_flags(
       s, json_help="print one JSON object, for scripts (default: a table)",

@@ -209,7 +209,7 @@ class StorageWriter(_Writer):
                  placement: dict[int, list[int]]) -> concurrent.futures.Future | None:
     """Each host's part, committed, to its peers' RAM tiers: a lost sidecar's part is then
     restored from memory, with no storage read. Returns at once; None with no replicas."""
-    replication = protocol.start_replication(target, placement, self._site.records,
+    replication = protocol.start_replication(target, placement,
                                              bandwidth=self.options.bandwidth)
     if replication is None:
       return None

@@ -3,7 +3,7 @@
 Both sides of the ``Checkpoint`` service use these: the controller's client
 (``controller/checkpoint/client.py``) and the sidecar's servicer
 (``server/checkpoint/service.py``). Each side holds ``ckptfmt``'s frozen types
-(``records``: ``ShardId``, ``StagedShard``, ``ShardChecksum``, ``ReplicaTarget``,
+(``records``: ``ShardId``, ``StagedShard``, ``ShardChecksum``,
 ``Replicated``, ``Held``, ``Manifest``; ``spec.LeafSpec``; a format's typed parts); this
 module converts them to and from protobuf and does nothing else. Every ``*_from_pb``
 checks what the message cannot say itself (an interval's order, a dtype on the
@@ -30,7 +30,6 @@ from sidecar._src.ckptfmt.records import (
   ReplicaBlock,
   ReplicaHeader,
   ReplicaPart,
-  ReplicaTarget,
   Replicated,
   SavedLeaf,
   ShardChecksum,
@@ -254,18 +253,6 @@ def replicas_from_pb(source: Mapping[int, ckpt_pb.HostIds]) -> dict[int, list[in
   return {int(h): list(v.hosts) for h, v in source.items()}
 
 
-def replica_target_to_pb(t: ReplicaTarget) -> ckpt_pb.Peer:
-  return ckpt_pb.Peer(host_id=t.host_id, address=t.address, socket=t.socket,
-                      boot_id=t.boot_id)
-
-
-def replica_target_from_pb(p: ckpt_pb.Peer, where: str) -> ReplicaTarget:
-  if not p.address:
-    raise errors.InvalidArgumentError(
-        f"{where}: a replica target needs its address ('host:port' or 'unix:PATH')")
-  return ReplicaTarget(p.host_id, p.address, p.socket, p.boot_id)
-
-
 def replicated_to_pb(r: Replicated) -> ckpt_pb.CheckpointReplicateResponse:
   return ckpt_pb.CheckpointReplicateResponse(peers=r.hosts, shards=r.shards, bytes=r.nbytes,
                                              seconds=r.seconds)
@@ -275,9 +262,10 @@ def replicated_from_pb(r: ckpt_pb.CheckpointReplicateResponse) -> Replicated:
   return Replicated(tuple(r.peers), r.shards, r.bytes, r.seconds)
 
 
-def replica_header_to_pb(h: ReplicaHeader) -> ckpt_pb.ReplicaHeader:
+def replica_header_to_pb(h: ReplicaHeader, tenant: str | None = None) -> ckpt_pb.ReplicaHeader:
+  """``h`` with the tenant whose replica it is (the sender authenticated it; None: none)."""
   return ckpt_pb.ReplicaHeader(directory=h.directory, step=h.step, final_dir=h.final_dir,
-                               source=h.source)
+                               source=h.source, tenant=tenant or "")
 
 
 def replica_header_from_pb(h: ckpt_pb.ReplicaHeader, where: str) -> ReplicaHeader:

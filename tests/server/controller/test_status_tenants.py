@@ -1,6 +1,7 @@
 """Tier 2: plain ``sidecar status`` and a Controller's repr on a pool's sidecar (issue 37):
-a tenants table beside the hosts', the operator's with every tenant, a tenant's with its
-own row only; nothing of it on a sidecar without a pool."""
+a tenants table beside the hosts', a tenant's with its own row only, none for the pool's
+peer token (the sidecars' own, no tenant: issue 42); nothing of it on a sidecar without a
+pool."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from sidecar._src.arena.worker import Worker
 from sidecar._src.controller import status as status_lib
 from tests.conftest import PEER_TOKEN
-from tests.support.pool_files import ALICE, controller, write_pool
+from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
 pytestmark = pytest.mark.server
 
@@ -33,15 +34,16 @@ def test_status_shows_each_tenants_row(make_server, tmp_path, capsys):
     block = worker.put(np.ones(1 << 20, np.uint8), timeout=10)
     with controller(server, ALICE) as ctl:
       assert status_lib.print_status([address], timeout=5, token=PEER_TOKEN) == 0
+      assert "TENANT" not in capsys.readouterr().out  # the sidecars' token: no tenant's rows
+      assert status_lib.print_status([address], timeout=5, token=ALICE) == 0
       rows = _tenant_lines(capsys.readouterr().out)
-      assert set(rows) == {"alice", "bob"}
+      assert set(rows) == {"alice"}
       # host, tenant, sessions, workers, arena held (guaranteed / ceiling), ...
       assert rows["alice"][:5] == ["0", "alice", "1", "1", "1.0"]
       # feeds, feed workers, batches, saves, RAM tier ("0 B (no quota)"), queue
       assert rows["alice"][-9:] == ["0", "0", "0", "0", "0", "B", "(no", "quota)", "0"]
-      assert rows["bob"][2:4] == ["0", "0"]
-      assert status_lib.print_status([address], timeout=5, token=ALICE) == 0
-      assert set(_tenant_lines(capsys.readouterr().out)) == {"alice"}
+      assert status_lib.print_status([address], timeout=5, token=BOB) == 0
+      assert _tenant_lines(capsys.readouterr().out)["bob"][2:4] == ["0", "0"]
       shown = repr(ctl)  # the Controller's own view: its tenant's row
       assert "tenant" in shown and "alice" in shown and "bob" not in shown
       assert "<th style='text-align:left'>queue</th>" in ctl._repr_html_()

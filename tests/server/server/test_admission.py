@@ -16,7 +16,7 @@ import sidecar
 from sidecar._src.arena.worker import Worker
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
-from tests.conftest import PEER_TOKEN, eventually
+from tests.conftest import eventually
 from tests.support.pool_files import ALICE, BOB, write_pool
 
 pytestmark = pytest.mark.server
@@ -32,7 +32,11 @@ class _Context:
     return self._metadata
 
 
-def _rows(server, token=PEER_TOKEN):
+def _rows(server, token=None):
+  """Every tenant's row as the metrics see them (token None), or what ``token``'s Status
+  shows."""
+  if token is None:
+    return {t.name: t for t in server.service.tenant_status()}
   status = server.service.status(pb.StatusRequest().SerializeToString(), _Context(token))
   return {t.name: t for t in status.tenants}
 

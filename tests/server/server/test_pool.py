@@ -105,9 +105,11 @@ def test_arena_ceiling_and_guarantee_hold_for_workers(pool_server):
     (row,) = status.tenants  # bob sees his own row only
     assert (row.name, row.arena_bytes, row.arena_guaranteed, row.workers) == (
         "bob", 4 << 20, 4 << 20, 1)
-    every = pool_server.service.status(pb.StatusRequest().SerializeToString(),
-                                       _Context(PEER_TOKEN))  # the pool's operator
-    assert [(t.name, t.arena_bytes, t.arena_ceiling) for t in every.tenants] == [
+    peer = pool_server.service.status(pb.StatusRequest().SerializeToString(),
+                                      _Context(PEER_TOKEN))  # the sidecars' own: no tenant
+    assert not peer.tenants
+    every = pool_server.service.tenant_status()  # what the metrics report
+    assert [(t.name, t.arena_bytes, t.arena_ceiling) for t in every] == [
         ("alice", 3 << 20, 3 << 20), ("bob", 4 << 20, 8 << 20)]
     del a, b
   finally:

@@ -373,6 +373,28 @@ def test_a_worker_says_whose_it_is(tmp_path):
   assert tenants_lib.Tenancy(None).worker_tenant("x") is None
 
 
+def test_a_peer_sidecars_link_attaches_for_the_tenant_it_names(tmp_path):
+  """A replica link's attach proves the peer token and names its tenant (issue 42): taken
+  for that tenant; a wrong peer token, an unknown tenant or none in a pool, refused as the
+  sidecars' link (not a trainer's environment)."""
+  pool = pool_file.load(_pool(tmp_path, MINIMAL))
+  tenancy = tenants_lib.Tenancy(pool, peer_token="peer-secret")
+  attach = lambda peer, tenant: tenants_lib.PeerAttach(peer, tenant).token()
+  assert tenancy.worker_tenant(attach("peer-secret", "bob")) == "bob"
+  for token, match in ((attach("wrong", "bob"), "its peer token is not this sidecar's"),
+                       (attach("peer-secret", "carol"), "tenant 'carol', which is not in"),
+                       (attach("peer-secret", ""), "named no tenant"),
+                       ("sidecar-peer-attach:{", "malformed peer attach")):
+    with pytest.raises(errors.AuthenticationError, match=match) as info:
+      tenancy.worker_tenant(token)
+    assert "SIDECAR_TOKEN " not in str(info.value)
+  with pytest.raises(errors.AuthenticationError, match="this sidecar has none"):
+    tenants_lib.Tenancy(pool).worker_tenant(attach("peer-secret", "bob"))
+  shared = tenants_lib.Tenancy(tenants_lib.Pool.shared("t0"), peer_token="peer-secret")
+  assert shared.worker_tenant(attach("peer-secret", "")) == ""  # the one tenant, as workers
+  assert "peer-secret" not in repr(tenants_lib.PeerAttach("peer-secret", "bob"))
+
+
 def test_a_reload_revokes_removed_tenants(tmp_path):
   path = _pool(tmp_path, MINIMAL)
   tenancy = tenants_lib.Tenancy(pool_file.load(path))

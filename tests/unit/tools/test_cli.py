@@ -37,6 +37,25 @@ def test_serve_checkpoint_roots_come_from_the_flag_and_the_environment(monkeypat
   assert cli.parser().parse_args(["serve"]).checkpoint_roots == ["/x", "/y"]
 
 
+def test_serve_replica_hosts_come_from_the_flag_else_the_jobs_sidecars(monkeypatch):
+  """--replica-hosts; else (no --replica-hosts-file) the job's sidecars as SIDECAR_HOSTS or
+  a JobSet's variables name them in the sidecar's environment; else none (issue 42)."""
+  for var in ("SIDECAR_REPLICA_HOSTS", "SIDECAR_REPLICA_HOSTS_FILE", "SIDECAR_HOSTS",
+              "SIDECAR_JOBSET_NAME", "SIDECAR_PORT"):
+    monkeypatch.delenv(var, raising=False)
+  hosts = lambda *argv: cli._replica_hosts(cli.parser().parse_args(["serve", *argv]))
+  assert hosts() == ()
+  assert hosts("--replica-hosts", "a:1, unix:/s.sock") == ("a:1", "unix:/s.sock")
+  monkeypatch.setenv("SIDECAR_HOSTS", "n0:8490:8491,n1,unix:/x.sock")
+  assert hosts() == ("n0:8490", "n1:8490", "unix:/x.sock")
+  assert hosts("--replica-hosts-file", "/f") == ()  # the file names them
+  monkeypatch.delenv("SIDECAR_HOSTS")
+  for var, value in (("SIDECAR_JOBSET_NAME", "train"), ("SIDECAR_REPLICATED_JOB", "slice"),
+                     ("SIDECAR_NUM_SLICES", "1"), ("SIDECAR_HOSTS_PER_SLICE", "2")):
+    monkeypatch.setenv(var, value)
+  assert hosts() == ("train-slice-0-0.train:8490", "train-slice-0-1.train:8490")
+
+
 @pytest.mark.parametrize("command", [["local"], ["launch"]], ids=["local", "launch"])
 def test_local_and_launch_take_checkpoint_roots_for_every_sidecar(command):
   # Before: "unrecognized arguments: --checkpoint-root"; only SIDECAR_CHECKPOINT_ROOTS worked.

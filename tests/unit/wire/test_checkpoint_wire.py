@@ -118,13 +118,10 @@ def test_the_services_records_survive_the_wire_as_the_same_values():
   from sidecar._src.ckptfmt.records import (
     Held,
     Manifest,
-    ReplicaTarget,
     Replicated,
     SavedLeaf,
     ShardId,
   )
-  target = ReplicaTarget(2, "10.0.0.2:50051", "/tmp/w.sock", "boot")
-  assert wire.replica_target_from_pb(_sent(wire.replica_target_to_pb(target)), "p") == target
   done = Replicated((1, 2), 3, 4096, 0.5)
   assert wire.replicated_from_pb(_sent(wire.replicated_to_pb(done))) == done
   a, b = ShardId(("w",), ((0, 2),)), ShardId(("b", 0), ())

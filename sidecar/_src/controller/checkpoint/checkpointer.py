@@ -108,7 +108,7 @@ class Checkpointer:
     self._coordinator = SaveCoordinator(
         client=client, directory=self.directory, hosts=hosts, local=self._local,
         device_hosts=device_hosts, peers=self._peers, key=key, replicas=replicas,
-        placement=placement, sidecars=sidecars, replica_bandwidth=replica_bandwidth,
+        placement=placement, replica_bandwidth=replica_bandwidth,
         list_step=self._retention.add, collect_garbage=self._retention.collect,
         framework=framework, writers=writers)
     self._restorer = Restorer(client=client, directory=self.directory, hosts=hosts,

@@ -259,10 +259,11 @@ class CheckpointTransport(abc.ABC):
     return done
 
   @abc.abstractmethod
-  def replicate(self, host: int, final_dir: str, targets: Sequence[ReplicaTarget], *,
+  def replicate(self, host: int, final_dir: str, targets: Sequence[int], *,
                 bandwidth: int | None, timeout: float) -> concurrent.futures.Future:
-    """Future of a :class:`Replicated` once every replica target (another sidecar)
-    holds ``host``'s staged shards of ``final_dir``."""
+    """Future of a :class:`Replicated` once every replica target (another sidecar, by
+    host id: ``host`` finds its address in its own ``--replica-hosts``) holds ``host``'s
+    staged shards of ``final_dir``."""
 
   @abc.abstractmethod
   def held(self, host: int, directory: str, *, timeout: float | None = None
@@ -397,7 +398,7 @@ class CheckpointClient(CheckpointTransport):
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     request = ckpt_pb.CheckpointReplicateRequest(
         final_dir=final_dir, timeout_s=timeout,
-        peers=[wire.replica_target_to_pb(t) for t in targets])
+        hosts=[int(t) for t in targets])
     if bandwidth is not None:
       request.bandwidth = bandwidth
     return self._rpc(host, "Replicate", request, wire.replicated_from_pb, timeout=timeout)

@@ -54,8 +54,8 @@ class SaveCoordinator:
     device_hosts: the host of each device id.
     peers: the trainer processes; process 0 begins, commits and aborts.
     key: the prefix of this checkpointer's agreement keys.
-    replicas: peer copies per shard; ``placement``: each host's peers;
-      ``sidecars``: their addresses; ``replica_bandwidth``: bytes/s, or None.
+    replicas: peer copies per shard; ``placement``: each host's peers (by host id: each
+      sidecar knows their addresses); ``replica_bandwidth``: bytes/s, or None.
     list_step: lists a committed step; ``collect_garbage``: drops the steps no longer kept.
     framework: describes a state tree's shards (which this process saves).
     writers: the processes that stage into each host, where several share one (each
@@ -65,14 +65,14 @@ class SaveCoordinator:
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
                local: list[int], device_hosts: dict[int, int], peers: Peers,
                key: str, replicas: int, placement: dict[int, list[int]],
-               sidecars: dict[int, dict[str, Any]], replica_bandwidth: int | None,
+               replica_bandwidth: int | None,
                list_step: Callable[[int], None], collect_garbage: Callable[[], None],
                framework: Framework, writers: Mapping[int, Sequence[int]] | None = None):
     self._framework = framework
     self._client, self.directory, self._hosts, self._local = client, directory, hosts, local
     self._device_hosts, self._peers, self._key = device_hosts, peers, key
     self._lead = peers.index == 0
-    self._replicas, self._placement, self._sidecars = replicas, placement, sidecars
+    self._replicas, self._placement = replicas, placement
     self._replica_bandwidth = replica_bandwidth
     self._list_step, self._collect_garbage = list_step, collect_garbage
     self._protocol = SaveProtocol(
@@ -230,7 +230,7 @@ class SaveCoordinator:
       self._protocol.stage(target, parts, hosts=self._local, leaves=leaves)
       handle.staged.set_result(step)
       replication = (self._protocol.start_replication(
-          target, {h: self._placement[h] for h in self._local}, self._sidecars,
+          target, {h: self._placement[h] for h in self._local},
           bandwidth=self._replica_bandwidth) if self._replicas else None)
       if replication is not None and self._peers.count == 1:  # resolved as soon as done
         replication.add_done_callback(

@@ -28,7 +28,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import Replicated, ShardChecksum, StagedShard
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
 from sidecar._src.controller.checkpoint.staging import Parts
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
@@ -194,19 +194,18 @@ class SaveProtocol:
     on_each(lambda h: self.client.committed(h, target.final_dir, **extra), hosts=hosts,
             what=f"mark step {target.step} committed in the RAM tier")
 
-  def start_replication(self, target: Target, placement: Mapping[int, Sequence[int]],
-                        sidecars: Mapping[int, Mapping[str, Any]], *,
+  def start_replication(self, target: Target, placement: Mapping[int, Sequence[int]], *,
                         bandwidth: int | None) -> concurrent.futures.Future | None:
     """Each host of ``placement`` sends its staged shards to its replica hosts (sidecar
-    to sidecar, ``sidecars`` their records); returns a future of their
+    to sidecar, by host id); returns a future of their
     :class:`Replicated` once all of them hold their copies, or None where no host has
     any."""
     placement = {h: p for h, p in placement.items() if p}
     if not placement:
       return None
-    futures = [self.client.replicate(h, target.final_dir,
-                                     [_replica_target(p, sidecars[p]) for p in to],
-                                     bandwidth=bandwidth, timeout=LONG_S)
+    # By host id only: each sidecar dials the address its own --replica-hosts gives.
+    futures = [self.client.replicate(h, target.final_dir, list(to), bandwidth=bandwidth,
+                                     timeout=LONG_S)
                for h, to in placement.items()]
     out: concurrent.futures.Future = concurrent.futures.Future()
     t0 = time.perf_counter()
@@ -310,13 +309,6 @@ def end_save(handle: SaveHandle, error: BaseException | None, *,
   if not handle.replicated.done():
     settle_replicated(handle.replicated, handle.step,
                       error if error is not None else replication(), peers=peers, key=key)
-
-
-def _replica_target(host: int, record: Mapping[str, Any]) -> ReplicaTarget:
-  """A sidecar's record (``Sidecars.records``: address, worker socket, boot id) as the
-  replica target its replicas are sent to."""
-  return ReplicaTarget(host, str(record["address"]), str(record.get("socket") or ""),
-                       str(record.get("boot_id") or ""))
 
 
 def resolve(future: concurrent.futures.Future, error: BaseException | None, value: Any

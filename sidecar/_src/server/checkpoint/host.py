@@ -76,6 +76,7 @@ class CheckpointHost:
                peer_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                peer_credentials: Any = None,
+               replica_hosts: links_lib.ReplicaHosts | None = None,
                group_budget: Callable[[str], int | None] = lambda group: None,
                write_turn: Callable[[str], direct_io.Turn | None] = lambda owner: None,
                spare: Callable[[str], int] = lambda tenant: 0):
@@ -103,7 +104,8 @@ class CheckpointHost:
                                              write_turn=write_turn)
     self.replicator = checkpoint_replication.Replicator(
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
-        metrics=metrics)
+        metrics=metrics, hosts=replica_hosts or links_lib.ReplicaHosts(),
+        accept=self.accept_replica)
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
@@ -154,6 +156,12 @@ class CheckpointHost:
       self.tier.expire_uncommitted()
 
   # ---- who may act where, and commits -----------------------------------
+
+  def accept_replica(self, tenant: str | None, directory: str) -> None:
+    """Checks that a replica of ``tenant``'s (as the sending sidecar says) may be held
+    here for ``directory``; a pool's sidecar also counts it in that tenant's RAM-tier group
+    (``tenant_checks``). Outside pools every replica is the job's: nothing to check."""
+    del tenant, directory
 
   def open_for(self, client: str, directory: str) -> None:
     """Records that ``client`` opened ``directory``: it may act in it from now on.

@@ -4,7 +4,10 @@ Runs in the sending sidecar, on an idle-class thread (``SCHED_IDLE``, as the wri
 the training step preempts it at once). A :class:`ReplicaLink` reaches one other sidecar
 of the job (a ``records.ReplicaTarget``) over the same authenticated gRPC as the
 controller (the job's token), its handshake marked as a sidecar's by the peer token
-(``--peer-token-file``: only such a session may send a replica). Each replica of
+(``--peer-token-file``: only such a session may send a replica). Where the other sidecars
+are comes from this sidecar's own configuration (:class:`ReplicaHosts`: ``--replica-hosts``),
+never from a client: a client names a replica target by host id only, and the peer token
+goes to no address a client chose. Each replica of
 a step is one client stream (``Checkpoint.Receive``): a header naming it, the shards,
 and a last message marked ``done``:
 
@@ -17,8 +20,11 @@ and a last message marked ``done``:
   assembles them in blocks of its own arena.
 
 The peer counts only whole replicas (``done`` came): a stream cut short leaves none.
-:class:`Links` keeps one link per peer from step to step: mapping a peer's arena costs
-about as much as copying a step's part into it. The peer's side (the replica records,
+Each replica carries its tenant (the one this sidecar authenticated as the caller of
+``Replicate``; none outside pools), which the peer counts it against; a same-machine link
+maps the peer's arena as that tenant's (:func:`attach`).
+:class:`Links` keeps one link per peer and tenant from step to step: mapping a peer's arena
+costs about as much as copying a step's part into it. The peer's side (the replica records,
 their eviction with the RAM tier) is ``checkpoint.CheckpointHost``.
 """
 
@@ -41,7 +47,8 @@ import numpy as np
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
-from sidecar._src.core import address as address_lib, env as env_lib, errors
+from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
+from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
 from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -87,6 +94,101 @@ def peer_credentials(tls_cert: str | None, tls_key: str | None,
   mine = env_lib.get(env_lib.TLS_CLIENT_CERT) is None
   return protocol.tls_credentials(env_lib.get(env_lib.TLS_CA) or tls_client_ca,
                                   tls_cert if mine else None, tls_key if mine else None)
+
+
+class ReplicaHosts:
+  """The job's (or pool's) sidecars this one may send replicas to, by host id: entry ``i``
+  of ``--replica-hosts`` is host ``i``'s gRPC address (``HOST:PORT`` or ``unix:PATH``).
+
+  ``file``: a file holding that list instead (commas or newlines between entries), read
+  each time a link is made: a launcher that learns the ports only once the sidecars run
+  (``LocalCluster`` over TCP) writes it then; or a Slurm job's rendezvous directory, whose
+  ``hosts/H.json`` entries the sidecars write as they serve (core/rendezvous.py). Only the
+  sidecar's own configuration names these addresses; a client names a host id
+  (``Replicate``'s ``hosts``).
+  """
+
+  def __init__(self, addresses: Sequence[str] = (), *, file: str | None = None):
+    self._given = tuple(addresses)
+    self._file = file
+    if not file:
+      self._parse(self._given, "--replica-hosts")
+
+  @staticmethod
+  def _parse(entries: Sequence[str], where: str) -> tuple[str, ...]:
+    return tuple(address_lib.parse(e, what=f"{where} entry").target for e in entries)
+
+  def addresses(self) -> dict[int, str]:
+    """The configured addresses, by host id (the file read now, if there is one).
+
+    Raises:
+      InvalidArgumentError: the file cannot be read, or holds a malformed entry.
+    """
+    if not self._file:
+      return dict(enumerate(self._parse(self._given, "--replica-hosts")))
+    if os.path.isdir(self._file):  # a Slurm job's: each sidecar's entry, once it serves
+      return {e.host_id: address_lib.Address(host=e.address, port=e.port).target
+              for e in rendezvous.read_hosts(self._file)}
+    try:
+      with open(self._file, encoding="utf-8") as f:
+        text = f.read()
+    except OSError as e:
+      raise errors.InvalidArgumentError(
+          f"cannot read --replica-hosts-file {self._file}: {e.strerror or e}") from None
+    entries = [s.strip() for s in text.replace("\n", ",").split(",") if s.strip()]
+    return dict(enumerate(self._parse(entries, f"--replica-hosts-file {self._file}")))
+
+  def describe(self) -> str:
+    """The configured hosts, for messages."""
+    where = (f"--replica-hosts-file {self._file}" if self._file else "--replica-hosts")
+    try:
+      found = self.addresses()
+    except errors.SidecarError as e:
+      return f"{where}: {e}"
+    if not found:
+      return f"none ({where} is empty)"
+    return f"{where}: " + ", ".join(f"host {i} {a}" for i, a in sorted(found.items()))
+
+  def target(self, host_id: object, *, own: int) -> ReplicaTarget:
+    """Host ``host_id``'s replica target, from the configured list.
+
+    Raises:
+      InvalidArgumentError: ``host_id`` is this sidecar's own, or not in the list; naming
+        the value and the configured hosts.
+    """
+    found = self.addresses()
+    if (not isinstance(host_id, int) or isinstance(host_id, bool) or host_id == own
+        or host_id not in found):
+      why = "is this sidecar itself" if host_id == own else "is not one of them"
+      raise errors.InvalidArgumentError(
+          f"replica target host {host_id!r} {why}: host {own} sends replicas only to the "
+          f"job's other sidecars it was started with ({self.describe()}); name one of those "
+          "host ids, or start the sidecars with --replica-hosts listing every sidecar of "
+          "the job in host order (sidecar launch, LocalCluster and the k8s and Slurm "
+          "launchers pass it)")
+    return ReplicaTarget(host_id, found[host_id])
+
+
+def attach(peer: ReplicaTarget, socket_path: str, *, peer_token: str | None,
+           tenant: str | None, timeout: float) -> worker_lib.Worker:
+  """Maps a same-machine peer's arena through its worker socket, as the sidecars' link.
+
+  The attach proves the peer token and names the tenant whose replicas the blocks hold
+  (``tenants.PeerAttach``): the peer counts them against that tenant, in its memory. The
+  one place a link attaches: where the peer keeps an arena per tenant, this is where the
+  tenant's is asked for.
+
+  Raises:
+    AuthenticationError, PermissionDeniedError: the peer refused the sidecars' link.
+  """
+  token = (tenants_lib.PeerAttach(peer_token, tenant or "").token() if peer_token
+           else None)  # no peer token: as a trainer's Worker (a shared token's sidecars)
+  try:
+    return worker_lib.Worker(socket_path, timeout=timeout, token=token)
+  except (errors.AuthenticationError, errors.PermissionDeniedError) as e:
+    raise type(e)(
+        f"the sidecars' own replica link (host {peer.host_id}'s worker socket {socket_path}, "
+        f"for tenant {tenant or '(none)'}) was refused: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,9 +278,10 @@ class ReplicaLink:
   """
 
   def __init__(self, peer: ReplicaTarget, *, token: str | None, peer_token: str | None = None,
-               timeout: float = 30.0, shared_memory: bool = True,
+               tenant: str | None = None, timeout: float = 30.0, shared_memory: bool = True,
                credentials: grpc.ChannelCredentials | None = None):
     self.peer = peer
+    self.tenant = tenant  # whose replicas this link carries (None: no tenant's)
     # A peer on a Unix socket: its server's user checked before the tokens go (ipc.Pinned)
     self._pin, target, options = _pin(peer, timeout)
     self._channel = (grpc.insecure_channel(target, options=options) if credentials is None
@@ -209,12 +312,14 @@ class ReplicaLink:
       if reply.identity.host_id != peer.host_id:
         raise errors.InvalidArgumentError(
             f"the sidecar at {peer.address} is host {reply.identity.host_id}, not host "
-            f"{peer.host_id} as the controller said")
+            f"{peer.host_id} as this sidecar's --replica-hosts says (entry {peer.host_id}); "
+            "list the job's sidecars in host order")
       self._metadata = auth + ((protocol.SESSION_KEY, reply.session),)
       here = shm.boot_id()
       if (shared_memory and here and reply.identity.boot_id == here
           and os.path.exists(reply.worker_socket)):
-        self._worker = worker_lib.Worker(reply.worker_socket, timeout=timeout)
+        self._worker = attach(peer, reply.worker_socket, peer_token=peer_token,
+                              tenant=tenant, timeout=timeout)
     except BaseException:
       self.close()
       raise
@@ -243,7 +348,7 @@ class ReplicaLink:
     """
     w = self._worker
     first = ckpt_pb.ReceiveRequest(
-        header=wire.replica_header_to_pb(header),
+        header=wire.replica_header_to_pb(header, self.tenant),
         worker_session=w.session if w is not None else "")
     sent = [0]
     held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
@@ -365,61 +470,67 @@ class Links:
     self._shared_memory = shared_memory
     self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
     self._lock = threading.Lock()
-    self._links: dict[int, tuple[ReplicaLink, threading.Lock]] = {}  # by peer host id
+    # By (peer host id, tenant): a same-machine link maps the tenant's memory there.
+    self._links: dict[tuple[int, str | None], tuple[ReplicaLink, threading.Lock]] = {}
     self._closed = threading.Event()
     self._watcher: threading.Thread | None = None
 
   def send(self, peer: ReplicaTarget, header: ReplicaHeader,
-           shards: Sequence[tuple[ShardId, np.ndarray]], *,
+           shards: Sequence[tuple[ShardId, np.ndarray]], *, tenant: str | None = None,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
-    """:meth:`ReplicaLink.send` over ``peer``'s link; returns (bytes, same machine)."""
+    """:meth:`ReplicaLink.send` over ``peer``'s link for ``tenant`` (whose replica it is,
+    as this sidecar authenticated it); returns (bytes, same machine)."""
+    key = (peer.host_id, tenant)
     while True:
-      link, lock, fresh = self._get(peer, timeout)
+      link, lock, fresh = self._get(peer, tenant, timeout)
       with lock:
         try:
           return (link.send(header, shards, cancelled=cancelled, timeout=timeout,
                             bandwidth=bandwidth), link.same_machine)
         except BaseException as e:
-          self._forget(peer.host_id, link)
+          self._forget(key, link)
           link.close()
           if (fresh or cancelled() or not isinstance(e, Exception)
               or isinstance(e, errors.HostLostError)):  # a peer gone stays gone
             raise
           log.info("the link to host %d failed (%s); making a new one", peer.host_id, e)
 
-  def _get(self, peer: ReplicaTarget, timeout: float) -> tuple[ReplicaLink, threading.Lock, bool]:
+  def _get(self, peer: ReplicaTarget, tenant: str | None, timeout: float
+           ) -> tuple[ReplicaLink, threading.Lock, bool]:
+    key = (peer.host_id, tenant)
     with self._lock:
-      entry = self._links.get(peer.host_id)
+      entry = self._links.get(key)
     if entry is not None and entry[0].peer == peer:
       return entry[0], entry[1], False
     if entry is not None:  # the peer moved
-      self._retire(peer.host_id, *entry)
-    link = ReplicaLink(peer, token=self._token, peer_token=self._peer_token,
-                    timeout=min(timeout, 30.0),
-                    shared_memory=self._shared_memory, credentials=self._credentials)
+      self._retire(key, *entry)
+    link = ReplicaLink(peer, token=self._token, peer_token=self._peer_token, tenant=tenant,
+                       timeout=min(timeout, 30.0),
+                       shared_memory=self._shared_memory, credentials=self._credentials)
     with self._lock:
       if self._closed.is_set():
         link.close()
         raise errors.ClosedError("this sidecar is stopping")
-      old = self._links.get(peer.host_id)
+      old = self._links.get(key)
       lock = threading.Lock()
-      self._links[peer.host_id] = (link, lock)
+      self._links[key] = (link, lock)
       if link.same_machine and self._watcher is None:
         self._watcher = threading.Thread(target=self._watch, name="sidecar-peer-links",
                                          daemon=True)
         self._watcher.start()
     if old is not None:
-      self._retire(peer.host_id, *old)
+      self._retire(key, *old)
     return link, lock, True
 
-  def _forget(self, host_id: int, link: ReplicaLink) -> None:
+  def _forget(self, key: tuple[int, str | None], link: ReplicaLink) -> None:
     with self._lock:
-      if self._links.get(host_id, (None,))[0] is link:
-        del self._links[host_id]
+      if self._links.get(key, (None,))[0] is link:
+        del self._links[key]
 
-  def _retire(self, host_id: int, link: ReplicaLink, lock: threading.Lock) -> None:
-    self._forget(host_id, link)
+  def _retire(self, key: tuple[int, str | None], link: ReplicaLink,
+              lock: threading.Lock) -> None:
+    self._forget(key, link)
     with lock:  # after a send in flight on it
       link.close()
 
@@ -427,10 +538,10 @@ class Links:
     while not self._closed.wait(WATCH_S):
       with self._lock:
         links = list(self._links.items())
-      for host_id, (link, lock) in links:
+      for key, (link, lock) in links:
         if link.hung_up():
-          log.info("peer host %d exited: unmapping its arena", host_id)
-          self._retire(host_id, link, lock)
+          log.info("peer host %d exited: unmapping its arena", key[0])
+          self._retire(key, link, lock)
 
   def close(self) -> None:
     """Stops the watcher and closes every link; idempotent."""
@@ -439,5 +550,5 @@ class Links:
       self._watcher.join(5)
     with self._lock:
       links, self._links = list(self._links.items()), {}
-    for host_id, (link, lock) in links:
-      self._retire(host_id, link, lock)
+    for key, (link, lock) in links:
+      self._retire(key, link, lock)

@@ -79,6 +79,7 @@ class Replication:
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
   result: Replicated | None = None
   error: BaseException | None = None
+  tenant: str | None = None  # whose shards (its replicas carry it), as this sidecar knows
 
 
 @dataclasses.dataclass

@@ -2,10 +2,13 @@
 
 ``replicate`` (every host, once its part is staged) sends this host's shards of the
 step to its peers (``links.ReplicaLink``), on an idle-class thread, while the write
-goes on; each peer takes them with ``receive`` (the ``Receive`` stream, one per
-replica) and keeps a *replica record* (the step's item, the source host, the shards)
-in its RAM tier. A replica counts toward the peer's ``ram_budget`` and leaves with its
-step: eviction by ``committed``, ``abort``, ``forget``.
+goes on; the peers are named by host id, their addresses come from this sidecar's own
+``--replica-hosts`` (``links.ReplicaHosts``). Each peer takes them with ``receive`` (the
+``Receive`` stream, one per replica) and keeps a *replica record* (the step's item, the
+source host, the shards) in its RAM tier. A replica carries its tenant (the one this
+sidecar authenticated); the peer counts it against that tenant's arena and RAM-tier quota
+(``accept``), toward its ``ram_budget``, and it leaves with its step: eviction by
+``committed``, ``abort``, ``forget``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from sidecar._src.ckptfmt.records import (
   ReplicaBlock,
   ReplicaHeader,
   ReplicaPart,
-  ReplicaTarget,
   Replicated,
   ShardId,
 )
@@ -50,26 +52,39 @@ class Replicator:
     path: resolves a path under the checkpoint roots, or raises.
     spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
     metrics: where the bytes replicated and the time it took are recorded.
+    hosts: where the replica targets are (this sidecar's own configuration).
+    accept: checks that a replica of a tenant may be held here (``accept(tenant,
+      directory)``), and counts it in the tenant's RAM-tier group.
   """
 
   def __init__(self, host_id: int, *, tier: ram_tier.RamTier, links: links_lib.Links,
                path: Callable[[Any, str], str], spawn: Callable[..., None],
-               metrics: metrics_lib.Recorder):
+               metrics: metrics_lib.Recorder,
+               hosts: links_lib.ReplicaHosts | None = None,
+               accept: Callable[[str | None, str], None] = lambda tenant, directory: None):
     self._host_id = host_id
+    self._hosts = hosts or links_lib.ReplicaHosts()
+    self._accept = accept
     self._tier = tier
     self._links = links
     self._path = path
     self._spawn = spawn
     self._metrics = metrics
 
-  def replicate(self, final_dir: str, targets: Sequence[ReplicaTarget],
-                timeout: float = 3600.0, bandwidth: int | None = None) -> Replicated:
-    """Sends this host's staged shards of a step to ``targets``; waits until each holds them.
+  def replicate(self, final_dir: str, hosts: Sequence[int], timeout: float = 3600.0,
+                bandwidth: int | None = None, *, tenant: str | None = None) -> Replicated:
+    """Sends this host's staged shards of a step to the sidecars ``hosts`` (host ids of
+    ``--replica-hosts``); waits until each holds them.
 
     The sending runs once per step, on an idle-class thread, whoever waits for it, at
-    most ``bandwidth`` bytes per second if given.
+    most ``bandwidth`` bytes per second if given. ``tenant``: the caller's, as this
+    sidecar authenticated it; each replica carries it.
+
+    Raises:
+      InvalidArgumentError: a host id that is not in ``--replica-hosts`` (or is this host).
     """
     self._path(final_dir, "final_dir")
+    targets = [self._hosts.target(h, own=self._host_id) for h in hosts]
     if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
       raise errors.InvalidArgumentError(
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
@@ -83,7 +98,8 @@ class Replicator:
             "after its last part")
       job = record.replication
       if job is None:
-        job = record.replication = ram_tier.Replication(list(targets), bandwidth)
+        job = record.replication = ram_tier.Replication(list(targets), bandwidth,
+                                                                tenant=tenant)
         self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
     if not job.done.wait(timeout):
       raise errors.DeadlineExceededError(
@@ -103,7 +119,7 @@ class Replicator:
     try:
       nbytes = 0
       for peer in job.peers:
-        nbytes, same_machine = self._links.send(peer, header, shards,
+        nbytes, same_machine = self._links.send(peer, header, shards, tenant=job.tenant,
                                                 cancelled=job.cancelled.is_set,
                                                 bandwidth=job.bandwidth)
         how = "shared memory" if same_machine else "gRPC"
@@ -123,8 +139,9 @@ class Replicator:
       shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
       job.done.set()
 
-  def open_replica(self, header: ReplicaHeader) -> ram_tier.Replica:
-    """A new replica record for one stream of a peer's shards (``header`` names them).
+  def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> ram_tier.Replica:
+    """A new replica record for one stream of a peer's shards (``header`` names them,
+    ``tenant`` whose they are: the sending sidecar says, checked by ``accept``).
 
     It replaces one of the same step and source that is not whole (a resent replica
     starts afresh: chunks are counted by bytes, so none may come twice); a whole one it
@@ -135,6 +152,7 @@ class Replicator:
                                           header.source)
     self._path(directory, "header.directory")
     self._path(final_dir, "header.final_dir")
+    self._accept(tenant, directory)
     replica = ram_tier.Replica(directory, step, final_dir, source)
     with self._tier.lock:
       old = self._tier.replicas.get((final_dir, source))

@@ -27,7 +27,7 @@ from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import ArenaIO
-from sidecar._src.server.checkpoint import ram_tier, ram_yield
+from sidecar._src.server.checkpoint import links as links_lib, ram_tier, ram_yield
 from sidecar._src.server.checkpoint.host import CheckpointHost
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
@@ -178,6 +178,11 @@ class CheckpointService:
           else:
             request = raw if request_cls is None else codec.parse(request_cls, raw)
           client = self._sessions.client(session) if self._per_client else None
+          if client == "" and name != "Receive":  # the peer token's: no tenant
+            raise errors.PermissionDeniedError(
+                f"{name}: the peer token is the sidecars' own, for their replicas "
+                "(Receive) only; it is no tenant and may not checkpoint: present a "
+                "tenant's token")
           if client is not None and name == "Open":
             self._host.open_for(client, request.directory)  # refused if another's
           elif client is not None and request_cls is not None and name not in _OWN_CHECKS:
@@ -216,9 +221,17 @@ class CheckpointService:
     inline.callback(_STAGE_VIEWS.reset, _STAGE_VIEWS.set(tuple(views)))
     return codec.parse(ckpt_pb.CheckpointStageRequest, stripped, counted=True)
 
-  def _allocating(self, context: grpc.ServicerContext) -> contextlib.AbstractContextManager:
-    """``sidecar.empty`` in the arena for this request (reads from storage, replica parts)."""
-    return self._arena_io.allocating(context.is_active, context.time_remaining)
+  def _allocating(self, context: grpc.ServicerContext, wait_s: float | None = None
+                  ) -> contextlib.AbstractContextManager:
+    """``sidecar.empty`` in the arena for this request (reads from storage, replica parts),
+    each waiting for room at most ``wait_s`` (None: the caller's deadline)."""
+    if wait_s is None:
+      return self._arena_io.allocating(context.is_active, context.time_remaining)
+
+    def left() -> float:
+      remaining = context.time_remaining()
+      return wait_s if remaining is None else min(remaining, wait_s)
+    return self._arena_io.allocating(context.is_active, left)
 
   # ---- save --------------------------------------------------------------
 
@@ -329,10 +342,10 @@ class CheckpointService:
     if r.HasField("bandwidth") and r.bandwidth < 1:
       raise errors.InvalidArgumentError(
           f"bandwidth must be absent or bytes per second >= 1, got {r.bandwidth}")
-    targets = [wire.replica_target_from_pb(p, f"peers[{i}]") for i, p in enumerate(r.peers)]
+    # Host ids only: their addresses come from this sidecar's --replica-hosts.
     return wire.replicated_to_pb(self._host.replicator.replicate(
-        r.final_dir, targets, _timeout(r.timeout_s, context),
-        r.bandwidth if r.HasField("bandwidth") else None))
+        r.final_dir, list(r.hosts), _timeout(r.timeout_s, context),
+        r.bandwidth if r.HasField("bandwidth") else None, tenant=self._client(context)))
 
   def receive(self, requests: Iterator[bytes], context: grpc.ServicerContext
               ) -> ckpt_pb.ReceiveResponse:
@@ -350,11 +363,16 @@ class CheckpointService:
     if not first.HasField("header"):
       raise errors.InvalidArgumentError("the first ReceiveRequest must carry the header")
     header = wire.replica_header_from_pb(first.header, "header")
+    # Whose replica: the sending sidecar authenticated its caller (we trust the sender by
+    # its peer token); its blocks count against that tenant here.
+    tenant = first.header.tenant or None
     session = first.worker_session
     view = lambda ref: self._arena_io.view(ref, session)
-    replica = self._host.replicator.open_replica(header)  # a resent replica starts afresh
+    # a resent replica starts afresh
+    replica = self._host.replicator.open_replica(header, tenant)
     try:
-      return self._receive_all(replica, first, data, requests, view, context)
+      with tenants_lib.acting_as(tenant):
+        return self._receive_all(replica, first, data, requests, view, context)
     except BaseException:
       self._host.replicator.drop_partial(replica)  # a stream cut short leaves none
       raise
@@ -363,7 +381,9 @@ class CheckpointService:
                    data: memoryview | None, requests: Iterator[bytes], view: codec.FromArena,
                    context: grpc.ServicerContext) -> ckpt_pb.ReceiveResponse:
     held, n = 0, 0
-    with self._allocating(context):
+    # A replica that does not fit (its tenant's ceiling here) fails soon, as one sent
+    # into a full arena over shared memory does, not after the stream's hour.
+    with self._allocating(context, links_lib.ARENA_WAIT_S):
       while True:
         if message.HasField("header") and n:
           raise errors.InvalidArgumentError(f"ReceiveRequest {n}: only the first has a header")

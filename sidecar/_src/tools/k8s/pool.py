@@ -75,6 +75,7 @@ def _check_set(doc: Mapping[str, Any], where: str,
     port = int(checks._setting(sidecar, "--port", "SIDECAR_PORT", options_lib.DEFAULT_PORT)
                or 0)
     findings += _check_service(spec, template, where, services, port)
+    findings += _check_replica_hosts(doc, sidecar, swhere, port)
     host_id = next((e for e in sidecar.get("env") or [] if e.get("name") == "SIDECAR_HOST_ID"),
                    None)
     ref = ((host_id or {}).get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
@@ -83,6 +84,24 @@ def _check_set(doc: Mapping[str, Any], where: str,
                               f"must come from the pod's ordinal ({ORDINAL_REF}), so that "
                               "sidecar-pool-N is host N, the N-th of SIDECAR_HOSTS"))
   return findings
+
+
+def _check_replica_hosts(doc: Mapping[str, Any], sidecar: Mapping[str, Any], swhere: str,
+                         port: int) -> list[Finding]:
+  """SIDECAR_REPLICA_HOSTS, where set, lists the set's own pods in ordinal order: the only
+  places its sidecars send a tenant's replicas to (issue 42)."""
+  given = next((e.get("value") for e in sidecar.get("env") or []
+                if e.get("name") == "SIDECAR_REPLICA_HOSTS"), None)
+  if given is None:
+    return []
+  spec = doc.get("spec") or {}
+  name, service = (doc.get("metadata") or {}).get("name"), spec.get("serviceName")
+  want = ",".join(f"{name}-{i}.{service}:{port}" for i in range(int(spec.get("replicas", 1))))
+  if str(given).replace(" ", "") != want:
+    return [Finding(f"{swhere}.env[SIDECAR_REPLICA_HOSTS]",
+                    f"is {given!r}, not the set's own pods by ordinal ({want}): a replica "
+                    "would go to a host id's wrong pod, or none; list every pod of replicas:")]
+  return []
 
 
 def _check_pool_file(sidecar: Mapping[str, Any], pod: Mapping[str, Any],

@@ -252,6 +252,8 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
           {"name": "SIDECAR_PEER_TOKEN_FILE", "value": f"{PEER_TOKEN_DIR}/token"},
+          # The job's sidecars (the JobSet's pods), the only places it sends replicas to.
+          *_jobset_env(options),
           # Beyond loopback the sidecar requires the token above.
           {"name": "SIDECAR_LISTEN", "value": "[::]"},
           # Where the checkpoint calls may act: mount the checkpoint volume there.
@@ -272,6 +274,19 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
   }
 
 
+def _jobset_env(options: RenderOptions) -> list[dict[str, Any]]:
+  """The JobSet's names and sizes, from which a pod finds every sidecar of the job."""
+  return [
+      _field_env("SIDECAR_JOBSET_NAME", "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"),
+      _field_env("SIDECAR_REPLICATED_JOB",
+                 "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']"),
+      _field_env("SIDECAR_NUM_SLICES",
+                 "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-replicas']"),
+      {"name": "SIDECAR_HOSTS_PER_SLICE", "value": str(options.hosts_per_slice)},
+      _field_env("SIDECAR_NAMESPACE", "metadata.namespace"),
+  ]
+
+
 def _session_quota(options: RenderOptions) -> list[dict[str, Any]]:
   """P ranks share the pod's sidecar: each may hold about 1/P of its arena, so that one
   cannot take what the others need (the default 0.9 is one rank's)."""
@@ -290,14 +305,7 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
           # The image's sidecar user: a trainer of another uid trusts its socket.
           {"name": "SIDECAR_SOCKET_UID", "value": IMAGE_UID},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
-          _field_env("SIDECAR_JOBSET_NAME",
-                     "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"),
-          _field_env("SIDECAR_REPLICATED_JOB",
-                     "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']"),
-          _field_env("SIDECAR_NUM_SLICES",
-                     "metadata.annotations['jobset.sigs.k8s.io/replicatedjob-replicas']"),
-          {"name": "SIDECAR_HOSTS_PER_SLICE", "value": str(options.hosts_per_slice)},
-          _field_env("SIDECAR_NAMESPACE", "metadata.namespace"),
+          *_jobset_env(options),
           {"name": "SIDECAR_PORT", "value": str(options.port)},
           {"name": "SIDECAR_HEALTH_PORT", "value": str(options.health_port)},
           # For sidecar.distributed.initialize(): process id and coordinator.

@@ -356,8 +356,8 @@ def status(name: str, *, timeout: float = 5.0) -> int:
   print(f"  cluster file: {path}\n  hosts: {', '.join(cluster.hosts)}", flush=True)
   from sidecar._src.controller import status as status_lib
   spec = ServiceSpec(**rendezvous.read_json(os.path.join(directory, "service.json")))
-  # A pool's sidecars take their tenants' tokens and the peer token (the operator's, which
-  # sees every tenant), not the service's.
+  # A pool's sidecars take their tenants' tokens and the peer token (the sidecars' own: it
+  # sees the hosts, no tenant's row), not the service's.
   token = rendezvous.read_token_file(os.path.join(directory, rendezvous.PEER_TOKEN_FILE)
                                      if spec.pool else cluster.token_file)
   addresses = [h.rsplit(":", 1)[0] for h in cluster.hosts]

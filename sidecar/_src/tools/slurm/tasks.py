@@ -54,6 +54,8 @@ def serve_args(host_id: int, slice_id: int, *, sock: str, ready: str, shm_size: 
           # beside the token file, in the job's (or service's) 0700 directory
           "--peer-token-file",
           os.path.join(os.path.dirname(token_file), rendezvous.PEER_TOKEN_FILE),
+          # The job's sidecars, the only replica targets: their entries in its directory.
+          "--replica-hosts-file", os.path.dirname(token_file),
           "--ready-file", ready, "--exit-with-parent", str(os.getpid())]
   args += [f"--checkpoint-root={r}" for r in checkpoint_roots]
   if device_ids:
@@ -111,6 +113,7 @@ class NodeSidecars:
                         pool=self.pool)
       env = {**platform.sidecar_env(os.environ), "PYTHONUNBUFFERED": "1"}  # never the chip
       env.pop(env_lib.TOKEN, None)
+      env.pop(env_lib.REPLICA_HOSTS, None)  # the job's directory names them
       with open(log, "ab") as out:
         self.procs[h] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)

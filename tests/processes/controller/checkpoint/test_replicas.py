@@ -224,3 +224,28 @@ def test_corrupt_chunk_files_restore_from_memory_over_grpc(tmp_path):
     with sidecar.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(directory) as ckpt:
       assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
       assert set(ckpt.last_restore_stats().shards) == {"ram:host0", "replica:host0"}
+
+
+def test_a_pool_on_one_machine_replicates_over_shared_memory(tmp_path, monkeypatch):
+  """Attack 13 (issue 42): ``sidecar local --pool FILE --hosts 2`` and replicas=1. Each
+  sidecar's link to the other's worker socket proves the peer token and names the tenant:
+  accepted (on main every replication failed, the link refused as a trainer without
+  SIDECAR_TOKEN), and the replicas count against the tenant on the holding host."""
+  from sidecar._src.core import env as env_lib
+  from tests.support import pool_files
+  pool = pool_files.write_pool(tmp_path, "tenants:\n  - {name: alice, token_file: "
+                               "alice.token, checkpoint_roots: [alice]}\n")
+  monkeypatch.setenv(env_lib.TOKEN, pool_files.ALICE)  # alice's trainer, and her Workers
+  directory = tmp_path / "alice" / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
+                                    pool=pool) as cluster:
+    state = state_on(jax.devices()[:2])
+    with cluster.controller(token=pool_files.ALICE) as ctl, ctl.checkpointer(
+        directory, replicas=1) as ckpt:
+      handle = ckpt.save(1, state)
+      assert handle.durable.result(60) == 1 and handle.replicated.result(60) == 1
+      assert held_replicas(ctl, directory) == {0: {1: [1]}, 1: {0: [1]}}
+      rows = [s.tenants for s in ctl.status()]
+      assert all(r[0].name == "alice" and r[0].ram_tier_bytes > 0 for r in rows), rows
+    logs = cluster.log(0) + cluster.log(1)
+    assert "over shared memory" in logs and "SIDECAR_TOKEN" not in logs

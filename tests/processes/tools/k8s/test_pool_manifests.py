@@ -4,6 +4,7 @@ pool's sidecars as Controller.from_env() would."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -26,6 +27,18 @@ def test_the_pool_renders_a_headless_service_and_a_statefulset_that_pass_every_c
   assert [(d["apiVersion"], d["kind"]) for d in docs] == [("v1", "Service"),
                                                            ("apps/v1", "StatefulSet")]
   assert pool.check_pool(docs) == []  # with the strict schemas
+
+
+def test_the_pools_replica_hosts_are_its_own_pods_by_ordinal(rendered):
+  """Its sidecars send a tenant's replicas only to the set's pods (issue 42): the check
+  names a list that is not them, in order."""
+  docs, _ = rendered
+  bad = copy.deepcopy(docs)
+  (statefulset,) = pool.pool_sets(bad)
+  statefulset["spec"]["replicas"] = 3
+  (finding,) = pool.check_pool(bad)
+  assert "env[SIDECAR_REPLICA_HOSTS]" in finding.where
+  assert "sidecar-pool-2.sidecar-pool:8490" in finding.message
 
 
 def test_sidecar_k8s_check_takes_the_pool_and_names_a_readable_pool_file(rendered, kubectl):

@@ -159,7 +159,7 @@ def test_a_requeued_task_whose_port_was_taken_serves_on_a_fresh_one(slurm, tmp_p
 
 def test_a_service_serves_a_pool_of_tenants(slurm, tmp_path):
   """``--pool FILE`` (issue 37): every sidecar serves the pool's tenants with their own
-  tokens, not the service's; its status asks with the peer token, which sees them all."""
+  tokens, not the service's; its status asks with the peer token, which sees the hosts."""
   home = tmp_path / "home"
   env = {**slurm.env, "SIDECAR_HOME": str(home), "JAX_PLATFORMS": "cpu"}
   pool = pool_files.write_pool(tmp_path)
