@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io, records
+from sidecar._src.ckptfmt import direct_io, names, records
 from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.records import ShardChecksum
@@ -218,8 +218,12 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
         f"{TMP_SUFFIX!r}); make one with create_tmp()")
   placements, size = layout(rank, items)
   path = directory / file_name(rank)
-  with open(path, "wb") as f:
-    f.truncate(size)
+  # Opened beneath the directory's descriptor, no symlink followed (names.py).
+  fd = names.open_beneath(directory, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  try:
+    os.ftruncate(fd, size)
+  finally:
+    os.close(fd)
   sums: dict[int, concurrent.futures.Future[ShardChecksum]] = {}
   writes: list[concurrent.futures.Future[int]] = []
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-dcp-write",
@@ -244,7 +248,7 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
       nbytes = w.result()
       if progress is not None:
         progress(nbytes)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = names.open_beneath(directory, path.name, os.O_RDONLY)
     try:
       os.fsync(fd)
     finally:
@@ -254,7 +258,8 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
 
 def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,
                   turn: direct_io.Turn = direct_io.no_turn) -> int:
-  fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # its own: write_at sets O_DIRECT on it
+  # Its own descriptor (write_at sets O_DIRECT on it), beneath the directory, no symlink.
+  fd = names.open_beneath(path.parent, path.name, os.O_WRONLY)
   try:
     if item.kind is ItemKind.TENSOR:
       os.pwrite(fd, dcp_record.header(item.dtype, item.sizes, at=where.offset), where.offset)
@@ -408,7 +413,9 @@ def read_item(path: os.PathLike | str, where: Placement, out: np.ndarray) -> Non
     CorruptCheckpointError: the file is shorter than the item.
     OSError: the file cannot be read.
   """
-  fd = os.open(pathlib.Path(path) / where.relative_path, os.O_RDONLY | os.O_CLOEXEC)
+  # The plan's file is a name (the wire checked it, and so does this): opened beneath the
+  # checkpoint's directory, no symlink followed, never a path the plan chose.
+  fd = names.open_beneath(path, where.relative_path, os.O_RDONLY, field="the item's file")
   try:
     got = direct_io.read_at(fd, out, where.data_offset)
   finally:
