@@ -5,9 +5,11 @@ the pool; these only enforce it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sidecar._src.arena import shm
@@ -66,6 +68,7 @@ class TenantCheckpoints(CheckpointHost):
     self._arena_bytes = arena_bytes
     self._tenant_of = tenant_of
     self.write_bandwidth = shares_lib.Bandwidth(WRITE_TURNS)
+    self._storage_locks: dict[str, threading.Lock] = {}  # by tenant: check and reserve
     super().__init__(host_id, group_budget=self._ram_budget, write_turn=self._write_turn,
                      **kwargs)
 
@@ -78,20 +81,47 @@ class TenantCheckpoints(CheckpointHost):
     t = self._tenancy.tenant(tenant)
     return None if t is None or t.ram_tier is None else t.ram_tier.bytes_of(self._arena_bytes)
 
-  def open_for(self, client: str, directory: str) -> None:
-    t = self._tenancy.tenant(client)
-    if t is not None and t.checkpoint_roots and isinstance(directory, str):
-      resolved = os.path.realpath(directory)
-      if not any(resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)
-                 for r in t.checkpoint_roots):
+  def _check_roots(self, t: tenants_lib.Tenant | None, path: str, name: str) -> None:
+    """PermissionDeniedError unless ``path`` lies under ``t``'s checkpoint roots (in force
+    now: a reload that narrowed them holds at the next call of an open directory)."""
+    if t is not None and t.checkpoint_roots and isinstance(path, str):
+      resolved = os.path.realpath(path)
+      if not any(_inside(resolved, r) for r in t.checkpoint_roots):
         raise errors.PermissionDeniedError(
             f"tenant {t.name!r} may checkpoint only under its checkpoint_roots "
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
-            f"{directory!r:.200}; checkpoint there, or add the directory to its roots")
+            f"{name} {path!r:.200}; checkpoint there, or add the directory to its roots")
+
+  def open_for(self, client: str, directory: str) -> None:
+    t = self._tenancy.tenant(client)
+    self._check_roots(t, directory, "directory")
+    if isinstance(directory, str) and (pool := self._tenancy.pool) is not None:
+      resolved = os.path.realpath(directory)
+      for other in pool.tenants:  # a directory that holds another's root is not this one's
+        held = [r for r in other.checkpoint_roots if _inside(r, resolved)]
+        if other.name != client and held:
+          raise errors.PermissionDeniedError(
+              f"checkpoint directory {directory!r:.200} holds {held[0]!r:.200}, a checkpoint "
+              f"root of tenant {other.name!r} ({self._tenancy.where(other.name)}); checkpoint "
+              "in a directory of your own, beside the other tenants' roots, not above them")
     super().open_for(client, directory)
     if t is not None and self._tenancy.quotas:
       with self.tier.lock:
         self.tier.groups[os.path.realpath(directory)] = t.name
+
+  def check_client(self, client: str, path: str, name: str) -> None:
+    super().check_client(client, path, name)
+    self._check_roots(self._tenancy.tenant(client), path, name)
+
+  @contextlib.contextmanager
+  def storage_reserved(self, client: str | None, directory: str, nbytes: int) -> Iterator[None]:
+    t = self._tenancy.tenant(client)
+    if t is None or t.checkpoint_bytes is None:
+      yield
+      return
+    with self._storage_locks.setdefault(t.name, threading.Lock()):
+      self.check_storage(client, directory, nbytes)
+      yield  # the Stage records its bytes (a pending step's) before the next check
 
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     t = self._tenancy.tenant(client)
@@ -101,9 +131,11 @@ class TenantCheckpoints(CheckpointHost):
     outer = [d for d in mine if not any(d.startswith(o.rstrip(os.sep) + os.sep) for o in mine)]
     stored = sum(_stored(d) for d in outer)  # a directory inside another is counted there
     with self.tier.lock:  # staged here, not yet on storage
-      writing = [(s.directory, s.nbytes - s.written) for s in self.tier.steps.values()
+      writing = [(s.tmp_dir, s.nbytes - s.written) for s in self.tier.steps.values()
                  if not s.done.is_set()]
-    pending = sum(max(n, 0) for d, n in writing if os.path.realpath(d) in mine)
+    # A step counts where the server put it (its resolved tmp directory), whatever
+    # directory its Stage named.
+    pending = sum(max(n, 0) for d, n in writing if any(_inside(d, m) for m in outer))
     if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
                                                           stored >= t.checkpoint_bytes):
       fmt = shm.format_size
@@ -130,6 +162,10 @@ class TenantCheckpoints(CheckpointHost):
       for directory, step in steps:
         tier.drop(directory, step)
     return len(steps)
+
+
+def _inside(path: str, directory: str) -> bool:
+  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _stored(directory: str) -> int:
