@@ -97,13 +97,16 @@ class TenantCheckpoints(CheckpointHost):
     self._check_roots(t, directory, "directory")
     if isinstance(directory, str) and (pool := self._tenancy.pool) is not None:
       resolved = os.path.realpath(directory)
-      for other in pool.tenants:  # a directory that holds another's root is not this one's
-        held = [r for r in other.checkpoint_roots if _inside(r, resolved)]
+      for other in pool.tenants:  # another's root, or a directory that holds it, is not ours
+        held = [r for r in other.checkpoint_roots if _inside(r, resolved) or _inside(resolved, r)]
         if other.name != client and held:
+          how = ("is" if resolved == held[0] else
+                 "lies in" if _inside(resolved, held[0]) else "holds")
           raise errors.PermissionDeniedError(
-              f"checkpoint directory {directory!r:.200} holds {held[0]!r:.200}, a checkpoint "
+              f"checkpoint directory {directory!r:.200} {how} {held[0]!r:.200}, a checkpoint "
               f"root of tenant {other.name!r} ({self._tenancy.where(other.name)}); checkpoint "
-              "in a directory of your own, beside the other tenants' roots, not above them")
+              "in a directory of your own, beside the other tenants' roots, not in or above "
+              "them")
     super().open_for(client, directory)
     if t is not None and self._tenancy.quotas:
       with self.tier.lock:
@@ -131,11 +134,12 @@ class TenantCheckpoints(CheckpointHost):
     outer = [d for d in mine if not any(d.startswith(o.rstrip(os.sep) + os.sep) for o in mine)]
     stored = sum(_stored(d) for d in outer)  # a directory inside another is counted there
     with self.tier.lock:  # staged here, not yet on storage
-      writing = [(s.tmp_dir, s.nbytes - s.written) for s in self.tier.steps.values()
+      writing = [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values()
                  if not s.done.is_set()]
     # A step counts where the server put it (its resolved tmp directory), whatever
-    # directory its Stage named.
-    pending = sum(max(n, 0) for d, n in writing if any(_inside(d, m) for m in outer))
+    # directory its Stage named; what of it is on storage already is counted there.
+    pending = sum(max(n - _stored(d, siblings=False), 0) for d, n in writing
+                  if any(_inside(d, m) for m in outer))
     if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
                                                           stored >= t.checkpoint_bytes):
       fmt = shm.format_size
@@ -168,11 +172,11 @@ def _inside(path: str, directory: str) -> bool:
   return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def _stored(directory: str) -> int:
-  """The bytes of the files under ``directory`` and beside it in uncommitted step
-  directories of it (a DCP save's ``<directory>.dcp-checkpoint-tmp``)."""
+def _stored(directory: str, *, siblings: bool = True) -> int:
+  """The bytes of the files under ``directory`` and (``siblings``) beside it in uncommitted
+  step directories of it (a DCP save's ``<directory>.dcp-checkpoint-tmp``)."""
   total = 0
-  stack = [directory, *(directory + suffix for suffix in _TMP_SUFFIXES)]
+  stack = [directory, *(directory + suffix for suffix in _TMP_SUFFIXES if siblings)]
   while stack:
     try:
       entries = os.scandir(stack.pop())
