@@ -49,12 +49,15 @@ class TenantRunner(Runner):
 class TenantCheckpoints(CheckpointHost):
   """A :class:`CheckpointHost` that holds each pool tenant to its checkpoint quotas:
 
-  - ``checkpoint_roots``: it opens checkpoint directories under those only (the sidecar's
-    roots still hold for everyone);
+  - ``checkpoint_roots``: it opens and acts in checkpoint directories under those only (the
+    sidecar's roots still hold for everyone; the roots in force at each call, so a reload
+    that narrows them holds at once), and never in, at or above another tenant's root;
   - ``ram_tier``: the RAM-tier copies of the committed steps of the directories it opened
     keep within it together (the RAM tier's group of those directories), newest first;
   - ``checkpoint_bytes``: a part of a save is refused where what its directories hold on
     this sidecar's storage, with what its saves here have still to write, would pass it;
+    checked and reserved under one lock (``storage_reserved``), a step's pending bytes
+    counted by its tmp directory as the server derived it, not by a field the client sent;
   - ``weight``: its saves write in turns at the storage (``write_bandwidth``, max-min fair
     by weight among the tenants writing: ``shares.Bandwidth``).
 

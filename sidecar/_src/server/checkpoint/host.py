@@ -157,7 +157,9 @@ class CheckpointHost:
 
     Raises:
       PermissionDeniedError: another client opened it, or a directory inside it or
-        holding it (the first to open a directory has it, until the sidecar stops).
+        holding it (the first to open a directory has it, until the sidecar stops), or
+        another client owns it, one above it or one below it on disk (its
+        ``roots.OWNER_FILE``, which the first open writes: a restart keeps it).
     """
     resolved = self._path(directory, "directory")
     inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
