@@ -88,6 +88,9 @@ class DcpFormat(Format):
     # Only what a save made is swept (STYLE 27): anything else of that name stays.
     return [tmp for tmp in super().sweep(directory) if distcp.is_ours(tmp)]
 
+  def made_here(self, tmp: pathlib.Path) -> bool:
+    return not tmp.exists() or distcp.is_ours(tmp)
+
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     return distcp.is_checkpoint(path)
 

@@ -362,6 +362,11 @@ class StepWriter:
           f"abort: tmp_dir {tmp_dir!r:.200} is not an uncommitted step directory "
           f"(*{', *'.join(suffixes)}) nor inside one; abort removes only a save's uncommitted "
           "files")
+    found = self._formats.of_tmp(pathlib.Path(path))
+    if found is not None and not found[0].made_here(found[1].tmp):
+      raise errors.PermissionDeniedError(
+          f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in it); "
+          "abort removes only what a save made: move it away yourself")
     with self._tier.lock:
       record = self._tier.steps.pop(final_dir, None)
       for key in [k for k in self._tier.replicas if k[0] == final_dir]:

@@ -208,21 +208,21 @@ def test_racing_saves_cannot_pass_checkpoint_bytes(make_server, tmp_path, field)
   """Attack 7: 8 sessions staging 1 MiB steps at once against 4 MiB: 6-8 committed where
   each Stage named a subdirectory of its step as its directory (5 with honest fields).
 
-  With honest fields the race is lined up: each Stage's quota check waits (up to 2 s) for
-  all 8 to be checking at once, which only a check outside the reservation's lock allows."""
+  With honest fields the race is lined up: after its quota check each Stage waits (up to
+  5 s) for all 8 to be checked, which only a check outside the reservation's lock allows."""
   server = make_server(pool=write_pool(tmp_path, QUOTA_POOL), shm_size=32 << 20)
   directory_of = ((lambda d, tmp: f"{tmp}/default") if field == "a-subdirectory"
                   else (lambda d, tmp: str(d)))
   if field == "honest":
-    lined_up, check = threading.Barrier(8, timeout=2), server.checkpoints.check_storage
+    lined_up, check = threading.Barrier(8, timeout=5), server.checkpoints.check_storage
 
     def checked_together(client, directory, nbytes):
-      if nbytes:  # a Stage's, not a Begin's
+      check(client, directory, nbytes)
+      if nbytes:  # a Stage's, not a Begin's: none stages before all 8 are checked
         try:
           lined_up.wait()
         except threading.BrokenBarrierError:
           pass  # the checks are one at a time
-      check(client, directory, nbytes)
     server.checkpoints.check_storage = checked_together
   n = _race(server, tmp_path, directory_of)
   assert n * BIG.nbytes <= 4 << 20, n
@@ -285,3 +285,18 @@ def test_roots_narrowed_by_a_reload_hold_at_the_next_call(make_server, tmp_path)
                                   ShardId(("w",), ((0, W.size),)), crc32c=None,
                                   tier="any").result())
   assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["1"]
+
+
+def test_an_abort_removes_no_dcp_directory_a_save_did_not_make(make_server, tmp_path):
+  """STYLE 27: ``Abort`` of a planted ``*.dcp-checkpoint-tmp`` in a directory of one's own
+  removed it whole."""
+  server = make_server(pool=write_pool(tmp_path, pool(bob=", checkpoint_roots: [bob]")))
+  planted = tmp_path / "bob" / ("ck" + dcp.TMP_SUFFIX) / "keep.txt"
+  planted.parent.mkdir()
+  planted.write_text("keep")
+  with controller(server, BOB) as ctl:
+    client = ctl.checkpoint_client()
+    client.open(0, str(tmp_path / "bob"), ram_steps=1, ram_budget=None, sweep=False).result()
+    refused(PermissionError, "was not made by a save", lambda: client.abort(
+        0, str(planted.parent), str(tmp_path / "bob" / "ck"), timeout=10).result())
+  assert planted.read_text() == "keep"
