@@ -160,8 +160,12 @@ def background_thread() -> None:
 
 
 def write_small(path: os.PathLike | str, data: bytes) -> None:
-  """Writes a small file durably (buffered, fsynced); sync its directory before a commit."""
-  with open(path, "wb") as f:
+  """Writes a small file durably (buffered, fsynced); sync its directory before a commit.
+  The file is opened in its directory without following a symlink (``names.py``)."""
+  path = os.fspath(path)
+  fd = names.open_beneath(os.path.dirname(path) or ".", os.path.basename(path),
+                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "wb") as f:
     f.write(data)
     f.flush()
     os.fsync(f.fileno())

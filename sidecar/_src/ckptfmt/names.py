@@ -69,11 +69,12 @@ def open_beneath(base: os.PathLike | str, name: str, flags: int, mode: int = 0o6
                  make_dirs: bool = False, field: str = "name") -> int:
   """A descriptor of ``base``/``name`` (``name`` checked by :func:`check_name`), opened
   relative to ``base``'s descriptor one component at a time with ``O_NOFOLLOW``: no
-  symlink below ``base`` is followed (ELOOP or ENOTDIR: an OSError naming the path).
+  symlink below ``base`` (the directory the server resolved) is followed (ELOOP or ENOTDIR: an OSError naming the path).
   ``make_dirs``: the directories on the way are made (0o755) where missing."""
   check_name(name, field)
   parts = name.split("/")
-  fd = os.open(base, _DIR_FLAGS)
+  # ``base`` itself is the directory the server resolved and checked: opened as named.
+  fd = os.open(base, _DIR_FLAGS & ~os.O_NOFOLLOW)
   try:
     for part in parts[:-1]:
       if make_dirs:

@@ -74,9 +74,11 @@ def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str
 
 
 def write_text(path: pathlib.Path, text: str) -> None:
-  """Writes a small file durably; its directory is synced before the commit."""
+  """Writes a small file durably; its directory is synced before the commit. The file is
+  opened in its directory without following a symlink (``names.py``)."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w") as f:
+  fd = names.open_beneath(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "w") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
