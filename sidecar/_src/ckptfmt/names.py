@@ -69,8 +69,9 @@ def open_beneath(base: os.PathLike | str, name: str, flags: int, mode: int = 0o6
                  make_dirs: bool = False, field: str = "name") -> int:
   """A descriptor of ``base``/``name`` (``name`` checked by :func:`check_name`), opened
   relative to ``base``'s descriptor one component at a time with ``O_NOFOLLOW``: no
-  symlink below ``base`` (the directory the server resolved) is followed (ELOOP or ENOTDIR: an OSError naming the path).
-  ``make_dirs``: the directories on the way are made (0o755) where missing."""
+  symlink below ``base`` (the directory the server resolved) is followed (ELOOP or
+  ENOTDIR: an OSError naming the path). ``make_dirs``: the directories on the way are
+  made (0o755) where missing."""
   check_name(name, field)
   parts = name.split("/")
   # ``base`` itself is the directory the server resolved and checked: opened as named.
