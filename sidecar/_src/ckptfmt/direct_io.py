@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sidecar._src.ckptfmt import names
+
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 CHUNK = 64 << 20  # bytes per call: large enough to keep the device busy
 # A turn at the storage's write bandwidth for ``nbytes``, held while they are written:
@@ -34,12 +36,15 @@ def no_turn(nbytes: int) -> contextlib.AbstractContextManager[None]:
   return contextlib.nullcontext()
 
 
-def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn) -> int:
+def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn, *,
+               beneath: os.PathLike | str | None = None) -> int:
   """Writes the C-order bytes of ``data`` to a new file at ``path`` and fsyncs it.
 
   ``data`` must stay unchanged until this returns. Returns how many bytes went
   direct (the rest went through the page cache). With a ``turn``, each ``TURN_BYTES``
-  are written in a turn of their own.
+  are written in a turn of their own. ``beneath``: ``path`` is a name relative to that
+  directory, opened beneath its descriptor with no symlink followed (``names.py``), its
+  directories made where missing.
 
   Raises:
     OSError: the file could not be written.
@@ -48,7 +53,11 @@ def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn) 
   # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
   buf = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
   n = len(buf)
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+  fd = (os.open(path, flags, 0o644) if beneath is None
+        else names.open_beneath(beneath, os.fspath(path), flags, make_dirs=True))
+  if beneath is not None:
+    path = os.path.join(beneath, path)
   try:
     direct = 0
     if n >= ALIGN and data.ctypes.data % ALIGN == 0:
@@ -65,8 +74,11 @@ def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn) 
   return direct
 
 
-def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
+def read_file(path: os.PathLike | str, out: np.ndarray, *,
+              beneath: os.PathLike | str | None = None) -> int:
   """Reads the file at ``path`` into the C-contiguous array ``out``; returns bytes read.
+  ``beneath``: ``path`` is a name relative to that directory, opened as
+  :func:`write_file` opens it.
 
   Reads at most ``out.nbytes``; fewer means the file is shorter (and the rest of
   ``out`` holds anything). A page-aligned ``out`` is read with ``O_DIRECT`` but for a tail
@@ -80,7 +92,8 @@ def read_file(path: os.PathLike | str, out: np.ndarray) -> int:
   # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
   buf = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
   n = len(buf)
-  fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  fd = (os.open(path, os.O_RDONLY | os.O_CLOEXEC) if beneath is None
+        else names.open_beneath(beneath, os.fspath(path), os.O_RDONLY))
   try:
     done = 0
     if n >= ALIGN and out.ctypes.data % ALIGN == 0:
@@ -147,8 +160,12 @@ def background_thread() -> None:
 
 
 def write_small(path: os.PathLike | str, data: bytes) -> None:
-  """Writes a small file durably (buffered, fsynced); sync its directory before a commit."""
-  with open(path, "wb") as f:
+  """Writes a small file durably (buffered, fsynced); sync its directory before a commit.
+  The file is opened in its directory without following a symlink (``names.py``)."""
+  path = os.fspath(path)
+  fd = names.open_beneath(os.path.dirname(path) or ".", os.path.basename(path),
+                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "wb") as f:
     f.write(data)
     f.flush()
     os.fsync(f.fileno())

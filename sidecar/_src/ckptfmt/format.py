@@ -94,6 +94,12 @@ class Format(abc.ABC):
     directories (the caller removes those no save in flight writes)."""
     return sorted(directory.glob(f"*{self.tmp_suffix}"))
 
+  def made_here(self, tmp: pathlib.Path) -> bool:
+    """Whether the uncommitted step directory ``tmp`` is one a save made, so that an abort
+    may remove it (a format whose tmp directory lies beside the one opened marks its own)."""
+    del tmp
+    return True
+
   @abc.abstractmethod
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     """Whether ``path`` is a committed checkpoint of this format."""

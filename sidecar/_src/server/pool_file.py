@@ -87,6 +87,7 @@ def load(path: str) -> Pool:
                      f"{other.name!r} (line {other.line}); each tenant needs a token of its "
                      "own, e.g. `openssl rand -hex 32 > FILE`")
     for other in tenants:
+      _check_roots_apart(path, line, tenant, other)
       if other.uids & tenant.uids:
         raise error_at(path, line, f"tenant {tenant.name!r} shares uids "
                      f"{sorted(other.uids & tenant.uids)} with tenant {other.name!r} (line "
@@ -100,6 +101,19 @@ def load(path: str) -> Pool:
                  + ", ".join(f"{t.name} {t.arena}" for t in pool.tenants if t.arena.fraction)
                  + f") sum to {fractions:g} of the arena, more than all of it; lower them")
   return pool
+
+
+def _check_roots_apart(path: str, line: int, tenant: Tenant, other: Tenant) -> None:
+  """Refuses two tenants' checkpoint roots of which one is, holds or lies in the other: a
+  directory belongs to one tenant (each one's checkpoints are its own, docs/pool.md)."""
+  inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+  for mine in tenant.checkpoint_roots:
+    for theirs in other.checkpoint_roots:
+      if inside(mine, theirs) or inside(theirs, mine):
+        raise error_at(path, line, f"tenant {tenant.name!r}'s checkpoint root {mine} "
+                       f"{'is' if mine == theirs else 'overlaps'} tenant {other.name!r}'s "
+                       f"{theirs} (line {other.line}); each tenant's checkpoint_roots must "
+                       "be directories of its own, none inside another's")
 
 
 def _mapping(path: str, node: yaml.Node, keys: frozenset[str], what: str

@@ -5,9 +5,11 @@ the pool; these only enforce it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sidecar._src.arena import shm
@@ -47,12 +49,15 @@ class TenantRunner(Runner):
 class TenantCheckpoints(CheckpointHost):
   """A :class:`CheckpointHost` that holds each pool tenant to its checkpoint quotas:
 
-  - ``checkpoint_roots``: it opens checkpoint directories under those only (the sidecar's
-    roots still hold for everyone);
+  - ``checkpoint_roots``: it opens and acts in checkpoint directories under those only (the
+    sidecar's roots still hold for everyone; the roots in force at each call, so a reload
+    that narrows them holds at once), and never in, at or above another tenant's root;
   - ``ram_tier``: the RAM-tier copies of the committed steps of the directories it opened
     keep within it together (the RAM tier's group of those directories), newest first;
   - ``checkpoint_bytes``: a part of a save is refused where what its directories hold on
     this sidecar's storage, with what its saves here have still to write, would pass it;
+    checked and reserved under one lock (``storage_reserved``), a step's pending bytes
+    counted by its tmp directory as the server derived it, not by a field the client sent;
   - ``weight``: its saves write in turns at the storage (``write_bandwidth``, max-min fair
     by weight among the tenants writing: ``shares.Bandwidth``).
 
@@ -66,6 +71,7 @@ class TenantCheckpoints(CheckpointHost):
     self._arena_bytes = arena_bytes
     self._tenant_of = tenant_of
     self.write_bandwidth = shares_lib.Bandwidth(WRITE_TURNS)
+    self._storage_locks: dict[str, threading.Lock] = {}  # by tenant: check and reserve
     super().__init__(host_id, group_budget=self._ram_budget, write_turn=self._write_turn,
                      **kwargs)
 
@@ -78,16 +84,32 @@ class TenantCheckpoints(CheckpointHost):
     t = self._tenancy.tenant(tenant)
     return None if t is None or t.ram_tier is None else t.ram_tier.bytes_of(self._arena_bytes)
 
-  def open_for(self, client: str, directory: str) -> None:
-    t = self._tenancy.tenant(client)
-    if t is not None and t.checkpoint_roots and isinstance(directory, str):
-      resolved = os.path.realpath(directory)
-      if not any(resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)
-                 for r in t.checkpoint_roots):
+  def _check_roots(self, t: tenants_lib.Tenant | None, path: str, name: str) -> None:
+    """PermissionDeniedError unless ``path`` lies under ``t``'s checkpoint roots (in force
+    now: a reload that narrowed them holds at the next call of an open directory)."""
+    if t is not None and t.checkpoint_roots and isinstance(path, str):
+      resolved = os.path.realpath(path)
+      if not any(_inside(resolved, r) for r in t.checkpoint_roots):
         raise errors.PermissionDeniedError(
             f"tenant {t.name!r} may checkpoint only under its checkpoint_roots "
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
-            f"{directory!r:.200}; checkpoint there, or add the directory to its roots")
+            f"{name} {path!r:.200}; checkpoint there, or add the directory to its roots")
+
+  def open_for(self, client: str, directory: str) -> None:
+    t = self._tenancy.tenant(client)
+    self._check_roots(t, directory, "directory")
+    if isinstance(directory, str) and (pool := self._tenancy.pool) is not None:
+      resolved = os.path.realpath(directory)
+      for other in pool.tenants:  # another's root, or a directory that holds it, is not ours
+        held = [r for r in other.checkpoint_roots if _inside(r, resolved) or _inside(resolved, r)]
+        if other.name != client and held:
+          how = ("is" if resolved == held[0] else
+                 "lies in" if _inside(resolved, held[0]) else "holds")
+          raise errors.PermissionDeniedError(
+              f"checkpoint directory {directory!r:.200} {how} {held[0]!r:.200}, a checkpoint "
+              f"root of tenant {other.name!r} ({self._tenancy.where(other.name)}); checkpoint "
+              "in a directory of your own, beside the other tenants' roots, not in or above "
+              "them")
     super().open_for(client, directory)
     if t is not None and self._tenancy.quotas:
       with self.tier.lock:
@@ -96,6 +118,7 @@ class TenantCheckpoints(CheckpointHost):
   def clients_mode(self) -> str:
     pool = self._tenancy.pool
     return super().clients_mode() if pool is None else pool.mode()
+
   def accept_replica(self, tenant: str | None, directory: str) -> None:
     """A replica is some tenant of the pool's, in its checkpoint roots; its committed
     copies count in that tenant's RAM-tier group here (``ram_tier``), whether or not the
@@ -110,6 +133,20 @@ class TenantCheckpoints(CheckpointHost):
           "tenant's; give every sidecar of the pool the same pool file")
     self.open_for(t.name, directory)  # its roots, its directories, its RAM-tier group
 
+  def check_client(self, client: str, path: str, name: str) -> None:
+    super().check_client(client, path, name)
+    self._check_roots(self._tenancy.tenant(client), path, name)
+
+  @contextlib.contextmanager
+  def storage_reserved(self, client: str | None, directory: str, nbytes: int) -> Iterator[None]:
+    t = self._tenancy.tenant(client)
+    if t is None or t.checkpoint_bytes is None:
+      yield
+      return
+    with self._storage_locks.setdefault(t.name, threading.Lock()):
+      self.check_storage(client, directory, nbytes)
+      yield  # the Stage records its bytes (a pending step's) before the next check
+
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     t = self._tenancy.tenant(client)
     if t is None or t.checkpoint_bytes is None:
@@ -118,9 +155,12 @@ class TenantCheckpoints(CheckpointHost):
     outer = [d for d in mine if not any(d.startswith(o.rstrip(os.sep) + os.sep) for o in mine)]
     stored = sum(_stored(d) for d in outer)  # a directory inside another is counted there
     with self.tier.lock:  # staged here, not yet on storage
-      writing = [(s.directory, s.nbytes - s.written) for s in self.tier.steps.values()
+      writing = [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values()
                  if not s.done.is_set()]
-    pending = sum(max(n, 0) for d, n in writing if os.path.realpath(d) in mine)
+    # A step counts where the server put it (its resolved tmp directory), whatever
+    # directory its Stage named; what of it is on storage already is counted there.
+    pending = sum(max(n - _stored(d, siblings=False), 0) for d, n in writing
+                  if any(_inside(d, m) for m in outer))
     if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
                                                           stored >= t.checkpoint_bytes):
       fmt = shm.format_size
@@ -149,11 +189,15 @@ class TenantCheckpoints(CheckpointHost):
     return len(steps)
 
 
-def _stored(directory: str) -> int:
-  """The bytes of the files under ``directory`` and beside it in uncommitted step
-  directories of it (a DCP save's ``<directory>.dcp-checkpoint-tmp``)."""
+def _inside(path: str, directory: str) -> bool:
+  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _stored(directory: str, *, siblings: bool = True) -> int:
+  """The bytes of the files under ``directory`` and (``siblings``) beside it in uncommitted
+  step directories of it (a DCP save's ``<directory>.dcp-checkpoint-tmp``)."""
   total = 0
-  stack = [directory, *(directory + suffix for suffix in _TMP_SUFFIXES)]
+  stack = [directory, *(directory + suffix for suffix in _TMP_SUFFIXES if siblings)]
   while stack:
     try:
       entries = os.scandir(stack.pop())

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import (
   Held,
@@ -66,6 +67,9 @@ def key_path_from_pb(entries: Sequence[ckpt_pb.KeyEntry], where: str) -> KeyPath
     out.append(e.key if kind == "key" else e.index)
   if not out:
     raise errors.InvalidArgumentError(f"{where}: the key path is empty")
+  # Its keys joined by dots name the leaf's files (Orbax's param_name): a name, not a path.
+  names.check_name(".".join(str(k) for k in out), where,
+                   fix="leaf keys are names: no '/' at the start, no '.'/'..' component, no NUL")
   return tuple(out)
 
 
@@ -214,8 +218,9 @@ def dcp_commit_to_pb(part: DcpCommit | Mapping[str, Any]) -> ckpt_pb.DcpCommit:
 
 
 def dcp_commit_from_pb(part: ckpt_pb.DcpCommit, where: str) -> DcpCommit:
-  del where  # every value a message holds is one
-  return DcpCommit(part.metadata, dict(part.file_sizes), part.plan_json)
+  out = DcpCommit(part.metadata, dict(part.file_sizes), part.plan_json)
+  out.check_plan(f"{where}.plan_json")  # each item's file a name, one of the ranks' files
+  return out
 
 
 # A format's typed parts, by their member of the requests' ``format_part`` oneof:

@@ -34,6 +34,8 @@ def test_a_sweep_puts_back_a_cut_overwrite_and_lists_the_uncommitted(tmp_path):
   (tmp_path / ("ck" + distcp.OLD_SUFFIX)).mkdir()
   (tmp_path / ("ck" + distcp.OLD_SUFFIX) / ".metadata").write_bytes(b"\x80")
   (tmp_path / ("other" + distcp.TMP_SUFFIX)).mkdir()
+  (tmp_path / ("other" + distcp.TMP_SUFFIX) / distcp.MADE_FILE).write_bytes(b"")  # a save's
+  (tmp_path / ("planted" + distcp.TMP_SUFFIX)).mkdir()  # no save's: never listed to remove
   (tmp_path / "4.orbax-checkpoint-tmp").mkdir()
   assert DcpFormat().sweep(tmp_path) == [tmp_path / ("other" + distcp.TMP_SUFFIX)]
   assert (tmp_path / "ck" / ".metadata").is_file()  # the old copy is back at its path

@@ -176,6 +176,21 @@ def test_a_tenants_roots_must_lie_under_the_sidecars(tmp_path):
     pool.check_roots((str(tmp_path),))
 
 
+@pytest.mark.parametrize(("alice", "bob", "how"), [
+    ("ckpt", "ckpt", "is"), ("ckpt", "ckpt/bob", "overlaps"), ("ckpt/a", "ckpt", "overlaps")],
+    ids=["same", "inside", "above"])
+def test_tenants_checkpoint_roots_may_not_overlap(tmp_path, alice, bob, how):
+  text = ("tenants:\n"
+          f"  - {{name: alice, token_file: alice.token, checkpoint_roots: [x, {alice}]}}\n"
+          f"  - {{name: bob, token_file: bob.token, checkpoint_roots: [{bob}]}}\n")
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=rf"pool.yaml:3: tenant 'bob'.s checkpoint root \S+/{bob} {how} tenant "
+                     rf"'alice'.s \S+/{alice} \(line 2\); each tenant's checkpoint_roots must be "
+                     "directories of its own"):
+    pool_file.load(_pool(tmp_path, text, "alice", "bob"))
+  pool_file.load(_pool(tmp_path, text.replace(f"[{bob}]", "[ckpt-b]"), "alice", "bob"))
+
+
 def test_a_world_readable_file_is_named_with_the_fix(tmp_path, caplog):
   path = _pool(tmp_path, MINIMAL)
   os.chmod(path, 0o644)

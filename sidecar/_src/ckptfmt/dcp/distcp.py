@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io, records
+from sidecar._src.ckptfmt import direct_io, names, records
 from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.records import ShardChecksum
@@ -66,6 +66,7 @@ METADATA_FILE = ".metadata"
 MANIFEST = records.MANIFEST_FILE
 TMP_SUFFIX = ".dcp-checkpoint-tmp"
 OLD_SUFFIX = ".dcp-checkpoint-old"  # a replaced checkpoint, until its removal
+MADE_FILE = ".sidecar-made"  # in an uncommitted directory: a save made it (gone once committed)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 FORMAT = "dcp"
 _WRITERS = 4
@@ -218,8 +219,12 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
         f"{TMP_SUFFIX!r}); make one with create_tmp()")
   placements, size = layout(rank, items)
   path = directory / file_name(rank)
-  with open(path, "wb") as f:
-    f.truncate(size)
+  # Opened beneath the directory's descriptor, no symlink followed (names.py).
+  fd = names.open_beneath(directory, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  try:
+    os.ftruncate(fd, size)
+  finally:
+    os.close(fd)
   sums: dict[int, concurrent.futures.Future[ShardChecksum]] = {}
   writes: list[concurrent.futures.Future[int]] = []
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-dcp-write",
@@ -244,7 +249,7 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
       nbytes = w.result()
       if progress is not None:
         progress(nbytes)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = names.open_beneath(directory, path.name, os.O_RDONLY)
     try:
       os.fsync(fd)
     finally:
@@ -254,7 +259,8 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
 
 def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,
                   turn: direct_io.Turn = direct_io.no_turn) -> int:
-  fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # its own: write_at sets O_DIRECT on it
+  # Its own descriptor (write_at sets O_DIRECT on it), beneath the directory, no symlink.
+  fd = names.open_beneath(path.parent, path.name, os.O_WRONLY)
   try:
     if item.kind is ItemKind.TENSOR:
       os.pwrite(fd, dcp_record.header(item.dtype, item.sizes, at=where.offset), where.offset)
@@ -276,12 +282,43 @@ def tmp_path(path: os.PathLike | str) -> pathlib.Path:
 
 def create_tmp(path: os.PathLike | str) -> pathlib.Path:
   """Makes the uncommitted directory of the checkpoint at ``path`` (a leftover of an
-  attempt that never committed is removed first) and returns it."""
+  attempt that never committed is removed first, if a save made it: :func:`is_ours`) and
+  returns it, marked as made by a save (:data:`MADE_FILE`).
+
+  Raises:
+    PermissionDeniedError: something a save did not make is where the directory goes.
+  """
   recover(path)  # a complete copy first, where an overwrite was cut short
   tmp = tmp_path(path)
-  shutil.rmtree(tmp, ignore_errors=True)
+  remove_ours(tmp)
   tmp.mkdir(parents=True)
+  direct_io.write_small(tmp / MADE_FILE, b"")
   return tmp
+
+
+def is_ours(path: os.PathLike | str) -> bool:
+  """Whether ``path`` is a directory a save made: an uncommitted one (:data:`MADE_FILE`
+  in it) or a checkpoint written here (our manifest and DCP's ``.metadata``); never a
+  symlink."""
+  path = pathlib.Path(path)
+  if path.is_symlink() or not path.is_dir():
+    return False
+  return (path / MADE_FILE).is_file() or (is_checkpoint(path) and (path / MANIFEST).is_file())
+
+
+def remove_ours(path: os.PathLike | str) -> None:
+  """Removes the directory ``path`` (a save's ``-tmp`` or ``-old`` sibling) if a save made
+  it (:func:`is_ours`); nothing there is fine; anything else is left as it is and refused
+  (PermissionDeniedError): a sidecar removes only what it made."""
+  path = pathlib.Path(path)
+  if not (path.exists() or path.is_symlink()):
+    return
+  if not is_ours(path):
+    raise errors.PermissionDeniedError(
+        f"{path} is in the way of a DCP save and was not made by one (no {MADE_FILE} nor "
+        f"{MANIFEST} in it); it is left as it is: move it away, or save the checkpoint "
+        "under another name")
+  shutil.rmtree(path, ignore_errors=True)
 
 
 def old_path(path: os.PathLike | str) -> pathlib.Path:
@@ -377,12 +414,17 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
       raise FileExistsError(f"{final} exists and is not a DCP checkpoint; not replacing it")
     if not replace:
       raise FileExistsError(f"a checkpoint is already committed at {final}")
-    shutil.rmtree(old_path(final), ignore_errors=True)  # a stale one: ``final`` is whole
+    stale = old_path(final)  # a stale copy (``final`` is whole), or what a save made
+    if is_checkpoint(stale) and not stale.is_symlink():
+      shutil.rmtree(stale, ignore_errors=True)
+    else:
+      remove_ours(stale)
     if _exchange(tmp, final):  # one step: the path always holds a complete checkpoint
       if swapping is not None:
         swapping()
       direct_io.fsync_dir(final.parent)
       shutil.rmtree(tmp, ignore_errors=True)  # the replaced copy, now at the tmp name
+      (final / MADE_FILE).unlink(missing_ok=True)  # committed: no longer a save's own
       return final
     # No atomic swap here: two renames, and recover() puts the old copy back if this
     # process dies between them (the next open or save of the path calls it).
@@ -392,6 +434,7 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
       swapping()
   os.rename(tmp, final)
   direct_io.fsync_dir(final.parent)
+  (final / MADE_FILE).unlink(missing_ok=True)  # committed: no longer a save's own
   if old is not None:
     shutil.rmtree(old, ignore_errors=True)
   return final
@@ -408,7 +451,9 @@ def read_item(path: os.PathLike | str, where: Placement, out: np.ndarray) -> Non
     CorruptCheckpointError: the file is shorter than the item.
     OSError: the file cannot be read.
   """
-  fd = os.open(pathlib.Path(path) / where.relative_path, os.O_RDONLY | os.O_CLOEXEC)
+  # The plan's file is a name (the wire checked it, and so does this): opened beneath the
+  # checkpoint's directory, no symlink followed, never a path the plan chose.
+  fd = names.open_beneath(path, where.relative_path, os.O_RDONLY, field="the item's file")
   try:
     got = direct_io.read_at(fd, out, where.data_offset)
   finally:

@@ -85,7 +85,11 @@ class DcpFormat(Format):
   def sweep(self, directory: pathlib.Path) -> list[pathlib.Path]:
     for old in sorted(directory.glob(f"*{distcp.OLD_SUFFIX}")):
       distcp.recover(old.with_name(old.name.removesuffix(distcp.OLD_SUFFIX)))
-    return super().sweep(directory)
+    # Only what a save made is swept (STYLE 27): anything else of that name stays.
+    return [tmp for tmp in super().sweep(directory) if distcp.is_ours(tmp)]
+
+  def made_here(self, tmp: pathlib.Path) -> bool:
+    return not tmp.exists() or distcp.is_ours(tmp)
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     return distcp.is_checkpoint(path)

@@ -12,7 +12,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar._src.ckptfmt.dcp.distcp import Item
+from sidecar._src.ckptfmt import names
+from sidecar._src.ckptfmt.dcp.distcp import Item, file_name
 from sidecar._src.core import errors
 
 
@@ -59,3 +60,22 @@ class DcpCommit:
       return json.loads(self.plan_json)
     except ValueError as e:
       raise errors.InvalidArgumentError(f"dcp.plan_json is not JSON: {e}") from None
+
+  def check_plan(self, where: str = "dcp.plan_json") -> None:
+    """InvalidArgumentError unless every storage entry of the plan names, as its file, one
+    of the ranks' files this commit writes (``__<rank>_0.distcp``): a name, never a path
+    (a read from storage opens that file in the checkpoint's directory)."""
+    plan = self.plan()
+    storage = plan.get("storage") if isinstance(plan, dict) else None
+    if not isinstance(storage, list) or not all(isinstance(s, dict) for s in storage):
+      raise errors.InvalidArgumentError(
+          f"{where}: 'storage' must be a list of entries, got {storage!r:.100}")
+    files = {file_name(rank) for rank in self.file_sizes}
+    for i, s in enumerate(storage):
+      path = names.check_name(s.get("path"), f"{where} storage[{i}].path",
+                              fix="an item lies in one of the ranks' files, named as DCP names "
+                              "them (__<rank>_0.distcp)")
+      if path not in files:
+        raise errors.InvalidArgumentError(
+            f"{where} storage[{i}].path {path!r:.200} is none of the ranks' files of this "
+            f"commit ({', '.join(sorted(files)) or 'none'}); an item lies in its rank's file")

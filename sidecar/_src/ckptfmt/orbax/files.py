@@ -12,6 +12,7 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
 
@@ -47,10 +48,20 @@ def write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
   ``host_index`` writes it: Zarr v2, no OCDBT."""
   # Orbax loads with the first checkpoint (a sidecar starts without it).
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  leaf_dir(item_dir, spec.param_name)
   return ts_utils.ArrayWriteSpec(
       item_dir.as_posix(), spec.param_name, global_shape=spec.shape,
       write_shape=spec.write_shape, dtype=spec.dtype, use_ocdbt=False,
       use_zarr3=False, use_compression=use_compression, process_id=host_index)
+
+
+def leaf_dir(item_dir: pathlib.Path, param_name: str) -> pathlib.Path:
+  """The directory of a leaf's array in ``item_dir``: ``param_name`` checked to be a name,
+  and the path, resolved, to lie beneath ``item_dir`` (TensorStore opens it by path, so a
+  symlink on the way is refused here first)."""
+  names.check_name(param_name, "leaf", fix="leaf keys are names: no '/' at the start, no "
+                   "'.'/'..' component, no NUL")
+  return names.check_beneath(item_dir, item_dir / param_name, f"leaf {param_name!r}")
 
 
 def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str | None:
@@ -63,9 +74,11 @@ def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str
 
 
 def write_text(path: pathlib.Path, text: str) -> None:
-  """Writes a small file durably; its directory is synced before the commit."""
+  """Writes a small file durably; its directory is synced before the commit. The file is
+  opened in its directory without following a symlink (``names.py``)."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w") as f:
+  fd = names.open_beneath(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "w") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())

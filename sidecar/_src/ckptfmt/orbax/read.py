@@ -48,6 +48,7 @@ def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
   item_dir = pathlib.Path(item_dir).absolute()
   meta, context = _reader(item_dir)
   name = ".".join(str(k) for k in key_path)
+  files.leaf_dir(item_dir, name)  # a name, beneath the item: TensorStore opens it by path
   if str(tuple(str(k) for k in key_path)) not in meta["tree_metadata"]:
     raise FileNotFoundError(f"leaf {name!r} is not in the checkpoint at {item_dir}")
   spec = ts_utils.ArrayReadSpec(
@@ -86,7 +87,9 @@ def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index
   path, dtype = chunk
   out = allocate(tuple(b - a for a, b in index), dtype)
   size = path.stat().st_size
-  if size != out.nbytes or direct_io.read_file(path, out) != out.nbytes:
+  # Opened beneath the item's directory, no symlink followed (names.py).
+  if size != out.nbytes or direct_io.read_file(
+      path.relative_to(item_dir), out, beneath=item_dir) != out.nbytes:
     raise errors.CorruptCheckpointError(
         f"{path} holds {size} bytes where the chunk {[list(i) for i in index]} of "
         f"{'.'.join(map(str, key_path))!r} takes {out.nbytes}: the file is corrupt or was "
@@ -124,6 +127,7 @@ def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
   """
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   name = ".".join(str(k) for k in key_path)
+  files.leaf_dir(item_dir, name)  # a name, beneath the item (TensorStore opens it too)
   directory = pathlib.Path(ts_utils.ArrayReadSpec(
       item_dir.as_posix(), name, use_zarr3=False, use_ocdbt=False).json["kvstore"]["path"])
   try:

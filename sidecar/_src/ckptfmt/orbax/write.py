@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
@@ -78,7 +79,8 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
                     assume_metadata=host_index != 0, context=context)
             for w in write_specs]
   try:
-    sums = _write_shards(specs, write_specs, opened, shards, use_compression, progress, turn)
+    sums = _write_shards(item_dir, specs, write_specs, opened, shards, use_compression, progress,
+                         turn)
   except BaseException:
     # The opens create .zarray files on TensorStore's threads: let them end before the
     # caller removes the directory of a failed or aborted save (a file landing after the
@@ -95,8 +97,8 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   return sums
 
 
-def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened: Sequence[Any],
-                  shards: Iterable[StagedShard], use_compression: bool,
+def _write_shards(item_dir: pathlib.Path, specs: Sequence[LeafSpec], write_specs: Sequence[Any],
+                  opened: Sequence[Any], shards: Iterable[StagedShard], use_compression: bool,
                   progress: Callable[[int], None] | None,
                   turn: direct_io.Turn) -> list[ShardChecksum]:
   """Writes each shard as it comes; returns their checksums once all are durable."""
@@ -113,9 +115,10 @@ def _write_shards(specs: Sequence[LeafSpec], write_specs: Sequence[Any], opened:
         raise errors.InvalidArgumentError(f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
       spec, w = specs[leaf], write_specs[leaf]
       index, data = _resolve(spec, shard)
-      path = _chunk_file(w, index, data, use_compression)
-      if path is not None:  # The common case: one uncompressed chunk, its bytes as they are.
-        write: Any = pool.submit(direct_io.write_file, path, data, turn)
+      name = _chunk_file(item_dir, w, index, data, use_compression)
+      if name is not None:  # The common case: one uncompressed chunk, its bytes as they are.
+        write: Any = pool.submit(functools.partial(direct_io.write_file, beneath=item_dir),
+                                 name, data, turn)
       else:
         store = opened[leaf].result()
         target = store[tuple(slice(a, b) for a, b in index)]
@@ -175,9 +178,10 @@ def _resolve(spec: LeafSpec, shard: StagedShard) -> tuple[Index, np.ndarray]:
   return index, data
 
 
-def _chunk_file(spec: ts_utils.ArrayWriteSpec, index: Index, data: np.ndarray,
-                use_compression: bool) -> pathlib.Path | None:
-  """The Zarr v2 chunk file that holds exactly ``data``, if it can be written as is.
+def _chunk_file(item_dir: pathlib.Path, spec: ts_utils.ArrayWriteSpec, index: Index,
+                data: np.ndarray, use_compression: bool) -> str | None:
+  """The Zarr v2 chunk file that holds exactly ``data``, if it can be written as is: its
+  name in ``item_dir`` (opened beneath it, ``names.open_beneath``).
 
   An uncompressed chunk is its array's C-order bytes (little-endian, as on every
   host JAX runs on); a shard that is one whole chunk can go to its file straight
@@ -187,6 +191,4 @@ def _chunk_file(spec: ts_utils.ArrayWriteSpec, index: Index, data: np.ndarray,
   name = files.whole_chunk(index, spec.metadata.chunk_shape)
   if use_compression or data.dtype.byteorder == ">" or name is None:
     return None
-  directory = pathlib.Path(spec.json["kvstore"]["path"])
-  directory.mkdir(parents=True, exist_ok=True)
-  return directory / name
+  return f"{os.path.relpath(spec.json['kvstore']['path'], item_dir)}/{name}"

@@ -26,11 +26,12 @@ checkpoint roots; ``delete`` and ``abort`` remove only step directories a checkp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -168,7 +169,9 @@ class CheckpointHost:
 
     Raises:
       PermissionDeniedError: another client opened it, or a directory inside it or
-        holding it (the first to open a directory has it, until the sidecar stops).
+        holding it (the first to open a directory has it, until the sidecar stops), or
+        another client owns it, one above it or one below it on disk (its
+        ``roots.OWNER_FILE``, which the first open writes: a restart keeps it).
     """
     resolved = self._path(directory, "directory")
     inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
@@ -179,7 +182,39 @@ class CheckpointHost:
               f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
               f"client opened on host {self._host_id}; with {self.clients_mode()} each "
               "client checkpoints in directories of its own")
+      self._claim(client, directory, resolved)
       self._opened.setdefault(client, set()).add(resolved)
+
+  def _claim(self, client: str, directory: str, resolved: str) -> None:
+    """Records ``client`` as the owner of ``resolved`` on disk (``roots.OWNER_FILE``),
+    unless another owner is recorded in it, above it or below it: then
+    PermissionDeniedError naming that directory, its owner and the fix."""
+    root = self._roots.root_of(resolved)
+    assert root is not None  # resolve() checked it
+    try:
+      os.makedirs(resolved, exist_ok=True)
+    except OSError:
+      return  # not writable: the open says so (StepWriter.open)
+    found = roots_lib.foreign_owner(resolved, root, client)
+    if found is None and roots_lib.claim(resolved, client) != client:
+      found = resolved, roots_lib.owner_of(resolved) or ""
+    if found is not None:
+      where, owner = found
+      how = ("is" if where == resolved else
+             "holds" if where.startswith(resolved.rstrip(os.sep) + os.sep) else "lies in")
+      raise errors.PermissionDeniedError(
+          f"checkpoint directory {directory!r:.200} {how} {where!r:.200}, which client "
+          f"{owner!r:.100} owns (its {roots_lib.OWNER_FILE} on host {self._host_id}); each "
+          f"client checkpoints in directories of its own: choose another directory, or, if "
+          f"{owner!r:.100} is done with it, remove {os.path.join(where, roots_lib.OWNER_FILE)!r}")
+
+  @contextlib.contextmanager
+  def storage_reserved(self, client: str | None, directory: str, nbytes: int) -> Iterator[None]:
+    """Checks (``check_storage``) and reserves ``nbytes`` more of a save by ``client``: the
+    block runs the Stage that records them, under the lock the check took, so no other
+    part of the client's saves passes the same check meanwhile; here there is no quota."""
+    self.check_storage(client, directory, nbytes)
+    yield
 
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     """Refuses (``ResourceExhaustedError``) ``nbytes`` more of a save by ``client`` in

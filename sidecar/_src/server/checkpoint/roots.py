@@ -1,4 +1,4 @@
-"""The checks on what a checkpoint call names: paths under the roots, and steps.
+"""The checks on what a checkpoint call names: paths under the roots, steps, and owners.
 
 Every path a checkpoint call names must lie under one of the checkpoint roots.
 
@@ -6,6 +6,12 @@ A path is resolved (symlinks, ``..``) before the check; a sidecar started withou
 root (``sidecar serve --checkpoint-root DIR``) refuses them all
 (``PermissionDeniedError``). ``delete`` and ``abort`` remove only directories a
 checkpoint wrote (:func:`is_checkpoint_dir`).
+
+**Owners on disk.** Where each client (a pool's tenant, or a ``--client-tokens`` client)
+has checkpoints of its own, the first open of a directory records its owner in it
+(:data:`OWNER_FILE`, the tenant's name, written by the sidecar): a restart keeps it, and
+another client's open of the directory, of one inside it, or of one that holds it is
+refused (:func:`foreign_owner`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,86 @@ ROOTS_FLAG = "--checkpoint-root"
 ROOTS_ENV = env_lib.CHECKPOINT_ROOTS
 # Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
 _MARKERS = ("_CHECKPOINT_METADATA", spec_lib.METADATA_FILE, spec_lib.COMMIT_SUCCESS_FILE, MANIFEST)
+
+
+OWNER_FILE = ".sidecar-owner"  # in a checkpoint directory: the client that owns it
+_OWNER_MAX = 4096  # bytes of an owner file read: a tenant's name
+# Directories a walk for owners below an opened directory does not enter: a save's
+# uncommitted steps, and (checked apart) committed steps and items.
+_TMP_MARKS = (".orbax-checkpoint-tmp", ".dcp-checkpoint-tmp", ".dcp-checkpoint-old")
+
+
+def owner_of(path: str) -> str | None:
+  """The owner recorded in the directory ``path`` (its :data:`OWNER_FILE`), or None.
+
+  A marker that is not a plain file (a symlink, say) is someone's too: it reads as its
+  link text, which names no tenant, so no tenant opens the directory."""
+  try:
+    fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+  except FileNotFoundError:
+    return None
+  except OSError as e:  # ELOOP: a symlink where the marker goes
+    return f"<unreadable owner file: {e.strerror}>"
+  try:
+    return os.read(fd, _OWNER_MAX).decode("utf-8", "replace").strip()
+  finally:
+    os.close(fd)
+
+
+def claim(path: str, owner: str) -> str:
+  """Records ``owner`` in the directory ``path`` unless an owner is recorded there
+  already; returns the owner recorded (``owner``, or the one there before)."""
+  dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+  try:
+    try:
+      fd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                   | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    except FileExistsError:
+      return owner_of(path) or ""
+    try:
+      os.write(fd, owner.encode() + b"\n")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.fsync(dir_fd)
+  finally:
+    os.close(dir_fd)
+  return owner
+
+
+def foreign_owner(resolved: str, root: str, owner: str) -> tuple[str, str] | None:
+  """Where another owner than ``owner`` is recorded at, above (up to ``root``) or below
+  the directory ``resolved``: ``(directory, its owner)``, or None.
+
+  Below, the walk follows no symlink and enters no save's uncommitted step nor
+  committed step (no owner is recorded inside one)."""
+  up = resolved
+  while True:
+    found = owner_of(up)
+    if found is not None and found != owner:
+      return up, found
+    if up == root or os.path.dirname(up) == up:
+      break
+    up = os.path.dirname(up)
+  stack = [resolved]
+  while stack:
+    try:
+      entries = os.scandir(stack.pop())
+    except OSError:
+      continue
+    with entries:
+      for entry in entries:
+        try:
+          if not entry.is_dir(follow_symlinks=False) or entry.name.endswith(_TMP_MARKS):
+            continue
+        except OSError:
+          continue
+        found = owner_of(entry.path)
+        if found is not None and found != owner:
+          return entry.path, found
+        if not (entry.name.isdigit() and is_checkpoint_dir(pathlib.Path(entry.path))):
+          stack.append(entry.path)
+  return None
 
 
 def as_int(value: Any, name: str) -> int:

@@ -110,10 +110,9 @@ class StepWriter:
     ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at ``directory`` is replaced
     at the commit, as DCP overwrites). Refused while another session's save of the step is
     being staged or written (it would remove that save's files)."""
-    resolved = self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
-    tmp = pathlib.Path(fmt.tmp_of(resolved, step))
+    tmp = pathlib.Path(self.tmp_of(directory, step, format))
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
               if not s.done.is_set() and owner not in s.owners and s.format == fmt.name
@@ -123,6 +122,13 @@ class StepWriter:
           f"begin: step {step} of {directory!r:.200} is being saved by another session on "
           f"host {self._host_id}; wait for that save to end, or save another step")
     return str(fmt.create_tmp(directory, step))
+
+  def tmp_of(self, directory: str, step: int, format: str = "") -> str:  # noqa: A002
+    """Where :meth:`begin` makes the step's uncommitted directory (resolved), if it lies
+    under a checkpoint root (DCP's lies beside ``directory``: never outside the roots)."""
+    fmt = self._formats.get(format)
+    tmp = fmt.tmp_of(self._path(directory, "directory"), roots_lib.as_int(step, "step"))
+    return self._path(tmp, "the step's uncommitted directory")
 
   def _uncommitted(self, tmp_dir: str, name: str) -> tuple[Format, str, str]:
     """The format of ``tmp_dir``, ``tmp_dir`` (resolved) and where it will be once
@@ -174,6 +180,13 @@ class StepWriter:
     for value, name in ((directory, "directory"), (final_dir, "final_dir")):
       self._path(value, name)
     fmt, tmp_dir, final = self._uncommitted(tmp_dir, "tmp_dir")
+    found = self._formats.of_tmp(pathlib.Path(tmp_dir))
+    assert found is not None  # _uncommitted checked it
+    if self._path(directory, "directory") != str(found[1].tmp.parent):
+      raise errors.InvalidArgumentError(
+          f"stage: directory {directory!r:.200} is not the directory of tmp_dir's step "
+          f"({str(found[1].tmp.parent)!r:.200}); a Stage names the checkpoint directory it "
+          "opened, the one its step lies in")
     if (part is not None) != (fmt.stage_part is not None) or (
         part is not None and not isinstance(part, fmt.stage_part)):  # type: ignore[arg-type]
       raise errors.InvalidArgumentError(
@@ -349,6 +362,11 @@ class StepWriter:
           f"abort: tmp_dir {tmp_dir!r:.200} is not an uncommitted step directory "
           f"(*{', *'.join(suffixes)}) nor inside one; abort removes only a save's uncommitted "
           "files")
+    found = self._formats.of_tmp(pathlib.Path(path))
+    if found is not None and not found[0].made_here(found[1].tmp):
+      raise errors.PermissionDeniedError(
+          f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in it); "
+          "abort removes only what a save made: move it away yourself")
     with self._tier.lock:
       record = self._tier.steps.pop(final_dir, None)
       for key in [k for k in self._tier.replicas if k[0] == final_dir]:

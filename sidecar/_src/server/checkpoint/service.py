@@ -248,7 +248,12 @@ class CheckpointService:
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
-    self._host.check_storage(self._client(context), r.directory, 0)
+    client = self._client(context)
+    self._host.check_storage(client, r.directory, 0)
+    if client is not None:  # the step's directory too (DCP's lies beside r.directory)
+      self._host.check_client(
+          client, self._host.writer.tmp_of(r.directory, _step(r.step), r.format),
+          "the step's uncommitted directory")
     return ckpt_pb.CheckpointBeginResponse(
         tmp_directory=self._host.writer.begin(r.directory, _step(r.step), r.format,
                                               _session(context)))
@@ -260,12 +265,12 @@ class CheckpointService:
     part = wire.format_part_from_pb(r, wire.STAGE_PARTS)
     shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
                                         _STAGE_VIEWS.get())
-    try:
-      self._host.check_storage(self._client(context), r.directory,
-                               sum(s.data.nbytes for s in shards))
-      staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves, shards,
-                                       r.last, writers=max(r.writers, 1), part=part,
-                                       owner=_session(context))
+    try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
+      with self._host.storage_reserved(self._client(context), r.directory,
+                                       sum(s.data.nbytes for s in shards)):
+        staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves,
+                                         shards, r.last, writers=max(r.writers, 1), part=part,
+                                         owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)

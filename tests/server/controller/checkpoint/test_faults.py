@@ -44,26 +44,28 @@ def test_a_save_that_fails_on_a_full_disk_releases_everything_and_the_next_save_
 
 def test_a_chunk_write_that_fails_with_an_os_error_is_a_checkpoint_write_error(
     make_server, tmp_path, monkeypatch):
-  """A real pwrite that fails (the chunk file is /dev/full: ENOSPC) comes back as
-  CheckpointWriteError with its errno, the file and the host, not InvalidArgumentError."""
+  """A chunk write that fails as on a full disk (ENOSPC) comes back as
+  CheckpointWriteError with its errno, the file and the host, not InvalidArgumentError.
+  (The chunk file cannot be a symlink to /dev/full: chunk files open with O_NOFOLLOW.)"""
   import errno
   import os
 
   from sidecar._src.ckptfmt import direct_io
-  write_file = direct_io.write_file
+  pwrite = os.pwrite
 
-  def onto_a_full_disk(path, data, *turn):
-    os.symlink("/dev/full", path)  # every write to it fails with ENOSPC
-    return write_file(path, data, *turn)
+  def onto_a_full_disk(fd, piece, at):  # the chunk files of the step fail with ENOSPC
+    if "1.orbax-checkpoint-tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return pwrite(fd, piece, at)
   server = make_server(shm_size=16 << 20, device_ids=(0,))
   one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
   state = {"w": jax.device_put(jnp.ones((256, 128), jnp.float32), one)}
   with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
       ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
-    monkeypatch.setattr(direct_io, "write_file", onto_a_full_disk)  # the in-process sidecar's
+    monkeypatch.setattr(direct_io.os, "pwrite", onto_a_full_disk)  # the in-process sidecar's
     with pytest.raises(sidecar.CheckpointWriteError) as raised:
       ckpt.save(1, state).durable.result(60)
-    monkeypatch.setattr(direct_io, "write_file", write_file)
+    monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
     e = raised.value
     assert (e.errno, e.host_id) == (errno.ENOSPC, 0) and isinstance(e, OSError)
     assert e.path.startswith(str(tmp_path / "ck" / "1.orbax-checkpoint-tmp")), e.path

@@ -167,7 +167,7 @@ def test_nothing_is_visible_before_the_commit(tmp_path):
     distcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={0: size0, 1: size1})
   assert not path.exists() and not distcp.is_checkpoint(path)
   # A new attempt starts from a clean tmp directory.
-  assert distcp.create_tmp(path) == tmp and os.listdir(tmp) == []
+  assert distcp.create_tmp(path) == tmp and os.listdir(tmp) == [distcp.MADE_FILE]
 
 
 def test_a_committed_checkpoint_is_replaced_whole(tmp_path):

@@ -49,3 +49,26 @@ def test_without_an_exchange_a_cut_overwrite_is_recovered_not_deleted(tmp_path, 
     commit(path, "new", swapping=die)
   commit(path, "newer")  # the next save puts the old copy back first, then replaces it
   assert (path / "tag").read_text() == "newer" and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_sibling_no_save_made_is_never_removed(tmp_path):
+  """STYLE 27 (issue 42, attack 14): ``<path>.dcp-checkpoint-tmp`` and ``-old`` are removed
+  only where a save made them; anything else in their place stays, and the save is
+  refused naming it."""
+  from sidecar._src.ckptfmt.dcp.format import DcpFormat
+  from sidecar._src.core import errors
+  path = tmp_path / "ckpt"
+  planted = distcp.tmp_path(path) / "keep.txt"
+  planted.parent.mkdir()
+  planted.write_text("keep")
+  with pytest.raises(errors.PermissionDeniedError, match="was not made by one"):
+    distcp.create_tmp(path)
+  assert DcpFormat().sweep(tmp_path) == []  # an open's sweep passes it by
+  assert planted.read_text() == "keep"
+  planted.unlink()
+  planted.parent.rmdir()
+  tmp = distcp.create_tmp(path)  # a save's own leftover is removed and made anew
+  (tmp / "partial").write_text("x")
+  assert DcpFormat().sweep(tmp_path) == [tmp]
+  commit(path, "one")
+  assert sorted(os.listdir(path)) == [distcp.METADATA_FILE, "tag"]  # the mark is gone

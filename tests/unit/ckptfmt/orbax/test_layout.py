@@ -215,9 +215,9 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
   seen = []
 
   def spy(fn):
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
       seen.append((fn.__name__, os.sched_getscheduler(0)))
-      return fn(*args)
+      return fn(*args, **kwargs)
     return wrapped
 
   monkeypatch.setattr(direct_io, "write_file", spy(direct_io.write_file))
@@ -261,7 +261,7 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
   direct, allocated = [], []
   read_file = direct_io.read_file
   monkeypatch.setattr(direct_io, "read_file",
-                      lambda path, out: direct.append(path) or read_file(path, out))
+                      lambda path, out, **kw: direct.append(path) or read_file(path, out, **kw))
 
   def allocate(shape, dtype):
     allocated.append(np.empty(shape, dtype))

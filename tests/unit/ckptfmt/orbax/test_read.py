@@ -46,8 +46,8 @@ class Allocations:
 def test_a_whole_chunk_is_read_from_its_file_into_the_callers_array(step, monkeypatch):
   read = []
   read_file = direct_io.read_file
-  monkeypatch.setattr(direct_io, "read_file", lambda path, out: read.append(path.name)
-                      or read_file(path, out))
+  monkeypatch.setattr(direct_io, "read_file", lambda path, out, **kw: read.append(path.name)
+                      or read_file(path, out, **kw))
   allocate = Allocations()
   got = orbax_read.read_item_shard(step / "default", ("w",), ((4, 8), (3, 6)), allocate=allocate)
   assert got is allocate.made[0] and read == ["1.1"]
