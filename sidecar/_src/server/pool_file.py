@@ -146,9 +146,10 @@ def _with_operator(path: str, top: dict[str, yaml.Node], base: str, pool: Pool,
   token = _read_token(path, line, "the operator", token_file)
   for t in pool.tenants:
     if t.token and hmac.compare_digest(t.token.encode(), token.encode()):
-      raise error_at(path, line, f"the operator token ({where}) is also tenant {t.name!r}'s "
-                     f"token (line {t.line}); the operator is no tenant: give it a token of "
-                     "its own (`openssl rand -hex 32 > FILE; chmod 600 FILE`)")
+      named = token_file if line else where
+      raise error_at(path, line, f"the operator token ({named}) is also the token of tenant "
+                     f"{t.name!r} (line {t.line}); the operator is no tenant: give it a token "
+                     "of its own (`openssl rand -hex 32 > FILE; chmod 600 FILE`)")
   return dataclasses.replace(pool, operator_token=token, operator_token_file=token_file,
                              operator_where=where)
 
