@@ -12,8 +12,8 @@ from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 from tests.conftest import PEER_TOKEN
-from tests.support.pool_files import (ALICE, BOB, OPERATOR, OPERATOR_LINE, POOL, controller,
-                                      write_pool)
+from tests.support import pool_files
+from tests.support.pool_files import ALICE, BOB, OPERATOR, controller, write_pool
 from tests.support.raw_client import Raw, rejected
 
 pytestmark = pytest.mark.server
@@ -29,7 +29,7 @@ def _status(raw: Raw) -> pb.StatusResponse:
 
 
 def test_the_operator_sees_every_row_and_runs_nothing(make_server, tmp_path):
-  server = make_server(pool=write_pool(tmp_path, POOL + OPERATOR_LINE))
+  server = make_server(pool=write_pool(tmp_path, pool_files.POOL + pool_files.OPERATOR_LINE))
   run = str(tmp_path / "alice" / "run")
   with controller(server, ALICE) as alice, controller(server, BOB):
     with alice.checkpointer(run) as ck:
@@ -65,7 +65,7 @@ def test_the_operator_sees_every_row_and_runs_nothing(make_server, tmp_path):
 
 
 def test_a_reload_puts_a_new_operator_token_in_force(make_server, tmp_path):
-  path = write_pool(tmp_path, POOL + OPERATOR_LINE)
+  path = write_pool(tmp_path, pool_files.POOL + pool_files.OPERATOR_LINE)
   server = make_server(pool=path)
   old = Raw(server.port, token=OPERATOR)
   assert [t.name for t in _status(old).tenants] == ["alice", "bob"]

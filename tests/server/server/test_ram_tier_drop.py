@@ -8,8 +8,8 @@ import pytest
 import sidecar
 from sidecar._src.core import errors
 from tests.conftest import PEER_TOKEN, eventually
-from tests.support.pool_files import (ALICE, BOB, OPERATOR, OPERATOR_LINE, POOL,
-                                      controller, write_pool)
+from tests.support import pool_files
+from tests.support.pool_files import ALICE, BOB, OPERATOR, controller, write_pool
 
 pytestmark = pytest.mark.server
 
@@ -22,7 +22,7 @@ def _ram_steps(server) -> dict[str, list[int]]:
 
 
 def test_a_tenant_drops_its_own_copies_and_the_operator_anyones(make_server, tmp_path):
-  server = make_server(pool=write_pool(tmp_path, POOL + OPERATOR_LINE))
+  server = make_server(pool=write_pool(tmp_path, pool_files.POOL + pool_files.OPERATOR_LINE))
   a, b = str(tmp_path / "alice" / "a"), str(tmp_path / "bob" / "b")
   with controller(server, ALICE) as alice, controller(server, BOB) as bob:
     with alice.checkpointer(a, ram_steps=2) as ck:
