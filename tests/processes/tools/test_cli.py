@@ -321,6 +321,10 @@ def test_local_pool_shows_the_operators_view_and_relays_a_bad_reload(tmp_path):
     assert shown.returncode == 0, shown.stderr
     tenants = json.loads(shown.stdout)["tenants"]
     assert sorted(t["tenant"] for t in tenants) == ["alice", "bob"]
+    per_host = subprocess.run([sys.executable, "-m", "sidecar", "status", *command[3:6]],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert per_host.returncode == 0, per_host.stderr
+    assert {"alice", "bob"} <= set(per_host.stdout.split()), per_host.stdout
     # Before: the per-host logs, where a reload's error went, were never named.
     (logs,) = [line for line in lines if line.startswith("sidecar logs: ")]
     assert all(os.path.exists(path) for path in logs.split(": ", 1)[1].split(", "))
