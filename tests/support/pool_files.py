@@ -6,6 +6,10 @@ import os
 import sidecar
 
 ALICE, BOB = "token-of-alice", "token-of-bob"
+# The pool's operator token (no tenant's): write_pool writes it as operator.token, which a
+# pool file names with OPERATOR_LINE.
+OPERATOR = "token-of-the-operator"
+OPERATOR_LINE = "operator_token_file: operator.token\n"
 
 POOL = """\
 tenants:
@@ -24,10 +28,12 @@ tenants:
 
 def write_pool(directory, text: str = POOL) -> str:
   """``text`` as ``directory``/pool.yaml beside the two tenants' token files and their
-  checkpoint roots, each readable by its owner only; the pool file's path."""
-  for name, token in (("alice", ALICE), ("bob", BOB)):
+  checkpoint roots, and the operator's token file, each readable by its owner only; the
+  pool file's path."""
+  for name, token in (("alice", ALICE), ("bob", BOB), ("operator", OPERATOR)):
     (directory / f"{name}.token").write_text(token + "\n")
     os.chmod(directory / f"{name}.token", 0o600)
+  for name in ("alice", "bob"):
     (directory / name).mkdir(exist_ok=True)
   path = directory / "pool.yaml"
   path.write_text(text)

@@ -96,6 +96,9 @@ class ServerOptions:
   # A pool file (sidecar serve --pool FILE): tenants with their tokens and quotas, instead of
   # the shared token or client_tokens (docs/pool.md). Reloaded on SIGHUP.
   pool: str | None = None
+  # The pool's operator token file (--operator-token-file), where the pool file names none:
+  # it reads every tenant's row and drops RAM-tier copies, and is no tenant. Read at each load.
+  operator_token_file: str | None = None
   # What peer sidecars present at the handshake: only their sessions may send replicas.
   peer_token: str | None = None
   # The job's (or pool's) sidecars, by host id (gRPC addresses: HOST:PORT or unix:PATH):
@@ -194,6 +197,9 @@ class ServerOptions:
       if self.token is not None or self.client_tokens:
         raise ValueError("a pool file (--pool) holds the tenants' tokens: give it alone, not "
                          "with --token-file or --client-tokens")
+    elif self.operator_token_file is not None:
+      raise ValueError("an operator token (--operator-token-file) is a pool's: give it with "
+                       "--pool FILE (or name it in the pool file: operator_token_file)")
     if (self.tls_cert is None) != (self.tls_key is None):
       raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key), got "
                        f"tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}")

@@ -5,6 +5,8 @@ out, every mistake named with its line (yaml's node marks). The keys are in docs
 
 from __future__ import annotations
 
+import dataclasses
+import hmac
 import logging
 import os
 import stat
@@ -28,7 +30,9 @@ _TENANT_KEYS = frozenset({
     "ram_tier", "checkpoint_bytes"})
 # ram_keep's units: a number is seconds; a string may end in one of these.
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_POOL_KEYS = frozenset({"tenants"})
+_POOL_KEYS = frozenset({"tenants", "operator_token_file"})
+# `sidecar serve`'s flag that names the operator token instead of the pool file's key.
+OPERATOR_FLAG = "--operator-token-file"
 
 
 def warn_if_readable(path: str, what: str) -> bool:
@@ -44,8 +48,13 @@ def warn_if_readable(path: str, what: str) -> bool:
   return True
 
 
-def load(path: str) -> Pool:
+def load(path: str, *, operator_token_file: str | None = None) -> Pool:
   """The pool in the YAML file ``path``, checked.
+
+  Args:
+    operator_token_file: the operator's token file from ``--operator-token-file``, where
+      the pool file names none (``operator_token_file:``); read at each load, as the
+      tenants' token files are.
 
   Raises:
     OSError: the file (or a token file it names) cannot be read.
@@ -100,7 +109,50 @@ def load(path: str) -> Pool:
                  "the tenants' guaranteed arena shares ("
                  + ", ".join(f"{t.name} {t.arena}" for t in pool.tenants if t.arena.fraction)
                  + f") sum to {fractions:g} of the arena, more than all of it; lower them")
-  return pool
+  return _with_operator(path, top, base, pool, operator_token_file)
+
+
+def operator_token_file(path: str) -> str | None:
+  """The operator token file the pool file at ``path`` names (resolved as load does), or
+  None: what `sidecar local` reads to know whether to make one. Reads only the YAML."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = yaml.safe_load(f)
+  except (OSError, yaml.YAMLError):
+    return None  # the sidecars' own load says what is wrong with it
+  v = data.get("operator_token_file") if isinstance(data, dict) else None
+  if not isinstance(v, str) or not v:
+    return None
+  return os.path.join(os.path.dirname(os.path.abspath(path)), os.path.expanduser(v))
+
+
+def _with_operator(path: str, top: dict[str, yaml.Node], base: str, pool: Pool,
+                   flag_file: str | None) -> Pool:
+  """``pool`` with its operator token (the key ``operator_token_file``, or the flag's
+  file), checked to be no tenant's token."""
+  if "operator_token_file" in top:
+    line = top["operator_token_file"].start_mark.line + 1
+    if flag_file is not None:
+      raise error_at(path, line, f"operator_token_file is given here and by {OPERATOR_FLAG} "
+                     f"{flag_file}; name the operator's token in one place")
+    v = _scalar(path, top["operator_token_file"], "operator_token_file")
+    if not isinstance(v, str) or not v:
+      raise error_at(path, line, f"operator_token_file must be a file's path, got {v!r}")
+    token_file, where = os.path.join(base, os.path.expanduser(v)), f"{path}:{line}"
+  elif flag_file is not None:
+    line, token_file = 0, os.path.abspath(flag_file)
+    where = f"{OPERATOR_FLAG} {token_file}"
+  else:
+    return pool
+  token = _read_token(path, line, "the operator", token_file)
+  for t in pool.tenants:
+    if t.token and hmac.compare_digest(t.token.encode(), token.encode()):
+      named = token_file if line else where
+      raise error_at(path, line, f"the operator token ({named}) is also the token of tenant "
+                     f"{t.name!r} (line {t.line}); the operator is no tenant: give it a token "
+                     "of its own (`openssl rand -hex 32 > FILE; chmod 600 FILE`)")
+  return dataclasses.replace(pool, operator_token=token, operator_token_file=token_file,
+                             operator_where=where)
 
 
 def _check_roots_apart(path: str, line: int, tenant: Tenant, other: Tenant) -> None:

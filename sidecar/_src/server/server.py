@@ -357,7 +357,8 @@ class Server:
     """The tenants: the pool file's (checked against the arena and the checkpoint roots),
     one per client token, the shared token's one, or None (no token)."""
     if o.pool is not None:
-      pool = pool_file.load(o.pool)
+      pool = pool_file.load(o.pool, operator_token_file=o.operator_token_file)
+      pool.check_operator(o.peer_token)
       pool.check_arena(o.shm_size)
       pool.check_roots(o.checkpoint_roots)
       return pool
@@ -384,8 +385,12 @@ class Server:
     pool = self._pool(o)
     assert pool is not None
     with self._lock:
+      old = self.tenancy.pool
       removed, changed = self.tenancy.swap(pool)
       revoked = {n: self.tenancy.revoked[n] for n in removed + changed}
+      if old is not None and old.operator_token and old.operator_token != pool.operator_token:
+        revoked[tenants_lib.OPERATOR] = (f"the operator token was changed in the pool file "
+                                         f"{o.pool}")
       self.tokens.swap(tenants_lib.Tokens.of(pool, o.peer_token), revoked)
       for name, why in revoked.items():
         self.sessions.revoke(name)

@@ -203,6 +203,7 @@ class Service:
     """:meth:`call` for a large CallRequest in parts (``CallPart``s, the first one
     announcing its size): they are copied into one buffer as they come."""
     session = self._require_session(context)
+    self._no_peer(session, "CallParts")
     first = next(requests, None)
     if first is None:
       raise errors.InvalidArgumentError("CallParts: no CallPart came")
@@ -211,13 +212,18 @@ class Service:
       return self._unary.run_parts_serialized(
           total, itertools.chain((first,), requests), session, alive=context.is_active,
           time_left=context.time_remaining, limit=self._max_request)
+
   def _no_peer(self, session: str, what: str) -> None:
-    """PermissionDeniedError for a session of the pool's peer token (client ""): the
-    sidecars' own, for their replicas only; it is no tenant and has no quotas to run by."""
-    if self._tokens.named and self._sessions.client(session) == "":
+    """PermissionDeniedError for a session of the pool's peer token (client ""), the
+    sidecars' own, for their replicas only, or of its operator token (``OPERATOR``), which
+    reads Status and drops RAM-tier copies: neither is a tenant nor has quotas to run by."""
+    client = self._sessions.client(session)
+    if self._tokens.named and client == "":
       raise errors.PermissionDeniedError(
           f"{what}: the peer token is the sidecars' own, for their replicas only; it is no "
           "tenant of this sidecar's pool: present a tenant's token")
+    if client == tenants_lib.OPERATOR:
+      raise errors.PermissionDeniedError(tenants_lib.operator_denied(what))
 
   def stream(self, requests: Iterator[bytes], context: grpc.ServicerContext
              ) -> Iterator[pb.StreamItem]:
@@ -262,6 +268,9 @@ class Service:
     # Needs no session; one sent along is kept alive (a controller's health watch polls).
     self._sessions.touch(dict(context.invocation_metadata()).get(protocol.SESSION_KEY))
     hidden = client is None and self._tokens.named  # a certificate no tenant names
+    operator = client == tenants_lib.OPERATOR
+    if operator:  # the pool's operator sees everything: every tenant's feeds, directories, rows
+      client = None
     return pb.StatusResponse(
         identity=self._identity, versions=protocol.local_versions(),
         registry=self.registry_entries(), arena_size=self._arena_size,
@@ -269,14 +278,16 @@ class Service:
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
         calls=self._runner.calls, feeds=[] if hidden else self._stream_runner.feeds(client),
-        checkpoints=[] if hidden else self._visible_checkpoints(context),
-        tenants=self._tenant_status(client))
+        checkpoints=[] if hidden else self._visible_checkpoints(client),
+        tenants=self._tenant_status(client, operator=operator))
 
-  def _tenant_status(self, client: str | None) -> list[pb.TenantStatus]:
-    """The caller's own tenant's row (with a pool file); none for a caller of no tenant,
-    the pool's peer token included (client ""): it is the sidecars' own, no tenant's, and
-    sees no tenant's use (every tenant's is in the metrics, --metrics-port)."""
-    return self.tenant_status(client) if client else []
+  def _tenant_status(self, client: str | None, *, operator: bool) -> list[pb.TenantStatus]:
+    """The caller's own tenant's row (with a pool file), every tenant's for the pool's
+    operator token; none for a caller of no tenant, the pool's peer token included
+    (client ""): it is the sidecars' own, no tenant's, and sees no tenant's use."""
+    if client:
+      return self.tenant_status(client)
+    return self.tenant_status() if operator else []
 
   def tenant_status(self, client: str | None = None) -> list[pb.TenantStatus]:
     """Each tenant's use now (with a pool file), or ``client``'s only: what Status and
@@ -307,9 +318,9 @@ class Service:
           ram_tier_quota=0 if t.ram_tier is None else t.ram_tier.bytes_of(size)))
     return out
 
-  def _visible_checkpoints(self, context: grpc.ServicerContext) -> list[pb.CheckpointStatus]:
-    """Every checkpoint directory; with per-client tokens, those the caller opened only."""
-    client = self._client(context)
+  def _visible_checkpoints(self, client: str | None) -> list[pb.CheckpointStatus]:
+    """Every checkpoint directory; with per-client tokens, those the caller opened only
+    (the pool's operator, client None here, sees every one)."""
     if client is None or self._opened is None:
       return self._checkpoints()
     mine = self._opened(client)

@@ -29,6 +29,9 @@ from sidecar._src.core import errors
 
 # A tenant's arena ceiling is one batch at least: below this nothing useful fits.
 MIN_ARENA = 1 << 20
+# The client name of a session of the pool's operator token (``operator_token_file``): no
+# tenant's name can be it (names are letters, digits, '.', '_' and '-').
+OPERATOR = "(operator)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,9 +95,30 @@ class Tenant:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Pool:
-  """The tenants of one sidecar. ``path``: the pool file (None: made from tokens)."""
+  """The tenants of one sidecar. ``path``: the pool file (None: made from tokens).
+
+  ``operator_token``: the pool's operator's (``operator_token_file``), no tenant's: it reads
+  every tenant's row of Status and drops anyone's RAM-tier copies, nothing else; None: none.
+  """
   tenants: tuple[Tenant, ...]
   path: str | None = None
+  operator_token: str | None = dataclasses.field(default=None, repr=False)
+  operator_token_file: str | None = None
+  operator_where: str = ""  # where it is named, for messages: FILE:LINE or the flag
+
+  def check_operator(self, peer_token: str | None) -> None:
+    """Checks that the operator token is not the sidecars' peer token.
+
+    Raises:
+      InvalidArgumentError: naming both.
+    """
+    if self.operator_token and peer_token and hmac.compare_digest(
+        self.operator_token.encode(), peer_token.encode()):
+      raise errors.InvalidArgumentError(
+          f"{self.operator_where}: the operator token ({self.operator_token_file}) is the "
+          "sidecars' peer token (--peer-token-file or SIDECAR_PEER_TOKEN): the peer token is "
+          "the sidecars' own, for their replicas; give the operator a token of its own "
+          "(`openssl rand -hex 32 > FILE; chmod 600 FILE`)")
 
   @classmethod
   def shared(cls, token: str) -> Pool:
@@ -178,7 +202,16 @@ class Pool:
 
 def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumentError:
   """An InvalidArgumentError naming ``path:line`` (where the pool file says it)."""
-  return errors.InvalidArgumentError(f"{path}:{line}: {message}" if path else message)
+  if not path:
+    return errors.InvalidArgumentError(message)
+  return errors.InvalidArgumentError(f"{path}:{line}: {message}" if line else f"{path}: {message}")
+
+
+def operator_denied(what: str) -> str:
+  """Why a session of the pool's operator token may not do ``what``."""
+  return (f"{what}: this is the pool's operator token (operator_token_file), which reads "
+          "Status (every tenant's row) and drops RAM-tier copies (DropRamTier), nothing "
+          "else: it is no tenant; present a tenant's token to run, feed or checkpoint")
 
 
 # ---- at run time ----------------------------------------------------------------------
@@ -301,6 +334,12 @@ class Tenancy:
       return self._peer_tenant(peer, pool)
     if pool is None:
       return None
+    if pool.operator_token and isinstance(token, str) and hmac.compare_digest(
+        token.encode(errors="replace"), pool.operator_token.encode()):
+      raise errors.AuthenticationError(
+          f"this is the pool's operator token ({pool.operator_where}): it reads Status and "
+          "drops RAM-tier copies, and is no tenant, so no worker attaches with it; give the "
+          "worker its tenant's token (SIDECAR_TOKEN or SIDECAR_TOKEN_FILE)")
     found = None
     if isinstance(token, str):
       for t in pool.tenants:
@@ -450,13 +489,16 @@ class Tokens:
 
   @staticmethod
   def of(pool: Pool | None, peer_token: str | None) -> Tokens:
-    """The tokens of ``pool`` (None: none; then nothing is asked), and the peers' token."""
+    """The tokens of ``pool`` (None: none; then nothing is asked), the peers' token (client
+    ""), and the pool's operator token (client ``OPERATOR``)."""
     if pool is None:
       return Tokens({}, named=False)
     named = pool.quotas or any(t.name for t in pool.tenants)
     table = {f"Bearer {t.token}".encode(): t.name for t in pool.tenants if t.token}
     if named and peer_token:  # the peer sidecars authenticate with theirs
       table[f"Bearer {peer_token}".encode()] = ""
+    if pool.operator_token:
+      table[f"Bearer {pool.operator_token}".encode()] = OPERATOR
     return Tokens(table, named=named,
                   tls={n: t.name for t in pool.tenants for n in t.tls_names})
 

@@ -92,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
         peer_token=peer_token, client_tokens=client_tokens, pool=pool,
+        operator_token_file=args.operator_token_file,
         replica_hosts=replica_hosts, replica_hosts_file=args.replica_hosts_file,
         insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
@@ -339,6 +340,11 @@ def parser() -> argparse.ArgumentParser:
                  help="a pool file (YAML): tenants, each with its token file and quotas (arena "
                       "share and ceiling, sessions, feeds, ...), instead of --token-file or "
                       "--client-tokens; SIGHUP reloads it; docs/pool.md (default: none)")
+  s.add_argument("--operator-token-file", metavar="FILE",
+                 help="with --pool, where the pool file names no operator_token_file: the "
+                      "file holding the pool's operator token, which reads every tenant's "
+                      "row (sidecar pool status) and drops RAM-tier copies, and is no "
+                      "tenant; reread on SIGHUP; docs/pool.md (default: none)")
   s.add_argument("--peer-token-file", default=_env(env_lib.PEER_TOKEN_FILE), metavar="FILE",
                  help="file holding the token this job's sidecars present to each other: "
                       "only they may send replicas, never a controller (default: "

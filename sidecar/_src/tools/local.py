@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, platform
+from sidecar._src.server import pool_file
 from sidecar._src.wire import ipc
 
 if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither
@@ -122,6 +123,9 @@ class LocalCluster:
           "each tenant's Controller its own token= instead")
     # A pool file (sidecar serve --pool): its tenants' tokens and quotas; reload() rereads it.
     self.pool = None if pool is None else os.path.abspath(pool)
+    # The pool's operator token file where the pool file names one; else the cluster makes
+    # one in its directory at start (operator_token_file) and gives it to the sidecars.
+    self._operator_token_file = None if pool is None else pool_file.operator_token_file(pool)
     self.token = token
     # The sidecars' own secret: only sessions that present it may send replicas.
     self._peer_token = secrets.token_hex(16)
@@ -158,8 +162,8 @@ class LocalCluster:
     _running.add(self)
     _catch_sigterm()
     try:
-      if self.pool:  # the operator's: it shows every tenant (sidecar pool status)
-        _write_secret(self.peer_token_file, self._peer_token)
+      if self.pool and self._operator_token_file is None:  # the pool file names none
+        _write_secret(self.operator_token_file, secrets.token_hex(16))
       for h in range(self.num_hosts):
         self._procs.append(self._spawn(h))
       self._ready = [self._wait_ready(h) for h in range(self.num_hosts)]
@@ -190,7 +194,10 @@ class LocalCluster:
             "--replica-hosts-file", self._replica_hosts(),
             *(f"--checkpoint-root={r}" for r in self.checkpoint_roots),
             *(["--metrics-port", "0"] if self._metrics else []),
-            *(["--pool", self.pool] if self.pool else []), *self._extra_args]
+            *(["--pool", self.pool] if self.pool else []),
+            *(["--operator-token-file", self.operator_token_file]
+              if self.pool and self._operator_token_file is None else []),
+            *self._extra_args]
     for module in self.imports:
       args += ["--import", module]
     # JAX on the CPU, no accelerator in sight (core/platform.py); `sidecar serve` sets it
@@ -243,13 +250,16 @@ class LocalCluster:
         + self.log(h)[-3000:], host_id=h)
 
   @property
-  def peer_token_file(self) -> str:
-    """The file (mode 0600, in the cluster's directory, gone at close) that holds the
-    sidecars' peer token, with a pool file: the operator's, which sees every tenant
-    (``sidecar pool status --token-file FILE``)."""
+  def operator_token_file(self) -> str:
+    """With a pool file, the file that holds the pool's operator token, which reads every
+    tenant's row (``sidecar pool status --token-file FILE``) and drops RAM-tier copies: the
+    pool file's ``operator_token_file``, else one the cluster made (mode 0600, in its
+    directory, gone at close)."""
+    if self._operator_token_file is not None:
+      return self._operator_token_file
     if self._dir is None:
       raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
-    return os.path.join(self._dir, "peer.token")
+    return os.path.join(self._dir, "operator.token")
 
   def log_path(self, host_id: int) -> str:
     """The file host ``host_id``'s sidecar writes its output to (a reload's result too)."""

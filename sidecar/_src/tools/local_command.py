@@ -32,8 +32,8 @@ def lines(cluster: LocalCluster, *, metrics: bool) -> list[str]:
   out += [f"SIDECAR_HOSTS={entries}",
           "sidecar logs: " + ", ".join(cluster.log_path(h) for h in range(n))]
   if cluster.pool is not None:
-    out += ["every tenant's use (the operator's view, with the peer token): sidecar pool status "
-            f"--token-file {shlex.quote(cluster.peer_token_file)} "
+    out += ["every tenant's use (the operator's view, with the pool's operator token): "
+            f"sidecar pool status --token-file {shlex.quote(cluster.operator_token_file)} "
             + " ".join(shlex.quote(a) for a in cluster.addresses),
             f"reload {cluster.pool} after editing it: kill -HUP {os.getpid()} (each sidecar's "
             "answer is printed here)"]

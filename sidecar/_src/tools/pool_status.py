@@ -1,9 +1,10 @@
 """``sidecar pool status``: a pool's tenants, one row each, summed over its sidecars.
 
 Read with the Status RPC (``controller/status.fetch``), as ``sidecar status`` is: its
-``tenants`` rows (``TenantStatus``). A tenant's token shows that tenant's row only; the
-pool's peer token, the sidecars' own, none (every tenant's is in the metrics). ``--json``
-prints one object for scripts; ``--watch``
+``tenants`` rows (``TenantStatus``). The pool's operator token (``operator_token_file`` in
+the pool file, or ``sidecar serve --operator-token-file``; ``sidecar local --pool`` prints
+its file) shows every tenant's row; a tenant's token that tenant's row only; the pool's
+peer token, the sidecars' own, none. ``--json`` prints one object for scripts; ``--watch``
 redraws the table every ``--interval`` seconds, batches/s measured between two refreshes.
 
 Figures a sidecar does not report (an older one, or one whose ``TenantStatus`` lacks the

@@ -5,8 +5,8 @@ fast restores, and they give way by themselves to new work that needs the room; 
 a directory's (``--directory``) or a tenant's (``--tenant``, a pool's) copies at once, on
 each sidecar named (or the job's, as ``Controller.from_env()`` finds them). It shakes hands
 with the token in ``$SIDECAR_TOKEN`` (or ``$SIDECAR_TOKEN_FILE``): a tenant's token drops
-that tenant's copies only, the pool's peer token anyone's. Steps not durable yet stay and
-are listed. Exit status 0 once every sidecar answered.
+that tenant's copies only, the pool's operator token (operator_token_file) anyone's.
+Steps not durable yet stay and are listed. Exit status 0 once every sidecar answered.
 """
 
 from __future__ import annotations

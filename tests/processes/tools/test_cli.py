@@ -306,17 +306,25 @@ def test_local_pool_shows_the_operators_view_and_relays_a_bad_reload(tmp_path):
                        text=True)
   try:
     lines = _read_until(p.stdout, "Ctrl-C to stop.")
-    # Before: the peer token was random and never shown: no way to every tenant's rows.
+    # Before: the peer token was random and never shown: no way to every tenant's rows;
+    # then it was written out, and the peer token sees no tenant's row (issue 42): the
+    # operator has a token of its own, which `sidecar local` makes.
     (view,) = [line for line in lines if line.startswith("every tenant's use")]
     command = view.split(": ", 1)[1].split()
     assert command[:4] == ["sidecar", "pool", "status", "--token-file"]
+    assert os.path.basename(command[4]) == "operator.token"
     assert oct(os.stat(command[4]).st_mode & 0o777) == "0o600"
+    assert not os.path.exists(os.path.join(os.path.dirname(command[4]), "peer.token"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     shown = subprocess.run([sys.executable, "-m", *command, "--json"], env=env,
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     tenants = json.loads(shown.stdout)["tenants"]
     assert sorted(t["tenant"] for t in tenants) == ["alice", "bob"]
+    per_host = subprocess.run([sys.executable, "-m", "sidecar", "status", *command[3:6]],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert per_host.returncode == 0, per_host.stderr
+    assert {"alice", "bob"} <= set(per_host.stdout.split()), per_host.stdout
     # Before: the per-host logs, where a reload's error went, were never named.
     (logs,) = [line for line in lines if line.startswith("sidecar logs: ")]
     assert all(os.path.exists(path) for path in logs.split(": ", 1)[1].split(", "))
@@ -334,6 +342,7 @@ def test_local_pool_shows_the_operators_view_and_relays_a_bad_reload(tmp_path):
     assert sorted(t["tenant"] for t in json.loads(again.stdout)["tenants"]) == ["alice", "bob"]
     p.send_signal(signal.SIGINT)
     assert p.wait(60) == 0
+    assert not os.path.exists(command[4])  # gone with the cluster's directory
   finally:
     p.kill()
     p.wait(30)

@@ -1,5 +1,6 @@
 """Tier 2: who may drop which RAM-tier copies (the DropRamTier rpc) in a pool: a tenant its
-own directories and itself, the pool's operator (its peer token) anyone's."""
+own directories and itself, the pool's operator (its operator token) anyone's, the peer
+token none."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,8 @@ import pytest
 import sidecar
 from sidecar._src.core import errors
 from tests.conftest import PEER_TOKEN, eventually
-from tests.support.pool_files import ALICE, BOB, controller, write_pool
+from tests.support import pool_files
+from tests.support.pool_files import ALICE, BOB, OPERATOR, controller, write_pool
 
 pytestmark = pytest.mark.server
 
@@ -20,7 +22,7 @@ def _ram_steps(server) -> dict[str, list[int]]:
 
 
 def test_a_tenant_drops_its_own_copies_and_the_operator_anyones(make_server, tmp_path):
-  server = make_server(pool=write_pool(tmp_path))
+  server = make_server(pool=write_pool(tmp_path, pool_files.POOL + pool_files.OPERATOR_LINE))
   a, b = str(tmp_path / "alice" / "a"), str(tmp_path / "bob" / "b")
   with controller(server, ALICE) as alice, controller(server, BOB) as bob:
     with alice.checkpointer(a, ram_steps=2) as ck:
@@ -41,7 +43,11 @@ def test_a_tenant_drops_its_own_copies_and_the_operator_anyones(make_server, tmp
     assert [(s.directory, s.steps, s.nbytes) for s in dropped.dropped] == [
         (a, (1, 2), 2 * STEP.nbytes)]
     assert _ram_steps(server) == {b: [1]}
-  with controller(server, PEER_TOKEN) as operator:
+  with controller(server, PEER_TOKEN) as peer:  # the sidecars' own: no operator
+    with pytest.raises(errors.PermissionDeniedError, match="the peer token is the sidecars'"):
+      peer.drop_ram_tier(tenant="bob")
+  assert _ram_steps(server) == {b: [1]}
+  with controller(server, OPERATOR) as operator:
     assert operator.drop_ram_tier(tenant="bob").dropped[0].steps == (1,)
   assert _ram_steps(server) == {}
 

@@ -112,7 +112,8 @@ BAD = [
      r"pool.yaml:2: tenant 'alice': cannot read its token_file .*nobody.token"),
     ("tenants:\n  - {name: 'a b', token_file: alice.token}\n",
      r"pool.yaml:2: a tenant's name is letters, digits"),
-    ("tenant: []\n", r"pool.yaml:1: unknown key 'tenant' in the pool file; the keys are tenants"),
+    ("tenant: []\n", r"pool.yaml:1: unknown key 'tenant' in the pool file; the keys are "
+     r"operator_token_file, tenants"),
     ("tenants: []\n", r"pool.yaml:1: 'tenants' must be a non-empty list"),
     ("tenants: [\n", r"pool.yaml:2: not YAML"),
     ("tenants:\n  - {name: alice, token_file: alice.token, weight: -1}\n",

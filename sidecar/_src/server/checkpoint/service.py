@@ -183,6 +183,8 @@ class CheckpointService:
                 f"{name}: the peer token is the sidecars' own, for their replicas "
                 "(Receive) only; it is no tenant and may not checkpoint: present a "
                 "tenant's token")
+          if client == tenants_lib.OPERATOR and name != "DropRamTier":  # no tenant either
+            raise errors.PermissionDeniedError(tenants_lib.operator_denied(name))
           if client is not None and name == "Open":
             self._host.open_for(client, request.directory)  # refused if another's
           elif client is not None and request_cls is not None and name not in _OWN_CHECKS:
@@ -317,13 +319,15 @@ class CheckpointService:
   def drop_ram_tier(self, r: ckpt_pb.DropRamTierRequest, context: grpc.ServicerContext
                     ) -> ckpt_pb.DropRamTierResponse:
     """Drops a directory's or a tenant's durable RAM-tier copies: a tenant its own, the
-    operator (the pool's peer token: client "", or any caller where there are no tenants)
-    anyone's."""
+    pool's operator (its operator token, client ``OPERATOR``; any caller where there are
+    no tenants) anyone's."""
     if bool(r.directory) == bool(r.tenant):
       raise errors.InvalidArgumentError(
           "DropRamTier: name a directory or a tenant (one of them), got directory="
           f"{r.directory!r:.200} tenant={r.tenant!r:.100}")
     client = self._client(context)
+    if client == tenants_lib.OPERATOR:
+      client = None  # anyone's
     if r.tenant and not self._per_client:
       raise errors.InvalidArgumentError(
           f"tenant {r.tenant!r:.100}: this sidecar has no tenants (no pool file or "
@@ -331,7 +335,7 @@ class CheckpointService:
     if r.tenant and client and r.tenant != client:
       raise errors.PermissionDeniedError(
           f"tenant {client!r} may drop only its own RAM-tier copies, not tenant "
-          f"{r.tenant!r:.100}'s; the pool's operator (its peer token) may drop any")
+          f"{r.tenant!r:.100}'s; the pool's operator (its operator token) may drop any")
     if r.tenant:
       dropped, kept = self._host.drop_tenant_ram(r.tenant)
     else:
