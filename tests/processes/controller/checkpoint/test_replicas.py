@@ -60,8 +60,9 @@ def test_three_hosts_lose_one_then_two(tmp_path):
     for path in chunk_files(directory, 2):  # storage cannot give step 2 any more
       path.unlink()
     cluster.kill(0)
+    # Reopened as the job opened it: a reopen keeps only its ram_steps (issue 45).
     with sidecar.Controller(cluster.addresses[1:]) as ctl:
-      with ctl.checkpointer(directory) as ckpt:
+      with ctl.checkpointer(directory, ram_steps=2) as ckpt:
         restored = ckpt.restore(2, target=target_on(devices[1:], state))
         assert_same(restored, state)
         stats = ckpt.last_restore_stats()
@@ -73,7 +74,7 @@ def test_three_hosts_lose_one_then_two(tmp_path):
                                                 for x in jax.tree.leaves(state))
     cluster.kill(1)
     with sidecar.Controller(cluster.addresses[2:]) as ctl:
-      with ctl.checkpointer(directory) as ckpt:
+      with ctl.checkpointer(directory, ram_steps=2) as ckpt:
         restored = ckpt.restore(1, target=target_on(devices[2:], state))
         assert_same(restored, state)  # hosts 0 and 1's shards from storage
         # host 1's shards are still replicated on host 2; host 0's only in storage
