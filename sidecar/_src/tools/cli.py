@@ -225,14 +225,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-  from sidecar._src.controller import discovery, status as status_lib
+  from sidecar._src.controller import status as status_lib
   token = cli_types.token(args)
-  addresses = args.addresses
-  if not addresses:  # the job's sidecars, as Controller.from_env() finds them
-    try:
-      addresses = [e.address for e in discovery.endpoints_from_env()]
-    except errors.SidecarError as e:
-      args.parser.error(f"no ADDR given, and {e}")
+  addresses = cli_types.addresses(args)
   if args.watch and args.json:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:

@@ -48,23 +48,42 @@ def address(text: str) -> str:
   return text
 
 
-def add_status_flags(p: argparse.ArgumentParser, *, json_help: str, watch_help: str) -> None:
-  """The flags of a command that asks sidecars for their state (``sidecar status``,
-  ``sidecar pool status``): the addresses, ``--timeout``, ``--json``, ``--watch`` and
-  ``--interval``."""
+def add_sidecar_flags(p: argparse.ArgumentParser, *, timeout: float) -> None:
+  """The flags of a command that asks sidecars something: the addresses, ``--timeout``
+  and ``--token-file`` (read back with :func:`addresses` and :func:`token`)."""
   p.add_argument("addresses", nargs="*", metavar="ADDR", type=address,
                  help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
                       "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")
-  p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+  p.add_argument("--timeout", type=float, default=timeout, metavar="S",
                  help="seconds each sidecar is given to answer")
-  p.add_argument("--json", action="store_true", help=json_help)
-  p.add_argument("--watch", action="store_true", help=watch_help)
-  p.add_argument("--interval", type=float, default=2.0, metavar="S",
-                 help="seconds between refreshes of --watch")
   p.add_argument("--token-file", metavar="FILE",
                  help="file holding the token to present (default: $SIDECAR_TOKEN, else the "
                       "file $SIDECAR_TOKEN_FILE names, as Controller.from_env() reads them; "
                       "else none)")
+
+
+def add_status_flags(p: argparse.ArgumentParser, *, json_help: str, watch_help: str) -> None:
+  """The flags of a command that asks sidecars for their state (``sidecar status``,
+  ``sidecar pool status``): :func:`add_sidecar_flags`' and ``--json``, ``--watch`` and
+  ``--interval``."""
+  add_sidecar_flags(p, timeout=5.0)
+  p.add_argument("--json", action="store_true", help=json_help)
+  p.add_argument("--watch", action="store_true", help=watch_help)
+  p.add_argument("--interval", type=float, default=2.0, metavar="S",
+                 help="seconds between refreshes of --watch")
+
+
+def addresses(args: argparse.Namespace) -> list[str]:
+  """The sidecars a command asks: its ADDR arguments, else the job's, as
+  ``Controller.from_env()`` finds them; none found is a usage error saying why."""
+  if args.addresses:
+    return list(args.addresses)
+  from sidecar._src.controller import discovery  # the controller's, only where needed
+  parser: argparse.ArgumentParser = args.parser
+  try:
+    return [e.address for e in discovery.endpoints_from_env()]
+  except errors.SidecarError as e:
+    parser.error(f"no ADDR given, and {e}")
 
 
 def token(args: argparse.Namespace) -> str | None:

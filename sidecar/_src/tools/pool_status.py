@@ -21,7 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from sidecar._src.core import errors
 from sidecar._src.tools import cli_format, cli_types
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
@@ -184,13 +183,7 @@ def watch(addresses: Sequence[str], *, interval: float, timeout: float, token: s
 
 
 def _run(args: argparse.Namespace) -> int:
-  addresses = args.addresses
-  if not addresses:  # the pool's sidecars, as Controller.from_env() finds them
-    from sidecar._src.controller import discovery
-    try:
-      addresses = [e.address for e in discovery.endpoints_from_env()]
-    except errors.SidecarError as e:
-      args.parser.error(f"no ADDR given, and {e}")
+  addresses = cli_types.addresses(args)
   if args.watch and args.json:
     args.parser.error("--watch and --json do not go together: pick one")
   if args.interval <= 0:

@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from sidecar._src.core import env as env_lib, errors
 from sidecar._src.tools import cli_format, cli_types
 
 
 def _run(args: argparse.Namespace) -> int:
   from sidecar._src.controller.checkpoint import ram_drop
-  addresses = args.addresses
-  if not addresses:  # the job's sidecars, as Controller.from_env() finds them
-    from sidecar._src.controller import discovery
-    try:
-      addresses = [e.address for e in discovery.endpoints_from_env()]
-    except errors.SidecarError as e:
-      args.parser.error(f"no ADDR given, and {e}")
   req = ram_drop.request(args.directory, args.tenant)
-  result = ram_drop.drop_at(list(addresses), req, token=env_lib.token(),
+  result = ram_drop.drop_at(cli_types.addresses(args), req, token=cli_types.token(args),
                             timeout=args.timeout)
   print(result.describe())
   return 0
@@ -53,9 +45,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   which.add_argument("--tenant", metavar="NAME",
                      help="the pool tenant whose copies go, every directory it opened "
                           "(default: none: give this or --directory)")
-  s.add_argument("addresses", nargs="*", metavar="ADDR", type=cli_types.address,
-                 help="the sidecars' gRPC addresses, unix:PATH or HOST:PORT (default: those "
-                      "SIDECAR_HOSTS lists, or the JobSet's as Controller.from_env() finds them)")
-  s.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                 help="seconds each sidecar is given to answer")
+  cli_types.add_sidecar_flags(s, timeout=10.0)
   s.set_defaults(func=_run, parser=s)
