@@ -1,10 +1,11 @@
 """The worker: lives in the process that owns the devices, beside one sidecar.
 
 It attaches to its host's sidecar over a Unix socket, receives the arena's
-memfd once, and from then on turns arena descriptors into numpy views with no
-copy. Every view holds its block: on the CPU backend ``jax.device_put`` of a
-page-aligned view aliases the memory (a torch tensor made by ``from_numpy`` always
-does), so the block is given back only when no array can read it any more.
+memfd once (with a pool file: its tenant's own arena, nothing of another's), and
+from then on turns arena descriptors into numpy views with no copy. Every view
+holds its block: on the CPU backend ``jax.device_put`` of a page-aligned view
+aliases the memory (a torch tensor made by ``from_numpy`` always does), so the
+block is given back only when no array can read it any more.
 
 It knows no framework: a framework's Worker (``jax/worker.py``) turns views into its
 arrays, and streams over this socket are opened by ``streams/socket_transport.py``.
@@ -102,10 +103,13 @@ class Worker:
       sidecar (a framework's Worker fills it in); None: say nothing.
     token: the tenant's token, which a pool's sidecar (``--pool``) asks at attach; default
       ``$SIDECAR_TOKEN`` or ``$SIDECAR_TOKEN_FILE``'s.
+    tenant: with the peer token as ``token`` (a peer sidecar's replica link), the tenant
+      it acts for: the sidecar hands that tenant's arena.
   """
 
   def __init__(self, address: str | None = None, *, timeout: float | None = None,
-               process: TrainerProcess | None = None, token: str | None = None):
+               process: TrainerProcess | None = None, token: str | None = None,
+               tenant: str | None = None):
     self.path = socket_path(address)
     self.timeout = env_lib.peer_timeout(timeout)
     self._lost: str | None = None  # why the sidecar counts as lost, once it does
@@ -126,6 +130,8 @@ class Worker:
         hello["process"] = process.to_dict()
       if (token := token if token is not None else _env_token()) is not None:
         hello["token"] = token  # whose arena share this worker's blocks count against
+      if tenant is not None:
+        hello["tenant"] = tenant
       try:
         ipc.send(self._sock, hello)
       except OSError:
@@ -141,7 +147,10 @@ class Worker:
     self.session: str = reply["session"]
     self.identity: dict[str, Any] = reply["identity"]
     self.host_id: int = self.identity["host_id"]
-    self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]))
+    # A pool tenant's arena makes its pages as they are written: populating the mapping
+    # would make them all.
+    self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]),
+                                  populate=bool(reply.get("arena_populate", True)))
     self.state = State.ATTACHED
     self._live = 0
     self._generations: dict[int, int] = {}  # block offset -> generation, of live views

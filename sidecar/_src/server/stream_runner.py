@@ -140,12 +140,12 @@ class StreamRunner:
     session = request.worker_session
     if session and not self._io.is_attached(session):
       raise errors.InvalidArgumentError(f"worker_session {session!r} is not attached")
-    blocks = BatchBlocks(self._io, session, alive, time_left)
+    blocks = BatchBlocks(self._io, session, alive, time_left, tenant=tenant)
     t = self._tenancy.tenant(tenant) if self._tenancy.quotas else None
     turns = None if t is None else self._shares.turns(t.name, t.weight)
 
     def pool() -> feed_pool.Pool:
-      return feed_pool.Pool(spec.workers, arena=self._io.arena, imports=self._imports,
+      return feed_pool.Pool(spec.workers, arena=blocks.arena, imports=self._imports,
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
                             turns=turns)
 

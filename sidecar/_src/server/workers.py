@@ -1,6 +1,9 @@
 """The Unix socket that workers attach to: arena fd out, allocate and free in.
 
-An ``attach`` connection is one worker session. The session ends when the
+An ``attach`` connection is one worker session. It is handed one memfd: the sidecar's
+arena, or with a pool file its tenant's own (``arenas.py``): the tenant whose token it
+presents (or whose ``uids`` hold its user), or, for a peer sidecar's link presenting the
+peer token, the tenant it names. The session ends when the
 connection closes, and then every block leased to it goes back to the arena: a
 worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
 attached worker, carries one stream of descriptors: the fast path for batches,
@@ -13,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import hmac
 import logging
 import math
 import os
@@ -24,9 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import admission, sockets, tenants as tenants_lib
+from sidecar._src.server import admission, arenas as arenas_lib, sockets, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import SocketCredits
 from sidecar._src.server.leases import ON_WAIT_S, Leases
@@ -55,12 +58,15 @@ _FLAG = "--socket (socket_path)"
 class WorkerListener:
   """Accepts worker connections on ``path`` and serves their requests."""
 
-  def __init__(self, path: str, arena: shm.Arena, leases: Leases,
+  def __init__(self, path: str, arenas: arenas_lib.Arenas, leases: Leases,
                hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
-                   lambda e: None), tenancy: tenants_lib.Tenancy | None = None):
+                   lambda e: None), tenancy: tenants_lib.Tenancy | None = None,
+               peer_token: str | None = None):
     self.path = path
+    # A peer sidecar's replica link attaches with this, naming the tenant it acts for.
+    self._peer_token = peer_token
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
@@ -70,7 +76,7 @@ class WorkerListener:
     # Open connections of any kind, each with its thread: close() ends and joins them.
     self._connections: dict[socket.socket, threading.Thread] = {}
     self._streams = streams
-    self._arena = arena
+    self._arenas = arenas
     self._leases = leases
     self._hello = hello
     self._lock = threading.Lock()
@@ -186,7 +192,7 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
             f"first message must be attach, got {message.get('op')!r}")
-      tenant = self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
+      tenant = self._attach_tenant(message, conn)
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
@@ -197,8 +203,12 @@ class WorkerListener:
         self._sessions[session] = conn
         pid = message.get("pid")
         self._pids[session] = pid if isinstance(pid, int) else 0
-      reply.update(session=session, arena_size=self._arena.size)
-      ipc.send(conn, reply, fds=(self._arena.fd,))
+      # Its tenant's arena, and no other: what it maps is all it can ever see.
+      space = self._arenas.bind(session, tenant)
+      arena = space.arena
+      assert arena is not None
+      reply.update(session=session, arena_size=arena.size, arena_populate=arena.reserved)
+      ipc.send(conn, reply, fds=(arena.fd,))
       log.info("worker pid %s attached as %s", message.get("pid"), session,
                extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
@@ -220,6 +230,7 @@ class WorkerListener:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
         freed = self._leases.release_all(session)
+        self._arenas.unbind(session)
         self._tenancy.drop_worker(session)
         log.info("worker session %s ended; %d arena blocks released", session, freed,
                  extra={"session": session})
@@ -227,6 +238,37 @@ class WorkerListener:
       conn.close()
       with self._lock:
         self._connections.pop(conn, None)
+
+  def _attach_tenant(self, message: dict[str, Any], conn: socket.socket) -> str | None:
+    """The tenant an attaching worker is: its token's (or its user's), or, presenting the
+    peer token (a peer sidecar's replica link), the tenant it names.
+
+    Raises:
+      AuthenticationError: no tenant's token (with a pool file), or a named tenant
+        without the peer token.
+      InvalidArgumentError: the tenant named is none of the pool's.
+    """
+    token, named = message.get("token"), message.get("tenant")
+    if named is None:
+      if self._tenancy.quotas and self._is_peer(token):
+        return None  # a peer sidecar's, for no tenant: the sidecar's own arena
+      return self._tenancy.worker_tenant(token, _peer_uid(conn))
+    if not self._is_peer(token):
+      raise errors.AuthenticationError(
+          f"attach: only a peer sidecar's replica link names the tenant it acts for "
+          f"(tenant {named!r:.80}), with the peer token (--peer-token-file); a Worker "
+          "presents its own tenant's token")
+    if not isinstance(named, str) or self._tenancy.tenant(named) is None:
+      raise errors.InvalidArgumentError(
+          f"attach: tenant {named!r:.80} is none of this sidecar's pool "
+          f"({', '.join(self._tenancy.names()) or 'no pool file'}); the peer sidecars "
+          "must serve the same pool file")
+    return named
+
+  def _is_peer(self, token: object) -> bool:
+    """Whether ``token`` is the peer sidecars' (compared in constant time)."""
+    return (self._peer_token is not None and isinstance(token, str)
+            and hmac.compare_digest(token.encode(errors="replace"), self._peer_token.encode()))
 
   def _connection_limit(self, name: str | None) -> tuple[int, str] | None:
     """The most worker-socket connections tenant ``name`` may hold, and what sets it."""

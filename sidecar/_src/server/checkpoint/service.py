@@ -24,7 +24,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.checkpoint import ram_tier
 from sidecar._src.server.checkpoint.host import CheckpointHost
@@ -157,7 +157,8 @@ class CheckpointService:
             for field in _PATH_FIELDS:
               if field in request_cls.DESCRIPTOR.fields_by_name and getattr(request, field):
                 self._host.check_client(client, getattr(request, field), field)
-          return fn(request, context)
+          with tenants_lib.acting_as(client):  # its blocks (reads) in its tenant's arena
+            return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name
         if isinstance(e, errors.SidecarError):
