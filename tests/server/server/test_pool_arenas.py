@@ -13,7 +13,7 @@ import pytest
 
 import sidecar
 from sidecar._src.arena.worker import Worker
-from tests.conftest import eventually
+from tests.conftest import PEER_TOKEN, eventually
 from tests.support.pool_files import ALICE, BOB, write_pool
 from tests.support.raw_client import Raw, arena_ref, rejected
 
@@ -165,3 +165,20 @@ def test_a_tenants_feed_workers_write_its_batches_in_its_own_arena(make_server, 
         del batches, b
     assert runs[0] == runs[1] and len(runs[0]) == 4
     assert ctl.worker(0).arena.size == 4 << 20
+
+
+def test_a_peer_sidecars_link_attaches_to_the_arena_of_the_tenant_it_names(pool_server):
+  """The same-machine replica path: a peer sidecar maps the arena of the tenant whose
+  replica it sends, which only the peer token may name."""
+  path = pool_server.options.socket_path
+  with Worker(path, token=ALICE) as alice, Worker(path, token=PEER_TOKEN, tenant="alice") as link:
+    assert os.fstat(link.arena.fd).st_ino == os.fstat(alice.arena.fd).st_ino
+    block, _ = link.put(SECRET)
+    assert _finds(alice.arena.buffer, SECRET)
+    del block
+  with pytest.raises(sidecar.AuthenticationError, match="only a peer sidecar's replica link"):
+    Worker(path, token=BOB, tenant="alice")
+  with pytest.raises(sidecar.InvalidArgumentError, match="tenant 'carol' is none of"):
+    Worker(path, token=PEER_TOKEN, tenant="carol")
+  with Worker(path, token=PEER_TOKEN) as own, Worker(path, token=BOB) as bob:  # no tenant named
+    assert os.fstat(own.arena.fd).st_ino != os.fstat(bob.arena.fd).st_ino

@@ -198,7 +198,9 @@ class ReplicaLink:
       here = shm.boot_id()
       if (shared_memory and here and reply.identity.boot_id == here
           and os.path.exists(reply.worker_socket)):
-        self._worker = worker_lib.Worker(reply.worker_socket, timeout=timeout)
+        # The peer token at attach: a pool sidecar hands the arena of the tenant named
+        # (tenant=, the one it replicates for), else its own.
+        self._worker = worker_lib.Worker(reply.worker_socket, timeout=timeout, token=peer_token)
     except BaseException:
       self.close()
       raise
