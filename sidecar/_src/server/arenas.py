@@ -16,9 +16,9 @@ made when first written; a freed block keeps its pages (the next block there cos
 page faults). Before a new block could take the pages resident in all arenas past
 ``--shm-size`` (as the kernel counts them: each memfd's blocks), the pages of free ranges
 are punched out (``MADV_REMOVE``), the arenas that keep the most first, until it fits.
-Pages a Worker writes outside its blocks are counted at the next look (at most
-``MEASURE_S`` later) and punched like any free range. So what the arenas hold stays
-within ``--shm-size``, as one pre-faulted arena did.
+Pages a Worker writes outside its blocks are counted at the next look (when a block is
+made, ``MEASURE_S`` or more after the last) and punched like any free range. So what the
+arenas hold stays within ``--shm-size``, as one pre-faulted arena did.
 
 Lifetime. An arena stays while a Worker of its tenant is attached, a feed of it runs or
 a block of it lives. A tenant removed from the pool file (or whose token changed) has
@@ -96,6 +96,8 @@ class Arenas:
     self._sessions: dict[str, Space] = {}  # worker session -> the arena it was handed
     self._estimate = 0  # resident bytes: the last measure, plus blocks made since
     self._measured = -float("inf")
+    # Outside a pool: the one arena, for everyone, for good (no lock needed to find it).
+    self._one: Space | None = None
 
   @classmethod
   def single(cls, arena: shm.Arena | None, *, size: int | None = None) -> Arenas:
@@ -104,7 +106,7 @@ class Arenas:
     arenas = cls(n, per_tenant=False)
     space = Space(next(arenas._ids), None, arena,
                   shm.Allocator(n, budget=arenas.budget, arena=0), users=1)
-    arenas._spaces[space.id] = arenas._current[None] = space
+    arenas._spaces[space.id] = arenas._current[None] = arenas._one = space
     return arenas
 
   @classmethod
@@ -113,7 +115,7 @@ class Arenas:
     arenas = cls(allocator.size, per_tenant=False)
     arenas.budget = allocator.budget
     space = Space(next(arenas._ids), None, None, allocator, users=1)
-    arenas._spaces[space.id] = arenas._current[None] = space
+    arenas._spaces[space.id] = arenas._current[None] = arenas._one = space
     return arenas
 
   # ---- which arena ---------------------------------------------------------------------
@@ -150,6 +152,8 @@ class Arenas:
   def enter(self, tenant: str | None, *, space: int | None = None) -> Space:
     """The arena ``space`` (an id), else ``tenant``'s, kept open until :meth:`leave` (a
     feed's, while it runs)."""
+    if self._one is not None:
+      return self._one
     with self._lock:
       s = self._space(tenant) if space is None else self._spaces.get(space)
       if s is None:
@@ -158,6 +162,8 @@ class Arenas:
       return s
 
   def leave(self, space: Space) -> None:
+    if space is self._one:
+      return
     with self._lock:
       space.users -= 1
       self._close_if_idle(space)
@@ -165,6 +171,8 @@ class Arenas:
   def bind(self, session: str, tenant: str | None) -> Space:
     """The arena a Worker attaching as ``session`` of ``tenant`` is handed, its for as long
     as the session lasts (:meth:`unbind`)."""
+    if self._one is not None:
+      return self._one
     with self._lock:
       s = self._space(tenant)
       s.users += 1
@@ -172,6 +180,8 @@ class Arenas:
       return s
 
   def unbind(self, session: str) -> None:
+    if self._one is not None:
+      return
     with self._lock:
       s = self._sessions.pop(session, None)
       if s is not None:
@@ -179,14 +189,17 @@ class Arenas:
         self._close_if_idle(s)
 
   def of_session(self, session: str) -> Space | None:
-    """The arena worker ``session`` was handed, None if it is not attached."""
-    with self._lock:
-      return self._sessions.get(session)
+    """The arena worker ``session`` was handed, None if it is not attached (outside a
+    pool: the one arena, whatever the session)."""
+    if self._one is not None:
+      return self._one
+    return self._sessions.get(session)  # one read of a dict: atomic, no lock needed
 
   def get(self, space: int) -> Space | None:
     """The open arena ``space`` (an id)."""
-    with self._lock:
-      return self._spaces.get(space)
+    if self._one is not None:
+      return self._one if space == self._one.id else None
+    return self._spaces.get(space)  # one read of a dict: atomic, no lock needed
 
   def arena(self, space: int) -> shm.Arena:
     """The mapping of arena ``space``, where a live block of it lies."""
@@ -197,6 +210,8 @@ class Arenas:
 
   def current(self, tenant: str | None) -> Space | None:
     """Where ``tenant``'s new blocks go now, if it has an arena (none is made)."""
+    if self._one is not None:
+      return self._one
     with self._lock:
       s = self._current.get(tenant if self.per_tenant else None)
       return None if s is None or s.retired else s
@@ -232,10 +247,11 @@ class Arenas:
 
   def freed(self, space: int) -> None:
     """A block of arena ``space`` was freed: a retired arena may close now."""
+    s = self._spaces.get(space)
+    if s is None or not s.retired:  # the usual case, no lock: only a retired one closes
+      return
     with self._lock:
-      s = self._spaces.get(space)
-      if s is not None:
-        self._close_if_idle(s)
+      self._close_if_idle(s)
 
   def _close_if_idle(self, s: Space) -> None:
     """Closes ``s`` if retired with no user and no block; the lock is held."""

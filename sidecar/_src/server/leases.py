@@ -81,8 +81,9 @@ class Leases:
     (default: its tenant's, ``tenants.CURRENT``)."""
     return ("pin", next(self._pins)) if arena is None else ("pin", next(self._pins), arena)
 
-  def _arena(self, holder: Hashable) -> int | None:
-    """The arena ``holder``'s blocks are in (None: it holds none, and has none bound)."""
+  def _bound(self, holder: Hashable) -> int | None:
+    """The arena ``holder`` is bound to: that of the blocks it holds, the one its pin
+    names, or the one its worker session was handed; None: its tenant's, whichever."""
     found = self._arena_of.get(holder)
     if found is not None:
       return found
@@ -92,6 +93,13 @@ class Leases:
       s = self.arenas.of_session(holder)
       if s is not None:
         return s.id
+    return None
+
+  def _arena(self, holder: Hashable) -> int | None:
+    """The arena ``holder``'s blocks are in (None: it holds none, and has none bound)."""
+    found = self._bound(holder)
+    if found is not None:
+      return found
     s = self.arenas.current(self._tenant_name(holder))
     return None if s is None else s.id
 
@@ -108,18 +116,6 @@ class Leases:
     arena = self._arena(holder)
     return None if arena is None else self.arenas.get(arena)
 
-  def _space_id_for_alloc(self, holder: Hashable) -> tuple[int | None, str | None]:
-    """Where ``holder``'s new block goes: its arena's id if it has one, else its tenant."""
-    found = self._arena_of.get(holder)
-    if found is not None:
-      return found, None
-    if isinstance(holder, tuple) and len(holder) == 3 and holder[0] == "pin":
-      return holder[2], None
-    if isinstance(holder, str):
-      s = self.arenas.of_session(holder)
-      if s is not None:
-        return s.id, None
-    return None, self._tenant_name(holder)
 
   def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None,
             alive: Callable[[], bool] | None = None,
@@ -151,28 +147,31 @@ class Leases:
     if tenant is not None:
       self._reserve(tenant, nbytes, deadline, alive, on_wait, report_s)
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-    space_id, tenant_name = self._space_id_for_alloc(holder)
-    made = False
+    bound = self._bound(holder)  # else its tenant's arena, made if it has none yet
     try:
-      with self.arenas.using(tenant_name, space=space_id) as space:
+      # Kept open (a retired arena closes with its last user) until the block is in it.
+      space = self.arenas.enter(None if bound is not None else self._tenant_name(holder),
+                                space=bound)
+      try:
         block = space.allocator.alloc(nbytes, timeout=left)
-        key = (block.arena, block.offset)
-        made = True
-        with self._lock:
-          if tenant is not None:
-            self._pending -= nbytes
-            self._tenant_bytes[tenant.name] += block.nbytes - nbytes
-            self._block_tenant[key] = tenant.name
-          self._holders[key] = (block, {holder})
-          self._by_holder.setdefault(holder, set()).add(key)
-          self._arena_of[holder] = block.arena
-          self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
+      finally:
+        self.arenas.leave(space)
     except BaseException:
-      if tenant is not None and not made:
+      if tenant is not None:
         with self._lock:
           self._pending -= nbytes
           self._unreserve(tenant, nbytes)
       raise
+    key = (block.arena, block.offset)
+    with self._lock:
+      if tenant is not None:
+        self._pending -= nbytes
+        self._tenant_bytes[tenant.name] += block.nbytes - nbytes
+        self._block_tenant[key] = tenant.name
+      self._holders[key] = (block, {holder})
+      self._by_holder.setdefault(holder, set()).add(key)
+      self._arena_of[holder] = block.arena
+      self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
     self.arenas.made(block.nbytes)
     return block
 
@@ -497,8 +496,8 @@ class Leases:
       return False
     del self._holders[key]
     space = self.arenas.get(key[0])
-    assert space is not None, f"arena {key[0]} closed under a live block"
-    space.allocator.free(block.offset, block.generation)
+    if space is not None:  # else closed with the sidecar: nothing to give back
+      space.allocator.free(block.offset, block.generation)
     self._queue.freed(block.nbytes)
     self._freed.notify_all()
     tenant = self._block_tenant.pop(key, None)
