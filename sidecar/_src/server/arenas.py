@@ -132,7 +132,13 @@ class Arenas:
     nbytes = min(ceiling or self.size, self.size)
     sid = next(self._ids)
     name = f"sidecar-arena-{key}" if key is not None else "sidecar-arena"
-    arena = self._make(nbytes, name)
+    try:
+      arena = self._make(nbytes, name)
+    except OSError as e:  # out of descriptors or memory maps: this request fails, not the rest
+      raise errors.ResourceExhaustedError(
+          f"cannot make the arena of {f'tenant {key!r}' if key is not None else 'the sidecar'} "
+          f"({shm.format_size(nbytes)}): {e.strerror or e}; raise the sidecar's descriptor "
+          "limit (ulimit -n) or its memory maps (vm.max_map_count)") from e
     space = Space(sid, key, arena, shm.Allocator(
         arena.size if arena is not None else nbytes, budget=self.budget, arena=sid))
     self._spaces[sid] = self._current[key] = space

@@ -98,7 +98,8 @@ class StreamRunner:
   def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
               time_left: TimeLeft, tenant: str | None) -> Items:
     entry, args, kwargs = self._runner.prepare(request)
-    with self._io.allocating(alive, time_left):
+    # Its arrays made in place (sidecar.empty) are its tenant's: in its arena.
+    with self._io.allocating(alive, time_left), tenants_lib.acting_as(tenant):
       items = entry.fn(*args, **kwargs)
     try:
       iterator = iter(items)
@@ -110,7 +111,7 @@ class StreamRunner:
     try:
       while credits.take():
         try:
-          with self._io.allocating(alive, time_left):
+          with self._io.allocating(alive, time_left), tenants_lib.acting_as(tenant):
             item = next(iterator)
         except StopIteration:
           return

@@ -115,3 +115,23 @@ def test_outside_a_pool_one_arena_reserved_at_start(pool):
     leases.release(b.offset, b.generation, pb_)
   finally:
     arenas.close()
+
+
+def test_a_raised_ceiling_gives_the_tenant_a_new_arena_and_the_old_one_closes_when_idle():
+  ceilings = {"alice": 2 * MiB}
+  arenas = arenas_lib.Arenas(8 * MiB, per_tenant=True, ceiling_of=ceilings.get)
+  leases = Leases(arenas)
+  try:
+    a, pa = make(leases, "alice", MiB)
+    old = arenas.get(a.arena)
+    arenas.refresh()  # no change: kept
+    assert arenas.current("alice") is old
+    ceilings["alice"] = 6 * MiB
+    arenas.refresh()
+    b, pb_ = make(leases, "alice", 4 * MiB)  # past the old size: in the new arena
+    assert arenas.get(b.arena).size == 6 * MiB and not old.closed
+    leases.release(a.offset, a.generation, pa)
+    assert old.closed
+    leases.release(b.offset, b.generation, pb_)
+  finally:
+    arenas.close()
