@@ -1,10 +1,12 @@
-"""The shared-memory arena: one memfd per sidecar, carved into generation-tagged blocks.
+"""The shared-memory arena: a memfd carved into generation-tagged blocks.
 
-Ownership: the sidecar creates the arena (:meth:`Arena.create`) and owns its
+Ownership: the sidecar creates an arena (:meth:`Arena.create`) and owns its
 allocator; workers map the same memfd (:meth:`Arena.attach`) after receiving its
 file descriptor over a Unix socket. A memfd has no name, so nothing is ever left
 in ``/dev/shm``: the memory goes back to the kernel when the last process that
-maps it exits, however it exits.
+maps it exits, however it exits. A sidecar has one arena, pre-faulted at start, or
+with a pool file one per tenant (``server/arenas.py``), whose pages are made as they
+are written (``reserve=False``), all of them within one :class:`Budget`.
 """
 
 from __future__ import annotations
@@ -118,24 +120,38 @@ def boot_id() -> str:
 
 
 class Arena:
-  """A mapped memfd. ``create`` in the sidecar, ``attach`` in a worker."""
+  """A mapped memfd. ``create`` in the sidecar, ``attach`` in a worker.
 
-  def __init__(self, fd: int, size: int, *, populate: bool):
+  ``reserved``: every page was made at creation (mapping it populated costs nothing
+  more); an arena made with ``reserve=False`` gets its pages as they are written, and
+  a mapping that populated it would make them all.
+  """
+
+  def __init__(self, fd: int, size: int, *, populate: bool, reserved: bool = True):
     self.fd = fd
     self.size = size
+    self.reserved = reserved
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
     self._mmap = mmap.mmap(fd, size, flags=flags)
     self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
     self._closed = False
 
   @classmethod
-  def create(cls, size: int, *, name: str = "sidecar-arena") -> Arena:
-    """Creates and pre-faults an arena, or raises ArenaCapacityError saying why not."""
+  def create(cls, size: int, *, name: str = "sidecar-arena", reserve: bool = True) -> Arena:
+    """Creates and pre-faults an arena, or raises ArenaCapacityError saying why not.
+
+    ``reserve=False``: no page is made now (a pool tenant's arena, sized by its ceiling:
+    the bytes its blocks take are counted, and kept within the sidecar's, by
+    ``server/arenas.py``).
+    """
     size = -(-size // PAGE) * PAGE
-    check_capacity(size)
+    if reserve:
+      check_capacity(size)
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
       os.ftruncate(fd, size)
+      if not reserve:
+        return cls(fd, size, populate=False, reserved=False)
       try:  # Reserve every page now: an error here, never a SIGBUS later.
         os.posix_fallocate(fd, 0, size)
       except OSError as e:
@@ -148,9 +164,22 @@ class Arena:
       raise
 
   @classmethod
-  def attach(cls, fd: int, size: int) -> Arena:
-    """Maps an arena whose fd came over a Unix socket; takes ownership of ``fd``."""
-    return cls(fd, size, populate=True)
+  def attach(cls, fd: int, size: int, *, populate: bool = True) -> Arena:
+    """Maps an arena whose fd came over a Unix socket; takes ownership of ``fd``.
+
+    ``populate``: map every page now (an arena the sidecar reserved whole); False for
+    one whose pages come as they are written (a pool tenant's)."""
+    return cls(fd, size, populate=populate, reserved=populate)
+
+  def resident_bytes(self) -> int:
+    """The bytes of memory its pages hold now (written, reserved, not punched out)."""
+    return os.fstat(self.fd).st_blocks * 512
+
+  def punch(self, offset: int, nbytes: int) -> None:
+    """Gives the pages of ``[offset, offset + nbytes)`` back to the kernel (a hole in the
+    memfd, in every process that maps it): the next write there makes them anew, zeroed."""
+    if nbytes > 0 and not self._closed:
+      self._mmap.madvise(mmap.MADV_REMOVE, offset, nbytes)
 
   def view(self, offset: int, nbytes: int) -> np.ndarray:
     """A uint8 view of ``[offset, offset + nbytes)``; no copy."""
@@ -241,19 +270,42 @@ def new_generation() -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Block:
-  """An allocated range of the arena; ``generation`` detects stale references."""
+  """An allocated range of an arena; ``generation`` detects stale references.
+
+  ``arena`` names the arena among a sidecar's (``server/arenas.py``; 0: its only one):
+  an offset means nothing without it."""
   offset: int
   nbytes: int
   generation: int
+  arena: int = 0
+
+
+class Budget:
+  """The bytes several allocators (a pool's arenas, one per tenant) may hand out together.
+
+  Its condition is theirs: a block freed in one wakes a request waiting in another.
+  """
+
+  def __init__(self, size: int):
+    self.size = size
+    self.used = 0
+    self.cond = threading.Condition()
 
 
 class Allocator:
-  """First-fit allocator over ``[0, size)`` with coalescing; waits when full."""
+  """First-fit allocator over ``[0, size)`` with coalescing; waits when full.
 
-  def __init__(self, size: int, *, align: int = ALIGN):
+  ``budget``: shared with other allocators, whose blocks together stay within its size;
+  None: its own, of ``size``. ``arena``: the id its blocks carry.
+  """
+
+  def __init__(self, size: int, *, align: int = ALIGN, budget: Budget | None = None,
+               arena: int = 0):
     self.size = size
     self._align = align
-    self._cond = threading.Condition()
+    self.arena = arena
+    self.budget = budget if budget is not None else Budget(size)
+    self._cond = self.budget.cond
     self._free_starts: list[int] = [0]   # sorted
     self._free_len: dict[int, int] = {0: size}
     self._used: dict[int, Block] = {}
@@ -284,14 +336,17 @@ class Allocator:
           return block
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
+          free = min(self.size - self.used_bytes, self.budget.size - self.budget.used)
           raise errors.ResourceExhaustedError(
               f"the arena is full: {format_size(nbytes)} asked, "
-              f"{format_size(self.size - self.used_bytes)} free of {format_size(self.size)} "
+              f"{format_size(free)} free of {format_size(self.size)} "
               f"in {len(self._used)} blocks after waiting {timeout:.3g} s; release arrays "
               "sooner, lower prefetch, or raise --shm-size")
         self._cond.wait(left)
 
   def _take(self, need: int) -> Block | None:
+    if self.budget.used + need > self.budget.size:
+      return None  # the other arenas of the budget hold the rest
     for i, start in enumerate(self._free_starts):
       length = self._free_len[start]
       if length >= need:
@@ -300,9 +355,10 @@ class Allocator:
         if length > need:
           self._free_starts.insert(i, start + need)
           self._free_len[start + need] = length - need
-        block = Block(start, need, new_generation())
+        block = Block(start, need, new_generation(), self.arena)
         self._used[start] = block
         self.used_bytes += need
+        self.budget.used += need
         return block
     return None
 
@@ -324,6 +380,7 @@ class Allocator:
             f"arena block at offset {offset} generation {generation} was already freed")
       del self._used[offset]
       self.used_bytes -= block.nbytes
+      self.budget.used -= block.nbytes
       start, length = offset, block.nbytes
       i = bisect.bisect_left(self._free_starts, start)
       if i < len(self._free_starts) and start + length == self._free_starts[i]:
@@ -337,6 +394,14 @@ class Allocator:
       self._free_starts.insert(i, start)
       self._free_len[start] = length
       self._cond.notify_all()
+
+  def punch_free(self, punch: Callable[[int, int], None]) -> int:
+    """Calls ``punch(offset, nbytes)`` on each free range, holding the lock (no block is
+    taken from a range while its pages go); returns the bytes free."""
+    with self._cond:
+      for start in self._free_starts:
+        punch(start, self._free_len[start])
+      return self.size - self.used_bytes
 
   @property
   def num_blocks(self) -> int:

@@ -1,10 +1,11 @@
 """The worker: lives in the process that owns the devices, beside one sidecar.
 
 It attaches to its host's sidecar over a Unix socket, receives the arena's
-memfd once, and from then on turns arena descriptors into numpy views with no
-copy. Every view holds its block: on the CPU backend ``jax.device_put`` of a
-page-aligned view aliases the memory (a torch tensor made by ``from_numpy`` always
-does), so the block is given back only when no array can read it any more.
+memfd once (with a pool file: its tenant's own arena, nothing of another's), and
+from then on turns arena descriptors into numpy views with no copy. Every view
+holds its block: on the CPU backend ``jax.device_put`` of a page-aligned view
+aliases the memory (a torch tensor made by ``from_numpy`` always does), so the
+block is given back only when no array can read it any more.
 
 It knows no framework: a framework's Worker (``jax/worker.py``) turns views into its
 arrays, and streams over this socket are opened by ``streams/socket_transport.py``.
@@ -20,7 +21,6 @@ import math
 import os
 import queue
 import select
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -110,12 +110,9 @@ class Worker:
     self.timeout = env_lib.peer_timeout(timeout)
     self._lost: str | None = None  # why the sidecar counts as lost, once it does
     self._lock = threading.Lock()
-    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._sock.settimeout(self.timeout)
-    try:
-      self._sock.connect(self.path)
+    try:  # the serving user checked before the token goes (ipc.check_peer)
+      self._sock = ipc.connect(self.path, timeout=self.timeout)
     except OSError as e:
-      self._sock.close()
       raise errors.HostLostError(
           f"cannot attach to the sidecar at {self.path}: {e.strerror or e}; is `sidecar serve "
           f"--socket {self.path}` running on this host?") from None
@@ -141,7 +138,10 @@ class Worker:
     self.session: str = reply["session"]
     self.identity: dict[str, Any] = reply["identity"]
     self.host_id: int = self.identity["host_id"]
-    self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]))
+    # A pool tenant's arena makes its pages as they are written: populating the mapping
+    # would make them all.
+    self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]),
+                                  populate=bool(reply.get("arena_populate", True)))
     self.state = State.ATTACHED
     self._live = 0
     self._generations: dict[int, int] = {}  # block offset -> generation, of live views

@@ -8,6 +8,9 @@ Ownership, block by block:
 - a feed batch's arrays (:class:`BatchBlocks`) are leased to the worker session, or
   pinned until the batch is encoded inline.
 
+With a pool file every one of these is in the arena of the caller's tenant
+(``arenas.py``): a worker session's own, or for a pin the tenant it is made for.
+
 Views die in whatever thread drops the last reference (a finalizer), so they hand
 their block back through a queue that the thread of :class:`ArenaIO` drains: a
 finalizer never takes a lock.
@@ -47,15 +50,13 @@ class ArenaIO:
   """Reads and writes arena blocks on behalf of callers; owns the thread that frees views.
 
   Args:
-    arena: the sidecar's arena.
-    leases: who holds which of its blocks.
+    leases: who holds which block of the sidecar's arenas.
     inline_limit: arrays up to this many bytes travel in the message, not the arena.
     is_attached: whether a worker session is attached now.
   """
 
-  def __init__(self, arena: shm.Arena, leases: Leases, *, inline_limit: int,
+  def __init__(self, leases: Leases, *, inline_limit: int,
                is_attached: Callable[[str], bool]):
-    self.arena = arena
     self.leases = leases
     self._inline_limit = inline_limit
     self.is_attached = is_attached
@@ -98,7 +99,7 @@ class ArenaIO:
                error: errors.ResourceExhaustedError) -> errors.ResourceExhaustedError:
     if "quota" in str(error):
       return errors.ResourceExhaustedError(f"{error} (waited {waited:.3g} s)")
-    a = self.leases.allocator
+    a = self.leases.arenas
     by_session, pinned = self.leases.held_bytes()
     mine = by_session.get(holder, 0) if isinstance(holder, str) else 0
     others = sum(by_session.values()) - mine
@@ -120,18 +121,22 @@ class ArenaIO:
       raise errors.InvalidArgumentError(
           f"worker_session {session!r} is not attached to this sidecar")
     granted: list[shm.Block] = []
+    space = self.leases.space_of(session)  # the arena its worker maps
 
     def to_arena(a: np.ndarray) -> codec.ArenaRef:
-      offset = self.arena.contains(a)
-      block = None if offset is None else self.leases.block_at(offset)
+      block = None
+      if space is not None and space.arena is not None:
+        offset = space.arena.contains(a)
+        block = None if offset is None else self.leases.block_at(offset, arena=space.id)
       if block is not None and a.nbytes <= block.nbytes:
-        # Already in the arena (a RAM-tier shard, an argument): lease it, copy nothing.
-        self.leases.hold(block.offset, block.generation, session)
+        # Already in its arena (a RAM-tier shard, an argument): lease it, copy nothing.
+        self.leases.hold(block.offset, block.generation, session, arena=block.arena)
         granted.append(block)
         return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
       block = self.alloc(a.nbytes, session, alive, time_left)
       granted.append(block)
-      np.copyto(self.arena.view(block.offset, a.nbytes), a.reshape(-1).view(np.uint8))
+      np.copyto(self.leases.arena_of(block).view(block.offset, a.nbytes),
+                a.reshape(-1).view(np.uint8))
       return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
 
     try:
@@ -160,8 +165,12 @@ class ArenaIO:
     pin = self.leases.new_pin()
     block = self.alloc(max(nbytes, 1), pin, alive, time_left)
     put = self._released.put
-    holder = self.arena.lease(block.offset, max(nbytes, 1),
-                              lambda: put((block.offset, block.generation, pin)))
+    try:
+      holder = self.leases.arena_of(block).lease(
+          block.offset, max(nbytes, 1), lambda: put((block.offset, block.generation, pin)))
+    except BaseException:
+      self.leases.release(block.offset, block.generation, pin)
+      raise
     return codec.as_array(holder, codec.ArenaRef(block.offset, nbytes, block.generation,
                                                  dtype.name, shape))
 
@@ -178,11 +187,12 @@ class ArenaIO:
           f"worker that holds its block, got worker_session {session!r}; without a worker, "
           "send arrays inline")
     pin = self.leases.new_pin()
-    self.leases.hold_owned(ref.offset, ref.generation, ref.nbytes, owner=session, holder=pin)
+    block = self.leases.hold_owned(ref.offset, ref.generation, ref.nbytes, owner=session,
+                                   holder=pin)
     put = self._released.put
     try:
-      holder = self.arena.lease(ref.offset, ref.nbytes,
-                                lambda: put((ref.offset, ref.generation, pin)))
+      holder = self.leases.arena_of(block).lease(ref.offset, ref.nbytes,
+                                                 lambda: put((ref.offset, ref.generation, pin)))
     except BaseException:
       self.leases.release(ref.offset, ref.generation, pin)
       raise
@@ -212,22 +222,34 @@ class BatchBlocks:
   Every batch array is a block of its own: leased to the worker ``session`` (which
   then receives it without a copy), or, with no session, pinned here until the
   batch is encoded inline. ``close`` gives back those made but never sent.
+
+  All are in one arena, kept open until ``close``: the session's, else ``tenant``'s
+  (``arena``, which the feed's worker processes map).
   """
 
-  def __init__(self, io: ArenaIO, session: str, alive: Alive, time_left: TimeLeft):
+  def __init__(self, io: ArenaIO, session: str, alive: Alive, time_left: TimeLeft, *,
+               tenant: str | None = None):
     self._io = io
     self._session = session
     self._alive, self._time_left = alive, time_left
+    arenas = io.leases.arenas
+    bound = arenas.of_session(session) if session else None
+    self._space = arenas.enter(tenant, space=None if bound is None else bound.id)
+    self._entered = True
+    if self._space.arena is None:
+      self.close()
+      raise errors.InvalidArgumentError("a feed's batches need a mapped arena")
+    self.arena: shm.Arena = self._space.arena
     # By the address of its array: each block, its descriptor and its holder.
     self._placed: dict[int, tuple[shm.Block, codec.ArenaRef, Hashable]] = {}
 
   def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A new batch array in a block of its own (``feed.Alloc``)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    holder = self._session or self._io.leases.new_pin()
+    holder = self._session or self._io.leases.new_pin(self._space.id)
     block = self._io.alloc(max(nbytes, 1), holder, self._alive, self._time_left)
     ref = codec.ArenaRef(block.offset, nbytes, block.generation, dtype.name, tuple(shape))
-    out = codec.as_array(self._io.arena.view(block.offset, max(nbytes, 1)), ref)
+    out = codec.as_array(self.arena.view(block.offset, max(nbytes, 1)), ref)
     self._placed[out.ctypes.data] = (block, ref, holder)
     return out
 
@@ -253,6 +275,9 @@ class BatchBlocks:
     placed, self._placed = self._placed, {}
     for block, _, holder in placed.values():
       self._io.leases.release(block.offset, block.generation, holder)
+    if self._entered:
+      self._entered = False
+      self._io.leases.arenas.leave(self._space)
 
 
 def _arrays(tree: Any) -> list[np.ndarray]:

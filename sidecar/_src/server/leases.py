@@ -4,6 +4,10 @@ A block can have several holders at once: a worker session (its connection),
 and local pins (a live numpy view inside the sidecar). It goes back to the
 allocator when the last holder lets go. Closing a session, which happens when
 a worker's connection drops for any reason, lets go of everything it held.
+
+With a pool file each tenant's blocks are in its own arena (``arenas.py``): a block is
+named by its arena and offset, and a holder's blocks are all in one arena, the one its
+worker session was handed (or, for a pin, its tenant's): a reference resolves only there.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import admission, metrics as metrics_lib, tenants as tenants_lib
+from sidecar._src.server import (
+  admission,
+  arenas as arenas_lib,
+  metrics as metrics_lib,
+  tenants as tenants_lib,
+)
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.
@@ -31,8 +40,12 @@ RECLAIM_WAIT_S = 1.0
 RECLAIM_POLL_S = 0.5
 
 
+Key = tuple[int, int]  # a block: (its arena, its offset)
+
+
 class Leases:
-  """Reference-counted holders over a :class:`shm.Allocator`.
+  """Reference-counted holders over the allocators of :class:`arenas.Arenas` (or one
+  :class:`shm.Allocator`).
 
   ``quota``: the most bytes one worker session (a ``str`` holder) may allocate while it
   holds what it has: so no client takes the whole arena from the others. None: no quota.
@@ -49,31 +62,72 @@ class Leases:
   returns how many; ``holds()`` says what holds the arena besides, for the error.
   """
 
-  def __init__(self, allocator: shm.Allocator, *, quota: int | None = None,
+  def __init__(self, arenas: arenas_lib.Arenas | shm.Allocator, *, quota: int | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
                tenant_of: Callable[[str], str | None] = lambda session: None,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                reclaim: Callable[[int, str | None], int] | None = None,
                holds: Callable[[], str] = lambda: ""):
-    self.allocator = allocator
+    self.arenas = (arenas if isinstance(arenas, arenas_lib.Arenas)
+                   else arenas_lib.Arenas.of_allocator(arenas))
+    # The figures of all arenas together, as one allocator's (size, used_bytes, num_blocks).
+    self.allocator = self.arenas
     self._reclaim, self.holds = reclaim, holds
     self.quota = quota
     self._metrics = metrics
     self._queue = admission.Queue()
     self._tenancy, self._tenant_of = tenancy, tenant_of
     self._tenant_bytes: collections.Counter[str] = collections.Counter()  # allocated, live
-    self._block_tenant: dict[int, str] = {}  # block offset -> the tenant that allocated it
+    self._block_tenant: dict[Key, str] = {}  # block -> the tenant that allocated it
     self._pending = 0  # bytes tenants reserved, not allocated yet
     self._lock = threading.Lock()
     self._freed = threading.Condition(self._lock)  # a block let go of: a quota may have room
-    self._holders: dict[int, tuple[shm.Block, set[Hashable]]] = {}
-    self._by_holder: dict[Hashable, set[int]] = {}
+    self._holders: dict[Key, tuple[shm.Block, set[Hashable]]] = {}
+    self._by_holder: dict[Hashable, set[Key]] = {}
     self._bytes: dict[Hashable, int] = {}  # bytes each holder holds
+    self._arena_of: dict[Hashable, int] = {}  # the arena of each holder's blocks
     self._pins = itertools.count()
 
-  def new_pin(self) -> tuple[str, int]:
-    """A fresh holder token for a local pin."""
-    return ("pin", next(self._pins))
+  def new_pin(self, arena: int | None = None) -> tuple:
+    """A fresh holder token for a local pin; ``arena``: the arena its block is made in
+    (default: its tenant's, ``tenants.CURRENT``)."""
+    return ("pin", next(self._pins)) if arena is None else ("pin", next(self._pins), arena)
+
+  def _bound(self, holder: Hashable) -> int | None:
+    """The arena ``holder`` is bound to: that of the blocks it holds, the one its pin
+    names, or the one its worker session was handed; None: its tenant's, whichever."""
+    found = self._arena_of.get(holder)
+    if found is not None:
+      return found
+    if isinstance(holder, tuple) and len(holder) == 3 and holder[0] == "pin":
+      return holder[2]
+    if isinstance(holder, str):
+      s = self.arenas.of_session(holder)
+      if s is not None:
+        return s.id
+    return None
+
+  def _arena(self, holder: Hashable) -> int | None:
+    """The arena ``holder``'s blocks are in (None: it holds none, and has none bound)."""
+    found = self._bound(holder)
+    if found is not None:
+      return found
+    s = self.arenas.current(self._tenant_name(holder))
+    return None if s is None else s.id
+
+  def _key(self, offset: int, holder: Hashable) -> Key:
+    arena = self._arena(holder)
+    return (-1 if arena is None else arena, offset)
+
+  def arena_of(self, block: shm.Block) -> shm.Arena:
+    """The mapping ``block`` lies in."""
+    return self.arenas.arena(block.arena)
+
+  def space_of(self, holder: Hashable) -> arenas_lib.Space | None:
+    """The arena ``holder`` (a worker session, a pin) makes and reads blocks in, if any."""
+    arena = self._arena(holder)
+    return None if arena is None else self.arenas.get(arena)
+
 
   def alloc(self, nbytes: int, holder: Hashable, *, timeout: float | None,
             alive: Callable[[], bool] | None = None,
@@ -104,37 +158,50 @@ class Leases:
     tenant = self._tenant(holder)
     if tenant is not None:
       self._reserve(tenant, nbytes, deadline, alive, on_wait, report_s)
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    bound = self._bound(holder)  # else its tenant's arena, made if it has none yet
     try:
-      block = self._take(nbytes, None if tenant is None else tenant.name, deadline)
+      # Kept open (a retired arena closes with its last user) until the block is in it.
+      space = self.arenas.enter(None if bound is not None else self._tenant_name(holder),
+                                space=bound)
+      try:
+        block = self._take(space.allocator, nbytes,
+                           None if tenant is None else tenant.name, deadline)
+      finally:
+        self.arenas.leave(space)
     except BaseException:
       if tenant is not None:
         with self._lock:
           self._pending -= nbytes
           self._unreserve(tenant, nbytes)
       raise
+    key = (block.arena, block.offset)
     with self._lock:
       if tenant is not None:
         self._pending -= nbytes
         self._tenant_bytes[tenant.name] += block.nbytes - nbytes
-        self._block_tenant[block.offset] = tenant.name
-      self._holders[block.offset] = (block, {holder})
-      self._by_holder.setdefault(holder, set()).add(block.offset)
+        self._block_tenant[key] = tenant.name
+      self._holders[key] = (block, {holder})
+      self._by_holder.setdefault(holder, set()).add(key)
+      self._arena_of[holder] = block.arena
       self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
+    self.arenas.made(block.nbytes)
     return block
 
-  def _take(self, nbytes: int, tenant: str | None, deadline: float | None) -> shm.Block:
-    """A block from the allocator by ``deadline``; where the arena is full, durable RAM-tier
-    copies give way first, and are asked again while it waits (a step may become durable).
-    The lock is not held."""
+  def _take(self, allocator: shm.Allocator, nbytes: int, tenant: str | None,
+            deadline: float | None) -> shm.Block:
+    """A block from ``allocator`` (an arena's) by ``deadline``; where the arenas are full,
+    durable RAM-tier copies give way first, and are asked again while it waits (a step may
+    become durable). The lock is not held."""
     start = time.monotonic()
     while True:
       left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
       if self._reclaim is None:
-        return self.allocator.alloc(nbytes, timeout=left)
+        return allocator.alloc(nbytes, timeout=left)
       try:
-        return self.allocator.alloc(nbytes, timeout=0.0)
+        return allocator.alloc(nbytes, timeout=0.0)
       except errors.ResourceExhaustedError:
-        if not self.allocator.fits(nbytes):
+        if not allocator.fits(nbytes):
           raise
       free = self.allocator.size - self.allocator.used_bytes
       freed = self._reclaim(max(nbytes - free, shm.ALIGN), tenant)  # free but split: 1 more
@@ -146,8 +213,8 @@ class Leases:
             f"{self.held_by()}; release arrays sooner, lower prefetch, or raise --shm-size")
       wait = RECLAIM_WAIT_S if freed else RECLAIM_POLL_S
       try:
-        return self.allocator.alloc(nbytes, timeout=wait if left is None or freed else
-                                    min(wait, left))
+        return allocator.alloc(nbytes, timeout=wait if left is None or freed else
+                               min(wait, left))
       except errors.ResourceExhaustedError:
         continue
 
@@ -170,11 +237,13 @@ class Leases:
     with self._lock:
       return max(0, self._tenant_bytes.get(t.name, 0) - t.arena.bytes_of(self.allocator.size))
 
+  def _tenant_name(self, holder: Hashable) -> str | None:
+    return self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
+
   def _tenant(self, holder: Hashable) -> tenants_lib.Tenant | None:
     if self._tenancy is None:
       return None
-    name = self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
-    return self._tenancy.tenant(name)
+    return self._tenancy.tenant(self._tenant_name(holder))
 
   def queued(self, holder: Hashable) -> bool:
     """Whether ``holder``'s requests wait their turn in the admission queue: a tenant's of
@@ -357,9 +426,11 @@ class Leases:
                       if o.name != t.name)
 
   def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
-    if not self.allocator.fits(nbytes):
-      self.allocator.alloc(nbytes, timeout=0)  # raises, saying the arena's size
     fmt = shm.format_size
+    if not self.allocator.fits(nbytes):
+      raise errors.ResourceExhaustedError(
+          f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit an arena of "
+          f"{fmt(self.allocator.size)}; raise --shm-size")
     t = self._tenant(holder)
     if t is not None and nbytes > (open_to := self._open_to(t)) and (
         t.arena_ceiling is None or nbytes <= t.arena_ceiling.bytes_of(self.allocator.size)):
@@ -397,19 +468,31 @@ class Leases:
     with self._lock:
       return self._bytes.get(holder, 0)
 
-  def hold(self, offset: int, generation: int, holder: Hashable) -> shm.Block:
-    """Adds ``holder`` to a live block; StaleDescriptorError if it is gone."""
+  def hold(self, offset: int, generation: int, holder: Hashable, *,
+           arena: int | None = None) -> shm.Block:
+    """Adds ``holder`` to a live block (of ``arena``; default: ``holder``'s arena);
+    StaleDescriptorError if it is gone."""
     with self._lock:
-      entry = self._holders.get(offset)
+      key = self._key(offset, holder) if arena is None else (arena, offset)
+      entry = self._holders.get(key)
       if entry is None or entry[0].generation != generation:
         raise errors.StaleDescriptorError(
             f"arena block at offset {offset} generation {generation} is not allocated "
             "(released or reused since the descriptor was made)")
-      if holder not in entry[1]:
-        self._bytes[holder] = self._bytes.get(holder, 0) + entry[0].nbytes
-      entry[1].add(holder)
-      self._by_holder.setdefault(holder, set()).add(offset)
+      self._add(key, entry, holder)
       return entry[0]
+
+  def _add(self, key: Key, entry: tuple[shm.Block, set[Hashable]], holder: Hashable) -> None:
+    """``holder`` holds the block ``entry`` too; the lock is held."""
+    found = self._arena_of.get(holder)
+    if found is not None and found != key[0]:
+      raise errors.InvalidArgumentError(
+          f"{holder!r} holds blocks of arena {found}; it cannot hold one of arena {key[0]}")
+    if holder not in entry[1]:
+      self._bytes[holder] = self._bytes.get(holder, 0) + entry[0].nbytes
+    entry[1].add(holder)
+    self._by_holder.setdefault(holder, set()).add(key)
+    self._arena_of[holder] = key[0]
 
   def hold_owned(self, offset: int, generation: int, nbytes: int, *, owner: Hashable,
                  holder: Hashable) -> shm.Block:
@@ -421,8 +504,18 @@ class Leases:
     blocks that are not its own.
     """
     with self._lock:
-      entry = self._holders.get(offset)
+      key = self._key(offset, owner)
+      entry = self._holders.get(key)
       if entry is None or entry[0].generation != generation or owner not in entry[1]:
+        space = self.arenas.get(key[0])
+        if self.arenas.per_tenant and space is not None and space.tenant is not None:
+          # Its own arena is all a tenant's worker can name: another's block is not in it.
+          raise errors.InvalidArgumentError(
+              f"the arena block at offset {offset} generation {generation} is not one of "
+              f"the blocks of tenant {space.tenant!r} that this worker session holds (each "
+              f"tenant has an arena of its own, {space.size} bytes here: released, reused, "
+              "or never its own); send arrays the worker holds, e.g. from worker.put() or "
+              "the results of its calls")
         raise errors.StaleDescriptorError(
             f"no arena block at offset {offset} generation {generation} is held by "
             "this worker session (released, reused, or never its own); send arrays the "
@@ -432,38 +525,44 @@ class Leases:
         raise errors.InvalidArgumentError(
             f"nbytes {nbytes} does not fit the arena block at offset {offset}, "
             f"which has {block.nbytes} bytes")
-      if holder not in entry[1]:
-        self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
-      entry[1].add(holder)
-      self._by_holder.setdefault(holder, set()).add(offset)
+      self._add(key, entry, holder)
       return block
 
-  def block_at(self, offset: int) -> shm.Block | None:
-    """The live block that starts at ``offset``, if any."""
+  def block_at(self, offset: int, *, arena: int = 0) -> shm.Block | None:
+    """The live block of ``arena`` that starts at ``offset``, if any."""
     with self._lock:
-      entry = self._holders.get(offset)
+      entry = self._holders.get((arena, offset))
     return None if entry is None else entry[0]
 
   def release(self, offset: int, generation: int, holder: Hashable) -> None:
     with self._lock:
-      entry = self._holders.get(offset)
+      key = self._key(offset, holder)
+      entry = self._holders.get(key)
       if entry is None or entry[0].generation != generation or holder not in entry[1]:
         raise errors.StaleDescriptorError(
             f"arena block at offset {offset} generation {generation} is not held by {holder!r}")
-      self._drop(offset, holder)
+      freed = self._drop(key, holder)
+    if freed:
+      self.arenas.freed(key[0])
 
   def release_all(self, holder: Hashable) -> int:
     """Lets go of every block ``holder`` has; returns how many."""
     with self._lock:
-      offsets = self._by_holder.pop(holder, set())
-      for offset in offsets:
-        self._by_holder.setdefault(holder, set()).add(offset)
-        self._drop(offset, holder)
+      keys = self._by_holder.pop(holder, set())
+      arenas = set()
+      for key in keys:
+        self._by_holder.setdefault(holder, set()).add(key)
+        if self._drop(key, holder):
+          arenas.add(key[0])
       self._by_holder.pop(holder, None)
-      return len(offsets)
+      self._arena_of.pop(holder, None)
+    for arena in arenas:
+      self.arenas.freed(arena)
+    return len(keys)
 
-  def _drop(self, offset: int, holder: Hashable) -> None:
-    block, holders = self._holders[offset]
+  def _drop(self, key: Key, holder: Hashable) -> bool:
+    """``holder`` lets go of block ``key``; whether that freed it. The lock is held."""
+    block, holders = self._holders[key]
     if holder in holders:
       left = self._bytes.get(holder, 0) - block.nbytes
       if left > 0:
@@ -474,20 +573,25 @@ class Leases:
     holders.discard(holder)
     mine = self._by_holder.get(holder)
     if mine is not None:
-      mine.discard(offset)
+      mine.discard(key)
       if not mine:
         del self._by_holder[holder]
-    if not holders:
-      del self._holders[offset]
-      self.allocator.free(block.offset, block.generation)
-      self._queue.freed(block.nbytes)
+        self._arena_of.pop(holder, None)
+    if holders:
+      return False
+    del self._holders[key]
+    space = self.arenas.get(key[0])
+    if space is not None:  # else closed with the sidecar: nothing to give back
+      space.allocator.free(block.offset, block.generation)
+    self._queue.freed(block.nbytes)
+    self._freed.notify_all()
+    tenant = self._block_tenant.pop(key, None)
+    if tenant is not None:
+      self._tenant_bytes[tenant] -= block.nbytes
+      if self._tenant_bytes[tenant] <= 0:
+        del self._tenant_bytes[tenant]
       self._freed.notify_all()
-      tenant = self._block_tenant.pop(offset, None)
-      if tenant is not None:
-        self._tenant_bytes[tenant] -= block.nbytes
-        if self._tenant_bytes[tenant] <= 0:
-          del self._tenant_bytes[tenant]
-        self._freed.notify_all()
+    return True
 
   def held_bytes(self) -> tuple[dict[str, int], int]:
     """Bytes each worker session (a str holder) holds, and bytes held by local pins only."""

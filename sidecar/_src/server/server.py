@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
+  arenas as arenas_lib,
   departures as departures_lib,
   metrics as metrics_lib,
   pool_file,
@@ -224,7 +225,7 @@ class Server:
     # Debug: `sidecar serve` prints its own line, with the address it listens on.
     log.debug("sidecar host %d serving on %s (health %s), socket %s, arena %s",
               self.options.host_id, self.address, self.health_port or "on the same socket",
-              self.options.socket_path, shm.format_size(self.arena.size))
+              self.options.socket_path, shm.format_size(self.arenas.size))
     return self
 
   def _start(self) -> None:
@@ -237,25 +238,32 @@ class Server:
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     pool = self._pool(o)
     self.tenancy = tenants_lib.Tenancy(pool, peer_token=o.peer_token)
-    self.arena = shm.Arena.create(o.shm_size)
+    if pool is not None and pool.quotas:  # each tenant's blocks in a memfd of its own
+      shm.check_capacity(-(-o.shm_size // shm.PAGE) * shm.PAGE)
+      self.arenas = arenas_lib.Arenas(-(-o.shm_size // shm.PAGE) * shm.PAGE, per_tenant=True,
+                                      ceiling_of=self._ceiling_of)
+      self.arena = None
+    else:
+      self.arena = shm.Arena.create(o.shm_size)
+      self.arenas = arenas_lib.Arenas.single(self.arena)
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
-    self.leases = Leases(shm.Allocator(self.arena.size),
-                         quota=options_lib.quota_bytes(o.session_quota, self.arena.size),
+    self.leases = Leases(self.arenas,
+                         quota=options_lib.quota_bytes(o.session_quota, self.arenas.size),
                          tenancy=self.tenancy, tenant_of=self.tenancy.of_worker,
                          metrics=self.metrics,  # durable RAM-tier copies give way to new work:
                          reclaim=lambda n, tenant: self.checkpoints.reclaim(n, tenant),
                          holds=lambda: self.checkpoints.describe_ram())
     named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
-        o.host_id, tenancy=self.tenancy, arena_bytes=self.arena.size,
+        o.host_id, tenancy=self.tenancy, arena_bytes=self.arenas.size,
         tenant_of=lambda session: self.sessions.client(session),
         token=o.peer_token if named else o.token,
         peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
         spare=self.leases.spare,
         replica_hosts=links_lib.ReplicaHosts(o.replica_hosts, file=o.replica_hosts_file),
         peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
-    self.arena_io = ArenaIO(self.arena, self.leases, inline_limit=o.inline_limit,
+    self.arena_io = ArenaIO(self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = TenantRunner(tenancy=self.tenancy, registry=self.registry,
                                arena_io=self.arena_io, metrics=self.metrics)
@@ -271,7 +279,7 @@ class Server:
     self.inline = inline = InlineBytes(tenancy=self.tenancy)
     calls = UnaryCalls(self.runner, CallSlots(o.threads, tenancy=self.tenancy,
                                               tenant_of=tenant_of), inline)
-    self.workers = WorkerListener(o.socket_path, self.arena, self.leases, self._worker_hello,
+    self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
                                   max_connections=o.max_worker_connections,
@@ -289,7 +297,7 @@ class Server:
     if o.pool is not None:  # a reload may add ram_keep: any pool file's sidecar sweeps
       self.departures.start()
     self.service = Service(calls=calls, stream_runner=self.stream_runner,
-                           identity=self.identity, arena_size=self.arena.size,
+                           identity=self.identity, arena_size=self.arenas.size,
                            leases=self.leases, workers=self.workers,
                            checkpoints=self.checkpoints.tier.status, sessions=sessions,
                            streams=StreamSlots(total=o.max_streams,
@@ -353,6 +361,15 @@ class Server:
     for name in ("", protocol.SERVICE):
       self._health.set(name, status)
 
+  def _ceiling_of(self, name: str) -> int | None:
+    """Tenant ``name``'s arena size: its ceiling (the whole arena without one); None if it
+    is no tenant of the pool in force."""
+    t = self.tenancy.tenant(name)
+    if t is None:
+      return None
+    size = self.arenas.size
+    return size if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size)
+
   def _pool(self, o: options_lib.ServerOptions) -> tenants_lib.Pool | None:
     """The tenants: the pool file's (checked against the arena and the checkpoint roots),
     one per client token, the shared token's one, or None (no token)."""
@@ -394,7 +411,12 @@ class Server:
       self.tokens.swap(tenants_lib.Tokens.of(pool, o.peer_token), revoked)
       for name, why in revoked.items():
         self.sessions.revoke(name)
+        # Its arena takes no new block; it closes once its blocks are back (its Workers
+        # end now, its RAM-tier copies go): nothing written later is in that memfd.
+        self.arenas.retire(name)
         self.workers.end(self.tenancy.workers_of(name), why)
+        self.checkpoints.release_ram(name)
+      self.arenas.refresh()
     done = (f"pool file {o.pool} reloaded: {len(pool.tenants)} tenants"
             + (f"; removed {', '.join(removed)}" if removed else "")
             + (f"; token changed for {', '.join(changed)}" if changed else ""))
@@ -410,7 +432,7 @@ class Server:
 
   def _snapshot(self) -> metrics_lib.Snapshot:
     """What ``/metrics`` reads when scraped."""
-    allocator = self.leases.allocator
+    allocator = self.leases.arenas
     by_session, pinned = self.leases.held_bytes()
     pids = self.workers.pids()
     leased: dict[str, int] = {}
@@ -420,7 +442,7 @@ class Server:
     return metrics_lib.Snapshot(
         host_id=self.options.host_id, slice_id=self.options.slice_id,
         uptime_s=self.service.uptime_s(),
-        arena_size=self.arena.size, arena_used=allocator.used_bytes,
+        arena_size=allocator.size, arena_used=allocator.used_bytes,
         arena_blocks=allocator.num_blocks, leased=tuple(sorted(leased.items())),
         pinned_bytes=pinned, workers=len(pids), feeds=self.stream_runner.feed_totals(),
         ram_steps=usage["ram_steps"], ram_bytes=usage["ram_bytes"],
@@ -545,8 +567,10 @@ class Server:
       self.checkpoints.close()
     if getattr(self, "arena_io", None) is not None:
       self.arena_io.close()
-    if getattr(self, "arena", None) is not None:
-      self.arena.close()
+    if getattr(self, "arenas", None) is not None:
+      self.arenas.close()
+    elif (arena := getattr(self, "arena", None)) is not None:
+      arena.close()
 
   def __enter__(self) -> Server:
     return self.start()

@@ -98,7 +98,8 @@ class StreamRunner:
   def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
               time_left: TimeLeft, tenant: str | None) -> Items:
     entry, args, kwargs = self._runner.prepare(request)
-    with self._io.allocating(alive, time_left):
+    # Its arrays made in place (sidecar.empty) are its tenant's: in its arena.
+    with self._io.allocating(alive, time_left), tenants_lib.acting_as(tenant):
       items = entry.fn(*args, **kwargs)
     try:
       iterator = iter(items)
@@ -110,7 +111,7 @@ class StreamRunner:
     try:
       while credits.take():
         try:
-          with self._io.allocating(alive, time_left):
+          with self._io.allocating(alive, time_left), tenants_lib.acting_as(tenant):
             item = next(iterator)
         except StopIteration:
           return
@@ -140,12 +141,12 @@ class StreamRunner:
     session = request.worker_session
     if session and not self._io.is_attached(session):
       raise errors.InvalidArgumentError(f"worker_session {session!r} is not attached")
-    blocks = BatchBlocks(self._io, session, alive, time_left)
+    blocks = BatchBlocks(self._io, session, alive, time_left, tenant=tenant)
     t = self._tenancy.tenant(tenant) if self._tenancy.quotas else None
     turns = None if t is None else self._shares.turns(t.name, t.weight)
 
     def pool() -> feed_pool.Pool:
-      return feed_pool.Pool(spec.workers, arena=self._io.arena, imports=self._imports,
+      return feed_pool.Pool(spec.workers, arena=blocks.arena, imports=self._imports,
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
                             turns=turns)
 

@@ -1,6 +1,9 @@
 """The Unix socket that workers attach to: arena fd out, allocate and free in.
 
-An ``attach`` connection is one worker session. The session ends when the
+An ``attach`` connection is one worker session. It is handed one memfd: the sidecar's
+arena, or with a pool file its tenant's own (``arenas.py``): the tenant whose token it
+presents (or whose ``uids`` hold its user), or, for a peer sidecar's link presenting the
+peer token, the tenant it names. The session ends when the
 connection closes, and then every block leased to it goes back to the arena: a
 worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
 attached worker, carries one stream of descriptors: the fast path for batches,
@@ -24,9 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import admission, sockets, tenants as tenants_lib
+from sidecar._src.server import admission, arenas as arenas_lib, sockets, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import SocketCredits
 from sidecar._src.server.leases import ON_WAIT_S, Leases
@@ -55,12 +57,13 @@ _FLAG = "--socket (socket_path)"
 class WorkerListener:
   """Accepts worker connections on ``path`` and serves their requests."""
 
-  def __init__(self, path: str, arena: shm.Arena, leases: Leases,
+  def __init__(self, path: str, arenas: arenas_lib.Arenas, leases: Leases,
                hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
                    lambda e: None), tenancy: tenants_lib.Tenancy | None = None):
     self.path = path
+    self._peer_sessions: set[str] = set()  # peer sidecars' replica links (PeerAttach)
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
@@ -70,7 +73,7 @@ class WorkerListener:
     # Open connections of any kind, each with its thread: close() ends and joins them.
     self._connections: dict[socket.socket, threading.Thread] = {}
     self._streams = streams
-    self._arena = arena
+    self._arenas = arenas
     self._leases = leases
     self._hello = hello
     self._lock = threading.Lock()
@@ -186,7 +189,8 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
             f"first message must be attach, got {message.get('op')!r}")
-      tenant = self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
+      tenant = self._attach_tenant(message, conn)
+      peer = tenants_lib.PeerAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
@@ -195,10 +199,16 @@ class WorkerListener:
           return
         self._tenancy.add_worker(session, tenant)
         self._sessions[session] = conn
+        if peer:
+          self._peer_sessions.add(session)
         pid = message.get("pid")
         self._pids[session] = pid if isinstance(pid, int) else 0
-      reply.update(session=session, arena_size=self._arena.size)
-      ipc.send(conn, reply, fds=(self._arena.fd,))
+      # Its tenant's arena, and no other: what it maps is all it can ever see.
+      space = self._arenas.bind(session, tenant)
+      arena = space.arena
+      assert arena is not None
+      reply.update(session=session, arena_size=arena.size, arena_populate=arena.reserved)
+      ipc.send(conn, reply, fds=(arena.fd,))
       log.info("worker pid %s attached as %s", message.get("pid"), session,
                extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
@@ -219,7 +229,9 @@ class WorkerListener:
         with self._lock:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
+          self._peer_sessions.discard(session)
         freed = self._leases.release_all(session)
+        self._arenas.unbind(session)
         self._tenancy.drop_worker(session)
         log.info("worker session %s ended; %d arena blocks released", session, freed,
                  extra={"session": session})
@@ -227,6 +239,25 @@ class WorkerListener:
       conn.close()
       with self._lock:
         self._connections.pop(conn, None)
+
+  def _attach_tenant(self, message: dict[str, Any], conn: socket.socket) -> str | None:
+    """The tenant an attaching worker is: its token's (or its user's), or the one a peer
+    sidecar's replica link names with the peer token (``tenants.PeerAttach``).
+
+    Raises:
+      AuthenticationError: no tenant's token (with a pool file); a peer link whose peer
+        token is not this sidecar's, or whose tenant is none of the pool's.
+    """
+    return self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
+
+  def _check_not_peer(self, session: str, what: str) -> None:
+    """PermissionDeniedError where ``session`` is a peer sidecar's replica link: it maps
+    the tenant's arena to copy replicas in, and runs nothing as that tenant."""
+    if session in self._peer_sessions:
+      raise errors.PermissionDeniedError(
+          f"{what}: this worker session is a peer sidecar's replica link, which copies "
+          "replicas into a tenant's arena and runs no calls or streams; a trainer attaches "
+          "with its tenant's own token")
 
   def _connection_limit(self, name: str | None) -> tuple[int, str] | None:
     """The most worker-socket connections tenant ``name`` may hold, and what sets it."""
@@ -288,6 +319,7 @@ class WorkerListener:
       if not self.has_session(session):
         self._check_ended(session)
         raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
+      self._check_not_peer(session, "stream")
       first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
@@ -352,6 +384,7 @@ class WorkerListener:
     if self._calls is None or not self.has_session(session):
       self._check_ended(session)
       raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
+    self._check_not_peer(session, "calls")
     alive = lambda: self.has_session(session) and _peer_open(conn)
     while True:
       raw = ipc.recv_bytes(conn, limit=self._call_bytes)

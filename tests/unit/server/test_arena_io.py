@@ -11,6 +11,7 @@ import pytest
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
 from sidecar._src.server.arena_io import ArenaIO, BatchBlocks
+from sidecar._src.server.arenas import Arenas
 from sidecar._src.server.leases import Leases
 from sidecar._src.wire import codec
 from tests.conftest import eventually
@@ -23,8 +24,8 @@ SESSION = "w-test"
 @pytest.fixture
 def io():
   arena = shm.Arena.create(2 << 20)
-  leases = Leases(shm.Allocator(arena.size))
-  io = ArenaIO(arena, leases, inline_limit=1024, is_attached=lambda s: s == SESSION)
+  leases = Leases(Arenas.single(arena))
+  io = ArenaIO(leases, inline_limit=1024, is_attached=lambda s: s == SESSION)
   yield io
   io.close()
   io.close()  # idempotent

@@ -191,7 +191,8 @@ class CheckpointService:
             for field in _PATH_FIELDS:
               if field in request_cls.DESCRIPTOR.fields_by_name and getattr(request, field):
                 self._host.check_client(client, getattr(request, field), field)
-          return fn(request, context)
+          with tenants_lib.acting_as(client):  # its blocks (reads) in its tenant's arena
+            return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
         code = protocol.status_code(e).name
         if isinstance(e, errors.SidecarError):

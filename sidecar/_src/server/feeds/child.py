@@ -27,7 +27,8 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
     spec = producer.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
     kwargs = codec.decode(pb.Value.FromString(base64.b64decode(hello["kwargs"])))
     ds = producer.open_source(entry, kwargs, spec, 0, 0)
-    arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]))
+    arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]),
+                             populate=bool(hello.get("arena_populate", True)))
   except Exception as e:
     ipc.send(sock, {"error": protocol.error_dict(e)})
     return

@@ -53,6 +53,7 @@ class Pool:
     self._turns = turns
     self._arena = arena
     self._hello = {"imports": list(imports), "name": name, "arena_size": arena.size,
+                   "arena_populate": arena.reserved,
                    "kwargs": base64.b64encode(kwargs.SerializeToString()).decode(),
                    "spec": base64.b64encode(spec.SerializeToString()).decode()}
     self._workers: list[_Worker] = []
