@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 from typing import Any
 
 import numpy as np
@@ -58,19 +59,27 @@ def owner_of(path: str) -> str | None:
 
 def claim(path: str, owner: str) -> str:
   """Records ``owner`` in the directory ``path`` unless an owner is recorded there
-  already; returns the owner recorded (``owner``, or the one there before)."""
+  already; returns the owner recorded (``owner``, or the one there before).
+
+  The marker appears whole or not at all (written under a name of its own, then linked
+  into place, which fails where one is there): two sidecars on one storage claiming the
+  same directory at once never read each other's half-written file."""
   dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+  staged = f"{OWNER_FILE}.{secrets.token_hex(8)}"
   try:
-    try:
-      fd = os.open(OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                   | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-    except FileExistsError:
-      return owner_of(path) or ""
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644, dir_fd=dir_fd)
     try:
       os.write(fd, owner.encode() + b"\n")
       os.fsync(fd)
     finally:
       os.close(fd)
+    try:
+      os.link(staged, OWNER_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except FileExistsError:
+      return owner_of(path) or ""
+    finally:
+      os.unlink(staged, dir_fd=dir_fd)
     os.fsync(dir_fd)
   finally:
     os.close(dir_fd)

@@ -120,3 +120,20 @@ def test_other_directories_are_not_checkpoints(tmp_path):
   (tmp_path / "data" / "default").symlink_to(tmp_path / "elsewhere")
   (tmp_path / "data" / "notes.txt").write_text("not a checkpoint")
   assert not roots_lib.is_checkpoint_dir(tmp_path / "data")
+
+
+
+def test_a_claim_is_never_seen_half_written(tmp_path, monkeypatch):
+  # Two sidecars on one storage open the same directory at once: while one writes the
+  # marker, the other reads it. It read '' then, and refused the marker's own tenant.
+  seen = []
+  write = os.write
+  def watched(fd, data):
+    seen.append(roots_lib.owner_of(str(tmp_path)))  # what a racing reader finds now
+    return write(fd, data)
+  monkeypatch.setattr(roots_lib.os, "write", watched)
+  assert roots_lib.claim(str(tmp_path), "alice") == "alice"
+  assert seen == [None]  # absent while written, then whole
+  assert roots_lib.owner_of(str(tmp_path)) == "alice"
+  assert roots_lib.claim(str(tmp_path), "bob") == "alice"
+  assert sorted(os.listdir(tmp_path)) == [roots_lib.OWNER_FILE]  # nothing staged is left
