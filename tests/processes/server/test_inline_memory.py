@@ -20,8 +20,9 @@ PAYLOAD = 128 << 20
 # what a sample of VmHWM moves by between runs on a loaded machine: 1.06-1.13x measured.
 ARGUMENT_BOUND = 1.3
 # The argument's buffer and the response's bytes (the result viewing the argument is
-# copied once, into them): 2.00-2.02x measured.
-ECHO_BOUND = 2.1
+# copied once, into them): 2.00-2.02x measured alone, 2.11x once beside the suite's other
+# worker (the allocator's spare pages); before parts, 3.0x.
+ECHO_BOUND = 2.25
 
 
 @pytest.fixture(scope="module")

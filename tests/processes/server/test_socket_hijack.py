@@ -10,9 +10,11 @@ anything to a socket a user it does not trust serves, naming that user.
 import os
 import pwd
 import secrets
+import select
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -78,11 +80,22 @@ def impostor():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def _received(p: subprocess.Popen) -> list[tuple[int, bytes]]:
-  p.kill()
-  out, _ = p.communicate(timeout=10)
+def _received(p: subprocess.Popen, count: int) -> list[tuple[int, bytes]]:
+  """What the impostor got on each of its first ``count`` connections (it reports one
+  when the client closes it, or 3 s after its last byte): read as it reports, then ended."""
+  out, deadline = b"", time.monotonic() + 30
+  try:  # raw reads: a buffered readline would hide lines from select
+    while out.count(b"\n") < count and select.select(
+        [p.stdout], [], [], max(0, deadline - time.monotonic()))[0]:
+      if not (chunk := os.read(p.stdout.fileno(), 65536)):
+        break
+      out += chunk
+  finally:
+    p.kill()
+    p.communicate(timeout=10)
+  lines = out.decode().splitlines()
   return [(int(n), bytes.fromhex(h[0]) if h else b"")
-          for _, n, *h in (line.split(" ") for line in out.splitlines())]
+          for _, n, *h in (line.split() for line in lines)]
 
 
 def test_the_sidecar_refuses_the_directory_and_a_client_tells_the_impostor_nothing(impostor,
@@ -117,5 +130,5 @@ def test_the_sidecar_refuses_the_directory_and_a_client_tells_the_impostor_nothi
   with pytest.raises(errors.PermissionDeniedError, match=who):  # a worker socket's calls, streams
     ipc.connect(f"{directory}/g.sock", timeout=5)
   assert eventually(lambda: p.poll() is None)  # still listening: it was refused, not gone
-  received = _received(p)
+  received = _received(p, 3)
   assert len(received) == 3 and all(n == 0 for n, _ in received), received  # asked who, no more
