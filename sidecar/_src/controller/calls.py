@@ -503,10 +503,7 @@ def call_rpc(conn: Connection, request: pb.CallRequest) -> Any:
   ``rpc.future(request, ...)``)."""
   if request.ByteSize() < PARTS_FROM:
     return conn.call_rpc
-  # The channel's own stub (connection.py may make it once): a stream of CallParts.
-  return _InParts(conn._channel.stream_unary(  # noqa: SLF001
-      f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString,
-      response_deserializer=pb.CallResponse.FromString))
+  return _InParts(conn.call_parts_rpc)
 
 
 class _InParts:

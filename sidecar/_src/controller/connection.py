@@ -339,6 +339,9 @@ class Connection:
     self.call_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)
+    self.call_parts_rpc = self._channel.stream_unary(  # a large call, in parts
+        f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString,
+        response_deserializer=pb.CallResponse.FromString)
     self.stream_rpc = self._channel.stream_stream(
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)
