@@ -176,6 +176,8 @@ class CheckpointHost:
     resolved = self._path(directory, "directory")
     inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
     with self._opened_lock:
+      if resolved in self._opened.get(client, ()):
+        return  # checked and claimed at its first open (a reopen, each replica received)
       for other, theirs in self._opened.items():
         if other != client and any(inside(resolved, d) or inside(d, resolved) for d in theirs):
           raise errors.PermissionDeniedError(
