@@ -234,7 +234,8 @@ class BatchBlocks:
     self._alive, self._time_left = alive, time_left
     arenas = io.leases.arenas
     bound = arenas.of_session(session) if session else None
-    self._space = arenas.enter(tenant, space=None if bound is None else bound.id)
+    self._space = arenas.enter(tenant, space=None if bound is None else bound.id,
+                               handed=True)
     self._entered = True
     if self._space.arena is None:
       self.close()

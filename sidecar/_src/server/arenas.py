@@ -120,14 +120,22 @@ class Arenas:
 
   # ---- which arena ---------------------------------------------------------------------
 
-  def _space(self, tenant: str | None) -> Space:
-    """Where ``tenant``'s new blocks go, made if it has none; the lock is held."""
+  def _space(self, tenant: str | None, *, handed: bool = False) -> Space:
+    """Where ``tenant``'s new blocks go, made if it has none; the lock is held.
+
+    A name that is no tenant now (removed by a reload) gets the sidecar's own arena for
+    blocks the sidecar keeps, but ``handed`` (its fd goes to a process: a Worker's attach,
+    a feed's worker processes) it is AuthenticationError: that arena is no tenant's."""
     key = tenant if self.per_tenant else None
     space = self._current.get(key)
     if space is not None and not space.retired:
       return space
     ceiling = None if key is None else self._ceiling_of(key)
-    if key is not None and ceiling is None:  # no tenant now (removed): the sidecar's own
+    if key is not None and ceiling is None:
+      if handed:
+        raise errors.AuthenticationError(
+            f"tenant {key!r} is not in the pool file now (a reload removed it): its "
+            "arena is gone, and no other is handed to it")
       return self._space(None)
     nbytes = min(ceiling or self.size, self.size)
     sid = next(self._ids)
@@ -155,13 +163,14 @@ class Arenas:
     finally:
       self.leave(s)
 
-  def enter(self, tenant: str | None, *, space: int | None = None) -> Space:
+  def enter(self, tenant: str | None, *, space: int | None = None,
+            handed: bool = False) -> Space:
     """The arena ``space`` (an id), else ``tenant``'s, kept open until :meth:`leave` (a
-    feed's, while it runs)."""
+    feed's, while it runs; ``handed``: its fd goes to the feed's processes)."""
     if self._one is not None:
       return self._one
     with self._lock:
-      s = self._space(tenant) if space is None else self._spaces.get(space)
+      s = self._space(tenant, handed=handed) if space is None else self._spaces.get(space)
       if s is None:
         raise errors.InvalidArgumentError(f"arena {space} is closed")
       s.users += 1
@@ -180,7 +189,7 @@ class Arenas:
     if self._one is not None:
       return self._one
     with self._lock:
-      s = self._space(tenant)
+      s = self._space(tenant, handed=True)
       s.users += 1
       self._sessions[session] = s
       return s

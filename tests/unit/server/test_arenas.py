@@ -135,3 +135,22 @@ def test_a_raised_ceiling_gives_the_tenant_a_new_arena_and_the_old_one_closes_wh
     leases.release(b.offset, b.generation, pb_)
   finally:
     arenas.close()
+
+
+def test_a_name_no_tenant_has_now_is_handed_no_arena():
+  # A reload removed bob between his worker's token check and its attach, or his feed
+  # starts after: the sidecar's own arena (blocks nobody is told of) is never his.
+  arenas = arenas_lib.Arenas(8 * MiB, per_tenant=True,
+                             ceiling_of=lambda name: 6 * MiB if name == "alice" else None)
+  try:
+    with pytest.raises(errors.AuthenticationError, match="tenant 'bob' is not in the pool"):
+      arenas.bind("w-bob", "bob")
+    with pytest.raises(errors.AuthenticationError, match="tenant 'bob' is not in the pool"):
+      arenas.enter("bob", handed=True)
+    own = arenas.enter("bob")  # a block the sidecar keeps: its own arena, as before
+    assert own.tenant is None
+    arenas.leave(own)
+    assert arenas.bind("w-alice", "alice").tenant == "alice"
+    arenas.unbind("w-alice")
+  finally:
+    arenas.close()
