@@ -43,6 +43,27 @@ RECLAIM_POLL_S = 0.5
 Key = tuple[int, int]  # a block: (its arena, its offset)
 
 
+class _Reclaimed:
+  """What one wait for room let go of in the RAM tier that has not come back as free
+  room yet: a copy's blocks return when its last view goes, not at once, and a wait that
+  asked again for the whole shortfall each turn emptied the tier for one request."""
+
+  def __init__(self):
+    self.outstanding = 0
+    self._free: int | None = None  # the free bytes seen at the last turn
+
+  def short(self, need: int, free: int) -> int:
+    """What ``need`` bytes lack beyond what went and has not come back, ``free`` now."""
+    if self._free is not None and free > self._free:
+      self.outstanding = max(0, self.outstanding - (free - self._free))
+    self._free = free
+    return need - self.outstanding
+
+  def add(self, freed: int) -> int:
+    self.outstanding += freed
+    return freed
+
+
 class Leases:
   """Reference-counted holders over the allocators of :class:`arenas.Arenas` (or one
   :class:`shm.Allocator`).
@@ -193,7 +214,7 @@ class Leases:
     """A block from ``allocator`` (an arena's) by ``deadline``; where the arenas are full,
     durable RAM-tier copies give way first, and are asked again while it waits (a step may
     become durable). The lock is not held."""
-    start = time.monotonic()
+    start, reclaimed = time.monotonic(), _Reclaimed()
     while True:
       left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
       if self._reclaim is None:
@@ -204,7 +225,10 @@ class Leases:
         if not allocator.fits(nbytes):
           raise
       free = self.allocator.size - self.allocator.used_bytes
-      freed = self._reclaim(max(nbytes - free, shm.ALIGN), tenant)  # free but split: 1 more
+      short = reclaimed.short(nbytes - free, free)
+      # Room free but split: one block more, unless what went has yet to come back.
+      ask = max(short, shm.ALIGN) if short > 0 or not reclaimed.outstanding else 0
+      freed = reclaimed.add(self._reclaim(ask, tenant)) if ask else 0
       if not freed and left is not None and left <= 0:
         fmt = shm.format_size
         raise errors.ResourceExhaustedError(
@@ -279,7 +303,8 @@ class Leases:
     with self._lock:
       if self._admit(t, nbytes, None):
         return
-    self._give_way(t, nbytes)
+    reclaimed = _Reclaimed()
+    self._give_way(t, nbytes, reclaimed)
     with self._lock:
       if self._admit(t, nbytes, None):
         return
@@ -307,7 +332,7 @@ class Leases:
               self._lock.acquire()
           self._lock.release()  # durable RAM-tier copies give way, outside the lock
           try:
-            self._give_way(t, nbytes)
+            self._give_way(t, nbytes, reclaimed)
           finally:
             self._lock.acquire()
           self._freed.wait(report_s if left is None else min(left, report_s))
@@ -315,19 +340,20 @@ class Leases:
         self._queue.leave(w)
         self._freed.notify_all()  # the next waiter's turn may have come
 
-  def _give_way(self, t: tenants_lib.Tenant, nbytes: int) -> None:
+  def _give_way(self, t: tenants_lib.Tenant, nbytes: int, reclaimed: _Reclaimed) -> None:
     """Lets durable RAM-tier copies go (``reclaim``) for what tenant ``t`` lacks of
-    ``nbytes`` now (within its ceiling, beside the others' guarantees). The lock is not held."""
+    ``nbytes`` now (within its ceiling, beside the others' guarantees), less what this wait
+    let go of already (``reclaimed``). The lock is not held."""
     if self._reclaim is None:
       return
     with self._lock:
       ceiling, reserved = self._shares(t)
       mine = self._tenant_bytes.get(t.name, 0)
       free = self.allocator.size - self.allocator.used_bytes - self._pending
-      short = max(nbytes + reserved - free,
-                  0 if ceiling is None else mine + nbytes - ceiling)
+      short = reclaimed.short(max(nbytes + reserved - free,
+                                  0 if ceiling is None else mine + nbytes - ceiling), free)
     if short > 0:
-      self._reclaim(short, t.name)
+      reclaimed.add(self._reclaim(short, t.name))
 
   def _admit(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None) -> bool:
     """Takes ``nbytes`` for tenant ``t`` if they fit and its turn has come; the lock is

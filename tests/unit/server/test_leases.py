@@ -14,6 +14,8 @@ from sidecar._src.server.leases import Leases
 
 pytestmark = pytest.mark.unit
 
+MiB = 1 << 20
+
 SIZE = 1 << 20
 
 
@@ -156,3 +158,19 @@ def test_concurrent_holders_release_every_block_once(leases):
     t.join()
   assert leases.allocator.num_blocks == 32 and leases.holders() == 1
   assert leases.release_all("keeper") == 32
+
+
+def test_a_wait_lets_go_of_no_more_than_it_lacks_while_the_copies_come_back():
+  # The RAM tier let go of a copy, but a restore still reads its blocks: they come back
+  # later. Asking the whole shortfall again each turn dropped a copy a turn, every one.
+  asked = []
+  def reclaim(nbytes, tenant):
+    asked.append(nbytes)
+    return 4 * MiB  # a copy went; its blocks are still read elsewhere
+  leases = Leases(shm.Allocator(8 * MiB), reclaim=reclaim)
+  pin = leases.new_pin()
+  held = leases.alloc(8 * MiB, pin, timeout=0)
+  with pytest.raises(errors.ResourceExhaustedError):
+    leases.alloc(4 * MiB, leases.new_pin(), timeout=2.5)
+  assert asked == [4 * MiB]  # once: what it lacked, then it waited for the blocks
+  leases.release(held.offset, held.generation, pin)
