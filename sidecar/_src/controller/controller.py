@@ -496,7 +496,7 @@ class Controller:
     """
     self._check_open()
     req = ram_drop.request(None if directory is None else os.path.abspath(directory), tenant)
-    conns = {h: c for h, c in self._hosts.conns.items() if h not in self._hosts.lost}
+    conns = [(h, c) for h, c in self._hosts.conns.items() if h not in self._hosts.lost]
     return ram_drop.drop(conns, req, timeout=self.timeout if timeout is None else timeout)
 
   @interrupts.deferring

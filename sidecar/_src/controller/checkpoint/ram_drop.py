@@ -11,7 +11,7 @@ Only durable copies go; a step not committed yet stays and is listed in ``kept``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -76,18 +76,19 @@ def merged(drops: list[RamTierDrop]) -> RamTierDrop:
                      kept=tuple(s for d in drops for s in d.kept))
 
 
-def drop(conns: Mapping[int, Any], req: ckpt_pb.DropRamTierRequest, *,
+def drop(conns: Iterable[tuple[int, Any]], req: ckpt_pb.DropRamTierRequest, *,
          timeout: float) -> RamTierDrop:
-  """Sends ``req`` to every connection (``host id -> connection``: its ``checkpoint`` stub,
-  ``metadata`` and ``address``) at once; the answers merged, or the first error raised."""
-  futures = {h: c.checkpoint.DropRamTier.future(req, timeout=timeout, metadata=c.metadata)
-             for h, c in conns.items()}
+  """Sends ``req`` to every connection (``(host id, connection)``: its ``checkpoint``
+  stub, ``metadata`` and ``address``) at once; the answers merged, or the first error
+  raised. Two sidecars may give one host id (pool sidecars started by hand): each is asked."""
+  futures = [(h, c, c.checkpoint.DropRamTier.future(req, timeout=timeout, metadata=c.metadata))
+             for h, c in conns]
   out = []
-  for h, f in futures.items():
+  for h, c, f in futures:
     try:
       out.append(from_pb(h, f.result()))
     except grpc.RpcError as e:
-      raise protocol.error_from_rpc(e, host=conns[h].address, host_id=h) from None
+      raise protocol.error_from_rpc(e, host=c.address, host_id=h) from None
   return merged(out)
 
 
@@ -95,15 +96,14 @@ def drop_at(addresses: list[str], req: ckpt_pb.DropRamTierRequest, *, token: str
             timeout: float) -> RamTierDrop:
   """Sends ``req`` to the sidecars at ``addresses`` (``sidecar ram-tier drop``): a
   handshake with each (``token``; TLS where ``$SIDECAR_TLS_CA`` says), then the rpc."""
-  conns: dict[int, Any] = {}
+  conns: list[Connection] = []
   try:
     for address in addresses:
-      conn = Connection(address, token=token, timeout=timeout,
-                        credentials=protocol.tls_credentials(None, None, None))
-      conns[conn.info.host_id] = conn
-    return drop(conns, req, timeout=timeout)
+      conns.append(Connection(address, token=token, timeout=timeout,
+                              credentials=protocol.tls_credentials(None, None, None)))
+    return drop([(c.info.host_id, c) for c in conns], req, timeout=timeout)
   finally:
-    for conn in conns.values():
+    for conn in conns:
       try:
         conn.leave().result(timeout=timeout)
       except Exception:  # noqa: BLE001 - gone, or older than Leave: its session expires there
