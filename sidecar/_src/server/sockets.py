@@ -62,6 +62,21 @@ def _on_the_way(path: str) -> list[str]:
   return seen
 
 
+def _others_in_group(gid: int, owner: int) -> bool:
+  """Whether group ``gid`` may hold a user other than ``owner`` (its members, and users
+  whose primary group it is); an unknown group may."""
+  try:
+    members = set(grp.getgrgid(gid).gr_mem)
+  except KeyError:
+    return True
+  members |= {u.pw_name for u in pwd.getpwall() if u.pw_gid == gid}
+  try:
+    members.discard(pwd.getpwuid(owner).pw_name)
+  except KeyError:
+    pass
+  return bool(members)
+
+
 def _shared(directory: str) -> bool:
   """Whether the operator vouches for ``directory`` though others may write it
   (``$SIDECAR_SHARED_SOCKET_DIR``: a pod's emptyDir, which only its containers see)."""
@@ -72,8 +87,8 @@ def _shared(directory: str) -> bool:
 def check_directories(path: str, *, what: str, flag: str) -> None:
   """Refuses a socket at ``path`` whose name another user could take: a directory on its
   way (``_on_the_way``) that belongs to another user than the sidecar's or root, or that
-  others may write and is not sticky; in a sticky one others may write (``/tmp``), a
-  socket of another user already at ``path``.
+  others may write (any user, or a group holding other users) and is not sticky; in a
+  sticky one others may write (``/tmp``), a socket of another user already at ``path``.
 
   Raises:
     PermissionError: naming the directory, its owner and mode, and the fix.
@@ -90,6 +105,11 @@ def check_directories(path: str, *, what: str, flag: str) -> None:
       why = "may be written by any user and is not sticky"
       fix = (f"chmod o-w {d} (or o-w,+t); for a Kubernetes emptyDir, which only the pod's "
              f"containers see, set {env_lib.SHARED_SOCKET_DIR}={d} instead")
+    elif (mode & stat.S_IWGRP and not mode & stat.S_ISVTX and not _shared(d)
+          and _others_in_group(info.st_gid, info.st_uid)):
+      why = f"may be written by group {info.st_gid}, which holds other users, and is not sticky"
+      fix = (f"chmod g-w {d} (or +t); for a Kubernetes emptyDir set "
+             f"{env_lib.SHARED_SOCKET_DIR}={d} instead")
     else:
       continue
     raise OSError(errno.EACCES, (
@@ -203,11 +223,11 @@ def make_dirs(directory: str, *, what: str, flag: str) -> list[str]:
   while not os.path.isdir(d) and os.path.dirname(d) != d:
     made.append(d)
     d = os.path.dirname(d)
-  try:  # each never writable by others, whatever the umask (check_directories refuses it)
+  try:  # never writable by group or others, whatever the umask (check_directories)
     for d in reversed(made):
       with contextlib.suppress(FileExistsError):
         os.mkdir(d)
-        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) & ~stat.S_IWOTH)
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
   except OSError as e:
     raise OSError(e.errno, f"cannot make the {what}'s directory {directory} "
                   f"({e.strerror}): give {flag} a path in a writable directory") from e

@@ -93,3 +93,19 @@ def test_the_directories_the_sidecar_makes_are_no_others_to_write_whatever_the_u
   assert made == [str(tmp_path / "a" / "b"), str(tmp_path / "a")]
   assert not any(os.stat(d).st_mode & stat.S_IWOTH for d in made)
   check(tmp_path / "a" / "b" / "s.sock")
+
+
+@pytest.mark.skipif(not ROOT, reason="giving a directory to another group (chown) needs root; "
+                    f"this runs as uid {os.geteuid()}")
+def test_a_directory_a_group_of_other_users_may_write_is_refused(tmp_path):
+  # nogroup holds nobody (its primary group): nobody could rename the socket away.
+  theirs = tmp_path / "group"
+  theirs.mkdir()
+  os.chown(theirs, 0, 65534)
+  theirs.chmod(0o770)
+  with pytest.raises(PermissionError, match=(
+      rf"the directory {theirs} \(owner uid 0.*, mode 0770\) may be written by group 65534, "
+      r"which holds other users, and is not sticky.*chmod g-w")):
+    check(theirs / "s.sock")
+  os.chown(theirs, 0, 0)  # root's group holds root alone: as private as the directory
+  check(theirs / "s.sock")
