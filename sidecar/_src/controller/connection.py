@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import math
 import os
 import socket
@@ -59,6 +60,14 @@ CALLS_IN_FLIGHT = 8
 CHECKPOINT_CALLS_IN_FLIGHT = 8
 # A closing Controller waits this long at most for its sidecars to end its sessions.
 LEAVE_S = 0.5
+# How long close() waits for gRPC to close a channel. gRPC's close waits for every call on
+# the channel to end after cancelling it; a call whose Python state a Ctrl-C broke (raised
+# inside gRPC's own locks) never ends, and the close would wait forever (seen once in CI:
+# a demo interrupted mid-save hung in Channel.close). Past this the close goes on in a
+# daemon thread and the process's exit ends it.
+CLOSE_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -408,6 +417,12 @@ class Connection:
   def close(self) -> None:
     self.calls.close()
     self.checkpoint_calls.close()
-    self._channel.close()
-    if self._pin is not None:
+    closer = threading.Thread(target=self._channel.close, name="sidecar-channel-close",
+                              daemon=True)
+    closer.start()
+    closer.join(CLOSE_S)
+    if closer.is_alive():  # its socket stays open too: gRPC may still use its fd
+      log.warning("the channel to %s did not close within %.0f s (a call that Ctrl-C broke "
+                  "inside gRPC never ends); left to this process's exit", self.address, CLOSE_S)
+    elif self._pin is not None:
       self._pin.close()
