@@ -83,7 +83,9 @@ class deferred:
     _signal.signal(_SIGINT, _previous)
     if _pending:
       _pending = False
-      if exc_type is None:
+      # Ctrl-C wins over an error leaving the block: a caller that handles the error (a
+      # retry, a closed stream) would otherwise never see the Ctrl-C, and train on.
+      if exc_type is None or not issubclass(exc_type, KeyboardInterrupt):
         raise KeyboardInterrupt
 
 

@@ -24,6 +24,17 @@ def test_deferred_raises_at_its_end_and_restores_the_handler():
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_in_a_block_an_error_leaves_is_raised_not_lost():
+  # Before: the error went on and the Ctrl-C was dropped; a caller that handled the error
+  # (a retry) trained on, Ctrl-C forgotten.
+  with pytest.raises(KeyboardInterrupt) as raised, interrupts.deferred():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    raise errors.BusyError("a sidecar busy")
+  assert isinstance(raised.value.__context__, errors.BusyError)
+  assert not interrupts.requested()
+
+
 def test_another_threads_check_leaves_the_main_threads_ctrl_c_to_it():
   # A caller thread's wait (a call_async over a socket) polls check() too: it must not
   # take the KeyboardInterrupt the main thread's deferred block is to raise.
