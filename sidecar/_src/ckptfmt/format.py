@@ -67,8 +67,9 @@ class Uncommitted:
 class Format(abc.ABC):
   """A checkpoint format on the sidecar. See the module's docstring."""
 
-  name: ClassVar[str]  # the registry's key, and the format the wire names
-  manifest_format: ClassVar[str]  # the manifest's "format"
+  # The format's one name: the registry's key, what a trainer chooses
+  # (``CheckpointOptions.format``) and Begin carries, and the manifest's "format".
+  name: ClassVar[str]
   tmp_suffix: ClassVar[str]  # an uncommitted step directory's name ends with it
   overwrites: ClassVar[bool]  # a commit replaces a committed checkpoint at its path
   stage_part: ClassVar[type | None] = None  # the typed part a Stage carries, if any

@@ -59,7 +59,6 @@ class OrbaxFormat(Format):
   """Stock Orbax's layout; see the module's docstring."""
 
   name: ClassVar[str] = "orbax"
-  manifest_format: ClassVar[str] = records.ORBAX_LAYOUT_FORMAT
   tmp_suffix: ClassVar[str] = TMP_SUFFIX
   overwrites: ClassVar[bool] = False
 
@@ -128,6 +127,6 @@ class OrbaxFormat(Format):
       leaves = [records.SavedLeaf.from_dict(d) for d in orbax_read.item_leaves(final_dir)]
     except FileNotFoundError as e:
       raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
-    return Manifest(records.STOCK_ORBAX, leaves,
+    return Manifest(self.name, leaves,
                     [ShardChecksum(leaf.key_path, tuple((0, n) for n in leaf.shape), 0, None)
                      for leaf in leaves])
