@@ -386,8 +386,8 @@ class StepWriter:
   def delete(self, directory: str, step: int) -> None:
     """Removes a committed step (max_to_keep); the sidecar does the I/O.
 
-    Only a step directory a checkpoint wrote goes (Orbax's markers or the manifest in
-    it or its items); anything else is refused.
+    Only a step directory a checkpoint wrote goes (one a registered format says is a
+    committed checkpoint of its own); anything else is refused.
     """
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
@@ -396,12 +396,11 @@ class StepWriter:
     target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
     if not target.is_dir():
       return  # gone already
-    if not roots_lib.is_checkpoint_dir(target):
+    if not formats_lib.is_checkpoint(target, self._formats):
       raise errors.InvalidArgumentError(
           f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
-          "Orbax's "
-          "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
-          "wrote")
+          f"other mark of a format of {self._formats.names} in it or its items); delete "
+          "removes only steps a checkpoint wrote")
     # Renamed away first: a delete cut short leaves no half step under a step's name.
     gone = target.with_name(f".{target.name}{DELETING}{uuid.uuid4().hex[:8]}")
     os.rename(target, gone)
