@@ -2,8 +2,10 @@
 each of its handlers.
 
 Parametrised over ``ckptfmt.registry.DEFAULT``: a format registered there runs here, and
-fails until it has a driver (:data:`DRIVERS`: how a trainer lays out one step's save in
-it: the path Begin takes, where the step's item is staged, the format's typed parts). The
+fails until it has a driver (:data:`DRIVERS`: what a trainer's framework adapter makes
+for one step's save in it: the path Begin takes, the leaves, the staged shards and the
+format's typed parts; where they are staged and committed is the format's own,
+``Format.staged_dirs`` of Begin's answer). The
 checks go through an in-process sidecar over gRPC (the wire's format parts, the service,
 ``StepWriter``, ``Reader``, the RAM tier): save in two staged parts and commit, list,
 the manifest (its format, step, data position, one checksum per shard), the format found
@@ -27,7 +29,7 @@ import sidecar
 from sidecar._src.ckptfmt import registry as formats_lib, shards as shards_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
 from sidecar._src.ckptfmt.records import ShardId, StagedShard
-from sidecar._src.ckptfmt.spec import ITEM, LeafKind, LeafSpec
+from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 
 pytestmark = pytest.mark.server
 
@@ -45,10 +47,9 @@ def _data(name: str, index) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Save:
-  """One step's save in a format, as its trainer side lays it out."""
+  """One step's save in a format, as a trainer's framework adapter makes it."""
 
   begin: str  # the path Begin takes
-  item: Callable[[str], tuple[str, str]]  # Begin's tmp directory -> (tmp_dir, final_dir)
   leaves: list[LeafSpec]  # what the first Stage and the Commit carry
   shards: list[StagedShard]  # in SHARDS' order
   first: Any  # the format's part of the first Stage
@@ -62,9 +63,7 @@ def orbax_save(directory: str, step: int) -> Save:
   leaves = [LeafSpec(key_path=(n,), shape=ARRAYS[n].shape, dtype=ARRAYS[n].dtype,
                      write_shape=_data(*next(s for s in SHARDS if s[0] == n)).shape,
                      kind=LeafKind.NUMPY) for n in names]
-  return Save(begin=directory,
-              item=lambda tmp: (f"{tmp}/{ITEM}", f"{directory}/{step}/{ITEM}"),
-              leaves=leaves,
+  return Save(begin=directory, leaves=leaves,
               shards=[StagedShard(names.index(n), index, _data(n, index)) for n, index in SHARDS],
               first=None, rest=None, commit=None)
 
@@ -82,7 +81,7 @@ def dcp_save(directory: str, step: int) -> Save:
                         "chunks": [{"offsets": list(i.offsets), "sizes": list(i.sizes)}
                                    for i in items if i.fqn == n]} for n in ARRAYS}}
   path = f"{directory}/{step}"
-  return Save(begin=path, item=lambda tmp: (tmp, path), leaves=[],
+  return Save(begin=path, leaves=[],
               shards=[StagedShard(k, i.index, _data(i.fqn, i.index)) for k, i in enumerate(items)],
               first=DcpPart(0, items), rest=DcpPart(0, ()),
               # DCP's pickled Metadata: the sidecar writes it as it is, never loads it.
@@ -98,11 +97,11 @@ def client(make_server):
     yield ctl.checkpoint_client()
 
 
-def _save(client, name: str, directory: str, step: int) -> tuple[Save, str]:
-  """Saves ``step`` in format ``name``; returns its layout and its committed item directory."""
+def _save(client, name: str, directory: str, step: int) -> str:
+  """Saves ``step`` in format ``name``; returns its committed item directory."""
   s = DRIVERS[name](directory, step)
   tmp = client.begin(0, s.begin, step, format=name).result()
-  tmp_dir, final_dir = s.item(tmp)
+  tmp_dir, final_dir = formats_lib.DEFAULT.get(name).staged_dirs(tmp)
   for shards, first, last in ((s.shards[:1], True, False), (s.shards[1:], False, True)):
     client.stage(0, directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
                  leaves=s.leaves if first else [], shards=shards, last=last,
@@ -112,7 +111,7 @@ def _save(client, name: str, directory: str, step: int) -> tuple[Save, str]:
                 data_state_json=json.dumps({"step": step}), whole_step=True, replicas=None,
                 timeout=30, part=s.commit).result()
   client.committed(0, final_dir).result()
-  return s, final_dir
+  return final_dir
 
 
 def _corrupt(final_dir: str, data: np.ndarray) -> pathlib.Path:
@@ -137,7 +136,7 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
                 f"driver: add one to DRIVERS in {__file__}")
   directory = str(tmp_path / "ck")
   assert client.open(0, directory, ram_steps=3, ram_budget=None, sweep=True).result() == []
-  finals = {step: _save(client, name, directory, step)[1] for step in (1, 2, 3)}
+  finals = {step: _save(client, name, directory, step) for step in (1, 2, 3)}
   assert client.open(0, directory, ram_steps=3, ram_budget=None, sweep=False).result() == [
       1, 2, 3]
 
@@ -165,7 +164,7 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
   # An aborted save leaves nothing behind, and is never listed.
   s = DRIVERS[name](directory, 4)
   tmp = client.begin(0, s.begin, 4, format=name).result()
-  tmp_dir, final_dir = s.item(tmp)
+  tmp_dir, final_dir = formats_lib.DEFAULT.get(name).staged_dirs(tmp)
   client.stage(0, directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
                leaves=s.leaves, shards=s.shards[:1], last=False, part=s.first).result()
   client.abort(0, tmp, final_dir, timeout=30).result()

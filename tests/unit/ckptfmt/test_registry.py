@@ -37,6 +37,20 @@ def test_the_registry_finds_formats_by_name_and_by_their_directories(tmp_path):
     formats.of_committed(str(tmp_path / "nothing"))
 
 
+def test_a_format_says_where_a_save_stages_and_commits_from_begins_answer(tmp_path):
+  formats = formats_lib.DEFAULT
+  tmp = formats.get("orbax").create_tmp(str(tmp_path / "ck"), 3)
+  assert formats.get("orbax").staged_dirs(str(tmp)) == (
+      str(tmp_path / "ck" / "3.orbax-checkpoint-tmp" / "default"),
+      str(tmp_path / "ck" / "3" / "default"))
+  tmp = formats.get("dcp").create_tmp(str(tmp_path / "ck" / "4"), 4)
+  assert formats.get("dcp").staged_dirs(str(tmp)) == (str(tmp), str(tmp_path / "ck" / "4"))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"/ck/4' is not an uncommitted step directory of format 'dcp' "
+                     r"\(\*.dcp-checkpoint-tmp\); pass the directory its Begin answered"):
+    formats.get("dcp").staged_dirs(str(tmp_path / "ck" / "4"))
+
+
 def _manifest(path: pathlib.Path, name: str) -> str:
   path.mkdir(parents=True, exist_ok=True)
   (path / records.MANIFEST_FILE).write_text(records.Manifest(name, (), ()).to_json())

@@ -28,6 +28,7 @@ from sidecar._src.ckptfmt.orbax import (
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
+  ITEM,
   METADATA_FILE,
   TMP_SUFFIX,
   LeafSpec,
@@ -60,6 +61,7 @@ class OrbaxFormat(Format):
 
   name: ClassVar[str] = "orbax"
   tmp_suffix: ClassVar[str] = TMP_SUFFIX
+  item: ClassVar[str] = ITEM
   overwrites: ClassVar[bool] = False
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
