@@ -9,7 +9,7 @@ Example::
       state=sidecar.orbax.SidecarSave(state), data=sidecar.orbax.FeedStateSave(feed.state())))
 """
 
-from sidecar._src.ckptfmt.feed_state import FeedStateHandler, FeedStateRestore, FeedStateSave
+from sidecar._src.jax.feed_state import FeedStateHandler, FeedStateRestore, FeedStateSave
 from sidecar._src.jax.orbax_handler import SidecarCheckpointHandler, SidecarRestore, SidecarSave
 
 __all__ = [

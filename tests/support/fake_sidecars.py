@@ -23,6 +23,7 @@ from sidecar._src.ckptfmt.records import (
   ShardChecksum,
   ShardId,
 )
+from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.connection import CallWindow, HostInfo
@@ -146,7 +147,8 @@ class FakeSidecars(CheckpointTransport):
     steps = self.steps.setdefault(directory, set(self.initial))
     return self._phase("open", host, sorted(steps))
 
-  def begin(self, host, directory, step):
+  def begin(self, host, directory, step, *, format):
+    assert format == ORBAX, format  # the fake keeps steps in Orbax's layout only
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
@@ -169,7 +171,7 @@ class FakeSidecars(CheckpointTransport):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       final = tmp_dir.replace(".orbax-checkpoint-tmp", "")
-      self.manifests[final] = Manifest("colocated-sidecar",
+      self.manifests[final] = Manifest(ORBAX,
                                        tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),
                                        json.loads(data_state_json) if data_state_json else None,
                                        {int(h): tuple(p) for h, p in (replicas or {}).items()})

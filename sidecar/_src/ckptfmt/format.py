@@ -1,13 +1,16 @@
-"""The format seam: what a checkpoint format does, and the registry of formats by name.
+"""The format seam: what a checkpoint format does (``registry.py`` has them by name).
 
-The sidecar's save phases (``server/checkpoint/save.py``), its reads
+A format is known everywhere by its one name (``Format.name``): a trainer chooses it
+(``CheckpointOptions(format=...)``), Begin carries it, a step's manifest records it and a
+restore finds it there. The sidecar's save phases (``server/checkpoint/save.py``), its reads
 (``server/checkpoint/read.py``) and the wire (``wire/checkpoint_wire.py``) know a format
 only by its name and its typed parts; everything else that differs between formats is
 a :class:`Format`:
 
 - its directories: where a step is written before its commit (:meth:`Format.create_tmp`,
-  ``tmp_suffix``), where a tmp path goes once committed (:meth:`Format.final_of`), what a
-  sweep removes or puts back (:meth:`Format.sweep`), what marks a committed one;
+  ``tmp_suffix``, ``item``), where a tmp path goes once committed (:meth:`Format.final_of`;
+  :meth:`Format.staged_dirs`, what a trainer stages into and commits, from Begin's answer),
+  what a sweep removes or puts back (:meth:`Format.sweep`), what marks a committed one;
 - how a step's staged shards are numbered (:meth:`Format.numbering`: an Orbax step's
   shards name its leaves, a DCP rank's its items) and the typed parts a save carries
   (``stage_part`` at Stage, ``commit_part`` at Commit);
@@ -17,10 +20,14 @@ a :class:`Format`:
   that has no manifest file (:meth:`Format.stock_manifest`).
 
 Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whose
-``Format`` subclass implements these, and one line in ``registry.py``. A format
-imports its heavy libraries lazily (in its methods) or only in its own sub-package: the
-registry imports every format, and a PyTorch-only sidecar serves DCP with no Orbax,
-TensorStore or JAX importable.
+``Format`` subclass implements these, and one line in ``registry.py``; a trainer then
+saves in it with ``CheckpointOptions(format="<name>")`` (a JAX save makes leaves and shards,
+all a format without parts needs). A format whose save needs more (DCP's items and
+metadata) has typed parts: a message in the ``format_part`` oneofs of ``checkpoint.proto``,
+an entry in ``wire/checkpoint_wire.py``, and the framework adapter that makes them
+(``torch/storage.py`` for DCP's). A format imports its heavy libraries only inside its
+methods: the registry imports every format, and a PyTorch-only sidecar serves DCP with no
+Orbax, TensorStore or JAX importable (tests/unit/test_layers.py).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.core import errors
 
 Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
@@ -67,9 +75,12 @@ class Uncommitted:
 class Format(abc.ABC):
   """A checkpoint format on the sidecar. See the module's docstring."""
 
-  name: ClassVar[str]  # the registry's key, and the format the wire names
-  manifest_format: ClassVar[str]  # the manifest's "format"
+  # The format's one name: the registry's key, what a trainer chooses
+  # (``CheckpointOptions.format``) and Begin carries, and the manifest's "format".
+  name: ClassVar[str]
   tmp_suffix: ClassVar[str]  # an uncommitted step directory's name ends with it
+  # The directory inside a step a save writes (Orbax's item "default"); "": the step's own.
+  item: ClassVar[str] = ""
   overwrites: ClassVar[bool]  # a commit replaces a committed checkpoint at its path
   stage_part: ClassVar[type | None] = None  # the typed part a Stage carries, if any
   commit_part: ClassVar[type | None] = None  # the typed part a Commit carries, if any
@@ -83,6 +94,18 @@ class Format(abc.ABC):
   @abc.abstractmethod
   def tmp_of(self, directory: str, step: int) -> str:
     """Where :meth:`create_tmp` would create it, made of ``directory`` (resolved) as given."""
+
+  def staged_dirs(self, tmp: str) -> tuple[str, str]:
+    """Where a save whose Begin made ``tmp`` writes (its ``tmp_dir``) and where that is once
+    committed (its ``final_dir``: the manifest's directory, what a restore reads, the RAM
+    tier's key): what a trainer's ``Target`` is made of, from Begin's answer."""
+    staged = pathlib.Path(tmp) / self.item if self.item else pathlib.Path(tmp)
+    where = self.final_of(staged)
+    if where is None:
+      raise errors.InvalidArgumentError(
+          f"{tmp!r:.200} is not an uncommitted step directory of format {self.name!r} "
+          f"(*{self.tmp_suffix}); pass the directory its Begin answered")
+    return str(staged), str(where.final)
 
   @abc.abstractmethod
   def final_of(self, path: pathlib.Path) -> Uncommitted | None:

@@ -35,8 +35,10 @@ from sidecar._src.core import errors
 
 MANIFEST_FILE = "sidecar_manifest.json"  # in a committed step's item directory (or DCP step)
 MANIFEST_VERSION = 1
-ORBAX_LAYOUT_FORMAT = "colocated-sidecar"  # a manifest of a step in stock Orbax's layout, ours
-STOCK_ORBAX = "orbax"  # an item stock Orbax wrote: no manifest file, one made when read
+# A manifest's "format" is its format's one name (``Format.name``, the registry's key). Steps
+# in Orbax's layout saved before formats had one name each say "colocated-sidecar": read as
+# "orbax" (Orbax's name), never written.
+OLD_NAMES: Mapping[str, str] = types.MappingProxyType({"colocated-sidecar": "orbax"})
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
 
@@ -192,9 +194,10 @@ class SavedLeaf:
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Manifest:
-  """A committed item's manifest: its format, its leaves, its shards (their checksums,
-  and the host that wrote each), the data position saved with it, which hosts hold each
-  host's replicas, and what its format adds (``extras``: a DCP step's ``plan``).
+  """A committed item's manifest: its format (``Format.name``), its leaves, its shards
+  (their checksums, and the host that wrote each), the data position saved with it, which
+  hosts hold each host's replicas, and what its format adds (``extras``: a DCP step's
+  ``plan``).
 
   Its file is ``MANIFEST_FILE`` in the committed directory, JSON (:meth:`to_json`).
   """
@@ -256,7 +259,8 @@ class Manifest:
     try:
       d = json.loads(text)
       extras = {k: v for k, v in d.items() if k not in _KEYS}
-      return cls(str(d.get("format") or ""), [SavedLeaf.from_dict(x) for x in d["leaves"]],
+      name = str(d["format"])
+      return cls(OLD_NAMES.get(name, name), [SavedLeaf.from_dict(x) for x in d["leaves"]],
                  [ShardChecksum.from_dict(c) for c in d["shards"]], d.get("data_state"),
                  {int(h): ps for h, ps in (d.get("replicas") or {}).items()},
                  extras=extras, step=None if d.get("step") is None else int(d["step"]))

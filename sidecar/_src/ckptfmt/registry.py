@@ -1,23 +1,29 @@
 """The checkpoint formats by name: :data:`DEFAULT`, the registry a sidecar uses.
 
-A format is one line here (and its sub-package, ``ckptfmt/<name>/``). Importing this
-imports every format's ``Format`` class, none of which imports Orbax, TensorStore, JAX
-or torch at import time (tests/processes/ckptfmt/test_no_orbax.py saves with them
-unimportable).
+A format is one line here (and its sub-package, ``ckptfmt/<name>/``). Its name
+(``Format.name``) is its one spelling: the key here, what a trainer chooses
+(``CheckpointOptions(format=...)``), what Begin carries and what a step's manifest says.
+A restore names no format: a committed directory's is the one its manifest names
+(:meth:`Registry.of_committed`). Importing this imports every format's ``Format`` class,
+none of which imports Orbax, TensorStore, JAX or torch at import time
+(tests/processes/ckptfmt/test_no_orbax.py saves with them unimportable).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from collections.abc import Mapping
 
 from sidecar._src.ckptfmt.dcp.format import DcpFormat
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
+from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest
 from sidecar._src.core import errors
 
-ORBAX = OrbaxFormat.name  # the wire's empty format name means it, as before formats had names
+ORBAX = OrbaxFormat.name  # a JAX save's format unless chosen
+DCP = DcpFormat.name  # a PyTorch save's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,12 +32,16 @@ class Registry:
 
   formats: Mapping[str, Format]
 
+  @property
+  def names(self) -> list[str]:
+    return sorted(self.formats)
+
   def get(self, name: str) -> Format:
-    """The format ``name`` ('' is Orbax's); InvalidArgumentError naming the known ones."""
-    found = self.formats.get(name or ORBAX)
+    """The format ``name``; InvalidArgumentError naming it and the registered ones."""
+    found = self.formats.get(name)
     if found is None:
       raise errors.InvalidArgumentError(
-          f"format must be one of {sorted(self.formats)} ('' is {ORBAX!r}), got {name!r:.100}")
+          f"format must be one of the registered formats {self.names}, got {name!r:.100}")
     return found
 
   def of_tmp(self, path: pathlib.Path) -> tuple[Format, Uncommitted] | None:
@@ -44,17 +54,40 @@ class Registry:
     return None
 
   def of_committed(self, final_dir: str) -> Format:
-    """The format of the committed ``final_dir``: the first other than Orbax's that says it
-    is one of its own, else Orbax's (ours, or one stock Orbax wrote)."""
+    """The format of the committed ``final_dir``: the one its manifest names; where it has
+    no manifest (an item stock Orbax wrote), the first format that says it is one of its
+    own. InvalidArgumentError if neither."""
     path = pathlib.Path(final_dir)
-    for fmt in self.formats.values():
-      if fmt.name != ORBAX and fmt.is_checkpoint(path):
-        return fmt
-    return self.get(ORBAX)
+    try:
+      st = (path / MANIFEST_FILE).stat()
+    except (FileNotFoundError, NotADirectoryError):
+      found = next((f for f in self.formats.values() if f.is_checkpoint(path)), None)
+      if found is None:
+        raise errors.InvalidArgumentError(
+            f"{final_dir} is not a committed checkpoint: it has no {MANIFEST_FILE}, and no "
+            f"format of {self.names} knows it") from None
+      return found
+    name = _named(final_dir, (st.st_ino, st.st_mtime_ns, st.st_size))
+    try:
+      return self.get(name)
+    except errors.InvalidArgumentError:
+      raise errors.InvalidArgumentError(
+          f"{final_dir}: its {MANIFEST_FILE} names format {name!r:.100}, which is not one of "
+          f"this sidecar's registered formats {self.names}; restore it with a sidecar that "
+          "has that format") from None
 
   def replacing(self, fmt: Format) -> Registry:
     """This registry with ``fmt`` in place of the format of its name."""
     return Registry({**self.formats, fmt.name: fmt})
+
+
+@functools.lru_cache(maxsize=64)
+def _named(final_dir: str, stamp: tuple[int, int, int]) -> str:
+  """The format the manifest of ``final_dir`` names (read once per version of the file:
+  a restore asks for each of its shards)."""
+  del stamp  # in the key only: a rewritten manifest is read again
+  path = pathlib.Path(final_dir) / MANIFEST_FILE
+  return Manifest.from_json(path.read_bytes(), final_dir).format
 
 
 DEFAULT = Registry({f.name: f for f in (OrbaxFormat(), DcpFormat())})

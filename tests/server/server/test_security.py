@@ -278,7 +278,7 @@ def ckpt_server(make_server, tmp_path):
 # The Checkpoint service's requests, with their fields in the order the tests give them.
 CKPT_REQUESTS = {
     "open": (ckpt_pb.CheckpointOpenRequest, ("directory",)),
-    "begin": (ckpt_pb.CheckpointBeginRequest, ("directory", "step")),
+    "begin": (ckpt_pb.CheckpointBeginRequest, ("directory", "step", "format")),
     "abort": (ckpt_pb.CheckpointAbortRequest, ("tmp_dir", "final_dir")),
     "delete": (ckpt_pb.CheckpointDeleteRequest, ("directory", "step")),
     "forget": (ckpt_pb.CheckpointForgetRequest, ("directory", "step")),
@@ -310,7 +310,7 @@ def test_checkpoint_calls_outside_the_roots_are_refused_and_remove_nothing(ckpt_
   before = files(victim)
   v = str(victim)
   for name, args in [("abort", (v, v)), ("abort", (f"{v}/5.orbax-checkpoint-tmp", v)),
-                     ("delete", (v, 5)), ("open", (f"{v}/new",)), ("begin", (v, 6)),
+                     ("delete", (v, 5)), ("open", (f"{v}/new",)), ("begin", (v, 6, "orbax")),
                      ("info", (f"{v}/5/default",)), ("held", (v,)), ("forget", (v, 5)),
                      ("commit", (f"{v}/5.orbax-checkpoint-tmp/default", 5, 1, [], [], "", True)),
                      ("read", (f"{v}/5/default", wire.shard_to_pb(["w"], [[0, 1]])))]:

@@ -366,7 +366,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     directory = str(tmp_path / "ck")
     client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, directory, 3).result()
+    tmp = client.begin(0, directory, 3, format="orbax").result()
     n = 1 << 18  # large enough to go through the arena
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
                            write_shape=(1, n))
@@ -393,7 +393,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     directory = str(tmp_path / "ck")
     clients = [a.checkpoint_client(), b.checkpoint_client()]
     clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = clients[0].begin(0, directory, 3).result()
+    tmp = clients[0].begin(0, directory, 3, format="orbax").result()
     n = 1 << 16
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
@@ -426,7 +426,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     directory = str(tmp_path / "ck")
     client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, directory, 3).result()
+    tmp = client.begin(0, directory, 3, format="orbax").result()
     n = 1 << 18
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))

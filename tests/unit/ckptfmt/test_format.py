@@ -39,7 +39,7 @@ def _file(directory, key_path, index) -> pathlib.Path:
 
 
 class NpyFormat(Format):
-  name, manifest_format, tmp_suffix, overwrites = "npy", "npy", SUFFIX, False
+  name, tmp_suffix, overwrites = "npy", SUFFIX, False
 
   def create_tmp(self, directory, step):
     tmp = pathlib.Path(self.tmp_of(directory, step))

@@ -5,7 +5,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.records import Manifest, SavedLeaf, ShardChecksum, ShardId
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -27,7 +26,7 @@ def test_manifest_round_trips_through_its_file():
                   sharding='{"x": 1}')
   sums = [ShardChecksum(("w", 1), ((0, 2), (0, 2)), 16, 7, host=0),
           ShardChecksum(("w", 1), ((2, 4), (0, 2)), 16, None, host=1)]
-  m = Manifest.of_save(records.ORBAX_LAYOUT_FORMAT, step=3, leaves=[spec], checksums=sums,
+  m = Manifest.of_save("orbax", step=3, leaves=[spec], checksums=sums,
                        data_state_json='{"pos": 5}', replicas={0: [1], 1: [0]},
                        extras={"plan": {"state": {}}})
   back = Manifest.from_json(m.to_json(), "here")

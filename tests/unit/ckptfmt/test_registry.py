@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from sidecar._src.ckptfmt import registry as formats_lib
+from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp.format import DcpFormat
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
@@ -14,10 +14,13 @@ pytestmark = pytest.mark.unit
 
 def test_the_registry_finds_formats_by_name_and_by_their_directories(tmp_path):
   formats = formats_lib.DEFAULT
-  assert isinstance(formats.get(""), OrbaxFormat) and isinstance(formats.get("dcp"), DcpFormat)
-  with pytest.raises(errors.InvalidArgumentError,
-                     match=r"format must be one of \['dcp', 'orbax'\] \('' is 'orbax'\), got 'x'"):
-    formats.get("x")
+  assert isinstance(formats.get("orbax"), OrbaxFormat)
+  assert isinstance(formats.get("dcp"), DcpFormat)
+  for other in ("x", "", "colocated-sidecar"):  # one name each: no empty or old spelling
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=rf"format must be one of the registered formats \['dcp', 'orbax'\], "
+                       rf"got '{other}'"):
+      formats.get(other)
   fmt, where = formats.of_tmp(tmp_path / "3.orbax-checkpoint-tmp" / "default")
   assert fmt.name == "orbax" and where.final == tmp_path / "3" / "default"
   fmt, where = formats.of_tmp(tmp_path / "ck.dcp-checkpoint-tmp")
@@ -25,8 +28,58 @@ def test_the_registry_finds_formats_by_name_and_by_their_directories(tmp_path):
   assert formats.of_tmp(tmp_path / "3" / "default") is None
   (tmp_path / "ck").mkdir()
   (tmp_path / "ck" / ".metadata").write_bytes(b"\x80")
-  assert formats.of_committed(str(tmp_path / "ck")).name == "dcp"
+  assert formats.of_committed(str(tmp_path / "ck")).name == "dcp"  # no manifest: its markers
+  (tmp_path / "3" / "default").mkdir(parents=True)
+  (tmp_path / "3" / "default" / "_METADATA").write_text("{}")  # stock Orbax's: no manifest
   assert formats.of_committed(str(tmp_path / "3" / "default")).name == "orbax"
+  with pytest.raises(errors.InvalidArgumentError, match=r"/nothing is not a committed checkpoint: "
+                     r"it has no sidecar_manifest.json, and no format of \['dcp', 'orbax'\]"):
+    formats.of_committed(str(tmp_path / "nothing"))
+
+
+def test_a_format_says_where_a_save_stages_and_commits_from_begins_answer(tmp_path):
+  formats = formats_lib.DEFAULT
+  tmp = formats.get("orbax").create_tmp(str(tmp_path / "ck"), 3)
+  assert formats.get("orbax").staged_dirs(str(tmp)) == (
+      str(tmp_path / "ck" / "3.orbax-checkpoint-tmp" / "default"),
+      str(tmp_path / "ck" / "3" / "default"))
+  tmp = formats.get("dcp").create_tmp(str(tmp_path / "ck" / "4"), 4)
+  assert formats.get("dcp").staged_dirs(str(tmp)) == (str(tmp), str(tmp_path / "ck" / "4"))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"/ck/4' is not an uncommitted step directory of format 'dcp' "
+                     r"\(\*.dcp-checkpoint-tmp\); pass the directory its Begin answered"):
+    formats.get("dcp").staged_dirs(str(tmp_path / "ck" / "4"))
+
+
+def _manifest(path: pathlib.Path, name: str) -> str:
+  path.mkdir(parents=True, exist_ok=True)
+  (path / records.MANIFEST_FILE).write_text(records.Manifest(name, (), ()).to_json())
+  return str(path)
+
+
+def test_a_committed_directorys_format_is_the_one_its_manifest_names(tmp_path):
+  formats = formats_lib.DEFAULT
+  # Its manifest, not its files, says: Orbax's markers beside a manifest naming DCP's.
+  final = _manifest(tmp_path / "3" / "default", "dcp")
+  (tmp_path / "3" / "default" / "_METADATA").write_text("{}")
+  assert formats.of_committed(final).name == "dcp"
+  _manifest(tmp_path / "3" / "default", "orbax")  # rewritten: read again
+  assert formats.of_committed(final).name == "orbax"
+
+
+def test_a_manifest_saved_with_the_old_orbax_spelling_reads_as_orbax(tmp_path):
+  final = _manifest(tmp_path / "2" / "default", "colocated-sidecar")
+  assert records.Manifest.from_json(
+      (tmp_path / "2" / "default" / records.MANIFEST_FILE).read_bytes(), final).format == "orbax"
+  assert formats_lib.DEFAULT.of_committed(final).name == "orbax"
+
+
+def test_a_manifest_naming_an_unregistered_format_names_it_and_the_registered_ones(tmp_path):
+  final = _manifest(tmp_path / "ck", "safetensors")
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"/ck: its sidecar_manifest.json names format 'safetensors', which is "
+                     r"not one of this sidecar's registered formats \['dcp', 'orbax'\]"):
+    formats_lib.DEFAULT.of_committed(final)
 
 
 def test_a_sweep_puts_back_a_cut_overwrite_and_lists_the_uncommitted(tmp_path):

@@ -156,3 +156,17 @@ def test_a_formats_parts_travel_in_the_format_part_oneof():
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^dcp.items\[0\]: item 'w': a float32 chunk of sizes \(4,\)"):
     wire.format_part_from_pb(stage, wire.STAGE_PARTS)
+
+
+def test_every_registered_formats_parts_travel_under_its_one_name():
+  """A format's typed parts have a wire entry, keyed (the oneof member) by its name."""
+  from sidecar._src.ckptfmt import registry as formats_lib
+  for fmt in formats_lib.DEFAULT.formats.values():
+    for part, table, request in ((fmt.stage_part, wire.STAGE_PARTS, "CheckpointStageRequest"),
+                                 (fmt.commit_part, wire.COMMIT_PARTS,
+                                  "CheckpointCommitRequest")):
+      members = {name for name, (kind, _, _) in table.items() if kind is part}
+      assert members == (set() if part is None else {fmt.name}), (fmt.name, request)
+      if part is not None:
+        oneof = getattr(ckpt_pb, request).DESCRIPTOR.oneofs_by_name["format_part"]
+        assert fmt.name in {f.name for f in oneof.fields}

@@ -62,7 +62,6 @@ class DcpFormat(Format):
   """DCP's layout; see the module's docstring."""
 
   name: ClassVar[str] = distcp.FORMAT
-  manifest_format: ClassVar[str] = distcp.FORMAT
   tmp_suffix: ClassVar[str] = distcp.TMP_SUFFIX
   overwrites: ClassVar[bool] = True  # as DCP's: the path is the checkpoint's, not a step's
   stage_part: ClassVar[type | None] = DcpPart

@@ -28,6 +28,7 @@ from sidecar._src.ckptfmt.orbax import (
 from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
+  ITEM,
   METADATA_FILE,
   TMP_SUFFIX,
   LeafSpec,
@@ -59,8 +60,8 @@ class OrbaxFormat(Format):
   """Stock Orbax's layout; see the module's docstring."""
 
   name: ClassVar[str] = "orbax"
-  manifest_format: ClassVar[str] = records.ORBAX_LAYOUT_FORMAT
   tmp_suffix: ClassVar[str] = TMP_SUFFIX
+  item: ClassVar[str] = ITEM
   overwrites: ClassVar[bool] = False
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
@@ -128,6 +129,6 @@ class OrbaxFormat(Format):
       leaves = [records.SavedLeaf.from_dict(d) for d in orbax_read.item_leaves(final_dir)]
     except FileNotFoundError as e:
       raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
-    return Manifest(records.STOCK_ORBAX, leaves,
+    return Manifest(self.name, leaves,
                     [ShardChecksum(leaf.key_path, tuple((0, n) for n in leaf.shape), 0, None)
                      for leaf in leaves])

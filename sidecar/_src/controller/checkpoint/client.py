@@ -204,10 +204,10 @@ class CheckpointTransport(abc.ABC):
     """Future of the committed steps, ascending."""
 
   @abc.abstractmethod
-  def begin(self, host: int, directory: str, step: int, format: str = ""
+  def begin(self, host: int, directory: str, step: int, *, format: str  # noqa: A002
             ) -> concurrent.futures.Future:
-    """Future of the step's tmp directory (``format="dcp"``: ``directory`` is the
-    checkpoint's own, its tmp one beside it)."""
+    """Future of the step's tmp directory, in the layout of ``format`` (a registered
+    format's name; ``"dcp"``: ``directory`` is the checkpoint's own, its tmp one beside it)."""
 
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
@@ -342,7 +342,7 @@ class CheckpointClient(CheckpointTransport):
       request.ram_budget = ram_budget
     return self._rpc(host, "Open", request, lambda r: list(r.steps))
 
-  def begin(self, host, directory, step, format=""):
+  def begin(self, host, directory, step, *, format):
     return self._rpc(host, "Begin", ckpt_pb.CheckpointBeginRequest(directory=directory,
                                                                    step=step, format=format),
                      lambda r: r.tmp_directory)

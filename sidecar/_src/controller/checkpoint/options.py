@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.core import errors
 
 IF_BUSY = ("wait", "skip")
@@ -41,6 +42,10 @@ class CheckpointOptions:
       a size such as ``"500MiB"``, kept as bytes); None: unpaced.
     if_busy: what a save does while the previous is not durable yet: ``"wait"`` for it,
       or ``"skip"`` this save (its handle's futures hold None); every process alike.
+    format: the layout the sidecars write, a registered format's name
+      (``ckptfmt/registry.py``: ``"orbax"``, ``"dcp"``); None: the framework's own
+      (``"orbax"`` for JAX and numpy trees, ``"dcp"`` for PyTorch). A restore names none:
+      a step's format is the one its manifest names.
   """
   max_to_keep: int | None = None
   keep_period: int | None = None
@@ -49,6 +54,7 @@ class CheckpointOptions:
   ram_budget: int | None = None
   replica_bandwidth: int | str | None = None
   if_busy: str = "wait"
+  format: str | None = None
 
   def __post_init__(self) -> None:
     for name in ("max_to_keep", "keep_period"):
@@ -81,12 +87,41 @@ class CheckpointOptions:
     if self.if_busy not in IF_BUSY:
       raise errors.InvalidArgumentError(
           f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+    if self.format is not None and self.format not in formats_lib.DEFAULT.formats:
+      raise errors.InvalidArgumentError(
+          f"format must be None (the framework's own) or one of the registered formats "
+          f"{formats_lib.DEFAULT.names}, got {self.format!r:.100}")
+
+  def format_for(self, framework: str, *, default: str,
+                 parts: tuple[type | None, type | None] = (None, None)) -> str:
+    """The format ``framework``'s save writes: ``format``, or the framework's ``default``.
+
+    A framework writes the formats whose parts (``Format.stage_part``, ``commit_part``)
+    are the ``parts`` it makes: JAX's saves make none (leaves and shards say all), DCP's
+    ``StorageWriter`` its ``DcpPart`` and ``DcpCommit``. InvalidArgumentError naming the
+    format and those the framework writes otherwise.
+    """
+    name = self.format or default
+    fmt = formats_lib.DEFAULT.get(name)
+    if (fmt.stage_part, fmt.commit_part) != parts:
+      can = [n for n, f in sorted(formats_lib.DEFAULT.formats.items())
+             if (f.stage_part, f.commit_part) == parts]
+      raise errors.InvalidArgumentError(
+          f"format {name!r} is not one a {framework} save writes (it needs "
+          f"{_part_names(fmt.stage_part, fmt.commit_part)}, the save makes "
+          f"{_part_names(*parts)}); choose one of {can}")
+    return name
 
   @property
   def bandwidth(self) -> int | None:
     """``replica_bandwidth`` in bytes per second (a size given as text is parsed)."""
     assert not isinstance(self.replica_bandwidth, str)
     return self.replica_bandwidth
+
+
+def _part_names(*parts: type | None) -> str:
+  named = [p.__name__ for p in parts if p is not None]
+  return " and ".join(named) if named else "no format parts"
 
 
 def options_or(options: CheckpointOptions | None, **given: Any) -> CheckpointOptions:

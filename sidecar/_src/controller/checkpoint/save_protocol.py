@@ -29,6 +29,7 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
 from sidecar._src.controller.checkpoint.staging import Parts
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
@@ -54,12 +55,13 @@ class SaveProtocol:
   Args:
     client: the sidecars.
     directory: the checkpoint directory (absolute): where the steps are.
-    format: the format's name (``""``: stock Orbax's layout; ``"dcp"``).
+    format: the format's name (``ckptfmt/registry.py``: ``"orbax"``, ``"dcp"``), sent at
+      Begin; ``CheckpointOptions.format_for`` chooses it.
     writers: the processes that stage into each host, where several share one (each
       sends its own last part; the host's step is whole once all of them have).
   """
 
-  def __init__(self, *, client: CheckpointTransport, directory: str, format: str = "",
+  def __init__(self, *, client: CheckpointTransport, directory: str, format: str = ORBAX,
                writers: Mapping[int, Sequence[int]] | None = None):
     self.client, self.directory, self.format = client, directory, format
     self._writers = dict(writers or {})
@@ -67,8 +69,7 @@ class SaveProtocol:
   def begin(self, host: int, path: str, step: int) -> str:
     """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
     directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
-    fmt = {"format": self.format} if self.format else {}
-    return self.client.begin(host, path, step, **fmt).result()
+    return self.client.begin(host, path, step, format=self.format).result()
 
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), part: StagePart | None = None,

@@ -32,7 +32,7 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) ->
   """
   try:
     text = (pathlib.Path(final_dir) / MANIFEST_FILE).read_bytes()
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):
     made = formats.of_committed(final_dir).stock_manifest(final_dir)
     if made is None:
       raise errors.InvalidArgumentError(
@@ -116,7 +116,7 @@ class Reader:
       elif tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    try:
+    try:  # the format its manifest names: a restore names none
       data = self._formats.of_committed(final_dir).read(final_dir, shard,
                                                         allocate=outputs.empty)
     except (FileNotFoundError, NotADirectoryError) as e:

@@ -104,12 +104,14 @@ class StepWriter:
     return [s for s in orbax_read.list_steps(directory)
             if formats_lib.is_checkpoint(path / str(s), self._formats)]
 
-  def begin(self, directory: str, step: int, format: str = "", owner: str = "") -> str:  # noqa: A002
-    """Creates the step's uncommitted directory (anew), as its format names it:
-    ``<directory>/<step>.orbax-checkpoint-tmp`` (``format`` "" or "orbax"), or with "dcp"
-    ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at ``directory`` is replaced
-    at the commit, as DCP overwrites). Refused while another session's save of the step is
-    being staged or written (it would remove that save's files)."""
+  def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
+            owner: str = "") -> str:
+    """Creates the step's uncommitted directory (anew), as its format (a registered name,
+    ``Format.name``; the wire's Begin always names one) names it: "orbax":
+    ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
+    (a committed checkpoint at ``directory`` is replaced at the commit, as DCP overwrites).
+    Refused while another session's save of the step is being staged or written (it would
+    remove that save's files)."""
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
@@ -123,7 +125,7 @@ class StepWriter:
           f"host {self._host_id}; wait for that save to end, or save another step")
     return str(fmt.create_tmp(directory, step))
 
-  def tmp_of(self, directory: str, step: int, format: str = "") -> str:  # noqa: A002
+  def tmp_of(self, directory: str, step: int, format: str = formats_lib.ORBAX) -> str:  # noqa: A002
     """Where :meth:`begin` makes the step's uncommitted directory (resolved), if it lies
     under a checkpoint root (DCP's lies beside ``directory``: never outside the roots)."""
     fmt = self._formats.get(format)
@@ -339,7 +341,7 @@ class StepWriter:
           f"commit: a step in {fmt.name}'s layout commits with "
           f"{fmt.commit_part.__name__ if fmt.commit_part else 'no format part'}, got "
           f"{type(part).__name__ if part is not None else 'none'}")
-    manifest = Manifest.of_save(fmt.manifest_format, step=step, leaves=leaves,
+    manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
                                 checksums=checksums, data_state_json=data_state,
                                 replicas=replicas, extras=fmt.manifest_extras(part))
     faults.fault("commit", step)
@@ -384,8 +386,8 @@ class StepWriter:
   def delete(self, directory: str, step: int) -> None:
     """Removes a committed step (max_to_keep); the sidecar does the I/O.
 
-    Only a step directory a checkpoint wrote goes (Orbax's markers or the manifest in
-    it or its items); anything else is refused.
+    Only a step directory a checkpoint wrote goes (one a registered format says is a
+    committed checkpoint of its own); anything else is refused.
     """
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
@@ -394,12 +396,11 @@ class StepWriter:
     target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
     if not target.is_dir():
       return  # gone already
-    if not roots_lib.is_checkpoint_dir(target):
+    if not formats_lib.is_checkpoint(target, self._formats):
       raise errors.InvalidArgumentError(
           f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
-          "Orbax's "
-          "_CHECKPOINT_METADATA in it or its items); delete removes only steps a checkpoint "
-          "wrote")
+          f"other mark of a format of {self._formats.names} in it or its items); delete "
+          "removes only steps a checkpoint wrote")
     # Renamed away first: a delete cut short leaves no half step under a step's name.
     gone = target.with_name(f".{target.name}{DELETING}{uuid.uuid4().hex[:8]}")
     os.rename(target, gone)

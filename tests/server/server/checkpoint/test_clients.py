@@ -81,7 +81,7 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
   leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim.checkpoint_client()
-  mine.begin(0, str(directory), 2).result()
+  mine.begin(0, str(directory), 2, format="orbax").result()
   half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
   mine.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
              leaves=leaves, shards=[], last=False).result()
@@ -92,7 +92,8 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
       theirs.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                    leaves=leaves, shards=[evil], last=True).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.begin(0, str(directory), 2).result()  # would remove the victim's files
+      # It would remove the victim's files.
+      theirs.begin(0, str(directory), 2, format="orbax").result()
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
       theirs.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=[],
                     data_state_json="", whole_step=True, replicas=None, timeout=10).result()

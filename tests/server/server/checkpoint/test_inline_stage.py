@@ -28,7 +28,8 @@ def stage(raw: Raw, directory: str, nbytes: int, *, timeout: float = 30):
   """Opens ``directory``, begins step 1 and stages one inline uint8 leaf of ``nbytes``."""
   raw.ckpt.Open(ckpt_pb.CheckpointOpenRequest(directory=directory), metadata=raw.metadata,
                 timeout=10)
-  tmp = raw.ckpt.Begin(ckpt_pb.CheckpointBeginRequest(directory=directory, step=1),
+  tmp = raw.ckpt.Begin(ckpt_pb.CheckpointBeginRequest(directory=directory, step=1,
+                                                      format="orbax"),
                        metadata=raw.metadata, timeout=10).tmp_directory
   leaf = LeafSpec(key_path=("w",), shape=(nbytes,), dtype=np.dtype(np.uint8),
                   kind=LeafKind.NUMPY)

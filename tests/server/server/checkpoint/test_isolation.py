@@ -101,7 +101,7 @@ def test_an_orbax_leaf_key_that_is_an_absolute_path_is_refused(make_server, tmp_
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(directory), ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, str(directory), 1).result()
+    tmp = client.begin(0, str(directory), 1, format="orbax").result()
     for key in (str(alice_dir / "1" / "default" / "w"), str(outside / "w"), "a/../../w"):
       leaf = spec_lib.LeafSpec(key_path=(key,), shape=W.shape, dtype=W.dtype)
       refused(ValueError, "leaves[0].key_path must be a name", lambda leaf=leaf: client.stage(
@@ -180,7 +180,7 @@ def _race(server, tmp_path, directory_of) -> int:
     with controller(server, BOB) as ctl:
       client = ctl.checkpoint_client()
       client.open(0, str(directory), ram_steps=1, ram_budget=None, sweep=True).result()
-      tmp = client.begin(0, str(directory), 1).result()
+      tmp = client.begin(0, str(directory), 1, format="orbax").result()
       final = str(directory / "1" / "default")
       barrier.wait(30)
       try:
@@ -279,7 +279,7 @@ def test_roots_narrowed_by_a_reload_hold_at_the_next_call(make_server, tmp_path)
     with controller(server, BOB) as other:  # a new session, not reopening
       client = other.checkpoint_client()
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
-              lambda: client.begin(0, str(directory), 3).result())
+              lambda: client.begin(0, str(directory), 3, format="orbax").result())
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
               lambda: client.read(0, str(directory / "1" / "default"),
                                   ShardId(("w",), ((0, W.size),)), crc32c=None,

@@ -20,8 +20,13 @@ pytestmark = pytest.mark.unit
     ({"replica_bandwidth": "fast"}, r"replica_bandwidth: cannot parse size 'fast'; write e.g."),
     ({"replica_bandwidth": 0}, r"replica_bandwidth must be None or bytes per second .*got 0"),
     ({"if_busy": "later"}, r"if_busy must be 'wait' or 'skip', got 'later'"),
+    ({"format": "safetensors"}, r"format must be None \(the framework's own\) or one of the "
+                                r"registered formats \['dcp', 'orbax'\], got 'safetensors'"),
+    ({"format": ""}, r"format must be None .*got ''"),
+    ({"format": "colocated-sidecar"}, r"format must be None .*got 'colocated-sidecar'"),
 ], ids=["max_to_keep", "keep_period", "replicas", "replicas-bool", "ram_steps", "ram_budget",
-        "bandwidth-text", "bandwidth-zero", "if_busy"])
+        "bandwidth-text", "bandwidth-zero", "if_busy", "format", "format-empty",
+        "format-old-spelling"])
 def test_a_bad_option_is_refused_naming_the_value_and_what_it_must_be(kwargs, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     CheckpointOptions(**kwargs)
@@ -34,6 +39,24 @@ def test_options_are_frozen_keyword_only_and_a_size_becomes_bytes():
     options.replicas = 2  # type: ignore[misc]
   with pytest.raises(TypeError):
     CheckpointOptions(3)  # type: ignore[misc]
+
+
+def test_a_format_is_the_chosen_one_or_the_frameworks_and_one_it_writes():
+  from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
+  dcp_parts = (DcpPart, DcpCommit)
+  assert CheckpointOptions().format_for("JAX", default="orbax") == "orbax"
+  assert CheckpointOptions().format_for("PyTorch", default="dcp", parts=dcp_parts) == "dcp"
+  assert CheckpointOptions(format="dcp").format_for("PyTorch", default="dcp",
+                                                    parts=dcp_parts) == "dcp"
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"format 'dcp' is not one a JAX save writes \(it needs DcpPart and "
+                     r"DcpCommit, the save makes no format parts\); choose one of \['orbax'\]"):
+    CheckpointOptions(format="dcp").format_for("JAX", default="orbax")
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"format 'orbax' is not one a PyTorch save writes \(it needs no "
+                     r"format parts, the save makes DcpPart and DcpCommit\); choose one of "
+                     r"\['dcp'\]"):
+    CheckpointOptions(format="orbax").format_for("PyTorch", default="dcp", parts=dcp_parts)
 
 
 def test_options_or_the_keyword_arguments_not_both():

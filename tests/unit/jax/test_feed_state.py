@@ -5,7 +5,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt import feed_state as fc
+from sidecar._src.jax import feed_state as fc
 
 pytestmark = pytest.mark.unit
 
