@@ -331,7 +331,8 @@ class Server:
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
-                                   slots=checkpoint_slots, inline=inline)
+                                   slots=checkpoint_slots, inline=inline,
+                                   tenancy=self.tenancy)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)

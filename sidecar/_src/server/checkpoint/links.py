@@ -202,6 +202,29 @@ _PART_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
 _DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 
+def check_sender(tenancy: tenants_lib.Tenancy | None, session: str,
+                 tenant: str | None) -> None:
+  """That a replica whose blocks come over a peer's worker ``session`` is for the tenant
+  that session attached for (:class:`tenants.PeerAttach`): the blocks count against the
+  attached tenant, the replica would be kept (and read, dropped) as the header's
+  ``tenant``. A sending sidecar keeps one link per tenant (:class:`Links`).
+
+  Raises:
+    PermissionDeniedError: naming both tenants.
+  """
+  if not session or tenancy is None:
+    return
+  attached, named, pool = tenancy.of_worker(session), tenant, tenancy.pool
+  if named is None and pool is not None and not pool.quotas and len(pool.tenants) == 1:
+    named = pool.tenants[0].name  # the shared token's one tenant, as its links attach
+  if attached != named:
+    raise errors.PermissionDeniedError(
+        f"Receive: the replica's header is for tenant {tenant!r:.100}, but its blocks come "
+        f"over a worker session the sending sidecar attached for tenant {attached!r:.100}; "
+        "a replica counts against the tenant its link attached for: send each tenant's "
+        "replicas over that tenant's own link")
+
+
 def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
   """A ReceiveRequest's wire bytes; a :class:`_Part`'s with the shard's bytes copied once.
 
