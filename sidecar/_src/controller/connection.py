@@ -332,6 +332,9 @@ class Connection:
     self._channel, self._pin = open_channel(address, timeout=timeout, credentials=credentials,
                                             options=channel_options(peer_timeout))
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
+    # Over a unix: socket, this process's ticket: its sessions count against it alone.
+    ticket = None if self._pin is None else ipc.fetch_ticket(self._pin, timeout=timeout)
+    self._shake = self._auth + (((protocol.PID_TICKET_KEY, ticket),) if ticket else ())
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
         response_deserializer=pb.HandshakeResponse.FromString)
@@ -378,7 +381,7 @@ class Connection:
     return self._handshake(
         pb.HandshakeRequest(versions=protocol.local_versions(),
                             client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-        timeout=self._timeout, metadata=self._auth, wait_for_ready=False)
+        timeout=self._timeout, metadata=self._shake, wait_for_ready=False)
 
   def renew(self) -> None:
     """Handshakes again, for a new session: the sidecar lost ours (SessionLostError).

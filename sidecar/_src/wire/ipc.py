@@ -168,6 +168,15 @@ class Pinned:
       raise
     self.target = f"{address_lib.UNIX}{pinned}"
 
+  def client_ids_name(self) -> bytes | None:
+    """The abstract socket beside the pinned one that tells this process its ticket
+    (:func:`fetch_ticket`); None where the socket file is gone."""
+    try:
+      info = os.fstat(self._fd) if self._fd >= 0 else os.stat(self.path)
+    except OSError:
+      return None
+    return client_ids_name(info.st_dev, info.st_ino)
+
   def close(self) -> None:
     """Lets go of the socket file; idempotent."""
     fd, self._fd = self._fd, -1
@@ -179,6 +188,39 @@ class Pinned:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+MAX_TICKET = 128  # bytes of a client-id ticket (server/client_ids.py)
+
+
+def client_ids_name(st_dev: int, st_ino: int) -> bytes:
+  """The abstract socket name beside the ``unix:`` gRPC socket file (``st_dev``,
+  ``st_ino``) where the sidecar tells each connecting process its ticket."""
+  return f"\0sidecar-client-ids-{st_dev}-{st_ino}".encode()
+
+
+def fetch_ticket(pin: Pinned, *, timeout: float) -> str | None:
+  """This process's ticket (``server/client_ids.py``) from the sidecar serving the pinned
+  ``unix:`` socket ``pin``: the ticket socket's server must be the very process ``pin``
+  checked. None where it tells none (an older sidecar, another network namespace, the
+  name taken by someone else): the handshake then counts with other Unix clients'."""
+  name = pin.client_ids_name()
+  if name is None:
+    return None
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  sock.settimeout(min(timeout, 5.0))
+  try:
+    sock.connect(name)
+    if peer_of(sock).pid != pin.peer.pid:
+      return None  # not the sidecar pin checked: tell it nothing, take nothing
+    data = b""
+    while len(data) <= MAX_TICKET and (piece := sock.recv(MAX_TICKET + 1)):
+      data += piece
+    return data.decode("ascii") if 0 < len(data) <= MAX_TICKET else None
+  except (OSError, UnicodeDecodeError):
+    return None
+  finally:
+    sock.close()
 
 
 # A channel of its own for each pinned target: fd numbers are reused once closed, and
