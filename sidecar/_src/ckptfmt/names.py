@@ -27,7 +27,7 @@ import stat
 import sys
 from typing import Any
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, paths
 
 MAX_NAME = 4096  # bytes of a whole name (PATH_MAX)
 MAX_COMPONENT = 255  # bytes of one component (NAME_MAX)
@@ -66,7 +66,7 @@ def check_beneath(base: os.PathLike | str, path: os.PathLike | str, field: str) 
   """``path`` if, resolved (symlinks, ``..``), it lies strictly beneath ``base`` resolved;
   else PermissionDeniedError naming ``field``. For paths a library opens by name."""
   real_base, real = os.path.realpath(base), os.path.realpath(path)
-  if not real.startswith(real_base.rstrip(os.sep) + os.sep):
+  if not paths.beneath(real, real_base):
     raise errors.PermissionDeniedError(
         f"{field} {os.fspath(path)!r:.200} resolves to {real!r:.200}, outside its checkpoint "
         f"directory {real_base!r:.200}; a save or read stays inside the directory it opened "

@@ -285,19 +285,12 @@ def open_channel(address: str, *, timeout: float, options: tuple[tuple[str, int]
       process serves it (naming its uid, user name and pid).
     HostLostError: nothing serves at ``PATH``.
   """
-  pin = None
   if address_lib.is_unix(address):  # a bad path, or no permission: said now, not a timeout
     address_lib.check_access(address)
-    try:
-      pin = ipc.Pinned(address_lib.parse(address).path, timeout=timeout)
-    except errors.SidecarError:
-      raise
-    except OSError as e:
-      raise errors.HostLostError(
+  pin, address, options = ipc.pin_channel(address, options, timeout=timeout, unreachable=(
+      lambda e: errors.HostLostError(
           f"cannot reach sidecar {address}: {e.strerror or e}; is `sidecar serve --listen "
-          f"{address}` running? (The worker socket, --socket, is not its gRPC address.)"
-      ) from None
-    address, options = pin.target, options + ipc.PINNED_CHANNEL_OPTIONS
+          f"{address}` running? (The worker socket, --socket, is not its gRPC address.)")))
   return (grpc.insecure_channel(address, options=options) if credentials is None
           else grpc.secure_channel(address, credentials, options=options)), pin
 

@@ -20,6 +20,7 @@ import pwd
 import socket
 import struct
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.core import address as address_lib, env as env_lib, errors
@@ -68,10 +69,23 @@ class Peer:
 
 
 def peer_of(sock: socket.socket) -> Peer:
-  """Who is at the other end of the connected Unix socket ``sock``."""
+  """Who is at the other end of the connected Unix socket ``sock``: the one place the
+  kernel is asked (``SO_PEERCRED``).
+
+  Raises:
+    OSError: ``sock`` is no connected Unix socket.
+  """
   pid, uid, gid = struct.unpack(
       "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
   return Peer(pid, uid, gid)
+
+
+def peer_or_none(sock: socket.socket) -> Peer | None:
+  """:func:`peer_of`, or None where the kernel does not say (the socket is gone)."""
+  try:
+    return peer_of(sock)
+  except OSError:
+    return None
 
 
 def trusted_uids() -> frozenset[int]:
@@ -226,6 +240,29 @@ def fetch_ticket(pin: Pinned, *, timeout: float) -> str | None:
 # A channel of its own for each pinned target: fd numbers are reused once closed, and
 # gRPC's shared subchannels are keyed by target.
 PINNED_CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
+
+Options = tuple[tuple[str, Any], ...]
+
+
+def pin_channel(address: str, options: Options, *, timeout: float | None,
+                unreachable: Callable[[OSError], errors.SidecarError]
+                ) -> tuple[Pinned | None, str, Options]:
+  """The gRPC target and channel options for ``address``, and for a ``unix:`` one the
+  :class:`Pinned` socket they dial (close it after the channel): a TCP address as it is.
+
+  Raises:
+    PermissionDeniedError: an untrusted user's process serves the socket.
+    SidecarError: ``unreachable(e)``, where nothing serves at the path (``e``, the OSError).
+  """
+  if not address_lib.is_unix(address):
+    return None, address, options
+  try:
+    pin = Pinned(address_lib.parse(address).path, timeout=timeout)
+  except errors.SidecarError:
+    raise
+  except OSError as e:
+    raise unreachable(e) from None
+  return pin, pin.target, options + PINNED_CHANNEL_OPTIONS
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:

@@ -281,16 +281,9 @@ class _Pace:
 def _pin(peer: ReplicaTarget, timeout: float
          ) -> tuple[ipc.Pinned | None, str, tuple[tuple[str, int], ...]]:
   """The pinned socket, gRPC target and channel options of a link to ``peer``."""
-  if not address_lib.is_unix(peer.address):
-    return None, peer.address, _CHANNEL_OPTIONS
-  try:
-    pin = ipc.Pinned(address_lib.parse(peer.address).path, timeout=timeout)
-  except errors.SidecarError:
-    raise
-  except OSError as e:
-    raise errors.HostLostError(f"peer sidecar host {peer.host_id} at {peer.address}: "
-                               f"{e.strerror or e}", host_id=peer.host_id) from None
-  return pin, pin.target, _CHANNEL_OPTIONS + ipc.PINNED_CHANNEL_OPTIONS
+  return ipc.pin_channel(peer.address, _CHANNEL_OPTIONS, timeout=timeout, unreachable=(
+      lambda e: errors.HostLostError(f"peer sidecar host {peer.host_id} at {peer.address}: "
+                                     f"{e.strerror or e}", host_id=peer.host_id)))
 
 
 class ReplicaLink:
