@@ -8,17 +8,26 @@ each format's engine again). Every path the sidecar opens is the directory it op
 and checked (``server/checkpoint/roots.py``) joined with such a name, and is opened
 relative to that directory's descriptor, one component at a time, never following a
 symlink (:func:`open_beneath`): a directory swapped for a symlink later cannot redirect
-a write or a read. Where a library opens the path itself (TensorStore), the path is
-resolved and checked to lie beneath the directory first (:func:`check_beneath`).
+a write or a read. The directory itself is reached from ``/`` the same way: a symlink on
+its path is followed only where nobody but the sidecar's user or root could have put it
+there or swap it (:func:`open_dir`). Where a library opens the path itself (TensorStore),
+the path is resolved and checked to lie beneath the directory first
+(:func:`check_beneath`), and the leaf's directory holds no symlink
+(:func:`check_no_symlinks`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
 import pathlib
+import stat
+import sys
 from typing import Any
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, paths
 
 MAX_NAME = 4096  # bytes of a whole name (PATH_MAX)
 MAX_COMPONENT = 255  # bytes of one component (NAME_MAX)
@@ -57,7 +66,7 @@ def check_beneath(base: os.PathLike | str, path: os.PathLike | str, field: str) 
   """``path`` if, resolved (symlinks, ``..``), it lies strictly beneath ``base`` resolved;
   else PermissionDeniedError naming ``field``. For paths a library opens by name."""
   real_base, real = os.path.realpath(base), os.path.realpath(path)
-  if not real.startswith(real_base.rstrip(os.sep) + os.sep):
+  if not paths.beneath(real, real_base):
     raise errors.PermissionDeniedError(
         f"{field} {os.fspath(path)!r:.200} resolves to {real!r:.200}, outside its checkpoint "
         f"directory {real_base!r:.200}; a save or read stays inside the directory it opened "
@@ -65,33 +74,185 @@ def check_beneath(base: os.PathLike | str, path: os.PathLike | str, field: str) 
   return pathlib.Path(path)
 
 
+def check_no_symlinks(directory: os.PathLike | str, field: str) -> None:
+  """PermissionDeniedError naming ``field`` and the link where ``directory`` is, or holds
+  at any depth, a symlink (an lstat walk; nothing there: nothing to check). For the
+  directories a library opens files in by path (TensorStore's), which would follow one
+  planted there."""
+  directory = os.fspath(directory)
+  link = directory if os.path.islink(directory) else None
+  todo = [directory]
+  while todo and link is None:
+    try:
+      with os.scandir(todo.pop()) as entries:
+        for e in entries:
+          if e.is_symlink():
+            link = e.path
+            break
+          if e.is_dir(follow_symlinks=False):
+            todo.append(e.path)
+    except (FileNotFoundError, NotADirectoryError):
+      continue
+  if link is not None:
+    raise errors.PermissionDeniedError(
+        f"{field}: {link!r:.200} is a symlink, in the checkpoint files at {directory!r:.200} "
+        "that TensorStore opens by path (it would follow it, perhaps out of the checkpoint "
+        "directory); a checkpoint holds no symlinks: remove it")
+
+
+def check_store_files(spec: dict[str, Any], field: str) -> None:
+  """:func:`check_no_symlinks` of the directory a TensorStore spec's ``file`` kvstore
+  opens (an OCDBT store's base directory, or a Zarr array's own)."""
+  kvstore = spec.get("kvstore") or {}
+  store = kvstore.get("base", kvstore) if kvstore.get("driver") == "ocdbt" else kvstore
+  if store.get("driver") == "file" and store.get("path"):
+    check_no_symlinks(store["path"], field)
+
+
 def open_beneath(base: os.PathLike | str, name: str, flags: int, mode: int = 0o644, *,
                  make_dirs: bool = False, field: str = "name") -> int:
   """A descriptor of ``base``/``name`` (``name`` checked by :func:`check_name`), opened
-  relative to ``base``'s descriptor one component at a time with ``O_NOFOLLOW``: no
-  symlink below ``base`` (the directory the server resolved) is followed (ELOOP or
-  ENOTDIR: an OSError naming the path). ``make_dirs``: the directories on the way are
-  made (0o755) where missing."""
+  relative to ``base``'s descriptor (:func:`open_dir`) one component at a time with
+  ``O_NOFOLLOW``: no symlink below ``base`` is followed (ELOOP or ENOTDIR: an OSError
+  naming the path). ``make_dirs``: the directories on the way are made (0o755) where
+  missing."""
   check_name(name, field)
-  parts = name.split("/")
-  # ``base`` itself is the directory the server resolved and checked: opened as named.
-  fd = os.open(base, _DIR_FLAGS & ~os.O_NOFOLLOW)
+  full = os.path.join(os.fspath(base), name)
+  fd = open_dir(base)
   try:
-    for part in parts[:-1]:
+    if not make_dirs:  # one call where the kernel resolves beneath itself (openat2)
+      opened = _openat2(fd, name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                        _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS, full)
+      if opened is not None:
+        return opened
+    for part in name.split("/")[:-1]:
       if make_dirs:
-        try:
+        with contextlib.suppress(FileExistsError):
           os.mkdir(part, 0o755, dir_fd=fd)
-        except FileExistsError:
-          pass
+      nxt = _open_at(fd, part, _DIR_FLAGS, 0, full)
+      os.close(fd)
+      fd = nxt
+    return _open_at(fd, name.rsplit("/", 1)[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                    full)
+  finally:
+    os.close(fd)
+
+
+def open_dir(path: os.PathLike | str) -> int:
+  """A descriptor of the directory ``path``, reached from ``/`` one component at a time
+  with ``O_NOFOLLOW``, not by its name: a component swapped for a symlink between a check
+  of the path and this open is not followed.
+
+  A symlink on the way is followed only where it is trusted: its own owner is root or
+  this process's user, and so is its directory's, which nobody else may write (sticky
+  ``/tmp`` aside, where only the link's owner may replace it): nobody else could have
+  planted or swapped it. Where the kernel has ``openat2``, a path with no symlink at all
+  is one call (``RESOLVE_NO_SYMLINKS``).
+
+  Raises:
+    OSError: a component is missing or no directory (naming ``path``).
+    PermissionDeniedError: a symlink on the way that someone else could have put there,
+      naming it, its owner, its directory's owner and mode, and the fix.
+  """
+  path = os.path.abspath(os.fspath(path))
+  fast = _openat2(_AT_FDCWD, path, _DIR_FLAGS, 0, _RESOLVE_NO_SYMLINKS, path, quiet=True)
+  if fast is not None:
+    return fast
+  todo = [p for p in path.split("/") if p]
+  fd, where, hops = os.open("/", _DIR_FLAGS), "/", 0
+  try:
+    while todo:
+      part = todo.pop(0)
+      if part == ".":
+        continue
       try:
         nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
       except OSError as e:
-        raise OSError(e.errno, e.strerror, os.path.join(os.fspath(base), name)) from None
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR) or not stat.S_ISLNK(
+            os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+          raise OSError(e.errno, e.strerror, path) from None
+        hops += 1
+        if hops > _MAX_HOPS:
+          raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path) from None
+        _check_link(fd, part, os.path.join(where, part), path)
+        target = os.readlink(part, dir_fd=fd)
+        todo[:0] = [p for p in target.split("/") if p]
+        if target.startswith("/"):
+          nxt, where = os.open("/", _DIR_FLAGS), "/"
+        else:
+          nxt = os.dup(fd)
+      else:
+        where = os.path.normpath(os.path.join(where, part))
       os.close(fd)
       fd = nxt
-    try:
-      return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
-    except OSError as e:
-      raise OSError(e.errno, e.strerror, os.path.join(os.fspath(base), name)) from None
-  finally:
+    return fd
+  except BaseException:
     os.close(fd)
+    raise
+
+
+def _check_link(dir_fd: int, name: str, link: str, path: str) -> None:
+  """PermissionDeniedError unless the symlink ``name`` in ``dir_fd`` is trusted (see
+  :func:`open_dir`)."""
+  mine = (0, os.geteuid())
+  owner = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid
+  d = os.fstat(dir_fd)
+  others_write = d.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+  sticky = d.st_mode & stat.S_ISVTX
+  if owner in mine and d.st_uid in mine and (not others_write or sticky):
+    return
+  raise errors.PermissionDeniedError(
+      f"refusing to follow the symlink {link!r:.200} on the way to the checkpoint directory "
+      f"{path!r:.200}: it belongs to uid {owner}, in a directory of uid {d.st_uid} with mode "
+      f"{stat.S_IMODE(d.st_mode):04o}, so someone other than this sidecar's user (uid "
+      f"{os.geteuid()}) or root could have put it there or swap it later; name the directory "
+      "by its resolved path, or keep the symlink in a directory only this user or root may "
+      "write")
+
+
+def _open_at(dir_fd: int, name: str, flags: int, mode: int, full: str) -> int:
+  try:
+    return os.open(name, flags, mode, dir_fd=dir_fd)
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, full) from None
+
+
+class _OpenHow(ctypes.Structure):
+  _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+              ("resolve", ctypes.c_uint64)]
+
+
+_AT_FDCWD = -100
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (since 5.6)
+_MAX_HOPS = 40  # symlinks followed on one path, as the kernel's MAXSYMLINKS
+_libc: list[Any] = []  # [libc], or [None] where openat2 cannot be called
+
+
+def _openat2(dir_fd: int, name: str, flags: int, mode: int, resolve: int, full: str, *,
+             quiet: bool = False) -> int | None:
+  """``openat2(dir_fd, name, flags, mode, resolve)``; None where the kernel (or a seccomp
+  filter) has no openat2, or, ``quiet``, where it refused (ELOOP, ENOTDIR...): the caller
+  then walks component by component. Else an OSError naming ``full``."""
+  if not _libc:
+    try:
+      _libc.append(ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None)
+    except OSError:
+      _libc.append(None)
+  libc = _libc[0]
+  if libc is None:
+    return None
+  # The kernel refuses a mode without O_CREAT (EINVAL).
+  how = _OpenHow(flags, mode if flags & (os.O_CREAT | os.O_TMPFILE) else 0, resolve)
+  fd = libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(name), ctypes.byref(how),
+                    ctypes.sizeof(how))
+  if fd >= 0:
+    return fd
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EPERM):  # no openat2 here (old kernel, seccomp): walk
+    _libc[0] = None
+    return None
+  if quiet or err in (errno.EINVAL, errno.E2BIG):
+    return None
+  raise OSError(err, os.strerror(err), full)

@@ -294,19 +294,12 @@ def open_channel(address: str, *, timeout: float, options: tuple[tuple[str, int]
       process serves it (naming its uid, user name and pid).
     HostLostError: nothing serves at ``PATH``.
   """
-  pin = None
   if address_lib.is_unix(address):  # a bad path, or no permission: said now, not a timeout
     address_lib.check_access(address)
-    try:
-      pin = ipc.Pinned(address_lib.parse(address).path, timeout=timeout)
-    except errors.SidecarError:
-      raise
-    except OSError as e:
-      raise errors.HostLostError(
+  pin, address, options = ipc.pin_channel(address, options, timeout=timeout, unreachable=(
+      lambda e: errors.HostLostError(
           f"cannot reach sidecar {address}: {e.strerror or e}; is `sidecar serve --listen "
-          f"{address}` running? (The worker socket, --socket, is not its gRPC address.)"
-      ) from None
-    address, options = pin.target, options + ipc.PINNED_CHANNEL_OPTIONS
+          f"{address}` running? (The worker socket, --socket, is not its gRPC address.)")))
   return (grpc.insecure_channel(address, options=options) if credentials is None
           else grpc.secure_channel(address, credentials, options=options)), pin
 
@@ -341,6 +334,9 @@ class Connection:
     self._channel, self._pin = open_channel(address, timeout=timeout, credentials=credentials,
                                             options=channel_options(peer_timeout))
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
+    # Over a unix: socket, this process's ticket: its sessions count against it alone.
+    ticket = None if self._pin is None else ipc.fetch_ticket(self._pin, timeout=timeout)
+    self._shake = self._auth + (((protocol.PID_TICKET_KEY, ticket),) if ticket else ())
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
         response_deserializer=pb.HandshakeResponse.FromString)
@@ -387,7 +383,7 @@ class Connection:
     return self._handshake(
         pb.HandshakeRequest(versions=protocol.local_versions(),
                             client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-        timeout=self._timeout, metadata=self._auth, wait_for_ready=False)
+        timeout=self._timeout, metadata=self._shake, wait_for_ready=False)
 
   def renew(self) -> None:
     """Handshakes again, for a new session: the sidecar lost ours (SessionLostError).

@@ -39,6 +39,9 @@ JOB_FILE = "job.json"
 TOKEN_FILE = "token"
 # The sidecars' own: the token they present to each other, so that only peers send replicas.
 PEER_TOKEN_FILE = "peer-token"
+# A pool's operator token (a service with --pool whose pool file names none): it reads every
+# tenant's Status row and drops RAM-tier copies, nothing else (docs/pool.md).
+OPERATOR_TOKEN_FILE = "operator-token"
 HOSTS_DIR = "hosts"
 LOGS_DIR = "logs"
 STEPS_DIR = "steps"

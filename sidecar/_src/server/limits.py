@@ -193,7 +193,8 @@ class Sessions:
   """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
 
   Every use refreshes a session. Each is held by the client that made it (``holder``: its
-  TCP connection, ``peer_of``), which keeps at most ``per_client``: past it, that
+  TCP connection, ``peer_of``; over a ``unix:`` socket its process, ``client_ids``), which
+  keeps at most ``per_client``: past it, that
   client's own oldest goes. Past ``limit``, room is made by whoever holds the most,
   oldest first: a client holding more sessions than the new one's client would (a
   flood), else the new one's own client; else the one unused the longest goes, if it

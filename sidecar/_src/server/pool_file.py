@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from sidecar._src.arena import shm
-from sidecar._src.core import options as options_lib
+from sidecar._src.core import options as options_lib, paths
 from sidecar._src.server.tenants import MIN_ARENA, Pool, Share, Tenant, error_at
 
 log = logging.getLogger(__name__)
@@ -158,10 +158,9 @@ def _with_operator(path: str, top: dict[str, yaml.Node], base: str, pool: Pool,
 def _check_roots_apart(path: str, line: int, tenant: Tenant, other: Tenant) -> None:
   """Refuses two tenants' checkpoint roots of which one is, holds or lies in the other: a
   directory belongs to one tenant (each one's checkpoints are its own, docs/pool.md)."""
-  inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
   for mine in tenant.checkpoint_roots:
     for theirs in other.checkpoint_roots:
-      if inside(mine, theirs) or inside(theirs, mine):
+      if paths.overlap(mine, theirs):
         raise error_at(path, line, f"tenant {tenant.name!r}'s checkpoint root {mine} "
                        f"{'is' if mine == theirs else 'overlaps'} tenant {other.name!r}'s "
                        f"{theirs} (line {other.line}); each tenant's checkpoint_roots must "

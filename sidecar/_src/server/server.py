@@ -22,6 +22,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
   arenas as arenas_lib,
+  client_ids,
   departures as departures_lib,
   metrics as metrics_lib,
   pool_file,
@@ -47,7 +48,7 @@ from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.server.tenant_checks import TenantCheckpoints, TenantRunner
 from sidecar._src.server.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import protocol
+from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,8 @@ class Server:
         last_used=sessions.last_used, release=self.checkpoints.release_ram)
     if o.pool is not None:  # a reload may add ram_keep: any pool file's sidecar sweeps
       self.departures.start()
+    # A unix: socket's clients told apart by process (their handshake sessions' holder).
+    self._tickets = client_ids.Tickets() if o.unix is not None else None
     self.service = Service(calls=calls, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arenas.size,
                            leases=self.leases, workers=self.workers,
@@ -306,7 +309,7 @@ class Server:
                            peer_token=o.peer_token, tokens=tokens_holder,
                            tenancy=self.tenancy, opened=self.checkpoints.opened_by,
                            checkpoint_use=self.checkpoints.tier.group_use,
-                           max_request=o.max_message_size)
+                           max_request=o.max_message_size, tickets=self._tickets)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
@@ -331,7 +334,8 @@ class Server:
     checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
-                                   slots=checkpoint_slots, inline=inline)
+                                   slots=checkpoint_slots, inline=inline,
+                                   tenancy=self.tenancy)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
@@ -462,6 +466,10 @@ class Server:
     with sockets.private_umask():
       self._bind(self._grpc, f"unix:{path}", "--listen unix:PATH")
     self._unix_inode = sockets.inode_of(path)
+    if self._unix_inode is not None and self._tickets is not None:
+      self._client_ids = client_ids.Listener(ipc.client_ids_name(*self._unix_inode),
+                                             self._tickets)
+      self._client_ids.start()
     sockets.restrict(path, mode=0o660 if o.socket_group else 0o600, group=o.socket_group)
 
   @staticmethod
@@ -550,6 +558,8 @@ class Server:
       server = getattr(self, name, None)
       if server is not None:
         server.stop(grace).wait(grace + 1)
+    if getattr(self, "_client_ids", None) is not None:
+      self._client_ids.close()
     if (unix := self.options.unix) is not None:  # ours only: not a live sidecar's
       sockets.remove_if_same(unix.path, getattr(self, "_unix_inode", None))
       sockets.remove_dirs(getattr(self, "_unix_dirs", []))

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server import client_ids, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.credits import Credits
 from sidecar._src.server.leases import Leases
@@ -62,7 +62,9 @@ class Service:
                tenancy: tenants_lib.Tenancy | None = None,
                opened: Callable[[str], set[str]] | None = None,
                checkpoint_use: Callable[[], Mapping[str, tuple[int, int]]] = dict,
-               max_request: int = codec.MAX_DECODED_BYTES):
+               max_request: int = codec.MAX_DECODED_BYTES,
+               tickets: client_ids.Tickets | None = None):
+    self._tickets = tickets  # a unix: socket's clients, by process
     self._unary = calls
     self._max_request = max_request  # the largest call in parts: max_message_size
     self._runner = calls.runner
@@ -151,11 +153,20 @@ class Service:
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
     session = self._sessions.new(peer=self._is_peer(context), client=client,
-                                 holder=peer_of(context.peer()))
+                                 holder=self._holder(context))
     return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
+
+  def _holder(self, context: grpc.ServicerContext) -> str | None:
+    """Who holds a new session: its TCP connection, or over a ``unix:`` socket the process
+    its ticket names (``client_ids``; none: every Unix client without one together)."""
+    peer = context.peer()
+    if peer_of(peer) is not None or not peer.startswith("unix") or self._tickets is None:
+      return peer_of(peer)
+    return self._tickets.holder(
+        dict(context.invocation_metadata()).get(protocol.PID_TICKET_KEY))
 
   def _client(self, context: grpc.ServicerContext) -> str | None:
     """The client whose token the call carries (per-client tokens), else None."""

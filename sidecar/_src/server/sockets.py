@@ -21,22 +21,12 @@ import os
 import pwd
 import socket
 import stat
-import struct
 
 from sidecar._src.core import env as env_lib
+from sidecar._src.wire import ipc
 
 # How long a connection to an existing socket file may take to say it is live.
 _PROBE_S = 1.0
-
-
-def peer_pid(conn: socket.socket) -> int:
-  """The pid of the process at the other end of a Unix socket connection (the one that
-  listens, seen from a client), from SO_PEERCRED; 0 where unknown."""
-  try:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-  except OSError:
-    return 0
-  return struct.unpack("3i", creds)[0]
 
 
 def _user(uid: int) -> str:
@@ -164,7 +154,7 @@ def claim(path: str, *, what: str, flag: str) -> None:
     raise OSError(errno.EADDRINUSE, f"cannot make the {what} {path}: a live process serves "
                   f"it ({e}); stop it, or give {flag} another path") from None
   else:
-    pid = peer_pid(probe)
+    pid = getattr(ipc.peer_or_none(probe), "pid", "?")
     raise OSError(errno.EADDRINUSE, f"cannot make the {what} {path}: a live process (pid "
                   f"{pid}, another sidecar?) serves it; stop it, or give {flag} another path")
   finally:

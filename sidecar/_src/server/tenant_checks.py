@@ -14,7 +14,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, registry as formats_lib
-from sidecar._src.core import errors
+from sidecar._src.core import errors, paths
 from sidecar._src.server import shares as shares_lib, tenants as tenants_lib
 from sidecar._src.server.calls import Runner
 from sidecar._src.server.checkpoint.host import CheckpointHost
@@ -89,7 +89,7 @@ class TenantCheckpoints(CheckpointHost):
     now: a reload that narrowed them holds at the next call of an open directory)."""
     if t is not None and t.checkpoint_roots and isinstance(path, str):
       resolved = os.path.realpath(path)
-      if not any(_inside(resolved, r) for r in t.checkpoint_roots):
+      if not any(paths.inside(resolved, r) for r in t.checkpoint_roots):
         raise errors.PermissionDeniedError(
             f"tenant {t.name!r} may checkpoint only under its checkpoint_roots "
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
@@ -101,10 +101,10 @@ class TenantCheckpoints(CheckpointHost):
     if isinstance(directory, str) and (pool := self._tenancy.pool) is not None:
       resolved = os.path.realpath(directory)
       for other in pool.tenants:  # another's root, or a directory that holds it, is not ours
-        held = [r for r in other.checkpoint_roots if _inside(r, resolved) or _inside(resolved, r)]
+        held = [r for r in other.checkpoint_roots if paths.overlap(r, resolved)]
         if other.name != client and held:
           how = ("is" if resolved == held[0] else
-                 "lies in" if _inside(resolved, held[0]) else "holds")
+                 "lies in" if paths.inside(resolved, held[0]) else "holds")
           raise errors.PermissionDeniedError(
               f"checkpoint directory {directory!r:.200} {how} {held[0]!r:.200}, a checkpoint "
               f"root of tenant {other.name!r} ({self._tenancy.where(other.name)}); checkpoint "
@@ -152,7 +152,7 @@ class TenantCheckpoints(CheckpointHost):
     if t is None or t.checkpoint_bytes is None:
       return
     mine = {os.path.realpath(d) for d in self.opened_by(t.name)}
-    outer = [d for d in mine if not any(d.startswith(o.rstrip(os.sep) + os.sep) for o in mine)]
+    outer = [d for d in mine if not any(paths.beneath(d, o) for o in mine)]
     stored = sum(_stored(d) for d in outer)  # a directory inside another is counted there
     with self.tier.lock:  # staged here, not yet on storage
       writing = [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values()
@@ -160,7 +160,7 @@ class TenantCheckpoints(CheckpointHost):
     # A step counts where the server put it (its resolved tmp directory), whatever
     # directory its Stage named; what of it is on storage already is counted there.
     pending = sum(max(n - _stored(d, siblings=False), 0) for d, n in writing
-                  if any(_inside(d, m) for m in outer))
+                  if any(paths.inside(d, m) for m in outer))
     if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
                                                           stored >= t.checkpoint_bytes):
       fmt = shm.format_size
@@ -187,10 +187,6 @@ class TenantCheckpoints(CheckpointHost):
       for directory, step in steps:
         tier.drop(directory, step)
     return len(steps)
-
-
-def _inside(path: str, directory: str) -> bool:
-  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _stored(directory: str, *, siblings: bool = True) -> int:

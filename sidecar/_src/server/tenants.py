@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors
+from sidecar._src.core import errors, paths
 
 # A tenant's arena ceiling is one batch at least: below this nothing useful fits.
 MIN_ARENA = 1 << 20
@@ -194,7 +194,7 @@ class Pool:
     real = tuple(os.path.realpath(r) for r in roots)
     for t in self.tenants:
       for r in t.checkpoint_roots:
-        if not any(r == s or r.startswith(s.rstrip(os.sep) + os.sep) for s in real):
+        if not any(paths.inside(r, s) for s in real):
           raise error_at(self.path, t.line, f"tenant {t.name!r}: checkpoint root {r} is under "
                        f"no --checkpoint-root of the sidecar ({', '.join(real) or 'none'}); "
                        "add one that holds it")

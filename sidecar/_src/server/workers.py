@@ -21,7 +21,6 @@ import math
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -248,7 +247,8 @@ class WorkerListener:
       AuthenticationError: no tenant's token (with a pool file); a peer link whose peer
         token is not this sidecar's, or whose tenant is none of the pool's.
     """
-    return self._tenancy.worker_tenant(message.get("token"), _peer_uid(conn))
+    peer = ipc.peer_or_none(conn)  # the user the kernel says the worker runs as
+    return self._tenancy.worker_tenant(message.get("token"), None if peer is None else peer.uid)
 
   def _check_not_peer(self, session: str, what: str) -> None:
     """PermissionDeniedError where ``session`` is a peer sidecar's replica link: it maps
@@ -528,15 +528,6 @@ def _linger(conn: socket.socket, limit: int) -> None:
     conn.shutdown(socket.SHUT_WR)
     conn.settimeout(LINGER_S)
     ipc.recv_bytes(conn, limit=limit)
-
-
-def _peer_uid(conn: socket.socket) -> int | None:
-  """The user id the kernel says the process at the other end of ``conn`` runs as."""
-  try:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-  except OSError:
-    return None
-  return struct.unpack("3i", creds)[1]
 
 
 # The most often a queued alloc reports its place, whatever the worker asks.

@@ -20,6 +20,7 @@ import pwd
 import socket
 import struct
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.core import address as address_lib, env as env_lib, errors
@@ -68,10 +69,23 @@ class Peer:
 
 
 def peer_of(sock: socket.socket) -> Peer:
-  """Who is at the other end of the connected Unix socket ``sock``."""
+  """Who is at the other end of the connected Unix socket ``sock``: the one place the
+  kernel is asked (``SO_PEERCRED``).
+
+  Raises:
+    OSError: ``sock`` is no connected Unix socket.
+  """
   pid, uid, gid = struct.unpack(
       "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
   return Peer(pid, uid, gid)
+
+
+def peer_or_none(sock: socket.socket) -> Peer | None:
+  """:func:`peer_of`, or None where the kernel does not say (the socket is gone)."""
+  try:
+    return peer_of(sock)
+  except OSError:
+    return None
 
 
 def trusted_uids() -> frozenset[int]:
@@ -168,6 +182,15 @@ class Pinned:
       raise
     self.target = f"{address_lib.UNIX}{pinned}"
 
+  def client_ids_name(self) -> bytes | None:
+    """The abstract socket beside the pinned one that tells this process its ticket
+    (:func:`fetch_ticket`); None where the socket file is gone."""
+    try:
+      info = os.fstat(self._fd) if self._fd >= 0 else os.stat(self.path)
+    except OSError:
+      return None
+    return client_ids_name(info.st_dev, info.st_ino)
+
   def close(self) -> None:
     """Lets go of the socket file; idempotent."""
     fd, self._fd = self._fd, -1
@@ -181,9 +204,65 @@ class Pinned:
     self.close()
 
 
+MAX_TICKET = 128  # bytes of a client-id ticket (server/client_ids.py)
+
+
+def client_ids_name(st_dev: int, st_ino: int) -> bytes:
+  """The abstract socket name beside the ``unix:`` gRPC socket file (``st_dev``,
+  ``st_ino``) where the sidecar tells each connecting process its ticket."""
+  return f"\0sidecar-client-ids-{st_dev}-{st_ino}".encode()
+
+
+def fetch_ticket(pin: Pinned, *, timeout: float) -> str | None:
+  """This process's ticket (``server/client_ids.py``) from the sidecar serving the pinned
+  ``unix:`` socket ``pin``: the ticket socket's server must be the very process ``pin``
+  checked. None where it tells none (an older sidecar, another network namespace, the
+  name taken by someone else): the handshake then counts with other Unix clients'."""
+  name = pin.client_ids_name()
+  if name is None:
+    return None
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  sock.settimeout(min(timeout, 5.0))
+  try:
+    sock.connect(name)
+    if peer_of(sock).pid != pin.peer.pid:
+      return None  # not the sidecar pin checked: tell it nothing, take nothing
+    data = b""
+    while len(data) <= MAX_TICKET and (piece := sock.recv(MAX_TICKET + 1)):
+      data += piece
+    return data.decode("ascii") if 0 < len(data) <= MAX_TICKET else None
+  except (OSError, UnicodeDecodeError):
+    return None
+  finally:
+    sock.close()
+
+
 # A channel of its own for each pinned target: fd numbers are reused once closed, and
 # gRPC's shared subchannels are keyed by target.
 PINNED_CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
+
+Options = tuple[tuple[str, Any], ...]
+
+
+def pin_channel(address: str, options: Options, *, timeout: float | None,
+                unreachable: Callable[[OSError], errors.SidecarError]
+                ) -> tuple[Pinned | None, str, Options]:
+  """The gRPC target and channel options for ``address``, and for a ``unix:`` one the
+  :class:`Pinned` socket they dial (close it after the channel): a TCP address as it is.
+
+  Raises:
+    PermissionDeniedError: an untrusted user's process serves the socket.
+    SidecarError: ``unreachable(e)``, where nothing serves at the path (``e``, the OSError).
+  """
+  if not address_lib.is_unix(address):
+    return None, address, options
+  try:
+    pin = Pinned(address_lib.parse(address).path, timeout=timeout)
+  except errors.SidecarError:
+    raise
+  except OSError as e:
+    raise unreachable(e) from None
+  return pin, pin.target, options + PINNED_CHANNEL_OPTIONS
 
 
 def send_bytes(sock: socket.socket, data: bytes) -> None:

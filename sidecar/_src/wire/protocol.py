@@ -48,6 +48,9 @@ AUTH_KEY = "authorization"
 # A peer sidecar's handshake carries ``Bearer <peer token>`` here: its session may send
 # replicas (Checkpoint.Receive), which no controller's may.
 PEER_KEY = "sidecar-peer"
+# A handshake over a ``unix:`` socket carries its process's ticket here (server/client_ids):
+# its sessions count against that process, as a TCP connection's against the connection.
+PID_TICKET_KEY = "sidecar-pid-ticket"
 _ERROR_KEY = "sidecar-error-bin"  # a failed RPC's trailer: its pb.Error, serialized
 # An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.
 MAX_ERROR_MESSAGE = 8 << 10

@@ -6,6 +6,7 @@ over raw gRPC and its Unix socket; after each attack it still serves a Controlle
 
 import concurrent.futures
 import json
+import os
 import queue
 import socket
 import struct
@@ -295,6 +296,45 @@ def test_a_flood_of_handshakes_over_one_or_several_connections_locks_no_client_o
   finally:
     for channel in channels:
       channel.close()
+
+
+def test_a_unix_clients_flood_evicts_its_own_sessions_by_process(make_server, tmp_path):
+  """Issue 42's gap (d): over a ``unix:`` socket gRPC names no peer, so every Unix client's
+  sessions were one holder's: a flood of 200 handshakes filled the table and every new
+  handshake was refused (BusyError, max_sessions). Now a process that presents its ticket
+  (the kernel's SO_PEERCRED pid, told on the socket beside) holds its own sessions;
+  handshakes without one, or with a forged one, hold theirs together: a flood evicts only
+  its own, and the Controller's session and a new Controller's handshake go through."""
+  path = tmp_path / "g.sock"
+  server = make_server(listen=f"unix:{path}", token="t", max_sessions=48,
+                       max_sessions_per_client=16)
+  with sidecar.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as ctl, \
+      ipc.Pinned(str(path), timeout=10) as pin:
+    mine = dict(ctl._hosts.conns[0].metadata)[protocol.SESSION_KEY]
+    channel = grpc.insecure_channel(pin.target, options=ipc.PINNED_CHANNEL_OPTIONS)
+    handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
+                                    request_serializer=pb.HandshakeRequest.SerializeToString)
+    request = pb.HandshakeRequest(versions=protocol.local_versions(), client="flood")
+    auth = ((protocol.AUTH_KEY, "Bearer t"),)
+    try:
+      for _ in range(100):
+        handshake(request, metadata=auth, timeout=10)  # none refused
+      assert server.sessions.touch(mine)  # the Controller's (its process's) was kept
+      assert len(server.sessions) == 1 + 16
+      with sidecar.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as other:
+        assert other.call("add", args=(2,), kwargs={"b": 3}) == [5]
+      ticket = ipc.fetch_ticket(pin, timeout=10)
+      assert ticket is not None and ticket.startswith(f"{os.getpid()}.")
+      forged = ticket.rsplit(".", 1)[0] + ".0"  # no mac of this sidecar's: as no ticket
+      for _ in range(100):
+        handshake(request, metadata=auth + ((protocol.PID_TICKET_KEY, forged),), timeout=10)
+      assert server.sessions.touch(mine)
+      for _ in range(100):  # this process's own flood, with its ticket: its own oldest go
+        handshake(request, metadata=auth + ((protocol.PID_TICKET_KEY, ticket),), timeout=10)
+      assert len(server.sessions) <= 16 + 16
+    finally:
+      channel.close()
+    assert ctl.call("add", args=(1,), kwargs={"b": 1}) == [2]
 
 
 # ---- tier 2: the worker socket ----------------------------------------------------------------

@@ -112,3 +112,21 @@ def test_socket_uid_naming_no_user_is_named(monkeypatch):
   with pytest.raises(errors.InvalidArgumentError, match=r"SIDECAR_SOCKET_UID='no-such-user-xyz'"
                      r": no such user on this machine"):
     ipc.trusted_uids()
+
+
+def test_pin_channel_pins_a_unix_address_and_passes_a_tcp_one(tmp_path):
+  """The one door of the controller's and the replica link's channels to a ``unix:``
+  sidecar (issue 42's review: written twice): the checked socket, or the caller's error."""
+  assert ipc.pin_channel("127.0.0.1:5", (("a", 1),), timeout=1, unreachable=None) == (
+      None, "127.0.0.1:5", (("a", 1),))
+  with pytest.raises(errors.HostLostError, match="gone: "):
+    ipc.pin_channel(f"unix:{tmp_path}/none.sock", (), timeout=1,
+                    unreachable=lambda e: errors.HostLostError(f"gone: {e}"))
+  with socket.socket(socket.AF_UNIX) as listener:
+    listener.bind(str(tmp_path / "s.sock"))
+    listener.listen(1)
+    pin, target, options = ipc.pin_channel(f"unix:{tmp_path}/s.sock", (("a", 1),), timeout=1,
+                                           unreachable=None)
+    with pin:
+      assert target == pin.target and target.startswith("unix:/proc/self/fd/")
+      assert options == (("a", 1),) + ipc.PINNED_CHANNEL_OPTIONS

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io
+from sidecar._src.ckptfmt import direct_io, names
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.ckptfmt.spec import METADATA_FILE, Index, KeyPath
 from sidecar._src.core import dtypes as dtypes_lib, errors
@@ -54,6 +54,7 @@ def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
   spec = ts_utils.ArrayReadSpec(
       item_dir.as_posix(), name, use_zarr3=bool(meta.get("use_zarr3")),
       use_ocdbt=bool(meta.get("use_ocdbt")))
+  names.check_store_files(spec.json, f"leaf {name!r}")  # TensorStore follows symlinks
   try:
     store = ts.open(spec.json, open=True, context=context).result()
     if index is not None:
@@ -166,6 +167,7 @@ def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
     spec = ts_utils.ArrayReadSpec(
         item_dir.as_posix(), ".".join(str(k) for k in key_path),
         use_zarr3=bool(meta.get("use_zarr3")), use_ocdbt=bool(meta.get("use_ocdbt")))
+    names.check_store_files(spec.json, f"leaf {key_path!r}")  # TensorStore follows symlinks
     opened.append((key_path, entry, ts.open(spec.json, open=True, context=context)))
   out = []
   for key_path, entry, future in opened:

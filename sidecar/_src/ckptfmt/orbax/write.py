@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io
+from sidecar._src.ckptfmt import direct_io, names
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
@@ -74,6 +74,8 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   item_dir.mkdir(parents=True, exist_ok=True)
   context = ts_utils.get_ts_context(use_ocdbt=False)
   write_specs = [files.write_spec(item_dir, spec, host_index, use_compression) for spec in specs]
+  for w, spec in zip(write_specs, specs):  # TensorStore follows symlinks planted there
+    names.check_store_files(w.json, f"leaf {spec.param_name!r}")
   # Host 0 creates every array (its .zarray), as Orbax's primary host does.
   opened = [ts.open(w.json, create=host_index == 0, open=True,
                     assume_metadata=host_index != 0, context=context)
@@ -104,6 +106,7 @@ def _write_shards(item_dir: pathlib.Path, specs: Sequence[LeafSpec], write_specs
   """Writes each shard as it comes; returns their checksums once all are durable."""
   writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
   pending_sums: list[concurrent.futures.Future[ShardChecksum]] = []
+  checked: set[int] = set()  # leaves whose directory was checked for symlinks
   # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
                                               initializer=background_thread) as pool,
@@ -120,6 +123,9 @@ def _write_shards(item_dir: pathlib.Path, specs: Sequence[LeafSpec], write_specs
         write: Any = pool.submit(functools.partial(direct_io.write_file, beneath=item_dir),
                                  name, data, turn)
       else:
+        if leaf not in checked:  # TensorStore writes its files by path: checked again
+          names.check_store_files(w.json, f"leaf {spec.param_name!r}")
+          checked.add(leaf)
         store = opened[leaf].result()
         target = store[tuple(slice(a, b) for a, b in index)]
         if turn is direct_io.no_turn:  # TensorStore's own threads, as many as it likes

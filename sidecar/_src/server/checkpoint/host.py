@@ -38,7 +38,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
-from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core import env as env_lib, errors, paths
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
   links as links_lib,
@@ -174,12 +174,11 @@ class CheckpointHost:
         ``roots.OWNER_FILE``, which the first open writes: a restart keeps it).
     """
     resolved = self._path(directory, "directory")
-    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
     with self._opened_lock:
       if resolved in self._opened.get(client, ()):
         return  # checked and claimed at its first open (a reopen, each replica received)
       for other, theirs in self._opened.items():
-        if other != client and any(inside(resolved, d) or inside(d, resolved) for d in theirs):
+        if other != client and any(paths.overlap(resolved, d) for d in theirs):
           raise errors.PermissionDeniedError(
               f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
               f"client opened on host {self._host_id}; with {self.clients_mode()} each "
@@ -203,7 +202,7 @@ class CheckpointHost:
     if found is not None:
       where, owner = found
       how = ("is" if where == resolved else
-             "holds" if where.startswith(resolved.rstrip(os.sep) + os.sep) else "lies in")
+             "holds" if paths.beneath(where, resolved) else "lies in")
       raise errors.PermissionDeniedError(
           f"checkpoint directory {directory!r:.200} {how} {where!r:.200}, which client "
           f"{owner!r:.100} owns (its {roots_lib.OWNER_FILE} on host {self._host_id}); each "
@@ -233,7 +232,7 @@ class CheckpointHost:
     resolved = self._path(path, name)
     with self._opened_lock:
       mine = self._opened.get(client, set())
-    if not any(resolved == d or resolved.startswith(d.rstrip(os.sep) + os.sep) for d in mine):
+    if not any(paths.inside(resolved, d) for d in mine):
       raise errors.PermissionDeniedError(
           f"{name} {path!r:.200} is in no checkpoint directory client {client!r} opened on "
           f"host {self._host_id}; with {self.clients_mode()} a client sees and acts only in "
@@ -280,8 +279,7 @@ class CheckpointHost:
     """Drops the durable RAM-tier copies of ``directory`` and the directories in it;
     returns those dropped and those kept (not durable yet)."""
     resolved = self._path(directory, "directory")
-    inside = resolved.rstrip(os.sep) + os.sep
-    return self.yielding.drop(lambda d: d == resolved or d.startswith(inside))
+    return self.yielding.drop(lambda d: paths.inside(d, resolved))
 
   def drop_tenant_ram(self, tenant: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
     """Drops the durable RAM-tier copies of the directories ``tenant`` opened here;

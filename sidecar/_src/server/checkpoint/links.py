@@ -202,6 +202,29 @@ _PART_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
 _DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 
+def check_sender(tenancy: tenants_lib.Tenancy | None, session: str,
+                 tenant: str | None) -> None:
+  """That a replica whose blocks come over a peer's worker ``session`` is for the tenant
+  that session attached for (:class:`tenants.PeerAttach`): the blocks count against the
+  attached tenant, the replica would be kept (and read, dropped) as the header's
+  ``tenant``. A sending sidecar keeps one link per tenant (:class:`Links`).
+
+  Raises:
+    PermissionDeniedError: naming both tenants.
+  """
+  if not session or tenancy is None:
+    return
+  attached, named, pool = tenancy.of_worker(session), tenant, tenancy.pool
+  if named is None and pool is not None and not pool.quotas and len(pool.tenants) == 1:
+    named = pool.tenants[0].name  # the shared token's one tenant, as its links attach
+  if attached != named:
+    raise errors.PermissionDeniedError(
+        f"Receive: the replica's header is for tenant {tenant!r:.100}, but its blocks come "
+        f"over a worker session the sending sidecar attached for tenant {attached!r:.100}; "
+        "a replica counts against the tenant its link attached for: send each tenant's "
+        "replicas over that tenant's own link")
+
+
 def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
   """A ReceiveRequest's wire bytes; a :class:`_Part`'s with the shard's bytes copied once.
 
@@ -258,16 +281,9 @@ class _Pace:
 def _pin(peer: ReplicaTarget, timeout: float
          ) -> tuple[ipc.Pinned | None, str, tuple[tuple[str, int], ...]]:
   """The pinned socket, gRPC target and channel options of a link to ``peer``."""
-  if not address_lib.is_unix(peer.address):
-    return None, peer.address, _CHANNEL_OPTIONS
-  try:
-    pin = ipc.Pinned(address_lib.parse(peer.address).path, timeout=timeout)
-  except errors.SidecarError:
-    raise
-  except OSError as e:
-    raise errors.HostLostError(f"peer sidecar host {peer.host_id} at {peer.address}: "
-                               f"{e.strerror or e}", host_id=peer.host_id) from None
-  return pin, pin.target, _CHANNEL_OPTIONS + ipc.PINNED_CHANNEL_OPTIONS
+  return ipc.pin_channel(peer.address, _CHANNEL_OPTIONS, timeout=timeout, unreachable=(
+      lambda e: errors.HostLostError(f"peer sidecar host {peer.host_id} at {peer.address}: "
+                                     f"{e.strerror or e}", host_id=peer.host_id)))
 
 
 class ReplicaLink:

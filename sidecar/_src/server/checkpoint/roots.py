@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core import env as env_lib, errors, paths
 
 MANIFEST = "sidecar_manifest.json"
 ROOTS_FLAG = "--checkpoint-root"
@@ -151,8 +151,7 @@ class Roots:
 
   def root_of(self, resolved: str) -> str | None:
     """The root ``resolved`` (a resolved path) lies under, or None."""
-    return next((r for r in self._roots
-                 if resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)), None)
+    return next((r for r in self._roots if paths.inside(resolved, r)), None)
 
   def resolve(self, path: Any, name: str) -> str:
     """``path`` resolved (symlinks, ``..``), if it lies under a checkpoint root.

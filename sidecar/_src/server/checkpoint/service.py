@@ -117,8 +117,9 @@ class CheckpointService:
   def __init__(self, *, host: CheckpointHost, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                slots: Slots | None = None, per_client: bool = False,
-               inline: InlineBytes | None = None):
+               inline: InlineBytes | None = None, tenancy: tenants_lib.Tenancy | None = None):
     self._host = host
+    self._tenancy = tenancy  # whose each worker session is (a peer's link: its tenant's)
     # The bytes of large inline requests decoded at once: a Stage's shards, as a call's.
     self._inline = InlineBytes() if inline is None else inline
     self._per_client = per_client  # each client acts only in the directories it opened
@@ -377,6 +378,7 @@ class CheckpointService:
     # its peer token); its blocks count against that tenant here.
     tenant = first.header.tenant or None
     session = first.worker_session
+    links_lib.check_sender(self._tenancy, session, tenant)  # blocks and header: one tenant's
     view = lambda ref: self._arena_io.view(ref, session)
     # a resent replica starts afresh
     replica = self._host.replicator.open_replica(header, tenant)

@@ -5,7 +5,8 @@ headless Service that gives every pod a DNS name (``<set>-N.<service>``), with t
 file in a Secret. Jobs reach it with ``SIDECAR_HOSTS`` and ``Controller.from_env()``.
 :func:`check_pool` finds what would break that: the pool file outside the Secret, or
 readable by others; a Service that is not headless or does not select the pods; a host id
-that is not the pod's ordinal; an arena above the memory limit; probes off the health port.
+that is not the pod's ordinal; an arena above the memory limit; probes off the health port;
+an operator token (``--operator-token-file``) outside a Secret, or one others may read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sidecar._src.tools.k8s import checks, schemas
 from sidecar._src.tools.k8s.schemas import Finding
 
 POOL_FLAG = "--pool"
+OPERATOR_FLAG = "--operator-token-file"
 # A StatefulSet pod's ordinal (Kubernetes >= 1.28): the sidecar's host id.
 ORDINAL_REF = "metadata.labels['apps.kubernetes.io/pod-index']"
 _OTHERS = 0o007  # permission bits of everyone else
@@ -107,20 +109,37 @@ def _check_replica_hosts(doc: Mapping[str, Any], sidecar: Mapping[str, Any], swh
 def _check_pool_file(sidecar: Mapping[str, Any], pod: Mapping[str, Any],
                      swhere: str) -> list[Finding]:
   path = str(checks._setting(sidecar, POOL_FLAG, "", None) or "")
+  findings = _check_secret_file(
+      sidecar, pod, swhere, path, what="the pool file", readers="the pool file and the "
+      "tenants' tokens", fix="mount the Secret that holds it (and the tenants' token files "
+      "beside it) and pass its path to --pool")
+  # The pool's operator token (every tenant's Status row), where the pool file names none:
+  # a Secret of its own, kept as the tenants' tokens are (issue 42).
+  operator = str(checks._setting(sidecar, OPERATOR_FLAG, "", None) or "")
+  if operator:
+    findings += _check_secret_file(
+        sidecar, pod, swhere, operator, what="the pool's operator token",
+        readers="the operator token (every tenant's Status row)", fix="make a Secret of "
+        "it (kubectl create secret generic sidecar-operator-token --from-literal=token=...), "
+        f"mount it and pass its path to {OPERATOR_FLAG}")
+  return findings
+
+
+def _check_secret_file(sidecar: Mapping[str, Any], pod: Mapping[str, Any], swhere: str,
+                       path: str, *, what: str, readers: str, fix: str) -> list[Finding]:
+  """Findings where ``path`` is not in a mounted Secret, or one everyone may read."""
   place = checks._volume_place(sidecar, posixpath.normpath(path)) if path else None
   volume = next((v for v in pod.get("volumes") or [] if place and v.get("name") == place[0]),
                 None)
   secret = (volume or {}).get("secret")
   if secret is None:
-    return [Finding(f"{swhere}.command", f"the pool file {path!r} is not in a mounted Secret: "
-                    "mount the Secret that holds it (and the tenants' token files beside it) "
-                    "and pass its path to --pool")]
+    return [Finding(f"{swhere}.command", f"{what} {path!r} is not in a mounted Secret: {fix}")]
   modes = [secret.get("defaultMode", 0o644)] + [i["mode"] for i in secret.get("items") or []
                                                 if "mode" in i]
   if any(int(m) & _OTHERS for m in modes):
     return [Finding(f"{swhere}: volume {place and place[0]}",
-                    f"mode {max(modes):o} lets everyone read the pool file and the tenants' "
-                    "tokens; set the Secret volume's defaultMode to 0400")]
+                    f"mode {max(modes):o} lets everyone read {readers}; set the Secret "
+                    "volume's defaultMode to 0400")]
   return []
 
 

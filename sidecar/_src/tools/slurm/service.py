@@ -35,7 +35,8 @@ from sidecar._src.tools.slurm import owned, script, tasks
 
 _POLL_S = 0.5
 # What a service writes in its directory, all that ``stop`` removes there (owned.py).
-ENTRIES = (rendezvous.TOKEN_FILE, rendezvous.PEER_TOKEN_FILE, rendezvous.HOSTS_DIR,
+ENTRIES = (rendezvous.TOKEN_FILE, rendezvous.PEER_TOKEN_FILE, rendezvous.OPERATOR_TOKEN_FILE,
+           rendezvous.HOSTS_DIR,
            rendezvous.LOGS_DIR, "ports", "service.json", "state.json", "service.log",
            rendezvous.CLUSTER_FILE)
 # $SIDECAR_HOME's own entries, which no service may be named after.
@@ -127,6 +128,9 @@ def submit(spec: ServiceSpec) -> int:
     os.mkdir(os.path.join(directory, sub), 0o700)
   rendezvous.make_token_file(os.path.join(directory, rendezvous.TOKEN_FILE))
   rendezvous.make_token_file(os.path.join(directory, rendezvous.PEER_TOKEN_FILE))
+  operator = operator_token_file(spec, directory)
+  if _own_operator_token(spec, directory):  # the pool file names none: the service's own
+    rendezvous.make_token_file(operator)
   rendezvous.write_json(os.path.join(directory, "service.json"), spec.to_dict())
   text = script.service_script(spec.name, spec.sbatch_args,
                                os.path.join(directory, "service.log"))
@@ -141,7 +145,26 @@ def submit(spec: ServiceSpec) -> int:
   print(f"service {spec.name!r}: job {job}; once {spec.min_nodes} of {spec.nodes} nodes "
         f"serve, connect with SIDECAR_CLUSTER_FILE="
         f"{os.path.join(directory, rendezvous.CLUSTER_FILE)}", flush=True)
+  if spec.pool:
+    print(f"the pool's operator token (every tenant's Status row; sidecar slurm status "
+          f"{spec.name} uses it): {operator}", flush=True)
   return 0
+
+
+def _own_operator_token(spec: ServiceSpec, directory: str) -> str:
+  """The operator token file the service made, for --operator-token-file ("" where the
+  pool file names its own: a sidecar takes one or the other, not both)."""
+  own = os.path.join(directory, rendezvous.OPERATOR_TOKEN_FILE)
+  return own if operator_token_file(spec, directory) == own else ""
+
+
+def operator_token_file(spec: ServiceSpec, directory: str) -> str:
+  """The pool's operator token file: the one its pool file names, else the service's own
+  (0600 in its directory, beside its token and peer token); "" without a pool."""
+  if not spec.pool:
+    return ""
+  return (pool_file.operator_token_file(spec.pool)
+          or os.path.join(directory, rendezvous.OPERATOR_TOKEN_FILE))
 
 
 class _Service:
@@ -289,7 +312,7 @@ def run_array(name: str) -> int:
       directory, first=first, count=per, slice_id=task, shm_size=spec.shm_size,
       imports=spec.imports, checkpoint_roots=(spec.checkpoint_root,), ports=ports,
       device_ids={h: list(range(h * d, (h + 1) * d)) for h in range(first, first + per)},
-      pool=spec.pool)
+      pool=spec.pool, operator_token_file=_own_operator_token(spec, directory))
   try:
     sidecars.start()
     for e in rendezvous.read_hosts(directory):
@@ -356,10 +379,10 @@ def status(name: str, *, timeout: float = 5.0) -> int:
   print(f"  cluster file: {path}\n  hosts: {', '.join(cluster.hosts)}", flush=True)
   from sidecar._src.controller import status as status_lib
   spec = ServiceSpec(**rendezvous.read_json(os.path.join(directory, "service.json")))
-  # A pool's sidecars take their tenants' tokens and the peer token (the sidecars' own: it
-  # sees the hosts, no tenant's row), not the service's.
-  token = rendezvous.read_token_file(os.path.join(directory, rendezvous.PEER_TOKEN_FILE)
-                                     if spec.pool else cluster.token_file)
+  # A pool's sidecars take their tenants' tokens and the pool's operator token (every
+  # tenant's row), not the service's.
+  token = rendezvous.read_token_file(operator_token_file(spec, directory) if spec.pool
+                                     else cluster.token_file)
   addresses = [h.rsplit(":", 1)[0] for h in cluster.hosts]
   return status_lib.print_status(addresses, timeout=timeout, token=token, as_json_=False)
 

@@ -44,13 +44,15 @@ def serve_args(host_id: int, slice_id: int, *, sock: str, ready: str, shm_size: 
                imports: Sequence[str], checkpoint_roots: Sequence[str], token_file: str,
                port: int = 0, health_port: int = 0,
                device_ids: Sequence[int] = (), session_quota: str | None = None,
-               pool: str = "") -> list[str]:
+               pool: str = "", operator_token_file: str = "") -> list[str]:
   """The ``sidecar serve`` command of one host of a Slurm job; with ``pool`` (a pool
-  file's absolute path) its tenants' tokens instead of the job's ``token_file``."""
+  file's absolute path) its tenants' tokens instead of the job's ``token_file``, and
+  ``operator_token_file`` the pool's operator token where the pool file names none."""
   args = [sys.executable, "-m", "sidecar", "serve", "--host-id", str(host_id),
           "--slice-id", str(slice_id), "--port", str(port), "--health-port", str(health_port),
           "--socket", sock, "--shm-size", shm_size,
           *(["--pool", pool] if pool else ["--token-file", token_file]),
+          *(["--operator-token-file", operator_token_file] if operator_token_file else []),
           # beside the token file, in the job's (or service's) 0700 directory
           "--peer-token-file",
           os.path.join(os.path.dirname(token_file), rendezvous.PEER_TOKEN_FILE),
@@ -74,9 +76,10 @@ class NodeSidecars:
                shm_size: str, imports: Sequence[str], checkpoint_roots: Sequence[str],
                ports: dict[int, tuple[int, int]] | None = None,
                device_ids: dict[int, list[int]] | None = None, session_quota: str | None = None,
-               pool: str = ""):
+               pool: str = "", operator_token_file: str = ""):
     self.directory, self.first, self.count, self.slice_id = directory, first, count, slice_id
     self.pool = pool  # a pool file: its tenants, not the job's token (sidecar serve --pool)
+    self.operator_token_file = operator_token_file  # the pool's, where its file names none
     self.session_quota = session_quota  # each session's share of the arena (several ranks)
     self.shm_size, self.imports, self.checkpoint_roots = shm_size, imports, checkpoint_roots
     self.ports = ports or {}
@@ -110,7 +113,7 @@ class NodeSidecars:
                         imports=self.imports, checkpoint_roots=self.checkpoint_roots,
                         token_file=self.token_file, port=port, health_port=health,
                         device_ids=self.device_ids.get(h, ()), session_quota=self.session_quota,
-                        pool=self.pool)
+                        pool=self.pool, operator_token_file=self.operator_token_file)
       env = {**platform.sidecar_env(os.environ), "PYTHONUNBUFFERED": "1"}  # never the chip
       env.pop(env_lib.TOKEN, None)
       env.pop(env_lib.REPLICA_HOSTS, None)  # the job's directory names them

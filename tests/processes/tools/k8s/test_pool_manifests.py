@@ -70,3 +70,30 @@ def test_a_tenants_job_finds_every_sidecar_of_the_pool_in_host_id_order(rendered
   token = next(v for v in job["spec"]["template"]["spec"]["volumes"]
                if v["name"] == "sidecar-token")
   assert token["secret"]["defaultMode"] == 0o400
+
+
+def test_the_pool_has_an_operator_token_kept_as_the_tenants_tokens(rendered):
+  """Issue 42's gap (e): the pool's sidecars were given no operator token, so nobody could
+  read every tenant's Status row. The StatefulSet passes one from a Secret of its own
+  (0400); the check names one outside a Secret, or one everyone may read."""
+  docs, _ = rendered
+  (statefulset,) = pool.pool_sets(docs)
+  spec = statefulset["spec"]["template"]["spec"]
+  (sidecar,) = spec["containers"]
+  command = sidecar["command"]
+  path = command[command.index("--operator-token-file") + 1]
+  (mount,) = [m for m in sidecar["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+  (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+  assert volume["secret"] == {"secretName": "sidecar-operator-token", "defaultMode": 0o400}
+  for change, found in (({"emptyDir": {}}, "the pool's operator token "
+                         "'/var/run/secrets/sidecar-operator/token' is not in a mounted Secret"),
+                        ({"secret": {"secretName": "x", "defaultMode": 0o444}},
+                         "mode 444 lets everyone read the operator token")):
+    bad = copy.deepcopy(docs)
+    (bad_set,) = pool.pool_sets(bad)
+    bad_volumes = bad_set["spec"]["template"]["spec"]["volumes"]
+    (v,) = [v for v in bad_volumes if v["name"] == mount["name"]]
+    v.pop("secret")
+    v.update(change)
+    (finding,) = pool.check_pool(bad, kubernetes_versions=[])
+    assert found in finding.message, finding

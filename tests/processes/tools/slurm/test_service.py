@@ -159,7 +159,8 @@ def test_a_requeued_task_whose_port_was_taken_serves_on_a_fresh_one(slurm, tmp_p
 
 def test_a_service_serves_a_pool_of_tenants(slurm, tmp_path):
   """``--pool FILE`` (issue 37): every sidecar serves the pool's tenants with their own
-  tokens, not the service's; its status asks with the peer token, which sees the hosts."""
+  tokens, not the service's; its status asks with the pool's operator token, which the
+  service made, and sees every tenant's row."""
   home = tmp_path / "home"
   env = {**slurm.env, "SIDECAR_HOME": str(home), "JAX_PLATFORMS": "cpu"}
   pool = pool_files.write_pool(tmp_path)
@@ -181,9 +182,18 @@ def test_a_service_serves_a_pool_of_tenants(slurm, tmp_path):
     service_token = (home / "pool" / "token").read_text().strip()
     with pytest.raises(sidecar.AuthenticationError):
       sidecar.Controller([host], token=service_token, attach=False, timeout=30)
+    # Issue 42's gap (e): the service makes the pool's operator token, kept as the
+    # tenants' (0600, in its directory), and gives it to every sidecar: it reads each
+    # tenant's row, which the peer token (all status had before) no longer sees.
+    operator = home / "pool" / "operator-token"
+    assert operator.stat().st_mode & 0o777 == 0o600
+    with sidecar.Controller([host], token=operator.read_text().strip(), attach=False,
+                            timeout=30) as op:
+      assert sorted(t.name for t in op.status()[0].tenants) == ["alice", "bob"]
     shown = cli(slurm, env, "status", "pool", check=False)
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert re.search(rf"^{re.escape(host)} +0 ", shown.stdout, re.M), shown.stdout
+    assert re.search(r"^0 +alice ", shown.stdout, re.M), shown.stdout  # the tenants' rows
   finally:
     cli(slurm, env, "stop", "pool", check=False)
   assert slurm.jobs() == []

@@ -8,6 +8,7 @@ replicas. A replica carries its tenant, and the receiving host counts its blocks
 that tenant's arena ceiling, whether or not the tenant opened the directory there.
 """
 
+import dataclasses
 import threading
 from concurrent import futures
 
@@ -17,7 +18,8 @@ import pytest
 
 import sidecar
 from sidecar._src.arena.worker import Worker
-from sidecar._src.core import env as env_lib
+from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
+from sidecar._src.core import env as env_lib, errors
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.pbscan import encode_varint
@@ -196,3 +198,30 @@ def test_a_refused_link_says_it_is_the_sidecars_own(make_server, tmp_path):
   assert "tenant 'bob', which is not in this sidecar's pool" in error.details()
   assert "SIDECAR_TOKEN" not in error.details()
   assert not servers[1].checkpoints.tier.replicas
+
+
+def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_server, tmp_path):
+  """Issue 42's gap (c): ``Receive`` took the header's tenant on trust while its blocks came
+  over a worker session the sender attached (``PeerAttach``) for another tenant: a replica
+  of bob's blocks was kept as alice's. Now it is PERMISSION_DENIED naming both, and nothing
+  is kept; the same link sending for its own tenant is received."""
+  server = make_server(pool=pool_files.write_pool(tmp_path), shm_size=64 * MiB)
+  peer = ReplicaTarget(host_id=server.options.host_id, address=f"127.0.0.1:{server.port}")
+  data = np.arange(1024, dtype=np.float32)
+  shard = ShardId(("w",), ((0, 1024),))
+  header = ReplicaHeader(directory=str(tmp_path / "alice" / "ck"), step=1,
+                         final_dir=str(tmp_path / "alice" / "ck" / "1" / "default"), source=7)
+  with links_lib.ReplicaLink(peer, token=PEER_TOKEN, peer_token=PEER_TOKEN, tenant="bob",
+                             timeout=10) as link:
+    assert link.same_machine  # the blocks go through bob's arena there
+    link.tenant = "alice"  # the header names another tenant than the attach did
+    with pytest.raises(errors.PermissionDeniedError, match=(
+        r"the replica's header is for tenant 'alice', but its blocks come over a worker "
+        r"session the sending sidecar attached for tenant 'bob'")):
+      link.send(header, [(shard, data)], timeout=10)
+    assert not server.checkpoints.tier.replicas
+    link.tenant = "bob"
+    bobs = dataclasses.replace(header, directory=str(tmp_path / "bob" / "ck"),
+                               final_dir=str(tmp_path / "bob" / "ck" / "1" / "default"))
+    assert link.send(bobs, [(shard, data)], timeout=10) == data.nbytes
+  assert [r.source for r in server.checkpoints.tier.replicas.values()] == [7]

@@ -110,3 +110,22 @@ def test_list_steps_lists_committed_step_directories_in_numeric_order(tmp_path):
     (tmp_path / name).mkdir()
   (tmp_path / "7").write_text("a file named like a step")
   assert orbax_read.list_steps(tmp_path) == [9, 10, 100]
+
+
+def test_tensorstore_is_never_handed_a_leaf_directory_with_a_symlink(tmp_path):
+  """Issue 42's gap (b): TensorStore opens a leaf's files by path and follows a symlink
+  planted among them (an edge chunk swapped for a link to a file outside): the read
+  returned that file's bytes. Now the leaf's directory is walked first (lstat) and the
+  read refused, naming the link."""
+  step = orbax_steps.write_step(tmp_path / "ck", 5)
+  secret = tmp_path / "secret"
+  secret.write_bytes(np.array([7, 7], np.int32).tobytes())  # an edge chunk's size
+  chunk = step / "default" / "opt.0.e" / "2"
+  chunk.unlink()
+  chunk.symlink_to(secret)
+  for read in (lambda: orbax_read.read_leaf(step, ("opt", 0, "e")),
+               lambda: orbax_read.read_item_shard(step / "default", ("opt", 0, "e"), ((4, 5),)),
+               lambda: orbax_read.item_leaves(step / "default")):
+    with pytest.raises(errors.PermissionDeniedError,
+                       match=rf"leaf .*{chunk}' is a symlink.* a checkpoint holds no symlinks"):
+      read()

@@ -140,3 +140,17 @@ def test_only_an_uncommitted_step_is_written(tmp_path):
   orbax_steps.write_step(tmp_path, 5)
   with pytest.raises(errors.InvalidArgumentError, match=r"5 is not an uncommitted step directory"):
     orbax_write.write_host_part(tmp_path / "5", 0, SPECS, orbax_steps.host_parts()[0])
+
+
+def test_tensorstore_writes_into_no_leaf_directory_holding_a_symlink(tmp, tmp_path):
+  """Issue 42's gap (b), writing: an edge chunk's file planted as a symlink to a file
+  outside the checkpoint: TensorStore wrote through it. Now the write is refused, naming
+  the link, and the file outside is as it was."""
+  outside = tmp_path / "outside"
+  outside.write_bytes(b"keep")
+  leaf = tmp / "default" / "opt.0.e"
+  leaf.mkdir(parents=True)
+  (leaf / "2").symlink_to(outside)
+  with pytest.raises(errors.PermissionDeniedError, match=rf"'{leaf / '2'}' is a symlink"):
+    orbax_write.write_host_part(tmp, 0, SPECS, orbax_steps.host_parts()[0])
+  assert outside.read_bytes() == b"keep"
