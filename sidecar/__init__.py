@@ -4,7 +4,14 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-  from sidecar import distributed, elastic, testing
+  from sidecar import (  # jax, orbax, torch: reached, not in __all__
+    distributed,
+    elastic,
+    jax as jax,
+    orbax as orbax,
+    testing,
+    torch as torch,
+  )
   from sidecar._src.controller.checkpoint.options import CheckpointOptions
   from sidecar._src.controller.connection import HostInfo
   from sidecar._src.core.errors import (

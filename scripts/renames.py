@@ -1,0 +1,442 @@
+# ruff: noqa: E501
+"""Issue 43 items 5 and 6: names with one meaning, one public door per name, tests named
+after their module. Run once on the merged tree, from the repository root:
+
+  python scripts/renames.py            # renames, then prints every file it changed
+  python scripts/renames.py --check    # changes nothing; exit 1 if anything is left to do
+
+Idempotent: a second run changes nothing (each group is guarded by the old name's
+definition, so a rename whose new name another group frees, ``Sidecars``, is not applied
+twice). Word-bounded throughout. In Python files, identifiers are renamed as tokens (names in
+code and in f-string braces), never inside string literals or comments, except within
+backticks (``Hosts``, :class:`Hosts`); names with no other meaning (constants, private
+helpers, module paths) are renamed everywhere, strings included (``monkeypatch.setattr(
+staging, "STAGE_PART_BYTES", ...)``). Markdown: inline code and fenced blocks.
+
+What is kept, and why (wire, files on disk, flags and environment stay compatible):
+  * proto messages and fields (``ckpt_pb.Peer``, ``ReplicaPart``, ``DcpPart``, ``CallPart``,
+    the ``format_part`` oneof, the ``CallParts`` rpc): renaming them changes the wire and
+    the committed generated code; Python names around them change instead.
+  * ``--peer-token-file``, ``SIDECAR_PEER_TOKEN[_FILE]``, ``SIDECAR_PEER_TIMEOUT``, the
+    ``sidecar-peer`` metadata key, the ``peer-token`` rendezvous file, the k8s Secret
+    ``sidecar-peer-token`` (and ``peer_token_secret``, the k8s render option that names it),
+    ``args.peer_token_file`` (argparse's name for the flag): what operators and manifests
+    already use.
+  * the JSON key ``"peer_token"`` inside a replica link's attach token (``ReplicaAttach``):
+    sidecars of two versions in one job still understand each other.
+  * gRPC's and the kernel's own word for the other end of a connection where it mirrors
+    their API (``context.peer()``, ``SO_PEERCRED``): ``server/limits.peer_of`` becomes
+    ``client_of``, the Unix-socket credentials ``ipc.Peer`` become ``ipc.Ucred``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import os
+import re
+import subprocess
+import sys
+import tokenize
+from collections.abc import Callable
+
+ROOTS = ("sidecar", "tests", "benchmarks", "examples", "docs", "k8s", "pipelines", "scripts")
+TOP_FILES = ("README.md", "ARCHITECTURE.md", "CONTRIBUTING.md", "CHANGELOG.md", "pyproject.toml")
+SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".sh")
+NEVER = ("sidecar/v1/", "scripts/renames.py")  # generated code; this script
+PB = re.compile(r"(?:\bpb|_pb|_pb2)\s*\.\s*$")  # a name after ``pb.``: a proto message
+
+# ---- module moves: (old path, new path) ------------------------------------------------
+
+MOVES = [
+    ("sidecar/_src/controller/hosts.py", "sidecar/_src/controller/sidecars.py"),
+    ("sidecar/_src/server/checkpoint/host.py", "sidecar/_src/server/checkpoint/checkpoints.py"),
+    ("sidecar/_src/server/feeds/pool.py", "sidecar/_src/server/feeds/processes.py"),
+    # Tests named after the module they test (item 6).
+    ("tests/unit/controller/test_hosts.py", "tests/unit/controller/test_sidecars.py"),
+    ("tests/unit/controller/test_feed_logic.py", "tests/unit/controller/test_feed.py"),
+    ("tests/unit/controller/checkpoint/test_protocol.py",
+     "tests/unit/controller/checkpoint/test_save_protocol.py"),
+    ("tests/unit/server/checkpoint/test_step_writer.py", "tests/unit/server/checkpoint/test_save.py"),
+    ("tests/unit/server/feeds/test_batches.py", "tests/unit/server/feeds/test_producer.py"),
+    ("tests/unit/torch/test_launcher_env.py", "tests/unit/torch/test_distributed.py"),
+    ("tests/unit/tools/slurm/test_trainer_env.py", "tests/unit/tools/slurm/test_tasks.py"),
+]
+
+
+def _dotted(path: str) -> str:
+  return path.removesuffix(".py").replace("/", ".")
+
+
+# ---- renames ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Group:
+  """Renames that go together, applied only while ``pending`` (the old names) holds."""
+  name: str
+  pending: Callable[[dict[str, str]], bool]
+  code: dict[str, str] = dataclasses.field(default_factory=dict)  # names, as tokens
+  text: dict[str, str] = dataclasses.field(default_factory=dict)  # everywhere, word-bounded
+  raw: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # regex -> repl
+  # {file-name regex: {old: new}} names renamed as tokens in matching files only
+  scoped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+  not_after_pb: frozenset[str] = frozenset()  # names also a proto message's: not after pb.
+
+
+def _defines(files: dict[str, str], pattern: str, where: str = "sidecar/_src/") -> bool:
+  rx = re.compile(pattern, re.M)
+  return any(p.startswith(where) and rx.search(t) for p, t in files.items())
+
+
+GROUPS = [
+    # `host` is a machine index. The sidecars a controller reaches: `Sidecars` (was
+    # controller/hosts.Hosts); the checkpointer's frozen view of them: `SidecarsSnapshot`
+    # (was controller/checkpoint/sidecars.Sidecars). The sidecar's checkpoint object, which
+    # owns writer, RAM tier, replicator and reader: `Checkpoints` (was CheckpointHost).
+    Group(
+        "sidecars",
+        lambda f: _defines(f, r"^class Hosts\b"),
+        code={"Hosts": "Sidecars", "Sidecars": "SidecarsSnapshot"},
+        raw=[(r"(?<=\.)_hosts(?=\.conns\b)", "_sidecars"),
+             (r"\bcontroller\.hosts\.Hosts\b", "controller.sidecars.Sidecars")],
+        scoped={r"^sidecar/_src/controller/controller\.py$": {"_hosts": "_sidecars"}},
+    ),
+    Group(
+        "checkpoints",
+        lambda f: _defines(f, r"^class CheckpointHost\b"),
+        text={"CheckpointHost": "Checkpoints"},
+    ),
+    # `Pool` is a pool's tenants only; a feed's worker processes are `FeedProcesses`.
+    Group(
+        "feed-processes",
+        lambda f: _defines(f, r"^class Pool\b", "sidecar/_src/server/feeds/"),
+        text={"feed_pool": "feed_processes"},
+        raw=[(r"(from sidecar\._src\.server\.feeds import [^\n]*?)\bpool as feed_processes\b",
+              r"\1processes as feed_processes"),
+             (r"\bfeed_processes\.Pool\b", "feed_processes.FeedProcesses")],
+        scoped={r"^sidecar/_src/server/feeds/(pool|processes)\.py$": {"Pool": "FeedProcesses"}},
+    ),
+    # `peer` is one of a job's trainer processes (controller/peers.Peers, JaxPeers,
+    # TorchPeers). A sidecar that holds another's replicas is reached over a replica link,
+    # with the replica token; a worker waits `sidecar_timeout` on a silent sidecar.
+    Group(
+        "replica-links",
+        lambda f: _defines(f, r"^class PeerAttach\b|^\s*peer_token\b|^def peer_token\b"),
+        code={"peer_token": "replica_token"},
+        text={"PeerAttach": "ReplicaAttach", "PEER_TOKEN": "REPLICA_TOKEN",
+              "PEER_TOKEN_FILE": "REPLICA_TOKEN_FILE", "PEER_KEY": "REPLICA_KEY",
+              "PEER_TOKEN_DIR": "REPLICA_TOKEN_DIR", "peer_credentials": "replica_credentials",
+              "is_peer": "is_replica_link", "_is_peer": "_is_replica_link",
+              "_no_peer": "_no_replica_link", "_check_not_peer": "_check_not_replica_link",
+              "_peer_sessions": "_replica_sessions", "_peer_tenant": "_replica_tenant"},
+        raw=[(r'(?<=for name in \("token", )"peer_token"', '"replica_token"')],
+        scoped={r"^sidecar/_src/server/service\.py$": {"_peer": "_replica_bearer"},
+                r"^sidecar/_src/server/(pool/)?tenants\.py$": {"_peer": "_replica_token"}},
+    ),
+    Group(
+        "sidecar-timeout",
+        lambda f: _defines(f, r"\bpeer_timeout\b"),
+        text={"peer_timeout": "sidecar_timeout", "PEER_TIMEOUT": "SIDECAR_TIMEOUT",
+              "DEFAULT_PEER_TIMEOUT_S": "DEFAULT_SIDECAR_TIMEOUT_S"},
+    ),
+    Group(
+        "socket-credentials",
+        lambda f: _defines(f, r"^class Peer\b", "sidecar/_src/wire/"),
+        text={"check_peer": "check_server", "peer_pid": "client_pid", "_peer_uid": "_client_uid",
+              "_peer_open": "_client_open"},
+        raw=[(r"\bipc\.Peer\b", "ipc.Ucred"), (r"\bipc\.peer_of\b", "ipc.ucred_of")],
+        scoped={r"^sidecar/_src/wire/ipc\.py$": {"Peer": "Ucred", "peer_of": "ucred_of"},
+                r"^sidecar/_src/server/(pool/)?limits\.py$": {"peer_of": "client_of"},
+                r"^sidecar/_src/server/service\.py$": {"peer_of": "client_of"}},
+    ),
+    # `part` is one host's (or one rank's) share of a step: the files it writes
+    # (write_host_part, write_rank_part, DcpPart, commit_part). Some bytes of a shard or of a
+    # message in transit are a `piece`; a save's shards handed on together are a `lot`.
+    Group(
+        "parts",
+        lambda f: _defines(f, r"^class (ReplicaPart|Parts|_Part|_InParts)\b"),
+        code={"ReplicaPart": "ReplicaPiece", "Parts": "Lots"},
+        text={"STAGE_PART_BYTES": "STAGE_LOT_BYTES"},
+        scoped={r"^sidecar/_src/server/checkpoint/links\.py$": {"_Part": "_Piece"},
+                r"^sidecar/_src/controller/calls\.py$": {"_InParts": "_InPieces"}},
+        not_after_pb=frozenset({"ReplicaPart"}),
+    ),
+    # One public door per name: JAX's Controller, Worker, initialize, is_initialized and
+    # JaxPeers in sidecar.jax (as PyTorch's are in sidecar.torch); CheckpointOptions and
+    # FeedOptions (both frameworks') in sidecar; sidecar.distributed keeps the framework-free
+    # Peers and LocalPeers.
+    Group(
+        "doors",
+        lambda f: '"Controller": "sidecar._src.jax.controller"' in f.get("sidecar/__init__.py", ""),
+        raw=[(r"(?<![\w.])sidecar\.(Controller|Worker)\b", r"sidecar.jax.\1"),
+             (r"(?<![\w.])sidecar\.distributed\.(initialize|is_initialized|JaxPeers)\b",
+              r"sidecar.jax.\1"),
+             (r"(?<![\w.])sidecar\.torch\.CheckpointOptions\b", "sidecar.CheckpointOptions"),
+             (r"(?<![\w.])sidecar\.jax\.FeedOptions\b", "sidecar.FeedOptions")],
+    ),
+]
+
+
+# ---- rewriting -------------------------------------------------------------------------
+
+BACKTICKS = re.compile(r"``[^`\n]+``|`[^`\n]+`")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+FSTRING_EXPR = re.compile(r"\{[^{}\n]*\}")
+
+
+def _word_sub(mapping: dict[str, str], text: str, not_after_pb: frozenset[str] = frozenset()
+              ) -> str:
+  if not mapping:
+    return text
+  rx = re.compile(r"(?<![\w$])(" + "|".join(map(re.escape, sorted(mapping, key=len,
+                                                                     reverse=True))) + r")\b")
+
+  def one(m: re.Match) -> str:
+    if m.group(1) in not_after_pb and PB.search(text[max(0, m.start() - 12):m.start()]):
+      return m.group(0)
+    return mapping[m.group(1)]
+
+  return rx.sub(one, text)
+
+
+def _in_backticks(mapping: dict[str, str], text: str, not_after_pb: frozenset[str]) -> str:
+  return BACKTICKS.sub(lambda m: _word_sub(mapping, m.group(0), not_after_pb), text)
+
+
+def _python(text: str, mapping: dict[str, str], not_after_pb: frozenset[str]) -> str:
+  """``mapping`` applied to NAME tokens, f-string braces, and backticks in strings/comments."""
+  if not mapping:
+    return text
+  try:
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+  except (tokenize.TokenError, SyntaxError, IndentationError):
+    return _word_sub(mapping, text, not_after_pb)
+  lines = text.splitlines(keepends=True)
+  starts = [0]
+  for line in lines:
+    starts.append(starts[-1] + len(line))
+  edits: list[tuple[int, int, str]] = []
+  for tok in tokens:
+    a = starts[tok.start[0] - 1] + tok.start[1]
+    b = starts[tok.end[0] - 1] + tok.end[1]
+    if tok.type == tokenize.NAME:
+      new = mapping.get(tok.string)
+      if new is not None and not (tok.string in not_after_pb and PB.search(text[max(0, a - 12):a])):
+        edits.append((a, b, new))
+    elif tok.type in (tokenize.STRING, tokenize.COMMENT):
+      s = tok.string
+      if tok.type == tokenize.STRING and "f" in s[:s.find(s[-1])].lower():
+        s = FSTRING_EXPR.sub(lambda m: _word_sub(mapping, m.group(0), not_after_pb), s)
+      s = _in_backticks(mapping, s, not_after_pb)
+      if s != tok.string:
+        edits.append((a, b, s))
+  for a, b, new in reversed(edits):
+    text = text[:a] + new + text[b:]
+  return text
+
+
+def _markdown(text: str, mapping: dict[str, str], not_after_pb: frozenset[str]) -> str:
+  out, last = [], 0
+  for m in FENCE.finditer(text):
+    out.append(_in_backticks(mapping, text[last:m.start()], not_after_pb))
+    out.append(_word_sub(mapping, m.group(0), not_after_pb))
+    last = m.end()
+  out.append(_in_backticks(mapping, text[last:], not_after_pb))
+  return "".join(out)
+
+
+def rewrite(path: str, text: str, groups: list[Group]) -> str:
+  for g in groups:
+    code = dict(g.code)
+    for pattern, names in g.scoped.items():
+      if re.search(pattern, path):
+        code.update(names)
+    if path.endswith(".py"):
+      text = _python(text, code, g.not_after_pb)
+    elif path.endswith(".md"):
+      text = _markdown(text, code, g.not_after_pb)
+    text = _word_sub(g.text, text)
+    for pattern, repl in g.raw:
+      text = re.sub(pattern, repl, text)
+  return text
+
+
+def _module_paths(text: str, moves: list[tuple[str, str]]) -> str:
+  """``sidecar._src.controller.hosts``, ``sidecar/_src/controller/hosts.py`` and any tail of
+  that path of two names or more (``controller/hosts.py``, ``checkpoint/host.py``)."""
+  for old, new in moves:
+    text = re.sub(r"(?<![\w.])" + re.escape(_dotted(old)) + r"(?!\w)", _dotted(new), text)
+    parts_old, parts_new = old.split("/"), new.split("/")
+    for i in range(len(parts_old) - 1):
+      tail_old, tail_new = "/".join(parts_old[i:]), "/".join(parts_new[i:])
+      text = re.sub(r"(?<![\w./])" + re.escape(tail_old) + r"\b", tail_new, text)
+  return text
+
+
+# ---- the public modules (one door each) ------------------------------------------------
+
+DOOR_EDITS: dict[str, list[tuple[str, str]]] = {
+    "sidecar/__init__.py": [
+        ("  from sidecar._src.jax.controller import Controller\n  from sidecar._src.jax.worker"
+         " import Worker\n", ""),
+        ("# ``Controller`` and ``Worker`` are JAX's (``sidecar.jax``'s, kept here for compatibility):\n"
+         "# without the ``jax`` extra, naming them says which extra to install.\n",
+         "# JAX's ``Controller`` and ``Worker`` are ``sidecar.jax``'s, PyTorch's ``sidecar.torch``'s:\n"
+         "# one door each (``_MOVED`` says where a name that left the root went).\n"),
+        ('    "Controller": "sidecar._src.jax.controller",\n', ""),
+        ('    "Worker": "sidecar._src.jax.worker",\n', ""),
+        ('    "Controller",\n', ""),
+        ('    "Worker",\n', ""),
+        ('_SUBMODULES = ("distributed", "elastic", "testing")\n',
+         '_SUBMODULES = ("distributed", "elastic", "testing")\n'
+         '_MOVED = {"Controller": "sidecar.jax.Controller (PyTorch: sidecar.torch.Controller)",\n'
+         '          "Worker": "sidecar.jax.Worker"}\n'),
+        ('    raise AttributeError(f"module \'sidecar\' has no attribute {name!r}")\n',
+         '    if name in _MOVED:\n'
+         '      raise AttributeError(f"sidecar.{name} is {_MOVED[name]}: import sidecar.jax")\n'
+         '    raise AttributeError(f"module \'sidecar\' has no attribute {name!r}")\n'),
+    ],
+    "sidecar/jax.py": [
+        ('"""JAX through the sidecars: the Controller, the Worker, multi-controller JAX.\n\n'
+         "``sidecar.jax`` stands beside ``sidecar.torch``; ``sidecar.jax.Controller`` and\n"
+         "``sidecar.jax.Worker`` are the same classes, kept there for compatibility. Needs the\n",
+         '"""JAX through the sidecars: the Controller, the Worker, multi-controller JAX.\n\n'
+         "``sidecar.jax`` stands beside ``sidecar.torch``: each framework's Controller is reached\n"
+         "there and nowhere else (``sidecar.FeedOptions`` and ``sidecar.CheckpointOptions`` are\n"
+         "both frameworks'). Needs the\n"),
+        ("from sidecar._src.core.options import FeedOptions\n", ""),
+        ('__all__ = ["Controller", "FeedOptions", "JaxPeers", "Worker", "initialize", "is_initialized"]',
+         '__all__ = ["Controller", "JaxPeers", "Worker", "initialize", "is_initialized"]'),
+    ],
+    "sidecar/distributed.py": [
+        ('"""Multi-controller JAX: one trainer process per host under ``jax.distributed``.\n\n'
+         "Example::\n\n  import sidecar\n  sidecar.jax.initialize()         # before any other JAX call\n"
+         "  ctl = sidecar.jax.Controller.from_env()      # every sidecar; this process drives its own host\n"
+         '"""\n',
+         '"""A job\'s trainer processes (its peers), whatever the framework: what agrees across them.\n\n'
+         "``Peers`` is what a controller asks of them (how many, which is this one, a barrier, one\n"
+         "value agreed); ``LocalPeers`` is a job of one process. JAX's are ``sidecar.jax.JaxPeers``\n"
+         "(``sidecar.jax.initialize()``), PyTorch's ``sidecar.torch.TorchPeers``.\n\n"
+         "Example::\n\n  import sidecar.jax\n  sidecar.jax.initialize()                 # before any other JAX call\n"
+         "  ctl = sidecar.jax.Controller.from_env()  # every sidecar; this process drives its own host\n"
+         '"""\n'),
+        ("from sidecar._src.jax.distributed import JaxPeers, LocalPeers, Peers, initialize, is_initialized\n",
+         "from sidecar._src.controller.peers import LocalPeers, Peers\n"),
+        ('__all__ = ["JaxPeers", "LocalPeers", "Peers", "initialize", "is_initialized"]',
+         '__all__ = ["LocalPeers", "Peers"]'),
+    ],
+    "sidecar/torch.py": [
+        ("from sidecar._src.controller.checkpoint.options import CheckpointOptions\n", ""),
+        ('__all__ = ["CheckpointOptions", "Checkpointer",', '__all__ = ["Checkpointer",'),
+    ],
+    "tests/unit/test_public_api.py": [
+        ('      "Controller", "CorruptCheckpointError",', '      "CorruptCheckpointError",'),
+        ('"VersionMismatchError", "Worker", "default_registry",', '"VersionMismatchError", "default_registry",'),
+        ('  assert sidecar.distributed.__all__ == [\n      "JaxPeers", "LocalPeers", "Peers", "initialize", "is_initialized"]',
+         '  assert sidecar.distributed.__all__ == ["LocalPeers", "Peers"]'),
+        ("  # (sidecar.jax.Controller, the JAX one, inherits them from the controller core).\n"
+         "  assert [m for m in dir(sidecar.jax.Controller)",
+         "  # (sidecar.jax.Controller inherits them from the controller core).\n"
+         "  import sidecar.jax\n  assert [m for m in dir(sidecar.jax.Controller)"),
+        ('      "CheckpointOptions", "Checkpointer", "Controller", "DataLoader",',
+         '      "Checkpointer", "Controller", "DataLoader",'),
+        ("  # One CheckpointOptions for both frameworks.\n"
+         "  assert sidecar.CheckpointOptions is sidecar.CheckpointOptions\n",
+         "  # One door per name: CheckpointOptions is both frameworks', sidecar's alone.\n"
+         "  assert not hasattr(sidecar.torch, \"CheckpointOptions\")\n"),
+        ('      "Controller", "FeedOptions", "JaxPeers", "Worker", "initialize", "is_initialized"]',
+         '      "Controller", "JaxPeers", "Worker", "initialize", "is_initialized"]'),
+        ("  # sidecar.jax.Controller and sidecar.jax.Worker stay the JAX ones, for compatibility.\n"
+         "  assert sidecar.jax.Controller is sidecar.jax.Controller\n"
+         "  assert sidecar.jax.Worker is sidecar.jax.Worker\n"
+         "  assert sidecar.FeedOptions is sidecar.FeedOptions\n"
+         "  assert sidecar.jax.initialize is sidecar.jax.initialize\n",
+         "  # One door per name: JAX's classes are sidecar.jax's alone; a name that left the root\n"
+         "  # says where it went.\n"
+         "  for name in (\"Controller\", \"Worker\"):\n"
+         "    with pytest.raises(AttributeError, match=f\"sidecar.{name} is sidecar.jax.{name}\"):\n"
+         "      getattr(sidecar, name)\n"
+         "  assert not hasattr(sidecar.jax, \"FeedOptions\")\n"
+         "  assert not hasattr(sidecar.distributed, \"initialize\")\n"),
+    ],
+}
+
+
+def _doors(files: dict[str, str]) -> dict[str, str]:
+  """The public modules after the ``doors`` group's text rules ran on them: edited in place."""
+  out = {}
+  for path, edits in DOOR_EDITS.items():
+    if path not in files:
+      continue
+    text = files[path]
+    for old, new in edits:
+      if old in text:
+        text = text.replace(old, new, 1)
+      elif new and new not in text:
+        print(f"  ! {path}: expected text not found (edited since?): {old[:70]!r}")
+    out[path] = text
+  return out
+
+
+# ---- driver ----------------------------------------------------------------------------
+
+
+def _tracked() -> list[str]:
+  out = subprocess.run(["git", "ls-files", "-z", *ROOTS, *TOP_FILES], check=True,
+                       capture_output=True).stdout.decode().split("\0")
+  return [p for p in out if p and p.endswith(SUFFIXES) and not p.startswith(NEVER)
+          and os.path.isfile(p)]
+
+
+def _git_mv(old: str, new: str, check: bool) -> bool:
+  if not os.path.exists(old) or os.path.exists(new):
+    if os.path.exists(old) and os.path.exists(new):
+      print(f"  ! both {old} and {new} exist: merge them by hand")
+    return False
+  print(f"moved {old} -> {new}")
+  if not check:
+    subprocess.run(["git", "mv", old, new], check=True)
+  return True
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if pending")
+  args = parser.parse_args()
+  if not os.path.isdir("sidecar/_src"):
+    sys.exit("run from the repository root")
+  files = {p: open(p, encoding="utf-8").read() for p in _tracked()}
+  groups = [g for g in GROUPS if g.pending(files)]
+  print("pending groups:", ", ".join(g.name for g in groups) or "none")
+  doors = any(g.name == "doors" for g in groups)
+
+  moved = [(o, n) for o, n in MOVES if _git_mv(o, n, args.check)]
+  changed = 0
+  for path, text in sorted(files.items()):
+    new = _module_paths(text, MOVES)
+    new = rewrite(path, new, groups)
+    if new != text:
+      changed += 1
+      where = dict(MOVES).get(path, path) if not args.check else path
+      n = sum(a != b for a, b in zip(text.splitlines(), new.splitlines()))
+      print(f"rewrote {where} ({n} lines)")
+      if not args.check:
+        with open(where if os.path.exists(where) else path, "w", encoding="utf-8") as f:
+          f.write(new)
+      files[path] = new
+  if doors:
+    for path, text in _doors(files).items():
+      if text != files[path]:
+        changed += 1
+        print(f"doors   {path}")
+        if not args.check:
+          with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+  print(f"{len(moved)} files moved, {changed} rewritten")
+  return 1 if args.check and (moved or changed) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
