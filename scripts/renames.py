@@ -123,7 +123,7 @@ GROUPS = [
     # with the replica token; a worker waits `sidecar_timeout` on a silent sidecar.
     Group(
         "replica-links",
-        lambda f: _defines(f, r"^class PeerAttach\b|^\s*peer_token\b|^def peer_token\b"),
+        lambda f: _defines(f, r"^class PeerAttach\b"),
         code={"peer_token": "replica_token"},
         text={"PeerAttach": "ReplicaAttach", "PEER_TOKEN": "REPLICA_TOKEN",
               "PEER_TOKEN_FILE": "REPLICA_TOKEN_FILE", "PEER_KEY": "REPLICA_KEY",
@@ -148,8 +148,8 @@ GROUPS = [
               "_peer_open": "_client_open"},
         raw=[(r"\bipc\.Peer\b", "ipc.Ucred"), (r"\bipc\.peer_of\b", "ipc.ucred_of")],
         scoped={r"^sidecar/_src/wire/ipc\.py$": {"Peer": "Ucred", "peer_of": "ucred_of"},
-                r"^sidecar/_src/server/(pool/)?limits\.py$": {"peer_of": "client_of"},
-                r"^sidecar/_src/server/service\.py$": {"peer_of": "client_of"}},
+                r"^sidecar/_src/server/(pool/)?limits\.py$": {"peer_of": "connection_of"},
+                r"^sidecar/_src/server/service\.py$": {"peer_of": "connection_of"}},
     ),
     # `part` is one host's (or one rank's) share of a step: the files it writes
     # (write_host_part, write_rank_part, DcpPart, commit_part). Some bytes of a shard or of a
@@ -184,6 +184,8 @@ GROUPS = [
 BACKTICKS = re.compile(r"``[^`\n]+``|`[^`\n]+`")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 FSTRING_EXPR = re.compile(r"\{[^{}\n]*\}")
+ARG_ENTRY = re.compile(r"(?m)^(\s+)(\w+)(?=(?: \([^)\n]*\))?: )")
+WIDTH = 100
 
 
 def _word_sub(mapping: dict[str, str], text: str, not_after_pb: frozenset[str] = frozenset()
@@ -230,6 +232,8 @@ def _python(text: str, mapping: dict[str, str], not_after_pb: frozenset[str]) ->
       if tok.type == tokenize.STRING and "f" in s[:s.find(s[-1])].lower():
         s = FSTRING_EXPR.sub(lambda m: _word_sub(mapping, m.group(0), not_after_pb), s)
       s = _in_backticks(mapping, s, not_after_pb)
+      if tok.type == tokenize.STRING and s.endswith(('"""', "'''")):  # Args: name: ...
+        s = ARG_ENTRY.sub(lambda m: m.group(1) + mapping.get(m.group(2), m.group(2)), s)
       if s != tok.string:
         edits.append((a, b, s))
   for a, b, new in reversed(edits):
@@ -245,6 +249,57 @@ def _markdown(text: str, mapping: dict[str, str], not_after_pb: frozenset[str]) 
     last = m.end()
   out.append(_in_backticks(mapping, text[last:], not_after_pb))
   return "".join(out)
+
+
+def _wrap(old: str, new: str) -> str:
+  """Lines the renames pushed past ``WIDTH`` in a Python file, wrapped: code at its last
+  ", " inside brackets (aligned under the bracket), a comment or docstring at a space."""
+  kept = set(old.splitlines())
+  try:
+    tokens = list(tokenize.generate_tokens(io.StringIO(new).readline))
+  except (tokenize.TokenError, SyntaxError, IndentationError):
+    return new
+  in_string = {r for t in tokens if t.type == tokenize.STRING and t.end[0] > t.start[0]
+               for r in range(t.start[0] + 1, t.end[0] + 1)}
+  out = []
+  for row, line in enumerate(new.splitlines(keepends=True), 1):
+    body = line.rstrip("\n")
+    if len(body) <= WIDTH or body in kept:
+      out.append(line)
+      continue
+    wrapped = _wrap_line(body, row in in_string)
+    if wrapped is None:
+      print(f"  ! a line past {WIDTH} columns, wrap it by hand: {body.strip()[:60]!r}")
+      out.append(line)
+    else:
+      out.append(wrapped + line[len(body):])
+  return "".join(out)
+
+
+def _wrap_line(body: str, in_string: bool) -> str | None:
+  indent = body[:len(body) - len(body.lstrip())]
+  if in_string or body.lstrip().startswith("#"):
+    lead = indent + ("# " if body.lstrip().startswith("#") else "")
+    cut = body.rfind(" ", len(lead) + 1, WIDTH + 1)
+    return None if cut < 0 else body[:cut] + "\n" + lead + body[cut + 1:]
+  opens: list[int] = []
+  best = None
+  quote = None
+  for i, c in enumerate(body[:WIDTH]):
+    if quote:
+      quote = None if c == quote else quote
+    elif c in "\"'":
+      quote = c
+    elif c in "([{":
+      opens.append(i)
+    elif c in ")]}":
+      opens and opens.pop()
+    elif c == "," and opens and body[i + 1:i + 2] == " ":
+      best = (i, opens[-1])
+  if best is None:
+    return None
+  i, col = best
+  return body[:i + 1] + "\n" + " " * (col + 1) + body[i + 2:]
 
 
 def rewrite(path: str, text: str, groups: list[Group]) -> str:
@@ -339,7 +394,7 @@ DOOR_EDITS: dict[str, list[tuple[str, str]]] = {
         ("  # (sidecar.jax.Controller, the JAX one, inherits them from the controller core).\n"
          "  assert [m for m in dir(sidecar.jax.Controller)",
          "  # (sidecar.jax.Controller inherits them from the controller core).\n"
-         "  import sidecar.jax\n  assert [m for m in dir(sidecar.jax.Controller)"),
+         "  assert [m for m in dir(sidecar.jax.Controller)"),
         ('      "CheckpointOptions", "Checkpointer", "Controller", "DataLoader",',
          '      "Checkpointer", "Controller", "DataLoader",'),
         ("  # One CheckpointOptions for both frameworks.\n"
@@ -417,6 +472,8 @@ def main() -> int:
   for path, text in sorted(files.items()):
     new = _module_paths(text, MOVES)
     new = rewrite(path, new, groups)
+    if path.endswith(".py") and new != text:
+      new = _wrap(text, new)
     if new != text:
       changed += 1
       where = dict(MOVES).get(path, path) if not args.check else path
