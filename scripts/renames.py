@@ -26,7 +26,7 @@ What is kept, and why (wire, files on disk, flags and environment stay compatibl
     sidecars of two versions in one job still understand each other.
   * gRPC's and the kernel's own word for the other end of a connection where it mirrors
     their API (``context.peer()``, ``SO_PEERCRED``): ``server/limits.peer_of`` becomes
-    ``client_of``, the Unix-socket credentials ``ipc.Peer`` become ``ipc.Ucred``.
+    ``connection_of``, the Unix-socket credentials ``ipc.Peer`` become ``ipc.Ucred``.
 """
 
 from __future__ import annotations
