@@ -36,6 +36,7 @@ import dataclasses
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -259,8 +260,9 @@ def _wrap(old: str, new: str) -> str:
     tokens = list(tokenize.generate_tokens(io.StringIO(new).readline))
   except (tokenize.TokenError, SyntaxError, IndentationError):
     return new
-  in_string = {r for t in tokens if t.type == tokenize.STRING and t.end[0] > t.start[0]
-               for r in range(t.start[0] + 1, t.end[0] + 1)}
+  in_string = {r for t in tokens if t.type == tokenize.STRING and t.string.endswith(('"""', "'''"))
+               for r in range(t.start[0] + (not t.line[:t.start[1]].isspace() and t.start[1] > 0),
+                              t.end[0] + 1)}
   out = []
   for row, line in enumerate(new.splitlines(keepends=True), 1):
     body = line.rstrip("\n")
@@ -435,6 +437,16 @@ def _doors(files: dict[str, str]) -> dict[str, str]:
   return out
 
 
+def _sort_imports(paths: list[str]) -> None:
+  """A renamed module moves in its import block: ruff's isort, on the files changed only."""
+  py = [p for p in paths if p.endswith(".py")]
+  ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+  if not py or not os.path.exists(ruff):
+    print("  ! ruff not found: run `ruff check --fix --select I` on the files above")
+    return
+  subprocess.run([ruff, "check", "--fix", "--select", "I", "-q", *py], check=False)
+
+
 # ---- driver ----------------------------------------------------------------------------
 
 
@@ -468,7 +480,7 @@ def main() -> int:
   doors = any(g.name == "doors" for g in groups)
 
   moved = [(o, n) for o, n in MOVES if _git_mv(o, n, args.check)]
-  changed = 0
+  changed, written = 0, []
   for path, text in sorted(files.items()):
     new = _module_paths(text, MOVES)
     new = rewrite(path, new, groups)
@@ -482,6 +494,7 @@ def main() -> int:
       if not args.check:
         with open(where if os.path.exists(where) else path, "w", encoding="utf-8") as f:
           f.write(new)
+        written.append(where if os.path.exists(where) else path)
       files[path] = new
   if doors:
     for path, text in _doors(files).items():
@@ -491,6 +504,8 @@ def main() -> int:
         if not args.check:
           with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+  if written and not args.check:
+    _sort_imports(written)
   print(f"{len(moved)} files moved, {changed} rewritten")
   return 1 if args.check and (moved or changed) else 0
 
