@@ -256,6 +256,7 @@ def _wrap(old: str, new: str) -> str:
   """Lines the renames pushed past ``WIDTH`` in a Python file, wrapped: code at its last
   ", " inside brackets (aligned under the bracket), a comment or docstring at a space."""
   kept = set(old.splitlines())
+  carry_lead = ""
   try:
     tokens = list(tokenize.generate_tokens(io.StringIO(new).readline))
   except (tokenize.TokenError, SyntaxError, IndentationError):
@@ -263,18 +264,33 @@ def _wrap(old: str, new: str) -> str:
   in_string = {r for t in tokens if t.type == tokenize.STRING and t.string.endswith(('"""', "'''"))
                for r in range(t.start[0] + (not t.line[:t.start[1]].isspace() and t.start[1] > 0),
                               t.end[0] + 1)}
-  out = []
+  out: list[str] = []
+  carry = ""  # words a wrapped docstring or comment line pushed onto its next line
   for row, line in enumerate(new.splitlines(keepends=True), 1):
     body = line.rstrip("\n")
+    if carry:
+      lead = body[:len(body) - len(body.lstrip())]
+      if row in in_string and body.strip() and not body.strip().startswith(('"""', "'''")):
+        body = lead + carry + " " + body.lstrip()
+      else:
+        out.append(carry_lead + carry + "\n")
+      carry = ""
     if len(body) <= WIDTH or body in kept:
-      out.append(line)
+      out.append(body + line[len(line.rstrip("\n")):])
       continue
     wrapped = _wrap_line(body, row in in_string)
     if wrapped is None:
       print(f"  ! a line past {WIDTH} columns, wrap it by hand: {body.strip()[:60]!r}")
-      out.append(line)
+      out.append(body + line[len(line.rstrip("\n")):])
+    elif row in in_string:
+      first, rest = wrapped.split("\n", 1)
+      carry_lead = rest[:len(rest) - len(rest.lstrip())]
+      carry = rest.lstrip()
+      out.append(first + "\n")
     else:
-      out.append(wrapped + line[len(body):])
+      out.append(wrapped + line[len(line.rstrip("\n")):])
+  if carry:
+    out.append(carry_lead + carry + "\n")
   return "".join(out)
 
 
