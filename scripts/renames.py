@@ -164,6 +164,18 @@ GROUPS = [
                 r"^sidecar/_src/controller/calls\.py$": {"_InParts": "_InPieces"}},
         not_after_pb=frozenset({"ReplicaPart"}),
     ),
+    # core/progress and controller/progress were one module under two names: core's stays
+    # (the arena's Worker, below the controller, uses it too).
+    Group(
+        "progress",
+        lambda f: "sidecar/_src/controller/progress.py" in f,
+        raw=[(r"(?m)^(from sidecar\._src\.controller import [^\n(]*?), progress as progress_lib(.*)$",
+              r"\1\2\nfrom sidecar._src.core import progress as progress_lib"),
+             (r"\bfrom sidecar\._src\.controller import progress\b",
+              "from sidecar._src.core import progress"),
+             (r"(?<![\w.])sidecar\._src\.controller\.progress\b", "sidecar._src.core.progress"),
+             (r"(?<![\w./])(sidecar/_src/)?controller/progress\.py\b", r"\1core/progress.py")],
+    ),
     # One public door per name: JAX's Controller, Worker, initialize, is_initialized and
     # JaxPeers in sidecar.jax (as PyTorch's are in sidecar.torch); CheckpointOptions and
     # FeedOptions (both frameworks') in sidecar; sidecar.distributed keeps the framework-free
@@ -466,6 +478,9 @@ def _sort_imports(paths: list[str]) -> None:
 # ---- driver ----------------------------------------------------------------------------
 
 
+DELETES = ["sidecar/_src/controller/progress.py"]  # re-exports of a module under another name
+
+
 def _tracked() -> list[str]:
   out = subprocess.run(["git", "ls-files", "-z", *ROOTS, *TOP_FILES], check=True,
                        capture_output=True).stdout.decode().split("\0")
@@ -496,6 +511,12 @@ def main() -> int:
   doors = any(g.name == "doors" for g in groups)
 
   moved = [(o, n) for o, n in MOVES if _git_mv(o, n, args.check)]
+  for path in DELETES:
+    if os.path.exists(path):
+      print(f"removed {path}")
+      files.pop(path, None)
+      if not args.check:
+        subprocess.run(["git", "rm", "-q", path], check=True)
   changed, written = 0, []
   for path, text in sorted(files.items()):
     new = _module_paths(text, MOVES)
