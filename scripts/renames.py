@@ -21,7 +21,8 @@ What is kept, and why (wire, files on disk, flags and environment stay compatibl
     ``sidecar-peer`` metadata key, the ``peer-token`` rendezvous file, the k8s Secret
     ``sidecar-peer-token`` (and ``peer_token_secret``, the k8s render option that names it),
     ``args.peer_token_file`` (argparse's name for the flag): what operators and manifests
-    already use.
+    already use; and env.py's and rendezvous.py's constants that mirror those names
+    (``PEER_TOKEN``, ``PEER_TOKEN_FILE``, ``PEER_TIMEOUT``: env.py's table is keyed by them).
   * the JSON key ``"peer_token"`` inside a replica link's attach token (``ReplicaAttach``):
     sidecars of two versions in one job still understand each other.
   * gRPC's and the kernel's own word for the other end of a connection where it mirrors
@@ -121,13 +122,12 @@ GROUPS = [
     ),
     # `peer` is one of a job's trainer processes (controller/peers.Peers, JaxPeers,
     # TorchPeers). A sidecar that holds another's replicas is reached over a replica link,
-    # with the replica token; a worker waits `sidecar_timeout` on a silent sidecar.
+    # with the replica token; a worker waits `silence_timeout` on a silent sidecar.
     Group(
         "replica-links",
         lambda f: _defines(f, r"^class PeerAttach\b"),
         code={"peer_token": "replica_token"},
-        text={"PeerAttach": "ReplicaAttach", "PEER_TOKEN": "REPLICA_TOKEN",
-              "PEER_TOKEN_FILE": "REPLICA_TOKEN_FILE", "PEER_KEY": "REPLICA_KEY",
+        text={"PeerAttach": "ReplicaAttach", "PEER_KEY": "REPLICA_KEY",
               "PEER_TOKEN_DIR": "REPLICA_TOKEN_DIR", "peer_credentials": "replica_credentials",
               "is_peer": "is_replica_link", "_is_peer": "_is_replica_link",
               "_no_peer": "_no_replica_link", "_check_not_peer": "_check_not_replica_link",
@@ -139,8 +139,8 @@ GROUPS = [
     Group(
         "sidecar-timeout",
         lambda f: _defines(f, r"\bpeer_timeout\b"),
-        text={"peer_timeout": "sidecar_timeout", "PEER_TIMEOUT": "SIDECAR_TIMEOUT",
-              "DEFAULT_PEER_TIMEOUT_S": "DEFAULT_SIDECAR_TIMEOUT_S"},
+        text={"peer_timeout": "silence_timeout",
+              "DEFAULT_PEER_TIMEOUT_S": "DEFAULT_SILENCE_TIMEOUT_S"},
     ),
     Group(
         "socket-credentials",
