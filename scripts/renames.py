@@ -152,14 +152,21 @@ GROUPS = [
                 r"^sidecar/_src/server/(pool/)?limits\.py$": {"peer_of": "connection_of"},
                 r"^sidecar/_src/server/service\.py$": {"peer_of": "connection_of"}},
     ),
-    # `part` is one host's (or one rank's) share of a step: the files it writes
-    # (write_host_part, write_rank_part, DcpPart, commit_part). Some bytes of a shard or of a
-    # message in transit are a `piece`; a save's shards handed on together are a `lot`.
+    # `part` had five meanings: (1) one host's (or one rank's) share of a step, the files it
+    # writes (write_host_part, write_rank_part, DcpPart); (2) a format's typed data on a Stage
+    # or Commit request (the `format_part` oneof, STAGE_PARTS); (3) some bytes of a shard or
+    # of a message in transit (ReplicaPart, links._Part, CallPart, calls._InParts); (4) the
+    # shards a save hands on together (staging.Parts, STAGE_PART_BYTES); (5) a component
+    # ("the checkpoint parts of one sidecar"). `part` keeps (1); (2) is a format's `extra`
+    # (as Format.manifest_extras), (3) a `piece`, (4) a `lot`; (5) is prose, left to review.
+    # On the wire, the proto names stay (`format_part`, ReplicaPart, CallPart, CallParts).
     Group(
         "parts",
         lambda f: _defines(f, r"^class (ReplicaPart|Parts|_Part|_InParts)\b"),
         code={"ReplicaPart": "ReplicaPiece", "Parts": "Lots"},
-        text={"STAGE_PART_BYTES": "STAGE_LOT_BYTES"},
+        text={"STAGE_PART_BYTES": "STAGE_LOT_BYTES", "STAGE_PARTS": "STAGE_EXTRAS",
+              "COMMIT_PARTS": "COMMIT_EXTRAS", "format_part_to_pb": "format_extra_to_pb",
+              "format_part_from_pb": "format_extra_from_pb"},
         scoped={r"^sidecar/_src/server/checkpoint/links\.py$": {"_Part": "_Piece"},
                 r"^sidecar/_src/controller/calls\.py$": {"_InParts": "_InPieces"}},
         not_after_pb=frozenset({"ReplicaPart"}),
