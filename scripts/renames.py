@@ -169,6 +169,8 @@ GROUPS = [
               "format_part_from_pb": "format_extra_from_pb"},
         scoped={r"^sidecar/_src/server/checkpoint/links\.py$": {"_Part": "_Piece"},
                 r"^sidecar/_src/controller/calls\.py$": {"_InParts": "_InPieces"}},
+        raw=[(r"\b(links(?:_lib)?)\._Part\b", r"\1._Piece"),
+             (r"\b(calls(?:_lib)?)\._InParts\b", r"\1._InPieces")],
         not_after_pb=frozenset({"ReplicaPart"}),
     ),
     # core/progress and controller/progress were one module under two names: core's stays
