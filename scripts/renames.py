@@ -415,9 +415,9 @@ DOOR_EDITS: dict[str, list[tuple[str, str]]] = {
          "``sidecar.jax`` stands beside ``sidecar.torch``; ``sidecar.jax.Controller`` and\n"
          "``sidecar.jax.Worker`` are the same classes, kept there for compatibility. Needs the\n",
          '"""JAX through the sidecars: the Controller, the Worker, multi-controller JAX.\n\n'
-         "``sidecar.jax`` stands beside ``sidecar.torch``: each framework's Controller is reached\n"
-         "there and nowhere else (``sidecar.FeedOptions`` and ``sidecar.CheckpointOptions`` are\n"
-         "both frameworks'). Needs the\n"),
+         "``sidecar.jax`` stands beside ``sidecar.torch``: each framework's Controller and Worker\n"
+         "are reached there and nowhere else (``sidecar.FeedOptions`` and\n"
+         "``sidecar.CheckpointOptions`` are both frameworks'). Needs the\n"),
         ("from sidecar._src.core.options import FeedOptions\n", ""),
         ('__all__ = ["Controller", "FeedOptions", "JaxPeers", "Worker", "initialize", "is_initialized"]',
          '__all__ = ["Controller", "JaxPeers", "Worker", "initialize", "is_initialized"]'),
