@@ -85,6 +85,8 @@ class Group:
   # {file-name regex: {old: new}} names renamed as tokens in matching files only
   scoped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
   not_after_pb: frozenset[str] = frozenset()  # names also a proto message's: not after pb.
+  # {text regex: {old: new}}: names renamed as tokens in files whose text matches
+  scoped_if: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
 def _defines(files: dict[str, str], pattern: str, where: str = "sidecar/_src/") -> bool:
@@ -128,12 +130,15 @@ GROUPS = [
         lambda f: _defines(f, r"^class PeerAttach\b"),
         code={"peer_token": "replica_token"},
         text={"PeerAttach": "ReplicaAttach", "PEER_KEY": "REPLICA_KEY",
-              "PEER_TOKEN_DIR": "REPLICA_TOKEN_DIR", "peer_credentials": "replica_credentials",
+              "PEER_TOKEN_DIR": "REPLICA_TOKEN_DIR",
               "is_peer": "is_replica_link", "_is_peer": "_is_replica_link",
               "_no_peer": "_no_replica_link", "_check_not_peer": "_check_not_replica_link",
               "_peer_sessions": "_replica_sessions", "_peer_tenant": "_replica_tenant"},
         raw=[(r'(?<=for name in \("token", )"peer_token"', '"replica_token"')],
         scoped={r"^sidecar/_src/server/service\.py$": {"_peer": "_replica_bearer"},
+                # the replica links' TLS (not a Unix socket's credentials, SO_PEERCRED)
+                r"^sidecar/_src/server/(server|checkpoint/(links|host|checkpoints|tenant_checks))\.py$":
+                    {"peer_credentials": "replica_credentials"},
                 r"^sidecar/_src/server/(pool/)?tenants\.py$": {"_peer": "_replica_token"}},
     ),
     Group(
@@ -148,6 +153,8 @@ GROUPS = [
         text={"check_peer": "check_server", "peer_pid": "client_pid", "_peer_uid": "_client_uid",
               "_peer_open": "_client_open"},
         raw=[(r"\bipc\.Peer\b", "ipc.Ucred"), (r"\bipc\.peer_of\b", "ipc.ucred_of")],
+        scoped_if={r"from sidecar\._src\.wire\.ipc import[^\n]*\bpeer_of\b": {"peer_of": "ucred_of"},
+                   r"from sidecar\._src\.wire\.ipc import[^\n]*\bPeer\b": {"Peer": "Ucred"}},
         scoped={r"^sidecar/_src/wire/ipc\.py$": {"Peer": "Ucred", "peer_of": "ucred_of"},
                 r"^sidecar/_src/server/(pool/)?limits\.py$": {"peer_of": "connection_of"},
                 r"^sidecar/_src/server/service\.py$": {"peer_of": "connection_of"}},
@@ -346,6 +353,9 @@ def rewrite(path: str, text: str, groups: list[Group]) -> str:
     code = dict(g.code)
     for pattern, names in g.scoped.items():
       if re.search(pattern, path):
+        code.update(names)
+    for pattern, names in g.scoped_if.items():
+      if re.search(pattern, text):
         code.update(names)
     if path.endswith(".py"):
       text = _python(text, code, g.not_after_pb)
