@@ -81,7 +81,8 @@ class Group:
   pending: Callable[[dict[str, str]], bool]
   code: dict[str, str] = dataclasses.field(default_factory=dict)  # names, as tokens
   text: dict[str, str] = dataclasses.field(default_factory=dict)  # everywhere, word-bounded
-  raw: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # regex -> repl
+  # (regex, repl) or (regex, repl, a path regex of files it skips)
+  raw: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
   # {file-name regex: {old: new}} names renamed as tokens in matching files only
   scoped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
   not_after_pb: frozenset[str] = frozenset()  # names also a proto message's: not after pb.
@@ -133,8 +134,11 @@ GROUPS = [
               "PEER_TOKEN_DIR": "REPLICA_TOKEN_DIR",
               "is_peer": "is_replica_link", "_is_peer": "_is_replica_link",
               "_no_peer": "_no_replica_link", "_check_not_peer": "_check_not_replica_link",
-              "_peer_sessions": "_replica_sessions", "_peer_tenant": "_replica_tenant"},
-        raw=[(r'(?<=for name in \("token", )"peer_token"', '"replica_token"')],
+              "_peer_sessions": "_replica_sessions", "_peer_tenant": "_replica_tenant",
+              "_peer_token": "_replica_token"},
+        # "peer_token" as a string names the option (getattr, kw.setdefault), except the JSON
+        # key of a replica link's attach token (tenants.py), which stays for the wire.
+        raw=[(r"""(["'])peer_token\1""", '"replica_token"', r"(^|/)tenants\.py$")],
         scoped={r"^sidecar/_src/server/service\.py$": {"_peer": "_replica_bearer"},
                 # the replica links' TLS (not a Unix socket's credentials, SO_PEERCRED)
                 r"^sidecar/_src/server/(server|checkpoint/(links|host|checkpoints|tenant_checks))\.py$":
@@ -362,8 +366,9 @@ def rewrite(path: str, text: str, groups: list[Group]) -> str:
     elif path.endswith(".md"):
       text = _markdown(text, code, g.not_after_pb)
     text = _word_sub(g.text, text)
-    for pattern, repl in g.raw:
-      text = re.sub(pattern, repl, text)
+    for pattern, repl, *skip in g.raw:
+      if not (skip and re.search(skip[0], path)):
+        text = re.sub(pattern, repl, text)
   return text
 
 
