@@ -492,6 +492,15 @@ DOOR_EDITS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+DOOR_EDITS["tests/processes/torch/test_no_jax.py"] = [
+    ("  except ImportError as e:\n    out[name] = str(e)\ntry:\n  import sidecar.jax",
+     "  except AttributeError as e:\n    out[name] = str(e)\ntry:\n  import sidecar.jax"),
+    ('      "Controller": f"sidecar.jax.Controller needs jax, which is not installed: {hint}",\n'
+     '      "Worker": f"sidecar.jax.Worker needs jax, which is not installed: {hint}",\n',
+     '      "Controller": "sidecar.Controller is sidecar.jax.Controller (PyTorch: "\n'
+     '                    "sidecar.torch.Controller): import sidecar.jax",\n'
+     '      "Worker": "sidecar.Worker is sidecar.jax.Worker: import sidecar.jax",\n'),
+]
 EDITS["doors"] = DOOR_EDITS
 
 
