@@ -44,8 +44,9 @@ import tokenize
 from collections.abc import Callable
 
 ROOTS = ("sidecar", "tests", "benchmarks", "examples", "docs", "k8s", "pipelines", "scripts")
-TOP_FILES = ("README.md", "ARCHITECTURE.md", "CONTRIBUTING.md", "CHANGELOG.md", "pyproject.toml")
-SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".sh")
+TOP_FILES = ("README.md", "ARCHITECTURE.md", "CONTRIBUTING.md", "CHANGELOG.md", "pyproject.toml",
+             "Dockerfile")
+SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".sh", ".ipynb")
 NEVER = ("sidecar/v1/", "scripts/renames.py")  # generated code; this script
 PB = re.compile(r"(?:\bpb|_pb|_pb2)\s*\.\s*$")  # a name after ``pb.``: a proto message
 
@@ -540,7 +541,7 @@ DELETES = ["sidecar/_src/controller/progress.py"]  # re-exports of a module unde
 def _tracked() -> list[str]:
   out = subprocess.run(["git", "ls-files", "-z", *ROOTS, *TOP_FILES], check=True,
                        capture_output=True).stdout.decode().split("\0")
-  return [p for p in out if p and p.endswith(SUFFIXES) and not p.startswith(NEVER)
+  return [p for p in out if p and p.endswith((*SUFFIXES, "Dockerfile")) and not p.startswith(NEVER)
           and os.path.isfile(p)]
 
 
