@@ -25,9 +25,13 @@ What is kept, and why (wire, files on disk, flags and environment stay compatibl
     (``PEER_TOKEN``, ``PEER_TOKEN_FILE``, ``PEER_TIMEOUT``: env.py's table is keyed by them).
   * the JSON key ``"peer_token"`` inside a replica link's attach token (``ReplicaAttach``):
     sidecars of two versions in one job still understand each other.
-  * gRPC's and the kernel's own word for the other end of a connection where it mirrors
-    their API (``context.peer()``, ``SO_PEERCRED``): ``server/limits.peer_of`` becomes
-    ``connection_of``, the Unix-socket credentials ``ipc.Peer`` become ``ipc.Ucred``.
+  * gRPC's and the kernel's own names (``context.peer()``, ``SO_PEERCRED``); ours for the
+    other end of a connection change: ``server/limits.peer_of`` becomes ``connection_of``,
+    the Unix-socket credentials ``ipc.Peer`` become ``ipc.Ucred`` (``ucred_of``,
+    ``check_server``), ``sockets.peer_pid`` ``client_pid``.
+
+Lines marked ``!`` need a hand: a line still past 100 columns, an exact edit whose text
+changed since. Then: ``ruff check .``, ``mypy``, the suite; then delete this script.
 """
 
 from __future__ import annotations
