@@ -4,13 +4,21 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-  from sidecar import distributed, elastic, testing
+  from sidecar import (  # jax, orbax, torch: reached, not in __all__
+    distributed,
+    elastic,
+    jax as jax,
+    orbax as orbax,
+    testing,
+    torch as torch,
+  )
   from sidecar._src.controller.checkpoint.options import CheckpointOptions
   from sidecar._src.controller.connection import HostInfo
   from sidecar._src.core.errors import (
     AlreadyRegisteredError,
     ArenaCapacityError,
     AuthenticationError,
+    BusyError,
     CheckpointWriteError,
     ClosedError,
     CorruptCheckpointError,
@@ -19,8 +27,11 @@ if _typing.TYPE_CHECKING:
     HostLostError,
     InvalidArgumentError,
     NotRegisteredError,
+    PermissionDeniedError,
     RemoteError,
     ResourceExhaustedError,
+    SessionLostError,
+    ShardsLostError,
     SidecarError,
     StaleDescriptorError,
     VersionMismatchError,
@@ -54,22 +65,25 @@ _HOME = {
     "CheckpointOptions": "sidecar._src.controller.checkpoint.options",
     "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (
-        "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
+        "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "BusyError",
         "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError",
-        "DiscoveryError", "HostLostError",
-        "InvalidArgumentError", "NotRegisteredError", "RemoteError", "ResourceExhaustedError",
-        "SidecarError", "StaleDescriptorError", "VersionMismatchError")},
+        "DiscoveryError", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
+        "PermissionDeniedError", "RemoteError", "ResourceExhaustedError", "SessionLostError",
+        "ShardsLostError", "SidecarError", "StaleDescriptorError", "VersionMismatchError")},
     **{name: _REGISTRY for name in (
         "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
 }
 _SUBMODULES = ("distributed", "elastic", "testing")
+# Reached as ``sidecar.jax.Controller`` after a bare ``import sidecar``, but left out of
+# ``__all__``: ``from sidecar import *`` must not import JAX or torch.
+_FRAMEWORKS = ("jax", "orbax", "torch")
 
 
 def __getattr__(name: str) -> _typing.Any:
-  if name not in _SUBMODULES and name not in _HOME:
+  if name not in _SUBMODULES and name not in _FRAMEWORKS and name not in _HOME:
     raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
   try:
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or name in _FRAMEWORKS:
       return _importlib.import_module(f"sidecar.{name}")
     value = getattr(_importlib.import_module(_HOME[name]), name)
   except ImportError as e:
@@ -87,6 +101,7 @@ __all__ = [
     "AlreadyRegisteredError",
     "ArenaCapacityError",
     "AuthenticationError",
+    "BusyError",
     "CheckpointOptions",
     "CheckpointWriteError",
     "ClosedError",
@@ -99,10 +114,13 @@ __all__ = [
     "HostLostError",
     "InvalidArgumentError",
     "NotRegisteredError",
+    "PermissionDeniedError",
     "PipelineContext",
     "Registry",
     "RemoteError",
     "ResourceExhaustedError",
+    "SessionLostError",
+    "ShardsLostError",
     "SidecarError",
     "StaleDescriptorError",
     "VersionMismatchError",

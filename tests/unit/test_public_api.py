@@ -8,11 +8,12 @@ pytestmark = pytest.mark.unit
 def test_public_api_is_pinned():
   assert sidecar.__all__ == sorted(sidecar.__all__)
   assert sidecar.__all__ == [
-      "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError",
+      "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "BusyError",
       "CheckpointOptions", "CheckpointWriteError", "ClosedError",
       "Controller", "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
       "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
-      "PipelineContext", "Registry", "RemoteError", "ResourceExhaustedError", "SidecarError",
+      "PermissionDeniedError", "PipelineContext", "Registry", "RemoteError",
+      "ResourceExhaustedError", "SessionLostError", "ShardsLostError", "SidecarError",
       "StaleDescriptorError", "VersionMismatchError", "Worker", "default_registry", "distributed",
       "elastic", "empty",
       "function", "pipeline", "set_default_registry", "testing",
@@ -27,6 +28,16 @@ def test_public_api_is_pinned():
   # (sidecar.Controller, the JAX one, inherits them from the controller core).
   assert [m for m in dir(sidecar.Controller) if m.startswith("from_")] == [
       "from_cluster_file", "from_env"]
+
+
+def test_every_error_of_the_tree_is_exported():
+  """The docs name errors to catch (ShardsLostError, SessionLostError, ...): each is
+  ``sidecar.<Name>``, and none is reachable only through ``sidecar._src``."""
+  from sidecar._src.core import errors
+  tree = sorted(n for n, v in vars(errors).items()
+                if isinstance(v, type) and issubclass(v, errors.SidecarError))
+  assert [n for n in tree if n not in sidecar.__all__] == []
+  assert all(getattr(sidecar, n) is getattr(errors, n) for n in tree)
 
 
 def test_torch_api_is_pinned():

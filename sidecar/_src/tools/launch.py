@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO, TextIO
 
 from sidecar._src.core import env as env_lib, errors, platform
-from sidecar._src.tools import c10d_store, relay, torchrun
+from sidecar._src.tools import c10d_store, torchrun, trainers
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
@@ -141,11 +141,6 @@ class _Loss:
   exit_code: int  # what the launcher exits with if it gives up here
 
 
-def exit_status(returncode: int) -> int:
-  """A Popen return code as a shell reports it: 128+N for a process killed by signal N."""
-  return 128 - returncode if returncode < 0 else returncode
-
-
 class _Run:
   """One launch: owns the trainers, their output threads and the signal handlers."""
 
@@ -194,7 +189,7 @@ class _Run:
             stderr=subprocess.STDOUT, start_new_session=True)
         self.trainers[rank] = proc
         prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
-        self._thread(relay.pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
+        self._thread(trainers.pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
         self._thread(self._wait, h, rank, proc, self.restart)
 
   def _max_restarts(self) -> int:
@@ -232,7 +227,7 @@ class _Run:
           continue
         # A dead sidecar, if any, is the cause: its trainer's failure is the symptom.
         loss = self._check_sidecars() or _Loss(event.host, "trainer", event.code,
-                                               exit_status(event.code))
+                                               trainers.exit_status(event.code))
       if loss is None:
         continue
       if not self._restart(loss):
@@ -244,7 +239,7 @@ class _Run:
     for h in self.hosts:
       code = self.cluster.poll(h)
       if code is not None:
-        return _Loss(h, "sidecar", code, exit_status(code) or 1)
+        return _Loss(h, "sidecar", code, trainers.exit_status(code) or 1)
     return None
 
   def _restart(self, loss: _Loss) -> bool:
@@ -253,7 +248,7 @@ class _Run:
       return self._restart_in_place(loss)
     lost = time.monotonic()
     left = [h for h in self.hosts if h != loss.host]
-    why = f"host {loss.host}'s {loss.what} {_how(loss.code)}"
+    why = f"host {loss.host}'s {loss.what} {trainers.how(loss.code)}"
     if not self.elastic or len(left) < self.min_hosts:
       more = "" if not self.elastic else (
           f" ({len(left)} hosts would remain, fewer than --min-hosts {self.min_hosts})")
@@ -271,7 +266,7 @@ class _Run:
     stop, sidecar, spawn = self._relaunch(left, lambda: self.cluster.kill(loss.host),
                                           since=lost)
     self.say(f"restart {self.restart}: host {loss.host} lost (its {loss.what} "
-             f"{_how(loss.code)}); {_processes(len(left) * self.procs_per_host)} "
+             f"{trainers.how(loss.code)}); {_processes(len(left) * self.procs_per_host)} "
              f"on hosts {left}, started {stop + sidecar + spawn:.2f} s after the loss "
              f"(stopping the trainers {stop:.2f} s, the lost sidecar {sidecar:.2f} s, "
              f"starting the new trainers {spawn:.2f} s)")
@@ -296,10 +291,10 @@ class _Run:
     if that is what died (a new one, empty, at the same addresses)."""
     lost = time.monotonic()
     if self.restart >= self.max_restarts:
-      self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)} after {self.restart} "
+      self.say(f"host {loss.host}'s {loss.what} {trainers.how(loss.code)} after {self.restart} "
                f"restarts (--max-restarts {self.max_restarts}); stopping every process")
       return False
-    self.say(f"host {loss.host}'s {loss.what} {_how(loss.code)}; restarting "
+    self.say(f"host {loss.host}'s {loss.what} {trainers.how(loss.code)}; restarting "
              + ("its sidecar and " if loss.what == "sidecar" else "")
              + f"every trainer in place on hosts {self.hosts}"
              + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
@@ -319,7 +314,7 @@ class _Run:
     except errors.SidecarError as e:
       self.say(f"host {loss.host}'s sidecar did not start again: {e}")
       return False
-    self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {_how(loss.code)}; "
+    self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {trainers.how(loss.code)}; "
              f"{_processes(len(self.hosts) * self.procs_per_host)} on hosts {self.hosts} in place, "
              f"started {stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
              f"{stop:.2f} s, the sidecar {sidecar:.2f} s, starting the new trainers "
@@ -336,17 +331,8 @@ class _Run:
   def stop_trainers(self) -> None:
     """SIGTERM to every trainer's process group, SIGKILL to those left after the grace
     (each one named: a trainer that catches SIGTERM costs every restart the grace)."""
-    groups = {rank: p.pid for rank, p in self.trainers.items()}
-    for g in groups.values():
-      _signal_group(g, signal.SIGTERM)
-    deadline = time.monotonic() + self.grace
-    while any(_group_alive(g) for g in groups.values()) and time.monotonic() < deadline:
-      time.sleep(0.01)
-    for rank, g in groups.items():
-      if _group_alive(g):
-        self.say(f"trainer {rank} still ran {self.grace:g} s after SIGTERM; killing it "
-                 "(SIGKILL). Does it catch SIGTERM?")
-      _signal_group(g, signal.SIGKILL)
+    trainers.stop_groups({rank: p.pid for rank, p in self.trainers.items()}, self.grace,
+                         self.say)
     for p in self.trainers.values():
       p.wait()
     if self.store is not None:
@@ -363,27 +349,6 @@ class _Run:
 
 def _processes(n: int) -> str:
   return f"{n} process{'es' * (n != 1)}"
-
-
-def _how(returncode: int) -> str:
-  if returncode < 0:
-    return f"was killed by {signal.Signals(-returncode).name}"
-  return f"exited with code {returncode}"
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-  try:
-    os.killpg(pgid, signum)
-  except (ProcessLookupError, PermissionError):
-    pass  # The group is empty (or its last member a zombie being reaped).
-
-
-def _group_alive(pgid: int) -> bool:
-  try:
-    os.killpg(pgid, 0)
-  except (ProcessLookupError, PermissionError):
-    return False
-  return True
 
 
 class _Interrupted(BaseException):

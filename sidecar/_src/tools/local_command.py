@@ -18,7 +18,7 @@ from sidecar._src.tools.local import LocalCluster
 
 # How long `sidecar local` waits for each sidecar to say how its reload went.
 RELOAD_WAIT_S = 30.0
-# The lines a sidecar logs for a SIGHUP (cli._reload, Server.reload).
+# The lines a sidecar logs for a SIGHUP (serve._reload, Server.reload).
 _RELOAD_WORDS = ("got SIGHUP", "reloaded")
 
 

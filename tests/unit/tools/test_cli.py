@@ -6,7 +6,7 @@ import os
 import pytest
 
 import sidecar
-from sidecar._src.tools import cli
+from sidecar._src.tools import cli, serve
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +22,7 @@ def test_serve_loads_plugins_from_entry_points(tmp_path, monkeypatch):
   reg = sidecar.Registry()
   previous = sidecar.set_default_registry(reg)
   try:
-    cli.load_user_code([])
+    serve.load_user_code([])
   finally:
     sidecar.set_default_registry(previous)
   assert reg.names("function") == ["from_plugin"]
@@ -43,7 +43,7 @@ def test_serve_replica_hosts_come_from_the_flag_else_the_jobs_sidecars(monkeypat
   for var in ("SIDECAR_REPLICA_HOSTS", "SIDECAR_REPLICA_HOSTS_FILE", "SIDECAR_HOSTS",
               "SIDECAR_JOBSET_NAME", "SIDECAR_PORT"):
     monkeypatch.delenv(var, raising=False)
-  hosts = lambda *argv: cli._replica_hosts(cli.parser().parse_args(["serve", *argv]))
+  hosts = lambda *argv: serve.replica_hosts(cli.parser().parse_args(["serve", *argv]))
   assert hosts() == ()
   assert hosts("--replica-hosts", "a:1, unix:/s.sock") == ("a:1", "unix:/s.sock")
   monkeypatch.setenv("SIDECAR_HOSTS", "n0:8490:8491,n1,unix:/x.sock")
