@@ -129,9 +129,12 @@ class RestoreLeaf:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestoreTarget:
   """What a restore fills: ``leaves`` in order, and ``build``, which makes the restored
-  tree of ``blocks[i][j]`` (leaf ``i``'s ``j``-th block, a host array) in that order."""
+  tree of ``blocks[i][j]`` (leaf ``i``'s ``j``-th block, a host array) in that order;
+  ``start``, where given, is called with each leaf and its blocks as soon as they are
+  read (its transfers to the devices then overlap the other reads)."""
   leaves: tuple[RestoreLeaf, ...]
   build: Callable[[list[list[np.ndarray]]], Any]
+  start: Callable[[RestoreLeaf, list[np.ndarray]], None] | None = None
 
 
 def check_tree(paths: Sequence[KeyPath], tree: Any) -> None:

@@ -282,13 +282,23 @@ def restore_target(target: Any) -> RestoreTarget:
     leaves.append(RestoreLeaf(path, shape, dtype, blocks))
     shardings.append((sharding, devices))
 
+  started: dict[int, jax.Array] = {}  # id(leaf): its array, its transfers under way
+  where = {id(leaf): i for i, leaf in enumerate(leaves)}
+
+  def start(leaf: RestoreLeaf, blocks: list[np.ndarray]) -> None:
+    sharding, devices = shardings[where[id(leaf)]]
+    if sharding is not None:
+      started[id(leaf)] = transfer.global_array(leaf.shape, sharding, blocks, devices)
+
   def build(filled: list[list[np.ndarray]]) -> Any:
     out: list[Any] = []
     for leaf, (sharding, devices), blocks in zip(leaves, shardings, filled, strict=True):
       if sharding is None:
         out.append(blocks[0] if leaf.shape else blocks[0][()])
+      elif id(leaf) in started:
+        out.append(started.pop(id(leaf)))
       else:
         out.append(transfer.global_array(leaf.shape, sharding, blocks, devices))
     return trees.unflatten(treedef, out)
 
-  return RestoreTarget(tuple(leaves), build)
+  return RestoreTarget(tuple(leaves), build, start)
