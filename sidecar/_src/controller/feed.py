@@ -194,17 +194,8 @@ class Feed:
   def _make(self, *, ahead: bool = False) -> _Made:
     """The next batch, made in this thread: every host's part, gathered and assembled.
 
-    Raises StopIteration at the end, or the sidecars' errors: the feed is then closed.
-    """
-    made = self._build(self._gather(ahead=ahead), ahead=ahead)
-    self._parts = []  # from here on the batch is the trainer's
-    return made
-
-  def _gather(self, *, ahead: bool = False) -> tuple[list[feed_batch.HostBatch], float]:
-    """Every host's part of the next batch, and how long they were waited for.
-
     Raises StopIteration at the end, or the sidecars' errors: the feed is then closed,
-    except in the threads that make batches ahead (``ahead``), whose batches made before
+    except in the thread that makes batches ahead (``ahead``), whose batches made before
     are still the trainer's to take (it closes the feed when it takes the end).
     """
     t0 = time.perf_counter()
@@ -232,13 +223,7 @@ class Feed:
       # Raised from here: the frames below (a half-decoded item's views) would keep
       # their blocks as long as the notebook keeps the traceback.
       raise e.with_traceback(None) from None
-    return items, time.perf_counter() - t0
-
-  def _build(self, gathered: tuple[list[feed_batch.HostBatch], float], *,
-             ahead: bool = False) -> _Made:
-    """The batch of the hosts' parts ``gathered``: the layout's arrays (on a device,
-    their transfers started), and the feed's position after it."""
-    items, wait = gathered
+    wait = time.perf_counter() - t0
     try:
       batch = self._assemble(items)
     except errors.SidecarError:
@@ -246,6 +231,7 @@ class Feed:
         self.close()
       raise
     state = self._merge([item.state for item in items])
+    self._parts = []  # from here on the batch is the trainer's
     return _Made(batch, state, wait, max(item.produce_s for item in items))
 
   def _assemble(self, parts: list[feed_batch.HostBatch]) -> Any:
@@ -346,38 +332,30 @@ _END = object()  # the thread's last queue entry where the feed ended
 
 
 class _Ahead:
-  """Two threads that make a feed's next batches while the trainer computes, so their
-  transfers to the devices overlap its steps: one gathers the hosts' parts of each batch,
-  the other makes the batch's arrays of them (the puts: on an accelerator a host copy of
-  each array before its transfer, which takes as long as the gathering), so the two
-  overlap. ``depth`` batches wait in a queue (each holding its arena blocks until its
-  device copies are done: the arrays keep the views they were made of), and :meth:`take`
-  hands the oldest over.
+  """A thread that makes a feed's next batches while the trainer computes, so their
+  transfers to the devices overlap its steps: ``depth`` batches wait in a queue (each
+  holding its arena blocks until its device copies are done: the arrays keep the views
+  they were made of), and :meth:`take` hands the oldest over.
 
-  The threads are the feed's: :meth:`close` (called by ``Feed.close``, after the streams
-  are closed, so a wait for a host's part ends) stops and joins them, dropping what is
+  The thread is the feed's: :meth:`close` (called by ``Feed.close``, after the streams
+  are closed, so a wait for a host's part ends) stops and joins it, dropping what is
   queued.
   """
-
-  GATHERED = 2  # batches gathered and waiting for their puts
 
   def __init__(self, feed: Feed, depth: int):
     self._feed = feed
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
-    self._gathered: queue.Queue = queue.Queue(maxsize=self.GATHERED)
     self._stop = threading.Event()
-    self._threads: list[threading.Thread] = []
+    self._thread: threading.Thread | None = None
 
   def take(self) -> _Made:
-    """The oldest batch made (starting the threads at the first call); raises where the
-    threads ended: StopIteration at the feed's end, or the error met (the feed then
+    """The oldest batch made (starting the thread at the first call); raises where the
+    thread ended: StopIteration at the feed's end, or the error it met (the feed then
     closes). Ctrl-C raises while the wait goes on (no batch is half taken)."""
-    if not self._threads:
-      name = f"sidecar-feed-{self._feed.name}"
-      self._threads = [threading.Thread(target=self._run_gather, daemon=True, name=name),
-                       threading.Thread(target=self._run_puts, daemon=True, name=f"{name}-put")]
-      for t in self._threads:
-        t.start()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, daemon=True,
+                                      name=f"sidecar-feed-{self._feed.name}")
+      self._thread.start()
     while True:
       try:
         made = self._queue.get(timeout=interrupts.POLL_S)
@@ -393,42 +371,21 @@ class _Ahead:
       raise StopIteration
     raise made
 
-  def _run_gather(self) -> None:
-    feed = self._feed
+  def _run(self) -> None:
     try:
       while not self._stop.is_set():
-        gathered = feed._gather(ahead=True)
-        feed._parts = []  # the put thread's from here on
-        if not self._put(self._gathered, gathered):
+        if not self._put(self._feed._make(ahead=True)):
           return
     except StopIteration:
-      self._put(self._gathered, _END)
+      self._put(_END)
     except BaseException as e:  # the trainer's next take() raises it; this thread's
-      self._put(self._gathered, e.with_traceback(None))  # frames would hold the blocks
+      self._put(e.with_traceback(None))  # frames would hold the parts' blocks
 
-  def _run_puts(self) -> None:
-    while not self._stop.is_set():
-      try:
-        gathered = self._gathered.get(timeout=interrupts.POLL_S)
-      except queue.Empty:
-        continue
-      if not isinstance(gathered, tuple):  # the end, or the gatherer's error: passed on
-        self._put(self._queue, gathered)
-        return
-      try:
-        made = self._feed._build(gathered, ahead=True)
-      except BaseException as e:
-        self._put(self._queue, e.with_traceback(None))
-        return
-      del gathered
-      if not self._put(self._queue, made):
-        return
-
-  def _put(self, into: queue.Queue, entry: Any) -> bool:
+  def _put(self, entry: Any) -> bool:
     """Queues ``entry`` once there is room; False if the feed closed meanwhile."""
     while not self._stop.is_set():
       try:
-        into.put(entry, timeout=interrupts.POLL_S)
+        self._queue.put(entry, timeout=interrupts.POLL_S)
         return True
       except queue.Full:
         pass
@@ -436,18 +393,16 @@ class _Ahead:
 
   def close(self) -> None:
     self._stop.set()
-    for t in self._threads:
-      if t is not threading.current_thread():
-        t.join(timeout=30.0)
-        if t.is_alive():
-          log.warning("feed %r: its device-prefetch thread %s did not stop in 30 s",
-                      self._feed.name, t.name)
-    for q in (self._gathered, self._queue):  # the batches made ahead, with their blocks
-      while True:
-        try:
-          q.get_nowait()
-        except queue.Empty:
-          break
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=30.0)
+      if self._thread.is_alive():
+        log.warning("feed %r: its device-prefetch thread did not stop in 30 s",
+                    self._feed.name)
+    while True:  # the batches made ahead, with their blocks
+      try:
+        self._queue.get_nowait()
+      except queue.Empty:
+        break
 
 
 def _check_state(state: dict[str, Any] | None, *, name: str, seed: int, num_hosts: int
