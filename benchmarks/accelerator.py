@@ -11,8 +11,10 @@ the same run:
 
   chip        the chip's limits: host-to-device of a 32x224x224x3 uint8 batch (4.8 MB) with
               many puts in flight, and one put waited for; device-to-host of the checkpoint
-              state (``copy_to_host_async`` on every array, then ``np.asarray``), one memcpy
-              of it (numpy, one thread), host-to-device of it (a put per array, all in flight)
+              state (``copy_to_host_async`` on every array, then ``np.asarray``; and by 4,
+              16 and 64 MiB pieces of one jitted split, their transfers in order, 4 in
+              flight), one memcpy of it (numpy, one thread), host-to-device of it (a put per
+              array, all in flight)
   grain       Grain in-process and ``mp_prefetch`` into device arrays, 'noop' and 'light'
               elements (``benchmarks/feed_fns.py``): the consumer keeps N batches in flight
               on the device (puts a batch, then uses the one N steps older), best of N in
@@ -23,8 +25,12 @@ the same run:
   checkpoint  Orbax's async save (``PyTreeCheckpointHandler``, no compression) and restore
               beside ``ctl.checkpointer``'s of the same state
               (``benchmarks/accelerator_checkpoint.py``)
-  training    a chip-bound loop (jitted bf16 matmuls): steps/s with no save, and while a
-              save is in flight (ours, Orbax's), from ``save()`` until durable
+  training    chip-bound loops (jitted bf16 matmuls) that dispatch every step and every 8
+              steps: steps/s with no save, and while a save is in flight (ours, Orbax's),
+              from ``save()`` until durable; the training time lost per save, (idle rate -
+              rate during) / idle rate x time + the block, in seconds; the same for ours
+              with 4, 16 and 64 MiB pieces, and beside a bare device-to-host of the state
+              (whole arrays, pieces) on a thread
 """
 
 from __future__ import annotations
