@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import sidecar
+from sidecar._src.jax import checkpoint as jax_checkpoint
 
 pytestmark = pytest.mark.accelerator
 
@@ -40,11 +41,14 @@ def bits(x: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
-@pytest.mark.parametrize("nbytes, ram_steps", [(4 << 20, 1), (4 << 20, 0), (1 << 30, 1)],
-                         ids=["4MiB-ram-tier", "4MiB-storage", "1GiB-ram-tier"])
+@pytest.mark.parametrize("nbytes, ram_steps, piece_bytes", [
+    (4 << 20, 1, None), (4 << 20, 0, None), (1 << 30, 1, None), (64 << 20, 1, 1 << 20)],
+    ids=["4MiB-ram-tier", "4MiB-storage", "1GiB-ram-tier", "64MiB-in-1MiB-pieces"])
 @pytest.mark.timeout(600)
-def test_a_donating_step_right_after_save_leaves_the_saved_step_bit_exact(cluster, nbytes,
-                                                                          ram_steps):
+def test_a_donating_step_right_after_save_leaves_the_saved_step_bit_exact(
+    cluster, nbytes, ram_steps, piece_bytes, monkeypatch):
+  if piece_bytes is not None:  # each 8 MiB leaf's device-to-host in 8 pieces
+    monkeypatch.setattr(jax_checkpoint, "PIECE_BYTES", piece_bytes)
   c, root = cluster
   device = jax.devices()[0]
   state = make_state(nbytes, device)
@@ -52,7 +56,7 @@ def test_a_donating_step_right_after_save_leaves_the_saved_step_bit_exact(cluste
   given = jax.tree.leaves(state)
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         state)
-  with c.controller() as ctl, ctl.checkpointer(root / f"ck-{nbytes}-{ram_steps}",
+  with c.controller() as ctl, ctl.checkpointer(root / f"ck-{nbytes}-{ram_steps}-{piece_bytes}",
                                                ram_steps=ram_steps) as ckpt:
     handle = ckpt.save(7, state)
     for _ in range(3):

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar._src.arena import shm
 from sidecar._src.arena.worker import TrainerProcess, Worker
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.controller.peers import LocalPeers, Peers
@@ -60,7 +61,7 @@ class HostCopy(abc.ABC):
   device-to-host transfer, of a copy the trainer's next steps cannot touch.
 
   A save returns once every shard is a host array or a ``HostCopy``; a thread of the
-  save then waits for each :meth:`result` and copies it into the arena. An adapter
+  save then has each written into its arena block (:meth:`copy_into`). An adapter
   returns one only where its own copy keeps the shard safe from what the trainer does
   next (a jitted step that donates the state, say).
   """
@@ -75,6 +76,12 @@ class HostCopy(abc.ABC):
   @abc.abstractmethod
   def result(self) -> np.ndarray:
     """The shard's elements in host memory, once the copy has landed (waits for it)."""
+
+  def copy_into(self, out: np.ndarray) -> None:
+    """Writes the shard's elements into ``out`` (an arena block of its shape and dtype)
+    as they land (waits for them). An adapter whose copy comes in pieces writes each
+    as it lands, making no whole host copy; by default, :meth:`result` copied once."""
+    shm.copy(out, self.result())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,9 +129,12 @@ class RestoreLeaf:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestoreTarget:
   """What a restore fills: ``leaves`` in order, and ``build``, which makes the restored
-  tree of ``blocks[i][j]`` (leaf ``i``'s ``j``-th block, a host array) in that order."""
+  tree of ``blocks[i][j]`` (leaf ``i``'s ``j``-th block, a host array) in that order;
+  ``start``, where given, is called with each leaf and its blocks as soon as they are
+  read (its transfers to the devices then overlap the other reads)."""
   leaves: tuple[RestoreLeaf, ...]
   build: Callable[[list[list[np.ndarray]]], Any]
+  start: Callable[[RestoreLeaf, list[np.ndarray]], None] | None = None
 
 
 def check_tree(paths: Sequence[KeyPath], tree: Any) -> None:

@@ -92,9 +92,9 @@ def test_a_copy_that_fails_after_save_returned_fails_the_save_and_frees_it(
     ckpt.save(1, state).durable.result(60)
     before = arena_used(ctl)
 
-    def failing(self):
+    def failing(self, out):
       raise RuntimeError("the device lost the copy")
-    monkeypatch.setattr(jax_checkpoint.DeviceToHost, "result", failing)
+    monkeypatch.setattr(jax_checkpoint.DeviceToHost, "copy_into", failing)
     handle = ckpt.save(2, state)  # returns: the copies fail later, in the stager
     with pytest.raises(RuntimeError, match="the device lost the copy"):
       handle.durable.result(60)
@@ -120,3 +120,38 @@ def test_a_device_without_room_for_the_copies_waits_for_its_transfers(monkeypatc
     (a, b), _ = s.index
     got = s.data if isinstance(s.data, np.ndarray) else s.data.result()
     np.testing.assert_array_equal(got, np.asarray(state["w"])[a:b])
+
+
+def test_shards_go_in_pieces_that_land_in_their_rows_bit_exact(monkeypatch):
+  monkeypatch.setattr(jax_checkpoint, "PIECE_BYTES", 16 << 10)  # 64 rows of 256 B
+  state = make_state() | {"scalar": jax.device_put(jnp.int32(41), jax.devices()[0])}
+  leaves = {leaf.spec.param_name: leaf for leaf in
+            jax_checkpoint.save_leaves(state, device_copies=True)}
+  for s in leaves["w"].shards:  # 1024 rows each: 16 pieces, split on the device
+    assert len(s.data._rows) == 16 and s.data._rows[0] == (0, 64)
+    (a, b), _ = s.index
+    out = np.full(s.data.shape, -1, s.data.dtype)
+    s.data.copy_into(out)
+    np.testing.assert_array_equal(out, np.asarray(state["w"])[a:b])
+  for name in ("b", "scalar"):  # one piece each, a copy of its own
+    (s,) = leaves[name].shards
+    assert len(s.data._rows) == 1
+    np.testing.assert_array_equal(s.data.result(), np.asarray(state[name]))
+
+
+@pytest.mark.parametrize("piece_bytes", [4 << 10, 1 << 30], ids=["pieces", "whole"])
+def test_a_save_of_pieces_then_a_donating_step_restores_what_was_saved(
+    cluster, tmp_path, monkeypatch, piece_bytes):
+  monkeypatch.setattr(jax_checkpoint, "PIECE_BYTES", piece_bytes)
+  state = make_state()
+  want = jax.tree.map(lambda x: np.array(x, copy=True), state)
+  given = state["w"]
+  step = jax.jit(lambda s: {"w": s["w"] * 2 + 1, "b": s["b"] + 1, "host": s["host"]},
+                 donate_argnums=0)
+  with copying(cluster) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
+    handle = ckpt.save(1, state)
+    state = step(state)  # at once: donates what save() was given
+    assert given.is_deleted()
+    state = step(state)
+    assert handle.durable.result(60) == 1
+    assert_same(ckpt.restore(1, target=abstract(want)), want)

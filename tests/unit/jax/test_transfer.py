@@ -90,3 +90,27 @@ def test_release_dropped_lets_go_of_the_view_a_dropped_array_aliased():
     assert freed == [True]
   finally:
     gc.enable()
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2]], ids=["in-order", "shuffled"])
+def test_global_array_of_numpy_blocks_in_any_device_order_is_device_put(order):
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  sharding = NamedSharding(mesh, P("data"))
+  full = np.arange(8 * 3, dtype=np.int64).reshape(8, 3)  # canonicalised: int32 without x64
+  index = sharding.addressable_devices_indices_map(full.shape)
+  devices = [list(index)[i] for i in order]
+  got = transfer.global_array(full.shape, sharding, [full[index[d]] for d in devices], devices)
+  want = jax.device_put(full, sharding)
+  assert (got.shape, got.dtype, got.sharding, got.committed) == (
+      want.shape, want.dtype, want.sharding, want.committed)
+  for s in got.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), full[index[s.device]])
+  np.testing.assert_array_equal(np.asarray(got), full)
+
+
+def test_global_array_of_a_block_of_the_wrong_shape_is_refused():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  sharding = NamedSharding(mesh, P("data"))
+  blocks = [np.zeros((4, 3), np.float32), np.zeros((3, 3), np.float32)]
+  with pytest.raises(ValueError):
+    transfer.global_array((8, 3), sharding, blocks, jax.devices()[:2])

@@ -9,6 +9,7 @@ where the shards came from (:class:`RestoreStats`).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -24,7 +25,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import SavedLeaf, ShardId
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
-from sidecar._src.controller.framework import Framework, RestoreLeaf
+from sidecar._src.controller.framework import Framework, RestoreLeaf, RestoreTarget
 from sidecar._src.core import errors, interrupts
 
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
@@ -93,31 +94,37 @@ class Restorer:
       self._check_leaf(want, saved, step)
     held, gone = self._holdings(final_dir)
     reads = self._read_all(final_dir, flat, stored, held)
-    shards, lost = {}, []
+    shards, lost, out = {}, [], []
+    unread = collections.Counter(k.key_path for k in reads)  # a leaf's shards still to come
     try:
       for k, f in reads.items():
         try:
           shards[k] = interrupts.wait(f)
+          unread[k.key_path] -= 1
         except errors.SidecarError as e:
           lost.append((k, e.with_traceback(None)))  # no cycle through this frame
+        # Each leaf whose shards are all read goes on to its devices while others are read.
+        while not lost and len(out) < len(flat) and not unread[flat[len(out)].key_path]:
+          out.append(self._blocks(final_dir, flat[len(out)], stored, shards, wanted))
         if progress is not None and time.perf_counter() - last[0] >= 1.0:
           last[0] = time.perf_counter()
           progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
     except KeyboardInterrupt:
       reads.clear()  # the traceback keeps this frame: let the blocks go
       shards.clear()
+      out.clear()
       raise
     if lost:
       needed = sum(f.result()[0].nbytes for f in reads.values() if f.exception() is None)
       reads.clear()  # the error's traceback keeps this frame: let the blocks read go
       shards.clear()
+      out.clear()
       raise self._failure(step, lost, owners, dict(manifest.replicas), gone, needed,
                           {w.key_path: w.dtype for w in flat})
-    out = []
-    for want in flat:
-      out.append([self._assemble(final_dir, want.key_path, region, stored[want.key_path],
-                                 shards) for region, _ in want.blocks])
-      done += sum(b.nbytes for b in out[-1])
+    for want in flat[len(out):]:
+      out.append(self._blocks(final_dir, want, stored, shards, wanted))
+    for blocks in out:
+      done += sum(b.nbytes for b in blocks)
       now = time.perf_counter()
       if progress is not None and now - last[0] >= 1.0:
         last[0] = now
@@ -250,6 +257,15 @@ class Restorer:
            if owners_lost else "")
         + f"; hosts gone: {gone_hosts or 'none'}. First shard's tries: {first}. Restore an "
         f"older step ({self._steps()}), or save with more replicas")
+
+  def _blocks(self, final_dir: str, want: RestoreLeaf, stored, shards,
+              wanted: RestoreTarget) -> list[np.ndarray]:
+    """A leaf's blocks, assembled, their transfers started where the framework can."""
+    blocks = [self._assemble(final_dir, want.key_path, region, stored[want.key_path], shards)
+              for region, _ in want.blocks]
+    if wanted.start is not None:
+      wanted.start(want, blocks)
+    return blocks
 
   @staticmethod
   def _assemble(final_dir: str, kp: KeyPath, region, stored, shards) -> np.ndarray:

@@ -65,7 +65,7 @@ def stage_late(late: list, staging: Parts) -> None:
   try:
     for i, (host, leaf, index, data, copy, ref) in enumerate(late):
       late[i] = None  # the device's copy and its host buffer go as soon as they are used
-      shm.copy(copy, data.result())
+      data.copy_into(copy)
       staging.add(host, StagedShard(leaf, index, copy, ref), data.nbytes)
       del data, copy, ref
   except BaseException as e:

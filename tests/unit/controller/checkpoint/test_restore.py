@@ -1,9 +1,14 @@
 """Tier 1: what a restore raises when a shard cannot be read, against the in-process fake."""
 
+import concurrent.futures
+import dataclasses
+import threading
+
 import numpy as np
 import pytest
 
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.framework import HostArrays
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars
 
@@ -13,11 +18,11 @@ STATE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.int64(7)
 TARGET = {"w": np.zeros((3, 4), np.float32), "step": np.int64(0)}
 
 
-def saved(**fail) -> tuple[FakeSidecars, Checkpointer]:
+def saved(framework=None, **fail) -> tuple[FakeSidecars, Checkpointer]:
   fake = FakeSidecars()
   ckpt = Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
                       max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
-                      if_busy="wait")
+                      if_busy="wait", framework=framework)
   assert ckpt.save(5, STATE).durable.result() == 5
   fake.fail.update(fail)
   return fake, ckpt
@@ -51,3 +56,38 @@ def test_shards_are_lost_only_where_no_copy_is_there_or_valid(error):
   _, ckpt = saved(read=error)
   with ckpt, pytest.raises(errors.ShardsLostError, match="2 shards have no live copy"):
     ckpt.restore(target=TARGET)
+
+
+class Starting(HostArrays):
+  """Numpy arrays; each leaf's blocks go to ``on_start`` as soon as they are read."""
+
+  def __init__(self, on_start):
+    self.on_start = on_start
+
+  def restore_target(self, target):
+    return dataclasses.replace(super().restore_target(target), start=self.on_start)
+
+
+def test_a_leaf_whose_shards_are_read_starts_while_the_other_reads_go_on():
+  started, held, real = [], concurrent.futures.Future(), []
+
+  def on_start(leaf, blocks):
+    started.append((leaf.key_path[-1], held.done(), [b.copy() for b in blocks]))
+    if not held.done():
+      held.set_result(real[0].result())  # w's read lands only now
+  fake, ckpt = saved(Starting(on_start))
+  read = fake.read
+
+  def read_holding_w(host, final_dir, shard, **kw):
+    f = read(host, final_dir, shard, **kw)
+    if shard.key_path[-1] != "w":
+      return f
+    real.append(f)
+    threading.Timer(10, lambda: held.done() or held.set_result(f.result())).start()  # no hang
+    return held
+  fake.read = read_holding_w
+  with ckpt:
+    restored = ckpt.restore(target=TARGET)
+  assert [(name, done) for name, done, _ in started] == [("step", False), ("w", True)]
+  np.testing.assert_array_equal(started[1][2][0], STATE["w"])
+  np.testing.assert_array_equal(restored["w"], STATE["w"])
