@@ -18,8 +18,8 @@ import pytest
 import sidecar
 from sidecar._src.core import errors
 from sidecar._src.server import workers as workers_lib
-from sidecar._src.server.credits import Credits
-from sidecar._src.server.limits import MAX_PREFETCH, Sessions, StreamSlots
+from sidecar._src.server.pool.credits import Credits
+from sidecar._src.server.pool.limits import MAX_PREFETCH, Sessions, StreamSlots
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
@@ -504,7 +504,7 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
                                                                              tmp_path):
   import threading
 
-  from sidecar._src.server.limits import CHECKPOINT_THREADS
+  from sidecar._src.server.pool.limits import CHECKPOINT_THREADS
   from tests.conftest import PEER_TOKEN
   server = make_server()
   raws = [Raw(server.port, peer_token=PEER_TOKEN) for _ in range(3)]  # peers: they may

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from sidecar._src.server import shares as shares_lib
+from sidecar._src.server.pool import shares as shares_lib
 
 pytestmark = pytest.mark.unit
 

@@ -20,12 +20,8 @@ from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import (
-  admission,
-  arenas as arenas_lib,
-  metrics as metrics_lib,
-  tenants as tenants_lib,
-)
+from sidecar._src.server import arenas as arenas_lib, metrics as metrics_lib
+from sidecar._src.server.pool import admission, quotas as quotas_lib, tenants as tenants_lib
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.
@@ -259,7 +255,7 @@ class Leases:
     if t is None:
       return 0
     with self._lock:
-      return max(0, self._tenant_bytes.get(t.name, 0) - t.arena.bytes_of(self.allocator.size))
+      return max(0, self._tenant_bytes.get(t.name, 0) - _guaranteed(t, self.allocator.size))
 
   def _tenant_name(self, holder: Hashable) -> str | None:
     return self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
@@ -280,12 +276,12 @@ class Leases:
     """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
     not hold yet, in bytes."""
     size = self.allocator.size
-    ceiling = None if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size)
+    ceiling = quotas_lib.ARENA_CEILING.bytes_of(t, size)
     pool = None if self._tenancy is None else self._tenancy.pool
     reserved = 0
     for other in (pool.tenants if pool is not None else ()):
       if other.name != t.name:
-        reserved += max(0, other.arena.bytes_of(size) - self._tenant_bytes.get(other.name, 0))
+        reserved += max(0, _guaranteed(other, size) - self._tenant_bytes.get(other.name, 0))
     return ceiling, reserved
 
   def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
@@ -365,7 +361,7 @@ class Leases:
       w.for_ceiling = over_ceiling
     # Bytes reserved but not allocated yet are as good as used.
     free = self.allocator.size - self.allocator.used_bytes - self._pending
-    within = mine + nbytes <= t.arena.bytes_of(self.allocator.size)
+    within = mine + nbytes <= _guaranteed(t, self.allocator.size)
     if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
       return False
     self._tenant_bytes[t.name] += nbytes
@@ -419,13 +415,14 @@ class Leases:
     if over_ceiling:
       return errors.ResourceExhaustedError(
           f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would pass "
-          f"its quota (arena_ceiling={t.arena_ceiling} = {fmt(ceiling or 0)}, {where}); free "
-          "arrays, feeds' batches or RAM-tier steps sooner, or raise its arena_ceiling")
+          f"its quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling or 0)}, "
+          f"{where}); free arrays, feeds' batches or RAM-tier steps sooner, or raise its "
+          "arena_ceiling")
     return errors.ResourceExhaustedError(
         f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would take "
         f"from the guaranteed arena of other tenants ({fmt(reserved)} they are guaranteed and "
-        f"do not use yet; its own quota: arena={t.arena}, {where}); free arrays sooner, or "
-        "give it a larger guaranteed arena in the pool file")
+        f"do not use yet; its own quota: arena={quotas_lib.ARENA.of(t)}, {where}); free arrays "
+        "sooner, or give it a larger guaranteed arena in the pool file")
 
   def tenant_bytes(self) -> dict[str, int]:
     """The arena bytes each tenant allocated and are not freed yet."""
@@ -436,8 +433,8 @@ class Leases:
     """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
     within its quota if it is a worker session."""
     t = self._tenant(holder)
-    if t is not None and t.arena_ceiling is not None and (
-        nbytes > t.arena_ceiling.bytes_of(self.allocator.size)):
+    ceiling = None if t is None else quotas_lib.ARENA_CEILING.bytes_of(t, self.allocator.size)
+    if ceiling is not None and nbytes > ceiling:
       return False
     if t is not None and nbytes > self._open_to(t):
       return False
@@ -448,7 +445,7 @@ class Leases:
     """The most arena tenant ``t`` could ever hold: all of it but the others' guarantees."""
     pool = None if self._tenancy is None else self._tenancy.pool
     size = self.allocator.size
-    return size - sum(o.arena.bytes_of(size) for o in (pool.tenants if pool is not None else ())
+    return size - sum(_guaranteed(o, size) for o in (pool.tenants if pool is not None else ())
                       if o.name != t.name)
 
   def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
@@ -458,20 +455,21 @@ class Leases:
           f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit an arena of "
           f"{fmt(self.allocator.size)}; raise --shm-size")
     t = self._tenant(holder)
+    ceiling = None if t is None else quotas_lib.ARENA_CEILING.bytes_of(t, self.allocator.size)
     if t is not None and nbytes > (open_to := self._open_to(t)) and (
-        t.arena_ceiling is None or nbytes <= t.arena_ceiling.bytes_of(self.allocator.size)):
+        ceiling is None or nbytes <= ceiling):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) can never fit: the "
           f"other tenants' guaranteed arena leaves it {fmt(open_to)} of "
           f"{fmt(self.allocator.size)} ({where}); use smaller arrays, or lower the others' "
           "guaranteed arena in the pool file")
-    if t is not None and t.arena_ceiling is not None and (
-        nbytes > (ceiling := t.arena_ceiling.bytes_of(self.allocator.size))):
+    if t is not None and ceiling is not None and nbytes > ceiling:
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit its "
-          f"quota (arena_ceiling={t.arena_ceiling} = {fmt(ceiling)}, {where}); raise its "
+          f"quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling)}, {where}); "
+          "raise its "
           "arena_ceiling in the pool file, or use smaller arrays")
     raise errors.ResourceExhaustedError(
         f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit a worker session's quota of "
@@ -635,3 +633,8 @@ class Leases:
   def holders(self) -> int:
     with self._lock:
       return len(self._by_holder)
+
+
+def _guaranteed(t: tenants_lib.Tenant, arena: int) -> int:
+  """Tenant ``t``'s guaranteed part (``arena``) of an arena of ``arena`` bytes."""
+  return quotas_lib.ARENA.bytes_of(t, arena) or 0

@@ -13,9 +13,9 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import pool_file, tenants as tenants_lib
-from sidecar._src.server.leases import Leases
-from sidecar._src.server.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
+from sidecar._src.server.pool import pool_file, quotas as quotas_lib, tenants as tenants_lib
+from sidecar._src.server.pool.leases import Leases
+from sidecar._src.server.pool.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
 
 pytestmark = pytest.mark.unit
 
@@ -75,14 +75,14 @@ tenants:
     checkpoint_bytes: 500GiB
 """, "alice"))
   (t,) = pool.tenants
-  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants_lib.Share(fraction=0.5)
+  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == quotas_lib.Share(fraction=0.5)
   assert (t.sessions, t.calls, t.streams, t.feeds, t.feed_workers) == (8, 4, 2, 3, 16)
   assert t.inline_bytes == 128 * MiB and t.weight == 2.0 and t.line == 2
   assert t.connections == 4 and t.uids == {1000, 1001} and t.tls_names == {"alice.example"}
   assert t.checkpoint_roots == (os.path.realpath(tmp_path / "ckpt" / "alice"),)
   assert t.allows("function", "add") and not t.allows("function", "sub")
   assert t.allows("pipeline", "numbers") and not t.allows("pipeline", "add")
-  assert t.ram_tier == tenants_lib.Share(fraction=0.25) and t.checkpoint_bytes == 500 << 30
+  assert t.ram_tier == quotas_lib.Share(fraction=0.25) and t.checkpoint_bytes == 500 << 30
 
 
 BAD = [
