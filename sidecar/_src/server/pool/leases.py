@@ -202,7 +202,7 @@ class Leases:
       self._by_holder.setdefault(holder, set()).add(key)
       self._arena_of[holder] = block.arena
       self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
-    self.arenas.made(block.nbytes)
+    self.arenas.made(block)
     return block
 
   def _take(self, allocator: shm.Allocator, nbytes: int, tenant: str | None,
@@ -226,11 +226,8 @@ class Leases:
       ask = max(short, shm.ALIGN) if short > 0 or not reclaimed.outstanding else 0
       freed = reclaimed.add(self._reclaim(ask, tenant)) if ask else 0
       if not freed and left is not None and left <= 0:
-        fmt = shm.format_size
-        raise errors.ResourceExhaustedError(
-            f"the arena is full: {fmt(nbytes)} asked, {fmt(free)} free of "
-            f"{fmt(self.allocator.size)} after waiting {time.monotonic() - start:.3g} s; "
-            f"{self.held_by()}; release arrays sooner, lower prefetch, or raise --shm-size")
+        raise shm.arena_full(nbytes, free=free, size=self.allocator.size,
+                             waited=time.monotonic() - start, holds=self.held_by())
       wait = RECLAIM_WAIT_S if freed else RECLAIM_POLL_S
       try:
         return allocator.alloc(nbytes, timeout=wait if left is None or freed else
