@@ -14,11 +14,15 @@ part it governs asks it; its row in docs/pool.md's table of keys.
 from __future__ import annotations
 
 import abc
+import collections
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from sidecar._src.arena import shm
+from sidecar._src.core import errors
 
 # A tenant's arena ceiling is one batch at least: below this nothing useful fits.
 MIN_ARENA = 1 << 20
@@ -126,6 +130,62 @@ class Count(Quota):
     name = total_name if total_name is not None else self.share_of
     return Limit(max(1, int(total * tenant.weight / weights)),
                  f"its share by weight of {f'{name}=' if name else ''}{total}, {where}")
+
+
+class Held:
+  """What each tenant holds of one :class:`Count` quota's things at once; past its limit,
+  a tenant's next is refused (``ResourceExhaustedError``), never another tenant's.
+
+  The part a count quota governs makes one and holds each thing through it, e.g.::
+
+      feeds = quotas.Held(quotas.FEEDS, "feeds", lambda: tenancy.pool,
+                          fix="close feeds that are done, or raise its quota")
+      with feeds.hold(tenant):  # a Tenant, or None: nobody's, no bound
+        ...
+
+  Args:
+    quota: the quota it holds tenants to.
+    what: the things counted, as messages name them ("feeds").
+    pool: the pool in force (its tenants' weights, where each is named).
+    fix: what a refused tenant may do.
+    total: the sidecar's total of the things, of which a pool file's tenant without the
+      quota gets its share by weight (``Count.share_of``); None: no share.
+  """
+
+  def __init__(self, quota: Count, what: str, pool: Callable[[], Pooled | None], *, fix: str,
+               total: int | None = None):
+    self.quota, self.what, self._pool, self._fix, self._total = quota, what, pool, fix, total
+    self._lock = threading.Lock()
+    self._held: collections.Counter[str] = collections.Counter()
+
+  @contextlib.contextmanager
+  def hold(self, tenant: Holder | None, n: int = 1) -> Iterator[None]:
+    """Counts ``n`` things of ``tenant`` while the block runs.
+
+    Raises:
+      ResourceExhaustedError: they would pass the tenant's limit; naming it and the fix.
+    """
+    if tenant is None:
+      yield
+      return
+    limit = self.quota.limit(tenant, self._pool(), total=self._total)
+    with self._lock:
+      held = self._held[tenant.name]
+      if limit is not None and held + n > limit.most:
+        raise errors.ResourceExhaustedError(
+            f"tenant {tenant.name!r} holds {held} {self.what}; {n} more would pass its quota "
+            f"({limit.why}); {self._fix}")
+      self._held[tenant.name] = held + n
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._held[tenant.name] -= n
+
+  def counts(self) -> dict[str, int]:
+    """What each tenant that held any holds now (0 once its things are gone)."""
+    with self._lock:
+      return dict(self._held)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

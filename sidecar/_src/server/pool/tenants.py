@@ -244,7 +244,11 @@ class Tenancy:
     self._pool = pool
     self._tenants: dict[str, Tenant] = pool.by_name() if pool else {}
     self._workers: dict[str, str] = {}  # worker session -> tenant
-    self._feeds: dict[str, list[int]] = {}  # tenant -> [feeds, feed workers]
+    self._feeds = quotas_lib.Held(quotas_lib.FEEDS, "feeds", lambda: self._pool,
+                                  fix="close feeds that are done, or raise its quota")
+    self._feed_workers = quotas_lib.Held(
+        quotas_lib.FEED_WORKERS, "feed worker processes", lambda: self._pool,
+        fix="ask for fewer workers=, or close feeds that are done")
     self.revoked: dict[str, str] = {}  # tenant -> why (its token no longer works)
 
   @property
@@ -383,34 +387,13 @@ class Tenancy:
       ResourceExhaustedError: the tenant runs as many feeds or feed workers as it may.
     """
     t = self.tenant(tenant)
-    if t is None:
+    with self._feeds.hold(t), self._feed_workers.hold(t, workers):
       yield
-      return
-    most_feeds = quotas_lib.FEEDS.limit(t, self._pool)
-    most_workers = quotas_lib.FEED_WORKERS.limit(t, self._pool)
-    with self._lock:
-      feeds, procs = self._feeds.setdefault(t.name, [0, 0])
-      if most_feeds is not None and feeds >= most_feeds.most:
-        raise errors.ResourceExhaustedError(
-            f"tenant {t.name!r} already runs {feeds} feeds, its quota ({most_feeds.why}); "
-            "close feeds that are done, or raise its quota")
-      if most_workers is not None and procs + workers > most_workers.most:
-        raise errors.ResourceExhaustedError(
-            f"tenant {t.name!r} runs {procs} feed worker processes; {workers} more would "
-            f"pass its quota ({most_workers.why}); ask for fewer workers=, or close feeds "
-            "that are done")
-      self._feeds[t.name] = [feeds + 1, procs + workers]
-    try:
-      yield
-    finally:
-      with self._lock:
-        counts = self._feeds[t.name]
-        counts[0] -= 1
-        counts[1] -= workers
 
   def feed_counts(self) -> Mapping[str, tuple[int, int]]:
-    with self._lock:
-      return {n: (c[0], c[1]) for n, c in self._feeds.items()}
+    """Each tenant's feeds and feed worker processes now."""
+    feeds, workers = self._feeds.counts(), self._feed_workers.counts()
+    return {n: (feeds.get(n, 0), workers.get(n, 0)) for n in feeds.keys() | workers.keys()}
 
   def _where(self, t: Tenant) -> str:
     pool = self._pool

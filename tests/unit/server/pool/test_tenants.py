@@ -346,13 +346,14 @@ def test_feeds_and_feed_workers_per_tenant(tmp_path):
                      "feeds: 2, feed_workers: 3}\n  - {name: bob, token_file: bob.token}\n")
   with tenancy.feeding("alice", 2):
     with pytest.raises(errors.ResourceExhaustedError,
-                       match=r"tenant 'alice' runs 2 feed worker processes; 2 more would pass "
+                       match=r"tenant 'alice' holds 2 feed worker processes; 2 more would pass "
                        r"its quota \(feed_workers=3, .*pool.yaml:2\)"):
       with tenancy.feeding("alice", 2):
         pass
     with tenancy.feeding("alice", 1):
       with pytest.raises(errors.ResourceExhaustedError,
-                         match=r"tenant 'alice' already runs 2 feeds, its quota \(feeds=2"):
+                         match=r"tenant 'alice' holds 2 feeds; 1 more would pass its quota "
+                         r"\(feeds=2"):
         with tenancy.feeding("alice", 0):
           pass
       with tenancy.feeding("bob", 16):
