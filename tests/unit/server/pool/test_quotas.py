@@ -67,8 +67,8 @@ def test_every_quota_below_its_least_is_refused_naming_its_line(tmp_path, quota)
 
 def test_a_quota_no_key_names_is_no_attribute(tmp_path):
   alice, _ = _load(tmp_path).tenants
-  with pytest.raises(AttributeError, match="restores"):
-    alice.restores  # noqa: B018
+  with pytest.raises(AttributeError, match="bananas"):
+    alice.bananas  # noqa: B018
 
 
 def test_a_count_left_out_is_a_share_by_weight_of_the_total_with_a_pool_file(tmp_path):
