@@ -104,6 +104,9 @@ class Leases:
     self._bytes: dict[Hashable, int] = {}  # bytes each holder holds
     self._arena_of: dict[Hashable, int] = {}  # the arena of each holder's blocks
     self._pins = itertools.count()
+    # The pool the parts below were read from, each tenant's (guaranteed, ceiling) in bytes,
+    # and the guarantees' sum: read once per pool (a reload swaps the pool), not per block.
+    self._parts: tuple[object, dict[str, tuple[int, int | None]], int] = (None, {}, 0)
 
   def new_pin(self, arena: int | None = None) -> tuple:
     """A fresh holder token for a local pin; ``arena``: the arena its block is made in
@@ -252,7 +255,7 @@ class Leases:
     if t is None:
       return 0
     with self._lock:
-      return max(0, self._tenant_bytes.get(t.name, 0) - _guaranteed(t, self.allocator.size))
+      return max(0, self._tenant_bytes.get(t.name, 0) - self._part(t)[0])
 
   def _tenant_name(self, holder: Hashable) -> str | None:
     return self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
@@ -269,17 +272,38 @@ class Leases:
     pool = None if self._tenancy is None else self._tenancy.pool
     return pool is not None and pool.quotas and self._tenant(holder) is not None
 
+  def _arena_parts(self) -> tuple[dict[str, tuple[int, int | None]], int]:
+    """Each tenant's guaranteed arena and ceiling in bytes (``quotas.ARENA``,
+    ``ARENA_CEILING``), and the guarantees' sum, of the pool in force."""
+    pool = None if self._tenancy is None else self._tenancy.pool
+    cached, parts, total = self._parts
+    if cached is not pool:
+      size = self.allocator.size
+      parts = {o.name: (quotas_lib.ARENA.bytes_of(o, size) or 0,
+                        quotas_lib.ARENA_CEILING.bytes_of(o, size))
+               for o in (pool.tenants if pool is not None else ())}
+      total = sum(g for g, _ in parts.values())
+      self._parts = (pool, parts, total)
+    return parts, total
+
+  def _part(self, t: tenants_lib.Tenant) -> tuple[int, int | None]:
+    """Tenant ``t``'s guaranteed arena and ceiling in bytes."""
+    found = self._arena_parts()[0].get(t.name)
+    if found is None:  # not of the pool in force (a reload removed it meanwhile)
+      size = self.allocator.size
+      return (quotas_lib.ARENA.bytes_of(t, size) or 0,
+              quotas_lib.ARENA_CEILING.bytes_of(t, size))
+    return found
+
   def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
     """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
     not hold yet, in bytes."""
-    size = self.allocator.size
-    ceiling = quotas_lib.ARENA_CEILING.bytes_of(t, size)
-    pool = None if self._tenancy is None else self._tenancy.pool
+    parts, _ = self._arena_parts()
     reserved = 0
-    for other in (pool.tenants if pool is not None else ()):
-      if other.name != t.name:
-        reserved += max(0, _guaranteed(other, size) - self._tenant_bytes.get(other.name, 0))
-    return ceiling, reserved
+    for name, (guaranteed, _ceiling) in parts.items():
+      if name != t.name:
+        reserved += max(0, guaranteed - self._tenant_bytes.get(name, 0))
+    return self._part(t)[1], reserved
 
   def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
                alive: Callable[[], bool] | None = None,
@@ -358,7 +382,7 @@ class Leases:
       w.for_ceiling = over_ceiling
     # Bytes reserved but not allocated yet are as good as used.
     free = self.allocator.size - self.allocator.used_bytes - self._pending
-    within = mine + nbytes <= _guaranteed(t, self.allocator.size)
+    within = mine + nbytes <= self._part(t)[0]
     if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
       return False
     self._tenant_bytes[t.name] += nbytes
@@ -430,7 +454,7 @@ class Leases:
     """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
     within its quota if it is a worker session."""
     t = self._tenant(holder)
-    ceiling = None if t is None else quotas_lib.ARENA_CEILING.bytes_of(t, self.allocator.size)
+    ceiling = None if t is None else self._part(t)[1]
     if ceiling is not None and nbytes > ceiling:
       return False
     if t is not None and nbytes > self._open_to(t):
@@ -440,10 +464,8 @@ class Leases:
 
   def _open_to(self, t: tenants_lib.Tenant) -> int:
     """The most arena tenant ``t`` could ever hold: all of it but the others' guarantees."""
-    pool = None if self._tenancy is None else self._tenancy.pool
-    size = self.allocator.size
-    return size - sum(_guaranteed(o, size) for o in (pool.tenants if pool is not None else ())
-                      if o.name != t.name)
+    parts, total = self._arena_parts()
+    return self.allocator.size - total + (parts[t.name][0] if t.name in parts else 0)
 
   def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
     fmt = shm.format_size
@@ -452,7 +474,7 @@ class Leases:
           f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit an arena of "
           f"{fmt(self.allocator.size)}; raise --shm-size")
     t = self._tenant(holder)
-    ceiling = None if t is None else quotas_lib.ARENA_CEILING.bytes_of(t, self.allocator.size)
+    ceiling = None if t is None else self._part(t)[1]
     if t is not None and nbytes > (open_to := self._open_to(t)) and (
         ceiling is None or nbytes <= ceiling):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
@@ -630,8 +652,3 @@ class Leases:
   def holders(self) -> int:
     with self._lock:
       return len(self._by_holder)
-
-
-def _guaranteed(t: tenants_lib.Tenant, arena: int) -> int:
-  """Tenant ``t``'s guaranteed part (``arena``) of an arena of ``arena`` bytes."""
-  return quotas_lib.ARENA.bytes_of(t, arena) or 0
