@@ -306,15 +306,21 @@ def equal_rows(cluster, directory: str, counts: list[int], seconds: float) -> li
   alone: float | None = None
   rows = []
   for n in counts:
+    _, cpu = _proc(cluster.pid(0))
     results, _ = run_tenants(cluster, directory, TENANTS[:n], seconds)
     rates = [results[t][0] for t in TENANTS[:n]]
+    # The sidecar's CPU (its own process: the arenas, quotas, saves; not its feed workers)
+    # over the run, warm-up included, per batch of the window: robust to the machine's
+    # other load, as the rates are not.
+    cpu_ms = (_proc(cluster.pid(0))[1] - cpu) * 1e3 / max(sum(rates) * seconds, 1.0)
     if n == 1:
       alone = rates[0]
     for t in TENANTS[:n]:
       rate, saves = results[t]
       rows.append([n, t, f"{rate:.1f}", f"{saves:.2f}",
                    f"{rate / alone:.2f}" if alone else "-",
-                   f"{rate * n / alone:.2f}" if alone else "-", f"{jain(rates):.3f}"])
+                   f"{rate * n / alone:.2f}" if alone else "-", f"{jain(rates):.3f}",
+                   f"{cpu_ms:.2f}"])
   return rows
 
 
@@ -428,7 +434,7 @@ def main() -> None:
       mode = "one shared token, no pool" if args.no_pool else "a pool of tenants"
       print(f"## {len(args.tenants)} runs of {args.seconds:g} s ({mode}): {what}\n")
       print(table(["tenants", "tenant", "batches/s", "saves/s", "vs alone",
-                   "vs fair share (alone/N)", "Jain's fairness"], rows))
+                   "vs fair share (alone/N)", "Jain's fairness", "sidecar CPU ms/batch"], rows))
     if args.repeat:
       rows = misbehaving_rows(cluster, directory, args.seconds, args.repeat,
                               args.misbehaving)
