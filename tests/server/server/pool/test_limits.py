@@ -1,4 +1,4 @@
-"""The bounds of server/limits.py and the worker socket, and the attacks of issue 16 they stop.
+"""The bounds of server/pool/limits.py and the worker socket, and the attacks of issue 16 they stop.
 
 Tier 1: StreamSlots, Sessions and Credits alone. Tier 2: one in-process sidecar, attacked
 over raw gRPC and its Unix socket; after each attack it still serves a Controller.

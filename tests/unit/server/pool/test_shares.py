@@ -1,5 +1,5 @@
 """Feed workers and the storage's writes shared among tenants with work, by weight
-(server/shares.py)."""
+(server/pool/shares.py)."""
 
 import contextlib
 import threading
