@@ -28,9 +28,11 @@ for CPU as much as for the pool, so "vs alone" there includes the machine's shar
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 
@@ -40,6 +42,9 @@ import numpy as np
 import sidecar
 from benchmarks.attacks import _proc, _reset_peak
 from benchmarks.common import table
+from sidecar._src.arena import shm
+from sidecar._src.server import arenas as arenas_lib
+from sidecar._src.server.pool import leases as leases_lib, tenants as tenants_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
@@ -71,6 +76,10 @@ MISBEHAVING = {"feed": ("16 feed workers", "t3", "feed"),
                "flood": ("handshake flood", "t3", "flood")}
 
 
+# --no-pool: every trainer presents this one token (the same trainers, no pool file).
+SHARED = "shared"
+
+
 def token(name: str) -> str:
   return f"benchmark-token-of-{name}"
 
@@ -93,9 +102,10 @@ def write_pool(directory: str, text: str = POOL, names: tuple[str, ...] = (*TENA
 
 
 def tenant(name: str, addresses: list[str], directory: str, start_at: float, seconds: float,
-           out: multiprocessing.Queue) -> None:
-  """One tenant's trainer: feeds and saves from ``start_at`` for ``seconds``."""
-  os.environ["SIDECAR_TOKEN"] = token(name)
+           out: multiprocessing.Queue, shared: bool = False) -> None:
+  """One tenant's trainer: feeds and saves from ``start_at`` for ``seconds``; ``shared``:
+  it presents the one shared token (``--no-pool``), not its own."""
+  os.environ["SIDECAR_TOKEN"] = token(SHARED if shared else name)
   import jax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
@@ -206,7 +216,7 @@ def run_tenants(cluster, directory: str, names: tuple[str, ...], seconds: float,
   # After every trainer imported JAX and warmed its feed (and a hog started its workers).
   start_at = time.time() + (60.0 if bad is not None and bad[1] == "feed" else 25.0)
   procs = [ctx.Process(target=tenant, args=(name, list(cluster.addresses), directory,
-                                            start_at, seconds, out))
+                                            start_at, seconds, out, cluster.pool is None))
            for name in names]
   if bad is not None:
     procs.append(ctx.Process(target=misbehave, args=(*bad, list(cluster.addresses),
@@ -296,15 +306,21 @@ def equal_rows(cluster, directory: str, counts: list[int], seconds: float) -> li
   alone: float | None = None
   rows = []
   for n in counts:
+    _, cpu = _proc(cluster.pid(0))
     results, _ = run_tenants(cluster, directory, TENANTS[:n], seconds)
     rates = [results[t][0] for t in TENANTS[:n]]
+    # The sidecar's CPU (its own process: the arenas, quotas, saves; not its feed workers)
+    # over the run, warm-up included, per batch of the window: robust to the machine's
+    # other load, as the rates are not.
+    cpu_ms = (_proc(cluster.pid(0))[1] - cpu) * 1e3 / max(sum(rates) * seconds, 1.0)
     if n == 1:
       alone = rates[0]
     for t in TENANTS[:n]:
       rate, saves = results[t]
       rows.append([n, t, f"{rate:.1f}", f"{saves:.2f}",
                    f"{rate / alone:.2f}" if alone else "-",
-                   f"{rate * n / alone:.2f}" if alone else "-", f"{jain(rates):.3f}"])
+                   f"{rate * n / alone:.2f}" if alone else "-", f"{jain(rates):.3f}",
+                   f"{cpu_ms:.2f}"])
   return rows
 
 
@@ -338,6 +354,48 @@ def misbehaving_rows(cluster, directory: str, seconds: float, repeat: int,
   return rows
 
 
+def arena_rows(rounds: int = 5, blocks: int = 4000, size_mib: int = 32) -> list[list]:
+  """What one block costs the sidecar in a busy pool's arenas (one memfd per tenant, pages
+  made as written, punched past the size) against one pre-faulted arena, in this process:
+  four tenants each keep their last 4 blocks of 1 MiB and, every 50th, a 4 MiB one for the
+  next 100 (a save in the RAM tier), written as their Workers would. Median of ``rounds``."""
+  size = size_mib << 20
+
+  def run(per_tenant: bool) -> tuple[float, int]:
+    arenas = (arenas_lib.Arenas(size, per_tenant=True, ceiling_of=lambda name: size)
+              if per_tenant else arenas_lib.Arenas.single(shm.Arena.create(size)))
+    leases = leases_lib.Leases(arenas)
+    live: dict[str, collections.deque] = {t: collections.deque() for t in TENANTS}
+    kept: collections.deque = collections.deque()
+    start = time.perf_counter()
+    for i in range(blocks):
+      t = TENANTS[i % len(TENANTS)]
+      nbytes = 4 << 20 if i % 50 == 0 else 1 << 20
+      with tenants_lib.acting_as(t):
+        pin = leases.new_pin()
+        block = leases.alloc(nbytes, pin, timeout=5)
+      leases.arena_of(block).view(block.offset, block.nbytes)[::4096] = 1  # its pages
+      (kept if nbytes > 1 << 20 else live[t]).append((block, pin, i))
+      while len(live[t]) > 4 or (kept and kept[0][2] < i - 100):
+        b, p, _ = live[t].popleft() if len(live[t]) > 4 else kept.popleft()
+        leases.release(b.offset, b.generation, p)
+    took = (time.perf_counter() - start) / blocks
+    for b, p, _ in [*kept, *(x for q in live.values() for x in q)]:
+      leases.release(b.offset, b.generation, p)
+    punches = getattr(arenas, "punches", 0)
+    arenas.close()
+    return took, punches
+
+  rows = []
+  for per_tenant in (False, True):
+    runs = [run(per_tenant) for _ in range(rounds)]
+    rows.append(["one arena (no pool)" if not per_tenant else "an arena per tenant (pool)",
+                 f"{statistics.median(r[0] for r in runs) * 1e6:.1f}",
+                 " / ".join(f"{r[0] * 1e6:.0f}" for r in runs),
+                 f"{statistics.median(r[1] for r in runs) / blocks:.4f}"])
+  return rows
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seconds", type=float, default=10.0, help="each run's measured seconds")
@@ -349,19 +407,34 @@ def main() -> None:
                   choices=list(MISBEHAVING), help="the misbehaving rows to run")
   ap.add_argument("--no-extras", action="store_true",
                   help="skip the join during a flood and the inline calls' RSS")
+  ap.add_argument("--arenas", action="store_true",
+                  help="only the arenas' cost per block in a busy pool, in this process")
+  ap.add_argument("--no-pool", action="store_true",
+                  help="the equal-tenant rows with one shared token and one arena, no pool "
+                  "file (the baseline of the pool's cost); the other rows are skipped")
   args = ap.parse_args()
+  if args.arenas:
+    print("## a block's cost in a busy pool's arenas: 4 tenants on 32 MiB, 4,000 blocks\n")
+    print(table(["arenas", "us per block (median)", "each run", "punches per block"],
+                arena_rows()))
+    return
   with contextlib.ExitStack() as stack:
     directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="sidecar-pool-"))
+    if args.no_pool:
+      write_pool(directory)  # the checkpoint roots
+      args.repeat, args.no_extras = 0, True
     cluster = stack.enter_context(sidecar.testing.LocalCluster(
-        1, 1, shm_size="256MiB", pool=write_pool(directory), configure_jax=False,
+        1, 1, shm_size="256MiB", pool=None if args.no_pool else write_pool(directory),
+        token=token(SHARED) if args.no_pool else None, configure_jax=False,
         imports=["benchmarks.pool_fns"], checkpoint_roots=[directory]))
     what = (f"each tenant feeds {BATCH} x 16 KiB rows a batch and saves "
             f"{STATE_BYTES >> 20} MiB every {SAVE_EVERY} batches")
     if args.tenants:
       rows = equal_rows(cluster, directory, args.tenants, args.seconds)
-      print(f"## {len(args.tenants)} runs of {args.seconds:g} s: {what}\n")
+      mode = "one shared token, no pool" if args.no_pool else "a pool of tenants"
+      print(f"## {len(args.tenants)} runs of {args.seconds:g} s ({mode}): {what}\n")
       print(table(["tenants", "tenant", "batches/s", "saves/s", "vs alone",
-                   "vs fair share (alone/N)", "Jain's fairness"], rows))
+                   "vs fair share (alone/N)", "Jain's fairness", "sidecar CPU ms/batch"], rows))
     if args.repeat:
       rows = misbehaving_rows(cluster, directory, args.seconds, args.repeat,
                               args.misbehaving)

@@ -292,6 +292,19 @@ class Budget:
     self.cond = threading.Condition()
 
 
+def arena_full(nbytes: int, *, free: int, size: int, waited: float, blocks: int | None = None,
+               holds: str = "", advice: str = "release arrays sooner, lower prefetch"
+               ) -> errors.ResourceExhaustedError:
+  """The error of a request for ``nbytes`` that found no room in the arena within
+  ``waited`` s: ``free`` of ``size`` bytes free, in ``blocks`` blocks; ``holds``: what holds
+  the rest; ``advice``: what frees it (then: or raise --shm-size)."""
+  return errors.ResourceExhaustedError(
+      f"the arena is full: {format_size(nbytes)} asked, {format_size(free)} free of "
+      f"{format_size(size)}" + (f" in {blocks} blocks" if blocks is not None else "")
+      + f" after waiting {waited:.3g} s" + (f"; {holds}" if holds else "")
+      + f"; {advice}, or raise --shm-size")
+
+
 class Allocator:
   """First-fit allocator over ``[0, size)`` with coalescing; waits when full.
 
@@ -336,12 +349,9 @@ class Allocator:
           return block
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-          free = min(self.size - self.used_bytes, self.budget.size - self.budget.used)
-          raise errors.ResourceExhaustedError(
-              f"the arena is full: {format_size(nbytes)} asked, "
-              f"{format_size(free)} free of {format_size(self.size)} "
-              f"in {len(self._used)} blocks after waiting {timeout:.3g} s; release arrays "
-              "sooner, lower prefetch, or raise --shm-size")
+          raise arena_full(nbytes, free=min(self.size - self.used_bytes,
+                                            self.budget.size - self.budget.used),
+                           size=self.size, waited=timeout or 0.0, blocks=len(self._used))
         self._cond.wait(left)
 
   def _take(self, need: int) -> Block | None:
@@ -406,3 +416,12 @@ class Allocator:
   @property
   def num_blocks(self) -> int:
     return len(self._used)
+
+  @property
+  def top(self) -> int:
+    """The end of its highest block (0: none): no block was made above it since."""
+    with self._cond:
+      last = self._free_starts[-1] if self._free_starts else None
+      if last is not None and last + self._free_len[last] == self.size:
+        return last
+      return self.size

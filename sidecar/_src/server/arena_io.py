@@ -31,8 +31,8 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, trees
-from sidecar._src.server import leases as leases_lib
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.pool import leases as leases_lib
+from sidecar._src.server.pool.leases import Leases
 from sidecar._src.user import outputs
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
@@ -105,12 +105,12 @@ class ArenaIO:
     others = sum(by_session.values()) - mine
     fmt = shm.format_size
     ram = self.leases.holds() or "RAM-tier steps"
-    return errors.ResourceExhaustedError(
-        f"the arena is full: no room for {fmt(nbytes)} after waiting {waited:.3g} s: "
-        f"{fmt(a.size - a.used_bytes)} free of {fmt(a.size)}; this caller holds {fmt(mine)}, "
-        f"other worker sessions {fmt(others)}, the sidecar itself {fmt(pinned)} (feed batches "
-        f"in flight, staged saves, reads; {ram}); free arrays sooner, lower prefetch, give "
-        f"each session a smaller share ({leases_lib.QUOTA_FLAG}), or raise --shm-size")
+    return shm.arena_full(
+        nbytes, free=a.size - a.used_bytes, size=a.size, waited=waited,
+        holds=f"this caller holds {fmt(mine)}, other worker sessions {fmt(others)}, the sidecar "
+        f"itself {fmt(pinned)} (feed batches in flight, staged saves, reads; {ram})",
+        advice="free arrays sooner, lower prefetch, give each session a smaller share "
+        f"({leases_lib.QUOTA_FLAG})")
 
   def encode(self, value: Any, session: str, *, alive: Alive, time_left: TimeLeft,
              where: str) -> pb.Value:

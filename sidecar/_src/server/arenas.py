@@ -13,12 +13,15 @@ Memory. The tenants' arenas together hand out at most ``--shm-size`` (one
 :class:`shm.Budget`; the pool's guaranteed shares and ceilings are ``leases.Leases``'),
 while the sum of their ceilings may pass it: so no page is made in advance. A page is
 made when first written; a freed block keeps its pages (the next block there costs no
-page faults). Before a new block could take the pages resident in all arenas past
-``--shm-size`` (as the kernel counts them: each memfd's blocks), the pages of free ranges
-are punched out (``MADV_REMOVE``), the arenas that keep the most first, until it fits.
-Pages a Worker writes outside its blocks are counted at the next look (when a block is
-made, ``MEASURE_S`` or more after the last) and punched like any free range. So what the
-arenas hold stays within ``--shm-size``, as one pre-faulted arena did.
+page faults). What an arena's pages may hold is bounded by its top (the end of the highest
+block made since its free pages were last punched) or what they held at the last look;
+a block below its top costs nothing (:meth:`Arenas.made`). Before a block that raises a
+top could take the arenas past ``--shm-size`` (as the kernel counts them: each memfd's
+pages), the pages of free ranges are punched out (``MADV_REMOVE``), whole arenas at a
+time, those that keep the most first, until it fits. Pages a Worker writes outside its
+blocks are counted at the next look (when a block is made, ``MEASURE_S`` or more after the
+last) and punched like any free range. So what the arenas hold stays within
+``--shm-size``, as one pre-faulted arena did.
 
 Lifetime. An arena stays while a Worker of its tenant is attached, a feed of it runs or
 a block of it lives. A tenant removed from the pool file (or whose token changed) has
@@ -61,6 +64,10 @@ class Space:
   users: int = 0
   retired: bool = False
   closed: bool = False
+  # What its pages may hold (``Arenas.made``): the end of the highest block made since its
+  # free pages were last punched, and the bytes its pages held at the last look.
+  top: int = 0
+  measured: int = 0
 
   @property
   def size(self) -> int:
@@ -94,8 +101,8 @@ class Arenas:
     self._spaces: dict[int, Space] = {}  # open ones, by id
     self._current: dict[str | None, Space] = {}  # where each tenant's new blocks go
     self._sessions: dict[str, Space] = {}  # worker session -> the arena it was handed
-    self._estimate = 0  # resident bytes: the last measure, plus blocks made since
-    self._measured = -float("inf")
+    self._measured = -float("inf")  # when the arenas' pages were last looked at
+    self.punches = 0  # arenas whose free pages were punched, in all (for tests, benchmarks)
     # Outside a pool: the one arena, for everyone, for good (no lock needed to find it).
     self._one: Space | None = None
 
@@ -293,31 +300,47 @@ class Arenas:
 
   # ---- memory --------------------------------------------------------------------------
 
-  def made(self, nbytes: int) -> None:
-    """A block of ``nbytes`` was made: punches free ranges' pages if the pages resident in
-    all arenas could pass ``--shm-size`` once it is written."""
+  def made(self, block: shm.Block) -> None:
+    """``block`` was made: punches free ranges' pages if the pages all arenas may hold,
+    with it written, could pass ``--shm-size``.
+
+    What an arena's pages may hold is bounded by its top (no block was made above it
+    since its free pages were last punched) or by what they held at the last look (a
+    Worker may write outside its blocks), whichever is more. A block below its arena's
+    top costs nothing here, not even the lock: a busy pool reuses its arenas' pages. One
+    that raises a top looks (the pages measured at most every ``MEASURE_S``), and where the
+    bounds together pass the size, whole arenas' free pages are punched, those that keep
+    the most first, until they fit: a batch, after which those arenas' next blocks make
+    pages again up to the size before anything is punched.
+    """
     if not self.per_tenant:
       return  # one arena, reserved whole at start
+    s = self._spaces.get(block.arena)  # one read of a dict: atomic, no lock needed
+    end = block.offset + block.nbytes
+    if s is None or (end <= s.top and time.monotonic() - self._measured < MEASURE_S):
+      return
     with self._lock:
-      self._estimate += nbytes
-      now = time.monotonic()
-      if self._estimate <= self.size and now - self._measured < MEASURE_S:
-        return
+      s.top = max(s.top, end)
       spaces = list(self._spaces.values())
-      resident = {s: s.resident_bytes() for s in spaces}
-      self._measured, self._estimate = now, sum(resident.values()) + nbytes
+      now = time.monotonic()
+      if now - self._measured >= MEASURE_S:
+        for x in spaces:
+          x.measured = x.resident_bytes()
+        self._measured = now
+      bound = {x: max(x.top, x.measured) for x in spaces}
+      total = sum(bound.values())
       # The most kept pages first: they hold the most memory no block uses.
-      for s in sorted(spaces, key=lambda s: resident[s] - s.allocator.used_bytes,
-                      reverse=True):
-        if self._estimate <= self.size:
+      for x in sorted(spaces, key=lambda x: bound[x] - x.allocator.used_bytes, reverse=True):
+        if total <= self.size:
           break
-        if s.arena is None or resident[s] <= s.allocator.used_bytes:
+        if x.arena is None or bound[x] <= x.allocator.used_bytes:
           continue
-        s.allocator.punch_free(s.arena.punch)
-        after = s.arena.resident_bytes()
-        self._estimate -= resident[s] - after
-        log.debug("arena %d: punched %s of free pages", s.id,
-                  shm.format_size(resident[s] - after))
+        x.allocator.punch_free(x.arena.punch)
+        x.measured, x.top = x.arena.resident_bytes(), x.allocator.top
+        total -= bound[x] - max(x.top, x.measured)
+        self.punches += 1
+        log.debug("arena %d: punched its free pages, %s left", x.id,
+                  shm.format_size(x.measured))
 
   def resident_bytes(self) -> int:
     """The bytes of memory all arenas' pages hold now."""

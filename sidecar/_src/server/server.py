@@ -23,19 +23,17 @@ from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
   arenas as arenas_lib,
   client_ids,
-  departures as departures_lib,
   metrics as metrics_lib,
-  pool_file,
   preflight,
   sockets,
-  tenants as tenants_lib,
 )
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.service import CheckpointService
-from sidecar._src.server.leases import Leases
-from sidecar._src.server.limits import (
+from sidecar._src.server.pool import departures as departures_lib, pool_file, tenants as tenants_lib
+from sidecar._src.server.pool.leases import Leases
+from sidecar._src.server.pool.limits import (
   CHECKPOINT_THREADS,
   CallSlots,
   CheckpointSlots,
@@ -43,9 +41,9 @@ from sidecar._src.server.limits import (
   Sessions,
   StreamSlots,
 )
+from sidecar._src.server.pool.tenant_checks import TenantCheckpoints, TenantRunner
 from sidecar._src.server.service import Service, client_of
 from sidecar._src.server.stream_runner import StreamRunner
-from sidecar._src.server.tenant_checks import TenantCheckpoints, TenantRunner
 from sidecar._src.server.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import ipc, protocol

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, errors, platform
-from sidecar._src.server import pool_file
+from sidecar._src.server.pool import pool_file
 from sidecar._src.wire import ipc
 
 if TYPE_CHECKING:  # JAX and the controller load on first use: `sidecar launch` needs neither

@@ -10,8 +10,8 @@ import pytest
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
 from sidecar._src.server import arenas as arenas_lib
-from sidecar._src.server.leases import Leases
-from sidecar._src.server.tenants import acting_as
+from sidecar._src.server.pool.leases import Leases
+from sidecar._src.server.pool.tenants import acting_as
 
 pytestmark = pytest.mark.unit
 
@@ -154,3 +154,25 @@ def test_a_name_no_tenant_has_now_is_handed_no_arena():
     arenas.unbind("w-alice")
   finally:
     arenas.close()
+
+
+def test_blocks_below_an_arenas_top_reuse_its_pages_and_punch_nothing(pool):
+  # A busy pool: the arenas' pages hold all of --shm-size (alice's freed 4 MiB kept, bob's
+  # 4 MiB in use). Alice's next blocks fit below her top, in pages she keeps: nothing is
+  # punched, however many she makes (punched, her next larger blocks fault their pages anew).
+  arenas, leases = pool
+  a, pa = make(leases, "alice", 4 * MiB)
+  leases.release(a.offset, a.generation, pa)
+  b, pb_ = make(leases, "bob", 4 * MiB)
+  assert arenas.resident_bytes() == 8 * MiB
+  for i in range(50):
+    a, pa = make(leases, "alice", MiB, write=False)
+    view = leases.arena_of(a).view(a.offset, a.nbytes)
+    assert view[0] == (i or 1)  # her page as she left it: never punched
+    view[0] = i + 1
+    leases.release(a.offset, a.generation, pa)
+  assert arenas.resident_bytes() == 8 * MiB and arenas.punches == 0
+  c, pc = make(leases, "bob", 2 * MiB)  # past bob's top, and 10 MiB would pass 8: a batch
+  assert arenas.punches == 1 and arenas.resident_bytes() == 6 * MiB
+  leases.release(b.offset, b.generation, pb_)
+  leases.release(c.offset, c.generation, pc)

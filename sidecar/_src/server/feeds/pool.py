@@ -24,7 +24,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, platform
-from sidecar._src.server import shares as shares_lib
+from sidecar._src.server.pool import shares as shares_lib
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 

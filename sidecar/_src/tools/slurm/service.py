@@ -30,7 +30,7 @@ import sys
 import time
 
 from sidecar._src.core import errors, rendezvous
-from sidecar._src.server import pool_file
+from sidecar._src.server.pool import pool_file
 from sidecar._src.tools.slurm import owned, script, tasks
 
 _POLL_S = 0.5

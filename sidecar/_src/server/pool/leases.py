@@ -20,12 +20,8 @@ from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import (
-  admission,
-  arenas as arenas_lib,
-  metrics as metrics_lib,
-  tenants as tenants_lib,
-)
+from sidecar._src.server import arenas as arenas_lib, metrics as metrics_lib
+from sidecar._src.server.pool import admission, quotas as quotas_lib, tenants as tenants_lib
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.
@@ -108,6 +104,9 @@ class Leases:
     self._bytes: dict[Hashable, int] = {}  # bytes each holder holds
     self._arena_of: dict[Hashable, int] = {}  # the arena of each holder's blocks
     self._pins = itertools.count()
+    # The pool the parts below were read from, each tenant's (guaranteed, ceiling) in bytes,
+    # and the guarantees' sum: read once per pool (a reload swaps the pool), not per block.
+    self._parts: tuple[object, dict[str, tuple[int, int | None]], int] = (None, {}, 0)
 
   def new_pin(self, arena: int | None = None) -> tuple:
     """A fresh holder token for a local pin; ``arena``: the arena its block is made in
@@ -206,7 +205,7 @@ class Leases:
       self._by_holder.setdefault(holder, set()).add(key)
       self._arena_of[holder] = block.arena
       self._bytes[holder] = self._bytes.get(holder, 0) + block.nbytes
-    self.arenas.made(block.nbytes)
+    self.arenas.made(block)
     return block
 
   def _take(self, allocator: shm.Allocator, nbytes: int, tenant: str | None,
@@ -230,11 +229,8 @@ class Leases:
       ask = max(short, shm.ALIGN) if short > 0 or not reclaimed.outstanding else 0
       freed = reclaimed.add(self._reclaim(ask, tenant)) if ask else 0
       if not freed and left is not None and left <= 0:
-        fmt = shm.format_size
-        raise errors.ResourceExhaustedError(
-            f"the arena is full: {fmt(nbytes)} asked, {fmt(free)} free of "
-            f"{fmt(self.allocator.size)} after waiting {time.monotonic() - start:.3g} s; "
-            f"{self.held_by()}; release arrays sooner, lower prefetch, or raise --shm-size")
+        raise shm.arena_full(nbytes, free=free, size=self.allocator.size,
+                             waited=time.monotonic() - start, holds=self.held_by())
       wait = RECLAIM_WAIT_S if freed else RECLAIM_POLL_S
       try:
         return allocator.alloc(nbytes, timeout=wait if left is None or freed else
@@ -259,7 +255,7 @@ class Leases:
     if t is None:
       return 0
     with self._lock:
-      return max(0, self._tenant_bytes.get(t.name, 0) - t.arena.bytes_of(self.allocator.size))
+      return max(0, self._tenant_bytes.get(t.name, 0) - self._part(t)[0])
 
   def _tenant_name(self, holder: Hashable) -> str | None:
     return self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
@@ -276,17 +272,38 @@ class Leases:
     pool = None if self._tenancy is None else self._tenancy.pool
     return pool is not None and pool.quotas and self._tenant(holder) is not None
 
+  def _arena_parts(self) -> tuple[dict[str, tuple[int, int | None]], int]:
+    """Each tenant's guaranteed arena and ceiling in bytes (``quotas.ARENA``,
+    ``ARENA_CEILING``), and the guarantees' sum, of the pool in force."""
+    pool = None if self._tenancy is None else self._tenancy.pool
+    cached, parts, total = self._parts
+    if cached is not pool:
+      size = self.allocator.size
+      parts = {o.name: (quotas_lib.ARENA.bytes_of(o, size) or 0,
+                        quotas_lib.ARENA_CEILING.bytes_of(o, size))
+               for o in (pool.tenants if pool is not None else ())}
+      total = sum(g for g, _ in parts.values())
+      self._parts = (pool, parts, total)
+    return parts, total
+
+  def _part(self, t: tenants_lib.Tenant) -> tuple[int, int | None]:
+    """Tenant ``t``'s guaranteed arena and ceiling in bytes."""
+    found = self._arena_parts()[0].get(t.name)
+    if found is None:  # not of the pool in force (a reload removed it meanwhile)
+      size = self.allocator.size
+      return (quotas_lib.ARENA.bytes_of(t, size) or 0,
+              quotas_lib.ARENA_CEILING.bytes_of(t, size))
+    return found
+
   def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
     """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
     not hold yet, in bytes."""
-    size = self.allocator.size
-    ceiling = None if t.arena_ceiling is None else t.arena_ceiling.bytes_of(size)
-    pool = None if self._tenancy is None else self._tenancy.pool
+    parts, _ = self._arena_parts()
     reserved = 0
-    for other in (pool.tenants if pool is not None else ()):
-      if other.name != t.name:
-        reserved += max(0, other.arena.bytes_of(size) - self._tenant_bytes.get(other.name, 0))
-    return ceiling, reserved
+    for name, (guaranteed, _ceiling) in parts.items():
+      if name != t.name:
+        reserved += max(0, guaranteed - self._tenant_bytes.get(name, 0))
+    return self._part(t)[1], reserved
 
   def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
                alive: Callable[[], bool] | None = None,
@@ -365,7 +382,7 @@ class Leases:
       w.for_ceiling = over_ceiling
     # Bytes reserved but not allocated yet are as good as used.
     free = self.allocator.size - self.allocator.used_bytes - self._pending
-    within = mine + nbytes <= t.arena.bytes_of(self.allocator.size)
+    within = mine + nbytes <= self._part(t)[0]
     if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
       return False
     self._tenant_bytes[t.name] += nbytes
@@ -419,13 +436,14 @@ class Leases:
     if over_ceiling:
       return errors.ResourceExhaustedError(
           f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would pass "
-          f"its quota (arena_ceiling={t.arena_ceiling} = {fmt(ceiling or 0)}, {where}); free "
-          "arrays, feeds' batches or RAM-tier steps sooner, or raise its arena_ceiling")
+          f"its quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling or 0)}, "
+          f"{where}); free arrays, feeds' batches or RAM-tier steps sooner, or raise its "
+          "arena_ceiling")
     return errors.ResourceExhaustedError(
         f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would take "
         f"from the guaranteed arena of other tenants ({fmt(reserved)} they are guaranteed and "
-        f"do not use yet; its own quota: arena={t.arena}, {where}); free arrays sooner, or "
-        "give it a larger guaranteed arena in the pool file")
+        f"do not use yet; its own quota: arena={quotas_lib.ARENA.of(t)}, {where}); free arrays "
+        "sooner, or give it a larger guaranteed arena in the pool file")
 
   def tenant_bytes(self) -> dict[str, int]:
     """The arena bytes each tenant allocated and are not freed yet."""
@@ -436,8 +454,8 @@ class Leases:
     """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
     within its quota if it is a worker session."""
     t = self._tenant(holder)
-    if t is not None and t.arena_ceiling is not None and (
-        nbytes > t.arena_ceiling.bytes_of(self.allocator.size)):
+    ceiling = None if t is None else self._part(t)[1]
+    if ceiling is not None and nbytes > ceiling:
       return False
     if t is not None and nbytes > self._open_to(t):
       return False
@@ -446,10 +464,8 @@ class Leases:
 
   def _open_to(self, t: tenants_lib.Tenant) -> int:
     """The most arena tenant ``t`` could ever hold: all of it but the others' guarantees."""
-    pool = None if self._tenancy is None else self._tenancy.pool
-    size = self.allocator.size
-    return size - sum(o.arena.bytes_of(size) for o in (pool.tenants if pool is not None else ())
-                      if o.name != t.name)
+    parts, total = self._arena_parts()
+    return self.allocator.size - total + (parts[t.name][0] if t.name in parts else 0)
 
   def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
     fmt = shm.format_size
@@ -458,20 +474,21 @@ class Leases:
           f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit an arena of "
           f"{fmt(self.allocator.size)}; raise --shm-size")
     t = self._tenant(holder)
+    ceiling = None if t is None else self._part(t)[1]
     if t is not None and nbytes > (open_to := self._open_to(t)) and (
-        t.arena_ceiling is None or nbytes <= t.arena_ceiling.bytes_of(self.allocator.size)):
+        ceiling is None or nbytes <= ceiling):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) can never fit: the "
           f"other tenants' guaranteed arena leaves it {fmt(open_to)} of "
           f"{fmt(self.allocator.size)} ({where}); use smaller arrays, or lower the others' "
           "guaranteed arena in the pool file")
-    if t is not None and t.arena_ceiling is not None and (
-        nbytes > (ceiling := t.arena_ceiling.bytes_of(self.allocator.size))):
+    if t is not None and ceiling is not None and nbytes > ceiling:
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit its "
-          f"quota (arena_ceiling={t.arena_ceiling} = {fmt(ceiling)}, {where}); raise its "
+          f"quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling)}, {where}); "
+          "raise its "
           "arena_ceiling in the pool file, or use smaller arrays")
     raise errors.ResourceExhaustedError(
         f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit a worker session's quota of "

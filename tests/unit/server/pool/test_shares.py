@@ -1,5 +1,5 @@
 """Feed workers and the storage's writes shared among tenants with work, by weight
-(server/shares.py)."""
+(server/pool/shares.py)."""
 
 import contextlib
 import threading
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from sidecar._src.server import shares as shares_lib
+from sidecar._src.server.pool import shares as shares_lib
 
 pytestmark = pytest.mark.unit
 

@@ -15,9 +15,13 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, registry as formats_lib
 from sidecar._src.core import errors, paths
-from sidecar._src.server import shares as shares_lib, tenants as tenants_lib
 from sidecar._src.server.calls import Runner
 from sidecar._src.server.checkpoint.host import CheckpointHost
+from sidecar._src.server.pool import (
+  quotas as quotas_lib,
+  shares as shares_lib,
+  tenants as tenants_lib,
+)
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire.protocol import pb
 
@@ -82,7 +86,7 @@ class TenantCheckpoints(CheckpointHost):
 
   def _ram_budget(self, tenant: str) -> int | None:
     t = self._tenancy.tenant(tenant)
-    return None if t is None or t.ram_tier is None else t.ram_tier.bytes_of(self._arena_bytes)
+    return None if t is None else quotas_lib.RAM_TIER.bytes_of(t, self._arena_bytes)
 
   def _check_roots(self, t: tenants_lib.Tenant | None, path: str, name: str) -> None:
     """PermissionDeniedError unless ``path`` lies under ``t``'s checkpoint roots (in force
@@ -140,7 +144,7 @@ class TenantCheckpoints(CheckpointHost):
   @contextlib.contextmanager
   def storage_reserved(self, client: str | None, directory: str, nbytes: int) -> Iterator[None]:
     t = self._tenancy.tenant(client)
-    if t is None or t.checkpoint_bytes is None:
+    if t is None or quotas_lib.CHECKPOINT_BYTES.of(t) is None:
       yield
       return
     with self._storage_locks.setdefault(t.name, threading.Lock()):
@@ -149,7 +153,8 @@ class TenantCheckpoints(CheckpointHost):
 
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     t = self._tenancy.tenant(client)
-    if t is None or t.checkpoint_bytes is None:
+    quota = None if t is None else quotas_lib.CHECKPOINT_BYTES.of(t)
+    if t is None or quota is None:
       return
     mine = {os.path.realpath(d) for d in self.opened_by(t.name)}
     outer = [d for d in mine if not any(paths.beneath(d, o) for o in mine)]
@@ -161,14 +166,13 @@ class TenantCheckpoints(CheckpointHost):
     # directory its Stage named; what of it is on storage already is counted there.
     pending = sum(max(n - _stored(d, siblings=False), 0) for d, n in writing
                   if any(paths.inside(d, m) for m in outer))
-    if stored + pending + nbytes > t.checkpoint_bytes or (nbytes == 0 and
-                                                          stored >= t.checkpoint_bytes):
+    if stored + pending + nbytes > quota or (nbytes == 0 and stored >= quota):
       fmt = shm.format_size
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r} holds {fmt(stored)} of checkpoints on the storage of host "
           f"{self._host_id}" + (f", {fmt(pending)} more being written" if pending else "")
           + f"; {fmt(nbytes)} more of step data in {directory!r:.200} would pass its quota "
-          f"(checkpoint_bytes={fmt(t.checkpoint_bytes)}, {self._tenancy.where(t.name)}); "
+          f"(checkpoint_bytes={fmt(quota)}, {self._tenancy.where(t.name)}); "
           "keep fewer steps (max_to_keep=), delete old ones, or raise its quota")
 
   def release_ram(self, tenant: str) -> int:

@@ -9,8 +9,9 @@ tokens (``--client-tokens``) are named tenants with no quotas (:meth:`Pool.clien
 
 The pool itself is frozen values (:class:`Tenant`, :class:`Pool`); at run time
 :class:`Tenancy` says which session and worker belongs to which tenant (and counts each
-tenant's feeds), :class:`Tokens` what the control port takes, and the budgets in
-``limits.py``, ``leases.py`` and ``workers.py`` hold each tenant to its quotas.
+tenant's feeds), :class:`Tokens` what the control port takes. Each quota is an object of
+``quotas.py``, which the parts that enforce it ask (``limits``, ``leases``,
+``tenant_checks``, ``departures``, ``Tenancy.feeding``; ``workers.py``'s connections).
 """
 
 from __future__ import annotations
@@ -23,50 +24,30 @@ import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, paths
+from sidecar._src.server.pool import quotas as quotas_lib
 
-# A tenant's arena ceiling is one batch at least: below this nothing useful fits.
-MIN_ARENA = 1 << 20
 # The client name of a session of the pool's operator token (``operator_token_file``): no
 # tenant's name can be it (names are letters, digits, '.', '_' and '-').
 OPERATOR = "(operator)"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Share:
-  """An arena share as the pool file gives it: a fraction of the arena, or bytes."""
-  fraction: float | None = None
-  nbytes: int | None = None
-
-  def bytes_of(self, arena: int) -> int:
-    """The share in bytes of an arena of ``arena`` bytes."""
-    if self.fraction is not None:
-      return int(arena * self.fraction)
-    return int(self.nbytes or 0)
-
-  def __str__(self) -> str:
-    return f"{self.fraction:g}" if self.fraction is not None else shm.format_size(
-        self.nbytes or 0)
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Tenant:
-  """One tenant of a pool: its name, token and quotas (None: no quota of that kind)."""
+  """One tenant of a pool: its name, token, what it may reach, and its quotas.
+
+  ``quotas``: the value of each quota of ``quotas.ALL`` the pool file gives it, by key (one
+  left out: no quota of that kind, or the quota's default). The parts that enforce a quota
+  ask its object (``quotas.CALLS.limit(tenant, pool)``); ``tenant.calls`` reads it too.
+  """
   name: str
   token: str = dataclasses.field(repr=False)
   token_file: str | None = None
   line: int = 0  # where the pool file names it (0: not from a file)
-  arena: Share = Share(nbytes=0)  # guaranteed: nobody else may take it
-  arena_ceiling: Share | None = None  # the most it may hold
-  sessions: int | None = None  # handshake sessions kept at once
-  calls: int | None = None  # unary calls at once
-  streams: int | None = None  # gRPC streams at once
-  feeds: int | None = None  # feeds at once
-  feed_workers: int | None = None  # feed worker processes at once, all its feeds together
-  inline_bytes: int | None = None  # bytes of large inline calls decoded at once
-  connections: int | None = None  # worker-socket connections (attach, streams, calls)
+  quotas: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
   checkpoint_roots: tuple[str, ...] = ()  # resolved; empty: the sidecar's roots
   functions: frozenset[str] | None = None  # None: every registered one
   pipelines: frozenset[str] | None = None
@@ -77,15 +58,13 @@ class Tenant:
   # With mTLS (--tls-client-ca): client certificates whose common name (or a DNS name of
   # theirs) is one of these are this tenant's, with no token.
   tls_names: frozenset[str] = frozenset()
-  # Seconds its RAM-tier steps stay after its job left (None: kept as any job's, until
-  # newer steps evict them); durable steps stay either way.
-  ram_keep_s: float | None = None
-  # The most bytes of RAM-tier copies of its committed steps kept at once (own shards and
-  # replicas held for it, a fraction of the arena or bytes); past it its oldest go.
-  ram_tier: Share | None = None
-  # The most bytes its checkpoint directories may hold on a sidecar's storage (committed
-  # steps and saves being written).
-  checkpoint_bytes: int | None = None
+
+  def __getattr__(self, key: str) -> Any:
+    """A quota's value by its key (``tenant.arena_ceiling``; None: none of that kind)."""
+    quota = quotas_lib.BY_KEY.get(key)
+    if quota is None:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+    return quota.of(self)
 
   def allows(self, kind: str, name: str) -> bool:
     """Whether its allowlist of ``kind`` ("function" or "pipeline") lets it run ``name``."""
@@ -163,24 +142,15 @@ class Pool:
     fmt = shm.format_size
     total = 0
     for t in self.tenants:
-      g = t.arena.bytes_of(arena)
-      if g > arena:
-        raise error_at(self.path, t.line, f"tenant {t.name!r}: arena {t.arena} is more than the "
-                     f"whole arena ({fmt(arena)}, --shm-size); lower it")
-      if t.arena_ceiling is not None:
-        c = t.arena_ceiling.bytes_of(arena)
-        if c > arena:
-          raise error_at(self.path, t.line, f"tenant {t.name!r}: arena_ceiling "
-                       f"{t.arena_ceiling} is more than the whole arena ({fmt(arena)}, "
-                       "--shm-size); lower it, or leave it out for no ceiling")
-        if c < max(g, MIN_ARENA):
-          raise error_at(self.path, t.line, f"tenant {t.name!r}: arena_ceiling "
+      for part in quotas_lib.ARENA_PARTS:
+        if (why := part.check(t, arena)) is not None:
+          raise error_at(self.path, t.line, why)
+      g = quotas_lib.ARENA.bytes_of(t, arena) or 0
+      c = quotas_lib.ARENA_CEILING.bytes_of(t, arena)
+      if c is not None and c < max(g, quotas_lib.MIN_ARENA):
+        raise error_at(self.path, t.line, f"tenant {t.name!r}: arena_ceiling "
                        f"{t.arena_ceiling} ({fmt(c)}) is below its guaranteed arena "
-                       f"({fmt(g)}) or one batch ({fmt(MIN_ARENA)}); raise it")
-      if t.ram_tier is not None and t.ram_tier.bytes_of(arena) > arena:
-        raise error_at(self.path, t.line, f"tenant {t.name!r}: ram_tier {t.ram_tier} is more "
-                     f"than the whole arena ({fmt(arena)}, --shm-size), which holds the RAM "
-                     "tier; lower it")
+                       f"({fmt(g)}) or one batch ({fmt(quotas_lib.MIN_ARENA)}); raise it")
       total += g
     if total > arena:
       shares = ", ".join(f"{t.name} {t.arena}" for t in self.tenants)
@@ -275,7 +245,11 @@ class Tenancy:
     self._pool = pool
     self._tenants: dict[str, Tenant] = pool.by_name() if pool else {}
     self._workers: dict[str, str] = {}  # worker session -> tenant
-    self._feeds: dict[str, list[int]] = {}  # tenant -> [feeds, feed workers]
+    self._feeds = quotas_lib.Held(quotas_lib.FEEDS, "feeds", lambda: self._pool,
+                                  fix="close feeds that are done, or raise its quota")
+    self._feed_workers = quotas_lib.Held(
+        quotas_lib.FEED_WORKERS, "feed worker processes", lambda: self._pool,
+        fix="ask for fewer workers=, or close feeds that are done")
     self.revoked: dict[str, str] = {}  # tenant -> why (its token no longer works)
 
   @property
@@ -414,33 +388,13 @@ class Tenancy:
       ResourceExhaustedError: the tenant runs as many feeds or feed workers as it may.
     """
     t = self.tenant(tenant)
-    if t is None:
+    with self._feeds.hold(t), self._feed_workers.hold(t, workers):
       yield
-      return
-    where = self._where(t)
-    with self._lock:
-      feeds, procs = self._feeds.setdefault(t.name, [0, 0])
-      if t.feeds is not None and feeds >= t.feeds:
-        raise errors.ResourceExhaustedError(
-            f"tenant {t.name!r} already runs {feeds} feeds, its quota (feeds={t.feeds}, "
-            f"{where}); close feeds that are done, or raise its quota")
-      if t.feed_workers is not None and procs + workers > t.feed_workers:
-        raise errors.ResourceExhaustedError(
-            f"tenant {t.name!r} runs {procs} feed worker processes; {workers} more would "
-            f"pass its quota (feed_workers={t.feed_workers}, {where}); ask for fewer "
-            "workers=, or close feeds that are done")
-      self._feeds[t.name] = [feeds + 1, procs + workers]
-    try:
-      yield
-    finally:
-      with self._lock:
-        counts = self._feeds[t.name]
-        counts[0] -= 1
-        counts[1] -= workers
 
   def feed_counts(self) -> Mapping[str, tuple[int, int]]:
-    with self._lock:
-      return {n: (c[0], c[1]) for n, c in self._feeds.items()}
+    """Each tenant's feeds and feed worker processes now."""
+    feeds, workers = self._feeds.counts(), self._feed_workers.counts()
+    return {n: (feeds.get(n, 0), workers.get(n, 0)) for n in feeds.keys() | workers.keys()}
 
   def _where(self, t: Tenant) -> str:
     pool = self._pool

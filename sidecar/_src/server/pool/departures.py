@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server.pool import quotas as quotas_lib, tenants as tenants_lib
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ TICK_S = 1.0
 
 
 class Departures:
-  """Releases the RAM-tier steps of tenants whose job left ``ram_keep_s`` ago.
+  """Releases the RAM-tier steps of tenants whose job left their ``ram_keep`` ago.
 
   Args:
     tenancy: the pool in force (reloads included).
@@ -62,7 +62,8 @@ class Departures:
     now = self._clock()
     released = []
     for t in (pool.tenants if pool is not None else ()):
-      if t.ram_keep_s is None:
+      keep = quotas_lib.RAM_KEEP.of(t)
+      if keep is None:
         continue
       used = self._last_used(t.name)
       seen = max(self._seen.get(t.name, now), used if used is not None else -float("inf"))
@@ -71,13 +72,13 @@ class Departures:
       if seen > self._seen.get(t.name, -float("inf")):
         self._released.discard(t.name)  # back: a later departure counts again
       self._seen[t.name] = seen
-      if t.name not in self._released and now - seen >= t.ram_keep_s:
+      if t.name not in self._released and now - seen >= keep:
         self._released.add(t.name)
         n = self._release(t.name)
         released.append(t.name)
         if n:
           log.info("tenant %r left %.0f s ago (ram_keep=%gs): its %d RAM-tier steps are "
-                   "released; its durable steps stay", t.name, now - seen, t.ram_keep_s, n)
+                   "released; its durable steps stay", t.name, now - seen, keep, n)
     return released
 
   def close(self, timeout: float = 5.0) -> None:

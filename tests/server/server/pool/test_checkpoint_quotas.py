@@ -15,7 +15,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import direct_io
-from sidecar._src.server import tenant_checks
+from sidecar._src.server.pool import tenant_checks
 from sidecar._src.wire.protocol import pb
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 

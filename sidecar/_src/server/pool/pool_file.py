@@ -14,22 +14,17 @@ from typing import Any
 
 import yaml
 
-from sidecar._src.arena import shm
 from sidecar._src.core import options as options_lib, paths
-from sidecar._src.server.tenants import MIN_ARENA, Pool, Share, Tenant, error_at
+from sidecar._src.server.pool import quotas as quotas_lib
+from sidecar._src.server.pool.tenants import Pool, Tenant, error_at
 
 log = logging.getLogger(__name__)
 
 POOL_FLAG = "--pool"
-# The least ``inline_bytes`` a tenant may have: a call's small arguments travel inline.
-MIN_INLINE = 64 << 10
+# A tenant's keys: who it is and what it may reach, then its quotas (``quotas.ALL``).
 _TENANT_KEYS = frozenset({
-    "name", "token_file", "arena", "arena_ceiling", "sessions", "calls", "streams", "feeds",
-    "feed_workers", "inline_bytes", "checkpoint_roots", "functions", "pipelines", "weight",
-    "uids", "tls_names", "connections", "ram_keep",
-    "ram_tier", "checkpoint_bytes"})
-# ram_keep's units: a number is seconds; a string may end in one of these.
-_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    "name", "token_file", "checkpoint_roots", "functions", "pipelines", "weight", "uids",
+    "tls_names", *quotas_lib.BY_KEY})
 _POOL_KEYS = frozenset({"tenants", "operator_token_file"})
 # `sidecar serve`'s flag that names the operator token instead of the pool file's key.
 OPERATOR_FLAG = "--operator-token-file"
@@ -202,41 +197,6 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
   def at(key: str) -> int:
     return m[key].start_mark.line + 1
 
-  def count(key: str, least: int) -> int | None:
-    if key not in m:
-      return None
-    v = _scalar(path, m[key], key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-      raise error_at(path, at(key), f"{where}: {key} must be an int >= {least}, got {v!r}")
-    return v
-
-  def share(key: str) -> Share | None:
-    if key not in m:
-      return None
-    v = _scalar(path, m[key], key)
-    if isinstance(v, float) and 0 < v <= 1:
-      return Share(fraction=v)
-    try:
-      n = None if isinstance(v, (bool, float)) else shm.parse_size(v)
-    except ValueError:
-      n = None
-    if n is None or n < 0:
-      raise error_at(path, at(key), f"{where}: {key} is a fraction of the arena in (0, 1] or a "
-                   f"size such as 2GiB, got {v!r}")
-    return Share(nbytes=n)
-
-  def size(key: str, least: int, example: str) -> int | None:
-    """A size of at least ``least`` bytes (not a fraction of the arena)."""
-    if key not in m:
-      return None
-    s = share(key)
-    n = s.nbytes if s is not None else None
-    if n is None or n < least:
-      raise error_at(path, at(key), f"{where}: {key} must be a size of at least "
-                     f"{shm.format_size(least)} (e.g. {example}), got "
-                     f"{_scalar(path, m[key], key)!r}")
-    return n
-
   def names(key: str) -> frozenset[str] | None:
     if key not in m:
       return None
@@ -256,12 +216,6 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
   else:
     token_file = os.path.join(base, os.path.expanduser(token_file))
     token = _read_token(path, at("token_file"), where, token_file)
-  arena = share("arena") or Share(nbytes=0)
-  ceiling = share("arena_ceiling")
-  if ceiling is not None and (ceiling.nbytes or 0) < MIN_ARENA and ceiling.fraction is None:
-    raise error_at(path, at("arena_ceiling"), f"{where}: arena_ceiling {ceiling} is below one "
-                 f"batch ({shm.format_size(MIN_ARENA)}); raise it")
-  inline = size("inline_bytes", MIN_INLINE, "256MiB")
   roots: tuple[str, ...] = ()
   if "checkpoint_roots" in m:
     v = yaml.safe_load(yaml.serialize(m["checkpoint_roots"]))
@@ -283,40 +237,17 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
       raise error_at(path, at("weight"), f"{where}: weight must be a positive number, got {w!r}")
     weight = float(w)
-  ram_keep = None
-  if "ram_keep" in m:
-    v = _scalar(path, m["ram_keep"], "ram_keep")
-    ram_keep = _duration(v)
-    if ram_keep is None:
-      raise error_at(path, at("ram_keep"), f"{where}: ram_keep is seconds >= 0 or a duration "
-                   f"such as 90s, 10m or 2h, got {v!r}")
-  ram_tier = share("ram_tier")
-  stored = size("checkpoint_bytes", MIN_ARENA, "500GiB")
+  quotas = {}
+  for quota in quotas_lib.ALL:
+    if quota.key in m:
+      try:
+        quotas[quota.key] = quota.read(_scalar(path, m[quota.key], quota.key))
+      except ValueError as e:
+        raise error_at(path, at(quota.key), f"{where}: {e}") from None
   return Tenant(
-      ram_keep_s=ram_keep, ram_tier=ram_tier, checkpoint_bytes=stored,
-      name=name, token=token, token_file=token_file, line=line, arena=arena,
-      arena_ceiling=ceiling, sessions=count("sessions", 1), calls=count("calls", 1),
-      streams=count("streams", 1), feeds=count("feeds", 1),
-      connections=count("connections", 1),
-      feed_workers=count("feed_workers", 0), inline_bytes=inline, checkpoint_roots=roots,
-      functions=names("functions"), pipelines=names("pipelines"), weight=weight, uids=uids,
-      tls_names=tls_names)
-
-
-def _duration(v: Any) -> float | None:
-  """Seconds from a number or a string such as ``90s``, ``10m``, ``2h``; None if neither."""
-  if isinstance(v, bool):
-    return None
-  if isinstance(v, str) and v[-1:] in _DURATION_UNITS:
-    scale, v = _DURATION_UNITS[v[-1]], v[:-1]
-    try:
-      v = float(v)
-    except ValueError:
-      return None
-    v *= scale
-  if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-    return None
-  return float(v)
+      name=name, token=token, token_file=token_file, line=line, quotas=quotas,
+      checkpoint_roots=roots, functions=names("functions"), pipelines=names("pipelines"),
+      weight=weight, uids=uids, tls_names=tls_names)
 
 
 def _read_token(path: str, line: int, where: str, token_file: str) -> str:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server.pool import quotas as quotas_lib, tenants as tenants_lib
 from sidecar._src.wire.protocol import MAX_PREFETCH
 
 
@@ -39,17 +39,18 @@ def check_prefetch(prefetch: int) -> int:
 class Slots:
   """At most ``total`` RPCs of one kind at once, and at most ``per_session`` of one session.
 
-  With tenants (``tenancy``, ``tenant_of``: a session's tenant), at most a tenant's quota
-  of ``kind`` (``calls``, ``streams``) of its sessions together; a pool file's tenant
+  With tenants (``tenancy``, ``tenant_of``: a session's tenant), at most a tenant's
+  ``quota`` (``quotas.STREAMS``, ``CALLS``) of its sessions together; a pool file's tenant
   without one gets its share of ``total`` by weight, so no tenant takes them all.
   """
 
-  kind = "streams"
-
   def __init__(self, *, total: int, per_session: int,
                tenancy: tenants_lib.Tenancy | None = None,
-               tenant_of: Callable[[str], str | None] = lambda session: None):
+               tenant_of: Callable[[str], str | None] = lambda session: None,
+               quota: quotas_lib.Count = quotas_lib.STREAMS):
     self.total, self.per_session = total, per_session
+    self.quota = quota
+    self.kind = quota.key  # what the rpcs are called in messages
     self._tenancy, self._tenant_of = tenancy, tenant_of
     self._lock = threading.Lock()
     self._open: collections.Counter[str] = collections.Counter()
@@ -61,16 +62,8 @@ class Slots:
     t = None if self._tenancy is None else self._tenancy.tenant(name)
     if t is None or self._tenancy is None:
       return None
-    where = self._tenancy.where(t.name)
-    quota = getattr(t, self.kind, None)  # checkpoint rpcs have no quota key: a share only
-    if quota is not None:
-      return quota, f"{self.kind}={quota}, {where}"
-    pool = self._tenancy.pool
-    if pool is None or not pool.quotas:
-      return None
-    weights = sum(x.weight for x in pool.tenants)
-    share = max(1, int(self.total * t.weight / weights))
-    return share, f"its share by weight of {self.total}, {where}"
+    limit = self.quota.limit(t, self._tenancy.pool, total=self.total)
+    return None if limit is None else (limit.most, limit.why)
 
   def _full(self) -> str:
     return (f"this sidecar already runs {self._count} streams, its limit (max_streams="
@@ -141,13 +134,12 @@ class CallSlots(Slots):
   status.
   """
 
-  kind = "calls"
-
   def __init__(self, threads: int, *, tenancy: tenants_lib.Tenancy | None = None,
                tenant_of: Callable[[str], str | None] = lambda session: None):
     self.threads = threads
     super().__init__(total=max(1, threads - max(1, threads // 8)),
-                     per_session=max(1, threads // 2), tenancy=tenancy, tenant_of=tenant_of)
+                     per_session=max(1, threads // 2), tenancy=tenancy, tenant_of=tenant_of,
+                     quota=quotas_lib.CALLS)
 
   def _full(self) -> str:
     return (f"this sidecar already runs {self._count} calls, its limit (all but an eighth "
@@ -168,13 +160,11 @@ CHECKPOINT_THREADS = 16
 class CheckpointSlots(Slots):
   """Slots for the Checkpoint service: ``CHECKPOINT_THREADS`` threads, half per session."""
 
-  kind = "checkpoint rpcs"
-
   def __init__(self, total: int = CHECKPOINT_THREADS, *,
                tenancy: tenants_lib.Tenancy | None = None,
                tenant_of: Callable[[str], str | None] = lambda session: None):
     super().__init__(total=total, per_session=max(1, total // 2), tenancy=tenancy,
-                     tenant_of=tenant_of)
+                     tenant_of=tenant_of, quota=quotas_lib.CHECKPOINT_RPCS)
 
   def _full(self) -> str:
     return (f"this sidecar already runs {self._count} checkpoint rpcs, its limit "
@@ -284,14 +274,8 @@ class Sessions:
     t = self._tenancy.tenant(client)
     if t is None:
       return None
-    where = self._tenancy.where(t.name)
-    if t.sessions is not None:
-      return t.sessions, f"sessions={t.sessions}, {where}"
-    pool = self._tenancy.pool
-    if pool is None or not pool.quotas:
-      return None
-    share = max(1, int(self.limit * t.weight / sum(x.weight for x in pool.tenants)))
-    return share, f"its share by weight of max_sessions={self.limit}, {where}"
+    limit = quotas_lib.SESSIONS.limit(t, self._tenancy.pool, total=self.limit)
+    return None if limit is None else (limit.most, limit.why)
 
   def _make_room(self, client: str, quota: tuple[int, str], now: float) -> None:
     """Room for one more session of tenant ``client``: its oldest goes if idle long enough.
@@ -445,7 +429,7 @@ class InlineBytes:
     """
     name = tenants_lib.CURRENT.get()
     t = None if self._tenancy is None else self._tenancy.tenant(name)
-    quota = None if t is None else t.inline_bytes
+    quota = None if t is None else quotas_lib.INLINE_BYTES.of(t)
     if t is not None and quota is not None and nbytes > quota:
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r} sent an inline request of {nbytes} bytes, more than its quota "

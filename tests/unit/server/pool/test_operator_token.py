@@ -7,7 +7,7 @@ import os
 import pytest
 
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.server import pool_file, tenants as tenants_lib
+from sidecar._src.server.pool import pool_file, tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.server import arena_io, leases as leases_lib
+from sidecar._src.server import arena_io
+from sidecar._src.server.pool import leases as leases_lib
 
 pytestmark = pytest.mark.server
 
@@ -45,7 +46,7 @@ def test_a_stream_that_finds_no_room_says_so_within_its_wait(make_server, monkey
         with ctl.stream("count", args=(3,), kwargs={"nbytes": 1 << 20}, timeout=30) as s:
           list(s)
       message = str(info.value)
-      assert "the arena is full: no room for 1.0 MiB after waiting" in message, message
+      assert "the arena is full: 1.0 MiB asked" in message, message
       assert "other worker sessions" in message and "--session-quota" in message
       del held
       gc.collect()  # fill()'s refusal, in a cycle with its frame, held the list too

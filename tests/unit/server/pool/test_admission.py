@@ -12,8 +12,8 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import admission, pool_file, tenants as tenants_lib
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.pool import admission, pool_file, tenants as tenants_lib
+from sidecar._src.server.pool.leases import Leases
 
 pytestmark = pytest.mark.unit
 

@@ -13,9 +13,9 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import pool_file, tenants as tenants_lib
-from sidecar._src.server.leases import Leases
-from sidecar._src.server.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
+from sidecar._src.server.pool import pool_file, quotas as quotas_lib, tenants as tenants_lib
+from sidecar._src.server.pool.leases import Leases
+from sidecar._src.server.pool.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
 
 pytestmark = pytest.mark.unit
 
@@ -75,14 +75,14 @@ tenants:
     checkpoint_bytes: 500GiB
 """, "alice"))
   (t,) = pool.tenants
-  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == tenants_lib.Share(fraction=0.5)
+  assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == quotas_lib.Share(fraction=0.5)
   assert (t.sessions, t.calls, t.streams, t.feeds, t.feed_workers) == (8, 4, 2, 3, 16)
   assert t.inline_bytes == 128 * MiB and t.weight == 2.0 and t.line == 2
   assert t.connections == 4 and t.uids == {1000, 1001} and t.tls_names == {"alice.example"}
   assert t.checkpoint_roots == (os.path.realpath(tmp_path / "ckpt" / "alice"),)
   assert t.allows("function", "add") and not t.allows("function", "sub")
   assert t.allows("pipeline", "numbers") and not t.allows("pipeline", "add")
-  assert t.ram_tier == tenants_lib.Share(fraction=0.25) and t.checkpoint_bytes == 500 << 30
+  assert t.ram_tier == quotas_lib.Share(fraction=0.25) and t.checkpoint_bytes == 500 << 30
 
 
 BAD = [
@@ -346,13 +346,14 @@ def test_feeds_and_feed_workers_per_tenant(tmp_path):
                      "feeds: 2, feed_workers: 3}\n  - {name: bob, token_file: bob.token}\n")
   with tenancy.feeding("alice", 2):
     with pytest.raises(errors.ResourceExhaustedError,
-                       match=r"tenant 'alice' runs 2 feed worker processes; 2 more would pass "
+                       match=r"tenant 'alice' holds 2 feed worker processes; 2 more would pass "
                        r"its quota \(feed_workers=3, .*pool.yaml:2\)"):
       with tenancy.feeding("alice", 2):
         pass
     with tenancy.feeding("alice", 1):
       with pytest.raises(errors.ResourceExhaustedError,
-                         match=r"tenant 'alice' already runs 2 feeds, its quota \(feeds=2"):
+                         match=r"tenant 'alice' holds 2 feeds; 1 more would pass its quota "
+                         r"\(feeds=2"):
         with tenancy.feeding("alice", 0):
           pass
       with tenancy.feeding("bob", 16):

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.server import departures as departures_lib, pool_file, tenants as tenants_lib
+from sidecar._src.server.pool import departures as departures_lib, pool_file, tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,7 @@ def _tenancy(tmp_path, text: str) -> tenants_lib.Tenancy:
 def test_ram_keep_is_a_duration(tmp_path, value, seconds):
   tenancy = _tenancy(tmp_path, f"tenants:\n  - {{name: alice, token_file: alice.token, "
                      f"ram_keep: {value}}}\n  - {{name: bob, token_file: bob.token}}\n")
-  assert [t.ram_keep_s for t in tenancy.pool.tenants] == [seconds, None]
+  assert [t.ram_keep for t in tenancy.pool.tenants] == [seconds, None]
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "10x", "true"], ids=str)
