@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from sidecar._src.arena import shm
 from sidecar._src.arena.worker import TrainerProcess, Worker
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.controller.peers import LocalPeers, Peers
@@ -75,6 +76,11 @@ class HostCopy(abc.ABC):
   @abc.abstractmethod
   def result(self) -> np.ndarray:
     """The shard's elements in host memory, once the copy has landed (waits for it)."""
+
+  def copy_into(self, out: np.ndarray) -> None:
+    """Writes the shard's elements into ``out`` (its arena block) once landed: what the
+    save's stager calls (``controller/checkpoint/staging.copy_in``)."""
+    shm.copy(out, self.result())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -47,14 +47,15 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.distributed.tensor import DTensor
 
-from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
+from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
 from sidecar._src.controller import controller as core
+from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees
 from sidecar._src.torch import (
@@ -168,10 +169,12 @@ class StorageWriter(_Writer):
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
     items = [torch_metadata.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
     worker = self._ctl.worker(self._home)  # an array staged by stage() is there already
+    copies = [ShardCopy(self._home, i, item.index, a,
+                        ref=worker.ref_of(a) if worker is not None else None)
+              for i, (item, a) in enumerate(zip(items, arrays))]
+    del arrays
     self._protocol(target.directory).stage_copies(
-        target, self._home, arrays, [item.index for item in items],
-        [worker.ref_of(a) if worker is not None else None for a in arrays],
-        part=DcpPart(rank, tuple(items)), rest=DcpPart(rank, ()),
+        target, self._home, copies, part=DcpPart(rank, tuple(items)), rest=DcpPart(rank, ()),
         threads=torch.get_num_threads())
     self.last_stats = {"stage_s": time.perf_counter() - t0}
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -199,9 +202,8 @@ class StorageWriter(_Writer):
     except BaseException:
       protocol.abort(target, hosts)
       raise
-    manifest = Manifest.of_save(distcp.FORMAT, step=target.step, leaves=(), checksums=sums,
-                                data_state_json="", replicas=placement,
-                                extras={"plan": plan})
+    # The manifest the committing sidecar wrote (built there, once), kept by every RAM tier.
+    manifest = self._site.client.info(self._home, target.final_dir).result()
     protocol.mark_committed(target, hosts, manifest.to_json())
     self.replicated = self._replicate(protocol, target, placement)
 
@@ -245,30 +247,50 @@ class StorageWriter(_Writer):
     found = [(i, x, framework.host_array(x.to_local() if isinstance(x, DTensor) else x,
                                          f"state dict entry {'.'.join(map(str, path))!r}"))
              for i, (path, x) in enumerate(flat) if isinstance(x, torch.Tensor)]
-    blocks = self._site.client.empty_like(self._home, [a for _, _, a in found])
-    for (i, t, a), (block, _) in zip(found, blocks):
-      leaves[i] = self._staged(t, a, block)
+    # The one stager, on as many threads as torch's own pool (torchrun gives each of a
+    # node's ranks one, so that they do not take each other's cores: 2 ranks on 2 cores
+    # blocked 0.90x a memcpy with one copy thread each, 1.06x with two).
+    copies = [ShardCopy(self._home, i, (), a) for i, _, a in found]
+    allocate(self._site.client.empty_like, copies, self._home)
+    views = _Views()
+    copy_in(copies, views, threads=torch.get_num_threads())
+    for i, t, _ in found:
+      leaves[i] = _over(t, views.pop(i))
     return trees.unflatten(treedef, leaves)
-
-  @staticmethod
-  def _staged(t: torch.Tensor, array: np.ndarray, block: np.ndarray) -> torch.Tensor:
-    """``t`` over its arena ``block``, once ``array`` (its host copy) is copied there: on
-    as many threads as torch's own pool (torchrun gives each of a node's ranks one, so
-    that they do not take each other's cores: 2 ranks on 2 cores blocked 0.90x a memcpy
-    with one copy thread each, 1.06x with two)."""
-    interrupts.check()
-    shm.copy(block, array, threads=torch.get_num_threads())
-    copy = tensors.from_array(block)
-    if isinstance(t, DTensor):  # FSDP2's shards: the same placement, over the arena copy
-      return DTensor.from_local(copy.view(t.to_local().shape), t.device_mesh, t.placements,
-                                run_check=False, shape=t.shape, stride=t.stride())
-    return copy.view(t.shape)
 
   def synchronize_staging(self) -> None:
     pass
 
   def close(self) -> None:
     pass
+
+
+class _Views(staging.Sink):
+  """The arena views of a ``dcp.async_save`` stage's copies, by leaf number."""
+
+  def __init__(self) -> None:
+    self._views: dict[int, np.ndarray] = {}
+
+  def add(self, shard: ShardCopy, view: np.ndarray) -> None:
+    self._views[shard.leaf] = view
+
+  def pop(self, leaf: int) -> np.ndarray:
+    return self._views.pop(leaf)
+
+  def close(self) -> None:
+    pass
+
+  def fail(self, error: BaseException) -> None:
+    self._views.clear()
+
+
+def _over(t: torch.Tensor, block: np.ndarray) -> torch.Tensor:
+  """``t`` over its arena copy ``block``."""
+  copy = tensors.from_array(block)
+  if isinstance(t, DTensor):  # FSDP2's shards: the same placement, over the arena copy
+    return DTensor.from_local(copy.view(t.to_local().shape), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
+  return copy.view(t.shape)
 
 
 class StorageReader(_Reader):

@@ -20,11 +20,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import ShardChecksum
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.save_protocol import (
   LONG_S,
@@ -34,12 +32,12 @@ from sidecar._src.controller.checkpoint.save_protocol import (
   end_save,
   resolve,
 )
-from sidecar._src.controller.checkpoint.staging import Parts, stage_late
+from sidecar._src.controller.checkpoint.staging import Parts, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
-from sidecar._src.controller.framework import Framework, HostCopy, SaveShard
+from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers, sync_timeout
-from sidecar._src.core import errors, interrupts
-from sidecar._src.wire import codec, protocol
+from sidecar._src.core import errors
+from sidecar._src.wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -109,63 +107,42 @@ class SaveCoordinator:
     parts: queue.SimpleQueue = queue.SimpleQueue()
     staging = Parts(self._local, parts)
     try:
-      specs, plan = self._plan(tree)
-      need = self._check_fits(plan)
+      specs, copies = self._plan(tree)
+      need = self._check_fits(copies)
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
         parts.put(e)
         self._start_finisher(handle, target, staging, [], data_json, key).join()
       raise
     finisher = self._start_finisher(handle, target, staging, specs, data_json, key)
-    blocks: list = []
-    late: list = []  # shards on their way from a device: the stager copies them
     try:
-      blocks = self._blocks(plan, need)
-      for (host, leaf, shard), (copy, ref) in zip(plan, blocks):
-        if isinstance(shard.data, HostCopy):
-          late.append((host, leaf, shard.index, shard.data, copy, ref))
-          continue
-        interrupts.check()  # Ctrl-C aborts the save (below)
-        shm.copy(copy, shard.data)  # the one copy the trainer waits for
-        staging.add(host, StagedShard(leaf, shard.index, copy, ref), shard.data.nbytes)
+      self._allocate(copies, need)
     except BaseException as e:
-      staging.clear()  # The traceback keeps this frame: let the blocks go.
-      blocks.clear()
-      late.clear()
-      parts.put(e)  # the save is aborted
+      copies.clear()  # The traceback keeps this frame: let the blocks go.
+      staging.fail(e.with_traceback(None))  # the save is aborted
       finisher.join()  # and its files are gone before the caller can retry the step
       raise
-    blocks.clear()
-    if not late:
-      staging.close()
-      return handle
-    staging.stager = threading.Thread(target=stage_late, args=(late, staging), daemon=True,
-                                      name=f"sidecar-stage-{step}")
-    staging.stager.start()  # the finisher joins it
-    return handle
+    try:
+      staging.stager = copy_in(copies, staging, name=f"sidecar-stage-{step}")
+    except BaseException:  # copy_in failed the parts: the save is aborted
+      finisher.join()
+      raise
+    return handle  # the finisher joins the stager, if any
 
-  def _blocks(self, plan: list[tuple[int, int, SaveShard]], need: Mapping[int, int]
-              ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
-    """An arena block for each shard of ``plan``, in its order: one request per host."""
-    out: list = [None] * len(plan)
+  def _allocate(self, copies: list[ShardCopy], need: Mapping[int, int]) -> None:
+    """An arena block for each shard to copy: one request per host."""
     for host in self._local:
-      mine = [i for i, p in enumerate(plan) if p[0] == host]
-      if not mine:
-        continue
       try:
-        got = self._client.empty_like(host, [plan[i][2].data for i in mine])
+        allocate(self._client.empty_like, copies, host)
       except errors.ResourceExhaustedError as e:
         if isinstance(e, errors.BusyError):
           raise
         raise errors.ResourceExhaustedError(
             f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
             f"to copy there): {e}; nothing was kept") from None
-      for i, block in zip(mine, got):
-        out[i] = block
-    return out
 
-  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[tuple[int, int, SaveShard]]]:
-    """Leaf specs, and ``(host, leaf number, shard)`` for every shard to copy, each once.
+  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[ShardCopy]]:
+    """Leaf specs, and a :class:`ShardCopy` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
     replica 0, by the process that holds it); those on no device, process 0 copies
@@ -177,22 +154,22 @@ class SaveCoordinator:
       for shard in leaf.shards:
         if shard.device_id is None:
           if self._lead:
-            plan.append((self._local[0], i, shard))
+            plan.append(ShardCopy(self._local[0], i, shard.index, shard.data))
           continue
         host = self._device_hosts.get(shard.device_id)
         if host is None:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
-        plan.append((host, i, shard))
+        plan.append(ShardCopy(host, i, shard.index, shard.data))
     return specs, plan
 
-  def _check_fits(self, plan) -> dict[int, int]:
-    """The arena bytes the plan takes on each host; raises where it exceeds a whole arena
+  def _check_fits(self, copies: list[ShardCopy]) -> dict[int, int]:
+    """The arena bytes the copies take on each host; raises where they exceed a whole arena
     (no rpc while the trainer waits: an arena too full now fails the copy's allocation)."""
     need: dict[int, int] = {}
-    for host, _, shard in plan:
-      need[host] = need.get(host, 0) + -(-max(shard.data.nbytes, 1) // shm.PAGE) * shm.PAGE
+    for c in copies:
+      need[c.host] = need.get(c.host, 0) + -(-max(c.nbytes, 1) // shm.PAGE) * shm.PAGE
     short = {h: (n, size) for h, n in need.items()
              if (size := self._client.arena_size(h)) is not None and n > size}
     if short:
@@ -278,10 +255,13 @@ class SaveCoordinator:
     """Process 0 gathers every process's prepared, then commits once or aborts.
 
     Every process gets here once per save, failed or not, so nobody waits for one
-    that gave up. The save fails in every process if it failed in any.
+    that gave up. The save fails in every process if it failed in any. The others tell
+    process 0 only which hosts they staged into: it asks those hosts for their checksums
+    itself (a host's prepared is the checksums it keeps), so no checksum crosses between
+    the trainer processes.
     """
     mine = json.dumps({"error": protocol.error_dict(error)} if error is not None
-                      else {"ok": [c.to_dict() for c in sums]})
+                      else {"ok": list(self._local)})
     if not self._lead:
       self._peers.publish(f"{key}/prepared", mine)
       failed = self._peers.read(f"{key}/outcome", 0, timeout=LONG_S)
@@ -301,9 +281,9 @@ class SaveCoordinator:
         raise _gathered(first, p, f"the save of step {target.step} failed in process {p}"
                         + "".join(f"; also in process {q}: {d.get('type')}: "
                                   f"{str(d.get('message'))[:500]}" for q, d in failures[1:]))
-      # A host that several processes share reports its checksums to each: keep one.
-      checksums = list(dict.fromkeys(ShardChecksum.from_dict(c)
-                                     for g in gathered for c in g["ok"]))
+      # A host that several processes share: asked once.
+      others = sorted({int(h) for g in gathered for h in g["ok"]} - set(self._local))
+      checksums = [*sums, *self._protocol.prepared(target, others)]
       self._protocol.commit(self._local[0], target, num_hosts=len(self._hosts),
                             checksums=checksums, leaves=leaves, data_state_json=data_json,
                             replicas=self._placement)

@@ -24,17 +24,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import Replicated, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
-from sidecar._src.controller.checkpoint.staging import Parts
+from sidecar._src.controller.checkpoint.staging import Part, Parts, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
-from sidecar._src.core import errors, interrupts
-from sidecar._src.wire import codec
+from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
 # The longest wait for a host's writes (prepared) and for the commit that follows.
@@ -73,18 +70,18 @@ class SaveProtocol:
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), part: StagePart | None = None,
             rest: StagePart | None = None) -> None:
-    """Hands the parts ``parts`` holds (``(host, shards, last)``, as ``staging.Parts`` puts
-    them; an exception aborts) to their sidecars as they come, until each of ``hosts``
-    had its last. A host's first part carries ``leaves`` and the format's ``part``, its
+    """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Parts`` puts them;
+    an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
+    last. A host's first part carries ``leaves`` and the format's ``part``, its
     later ones ``rest``."""
     last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
     closed = 0
     try:
       while closed < len(hosts):
-        got = parts.get()  # (host, shards, last); no other local holds the shards, as
+        got: Part | BaseException = parts.get()  # no other local holds the shards, as
         if isinstance(got, BaseException):  # the raise would keep them in its frame
           raise got
-        host, final = got[0], got[2]
+        host, final = got.host, got.last
         first = host not in last
         if not first:
           last[host].result()  # a host's parts arrive in order
@@ -92,7 +89,7 @@ class SaveProtocol:
         fmt = {} if now is None else {"part": now}
         last[host] = self.client.stage(host, directory=self.directory, step=target.step,
                                        tmp_dir=target.tmp_dir, final_dir=target.final_dir,
-                                       leaves=list(leaves) if first else [], shards=got[1],
+                                       leaves=list(leaves) if first else [], shards=got.shards,
                                        last=final, writers=len(self._writers.get(host, ())) or 1,
                                        **fmt)
         closed += final
@@ -104,47 +101,41 @@ class SaveProtocol:
     for f in last.values():
       f.result()
 
-  def stage_copies(self, target: Target, host: int, arrays: list[np.ndarray],
-                   indexes: Sequence[spec_lib.Index], refs: Sequence[codec.ArenaRef | None], *,
+  def stage_copies(self, target: Target, host: int, copies: list[ShardCopy], *,
                    part: StagePart | None = None, rest: StagePart | None = None,
                    threads: int | None = None) -> None:
-    """Stages this process's shards on ``host``: each of ``arrays`` (the shard of leaf
-    ``i`` at ``indexes[i]``) copied into the host's arena where ``refs`` has no block of it
-    (the blocks allocated in one request), and handed to the sidecar in parts of about
-    ``STAGE_PART_BYTES`` as the copy goes, by a stager thread of this call. On a failure
+    """Stages this process's shards ``copies`` on ``host``: those in no arena yet copied
+    into blocks of the host's (allocated in one request) by the one stager
+    (``staging.copy_in``), and handed to the sidecar in parts of about
+    ``STAGE_PART_BYTES`` as the copy goes, by a sender thread of this call. On a failure
     (Ctrl-C too, between two copies) the host's part is dropped again, and it raises.
-    ``arrays`` is emptied: its blocks are the sidecar's once staged."""
+    ``copies`` is emptied: its blocks are the sidecar's once staged."""
     parts: queue.SimpleQueue = queue.SimpleQueue()
     staging = Parts([host], parts)
     failed: list[BaseException] = []
 
-    def stage() -> None:
+    def send() -> None:
       try:
         self.stage(target, parts, hosts=[host], part=part, rest=rest)
       except BaseException as e:
         failed.append(e.with_traceback(None))  # its frames would hold the blocks
 
-    stager = threading.Thread(target=stage, daemon=True, name=f"sidecar-stage-{target.step}")
-    stager.start()
+    sender = threading.Thread(target=send, daemon=True, name=f"sidecar-stage-{target.step}")
+    sender.start()
     try:
-      fresh = [i for i, r in enumerate(refs) if r is None]
-      blocks = dict(zip(fresh, self.client.empty_like(host, [arrays[i] for i in fresh])))
-      for i, (array, index) in enumerate(zip(arrays, indexes)):
-        interrupts.check()  # Ctrl-C aborts the save
-        ref = refs[i]
-        if i in blocks:
-          block, ref = blocks.pop(i)
-          shm.copy(block, array, threads=threads)  # the one copy the trainer waits for
-          array = block
-        staging.add(host, StagedShard(i, index, array, ref), array.nbytes)
-        arrays[i] = array
-      staging.close()
+      try:
+        allocate(self.client.empty_like, copies, host)
+      except BaseException as e:
+        staging.fail(e.with_traceback(None))
+        raise
+      late = copy_in(copies, staging, threads=threads)
+      if late is not None:
+        late.join()
     except BaseException as e:
-      staging.fail(e.with_traceback(None))
       failed.append(e)
     finally:
-      arrays.clear()
-      stager.join()
+      copies.clear()
+      sender.join()
     if failed:
       self.abort(target, [host])
       raise failed[0]

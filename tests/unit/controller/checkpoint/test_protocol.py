@@ -50,7 +50,7 @@ def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest()
   parts: queue.SimpleQueue = queue.SimpleQueue()
   shard = StagedShard(0, (), np.zeros(3, np.uint8))
   for host, last in ((0, False), (1, True), (0, True)):
-    parts.put((host, [shard], last))
+    parts.put(staging.Part(host, (shard,), last))
   protocol.stage(target, parts, hosts=[0, 1], part=first, rest=rest)
   assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
                        ("stage", 0, 1, True, 2, rest)]
@@ -113,10 +113,11 @@ def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(
   fake = Arena([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
   arrays = [np.full(4, i, np.int32) for i in range(3)]  # 16 bytes each: a part each
+  copies = [staging.ShardCopy(0, i, ((0, 4),), a) for i, a in enumerate(arrays)]
   protocol.stage_copies(Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3), 0,
-                        arrays, [((0, 4),)] * 3, [None] * 3, part=DcpPart(0, ()))
+                        copies, part=DcpPart(0, ()))
   assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 3 + [(0, True)]
-  assert arrays == []  # the blocks are the sidecar's now
+  assert copies == []  # the blocks are the sidecar's now
 
 
 def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_ended():
@@ -126,7 +127,7 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_e
   target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
   threads = threading.active_count()
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    protocol.stage_copies(target, 0, [np.zeros(4, np.int32)], [((0, 4),)], [None],
+    protocol.stage_copies(target, 0, [staging.ShardCopy(0, 0, ((0, 4),), np.zeros(4, np.int32))],
                           part=DcpPart(0, ()))
   assert fake.sent == [("abort", 0, "/ckpt/3.dcp-checkpoint-tmp")]  # nothing staged
   assert threading.active_count() == threads  # the stager was joined
