@@ -6,13 +6,16 @@ Thin adapters over the core's checkpoint protocol: a save runs the core's
 between the ranks, a restore the core's tier fallback (``restore.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
-(``write_data``, or ``stage`` under ``dcp.async_save``), staged in the core's parts
-(``staging.Parts``); the sidecar then writes the rank's ``__{rank}_0.distcp`` in DCP's
-own layout from its arena, in its own process, and keeps the step in its RAM tier. Rank 0
-(DCP's coordinator) begins the step (the tmp directory) in ``prepare_global_plan``, and
-in ``finish`` pickles DCP's Metadata, waits for every sidecar's part and commits with one
-rename (or aborts everywhere): stock ``FileSystemReader`` then reads the directory. With
-``replicas`` it then starts the replication and returns: ``replicated`` resolves apart.
+(``write_data``, or ``stage`` under ``dcp.async_save``), by the core's one stager
+(``staging.copy_in``) in the core's parts (``staging.Parts``); the sidecar then writes the
+rank's ``__{rank}_0.distcp`` in DCP's own layout from its arena, in its own process, and
+keeps the step in its RAM tier. Rank 0 (DCP's coordinator) begins the step (the tmp
+directory) in ``prepare_global_plan``, and in ``finish``, with ``replicas``, starts the
+replication (``replicated`` resolves apart), pickles DCP's Metadata, waits for every
+sidecar's part and commits with one rename (or aborts everywhere): stock
+``FileSystemReader`` then reads the directory. ``sidecar.torch.Checkpointer`` is the
+core's one Checkpointer with these classes as its agreement plug
+(``torch/checkpointer.DcpAgreement``).
 ``StorageReader`` takes each item from the RAM tier of the sidecar that holds it (no
 storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a peer's
 replica, else storage, each shard's crc32c checked; a directory stock DCP wrote is read
@@ -48,7 +51,7 @@ from torch.distributed.checkpoint.storage import (
 from torch.distributed.tensor import DTensor
 
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
-from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
@@ -182,8 +185,8 @@ class StorageWriter(_Writer):
     return out
 
   def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
-    """Rank 0: pickles the metadata, waits for every sidecar's part, commits once (or
-    aborts everywhere), then starts the replication (``replicated``)."""
+    """Rank 0: starts the replication (``replicated``), pickles the metadata, waits for
+    every sidecar's part, commits once (or aborts everywhere)."""
     target = self._begun
     if target is None:
       raise errors.InvalidArgumentError("finish() before prepare_global_plan(): use dcp.save")
@@ -194,6 +197,9 @@ class StorageWriter(_Writer):
              for name, size in torch_metadata.file_sizes(results).items()}
     placement = {h: p for h, p in self._site.placement(self.replicas).items() if h in hosts}
     protocol = self._protocol(target.directory)
+    # Every rank's part is staged (DCP gathered their write results): the replication
+    # starts now, before the commit, as ctl.checkpointer's does once staged.
+    self.replicated = self._replicate(protocol, target, placement)
     try:
       sums = protocol.prepared(target, hosts)
       protocol.commit(self._home, target, num_hosts=len(hosts), checksums=sums,
@@ -202,14 +208,17 @@ class StorageWriter(_Writer):
     except BaseException:
       protocol.abort(target, hosts)
       raise
-    # The manifest the committing sidecar wrote (built there, once), kept by every RAM tier.
-    manifest = self._site.client.info(self._home, target.final_dir).result()
+    # Built here a second time (the committing sidecar built it too): a sidecar's own
+    # answer (``info``) may be a replica's of an older save of this path until every
+    # RAM tier is told this one's. The Commit response carrying it would make it once.
+    manifest = Manifest.of_save(distcp.FORMAT, step=target.step, leaves=(), checksums=sums,
+                                data_state_json="", replicas=placement,
+                                extras={"plan": plan})
     protocol.mark_committed(target, hosts, manifest.to_json())
-    self.replicated = self._replicate(protocol, target, placement)
 
   def _replicate(self, protocol: SaveProtocol, target: Target,
                  placement: dict[int, list[int]]) -> concurrent.futures.Future | None:
-    """Each host's part, committed, to its peers' RAM tiers: a lost sidecar's part is then
+    """Each host's staged part to its peers' RAM tiers: a lost sidecar's part is then
     restored from memory, with no storage read. Returns at once; None with no replicas."""
     replication = protocol.start_replication(target, placement,
                                              bandwidth=self.options.bandwidth)

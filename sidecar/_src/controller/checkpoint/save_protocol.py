@@ -6,11 +6,12 @@ prepared (each host's checksums once written), commit once or abort everywhere, 
 committed, replicate; :func:`end_save` is the end of a save in one process (durable,
 listed, retention, then ``replicated`` once every process knows), and
 :func:`agree_on_save` the processes' agreement on a save's step and whether one is in
-flight. Who calls each phase, and how the trainer processes agree between them, is
-pluggable: ``save.SaveCoordinator`` (JAX's and the numpy core's checkpointer) agrees
-through the processes' key-value store (``controller/peers.Peers``); PyTorch's
-``torch/storage.StorageWriter`` through DCP's coordinator rank (DCP's own gather and
-scatter around its ``prepare_global_plan`` and ``finish``).
+flight; the one Checkpointer (``checkpointer.py``) calls both, for every framework. Who
+calls each phase, and how the trainer processes agree between them, is its agreement
+plug (``plugs.py``): ``save.SaveCoordinator`` agrees through the processes' key-value
+store (``controller/peers.Peers``); PyTorch's ``torch/storage.StorageWriter`` through
+DCP's coordinator rank (DCP's own gather and scatter around its ``prepare_global_plan``
+and ``finish``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
 from sidecar._src.controller.checkpoint.staging import Part, Parts, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
+# How a save's driver ends it (the Checkpointer's ``end``): ``end(error, replication,
+# whole=True)`` with the save's error (None: committed, the RAM tiers told) and a call that
+# waits for this process's replication and returns its error (None: replicated).
+End = Callable[..., None]
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
@@ -44,8 +49,8 @@ class SaveProtocol:
   """The phases of one step's save on the sidecars, each on the hosts it is given.
 
   Format-neutral: a format's own part of a request travels as a typed value
-  (``client.StagePart``, ``client.CommitPart``: ``ckptfmt/dcp``'s; none for stock Orbax's
-  layout), never as a branch here. The caller agrees with the other trainer processes
+  (``client.FormatPart``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
+  Orbax's layout), never as a branch here. The caller agrees with the other trainer processes
   between phases.
 
   Args:
@@ -68,8 +73,8 @@ class SaveProtocol:
     return self.client.begin(host, path, step, **fmt).result()
 
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), part: StagePart | None = None,
-            rest: StagePart | None = None) -> None:
+            leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
+            rest: FormatPart | None = None) -> None:
     """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Parts`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
     last. A host's first part carries ``leaves`` and the format's ``part``, its
@@ -102,7 +107,7 @@ class SaveProtocol:
       f.result()
 
   def stage_copies(self, target: Target, host: int, copies: list[ShardCopy], *,
-                   part: StagePart | None = None, rest: StagePart | None = None,
+                   part: FormatPart | None = None, rest: FormatPart | None = None,
                    threads: int | None = None) -> None:
     """Stages this process's shards ``copies`` on ``host``: those in no arena yet copied
     into blocks of the host's (allocated in one request) by the one stager
@@ -149,7 +154,7 @@ class SaveProtocol:
   def commit(self, host: int, target: Target, *, num_hosts: int,
              checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             part: CommitPart | None = None) -> str:
+             part: FormatPart | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
     fmt = {} if part is None else {"part": part}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
@@ -164,6 +169,8 @@ class SaveProtocol:
     A host that does not answer keeps its part only until its writer gives up on the
     step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
     """
+    if not target.tmp_dir:  # never begun: nothing of it on any sidecar
+      return
     done = on_each(
         lambda h: self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
         hosts=hosts, what=f"abort step {target.step}",
