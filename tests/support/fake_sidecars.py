@@ -234,14 +234,15 @@ class FakeSidecars(CheckpointTransport):
 
 
 def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Peers | None = None,
-                 records=None, directory: str = "/ckpt/run", **options) -> Checkpointer:
+                 records=None, directory: str = "/ckpt/run", framework=None,
+                 **options) -> Checkpointer:
   """The one Checkpointer over ``fake`` (its hosts, or ``hosts``; this process stages into
-  ``local``, default all) with the key-value agreement and numpy arrays: ``options`` are
-  CheckpointOptions'."""
+  ``local``, default all) with the key-value agreement and ``framework`` (default numpy
+  arrays): ``options`` are CheckpointOptions'."""
   hosts = tuple(getattr(fake, "hosts", (0,)) if hosts is None else hosts)
   site = Sidecars(client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
                   device_hosts={}, records={h: {} for h in hosts} if records is None else records,
                   mapped=frozenset(), writers={})
   return Checkpointer.key_value(directory, site=site, options=CheckpointOptions(**options),
                                 peers=peers if peers is not None else LocalPeers(),
-                                framework=HostArrays(), key="ckpt")
+                                framework=framework or HostArrays(), key="ckpt")

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.storage import (
 from torch.distributed.tensor import DTensor
 
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
+from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
@@ -208,12 +208,10 @@ class StorageWriter(_Writer):
     except BaseException:
       protocol.abort(target, hosts)
       raise
-    # Built here a second time (the committing sidecar built it too): a sidecar's own
-    # answer (``info``) may be a replica's of an older save of this path until every
-    # RAM tier is told this one's. The Commit response carrying it would make it once.
-    manifest = Manifest.of_save(distcp.FORMAT, step=target.step, leaves=(), checksums=sums,
-                                data_state_json="", replicas=placement,
-                                extras={"plan": plan})
+    # The manifest the committing sidecar built (once), kept with its own step, which its
+    # info() answers before any replica of an older save of this path; every RAM tier
+    # keeps it.
+    manifest = self._site.client.info(self._home, target.final_dir).result()
     protocol.mark_committed(target, hosts, manifest.to_json())
 
   def _replicate(self, protocol: SaveProtocol, target: Target,
