@@ -2,6 +2,9 @@
 over ``tests/support/fake_sidecars.FakeSidecars`` (one rank, no sockets), and
 :class:`Recording`, a fake that records each phase with the format's part it was given."""
 
+import concurrent.futures
+import threading
+
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.peers import LocalPeers
 from tests.support.fake_sidecars import FakeSidecars
@@ -26,12 +29,27 @@ class FakeController:
 
 
 class Recording(FakeSidecars):
-  """Records ``(phase, host, part)`` of each stage and commit, and each replicate, in order."""
+  """Records ``(phase, host, part)`` of each stage and commit, and each replicate, in order;
+  a host's writes (prepared) end once ``writing`` is set (it is, at first)."""
 
   def __init__(self, **kw):
     super().__init__(**kw)
     self.sent: list[tuple] = []
     self.replicated_to: list[tuple[int, list[int]]] = []
+    self.writing = threading.Event()
+    self.writing.set()
+
+  def prepared(self, host, final_dir, *, timeout):
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def written() -> None:
+      self.writing.wait(30)
+      out.set_result(FakeSidecars.prepared(self, host, final_dir, timeout=timeout).result())
+    if self.writing.is_set():
+      written()
+    else:
+      threading.Thread(target=written, daemon=True).start()
+    return out
 
   def stage(self, host, *, part=None, **kw):
     self.sent.append(("stage", host, part))
