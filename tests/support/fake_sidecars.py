@@ -23,11 +23,15 @@ from sidecar._src.ckptfmt.records import (
   ShardChecksum,
   ShardId,
 )
-from sidecar._src.ckptfmt.registry import ORBAX
+from sidecar._src.ckptfmt.registry import DCP, ORBAX
 from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
+from sidecar._src.controller.checkpoint.options import CheckpointOptions
+from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.connection import CallWindow, HostInfo
-from sidecar._src.controller.peers import Peers
+from sidecar._src.controller.framework import HostArrays
+from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
 
@@ -119,6 +123,8 @@ class FakeSidecars(CheckpointTransport):
     self.staged: dict[tuple[int, str], dict] = {}  # (host, final dir) -> {(kp, index): array}
     self.manifests: dict[str, Manifest] = {}  # final dir -> its manifest, once committed
     self.aborted: list[tuple[int, str]] = []
+    self.items: dict[tuple[str, int], tuple] = {}  # (final dir, DCP rank) -> its items
+    self.told: list[tuple[int, str, str]] = []  # committed: (host, final dir, manifest_json)
 
   def _phase(self, name: str, host: int, value=None) -> concurrent.futures.Future:
     self.calls.append((name, host))
@@ -148,16 +154,23 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("open", host, sorted(steps))
 
   def begin(self, host, directory, step, *, format):
-    assert format == ORBAX, format  # the fake keeps steps in Orbax's layout only
+    if format == DCP:  # the checkpoint's own directory: its tmp one beside it
+      return self._phase("begin", host, f"{directory}.dcp-checkpoint-tmp")
+    assert format == ORBAX, format
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1):
+            writers=1, part=None):
     if leaves:
       self.leaves[final_dir] = list(leaves)
+    if part is not None and part.items:  # a DCP rank's items: its shards number them
+      self.items[(final_dir, part.rank)] = part.items
     held = self.staged.setdefault((host, final_dir), {})
     for s in shards:
-      kp = self.leaves[final_dir][s.leaf].key_path
+      if part is not None:
+        kp = (self.items[(final_dir, part.rank)][s.leaf].fqn,)
+      else:
+        kp = self.leaves[final_dir][s.leaf].key_path
       held[ShardId(kp, tuple(s.index))] = np.array(s.data)
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
@@ -167,19 +180,23 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("prepared", host, sums)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
-             whole_step, replicas, timeout):
+             whole_step, replicas, timeout, part=None):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
-      final = tmp_dir.replace(".orbax-checkpoint-tmp", "")
-      self.manifests[final] = Manifest(ORBAX,
+      dcp = part is not None
+      final = tmp_dir.replace(".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
+      self.manifests[final] = Manifest(DCP if dcp else ORBAX,
                                        tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),
                                        json.loads(data_state_json) if data_state_json else None,
-                                       {int(h): tuple(p) for h, p in (replicas or {}).items()})
-      directory = final.rsplit("/", 2)[0]
+                                       {int(h): tuple(p) for h, p in (replicas or {}).items()},
+                                       extras={"plan": part.plan()} if dcp else None,
+                                       step=step)
+      directory = final.rsplit("/", 1 if dcp else 2)[0]
       self.steps.setdefault(directory, set()).add(step)
     return future
 
-  def committed(self, host, final_dir):
+  def committed(self, host, final_dir, manifest_json=""):
+    self.told.append((host, final_dir, manifest_json))
     return self._phase("committed", host, [])
 
   def abort(self, host, tmp_dir, final_dir, *, timeout):
@@ -216,3 +233,18 @@ class FakeSidecars(CheckpointTransport):
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))
     return self._phase("read", host, data)
+
+
+def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Peers | None = None,
+                 records=None, directory: str = "/ckpt/run", framework=None,
+                 **options) -> Checkpointer:
+  """The one Checkpointer over ``fake`` (its hosts, or ``hosts``; this process stages into
+  ``local``, default all) with the key-value agreement and ``framework`` (default numpy
+  arrays): ``options`` are CheckpointOptions'."""
+  hosts = tuple(getattr(fake, "hosts", (0,)) if hosts is None else hosts)
+  site = Sidecars(client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
+                  device_hosts={}, records={h: {} for h in hosts} if records is None else records,
+                  mapped=frozenset(), writers={})
+  return Checkpointer.key_value(directory, site=site, options=CheckpointOptions(**options),
+                                peers=peers if peers is not None else LocalPeers(),
+                                framework=framework or HostArrays(), key="ckpt")

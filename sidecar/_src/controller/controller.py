@@ -425,16 +425,9 @@ class Controller:
                    ram_steps=ram_steps, ram_budget=ram_budget, if_busy=if_busy,
                    replicas=replicas, replica_bandwidth=replica_bandwidth)
     self._checkpointers += 1
-    site = self.checkpoint_sidecars()
-    ckpt = Checkpointer(
-        directory=str(directory), client=site.client, hosts=list(site.hosts),
-        device_hosts=self._hosts.device_hosts, max_to_keep=o.max_to_keep,
-        keep_period=o.keep_period, ram_steps=o.ram_steps, ram_budget=o.ram_budget,
-        if_busy=o.if_busy, sweep=sweep, local_hosts=list(site.local), peers=self._peers,
-        key=f"ckpt/{self._checkpointers}", replicas=o.replicas,
-        replica_bandwidth=o.replica_bandwidth,
-        sidecars={h: dict(r) for h, r in site.records.items()}, mapped=sorted(site.mapped),
-        framework=self._framework, writers=site.writers)
+    ckpt = Checkpointer.key_value(
+        str(directory), site=self.checkpoint_sidecars(), options=o, peers=self._peers,
+        framework=self._framework, key=f"ckpt/{self._checkpointers}", sweep=sweep)
     self._children.add(ckpt)
     return ckpt
 

@@ -205,6 +205,8 @@ class HostArrays(Framework):
 
   Saves each leaf whole (by process 0); restores onto a tree of numpy arrays (or of
   anything with ``shape`` and ``dtype``) as numpy arrays (scalars as numpy scalars).
+  A framework whose leaves are host values saved whole (PyTorch's tensors in Orbax's
+  layout, ``torch/framework.py``) overrides only the four leaf hooks below.
   """
 
   name = "numpy"
@@ -214,13 +216,33 @@ class HostArrays(Framework):
         f"device={device!r}: this controller has no framework to put arrays on a device; "
         "use sidecar.Controller (JAX) or leave device=None for numpy arrays")
 
+  def host_value(self, value: Any, where: str) -> np.ndarray:
+    """A leaf's elements as a host array (``where`` names it in errors)."""
+    del where
+    return np.asarray(value)
+
+  def leaf_spec(self, path: KeyPath, value: Any, data: np.ndarray) -> LeafSpec:
+    """The spec of leaf ``value`` at ``path`` (``data``: its host array)."""
+    del data
+    return LeafSpec.from_value(path, value)
+
+  def target_leaf(self, want: Any, where: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a restore target's leaf asks for."""
+    del where
+    return (tuple(np.shape(want)),
+            np.dtype(want.dtype if hasattr(want, "dtype") else np.asarray(want).dtype))
+
+  def restored(self, leaf: RestoreLeaf, block: np.ndarray) -> Any:
+    """The framework's value of a restored leaf over its host ``block`` (no copy)."""
+    return block if leaf.shape else block[()]
+
   def save_leaves(self, tree: Any) -> list[SaveLeaf]:
     flat, _ = trees.flatten_with_path(tree)
     check_tree([path for path, _ in flat], tree)
     out = []
     for path, value in flat:
-      spec = LeafSpec.from_value(path, value)
-      data = np.asarray(value)
+      data = self.host_value(value, f"leaf {'.'.join(map(str, path))}")
+      spec = self.leaf_spec(path, value, data)
       out.append(SaveLeaf(spec, (SaveShard(whole(data.shape), data, None),)))
     return out
 
@@ -228,12 +250,11 @@ class HostArrays(Framework):
     flat, treedef = trees.flatten_with_path(target)
     leaves = []
     for path, want in flat:
-      shape = tuple(np.shape(want))
-      dtype = np.dtype(want.dtype if hasattr(want, "dtype") else np.asarray(want).dtype)
+      shape, dtype = self.target_leaf(want, str(path))
       leaves.append(RestoreLeaf(path, shape, dtype, ((whole(shape), None),)))
 
     def build(blocks: list[list[np.ndarray]]) -> Any:
-      out = [b[0] if leaf.shape else b[0][()] for leaf, b in zip(leaves, blocks)]
+      out = [self.restored(leaf, b[0]) for leaf, b in zip(leaves, blocks)]
       return trees.unflatten(treedef, out)
 
     return RestoreTarget(tuple(leaves), build)

@@ -17,16 +17,8 @@ import numpy as np
 import torch
 
 from sidecar._src.arena.worker import TrainerProcess
-from sidecar._src.ckptfmt.spec import LeafSpec
-from sidecar._src.controller.framework import (
-  Framework,
-  RestoreLeaf,
-  RestoreTarget,
-  SaveLeaf,
-  SaveShard,
-  check_tree,
-  whole,
-)
+from sidecar._src.ckptfmt.spec import KeyPath, LeafSpec
+from sidecar._src.controller.framework import HostArrays, RestoreLeaf
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import dtypes as dtypes_lib, errors, trees
 from sidecar._src.torch import distributed, tensors
@@ -67,8 +59,9 @@ def host_array(value: Any, where: str) -> np.ndarray:
   return np.asarray(value)
 
 
-class TorchFramework(Framework):
-  """PyTorch: ``torch.Tensor``s, one device per rank, ``torch.distributed``."""
+class TorchFramework(HostArrays):
+  """PyTorch: ``torch.Tensor``s, one device per rank, ``torch.distributed``. Its leaves
+  are saved whole, as host arrays (the core's ``HostArrays`` with tensors for leaves)."""
 
   name = "torch"
 
@@ -85,29 +78,18 @@ class TorchFramework(Framework):
   def to_device(self, tree: Any, device: Any) -> Any:
     return to_tensors(tree, device)
 
-  def save_leaves(self, tree: Any) -> list[SaveLeaf]:
-    flat, _ = trees.flatten_with_path(tree)
-    check_tree([path for path, _ in flat], tree)
-    out = []
-    for path, value in flat:
-      data = host_array(value, f"leaf {'.'.join(map(str, path))}")
-      spec = LeafSpec.from_value(path, data)
-      out.append(SaveLeaf(spec, (SaveShard(whole(data.shape), data, None),)))
-    return out
+  def host_value(self, value: Any, where: str) -> np.ndarray:
+    return host_array(value, where)
 
-  def restore_target(self, target: Any) -> RestoreTarget:
-    flat, treedef = trees.flatten_with_path(target)
-    leaves = []
-    for path, want in flat:
-      if isinstance(want, torch.Tensor):
-        shape, dtype = tuple(want.shape), tensors.dtype_name(want.dtype, str(path))
-      else:
-        shape, dtype = tuple(np.shape(want)), np.asarray(want).dtype.name
-      leaves.append(RestoreLeaf(path, shape, dtypes_lib.dtype_of(dtype, str(path)),
-                                ((whole(shape), None),)))
+  def leaf_spec(self, path: KeyPath, value: Any, data: np.ndarray) -> LeafSpec:
+    return LeafSpec.from_value(path, data)
 
-    def build(blocks: list[list[np.ndarray]]) -> Any:
-      return trees.unflatten(treedef, [tensors.from_array(b[0]) for b in blocks])
+  def target_leaf(self, want: Any, where: str) -> tuple[tuple[int, ...], np.dtype]:
+    if isinstance(want, torch.Tensor):
+      return (tuple(want.shape),
+              dtypes_lib.dtype_of(tensors.dtype_name(want.dtype, where), where))
+    return (tuple(np.shape(want)),
+            dtypes_lib.dtype_of(np.asarray(want).dtype.name, where))
 
-    return RestoreTarget(tuple(leaves), build)
-
+  def restored(self, leaf: RestoreLeaf, block: np.ndarray) -> Any:
+    return tensors.from_array(block)

@@ -6,13 +6,16 @@ Thin adapters over the core's checkpoint protocol: a save runs the core's
 between the ranks, a restore the core's tier fallback (``restore.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
-(``write_data``, or ``stage`` under ``dcp.async_save``), staged in the core's parts
-(``staging.Parts``); the sidecar then writes the rank's ``__{rank}_0.distcp`` in DCP's
-own layout from its arena, in its own process, and keeps the step in its RAM tier. Rank 0
-(DCP's coordinator) begins the step (the tmp directory) in ``prepare_global_plan``, and
-in ``finish`` pickles DCP's Metadata, waits for every sidecar's part and commits with one
-rename (or aborts everywhere): stock ``FileSystemReader`` then reads the directory. With
-``replicas`` it then starts the replication and returns: ``replicated`` resolves apart.
+(``write_data``, or ``stage`` under ``dcp.async_save``), by the core's one stager
+(``staging.copy_in``) in the core's parts (``staging.Parts``); the sidecar then writes the
+rank's ``__{rank}_0.distcp`` in DCP's own layout from its arena, in its own process, and
+keeps the step in its RAM tier. Rank 0 (DCP's coordinator) begins the step (the tmp
+directory) in ``prepare_global_plan``, and in ``finish``, with ``replicas``, starts the
+replication (``replicated`` resolves apart), pickles DCP's Metadata, waits for every
+sidecar's part and commits with one rename (or aborts everywhere): stock
+``FileSystemReader`` then reads the directory. ``sidecar.torch.Checkpointer`` is the
+core's one Checkpointer with these classes as its agreement plug
+(``torch/checkpointer.DcpAgreement``).
 ``StorageReader`` takes each item from the RAM tier of the sidecar that holds it (no
 storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a peer's
 replica, else storage, each shard's crc32c checked; a directory stock DCP wrote is read
@@ -47,14 +50,15 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.distributed.tensor import DTensor
 
-from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
+from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
 from sidecar._src.controller import controller as core
+from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees
 from sidecar._src.torch import (
@@ -168,10 +172,12 @@ class StorageWriter(_Writer):
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
     items = [torch_metadata.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
     worker = self._ctl.worker(self._home)  # an array staged by stage() is there already
+    copies = [ShardCopy(self._home, i, item.index, a,
+                        ref=worker.ref_of(a) if worker is not None else None)
+              for i, (item, a) in enumerate(zip(items, arrays))]
+    del arrays
     self._protocol(target.directory).stage_copies(
-        target, self._home, arrays, [item.index for item in items],
-        [worker.ref_of(a) if worker is not None else None for a in arrays],
-        part=DcpPart(rank, tuple(items)), rest=DcpPart(rank, ()),
+        target, self._home, copies, part=DcpPart(rank, tuple(items)), rest=DcpPart(rank, ()),
         threads=torch.get_num_threads())
     self.last_stats = {"stage_s": time.perf_counter() - t0}
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -179,8 +185,8 @@ class StorageWriter(_Writer):
     return out
 
   def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
-    """Rank 0: pickles the metadata, waits for every sidecar's part, commits once (or
-    aborts everywhere), then starts the replication (``replicated``)."""
+    """Rank 0: starts the replication (``replicated``), pickles the metadata, waits for
+    every sidecar's part, commits once (or aborts everywhere)."""
     target = self._begun
     if target is None:
       raise errors.InvalidArgumentError("finish() before prepare_global_plan(): use dcp.save")
@@ -191,6 +197,9 @@ class StorageWriter(_Writer):
              for name, size in torch_metadata.file_sizes(results).items()}
     placement = {h: p for h, p in self._site.placement(self.replicas).items() if h in hosts}
     protocol = self._protocol(target.directory)
+    # Every rank's part is staged (DCP gathered their write results): the replication
+    # starts now, before the commit, as ctl.checkpointer's does once staged.
+    self.replicated = self._replicate(protocol, target, placement)
     try:
       sums = protocol.prepared(target, hosts)
       protocol.commit(self._home, target, num_hosts=len(hosts), checksums=sums,
@@ -199,15 +208,15 @@ class StorageWriter(_Writer):
     except BaseException:
       protocol.abort(target, hosts)
       raise
-    manifest = Manifest.of_save(distcp.FORMAT, step=target.step, leaves=(), checksums=sums,
-                                data_state_json="", replicas=placement,
-                                extras={"plan": plan})
+    # The manifest the committing sidecar built (once), kept with its own step, which its
+    # info() answers before any replica of an older save of this path; every RAM tier
+    # keeps it.
+    manifest = self._site.client.info(self._home, target.final_dir).result()
     protocol.mark_committed(target, hosts, manifest.to_json())
-    self.replicated = self._replicate(protocol, target, placement)
 
   def _replicate(self, protocol: SaveProtocol, target: Target,
                  placement: dict[int, list[int]]) -> concurrent.futures.Future | None:
-    """Each host's part, committed, to its peers' RAM tiers: a lost sidecar's part is then
+    """Each host's staged part to its peers' RAM tiers: a lost sidecar's part is then
     restored from memory, with no storage read. Returns at once; None with no replicas."""
     replication = protocol.start_replication(target, placement,
                                              bandwidth=self.options.bandwidth)
@@ -245,30 +254,50 @@ class StorageWriter(_Writer):
     found = [(i, x, framework.host_array(x.to_local() if isinstance(x, DTensor) else x,
                                          f"state dict entry {'.'.join(map(str, path))!r}"))
              for i, (path, x) in enumerate(flat) if isinstance(x, torch.Tensor)]
-    blocks = self._site.client.empty_like(self._home, [a for _, _, a in found])
-    for (i, t, a), (block, _) in zip(found, blocks):
-      leaves[i] = self._staged(t, a, block)
+    # The one stager, on as many threads as torch's own pool (torchrun gives each of a
+    # node's ranks one, so that they do not take each other's cores: 2 ranks on 2 cores
+    # blocked 0.90x a memcpy with one copy thread each, 1.06x with two).
+    copies = [ShardCopy(self._home, i, (), a) for i, _, a in found]
+    allocate(self._site.client.empty_like, copies, self._home)
+    views = _Views()
+    copy_in(copies, views, threads=torch.get_num_threads())
+    for i, t, _ in found:
+      leaves[i] = _over(t, views.pop(i))
     return trees.unflatten(treedef, leaves)
-
-  @staticmethod
-  def _staged(t: torch.Tensor, array: np.ndarray, block: np.ndarray) -> torch.Tensor:
-    """``t`` over its arena ``block``, once ``array`` (its host copy) is copied there: on
-    as many threads as torch's own pool (torchrun gives each of a node's ranks one, so
-    that they do not take each other's cores: 2 ranks on 2 cores blocked 0.90x a memcpy
-    with one copy thread each, 1.06x with two)."""
-    interrupts.check()
-    shm.copy(block, array, threads=torch.get_num_threads())
-    copy = tensors.from_array(block)
-    if isinstance(t, DTensor):  # FSDP2's shards: the same placement, over the arena copy
-      return DTensor.from_local(copy.view(t.to_local().shape), t.device_mesh, t.placements,
-                                run_check=False, shape=t.shape, stride=t.stride())
-    return copy.view(t.shape)
 
   def synchronize_staging(self) -> None:
     pass
 
   def close(self) -> None:
     pass
+
+
+class _Views(staging.Sink):
+  """The arena views of a ``dcp.async_save`` stage's copies, by leaf number."""
+
+  def __init__(self) -> None:
+    self._views: dict[int, np.ndarray] = {}
+
+  def add(self, shard: ShardCopy, view: np.ndarray) -> None:
+    self._views[shard.leaf] = view
+
+  def pop(self, leaf: int) -> np.ndarray:
+    return self._views.pop(leaf)
+
+  def close(self) -> None:
+    pass
+
+  def fail(self, error: BaseException) -> None:
+    self._views.clear()
+
+
+def _over(t: torch.Tensor, block: np.ndarray) -> torch.Tensor:
+  """``t`` over its arena copy ``block``."""
+  copy = tensors.from_array(block)
+  if isinstance(t, DTensor):  # FSDP2's shards: the same placement, over the arena copy
+    return DTensor.from_local(copy.view(t.to_local().shape), t.device_mesh, t.placements,
+                              run_check=False, shape=t.shape, stride=t.stride())
+  return copy.view(t.shape)
 
 
 class StorageReader(_Reader):

@@ -1,45 +1,53 @@
-"""``ctl.checkpointer``: saves that stall the trainer for one copy, restores from RAM or disk.
+"""The one :class:`Checkpointer`, ``ctl.checkpointer``'s and ``sidecar.torch.Checkpointer``'s.
 
-A save copies every addressable shard once into the arena of the host that owns
-its device (replicated shards once), hands the blocks to the sidecars (``staged``)
-and returns. The sidecars write their parts in stock Orbax's layout in their own
-processes; the controller commits once every host is prepared (``durable``). A
-step is listed only after its commit; a crash anywhere before leaves it invisible.
+A save copies every shard this process saves once into the arena of the host that owns
+its device (replicated shards once), hands the blocks to the sidecars (``staged``) and
+returns. The sidecars write their parts in their own processes, in the format's layout
+(stock Orbax's for ``ctl.checkpointer``, DCP's for ``sidecar.torch.Checkpointer``); the
+step is committed once every host is prepared (``durable``). A step is listed only
+after its commit; a crash anywhere before leaves it invisible.
 
-With ``replicas=R`` each sidecar also sends its shards to R peer sidecars once they
-are staged (on other slices first, else the next hosts in host order), sidecar to
-sidecar (``replicated``). A restore takes each shard from wherever a live copy is:
-the arena of the host that staged it, a peer's replica, storage last; it checks
-each crc32c and says where the shards came from (:meth:`Checkpointer.last_restore_stats`).
+With ``replicas=R`` each sidecar also sends its shards to R peer sidecars once every
+host's part is staged (on other slices first, else the next hosts in host order),
+sidecar to sidecar (``replicated``; with R=0 it holds the step at once, as the other
+futures do). A restore takes each shard from wherever a live copy is: the arena of the
+host that staged it, a peer's replica, storage last, each crc32c checked.
+
+What differs between frameworks is in two plugs (``plugs.py``): the agreement (who drives
+the phases and how the processes agree: JAX's key-value store, DCP's coordinator rank)
+and the framework (how leaves are described, copied and rebuilt).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib, progress as progress_lib
 from sidecar._src.controller.checkpoint import ram_drop
-from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
+from sidecar._src.controller.checkpoint.plugs import Agreement, KeyValueAgreement
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save import SaveCoordinator
+from sidecar._src.controller.checkpoint.save_protocol import agree_on_save, end_save
+from sidecar._src.controller.checkpoint.sidecars import Sidecars
 from sidecar._src.controller.checkpoint.target import (
   SaveHandle,
   Target,
   done_handle,
   replica_hosts,
 )
-from sidecar._src.controller.framework import Framework, HostArrays
-from sidecar._src.controller.peers import LocalPeers, Peers
+from sidecar._src.controller.framework import Framework
+from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts
 
 __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target",
@@ -49,87 +57,95 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-  """Made by ``Controller.checkpointer``; see there.
+  """Numbered steps of a training run under ``directory``, through the sidecars.
 
-  It reaches the sidecars only through ``client``, a :class:`CheckpointTransport` (one
-  typed method per phase of the ``Checkpoint`` service): the Controller's gRPC
-  :class:`~sidecar._src.controller.checkpoint.client.CheckpointClient`, or an in-process
-  fake in unit tests. Trees of a framework's arrays reach it through ``framework``
-  (``controller/framework.py``): the shards to save, the blocks to restore.
+  Made by ``Controller.checkpointer`` (the key-value agreement and the controller's
+  framework: stock Orbax's layout) or ``sidecar.torch.Checkpointer`` (DCP's agreement and
+  layout); see there. Under N trainer processes every process makes the same calls.
 
-  Under N trainer processes (one per host) every process makes the same calls. Each
-  stages the shards it holds (``replica_id == 0``) into its own sidecar; process 0
-  begins each step, gathers every process's prepared and commits once, sweeps and
-  deletes old steps; the others learn the outcome through ``peers``.
+  Args:
+    directory: where the steps go, ``<directory>/<step>``.
+    site: the sidecars (``Controller.checkpoint_sidecars()``): the checkpoint client,
+      the hosts, which of them this process drives, where their replicas go.
+    options: retention, RAM tier, replicas, ``if_busy``.
+    peers: the trainer processes; process 0 decides what all do.
+    agreement: makes the agreement plug (``plugs.Agreement``) for this checkpointer.
+    key: the prefix of this checkpointer's agreement keys (the same in every process).
+    sweep: whether process 0 removes uncommitted steps at open (False where an Orbax
+      manager owns them).
   """
 
-  def __init__(self, *, directory: str, client: CheckpointTransport,
-               hosts: list[int], device_hosts: dict[int, int], max_to_keep: int | None,
-               keep_period: int | None, ram_steps: int,
-               ram_budget: int | None, if_busy: str, sweep: bool = True,
-               local_hosts: Sequence[int] | None = None, peers: Peers | None = None,
-               key: str = "ckpt", replicas: int = 0,
-               sidecars: dict[int, dict[str, Any]] | None = None, mapped: Sequence[int] = (),
-               replica_bandwidth: int | str | None = None, framework: Framework | None = None,
-               writers: Mapping[int, Sequence[int]] | None = None):
-    options = CheckpointOptions(max_to_keep=max_to_keep, keep_period=keep_period,
-                                replicas=replicas, ram_steps=ram_steps, ram_budget=ram_budget,
-                                replica_bandwidth=replica_bandwidth, if_busy=if_busy)
-    replica_bandwidth = options.bandwidth
-    if replicas > len(hosts) - 1:  # e.g. an elastic job down to fewer hosts than it planned
-      log.warning("replicas=%d, but there are %d hosts: each shard gets %d peer copies",
-                  replicas, len(hosts), max(len(hosts) - 1, 0))
-      replicas = max(len(hosts) - 1, 0)
-    sidecars = sidecars or {}
-    if replicas and set(sidecars) != set(hosts):
-      raise errors.InvalidArgumentError(
-          f"replicas={replicas} needs every sidecar's address: sidecars names hosts "
-          f"{sorted(sidecars)}, the hosts are {sorted(hosts)}")
-    slices = {h: int(sidecars.get(h, {}).get("slice_id", 0)) for h in hosts}
-    placement = {h: replica_hosts(slices, h, replicas) for h in hosts}
-    self._last_restore: RestoreStats | None = None
+  def __init__(self, directory: str | os.PathLike, *, site: Sidecars,
+               options: CheckpointOptions, peers: Peers,
+               agreement: Callable[[Checkpointer], Agreement], key: str, sweep: bool = True):
+    self.options = options
     # Absolute here: the sidecars' working directory is not the trainer's.
-    self.directory = os.path.abspath(directory)
-    self._client = client  # the sidecars, one typed method per phase
-    self._local = list(hosts if local_hosts is None else local_hosts)  # hosts we stage into
-    self._peers = peers if peers is not None else LocalPeers()
-    framework = framework if framework is not None else HostArrays()
-    self._key, self._restores = key, 0
-    self._lead = self._peers.index == 0  # begins, commits, sweeps and deletes, once
-    self._if_busy = if_busy
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.site = site
+    self._client = site.client  # the sidecars, one typed method per phase
+    self._local = list(site.local)  # the hosts this process stages into
+    self._peers, self._key = peers, key
+    self._lead = peers.index == 0  # begins, commits, sweeps and deletes, once
+    # Replica placement, once for every framework (an elastic job down to fewer hosts
+    # than it planned gets fewer replicas, with a warning).
+    self.replicas = site.replicas(options.replicas)
+    if self.replicas and set(site.records) != set(site.hosts):
+      raise errors.InvalidArgumentError(
+          f"replicas={self.replicas} needs every sidecar's address: sidecars names hosts "
+          f"{sorted(site.records)}, the hosts are {sorted(site.hosts)}")
+    self.placement = site.placement(self.replicas)
     opened = [interrupts.wait(f) for f in [
-        client.open(h, self.directory, ram_steps=ram_steps, ram_budget=ram_budget,
-                    sweep=sweep and self._lead) for h in self._local]]
+        site.client.open(h, self.directory, ram_steps=options.ram_steps,
+                         ram_budget=options.ram_budget, sweep=sweep and self._lead)
+        for h in self._local]]
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
     steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))
-    self._retention = Retention(client=client, directory=self.directory, local=self._local,
-                                lead=self._lead, max_to_keep=max_to_keep,
-                                keep_period=keep_period, steps=list(json.loads(steps)))
-    self._coordinator = SaveCoordinator(
-        client=client, directory=self.directory, hosts=hosts, local=self._local,
-        device_hosts=device_hosts, peers=self._peers, key=key, replicas=replicas,
-        placement=placement, replica_bandwidth=replica_bandwidth,
-        list_step=self._retention.add, collect_garbage=self._retention.collect,
-        framework=framework, writers=writers)
-    self._restorer = Restorer(client=client, directory=self.directory, hosts=hosts,
-                              local=self._local, device_hosts=device_hosts, mapped=set(mapped),
-                              ask_all=bool(replicas) or self._peers.count == 1,
-                              steps=self.all_steps, framework=framework)
+    self._retention = Retention(client=site.client, directory=self.directory,
+                                local=self._local, lead=self._lead,
+                                max_to_keep=options.max_to_keep,
+                                keep_period=options.keep_period,
+                                steps=list(json.loads(steps)))
+    self._agreement = agreement(self)
+    self._saves = self._asked = self._restores = 0
     self._in_flight: SaveHandle | None = None
     self._saving: set[int] = set()  # steps a save() of this process is copying now
     self._saving_lock = threading.Lock()
+    self._enders: list[threading.Thread] = []  # each ends a save (durable, replicated)
     self._closed = False
+
+  @classmethod
+  def key_value(cls, directory: str | os.PathLike, *, site: Sidecars,
+                options: CheckpointOptions, peers: Peers, framework: Framework, key: str,
+                sweep: bool = True) -> Checkpointer:
+    """A Checkpointer with the key-value agreement over ``framework`` (``ctl.checkpointer``'s)."""
+
+    def plug(ckpt: Checkpointer) -> Agreement:
+      hosts, local = list(site.hosts), list(site.local)
+      coordinator = SaveCoordinator(
+          client=site.client, directory=ckpt.directory, hosts=hosts, local=local,
+          device_hosts=site.device_hosts, peers=peers, replicas=ckpt.replicas,
+          placement=ckpt.placement, replica_bandwidth=options.bandwidth,
+          framework=framework, writers=site.writers)
+      restorer = Restorer(client=site.client, directory=ckpt.directory, hosts=hosts,
+                          local=local, device_hosts=dict(site.device_hosts),
+                          mapped=set(site.mapped),
+                          ask_all=bool(ckpt.replicas) or peers.count == 1,
+                          steps=ckpt.all_steps, framework=framework)
+      return KeyValueAgreement(coordinator, restorer)
+
+    return cls(directory, site=site, options=options, peers=peers, agreement=plug, key=key,
+               sweep=sweep)
 
   # ---- save --------------------------------------------------------------
 
   @interrupts.deferring  # Ctrl-C: the save is aborted and swept, or left to finish
   def save(self, step: int, tree: Any, *, data_state: dict[str, Any] | None = None
            ) -> SaveHandle:
-    """Copies ``tree`` into the arenas and returns; the sidecars persist it.
+    """Copies ``tree`` into the arenas and returns; the sidecars persist it as ``step``.
 
     At most one save is in flight: with ``if_busy="wait"`` this waits for the
     previous one to be durable, with ``"skip"`` it returns a handle whose futures
-    hold None and saves nothing.
+    hold None and saves nothing; every process takes the same decision.
     """
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -149,16 +165,20 @@ class Checkpointer:
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:
     previous = self._in_flight
     busy = previous is not None and not previous.durable.done()
-    if self._peers.count > 1:  # every process must take the same decision on the same step
-      busy = self._coordinator.agree_on_save(step, busy)
+    # Every process must take the same decision on the same step: one agreement per
+    # save() call, skipped or not (a skip reusing the next save's key read stale values).
+    self._asked += 1
+    busy = agree_on_save(self._peers, f"{self._key}/ask/{self._asked}", step, busy,
+                         what=f"save {self._asked} in {self.directory}")
     if busy:
-      if self._if_busy == "skip":
+      if self.options.if_busy == "skip":
         return done_handle(step, None)
       if previous is not None:  # busy may be another process's save
         interrupts.wait_done(previous.durable)
-    if step in self.all_steps():
+    if step in self.all_steps() and not self._agreement.replaces_committed:
       raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
-    handle = self.save_to(Target.for_step(self.directory, step), tree, data_state=data_state)
+    handle = self.save_to(self._agreement.target(self.directory, step), tree,
+                          data_state=data_state)
     self._in_flight = handle
     elastic_lib.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
     return handle
@@ -166,27 +186,66 @@ class Checkpointer:
   def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
               ) -> SaveHandle:
     """Copies ``tree`` into the arenas; the sidecars write and commit ``target``."""
-    return self._coordinator.save_to(target, tree, data_state=data_state)
+    if data_state is not None:
+      try:
+        data_json = json.dumps(data_state)
+      except TypeError as e:
+        raise errors.InvalidArgumentError(f"data_state must be JSON-serialisable: {e}") from None
+    else:
+      data_json = ""
+    self._saves += 1
+    key = f"{self._key}/save/{self._saves}"
+    handle = SaveHandle(target.step, concurrent.futures.Future(), concurrent.futures.Future())
+    if not self.replicas:  # the same for every framework: it holds the step at once
+      handle.replicated.set_result(target.step)
+    self._agreement.start(target, tree, data_state_json=data_json, key=key, handle=handle,
+                          end=functools.partial(self._end, handle, key))
+    return handle
+
+  def _end(self, handle: SaveHandle, key: str, error: BaseException | None,
+           replication: Callable[[], BaseException | None], *, whole: bool = True) -> None:
+    """Ends a save (the agreement calls it once, committed or failed): the core's end
+    (``end_save``: the step listed, ``durable``, old steps deleted, then ``replicated``
+    with every process) on a thread of this Checkpointer's, which ``wait`` and ``close``
+    join."""
+    ender = threading.Thread(
+        target=end_save, args=(handle, error),
+        kwargs={"listed": functools.partial(self._retention.add, handle.step) if whole
+                else None,
+                "collect_garbage": self._retention.collect if whole else None,
+                "replication": replication, "peers": self._peers, "key": key},
+        daemon=True, name=f"sidecar-save-end-{handle.step}")
+    self._enders = [t for t in self._enders if t.is_alive()] + [ender]
+    ender.start()
 
   def mark_committed(self, target: Target) -> None:
-    """Tells the RAM tiers the step is visible; lists it."""
-    self._coordinator.mark_committed(target)
+    """Tells the RAM tiers the step is visible; lists it (an Orbax manager's commit)."""
+    self._key_value().coordinator.mark_committed(target)
+    if target.whole_step:
+      self._retention.add(target.step)
+
+  def _key_value(self) -> KeyValueAgreement:
+    if not isinstance(self._agreement, KeyValueAgreement):
+      raise errors.InvalidArgumentError(
+          "this checkpointer saves through DCP's coordinator: items of an Orbax manager "
+          "need ctl.checkpointer")
+    return self._agreement
 
   # ---- restore -----------------------------------------------------------
 
   @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
-  def restore(self, step: int | None = None, *, target: Any,
+  def restore(self, step: int | None = None, target: Any = None, *,
               progress: Callable[[str], None] | bool | None = None) -> Any:
-    """Restores ``step`` (default: the latest) onto the shardings of ``target``.
+    """Restores ``step`` (default: the latest) onto ``target``.
 
-    ``target`` is a pytree of ``jax.ShapeDtypeStruct``s with shardings, or of concrete
-    arrays (their shardings are used). Takes each shard from a live copy: the arena
-    of the host that staged it, else a peer's replica (``replicas=R``), else storage,
-    checking its crc32c; a copy that fails its check or whose host is gone falls back
-    to the next. Reshards when the target mesh differs from the one saved. Where the
-    shards came from: :meth:`last_restore_stats`, and a line at INFO.
-    With ``progress`` (``print``, say), a restore past a second reports its progress; by
-    default (None) on a tqdm line where one is seen (a terminal, a notebook).
+    ``target``: under ``ctl.checkpointer``, a pytree of ``jax.ShapeDtypeStruct``s with
+    shardings, or of concrete arrays (their shardings are used); under
+    ``sidecar.torch.Checkpointer``, the state dict ``dcp.load`` fills in place. Takes
+    each shard from a live copy: the arena of the host that staged it, else a peer's
+    replica (``replicas=R``), else storage, checking its crc32c; a copy that fails its
+    check or whose host is gone falls back to the next. Reshards when the target mesh
+    differs from the one saved. With ``progress`` (``print``, say), a restore past a
+    second reports its progress; by default (None) on a tqdm line where one is seen.
 
     Raises:
       ShardsLostError: some shard has no live copy and no valid stored one.
@@ -195,31 +254,35 @@ class Checkpointer:
         ``--shm-size``).
     """
     self._check_open()
+    if target is None:
+      raise errors.InvalidArgumentError("restore needs a target: the tree (or state dict) "
+                                        "to restore onto")
     step = self._pick(step)
     if self._peers.count > 1:  # process 0 decides which step; every process restores it
       self._restores += 1
       step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
                                        str(step) if self._lead else None))
     with progress_lib.lines(progress, f"restoring step {step}") as report:
-      return self.restore_from(Target.for_step(self.directory, step).final_dir, step, target,
-                               progress=report)
+      tree = self._agreement.restore(step, target, progress=report)
+    if (stats := self.last_restore_stats()) is not None:
+      log.info("%s of %s", stats.summary(), self.directory)
+    return tree
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""
-    return self._last_restore
+    return self._agreement.last_restore_stats()
+
   def restore_from(self, final_dir: str, step: int, target: Any, *,
                    progress: Callable[[str], None] | None = None) -> Any:
     """Restores the committed item at ``final_dir`` onto ``target``'s shardings."""
-    tree, self._last_restore = self._restorer.restore(final_dir, step, target,
-                                                      progress=progress)
-    log.info("%s of %s", self._last_restore.summary(), self.directory)
+    tree = self._key_value().restore_from(final_dir, step, target, progress=progress)
+    if (stats := self.last_restore_stats()) is not None:
+      log.info("%s of %s", stats.summary(), self.directory)
     return tree
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
-    step = self._pick(step)
-    return interrupts.wait(self._client.info(
-        self._local[0], Target.for_step(self.directory, step).final_dir)).data_state
+    return self._agreement.data_state(self._pick(step))
 
   def _pick(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -262,16 +325,17 @@ class Checkpointer:
           if line := self._progress_line(handle.step):
             report(line)
     interrupts.wait_done(handle.durable)
-    self._join_finisher()  # and the older steps max_to_keep drops are gone
+    self._join()  # and the older steps max_to_keep drops are gone
     handle.durable.result()
 
-  def _join_finisher(self, *, every: bool = False) -> None:
-    """Joins the latest save's finisher; ``every``: those of older saves too."""
-    finishers = self._coordinator.finishers if every else [self._coordinator.finisher]
-    for finisher in finishers:
-      if finisher is not None and finisher is not threading.current_thread():
-        while finisher.is_alive():  # a join Ctrl-C can stop
-          finisher.join(interrupts.POLL_S)
+  def _join(self) -> None:
+    """Waits until every save this process began has ended (its ``end`` ran: durable or
+    failed, old steps deleted, replication settled)."""
+    self._agreement.join()  # every save has called end: its ender is listed
+    for ender in list(self._enders):
+      if ender is not threading.current_thread():
+        while ender.is_alive():  # a join Ctrl-C can stop
+          ender.join(interrupts.POLL_S)
           interrupts.check()
 
   def _progress_line(self, step: int) -> str | None:
@@ -314,7 +378,7 @@ class Checkpointer:
     if self._closed:
       return
     try:
-      self._join_finisher(every=True)
+      self._join()
     finally:
       self._closed = True
       self._client.close()  # its busy retries, if any
@@ -335,7 +399,7 @@ class Checkpointer:
   def _display(self, html: bool = False) -> tuple[list[tuple[str, str]], str]:
     """Facts (no call), and each host's tiers for this directory (one bounded Status)."""
     facts = display.checkpointer_facts(self.directory, self.all_steps(), self._in_flight,
-                                       self._last_restore, self._closed)
+                                       self.last_restore_stats(), self._closed)
     if self._closed:
       return facts, ""
     try:

@@ -28,7 +28,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.records import (
   Held,
   Manifest,
@@ -45,15 +44,15 @@ from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # ckptfmt/records' types (both halves'), named here as well.
-__all__ = ["CheckpointClient", "CheckpointTransport", "CommitPart", "Held", "Manifest",
-           "ReplicaTarget", "Replicated", "ShardId", "StagePart", "StagedShard"]
+__all__ = ["CheckpointClient", "CheckpointTransport", "FormatPart", "Held", "Manifest",
+           "ReplicaTarget", "Replicated", "ShardId", "StagedShard"]
 
 
-# A format's own part of a host's Stage requests and of the Commit request (stock Orbax's
-# layout has none: its leaves travel as ``leaves``): typed values of ``ckptfmt/<format>``,
-# one more member here for a new format.
-StagePart = DcpPart
-CommitPart = DcpCommit
+# A format's own part of a host's Stage requests or of the Commit request (stock Orbax's
+# layout has none: its leaves travel as ``leaves``): a frozen value of the format's own
+# type (its ``ckptfmt.Format.stage_part``/``commit_part``), converted by
+# ``wire/checkpoint_wire``'s ``STAGE_PARTS``/``COMMIT_PARTS``. The client names no format.
+FormatPart = object
 
 
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
@@ -212,7 +211,7 @@ class CheckpointTransport(abc.ABC):
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: Sequence[StagedShard],
-            last: bool, writers: int = 1, part: StagePart | None = None
+            last: bool, writers: int = 1, part: FormatPart | None = None
             ) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
     processes stage into ``host`` (each sends its own ``last``). ``part``: the format's
@@ -228,7 +227,7 @@ class CheckpointTransport(abc.ABC):
              leaves: Sequence[LeafSpec], checksums: Sequence[ShardChecksum],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             part: CommitPart | None = None) -> concurrent.futures.Future:
+             part: FormatPart | None = None) -> concurrent.futures.Future:
     """Future of the committed directory. ``part``: the format's own part (a DCP step's
     pickled metadata, file sizes and plan)."""
 

@@ -1,45 +1,44 @@
-"""JAX's (and the numpy core's) driver of the save protocol: :class:`SaveCoordinator`.
+"""The key-value agreement's driver of the save protocol: :class:`SaveCoordinator`
+(``plugs.KeyValueAgreement``'s, JAX's and the numpy core's).
 
 A save copies every addressable shard once into the arena of the host that owns its
-device (replicated shards once), hands the blocks to the sidecars in parts (``staged``)
-and returns; a shard still on its way from an accelerator (a ``HostCopy``) is copied by a
-stager thread once it has landed, after the save returned. A finisher thread then begins
-the step (process 0), stages the parts, starts the peer replication, waits for every
-host's writes (prepared) and commits once (process 0), or aborts everywhere
-(``durable``, ``replicated``): the phases of ``save_protocol.SaveProtocol``, the
-processes agreeing through their key-value store (``controller/peers.Peers``).
+device (replicated shards once) through the one stager (``staging.copy_in``), hands the
+blocks to the sidecars in parts (``staged``) and returns; a shard still on its way from an
+accelerator (a ``HostCopy``) is copied by the stager thread once it has landed, after the
+save returned. A finisher thread then begins the step (process 0's sidecar answers its
+tmp directory), stages the parts, starts the peer replication, waits for every host's
+writes (prepared) and commits once (process 0), or aborts everywhere, then hands the
+save's end to the Checkpointer (``durable``, ``replicated``): the phases of
+``save_protocol.SaveProtocol``, the processes agreeing through their key-value store
+(``controller/peers.Peers``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import ShardChecksum
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.save_protocol import (
   LONG_S,
+  End,
   SaveProtocol,
-  agree_on_save,
   describe,
-  end_save,
   resolve,
 )
-from sidecar._src.controller.checkpoint.staging import Parts, stage_late
+from sidecar._src.controller.checkpoint.staging import Parts, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
-from sidecar._src.controller.framework import Framework, HostCopy, SaveShard
+from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers, sync_timeout
-from sidecar._src.core import errors, interrupts
-from sidecar._src.wire import codec, protocol
+from sidecar._src.core import errors
+from sidecar._src.wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -53,119 +52,76 @@ class SaveCoordinator:
     hosts: every sidecar host; ``local``: those this process stages into.
     device_hosts: the host of each device id.
     peers: the trainer processes; process 0 begins, commits and aborts.
-    key: the prefix of this checkpointer's agreement keys.
     replicas: peer copies per shard; ``placement``: each host's peers (by host id: each
       sidecar knows their addresses); ``replica_bandwidth``: bytes/s, or None.
-    list_step: lists a committed step; ``collect_garbage``: drops the steps no longer kept.
     framework: describes a state tree's shards (which this process saves).
     writers: the processes that stage into each host, where several share one (each
       sends its own parts; the host's step is whole once all of them have).
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
-               local: list[int], device_hosts: dict[int, int], peers: Peers,
-               key: str, replicas: int, placement: dict[int, list[int]],
-               replica_bandwidth: int | None,
-               list_step: Callable[[int], None], collect_garbage: Callable[[], None],
-               framework: Framework, writers: Mapping[int, Sequence[int]] | None = None):
+               local: list[int], device_hosts: Mapping[int, int], peers: Peers,
+               replicas: int, placement: Mapping[int, Sequence[int]],
+               replica_bandwidth: int | None, framework: Framework,
+               writers: Mapping[int, Sequence[int]] | None = None):
     self._framework = framework
-    self._client, self.directory, self._hosts, self._local = client, directory, hosts, local
-    self._device_hosts, self._peers, self._key = device_hosts, peers, key
+    self.client, self.directory, self._hosts, self.local = client, directory, hosts, local
+    self._device_hosts, self._peers = device_hosts, peers
     self._lead = peers.index == 0
     self._replicas, self._placement = replicas, placement
     self._replica_bandwidth = replica_bandwidth
-    self._list_step, self._collect_garbage = list_step, collect_garbage
     self._protocol = SaveProtocol(
         client=client, directory=directory, writers=writers)
-    self._saves = 0
-    self.finisher: threading.Thread | None = None  # the latest save's, until it ends
-    # Every save's that may still run: an older one settles its replication (replicas > 0)
-    # and deletes old steps after its durable, while the next save runs.
+    # Every save's finisher that may still run: one copies and commits while the trainer
+    # goes on; ``close`` joins them.
     self.finishers: list[threading.Thread] = []
 
-  def agree_on_save(self, step: int, busy: bool) -> bool:
-    """Checks every process saves ``step``; returns whether any has a save in flight."""
-    return agree_on_save(self._peers, f"{self._key}/save/{self._saves + 1}/step", step, busy,
-                         what=f"save {self._saves + 1} in {self.directory}")
-
-  def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
-              ) -> SaveHandle:
-    """Copies ``tree`` into the arenas; the sidecars write and commit ``target``."""
-    step = target.step
-    if data_state is not None:
-      try:
-        data_json = json.dumps(data_state)
-      except TypeError as e:
-        raise errors.InvalidArgumentError(f"data_state must be JSON-serialisable: {e}") from None
-    else:
-      data_json = ""
-    self._saves += 1
-    key = f"{self._key}/save/{self._saves}"
-    handle = SaveHandle(step, concurrent.futures.Future(), concurrent.futures.Future())
-    if not self._replicas:
-      handle.replicated.set_result(None)
+  def save_to(self, target: Target, tree: Any, *, data_state_json: str, key: str,
+              handle: SaveHandle, end: End) -> None:
+    """Copies ``tree`` into the arenas; the sidecars write and commit ``target``; ``end``
+    (the Checkpointer's) ends the save (``plugs.Agreement.start``)."""
+    step, data_json = target.step, data_state_json
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
-    staging = Parts(self._local, parts)
+    staging = Parts(self.local, parts)
     try:
-      specs, plan = self._plan(tree)
-      need = self._check_fits(plan)
+      specs, copies = self._plan(tree)
+      need = self._check_fits(copies)
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
         parts.put(e)
-        self._start_finisher(handle, target, staging, [], data_json, key).join()
+        self._start_finisher(handle, target, staging, [], data_json, key, end).join()
       raise
-    finisher = self._start_finisher(handle, target, staging, specs, data_json, key)
-    blocks: list = []
-    late: list = []  # shards on their way from a device: the stager copies them
+    finisher = self._start_finisher(handle, target, staging, specs, data_json, key, end)
     try:
-      blocks = self._blocks(plan, need)
-      for (host, leaf, shard), (copy, ref) in zip(plan, blocks):
-        if isinstance(shard.data, HostCopy):
-          late.append((host, leaf, shard.index, shard.data, copy, ref))
-          continue
-        interrupts.check()  # Ctrl-C aborts the save (below)
-        shm.copy(copy, shard.data)  # the one copy the trainer waits for
-        staging.add(host, StagedShard(leaf, shard.index, copy, ref), shard.data.nbytes)
+      self._allocate(copies, need)
     except BaseException as e:
-      staging.clear()  # The traceback keeps this frame: let the blocks go.
-      blocks.clear()
-      late.clear()
-      parts.put(e)  # the save is aborted
+      copies.clear()  # The traceback keeps this frame: let the blocks go.
+      staging.fail(e.with_traceback(None))  # the save is aborted
       finisher.join()  # and its files are gone before the caller can retry the step
       raise
-    blocks.clear()
-    if not late:
-      staging.close()
-      return handle
-    staging.stager = threading.Thread(target=stage_late, args=(late, staging), daemon=True,
-                                      name=f"sidecar-stage-{step}")
-    staging.stager.start()  # the finisher joins it
-    return handle
+    try:
+      staging.stager = copy_in(copies, staging, name=f"sidecar-stage-{step}")
+    except BaseException:  # copy_in failed the parts: the save is aborted
+      finisher.join()
+      raise
+    # The finisher joins the stager, if any.
 
-  def _blocks(self, plan: list[tuple[int, int, SaveShard]], need: Mapping[int, int]
-              ) -> list[tuple[np.ndarray, codec.ArenaRef | None]]:
-    """An arena block for each shard of ``plan``, in its order: one request per host."""
-    out: list = [None] * len(plan)
-    for host in self._local:
-      mine = [i for i, p in enumerate(plan) if p[0] == host]
-      if not mine:
-        continue
+  def _allocate(self, copies: list[ShardCopy], need: Mapping[int, int]) -> None:
+    """An arena block for each shard to copy: one request per host."""
+    for host in self.local:
       try:
-        got = self._client.empty_like(host, [plan[i][2].data for i in mine])
+        allocate(self.client.empty_like, copies, host)
       except errors.ResourceExhaustedError as e:
         if isinstance(e, errors.BusyError):
           raise
         raise errors.ResourceExhaustedError(
             f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
             f"to copy there): {e}; nothing was kept") from None
-      for i, block in zip(mine, got):
-        out[i] = block
-    return out
 
-  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[tuple[int, int, SaveShard]]]:
-    """Leaf specs, and ``(host, leaf number, shard)`` for every shard to copy, each once.
+  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[ShardCopy]]:
+    """Leaf specs, and a :class:`ShardCopy` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
     replica 0, by the process that holds it); those on no device, process 0 copies
@@ -177,24 +133,24 @@ class SaveCoordinator:
       for shard in leaf.shards:
         if shard.device_id is None:
           if self._lead:
-            plan.append((self._local[0], i, shard))
+            plan.append(ShardCopy(self.local[0], i, shard.index, shard.data))
           continue
         host = self._device_hosts.get(shard.device_id)
         if host is None:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
-        plan.append((host, i, shard))
+        plan.append(ShardCopy(host, i, shard.index, shard.data))
     return specs, plan
 
-  def _check_fits(self, plan) -> dict[int, int]:
-    """The arena bytes the plan takes on each host; raises where it exceeds a whole arena
+  def _check_fits(self, copies: list[ShardCopy]) -> dict[int, int]:
+    """The arena bytes the copies take on each host; raises where they exceed a whole arena
     (no rpc while the trainer waits: an arena too full now fails the copy's allocation)."""
     need: dict[int, int] = {}
-    for host, _, shard in plan:
-      need[host] = need.get(host, 0) + -(-max(shard.data.nbytes, 1) // shm.PAGE) * shm.PAGE
+    for c in copies:
+      need[c.host] = need.get(c.host, 0) + -(-max(c.nbytes, 1) // shm.PAGE) * shm.PAGE
     short = {h: (n, size) for h, n in need.items()
-             if (size := self._client.arena_size(h)) is not None and n > size}
+             if (size := self.client.arena_size(h)) is not None and n > size}
     if short:
       detail = "; ".join(f"host {h} needs {shm.format_size(n)}, its arena is "
                          f"{shm.format_size(size)}" for h, (n, size) in short.items())
@@ -204,38 +160,37 @@ class SaveCoordinator:
     return need
 
   def _start_finisher(self, handle: SaveHandle, target: Target, staging: Parts,
-                      leaves: list, data_json: str, key: str) -> threading.Thread:
+                      leaves: list, data_json: str, key: str, end: End) -> threading.Thread:
     finisher = threading.Thread(target=self._finish,
-                                args=(handle, target, staging, leaves, data_json, key),
+                                args=(handle, target, staging, leaves, data_json, key, end),
                                 daemon=True, name=f"sidecar-save-{handle.step}")
-    finisher.start()
-    self.finisher = finisher
     self.finishers = [t for t in self.finishers if t.is_alive()] + [finisher]
+    finisher.start()
     return finisher
 
   def _finish(self, handle: SaveHandle, target: Target, staging: Parts, leaves,
-              data_json: str, key: str) -> None:
+              data_json: str, key: str, end: End) -> None:
     """Stages this process's parts, then commits with the others (or aborts)."""
     try:
-      self._finish_staged(handle, target, staging.parts, leaves, data_json, key)
+      self._finish_staged(handle, target, staging.parts, leaves, data_json, key, end)
     finally:
       if staging.stager is not None:
         staging.stager.join()  # done, or copying what nobody will stage
 
   def _finish_staged(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue,
-                     leaves, data_json: str, key: str) -> None:
+                     leaves, data_json: str, key: str, end: End) -> None:
     step, error, sums, replication = handle.step, None, [], None
     try:
-      self._begin(target, key)
-      self._protocol.stage(target, parts, hosts=self._local, leaves=leaves)
+      target = self._begin(target, key)
+      self._protocol.stage(target, parts, hosts=self.local, leaves=leaves)
       handle.staged.set_result(step)
       replication = (self._protocol.start_replication(
-          target, {h: self._placement[h] for h in self._local},
+          target, {h: self._placement[h] for h in self.local},
           bandwidth=self._replica_bandwidth) if self._replicas else None)
       if replication is not None and self._peers.count == 1:  # resolved as soon as done
         replication.add_done_callback(
             lambda f: resolve(handle.replicated, f.exception(), handle.step))
-      sums = self._protocol.prepared(target, self._local)
+      sums = self._protocol.prepared(target, self.local)
     except BaseException as e:  # every process must reach the commit's agreement
       error = e.with_traceback(None)  # its frames would hold the staged blocks
     try:
@@ -251,26 +206,28 @@ class SaveCoordinator:
       if replication is None:
         return errors.InvalidArgumentError(f"step {step} was not replicated")
       return replication.exception()  # waits for it
-    whole = target.whole_step  # a part of a step (save_to) is listed by its caller
-    end_save(handle, error, listed=(lambda: self.mark_committed(target)) if whole else None,
-             collect_garbage=self._collect_garbage if whole else None,
-             replication=replicated, peers=self._peers, key=key)
+    if error is None and target.whole_step:  # a part of a step (save_to): its caller's
+      self.mark_committed(target)
+    end(error, replicated, whole=target.whole_step)
 
-  def _begin(self, target: Target, key: str) -> None:
-    """Process 0 creates the step's tmp directory; the others wait until it has."""
+  def _begin(self, target: Target, key: str) -> Target:
+    """Process 0's sidecar creates the step's tmp directory; the others wait until it has.
+    Returns ``target`` in the tmp directory ``begin`` answered (never one worked out
+    here); an Orbax manager's item (not ``whole_step``) is in the manager's already."""
     if not self._lead:
-      failed = self._peers.read(f"{key}/begun", 0, timeout=sync_timeout())
-      if failed:
+      begun = json.loads(self._peers.read(f"{key}/begun", 0, timeout=sync_timeout()))
+      if "error" in begun:
         raise errors.InvalidArgumentError(
-            f"process 0 could not begin step {target.step}: {failed}")
-      return
+            f"process 0 could not begin step {target.step}: {begun['error']}")
+      return target.begun(begun["tmp"]) if begun["tmp"] else target
     try:
-      if target.whole_step:
-        self._protocol.begin(self._local[0], self.directory, target.step)
+      tmp = (self._protocol.begin(self.local[0], self.directory, target.step)
+             if target.whole_step else "")
     except BaseException as e:
-      self._peers.publish(f"{key}/begun", describe(e))
+      self._peers.publish(f"{key}/begun", json.dumps({"error": describe(e)}))
       raise
-    self._peers.publish(f"{key}/begun", "")
+    self._peers.publish(f"{key}/begun", json.dumps({"tmp": tmp}))
+    return target.begun(tmp) if tmp else target
 
   def _commit(self, target: Target, key: str, leaves: list[spec_lib.LeafSpec],
               sums: list[ShardChecksum], data_json: str,
@@ -278,10 +235,13 @@ class SaveCoordinator:
     """Process 0 gathers every process's prepared, then commits once or aborts.
 
     Every process gets here once per save, failed or not, so nobody waits for one
-    that gave up. The save fails in every process if it failed in any.
+    that gave up. The save fails in every process if it failed in any. The others tell
+    process 0 only which hosts they staged into: it asks those hosts for their checksums
+    itself (a host's prepared is the checksums it keeps), so no checksum crosses between
+    the trainer processes.
     """
     mine = json.dumps({"error": protocol.error_dict(error)} if error is not None
-                      else {"ok": [c.to_dict() for c in sums]})
+                      else {"ok": list(self.local)})
     if not self._lead:
       self._peers.publish(f"{key}/prepared", mine)
       failed = self._peers.read(f"{key}/outcome", 0, timeout=LONG_S)
@@ -301,10 +261,10 @@ class SaveCoordinator:
         raise _gathered(first, p, f"the save of step {target.step} failed in process {p}"
                         + "".join(f"; also in process {q}: {d.get('type')}: "
                                   f"{str(d.get('message'))[:500]}" for q, d in failures[1:]))
-      # A host that several processes share reports its checksums to each: keep one.
-      checksums = list(dict.fromkeys(ShardChecksum.from_dict(c)
-                                     for g in gathered for c in g["ok"]))
-      self._protocol.commit(self._local[0], target, num_hosts=len(self._hosts),
+      # A host that several processes share: asked once.
+      others = sorted({int(h) for g in gathered for h in g["ok"]} - set(self.local))
+      checksums = [*sums, *self._protocol.prepared(target, others)]
+      self._protocol.commit(self.local[0], target, num_hosts=len(self._hosts),
                             checksums=checksums, leaves=leaves, data_state_json=data_json,
                             replicas=self._placement)
     except BaseException as e:
@@ -314,10 +274,8 @@ class SaveCoordinator:
     self._peers.publish(f"{key}/outcome", "")
 
   def mark_committed(self, target: Target) -> None:
-    """Tells the RAM tiers the step is visible; lists it."""
-    self._protocol.mark_committed(target, self._local)
-    if target.whole_step:
-      self._list_step(target.step)
+    """Tells the RAM tiers the step is visible."""
+    self._protocol.mark_committed(target, self.local)
 
 
 def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:

@@ -6,11 +6,12 @@ prepared (each host's checksums once written), commit once or abort everywhere, 
 committed, replicate; :func:`end_save` is the end of a save in one process (durable,
 listed, retention, then ``replicated`` once every process knows), and
 :func:`agree_on_save` the processes' agreement on a save's step and whether one is in
-flight. Who calls each phase, and how the trainer processes agree between them, is
-pluggable: ``save.SaveCoordinator`` (JAX's and the numpy core's checkpointer) agrees
-through the processes' key-value store (``controller/peers.Peers``); PyTorch's
-``torch/storage.StorageWriter`` through DCP's coordinator rank (DCP's own gather and
-scatter around its ``prepare_global_plan`` and ``finish``).
+flight; the one Checkpointer (``checkpointer.py``) calls both, for every framework. Who
+calls each phase, and how the trainer processes agree between them, is its agreement
+plug (``plugs.py``): ``save.SaveCoordinator`` agrees through the processes' key-value
+store (``controller/peers.Peers``); PyTorch's ``torch/storage.StorageWriter`` through
+DCP's coordinator rank (DCP's own gather and scatter around its ``prepare_global_plan``
+and ``finish``).
 """
 
 from __future__ import annotations
@@ -24,20 +25,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import Replicated, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
 from sidecar._src.ckptfmt.registry import ORBAX
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, CommitPart, StagePart
-from sidecar._src.controller.checkpoint.staging import Parts
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
+from sidecar._src.controller.checkpoint.staging import Part, Parts, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
-from sidecar._src.core import errors, interrupts
-from sidecar._src.wire import codec
+from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
+# How a save's driver ends it (the Checkpointer's ``end``): ``end(error, replication,
+# whole=True)`` with the save's error (None: committed, the RAM tiers told) and a call that
+# waits for this process's replication and returns its error (None: replicated).
+End = Callable[..., None]
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
@@ -48,8 +50,8 @@ class SaveProtocol:
   """The phases of one step's save on the sidecars, each on the hosts it is given.
 
   Format-neutral: a format's own part of a request travels as a typed value
-  (``client.StagePart``, ``client.CommitPart``: ``ckptfmt/dcp``'s; none for stock Orbax's
-  layout), never as a branch here. The caller agrees with the other trainer processes
+  (``client.FormatPart``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
+  Orbax's layout), never as a branch here. The caller agrees with the other trainer processes
   between phases.
 
   Args:
@@ -72,20 +74,20 @@ class SaveProtocol:
     return self.client.begin(host, path, step, format=self.format).result()
 
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), part: StagePart | None = None,
-            rest: StagePart | None = None) -> None:
-    """Hands the parts ``parts`` holds (``(host, shards, last)``, as ``staging.Parts`` puts
-    them; an exception aborts) to their sidecars as they come, until each of ``hosts``
-    had its last. A host's first part carries ``leaves`` and the format's ``part``, its
+            leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
+            rest: FormatPart | None = None) -> None:
+    """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Parts`` puts them;
+    an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
+    last. A host's first part carries ``leaves`` and the format's ``part``, its
     later ones ``rest``."""
     last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
     closed = 0
     try:
       while closed < len(hosts):
-        got = parts.get()  # (host, shards, last); no other local holds the shards, as
+        got: Part | BaseException = parts.get()  # no other local holds the shards, as
         if isinstance(got, BaseException):  # the raise would keep them in its frame
           raise got
-        host, final = got[0], got[2]
+        host, final = got.host, got.last
         first = host not in last
         if not first:
           last[host].result()  # a host's parts arrive in order
@@ -93,7 +95,7 @@ class SaveProtocol:
         fmt = {} if now is None else {"part": now}
         last[host] = self.client.stage(host, directory=self.directory, step=target.step,
                                        tmp_dir=target.tmp_dir, final_dir=target.final_dir,
-                                       leaves=list(leaves) if first else [], shards=got[1],
+                                       leaves=list(leaves) if first else [], shards=got.shards,
                                        last=final, writers=len(self._writers.get(host, ())) or 1,
                                        **fmt)
         closed += final
@@ -105,47 +107,41 @@ class SaveProtocol:
     for f in last.values():
       f.result()
 
-  def stage_copies(self, target: Target, host: int, arrays: list[np.ndarray],
-                   indexes: Sequence[spec_lib.Index], refs: Sequence[codec.ArenaRef | None], *,
-                   part: StagePart | None = None, rest: StagePart | None = None,
+  def stage_copies(self, target: Target, host: int, copies: list[ShardCopy], *,
+                   part: FormatPart | None = None, rest: FormatPart | None = None,
                    threads: int | None = None) -> None:
-    """Stages this process's shards on ``host``: each of ``arrays`` (the shard of leaf
-    ``i`` at ``indexes[i]``) copied into the host's arena where ``refs`` has no block of it
-    (the blocks allocated in one request), and handed to the sidecar in parts of about
-    ``STAGE_PART_BYTES`` as the copy goes, by a stager thread of this call. On a failure
+    """Stages this process's shards ``copies`` on ``host``: those in no arena yet copied
+    into blocks of the host's (allocated in one request) by the one stager
+    (``staging.copy_in``), and handed to the sidecar in parts of about
+    ``STAGE_PART_BYTES`` as the copy goes, by a sender thread of this call. On a failure
     (Ctrl-C too, between two copies) the host's part is dropped again, and it raises.
-    ``arrays`` is emptied: its blocks are the sidecar's once staged."""
+    ``copies`` is emptied: its blocks are the sidecar's once staged."""
     parts: queue.SimpleQueue = queue.SimpleQueue()
     staging = Parts([host], parts)
     failed: list[BaseException] = []
 
-    def stage() -> None:
+    def send() -> None:
       try:
         self.stage(target, parts, hosts=[host], part=part, rest=rest)
       except BaseException as e:
         failed.append(e.with_traceback(None))  # its frames would hold the blocks
 
-    stager = threading.Thread(target=stage, daemon=True, name=f"sidecar-stage-{target.step}")
-    stager.start()
+    sender = threading.Thread(target=send, daemon=True, name=f"sidecar-stage-{target.step}")
+    sender.start()
     try:
-      fresh = [i for i, r in enumerate(refs) if r is None]
-      blocks = dict(zip(fresh, self.client.empty_like(host, [arrays[i] for i in fresh])))
-      for i, (array, index) in enumerate(zip(arrays, indexes)):
-        interrupts.check()  # Ctrl-C aborts the save
-        ref = refs[i]
-        if i in blocks:
-          block, ref = blocks.pop(i)
-          shm.copy(block, array, threads=threads)  # the one copy the trainer waits for
-          array = block
-        staging.add(host, StagedShard(i, index, array, ref), array.nbytes)
-        arrays[i] = array
-      staging.close()
+      try:
+        allocate(self.client.empty_like, copies, host)
+      except BaseException as e:
+        staging.fail(e.with_traceback(None))
+        raise
+      late = copy_in(copies, staging, threads=threads)
+      if late is not None:
+        late.join()
     except BaseException as e:
-      staging.fail(e.with_traceback(None))
       failed.append(e)
     finally:
-      arrays.clear()
-      stager.join()
+      copies.clear()
+      sender.join()
     if failed:
       self.abort(target, [host])
       raise failed[0]
@@ -159,7 +155,7 @@ class SaveProtocol:
   def commit(self, host: int, target: Target, *, num_hosts: int,
              checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             part: CommitPart | None = None) -> str:
+             part: FormatPart | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
     fmt = {} if part is None else {"part": part}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
@@ -174,6 +170,8 @@ class SaveProtocol:
     A host that does not answer keeps its part only until its writer gives up on the
     step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
     """
+    if not target.tmp_dir:  # never begun: nothing of it on any sidecar
+      return
     done = on_each(
         lambda h: self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
         hosts=hosts, what=f"abort step {target.step}",

@@ -1,21 +1,35 @@
-"""A save's staged shards on their way to the finisher, in parts.
+"""The one copy of a save into the arenas: :func:`copy_in`, over :class:`ShardCopy`s.
 
-The trainer's thread copies the shards that are host arrays into the arena before
-``save()`` returns; a shard still on its way from an accelerator (a
-``framework.HostCopy``) is copied by the stager thread (:func:`stage_late`) once it has
-landed. Both hand what they copied to the save's finisher through one :class:`Parts`.
+Every save, whichever framework's and format's, takes its shards into the arena here:
+JAX's and the numpy core's (``save.SaveCoordinator``), DCP's ``write_data`` and its
+``dcp.async_save`` stage (``torch/storage.py``). A :class:`ShardCopy` is the trainer's
+one description of a shard from the plan to the sidecar: the host that stages it, its
+leaf's (or DCP item's) number, where it lies, its elements and its arena block. Host
+arrays are copied on the caller's thread before the save returns (the trainer's stall;
+Ctrl-C between two copies fails the save); a shard still on its way from an accelerator
+(a ``framework.HostCopy``) is copied by a stager thread once it has landed, in order,
+by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` as it is: the
+save's :class:`Parts` (handed to the sidecars as the copy goes on), or, under
+``dcp.async_save``, the staged state dict.
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import os
 import queue
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.ckptfmt.spec import Index
+from sidecar._src.controller.framework import HostCopy
+from sidecar._src.core import interrupts
 
 # A save is staged in parts of about this many bytes per host, as the copy goes, where
 # the machine has a core beyond the copy's threads (``shm.COPY_THREADS``): a sidecar then
@@ -28,9 +42,69 @@ STAGE_PART_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
                     else sys.maxsize)
 
 
-class Parts:
-  """A save's staged shards, handed to the finisher in parts of about
-  ``STAGE_PART_BYTES`` per host, in order, then each host's last part."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardCopy:
+  """One shard of a save on the trainer, from the plan to the sidecar.
+
+  Attributes:
+    host: the sidecar host that stages it.
+    leaf: its leaf's number in the step's leaves (a DCP rank's item number).
+    index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.
+    data: its elements: a host array, or a :class:`HostCopy` still on its way from a
+      device (copied by the stager thread once landed).
+    block: its arena block (None until allocated, and where ``data`` lies in the arena
+      already: ``ref`` names it there).
+    ref: the block's ``wire.codec.ArenaRef`` where this process maps the host's arena.
+  """
+  host: int
+  leaf: int
+  index: Index
+  data: np.ndarray | HostCopy
+  block: np.ndarray | None = None
+  ref: object = None
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.data.nbytes)
+
+  @property
+  def late(self) -> bool:
+    """Whether its elements are still on their way from a device."""
+    return isinstance(self.data, HostCopy)
+
+  def with_block(self, block: np.ndarray, ref: object) -> ShardCopy:
+    return dataclasses.replace(self, block=block, ref=ref)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Part:
+  """Staged shards of one host on their way to the sidecar, in order; ``last``: the host's
+  last part of the save."""
+  host: int
+  shards: tuple[StagedShard, ...]
+  last: bool
+
+
+class Sink(abc.ABC):
+  """Where :func:`copy_in` hands each shard once copied into the arena."""
+
+  @abc.abstractmethod
+  def add(self, shard: ShardCopy, view: np.ndarray) -> None:
+    """``shard``'s elements lie in ``view`` (its arena block) now."""
+
+  @abc.abstractmethod
+  def close(self) -> None:
+    """Every shard was handed on."""
+
+  @abc.abstractmethod
+  def fail(self, error: BaseException) -> None:
+    """The copy failed with ``error``: what was handed on is let go of."""
+
+
+class Parts(Sink):
+  """A save's staged shards, handed to its finisher through ``parts`` in :class:`Part`s
+  of about ``STAGE_PART_BYTES`` per host, in order, then each host's last part; an
+  exception put there aborts the save."""
 
   def __init__(self, hosts: Sequence[int], parts: queue.SimpleQueue):
     self.parts = parts
@@ -38,38 +112,99 @@ class Parts:
     self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
     self._bytes = dict.fromkeys(hosts, 0)
 
-  def add(self, host: int, shard: StagedShard, nbytes: int) -> None:
-    self._pending[host].append(shard)
-    self._bytes[host] += nbytes
+  def add(self, shard: ShardCopy, view: np.ndarray) -> None:
+    host = shard.host
+    self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
+    self._bytes[host] += view.nbytes
     if self._bytes[host] >= STAGE_PART_BYTES:
-      self.parts.put((host, self._pending[host], False))
+      self.parts.put(Part(host, tuple(self._pending[host]), False))
       self._pending[host], self._bytes[host] = [], 0
 
   def close(self) -> None:
     """Every host's last part: the save is staged."""
     for host in list(self._pending):
-      self.parts.put((host, self._pending.pop(host), True))
+      self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
 
   def fail(self, error: BaseException) -> None:
     """Aborts the save: the finisher raises ``error`` where it waits for a part."""
-    self.clear()
+    self._pending.clear()
     self.parts.put(error)
 
-  def clear(self) -> None:
-    self._pending.clear()
+
+def allocate(empty_like: Callable[[int, list], list], copies: list[ShardCopy],
+             host: int) -> None:
+  """Gives each of ``copies`` on ``host`` that lies in no arena its block, in one request
+  (``empty_like``: the checkpoint client's), in place."""
+  mine = [i for i, c in enumerate(copies) if c.host == host and c.ref is None]
+  if mine:
+    got = empty_like(host, [copies[i].data for i in mine])
+    for i, (block, ref) in zip(mine, got):
+      copies[i] = copies[i].with_block(block, ref)
 
 
-def stage_late(late: list, staging: Parts) -> None:
-  """The stager thread: copies each shard in ``late`` into its arena block once its
-  device-to-host copy has landed, in order, and hands them on as ``staging``'s parts."""
+def copy_in(copies: list[ShardCopy], sink: Sink, *, threads: int | None = None,
+            name: str = "sidecar-stage") -> threading.Thread | None:
+  """The one copy of a save's shards into their arena blocks (see the module).
+
+  Copies the host arrays of ``copies`` on this thread, in order, each handed to ``sink``
+  once copied; starts a stager thread for the late ones (``HostCopy``), which copies each
+  once it has landed and then closes ``sink`` (this thread closes it where none is late).
+  ``copies`` is emptied: a copied block is the sink's. ``threads``: the copy's threads
+  (default ``shm.COPY_THREADS``).
+
+  Returns:
+    The stager thread (its caller joins it), or None.
+
+  Raises:
+    Whatever a copy raised, KeyboardInterrupt between two copies (Ctrl-C deferred): the
+    sink is failed first, and no stager is left running.
+  """
+  late: list[ShardCopy | None] = []
   try:
-    for i, (host, leaf, index, data, copy, ref) in enumerate(late):
+    for i, c in enumerate(copies):
+      copies[i] = None  # type: ignore[call-overload]  # the sink holds it from here
+      if c.late:
+        late.append(c)
+        continue
+      interrupts.check()  # Ctrl-C aborts the save
+      _copy(c, sink, threads)
+      del c
+  except BaseException as e:
+    copies.clear()  # the traceback keeps this frame: let the blocks go
+    late.clear()
+    sink.fail(e.with_traceback(None))
+    raise
+  copies.clear()
+  if not late:
+    sink.close()
+    return None
+  stager = threading.Thread(target=_copy_late, args=(late, sink, threads), daemon=True,
+                            name=name)
+  stager.start()
+  return stager
+
+
+def _copy(c: ShardCopy, sink: Sink, threads: int | None) -> None:
+  if c.block is None:  # in the arena already (a dcp.async_save stage's): no copy
+    sink.add(c, np.asarray(c.data))
+    return
+  if isinstance(c.data, HostCopy):
+    c.data.copy_into(c.block)  # piece by piece as it lands, no whole host copy
+  else:
+    shm.copy(c.block, c.data, threads=threads)  # the one copy the trainer waits for
+  sink.add(c, c.block)
+
+
+def _copy_late(late: list[ShardCopy | None], sink: Sink, threads: int | None) -> None:
+  """The stager thread: each late shard into its block once landed, in order."""
+  try:
+    for i, c in enumerate(late):
       late[i] = None  # the device's copy and its host buffer go as soon as they are used
-      data.copy_into(copy)
-      staging.add(host, StagedShard(leaf, index, copy, ref), data.nbytes)
-      del data, copy, ref
+      assert c is not None
+      _copy(c, sink, threads)
+      del c
   except BaseException as e:
     late.clear()
-    staging.fail(e.with_traceback(None))  # the frames would hold the blocks
+    sink.fail(e.with_traceback(None))  # the frames would hold the blocks
     return
-  staging.close()
+  sink.close()

@@ -28,9 +28,16 @@ class Target:
 
   @classmethod
   def for_step(cls, directory: str, step: int) -> Target:
-    tmp = spec_lib.tmp_step_path(directory, step)
-    return cls(directory, step, str(tmp / spec_lib.ITEM),
-               str(pathlib.Path(directory) / str(step) / spec_lib.ITEM), True, str(tmp))
+    """Step ``step`` of ``directory`` in stock Orbax's layout, not begun: its tmp
+    directories are what the sidecar's ``begin`` answers (:meth:`begun`)."""
+    return cls(directory, step, "", str(pathlib.Path(directory) / str(step) / spec_lib.ITEM),
+               True, "")
+
+  def begun(self, tmp_step: str) -> Target:
+    """This step once a sidecar began it in ``tmp_step`` (``begin``'s answer): its item is
+    written in that directory."""
+    return dataclasses.replace(self, tmp_dir=str(pathlib.Path(tmp_step) / spec_lib.ITEM),
+                               tmp_step=tmp_step)
 
   @classmethod
   def for_orbax_item(cls, item: str, step: int) -> Target:
@@ -50,8 +57,8 @@ class Target:
 class SaveHandle:
   """``staged``: the state is in the arenas (the trainer may change its arrays);
   ``durable``: the step is committed on storage; ``replicated``: every shard has its
-  peer copies (``replicas=R``; at once with R=0). All are ``concurrent.futures.Future``s
-  that hold the step (None for a skipped save)."""
+  peer copies (``replicas=R``; at once with R=0, JAX's and PyTorch's alike). All are
+  ``concurrent.futures.Future``s that hold the step (None for a skipped save)."""
   step: int
   staged: concurrent.futures.Future
   durable: concurrent.futures.Future

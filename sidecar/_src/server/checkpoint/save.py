@@ -345,9 +345,12 @@ class StepWriter:
                                 checksums=checksums, data_state_json=data_state,
                                 replicas=replicas, extras=fmt.manifest_extras(part))
     faults.fault("commit", step)
-    return fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
-                      whole_step=whole_step, part=part,
-                      swapping=lambda: faults.fault("swap", step))
+    committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
+                           whole_step=whole_step, part=part,
+                           swapping=lambda: faults.fault("swap", step))
+    if fmt.commit_part is not None:  # kept in host memory (a DCP step's): info() answers it,
+      record.manifest = manifest     # the trainer tells the other RAM tiers (built once)
+    return committed
 
   def abort(self, tmp_dir: str, final_dir: str) -> None:
     """Forgets a step whose save failed; removes ``tmp_dir`` (its uncommitted files) once

@@ -290,7 +290,7 @@ def settled(read, *, quiet: float = 0.3, timeout: float = 10.0):
 
 def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monkeypatch):
   """Parts go to the sidecars while the trainer copies; a copy that fails aborts them."""
-  from sidecar._src.controller.checkpoint import save as checkpoint_save, staging
+  from sidecar._src.controller.checkpoint import staging
   monkeypatch.setattr(staging, "STAGE_PART_BYTES", 1)  # every shard its own part
   state = make_state()
   arena_used = lambda ctl: sorted(s.arena_used for s in ctl.status())
@@ -300,16 +300,16 @@ def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monk
     gc.collect()
     before = settled(lambda: arena_used(ctl))  # step 1 in the RAM tier, frees all arrived
 
-    copy, calls = checkpoint_save.shm.copy, []
-    def failing_copy(dst, src):
+    copy, calls = staging.shm.copy, []
+    def failing_copy(dst, src, **kw):
       calls.append(src.nbytes)
       if len(calls) == 4:
         raise OSError("copy failed")
-      copy(dst, src)
-    monkeypatch.setattr(checkpoint_save.shm, "copy", failing_copy)
+      copy(dst, src, **kw)
+    monkeypatch.setattr(staging.shm, "copy", failing_copy)
     with pytest.raises(OSError, match="copy failed"):
       ckpt.save(2, state)
-    monkeypatch.setattr(checkpoint_save.shm, "copy", copy)
+    monkeypatch.setattr(staging.shm, "copy", copy)
     # The parts already staged were dropped with the step, before save() raised: its
     # files (the uncommitted step directory too), RAM tier, blocks.
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]

@@ -1,8 +1,14 @@
-"""Which hosts hold a host's replicas: other slices first, then its own, wrapping."""
+"""Tier 1: the one Checkpointer's own logic (fakes, threads as processes): which hosts hold a
+host's replicas, the processes' agreement on each save."""
 
+import concurrent.futures
+import threading
+
+import numpy as np
 import pytest
 
 from sidecar._src.controller.checkpoint.checkpointer import replica_hosts
+from tests.support.fake_sidecars import DictPeers, FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
 
@@ -16,3 +22,78 @@ pytestmark = pytest.mark.unit
 ], ids=["next", "wrap", "other-slice", "other-slice-wrap", "then-same-slice"])
 def test_replica_hosts(slices, host, replicas, expected):
   assert replica_hosts(slices, host, replicas) == expected
+
+
+class HeldWrites(FakeSidecars):
+  """Step 1's writes end (prepared) only once ``release`` is set."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.release = threading.Event()
+
+  def prepared(self, host, final_dir, *, timeout):
+    if "/1/" not in final_dir + "/":
+      return super().prepared(host, final_dir, timeout=timeout)
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def later():
+      self.release.wait(30)
+      out.set_result(FakeSidecars.prepared(self, host, final_dir, timeout=timeout).result())
+    threading.Thread(target=later, daemon=True).start()
+    return out
+
+
+def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
+  """A skipped save left the agreement's key to the next save, which read the skipped
+  one's values: 'the 2 processes disagree on the step of save 2: process 0: step 3;
+  process 1: step 2'."""
+  fake, store = HeldWrites(hosts=(0, 1)), {}
+  both = threading.Barrier(2)
+  outcomes: list = [None, None]
+
+  def process(p: int) -> None:
+    with checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2),
+                      if_busy="skip") as ckpt:
+      first = ckpt.save(1, {"x": np.ones(3, np.float32)})
+      skipped = ckpt.save(2, {"x": np.ones(3, np.float32)})
+      both.wait(30)
+      fake.release.set()
+      first.durable.result(30)
+      outcomes[p] = (skipped.durable.result(30), ckpt.save(3, {"x": np.zeros(3, np.float32)})
+                     .durable.result(30))
+
+  threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert outcomes == [(None, 3), (None, 3)]
+
+
+class OwnTmp(FakeSidecars):
+  """A sidecar whose begin answers a tmp directory of its own naming; records where each
+  stage and the commit write."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.tmp_dirs: list[tuple[str, str]] = []
+
+  def begin(self, host, directory, step, format=""):
+    return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp-1234")
+
+  def stage(self, host, *, tmp_dir, **kw):
+    self.tmp_dirs.append(("stage", tmp_dir))
+    return super().stage(host, tmp_dir=tmp_dir, **kw)
+
+  def commit(self, host, *, tmp_dir, **kw):
+    self.tmp_dirs.append(("commit", tmp_dir))
+    return super().commit(host, tmp_dir=tmp_dir, **kw)
+
+
+def test_a_step_is_written_in_the_tmp_directory_begin_answered():
+  """target.py worked the directory out itself and ignored begin's answer."""
+  fake = OwnTmp(hosts=(0,))
+  with checkpointer(fake) as ckpt:
+    assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
+  assert fake.tmp_dirs == [("stage", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default"),
+                           ("commit", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default")]

@@ -2,10 +2,9 @@
 
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.core import errors
-from tests.support.fake_sidecars import FakeSidecars
+from tests.support.fake_sidecars import FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +70,4 @@ def test_options_or_the_keyword_arguments_not_both():
 
 def test_the_core_checkpointer_checks_its_options_with_the_same_type():
   with pytest.raises(errors.InvalidArgumentError, match=r"ram_steps must be an int >= 0"):
-    Checkpointer(directory="/ckpt/run", client=FakeSidecars(), hosts=[0], device_hosts={},
-                 max_to_keep=None, keep_period=None, ram_steps=-1, ram_budget=None,
-                 if_busy="wait")
+    checkpointer(FakeSidecars(), ram_steps=-1)

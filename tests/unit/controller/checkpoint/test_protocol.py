@@ -21,6 +21,11 @@ from tests.support.fake_sidecars import FakeSidecars
 pytestmark = pytest.mark.unit
 
 
+def begun(step: int) -> Target:
+  """Step ``step`` of /ckpt as its sidecar's begin answered it."""
+  return Target.for_step("/ckpt", step).begun(f"/ckpt/{step}.orbax-checkpoint-tmp")
+
+
 class Recording(FakeSidecars):
   """Records what each phase was given, format parts too."""
 
@@ -50,7 +55,7 @@ def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest()
   parts: queue.SimpleQueue = queue.SimpleQueue()
   shard = StagedShard(0, (), np.zeros(3, np.uint8))
   for host, last in ((0, False), (1, True), (0, True)):
-    parts.put((host, [shard], last))
+    parts.put(staging.Part(host, (shard,), last))
   protocol.stage(target, parts, hosts=[0, 1], part=first, rest=rest)
   assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
                        ("stage", 0, 1, True, 2, rest)]
@@ -62,13 +67,12 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   parts: queue.SimpleQueue = queue.SimpleQueue()
   staging.Parts([0], parts).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
-    protocol.stage(Target.for_step("/ckpt", 3), parts, hosts=[0])
+    protocol.stage(begun(3), parts, hosts=[0])
   assert fake.sent == []
 
 
 @pytest.mark.parametrize("target, removed", [
-    (Target.for_step("/ckpt", 3), ["/ckpt/3.orbax-checkpoint-tmp/default",
-                                    "/ckpt/3.orbax-checkpoint-tmp"]),
+    (begun(3), ["/ckpt/3.orbax-checkpoint-tmp/default", "/ckpt/3.orbax-checkpoint-tmp"]),
     (Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3),
      ["/ckpt/3.dcp-checkpoint-tmp"]),
 ], ids=["orbax-step", "dcp-checkpoint"])
@@ -81,7 +85,7 @@ def test_an_abort_drops_the_part_on_each_host_then_the_whole_uncommitted_step(ta
 
 def test_an_abort_removes_the_tmp_step_only_through_the_hosts_that_answered():
   fake = Recording([0])  # host 1 is lost: its part stays until its writer gives up
-  SaveProtocol(client=fake, directory="/ckpt").abort(Target.for_step("/ckpt", 3), [0, 1])
+  SaveProtocol(client=fake, directory="/ckpt").abort(begun(3), [0, 1])
   item = "/ckpt/3.orbax-checkpoint-tmp/default"
   assert fake.sent == [("abort", 0, item), ("abort", 1, item),
                        ("abort", 0, "/ckpt/3.orbax-checkpoint-tmp")]
@@ -113,10 +117,11 @@ def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(
   fake = Arena([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
   arrays = [np.full(4, i, np.int32) for i in range(3)]  # 16 bytes each: a part each
+  copies = [staging.ShardCopy(0, i, ((0, 4),), a) for i, a in enumerate(arrays)]
   protocol.stage_copies(Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3), 0,
-                        arrays, [((0, 4),)] * 3, [None] * 3, part=DcpPart(0, ()))
+                        copies, part=DcpPart(0, ()))
   assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 3 + [(0, True)]
-  assert arrays == []  # the blocks are the sidecar's now
+  assert copies == []  # the blocks are the sidecar's now
 
 
 def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_ended():
@@ -126,7 +131,7 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_e
   target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
   threads = threading.active_count()
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    protocol.stage_copies(target, 0, [np.zeros(4, np.int32)], [((0, 4),)], [None],
+    protocol.stage_copies(target, 0, [staging.ShardCopy(0, 0, ((0, 4),), np.zeros(4, np.int32))],
                           part=DcpPart(0, ()))
   assert fake.sent == [("abort", 0, "/ckpt/3.dcp-checkpoint-tmp")]  # nothing staged
   assert threading.active_count() == threads  # the stager was joined
@@ -134,9 +139,16 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_e
 
 def test_an_abort_a_host_misses_says_the_step_was_not_saved(caplog):
   fake = Recording([0])  # host 1 is lost
-  SaveProtocol(client=fake, directory="/ckpt").abort(Target.for_step("/ckpt", 19), [0, 1])
+  SaveProtocol(client=fake, directory="/ckpt").abort(begun(19), [0, 1])
   (record,) = [r for r in caplog.records if "could not abort" in r.getMessage()]
   # Before: "could not abort step 19 on host 1: host 1 is lost", and nothing on step 19.
   assert record.getMessage().startswith("could not abort step 19 on host 1: host 1 is lost; "
                                         "step 19 was not saved (never committed, so no "
                                         "restore sees it")
+
+
+def test_a_step_never_begun_is_aborted_on_no_sidecar():
+  """Its tmp directory comes from begin's answer: none was given, none is removed."""
+  fake = Recording([0])
+  SaveProtocol(client=fake, directory="/ckpt").abort(Target.for_step("/ckpt", 4), [0])
+  assert fake.sent == []

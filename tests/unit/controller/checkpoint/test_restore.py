@@ -10,7 +10,7 @@ import pytest
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.framework import HostArrays
 from sidecar._src.core import errors
-from tests.support.fake_sidecars import FakeSidecars
+from tests.support.fake_sidecars import FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
 
@@ -20,9 +20,7 @@ TARGET = {"w": np.zeros((3, 4), np.float32), "step": np.int64(0)}
 
 def saved(framework=None, **fail) -> tuple[FakeSidecars, Checkpointer]:
   fake = FakeSidecars()
-  ckpt = Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
-                      max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
-                      if_busy="wait", framework=framework)
+  ckpt = checkpointer(fake, framework=framework)
   assert ckpt.save(5, STATE).durable.result() == 5
   fake.fail.update(fail)
   return fake, ckpt

@@ -7,16 +7,14 @@ import pytest
 
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.core import errors
+from tests.support import fake_sidecars
 from tests.support.fake_sidecars import FakeSidecars
 
 pytestmark = pytest.mark.unit
 
 
 def checkpointer(fake: FakeSidecars, **kw) -> Checkpointer:
-  options = dict(max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
-                 if_busy="wait") | kw
-  return Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
-                      **options)
+  return fake_sidecars.checkpointer(fake, **kw)
 
 
 def test_a_failed_delete_is_logged_and_the_step_stays_listed(caplog):

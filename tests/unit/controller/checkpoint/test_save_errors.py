@@ -7,9 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.core import errors
-from tests.support.fake_sidecars import DictPeers, FakeSidecars
+from tests.support.fake_sidecars import DictPeers, FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
 
@@ -33,9 +32,7 @@ def test_a_write_failure_on_another_process_keeps_its_kind_and_host():
   fake, store, outcomes = FullDisk(hosts=(0, 1)), {}, [None, None]
 
   def process(p: int) -> None:
-    ckpt = Checkpointer(directory="/ckpt/run", client=fake, hosts=[0, 1], device_hosts={},
-                        max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
-                        if_busy="wait", local_hosts=[p], peers=DictPeers(store, p, 2))
+    ckpt = checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2))
     with ckpt:
       try:
         ckpt.save(4, {"x": np.ones(3, np.float32)}).durable.result(30)

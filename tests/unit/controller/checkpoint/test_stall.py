@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.core import errors
+from tests.support import fake_sidecars
 from tests.support.fake_sidecars import FakeSidecars
 
 pytestmark = pytest.mark.unit
@@ -30,9 +30,7 @@ class Watched(FakeSidecars):
 
 
 def checkpointer(fake):
-  return Checkpointer(directory="/ckpt/run", client=fake, hosts=fake.hosts, device_hosts={},
-                      max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
-                      if_busy="wait")
+  return fake_sidecars.checkpointer(fake)
 
 
 def test_a_save_asks_no_sidecar_for_its_status_while_the_trainer_waits():

@@ -7,13 +7,12 @@ import grpc
 import numpy as np
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import CallWindow
 from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
-from tests.support.fake_sidecars import FakeSidecars
+from tests.support.fake_sidecars import FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
 
@@ -45,10 +44,7 @@ def test_close_joins_an_older_saves_finisher_still_settling_its_replication():
   """With replicas, save 1's finisher waits for its replication after durable, while
   save 2 runs: it was no longer the SaveCoordinator's, and close() did not wait for it."""
   fake = SlowReplicas(hosts=(0, 1))
-  ckpt = Checkpointer(directory="/ckpt/run", client=fake, hosts=[0, 1], device_hosts={},
-                      max_to_keep=None, keep_period=None, ram_steps=1, ram_budget=None,
-                      if_busy="wait", replicas=1,
-                      sidecars={0: {"address": "fake:0"}, 1: {"address": "fake:1"}})
+  ckpt = checkpointer(fake, hosts=[0, 1], replicas=1)
   assert ckpt.save(1, {"x": np.ones(3, np.float32)}).durable.result(30) == 1
   second = ckpt.save(2, {"x": np.ones(3, np.float32)})
   assert second.durable.result(30) == 2

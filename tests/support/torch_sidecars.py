@@ -1,0 +1,65 @@
+"""What the PyTorch checkpoint path asks of a Controller, in process: :class:`FakeController`
+over ``tests/support/fake_sidecars.FakeSidecars`` (one rank, no sockets), and
+:class:`Recording`, a fake that records each phase with the format's part it was given."""
+
+import concurrent.futures
+import threading
+
+from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.peers import LocalPeers
+from tests.support.fake_sidecars import FakeSidecars
+
+
+class FakeController:
+  """One rank's Controller as the checkpoint path reads it: the sidecars ``fake`` (this
+  rank drives the first), its peers (one process), the Worker mapping its arena (``worker``:
+  anything with ``ref_of``; None: not mapped)."""
+
+  def __init__(self, fake: FakeSidecars, *, worker=None):
+    self.fake, self.peers, self._worker = fake, LocalPeers(), worker
+
+  def checkpoint_sidecars(self) -> Sidecars:
+    hosts = tuple(self.fake.hosts)
+    return Sidecars(client=self.fake, hosts=hosts, local=hosts[:1],
+                    device_hosts={0: hosts[0]}, records={h: {} for h in hosts},
+                    mapped=frozenset(), writers={})
+
+  def worker(self, host):
+    return self._worker
+
+
+class Recording(FakeSidecars):
+  """Records ``(phase, host, part)`` of each stage and commit, and each replicate, in order;
+  a host's writes (prepared) end once ``writing`` is set (it is, at first)."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.sent: list[tuple] = []
+    self.replicated_to: list[tuple[int, list[int]]] = []
+    self.writing = threading.Event()
+    self.writing.set()
+
+  def prepared(self, host, final_dir, *, timeout):
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def written() -> None:
+      self.writing.wait(30)
+      out.set_result(FakeSidecars.prepared(self, host, final_dir, timeout=timeout).result())
+    if self.writing.is_set():
+      written()
+    else:
+      threading.Thread(target=written, daemon=True).start()
+    return out
+
+  def stage(self, host, *, part=None, **kw):
+    self.sent.append(("stage", host, part))
+    return super().stage(host, part=part, **kw)
+
+  def commit(self, host, *, part=None, **kw):
+    self.sent.append(("commit", host, part))
+    return super().commit(host, part=part, **kw)
+
+  def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
+    self.sent.append(("replicate", host, None))
+    self.replicated_to.append((host, list(targets)))
+    return super().replicate(host, final_dir, targets, bandwidth=bandwidth, timeout=timeout)

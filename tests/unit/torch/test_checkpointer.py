@@ -1,0 +1,93 @@
+"""Tier 1: the one Checkpointer behind ``ctl.checkpointer`` and ``sidecar.torch.Checkpointer``:
+the same handle, retention and busy decision whichever agreement plug saves (the key-value
+store's, JAX's and numpy's; DCP's coordinator's), against the in-process fake sidecars."""
+
+import numpy as np
+import pytest
+import torch
+
+import sidecar.torch
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.core import errors
+from tests.support import fake_sidecars
+from tests.support.torch_sidecars import FakeController, Recording
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+def key_value(fake, **options) -> Checkpointer:
+  return fake_sidecars.checkpointer(fake, **options)
+
+
+def dcp(fake, **options) -> Checkpointer:
+  return sidecar.torch.Checkpointer(
+      "/ckpt/run", options=sidecar.torch.CheckpointOptions(**options),
+      controller=FakeController(fake))
+
+
+PLUGS = pytest.mark.parametrize("make", [key_value, dcp], ids=["key-value", "dcp"])
+
+
+def tree(make, value: float) -> dict:
+  if make is dcp:
+    return {"w": torch.full((4,), value)}
+  return {"w": np.full(4, value, np.float32)}
+
+
+@PLUGS
+def test_one_checkpointer_class_whichever_framework_saves(make):
+  with make(Recording(hosts=(0,))) as ckpt:
+    assert type(ckpt) is Checkpointer
+
+
+@PLUGS
+def test_replicated_holds_the_step_with_no_replicas_for_every_framework(make):
+  """It held None for JAX's and the step for PyTorch's."""
+  with make(Recording(hosts=(0,))) as ckpt:
+    handle = ckpt.save(3, tree(make, 1.0))
+    assert (handle.staged.result(30), handle.durable.result(30),
+            handle.replicated.result(30)) == (3, 3, 3)
+
+
+@PLUGS
+def test_replication_starts_before_the_commit_and_resolves_replicated(make):
+  fake = Recording(hosts=(0, 1))
+  with make(fake, replicas=1) as ckpt:
+    assert ckpt.save(1, tree(make, 1.0)).replicated.result(30) == 1
+  phases = [s[0] for s in fake.sent]
+  assert phases.index("replicate") < phases.index("commit")
+  assert (0, [1]) in fake.replicated_to  # host 0 sends its part to host 1
+
+
+@PLUGS
+def test_the_core_retention_keeps_max_to_keep_and_restores_the_latest(make):
+  fake = Recording(hosts=(0,))
+  with make(fake, max_to_keep=2) as ckpt:
+    for step in (1, 2, 3):
+      ckpt.save(step, tree(make, float(step))).durable.result(30)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+    restored = ckpt.restore(None, tree(make, 0.0))
+  assert [c for c in fake.calls if c[0] == "delete"] == [("delete", 0)]
+  assert float(restored["w"][0]) == 3.0
+
+
+@PLUGS
+def test_every_framework_skips_a_save_while_one_is_in_flight_with_if_busy_skip(make):
+  fake = Recording(hosts=(0,))
+  fake.writing.clear()  # step 1's writes go on until set
+  with make(fake, if_busy="skip") as ckpt:
+    first = ckpt.save(1, tree(make, 1.0))
+    skipped = ckpt.save(2, tree(make, 2.0))
+    assert (skipped.staged.result(), skipped.durable.result(),
+            skipped.replicated.result()) == (None, None, None)
+    assert not first.durable.done()
+    fake.writing.set()
+    assert first.durable.result(30) == 1 and ckpt.save(3, tree(make, 3.0)).durable.result(30) == 3
+
+
+def test_a_dcp_checkpointer_refuses_data_state_and_names_where_it_goes():
+  with dcp(Recording(hosts=(0,))) as ckpt, pytest.raises(
+      errors.InvalidArgumentError, match=r"keeps the data position in the state dict"):
+    ckpt.save(1, {"w": torch.zeros(2)}, data_state={"epoch": 1})
