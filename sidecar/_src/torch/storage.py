@@ -50,8 +50,9 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.distributed.tensor import DTensor
 
-from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
+from sidecar._src.ckptfmt.registry import DCP
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
@@ -113,6 +114,7 @@ class StorageWriter(_Writer):
     super().__init__()
     self.path = os.path.abspath(os.fspath(path))
     self.options = options_or(options, replicas=replicas, ram_steps=ram_steps)
+    self.format = self.options.format_for("PyTorch", default=DCP, parts=(DcpPart, DcpCommit))
     self._ctl = torch_controller.controller_or_connect(controller)
     self._site = self._ctl.checkpoint_sidecars()
     self.replicas = self._site.replicas(self.options.replicas)
@@ -130,7 +132,7 @@ class StorageWriter(_Writer):
     writers: dict[int, list[int]] = {}
     for rank, h in sorted(self._ranks.items()):
       writers.setdefault(h, []).append(rank)
-    return SaveProtocol(client=self._site.client, directory=directory, format=distcp.FORMAT,
+    return SaveProtocol(client=self._site.client, directory=directory, format=self.format,
                         writers=writers)
 
   # ---- DCP's StorageWriter ---------------------------------------------

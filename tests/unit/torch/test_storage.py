@@ -124,3 +124,14 @@ def test_a_stage_interrupted_by_ctrl_c_raises_it_between_two_copies(monkeypatch)
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():
     writer.stage(state())
   assert threading.active_count() == threads  # no stager left copying
+
+
+def test_a_dcp_save_writes_dcp_unless_told_and_refuses_a_format_it_cannot_write():
+  from sidecar._src.controller.checkpoint.options import CheckpointOptions
+  from sidecar._src.core import errors
+  fake = Recording(hosts=(0,))
+  ctl = FakeController(fake)
+  dcp.save(state(), storage_writer=storage.StorageWriter(PATH, controller=ctl))
+  assert fake.manifests[PATH].format == "dcp"
+  with pytest.raises(errors.InvalidArgumentError, match=r"'orbax' is not one a PyTorch save"):
+    storage.StorageWriter("/ckpt/run/6", controller=ctl, options=CheckpointOptions(format="orbax"))

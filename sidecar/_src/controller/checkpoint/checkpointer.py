@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib, progress as progress_lib
 from sidecar._src.controller.checkpoint import ram_drop
@@ -125,7 +126,8 @@ class Checkpointer:
           client=site.client, directory=ckpt.directory, hosts=hosts, local=local,
           device_hosts=site.device_hosts, peers=peers, replicas=ckpt.replicas,
           placement=ckpt.placement, replica_bandwidth=options.bandwidth,
-          framework=framework, writers=site.writers)
+          framework=framework, format=options.format_for("JAX", default=ORBAX),
+          writers=site.writers)
       restorer = Restorer(client=site.client, directory=ckpt.directory, hosts=hosts,
                           local=local, device_hosts=dict(site.device_hosts),
                           mapped=set(site.mapped),

@@ -55,6 +55,7 @@ class SaveCoordinator:
     replicas: peer copies per shard; ``placement``: each host's peers (by host id: each
       sidecar knows their addresses); ``replica_bandwidth``: bytes/s, or None.
     framework: describes a state tree's shards (which this process saves).
+    format: the format the sidecars write (``CheckpointOptions.format_for`` chose it).
     writers: the processes that stage into each host, where several share one (each
       sends its own parts; the host's step is whole once all of them have).
   """
@@ -62,7 +63,7 @@ class SaveCoordinator:
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
                local: list[int], device_hosts: Mapping[int, int], peers: Peers,
                replicas: int, placement: Mapping[int, Sequence[int]],
-               replica_bandwidth: int | None, framework: Framework,
+               replica_bandwidth: int | None, framework: Framework, format: str,
                writers: Mapping[int, Sequence[int]] | None = None):
     self._framework = framework
     self.client, self.directory, self._hosts, self.local = client, directory, hosts, local
@@ -70,8 +71,8 @@ class SaveCoordinator:
     self._lead = peers.index == 0
     self._replicas, self._placement = replicas, placement
     self._replica_bandwidth = replica_bandwidth
-    self._protocol = SaveProtocol(
-        client=client, directory=directory, writers=writers)
+    self._protocol = SaveProtocol(client=client, directory=directory, format=format,
+                                  writers=writers)
     # Every save's finisher that may still run: one copies and commits while the trainer
     # goes on; ``close`` joins them.
     self.finishers: list[threading.Thread] = []

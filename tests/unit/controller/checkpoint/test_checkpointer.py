@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.controller.checkpoint.checkpointer import replica_hosts
+from sidecar._src.core import errors
 from tests.support.fake_sidecars import DictPeers, FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
@@ -97,3 +98,12 @@ def test_a_step_is_written_in_the_tmp_directory_begin_answered():
     assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
   assert fake.tmp_dirs == [("stage", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default"),
                            ("commit", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default")]
+
+
+def test_the_format_is_chosen_explicitly_and_one_the_framework_cannot_write_is_refused():
+  # A JAX (or numpy) save writes Orbax's layout unless told; it makes none of DCP's parts.
+  fake = FakeSidecars()
+  ckpt = checkpointer(fake, format="orbax")
+  assert ckpt.save(1, {"w": np.ones(3, np.float32)}).durable.result() == 1
+  with pytest.raises(errors.InvalidArgumentError, match=r"'dcp' is not one a JAX save writes"):
+    checkpointer(FakeSidecars(), format="dcp")
