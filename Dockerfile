@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The sidecar image: `sidecar serve`, with your package installed beside it so that
 # `--import my_pkg.sidecar_fns` (or SIDECAR_IMPORTS) registers your functions and pipelines.
-# The same image is a trainer image too: it has jax and sidecar.Worker/Controller.
+# The same image is a trainer image too: it has jax and sidecar.jax.Worker/Controller.
 #
 #   k8s/image/build.sh --tag sidecar:dev                    # docker or podman, labels, checks
 #   docker build -t sidecar:dev .                           # the same, by hand

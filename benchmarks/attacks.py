@@ -96,7 +96,7 @@ def silent_streams(cluster, count: int = 32) -> str:
       refused += 1
   t0 = time.monotonic()
   try:
-    with sidecar.Controller(cluster.addresses[:1], connect_timeout=10, timeout=10,
+    with sidecar.jax.Controller(cluster.addresses[:1], connect_timeout=10, timeout=10,
                             attach=False) as ctl:
       ctl.call("echo", args=(1,))
     result = f"handshake and call OK in {time.monotonic() - t0:.2f} s"
@@ -254,7 +254,7 @@ def slow_calls(cluster, count: int = 60, seconds: float = 12.0) -> str:
   refused = sum(c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls)
   t0 = time.monotonic()
   try:
-    with sidecar.Controller(cluster.addresses[:1], connect_timeout=5, timeout=5,
+    with sidecar.jax.Controller(cluster.addresses[:1], connect_timeout=5, timeout=5,
                             attach=False) as ctl:
       ctl.status()
       ctl.call("echo", args=(1,))
@@ -362,7 +362,7 @@ def fd_exhaustion() -> str:
     conns = _idle(int(cluster.health_addresses[0].rsplit(":", 1)[1]), 64)
     time.sleep(1.0)
     try:
-      sidecar.Worker(cluster.socket(0), timeout=2).close()
+      sidecar.jax.Worker(cluster.socket(0), timeout=2).close()
       during = "attached"
     except sidecar.SidecarError as e:
       during = type(e).__name__
@@ -371,7 +371,7 @@ def fd_exhaustion() -> str:
     time.sleep(2.0)
     t0 = time.monotonic()
     try:
-      sidecar.Worker(cluster.socket(0), timeout=20).close()
+      sidecar.jax.Worker(cluster.socket(0), timeout=20).close()
       after = f"attached in {time.monotonic() - t0:.2f} s"
     except sidecar.SidecarError as e:
       after = f"{type(e).__name__} after {time.monotonic() - t0:.0f} s: {str(e)[-40:]}"
@@ -428,7 +428,7 @@ def arena_hog(give_up: float) -> str:
   client's stream of 1 MiB items, then."""
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB",
                                     imports=FNS, configure_jax=False) as cluster:
-    hog, held = sidecar.Worker(cluster.socket(0)), []
+    hog, held = sidecar.jax.Worker(cluster.socket(0)), []
     try:
       for _ in range(64):
         held.append(hog.empty((1 << 20,), np.uint8)[0])

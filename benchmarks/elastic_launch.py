@@ -14,7 +14,7 @@ first training step completes in the new job (the slowest process):
   sidecar       --in-place: the lost sidecar started again, until it serves (else 0)
   spawn         the lost sidecar stopped, the new trainers started, to their first line
   imports       ``import sidecar`` (and jax) in the new trainers
-  jax init      ``sidecar.distributed.initialize()``: jax.distributed on a fresh port
+  jax init      ``sidecar.jax.initialize()``: jax.distributed on a fresh port
   controller    ``Controller.from_env()``: handshakes, attach, host map
   restore       the latest step, from the RAM tiers (else storage), and its data state
   first step    the feed reopened at that position, its first batch, compile and step

@@ -147,7 +147,7 @@ def main() -> None:
                        f"{per_s / limit:.0%}", f"{per_s / ring:.0%}"))
       # The request ctl.call sends over gRPC, sent with no controller around it: what the
       # sidecar and the process boundary cost apart from the controller.
-      conn = ctl._hosts.conns[0]
+      conn = ctl._sidecars.conns[0]
       noop = pb.CallRequest(name="noop", args=codec.encode(()), kwargs=codec.encode({}))
       # Interleaved rounds, so that all see the same load on a shared machine.
       ours_rt, grpc_rt, raw_rt, direct_rt = [], [], [], []

@@ -231,8 +231,8 @@ def copy_seconds(src: list[np.ndarray], dst: list[np.ndarray]) -> float:
 
 def trainer(control_dir: str) -> int:
   """One process of (B): runs each phase the parent writes into ``control_dir``."""
-  sidecar.distributed.initialize()
-  with sidecar.Controller.from_env(timeout=60) as ctl:
+  sidecar.jax.initialize()
+  with sidecar.jax.Controller.from_env(timeout=60) as ctl:
     me = ctl.process_index
     emit = lambda fig: print(MARK + json.dumps({"process": me, **fig}), flush=True)
     bench = Bench(ctl)

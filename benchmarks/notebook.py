@@ -22,7 +22,7 @@ SETUP = """
 import json, time
 import jax, numpy as np, sidecar
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-ctl = sidecar.Controller({addresses!r})
+ctl = sidecar.jax.Controller({addresses!r})
 sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("d",)), P("d"))
 ckpt = ctl.checkpointer({directory!r})
 shape = (8192, 4096)  # 128 MiB of float32

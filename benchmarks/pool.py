@@ -110,7 +110,7 @@ def tenant(name: str, addresses: list[str], directory: str, start_at: float, sec
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
   state = {"w": np.ones(STATE_BYTES // 4, np.float32)}
-  with sidecar.Controller(addresses, timeout=120) as ctl, \
+  with sidecar.jax.Controller(addresses, timeout=120) as ctl, \
       ctl.feed("rows", global_batch_size=BATCH, sharding=sharding) as feed, \
       ctl.checkpointer(os.path.join(directory, name, f"ck-{start_at:.0f}"),  # one per run
                        max_to_keep=2) as ckpt:
@@ -158,7 +158,7 @@ def _misbehave(name: str, kind: str, addresses: list[str], socket: str, end: flo
   if kind == "inline":
     calls = 0
     big = np.ones(INLINE_MIB << 20, np.uint8)
-    with sidecar.Controller(addresses, attach=False, timeout=120) as ctl:
+    with sidecar.jax.Controller(addresses, attach=False, timeout=120) as ctl:
       while time.time() < end:
         ctl.call("size_of", args=(big,))
         calls += 1
@@ -187,7 +187,7 @@ def hog_feeds(addresses: list[str], start_at: float, end: float) -> str:
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
   per_feed = min(HOG_WORKERS, MAX_WORKERS)
   refused = ""
-  with sidecar.Controller(addresses, timeout=120) as ctl, contextlib.ExitStack() as stack:
+  with sidecar.jax.Controller(addresses, timeout=120) as ctl, contextlib.ExitStack() as stack:
     feeds = []
     try:
       for _ in range(HOG_WORKERS // per_feed):
@@ -276,7 +276,7 @@ def join_during_flood(cluster, joins: int = 5) -> tuple[list[float], int]:
     time.sleep(2.0)  # the flood in full swing
     for _ in range(joins):
       t0 = time.perf_counter()
-      with sidecar.Controller(cluster.addresses, token=token("t0"), attach=False,
+      with sidecar.jax.Controller(cluster.addresses, token=token("t0"), attach=False,
                               timeout=30) as ctl:
         ctl.call("size_of", args=(np.zeros(4, np.uint8),))
         took.append(time.perf_counter() - t0)
@@ -289,7 +289,7 @@ def join_during_flood(cluster, joins: int = 5) -> tuple[list[float], int]:
 def inline_growth(cluster, fn: str, mib: int = 128) -> float:
   """The sidecar's peak RSS growth for one ``fn`` call with a ``mib`` MiB array inline, as a
   ratio of the array's size."""
-  with sidecar.Controller(cluster.addresses, token=token("t1"), attach=False,
+  with sidecar.jax.Controller(cluster.addresses, token=token("t1"), attach=False,
                           timeout=120) as ctl:
     ctl.call(fn, args=(np.ones(1 << 20, np.uint8),))  # warm
     big = np.ones(mib << 20, np.uint8)

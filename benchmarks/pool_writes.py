@@ -47,7 +47,7 @@ def saver(name: str, addresses: list[str], directory: str, dirs: int, mib: int,
   ``start_at`` for ``seconds``; puts (name, durable bytes per second)."""
   os.environ["SIDECAR_TOKEN"] = token(name)
   state = {"w": np.ones((mib << 20) // 4, np.float32)}
-  with sidecar.Controller(addresses, timeout=120) as ctl, contextlib.ExitStack() as stack:
+  with sidecar.jax.Controller(addresses, timeout=120) as ctl, contextlib.ExitStack() as stack:
     cks = [stack.enter_context(ctl.checkpointer(
         os.path.join(directory, name, f"ck-{start_at:.0f}-{i}"), max_to_keep=1))
         for i in range(dirs)]

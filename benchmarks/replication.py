@@ -52,7 +52,7 @@ from benchmarks import checkpoint as checkpoint_bench
 from benchmarks.common import table
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
 from sidecar._src.server.checkpoint import links as links_lib
-from sidecar._src.server.checkpoint.host import SHM_ENV
+from sidecar._src.server.checkpoint.checkpoints import SHM_ENV
 
 LEAVES, LEAF_SHAPE = checkpoint_bench.LEAVES, checkpoint_bench.LEAF_SHAPE  # 1 GiB
 progress = checkpoint_bench.progress
@@ -155,7 +155,7 @@ def link_only(args) -> None:
                                       checkpoint_roots=(root,)) as cluster, \
         links_lib.ReplicaLink(ReplicaTarget(host_id=0, address=cluster.addresses[0]),
                               token=cluster.token, shared_memory=False,
-                              peer_token=cluster._peer_token) as link:  # a sidecar's own
+                              replica_token=cluster._replica_token) as link:  # a sidecar's own
       for i in range(args.warmup + args.saves):
         t0 = time.perf_counter()
         link.send(header, shards)

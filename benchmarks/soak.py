@@ -131,7 +131,7 @@ class Soak:
         step += 1
       ckpt.close()
 
-  def sample(self, ctl: sidecar.Controller, t0: float) -> None:
+  def sample(self, ctl: sidecar.jax.Controller, t0: float) -> None:
     row: dict[str, float] = {}
     for h in range(self.cluster.num_hosts):
       for k, v in proc_stats(self.cluster.pid(h)).items():

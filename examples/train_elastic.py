@@ -29,7 +29,7 @@ def train_step(state, batch):      # any jitted step; here, a running sum
   return {"w": state["w"] + batch["image"].mean(axis=(1, 2, 3)) + batch["label"]}
 
 
-# 3 hosts x 2 CPU devices here; on real hosts, sidecar.Controller(addresses) or .from_env()
+# 3 hosts x 2 CPU devices here; on real hosts, sidecar.jax.Controller(addresses) or .from_env()
 cluster = sidecar.testing.LocalCluster(num_hosts=3, devices_per_host=2,
                                        imports=["quickstart_fns"]).start()
 ctl = cluster.controller()

@@ -5,7 +5,7 @@ import sys
 
 import sidecar
 
-sidecar.distributed.initialize()     # before any other JAX call; a no-op without a job
+sidecar.jax.initialize()     # before any other JAX call; a no-op without a job
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +19,7 @@ def train_step(state, batch):        # any jitted step; here, a running sum
   return {"w": state["w"] + batch["image"].mean(axis=(1, 2, 3)) + batch["label"]}
 
 
-with sidecar.Controller.from_env() as ctl:    # every sidecar; drives this process's own host
+with sidecar.jax.Controller.from_env() as ctl:    # every sidecar; drives this process's own host
   sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
   abstract_state = {"w": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=sharding)}
   init_state = jax.jit(lambda: {"w": jnp.zeros(64)}, out_shardings={"w": sharding})

@@ -37,8 +37,6 @@ if _typing.TYPE_CHECKING:
     VersionMismatchError,
   )
   from sidecar._src.core.options import FeedOptions
-  from sidecar._src.jax.controller import Controller
-  from sidecar._src.jax.worker import Worker
   from sidecar._src.user.outputs import empty
   from sidecar._src.user.pipeline_context import PipelineContext
   from sidecar._src.user.registry import (
@@ -52,15 +50,13 @@ if _typing.TYPE_CHECKING:
 # Where each public name lives. Importing ``sidecar`` loads none of them (JAX, gRPC and
 # Grain take seconds), so ``sidecar serve``, ``sidecar status`` and ``sidecar launch``
 # start without them; the first use of a name imports its module (PEP 562).
-# ``Controller`` and ``Worker`` are JAX's (``sidecar.jax``'s, kept here for compatibility):
-# without the ``jax`` extra, naming them says which extra to install.
+# JAX's ``Controller`` and ``Worker`` are ``sidecar.jax``'s, PyTorch's ``sidecar.torch``'s:
+# one door each (``_MOVED`` says where a name that left the root went).
 _ERRORS = "sidecar._src.core.errors"
 _REGISTRY = "sidecar._src.user.registry"
 _HOME = {
-    "Controller": "sidecar._src.jax.controller",
     "HostInfo": "sidecar._src.controller.connection",
     "PipelineContext": "sidecar._src.user.pipeline_context",
-    "Worker": "sidecar._src.jax.worker",
     "FeedOptions": "sidecar._src.core.options",
     "CheckpointOptions": "sidecar._src.controller.checkpoint.options",
     "empty": "sidecar._src.user.outputs",
@@ -74,6 +70,8 @@ _HOME = {
         "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
 }
 _SUBMODULES = ("distributed", "elastic", "testing")
+_MOVED = {"Controller": "sidecar.jax.Controller (PyTorch: sidecar.torch.Controller)",
+          "Worker": "sidecar.jax.Worker"}
 # Reached as ``sidecar.jax.Controller`` after a bare ``import sidecar``, but left out of
 # ``__all__``: ``from sidecar import *`` must not import JAX or torch.
 _FRAMEWORKS = ("jax", "orbax", "torch")
@@ -81,6 +79,8 @@ _FRAMEWORKS = ("jax", "orbax", "torch")
 
 def __getattr__(name: str) -> _typing.Any:
   if name not in _SUBMODULES and name not in _FRAMEWORKS and name not in _HOME:
+    if name in _MOVED:
+      raise AttributeError(f"sidecar.{name} is {_MOVED[name]}: import sidecar.jax")
     raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
   try:
     if name in _SUBMODULES or name in _FRAMEWORKS:
@@ -105,7 +105,6 @@ __all__ = [
     "CheckpointOptions",
     "CheckpointWriteError",
     "ClosedError",
-    "Controller",
     "CorruptCheckpointError",
     "DeadlineExceededError",
     "DiscoveryError",
@@ -124,7 +123,6 @@ __all__ = [
     "SidecarError",
     "StaleDescriptorError",
     "VersionMismatchError",
-    "Worker",
     "default_registry",
     "distributed",
     "elastic",

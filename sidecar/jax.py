@@ -1,7 +1,8 @@
 """JAX through the sidecars: the Controller, the Worker, multi-controller JAX.
 
-``sidecar.jax`` stands beside ``sidecar.torch``; ``sidecar.Controller`` and
-``sidecar.Worker`` are the same classes, kept there for compatibility. Needs the
+``sidecar.jax`` stands beside ``sidecar.torch``: each framework's Controller and Worker
+are reached there and nowhere else (``sidecar.FeedOptions`` and
+``sidecar.CheckpointOptions`` are both frameworks'). Needs the
 ``jax`` extra: ``pip install 'colocated-sidecar[jax]'`` (JAX, Grain, Orbax, TensorStore).
 
 Example::
@@ -20,9 +21,8 @@ try:
 except ImportError as _e:
   raise _extras.missing(_e, "sidecar.jax") from _e
 
-from sidecar._src.core.options import FeedOptions
 from sidecar._src.jax.controller import Controller
 from sidecar._src.jax.distributed import JaxPeers, initialize, is_initialized
 from sidecar._src.jax.worker import Worker
 
-__all__ = ["Controller", "FeedOptions", "JaxPeers", "Worker", "initialize", "is_initialized"]
+__all__ = ["Controller", "JaxPeers", "Worker", "initialize", "is_initialized"]

@@ -6,7 +6,7 @@ Example::
   ctl = sidecar.torch.connect()           # torchrun's environment, this rank's sidecar
   loader = sidecar.torch.DataLoader("images", batch_size=32)
   ckpt = sidecar.torch.Checkpointer(
-      "/ckpt/run1", options=sidecar.torch.CheckpointOptions(max_to_keep=3, replicas=1))
+      "/ckpt/run1", options=sidecar.CheckpointOptions(max_to_keep=3, replicas=1))
   for step, batch in enumerate(loader):
     ...
     if step % 100 == 0:
@@ -20,7 +20,6 @@ starts without it.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.torch.controller import Controller, connect
 from sidecar._src.torch.distributed import Ranks, TorchPeers, ranks
 from sidecar._src.torch.loader import DataLoader
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
   from sidecar._src.torch.checkpointer import Checkpointer, SaveHandle
   from sidecar._src.torch.storage import StorageReader, StorageWriter
 
-__all__ = ["CheckpointOptions", "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle",
+__all__ = ["Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle",
            "StorageReader", "StorageWriter", "TorchPeers", "connect", "ranks"]
 
 _WITH_DCP = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer",

@@ -235,7 +235,7 @@ def make_server(tmp_path):
           reg.add(entry.kind, entry.name, entry.fn)
     kw.setdefault("shm_size", 8 << 20)
     kw.setdefault("checkpoint_roots", (str(tmp_path), tempfile.gettempdir()))
-    kw.setdefault("peer_token", PEER_TOKEN)  # the servers of one test are one job's peers
+    kw.setdefault("replica_token", PEER_TOKEN)  # the servers of one test are one job's peers
     kw.setdefault("listen", "127.0.0.1")  # or unix:PATH
     if "replica_hosts" not in kw:  # the test's servers by host id, as LocalCluster's
       kw.setdefault("replica_hosts_file", str(replica_hosts))

@@ -16,7 +16,7 @@ def main(flag: str) -> None:
   if rank == 1:
     while not os.path.exists(flag + ".0"):
       time.sleep(0.05)
-  with sidecar.Worker() as w:
+  with sidecar.jax.Worker() as w:
     held = []
     try:
       while len(held) < 64:

@@ -1,6 +1,6 @@
 """Sidecars in process: what the controller's seams reach, with no process, socket, arena or disk.
 
-One fake for every seam. ``FakeSidecars.connect(address, timeout)``, through which ``Hosts``
+One fake for every seam. ``FakeSidecars.connect(address, timeout)``, through which ``Sidecars``
 reaches sidecars, answers from ``answers``: the :class:`FakeConnection` a handshake with that
 address makes, or the error connecting raised. A FakeConnection's Call RPC answers each
 request at once, behind a real CallWindow (``Calls``' seam). The checkpoint phases
@@ -28,7 +28,7 @@ from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import CallWindow, HostInfo
 from sidecar._src.controller.framework import HostArrays
 from sidecar._src.controller.peers import LocalPeers, Peers
@@ -242,7 +242,7 @@ def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Pe
   ``local``, default all) with the key-value agreement and ``framework`` (default numpy
   arrays): ``options`` are CheckpointOptions'."""
   hosts = tuple(getattr(fake, "hosts", (0,)) if hosts is None else hosts)
-  site = Sidecars(client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
+  site = SidecarsSnapshot(client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
                   device_hosts={}, records={h: {} for h in hosts} if records is None else records,
                   mapped=frozenset(), writers={})
   return Checkpointer.key_value(directory, site=site, options=CheckpointOptions(**options),

@@ -44,4 +44,4 @@ def write_pool(directory, text: str = POOL) -> str:
 def controller(server, token, **kw):
   """A Controller of the tenant whose token is ``token``, not attached (arrays inline)."""
   kw.setdefault("attach", False)
-  return sidecar.Controller([f"127.0.0.1:{server.port}"], token=token, timeout=10, **kw)
+  return sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token=token, timeout=10, **kw)

@@ -10,7 +10,7 @@ from sidecar._src.wire.protocol import pb
 class Raw:
   """A client that speaks ``sidecar.v1`` by hand: none of the Controller's checks."""
 
-  def __init__(self, port: int, *, token: str | None = None, peer_token: str | None = None):
+  def __init__(self, port: int, *, token: str | None = None, replica_token: str | None = None):
     # Room for a whole arena in a reply: what leaks, if anything does, arrives whole.
     self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
         ("grpc.max_receive_message_length", 64 << 20)])
@@ -18,7 +18,7 @@ class Raw:
     handshake = self.channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
         response_deserializer=pb.HandshakeResponse.FromString)
-    peer = [] if peer_token is None else [(protocol.PEER_KEY, f"Bearer {peer_token}")]
+    peer = [] if replica_token is None else [(protocol.REPLICA_KEY, f"Bearer {replica_token}")]
     reply = handshake(pb.HandshakeRequest(versions=protocol.local_versions(), client="attacker"),
                       metadata=auth + peer, timeout=10)
     self.metadata = auth + [(protocol.SESSION_KEY, reply.session)]

@@ -36,7 +36,7 @@ def main(cluster_file: str, directory: str, kill_at: str = "-1") -> int:
   import sidecar
   from sidecar import elastic
 
-  ctl = sidecar.Controller.from_cluster_file(cluster_file, timeout=60)
+  ctl = sidecar.jax.Controller.from_cluster_file(cluster_file, timeout=60)
   emit("hosts", hosts=[h.host_id for h in ctl.hosts], pids=[h.pid for h in ctl.hosts])
   seen: dict[int, list[int]] = {}
   killed: list[int] = []

@@ -5,7 +5,7 @@ over ``tests/support/fake_sidecars.FakeSidecars`` (one rank, no sockets), and
 import concurrent.futures
 import threading
 
-from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.peers import LocalPeers
 from tests.support.fake_sidecars import FakeSidecars
 
@@ -18,9 +18,9 @@ class FakeController:
   def __init__(self, fake: FakeSidecars, *, worker=None):
     self.fake, self.peers, self._worker = fake, LocalPeers(), worker
 
-  def checkpoint_sidecars(self) -> Sidecars:
+  def checkpoint_sidecars(self) -> SidecarsSnapshot:
     hosts = tuple(self.fake.hosts)
-    return Sidecars(client=self.fake, hosts=hosts, local=hosts[:1],
+    return SidecarsSnapshot(client=self.fake, hosts=hosts, local=hosts[:1],
                     device_hosts={0: hosts[0]}, records={h: {} for h in hosts},
                     mapped=frozenset(), writers={})
 

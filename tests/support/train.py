@@ -19,7 +19,7 @@ import numpy as np
 def main(mode: str, directory: str, scenario: str = "train") -> int:
   import sidecar
   if mode == "multi":
-    sidecar.distributed.initialize()
+    sidecar.jax.initialize()
   import jax
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
@@ -27,7 +27,7 @@ def main(mode: str, directory: str, scenario: str = "train") -> int:
 
   cluster = None
   if mode == "multi":
-    ctl = sidecar.Controller.from_env(timeout=60)
+    ctl = sidecar.jax.Controller.from_env(timeout=60)
   else:
     cluster = sidecar.testing.LocalCluster(2, 2, imports=["tests.support.feed_fns"]).start()
     ctl = cluster.controller()

@@ -30,7 +30,7 @@ GLOBAL_BATCH = 12  # rows of the state too: divisible by 3 and by 2 processes
 def main(directory: str, kill_at: str = "-1") -> int:
   import sidecar
   t_import = time.time()
-  sidecar.distributed.initialize()
+  sidecar.jax.initialize()
   t_init = time.time()
   import jax
   import jax.numpy as jnp
@@ -39,7 +39,7 @@ def main(directory: str, kill_at: str = "-1") -> int:
 
   restart = int(os.environ.get("SIDECAR_RESTART", "0"))
   me = jax.process_index()
-  ctl = sidecar.Controller.from_env(timeout=60)
+  ctl = sidecar.jax.Controller.from_env(timeout=60)
   t_ctl = time.time()
   host = ctl.local_hosts[0]
 

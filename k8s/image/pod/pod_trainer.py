@@ -48,11 +48,11 @@ def target() -> dict:
   return {"w": jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=rows())}
 
 
-def connect() -> tuple[sidecar.Controller, sidecar.Worker]:
+def connect() -> tuple[sidecar.jax.Controller, sidecar.jax.Worker]:
   # The worker attaches over the Unix socket of the shared volume ($SIDECAR_ADDRESS) and
   # receives the arena's memfd over it: no /dev/shm, no IPC namespace is shared.
-  worker = sidecar.Worker()
-  return sidecar.Controller([GRPC], workers={0: worker}), worker
+  worker = sidecar.jax.Worker()
+  return sidecar.jax.Controller([GRPC], workers={0: worker}), worker
 
 
 def arena_mapped() -> bool:
@@ -123,7 +123,7 @@ def restore() -> None:
 
 def handshake() -> None:
   try:
-    ctl = sidecar.Controller([GRPC])
+    ctl = sidecar.jax.Controller([GRPC])
   except sidecar.SidecarError as e:
     result(error=type(e).__name__, message=str(e))
     return

@@ -107,10 +107,10 @@ class Worker:
   def __init__(self, address: str | None = None, *, timeout: float | None = None,
                process: TrainerProcess | None = None, token: str | None = None):
     self.path = socket_path(address)
-    self.timeout = env_lib.peer_timeout(timeout)
+    self.timeout = env_lib.silence_timeout(timeout)
     self._lost: str | None = None  # why the sidecar counts as lost, once it does
     self._lock = threading.Lock()
-    try:  # the serving user checked before the token goes (ipc.check_peer)
+    try:  # the serving user checked before the token goes (ipc.check_server)
       self._sock = ipc.connect(self.path, timeout=self.timeout)
     except OSError as e:
       raise errors.HostLostError(

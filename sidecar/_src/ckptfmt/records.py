@@ -12,7 +12,7 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
   protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
   is a replica target, never a "peer" (which means the trainer's processes).
 - :class:`Replicated`: what a replication sent; :class:`ReplicaHeader`,
-  :class:`ReplicaBlock`, :class:`ReplicaPart`: what one sidecar's ``Receive`` stream to
+  :class:`ReplicaBlock`, :class:`ReplicaPiece`: what one sidecar's ``Receive`` stream to
   another carries.
 - :class:`Held`: what one sidecar's RAM tier holds under a directory.
 - :class:`SavedLeaf`, :class:`Manifest`: a committed step's manifest, which owns its
@@ -134,7 +134,7 @@ class ReplicaBlock:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaPart:
+class ReplicaPiece:
   """Some of one shard's C-order bytes, inline (the bytes travel beside, unparsed): the
   receiver assembles the shard in a block of its arena."""
 

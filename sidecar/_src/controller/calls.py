@@ -503,10 +503,10 @@ def call_rpc(conn: Connection, request: pb.CallRequest) -> Any:
   ``rpc.future(request, ...)``)."""
   if request.ByteSize() < PARTS_FROM:
     return conn.call_rpc
-  return _InParts(conn.call_parts_rpc)
+  return _InPieces(conn.call_parts_rpc)
 
 
-class _InParts:
+class _InPieces:
   """A CallParts rpc called as Call is: with the request, made into its parts each time
   (a renewed session sends them again)."""
 

@@ -31,9 +31,9 @@ CHANNEL_OPTIONS = (
 )
 
 
-def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
+def channel_options(silence_timeout: float) -> tuple[tuple[str, int], ...]:
   """CHANNEL_OPTIONS, with HTTP/2 pings that find a hung or stopped sidecar within about
-  ``peer_timeout`` seconds, also while a stream waits on a slow pipeline.
+  ``silence_timeout`` seconds, also while a stream waits on a slow pipeline.
 
   A ping goes out after half the peer timeout without one (at most every 10 s) and must
   be answered within the other half; a stopped process answers none, so its streams and
@@ -42,7 +42,7 @@ def channel_options(peer_timeout: float) -> tuple[tuple[str, int], ...]:
   ``keepalive_timeout_ms``; the sidecar accepts pings this often
   (``host.server.KEEPALIVE_OPTIONS``).
   """
-  half = max(int(peer_timeout * 500), 1)
+  half = max(int(silence_timeout * 500), 1)
   return CHANNEL_OPTIONS + (
       ("grpc.keepalive_time_ms", min(half, 10_000)),
       ("grpc.keepalive_timeout_ms", half),
@@ -286,7 +286,7 @@ def open_channel(address: str, *, timeout: float, options: tuple[tuple[str, int]
                  ) -> tuple[grpc.Channel, ipc.Pinned | None]:
   """A channel to the sidecar at ``address``; for ``unix:PATH`` also the socket it is
   pinned to (close it after the channel), once the user serving it is one this process
-  trusts (``ipc.check_peer``): every (re)connect of the channel then goes to that very
+  trusts (``ipc.check_server``): every (re)connect of the channel then goes to that very
   socket, whatever takes its name later, so no token ever goes to an impostor.
 
   Raises:
@@ -323,7 +323,7 @@ class Connection:
   """A channel to one sidecar, after a successful handshake."""
 
   def __init__(self, address: str, *, token: str | None, timeout: float,
-               peer_timeout: float = env_lib.DEFAULT_PEER_TIMEOUT_S,
+               silence_timeout: float = env_lib.DEFAULT_SILENCE_TIMEOUT_S,
                credentials: grpc.ChannelCredentials | None = None):
     self.address = address
     try:  # as the sidecar refuses at start: no client could ever send it
@@ -332,7 +332,7 @@ class Connection:
       raise errors.InvalidArgumentError(str(e).replace("token holds", "the token holds", 1)
                                         ) from None
     self._channel, self._pin = open_channel(address, timeout=timeout, credentials=credentials,
-                                            options=channel_options(peer_timeout))
+                                            options=channel_options(silence_timeout))
     self._auth = ((protocol.AUTH_KEY, f"Bearer {token}"),) if token else ()
     # Over a unix: socket, this process's ticket: its sessions count against it alone.
     ticket = None if self._pin is None else ipc.fetch_ticket(self._pin, timeout=timeout)

@@ -5,7 +5,7 @@ feeds over a :class:`~sidecar._src.controller.feed.BatchLayout` and the checkpoi
 protocol, with a :class:`~sidecar._src.controller.framework.Framework` adapter for what
 names a framework's types (``controller/framework.py`` draws the picture). With the
 default adapter (``HostArrays``) it calls, streams and checkpoints numpy arrays and loads
-no framework; ``sidecar.Controller`` is the JAX one (``jax/controller.py``).
+no framework; ``sidecar.jax.Controller`` is the JAX one (``jax/controller.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, HostArrays
-from sidecar._src.controller.hosts import Hosts
 from sidecar._src.controller.peers import Peers
+from sidecar._src.controller.sidecars import Sidecars
 from sidecar._src.core import env as env_lib, errors, interrupts, options as options_lib
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
@@ -54,7 +54,7 @@ class Controller:
 
   Example::
 
-    with sidecar.Controller(["10.0.0.1:8490", "10.0.0.2:8490"]) as ctl:
+    with sidecar.jax.Controller(["10.0.0.1:8490", "10.0.0.2:8490"]) as ctl:
       print(ctl.hosts)
       results = ctl.call("normalize", args=(batch,), hosts=[0])
 
@@ -69,7 +69,7 @@ class Controller:
       so large arrays move through shared memory instead of the network.
     peers: the trainer processes of this job (default: the framework's, e.g. those of
       ``jax.distributed``).
-    peer_timeout: seconds a sidecar may stay silent (hung, SIGSTOPped) before what waits
+    silence_timeout: seconds a sidecar may stay silent (hung, SIGSTOPped) before what waits
       on it (a feed, a stream, a request of its worker) ends with HostLostError; default
       ``$SIDECAR_PEER_TIMEOUT`` or 30. A slow pipeline is no silence: its sidecar still
       answers the pings.
@@ -79,7 +79,7 @@ class Controller:
       this controller's certificate and key (``$SIDECAR_TLS_CLIENT_CERT``,
       ``$SIDECAR_TLS_CLIENT_KEY``). None given or set: plaintext.
     framework: the adapter of the trainer's framework (``controller/framework.py``);
-      default: this class's (numpy arrays only here, JAX in ``sidecar.Controller``).
+      default: this class's (numpy arrays only here, JAX in ``sidecar.jax.Controller``).
 
   With one process that owns every device, this controller drives every host. Under
   ``jax.distributed`` with N processes (one per host, see ``sidecar.distributed``), each
@@ -92,7 +92,7 @@ class Controller:
   def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                timeout: float = 60.0, connect_timeout: float = 30.0,
                workers: Mapping[int, worker_lib.Worker] | None = None, attach: bool = True,
-               peers: Peers | None = None, peer_timeout: float | None = None,
+               peers: Peers | None = None, silence_timeout: float | None = None,
                tls_ca: str | None = None, tls_cert: str | None = None,
                tls_key: str | None = None, framework: Framework | None = None):
     if isinstance(addresses, str) or not addresses:
@@ -102,25 +102,26 @@ class Controller:
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
-    self.peer_timeout = env_lib.peer_timeout(peer_timeout)
+    self.silence_timeout = env_lib.silence_timeout(silence_timeout)
     self.state = State.OPEN
     token = token if token is not None else env_lib.token()  # $SIDECAR_TOKEN(_FILE)
     credentials = protocol.tls_credentials(tls_ca, tls_cert, tls_key)
     self._framework = framework if framework is not None else self._default_framework()
     self._peers = peers if peers is not None else self._framework.peers()
-    self._hosts = Hosts(  # a lost host's sidecar that comes back: the same token
+    self._sidecars = Sidecars(  # a lost host's sidecar that comes back: the same token
         lambda address, timeout: Connection(address, token=token, timeout=timeout,
-                                            peer_timeout=self.peer_timeout,
+                                            silence_timeout=self.silence_timeout,
                                             credentials=credentials),
-        peers=self._peers, peer_timeout=self.peer_timeout, map_arenas=attach,
+        peers=self._peers, silence_timeout=self.silence_timeout, map_arenas=attach,
         cancel=self.cancel, framework=self._framework, token=token)
-    self._calls = Calls(connection=self._hosts.conns.__getitem__, worker=self._hosts.workers.get)
+    self._calls = Calls(connection=self._sidecars.conns.__getitem__,
+                        worker=self._sidecars.workers.get)
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
     self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
     try:
-      self._hosts.open(addresses, timeout=connect_timeout, workers=workers or {})
+      self._sidecars.open(addresses, timeout=connect_timeout, workers=workers or {})
     except BaseException:
       self.close()
       raise
@@ -151,7 +152,7 @@ class Controller:
 
     Example::
 
-      ctl = sidecar.Controller.from_cluster_file("~/.sidecar/my-service/cluster.env")
+      ctl = sidecar.jax.Controller.from_cluster_file("~/.sidecar/my-service/cluster.env")
 
     Raises:
       InvalidArgumentError: the file is missing or malformed, or its token file is
@@ -186,22 +187,22 @@ class Controller:
   @property
   def local_hosts(self) -> list[int]:
     """The live hosts this process drives: all of them, or its own under N processes."""
-    return self._hosts.local_hosts
+    return self._sidecars.local_hosts
 
   @property
   def device_hosts(self) -> dict[int, int]:
     """``{global device id: host id}`` for every device of the job."""
-    return dict(self._hosts.device_hosts)
+    return dict(self._sidecars.device_hosts)
 
   @property
   def hosts(self) -> list[HostInfo]:
     """Every live sidecar's identity, by host id (lost hosts are dropped)."""
-    return self._hosts.live()
+    return self._sidecars.live()
 
   @property
   def lost_hosts(self) -> dict[int, str]:
     """``{host id: why}`` of the hosts found lost (see :meth:`watch`)."""
-    return self._hosts.lost_hosts()
+    return self._sidecars.lost_hosts()
 
   def watch(self, *, interval: float = health.DEFAULT_INTERVAL_S,
             lost_after: float = health.DEFAULT_LOST_AFTER_S, rejoin: bool = False) -> None:
@@ -217,21 +218,21 @@ class Controller:
     """
     self._check_open()
     with self._lock:
-      self._hosts.rejoin = self._hosts.rejoin or rejoin
+      self._sidecars.rejoin = self._sidecars.rejoin or rejoin
       if self._watch is not None:
         return
       self._watch = health.HealthWatch(
-          self._hosts.health_rpcs(), on_lost=self._hosts.host_lost, interval=interval,
-          lost_after=lost_after, rejoin=self._hosts.host_back)
+          self._sidecars.health_rpcs(), on_lost=self._sidecars.host_lost, interval=interval,
+          lost_after=lost_after, rejoin=self._sidecars.host_back)
       self._watch.start()
 
   def on_host_lost(self, listener: Callable[[int, str], None]) -> None:
     """Calls ``listener(host_id, reason)`` (on the watch's thread) when a host is lost."""
-    self._hosts.lost_listeners.append(listener)
+    self._sidecars.lost_listeners.append(listener)
 
   def on_host_back(self, listener: Callable[[int], None]) -> None:
     """Calls ``listener(host_id)`` (on the watch's thread) when a lost host rejoins."""
-    self._hosts.back_listeners.append(listener)
+    self._sidecars.back_listeners.append(listener)
 
   def cancel(self) -> None:
     """Closes every feed and stream this controller made: work in flight stops."""
@@ -241,11 +242,11 @@ class Controller:
 
   def worker(self, host_id: int) -> worker_lib.Worker | None:
     """The worker that maps host ``host_id``'s arena here, if any."""
-    return self._hosts.workers.get(host_id)
+    return self._sidecars.workers.get(host_id)
 
   def _first_host(self) -> int:
     """The host a stream goes to by default: this process's first."""
-    return (self.local_hosts or self._hosts.driven)[0]
+    return (self.local_hosts or self._sidecars.driven)[0]
 
   def _check_open(self) -> None:
     if self.state is State.CLOSED:
@@ -282,7 +283,7 @@ class Controller:
     """
     self._check_open()
     args, kwargs = arguments.split_legacy("call", name, args, kwargs, legacy_args, legacy_kwargs)
-    chosen = self._hosts.select(hosts)
+    chosen = self._sidecars.select(hosts)
     timeout = self.timeout if timeout is None else timeout
     if len(chosen) == 1:  # No thread hop: the common single-host call stays on this thread.
       return [self._calls.call_sync(chosen[0], name, args, kwargs, timeout)]
@@ -314,7 +315,7 @@ class Controller:
     self._check_open()
     args, kwargs = arguments.split_legacy("stream", name, args, kwargs, legacy_args,
                                           legacy_kwargs, stacklevel=3)
-    (host_id,) = self._hosts.select([self._first_host() if host is None else host])
+    (host_id,) = self._sidecars.select([self._first_host() if host is None else host])
     held: list = []
     request = self._calls.request(host_id, name, args, kwargs, self.timeout, held)
     return self._open_stream(host_id, request, prefetch=prefetch, timeout=timeout, held=held,
@@ -324,7 +325,7 @@ class Controller:
                    timeout: float | None, held: list, device: Any = None) -> Stream:
     to_device = None if device is None else functools.partial(self._framework.to_device,
                                                               device=device)
-    stream = self._hosts.open_stream(host_id, request, prefetch=prefetch, timeout=timeout,
+    stream = self._sidecars.open_stream(host_id, request, prefetch=prefetch, timeout=timeout,
                                      to_device=to_device)
     stream.args = held  # Argument blocks live as long as the stream.
     self._children.add(stream)
@@ -337,7 +338,7 @@ class Controller:
     """Global batches of registered pipeline ``name``, each host's rows laid out by a
     framework's :class:`~sidecar._src.controller.feed.BatchLayout`.
 
-    What a framework's feed is made of (``sidecar.Controller.feed`` for JAX): each host's
+    What a framework's feed is made of (``sidecar.jax.Controller.feed`` for JAX): each host's
     sidecar runs the pipeline and produces the rows ``layout`` gives it; they arrive
     through its arena and the layout makes each leaf of a batch of them. The batches
     depend only on ``name``, ``kwargs``, ``seed`` and the batch index.
@@ -348,14 +349,14 @@ class Controller:
       layout: ``layout(global_batch_size, device_hosts, device_processes)`` -> the
         BatchLayout, made once the arguments are checked (``{device id: host id}``, and
         ``{device id: process index}`` where several processes share hosts, else empty).
-      kwargs, seed, num_epochs, state, options: as ``sidecar.Controller.feed``'s.
+      kwargs, seed, num_epochs, state, options: as ``sidecar.jax.Controller.feed``'s.
     """
     self._check_open()
     options = feed_lib.check_arguments(name, options, self.hosts,
                                        global_batch_size=global_batch_size,
                                        num_epochs=num_epochs)
-    rows = layout(global_batch_size, dict(self._hosts.device_hosts),
-                  dict(self._hosts.device_processes))
+    rows = layout(global_batch_size, dict(self._sidecars.device_hosts),
+                  dict(self._sidecars.device_processes))
     self._feeds += 1
     feed = feed_lib.agree_and_open(
         name, self._feeds, global_batch_size=global_batch_size, layout=rows,
@@ -363,7 +364,7 @@ class Controller:
         peers=self._peers, local_hosts=self.local_hosts,
         open_call=lambda host_id, request: self._open_stream(
             host_id, request, prefetch=options.prefetch, timeout=None, held=[]),
-        session=lambda host_id: getattr(self._hosts.workers.get(host_id), "session", ""),
+        session=lambda host_id: getattr(self._sidecars.workers.get(host_id), "session", ""),
         arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                            for s in self.status()})
     self._children.add(feed)
@@ -434,20 +435,21 @@ class Controller:
   def checkpoint_client(self) -> CheckpointClient:
     """The checkpoint phases on these sidecars, through this controller's channels: what
     a framework's checkpoint adapter (``sidecar.torch.StorageWriter``) drives."""
-    return CheckpointClient(select=self._hosts.select, connection=self._hosts.conns.__getitem__,
-                            worker=self._hosts.workers.get, status=self.status,
+    return CheckpointClient(select=self._sidecars.select,
+                            connection=self._sidecars.conns.__getitem__,
+                            worker=self._sidecars.workers.get, status=self.status,
                             timeout=self.timeout)
 
-  def checkpoint_sidecars(self) -> Sidecars:
+  def checkpoint_sidecars(self) -> SidecarsSnapshot:
     """These sidecars as a checkpointer sees them now (a new checkpoint client, the hosts,
     which of them this process drives and maps, where their replicas go)."""
     self._check_open()
-    return Sidecars(
+    return SidecarsSnapshot(
         client=self.checkpoint_client(), hosts=tuple(h.host_id for h in self.hosts),
-        local=tuple(self.local_hosts), device_hosts=dict(self._hosts.device_hosts),
-        records=self._hosts.sidecar_records(),
-        mapped=frozenset(h for h in self._hosts.workers if h not in self._hosts.lost),
-        writers=dict(self._hosts.writers))
+        local=tuple(self.local_hosts), device_hosts=dict(self._sidecars.device_hosts),
+        records=self._sidecars.sidecar_records(),
+        mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
+        writers=dict(self._sidecars.writers))
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
@@ -460,7 +462,7 @@ class Controller:
                                           legacy_kwargs)
     timeout = self.timeout if timeout is None else timeout
     return [self._calls.call_future(h, name, args, kwargs, timeout)
-            for h in self._hosts.select(hosts)]
+            for h in self._sidecars.select(hosts)]
 
   @interrupts.deferring
   def status(self, *, timeout: float | None = None) -> list[pb.StatusResponse]:
@@ -469,7 +471,7 @@ class Controller:
     Asks every host at once; ``timeout`` (default: the controller's) bounds each.
     """
     self._check_open()
-    return self._hosts.statuses_or_raise(self.timeout if timeout is None else timeout)
+    return self._sidecars.statuses_or_raise(self.timeout if timeout is None else timeout)
 
   def drop_ram_tier(self, directory: str | None = None, *, tenant: str | None = None,
                     timeout: float | None = None) -> ram_drop.RamTierDrop:
@@ -489,13 +491,13 @@ class Controller:
     """
     self._check_open()
     req = ram_drop.request(None if directory is None else os.path.abspath(directory), tenant)
-    conns = [(h, c) for h, c in self._hosts.conns.items() if h not in self._hosts.lost]
+    conns = [(h, c) for h, c in self._sidecars.conns.items() if h not in self._sidecars.lost]
     return ram_drop.drop(conns, req, timeout=self.timeout if timeout is None else timeout)
 
   @interrupts.deferring
   def _display(self, *, as_html: bool) -> str:
     rows = [] if self.state is State.CLOSED else display.status_rows(
-        self._hosts.statuses(display.STATUS_TIMEOUT_S))
+        self._sidecars.statuses(display.STATUS_TIMEOUT_S))
     children = list(self._children)
     facts = display.controller_facts(
         state=self.state.value, live=len(self.hosts), lost=self.lost_hosts,
@@ -504,7 +506,7 @@ class Controller:
                if isinstance(c, Feed) and c.status is feed_lib.State.OPEN],
         checkpointers=[c.directory for c in children
                        if isinstance(c, Checkpointer) and not c._closed])
-    return display.hosts_block("sidecar.Controller", facts, rows, as_html=as_html)
+    return display.hosts_block("sidecar.jax.Controller", facts, rows, as_html=as_html)
 
   def __repr__(self) -> str:
     return self._display(as_html=False)
@@ -523,7 +525,7 @@ class Controller:
     for child in list(self._children):
       child.close()  # the checkpointers: each waits for its save in flight
     self.state = State.CLOSED
-    self._hosts.close()  # the workers it made, then the channels
+    self._sidecars.close()  # the workers it made, then the channels
     self._calls.close()  # its caller threads: their calls ended with the channels
 
   def __enter__(self) -> Self:

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from sidecar._src.controller import display, progress as progress_lib
+from sidecar._src.controller import display
 from sidecar._src.controller.connection import HostInfo
 from sidecar._src.controller.peers import LocalPeers, Peers
-from sidecar._src.core import errors, interrupts, options as options_lib
+from sidecar._src.core import errors, interrupts, options as options_lib, progress as progress_lib
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 

@@ -8,7 +8,7 @@ buffer. It walks trees with ``core/trees.py``, agrees between processes through
 ``controller/peers.Peers``, and imports no framework. Whatever needs one lives in that
 framework's adapter package, behind the interfaces below::
 
-  sidecar.Controller (jax/controller.py)        sidecar.torch (torch/)
+  sidecar.jax.Controller (jax/controller.py)        sidecar.torch (torch/)
     .feed(sharding=...) -> jax/feed.Layout        DataLoader -> a BatchLayout of ranks
     framework=JaxFramework (jax/framework.py)     framework=a torch Framework
                     \\                               /
@@ -214,7 +214,7 @@ class HostArrays(Framework):
   def to_device(self, tree: Any, device: Any) -> Any:
     raise errors.InvalidArgumentError(
         f"device={device!r}: this controller has no framework to put arrays on a device; "
-        "use sidecar.Controller (JAX) or leave device=None for numpy arrays")
+        "use sidecar.jax.Controller (JAX) or leave device=None for numpy arrays")
 
   def host_value(self, value: Any, where: str) -> np.ndarray:
     """A leaf's elements as a host array (``where`` names it in errors)."""

@@ -10,7 +10,7 @@ table stays the whole list. ``tests/unit/core/test_env.py`` checks that every ``
 The table, by who reads it (``python -c "from sidecar._src import env; print(env.table())"``):
 
 - ``sidecar serve`` (cli.py): the default of each flag (a flag given wins).
-- ``Worker``, ``Controller``, ``sidecar.distributed.initialize``: the trainer's view of
+- ``Worker``, ``Controller``, ``sidecar.jax.initialize``: the trainer's view of
   its job, which ``sidecar launch`` or the k8s manifests set.
 - ``Controller.from_env`` (controller/discovery.py): where the sidecars are.
 - The checkpoint host (server/checkpoint*.py, server/replicas.py): tuning and fault injection.
@@ -50,7 +50,7 @@ def _var(name: str, meaning: str, *, default: str, readers: str, launcher: bool 
 
 
 _SERVE = "sidecar serve (cli.py)"
-_TRAINER = "sidecar.distributed.initialize (distributed.py)"
+_TRAINER = "sidecar.jax.initialize (distributed.py)"
 _DISCOVERY = "Controller.from_env (controller/discovery.py)"
 _CKPT = "the checkpoint host (server/checkpoint.py)"
 
@@ -177,10 +177,10 @@ SOCKET_UID = _var(
     default="none: a unix: socket served by any other user is refused before the token goes",
     readers="Controller, sidecar status, the worker socket's calls and streams, replica links "
     "(wire/ipc.py)")
-DEFAULT_PEER_TIMEOUT_S = 30.0
+DEFAULT_SILENCE_TIMEOUT_S = 30.0
 PEER_TIMEOUT = _var(
     "SIDECAR_PEER_TIMEOUT", "seconds a silent sidecar is given before waits on it end with "
-    "HostLostError", default=f"{DEFAULT_PEER_TIMEOUT_S:g}", readers="Worker, Controller")
+    "HostLostError", default=f"{DEFAULT_SILENCE_TIMEOUT_S:g}", readers="Worker, Controller")
 DEFAULT_SYNC_TIMEOUT_S = 300.0
 SYNC_TIMEOUT = _var(
     "SIDECAR_SYNC_TIMEOUT", "seconds a process waits for the others at an agreement",
@@ -337,7 +337,7 @@ def client_tokens(path: str | None) -> tuple[tuple[str, str], ...]:
   return tuple(pairs)
 
 
-def peer_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
+def replica_token(token_file: str | None = None, environ: Mapping[str, str] | None = None
                ) -> str | None:
   """The peer token in ``token_file``, else ``$SIDECAR_PEER_TOKEN``, else in
   ``$SIDECAR_PEER_TOKEN_FILE``; raises as :func:`token` does."""
@@ -403,7 +403,7 @@ def float_var(env: Mapping[str, str], name: str, default: float, *, minimum: flo
   return value
 
 
-def peer_timeout(value: float | None, env: Mapping[str, str] | None = None) -> float:
+def silence_timeout(value: float | None, env: Mapping[str, str] | None = None) -> float:
   """``value``, or ``$SIDECAR_PEER_TIMEOUT`` when None (30 s unset): how long a silent
   sidecar is waited on before it counts as lost.
 
@@ -411,9 +411,9 @@ def peer_timeout(value: float | None, env: Mapping[str, str] | None = None) -> f
     InvalidArgumentError: ``value`` or the variable is not a positive number of seconds.
   """
   if value is None:
-    return float_var(os.environ if env is None else env, PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT_S,
+    return float_var(os.environ if env is None else env, PEER_TIMEOUT, DEFAULT_SILENCE_TIMEOUT_S,
                      minimum=0.0)
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
     raise errors.InvalidArgumentError(
-        f"peer_timeout must be a positive number of seconds, got {value!r}")
+        f"silence_timeout must be a positive number of seconds, got {value!r}")
   return float(value)

@@ -32,7 +32,7 @@ def missing(e: ImportError, what: str) -> ImportError:
     try:
       import jax
     except ImportError as e:
-      raise extras.missing(e, "sidecar.Controller") from e
+      raise extras.missing(e, "sidecar.jax.Controller") from e
   """
   extra = extra_of(e)
   if extra is None:

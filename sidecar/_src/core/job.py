@@ -1,5 +1,5 @@
 """The job a trainer process is part of, from its environment alone: what
-``jax.distributed.initialize`` takes (``sidecar.distributed.initialize``) and, by
+``jax.distributed.initialize`` takes (``sidecar.jax.initialize``) and, by
 torchrun's names, what ``sidecar.torch.connect()`` takes where torchrun set nothing.
 
 Two ways to name the job: ``SIDECAR_COORDINATOR_ADDRESS``, ``SIDECAR_NUM_PROCESSES`` and

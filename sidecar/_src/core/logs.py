@@ -3,7 +3,7 @@
 ``--log-format json`` (``SIDECAR_LOG_FORMAT=json``) writes, per record::
 
   {"time": "2026-12-01T11:42:07.123Z", "level": "INFO",
-   "logger": "sidecar._src.server.checkpoint.host",
+   "logger": "sidecar._src.server.checkpoint.checkpoints",
    "message": "step 3: wrote 1.0 GiB in 0.61 s (1.76 GB/s)", "host_id": 0, "step": 3}
 
 with ``host_id`` on every record of a sidecar, and ``session`` / ``step`` where the

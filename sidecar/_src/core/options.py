@@ -100,7 +100,7 @@ class ServerOptions:
   # it reads every tenant's row and drops RAM-tier copies, and is no tenant. Read at each load.
   operator_token_file: str | None = None
   # What peer sidecars present at the handshake: only their sessions may send replicas.
-  peer_token: str | None = None
+  replica_token: str | None = None
   # The job's (or pool's) sidecars, by host id (gRPC addresses: HOST:PORT or unix:PATH):
   # the only places this one sends replicas to; or a file holding that list, read when a
   # link is made (for launchers that learn the ports once the sidecars run).
@@ -168,7 +168,7 @@ class ServerOptions:
       raise ValueError(f"device_ids must be non-negative ints, got {self.device_ids!r}")
     if not self.socket_path:
       raise ValueError("socket_path must name a Unix socket path, got an empty string")
-    for name in ("token", "peer_token"):
+    for name in ("token", "replica_token"):
       check_token(getattr(self, name), name)
     if not isinstance(self.replica_hosts, tuple) or any(
         not isinstance(a, str) for a in self.replica_hosts):

@@ -1,4 +1,4 @@
-"""``sidecar.Controller``: the controller core (``controller/controller.py``) for JAX.
+"""``sidecar.jax.Controller``: the controller core (``controller/controller.py``) for JAX.
 
 The core does hosts, calls, streams, the feed's rows and the checkpoint protocol; this
 class gives it the JAX adapter (``jax/framework.JaxFramework``: ``jax.Array``s,
@@ -25,7 +25,7 @@ class Controller(core.Controller):
 
   Example::
 
-    with sidecar.Controller(["10.0.0.1:8490", "10.0.0.2:8490"]) as ctl:
+    with sidecar.jax.Controller(["10.0.0.1:8490", "10.0.0.2:8490"]) as ctl:
       print(ctl.hosts)
       results = ctl.call("normalize", args=(batch,), hosts=[0])
 

@@ -82,8 +82,8 @@ def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
   Example::
 
     import sidecar
-    sidecar.distributed.initialize()
-    ctl = sidecar.Controller.from_env()   # every sidecar; this process drives its own host
+    sidecar.jax.initialize()
+    ctl = sidecar.jax.Controller.from_env()   # every sidecar; this process drives its own host
 
   Raises:
     InvalidArgumentError: the environment names some of the job but not all of it; the

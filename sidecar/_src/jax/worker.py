@@ -1,4 +1,4 @@
-"""``sidecar.Worker``: the arena's Worker (``arena/worker.py``) in a JAX trainer process.
+"""``sidecar.jax.Worker``: the arena's Worker (``arena/worker.py``) in a JAX trainer process.
 
 It tells its sidecar which process and devices drive the host under ``jax.distributed``
 and turns arena views into ``jax.Array``s; every view holds its block, and on the CPU
@@ -21,7 +21,7 @@ class Worker(worker_lib.Worker):
 
   Example::
 
-    worker = sidecar.Worker("unix:///run/sidecar/sidecar.sock")
+    worker = sidecar.jax.Worker("unix:///run/sidecar/sidecar.sock")
     x = worker.to_jax(batch_from_sidecar, sharding=sharding)
 
   Args:

@@ -113,7 +113,7 @@ class Listener:
       with conn:
         conn.settimeout(1.0)
         with contextlib.suppress(OSError):
-          ticket = self._tickets.issue(ipc.peer_of(conn).pid)
+          ticket = self._tickets.issue(ipc.ucred_of(conn).pid)
           conn.sendall((ticket or "").encode())
 
   def close(self) -> None:

@@ -109,7 +109,7 @@ class _TokenAuth(grpc.ServerInterceptor):
     def deny_link(request, context):  # a handshake that carries the peer token's metadata
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
                     "AuthenticationError: a peer sidecar's replica link (the sidecars' own, "
-                    f"its handshake carries '{protocol.PEER_KEY}') presented no token this "
+                    f"its handshake carries '{protocol.REPLICA_KEY}') presented no token this "
                     "sidecar takes: the sidecars of one job share one peer token; give every "
                     "sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
     self._deny_link = grpc.unary_unary_rpc_method_handler(deny_link)
@@ -131,7 +131,7 @@ class _TokenAuth(grpc.ServerInterceptor):
     if client_of(self._tokens.table, metadata) is None:
       if self._tokens.revoked and (why := client_of(self._tokens.revoked, metadata)):
         return self._revoked(why)
-      return (self._deny_link if any(k == protocol.PEER_KEY for k, _ in metadata or ())
+      return (self._deny_link if any(k == protocol.REPLICA_KEY for k, _ in metadata or ())
               else self._deny)
     return continuation(handler_call_details)
 
@@ -236,7 +236,7 @@ class Server:
           "and %d can run this sidecar's functions, feeds and checkpoint calls; give it "
           "--token-file or listen on 127.0.0.1", o.listen, o.port, o.health_port)
     pool = self._pool(o)
-    self.tenancy = tenants_lib.Tenancy(pool, peer_token=o.peer_token)
+    self.tenancy = tenants_lib.Tenancy(pool, replica_token=o.replica_token)
     if pool is not None and pool.quotas:  # each tenant's blocks in a memfd of its own
       shm.check_capacity(-(-o.shm_size // shm.PAGE) * shm.PAGE)
       self.arenas = arenas_lib.Arenas(-(-o.shm_size // shm.PAGE) * shm.PAGE, per_tenant=True,
@@ -257,11 +257,11 @@ class Server:
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
         o.host_id, tenancy=self.tenancy, arena_bytes=self.arenas.size,
         tenant_of=lambda session: self.sessions.client(session),
-        token=o.peer_token if named else o.token,
-        peer_token=o.peer_token, roots=o.checkpoint_roots, metrics=self.metrics,
+        token=o.replica_token if named else o.token,
+        replica_token=o.replica_token, roots=o.checkpoint_roots, metrics=self.metrics,
         spare=self.leases.spare,
         replica_hosts=links_lib.ReplicaHosts(o.replica_hosts, file=o.replica_hosts_file),
-        peer_credentials=links_lib.peer_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
+        replica_credentials=links_lib.replica_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = TenantRunner(tenancy=self.tenancy, registry=self.registry,
@@ -284,7 +284,7 @@ class Server:
                                   max_connections=o.max_worker_connections,
                                   on_dead=self._listener_dead, tenancy=self.tenancy)
     # The tokens a client may present: the shared one, one per client, or the pool's.
-    self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.peer_token)
+    self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.replica_token)
     tokens = tokens_holder.table
     checkpoint_slots = CheckpointSlots(tenancy=self.tenancy, tenant_of=tenant_of)
     # A departed tenant's RAM-tier steps go back after its ram_keep (pool file).
@@ -304,7 +304,7 @@ class Server:
                            streams=StreamSlots(total=o.max_streams,
                                                per_session=o.max_streams_per_session,
                                                tenancy=self.tenancy, tenant_of=tenant_of),
-                           peer_token=o.peer_token, tokens=tokens_holder,
+                           replica_token=o.replica_token, tokens=tokens_holder,
                            tenancy=self.tenancy, opened=self.checkpoints.opened_by,
                            checkpoint_use=self.checkpoints.tier.group_use,
                            max_request=o.max_message_size, tickets=self._tickets)
@@ -377,7 +377,7 @@ class Server:
     one per client token, the shared token's one, or None (no token)."""
     if o.pool is not None:
       pool = pool_file.load(o.pool, operator_token_file=o.operator_token_file)
-      pool.check_operator(o.peer_token)
+      pool.check_operator(o.replica_token)
       pool.check_arena(o.shm_size)
       pool.check_roots(o.checkpoint_roots)
       return pool
@@ -410,7 +410,7 @@ class Server:
       if old is not None and old.operator_token and old.operator_token != pool.operator_token:
         revoked[tenants_lib.OPERATOR] = (f"the operator token was changed in the pool file "
                                          f"{o.pool}")
-      self.tokens.swap(tenants_lib.Tokens.of(pool, o.peer_token), revoked)
+      self.tokens.swap(tenants_lib.Tokens.of(pool, o.replica_token), revoked)
       for name, why in revoked.items():
         self.sessions.revoke(name)
         # Its arena takes no new block; it closes once its blocks are back (its Workers

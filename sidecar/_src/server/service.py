@@ -24,7 +24,13 @@ from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.pool import tenants as tenants_lib
 from sidecar._src.server.pool.credits import Credits
 from sidecar._src.server.pool.leases import Leases
-from sidecar._src.server.pool.limits import Sessions, Slots, StreamSlots, check_prefetch, peer_of
+from sidecar._src.server.pool.limits import (
+  Sessions,
+  Slots,
+  StreamSlots,
+  check_prefetch,
+  connection_of,
+)
 from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.server.workers import WorkerListener
 from sidecar._src.wire import codec, protocol
@@ -58,7 +64,7 @@ class Service:
                leases: Leases, workers: WorkerListener,
                checkpoints: Callable[[], list[pb.CheckpointStatus]] = list,
                sessions: Sessions | None = None, streams: Slots | None = None,
-               peer_token: str | None = None,
+               replica_token: str | None = None,
                tokens: tenants_lib.Tokens | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
                opened: Callable[[str], set[str]] | None = None,
@@ -75,8 +81,8 @@ class Service:
     self._opened = opened  # the checkpoint directories a client opened
     # Per tenant: its saves in progress, and the bytes of its RAM-tier copies.
     self._checkpoint_use = checkpoint_use
-    # What a peer sidecar's handshake carries (PEER_KEY); None: no session is a peer's.
-    self._peer = None if peer_token is None else f"Bearer {peer_token}".encode()
+    # What a peer sidecar's handshake carries (REPLICA_KEY); None: no session is a peer's.
+    self._replica_bearer = None if replica_token is None else f"Bearer {replica_token}".encode()
     self._stream_runner = stream_runner
     self._identity = identity
     self._arena_size = arena_size
@@ -153,7 +159,7 @@ class Service:
     client = self._client(context)
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
-    session = self._sessions.new(peer=self._is_peer(context), client=client,
+    session = self._sessions.new(peer=self._is_replica_link(context), client=client,
                                  holder=self._holder(context))
     return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
@@ -164,8 +170,8 @@ class Service:
     """Who holds a new session: its TCP connection, or over a ``unix:`` socket the process
     its ticket names (``client_ids``; none: every Unix client without one together)."""
     peer = context.peer()
-    if peer_of(peer) is not None or not peer.startswith("unix") or self._tickets is None:
-      return peer_of(peer)
+    if connection_of(peer) is not None or not peer.startswith("unix") or self._tickets is None:
+      return connection_of(peer)
     return self._tickets.holder(
         dict(context.invocation_metadata()).get(protocol.PID_TICKET_KEY))
 
@@ -190,13 +196,13 @@ class Service:
             f"({', '.join(names) or 'no name'}) is no tenant's: name it in a tenant's "
             "tls_names in the pool file, or pass that tenant's token")
 
-  def _is_peer(self, context: grpc.ServicerContext) -> bool:
+  def _is_replica_link(self, context: grpc.ServicerContext) -> bool:
     """Whether the handshake carries the peer token (compared in constant time)."""
-    given = dict(context.invocation_metadata()).get(protocol.PEER_KEY)
-    if self._peer is None or given is None:
+    given = dict(context.invocation_metadata()).get(protocol.REPLICA_KEY)
+    if self._replica_bearer is None or given is None:
       return False
     given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
-    return hmac.compare_digest(given, self._peer)
+    return hmac.compare_digest(given, self._replica_bearer)
 
   def registry_entries(self) -> list[pb.RegistryEntry]:
     return [pb.RegistryEntry(kind=e.kind, name=e.name, code_hash=e.code_hash)
@@ -206,7 +212,7 @@ class Service:
     """A serialized CallResponse (``UnaryCalls.run_serialized``: no copy of a result's
     large arrays beyond the one into these bytes)."""
     session = self._require_session(context)
-    self._no_peer(session, "Call")
+    self._no_replica_link(session, "Call")
     with tenants_lib.acting_as(self._sessions.client(session)):
       return self._unary.run_serialized(raw, session, alive=context.is_active,
                                         time_left=context.time_remaining)
@@ -215,7 +221,7 @@ class Service:
     """:meth:`call` for a large CallRequest in parts (``CallPart``s, the first one
     announcing its size): they are copied into one buffer as they come."""
     session = self._require_session(context)
-    self._no_peer(session, "CallParts")
+    self._no_replica_link(session, "CallParts")
     first = next(requests, None)
     if first is None:
       raise errors.InvalidArgumentError("CallParts: no CallPart came")
@@ -225,7 +231,7 @@ class Service:
           total, itertools.chain((first,), requests), session, alive=context.is_active,
           time_left=context.time_remaining, limit=self._max_request)
 
-  def _no_peer(self, session: str, what: str) -> None:
+  def _no_replica_link(self, session: str, what: str) -> None:
     """PermissionDeniedError for a session of the pool's peer token (client ""), the
     sidecars' own, for their replicas only, or of its operator token (``OPERATOR``), which
     reads Status and drops RAM-tier copies: neither is a tenant nor has quotas to run by."""
@@ -241,7 +247,7 @@ class Service:
              ) -> Iterator[pb.StreamItem]:
     # The slot before the first message: a stream that never sends one holds a thread too.
     session = self._require_session(context)
-    self._no_peer(session, "Stream")
+    self._no_replica_link(session, "Stream")
     with self._streams.hold(session):  # RESOURCE_EXHAUSTED when full
       first = codec.parse(pb.StreamRequest, next(requests, b""))
       if first.WhichOneof("kind") != "start":

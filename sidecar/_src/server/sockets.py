@@ -9,7 +9,7 @@ Nobody else may be able to take a socket's name: every directory on its way must
 sidecar user's or root's, and not writable by others unless sticky (``/tmp``), where the
 name itself must be unclaimed (``check_directories``). Otherwise another user could rename
 the socket away after start and listen in its place, and each client would send it its
-token (issue 42, attack 6). Clients check the serving user too (``wire/ipc.check_peer``).
+token (issue 42, attack 6). Clients check the serving user too (``wire/ipc.check_server``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls import Runner, measured
-from sidecar._src.server.feeds import pool as feed_pool, producer
+from sidecar._src.server.feeds import processes as feed_processes, producer
 from sidecar._src.server.pool import shares as shares_lib, tenants as tenants_lib
 from sidecar._src.server.pool.credits import CreditSource
 from sidecar._src.user import registry as registry_lib
@@ -146,8 +146,8 @@ class StreamRunner:
     t = self._tenancy.tenant(tenant) if self._tenancy.quotas else None
     turns = None if t is None else self._shares.turns(t.name, t.weight)
 
-    def pool() -> feed_pool.Pool:
-      return feed_pool.Pool(spec.workers, arena=blocks.arena, imports=self._imports,
+    def pool() -> feed_processes.FeedProcesses:
+      return feed_processes.FeedProcesses(spec.workers, arena=blocks.arena, imports=self._imports,
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
                             turns=turns)
 

@@ -63,7 +63,7 @@ class WorkerListener:
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
                    lambda e: None), tenancy: tenants_lib.Tenancy | None = None):
     self.path = path
-    self._peer_sessions: set[str] = set()  # peer sidecars' replica links (PeerAttach)
+    self._replica_sessions: set[str] = set()  # peer sidecars' replica links (ReplicaAttach)
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
@@ -190,7 +190,7 @@ class WorkerListener:
         raise errors.InvalidArgumentError(
             f"first message must be attach, got {message.get('op')!r}")
       tenant = self._attach_tenant(message, conn)
-      peer = tenants_lib.PeerAttach.parse(message.get("token")) is not None
+      peer = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
@@ -200,7 +200,7 @@ class WorkerListener:
         self._tenancy.add_worker(session, tenant)
         self._sessions[session] = conn
         if peer:
-          self._peer_sessions.add(session)
+          self._replica_sessions.add(session)
         pid = message.get("pid")
         self._pids[session] = pid if isinstance(pid, int) else 0
       # Its tenant's arena, and no other: what it maps is all it can ever see.
@@ -229,7 +229,7 @@ class WorkerListener:
         with self._lock:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
-          self._peer_sessions.discard(session)
+          self._replica_sessions.discard(session)
         freed = self._leases.release_all(session)
         self._arenas.unbind(session)
         self._tenancy.drop_worker(session)
@@ -242,7 +242,7 @@ class WorkerListener:
 
   def _attach_tenant(self, message: dict[str, Any], conn: socket.socket) -> str | None:
     """The tenant an attaching worker is: its token's (or its user's), or the one a peer
-    sidecar's replica link names with the peer token (``tenants.PeerAttach``).
+    sidecar's replica link names with the peer token (``tenants.ReplicaAttach``).
 
     Raises:
       AuthenticationError: no tenant's token (with a pool file); a peer link whose peer
@@ -251,10 +251,10 @@ class WorkerListener:
     peer = ipc.peer_or_none(conn)  # the user the kernel says the worker runs as
     return self._tenancy.worker_tenant(message.get("token"), None if peer is None else peer.uid)
 
-  def _check_not_peer(self, session: str, what: str) -> None:
+  def _check_not_replica_link(self, session: str, what: str) -> None:
     """PermissionDeniedError where ``session`` is a peer sidecar's replica link: it maps
     the tenant's arena to copy replicas in, and runs nothing as that tenant."""
-    if session in self._peer_sessions:
+    if session in self._replica_sessions:
       raise errors.PermissionDeniedError(
           f"{what}: this worker session is a peer sidecar's replica link, which copies "
           "replicas into a tenant's arena and runs no calls or streams; a trainer attaches "
@@ -320,7 +320,7 @@ class WorkerListener:
       if not self.has_session(session):
         self._check_ended(session)
         raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
-      self._check_not_peer(session, "stream")
+      self._check_not_replica_link(session, "stream")
       first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
@@ -385,8 +385,8 @@ class WorkerListener:
     if self._calls is None or not self.has_session(session):
       self._check_ended(session)
       raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
-    self._check_not_peer(session, "calls")
-    alive = lambda: self.has_session(session) and _peer_open(conn)
+    self._check_not_replica_link(session, "calls")
+    alive = lambda: self.has_session(session) and _client_open(conn)
     while True:
       raw = ipc.recv_bytes(conn, limit=self._call_bytes)
       if not self.has_session(session):  # ended since (its tenant revoked, say)
@@ -558,7 +558,7 @@ def _quiet(conn: socket.socket) -> bool:
   return False
 
 
-def _peer_open(conn: socket.socket) -> bool:
+def _client_open(conn: socket.socket) -> bool:
   """Whether the other end of ``conn`` is still there (it sends nothing during a call, so
   a readable socket with no data is one it closed)."""
   try:

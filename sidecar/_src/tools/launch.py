@@ -2,7 +2,7 @@
 
 The local multi-process mode, in the spirit of ``torchrun``: a LocalCluster of sidecars, then
 one copy of the user's command per host, each in its own process group with the environment
-that ``sidecar.distributed.initialize()``, ``Worker`` and ``Controller.from_env()`` read
+that ``sidecar.jax.initialize()``, ``Worker`` and ``Controller.from_env()`` read
 (``env.py`` lists it). Each trainer's output comes back line by line, prefixed ``[host i] ``.
 The first failure (a trainer exiting non-zero, a sidecar dying, SIGINT or SIGTERM to the
 launcher) stops everything else, and decides the exit code. With ``elastic``, a lost host

@@ -128,7 +128,7 @@ class LocalCluster:
     self._operator_token_file = None if pool is None else pool_file.operator_token_file(pool)
     self.token = token
     # The sidecars' own secret: only sessions that present it may send replicas.
-    self._peer_token = secrets.token_hex(16)
+    self._replica_token = secrets.token_hex(16)
     self.start_timeout = start_timeout
     self._configure_jax = configure_jax
     self._extra_args = tuple(extra_args)
@@ -210,7 +210,7 @@ class LocalCluster:
     env.pop(env_lib.TOKEN_FILE, None)
     if self.pool:
       env.pop(env_lib.CLIENT_TOKENS_FILE, None)
-    env[env_lib.PEER_TOKEN] = self._peer_token
+    env[env_lib.PEER_TOKEN] = self._replica_token
     env.pop(env_lib.PEER_TOKEN_FILE, None)
     env.pop(env_lib.REPLICA_HOSTS, None)  # the file above names them
     env.pop(env_lib.REPLICA_HOSTS_FILE, None)

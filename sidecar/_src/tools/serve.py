@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
       m for m in (env_lib.get(env_lib.IMPORTS) or "").split(",") if m.strip()]
   try:  # --token-file, else $SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE; an empty file is an error
     token = env_lib.token(args.token_file)
-    peer_token = env_lib.peer_token(args.peer_token_file)
+    replica_token = env_lib.replica_token(args.peer_token_file)
     client_tokens = env_lib.client_tokens(args.client_tokens)
     hosts = replica_hosts(args)
   except (OSError, errors.InvalidArgumentError) as e:
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         host_id=args.host_id, slice_id=args.slice_id, device_ids=args.device_ids,
         listen=listen, port=args.port, health_port=args.health_port,
         socket_path=args.socket, shm_size=args.shm_size, token=token,
-        peer_token=peer_token, client_tokens=client_tokens, pool=pool,
+        replica_token=replica_token, client_tokens=client_tokens, pool=pool,
         operator_token_file=args.operator_token_file,
         replica_hosts=hosts, replica_hosts_file=args.replica_hosts_file,
         insecure=args.insecure, imports=tuple(imports),

@@ -48,7 +48,7 @@ def connect(*, timeout: float = 300.0, **kwargs: Any) -> Controller:
   With several ranks and no process group yet, starts the default one
   (``torch.distributed.init_process_group()``).
   Later calls return the same controller until it is closed; ``kwargs`` (those of
-  ``sidecar.Controller``) apply to the first.
+  ``sidecar.jax.Controller``) apply to the first.
 
   Example::
 

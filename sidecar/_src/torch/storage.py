@@ -7,7 +7,7 @@ between the ranks, a restore the core's tier fallback (``restore.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
 (``write_data``, or ``stage`` under ``dcp.async_save``), by the core's one stager
-(``staging.copy_in``) in the core's parts (``staging.Parts``); the sidecar then writes the
+(``staging.copy_in``) in the core's parts (``staging.Lots``); the sidecar then writes the
 rank's ``__{rank}_0.distcp`` in DCP's own layout from its arena, in its own process, and
 keeps the step in its RAM tier. Rank 0 (DCP's coordinator) begins the step (the tmp
 directory) in ``prepare_global_plan``, and in ``finish``, with ``replicas``, starts the
@@ -58,7 +58,7 @@ from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
-from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees
@@ -76,7 +76,7 @@ def _label(path: str) -> int:
   return int(name) if name.isdigit() else time.time_ns() // 1000
 
 
-def _rank_hosts(ctl: core.Controller, site: Sidecars) -> dict[int, int]:
+def _rank_hosts(ctl: core.Controller, site: SidecarsSnapshot) -> dict[int, int]:
   """``{rank: host}``: a rank's one device id is its rank."""
   if ctl.peers.count == 1:
     return {0: site.local[0]}

@@ -10,7 +10,7 @@ checks what the message cannot say itself (an interval's order, a dtype on the
 allow-list) and raises InvalidArgumentError naming the field.
 
 A format's typed parts travel in the ``format_part`` oneofs of the Stage and Commit
-requests; :data:`STAGE_PARTS` and :data:`COMMIT_PARTS` convert them, one entry per
+requests; :data:`STAGE_EXTRAS` and :data:`COMMIT_EXTRAS` convert them, one entry per
 member (a new format adds its entries).
 """
 
@@ -30,7 +30,7 @@ from sidecar._src.ckptfmt.records import (
   Manifest,
   ReplicaBlock,
   ReplicaHeader,
-  ReplicaPart,
+  ReplicaPiece,
   Replicated,
   SavedLeaf,
   ShardChecksum,
@@ -225,13 +225,13 @@ def dcp_commit_from_pb(part: ckpt_pb.DcpCommit, where: str) -> DcpCommit:
 
 # A format's typed parts, by their member of the requests' ``format_part`` oneof:
 # (its type, to message, from message). One entry per format that has parts.
-STAGE_PARTS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+STAGE_EXTRAS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], Any]]] = {
     "dcp": (DcpPart, dcp_part_to_pb, dcp_part_from_pb)}
-COMMIT_PARTS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+COMMIT_EXTRAS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], Any]]] = {
     "dcp": (DcpCommit, dcp_commit_to_pb, dcp_commit_from_pb)}
 
 
-def format_part_to_pb(request: Any, part: Any, table: Mapping[str, tuple]) -> None:
+def format_extra_to_pb(request: Any, part: Any, table: Mapping[str, tuple]) -> None:
   """Sets ``request``'s ``format_part`` to ``part`` (None: leaves it unset)."""
   if part is None:
     return
@@ -242,7 +242,7 @@ def format_part_to_pb(request: Any, part: Any, table: Mapping[str, tuple]) -> No
   raise errors.InvalidArgumentError(f"no format part is a {type(part).__name__}")
 
 
-def format_part_from_pb(request: Any, table: Mapping[str, tuple]) -> Any:
+def format_extra_from_pb(request: Any, table: Mapping[str, tuple]) -> Any:
   """``request``'s ``format_part`` as its typed value; None where it has none."""
   member = request.WhichOneof("format_part")
   return None if member is None else table[member][2](getattr(request, member), member)
@@ -287,11 +287,11 @@ def replica_blocks_from_pb(blocks: Sequence[ckpt_pb.ReplicaBlock],
           for i, b in enumerate(blocks)]
 
 
-def replica_part_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPart:
+def replica_part_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPiece:
   """A part's description (its bytes travel beside: ``service.parse_receive``)."""
   if any(d < 0 for d in p.shape) or len(p.shape) > MAX_DIMS:
     raise errors.InvalidArgumentError(f"{where}: bad shape {list(p.shape)[:8]}")
-  return ReplicaPart(shard_from_pb(p.shard, f"{where}.shard"), p.dtype, tuple(p.shape),
+  return ReplicaPiece(shard_from_pb(p.shard, f"{where}.shard"), p.dtype, tuple(p.shape),
                      p.offset, p.crc32c)
 
 

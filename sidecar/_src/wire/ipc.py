@@ -7,7 +7,7 @@ died, the sidecar frees every block the worker held.
 
 Every client that dials a sidecar's Unix socket (the worker socket, a ``unix:`` gRPC
 address) first asks the kernel who serves it (``SO_PEERCRED``) and sends nothing, no
-token, no session, to a process of a user it does not trust: :func:`check_peer`.
+token, no session, to a process of a user it does not trust: :func:`check_server`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def check_socket_path(path: str, *, fix: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Peer:
+class Ucred:
   """The process at the other end of a Unix socket connection, as the kernel says
   (``SO_PEERCRED``: the one that listens, seen from a client)."""
   pid: int
@@ -68,7 +68,7 @@ class Peer:
     return f"uid {self.uid}{name}, pid {self.pid}"
 
 
-def peer_of(sock: socket.socket) -> Peer:
+def ucred_of(sock: socket.socket) -> Ucred:
   """Who is at the other end of the connected Unix socket ``sock``: the one place the
   kernel is asked (``SO_PEERCRED``).
 
@@ -77,13 +77,13 @@ def peer_of(sock: socket.socket) -> Peer:
   """
   pid, uid, gid = struct.unpack(
       "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-  return Peer(pid, uid, gid)
+  return Ucred(pid, uid, gid)
 
 
-def peer_or_none(sock: socket.socket) -> Peer | None:
-  """:func:`peer_of`, or None where the kernel does not say (the socket is gone)."""
+def peer_or_none(sock: socket.socket) -> Ucred | None:
+  """:func:`ucred_of`, or None where the kernel does not say (the socket is gone)."""
   try:
-    return peer_of(sock)
+    return ucred_of(sock)
   except OSError:
     return None
 
@@ -94,7 +94,7 @@ def trusted_uids() -> frozenset[int]:
   return frozenset({os.getuid(), 0}) | env_lib.socket_uids()
 
 
-def check_peer(sock: socket.socket, path: str) -> Peer:
+def check_server(sock: socket.socket, path: str) -> Ucred:
   """Returns who serves the Unix socket ``path`` that ``sock`` is connected to, if this
   process may trust it: the same user, root, or one ``$SIDECAR_SOCKET_UID`` names.
 
@@ -104,13 +104,13 @@ def check_peer(sock: socket.socket, path: str) -> Peer:
   Raises:
     PermissionDeniedError: naming the path, the serving uid, user name and pid, and the fix.
   """
-  peer = peer_of(sock)
+  peer = ucred_of(sock)
   check_trusted(peer, path)
   return peer
 
 
-def check_trusted(peer: Peer, path: str) -> None:
-  """:func:`check_peer`'s decision: PermissionDeniedError unless ``peer``, serving the
+def check_trusted(peer: Ucred, path: str) -> None:
+  """:func:`check_server`'s decision: PermissionDeniedError unless ``peer``, serving the
   Unix socket ``path``, runs as a user in :func:`trusted_uids`."""
   if peer.uid in trusted_uids():
     return
@@ -124,7 +124,7 @@ def check_trusted(peer: Peer, path: str) -> None:
 
 
 def connect(path: str, *, timeout: float | None) -> socket.socket:
-  """A stream connection to the Unix socket ``path``, checked with :func:`check_peer`
+  """A stream connection to the Unix socket ``path``, checked with :func:`check_server`
   before anything is sent on it (the worker socket's attach, calls and streams).
 
   Raises:
@@ -133,7 +133,7 @@ def connect(path: str, *, timeout: float | None) -> socket.socket:
   """
   sock = _dial(path, timeout)
   try:
-    check_peer(sock, path)
+    check_server(sock, path)
   except BaseException:
     sock.close()
     raise
@@ -156,7 +156,7 @@ class Pinned:
 
   The socket file is held open (``O_PATH``) and gRPC dials :attr:`target`,
   ``unix:/proc/self/fd/N``, which reaches that socket however its name is renamed or
-  taken later: every reconnect of the channel goes to the process :func:`check_peer`
+  taken later: every reconnect of the channel goes to the process :func:`check_server`
   trusted, or fails (that process is gone), never to whoever listens at the path now.
   Close it (or use it as a context manager) when its channel is closed.
 
@@ -176,7 +176,7 @@ class Pinned:
       if self._fd < 0 or not os.path.exists(pinned):  # no /proc: the path, checked once
         pinned = path
       with _dial(pinned, timeout) as probe:
-        self.peer = check_peer(probe, path)
+        self.peer = check_server(probe, path)
     except BaseException:
       self.close()
       raise
@@ -225,7 +225,7 @@ def fetch_ticket(pin: Pinned, *, timeout: float) -> str | None:
   sock.settimeout(min(timeout, 5.0))
   try:
     sock.connect(name)
-    if peer_of(sock).pid != pin.peer.pid:
+    if ucred_of(sock).pid != pin.peer.pid:
       return None  # not the sidecar pin checked: tell it nothing, take nothing
     data = b""
     while len(data) <= MAX_TICKET and (piece := sock.recv(MAX_TICKET + 1)):

@@ -47,7 +47,7 @@ MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the ar
 AUTH_KEY = "authorization"
 # A peer sidecar's handshake carries ``Bearer <peer token>`` here: its session may send
 # replicas (Checkpoint.Receive), which no controller's may.
-PEER_KEY = "sidecar-peer"
+REPLICA_KEY = "sidecar-peer"
 # A handshake over a ``unix:`` socket carries its process's ticket here (server/client_ids):
 # its sessions count against that process, as a TCP connection's against the connection.
 PID_TICKET_KEY = "sidecar-pid-ticket"

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.processes
 _PROBE = """
 import sys
 import sidecar
-ctl = sidecar.Controller  # the whole public API, controller and checkpointer included
+ctl = sidecar.jax.Controller  # the whole public API, controller and checkpointer included
 loaded = sorted({m.split(".")[0] for m in sys.modules} & {"orbax", "tensorstore"})
 print("loaded:", loaded)
 """

@@ -205,7 +205,7 @@ def test_a_host_that_comes_back_has_its_new_arena_mapped():
   # Host 1 was the only arena this controller mapped itself (host 0's Worker is the
   # caller's): once back, its new sidecar's arena is mapped as the first one was.
   with sidecar.testing.LocalCluster(2, 1, imports=["tests.support.feed_fns"]) as cluster:
-    with cluster.worker(0) as w0, sidecar.Controller(cluster.addresses,
+    with cluster.worker(0) as w0, sidecar.jax.Controller(cluster.addresses,
                                                       workers={0: w0}) as ctl:
       first = ctl.worker(1)
       assert first is not None

@@ -77,7 +77,7 @@ def sharding():
 
 @pytest.mark.parametrize("attach", [True, False], ids=["unix-socket", "grpc"])
 def test_a_stopped_sidecar_ends_a_feed_with_host_lost(cluster, attach):
-  with cluster.controller(attach=attach, peer_timeout=PEER_TIMEOUT) as ctl:
+  with cluster.controller(attach=attach, silence_timeout=PEER_TIMEOUT) as ctl:
     assert (ctl.worker(0) is not None) == attach
     with ctl.feed("ids", kwargs={"n": 4096}, global_batch_size=4, sharding=sharding()) as feed:
       next(feed)
@@ -96,7 +96,7 @@ def test_a_stopped_sidecar_ends_a_feed_with_host_lost(cluster, attach):
 
 def test_a_stopped_sidecar_ends_a_call_over_its_socket_with_host_lost(cluster):
   # The call's own timeout is far longer: the sidecar is found silent, not waited out.
-  with cluster.controller(peer_timeout=PEER_TIMEOUT, timeout=WATCHDOG_S) as ctl:
+  with cluster.controller(silence_timeout=PEER_TIMEOUT, timeout=WATCHDOG_S) as ctl:
     assert ctl.worker(0) is not None and ctl.call("sidecar_pid") == [cluster.pid(0)]
     with stopped(cluster), pytest.raises(sidecar.HostLostError) as info:
       ctl.call("sidecar_pid")
@@ -107,7 +107,7 @@ def test_a_stopped_sidecar_ends_a_call_over_its_socket_with_host_lost(cluster):
 
 def test_a_call_longer_than_the_peer_timeout_is_waited_for(cluster):
   # A busy sidecar answers the ping while the call runs: slow is not lost.
-  with cluster.controller(peer_timeout=PEER_TIMEOUT, timeout=WATCHDOG_S) as ctl:
+  with cluster.controller(silence_timeout=PEER_TIMEOUT, timeout=WATCHDOG_S) as ctl:
     assert ctl.worker(0) is not None
     assert ctl.call("sleep", args=(2.5 * PEER_TIMEOUT,)) == [2.5 * PEER_TIMEOUT]
     [future] = ctl.call_async("sleep", args=(1.5 * PEER_TIMEOUT,))
@@ -115,7 +115,7 @@ def test_a_call_longer_than_the_peer_timeout_is_waited_for(cluster):
 
 
 def test_a_stopped_sidecar_fails_an_arena_request_and_every_later_one(cluster):
-  w = sidecar.Worker(cluster.socket(0))  # attached with the default timeout, then
+  w = sidecar.jax.Worker(cluster.socket(0))  # attached with the default timeout, then
   w.timeout = PEER_TIMEOUT                # the short one for the request that hangs
   try:
     with stopped(cluster):

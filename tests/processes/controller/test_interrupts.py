@@ -180,8 +180,8 @@ def test_controller_on_two_jobs_sidecars_names_both():
        sidecar.testing.LocalCluster(num_hosts=2, token="job-b", **small) as b, \
        sidecar.testing.LocalCluster(num_hosts=2, token="job-a", imports=FNS, **small) as c:
     with pytest.raises(sidecar.AuthenticationError, match="not of one job") as info:
-      sidecar.Controller([a.addresses[0], b.addresses[1]], token="job-a", connect_timeout=10)
+      sidecar.jax.Controller([a.addresses[0], b.addresses[1]], token="job-a", connect_timeout=10)
     assert a.addresses[0] in str(info.value) and b.addresses[1] in str(info.value)
     with pytest.raises(sidecar.VersionMismatchError, match="different code") as info:
-      sidecar.Controller([a.addresses[0], c.addresses[1]], token="job-a", connect_timeout=10)
+      sidecar.jax.Controller([a.addresses[0], c.addresses[1]], token="job-a", connect_timeout=10)
     assert a.addresses[0] in str(info.value) and c.addresses[1] in str(info.value)

@@ -23,7 +23,7 @@ _TRAINER = textwrap.dedent("""
     import sidecar
     rows = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
     state = {"w": jax.device_put(jnp.arange(4096, dtype=jnp.float32), rows)}
-    with sidecar.Worker() as w, sidecar.Controller([sys.argv[1]], workers={0: w}) as ctl:
+    with sidecar.jax.Worker() as w, sidecar.jax.Controller([sys.argv[1]], workers={0: w}) as ctl:
       with ctl.checkpointer(sys.argv[2]) as ckpt:
         ckpt.save(1, state).durable.result(60)
         back = ckpt.restore(1, target=state)

@@ -49,12 +49,12 @@ def test_the_worker_socket_survives_running_out_of_descriptors():
           "the connections did not use up the descriptors")
       # A worker attaching now: its connection waits in the backlog, accept() fails EMFILE.
       with pytest.raises(sidecar.SidecarError):
-        sidecar.Worker(cluster.socket(0), timeout=2).close()
+        sidecar.jax.Worker(cluster.socket(0), timeout=2).close()
     finally:
       for c in conns:
         c.close()
     assert eventually(lambda: open_fds(pid) < limit - 8, timeout=20)
-    with sidecar.Worker(cluster.socket(0), timeout=10) as w:  # before: timed out, for good
+    with sidecar.jax.Worker(cluster.socket(0), timeout=10) as w:  # before: timed out, for good
       assert w.session
     assert health(cluster.health_addresses[0]) == health_pb2.HealthCheckResponse.SERVING
     with cluster.controller(connect_timeout=10) as ctl:

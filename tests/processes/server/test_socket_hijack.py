@@ -124,7 +124,7 @@ def test_the_sidecar_refuses_the_directory_and_a_client_tells_the_impostor_nothi
   who = rf"served by uid {NOBODY}( \(\w+\))?, pid {p.pid}, not by this process's user"
   with pytest.raises(errors.PermissionDeniedError, match=rf"refusing to talk to the Unix "
                      rf"socket {directory}/g.sock: it is {who}.*SIDECAR_SOCKET_UID={NOBODY}"):
-    sidecar.Controller([address], token=TOKEN, connect_timeout=5)
+    sidecar.jax.Controller([address], token=TOKEN, connect_timeout=5)
   with pytest.raises(errors.PermissionDeniedError, match=who):
     status_lib.fetch(address, timeout=5, token=TOKEN)
   with pytest.raises(errors.PermissionDeniedError, match=who):  # a worker socket's calls, streams

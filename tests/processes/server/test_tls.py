@@ -28,7 +28,7 @@ def test_replicas_go_to_peers_over_mtls(tmp_path):
       assert handle.durable.result(60) == 1 and handle.replicated.result(60) == 1
     assert "over gRPC" in cluster.log(0) and "over gRPC" in cluster.log(1)
     cluster.kill(1)
-    with sidecar.Controller(cluster.addresses[:1], **mtls) as ctl:
+    with sidecar.jax.Controller(cluster.addresses[:1], **mtls) as ctl:
       with ctl.checkpointer(tmp_path / "ck") as ckpt:
         assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
         assert "replica:host0" in ckpt.last_restore_stats().shards

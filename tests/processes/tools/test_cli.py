@@ -274,7 +274,7 @@ def test_local_prints_the_sidecar_hosts_line_that_from_env_reads():
     env["SIDECAR_HOSTS"] = hosts.split("=", 1)[1]  # pasted into another shell as printed
     t0 = time.monotonic()
     found = subprocess.run(
-        [sys.executable, "-c", "import sidecar\nwith sidecar.Controller.from_env(timeout=60)"
+        [sys.executable, "-c", "import sidecar\nwith sidecar.jax.Controller.from_env(timeout=60)"
          " as ctl:\n  print(*[h.address for h in ctl.hosts])"],
         env=env, capture_output=True, text=True, timeout=120)
     assert found.stdout.split() == addresses, found.stderr

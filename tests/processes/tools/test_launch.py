@@ -72,7 +72,7 @@ ENV_SCRIPT = """
             % (entry, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)))
     if e["SIDECAR_PROCESS_ID"] == "0":
       import sidecar
-      with sidecar.Controller.from_env(timeout=10, attach=False) as ctl:
+      with sidecar.jax.Controller.from_env(timeout=10, attach=False) as ctl:
         for h in ctl.hosts:
           print("handshake host=%d devices=%s sidecar_pid=%d"
                 % (h.host_id, list(h.device_ids), h.pid))
@@ -85,7 +85,7 @@ def test_one_host_gets_no_coordinator_and_runs_without_jax_distributed():
   p = _start("""
       import os, sidecar
       print("coordinator=%s" % os.environ.get("SIDECAR_COORDINATOR_ADDRESS"))
-      print("distributed=%s" % sidecar.distributed.initialize())
+      print("distributed=%s" % sidecar.jax.initialize())
       """, "--hosts", "1")
   out, err = p.communicate(timeout=60)
   assert p.returncode == 0, out + err
@@ -193,7 +193,7 @@ def test_a_signal_to_the_launcher_stops_everything(signum, code):
 DISTRIBUTED_SLEEP_SCRIPT = """
     import os, time
     import sidecar
-    sidecar.distributed.initialize()  # jax.distributed: its preemption notifier wants SIGTERM
+    sidecar.jax.initialize()  # jax.distributed: its preemption notifier wants SIGTERM
     print("pid=%d" % os.getpid(), flush=True)
     time.sleep(60)
 """

@@ -218,9 +218,9 @@ def test_controller_from_env_discovers_every_sidecar(cluster, monkeypatch):
   hosts = ",".join(cluster.host_entry(h) for h in range(cluster.num_hosts))
   assert all(a.startswith("unix:/") for a in cluster.addresses)
   monkeypatch.setenv("SIDECAR_HOSTS", hosts)
-  with sidecar.Controller.from_env(timeout=10) as ctl:
+  with sidecar.jax.Controller.from_env(timeout=10) as ctl:
     assert [h.address for h in ctl.hosts] == cluster.addresses
   monkeypatch.setenv("SIDECAR_HOSTS", hosts + ",127.0.0.1:1:2")
   with pytest.raises(sidecar.DiscoveryError,
                      match=r"(?s)1 of 5 sidecars did not answer.*host 4 \(127\.0\.0\.1:2\)"):
-    sidecar.Controller.from_env(timeout=1)
+    sidecar.jax.Controller.from_env(timeout=1)

@@ -83,7 +83,7 @@ def test_quickstart_notebook_runs(tmp_path):
                    for c in nb.cells for o in c.get("outputs", []))
   assert "restores as saved: True" in text
   assert "from ram:host0" in text and "storage" not in text.split("restored step")[1][:200]
-  assert "sidecar.Controller" in text and "<table>" in text  # the rich display rendered
+  assert "sidecar.jax.Controller" in text and "<table>" in text  # the rich display rendered
   assert not list(tmp_path.glob("quickstart-*"))  # before: each run left its checkpoints
 
 
@@ -102,7 +102,7 @@ SETUP = """
 import json
 import jax, numpy as np, sidecar
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-ctl = sidecar.Controller({addresses!r})
+ctl = sidecar.jax.Controller({addresses!r})
 sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("d",)), P("d"))
 ckpt = ctl.checkpointer({directory!r})
 kwargs = dict(global_batch_size=8, sharding=sh)
@@ -166,7 +166,7 @@ def test_kernel_interrupt_restart_and_restore_from_ram(sidecars, tmp_path):
           ".reshape(2048, 256)).all()),\n"
           "  'sum_b': float(np.asarray(got['b']).sum()), "
           "'after': float(np.asarray(next(feed)['x']).sum())}))\n"
-          "from sidecar._src.controller import progress\n"
+          "from sidecar._src.core import progress\n"
           "print(json.dumps({'in_notebook': progress.in_notebook()}))\n"
           "feed.close(); ctl.close()")
     *_, result, notebook = out.strip().splitlines()

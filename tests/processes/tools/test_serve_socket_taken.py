@@ -49,9 +49,9 @@ def test_a_second_serve_given_a_live_sidecars_socket_exits_naming_its_pid(tmp_pa
     assert f"give {taken}" in second.stderr
     # The first serves on, both sockets its own: a Worker attaches, a call goes through it.
     assert os.path.exists(grpc_path) and os.path.exists(worker_path)
-    with sidecar.Worker(worker_path) as w:
+    with sidecar.jax.Worker(worker_path) as w:
       assert w.session
-    with sidecar.Controller([f"unix:{grpc_path}"]) as ctl:
+    with sidecar.jax.Controller([f"unix:{grpc_path}"]) as ctl:
       assert ctl.call("add", args=(1,), kwargs={"b": 2}) == [3]
       assert ctl.worker(0) is not None  # over the worker socket, not gRPC's fallback
   finally:

@@ -89,7 +89,7 @@ def test_a_client_without_permission_on_the_socket_is_told_the_path_and_mode(tmp
         [*_without_root_powers(), sys.executable, "-c", textwrap.dedent(f"""
             import sidecar
             try:
-              sidecar.Controller([{address!r}], connect_timeout=60)
+              sidecar.jax.Controller([{address!r}], connect_timeout=60)
             except PermissionError as e:  # errors.PermissionDeniedError
               print(type(e).__name__ + ":", e)
             """)], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -139,7 +139,7 @@ def main() -> None:
     ckpt.close()
     # The options of ctl.checkpointer; `replicated` resolves apart from `durable`, on
     # every rank, once rank 0 has replicated every host's part.
-    options = sidecar.torch.CheckpointOptions(replicas=1, ram_steps=2)
+    options = sidecar.CheckpointOptions(replicas=1, ram_steps=2)
     try:
       sidecar.torch.StorageWriter(f"{directory}/r/9", replicas=1, options=options,
                                   controller=ctl)

@@ -32,7 +32,7 @@ SCRIPT = """
     x = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(x)
     print(f"sum={x.item():g}")
-    with sidecar.Worker() as w:  # this rank's own session on its host's sidecar
+    with sidecar.jax.Worker() as w:  # this rank's own session on its host's sidecar
       print(f"session={w.session} host={w.host_id}")
       dist.barrier()  # every session is open at once
     dist.destroy_process_group()

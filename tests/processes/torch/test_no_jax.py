@@ -69,7 +69,7 @@ with LocalCluster(1, 1, imports=imports, shm_size="16MiB", configure_jax=False) 
 for name in ("Controller", "Worker"):
   try:
     getattr(sidecar, name)
-  except ImportError as e:
+  except AttributeError as e:
     out[name] = str(e)
 try:
   import sidecar.jax
@@ -93,8 +93,9 @@ def test_a_torch_feed_and_checkpoint_run_with_no_jax_grain_orbax_or_tensorstore(
       "z": [4.0, 5.0, 6.0, 7.0], "pair": [[4, 5, 6, 7], None, [-4, -5, -6, -7]],
       "a": [2.0, 2.5, 3.0, 3.5], "is_pair": True, "durable": 1, "restored": True,
       "sidecar_loaded": [[]], "trainer_loaded": [],
-      "Controller": f"sidecar.Controller needs jax, which is not installed: {hint}",
-      "Worker": f"sidecar.Worker needs jax, which is not installed: {hint}",
+      "Controller": "sidecar.Controller is sidecar.jax.Controller (PyTorch: "
+                    "sidecar.torch.Controller): import sidecar.jax",
+      "Worker": "sidecar.Worker is sidecar.jax.Worker: import sidecar.jax",
       "sidecar.jax": f"sidecar.jax needs jax, which is not installed: {hint}"}
 
 

@@ -29,13 +29,13 @@ def test_socket_path_errors(monkeypatch):
 def test_no_sidecar_at_the_path(tmp_path):
   with pytest.raises(sidecar.HostLostError,
                      match="cannot attach to the sidecar at .*sidecar serve"):
-    sidecar.Worker(str(tmp_path / "none.sock"), timeout=1)
+    sidecar.jax.Worker(str(tmp_path / "none.sock"), timeout=1)
 
 
 def test_worker_from_env_allocates_and_frees(make_server, monkeypatch):
   server = make_server(host_id=4)
   monkeypatch.setenv("SIDECAR_ADDRESS", f"unix://{server.options.socket_path}")
-  with sidecar.Worker() as w:
+  with sidecar.jax.Worker() as w:
     assert w.host_id == 4 and w.identity["device_ids"] == []
     a, ref = w.put(np.arange(1000, dtype=np.int64))
     assert np.shares_memory(a, w.arena.buffer) and ref.offset % 4096 == 0
@@ -52,7 +52,7 @@ def test_worker_from_env_allocates_and_frees(make_server, monkeypatch):
 
 def test_a_saves_blocks_come_in_one_request_all_or_none(make_server, monkeypatch):
   server = make_server()
-  with sidecar.Worker(server.options.socket_path) as w:
+  with sidecar.jax.Worker(server.options.socket_path) as w:
     requests = []
     send = w._request
     monkeypatch.setattr(w, "_request", lambda m, **kw: requests.append(m["op"]) or send(m, **kw))
@@ -76,7 +76,7 @@ def test_a_saves_blocks_come_in_one_request_all_or_none(make_server, monkeypatch
 
 def test_close_waits_for_live_views(make_server):
   server = make_server()
-  w = sidecar.Worker(server.options.socket_path)
+  w = sidecar.jax.Worker(server.options.socket_path)
   a, _ = w.put(np.full(10_000, 3, np.uint8))
   w.close()
   assert w.state is worker_lib.State.CLOSING and server.leases.allocator.used_bytes > 0
@@ -101,7 +101,7 @@ def test_a_slow_stream_is_waited_on_past_the_peer_timeout(make_server):
   """Items slower than the peer timeout still arrive: the sidecar answers the pings."""
   server = make_server()
   # Pings every 0.5 s, each answered within 0.5 s: a margin at a load of 4 on 2 cores.
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], peer_timeout=1.0) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], silence_timeout=1.0) as ctl:
     with ctl.stream("slow_count", args=(2, 1.5)) as s:
       assert list(s) == [0, 1]
 
@@ -110,4 +110,4 @@ def test_a_slow_stream_is_waited_on_past_the_peer_timeout(make_server):
 def test_a_bad_peer_timeout_is_refused_naming_the_variable(make_server, monkeypatch, value):
   monkeypatch.setenv("SIDECAR_PEER_TIMEOUT", value)
   with pytest.raises(sidecar.InvalidArgumentError, match="SIDECAR_PEER_TIMEOUT must be a number"):
-    sidecar.Worker(make_server().options.socket_path)
+    sidecar.jax.Worker(make_server().options.socket_path)

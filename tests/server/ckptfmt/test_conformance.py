@@ -93,7 +93,7 @@ DRIVERS: dict[str, Callable[[str, int], Save]] = {"orbax": orbax_save, "dcp": dc
 
 @pytest.fixture
 def client(make_server):
-  with sidecar.Controller([f"127.0.0.1:{make_server().port}"], timeout=30) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{make_server().port}"], timeout=30) as ctl:
     yield ctl.checkpoint_client()
 
 

@@ -41,7 +41,7 @@ def ctl(make_server):
   reg.add("pipeline", "seeded", seeded)
   reg.add("function", "count", count)
   server = make_server(registry=reg, device_ids=(0,))
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as c:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as c:
     yield c
 
 

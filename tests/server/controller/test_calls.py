@@ -17,7 +17,7 @@ def test_call_async_results_give_their_blocks_back_at_their_last_reference(make_
   server = make_server(shm_size=4 << 20)
   gc.disable()
   try:
-    with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
       for value in range(12):
         (f,) = ctl.call_async("full", args=(1 << 20, value), timeout=20)
         a = f.result()

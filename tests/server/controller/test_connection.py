@@ -33,20 +33,20 @@ def test_a_refused_connection_fails_with_the_resolved_address_and_grpcs_reason()
     with pytest.raises(sidecar.HostLostError,
                        match=rf"cannot reach sidecar localhost:{port}: .*ipv[46]:.*{port}.*"
                              "Connection refused.*is `sidecar serve` running there"):
-      sidecar.Controller([f"localhost:{port}"], connect_timeout=300)
+      sidecar.jax.Controller([f"localhost:{port}"], connect_timeout=300)
 
 
 def test_a_host_that_accepts_and_never_answers_waits_out_the_connect_timeout():
   with _port(listening=True) as port:
     with pytest.raises(sidecar.HostLostError,
                        match=rf"sidecar 127.0.0.1:{port} did not answer within 1 s"):
-      sidecar.Controller([f"127.0.0.1:{port}"], connect_timeout=1)
+      sidecar.jax.Controller([f"127.0.0.1:{port}"], connect_timeout=1)
 
 
 def test_one_refused_address_among_several_is_named():
   with _port(listening=False) as a, _port(listening=False) as b:
     with pytest.raises(sidecar.HostLostError) as info:
-      sidecar.Controller([f"127.0.0.1:{a}", f"127.0.0.1:{b}"], connect_timeout=300)
+      sidecar.jax.Controller([f"127.0.0.1:{a}", f"127.0.0.1:{b}"], connect_timeout=300)
   assert f"127.0.0.1:{a}" in str(info.value) and f"127.0.0.1:{b}" in str(info.value)
 
 
@@ -57,13 +57,13 @@ def test_the_health_port_given_as_the_control_address_is_named_as_such(make_serv
                      match=rf"127.0.0.1:{server.health_port} answers gRPC but serves no sidecar "
                            r"control service .*looks like a sidecar's health port; give its "
                            r"control port instead \(sidecar serve --port"):
-    sidecar.Controller([f"127.0.0.1:{server.health_port}"], connect_timeout=30)
+    sidecar.jax.Controller([f"127.0.0.1:{server.health_port}"], connect_timeout=30)
 
 
 def test_a_wrong_token_is_named_once_with_its_type(make_server):
   server = make_server(token="s3cret")
   with pytest.raises(sidecar.AuthenticationError) as info:
-    sidecar.Controller([f"127.0.0.1:{server.port}"], token="wrong", connect_timeout=30)
+    sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token="wrong", connect_timeout=30)
   # Before: "AuthenticationError: AuthenticationError: missing or wrong token ... host None)".
   assert str(info.value).startswith("missing or wrong token; pass token=")
   assert str(info.value).endswith(f"(sidecar 127.0.0.1:{server.port})")
@@ -78,4 +78,4 @@ def test_a_socket_path_without_unix_is_hinted(make_server, tmp_path, monkeypatch
   # Before: a DNS error ("Domain name not found") and "is `sidecar serve` running there".
   with pytest.raises(sidecar.HostLostError,
                      match=rf"it looks like a path: a sidecar on a Unix socket is unix:{path}"):
-    sidecar.Controller([path], connect_timeout=30)
+    sidecar.jax.Controller([path], connect_timeout=30)

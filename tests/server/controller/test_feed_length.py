@@ -31,7 +31,7 @@ def ctl(make_server, request):
   reg.add("pipeline", "rows", rows)
   reg.add("pipeline", "endless", endless)
   server = make_server(registry=reg, device_ids=(0,))
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], attach=request.param) as c:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=request.param) as c:
     assert (c.worker(0) is not None) is request.param
     yield c
 

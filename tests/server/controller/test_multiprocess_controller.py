@@ -24,14 +24,14 @@ def test_a_process_whose_own_sidecar_is_unreachable_gets_a_discovery_error(
   monkeypatch.setenv("SIDECAR_ADDRESS", f"unix://{gone}")
   with pytest.raises(sidecar.DiscoveryError,
                      match=f"process 0: its own sidecar at unix://{gone} is unreachable"):
-    sidecar.Controller([f"127.0.0.1:{server.port}"], peers=peers())
+    sidecar.jax.Controller([f"127.0.0.1:{server.port}"], peers=peers())
 
 
 def test_a_process_must_know_its_own_sidecar(make_server, monkeypatch):
   server = make_server()
   monkeypatch.delenv("SIDECAR_ADDRESS", raising=False)
   with pytest.raises(sidecar.InvalidArgumentError, match="set SIDECAR_ADDRESS=unix://"):
-    sidecar.Controller([f"127.0.0.1:{server.port}"], peers=peers())
+    sidecar.jax.Controller([f"127.0.0.1:{server.port}"], peers=peers())
 
 
 def test_calls_run_on_the_own_host_by_default(make_server, monkeypatch):
@@ -40,7 +40,7 @@ def test_calls_run_on_the_own_host_by_default(make_server, monkeypatch):
   client = FakeCoordinationClient()
   # The other process has published its host already: host 0, with other devices.
   client.key_value_set("sidecar/controller/hosts/0", '{"host_id": 0, "device_ids": [2048]}')
-  with sidecar.Controller([f"127.0.0.1:{s.port}" for s in servers],
+  with sidecar.jax.Controller([f"127.0.0.1:{s.port}" for s in servers],
                           peers=distributed.JaxPeers(client, index=1, count=2)) as ctl:
     assert ctl.multiprocess and ctl.process_index == 1
     assert ctl.local_hosts == [1]

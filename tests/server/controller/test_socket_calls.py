@@ -33,8 +33,8 @@ class NoGrpcCalls:
 
 def test_a_call_to_an_attached_host_goes_over_its_socket_on_one_connection(make_server):
   server = make_server(shm_size=8 << 20)
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
-    ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    ctl._sidecars.conns[0].call_rpc = NoGrpcCalls()
     assert [ctl.call("add", args=(i,), kwargs={"b": 1}) for i in range(5)] == [[1], [2], [3],
                                                                                [4], [5]]
     (a,) = ctl.call("full", args=(1 << 20, 7))  # a view of the arena, leased to the worker
@@ -48,7 +48,7 @@ def test_a_call_to_an_attached_host_goes_over_its_socket_on_one_connection(make_
 
 def test_errors_over_the_socket_keep_their_kind_and_the_remote_traceback(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.RemoteError, match="boom") as caught:
       ctl.call("fail", args=("boom",))
     assert "sidecar_fns.py" in caught.value.remote_traceback
@@ -62,7 +62,7 @@ def test_errors_over_the_socket_keep_their_kind_and_the_remote_traceback(make_se
 def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_works(
     make_server):
   server = make_server(shm_size=8 << 20)
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     baseline = used(server)
     t0 = time.monotonic()
     with pytest.raises(errors.DeadlineExceededError, match="within its timeout of 0.2 s"):
@@ -71,8 +71,8 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
     assert ctl.call("add", args=(1,)) == [1]  # on another lane, meanwhile
     # The late result came to the reader the call left behind, which let it go.
     assert eventually(lambda: used(server) == baseline)
-    assert eventually(lambda: ctl._hosts.conns[0].calls.enter(0.0))
-    ctl._hosts.conns[0].calls.exit()
+    assert eventually(lambda: ctl._sidecars.conns[0].calls.enter(0.0))
+    ctl._sidecars.conns[0].calls.exit()
     # A timeout that passes before the wait begins is a timeout too, not a lost host.
     with pytest.raises(errors.DeadlineExceededError):
       ctl.call("sleep", args=(0.3,), timeout=1e-5)
@@ -81,14 +81,14 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
       f.result(5)
     del f
     assert eventually(lambda: used(server) == baseline)
-    assert eventually(lambda: ctl._hosts.conns[0].calls.enter(0.0))
-    ctl._hosts.conns[0].calls.exit()
+    assert eventually(lambda: ctl._sidecars.conns[0].calls.enter(0.0))
+    ctl._sidecars.conns[0].calls.exit()
 
 
 def test_close_ends_the_wait_for_a_left_calls_result(make_server):
   server = make_server()
   try:
-    ctl = sidecar.Controller([f"127.0.0.1:{server.port}"])
+    ctl = sidecar.jax.Controller([f"127.0.0.1:{server.port}"])
     with pytest.raises(errors.DeadlineExceededError):
       ctl.call("wait_gate", args=("close-while-left",), timeout=0.2)
     t0 = time.monotonic()
@@ -118,7 +118,7 @@ def request(name: str, *args, session: str, timeout_s: float = 10.0) -> bytes:
 
 def test_a_calls_connection_is_its_sessions_alone(make_server):
   server = make_server()
-  with sidecar.Worker(server.workers.path) as w:
+  with sidecar.jax.Worker(server.workers.path) as w:
     with lane(server, "w-nobody") as sock:  # no such session: answered, then closed
       reply = answer(sock)
       assert reply.error.type == "InvalidArgumentError"
@@ -140,7 +140,7 @@ def test_a_calls_connection_is_its_sessions_alone(make_server):
       sock.sendall((server.options.max_message_size + 1).to_bytes(4, "little"))
       assert "exceeds the limit" in answer(sock).error.message
       assert sock.recv(1) == b""
-    with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
       assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # the sidecar serves on
 
 
@@ -149,7 +149,7 @@ def test_a_result_the_caller_is_gone_for_goes_back_to_the_arena(make_server):
   # result's block, leased to a session that lives on, is given back when the answer
   # cannot be sent.
   server = make_server(shm_size=8 << 20)
-  with sidecar.Worker(server.workers.path) as w:
+  with sidecar.jax.Worker(server.workers.path) as w:
     baseline = used(server)
     sock = lane(server, w.session)
     ipc.send_bytes(sock, request("full", 1 << 20, 3, 0.5, session=w.session))
@@ -163,8 +163,8 @@ def test_a_result_the_caller_is_gone_for_goes_back_to_the_arena(make_server):
 
 def test_call_async_to_an_attached_host_goes_over_its_socket_too(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
-    ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    ctl._sidecars.conns[0].call_rpc = NoGrpcCalls()
     futures = [ctl.call_async("add", args=(i,), kwargs={"b": 10})[0] for i in range(20)]
     assert [f.result(10) for f in futures] == [i + 10 for i in range(20)]
     (f,) = ctl.call_async("fail", args=("async boom",))
@@ -174,8 +174,8 @@ def test_call_async_to_an_attached_host_goes_over_its_socket_too(make_server):
 
 def test_several_threads_call_at_once_each_on_a_lane_of_its_own(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
-    ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    ctl._sidecars.conns[0].call_rpc = NoGrpcCalls()
     results: list = []
     threads = [threading.Thread(target=lambda: results.append(
         ctl.call("rendezvous", args=(3,), timeout=10))) for _ in range(3)]
@@ -195,8 +195,8 @@ def test_calls_left_at_their_timeout_give_their_slot_back_at_once(make_server, h
   gate = f"left-at-timeout-{how}"
   server = make_server()
   try:
-    with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
-      ctl._hosts.conns[0].call_rpc = NoGrpcCalls()
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+      ctl._sidecars.conns[0].call_rpc = NoGrpcCalls()
       for _ in range(9):
         with pytest.raises(errors.DeadlineExceededError):
           if how == "call":

@@ -64,7 +64,7 @@ def ctl(make_server, request):
     reg.add(kind, fn.__name__, fn)
   reg.add("function", "echo", lambda x: x)
   server = make_server(registry=reg, device_ids=(0,))
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], attach=request.param) as c:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=request.param) as c:
     yield c
 
 

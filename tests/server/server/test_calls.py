@@ -139,8 +139,8 @@ def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
   small one as one Call."""
   server = make_server()
   big = np.arange(controller_calls.PARTS_FROM // 4 + 3, dtype=np.float32)
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
-    conn = ctl._hosts.conns[0]
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
+    conn = ctl._sidecars.conns[0]
     assert controller_calls.call_rpc(conn, pb.CallRequest(name="x")) is conn.call_rpc
     large = pb.CallRequest(name="echo", args=codec.encode((big,), inline_limit=1 << 40))
     assert controller_calls.call_rpc(conn, large) is not conn.call_rpc  # CallParts

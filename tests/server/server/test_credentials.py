@@ -20,7 +20,7 @@ def test_a_token_no_client_could_send_is_refused_at_start(make_server, token):
                      "visible ASCII"):
     make_server(token=token)
   with pytest.raises(sidecar.InvalidArgumentError, match="the token holds"):
-    sidecar.Controller(["127.0.0.1:1"], token=token, connect_timeout=1)
+    sidecar.jax.Controller(["127.0.0.1:1"], token=token, connect_timeout=1)
 
 
 def test_sidecar_serve_refuses_a_token_file_with_a_bad_character(tmp_path, capsys):
@@ -75,5 +75,5 @@ def test_an_expired_server_certificate_is_warned_of_at_start(make_server, caplog
 def test_a_client_refused_by_tls_is_told_why_at_once(make_server, client, match):
   server = make_server(tls_cert=SERVER, tls_key=SERVER_KEY, tls_client_ca=CA)
   with pytest.raises(sidecar.HostLostError, match=match):  # gRPC's reason, as it fails
-    sidecar.Controller([f"127.0.0.1:{server.port}"], attach=False, connect_timeout=60,
+    sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=False, connect_timeout=60,
                        **client)

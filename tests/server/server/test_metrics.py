@@ -59,7 +59,7 @@ def test_bad_metrics_port_is_refused(port):
 def test_off_by_default_and_unregistered_names_share_one_label(make_server):
   assert make_server().metrics_port is None
   server = make_server(metrics_port=0)
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     assert ctl.call("echo", args=(1,)) == [1]
     for name in ("nope-1", "nope-2"):
       with pytest.raises(sidecar.NotRegisteredError):

@@ -96,5 +96,5 @@ def test_idle_connections_to_the_grpc_ports_are_capped_and_timed_out(make_server
     close(conns)
   assert health(server.health_port) == health_pb2.HealthCheckResponse.SERVING
   import sidecar
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]

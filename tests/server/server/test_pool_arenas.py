@@ -157,7 +157,7 @@ def test_a_tenants_feed_workers_write_its_batches_in_its_own_arena(make_server, 
                        imports=("tests.support.feed_fns",))
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
   kw = dict(global_batch_size=8, sharding=sharding, kwargs={"n": 32}, seed=3, num_epochs=1)
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], token=ALICE, timeout=30) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token=ALICE, timeout=30) as ctl:
     runs = []
     for workers in (0, 1):
       with ctl.feed("ids", options=sidecar.FeedOptions(workers=workers), **kw) as feed:
@@ -176,7 +176,7 @@ def test_a_peer_sidecars_link_attaches_to_the_arena_of_the_tenant_it_names(pool_
   """The same-machine replica path: a peer sidecar maps the arena of the tenant whose
   replica it sends, which only the peer token may name, and runs nothing as that tenant."""
   path = pool_server.options.socket_path
-  link_token = tenants_lib.PeerAttach(PEER_TOKEN, "alice").token()
+  link_token = tenants_lib.ReplicaAttach(PEER_TOKEN, "alice").token()
   with Worker(path, token=ALICE) as alice, Worker(path, token=link_token) as link:
     assert os.fstat(link.arena.fd).st_ino == os.fstat(alice.arena.fd).st_ino
     block, _ = link.put(SECRET)
@@ -189,6 +189,6 @@ def test_a_peer_sidecars_link_attaches_to_the_arena_of_the_tenant_it_names(pool_
       answer = pb.CallResponse.FromString(ipc.recv_bytes(s))
     assert "is a peer sidecar's replica link" in answer.error.message
   with pytest.raises(sidecar.AuthenticationError, match="peer token is not this sidecar's"):
-    Worker(path, token=tenants_lib.PeerAttach(BOB, "alice").token())
+    Worker(path, token=tenants_lib.ReplicaAttach(BOB, "alice").token())
   with pytest.raises(sidecar.AuthenticationError, match="for tenant 'carol', which is not in"):
-    Worker(path, token=tenants_lib.PeerAttach(PEER_TOKEN, "carol").token())
+    Worker(path, token=tenants_lib.ReplicaAttach(PEER_TOKEN, "carol").token())

@@ -23,8 +23,8 @@ def test_a_replica_link_with_another_peer_token_is_told_it_is_the_sidecars_link(
       r"a peer sidecar's replica link \(the sidecars' own, its handshake carries "
       r"'sidecar-peer'\) presented no token this sidecar takes: .*give every sidecar the "
       r"same --peer-token-file")):
-    ReplicaLink(peer, token="not-" + PEER_TOKEN, peer_token="not-" + PEER_TOKEN, timeout=10)
-  with ReplicaLink(peer, token=kw.get("token", PEER_TOKEN), peer_token=PEER_TOKEN,
+    ReplicaLink(peer, token="not-" + PEER_TOKEN, replica_token="not-" + PEER_TOKEN, timeout=10)
+  with ReplicaLink(peer, token=kw.get("token", PEER_TOKEN), replica_token=PEER_TOKEN,
                    timeout=10, shared_memory=False) as link:  # the job's own peer token
     assert not link.same_machine
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.server
 def victim(make_server):
   """A sidecar whose worker holds a secret block, and a raw client to attack it."""
   server = make_server()
-  ctl = sidecar.Controller([f"127.0.0.1:{server.port}"])
+  ctl = sidecar.jax.Controller([f"127.0.0.1:{server.port}"])
   secret = np.full(1 << 16, 0x5A, np.uint8)
   array, ref = ctl.worker(0).put(secret)
   raw = Raw(server.port)
@@ -55,7 +55,7 @@ def test_a_client_without_a_worker_cannot_read_the_arena(victim):
 
 def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
   server, ctl, array, ref, raw = victim
-  with sidecar.Worker(server.options.socket_path) as thief:
+  with sidecar.jax.Worker(server.options.socket_path) as thief:
     mine = lambda v: raw.call("echo", v, worker_session=thief.session)
     errors = []
     for value in (arena_ref(ref.offset, ref.generation, ref.nbytes),     # the right guess
@@ -90,7 +90,7 @@ def test_a_worker_can_neither_read_nor_write_another_workers_block(victim):
 def test_a_bad_ref_to_ones_own_block_is_refused_and_holds_nothing(make_server, nbytes, shape,
                                                                   match):
   server = make_server()  # 8 MiB arena
-  with sidecar.Worker(server.options.socket_path) as w:
+  with sidecar.jax.Worker(server.options.socket_path) as w:
     raw = Raw(server.port)
     array, ref = w.put(np.ones(64 << 10, np.uint8))
     e = rejected(lambda: raw.call("echo", arena_ref(ref.offset, ref.generation, nbytes, shape),
@@ -166,7 +166,7 @@ def test_bad_feed_specs_are_invalid_argument_not_unknown(feed_server, spec, matc
 
 def test_a_long_remote_error_is_truncated_not_lost(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     for message in ("x" * 20_000, "ü€" * 10_000):
       with pytest.raises(sidecar.RemoteError) as info:
         ctl.call("fail", args=(message,))
@@ -210,7 +210,7 @@ def test_an_error_naming_a_huge_input_arrives_cut_with_its_status(make_server, r
 
 def test_a_checkpoint_error_naming_a_huge_path_arrives_cut(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.SidecarError) as info:
       ctl.checkpoint_client().open(0, "/" + "a" * 100_000, ram_steps=1, ram_budget=None,
                                     sweep=True).result()
@@ -402,7 +402,7 @@ def test_checkpoint_rpcs_need_a_session(ckpt_server):
 
 def test_a_sidecar_without_roots_refuses_checkpoint_calls_naming_the_flag(make_server, tmp_path):
   server = make_server(checkpoint_roots=())
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.SidecarError) as info:
       ctl.checkpoint_client().open(0, str(tmp_path / "ck"), ram_steps=1, ram_budget=None,
                                     sweep=True).result()
@@ -455,7 +455,7 @@ def nested(depth: int, leaf, kind: str):
 @pytest.mark.parametrize("kind", ["list", "dict"])
 def test_one_nesting_limit_both_ways(make_server, kind):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], attach=False, timeout=10) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=False, timeout=10) as ctl:
     deepest = nested(codec.MAX_DEPTH - 1, 1, kind)  # in the call's args: 30 levels
     assert ctl.call("echo", args=(deepest,)) == [deepest]  # through and back
     for depth in (codec.MAX_DEPTH, 49, 63, 64, 100):  # refused before it is sent

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.server
 
 
 def controller(server, **kw):
-  return sidecar.Controller([f"127.0.0.1:{server.port}"], **kw)
+  return sidecar.jax.Controller([f"127.0.0.1:{server.port}"], **kw)
 
 
 def assert_still_serving(ctl):
@@ -72,7 +72,7 @@ def test_malformed_request_bytes_are_invalid_argument(make_server):
   server = make_server()
   with controller(server) as ctl, grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
     raw = ch.unary_unary(f"/{protocol.SERVICE}/Call")
-    meta = ctl._hosts.conns[0].metadata
+    meta = ctl._sidecars.conns[0].metadata
     for garbage in (b"\xff\xff\xff",
                     pb.CallRequest(name="echo").SerializeToString()[:-1] + b"\x80"):
       with pytest.raises(grpc.RpcError) as info:
@@ -160,7 +160,7 @@ def test_a_result_whose_caller_left_gives_its_blocks_back(make_server):
   from sidecar._src.wire import codec
   server = make_server(shm_size=8 << 20)
   with controller(server) as ctl:
-    conn, w = ctl._hosts.conns[0], ctl.worker(0)
+    conn, w = ctl._sidecars.conns[0], ctl.worker(0)
     request = pb.CallRequest(name="full", args=codec.encode((1 << 20, 5, 0.5)),
                              kwargs=codec.encode({}), worker_session=w.session)
     with pytest.raises(grpc.RpcError) as caught:
@@ -562,7 +562,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   from tests.conftest import PEER_TOKEN
   from tests.support.raw_client import Raw
   server = make_server()
-  raw = Raw(server.port, peer_token=PEER_TOKEN)  # a peer sidecar's session
+  raw = Raw(server.port, replica_token=PEER_TOKEN)  # a peer sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
@@ -599,7 +599,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   from tests.conftest import PEER_TOKEN
   from tests.support.raw_client import Raw
   server = make_server()
-  raw = Raw(server.port, peer_token=PEER_TOKEN)  # a peer sidecar's session
+  raw = Raw(server.port, replica_token=PEER_TOKEN)  # a peer sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(

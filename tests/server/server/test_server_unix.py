@@ -30,7 +30,7 @@ def test_a_unix_sidecar_serves_calls_status_reflection_and_health_on_one_socket(
   server = make_server(listen=f"unix:{path}")
   assert (server.address, server.port, server.health_port) == (f"unix:{path}", 0, 0)
   assert stat.S_ISSOCK(os.stat(path).st_mode) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
-  with sidecar.Controller([server.address]) as ctl:
+  with sidecar.jax.Controller([server.address]) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
     assert ctl.hosts[0].address == f"unix:{path}"
     assert ctl.worker(0) is not None  # the worker socket, beside it
@@ -53,8 +53,8 @@ def test_a_unix_sidecar_serves_calls_status_reflection_and_health_on_one_socket(
 def test_a_token_still_guards_the_services_but_not_health(make_server, tmp_path):
   server = make_server(listen=f"unix:{tmp_path}/g.sock", token="s3cret")
   with pytest.raises(sidecar.AuthenticationError, match="missing or wrong token"):
-    sidecar.Controller([server.address], token=None)
-  with sidecar.Controller([server.address], token="s3cret") as ctl:
+    sidecar.jax.Controller([server.address], token=None)
+  with sidecar.jax.Controller([server.address], token="s3cret") as ctl:
     assert ctl.call("add", args=(1,), kwargs={"b": 1}) == [2]
   assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING
 
@@ -95,7 +95,7 @@ def test_a_worker_socket_a_live_sidecar_serves_is_refused_too(make_server, tmp_p
                      rf"process \(pid {os.getpid()}.*give --socket \(socket_path\) another"):
     Server(options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
                                  socket_path=first.options.socket_path)).start()
-  with sidecar.Worker(first.options.socket_path) as w:  # still the first sidecar's
+  with sidecar.jax.Worker(first.options.socket_path) as w:  # still the first sidecar's
     assert w.session
 
 
@@ -126,7 +126,7 @@ def test_a_missing_socket_directory_is_made_and_removed_again(make_server, tmp_p
 def test_a_client_of_a_socket_that_is_gone_says_what_to_start(tmp_path):
   with pytest.raises(sidecar.HostLostError, match=rf"cannot reach sidecar unix:{tmp_path}/g.sock"
                      r": .*is `sidecar serve --listen unix:.*` running\?"):
-    sidecar.Controller([f"unix:{tmp_path}/g.sock"], connect_timeout=5)
+    sidecar.jax.Controller([f"unix:{tmp_path}/g.sock"], connect_timeout=5)
 
 
 def test_a_socket_directory_others_may_write_is_refused_before_the_arena(make_server, tmp_path):
@@ -188,7 +188,7 @@ def test_a_controller_lets_go_of_the_socket_it_pinned(make_server, tmp_path):
     fds = os.listdir("/proc/self/fd")
     return sum(1 for fd in fds if _link(f"/proc/self/fd/{fd}") == str(path))
 
-  with sidecar.Controller([f"unix:{path}"], connect_timeout=10) as ctl:
+  with sidecar.jax.Controller([f"unix:{path}"], connect_timeout=10) as ctl:
     assert ctl.hosts[0].address == f"unix:{path}" and pinned() == 1
   status_lib.fetch(f"unix:{path}", timeout=10)
   assert pinned() == 0

@@ -23,7 +23,7 @@ def test_the_worker_sockets_accept_thread_is_joined_by_the_servers_stop(make_ser
 
 def test_the_grpc_servers_thread_pools_are_joined_by_the_servers_stop(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
   pools = [t for p in server._pools for t in p._threads]
   assert {t.name.rsplit("_", 1)[0] for t in pools} >= {"sidecar-rpc"} and all(
@@ -34,7 +34,7 @@ def test_the_grpc_servers_thread_pools_are_joined_by_the_servers_stop(make_serve
 
 def test_a_workers_releasing_thread_is_joined_by_close_once_no_block_is_read(make_server):
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     worker = ctl.worker(0)
     releaser = worker._releaser
     assert releaser.name == "sidecar-worker-free" and releaser.is_alive()
@@ -46,7 +46,7 @@ def test_a_workers_releasing_thread_is_joined_by_close_once_no_block_is_read(mak
   assert eventually(lambda: worker.live_blocks == 0)
   worker.close()  # closed already: joins the thread, which ended with the last block
   assert not releaser.is_alive()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     worker = ctl.worker(0)
     releaser = worker._releaser
   assert not releaser.is_alive()

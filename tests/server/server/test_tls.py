@@ -13,7 +13,7 @@ pytestmark = pytest.mark.server
 
 def controller(server, **kw):
   kw.setdefault("attach", False)  # over gRPC: through the TLS channel
-  return sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10, **kw)
+  return sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10, **kw)
 
 
 def test_tls_serves_a_controller_that_trusts_its_ca_and_no_plaintext_one(make_server):
@@ -51,7 +51,7 @@ def test_tls_options_are_checked():
   # mTLS authenticates every client, as a token does: any interface is allowed.
   options_lib.ServerOptions(listen="0.0.0.0", tls_cert=SERVER, tls_key=SERVER_KEY, tls_client_ca=CA)
   with pytest.raises(sidecar.InvalidArgumentError, match="tls_cert and tls_key go together"):
-    sidecar.Controller(["127.0.0.1:1"], tls_cert=CLIENT)
+    sidecar.jax.Controller(["127.0.0.1:1"], tls_cert=CLIENT)
 
 
 def test_sidecar_status_reaches_a_tls_sidecar_with_the_ca_in_the_environment(make_server,

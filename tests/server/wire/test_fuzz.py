@@ -193,15 +193,15 @@ def target(tmp_path_factory):
         reg.add(entry.kind, entry.name, entry.fn)
   opts = options_lib.ServerOptions(listen="127.0.0.1", port=0, health_port=0, shm_size=8 << 20,
                                socket_path=str(tmp / "fuzz.sock"),
-                               checkpoint_roots=(str(tmp),), peer_token="fuzz-peer")
+                               checkpoint_roots=(str(tmp),), replica_token="fuzz-peer")
   server = Server(opts, registry=reg).start()
-  worker = sidecar.Worker(opts.socket_path, timeout=10)
+  worker = sidecar.jax.Worker(opts.socket_path, timeout=10)
   channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
   handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
                                   response_deserializer=pb.HandshakeResponse.FromString)
   # A peer sidecar's session: Receive gets past the peer check to the parsing it fuzzes.
   session = handshake(pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString(),
-                      timeout=10, metadata=[(protocol.PEER_KEY, "Bearer fuzz-peer")]).session
+                      timeout=10, metadata=[(protocol.REPLICA_KEY, "Bearer fuzz-peer")]).session
   rpcs = {m: channel.unary_unary(f"/{protocol.SERVICE}/{m}") for m in ("Handshake", "Call",
                                                                          "Status", "Leave")}
   rpcs["Stream"] = channel.stream_stream(f"/{protocol.SERVICE}/Stream")
@@ -539,7 +539,7 @@ def test_random_calls_on_a_calls_connection_are_answered(target, data):
 
 def test_after_the_fuzz_the_sidecar_still_serves(target):
   server, *_ = target
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     big = np.arange(1 << 14, dtype=np.float32)
     np.testing.assert_array_equal(ctl.call("echo", args=(big,))[0], big)
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]

@@ -22,7 +22,7 @@ def key_value(fake, **options) -> Checkpointer:
 
 def dcp(fake, **options) -> Checkpointer:
   return sidecar.torch.Checkpointer(
-      "/ckpt/run", options=sidecar.torch.CheckpointOptions(**options),
+      "/ckpt/run", options=sidecar.CheckpointOptions(**options),
       controller=FakeController(fake))
 
 

@@ -67,7 +67,7 @@ def test_a_raw_part_serializes_as_protobuf_would(nbytes):
   data = (np.arange(nbytes) % 251).astype(np.uint8)
   part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
                              shape=[nbytes], offset=64 << 20)
-  raw = links_lib._serialize(links_lib._Part(part, data.data))
+  raw = links_lib._serialize(links_lib._Piece(part, data.data))
   expected = ckpt_pb.ReceiveRequest(part=part)
   expected.part.data = data.tobytes()
   assert ckpt_pb.ReceiveRequest.FromString(raw) == expected
@@ -85,7 +85,7 @@ def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
   data = (np.arange(nbytes) % 251).astype(np.uint8)
   part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
                              shape=[nbytes], offset=64 << 20)
-  raw = links_lib._serialize(links_lib._Part(part, data.data))
+  raw = links_lib._serialize(links_lib._Piece(part, data.data))
   message, view = parse_receive(raw)
   assert isinstance(view, memoryview) and view.obj is raw  # the bytes as they came
   assert _as_protobuf_parses(message, view) == ckpt_pb.ReceiveRequest.FromString(raw)
@@ -141,29 +141,29 @@ def test_a_formats_parts_travel_in_the_format_part_oneof():
   part = DcpPart(1, (Item(fqn="w", kind="tensor", nbytes=16, dtype="float32", sizes=(4,),
                           offsets=(4,)), Item(fqn="extra", kind="bytes", nbytes=9)))
   stage = ckpt_pb.CheckpointStageRequest()
-  wire.format_part_to_pb(stage, part, wire.STAGE_PARTS)
-  assert wire.format_part_from_pb(_sent(stage), wire.STAGE_PARTS) == part
-  assert wire.format_part_from_pb(ckpt_pb.CheckpointStageRequest(), wire.STAGE_PARTS) is None
+  wire.format_extra_to_pb(stage, part, wire.STAGE_EXTRAS)
+  assert wire.format_extra_from_pb(_sent(stage), wire.STAGE_EXTRAS) == part
+  assert wire.format_extra_from_pb(ckpt_pb.CheckpointStageRequest(), wire.STAGE_EXTRAS) is None
   done = DcpCommit(b"\x80\x04N.", {0: 4096, 1: 8192}, '{"storage": []}')
   commit = ckpt_pb.CheckpointCommitRequest()
-  wire.format_part_to_pb(commit, done, wire.COMMIT_PARTS)
-  assert wire.format_part_from_pb(_sent(commit), wire.COMMIT_PARTS) == done
+  wire.format_extra_to_pb(commit, done, wire.COMMIT_EXTRAS)
+  assert wire.format_extra_from_pb(_sent(commit), wire.COMMIT_EXTRAS) == done
   # The trainer's older forms still fill the same fields.
   assert wire.dcp_part_to_pb(1, [i.to_dict() for i in part.items]) == stage.dcp
   with pytest.raises(errors.InvalidArgumentError, match="no format part is a DcpCommit"):
-    wire.format_part_to_pb(stage, done, wire.STAGE_PARTS)
+    wire.format_extra_to_pb(stage, done, wire.STAGE_EXTRAS)
   stage.dcp.items[0].nbytes = 8
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^dcp.items\[0\]: item 'w': a float32 chunk of sizes \(4,\)"):
-    wire.format_part_from_pb(stage, wire.STAGE_PARTS)
+    wire.format_extra_from_pb(stage, wire.STAGE_EXTRAS)
 
 
 def test_every_registered_formats_parts_travel_under_its_one_name():
   """A format's typed parts have a wire entry, keyed (the oneof member) by its name."""
   from sidecar._src.ckptfmt import registry as formats_lib
   for fmt in formats_lib.DEFAULT.formats.values():
-    for part, table, request in ((fmt.stage_part, wire.STAGE_PARTS, "CheckpointStageRequest"),
-                                 (fmt.commit_part, wire.COMMIT_PARTS,
+    for part, table, request in ((fmt.stage_part, wire.STAGE_EXTRAS, "CheckpointStageRequest"),
+                                 (fmt.commit_part, wire.COMMIT_EXTRAS,
                                   "CheckpointCommitRequest")):
       members = {name for name, (kind, _, _) in table.items() if kind is part}
       assert members == (set() if part is None else {fmt.name}), (fmt.name, request)

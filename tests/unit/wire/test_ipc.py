@@ -89,9 +89,9 @@ def test_a_socket_another_user_serves_is_refused_naming_who_and_the_fix(monkeypa
       rf"refusing to talk to the Unix socket /tmp/x/g.sock: it is served by uid {uid}.*, pid "
       rf"4242, not by this process's user \(uid {os.getuid()}\) or root, so no token or "
       rf"session is sent to it\. .*its directory /tmp/x.*set SIDECAR_SOCKET_UID={uid}")):
-    ipc.check_trusted(ipc.Peer(pid=4242, uid=uid, gid=uid), "/tmp/x/g.sock")
-  ipc.check_trusted(ipc.Peer(pid=1, uid=os.getuid(), gid=0), "/tmp/x/g.sock")  # the same user
-  ipc.check_trusted(ipc.Peer(pid=1, uid=0, gid=0), "/tmp/x/g.sock")  # root
+    ipc.check_trusted(ipc.Ucred(pid=4242, uid=uid, gid=uid), "/tmp/x/g.sock")
+  ipc.check_trusted(ipc.Ucred(pid=1, uid=os.getuid(), gid=0), "/tmp/x/g.sock")  # the same user
+  ipc.check_trusted(ipc.Ucred(pid=1, uid=0, gid=0), "/tmp/x/g.sock")  # root
 
 
 @pytest.mark.parametrize("named", ["uid", "name"])
@@ -104,7 +104,7 @@ def test_socket_uid_names_a_user_the_client_trusts_too(monkeypatch, named):
     pytest.skip(f"uid {uid} has no user name on this machine")
   monkeypatch.setenv("SIDECAR_SOCKET_UID", f"12345, {value}")
   assert ipc.trusted_uids() == {os.getuid(), 0, 12345, uid}
-  ipc.check_trusted(ipc.Peer(pid=4242, uid=uid, gid=uid), "/tmp/x/g.sock")
+  ipc.check_trusted(ipc.Ucred(pid=4242, uid=uid, gid=uid), "/tmp/x/g.sock")
 
 
 def test_socket_uid_naming_no_user_is_named(monkeypatch):

@@ -32,7 +32,7 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.ckptfmt.spec import KeyPath
-from sidecar._src.controller import display, elastic as elastic_lib, progress as progress_lib
+from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.plugs import Agreement, KeyValueAgreement
@@ -40,7 +40,7 @@ from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save import SaveCoordinator
 from sidecar._src.controller.checkpoint.save_protocol import agree_on_save, end_save
-from sidecar._src.controller.checkpoint.sidecars import Sidecars
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.target import (
   SaveHandle,
   Target,
@@ -49,7 +49,7 @@ from sidecar._src.controller.checkpoint.target import (
 )
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import errors, interrupts
+from sidecar._src.core import errors, interrupts, progress as progress_lib
 
 __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target",
            "replica_hosts"]
@@ -76,7 +76,7 @@ class Checkpointer:
       manager owns them).
   """
 
-  def __init__(self, directory: str | os.PathLike, *, site: Sidecars,
+  def __init__(self, directory: str | os.PathLike, *, site: SidecarsSnapshot,
                options: CheckpointOptions, peers: Peers,
                agreement: Callable[[Checkpointer], Agreement], key: str, sweep: bool = True):
     self.options = options
@@ -115,7 +115,7 @@ class Checkpointer:
     self._closed = False
 
   @classmethod
-  def key_value(cls, directory: str | os.PathLike, *, site: Sidecars,
+  def key_value(cls, directory: str | os.PathLike, *, site: SidecarsSnapshot,
                 options: CheckpointOptions, peers: Peers, framework: Framework, key: str,
                 sweep: bool = True) -> Checkpointer:
     """A Checkpointer with the key-value agreement over ``framework`` (``ctl.checkpointer``'s)."""

@@ -51,7 +51,7 @@ __all__ = ["CheckpointClient", "CheckpointTransport", "FormatPart", "Held", "Man
 # A format's own part of a host's Stage requests or of the Commit request (stock Orbax's
 # layout has none: its leaves travel as ``leaves``): a frozen value of the format's own
 # type (its ``ckptfmt.Format.stage_part``/``commit_part``), converted by
-# ``wire/checkpoint_wire``'s ``STAGE_PARTS``/``COMMIT_PARTS``. The client names no format.
+# ``wire/checkpoint_wire``'s ``STAGE_EXTRAS``/``COMMIT_EXTRAS``. The client names no format.
 FormatPart = object
 
 
@@ -353,7 +353,7 @@ class CheckpointClient(CheckpointTransport):
         directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
-    wire.format_part_to_pb(request, part, wire.STAGE_PARTS)
+    wire.format_extra_to_pb(request, part, wire.STAGE_EXTRAS)
     wire.staged_shards_to_pb(request, shards, w.ref_of if w is not None else None)
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
                      held=[s.data for s in shards])
@@ -370,7 +370,7 @@ class CheckpointClient(CheckpointTransport):
         leaves=[wire.leaf_to_pb(d) for d in leaves],
         checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
         whole_step=whole_step)
-    wire.format_part_to_pb(request, part, wire.COMMIT_PARTS)
+    wire.format_extra_to_pb(request, part, wire.COMMIT_EXTRAS)
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
 

@@ -30,7 +30,7 @@ from sidecar._src.core import errors, interrupts
 
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
 # at most this many bytes: well under the channel's 256 MiB message limit.
-READ_PART_BYTES = 64 << 20
+READ_PIECE_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -298,7 +298,7 @@ class ShardReads:
   Args:
     client: the sidecars.
     mapped: the hosts whose arenas this process maps (a RAM-tier shard of another host,
-      read over gRPC, comes in parts of at most ``READ_PART_BYTES``).
+      read over gRPC, comes in parts of at most ``READ_PIECE_BYTES``).
   """
 
   def __init__(self, client: CheckpointTransport, mapped: set[int] | frozenset[int]):
@@ -318,20 +318,20 @@ class ShardReads:
     """One source's read of the shard: in parts where it is large and not mapped here."""
     shape = tuple(b - a for a, b in index)
     if tier in ("ram", "replica") and host not in self.mapped and (
-        math.prod(shape) * dtype.itemsize > READ_PART_BYTES):
-      return self._read_parts(final_dir, kp, index, crc, tier, host, shape, dtype)
+        math.prod(shape) * dtype.itemsize > READ_PIECE_BYTES):
+      return self._read_pieces(final_dir, kp, index, crc, tier, host, shape, dtype)
     return self.client.read(host, final_dir, ShardId(kp, index), crc32c=crc, tier=tier)
 
-  def _read_parts(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
+  def _read_pieces(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
     """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
-    READ_PART_BYTES, assembled here (the host checks the whole shard's crc32c, with the
+    READ_PIECE_BYTES, assembled here (the host checks the whole shard's crc32c, with the
     first part)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     data = np.empty(shape, dtype)
     flat = data.reshape(-1).view(np.uint8)
-    parts = [(o, min(READ_PART_BYTES, flat.nbytes - o))
-             for o in range(0, flat.nbytes, READ_PART_BYTES)]
+    parts = [(o, min(READ_PIECE_BYTES, flat.nbytes - o))
+             for o in range(0, flat.nbytes, READ_PIECE_BYTES)]
     left = [len(parts)]
     lock = threading.Lock()
 

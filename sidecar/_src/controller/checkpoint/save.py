@@ -33,7 +33,7 @@ from sidecar._src.controller.checkpoint.save_protocol import (
   describe,
   resolve,
 )
-from sidecar._src.controller.checkpoint.staging import Parts, ShardCopy, allocate, copy_in
+from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers, sync_timeout
@@ -85,7 +85,7 @@ class SaveCoordinator:
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
-    staging = Parts(self.local, parts)
+    staging = Lots(self.local, parts)
     try:
       specs, copies = self._plan(tree)
       need = self._check_fits(copies)
@@ -160,7 +160,7 @@ class SaveCoordinator:
           "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
     return need
 
-  def _start_finisher(self, handle: SaveHandle, target: Target, staging: Parts,
+  def _start_finisher(self, handle: SaveHandle, target: Target, staging: Lots,
                       leaves: list, data_json: str, key: str, end: End) -> threading.Thread:
     finisher = threading.Thread(target=self._finish,
                                 args=(handle, target, staging, leaves, data_json, key, end),
@@ -169,7 +169,7 @@ class SaveCoordinator:
     finisher.start()
     return finisher
 
-  def _finish(self, handle: SaveHandle, target: Target, staging: Parts, leaves,
+  def _finish(self, handle: SaveHandle, target: Target, staging: Lots, leaves,
               data_json: str, key: str, end: End) -> None:
     """Stages this process's parts, then commits with the others (or aborts)."""
     try:

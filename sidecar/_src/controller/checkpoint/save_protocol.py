@@ -30,7 +30,7 @@ from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
 from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
-from sidecar._src.controller.checkpoint.staging import Part, Parts, ShardCopy, allocate, copy_in
+from sidecar._src.controller.checkpoint.staging import Lots, Part, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
@@ -76,7 +76,7 @@ class SaveProtocol:
   def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
             rest: FormatPart | None = None) -> None:
-    """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Parts`` puts them;
+    """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
     last. A host's first part carries ``leaves`` and the format's ``part``, its
     later ones ``rest``."""
@@ -113,11 +113,11 @@ class SaveProtocol:
     """Stages this process's shards ``copies`` on ``host``: those in no arena yet copied
     into blocks of the host's (allocated in one request) by the one stager
     (``staging.copy_in``), and handed to the sidecar in parts of about
-    ``STAGE_PART_BYTES`` as the copy goes, by a sender thread of this call. On a failure
+    ``STAGE_LOT_BYTES`` as the copy goes, by a sender thread of this call. On a failure
     (Ctrl-C too, between two copies) the host's part is dropped again, and it raises.
     ``copies`` is emptied: its blocks are the sidecar's once staged."""
     parts: queue.SimpleQueue = queue.SimpleQueue()
-    staging = Parts([host], parts)
+    staging = Lots([host], parts)
     failed: list[BaseException] = []
 
     def send() -> None:

@@ -1,4 +1,4 @@
-"""A controller's sidecars as a checkpointer sees them: :class:`Sidecars`.
+"""A controller's sidecars as a checkpointer sees them: :class:`SidecarsSnapshot`.
 
 What JAX's and PyTorch's checkpointers (``controller/checkpoint/checkpointer.py``,
 ``torch/storage.py``, ``torch/checkpointer.py``) need of a controller, handed out by
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Sidecars:
+class SidecarsSnapshot:
   """The sidecars of a controller, as they are when a checkpointer is made.
 
   Attributes:

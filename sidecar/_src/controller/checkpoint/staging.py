@@ -9,7 +9,7 @@ arrays are copied on the caller's thread before the save returns (the trainer's 
 Ctrl-C between two copies fails the save); a shard still on its way from an accelerator
 (a ``framework.HostCopy``) is copied by a stager thread once it has landed, in order,
 by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` as it is: the
-save's :class:`Parts` (handed to the sidecars as the copy goes on), or, under
+save's :class:`Lots` (handed to the sidecars as the copy goes on), or, under
 ``dcp.async_save``, the staged state dict.
 """
 
@@ -38,7 +38,7 @@ from sidecar._src.core import interrupts
 # that: 1 GiB on 2 cores, 12 saves each, twice: 512 MiB parts blocked 1.35-1.4x a memcpy
 # (durable 0.46-0.50 s), one part after the copy 0.85-0.9x (durable 0.51-0.53 s). So
 # there the save is staged once, after the copy.
-STAGE_PART_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
+STAGE_LOT_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
                     else sys.maxsize)
 
 
@@ -101,9 +101,9 @@ class Sink(abc.ABC):
     """The copy failed with ``error``: what was handed on is let go of."""
 
 
-class Parts(Sink):
+class Lots(Sink):
   """A save's staged shards, handed to its finisher through ``parts`` in :class:`Part`s
-  of about ``STAGE_PART_BYTES`` per host, in order, then each host's last part; an
+  of about ``STAGE_LOT_BYTES`` per host, in order, then each host's last part; an
   exception put there aborts the save."""
 
   def __init__(self, hosts: Sequence[int], parts: queue.SimpleQueue):
@@ -116,7 +116,7 @@ class Parts(Sink):
     host = shard.host
     self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
     self._bytes[host] += view.nbytes
-    if self._bytes[host] >= STAGE_PART_BYTES:
+    if self._bytes[host] >= STAGE_LOT_BYTES:
       self.parts.put(Part(host, tuple(self._pending[host]), False))
       self._pending[host], self._bytes[host] = [], 0
 

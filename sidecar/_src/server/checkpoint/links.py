@@ -25,7 +25,7 @@ Each replica carries its tenant (the one this sidecar authenticated as the calle
 maps the peer's arena as that tenant's (:func:`attach`).
 :class:`Links` keeps one link per peer and tenant from step to step: mapping a peer's arena
 costs about as much as copying a step's part into it. The peer's side (the replica records,
-their eviction with the RAM tier) is ``checkpoint.CheckpointHost``.
+their eviction with the RAM tier) is ``checkpoint.Checkpoints``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ _CHANNEL_OPTIONS = (
 log = logging.getLogger(__name__)
 
 
-def peer_credentials(tls_cert: str | None, tls_key: str | None,
+def replica_credentials(tls_cert: str | None, tls_key: str | None,
                      tls_client_ca: str | None) -> grpc.ChannelCredentials | None:
   """How a sidecar with TLS (``--tls-cert``) reaches its peers: None without TLS.
 
@@ -169,19 +169,19 @@ class ReplicaHosts:
     return ReplicaTarget(host_id, found[host_id])
 
 
-def attach(peer: ReplicaTarget, socket_path: str, *, peer_token: str | None,
+def attach(peer: ReplicaTarget, socket_path: str, *, replica_token: str | None,
            tenant: str | None, timeout: float) -> worker_lib.Worker:
   """Maps a same-machine peer's arena through its worker socket, as the sidecars' link.
 
   The attach proves the peer token and names the tenant whose replicas the blocks hold
-  (``tenants.PeerAttach``): the peer counts them against that tenant, in its memory. The
+  (``tenants.ReplicaAttach``): the peer counts them against that tenant, in its memory. The
   one place a link attaches: where the peer keeps an arena per tenant, this is where the
   tenant's is asked for.
 
   Raises:
     AuthenticationError, PermissionDeniedError: the peer refused the sidecars' link.
   """
-  token = (tenants_lib.PeerAttach(peer_token, tenant or "").token() if peer_token
+  token = (tenants_lib.ReplicaAttach(replica_token, tenant or "").token() if replica_token
            else None)  # no peer token: as a trainer's Worker (a shared token's sidecars)
   try:
     return worker_lib.Worker(socket_path, timeout=timeout, token=token)
@@ -192,7 +192,7 @@ def attach(peer: ReplicaTarget, socket_path: str, *, peer_token: str | None,
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Part:
+class _Piece:
   """A ReceiveRequest of one ReplicaPart whose ``data`` is still a view of the shard."""
   part: ckpt_pb.ReplicaPart  # without data
   data: memoryview
@@ -205,7 +205,7 @@ _DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 def check_sender(tenancy: tenants_lib.Tenancy | None, session: str,
                  tenant: str | None) -> None:
   """That a replica whose blocks come over a peer's worker ``session`` is for the tenant
-  that session attached for (:class:`tenants.PeerAttach`): the blocks count against the
+  that session attached for (:class:`tenants.ReplicaAttach`): the blocks count against the
   attached tenant, the replica would be kept (and read, dropped) as the header's
   ``tenant``. A sending sidecar keeps one link per tenant (:class:`Links`).
 
@@ -225,14 +225,14 @@ def check_sender(tenancy: tenants_lib.Tenancy | None, session: str,
         "replicas over that tenant's own link")
 
 
-def _serialize(message: ckpt_pb.ReceiveRequest | _Part) -> bytes:
-  """A ReceiveRequest's wire bytes; a :class:`_Part`'s with the shard's bytes copied once.
+def _serialize(message: ckpt_pb.ReceiveRequest | _Piece) -> bytes:
+  """A ReceiveRequest's wire bytes; a :class:`_Piece`'s with the shard's bytes copied once.
 
   Protobuf's own way copies them three times (into ``bytes``, into the message, into
   its serialization); here they go straight from the shard into the one ``bytes``
   gRPC sends: ``part`` (length-delimited) = the part's other fields, then ``data``.
   """
-  if not isinstance(message, _Part):
+  if not isinstance(message, _Piece):
     return message.SerializeToString()
   head = message.part.SerializeToString()
   data_key = encode_varint(_DATA_FIELD << 3 | 2) + encode_varint(message.data.nbytes)
@@ -293,7 +293,7 @@ class ReplicaLink:
   Close it (or use it as a context manager): that unmaps the peer's arena.
   """
 
-  def __init__(self, peer: ReplicaTarget, *, token: str | None, peer_token: str | None = None,
+  def __init__(self, peer: ReplicaTarget, *, token: str | None, replica_token: str | None = None,
                tenant: str | None = None, timeout: float = 30.0, shared_memory: bool = True,
                credentials: grpc.ChannelCredentials | None = None):
     self.peer = peer
@@ -318,7 +318,7 @@ class ReplicaLink:
             versions=protocol.local_versions(),
             client=f"sidecar pid {os.getpid()} on {socket.gethostname()} (replicas)"),
             timeout=timeout, metadata=auth + (
-                ((protocol.PEER_KEY, f"Bearer {peer_token}"),) if peer_token else ()))
+                ((protocol.REPLICA_KEY, f"Bearer {replica_token}"),) if replica_token else ()))
       except grpc.FutureTimeoutError:
         raise errors.HostLostError(
             f"peer sidecar host {peer.host_id} at {peer.address} did not answer within "
@@ -334,7 +334,7 @@ class ReplicaLink:
       here = shm.boot_id()
       if (shared_memory and here and reply.identity.boot_id == here
           and os.path.exists(reply.worker_socket)):
-        self._worker = attach(peer, reply.worker_socket, peer_token=peer_token,
+        self._worker = attach(peer, reply.worker_socket, replica_token=replica_token,
                               tenant=tenant, timeout=timeout)
     except BaseException:
       self.close()
@@ -437,7 +437,7 @@ class ReplicaLink:
 
   def _inline(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
-              held: list) -> Iterator[_Part]:
+              held: list) -> Iterator[_Piece]:
     """Each shard's bytes, raw, in parts of PART_BYTES."""
     for shard_id, data in shards:
       flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -449,7 +449,7 @@ class ReplicaLink:
         part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
                                    offset=offset, crc32c=crc32c)
         chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
-        yield _Part(part, chunk)
+        yield _Piece(part, chunk)
         pace.after(chunk.nbytes)
       sent[0] += flat.nbytes
 
@@ -479,10 +479,10 @@ class Links:
   the next step needs that peer.
   """
 
-  def __init__(self, *, token: str | None, peer_token: str | None = None,
+  def __init__(self, *, token: str | None, replica_token: str | None = None,
                shared_memory: bool = True, credentials: grpc.ChannelCredentials | None = None):
     self._token = token
-    self._peer_token = peer_token  # marks our handshakes as a peer sidecar's
+    self._replica_token = replica_token  # marks our handshakes as a peer sidecar's
     self._shared_memory = shared_memory
     self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
     self._lock = threading.Lock()
@@ -521,7 +521,7 @@ class Links:
       return entry[0], entry[1], False
     if entry is not None:  # the peer moved
       self._retire(key, *entry)
-    link = ReplicaLink(peer, token=self._token, peer_token=self._peer_token, tenant=tenant,
+    link = ReplicaLink(peer, token=self._token, replica_token=self._replica_token, tenant=tenant,
                        timeout=min(timeout, 30.0),
                        shared_memory=self._shared_memory, credentials=self._credentials)
     with self._lock:

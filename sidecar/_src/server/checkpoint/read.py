@@ -4,7 +4,7 @@
 ``replica`` (a peer's shard held here), ``disk`` (storage, straight into a new arena
 block), or ``any`` (own copy, else storage). Every read with a crc32c checks it, a RAM
 copy at every read (``any`` reads storage where it is corrupt). The caller
-(``CheckpointHost``) has checked the path under the roots.
+(``Checkpoints``) has checked the path under the roots.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from sidecar._src.ckptfmt import direct_io, shards as shards_lib
 from sidecar._src.ckptfmt.records import (
   ReplicaBlock,
   ReplicaHeader,
-  ReplicaPart,
+  ReplicaPiece,
   Replicated,
   ShardId,
 )
@@ -163,7 +163,7 @@ class Replicator:
     return replica
 
   def receive(self, replica: ram_tier.Replica, blocks: Sequence[ReplicaBlock],
-              part: ReplicaPart | None = None, payload: np.ndarray | None = None, *,
+              part: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
     """Takes shards another sidecar sends (``peers.ReplicaLink``) into ``replica``
     (``open_replica``).

@@ -4,7 +4,7 @@ Each rpc parses its request from raw bytes (malformed bytes get INVALID_ARGUMENT
 needs a handshake session as ``Call`` does (and the token, which the server's
 interceptor checks for every service), checks every field (a step >= 0, a path that
 is not empty; the parts resolve each path under the checkpoint roots), calls the part
-of :class:`~sidecar._src.server.checkpoint.host.CheckpointHost` that does the work (its
+of :class:`~sidecar._src.server.checkpoint.checkpoints.Checkpoints` that does the work (its
 ``writer``, ``replicator``, or the host itself for what spans them), and leaves through
 ``protocol.abort`` on failure, so the status codes are ``Call``'s. ``Receive`` is a
 client stream: a peer's replica of one step, its shards' bytes raw in each message.
@@ -28,7 +28,7 @@ from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.checkpoint import links as links_lib, ram_tier, ram_yield
-from sidecar._src.server.checkpoint.host import CheckpointHost
+from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.pool import tenants as tenants_lib
 from sidecar._src.server.pool.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
@@ -115,7 +115,7 @@ def _steps_pb(copies: list[ram_yield.Copy]) -> list[ckpt_pb.RamTierSteps]:
 class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
-  def __init__(self, *, host: CheckpointHost, arena_io: ArenaIO, sessions: Sessions,
+  def __init__(self, *, host: Checkpoints, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                slots: Slots | None = None, per_client: bool = False,
                inline: InlineBytes | None = None, tenancy: tenants_lib.Tenancy | None = None):
@@ -267,7 +267,7 @@ class CheckpointService:
             ) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    part = wire.format_part_from_pb(r, wire.STAGE_PARTS)
+    part = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
     shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
                                         _STAGE_VIEWS.get())
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
@@ -295,7 +295,7 @@ class CheckpointService:
     committed = self._host.writer.commit(
         r.tmp_dir, step, r.num_hosts, leaves, sums, r.data_state_json, r.whole_step,
         wire.replicas_from_pb(r.replicas) or None,
-        part=wire.format_part_from_pb(r, wire.COMMIT_PARTS), owner=_session(context))
+        part=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext
@@ -366,10 +366,10 @@ class CheckpointService:
     Only a peer sidecar's session sends one (its handshake carried the peer token): a
     controller's, whatever token it holds, could plant shards a restore would take.
     """
-    if not self._sessions.is_peer(_session(context)):
+    if not self._sessions.is_replica_link(_session(context)):
       raise errors.PermissionDeniedError(
           "Receive: replicas are accepted only from this job's peer sidecars, whose handshake "
-          f"carries the peer token ('{protocol.PEER_KEY}' metadata); this session's did not. "
+          f"carries the peer token ('{protocol.REPLICA_KEY}' metadata); this session's did not. "
           "Give every sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
     first, data = parse_receive(next(requests, b""))
     if not first.HasField("header"):

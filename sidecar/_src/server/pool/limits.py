@@ -183,7 +183,7 @@ class Sessions:
   """Handshake sessions: random tokens, dropped after ``idle_s`` unused, at most ``limit``.
 
   Every use refreshes a session. Each is held by the client that made it (``holder``: its
-  TCP connection, ``peer_of``; over a ``unix:`` socket its process, ``client_ids``), which
+  TCP connection, ``connection_of``; over a ``unix:`` socket its process, ``client_ids``), which
   keeps at most ``per_client``: past it, that
   client's own oldest goes. Past ``limit``, room is made by whoever holds the most,
   oldest first: a client holding more sessions than the new one's client would (a
@@ -218,7 +218,7 @@ class Sessions:
           holder: str | None = None) -> str:
     """A new session; ``peer``: a peer sidecar's, which may send replicas; ``client``: the
     name of the client whose token made it (per-client tokens); ``holder``: the
-    connection it came over (``peer_of``; None: not known, a Unix socket's)."""
+    connection it came over (``connection_of``; None: not known, a Unix socket's)."""
     session = ("p-" if peer else "c-") + secrets.token_hex(16)
     quota = self._quota(client)
     with self._lock:
@@ -353,7 +353,7 @@ class Sessions:
     with self._lock:
       return self._clients.get(session) if isinstance(session, str) else None
 
-  def is_peer(self, session: object) -> bool:
+  def is_replica_link(self, session: object) -> bool:
     """Whether ``session`` is a live peer sidecar's."""
     with self._lock:
       return isinstance(session, str) and session in self._peers
@@ -392,7 +392,7 @@ class Sessions:
       return len(self._last)
 
 
-def peer_of(peer: str) -> str | None:
+def connection_of(peer: str) -> str | None:
   """The client a gRPC peer string names, as ``Sessions`` counts them: a TCP connection
   (``ipv4:127.0.0.1:50412``, address and port); None for a Unix socket's (``unix:``),
   where gRPC names no peer (its clients are the socket's owner and ``--socket-group``)."""

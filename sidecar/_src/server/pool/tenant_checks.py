@@ -16,7 +16,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, registry as formats_lib
 from sidecar._src.core import errors, paths
 from sidecar._src.server.calls import Runner
-from sidecar._src.server.checkpoint.host import CheckpointHost
+from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.pool import (
   quotas as quotas_lib,
   shares as shares_lib,
@@ -50,8 +50,8 @@ class TenantRunner(Runner):
     return super().prepare(request, kind, views=views)
 
 
-class TenantCheckpoints(CheckpointHost):
-  """A :class:`CheckpointHost` that holds each pool tenant to its checkpoint quotas:
+class TenantCheckpoints(Checkpoints):
+  """A :class:`Checkpoints` that holds each pool tenant to its checkpoint quotas:
 
   - ``checkpoint_roots``: it opens and acts in checkpoint directories under those only (the
     sidecar's roots still hold for everyone; the roots in force at each call, so a reload

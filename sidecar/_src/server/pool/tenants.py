@@ -85,14 +85,14 @@ class Pool:
   operator_token_file: str | None = None
   operator_where: str = ""  # where it is named, for messages: FILE:LINE or the flag
 
-  def check_operator(self, peer_token: str | None) -> None:
+  def check_operator(self, replica_token: str | None) -> None:
     """Checks that the operator token is not the sidecars' peer token.
 
     Raises:
       InvalidArgumentError: naming both.
     """
-    if self.operator_token and peer_token and hmac.compare_digest(
-        self.operator_token.encode(), peer_token.encode()):
+    if self.operator_token and replica_token and hmac.compare_digest(
+        self.operator_token.encode(), replica_token.encode()):
       raise errors.InvalidArgumentError(
           f"{self.operator_where}: the operator token ({self.operator_token_file}) is the "
           "sidecars' peer token (--peer-token-file or SIDECAR_PEER_TOKEN): the peer token is "
@@ -188,21 +188,21 @@ def operator_denied(what: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PeerAttach:
+class ReplicaAttach:
   """What a peer sidecar's replica link presents at a worker-socket attach, in the place of
   a tenant's token: the peer token, and the tenant whose replicas its blocks will hold (as
   the sending sidecar authenticated it; "" outside pools). The peer token is not a tenant:
   the blocks count against ``tenant``."""
   PREFIX = "sidecar-peer-attach:"
-  peer_token: str = dataclasses.field(repr=False)
+  replica_token: str = dataclasses.field(repr=False)
   tenant: str = ""
 
   def token(self) -> str:
-    return self.PREFIX + json.dumps({"peer_token": self.peer_token, "tenant": self.tenant})
+    return self.PREFIX + json.dumps({"peer_token": self.replica_token, "tenant": self.tenant})
 
   @classmethod
-  def parse(cls, token: object) -> PeerAttach | None:
-    """The PeerAttach ``token`` is, or None where it is no such thing (a tenant's token)."""
+  def parse(cls, token: object) -> ReplicaAttach | None:
+    """The ReplicaAttach ``token`` is, or None where it is no such thing (a tenant's token)."""
     if not isinstance(token, str) or not token.startswith(cls.PREFIX):
       return None
     try:
@@ -235,13 +235,13 @@ class Tenancy:
 
   Args:
     pool: the tenants; None: no authentication (every session is nobody's).
-    peer_token: what the job's other sidecars prove at a worker-socket attach (their
-      replica links, :class:`PeerAttach`); None: no sidecar's link is taken there.
+    replica_token: what the job's other sidecars prove at a worker-socket attach (their
+      replica links, :class:`ReplicaAttach`); None: no sidecar's link is taken there.
   """
 
-  def __init__(self, pool: Pool | None, *, peer_token: str | None = None):
+  def __init__(self, pool: Pool | None, *, replica_token: str | None = None):
     self._lock = threading.Lock()
-    self._peer = peer_token
+    self._replica_token = replica_token
     self._pool = pool
     self._tenants: dict[str, Tenant] = pool.by_name() if pool else {}
     self._workers: dict[str, str] = {}  # worker session -> tenant
@@ -298,14 +298,14 @@ class Tenancy:
 
     Raises:
       AuthenticationError: with a pool file, a worker with no token or a wrong one, whose
-        user no tenant names; a peer sidecar's link (:class:`PeerAttach`) with a wrong peer
+        user no tenant names; a peer sidecar's link (:class:`ReplicaAttach`) with a wrong peer
         token or a tenant not in the pool.
     """
     with self._lock:
       pool = self._pool
-    peer = PeerAttach.parse(token)
+    peer = ReplicaAttach.parse(token)
     if peer is not None:
-      return self._peer_tenant(peer, pool)
+      return self._replica_tenant(peer, pool)
     if pool is None:
       return None
     if pool.operator_token and isinstance(token, str) and hmac.compare_digest(
@@ -338,13 +338,13 @@ class Tenancy:
           "for the sending sidecar)")
     return None
 
-  def _peer_tenant(self, peer: PeerAttach, pool: Pool | None) -> str | None:
+  def _replica_tenant(self, peer: ReplicaAttach, pool: Pool | None) -> str | None:
     """The tenant a peer sidecar's replica link attaches for, once its peer token holds."""
-    if self._peer is None or not hmac.compare_digest(
-        peer.peer_token.encode(errors="replace"), self._peer.encode()):
+    if self._replica_token is None or not hmac.compare_digest(
+        peer.replica_token.encode(errors="replace"), self._replica_token.encode()):
       raise errors.AuthenticationError(
           "the sidecars' replica link was refused at this worker socket: its peer token is "
-          + ("not this sidecar's" if self._peer else "set, this sidecar has none")
+          + ("not this sidecar's" if self._replica_token else "set, this sidecar has none")
           + "; give every sidecar of the job the same --peer-token-file (or "
           "SIDECAR_PEER_TOKEN)")
     if not peer.tenant:
@@ -442,15 +442,15 @@ class Tokens:
     self.revoked_tls: dict[str, str] = {}  # certificate name -> why
 
   @staticmethod
-  def of(pool: Pool | None, peer_token: str | None) -> Tokens:
+  def of(pool: Pool | None, replica_token: str | None) -> Tokens:
     """The tokens of ``pool`` (None: none; then nothing is asked), the peers' token (client
     ""), and the pool's operator token (client ``OPERATOR``)."""
     if pool is None:
       return Tokens({}, named=False)
     named = pool.quotas or any(t.name for t in pool.tenants)
     table = {f"Bearer {t.token}".encode(): t.name for t in pool.tenants if t.token}
-    if named and peer_token:  # the peer sidecars authenticate with theirs
-      table[f"Bearer {peer_token}".encode()] = ""
+    if named and replica_token:  # the peer sidecars authenticate with theirs
+      table[f"Bearer {replica_token}".encode()] = ""
     if pool.operator_token:
       table[f"Bearer {pool.operator_token}".encode()] = OPERATOR
     return Tokens(table, named=named,

@@ -16,7 +16,7 @@ Schemas catch malformed fields (:mod:`schemas`); this module checks what they mi
 - a pod of several ranks (``torchrun --nproc-per-node P``) gives each its share of the
   arena (``SIDECAR_SESSION_QUOTA``);
 - the discovery env agrees with the JobSet (hosts per slice, ports, DNS hostnames);
-- ``sidecar.distributed.initialize()`` can resolve jax.distributed from the trainer's env:
+- ``sidecar.jax.initialize()`` can resolve jax.distributed from the trainer's env:
   each pod's process id comes from its JobSet annotations, the process count is slices times
   hosts per slice, and the trainer declares the coordinator port.
 
@@ -50,7 +50,7 @@ ARENA_OVERHEAD = 1024 * 2**20
 MIN_GRACE_SECONDS = 60
 _PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 DEFAULT_COORDINATOR_PORT = 8476
-_INITIALIZE = "sidecar.distributed.initialize()"
+_INITIALIZE = "sidecar.jax.initialize()"
 _DISCOVERY_ENV = ("SIDECAR_JOBSET_NAME", "SIDECAR_REPLICATED_JOB", "SIDECAR_NUM_SLICES",
                   "SIDECAR_HOSTS_PER_SLICE")
 # What initialize() derives each variable from when it is unset.

@@ -27,7 +27,7 @@ from sidecar._src.tools.k8s import quantity
 SOCKET_DIR = "/run/sidecar"
 IMAGE_UID = "1000"  # the image's sidecar user (Dockerfile: USER 1000:1000)
 TOKEN_DIR = "/var/run/secrets/sidecar"
-PEER_TOKEN_DIR = "/var/run/secrets/sidecar-peer"  # the sidecar's alone: only peers send replicas
+REPLICA_TOKEN_DIR = "/var/run/secrets/sidecar-peer"  # the sidecar's alone: only peers send replicas
 # The sidecar's checkpoint root (SIDECAR_CHECKPOINT_ROOTS): mount the checkpoint volume here.
 CHECKPOINT_ROOT = "/ckpt"
 ARENA_OVERHEAD = 1024 * 2**20
@@ -251,7 +251,7 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_SHM_SIZE", "value": options.shm_size},
           {"name": "SIDECAR_IMPORTS", "value": ",".join(options.imports)},
           {"name": "SIDECAR_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
-          {"name": "SIDECAR_PEER_TOKEN_FILE", "value": f"{PEER_TOKEN_DIR}/token"},
+          {"name": "SIDECAR_PEER_TOKEN_FILE", "value": f"{REPLICA_TOKEN_DIR}/token"},
           # The job's sidecars (the JobSet's pods), the only places it sends replicas to.
           *_jobset_env(options),
           # Beyond loopback the sidecar requires the token above.
@@ -270,7 +270,7 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
       "securityContext": dict(_RESTRICTED, readOnlyRootFilesystem=True),
       "volumeMounts": [_mounts()[0], {"name": "sidecar-tmp", "mountPath": "/tmp"},
                        *_mounts()[1:], {"name": "sidecar-peer-token",
-                                        "mountPath": PEER_TOKEN_DIR, "readOnly": True}],
+                                        "mountPath": REPLICA_TOKEN_DIR, "readOnly": True}],
   }
 
 
@@ -308,7 +308,7 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
           *_jobset_env(options),
           {"name": "SIDECAR_PORT", "value": str(options.port)},
           {"name": "SIDECAR_HEALTH_PORT", "value": str(options.health_port)},
-          # For sidecar.distributed.initialize(): process id and coordinator.
+          # For sidecar.jax.initialize(): process id and coordinator.
           _field_env("SIDECAR_SLICE_ID", "metadata.annotations['jobset.sigs.k8s.io/job-index']"),
           _field_env("SIDECAR_HOST_ID",
                      "metadata.annotations['batch.kubernetes.io/job-completion-index']"),

@@ -22,7 +22,7 @@ waits until every one serves (one that fails to start fails the job at once, nam
 node, task and last log lines), runs CMD as the trainer step (--ntasks-per-node tasks per
 node, each in equal shares beside its node's sidecars, with the environment of `sidecar
 launch`: SIDECAR_ADDRESS, SIDECAR_HOSTS, SIDECAR_PROCESS_ID, ... so that
-sidecar.distributed.initialize() and sidecar.Controller.from_env() need nothing else), and
+sidecar.jax.initialize() and sidecar.jax.Controller.from_env() need nothing else), and
 when the trainers end, fail, or the job is cancelled, stops every step and removes what
 it wrote in the job's rendezvous directory ($SIDECAR_HOME/slurm/JOB_ID, with its 0600 token
 file), and the directory if it made it. SIDECAR_SLURM_DIR may name another: a path that does
@@ -134,7 +134,7 @@ def _add_service(commands: argparse._SubParsersAction) -> None:
       description="Submit a service job that keeps an array job of sidecars running (one "
                   "task per node, requeued when it fails) and writes "
                   "$SIDECAR_HOME/NAME/cluster.env once --min-nodes of them serve. Clients "
-                  "connect with sidecar.Controller.from_cluster_file(PATH) or from_env() "
+                  "connect with sidecar.jax.Controller.from_cluster_file(PATH) or from_env() "
                   "with SIDECAR_CLUSTER_FILE=PATH.")
   p.add_argument("--name", required=True, help="the service's name")
   p.add_argument("--nodes", type=int, default=1, help="nodes (array tasks) of sidecars")

@@ -291,7 +291,7 @@ def settled(read, *, quiet: float = 0.3, timeout: float = 10.0):
 def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monkeypatch):
   """Parts go to the sidecars while the trainer copies; a copy that fails aborts them."""
   from sidecar._src.controller.checkpoint import staging
-  monkeypatch.setattr(staging, "STAGE_PART_BYTES", 1)  # every shard its own part
+  monkeypatch.setattr(staging, "STAGE_LOT_BYTES", 1)  # every shard its own part
   state = make_state()
   arena_used = lambda ctl: sorted(s.arena_used for s in ctl.status())
   with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:

@@ -104,7 +104,7 @@ def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_
         import jax, jax.numpy as jnp, numpy as np
         import sidecar
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        ctl = sidecar.Controller({c.addresses!r})
+        ctl = sidecar.jax.Controller({c.addresses!r})
         sh = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), P("data"))
         ckpt = ctl.checkpointer({str(tmp_path / "ck")!r})
         ckpt.save(1, {{"w": jax.device_put(jnp.ones((256, 128)), sh)}}).durable.result(60)

@@ -61,7 +61,7 @@ def test_three_hosts_lose_one_then_two(tmp_path):
       path.unlink()
     cluster.kill(0)
     # Reopened as the job opened it: a reopen keeps only its ram_steps (issue 45).
-    with sidecar.Controller(cluster.addresses[1:]) as ctl:
+    with sidecar.jax.Controller(cluster.addresses[1:]) as ctl:
       with ctl.checkpointer(directory, ram_steps=2) as ckpt:
         restored = ckpt.restore(2, target=target_on(devices[1:], state))
         assert_same(restored, state)
@@ -73,7 +73,7 @@ def test_three_hosts_lose_one_then_two(tmp_path):
         assert sum(stats.bytes.values()) == sum(np.asarray(x).nbytes
                                                 for x in jax.tree.leaves(state))
     cluster.kill(1)
-    with sidecar.Controller(cluster.addresses[2:]) as ctl:
+    with sidecar.jax.Controller(cluster.addresses[2:]) as ctl:
       with ctl.checkpointer(directory, ram_steps=2) as ckpt:
         restored = ckpt.restore(1, target=target_on(devices[2:], state))
         assert_same(restored, state)  # hosts 0 and 1's shards from storage
@@ -115,7 +115,7 @@ def test_two_hosts_replicate_and_a_peer_killed_mid_replication(tmp_path):
       assert ckpt.all_steps() == [1, 2]
     maps = pathlib.Path(f"/proc/{cluster.pid(0)}/maps")  # host 0 maps only its own arena again
     assert eventually(lambda: maps.read_text().count("memfd:sidecar-arena") == 1, 10)
-    with sidecar.Controller(cluster.addresses[:1]) as ctl:
+    with sidecar.jax.Controller(cluster.addresses[:1]) as ctl:
       with ctl.checkpointer(directory) as ckpt:
         assert_same(ckpt.restore(2, target=target_on(devices[:1], state)), state)
         assert "ram:host0" in ckpt.last_restore_stats().shards
@@ -142,12 +142,12 @@ def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp
 
 def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkeypatch, caplog):
   """A controller that maps no arena reads RAM-tier shards inline, in parts of at most
-  READ_PART_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
+  READ_PIECE_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
   replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
-  monkeypatch.setattr(checkpoint_restore, "READ_PART_BYTES", 4096)
+  monkeypatch.setattr(checkpoint_restore, "READ_PIECE_BYTES", 4096)
   parts = []
-  read_parts = checkpoint_restore.ShardReads._read_parts
-  monkeypatch.setattr(checkpoint_restore.ShardReads, "_read_parts",
+  read_parts = checkpoint_restore.ShardReads._read_pieces
+  monkeypatch.setattr(checkpoint_restore.ShardReads, "_read_pieces",
                       lambda self, *a: parts.append(a[5]) or read_parts(self, *a))
   directory = tmp_path / "ck"
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
@@ -166,7 +166,7 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
       assert sorted(parts) == [0, 1]  # one parted read per half of "w", from its own host
       cluster.kill(1)
     parts.clear()
-    with sidecar.Controller(cluster.addresses[:1], attach=False) as ctl:
+    with sidecar.jax.Controller(cluster.addresses[:1], attach=False) as ctl:
       with ctl.checkpointer(directory, replicas=1) as ckpt:  # 1 host left: no peer to use
         restored = ckpt.restore(1, target=target_on(devices[:1], state))
         assert_same(restored, state)
@@ -198,7 +198,7 @@ def test_replica_bandwidth_paces_the_sending(tmp_path, shared_memory):
         assert time.monotonic() - t0 >= 0.5  # the sleeps alone take 0.75 s from its start
       assert held_replicas(ctl, tmp_path / "ck") == {0: {1: [1]}, 1: {0: [1]}}
       cluster.kill(1)
-    with (sidecar.Controller(cluster.addresses[:1]) as ctl,
+    with (sidecar.jax.Controller(cluster.addresses[:1]) as ctl,
           ctl.checkpointer(tmp_path / "ck") as ckpt):
       assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
       assert "replica:host0" in ckpt.last_restore_stats().shards
@@ -223,7 +223,7 @@ def test_corrupt_chunk_files_restore_from_memory_over_grpc(tmp_path):
         f.seek(0)
         f.write(bytes([b[0] ^ 0xFF]))
     cluster.kill(1)
-    with sidecar.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(directory) as ckpt:
+    with sidecar.jax.Controller(cluster.addresses[:1]) as ctl, ctl.checkpointer(directory) as ckpt:
       assert_same(ckpt.restore(1, target=target_on(devices[:1], state)), state)
       assert set(ckpt.last_restore_stats().shards) == {"ram:host0", "replica:host0"}
 

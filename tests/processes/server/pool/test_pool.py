@@ -53,7 +53,7 @@ KILLED_MID_SAVE = """
 import sys, time
 import numpy as np
 import sidecar
-ctl = sidecar.Controller(sys.argv[2:], timeout=30)
+ctl = sidecar.jax.Controller(sys.argv[2:], timeout=30)
 ckpt = ctl.checkpointer(sys.argv[1])
 ckpt.save(99, {"w": np.ones(2 << 20, np.float32)}).staged.result(30)
 print("staged", flush=True)
@@ -108,7 +108,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
     bob = _controller(cluster, monkeypatch, "bob")
     carol = _controller(cluster, monkeypatch, "carol")
     # Not attached: its calls' arrays travel inline, not through the arena.
-    inline = sidecar.Controller(cluster.addresses, token=TOKENS["carol"], attach=False,
+    inline = sidecar.jax.Controller(cluster.addresses, token=TOKENS["carol"], attach=False,
                                 timeout=20)
     reference = _batches(alice)
     _well_behaved(alice, bob, reference, tmp_path, 1)

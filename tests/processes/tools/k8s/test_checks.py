@@ -160,16 +160,16 @@ PLANTED = [
      r"parallelism: is 2 but completions is 4; every host of a slice runs at once"),
     ("discovery-env-missing",
      lambda j: _drop_env(j, "trainer", "SIDECAR_JOBSET_NAME"),
-     r"SIDECAR_JOBSET_NAME is not set; discovery and sidecar\.distributed\.initialize\(\) need "
+     r"SIDECAR_JOBSET_NAME is not set; discovery and sidecar\.jax\.initialize\(\) need "
      r"it"),
-    # sidecar.distributed.initialize(): process ids and the coordinator.
+    # sidecar.jax.initialize(): process ids and the coordinator.
     ("trainer-without-slice-id",
      lambda j: _drop_env(j, "trainer", "SIDECAR_SLICE_ID"),
-     r"containers\[0\]\.env: SIDECAR_SLICE_ID is not set; sidecar\.distributed\.initialize\(\) "
+     r"containers\[0\]\.env: SIDECAR_SLICE_ID is not set; sidecar\.jax\.initialize\(\) "
      r"needs it"),
     ("slice-id-literal",
      lambda j: _set_env(j, "trainer", "SIDECAR_SLICE_ID", "0"),
-     r"env\[SIDECAR_SLICE_ID\]: is '0'; sidecar\.distributed\.initialize\(\) derives the process "
+     r"env\[SIDECAR_SLICE_ID\]: is '0'; sidecar\.jax\.initialize\(\) derives the process "
      r"id from it, so take it from the downward API: fieldPath "
      r"metadata\.annotations\['jobset\.sigs\.k8s\.io/job-index'\]"),
     ("host-id-from-the-job-index",
@@ -199,7 +199,7 @@ PLANTED = [
      r"env\[SIDECAR_COORDINATOR_PORT\]: is 8490, which the sidecar in the same pod serves on"),
     ("hosts-listed-dns-off-coordinator-derived",
      _list_hosts_without_dns,
-     r"spec\.network\.enableDNSHostnames: is false; sidecar\.distributed\.initialize\(\) reaches "
+     r"spec\.network\.enableDNSHostnames: is false; sidecar\.jax\.initialize\(\) reaches "
      r"the coordinator at the JobSet hostname of slice 0 host 0"),
     ("hosts-listed-hosts-per-slice-stale",
      lambda j: (_list_hosts_without_dns(j),

@@ -3,7 +3,7 @@
 For each pod of each JobSet (every overlay, and `sidecar k8s render` output) the test builds
 the metadata JobSet and the Indexed Job give that pod, resolves the trainer's env through the
 downward API as the kubelet would, and applies the contract of
-``sidecar.distributed.initialize()`` to it. The contract is written out here, not imported, so
+``sidecar.jax.initialize()`` to it. The contract is written out here, not imported, so
 that these manifests are pinned to it on their own:
 
 - ``SIDECAR_COORDINATOR_ADDRESS``, else

@@ -100,7 +100,7 @@ def test_a_service_serves_a_client_through_a_requeue_and_stops_clean(slurm, tmp_
   with pytest.raises(sidecar.DiscoveryError,
                      match=f"cluster file {stale} names Slurm job {job} \\(service 'svc'\\), "
                            "which is gone"):
-    sidecar.Controller.from_cluster_file(str(stale))
+    sidecar.jax.Controller.from_cluster_file(str(stale))
 
 
 def hosts_of(cluster_file) -> list[str]:
@@ -177,17 +177,17 @@ def test_a_service_serves_a_pool_of_tenants(slurm, tmp_path):
     assert spec["pool"] == pool
     (entry,) = hosts_of(cluster_file)
     host = entry.rsplit(":", 1)[0]  # host:port (its health port after)
-    with sidecar.Controller([host], token=pool_files.ALICE, attach=False, timeout=30) as ctl:
+    with sidecar.jax.Controller([host], token=pool_files.ALICE, attach=False, timeout=30) as ctl:
       assert ctl.call("add", args=(1,), kwargs={"b": 2}) == [3]
     service_token = (home / "pool" / "token").read_text().strip()
     with pytest.raises(sidecar.AuthenticationError):
-      sidecar.Controller([host], token=service_token, attach=False, timeout=30)
+      sidecar.jax.Controller([host], token=service_token, attach=False, timeout=30)
     # Issue 42's gap (e): the service makes the pool's operator token, kept as the
     # tenants' (0600, in its directory), and gives it to every sidecar: it reads each
     # tenant's row, which the peer token (all status had before) no longer sees.
     operator = home / "pool" / "operator-token"
     assert operator.stat().st_mode & 0o777 == 0o600
-    with sidecar.Controller([host], token=operator.read_text().strip(), attach=False,
+    with sidecar.jax.Controller([host], token=operator.read_text().strip(), attach=False,
                             timeout=30) as op:
       assert sorted(t.name for t in op.status()[0].tenants) == ["alice", "bob"]
     shown = cli(slurm, env, "status", "pool", check=False)

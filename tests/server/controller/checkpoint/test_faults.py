@@ -25,7 +25,7 @@ def test_a_save_that_fails_on_a_full_disk_releases_everything_and_the_next_save_
   def state(value):
     return {"w": jax.device_put(jnp.full((256, 128), value, jnp.float32), one),
             "n": np.arange(4) + int(value)}
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
       ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
     ckpt.save(1, state(1.0)).durable.result(60)
     held = server.leases.allocator.used_bytes  # step 1 in the RAM tier
@@ -60,7 +60,7 @@ def test_a_chunk_write_that_fails_with_an_os_error_is_a_checkpoint_write_error(
   server = make_server(shm_size=16 << 20, device_ids=(0,))
   one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
   state = {"w": jax.device_put(jnp.ones((256, 128), jnp.float32), one)}
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
       ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
     monkeypatch.setattr(direct_io.os, "pwrite", onto_a_full_disk)  # the in-process sidecar's
     with pytest.raises(sidecar.CheckpointWriteError) as raised:

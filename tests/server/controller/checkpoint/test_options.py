@@ -14,7 +14,7 @@ pytestmark = pytest.mark.server
 def test_the_checkpointer_keeps_the_steps_its_options_say(make_server, tmp_path):
   server = make_server(shm_size=16 << 20)
   state = {"w": np.arange(1024, dtype=np.float32)}
-  with sidecar.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     with pytest.raises(sidecar.InvalidArgumentError,
                        match=r"give either options=CheckpointOptions\(...\) or .*max_to_keep"):
       ctl.checkpointer(tmp_path / "ck", max_to_keep=3, options=CheckpointOptions())

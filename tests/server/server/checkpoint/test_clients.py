@@ -23,10 +23,10 @@ TOKEN = "s3cret"
 
 
 def controller(server, **kw):
-  return sidecar.Controller([f"127.0.0.1:{server.port}"], token=TOKEN, timeout=10, **kw)
+  return sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token=TOKEN, timeout=10, **kw)
 
 
-def saved(server, directory, value: float) -> sidecar.Controller:
+def saved(server, directory, value: float) -> sidecar.jax.Controller:
   """A victim controller that saved step 1 of ``{"w": [value] * 1024}`` in ``directory``."""
   ctl = controller(server)
   with ctl.checkpointer(directory) as ckpt:
@@ -144,13 +144,13 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
 # ---- peer replicas: only from peer sidecars, checked, never silently dropped ------------
 
 
-def handshake(server, *, peer_token: str | None = None) -> tuple[grpc.Channel, list]:
+def handshake(server, *, replica_token: str | None = None) -> tuple[grpc.Channel, list]:
   """A channel and the metadata of a fresh session on ``server`` (a peer's, with
-  ``peer_token``)."""
+  ``replica_token``)."""
   channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
   auth = [(protocol.AUTH_KEY, f"Bearer {TOKEN}")]
-  if peer_token is not None:
-    auth.append((protocol.PEER_KEY, f"Bearer {peer_token}"))
+  if replica_token is not None:
+    auth.append((protocol.REPLICA_KEY, f"Bearer {replica_token}"))
   reply = channel.unary_unary(
       f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
       response_deserializer=pb.HandshakeResponse.FromString)(
@@ -196,13 +196,13 @@ def test_a_controller_cannot_plant_a_replica(make_server, tmp_path):
   assert "--peer-token-file" in info.value.details()
   channel.close()
   for wrong in ("nope", PEER_TOKEN + "x"):  # a wrong peer token makes no peer either
-    channel, metadata = handshake(servers[1], peer_token=wrong)
+    channel, metadata = handshake(servers[1], replica_token=wrong)
     with pytest.raises(grpc.RpcError, match="accepted only from this job's peer sidecars"):
       receive(channel, metadata, replica(directory, np.full(1024, 666.0, np.float32)))
     channel.close()
   assert held_replicas(servers[1], directory) == {}
   state = {"w": np.full(1024, 1.0, np.float32)}
-  with sidecar.Controller([f"127.0.0.1:{s.port}" for s in servers], token=TOKEN,
+  with sidecar.jax.Controller([f"127.0.0.1:{s.port}" for s in servers], token=TOKEN,
                           timeout=10) as ctl, ctl.checkpointer(directory, replicas=1) as ckpt:
     handle = ckpt.save(1, state)
     assert handle.durable.result(30) == 1 and handle.replicated.result(30) == 1
@@ -219,7 +219,7 @@ def test_a_replica_is_checked_against_its_senders_crc32c_and_a_resend_replaces_i
   from tests.conftest import PEER_TOKEN
   server = make_server(token=TOKEN, host_id=1)
   directory = tmp_path / "ck"
-  channel, metadata = handshake(server, peer_token=PEER_TOKEN)
+  channel, metadata = handshake(server, replica_token=PEER_TOKEN)
   first, second = np.full(1024, 1.0, np.float32), np.full(1024, 2.0, np.float32)
   with pytest.raises(grpc.RpcError) as info:  # bytes that are not what the sender summed
     receive(channel, metadata, replica(directory, second, crc32c=12345))
@@ -264,10 +264,10 @@ def test_with_per_client_tokens_a_client_sees_and_reads_only_its_own_checkpoints
   server = make_server(client_tokens=CLIENTS)
   mine, theirs = tmp_path / "alice", tmp_path / "bob"
   state = {"w": np.full(1024, 1.0, np.float32)}
-  alice = sidecar.Controller([f"127.0.0.1:{server.port}"], token="alice-s3cret", timeout=10)
+  alice = sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token="alice-s3cret", timeout=10)
   with alice.checkpointer(mine) as ckpt:
     assert ckpt.save(1, state).durable.result(30) == 1
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], token="bob-s3cret", timeout=10,
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token="bob-s3cret", timeout=10,
                           attach=False) as bob:
     with bob.checkpointer(theirs) as ckpt:
       assert ckpt.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30) == 1
@@ -291,7 +291,7 @@ def test_with_per_client_tokens_a_client_sees_and_reads_only_its_own_checkpoints
   alice.close()
   # A token not in the file, or the shared mode's absent token: nothing at all.
   with pytest.raises(sidecar.SidecarError):
-    sidecar.Controller([f"127.0.0.1:{server.port}"], token="s3cret", connect_timeout=5)
+    sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token="s3cret", connect_timeout=5)
 
 
 def test_a_pool_tenant_is_told_about_its_pool_file_not_client_tokens(make_server, tmp_path):

@@ -37,7 +37,7 @@ def saved(make_server, tmp_path):
   server = make_server()
   directory = tmp_path / "ck"
   w = np.arange(1, N + 1, dtype=np.float32)
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     assert ctl.worker(0) is not None
     with ctl.checkpointer(str(directory)) as ckpt:
       assert ckpt.save(1, {"w": w}).durable.result(30) == 1

@@ -72,7 +72,7 @@ def test_replicate_dials_only_the_sidecars_own_hosts(make_server, tmp_path):
   directory = tmp_path / "ck"
   final_dir = str(directory / "1" / "default")
   try:
-    with sidecar.Controller([s.address for s in servers], token=TOKEN, attach=False,
+    with sidecar.jax.Controller([s.address for s in servers], token=TOKEN, attach=False,
                             timeout=10) as ctl, ctl.checkpointer(directory, replicas=0,
                                                                  ram_steps=2) as ckpt:
       for step in (1, 2):
@@ -202,7 +202,7 @@ def test_a_refused_link_says_it_is_the_sidecars_own(make_server, tmp_path):
 
 def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_server, tmp_path):
   """Issue 42's gap (c): ``Receive`` took the header's tenant on trust while its blocks came
-  over a worker session the sender attached (``PeerAttach``) for another tenant: a replica
+  over a worker session the sender attached (``ReplicaAttach``) for another tenant: a replica
   of bob's blocks was kept as alice's. Now it is PERMISSION_DENIED naming both, and nothing
   is kept; the same link sending for its own tenant is received."""
   server = make_server(pool=pool_files.write_pool(tmp_path), shm_size=64 * MiB)
@@ -211,7 +211,7 @@ def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_se
   shard = ShardId(("w",), ((0, 1024),))
   header = ReplicaHeader(directory=str(tmp_path / "alice" / "ck"), step=1,
                          final_dir=str(tmp_path / "alice" / "ck" / "1" / "default"), source=7)
-  with links_lib.ReplicaLink(peer, token=PEER_TOKEN, peer_token=PEER_TOKEN, tenant="bob",
+  with links_lib.ReplicaLink(peer, token=PEER_TOKEN, replica_token=PEER_TOKEN, tenant="bob",
                              timeout=10) as link:
     assert link.same_machine  # the blocks go through bob's arena there
     link.tenant = "alice"  # the header names another tenant than the attach did

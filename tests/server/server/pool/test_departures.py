@@ -112,7 +112,7 @@ def test_a_closed_controllers_sessions_go_back_at_once(make_server, tmp_path):
   with controller(server, ALICE), controller(server, BOB) as b:
     assert server.sessions.count_of() == {"alice": 1, "bob": 1}
     alices = [s for s in list(server.sessions._last) if server.sessions.client(s) == "alice"]
-    conn = next(iter(b._hosts.conns.values()))
+    conn = next(iter(b._sidecars.conns.values()))
     leave = conn._channel.unary_unary(f"/{protocol.SERVICE}/Leave")
     for session in (*alices, "s-nobody"):  # bob's token, alice's session: it stays
       leave(pb.LeaveRequest().SerializeToString(), timeout=5,

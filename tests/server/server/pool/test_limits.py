@@ -185,7 +185,7 @@ def test_streams_that_never_send_a_credit_starve_nobody(make_server):
         e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "its limit (max_streams=16)"
         in e.details() for e in errors_b[8:])
     # With 16 streams holding their threads: a new controller's handshake, calls, status.
-    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
                             timeout=10) as ctl:
       assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
       assert ctl.status()[0].workers == 1
@@ -232,31 +232,31 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
   the sidecar dropped is made again by the Controller itself, for a call, a checkpoint rpc
   or a stream."""
   live = make_server(max_sessions=64)  # session_evict_s: 60 s, longer than the flood
-  with sidecar.Controller([f"127.0.0.1:{live.port}"], timeout=10) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{live.port}"], timeout=10) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
-    session = ctl._hosts.conns[0].metadata
+    session = ctl._sidecars.conns[0].metadata
     flood = Raw(live.port)
     handshake = flood.channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)
     for _ in range(200):  # none refused: the flood's own oldest sessions make room
       handshake(pb.HandshakeRequest(versions=protocol.local_versions()), timeout=10)
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # still its own session
-    assert ctl._hosts.conns[0].metadata == session
+    assert ctl._sidecars.conns[0].metadata == session
     flood.close()
   quick = make_server(max_sessions=64)
   # Not attached: its calls go over gRPC, in its session (a Worker's go over its socket).
-  with sidecar.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{quick.port}"], timeout=10, attach=False) as ctl:
 
     def evicted() -> None:
       """Its session dropped by the sidecar (as one idle for session_idle_s is), a
       second after the last renewal (one renewal serves the calls of a second)."""
       time.sleep(1.1)
-      assert quick.sessions.end(dict(ctl._hosts.conns[0].metadata)[protocol.SESSION_KEY])
+      assert quick.sessions.end(dict(ctl._sidecars.conns[0].metadata)[protocol.SESSION_KEY])
 
-    session = ctl._hosts.conns[0].metadata
+    session = ctl._sidecars.conns[0].metadata
     evicted()
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]  # handshook again, by itself
-    assert ctl._hosts.conns[0].metadata != session
+    assert ctl._sidecars.conns[0].metadata != session
     evicted()
     (future,) = ctl.call_async("add", args=(2,), kwargs={"b": 3})
     assert future.result(10) == 5
@@ -266,11 +266,11 @@ def test_a_handshake_flood_evicts_no_live_session_and_a_controller_handshakes_ag
     assert opened.result(timeout=10) == []  # a checkpoint rpc too
     # A stream over gRPC too (a controller that maps no arena; a Worker's stream, over
     # its socket, needs no handshake session).
-    session = ctl._hosts.conns[0].metadata
+    session = ctl._sidecars.conns[0].metadata
     evicted()
     with ctl.stream("echo_items", args=(7, 3), timeout=10) as s:
       assert list(s) == [7, 7, 7]
-    assert ctl._hosts.conns[0].metadata != session
+    assert ctl._sidecars.conns[0].metadata != session
 
 
 def test_a_flood_of_handshakes_over_one_or_several_connections_locks_no_client_out(
@@ -291,7 +291,7 @@ def test_a_flood_of_handshakes_over_one_or_several_connections_locks_no_client_o
       for _ in range(600 if i == 0 else 40):  # none refused; 4 x 32 fill the table
         handshake(request, metadata=auth, timeout=10)
     assert len(server.sessions) == 128
-    with sidecar.Controller([target], token="t", timeout=10, attach=False) as ctl:
+    with sidecar.jax.Controller([target], token="t", timeout=10, attach=False) as ctl:
       assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
   finally:
     for channel in channels:
@@ -308,9 +308,9 @@ def test_a_unix_clients_flood_evicts_its_own_sessions_by_process(make_server, tm
   path = tmp_path / "g.sock"
   server = make_server(listen=f"unix:{path}", token="t", max_sessions=48,
                        max_sessions_per_client=16)
-  with sidecar.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as ctl, \
+  with sidecar.jax.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as ctl, \
       ipc.Pinned(str(path), timeout=10) as pin:
-    mine = dict(ctl._hosts.conns[0].metadata)[protocol.SESSION_KEY]
+    mine = dict(ctl._sidecars.conns[0].metadata)[protocol.SESSION_KEY]
     channel = grpc.insecure_channel(pin.target, options=ipc.PINNED_CHANNEL_OPTIONS)
     handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
                                     request_serializer=pb.HandshakeRequest.SerializeToString)
@@ -321,7 +321,7 @@ def test_a_unix_clients_flood_evicts_its_own_sessions_by_process(make_server, tm
         handshake(request, metadata=auth, timeout=10)  # none refused
       assert server.sessions.touch(mine)  # the Controller's (its process's) was kept
       assert len(server.sessions) == 1 + 16
-      with sidecar.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as other:
+      with sidecar.jax.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as other:
         assert other.call("add", args=(2,), kwargs={"b": 3}) == [5]
       ticket = ipc.fetch_ticket(pin, timeout=10)
       assert ticket is not None and ticket.startswith(f"{os.getpid()}.")
@@ -363,7 +363,7 @@ def frame(data: bytes) -> bytes:
 
 
 def still_serves(server) -> None:
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     big = np.arange(1 << 14, dtype=np.float32)
     np.testing.assert_array_equal(ctl.call("echo", args=(big,))[0], big)  # through the arena
 
@@ -410,7 +410,7 @@ def test_worker_socket_connections_are_capped(make_server):
   def attaches():
     if not attached:
       try:
-        with sidecar.Worker(server.options.socket_path, timeout=10) as w:
+        with sidecar.jax.Worker(server.options.socket_path, timeout=10) as w:
           attached.append(float(w.put(np.ones(8))[0].sum()))
       except sidecar.ResourceExhaustedError:
         pass
@@ -465,7 +465,7 @@ def test_slow_calls_of_one_session_starve_neither_handshakes_nor_other_sessions(
     # Another session's call runs; handshakes and status get a thread.
     third = other._call.future(gate, metadata=other.metadata, timeout=60)
     assert eventually(lambda: sidecar_fns.waiting("calls") == 3, timeout=10)
-    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
                             timeout=10) as ctl:
       assert ctl.status()[0].identity.host_id == 0
       # Every call thread is taken now: a fourth is told so at once, not queued.
@@ -488,7 +488,7 @@ def test_many_calls_at_once_from_one_controller_queue_instead_of_being_refused(m
   from sidecar._src.controller.connection import CALLS_IN_FLIGHT
   from tests.support import sidecar_fns
   server = make_server()  # 32 threads: one session may run 16 calls, then is refused
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
                           timeout=30) as ctl:
     try:
       futures = [ctl.call_async("wait_gate", args=("window",))[0] for _ in range(40)]
@@ -529,7 +529,7 @@ def test_many_threads_calling_one_host_at_once_queue_instead_of_being_refused(ma
   from sidecar._src.controller.connection import CALLS_IN_FLIGHT
   from tests.support import sidecar_fns
   server = make_server()
-  with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
                           timeout=30) as ctl, concurrent.futures.ThreadPoolExecutor(24) as pool:
     try:
       futures = [pool.submit(ctl.call, "wait_gate", args=("threads",)) for _ in range(24)]
@@ -547,7 +547,7 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
   from sidecar._src.server.pool.limits import CHECKPOINT_THREADS
   from tests.conftest import PEER_TOKEN
   server = make_server()
-  raws = [Raw(server.port, peer_token=PEER_TOKEN) for _ in range(3)]  # peers: they may
+  raws = [Raw(server.port, replica_token=PEER_TOKEN) for _ in range(3)]  # peers: they may
   stop = threading.Event()
 
   def silent():  # a Receive stream that never sends its header
@@ -568,7 +568,7 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
         c.result()
       assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
       assert "checkpoint rpcs" in e.value.details()
-    with sidecar.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], connect_timeout=10,
                             timeout=10) as ctl:  # every checkpoint thread is taken
       assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
       assert ctl.status()[0].identity.host_id == 0

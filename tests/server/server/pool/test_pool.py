@@ -154,7 +154,7 @@ def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp
   theirs = alice.stream("slow_count", args=(1000, 0.01))
   stream = bob.stream("slow_count", args=(1000, 0.01))
   assert [next(stream), next(stream), next(theirs)] == [0, 1, 0]
-  session = alice._hosts.conns[0].metadata
+  session = alice._sidecars.conns[0].metadata
   path = pool_server.options.pool
   with open(path, "w") as f:
     f.write("tenants: [{name: alice, token_file: alice.token, colour: red}]\n")
@@ -180,7 +180,7 @@ def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp
   assert next(theirs) == 1  # alice's runs on
   theirs.close()
   stream.close()
-  assert alice.call("add", args=(1,)) == [1] and alice._hosts.conns[0].metadata == session
+  assert alice.call("add", args=(1,)) == [1] and alice._sidecars.conns[0].metadata == session
   worker.close()
   bob.close()
   alice.close()

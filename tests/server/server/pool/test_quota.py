@@ -13,7 +13,7 @@ from sidecar._src.server.pool import leases as leases_lib
 pytestmark = pytest.mark.server
 
 
-def fill(worker: sidecar.Worker) -> list:
+def fill(worker: sidecar.jax.Worker) -> list:
   """Allocates 512 KiB blocks until the sidecar refuses; returns them (held)."""
   held = []
   with pytest.raises(sidecar.ResourceExhaustedError) as info:
@@ -24,8 +24,8 @@ def fill(worker: sidecar.Worker) -> list:
 
 def test_a_worker_session_holds_at_most_its_quota(make_server):
   server = make_server(shm_size=8 << 20)  # the default quota: 0.9 of it
-  with sidecar.Worker(server.options.socket_path) as hog, \
-       sidecar.Worker(server.options.socket_path) as other:
+  with sidecar.jax.Worker(server.options.socket_path) as hog, \
+       sidecar.jax.Worker(server.options.socket_path) as other:
     held, error = fill(hog)
     assert "would pass its quota of 7.2 MiB" in error and leases_lib.QUOTA_FLAG in error, error
     assert len(held) * (512 << 10) <= 0.9 * (8 << 20)  # before: all 8 MiB
@@ -39,9 +39,9 @@ def test_a_stream_that_finds_no_room_says_so_within_its_wait(make_server, monkey
   (a feed: 150 s and on); now it ends with ResourceExhaustedError giving the sizes."""
   monkeypatch.setattr(arena_io, "ARENA_WAIT_S", 2.0)
   server = make_server(shm_size=8 << 20, session_quota=1.0)  # no quota: one client takes all
-  with sidecar.Worker(server.options.socket_path) as hog:
+  with sidecar.jax.Worker(server.options.socket_path) as hog:
     held, _ = fill(hog)
-    with sidecar.Controller([f"127.0.0.1:{server.port}"], timeout=30) as ctl:
+    with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=30) as ctl:
       with pytest.raises(sidecar.ResourceExhaustedError) as info:
         with ctl.stream("count", args=(3,), kwargs={"nbytes": 1 << 20}, timeout=30) as s:
           list(s)
@@ -63,7 +63,7 @@ def test_the_older_modes_refuse_past_the_quota_at_once_with_no_queue(make_server
   # requests waited on the quota for ever: a Slurm job's ranks that share a sidecar hung.)
   server = make_server(shm_size=8 << 20, **auth)
   token = auth.get("token") or auth["client_tokens"][0][1]
-  with sidecar.Worker(server.options.socket_path, token=token) as hog:
+  with sidecar.jax.Worker(server.options.socket_path, token=token) as hog:
     held, error = fill(hog)
     assert "would pass its quota of 7.2 MiB" in error, error
     assert len(held) * (512 << 10) <= 0.9 * (8 << 20)

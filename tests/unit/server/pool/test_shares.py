@@ -71,8 +71,8 @@ def test_total_below_one_is_refused():
 
 
 class _Workers:
-  """A feed_pool.Pool without processes: fills a batch in ``wait`` with its position, and
-  keeps the most batches of its tenant ever in flight at once."""
+  """A feed_processes.FeedProcesses without processes: fills a batch in ``wait`` with its position,
+  and keeps the most batches of its tenant ever in flight at once."""
 
   def __init__(self, size: int, turns: shares_lib.Turns):
     self.size, self._turns = size, turns

@@ -395,8 +395,8 @@ def test_a_peer_sidecars_link_attaches_for_the_tenant_it_names(tmp_path):
   for that tenant; a wrong peer token, an unknown tenant or none in a pool, refused as the
   sidecars' link (not a trainer's environment)."""
   pool = pool_file.load(_pool(tmp_path, MINIMAL))
-  tenancy = tenants_lib.Tenancy(pool, peer_token="peer-secret")
-  attach = lambda peer, tenant: tenants_lib.PeerAttach(peer, tenant).token()
+  tenancy = tenants_lib.Tenancy(pool, replica_token="peer-secret")
+  attach = lambda peer, tenant: tenants_lib.ReplicaAttach(peer, tenant).token()
   assert tenancy.worker_tenant(attach("peer-secret", "bob")) == "bob"
   for token, match in ((attach("wrong", "bob"), "its peer token is not this sidecar's"),
                        (attach("peer-secret", "carol"), "tenant 'carol', which is not in"),
@@ -407,9 +407,9 @@ def test_a_peer_sidecars_link_attaches_for_the_tenant_it_names(tmp_path):
     assert "SIDECAR_TOKEN " not in str(info.value)
   with pytest.raises(errors.AuthenticationError, match="this sidecar has none"):
     tenants_lib.Tenancy(pool).worker_tenant(attach("peer-secret", "bob"))
-  shared = tenants_lib.Tenancy(tenants_lib.Pool.shared("t0"), peer_token="peer-secret")
+  shared = tenants_lib.Tenancy(tenants_lib.Pool.shared("t0"), replica_token="peer-secret")
   assert shared.worker_tenant(attach("peer-secret", "")) == ""  # the one tenant, as workers
-  assert "peer-secret" not in repr(tenants_lib.PeerAttach("peer-secret", "bob"))
+  assert "peer-secret" not in repr(tenants_lib.ReplicaAttach("peer-secret", "bob"))
 
 
 def test_a_reload_revokes_removed_tenants(tmp_path):

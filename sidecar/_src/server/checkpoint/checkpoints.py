@@ -70,13 +70,13 @@ def _seconds(text: str | None, default: float) -> float:
   return value if value > 0 else default
 
 
-class CheckpointHost:
+class Checkpoints:
   """The checkpoint parts of one sidecar (``writer``, ``tier``, ``replicator``, ``reader``)."""
 
   def __init__(self, host_id: int, *, token: str | None = None,
-               peer_token: str | None = None, roots: tuple[str, ...] = (),
+               replica_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
-               peer_credentials: Any = None,
+               replica_credentials: Any = None,
                replica_hosts: links_lib.ReplicaHosts | None = None,
                group_budget: Callable[[str], int | None] = lambda group: None,
                write_turn: Callable[[str], direct_io.Turn | None] = lambda owner: None,
@@ -91,8 +91,8 @@ class CheckpointHost:
     # Its durable copies give way to new work (``reclaim``) and to an operator (``drop_ram``).
     self.yielding = ram_yield.Yielding(self.tier, metrics=metrics, spare=spare)
     self.reader = checkpoint_read.Reader(self.tier, metrics)
-    self._links = links_lib.Links(token=token, peer_token=peer_token,
-                                     credentials=peer_credentials,
+    self._links = links_lib.Links(token=token, replica_token=replica_token,
+                                     credentials=replica_credentials,
                                      shared_memory=env_lib.get(SHM_ENV) != "0")
     self._closed = threading.Event()
     # With per-client tokens: the checkpoint directories (resolved) each client opened.

@@ -1,4 +1,4 @@
-"""``controller.hosts.Hosts`` with no process: its connections are in-process fakes.
+"""``controller.hosts.Sidecars`` with no process: its connections are in-process fakes.
 
 Hosts reaches sidecars through one seam, ``connect(address, timeout)``; tests/support's
 FakeSidecars answers it from a table of addresses, with a :class:`FakeConnection` (what a
@@ -11,7 +11,7 @@ import re
 import pytest
 
 from sidecar._src.controller import peers as peers_lib
-from sidecar._src.controller.hosts import Hosts
+from sidecar._src.controller.sidecars import Sidecars
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeConnection, FakeSidecars
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 def _hosts(answers, **kwargs):
   sidecars = FakeSidecars(answers=answers)
   cancelled = []
-  hosts = Hosts(sidecars.connect, peers=peers_lib.LocalPeers(), peer_timeout=1.0,
+  hosts = Sidecars(sidecars.connect, peers=peers_lib.LocalPeers(), silence_timeout=1.0,
                 map_arenas=False, cancel=lambda: cancelled.append(True), **kwargs)
   return hosts, sidecars, cancelled
 
@@ -163,7 +163,7 @@ def test_a_returned_sidecar_that_does_not_match_stays_lost(caplog, returned, rea
   hosts.rejoin = True
   hosts.host_lost(1, "silent")
   sidecars.answers["h1:1"] = returned
-  with caplog.at_level(logging.WARNING, logger="sidecar._src.controller.hosts"):
+  with caplog.at_level(logging.WARNING, logger="sidecar._src.controller.sidecars"):
     assert hosts.host_back(1) is None
     assert hosts.host_back(1) is None
   warned = [r.getMessage() for r in caplog.records]

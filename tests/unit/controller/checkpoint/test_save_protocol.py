@@ -65,7 +65,7 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   fake = Recording([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt")
   parts: queue.SimpleQueue = queue.SimpleQueue()
-  staging.Parts([0], parts).fail(KeyboardInterrupt())
+  staging.Lots([0], parts).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
     protocol.stage(begun(3), parts, hosts=[0])
   assert fake.sent == []
@@ -113,7 +113,7 @@ class Arena(Recording):
 
 
 def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(monkeypatch):
-  monkeypatch.setattr(staging, "STAGE_PART_BYTES", 8)
+  monkeypatch.setattr(staging, "STAGE_LOT_BYTES", 8)
   fake = Arena([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
   arrays = [np.full(4, i, np.int32) for i in range(3)]  # 16 bytes each: a part each

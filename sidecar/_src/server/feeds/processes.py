@@ -39,7 +39,7 @@ class _Worker:
   tasks: dict[int, dict[str, Any]]  # sent, unanswered, by sequence number
 
 
-class Pool:
+class FeedProcesses:
   """``size`` worker processes for one feed; a context manager.
 
   ``turns``: its tenant's turns at the sidecar's feed workers (``share.Shares``): a batch
@@ -155,7 +155,7 @@ class Pool:
       self._stop(w)
     self._workers = []
 
-  def __enter__(self) -> Pool:
+  def __enter__(self) -> FeedProcesses:
     return self
 
   def __exit__(self, *exc) -> None:

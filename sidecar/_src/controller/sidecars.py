@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 REJOIN_TIMEOUT_S = 0.5  # a lost host's sidecar asked whether it is back: its deadline
 
 
-class Hosts:
+class Sidecars:
   """One Controller's sidecars by host id: connections, workers, and which are lost.
 
   Owns every connection and the workers it made itself (not those it was given);
@@ -41,7 +41,7 @@ class Hosts:
     connect: makes a Connection to ``address``, waiting at most ``timeout`` seconds.
     peers: this job's trainer processes; with more than one, this process drives
       only its own host.
-    peer_timeout: what the workers made here wait on a silent sidecar, in seconds.
+    silence_timeout: what the workers made here wait on a silent sidecar, in seconds.
     map_arenas: whether to attach to the sidecars on this machine (one process only).
     cancel: closes the feeds and streams in flight; called when a host is lost,
       before its worker is closed.
@@ -51,14 +51,14 @@ class Hosts:
   """
 
   def __init__(self, connect: Callable[[str, float], Connection], *,
-               peers: Peers, peer_timeout: float, map_arenas: bool,
+               peers: Peers, silence_timeout: float, map_arenas: bool,
                cancel: Callable[[], None], framework: Framework | None = None,
                token: str | None = None):
     self._new_connection = connect
     self._token = token
     self._framework = framework if framework is not None else HostArrays()
     self.peers = peers
-    self.peer_timeout = peer_timeout
+    self.silence_timeout = silence_timeout
     self.map_arenas = map_arenas
     self._cancel = cancel
     self.conns: dict[int, Connection] = {}
@@ -262,7 +262,7 @@ class Hosts:
 
   def _worker(self, address: str | None) -> worker_lib.Worker:
     """A Worker of the sidecar at ``address``, presenting this controller's token."""
-    return self._framework.worker(address, timeout=self.peer_timeout, token=self._token)
+    return self._framework.worker(address, timeout=self.silence_timeout, token=self._token)
 
   def attach_own(self, workers: Mapping[int, worker_lib.Worker]) -> None:
     """N processes: attaches to this process's own sidecar; learns every process's host."""
