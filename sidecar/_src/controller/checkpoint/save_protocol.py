@@ -28,7 +28,6 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
-from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
 from sidecar._src.controller.checkpoint.staging import Lots, Part, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
@@ -63,7 +62,7 @@ class SaveProtocol:
       sends its own last part; the host's step is whole once all of them have).
   """
 
-  def __init__(self, *, client: CheckpointTransport, directory: str, format: str = ORBAX,
+  def __init__(self, *, client: CheckpointTransport, directory: str, format: str,
                writers: Mapping[int, Sequence[int]] | None = None):
     self.client, self.directory, self.format = client, directory, format
     self._writers = dict(writers or {})

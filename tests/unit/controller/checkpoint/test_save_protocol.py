@@ -12,6 +12,7 @@ import pytest
 
 from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.target import Target
@@ -63,7 +64,7 @@ def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest()
 
 def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   fake = Recording([0])
-  protocol = SaveProtocol(client=fake, directory="/ckpt")
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format=ORBAX)
   parts: queue.SimpleQueue = queue.SimpleQueue()
   staging.Lots([0], parts).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
@@ -78,14 +79,14 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
 ], ids=["orbax-step", "dcp-checkpoint"])
 def test_an_abort_drops_the_part_on_each_host_then_the_whole_uncommitted_step(target, removed):
   fake = Recording([0, 1])
-  SaveProtocol(client=fake, directory="/ckpt").abort(target, [0, 1])
+  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(target, [0, 1])
   by_host = {h: [t for phase, host, t in fake.sent if host == h] for h in (0, 1)}
   assert by_host == {0: removed, 1: removed}
 
 
 def test_an_abort_removes_the_tmp_step_only_through_the_hosts_that_answered():
   fake = Recording([0])  # host 1 is lost: its part stays until its writer gives up
-  SaveProtocol(client=fake, directory="/ckpt").abort(begun(3), [0, 1])
+  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(begun(3), [0, 1])
   item = "/ckpt/3.orbax-checkpoint-tmp/default"
   assert fake.sent == [("abort", 0, item), ("abort", 1, item),
                        ("abort", 0, "/ckpt/3.orbax-checkpoint-tmp")]
@@ -93,7 +94,7 @@ def test_an_abort_removes_the_tmp_step_only_through_the_hosts_that_answered():
 
 def test_a_manifest_goes_with_committed_only_where_the_format_gives_one():
   fake = Recording([0, 1])
-  protocol = SaveProtocol(client=fake, directory="/ckpt")
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format=ORBAX)
   target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
   protocol.mark_committed(target, [0, 1], '{"format": "dcp"}')
   protocol.mark_committed(target, [1])
@@ -139,7 +140,7 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_e
 
 def test_an_abort_a_host_misses_says_the_step_was_not_saved(caplog):
   fake = Recording([0])  # host 1 is lost
-  SaveProtocol(client=fake, directory="/ckpt").abort(begun(19), [0, 1])
+  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(begun(19), [0, 1])
   (record,) = [r for r in caplog.records if "could not abort" in r.getMessage()]
   # Before: "could not abort step 19 on host 1: host 1 is lost", and nothing on step 19.
   assert record.getMessage().startswith("could not abort step 19 on host 1: host 1 is lost; "
@@ -150,5 +151,5 @@ def test_an_abort_a_host_misses_says_the_step_was_not_saved(caplog):
 def test_a_step_never_begun_is_aborted_on_no_sidecar():
   """Its tmp directory comes from begin's answer: none was given, none is removed."""
   fake = Recording([0])
-  SaveProtocol(client=fake, directory="/ckpt").abort(Target.for_step("/ckpt", 4), [0])
+  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(Target.for_step("/ckpt", 4), [0])
   assert fake.sent == []
