@@ -16,9 +16,11 @@ import sidecar
 pytestmark = pytest.mark.processes
 
 PAYLOAD = 128 << 20
-# Its buffer (1x), a few parts in flight in gRPC (1 MiB each, 3x), the heap's slack, and
-# what a sample of VmHWM moves by between runs on a loaded machine: 1.06-1.13x measured.
-ARGUMENT_BOUND = 1.3
+# Issue 42's target, 2x: its buffer (1x), the parts gRPC holds in flight and the heap's
+# slack, both larger when load slows the sidecar's reading. 1.06-1.13x measured alone,
+# 1.42x once in CI beside the suite's other worker (1.3x was asserted then); one message
+# of it cost 3.0x before parts.
+ARGUMENT_BOUND = 2.0
 # The argument's buffer and the response's bytes (the result viewing the argument is
 # copied once, into them): 2.00-2.02x measured alone, 2.11x once beside the suite's other
 # worker (the allocator's spare pages); before parts, 3.0x.
