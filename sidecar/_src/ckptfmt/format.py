@@ -9,7 +9,8 @@ a :class:`Format`:
 
 - its directories: where a step is written before its commit (:meth:`Format.create_tmp`,
   ``tmp_suffix``, ``item``), where a tmp path goes once committed (:meth:`Format.final_of`;
-  :meth:`Format.staged_dirs`, what a trainer stages into and commits, from Begin's answer),
+  :meth:`Format.staged_dirs`, what a trainer stages into and commits, from Begin's answer;
+  :meth:`Format.final_dir`, a step's committed directory as the trainer names it),
   what a sweep removes or puts back (:meth:`Format.sweep`), what marks a committed one;
 - how a step's staged shards are numbered (:meth:`Format.numbering`: an Orbax step's
   shards name its leaves, a DCP rank's its items) and the typed parts a save carries
@@ -93,12 +94,16 @@ class Format(abc.ABC):
 
   @abc.abstractmethod
   def tmp_of(self, directory: str, step: int) -> str:
-    """Where :meth:`create_tmp` would create it, made of ``directory`` (resolved) as given."""
+    """Where :meth:`create_tmp` would create it, made of ``directory`` as given (the
+    sidecar gives it resolved; :meth:`final_dir`, the trainer's own spelling): no file
+    system lookup."""
 
   def staged_dirs(self, tmp: str) -> tuple[str, str]:
     """Where a save whose Begin made ``tmp`` writes (its ``tmp_dir``) and where that is once
     committed (its ``final_dir``: the manifest's directory, what a restore reads, the RAM
-    tier's key): what a trainer's ``Target`` is made of, from Begin's answer."""
+    tier's key), made of ``tmp`` as given. A trainer's ``Target`` stages into the first of
+    Begin's answer; its ``final_dir`` is the second of :meth:`tmp_of` (:meth:`final_dir`),
+    as the client spells the path, not as the sidecar resolved it."""
     staged = pathlib.Path(tmp) / self.item if self.item else pathlib.Path(tmp)
     where = self.final_of(staged)
     if where is None:
@@ -106,6 +111,13 @@ class Format(abc.ABC):
           f"{tmp!r:.200} is not an uncommitted step directory of format {self.name!r} "
           f"(*{self.tmp_suffix}); pass the directory its Begin answered")
     return str(staged), str(where.final)
+
+  def final_dir(self, path: str, step: int) -> str:
+    """Where step ``step`` of ``path`` (what Begin is given) is once committed, made of
+    ``path`` as given, never resolved (:meth:`staged_dirs` of :meth:`tmp_of`): a trainer's
+    ``final_dir``, which stays the client's own spelling of it (a symlinked or relative
+    ``path`` too), while its tmp directories are Begin's answer."""
+    return self.staged_dirs(self.tmp_of(path, step))[1]
 
   @abc.abstractmethod
   def final_of(self, path: pathlib.Path) -> Uncommitted | None:

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.orbax import read as orbax_read
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, Target
 from sidecar._src.core import errors
@@ -58,13 +59,13 @@ class SidecarCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   async def async_save(self, directory, args: SidecarSave):
     item = pathlib.Path(directory)
-    target = Target.for_orbax_item(str(item), self._step(item))
+    target = _item_target(item, self._step(item))
     handle = self._engine(target.directory).save_to(target, args.item)
     return [_Durable(handle, self, target)]
 
   def save(self, directory, args: SidecarSave) -> None:
     item = pathlib.Path(directory)
-    target = Target.for_orbax_item(str(item), self._step(item))
+    target = _item_target(item, self._step(item))
     handle = self._engine(target.directory).save_to(target, args.item)
     _Durable(handle, self, target).result()
 
@@ -97,6 +98,13 @@ class SidecarCheckpointHandler(ocp.AsyncCheckpointHandler):
   def close(self) -> None:
     for engine in self._engines.values():
       engine.close()
+
+
+def _item_target(item: pathlib.Path, step: int) -> Target:
+  """The item directory ``item`` of a step an ``ocp.CheckpointManager`` commits (in its
+  directory ``<directory>/<step>/<item>``), in Orbax's layout."""
+  return Target.in_step(formats_lib.DEFAULT.get(formats_lib.ORBAX), str(item.parent.parent),
+                        str(item), step)
 
 
 class _Durable:

@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
@@ -95,13 +96,15 @@ class DcpAgreement(Agreement):
                group: Any):
     self._options, self._ctl, self._group = ckpt.options, controller, group
     self._directory = ckpt.directory
+    self._fmt = formats_lib.DEFAULT.get(storage.dcp_format(ckpt.options))
     self._last: SaveHandle | None = None
     self._lock = threading.Lock()
     self._pending: list[threading.Event] = []  # set once a save called its end
 
   def target(self, directory: str, step: int) -> Target:
-    """A DCP step is one directory, ``<directory>/<step>`` (its tmp one: its sidecar's)."""
-    return Target.for_checkpoint(os.path.join(directory, str(step)), "", step)
+    """A DCP step is a checkpoint of its own, ``<directory>/<step>``: what Begin takes."""
+    return Target.for_step(self._fmt, os.path.join(directory, str(step)), step,
+                           directory=directory)
 
   def start(self, target: Target, tree: Any, *, data_state_json: str, key: str,
             handle: SaveHandle, end: End) -> None:

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.distributed.tensor import DTensor
 
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
 from sidecar._src.ckptfmt.registry import DCP
@@ -68,6 +69,12 @@ from sidecar._src.torch import (
   metadata as torch_metadata,
   tensors,
 )
+
+
+def dcp_format(options: CheckpointOptions) -> str:
+  """The format a PyTorch save writes: ``options.format``, default DCP's; one whose parts
+  are DCP's (``DcpPart``, ``DcpCommit``), which this adapter makes."""
+  return options.format_for("PyTorch", default=DCP, parts=(DcpPart, DcpCommit))
 
 
 def _label(path: str) -> int:
@@ -114,7 +121,7 @@ class StorageWriter(_Writer):
     super().__init__()
     self.path = os.path.abspath(os.fspath(path))
     self.options = options_or(options, replicas=replicas, ram_steps=ram_steps)
-    self.format = self.options.format_for("PyTorch", default=DCP, parts=(DcpPart, DcpCommit))
+    self.format = dcp_format(self.options)
     self._ctl = torch_controller.controller_or_connect(controller)
     self._site = self._ctl.checkpoint_sidecars()
     self.replicas = self._site.replicas(self.options.replicas)
@@ -158,7 +165,8 @@ class StorageWriter(_Writer):
       self._opened.add(parent)
     label = _label(self.path)
     tmp = self._protocol(parent).begin(self._home, self.path, label)
-    target = self._begun = Target.for_checkpoint(self.path, tmp, label)
+    target = self._begun = Target.for_step(formats_lib.DEFAULT.get(self.format), self.path,
+                                           label, directory=parent).begun(tmp)
     return [dataclasses.replace(p, storage_data=target) for p in plans]
 
   @interrupts.deferring  # Ctrl-C: this rank's part is dropped from its sidecar

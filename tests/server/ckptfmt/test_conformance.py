@@ -4,8 +4,9 @@ each of its handlers.
 Parametrised over ``ckptfmt.registry.DEFAULT``: a format registered there runs here, and
 fails until it has a driver (:data:`DRIVERS`: what a trainer's framework adapter makes
 for one step's save in it: the path Begin takes, the leaves, the staged shards and the
-format's typed parts; where they are staged and committed is the format's own,
-``Format.staged_dirs`` of Begin's answer). The
+format's typed parts; where they are staged and committed is the format's own, as a
+trainer's ``Target`` asks it: ``Format.staged_dirs`` of Begin's answer, and
+``Format.final_dir`` of the path Begin takes). The
 checks go through an in-process sidecar over gRPC (the wire's format parts, the service,
 ``StepWriter``, ``Reader``, the RAM tier): save in two staged parts and commit, list,
 the manifest (its format, step, data position, one checksum per shard), the format found
@@ -101,7 +102,8 @@ def _save(client, name: str, directory: str, step: int) -> str:
   """Saves ``step`` in format ``name``; returns its committed item directory."""
   s = DRIVERS[name](directory, step)
   tmp = client.begin(0, s.begin, step, format=name).result()
-  tmp_dir, final_dir = formats_lib.DEFAULT.get(name).staged_dirs(tmp)
+  fmt = formats_lib.DEFAULT.get(name)
+  tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, step)
   for shards, first, last in ((s.shards[:1], True, False), (s.shards[1:], False, True)):
     client.stage(0, directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
                  leaves=s.leaves if first else [], shards=shards, last=last,
@@ -164,7 +166,8 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
   # An aborted save leaves nothing behind, and is never listed.
   s = DRIVERS[name](directory, 4)
   tmp = client.begin(0, s.begin, 4, format=name).result()
-  tmp_dir, final_dir = formats_lib.DEFAULT.get(name).staged_dirs(tmp)
+  fmt = formats_lib.DEFAULT.get(name)
+  tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, 4)
   client.stage(0, directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
                leaves=s.leaves, shards=s.shards[:1], last=False, part=s.first).result()
   client.abort(0, tmp, final_dir, timeout=30).result()

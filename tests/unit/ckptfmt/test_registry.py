@@ -51,6 +51,19 @@ def test_a_format_says_where_a_save_stages_and_commits_from_begins_answer(tmp_pa
     formats.get("dcp").staged_dirs(str(tmp_path / "ck" / "4"))
 
 
+def test_a_steps_final_directory_is_made_of_the_path_as_given(tmp_path):
+  """A trainer's final_dir: the client's spelling (through a symlink, relative), never the
+  resolved one the sidecar's Begin answers."""
+  formats = formats_lib.DEFAULT
+  (tmp_path / "real").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "real")
+  link = str(tmp_path / "link")
+  assert formats.get("orbax").final_dir(link, 3) == f"{link}/3/default"
+  assert formats.get("orbax").final_dir("ck", 3) == "ck/3/default"
+  assert formats.get("dcp").final_dir(f"{link}/4", 4) == f"{link}/4"
+  assert formats.get("dcp").final_dir("ck/4", 4) == "ck/4"
+
+
 def _manifest(path: pathlib.Path, name: str) -> str:
   path.mkdir(parents=True, exist_ok=True)
   (path / records.MANIFEST_FILE).write_text(records.Manifest(name, (), ()).to_json())

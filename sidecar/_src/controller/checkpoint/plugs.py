@@ -45,9 +45,9 @@ class Agreement(abc.ABC):
   # FileSystemWriter does), or is refused (stock Orbax's layout, as its manager does).
   replaces_committed: bool = False
 
+  @abc.abstractmethod
   def target(self, directory: str, step: int) -> Target:
-    """Where step ``step`` of ``directory`` goes (stock Orbax's layout by default)."""
-    return Target.for_step(directory, step)
+    """Where step ``step`` of ``directory`` goes, in the layout of the format it saves."""
 
   @abc.abstractmethod
   def start(self, target: Target, tree: Any, *, data_state_json: str, key: str,
@@ -85,6 +85,10 @@ class KeyValueAgreement(Agreement):
     self.coordinator, self._restorer = coordinator, restorer
     self._last: RestoreStats | None = None
 
+  def target(self, directory: str, step: int) -> Target:
+    """Step ``step`` of ``directory`` as Begin takes it, in the chosen format's layout."""
+    return Target.for_step(self.coordinator.fmt, directory, step)
+
   def start(self, target: Target, tree: Any, *, data_state_json: str, key: str,
             handle: SaveHandle, end: End) -> None:
     self.coordinator.save_to(target, tree, data_state_json=data_state_json, key=key,
@@ -92,7 +96,7 @@ class KeyValueAgreement(Agreement):
 
   def restore(self, step: int, target: Any, *, progress: Callable[[str], None] | None
               ) -> Any:
-    return self.restore_from(Target.for_step(self.coordinator.directory, step).final_dir,
+    return self.restore_from(self.target(self.coordinator.directory, step).final_dir,
                              step, target, progress=progress)
 
   def restore_from(self, final_dir: str, step: int, target: Any, *,
@@ -106,7 +110,7 @@ class KeyValueAgreement(Agreement):
   def data_state(self, step: int) -> dict[str, Any] | None:
     c = self.coordinator
     return interrupts.wait(c.client.info(
-        c.local[0], Target.for_step(c.directory, step).final_dir)).data_state
+        c.local[0], self.target(c.directory, step).final_dir)).data_state
 
   def join(self) -> None:
     for finisher in list(self.coordinator.finishers):

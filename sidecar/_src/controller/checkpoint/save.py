@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.records import ShardChecksum
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.save_protocol import (
@@ -71,6 +71,7 @@ class SaveCoordinator:
     self._lead = peers.index == 0
     self._replicas, self._placement = replicas, placement
     self._replica_bandwidth = replica_bandwidth
+    self.fmt = formats_lib.DEFAULT.get(format)  # its layout: where a step's Target goes
     self._protocol = SaveProtocol(client=client, directory=directory, format=format,
                                   writers=writers)
     # Every save's finisher that may still run: one copies and commits while the trainer

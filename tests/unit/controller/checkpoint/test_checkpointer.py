@@ -1,5 +1,5 @@
-"""Tier 1: the one Checkpointer's own logic (fakes, threads as processes): which hosts hold a
-host's replicas, the processes' agreement on each save."""
+"""Tier 1: the one Checkpointer's own logic (fakes, threads as processes): the processes'
+agreement on each save."""
 
 import concurrent.futures
 import threading
@@ -7,22 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import replica_hosts
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import DictPeers, FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.mark.parametrize("slices, host, replicas, expected", [
-    ({0: 0, 1: 0, 2: 0}, 0, 1, [1]),
-    ({0: 0, 1: 0, 2: 0}, 2, 2, [0, 1]),  # wraps
-    ({0: 0, 1: 0, 2: 1, 3: 1}, 0, 1, [2]),  # another slice first
-    ({0: 0, 1: 0, 2: 1, 3: 1}, 3, 2, [0, 1]),
-    ({0: 0, 1: 0, 2: 1, 3: 1}, 1, 3, [2, 3, 0]),  # then its own slice
-], ids=["next", "wrap", "other-slice", "other-slice-wrap", "then-same-slice"])
-def test_replica_hosts(slices, host, replicas, expected):
-  assert replica_hosts(slices, host, replicas) == expected
 
 
 class HeldWrites(FakeSidecars):

@@ -12,7 +12,7 @@ import pytest
 
 from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import StagedShard
-from sidecar._src.ckptfmt.registry import ORBAX
+from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.target import Target
@@ -21,10 +21,18 @@ from tests.support.fake_sidecars import FakeSidecars
 
 pytestmark = pytest.mark.unit
 
+ORBAX_FORMAT, DCP_FORMAT = DEFAULT.get(ORBAX), DEFAULT.get(DCP)
+
 
 def begun(step: int) -> Target:
   """Step ``step`` of /ckpt as its sidecar's begin answered it."""
-  return Target.for_step("/ckpt", step).begun(f"/ckpt/{step}.orbax-checkpoint-tmp")
+  return Target.for_step(ORBAX_FORMAT, "/ckpt", step).begun(f"/ckpt/{step}.orbax-checkpoint-tmp")
+
+
+def dcp_begun(step: int) -> Target:
+  """DCP's checkpoint /ckpt/``step`` as its sidecar's begin answered it."""
+  return Target.for_step(DCP_FORMAT, f"/ckpt/{step}", step, directory="/ckpt").begun(
+      f"/ckpt/{step}.dcp-checkpoint-tmp")
 
 
 class Recording(FakeSidecars):
@@ -50,7 +58,7 @@ class Recording(FakeSidecars):
 def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest():
   fake = Recording([0, 1])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: [0, 1]})
-  target = Target.for_checkpoint("/ckpt/7", "/ckpt/7.dcp-checkpoint-tmp", 7)
+  target = dcp_begun(7)
   first = DcpPart(1, (Item(fqn="w", kind=ItemKind.BYTES, nbytes=3),))
   rest = DcpPart(1, ())
   parts: queue.SimpleQueue = queue.SimpleQueue()
@@ -74,7 +82,7 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
 
 @pytest.mark.parametrize("target, removed", [
     (begun(3), ["/ckpt/3.orbax-checkpoint-tmp/default", "/ckpt/3.orbax-checkpoint-tmp"]),
-    (Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3),
+    (dcp_begun(3),
      ["/ckpt/3.dcp-checkpoint-tmp"]),
 ], ids=["orbax-step", "dcp-checkpoint"])
 def test_an_abort_drops_the_part_on_each_host_then_the_whole_uncommitted_step(target, removed):
@@ -95,7 +103,7 @@ def test_an_abort_removes_the_tmp_step_only_through_the_hosts_that_answered():
 def test_a_manifest_goes_with_committed_only_where_the_format_gives_one():
   fake = Recording([0, 1])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format=ORBAX)
-  target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
+  target = dcp_begun(3)
   protocol.mark_committed(target, [0, 1], '{"format": "dcp"}')
   protocol.mark_committed(target, [1])
   manifest = '{"format": "dcp"}'
@@ -119,7 +127,7 @@ def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
   arrays = [np.full(4, i, np.int32) for i in range(3)]  # 16 bytes each: a part each
   copies = [staging.ShardCopy(0, i, ((0, 4),), a) for i, a in enumerate(arrays)]
-  protocol.stage_copies(Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3), 0,
+  protocol.stage_copies(dcp_begun(3), 0,
                         copies, part=DcpPart(0, ()))
   assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 3 + [(0, True)]
   assert copies == []  # the blocks are the sidecar's now
@@ -129,7 +137,7 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_e
   fake = Arena([0])
   fake.on_alloc = lambda: os.kill(os.getpid(), signal.SIGINT)  # noted, not raised, here
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
-  target = Target.for_checkpoint("/ckpt/3", "/ckpt/3.dcp-checkpoint-tmp", 3)
+  target = dcp_begun(3)
   threads = threading.active_count()
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():
     protocol.stage_copies(target, 0, [staging.ShardCopy(0, 0, ((0, 4),), np.zeros(4, np.int32))],
@@ -151,5 +159,6 @@ def test_an_abort_a_host_misses_says_the_step_was_not_saved(caplog):
 def test_a_step_never_begun_is_aborted_on_no_sidecar():
   """Its tmp directory comes from begin's answer: none was given, none is removed."""
   fake = Recording([0])
-  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(Target.for_step("/ckpt", 4), [0])
+  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(
+      Target.for_step(ORBAX_FORMAT, "/ckpt", 4), [0])
   assert fake.sent == []
