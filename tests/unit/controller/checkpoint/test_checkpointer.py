@@ -1,5 +1,6 @@
 """Tier 1: the one Checkpointer's own logic (fakes, threads as processes): the processes'
-agreement on each save."""
+agreement on each save, the tmp directory Begin answered, the format chosen, and close()
+joining every thread a save started."""
 
 import concurrent.futures
 import threading
@@ -95,3 +96,45 @@ def test_the_format_is_chosen_explicitly_and_one_the_framework_cannot_write_is_r
   assert ckpt.save(1, {"w": np.ones(3, np.float32)}).durable.result() == 1
   with pytest.raises(errors.InvalidArgumentError, match=r"'dcp' is not one a JAX save writes"):
     checkpointer(FakeSidecars(), format="dcp")
+
+
+def ours(prefix: str) -> list[threading.Thread]:
+  return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+
+
+class SlowReplicas(FakeSidecars):
+  """Replication that ends when the test says (``replicated[step].set()``)."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.pending: list[tuple[str, concurrent.futures.Future]] = []
+
+  def replicate(self, host, final_dir, peers, *, bandwidth, timeout):
+    self.calls.append(("replicate", host))
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    self.pending.append((final_dir, out))
+    return out
+
+  def finish(self, step: int) -> None:
+    for item, f in self.pending:
+      if f"/{step}/" in item + "/" and not f.done():
+        f.set_result({"peers": [], "shards": 0, "bytes": 0, "seconds": 0.0})
+
+
+def test_close_joins_an_older_saves_finisher_still_settling_its_replication():
+  """With replicas, save 1's finisher waits for its replication after durable, while
+  save 2 runs: it was no longer the SaveCoordinator's, and close() did not wait for it."""
+  fake = SlowReplicas(hosts=(0, 1))
+  ckpt = checkpointer(fake, hosts=[0, 1], replicas=1)
+  assert ckpt.save(1, {"x": np.ones(3, np.float32)}).durable.result(30) == 1
+  second = ckpt.save(2, {"x": np.ones(3, np.float32)})
+  assert second.durable.result(30) == 2
+  fake.finish(2)
+  assert second.replicated.result(30) == 2
+  closing = threading.Thread(target=ckpt.close, name="test-close")
+  closing.start()
+  closing.join(0.5)
+  assert closing.is_alive()  # step 1's finisher still settles: close waits for it
+  fake.finish(1)
+  closing.join(30)
+  assert not closing.is_alive() and ours("sidecar-save-") == []

@@ -1,7 +1,8 @@
 """Tier 1: the save protocol's phases (save_protocol.SaveProtocol), which JAX's
 SaveCoordinator and PyTorch's StorageWriter both drive, against an in-process fake of the
-sidecars."""
+sidecars; what an abort that fails on some hosts logs (save_protocol.on_each)."""
 
+import concurrent.futures
 import os
 import queue
 import signal
@@ -14,9 +15,9 @@ from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
 from sidecar._src.controller.checkpoint import staging
-from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, on_each
 from sidecar._src.controller.checkpoint.target import Target
-from sidecar._src.core import interrupts
+from sidecar._src.core import errors, interrupts
 from tests.support.fake_sidecars import FakeSidecars
 
 pytestmark = pytest.mark.unit
@@ -162,3 +163,22 @@ def test_a_step_never_begun_is_aborted_on_no_sidecar():
   SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(
       Target.for_step(ORBAX_FORMAT, "/ckpt", 4), [0])
   assert fake.sent == []
+
+
+def test_a_host_that_could_not_abort_is_logged_as_text_not_as_its_error(caplog):
+  # A handler that keeps records (pytest's, a MemoryHandler) would otherwise keep the
+  # error's traceback, its frames and the arrays in them (arena blocks) alive.
+
+  def start(h):
+    if h == 0:
+      raise errors.HostLostError("host 0 is lost", host_id=0)
+    f = concurrent.futures.Future()
+    f.set_exception(errors.HostLostError("host 1 went away", host_id=1))
+    return f
+
+  with caplog.at_level("WARNING"):
+    assert on_each(start, hosts=[0, 1], what="abort step 3") == []
+  assert [r.getMessage() for r in caplog.records] == [
+      "could not abort step 3 on host 0: host 0 is lost",
+      "could not abort step 3 on host 1: host 1 went away"]
+  assert not any(isinstance(a, BaseException) for r in caplog.records for a in r.args)

@@ -1,11 +1,17 @@
-"""Tier 1: what save() does while the trainer waits: no rpc but the copies' (fakes, no sockets)."""
+"""Tier 1: the key-value agreement's saves (save.SaveCoordinator) through the one Checkpointer
+(fakes, threads as processes, no sockets): what save() does while the trainer waits (no rpc
+but the copies'), and a failure's kind and host across the trainer processes."""
+
+import concurrent.futures
+import errno
+import threading
 
 import numpy as np
 import pytest
 
 from sidecar._src.core import errors
 from tests.support import fake_sidecars
-from tests.support.fake_sidecars import FakeSidecars
+from tests.support.fake_sidecars import DictPeers, FakeSidecars
 
 pytestmark = pytest.mark.unit
 
@@ -61,3 +67,42 @@ def test_a_saves_blocks_are_allocated_in_one_request_per_host():
       ("alloc", 0, [(i + 1, 2) for i in range(5)])]
   staged = fake.staged[(0, "/ckpt/run/1/default")]
   assert sorted(int(a.sum()) for a in staged.values()) == [2 * i * (i + 1) for i in range(5)]
+
+
+class FullDisk(FakeSidecars):
+  """Host 1's part of every step fails to write: its disk is full."""
+
+  def prepared(self, host, final_dir, *, timeout):
+    if host != 1:
+      return super().prepared(host, final_dir, timeout=timeout)
+    self.calls.append(("prepared", host))
+    failed = concurrent.futures.Future()
+    failed.set_exception(errors.CheckpointWriteError(
+        "host 1 could not write step 4: No space left on device (ENOSPC) writing "
+        "/ckpt/run/4.orbax-checkpoint-tmp/default/x/0", errno=errno.ENOSPC,
+        path="/ckpt/run/4.orbax-checkpoint-tmp/default/x/0", host_id=1))
+    return failed
+
+
+def test_a_write_failure_on_another_process_keeps_its_kind_and_host():
+  fake, store, outcomes = FullDisk(hosts=(0, 1)), {}, [None, None]
+
+  def process(p: int) -> None:
+    ckpt = fake_sidecars.checkpointer(fake, hosts=[0, 1], local=[p],
+                                      peers=DictPeers(store, p, 2))
+    with ckpt:
+      try:
+        ckpt.save(4, {"x": np.ones(3, np.float32)}).durable.result(30)
+      except errors.SidecarError as e:
+        outcomes[p] = e
+  threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  for p, e in enumerate(outcomes):  # process 0 gathered it; process 1 raised it itself
+    assert isinstance(e, errors.CheckpointWriteError), (p, repr(e))
+    assert (e.errno, e.host_id, e.path) == (
+        errno.ENOSPC, 1, "/ckpt/run/4.orbax-checkpoint-tmp/default/x/0")
+    assert "No space left on device (ENOSPC)" in str(e)
+  assert "the save of step 4 failed in process 1" in "".join(outcomes[0].__notes__)
