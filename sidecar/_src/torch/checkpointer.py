@@ -60,7 +60,7 @@ def Checkpointer(directory: str | os.PathLike, *, max_to_keep: int | None = None
   Args:
     directory: where the steps go, ``<directory>/<step>``.
     max_to_keep: the newest steps kept; older ones are deleted once a newer is durable.
-    replicas: peer sidecars that also keep each shard (see ``StorageWriter``);
+    replicas: other sidecars that also keep each shard (see ``StorageWriter``);
       ``handle.replicated`` resolves once every rank's part has its copies (at once,
       holding the step, with none).
     if_busy: what ``save`` does while the previous save is not durable yet: ``"wait"``

@@ -17,9 +17,9 @@ sidecar's part and commits with one rename (or aborts everywhere): stock
 core's one Checkpointer with these classes as its agreement plug
 (``torch/checkpointer.DcpAgreement``).
 ``StorageReader`` takes each item from the RAM tier of the sidecar that holds it (no
-storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a peer's
-replica, else storage, each shard's crc32c checked; a directory stock DCP wrote is read
-as ``FileSystemReader`` reads it.
+storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a
+replica on another sidecar, else storage, each shard's crc32c checked; a directory stock
+DCP wrote is read as ``FileSystemReader`` reads it.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class StorageWriter(_Writer):
 
   Args:
     path: the checkpoint directory (as ``FileSystemWriter``'s); a committed one is replaced.
-    replicas: peer sidecars that also keep each shard in their RAM tier.
+    replicas: other sidecars that also keep each shard in their RAM tier.
     ram_steps: committed checkpoints under ``path``'s parent that the RAM tier keeps.
     options: a :class:`CheckpointOptions` instead of ``replicas`` and ``ram_steps`` (its
       ``ram_budget`` and ``replica_bandwidth`` too).
@@ -318,7 +318,7 @@ class StorageReader(_Reader):
     dcp.load(state_dict, storage_reader=sidecar.torch.StorageReader("/ckpt/step_100"))
 
   Each item comes from the RAM tier of the sidecar that staged it (another sidecar on
-  this machine's arena is mapped here: no copy), else from a peer's replica, else from
+  this machine's arena is mapped here: no copy), else from a replica on another sidecar, else from
   storage through this rank's sidecar, its crc32c checked (the core's tier fallback,
   ``restore.ShardReads``). A checkpoint stock DCP wrote (no manifest of ours) is read as
   ``FileSystemReader`` reads it.

@@ -7,11 +7,11 @@ returns. The sidecars write their parts in their own processes, in the format's 
 step is committed once every host is prepared (``durable``). A step is listed only
 after its commit; a crash anywhere before leaves it invisible.
 
-With ``replicas=R`` each sidecar also sends its shards to R peer sidecars once every
+With ``replicas=R`` each sidecar also sends its shards to R other sidecars once every
 host's part is staged (on other slices first, else the next hosts in host order),
 sidecar to sidecar (``replicated``; with R=0 it holds the step at once, as the other
 futures do). A restore takes each shard from wherever a live copy is: the arena of the
-host that staged it, a peer's replica, storage last, each crc32c checked.
+host that staged it, a replica on another sidecar, storage last, each crc32c checked.
 
 What differs between frameworks is in two plugs (``plugs.py``): the agreement (who drives
 the phases and how the processes agree: JAX's key-value store, DCP's coordinator rank)
@@ -243,11 +243,12 @@ class Checkpointer:
     ``target``: under ``ctl.checkpointer``, a pytree of ``jax.ShapeDtypeStruct``s with
     shardings, or of concrete arrays (their shardings are used); under
     ``sidecar.torch.Checkpointer``, the state dict ``dcp.load`` fills in place. Takes
-    each shard from a live copy: the arena of the host that staged it, else a peer's
-    replica (``replicas=R``), else storage, checking its crc32c; a copy that fails its
-    check or whose host is gone falls back to the next. Reshards when the target mesh
-    differs from the one saved. With ``progress`` (``print``, say), a restore past a
-    second reports its progress; by default (None) on a tqdm line where one is seen.
+    each shard from a live copy: the arena of the host that staged it, else a
+    replica on another sidecar (``replicas=R``), else storage, checking its crc32c; a
+    copy that fails its check or whose host is gone falls back to the next. Reshards
+    when the target mesh differs from the one saved. With ``progress`` (``print``, say),
+    a restore past a second reports its progress; by default (None) on a tqdm line where
+    one is seen.
 
     Raises:
       ShardsLostError: some shard has no live copy and no valid stored one.

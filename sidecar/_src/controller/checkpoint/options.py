@@ -34,7 +34,7 @@ class CheckpointOptions:
     max_to_keep: the newest steps kept on storage; older ones are deleted once a newer
       one is durable. None: all.
     keep_period: keep also the steps divisible by it (JAX's checkpointer). None: none.
-    replicas: peer sidecars that also keep each shard in their RAM tier (at most
+    replicas: other sidecars that also keep each shard in their RAM tier (at most
       hosts - 1; fewer live hosts get fewer, with a warning).
     ram_steps: the newest committed steps each sidecar keeps in its arena (its RAM tier).
     ram_budget: bytes of arena the RAM tier may hold; None: no limit but the arena.
@@ -64,7 +64,8 @@ class CheckpointOptions:
             f"{name} must be None or an int >= 1, got {v!r}")
     if not _is_int(self.replicas) or self.replicas < 0:
       raise errors.InvalidArgumentError(
-          f"replicas must be an int >= 0 (peer sidecars per shard), got {self.replicas!r}")
+          f"replicas must be an int >= 0 (other sidecars that keep each shard), got "
+          f"{self.replicas!r}")
     if not _is_int(self.ram_steps) or self.ram_steps < 0:
       raise errors.InvalidArgumentError(
           f"ram_steps must be an int >= 0 (0: the RAM tier keeps no step), got "

@@ -20,7 +20,7 @@ differs, as Orbax v1's ``training.Checkpointer`` holds its policies:
   DCP's own planner over the state dict.
 
 Both plugs copy into the arena through the one stager (``staging.copy_in``), and both
-start the peer replication at the same phase: once every host's part is staged, before
+start the replication at the same phase: once every host's part is staged, before
 the commit.
 """
 

@@ -2,7 +2,7 @@
 reads, resharding.
 
 A restore takes each shard from wherever a live copy is: the arena of the host that
-staged it, a peer's replica, storage last; it checks each crc32c, assembles the blocks
+staged it, a replica on another sidecar, storage last; it checks each crc32c, assembles the blocks
 of the target's shardings (resharding where they differ from the saved ones) and says
 where the shards came from (:class:`RestoreStats`).
 """
@@ -28,7 +28,7 @@ from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.framework import Framework, RestoreLeaf, RestoreTarget
 from sidecar._src.core import errors, interrupts
 
-# A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in parts of
+# A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in pieces of
 # at most this many bytes: well under the channel's 256 MiB message limit.
 READ_PIECE_BYTES = 64 << 20
 
@@ -36,7 +36,7 @@ READ_PIECE_BYTES = 64 << 20
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestoreStats:
   """Where the shards of a restore came from, by source: ``"ram:host0"`` (the arena of
-  the host that staged it), ``"replica:host1"`` (a peer's replica), ``"storage"``.
+  the host that staged it), ``"replica:host1"`` (the replica host 1 keeps), ``"storage"``.
 
   ``shards[source]`` and ``bytes[source]`` count each stored shard once, however many
   target blocks it fills.
@@ -156,7 +156,8 @@ class Restorer:
   def _holdings(self, final_dir: str
                 ) -> tuple[dict[ShardId, list[tuple[int, str]]], list[int]]:
     """Every live RAM copy of each shard, as ``(host, tier)``, and the hosts that did
-    not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: a peer's."""
+    not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: one another
+    sidecar sent."""
     where: dict[ShardId, list[tuple[int, str]]] = {}
     gone = []
     hosts = self._hosts if self._ask_all else self._local
@@ -298,7 +299,7 @@ class ShardReads:
   Args:
     client: the sidecars.
     mapped: the hosts whose arenas this process maps (a RAM-tier shard of another host,
-      read over gRPC, comes in parts of at most ``READ_PIECE_BYTES``).
+      read over gRPC, comes in pieces of at most ``READ_PIECE_BYTES``).
   """
 
   def __init__(self, client: CheckpointTransport, mapped: set[int] | frozenset[int]):
@@ -315,7 +316,7 @@ class ShardReads:
 
   def read(self, host: int, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str,
            dtype: np.dtype) -> concurrent.futures.Future:
-    """One source's read of the shard: in parts where it is large and not mapped here."""
+    """One source's read of the shard: in pieces where it is large and not mapped here."""
     shape = tuple(b - a for a, b in index)
     if tier in ("ram", "replica") and host not in self.mapped and (
         math.prod(shape) * dtype.itemsize > READ_PIECE_BYTES):
@@ -324,23 +325,23 @@ class ShardReads:
 
   def _read_pieces(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
-    """A future of a RAM-tier shard read from ``host`` over gRPC in parts of at most
+    """A future of a RAM-tier shard read from ``host`` over gRPC in pieces of at most
     READ_PIECE_BYTES, assembled here (the host checks the whole shard's crc32c, with the
-    first part)."""
+    first piece)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     data = np.empty(shape, dtype)
     flat = data.reshape(-1).view(np.uint8)
-    parts = [(o, min(READ_PIECE_BYTES, flat.nbytes - o))
+    pieces = [(o, min(READ_PIECE_BYTES, flat.nbytes - o))
              for o in range(0, flat.nbytes, READ_PIECE_BYTES)]
-    left = [len(parts)]
+    left = [len(pieces)]
     lock = threading.Lock()
 
     def done(offset: int, f: concurrent.futures.Future) -> None:
       error = f.exception()
       if error is None:
-        part = f.result()
-        flat[offset:offset + part.nbytes] = part
-      with lock:  # the first failure fails the shard; else the last part completes it
+        piece = f.result()
+        flat[offset:offset + piece.nbytes] = piece
+      with lock:  # the first failure fails the shard; else the last piece completes it
         left[0] -= 1
         if out.done():
           return
@@ -349,9 +350,9 @@ class ShardReads:
         elif left[0] == 0:
           out.set_result(data)
 
-    for offset, nbytes in parts:
-      # Only the first part asks for the check: the host checks the whole shard once, and
-      # its failure fails the shard (the parts all go at once, so each would check it).
+    for offset, nbytes in pieces:
+      # Only the first piece asks for the check: the host checks the whole shard once, and
+      # its failure fails the shard (the pieces all go at once, so each would check it).
       future = self.client.read(host, final_dir, ShardId(kp, index),
                                 crc32c=crc if offset == 0 else None, tier=tier,
                                 part=(offset, nbytes))

@@ -6,7 +6,7 @@ device (replicated shards once) through the one stager (``staging.copy_in``), ha
 blocks to the sidecars in parts (``staged``) and returns; a shard still on its way from an
 accelerator (a ``HostCopy``) is copied by the stager thread once it has landed, after the
 save returned. A finisher thread then begins the step (process 0's sidecar answers its
-tmp directory), stages the parts, starts the peer replication, waits for every host's
+tmp directory), stages the parts, starts the replication, waits for every host's
 writes (prepared) and commits once (process 0), or aborts everywhere, then hands the
 save's end to the Checkpointer (``durable``, ``replicated``): the phases of
 ``save_protocol.SaveProtocol``, the processes agreeing through their key-value store

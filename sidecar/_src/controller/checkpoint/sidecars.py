@@ -44,7 +44,7 @@ class SidecarsSnapshot:
     elastic job down to fewer hosts than it planned keeps saving."""
     most = max(len(self.hosts) - 1, 0)
     if wanted > most:
-      log.warning("replicas=%d, but there are %d hosts: each shard gets %d peer copies",
+      log.warning("replicas=%d, but there are %d hosts: each shard gets %d replica copies",
                   wanted, len(self.hosts), most)
     return min(wanted, most)
 

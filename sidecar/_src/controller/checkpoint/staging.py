@@ -31,12 +31,12 @@ from sidecar._src.ckptfmt.spec import Index
 from sidecar._src.controller.framework import HostCopy
 from sidecar._src.core import interrupts
 
-# A save is staged in parts of about this many bytes per host, as the copy goes, where
+# A save is staged in lots of about this many bytes per host, as the copy goes, where
 # the machine has a core beyond the copy's threads (``shm.COPY_THREADS``): a sidecar then
-# writes and checksums one part while the trainer copies the next. Where the copy takes
+# writes and checksums one lot while the trainer copies the next. Where the copy takes
 # every core, the sidecar's work during it takes one away, and the trainer waits for
-# that: 1 GiB on 2 cores, 12 saves each, twice: 512 MiB parts blocked 1.35-1.4x a memcpy
-# (durable 0.46-0.50 s), one part after the copy 0.85-0.9x (durable 0.51-0.53 s). So
+# that: 1 GiB on 2 cores, 12 saves each, twice: 512 MiB lots blocked 1.35-1.4x a memcpy
+# (durable 0.46-0.50 s), one lot after the copy 0.85-0.9x (durable 0.51-0.53 s). So
 # there the save is staged once, after the copy.
 STAGE_LOT_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
                     else sys.maxsize)

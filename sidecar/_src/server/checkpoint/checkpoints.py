@@ -16,7 +16,7 @@ none of them is reachable through ``Call``):
 The parts, built and owned here (``close`` joins their threads): ``writer``
 (``save.StepWriter``: the phases above, ``abort``, ``delete``), ``tier``
 (``ram_tier.RamTier``: the records, budgets, eviction, expiry of uncommitted steps,
-status), ``replicator`` (``replication.Replicator``: ``replicate`` to peers, ``receive``
+status), ``replicator`` (``replication.Replicator``: ``replicate`` to the replica hosts, ``receive``
 from them) and ``reader`` (``read.Reader``). This class keeps only what spans them: the
 per-client directories (``open_for``, ``check_client``), a commit's notice to the RAM tier
 and replicas (``committed``), and the restore calls that check a path under the roots
@@ -51,8 +51,8 @@ from sidecar._src.server.checkpoint import (
 )
 
 log = logging.getLogger(__name__)
-# "0" makes replicas travel inline over gRPC even to a peer on this machine (as to one
-# on another machine), instead of through the peer's arena mapped here.
+# "0" makes replicas travel inline over gRPC even to a sidecar on this machine (as to one
+# on another machine), instead of through its arena mapped here.
 SHM_ENV = env_lib.REPLICA_SHM
 # A step staged and written here whose commit never comes (the controller that staged
 # it died between staging and committing) is dropped this long after its write ended,
@@ -117,7 +117,7 @@ class Checkpoints:
     A step still being staged is aborted (its trainer's part will not come), a
     replication in flight cancelled; a write whose shards are all here finishes, within
     ``timeout`` s for all of them (one still running then is logged: its step is not
-    committed, and a later save's sweep removes it). Then the links to peers close.
+    committed, and a later save's sweep removes it). Then the links to the replica hosts close.
     """
     self._closed.set()
     with self.tier.lock:
@@ -287,7 +287,7 @@ class Checkpoints:
     mine = self.opened_by(tenant)
     return self.yielding.drop(lambda d: d in mine)
 
-  # ---- peer replicas ----------------------------------------------------
+  # ---- replicas --------------------------------------------------------
 
   def held(self, directory: str) -> Held:
     """What the RAM tier holds under ``directory``, per committed item: this host's own

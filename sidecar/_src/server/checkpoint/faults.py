@@ -4,7 +4,7 @@
 stage, write, prepared, commit, read: serving a restore's shard of the step), or
 "slow@STEP" pause 2 s before writing ("slow@STEP:PATH": until the file PATH exists, at
 most ``HOLD_S``: a test holds a step not durable while it looks); "replicate@STEP" kills
-it as a peer's first shards of STEP arrive, once its own part of STEP is committed (so
+it as another sidecar's first shards of STEP arrive, once its own part of STEP is committed (so
 the step is durable and its replication half done); "enospc@STEP" fails the write with
 ENOSPC once its first shard is on disk (a full disk); "swap@STEP" kills it in the middle of a DCP
 commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).

@@ -11,20 +11,20 @@ goes to no address a client chose. Each replica of
 a step is one client stream (``Checkpoint.Receive``): a header naming it, the shards,
 and a last message marked ``done``:
 
-- **same machine** (the peer's boot id is ours and its worker socket is here): maps
-  the peer's arena through that socket, as a Worker does, copies each shard into a
-  block of it with one memcpy, and sends the blocks' ``ArenaRef``s: the peer takes the
+- **same machine** (the receiver's boot id is ours and its worker socket is here): maps
+  the receiver's arena through that socket, as a Worker does, copies each shard into a
+  block of it with one memcpy, and sends the blocks' ``ArenaRef``s: the receiver takes the
   blocks with no copy;
 - **elsewhere**: sends each shard's bytes raw (a ``bytes`` field, no codec), in
-  parts of :data:`PART_BYTES`, copied once from the shard into the message; the peer
+  pieces of :data:`PART_BYTES`, copied once from the shard into the message; the receiver
   assembles them in blocks of its own arena.
 
-The peer counts only whole replicas (``done`` came): a stream cut short leaves none.
+The receiver counts only whole replicas (``done`` came): a stream cut short leaves none.
 Each replica carries its tenant (the one this sidecar authenticated as the caller of
-``Replicate``; none outside pools), which the peer counts it against; a same-machine link
-maps the peer's arena as that tenant's (:func:`attach`).
-:class:`Links` keeps one link per peer and tenant from step to step: mapping a peer's arena
-costs about as much as copying a step's part into it. The peer's side (the replica records,
+``Replicate``; none outside pools), which the receiver counts it against; a same-machine link
+maps the receiver's arena as that tenant's (:func:`attach`).
+:class:`Links` keeps one link per receiver and tenant from step to step: mapping a receiver's arena
+costs about as much as copying a step's part into it. The receiver's side (the replica records,
 their eviction with the RAM tier) is ``checkpoint.Checkpoints``.
 """
 
@@ -53,23 +53,23 @@ from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
 from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
-# One part of a shard sent inline. Small enough that the peer's copy of one part
-# overlaps the sending of the next (flow control holds a message back until the peer
+# One piece of a shard sent inline. Small enough that the receiver's copy of one piece
+# overlaps the sending of the next (flow control holds a message back until the receiver
 # reads it), big enough that the per-message cost is lost in the copy. 512 MiB to a
 # sidecar on loopback here (python -m benchmarks.replication --link): 64 MiB parts 3.2 s,
 # 16 MiB 0.96 s, 8 MiB 0.85 s, 4 MiB 0.86 s; 4 unary calls of 16 MiB in flight (the
 # codec path before the stream) 2.1-2.4 s.
 PART_BYTES = 8 << 20
 QUEUED = 4  # messages serialized ahead of the one gRPC sends
-# Same-machine shards whose blocks one message hands over: the peer takes each
+# Same-machine shards whose blocks one message hands over: the receiver takes each
 # message's blocks as it comes.
 BATCH_BYTES = 256 << 20
-ARENA_WAIT_S = 10.0  # how long a full peer arena is waited on
+ARENA_WAIT_S = 10.0  # how long a full receiver arena is waited on
 # A replica's whole stream: as long as a Replicate may wait (a paced or slow link takes
-# long; a peer that stops reading is found by the HTTP/2 pings, a cancel ends it at once).
+# long; a receiver that stops reading is found by the HTTP/2 pings, a cancel ends it at once).
 SEND_TIMEOUT_S = 3600.0
 WATCH_S = 0.5  # how often Links looks for target sidecars that exited
-PACE_BYTES = 1 << 20  # with a bandwidth limit, the copy into a peer's arena goes in pieces:
+PACE_BYTES = 1 << 20  # with a bandwidth limit, the copy into a receiver's arena goes in pieces:
 # small ones keep the pace smooth (2-4 ms of copy, then a sleep)
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 << 20),
@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 
 def replica_credentials(tls_cert: str | None, tls_key: str | None,
                      tls_client_ca: str | None) -> grpc.ChannelCredentials | None:
-  """How a sidecar with TLS (``--tls-cert``) reaches its peers: None without TLS.
+  """How a sidecar with TLS (``--tls-cert``) reaches the other sidecars: None without TLS.
 
   It trusts ``$SIDECAR_TLS_CA``, else its own ``--tls-client-ca`` (a job's sidecars
   have one CA), else the system's roots; for mTLS it presents
@@ -169,17 +169,17 @@ class ReplicaHosts:
     return ReplicaTarget(host_id, found[host_id])
 
 
-def attach(peer: ReplicaTarget, socket_path: str, *, replica_token: str | None,
+def attach(receiver: ReplicaTarget, socket_path: str, *, replica_token: str | None,
            tenant: str | None, timeout: float) -> worker_lib.Worker:
-  """Maps a same-machine peer's arena through its worker socket, as the sidecars' link.
+  """Maps a same-machine receiver's arena through its worker socket, as the sidecars' link.
 
   The attach proves the peer token and names the tenant whose replicas the blocks hold
-  (``tenants.ReplicaAttach``): the peer counts them against that tenant, in its memory. The
-  one place a link attaches: where the peer keeps an arena per tenant, this is where the
+  (``tenants.ReplicaAttach``): the receiver counts them against that tenant, in its memory. The
+  one place a link attaches: where the receiver keeps an arena per tenant, this is where the
   tenant's is asked for.
 
   Raises:
-    AuthenticationError, PermissionDeniedError: the peer refused the sidecars' link.
+    AuthenticationError, PermissionDeniedError: the receiver refused the sidecars' link.
   """
   token = (tenants_lib.ReplicaAttach(replica_token, tenant or "").token() if replica_token
            else None)  # no peer token: as a trainer's Worker (a shared token's sidecars)
@@ -187,7 +187,7 @@ def attach(peer: ReplicaTarget, socket_path: str, *, replica_token: str | None,
     return worker_lib.Worker(socket_path, timeout=timeout, token=token)
   except (errors.AuthenticationError, errors.PermissionDeniedError) as e:
     raise type(e)(
-        f"the sidecars' own replica link (host {peer.host_id}'s worker socket {socket_path}, "
+        f"the sidecars' own replica link (host {receiver.host_id}'s worker socket {socket_path}, "
         f"for tenant {tenant or '(none)'}) was refused: {e}") from None
 
 
@@ -204,7 +204,7 @@ _DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 def check_sender(tenancy: tenants_lib.Tenancy | None, session: str,
                  tenant: str | None) -> None:
-  """That a replica whose blocks come over a peer's worker ``session`` is for the tenant
+  """That a replica whose blocks come over a receiver's worker ``session`` is for the tenant
   that session attached for (:class:`tenants.ReplicaAttach`): the blocks count against the
   attached tenant, the replica would be kept (and read, dropped) as the header's
   ``tenant``. A sending sidecar keeps one link per tenant (:class:`Links`).
@@ -245,7 +245,7 @@ def _offer(ready: queue.Queue, item: bytes, call: grpc.Future,
            cancelled: Callable[[], bool] = lambda: False) -> bool:
   """Queues ``item`` for the stream ``call``, waiting for room; False if the call ended.
 
-  Raises ClosedError if ``cancelled()`` turns true meanwhile (a peer that stopped
+  Raises ClosedError if ``cancelled()`` turns true meanwhile (a receiver that stopped
   reading holds the sender here until then, not until the stream's deadline).
   """
   while not call.done():
@@ -278,28 +278,30 @@ class _Pace:
       time.sleep(ahead)
 
 
-def _pin(peer: ReplicaTarget, timeout: float
+def _pin(receiver: ReplicaTarget, timeout: float
          ) -> tuple[ipc.Pinned | None, str, tuple[tuple[str, int], ...]]:
-  """The pinned socket, gRPC target and channel options of a link to ``peer``."""
-  return ipc.pin_channel(peer.address, _CHANNEL_OPTIONS, timeout=timeout, unreachable=(
-      lambda e: errors.HostLostError(f"peer sidecar host {peer.host_id} at {peer.address}: "
-                                     f"{e.strerror or e}", host_id=peer.host_id)))
+  """The pinned socket, gRPC target and channel options of a link to ``receiver``."""
+  return ipc.pin_channel(receiver.address, _CHANNEL_OPTIONS, timeout=timeout, unreachable=(
+      lambda e: errors.HostLostError(f"replica host {receiver.host_id} at {receiver.address}: "
+                                     f"{e.strerror or e}", host_id=receiver.host_id)))
 
 
 class ReplicaLink:
-  """An authenticated connection from this sidecar to one peer sidecar.
+  """An authenticated connection from this sidecar to one other sidecar, the receiver of
+  its replicas.
 
-  ``same_machine`` says whether shards go through the peer's arena mapped here.
-  Close it (or use it as a context manager): that unmaps the peer's arena.
+  ``same_machine`` says whether shards go through the receiver's arena mapped here.
+  Close it (or use it as a context manager): that unmaps the receiver's arena.
   """
 
-  def __init__(self, peer: ReplicaTarget, *, token: str | None, replica_token: str | None = None,
-               tenant: str | None = None, timeout: float = 30.0, shared_memory: bool = True,
+  def __init__(self, receiver: ReplicaTarget, *, token: str | None,
+               replica_token: str | None = None, tenant: str | None = None,
+               timeout: float = 30.0, shared_memory: bool = True,
                credentials: grpc.ChannelCredentials | None = None):
-    self.peer = peer
+    self.receiver = receiver
     self.tenant = tenant  # whose replicas this link carries (None: no tenant's)
-    # A peer on a Unix socket: its server's user checked before the tokens go (ipc.Pinned)
-    self._pin, target, options = _pin(peer, timeout)
+    # A receiver on a Unix socket: its server's user checked before the tokens go (ipc.Pinned)
+    self._pin, target, options = _pin(receiver, timeout)
     self._channel = (grpc.insecure_channel(target, options=options) if credentials is None
                      else grpc.secure_channel(target, credentials, options=options))
     self._worker: worker_lib.Worker | None = None
@@ -321,20 +323,21 @@ class ReplicaLink:
                 ((protocol.REPLICA_KEY, f"Bearer {replica_token}"),) if replica_token else ()))
       except grpc.FutureTimeoutError:
         raise errors.HostLostError(
-            f"peer sidecar host {peer.host_id} at {peer.address} did not answer within "
-            f"{timeout:.3g} s", host_id=peer.host_id) from None
+            f"replica host {receiver.host_id} at {receiver.address} did not answer within "
+            f"{timeout:.3g} s", host_id=receiver.host_id) from None
       except grpc.RpcError as e:
         raise self._error(e) from None
-      if reply.identity.host_id != peer.host_id:
+      if reply.identity.host_id != receiver.host_id:
         raise errors.InvalidArgumentError(
-            f"the sidecar at {peer.address} is host {reply.identity.host_id}, not host "
-            f"{peer.host_id} as this sidecar's --replica-hosts says (entry {peer.host_id}); "
+            f"the sidecar at {receiver.address} is host {reply.identity.host_id}, not host "
+            f"{receiver.host_id} as this sidecar's --replica-hosts says "
+            f"(entry {receiver.host_id}); "
             "list the job's sidecars in host order")
       self._metadata = auth + ((protocol.SESSION_KEY, reply.session),)
       here = shm.boot_id()
       if (shared_memory and here and reply.identity.boot_id == here
           and os.path.exists(reply.worker_socket)):
-        self._worker = attach(peer, reply.worker_socket, replica_token=replica_token,
+        self._worker = attach(receiver, reply.worker_socket, replica_token=replica_token,
                               tenant=tenant, timeout=timeout)
     except BaseException:
       self.close()
@@ -345,11 +348,11 @@ class ReplicaLink:
     return self._worker is not None
 
   def hung_up(self) -> bool:
-    """Whether a same-machine peer's sidecar has exited (its socket closed)."""
+    """Whether a same-machine receiver's sidecar has exited (its socket closed)."""
     return self._worker is not None and self._worker.hung_up()
 
   def _error(self, e: grpc.RpcError) -> errors.SidecarError:
-    return protocol.error_from_rpc(e, host=self.peer.address, host_id=self.peer.host_id)
+    return protocol.error_from_rpc(e, host=self.receiver.address, host_id=self.receiver.host_id)
 
   def send(self, header: ReplicaHeader,
            shards: Sequence[tuple[ShardId, np.ndarray]], *,
@@ -359,7 +362,7 @@ class ReplicaLink:
 
     One ``Receive`` stream: the header, the shards, then ``done``. ``header`` names
     the replica (directory, step, final_dir, source host); ``bandwidth`` (bytes per second)
-    paces the sending. Raises HostLostError if the peer goes away, ClosedError if
+    paces the sending. Raises HostLostError if the receiver goes away, ClosedError if
     ``cancelled()`` turns true.
     """
     w = self._worker
@@ -367,7 +370,7 @@ class ReplicaLink:
         header=wire.replica_header_to_pb(header, self.tenant),
         worker_session=w.session if w is not None else "")
     sent = [0]
-    held: list[np.ndarray] = []  # the peer's blocks we filled, until it has taken them
+    held: list[np.ndarray] = []  # the receiver's blocks we filled, until it has taken them
     make = self._shared if w is not None else self._inline
     # The messages are made and serialized here, on this (idle-class) thread, QUEUED ahead
     # of gRPC's thread that sends them: the copies overlap the sending, and yield the
@@ -392,7 +395,7 @@ class ReplicaLink:
     except grpc.RpcError as e:
       raise self._error(e) from None
     except BaseException:
-      call.cancel()  # the peer drops what came: not a whole replica
+      call.cancel()  # the receiver drops what came: not a whole replica
       raise
     finally:
       while True:  # gRPC's thread, if still waiting for a message, gets the end
@@ -407,7 +410,7 @@ class ReplicaLink:
   def _shared(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[ckpt_pb.ReceiveRequest]:
-    """Each shard copied into a block of the peer's arena; the blocks' ``ArenaRef``s sent."""
+    """Each shard copied into a block of the receiver's arena; the blocks' ``ArenaRef``s sent."""
     w = self._worker
     assert w is not None
     batch = ckpt_pb.ReceiveRequest()
@@ -415,7 +418,7 @@ class ReplicaLink:
     for shard_id, data in shards:
       if cancelled():
         raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
-      # A full peer arena fails the replica soon, not after the whole deadline.
+      # A full receiver arena fails the replica soon, not after the whole deadline.
       dst, ref = w.empty(data.shape, data.dtype, timeout=min(timeout, ARENA_WAIT_S))
       dst_bytes, src_bytes = (a.reshape(-1).view(np.uint8) for a in (dst, data))
       step = PACE_BYTES if pace.limited else max(dst.nbytes, 1)
@@ -454,7 +457,7 @@ class ReplicaLink:
       sent[0] += flat.nbytes
 
   def close(self) -> None:
-    """Unmaps the peer's arena and closes the channel; idempotent."""
+    """Unmaps the receiver's arena and closes the channel; idempotent."""
     if self._worker is not None:
       self._worker.close()
       self._worker = None
@@ -470,36 +473,36 @@ class ReplicaLink:
 
 
 class Links:
-  """One :class:`ReplicaLink` per peer, kept from step to step; ``close()`` closes them.
+  """One :class:`ReplicaLink` per receiver, kept from step to step; ``close()`` closes them.
 
   A link that fails is closed, and made once more if it had served an earlier step and
-  the peer still answers (it may have restarted at the same address, or expired the
-  session). A thread closes the link of a same-machine peer whose sidecar exits, so
-  that this sidecar does not keep a dead peer's arena mapped (its memory alive) until
-  the next step needs that peer.
+  the receiver still answers (it may have restarted at the same address, or expired the
+  session). A thread closes the link of a same-machine receiver whose sidecar exits, so
+  that this sidecar does not keep a dead receiver's arena mapped (its memory alive) until
+  the next step needs that receiver.
   """
 
   def __init__(self, *, token: str | None, replica_token: str | None = None,
                shared_memory: bool = True, credentials: grpc.ChannelCredentials | None = None):
     self._token = token
-    self._replica_token = replica_token  # marks our handshakes as a peer sidecar's
+    self._replica_token = replica_token  # marks our handshakes as a sidecar's replica link
     self._shared_memory = shared_memory
-    self._credentials = credentials  # TLS to the peers (peer_credentials), None: plaintext
+    self._credentials = credentials  # TLS to the receivers (peer_credentials), None: plaintext
     self._lock = threading.Lock()
-    # By (peer host id, tenant): a same-machine link maps the tenant's memory there.
+    # By (receiver host id, tenant): a same-machine link maps the tenant's memory there.
     self._links: dict[tuple[int, str | None], tuple[ReplicaLink, threading.Lock]] = {}
     self._closed = threading.Event()
     self._watcher: threading.Thread | None = None
 
-  def send(self, peer: ReplicaTarget, header: ReplicaHeader,
+  def send(self, receiver: ReplicaTarget, header: ReplicaHeader,
            shards: Sequence[tuple[ShardId, np.ndarray]], *, tenant: str | None = None,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
-    """:meth:`ReplicaLink.send` over ``peer``'s link for ``tenant`` (whose replica it is,
+    """:meth:`ReplicaLink.send` over ``receiver``'s link for ``tenant`` (whose replica it is,
     as this sidecar authenticated it); returns (bytes, same machine)."""
-    key = (peer.host_id, tenant)
+    key = (receiver.host_id, tenant)
     while True:
-      link, lock, fresh = self._get(peer, tenant, timeout)
+      link, lock, fresh = self._get(receiver, tenant, timeout)
       with lock:
         try:
           return (link.send(header, shards, cancelled=cancelled, timeout=timeout,
@@ -508,21 +511,21 @@ class Links:
           self._forget(key, link)
           link.close()
           if (fresh or cancelled() or not isinstance(e, Exception)
-              or isinstance(e, errors.HostLostError)):  # a peer gone stays gone
+              or isinstance(e, errors.HostLostError)):  # a receiver gone stays gone
             raise
-          log.info("the link to host %d failed (%s); making a new one", peer.host_id, e)
+          log.info("the link to host %d failed (%s); making a new one", receiver.host_id, e)
 
-  def _get(self, peer: ReplicaTarget, tenant: str | None, timeout: float
+  def _get(self, receiver: ReplicaTarget, tenant: str | None, timeout: float
            ) -> tuple[ReplicaLink, threading.Lock, bool]:
-    key = (peer.host_id, tenant)
+    key = (receiver.host_id, tenant)
     with self._lock:
       entry = self._links.get(key)
-    if entry is not None and entry[0].peer == peer:
+    if entry is not None and entry[0].receiver == receiver:
       return entry[0], entry[1], False
-    if entry is not None:  # the peer moved
+    if entry is not None:  # the receiver moved
       self._retire(key, *entry)
-    link = ReplicaLink(peer, token=self._token, replica_token=self._replica_token, tenant=tenant,
-                       timeout=min(timeout, 30.0),
+    link = ReplicaLink(receiver, token=self._token, replica_token=self._replica_token,
+                       tenant=tenant, timeout=min(timeout, 30.0),
                        shared_memory=self._shared_memory, credentials=self._credentials)
     with self._lock:
       if self._closed.is_set():
@@ -556,7 +559,7 @@ class Links:
         links = list(self._links.items())
       for key, (link, lock) in links:
         if link.hung_up():
-          log.info("peer host %d exited: unmapping its arena", key[0])
+          log.info("replica host %d exited: unmapping its arena", key[0])
           self._retire(key, link, lock)
 
   def close(self) -> None:

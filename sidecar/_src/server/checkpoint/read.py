@@ -1,7 +1,7 @@
 """Restores on the sidecar: an item's manifest and its shards, from the tier asked.
 
 ``ram`` (this host's own copy: no copy, the block itself is leased to the caller),
-``replica`` (a peer's shard held here), ``disk`` (storage, straight into a new arena
+``replica`` (a shard another sidecar sent here), ``disk`` (storage, straight into a new arena
 block), or ``any`` (own copy, else storage). Every read with a crc32c checks it, a RAM
 copy at every read (``any`` reads storage where it is corrupt). The caller
 (``Checkpoints``) has checked the path under the roots.

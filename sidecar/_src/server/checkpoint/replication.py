@@ -1,12 +1,12 @@
-"""Peer replicas of a step's shards: this host sends its own, and holds its peers'.
+"""Replicas of a step's shards: this host sends its own, and holds other hosts'.
 
 ``replicate`` (every host, once its part is staged) sends this host's shards of the
-step to its peers (``links.ReplicaLink``), on an idle-class thread, while the write
-goes on; the peers are named by host id, their addresses come from this sidecar's own
-``--replica-hosts`` (``links.ReplicaHosts``). Each peer takes them with ``receive`` (the
+step to its replica hosts (``links.ReplicaLink``), on an idle-class thread, while the
+write goes on; they are named by host id, their addresses come from this sidecar's own
+``--replica-hosts`` (``links.ReplicaHosts``). Each takes them with ``receive`` (the
 ``Receive`` stream, one per replica) and keeps a *replica record* (the step's item, the
 source host, the shards) in its RAM tier. A replica carries its tenant (the one this
-sidecar authenticated); the peer counts it against that tenant's arena and RAM-tier quota
+sidecar authenticated); the receiver counts it against that tenant's arena and RAM-tier quota
 (``accept``), toward its ``ram_budget``, and it leaves with its step: eviction by
 ``committed``, ``abort``, ``forget``.
 """
@@ -48,7 +48,7 @@ class Replicator:
   Args:
     host_id: this sidecar's host.
     tier: its RAM tier, where the staged steps are and the replicas go.
-    links: its connections to peers (the owner closes them).
+    links: its connections to the replica hosts (the owner closes them).
     path: resolves a path under the checkpoint roots, or raises.
     spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
     metrics: where the bytes replicated and the time it took are recorded.
@@ -118,13 +118,13 @@ class Replicator:
     header = ReplicaHeader(record.directory, record.step, record.final_dir, self._host_id)
     try:
       nbytes = 0
-      for peer in job.peers:
-        nbytes, same_machine = self._links.send(peer, header, shards, tenant=job.tenant,
+      for receiver in job.peers:
+        nbytes, same_machine = self._links.send(receiver, header, shards, tenant=job.tenant,
                                                 cancelled=job.cancelled.is_set,
                                                 bandwidth=job.bandwidth)
         how = "shared memory" if same_machine else "gRPC"
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
-                 record.step, len(shards), shm.format_size(nbytes), peer.host_id, how,
+                 record.step, len(shards), shm.format_size(nbytes), receiver.host_id, how,
                  time.perf_counter() - t0, extra={"step": record.step})
       job.result = Replicated(tuple(p.host_id for p in job.peers), len(shards),
                               sum(a.nbytes for _, a in shards), time.perf_counter() - t0)
@@ -140,7 +140,7 @@ class Replicator:
       job.done.set()
 
   def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> ram_tier.Replica:
-    """A new replica record for one stream of a peer's shards (``header`` names them,
+    """A new replica record for one stream of another sidecar's shards (``header`` names them,
     ``tenant`` whose they are: the sending sidecar says, checked by ``accept``).
 
     It replaces one of the same step and source that is not whole (a resent replica
@@ -165,7 +165,7 @@ class Replicator:
   def receive(self, replica: ram_tier.Replica, blocks: Sequence[ReplicaBlock],
               part: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
-    """Takes shards another sidecar sends (``peers.ReplicaLink``) into ``replica``
+    """Takes shards another sidecar sends (``links.ReplicaLink``) into ``replica``
     (``open_replica``).
 
     A shard comes whole as an arena block the sender filled (same machine), or inline

@@ -7,7 +7,7 @@ is not empty; the parts resolve each path under the checkpoint roots), calls the
 of :class:`~sidecar._src.server.checkpoint.checkpoints.Checkpoints` that does the work (its
 ``writer``, ``replicator``, or the host itself for what spans them), and leaves through
 ``protocol.abort`` on failure, so the status codes are ``Call``'s. ``Receive`` is a
-client stream: a peer's replica of one step, its shards' bytes raw in each message.
+client stream: another sidecar's replica of one step, its shards' bytes raw in each message.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class CheckpointService:
                slots: Slots | None = None, per_client: bool = False,
                inline: InlineBytes | None = None, tenancy: tenants_lib.Tenancy | None = None):
     self._host = host
-    self._tenancy = tenancy  # whose each worker session is (a peer's link: its tenant's)
+    self._tenancy = tenancy  # whose each worker session is (a replica link's: its tenant's)
     # The bytes of large inline requests decoded at once: a Stage's shards, as a call's.
     self._inline = InlineBytes() if inline is None else inline
     self._per_client = per_client  # each client acts only in the directories it opened
@@ -361,9 +361,10 @@ class CheckpointService:
 
   def receive(self, requests: Iterator[bytes], context: grpc.ServicerContext
               ) -> ckpt_pb.ReceiveResponse:
-    """A peer's replica of one step: the header, then blocks or parts, then ``done``.
+    """Another sidecar's replica of one step: the header, then blocks or pieces, then
+    ``done``.
 
-    Only a peer sidecar's session sends one (its handshake carried the peer token): a
+    Only a replica link's session sends one (its handshake carried the peer token): a
     controller's, whatever token it holds, could plant shards a restore would take.
     """
     if not self._sessions.is_replica_link(_session(context)):

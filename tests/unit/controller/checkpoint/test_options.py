@@ -12,7 +12,8 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_to_keep": 0}, r"max_to_keep must be None or an int >= 1, got 0"),
     ({"keep_period": "5"}, r"keep_period must be None or an int >= 1, got '5'"),
-    ({"replicas": -1}, r"replicas must be an int >= 0 \(peer sidecars per shard\), got -1"),
+    ({"replicas": -1}, r"replicas must be an int >= 0 \(other sidecars that keep each shard\), "
+     r"got -1"),
     ({"replicas": True}, r"replicas must be an int >= 0 .*got True"),
     ({"ram_steps": 1.5}, r"ram_steps must be an int >= 0 \(0: the RAM tier keeps no step\)"),
     ({"ram_budget": -1}, r"ram_budget must be None or bytes \(an int >= 0\), got -1"),
