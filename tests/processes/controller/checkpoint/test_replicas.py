@@ -140,15 +140,15 @@ def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp
   assert arena_mappers() == [] and shm_entries() == before
 
 
-def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkeypatch, caplog):
-  """A controller that maps no arena reads RAM-tier shards inline, in parts of at most
-  READ_PIECE_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 parts), own copies and
-  replicas alike; the storage copy is corrupt, so only the parts can give the bytes."""
+def test_large_shards_of_unmapped_hosts_come_over_grpc_in_pieces(tmp_path, monkeypatch, caplog):
+  """A controller that maps no arena reads RAM-tier shards inline, in pieces of at most
+  READ_PIECE_BYTES (here 4 KiB: each 192 KiB half of "w" in 48 pieces), own copies and
+  replicas alike; the storage copy is corrupt, so only the pieces can give the bytes."""
   monkeypatch.setattr(checkpoint_restore, "READ_PIECE_BYTES", 4096)
-  parts = []
-  read_parts = checkpoint_restore.ShardReads._read_pieces
+  pieced = []
+  read_pieces = checkpoint_restore.ShardReads._read_pieces
   monkeypatch.setattr(checkpoint_restore.ShardReads, "_read_pieces",
-                      lambda self, *a: parts.append(a[5]) or read_parts(self, *a))
+                      lambda self, *a: pieced.append(a[5]) or read_pieces(self, *a))
   directory = tmp_path / "ck"
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
                                     imports=FNS) as cluster:
@@ -163,9 +163,9 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
       with ctl.checkpointer(directory) as ckpt:
         assert_same(ckpt.restore(1, target=target_on(devices, state)), state)
         assert sorted(ckpt.last_restore_stats().shards) == ["ram:host0", "ram:host1"]
-      assert sorted(parts) == [0, 1]  # one parted read per half of "w", from its own host
+      assert sorted(pieced) == [0, 1]  # one read in pieces per half of "w", from its own host
       cluster.kill(1)
-    parts.clear()
+    pieced.clear()
     with sidecar.jax.Controller(cluster.addresses[:1], attach=False) as ctl:
       with ctl.checkpointer(directory, replicas=1) as ckpt:  # 1 host left: no peer to use
         restored = ckpt.restore(1, target=target_on(devices[:1], state))
@@ -173,8 +173,8 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_parts(tmp_path, monkey
         assert "replica:host0" in ckpt.last_restore_stats().shards
         # As with replicas=0: the step at once, as for every framework (it held None).
         assert ckpt.save(2, restored).replicated.result(60) == 2
-    assert sorted(parts) == [0, 0]  # host 1's half from its replica on host 0, in parts
-    assert "replicas=1, but there are 1 hosts: each shard gets 0 peer copies" in caplog.text
+    assert sorted(pieced) == [0, 0]  # host 1's half from its replica on host 0, in pieces
+    assert "replicas=1, but there are 1 hosts: each shard gets 0 replica copies" in caplog.text
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc"])
