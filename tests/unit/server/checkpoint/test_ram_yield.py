@@ -68,7 +68,7 @@ def setup():
   spare: dict[str, int] = {}
   yielding = ram_yield.Yielding(tier, metrics=recorder, spare=lambda t: spare.get(t, 0))
   leases = Leases(shm.Allocator(arena.size), reclaim=yielding.reclaim,
-                  holds=yielding.describe)
+                  holds=lambda tenant: yielding.describe())
   yield (arena, leases), tier, yielding, recorder, spare
   tier.steps.clear()
   tier.replicas.clear()
@@ -158,3 +158,15 @@ def test_describe_lists_every_directory_and_state(setup):
   assert yielding.describe() == (
       f"RAM-tier steps: {D} steps 1, 2 (8.0 KiB, durable, still read or held elsewhere)")
   assert item(1) in tier.steps
+
+
+def test_describe_names_only_the_directories_the_asking_client_may_see(setup):
+  arena, tier, yielding, _, _ = setup
+  tier.ram_steps[D] = (5, None)
+  commit(tier, arena, 1)
+  add_step(arena, tier, 2, directory="/ck/bob", done=False)
+  commit(tier, arena, 3, directory="/ck/carol")
+  assert yielding.describe(lambda d: d == D) == (
+      f"RAM-tier steps: {D} step 1 (4.0 KiB, durable, still read or held elsewhere); "
+      "other clients' steps (4.0 KiB, not durable yet, kept); "
+      "other clients' steps (4.0 KiB, durable, still read or held elsewhere)")
