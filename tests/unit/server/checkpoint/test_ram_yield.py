@@ -94,6 +94,17 @@ def test_a_full_arena_evicts_durable_copies_oldest_commit_first(setup):
   leases.release(block.offset, block.generation, "pin")
 
 
+def test_ram_steps_and_ram_budget_keep_copies_while_memory_is_free_reserve_nothing(setup):
+  arena, tier, _, _, _ = setup
+  tier.ram_steps[D] = (10, 1 << 30)  # keep 10 steps within 1 GiB: more than the arena
+  commit(tier, arena, 1, blocks=BLOCKS // 2)
+  assert commit(tier, arena, 2, blocks=BLOCKS // 2) == [1, 2]  # both kept: memory is free
+  leases = arena[1]
+  block = leases.alloc(BLOCKS // 4 * KB, "pin", timeout=0)  # new work: the oldest gives way
+  assert steps_held(tier) == [(D, 2)]
+  leases.release(block.offset, block.generation, "pin")
+
+
 def test_only_as_much_as_is_missing_goes(setup):
   arena, tier, yielding, _, _ = setup
   tier.ram_steps[D] = (5, None)
