@@ -98,10 +98,11 @@ def parse(text: str, *, default_port: int | None = None, what: str = "address") 
             f"{what} {text!r}: unix:// takes an absolute path (unix:///run/x.sock); write "
             "unix:PATH for a relative one")
     return unix(path)
-  forms = "unix:PATH or HOST:PORT (IPv6 in brackets: [::1]:8490)"
-  if looks_like_path(text):
+  plain = "unix:PATH or HOST:PORT"
+  forms = f"{plain} (IPv6 in brackets: [::1]:8490)"
+  if looks_like_path(text):  # no word on IPv6 where the text is none
     raise errors.InvalidArgumentError(
-        f"{what} {text!r} is a path, not {forms}: a sidecar on a Unix socket is unix:{text}")
+        f"{what} {text!r} is a path, not {plain}: a sidecar on a Unix socket is unix:{text}")
   if text.startswith("["):
     host, sep, rest = text[1:].partition("]")
     if not sep or (rest and not rest.startswith(":")):
@@ -111,7 +112,10 @@ def parse(text: str, *, default_port: int | None = None, what: str = "address") 
     host, sep, port_text_ = text.partition(":")
     port_text = port_text_ if sep else None
     if ":" in port_text_:
-      raise errors.InvalidArgumentError(f"{what} {text!r} is not {forms}: {_colons(text)}")
+      if _is_ipv6(text) or _is_ipv6(text.rpartition(":")[0]):
+        raise errors.InvalidArgumentError(
+            f"{what} {text!r} is not {forms}: put an IPv6 address in brackets")
+      raise errors.InvalidArgumentError(f"{what} {text!r} is not {plain}: {_colons(text)}")
   if not host:
     raise errors.InvalidArgumentError(f"{what} {text!r} names no host; write {forms}")
   if port_text is None:
@@ -134,9 +138,8 @@ def looks_like_path(text: str) -> bool:
 
 
 def _colons(text: str) -> str:
-  """What is wrong with ``text``, which holds more than one ':' and no brackets."""
-  if _is_ipv6(text) or _is_ipv6(text.rpartition(":")[0]):
-    return "put an IPv6 address in brackets"
+  """What is wrong with ``text``, which holds more than one ':', no brackets, and is no
+  IPv6 address."""
   host, _, ports = text.partition(":")
   if all(p.isdigit() for p in ports.split(":")):
     return (f"it has {ports.count(':') + 1} ports; give the control port alone, as "

@@ -104,7 +104,7 @@ class ArenaIO:
     mine = by_session.get(holder, 0) if isinstance(holder, str) else 0
     others = sum(by_session.values()) - mine
     fmt = shm.format_size
-    ram = self.leases.holds() or "RAM-tier steps"
+    ram = self.leases.held_for(holder) or "RAM-tier steps"
     return shm.arena_full(
         nbytes, free=a.size - a.used_bytes, size=a.size, waited=waited,
         holds=f"this caller holds {fmt(mine)}, other worker sessions {fmt(others)}, the sidecar "

@@ -247,13 +247,14 @@ class Server:
       self.arenas = arenas_lib.Arenas.single(self.arena)
     if o.metrics_port is not None:
       self.metrics = metrics_lib.Metrics(self._snapshot)
+    named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.leases = Leases(self.arenas,
                          quota=options_lib.quota_bytes(o.session_quota, self.arenas.size),
                          tenancy=self.tenancy, tenant_of=self.tenancy.of_worker,
                          metrics=self.metrics,  # durable RAM-tier copies give way to new work:
                          reclaim=lambda n, tenant: self.checkpoints.reclaim(n, tenant),
-                         holds=lambda: self.checkpoints.describe_ram())
-    named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
+                         holds=lambda tenant: self.checkpoints.describe_ram(
+                             tenant, everyone=not named))
     self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
         o.host_id, tenancy=self.tenancy, arena_bytes=self.arenas.size,
         tenant_of=lambda session: self.sessions.client(session),

@@ -88,8 +88,9 @@ def tenant_rows(statuses: Sequence[Any]) -> list[TenantRow]:
 
 
 def format_table(rows: Sequence[TenantRow], previous: Sequence[TenantRow] | None = None,
-                 seconds: float = 0.0) -> str:
-  """The table; BATCHES/S from ``previous`` (the refresh ``seconds`` ago), else ``-``."""
+                 seconds: float = 0.0, *, answered: bool = True) -> str:
+  """The table; BATCHES/S from ``previous`` (the refresh ``seconds`` ago), else ``-``;
+  ``answered``: whether any sidecar answered (else no row says nothing of a pool file)."""
   from sidecar._src.arena import shm
   fmt = shm.format_size
   before = {r.tenant: r for r in previous or ()}
@@ -107,6 +108,8 @@ def format_table(rows: Sequence[TenantRow], previous: Sequence[TenantRow] | None
         f"{fmt(r.arena_bytes)} ({fmt(r.arena_guaranteed)} / {fmt(r.arena_ceiling)})",
         str(r.feeds), str(r.feed_workers), rate, _text(r.saves), _ram_tier(r),
         _text(r.waiting)))
+  if len(table) == 1 and not answered:
+    return "no tenants shown: no sidecar answered"
   if len(table) == 1:
     return ("no tenants: the sidecars have no pool file (sidecar serve --pool), or this "
             "token's tenant is not in it")
@@ -137,23 +140,24 @@ def _unreachable(answers: Sequence[tuple[str, Any]]) -> list[str]:
 
 
 def _fetch(addresses: Sequence[str], timeout: float, token: str | None
-           ) -> tuple[list[TenantRow], list[str]]:
+           ) -> tuple[list[TenantRow], list[str], bool]:
+  """The tenants' rows, the sidecars that did not answer, and whether any did."""
   from sidecar._src.controller import status as status_lib
   answers = status_lib.fetch_all(addresses, timeout=timeout, token=token)
-  return (tenant_rows([s for _, s in answers if not isinstance(s, Exception)]),
-          _unreachable(answers))
+  statuses = [s for _, s in answers if not isinstance(s, Exception)]
+  return tenant_rows(statuses), _unreachable(answers), bool(statuses)
 
 
 def print_status(addresses: Sequence[str], *, timeout: float, token: str | None,
                  as_json: bool = False, out: TextIO | None = None) -> int:
   """Prints the table (or one JSON object); returns 1 if any sidecar did not answer."""
   out = out or sys.stdout
-  rows, unreachable = _fetch(addresses, timeout, token)
+  rows, unreachable, answered = _fetch(addresses, timeout, token)
   if as_json:
     json.dump({"tenants": [r.to_dict() for r in rows], "unreachable": unreachable}, out)
     out.write("\n")
   else:
-    out.write(format_table(rows) + "\n")
+    out.write(format_table(rows, answered=answered) + "\n")
     for line in unreachable:
       out.write(f"unreachable: {line}\n")
   return 1 if unreachable else 0
@@ -168,11 +172,11 @@ def watch(addresses: Sequence[str], *, interval: float, timeout: float, token: s
   last, n = time.monotonic(), 0
   try:
     while refreshes is None or n < refreshes:
-      rows, unreachable = _fetch(addresses, timeout, token)
+      rows, unreachable, answered = _fetch(addresses, timeout, token)
       now = time.monotonic()
       out.write(f"{clear}sidecar pool status  {time.strftime('%H:%M:%S')}  every "
                 f"{interval:g} s  (Ctrl-C to stop)\n\n"
-                + format_table(rows, previous, now - last) + "\n"
+                + format_table(rows, previous, now - last, answered=answered) + "\n"
                 + "".join(f"unreachable: {line}\n" for line in unreachable) + "\n")
       out.flush()
       previous, last, n = rows, now, n + 1

@@ -1,13 +1,15 @@
 """The RAM tier gives way (issue 45): a real sidecar, a 32 MiB arena, an 18 MiB state.
 
 A durable step's RAM-tier copy yields to a save that needs its room (the same job's next
-step, another job's), a step not durable yet never does (its write held by the fault hook
-``slow@7:PATH`` until the test creates PATH), and an operator frees copies at once
-through the API and the CLI.
+step, another job's) and to a feed's batches; a step not durable yet never does (its write
+held by the fault hook ``slow@7:PATH`` until the test creates PATH); an operator frees
+copies at once through the API and the CLI.
 """
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.arena import shm
@@ -34,6 +36,7 @@ def cluster(gate):
   shm.copy(np.empty(16 * MiB, np.uint8), np.zeros(16 * MiB, np.uint8))
   with sidecar.testing.LocalCluster(
       num_hosts=1, devices_per_host=1, shm_size="32MiB", metrics=True,
+      imports=["tests.support.feed_fns"],
       host_env={0: {env_lib.CKPT_FAULT: f"slow@{HELD}:{gate}"}}) as c:
     yield c
 
@@ -83,6 +86,20 @@ def test_a_finished_jobs_copy_yields_to_another_jobs_save(cluster, tmp_path):
   assert ram_steps(cluster, tmp_path / "a") == []
   with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "a") as ckpt:
     assert ckpt.restore(0, target=state(0.0))["w"][-1] == 1.0  # durable all along
+
+
+def test_a_finished_jobs_copy_yields_to_a_feeds_batches(cluster, tmp_path):
+  with cluster.controller() as ctl:
+    with ctl.checkpointer(tmp_path / "ck") as ckpt:
+      ckpt.save(0, state(1.0)).durable.result(60)
+    assert ram_steps(cluster, tmp_path / "ck") == [0]  # 18 MiB of 32: 14 MiB free
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+    # A batch of 15 MiB: more than the 14 MiB free while the copy stays.
+    with ctl.feed("huge_rows", kwargs={"nbytes": 5 * MiB}, global_batch_size=3,
+                  sharding=sharding, options=sidecar.FeedOptions(prefetch=1)) as feed:
+      assert next(feed)["x"].shape == (3, 5 * MiB)
+    assert ram_steps(cluster, tmp_path / "ck") == []
+  assert "new work needs" in cluster.log(0)
 
 
 def test_reopening_a_directory_with_ram_steps_0_frees_its_copies(cluster, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 
 import sidecar
 from sidecar._src.core import errors
+from sidecar._src.tools import cli
 from tests.conftest import PEER_TOKEN, eventually
 from tests.support import pool_files
 from tests.support.pool_files import ALICE, BOB, OPERATOR, controller, write_pool
@@ -70,3 +71,21 @@ def test_a_tenants_durable_copies_give_way_within_its_arena_ceiling(make_server,
         got = ck.restore(2, target={"w": np.zeros_like(big)})  # from storage
         np.testing.assert_array_equal(got["w"], big + 2)
         del got  # its arena block counts against her ceiling while she holds it
+
+
+def test_the_operator_drops_a_tenants_copies_with_the_cli(make_server, tmp_path, capsys):
+  """sidecar ram-tier drop --tenant, with the operator token file (a tenant's token file
+  drops only its own): the CLI's door to what the API test above does."""
+  server = make_server(pool=write_pool(tmp_path, pool_files.POOL + pool_files.OPERATOR_LINE))
+  a = str(tmp_path / "alice" / "a")
+  with controller(server, ALICE) as alice, alice.checkpointer(a) as ck:
+    ck.save(1, {"w": STEP}).durable.result(30)
+  assert _ram_steps(server) == {a: [1]}
+  address = f"127.0.0.1:{server.port}"
+  drop = ["ram-tier", "drop", "--tenant", "alice", address, "--token-file"]
+  assert cli.main([*drop, str(tmp_path / "bob.token")]) != 0
+  assert "tenant 'bob' may drop only its own RAM-tier copies" in capsys.readouterr().err
+  assert _ram_steps(server) == {a: [1]}
+  assert cli.main([*drop, str(tmp_path / "operator.token")]) == 0
+  assert capsys.readouterr().out == f"host 0: dropped {a} step 1 (256.0 KiB)\n"
+  assert _ram_steps(server) == {}

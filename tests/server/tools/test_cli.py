@@ -61,5 +61,8 @@ def test_status_of_the_health_port_says_it_looks_like_the_health_port(make_serve
   server = make_server()
   # Before: UNREACHABLE: StatusCode.UNIMPLEMENTED: Method not found!
   assert cli.main([*command, f"127.0.0.1:{server.health_port}"]) == 1
-  assert "looks like a sidecar's health port; give its control port instead" in \
-      capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "looks like a sidecar's health port; give its control port instead" in out
+  # Before: pool status said first "no tenants: the sidecars have no pool file", of a
+  # sidecar it never heard from.
+  assert "no pool file" not in out

@@ -52,6 +52,15 @@ def test_malformed_addresses_name_the_text_and_the_forms(text, match):
     address_lib.parse(text, what="address")
 
 
+@pytest.mark.parametrize("text", ["node-3:8490:8491", "node-3:a:b", "/run/sidecar/grpc.sock"])
+def test_an_address_that_is_no_ipv6_one_gets_no_word_on_ipv6(text):
+  # Before: HOST:PORT:HEALTH was told the forms with "(IPv6 in brackets: [::1]:8490)",
+  # advice for a mistake the user did not make (issue 45 item 6).
+  with pytest.raises(sidecar.InvalidArgumentError) as e:
+    address_lib.parse(text, what="address")
+  assert "IPv6" not in str(e.value) and "unix:PATH or HOST:PORT" in str(e.value)
+
+
 def test_a_unix_path_over_the_limit_names_its_length_the_limit_and_the_fix():
   path = "/tmp/" + "d" * 100 + "/grpc.sock"
   with pytest.raises(sidecar.InvalidArgumentError,

@@ -73,3 +73,7 @@ def test_the_ram_tier_is_summed_against_its_quota_or_says_there_is_none():
   table = pool_status.format_table(rows).splitlines()
   assert "RAM TIER (QUOTA)" in table[0]
   assert "4.0 MiB (8.0 MiB)" in table[1] and "1.0 MiB (no quota)" in table[2]
+
+
+def test_no_answer_says_so_not_that_there_is_no_pool_file():
+  assert pool_status.format_table([], answered=False) == "no tenants shown: no sidecar answered"

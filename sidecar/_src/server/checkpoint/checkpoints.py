@@ -271,9 +271,14 @@ class Checkpoints:
     (``ram_yield.Yielding.reclaim``); returns the bytes let go of."""
     return self.yielding.reclaim(nbytes, tenant)
 
-  def describe_ram(self) -> str:
-    """What the RAM tier holds, per directory, for an error about a full arena."""
-    return self.yielding.describe()
+  def describe_ram(self, client: str | None = None, *, everyone: bool = True) -> str:
+    """What the RAM tier holds, per directory, for an error about a full arena that goes
+    to ``client``; unless ``everyone`` (the clients share one token), only the directories
+    it opened are named, the others' copies summed."""
+    if everyone:
+      return self.yielding.describe()
+    mine = self.opened_by(client) if client else set()
+    return self.yielding.describe(lambda d: os.path.realpath(d) in mine)
 
   def drop_ram(self, directory: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
     """Drops the durable RAM-tier copies of ``directory`` and the directories in it;

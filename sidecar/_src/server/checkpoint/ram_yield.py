@@ -70,13 +70,21 @@ def copies(tier: RamTier) -> list[Copy]:
           for directory, step in order]
 
 
-def describe(held: list[Copy]) -> str:
-  """What ``held`` holds of the arena, per directory and state, for an error's message."""
+def describe(held: list[Copy], visible: Callable[[str], bool] | None = None) -> str:
+  """What ``held`` holds of the arena, per directory and state, for an error's message.
+
+  ``visible(directory)``: whether the client the error goes to may see that directory
+  (None: every one); the other clients' copies are summed, their directories unnamed.
+  """
   if not held:
     return "no RAM-tier steps"
   parts: dict[tuple[str, str], list[Copy]] = {}
+  hidden: dict[bool, int] = {}  # durable or not -> bytes of directories not shown
   for c in held:
-    parts.setdefault((c.directory, c.state), []).append(c)
+    if visible is None or visible(c.directory):
+      parts.setdefault((c.directory, c.state), []).append(c)
+    else:
+      hidden[c.durable] = hidden.get(c.durable, 0) + c.nbytes
   text = []
   for (directory, state), group in parts.items():
     steps = ", ".join(str(c.step) for c in group)
@@ -84,6 +92,9 @@ def describe(held: list[Copy]) -> str:
     why = ("durable, still read or held elsewhere" if state == "durable"
            else f"{state}: not durable yet, kept")
     text.append(f"{directory} step{'s' if len(group) > 1 else ''} {steps} ({size}, {why})")
+  for durable, nbytes in sorted(hidden.items()):
+    why = "durable, still read or held elsewhere" if durable else "not durable yet, kept"
+    text.append(f"other clients' steps ({shm.format_size(nbytes)}, {why})")
   return "RAM-tier steps: " + "; ".join(text)
 
 
@@ -160,12 +171,13 @@ class Yielding:
                extra={"step": c.step})
     return dropped, kept
 
-  def describe(self) -> str:
-    """What the RAM tier holds, for an error about a full arena."""
+  def describe(self, visible: Callable[[str], bool] | None = None) -> str:
+    """What the RAM tier holds, for an error about a full arena; ``visible``: as
+    :func:`describe`'s."""
     if not self._tier.lock.acquire(timeout=LOCK_WAIT_S):
       return "RAM-tier steps: (busy, not listed)"
     try:
       held = copies(self._tier)
     finally:
       self._tier.lock.release()
-    return describe(held)
+    return describe(held, visible)

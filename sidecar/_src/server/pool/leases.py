@@ -76,7 +76,8 @@ class Leases:
 
   ``reclaim(nbytes, tenant)``: where the arena is full, lets go of about ``nbytes`` that
   can give way (the RAM tier's durable copies; ``tenant``: whose request needs them) and
-  returns how many; ``holds()`` says what holds the arena besides, for the error.
+  returns how many; ``holds(tenant)`` says what holds the arena besides, for the error that
+  goes to ``tenant``'s request (it names only what that tenant may see).
   """
 
   def __init__(self, arenas: arenas_lib.Arenas | shm.Allocator, *, quota: int | None = None,
@@ -84,7 +85,7 @@ class Leases:
                tenant_of: Callable[[str], str | None] = lambda session: None,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                reclaim: Callable[[int, str | None], int] | None = None,
-               holds: Callable[[], str] = lambda: ""):
+               holds: Callable[[str | None], str] = lambda tenant: ""):
     self.arenas = (arenas if isinstance(arenas, arenas_lib.Arenas)
                    else arenas_lib.Arenas.of_allocator(arenas))
     # The figures of all arenas together, as one allocator's (size, used_bytes, num_blocks).
@@ -230,7 +231,7 @@ class Leases:
       freed = reclaimed.add(self._reclaim(ask, tenant)) if ask else 0
       if not freed and left is not None and left <= 0:
         raise shm.arena_full(nbytes, free=free, size=self.allocator.size,
-                             waited=time.monotonic() - start, holds=self.held_by())
+                             waited=time.monotonic() - start, holds=self.held_by(tenant))
       wait = RECLAIM_WAIT_S if freed else RECLAIM_POLL_S
       try:
         return allocator.alloc(nbytes, timeout=wait if left is None or freed else
@@ -238,12 +239,13 @@ class Leases:
       except errors.ResourceExhaustedError:
         continue
 
-  def held_by(self) -> str:
+  def held_by(self, tenant: str | None = None, *, locked: bool = False) -> str:
     """What holds the arena now: worker sessions, the sidecar itself, and of that the RAM
-    tier's steps (``holds``), for an error about a full arena."""
-    by_session, pinned = self.held_bytes()
+    tier's steps (``holds``), for an error about a full arena that goes to ``tenant``'s
+    request; ``locked``: the caller holds the lock."""
+    by_session, pinned = self._held_bytes() if locked else self.held_bytes()
     fmt = shm.format_size
-    ram = self.holds()
+    ram = self.holds(tenant)
     return (f"it holds {fmt(sum(by_session.values()))} for {len(by_session)} worker "
             f"session(s) (their arrays, feed batches not yet freed, saves being copied in) and "
             f"{fmt(pinned)} for the sidecar itself (feed batches in flight, staged saves, "
@@ -256,6 +258,10 @@ class Leases:
       return 0
     with self._lock:
       return max(0, self._tenant_bytes.get(t.name, 0) - self._part(t)[0])
+
+  def held_for(self, holder: Hashable) -> str:
+    """What the RAM tier holds of the arena, as an error to ``holder``'s request says it."""
+    return self.holds(self._tenant_name(holder))
 
   def _tenant_name(self, holder: Hashable) -> str | None:
     return self._tenant_of(holder) if isinstance(holder, str) else tenants_lib.CURRENT.get()
@@ -431,6 +437,8 @@ class Leases:
 
   def _past_share(self, t: tenants_lib.Tenant, nbytes: int, mine: int, ceiling: int | None,
                   reserved: int, over_ceiling: bool) -> errors.ResourceExhaustedError:
+    """Why tenant ``t``'s request for ``nbytes`` is not admitted: past its ceiling, the
+    arena full (and what holds it), or the others' guarantees. The lock is held."""
     fmt = shm.format_size
     where = self._tenancy.where(t.name) if self._tenancy is not None else ""
     if over_ceiling:
@@ -439,6 +447,13 @@ class Leases:
           f"its quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling or 0)}, "
           f"{where}); free arrays, feeds' batches or RAM-tier steps sooner, or raise its "
           "arena_ceiling")
+    free = self.allocator.size - self.allocator.used_bytes - self._pending
+    if free < nbytes:  # full, whatever the guarantees: say what holds it
+      return errors.ResourceExhaustedError(
+          f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more do not fit: "
+          f"the arena is full, {fmt(max(free, 0))} free of {fmt(self.allocator.size)}; "
+          f"{self.held_by(t.name, locked=True)}; free arrays, feeds' batches or RAM-tier "
+          "steps sooner, or raise --shm-size")
     return errors.ResourceExhaustedError(
         f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would take "
         f"from the guaranteed arena of other tenants ({fmt(reserved)} they are guaranteed and "
@@ -638,15 +653,19 @@ class Leases:
 
   def held_bytes(self) -> tuple[dict[str, int], int]:
     """Bytes each worker session (a str holder) holds, and bytes held by local pins only."""
+    with self._lock:
+      return self._held_bytes()
+
+  def _held_bytes(self) -> tuple[dict[str, int], int]:
+    """``held_bytes``; the lock is held."""
     by_session: dict[str, int] = {}
     pinned = 0
-    with self._lock:
-      for block, holders in self._holders.values():
-        sessions = [h for h in holders if isinstance(h, str)]
-        for h in sessions:
-          by_session[h] = by_session.get(h, 0) + block.nbytes
-        if not sessions:
-          pinned += block.nbytes
+    for block, holders in self._holders.values():
+      sessions = [h for h in holders if isinstance(h, str)]
+      for h in sessions:
+        by_session[h] = by_session.get(h, 0) + block.nbytes
+      if not sessions:
+        pinned += block.nbytes
     return by_session, pinned
 
   def holders(self) -> int:

@@ -68,7 +68,7 @@ def setup():
   spare: dict[str, int] = {}
   yielding = ram_yield.Yielding(tier, metrics=recorder, spare=lambda t: spare.get(t, 0))
   leases = Leases(shm.Allocator(arena.size), reclaim=yielding.reclaim,
-                  holds=yielding.describe)
+                  holds=lambda tenant: yielding.describe())
   yield (arena, leases), tier, yielding, recorder, spare
   tier.steps.clear()
   tier.replicas.clear()
@@ -91,6 +91,17 @@ def test_a_full_arena_evicts_durable_copies_oldest_commit_first(setup):
   block = leases.alloc(BLOCKS // 2 * KB, "pin", timeout=0)  # fails at once without the hook
   assert steps_held(tier) == [(D, 3)]  # the two oldest commits went, the newest stayed
   assert recorder.evicted == [("room", BLOCKS // 4 * KB)] * 2
+  leases.release(block.offset, block.generation, "pin")
+
+
+def test_ram_steps_and_ram_budget_keep_copies_while_memory_is_free_reserve_nothing(setup):
+  arena, tier, _, _, _ = setup
+  tier.ram_steps[D] = (10, 1 << 30)  # keep 10 steps within 1 GiB: more than the arena
+  commit(tier, arena, 1, blocks=BLOCKS // 2)
+  assert commit(tier, arena, 2, blocks=BLOCKS // 2) == [1, 2]  # both kept: memory is free
+  leases = arena[1]
+  block = leases.alloc(BLOCKS // 4 * KB, "pin", timeout=0)  # new work: the oldest gives way
+  assert steps_held(tier) == [(D, 2)]
   leases.release(block.offset, block.generation, "pin")
 
 
@@ -158,3 +169,15 @@ def test_describe_lists_every_directory_and_state(setup):
   assert yielding.describe() == (
       f"RAM-tier steps: {D} steps 1, 2 (8.0 KiB, durable, still read or held elsewhere)")
   assert item(1) in tier.steps
+
+
+def test_describe_names_only_the_directories_the_asking_client_may_see(setup):
+  arena, tier, yielding, _, _ = setup
+  tier.ram_steps[D] = (5, None)
+  commit(tier, arena, 1)
+  add_step(arena, tier, 2, directory="/ck/bob", done=False)
+  commit(tier, arena, 3, directory="/ck/carol")
+  assert yielding.describe(lambda d: d == D) == (
+      f"RAM-tier steps: {D} step 1 (4.0 KiB, durable, still read or held elsewhere); "
+      "other clients' steps (4.0 KiB, not durable yet, kept); "
+      "other clients' steps (4.0 KiB, durable, still read or held elsewhere)")
