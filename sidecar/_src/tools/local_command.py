@@ -14,6 +14,7 @@ import shlex
 import signal
 import time
 
+from sidecar._src.core import env as env_lib, errors
 from sidecar._src.tools.local import LocalCluster
 
 # How long `sidecar local` waits for each sidecar to say how its reload went.
@@ -82,10 +83,16 @@ def run(args: argparse.Namespace) -> int:
   """Serves ``args.hosts`` sidecars until Ctrl-C (or SIGTERM raised as KeyboardInterrupt);
   with a pool file, SIGHUP reloads it on every sidecar and prints what each said."""
   hangups: list[int] = []
+  # The token as every command reads it ($SIDECAR_TOKEN, else $SIDECAR_TOKEN_FILE's); a
+  # pool file holds its tenants' own.
+  try:
+    token = None if args.pool else env_lib.token()
+  except (OSError, errors.InvalidArgumentError) as e:
+    args.parser.error(f"cannot read the token: {e}")
   with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
                     imports=args.imports or [], configure_jax=False,
                     metrics=args.metrics, checkpoint_roots=args.checkpoint_roots,
-                    pool=args.pool) as cluster:
+                    pool=args.pool, token=token) as cluster:
     if cluster.pool is not None:
       signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     print("\n".join(lines(cluster, metrics=args.metrics)))

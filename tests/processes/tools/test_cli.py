@@ -287,6 +287,37 @@ def test_local_prints_the_sidecar_hosts_line_that_from_env_reads():
     p.stdout.close()
 
 
+def test_local_serves_with_the_token_of_sidecar_token_file(tmp_path):
+  # Issue 45's audit: SIDECAR_TOKEN reached the sidecars of `sidecar local`, while
+  # SIDECAR_TOKEN_FILE, which Controller.from_env() and every other command read, did not:
+  # they served with no token at all.
+  token_file = tmp_path / "token"
+  token_file.write_text("s3cret-local\n")
+  token_file.chmod(0o600)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1",
+                        "--shm-size", "8MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       text=True, env={**env, "SIDECAR_TOKEN_FILE": str(token_file)})
+  try:
+    lines = _read_until(p.stdout, "Ctrl-C to stop.")
+    (hosts,) = [line for line in lines if line.startswith("SIDECAR_HOSTS=")]
+    env["SIDECAR_HOSTS"] = hosts.split("=", 1)[1]
+    probe = ("import sidecar\nwith sidecar.jax.Controller.from_env(timeout=30) as ctl:\n"
+             "  print(len(ctl.hosts))")
+    without = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert without.returncode != 0 and "AuthenticationError" in without.stderr, without
+    with_file = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                               env={**env, "SIDECAR_TOKEN_FILE": str(token_file)}, timeout=120)
+    assert with_file.stdout.split() == ["1"], with_file.stderr
+    p.send_signal(signal.SIGINT)
+    assert p.wait(60) == 0
+  finally:
+    p.kill()
+    p.wait(30)
+    p.stdout.close()
+
+
 def _read_until(stream, marker: str) -> list[str]:
   lines = []
   for line in stream:
