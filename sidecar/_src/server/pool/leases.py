@@ -372,11 +372,16 @@ class Leases:
     with self._lock:
       ceiling, reserved = self._shares(t)
       mine = self._tenant_bytes.get(t.name, 0)
-      free = self.allocator.size - self.allocator.used_bytes - self._pending
+      free = self._free()
       short = reclaimed.short(max(nbytes + reserved - free,
                                   0 if ceiling is None else mine + nbytes - ceiling), free)
     if short > 0:
       reclaimed.add(self._reclaim(short, t.name))
+
+  def _free(self) -> int:
+    """The arena's bytes neither allocated nor reserved: bytes reserved but not allocated
+    yet are as good as used. The lock is held."""
+    return self.allocator.size - self.allocator.used_bytes - self._pending
 
   def _admit(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None) -> bool:
     """Takes ``nbytes`` for tenant ``t`` if they fit and its turn has come; the lock is
@@ -386,8 +391,7 @@ class Leases:
     over_ceiling = ceiling is not None and mine + nbytes > ceiling
     if w is not None:
       w.for_ceiling = over_ceiling
-    # Bytes reserved but not allocated yet are as good as used.
-    free = self.allocator.size - self.allocator.used_bytes - self._pending
+    free = self._free()
     within = mine + nbytes <= self._part(t)[0]
     if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
       return False
@@ -402,7 +406,7 @@ class Leases:
     if w.for_ceiling and ceiling is not None:
       short = mine + nbytes - ceiling
     else:
-      free = self.allocator.size - self.allocator.used_bytes - self._pending
+      free = self._free()
       short = nbytes + reserved - free
     return self._queue.place(w, short)
 
@@ -447,7 +451,7 @@ class Leases:
           f"its quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling or 0)}, "
           f"{where}); free arrays, feeds' batches or RAM-tier steps sooner, or raise its "
           "arena_ceiling")
-    free = self.allocator.size - self.allocator.used_bytes - self._pending
+    free = self._free()
     if free < nbytes:  # full, whatever the guarantees: say what holds it
       return errors.ResourceExhaustedError(
           f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more do not fit: "
