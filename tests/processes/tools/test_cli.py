@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import re
@@ -259,15 +260,7 @@ def test_local_stops_on_sigterm_and_removes_its_temp_dir():
 def test_local_prints_the_sidecar_hosts_line_that_from_env_reads():
   # Issue 35 item 12: the README said to set SIDECAR_HOSTS to what `sidecar local` printed,
   # which had no such line; a guessed entry without its health port waited 300 s.
-  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "2",
-                        "--shm-size", "8MiB"], stdout=subprocess.PIPE,
-                       stderr=subprocess.DEVNULL, text=True)
-  try:
-    lines = []
-    for line in p.stdout:
-      lines.append(line.strip())
-      if line.startswith("Ctrl-C to stop."):
-        break
+  with _sidecar_local("--hosts", "2", "--shm-size", "8MiB") as lines:
     (hosts,) = [line for line in lines if line.startswith("SIDECAR_HOSTS=")]
     addresses = [line.split()[2] for line in lines if line.startswith("host ")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
@@ -279,12 +272,6 @@ def test_local_prints_the_sidecar_hosts_line_that_from_env_reads():
         env=env, capture_output=True, text=True, timeout=120)
     assert found.stdout.split() == addresses, found.stderr
     assert time.monotonic() - t0 < 30  # not the wait of a timeout
-    p.send_signal(signal.SIGINT)
-    assert p.wait(60) == 0
-  finally:
-    p.kill()
-    p.wait(30)
-    p.stdout.close()
 
 
 def test_local_serves_with_the_token_of_sidecar_token_file(tmp_path):
@@ -295,11 +282,8 @@ def test_local_serves_with_the_token_of_sidecar_token_file(tmp_path):
   token_file.write_text("s3cret-local\n")
   token_file.chmod(0o600)
   env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
-  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", "--hosts", "1",
-                        "--shm-size", "8MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                       text=True, env={**env, "SIDECAR_TOKEN_FILE": str(token_file)})
-  try:
-    lines = _read_until(p.stdout, "Ctrl-C to stop.")
+  with _sidecar_local("--hosts", "1", "--shm-size", "8MiB",
+                      env={**env, "SIDECAR_TOKEN_FILE": str(token_file)}) as lines:
     (hosts,) = [line for line in lines if line.startswith("SIDECAR_HOSTS=")]
     env["SIDECAR_HOSTS"] = hosts.split("=", 1)[1]
     probe = ("import sidecar\nwith sidecar.jax.Controller.from_env(timeout=30) as ctl:\n"
@@ -310,6 +294,16 @@ def test_local_serves_with_the_token_of_sidecar_token_file(tmp_path):
     with_file = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                env={**env, "SIDECAR_TOKEN_FILE": str(token_file)}, timeout=120)
     assert with_file.stdout.split() == ["1"], with_file.stderr
+
+
+@contextlib.contextmanager
+def _sidecar_local(*args: str, env: dict[str, str] | None = None):
+  """``sidecar local ARGS`` running: yields the lines it printed up to 'Ctrl-C to stop.',
+  then stops it with Ctrl-C, which must end it with status 0."""
+  p = subprocess.Popen([sys.executable, "-m", "sidecar", "local", *args],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+  try:
+    yield _read_until(p.stdout, "Ctrl-C to stop.")
     p.send_signal(signal.SIGINT)
     assert p.wait(60) == 0
   finally:
