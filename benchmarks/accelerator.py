@@ -39,6 +39,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import itertools
 import os
 import shutil
 import statistics
@@ -145,11 +146,23 @@ def state_limits(state, device, repeats: int) -> tuple[ckpt.ChipLimits, dict]:
   return limits, jax.block_until_ready(ckpt.bump(state))
 
 
-def chip_rows(device, state, s: Settings) -> tuple[list[Row], float, ckpt.ChipLimits, dict]:
+def used_at_once(host: np.ndarray, device, s: Settings) -> dict[int, float]:
+  """Plain JAX's batches/s by ``jax.device_put`` of a numpy batch (image and label), each
+  used at once as the feed's are, with 8 and 16 puts ahead: what JAX itself gives a
+  consumer of batches from host memory (the feed's ceiling)."""
+  batch = {"image": host, "label": np.zeros(BATCH, np.int32)}
+  in_flight_rate(itertools.repeat(batch), device, depth=8, seconds=0.3)  # compiles use
+  return {d: in_flight_rate(itertools.repeat(batch), device, depth=d, seconds=s.seconds)
+          for d in (8, 16)}
+
+
+def chip_rows(device, state, s: Settings
+              ) -> tuple[list[Row], float, float, ckpt.ChipLimits, dict]:
   host = np.random.default_rng(0).integers(0, 256, BATCH_SHAPE, dtype=np.uint8)
   mb = host.nbytes / 1e6
   pipelined_puts(host, device, depth=s.chip_depth, seconds=0.3)  # warm-up
   chip_rate = pipelined_puts(host, device, depth=s.chip_depth, seconds=s.seconds)
+  used = used_at_once(host, device, s)
   put_ms = waited_put_ms(host, device)
   limits, state = state_limits(state, device, s.repeats)
   nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
@@ -157,6 +170,10 @@ def chip_rows(device, state, s: Settings) -> tuple[list[Row], float, ckpt.ChipLi
   rows = [
       Row("chip", f"host-to-device, {mb:.1f} MB batch, {s.chip_depth} puts in flight", chip_rate,
           "batches/s", note=f"{chip_rate * host.nbytes / 1e9:.1f} GB/s"),
+      Row("chip", "plain JAX: jax.device_put of each numpy batch, each used at once (as the "
+          "feed's consumer does), 8 / 16 puts ahead", max(used.values()), "batches/s",
+          (("of the chip's pipelined H2D", max(used.values()) / chip_rate),),
+          note=" / ".join(f"{r:,.0f}" for r in used.values())),
       Row("chip", "host-to-device, one batch put and waited for", put_ms, "ms",
           (("of a pipelined batch's time", put_ms / 1e3 * chip_rate),)),
       Row("chip", "memcpy of the state, numpy, one thread", limits.memcpy_s, "s",
@@ -171,7 +188,7 @@ def chip_rows(device, state, s: Settings) -> tuple[list[Row], float, ckpt.ChipLi
       Row("chip", "host-to-device of the state (a put per array, all in flight)", limits.h2d_s,
           "s", (("of the memcpy", limits.h2d_s / limits.memcpy_s),), note=gbs(limits.h2d_s)),
   ]
-  return rows, chip_rate, limits, state
+  return rows, chip_rate, max(used.values()), limits, state
 
 
 # ---- feeds -------------------------------------------------------------------------
@@ -307,7 +324,8 @@ def grain_rows(device, s: Settings, chip_rate: float) -> tuple[list[Row], dict[s
 FEED_TARGETS = {"noop": (2000, 0.8, 0.0), "light": (600, 0.0, 0.0)}  # issue 44 target 3
 
 
-def feed_rows(ctl, device, s: Settings, chip_rate: float, grain: dict[str, float]) -> list[Row]:
+def feed_rows(ctl, device, s: Settings, chip_rate: float, plain_rate: float,
+              grain: dict[str, float]) -> list[Row]:
   rows = []
   if s.host_half:
     what = (f"ctl.feed, noop elements, {feed_options(s, 0)[1]}, into host arrays (the "
@@ -333,6 +351,8 @@ def feed_rows(ctl, device, s: Settings, chip_rate: float, grain: dict[str, float
     target = ", ".join([f">= {least:,}/s"] + ([f">= {of_chip:.0%} of chip"] if of_chip else [])
                        + ([f">= {of_grain:g}x Grain"] if of_grain else []))
     vs = [("of the chip's pipelined H2D", per_s / chip_rate)]
+    if kind == "noop":
+      vs.append(("of plain JAX's puts used at once", per_s / plain_rate))
     met: bool | None = per_s >= least and per_s >= of_chip * chip_rate
     if kind in grain:
       vs.append(("of Grain's best", per_s / grain[kind]))
@@ -341,6 +361,18 @@ def feed_rows(ctl, device, s: Settings, chip_rate: float, grain: dict[str, float
       met = None  # Grain failed: the target cannot be judged
     rows.append(Row("feed", what, per_s, "batches/s", tuple(vs), target, met,
                     note=f"next() waits {wait_ms:.2f} ms a step"))
+  if s.workers > 1:  # what one feed worker's core gives: the light target's measure
+    solo = dataclasses.replace(s, workers=1)
+    what = f"ctl.feed, light elements, {feed_options(solo)[1]}: one feed worker's rate"
+    progress(what)
+    try:
+      per_s, wait_ms = feed_rate(ctl, "light", device, solo)
+      least = FEED_TARGETS["light"][0]
+      rows.append(Row("feed", what, per_s, "batches/s",
+                      note=f"{least:,}/s takes {least / per_s:.1f} workers at this rate, "
+                      f"each a core of its own (the host has {os.cpu_count()})"))
+    except Exception as e:
+      rows.append(failed("feed", what, e))
   return rows
 
 
@@ -409,7 +441,7 @@ def main(argv=None) -> None:
   try:
     progress("the chip's limits")
     state = ckpt.make_state(device, plan)
-    more, chip_rate, limits, state = chip_rows(device, state, s)
+    more, chip_rate, plain_rate, limits, state = chip_rows(device, state, s)
     out.write(rows := rows + more)
     grain_best_rates: dict[str, float] = {}
     if "grain" not in args.skip:
@@ -421,7 +453,8 @@ def main(argv=None) -> None:
           num_hosts=1, devices_per_host=1, shm_size=shm_size, imports=FNS,
           checkpoint_roots=[base], start_timeout=180) as cluster, cluster.controller() as ctl:
         if "feed" not in args.skip:
-          out.write(rows := rows + feed_rows(ctl, device, s, chip_rate, grain_best_rates))
+          out.write(rows := rows + feed_rows(ctl, device, s, chip_rate, plain_rate,
+                                             grain_best_rates))
         if "checkpoint" not in args.skip:
           try:
             more = ckpt.measure(ctl, device, state, limits, base, plan, progress)

@@ -393,7 +393,6 @@ def rows(run: Run, chip: ChipLimits, restores: dict[str, tuple[float, bool]],
          sources: list[str], donation: dict[str, tuple[bool, str]], idle: dict[int, float],
          bare: dict[str, float], gib: float) -> list[Row]:
   med = statistics.median
-  ours, orbax = run.saved[Ours.name], run.saved[Orbax.name]
   quiet = lambda recs: [r for r in recs if r.busy is None]
   first = {n: quiet(run.saved[n])[0] for n in run.saved}
   later = {n: quiet(run.saved[n])[1:] for n in run.saved}
@@ -403,16 +402,22 @@ def rows(run: Run, chip: ChipLimits, restores: dict[str, tuple[float, bool]],
           "s", (("of Orbax's later ones", first["Orbax"].returned / ret["Orbax"]),)),
       Row("checkpoint", f"Orbax async save(): returns, later (median of {len(later['Orbax'])})",
           ret["Orbax"], "s", (("of the chip's D2H of the state", ret["Orbax"] / chip.d2h_s),)),
-      Row("checkpoint", "Orbax: durable, trainer idle (median)",
-          med(r.durable for r in quiet(orbax)), "s",
-          (("of the chip's D2H of the state", med(r.durable for r in quiet(orbax)) / chip.d2h_s),)),
+      Row("checkpoint", f"Orbax: durable, trainer idle (later saves, median of "
+          f"{len(later['Orbax'])})", med(r.durable for r in later["Orbax"]), "s",
+          (("of the chip's D2H of the state",
+            med(r.durable for r in later["Orbax"]) / chip.d2h_s),),
+          note=f"the process's first: {first['Orbax'].durable:.3f} s"),
       Row("checkpoint", "Orbax restore onto the device (fresh CheckpointManager)",
           restores["Orbax"][0], "s", (("of the chip's H2D of the state",
                                        restores["Orbax"][0] / chip.h2d_s),)),
   ]
   r_first, r_later = first["ctl.checkpointer"].returned, ret["ctl.checkpointer"]
-  staged = med(r.staged for r in quiet(ours))
-  durable = med(r.durable for r in quiet(ours))
+  # A process's first save compiles the split and first touches its host buffers (on the
+  # v5e host: staged 2.7 s, the second 0.7 s, later ones 0.39-0.41 s): later saves are
+  # what a training run pays each time, the first is a row of its own, as for save().
+  staged = med(r.staged for r in later["ctl.checkpointer"])
+  durable = med(r.durable for r in later["ctl.checkpointer"])
+  n_later = len(later["ctl.checkpointer"])
   ram, disk = restores["ctl.checkpointer"][0], restores["storage"][0]
   out += [
       Row("checkpoint", "ctl.checkpointer save(): returns, the process's first", r_first, "s",
@@ -420,14 +425,25 @@ def rows(run: Run, chip: ChipLimits, restores: dict[str, tuple[float, bool]],
           "<= Orbax's first", r_first <= first["Orbax"].returned),
       Row("checkpoint", f"ctl.checkpointer save(): returns, later (median of "
           f"{len(later['ctl.checkpointer'])})", r_later, "s",
-          (("of Orbax's later", r_later / ret["Orbax"]),), "<= Orbax's", r_later <= ret["Orbax"]),
-      Row("checkpoint", "ctl.checkpointer: staged (handle.staged, median)", staged, "s",
+          (("of Orbax's later", r_later / ret["Orbax"]),), "<= 20 ms, <= Orbax's",
+          r_later <= min(0.020, ret["Orbax"]),
+          note="later saves: " + ", ".join(f"{r.returned * 1e3:.1f} ms"
+                                           for r in later["ctl.checkpointer"])),
+      Row("checkpoint", "ctl.checkpointer: staged, the process's first save",
+          first["ctl.checkpointer"].staged, "s",
+          (("of the chip's fastest D2H of the state",
+            first["ctl.checkpointer"].staged / chip.fastest_d2h_s),)),
+      Row("checkpoint", f"ctl.checkpointer: staged (handle.staged; later saves, median of "
+          f"{n_later})", staged, "s",
           (("of the chip's fastest D2H of the state (whole or by pieces)",
             staged / chip.fastest_d2h_s), ("of the chip's D2H of whole arrays",
                                            staged / chip.d2h_s)),
-          "<= 1.2x fastest D2H", staged <= 1.2 * chip.fastest_d2h_s),
-      Row("checkpoint", "ctl.checkpointer: durable, trainer idle (median)", durable, "s",
-          (("of Orbax's durable", durable / med(r.durable for r in quiet(orbax))),)),
+          "<= 1.2x fastest D2H", staged <= 1.2 * chip.fastest_d2h_s,
+          note="later saves: " + ", ".join(f"{r.staged:.3f}" for r in later["ctl.checkpointer"])),
+      Row("checkpoint", f"ctl.checkpointer: durable, trainer idle (later saves, median of "
+          f"{n_later})", durable, "s",
+          (("of Orbax's durable", durable / med(r.durable for r in later["Orbax"])),),
+          note=f"the process's first: {first['ctl.checkpointer'].durable:.3f} s"),
       Row("checkpoint", "ctl.checkpointer restore from the RAM tier onto the device", ram, "s",
           (("of the chip's H2D of the state", ram / chip.h2d_s),
            ("speed-up over Orbax's restore", restores["Orbax"][0] / ram)),
