@@ -10,18 +10,20 @@ Everything runs in this one process, the only one that opens the chip; the sidec
 the same run:
 
   chip        the chip's limits: host-to-device of a 32x224x224x3 uint8 batch (4.8 MB) with
-              many puts in flight, and one put waited for; device-to-host of the checkpoint
-              state (``copy_to_host_async`` on every array, then ``np.asarray``; and by 4,
-              16 and 64 MiB pieces of one jitted split, their transfers in order, 4 in
-              flight), one memcpy of it (numpy, one thread), host-to-device of it (a put per
-              array, all in flight)
+              many puts in flight, the same puts each used at once by a step (8 and 16
+              ahead: plain JAX's rate for a consumer like the feed's), and one put waited
+              for; device-to-host of the checkpoint state (``copy_to_host_async`` on every
+              array, then ``np.asarray``; and by 4, 16 and 64 MiB pieces of one jitted
+              split, their transfers in order, 4 in flight), one memcpy of it (numpy, one
+              thread), host-to-device of it (a put per array, all in flight)
   grain       Grain in-process and ``mp_prefetch`` into device arrays, 'noop' and 'light'
               elements (``benchmarks/feed_fns.py``): the consumer keeps N batches in flight
               on the device (puts a batch, then uses the one N steps older), best of N in
               ``--depths``
   feed        ``ctl.feed`` of the same pipelines into device arrays, the consumer using each
               batch at once (``block_until_ready`` of a tiny reduction of it, as a training
-              step would); ``FeedOptions.device_prefetch`` at its default, where it exists
+              step would); ``FeedOptions.device_prefetch`` at its default, where it exists;
+              and light elements from one feed worker (the cores 600/s would take)
   checkpoint  Orbax's async save (``PyTreeCheckpointHandler``, no compression) and restore
               beside ``ctl.checkpointer``'s of the same state
               (``benchmarks/accelerator_checkpoint.py``)
