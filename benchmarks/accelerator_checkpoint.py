@@ -231,6 +231,14 @@ class Saved:
   loop: int | None = None  # the loop's steps per dispatch
 
 
+def splits_compiled() -> None:
+  """Waits for the splits that first saves started compiling (a library without them:
+  nothing to wait for)."""
+  wait = getattr(jax_checkpoint, "wait_for_splits", None)
+  if wait is not None:
+    wait()
+
+
 def timed_save(saver, step: int, state, train: Trainer | None = None,
                idle_steps: float | None = None) -> Saved:
   """One save; with ``train``, the training loop runs from the call until durable."""
@@ -267,6 +275,7 @@ class Run:
     if not busy:  # the values of the saver's latest idle save, for its restores
       self.refs[saver.name] = (step, jax.block_until_ready(copy(self.state)))
     record = timed_save(saver, step, self.state, **busy)
+    splits_compiled()  # a first save's split compiled: later ones go in pieces
     self.saved.setdefault(saver.name, []).append(record)
     self.progress(f"  {saver.name} step {step}: returned {record.returned:.3f} s, durable "
                   f"{record.durable:.3f} s" + (f", loop of {record.loop}: {record.busy:.0%} of"
@@ -358,10 +367,11 @@ def piece_sweep(run: Run, ours: Ours, train: Trainer, plan: Plan) -> dict[str, f
     for mib in PIECE_MIB:
       module.PIECE_BYTES = mib << 20
       lost = []
-      for i in range(3):  # the first compiles this size's split: not counted
+      for i in range(3):  # the first goes whole while this size's split compiles: not counted
         run.state = jax.block_until_ready(bump(run.state))
         busy = {"train": train, "idle_steps": train.idle_rate(plan.window_s)} if i else {}
         record = timed_save(ours, next(run.steps), run.state, **busy)
+        splits_compiled()
         if i:
           lost.append(record.lost)
       run.progress(f"  ctl.checkpointer with {mib} MiB pieces: {lost} s lost")

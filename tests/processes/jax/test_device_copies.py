@@ -122,9 +122,16 @@ def test_a_device_without_room_for_the_copies_waits_for_its_transfers(monkeypatc
     np.testing.assert_array_equal(got, np.asarray(state["w"])[a:b])
 
 
-def test_shards_go_in_pieces_that_land_in_their_rows_bit_exact(monkeypatch):
+def test_a_first_save_goes_whole_while_its_split_compiles_then_in_pieces(monkeypatch):
   monkeypatch.setattr(jax_checkpoint, "PIECE_BYTES", 16 << 10)  # 64 rows of 256 B
   state = make_state() | {"scalar": jax.device_put(jnp.int32(41), jax.devices()[0])}
+  first = {leaf.spec.param_name: leaf for leaf in
+           jax_checkpoint.save_leaves(state, device_copies=True)}
+  for s in first["w"].shards:  # this layout's split is not compiled yet: whole copies
+    assert s.data._rows == ((0, 1024),)
+    (a, b), _ = s.index
+    np.testing.assert_array_equal(s.data.result(), np.asarray(state["w"])[a:b])
+  assert jax_checkpoint.wait_for_splits(60)
   leaves = {leaf.spec.param_name: leaf for leaf in
             jax_checkpoint.save_leaves(state, device_copies=True)}
   for s in leaves["w"].shards:  # 1024 rows each: 16 pieces, split on the device
@@ -139,19 +146,32 @@ def test_shards_go_in_pieces_that_land_in_their_rows_bit_exact(monkeypatch):
     np.testing.assert_array_equal(s.data.result(), np.asarray(state[name]))
 
 
-@pytest.mark.parametrize("piece_bytes", [4 << 10, 1 << 30], ids=["pieces", "whole"])
+@pytest.mark.parametrize("piece_bytes, compiled", [(4 << 10, True), (1 << 30, True),
+                                                   (8 << 10, False)],
+                         ids=["pieces", "one-piece", "first-save-whole"])
 def test_a_save_of_pieces_then_a_donating_step_restores_what_was_saved(
-    cluster, tmp_path, monkeypatch, piece_bytes):
+    cluster, tmp_path, monkeypatch, piece_bytes, compiled):
   monkeypatch.setattr(jax_checkpoint, "PIECE_BYTES", piece_bytes)
   state = make_state()
+  if compiled:  # this layout's split compiled beforehand, as after a process's first save
+    jax_checkpoint.save_leaves(state, device_copies=True)
+    assert jax_checkpoint.wait_for_splits(60)
+  else:  # a piece size of this test alone, its split held back: the save copies whole
+    held, compile_split = threading.Event(), jax_checkpoint._compile_split
+    monkeypatch.setattr(jax_checkpoint, "_compile_split",
+                        lambda *args: (held.wait(60), compile_split(*args)))
   want = jax.tree.map(lambda x: np.array(x, copy=True), state)
   given = state["w"]
   step = jax.jit(lambda s: {"w": s["w"] * 2 + 1, "b": s["b"] + 1, "host": s["host"]},
                  donate_argnums=0)
   with copying(cluster) as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
     handle = ckpt.save(1, state)
+    if not compiled:
+      assert jax_checkpoint._COMPILING  # the split of this layout was asked for, not waited
+      held.set()
     state = step(state)  # at once: donates what save() was given
     assert given.is_deleted()
     state = step(state)
     assert handle.durable.result(60) == 1
     assert_same(ckpt.restore(1, target=abstract(want)), want)
+  assert jax_checkpoint.wait_for_splits(60)
