@@ -196,7 +196,9 @@ def _compiled_split(arrays: list[jax.Array], rows: tuple) -> Any:
       return None
     _COMPILING.add(key)
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-  threading.Thread(target=_compile_split, args=(key, avals, rows), daemon=True,
+  # Not a daemon: the interpreter's exit waits for it (JAX's own exit handlers tear the
+  # runtime down, and a compilation still running then aborts the process).
+  threading.Thread(target=_compile_split, args=(key, avals, rows),
                    name="sidecar-split-compile").start()
   return None
 

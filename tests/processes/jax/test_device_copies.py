@@ -8,6 +8,9 @@ restores, a jitted step that donates the state right after ``save()``, the state
 changed in place, a copy that fails, and what it leaves behind.
 """
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 import jax
@@ -20,6 +23,7 @@ import sidecar
 from sidecar._src.jax import checkpoint as jax_checkpoint
 from sidecar._src.jax.framework import JaxFramework
 from tests.conftest import eventually
+from tests.support.paths import ROOT
 from tests.support.states import abstract, assert_same
 
 pytestmark = pytest.mark.processes
@@ -175,3 +179,27 @@ def test_a_save_of_pieces_then_a_donating_step_restores_what_was_saved(
     assert handle.durable.result(60) == 1
     assert_same(ckpt.restore(1, target=abstract(want)), want)
   assert jax_checkpoint.wait_for_splits(60)
+
+
+def test_a_process_that_exits_right_after_its_first_save_exits_cleanly(tmp_path):
+  """Its split may still be compiling at exit: the interpreter waits for it (a thread that
+  compiled on while JAX's exit handlers tore the runtime down aborted the process: 134)."""
+  script = textwrap.dedent(f"""
+      import jax.numpy as jnp
+      import sidecar
+      from sidecar._src.jax import checkpoint as jax_checkpoint
+      from sidecar._src.jax.framework import JaxFramework
+      jax_checkpoint.PIECE_BYTES = 4 << 10  # 64 pieces a leaf: a compilation of some length
+      state = {{f"w{{i}}": jnp.full((4096, 64), i, jnp.float32) for i in range(8)}}
+      with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB",
+                                        checkpoint_roots=[{str(tmp_path)!r}]) as cluster, \\
+          cluster.controller(framework=JaxFramework(device_copies=True)) as ctl, \\
+          ctl.checkpointer({str(tmp_path / "ck")!r}) as ckpt:
+        ckpt.save(1, state)
+        print("compiling:", bool(jax_checkpoint._COMPILING), flush=True)
+      """)
+  done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                        text=True, timeout=240)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "compiling: True" in done.stdout and "terminate called" not in done.stderr
+  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]
