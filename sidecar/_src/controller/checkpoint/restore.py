@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.records import SavedLeaf, ShardId
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
@@ -31,6 +33,8 @@ from sidecar._src.core import errors, interrupts
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in pieces of
 # at most this many bytes: well under the channel's 256 MiB message limit.
 READ_PIECE_BYTES = 64 << 20
+# Threads a restore checks the crc32c of mapped RAM copies on (the check lets go of the GIL).
+_CHECK_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,34 +97,52 @@ class Restorer:
     for want in flat:
       self._check_leaf(want, saved, step)
     held, gone = self._holdings(final_dir)
-    reads = self._read_all(final_dir, flat, stored, held)
-    shards, lost, out = {}, [], []
-    unread = collections.Counter(k.key_path for k in reads)  # a leaf's shards still to come
-    try:
-      for k, f in reads.items():
-        try:
-          shards[k] = interrupts.wait(f)
-          unread[k.key_path] -= 1
-        except errors.SidecarError as e:
-          lost.append((k, e.with_traceback(None)))  # no cycle through this frame
-        # Each leaf whose shards are all read goes on to its devices while others are read.
-        while not lost and len(out) < len(flat) and not unread[flat[len(out)].key_path]:
-          out.append(self._blocks(final_dir, flat[len(out)], stored, shards, wanted))
-        if progress is not None and time.perf_counter() - last[0] >= 1.0:
-          last[0] = time.perf_counter()
-          progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
-    except KeyboardInterrupt:
-      reads.clear()  # the traceback keeps this frame: let the blocks go
-      shards.clear()
-      out.clear()
-      raise
+    # Copies this process maps are checked here, on threads this restore owns, while the
+    # leaves read go on to their devices; a leaf whose copy fails its check is done again.
+    with concurrent.futures.ThreadPoolExecutor(_CHECK_THREADS, "sidecar-restore-check") as checks:
+      reads = self._read_all(final_dir, flat, stored, held, checks)
+      shards, lost, out = {}, [], []
+      unread = collections.Counter(k.key_path for k in reads)  # a leaf's shards still to come
+      try:
+        for k, r in reads.items():
+          try:
+            shards[k] = interrupts.wait(r.ready)
+            unread[k.key_path] -= 1
+          except errors.SidecarError as e:
+            lost.append((k, e.with_traceback(None)))  # no cycle through this frame
+          # Each leaf whose shards are all read goes on to its devices while others are read.
+          while not lost and len(out) < len(flat) and not unread[flat[len(out)].key_path]:
+            out.append(self._blocks(final_dir, flat[len(out)], stored, shards, wanted))
+          if progress is not None and time.perf_counter() - last[0] >= 1.0:
+            last[0] = time.perf_counter()
+            progress(f"restoring step {step}: {len(shards)} of {len(reads)} shards read")
+        again = set()  # leaves with a shard whose first copy failed its check
+        for k, r in reads.items():
+          if k not in shards:
+            continue
+          try:
+            checked = interrupts.wait(r.out)
+          except errors.SidecarError as e:
+            lost.append((k, e.with_traceback(None)))
+            continue
+          if checked[0] is not shards[k][0]:
+            shards[k] = checked
+            again.add(k.key_path)
+      except KeyboardInterrupt:
+        reads.clear()  # the traceback keeps this frame: let the blocks go
+        shards.clear()
+        out.clear()
+        raise
     if lost:
-      needed = sum(f.result()[0].nbytes for f in reads.values() if f.exception() is None)
+      needed = sum(r.out.result()[0].nbytes for r in reads.values() if r.out.exception() is None)
       reads.clear()  # the error's traceback keeps this frame: let the blocks read go
       shards.clear()
       out.clear()
       raise self._failure(step, lost, owners, dict(manifest.replicas), gone, needed,
                           {w.key_path: w.dtype for w in flat})
+    for i, want in enumerate(flat[:len(out)]):
+      if want.key_path in again:
+        out[i] = self._blocks(final_dir, want, stored, shards, wanted)
     for want in flat[len(out):]:
       out.append(self._blocks(final_dir, want, stored, shards, wanted))
     for blocks in out:
@@ -190,11 +212,9 @@ class Restorer:
     tries = sorted(held.get(key, []), key=rank)
     return tries + [(h, "disk") for h in dict.fromkeys([host, *self._local])]
 
-  def _read_all(self, final_dir: str, flat, stored, held) -> dict:
-    """Starts every stored-shard read a restore needs, all at once: they overlap.
-
-    Each is a future of ``(data, source)`` that tries the shard's sources in turn.
-    """
+  def _read_all(self, final_dir: str, flat, stored, held,
+                checks: concurrent.futures.Executor) -> dict[ShardId, ShardRead]:
+    """Starts every stored-shard read a restore needs, all at once: they overlap."""
     reads = {}
     for want in flat:
       kp = want.key_path
@@ -205,14 +225,9 @@ class Restorer:
           shard = ShardId(kp, index)
           if shard in reads or not _overlaps(index, region):
             continue
-          reads[shard] = self._read_shard(final_dir, kp, index, crc,
-                                          self._sources(shard, held, host), want.dtype)
+          reads[shard] = self._reads.start(final_dir, kp, index, crc,
+                                           self._sources(shard, held, host), want.dtype, checks)
     return reads
-
-  def _read_shard(self, final_dir: str, kp: KeyPath, index, crc: int | None,
-                  sources: list[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
-    """A future of ``(data, source)``: the first source whose copy reads and checks."""
-    return self._reads.first(final_dir, kp, index, crc, sources, dtype)
 
   def _failure(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
                gone: list[int], read: int, dtypes: dict[KeyPath, np.dtype]
@@ -310,9 +325,16 @@ class ShardReads:
     """A future of ``(data, source)``, ``source`` its label (``"ram:host0"``,
     ``"replica:host1"``, ``"storage"``), from the first of ``sources`` that gives a valid
     copy; else of ShardsLostError naming every try (or another failure as it is)."""
-    read = _ShardRead(self, final_dir, kp, index, crc, list(sources), dtype)
+    return self.start(final_dir, kp, index, crc, sources, dtype).out
+
+  def start(self, final_dir: str, kp: KeyPath, index, crc: int | None,
+            sources: Sequence[tuple[int, str]], dtype: np.dtype,
+            checks: concurrent.futures.Executor | None = None) -> ShardRead:
+    """:meth:`first`'s read, begun; with ``checks``, a RAM copy this process maps is read
+    unchecked and checked here, on ``checks`` (:class:`ShardRead`)."""
+    read = ShardRead(self, final_dir, kp, index, crc, list(sources), dtype, checks)
     read.attempt(0)
-    return read.out
+    return read
 
   def read(self, host: int, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str,
            dtype: np.dtype) -> concurrent.futures.Future:
@@ -360,8 +382,14 @@ class ShardReads:
     return out
 
 
-class _ShardRead:
+class ShardRead:
   """One stored shard's read, trying its sources in turn until one reads and checks.
+
+  ``out``: a future of ``(data, source)``, checked. ``ready``: the same as soon as a copy is
+  read, before its check where it is this process's to make: with ``checks`` (an executor),
+  a RAM copy in an arena this process maps is read without the sidecar's check and
+  checked here, so its transfers can start while the crc32c runs (``out`` then says
+  whether they must be done again, from the next source).
 
   Its callbacks are partials of its methods, and nothing here refers back to them: no
   reference cycle holds the shard (an arena view), so its block goes back at the last
@@ -369,36 +397,72 @@ class _ShardRead:
   """
 
   def __init__(self, reads: ShardReads, final_dir: str, kp: KeyPath, index, crc: int | None,
-               sources: list[tuple[int, str]], dtype: np.dtype):
+               sources: list[tuple[int, str]], dtype: np.dtype,
+               checks: concurrent.futures.Executor | None):
     self._reads, self._final_dir, self._kp = reads, final_dir, kp
     self._index, self._crc = index, crc
-    self._sources, self._dtype = sources, dtype
+    self._sources, self._dtype, self._checks = sources, dtype, checks
     self.failures: list[tuple[str, errors.SidecarError]] = []
+    self.ready: concurrent.futures.Future = concurrent.futures.Future()
     self.out: concurrent.futures.Future = concurrent.futures.Future()
 
   def attempt(self, i: int) -> None:
     if i == len(self._sources):
-      self.out.set_exception(_failed(self.failures))
+      self._finish(error=_failed(self.failures))
       return
     host, tier = self._sources[i]
     label = "storage" if tier == "disk" else f"{tier}:host{host}"
+    here = (self._checks is not None and self._crc is not None and tier in ("ram", "replica")
+            and host in self._reads.mapped)
     try:
-      f = self._reads.read(host, self._final_dir, self._kp, self._index, self._crc, tier,
-                           self._dtype)
+      f = self._reads.read(host, self._final_dir, self._kp, self._index,
+                           None if here else self._crc, tier, self._dtype)
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)
       return
-    f.add_done_callback(functools.partial(self._done, i, label, host))
+    f.add_done_callback(functools.partial(self._done, i, label, host, here))
 
-  def _done(self, i: int, label: str, host: int, f: concurrent.futures.Future) -> None:
+  def _done(self, i: int, label: str, host: int, here: bool,
+            f: concurrent.futures.Future) -> None:
     try:
       data = f.result()
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)
       return
-    self.out.set_result((data, label))
+    if not here:
+      self._finish((data, label))
+      return
+    if not self.ready.done():
+      self.ready.set_result((data, label))
+    assert self._checks is not None
+    try:
+      self._checks.submit(functools.partial(self._check, i, label, host, data))
+    except RuntimeError:  # the restore that owns the executor ended (interrupted)
+      self._finish(error=errors.ClosedError("the restore ended before this shard was checked"))
+
+  def _check(self, i: int, label: str, host: int, data: np.ndarray) -> None:
+    assert self._crc is not None
+    tier = label.split(":")[0]
+    try:
+      shards_lib.check(self._final_dir, ShardId(self._kp, self._index), data, self._crc,
+                       f"{tier} copy on host {host}")
+    except errors.CorruptCheckpointError as e:
+      self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
+      self.attempt(i + 1)
+      return
+    self._finish((data, label))
+
+  def _finish(self, result: tuple[np.ndarray, str] | None = None,
+              error: BaseException | None = None) -> None:
+    for f in (self.ready, self.out):
+      if f.done():
+        continue
+      if error is not None:
+        f.set_exception(error)
+      else:
+        f.set_result(result)
 
 
 # A copy that fails with one of these is not there (its host is gone, it holds none, the

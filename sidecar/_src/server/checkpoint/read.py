@@ -41,16 +41,6 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) ->
   return Manifest.from_json(text, final_dir)
 
 
-def _check(final_dir: str, shard: ShardId, data: np.ndarray, crc32c: int, what: str) -> None:
-  """CorruptCheckpointError unless ``data`` (the ``what`` of a shard) has ``crc32c``."""
-  if shards_lib.shard_crc32c(data) != crc32c:
-    name = ".".join(str(k) for k in shard.key_path)
-    raise errors.CorruptCheckpointError(
-        f"{final_dir}: array {name!r} shard {[list(i) for i in shard.index]} does not match "
-        f"its crc32c in {MANIFEST_FILE} ({what}): the file is corrupt or was changed after the "
-        "save")
-
-
 def _part(data: np.ndarray, part: tuple[int, int]) -> np.ndarray:
   """Bytes ``[offset, offset + nbytes)`` of ``data``'s C-order bytes, as a view."""
   offset, nbytes = part
@@ -104,7 +94,8 @@ class Reader:
           # block after an earlier restore checked it. A corrupt copy is one that is not
           # there: tier "any" reads storage instead, the caller's fallback the next copy.
           if crc32c is not None:
-            _check(final_dir, shard, data, crc32c, f"{tier} copy on host {self._tier.host_id}")
+            shards_lib.check(final_dir, shard, data, crc32c,
+                             f"{tier} copy on host {self._tier.host_id}")
         except errors.CorruptCheckpointError as e:
           if tier != "any":
             raise
@@ -122,6 +113,6 @@ class Reader:
     except (FileNotFoundError, NotADirectoryError) as e:
       raise errors.InvalidArgumentError(f"cannot read {final_dir}: {e}") from None
     if crc32c is not None:
-      _check(final_dir, shard, data, crc32c, "stored copy")
+      shards_lib.check(final_dir, shard, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)
     return data

@@ -7,6 +7,7 @@ attacker's mapping of the whole arena did.
 
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -63,6 +64,20 @@ def test_a_ram_copy_zeroed_after_a_restore_is_read_from_storage(saved):
     server.checkpoints.read(final_dir, shard, checksum.crc32c, "ram")
   np.testing.assert_array_equal(
       server.checkpoints.read(final_dir, shard, checksum.crc32c, "any"), w)
+
+
+def test_a_zeroed_ram_copy_already_on_its_way_to_the_devices_is_put_again_from_storage(saved):
+  """The trainer checks the copies its Worker maps while their transfers go on (issue 44):
+  a sharded target's leaf put from the zeroed copy is put again from storage."""
+  server, ctl, ckpt, directory, w = saved
+  zero_ram_copy(server, ctl, str(directory / "1" / "default"))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  back = ckpt.restore(1, target={"w": jax.ShapeDtypeStruct((N,), np.float32,
+                                                           sharding=sharding)})["w"]
+  assert isinstance(back, jax.Array) and back.sharding == sharding
+  np.testing.assert_array_equal(np.asarray(back), w)
+  assert ckpt.last_restore_stats().shards == {"storage": 1}
 
 
 def test_a_ram_copy_zeroed_with_no_valid_stored_copy_fails_the_restore(saved):
