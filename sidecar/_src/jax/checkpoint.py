@@ -89,7 +89,9 @@ def leaf_spec(path: KeyPath, value: Any) -> LeafSpec:
 # device by one jitted program: a single large transfer nearly stops a training loop that
 # runs beside it, pieces cost it about a quarter as much (issue 44's probes on a TPU v5e,
 # 1 GiB as 8 x 128 MiB: whole arrays 314 ms of steps lost, 64 / 16 / 4 MiB pieces 75-92 ms).
-PIECE_BYTES = 16 << 20
+# 4 MiB: in saves on that chip (2026-12-05), 13-30 ms of steps lost a save against 3-65 ms
+# for 16 MiB and 0.22-0.30 s for 64 MiB (docs/tpu.md).
+PIECE_BYTES = 4 << 20
 # Piece transfers in flight at once, in order, over all of a save's shards: the stager
 # starts the next as it takes one.
 PIECES_IN_FLIGHT = 4
