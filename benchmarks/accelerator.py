@@ -388,7 +388,7 @@ def settings(args, quick: bool) -> tuple[Settings, ckpt.Plan]:
                device_prefetch=tuple(args.device_prefetch), host_half=args.host_half)
   state_mib = args.state_mib or (64 if quick else 1024)
   on_cpu = jax.devices()[0].platform == "cpu"
-  plan = ckpt.Plan(leaves=args.leaves, state_bytes=state_mib << 20, saves=2 if quick else 3,
+  plan = ckpt.Plan(leaves=args.leaves, state_bytes=state_mib << 20, saves=2 if quick else 5,
                    busy_saves=1 if quick else 3, window_s=0.5 if quick else 1.0,
                    matmul=args.matmul or (256 if on_cpu else 4096))
   return s, plan
