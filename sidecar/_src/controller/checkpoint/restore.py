@@ -444,10 +444,9 @@ class ShardRead:
 
   def _check(self, i: int, label: str, host: int, data: np.ndarray) -> None:
     assert self._crc is not None
-    tier = label.split(":")[0]
     try:
       shards_lib.check(self._final_dir, ShardId(self._kp, self._index), data, self._crc,
-                       f"{tier} copy on host {host}")
+                       f"{self._sources[i][1]} copy on host {host}")
     except errors.CorruptCheckpointError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)
