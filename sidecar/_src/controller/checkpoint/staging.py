@@ -8,9 +8,9 @@ leaf's (or DCP item's) number, where it lies, its elements and its arena block. 
 arrays are copied on the caller's thread before the save returns (the trainer's stall;
 Ctrl-C between two copies fails the save); a shard still on its way from an accelerator
 (a ``framework.HostCopy``) is copied by a stager thread once it has landed, in order,
-by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` as it is: the
-save's :class:`Lots` (handed to the sidecars as the copy goes on), or, under
-``dcp.async_save``, the staged state dict.
+by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` (told first
+what will come) as it is: the save's :class:`Lots` (handed to the sidecars as the copy
+goes on), or, under ``dcp.async_save``, the staged state dict.
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ class Part:
 class Sink(abc.ABC):
   """Where :func:`copy_in` hands each shard once copied into the arena."""
 
+  def expect(self, copies: Sequence[ShardCopy]) -> None:  # noqa: B027 (a hook)
+    """``copies`` are the shards :meth:`add` will be handed, before the first."""
+
   @abc.abstractmethod
   def add(self, shard: ShardCopy, view: np.ndarray) -> None:
     """``shard``'s elements lie in ``view`` (its arena block) now."""
@@ -103,25 +106,36 @@ class Sink(abc.ABC):
 
 class Lots(Sink):
   """A save's staged shards, handed to its finisher through ``parts`` in :class:`Part`s
-  of about ``STAGE_LOT_BYTES`` per host, in order, then each host's last part; an
-  exception put there aborts the save."""
+  of about ``STAGE_LOT_BYTES`` per host, in order; a host's last part goes with its last
+  shard (:meth:`expect` counted them), no later. An exception put there aborts the
+  save."""
 
   def __init__(self, hosts: Sequence[int], parts: queue.SimpleQueue):
     self.parts = parts
     self.stager: threading.Thread | None = None  # copies the shards still on their way
     self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
     self._bytes = dict.fromkeys(hosts, 0)
+    self._left: dict[int, int] = {}  # per host, the shards still to come (once expected)
+
+  def expect(self, copies: Sequence[ShardCopy]) -> None:  # noqa: B027 (a hook)
+    for c in copies:
+      self._left[c.host] = self._left.get(c.host, 0) + 1
 
   def add(self, shard: ShardCopy, view: np.ndarray) -> None:
     host = shard.host
     self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
     self._bytes[host] += view.nbytes
-    if self._bytes[host] >= STAGE_LOT_BYTES:
+    left = self._left.get(host)
+    if left is not None:
+      self._left[host] = left = left - 1
+    if left == 0:  # its last shard: its last part, without waiting for the others'
+      self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
+    elif self._bytes[host] >= STAGE_LOT_BYTES:
       self.parts.put(Part(host, tuple(self._pending[host]), False))
       self._pending[host], self._bytes[host] = [], 0
 
   def close(self) -> None:
-    """Every host's last part: the save is staged."""
+    """The last part of every host still without one: the save is staged."""
     for host in list(self._pending):
       self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
 
@@ -161,6 +175,7 @@ def copy_in(copies: list[ShardCopy], sink: Sink, *, threads: int | None = None,
   """
   late: list[ShardCopy | None] = []
   try:
+    sink.expect(copies)
     for i, c in enumerate(copies):
       copies[i] = None  # type: ignore[call-overload]  # the sink holds it from here
       if c.late:

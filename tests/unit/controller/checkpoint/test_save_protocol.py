@@ -122,7 +122,7 @@ class Arena(Recording):
     return [(np.empty(a.shape, a.dtype), None) for a in arrays]
 
 
-def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(monkeypatch):
+def test_a_process_copies_are_staged_in_parts_of_the_lot_size_as_the_copy_goes(monkeypatch):
   monkeypatch.setattr(staging, "STAGE_LOT_BYTES", 8)
   fake = Arena([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
@@ -130,8 +130,21 @@ def test_a_process_copies_are_staged_in_parts_of_the_core_size_as_the_copy_goes(
   copies = [staging.ShardCopy(0, i, ((0, 4),), a) for i, a in enumerate(arrays)]
   protocol.stage_copies(dcp_begun(3), 0,
                         copies, part=DcpPart(0, ()))
-  assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 3 + [(0, True)]
+  # The last part goes with the last shard: no empty stage call after it.
+  assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 2 + [(1, True)]
   assert copies == []  # the blocks are the sidecar's now
+
+
+def test_a_host_last_part_goes_with_its_last_shard_and_one_without_shards_at_the_close():
+  parts: queue.SimpleQueue = queue.SimpleQueue()
+  lots = staging.Lots([0, 1, 2], parts)
+  copies = [staging.ShardCopy(h, i, ((0, 4),), np.full(4, i, np.int32)).with_block(
+      np.empty(4, np.int32), None) for i, h in enumerate((0, 1, 0))]
+  assert staging.copy_in(copies, lots) is None
+  got = [parts.get_nowait() for _ in range(parts.qsize())]
+  assert [(p.host, [s.leaf for s in p.shards], p.last) for p in got] == [
+      (1, [1], True), (0, [0, 2], True), (2, [], True)]
+  assert [int(s.data[0]) for s in got[1].shards] == [0, 2]  # copied into their blocks
 
 
 def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_ended():
