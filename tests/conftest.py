@@ -128,8 +128,10 @@ def root_logging_restored():
 
 
 # A server's gRPC thread pools grow when work comes: a module-wide server's get new threads
-# during a later test. Server.stop() joins them (test_server.py checks it).
-_POOLS = ("sidecar-rpc", "sidecar-health")
+# during a later test. Server.stop() joins them (test_server.py checks it). The stager
+# thread is the process's, kept from save to save (``staging.STAGER``): a test must leave
+# it idle.
+_POOLS = ("sidecar-rpc", "sidecar-health", "sidecar-stager")
 
 
 def our_threads() -> set[threading.Thread]:
@@ -144,6 +146,9 @@ def no_thread_leak():
   joins it at ``close()`` (issue 22 item 4). Module-wide fixtures' threads are older."""
   before = our_threads()
   yield
+  staging = sys.modules.get("sidecar._src.controller.checkpoint.staging")
+  if staging is not None and not eventually(lambda: not staging.STAGER.busy, timeout=5):
+    pytest.fail("a test left the stager copying a save's late shards", pytrace=False)
   if our_threads() - before:
     # A closed Worker's releaser ends with the last arena view it lent (by design), and
     # JAX lets go of an aliased view at a collection (jax-ml/jax#14882): collect first.

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
+from sidecar._src.controller.checkpoint import staging
 from sidecar._src.jax import checkpoint as jax_checkpoint
 from sidecar._src.jax.framework import JaxFramework
 from tests.conftest import eventually
@@ -110,7 +111,7 @@ def test_a_copy_that_fails_after_save_returned_fails_the_save_and_frees_it(
     assert eventually(lambda: arena_used(ctl) == before)
     ckpt.save(2, state).durable.result(60)
     assert_same(ckpt.restore(2, target=abstract(state)), state)
-  assert not [t for t in threading.enumerate() if t.name.startswith("sidecar-stage-")]
+  assert not staging.STAGER.busy  # nothing left copying
 
 
 def test_a_device_without_room_for_the_copies_waits_for_its_transfers(monkeypatch):

@@ -82,7 +82,6 @@ class SaveCoordinator:
               handle: SaveHandle, end: End) -> None:
     """Copies ``tree`` into the arenas; the sidecars write and commit ``target``; ``end``
     (the Checkpointer's) ends the save (``plugs.Agreement.start``)."""
-    step, data_json = target.step, data_state_json
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
     parts: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,9 +92,9 @@ class SaveCoordinator:
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
         parts.put(e)
-        self._start_finisher(handle, target, staging, [], data_json, key, end).join()
+        self._start_finisher(handle, target, staging, [], data_state_json, key, end).join()
       raise
-    finisher = self._start_finisher(handle, target, staging, specs, data_json, key, end)
+    finisher = self._start_finisher(handle, target, staging, specs, data_state_json, key, end)
     try:
       self._allocate(copies, need)
     except BaseException as e:
@@ -104,7 +103,7 @@ class SaveCoordinator:
       finisher.join()  # and its files are gone before the caller can retry the step
       raise
     try:
-      staging.stager = copy_in(copies, staging, name=f"sidecar-stage-{step}")
+      staging.stager = copy_in(copies, staging)
     except BaseException:  # copy_in failed the parts: the save is aborted
       finisher.join()
       raise

@@ -17,6 +17,7 @@ from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, on_each
 from sidecar._src.controller.checkpoint.target import Target
+from sidecar._src.controller.framework import HostCopy
 from sidecar._src.core import errors, interrupts
 from tests.support.fake_sidecars import FakeSidecars
 
@@ -145,6 +146,46 @@ def test_a_host_last_part_goes_with_its_last_shard_and_one_without_shards_at_the
   assert [(p.host, [s.leaf for s in p.shards], p.last) for p in got] == [
       (1, [1], True), (0, [0, 2], True), (2, [], True)]
   assert [int(s.data[0]) for s in got[1].shards] == [0, 2]  # copied into their blocks
+
+
+class Landing(HostCopy):
+  """A shard still on its way from a device: lands when ``go`` is set, on the thread
+  that takes it (recorded), or fails."""
+
+  def __init__(self, value: int, go: threading.Event, takers: list, fail: bool = False):
+    self.shape, self.dtype = (4,), np.dtype(np.int32)
+    self.value, self.go, self.takers, self.fail = value, go, takers, fail
+
+  def result(self) -> np.ndarray:
+    self.go.wait(10)
+    self.takers.append(threading.get_ident())
+    if self.fail:
+      raise RuntimeError("the device lost the copy")
+    return np.full(4, self.value, np.int32)
+
+
+def test_late_copies_of_every_save_go_in_turn_on_the_one_stager_thread_kept_between_them():
+  # A thread made for each save starts on a fresh malloc arena, whose pages each device
+  # piece's host buffer faults in anew (on gVisor: 0.28-0.38 s a GiB against 0.17 s).
+  go, takers = threading.Event(), []
+  saves = []
+  for value, fail in ((1, False), (2, True), (3, False)):
+    parts: queue.SimpleQueue = queue.SimpleQueue()
+    lots = staging.Lots([0], parts)
+    copy = staging.ShardCopy(0, 0, ((0, 4),), Landing(value, go, takers, fail)).with_block(
+        np.zeros(4, np.int32), None)
+    saves.append((parts, staging.copy_in([copy], lots)))
+  assert staging.STAGER.busy and not any(done.join(0) for _, done in saves)
+  go.set()
+  for _, done in saves:
+    assert done.join(10)
+  assert not staging.STAGER.busy
+  assert len(takers) == 3 and len(set(takers)) == 1  # one thread, kept
+  assert takers[0] != threading.get_ident()
+  first, failed, third = (parts.get_nowait() for parts, _ in saves)
+  assert first.last and int(first.shards[0].data[0]) == 1
+  assert isinstance(failed, RuntimeError)  # that save fails; the next still copies
+  assert third.last and int(third.shards[0].data[0]) == 3
 
 
 def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_ended():
