@@ -14,8 +14,9 @@ the same run:
               ahead: plain JAX's rate for a consumer like the feed's), and one put waited
               for; device-to-host of the checkpoint state (``copy_to_host_async`` on every
               array, then ``np.asarray``; and by 4, 16 and 64 MiB pieces of one jitted
-              split, their transfers in order, 4 in flight), one memcpy of it (numpy, one
-              thread), host-to-device of it (a put per array, all in flight)
+              split, their transfers in order, 4 in flight, on the main thread, and by
+              4 MiB pieces on one thread kept from run to run), one memcpy of it (numpy,
+              one thread), host-to-device of it (a put per array, all in flight)
   grain       Grain in-process and ``mp_prefetch`` into device arrays, 'noop' and 'light'
               elements (``benchmarks/feed_fns.py``): the consumer keeps N batches in flight
               on the device (puts a batch, then uses the one N steps older), best of N in
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -143,8 +145,16 @@ def state_limits(state, device, repeats: int) -> tuple[ckpt.ChipLimits, dict]:
       ckpt.d2h_pieces(jax.tree.leaves(state), dst, mib << 20)
       took.append(time.perf_counter() - t0)
     pieces[mib] = med(took[1:])
+  kept = []
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-d2h") as thread:
+    for _ in range(1 + repeats):  # the first warms the thread's malloc arena
+      state = jax.block_until_ready(ckpt.bump(state))
+      t0 = time.perf_counter()
+      thread.submit(ckpt.d2h_pieces, jax.tree.leaves(state), dst,
+                    ckpt.PIECE_MIB[0] << 20).result()
+      kept.append(time.perf_counter() - t0)
   limits = ckpt.ChipLimits(d2h_s=med(d2h), h2d_s=med(h2d), memcpy_s=med(memcpy),
-                           d2h_pieces_s=pieces)
+                           d2h_pieces_s=pieces, d2h_kept_thread_s=med(kept[1:]))
   return limits, jax.block_until_ready(ckpt.bump(state))
 
 
@@ -187,6 +197,10 @@ def chip_rows(device, state, s: Settings
             f"transfers in order, {ckpt.PIECES_IN_FLIGHT} in flight, each into its rows of a "
             "host array)", sec, "s", (("of whole arrays' D2H", sec / limits.d2h_s),),
             note=gbs(sec)) for mib, sec in limits.d2h_pieces_s.items()],
+      Row("chip", f"the same by {ckpt.PIECE_MIB[0]} MiB pieces on one thread kept from run "
+          "to run (its first run dropped), not the main thread", limits.d2h_kept_thread_s,
+          "s", (("of whole arrays' D2H", limits.d2h_kept_thread_s / limits.d2h_s),),
+          note=gbs(limits.d2h_kept_thread_s)),
       Row("chip", "host-to-device of the state (a put per array, all in flight)", limits.h2d_s,
           "s", (("of the memcpy", limits.h2d_s / limits.memcpy_s),), note=gbs(limits.h2d_s)),
   ]
