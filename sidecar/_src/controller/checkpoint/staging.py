@@ -117,7 +117,7 @@ class Lots(Sink):
     self._bytes = dict.fromkeys(hosts, 0)
     self._left: dict[int, int] = {}  # per host, the shards still to come (once expected)
 
-  def expect(self, copies: Sequence[ShardCopy]) -> None:  # noqa: B027 (a hook)
+  def expect(self, copies: Sequence[ShardCopy]) -> None:
     for c in copies:
       self._left[c.host] = self._left.get(c.host, 0) + 1
 
