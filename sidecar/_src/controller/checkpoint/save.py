@@ -176,7 +176,7 @@ class SaveCoordinator:
       self._finish_staged(handle, target, staging.parts, leaves, data_json, key, end)
     finally:
       if staging.stager is not None:
-        staging.stager.join()  # done, or copying what nobody will stage
+        staging.stager.wait()  # done, or copying what nobody will stage
 
   def _finish_staged(self, handle: SaveHandle, target: Target, parts: queue.SimpleQueue,
                      leaves, data_json: str, key: str, end: End) -> None:

@@ -135,7 +135,7 @@ class SaveProtocol:
         raise
       late = copy_in(copies, staging, threads=threads)
       if late is not None:
-        late.join()
+        late.wait()
     except BaseException as e:
       failed.append(e)
     finally:

@@ -112,23 +112,21 @@ class Lots(Sink):
 
   def __init__(self, hosts: Sequence[int], parts: queue.SimpleQueue):
     self.parts = parts
-    self.stager: Copying | None = None  # the shards still on their way, with the stager
+    self.stager: threading.Event | None = None  # set once the stager copied the late shards
     self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
     self._bytes = dict.fromkeys(hosts, 0)
-    self._left: dict[int, int] = {}  # per host, the shards still to come (once expected)
+    self._left = dict.fromkeys(hosts, 0)  # per host, the shards still to come
 
   def expect(self, copies: Sequence[ShardCopy]) -> None:
     for c in copies:
-      self._left[c.host] = self._left.get(c.host, 0) + 1
+      self._left[c.host] += 1
 
   def add(self, shard: ShardCopy, view: np.ndarray) -> None:
     host = shard.host
     self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
     self._bytes[host] += view.nbytes
-    left = self._left.get(host)
-    if left is not None:
-      self._left[host] = left = left - 1
-    if left == 0:  # its last shard: its last part, without waiting for the others'
+    self._left[host] -= 1
+    if self._left[host] == 0:  # its last shard: its last part, without waiting for the others'
       self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
     elif self._bytes[host] >= STAGE_LOT_BYTES:
       self.parts.put(Part(host, tuple(self._pending[host]), False))
@@ -157,7 +155,7 @@ def allocate(empty_like: Callable[[int, list], list], copies: list[ShardCopy],
 
 
 def copy_in(copies: list[ShardCopy], sink: Sink, *, threads: int | None = None
-            ) -> Copying | None:
+            ) -> threading.Event | None:
   """The one copy of a save's shards into their arena blocks (see the module).
 
   Copies the host arrays of ``copies`` on this thread, in order, each handed to ``sink``
@@ -167,7 +165,8 @@ def copy_in(copies: list[ShardCopy], sink: Sink, *, threads: int | None = None
   copy's threads (default ``shm.COPY_THREADS``).
 
   Returns:
-    The late copies' :class:`Copying` (its caller joins it), or None.
+    An event the stager sets once the late ones were copied (or failed ``sink``; its
+    caller waits for it), or None.
 
   Raises:
     Whatever a copy raised, KeyboardInterrupt between two copies (Ctrl-C deferred): the
@@ -196,13 +195,6 @@ def copy_in(copies: list[ShardCopy], sink: Sink, *, threads: int | None = None
   return STAGER.submit(late, sink, threads)
 
 
-class Copying(threading.Event):
-  """Late copies handed to the stager, set once they were copied (or failed their sink)."""
-
-  def join(self, timeout: float | None = None) -> bool:
-    return self.wait(timeout)
-
-
 class Stager:
   """The process's one stager thread, kept from save to save: it copies every save's
   late shards in turn. The runtime's host buffer of each device piece is allocated on the
@@ -224,8 +216,8 @@ class Stager:
     return self._queued > 0
 
   def submit(self, late: list[ShardCopy | None], sink: Sink, threads: int | None
-             ) -> Copying:
-    done = Copying()
+             ) -> threading.Event:
+    done = threading.Event()
     with self._lock:
       self._queued += 1
       if self._thread is None or not self._thread.is_alive():

@@ -175,10 +175,10 @@ def test_late_copies_of_every_save_go_in_turn_on_the_one_stager_thread_kept_betw
     copy = staging.ShardCopy(0, 0, ((0, 4),), Landing(value, go, takers, fail)).with_block(
         np.zeros(4, np.int32), None)
     saves.append((parts, staging.copy_in([copy], lots)))
-  assert staging.STAGER.busy and not any(done.join(0) for _, done in saves)
+  assert staging.STAGER.busy and not any(done.wait(0) for _, done in saves)
   go.set()
   for _, done in saves:
-    assert done.join(10)
+    assert done.wait(10)
   assert not staging.STAGER.busy
   assert len(takers) == 3 and len(set(takers)) == 1  # one thread, kept
   assert takers[0] != threading.get_ident()
