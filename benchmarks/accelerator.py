@@ -43,6 +43,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import shutil
@@ -136,25 +137,25 @@ def state_limits(state, device, repeats: int) -> tuple[ckpt.ChipLimits, dict]:
     jax.block_until_ready([jax.device_put(d, device) for d in dst])
     h2d.append(time.perf_counter() - t0)
   med = statistics.median
-  pieces = {}
-  for mib in ckpt.PIECE_MIB:  # into the host arrays of before (pre-faulted)
+
+  def by_pieces(mib: int, run=lambda f: f()) -> float:
+    """The median D2H by ``mib`` pieces into the host arrays of before (pre-faulted), each
+    made by ``run``; the first run dropped (it compiles the split, or warms a thread)."""
+    nonlocal state
     took = []
-    for _ in range(1 + repeats):  # the first compiles the split
+    for _ in range(1 + repeats):
       state = jax.block_until_ready(ckpt.bump(state))
+      leaves = jax.tree.leaves(state)
       t0 = time.perf_counter()
-      ckpt.d2h_pieces(jax.tree.leaves(state), dst, mib << 20)
+      run(functools.partial(ckpt.d2h_pieces, leaves, dst, mib << 20))
       took.append(time.perf_counter() - t0)
-    pieces[mib] = med(took[1:])
-  kept = []
+    return med(took[1:])
+
+  pieces = {mib: by_pieces(mib) for mib in ckpt.PIECE_MIB}
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-d2h") as thread:
-    for _ in range(1 + repeats):  # the first warms the thread's malloc arena
-      state = jax.block_until_ready(ckpt.bump(state))
-      t0 = time.perf_counter()
-      thread.submit(ckpt.d2h_pieces, jax.tree.leaves(state), dst,
-                    ckpt.PIECE_MIB[0] << 20).result()
-      kept.append(time.perf_counter() - t0)
+    kept = by_pieces(ckpt.PIECE_MIB[0], lambda f: thread.submit(f).result())
   limits = ckpt.ChipLimits(d2h_s=med(d2h), h2d_s=med(h2d), memcpy_s=med(memcpy),
-                           d2h_pieces_s=pieces, d2h_kept_thread_s=med(kept[1:]))
+                           d2h_pieces_s=pieces, d2h_kept_thread_s=kept)
   return limits, jax.block_until_ready(ckpt.bump(state))
 
 
