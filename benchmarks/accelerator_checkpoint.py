@@ -8,6 +8,7 @@ Each restore is compared bit for bit, on the device, with a copy taken before th
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -57,18 +58,28 @@ class ChipLimits:
   h2d_s: float  # host-to-device of the state, a put per leaf, all in flight
   memcpy_s: float  # one memcpy of the state, one thread
   d2h_pieces_s: dict[int, float] = dataclasses.field(default_factory=dict)  # MiB: s
-  # By PIECE_MIB[0] pieces on one thread kept from run to run (not the main thread): the
-  # runtime allocates each piece's host buffer from the taking thread's malloc arena, and
-  # one thread's may be warm where another's faults every piece in anew.
-  d2h_kept_thread_s: float = float("inf")  # inf: not measured
+  # By PIECE_MIB[0] pieces on one thread kept from run to run (not the main thread), each
+  # timed run: the runtime allocates each piece's host buffer from the taking thread's
+  # malloc arena, and one thread's may be warm where another's faults every piece in anew.
+  kept_thread: tuple[float, ...] = ()
+  kept_thread_arena: tuple[float, ...] = ()  # the same into a memfd arena, as a save's
+  # The library's own D2H (a save's split and piece transfers, each into its rows) on that
+  # thread into that arena: the stager's copy without the sidecar.
+  library: tuple[float, ...] = ()
+  # By PIECE_MIB[0] pieces into pre-faulted host arrays, one run after each round of the
+  # idle saves (the first round's dropped), on the main thread and on a kept thread: the
+  # D2H in the process's state that the saves' staged figures see.
+  main_beside_saves: tuple[float, ...] = ()
+  kept_beside_saves: tuple[float, ...] = ()
 
   @property
   def fastest_d2h_s(self) -> float:
-    """The fastest device-to-host of the state by pieces, on either thread (issue 44
-    target 2's baseline: whole arrays are no way for a save, they nearly stop a loop
-    beside them); whole arrays' where none was measured."""
-    fastest = min([self.d2h_kept_thread_s, *self.d2h_pieces_s.values()])
-    return fastest if fastest < float("inf") else self.d2h_s
+    """The fastest device-to-host of the state by pieces, on either thread, into either
+    memory (issue 44 target 2's baseline: whole arrays are no way for a save, they nearly
+    stop a loop beside them); whole arrays' where none was measured."""
+    kept = [statistics.median(r) for r in (self.kept_thread, self.kept_thread_arena,
+                                           self.main_beside_saves, self.kept_beside_saves) if r]
+    return min([*kept, *self.d2h_pieces_s.values()], default=self.d2h_s)
 
 
 # ---- the chip's device-to-host, whole and by pieces ---------------------------------
@@ -110,6 +121,20 @@ def d2h_pieces(leaves: list[jax.Array], dst: list[np.ndarray], piece_bytes: int)
       pieces[i + PIECES_IN_FLIGHT][1].copy_to_host_async()
     np.copyto(d, np.asarray(p))
     pieces[i] = None  # the device's piece goes
+
+
+def d2h_library(leaves: list[jax.Array], dst: list[np.ndarray], piece_bytes: int) -> None:
+  """The library's device-to-host of a save (its jitted split, its pieces' transfers in
+  flight, each piece into its rows of the host array), as its stager runs it, into ``dst``
+  instead of a sidecar's arena blocks."""
+  splits_compiled()
+  copies = jax_checkpoint._host_copies([([], i, a) for i, a in enumerate(leaves)],
+                                       piece_bytes=piece_bytes)
+  for _, i, c in copies:
+    if isinstance(c, np.ndarray):  # a device without room for the pieces: whole
+      np.copyto(dst[i], c)
+    else:
+      c.copy_into(dst[i])
 
 
 def make_state(device, plan: Plan) -> dict[str, jax.Array]:
@@ -324,10 +349,24 @@ def measure(ctl, device, state, chip: ChipLimits, base: str, plan: Plan,
   run = Run(state, [orbax, ours], progress)
   try:
     jax.block_until_ready((copy(state), same_bits(state, state)))  # compiled before timings
-    progress("saves, the trainer idle: each saver's first of the process, then later ones")
-    for r in range(1 + plan.saves):
-      for saver in run.savers[r % 2:] + run.savers[:r % 2]:
-        run.save(saver)
+    progress("saves, the trainer idle: each saver's first of the process, then later ones; "
+             "after each round a bare D2H by pieces on the main thread and on a kept one")
+    dst = [np.ones(a.shape, a.dtype) for a in jax.tree.leaves(state)]  # pre-faulted
+    beside: dict[str, list[float]] = {"main": [], "kept": []}
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-d2h") as thread:
+      ways = {"main": lambda f: f(), "kept": lambda f: thread.submit(f).result()}
+      for r in range(1 + plan.saves):
+        for saver in run.savers[r % 2:] + run.savers[:r % 2]:
+          run.save(saver)
+        for name, way in ways.items():
+          run.state = jax.block_until_ready(bump(run.state))
+          t0 = time.perf_counter()
+          way(functools.partial(d2h_pieces, jax.tree.leaves(run.state), dst,
+                                PIECE_MIB[0] << 20))
+          beside[name].append(time.perf_counter() - t0)
+    del dst
+    chip = dataclasses.replace(chip, main_beside_saves=tuple(beside["main"][1:]),
+                               kept_beside_saves=tuple(beside["kept"][1:]))
     progress("restores onto the device")
     restores = {}
     for saver in run.savers:
@@ -458,6 +497,12 @@ def rows(run: Run, chip: ChipLimits, restores: dict[str, tuple[float, bool]],
                                            staged / chip.d2h_s)),
           "<= 1.2x fastest D2H by pieces", staged <= 1.2 * chip.fastest_d2h_s,
           note="later saves: " + ", ".join(f"{r.staged:.3f}" for r in later["ctl.checkpointer"])),
+      *[Row("checkpoint", f"bare device-to-host of the state by {PIECE_MIB[0]} MiB pieces on "
+            f"{where}, one after each round of those saves (median of {len(runs)})",
+            med(runs), "s", (("of the chip's D2H of whole arrays", med(runs) / chip.d2h_s),),
+            note="runs: " + ", ".join(f"{t:.3f}" for t in runs))
+        for where, runs in (("the main thread", chip.main_beside_saves),
+                            ("a kept thread", chip.kept_beside_saves)) if runs],
       Row("checkpoint", f"ctl.checkpointer: durable, trainer idle (later saves, median of "
           f"{n_later})", durable, "s",
           (("of Orbax's durable", durable / med(r.durable for r in later["Orbax"])),),
