@@ -102,8 +102,9 @@ class _TokenAuth(grpc.ServerInterceptor):
 
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "AuthenticationError: missing or wrong token; pass token=... to the "
-                    "Controller or set SIDECAR_TOKEN / SIDECAR_TOKEN_FILE")
+                    "AuthenticationError: missing or wrong token; present the job's token: "
+                    "token=... to a Controller, --token-file to a sidecar command, or "
+                    "SIDECAR_TOKEN / SIDECAR_TOKEN_FILE to either")
     self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def deny_link(request, context):  # a handshake that carries the peer token's metadata

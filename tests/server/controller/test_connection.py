@@ -65,7 +65,7 @@ def test_a_wrong_token_is_named_once_with_its_type(make_server):
   with pytest.raises(sidecar.AuthenticationError) as info:
     sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token="wrong", connect_timeout=30)
   # Before: "AuthenticationError: AuthenticationError: missing or wrong token ... host None)".
-  assert str(info.value).startswith("missing or wrong token; pass token=")
+  assert str(info.value).startswith("missing or wrong token; present the job's token")
   assert str(info.value).endswith(f"(sidecar 127.0.0.1:{server.port})")
 
 

@@ -34,6 +34,18 @@ def test_status_reads_the_token_from_sidecar_token_file_or_token_file(
   assert all(h["ok"] for h in json.loads(capsys.readouterr().out)["hosts"])
 
 
+def test_status_without_the_token_names_the_flag_that_gives_it(make_server, monkeypatch,
+                                                               capsys):
+  # Before: "UNREACHABLE: missing or wrong token; pass token=... to the Controller ...", a
+  # Python argument the command has no way to take.
+  server = make_server(token="s3cret")
+  for name in ("SIDECAR_TOKEN", "SIDECAR_TOKEN_FILE"):
+    monkeypatch.delenv(name, raising=False)
+  assert cli.main(["status", f"127.0.0.1:{server.port}"]) == 1
+  row = capsys.readouterr().out.splitlines()[1]
+  assert "UNREACHABLE: missing or wrong token" in row and "--token-file" in row
+
+
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_pool_status_reads_the_token_from_sidecar_token_file_or_token_file(
     make_server, tmp_path, monkeypatch, capsys, how):
