@@ -118,6 +118,7 @@ class Controller:
                         worker=self._sidecars.workers.get)
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
     self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
+    self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
     try:
@@ -449,7 +450,7 @@ class Controller:
         local=tuple(self.local_hosts), device_hosts=dict(self._sidecars.device_hosts),
         records=self._sidecars.sidecar_records(),
         mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
-        writers=dict(self._sidecars.writers))
+        writers=dict(self._sidecars.writers), warned=self._replica_warnings)
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),

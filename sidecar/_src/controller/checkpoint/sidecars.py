@@ -30,6 +30,8 @@ class SidecarsSnapshot:
     records: each live sidecar's address, worker socket, boot id and slice.
     mapped: the hosts whose arenas this process maps.
     writers: the processes that stage into each host, where several share one.
+    warned: the controller's ``(replicas asked, hosts)`` already warned of (a PyTorch
+      writer is made for each save: its warning once, not at every save).
   """
   client: CheckpointTransport
   hosts: tuple[int, ...]
@@ -38,12 +40,14 @@ class SidecarsSnapshot:
   records: Mapping[int, Mapping[str, Any]]
   mapped: frozenset[int]
   writers: Mapping[int, Sequence[int]]
+  warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
   def replicas(self, wanted: int) -> int:
     """``wanted`` replicas, or as many as there are other hosts (with a warning): an
     elastic job down to fewer hosts than it planned keeps saving."""
     most = max(len(self.hosts) - 1, 0)
-    if wanted > most:
+    if wanted > most and (wanted, len(self.hosts)) not in self.warned:
+      self.warned.add((wanted, len(self.hosts)))
       log.warning("replicas=%d, but there are %d hosts: each shard gets %d replica copies",
                   wanted, len(self.hosts), most)
     return min(wanted, most)

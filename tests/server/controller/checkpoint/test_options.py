@@ -26,3 +26,22 @@ def test_the_checkpointer_keeps_the_steps_its_options_say(make_server, tmp_path)
         ckpt.wait()
       assert ckpt.all_steps() == [4, 5, 6]  # the 2 newest, and 4 for keep_period
   assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["4", "5", "6"]
+
+
+def test_replicas_beyond_the_hosts_warn_once_per_controller_not_at_every_save(
+    make_server, tmp_path, caplog):
+  # Before: at every PyTorch save (DCP takes a new StorageWriter for each), the warning.
+  from sidecar._src.torch import storage
+  server = make_server(shm_size=16 << 20)
+  warning = "replicas=1, but there are 1 hosts: each shard gets 0 replica copies"
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
+    for step in range(3):
+      writer = storage.StorageWriter(tmp_path / "torch" / str(step), replicas=1,
+                                     controller=ctl)
+      assert writer.replicas == 0
+    with ctl.checkpointer(tmp_path / "jax", replicas=1) as ckpt:
+      assert ckpt.replicas == 0
+    assert caplog.text.count(warning) == 1
+    with ctl.checkpointer(tmp_path / "jax", replicas=2):
+      pass
+    assert caplog.text.count("replicas=2, but there are 1 hosts") == 1
