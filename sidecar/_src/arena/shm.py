@@ -188,17 +188,30 @@ class Arena:
           f"block [{offset}, {offset + nbytes}) lies outside the arena of {self.size} bytes")
     return self.buffer[offset:offset + nbytes]
 
-  def lease(self, offset: int, nbytes: int, release: Callable[[], None]) -> np.ndarray:
+  def lease(self, offset: int, nbytes: int, release: Callable[[], None], *,
+            private: bool = False) -> np.ndarray:
     """Like :meth:`view`, but calls ``release`` once no array uses the bytes any more.
 
     Every array derived from the result (views, reshapes, and on the CPU backend
     ``jax.device_put`` of it, which aliases the memory) keeps it alive, so the
     block cannot be reused under a live array.
+
+    ``private``: the bytes through a copy-on-write mapping of their own: reads share the
+    block's pages, a write copies the page it touches and never reaches the block (a
+    restore's RAM-tier copy, which the sidecar keeps and writes to storage, stays as it
+    was however the caller uses what it was given).
     """
     if offset < 0 or nbytes <= 0 or offset + nbytes > self.size:
       raise errors.InvalidArgumentError(
           f"block [{offset}, {offset + nbytes}) lies outside the arena of {self.size} bytes")
-    holder = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
+    if private:
+      start = offset - offset % mmap.ALLOCATIONGRANULARITY
+      # Not populated: populating a private writable mapping copies every page.
+      mapping = mmap.mmap(self.fd, offset + nbytes - start, flags=mmap.MAP_PRIVATE,
+                          offset=start)
+      holder = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset - start)
+    else:
+      holder = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
     weakref.finalize(holder, release)
     return holder
 

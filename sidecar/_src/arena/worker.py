@@ -245,17 +245,21 @@ class Worker:
     is busy producing a stream's next item."""
     self._request({"op": "ping"}, timeout=timeout)
 
-  def view(self, ref: codec.ArenaRef) -> np.ndarray:
+  def view(self, ref: codec.ArenaRef, *, private: bool = False) -> np.ndarray:
     """The array ``ref`` names, on the arena (no copy), held while any view lives.
 
     The block must be leased to this worker (results of calls made with it are).
+    ``private``: through a copy-on-write mapping (``Arena.lease``): what the caller writes
+    stays its own, the block is never changed; such an array is no block of this worker's
+    (:meth:`ref_of`), so handing it back to the sidecar copies it.
     """
     self._check_open()
     with self._lock:
       self._live += 1
       self._generations[ref.offset] = ref.generation
     holder = self.arena.lease(ref.offset, ref.nbytes,
-                              lambda: self._freed.put((ref.offset, ref.generation)))
+                              lambda: self._freed.put((ref.offset, ref.generation)),
+                              private=private)
     return codec.as_array(holder, ref)
 
   def ref_of(self, array: np.ndarray) -> codec.ArenaRef | None:

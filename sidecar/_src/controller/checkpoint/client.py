@@ -275,8 +275,13 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def read(self, host: int, final_dir: str, shard: ShardId, *, crc32c: int | None,
-           tier: str, part: tuple[int, int] | None = None) -> concurrent.futures.Future:
-    """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8)."""
+           tier: str, part: tuple[int, int] | None = None, private: bool = False
+           ) -> concurrent.futures.Future:
+    """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8).
+
+    ``private``: an array on this process's mapping of the arena comes copy-on-write
+    (``Worker.view``): what the caller writes never reaches the block, which may be the
+    RAM-tier copy itself."""
 
 
 class CheckpointClient(CheckpointTransport):
@@ -410,7 +415,7 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
                      wire.manifest_from_pb)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, part=None):
+  def read(self, host, final_dir, shard, *, crc32c, tier, part=None, private=False):
     if tier not in wire.TIERS:
       raise errors.InvalidArgumentError(
           f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
@@ -422,6 +427,7 @@ class CheckpointClient(CheckpointTransport):
       request.crc32c = crc32c
     if part is not None:
       request.part.offset, request.part.nbytes = part
-    from_arena: codec.FromArena | None = w.view if w is not None else None
+    from_arena: codec.FromArena | None = (
+        functools.partial(w.view, private=private) if w is not None else None)
     return self._rpc(host, "Read", request,
                      lambda r: wire.data_from_pb(r.data, from_arena, f"shard from host {host}"))

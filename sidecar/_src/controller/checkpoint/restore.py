@@ -225,8 +225,13 @@ class Restorer:
           shard = ShardId(kp, index)
           if shard in reads or not _overlaps(index, region):
             continue
+          # A block for no device is the restored value itself (a numpy array, a torch
+          # tensor), which training may write in place: it comes copy-on-write, so the
+          # RAM-tier copy it maps stays as saved. A device's block is put there (copied, or
+          # on a CPU device an immutable jax.Array over it).
           reads[shard] = self._reads.start(final_dir, kp, index, crc,
-                                           self._sources(shard, held, host), want.dtype, checks)
+                                           self._sources(shard, held, host), want.dtype, checks,
+                                           private=device_id is None and index == region)
     return reads
 
   def _failure(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
@@ -329,21 +334,24 @@ class ShardReads:
 
   def start(self, final_dir: str, kp: KeyPath, index, crc: int | None,
             sources: Sequence[tuple[int, str]], dtype: np.dtype,
-            checks: concurrent.futures.Executor | None = None) -> ShardRead:
+            checks: concurrent.futures.Executor | None = None, *,
+            private: bool = False) -> ShardRead:
     """:meth:`first`'s read, begun; with ``checks``, a RAM copy this process maps is read
-    unchecked and checked here, on ``checks`` (:class:`ShardRead`)."""
-    read = ShardRead(self, final_dir, kp, index, crc, list(sources), dtype, checks)
+    unchecked and checked here, on ``checks`` (:class:`ShardRead`); ``private``: a copy
+    this process maps comes copy-on-write (``CheckpointTransport.read``)."""
+    read = ShardRead(self, final_dir, kp, index, crc, list(sources), dtype, checks, private)
     read.attempt(0)
     return read
 
   def read(self, host: int, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str,
-           dtype: np.dtype) -> concurrent.futures.Future:
+           dtype: np.dtype, private: bool = False) -> concurrent.futures.Future:
     """One source's read of the shard: in pieces where it is large and not mapped here."""
     shape = tuple(b - a for a, b in index)
     if tier in ("ram", "replica") and host not in self.mapped and (
         math.prod(shape) * dtype.itemsize > READ_PIECE_BYTES):
       return self._read_pieces(final_dir, kp, index, crc, tier, host, shape, dtype)
-    return self.client.read(host, final_dir, ShardId(kp, index), crc32c=crc, tier=tier)
+    return self.client.read(host, final_dir, ShardId(kp, index), crc32c=crc, tier=tier,
+                            private=private)
 
   def _read_pieces(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
                   shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
@@ -398,8 +406,9 @@ class ShardRead:
 
   def __init__(self, reads: ShardReads, final_dir: str, kp: KeyPath, index, crc: int | None,
                sources: list[tuple[int, str]], dtype: np.dtype,
-               checks: concurrent.futures.Executor | None):
+               checks: concurrent.futures.Executor | None, private: bool = False):
     self._reads, self._final_dir, self._kp = reads, final_dir, kp
+    self._private = private
     self._index, self._crc = index, crc
     self._sources, self._dtype, self._checks = sources, dtype, checks
     self.failures: list[tuple[str, errors.SidecarError]] = []
@@ -416,7 +425,7 @@ class ShardRead:
             and host in self._reads.mapped)
     try:
       f = self._reads.read(host, self._final_dir, self._kp, self._index,
-                           None if here else self._crc, tier, self._dtype)
+                           None if here else self._crc, tier, self._dtype, self._private)
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)

@@ -14,6 +14,7 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt.records import ShardId
 from sidecar._src.core import errors
+from tests.support.procfs import ARENA_FILE, mapping_of
 
 pytestmark = pytest.mark.server
 
@@ -93,3 +94,37 @@ def test_a_ram_copy_zeroed_with_no_valid_stored_copy_fails_the_restore(saved):
   with pytest.raises(errors.ShardsLostError, match="crc32c") as info:
     ckpt.restore(1, target={"w": np.zeros(N, np.float32)})
   assert "ram:host0" in str(info.value) and "storage" in str(info.value)
+
+
+def test_a_restored_array_written_in_place_leaves_the_ram_copy_as_it_was(saved):
+  """Before: the restored array was the RAM-tier block itself: writing it (as training
+  does to its state) wrote the sidecar's copy, and the next restore found it corrupt."""
+  server, ctl, ckpt, directory, w = saved
+  got = ckpt.restore(1, target={"w": np.zeros(N, np.float32)})["w"]
+  assert ckpt.last_restore_stats().shards == {"ram:host0": 1}
+  assert mapping_of(got.ctypes.data) == ("rw-p", ARENA_FILE)  # no copy: copy-on-write
+  got[:] = -1  # the caller's own pages from here on
+  step = server.checkpoints.tier.steps[str(directory / "1" / "default")]
+  np.testing.assert_array_equal(next(iter(step.shards.values())).view(np.float32), w)
+  back = ckpt.restore(1, target={"w": np.zeros(N, np.float32)})["w"]
+  assert ckpt.last_restore_stats().shards == {"ram:host0": 1}
+  np.testing.assert_array_equal(back, w)
+  assert (got == -1).all()
+
+
+def test_a_restored_torch_tensor_trained_in_place_leaves_the_ram_copy_as_it_was(
+    make_server, tmp_path):
+  import torch
+
+  import sidecar.torch
+  server = make_server()
+  w = torch.arange(1, N + 1, dtype=torch.float32)
+  with sidecar.torch.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl, \
+       ctl.checkpointer(str(tmp_path / "ck")) as ckpt:
+    assert ckpt.save(1, {"w": w}).durable.result(30) == 1
+    got = ckpt.restore(1, target={"w": torch.zeros(N)})["w"]
+    got.mul_(0)  # in place, as an optimizer step changes its parameters
+    assert not got.any()
+    back = ckpt.restore(1, target={"w": torch.zeros(N)})["w"]
+    assert ckpt.last_restore_stats().shards == {"ram:host0": 1}
+    assert torch.equal(back, w)
