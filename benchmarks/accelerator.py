@@ -43,7 +43,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import itertools
 import os
 import shutil
@@ -140,18 +139,15 @@ def state_limits(state, device, repeats: int) -> tuple[ckpt.ChipLimits, dict]:
   med = statistics.median
 
   def by_pieces(mib: int, run=lambda f: f(), *, into: list[np.ndarray] = dst, drop: int = 1,
-                times: int = repeats, copy=ckpt.d2h_pieces) -> list[float]:
+                times: int = repeats, how=ckpt.d2h_pieces) -> list[float]:
     """Each timed D2H by ``mib`` pieces into the pre-faulted host arrays ``into``, each
-    made by ``run`` with ``copy``; the first ``drop`` runs not timed (they compile the
+    made by ``run`` with ``how``; the first ``drop`` runs not timed (they compile the
     split, or warm a thread's malloc arena)."""
     nonlocal state
     took = []
     for _ in range(drop + times):
-      state = jax.block_until_ready(ckpt.bump(state))
-      leaves = jax.tree.leaves(state)
-      t0 = time.perf_counter()
-      run(functools.partial(copy, leaves, into, mib << 20))
-      took.append(time.perf_counter() - t0)
+      state, seconds = ckpt.timed_d2h(state, into, run=run, how=how, piece_bytes=mib << 20)
+      took.append(seconds)
     return took[drop:]
 
   pieces = {mib: med(by_pieces(mib)) for mib in ckpt.PIECE_MIB}
@@ -168,7 +164,7 @@ def state_limits(state, device, repeats: int) -> tuple[ckpt.ChipLimits, dict]:
       mib = ckpt.PIECE_MIB[0]
       kept = by_pieces(mib, on_thread, drop=3, times=5)
       into_arena = by_pieces(mib, on_thread, into=blocks, drop=1, times=5)
-      library = by_pieces(mib, on_thread, into=blocks, drop=1, times=5, copy=ckpt.d2h_library)
+      library = by_pieces(mib, on_thread, into=blocks, drop=1, times=5, how=ckpt.d2h_library)
   finally:
     del blocks
     arena.close()

@@ -150,6 +150,18 @@ bump = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
 copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
 
 
+def timed_d2h(state, dst: list[np.ndarray], *, run: Callable = lambda f: f(),
+              how: Callable = d2h_pieces, piece_bytes: int = PIECE_MIB[0] << 20
+              ) -> tuple[Any, float]:
+  """The state bumped (fresh arrays, no host copy), and the seconds of one device-to-host
+  of it by pieces (``how``) into the pre-faulted host arrays ``dst``, made by ``run`` (on
+  this thread, or handed to another)."""
+  state = jax.block_until_ready(bump(state))
+  t0 = time.perf_counter()
+  run(functools.partial(how, jax.tree.leaves(state), dst, piece_bytes))
+  return state, time.perf_counter() - t0
+
+
 @jax.jit
 def same_bits(a, b) -> jax.Array:
   """Whether two trees of float32 arrays are bit for bit the same (NaNs and -0.0 too)."""
@@ -359,11 +371,8 @@ def measure(ctl, device, state, chip: ChipLimits, base: str, plan: Plan,
         for saver in run.savers[r % 2:] + run.savers[:r % 2]:
           run.save(saver)
         for name, way in ways.items():
-          run.state = jax.block_until_ready(bump(run.state))
-          t0 = time.perf_counter()
-          way(functools.partial(d2h_pieces, jax.tree.leaves(run.state), dst,
-                                PIECE_MIB[0] << 20))
-          beside[name].append(time.perf_counter() - t0)
+          run.state, took = timed_d2h(run.state, dst, run=way)
+          beside[name].append(took)
     del dst
     chip = dataclasses.replace(chip, main_beside_saves=tuple(beside["main"][1:]),
                                kept_beside_saves=tuple(beside["kept"][1:]))
