@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import dataclasses
+import fcntl
 import mmap
 import os
 import re
@@ -35,6 +36,11 @@ MIN_SIZE = 1 << 20
 # 0.13-0.15 s with one, 0.08-0.10 s with two threads on 2 cores).
 COPY_PIECE = 4 << 20
 COPY_THREADS = min(4, len(os.sched_getaffinity(0)))
+# What every arena's memfd is sealed with before its fd leaves the sidecar: no process that
+# holds the fd (a tenant's worker) can shrink it under the sidecar's mapping (a SIGBUS in
+# the sidecar at its next touch of the lost pages) or grow it past its ceiling (memory no
+# quota counts), and no one can lift the seals.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
           "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -119,6 +125,34 @@ def boot_id() -> str:
     return ""
 
 
+def _seal(fd: int) -> None:
+  """Seals ``fd``'s size for good (:data:`SEALS`); a kernel that cannot seal leaves it
+  unsealed, and :func:`check_sealed` then refuses to hand it out."""
+  try:
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+  except OSError:
+    pass
+
+
+def sealed(fd: int) -> bool:
+  """Whether ``fd`` carries every seal of :data:`SEALS`."""
+  try:
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+  except OSError:
+    return False
+
+
+def check_sealed(fd: int) -> None:
+  """Raises PermissionDeniedError unless ``fd`` is sealed: an arena whose size a client
+  could change is never handed to one."""
+  if not sealed(fd):
+    raise errors.PermissionDeniedError(
+        "this sidecar's arena could not be sealed against resizing (memfd sealing, "
+        "F_ADD_SEALS, is missing from this kernel or sandbox), so its file descriptor is "
+        "not handed to workers: a worker that resized it could crash the sidecar. Run the "
+        "sidecar on Linux 3.17 or later with memfd sealing allowed")
+
+
 class Arena:
   """A mapped memfd. ``create`` in the sidecar, ``attach`` in a worker.
 
@@ -147,18 +181,18 @@ class Arena:
     size = -(-size // PAGE) * PAGE
     if reserve:
       check_capacity(size)
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
       os.ftruncate(fd, size)
-      if not reserve:
-        return cls(fd, size, populate=False, reserved=False)
-      try:  # Reserve every page now: an error here, never a SIGBUS later.
-        os.posix_fallocate(fd, 0, size)
-      except OSError as e:
-        raise errors.ArenaCapacityError(
-            f"could not reserve {format_size(size)} of shared memory ({e.strerror}); "
-            "lower --shm-size or give the sidecar more memory") from e
-      return cls(fd, size, populate=True)
+      if reserve:
+        try:  # Reserve every page now: an error here, never a SIGBUS later.
+          os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+          raise errors.ArenaCapacityError(
+              f"could not reserve {format_size(size)} of shared memory ({e.strerror}); "
+              "lower --shm-size or give the sidecar more memory") from e
+      _seal(fd)
+      return cls(fd, size, populate=reserve, reserved=reserve)
     except BaseException:
       os.close(fd)
       raise
@@ -170,6 +204,12 @@ class Arena:
     ``populate``: map every page now (an arena the sidecar reserved whole); False for
     one whose pages come as they are written (a pool tenant's)."""
     return cls(fd, size, populate=populate, reserved=populate)
+
+  @property
+  def sealed(self) -> bool:
+    """Whether its memfd can no longer change size, whoever holds the fd: the only kind
+    of arena whose fd may leave the sidecar (:func:`check_sealed`)."""
+    return sealed(self.fd)
 
   def resident_bytes(self) -> int:
     """The bytes of memory its pages hold now (written, reserved, not punched out)."""

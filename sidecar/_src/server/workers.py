@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sidecar._src.arena import shm
 from sidecar._src.core import errors
 from sidecar._src.server import arenas as arenas_lib, sockets
 from sidecar._src.server.calls import UnaryCalls
@@ -208,6 +209,7 @@ class WorkerListener:
       arena = space.arena
       assert arena is not None
       reply.update(session=session, arena_size=arena.size, arena_populate=arena.reserved)
+      shm.check_sealed(arena.fd)  # never a memfd whose size the worker could change
       ipc.send(conn, reply, fds=(arena.fd,))
       log.info("worker pid %s attached as %s", message.get("pid"), session,
                extra={"session": session})

@@ -207,3 +207,24 @@ def test_a_container_memory_limit_below_the_arena_names_it(tmp_path, monkeypatch
                            rf"{os.path.basename(limit_file)} 64.0 MiB with 16.0 MiB in use\); "
                            r"lower --shm-size"):
     shm.check_capacity(128 << 20)
+
+
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserved", "pool-tenant"])
+def test_an_arena_is_sealed_against_resizing(reserve):
+  arena = shm.Arena.create(2 << 20, reserve=reserve)
+  try:
+    assert arena.sealed
+    shm.check_sealed(arena.fd)  # what may leave the sidecar
+    with pytest.raises(PermissionError):
+      os.ftruncate(arena.fd, 0)
+  finally:
+    arena.close()
+
+
+def test_an_unsealed_memfd_is_never_handed_out():
+  fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+  try:
+    with pytest.raises(errors.PermissionDeniedError, match="could not be sealed against resizing"):
+      shm.check_sealed(fd)
+  finally:
+    os.close(fd)
