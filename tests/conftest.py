@@ -130,8 +130,9 @@ def root_logging_restored():
 # A server's gRPC thread pools grow when work comes: a module-wide server's get new threads
 # during a later test. Server.stop() joins them (test_server.py checks it). The stager
 # thread is the process's, kept from save to save (``staging.STAGER``): a test must leave
-# it idle.
-_POOLS = ("sidecar-rpc", "sidecar-health", "sidecar-stager")
+# it idle. So are shm.copy's threads (``sidecar-copy``), made at the process's first large
+# copy and kept for the next.
+_POOLS = ("sidecar-rpc", "sidecar-health", "sidecar-stager", "sidecar-copy")
 
 
 def our_threads() -> set[threading.Thread]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import gc
 import json
 import math
 import os
@@ -37,6 +38,9 @@ ENV_ADDRESS = env_lib.ADDRESS
 # frees with their credits; this thread sends the rest, a message per interval at
 # most, so a fast stream is not slowed by a free message (and a wake-up) per batch.
 FREE_DELAY_S = 0.01
+# An alloc that found no room waits this long for blocks under release before it fails.
+RECLAIM_S = 2.0
+RECLAIM_POLL_S = 0.02
 JOIN_S = 2.0  # close() waits this long for the releasing thread (it sleeps FREE_DELAY_S)
 
 
@@ -300,7 +304,16 @@ class Worker:
       message["timeout"] = timeout
     bar = progress.queued(f"{sum(sizes)} bytes of arena")
     try:
-      return self._request(message, wait=timeout or 0.0, queued=bar)["blocks"]
+      while True:
+        try:
+          return self._request(message, wait=timeout or 0.0, queued=bar)["blocks"]
+        except errors.BusyError:
+          raise
+        except errors.ResourceExhaustedError:
+          # Blocks the caller no longer references may still be held (a cycle, a device
+          # release under way): let them go first, and ask again while any do.
+          if not self._reclaim():
+            raise
     finally:
       bar.close()
 
@@ -365,22 +378,45 @@ class Worker:
       time.sleep(FREE_DELAY_S)  # Let frees gather: one message for many, fewer wake-ups.
       blocks = self._drain([item] if item is not None else [])
       with self._lock:
-        self._forget(blocks)
-        # A lost sidecar gets no more frees (the last may have left half a frame): the
-        # session keeps its blocks until this Worker closes, and then all go back at once.
-        if blocks and self.state is not State.CLOSED and self._lost is None:
-          try:
-            ipc.send(self._sock, {"op": "free", "blocks": blocks})
-          except TimeoutError:
-            self._lost = (f"the sidecar of host {self.host_id} at {self.path} took no frees "
-                          f"for {self.timeout:.3g} s; it counts as lost (hung or stopped?)")
-          except OSError:
-            pass  # Gone: its end of the connection released everything.
+        self._send_frees(blocks)
         done = self.state is State.CLOSING and self._live == 0
         if done:
           self._shutdown()
       if done or self.state is State.CLOSED:
         return
+
+  def _send_frees(self, blocks: list) -> None:
+    """Counts ``blocks`` let go of and tells the sidecar; the lock is held."""
+    self._forget(blocks)
+    # A lost sidecar gets no more frees (the last may have left half a frame): the
+    # session keeps its blocks until this Worker closes, and then all go back at once.
+    if blocks and self.state is not State.CLOSED and self._lost is None:
+      try:
+        ipc.send(self._sock, {"op": "free", "blocks": blocks})
+      except TimeoutError:
+        self._lost = (f"the sidecar of host {self.host_id} at {self.path} took no frees "
+                      f"for {self.timeout:.3g} s; it counts as lost (hung or stopped?)")
+      except OSError:
+        pass  # Gone: its end of the connection released everything.
+
+  def _reclaim(self) -> bool:
+    """Lets go of every block nothing references any more, before a request that found no
+    room fails: collects reference cycles (an array in one keeps its block until the
+    collector runs), then waits up to ``RECLAIM_S`` for releases under way (the device
+    runtime lets go of an array that aliases a block after its last computation) and sends
+    their frees ahead of the retry. True if any block went back."""
+    before = self.live_blocks
+    deadline = time.monotonic() + RECLAIM_S
+    while True:
+      gc.collect()
+      blocks = self._drain([])
+      with self._lock:
+        self._send_frees(blocks)
+        if self._live < before:
+          return True
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(RECLAIM_POLL_S)
 
   # ---- streams -----------------------------------------------------------
 
