@@ -170,6 +170,49 @@ def format_checkpoints(rows: Rows, previous: Rows | None = None, seconds: float 
   return "\n".join(lines) if lines else "no checkpoints held"
 
 
+def escape(text: str) -> str:
+  """``text`` with its control characters (newlines, ESC, ...) written as escapes: a name
+  that a client chose (a directory, a tenant, a client) never writes to a terminal."""
+  if text.isprintable():
+    return text
+  return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                 for c in text)
+
+
+def _escape_fields(m: pb_message.Message) -> None:
+  """Escapes every string in ``m`` and the messages inside it, in place."""
+  for field, value in m.ListFields():
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+      items = [(escape(k) if isinstance(k, str) else k, v) for k, v in value.items()]
+      value.clear()
+      for k, v in items:
+        if isinstance(v, pb_message.Message):
+          _escape_fields(v)
+          value[k].CopyFrom(v)
+        else:
+          value[k] = escape(v) if isinstance(v, str) else v
+    elif field.type == field.TYPE_STRING:
+      if field.is_repeated:
+        value[:] = [escape(v) for v in value]
+      else:
+        setattr(m, field.name, escape(value))
+    elif field.type == field.TYPE_MESSAGE:
+      for v in (value if field.is_repeated else [value]):
+        _escape_fields(v)
+
+
+def shown(rows: Rows) -> Rows:
+  """``rows`` as a terminal may show them: each status's strings :func:`escape`-d (the
+  JSON output needs none: ``json.dump`` escapes control characters itself)."""
+  out = []
+  for address, s in rows:
+    if not isinstance(s, Exception):
+      s = type(s).FromString(s.SerializeToString())
+      _escape_fields(s)
+    out.append((address, s))
+  return out
+
+
 def print_status(addresses: Sequence[str], *, timeout: float, token: str | None = None,
                  as_json_: bool = False) -> int:
   """Prints the tables (or, with ``as_json_``, one JSON object); returns 1 if any sidecar
@@ -179,6 +222,7 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
     json.dump(as_json(rows), sys.stdout)
     print(file=sys.stdout)
     return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
+  rows = shown(rows)
   print(format_table(rows), file=sys.stdout)
   print(file=sys.stdout)
   if tenants := format_tenants(rows):
@@ -249,7 +293,7 @@ def watch(addresses: Sequence[str], *, interval: float, timeout: float,
   previous, last, n = None, time.monotonic(), 0
   try:
     while refreshes is None or n < refreshes:
-      rows = fetch_all(addresses, timeout=timeout, token=token)
+      rows = shown(fetch_all(addresses, timeout=timeout, token=token))
       now = time.monotonic()
       stamp = time.strftime("%H:%M:%S")
       out.write(f"{clear}sidecar status  {stamp}  every {interval:g} s  (Ctrl-C to stop)\n\n"

@@ -139,11 +139,14 @@ def _unreachable(answers: Sequence[tuple[str, Any]]) -> list[str]:
   return out
 
 
-def _fetch(addresses: Sequence[str], timeout: float, token: str | None
-           ) -> tuple[list[TenantRow], list[str], bool]:
-  """The tenants' rows, the sidecars that did not answer, and whether any did."""
+def _fetch(addresses: Sequence[str], timeout: float, token: str | None, *,
+           shown: bool = True) -> tuple[list[TenantRow], list[str], bool]:
+  """The tenants' rows, the sidecars that did not answer, and whether any did;
+  ``shown``: names escaped for a terminal (``status.shown``)."""
   from sidecar._src.controller import status as status_lib
   answers = status_lib.fetch_all(addresses, timeout=timeout, token=token)
+  if shown:
+    answers = status_lib.shown(answers)
   statuses = [s for _, s in answers if not isinstance(s, Exception)]
   return tenant_rows(statuses), _unreachable(answers), bool(statuses)
 
@@ -152,7 +155,7 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None,
                  as_json: bool = False, out: TextIO | None = None) -> int:
   """Prints the table (or one JSON object); returns 1 if any sidecar did not answer."""
   out = out or sys.stdout
-  rows, unreachable, answered = _fetch(addresses, timeout, token)
+  rows, unreachable, answered = _fetch(addresses, timeout, token, shown=not as_json)
   if as_json:
     json.dump({"tenants": [r.to_dict() for r in rows], "unreachable": unreachable}, out)
     out.write("\n")
