@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import logging
 import math
 import time
@@ -112,6 +113,28 @@ def _steps_pb(copies: list[ram_yield.Copy]) -> list[ckpt_pb.RamTierSteps]:
   return list(out.values())
 
 
+
+def _documented(rpc: str, e: Exception) -> Exception:
+  """One of the documented errors for what a Checkpoint rpc raised that is none (a
+  request nested past the interpreter's depth, a path that is a symlink loop, a file
+  system's error): no ``UNKNOWN: builtins.*`` crosses the wire for what a request or the
+  disk caused. Anything else is a bug of ours, and goes as it is."""
+  if isinstance(e, RecursionError):
+    return errors.InvalidArgumentError(
+        f"{rpc}: the request is nested too deeply to read (a JSON field or a message "
+        "within messages); send a flatter one")
+  if isinstance(e, OSError):
+    what = e.strerror or type(e).__name__
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENOTDIR):
+      return errors.PermissionDeniedError(
+          f"{rpc}: the sidecar may not use a path of this checkpoint{where}: {what}; "
+          "checkpoint directories and their files must be plain directories and files "
+          "the sidecar's user can write")
+    return errors.CheckpointWriteError(f"{rpc}: {what}{where}", errno=e.errno,
+                                       path=e.filename)
+  return e
+
 class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
@@ -196,11 +219,12 @@ class CheckpointService:
           with tenants_lib.acting_as(client):  # its blocks (reads) in its tenant's arena
             return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
-        code = protocol.status_code(e).name
-        if isinstance(e, errors.SidecarError):
-          log.info("%s: %s: %s", label, type(e).__name__, protocol.for_log(e))
-        else:
+        if not isinstance(e, errors.SidecarError):
           log.warning("%s raised %s: %s", label, type(e).__name__, protocol.for_log(e))
+          e = _documented(name, e)
+        else:
+          log.info("%s: %s: %s", label, type(e).__name__, protocol.for_log(e))
+        code = protocol.status_code(e).name
         protocol.abort(context, e)
       finally:
         self._metrics.call_done("checkpoint", label, code, time.perf_counter() - t0)

@@ -300,3 +300,27 @@ def test_an_abort_removes_no_dcp_directory_a_save_did_not_make(make_server, tmp_
     refused(PermissionError, "was not made by a save", lambda: client.abort(
         0, str(planted.parent), str(tmp_path / "bob" / "ck"), timeout=10).result())
   assert planted.read_text() == "keep"
+
+
+def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_server,
+                                                                           tmp_path):
+  """Round five (issue 54): a 100,000-deep plan_json answered
+  ``UNKNOWN: builtins.RecursionError``; every error on the wire is a documented one."""
+  server = make_server(pool=write_pool(tmp_path, pool(bob=", checkpoint_roots: [bob]")))
+  path = tmp_path / "bob" / "deep"
+  with controller(server, BOB) as ctl:
+    client = ctl.checkpoint_client()
+    client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
+    tmp = client.begin(0, str(path), 1, format=dcp.FORMAT).result()
+    item = dcp.Item(fqn="w", kind="bytes", nbytes=8)
+    client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
+                 leaves=[], shards=[StagedShard(0, (), np.zeros(8, np.uint8))], last=True,
+                 part=dcp.DcpPart(0, (item,))).result()
+    sums = client.prepared(0, str(path), timeout=30).result()
+    _, size = dcp.layout(0, [item])
+    refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.commit(
+        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], checksums=sums, data_state_json="",
+        whole_step=True, replicas=None, timeout=10,
+        part=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)).result())
+    assert not path.exists()
+    client.abort(0, tmp, str(path), timeout=10).result()
