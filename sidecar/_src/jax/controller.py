@@ -7,6 +7,7 @@ class gives it the JAX adapter (``jax/framework.JaxFramework``: ``jax.Array``s,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from sidecar._src.controller.framework import Framework
 from sidecar._src.core import options as options_lib
 from sidecar._src.jax import feed as jax_feed
 from sidecar._src.jax.framework import JaxFramework
+
+log = logging.getLogger(__name__)
 
 
 class Controller(core.Controller):
@@ -39,6 +42,11 @@ class Controller(core.Controller):
   ``workers``). Every process then makes the same calls in the same order; ``call``
   runs on the caller's own host unless ``hosts`` says otherwise.
   """
+
+  def __init__(self, addresses: Any, **kwargs: Any):
+    super().__init__(addresses, **kwargs)
+    if message := uncovered_hosts(self.hosts, jax.devices()):
+      log.warning("%s", message)
 
   @staticmethod
   def _default_framework() -> Framework:
@@ -84,3 +92,29 @@ class Controller(core.Controller):
         name, global_batch_size=global_batch_size,
         layout=lambda g, hosts, processes: jax_feed.Layout(sharding, g, hosts, processes),
         kwargs=kwargs, seed=seed, num_epochs=num_epochs, state=state, options=options)
+
+
+def uncovered_hosts(hosts: Any, devices: list[Any]) -> str | None:
+  """Why some of ``hosts`` would never be fed nor saved by this JAX process: they declare
+  devices that it does not have (None when every host's devices are among ``devices``).
+
+  A trainer started without ``JAX_NUM_CPU_DEVICES`` against ``sidecar local --hosts 2
+  --devices-per-host 2`` has one CPU device: host 1's devices 2 and 3 are none of it.
+  """
+  have = {d.id for d in devices}
+  missing = {h.host_id: sorted(set(h.device_ids) - have) for h in hosts}
+  missing = {h: ids for h, ids in missing.items() if ids}
+  if not missing:
+    return None
+  declared = sum(len(h.device_ids) for h in hosts)
+  which = "; ".join(f"host {h} declares devices {ids}" for h, ids in sorted(missing.items()))
+  platform = devices[0].platform if devices else "?"
+  fix = (f"give this process one CPU device per sidecar device before JAX starts: "
+         f"JAX_NUM_CPU_DEVICES={declared} (or XLA_FLAGS="
+         f"--xla_force_host_platform_device_count={declared}); sidecar launch and "
+         "LocalCluster set it" if platform == "cpu" else
+         "start one trainer process per host (sidecar launch --hosts N, or the manifests), "
+         "or start each sidecar with the --device-ids of the devices its trainer owns")
+  return (f"{which}, which this process's {len(devices)} {platform} device(s) "
+          f"{sorted(have)} do not include: those hosts' shards of a batch or a checkpoint "
+          f"would go nowhere, and a feed would not use them. To use them, {fix}")
