@@ -118,7 +118,7 @@ def test_timeout_zero_fails_at_once_naming_tenant_place_and_quota(tmp_path):
                      r".*it waited 0 s, at position 1 of 1 in the arena queue, no estimate "
                      r"yet; pass a longer timeout="):
     leases.alloc(MiB, "w-a", timeout=0)
-  assert time.monotonic() - t0 < 0.5 and leases.waiting() == {}
+  assert time.monotonic() - t0 < 5 and leases.waiting() == {}  # no wait (the text: 0 s)
   leases.release_all("w-a")
 
 
