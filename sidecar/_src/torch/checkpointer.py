@@ -90,8 +90,6 @@ class DcpAgreement(Agreement):
   ``dcp.load(sd, storage_reader=FileSystemReader(f"{directory}/{step}"))`` reads it too.
   """
 
-  replaces_committed = True  # as DCP's FileSystemWriter
-
   def __init__(self, ckpt: checkpointer_lib.Checkpointer, *, controller: core.Controller,
                group: Any):
     self._options, self._ctl, self._group = ckpt.options, controller, group

@@ -1,7 +1,9 @@
 """Torch ranks that save through the sidecars while something goes wrong (issue 35, items
 1, 2, 4 and 5). Run under ``sidecar launch --torch``::
 
-  python -m tests.processes.torch.ckpt_faults DIRECTORY mix|enospc|swap|restore|listing|skip
+  python -m tests.processes.torch.ckpt_faults DIRECTORY MODE
+
+MODE: mix, enospc, swap, restore, listing, skip or relaunch.
 
 ``mix`` (2 hosts, ``--elastic``): ``<dir>/1`` saved with ``replicas=1, ram_steps=2``; a
 restore reads rank 1's part from host 0's replica (host 1's own copy refused, as if
@@ -13,8 +15,9 @@ restores ``<dir>/1``: it must be the second save's values. ``enospc`` (the sidec
 killed in the middle of the second's overwrite. ``listing``: an empty ``999/`` and an
 empty ``0/`` beside the steps of a ``Checkpointer(max_to_keep=1)``. ``skip`` (2 hosts,
 ``slow@2``): ``Checkpointer(if_busy="skip")`` saves 1, 2, then 3 while 2 is in flight,
-then 4; then step 5 of ``<dir>/r`` with ``CheckpointOptions(replicas=1)``. Prints JSON
-lines.
+then 4; then step 5 of ``<dir>/r`` with ``CheckpointOptions(replicas=1)``. ``relaunch``
+(issue 55 item 2): a ``Checkpointer`` saves 3 and 5; a second one (a relaunch that forgot
+to resume) saves 5 and 3 again (refused), then 4. Prints JSON lines.
 """
 
 import json
@@ -118,10 +121,35 @@ def main() -> None:
     for step in (1, 2):
       target = ckpt.restore(1, zeros_like(state(rank, world, step)))
       got[step] = same(target, state(rank, world, step))
-    ckpt.save(1, state(rank, world, 3)).durable.result(timeout=60)
+    try:  # a Checkpointer never replaces a committed step (issue 55 item 2) ...
+      ckpt.save(1, state(rank, world, 3))
+    except errors.InvalidArgumentError:
+      pass
+    else:
+      raise AssertionError("the Checkpointer replaced committed step 1")
+    # ... a StorageWriter saves over its path, as DCP's FileSystemWriter does.
+    dcp.save(state(rank, world, 3),
+             storage_writer=sidecar.torch.StorageWriter(f"{directory}/1", controller=ctl))
     target = ckpt.restore(1, zeros_like(state(rank, world, 3)))
     say(steps=steps, got=got, resaved=same(target, state(rank, world, 3)))
     ckpt.close()
+  elif mode == "relaunch":  # issue 55 item 2: a relaunch that forgot to resume
+    with sidecar.torch.Checkpointer(directory, controller=ctl) as ckpt:
+      for step in (3, 5):
+        ckpt.save(step, state(rank, world, step)).durable.result(timeout=60)
+    with sidecar.torch.Checkpointer(directory, controller=ctl) as ckpt:
+      refused = {}
+      for step in (5, 3):
+        try:
+          ckpt.save(step, state(rank, world, 6)).durable.result(timeout=60)
+          refused[step] = None
+        except BaseException as e:
+          refused[step] = f"{type(e).__name__}: {e}"[:500]
+      # A step not committed, lower than the latest, is saved (as ctl.checkpointer does).
+      lower = ckpt.save(4, state(rank, world, 4)).durable.result(timeout=60)
+      target = ckpt.restore(5, zeros_like(state(rank, world, 5)))
+      say(refused=refused, lower=lower, steps=ckpt.all_steps(),
+          restored5=same(target, state(rank, world, 5)))
   elif mode == "skip":  # the sidecars under ``slow@2``: step 2's write starts 2 s late
     try:
       sidecar.torch.Checkpointer(directory, if_busy="later", controller=ctl)

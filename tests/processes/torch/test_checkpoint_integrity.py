@@ -86,7 +86,8 @@ def test_a_sidecar_killed_mid_overwrite_leaves_a_whole_checkpoint_at_the_path(tm
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "1")), no_dist=True)
     got.append(same(target, state(0, 1, step)))
   assert got.count(True) == 1, got
-  # A new job lists it, restores it, and saves over it.
+  # A new job lists it and restores it; its Checkpointer refuses to save step 1 again, a
+  # StorageWriter saves over the path (as DCP's FileSystemWriter).
   p, records = launch(tmp_path, "restore")
   assert p.returncode == 0, p.stdout + p.stderr
   (r,) = records
@@ -119,3 +120,28 @@ def test_a_save_while_the_previous_is_in_flight_is_skipped_by_every_rank(tmp_pat
       "give either options=CheckpointOptions(...) or ram_steps, replicas, not both"] * 2
   assert [(r["durable"], r["replicated"]) for r in records if "durable" in r] == [(5, 5)] * 2
   assert sorted(os.listdir(tmp_path / "r")) == ["5"]
+
+
+def test_a_committed_step_is_never_replaced_by_a_save_as_under_jax(tmp_path):
+  # issue 55 item 2: a relaunch that forgot to resume replaced step 5 (ones became twos)
+  # and then step 3; ctl.checkpointer refused both. One rule whatever the framework.
+  p, records = launch(tmp_path, "relaunch", hosts=2)
+  assert p.returncode == 0, p.stdout + p.stderr
+  done = [r for r in records if "refused" in r]
+  assert len(done) == 2, records
+  for r in done:  # every rank refuses, with the error ctl.checkpointer raises
+    for step, latest in (("5", 5), ("3", 5)):
+      assert r["refused"][step] is not None, records
+      assert r["refused"][step].startswith(
+          f"InvalidArgumentError: step {step} is already saved in {tmp_path} "
+          "(committed steps: [3, 5]); a save never replaces a committed step: to resume, "
+          f"restore the latest (latest_step() is {latest})"), records
+    assert (r["lower"], r["steps"], r["restored5"]) == (4, [3, 4, 5], True), records
+  # The steps on disk are the first saves', read by stock DCP alone.
+  for step in (3, 5):
+    for rank in (0, 1):
+      target = zeros_like(state(rank, 2, step))
+      dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / str(step))),
+               no_dist=True)
+      assert same(target, state(rank, 2, step)), (step, rank)
+  assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]

@@ -66,11 +66,11 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
     baseline = used(server)
     t0 = time.monotonic()
     with pytest.raises(errors.DeadlineExceededError, match="within its timeout of 0.2 s"):
-      ctl.call("full", args=(1 << 20, 1, 0.6), timeout=0.2)
-    assert time.monotonic() - t0 < 0.5  # not the function's 0.6 s
+      ctl.call("full", args=(1 << 20, 1, 3.0), timeout=0.2)
+    assert time.monotonic() - t0 < 2.0  # well before the function's 3 s (0.6 s was noise)
     assert ctl.call("add", args=(1,)) == [1]  # on another lane, meanwhile
     # The late result came to the reader the call left behind, which let it go.
-    assert eventually(lambda: used(server) == baseline)
+    assert eventually(lambda: used(server) == baseline, timeout=15)
     assert eventually(lambda: ctl._sidecars.conns[0].calls.enter(0.0))
     ctl._sidecars.conns[0].calls.exit()
     # A timeout that passes before the wait begins is a timeout too, not a lost host.
@@ -206,8 +206,8 @@ def test_calls_left_at_their_timeout_give_their_slot_back_at_once(make_server, h
       # Each was sent (none timed out waiting for a slot), and each runs on.
       assert eventually(lambda: sidecar_fns.waiting(gate) == 9), sidecar_fns.waiting(gate)
       t0 = time.monotonic()
-      assert ctl.call("add", args=(1,), timeout=3) == [1]
-      assert time.monotonic() - t0 < 1.5  # not the 3 s of its timeout
+      assert ctl.call("add", args=(1,), timeout=30) == [1]
+      assert time.monotonic() - t0 < 15  # not the 30 s of its timeout
       sidecar_fns.open_gate(gate)
       assert eventually(lambda: sidecar_fns.waiting(gate) == 0)
   finally:

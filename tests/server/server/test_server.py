@@ -483,7 +483,8 @@ def test_stream_over_grpc_without_a_worker(make_server):
 @pytest.mark.parametrize("attach", [True, False], ids=["unix-socket", "grpc"])
 def test_a_stream_timeout_bounds_each_wait_and_keeps_the_stream_open(make_server, attach):
   with controller(make_server(), attach=attach) as ctl:
-    with ctl.stream("slow_count", args=(2, 0.2), timeout=0.05) as s:
+    # An item every 0.5 s, 10 timeouts: the first wait times out however late it wakes.
+    with ctl.stream("slow_count", args=(2, 0.5), timeout=0.05) as s:
       got, timeouts = [], 0
       while len(got) < 2 and timeouts < 100:
         try:

@@ -91,3 +91,20 @@ def test_a_dcp_checkpointer_refuses_data_state_and_names_where_it_goes():
   with dcp(Recording(hosts=(0,))) as ckpt, pytest.raises(
       errors.InvalidArgumentError, match=r"keeps the data position in the state dict"):
     ckpt.save(1, {"w": torch.zeros(2)}, data_state={"epoch": 1})
+
+
+@PLUGS
+def test_every_framework_refuses_to_save_a_committed_step_and_saves_a_lower_new_one(make):
+  """issue 55 item 2: DCP's plug replaced a committed step, the key-value plug refused it."""
+  with make(Recording(hosts=(0,))) as ckpt:
+    for step in (3, 5):
+      ckpt.save(step, tree(make, float(step))).durable.result(30)
+    for step in (5, 3):
+      with pytest.raises(errors.InvalidArgumentError,
+                         match=rf"^step {step} is already saved in /ckpt/run \(committed steps: "
+                         r"\[3, 5\]\); a save never replaces a committed step: to resume, "
+                         r"restore the latest \(latest_step\(\) is 5\)"):
+        ckpt.save(step, tree(make, 6.0))
+    assert ckpt.save(4, tree(make, 4.0)).durable.result(30) == 4  # not committed: saved
+    assert ckpt.all_steps() == [3, 4, 5]
+    assert float(ckpt.restore(5, tree(make, 0.0))["w"][0]) == 5.0

@@ -148,6 +148,11 @@ class Checkpointer:
     At most one save is in flight: with ``if_busy="wait"`` this waits for the
     previous one to be durable, with ``"skip"`` it returns a handle whose futures
     hold None and saves nothing; every process takes the same decision.
+
+    Raises:
+      InvalidArgumentError: ``step`` is committed already. A save never replaces a
+        committed step, whatever the framework; a step not saved yet, lower than the
+        latest, is saved.
     """
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -177,8 +182,12 @@ class Checkpointer:
         return done_handle(step, None)
       if previous is not None:  # busy may be another process's save
         interrupts.wait_done(previous.durable)
-    if step in self.all_steps() and not self._agreement.replaces_committed:
-      raise errors.InvalidArgumentError(f"step {step} is already saved in {self.directory}")
+    if step in (steps := self.all_steps()):  # whatever the framework: never replaced
+      raise errors.InvalidArgumentError(
+          f"step {step} is already saved in {self.directory} (committed steps: {steps}); a "
+          "save never replaces a committed step: to resume, restore the latest "
+          f"(latest_step() is {steps[-1]}) and save the steps after it, or save this run "
+          "in a new directory")
     handle = self.save_to(self._agreement.target(self.directory, step), tree,
                           data_state=data_state)
     self._in_flight = handle

@@ -41,10 +41,6 @@ from sidecar._src.core import interrupts
 class Agreement(abc.ABC):
   """Who drives a step's phases on the sidecars, and how the processes agree (see the module)."""
 
-  # Whether a save of a step committed already replaces it (DCP's, as its
-  # FileSystemWriter does), or is refused (stock Orbax's layout, as its manager does).
-  replaces_committed: bool = False
-
   @abc.abstractmethod
   def target(self, directory: str, step: int) -> Target:
     """Where step ``step`` of ``directory`` goes, in the layout of the format it saves."""

@@ -136,6 +136,10 @@ def test_bad_input(cluster, tmp_path):
       ckpt.wait()  # durable, then the steps max_to_keep drops are deleted
       assert ckpt.all_steps() == [2, 3]
       assert sorted(os.listdir(tmp_path / "ck")) == ["2", "3"]
+      with pytest.raises(sidecar.InvalidArgumentError,  # as sidecar.torch's (issue 55)
+                         match=r"step 3 is already saved in .*; a save never replaces a "
+                         r"committed step: to resume, restore the latest \(latest_step\(\) is 3\)"):
+        ckpt.save(3, state)
       with pytest.raises(sidecar.InvalidArgumentError, match=r"step 9 does not exist.*\[2, 3\]"):
         ckpt.restore(9, target=abstract(state))
       wrong = abstract(state)

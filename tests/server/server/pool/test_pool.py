@@ -77,7 +77,9 @@ def test_one_tenants_handshake_flood_is_its_own_and_another_joins_at_once(pool_s
     stop.set()
     thread.join(10)
     channel.close()
-  assert joined < 1.0, f"bob took {joined:.2f} s to join during alice's flood"
+  # Generous (a join takes ~0.1 s; 1.0 failed on a loaded machine): a join queued
+  # behind the flood would wait out its handshake's 10 s.
+  assert joined < 5.0, f"bob took {joined:.2f} s to join during alice's flood"
   assert made == ["alice"] * 8
   e = refused[-1]
   assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -168,15 +170,13 @@ def test_a_reload_revokes_a_removed_tenant_and_keeps_the_others(pool_server, tmp
                      match=f"tenant 'bob' was removed from the pool file {path}"):
     bob.call("add", args=(1,))
   t0 = time.monotonic()
-  while not worker.hung_up() and time.monotonic() - t0 < 1.0:
-    time.sleep(0.01)
-  assert worker.hung_up(), "the revoked tenant's worker still attached after 1 s"
+  assert eventually(worker.hung_up, timeout=10), "the revoked tenant's worker still attached"
   with pytest.raises(sidecar.AuthenticationError,
                      match=f"tenant 'bob' was removed from the pool file {path}; its stream "
                      "was ended"):
-    for _ in range(100):  # the items made before the reload, then the end
+    for _ in range(100):  # the items made before the reload, then the end (not 1000)
       next(stream)
-  assert time.monotonic() - t0 < 1.0
+  assert time.monotonic() - t0 < 9  # not the 10 s of the whole stream
   assert next(theirs) == 1  # alice's runs on
   theirs.close()
   stream.close()

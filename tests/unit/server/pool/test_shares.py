@@ -119,6 +119,14 @@ def test_a_feed_past_its_share_collects_its_own_batches_in_order(others):
   assert shares.busy("hog") == 0
 
 
+def queued(bandwidth, n: int) -> None:
+  """Waits until ``n`` tenants wait for a turn (a thread started is not one queued yet)."""
+  deadline = time.monotonic() + 30
+  while len(bandwidth._waiting) < n:
+    assert time.monotonic() < deadline, bandwidth._waiting
+    time.sleep(0.001)
+
+
 class Clock:
   def __init__(self):
     self.now = 0.0
@@ -137,12 +145,11 @@ def test_the_storage_goes_to_the_tenant_that_wrote_least_lately_for_its_weight()
   assert bandwidth.lately("hog") == 8 << 20 and bandwidth.lately("light") == 1 << 19
   clock.now = 2.0  # two half-lives on: a quarter counts
   assert bandwidth.lately("hog") == 2 << 20
-  order, started = [], []
+  order = []
   holder = bandwidth.turn("hog", 1)
   holder.__enter__()  # the one turn is taken: the others wait
 
   def ask(tenant, n):
-    started.append(tenant)
     with bandwidth.turn(tenant, n):
       order.append(tenant)
 
@@ -150,9 +157,7 @@ def test_the_storage_goes_to_the_tenant_that_wrote_least_lately_for_its_weight()
   for tenant, n in (("hog", 1 << 20), ("hog", 1 << 20), ("light", 1 << 20), ("new", 64 << 20)):
     waiters.append(threading.Thread(target=ask, args=(tenant, n)))
     waiters[-1].start()
-    while len(started) < len(waiters):
-      time.sleep(0.001)
-  time.sleep(0.1)
+    queued(bandwidth, len(waiters))  # in this order (0.1 s of sleep raced the last one)
   assert order == []
   holder.__exit__(None, None, None)
   for w in waiters:
@@ -165,7 +170,8 @@ def test_a_light_tenants_next_piece_finds_its_turn_kept():
   """A light tenant writing a file piece after piece keeps its turn between pieces: a heavy
   tenant waiting meanwhile goes once the light one's file is done (or the kept turn
   lapses), not between its pieces."""
-  bandwidth = shares_lib.Bandwidth(1, anticipate_s=0.5)
+  clock = Clock()  # the kept turn lapses when the test says, not when the machine is slow
+  bandwidth = shares_lib.Bandwidth(1, anticipate_s=0.5, clock=clock)
   with bandwidth.turn("hog", 64 << 20):
     pass
   order = []
@@ -174,11 +180,12 @@ def test_a_light_tenants_next_piece_finds_its_turn_kept():
   hog = threading.Thread(target=lambda: bandwidth.turn("hog", 1).__enter__() or
                          order.append("hog"))
   hog.start()
-  time.sleep(0.05)
+  queued(bandwidth, 1)  # the hog waits for the light tenant's turn
   first.__exit__(None, None, None)
-  time.sleep(0.05)  # the light tenant asks again, well within anticipate_s
+  clock.now += 0.25  # the light tenant asks again, within anticipate_s
   with bandwidth.turn("light", 1 << 20):
     order.append("light")
+  clock.now += 1.0  # its file done: the turn kept for it lapses, the hog goes
   hog.join(5)
   assert order == ["light", "hog"]
 
