@@ -462,7 +462,18 @@ class Server:
         replica_steps=usage["replica_steps"], replica_bytes=usage["replica_bytes"],
         writing_steps=usage["writing_steps"], writing_bytes=usage["writing_bytes"],
         tenants=tuple(metrics_lib.TenantFigures.from_status(t)
-                      for t in self.service.tenant_status()))
+                      for t in self.service.tenant_status()),
+        goodput=self._goodput_figures())
+
+  def _goodput_figures(self) -> metrics_lib.GoodputFigures | None:
+    """The job's goodput ledger, accounted, for a scrape (None: none is bound here)."""
+    found = self.ledgers.figures()
+    if found is None:
+      return None
+    ledger = found[1]
+    return metrics_lib.GoodputFigures(
+        wall_s=ledger.wall_s, productive_s=ledger.productive_s, goodput=ledger.goodput,
+        badput_s=tuple(ledger.badput_s.items()), restarts=ledger.restarts)
 
   def _listen_unix(self, path: str) -> None:
     """Binds the gRPC server to the Unix socket ``path``: its directory made if missing,
