@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 import sidecar

@@ -3,9 +3,9 @@
 ``python -m tests.support.goodput_train ADDRESS CKPT_DIR STEPS STEP_S [--hang-after K]``:
 a JAX Controller of the sidecar at ADDRESS; restores the latest step of CKPT_DIR if
 there is one, then takes one batch per step (each step sleeps STEP_S: its "compute"),
-saves every SAVE_EVERY steps (each waited for until durable), and prints ``RESULT {...}`` lines (JSON). With
-``--hang-after K`` it stops stepping once step K is done (saved or not) and waits to
-be killed, having said so (``{"kind": "hanging"}``).
+saves every SAVE_EVERY steps (each waited for until durable), and prints
+``RESULT {...}`` lines (JSON). With ``--hang-after K`` it stops stepping once step K
+is done (saved or not) and waits to be killed, having said so (``{"kind": "hanging"}``).
 """
 
 import json
