@@ -418,6 +418,34 @@ class Worker:
         return False
       time.sleep(RECLAIM_POLL_S)
 
+  # ---- the goodput ledger ------------------------------------------------
+
+  def send_ledger(self, message: dict[str, Any], *, reply: bool, wait: bool) -> bool:
+    """Sends a message of the goodput ledger (``controller/goodput.py``) on this session.
+
+    With ``reply`` it is a request (the sidecar's error raised); else a frame with no
+    answer, sent only if the socket is free now (``wait``: within a second), so a
+    trainer's step never waits behind another thread's request. Returns whether it went.
+    """
+    if reply:
+      self._request(dict(message, reply=True))
+      return True
+    if not self._lock.acquire(blocking=wait, timeout=1.0 if wait else -1):
+      return False
+    try:
+      if self.state is not State.ATTACHED or self._lost is not None:
+        return False
+      ipc.send(self._sock, message)
+      return True
+    except TimeoutError:  # as a free's: a part of the frame may be in the socket
+      self._lost = (f"the sidecar of host {self.host_id} at {self.path} took no message "
+                    f"for {self.timeout:.3g} s; it counts as lost (hung or stopped?)")
+      return False
+    except OSError:
+      return False  # gone: its end of the session writes the death
+    finally:
+      self._lock.release()
+
   # ---- streams -----------------------------------------------------------
 
   def check_usable(self) -> None:

@@ -25,6 +25,7 @@ from sidecar._src.controller import (
   discovery,
   display,
   feed as feed_lib,
+  goodput as goodput_lib,
   health,
 )
 from sidecar._src.controller.calls import Calls
@@ -121,11 +122,22 @@ class Controller:
     self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
+    self._goodput: goodput_lib.Recorder | None = None
     try:
       self._sidecars.open(addresses, timeout=connect_timeout, workers=workers or {})
     except BaseException:
       self.close()
       raise
+    self._goodput = self._goodput_recorder()
+
+  def _goodput_recorder(self) -> goodput_lib.Recorder | None:
+    """The job's goodput recorder (controller/goodput.py): process 0's, sending to the
+    first sidecar it maps; None elsewhere (other processes, or no arena mapped here)."""
+    if self._peers.index != 0:
+      return None
+    worker = next((w for h in self.local_hosts if (w := self._sidecars.workers.get(h))
+                   is not None), None)
+    return None if worker is None else goodput_lib.Recorder(worker)
 
   @staticmethod
   def _default_framework() -> Framework:
@@ -367,7 +379,8 @@ class Controller:
             host_id, request, prefetch=options.prefetch, timeout=None, held=[]),
         session=lambda host_id: getattr(self._sidecars.workers.get(host_id), "session", ""),
         arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
-                           for s in self.status()})
+                           for s in self.status()},
+        on_batch=None if self._goodput is None else self._goodput.batch)
     self._children.add(feed)
     return feed
 
@@ -450,7 +463,8 @@ class Controller:
         local=tuple(self.local_hosts), device_hosts=dict(self._sidecars.device_hosts),
         records=self._sidecars.sidecar_records(),
         mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
-        writers=dict(self._sidecars.writers), warned=self._replica_warnings)
+        writers=dict(self._sidecars.writers), warned=self._replica_warnings,
+        goodput=self._goodput)
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
@@ -525,6 +539,8 @@ class Controller:
     self.cancel()
     for child in list(self._children):
       child.close()  # the checkpointers: each waits for its save in flight
+    if self._goodput is not None:  # a clean end: the sidecar records no death
+      self._goodput.finish()
     self.state = State.CLOSED
     self._sidecars.close()  # the workers it made, then the channels
     self._calls.close()  # its caller threads: their calls ended with the channels
@@ -532,5 +548,7 @@ class Controller:
   def __enter__(self) -> Self:
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    if exc_type is not None and self._goodput is not None:
+      self._goodput.abandon()  # it failed: its ledger records a death, not a finish
     self.close()

@@ -124,8 +124,12 @@ class Feed:
                open_stream: Callable[[int, pb.FeedSpec], Any],
                arena_use: Callable[[], dict[int, float]] = dict,
                local_hosts: Sequence[int] | None = None, peers: Peers | None = None,
-               key: str = "feed", device_prefetch: int | None = None):
+               key: str = "feed", device_prefetch: int | None = None,
+               on_batch: Callable[[float, float], None] | None = None):
     self.name = name
+    # Told of each batch taken: how long next() blocked, and perf_counter() at its end
+    # (the goodput recorder's data wait and steps: controller/goodput.py).
+    self._on_batch = on_batch
     self._arena_use = arena_use
     self._layout = layout
     plans = list(layout.hosts)
@@ -172,7 +176,13 @@ class Feed:
   def __next__(self) -> Any:
     # Ctrl-C raises only while no host's item is half taken, or after the batch was made,
     # which the next call then returns (``interrupts.Kept``).
-    return self._kept.take(self._next)
+    if self._on_batch is None:
+      return self._kept.take(self._next)
+    t0 = time.perf_counter()
+    batch = self._kept.take(self._next)
+    t1 = time.perf_counter()
+    self._on_batch(t1 - t0, t1)
+    return batch
 
   def _next(self) -> Any:
     if self.status is State.CLOSED:
@@ -438,7 +448,8 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
                    state: dict[str, Any] | None, options: options_lib.FeedOptions,
                    peers: Peers, open_call: Callable[[int, pb.CallRequest], Any],
                    session: Callable[[int], str], local_hosts: Sequence[int],
-                   arena_use: Callable[[], dict[int, float]]) -> Feed:
+                   arena_use: Callable[[], dict[int, float]],
+                   on_batch: Callable[[float, float], None] | None = None) -> Feed:
   """Feed ``number`` of a controller, of registered pipeline ``name``, once every process
   of the job agrees on its arguments: each of ``local_hosts`` streams its rows,
   ``open_call(host_id, request)`` opening the stream with that host's worker
@@ -459,7 +470,8 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
   return Feed(name=name, layout=layout, seed=seed, num_epochs=num_epochs,
               prefetch=options.prefetch, state=state, workers=options.workers,
               open_stream=open_stream, local_hosts=local_hosts, peers=peers, key=key,
-              arena_use=arena_use, device_prefetch=options.device_prefetch)
+              arena_use=arena_use, device_prefetch=options.device_prefetch,
+              on_batch=on_batch)
 
 
 def length(name: str, *, global_batch_size: int, kwargs: Mapping[str, Any], seed: int,

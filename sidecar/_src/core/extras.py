@@ -12,6 +12,7 @@ from __future__ import annotations
 EXTRA_OF = {
     "jax": "jax", "jaxlib": "jax", "grain": "jax", "orbax": "jax", "tensorstore": "jax",
     "torch": "torch",
+    "matplotlib": "bench",  # sidecar goodput --plot (the lm extra brings it too)
 }
 
 

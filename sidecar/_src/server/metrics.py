@@ -130,6 +130,17 @@ class FeedTotals:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GoodputFigures:
+  """The goodput ledger last bound on this sidecar (the job's), accounted
+  (``core/goodput.account``)."""
+  wall_s: float
+  productive_s: float
+  goodput: float
+  badput_s: tuple[tuple[str, float], ...]  # (category, seconds)
+  restarts: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Snapshot:
   """What the server reads for a scrape; every field is a plain number or tuple."""
   host_id: int
@@ -149,6 +160,7 @@ class Snapshot:
   writing_steps: int
   writing_bytes: int  # staged, not yet written
   tenants: tuple[TenantFigures, ...] = ()  # with a pool file: every tenant's
+  goodput: GoodputFigures | None = None  # once a trainer's ledger is bound here
 
 
 class Metrics(Recorder):
@@ -411,6 +423,28 @@ class _Collector(Collector):
                 s.writing_steps)
     yield gauge("sidecar_checkpoint_writing_bytes", "Staged bytes not yet written to "
                 "storage", s.writing_bytes)
+    if (g := s.goodput) is not None:
+      yield from _goodput_families(g)
+
+
+def _goodput_families(g: GoodputFigures) -> Iterable:
+  """The job's goodput ledger (docs/goodput.md): its share, and its time split."""
+  for name, doc, value in (
+      ("sidecar_goodput_ratio", "The job's goodput: productive seconds over wall seconds",
+       g.goodput),
+      ("sidecar_goodput_wall_seconds", "The job's wall-clock seconds in its ledger", g.wall_s),
+      ("sidecar_goodput_productive_seconds", "Seconds of the job's steps that counted",
+       g.productive_s),
+      ("sidecar_goodput_restarts", "Trainer deaths followed by a new trainer process",
+       g.restarts)):
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    yield family
+  badput = GaugeMetricFamily("sidecar_goodput_badput_seconds", "Seconds of the job's wall "
+                             "time lost, by category", labels=["category"])
+  for category, seconds in g.badput_s:
+    badput.add_metric([category], seconds)
+  yield badput
 
 
 

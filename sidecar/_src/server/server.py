@@ -23,6 +23,7 @@ from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
   arenas as arenas_lib,
   client_ids,
+  goodput as goodput_lib,
   metrics as metrics_lib,
   preflight,
   sockets,
@@ -280,11 +281,19 @@ class Server:
     self.inline = inline = InlineBytes(tenancy=self.tenancy)
     calls = UnaryCalls(self.runner, CallSlots(o.threads, tenancy=self.tenancy,
                                               tenant_of=tenant_of), inline)
+    def ledger_directory(directory: str, tenant: str | None) -> str:
+      # The goodput ledger's directory: checked as a checkpoint call's (core/goodput.py).
+      resolved = self.checkpoints.resolve(directory, "directory")
+      if named:
+        self.checkpoints.check_client(tenant or "", directory, "directory")
+      return resolved
+    self.ledgers = goodput_lib.Ledgers(ledger_directory)
     self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
                                   max_connections=o.max_worker_connections,
-                                  on_dead=self._listener_dead, tenancy=self.tenancy)
+                                  on_dead=self._listener_dead, tenancy=self.tenancy,
+                                  ledgers=self.ledgers)
     # The tokens a client may present: the shared one, one per client, or the pool's.
     self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.replica_token)
     tokens = tokens_holder.table
@@ -453,7 +462,18 @@ class Server:
         replica_steps=usage["replica_steps"], replica_bytes=usage["replica_bytes"],
         writing_steps=usage["writing_steps"], writing_bytes=usage["writing_bytes"],
         tenants=tuple(metrics_lib.TenantFigures.from_status(t)
-                      for t in self.service.tenant_status()))
+                      for t in self.service.tenant_status()),
+        goodput=self._goodput_figures())
+
+  def _goodput_figures(self) -> metrics_lib.GoodputFigures | None:
+    """The job's goodput ledger, accounted, for a scrape (None: none is bound here)."""
+    found = self.ledgers.figures()
+    if found is None:
+      return None
+    ledger = found[1]
+    return metrics_lib.GoodputFigures(
+        wall_s=ledger.wall_s, productive_s=ledger.productive_s, goodput=ledger.goodput,
+        badput_s=tuple(ledger.badput_s.items()), restarts=ledger.restarts)
 
   def _listen_unix(self, path: str) -> None:
     """Binds the gRPC server to the Unix socket ``path``: its directory made if missing,
@@ -571,6 +591,8 @@ class Server:
         thread.join(grace + 1)
     if getattr(self, "departures", None) is not None:
       self.departures.close()
+    if getattr(self, "ledgers", None) is not None:
+      self.ledgers.close()  # sessions ended by the stop did not die
     if getattr(self, "workers", None) is not None:
       self.workers.close()
     if getattr(self, "checkpoints", None) is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import arenas as arenas_lib, sockets
+from sidecar._src.server import arenas as arenas_lib, goodput as goodput_lib, sockets
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.pool import admission, tenants as tenants_lib
 from sidecar._src.server.pool.credits import SocketCredits
@@ -62,8 +62,10 @@ class WorkerListener:
                hello: Callable[[dict[str, Any]], dict[str, Any]], streams: StreamRunner, *,
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
-                   lambda e: None), tenancy: tenants_lib.Tenancy | None = None):
+                   lambda e: None), tenancy: tenants_lib.Tenancy | None = None,
+               ledgers: goodput_lib.Ledgers | None = None):
     self.path = path
+    self._ledgers = ledgers  # the goodput ledgers its sessions write (None: refused)
     self._replica_sessions: set[str] = set()  # peer sidecars' replica links (ReplicaAttach)
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
@@ -232,6 +234,8 @@ class WorkerListener:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
           self._replica_sessions.discard(session)
+        if self._ledgers is not None:  # a recording trainer gone without a finish died
+          self._ledgers.ended(session)
         freed = self._leases.release_all(session)
         self._arenas.unbind(session)
         self._tenancy.drop_worker(session)
@@ -417,6 +421,9 @@ class WorkerListener:
     if op == "free":
       self._free(session, _blocks(message.get("blocks", [])))
       return
+    if op == "goodput":
+      self._goodput(conn, session, message)
+      return
     if op == "alloc":
       try:
         timeout = _alloc_timeout(message.get("timeout"), self._leases.queued(session))
@@ -441,6 +448,27 @@ class WorkerListener:
       return
     ipc.send(conn, {"error": protocol.error_dict(
         errors.InvalidArgumentError(f"unknown op {op!r}"))})
+
+  def _goodput(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
+    """A frame of the goodput ledger (``server/goodput.py``): answered where it asks
+    (``reply``, the first, which binds the directory), else an error is only logged:
+    the trainer's step never waits for it."""
+    reply = message.get("reply") is True
+    error: errors.SidecarError | None = None
+    try:
+      self._check_not_replica_link(session, "goodput")
+      if self._ledgers is None:
+        raise errors.InvalidArgumentError("this sidecar keeps no goodput ledger")
+      self._ledgers.record(session, message, tenant=self._tenancy.of_worker(session))
+    except errors.SidecarError as e:
+      error = e
+    except OSError as e:
+      error = errors.CheckpointWriteError(f"goodput: cannot write the ledger: {e}",
+                                          errno=e.errno, path=e.filename)
+    if error is not None and not reply:
+      log.warning("worker %s: %s", session, error, extra={"session": session})
+    if reply:
+      ipc.send(conn, {"ok": True} if error is None else {"error": protocol.error_dict(error)})
 
   def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
              alive: Callable[[], bool] | None = None,

@@ -17,6 +17,7 @@ from sidecar._src.core import env as env_lib, errors, logs, options as options_l
 from sidecar._src.tools import (
   cli_format,
   cli_types,
+  goodput_cli,
   launch,
   pool_status,
   ram_tier_cli,
@@ -337,6 +338,7 @@ def parser() -> argparse.ArgumentParser:
   s.set_defaults(func=_status, parser=s)
   pool_status.register(sub)  # sidecar pool status: a shared pool's tenants (docs/pool.md)
   ram_tier_cli.register(sub)  # sidecar ram-tier drop: free RAM-tier copies now
+  goodput_cli.register(sub)  # sidecar goodput CKPT_DIR: the job's time ledger
 
   s = add("demo", help="train a small model fed by a LocalCluster of sidecars",
           description="Train a small classifier on the digits data set, fed and checkpointed "

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +114,9 @@ class Checkpointer:
     self._saving_lock = threading.Lock()
     self._enders: list[threading.Thread] = []  # each ends a save (durable, replicated)
     self._closed = False
+    self._goodput = site.goodput  # told how long save() and restore() block
+    if self._goodput is not None:  # the first checkpointer's directory is the job's
+      self._goodput.bind(self.directory)
 
   @classmethod
   def key_value(cls, directory: str | os.PathLike, *, site: SidecarsSnapshot,
@@ -163,11 +167,17 @@ class Checkpointer:
             f"step {step} is being saved already (another save({step}) of this checkpointer "
             "runs now); save each step once, from one thread")
       self._saving.add(step)
+    t0 = time.perf_counter()
     try:
-      return self._save(step, tree, data_state)
+      handle = self._save(step, tree, data_state)
     finally:
       with self._saving_lock:
         self._saving.discard(step)
+    if self._goodput is not None:
+      skipped = handle.staged.done() and handle.staged.exception() is None \
+          and handle.staged.result() is None
+      self._goodput.saved(None if skipped else step, time.perf_counter() - t0)
+    return handle
 
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:
     previous = self._in_flight
@@ -269,6 +279,7 @@ class Checkpointer:
     if target is None:
       raise errors.InvalidArgumentError("restore needs a target: the tree (or state dict) "
                                         "to restore onto")
+    t0 = time.perf_counter()
     step = self._pick(step)
     if self._peers.count > 1:  # process 0 decides which step; every process restores it
       self._restores += 1
@@ -278,6 +289,8 @@ class Checkpointer:
       tree = self._agreement.restore(step, target, progress=report)
     if (stats := self.last_restore_stats()) is not None:
       log.info("%s of %s", stats.summary(), self.directory)
+    if self._goodput is not None:
+      self._goodput.restored(step, time.perf_counter() - t0)
     return tree
 
   def last_restore_stats(self) -> RestoreStats | None:
@@ -389,8 +402,11 @@ class Checkpointer:
     deleting old steps), then closes; idempotent."""
     if self._closed:
       return
+    t0 = time.perf_counter()
     try:
       self._join()
+      if self._goodput is not None:  # the trainer waits here for the saves to end
+        self._goodput.checkpoint_wait(time.perf_counter() - t0)
     finally:
       self._closed = True
       self._client.close()  # its busy retries, if any

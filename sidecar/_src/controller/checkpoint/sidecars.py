@@ -15,6 +15,7 @@ from typing import Any
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.target import replica_hosts
+from sidecar._src.controller.goodput import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class SidecarsSnapshot:
     writers: the processes that stage into each host, where several share one.
     warned: the controller's ``(replicas asked, hosts)`` already warned of (a PyTorch
       writer is made for each save: its warning once, not at every save).
+    goodput: the controller's goodput recorder (process 0's), told of each save and
+      restore; the first checkpointer binds it to its directory. None: none records.
   """
   client: CheckpointTransport
   hosts: tuple[int, ...]
@@ -41,6 +44,7 @@ class SidecarsSnapshot:
   mapped: frozenset[int]
   writers: Mapping[int, Sequence[int]]
   warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+  goodput: Recorder | None = None
 
   def replicas(self, wanted: int) -> int:
     """``wanted`` replicas, or as many as there are other hosts (with a warning): an

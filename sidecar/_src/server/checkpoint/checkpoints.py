@@ -227,6 +227,10 @@ class Checkpoints:
     with self._opened_lock:
       return set(self._opened.get(client, ()))
 
+  def resolve(self, path: str, name: str) -> str:
+    """``path`` resolved, if it lies under a checkpoint root (``roots.Roots.resolve``)."""
+    return self._path(path, name)
+
   def check_client(self, client: str, path: str, name: str) -> None:
     """PermissionDeniedError unless ``path`` lies in a directory ``client`` opened."""
     resolved = self._path(path, name)

@@ -1,0 +1,341 @@
+"""A job's time ledger: the events that make it, its file, and the accounting.
+
+Goodput is the share of a job's wall-clock time spent on steps that count. The trainer
+process that records (process 0) counts its own time as it goes (``controller/goodput.py``:
+data wait, checkpoint, restore, batches taken), and its host's sidecar, which outlives it,
+appends what it sends to :data:`FILE` in the job's checkpoint directory, and a ``died``
+event when the process's worker session ends without a ``finish``
+(``server/goodput.py``). :func:`account` turns the events into the ledger.
+
+Every event is one JSON object, one line of the file::
+
+  {"kind": "save", "life": "4242@1700000000.12", "t": 1700000012.5, "step": 10,
+   "batches": 11, "data_s": 0.4, "ckpt_s": 0.1, "restore_s": 0.0}
+
+- ``life``: the process life it belongs to (``pid@start``); ``t``: when (Unix seconds).
+- The counters (``batches``, ``data_s``, ``ckpt_s``, ``restore_s``) are cumulative over
+  the life, so a lost or late event loses nothing but its own time stamp.
+- ``kind``: ``start`` (``start``: when the process began, from ``/proc``), ``first_step``
+  (the first step is done: the second batch taken, or the first save), ``restore``
+  (``step``: the step it resumed from), ``save`` (``step``, when ``save()`` returned),
+  ``mark`` (the counters now), ``finish`` (``Controller.close()``), ``died`` (written by
+  the sidecar: the worker session ended without a finish).
+
+The accounting, for each life in order (its span: its start .. its end, a died or finish
+event, else its last event):
+
+- ``startup``: start .. first step done, less the data wait, checkpoint and restore in it;
+- ``data_wait``, ``checkpoint``, ``restore``: the counters, whole;
+- step time: the rest of the span. For a life that died, what the next life threw away
+  is ``redone``: the step time after its ``save`` of the step the next life resumed from
+  (all its step time if it saved no such step: the next life restored an older one, or
+  started from scratch); the last life of a job that ended in a death counts the step
+  time after its last save as redone. The rest of the step time is ``productive``;
+- ``restart_gap``: a death (or a life's last event, where its end was never seen) .. the
+  next life's start; ``restarts`` counts them;
+- wall: the first start .. the last life's end, less the time between a clean finish and
+  a later run's start (nothing ran). The categories add up to it exactly (a next life
+  that seems to start before the previous one ended is clipped to that end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+FILE = "goodput.jsonl"  # in the job's checkpoint directory (the first checkpointer's)
+KINDS = ("start", "first_step", "restore", "save", "mark", "finish", "died")
+CATEGORIES = ("startup", "data_wait", "checkpoint", "restore", "redone", "restart_gap")
+COUNTERS = ("batches", "data_s", "ckpt_s", "restore_s")
+MAX_LINE = 4096  # bytes of one event's JSON: bigger ones are refused
+MAX_LIFE = 200  # characters of a life's name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counters:
+  """What a life counted since it began: batches taken and seconds blocked."""
+  batches: int = 0
+  data_s: float = 0.0
+  ckpt_s: float = 0.0
+  restore_s: float = 0.0
+
+  @property
+  def blocked_s(self) -> float:
+    """Seconds counted in the three blocked categories."""
+    return self.data_s + self.ckpt_s + self.restore_s
+
+  def minus(self, other: Counters) -> Counters:
+    return Counters(self.batches - other.batches, self.data_s - other.data_s,
+                    self.ckpt_s - other.ckpt_s, self.restore_s - other.restore_s)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+  """One line of the ledger; see the module docstring for its kinds."""
+  kind: str
+  life: str
+  t: float
+  counters: Counters | None = None  # None: a died event (the sidecar knows no counters)
+  step: int | None = None  # restore, save
+  start: float | None = None  # start: when the process began
+  pid: int | None = None  # start
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"event kind must be one of {', '.join(KINDS)}, got {self.kind!r:.50}")
+    if not isinstance(self.life, str) or not 0 < len(self.life) <= MAX_LIFE:
+      raise ValueError(f"an event's life must be a name of 1 to {MAX_LIFE} characters, got "
+                       f"{self.life!r:.80}")
+    for name in ("t", "start"):
+      value = getattr(self, name)
+      if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        raise ValueError(f"an event's {name} must be finite seconds, got {value!r:.50}")
+    for name in ("step", "pid"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                or value < 0):
+        raise ValueError(f"an event's {name} must be an int >= 0, got {value!r:.50}")
+    if self.kind == "start" and self.start is None:
+      raise ValueError("a start event needs the process's start time")
+
+  def to_dict(self) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": self.kind, "life": self.life, "t": self.t}
+    if self.counters is not None:
+      out.update(dataclasses.asdict(self.counters))
+    for name in ("step", "start", "pid"):
+      if (value := getattr(self, name)) is not None:
+        out[name] = value
+    return out
+
+  @classmethod
+  def from_dict(cls, d: Any) -> Event:
+    """The event ``d`` holds (a dict read from JSON).
+
+    Raises:
+      ValueError: ``d`` is no event (a field missing, of the wrong type or out of range).
+    """
+    if not isinstance(d, dict):
+      raise ValueError(f"an event is a JSON object, got {d!r:.80}")
+    counters = None
+    if any(k in d for k in COUNTERS):
+      values = [d.get(k, 0) for k in COUNTERS]
+      if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                 and v >= 0 for v in values):
+        raise ValueError(f"an event's counters must be numbers >= 0, got {values!r:.100}")
+      counters = Counters(int(values[0]), *map(float, values[1:]))
+    try:
+      return cls(kind=d.get("kind"), life=d.get("life"), t=d.get("t"), counters=counters,
+                 step=d.get("step"), start=d.get("start"), pid=d.get("pid"))
+    except TypeError as e:
+      raise ValueError(f"malformed event {d!r:.100}: {e}") from None
+
+  def line(self) -> bytes:
+    """This event as one line of the file."""
+    return json.dumps(self.to_dict(), separators=(",", ":")).encode() + b"\n"
+
+
+def path_in(directory: str) -> str:
+  """The ledger's file in the checkpoint directory ``directory``."""
+  return os.path.join(directory, FILE)
+
+
+def read(directory: str) -> list[Event]:
+  """The events of the ledger in ``directory`` (a line that is no event is skipped:
+  the last one may be half written by a sidecar that died).
+
+  Raises:
+    FileNotFoundError: no ledger there.
+  """
+  events = []
+  with open(path_in(directory), "rb") as f:
+    for raw in f:
+      try:
+        events.append(Event.from_dict(json.loads(raw)))
+      except ValueError:
+        continue
+  return events
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Life:
+  """One trainer process's time, as :func:`account` split it (for the timeline)."""
+  life: str
+  start: float  # clipped to the previous life's end
+  first_step: float | None
+  end: float
+  ended: str  # "finish", "died" or "running" (its last event)
+  saves: tuple[tuple[float, int], ...]  # (when save() returned, step)
+  redone_from: float | None  # the step time after this is thrown away (None: none is)
+  seconds: dict[str, float]  # this life's share of each category, and "productive"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ledger:
+  """The job's time, split: ``productive_s`` and ``badput_s`` add up to ``wall_s``."""
+  wall_s: float
+  productive_s: float
+  badput_s: dict[str, float]
+  restarts: int
+  lives: tuple[Life, ...]
+
+  @property
+  def goodput(self) -> float:
+    return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+  def to_dict(self) -> dict[str, Any]:
+    """What ``sidecar goodput --json`` prints."""
+    return {"wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput,
+            "badput_s": dict(self.badput_s), "restarts": self.restarts}
+
+
+@dataclasses.dataclass
+class _Life:
+  name: str
+  start: float
+  events: list[Event] = dataclasses.field(default_factory=list)
+
+  def first(self, kind: str) -> Event | None:
+    return next((e for e in self.events if e.kind == kind), None)
+
+  def last_counters(self) -> Counters:
+    return next((e.counters for e in reversed(self.events) if e.counters is not None),
+                Counters())
+
+  def end(self) -> tuple[float, str]:
+    for e in self.events:
+      if e.kind in ("finish", "died"):
+        return e.t, e.kind
+    return max(e.t for e in self.events), "running"
+
+  def resumed_from(self) -> int | None:
+    restore = self.first("restore")
+    return None if restore is None else restore.step
+
+  def saves(self) -> list[Event]:
+    return [e for e in self.events if e.kind == "save"]
+
+
+def _lives(events: Iterable[Event]) -> list[_Life]:
+  """The events grouped by life, in the order the lives started; a life with no start
+  event (its start lost) starts at its first event."""
+  lives: dict[str, _Life] = {}
+  for e in events:
+    life = lives.get(e.life)
+    if life is None:
+      life = lives[e.life] = _Life(e.life, e.start if e.start is not None else e.t)
+    elif e.kind == "start" and e.start is not None:
+      life.start = e.start
+    life.events.append(e)
+  return sorted(lives.values(), key=lambda x: x.start)
+
+
+def _step_time(t0: float, c0: Counters, t1: float, c1: Counters) -> float:
+  """Seconds from ``t0`` to ``t1`` not blocked on data, a save or a restore."""
+  return max(0.0, (t1 - t0) - c1.minus(c0).blocked_s)
+
+
+def account(events: Iterable[Event]) -> Ledger:
+  """The ledger of ``events`` (in the order written); see the module docstring."""
+  lives = _lives(events)
+  totals = dict.fromkeys(CATEGORIES, 0.0)
+  productive, wall, restarts, out = 0.0, 0.0, 0, []
+  previous: Life | None = None
+  for i, life in enumerate(lives):
+    start = life.start if previous is None else max(life.start, previous.end)
+    end, ended = life.end()
+    end = max(end, start)
+    if previous is not None and previous.ended != "finish":
+      totals["restart_gap"] += start - previous.end
+      wall += start - previous.end
+      restarts += 1
+    wall += end - start
+    seconds = _split(life, start, end, ended, lives[i + 1] if i + 1 < len(lives) else None)
+    for k in CATEGORIES[:-1]:
+      totals[k] += seconds[k]
+    productive += seconds["productive"]
+    first = life.first("first_step")
+    redone_from = seconds.pop("_redone_from")
+    previous = Life(life.name, start, None if first is None else min(first.t, end), end, ended,
+                    tuple((e.t, e.step or 0) for e in life.saves()), redone_from, seconds)
+    out.append(previous)
+  return Ledger(wall, productive, totals, restarts, tuple(out))
+
+
+def _split(life: _Life, start: float, end: float, ended: str, after: _Life | None
+           ) -> dict[str, Any]:
+  """One life's span split into the categories (all but restart_gap) and productive."""
+  last = life.last_counters()
+  first = life.first("first_step")
+  seconds = {"data_wait": last.data_s, "checkpoint": last.ckpt_s, "restore": last.restore_s}
+  if first is None or first.t >= end:
+    seconds["startup"] = max(0.0, (end - start) - last.blocked_s)
+    step_s, first_t, first_c = 0.0, end, last
+  else:
+    first_t, first_c = max(first.t, start), first.counters or Counters()
+    seconds["startup"] = max(0.0, (first_t - start) - first_c.blocked_s)
+    step_s = _step_time(first_t, first_c, end, last)
+  # Rounding (counters measured apart from the time stamps): the span stays whole.
+  span = end - start
+  step_s = max(0.0, min(step_s, span - sum(seconds.values())))
+  seconds["startup"] = span - step_s - last.blocked_s
+  redone, redone_from = 0.0, None
+  if ended != "finish" and (ended == "died" or after is not None):
+    kept = _kept_save(life, after)
+    if kept is None:
+      redone, redone_from = step_s, first_t
+    elif kept.t < end:
+      kept_t = max(kept.t, first_t)
+      redone = min(step_s, _step_time(kept_t, kept.counters or first_c, end, last))
+      redone_from = kept_t
+  seconds["redone"] = redone
+  seconds["productive"] = step_s - redone
+  seconds["_redone_from"] = redone_from
+  return seconds
+
+
+def _kept_save(life: _Life, after: _Life | None) -> Event | None:
+  """The save of ``life`` whose step the next life resumed from (without a next life: its
+  last save, the step a restart would resume from); None where there is none."""
+  saves = life.saves()
+  if after is None:
+    return saves[-1] if saves else None
+  step = after.resumed_from()
+  if step is None:
+    return None
+  return next((e for e in reversed(saves) if e.step == step), None)
+
+
+def table(ledger: Ledger) -> str:
+  """The ledger as ``sidecar goodput`` prints it: category, seconds, share of wall time."""
+  wall = ledger.wall_s
+  share = lambda s: f"{100 * s / wall:6.2f}%" if wall > 0 else "      -"
+  rows = [("productive", ledger.productive_s)] + [(k, v) for k, v in ledger.badput_s.items()]
+  lines = [f"{'category':<12} {'seconds':>12} {'share':>8}"]
+  lines += [f"{name:<12} {s:12.3f} {share(s):>8}" for name, s in rows]
+  lines.append(f"{'wall':<12} {wall:12.3f} {share(wall):>8}")
+  lines.append(f"goodput {100 * ledger.goodput:.2f}%, {ledger.restarts} restart"
+               f"{'' if ledger.restarts == 1 else 's'}, {len(ledger.lives)} process "
+               f"li{'fe' if len(ledger.lives) == 1 else 'ves'}")
+  return "\n".join(lines)
+
+
+def check_events(items: Sequence[Any], *, limit: int) -> list[Event]:
+  """The events in ``items`` (dicts from a request), at most ``limit`` of them.
+
+  Raises:
+    ValueError: too many, or one is no event or is too big.
+  """
+  if not isinstance(items, list) or len(items) > limit:
+    raise ValueError(f"events must be a list of at most {limit}, got {type(items).__name__} "
+                     f"of {len(items) if isinstance(items, list) else '?'}")
+  events = [Event.from_dict(d) for d in items]
+  for e in events:
+    if e.kind == "died":
+      raise ValueError("a died event is the sidecar's to write, never a trainer's")
+    if len(e.line()) > MAX_LINE:
+      raise ValueError(f"an event's line must be at most {MAX_LINE} bytes")
+  return events

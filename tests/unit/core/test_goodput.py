@@ -1,0 +1,214 @@
+"""The goodput ledger's accounting (core/goodput.py): a pure function of the events.
+
+Tier 1: events made by hand, nothing started. Each job below is a timeline written out
+in seconds, so the expected split can be read off it.
+"""
+
+import json
+
+import pytest
+
+from sidecar._src.core import goodput
+from sidecar._src.core.goodput import Counters, Event
+
+pytestmark = pytest.mark.unit
+
+
+def life(name, start, *, first=None, saves=(), restore=None, end=None, ended="died",
+         data=0.0, ckpt=0.0, restore_s=0.0, first_blocked=(0.0, 0.0, 0.0)):
+  """The events of one process life: started at ``start``; its first step done at
+  ``first`` with ``first_blocked`` (data, ckpt, restore) counted by then; ``saves``:
+  ``(t, step, ckpt_s counted by then)``; ``restore``: ``(t, step)``; ended at ``end``
+  (``ended``: "died", "finish", or None: no end event, ``end`` is a mark's time);
+  ``data``/``ckpt``/``restore_s``: the counters at the end."""
+  def counters(d, c, r):
+    return Counters(0, d, c, r)
+  out = [Event("start", name, start + 0.5, counters(0, 0, 0), start=start, pid=1)]
+  if restore is not None:
+    out.append(Event("restore", name, restore[0], counters(0, 0, restore_s), step=restore[1]))
+  if first is not None:
+    out.append(Event("first_step", name, first, counters(*first_blocked)))
+  for t, step, c in saves:
+    out.append(Event("save", name, t, counters(first_blocked[0], c, first_blocked[2]),
+                     step=step))
+  if ended == "died":
+    out += [Event("mark", name, end, counters(data, ckpt, restore_s)),
+            Event("died", name, end)]
+  elif ended == "finish":
+    out.append(Event("finish", name, end, counters(data, ckpt, restore_s)))
+  else:
+    out.append(Event("mark", name, end, counters(data, ckpt, restore_s)))
+  return out
+
+
+def check_sum(ledger):
+  total = ledger.productive_s + sum(ledger.badput_s.values())
+  assert total == pytest.approx(ledger.wall_s, rel=1e-9)
+  assert all(v >= -1e-9 for v in ledger.badput_s.values()) and ledger.productive_s >= 0
+
+
+def test_a_clean_run_is_startup_then_productive_steps():
+  # Starts at 0, first step done at 10 (2 s of it blocked on data), ends at 110 with
+  # 5 s of data wait and 3 s of saves in all.
+  ledger = goodput.account(life("a", 0.0, first=10.0, saves=[(50.0, 50, 1.0)], end=110.0,
+                                ended="finish", data=5.0, ckpt=3.0,
+                                first_blocked=(2.0, 0.0, 0.0)))
+  check_sum(ledger)
+  assert ledger.wall_s == 110.0
+  assert ledger.badput_s == {"startup": 8.0, "data_wait": 5.0, "checkpoint": 3.0,
+                             "restore": 0.0, "redone": 0.0, "restart_gap": 0.0}
+  assert ledger.productive_s == pytest.approx(94.0)
+  assert ledger.restarts == 0
+  assert ledger.goodput == pytest.approx(94.0 / 110.0)
+
+
+def test_a_kill_after_a_save_throws_away_what_came_after_it():
+  # Life a saves step 50 at t=60 and dies at 80; life b starts at 85, restores step 50
+  # (4 s) and finishes at 200.
+  events = (life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=80.0, ckpt=1.0)
+            + life("b", 85.0, restore=(93.0, 50), restore_s=4.0, first=100.0, end=200.0,
+                   ended="finish", first_blocked=(0.0, 0.0, 4.0)))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.restarts == 1
+  assert ledger.badput_s["restart_gap"] == pytest.approx(5.0)
+  assert ledger.badput_s["redone"] == pytest.approx(20.0)  # 60 .. 80
+  assert ledger.badput_s["restore"] == pytest.approx(4.0)
+  assert ledger.badput_s["startup"] == pytest.approx(10.0 + 11.0)  # b: 85 .. 100 less 4
+  assert ledger.productive_s == pytest.approx(49.0 + 100.0)  # a: 10 .. 60 less 1; b
+
+
+def test_a_resume_from_an_older_step_throws_away_more():
+  # Life a saved 50 (t=40) and 60 (t=60), died at 80; step 60 was not committed, so life b
+  # restored 50: everything after save(50) is re-done, save(60)'s blocked time apart.
+  events = (life("a", 0.0, first=10.0, saves=[(40.0, 50, 1.0), (60.0, 60, 2.0)], end=80.0,
+                 ckpt=2.0)
+            + life("b", 80.0, restore=(81.0, 50), restore_s=1.0, first=90.0, end=100.0,
+                   ended="finish", first_blocked=(0.0, 0.0, 1.0)))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(39.0)  # 40 .. 80, less save(60)'s 1 s
+  assert ledger.badput_s["checkpoint"] == pytest.approx(2.0)
+
+
+def test_a_restart_from_scratch_throws_away_all_the_dead_lifes_steps():
+  events = (life("a", 0.0, first=10.0, saves=[(30.0, 20, 1.0)], end=50.0, ckpt=1.0)
+            + life("b", 52.0, first=60.0, end=100.0, ended="finish"))  # no restore
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(39.0)  # 10 .. 50, less the save
+  assert ledger.productive_s == pytest.approx(40.0)  # b's only
+  assert ledger.lives[0].redone_from == 10.0
+
+
+@pytest.mark.parametrize("first", [None, 5.0], ids=["before-first-step", "after-first-step"])
+def test_a_kill_before_any_save(first):
+  events = (life("a", 0.0, first=first, end=20.0)
+            + life("b", 21.0, first=30.0, end=40.0, ended="finish"))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  if first is None:  # all of a's life was startup
+    assert ledger.badput_s["startup"] == pytest.approx(20.0 + 9.0)
+    assert ledger.badput_s["redone"] == 0.0
+  else:
+    assert ledger.badput_s["redone"] == pytest.approx(15.0)
+  assert ledger.badput_s["restart_gap"] == pytest.approx(1.0)
+  assert ledger.restarts == 1
+
+
+def test_several_kills_each_lose_their_tail():
+  events = (life("a", 0.0, first=10.0, saves=[(20.0, 10, 0.0)], end=30.0)
+            + life("b", 31.0, restore=(35.0, 10), first=40.0, saves=[(50.0, 20, 0.0)],
+                   end=55.0)
+            + life("c", 57.0, restore=(60.0, 20), first=65.0, end=75.0, ended="finish"))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.restarts == 2
+  assert ledger.badput_s["redone"] == pytest.approx(10.0 + 5.0)
+  assert ledger.badput_s["restart_gap"] == pytest.approx(1.0 + 2.0)
+  assert [x.ended for x in ledger.lives] == ["died", "died", "finish"]
+
+
+def test_a_job_that_ended_in_a_death_loses_what_followed_its_last_save():
+  ledger = goodput.account(life("a", 0.0, first=10.0, saves=[(30.0, 5, 0.0)], end=45.0))
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(15.0)
+  assert ledger.restarts == 0
+
+
+def test_a_running_job_counts_up_to_its_last_mark_and_loses_nothing_yet():
+  ledger = goodput.account(life("a", 0.0, first=10.0, end=40.0, ended=None))
+  check_sum(ledger)
+  assert ledger.wall_s == 40.0 and ledger.badput_s["redone"] == 0.0
+  assert ledger.productive_s == pytest.approx(30.0)
+
+
+def test_a_life_whose_end_was_never_seen_counts_as_a_restart_at_its_last_event():
+  events = (life("a", 0.0, first=10.0, saves=[(20.0, 3, 0.0)], end=25.0, ended=None)
+            + life("b", 30.0, restore=(31.0, 3), first=35.0, end=40.0, ended="finish"))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.restarts == 1
+  assert ledger.badput_s["restart_gap"] == pytest.approx(5.0)
+  assert ledger.badput_s["redone"] == pytest.approx(5.0)
+
+
+def test_the_time_between_a_finish_and_a_later_run_is_no_ones():
+  events = (life("a", 0.0, first=1.0, saves=[(5.0, 5, 0.0)], end=10.0, ended="finish")
+            + life("b", 1000.0, restore=(1001.0, 5), first=1002.0, end=1010.0,
+                   ended="finish"))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.wall_s == pytest.approx(20.0)
+  assert ledger.restarts == 0 and ledger.badput_s["restart_gap"] == 0.0
+
+
+def test_a_next_life_that_seems_to_start_before_the_death_is_clipped():
+  # The sidecar saw the death late (its clock, or the socket's end came late).
+  events = (life("a", 0.0, first=1.0, end=10.0)
+            + life("b", 9.0, first=12.0, end=20.0, ended="finish"))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.wall_s == pytest.approx(20.0)
+  assert ledger.badput_s["restart_gap"] == 0.0
+
+
+def test_no_events_is_an_empty_ledger():
+  ledger = goodput.account([])
+  assert (ledger.wall_s, ledger.productive_s, ledger.goodput, ledger.restarts) == (0, 0, 0, 0)
+
+
+def test_the_file_round_trips_and_skips_a_torn_last_line(tmp_path):
+  events = life("a", 0.0, first=1.0, saves=[(5.0, 5, 0.5)], end=10.0, ended="finish")
+  data = b"".join(e.line() for e in events) + b'{"kind": "mark", "li'
+  (tmp_path / goodput.FILE).write_bytes(data)
+  assert goodput.read(str(tmp_path)) == events
+  assert goodput.account(goodput.read(str(tmp_path))).to_dict()["wall_s"] == 10.0
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"kind": "nap", "life": "a", "t": 1.0}, "kind must be one of"),
+    ({"kind": "mark", "life": "", "t": 1.0}, "life must be a name"),
+    ({"kind": "mark", "life": "a", "t": float("nan")}, "t must be finite"),
+    ({"kind": "save", "life": "a", "t": 1.0, "step": -1}, "step must be an int"),
+    ({"kind": "mark", "life": "a", "t": 1.0, "data_s": -1}, "counters must be numbers"),
+    ({"kind": "start", "life": "a", "t": 1.0}, "needs the process's start"),
+    ([1, 2], "a JSON object"),
+], ids=["kind", "life", "nan", "step", "counter", "start", "not-a-dict"])
+def test_a_malformed_event_is_refused_naming_the_field(raw, match):
+  with pytest.raises(ValueError, match=match):
+    goodput.Event.from_dict(json.loads(json.dumps(raw)))
+
+
+def test_a_trainer_may_not_send_a_death_nor_too_many_events():
+  with pytest.raises(ValueError, match="the sidecar's to write"):
+    goodput.check_events([{"kind": "died", "life": "a", "t": 1.0}], limit=4)
+  with pytest.raises(ValueError, match="at most 1"):
+    goodput.check_events([{"kind": "mark", "life": "a", "t": 1.0}] * 2, limit=1)
+
+
+def test_the_table_names_every_category_and_the_share():
+  text = goodput.table(goodput.account(life("a", 0.0, first=10.0, end=20.0, ended="finish")))
+  for name in ("productive", *goodput.CATEGORIES, "wall"):
+    assert name in text
+  assert "goodput 50.00%" in text
