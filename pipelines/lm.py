@@ -37,7 +37,7 @@ try:
   from array_record.python import array_record_module
 except ImportError as e:  # Not in the core install: an extra.
   raise ImportError(
-      "pipelines.lm needs array-record: pip install 'colocated-sidecar[arrayrecord]'") from e
+      "pipelines.lm needs array-record: pip install 'colocated-sidecar[lm]'") from e
 
 MANIFEST = "manifest.json"
 FORMAT = "sidecar-lm-bytes/1"
