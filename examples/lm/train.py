@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 sharding=replicated))
         data_state = ckpt.data_state(step)
       if me == 0:
-        print(f"{'restored step ' + str(step) if step else 'initialised'}: "
+        print(f"pid {os.getpid()} {'restored step ' + str(step) if step else 'initialised'}: "
               f"{model.param_count(state['params']):,} parameters on {jax.device_count()} "
               f"device(s) in {jax.process_count()} process(es); training to step {args.steps}",
               flush=True)
