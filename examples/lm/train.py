@@ -52,10 +52,9 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   sidecar.jax.initialize()  # before any other JAX call; a no-op for a job of one process
   import jax
+  import model
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  import model
 
   config = model.CONFIGS[args.config]
   mesh = Mesh(np.array(jax.devices()), ("data",))
