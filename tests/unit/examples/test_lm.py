@@ -96,3 +96,13 @@ def test_train_step_learns_and_repeats_bit_exactly(model):
   assert losses[0] == pytest.approx(np.log(256), rel=0.05)  # uniform over bytes at init
   assert losses[-1] < losses[0] - 1
   assert run(20)[1] == losses
+
+
+def test_plot_keeps_the_last_line_of_each_step_and_draws(tmp_path):
+  plot = _load("plot")
+  metrics = tmp_path / "run.jsonl"
+  metrics.write_text("".join(json.dumps({"step": s, "loss": l, "time": t}) + "\n" for s, l, t in [
+      (1, 5.0, 100.0), (2, 4.0, 101.0), (3, 3.5, 102.0), (2, 4.0, 110.0), (3, 3.0, 111.0)]))
+  assert plot.read(str(metrics)) == ([1, 2, 3], [5.0, 4.0, 3.0], [0.0, 10.0, 11.0])
+  assert plot.main([str(metrics), "--out", str(tmp_path / "loss.png")]) == 0
+  assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
