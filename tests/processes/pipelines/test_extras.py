@@ -12,6 +12,7 @@ CASES = [
     ("pipelines.parquet", "pyarrow", "pyarrow: pip install 'colocated-sidecar[parquet]'"),
     ("pipelines.arrayrecord", "array_record",
      "array-record: pip install 'colocated-sidecar[arrayrecord]'"),
+    ("pipelines.lm", "array_record", "array-record: pip install 'colocated-sidecar[lm]'"),
     ("pipelines.tfds", "tensorflow_datasets",
      "tensorflow-datasets: pip install 'colocated-sidecar[tfds]'"),
     ("pipelines.digits", "sklearn", "scikit-learn: pip install 'colocated-sidecar[demo]'"),

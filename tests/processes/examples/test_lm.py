@@ -1,0 +1,101 @@
+"""examples/lm end to end: `sidecar launch` trains the tiny LM, is killed, and resumes exactly."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import alive, eventually
+
+pytestmark = pytest.mark.processes
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+# Killed once step KILL_AFTER is written and step SAVE_EVERY's checkpoint committed (the
+# trainer commits it: killed before, it would start again from scratch, and resume nothing).
+STEPS, SAVE_EVERY, KILL_AFTER = 50, 10, 15
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  out = tmp_path_factory.mktemp("corpus")
+  subprocess.run([sys.executable, "examples/lm/prepare.py", "--out", str(out), "--max-mb", "1"],
+                 cwd=ROOT, check=True, capture_output=True, timeout=60)
+  return out
+
+
+def _launch(data, ckpt, metrics) -> subprocess.Popen:
+  return subprocess.Popen(
+      [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--import", "pipelines.lm",
+       "--shm-size", "64MiB", "--", sys.executable, "examples/lm/train.py", "--config", "tiny",
+       "--data", str(data), "--ckpt", str(ckpt), "--steps", str(STEPS),
+       "--save-every", str(SAVE_EVERY), "--metrics", str(metrics)],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _run(data, ckpt, metrics) -> str:
+  p = _launch(data, ckpt, metrics)
+  out, _ = p.communicate(timeout=120)
+  assert p.returncode == 0, out
+  return out
+
+
+def _losses(metrics) -> dict[int, float]:
+  """{step: loss}, the last line written for each step."""
+  lines = [json.loads(line) for line in pathlib.Path(metrics).read_text().splitlines()]
+  assert all(set(line) == {"step", "loss", "time"} for line in lines)
+  return {line["step"]: line["loss"] for line in lines}
+
+
+def _steps(metrics) -> list[int]:
+  if not os.path.exists(metrics):
+    return []
+  return [json.loads(line)["step"] for line in pathlib.Path(metrics).read_text().splitlines()
+          if line.endswith("}")]
+
+
+def test_a_killed_run_resumes_bit_exactly(data, tmp_path):
+  whole = tmp_path / "whole.jsonl"
+  out = _run(data, tmp_path / "ckpt-whole", whole)
+  assert "initialised" in out and f"trained to step {STEPS}; checkpoints [30, 40, 50]" in out
+  expected = _losses(whole)
+  assert sorted(expected) == list(range(1, STEPS + 1))
+  assert expected[STEPS] < expected[1] - 1  # it learns
+
+  metrics, ckpt = tmp_path / "killed.jsonl", tmp_path / "ckpt-killed"
+  p = _launch(data, ckpt, metrics)
+  try:
+    header = p.stdout.readline() + p.stdout.readline()
+    while "initialised" not in header:
+      line = p.stdout.readline()
+      assert line, header
+      header += line
+    trainer = int(re.search(r"pid (\d+) initialised", header).group(1))
+    assert eventually(lambda: KILL_AFTER in _steps(metrics)
+                      and (ckpt / str(SAVE_EVERY)).is_dir(), timeout=60), header
+    os.kill(trainer, signal.SIGKILL)
+    rest, _ = p.communicate(timeout=60)
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  assert p.returncode != 0, header + rest  # the launcher reports its trainer's death
+  assert not alive(trainer)
+  killed_at = max(_steps(metrics))
+  assert KILL_AFTER <= killed_at < STEPS, header + rest  # killed mid-way, not after the end
+  assert _losses(metrics) == {
+      s: expected[s] for s in range(1, killed_at + 1)}
+
+  # the resumed run: the same command, the same metrics file appended to
+  out = _run(data, ckpt, metrics)
+  found = re.search(r"restored step (\d+)", out)
+  assert found, out
+  restored = int(found.group(1))
+  assert restored % SAVE_EVERY == 0 and 0 < restored <= killed_at, out
+  assert _steps(metrics)[-(STEPS - restored):] == list(range(restored + 1, STEPS + 1))
+  assert _losses(metrics) == expected  # bit-exact: float32 losses, printed in full

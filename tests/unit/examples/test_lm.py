@@ -1,0 +1,108 @@
+"""examples/lm: prepare.py's corpus and model.py's model, in this process."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pipelines import lm as lm_pipeline
+
+pytestmark = pytest.mark.unit
+
+LM = pathlib.Path(__file__).resolve().parents[3] / "examples" / "lm"
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(f"examples_lm_{name}", LM / f"{name}.py")
+  assert spec is not None and spec.loader is not None
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def prepare():
+  return _load("prepare")
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _load("model")
+
+
+def test_prepare_concatenates_sorted_sources_and_skips_tests(prepare, tmp_path):
+  root = tmp_path / "lib"
+  for rel, text in {"b.py": "B", "a/z.py": "AZ", "a.py": "A", "test/t.py": "T",
+                    "site-packages/s.py": "S", "c.txt": "C"}.items():
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+  assert prepare.main(["--out", str(tmp_path / "out"), "--root", str(root)]) == 0
+  ds = lm_pipeline.Sequences(tmp_path / "out", seq_len=1)
+  assert ds.span(0, len(ds) + 1) == b"A\nAZ\nB\n"  # a.py, a/z.py, b.py
+
+
+def test_prepare_writes_the_stdlib_deterministically_up_to_max_mb(prepare, tmp_path):
+  for out in ("one", "two"):
+    assert prepare.main(["--out", str(tmp_path / out), "--max-mb", "0.25",
+                         "--record-kb", "16", "--shard-mb", "1"]) == 0
+  manifest = json.loads((tmp_path / "one" / "manifest.json").read_text())
+  assert manifest["total_bytes"] == 1 << 18 and manifest["records"] == [16]
+  assert manifest["sources"] > 100  # the stdlib has hundreds of modules
+  one, two = (lm_pipeline.Sequences(tmp_path / d, 1 << 12) for d in ("one", "two"))
+  assert one.span(0, 1 << 18) == two.span(0, 1 << 18)
+  first = prepare.source_files()[0].read_bytes()
+  assert one.span(0, min(len(first), 1 << 18)) == first[:1 << 18]
+
+
+def test_the_chip_config_holds_a_gib_of_float32_state(model):
+  chip = model.CONFIGS["chip"]
+  state = model.abstract_state(chip, model.make_optimizer(chip))
+  assert model.param_count(state["params"]) >= 90_000_000
+  assert model.state_bytes(state) >= 1 << 30
+  assert {x.dtype for x in jax.tree.leaves(state["params"])} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"d_model": 65}, "d_model must be a multiple of n_heads, got d_model=65, n_heads=4"),
+    ({"n_layers": 0}, "n_layers must be at least 1, got 0"),
+], ids=["heads", "layers"])
+def test_config_refuses_bad_shapes(model, kwargs, match):
+  base = {"seq_len": 8, "batch_size": 2, "d_model": 64, "n_layers": 1, "n_heads": 4}
+  with pytest.raises(ValueError, match=match):
+    model.Config(**{**base, **kwargs})
+
+
+def test_train_step_learns_and_repeats_bit_exactly(model):
+  config = model.Config(seq_len=16, batch_size=4, d_model=32, n_layers=2, n_heads=2,
+                        warmup_steps=1, learning_rate=1e-2)
+  optimizer = model.make_optimizer(config)
+  step = model.make_train_step(config, optimizer)
+  tokens = np.random.default_rng(0).integers(0, 256, (4, 17)).astype(np.int32)
+
+  def run(n):
+    state, losses = model.init_state(config, optimizer, seed=3), []
+    for _ in range(n):
+      state, loss = step(state, {"tokens": tokens})
+      losses.append(float(loss))
+    return state, losses
+
+  state, losses = run(20)
+  assert int(state["step"]) == 20
+  assert losses[0] == pytest.approx(np.log(256), rel=0.05)  # uniform over bytes at init
+  assert losses[-1] < losses[0] - 1
+  assert run(20)[1] == losses
+
+
+def test_plot_keeps_the_last_line_of_each_step_and_draws(tmp_path):
+  plot = _load("plot")
+  metrics = tmp_path / "run.jsonl"
+  metrics.write_text("".join(json.dumps({"step": s, "loss": l, "time": t}) + "\n" for s, l, t in [
+      (1, 5.0, 100.0), (2, 4.0, 101.0), (3, 3.5, 102.0), (2, 4.0, 110.0), (3, 3.0, 111.0)]))
+  assert plot.read(str(metrics)) == ([1, 2, 3], [5.0, 4.0, 3.0], [0.0, 10.0, 11.0])
+  assert plot.main([str(metrics), "--out", str(tmp_path / "loss.png")]) == 0
+  assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
