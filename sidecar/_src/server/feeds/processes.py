@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,10 @@ from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 MAX_RESTARTS = 3
+# How long a closed feed's workers get to exit on their own (their socket's end tells them
+# to) before they are killed: one in the middle of a slow batch must not outlive its feed,
+# whose trainer may be dead (a restart's feed then waits for no leftover of the last).
+STOP_GRACE = 0.5
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,20 +144,28 @@ class FeedProcesses:
     self._workers[i] = self._spawn(i, old.tasks)
 
   @staticmethod
-  def _stop(worker: _Worker) -> None:
-    worker.sock.close()  # a worker exits when its socket closes
-    try:
-      worker.proc.wait(5)
-    except subprocess.TimeoutExpired:
-      worker.proc.kill()
-      worker.proc.wait()
+  def _stop(*workers: _Worker) -> None:
+    """Stops ``workers`` together: each socket closed (a worker exits when its socket
+    closes), then whoever still runs after ``STOP_GRACE`` is killed; all are reaped."""
+    for w in workers:
+      w.sock.close()
+    deadline = time.monotonic() + STOP_GRACE
+    for w in workers:
+      try:
+        w.proc.wait(max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        log.warning("feed worker (pid %d) still ran %g s after its feed ended; killing it",
+                    w.proc.pid, STOP_GRACE)
+        w.proc.kill()
+        w.proc.wait()
 
   def close(self) -> None:
+    """Stops every worker (within ``STOP_GRACE`` seconds) and reaps it; idempotent."""
     for w in self._workers:
       if self._turns is not None:
         self._turns.give(len(w.tasks))  # unanswered: abandoned with the feed
         w.tasks.clear()
-      self._stop(w)
+    self._stop(*self._workers)
     self._workers = []
 
   def __enter__(self) -> FeedProcesses:
