@@ -1,12 +1,15 @@
 """A trainer for ``sidecar launch --max-restarts``: a feed with worker processes, killed.
 
 Run as ``sidecar launch --hosts 1 --max-restarts K --import tests.support.feed_fns --
-python -m tests.support.feed_restarts STEPS WORKERS FAILS``. On each start it reports its
+python -m tests.support.feed_restarts STEPS WORKERS FAILS [MARKER]``. On each start it reports its
 sidecar's feeds, arena use and feed worker processes before it opens its own feed, opens
 the ``ids`` feed with ``FeedOptions(workers=WORKERS)``, times STEPS steps (a jitted matmul
 on each batch) and reports the steps/s and the feed worker processes then running. On the
 first FAILS starts (``SIDECAR_RESTART`` below FAILS) it then SIGKILLs itself, with its
-feed open: its Unix socket just drops, as a crashed trainer's. Each line it prints is
+feed open: its Unix socket just drops, as a crashed trainer's. With MARKER, the feed is
+``slow_while``'s and, before the kill, the trainer creates file MARKER and waits until its
+workers are stuck in a minute-long example (the file is removed on the next start). Each
+line it prints is
 ``RESULT {json}``, for tests/processes/tools/test_launch_restarts.py and
 benchmarks/launch_restarts.py.
 """
@@ -15,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -41,7 +45,7 @@ def feed_workers(sidecar_pid: int) -> list[int]:
   return sorted(pids)
 
 
-def main(steps: str, workers: str, fails: str) -> int:
+def main(steps: str, workers: str, fails: str, marker: str = "") -> int:
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -69,8 +73,13 @@ def main(steps: str, workers: str, fails: str) -> int:
     acc = jnp.float32(0)
     rows = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
     options = sidecar.FeedOptions(workers=int(workers))
-    with ctl.feed("ids", kwargs={"n": 1 << 20, "width": WIDTH}, global_batch_size=BATCH,
-                  sharding=rows, options=options) as feed:
+    name, kwargs = "ids", {"n": 1 << 20, "width": WIDTH}
+    if marker:
+      name, kwargs = "slow_while", {**kwargs, "marker": marker}
+      if os.path.exists(marker):
+        os.remove(marker)
+    with ctl.feed(name, kwargs=kwargs, global_batch_size=BATCH, sharding=rows,
+                  options=options) as feed:
       first = next(feed)
       acc = step(acc, first["x"]).block_until_ready()  # compiled: not part of the timing
       t0 = time.perf_counter()
@@ -84,6 +93,12 @@ def main(steps: str, workers: str, fails: str) -> int:
       emit("run", steps=int(steps), seconds=seconds, steps_per_s=int(steps) / seconds,
            first_id=int(np.asarray(first["id"])[0]), ids=ids[:4],
            feed_workers=feed_workers(sidecar_pid))
+      if restart < int(fails) and marker:
+        open(marker, "w").close()
+        # Takes what was made before the marker, then waits in next() while the workers
+        # sleep in their examples.
+        threading.Thread(target=lambda: list(feed), daemon=True).start()
+        time.sleep(3)
       if restart < int(fails):
         emit("kill", t=time.time(), feed_workers=feed_workers(sidecar_pid))
         os.kill(os.getpid(), signal.SIGKILL)

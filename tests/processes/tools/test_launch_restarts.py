@@ -120,3 +120,27 @@ def test_a_killed_trainers_feed_workers_end_at_once_and_the_next_feed_works():
   sidecar = _sidecar_pids(err)
   assert len(sidecar) == 1 and {r["sidecar_pid"] for r in starts} == set(sidecar)
   assert eventually(lambda: not alive(sidecar[0]), timeout=10)
+
+
+def test_feed_workers_stuck_in_a_batch_go_with_their_trainer(tmp_path):
+  """The workers are busy in a minute-long example when their trainer is SIGKILLed: the
+  feed ends though it waits for no credit, and the workers are killed (STOP_GRACE)."""
+  p = _launch("--hosts", "1", "--shm-size", "32MiB", "--max-restarts", "1",
+              "--import", "tests.support.feed_fns", "--", sys.executable, "-m",
+              "tests.support.feed_restarts", "5", str(WORKERS), "1", str(tmp_path / "slow"))
+  lines, took = [], []
+  for line in p.stdout:
+    lines.append(line)
+    if (kill := results(line)) and kill[0]["kind"] == "kill":
+      workers = kill[0]["feed_workers"]
+      assert len(workers) == WORKERS, workers
+      assert eventually(lambda: not any(alive(w) for w in workers), timeout=10.0), workers
+      took.append(time.time() - kill[0]["t"])
+  err = p.stderr.read()
+  out = "".join(lines)
+  assert p.wait(timeout=60) == 0, out + err
+  print(f"busy feed workers gone {took[0]:.3f} s after their trainer's SIGKILL")
+  got = results(out)
+  assert len(took) == 1 and len(_of(got, "final")) == 1
+  assert _of(got, "start", restart=1)[0]["feed_workers"] == []
+  assert len(_of(got, "run", restart=1)[0]["feed_workers"]) == WORKERS
