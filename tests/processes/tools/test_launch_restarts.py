@@ -34,6 +34,23 @@ def _sidecar_pids(err: str) -> list[int]:
   return [int(p) for p in re.findall(r"host \d+'s sidecar \(pid (\d+)\)", err)]
 
 
+def _watch_kills(p: subprocess.Popen, *, deadline: float) -> tuple[str, str, list[float]]:
+  """Reads feed_restarts's output as it comes; at each "kill" line, waits (``deadline``
+  seconds at most) until the killed trainer's feed workers are gone. Returns the output,
+  the launcher's messages and, per kill, the seconds from the SIGKILL until they were."""
+  lines, took = [], []
+  for line in p.stdout:
+    lines.append(line)
+    if (kill := results(line)) and kill[0]["kind"] == "kill":
+      workers = kill[0]["feed_workers"]
+      assert len(workers) == WORKERS, workers
+      assert eventually(lambda w=workers: not any(map(alive, w)), timeout=deadline), workers
+      took.append(time.time() - kill[0]["t"])
+  err = p.stderr.read()
+  p.wait(timeout=60)
+  return "".join(lines), err, took
+
+
 def _train(directory, max_restarts: int) -> tuple[int, list[dict], str, str]:
   """train_restarts under --hosts 2: process 1 fails on the first 2 starts (SIGKILL, exit 3)."""
   p = _launch("--hosts", "2", "--shm-size", "16MiB", "--max-restarts", str(max_restarts), "--",
@@ -94,17 +111,8 @@ def test_a_killed_trainers_feed_workers_end_at_once_and_the_next_feed_works():
   p = _launch("--hosts", "1", "--shm-size", "32MiB", "--max-restarts", str(fails),
               "--import", "tests.support.feed_fns", "--", sys.executable, "-m",
               "tests.support.feed_restarts", "20", str(WORKERS), str(fails))
-  lines, took = [], []
-  for line in p.stdout:
-    lines.append(line)
-    if (kill := results(line)) and kill[0]["kind"] == "kill":
-      workers = kill[0]["feed_workers"]
-      assert len(workers) == WORKERS, workers
-      assert eventually(lambda: not any(alive(w) for w in workers), timeout=5.0), workers
-      took.append(time.time() - kill[0]["t"])
-  err = p.stderr.read()
-  out = "".join(lines)
-  assert p.wait(timeout=60) == 0, out + err
+  out, err, took = _watch_kills(p, deadline=5.0)
+  assert p.returncode == 0, out + err
   print(f"feed workers gone {', '.join(f'{t:.3f}' for t in took)} s after their trainer's "
         "SIGKILL")
   assert len(took) == fails
@@ -128,17 +136,8 @@ def test_feed_workers_stuck_in_a_batch_go_with_their_trainer(tmp_path):
   p = _launch("--hosts", "1", "--shm-size", "32MiB", "--max-restarts", "1",
               "--import", "tests.support.feed_fns", "--", sys.executable, "-m",
               "tests.support.feed_restarts", "5", str(WORKERS), "1", str(tmp_path / "slow"))
-  lines, took = [], []
-  for line in p.stdout:
-    lines.append(line)
-    if (kill := results(line)) and kill[0]["kind"] == "kill":
-      workers = kill[0]["feed_workers"]
-      assert len(workers) == WORKERS, workers
-      assert eventually(lambda: not any(alive(w) for w in workers), timeout=10.0), workers
-      took.append(time.time() - kill[0]["t"])
-  err = p.stderr.read()
-  out = "".join(lines)
-  assert p.wait(timeout=60) == 0, out + err
+  out, err, took = _watch_kills(p, deadline=10.0)
+  assert p.returncode == 0, out + err
   print(f"busy feed workers gone {took[0]:.3f} s after their trainer's SIGKILL")
   got = results(out)
   assert len(took) == 1 and len(_of(got, "final")) == 1
