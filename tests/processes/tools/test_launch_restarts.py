@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from sidecar._src.core import errors
+from sidecar._src.tools import launch
 from tests.conftest import alive, eventually
 from tests.support import train_restarts
 from tests.support.paths import ROOT
@@ -143,3 +145,23 @@ def test_feed_workers_stuck_in_a_batch_go_with_their_trainer(tmp_path):
   assert len(took) == 1 and len(_of(got, "final")) == 1
   assert _of(got, "start", restart=1)[0]["feed_workers"] == []
   assert len(_of(got, "run", restart=1)[0]["feed_workers"]) == WORKERS
+
+
+def test_torch_ranks_see_the_restart_count_and_the_limit():
+  script = ("import os, sys; e = os.environ; print('ENV', e['SIDECAR_RESTART'], "
+            "e['TORCHELASTIC_RESTART_COUNT'], e['TORCHELASTIC_MAX_RESTARTS'], e['MASTER_PORT']); "
+            "sys.exit(3 if e['SIDECAR_RESTART'] == '0' else 0)")
+  done = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--torch",
+                         "--max-restarts", "2", "--", sys.executable, "-c", script], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stdout + done.stderr
+  seen = re.findall(r"ENV (\d) (\d) (\d) (\d+)", done.stdout)
+  assert [s[:3] for s in seen] == [("0", "0", "2"), ("1", "1", "2")], done.stdout
+  assert "restart 1: host 0's trainer exited with code 3;" in done.stderr
+
+
+def test_max_restarts_is_refused_with_elastic_alone():
+  with pytest.raises(errors.InvalidArgumentError, match="max_restarts applies without elastic"):
+    launch.run(["true"], hosts=2, elastic=True, max_restarts=1)
+  with pytest.raises(errors.InvalidArgumentError, match="max_restarts must be an int >= 0"):
+    launch.run(["true"], hosts=2, max_restarts=-1)
