@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 from typing import NamedTuple
 
 import grain
@@ -106,3 +107,14 @@ def marked_rows(ctx: sidecar.PipelineContext, nbytes: int = 1 << 20, n: int = 1 
   """Random access: example i is ``{"i": i, "x": marked_row(i, nbytes)}``."""
   return grain.MapDataset.range(n).map(
       lambda i: {"i": np.int64(i), "x": marked_row(int(i), nbytes)})
+
+
+@sidecar.pipeline
+def slow_while(ctx: sidecar.PipelineContext, marker: str, n: int = 1 << 20, width: int = 4):
+  """Like ids, but an example takes a minute while file ``marker`` exists: its feed's
+  workers are then busy in a batch, not waiting for the next task."""
+  def element(i):
+    if os.path.exists(marker):
+      time.sleep(60)
+    return {"id": np.int64(i), "x": np.full((width,), i, np.float32)}
+  return grain.MapDataset.range(n).map(element)

@@ -149,7 +149,7 @@ class StreamRunner:
     def pool() -> feed_processes.FeedProcesses:
       return feed_processes.FeedProcesses(spec.workers, arena=blocks.arena, imports=self._imports,
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
-                            turns=turns)
+                            turns=turns, alive=alive)
 
     batches = producer.produce(entry, kwargs, spec, blocks.alloc, pool)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)

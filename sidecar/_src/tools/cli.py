@@ -81,8 +81,9 @@ def _launch(args: argparse.Namespace) -> int:
     args.parser.error("--in-place applies only with --elastic")
   if args.in_place and args.min_hosts is not None:
     args.parser.error("--min-hosts does not apply with --in-place: the job keeps its size")
-  if args.max_restarts is not None and not args.in_place:
-    args.parser.error("--max-restarts applies only with --in-place")
+  if args.max_restarts is not None and args.elastic and not args.in_place:
+    args.parser.error("--max-restarts applies without --elastic, or with --elastic --in-place: "
+                      "--elastic alone restarts while --min-hosts hosts remain")
   if args.max_restarts is not None and args.max_restarts < 0:
     args.parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
@@ -92,8 +93,7 @@ def _launch(args: argparse.Namespace) -> int:
                     imports=args.imports or [], shm_size=args.shm_size, token=token,
                     elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
                     checkpoint_roots=args.checkpoint_roots,
-                    max_restarts=(launch.DEFAULT_MAX_RESTARTS if args.max_restarts is None
-                                  else args.max_restarts),
+                    max_restarts=args.max_restarts,
                     procs_per_host=args.procs_per_host, torch=args.torch)
 
 
@@ -319,8 +319,10 @@ def parser() -> argparse.ArgumentParser:
                  "in place: a dead sidecar starts again empty, every trainer restarts "
                  "(default: off)")
   s.add_argument("--max-restarts", type=int, metavar="N",
-                 help="with --in-place: restart at most N times, then end on the next failure "
-                 f"(default: {launch.DEFAULT_MAX_RESTARTS})")
+                 help="restart at most N times, then end on the next failure: a failed "
+                 "trainer restarts every trainer beside the same sidecars, as torchrun's "
+                 "(default: 0; with --elastic --in-place, which also restarts a dead sidecar: "
+                 f"{launch.DEFAULT_MAX_RESTARTS})")
   _checkpoint_root_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")

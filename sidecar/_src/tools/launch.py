@@ -5,7 +5,9 @@ one copy of the user's command per host, each in its own process group with the 
 that ``sidecar.jax.initialize()``, ``Worker`` and ``Controller.from_env()`` read
 (``env.py`` lists it). Each trainer's output comes back line by line, prefixed ``[host i] ``.
 The first failure (a trainer exiting non-zero, a sidecar dying, SIGINT or SIGTERM to the
-launcher) stops everything else, and decides the exit code. With ``elastic``, a lost host
+launcher) stops everything else, and decides the exit code. With ``max_restarts``, a failed
+trainer instead restarts every trainer beside the same sidecars, as torchrun's restarts,
+until ``max_restarts`` restarts are spent. With ``elastic``, a lost host
 (its trainer failed or its sidecar died) instead restarts the trainers of the hosts that
 remain as a job of one process fewer, beside the same sidecars, whose RAM tiers survive.
 
@@ -36,7 +38,8 @@ from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc
 )
 from sidecar._src.tools.local import LocalCluster
 
-DEFAULT_MAX_RESTARTS = 4  # in-place restarts, as the manifests' backoffLimit
+DEFAULT_MAX_RESTARTS = 4  # --elastic --in-place restarts, as the manifests' backoffLimit
+# Without --elastic: none, as torchrun's default; the first failure ends the job.
 DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
 _POLL = 0.1
 _LOG_TAIL_LINES = 40
@@ -96,6 +99,18 @@ When one trainer fails or one sidecar dies (its log's last lines are printed, pr
 then SIGKILL after {DEFAULT_GRACE:g} s; then the sidecars stop. No process, socket, temporary
 directory or shared memory is left behind. A trainer that exits 0 leaves the others running.
 
+With --max-restarts N (default 0, as torchrun's), a trainer that fails (an exit code other
+than 0, or a signal) does not end the job while restarts are left: every other trainer is
+stopped (SIGTERM, SIGKILL after the grace) and all of them start again with the same
+environment, but SIDECAR_RESTART one higher (TORCHELASTIC_RESTART_COUNT with --torch) and
+a fresh coordinator port, beside the same sidecars: their arenas and RAM tiers keep
+running, so the new trainers restore the latest step from host memory. The feeds of the
+stopped trainers end in their sidecars as their connections drop, and their feed worker
+processes with them. Each restart is logged here with its count, its cause (which host
+and rank, the exit code or the signal) and the seconds from the failure to the new
+trainers' start. The failure after N restarts ends the job with that trainer's exit code.
+A sidecar that dies still ends the job (unless --elastic says otherwise).
+
 With --elastic, losing a host does not end the job. When host H's trainer fails or its
 sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
 stopped if it still runs, and the trainers of the other hosts start again as a job of one
@@ -139,6 +154,11 @@ class _Loss:
   what: str
   code: int
   exit_code: int  # what the launcher exits with if it gives up here
+  rank: int = -1  # the trainer's, where it is one of several beside the host
+
+  def __str__(self) -> str:
+    rank = f" (rank {self.rank})" if self.rank >= 0 else ""
+    return f"host {self.host}'s {self.what}{rank} {trainers.how(self.code)}"
 
 
 class _Run:
@@ -146,7 +166,7 @@ class _Run:
 
   def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
                stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
-               in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
+               in_place: bool = False, max_restarts: int = 0,
                procs_per_host: int = 1, torch: bool = False):
     self.command = list(command)
     self.procs_per_host, self.torch = procs_per_host, torch
@@ -194,9 +214,9 @@ class _Run:
 
   def _max_restarts(self) -> int:
     """How often the job may restart, as torchelastic's TORCHELASTIC_MAX_RESTARTS."""
-    if not self.elastic:
-      return 0
-    return self.max_restarts if self.in_place else self.cluster.num_hosts - self.min_hosts
+    if not self.elastic or self.in_place:
+      return self.max_restarts
+    return self.cluster.num_hosts - self.min_hosts
 
   def _thread(self, target, *args) -> None:
     t = threading.Thread(target=target, args=args, daemon=True,  # daemon: a safety net only
@@ -226,8 +246,9 @@ class _Run:
         if event.code == 0:
           continue
         # A dead sidecar, if any, is the cause: its trainer's failure is the symptom.
-        loss = self._check_sidecars() or _Loss(event.host, "trainer", event.code,
-                                               trainers.exit_status(event.code))
+        loss = self._check_sidecars() or _Loss(
+            event.host, "trainer", event.code, trainers.exit_status(event.code),
+            rank=event.rank if self.procs_per_host > 1 else -1)
       if loss is None:
         continue
       if not self._restart(loss):
@@ -243,12 +264,13 @@ class _Run:
     return None
 
   def _restart(self, loss: _Loss) -> bool:
-    """Restarts the job without ``loss.host`` if ``elastic`` allows; False to end it."""
-    if self.elastic and self.in_place:
+    """Restarts the job without ``loss.host`` if ``elastic`` allows, or in place if
+    ``in_place`` or (for a failed trainer) ``max_restarts`` does; False to end it."""
+    if self.in_place or (not self.elastic and loss.what == "trainer" and self.max_restarts):
       return self._restart_in_place(loss)
     lost = time.monotonic()
     left = [h for h in self.hosts if h != loss.host]
-    why = f"host {loss.host}'s {loss.what} {trainers.how(loss.code)}"
+    why = str(loss)
     if not self.elastic or len(left) < self.min_hosts:
       more = "" if not self.elastic else (
           f" ({len(left)} hosts would remain, fewer than --min-hosts {self.min_hosts})")
@@ -287,14 +309,16 @@ class _Run:
     return stopped - since, done - stopped, time.monotonic() - done
 
   def _restart_in_place(self, loss: _Loss) -> bool:
-    """Restarts every trainer at the job's full size, and first ``loss.host``'s sidecar
-    if that is what died (a new one, empty, at the same addresses)."""
+    """Restarts every trainer at the job's full size beside the same sidecars, and first
+    ``loss.host``'s sidecar if that is what died (a new one, empty, at the same
+    addresses: only with ``elastic``)."""
     lost = time.monotonic()
+    whom = "every process" if self.elastic else "the others"
     if self.restart >= self.max_restarts:
-      self.say(f"host {loss.host}'s {loss.what} {trainers.how(loss.code)} after {self.restart} "
-               f"restarts (--max-restarts {self.max_restarts}); stopping every process")
+      self.say(f"{loss} after {self.restart} restarts (--max-restarts {self.max_restarts}); "
+               f"stopping {whom}")
       return False
-    self.say(f"host {loss.host}'s {loss.what} {trainers.how(loss.code)}; restarting "
+    self.say(f"{loss}; restarting "
              + ("its sidecar and " if loss.what == "sidecar" else "")
              + f"every trainer in place on hosts {self.hosts}"
              + (". Its sidecar's log ends:" if loss.what == "sidecar" else ""))
@@ -314,11 +338,13 @@ class _Run:
     except errors.SidecarError as e:
       self.say(f"host {loss.host}'s sidecar did not start again: {e}")
       return False
-    self.say(f"restart {self.restart}: host {loss.host}'s {loss.what} {trainers.how(loss.code)}; "
+    took = f"stopping the trainers {stop:.2f} s, " + (
+        f"the sidecar {sidecar:.2f} s, " if loss.what == "sidecar" else "")
+    self.say(f"restart {self.restart}: {loss}; "
              f"{_processes(len(self.hosts) * self.procs_per_host)} on hosts {self.hosts} in place, "
-             f"started {stop + sidecar + spawn:.2f} s after the loss (stopping the trainers "
-             f"{stop:.2f} s, the sidecar {sidecar:.2f} s, starting the new trainers "
-             f"{spawn:.2f} s)")
+             f"started {stop + sidecar + spawn:.2f} s after the loss ({took}starting the new "
+             f"trainers {spawn:.2f} s); {self.max_restarts - self.restart} of --max-restarts "
+             f"{self.max_restarts} left")
     return True
 
   def print_log_tail(self, host: int) -> None:
@@ -378,7 +404,7 @@ def _loopback_tcp(say: Callable[[str], None], processes: int, torch: bool) -> bo
 def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
-        in_place: bool = False, max_restarts: int = DEFAULT_MAX_RESTARTS,
+        in_place: bool = False, max_restarts: int | None = None,
         procs_per_host: int = 1, torch: bool = False,
         checkpoint_roots: Sequence[str] | None = None, stdout: BinaryIO | None = None,
         stderr: TextIO | None = None, transport: str = "unix") -> int:
@@ -400,7 +426,11 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     min_hosts: with ``elastic``, the fewest hosts to restart on; below, the job ends.
     in_place: with ``elastic``, restart at full size: a dead sidecar is started again
       (empty) and every trainer restarts, as Kubernetes restarts containers in place.
-    max_restarts: with ``in_place``, how many restarts at most; the next failure ends it.
+    max_restarts: how many restarts at most; the next failure ends the job. Without
+      ``elastic``, a failed trainer restarts every trainer beside the same sidecars (a
+      dead sidecar still ends the job); default 0, as torchrun's. With ``in_place``, the
+      same, and a dead sidecar is started again; default ``DEFAULT_MAX_RESTARTS``. Not
+      with ``elastic`` alone, which restarts while ``min_hosts`` remain.
     procs_per_host: trainer processes beside each sidecar (one per accelerator, as
       ``torchrun --nproc-per-node``), each with its own Worker session.
     torch: also set torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -423,7 +453,13 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
   if in_place and not elastic:
     raise errors.InvalidArgumentError("in_place applies only with elastic=True")
-  if not isinstance(max_restarts, int) or max_restarts < 0:
+  if max_restarts is None:
+    max_restarts = DEFAULT_MAX_RESTARTS if in_place else 0
+  elif elastic and not in_place:
+    raise errors.InvalidArgumentError(
+        "max_restarts applies without elastic, or with elastic and in_place; elastic alone "
+        "restarts while min_hosts remain")
+  if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
     raise errors.InvalidArgumentError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
   if not 1 <= min_hosts <= hosts:
     raise errors.InvalidArgumentError(

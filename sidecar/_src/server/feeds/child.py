@@ -6,7 +6,9 @@ It runs JAX on the CPU, as the sidecar does: ``pool.py`` starts it with
 
 from __future__ import annotations
 
+import atexit
 import base64
+import os
 import socket
 import sys
 import time
@@ -53,6 +55,21 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
     ipc.send(sock, reply)
 
 
+def exit_now(code: int = 0) -> None:
+  """Exits at once once the feed is over: the exit handlers run (multiprocessing's ends the
+  pipeline's own children), the interpreter's teardown does not. Tearing down the modules
+  of a pipeline that imported JAX and Grain takes ~0.2 s, and a restart's trainer waits for
+  no leftover of the feed it replaces."""
+  atexit._run_exitfuncs()
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  os._exit(code)
+
+
 if __name__ == "__main__":
   platform.apply_to_sidecar()
   serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
+  exit_now()

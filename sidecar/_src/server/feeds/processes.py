@@ -15,9 +15,12 @@ import base64
 import dataclasses
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,12 @@ from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 MAX_RESTARTS = 3
+# How long a closed feed's workers get to exit on their own (their socket's end tells them
+# to) before they are killed: one in the middle of a slow batch must not outlive its feed,
+# whose trainer may be dead (a restart's feed then waits for no leftover of the last).
+STOP_GRACE = 0.5
+# While a batch is being filled, how often the feed checks that its consumer still lives.
+ALIVE_EVERY = 0.1
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,12 +54,18 @@ class FeedProcesses:
   ``turns``: its tenant's turns at the sidecar's feed workers (``share.Shares``): a batch
   goes to a worker only on one of them, so a tenant's workers fill at most its fair share of
   batches at once, however many it started. None: no tenant, no share.
+
+  ``alive``: whether the feed's consumer (its trainer) still lives, asked every
+  ``ALIVE_EVERY`` seconds while ``wait`` waits for a batch: a trainer that dies while a
+  slow batch is filled ends its feed, and its workers, then, not once the batch is done.
   """
 
   def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
-               kwargs: pb.Value, spec: pb.FeedSpec, turns: shares_lib.Turns | None = None):
+               kwargs: pb.Value, spec: pb.FeedSpec, turns: shares_lib.Turns | None = None,
+               alive: Callable[[], bool] | None = None):
     self.size = size
     self._turns = turns
+    self._alive = alive
     self._arena = arena
     self._hello = {"imports": list(imports), "name": name, "arena_size": arena.size,
                    "arena_populate": arena.reserved,
@@ -109,10 +124,15 @@ class FeedProcesses:
     return i, seq
 
   def wait(self, ticket: tuple[int, int]) -> float:
-    """Waits for a batch; returns the seconds the worker spent on it."""
+    """Waits for a batch; returns the seconds the worker spent on it.
+
+    Raises:
+      ConnectionAbortedError: the consumer died meanwhile (``alive``): the feed is over.
+    """
     i, seq = ticket
     while True:
       worker = self._workers[i]
+      self._wait_readable(worker.sock)
       try:
         reply, _ = ipc.recv(worker.sock)
       except (ConnectionError, OSError):
@@ -124,6 +144,16 @@ class FeedProcesses:
         raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
       if reply["seq"] == seq:
         return float(reply["produce_s"])
+
+  def _wait_readable(self, sock: socket.socket) -> None:
+    """Returns once ``sock`` has data (or its end) to read; raises if the consumer died."""
+    if self._alive is None:
+      return
+    poller = select.poll()  # not select.select: a busy sidecar's descriptors pass 1024
+    poller.register(sock, select.POLLIN)
+    while not poller.poll(ALIVE_EVERY * 1000):
+      if not self._alive():
+        raise ConnectionAbortedError("the feed's consumer is gone; its batch is abandoned")
 
   def _restart(self, i: int, seq: int) -> None:
     old = self._workers[i]
@@ -139,20 +169,28 @@ class FeedProcesses:
     self._workers[i] = self._spawn(i, old.tasks)
 
   @staticmethod
-  def _stop(worker: _Worker) -> None:
-    worker.sock.close()  # a worker exits when its socket closes
-    try:
-      worker.proc.wait(5)
-    except subprocess.TimeoutExpired:
-      worker.proc.kill()
-      worker.proc.wait()
+  def _stop(*workers: _Worker) -> None:
+    """Stops ``workers`` together: each socket closed (a worker exits when its socket
+    closes), then whoever still runs after ``STOP_GRACE`` is killed; all are reaped."""
+    for w in workers:
+      w.sock.close()
+    deadline = time.monotonic() + STOP_GRACE
+    for w in workers:
+      try:
+        w.proc.wait(max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        log.warning("feed worker (pid %d) still ran %g s after its feed ended; killing it",
+                    w.proc.pid, STOP_GRACE)
+        w.proc.kill()
+        w.proc.wait()
 
   def close(self) -> None:
+    """Stops every worker (within ``STOP_GRACE`` seconds) and reaps it; idempotent."""
     for w in self._workers:
       if self._turns is not None:
         self._turns.give(len(w.tasks))  # unanswered: abandoned with the feed
         w.tasks.clear()
-      self._stop(w)
+    self._stop(*self._workers)
     self._workers = []
 
   def __enter__(self) -> FeedProcesses:
