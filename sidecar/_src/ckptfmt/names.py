@@ -11,9 +11,8 @@ symlink (:func:`open_beneath`): a directory swapped for a symlink later cannot r
 a write or a read. The directory itself is reached from ``/`` the same way: a symlink on
 its path is followed only where nobody but the sidecar's user or root could have put it
 there or swap it (:func:`open_dir`). Where a library opens the path itself (TensorStore),
-the path is resolved and checked to lie beneath the directory first
-(:func:`check_beneath`), and the leaf's directory holds no symlink
-(:func:`check_no_symlinks`).
+it is handed a path through a directory already opened, in a tree nobody else can change
+(``pinned.py``).
 """
 
 from __future__ import annotations
