@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sidecar._src.ckptfmt import names
+from sidecar._src.ckptfmt import names, pinned
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 CHUNK = 64 << 20  # bytes per call: large enough to keep the device busy
@@ -37,14 +37,14 @@ def no_turn(nbytes: int) -> contextlib.AbstractContextManager[None]:
 
 
 def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn, *,
-               beneath: os.PathLike | str | None = None) -> int:
+               beneath: os.PathLike | str | pinned.Pinned | None = None) -> int:
   """Writes the C-order bytes of ``data`` to a new file at ``path`` and fsyncs it.
 
   ``data`` must stay unchanged until this returns. Returns how many bytes went
   direct (the rest went through the page cache). With a ``turn``, each ``TURN_BYTES``
   are written in a turn of their own. ``beneath``: ``path`` is a name relative to that
-  directory, opened beneath its descriptor with no symlink followed (``names.py``), its
-  directories made where missing.
+  directory (or a directory pinned by its descriptor, ``pinned.py``), opened beneath its
+  descriptor with no symlink followed (``names.py``), its directories made where missing.
 
   Raises:
     OSError: the file could not be written.
@@ -54,9 +54,13 @@ def write_file(path: os.PathLike | str, data: np.ndarray, turn: Turn = no_turn, 
   buf = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
   n = len(buf)
   flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-  fd = (os.open(path, flags, 0o644) if beneath is None
-        else names.open_beneath(beneath, os.fspath(path), flags, make_dirs=True))
-  if beneath is not None:
+  if beneath is None:
+    fd = os.open(path, flags, 0o644)
+  elif isinstance(beneath, pinned.Pinned):
+    fd = beneath.open(os.fspath(path), flags, make_dirs=True)
+    path = os.path.join(beneath.path, path)
+  else:
+    fd = names.open_beneath(beneath, os.fspath(path), flags, make_dirs=True)
     path = os.path.join(beneath, path)
   try:
     direct = 0

@@ -11,9 +11,8 @@ symlink (:func:`open_beneath`): a directory swapped for a symlink later cannot r
 a write or a read. The directory itself is reached from ``/`` the same way: a symlink on
 its path is followed only where nobody but the sidecar's user or root could have put it
 there or swap it (:func:`open_dir`). Where a library opens the path itself (TensorStore),
-the path is resolved and checked to lie beneath the directory first
-(:func:`check_beneath`), and the leaf's directory holds no symlink
-(:func:`check_no_symlinks`).
+it is handed a path through a directory already opened, in a tree nobody else can change
+(``pinned.py``).
 """
 
 from __future__ import annotations
@@ -117,14 +116,28 @@ def open_beneath(base: os.PathLike | str, name: str, flags: int, mode: int = 0o6
   naming the path). ``make_dirs``: the directories on the way are made (0o755) where
   missing."""
   check_name(name, field)
-  full = os.path.join(os.fspath(base), name)
   fd = open_dir(base)
   try:
-    if not make_dirs:  # one call where the kernel resolves beneath itself (openat2)
-      opened = _openat2(fd, name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
-                        _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS, full)
-      if opened is not None:
-        return opened
+    return open_at(fd, name, flags, mode, make_dirs=make_dirs, field=field,
+                   shown=os.fspath(base))
+  finally:
+    os.close(fd)
+
+
+def open_at(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
+            make_dirs: bool = False, field: str = "name", shown: str = "") -> int:
+  """:func:`open_beneath` relative to the directory descriptor ``dir_fd`` (the directory
+  already opened, so nothing above it is resolved again); ``shown``: its path, for
+  errors."""
+  check_name(name, field)
+  full = os.path.join(shown, name)
+  if not make_dirs:  # one call where the kernel resolves beneath itself (openat2)
+    opened = _openat2(dir_fd, name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                      _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS, full)
+    if opened is not None:
+      return opened
+  fd = os.dup(dir_fd)
+  try:
     for part in name.split("/")[:-1]:
       if make_dirs:
         with contextlib.suppress(FileExistsError):

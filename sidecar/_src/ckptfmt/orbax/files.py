@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from sidecar._src.ckptfmt import names
+from sidecar._src.ckptfmt import names, pinned
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
 
@@ -78,6 +78,15 @@ def write_text(path: pathlib.Path, text: str) -> None:
   opened in its directory without following a symlink (``names.py``)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd = names.open_beneath(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_text_beneath(item: pinned.Pinned, name: str, text: str) -> None:
+  """:func:`write_text` of ``name`` beneath a pinned directory (its directories made)."""
+  fd = item.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_dirs=True)
   with os.fdopen(fd, "w") as f:
     f.write(text)
     f.flush()

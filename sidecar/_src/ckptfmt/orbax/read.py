@@ -7,25 +7,25 @@ through TensorStore, with one cached context per step being restored.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import itertools
 import json
+import math
 import os
 import pathlib
+import stat
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, names
-from sidecar._src.ckptfmt.orbax import files
-from sidecar._src.ckptfmt.spec import METADATA_FILE, Index, KeyPath
+from sidecar._src.ckptfmt.orbax import files, items
+from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
 # Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
 # without them): each function imports what it uses.
-if TYPE_CHECKING:
-  import tensorstore as ts
-
 
 def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
               index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
@@ -42,28 +42,48 @@ def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
 
 def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
                    index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
-  """:func:`read_leaf` from an item directory given as such."""
+  """:func:`read_leaf` from an item directory given as such.
+
+  Raises:
+    FileNotFoundError: no such item or leaf.
+    PermissionDeniedError: the item's files could be changed by someone other than this
+      process's user or root (``pinned.py``) and the read is not of an uncompressed Zarr
+      v2 array (whose chunks are then read whole, with no-symlink opens, and sliced).
+  """
+  with items.opened(pathlib.Path(item_dir).absolute()) as item:
+    return _read_leaf(item, key_path, index)
+
+
+def _read_leaf(item: items.Item, key_path: KeyPath,
+               index: Sequence[slice | tuple[int, int]] | None) -> np.ndarray:
   import tensorstore as ts
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-  item_dir = pathlib.Path(item_dir).absolute()
-  meta, context = _reader(item_dir)
-  name = ".".join(str(k) for k in key_path)
-  files.leaf_dir(item_dir, name)  # a name, beneath the item: TensorStore opens it by path
-  if str(tuple(str(k) for k in key_path)) not in meta["tree_metadata"]:
-    raise FileNotFoundError(f"leaf {name!r} is not in the checkpoint at {item_dir}")
+  name = _leaf_name(item, key_path)
+  if item.pinned.untrusted is not None:  # TensorStore would open files by path there
+    return _read_beneath(item, name, index)
+  # Paths through the item's descriptor: nothing above it can redirect TensorStore, and
+  # nobody else can change anything below it (pinned.py).
   spec = ts_utils.ArrayReadSpec(
-      item_dir.as_posix(), name, use_zarr3=bool(meta.get("use_zarr3")),
-      use_ocdbt=bool(meta.get("use_ocdbt")))
-  names.check_store_files(spec.json, f"leaf {name!r}")  # TensorStore follows symlinks
+      item.pinned.proc, name, use_zarr3=bool(item.meta.get("use_zarr3")),
+      use_ocdbt=bool(item.meta.get("use_ocdbt")))
   try:
-    store = ts.open(spec.json, open=True, context=context).result()
+    store = ts.open(spec.json, open=True, context=item.context).result()
     if index is not None:
       store = store[tuple(_as_slice(i) for i in index)]
     return store.read().result()
   except ValueError as e:  # TensorStore's status, as text: a missing chunk file is NOT_FOUND
     if str(e).startswith("NOT_FOUND"):
-      raise FileNotFoundError(f"leaf {name!r} of {item_dir}: {e}") from None
+      raise FileNotFoundError(f"leaf {name!r} of {item.pinned.path}: {e}") from None
     raise
+
+
+def _leaf_name(item: items.Item, key_path: KeyPath) -> str:
+  name = ".".join(str(k) for k in key_path)
+  names.check_name(name, "leaf", fix="leaf keys are names: no '/' at the start, no "
+                   "'.'/'..' component, no NUL")
+  if str(tuple(str(k) for k in key_path)) not in item.meta["tree_metadata"]:
+    raise FileNotFoundError(f"leaf {name!r} is not in the checkpoint at {item.pinned.path}")
+  return name
 
 
 def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index, *,
@@ -79,72 +99,154 @@ def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index
   Raises:
     FileNotFoundError: no such item or leaf, or a chunk file of it is missing.
     errors.CorruptCheckpointError: the chunk file has the wrong size.
+    PermissionDeniedError: as :func:`read_item_leaf`.
   """
-  item_dir = pathlib.Path(item_dir).absolute()
   index = tuple((int(a), int(b)) for a, b in index)
-  chunk = _stored_chunk(item_dir, key_path, index)
-  if chunk is None:
-    return read_item_leaf(item_dir, key_path, index)
-  path, dtype = chunk
-  out = allocate(tuple(b - a for a, b in index), dtype)
-  size = path.stat().st_size
-  # Opened beneath the item's directory, no symlink followed (names.py).
-  if size != out.nbytes or direct_io.read_file(
-      path.relative_to(item_dir), out, beneath=item_dir) != out.nbytes:
-    raise errors.CorruptCheckpointError(
-        f"{path} holds {size} bytes where the chunk {[list(i) for i in index]} of "
-        f"{'.'.join(map(str, key_path))!r} takes {out.nbytes}: the file is corrupt or was "
-        "changed after the save")
+  with items.opened(pathlib.Path(item_dir).absolute()) as item:
+    name = _leaf_name(item, key_path)
+    zarray = _zarray(item, name)
+    chunk = None if zarray is None else files.whole_chunk(
+        index, zarray.chunks, zarray.separator)
+    fd = None if chunk is None else _open_chunk(item, f"{name}/{chunk}")
+    if fd is None:  # not one whole chunk, or one never stored (all fill value)
+      return _read_leaf(item, key_path, index)
+    try:
+      assert zarray is not None
+      out = allocate(tuple(b - a for a, b in index), zarray.dtype)
+      size = os.fstat(fd).st_size
+      if size != out.nbytes or direct_io.read_at(fd, out, 0) != out.nbytes:
+        raise errors.CorruptCheckpointError(
+            f"{os.path.join(item.pinned.path, name, chunk)} holds {size} bytes where the "
+            f"chunk {[list(i) for i in index]} of {name!r} takes {out.nbytes}: the file is "
+            "corrupt or was changed after the save")
+      return out
+    finally:
+      os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Zarray:
+  """An uncompressed, C-order, little-endian Zarr v2 array's ``.zarray``: what a read of
+  its chunk files needs."""
+
+  shape: tuple[int, ...]
+  chunks: tuple[int, ...]
+  dtype: np.dtype
+  separator: str
+  fill_value: Any
+
+
+def _zarray(item: items.Item, name: str) -> _Zarray | None:
+  """The leaf's ``.zarray``, read beneath the item with no symlink followed, if it is one
+  whose chunk files are its bytes as they are; else None. Only a step saved without OCDBT
+  has a directory with a ``.zarray`` per leaf."""
+  try:
+    zarray = json.loads(items.read_small(item.pinned, f"{name}/.zarray"))
+    dtype = np.dtype(zarray["dtype"])
+    dtypes_lib.dtype_of(dtype.newbyteorder("=").name)
+    shape = tuple(int(n) for n in zarray["shape"])
+    chunks = tuple(int(n) for n in zarray.get("chunks") or ())
+  except (FileNotFoundError, NotADirectoryError, KeyError, TypeError, ValueError,
+          errors.InvalidArgumentError, errors.CorruptCheckpointError):
+    return None
+  separator = zarray.get("dimension_separator", ".")
+  if (zarray.get("zarr_format") != 2 or zarray.get("compressor") or zarray.get("filters")
+      or zarray.get("order") != "C" or dtype.byteorder == ">" or len(chunks) != len(shape)
+      or any(c <= 0 for c in chunks) or separator not in (".", "/")):
+    return None
+  return _Zarray(shape, chunks, dtype.newbyteorder("="), separator, zarray.get("fill_value"))
+
+
+def _open_chunk(item: items.Item, name: str) -> int | None:
+  """A descriptor of the chunk file ``name`` (a plain file, no symlink followed), or None
+  where TensorStore never stored it (all fill value).
+
+  Raises:
+    OSError: a symlink on the way (ELOOP), or another error opening it.
+    CorruptCheckpointError: it is no plain file.
+    PermissionDeniedError: in a tree others can change, a file with more than one link
+      (perhaps someone else's file linked in).
+  """
+  try:
+    fd = item.pinned.open(name, os.O_RDONLY | os.O_NONBLOCK)
+  except FileNotFoundError:
+    return None
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      raise errors.CorruptCheckpointError(
+          f"{os.path.join(item.pinned.path, name)!r:.300} is not a plain file "
+          f"({stat.filemode(st.st_mode)})")
+    if item.pinned.untrusted is not None and st.st_nlink > 1:
+      raise errors.PermissionDeniedError(
+          f"{os.path.join(item.pinned.path, name)!r:.300} has {st.st_nlink} links, in a "
+          f"checkpoint whose files others can change ({item.pinned.untrusted.describe()}): "
+          "it may be another's file linked in; a chunk file a save wrote has one link")
+    return fd
+  except BaseException:
+    os.close(fd)
+    raise
+
+
+def _read_beneath(item: items.Item, name: str,
+                  index: Sequence[slice | tuple[int, int]] | None) -> np.ndarray:
+  """The block ``index`` of an uncompressed Zarr v2 leaf, its chunk files read whole
+  beneath the item (no symlink followed) and sliced; PermissionDeniedError for any other
+  kind of array (only TensorStore reads those)."""
+  zarray = _zarray(item, name)
+  if zarray is None:
+    raise item.pinned.refusal(f"the read of leaf {name!r}")
+  index = [slice(None)] * len(zarray.shape) if index is None else list(index)
+  box = []
+  for i, n in zip(index, zarray.shape, strict=False):
+    start, stop, step = _as_slice(i).indices(n)
+    if step != 1 or len(index) != len(zarray.shape) or (
+        not isinstance(i, slice) and not 0 <= i[0] <= i[1] <= n):
+      raise errors.InvalidArgumentError(
+          f"the block {index!r} does not lie in leaf {name!r} of shape {zarray.shape}")
+    box.append((start, max(start, stop)))
+  if len(box) != len(zarray.shape):
+    raise errors.InvalidArgumentError(
+        f"the block {index!r} does not lie in leaf {name!r} of shape {zarray.shape}")
+  out = np.empty(tuple(b - a for a, b in box), zarray.dtype)
+  chunk_bytes = math.prod(zarray.chunks) * zarray.dtype.itemsize
+  grid = [range(a // c, -(-b // c)) for (a, b), c in zip(box, zarray.chunks)]
+  for coords in itertools.product(*grid):
+    at = [k * c for k, c in zip(coords, zarray.chunks)]
+    inner = tuple(slice(max(a, s) - s, min(b, s + c) - s)
+                  for (a, b), s, c in zip(box, at, zarray.chunks))
+    where = tuple(slice(max(a, s) - a, min(b, s + c) - a)
+                  for (a, b), s, c in zip(box, at, zarray.chunks))
+    key = zarray.separator.join(map(str, coords)) if coords else "0"
+    fd = _open_chunk(item, f"{name}/{key}")
+    if fd is None:
+      out[where] = _fill(zarray, name)
+      continue
+    try:
+      chunk = np.empty(zarray.chunks, zarray.dtype)
+      size = os.fstat(fd).st_size
+      if size != chunk_bytes or direct_io.read_at(fd, chunk, 0) != chunk_bytes:
+        raise errors.CorruptCheckpointError(
+            f"{os.path.join(item.pinned.path, name, key)} holds {size} bytes where a chunk "
+            f"of {name!r} takes {chunk_bytes}: the file is corrupt or was changed after the "
+            "save")
+    finally:
+      os.close(fd)
+    out[where] = chunk[inner]
   return out
 
 
-def _reader(item_dir: pathlib.Path) -> tuple[dict[str, Any], ts.Context]:
-  """A committed item's parsed ``_METADATA``, and one TensorStore context to read its
-  leaves with: a restore reads each leaf apart, and a context per leaf would parse
-  the metadata and read an OCDBT step's manifest and b-tree again for every one."""
-  try:
-    stat = (item_dir / METADATA_FILE).stat()
-  except FileNotFoundError:
-    raise FileNotFoundError(
-        f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)") from None
-  # A step deleted and written again (its number reused) has a new _METADATA file.
-  return _cached_reader(str(item_dir), (stat.st_ino, stat.st_mtime_ns, stat.st_size))
-
-
-@functools.lru_cache(maxsize=4)  # the steps being restored; each caches <= 100 MB of OCDBT nodes
-def _cached_reader(item_dir: str, stamp: tuple[int, int, int]
-                   ) -> tuple[dict[str, Any], ts.Context]:
-  del stamp  # part of the key only
-  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-  meta = json.loads((pathlib.Path(item_dir) / METADATA_FILE).read_text())
-  return meta, ts_utils.get_ts_context(use_ocdbt=True)
-
-
-def _stored_chunk(item_dir: pathlib.Path, key_path: KeyPath, index: Index
-                  ) -> tuple[pathlib.Path, np.dtype] | None:
-  """The uncompressed Zarr v2 chunk file that holds exactly ``index``, if there is one.
-
-  Only a step saved without OCDBT has a directory with a ``.zarray`` per leaf.
-  """
-  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-  name = ".".join(str(k) for k in key_path)
-  files.leaf_dir(item_dir, name)  # a name, beneath the item (TensorStore opens it too)
-  directory = pathlib.Path(ts_utils.ArrayReadSpec(
-      item_dir.as_posix(), name, use_zarr3=False, use_ocdbt=False).json["kvstore"]["path"])
-  try:
-    zarray = json.loads((directory / ".zarray").read_text())
-    dtype = np.dtype(zarray["dtype"])
-    dtypes_lib.dtype_of(dtype.newbyteorder("=").name)
-  except (FileNotFoundError, KeyError, TypeError, ValueError, errors.InvalidArgumentError):
-    return None
-  chunk = files.whole_chunk(index, zarray.get("chunks") or (),
-                            zarray.get("dimension_separator", "."))
-  if (zarray.get("zarr_format") != 2 or zarray.get("compressor") or zarray.get("filters")
-      or zarray.get("order") != "C" or dtype.byteorder == ">" or chunk is None):
-    return None
-  path = directory / chunk
-  # A chunk TensorStore never stored (all fill value) has no file: it reads as such.
-  return (path, dtype.newbyteorder("=")) if path.is_file() else None
+def _fill(zarray: _Zarray, name: str) -> Any:
+  """The value of a chunk never stored: Zarr v2's ``fill_value`` (null: zero)."""
+  value = zarray.fill_value
+  if value is None:
+    return 0
+  if isinstance(value, (bool, int, float)):
+    return value
+  if value in ("NaN", "Infinity", "-Infinity") and zarray.dtype.kind in "fc":
+    return float(value.replace("Infinity", "inf"))
+  raise errors.CorruptCheckpointError(
+      f"leaf {name!r}: fill_value {value!r:.100} of its .zarray is not one this read knows")
 
 
 def _as_slice(i: slice | tuple[int, int]) -> slice:
@@ -155,27 +257,38 @@ def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
   """Every array leaf of a committed item, ours or stock Orbax's: key path, shape, dtype.
 
   Read from ``_METADATA`` and each array's TensorStore metadata; no data is read.
+
+  Raises:
+    PermissionDeniedError: as :func:`read_item_leaf`, for an array TensorStore must open.
   """
   import tensorstore as ts
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-  item_dir = pathlib.Path(item_dir).absolute()
-  meta, context = _reader(item_dir)
-  opened = []  # all at once: each open waits on storage
-  for entry in meta["tree_metadata"].values():
-    key_path = tuple(int(k["key"]) if k.get("key_type") == 1 else k["key"]
-                     for k in entry["key_metadata"])
-    spec = ts_utils.ArrayReadSpec(
-        item_dir.as_posix(), ".".join(str(k) for k in key_path),
-        use_zarr3=bool(meta.get("use_zarr3")), use_ocdbt=bool(meta.get("use_ocdbt")))
-    names.check_store_files(spec.json, f"leaf {key_path!r}")  # TensorStore follows symlinks
-    opened.append((key_path, entry, ts.open(spec.json, open=True, context=context)))
-  out = []
-  for key_path, entry, future in opened:
-    store = future.result()
-    out.append({"key_path": list(key_path), "shape": list(store.shape),
-                "dtype": np.dtype(store.dtype.numpy_dtype).name,
-                "kind": entry["value_metadata"]["value_type"]})
-  return out
+  with items.opened(pathlib.Path(item_dir).absolute()) as item:
+    leaves = []
+    for entry in item.meta["tree_metadata"].values():
+      key_path = tuple(int(k["key"]) if k.get("key_type") == 1 else k["key"]
+                       for k in entry["key_metadata"])
+      leaves.append((key_path, entry, _leaf_name(item, key_path)))
+    if item.pinned.untrusted is not None:  # each .zarray read beneath, or refused
+      out = []
+      for key_path, entry, name in leaves:
+        zarray = _zarray(item, name)
+        if zarray is None:
+          raise item.pinned.refusal(f"the metadata of leaf {name!r}")
+        out.append({"key_path": list(key_path), "shape": list(zarray.shape),
+                    "dtype": zarray.dtype.name, "kind": entry["value_metadata"]["value_type"]})
+      return out
+    opened = [(key_path, entry, ts.open(ts_utils.ArrayReadSpec(
+        item.pinned.proc, name, use_zarr3=bool(item.meta.get("use_zarr3")),
+        use_ocdbt=bool(item.meta.get("use_ocdbt"))).json, open=True, context=item.context))
+              for key_path, entry, name in leaves]  # all at once: each open waits on storage
+    out = []
+    for key_path, entry, future in opened:
+      store = future.result()
+      out.append({"key_path": list(key_path), "shape": list(store.shape),
+                  "dtype": np.dtype(store.dtype.numpy_dtype).name,
+                  "kind": entry["value_metadata"]["value_type"]})
+    return out
 
 
 def list_steps(directory: os.PathLike | str) -> list[int]:

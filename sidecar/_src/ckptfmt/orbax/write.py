@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io, names
+from sidecar._src.ckptfmt import direct_io, pinned as pinned_lib
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
@@ -67,81 +67,90 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   import tensorstore as ts
   from orbax.checkpoint._src.metadata import array_metadata_store
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-  item_dir = pathlib.Path(item_dir).absolute()
   if isinstance(host_index, bool) or not isinstance(host_index, int) or host_index < 0:
     raise errors.InvalidArgumentError(f"host_index must be an int >= 0, got {host_index!r}")
   files.check_unique(specs)
-  item_dir.mkdir(parents=True, exist_ok=True)
-  context = ts_utils.get_ts_context(use_ocdbt=False)
-  write_specs = [files.write_spec(item_dir, spec, host_index, use_compression) for spec in specs]
-  for w, spec in zip(write_specs, specs):  # TensorStore follows symlinks planted there
-    names.check_store_files(w.json, f"leaf {spec.param_name!r}")
-  # Host 0 creates every array (its .zarray), as Orbax's primary host does.
-  opened = [ts.open(w.json, create=host_index == 0, open=True,
-                    assume_metadata=host_index != 0, context=context)
-            for w in write_specs]
-  try:
-    sums = _write_shards(item_dir, specs, write_specs, opened, shards, use_compression, progress,
-                         turn)
-  except BaseException:
-    # The opens create .zarray files on TensorStore's threads: let them end before the
-    # caller removes the directory of a failed or aborted save (a file landing after the
-    # removal would leave the directory behind). Their own failures add nothing.
-    for f in opened:
-      with contextlib.suppress(Exception):
-        f.result()
-    raise
-  array_metas = [w.metadata for w, spec in zip(write_specs, specs)
-                 if spec.kind is LeafKind.JAX_ARRAY]
-  if array_metas:
-    files.write_text(item_dir / "array_metadatas" / f"process_{host_index}",
-                array_metadata_store.Serializer().serialize(array_metas))
+  # Made here, held by its descriptor: TensorStore writes through /proc/self/fd/N, which
+  # no rename above it redirects, into a tree nobody else can change (pinned.py).
+  with pinned_lib.pin(item_dir, make=True) as item:
+    if item.untrusted is not None:
+      raise item.refusal(f"the save into {item.path!r:.300}")
+    context = ts_utils.get_ts_context(use_ocdbt=False)
+    through = pathlib.Path(item.proc)
+    write_specs = [files.write_spec(through, spec, host_index, use_compression)
+                   for spec in specs]
+    # Host 0 creates every array (its .zarray), as Orbax's primary host does.
+    opened = [ts.open(w.json, create=host_index == 0, open=True,
+                      assume_metadata=host_index != 0, context=context)
+              for w in write_specs]
+    try:
+      sums = _write_shards(item, specs, write_specs, opened, shards, use_compression,
+                           progress, turn)
+    except BaseException:
+      # The opens create .zarray files on TensorStore's threads: let them end before the
+      # descriptor closes and the caller removes the directory of a failed or aborted
+      # save (a file landing after the removal would leave the directory behind). Their
+      # own failures add nothing.
+      for f in opened:
+        with contextlib.suppress(Exception):
+          f.result()
+      raise
+    array_metas = [w.metadata for w, spec in zip(write_specs, specs)
+                   if spec.kind is LeafKind.JAX_ARRAY]
+    if array_metas:
+      files.write_text_beneath(item, f"array_metadatas/process_{host_index}",
+                               array_metadata_store.Serializer().serialize(array_metas))
   return sums
 
 
-def _write_shards(item_dir: pathlib.Path, specs: Sequence[LeafSpec], write_specs: Sequence[Any],
+def _write_shards(item: pinned_lib.Pinned, specs: Sequence[LeafSpec], write_specs: Sequence[Any],
                   opened: Sequence[Any], shards: Iterable[StagedShard], use_compression: bool,
                   progress: Callable[[int], None] | None,
                   turn: direct_io.Turn) -> list[ShardChecksum]:
   """Writes each shard as it comes; returns their checksums once all are durable."""
   writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
   pending_sums: list[concurrent.futures.Future[ShardChecksum]] = []
-  checked: set[int] = set()  # leaves whose directory was checked for symlinks
   # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
                                               initializer=background_thread) as pool,
         concurrent.futures.ThreadPoolExecutor(1, "sidecar-ckpt-crc32c",
                                               initializer=background_thread) as checksums):
-    for shard in shards:
-      leaf = shard.leaf
-      if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
-        raise errors.InvalidArgumentError(f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
-      spec, w = specs[leaf], write_specs[leaf]
-      index, data = _resolve(spec, shard)
-      name = _chunk_file(item_dir, w, index, data, use_compression)
-      if name is not None:  # The common case: one uncompressed chunk, its bytes as they are.
-        write: Any = pool.submit(functools.partial(direct_io.write_file, beneath=item_dir),
-                                 name, data, turn)
-      else:
-        if leaf not in checked:  # TensorStore writes its files by path: checked again
-          names.check_store_files(w.json, f"leaf {spec.param_name!r}")
-          checked.add(leaf)
-        store = opened[leaf].result()
-        target = store[tuple(slice(a, b) for a, b in index)]
-        if turn is direct_io.no_turn:  # TensorStore's own threads, as many as it likes
-          write = target.write(data, can_reference_source_data_indefinitely=True)
-        else:  # one of the pool's, in a turn
-          write = pool.submit(_write_through, target, data, turn)
-      writes.append((write, data.nbytes))
-      # The checksum too: those of the first parts then run while the trainer is
-      # still copying the rest, not while it trains.
-      pending_sums.append(checksums.submit(_checksum, spec, index, data))
-    for f in opened:
-      f.result()  # .zarray written (host 0), or the spec checked
-    for write, nbytes in writes:
-      write.result()  # Durable: both paths fsync before they resolve.
-      if progress is not None:
-        progress(nbytes)
+    try:
+      for shard in shards:
+        leaf = shard.leaf
+        if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
+          raise errors.InvalidArgumentError(
+              f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
+        spec, w = specs[leaf], write_specs[leaf]
+        index, data = _resolve(spec, shard)
+        name = _chunk_file(item.proc, w, index, data, use_compression)
+        if name is not None:  # The common case: one uncompressed chunk, its bytes as they are.
+          write: Any = pool.submit(functools.partial(direct_io.write_file, beneath=item),
+                                   name, data, turn)
+        else:
+          store = opened[leaf].result()
+          target = store[tuple(slice(a, b) for a, b in index)]
+          if turn is direct_io.no_turn:  # TensorStore's own threads, as many as it likes
+            write = target.write(data, can_reference_source_data_indefinitely=True)
+          else:  # one of the pool's, in a turn
+            write = pool.submit(_write_through, target, data, turn)
+        writes.append((write, data.nbytes))
+        # The checksum too: those of the first parts then run while the trainer is
+        # still copying the rest, not while it trains.
+        pending_sums.append(checksums.submit(_checksum, spec, index, data))
+      for f in opened:
+        f.result()  # .zarray written (host 0), or the spec checked
+      for write, nbytes in writes:
+        write.result()  # Durable: both paths fsync before they resolve.
+        if progress is not None:
+          progress(nbytes)
+    except BaseException:
+      # TensorStore's writes go through the item's descriptor: none may still run once it
+      # closes (its number may then name another directory).
+      for write, _ in writes:
+        with contextlib.suppress(Exception):
+          write.result()
+      raise
     return [f.result() for f in pending_sums]
 
 
@@ -184,7 +193,7 @@ def _resolve(spec: LeafSpec, shard: StagedShard) -> tuple[Index, np.ndarray]:
   return index, data
 
 
-def _chunk_file(item_dir: pathlib.Path, spec: ts_utils.ArrayWriteSpec, index: Index,
+def _chunk_file(item_dir: str, spec: ts_utils.ArrayWriteSpec, index: Index,
                 data: np.ndarray, use_compression: bool) -> str | None:
   """The Zarr v2 chunk file that holds exactly ``data``, if it can be written as is: its
   name in ``item_dir`` (opened beneath it, ``names.open_beneath``).

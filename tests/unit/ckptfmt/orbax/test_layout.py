@@ -259,9 +259,9 @@ def test_read_item_shard_reads_whole_chunks_from_their_files(
   else:
     item = (stock_plain_dir if writer == "stock_zstd" else stock_dir) / "0" / spec_lib.ITEM
   direct, allocated = [], []
-  read_file = direct_io.read_file
-  monkeypatch.setattr(direct_io, "read_file",
-                      lambda path, out, **kw: direct.append(path) or read_file(path, out, **kw))
+  read_at = direct_io.read_at
+  monkeypatch.setattr(direct_io, "read_at",
+                      lambda fd, out, at: direct.append(fd) or read_at(fd, out, at))
 
   def allocate(shape, dtype):
     allocated.append(np.empty(shape, dtype))
