@@ -148,3 +148,20 @@ def test_orbax_integration_api_is_pinned():
   assert sidecar.orbax.__all__ == [
       "FeedStateHandler", "FeedStateRestore", "FeedStateSave", "SidecarCheckpointHandler",
       "SidecarRestore", "SidecarSave"]
+
+
+def test_the_old_spellings_live_exactly_while_the_version_is_before_their_removal():
+  """pyproject.toml's version said the API changed (0.2.0); the release that reaches
+  ``REMOVED_IN`` must drop ``MOVED`` (and CHANGELOG.md say so) before this passes again."""
+  import tomllib
+
+  from sidecar._src.core import deprecation
+  from tests.support.paths import ROOT
+  version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+  as_tuple = lambda v: tuple(int(p) for p in v.split(".")[:3])  # noqa: E731
+  assert (as_tuple(deprecation.DEPRECATED_IN) <= as_tuple(version)
+          < as_tuple(deprecation.REMOVED_IN)), version
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  assert f"## {version}" in changelog
+  assert all(f"{module}.{name}" in changelog and new in changelog
+             for module, name, new in MOVED)
