@@ -3,6 +3,8 @@
 import importlib as _importlib
 import typing as _typing
 
+from sidecar._src.core import deprecation as _deprecation
+
 if _typing.TYPE_CHECKING:
   from sidecar import (  # jax, orbax, torch: reached, not in __all__
     distributed,
@@ -51,7 +53,8 @@ if _typing.TYPE_CHECKING:
 # Grain take seconds), so ``sidecar serve``, ``sidecar status`` and ``sidecar launch``
 # start without them; the first use of a name imports its module (PEP 562).
 # JAX's ``Controller`` and ``Worker`` are ``sidecar.jax``'s, PyTorch's ``sidecar.torch``'s:
-# one door each (``_MOVED`` says where a name that left the root went).
+# one door each. ``_MOVED``: names that left the root in 0.2.0; each still works until
+# 0.3.0, with a DeprecationWarning naming its new spelling (CHANGELOG.md).
 _ERRORS = "sidecar._src.core.errors"
 _REGISTRY = "sidecar._src.user.registry"
 _HOME = {
@@ -70,8 +73,11 @@ _HOME = {
         "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
 }
 _SUBMODULES = ("distributed", "elastic", "testing")
-_MOVED = {"Controller": "sidecar.jax.Controller (PyTorch: sidecar.torch.Controller)",
-          "Worker": "sidecar.jax.Worker"}
+_MOVED = {
+    "Controller": _deprecation.Moved("sidecar.jax.Controller",
+                                     note="PyTorch: sidecar.torch.Controller"),
+    "Worker": _deprecation.Moved("sidecar.jax.Worker"),
+}
 # Reached as ``sidecar.jax.Controller`` after a bare ``import sidecar``, but left out of
 # ``__all__``: ``from sidecar import *`` must not import JAX or torch.
 _FRAMEWORKS = ("jax", "orbax", "torch")
@@ -79,9 +85,7 @@ _FRAMEWORKS = ("jax", "orbax", "torch")
 
 def __getattr__(name: str) -> _typing.Any:
   if name not in _SUBMODULES and name not in _FRAMEWORKS and name not in _HOME:
-    if name in _MOVED:
-      raise AttributeError(f"sidecar.{name} is {_MOVED[name]}: import sidecar.jax")
-    raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
+    return _deprecation.resolve(__name__, name, _MOVED)  # AttributeError if never ours
   try:
     if name in _SUBMODULES or name in _FRAMEWORKS:
       return _importlib.import_module(f"sidecar.{name}")

@@ -11,7 +11,12 @@ Example::
   sidecar.jax.initialize()                  # multi-controller JAX: before any other JAX call
   ctl = sidecar.jax.Controller.from_env()   # every sidecar; this process drives its own host
   feed = ctl.feed("images", sharding=sharding, global_batch_size=256)
-  ckpt = ctl.checkpointer("/ckpt/run1", max_to_keep=3)
+  ckpt = ctl.checkpointer("/ckpt/run1", max_to_keep=3)   # a sidecar.jax.Checkpointer
+  handle = ckpt.save(step, state)                         # a sidecar.jax.SaveHandle
+
+``Checkpointer`` is the type of what ``ctl.checkpointer`` returns (for ``isinstance`` and
+annotations; make one with ``ctl.checkpointer``); ``sidecar.torch.Checkpointer`` is built
+on it.
 """
 
 from sidecar._src.core import extras as _extras
@@ -21,8 +26,21 @@ try:
 except ImportError as _e:
   raise _extras.missing(_e, "sidecar.jax") from _e
 
+from typing import Any as _Any
+
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.target import SaveHandle
+from sidecar._src.core import deprecation as _deprecation
 from sidecar._src.jax.controller import Controller
 from sidecar._src.jax.distributed import JaxPeers, initialize, is_initialized
 from sidecar._src.jax.worker import Worker
 
-__all__ = ["Controller", "JaxPeers", "Worker", "initialize", "is_initialized"]
+__all__ = ["Checkpointer", "Controller", "JaxPeers", "SaveHandle", "Worker", "initialize",
+           "is_initialized"]
+
+# Left for the root in 0.2.0 (both frameworks' options); works until 0.3.0, with a warning.
+_MOVED = {"FeedOptions": _deprecation.Moved("sidecar.FeedOptions")}
+
+
+def __getattr__(name: str) -> _Any:
+  return _deprecation.resolve(__name__, name, _MOVED)

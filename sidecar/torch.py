@@ -12,6 +12,10 @@ Example::
     if step % 100 == 0:
       ckpt.save(step, {"model": model.state_dict(), "data": loader.state_dict()})
 
+``Checkpointer`` is a class, built on the one core class that ``sidecar.jax.Checkpointer``
+names (with DCP's agreement and layout): ``isinstance(ckpt, sidecar.torch.Checkpointer)``
+holds for what it made, and its ``save`` returns a ``SaveHandle``, JAX's and PyTorch's alike.
+
 Importing it loads neither jax nor jaxlib, and ``torch.distributed.checkpoint`` (2.5 s of
 CPU here) only once a checkpoint class is first named: a rank that only reads batches
 starts without it.
@@ -20,6 +24,7 @@ starts without it.
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from sidecar._src.core import deprecation as _deprecation
 from sidecar._src.torch.controller import Controller, connect
 from sidecar._src.torch.distributed import Ranks, TorchPeers, ranks
 from sidecar._src.torch.loader import DataLoader
@@ -33,11 +38,13 @@ __all__ = ["Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle",
 
 _WITH_DCP = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer",
              "StorageReader": "storage", "StorageWriter": "storage"}
+# Left for the root in 0.2.0 (both frameworks' options); works until 0.3.0, with a warning.
+_MOVED = {"CheckpointOptions": _deprecation.Moved("sidecar.CheckpointOptions")}
 
 
 def __getattr__(name: str) -> Any:
   if (module := _WITH_DCP.get(name)) is None:
-    raise AttributeError(f"module 'sidecar.torch' has no attribute {name!r}")
+    return _deprecation.resolve(__name__, name, _MOVED)  # AttributeError if never ours
   value = getattr(importlib.import_module(f"sidecar._src.torch.{module}"), name)
   globals()[name] = value
   return value

@@ -135,7 +135,7 @@ def test_the_image_holds_nothing_of_its_build_and_nothing_uid_1000_may_write(pod
   done = podman("run", "--rm", "--no-healthcheck", "--network", "none", "--entrypoint", "sh",
                 image, "-c", check)
   freeze, leftovers, compilers, writable, owned, ids = done.stdout.split("==\n")
-  assert labels == freeze.split() and "colocated-sidecar==0.1.0" in labels
+  assert labels == freeze.split() and "colocated-sidecar==0.2.0" in labels
   assert (leftovers, compilers) == ("", ""), "the build left sources, wheels or compilers"
   assert (writable, owned) == ("", ""), f"uid 1000 may write outside its home: {writable}{owned}"
   assert ids.split() == ["1000", "1000"]
@@ -243,6 +243,6 @@ def test_a_trainer_of_other_versions_gets_version_mismatch_listing_each(pod, spe
                  extra=("--volume", f"{fake}:/versions:ro"))
   r = result(done.stdout + done.stderr)
   assert r["error"] == "VersionMismatchError", r
-  assert "package: 0.0.1 here, 0.1.0 there" in r["message"], r["message"]
+  assert "package: 0.0.1 here, 0.2.0 there" in r["message"], r["message"]
   assert "jax: 0.4.1 here, 0.10" in r["message"], r["message"]
 

@@ -19,6 +19,27 @@ def test_importing_the_package_its_decorators_or_the_cli_loads_no_jax_grpc_or_gr
   assert out.splitlines() == ["[]", "[]"], out
 
 
+def test_star_import_loads_no_framework_and_a_moved_name_loads_jax_only_when_used():
+  # `from sidecar import *` takes every name of __all__ (sidecar.elastic, sidecar.testing,
+  # sidecar.distributed among them): none may import JAX or torch. The names moved in 0.2.0
+  # (sidecar.Controller, sidecar.distributed.initialize) import JAX when used, not before.
+  import subprocess
+  import sys
+  script = ("import sys, warnings; warnings.simplefilter('ignore', DeprecationWarning); "
+            "heavy = lambda: sorted(m for m in ('jax', 'jaxlib', 'torch', 'grain', 'orbax', "
+            "'tensorstore') if m in sys.modules); "
+            "from sidecar import *; print(heavy()); "
+            "import sidecar; print(sorted(n for n in sidecar.__all__ if n not in globals())); "
+            "print(callable(elastic.retry), heavy()); "
+            "from sidecar import Controller; print(Controller.__module__, 'jax' in sys.modules); "
+            "print(distributed.initialize.__module__)")
+  out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                       text=True, timeout=120).stdout
+  assert out.splitlines() == [
+      "[]", "[]", "True []", "sidecar._src.jax.controller True",
+      "sidecar._src.jax.distributed"], out
+
+
 def test_importing_sidecar_torch_loads_no_jax_and_dcp_once_a_checkpoint_class_is_named():
   import subprocess
   import sys

@@ -1,3 +1,5 @@
+import typing
+
 import pytest
 
 import sidecar
@@ -46,23 +48,99 @@ def test_torch_api_is_pinned():
       "StorageReader", "StorageWriter", "TorchPeers", "connect", "ranks"]
   for name in sidecar.torch.__all__:
     assert getattr(sidecar.torch, name) is not None
-  # One door per name: CheckpointOptions is both frameworks', sidecar's alone.
-  assert not hasattr(sidecar.torch, "CheckpointOptions")
+  # One door per name: CheckpointOptions is both frameworks', sidecar's alone (the old
+  # spelling warns until 0.3.0: test_a_moved_name_warns_with_its_new_spelling_and_works).
+  assert "CheckpointOptions" not in dir(sidecar.torch)
 
 
-def test_jax_api_is_pinned_and_the_root_controller_is_its():
+def test_jax_api_is_pinned():
   import sidecar.jax
   assert sidecar.jax.__all__ == [
-      "Controller", "JaxPeers", "Worker", "initialize", "is_initialized"]
+      "Checkpointer", "Controller", "JaxPeers", "SaveHandle", "Worker", "initialize",
+      "is_initialized"]
   for name in sidecar.jax.__all__:
     assert getattr(sidecar.jax, name) is not None
-  # One door per name: JAX's classes are sidecar.jax's alone; a name that left the root
-  # says where it went.
-  for name in ("Controller", "Worker"):
-    with pytest.raises(AttributeError, match=f"sidecar.{name} is sidecar.jax.{name}"):
-      getattr(sidecar, name)
-  assert not hasattr(sidecar.jax, "FeedOptions")
-  assert not hasattr(sidecar.distributed, "initialize")
+  # One door per name: JAX's classes are sidecar.jax's alone.
+  assert "FeedOptions" not in dir(sidecar.jax)
+  assert "initialize" not in dir(sidecar.distributed)
+  assert {"Controller", "Worker"}.isdisjoint(dir(sidecar))
+
+
+def test_the_object_a_user_saves_with_has_one_public_type_in_both_frameworks():
+  import sidecar.jax
+  import sidecar.torch
+  from sidecar._src.controller.checkpoint import checkpointer, target
+  # ctl.checkpointer's class is sidecar.jax's; PyTorch's is a class built on it (a call
+  # makes one, as when it was a function), so isinstance works against either.
+  assert sidecar.jax.Checkpointer is checkpointer.Checkpointer
+  assert isinstance(sidecar.torch.Checkpointer, type)
+  assert issubclass(sidecar.torch.Checkpointer, sidecar.jax.Checkpointer)
+  assert sidecar.jax.SaveHandle is sidecar.torch.SaveHandle is target.SaveHandle
+  returns = typing.get_type_hints(sidecar.jax.Controller.checkpointer)["return"]
+  assert returns is sidecar.jax.Checkpointer
+
+
+# Every public name removed since 0.1.0 (git log -- sidecar/__init__.py sidecar/*.py) and
+# its new spelling: each works until 0.3.0, with a DeprecationWarning naming the new one.
+MOVED = [
+    ("sidecar", "Controller", "sidecar.jax.Controller"),
+    ("sidecar", "Worker", "sidecar.jax.Worker"),
+    ("sidecar.distributed", "initialize", "sidecar.jax.initialize"),
+    ("sidecar.distributed", "is_initialized", "sidecar.jax.is_initialized"),
+    ("sidecar.distributed", "JaxPeers", "sidecar.jax.JaxPeers"),
+    ("sidecar.jax", "FeedOptions", "sidecar.FeedOptions"),
+    ("sidecar.torch", "CheckpointOptions", "sidecar.CheckpointOptions"),
+]
+
+
+def _value(dotted: str):
+  import importlib
+  module, _, name = dotted.rpartition(".")
+  return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("module, name, new", MOVED, ids=[f"{m}.{n}" for m, n, _ in MOVED])
+def test_a_moved_name_warns_with_its_new_spelling_and_works(module, name, new):
+  import importlib
+  home = importlib.import_module(module)
+  with pytest.warns(DeprecationWarning, match=rf"^{module}\.{name} is deprecated since "
+                    rf"0\.2\.0 and goes in 0\.3\.0: use {new}\b") as caught:
+    value = getattr(home, name)
+  assert value is _value(new)
+  assert [w.filename for w in caught] == [__file__]  # points at the user's line
+  assert name not in home.__all__  # from sidecar import * takes no moved name
+
+
+@pytest.mark.parametrize("module, name, new", MOVED, ids=[f"{m}.{n}" for m, n, _ in MOVED])
+def test_from_import_of_a_moved_name_warns_once_and_works(module, name, new):
+  with pytest.warns(DeprecationWarning, match=f"use {new}") as caught:
+    exec(f"from {module} import {name} as value", namespace := {})
+  assert namespace["value"] is _value(new)
+  assert len(caught) == 1, [str(w.message) for w in caught]
+
+
+def test_from_sidecar_import_controller_names_the_pytorch_spelling_too():
+  import sidecar.jax
+  with pytest.warns(DeprecationWarning) as caught:
+    from sidecar import Controller
+  assert Controller is sidecar.jax.Controller
+  assert str(caught[0].message) == (
+      "sidecar.Controller is deprecated since 0.2.0 and goes in 0.3.0: use "
+      "sidecar.jax.Controller (PyTorch: sidecar.torch.Controller)")
+  assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("module", ["sidecar", "sidecar.distributed", "sidecar.jax",
+                                    "sidecar.torch", "sidecar.elastic"])
+def test_a_name_that_never_was_public_is_a_plain_attribute_error(module):
+  import importlib
+  import warnings
+  home = importlib.import_module(module)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # and no warning
+    with pytest.raises(AttributeError, match=f"^module '{module}' has no attribute 'nope'$"):
+      home.nope  # noqa: B018
+    assert not hasattr(home, "Nope")
 
 
 def test_orbax_integration_api_is_pinned():
@@ -70,3 +148,20 @@ def test_orbax_integration_api_is_pinned():
   assert sidecar.orbax.__all__ == [
       "FeedStateHandler", "FeedStateRestore", "FeedStateSave", "SidecarCheckpointHandler",
       "SidecarRestore", "SidecarSave"]
+
+
+def test_the_old_spellings_live_exactly_while_the_version_is_before_their_removal():
+  """pyproject.toml's version said the API changed (0.2.0); the release that reaches
+  ``REMOVED_IN`` must drop ``MOVED`` (and CHANGELOG.md say so) before this passes again."""
+  import tomllib
+
+  from sidecar._src.core import deprecation
+  from tests.support.paths import ROOT
+  version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+  as_tuple = lambda v: tuple(int(p) for p in v.split(".")[:3])  # noqa: E731
+  assert (as_tuple(deprecation.DEPRECATED_IN) <= as_tuple(version)
+          < as_tuple(deprecation.REMOVED_IN)), version
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  assert f"## {version}" in changelog
+  assert all(f"{module}.{name}" in changelog and new in changelog
+             for module, name, new in MOVED)

@@ -39,13 +39,11 @@ __all__ = ["CheckpointOptions", "Checkpointer", "DcpAgreement", "SaveHandle"]
 _instances = itertools.count()  # every rank makes its Checkpointers in the same order
 
 
-def Checkpointer(directory: str | os.PathLike, *, max_to_keep: int | None = None,  # noqa: N802
-                 replicas: int = 0, if_busy: str = "wait",
-                 options: CheckpointOptions | None = None,
-                 controller: core.Controller | None = None) -> checkpointer_lib.Checkpointer:
+class Checkpointer(checkpointer_lib.Checkpointer):
   """Steps of a training run as DCP checkpoints under ``directory``, through the sidecars:
   the one :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` (as
-  ``ctl.checkpointer``'s) with DCP's agreement plug (:class:`DcpAgreement`).
+  ``ctl.checkpointer``'s, ``sidecar.jax.Checkpointer``) with DCP's agreement plug
+  (:class:`DcpAgreement`).
 
   Example::
 
@@ -71,16 +69,21 @@ def Checkpointer(directory: str | os.PathLike, *, max_to_keep: int | None = None
       ``keep_period`` and ``replica_bandwidth``.
     controller: default this rank's, from :func:`sidecar.torch.connect`.
   """
-  options = options_or(options, max_to_keep=max_to_keep, replicas=replicas, if_busy=if_busy)
-  ctl = torch_controller.controller_or_connect(controller)
-  # Saves run on their own thread: their collectives get a group of their own, so they
-  # never interleave with the training step's on the default group.
-  group: Any = (dist.new_group(backend="gloo")
-                if dist.is_initialized() and dist.get_world_size() > 1 else None)
-  return checkpointer_lib.Checkpointer(
-      directory, site=ctl.checkpoint_sidecars(), options=options, peers=ctl.peers,
-      agreement=functools.partial(DcpAgreement, controller=ctl, group=group),
-      key=f"torch-ckpt/{next(_instances)}")
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
+               replicas: int = 0, if_busy: str = "wait",
+               options: CheckpointOptions | None = None,
+               controller: core.Controller | None = None):
+    options = options_or(options, max_to_keep=max_to_keep, replicas=replicas, if_busy=if_busy)
+    ctl = torch_controller.controller_or_connect(controller)
+    # Saves run on their own thread: their collectives get a group of their own, so they
+    # never interleave with the training step's on the default group.
+    group: Any = (dist.new_group(backend="gloo")
+                  if dist.is_initialized() and dist.get_world_size() > 1 else None)
+    super().__init__(
+        directory, site=ctl.checkpoint_sidecars(), options=options, peers=ctl.peers,
+        agreement=functools.partial(DcpAgreement, controller=ctl, group=group),
+        key=f"torch-ckpt/{next(_instances)}")
 
 
 class DcpAgreement(Agreement):

@@ -33,7 +33,7 @@ sys.meta_path.insert(0, _NotInstalled())
 '''
 
 _TRAINER = r'''
-import json, sys
+import json, sys, warnings
 
 import torch
 
@@ -58,6 +58,7 @@ with LocalCluster(1, 1, imports=imports, shm_size="16MiB", configure_jax=False) 
     out["a"] = b["a"][0].tolist()
     out["is_pair"] = type(b["pair"]) is Pair
     ckpt = sidecar.torch.Checkpointer(sys.argv[1], controller=ctl)
+    out["is_checkpointer"] = isinstance(ckpt, sidecar.torch.Checkpointer)
     bf16 = torch.bfloat16
     saved = {"w": torch.arange(12.0).reshape(3, 4), "n": {"b": torch.ones(2, dtype=bf16)}}
     out["durable"] = ckpt.save(1, saved).durable.result(60)
@@ -66,11 +67,13 @@ with LocalCluster(1, 1, imports=imports, shm_size="16MiB", configure_jax=False) 
                        and torch.equal(back["n"]["b"], saved["n"]["b"]))
     ckpt.close()
     out["sidecar_loaded"] = ctl.call("frameworks_loaded")
-for name in ("Controller", "Worker"):
-  try:
-    getattr(sidecar, name)
-  except AttributeError as e:
-    out[name] = str(e)
+for name in ("Controller", "Worker"):  # moved to sidecar.jax in 0.2.0: warn, then need JAX
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      getattr(sidecar, name)
+    except ImportError as e:
+      out[name] = [str(e), *(str(w.message) for w in caught)]
 try:
   import sidecar.jax
 except ImportError as e:
@@ -92,10 +95,15 @@ def test_a_torch_feed_and_checkpoint_run_with_no_jax_grain_orbax_or_tensorstore(
       "keys": ["a", "pair", "z"], "types": ["Tensor", "Pair", "list", "tuple"],
       "z": [4.0, 5.0, 6.0, 7.0], "pair": [[4, 5, 6, 7], None, [-4, -5, -6, -7]],
       "a": [2.0, 2.5, 3.0, 3.5], "is_pair": True, "durable": 1, "restored": True,
-      "sidecar_loaded": [[]], "trainer_loaded": [],
-      "Controller": "sidecar.Controller is sidecar.jax.Controller (PyTorch: "
-                    "sidecar.torch.Controller): import sidecar.jax",
-      "Worker": "sidecar.Worker is sidecar.jax.Worker: import sidecar.jax",
+      "is_checkpointer": True, "sidecar_loaded": [[]], "trainer_loaded": [],
+      "Controller": [
+          f"sidecar.Controller (now sidecar.jax.Controller) needs jax, which is not "
+          f"installed: {hint}",
+          "sidecar.Controller is deprecated since 0.2.0 and goes in 0.3.0: use "
+          "sidecar.jax.Controller (PyTorch: sidecar.torch.Controller)"],
+      "Worker": [
+          f"sidecar.Worker (now sidecar.jax.Worker) needs jax, which is not installed: {hint}",
+          "sidecar.Worker is deprecated since 0.2.0 and goes in 0.3.0: use sidecar.jax.Worker"],
       "sidecar.jax": f"sidecar.jax needs jax, which is not installed: {hint}"}
 
 

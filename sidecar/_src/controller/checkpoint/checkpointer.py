@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.registry import ORBAX
@@ -411,7 +411,7 @@ class Checkpointer:
       self._closed = True
       self._client.close()  # its busy retries, if any
 
-  def __enter__(self) -> Checkpointer:
+  def __enter__(self) -> Self:  # sidecar.torch.Checkpointer's too
     return self
 
   def __exit__(self, *exc) -> None:
