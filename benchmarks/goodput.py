@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                  help="mean seconds between kills (default: 12 quick, else 90)")
   p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
   p.add_argument("--calibrate-steps", type=int, default=None,
-                 help="steps of each calibration run (default: 80 tiny, 60 chip)")
+                 help="steps of each calibration run (default: 150 tiny, 80 chip)")
   p.add_argument("--calibrate-every", type=int, default=10,
                  help="k_cal: steps between saves in the calibration runs")
   p.add_argument("--resident-steps", type=int, default=None,
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
   tiny = args.config == "tiny"
   wall = args.wall or (30.0 if args.quick else 300.0)
   mtbf = args.mtbf or (12.0 if args.quick else 90.0)
-  n_cal = args.calibrate_steps or (80 if tiny else 60)
+  n_cal = args.calibrate_steps or (150 if tiny else 80)
   k_cal = args.calibrate_every
   resident = args.resident_steps or (300 if tiny else 100)
   shm = args.shm_size or ("512MiB" if tiny else "12GiB")
@@ -280,20 +280,16 @@ def main(argv: list[str] | None = None) -> int:
       return Job(system, name=name, config=args.config, data=data, work=work,
                  save_every=save_every, env=env, shm=shm, restarts=len(kills) + 2)
 
-    say(f"ours, no failures, no saves, {wall:g} s: the reference losses and r_0")
-    reference = job("ours", "ours-reference", NEVER).run(wall=wall)
-    rates = {"ours": {"none": reference.rate()}}
-    say(f"ours, saving every {k_cal}, to step {n_cal}")
-    rates["ours"]["saving"] = job("ours", "ours-cal", k_cal).run(until_step=n_cal).rate()
-    say(f"baseline, no saves, to step {n_cal}")
-    base_none = job("baseline", "baseline-none", NEVER).run(until_step=n_cal)
-    say(f"baseline, saving every {k_cal}, to step {n_cal}")
-    base_saving = job("baseline", "baseline-cal", k_cal).run(until_step=n_cal)
-    rates["baseline"] = {"none": base_none.rate(), "saving": base_saving.rate()}
+    rates: dict[str, dict[str, float]] = {}
+    calibration: dict[str, Job] = {}
+    for system in SYSTEMS:
+      say(f"{system}: calibration, no saves, to step {n_cal}")
+      calibration[system] = job(system, f"{system}-none", NEVER).run(until_step=n_cal)
+      say(f"{system}: calibration, saving every {k_cal}, to step {n_cal}")
+      saving = job(system, f"{system}-cal", k_cal).run(until_step=n_cal)
+      rates[system] = {"none": calibration[system].rate(), "saving": saving.rate()}
     intervals = {s: save_interval(rate_none=r["none"], rate_saving=r["saving"], k_cal=k_cal)
                  for s, r in rates.items()}
-    report["same_order"] = ledger.loss_diffs(base_none.lines, reference.lines)
-
     runs, accounts = {}, {}
     for system in SYSTEMS:
       k, lost = intervals[system]
@@ -302,8 +298,15 @@ def main(argv: list[str] | None = None) -> int:
       runs[system] = job(system, f"{system}-failures", k).run(wall=wall, kill_at=kills)
       accounts[system] = runs[system].account()
     own = sidecar_ledger(runs["ours"].ckpt, env)
+    last = max(line.step for r in runs.values() for line in r.lines)
+    say(f"ours, no failures, no saves, to step {last}: the reference losses")
+    reference = job("ours", "ours-reference", NEVER).run(until_step=last)
+    report["same_order"] = ledger.loss_diffs(calibration["baseline"].lines, reference.lines)
+    rates["ours"]["reference"] = reference.rate()
     say("floor: twice (the first fills the compilation cache if the trainers' did not)")
     floors = [floor(args.config, env, steps=0), floor(args.config, env, steps=resident)]
+    cache = env["JAX_COMPILATION_CACHE_DIR"]
+    report["compilation_cache_entries"] = len(os.listdir(cache)) if os.path.isdir(cache) else 0
 
     floor_s = floors[-1]["first_step_s"]
     rows = []
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_saving = statistics.mean(accounts["ours"].rates) if accounts["ours"].rates else 0.0
     resident_rate = floors[-1].get("resident_steps_per_s", 0.0)
     report["no_failures"] = {
-        "ours_no_saves_steps_per_s": rates["ours"]["none"],
+        "ours_no_saves_steps_per_s": rates["ours"]["reference"],
         "ours_saving_every_k_between_failures_steps_per_s": ours_saving,
         "ours_saving_every_k_cal_steps_per_s": rates["ours"]["saving"],
         "device_resident_steps_per_s": resident_rate}
@@ -356,12 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"external for ours:             {json.dumps({k: accounts['ours'].to_dict()[k] for k in ('wall_s', 'productive_s', 'goodput', 'badput_s')})}")
     ratio = lambda a, b: a / b if b else float("nan")
     print(f"no failures, steps/s: device-resident loop {resident_rate:.1f}; ours no saves "
-          f"{rates['ours']['none']:.1f} ({ratio(rates['ours']['none'], resident_rate):.3f}x); "
+          f"{rates['ours']['reference']:.1f} "
+          f"({ratio(rates['ours']['reference'], resident_rate):.3f}x); "
           f"ours saving every {intervals['ours'][0]} {ours_saving:.1f} "
           f"({ratio(ours_saving, resident_rate):.3f}x); baseline no saves "
           f"{rates['baseline']['none']:.1f} "
           f"({ratio(rates['baseline']['none'], resident_rate):.3f}x)")
-    print(f"floor: {json.dumps(floors[-1])}")
+    print(f"floor: {json.dumps(floors[-1])}; JAX compilation cache entries after the "
+          f"run: {report['compilation_cache_entries']}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, time.strftime("goodput-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:

@@ -2,13 +2,14 @@
 
   python -m benchmarks.goodput_floor --config tiny --spawned UNIX_TIME [--steps N]
 
-Imports JAX, opens the device, makes model.py's state and runs its step on one batch
-(compiled from JAX's persistent cache where ``JAX_COMPILATION_CACHE_DIR`` holds it, as
-every trainer of the benchmark has it): nothing any framework adds. The time from
-``--spawned`` (when the parent started this process) to that first step's loss is the
-floor every restart pays. Then, with ``--steps``, the same step ``N`` more times on that
-batch, kept on the device, with no feed and no saves, each loss read as train.py reads
-it (after the next step is queued): the steps/s the feed and the saves are held against.
+Imports JAX, opens the device, puts a state of model.py's shapes (zeros) and one batch
+there, and runs model.py's step (compiled from JAX's persistent cache where
+``JAX_COMPILATION_CACHE_DIR`` holds it, as every trainer of the benchmark has it):
+nothing any framework adds. The time from ``--spawned`` (when the parent started this
+process) to that first step's loss is the floor every restart pays. Then, with
+``--steps``, the same step ``N`` more times on that batch, kept on the device, with no
+feed and no saves, each loss read as train.py reads it (after the next step is queued):
+the steps/s the feed and the saves are held against.
 Prints one JSON line.
 """
 
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
   mesh = Mesh(np.array(devices), ("data",))
   replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   optimizer = model.make_optimizer(config)
-  state = model.init_state(config, optimizer, seed=0, sharding=replicated)
+  # Zeros put on the device, not init_state: its jit would add a compile of its own.
+  state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), replicated),
+                       model.abstract_state(config, optimizer))
   train_step = model.make_train_step(config, optimizer, state_sharding=replicated,
                                      batch_sharding=rows)
   tokens = np.random.default_rng(0).integers(0, config.vocab_size,
