@@ -130,40 +130,46 @@ class Job:
       self.t0 = time.time()
       launcher = subprocess.Popen(self.command, cwd=ROOT, env=self.env, stdout=log,
                                   stderr=subprocess.STDOUT)
-      pending = list(kill_at)
-      checked = 0.0
-      while launcher.poll() is None:
-        now = time.time()
-        alive = self._watch(launcher.pid, now, boot)
-        if pending and now - self.t0 >= pending[0] and alive:
-          os.kill(alive[-1], signal.SIGKILL)
-          self.lives[alive[-1]].update(end=now, killed=True)
-          self.kills.append(now - self.t0)
-          pending.pop(0)
-        if wall is not None and now - self.t0 >= wall:
-          break
-        if until_step is not None and now - checked > 0.25:
-          checked = now
-          lines = ledger.read_lines(self.metrics)
-          if lines and lines[-1].step >= until_step:
-            break
-        if now - self.t0 > limit:
-          break
-        time.sleep(POLL)
-      self.t_end = time.time()
-      self.exit = launcher.poll()
-      if self.exit is None:
-        launcher.send_signal(signal.SIGTERM)  # it stops its trainers and sidecars
-        try:
-          launcher.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-          launcher.kill()
-          launcher.wait()
+      try:
+        self._watch_until(launcher, boot, wall=wall, until_step=until_step,
+                          kill_at=list(kill_at), limit=limit)
+      finally:  # also on SIGTERM to the benchmark (SystemExit): stop what we started
+        self.t_end = time.time()
+        self.exit = launcher.poll()
+        if self.exit is None:
+          launcher.send_signal(signal.SIGTERM)  # it stops its trainers and sidecars
+          try:
+            launcher.wait(timeout=60)
+          except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
     for life in self.lives.values():
       if life["end"] is None:
         life["end"] = None if self.exit is None else self.t_end
     self.lines = ledger.read_lines(self.metrics)
     return self
+
+  def _watch_until(self, launcher: subprocess.Popen, boot: float, *, wall: float | None,
+                   until_step: int | None, kill_at: list[float], limit: float) -> None:
+    checked = 0.0
+    while launcher.poll() is None:
+      now = time.time()
+      alive = self._watch(launcher.pid, now, boot)
+      if kill_at and now - self.t0 >= kill_at[0] and alive:
+        os.kill(alive[-1], signal.SIGKILL)
+        self.lives[alive[-1]].update(end=now, killed=True)
+        self.kills.append(now - self.t0)
+        kill_at.pop(0)
+      if wall is not None and now - self.t0 >= wall:
+        return
+      if until_step is not None and now - checked > 0.25:
+        checked = now
+        lines = ledger.read_lines(self.metrics)
+        if lines and lines[-1].step >= until_step:
+          return
+      if now - self.t0 > limit:
+        return
+      time.sleep(POLL)
 
   def _watch(self, launcher: int, now: float, boot: float) -> list[int]:
     alive = _trainers(launcher, self.script)
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                  help="directory for goodput-<time>.json")
   p.add_argument("--keep-work", action="store_true", help="keep the checkpoints and logs")
   args = p.parse_args(argv)
+  # SIGTERM (a timeout around the benchmark) unwinds as an exception: every launcher
+  # started here is stopped, and the partial results stay written.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   if args.quick:
     args.config = "tiny"
   tiny = args.config == "tiny"
@@ -262,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
       "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "jax-cache")}
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, time.strftime("goodput-%Y%m%d-%H%M%S.json"))
   report: dict = {"config": args.config, "wall_s": wall, "mtbf_s": mtbf, "seed": args.seed,
                   "calibration": {"steps": n_cal, "every": k_cal}}
   try:
@@ -275,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     report["kill_at_s"] = list(kills)
     say = lambda text: print(f"[goodput {time.time() - started:6.1f}s] {text}", flush=True)
     started = time.time()
+
+    def dump() -> None:  # after each phase: a run cut short still leaves what it measured
+      with open(path, "w") as f:
+        json.dump(report, f, indent=1)
 
     def job(system, name, save_every):
       return Job(system, name=name, config=args.config, data=data, work=work,
@@ -290,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
       rates[system] = {"none": calibration[system].rate(), "saving": saving.rate()}
     intervals = {s: save_interval(rate_none=r["none"], rate_saving=r["saving"], k_cal=k_cal)
                  for s, r in rates.items()}
+    report["calibration"].update(rates=rates, intervals=intervals)
+    dump()
     runs, accounts = {}, {}
     for system in SYSTEMS:
       k, lost = intervals[system]
@@ -297,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
           f"kills at {list(kills)}")
       runs[system] = job(system, f"{system}-failures", k).run(wall=wall, kill_at=kills)
       accounts[system] = runs[system].account()
+      report[f"{system}_account"] = accounts[system].to_dict()
+      dump()
     own = sidecar_ledger(runs["ours"].ckpt, env)
     last = max(line.step for r in runs.values() for line in r.lines)
     say(f"ours, no failures, no saves, to step {last}: the reference losses")
@@ -367,10 +386,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({ratio(rates['baseline']['none'], resident_rate):.3f}x)")
     print(f"floor: {json.dumps(floors[-1])}; JAX compilation cache entries after the "
           f"run: {report['compilation_cache_entries']}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, time.strftime("goodput-%Y%m%d-%H%M%S.json"))
-    with open(path, "w") as f:
-      json.dump(report, f, indent=1)
+    dump()
     print(f"wrote {path}")
   finally:
     if args.keep_work:

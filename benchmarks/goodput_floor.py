@@ -2,7 +2,7 @@
 
   python -m benchmarks.goodput_floor --config tiny --spawned UNIX_TIME [--steps N]
 
-Imports JAX, opens the device, puts a state of model.py's shapes (zeros) and one batch
+Imports JAX, opens the device, puts a state of model.py's shapes and one batch
 there, and runs model.py's step (compiled from JAX's persistent cache where
 ``JAX_COMPILATION_CACHE_DIR`` holds it, as every trainer of the benchmark has it):
 nothing any framework adds. The time from ``--spawned`` (when the parent started this
@@ -42,9 +42,16 @@ def main(argv: list[str] | None = None) -> int:
   mesh = Mesh(np.array(devices), ("data",))
   replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   optimizer = model.make_optimizer(config)
-  # Zeros put on the device, not init_state: its jit would add a compile of its own.
-  state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), replicated),
-                       model.abstract_state(config, optimizer))
+  # Put from numpy, not init_state: its jit would add a compile of its own. Parameters
+  # random as init's (all-zero ones drive the moments into denormals, slow on CPU),
+  # optimizer state zeros as init's.
+  rng = np.random.default_rng(0)
+  shapes = model.abstract_state(config, optimizer)
+  host = {"step": np.zeros((), np.int32),
+          "params": jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(
+              s.dtype), shapes["params"]),
+          "opt": jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes["opt"])}
+  state = jax.device_put(host, replicated)
   train_step = model.make_train_step(config, optimizer, state_sharding=replicated,
                                      batch_sharding=rows)
   tokens = np.random.default_rng(0).integers(0, config.vocab_size,
