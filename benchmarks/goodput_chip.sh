@@ -13,8 +13,10 @@
 # step's compile 2 s cold / 0.3 s from the cache, ~10 steps/s; restarts add the sidecar's
 # or Orbax's restore of 1.2 GB):
 #   install + prepare                                        ~25 s
-#   calibration: 2 systems x (no saves, saves every 10), 60 steps each,
-#     ~30 s a run (startup ~20 s + 6 s of steps + stop)    ~120 s
+#   calibration: 2 systems x (no saves, saves every 20), 80 steps each,
+#     ~30 s a run (startup ~20 s + 8 s of steps + stop)    ~120 s
+#     (every 20, not 10: 1.2 GB saves closer than Orbax writes them would measure its
+#     back-pressure, not a save's cost)
 #   2 systems x --wall 100 s with the kills                  200 s
 #   the uninterrupted reference of ours, to the last step either reached:
 #     startup ~20 s + at most ~90 s of steps                ~110 s
@@ -46,5 +48,5 @@ fi
 python3 examples/lm/prepare.py --out /tmp/lm-data 2>&1 | tee "$OUT/prepare.log"
 echo "setup took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/prepare.log"
 timeout $(( 530 - ($(date +%s) - t0) )) python3 -m benchmarks.goodput --config chip --wall 100 --mtbf 60 --seed 10 \
-  --calibrate-steps 60 --data /tmp/lm-data --out "$OUT" 2>&1 | tee "$OUT/goodput.log"
+  --calibrate-steps 80 --calibrate-every 20 --data /tmp/lm-data --out "$OUT" 2>&1 | tee "$OUT/goodput.log"
 echo "exit ${PIPESTATUS[0]}; $(( $(date +%s) - t0 )) s in all" | tee -a "$OUT/goodput.log"
