@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                       str(mb)], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     kills = kill_schedule(seed=args.seed, mtbf=mtbf, wall=wall)
     report["kill_at_s"] = list(kills)
-    say = lambda text: print(f"[goodput {time.time() - started:6.1f}s] {text}", flush=True)
     started = time.time()
+    say = lambda text: print(f"[goodput {time.time() - started:6.1f}s] {text}", flush=True)
 
     def dump() -> None:  # after each phase: a run cut short still leaves what it measured
       with open(path, "w") as f:
@@ -392,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
           f"bit-exact {report['same_order']['bit_exact']}, max |dloss| "
           f"{report['same_order']['max_abs_diff']:.2e} over {report['same_order']['compared']}")
     print(f"sidecar's own ledger for ours: {json.dumps(own)}")
-    print(f"external for ours:             {json.dumps({k: accounts['ours'].to_dict()[k] for k in ('wall_s', 'productive_s', 'goodput', 'badput_s')})}")
+    external = {k: accounts["ours"].to_dict()[k]
+                for k in ("wall_s", "productive_s", "goodput", "badput_s")}
+    print(f"external for ours:             {json.dumps(external)}")
     ratio = lambda a, b: a / b if b else float("nan")
     print(f"no failures, steps/s: device-resident loop {resident_rate:.1f}; ours no saves "
           f"{rates['ours']['reference']:.1f} "

@@ -97,11 +97,10 @@ def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   import grain
   import jax
+  import model
   import numpy as np
   import orbax.checkpoint as ocp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  import model
 
   config = model.CONFIGS[args.config]
   mesh = Mesh(np.array(jax.devices()), ("data",))
