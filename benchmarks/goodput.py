@@ -18,8 +18,10 @@ falls while no trainer lives hits the next one as it appears):
 
 The save interval of each system comes from one rule and its own measured save cost:
 a calibration run saving every ``k_cal`` steps against one that never saves gives the
-training time lost per save ``c = (1/r_k - 1/r_0) * k_cal``; the interval is the
-smallest ``k`` at which saving costs 1% of step time, ``k = ceil(100 * c * r_0)``, and
+training time lost per save ``c``: the median seconds of each step of the save period
+summed, less ``k_cal`` median steps of the run without saves (medians: other processes
+slow random steps on a shared machine); the interval is the smallest ``k`` at which
+saving costs 1% of step time ``t``, ``k = ceil(100 * c / t)``, and
 never below ``k_cal`` (below it the cost was not measured). ``--rule young`` uses Young's
 optimum instead, ``sqrt(2 * c * mtbf)`` seconds of steps between saves.
 
@@ -200,22 +202,21 @@ def kill_schedule(*, seed: int, mtbf: float, wall: float) -> tuple[float, ...]:
     out.append(round(t, 3))
 
 
-def save_interval(*, rate_none: float, rate_saving: float, k_cal: int, rule: str = "1%",
-                  mtbf: float = 0.0) -> tuple[int, float]:
-  """(steps between saves, training seconds lost per save c) by ``rule``:
+def save_interval(*, lost: float, step_s: float, k_cal: int, rule: str = "1%",
+                  mtbf: float = 0.0) -> int:
+  """Steps between saves by ``rule``, from ``lost`` training seconds per save:
 
-  ``"1%"``: saving costs 1% of step time, ``k = ceil(100 * c * r_0)``; ``"young"``:
-  Young's optimum for failures of mean interval ``mtbf``, ``sqrt(2 * c * mtbf)`` seconds
-  of steps. Never below ``k_cal``, the interval the cost was measured at.
+  ``"1%"``: saving costs 1% of step time, ``k = ceil(100 * lost / step_s)``; ``"young"``:
+  Young's optimum for failures of mean interval ``mtbf``, ``sqrt(2 * lost * mtbf)``
+  seconds of steps. Never below ``k_cal``, the interval the cost was measured at.
   """
-  lost = max(0.0, (1 / rate_saving - 1 / rate_none) * k_cal)
   if rule == "1%":
-    k = math.ceil(100 * lost * rate_none)
+    k = math.ceil(100 * lost / step_s)
   elif rule == "young":
-    k = math.ceil(math.sqrt(2 * lost * mtbf) * rate_none)
+    k = math.ceil(math.sqrt(2 * lost * mtbf) / step_s)
   else:
     raise ValueError(f"rule must be '1%' or 'young', got {rule!r}")
-  return max(k_cal, k), lost
+  return max(k_cal, k)
 
 
 def floor(config: str, env: dict, *, steps: int) -> dict:
@@ -313,14 +314,16 @@ def main(argv: list[str] | None = None) -> int:
 
     rates: dict[str, dict[str, float]] = {}
     calibration: dict[str, Job] = {}
+    intervals: dict[str, tuple[int, float]] = {}  # system: (steps between saves, s lost a save)
     for system in SYSTEMS:
       say(f"{system}: calibration, no saves, to step {n_cal}")
       calibration[system] = job(system, f"{system}-none", NEVER).run(until_step=n_cal)
       say(f"{system}: calibration, saving every {k_cal}, to step {n_cal}")
       saving = job(system, f"{system}-cal", k_cal).run(until_step=n_cal)
       rates[system] = {"none": calibration[system].rate(), "saving": saving.rate()}
-    intervals = {s: save_interval(rate_none=r["none"], rate_saving=r["saving"], k_cal=k_cal,
-                                  rule=args.rule, mtbf=mtbf) for s, r in rates.items()}
+      lost, step_s = ledger.save_cost(saving.lines, calibration[system].lines, every=k_cal)
+      intervals[system] = (save_interval(lost=lost, step_s=step_s, k_cal=k_cal,
+                                         rule=args.rule, mtbf=mtbf), lost)
     report["calibration"].update(rates=rates, intervals=intervals, rule=args.rule)
     dump()
     runs, accounts = {}, {}

@@ -168,3 +168,25 @@ def steady_rate(lines: Sequence[Line], *, skip: int = 3) -> float:
   if len(lines) < 2 or lines[-1].time <= lines[0].time:
     return 0.0
   return (len(lines) - 1) / (lines[-1].time - lines[0].time)
+
+
+def step_seconds(lines: Sequence[Line], *, skip: int = 3) -> dict[int, float]:
+  """Each step's seconds (from the line before it) in one process's run, past ``skip``."""
+  lines = sorted(lines, key=lambda line: line.time)[skip:]
+  return {b.step: b.time - a.time for a, b in zip(lines, lines[1:])}
+
+
+def save_cost(saving: Sequence[Line], none: Sequence[Line], *, every: int) -> tuple[float, float]:
+  """(seconds of training lost per save, a step's seconds without saves), robust to bursts.
+
+  A save's stall and the slowdown of the steps beside it fall at the same phases of each
+  ``every``-step period: the median seconds of each phase, summed over a period, less
+  ``every`` median steps of the run without saves. Medians, because other processes on
+  a shared machine slow random steps of both runs.
+  """
+  base = statistics.median(step_seconds(none).values())
+  phases: dict[int, list[float]] = {}
+  for step, dt in step_seconds(saving).items():
+    phases.setdefault(step % every, []).append(dt)
+  period = sum(statistics.median(v) for v in phases.values())
+  return max(0.0, period - every * base), base
