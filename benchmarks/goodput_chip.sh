@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/goodput_chip.sh        # from the repository root; output under $OUT
 #
-# Needs .whl-tpu/ carried with the working tree (docs/tpu.md says how to make it); installs
-# it into /tmp/site, optax and chex from the host's own index where JAX lacks them,
+# Needs .whl-tpu/ carried with the working tree (docs/tpu.md says how to make it), with
+# chex added to its set (optax imports it, and the host's own index lacks it; optax and
+# toolz come from that index when the set lacks them). Installs it into /tmp/site,
 # prepares the corpus (the whole standard library's sources, ~11 MB: ~700 batches of the
 # chip config an epoch, so the runs also cross epochs), then runs the benchmark with the
 # chip config (~101M parameters; params + Adam moments ~1.2 GB).
@@ -41,9 +42,16 @@ fi
 PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
   --no-compile --no-cache-dir --target /tmp/site .whl-tpu/*.whl >/dev/null 2>&1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD
-if ! python3 -c "import optax" 2>/dev/null; then  # the host's index has it; JAX stays the host's
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --no-deps --no-cache-dir \
-    --target /tmp/site --index-url file:///opt/pypi/simple optax chex toolz >/dev/null 2>&1
+for name in optax toolz; do  # from the host's index, without deps: JAX stays the host's
+  python3 -c "import $name" 2>/dev/null || PIP_CONFIG_FILE=/dev/null python3 -m pip install \
+    --isolated -q --no-deps --only-binary=:all: --no-cache-dir --target /tmp/site \
+    --index-url file:///opt/pypi/simple "$name" >/dev/null 2>&1
+done
+if ! python3 -c "import optax, grain, orbax.checkpoint, array_record, grpc, sidecar" \
+    2>"$OUT/imports.log"; then
+  echo "missing packages (add their wheels to .whl-tpu):" >&2
+  tail -3 "$OUT/imports.log" >&2
+  exit 2
 fi
 python3 examples/lm/prepare.py --out /tmp/lm-data 2>&1 | tee "$OUT/prepare.log"
 echo "setup took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/prepare.log"
