@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.support import readme
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, entries
 
 pytestmark = pytest.mark.processes
 
@@ -72,7 +72,7 @@ def test_the_multiprocess_trainer_is_the_docs_and_resumes_under_sidecar_launch(t
   assert "[host 0] 2 process(es): trained steps 0-99; saved steps [49, 74, 99]" in outputs[0]
   assert "[host 0] 2 process(es): trained steps 100-199; saved steps [149, 174, 199]" in (
       outputs[1]), outputs[1]
-  assert sorted(os.listdir(ckpt / "run1")) == ["149", "174", "199"]
+  assert entries(ckpt / "run1") == ["149", "174", "199"]
 
 
 @pytest.mark.timeout(600)

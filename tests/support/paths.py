@@ -4,3 +4,10 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
+
+
+def entries(directory) -> list[str]:
+  """The sorted names in a checkpoint ``directory``, less the job's goodput ledger
+  (``goodput.jsonl``, docs/goodput.md), which lies beside the steps."""
+  import os
+  return sorted(name for name in os.listdir(directory) if name != "goodput.jsonl")

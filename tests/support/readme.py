@@ -4,7 +4,7 @@ CPU devices and by tests/accelerator/test_readme.py on the chip."""
 import os
 import re
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, entries
 
 
 def check_two_runs(outputs: list[str], directory) -> None:
@@ -13,7 +13,7 @@ def check_two_runs(outputs: list[str], directory) -> None:
   assert "trained steps 0-99; saved steps [49, 74, 99]" in outputs[0], outputs[0]
   assert "trained steps 100-199; saved steps [149, 174, 199]" in outputs[1], outputs[1]
   assert "-1.34164079" in outputs[0]  # normalize ran on the sidecars
-  assert sorted(os.listdir(os.path.join(directory, "ckpt"))) == ["149", "174", "199"]
+  assert entries(os.path.join(directory, "ckpt")) == ["149", "174", "199"]
 
 
 def quick_start() -> dict[str, str]:

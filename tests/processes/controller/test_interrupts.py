@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from tests.conftest import alive, eventually
+from tests.support.paths import entries
 
 pytestmark = pytest.mark.processes
 
@@ -132,7 +133,7 @@ def test_save_interrupted_is_finished_or_aborted_and_swept(ctl, tmp_path, delay)
   ckpt.wait()
   steps = ckpt.all_steps()
   assert steps in ([0], [0, 1])
-  assert sorted(os.listdir(tmp_path)) == [str(s) for s in steps]  # no partial step left
+  assert entries(tmp_path) == [str(s) for s in steps]  # no partial step left
   assert back_to(ctl, baseline)  # the RAM tier holds one step, of the same size
   ckpt.save(2, _state(sh, 2)).durable.result()
   got = ckpt.restore(target=_state(sh, 0))

@@ -24,7 +24,7 @@ from sidecar._src.controller.checkpoint import staging
 from sidecar._src.jax import checkpoint as jax_checkpoint
 from sidecar._src.jax.framework import JaxFramework
 from tests.conftest import eventually
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, entries
 from tests.support.states import abstract, assert_same
 
 pytestmark = pytest.mark.processes
@@ -107,7 +107,7 @@ def test_a_copy_that_fails_after_save_returned_fails_the_save_and_frees_it(
       handle.staged.result(0)
     monkeypatch.undo()
     assert ckpt.all_steps() == [1]
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]
+    assert entries(tmp_path / "ck") == ["1"]
     assert eventually(lambda: arena_used(ctl) == before)
     ckpt.save(2, state).durable.result(60)
     assert_same(ckpt.restore(2, target=abstract(state)), state)
@@ -203,4 +203,4 @@ def test_a_process_that_exits_right_after_its_first_save_exits_cleanly(tmp_path)
                         text=True, timeout=240)
   assert done.returncode == 0, done.stdout + done.stderr
   assert "compiling: True" in done.stdout and "terminate called" not in done.stderr
-  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]
+  assert entries(tmp_path / "ck") == ["1"]

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 import sidecar.torch
 from sidecar._src.core import errors
+from tests.support.paths import entries
 from tests.support.torch_ckpt import same, state, zeros_like
 
 
@@ -93,7 +94,7 @@ def main() -> None:
     except BaseException as e:  # DCP's CheckpointException, the sidecar's error in it
       outcome = type(e).__name__ + "".join(
           f" {w}" for w in ("CheckpointWriteError", "ENOSPC") if w in str(e))
-    say(save2=outcome, seconds=time.monotonic() - t0, listing=sorted(os.listdir(directory)))
+    say(save2=outcome, seconds=time.monotonic() - t0, listing=entries(directory))
     try:
       ckpt.save(3, state(rank, world, 3)).durable.result(timeout=60)
       target = ckpt.restore(None, zeros_like(state(rank, world, 3)))
@@ -196,7 +197,7 @@ def main() -> None:
     except BaseException as e:
       restored = f"{type(e).__name__}: {e}"[:300]
     say(saves=out, restored=restored, steps=ckpt.all_steps(),
-        listing=sorted(os.listdir(directory)))
+        listing=entries(directory))
     ckpt.close()
   dist.barrier()
   ctl.close()

@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, entries
 from tests.support.torch_ckpt import same, state, zeros_like
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300),
@@ -71,7 +71,7 @@ def test_a_save_whose_write_fails_fails_at_once_and_the_next_save_is_durable(tmp
   (next_save,) = [r for r in records if "save3" in r]
   assert next_save["save3"] is True and next_save["same"] is True, records
   assert next_save["steps"] == [1, 3], records
-  assert sorted(os.listdir(tmp_path)) == ["1", "3"]
+  assert entries(tmp_path) == ["1", "3"]
 
 
 def test_a_sidecar_killed_mid_overwrite_leaves_a_whole_checkpoint_at_the_path(tmp_path):
@@ -79,7 +79,7 @@ def test_a_sidecar_killed_mid_overwrite_leaves_a_whole_checkpoint_at_the_path(tm
   # The commit's sidecar died: DCP raises its CheckpointException on the trainer.
   assert [r.get("error") for r in records] == [None, "CheckpointException"], p.stdout + p.stderr
   # The path holds one complete checkpoint, the old or the new, read by stock DCP alone.
-  assert os.path.isdir(tmp_path / "1"), sorted(os.listdir(tmp_path))
+  assert os.path.isdir(tmp_path / "1"), entries(tmp_path)
   got = []
   for step in (1, 2):
     target = zeros_like(state(0, 1, step))
@@ -92,7 +92,7 @@ def test_a_sidecar_killed_mid_overwrite_leaves_a_whole_checkpoint_at_the_path(tm
   assert p.returncode == 0, p.stdout + p.stderr
   (r,) = records
   assert r["steps"] == [1] and list(r["got"].values()) == got and r["resaved"], records
-  assert sorted(os.listdir(tmp_path)) == ["1"]
+  assert entries(tmp_path) == ["1"]
 
 
 def test_empty_numbered_directories_are_not_steps_and_a_failure_is_raised_once(tmp_path):
@@ -114,7 +114,7 @@ def test_a_save_while_the_previous_is_in_flight_is_skipped_by_every_rank(tmp_pat
   done = [r for r in records if "skipped" in r]
   assert [(r["skipped"], r["busy"], r["steps"]) for r in done] == [
       ([None] * 3, True, [1, 2, 4])] * 2, records
-  assert sorted(os.listdir(tmp_path)) == ["1", "2", "4", "r"]
+  assert entries(tmp_path) == ["1", "2", "4", "r"]
   # One CheckpointOptions for both frameworks; `replicated` apart from `durable`, every rank.
   assert [r["both"] for r in records if "both" in r] == [
       "give either options=CheckpointOptions(...) or ram_steps, replicas, not both"] * 2
@@ -144,4 +144,4 @@ def test_a_committed_step_is_never_replaced_by_a_save_as_under_jax(tmp_path):
       dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / str(step))),
                no_dist=True)
       assert same(target, state(rank, 2, step)), (step, rank)
-  assert sorted(os.listdir(tmp_path)) == ["3", "4", "5"]
+  assert entries(tmp_path) == ["3", "4", "5"]

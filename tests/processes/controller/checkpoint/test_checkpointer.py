@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from tests.conftest import eventually
+from tests.support.paths import entries
 from tests.support.states import abstract, assert_same
 
 pytestmark = pytest.mark.processes
@@ -135,8 +136,7 @@ def test_bad_input(cluster, tmp_path):
         ckpt.save(step, state).durable.result(60)
       ckpt.wait()  # durable, then the steps max_to_keep drops are deleted
       assert ckpt.all_steps() == [2, 3]
-      # the steps kept, beside the job's goodput ledger (docs/goodput.md)
-      assert sorted(os.listdir(tmp_path / "ck")) == ["2", "3", "goodput.jsonl"]
+      assert entries(tmp_path / "ck") == ["2", "3"]
       with pytest.raises(sidecar.InvalidArgumentError,  # as sidecar.torch's (issue 55)
                          match=r"step 3 is already saved in .*; a save never replaces a "
                          r"committed step: to resume, restore the latest \(latest_step\(\) is 3\)"):
@@ -317,7 +317,7 @@ def test_a_save_staged_in_parts_and_one_failing_mid_copy(cluster, tmp_path, monk
     monkeypatch.setattr(staging.shm, "copy", copy)
     # The parts already staged were dropped with the step, before save() raised: its
     # files (the uncommitted step directory too), RAM tier, blocks.
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1", "goodput.jsonl"]
+    assert entries(tmp_path / "ck") == ["1"]
     assert eventually(lambda: arena_used(ctl) == before)
     assert ckpt.all_steps() == [1]
     ckpt.save(2, state).durable.result(60)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import sidecar
 from tests.conftest import arena_mappers, eventually, shm_entries
 from tests.support import paths
+from tests.support.paths import entries
 from tests.support.states import abstract
 
 pytestmark = pytest.mark.processes
@@ -37,7 +38,7 @@ def check_only_step_1(directory):
       restored = ckpt.restore(target=abstract(state(1.0)))
       np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((256, 128), 1.0))
       np.testing.assert_array_equal(restored["n"], np.arange(4) + 1)
-  assert sorted(os.listdir(directory)) == ["1"]
+  assert entries(directory) == ["1"]
 
 
 @pytest.mark.parametrize("point,host", [

@@ -7,6 +7,7 @@ import pytest
 
 import sidecar
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
+from tests.support.paths import entries
 
 pytestmark = pytest.mark.server
 
@@ -25,7 +26,7 @@ def test_the_checkpointer_keeps_the_steps_its_options_say(make_server, tmp_path)
         ckpt.save(step, state).durable.result(60)
         ckpt.wait()
       assert ckpt.all_steps() == [4, 5, 6]  # the 2 newest, and 4 for keep_period
-  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["4", "5", "6"]
+  assert entries(tmp_path / "ck") == ["4", "5", "6"]
 
 
 def test_replicas_beyond_the_hosts_warn_once_per_controller_not_at_every_save(
