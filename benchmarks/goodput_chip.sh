@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The goodput benchmark (benchmarks/goodput.py) on the lent TPU v5e, in one command:
 #
-#   bash benchmarks/goodput_chip.sh        # from the repository root; output under $OUT
+#   bash benchmarks/goodput_chip.sh [ARGS]  # from the repository root; output under $OUT
+#
+# ARGS go to benchmarks.goodput after the script's own (e.g. --save-every ours=20
+# --save-every baseline=239: the intervals of an earlier run's calibration, which is then
+# skipped, leaving time for the floor and the reference losses).
 #
 # Needs .whl-tpu/ carried with the working tree (docs/tpu.md says how to make it), with
 # chex added to its set (optax imports it, and the host's own index lacks it; optax and
@@ -56,5 +60,5 @@ fi
 python3 examples/lm/prepare.py --out /tmp/lm-data 2>&1 | tee "$OUT/prepare.log"
 echo "setup took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/prepare.log"
 timeout $(( 530 - ($(date +%s) - t0) )) python3 -m benchmarks.goodput --config chip --wall 100 --mtbf 60 --seed 10 \
-  --calibrate-steps 80 --calibrate-every 20 --data /tmp/lm-data --out "$OUT" 2>&1 | tee "$OUT/goodput.log"
+  --calibrate-steps 80 --calibrate-every 20 --data /tmp/lm-data --out "$OUT" "$@" 2>&1 | tee "$OUT/goodput.log"
 echo "exit ${PIPESTATUS[0]}; $(( $(date +%s) - t0 )) s in all" | tee -a "$OUT/goodput.log"
