@@ -202,8 +202,12 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--client-tokens", default=_env(env_lib.CLIENT_TOKENS_FILE), metavar="FILE",
                  help="instead of one shared token: a file of per-client tokens, one 'NAME "
                       "TOKEN' a line; each client then sees and reads only the checkpoint "
-                      "directories it opened (default: $SIDECAR_CLIENT_TOKENS_FILE, else the "
-                      "shared token of --token-file)")
+                      "directories it opened through the Checkpoint rpcs. It does NOT isolate "
+                      "memory: every client's Worker maps the one arena, RAM-tier steps and "
+                      "batches of the others included; clients that must not see each "
+                      "other's memory need a pool file (--pool: an arena per tenant) "
+                      "(default: $SIDECAR_CLIENT_TOKENS_FILE, else the shared token of "
+                      "--token-file)")
   s.add_argument("--pool", metavar="FILE",
                  help="a pool file (YAML): tenants, each with its token file and quotas (arena "
                       "share and ceiling, sessions, feeds, ...), instead of --token-file or "
