@@ -45,6 +45,8 @@ def train(hosts):
   mesh = Mesh(np.array(sidecar.elastic.devices(ctl, hosts)), ("data",))
   ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=1)
   start = ckpt.latest_step()
+  print(f"hosts {hosts}: " + (f"resuming after step {start}, the last saved"
+                              if start is not None else "starting at step 0"))
   with sidecar.elastic.phase("restore"):       # timed, as an event
     state = ckpt.restore(target=abstract_state(mesh)) if start is not None else init(mesh)
   with ctl.feed("images", global_batch_size=48, sharding=NamedSharding(mesh, P("data")),

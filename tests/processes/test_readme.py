@@ -83,10 +83,16 @@ def test_the_elastic_trainer_is_the_docs_and_goes_on_when_a_host_dies(tmp_path):
   assert "def train(hosts):" in train and train in source  # docs/elastic.md shows its training
   work = _copy_examples(tmp_path, "train_elastic.py")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ""
+  env["PYTHONPATH"] = str(ROOT)  # this checkout's sidecar, whatever is installed
   done = subprocess.run([sys.executable, "train_elastic.py", str(tmp_path / "ckpt")], cwd=work,
                         env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout + done.stderr
   for event in ("host_lost: host 2", "\nretry: ", "start: attempt 2", "phase: restore"):
     assert event in done.stdout, done.stdout
   assert "trained to step 59 on hosts [0, 1]" in done.stdout, done.stdout
+  # Issue 55 item 7: it never said which step it resumed from, and its first line was a
+  # warning ("could not abort step 19 ... was not saved") for the loss it demonstrates.
+  assert "hosts [0, 1, 2]: starting at step 0" in done.stdout, done.stdout
+  assert re.search(r"hosts \[0, 1\]: resuming after step (9|19), the last saved",
+                   done.stdout), done.stdout  # 19's save may be the one the loss cut short
+  assert "could not abort" not in done.stderr, done.stderr

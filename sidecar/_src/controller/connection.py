@@ -329,7 +329,7 @@ class Connection:
     try:  # as the sidecar refuses at start: no client could ever send it
       options_lib.check_token(token)
     except ValueError as e:
-      raise errors.InvalidArgumentError(str(e).replace("token holds", "the token holds", 1)
+      raise errors.InvalidArgumentError("the " + str(e)
                                         ) from None
     self._channel, self._pin = open_channel(address, timeout=timeout, credentials=credentials,
                                             options=channel_options(silence_timeout))

@@ -56,11 +56,19 @@ def check_token(token: str | None, name: str = "token") -> None:
   if not isinstance(token, str) or not token:
     raise ValueError(f"{name} must be a non-empty string or None")
   bad = next((c for c in token if not "!" <= c <= "~"), None)
+  if bad is not None and token.rstrip() and all("!" <= c <= "~" for c in token.rstrip()):
+    # What `open(FILE).read()` of any token file gives: every tool ends it with a newline.
+    raise ValueError(
+        f"{name} ends in {token[len(token.rstrip()):]!r} after {len(token.rstrip())} "
+        "characters, as a token file's text does: pass the text stripped "
+        "(`open(FILE).read().strip()`), or name the file (SIDECAR_TOKEN_FILE=FILE, "
+        "--token-file FILE), whose trailing newline is dropped when it is read")
   if bad is not None:
     raise ValueError(
         f"{name} holds {bad!r} at position {token.index(bad)}: a token must be visible ASCII "
         "(no spaces, newlines or other letters), as gRPC metadata carries it; write the file "
-        "again with only the token, e.g. `openssl rand -hex 32 > FILE`")
+        "again with only the token, e.g. `openssl rand -hex 32 > FILE` (the newline it "
+        "ends with is dropped when the file is read)")
 
 
 def _check_port(name: str, value: object) -> None:

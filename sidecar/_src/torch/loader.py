@@ -239,7 +239,11 @@ class DataLoader:
           f"this sidecar.torch.DataLoader of {self.pipeline!r} has no len(): " + (
               "num_epochs is None (it reads forever); pass num_epochs"
               if self.num_epochs is None else
-              "its pipeline returns an iterable; return a grain.MapDataset for one"))
+              "its pipeline returns an iterable, whose length no sidecar knows without "
+              "reading it all. Count the steps yourself (examples // global_batch_size per "
+              "epoch, e.g. for an LR schedule) and stop after them: for step, batch in "
+              "zip(range(steps), loader); or, with grain installed (pip install grain), "
+              "return a grain.MapDataset, whose length is known"))
     return self._length
 
   def __enter__(self) -> DataLoader:

@@ -13,6 +13,8 @@ import importlib
 import importlib.metadata
 import inspect
 import marshal
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
@@ -139,10 +141,23 @@ def load_modules(modules: Sequence[str]) -> None:
       importlib.import_module(module)
     except ImportError as e:
       extra = extras.extra_of(e)
-      hint = f"; pip install 'colocated-sidecar[{extra}]'" if extra else ""
+      hint = f"; pip install 'colocated-sidecar[{extra}]'" if extra else _where_hint(module, e)
       raise ImportError(f"cannot import {module!r} given with --import: {e}{hint}") from e
   for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
     ep.load()
+
+
+def _where_hint(module: str, e: ImportError) -> str:
+  """Where Python looked, when the module named (or a package above it) is not found at
+  all: the usual cause is a sidecar started from another directory than the user's code."""
+  top = module.split(".")[0]
+  if not isinstance(e, ModuleNotFoundError) or getattr(e, "name", None) != top:
+    return ""  # its package was found; something in it, or something it imports, is not
+  head = [p or "." for p in sys.path[:3]]
+  more = ", ..." if len(sys.path) > 3 else ""
+  return (f"; Python looked on sys.path ({', '.join(head)}{more}) from the working "
+          f"directory {os.getcwd()}: start the sidecar from the directory that holds "
+          f"{top}.py or {top}/, or set PYTHONPATH to that directory")
 
 
 def _decorator(kind: str):

@@ -79,6 +79,14 @@ def test_a_resume_of_another_global_batch_is_refused_and_a_sidecar_killed_mid_fe
                                           controller=ctl)) == 32
       with pytest.raises(TypeError, match="no len\\(\\): num_epochs is None"):
         len(loader)
+      # Issue 55 item 7: an iterable's loader said only "return a grain.MapDataset", which a
+      # torch-only install cannot; the fix it can make comes first.
+      with pytest.raises(TypeError, match=(
+          r"no len\(\): its pipeline returns an iterable, whose length no sidecar knows "
+          r"without reading it all\. Count the steps yourself .* for step, batch in "
+          r"zip\(range\(steps\), loader\); or, with grain installed")):
+        len(sidecar.torch.DataLoader("shard_ids", 4, kwargs={"n": 64}, num_epochs=1,
+                                     controller=ctl))
       with pytest.raises(sidecar.InvalidArgumentError,
                          match="saved with a global batch of 4 rows; this loader's is 3 x 1 "
                                "ranks = 3: use batch_size 4"):

@@ -13,13 +13,16 @@ from tests.support.tls import CA, CLIENT, CLIENT_KEY, SERVER, SERVER_KEY
 pytestmark = pytest.mark.server
 
 
-@pytest.mark.parametrize("token", ["s3cret\n", "s3cr\u00e9t", "s3 cret", "s3cret\r"],
-                         ids=["newline", "non-ascii", "space", "cr"])
-def test_a_token_no_client_could_send_is_refused_at_start(make_server, token):
-  with pytest.raises(ValueError, match=r"token holds .* at position \d+: a token must be "
-                     "visible ASCII"):
+@pytest.mark.parametrize("token,match", [
+    ("s3cret\n", r"token ends in '\\n' after 6 characters, as a token file's text does"),
+    ("s3cr\u00e9t", r"token holds .* at position \d+: a token must be visible ASCII"),
+    ("s3 cret", r"token holds .* at position \d+: a token must be visible ASCII"),
+    ("s3cret\r", r"token ends in '\\r' after 6 characters")],
+    ids=["newline", "non-ascii", "space", "cr"])
+def test_a_token_no_client_could_send_is_refused_at_start(make_server, token, match):
+  with pytest.raises(ValueError, match=match):
     make_server(token=token)
-  with pytest.raises(sidecar.InvalidArgumentError, match="the token holds"):
+  with pytest.raises(sidecar.InvalidArgumentError, match="the " + match):
     sidecar.jax.Controller(["127.0.0.1:1"], token=token, connect_timeout=1)
 
 

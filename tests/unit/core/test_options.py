@@ -119,3 +119,24 @@ def test_feed_options_are_frozen_keyword_only_values():
     o.workers = 3  # type: ignore[misc]
   with pytest.raises(TypeError):
     options_lib.FeedOptions(4)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("token", [
+    "0123abcd\n", "0123abcd\r\n"], ids=["newline", "crlf"])
+def test_a_token_ending_in_a_newline_says_to_strip_it_or_name_the_file(token):
+  # Issue 55 item 7: `openssl rand -hex 32 > FILE` writes a newline; the hint said to write
+  # the file that way, and `open(FILE).read()` of it kept the newline it complained about.
+  with pytest.raises(ValueError, match=r"^token ends in '(\\r)?\\n' after 8 characters, as a "
+                     r"token file's text does: pass the text stripped \(`open\(FILE\)\.read\(\)"
+                     r"\.strip\(\)`\), or name the file \(SIDECAR_TOKEN_FILE=FILE"):
+    options_lib.check_token(token)
+
+
+def test_a_token_file_with_the_newline_every_tool_writes_is_read_without_it(tmp_path):
+  from sidecar._src.core import env as env_lib, rendezvous
+  path = tmp_path / "token"
+  path.write_text("0123abcd\n")  # what `openssl rand -hex 32 > FILE` writes
+  path.chmod(0o600)
+  assert env_lib.token(str(path), environ={}) == "0123abcd"
+  assert rendezvous.read_token_file(str(path)) == "0123abcd"
+  options_lib.check_token(env_lib.token(str(path), environ={}))

@@ -1,3 +1,6 @@
+import re
+import sys
+
 import pytest
 
 import sidecar
@@ -78,3 +81,18 @@ def test_a_module_that_needs_a_missing_extra_names_the_extra(tmp_path, monkeypat
   with pytest.raises(ImportError, match=r"given with --import: No module named "
                      r"'no_such_module_anywhere'$"):
     registry_lib.load_modules(["broken_fns"])
+
+
+def test_a_module_not_found_names_the_working_directory_sys_path_and_the_fix(
+    tmp_path, monkeypatch):
+  # Issue 55 item 7: `--import my_fns` from another directory said only "No module named
+  # 'my_fns'", nothing of where Python looked nor how to make it look elsewhere.
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", ["/first/on/path", *sys.path])
+  with pytest.raises(ImportError, match=(
+      r"^cannot import 'my_fns_not_here\.pipelines' given with --import: No module named "
+      r"'my_fns_not_here'; Python looked on sys.path \(/first/on/path, .*\) from the "
+      rf"working directory {re.escape(str(tmp_path))}: start the sidecar from the directory "
+      r"that holds my_fns_not_here\.py or my_fns_not_here/, or set PYTHONPATH to that "
+      r"directory$")):
+    registry_lib.load_modules(["my_fns_not_here.pipelines"])

@@ -277,8 +277,13 @@ class Checkpointer:
     """
     self._check_open()
     if target is None:
-      raise errors.InvalidArgumentError("restore needs a target: the tree (or state dict) "
-                                        "to restore onto")
+      raise errors.InvalidArgumentError(
+          "restore needs a target: the tree (or state dict) to restore onto, with the "
+          "saved leaves' shapes and dtypes. Under ctl.checkpointer: the state as your init "
+          "makes it (its arrays' shardings are used), or without computing it, "
+          "jax.eval_shape(init) with a jax.ShapeDtypeStruct(shape, dtype, "
+          "sharding=NamedSharding(mesh, spec)) for each leaf; under "
+          "sidecar.torch.Checkpointer: model.state_dict(), filled in place")
     t0 = time.perf_counter()
     step = self._pick(step)
     if self._peers.count > 1:  # process 0 decides which step; every process restores it

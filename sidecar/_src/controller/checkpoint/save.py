@@ -43,6 +43,11 @@ from sidecar._src.wire import protocol
 log = logging.getLogger(__name__)
 
 
+def _mib(nbytes: int) -> str:
+  """``nbytes`` rounded up to whole MiB, as --shm-size takes it."""
+  return f"{-(-nbytes // (1 << 20))}MiB"
+
+
 class SaveCoordinator:
   """Runs saves: stages this process's shards, then commits with the others or aborts.
 
@@ -155,9 +160,17 @@ class SaveCoordinator:
     if short:
       detail = "; ".join(f"host {h} needs {shm.format_size(n)}, its arena is "
                          f"{shm.format_size(size)}" for h, (n, size) in short.items())
+      most = max(n for n, _ in short.values())
+      keep = 2 + self._replicas  # this save, the last committed step, R others' replicas
       raise errors.ResourceExhaustedError(
-          f"the state does not fit the arenas ({detail}); nothing was copied. Raise the "
-          "sidecars' --shm-size (it must hold a save plus the RAM tier and prefetched batches)")
+          f"the state does not fit the arenas ({detail}); nothing was copied. This save "
+          f"alone needs --shm-size {_mib(most)} (LocalCluster's shm_size=\"{_mib(most)}\"); "
+          f"saving on while training needs about --shm-size {_mib(keep * most)}: "
+          f"{keep} x {shm.format_size(most)}, assuming the default ram_steps=1 (the last "
+          "committed step stays in the arena beside the next save)"
+          + (f" and replicas={self._replicas} (as many other hosts' parts held here)"
+             if self._replicas else "")
+          + ", plus the bytes of the batches your feeds prefetch")
     return need
 
   def _start_finisher(self, handle: SaveHandle, target: Target, staging: Lots,

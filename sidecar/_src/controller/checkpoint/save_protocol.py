@@ -176,7 +176,11 @@ class SaveProtocol:
         hosts=hosts, what=f"abort step {target.step}",
         then=(f"step {target.step} was not saved (never committed, so no restore sees it; "
               "restores take the last committed step), and that host's part of it goes "
-              "when its writer gives up or at the directory's next open()"))
+              "when its writer gives up or at the directory's next open()"),
+        lost=(f"step {target.step} is not saved, as expected when a host is lost during a "
+              "save: it was never committed, so the job goes on from the last committed "
+              "step (an elastic retry restores that one); the lost host's part is swept at "
+              "the directory's next open()"))
     tmp = target.tmp_step
     if target.whole_step and done and tmp and tmp != target.tmp_dir:
       # Every host is done with the step: its tmp directory goes.
@@ -230,26 +234,33 @@ class SaveProtocol:
 
 
 def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],
-            what: str, then: str = "") -> list[int]:
+            what: str, then: str = "", lost: str = "") -> list[int]:
   """Runs ``start(host)`` on each host at once; returns those that did it, logs the others
-  (with ``then``: what that means for the user's data)."""
-  then = f"; {then}" if then else ""
+  (with ``then``: what that means for the user's data). With ``lost``, a host lost is the
+  case expected (a save a host died in) and is logged calmly at info with that text."""
   futures: dict[int, concurrent.futures.Future] = {}
   for h in hosts:
     try:
       futures[h] = start(h)
     except errors.SidecarError as e:  # a host known lost: nothing to call
-      # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
-      # would keep its traceback's frames, and their arrays' arena blocks, alive.
-      log.warning("could not %s on host %d: %s%s", what, h, str(e), then)
+      _could_not(what, h, e, then, lost)
   ok = []
   for h, future in futures.items():
     try:
       future.result()
       ok.append(h)
     except errors.SidecarError as e:
-      log.warning("could not %s on host %d: %s%s", what, h, str(e), then)
+      _could_not(what, h, e, then, lost)
   return ok
+
+
+def _could_not(what: str, host: int, e: errors.SidecarError, then: str, lost: str) -> None:
+  # The text, not the error: a handler that keeps records (pytest's, a MemoryHandler)
+  # would keep its traceback's frames, and their arrays' arena blocks, alive.
+  if lost and isinstance(e, errors.HostLostError):
+    log.info("%s (host %d: %s)", lost, host, str(e))
+  else:
+    log.warning("could not %s on host %d: %s%s", what, host, str(e), f"; {then}" if then else "")
 
 
 def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:

@@ -138,3 +138,16 @@ def test_close_joins_an_older_saves_finisher_still_settling_its_replication():
   fake.finish(1)
   closing.join(30)
   assert not closing.is_alive() and ours("sidecar-save-") == []
+
+
+def test_a_restore_without_a_target_says_how_to_build_one():
+  # Issue 55 item 7: it said only "restore needs a target: the tree (or state dict) to
+  # restore onto", not how to make one without the state in hand.
+  fake = FakeSidecars(hosts=(0,))
+  with checkpointer(fake, hosts=[0], local=[0]) as ckpt:
+    ckpt.save(0, {"x": np.ones(3, np.float32)}).durable.result(30)
+    with pytest.raises(errors.InvalidArgumentError, match=(
+        r"restore needs a target: .* jax\.eval_shape\(init\) with a jax\.ShapeDtypeStruct\("
+        r"shape, dtype, sharding=NamedSharding\(mesh, spec\)\) for each leaf; under "
+        r"sidecar\.torch\.Checkpointer: model\.state_dict\(\)")):
+      ckpt.restore(0)
