@@ -19,6 +19,7 @@ import os
 import pathlib
 import queue
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -83,6 +84,12 @@ class StepWriter:
       probe.write_bytes(b"ok")
       probe.unlink()
     except OSError as e:
+      blocker = _file_in_the_way(path)
+      if blocker is not None:  # no write access would help: a file holds the name
+        raise errors.InvalidArgumentError(
+            f"checkpoint directory {directory!r}: {blocker} is a {_kind(blocker)}, not a "
+            "directory: a checkpoint directory must be a directory; pick another path"
+        ) from None
       raise errors.InvalidArgumentError(
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
@@ -424,3 +431,26 @@ def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> 
         + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
         "another directory), then save again", errno=e.errno, path=path, host_id=host_id)
   return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {e}")
+
+
+def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
+  """``path`` or the nearest of its parents that exists, if that is no directory (a
+  regular file, a socket): what made ``mkdir`` fail with ``File exists`` or ``Not a
+  directory``; None if it is a directory."""
+  for p in (path, *path.parents):
+    try:
+      st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):  # not there, or under a file
+      continue
+    except OSError:
+      return None  # no access: what the caller says then is right
+    return None if stat.S_ISDIR(st.st_mode) else p
+  return None
+
+
+def _kind(path: pathlib.Path) -> str:
+  """What ``path`` (no directory) is, in words."""
+  mode = path.stat().st_mode
+  return next((name for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISSOCK, "socket"),
+                                      (stat.S_ISFIFO, "named pipe"))
+               if test(mode)), "file")
