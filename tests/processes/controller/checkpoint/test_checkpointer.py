@@ -130,9 +130,10 @@ def test_bad_input(cluster, tmp_path):
     (tmp_path / "a-file").write_text("")  # not a directory, for root too
     # Under a file, or a file: no write access would help, so say what the path is.
     for path in (tmp_path / "a-file" / "ck", tmp_path / "a-file"):
+      file = re.escape(str(tmp_path / "a-file"))
       with pytest.raises(sidecar.InvalidArgumentError,
-                         match=re.escape(f"{tmp_path / 'a-file'}") + " is a regular file, not a directory: a "
-                               "checkpoint directory must be a directory; pick another path"):
+                         match=f"{file} is a regular file, not a directory: a checkpoint "
+                               "directory must be a directory; pick another path"):
         ctl.checkpointer(path)
     with pytest.raises(PermissionError, match="is not under a checkpoint root"):
       ctl.checkpointer("/proc/no-such-dir/ck")
