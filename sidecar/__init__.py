@@ -37,6 +37,7 @@ if _typing.TYPE_CHECKING:
     SidecarError,
     StaleDescriptorError,
     VersionMismatchError,
+    WrongFormatError,
   )
   from sidecar._src.core.options import FeedOptions
   from sidecar._src.user.outputs import empty
@@ -68,7 +69,8 @@ _HOME = {
         "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError",
         "DiscoveryError", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
         "PermissionDeniedError", "RemoteError", "ResourceExhaustedError", "SessionLostError",
-        "ShardsLostError", "SidecarError", "StaleDescriptorError", "VersionMismatchError")},
+        "ShardsLostError", "SidecarError", "StaleDescriptorError", "VersionMismatchError",
+        "WrongFormatError")},
     **{name: _REGISTRY for name in (
         "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
 }
@@ -127,6 +129,7 @@ __all__ = [
     "SidecarError",
     "StaleDescriptorError",
     "VersionMismatchError",
+    "WrongFormatError",
     "default_registry",
     "distributed",
     "elastic",

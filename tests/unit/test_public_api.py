@@ -16,7 +16,8 @@ def test_public_api_is_pinned():
       "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
       "PermissionDeniedError", "PipelineContext", "Registry", "RemoteError",
       "ResourceExhaustedError", "SessionLostError", "ShardsLostError", "SidecarError",
-      "StaleDescriptorError", "VersionMismatchError", "default_registry", "distributed",
+      "StaleDescriptorError", "VersionMismatchError", "WrongFormatError", "default_registry",
+      "distributed",
       "elastic", "empty",
       "function", "pipeline", "set_default_registry", "testing",
   ]

@@ -85,6 +85,10 @@ class Format(abc.ABC):
   overwrites: ClassVar[bool]  # a commit replaces a committed checkpoint at its path
   stage_part: ClassVar[type | None] = None  # the typed part a Stage carries, if any
   commit_part: ClassVar[type | None] = None  # the typed part a Commit carries, if any
+  # In a message: what a step of this format is ("a PyTorch DCP checkpoint"), and the
+  # APIs that restore it, for a reader of another format that opened one.
+  title: ClassVar[str] = "a checkpoint of another format"
+  readers: ClassVar[str] = "the API that saved it"
 
   # ---- directories --------------------------------------------------------
 
@@ -138,6 +142,13 @@ class Format(abc.ABC):
   @abc.abstractmethod
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     """Whether ``path`` is a committed checkpoint of this format."""
+
+  def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
+    """Where a reader of another format asked for ``final_dir`` (which has no manifest)
+    inside, or at, a committed step of this format: that step and the files that show
+    its format (named then with :attr:`title` and :attr:`readers`); None otherwise."""
+    del final_dir
+    return None
 
   # ---- save ---------------------------------------------------------------
 

@@ -76,6 +76,18 @@ class Registry:
           f"this sidecar's registered formats {self.names}; restore it with a sidecar that "
           "has that format") from None
 
+  def check_read(self, final_dir: str) -> None:
+    """WrongFormatError if ``final_dir`` (no manifest in it) lies in, or is, a committed
+    step of a format whose readers would not ask for it: a reader of another format's,
+    told which format it found and the API that reads that one, before it reads."""
+    for fmt in self.formats.values():
+      found = fmt.misread(pathlib.Path(final_dir))
+      if found is not None:
+        step, shown = found
+        what = (f"step {step.name} in {step.parent}" if step.name.isdigit() else str(step))
+        raise errors.WrongFormatError(
+            f"{what} is {fmt.title} ({', '.join(shown)}); restore it with {fmt.readers}")
+
   def replacing(self, fmt: Format) -> Registry:
     """This registry with ``fmt`` in place of the format of its name."""
     return Registry({**self.formats, fmt.name: fmt})

@@ -6,6 +6,7 @@ The tree::
     ├── AlreadyRegisteredError(ValueError)      a name registered twice
     ├── NotRegisteredError(KeyError)            unknown function/pipeline name (NOT_FOUND)
     ├── InvalidArgumentError(ValueError)        bad arguments or bytes (INVALID_ARGUMENT)
+    │   └── WrongFormatError                    a step in another framework's format
     ├── ResourceExhaustedError                  arena, quota or limit full (RESOURCE_EXHAUSTED)
     │   └── BusyError                           every slot for such rpcs taken: retry
     ├── StaleDescriptorError(ValueError)        an arena block freed or reused since
@@ -46,6 +47,12 @@ class NotRegisteredError(SidecarError, KeyError):
 
 class InvalidArgumentError(SidecarError, ValueError):
   """Arguments that do not fit what was asked, or malformed request bytes."""
+
+
+class WrongFormatError(InvalidArgumentError):
+  """A restore asked for a step that is a checkpoint of another format (a PyTorch DCP step
+  opened by ``sidecar.jax``, an Orbax one by ``sidecar.torch``); the message names the
+  format found and the API that reads it."""
 
 
 class ResourceExhaustedError(SidecarError):

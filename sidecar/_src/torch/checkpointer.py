@@ -147,9 +147,10 @@ class DcpAgreement(Agreement):
     """Loads step ``step`` into the state dict ``target`` in place, as ``dcp.load``."""
     del progress
     self._settle()  # one save or load at a time, as DCP asks
-    dcp.load(target, storage_reader=storage.StorageReader(
-        os.path.join(self._directory, str(step)), controller=self._ctl),
-        process_group=self._group)
+    reader = storage.StorageReader(os.path.join(self._directory, str(step)),
+                                   controller=self._ctl)
+    reader.check()  # a step of another format is named here: dcp.load would wrap it
+    dcp.load(target, storage_reader=reader, process_group=self._group)
     return target
 
   def _settle(self) -> None:

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.records import ShardChecksum, ShardId
+from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
 from sidecar._src.ckptfmt.registry import DCP
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
@@ -333,6 +333,7 @@ class StorageReader(_Reader):
     self._reads = ShardReads(self._site.client, self._site.mapped)
     self._stock: FileSystemReader | None = None
     self._metadata: dcp_metadata.Metadata | None = None
+    self._manifest: tuple[str, Manifest | None] | None = None  # path's, once asked
     self._sums: dict[ShardId, ShardChecksum] = {}
     self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
@@ -340,13 +341,28 @@ class StorageReader(_Reader):
   def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
     if checkpoint_id:
       self.path = os.path.abspath(os.fspath(checkpoint_id))
-    self._stock, self._metadata = None, None
+    self._stock, self._metadata, self._manifest = None, None, None
+
+  def check(self) -> None:
+    """WrongFormatError if ``path`` is a step of another format (an Orbax one), naming
+    it and the API that reads it: called before ``dcp.load``, which would wrap it."""
+    self._info()
+
+  def _info(self) -> Manifest | None:
+    """Our manifest of ``path``; None for a checkpoint stock DCP wrote (or none there:
+    stock DCP's reader says what is missing)."""
+    if self._manifest is None or self._manifest[0] != self.path:
+      try:
+        manifest = self._site.client.info(self._home, self.path).result()
+      except errors.WrongFormatError:
+        raise
+      except errors.InvalidArgumentError:
+        manifest = None
+      self._manifest = (self.path, manifest)
+    return self._manifest[1]
 
   def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-    try:
-      manifest = self._site.client.info(self._home, self.path).result()
-    except errors.InvalidArgumentError:
-      manifest = None
+    manifest = self._info()
     if manifest is None or manifest.dcp_plan is None:
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)

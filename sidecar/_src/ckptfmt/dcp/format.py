@@ -66,6 +66,8 @@ class DcpFormat(Format):
   overwrites: ClassVar[bool] = True  # as DCP's: the path is the checkpoint's, not a step's
   stage_part: ClassVar[type | None] = DcpPart
   commit_part: ClassVar[type | None] = DcpCommit
+  title: ClassVar[str] = "a PyTorch DCP checkpoint"
+  readers: ClassVar[str] = "sidecar.torch.Checkpointer or torch.distributed.checkpoint.load"
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
     del step  # ``directory`` is the checkpoint's own path
@@ -92,6 +94,14 @@ class DcpFormat(Format):
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     return distcp.is_checkpoint(path)
+
+  def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
+    """An item asked for inside a DCP step (an Orbax reader's ``<step>/default``)."""
+    step = final_dir.parent
+    if final_dir.exists() or not distcp.is_checkpoint(step):
+      return None
+    files = sorted(p.name for p in step.glob("*.distcp"))
+    return step, [distcp.METADATA_FILE, *files[:2], *(["..."] if len(files) > 2 else [])]
 
   def numbering(self, leaves: Sequence[LeafSpec]) -> ItemNumbering:
     del leaves  # a DCP step has items, by rank

@@ -63,6 +63,8 @@ class OrbaxFormat(Format):
   tmp_suffix: ClassVar[str] = TMP_SUFFIX
   item: ClassVar[str] = ITEM
   overwrites: ClassVar[bool] = False
+  title: ClassVar[str] = "an Orbax checkpoint"
+  readers: ClassVar[str] = "ctl.checkpointer (sidecar.jax) or orbax.checkpoint"
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
     return orbax_commit.create_tmp_step(directory, step)
@@ -86,6 +88,17 @@ class OrbaxFormat(Format):
       return True
     return any(child.is_dir() and not child.is_symlink()
                and any((child / m).is_file() for m in MARKERS) for child in path.iterdir())
+
+  def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
+    """An Orbax step directory asked for as a checkpoint of its own (a DCP reader's
+    ``<step>``): Orbax's readers read its item, never the step."""
+    if not final_dir.is_dir() or any((final_dir / m).is_file()
+                                     for m in (METADATA_FILE, records.MANIFEST_FILE)):
+      return None  # not there, or an item itself
+    shown = [m for m in MARKERS[:1] if (final_dir / m).is_file()]
+    shown += [f"{c.name}/" for c in sorted(final_dir.iterdir())
+              if c.is_dir() and any((c / m).is_file() for m in MARKERS)]
+    return (final_dir, shown) if shown else None
 
   def numbering(self, leaves: Sequence[LeafSpec]) -> LeafNumbering:
     return LeafNumbering(leaves)

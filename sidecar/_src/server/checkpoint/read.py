@@ -33,6 +33,7 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) ->
   try:
     text = (pathlib.Path(final_dir) / MANIFEST_FILE).read_bytes()
   except (FileNotFoundError, NotADirectoryError):
+    formats.check_read(final_dir)  # a step of another format: say so, before reading it
     made = formats.of_committed(final_dir).stock_manifest(final_dir)
     if made is None:
       raise errors.InvalidArgumentError(

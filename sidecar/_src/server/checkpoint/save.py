@@ -19,6 +19,7 @@ import os
 import pathlib
 import queue
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -83,6 +84,12 @@ class StepWriter:
       probe.write_bytes(b"ok")
       probe.unlink()
     except OSError as e:
+      blocker = _file_in_the_way(path)
+      if blocker is not None:  # no write access would help: a file holds the name
+        raise errors.InvalidArgumentError(
+            f"checkpoint directory {directory!r}: {blocker} is a {_kind(blocker)}, not a "
+            "directory: a checkpoint directory must be a directory; pick another path"
+        ) from None
       raise errors.InvalidArgumentError(
           f"checkpoint directory {directory!r} is not writable from sidecar host "
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
@@ -110,19 +117,26 @@ class StepWriter:
     ``Format.name``; the wire's Begin always names one) names it: "orbax":
     ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
     (a committed checkpoint at ``directory`` is replaced at the commit, as DCP overwrites).
-    Refused while another session's save of the step is being staged or written (it would
-    remove that save's files)."""
+    Refused while another save of the step is being staged or written, by another session
+    or another checkpointer of this one (it would remove that save's files)."""
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
+    # This session's own save is in flight until committed or aborted (a second
+    # checkpointer of the directory); another session's, while written (one that died
+    # after its write must not keep a relaunched job from saving the step).
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
-              if not s.done.is_set() and owner not in s.owners and s.format == fmt.name
-              and pathlib.Path(s.tmp_dir).is_relative_to(tmp)]
+              if s.format == fmt.name and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
+              and (not s.done.is_set() or (owner in s.owners and not s.committed
+                                           and s.error is None))]
     if busy:
+      by = ("another session (another process)" if owner not in busy[0].owners else
+            "another checkpointer of this directory in the same process")
       raise errors.PermissionDeniedError(
-          f"begin: step {step} of {directory!r:.200} is being saved by another session on "
-          f"host {self._host_id}; wait for that save to end, or save another step")
+          f"begin: step {step} of {directory!r:.200} is being saved by {by} on host "
+          f"{self._host_id}: another save of step {step} into this directory is in flight; "
+          "wait for that save to end, or save each step from one checkpointer")
     return str(fmt.create_tmp(directory, step))
 
   def tmp_of(self, directory: str, step: int, format: str = formats_lib.ORBAX) -> str:  # noqa: A002
@@ -217,7 +231,11 @@ class StepWriter:
         self._spawn(self._write, record, fmt, tmp_dir,
                     self._write_turn(owner) or direct_io.no_turn, name=f"sidecar-ckpt-{step}")
       if record.closed:
-        raise errors.InvalidArgumentError(f"step {step} on host {self._host_id} is staged already")
+        raise errors.InvalidArgumentError(
+            f"stage: step {step} of {directory!r:.200} is staged already on host "
+            f"{self._host_id}: another save of step {step} into this directory is in flight "
+            "(another checkpointer or process); wait for that save to end, or save each step "
+            "from one checkpointer")
       record.owners.add(owner)
       assert record.numbering is not None
       try:
@@ -331,10 +349,16 @@ class StepWriter:
       raise errors.PermissionDeniedError(
           f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on host "
           f"{self._host_id}; a session commits only the save it began")
-    if not record.done.is_set() or record.error is not None:
+    if record.error is not None:
       raise errors.InvalidArgumentError(
-          f"commit: step {step} at {tmp_dir!r:.200} is not written on host {self._host_id} "
-          f"({'still writing' if record.error is None else record.error}); wait for prepared")
+          f"commit: step {step} at {tmp_dir!r:.200} failed to write on host {self._host_id} "
+          f"({record.error}); save it again")
+    if not record.done.is_set():  # a save commits after its prepared: this is another's
+      raise errors.InvalidArgumentError(
+          f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
+          f"{self._host_id}: another save of step {step} into this directory is in flight "
+          "(another checkpointer or process); wait for that save to end, or save each step "
+          "from one checkpointer")
     if (part is not None) != (fmt.commit_part is not None) or (
         part is not None and not isinstance(part, fmt.commit_part)):  # type: ignore[arg-type]
       raise errors.InvalidArgumentError(
@@ -424,3 +448,26 @@ def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> 
         + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
         "another directory), then save again", errno=e.errno, path=path, host_id=host_id)
   return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {e}")
+
+
+def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
+  """``path`` or the nearest of its parents that exists, if that is no directory (a
+  regular file, a socket): what made ``mkdir`` fail with ``File exists`` or ``Not a
+  directory``; None if it is a directory."""
+  for p in (path, *path.parents):
+    try:
+      st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):  # not there, or under a file
+      continue
+    except OSError:
+      return None  # no access: what the caller says then is right
+    return None if stat.S_ISDIR(st.st_mode) else p
+  return None
+
+
+def _kind(path: pathlib.Path) -> str:
+  """What ``path`` (no directory) is, in words."""
+  mode = path.stat().st_mode
+  return next((name for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISSOCK, "socket"),
+                                      (stat.S_ISFIFO, "named pipe"))
+               if test(mode)), "file")

@@ -461,6 +461,8 @@ class CheckpointService:
            ) -> ckpt_pb.CheckpointInfoResponse:
     try:
       return wire.manifest_to_pb(self._host.info(r.final_dir))
+    except errors.SidecarError:
+      raise  # says what it found (a step of another format), with its own fix
     except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values
       raise errors.InvalidArgumentError(
           f"{r.final_dir}: its manifest is not one this sidecar wrote ({type(e).__name__}: "

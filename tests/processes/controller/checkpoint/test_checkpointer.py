@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import re
 import stat
 import time
 
@@ -127,8 +128,13 @@ def test_bad_input(cluster, tmp_path):
       with pytest.raises(sidecar.InvalidArgumentError, match="is not writable"):
         ctl.checkpointer(ro)
     (tmp_path / "a-file").write_text("")  # not a directory, for root too
-    with pytest.raises(sidecar.InvalidArgumentError, match="is not writable"):
-      ctl.checkpointer(tmp_path / "a-file" / "ck")
+    # Under a file, or a file: no write access would help, so say what the path is.
+    for path in (tmp_path / "a-file" / "ck", tmp_path / "a-file"):
+      file = re.escape(str(tmp_path / "a-file"))
+      with pytest.raises(sidecar.InvalidArgumentError,
+                         match=f"{file} is a regular file, not a directory: a checkpoint "
+                               "directory must be a directory; pick another path"):
+        ctl.checkpointer(path)
     with pytest.raises(PermissionError, match="is not under a checkpoint root"):
       ctl.checkpointer("/proc/no-such-dir/ck")
     with ctl.checkpointer(tmp_path / "ck", max_to_keep=2) as ckpt:

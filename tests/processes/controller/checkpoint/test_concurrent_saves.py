@@ -32,3 +32,21 @@ def test_a_second_save_of_a_step_in_flight_is_refused_at_once_and_the_first_is_d
       assert ckpt.all_steps() == [3]
       restored = ckpt.restore(3, target=state)
       np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_two_checkpointers_saving_one_step_in_one_directory_name_the_save_in_flight(tmp_path):
+  # Issue 55 item 6: the second save used to wipe the first's files ("staged already", then
+  # the first failed to write); it is refused at its begin, and the first is durable.
+  state = {"w": np.ones((1024, 1024, 4), np.float32)}
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="64MiB") as c:
+    with c.controller() as ctl, ctl.checkpointer(tmp_path) as a, \
+        ctl.checkpointer(tmp_path) as b:
+      first = a.save(1, state)
+      assert first.staged.result(60) == 1
+      with pytest.raises(sidecar.PermissionDeniedError,
+                         match="step 1 of .* is being saved by another checkpointer of this "
+                               "directory in the same process on host 0: another save of step "
+                               "1 into this directory is in flight; wait for that save to end, "
+                               "or save each step from one checkpointer"):
+        b.save(1, state).durable.result(60)
+      assert first.durable.result(60) == 1 and a.all_steps() == [1]

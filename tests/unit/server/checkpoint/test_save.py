@@ -112,7 +112,7 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
                      r"No space left on device \(ENOSPC\)") as e:
     writer.prepared(final, timeout=30)
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
-  with pytest.raises(errors.InvalidArgumentError, match="is not written on host 0"):
+  with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
     writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == []  # no step, no tmp directory
