@@ -6,8 +6,11 @@ beside a ``unix:`` gRPC socket the sidecar listens on an abstract socket named a
 socket file (``ipc.client_ids_name``), and answers each connection with a ticket for the
 connecting process, whose pid the kernel gives (``SO_PEERCRED``). A handshake that
 presents its ticket (``protocol.PID_TICKET_KEY``) counts against that process; one
-without counts with every other Unix client that presented none (``unix:``). So one
-process's flood of handshakes evicts its own sessions first (``limits.Sessions``).
+without counts with every other Unix client that presented none. Each is counted within
+its tenant (the client its token names, ``held_by``: ``unix:@bob``, ``pid:N@bob``). So one
+process's flood of handshakes evicts its own sessions first, and one tenant's flood,
+ticketless or with another's copied ticket, evicts only that tenant's (``limits.Sessions``;
+issue 54's attack 3: bob's ticketless handshakes used to evict alice's ticketless session).
 
 A ticket is ``pid.start.mac``: an HMAC, under a key of this sidecar's run, of the pid and
 the process's start time, so it names only the process that asked for it and dies with
@@ -29,8 +32,15 @@ from sidecar._src.wire import ipc
 
 log = logging.getLogger(__name__)
 
-ANONYMOUS = "unix:"  # the holder of Unix-socket sessions with no ticket
+ANONYMOUS = "unix:"  # the holder of Unix-socket sessions with no ticket (no tenant named)
 _MAX_TICKET = ipc.MAX_TICKET
+
+
+def held_by(ticketed: str, client: str | None) -> str:
+  """The holder of a Unix-socket session: ``ticketed`` (:meth:`Tickets.holder`'s answer,
+  a process or :data:`ANONYMOUS`) of tenant ``client`` (the client its token names; None:
+  the one shared token's). Tenants never share a holder, so none evicts another's."""
+  return ticketed if client is None else f"{ticketed}@{client}"
 
 
 def start_time(pid: int) -> int | None:

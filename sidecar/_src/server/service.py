@@ -160,20 +160,23 @@ class Service:
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
     session = self._sessions.new(peer=self._is_replica_link(context), client=client,
-                                 holder=self._holder(context))
+                                 holder=self._holder(context, client))
     return pb.HandshakeResponse(tenant=client or "",
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
 
-  def _holder(self, context: grpc.ServicerContext) -> str | None:
+  def _holder(self, context: grpc.ServicerContext, client: str | None) -> str | None:
     """Who holds a new session: its TCP connection, or over a ``unix:`` socket the process
-    its ticket names (``client_ids``; none: every Unix client without one together)."""
+    its ticket names (``client_ids``; none: every Unix client without one together), of
+    tenant ``client`` (its token's): one tenant's flood, ticketless or with a ticket it
+    copied, evicts only its own sessions (``client_ids.held_by``)."""
     peer = context.peer()
-    if connection_of(peer) is not None or not peer.startswith("unix") or self._tickets is None:
+    if connection_of(peer) is not None or not peer.startswith("unix"):
       return connection_of(peer)
-    return self._tickets.holder(
+    ticketed = client_ids.ANONYMOUS if self._tickets is None else self._tickets.holder(
         dict(context.invocation_metadata()).get(protocol.PID_TICKET_KEY))
+    return client_ids.held_by(ticketed, client)
 
   def _client(self, context: grpc.ServicerContext) -> str | None:
     """The client whose token the call carries (per-client tokens), else None."""

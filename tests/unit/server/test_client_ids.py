@@ -40,3 +40,13 @@ def test_a_listener_tells_each_process_its_ticket_and_gives_way_where_the_name_i
   finally:
     listener.close()
     listener.close()  # idempotent
+
+
+def test_tenants_never_share_a_holder():
+  """Issue 54, attack 3: a tenant's ticketless clients, or its process's, hold apart from
+  every other tenant's; with the one shared token, as before."""
+  for ticketed in (client_ids.ANONYMOUS, f"pid:{os.getpid()}"):
+    assert client_ids.held_by(ticketed, None) == ticketed
+    assert client_ids.held_by(ticketed, "alice") != client_ids.held_by(ticketed, "bob")
+    assert client_ids.held_by(ticketed, "alice") != ticketed
+  assert client_ids.held_by(client_ids.ANONYMOUS, "bob") != client_ids.held_by("pid:1", "bob")

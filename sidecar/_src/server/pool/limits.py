@@ -195,7 +195,9 @@ class Sessions:
   With tenants (``tenancy``), each tenant keeps at most its ``sessions`` quota (a pool
   file's tenant without one: its share of ``limit`` by weight), evicting only its own: one
   tenant's flood of handshakes is refused as its own, and never fills the table that the
-  other tenants' handshakes need.
+  other tenants' handshakes need. Where the quotas add up to more than ``limit``, a full
+  table makes room only from the new one's tenant or a tenant holding more than its share
+  by weight (``_evictable``): never from a tenant within its share.
   """
 
   def __init__(self, *, idle_s: float, limit: int, evict_idle_s: float = EVICT_IDLE_S,
@@ -229,7 +231,7 @@ class Sessions:
       if holder is not None and self._held[holder] >= self.per_client:
         self._drop(self._oldest_of(holder))  # a flood of one client: its own oldest
       if len(self._last) >= self.limit:
-        self._make_any_room(holder, now)
+        self._make_any_room(holder, now, client)
       self._last[session] = now
       if peer:
         self._peers.add(session)
@@ -244,7 +246,19 @@ class Sessions:
     """The least recently used session of ``holder`` (which holds one at least)."""
     return next(s for s in self._last if self._holders.get(s) == holder)
 
-  def _make_any_room(self, holder: str | None, now: float) -> None:
+  def _evictable(self, client: str | None) -> set[str | None] | None:
+    """The tenants whose biggest holder a handshake of tenant ``client`` may make room
+    from: its own, and those holding more than their share by weight of ``limit`` (a pool
+    file's quotas may add up to more). None: any (no pool, or no tenant named)."""
+    pool = None if self._tenancy is None else self._tenancy.pool
+    if pool is None or client is None or not pool.tenants:
+      return None
+    weights = sum(t.weight for t in pool.tenants) or 1.0
+    counts = collections.Counter(self._clients.get(s) for s in self._last)
+    over = {t.name for t in pool.tenants if counts[t.name] > self.limit * t.weight / weights}
+    return {client, *over}
+
+  def _make_any_room(self, holder: str | None, now: float, client: str | None = None) -> None:
     """Room for one more session in the full table: see the class docstring.
 
     Raises:
@@ -252,7 +266,13 @@ class Sessions:
         was used in the last ``evict_idle_s``.
     """
     mine = self._held[holder] if holder is not None else 0
-    most, count = max(self._held.items(), key=lambda kv: kv[1], default=(None, 0))
+    tenants = self._evictable(client)
+    if tenants is None:
+      held = list(self._held.items())
+    else:  # one holder is one tenant's
+      tenant_of = {h: self._clients.get(s) for s, h in self._holders.items()}
+      held = [(h, n) for h, n in self._held.items() if tenant_of.get(h) in tenants]
+    most, count = max(held, key=lambda kv: kv[1], default=(None, 0))
     if most is not None and count > mine + 1:
       self._drop(self._oldest_of(most))
       return

@@ -24,6 +24,7 @@ from sidecar._src.server.pool.limits import MAX_PREFETCH, Sessions, StreamSlots
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
+from tests.support.pool_files import ALICE, BOB, write_pool
 from tests.support.raw_client import Raw, rejected
 
 pytestmark = pytest.mark.server
@@ -335,6 +336,78 @@ def test_a_unix_clients_flood_evicts_its_own_sessions_by_process(make_server, tm
     finally:
       channel.close()
     assert ctl.call("add", args=(1,), kwargs={"b": 1}) == [2]
+
+
+# Issue 54's attack 3: bob's sessions quota leaves room for his flood; a Unix client's
+# holder (max_sessions_per_client=16) is what bounds it.
+FLOOD_POOL = """\
+tenants:
+  - name: alice
+    token_file: alice.token
+    sessions: 8
+    checkpoint_roots: [alice]
+  - name: bob
+    token_file: bob.token
+    sessions: 48
+    checkpoint_roots: [bob]
+"""
+
+
+def test_a_tenants_ticketless_flood_evicts_only_its_own_sessions(make_server, tmp_path):
+  """Issue 54, attack 3: every Unix client that presented no ticket (a non-Python client,
+  another network namespace, an older client) was one holder, whatever its tenant: bob's
+  ticketless handshakes, within his own sessions quota, evicted alice's live ticketless
+  session (SessionLostError), and a save in flight with it. Now a tenant's ticketless
+  clients hold their sessions together, apart from every other tenant's: bob's flood
+  evicts bob's own oldest. So does a flood that presents a ticket bob copied from alice's
+  process: it holds bob's sessions of that process, not alice's."""
+  path = tmp_path / "g.sock"
+  server = make_server(pool=write_pool(tmp_path, FLOOD_POOL), listen=f"unix:{path}",
+                       max_sessions=64, max_sessions_per_client=16)
+  channel = grpc.insecure_channel(f"unix:{path}")  # no ticket: as a non-Python client
+  handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
+                                  request_serializer=pb.HandshakeRequest.SerializeToString,
+                                  response_deserializer=pb.HandshakeResponse.FromString)
+  call = channel.unary_unary(f"/{protocol.SERVICE}/Call",
+                             request_serializer=pb.CallRequest.SerializeToString,
+                             response_deserializer=pb.CallResponse.FromString)
+  request = pb.HandshakeRequest(versions=protocol.local_versions(), client="ticketless")
+
+  def auth(token):
+    return ((protocol.AUTH_KEY, f"Bearer {token}"),)
+
+  def session(token, *extra):
+    reply = handshake(request, metadata=auth(token) + extra, timeout=10)
+    assert reply.tenant == ("alice" if token == ALICE else "bob")
+    return reply.session
+
+  def add(token, session):
+    return codec.decode(call(pb.CallRequest(
+        name="add", args=codec.encode((2,)), kwargs=codec.encode({"b": 3})),
+        metadata=auth(token) + ((protocol.SESSION_KEY, session),), timeout=10).result)
+
+  try:
+    alice = session(ALICE)
+    bob = [session(BOB) for _ in range(40)]  # more than a holder keeps; none refused
+    assert add(ALICE, alice) == 5  # alice's session lives
+    for s in bob[-16:]:  # bob's newest 16 live; his oldest were the ones evicted
+      assert server.sessions.touch(s)
+    assert not any(server.sessions.touch(s) for s in bob[:-16])
+    e = rejected(lambda: add(BOB, bob[0]))
+    assert e.details().startswith("SessionLostError: no live handshake session")
+    assert server.sessions.count_of() == {"alice": 1, "bob": 16}
+    # A ticket copied from alice's process, presented with bob's token: bob's own holder.
+    with ipc.Pinned(str(path), timeout=10) as pin:
+      ticket = ipc.fetch_ticket(pin, timeout=10)
+    assert ticket is not None
+    mine = ((protocol.PID_TICKET_KEY, ticket),)
+    alice_ticketed = session(ALICE, *mine)
+    for _ in range(40):
+      session(BOB, *mine)
+    assert add(ALICE, alice_ticketed) == 5 and add(ALICE, alice) == 5
+    assert server.sessions.count_of() == {"alice": 2, "bob": 32}
+  finally:
+    channel.close()
 
 
 # ---- tier 2: the worker socket ----------------------------------------------------------------

@@ -425,3 +425,25 @@ def test_a_reload_revokes_removed_tenants(tmp_path):
   assert tokens.table == {b"Bearer token-of-alice": "alice"}
   assert tokens.revoked == {
       b"Bearer token-of-bob": f"tenant 'bob' was removed from the pool file {path}"}
+
+
+def test_a_full_table_makes_room_from_a_tenant_over_its_share_never_from_another(tmp_path):
+  """Issue 54, attack 3, where the pool file's sessions quotas add up to more than
+  max_sessions: bob's handshakes from holders of one session each filled the table, and
+  his next made room from the biggest holder, alice's. Now a full table makes room only
+  from the new one's tenant or a tenant holding more than its share by weight."""
+  tenancy = _tenancy(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                     "sessions: 8}\n  - {name: bob, token_file: bob.token, sessions: 64}\n")
+  sessions = Sessions(idle_s=3600, limit=16, tenancy=tenancy, per_client=16)
+  alice = [sessions.new(client="alice", holder="unix:@alice") for _ in range(6)]
+  bob = [sessions.new(client="bob", holder=f"ipv4:127.0.0.1:{i}") for i in range(10)]
+  with pytest.raises(errors.BusyError, match="max_sessions"):  # bob, over his share, waits
+    sessions.new(client="bob", holder="ipv4:127.0.0.1:99")
+  assert all(sessions.touch(s) for s in alice + bob)
+  carol = sessions.new(client="alice", holder="pid:1@alice")  # alice: her biggest holder's
+  assert not sessions.touch(alice[0]) and sessions.touch(carol)
+  # A tenant under its share, new to a table another tenant overfilled: room from that one.
+  full = Sessions(idle_s=3600, limit=16, tenancy=tenancy, per_client=16)
+  theirs = [full.new(client="bob", holder="unix:@bob") for _ in range(16)]
+  full.new(client="alice", holder="unix:@alice")
+  assert not full.touch(theirs[0]) and all(full.touch(s) for s in theirs[1:])
