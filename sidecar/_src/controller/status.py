@@ -201,13 +201,13 @@ def _escape_fields(m: pb_message.Message) -> None:
         _escape_fields(v)
 
 
-def shown(rows: Rows) -> Rows:
+def shown(rows: Rows) -> list[tuple[str, pb.StatusResponse | Exception]]:
   """``rows`` as a terminal may show them: each status's strings :func:`escape`-d (the
   JSON output needs none: ``json.dump`` escapes control characters itself)."""
-  out = []
+  out: list[tuple[str, pb.StatusResponse | Exception]] = []
   for address, s in rows:
     if not isinstance(s, Exception):
-      s = type(s).FromString(s.SerializeToString())
+      s = pb.StatusResponse.FromString(s.SerializeToString())
       _escape_fields(s)
     out.append((address, s))
   return out

@@ -128,8 +128,9 @@ class Event:
         raise ValueError(f"an event's counters must be numbers >= 0, got {values!r:.100}")
       counters = Counters(int(values[0]), *map(float, values[1:]))
     try:
-      return cls(kind=d.get("kind"), life=d.get("life"), t=d.get("t"), counters=counters,
-                 step=d.get("step"), start=d.get("start"), pid=d.get("pid"))
+      # Any value: __post_init__ checks each field's type and says what was wrong.
+      return cls(kind=d.get("kind"), life=d.get("life"), t=d.get("t"),  # type: ignore[arg-type]
+                 counters=counters, step=d.get("step"), start=d.get("start"), pid=d.get("pid"))
     except TypeError as e:
       raise ValueError(f"malformed event {d!r:.100}: {e}") from None
 
@@ -270,7 +271,8 @@ def _split(life: _Life, start: float, end: float, ended: str, after: _Life | Non
   """One life's span split into the categories (all but restart_gap) and productive."""
   last = life.last_counters()
   first = life.first("first_step")
-  seconds = {"data_wait": last.data_s, "checkpoint": last.ckpt_s, "restore": last.restore_s}
+  seconds: dict[str, Any] = {"data_wait": last.data_s, "checkpoint": last.ckpt_s,
+                             "restore": last.restore_s}
   if first is None or first.t >= end:
     seconds["startup"] = max(0.0, (end - start) - last.blocked_s)
     step_s, first_t, first_c = 0.0, end, last

@@ -87,14 +87,14 @@ class Ledgers:
         raise errors.InvalidArgumentError(
             "goodput: no ledger is bound to this session; the first message names the "
             "checkpoint directory")
-      for e in events:
+      for event in events:
         if book.life is None:
-          book.life = e.life
-        elif e.life != book.life:
+          book.life = event.life
+        elif event.life != book.life:
           raise errors.InvalidArgumentError(
               f"goodput: one session records one process life ({book.life!r:.80}), got an "
-              f"event of {e.life!r:.80}")
-        book.finished = book.finished or e.kind == "finish"
+              f"event of {event.life!r:.80}")
+        book.finished = book.finished or event.kind == "finish"
       self._append(book, events)
 
   def _bind(self, session: str, directory: Any, tenant: str | None) -> _Book:

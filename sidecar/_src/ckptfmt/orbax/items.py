@@ -63,10 +63,11 @@ def opened(item_dir: pathlib.Path) -> Iterator[Item]:
     PermissionDeniedError: an untrusted symlink on the way to it (``names.open_dir``).
   """
   try:
-    fd: int | None = names.open_dir(item_dir)
+    fd = names.open_dir(item_dir)
   except (FileNotFoundError, NotADirectoryError):
     raise FileNotFoundError(
         f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)") from None
+  owned = False  # whether the pinned directory owns fd (else it is closed here)
   try:
     identity = os.fstat(fd)
     try:
@@ -76,14 +77,16 @@ def opened(item_dir: pathlib.Path) -> Iterator[Item]:
           f"no checkpoint item at {item_dir} ({METADATA_FILE} is missing)") from None
     key = (identity.st_dev, identity.st_ino, meta_stat.st_ino, meta_stat.st_mtime_ns,
            meta_stat.st_size)
-    item = _lease(key)
-    if item is None:
+    leased = _lease(key)
+    if leased is None:
       pinned = pinned_lib.Pinned(fd, str(item_dir), pinned_lib.check_tree(fd, str(item_dir)))
-      fd = None  # the pinned directory owns it now
-      item = _lease(key, _new(pinned))
+      owned = True
+      leased = _lease(key, _new(pinned))
   finally:
-    if fd is not None:
+    if not owned:
       os.close(fd)
+  assert leased is not None  # _lease with an item always leases one
+  item: Item = leased
   try:
     yield item
   finally:

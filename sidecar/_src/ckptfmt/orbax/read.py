@@ -111,7 +111,7 @@ def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index
     if fd is None:  # not one whole chunk, or one never stored (all fill value)
       return _read_leaf(item, key_path, index)
     try:
-      assert zarray is not None
+      assert zarray is not None and chunk is not None
       out = allocate(tuple(b - a for a, b in index), zarray.dtype)
       size = os.fstat(fd).st_size
       if size != out.nbytes or direct_io.read_at(fd, out, 0) != out.nbytes:
