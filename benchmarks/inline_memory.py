@@ -48,15 +48,15 @@ def measure(cluster, repeat: int) -> dict[str, list[float]]:
   with cluster.controller(attach=False, connect_timeout=10) as ctl:
     for fn in ("size_of", "add", "echo"):
       ctl.call(fn, args=(np.ones(1 << 20, np.uint8),))  # warm
-      out[f"{fn}, in parts"] = [_growth(pid, lambda: ctl.call(fn, args=(big,), timeout=120))
+      out[f"{fn}, in parts"] = [_growth(pid, lambda fn=fn: ctl.call(fn, args=(big,), timeout=120))
                                 for _ in range(repeat)]
   channel, call = _raw(cluster, "Call")
   metadata = _handshake(channel)
   for fn in ("size_of", "echo"):
     raw = pb.CallRequest(name=fn, args=codec.encode((big,), inline_limit=1 << 40),
                          kwargs=codec.encode({})).SerializeToString()
-    out[f"{fn}, one Call"] = [_growth(pid, lambda: call(raw, metadata=metadata, timeout=120))
-                              for _ in range(repeat)]
+    send = lambda raw=raw: call(raw, metadata=metadata, timeout=120)  # noqa: E731
+    out[f"{fn}, one Call"] = [_growth(pid, send) for _ in range(repeat)]
   channel.close()
   return out
 

@@ -17,7 +17,7 @@ import torch
 
 import sidecar
 import sidecar.torch
-from tests.processes.torch.test_no_jax import _SITECUSTOMIZE
+from tests.support.blocked_imports import SITECUSTOMIZE as _SITECUSTOMIZE
 from tests.support.paths import ROOT
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300),

@@ -11,26 +11,11 @@ import sys
 
 import pytest
 
+from tests.support.blocked_imports import SITECUSTOMIZE as _SITECUSTOMIZE
 from tests.support.paths import ROOT
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
-BLOCKED = ("jax", "jaxlib", "grain", "orbax", "tensorstore")
-
-# On PYTHONPATH as sitecustomize: every process of the run (the trainer, LocalCluster's
-# sidecars, their feed workers) starts with these packages unimportable, as where they
-# are not installed.
-_SITECUSTOMIZE = f'''
-import importlib.abc, sys
-
-class _NotInstalled(importlib.abc.MetaPathFinder):
-  def find_spec(self, name, path=None, target=None):
-    if name.split(".")[0] in {BLOCKED!r}:
-      raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-    return None
-
-sys.meta_path.insert(0, _NotInstalled())
-'''
 
 _TRAINER = r'''
 import json, sys, warnings
