@@ -73,41 +73,6 @@ def check_beneath(base: os.PathLike | str, path: os.PathLike | str, field: str) 
   return pathlib.Path(path)
 
 
-def check_no_symlinks(directory: os.PathLike | str, field: str) -> None:
-  """PermissionDeniedError naming ``field`` and the link where ``directory`` is, or holds
-  at any depth, a symlink (an lstat walk; nothing there: nothing to check). For the
-  directories a library opens files in by path (TensorStore's), which would follow one
-  planted there."""
-  directory = os.fspath(directory)
-  link = directory if os.path.islink(directory) else None
-  todo = [directory]
-  while todo and link is None:
-    try:
-      with os.scandir(todo.pop()) as entries:
-        for e in entries:
-          if e.is_symlink():
-            link = e.path
-            break
-          if e.is_dir(follow_symlinks=False):
-            todo.append(e.path)
-    except (FileNotFoundError, NotADirectoryError):
-      continue
-  if link is not None:
-    raise errors.PermissionDeniedError(
-        f"{field}: {link!r:.200} is a symlink, in the checkpoint files at {directory!r:.200} "
-        "that TensorStore opens by path (it would follow it, perhaps out of the checkpoint "
-        "directory); a checkpoint holds no symlinks: remove it")
-
-
-def check_store_files(spec: dict[str, Any], field: str) -> None:
-  """:func:`check_no_symlinks` of the directory a TensorStore spec's ``file`` kvstore
-  opens (an OCDBT store's base directory, or a Zarr array's own)."""
-  kvstore = spec.get("kvstore") or {}
-  store = kvstore.get("base", kvstore) if kvstore.get("driver") == "ocdbt" else kvstore
-  if store.get("driver") == "file" and store.get("path"):
-    check_no_symlinks(store["path"], field)
-
-
 def open_beneath(base: os.PathLike | str, name: str, flags: int, mode: int = 0o644, *,
                  make_dirs: bool = False, field: str = "name") -> int:
   """A descriptor of ``base``/``name`` (``name`` checked by :func:`check_name`), opened
