@@ -21,31 +21,20 @@ ready}``. Saves every ``--save-every`` steps and after the last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model.py, beside this file
+
+import trainers  # noqa: E402
 
 import sidecar  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", default="tiny", help="model.CONFIGS key: tiny or chip")
-  parser.add_argument("--data", required=True, help="a corpus written by prepare.py")
-  parser.add_argument("--ckpt", required=True,
-                      help="checkpoint directory, under the sidecars' --checkpoint-root")
-  parser.add_argument("--steps", type=int, required=True, help="train until this step")
-  parser.add_argument("--metrics", required=True, help="JSON-lines file to append to")
-  parser.add_argument("--save-every", type=int, default=100, help="steps between saves")
-  parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (max_to_keep)")
-  parser.add_argument("--seed", type=int, default=0, help="initialisation and shuffle seed")
-  args = parser.parse_args(argv)
-  if args.save_every < 1 or args.steps < 1:
-    parser.error("--steps and --save-every must be at least 1")
-  return args
+  return trainers.parse(trainers.parser(
+      __doc__.split("\n\n")[0],
+      ckpt_help="checkpoint directory, under the sidecars' --checkpoint-root"), argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,15 +42,9 @@ def main(argv: list[str] | None = None) -> int:
   sidecar.jax.initialize()  # before any other JAX call; a no-op for a job of one process
   import jax
   import model
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   config = model.CONFIGS[args.config]
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  optimizer = model.make_optimizer(config)
-  train_step = model.make_train_step(config, optimizer, state_sharding=replicated,
-                                     batch_sharding=rows)
+  optimizer, train_step, replicated, rows = trainers.data_parallel(config)
   me = jax.process_index()
 
   with sidecar.jax.Controller.from_env() as ctl:
@@ -90,23 +73,17 @@ def main(argv: list[str] | None = None) -> int:
           state, loss = train_step(state, batch)
           step += 1
           if pending is not None:
-            _write(metrics, *pending)
+            trainers.write_metric(metrics, *pending)
           pending = (step, loss)
           if step % args.save_every == 0 or step == args.steps:
             ckpt.save(step, state, data_state=feed.state())
         if pending is not None:
-          _write(metrics, *pending)
+          trainers.write_metric(metrics, *pending)
     finally:
       ckpt.close()  # waits for the last save to be durable
   if me == 0:
     print(f"trained to step {step}; checkpoints {ckpt.all_steps()}", flush=True)
   return 0
-
-
-def _write(metrics, step: int, loss) -> None:
-  value = float(loss.addressable_data(0))  # replicated: this process's copy
-  metrics.write(json.dumps({"step": step, "loss": value, "time": time.time()}) + "\n")
-  metrics.flush()
 
 
 if __name__ == "__main__":

@@ -24,35 +24,24 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
 import os
 import pathlib
 import sys
-import time
 
 # model.py beside this file; pipelines/ at the repository root.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[2]))
 
+import trainers  # noqa: E402
+
 EPOCHS = 100_000  # the iterator's length in epochs: in effect, forever
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", default="tiny", help="model.CONFIGS key: tiny or chip")
-  parser.add_argument("--data", required=True, help="a corpus written by prepare.py")
-  parser.add_argument("--ckpt", required=True, help="Orbax checkpoint directory")
-  parser.add_argument("--steps", type=int, required=True, help="train until this step")
-  parser.add_argument("--metrics", required=True, help="JSON-lines file to append to")
-  parser.add_argument("--save-every", type=int, default=100, help="steps between saves")
-  parser.add_argument("--keep", type=int, default=3, help="checkpoints kept (max_to_keep)")
-  parser.add_argument("--seed", type=int, default=0, help="initialisation and shuffle seed")
-  parser.add_argument("--read-threads", type=int, default=4,
-                      help="Grain's prefetch threads in this process")
-  args = parser.parse_args(argv)
-  if args.save_every < 1 or args.steps < 1:
-    parser.error("--steps and --save-every must be at least 1")
-  return args
+  p = trainers.parser(__doc__.split("\n\n")[0], ckpt_help="Orbax checkpoint directory")
+  p.add_argument("--read-threads", type=int, default=4,
+                 help="Grain's prefetch threads in this process")
+  return trainers.parse(p, argv)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -98,16 +87,10 @@ def main(argv: list[str] | None = None) -> int:
   import grain
   import jax
   import model
-  import numpy as np
   import orbax.checkpoint as ocp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   config = model.CONFIGS[args.config]
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  optimizer = model.make_optimizer(config)
-  train_step = model.make_train_step(config, optimizer, state_sharding=replicated,
-                                     batch_sharding=rows)
+  optimizer, train_step, replicated, rows = trainers.data_parallel(config)
   iterator = make_iterator(os.path.abspath(args.data), seq_len=config.seq_len,
                            batch_size=config.batch_size, seed=args.seed,
                            threads=args.read_threads)
@@ -134,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         state, loss = train_step(state, batch)
         step += 1
         if pending is not None:
-          _write(metrics, *pending)
+          trainers.write_metric(metrics, *pending)
         pending = (step, loss)
         if step % args.save_every == 0 or step == args.steps:
           # The iterator has yielded exactly the batches of steps 1..step: its state now
@@ -143,16 +126,10 @@ def main(argv: list[str] | None = None) -> int:
               state=ocp.args.StandardSave(state),
               data=grain.checkpoint.CheckpointSave(iterator)))
       if pending is not None:
-        _write(metrics, *pending)
+        trainers.write_metric(metrics, *pending)
     manager.wait_until_finished()
     print(f"trained to step {step}; checkpoints {list(manager.all_steps())}", flush=True)
   return 0
-
-
-def _write(metrics, step: int, loss) -> None:
-  value = float(loss.addressable_data(0))
-  metrics.write(json.dumps({"step": step, "loss": value, "time": time.time()}) + "\n")
-  metrics.flush()
 
 
 if __name__ == "__main__":
