@@ -54,6 +54,7 @@ import time
 
 from benchmarks import goodput_ledger as ledger
 from benchmarks.common import table
+from sidecar._src.controller import goodput as recorder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SYSTEMS = {"ours": "examples/lm/train.py", "baseline": "examples/lm/train_baseline.py"}
@@ -63,7 +64,6 @@ POLL = 0.02
 # Restarts beyond the kills: a TPU can refuse a process started just after another ended
 # (docs/tpu.md); such a start fails, is restarted, and counts as startup badput.
 RESTART_SLACK = 5
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -94,16 +94,9 @@ def _trainers(launcher: int, script: str) -> list[int]:
   return out
 
 
-def _boot_time() -> float:
-  return time.time() - float(pathlib.Path("/proc/uptime").read_text().split()[0])
-
-
-def _start_time(pid: int, seen: float, boot: float) -> float:
+def _start_time(pid: int, seen: float) -> float:
   """When ``pid`` started, from /proc (10 ms ticks); ``seen`` where that looks wrong."""
-  fields = _stat(pid)
-  if not fields:
-    return seen
-  start = boot + int(fields[19]) / TICK
+  start = recorder.process_start(pid)  # now, where pid is gone
   return start if seen - 5 <= start <= seen + 0.05 else seen
 
 
@@ -131,13 +124,12 @@ class Job:
   def run(self, *, wall: float | None = None, until_step: int | None = None,
           kill_at: tuple[float, ...] = (), limit: float = 600) -> Job:
     """Runs until ``wall`` seconds have passed or step ``until_step`` is written."""
-    boot = _boot_time()
     with open(self.log, "w") as log:
       self.t0 = time.time()
       launcher = subprocess.Popen(self.command, cwd=ROOT, env=self.env, stdout=log,
                                   stderr=subprocess.STDOUT)
       try:
-        self._watch_until(launcher, boot, wall=wall, until_step=until_step,
+        self._watch_until(launcher, wall=wall, until_step=until_step,
                           kill_at=list(kill_at), limit=limit)
       finally:  # also on SIGTERM to the benchmark (SystemExit): stop what we started
         self.t_end = time.time()
@@ -155,12 +147,12 @@ class Job:
     self.lines = ledger.read_lines(self.metrics)
     return self
 
-  def _watch_until(self, launcher: subprocess.Popen, boot: float, *, wall: float | None,
+  def _watch_until(self, launcher: subprocess.Popen, *, wall: float | None,
                    until_step: int | None, kill_at: list[float], limit: float) -> None:
     checked = 0.0
     while launcher.poll() is None:
       now = time.time()
-      alive = self._watch(launcher.pid, now, boot)
+      alive = self._watch(launcher.pid, now)
       if kill_at and now - self.t0 >= kill_at[0] and alive:
         os.kill(alive[-1], signal.SIGKILL)
         self.lives[alive[-1]].update(end=now, killed=True)
@@ -177,11 +169,11 @@ class Job:
         return
       time.sleep(POLL)
 
-  def _watch(self, launcher: int, now: float, boot: float) -> list[int]:
+  def _watch(self, launcher: int, now: float) -> list[int]:
     alive = _trainers(launcher, self.script)
     for pid in alive:
       if pid not in self.lives:
-        self.lives[pid] = {"start": _start_time(pid, now, boot), "end": None, "killed": False}
+        self.lives[pid] = {"start": _start_time(pid, now), "end": None, "killed": False}
     for pid, life in self.lives.items():
       if life["end"] is None and pid not in alive:
         life["end"] = now  # ended by itself (an error: see the launch log)

@@ -54,16 +54,17 @@ class LedgerTransport(Protocol):
     ...
 
 
-def process_start() -> float:
-  """When this process began (Unix seconds), as the kernel says: its ``starttime`` in
-  ``/proc/self/stat`` (clock ticks after boot, on the boot-time clock), so it covers the
-  interpreter's start, the imports and JAX's init. Where there is no ``/proc``: now.
+def process_start(pid: int | str = "self") -> float:
+  """When process ``pid`` (default: this one) began (Unix seconds), as the kernel says: its
+  ``starttime`` in ``/proc/PID/stat`` (clock ticks after boot, on the boot-time clock), so
+  it covers the interpreter's start, the imports and JAX's init. Where there is no such
+  ``/proc`` entry: now.
 
   Its age on the boot-time clock is taken from now: ``/proc/stat``'s ``btime`` would do
   too, but it is whole seconds.
   """
   try:
-    with open("/proc/self/stat", "rb") as f:
+    with open(f"/proc/{pid}/stat", "rb") as f:
       fields = f.read().rsplit(b")", 1)[1].split()
     started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22; the state is field 3
     age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
