@@ -72,6 +72,19 @@ def expected(data, tmp_path_factory) -> dict[int, float]:
   return losses
 
 
+def _killed_once(p: subprocess.Popen, ckpt, metrics, *, timeout: float) -> tuple[int, str]:
+  """:func:`_kill_mid_way`, then the launch's end (within ``timeout``; killed if not): the
+  trainer's pid and all the launcher printed."""
+  try:
+    trainer, header = _kill_mid_way(p, ckpt, metrics)
+    rest, _ = p.communicate(timeout=timeout)
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  return trainer, header + rest
+
+
 def _kill_mid_way(p: subprocess.Popen, ckpt, metrics) -> tuple[int, str]:
   """SIGKILLs the trainer of launch ``p`` once step KILL_AFTER is written and step
   SAVE_EVERY committed; its pid, and what the launcher printed until then."""
@@ -90,17 +103,11 @@ def _kill_mid_way(p: subprocess.Popen, ckpt, metrics) -> tuple[int, str]:
 def test_a_killed_run_resumes_bit_exactly(data, expected, tmp_path):
   metrics, ckpt = tmp_path / "killed.jsonl", tmp_path / "ckpt-killed"
   p = _launch(data, ckpt, metrics)
-  try:
-    trainer, header = _kill_mid_way(p, ckpt, metrics)
-    rest, _ = p.communicate(timeout=60)
-  finally:
-    if p.poll() is None:
-      p.kill()
-      p.wait()
-  assert p.returncode != 0, header + rest  # the launcher reports its trainer's death
+  trainer, out = _killed_once(p, ckpt, metrics, timeout=60)
+  assert p.returncode != 0, out  # the launcher reports its trainer's death
   assert not alive(trainer)
   killed_at = max(_steps(metrics))
-  assert KILL_AFTER <= killed_at < STEPS, header + rest  # killed mid-way, not after the end
+  assert KILL_AFTER <= killed_at < STEPS, out  # killed mid-way, not after the end
   assert _losses(metrics) == {
       s: expected[s] for s in range(1, killed_at + 1)}
 
@@ -122,14 +129,7 @@ def test_a_trainer_killed_under_max_restarts_resumes_bit_exactly(
   counts the restart, and its categories add up to its wall time."""
   metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
   p = _launch(data, ckpt, metrics, restarts=1)
-  try:
-    trainer, header = _kill_mid_way(p, ckpt, metrics)
-    rest, _ = p.communicate(timeout=120)
-  finally:
-    if p.poll() is None:
-      p.kill()
-      p.wait()
-  out = header + rest
+  trainer, out = _killed_once(p, ckpt, metrics, timeout=120)
   assert p.returncode == 0, out
   assert not alive(trainer)
   assert "restart 1: host 0's trainer was killed by SIGKILL" in out, out
