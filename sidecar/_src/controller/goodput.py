@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from sidecar._src.core import goodput as goodput_lib
+from sidecar._src.core import env as env_lib, goodput as goodput_lib
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,15 @@ def process_start(pid: int | str = "self") -> float:
   ``/proc`` entry: now.
 
   Its age on the boot-time clock is taken from now: ``/proc/stat``'s ``btime`` would do
-  too, but it is whole seconds.
+  too, but it is whole seconds. For this process, ``$SIDECAR_STARTED`` wins where set: a
+  standby process (``sidecar launch --standby``) was told to run then, its imports done
+  before the restart.
   """
+  if pid == "self" and (told := env_lib.get(env_lib.STARTED)) is not None:
+    try:
+      return float(told)
+    except ValueError:
+      pass  # not ours to fail on: the kernel's time below
   try:
     with open(f"/proc/{pid}/stat", "rb") as f:
       fields = f.read().rsplit(b")", 1)[1].split()

@@ -87,6 +87,11 @@ HOSTS = _var(
 RESTART = _var(
     "SIDECAR_RESTART", "how often --elastic restarted the job: 0 on the first start",
     default="0", readers="the trainer's own code (sidecar launch sets it)", launcher=True)
+STARTED = _var(
+    "SIDECAR_STARTED", "when this trainer process was told to run, Unix seconds: set by "
+    "sidecar launch --standby's waiting process (tools/standby.py), whose imports came before",
+    default="the process's start (/proc)",
+    readers="the goodput ledger (controller/goodput.process_start)")
 TOKEN = _var(
     "SIDECAR_TOKEN", "the sidecars' bearer token, when they have one",
     default="SIDECAR_TOKEN_FILE's content, else no token",

@@ -86,6 +86,8 @@ def _launch(args: argparse.Namespace) -> int:
                       "--elastic alone restarts while --min-hosts hosts remain")
   if args.max_restarts is not None and args.max_restarts < 0:
     args.parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+  if args.preload and not args.standby:
+    args.parser.error("--preload applies only with --standby")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
   if not 1 <= min_hosts <= args.hosts:
     args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
@@ -94,7 +96,8 @@ def _launch(args: argparse.Namespace) -> int:
                     elastic=args.elastic, min_hosts=min_hosts, in_place=args.in_place,
                     checkpoint_roots=args.checkpoint_roots,
                     max_restarts=args.max_restarts,
-                    procs_per_host=args.procs_per_host, torch=args.torch)
+                    procs_per_host=args.procs_per_host, torch=args.torch,
+                    standby=(args.preload or []) if args.standby else None)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -327,6 +330,14 @@ def parser() -> argparse.ArgumentParser:
                  "trainer restarts every trainer beside the same sidecars, as torchrun's "
                  "(default: 0; with --elastic --in-place, which also restarts a dead sidecar: "
                  f"{launch.DEFAULT_MAX_RESTARTS})")
+  s.add_argument("--standby", action="store_true",
+                 help="with restarts: keep each trainer's next process started, its imports "
+                 "(JAX's, --preload's) done, waiting to take over when the trainer dies: a "
+                 "restart skips Python's start and the imports. CMD must be `python SCRIPT` "
+                 "or `python -m MODULE` (default: off)")
+  s.add_argument("--preload", action="append", metavar="MODULE",
+                 help="with --standby: a module the waiting process imports (repeatable; "
+                 "default: JAX only)")
   _checkpoint_root_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")

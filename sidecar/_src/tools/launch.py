@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import signal
@@ -26,11 +27,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import BinaryIO, TextIO
 
 from sidecar._src.core import env as env_lib, errors, platform
-from sidecar._src.tools import c10d_store, torchrun, trainers
+from sidecar._src.tools import c10d_store, standby as standby_lib, torchrun, trainers
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
@@ -167,8 +168,13 @@ class _Run:
   def __init__(self, command: Sequence[str], cluster: LocalCluster, *, grace: float,
                stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
                in_place: bool = False, max_restarts: int = 0,
-               procs_per_host: int = 1, torch: bool = False):
+               procs_per_host: int = 1, torch: bool = False,
+               standby: Sequence[str] | None = None):
     self.command = list(command)
+    # With standby (the modules to preload): each rank's next process, imported and
+    # waiting (tools/standby.py), with the thread that pumps its output.
+    self.standby = None if standby is None else standby_lib.command(self.command, standby)
+    self.standbys: dict[int, tuple[subprocess.Popen, threading.Thread]] = {}
     self.procs_per_host, self.torch = procs_per_host, torch
     self.in_place, self.max_restarts = in_place, max_restarts
     self.cluster = cluster
@@ -204,13 +210,57 @@ class _Run:
                               local_rank=local, torch_master=master,
                               max_restarts=self._max_restarts())
         rank = int(environ[env_lib.PROCESS_ID])
-        proc = subprocess.Popen(
-            self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        self.trainers[rank] = proc
         prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
-        self._thread(trainers.pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
+        proc = self._from_standby(rank, environ)
+        if proc is None:
+          proc = subprocess.Popen(
+              self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+              stderr=subprocess.STDOUT, start_new_session=True)
+          self._thread(trainers.pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
+        self.trainers[rank] = proc
         self._thread(self._wait, h, rank, proc, self.restart)
+        if self.standby is not None and self.restart < self._max_restarts():
+          self._start_standby(rank, environ, prefix)
+    self.stop_standbys(keep=set(self.trainers))
+
+  def _start_standby(self, rank: int, environ: dict[str, str], prefix: str) -> None:
+    """Starts ``rank``'s next process: it imports, then waits to be told to run."""
+    assert self.standby is not None
+    proc = subprocess.Popen(
+        self.standby, env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    pump = threading.Thread(target=trainers.pump, daemon=True, name="sidecar-launch-pump",
+                            args=(proc.stdout, prefix.encode(), self.stdout, self.lock))
+    pump.start()
+    self.standbys[rank] = (proc, pump)
+
+  def _from_standby(self, rank: int, environ: dict[str, str]) -> subprocess.Popen | None:
+    """``rank``'s standby, told to run with ``environ``; None where there is none (or it
+    is gone: a fresh process is started instead)."""
+    proc, pump = self.standbys.pop(rank, (None, None))
+    if proc is None or pump is None:
+      return None
+    try:
+      if proc.poll() is not None:
+        raise BrokenPipeError(f"it exited ({trainers.how(proc.returncode)})")
+      assert proc.stdin is not None
+      proc.stdin.write(json.dumps({"env": environ}).encode() + b"\n")
+      proc.stdin.close()
+    except OSError as e:
+      self.say(f"rank {rank}'s standby process could not take over ({e}); starting a new one")
+      trainers.stop_groups({rank: proc.pid}, 0, self.say)
+      proc.wait()
+      return None
+    self.threads.append(pump)
+    return proc
+
+  def stop_standbys(self, keep: Collection[int] = ()) -> None:
+    """Ends the standby processes of ranks not in ``keep``: they only wait, so at once."""
+    for rank in [r for r in self.standbys if r not in keep]:
+      proc, pump = self.standbys.pop(rank)
+      trainers.signal_group(proc.pid, signal.SIGKILL)
+      proc.wait()
+      pump.join(timeout=2.0)
 
   def _max_restarts(self) -> int:
     """How often the job may restart, as torchelastic's TORCHELASTIC_MAX_RESTARTS."""
@@ -405,7 +455,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
         in_place: bool = False, max_restarts: int | None = None,
-        procs_per_host: int = 1, torch: bool = False,
+        procs_per_host: int = 1, torch: bool = False, standby: Sequence[str] | None = None,
         checkpoint_roots: Sequence[str] | None = None, stdout: BinaryIO | None = None,
         stderr: TextIO | None = None, transport: str = "unix") -> int:
   """Runs ``command`` ``procs_per_host`` times per host beside a LocalCluster of sidecars;
@@ -435,6 +485,10 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
       ``torchrun --nproc-per-node``), each with its own Worker session.
     torch: also set torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
       ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...).
+    standby: with restarts, start each trainer's next process ahead, while the job
+      trains: it imports JAX (where installed) and these modules, then waits; a restart
+      hands it the new environment and it runs ``command`` (``tools/standby.py``). The
+      command must be ``PYTHON SCRIPT ...`` or ``PYTHON -m MODULE ...``. None: off.
     checkpoint_roots: the directories every sidecar may checkpoint in; default the temp
       directory and the working directory (``LocalCluster``'s).
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
@@ -444,7 +498,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
 
   Raises:
     InvalidArgumentError: an empty command, hosts, devices_per_host or procs_per_host
-      below 1, or min_hosts not in 1..hosts.
+      below 1, min_hosts not in 1..hosts, or a standby for a command that is not Python's.
   """
   if isinstance(command, str) or not command:
     raise errors.InvalidArgumentError(
@@ -467,6 +521,10 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if isinstance(procs_per_host, bool) or not isinstance(procs_per_host, int) or procs_per_host < 1:
     raise errors.InvalidArgumentError(
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
+  if standby is not None and standby_lib.command(command, standby) is None:
+    raise errors.InvalidArgumentError(
+        f"a standby process runs a Python trainer: the command must be `python SCRIPT ...` or "
+        f"`python -m MODULE ...`, got {' '.join(command)!r:.200}; leave out --standby")
   # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
   share = torchrun.session_share(procs_per_host)
   quota = ("--session-quota", share) if share and not env_lib.get(env_lib.SESSION_QUOTA) else ()
@@ -477,7 +535,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
                 in_place=in_place, max_restarts=max_restarts,
-                procs_per_host=procs_per_host, torch=torch)
+                procs_per_host=procs_per_host, torch=torch, standby=standby)
   in_start = True
 
   def handler(signum, frame):
@@ -515,6 +573,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   finally:
     in_start = False
     launch.stop_trainers()
+    launch.stop_standbys()
     cluster.close()
     for signum, old in previous.items():
       signal.signal(signum, old)

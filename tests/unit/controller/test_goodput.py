@@ -3,6 +3,8 @@
 Tier 1: no sockets; a fake clock and stopwatch, a transport that keeps what it is sent.
 """
 
+import os
+
 import pytest
 
 from sidecar._src.controller import goodput
@@ -149,3 +151,12 @@ def test_the_process_start_is_before_now_and_after_boot():
   import time
   start = goodput.process_start()
   assert time.time() - 3600 * 24 * 365 < start <= time.time()
+
+
+def test_a_standby_process_counts_its_life_from_when_it_was_told_to_run(monkeypatch):
+  monkeypatch.setenv("SIDECAR_STARTED", "1796000000.5")
+  assert goodput.process_start() == 1796000000.5
+  kernel = goodput.process_start(os.getpid())  # by pid: the kernel's, whatever the env
+  assert kernel != 1796000000.5
+  monkeypatch.setenv("SIDECAR_STARTED", "not a time")  # the kernel's, not an error
+  assert goodput.process_start() == pytest.approx(kernel, abs=0.05)

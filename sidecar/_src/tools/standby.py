@@ -1,0 +1,132 @@
+"""A trainer's next process, started before it is needed (``sidecar launch --standby``).
+
+A restart pays for the new process's interpreter and imports (JAX's alone is 1.3-1.5 s on
+the lent TPU host) after the old one is gone. A standby pays them while the job still
+trains: the launcher starts ``python -m sidecar._src.tools.standby [--preload M]... --
+SCRIPT ARGS...`` (or ``-- -m MODULE ARGS...``) beside the trainer; it imports JAX (where
+installed) and the ``--preload`` modules, then waits on its stdin. When the trainer dies
+the launcher writes one line, ``{"env": {...}}``, the environment of the new start, and
+closes the pipe; the standby takes that environment, sets :data:`env.STARTED` to now (the
+goodput ledger's process start: its imports were not the restart's cost), points stdin
+at ``/dev/null`` and runs the script as ``python SCRIPT ARGS`` would (``__main__``,
+``sys.argv``, ``sys.path[0]`` the script's directory; ``-m``: the module). End of input
+without a line (the job ended): it exits 0.
+
+Until it runs the script its name (``/proc/PID/comm``) is :data:`NAME`, so tools watching
+trainers can tell it from one. What the preloaded modules read from the environment
+at import time is the launcher's environment of the start before: variables that change
+between starts (the restart count, a new coordinator port) are set before the script
+runs, not before the imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import sys
+import time
+from collections.abc import Sequence
+
+from sidecar._src.core import env as env_lib
+
+NAME = b"sidecar-standby"  # at most 15 bytes: the kernel's limit for a process name
+_PR_SET_NAME = 15
+
+
+def command(trainer: Sequence[str], preload: Sequence[str]) -> list[str] | None:
+  """The standby's command for ``trainer``, or None where ``trainer`` is not
+  ``PYTHON SCRIPT [ARGS]`` or ``PYTHON -m MODULE [ARGS]`` (a standby runs Python only)."""
+  if len(trainer) < 2 or not os.path.basename(trainer[0]).startswith("python"):
+    return None
+  rest = list(trainer[1:])
+  if rest[0] == "-m" and len(rest) >= 2 or not rest[0].startswith("-"):
+    flags = [x for m in preload for x in ("--preload", m)]
+    return [trainer[0], "-m", "sidecar._src.tools.standby", *flags, "--", *rest]
+  return None
+
+
+def _set_name(name: bytes) -> None:
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+  except (OSError, AttributeError):  # not Linux: the name is only a courtesy
+    pass
+
+
+def _own_name() -> bytes:
+  try:
+    with open("/proc/self/comm", "rb") as f:
+      return f.read().strip()
+  except OSError:
+    return b"python"
+
+
+def _preload(modules: Sequence[str]) -> None:
+  try:
+    importlib.import_module("jax")
+  except ImportError:
+    pass  # a PyTorch-only install: nothing to load ahead
+  for name in modules:
+    try:
+      importlib.import_module(name)
+    except Exception as e:  # the script's own import of it will say the same, in context
+      print(f"sidecar standby: --preload {name} failed: {type(e).__name__}: {e}",
+            file=sys.stderr, flush=True)
+
+
+def _go() -> dict[str, str] | None:
+  """The next start's environment from stdin, or None at the end of input."""
+  line = sys.stdin.buffer.readline()
+  if not line.strip():
+    return None
+  message = json.loads(line)
+  environ = message["env"]
+  if not isinstance(environ, dict) or not all(
+      isinstance(k, str) and isinstance(v, str) for k, v in environ.items()):
+    raise ValueError("the launcher's env must map names to strings")
+  return environ
+
+
+def _run(target: list[str]) -> None:
+  if target[0] == "-m":
+    sys.argv = [target[1], *target[2:]]  # run_module sets argv[0] to the module's file
+    runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    return
+  script = target[0]
+  sys.argv = list(target)
+  sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` has it
+  runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m sidecar._src.tools.standby",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--preload", action="append", default=[], metavar="MODULE")
+  p.add_argument("target", nargs=argparse.REMAINDER)
+  args = p.parse_args(argv)
+  target = args.target[1:] if args.target[:1] == ["--"] else args.target
+  if not target or target[0] == "-m" and len(target) < 2:
+    p.error("give the trainer after --: SCRIPT [ARGS] or -m MODULE [ARGS]")
+  own = _own_name()
+  _set_name(NAME)
+  _preload(args.preload)
+  environ = _go()
+  if environ is None:
+    return 0
+  environ[env_lib.STARTED] = repr(time.time())
+  os.environ.clear()
+  os.environ.update(environ)
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
+  sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0, /dev/null now
+  _set_name(own)
+  _run(target)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
