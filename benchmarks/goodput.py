@@ -14,7 +14,12 @@ falls while no trainer lives hits the next one as it appears):
              CheckpointManager with Grain's iterator state through its handler
   floor      benchmarks/goodput_floor.py: import JAX, open the device, one step compiled
              from JAX's persistent cache (``JAX_COMPILATION_CACHE_DIR``, set the same way
-             for every process here): what any restart pays
+             for every process here): with the killed process's teardown (SIGKILL to its
+             exit, measured per system), what any restart pays
+
+With ``--standby SYSTEM``, that system's launcher keeps its next process started, JAX
+and ``PRELOAD``'s modules imported (``sidecar launch --standby``): a restart skips the
+interpreter's start and those imports; its life counts from when it is told to run.
 
 The save interval of each system comes from one rule and its own measured save cost:
 a calibration run saving every ``k_cal`` steps against one that never saves gives the
@@ -55,9 +60,13 @@ import time
 from benchmarks import goodput_ledger as ledger
 from benchmarks.common import table
 from sidecar._src.controller import goodput as recorder
+from sidecar._src.tools import standby
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SYSTEMS = {"ours": "examples/lm/train.py", "baseline": "examples/lm/train_baseline.py"}
+# With --standby SYSTEM: what its waiting process imports besides JAX (its trainer's next
+# imports after JAX; model.py beside the script imports optax).
+PRELOAD = {"ours": ["optax", "sidecar.jax"], "baseline": ["optax", "grain", "orbax.checkpoint"]}
 STEPS = 1_000_000  # --steps of every run: runs end by wall time or by a step reached
 NEVER = STEPS  # --save-every that never saves before the end
 POLL = 0.02
@@ -81,16 +90,37 @@ def _cmdline(pid: int) -> str:
     return ""
 
 
-def _trainers(launcher: int, script: str) -> list[int]:
-  """Live (not zombie) children of ``launcher`` running ``script``."""
-  out = []
+def _comm(pid: int) -> bytes:
+  try:
+    return pathlib.Path(f"/proc/{pid}/comm").read_bytes().strip()
+  except OSError:
+    return b""
+
+
+def _trainers(launcher: int, script: str, named: set[int]) -> tuple[list[int], list[int]]:
+  """Live (not zombie) children of ``launcher`` running ``script``: the trainers, and the
+  standby processes waiting to be one (``sidecar launch --standby``), by their name
+  (``standby.NAME``) while they wait. A standby process not yet named (``named``: the
+  pids seen named, to which those seen running are added) is skipped for its first
+  second: it may still be starting up. Seen late, a life's start moves time from its
+  gap to its startup, not out of badput."""
+  out: tuple[list[int], list[int]] = ([], [])
   for entry in os.scandir("/proc"):
     if not entry.name.isdigit():
       continue
-    fields = _stat(int(entry.name))
-    if fields and int(fields[1]) == launcher and fields[0] != "Z" and script in _cmdline(
-        int(entry.name)):
-      out.append(int(entry.name))
+    pid = int(entry.name)
+    fields = _stat(pid)
+    if not fields or int(fields[1]) != launcher or fields[0] == "Z":
+      continue
+    cmdline = _cmdline(pid)
+    if script not in cmdline:
+      continue
+    waiting = _comm(pid) == standby.NAME
+    if not waiting and "sidecar._src.tools.standby" in cmdline:
+      if pid not in named and time.time() - recorder.process_start(pid) < 1.0:
+        continue
+      named.add(pid)  # a standby that runs: its life starts now, not at its spawn
+    out[waiting].append(pid)
   return out
 
 
@@ -104,7 +134,8 @@ class Job:
   """One ``sidecar launch`` of one system's trainer, watched, killed on schedule, stopped."""
 
   def __init__(self, system: str, *, name: str, config: str, data: str, work: str,
-               save_every: int, env: dict, shm: str, restarts: int):
+               save_every: int, env: dict, shm: str, restarts: int,
+               preload: list[str] | None = None):
     self.system, self.script = system, SYSTEMS[system]
     self.dir = os.path.join(work, name)
     os.makedirs(self.dir)
@@ -114,12 +145,15 @@ class Job:
     self.command = [
         sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--max-restarts",
         str(restarts), "--import", "pipelines.lm", "--shm-size", shm, "--checkpoint-root",
-        work, "--", sys.executable, self.script, "--config", config, "--data", data,
+        work, *([] if preload is None else ["--standby", *(
+            x for m in preload for x in ("--preload", m))]),
+        "--", sys.executable, self.script, "--config", config, "--data", data,
         "--ckpt", self.ckpt, "--steps", str(STEPS), "--metrics", self.metrics,
         "--save-every", str(save_every)]
     self.env = env
     self.lives: dict[int, dict] = {}
     self.kills: list[float] = []
+    self.standbys: set[int] = set()  # pids seen waiting: their life starts when they run
 
   def run(self, *, wall: float | None = None, until_step: int | None = None,
           kill_at: tuple[float, ...] = (), limit: float = 600) -> Job:
@@ -170,17 +204,22 @@ class Job:
       time.sleep(POLL)
 
   def _watch(self, launcher: int, now: float) -> list[int]:
-    alive = _trainers(launcher, self.script)
+    alive, waiting = _trainers(launcher, self.script, self.standbys)
+    self.standbys.update(waiting)
     for pid in alive:
       if pid not in self.lives:
-        self.lives[pid] = {"start": _start_time(pid, now), "end": None, "killed": False}
+        start = now if pid in self.standbys else _start_time(pid, now)
+        self.lives[pid] = {"start": start, "end": None, "killed": False, "gone": None}
     for pid, life in self.lives.items():
       if life["end"] is None and pid not in alive:
         life["end"] = now  # ended by itself (an error: see the launch log)
+      if life["killed"] and life["gone"] is None and pid not in alive:
+        life["gone"] = now  # the killed process has exited (a zombie, or reaped)
     return [pid for pid in alive if not self.lives[pid]["killed"]]
 
   def account(self) -> ledger.Account:
-    lives = [ledger.Life(v["start"], v["end"], v["killed"]) for v in self.lives.values()]
+    lives = [ledger.Life(v["start"], v["end"], v["killed"], v["gone"])
+             for v in self.lives.values()]
     return ledger.account(self.lines, lives, t0=self.t0, t_end=self.t_end)
 
   def rate(self) -> float:
@@ -270,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                  help="directory for goodput-<time>.json")
   p.add_argument("--keep-work", action="store_true", help="keep the checkpoints and logs")
+  p.add_argument("--standby", action="append", default=[], choices=tuple(SYSTEMS),
+                 help="run SYSTEM's launcher with --standby (its next process started ahead, "
+                      "with PRELOAD's imports; repeatable; default: neither)")
   p.add_argument("--save-every", action="append", default=[], metavar="SYSTEM=K",
                  help="save interval of SYSTEM (ours, baseline) from an earlier run's "
                       "calibration; given for every system, the calibration is skipped")
@@ -317,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     def job(system, name, save_every):
       return Job(system, name=name, config=args.config, data=data, work=work,
                  save_every=save_every, env=env, shm=shm,
-                 restarts=len(kills) + RESTART_SLACK)
+                 restarts=len(kills) + RESTART_SLACK,
+                 preload=PRELOAD[system] if system in args.standby else None)
 
     rates: dict[str, dict[str, float]] = {}
     calibration: dict[str, Job] = {}
@@ -363,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
       a, k_lost = accounts[system], intervals[system]
       losses = ledger.loss_diffs(runs[system].lines, reference.lines)
       pf = a.per_failure()
-      above = (sum(pf.values()) - floor_s) if pf else 0.0
+      # The floor is the killed process's teardown (its own, measured) and a fresh
+      # process's first step: what any restart pays.
+      above = (sum(pf.values()) - pf["teardown"] - floor_s) if pf else 0.0
       report.pop(f"{system}_account", None)  # the partial record, now in full below
       report[system] = {
           "account": a.to_dict(), "save_every": k_lost[0], "lost_per_save_s": k_lost[1],
@@ -372,10 +417,11 @@ def main(argv: list[str] | None = None) -> int:
       between = statistics.mean(a.rates) if a.rates else 0.0
       rows.append([system, _f(a.goodput, 3), _f(a.wall_s, 1), a.failures, a.steps,
                    k_lost[0], _f(k_lost[1] * 1e3, 1), _f(pf.get("startup", 0)),
-                   _f(pf.get("redone", 0)), _f(pf.get("gap", 0)), _f(above),
+                   _f(pf.get("redone", 0)), _f(pf.get("teardown", 0)), _f(pf.get("gap", 0)),
+                   _f(above),
                    _f(between, 1), "yes" if losses["bit_exact"] else "no",
                    f"{losses['max_abs_diff']:.2e}"])
-    rows.append(["floor", "", "", "", "", "", "", _f(floor_s), "", "", "", "", "", ""])
+    rows.append(["floor", "", "", "", "", "", "", _f(floor_s), "", "", "", "", "", "", ""])
     report["ours"]["sidecar_ledger"] = own
     report["floor"] = floors
     ours_saving = statistics.mean(accounts["ours"].rates) if accounts["ours"].rates else 0.0
@@ -390,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goodput, config {args.config}, wall {wall:g} s per system, mtbf {mtbf:g} s, "
           f"seed {args.seed}, kills at {list(kills)} s, save interval rule {args.rule}")
     print(table(["system", "goodput", "wall s", "fails", "steps", "save every",
-                 "ms lost/save", "startup s/fail", "redone s/fail", "gap s/fail",
+                 "ms lost/save", "startup s/fail", "redone s/fail", "teardown s/fail",
+                 "gap s/fail",
                  "above floor s/fail", "steps/s", "loss bit-exact", "max |dloss|"], rows))
     print()
     print(table(["badput s", *ledger.CATEGORIES, "productive"],
