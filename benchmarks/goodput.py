@@ -309,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                  help="directory for goodput-<time>.json")
   p.add_argument("--keep-work", action="store_true", help="keep the checkpoints and logs")
+  p.add_argument("--systems", action="append", choices=tuple(SYSTEMS),
+                 help="the systems to run (repeatable; default: both)")
+  p.add_argument("--no-reference", action="store_true",
+                 help="skip the uninterrupted reference run (and so the loss comparison)")
   p.add_argument("--standby", action="append", default=[], choices=tuple(SYSTEMS),
                  help="run SYSTEM's launcher with --standby (its next process started ahead, "
                       "with PRELOAD's imports; repeatable; default: neither)")
@@ -316,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                  help="save interval of SYSTEM (ours, baseline) from an earlier run's "
                       "calibration; given for every system, the calibration is skipped")
   args = p.parse_args(argv)
+  systems = args.systems or list(SYSTEMS)
+  if "ours" not in systems:
+    p.error("--systems must include ours (the reference and the ledger are ours')")
   given = dict(item.split("=", 1) for item in args.save_every)
   if set(given) - set(SYSTEMS):
     p.error(f"--save-every names a system of {SYSTEMS}, got {sorted(given)}")
@@ -365,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, dict[str, float]] = {}
     calibration: dict[str, Job] = {}
     intervals: dict[str, tuple[int, float]] = {}  # system: (steps between saves, s lost a save)
-    for system in SYSTEMS if set(given) != set(SYSTEMS) else ():
+    for system in [x for x in systems if x not in given]:
       say(f"{system}: calibration, no saves, to step {n_cal}")
       calibration[system] = job(system, f"{system}-none", NEVER).run(until_step=n_cal)
       say(f"{system}: calibration, saving every {k_cal}, to step {n_cal}")
@@ -380,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     report["calibration"].update(rates=rates, intervals=intervals, rule=args.rule)
     dump()
     runs, accounts = {}, {}
-    for system in SYSTEMS:
+    for system in systems:
       k, lost = intervals[system]
       say(f"{system}: save every {k} (lost per save {lost * 1e3:.1f} ms), {wall:g} s, "
           f"kills at {list(kills)}")
@@ -390,11 +397,14 @@ def main(argv: list[str] | None = None) -> int:
       dump()
     own = sidecar_ledger(runs["ours"].ckpt, env)
     last = max(line.step for r in runs.values() for line in r.lines)
-    say(f"ours, no failures, no saves, to step {last}: the reference losses")
-    reference = job("ours", "ours-reference", NEVER).run(until_step=last)
-    if "baseline" in calibration:
-      report["same_order"] = ledger.loss_diffs(calibration["baseline"].lines, reference.lines)
-    rates["ours"]["reference"] = reference.rate()
+    reference = None
+    rates["ours"]["reference"] = float("nan")
+    if not args.no_reference:
+      say(f"ours, no failures, no saves, to step {last}: the reference losses")
+      reference = job("ours", "ours-reference", NEVER).run(until_step=last)
+      if "baseline" in calibration:
+        report["same_order"] = ledger.loss_diffs(calibration["baseline"].lines, reference.lines)
+      rates["ours"]["reference"] = reference.rate()
     say("floor: twice (the first fills the compilation cache if the trainers' did not)")
     floors = [floor(args.config, env, steps=0), floor(args.config, env, steps=resident)]
     cache = env["JAX_COMPILATION_CACHE_DIR"]
@@ -402,9 +412,10 @@ def main(argv: list[str] | None = None) -> int:
 
     floor_s = floors[-1]["first_step_s"]
     rows = []
-    for system in SYSTEMS:
+    for system in systems:
       a, k_lost = accounts[system], intervals[system]
-      losses = ledger.loss_diffs(runs[system].lines, reference.lines)
+      losses = ({"bit_exact": None, "max_abs_diff": float("nan")} if reference is None
+                else ledger.loss_diffs(runs[system].lines, reference.lines))
       pf = a.per_failure()
       # The floor is the killed process's teardown (its own, measured) and a fresh
       # process's first step: what any restart pays.
@@ -419,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                    k_lost[0], _f(k_lost[1] * 1e3, 1), _f(pf.get("startup", 0)),
                    _f(pf.get("redone", 0)), _f(pf.get("teardown", 0)), _f(pf.get("gap", 0)),
                    _f(above),
-                   _f(between, 1), "yes" if losses["bit_exact"] else "no",
+                   _f(between, 1),
+                   "-" if losses["bit_exact"] is None else "yes" if losses["bit_exact"] else "no",
                    f"{losses['max_abs_diff']:.2e}"])
     rows.append(["floor", "", "", "", "", "", "", _f(floor_s), "", "", "", "", "", "", ""])
     report["ours"]["sidecar_ledger"] = own
@@ -442,13 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(["badput s", *ledger.CATEGORIES, "productive"],
                 [[s, *(_f(accounts[s].badput_s[c]) for c in ledger.CATEGORIES),
-                  _f(accounts[s].productive_s)] for s in SYSTEMS]))
+                  _f(accounts[s].productive_s)] for s in systems]))
     print()
-    g = {s: accounts[s].goodput for s in SYSTEMS}
-    print(f"goodput ours - baseline: {100 * (g['ours'] - g['baseline']):+.1f} points; "
-          f"badput above floor per failure ours/baseline: "
-          f"{report['ours']['badput_per_failure_above_floor_s']:.2f} / "
-          f"{report['baseline']['badput_per_failure_above_floor_s']:.2f} s")
+    g = {s: accounts[s].goodput for s in systems}
+    if "baseline" in g:
+      print(f"goodput ours - baseline: {100 * (g['ours'] - g['baseline']):+.1f} points; "
+            f"badput above floor per failure ours/baseline: "
+            f"{report['ours']['badput_per_failure_above_floor_s']:.2f} / "
+            f"{report['baseline']['badput_per_failure_above_floor_s']:.2f} s")
     if "same_order" in report:
       print(f"same order: the baseline's uninterrupted losses against ours: "
             f"bit-exact {report['same_order']['bit_exact']}, max |dloss| "
@@ -464,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({ratio(rates['ours']['reference'], resident_rate):.3f}x); "
           f"ours saving every {intervals['ours'][0]} {ours_saving:.1f} "
           f"({ratio(ours_saving, resident_rate):.3f}x); baseline no saves "
-          f"{rates['baseline'].get('none', float('nan')):.1f} "
-          f"({ratio(rates['baseline'].get('none', float('nan')), resident_rate):.3f}x)")
+          f"{rates.get('baseline', {}).get('none', float('nan')):.1f} "
+          f"({ratio(rates.get('baseline', {}).get('none', float('nan')), resident_rate):.3f}x)")
     print(f"floor: {json.dumps(floors[-1])}; JAX compilation cache entries after the "
           f"run: {report['compilation_cache_entries']}")
     dump()

@@ -59,6 +59,6 @@ if ! python3 -c "import optax, grain, orbax.checkpoint, array_record, grpc, side
 fi
 python3 examples/lm/prepare.py --out /tmp/lm-data 2>&1 | tee "$OUT/prepare.log"
 echo "setup took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/prepare.log"
-timeout $(( 530 - ($(date +%s) - t0) )) python3 -m benchmarks.goodput --config chip --wall 100 --mtbf 60 --seed 10 \
+timeout $(( ${LIMIT:-530} - ($(date +%s) - t0) )) python3 -m benchmarks.goodput --config chip --wall 100 --mtbf 60 --seed 10 \
   --calibrate-steps 80 --calibrate-every 20 --data /tmp/lm-data --out "$OUT" "$@" 2>&1 | tee "$OUT/goodput.log"
 echo "exit ${PIPESTATUS[0]}; $(( $(date +%s) - t0 )) s in all" | tee -a "$OUT/goodput.log"
