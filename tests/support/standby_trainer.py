@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
       "pid": os.getpid(), "restart": restart, "process": me, "started": started,
       "ledger_start": goodput.process_start(), "kernel_start": kernel_start,
       "preloaded_at": None if preload is None else preload.IMPORTED_AT,
+      "exported_at_import": os.environ.get("TEST_EXPORTED_AT_IMPORT"),
       "argv": sys.argv, "path0": sys.path[0], "stdin": sys.stdin.read(),
       "now": time.time()}), flush=True)
   printed = os.path.join(argv[0], f"printed-{restart}")

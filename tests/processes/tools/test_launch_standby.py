@@ -58,6 +58,8 @@ def test_restarts_run_in_standby_processes_started_ahead_with_the_new_environmen
     # goodput ledger counts its life from the go.
     assert r["kernel_start"] < r["preloaded_at"] <= started <= r["now"], r
     assert r["ledger_start"] == started, r
+    # What the imports exported (as JAX's TPU setup does) outlives the new environment.
+    assert r["exported_at_import"] == "yes", r
   for r in got:  # what `python -m MODULE ARGS` would have seen
     assert r["argv"][1:] == [str(tmp_path)] and r["argv"][0].endswith("standby_trainer.py"), r
     assert r["path0"] == str(ROOT) and r["stdin"] == "", r
