@@ -14,8 +14,9 @@ falls while no trainer lives hits the next one as it appears):
              CheckpointManager with Grain's iterator state through its handler
   floor      benchmarks/goodput_floor.py: import JAX, open the device, one step compiled
              from JAX's persistent cache (``JAX_COMPILATION_CACHE_DIR``, set the same way
-             for every process here): with the killed process's teardown (SIGKILL to its
-             exit, measured per system), what any restart pays
+             for every process here): what any restart pays after the killed process is
+             gone (``benchmarks.restart_floor`` times that teardown apart: SIGKILL to
+             reaped, 1.7-3.0 s on the lent v5e, inside each system's gap here)
 
 With ``--standby SYSTEM``, that system's launcher keeps its next process started, JAX
 and ``PRELOAD``'s modules imported (``sidecar launch --standby``): a restart skips the
@@ -209,17 +210,14 @@ class Job:
     for pid in alive:
       if pid not in self.lives:
         start = now if pid in self.standbys else _start_time(pid, now)
-        self.lives[pid] = {"start": start, "end": None, "killed": False, "gone": None}
+        self.lives[pid] = {"start": start, "end": None, "killed": False}
     for pid, life in self.lives.items():
       if life["end"] is None and pid not in alive:
         life["end"] = now  # ended by itself (an error: see the launch log)
-      if life["killed"] and life["gone"] is None and pid not in alive:
-        life["gone"] = now  # the killed process has exited (a zombie, or reaped)
     return [pid for pid in alive if not self.lives[pid]["killed"]]
 
   def account(self) -> ledger.Account:
-    lives = [ledger.Life(v["start"], v["end"], v["killed"], v["gone"])
-             for v in self.lives.values()]
+    lives = [ledger.Life(v["start"], v["end"], v["killed"]) for v in self.lives.values()]
     return ledger.account(self.lines, lives, t0=self.t0, t_end=self.t_end)
 
   def rate(self) -> float:
@@ -417,9 +415,7 @@ def main(argv: list[str] | None = None) -> int:
       losses = ({"bit_exact": None, "max_abs_diff": float("nan")} if reference is None
                 else ledger.loss_diffs(runs[system].lines, reference.lines))
       pf = a.per_failure()
-      # The floor is the killed process's teardown (its own, measured) and a fresh
-      # process's first step: what any restart pays.
-      above = (sum(pf.values()) - pf["teardown"] - floor_s) if pf else 0.0
+      above = (sum(pf.values()) - floor_s) if pf else 0.0
       report.pop(f"{system}_account", None)  # the partial record, now in full below
       report[system] = {
           "account": a.to_dict(), "save_every": k_lost[0], "lost_per_save_s": k_lost[1],
@@ -428,12 +424,11 @@ def main(argv: list[str] | None = None) -> int:
       between = statistics.mean(a.rates) if a.rates else 0.0
       rows.append([system, _f(a.goodput, 3), _f(a.wall_s, 1), a.failures, a.steps,
                    k_lost[0], _f(k_lost[1] * 1e3, 1), _f(pf.get("startup", 0)),
-                   _f(pf.get("redone", 0)), _f(pf.get("teardown", 0)), _f(pf.get("gap", 0)),
-                   _f(above),
+                   _f(pf.get("redone", 0)), _f(pf.get("gap", 0)), _f(above),
                    _f(between, 1),
                    "-" if losses["bit_exact"] is None else "yes" if losses["bit_exact"] else "no",
                    f"{losses['max_abs_diff']:.2e}"])
-    rows.append(["floor", "", "", "", "", "", "", _f(floor_s), "", "", "", "", "", "", ""])
+    rows.append(["floor", "", "", "", "", "", "", _f(floor_s), "", "", "", "", "", ""])
     report["ours"]["sidecar_ledger"] = own
     report["floor"] = floors
     ours_saving = statistics.mean(accounts["ours"].rates) if accounts["ours"].rates else 0.0
@@ -448,8 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goodput, config {args.config}, wall {wall:g} s per system, mtbf {mtbf:g} s, "
           f"seed {args.seed}, kills at {list(kills)} s, save interval rule {args.rule}")
     print(table(["system", "goodput", "wall s", "fails", "steps", "save every",
-                 "ms lost/save", "startup s/fail", "redone s/fail", "teardown s/fail",
-                 "gap s/fail",
+                 "ms lost/save", "startup s/fail", "redone s/fail", "gap s/fail",
                  "above floor s/fail", "steps/s", "loss bit-exact", "max |dloss|"], rows))
     print()
     print(table(["badput s", *ledger.CATEGORIES, "productive"],

@@ -15,9 +15,7 @@ clock ``[t0, t_end]`` splits without overlap into:
                data resume, compile)
   redone       steps computed and thrown away (a later process computed them again),
                and each killed process's work after its last line
-  teardown     each SIGKILL to the killed process's exit (the kernel and the device
-               runtime letting go of it: what any restart waits for, whatever the framework)
-  gap          each killed process's exit (or any other death) to the next process's start
+  gap          each death to the next process's start
   other        the last process's work in flight when the window closed
 """
 
@@ -28,7 +26,7 @@ import json
 import statistics
 from collections.abc import Sequence
 
-CATEGORIES = ("launch", "startup", "redone", "teardown", "gap", "other")
+CATEGORIES = ("launch", "startup", "redone", "gap", "other")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,12 +38,10 @@ class Line:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Life:
-  """One trainer process: its start and its end (kill time, or None: alive at the end);
-  ``gone``: when a killed one had exited (None: not seen)."""
+  """One trainer process: its start and its end (kill time, or None: alive at the end)."""
   start: float
   end: float | None
   killed: bool
-  gone: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,13 +59,12 @@ class Account:
     return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
   def per_failure(self) -> dict[str, float]:
-    """Badput per failure: startup, re-done work, teardown and gap of the restarts only."""
+    """Badput per failure: startup, re-done work and gap of the restarts only."""
     if not self.failures:
       return {}
     restarts = self.startups[1:]
     return {"startup": sum(restarts) / self.failures,
             "redone": self.badput_s["redone"] / self.failures,
-            "teardown": self.badput_s["teardown"] / self.failures,
             "gap": self.badput_s["gap"] / self.failures}
 
   def to_dict(self) -> dict:
@@ -141,9 +136,7 @@ def account(lines: Sequence[Line], lives: Sequence[Life], *, t0: float,
       bad["redone" if life.killed else "other"] += tail
       if len(mine) >= 3:
         rates.append((len(mine) - 1) / (lines[mine[-1]].time - lines[mine[0]].time))
-    exited = end if life.gone is None else min(max(life.gone, end), max(nxt, end))
-    bad["teardown"] += exited - end
-    bad["gap"] += max(0.0, nxt - exited)
+    bad["gap"] += max(0.0, nxt - end)
   final = max((lines[i].step for i in keep), default=0)
   failures = sum(1 for life in lives if life.killed)
   return Account(t_end - t0, productive, bad, failures, final, tuple(rates), tuple(startups))
