@@ -107,3 +107,47 @@ def test_a_sweep_puts_back_a_cut_overwrite_and_lists_the_uncommitted(tmp_path):
   assert (tmp_path / "ck" / ".metadata").is_file()  # the old copy is back at its path
   assert OrbaxFormat().sweep(tmp_path) == [tmp_path / "4.orbax-checkpoint-tmp"]
   assert pathlib.Path(tmp_path / ("other" + distcp.TMP_SUFFIX)).is_dir()  # the caller removes
+
+
+@pytest.mark.parametrize("marker", ["_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt",
+                                    "sidecar_manifest.json", "default/_METADATA",
+                                    "default/sidecar_manifest.json"],
+                         ids=["step-metadata", "item-metadata", "commit", "manifest",
+                              "in-item", "manifest-in-item"])
+def test_a_directory_with_a_checkpoint_marker_is_a_checkpoint(tmp_path, marker):
+  (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
+  (tmp_path / marker).write_text("{}")
+  assert formats_lib.is_checkpoint(tmp_path)
+
+
+def test_other_directories_are_not_checkpoints(tmp_path):
+  """Nothing deeper than an item counts, nor a marker that is a directory, nor an item
+  that is a symlink to a checkpoint elsewhere (delete would remove what it points to)."""
+  (tmp_path / "data" / "a" / "b").mkdir(parents=True)
+  (tmp_path / "data" / "a" / "b" / "_METADATA").write_text("{}")
+  (tmp_path / "data" / "_CHECKPOINT_METADATA" / "x").mkdir(parents=True)
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "_METADATA").write_text("{}")
+  (tmp_path / "data" / "default").symlink_to(tmp_path / "elsewhere")
+  (tmp_path / "data" / "notes.txt").write_text("not a checkpoint")
+  assert not formats_lib.is_checkpoint(tmp_path / "data")
+
+
+def test_a_formats_markers_and_scratch_directories_are_the_registrys_answers(tmp_path):
+  formats = formats_lib.DEFAULT
+  assert formats.scratch_suffixes() == (".orbax-checkpoint-tmp", ".dcp-checkpoint-tmp",
+                                        ".dcp-checkpoint-old")
+  (tmp_path / "item").mkdir()
+  assert not formats.has_markers(tmp_path / "item")
+  for marker in ("_METADATA", ".metadata", records.MANIFEST_FILE):  # Orbax's, DCP's, ours
+    (tmp_path / marker).mkdir()  # a directory of that name marks nothing
+    assert not formats.has_markers(tmp_path)
+    (tmp_path / marker).rmdir()
+    (tmp_path / marker).write_text("{}")
+    assert formats.has_markers(tmp_path)
+    (tmp_path / marker).unlink()
+  (tmp_path / "step" / "default").mkdir(parents=True)
+  (tmp_path / "step" / "default" / "_METADATA").write_text("{}")
+  assert not formats.has_markers(tmp_path / "step")  # its item's, not its own
+  assert formats.is_checkpoint(tmp_path / "step")
+
