@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors
-from sidecar._src.server import argument_types, metrics as metrics_lib
+from sidecar._src.server import argument_types, metrics as metrics_lib, tenants as tenants_lib
 from sidecar._src.server.arena_io import Alive, ArenaIO, TimeLeft
-from sidecar._src.server.pool import tenants as tenants_lib
-from sidecar._src.server.pool.limits import InlineBytes, Slots
+from sidecar._src.server.limits import InlineBytes, Slots
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import pb

@@ -27,14 +27,14 @@ from sidecar._src.server import (
   metrics as metrics_lib,
   preflight,
   sockets,
+  tenants as tenants_lib,
 )
 from sidecar._src.server.arena_io import ArenaIO
 from sidecar._src.server.calls import UnaryCalls
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.service import CheckpointService
-from sidecar._src.server.pool import departures as departures_lib, pool_file, tenants as tenants_lib
-from sidecar._src.server.pool.leases import Leases
-from sidecar._src.server.pool.limits import (
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
   CallSlots,
   CheckpointSlots,
@@ -42,6 +42,7 @@ from sidecar._src.server.pool.limits import (
   Sessions,
   StreamSlots,
 )
+from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCheckpoints, TenantRunner
 from sidecar._src.server.service import Service, client_of
 from sidecar._src.server.stream_runner import StreamRunner

@@ -15,13 +15,10 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, registry as formats_lib
 from sidecar._src.core import errors, paths
+from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.calls import Runner
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
-from sidecar._src.server.pool import (
-  quotas as quotas_lib,
-  shares as shares_lib,
-  tenants as tenants_lib,
-)
+from sidecar._src.server.pool import quotas as quotas_lib, shares as shares_lib
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire.protocol import pb
 
