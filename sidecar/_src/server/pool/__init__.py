@@ -6,7 +6,8 @@ What holds every client, a single-tenant sidecar's too, is in ``server/``: ``ten
 (the arena's blocks) and ``credits`` (a stream's prefetch credits); each asks a quota of
 ``quotas`` where a tenant has one. Here: ``quotas`` declares each quota once, as a policy
 object; ``pool_file`` reads the YAML; ``tenant_checks`` holds the tenants to their
-allowlists and checkpoint quotas; ``admission`` is the arena's queue, ``shares`` the CPUs
+allowlists and checkpoint quotas, as the policies (``server/policies.py``) the server hands
+the call runner and the checkpoint store; ``admission`` is the arena's queue, ``shares`` the CPUs
 and write bandwidth by weight, ``departures`` the RAM-tier copies kept after a job left
 (``ram_keep``).
 """
