@@ -58,10 +58,11 @@ class CheckpointPolicy:
     """How the sidecar names its clients, for messages; None: per-client tokens."""
     return None
 
-  def check_open(self, client: str, directory: str) -> None:
-    """Raises ``PermissionDeniedError`` where ``client`` may not open ``directory`` (as
-    named; the store checks the sidecar's roots and the other clients' directories)."""
-    del client, directory
+  def check_open(self, store: Store, client: str, directory: str) -> None:
+    """Raises ``PermissionDeniedError`` (or ``ResourceExhaustedError``) where ``client``
+    may not open ``directory`` (as named; the store then checks the sidecar's roots and
+    the other clients' directories). A reopen is asked again."""
+    del store, client, directory
 
   def ram_group(self, client: str) -> str | None:
     """The RAM-tier group whose budget the directories ``client`` opens count in (its

@@ -185,7 +185,7 @@ class Checkpoints:
         ``roots.OWNER_FILE``, which the first open writes: a restart keeps it), or the
         policy refuses it (a pool tenant's roots).
     """
-    self.policy.check_open(client, directory)
+    self.policy.check_open(self, client, directory)
     resolved = self._path(directory, "directory")
     with self._opened_lock:
       # A reopen (each replica received too) was checked and claimed at its first open.

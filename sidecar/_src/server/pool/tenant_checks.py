@@ -93,7 +93,7 @@ class TenantCheckpoints(policies.CheckpointPolicy):
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
             f"{name} {path!r:.200}; checkpoint there, or add the directory to its roots")
 
-  def check_open(self, client: str, directory: str) -> None:
+  def check_open(self, store: policies.Store, client: str, directory: str) -> None:
     self._check_roots(self._tenancy.tenant(client), directory, "directory")
     if isinstance(directory, str) and (pool := self._tenancy.pool) is not None:
       resolved = os.path.realpath(directory)
