@@ -24,14 +24,15 @@ a :class:`Format`:
   that has no manifest file (:meth:`Format.stock_manifest`).
 
 Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whose
-``Format`` subclass implements these, and one line in ``registry.py``; a trainer then
-saves in it with ``CheckpointOptions(format="<name>")`` (a JAX save makes leaves and shards,
-all a format without parts needs). A format whose save needs more (DCP's items and
-metadata) has typed parts: a message in the ``format_part`` oneofs of ``checkpoint.proto``,
-an entry in ``wire/checkpoint_wire.py``, and the framework adapter that makes them
-(``torch/storage.py`` for DCP's). A format imports its heavy libraries only inside its
-methods: the registry imports every format, and a PyTorch-only sidecar serves DCP with no
-Orbax, TensorStore or JAX importable (tests/unit/test_layers.py).
+``Format`` subclass implements these, one line in ``registry.py`` and one driver in
+``tests/server/ckptfmt/test_conformance.py`` (ARCHITECTURE.md, "Where a new format goes");
+a trainer then saves in it with ``CheckpointOptions(format="<name>")`` (a JAX save makes
+leaves and shards, all a format without parts needs). A format whose save needs more
+(DCP's items and metadata) has typed parts: a message in the ``format_part`` oneofs of
+``checkpoint.proto``, an entry in ``wire/checkpoint_wire.py``, and the framework adapter
+that makes them (``torch/storage.py`` for DCP's). A format imports its heavy libraries
+only inside its methods: the registry imports every format, and a PyTorch-only sidecar
+serves DCP with no Orbax, TensorStore or JAX importable (tests/unit/test_layers.py).
 """
 
 from __future__ import annotations
