@@ -215,6 +215,21 @@ def test_server_and_controller_never_import_each_other(side, other):
   assert _violations(_under(side), other) == {}
 
 
+def test_the_pool_holds_the_checkpoint_store_and_the_call_runner_through_policies():
+  # A pool's quotas are policy objects (server/policies.py) handed to the checkpoint store
+  # and the call runner when they are made: neither imports the pool, and the pool imports
+  # neither (so it subclasses neither); the policies' seam imports none of the three.
+  pool = _under("sidecar._src.server.pool")
+  held = ["sidecar._src.server.calls", *_under("sidecar._src.server.checkpoint")]
+  assert "sidecar._src.server.pool.tenant_checks" in pool and len(held) > 8
+  assert "sidecar._src.server.policies" in _imports("sidecar._src.server.pool.tenant_checks")
+  assert _violations(held, "sidecar._src.server.pool") == {}
+  for part in ("sidecar._src.server.calls", "sidecar._src.server.checkpoint"):
+    assert _violations(pool, part) == {}
+    assert _violations(["sidecar._src.server.policies"], part) == {}
+  assert _violations(["sidecar._src.server.policies"], "sidecar._src.server.pool") == {}
+
+
 def test_the_stream_consumer_sits_below_both_of_its_transports():
   # The gRPC and the worker-socket transports implement its Transport: it imports neither.
   consumer = "sidecar._src.streams.consumer"

@@ -11,7 +11,10 @@ a :class:`Format`:
   ``tmp_suffix``, ``item``), where a tmp path goes once committed (:meth:`Format.final_of`;
   :meth:`Format.staged_dirs`, what a trainer stages into and commits, from Begin's answer;
   :meth:`Format.final_dir`, a step's committed directory as the trainer names it),
-  what a sweep removes or puts back (:meth:`Format.sweep`), what marks a committed one;
+  what a sweep removes or puts back (:meth:`Format.sweep`), what marks a committed one
+  (:meth:`Format.is_checkpoint`, ``markers``) and which directories of a save are scratch
+  (:meth:`Format.scratch_suffixes`): the sidecar's checks on paths (``server/checkpoint/
+  roots.py``) ask the registry these, and name no format;
 - how a step's staged shards are numbered (:meth:`Format.numbering`: an Orbax step's
   shards name its leaves, a DCP rank's its items) and the typed parts a save carries
   (``stage_part`` at Stage, ``commit_part`` at Commit);
@@ -21,14 +24,15 @@ a :class:`Format`:
   that has no manifest file (:meth:`Format.stock_manifest`).
 
 Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whose
-``Format`` subclass implements these, and one line in ``registry.py``; a trainer then
-saves in it with ``CheckpointOptions(format="<name>")`` (a JAX save makes leaves and shards,
-all a format without parts needs). A format whose save needs more (DCP's items and
-metadata) has typed parts: a message in the ``format_part`` oneofs of ``checkpoint.proto``,
-an entry in ``wire/checkpoint_wire.py``, and the framework adapter that makes them
-(``torch/storage.py`` for DCP's). A format imports its heavy libraries only inside its
-methods: the registry imports every format, and a PyTorch-only sidecar serves DCP with no
-Orbax, TensorStore or JAX importable (tests/unit/test_layers.py).
+``Format`` subclass implements these, one line in ``registry.py`` and one driver in
+``tests/server/ckptfmt/test_conformance.py`` (ARCHITECTURE.md, "Where a new format goes");
+a trainer then saves in it with ``CheckpointOptions(format="<name>")`` (a JAX save makes
+leaves and shards, all a format without parts needs). A format whose save needs more
+(DCP's items and metadata) has typed parts: a message in the ``format_part`` oneofs of
+``checkpoint.proto``, an entry in ``wire/checkpoint_wire.py``, and the framework adapter
+that makes them (``torch/storage.py`` for DCP's). A format imports its heavy libraries
+only inside its methods: the registry imports every format, and a PyTorch-only sidecar
+serves DCP with no Orbax, TensorStore or JAX importable (tests/unit/test_layers.py).
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt.direct_io import Turn
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.records import (
+  MANIFEST_FILE,
+  Manifest,
+  ShardChecksum,
+  ShardId,
+  StagedShard,
+)
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 
@@ -80,6 +90,10 @@ class Format(abc.ABC):
   # (``CheckpointOptions.format``) and Begin carries, and the manifest's "format".
   name: ClassVar[str]
   tmp_suffix: ClassVar[str]  # an uncommitted step directory's name ends with it
+  # Files whose presence in a directory itself marks it a committed step or item of this
+  # format: the sidecar's manifest, which every format's commit writes, and the format's
+  # own. Nothing is written into such a directory, and no walk for owners enters one.
+  markers: ClassVar[tuple[str, ...]] = (MANIFEST_FILE,)
   # The directory inside a step a save writes (Orbax's item "default"); "": the step's own.
   item: ClassVar[str] = ""
   overwrites: ClassVar[bool]  # a commit replaces a committed checkpoint at its path
@@ -138,6 +152,12 @@ class Format(abc.ABC):
     may remove it (a format whose tmp directory lies beside the one opened marks its own)."""
     del tmp
     return True
+
+  def scratch_suffixes(self) -> tuple[str, ...]:
+    """The endings of the names of the directories a save of this format makes that hold
+    no committed checkpoint: its uncommitted steps (``tmp_suffix``), and any it keeps
+    while a commit runs (DCP's replaced checkpoint)."""
+    return (self.tmp_suffix,)
 
   @abc.abstractmethod
   def is_checkpoint(self, path: pathlib.Path) -> bool:

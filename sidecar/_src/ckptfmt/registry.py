@@ -88,6 +88,21 @@ class Registry:
         raise errors.WrongFormatError(
             f"{what} is {fmt.title} ({', '.join(shown)}); restore it with {fmt.readers}")
 
+  def scratch_suffixes(self) -> tuple[str, ...]:
+    """The endings of every format's scratch directories (``Format.scratch_suffixes``):
+    uncommitted steps, a replaced checkpoint until its removal."""
+    return tuple(dict.fromkeys(s for f in self.formats.values() for s in f.scratch_suffixes()))
+
+  def has_markers(self, path: pathlib.Path) -> bool:
+    """Whether a format's markers (``Format.markers``) lie in ``path`` itself: it is a
+    committed step or item, whatever lies below it."""
+    return any((path / m).is_file() for m in dict.fromkeys(
+        m for f in self.formats.values() for m in f.markers))
+
+  def is_checkpoint(self, path: pathlib.Path) -> bool:
+    """Whether ``path`` is a committed checkpoint of any format."""
+    return any(f.is_checkpoint(path) for f in self.formats.values())
+
   def replacing(self, fmt: Format) -> Registry:
     """This registry with ``fmt`` in place of the format of its name."""
     return Registry({**self.formats, fmt.name: fmt})
@@ -106,5 +121,5 @@ DEFAULT = Registry({f.name: f for f in (OrbaxFormat(), DcpFormat())})
 
 
 def is_checkpoint(path: pathlib.Path, registry: Registry = DEFAULT) -> bool:
-  """Whether ``path`` is a committed checkpoint of any format."""
-  return any(f.is_checkpoint(path) for f in registry.formats.values())
+  """Whether ``path`` is a committed checkpoint of any format of ``registry``."""
+  return registry.is_checkpoint(path)

@@ -21,10 +21,14 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors
-from sidecar._src.server import argument_types, metrics as metrics_lib
+from sidecar._src.server import (
+  argument_types,
+  metrics as metrics_lib,
+  policies,
+  tenants as tenants_lib,
+)
 from sidecar._src.server.arena_io import Alive, ArenaIO, TimeLeft
-from sidecar._src.server.pool import tenants as tenants_lib
-from sidecar._src.server.pool.limits import InlineBytes, Slots
+from sidecar._src.server.limits import InlineBytes, Slots
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import pb
@@ -37,11 +41,15 @@ class Runner:
     registry: the user's registered functions and pipelines.
     arena_io: where arguments' views and results' blocks come from.
     metrics: what calls are reported to.
+    policy: what the client may run (a pool tenant's allowlists: ``pool/tenant_checks``);
+      by default, everything registered.
   """
 
   def __init__(self, *, registry: registry_lib.Registry, arena_io: ArenaIO,
-               metrics: metrics_lib.Recorder = metrics_lib.OFF):
+               metrics: metrics_lib.Recorder = metrics_lib.OFF,
+               policy: policies.CallPolicy = policies.OPEN_CALLS):
     self.registry = registry
+    self.policy = policy
     self.metrics = metrics
     self.arena_io = arena_io
     self._lock = threading.Lock()
@@ -53,6 +61,7 @@ class Runner:
 
     ``views``: the large inline arrays' bytes, where ``pbscan.strip_arrays`` left them.
     """
+    self.policy.check(kind, request.name, request.worker_session)
     entry = self.registry.get(kind, request.name)
     view = lambda ref: self.arena_io.view(ref, request.worker_session)
     # One budget for the request: what it costs to decode is what it sent.

@@ -25,16 +25,18 @@ from sidecar._src.server import (
   client_ids,
   goodput as goodput_lib,
   metrics as metrics_lib,
+  policies,
   preflight,
   sockets,
+  tenants as tenants_lib,
 )
 from sidecar._src.server.arena_io import ArenaIO
-from sidecar._src.server.calls import UnaryCalls
+from sidecar._src.server.calls import Runner, UnaryCalls
 from sidecar._src.server.checkpoint import links as links_lib
+from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.service import CheckpointService
-from sidecar._src.server.pool import departures as departures_lib, pool_file, tenants as tenants_lib
-from sidecar._src.server.pool.leases import Leases
-from sidecar._src.server.pool.limits import (
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
   CallSlots,
   CheckpointSlots,
@@ -42,7 +44,8 @@ from sidecar._src.server.pool.limits import (
   Sessions,
   StreamSlots,
 )
-from sidecar._src.server.pool.tenant_checks import TenantCheckpoints, TenantRunner
+from sidecar._src.server.pool import departures as departures_lib, pool_file
+from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
 from sidecar._src.server.service import Service, client_of
 from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.server.workers import WorkerListener
@@ -257,18 +260,24 @@ class Server:
                          reclaim=lambda n, tenant: self.checkpoints.reclaim(n, tenant),
                          holds=lambda tenant: self.checkpoints.describe_ram(
                              tenant, everyone=not named))
-    self.checkpoints = TenantCheckpoints(  # peers share the token (and the TLS CA)
-        o.host_id, tenancy=self.tenancy, arena_bytes=self.arenas.size,
-        tenant_of=lambda session: self.sessions.client(session),
-        token=o.replica_token if named else o.token,
+    # What more a client may run and checkpoint: a pool file's tenants' allowlists and
+    # quotas; the token modes' clients have none (and a reload keeps a pool a pool).
+    call_policy, checkpoint_policy = policies.OPEN_CALLS, policies.OPEN_CHECKPOINTS
+    if o.pool is not None:
+      call_policy = TenantCalls(self.tenancy)
+      checkpoint_policy = TenantCheckpoints(
+          self.tenancy, arena_bytes=self.arenas.size,
+          tenant_of=lambda session: self.sessions.client(session))
+    self.checkpoints = Checkpoints(  # peers share the token (and the TLS CA)
+        o.host_id, policy=checkpoint_policy, token=o.replica_token if named else o.token,
         replica_token=o.replica_token, roots=o.checkpoint_roots, metrics=self.metrics,
         spare=self.leases.spare,
         replica_hosts=links_lib.ReplicaHosts(o.replica_hosts, file=o.replica_hosts_file),
         replica_credentials=links_lib.replica_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
-    self.runner = TenantRunner(tenancy=self.tenancy, registry=self.registry,
-                               arena_io=self.arena_io, metrics=self.metrics)
+    self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics,
+                         policy=call_policy)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
                         evict_idle_s=o.session_evict_s, tenancy=self.tenancy,

@@ -19,12 +19,11 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
-from sidecar._src.server import client_ids
+from sidecar._src.server import client_ids, tenants as tenants_lib
 from sidecar._src.server.calls import UnaryCalls
-from sidecar._src.server.pool import tenants as tenants_lib
-from sidecar._src.server.pool.credits import Credits
-from sidecar._src.server.pool.leases import Leases
-from sidecar._src.server.pool.limits import (
+from sidecar._src.server.credits import Credits
+from sidecar._src.server.leases import Leases
+from sidecar._src.server.limits import (
   Sessions,
   Slots,
   StreamSlots,

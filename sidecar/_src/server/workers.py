@@ -28,12 +28,17 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import arenas as arenas_lib, goodput as goodput_lib, sockets
+from sidecar._src.server import (
+  arenas as arenas_lib,
+  goodput as goodput_lib,
+  sockets,
+  tenants as tenants_lib,
+)
 from sidecar._src.server.calls import UnaryCalls
-from sidecar._src.server.pool import admission, tenants as tenants_lib
-from sidecar._src.server.pool.credits import SocketCredits
-from sidecar._src.server.pool.leases import ON_WAIT_S, Leases
-from sidecar._src.server.pool.limits import check_prefetch
+from sidecar._src.server.credits import SocketCredits
+from sidecar._src.server.leases import ON_WAIT_S, Leases
+from sidecar._src.server.limits import check_prefetch
+from sidecar._src.server.pool import admission
 from sidecar._src.server.stream_runner import StreamRunner
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb

@@ -2,6 +2,7 @@
 and what a sweep puts back (tests/processes/ckptfmt/test_no_orbax.py: DCP without Orbax)."""
 
 import pathlib
+import re
 
 import pytest
 
@@ -12,13 +13,17 @@ from sidecar._src.core import errors
 
 pytestmark = pytest.mark.unit
 
+# The registered formats as messages list them (a new format changes no test here).
+NAMES = re.escape(repr(formats_lib.DEFAULT.names))
+
+
 def test_the_registry_finds_formats_by_name_and_by_their_directories(tmp_path):
   formats = formats_lib.DEFAULT
   assert isinstance(formats.get("orbax"), OrbaxFormat)
   assert isinstance(formats.get("dcp"), DcpFormat)
   for other in ("x", "", "colocated-sidecar"):  # one name each: no empty or old spelling
     with pytest.raises(errors.InvalidArgumentError,
-                       match=rf"format must be one of the registered formats \['dcp', 'orbax'\], "
+                       match=rf"format must be one of the registered formats {NAMES}, "
                        rf"got '{other}'"):
       formats.get(other)
   fmt, where = formats.of_tmp(tmp_path / "3.orbax-checkpoint-tmp" / "default")
@@ -33,7 +38,7 @@ def test_the_registry_finds_formats_by_name_and_by_their_directories(tmp_path):
   (tmp_path / "3" / "default" / "_METADATA").write_text("{}")  # stock Orbax's: no manifest
   assert formats.of_committed(str(tmp_path / "3" / "default")).name == "orbax"
   with pytest.raises(errors.InvalidArgumentError, match=r"/nothing is not a committed checkpoint: "
-                     r"it has no sidecar_manifest.json, and no format of \['dcp', 'orbax'\]"):
+                     rf"it has no sidecar_manifest.json, and no format of {NAMES}"):
     formats.of_committed(str(tmp_path / "nothing"))
 
 
@@ -91,7 +96,7 @@ def test_a_manifest_naming_an_unregistered_format_names_it_and_the_registered_on
   final = _manifest(tmp_path / "ck", "safetensors")
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"/ck: its sidecar_manifest.json names format 'safetensors', which is "
-                     r"not one of this sidecar's registered formats \['dcp', 'orbax'\]"):
+                     rf"not one of this sidecar's registered formats {NAMES}"):
     formats_lib.DEFAULT.of_committed(final)
 
 
@@ -107,3 +112,47 @@ def test_a_sweep_puts_back_a_cut_overwrite_and_lists_the_uncommitted(tmp_path):
   assert (tmp_path / "ck" / ".metadata").is_file()  # the old copy is back at its path
   assert OrbaxFormat().sweep(tmp_path) == [tmp_path / "4.orbax-checkpoint-tmp"]
   assert pathlib.Path(tmp_path / ("other" + distcp.TMP_SUFFIX)).is_dir()  # the caller removes
+
+
+@pytest.mark.parametrize("marker", ["_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt",
+                                    "sidecar_manifest.json", "default/_METADATA",
+                                    "default/sidecar_manifest.json"],
+                         ids=["step-metadata", "item-metadata", "commit", "manifest",
+                              "in-item", "manifest-in-item"])
+def test_a_directory_with_a_checkpoint_marker_is_a_checkpoint(tmp_path, marker):
+  (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
+  (tmp_path / marker).write_text("{}")
+  assert formats_lib.is_checkpoint(tmp_path)
+
+
+def test_other_directories_are_not_checkpoints(tmp_path):
+  """Nothing deeper than an item counts, nor a marker that is a directory, nor an item
+  that is a symlink to a checkpoint elsewhere (delete would remove what it points to)."""
+  (tmp_path / "data" / "a" / "b").mkdir(parents=True)
+  (tmp_path / "data" / "a" / "b" / "_METADATA").write_text("{}")
+  (tmp_path / "data" / "_CHECKPOINT_METADATA" / "x").mkdir(parents=True)
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "_METADATA").write_text("{}")
+  (tmp_path / "data" / "default").symlink_to(tmp_path / "elsewhere")
+  (tmp_path / "data" / "notes.txt").write_text("not a checkpoint")
+  assert not formats_lib.is_checkpoint(tmp_path / "data")
+
+
+def test_a_formats_markers_and_scratch_directories_are_the_registrys_answers(tmp_path):
+  formats = formats_lib.DEFAULT
+  assert {".orbax-checkpoint-tmp", ".dcp-checkpoint-tmp", ".dcp-checkpoint-old"} <= set(
+      formats.scratch_suffixes())
+  (tmp_path / "item").mkdir()
+  assert not formats.has_markers(tmp_path / "item")
+  for marker in ("_METADATA", ".metadata", records.MANIFEST_FILE):  # Orbax's, DCP's, ours
+    (tmp_path / marker).mkdir()  # a directory of that name marks nothing
+    assert not formats.has_markers(tmp_path)
+    (tmp_path / marker).rmdir()
+    (tmp_path / marker).write_text("{}")
+    assert formats.has_markers(tmp_path)
+    (tmp_path / marker).unlink()
+  (tmp_path / "step" / "default").mkdir(parents=True)
+  (tmp_path / "step" / "default" / "_METADATA").write_text("{}")
+  assert not formats.has_markers(tmp_path / "step")  # its item's, not its own
+  assert formats.is_checkpoint(tmp_path / "step")
+

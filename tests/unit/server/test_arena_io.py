@@ -12,7 +12,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import errors
 from sidecar._src.server.arena_io import ArenaIO, BatchBlocks
 from sidecar._src.server.arenas import Arenas
-from sidecar._src.server.pool.leases import Leases
+from sidecar._src.server.leases import Leases
 from sidecar._src.wire import codec
 from tests.conftest import eventually
 

@@ -63,6 +63,7 @@ class DcpFormat(Format):
 
   name: ClassVar[str] = distcp.FORMAT
   tmp_suffix: ClassVar[str] = distcp.TMP_SUFFIX
+  markers: ClassVar[tuple[str, ...]] = (records.MANIFEST_FILE, distcp.METADATA_FILE)
   overwrites: ClassVar[bool] = True  # as DCP's: the path is the checkpoint's, not a step's
   stage_part: ClassVar[type | None] = DcpPart
   commit_part: ClassVar[type | None] = DcpCommit
@@ -88,6 +89,9 @@ class DcpFormat(Format):
       distcp.recover(old.with_name(old.name.removesuffix(distcp.OLD_SUFFIX)))
     # Only what a save made is swept (STYLE 27): anything else of that name stays.
     return [tmp for tmp in super().sweep(directory) if distcp.is_ours(tmp)]
+
+  def scratch_suffixes(self) -> tuple[str, ...]:
+    return (distcp.TMP_SUFFIX, distcp.OLD_SUFFIX)
 
   def made_here(self, tmp: pathlib.Path) -> bool:
     return not tmp.exists() or distcp.is_ours(tmp)

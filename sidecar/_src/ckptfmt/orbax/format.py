@@ -61,6 +61,7 @@ class OrbaxFormat(Format):
 
   name: ClassVar[str] = "orbax"
   tmp_suffix: ClassVar[str] = TMP_SUFFIX
+  markers: ClassVar[tuple[str, ...]] = MARKERS
   item: ClassVar[str] = ITEM
   overwrites: ClassVar[bool] = False
   title: ClassVar[str] = "an Orbax checkpoint"
@@ -84,10 +85,10 @@ class OrbaxFormat(Format):
     """Orbax's markers or our manifest in ``path`` or one of its item directories."""
     if not path.is_dir():
       return False
-    if any((path / m).is_file() for m in MARKERS):
+    if any((path / m).is_file() for m in self.markers):
       return True
     return any(child.is_dir() and not child.is_symlink()
-               and any((child / m).is_file() for m in MARKERS) for child in path.iterdir())
+               and any((child / m).is_file() for m in self.markers) for child in path.iterdir())
 
   def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
     """An Orbax step directory asked for as a checkpoint of its own (a DCP reader's

@@ -18,7 +18,8 @@ The parts, built and owned here (``close`` joins their threads): ``writer``
 (``ram_tier.RamTier``: the records, budgets, eviction, expiry of uncommitted steps,
 status), ``replicator`` (``replication.Replicator``: ``replicate`` to the replica hosts, ``receive``
 from them) and ``reader`` (``read.Reader``). This class keeps only what spans them: the
-per-client directories (``open_for``, ``check_client``), a commit's notice to the RAM tier
+per-client directories (``open_for``, ``check_client``; what more a client may do is its
+``policies.CheckpointPolicy``'s, handed in), a commit's notice to the RAM tier
 and replicas (``committed``), and the restore calls that check a path under the roots
 first (``roots.py``: every path a call names must lie under one of the sidecar's
 checkpoint roots; ``delete`` and ``abort`` remove only step directories a checkpoint wrote).
@@ -36,10 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import env as env_lib, errors, paths
-from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server import metrics as metrics_lib, policies
 from sidecar._src.server.checkpoint import (
   links as links_lib,
   ram_tier,
@@ -71,23 +71,27 @@ def _seconds(text: str | None, default: float) -> float:
 
 
 class Checkpoints:
-  """The checkpoint parts of one sidecar (``writer``, ``tier``, ``replicator``, ``reader``)."""
+  """The checkpoint parts of one sidecar (``writer``, ``tier``, ``replicator``, ``reader``).
+
+  ``policy``: what more a client may do (roots, RAM-tier and storage quotas, turns at the
+  storage): a pool's tenants' (``pool/tenant_checks.py``); by default nothing more.
+  """
 
   def __init__(self, host_id: int, *, token: str | None = None,
                replica_token: str | None = None, roots: tuple[str, ...] = (),
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                replica_credentials: Any = None,
                replica_hosts: links_lib.ReplicaHosts | None = None,
-               group_budget: Callable[[str], int | None] = lambda group: None,
-               write_turn: Callable[[str], direct_io.Turn | None] = lambda owner: None,
+               policy: policies.CheckpointPolicy = policies.OPEN_CHECKPOINTS,
                spare: Callable[[str], int] = lambda tenant: 0):
     self._host_id = host_id
+    self.policy = policy
     self._metrics = metrics
     self._roots = roots_lib.Roots(host_id, roots)
     self._path = self._roots.resolve
     self.tier = ram_tier.RamTier(
         host_id, uncommitted_s=_seconds(env_lib.get(UNCOMMITTED_ENV), UNCOMMITTED_TIMEOUT_S),
-        group_budget=group_budget)
+        group_budget=policy.ram_budget)
     # Its durable copies give way to new work (``reclaim``) and to an operator (``drop_ram``).
     self.yielding = ram_yield.Yielding(self.tier, metrics=metrics, spare=spare)
     self.reader = checkpoint_read.Reader(self.tier, metrics)
@@ -102,7 +106,7 @@ class Checkpoints:
     self._threads_lock = threading.Lock()
     self.writer = checkpoint_save.StepWriter(host_id, tier=self.tier, roots=self._roots,
                                              spawn=self._spawn, metrics=metrics,
-                                             write_turn=write_turn)
+                                             write_turn=policy.write_turn)
     self.replicator = checkpoint_replication.Replicator(
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics, hosts=replica_hosts or links_lib.ReplicaHosts(),
@@ -158,11 +162,18 @@ class Checkpoints:
 
   # ---- who may act where, and commits -----------------------------------
 
+  @property
+  def host_id(self) -> int:
+    return self._host_id
+
   def accept_replica(self, tenant: str | None, directory: str) -> None:
     """Checks that a replica of ``tenant``'s (as the sending sidecar says) may be held
-    here for ``directory``; a pool's sidecar also counts it in that tenant's RAM-tier group
-    (``tenant_checks``). Outside pools every replica is the job's: nothing to check."""
-    del tenant, directory
+    here for ``directory``; a pool's sidecar also opens it for that tenant, counting it in
+    its RAM-tier group (``policy.replica_owner``). Outside pools every replica is the
+    job's: nothing to check."""
+    owner = self.policy.replica_owner(tenant, directory)
+    if owner is not None:
+      self.open_for(owner, directory)
 
   def open_for(self, client: str, directory: str) -> None:
     """Records that ``client`` opened ``directory``: it may act in it from now on.
@@ -171,20 +182,26 @@ class Checkpoints:
       PermissionDeniedError: another client opened it, or a directory inside it or
         holding it (the first to open a directory has it, until the sidecar stops), or
         another client owns it, one above it or one below it on disk (its
-        ``roots.OWNER_FILE``, which the first open writes: a restart keeps it).
+        ``roots.OWNER_FILE``, which the first open writes: a restart keeps it), or the
+        policy refuses it (a pool tenant's roots).
     """
+    self.policy.check_open(self, client, directory)
     resolved = self._path(directory, "directory")
     with self._opened_lock:
-      if resolved in self._opened.get(client, ()):
-        return  # checked and claimed at its first open (a reopen, each replica received)
-      for other, theirs in self._opened.items():
-        if other != client and any(paths.overlap(resolved, d) for d in theirs):
-          raise errors.PermissionDeniedError(
-              f"checkpoint directory {directory!r:.200} is, holds or lies in one that another "
-              f"client opened on host {self._host_id}; with {self.clients_mode()} each "
-              "client checkpoints in directories of its own")
-      self._claim(client, directory, resolved)
-      self._opened.setdefault(client, set()).add(resolved)
+      # A reopen (each replica received too) was checked and claimed at its first open.
+      if resolved not in self._opened.get(client, ()):
+        for other, theirs in self._opened.items():
+          if other != client and any(paths.overlap(resolved, d) for d in theirs):
+            raise errors.PermissionDeniedError(
+                f"checkpoint directory {directory!r:.200} is, holds or lies in one that "
+                f"another client opened on host {self._host_id}; with {self.clients_mode()} "
+                "each client checkpoints in directories of its own")
+        self._claim(client, directory, resolved)
+        self._opened.setdefault(client, set()).add(resolved)
+    group = self.policy.ram_group(client)
+    if group is not None:
+      with self.tier.lock:
+        self.tier.groups[os.path.realpath(directory)] = group
 
   def _claim(self, client: str, directory: str, resolved: str) -> None:
     """Records ``client`` as the owner of ``resolved`` on disk (``roots.OWNER_FILE``),
@@ -212,15 +229,20 @@ class Checkpoints:
   @contextlib.contextmanager
   def storage_reserved(self, client: str | None, directory: str, nbytes: int) -> Iterator[None]:
     """Checks (``check_storage``) and reserves ``nbytes`` more of a save by ``client``: the
-    block runs the Stage that records them, under the lock the check took, so no other
-    part of the client's saves passes the same check meanwhile; here there is no quota."""
-    self.check_storage(client, directory, nbytes)
-    yield
+    block runs the Stage that records them, under the lock the policy's check took, so no
+    other part of the client's saves passes the same check meanwhile."""
+    with self.policy.storage_reserved(self, client, directory, nbytes):
+      yield
 
   def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
     """Refuses (``ResourceExhaustedError``) ``nbytes`` more of a save by ``client`` in
-    ``directory`` where they would pass its storage quota; here there is none."""
-    del client, directory, nbytes
+    ``directory`` where they would pass its storage quota (the policy's)."""
+    self.policy.check_storage(self, client, directory, nbytes)
+
+  def writing(self) -> list[tuple[str, int]]:
+    """The steps staged here and not yet written: (tmp directory, bytes staged)."""
+    with self.tier.lock:
+      return [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values() if not s.done.is_set()]
 
   def opened_by(self, client: str) -> set[str]:
     """The directories (resolved) ``client`` opened."""
@@ -241,10 +263,11 @@ class Checkpoints:
           f"{name} {path!r:.200} is in no checkpoint directory client {client!r} opened on "
           f"host {self._host_id}; with {self.clients_mode()} a client sees and acts only in "
           "the directories it opened (Controller.checkpointer(directory))")
+    self.policy.check_path(client, path, name)
 
   def clients_mode(self) -> str:
     """How the sidecar names its clients, for messages (a pool's host says its file)."""
-    return "per-client tokens (--client-tokens)"
+    return self.policy.clients_mode() or "per-client tokens (--client-tokens)"
 
   def committed(self, final_dir: str, manifest: Manifest | None = None) -> list[int]:
     """Marks a step committed; evicts RAM-tier steps beyond the budget. Returns kept steps.
@@ -289,6 +312,22 @@ class Checkpoints:
     returns those dropped and those kept (not durable yet)."""
     resolved = self._path(directory, "directory")
     return self.yielding.drop(lambda d: paths.inside(d, resolved))
+
+  def release_ram(self, client: str) -> int:
+    """Drops the committed RAM-tier steps (own shards and replicas) of the checkpoint
+    directories ``client`` opened here: its job left (a pool's ``ram_keep``, or its removal
+    from the pool). Their blocks go back as their views die; the durable steps stay.
+    Returns how many steps went."""
+    mine = {os.path.realpath(d) for d in self.opened_by(client)}
+    tier = self.tier
+    with tier.lock:
+      steps = {(s.directory, s.step) for s in tier.steps.values()
+               if s.committed and os.path.realpath(s.directory) in mine}
+      steps |= {(r.directory, r.step) for r in tier.replicas.values()
+                if r.committed and os.path.realpath(r.directory) in mine}
+      for directory, step in steps:
+        tier.drop(directory, step)
+    return len(steps)
 
   def drop_tenant_ram(self, tenant: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
     """Drops the durable RAM-tier copies of the directories ``tenant`` opened here;

@@ -48,7 +48,7 @@ from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
 from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
-from sidecar._src.server.pool import tenants as tenants_lib
+from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
 from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb

@@ -5,7 +5,8 @@ Every path a checkpoint call names must lie under one of the checkpoint roots.
 A path is resolved (symlinks, ``..``) before the check; a sidecar started without any
 root (``sidecar serve --checkpoint-root DIR``) refuses them all
 (``PermissionDeniedError``). ``delete`` and ``abort`` remove only directories a
-checkpoint wrote (:func:`is_checkpoint_dir`).
+checkpoint wrote. What a checkpoint's directories look like is its format's: this module
+asks the format registry (``ckptfmt/registry.py``) and names no format.
 
 **Owners on disk.** Where each client (a pool's tenant, or a ``--client-tokens`` client)
 has checkpoints of its own, the first open of a directory records its owner in it
@@ -23,21 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.core import env as env_lib, errors, paths
 
-MANIFEST = "sidecar_manifest.json"
 ROOTS_FLAG = "--checkpoint-root"
 ROOTS_ENV = env_lib.CHECKPOINT_ROOTS
-# Orbax's files in a committed step or item: what marks a directory as a checkpoint's.
-_MARKERS = ("_CHECKPOINT_METADATA", spec_lib.METADATA_FILE, spec_lib.COMMIT_SUCCESS_FILE, MANIFEST)
-
 
 OWNER_FILE = ".sidecar-owner"  # in a checkpoint directory: the client that owns it
 _OWNER_MAX = 4096  # bytes of an owner file read: a tenant's name
-# Directories a walk for owners below an opened directory does not enter: a save's
-# uncommitted steps, and (checked apart) committed steps and items.
-_TMP_MARKS = (".orbax-checkpoint-tmp", ".dcp-checkpoint-tmp", ".dcp-checkpoint-old")
 
 
 def owner_of(path: str) -> str | None:
@@ -86,12 +80,14 @@ def claim(path: str, owner: str) -> str:
   return owner
 
 
-def foreign_owner(resolved: str, root: str, owner: str) -> tuple[str, str] | None:
+def foreign_owner(resolved: str, root: str, owner: str,
+                  formats: formats_lib.Registry = formats_lib.DEFAULT) -> tuple[str, str] | None:
   """Where another owner than ``owner`` is recorded at, above (up to ``root``) or below
   the directory ``resolved``: ``(directory, its owner)``, or None.
 
-  Below, the walk follows no symlink and enters no save's uncommitted step nor
-  committed step (no owner is recorded inside one)."""
+  Below, the walk follows no symlink and enters no save's scratch directory nor committed
+  step (no owner is recorded inside one), as ``formats`` know them."""
+  scratch = formats.scratch_suffixes()
   up = resolved
   while True:
     found = owner_of(up)
@@ -109,14 +105,14 @@ def foreign_owner(resolved: str, root: str, owner: str) -> tuple[str, str] | Non
     with entries:
       for entry in entries:
         try:
-          if not entry.is_dir(follow_symlinks=False) or entry.name.endswith(_TMP_MARKS):
+          if not entry.is_dir(follow_symlinks=False) or entry.name.endswith(scratch):
             continue
         except OSError:
           continue
         found = owner_of(entry.path)
         if found is not None and found != owner:
           return entry.path, found
-        if not (entry.name.isdigit() and is_checkpoint_dir(pathlib.Path(entry.path))):
+        if not (entry.name.isdigit() and formats.is_checkpoint(pathlib.Path(entry.path))):
           stack.append(entry.path)
   return None
 
@@ -128,18 +124,11 @@ def as_int(value: Any, name: str) -> int:
   return int(value)
 
 
-def has_markers(path: pathlib.Path) -> bool:
-  """Whether Orbax's markers or this format's manifest lie in ``path`` itself."""
-  return any((path / m).is_file() for m in _MARKERS)
-
-
-def is_checkpoint_dir(path: pathlib.Path) -> bool:
-  """Whether ``path`` is a step (or item) directory a checkpoint wrote: Orbax's markers
-  or this format's manifest in it or in one of its item directories."""
-  if has_markers(path):
-    return True
-  return any(child.is_dir() and not child.is_symlink()
-             and any((child / m).is_file() for m in _MARKERS) for child in path.iterdir())
+def has_markers(path: pathlib.Path,
+                formats: formats_lib.Registry = formats_lib.DEFAULT) -> bool:
+  """Whether ``path`` itself is a committed step or item: a format's markers lie in it
+  (``Registry.has_markers``)."""
+  return formats.has_markers(path)
 
 
 class Roots:

@@ -1,11 +1,13 @@
-"""The pool: what a sidecar's clients may hold, and how they share it (docs/pool.md).
+"""The pool: what a sidecar serving several tenants (``--pool FILE``) adds (docs/pool.md).
 
-A pool file's tenants, and the older modes' one shared token or per-client tokens, are
-tenants of one pool. ``quotas`` declares each quota once, as a policy object;
-``tenants`` is the pool and who is whose at run time; ``pool_file`` reads the YAML. The
-parts that hold clients to their quotas are each handed the quota objects they enforce:
-``limits`` (handshake sessions, calls, streams, inline bytes), ``leases`` and
-``admission`` (arena blocks, a tenant's guaranteed share and ceiling, the queue),
-``tenant_checks`` (checkpoint roots, RAM tier, storage bytes), ``shares`` (CPUs and write
-bandwidth by weight), ``departures`` (``ram_keep``) and ``credits`` (a stream's prefetch).
+What holds every client, a single-tenant sidecar's too, is in ``server/``: ``tenants``
+(who each session and worker is; the token modes are pools of one or of named clients),
+``limits`` (RPC slots, handshake sessions, inline bytes, a stream's prefetch), ``leases``
+(the arena's blocks) and ``credits`` (a stream's prefetch credits); each asks a quota of
+``quotas`` where a tenant has one. Here: ``quotas`` declares each quota once, as a policy
+object; ``pool_file`` reads the YAML; ``tenant_checks`` holds the tenants to their
+allowlists and checkpoint quotas, as the policies (``server/policies.py``) the server hands
+the call runner and the checkpoint store; ``admission`` is the arena's queue, ``shares`` the CPUs
+and write bandwidth by weight, ``departures`` the RAM-tier copies kept after a job left
+(``ram_keep``).
 """

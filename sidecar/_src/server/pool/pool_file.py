@@ -16,7 +16,7 @@ import yaml
 
 from sidecar._src.core import options as options_lib, paths
 from sidecar._src.server.pool import quotas as quotas_lib
-from sidecar._src.server.pool.tenants import Pool, Tenant, error_at
+from sidecar._src.server.tenants import Pool, Tenant, error_at
 
 log = logging.getLogger(__name__)
 

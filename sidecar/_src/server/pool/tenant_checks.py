@@ -1,6 +1,8 @@
-"""Where a pool's tenants meet the parts that run their work: the allowlists of calls, and
-each tenant's own checkpoint roots, RAM-tier bytes and storage bytes (``tenants.py`` holds
-the pool; these only enforce it).
+"""A pool's policies: what its tenants may run, and where and how much they checkpoint.
+
+The call runner and the checkpoint store are each handed one (``policies.CallPolicy``,
+``policies.CheckpointPolicy``) by the server: these hold the tenants to their allowlists
+and checkpoint quotas (``tenants.py`` is who is whose; these only enforce it).
 """
 
 from __future__ import annotations
@@ -10,20 +12,12 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, registry as formats_lib
 from sidecar._src.core import errors, paths
-from sidecar._src.server.calls import Runner
-from sidecar._src.server.checkpoint.checkpoints import Checkpoints
-from sidecar._src.server.pool import (
-  quotas as quotas_lib,
-  shares as shares_lib,
-  tenants as tenants_lib,
-)
-from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire.protocol import pb
+from sidecar._src.server import policies, tenants as tenants_lib
+from sidecar._src.server.pool import quotas as quotas_lib, shares as shares_lib
 
 # Pieces of files (direct_io.TURN_BYTES) the saves of a pool's tenants write at once on
 # one sidecar: two large direct writes keep a disk busy (benchmarks/pool_writes.py: three
@@ -34,24 +28,22 @@ WRITE_TURNS = 2
 _TMP_SUFFIXES = tuple(f.tmp_suffix for f in formats_lib.DEFAULT.formats.values())
 
 
-class TenantRunner(Runner):
-  """A :class:`Runner` that runs a function only if the tenant it runs for
-  (``tenants.CURRENT``, set by the way in) may: its ``functions`` allowlist."""
+class TenantCalls(policies.CallPolicy):
+  """Runs a function only if the tenant it runs for (``tenants.CURRENT``, set by the way
+  in) may: its ``functions`` (or ``pipelines``) allowlist, and only with the arena of a
+  worker of its own."""
 
-  def __init__(self, *, tenancy: tenants_lib.Tenancy, **kwargs):
-    super().__init__(**kwargs)
+  def __init__(self, tenancy: tenants_lib.Tenancy):
     self._tenancy = tenancy
 
-  def prepare(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION, *,
-              views: list[memoryview] | None = None):
+  def check(self, kind: str, name: str, worker_session: str) -> None:
     tenant = tenants_lib.CURRENT.get()
-    self._tenancy.check_allowed(tenant, kind, request.name)
-    self._tenancy.check_worker(tenant, request.worker_session)
-    return super().prepare(request, kind, views=views)
+    self._tenancy.check_allowed(tenant, kind, name)
+    self._tenancy.check_worker(tenant, worker_session)
 
 
-class TenantCheckpoints(Checkpoints):
-  """A :class:`Checkpoints` that holds each pool tenant to its checkpoint quotas:
+class TenantCheckpoints(policies.CheckpointPolicy):
+  """Holds each pool tenant to its checkpoint quotas:
 
   - ``checkpoint_roots``: it opens and acts in checkpoint directories under those only (the
     sidecar's roots still hold for everyone; the roots in force at each call, so a reload
@@ -69,24 +61,26 @@ class TenantCheckpoints(Checkpoints):
   ``tenant_of``: the tenant of a handshake session (a save's owner).
   """
 
-  def __init__(self, host_id: int, *, tenancy: tenants_lib.Tenancy, arena_bytes: int = 0,
-               tenant_of: Callable[[str], str | None] = lambda session: None, **kwargs: Any):
+  def __init__(self, tenancy: tenants_lib.Tenancy, *, arena_bytes: int = 0,
+               tenant_of: Callable[[str], str | None] = lambda session: None):
     self._tenancy = tenancy
     self._arena_bytes = arena_bytes
     self._tenant_of = tenant_of
     self.write_bandwidth = shares_lib.Bandwidth(WRITE_TURNS)
     self._storage_locks: dict[str, threading.Lock] = {}  # by tenant: check and reserve
-    super().__init__(host_id, group_budget=self._ram_budget, write_turn=self._write_turn,
-                     **kwargs)
 
-  def _write_turn(self, owner: str) -> direct_io.Turn | None:
+  def write_turn(self, owner: str) -> direct_io.Turn | None:
     t = self._tenancy.tenant(self._tenant_of(owner)) if self._tenancy.quotas else None
     return None if t is None else functools.partial(self.write_bandwidth.turn, t.name,
                                                     weight=t.weight)
 
-  def _ram_budget(self, tenant: str) -> int | None:
-    t = self._tenancy.tenant(tenant)
+  def ram_budget(self, group: str) -> int | None:
+    t = self._tenancy.tenant(group)
     return None if t is None else quotas_lib.RAM_TIER.bytes_of(t, self._arena_bytes)
+
+  def ram_group(self, client: str) -> str | None:
+    t = self._tenancy.tenant(client)
+    return t.name if t is not None and self._tenancy.quotas else None
 
   def _check_roots(self, t: tenants_lib.Tenant | None, path: str, name: str) -> None:
     """PermissionDeniedError unless ``path`` lies under ``t``'s checkpoint roots (in force
@@ -99,9 +93,8 @@ class TenantCheckpoints(Checkpoints):
             f"({', '.join(t.checkpoint_roots)}, {self._tenancy.where(t.name)}), not in "
             f"{name} {path!r:.200}; checkpoint there, or add the directory to its roots")
 
-  def open_for(self, client: str, directory: str) -> None:
-    t = self._tenancy.tenant(client)
-    self._check_roots(t, directory, "directory")
+  def check_open(self, store: policies.Store, client: str, directory: str) -> None:
+    self._check_roots(self._tenancy.tenant(client), directory, "directory")
     if isinstance(directory, str) and (pool := self._tenancy.pool) is not None:
       resolved = os.path.realpath(directory)
       for other in pool.tenants:  # another's root, or a directory that holds it, is not ours
@@ -114,54 +107,49 @@ class TenantCheckpoints(Checkpoints):
               f"root of tenant {other.name!r} ({self._tenancy.where(other.name)}); checkpoint "
               "in a directory of your own, beside the other tenants' roots, not in or above "
               "them")
-    super().open_for(client, directory)
-    if t is not None and self._tenancy.quotas:
-      with self.tier.lock:
-        self.tier.groups[os.path.realpath(directory)] = t.name
 
-  def clients_mode(self) -> str:
+  def clients_mode(self) -> str | None:
     pool = self._tenancy.pool
-    return super().clients_mode() if pool is None else pool.mode()
+    return None if pool is None else pool.mode()
 
-  def accept_replica(self, tenant: str | None, directory: str) -> None:
+  def replica_owner(self, tenant: str | None, directory: str) -> str | None:
     """A replica is some tenant of the pool's, in its checkpoint roots; its committed
     copies count in that tenant's RAM-tier group here (``ram_tier``), whether or not the
     tenant opened the directory on this host."""
     if not self._tenancy.quotas:
-      return
+      return None
     t = self._tenancy.tenant(tenant)
     if t is None:
       raise errors.PermissionDeniedError(
           f"a replica of {directory!r:.200} for tenant {tenant!r}, which is not in this "
           f"sidecar's pool ({self._tenancy.where(tenant or '')}): every replica is a "
           "tenant's; give every sidecar of the pool the same pool file")
-    self.open_for(t.name, directory)  # its roots, its directories, its RAM-tier group
+    return t.name  # its roots, its directories, its RAM-tier group
 
-  def check_client(self, client: str, path: str, name: str) -> None:
-    super().check_client(client, path, name)
+  def check_path(self, client: str, path: str, name: str) -> None:
     self._check_roots(self._tenancy.tenant(client), path, name)
 
   @contextlib.contextmanager
-  def storage_reserved(self, client: str | None, directory: str, nbytes: int) -> Iterator[None]:
+  def storage_reserved(self, store: policies.Store, client: str | None, directory: str,
+                       nbytes: int) -> Iterator[None]:
     t = self._tenancy.tenant(client)
     if t is None or quotas_lib.CHECKPOINT_BYTES.of(t) is None:
       yield
       return
     with self._storage_locks.setdefault(t.name, threading.Lock()):
-      self.check_storage(client, directory, nbytes)
+      self.check_storage(store, client, directory, nbytes)
       yield  # the Stage records its bytes (a pending step's) before the next check
 
-  def check_storage(self, client: str | None, directory: str, nbytes: int) -> None:
+  def check_storage(self, store: policies.Store, client: str | None, directory: str,
+                    nbytes: int) -> None:
     t = self._tenancy.tenant(client)
     quota = None if t is None else quotas_lib.CHECKPOINT_BYTES.of(t)
     if t is None or quota is None:
       return
-    mine = {os.path.realpath(d) for d in self.opened_by(t.name)}
+    mine = {os.path.realpath(d) for d in store.opened_by(t.name)}
     outer = [d for d in mine if not any(paths.beneath(d, o) for o in mine)]
     stored = sum(_stored(d) for d in outer)  # a directory inside another is counted there
-    with self.tier.lock:  # staged here, not yet on storage
-      writing = [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values()
-                 if not s.done.is_set()]
+    writing = store.writing()  # staged here, not yet on storage
     # A step counts where the server put it (its resolved tmp directory), whatever
     # directory its Stage named; what of it is on storage already is counted there.
     pending = sum(max(n - _stored(d, siblings=False), 0) for d, n in writing
@@ -170,27 +158,10 @@ class TenantCheckpoints(Checkpoints):
       fmt = shm.format_size
       raise errors.ResourceExhaustedError(
           f"tenant {t.name!r} holds {fmt(stored)} of checkpoints on the storage of host "
-          f"{self._host_id}" + (f", {fmt(pending)} more being written" if pending else "")
+          f"{store.host_id}" + (f", {fmt(pending)} more being written" if pending else "")
           + f"; {fmt(nbytes)} more of step data in {directory!r:.200} would pass its quota "
           f"(checkpoint_bytes={fmt(quota)}, {self._tenancy.where(t.name)}); "
           "keep fewer steps (max_to_keep=), delete old ones, or raise its quota")
-
-  def release_ram(self, tenant: str) -> int:
-    """Drops the committed RAM-tier steps (own shards and replicas) of the checkpoint
-    directories tenant ``tenant`` opened here: its job left (``ram_keep``). Their blocks go
-    back as their views die; the durable steps stay. Returns how many steps went.
-
-    Uses the RAM tier's own ``drop`` under its lock (no change to ram_tier.py)."""
-    mine = {os.path.realpath(d) for d in self.opened_by(tenant)}
-    tier = self.tier
-    with tier.lock:
-      steps = {(s.directory, s.step) for s in tier.steps.values()
-               if s.committed and os.path.realpath(s.directory) in mine}
-      steps |= {(r.directory, r.step) for r in tier.replicas.values()
-                if r.committed and os.path.realpath(r.directory) in mine}
-      for directory, step in steps:
-        tier.drop(directory, step)
-    return len(steps)
 
 
 def _stored(directory: str, *, siblings: bool = True) -> int:

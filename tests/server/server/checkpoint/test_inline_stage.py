@@ -13,7 +13,7 @@ import pytest
 
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
-from sidecar._src.server.pool import limits
+from sidecar._src.server import limits
 from sidecar._src.wire import checkpoint_wire as wire
 from sidecar._src.wire.protocol import ckpt_pb
 from tests.support.pool_files import BOB, POOL, write_pool

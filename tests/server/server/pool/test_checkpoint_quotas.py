@@ -123,7 +123,7 @@ def test_a_tenants_saves_write_in_its_turns_at_the_storage(make_server, tmp_path
   (16 files without the turns), and another tenant's pieces go in between."""
   server = make_server(pool=write_pool(tmp_path, POOL.replace("checkpoint_bytes: 1MiB",
                                                               "weight: 2")))
-  bandwidth = server.checkpoints.write_bandwidth
+  bandwidth = server.checkpoints.policy.write_bandwidth
   lock = threading.Lock()
   active = {"alice": 0, "bob": 0}
   seen: list[tuple[str, int, int]] = []  # (tenant, its pieces being written, all of them)

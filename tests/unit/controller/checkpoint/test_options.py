@@ -1,12 +1,18 @@
 """Tier 1: one CheckpointOptions checks a checkpointer's options once, for JAX and PyTorch."""
 
+import re
+
 import pytest
 
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
+
+# The registered formats as messages list them (a new format changes no test here).
+NAMES = re.escape(repr(formats_lib.DEFAULT.names))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -21,7 +27,7 @@ pytestmark = pytest.mark.unit
     ({"replica_bandwidth": 0}, r"replica_bandwidth must be None or bytes per second .*got 0"),
     ({"if_busy": "later"}, r"if_busy must be 'wait' or 'skip', got 'later'"),
     ({"format": "safetensors"}, r"format must be None \(the framework's own\) or one of the "
-                                r"registered formats \['dcp', 'orbax'\], got 'safetensors'"),
+                                rf"registered formats {NAMES}, got 'safetensors'"),
     ({"format": ""}, r"format must be None .*got ''"),
     ({"format": "colocated-sidecar"}, r"format must be None .*got 'colocated-sidecar'"),
 ], ids=["max_to_keep", "keep_period", "replicas", "replicas-bool", "ram_steps", "ram_budget",
@@ -48,9 +54,14 @@ def test_a_format_is_the_chosen_one_or_the_frameworks_and_one_it_writes():
   assert CheckpointOptions().format_for("PyTorch", default="dcp", parts=dcp_parts) == "dcp"
   assert CheckpointOptions(format="dcp").format_for("PyTorch", default="dcp",
                                                     parts=dcp_parts) == "dcp"
+  # The registered formats each framework writes (a new format changes no test here).
+  writes = {p: [n for n, f in sorted(formats_lib.DEFAULT.formats.items())
+                if (f.stage_part, f.commit_part) == p] for p in ((None, None), dcp_parts)}
+  assert "orbax" in writes[None, None] and writes[dcp_parts] == ["dcp"]
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"format 'dcp' is not one a JAX save writes \(it needs DcpPart and "
-                     r"DcpCommit, the save makes no format parts\); choose one of \['orbax'\]"):
+                     r"DcpCommit, the save makes no format parts\); choose one of "
+                     + re.escape(repr(writes[None, None]))):
     CheckpointOptions(format="dcp").format_for("JAX", default="orbax")
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"format 'orbax' is not one a PyTorch save writes \(it needs no "

@@ -12,7 +12,7 @@ from sidecar._src.ckptfmt.records import ShardId
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, ram_yield
-from sidecar._src.server.pool.leases import Leases
+from sidecar._src.server.leases import Leases
 
 pytestmark = pytest.mark.unit
 

@@ -8,6 +8,8 @@ import os
 import numpy as np
 import pytest
 
+from sidecar._src.ckptfmt import registry as formats_lib
+from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import roots as roots_lib
 
@@ -98,29 +100,27 @@ def test_as_int_names_the_value(bad):
     roots_lib.as_int(bad, "step")
 
 
-@pytest.mark.parametrize("marker", ["_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt",
-                                    "sidecar_manifest.json", "default/_METADATA",
-                                    "default/sidecar_manifest.json"],
-                         ids=["step-metadata", "item-metadata", "commit", "manifest",
-                              "in-item", "manifest-in-item"])
-def test_a_directory_with_a_checkpoint_marker_is_a_checkpoint(tmp_path, marker):
-  (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
-  (tmp_path / marker).write_text("{}")
-  assert roots_lib.is_checkpoint_dir(tmp_path)
+class _Toy(OrbaxFormat):
+  """A new format as the registry would hold it: its own scratch suffix and marker."""
+  name, tmp_suffix, markers = "toy", ".toy-checkpoint-tmp", ("TOY_COMMITTED",)
 
 
-def test_other_directories_are_not_checkpoints(tmp_path):
-  """Nothing deeper than an item counts, nor a marker that is a directory, nor an item
-  that is a symlink to a checkpoint elsewhere (delete would remove what it points to)."""
-  (tmp_path / "data" / "a" / "b").mkdir(parents=True)
-  (tmp_path / "data" / "a" / "b" / "_METADATA").write_text("{}")
-  (tmp_path / "data" / "_CHECKPOINT_METADATA" / "x").mkdir(parents=True)
-  (tmp_path / "elsewhere").mkdir()
-  (tmp_path / "elsewhere" / "_METADATA").write_text("{}")
-  (tmp_path / "data" / "default").symlink_to(tmp_path / "elsewhere")
-  (tmp_path / "data" / "notes.txt").write_text("not a checkpoint")
-  assert not roots_lib.is_checkpoint_dir(tmp_path / "data")
-
+def test_the_owners_walk_asks_the_registry_what_a_formats_directories_are(tmp_path):
+  # roots.py names no format: a new format's scratch and committed steps are known to it
+  # through the registry alone (ARCHITECTURE.md, "Where a new format goes").
+  (tmp_path / "ck" / "5.toy-checkpoint-tmp" / "x").mkdir(parents=True)
+  (tmp_path / "ck" / "7" / "y").mkdir(parents=True)
+  (tmp_path / "ck" / "7" / "TOY_COMMITTED").write_text("")
+  for inside in ("5.toy-checkpoint-tmp/x", "7/y"):
+    (tmp_path / "ck" / inside / roots_lib.OWNER_FILE).write_text("bob\n")
+  ck = str(tmp_path / "ck")
+  found = roots_lib.foreign_owner(ck, str(tmp_path), "alice")
+  assert found is not None and found[1] == "bob"  # the default formats enter both
+  toy = formats_lib.DEFAULT.replacing(_Toy())
+  assert roots_lib.foreign_owner(ck, str(tmp_path), "alice", toy) is None
+  assert ".toy-checkpoint-tmp" in toy.scratch_suffixes()
+  assert roots_lib.has_markers(tmp_path / "ck" / "7", toy)
+  assert not roots_lib.has_markers(tmp_path / "ck" / "7")
 
 
 def test_a_claim_is_never_seen_half_written(tmp_path, monkeypatch):

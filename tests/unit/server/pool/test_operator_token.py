@@ -7,7 +7,8 @@ import os
 import pytest
 
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.server.pool import pool_file, tenants as tenants_lib
+from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server.pool import pool_file
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,9 @@ tokens (``--client-tokens``) are named tenants with no quotas (:meth:`Pool.clien
 The pool itself is frozen values (:class:`Tenant`, :class:`Pool`); at run time
 :class:`Tenancy` says which session and worker belongs to which tenant (and counts each
 tenant's feeds), :class:`Tokens` what the control port takes. Each quota is an object of
-``quotas.py``, which the parts that enforce it ask (``limits``, ``leases``,
-``tenant_checks``, ``departures``, ``Tenancy.feeding``; ``workers.py``'s connections).
+``pool/quotas.py``, which the parts that enforce it ask (``limits``, ``leases``,
+``pool/tenant_checks``, ``pool/departures``, ``Tenancy.feeding``; ``workers.py``'s
+connections).
 """
 
 from __future__ import annotations

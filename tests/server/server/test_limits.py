@@ -1,4 +1,4 @@
-"""The bounds of server/pool/limits.py and the worker socket, and the attacks of issue 16 they stop.
+"""The bounds of server/limits.py and the worker socket, and the attacks of issue 16 they stop.
 
 Tier 1: StreamSlots, Sessions and Credits alone. Tier 2: one in-process sidecar, attacked
 over raw gRPC and its Unix socket; after each attack it still serves a Controller.
@@ -19,8 +19,8 @@ import pytest
 import sidecar
 from sidecar._src.core import errors
 from sidecar._src.server import workers as workers_lib
-from sidecar._src.server.pool.credits import Credits
-from sidecar._src.server.pool.limits import MAX_PREFETCH, Sessions, StreamSlots
+from sidecar._src.server.credits import Credits
+from sidecar._src.server.limits import MAX_PREFETCH, Sessions, StreamSlots
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
@@ -617,7 +617,7 @@ def test_checkpoint_rpcs_that_never_end_starve_neither_calls_nor_other_sessions(
                                                                              tmp_path):
   import threading
 
-  from sidecar._src.server.pool.limits import CHECKPOINT_THREADS
+  from sidecar._src.server.limits import CHECKPOINT_THREADS
   from tests.conftest import PEER_TOKEN
   server = make_server()
   raws = [Raw(server.port, replica_token=PEER_TOKEN) for _ in range(3)]  # peers: they may
