@@ -19,7 +19,9 @@ Every event is one JSON object, one line of the file::
   (the first step is done: the second batch taken, or the first save), ``restore``
   (``step``: the step it resumed from), ``save`` (``step``, when ``save()`` returned),
   ``mark`` (the counters now), ``finish`` (``Controller.close()``), ``died`` (written by
-  the sidecar: the worker session ended without a finish).
+  the sidecar: the worker session ended without a finish; ``seen``: the last time the
+  sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
+  session ends only once its exit is done, seconds later on an accelerator).
 
 The accounting, for each life in order (its span: its start .. its end, a died or finish
 event, else its last event):
@@ -31,7 +33,8 @@ event, else its last event):
   (all its step time if it saved no such step: the next life restored an older one, or
   started from scratch); the last life of a job that ended in a death counts the step
   time after its last save as redone. The rest of the step time is ``productive``;
-- ``restart_gap``: a death (or a life's last event, where its end was never seen) .. the
+- ``restart_gap``: a death (its ``seen``, the last sign of life, where it is later than
+  the life's last event; or a life's last event, where its end was never seen) .. the
   next life's start; ``restarts`` counts them;
 - wall: the first start .. the last life's end, less the time between a clean finish and
   a later run's start (nothing ran). The categories add up to it exactly (a next life
@@ -83,6 +86,7 @@ class Event:
   step: int | None = None  # restore, save
   start: float | None = None  # start: when the process began
   pid: int | None = None  # start
+  seen: float | None = None  # died: the last time the sidecar heard from the process
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -90,7 +94,7 @@ class Event:
     if not isinstance(self.life, str) or not 0 < len(self.life) <= MAX_LIFE:
       raise ValueError(f"an event's life must be a name of 1 to {MAX_LIFE} characters, got "
                        f"{self.life!r:.80}")
-    for name in ("t", "start"):
+    for name in ("t", "start", "seen"):
       value = getattr(self, name)
       if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
         raise ValueError(f"an event's {name} must be finite seconds, got {value!r:.50}")
@@ -106,7 +110,7 @@ class Event:
     out: dict[str, Any] = {"kind": self.kind, "life": self.life, "t": self.t}
     if self.counters is not None:
       out.update(dataclasses.asdict(self.counters))
-    for name in ("step", "start", "pid"):
+    for name in ("step", "start", "pid", "seen"):
       if (value := getattr(self, name)) is not None:
         out[name] = value
     return out
@@ -130,7 +134,8 @@ class Event:
     try:
       # Any value: __post_init__ checks each field's type and says what was wrong.
       return cls(kind=d.get("kind"), life=d.get("life"), t=d.get("t"),  # type: ignore[arg-type]
-                 counters=counters, step=d.get("step"), start=d.get("start"), pid=d.get("pid"))
+                 counters=counters, step=d.get("step"), start=d.get("start"), pid=d.get("pid"),
+                 seen=d.get("seen"))
     except TypeError as e:
       raise ValueError(f"malformed event {d!r:.100}: {e}") from None
 
@@ -207,9 +212,16 @@ class _Life:
                 Counters())
 
   def end(self) -> tuple[float, str]:
+    """When the life ended and how; a death at its last sign of life (``seen``, never
+    before the life's own last event)."""
     for e in self.events:
-      if e.kind in ("finish", "died"):
+      if e.kind == "finish":
         return e.t, e.kind
+      if e.kind == "died":
+        if e.seen is None:
+          return e.t, e.kind
+        last = max((x.t for x in self.events if x.kind != "died"), default=e.seen)
+        return min(e.t, max(e.seen, last)), e.kind
     return max(e.t for e in self.events), "running"
 
   def resumed_from(self) -> int | None:

@@ -140,15 +140,18 @@ class Ledgers:
         self._events.append(e)
     del self._events[:-MAX_KEPT]
 
-  def ended(self, session: str) -> None:
-    """Worker ``session`` ended: a bound one that did not finish died now."""
+  def ended(self, session: str, seen: float | None = None) -> None:
+    """Worker ``session`` ended: a bound one that did not finish died now, last heard
+    from at ``seen`` (Unix seconds; None: not known)."""
     with self._lock:
       book = self._books.pop(session, None)
       if book is None:
         return
       try:
         if not book.finished and book.life is not None and not self._closed:
-          died = goodput_lib.Event("died", book.life, self._clock())
+          now = self._clock()
+          died = goodput_lib.Event("died", book.life, now,
+                                   seen=None if seen is None else min(seen, now))
           self._append(book, [died])
           log.info("goodput: process life %s died (its session ended without a finish)",
                    book.life, extra={"session": session})

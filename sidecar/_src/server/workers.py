@@ -87,6 +87,9 @@ class WorkerListener:
     self._lock = threading.Lock()
     self._sessions: dict[str, socket.socket] = {}
     self._pids: dict[str, int] = {}  # the pid each session's worker said it has
+    # When each session's worker was last heard from (a frame, a feed credit): the goodput
+    # ledger's time of a death, where the session ends only once a killed process is gone.
+    self._seen: dict[str, float] = {}
     # Sessions of revoked tenants, ended: why, for the calls and streams that still name
     # them (a tenant removed from the pool file is told so, not "unknown session").
     self._ended: dict[str, str] = {}
@@ -239,8 +242,9 @@ class WorkerListener:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
           self._replica_sessions.discard(session)
+        seen = self._seen.pop(session, None)
         if self._ledgers is not None:  # a recording trainer gone without a finish died
-          self._ledgers.ended(session)
+          self._ledgers.ended(session, seen)
         freed = self._leases.release_all(session)
         self._arenas.unbind(session)
         self._tenancy.drop_worker(session)
@@ -417,6 +421,7 @@ class WorkerListener:
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any], *,
               frames: bool = False) -> None:
+    self._seen[session] = time.time()
     op = message.get("op")
     if op == "ping":  # a sign of life, asked while a stream of this worker waits
       ipc.send(conn, {"ok": True})
@@ -500,6 +505,8 @@ class WorkerListener:
 
   def _free(self, session: str, flat: list[int]) -> None:
     """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
+    if session in self._sessions:  # a feed's credit: its trainer took a batch
+      self._seen[session] = time.time()
     for offset, generation in zip(flat[::2], flat[1::2]):
       try:
         self._leases.release(offset, generation, session)

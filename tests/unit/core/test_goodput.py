@@ -78,6 +78,27 @@ def test_a_kill_after_a_save_throws_away_what_came_after_it():
   assert ledger.productive_s == pytest.approx(49.0 + 100.0)  # a: 10 .. 60 less 1; b
 
 
+def test_a_death_counts_from_the_last_sign_of_life_not_from_the_session_s_end():
+  # Life a saves step 50 at t=60, marks at 70; the sidecar last heard from it at 72 (a
+  # feed credit) and saw its session end at 76, once the killed process was gone.
+  a = [e for e in life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=70.0, ckpt=1.0)
+       if e.kind != "died"] + [Event("died", "a", 76.0, seen=72.0)]
+  b = life("b", 80.0, restore=(81.0, 50), restore_s=1.0, first=90.0, end=100.0,
+           ended="finish", first_blocked=(0.0, 0.0, 1.0))
+  ledger = goodput.account(a + b)
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(12.0)  # 60 .. 72
+  assert ledger.badput_s["restart_gap"] == pytest.approx(8.0)  # 72 .. 80: the exit too
+  assert ledger.lives[0].end == 72.0
+  # A seen before the life's own last event (a mark) counts from that event; one after
+  # the session's end (clocks) from the end.
+  early = [e for e in a if e.kind != "died"] + [Event("died", "a", 76.0, seen=65.0)]
+  assert goodput.account(early + b).lives[0].end == 70.0
+  late = [e for e in a if e.kind != "died"] + [Event("died", "a", 76.0, seen=79.0)]
+  assert goodput.account(late + b).lives[0].end == 76.0
+  assert Event.from_dict(json.loads(Event("died", "a", 76.0, seen=72.0).line())).seen == 72.0
+
+
 def test_a_resume_from_an_older_step_throws_away_more():
   # Life a saved 50 (t=40) and 60 (t=60), died at 80; step 60 was not committed, so life b
   # restored 50: everything after save(50) is re-done, save(60)'s blocked time apart.

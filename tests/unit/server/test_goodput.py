@@ -43,6 +43,14 @@ def test_events_are_appended_to_the_file_the_sidecar_derives(ledgers, tmp_path):
   assert directory == str(tmp_path) and ledger.lives[0].ended == "died"
 
 
+def test_a_death_carries_when_the_process_was_last_heard_from(ledgers, tmp_path):
+  ledgers.record("w-1", {"directory": str(tmp_path),
+                         "events": [event("start", start=1.0, pid=7)]}, tenant=None)
+  ledgers.ended("w-1", 97.5)
+  assert goodput_core.read(str(tmp_path))[-1] == goodput_core.Event("died", "7@1.000", 99.0,
+                                                                    seen=97.5)
+
+
 def test_a_finished_session_ends_without_a_death(ledgers, tmp_path):
   ledgers.record("w-1", {"directory": str(tmp_path),
                          "events": [event("start", start=1.0, pid=7), event("finish")]},
