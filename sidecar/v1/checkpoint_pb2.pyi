@@ -145,14 +145,16 @@ class CheckpointOpenResponse(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointBeginRequest(_message.Message):
-    __slots__ = ("directory", "step", "format")
+    __slots__ = ("directory", "step", "format", "worker_session")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
     format: str
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., format: _Optional[str] = ...) -> None: ...
+    worker_session: str
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., format: _Optional[str] = ..., worker_session: _Optional[str] = ...) -> None: ...
 
 class CheckpointBeginResponse(_message.Message):
     __slots__ = ("tmp_directory",)

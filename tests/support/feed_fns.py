@@ -118,3 +118,13 @@ def slow_while(ctx: sidecar.PipelineContext, marker: str, n: int = 1 << 20, widt
       time.sleep(60)
     return {"id": np.int64(i), "x": np.full((width,), i, np.float32)}
   return grain.MapDataset.range(n).map(element)
+
+
+@sidecar.pipeline
+def wide_rows(ctx: sidecar.PipelineContext, row_bytes: int = 1 << 20, leaves: int = 1):
+  """A plain iterable (its batch's size known only from its first element): rows of
+  ``leaves`` leaves of ``row_bytes`` bytes each, row i filled with ``i % 251``."""
+  i = ctx.position
+  while True:
+    yield {f"x{k}": np.full((row_bytes,), i % 251, np.uint8) for k in range(leaves)}
+    i += 1

@@ -66,6 +66,12 @@ def format_size(n: float) -> str:
   raise AssertionError
 
 
+def shm_size_of(nbytes: float) -> str:
+  """``nbytes`` rounded up to whole MiB, as --shm-size (and LocalCluster's shm_size=)
+  takes it: ``"41MiB"``."""
+  return f"{-(-int(nbytes) // (1 << 20))}MiB"
+
+
 def _read_int(path: str) -> int | None:
   try:
     with open(path) as f:

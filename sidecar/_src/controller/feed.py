@@ -78,6 +78,10 @@ class BatchLayout(abc.ABC):
     ``hosts[h]`` (this process's hosts), numpy arrays that may be views of an arena
     (what is made of them must keep them alive)."""
 
+  def release_dropped(self) -> None:  # noqa: B027  (most frameworks need nothing here)
+    """Lets go now of the arena views of batches the trainer dropped, where the framework
+    defers that (JAX until its next call into XLA): a feed waits for room they hold."""
+
 
 # Makes a feed's BatchLayout: (global_batch_size, {device id: host id},
 # {device id: process index}, known where several processes share hosts) -> layout.
@@ -213,6 +217,9 @@ class Feed:
     # stopped mid-batch): the next call goes on with the host it stopped at, so no
     # host's part is lost and the hosts stay on the same batch.
     items = self._parts
+    # The batches the trainer dropped give their blocks back before it waits for the
+    # next, whose room they may be (a loop that makes no call into XLA meanwhile).
+    self._layout.release_dropped()
     try:
       # The first batch may take a while (a pipeline opening its files): say so after 2 s.
       with (progress_lib.waiting(f"feed {self.name!r}: waiting for the first batch")

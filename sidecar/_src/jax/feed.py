@@ -123,6 +123,9 @@ class Layout(BatchLayout):
   def describe(self) -> Any:
     return [[d.id for d in ds] for p in self.plans for ds in p.devices]
 
+  def release_dropped(self) -> None:
+    transfer.release_dropped()  # ~0.1 us: JAX's queue of host arrays to let go of
+
   def assemble(self, blocks: Sequence[Sequence[Any]], hosts: Sequence[HostRows]) -> Any:
     arrays, devices = [], []
     for host, host_blocks in zip(hosts, blocks, strict=True):

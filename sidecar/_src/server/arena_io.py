@@ -243,16 +243,67 @@ class BatchBlocks:
     self.arena: shm.Arena = self._space.arena
     # By the address of its array: each block, its descriptor and its holder.
     self._placed: dict[int, tuple[shm.Block, codec.ArenaRef, Hashable]] = {}
+    self._fix = ""  # what room one batch needs, once check_batch knows (for a wait's error)
 
   def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A new batch array in a block of its own (``feed.Alloc``)."""
     nbytes = math.prod(shape) * dtype.itemsize
     holder = self._session or self._io.leases.new_pin(self._space.id)
-    block = self._io.alloc(max(nbytes, 1), holder, self._alive, self._time_left)
+    try:
+      block = self._io.alloc(max(nbytes, 1), holder, self._alive, self._time_left)
+    except errors.ResourceExhaustedError as e:
+      if not self._fix:
+        raise
+      raise errors.ResourceExhaustedError(f"{e}; {self._fix}") from None
     ref = codec.ArenaRef(block.offset, nbytes, block.generation, dtype.name, tuple(shape))
     out = codec.as_array(self.arena.view(block.offset, max(nbytes, 1)), ref)
     self._placed[out.ctypes.data] = (block, ref, holder)
     return out
+
+  def check_batch(self, sizes: list[int], *, name: str, prefetch: int | None) -> None:
+    """Refuses at once (ResourceExhaustedError) a feed whose one batch, blocks of
+    ``sizes`` bytes, could never be held at once here: more than the arena, or than the
+    worker session's quota or its tenant's part. Its leaves may each fit, the batch not:
+    waiting for room that never comes would only end at ``ARENA_WAIT_S``. The error
+    names the batch's bytes, the arena's and the --shm-size that would fit one batch,
+    and about what feeding with ``prefetch`` needs."""
+    leases = self._io.leases
+    holder = self._session or leases.new_pin(self._space.id)
+    total = sum(-(-max(n, 1) // shm.ALIGN) * shm.ALIGN for n in sizes)
+    fmt, size = shm.format_size, self.arena.size
+    ahead = (prefetch or 1) + 2  # the trainer's batch, those sent ahead, the one being made
+    need, loop = leases.shm_size_for(total, holder), leases.shm_size_for(ahead * total, holder)
+    if not leases.tenant_limited(holder):
+      # Where a batch fits alone, the room may still not come: a trainer (on the CPU, whose
+      # arrays are the arena's blocks) that holds its batch while it asks for the next.
+      self._fix = (
+          f"one batch of feed {name!r} takes {fmt(total)} here; a training loop that holds "
+          f"a batch while the next {prefetch or 1} come (prefetch={prefetch or 1}) needs "
+          f"about --shm-size {loop} (LocalCluster's shm_size=\"{loop}\"): {ahead} x "
+          f"{fmt(total)}")
+    if leases.fits(total, holder):
+      return
+    blocks = f"{len(sizes)} block{'s' if len(sizes) != 1 else ''}"
+    one = f"feed {name!r}: one batch of this host's rows takes {fmt(total)} of the arena " \
+        f"({blocks}: one per leaf and row range), and can never fit"
+    if leases.tenant_limited(holder):  # a pool's tenant: its part, as the pool file sets it
+      raise errors.ResourceExhaustedError(
+          f"{one}: {leases.never_fits(total, holder)} (one batch needs "
+          f"{shm.shm_size_of(total)} of its part)")
+    quota = leases.quota if isinstance(holder, str) else None
+    limit = (f"the arena is {fmt(size)}" if total > size or quota is None else
+             f"a worker session may hold {fmt(quota)} of the {fmt(size)} arena "
+             f"(sidecar serve {leases_lib.QUOTA_FLAG})")
+    if quota is not None and total <= size and not leases.quota_share:
+      raise errors.ResourceExhaustedError(
+          f"{one}: {limit}; raise {leases_lib.QUOTA_FLAG} to {shm.shm_size_of(total)} at "
+          "least, or make the batch smaller (fewer rows on this host, smaller leaves)")
+    raise errors.ResourceExhaustedError(
+        f"{one}: {limit}. One batch needs --shm-size {need} (LocalCluster's "
+        f"shm_size=\"{need}\"); a training loop that holds a batch while the next "
+        f"{prefetch or 1} come (prefetch={prefetch or 1}) needs about --shm-size {loop}: "
+        f"{ahead} x {fmt(total)}; or make the batch smaller (fewer rows on this host, "
+        "smaller leaves)")
 
   def to_arena(self, a: np.ndarray) -> codec.ArenaRef | None:
     """The descriptor a batch array is sent as (``codec.encode``'s ``to_arena``); None

@@ -30,6 +30,11 @@ class CreditSource(Protocol):
     """What the consumer reported waiting for items, in all."""
     ...
 
+  @property
+  def prefetch(self) -> int:
+    """The most items the consumer buffers (its credits at the start)."""
+    ...
+
   def take(self) -> bool:
     """Uses a credit, waiting for one; False once the consumer will take no more."""
     ...
@@ -70,6 +75,10 @@ class Credits:
   @property
   def consumer_wait_s(self) -> float:
     return self._bank.consumer_wait_s
+
+  @property
+  def prefetch(self) -> int:
+    return self._bank.most
 
   def grant(self, n: int, wait_s: float = 0.0) -> None:
     with self._cond:
@@ -117,6 +126,10 @@ class SocketCredits:
   @property
   def consumer_wait_s(self) -> float:
     return self._bank.consumer_wait_s
+
+  @property
+  def prefetch(self) -> int:
+    return self._bank.most
 
   def _read(self, block: bool) -> None:
     self._conn.setblocking(block)

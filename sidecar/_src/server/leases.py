@@ -81,6 +81,7 @@ class Leases:
   """
 
   def __init__(self, arenas: arenas_lib.Arenas | shm.Allocator, *, quota: int | None = None,
+               quota_share: float | None = None,
                tenancy: tenants_lib.Tenancy | None = None,
                tenant_of: Callable[[str], str | None] = lambda session: None,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
@@ -92,6 +93,9 @@ class Leases:
     self.allocator = self.arenas
     self._reclaim, self.holds = reclaim, holds
     self.quota = quota
+    # The quota as a share of the arena (sidecar serve --session-quota 0.9), or None
+    # (bytes, or none): whether a larger arena raises it.
+    self.quota_share = quota_share
     self._metrics = metrics
     self._queue = admission.Queue()
     self._tenancy, self._tenant_of = tenancy, tenant_of
@@ -167,7 +171,7 @@ class Leases:
       ClosedError: ``alive`` said its caller is gone.
     """
     if not self.fits(nbytes, holder):
-      self._never_fits(nbytes, holder)
+      raise self.never_fits(nbytes, holder)
     deadline = None if timeout is None else time.monotonic() + timeout
     if self.quota is not None and isinstance(holder, str):
       with self._lock:
@@ -486,33 +490,48 @@ class Leases:
     parts, total = self._arena_parts()
     return self.allocator.size - total + (parts[t.name][0] if t.name in parts else 0)
 
-  def _never_fits(self, nbytes: int, holder: Hashable = None) -> None:
+  def tenant_limited(self, holder: Hashable) -> bool:
+    """Whether ``holder`` is a pool tenant's, whose arena the pool file divides."""
+    return self._tenant(holder) is not None
+
+  def never_fits(self, nbytes: int, holder: Hashable = None) -> errors.ResourceExhaustedError:
+    """The error of a block of ``nbytes`` that ``holder`` can never get (``fits`` said so):
+    what it passes (the arena, a tenant's part, a session's quota) and the fix."""
     fmt = shm.format_size
     if not self.allocator.fits(nbytes):
-      raise errors.ResourceExhaustedError(
+      return errors.ResourceExhaustedError(
           f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit an arena of "
-          f"{fmt(self.allocator.size)}; raise --shm-size")
+          f"{fmt(self.allocator.size)}; raise --shm-size to {self.shm_size_for(nbytes)} at "
+          f"least (LocalCluster's shm_size=\"{self.shm_size_for(nbytes)}\")")
     t = self._tenant(holder)
     ceiling = None if t is None else self._part(t)[1]
     if t is not None and nbytes > (open_to := self._open_to(t)) and (
         ceiling is None or nbytes <= ceiling):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
-      raise errors.ResourceExhaustedError(
+      return errors.ResourceExhaustedError(
           f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) can never fit: the "
           f"other tenants' guaranteed arena leaves it {fmt(open_to)} of "
           f"{fmt(self.allocator.size)} ({where}); use smaller arrays, or lower the others' "
           "guaranteed arena in the pool file")
     if t is not None and ceiling is not None and nbytes > ceiling:
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
-      raise errors.ResourceExhaustedError(
+      return errors.ResourceExhaustedError(
           f"tenant {t.name!r}: a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit its "
           f"quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling)}, {where}); "
           "raise its "
           "arena_ceiling in the pool file, or use smaller arrays")
-    raise errors.ResourceExhaustedError(
+    return errors.ResourceExhaustedError(
         f"a block of {fmt(nbytes)} ({nbytes} bytes) cannot fit a worker session's quota of "
         f"{fmt(self.quota or 0)} (of an arena of {fmt(self.allocator.size)}: sidecar serve "
-        f"{QUOTA_FLAG}); raise the quota or --shm-size")
+        f"{QUOTA_FLAG}); raise the quota"
+        + (f", or --shm-size to {self.shm_size_for(nbytes, holder)} at least (LocalCluster's "
+           f"shm_size=\"{self.shm_size_for(nbytes, holder)}\")" if self.quota_share else ""))
+
+  def shm_size_for(self, nbytes: int, holder: Hashable = None) -> str:
+    """The --shm-size whose arena would give ``holder`` (a worker session: within its
+    quota, where that is a share of the arena) ``nbytes`` at once."""
+    share = self.quota_share if isinstance(holder, str) and self.quota is not None else None
+    return shm.shm_size_of(-(-nbytes // shm.ALIGN) * shm.ALIGN / (share or 1.0))
 
   def _past_quota(self, nbytes: int, holder: str) -> errors.ResourceExhaustedError:
     fmt, a = shm.format_size, self.allocator

@@ -255,6 +255,8 @@ class Server:
     named = bool(o.client_tokens) or o.pool is not None  # each tenant its own checkpoints
     self.leases = Leases(self.arenas,
                          quota=options_lib.quota_bytes(o.session_quota, self.arenas.size),
+                         quota_share=(o.session_quota if isinstance(o.session_quota, float)
+                                      else None),
                          tenancy=self.tenancy, tenant_of=self.tenancy.of_worker,
                          metrics=self.metrics,  # durable RAM-tier copies give way to new work:
                          reclaim=lambda n, tenant: self.checkpoints.reclaim(n, tenant),

@@ -10,6 +10,7 @@ carries a ``FeedSpec``: its batches are written straight into arena blocks
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -151,7 +152,9 @@ class StreamRunner:
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
                             turns=turns, alive=alive)
 
-    batches = producer.produce(entry, kwargs, spec, blocks.alloc, pool)
+    check = functools.partial(blocks.check_batch, name=request.name,
+                              prefetch=credits.prefetch)
+    batches = producer.produce(entry, kwargs, spec, blocks.alloc, pool, check)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(

@@ -56,6 +56,12 @@ __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "Save
            "replica_hosts"]
 
 log = logging.getLogger(__name__)
+# The steps a Checkpointer of this process is saving, by (directory, step), until durable
+# or failed: a second Checkpointer of the directory (of one Controller, whose sidecar
+# session is the same) must not begin the step meanwhile, as the sidecar cannot tell it
+# from a retry. Checked in single-process jobs (where no other process waits to agree).
+_SAVING: dict[tuple[str, int], Checkpointer] = {}
+_SAVING_LOCK = threading.Lock()
 
 
 class Checkpointer:
@@ -169,7 +175,13 @@ class Checkpointer:
       self._saving.add(step)
     t0 = time.perf_counter()
     try:
-      handle = self._save(step, tree, data_state)
+      release = self._reserve(step)
+      try:
+        handle = self._save(step, tree, data_state)
+      except BaseException:
+        release(None)
+        raise
+      handle.durable.add_done_callback(release)
     finally:
       with self._saving_lock:
         self._saving.discard(step)
@@ -178,6 +190,29 @@ class Checkpointer:
           and handle.staged.result() is None
       self._goodput.saved(None if skipped else step, time.perf_counter() - t0)
     return handle
+
+  def _reserve(self, step: int) -> Callable[[Any], None]:
+    """Marks ``step`` of this directory as being saved by this Checkpointer in this
+    process (in a single-process job) until the returned callable runs; raises
+    PermissionDeniedError while another Checkpointer of this process saves it."""
+    key = (self.directory, step)
+    if self._peers.count != 1:
+      return lambda _: None
+    with _SAVING_LOCK:
+      other = _SAVING.get(key)
+      if other is not None and other is not self:
+        raise errors.PermissionDeniedError(
+            f"step {step} of {self.directory!r:.200} is being saved by another checkpointer "
+            f"of this directory in the same process: another save of step {step} into this "
+            "directory is in flight; wait for that save to end (its handle's durable), or "
+            "save each step from one checkpointer")
+      _SAVING[key] = self
+
+    def release(_: Any) -> None:
+      with _SAVING_LOCK:
+        if _SAVING.get(key) is self:
+          del _SAVING[key]
+    return release
 
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:
     previous = self._in_flight

@@ -347,9 +347,10 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Open", request, lambda r: list(r.steps))
 
   def begin(self, host, directory, step, *, format):
-    return self._rpc(host, "Begin", ckpt_pb.CheckpointBeginRequest(directory=directory,
-                                                                   step=step, format=format),
-                     lambda r: r.tmp_directory)
+    w = self._worker(host)  # the save is in flight there while this worker is attached
+    return self._rpc(host, "Begin", ckpt_pb.CheckpointBeginRequest(
+        directory=directory, step=step, format=format,
+        worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
             writers=1, part=None):

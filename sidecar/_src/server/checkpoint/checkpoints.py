@@ -159,6 +159,7 @@ class Checkpoints:
   def _reap(self) -> None:
     while not self._closed.wait(min(max(self.tier.uncommitted_s / 4, 0.1), 30.0)):
       self.tier.expire_uncommitted()
+      self.writer.forget_ended()
 
   # ---- who may act where, and commits -----------------------------------
 

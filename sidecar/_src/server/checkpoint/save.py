@@ -13,6 +13,7 @@ checkpoint wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -20,6 +21,7 @@ import pathlib
 import queue
 import shutil
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +44,21 @@ log = logging.getLogger(__name__)
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
 DELETING = ".sidecar-deleting-"  # a step being deleted: ``.<step>.sidecar-deleting-<id>``
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Begun:
+  """A save that a Begin started here: in flight (no other session begins its step, no
+  open's sweep removes its directory) until committed or aborted, while its trainer is
+  there (``alive``: its worker is attached), as long as it stages (its first part within
+  ``STAGE_TIMEOUT_S``, then until its step is written and committed)."""
+  owner: str  # the handshake session that began it
+  step: int
+  tmp: pathlib.Path  # its uncommitted step directory (resolved)
+  # Whether the trainer that began it is there; None: not known (no worker of it here),
+  # and then only its staging in progress keeps it in flight (as before Begin was recorded).
+  alive: Callable[[], bool] | None
+  at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class StepWriter:
@@ -70,6 +87,10 @@ class StepWriter:
     self._metrics = metrics
     self._formats = formats
     self._write_turn = write_turn
+    # The saves begun here, by uncommitted step directory; one Begin at a time checks and
+    # records them (``_begin_lock``), so two Begins of one step never both pass.
+    self._begun: dict[pathlib.Path, Begun] = {}
+    self._begin_lock = threading.Lock()
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
            sweep: bool = True) -> list[int]:
@@ -101,6 +122,7 @@ class StepWriter:
       with self._tier.lock:
         in_flight = any(s.directory == directory and not s.done.is_set()
                         for s in self._tier.steps.values())
+      in_flight = in_flight or self._in_flight_at(pathlib.Path(os.path.realpath(tmp)))
       if not in_flight:  # a step whose save crashed before its commit
         shutil.rmtree(tmp, ignore_errors=True)
         log.warning("removed %s, left by a save that never committed", tmp)
@@ -112,32 +134,91 @@ class StepWriter:
             if formats_lib.is_checkpoint(path / str(s), self._formats)]
 
   def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
-            owner: str = "") -> str:
+            owner: str = "", alive: Callable[[], bool] | None = None) -> str:
     """Creates the step's uncommitted directory (anew), as its format (a registered name,
     ``Format.name``; the wire's Begin always names one) names it: "orbax":
     ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
     (a committed checkpoint at ``directory`` is replaced at the commit, as DCP overwrites).
-    Refused while another save of the step is being staged or written, by another session
-    or another checkpointer of this one (it would remove that save's files)."""
+    Refused while another save of the step is in flight (it would remove that save's
+    files): another session's from its Begin on (``Begun``), until it is committed or
+    aborted or its trainer is gone (``alive``: whether the worker of the session
+    ``owner`` is attached; None: not known); another checkpointer's of this session once
+    it staged."""
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
+    with self._begin_lock:
+      self._refuse_busy(directory, step, fmt.name, tmp, owner)
+      self._begun[tmp] = Begun(owner, step, tmp, alive)
+    try:
+      return str(fmt.create_tmp(directory, step))
+    except BaseException:
+      with self._begin_lock:
+        if self._begun.get(tmp) is not None and self._begun[tmp].owner == owner:
+          del self._begun[tmp]
+      raise
+
+  def _refuse_busy(self, directory: str, step: int, fmt: str, tmp: pathlib.Path,
+                   owner: str) -> None:
+    """PermissionDeniedError if a save of the step whose directory is ``tmp`` is in flight
+    that a Begin by ``owner`` would break; forgets the begun saves that ended."""
     # This session's own save is in flight until committed or aborted (a second
-    # checkpointer of the directory); another session's, while written (one that died
-    # after its write must not keep a relaunched job from saving the step).
+    # checkpointer of the directory), once staged: before, its Begin again is a retry.
+    # Another session's, from its Begin on, while its trainer is there (one that died
+    # must not keep a relaunched job from saving the step).
+    for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
+      del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
+    other = self._begun.get(tmp)
     with self._tier.lock:
       busy = [s for s in self._tier.steps.values()
-              if s.format == fmt.name and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
+              if s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
               and (not s.done.is_set() or (owner in s.owners and not s.committed
                                            and s.error is None))]
-    if busy:
-      by = ("another session (another process)" if owner not in busy[0].owners else
+    another = "another session (another trainer process or Controller)"
+    if other is not None and other.owner != owner:
+      by = another
+    elif busy:
+      by = (another if owner not in busy[0].owners else
             "another checkpointer of this directory in the same process")
-      raise errors.PermissionDeniedError(
-          f"begin: step {step} of {directory!r:.200} is being saved by {by} on host "
-          f"{self._host_id}: another save of step {step} into this directory is in flight; "
-          "wait for that save to end, or save each step from one checkpointer")
-    return str(fmt.create_tmp(directory, step))
+    else:
+      return
+    raise errors.PermissionDeniedError(
+        f"begin: step {step} of {directory!r:.200} is being saved by {by} on host "
+        f"{self._host_id}: another save of step {step} into this directory is in flight; "
+        "wait for that save to end, or save each step from one checkpointer")
+
+  def _in_flight(self, begun: Begun) -> bool:
+    """Whether the save ``begun`` may still stage, write or commit: its trainer is there,
+    and it staged within ``STAGE_TIMEOUT_S`` of its Begin and its step is not committed,
+    failed nor dropped since (where its trainer is not known, while being written)."""
+    if begun.alive is not None and not begun.alive():
+      return False
+    with self._tier.lock:
+      mine = [s for s in self._tier.steps.values() if s.started >= begun.at
+              and s.step == begun.step and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp)]
+    if not mine:
+      return time.monotonic() - begun.at < STAGE_TIMEOUT_S
+    return any(not s.done.is_set() or (begun.alive is not None and not s.committed
+                                       and s.error is None) for s in mine)
+
+  def forget_ended(self) -> None:
+    """Forgets the begun saves that are no longer in flight (their trainers gone)."""
+    with self._begin_lock:
+      for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
+        del self._begun[gone.tmp]
+
+  def _in_flight_at(self, tmp: pathlib.Path) -> bool:
+    """Whether a save begun here into ``tmp`` (resolved) is in flight, whoever began it."""
+    with self._begin_lock:
+      begun = self._begun.get(tmp)
+      return begun is not None and self._in_flight(begun)
+
+  def _ended(self, path: pathlib.Path) -> None:
+    """Forgets the begun saves of the uncommitted directory ``path`` is, or lies in or
+    holds (a commit's or an abort's)."""
+    with self._begin_lock:
+      for tmp in [t for t in self._begun if path.is_relative_to(t) or t.is_relative_to(path)]:
+        del self._begun[tmp]
 
   def tmp_of(self, directory: str, step: int, format: str = formats_lib.ORBAX) -> str:  # noqa: A002
     """Where :meth:`begin` makes the step's uncommitted directory (resolved), if it lies
@@ -374,6 +455,7 @@ class StepWriter:
                            swapping=lambda: faults.fault("swap", step))
     if fmt.commit_part is not None:  # kept in host memory (a DCP step's): info() answers it,
       record.manifest = manifest     # the trainer tells the other RAM tiers (built once)
+    self._ended(pathlib.Path(tmp_dir))
     return committed
 
   def abort(self, tmp_dir: str, final_dir: str) -> None:
@@ -408,6 +490,7 @@ class StepWriter:
       record.whole.set()
       record.done.wait(60)
       record.shards.clear()  # the staged blocks go back to the arena
+    self._ended(pathlib.Path(path))
     shutil.rmtree(path, ignore_errors=True)
 
   def delete(self, directory: str, step: int) -> None:

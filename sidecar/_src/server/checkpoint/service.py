@@ -282,9 +282,13 @@ class CheckpointService:
       self._host.check_client(
           client, self._host.writer.tmp_of(r.directory, _step(r.step), r.format),
           "the step's uncommitted directory")
+    # The save is in flight while the trainer that began it is there: its worker's
+    # connection closes as its process dies.
+    worker = r.worker_session
+    alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     return ckpt_pb.CheckpointBeginResponse(
         tmp_directory=self._host.writer.begin(r.directory, _step(r.step), r.format,
-                                              _session(context)))
+                                              _session(context), alive=alive))
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
 
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+# Told a batch's block sizes once the first element gave them; raises where one batch can
+# never fit (``arena_io.BatchBlocks.check_batch``).
+Check = Callable[[list[int]], None]
 # A grain.MapDataset. Grain (which brings JAX, Orbax and TensorStore) is never imported
 # here: a pipeline that returns one has imported it, and a sidecar that serves none
 # starts without it.
@@ -140,9 +144,10 @@ class Batch:
 class Batcher:
   """Writes elements into per-range, per-leaf output arrays of one batch."""
 
-  def __init__(self, spec: Spec, alloc: Alloc, name: str):
+  def __init__(self, spec: Spec, alloc: Alloc, name: str, check: Check | None = None):
     self._spec = spec
     self._alloc = alloc
+    self._check = check
     self._name = name
     self._treedef: trees.TreeDef | None = None
     self._structure: pb.Value | None = None
@@ -171,6 +176,9 @@ class Batcher:
       a = np.asarray(leaf)
       codec.dtype_of(a.dtype.name, f"{where}{trees.keystr(path)}")
       self._leaf_specs.append((a.shape, a.dtype))
+    if self._check is not None:  # before any block of a batch that can never fit
+      self._check([(b - a) * math.prod(shape) * dtype.itemsize
+                   for shape, dtype in self._leaf_specs for a, b in self._spec.ranges])
     self._treedef = treedef
 
   @property
@@ -309,25 +317,26 @@ def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec) -> int | None:
 
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
-            pool: Callable[[], Any] | None = None
+            pool: Callable[[], Any] | None = None, check: Check | None = None
             ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
   """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
   With ``spec.workers``, ``pool()`` makes the worker processes that fill batches.
+  ``check`` is told a batch's block sizes once known, before any is allocated.
   """
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
                       int(spec.start.get("position", 0)))
   if _is_map_dataset(first):
     if spec.workers:
-      yield from _from_map_pool(first, entry.name, spec, alloc, pool)
+      yield from _from_map_pool(first, entry.name, spec, alloc, pool, check)
     else:
-      yield from _from_map(first, entry.name, spec, alloc)
+      yield from _from_map(first, entry.name, spec, alloc, check)
   elif spec.workers:
     raise errors.InvalidArgumentError(
         f"pipeline {entry.name!r} returns a plain iterable; workers=N needs random access: "
         "return a grain.MapDataset, or use workers=0")
   else:
-    yield from _from_iterable(first, entry, kwargs, spec, alloc)
+    yield from _from_iterable(first, entry, kwargs, spec, alloc, check)
 
 
 def _check_kind(spec: Spec, kind: str, name: str) -> None:
@@ -346,9 +355,9 @@ def _check_map(ds: MapDataset, name: str, spec: Spec) -> None:
         f"pipeline {name!r}")
 
 
-def _from_map(ds: MapDataset, name: str, spec: Spec, alloc: Alloc):
+def _from_map(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, check: Check | None = None):
   _check_map(ds, name, spec)
-  batcher, order = Batcher(spec, alloc, name), Order(ds, spec.seed)
+  batcher, order = Batcher(spec, alloc, name, check), Order(ds, spec.seed)
   # The layout from one element, so that every batch's blocks are allocated before its rows
   # are read: one that cannot fit the arena fails at once, not after reading all of them.
   batcher.learn(ds[0])
@@ -359,10 +368,11 @@ def _from_map(ds: MapDataset, name: str, spec: Spec, alloc: Alloc):
     yield batcher.batch(out), state, time.perf_counter() - t0
 
 
-def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
+def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool,
+                   check: Check | None = None):
   """As ``_from_map``, with batches filled by worker processes, in order."""
   _check_map(ds, name, spec)
-  batcher = Batcher(spec, alloc, name)
+  batcher = Batcher(spec, alloc, name, check)
   steps = map_steps(len(ds), spec)
   first = next(steps, None)
   if first is None:
@@ -389,10 +399,10 @@ def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool):
 
 
 def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,
-                   alloc: Alloc):
+                   alloc: Alloc, check: Check | None = None):
   _check_kind(spec, "iter", entry.name)
   epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
-  batcher = Batcher(spec, alloc, entry.name)
+  batcher = Batcher(spec, alloc, entry.name, check)
   spare = None  # the blocks of a batch an epoch's end left unfilled: the next one's
   while spec.num_epochs is None or epoch < spec.num_epochs:
     batches = 0

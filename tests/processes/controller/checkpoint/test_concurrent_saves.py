@@ -45,8 +45,113 @@ def test_two_checkpointers_saving_one_step_in_one_directory_name_the_save_in_fli
       assert first.staged.result(60) == 1
       with pytest.raises(sidecar.PermissionDeniedError,
                          match="step 1 of .* is being saved by another checkpointer of this "
-                               "directory in the same process on host 0: another save of step "
-                               "1 into this directory is in flight; wait for that save to end, "
-                               "or save each step from one checkpointer"):
+                               "directory in the same process( on host 0)?: another save of "
+                               "step 1 into this directory is in flight; wait for that save to "
+                               "end"):
         b.save(1, state).durable.result(60)
       assert first.durable.result(60) == 1 and a.all_steps() == [1]
+
+
+# A trainer of its own job (its own process, session and worker) whose save of step 1 stops
+# at HOLD (the client's first stage: Begin is done, nothing staged; or its commit: every
+# part staged and written) until the file GO exists.
+FIRST = """
+    import os, sys, time, numpy as np
+    import sidecar
+    from sidecar._src.controller.checkpoint import client as client_lib
+    real = getattr(client_lib.CheckpointClient, {hold!r})
+
+    def held(self, *args, **kwargs):
+      open({held!r}, "w").close()
+      while not os.path.exists({go!r}):
+        time.sleep(0.02)
+      return real(self, *args, **kwargs)
+    setattr(client_lib.CheckpointClient, {hold!r}, held)
+    with sidecar.jax.Controller({addresses!r}) as ctl, ctl.checkpointer({directory!r}) as ckpt:
+      print("DURABLE", ckpt.save(1, {{"w": np.full(1 << 16, 1.0, np.float32)}}).durable.result(),
+            flush=True)
+"""
+REFUSED = (r"begin: step 1 of '.*ck' is being saved by another session \(another trainer "
+           r"process or Controller\) on host 0: another save of step 1 into this directory is "
+           r"in flight; wait for that save to end, or save each step from one checkpointer")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("hold", ["stage", "commit"], ids=["begun", "staged"])
+@pytest.mark.parametrize("first_ends", ["commits", "is-killed"])
+def test_another_trainers_save_of_a_step_is_refused_from_its_begin_until_it_ends(
+    tmp_path, hold, first_ends):
+  # Issue 55 item 6: a second job's Begin of the step between the first's Begin and its
+  # first Stage (or its open's sweep) removed the first's tmp directory; it is refused
+  # from the first's Begin on, until the first commits, or its process dies.
+  import os
+  import subprocess
+  import sys
+  import textwrap
+
+  from tests.conftest import eventually
+  from tests.support.paths import ROOT
+  directory, go, held = tmp_path / "ck", tmp_path / "go", tmp_path / "held"
+  mine = {"w": np.full(1 << 16, 2.0, np.float32)}
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB") as c:
+    code = FIRST.format(hold=hold, held=str(held), go=str(go), addresses=c.addresses,
+                        directory=str(directory))
+    first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    try:
+      assert eventually(held.exists, timeout=120), first.stdout.read() if first.poll() else ""
+      with c.controller() as ctl:
+        with ctl.checkpointer(directory) as ckpt:  # its open sweeps no tmp directory in flight
+          with pytest.raises(sidecar.PermissionDeniedError, match=REFUSED):
+            ckpt.save(1, mine).durable.result(60)
+          assert (directory / "1.orbax-checkpoint-tmp").is_dir()
+        if first_ends == "commits":
+          go.touch()
+          assert "DURABLE 1" in first.communicate(timeout=120)[0]
+          expected = np.full(1 << 16, 1.0, np.float32)  # the first's, whole
+        else:
+          first.kill()
+          first.wait()
+          # Its worker's connection closed: the sidecar lets its save go.
+          assert eventually(lambda: ctl.status()[0].workers == 1, timeout=30)
+          with ctl.checkpointer(directory) as ckpt:
+            assert ckpt.save(1, mine).durable.result(60) == 1
+          expected = mine["w"]
+        with ctl.checkpointer(directory) as ckpt:
+          assert ckpt.all_steps() == [1]
+          restored = ckpt.restore(1, target={"w": np.zeros(1 << 16, np.float32)})
+          np.testing.assert_array_equal(restored["w"], expected)
+    finally:
+      if first.poll() is None:
+        first.kill()
+      first.communicate()
+
+
+def test_a_second_checkpointer_of_the_process_is_refused_between_the_firsts_begin_and_stage(
+    tmp_path, monkeypatch):
+  # Issue 55 item 6: one Controller's session is both checkpointers': the sidecar cannot
+  # tell the second's Begin from a retry of the first's, so this process refuses it.
+  from sidecar._src.controller.checkpoint import client as client_lib
+  begun, go = threading.Event(), threading.Event()
+  real = client_lib.CheckpointClient.stage
+
+  def held(self, *args, **kwargs):
+    begun.set()
+    assert go.wait(60)
+    return real(self, *args, **kwargs)
+  monkeypatch.setattr(client_lib.CheckpointClient, "stage", held)
+  state = {"w": np.full(1 << 16, 1.0, np.float32)}
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB") as c:
+    with c.controller() as ctl, ctl.checkpointer(tmp_path) as a, \
+        ctl.checkpointer(tmp_path) as b:
+      first = a.save(1, state)
+      assert begun.wait(60)  # a's Begin is done, nothing of it staged
+      with pytest.raises(sidecar.PermissionDeniedError,
+                         match="step 1 of .* is being saved by another checkpointer of this "
+                               "directory in the same process: another save of step 1 into "
+                               "this directory is in flight"):
+        b.save(1, {"w": np.zeros(1 << 16, np.float32)})
+      go.set()
+      assert first.durable.result(60) == 1
+      np.testing.assert_array_equal(a.restore(1, target=state)["w"], state["w"])

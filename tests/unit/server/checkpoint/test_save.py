@@ -177,3 +177,40 @@ def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tm
   with pytest.raises(errors.InvalidArgumentError, match=r"format must be one of the registered "
                      rf"formats {NAMES}, got 'safetensors'"):
     writer.begin(directory, 9, format="safetensors", owner="a")
+
+
+def test_another_sessions_begin_is_refused_from_the_firsts_begin_while_its_trainer_is_there(
+    make_writer, tmp_path):
+  # Issue 55 item 6: between a Begin and its first Stage nothing of the save was recorded,
+  # and another session's Begin (or an open's sweep) made the step's directory anew.
+  writer, _ = make_writer(Recording())
+  there = [True]
+  directory = str(tmp_path / "ck")
+  writer.open(directory)
+  tmp = writer.begin(directory, 2, owner="a", alive=lambda: there[0])
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"begin: step 2 of '.*ck' is being saved by another session \(another "
+                           r"trainer process or Controller\) on host 0: another save of step 2 "
+                           r"into this directory is in flight"):
+    writer.begin(directory, 2, owner="b", alive=lambda: True)
+  assert writer.open(directory) == [] and os.path.isdir(tmp)  # no sweep of it either
+  assert writer.begin(directory, 2, owner="a", alive=lambda: there[0]) == tmp  # a retry
+  there[0] = False  # its worker's connection closed: its process died
+  assert writer.begin(directory, 2, owner="b", alive=lambda: True) == tmp
+  writer.abort(tmp, str(tmp_path / "ck" / "2" / spec_lib.ITEM))  # ends b's save
+  assert writer.begin(directory, 2, owner="c") == tmp
+
+
+def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goes(
+    make_writer, tmp_path, monkeypatch):
+  writer, _ = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 3)  # its trainer's liveness not known
+  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
+                                                     shard(1, ((0, 3),), 1)], owner="a")
+  sums = writer.prepared(final, timeout=30)
+  writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a")
+  with pytest.raises(FileExistsError, match="step 3 is already committed"):
+    writer.begin(directory, 3, owner="b")  # not refused as in flight: it ended
+  monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
+  writer.begin(directory, 4, owner="a", alive=lambda: True)
+  writer.begin(directory, 4, owner="b", alive=lambda: True)

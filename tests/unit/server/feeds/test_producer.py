@@ -105,3 +105,23 @@ def test_a_container_the_codec_cannot_carry_is_invalid_argument_naming_its_path(
   with pytest.raises(sidecar.InvalidArgumentError,
                      match=r"pipeline 'p': element\['x'\]\[0\].*dtype"):
     run([{"x": [object()]} for i in range(8)])
+
+
+def test_the_check_is_told_each_blocks_bytes_before_any_block_is_allocated():
+  # Issue 55 item 5: a batch whose blocks can never fit together is refused before any is.
+  told, allocs = [], []
+
+  def check(sizes):
+    told.append(sizes)
+    raise sidecar.ResourceExhaustedError("never fits")
+
+  def pipeline(ctx):
+    return iter([{"x": np.zeros(3, np.float32), "id": np.int64(i)} for i in range(8)])
+  spec = producer.Spec(global_batch_size=5, ranges=((0, 2), (3, 5)), seed=0, num_epochs=1,
+                       shard_index=0, shard_count=1, start={}, workers=0)
+  entry = registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
+                             signature=None)
+  alloc = lambda shape, dtype: allocs.append(shape) or np.zeros(shape, dtype)
+  with pytest.raises(sidecar.ResourceExhaustedError, match="never fits"):
+    next(producer.produce(entry, {}, spec, alloc, check=check))
+  assert told == [[2 * 8, 2 * 8, 2 * 12, 2 * 12]] and allocs == []  # id, x; each range
