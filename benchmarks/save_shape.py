@@ -18,9 +18,10 @@ Per path it prints:
   sidecar's (``server/``), the trainer's (``controller/``, ``jax/``, ``torch/``,
   ``arena/``, ``streams/``) and the shared lower layers (``core/``, ``wire/``,
   ``ckptfmt/``); a shared file counts once.
-- trainer threads: the distinct threads that ran trainer-side code (``controller/``,
-  ``jax/``, ``torch/``, ``arena/worker.py``) during the save, by name (gRPC's callback
-  threads included where a future's callback runs trainer code).
+- trainer threads: the distinct threads that ran the checkpoint core
+  (``controller/checkpoint/``) or a framework's adapter (``jax/``, ``torch/``) during the
+  save, by name: the caller's, a finisher, a stager, DCP's executor; gRPC's own threads,
+  which run the trainer's future callbacks, are counted apart.
 
 And once: ``isinstance`` checks on a plug (``Agreement``, ``KeyValueAgreement``,
 ``DcpAgreement``, ``Framework``, ``Coordination`` and their subclasses, grepped in
@@ -63,6 +64,7 @@ FORMS: list[tuple[str, str, str]] = [
 ]
 
 TRAINER = ("controller/", "jax/", "torch/", "arena/worker.py")
+SAVING = ("controller/checkpoint/", "jax/", "torch/")  # a thread of a save runs these
 PLUGS = ("Agreement", "KeyValueAgreement", "DcpAgreement", "Framework", "JaxFramework",
          "TorchFramework", "Coordination", "PeersCoordination", "DcpCoordination")
 
@@ -96,7 +98,6 @@ class Trace:
     self.files: set[str] = set()
     self.threads: dict[tuple[int, str], set[str]] = {}  # (ident, name): trainer files run
     self.server_threads: set[tuple[int, str]] = set()  # threads that ran the sidecar's code
-    self.before: set[tuple[int, str]] = set()  # threads alive when the save began
     self._on = False
     self._src = str(SRC) + os.sep
 
@@ -123,7 +124,6 @@ class Trace:
   def __enter__(self) -> Trace:
     self.files.clear()
     self.threads.clear()
-    self.before = {(t.ident or 0, t.name) for t in threading.enumerate()}
     self._on = True
     return self
 
@@ -141,18 +141,15 @@ def report(path: str, trace: Trace) -> None:
         f"(sidecar {by['sidecar']}, trainer {by['trainer']}, shared {by['shared']})")
   for f in sorted(trace.files):
     print(f"    {f}")
-  # The in-process sidecars' threads run arena/ code too; gRPC's own threads run the
-  # trainer's future callbacks (named "Thread-N (_run)"): counted apart.
+  # A save's threads: those that ran the checkpoint core or a framework's adapter during
+  # it (the in-process sidecars' threads and gRPC's own, which run the trainer's future
+  # callbacks, "Thread-N (_run)", counted apart; a Worker's releaser runs arena/ only).
   ours = {k: v for k, v in trace.threads.items() if k not in trace.server_threads}
   grpc = {k: v for k, v in ours.items() if k[1].endswith("(_run)")}
-  ours = {k: v for k, v in ours.items() if k not in grpc}
-  # Per save: the caller, and the threads started during the save; those alive before
-  # (a Worker's releaser, the process's one stager) are listed apart.
-  kept = {k: v for k, v in ours.items() if k in trace.before and k[1] != "MainThread"}
-  ours = {k: v for k, v in ours.items() if k not in kept}
-  print(f"  trainer threads per save: {len(ours)} (each with the trainer files it ran); "
-        f"also {len(kept)} that outlive saves ({', '.join(sorted(k[1] for k in kept))}) and "
-        f"{len(grpc)} of gRPC's running trainer callbacks")
+  ours = {k: v for k, v in ours.items() if k not in grpc
+          and any(f.startswith(SAVING) for f in v)}
+  print(f"  trainer threads per save: {len(ours)} (each with the trainer files it ran; "
+        f"{len(grpc)} of gRPC's ran trainer callbacks)")
   for (_, name), files in sorted(ours.items(), key=lambda kv: kv[0][1]):
     print(f"    {name}: {', '.join(sorted(files))}")
 

@@ -105,13 +105,13 @@ class Sink(abc.ABC):
 
 
 class Lots(Sink):
-  """A save's staged shards, handed to its finisher through ``parts`` in :class:`Part`s
-  of about ``STAGE_LOT_BYTES`` per host, in order; a host's last part goes with its last
-  shard (:meth:`expect` counted them), no later. An exception put there aborts the
-  save."""
+  """A save's staged shards, handed on through ``put`` in :class:`Part`s of about
+  ``STAGE_LOT_BYTES`` per host, in order (to a finisher's queue, or straight to the
+  sidecars: ``save_protocol.Sends.put``); a host's last part goes with its last shard
+  (:meth:`expect` counted them), no later. An exception put there aborts the save."""
 
-  def __init__(self, hosts: Sequence[int], parts: queue.SimpleQueue):
-    self.parts = parts
+  def __init__(self, hosts: Sequence[int], put: Callable[[Part | BaseException], None]):
+    self.put = put
     self.stager: threading.Event | None = None  # set once the stager copied the late shards
     self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
     self._bytes = dict.fromkeys(hosts, 0)
@@ -127,20 +127,20 @@ class Lots(Sink):
     self._bytes[host] += view.nbytes
     self._left[host] -= 1
     if self._left[host] == 0:  # its last shard: its last part, without waiting for the others'
-      self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
+      self.put(Part(host, tuple(self._pending.pop(host)), True))
     elif self._bytes[host] >= STAGE_LOT_BYTES:
-      self.parts.put(Part(host, tuple(self._pending[host]), False))
+      self.put(Part(host, tuple(self._pending[host]), False))
       self._pending[host], self._bytes[host] = [], 0
 
   def close(self) -> None:
     """The last part of every host still without one: the save is staged."""
     for host in list(self._pending):
-      self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
+      self.put(Part(host, tuple(self._pending.pop(host)), True))
 
   def fail(self, error: BaseException) -> None:
     """Aborts the save: the finisher raises ``error`` where it waits for a part."""
     self._pending.clear()
-    self.parts.put(error)
+    self.put(error)
 
 
 def allocate(empty_like: Callable[[int, list], list], copies: list[ShardCopy],
