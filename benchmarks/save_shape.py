@@ -55,6 +55,8 @@ FORMS: list[tuple[str, str, str]] = [
     ("(ShardId, Any) of Numbering.take", r"def take\(self.*ShardId, Any",
      "ckptfmt/format.py: the format's numbering"),
     ("(rank, StagedShard)", r"tuple\[int, StagedShard\]", "ckptfmt/dcp: DCP's numbered item"),
+    ("NumberedShard", r"^class NumberedShard\b",
+     "ckptfmt/records.py: what every format's numbering returns (DCP's rank a field)"),
     ("(ShardId, ndarray) in replication", r"tuple\[ShardId, np\.ndarray\]",
      "server/checkpoint/replication.py"),
     ("(Index, ndarray)", r"tuple\[Index, np\.ndarray\]", "ckptfmt/orbax/write.py"),
