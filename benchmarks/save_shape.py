@@ -50,7 +50,7 @@ SRC = ROOT / "sidecar" / "_src"
 FORMS: list[tuple[str, str, str]] = [
     ("SaveShard", r"^class SaveShard\b", "controller/framework.py: a framework's shard"),
     ("ShardCopy", r"^class ShardCopy\b", "controller/checkpoint/staging.py: the copy's plan"),
-    ("StagedShard", r"^class StagedShard\b", "ckptfmt/records.py: a shard in a staging.Part"),
+    ("StagedShard", r"^class StagedShard\b", "ckptfmt/records.py: a shard in a staging.Lot"),
     ("pb.StagedShard", r"^message StagedShard\b", "protos: the wire message"),
     ("(ShardId, Any) of Numbering.take", r"def take\(self.*ShardId, Any",
      "ckptfmt/format.py: the format's numbering"),

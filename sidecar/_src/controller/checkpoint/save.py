@@ -82,17 +82,17 @@ class SaveCoordinator:
     run = self.run(target, ending)
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
-    parts: queue.SimpleQueue = queue.SimpleQueue()
-    lots = Lots(self.local, parts.put)
+    staged: queue.SimpleQueue = queue.SimpleQueue()  # the lots, as copied
+    lots = Lots(self.local, staged.put)
     try:
       specs, copies = self._plan(tree)
       need = self._check_fits(copies)
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
-        parts.put(e)
-        self._start_finisher(run, lots, parts, [], data_state_json).join()
+        staged.put(e)
+        self._start_finisher(run, lots, staged, [], data_state_json).join()
       raise
-    finisher = self._start_finisher(run, lots, parts, specs, data_state_json)
+    finisher = self._start_finisher(run, lots, staged, specs, data_state_json)
     try:
       self._allocate(copies, need)
     except BaseException as e:
@@ -102,7 +102,7 @@ class SaveCoordinator:
       raise
     try:
       lots.stager = copy_in(copies, lots)
-    except BaseException:  # copy_in failed the parts: the save is aborted
+    except BaseException:  # copy_in failed the lots: the save is aborted
       finisher.join()
       raise
     # The finisher joins the stager, if any.
@@ -174,24 +174,24 @@ class SaveCoordinator:
           + ", plus the bytes of the batches your feeds prefetch")
     return need
 
-  def _start_finisher(self, run: SaveRun, lots: Lots, parts: queue.SimpleQueue,
+  def _start_finisher(self, run: SaveRun, lots: Lots, staged: queue.SimpleQueue,
                       leaves: list, data_json: str) -> threading.Thread:
     finisher = threading.Thread(target=self._finish,
-                                args=(run, lots, parts, leaves, data_json),
+                                args=(run, lots, staged, leaves, data_json),
                                 daemon=True, name=f"sidecar-save-{run.step}")
     self.finishers = [t for t in self.finishers if t.is_alive()] + [finisher]
     finisher.start()
     return finisher
 
-  def _finish(self, run: SaveRun, lots: Lots, parts: queue.SimpleQueue,
+  def _finish(self, run: SaveRun, lots: Lots, staged: queue.SimpleQueue,
               leaves: list[spec_lib.LeafSpec], data_json: str) -> None:
-    """The finisher: begins the step, stages this process's parts, finishes the run
+    """The finisher: begins the step, stages this process's lots, finishes the run
     with the others (commit or abort), then ends it (``durable``, ``replicated``)."""
     try:
       error: BaseException | None = None
       try:
         run.begin()
-        run.stage(parts, leaves=leaves)
+        run.stage(staged, leaves=leaves)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
       try:

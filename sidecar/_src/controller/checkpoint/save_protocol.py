@@ -1,7 +1,7 @@
 """The save protocol's calls on the sidecars, once for every framework and format.
 
 :class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
-phase, each on the hosts it is given: begin (the tmp directory), stage a host's parts
+phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
 (:class:`Sends`), prepared (each host's checksums once written), commit once or abort
 everywhere, mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
 the same order for every framework, and decides between them what follows what.
@@ -25,7 +25,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
-from sidecar._src.controller.checkpoint.staging import Part
+from sidecar._src.controller.checkpoint.staging import Lot
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
@@ -67,21 +67,21 @@ class SaveProtocol:
   def sends(self, target: Target, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
             rest: FormatPart | None = None) -> Sends:
-    """The stage calls of one save on ``hosts``, made as its parts are put
-    (:class:`Sends`). A host's first part carries ``leaves`` and the format's ``part``,
+    """The stage calls of one save on ``hosts``, made as its lots are put
+    (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``part``,
     its later ones ``rest``."""
     return Sends(self, target, hosts=hosts, leaves=leaves, part=part, rest=rest)
 
-  def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
+  def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
             rest: FormatPart | None = None) -> None:
-    """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Lots`` puts them;
+    """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
     last (:meth:`sends`)."""
     sends = self.sends(target, hosts=hosts, leaves=leaves, part=part, rest=rest)
     try:
       while not sends.done:
-        got: Part | BaseException = parts.get()  # no other local holds the shards, as
+        got: Lot | BaseException = lots.get()  # no other local holds the shards, as
         if isinstance(got, BaseException):  # the raise would keep them in its frame
           raise got
         sends.put(got)
@@ -179,9 +179,9 @@ class SaveProtocol:
 
 
 class Sends:
-  """One save's stage calls on its hosts, each part sent as it is put (on the putting
+  """One save's stage calls on its hosts, each lot sent as it is put (on the putting
   thread: a finisher's, or the copy's own under ``SaveRun.stage_copies``), a host's
-  parts in order (each waits for the host's previous call to be answered)."""
+  lots in order (each waits for the host's previous call to be answered)."""
 
   def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
                leaves: Sequence[spec_lib.LeafSpec], part: FormatPart | None,
@@ -194,10 +194,10 @@ class Sends:
 
   @property
   def done(self) -> bool:
-    """Whether every host had its last part."""
+    """Whether every host had its last lot."""
     return self._closed >= len(self._hosts)
 
-  def put(self, got: Part | BaseException) -> None:
+  def put(self, got: Lot | BaseException) -> None:
     """Sends ``got`` to its host; an exception fails the save (``wait`` raises it)."""
     if isinstance(got, BaseException):
       self._error = self._error or got
@@ -207,7 +207,7 @@ class Sends:
     host = got.host
     first = host not in self._last
     if not first:
-      self._last[host].result()  # a host's parts arrive in order
+      self._last[host].result()  # a host's lots arrive in order
     now = self._part if first else self._rest
     fmt = {} if now is None else {"part": now}
     p, t = self._protocol, self._target

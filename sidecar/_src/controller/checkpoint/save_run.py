@@ -7,7 +7,7 @@ from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 ``torch/checkpointer.DcpAgreement`` ends it once DCP's upload ended):
 
 - :meth:`SaveRun.begin`: the step's tmp directory (the lead process's sidecar answers it);
-- :meth:`SaveRun.stage` (parts a finisher is handed) or :meth:`SaveRun.stage_copies`
+- :meth:`SaveRun.stage` (lots a finisher is handed) or :meth:`SaveRun.stage_copies`
   (copies made and sent on the caller's thread, no thread of its own);
 - :meth:`SaveRun.finish`, the one place that decides what follows staging: the
   replication starts, each host's writes end (prepared), the processes agree, the lead
@@ -214,11 +214,11 @@ class SaveRun:
       self.target = self.target.begun(tmp)
     return self.target
 
-  def stage(self, parts: queue.SimpleQueue, *, leaves: Sequence[spec_lib.LeafSpec] = ()
+  def stage(self, lots: queue.SimpleQueue, *, leaves: Sequence[spec_lib.LeafSpec] = ()
             ) -> None:
-    """Hands the staged parts ``parts`` is given (``staging.Lots``) to the sidecars of
+    """Hands the staged lots ``lots`` is given (``staging.Lots``) to the sidecars of
     :attr:`local` as they come, until each had its last; then ``staged`` resolves."""
-    self.protocol.stage(self.target, parts, hosts=self.local, leaves=leaves)
+    self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves)
     if self.ending is not None:
       resolve(self.ending.handle.staged, None, self.step)
 

@@ -77,9 +77,9 @@ class ShardCopy:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Part:
+class Lot:
   """Staged shards of one host on their way to the sidecar, in order; ``last``: the host's
-  last part of the save."""
+  last lot of the save."""
   host: int
   shards: tuple[StagedShard, ...]
   last: bool
@@ -105,12 +105,12 @@ class Sink(abc.ABC):
 
 
 class Lots(Sink):
-  """A save's staged shards, handed on through ``put`` in :class:`Part`s of about
+  """A save's staged shards, handed on through ``put`` in :class:`Lot`s of about
   ``STAGE_LOT_BYTES`` per host, in order (to a finisher's queue, or straight to the
-  sidecars: ``save_protocol.Sends.put``); a host's last part goes with its last shard
+  sidecars: ``save_protocol.Sends.put``); a host's last lot goes with its last shard
   (:meth:`expect` counted them), no later. An exception put there aborts the save."""
 
-  def __init__(self, hosts: Sequence[int], put: Callable[[Part | BaseException], None]):
+  def __init__(self, hosts: Sequence[int], put: Callable[[Lot | BaseException], None]):
     self.put = put
     self.stager: threading.Event | None = None  # set once the stager copied the late shards
     self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
@@ -126,19 +126,19 @@ class Lots(Sink):
     self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
     self._bytes[host] += view.nbytes
     self._left[host] -= 1
-    if self._left[host] == 0:  # its last shard: its last part, without waiting for the others'
-      self.put(Part(host, tuple(self._pending.pop(host)), True))
+    if self._left[host] == 0:  # its last shard: its last lot, without waiting for the others'
+      self.put(Lot(host, tuple(self._pending.pop(host)), True))
     elif self._bytes[host] >= STAGE_LOT_BYTES:
-      self.put(Part(host, tuple(self._pending[host]), False))
+      self.put(Lot(host, tuple(self._pending[host]), False))
       self._pending[host], self._bytes[host] = [], 0
 
   def close(self) -> None:
-    """The last part of every host still without one: the save is staged."""
+    """The last lot of every host still without one: the save is staged."""
     for host in list(self._pending):
-      self.put(Part(host, tuple(self._pending.pop(host)), True))
+      self.put(Lot(host, tuple(self._pending.pop(host)), True))
 
   def fail(self, error: BaseException) -> None:
-    """Aborts the save: the finisher raises ``error`` where it waits for a part."""
+    """Aborts the save: the finisher raises ``error`` where it waits for a lot."""
     self._pending.clear()
     self.put(error)
 

@@ -65,7 +65,7 @@ def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest()
   parts: queue.SimpleQueue = queue.SimpleQueue()
   shard = StagedShard(0, (), np.zeros(3, np.uint8))
   for host, last in ((0, False), (1, True), (0, True)):
-    parts.put(staging.Part(host, (shard,), last))
+    parts.put(staging.Lot(host, (shard,), last))
   protocol.stage(target, parts, hosts=[0, 1], part=first, rest=rest)
   assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
                        ("stage", 0, 1, True, 2, rest)]
