@@ -228,7 +228,7 @@ class FakeSidecars(CheckpointTransport):
       return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
     return self._phase("info", host, manifest)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, part=None, private=False):
+  def read(self, host, final_dir, shard, *, crc32c, tier, byte_range=None, private=False):
     data = self.staged.get((host, final_dir), {}).get(shard)
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))

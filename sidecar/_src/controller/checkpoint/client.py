@@ -275,9 +275,9 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def read(self, host: int, final_dir: str, shard: ShardId, *, crc32c: int | None,
-           tier: str, part: tuple[int, int] | None = None, private: bool = False
+           tier: str, byte_range: tuple[int, int] | None = None, private: bool = False
            ) -> concurrent.futures.Future:
-    """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8).
+    """Future of the shard's array (or bytes ``byte_range=(offset, nbytes)`` of it, uint8).
 
     ``private``: an array on this process's mapping of the arena comes copy-on-write
     (``Worker.view``): what the caller writes never reaches the block, which may be the
@@ -415,7 +415,7 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
                      wire.manifest_from_pb)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, part=None, private=False):
+  def read(self, host, final_dir, shard, *, crc32c, tier, byte_range=None, private=False):
     if tier not in wire.TIERS:
       raise errors.InvalidArgumentError(
           f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
@@ -425,8 +425,8 @@ class CheckpointClient(CheckpointTransport):
         worker_session=w.session if w is not None else "")
     if crc32c is not None:
       request.crc32c = crc32c
-    if part is not None:
-      request.part.offset, request.part.nbytes = part
+    if byte_range is not None:  # the wire keeps its field's name, part
+      request.part.offset, request.part.nbytes = byte_range
     from_arena: codec.FromArena | None = (
         functools.partial(w.view, private=private) if w is not None else None)
     return self._rpc(host, "Read", request,

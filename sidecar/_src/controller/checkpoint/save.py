@@ -4,7 +4,7 @@ JAX's and the numpy core's).
 A save copies every addressable shard once into the arena of the host that owns its
 device (replicated shards once) through the one stager (``staging.copy_in``), hands the
 blocks on in lots and returns; a shard still on its way from an accelerator (a
-``HostCopy``) is copied by the stager thread once it has landed, after the save
+``DeviceCopy``) is copied by the stager thread once it has landed, after the save
 returned. One finisher thread then drives the step's
 :class:`~sidecar._src.controller.checkpoint.save_run.SaveRun` (begin, stage the lots,
 finish: replicate, prepared, commit or abort, mark committed) and ends it (``durable``,

@@ -16,7 +16,7 @@ from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, on_each
 from sidecar._src.controller.checkpoint.target import Target
-from sidecar._src.controller.framework import HostCopy
+from sidecar._src.controller.framework import DeviceCopy
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars
 
@@ -124,7 +124,7 @@ def test_a_host_last_part_goes_with_its_last_shard_and_one_without_shards_at_the
   assert [int(s.data[0]) for s in got[1].shards] == [0, 2]  # copied into their blocks
 
 
-class Landing(HostCopy):
+class Landing(DeviceCopy):
   """A shard still on its way from a device: lands when ``go`` is set, on the thread
   that takes it (recorded), or fails."""
 
