@@ -211,7 +211,7 @@ class StorageWriter(_Writer):
                         ref=worker.ref_of(a) if worker is not None else None)
               for i, (item, a) in enumerate(zip(items, arrays))]
     del arrays
-    run.stage_copies(self._home, copies, part=DcpPart(rank, tuple(items)),
+    run.stage_copies(self._home, copies, extra=DcpPart(rank, tuple(items)),
                      rest=DcpPart(rank, ()), threads=torch.get_num_threads())
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
     out.set_result(torch_metadata.write_results(rank, plan.items, items))
@@ -227,7 +227,7 @@ class StorageWriter(_Writer):
     raw = torch_metadata.finish(metadata, results, checkpoint_id=self.path, save_id=self.save_id)
     sizes = {int(name.removeprefix("__").split("_")[0]): size
              for name, size in torch_metadata.file_sizes(results).items()}
-    run.finish(part=DcpCommit(raw, sizes, json.dumps(torch_metadata.to_plan(metadata))))
+    run.finish(extra=DcpCommit(raw, sizes, json.dumps(torch_metadata.to_plan(metadata))))
 
   def storage_meta(self) -> dcp_metadata.StorageMeta | None:
     return dcp_metadata.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -24,7 +24,7 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
 from sidecar._src.controller.checkpoint.staging import Lot
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
@@ -40,8 +40,8 @@ _ABORT_S = 90.0
 class SaveProtocol:
   """The phases of one step's save on the sidecars, each on the hosts it is given.
 
-  Format-neutral: a format's own part of a request travels as a typed value
-  (``client.FormatPart``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
+  Format-neutral: a format's extra on a request travels as a typed value
+  (``client.FormatExtra``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
   Orbax's layout), never as a branch here. The caller agrees with the other trainer processes
   between phases.
 
@@ -65,20 +65,20 @@ class SaveProtocol:
     return self.client.begin(host, path, step, format=self.format).result()
 
   def sends(self, target: Target, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
-            rest: FormatPart | None = None) -> Sends:
+            leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
+            rest: FormatExtra | None = None) -> Sends:
     """The stage calls of one save on ``hosts``, made as its lots are put
-    (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``part``,
+    (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``extra``,
     its later ones ``rest``."""
-    return Sends(self, target, hosts=hosts, leaves=leaves, part=part, rest=rest)
+    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest)
 
   def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
-            rest: FormatPart | None = None) -> None:
+            leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
+            rest: FormatExtra | None = None) -> None:
     """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
     last (:meth:`sends`)."""
-    sends = self.sends(target, hosts=hosts, leaves=leaves, part=part, rest=rest)
+    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest)
     try:
       while not sends.done:
         got: Lot | BaseException = lots.get()  # no other local holds the shards, as
@@ -99,9 +99,9 @@ class SaveProtocol:
   def commit(self, host: int, target: Target, *, num_hosts: int,
              checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             part: FormatPart | None = None) -> str:
+             extra: FormatExtra | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
-    fmt = {} if part is None else {"part": part}
+    fmt = {} if extra is None else {"extra": extra}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
                               num_hosts=num_hosts, leaves=list(leaves), checksums=checksums,
                               data_state_json=data_state_json, whole_step=target.whole_step,
@@ -184,10 +184,10 @@ class Sends:
   lots in order (each waits for the host's previous call to be answered)."""
 
   def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
-               leaves: Sequence[spec_lib.LeafSpec], part: FormatPart | None,
-               rest: FormatPart | None):
+               leaves: Sequence[spec_lib.LeafSpec], extra: FormatExtra | None,
+               rest: FormatExtra | None):
     self._protocol, self._target, self._hosts = protocol, target, list(hosts)
-    self._leaves, self._part, self._rest = list(leaves), part, rest
+    self._leaves, self._extra, self._rest = list(leaves), extra, rest
     self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
     self._closed = 0
     self._error: BaseException | None = None
@@ -208,8 +208,8 @@ class Sends:
     first = host not in self._last
     if not first:
       self._last[host].result()  # a host's lots arrive in order
-    now = self._part if first else self._rest
-    fmt = {} if now is None else {"part": now}
+    now = self._extra if first else self._rest
+    fmt = {} if now is None else {"extra": now}
     p, t = self._protocol, self._target
     self._last[host] = p.client.stage(
         host, directory=p.directory, step=t.step, tmp_dir=t.tmp_dir, final_dir=t.final_dir,

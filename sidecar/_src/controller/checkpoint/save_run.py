@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import ShardChecksum
-from sidecar._src.controller.checkpoint.client import FormatPart
+from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import (
   LONG_S,
@@ -223,7 +223,7 @@ class SaveRun:
       resolve(self.ending.handle.staged, None, self.step)
 
   def stage_copies(self, host: int, copies: list[ShardCopy], *,
-                   part: FormatPart | None = None, rest: FormatPart | None = None,
+                   extra: FormatExtra | None = None, rest: FormatExtra | None = None,
                    threads: int | None = None) -> None:
     """Stages this process's shards ``copies`` on ``host``, on the calling thread: those
     in no arena yet copied into blocks of the host's (allocated in one request) by the
@@ -232,7 +232,7 @@ class SaveRun:
     again, and it raises. ``copies`` is emptied: its blocks are the sidecar's once
     staged."""
     t0 = time.perf_counter()
-    sends = self.protocol.sends(self.target, hosts=[host], part=part, rest=rest)
+    sends = self.protocol.sends(self.target, hosts=[host], extra=extra, rest=rest)
     lots = Lots([host], sends.put)
     try:
       try:
@@ -253,11 +253,11 @@ class SaveRun:
 
   def finish(self, error: BaseException | None = None, *,
              leaves: Sequence[spec_lib.LeafSpec] = (), data_state_json: str = "",
-             part: FormatPart | None = None) -> None:
+             extra: FormatExtra | None = None) -> None:
     """What follows staging, for every framework: with ``error`` None (this process's
     part is staged), the replication starts and :attr:`local` finish their writes
     (prepared); the processes agree; the step is committed once (with ``leaves``,
-    ``data_state_json`` and the format's ``part``) and the RAM tiers told, or aborted on
+    ``data_state_json`` and the format's ``extra``) and the RAM tiers told, or aborted on
     every host. Raises the save's error (in every process where it failed in any)."""
     sums: list[ShardChecksum] = []
     if error is None:
@@ -270,7 +270,7 @@ class SaveRun:
       self._coordination.commit(
           self.step, error,
           functools.partial(self._commit, sums, leaves=leaves,
-                            data_state_json=data_state_json, part=part),
+                            data_state_json=data_state_json, extra=extra),
           lambda: self.protocol.abort(self.target, self.hosts))
     except BaseException as e:
       if self.ending is not None:
@@ -281,11 +281,11 @@ class SaveRun:
 
   def _commit(self, sums: list[ShardChecksum], others: Sequence[int], *,
               leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
-              part: FormatPart | None) -> None:
+              extra: FormatExtra | None) -> None:
     checksums = [*sums, *self.protocol.prepared(self.target, others)]
     self.protocol.commit(self.local[0], self.target, num_hosts=len(self.hosts),
                          checksums=checksums, leaves=leaves, data_state_json=data_state_json,
-                         replicas=self._placement, part=part)
+                         replicas=self._placement, extra=extra)
 
   def mark_committed(self) -> None:
     """Tells :attr:`local`'s RAM tiers the step is visible (with the manifest where the

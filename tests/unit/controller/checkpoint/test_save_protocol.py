@@ -43,8 +43,8 @@ class Recording(FakeSidecars):
     super().__init__(hosts)
     self.sent: list[tuple] = []
 
-  def stage(self, host, *, leaves, shards, last, writers=1, part=None, **kw):
-    self.sent.append(("stage", host, len(shards), last, writers, part))
+  def stage(self, host, *, leaves, shards, last, writers=1, extra=None, **kw):
+    self.sent.append(("stage", host, len(shards), last, writers, extra))
     return self._phase("stage", host, 0)
 
   def abort(self, host, tmp_dir, final_dir, *, timeout):
@@ -56,7 +56,7 @@ class Recording(FakeSidecars):
     return self._phase("committed", host, [])
 
 
-def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest():
+def test_a_host_first_lot_carries_the_format_extra_and_its_later_ones_the_rest():
   fake = Recording([0, 1])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: [0, 1]})
   target = dcp_begun(7)
@@ -66,7 +66,7 @@ def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest()
   shard = StagedShard(0, (), np.zeros(3, np.uint8))
   for host, last in ((0, False), (1, True), (0, True)):
     parts.put(staging.Lot(host, (shard,), last))
-  protocol.stage(target, parts, hosts=[0, 1], part=first, rest=rest)
+  protocol.stage(target, parts, hosts=[0, 1], extra=first, rest=rest)
   assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
                        ("stage", 0, 1, True, 2, rest)]
 

@@ -76,7 +76,7 @@ def test_a_rank_copies_are_sent_in_lots_as_the_copy_goes_on_the_calling_thread(m
   run.begin()
   mine = copies(3)  # 16 bytes each: a lot each
   threads = threading.active_count()
-  run.stage_copies(0, mine, part=DcpPart(0, items(3)), rest=DcpPart(0, ()))
+  run.stage_copies(0, mine, extra=DcpPart(0, items(3)), rest=DcpPart(0, ()))
   assert threading.active_count() == threads
   assert set(fake.stagers) == {threading.get_ident()}
   # The last lot goes with the last shard: no empty stage call after it.
@@ -92,7 +92,7 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises():
   run.begin()
   threads = threading.active_count()
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    run.stage_copies(0, copies(1), part=DcpPart(0, items(1)))
+    run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
   assert fake.stage_sizes == []  # nothing staged
   assert fake.aborted == [(0, "/ckpt/3.dcp-checkpoint-tmp")]
   assert threading.active_count() == threads
@@ -102,9 +102,9 @@ def test_the_coordinator_run_replicates_waits_for_every_host_commits_once_and_te
   fake = Arena([0, 1])
   run = dcp_run(fake, hosts=(0, 1))
   assert run.begin().tmp_dir == "/ckpt/3.dcp-checkpoint-tmp"
-  run.stage_copies(0, copies(1), part=DcpPart(0, items(1)))
+  run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
   fake.calls.clear()
-  run.finish(part=commit_part())
+  run.finish(extra=commit_part())
   assert fake.calls == [("replicate", 0), ("replicate", 1), ("prepared", 0), ("prepared", 1),
                         ("commit", 0), ("info", 0), ("committed", 0), ("committed", 1)]
   manifest = fake.manifests["/ckpt/3"].to_json()
@@ -119,7 +119,7 @@ def test_a_host_that_fails_its_writes_aborts_the_step_on_every_host_and_fails_st
   run = dcp_run(fake, hosts=(0, 1), ending=Ending(handle, LocalPeers(), "k", None))
   run.begin()
   with pytest.raises(errors.CheckpointWriteError, match="disk on fire"):
-    run.finish(part=commit_part())
+    run.finish(extra=commit_part())
   assert sorted(h for h, _ in fake.aborted) == [0, 1]
   assert ("commit", 0) not in fake.calls and fake.told == []
   assert isinstance(handle.staged.exception(), errors.CheckpointWriteError)
