@@ -160,15 +160,15 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, part=None):
+            writers=1, extra=None):
     if leaves:
       self.leaves[final_dir] = list(leaves)
-    if part is not None and part.items:  # a DCP rank's items: its shards number them
-      self.items[(final_dir, part.rank)] = part.items
+    if extra is not None and extra.items:  # a DCP rank's items: its shards number them
+      self.items[(final_dir, extra.rank)] = extra.items
     held = self.staged.setdefault((host, final_dir), {})
     for s in shards:
-      if part is not None:
-        kp = (self.items[(final_dir, part.rank)][s.leaf].fqn,)
+      if extra is not None:
+        kp = (self.items[(final_dir, extra.rank)][s.leaf].fqn,)
       else:
         kp = self.leaves[final_dir][s.leaf].key_path
       held[ShardId(kp, tuple(s.index))] = np.array(s.data)
@@ -180,16 +180,16 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("prepared", host, sums)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
-             whole_step, replicas, timeout, part=None):
+             whole_step, replicas, timeout, extra=None):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
-      dcp = part is not None
+      dcp = extra is not None
       final = tmp_dir.replace(".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
       self.manifests[final] = Manifest(DCP if dcp else ORBAX,
                                        tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),
                                        json.loads(data_state_json) if data_state_json else None,
                                        {int(h): tuple(p) for h, p in (replicas or {}).items()},
-                                       extras={"plan": part.plan()} if dcp else None,
+                                       extras={"plan": extra.plan()} if dcp else None,
                                        step=step)
       directory = final.rsplit("/", 1 if dcp else 2)[0]
       self.steps.setdefault(directory, set()).add(step)
@@ -228,7 +228,7 @@ class FakeSidecars(CheckpointTransport):
       return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
     return self._phase("info", host, manifest)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, part=None, private=False):
+  def read(self, host, final_dir, shard, *, crc32c, tier, byte_range=None, private=False):
     data = self.staged.get((host, final_dir), {}).get(shard)
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))

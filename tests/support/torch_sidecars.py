@@ -1,6 +1,6 @@
 """What the PyTorch checkpoint path asks of a Controller, in process: :class:`FakeController`
 over ``tests/support/fake_sidecars.FakeSidecars`` (one rank, no sockets), and
-:class:`Recording`, a fake that records each phase with the format's part it was given."""
+:class:`Recording`, a fake that records each phase with the format's extra it was given."""
 
 import concurrent.futures
 import threading
@@ -29,7 +29,7 @@ class FakeController:
 
 
 class Recording(FakeSidecars):
-  """Records ``(phase, host, part)`` of each stage and commit, and each replicate, in order;
+  """Records ``(phase, host, extra)`` of each stage and commit, and each replicate, in order;
   a host's writes (prepared) end once ``writing`` is set (it is, at first)."""
 
   def __init__(self, **kw):
@@ -51,13 +51,13 @@ class Recording(FakeSidecars):
       threading.Thread(target=written, daemon=True).start()
     return out
 
-  def stage(self, host, *, part=None, **kw):
-    self.sent.append(("stage", host, part))
-    return super().stage(host, part=part, **kw)
+  def stage(self, host, *, extra=None, **kw):
+    self.sent.append(("stage", host, extra))
+    return super().stage(host, extra=extra, **kw)
 
-  def commit(self, host, *, part=None, **kw):
-    self.sent.append(("commit", host, part))
-    return super().commit(host, part=part, **kw)
+  def commit(self, host, *, extra=None, **kw):
+    self.sent.append(("commit", host, extra))
+    return super().commit(host, extra=extra, **kw)
 
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     self.sent.append(("replicate", host, None))

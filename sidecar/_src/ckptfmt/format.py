@@ -49,6 +49,7 @@ from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.records import (
   MANIFEST_FILE,
   Manifest,
+  NumberedShard,
   ShardChecksum,
   ShardId,
   StagedShard,
@@ -67,9 +68,9 @@ class Numbering(abc.ABC):
   """
 
   @abc.abstractmethod
-  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[tuple[ShardId, Any]]:
+  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[NumberedShard]:
     """One staged part: ``part`` (the format's ``stage_part``, or None) and its
-    ``shards``, each as its key in the RAM tier and what its writer gets.
+    ``shards``, each numbered (its key in the RAM tier, what its writer gets).
     InvalidArgumentError if a shard's number is out of range; nothing is recorded then."""
 
 

@@ -75,6 +75,21 @@ class StagedShard:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class NumberedShard:
+  """A staged shard as its step's format numbered it (``Format.numbering``), the one form
+  the sidecar's RAM tier, its replication and the format's writer take: its key in the
+  RAM tier (``id``), its number (``leaf``: in the step's leaves, or in a DCP rank's items),
+  the DCP rank whose item it is (``rank``; None for a leaf of the step), where it lies in
+  its leaf (``index``), and its elements beside it (``data``: the arena view)."""
+
+  id: ShardId
+  leaf: int
+  index: Index
+  data: np.ndarray
+  rank: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ShardChecksum:
   """The crc32c of one written shard's C-order bytes, for the step's manifest.
 

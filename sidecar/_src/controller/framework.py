@@ -23,7 +23,7 @@ What an adapter implements:
 
 - :class:`Framework` (this module), an ABC: ``to_device`` (``ctl.stream(device=)``),
   ``save_leaves`` (a state tree's shards that this process saves: replica 0 only, each
-  with its device and a host buffer, or a :class:`HostCopy` on its way to one),
+  with its device and a host buffer, or a :class:`DeviceCopy` on its way to one),
   ``restore_target`` (the blocks a restore fills and how to make the framework's arrays of
   them); and where the one-process, no-device
   defaults do not fit: ``peers`` (the job's processes), ``process`` and
@@ -56,11 +56,11 @@ from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, trees
 
 
-class HostCopy(abc.ABC):
+class DeviceCopy(abc.ABC):
   """A shard's copy into host memory, started and not waited for: an accelerator's
   device-to-host transfer, of a copy the trainer's next steps cannot touch.
 
-  A save returns once every shard is a host array or a ``HostCopy``; a thread of the
+  A save returns once every shard is a host array or a ``DeviceCopy``; a thread of the
   save then has each written into its arena block (:meth:`copy_into`). An adapter
   returns one only where its own copy keeps the shard safe from what the trainer does
   next (a jitted step that donates the state, say).
@@ -91,14 +91,14 @@ class SaveShard:
   Attributes:
     index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.
     data: its elements: a host array of the shard's shape (copied once into the arena
-      before ``save()`` returns), or a :class:`HostCopy` on its way there (copied once
+      before ``save()`` returns), or a :class:`DeviceCopy` on its way there (copied once
       it has landed, after ``save()`` returned).
     device_id: the global id of the device it lies on (the sidecar of that device's
       host stages it); None: a host value, which process 0 alone saves, through its
       first host.
   """
   index: Index
-  data: np.ndarray | HostCopy
+  data: np.ndarray | DeviceCopy
   device_id: int | None
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt.spec import KeyPath, LeafKind, LeafSpec, shard_index
 from sidecar._src.controller.framework import (
-  HostCopy,
+  DeviceCopy,
   RestoreLeaf,
   RestoreTarget,
   SaveLeaf,
@@ -124,7 +124,7 @@ class _Pieces:
     return np.asarray(a)
 
 
-class DeviceToHost(HostCopy):
+class DeviceToHost(DeviceCopy):
   """A shard's device-to-host copy, started and not waited for, of on-device pieces that
   only the save holds: a step that donates the state reuses the state's memory, never
   the pieces', and the runtime orders the jitted split before that step. The pieces'
@@ -274,7 +274,7 @@ _WHOLE = 1 << 62  # a piece size no shard reaches
 
 def _host_copies(on_device: list[tuple[list, int, jax.Array]], *,
                  piece_bytes: int | None = None
-                 ) -> list[tuple[list, int, np.ndarray | HostCopy]]:
+                 ) -> list[tuple[list, int, np.ndarray | DeviceCopy]]:
   """Each accelerator shard's way to host memory: a :class:`DeviceToHost` of on-device
   pieces (one jitted split per device, or whole copies while it compiles; the first
   transfers started), or, on a device without room for the copies, the host array
@@ -284,7 +284,7 @@ def _host_copies(on_device: list[tuple[list, int, jax.Array]], *,
   for _, _, data in on_device:
     need[data.device] = need.get(data.device, 0) + data.nbytes
   roomy = {d for d, n in need.items() if _fits(d, n)}
-  out: list[tuple[list, int, np.ndarray | HostCopy]] = []
+  out: list[tuple[list, int, np.ndarray | DeviceCopy]] = []
   for device in (d for d in need if d in roomy):
     mine = [x for x in on_device if x[2].device == device]
     arrays = [x[2] for x in mine]

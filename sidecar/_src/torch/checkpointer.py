@@ -28,8 +28,8 @@ from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.plugs import Agreement
-from sidecar._src.controller.checkpoint.save_protocol import End
+from sidecar._src.controller.checkpoint.plugs import Agreement, Setup
+from sidecar._src.controller.checkpoint.save_run import Ending
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.core import errors, interrupts
 from sidecar._src.torch import controller as torch_controller, storage
@@ -93,11 +93,10 @@ class DcpAgreement(Agreement):
   ``dcp.load(sd, storage_reader=FileSystemReader(f"{directory}/{step}"))`` reads it too.
   """
 
-  def __init__(self, ckpt: checkpointer_lib.Checkpointer, *, controller: core.Controller,
-               group: Any):
-    self._options, self._ctl, self._group = ckpt.options, controller, group
-    self._directory = ckpt.directory
-    self._fmt = formats_lib.DEFAULT.get(storage.dcp_format(ckpt.options))
+  def __init__(self, setup: Setup, *, controller: core.Controller, group: Any):
+    self._options, self._ctl, self._group = setup.options, controller, group
+    self._directory = setup.directory
+    self._fmt = formats_lib.DEFAULT.get(storage.dcp_format(setup.options))
     self._last: SaveHandle | None = None
     self._lock = threading.Lock()
     self._pending: list[threading.Event] = []  # set once a save called its end
@@ -107,8 +106,8 @@ class DcpAgreement(Agreement):
     return Target.for_step(self._fmt, os.path.join(directory, str(step)), step,
                            directory=directory)
 
-  def start(self, target: Target, tree: Any, *, data_state_json: str, key: str,
-            handle: SaveHandle, end: End) -> None:
+  def start(self, target: Target, tree: Any, *, data_state_json: str, ending: Ending
+            ) -> None:
     if data_state_json:
       raise errors.InvalidArgumentError(
           "sidecar.torch.Checkpointer keeps the data position in the state dict "
@@ -116,6 +115,8 @@ class DcpAgreement(Agreement):
     self._settle()  # one save at a time, as DCP's async_save asks
     writer = storage.StorageWriter(target.final_dir, options=self._options,
                                    controller=self._ctl)
+    writer.ending = ending  # its step's run ends the Checkpointer's save
+    handle = ending.handle
     response = dcp.async_save(tree, storage_writer=writer, process_group=self._group)
     upload = response if isinstance(response, concurrent.futures.Future) else (
         response.upload_completion)
@@ -124,21 +125,18 @@ class DcpAgreement(Agreement):
     done = threading.Event()
     with self._lock:
       self._pending = [e for e in self._pending if not e.is_set()] + [done]
-    upload.add_done_callback(functools.partial(self._ended, writer, end, done))
+    upload.add_done_callback(functools.partial(self._ended, writer, target, done))
 
   @staticmethod
-  def _ended(writer: storage.StorageWriter, end: End, done: threading.Event,
+  def _ended(writer: storage.StorageWriter, target: Target, done: threading.Event,
              upload: concurrent.futures.Future) -> None:
-    """The save's upload ended (DCP's thread): the Checkpointer's end of the save."""
-    def replication() -> BaseException | None:  # rank 0 replicated every host's part
-      return writer.replicated.exception() if writer.replicated is not None else None
-
+    """The save's upload ended (on DCP's thread, which ends it: ``SaveRun.end``)."""
     try:
       error = upload.exception()
     except concurrent.futures.CancelledError as e:
       error = e
     try:
-      end(error, replication)
+      writer.end(error, target)
     finally:
       done.set()
 

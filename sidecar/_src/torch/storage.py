@@ -1,18 +1,21 @@
 """DCP's storage classes through the sidecars: ``dcp.save``, ``dcp.async_save`` and ``dcp.load``
 work unchanged with ``storage_writer=StorageWriter(path)`` / ``storage_reader=StorageReader(path)``.
 
-Thin adapters over the core's checkpoint protocol: a save runs the core's
-``controller/checkpoint/save_protocol.SaveProtocol`` with DCP's coordinator rank as the agreement
-between the ranks, a restore the core's tier fallback (``restore.ShardReads``).
+Thin adapters over the core's checkpoint protocol: a save is one of the core's
+``controller/checkpoint/save_run.SaveRun``, whose methods DCP's hooks call, with DCP's
+coordinator rank as the agreement between the ranks (``save_run.Coordinator``); a restore
+is the core's tier fallback (``restore.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
 (``write_data``, or ``stage`` under ``dcp.async_save``), by the core's one stager
 (``staging.copy_in``) in the core's parts (``staging.Lots``); the sidecar then writes the
 rank's ``__{rank}_0.distcp`` in DCP's own layout from its arena, in its own process, and
 keeps the step in its RAM tier. Rank 0 (DCP's coordinator) begins the step (the tmp
-directory) in ``prepare_global_plan``, and in ``finish``, with ``replicas``, starts the
-replication (``replicated`` resolves apart), pickles DCP's Metadata, waits for every
-sidecar's part and commits with one rename (or aborts everywhere): stock
+directory) in ``prepare_global_plan`` (``SaveRun.begin``); every rank stages its part in
+``write_data`` on DCP's thread (``SaveRun.stage_copies``); in ``finish`` rank 0 pickles
+DCP's Metadata and finishes the run as every framework's save does (``SaveRun.finish``:
+with ``replicas`` the replication starts, ``replicated`` resolving apart; every sidecar's
+part is waited for and committed with one rename, or aborted everywhere): stock
 ``FileSystemReader`` then reads the directory. ``sidecar.torch.Checkpointer`` is the
 core's one Checkpointer with these classes as its agreement plug
 (``torch/checkpointer.DcpAgreement``).
@@ -59,6 +62,7 @@ from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
+from sidecar._src.controller.checkpoint.save_run import Coordinator, Ending, SaveRun
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import Target
@@ -130,17 +134,39 @@ class StorageWriter(_Writer):
     self.save_id = uuid.uuid4().hex
     self.is_coordinator = False
     self._opened: set[str] = set()
-    self._begun: Target | None = None  # rank 0: the save prepare_global_plan began
-    self.replicated: concurrent.futures.Future | None = None
-    self.last_stats: dict[str, float] = {}
+    self._run: SaveRun | None = None  # this save's step (one per save: reset() drops it)
+    self.ending: Ending | None = None  # a Checkpointer's save's end (DcpAgreement's)
 
-  def _protocol(self, directory: str) -> SaveProtocol:
-    """The core's save protocol in DCP's format; each host is staged into by its ranks."""
-    writers: dict[int, list[int]] = {}
-    for rank, h in sorted(self._ranks.items()):
-      writers.setdefault(h, []).append(rank)
-    return SaveProtocol(client=self._site.client, directory=directory, format=self.format,
-                        writers=writers)
+  @property
+  def replicated(self) -> concurrent.futures.Future | None:
+    """The latest save's replication (see the class)."""
+    return self._run.replication if self._run is not None else None
+
+  @property
+  def last_stats(self) -> dict[str, float]:
+    """This rank's latest save's stage (and replication) times (see the class)."""
+    return dict(self._run.stats) if self._run is not None else {}
+
+  def run(self, target: Target) -> SaveRun:
+    """This save's step (``SaveRun``), made once: DCP's coordinator rank begins and
+    commits it over every rank's host; each rank stages its own host."""
+    if self._run is None or self._run.target.final_dir != target.final_dir:
+      writers: dict[int, list[int]] = {}
+      for rank, h in sorted(self._ranks.items()):
+        writers.setdefault(h, []).append(rank)
+      hosts = sorted(writers, key=lambda h: (h != self._home, h))  # its own host first
+      protocol = SaveProtocol(client=self._site.client, directory=target.directory,
+                              format=self.format, writers=writers)
+      placement = {h: p for h, p in self._site.placement(self.replicas).items() if h in hosts}
+      self._run = SaveRun(
+          protocol, target, hosts=hosts, local=hosts if self.is_coordinator else [self._home],
+          placement=placement, bandwidth=self.options.bandwidth, coordination=Coordinator(),
+          ending=self.ending, share_manifest=True, path=self.path)
+    return self._run
+
+  def end(self, error: BaseException | None, target: Target) -> None:
+    """The Checkpointer's end of this save (``SaveRun.end``), once DCP's upload ended."""
+    self.run(target).end(error)
 
   # ---- DCP's StorageWriter ---------------------------------------------
 
@@ -148,6 +174,7 @@ class StorageWriter(_Writer):
     if checkpoint_id:
       self.path = os.path.abspath(os.fspath(checkpoint_id))
     self.save_id = uuid.uuid4().hex
+    self._run = None
 
   def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
     self.is_coordinator = is_coordinator
@@ -163,10 +190,8 @@ class StorageWriter(_Writer):
       self._site.client.open(self._home, parent, ram_steps=self.options.ram_steps,
                              ram_budget=self.options.ram_budget, sweep=False).result()
       self._opened.add(parent)
-    label = _label(self.path)
-    tmp = self._protocol(parent).begin(self._home, self.path, label)
-    target = self._begun = Target.for_step(formats_lib.DEFAULT.get(self.format), self.path,
-                                           label, directory=parent).begun(tmp)
+    target = self.run(Target.for_step(formats_lib.DEFAULT.get(self.format), self.path,
+                                      _label(self.path), directory=parent)).begin()
     return [dataclasses.replace(p, storage_data=target) for p in plans]
 
   @interrupts.deferring  # Ctrl-C: this rank's part is dropped from its sidecar
@@ -174,9 +199,9 @@ class StorageWriter(_Writer):
                  ) -> torch.futures.Future[list[WriteResult]]:
     """Copies this rank's items into its sidecar's arena (the stall) and stages them, in
     the core's parts as the copy goes."""
-    target: Target = plan.storage_data
+    run = self.run(plan.storage_data)
+    run.begun(plan.storage_data.tmp_step)  # the coordinator's Begin, carried by DCP's plan
     rank = self._ctl.peers.index
-    t0 = time.perf_counter()
     arrays = [np.frombuffer(data.getbuffer(), np.uint8) if isinstance(data, io.BytesIO)
               else framework.host_array(data, f"state dict entry {w.index.fqn!r}")
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
@@ -186,60 +211,23 @@ class StorageWriter(_Writer):
                         ref=worker.ref_of(a) if worker is not None else None)
               for i, (item, a) in enumerate(zip(items, arrays))]
     del arrays
-    self._protocol(target.directory).stage_copies(
-        target, self._home, copies, part=DcpPart(rank, tuple(items)), rest=DcpPart(rank, ()),
-        threads=torch.get_num_threads())
-    self.last_stats = {"stage_s": time.perf_counter() - t0}
+    run.stage_copies(self._home, copies, extra=DcpPart(rank, tuple(items)),
+                     rest=DcpPart(rank, ()), threads=torch.get_num_threads())
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
     out.set_result(torch_metadata.write_results(rank, plan.items, items))
     return out
 
   def finish(self, metadata: dcp_metadata.Metadata, results: list[list[WriteResult]]) -> None:
-    """Rank 0: starts the replication (``replicated``), pickles the metadata, waits for
-    every sidecar's part, commits once (or aborts everywhere)."""
-    target = self._begun
-    if target is None:
+    """Rank 0: every rank's part is staged (DCP gathered their write results): the
+    step's run finishes (``SaveRun.finish``: replication, every host's writes, one
+    commit with DCP's metadata, or an abort everywhere)."""
+    run = self._run
+    if run is None or not run.target.tmp_dir:
       raise errors.InvalidArgumentError("finish() before prepare_global_plan(): use dcp.save")
     raw = torch_metadata.finish(metadata, results, checkpoint_id=self.path, save_id=self.save_id)
-    plan = torch_metadata.to_plan(metadata)
-    hosts = sorted(set(self._ranks.values()))
     sizes = {int(name.removeprefix("__").split("_")[0]): size
              for name, size in torch_metadata.file_sizes(results).items()}
-    placement = {h: p for h, p in self._site.placement(self.replicas).items() if h in hosts}
-    protocol = self._protocol(target.directory)
-    # Every rank's part is staged (DCP gathered their write results): the replication
-    # starts now, before the commit, as ctl.checkpointer's does once staged.
-    self.replicated = self._replicate(protocol, target, placement)
-    try:
-      sums = protocol.prepared(target, hosts)
-      protocol.commit(self._home, target, num_hosts=len(hosts), checksums=sums,
-                      replicas=placement,
-                      part=DcpCommit(raw, sizes, json.dumps(plan)))
-    except BaseException:
-      protocol.abort(target, hosts)
-      raise
-    # The manifest the committing sidecar built (once), kept with its own step, which its
-    # info() answers before any replica of an older save of this path; every RAM tier
-    # keeps it.
-    manifest = self._site.client.info(self._home, target.final_dir).result()
-    protocol.mark_committed(target, hosts, manifest.to_json())
-
-  def _replicate(self, protocol: SaveProtocol, target: Target,
-                 placement: dict[int, list[int]]) -> concurrent.futures.Future | None:
-    """Each host's staged part to its peers' RAM tiers: a lost sidecar's part is then
-    restored from memory, with no storage read. Returns at once; None with no replicas."""
-    replication = protocol.start_replication(target, placement,
-                                             bandwidth=self.options.bandwidth)
-    if replication is None:
-      return None
-    t0 = time.perf_counter()
-
-    def done(f: concurrent.futures.Future) -> None:
-      if f.exception() is None:
-        self.last_stats = {**self.last_stats, "replicate_s": time.perf_counter() - t0,
-                           "replicated_bytes": float(sum(r.nbytes for r in f.result()))}
-    replication.add_done_callback(done)
-    return replication
+    run.finish(extra=DcpCommit(raw, sizes, json.dumps(torch_metadata.to_plan(metadata))))
 
   def storage_meta(self) -> dcp_metadata.StorageMeta | None:
     return dcp_metadata.StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -61,8 +61,10 @@ def main() -> None:
       say(first=same(target, state(rank, world, 1)), stats=r.last_stats)
 
       class NoReplicas(sidecar.torch.StorageWriter):
-        def _replicate(self, protocol, target, placement):  # stopped right after the commit
-          return None
+        def run(self, target):  # the step's run never replicates: stopped after the commit
+          run = super().run(target)
+          run._replicate = lambda: None
+          return run
       w = NoReplicas(f"{directory}/1", replicas=1, ram_steps=2, controller=ctl)
       dcp.save(state(rank, world, 2), storage_writer=w)
       dist.barrier()

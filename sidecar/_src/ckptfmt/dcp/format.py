@@ -28,7 +28,13 @@ from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.records import (
+  Manifest,
+  NumberedShard,
+  ShardChecksum,
+  ShardId,
+  StagedShard,
+)
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
@@ -42,7 +48,7 @@ class ItemNumbering(Numbering):
   def __init__(self) -> None:
     self.items: dict[int, tuple[distcp.Item, ...]] = {}  # by rank
 
-  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[tuple[ShardId, Any]]:
+  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[NumberedShard]:
     if not isinstance(part, DcpPart):
       raise errors.InvalidArgumentError(
           f"a part of a DCP step carries its rank's items (dcp), got {type(part).__name__}")
@@ -53,7 +59,8 @@ class ItemNumbering(Numbering):
         raise errors.InvalidArgumentError(
             f"shard of item {s.leaf}: rank {part.rank} has {len(items)} items")
       item = items[s.leaf]
-      out.append((ShardId((item.fqn,), item.index), (part.rank, s)))
+      out.append(NumberedShard(ShardId((item.fqn,), item.index), s.leaf, s.index, s.data,
+                               part.rank))
     self.items.setdefault(part.rank, items)
     return out
 
@@ -187,13 +194,13 @@ def _index(final_dir: str, mtime: float
 
 
 def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
-                incoming: Iterator[tuple[int, StagedShard]], *, host_id: int,
+                incoming: Iterator[NumberedShard], *, host_id: int,
                 progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
   """Writes the file of every rank that stages into this host, each on its own thread.
 
   ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
-  before their shards); ``incoming`` yields ``(rank, staged shard)`` (its ``leaf`` the
-  item's number) until the step is staged whole. Returns every item's checksum, as the
+  before their shards); ``incoming`` yields each numbered shard (its ``rank``, its
+  ``leaf`` the item's number) until the step is staged whole. Returns every item's checksum, as the
   manifest keeps them.
   """
   queues: dict[int, queue.SimpleQueue] = {}
@@ -226,7 +233,9 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
     threads[rank].start()
 
   try:
-    for rank, s in incoming:
+    for s in incoming:
+      rank = s.rank
+      assert rank is not None  # ItemNumbering numbers every shard by its rank
       if rank not in threads:
         start(rank)
       queues[rank].put((s.leaf, s.data))

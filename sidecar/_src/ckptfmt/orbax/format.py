@@ -25,7 +25,13 @@ from sidecar._src.ckptfmt.orbax import (
   read as orbax_read,
   write as orbax_write,
 )
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.records import (
+  Manifest,
+  NumberedShard,
+  ShardChecksum,
+  ShardId,
+  StagedShard,
+)
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
   ITEM,
@@ -45,14 +51,15 @@ class LeafNumbering(Numbering):
   def __init__(self, leaves: Sequence[LeafSpec]):
     self.leaves = tuple(leaves)
 
-  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[tuple[ShardId, Any]]:
+  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[NumberedShard]:
     del part  # Orbax's steps carry none
     out = []
     for s in shards:
       if not 0 <= s.leaf < len(self.leaves):
         raise errors.InvalidArgumentError(
             f"shard of leaf {s.leaf}: the step has {len(self.leaves)} leaves")
-      out.append((ShardId(self.leaves[s.leaf].key_path, s.index), s))
+      out.append(NumberedShard(ShardId(self.leaves[s.leaf].key_path, s.index), s.leaf,
+                               s.index, s.data))
     return out
 
 

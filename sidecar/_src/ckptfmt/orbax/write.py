@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, pinned as pinned_lib
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
-from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import NumberedShard, ShardChecksum, StagedShard
 from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
@@ -30,6 +31,10 @@ from sidecar._src.core import errors
 # without them): each function imports what it uses.
 if TYPE_CHECKING:
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+# A shard as the writer is given it: staged (an Orbax handler's, a test's) or numbered
+# (the sidecar's save); the writer keeps its type.
+_Shard = TypeVar("_Shard", StagedShard, NumberedShard)
 
 _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
 
@@ -122,7 +127,8 @@ def _write_shards(item: pinned_lib.Pinned, specs: Sequence[LeafSpec], write_spec
           raise errors.InvalidArgumentError(
               f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
         spec, w = specs[leaf], write_specs[leaf]
-        index, data = _resolve(spec, shard)
+        shard = _resolve(spec, shard)
+        index, data = shard.index, shard.data
         name = _chunk_file(item.proc, w, index, data, use_compression)
         if name is not None:  # The common case: one uncompressed chunk, its bytes as they are.
           write: Any = pool.submit(functools.partial(direct_io.write_file, beneath=item),
@@ -165,8 +171,9 @@ def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
   return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
 
 
-def _resolve(spec: LeafSpec, shard: StagedShard) -> tuple[Index, np.ndarray]:
-  """Normalizes a shard's index to (start, stop) pairs and checks it fits."""
+def _resolve(spec: LeafSpec, shard: _Shard) -> _Shard:
+  """The shard, its index normalized to (start, stop) pairs and its data an array, checked
+  to fit: the same record (a staged shard stays one), never a pair."""
   if len(shard.index) != len(spec.shape):
     raise errors.InvalidArgumentError(
         f"shard of {spec.param_name!r}: index {shard.index!r} has {len(shard.index)}"
@@ -190,7 +197,7 @@ def _resolve(spec: LeafSpec, shard: StagedShard) -> tuple[Index, np.ndarray]:
       raise errors.InvalidArgumentError(
           f"shard of {spec.param_name!r} at {index} is not one block of write_shape"
           f" {spec.write_shape}; hosts must write whole chunks")
-  return index, data
+  return dataclasses.replace(shard, index=index, data=data)
 
 
 def _chunk_file(item_dir: str, spec: ts_utils.ArrayWriteSpec, index: Index,

@@ -21,7 +21,6 @@ and the framework (how leaves are described, copied and rebuilt).
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 import logging
 import os
@@ -36,11 +35,12 @@ from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.plugs import Agreement, KeyValueAgreement
+from sidecar._src.controller.checkpoint.plugs import Agreement, KeyValueAgreement, Setup
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save import SaveCoordinator
-from sidecar._src.controller.checkpoint.save_protocol import agree_on_save, end_save
+from sidecar._src.controller.checkpoint.save_protocol import agree_on_save
+from sidecar._src.controller.checkpoint.save_run import Ending
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.target import (
   SaveHandle,
@@ -77,7 +77,8 @@ class Checkpointer:
       the hosts, which of them this process drives, where their replicas go.
     options: retention, RAM tier, replicas, ``if_busy``.
     peers: the trainer processes; process 0 decides what all do.
-    agreement: makes the agreement plug (``plugs.Agreement``) for this checkpointer.
+    agreement: makes the agreement plug (``plugs.Agreement``) for this checkpointer, from
+      what it is told (``plugs.Setup``).
     key: the prefix of this checkpointer's agreement keys (the same in every process).
     sweep: whether process 0 removes uncommitted steps at open (False where an Orbax
       manager owns them).
@@ -85,7 +86,7 @@ class Checkpointer:
 
   def __init__(self, directory: str | os.PathLike, *, site: SidecarsSnapshot,
                options: CheckpointOptions, peers: Peers,
-               agreement: Callable[[Checkpointer], Agreement], key: str, sweep: bool = True):
+               agreement: Callable[[Setup], Agreement], key: str, sweep: bool = True):
     self.options = options
     # Absolute here: the sidecars' working directory is not the trainer's.
     self.directory = os.path.abspath(os.fspath(directory))
@@ -113,12 +114,13 @@ class Checkpointer:
                                 max_to_keep=options.max_to_keep,
                                 keep_period=options.keep_period,
                                 steps=list(json.loads(steps)))
-    self._agreement = agreement(self)
+    self._agreement = agreement(Setup(directory=self.directory, options=options,
+                                      replicas=self.replicas, placement=self.placement,
+                                      steps=self.all_steps))
     self._saves = self._asked = self._restores = 0
     self._in_flight: SaveHandle | None = None
     self._saving: set[int] = set()  # steps a save() of this process is copying now
     self._saving_lock = threading.Lock()
-    self._enders: list[threading.Thread] = []  # each ends a save (durable, replicated)
     self._closed = False
     self._goodput = site.goodput  # told how long save() and restore() block
     if self._goodput is not None:  # the first checkpointer's directory is the job's
@@ -130,19 +132,19 @@ class Checkpointer:
                 sweep: bool = True) -> Checkpointer:
     """A Checkpointer with the key-value agreement over ``framework`` (``ctl.checkpointer``'s)."""
 
-    def plug(ckpt: Checkpointer) -> Agreement:
+    def plug(setup: Setup) -> Agreement:
       hosts, local = list(site.hosts), list(site.local)
       coordinator = SaveCoordinator(
-          client=site.client, directory=ckpt.directory, hosts=hosts, local=local,
-          device_hosts=site.device_hosts, peers=peers, replicas=ckpt.replicas,
-          placement=ckpt.placement, replica_bandwidth=options.bandwidth,
+          client=site.client, directory=setup.directory, hosts=hosts, local=local,
+          device_hosts=site.device_hosts, peers=peers, replicas=setup.replicas,
+          placement=setup.placement, replica_bandwidth=options.bandwidth,
           framework=framework, format=options.format_for("JAX", default=ORBAX),
           writers=site.writers)
-      restorer = Restorer(client=site.client, directory=ckpt.directory, hosts=hosts,
+      restorer = Restorer(client=site.client, directory=setup.directory, hosts=hosts,
                           local=local, device_hosts=dict(site.device_hosts),
                           mapped=set(site.mapped),
-                          ask_all=bool(ckpt.replicas) or peers.count == 1,
-                          steps=ckpt.all_steps, framework=framework)
+                          ask_all=bool(setup.replicas) or peers.count == 1,
+                          steps=setup.steps, framework=framework)
       return KeyValueAgreement(coordinator, restorer)
 
     return cls(directory, site=site, options=options, peers=peers, agreement=plug, key=key,
@@ -254,38 +256,17 @@ class Checkpointer:
     handle = SaveHandle(target.step, concurrent.futures.Future(), concurrent.futures.Future())
     if not self.replicas:  # the same for every framework: it holds the step at once
       handle.replicated.set_result(target.step)
-    self._agreement.start(target, tree, data_state_json=data_json, key=key, handle=handle,
-                          end=functools.partial(self._end, handle, key))
+    # The save's end (listed, durable, old steps deleted, replicated) runs on the save's
+    # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Agreement.join``).
+    self._agreement.start(target, tree, data_state_json=data_json,
+                          ending=Ending(handle, self._peers, key, self._retention))
     return handle
-
-  def _end(self, handle: SaveHandle, key: str, error: BaseException | None,
-           replication: Callable[[], BaseException | None], *, whole: bool = True) -> None:
-    """Ends a save (the agreement calls it once, committed or failed): the core's end
-    (``end_save``: the step listed, ``durable``, old steps deleted, then ``replicated``
-    with every process) on a thread of this Checkpointer's, which ``wait`` and ``close``
-    join."""
-    ender = threading.Thread(
-        target=end_save, args=(handle, error),
-        kwargs={"listed": functools.partial(self._retention.add, handle.step) if whole
-                else None,
-                "collect_garbage": self._retention.collect if whole else None,
-                "replication": replication, "peers": self._peers, "key": key},
-        daemon=True, name=f"sidecar-save-end-{handle.step}")
-    self._enders = [t for t in self._enders if t.is_alive()] + [ender]
-    ender.start()
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers the step is visible; lists it (an Orbax manager's commit)."""
-    self._key_value().coordinator.mark_committed(target)
+    self._agreement.mark_committed(target)
     if target.whole_step:
       self._retention.add(target.step)
-
-  def _key_value(self) -> KeyValueAgreement:
-    if not isinstance(self._agreement, KeyValueAgreement):
-      raise errors.InvalidArgumentError(
-          "this checkpointer saves through DCP's coordinator: items of an Orbax manager "
-          "need ctl.checkpointer")
-    return self._agreement
 
   # ---- restore -----------------------------------------------------------
 
@@ -340,7 +321,7 @@ class Checkpointer:
   def restore_from(self, final_dir: str, step: int, target: Any, *,
                    progress: Callable[[str], None] | None = None) -> Any:
     """Restores the committed item at ``final_dir`` onto ``target``'s shardings."""
-    tree = self._key_value().restore_from(final_dir, step, target, progress=progress)
+    tree = self._agreement.restore_from(final_dir, step, target, progress=progress)
     if (stats := self.last_restore_stats()) is not None:
       log.info("%s of %s", stats.summary(), self.directory)
     return tree
@@ -396,12 +377,7 @@ class Checkpointer:
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
     failed, old steps deleted, replication settled)."""
-    self._agreement.join()  # every save has called end: its ender is listed
-    for ender in list(self._enders):
-      if ender is not threading.current_thread():
-        while ender.is_alive():  # a join Ctrl-C can stop
-          ender.join(interrupts.POLL_S)
-          interrupts.check()
+    self._agreement.join()  # every save's thread, which ends it
 
   def _progress_line(self, step: int) -> str | None:
     """How much of ``step`` is durable; None until a sidecar has begun writing it."""

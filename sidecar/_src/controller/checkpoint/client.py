@@ -44,15 +44,16 @@ from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # ckptfmt/records' types (both halves'), named here as well.
-__all__ = ["CheckpointClient", "CheckpointTransport", "FormatPart", "Held", "Manifest",
+__all__ = ["CheckpointClient", "CheckpointTransport", "FormatExtra", "Held", "Manifest",
            "ReplicaTarget", "Replicated", "ShardId", "StagedShard"]
 
 
-# A format's own part of a host's Stage requests or of the Commit request (stock Orbax's
-# layout has none: its leaves travel as ``leaves``): a frozen value of the format's own
-# type (its ``ckptfmt.Format.stage_part``/``commit_part``), converted by
-# ``wire/checkpoint_wire``'s ``STAGE_EXTRAS``/``COMMIT_EXTRAS``. The client names no format.
-FormatPart = object
+# A format's extra: its own data on a host's Stage requests or on the Commit request
+# (stock Orbax's layout has none: its leaves travel as ``leaves``): a frozen value of the
+# format's own type (its ``ckptfmt.Format.stage_part``/``commit_part``), converted by
+# ``wire/checkpoint_wire``'s ``STAGE_EXTRAS``/``COMMIT_EXTRAS`` (the wire's ``part``
+# oneof). The client names no format.
+FormatExtra = object
 
 
 _RETRY_S = 0.05  # the first wait before asking a busy sidecar again; then 2x, 3x, ...
@@ -211,11 +212,11 @@ class CheckpointTransport(abc.ABC):
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: Sequence[StagedShard],
-            last: bool, writers: int = 1, part: FormatPart | None = None
+            last: bool, writers: int = 1, extra: FormatExtra | None = None
             ) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
-    processes stage into ``host`` (each sends its own ``last``). ``part``: the format's
-    own part (a DCP rank's items, the shards' ``leaf`` numbering them)."""
+    processes stage into ``host`` (each sends its own ``last``). ``extra``: the format's
+    extra (a DCP rank's items, the shards' ``leaf`` numbering them)."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -227,8 +228,8 @@ class CheckpointTransport(abc.ABC):
              leaves: Sequence[LeafSpec], checksums: Sequence[ShardChecksum],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             part: FormatPart | None = None) -> concurrent.futures.Future:
-    """Future of the committed directory. ``part``: the format's own part (a DCP step's
+             extra: FormatExtra | None = None) -> concurrent.futures.Future:
+    """Future of the committed directory. ``extra``: the format's extra (a DCP step's
     pickled metadata, file sizes and plan)."""
 
   @abc.abstractmethod
@@ -275,9 +276,9 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def read(self, host: int, final_dir: str, shard: ShardId, *, crc32c: int | None,
-           tier: str, part: tuple[int, int] | None = None, private: bool = False
+           tier: str, byte_range: tuple[int, int] | None = None, private: bool = False
            ) -> concurrent.futures.Future:
-    """Future of the shard's array (or bytes ``part=(offset, nbytes)`` of it, uint8).
+    """Future of the shard's array (or bytes ``byte_range=(offset, nbytes)`` of it, uint8).
 
     ``private``: an array on this process's mapping of the arena comes copy-on-write
     (``Worker.view``): what the caller writes never reaches the block, which may be the
@@ -353,13 +354,13 @@ class CheckpointClient(CheckpointTransport):
         worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, part=None):
+            writers=1, extra=None):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
         directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
-    wire.format_extra_to_pb(request, part, wire.STAGE_EXTRAS)
+    wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
     wire.staged_shards_to_pb(request, shards, w.ref_of if w is not None else None)
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
                      held=[s.data for s in shards])
@@ -370,13 +371,13 @@ class CheckpointClient(CheckpointTransport):
         lambda r: [wire.checksum_from_pb(c, "checksum") for c in r.checksums], timeout=timeout)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
-             whole_step, replicas, timeout, part=None):
+             whole_step, replicas, timeout, extra=None):
     request = ckpt_pb.CheckpointCommitRequest(
         tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
         leaves=[wire.leaf_to_pb(d) for d in leaves],
         checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
         whole_step=whole_step)
-    wire.format_extra_to_pb(request, part, wire.COMMIT_EXTRAS)
+    wire.format_extra_to_pb(request, extra, wire.COMMIT_EXTRAS)
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
 
@@ -416,7 +417,7 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
                      wire.manifest_from_pb)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, part=None, private=False):
+  def read(self, host, final_dir, shard, *, crc32c, tier, byte_range=None, private=False):
     if tier not in wire.TIERS:
       raise errors.InvalidArgumentError(
           f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
@@ -426,8 +427,8 @@ class CheckpointClient(CheckpointTransport):
         worker_session=w.session if w is not None else "")
     if crc32c is not None:
       request.crc32c = crc32c
-    if part is not None:
-      request.part.offset, request.part.nbytes = part
+    if byte_range is not None:  # the wire keeps its field's name, part
+      request.part.offset, request.part.nbytes = byte_range
     from_arena: codec.FromArena | None = (
         functools.partial(w.view, private=private) if w is not None else None)
     return self._rpc(host, "Read", request,

@@ -2,40 +2,60 @@
 
 The Checkpointer owns what every framework's checkpoints share: the options, the steps
 (``retention.Retention``), one save in flight and the processes' agreement on it
-(``if_busy``), the :class:`~sidecar._src.controller.checkpoint.target.SaveHandle`, the end
-of a save (``save_protocol.end_save``: listed, ``durable``, old steps deleted, then
-``replicated``), ``wait``, ``close``, the RAM tier's drop. Two small objects hold what
-differs, as Orbax v1's ``training.Checkpointer`` holds its policies:
+(``if_busy``), the :class:`~sidecar._src.controller.checkpoint.target.SaveHandle`,
+``wait``, ``close``, the RAM tier's drop. Every save is one ``save_run.SaveRun`` (begin,
+stage, the one finish, the end). What differs between frameworks is one small object, as
+Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Setup`
+(what it needs, handed over explicitly):
 
-- the **agreement plug** (:class:`Agreement`): who drives a save's phases
-  (``save_protocol.SaveProtocol``) and how the trainer processes agree between them.
-  :class:`KeyValueAgreement` (JAX's, the numpy core's): process 0 begins and commits, the
-  processes agree through their key-value store (``controller/peers.Peers``), each
-  stages its own shards (``save.SaveCoordinator``). ``torch/checkpointer.DcpAgreement``:
-  DCP's coordinator rank, through ``dcp.async_save`` with ``torch/storage.StorageWriter``
-  (DCP's own gather and scatter around ``prepare_global_plan`` and ``finish``).
-- the **framework plug**: how leaves are described, copied and rebuilt. Under the
-  key-value agreement, ``controller/framework.Framework`` (``save_leaves``,
-  ``restore_target``: JAX's, PyTorch's tensors in Orbax's layout, numpy's); under DCP's,
-  DCP's own planner over the state dict.
+- the **agreement plug** (:class:`Agreement`): who drives a save's run, how the trainer
+  processes agree on it (its ``save_run.Coordination``) and how leaves are described,
+  copied and rebuilt. :class:`KeyValueAgreement` (JAX's, the numpy core's): the
+  framework's shards (``controller/framework.Framework``), process 0 begins and commits,
+  the processes agree through their key-value store (``save_run.KeyValue``), each
+  stages its own shards from one finisher thread (``save.SaveCoordinator``).
+  ``torch/checkpointer.DcpAgreement``: DCP's planner over the state dict, through
+  ``dcp.async_save`` with ``torch/storage.StorageWriter``, whose hooks drive the run
+  (``save_run.Coordinator``: DCP's own gather and scatter around ``prepare_global_plan``
+  and ``finish``).
 
-Both plugs copy into the arena through the one stager (``staging.copy_in``), and both
-start the replication at the same phase: once every host's part is staged, before
-the commit.
+A plug answers by method (``mark_committed``, ``restore_from``: an Orbax manager's items,
+which only the key-value plug saves), never by a type test.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.save import SaveCoordinator
-from sidecar._src.controller.checkpoint.save_protocol import End
-from sidecar._src.controller.checkpoint.target import SaveHandle, Target
-from sidecar._src.core import interrupts
+from sidecar._src.controller.checkpoint.save_run import Ending
+from sidecar._src.controller.checkpoint.target import Target
+from sidecar._src.core import errors, interrupts
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Setup:
+  """What an agreement plug is made with, from its Checkpointer (nothing read back from
+  the Checkpointer itself).
+
+  Attributes:
+    directory: the checkpoint directory (absolute).
+    options: the checkpointer's options (the format's choice, replica bandwidth).
+    replicas: replica copies per shard (as many as there are other hosts, at most);
+      ``placement``: each host's replica hosts.
+    steps: the committed steps, as the Checkpointer lists them now.
+  """
+  directory: str
+  options: CheckpointOptions
+  replicas: int
+  placement: Mapping[int, Sequence[int]]
+  steps: Callable[[], list[int]]
 
 
 class Agreement(abc.ABC):
@@ -46,12 +66,28 @@ class Agreement(abc.ABC):
     """Where step ``step`` of ``directory`` goes, in the layout of the format it saves."""
 
   @abc.abstractmethod
-  def start(self, target: Target, tree: Any, *, data_state_json: str, key: str,
-            handle: SaveHandle, end: End) -> None:
+  def start(self, target: Target, tree: Any, *, data_state_json: str, ending: Ending
+            ) -> None:
     """Copies ``tree`` into the arenas (returns once this process's copy is made or on its
-    way: ``handle.staged`` resolves when staged) and writes ``target`` in the background;
-    calls ``end`` once, from a thread of its own, when the step is committed (and the RAM
-    tiers told) or the save failed. ``key``: the save's agreement keys' prefix."""
+    way: ``ending.handle.staged`` resolves when staged) and writes ``target`` in the
+    background, one ``save_run.SaveRun``, which a thread of the save (not the caller's)
+    ends once (``SaveRun.end``) when the step is committed (and the RAM tiers told) or the
+    save failed. ``ending.key``: the save's agreement keys' prefix."""
+
+  def mark_committed(self, target: Target) -> None:
+    """Tells the RAM tiers that ``target`` (an item another commits) is visible."""
+    del target
+    raise errors.InvalidArgumentError(
+        "this checkpointer saves through DCP's coordinator: items of an Orbax manager "
+        "need ctl.checkpointer")
+
+  def restore_from(self, final_dir: str, step: int, target: Any, *,
+                   progress: Callable[[str], None] | None = None) -> Any:
+    """Restores the committed item at ``final_dir`` onto ``target``."""
+    del final_dir, step, target, progress
+    raise errors.InvalidArgumentError(
+        "this checkpointer saves through DCP's coordinator: items of an Orbax manager "
+        "need ctl.checkpointer")
 
   @abc.abstractmethod
   def restore(self, step: int, target: Any, *, progress: Callable[[str], None] | None
@@ -85,10 +121,12 @@ class KeyValueAgreement(Agreement):
     """Step ``step`` of ``directory`` as Begin takes it, in the chosen format's layout."""
     return Target.for_step(self.coordinator.fmt, directory, step)
 
-  def start(self, target: Target, tree: Any, *, data_state_json: str, key: str,
-            handle: SaveHandle, end: End) -> None:
-    self.coordinator.save_to(target, tree, data_state_json=data_state_json, key=key,
-                             handle=handle, end=end)
+  def start(self, target: Target, tree: Any, *, data_state_json: str, ending: Ending
+            ) -> None:
+    self.coordinator.save_to(target, tree, data_state_json=data_state_json, ending=ending)
+
+  def mark_committed(self, target: Target) -> None:
+    self.coordinator.mark_committed(target)
 
   def restore(self, step: int, target: Any, *, progress: Callable[[str], None] | None
               ) -> Any:

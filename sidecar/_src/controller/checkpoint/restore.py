@@ -385,7 +385,7 @@ class ShardReads:
       # its failure fails the shard (the pieces all go at once, so each would check it).
       future = self.client.read(host, final_dir, ShardId(kp, index),
                                 crc32c=crc if offset == 0 else None, tier=tier,
-                                part=(offset, nbytes))
+                                byte_range=(offset, nbytes))
       future.add_done_callback(functools.partial(done, offset))
     return out
 

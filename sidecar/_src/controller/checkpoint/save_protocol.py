@@ -1,17 +1,14 @@
-"""The save protocol, once for every framework and format.
+"""The save protocol's calls on the sidecars, once for every framework and format.
 
 :class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
-phase, each on the hosts it is given: begin (the tmp directory), stage a host's parts,
-prepared (each host's checksums once written), commit once or abort everywhere, mark
-committed, replicate; :func:`end_save` is the end of a save in one process (durable,
-listed, retention, then ``replicated`` once every process knows), and
+phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
+(:class:`Sends`), prepared (each host's checksums once written), commit once or abort
+everywhere, mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
+the same order for every framework, and decides between them what follows what.
+:func:`end_save` is the end of a save in one process (durable, listed, retention, then
+``replicated`` once every process knows; ``SaveRun.end`` calls it), and
 :func:`agree_on_save` the processes' agreement on a save's step and whether one is in
-flight; the one Checkpointer (``checkpointer.py``) calls both, for every framework. Who
-calls each phase, and how the trainer processes agree between them, is its agreement
-plug (``plugs.py``): ``save.SaveCoordinator`` agrees through the processes' key-value
-store (``controller/peers.Peers``); PyTorch's ``torch/storage.StorageWriter`` through
-DCP's coordinator rank (DCP's own gather and scatter around its ``prepare_global_plan``
-and ``finish``).
+flight (the one Checkpointer calls it).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import concurrent.futures
 import json
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,17 +24,13 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatPart
-from sidecar._src.controller.checkpoint.staging import Lots, Part, ShardCopy, allocate, copy_in
+from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
+from sidecar._src.controller.checkpoint.staging import Lot
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
-# How a save's driver ends it (the Checkpointer's ``end``): ``end(error, replication,
-# whole=True)`` with the save's error (None: committed, the RAM tiers told) and a call that
-# waits for this process's replication and returns its error (None: replicated).
-End = Callable[..., None]
 # The longest wait for a host's writes (prepared) and for the commit that follows.
 LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
@@ -48,8 +40,8 @@ _ABORT_S = 90.0
 class SaveProtocol:
   """The phases of one step's save on the sidecars, each on the hosts it is given.
 
-  Format-neutral: a format's own part of a request travels as a typed value
-  (``client.FormatPart``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
+  Format-neutral: a format's extra on a request travels as a typed value
+  (``client.FormatExtra``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
   Orbax's layout), never as a branch here. The caller agrees with the other trainer processes
   between phases.
 
@@ -65,85 +57,38 @@ class SaveProtocol:
   def __init__(self, *, client: CheckpointTransport, directory: str, format: str,
                writers: Mapping[int, Sequence[int]] | None = None):
     self.client, self.directory, self.format = client, directory, format
-    self._writers = dict(writers or {})
+    self.writers = dict(writers or {})
 
   def begin(self, host: int, path: str, step: int) -> str:
     """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
     directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
     return self.client.begin(host, path, step, format=self.format).result()
 
-  def stage(self, target: Target, parts: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), part: FormatPart | None = None,
-            rest: FormatPart | None = None) -> None:
-    """Hands the parts ``parts`` holds (``staging.Part``s, as ``staging.Lots`` puts them;
+  def sends(self, target: Target, *, hosts: Sequence[int],
+            leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
+            rest: FormatExtra | None = None) -> Sends:
+    """The stage calls of one save on ``hosts``, made as its lots are put
+    (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``extra``,
+    its later ones ``rest``."""
+    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest)
+
+  def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
+            leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
+            rest: FormatExtra | None = None) -> None:
+    """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
-    last. A host's first part carries ``leaves`` and the format's ``part``, its
-    later ones ``rest``."""
-    last: dict[int, concurrent.futures.Future] = {}  # per host, its latest stage call
-    closed = 0
+    last (:meth:`sends`)."""
+    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest)
     try:
-      while closed < len(hosts):
-        got: Part | BaseException = parts.get()  # no other local holds the shards, as
+      while not sends.done:
+        got: Lot | BaseException = lots.get()  # no other local holds the shards, as
         if isinstance(got, BaseException):  # the raise would keep them in its frame
           raise got
-        host, final = got.host, got.last
-        first = host not in last
-        if not first:
-          last[host].result()  # a host's parts arrive in order
-        now = part if first else rest
-        fmt = {} if now is None else {"part": now}
-        last[host] = self.client.stage(host, directory=self.directory, step=target.step,
-                                       tmp_dir=target.tmp_dir, final_dir=target.final_dir,
-                                       leaves=list(leaves) if first else [], shards=got.shards,
-                                       last=final, writers=len(self._writers.get(host, ())) or 1,
-                                       **fmt)
-        closed += final
+        sends.put(got)
     except BaseException:
-      # The abort that follows must reach each sidecar after its last stage call: one
-      # arriving later would stage the step anew, and hold its blocks until it times out.
-      concurrent.futures.wait(list(last.values()))
+      sends.settle()
       raise
-    for f in last.values():
-      f.result()
-
-  def stage_copies(self, target: Target, host: int, copies: list[ShardCopy], *,
-                   part: FormatPart | None = None, rest: FormatPart | None = None,
-                   threads: int | None = None) -> None:
-    """Stages this process's shards ``copies`` on ``host``: those in no arena yet copied
-    into blocks of the host's (allocated in one request) by the one stager
-    (``staging.copy_in``), and handed to the sidecar in parts of about
-    ``STAGE_LOT_BYTES`` as the copy goes, by a sender thread of this call. On a failure
-    (Ctrl-C too, between two copies) the host's part is dropped again, and it raises.
-    ``copies`` is emptied: its blocks are the sidecar's once staged."""
-    parts: queue.SimpleQueue = queue.SimpleQueue()
-    staging = Lots([host], parts)
-    failed: list[BaseException] = []
-
-    def send() -> None:
-      try:
-        self.stage(target, parts, hosts=[host], part=part, rest=rest)
-      except BaseException as e:
-        failed.append(e.with_traceback(None))  # its frames would hold the blocks
-
-    sender = threading.Thread(target=send, daemon=True, name=f"sidecar-stage-{target.step}")
-    sender.start()
-    try:
-      try:
-        allocate(self.client.empty_like, copies, host)
-      except BaseException as e:
-        staging.fail(e.with_traceback(None))
-        raise
-      late = copy_in(copies, staging, threads=threads)
-      if late is not None:
-        late.wait()
-    except BaseException as e:
-      failed.append(e)
-    finally:
-      copies.clear()
-      sender.join()
-    if failed:
-      self.abort(target, [host])
-      raise failed[0]
+    sends.wait()
 
   def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardChecksum]:
     """Waits for ``hosts`` to write their parts; returns their checksums."""
@@ -154,9 +99,9 @@ class SaveProtocol:
   def commit(self, host: int, target: Target, *, num_hosts: int,
              checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             part: FormatPart | None = None) -> str:
+             extra: FormatExtra | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
-    fmt = {} if part is None else {"part": part}
+    fmt = {} if extra is None else {"extra": extra}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
                               num_hosts=num_hosts, leaves=list(leaves), checksums=checksums,
                               data_state_json=data_state_json, whole_step=target.whole_step,
@@ -231,6 +176,60 @@ class SaveProtocol:
     for f in futures:
       f.add_done_callback(done)
     return out
+
+
+class Sends:
+  """One save's stage calls on its hosts, each lot sent as it is put (on the putting
+  thread: a finisher's, or the copy's own under ``SaveRun.stage_copies``), a host's
+  lots in order (each waits for the host's previous call to be answered)."""
+
+  def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
+               leaves: Sequence[spec_lib.LeafSpec], extra: FormatExtra | None,
+               rest: FormatExtra | None):
+    self._protocol, self._target, self._hosts = protocol, target, list(hosts)
+    self._leaves, self._extra, self._rest = list(leaves), extra, rest
+    self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
+    self._closed = 0
+    self._error: BaseException | None = None
+
+  @property
+  def done(self) -> bool:
+    """Whether every host had its last lot."""
+    return self._closed >= len(self._hosts)
+
+  def put(self, got: Lot | BaseException) -> None:
+    """Sends ``got`` to its host; an exception fails the save (``wait`` raises it)."""
+    if isinstance(got, BaseException):
+      self._error = self._error or got
+      return
+    if self._error is not None:
+      raise self._error
+    host = got.host
+    first = host not in self._last
+    if not first:
+      self._last[host].result()  # a host's lots arrive in order
+    now = self._extra if first else self._rest
+    fmt = {} if now is None else {"extra": now}
+    p, t = self._protocol, self._target
+    self._last[host] = p.client.stage(
+        host, directory=p.directory, step=t.step, tmp_dir=t.tmp_dir, final_dir=t.final_dir,
+        leaves=self._leaves if first else [], shards=got.shards, last=got.last,
+        writers=len(p.writers.get(host, ())) or 1, **fmt)
+    self._closed += got.last
+
+  def settle(self) -> None:
+    """Waits for every call sent, answered or failed: the abort that follows must reach
+    each sidecar after its last stage call (one arriving later would stage the step
+    anew, and hold its blocks until it times out)."""
+    concurrent.futures.wait(list(self._last.values()))
+
+  def wait(self) -> None:
+    """Waits for every call sent; raises the save's failure, if any."""
+    self.settle()
+    if self._error is not None:
+      raise self._error
+    for f in self._last.values():
+      f.result()
 
 
 def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequence[int],

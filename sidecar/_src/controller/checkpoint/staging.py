@@ -7,7 +7,7 @@ one description of a shard from the plan to the sidecar: the host that stages it
 leaf's (or DCP item's) number, where it lies, its elements and its arena block. Host
 arrays are copied on the caller's thread before the save returns (the trainer's stall;
 Ctrl-C between two copies fails the save); a shard still on its way from an accelerator
-(a ``framework.HostCopy``) is copied by the stager thread once it has landed, in order,
+(a ``framework.DeviceCopy``) is copied by the stager thread once it has landed, in order,
 by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` (told first
 what will come) as it is: the save's :class:`Lots` (handed to the sidecars as the copy
 goes on), or, under ``dcp.async_save``, the staged state dict.
@@ -28,7 +28,7 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.spec import Index
-from sidecar._src.controller.framework import HostCopy
+from sidecar._src.controller.framework import DeviceCopy
 from sidecar._src.core import interrupts
 
 # A save is staged in lots of about this many bytes per host, as the copy goes, where
@@ -50,7 +50,7 @@ class ShardCopy:
     host: the sidecar host that stages it.
     leaf: its leaf's number in the step's leaves (a DCP rank's item number).
     index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.
-    data: its elements: a host array, or a :class:`HostCopy` still on its way from a
+    data: its elements: a host array, or a :class:`DeviceCopy` still on its way from a
       device (copied by the stager thread once landed).
     block: its arena block (None until allocated, and where ``data`` lies in the arena
       already: ``ref`` names it there).
@@ -59,7 +59,7 @@ class ShardCopy:
   host: int
   leaf: int
   index: Index
-  data: np.ndarray | HostCopy
+  data: np.ndarray | DeviceCopy
   block: np.ndarray | None = None
   ref: object = None
 
@@ -70,16 +70,16 @@ class ShardCopy:
   @property
   def late(self) -> bool:
     """Whether its elements are still on their way from a device."""
-    return isinstance(self.data, HostCopy)
+    return isinstance(self.data, DeviceCopy)
 
   def with_block(self, block: np.ndarray, ref: object) -> ShardCopy:
     return dataclasses.replace(self, block=block, ref=ref)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Part:
+class Lot:
   """Staged shards of one host on their way to the sidecar, in order; ``last``: the host's
-  last part of the save."""
+  last lot of the save."""
   host: int
   shards: tuple[StagedShard, ...]
   last: bool
@@ -105,13 +105,13 @@ class Sink(abc.ABC):
 
 
 class Lots(Sink):
-  """A save's staged shards, handed to its finisher through ``parts`` in :class:`Part`s
-  of about ``STAGE_LOT_BYTES`` per host, in order; a host's last part goes with its last
-  shard (:meth:`expect` counted them), no later. An exception put there aborts the
-  save."""
+  """A save's staged shards, handed on through ``put`` in :class:`Lot`s of about
+  ``STAGE_LOT_BYTES`` per host, in order (to a finisher's queue, or straight to the
+  sidecars: ``save_protocol.Sends.put``); a host's last lot goes with its last shard
+  (:meth:`expect` counted them), no later. An exception put there aborts the save."""
 
-  def __init__(self, hosts: Sequence[int], parts: queue.SimpleQueue):
-    self.parts = parts
+  def __init__(self, hosts: Sequence[int], put: Callable[[Lot | BaseException], None]):
+    self.put = put
     self.stager: threading.Event | None = None  # set once the stager copied the late shards
     self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
     self._bytes = dict.fromkeys(hosts, 0)
@@ -126,21 +126,21 @@ class Lots(Sink):
     self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
     self._bytes[host] += view.nbytes
     self._left[host] -= 1
-    if self._left[host] == 0:  # its last shard: its last part, without waiting for the others'
-      self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
+    if self._left[host] == 0:  # its last shard: its last lot, without waiting for the others'
+      self.put(Lot(host, tuple(self._pending.pop(host)), True))
     elif self._bytes[host] >= STAGE_LOT_BYTES:
-      self.parts.put(Part(host, tuple(self._pending[host]), False))
+      self.put(Lot(host, tuple(self._pending[host]), False))
       self._pending[host], self._bytes[host] = [], 0
 
   def close(self) -> None:
-    """The last part of every host still without one: the save is staged."""
+    """The last lot of every host still without one: the save is staged."""
     for host in list(self._pending):
-      self.parts.put(Part(host, tuple(self._pending.pop(host)), True))
+      self.put(Lot(host, tuple(self._pending.pop(host)), True))
 
   def fail(self, error: BaseException) -> None:
-    """Aborts the save: the finisher raises ``error`` where it waits for a part."""
+    """Aborts the save: the finisher raises ``error`` where it waits for a lot."""
     self._pending.clear()
-    self.parts.put(error)
+    self.put(error)
 
 
 def allocate(empty_like: Callable[[int, list], list], copies: list[ShardCopy],
@@ -159,7 +159,7 @@ def copy_in(copies: list[ShardCopy], sink: Sink, *, threads: int | None = None
   """The one copy of a save's shards into their arena blocks (see the module).
 
   Copies the host arrays of ``copies`` on this thread, in order, each handed to ``sink``
-  once copied; hands the late ones (``HostCopy``) to the process's stager thread, which
+  once copied; hands the late ones (``DeviceCopy``) to the process's stager thread, which
   copies each once it has landed and then closes ``sink`` (this thread closes it where
   none is late). ``copies`` is emptied: a copied block is the sink's. ``threads``: the
   copy's threads (default ``shm.COPY_THREADS``).
@@ -245,7 +245,7 @@ def _copy(c: ShardCopy, sink: Sink, threads: int | None) -> None:
   if c.block is None:  # in the arena already (a dcp.async_save stage's): no copy
     sink.add(c, np.asarray(c.data))
     return
-  if isinstance(c.data, HostCopy):
+  if isinstance(c.data, DeviceCopy):
     c.data.copy_into(c.block)  # piece by piece as it lands, no whole host copy
   else:
     shm.copy(c.block, c.data, threads=threads)  # the one copy the trainer waits for

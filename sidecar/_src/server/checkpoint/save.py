@@ -323,11 +323,11 @@ class StepWriter:
         taken = record.numbering.take(part, shards)
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
-      for (key, to_write), s in zip(taken, shards):
-        record.shards[key] = s.data
-        record.nbytes += s.data.nbytes
-        self._metrics.checkpoint_bytes("staged", s.data.nbytes)
-        record.incoming.put(to_write)
+      for n in taken:
+        record.shards[n.id] = n.data
+        record.nbytes += n.data.nbytes
+        self._metrics.checkpoint_bytes("staged", n.data.nbytes)
+        record.incoming.put(n)
       del taken
       if last:
         record.lasts += 1

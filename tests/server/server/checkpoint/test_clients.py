@@ -123,11 +123,11 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     tmp = mine.begin(0, str(path), 3, format=dcp.FORMAT).result()
     assert tmp == str(dcp.tmp_path(path))
     mine.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
-               leaves=[], shards=[], last=False, part=part).result()
+               leaves=[], shards=[], last=False, extra=part).result()
     evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
-                   leaves=[], shards=[evil], last=True, part=part).result()
+                   leaves=[], shards=[evil], last=True, extra=part).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
@@ -136,7 +136,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
       theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=str(path),
                    final_dir=str(path), leaves=[], shards=[evil], last=True,
-                   part=part).result()
+                   extra=part).result()
     assert pathlib.Path(tmp).is_dir()  # the victim's save is still there
     mine.abort(0, tmp, str(path), timeout=10).result()
 

@@ -67,7 +67,7 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
     data = np.zeros(item.nbytes, np.uint8)
     client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                  leaves=[], shards=[StagedShard(0, (), data)], last=True,
-                 part=dcp.DcpPart(0, (item,))).result()
+                 extra=dcp.DcpPart(0, (item,))).result()
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     plan = {"version": 1, "state": {"w": {"kind": "bytes"}},
@@ -76,13 +76,13 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
     message = refused(ValueError, "plan_json storage[0].path", lambda: client.commit(
         0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], checksums=sums, data_state_json="",
         whole_step=True, replicas=None, timeout=10,
-        part=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
+        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
     assert str(secret) in message and "__<rank>_0.distcp" in message, message
     plan["storage"][0]["path"] = "../alice.token"  # relative, but out of the directory
     refused(ValueError, "no empty, '.' or '..' component", lambda: client.commit(
         0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], checksums=sums, data_state_json="",
         whole_step=True, replicas=None, timeout=10,
-        part=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
+        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
     assert not path.exists()  # nothing committed, so nothing reads the token from storage
     client.abort(0, tmp, str(path), timeout=10).result()
 
@@ -315,12 +315,12 @@ def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_s
     item = dcp.Item(fqn="w", kind="bytes", nbytes=8)
     client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                  leaves=[], shards=[StagedShard(0, (), np.zeros(8, np.uint8))], last=True,
-                 part=dcp.DcpPart(0, (item,))).result()
+                 extra=dcp.DcpPart(0, (item,))).result()
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.commit(
         0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], checksums=sums, data_state_json="",
         whole_step=True, replicas=None, timeout=10,
-        part=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)).result())
+        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)).result())
     assert not path.exists()
     client.abort(0, tmp, str(path), timeout=10).result()

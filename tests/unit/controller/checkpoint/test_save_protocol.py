@@ -1,11 +1,10 @@
-"""Tier 1: the save protocol's phases (save_protocol.SaveProtocol), which JAX's
-SaveCoordinator and PyTorch's StorageWriter both drive, against an in-process fake of the
-sidecars; what an abort that fails on some hosts logs (save_protocol.on_each)."""
+"""Tier 1: the save protocol's phases (save_protocol.SaveProtocol), which one save step
+(save_run.SaveRun) calls for JAX's and PyTorch's saves alike, against an in-process fake of
+the sidecars; the one stager's lots (staging.Lots, copy_in); what an abort that fails on
+some hosts logs (save_protocol.on_each)."""
 
 import concurrent.futures
-import os
 import queue
-import signal
 import threading
 
 import numpy as np
@@ -17,8 +16,8 @@ from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, on_each
 from sidecar._src.controller.checkpoint.target import Target
-from sidecar._src.controller.framework import HostCopy
-from sidecar._src.core import errors, interrupts
+from sidecar._src.controller.framework import DeviceCopy
+from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars
 
 pytestmark = pytest.mark.unit
@@ -44,8 +43,8 @@ class Recording(FakeSidecars):
     super().__init__(hosts)
     self.sent: list[tuple] = []
 
-  def stage(self, host, *, leaves, shards, last, writers=1, part=None, **kw):
-    self.sent.append(("stage", host, len(shards), last, writers, part))
+  def stage(self, host, *, leaves, shards, last, writers=1, extra=None, **kw):
+    self.sent.append(("stage", host, len(shards), last, writers, extra))
     return self._phase("stage", host, 0)
 
   def abort(self, host, tmp_dir, final_dir, *, timeout):
@@ -57,7 +56,7 @@ class Recording(FakeSidecars):
     return self._phase("committed", host, [])
 
 
-def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest():
+def test_a_host_first_lot_carries_the_format_extra_and_its_later_ones_the_rest():
   fake = Recording([0, 1])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: [0, 1]})
   target = dcp_begun(7)
@@ -66,8 +65,8 @@ def test_a_host_first_part_carries_the_format_part_and_its_later_ones_the_rest()
   parts: queue.SimpleQueue = queue.SimpleQueue()
   shard = StagedShard(0, (), np.zeros(3, np.uint8))
   for host, last in ((0, False), (1, True), (0, True)):
-    parts.put(staging.Part(host, (shard,), last))
-  protocol.stage(target, parts, hosts=[0, 1], part=first, rest=rest)
+    parts.put(staging.Lot(host, (shard,), last))
+  protocol.stage(target, parts, hosts=[0, 1], extra=first, rest=rest)
   assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
                        ("stage", 0, 1, True, 2, rest)]
 
@@ -76,7 +75,7 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   fake = Recording([0])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format=ORBAX)
   parts: queue.SimpleQueue = queue.SimpleQueue()
-  staging.Lots([0], parts).fail(KeyboardInterrupt())
+  staging.Lots([0], parts.put).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
     protocol.stage(begun(3), parts, hosts=[0])
   assert fake.sent == []
@@ -113,32 +112,9 @@ def test_a_manifest_goes_with_committed_only_where_the_format_gives_one():
                        ("committed", 1, "")]
 
 
-class Arena(Recording):
-  """Blocks in host memory; ``on_alloc`` runs when they are asked for (a Ctrl-C, say)."""
-
-  on_alloc = staticmethod(lambda: None)
-
-  def empty_like(self, host, arrays):
-    self.on_alloc()
-    return [(np.empty(a.shape, a.dtype), None) for a in arrays]
-
-
-def test_a_process_copies_are_staged_in_parts_of_the_lot_size_as_the_copy_goes(monkeypatch):
-  monkeypatch.setattr(staging, "STAGE_LOT_BYTES", 8)
-  fake = Arena([0])
-  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
-  arrays = [np.full(4, i, np.int32) for i in range(3)]  # 16 bytes each: a part each
-  copies = [staging.ShardCopy(0, i, ((0, 4),), a) for i, a in enumerate(arrays)]
-  protocol.stage_copies(dcp_begun(3), 0,
-                        copies, part=DcpPart(0, ()))
-  # The last part goes with the last shard: no empty stage call after it.
-  assert [(n, last) for _, _, n, last, _, _ in fake.sent] == [(1, False)] * 2 + [(1, True)]
-  assert copies == []  # the blocks are the sidecar's now
-
-
 def test_a_host_last_part_goes_with_its_last_shard_and_one_without_shards_at_the_close():
   parts: queue.SimpleQueue = queue.SimpleQueue()
-  lots = staging.Lots([0, 1, 2], parts)
+  lots = staging.Lots([0, 1, 2], parts.put)
   copies = [staging.ShardCopy(h, i, ((0, 4),), np.full(4, i, np.int32)).with_block(
       np.empty(4, np.int32), None) for i, h in enumerate((0, 1, 0))]
   assert staging.copy_in(copies, lots) is None
@@ -148,7 +124,7 @@ def test_a_host_last_part_goes_with_its_last_shard_and_one_without_shards_at_the
   assert [int(s.data[0]) for s in got[1].shards] == [0, 2]  # copied into their blocks
 
 
-class Landing(HostCopy):
+class Landing(DeviceCopy):
   """A shard still on its way from a device: lands when ``go`` is set, on the thread
   that takes it (recorded), or fails."""
 
@@ -171,7 +147,7 @@ def test_late_copies_of_every_save_go_in_turn_on_the_one_stager_thread_kept_betw
   saves = []
   for value, fail in ((1, False), (2, True), (3, False)):
     parts: queue.SimpleQueue = queue.SimpleQueue()
-    lots = staging.Lots([0], parts)
+    lots = staging.Lots([0], parts.put)
     copy = staging.ShardCopy(0, 0, ((0, 4),), Landing(value, go, takers, fail)).with_block(
         np.zeros(4, np.int32), None)
     saves.append((parts, staging.copy_in([copy], lots)))
@@ -186,19 +162,6 @@ def test_late_copies_of_every_save_go_in_turn_on_the_one_stager_thread_kept_betw
   assert first.last and int(first.shards[0].data[0]) == 1
   assert isinstance(failed, RuntimeError)  # that save fails; the next still copies
   assert third.last and int(third.shards[0].data[0]) == 3
-
-
-def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises_once_the_stager_ended():
-  fake = Arena([0])
-  fake.on_alloc = lambda: os.kill(os.getpid(), signal.SIGINT)  # noted, not raised, here
-  protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp")
-  target = dcp_begun(3)
-  threads = threading.active_count()
-  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    protocol.stage_copies(target, 0, [staging.ShardCopy(0, 0, ((0, 4),), np.zeros(4, np.int32))],
-                          part=DcpPart(0, ()))
-  assert fake.sent == [("abort", 0, "/ckpt/3.dcp-checkpoint-tmp")]  # nothing staged
-  assert threading.active_count() == threads  # the stager was joined
 
 
 def test_an_abort_a_lost_host_misses_says_calmly_what_happens_next(caplog):

@@ -154,7 +154,7 @@ class LayoutSidecars(FakeSidecars):
     return super().stage(host, tmp_dir=tmp_dir, final_dir=final_dir, **kw)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
-             whole_step, replicas, timeout, part=None):
+             whole_step, replicas, timeout, extra=None):
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
     self.manifests[str(found.final)] = Manifest(
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),

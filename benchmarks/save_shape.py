@@ -1,0 +1,246 @@
+"""The shape of one save: files on its trace, the trainer's threads, forms of a shard, plug tests.
+
+Run from the repository root: ``python -m benchmarks.save_shape``. Not run by CI; no timing.
+
+Two in-process sidecars (``server.server.Server``, as tests/server's ``make_server``), one
+trainer in this process, so that one profiler sees both sides of the gRPC boundary. One
+warm-up save, then one traced save per path:
+
+- ``jax``: ``ctl.checkpointer(dir, replicas=1).save(step, state)`` (the key-value path,
+  Orbax's layout), traced from the call until ``durable`` and ``replicated`` resolve and
+  the checkpointer's threads are joined (``ckpt.wait()``).
+- ``dcp``: ``sidecar.torch.Checkpointer(dir, replicas=1)``'s save (DCP's hooks), the same.
+
+Per path it prints:
+
+- files: the distinct ``sidecar/_src`` files whose functions ran during the save
+  (``sys.setprofile`` and ``threading.setprofile``: every thread), split into the
+  sidecar's (``server/``), the trainer's (``controller/``, ``jax/``, ``torch/``,
+  ``arena/``, ``streams/``) and the shared lower layers (``core/``, ``wire/``,
+  ``ckptfmt/``); a shared file counts once.
+- trainer threads: the distinct threads that ran the checkpoint core
+  (``controller/checkpoint/``) or a framework's adapter (``jax/``, ``torch/``) during the
+  save, by name: the caller's, a finisher, a stager, DCP's executor; gRPC's own threads,
+  which run the trainer's future callbacks, are counted apart.
+
+And once: ``isinstance`` checks on a plug (``Agreement``, ``KeyValueAgreement``,
+``DcpAgreement``, ``Framework``, ``Coordination`` and their subclasses, grepped in
+``sidecar/_src``), and the forms a shard's description takes from ``save()`` to the
+manifest: the types and tuples this module lists (:data:`FORMS`), each counted where its
+definition is still found in the source (a form that goes away drops out of the count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import threading
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "sidecar" / "_src"
+
+# The forms a JAX save's shard description takes, in order, each with a pattern that finds
+# its definition (or its making) in sidecar/_src. Issue 56 counted 11 at 26bb3d2.
+FORMS: list[tuple[str, str, str]] = [
+    ("SaveShard", r"^class SaveShard\b", "controller/framework.py: a framework's shard"),
+    ("ShardCopy", r"^class ShardCopy\b", "controller/checkpoint/staging.py: the copy's plan"),
+    ("StagedShard", r"^class StagedShard\b", "ckptfmt/records.py: a shard in a staging.Lot"),
+    ("pb.StagedShard", r"^message StagedShard\b", "protos: the wire message"),
+    ("(ShardId, Any) of Numbering.take", r"def take\(self.*ShardId, Any",
+     "ckptfmt/format.py: the format's numbering"),
+    ("(rank, StagedShard)", r"tuple\[int, StagedShard\]", "ckptfmt/dcp: DCP's numbered item"),
+    ("NumberedShard", r"^class NumberedShard\b",
+     "ckptfmt/records.py: what every format's numbering returns (DCP's rank a field)"),
+    ("(ShardId, ndarray) in replication", r"tuple\[ShardId, np\.ndarray\]",
+     "server/checkpoint/replication.py"),
+    ("(Index, ndarray)", r"tuple\[Index, np\.ndarray\]", "ckptfmt/orbax/write.py"),
+    ("ShardChecksum", r"^class ShardChecksum\b", "ckptfmt/records.py: a written shard"),
+    ("pb.ShardChecksum", r"^message ShardChecksum\b", "protos: its message"),
+    ("Manifest entry", r"^class Manifest\b", "ckptfmt/records.py: the manifest's shards"),
+]
+
+TRAINER = ("controller/", "jax/", "torch/", "arena/worker.py")
+SAVING = ("controller/checkpoint/", "jax/", "torch/")  # a thread of a save runs these
+PLUGS = ("Agreement", "KeyValueAgreement", "DcpAgreement", "Framework", "JaxFramework",
+         "TorchFramework", "Coordination", "PeersCoordination", "DcpCoordination")
+
+
+def count_forms() -> list[tuple[str, str]]:
+  """The forms of :data:`FORMS` whose definition is still in the source."""
+  texts = [p.read_text() for p in [*SRC.rglob("*.py"), *(ROOT / "protos").rglob("*.proto")]]
+  found = []
+  for name, pattern, where in FORMS:
+    rx = re.compile(pattern, re.M)
+    if any(rx.search(t) for t in texts):
+      found.append((name, where))
+  return found
+
+
+def plug_isinstance() -> list[str]:
+  """Lines of ``sidecar/_src`` that test a plug's type."""
+  rx = re.compile(r"isinstance\([^,]+,\s*\(?[^)]*\b(" + "|".join(PLUGS) + r")\b")
+  out = []
+  for p in sorted(SRC.rglob("*.py")):
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+      if rx.search(line):
+        out.append(f"{p.relative_to(SRC)}:{n}: {line.strip()}")
+  return out
+
+
+class Trace:
+  """Files of sidecar/_src that ran, and the threads that ran trainer code, while on."""
+
+  def __init__(self) -> None:
+    self.files: set[str] = set()
+    self.threads: dict[tuple[int, str], set[str]] = {}  # (ident, name): trainer files run
+    self.server_threads: set[tuple[int, str]] = set()  # threads that ran the sidecar's code
+    self._on = False
+    self._src = str(SRC) + os.sep
+
+  def _profile(self, frame: Any, event: str, arg: Any) -> None:
+    if not self._on or event != "call":
+      return
+    name = frame.f_code.co_filename
+    if name.startswith(self._src):
+      rel = name[len(self._src):]
+      self.files.add(rel)
+      if rel.startswith(TRAINER):
+        t = threading.current_thread()  # an ident is reused: the name tells two apart
+        self.threads.setdefault((t.ident or 0, t.name), set()).add(rel)
+      elif rel.startswith("server/"):
+        t = threading.current_thread()
+        self.server_threads.add((t.ident or 0, t.name))
+
+  def install(self) -> None:
+    """Profiles every thread started from now (Python 3.11 cannot reach those already
+    running): call it before the sidecars and the controller start their threads."""
+    threading.setprofile(self._profile)
+    sys.setprofile(self._profile)
+
+  def __enter__(self) -> Trace:
+    self.files.clear()
+    self.threads.clear()
+    self._on = True
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self._on = False
+
+
+def report(path: str, trace: Trace) -> None:
+  by = collections.Counter()
+  for f in trace.files:
+    side = ("sidecar" if f.startswith("server/") else
+            "trainer" if f.startswith((*TRAINER, "arena/", "streams/")) else "shared")
+    by[side] += 1
+  print(f"\n{path} save: {len(trace.files)} files of sidecar/_src ran "
+        f"(sidecar {by['sidecar']}, trainer {by['trainer']}, shared {by['shared']})")
+  for f in sorted(trace.files):
+    print(f"    {f}")
+  # A save's threads: those that ran the checkpoint core or a framework's adapter during
+  # it (the in-process sidecars' threads and gRPC's own, which run the trainer's future
+  # callbacks, "Thread-N (_run)", counted apart; a Worker's releaser runs arena/ only).
+  ours = {k: v for k, v in trace.threads.items() if k not in trace.server_threads}
+  grpc = {k: v for k, v in ours.items() if k[1].endswith("(_run)")}
+  ours = {k: v for k, v in ours.items() if k not in grpc
+          and any(f.startswith(SAVING) for f in v)}
+  print(f"  trainer threads per save: {len(ours)} (each with the trainer files it ran; "
+        f"{len(grpc)} of gRPC's ran trainer callbacks)")
+  for (_, name), files in sorted(ours.items(), key=lambda kv: kv[0][1]):
+    print(f"    {name}: {', '.join(sorted(files))}")
+
+
+def _servers(tmp: str, n: int) -> list[Any]:
+  from sidecar._src.core import options as options_lib
+  from sidecar._src.server.server import Server
+  from sidecar._src.user import registry as registry_lib
+  hosts = os.path.join(tmp, "replica-hosts")
+  servers = []
+  for h in range(n):
+    opts = options_lib.ServerOptions(
+        port=0, health_port=0, socket_path=os.path.join(tmp, f"s{h}.sock"), host_id=h,
+        shm_size=64 << 20, checkpoint_roots=(tmp,), replica_token="save-shape-token",
+        listen="127.0.0.1", replica_hosts_file=hosts, device_ids=(h,))
+    servers.append(Server(opts, registry=registry_lib.Registry()).start())
+    with open(hosts, "w") as f:
+      f.write("\n".join(s.address for s in servers))
+  return servers
+
+
+def jax_save(tmp: str, addresses: list[str], trace: Trace) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import sidecar
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  rows = NamedSharding(mesh, P("data"))
+  state = {"w": jax.device_put(jnp.ones((512, 256), jnp.float32), rows),
+           "b": jax.device_put(jnp.zeros((256,), jnp.float32), NamedSharding(mesh, P())),
+           "n": np.arange(8)}
+  with sidecar.jax.Controller(addresses) as ctl, \
+      ctl.checkpointer(os.path.join(tmp, "jax"), replicas=1) as ckpt:
+    ckpt.save(1, state).durable.result(60)
+    ckpt.wait()
+    with trace:
+      handle = ckpt.save(2, state)
+      handle.durable.result(60)
+      handle.replicated.result(60)
+      ckpt.wait()
+
+
+def dcp_save(tmp: str, addresses: list[str], trace: Trace) -> None:
+  import torch
+
+  import sidecar
+  from sidecar._src.torch import controller as torch_controller
+  state = {"w": torch.ones(512, 256), "b": torch.zeros(256)}
+  with torch_controller.Controller(addresses[:1]) as ctl, \
+      sidecar.torch.Checkpointer(os.path.join(tmp, "dcp"), replicas=0,
+                                 controller=ctl) as ckpt:
+    ckpt.save(1, state).durable.result(60)
+    ckpt.wait()
+    with trace:
+      handle = ckpt.save(2, state)
+      handle.durable.result(60)
+      handle.replicated.result(60)
+      ckpt.wait()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--paths", default="jax,dcp", help="which saves to trace: jax, dcp")
+  args = parser.parse_args()
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  forms = count_forms()
+  print(f"forms of a shard per save: {len(forms)}")
+  for name, where in forms:
+    print(f"    {name:36s} {where}")
+  plugs = plug_isinstance()
+  print(f"isinstance checks on a plug: {len(plugs)}")
+  for line in plugs:
+    print(f"    {line}")
+  trace = Trace()
+  trace.install()
+  with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+    servers = _servers(tmp, 2)
+    try:
+      addresses = [f"127.0.0.1:{s.port}" for s in servers]
+      for path in args.paths.split(","):
+        {"jax": jax_save, "dcp": dcp_save}[path](tmp, addresses, trace)
+        report(path, trace)
+    finally:
+      for s in servers:
+        s.stop(grace=0)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,340 @@
+"""One save step, whichever framework drives it: :class:`SaveRun`.
+
+A save step is one object from begin to its end, and both frameworks call the same
+methods on it: the key-value path (``save.SaveCoordinator``: JAX's and the numpy core's)
+from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
+(``prepare_global_plan`` begins, ``write_data`` stages, ``finish`` finishes, and
+``torch/checkpointer.DcpAgreement`` ends it once DCP's upload ended):
+
+- :meth:`SaveRun.begin`: the step's tmp directory (the lead process's sidecar answers it);
+- :meth:`SaveRun.stage` (lots a finisher is handed) or :meth:`SaveRun.stage_copies`
+  (copies made and sent on the caller's thread, no thread of its own);
+- :meth:`SaveRun.finish`, the one place that decides what follows staging: the
+  replication starts, each host's writes end (prepared), the processes agree, the lead
+  commits once or every host aborts, the RAM tiers are told the step is committed;
+- :meth:`SaveRun.end`: the Checkpointer's end of the step (``save_protocol.end_save``:
+  listed, ``durable``, old steps deleted, ``replicated``), on the calling thread;
+- :attr:`SaveRun.stats`: its stage and replication times and bytes.
+
+What differs is how the trainer processes agree (:class:`Coordination`): through their
+key-value store (:class:`KeyValue`: process 0 begins and commits, every process stages
+its own hosts and says at the commit whether it succeeded), or as DCP does it
+(:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results, and
+its coordinator rank alone begins, waits for every host and commits). The phases' calls
+on the sidecars are ``save_protocol.SaveProtocol``'s.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import queue
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.ckptfmt.records import ShardChecksum
+from sidecar._src.controller.checkpoint.client import FormatExtra
+from sidecar._src.controller.checkpoint.retention import Retention
+from sidecar._src.controller.checkpoint.save_protocol import (
+  LONG_S,
+  SaveProtocol,
+  describe,
+  end_save,
+  resolve,
+)
+from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
+from sidecar._src.controller.checkpoint.target import SaveHandle, Target
+from sidecar._src.controller.peers import Peers, sync_timeout
+from sidecar._src.core import errors
+from sidecar._src.wire import protocol
+
+
+class Coordination(abc.ABC):
+  """How one save's trainer processes agree: who begins the step, who commits it."""
+
+  @abc.abstractmethod
+  def begin(self, step: int, begin: Callable[[], str]) -> str:
+    """The step's tmp directory: the process that begins runs ``begin`` (its sidecar's
+    answer; "" where another commits the step) and the others are told it."""
+
+  @abc.abstractmethod
+  def commit(self, step: int, error: BaseException | None,
+             commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
+    """Commits the step once, or aborts it everywhere; raises in every process where the
+    save failed in any. ``error``: this process's failure so far (None: its hosts are
+    prepared). ``commit(others)``: the commit, on the process that commits, given the
+    hosts other processes staged into; ``abort``: every host drops the step."""
+
+
+class KeyValue(Coordination):
+  """The processes agree through their key-value store (``controller/peers.Peers``)
+  under ``key``: process 0 begins and commits; every process stages its own hosts."""
+
+  def __init__(self, peers: Peers, key: str, local: Sequence[int]):
+    self._peers, self._key, self._local = peers, key, list(local)
+    self._lead = peers.index == 0
+
+  def begin(self, step: int, begin: Callable[[], str]) -> str:
+    """Process 0's sidecar makes the tmp directory; the others wait until it has."""
+    if not self._lead:
+      begun = json.loads(self._peers.read(f"{self._key}/begun", 0, timeout=sync_timeout()))
+      if "error" in begun:
+        raise errors.InvalidArgumentError(
+            f"process 0 could not begin step {step}: {begun['error']}")
+      return begun["tmp"]
+    try:
+      tmp = begin()
+    except BaseException as e:
+      self._peers.publish(f"{self._key}/begun", json.dumps({"error": describe(e)}))
+      raise
+    self._peers.publish(f"{self._key}/begun", json.dumps({"tmp": tmp}))
+    return tmp
+
+  def commit(self, step: int, error: BaseException | None,
+             commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
+    """Process 0 gathers every process's outcome, then commits once or aborts.
+
+    Every process gets here once per save, failed or not, so nobody waits for one that
+    gave up. The others tell process 0 only which hosts they staged into: it asks those
+    hosts for their checksums itself, so no checksum crosses between the processes.
+    """
+    key = self._key
+    mine = json.dumps({"error": protocol.error_dict(error)} if error is not None
+                      else {"ok": self._local})
+    if not self._lead:
+      self._peers.publish(f"{key}/prepared", mine)
+      failed = self._peers.read(f"{key}/outcome", 0, timeout=LONG_S)
+      if error is not None:
+        raise error
+      if failed:
+        raise _gathered(json.loads(failed), 0, f"the save of step {step} failed")
+      return
+    try:
+      gathered = [json.loads(v) for v in self._peers.all_gather(
+          f"{key}/prepared", mine, timeout=LONG_S)]
+      failures = [(p, g["error"]) for p, g in enumerate(gathered) if "error" in g]
+      if error is not None:
+        raise error
+      if failures:  # the first as it was raised (its kind, its host); the others noted
+        p, first = failures[0]
+        raise _gathered(first, p, f"the save of step {step} failed in process {p}"
+                        + "".join(f"; also in process {q}: {d.get('type')}: "
+                                  f"{str(d.get('message'))[:500]}" for q, d in failures[1:]))
+      # A host that several processes share: asked once.
+      commit(sorted({int(h) for g in gathered for h in g["ok"]} - set(self._local)))
+    except BaseException as e:
+      abort()  # before anyone fails: a retry must not race
+      self._peers.publish(f"{key}/outcome", json.dumps(protocol.error_dict(e)))
+      raise
+    self._peers.publish(f"{key}/outcome", "")
+
+
+class Coordinator(Coordination):
+  """DCP's: its collectives carry the plan (with Begin's answer) to every rank and their
+  write results back, so its coordinator rank alone begins and commits, over every
+  host (the other ranks only stage)."""
+
+  def begin(self, step: int, begin: Callable[[], str]) -> str:
+    return begin()
+
+  def commit(self, step: int, error: BaseException | None,
+             commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
+    try:
+      if error is not None:
+        raise error
+      commit(())
+    except BaseException:
+      abort()
+      raise
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ending:
+  """How a Checkpointer's save ends (``save_protocol.end_save``): its ``handle``, the
+  processes that settle ``replicated`` together under ``key``, and the steps a commit
+  lists (``retention``; None: no step of its own, as an Orbax manager's item)."""
+  handle: SaveHandle
+  peers: Peers
+  key: str
+  retention: Retention | None
+
+
+class SaveRun:
+  """One save step on the sidecars, from begin to its end (see the module).
+
+  Args:
+    protocol: the phases' calls, in the step's format.
+    target: where the step goes (begun by :meth:`begin`, or given begun: :meth:`begun`).
+    hosts: every host the step is on (a commit counts them; an abort reaches them).
+    local: the hosts this process stages into and waits for (prepared), replicates and
+      tells of the commit.
+    placement: each host's replica hosts (by host id); ``bandwidth``: bytes/s, or None.
+    coordination: how the trainer processes agree (:class:`KeyValue`, :class:`Coordinator`).
+    ending: a Checkpointer's save's end (None: a ``StorageWriter`` of its own).
+    share_manifest: whether the committing sidecar alone built the manifest, which the
+      other RAM tiers are then told (DCP's, whose commit carries DCP's metadata).
+    path: what Begin is given, default the target's directory (a DCP checkpoint: its
+      own path, its tmp directory beside it).
+  """
+
+  def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
+               local: Sequence[int], placement: Mapping[int, Sequence[int]],
+               bandwidth: int | None, coordination: Coordination,
+               ending: Ending | None = None, share_manifest: bool = False, path: str = ""):
+    self.protocol, self.target = protocol, target
+    self.hosts, self.local = list(hosts), list(local)
+    self._placement = {h: list(p) for h, p in placement.items() if p}
+    self._bandwidth, self._coordination = bandwidth, coordination
+    self.ending, self._share_manifest, self._path = ending, share_manifest, path
+    self.replication: concurrent.futures.Future | None = None
+    self.stats: dict[str, float] = {}
+
+  @property
+  def step(self) -> int:
+    return self.target.step
+
+  def begin(self) -> Target:
+    """The lead process's sidecar makes the step's tmp directory (the others are told
+    it); the target is then in the tmp directory Begin answered (never one worked out
+    here). An Orbax manager's item (not ``whole_step``) is in the manager's already."""
+    t = self.target
+    tmp = self._coordination.begin(
+        t.step, lambda: self.protocol.begin(self.local[0], self._path or t.directory, t.step)
+        if t.whole_step else "")
+    return self.begun(tmp)
+
+  def begun(self, tmp: str) -> Target:
+    """The step once a sidecar began it in ``tmp`` (Begin's answer, which DCP's plan
+    carries to the other ranks); "" leaves it as it is."""
+    if tmp:
+      self.target = self.target.begun(tmp)
+    return self.target
+
+  def stage(self, lots: queue.SimpleQueue, *, leaves: Sequence[spec_lib.LeafSpec] = ()
+            ) -> None:
+    """Hands the staged lots ``lots`` is given (``staging.Lots``) to the sidecars of
+    :attr:`local` as they come, until each had its last; then ``staged`` resolves."""
+    self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves)
+    if self.ending is not None:
+      resolve(self.ending.handle.staged, None, self.step)
+
+  def stage_copies(self, host: int, copies: list[ShardCopy], *,
+                   extra: FormatExtra | None = None, rest: FormatExtra | None = None,
+                   threads: int | None = None) -> None:
+    """Stages this process's shards ``copies`` on ``host``, on the calling thread: those
+    in no arena yet copied into blocks of the host's (allocated in one request) by the
+    one stager (``staging.copy_in``), each lot sent to the sidecar as soon as it is
+    copied. On a failure (Ctrl-C too, between two copies) the host's part is dropped
+    again, and it raises. ``copies`` is emptied: its blocks are the sidecar's once
+    staged."""
+    t0 = time.perf_counter()
+    sends = self.protocol.sends(self.target, hosts=[host], extra=extra, rest=rest)
+    lots = Lots([host], sends.put)
+    try:
+      try:
+        allocate(self.protocol.client.empty_like, copies, host)
+      except BaseException as e:
+        lots.fail(e.with_traceback(None))
+        raise
+      late = copy_in(copies, lots, threads=threads)
+      if late is not None:
+        late.wait()
+      sends.wait()
+    except BaseException:
+      copies.clear()
+      sends.settle()  # the abort reaches the sidecar after its last stage call
+      self.protocol.abort(self.target, [host])
+      raise
+    self.stats["stage_s"] = time.perf_counter() - t0
+
+  def finish(self, error: BaseException | None = None, *,
+             leaves: Sequence[spec_lib.LeafSpec] = (), data_state_json: str = "",
+             extra: FormatExtra | None = None) -> None:
+    """What follows staging, for every framework: with ``error`` None (this process's
+    part is staged), the replication starts and :attr:`local` finish their writes
+    (prepared); the processes agree; the step is committed once (with ``leaves``,
+    ``data_state_json`` and the format's ``extra``) and the RAM tiers told, or aborted on
+    every host. Raises the save's error (in every process where it failed in any)."""
+    sums: list[ShardChecksum] = []
+    if error is None:
+      try:
+        self._replicate()
+        sums = self.protocol.prepared(self.target, self.local)
+      except BaseException as e:  # every process must reach the commit's agreement
+        error = e.with_traceback(None)  # its frames would hold the staged blocks
+    try:
+      self._coordination.commit(
+          self.step, error,
+          functools.partial(self._commit, sums, leaves=leaves,
+                            data_state_json=data_state_json, extra=extra),
+          lambda: self.protocol.abort(self.target, self.hosts))
+    except BaseException as e:
+      if self.ending is not None:
+        resolve(self.ending.handle.staged, e, None)
+      raise
+    if self.target.whole_step:  # an Orbax manager's item: marked when the manager commits
+      self.mark_committed()
+
+  def _commit(self, sums: list[ShardChecksum], others: Sequence[int], *,
+              leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
+              extra: FormatExtra | None) -> None:
+    checksums = [*sums, *self.protocol.prepared(self.target, others)]
+    self.protocol.commit(self.local[0], self.target, num_hosts=len(self.hosts),
+                         checksums=checksums, leaves=leaves, data_state_json=data_state_json,
+                         replicas=self._placement, extra=extra)
+
+  def mark_committed(self) -> None:
+    """Tells :attr:`local`'s RAM tiers the step is visible (with the manifest where the
+    committing sidecar alone built it)."""
+    manifest = (self.protocol.client.info(self.local[0], self.target.final_dir).result()
+                .to_json() if self._share_manifest else "")
+    self.protocol.mark_committed(self.target, self.local, manifest)
+
+  def _replicate(self) -> None:
+    """Each of :attr:`local` sends its staged part to its replica hosts, from now on
+    (once every host's part is staged, before the commit); :attr:`replication` is its
+    future, None with no replicas."""
+    self.replication = self.protocol.start_replication(
+        self.target, {h: self._placement[h] for h in self.local if h in self._placement},
+        bandwidth=self._bandwidth)
+    if self.replication is None:
+      return
+    t0 = time.perf_counter()
+
+    def done(f: concurrent.futures.Future) -> None:
+      if f.exception() is None:
+        self.stats.update(replicate_s=time.perf_counter() - t0,
+                          replicated_bytes=float(sum(r.nbytes for r in f.result())))
+      e = self.ending
+      if e is not None and e.peers.count == 1:  # resolved as soon as done
+        resolve(e.handle.replicated, f.exception(), self.step)
+    self.replication.add_done_callback(done)
+
+  def replication_error(self) -> BaseException | None:
+    """Waits for this process's replication; its error (None: replicated, or none)."""
+    return self.replication.exception() if self.replication is not None else None
+
+  def end(self, error: BaseException | None) -> None:
+    """The step's end in this process, on the calling thread: ``durable`` fails with
+    ``error``, or the step is listed, ``durable`` resolves and old steps go; then
+    ``replicated`` settles with every process. Nothing without an :attr:`ending`."""
+    e = self.ending
+    if e is None:
+      return
+    r = e.retention if self.target.whole_step else None
+    end_save(e.handle, error,
+             listed=functools.partial(r.add, self.step) if r is not None else None,
+             collect_garbage=r.collect if r is not None else None,
+             replication=self.replication_error, peers=e.peers, key=e.key)
+
+
+def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:
+  """The error another process gathered at the commit (``protocol.error_dict``): its
+  kind and host as raised there, with ``note`` saying where the save failed."""
+  error = protocol.error_from_dict(d, host=f"trainer process {process}")
+  error.add_note(note)
+  return error

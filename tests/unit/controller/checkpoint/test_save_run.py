@@ -1,0 +1,148 @@
+"""Tier 1: one save step (save_run.SaveRun) as DCP's hooks and the key-value finisher drive
+it, against an in-process fake of the sidecars: begin, stage on the caller's thread,
+the one finish (replicate, prepared, commit or abort, committed), the end."""
+
+import concurrent.futures
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
+from sidecar._src.ckptfmt.registry import DCP, DEFAULT
+from sidecar._src.controller.checkpoint import staging
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
+from sidecar._src.controller.checkpoint.save_run import Coordinator, Ending, KeyValue, SaveRun
+from sidecar._src.controller.checkpoint.target import SaveHandle, Target
+from sidecar._src.controller.peers import LocalPeers
+from sidecar._src.core import errors, interrupts
+from tests.support.fake_sidecars import FakeSidecars
+
+pytestmark = pytest.mark.unit
+
+
+class Arena(FakeSidecars):
+  """Blocks in host memory; records each stage call's thread; ``on_alloc`` runs when
+  blocks are asked for (a Ctrl-C, say)."""
+
+  on_alloc = staticmethod(lambda: None)
+
+  def __init__(self, hosts):
+    super().__init__(hosts)
+    self.stagers: list[int] = []
+    self.stage_sizes: list[tuple[int, bool]] = []
+
+  def empty_like(self, host, arrays):
+    self.on_alloc()
+    return [(np.empty(a.shape, a.dtype), None) for a in arrays]
+
+  def stage(self, host, *, shards, last, **kw):
+    self.stagers.append(threading.get_ident())
+    self.stage_sizes.append((len(shards), last))
+    return super().stage(host, shards=shards, last=last, **kw)
+
+
+def items(n: int) -> tuple[Item, ...]:
+  return tuple(Item(fqn=f"w{i}", kind=ItemKind.TENSOR, nbytes=16, dtype="int32",
+                    sizes=(4,), offsets=(0,)) for i in range(n))
+
+
+def dcp_run(fake, *, hosts=(0,), ending=None, step=3) -> SaveRun:
+  """DCP's coordinator's run of /ckpt/``step``: it begins and commits over ``hosts``."""
+  target = Target.for_step(DEFAULT.get(DCP), f"/ckpt/{step}", step, directory="/ckpt")
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format=DCP,
+                          writers={h: [h] for h in hosts})
+  return SaveRun(protocol, target, hosts=hosts, local=hosts,
+                 placement={h: [(h + 1) % len(hosts)] for h in hosts} if len(hosts) > 1 else {},
+                 bandwidth=None, coordination=Coordinator(), ending=ending,
+                 share_manifest=True, path=f"/ckpt/{step}")
+
+
+def copies(n: int) -> list[staging.ShardCopy]:
+  return [staging.ShardCopy(0, i, ((0, 4),), np.full(4, i, np.int32)) for i in range(n)]
+
+
+def commit_part() -> DcpCommit:
+  return DcpCommit(b"pickled", {0: 48}, "{}")
+
+
+def test_a_rank_copies_are_sent_in_lots_as_the_copy_goes_on_the_calling_thread(monkeypatch):
+  # Before: stage_copies started a sender thread of its own for each save.
+  monkeypatch.setattr(staging, "STAGE_LOT_BYTES", 8)
+  fake = Arena([0])
+  run = dcp_run(fake)
+  run.begin()
+  mine = copies(3)  # 16 bytes each: a lot each
+  threads = threading.active_count()
+  run.stage_copies(0, mine, extra=DcpPart(0, items(3)), rest=DcpPart(0, ()))
+  assert threading.active_count() == threads
+  assert set(fake.stagers) == {threading.get_ident()}
+  # The last lot goes with the last shard: no empty stage call after it.
+  assert fake.stage_sizes == [(1, False), (1, False), (1, True)]
+  assert mine == []  # the blocks are the sidecar's now
+  assert run.stats["stage_s"] >= 0
+
+
+def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises():
+  fake = Arena([0])
+  fake.on_alloc = lambda: os.kill(os.getpid(), signal.SIGINT)  # noted, not raised, here
+  run = dcp_run(fake)
+  run.begin()
+  threads = threading.active_count()
+  with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+    run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
+  assert fake.stage_sizes == []  # nothing staged
+  assert fake.aborted == [(0, "/ckpt/3.dcp-checkpoint-tmp")]
+  assert threading.active_count() == threads
+
+
+def test_the_coordinator_run_replicates_waits_for_every_host_commits_once_and_tells_all():
+  fake = Arena([0, 1])
+  run = dcp_run(fake, hosts=(0, 1))
+  assert run.begin().tmp_dir == "/ckpt/3.dcp-checkpoint-tmp"
+  run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
+  fake.calls.clear()
+  run.finish(extra=commit_part())
+  assert fake.calls == [("replicate", 0), ("replicate", 1), ("prepared", 0), ("prepared", 1),
+                        ("commit", 0), ("info", 0), ("committed", 0), ("committed", 1)]
+  manifest = fake.manifests["/ckpt/3"].to_json()
+  assert fake.told == [(0, "/ckpt/3", manifest), (1, "/ckpt/3", manifest)]
+  assert run.replication is not None and run.replication_error() is None
+
+
+def test_a_host_that_fails_its_writes_aborts_the_step_on_every_host_and_fails_staged_too():
+  fake = Arena([0, 1])
+  fake.fail["prepared"] = errors.CheckpointWriteError("disk on fire")
+  handle = SaveHandle(3, concurrent.futures.Future(), concurrent.futures.Future())
+  run = dcp_run(fake, hosts=(0, 1), ending=Ending(handle, LocalPeers(), "k", None))
+  run.begin()
+  with pytest.raises(errors.CheckpointWriteError, match="disk on fire"):
+    run.finish(extra=commit_part())
+  assert sorted(h for h, _ in fake.aborted) == [0, 1]
+  assert ("commit", 0) not in fake.calls and fake.told == []
+  assert isinstance(handle.staged.exception(), errors.CheckpointWriteError)
+  run.end(handle.staged.exception())  # on this thread: durable says why
+  assert isinstance(handle.durable.exception(0), errors.CheckpointWriteError)
+
+
+def test_a_key_value_run_of_one_process_begins_stages_commits_and_ends_on_its_thread():
+  from sidecar._src.ckptfmt.registry import ORBAX
+  from sidecar._src.controller.checkpoint.retention import Retention
+  fake = Arena([0])
+  target = Target.for_step(DEFAULT.get(ORBAX), "/ckpt", 5)
+  protocol = SaveProtocol(client=fake, directory="/ckpt", format=ORBAX)
+  handle = SaveHandle(5, concurrent.futures.Future(), concurrent.futures.Future())
+  retention = Retention(client=fake, directory="/ckpt", local=[0], lead=True, max_to_keep=None,
+                        keep_period=None, steps=[])
+  run = SaveRun(protocol, target, hosts=[0], local=[0], placement={}, bandwidth=None,
+                coordination=KeyValue(LocalPeers(), "k", [0]),
+                ending=Ending(handle, LocalPeers(), "k", retention))
+  assert run.begin().tmp_step == "/ckpt/5.orbax-checkpoint-tmp"
+  run.finish()
+  threads = threading.active_count()
+  run.end(None)
+  assert threading.active_count() == threads
+  assert handle.durable.result(0) == 5 and retention.all() == [5]
+  assert fake.told == [(0, target.final_dir, "")]  # each host built its own manifest
