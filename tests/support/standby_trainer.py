@@ -53,6 +53,7 @@ def main(argv: list[str]) -> int:
       "ledger_start": goodput.process_start(), "kernel_start": kernel_start,
       "preloaded_at": None if preload is None else preload.IMPORTED_AT,
       "exported_at_import": os.environ.get("TEST_EXPORTED_AT_IMPORT"),
+      "set_by_env": os.environ.get("TEST_SET_BY_ENV"),
       "argv": sys.argv, "path0": sys.path[0], "stdin": sys.stdin.read(),
       "now": time.time()}), flush=True)
   printed = os.path.join(argv[0], f"printed-{restart}")

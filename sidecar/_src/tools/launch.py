@@ -524,7 +524,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if standby is not None and standby_lib.command(command, standby) is None:
     raise errors.InvalidArgumentError(
         f"a standby process runs a Python trainer: the command must be `python SCRIPT ...` or "
-        f"`python -m MODULE ...`, got {' '.join(command)!r:.200}; leave out --standby")
+        f"`python -m MODULE ...` (after `env NAME=VALUE...` if you like), got "
+        f"{' '.join(command)!r:.200}; leave out --standby")
   # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
   share = torchrun.session_share(procs_per_host)
   quota = ("--session-quota", share) if share and not env_lib.get(env_lib.SESSION_QUOTA) else ()

@@ -3,12 +3,13 @@
 A restart pays for the new process's interpreter and imports (JAX's alone is 1.3-1.5 s on
 the lent TPU host) after the old one is gone. A standby pays them while the job still
 trains: the launcher starts ``python -m sidecar._src.tools.standby [--preload M]... --
-SCRIPT ARGS...`` (or ``-- -m MODULE ARGS...``) beside the trainer; it imports JAX (where
+SCRIPT ARGS...`` (or ``-- -m MODULE ARGS...``; a trainer run as ``env NAME=VALUE...
+python ...`` gets ``--set NAME=VALUE`` for each) beside the trainer; it imports JAX (where
 installed) and the ``--preload`` modules, then waits on its stdin. When the trainer dies
 the launcher writes one line, ``{"env": {...}}``, the environment of the new start, and
-closes the pipe; the standby takes that environment (keeping what its imports exported),
-sets :data:`env.STARTED` to now (the
-goodput ledger's process start: its imports were not the restart's cost), points stdin
+closes the pipe; the standby takes that environment (keeping what its imports exported,
+and the ``--set`` variables), sets :data:`env.STARTED` to now (the goodput ledger's
+process start: its imports were not the restart's cost), points stdin
 at ``/dev/null`` and runs the script as ``python SCRIPT ARGS`` would (``__main__``,
 ``sys.argv``, ``sys.path[0]`` the script's directory; ``-m``: the module). End of input
 without a line (the job ended): it exits 0.
@@ -27,6 +28,7 @@ import ctypes
 import importlib
 import json
 import os
+import re
 import runpy
 import sys
 import time
@@ -34,18 +36,27 @@ from collections.abc import Sequence
 
 from sidecar._src.core import env as env_lib
 
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.DOTALL)  # env's NAME=VALUE
 NAME = b"sidecar-standby"  # at most 15 bytes: the kernel's limit for a process name
 _PR_SET_NAME = 15
 
 
 def command(trainer: Sequence[str], preload: Sequence[str]) -> list[str] | None:
   """The standby's command for ``trainer``, or None where ``trainer`` is not
-  ``PYTHON SCRIPT [ARGS]`` or ``PYTHON -m MODULE [ARGS]`` (a standby runs Python only)."""
+  ``PYTHON SCRIPT [ARGS]`` or ``PYTHON -m MODULE [ARGS]``, optionally after ``env
+  NAME=VALUE...`` (a standby runs Python only)."""
+  trainer = list(trainer)
+  sets = []
+  if trainer and os.path.basename(trainer[0]) == "env":
+    trainer.pop(0)
+    while trainer and _ASSIGNMENT.fullmatch(trainer[0]):
+      sets.append(trainer.pop(0))
   if len(trainer) < 2 or not os.path.basename(trainer[0]).startswith("python"):
     return None
-  rest = list(trainer[1:])
+  rest = trainer[1:]
   if rest[0] == "-m" and len(rest) >= 2 or not rest[0].startswith("-"):
-    flags = [x for m in preload for x in ("--preload", m)]
+    flags = [x for m in preload for x in ("--preload", m)] + [
+        x for a in sets for x in ("--set", a)]
     return [trainer[0], "-m", "sidecar._src.tools.standby", *flags, "--", *rest]
   return None
 
@@ -120,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m sidecar._src.tools.standby",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--preload", action="append", default=[], metavar="MODULE")
+  p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                 help="a variable the trainer command set with env, for every start")
   p.add_argument("target", nargs=argparse.REMAINDER)
   args = p.parse_args(argv)
   target = args.target[1:] if args.target[:1] == ["--"] else args.target
@@ -127,11 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.error("give the trainer after --: SCRIPT [ARGS] or -m MODULE [ARGS]")
   own = _own_name()
   _set_name(NAME)
+  sets = dict(a.split("=", 1) for a in args.set)
+  os.environ.update(sets)
   spawned_with = dict(os.environ)
   _preload(args.preload)
   environ = _go()
   if environ is None:
     return 0
+  environ.update(sets)
   environ[env_lib.STARTED] = repr(time.time())
   _take(environ, spawned_with)
   null = os.open(os.devnull, os.O_RDONLY)

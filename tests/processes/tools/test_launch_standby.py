@@ -69,16 +69,18 @@ def test_restarts_run_in_standby_processes_started_ahead_with_the_new_environmen
   assert _standby_processes(str(tmp_path)) == []
 
 
-def test_a_script_path_runs_as_python_runs_it(tmp_path):
+def test_a_script_path_runs_as_python_runs_it_env_s_assignments_kept(tmp_path):
   script = ROOT / "tests" / "support" / "standby_trainer.py"
   code, out, err = _launch("--hosts", "2", "--max-restarts", "2", "--standby", "--",
-                           sys.executable, str(script), str(tmp_path))
+                           "env", "TEST_SET_BY_ENV=1", sys.executable, str(script),
+                           str(tmp_path))
   assert code == 0, out + err
   got = results(out)
   assert len(got) == 6, out + err
   for r in got:
     assert r["argv"] == [str(script), str(tmp_path)], r
     assert r["path0"] == str(script.parent), r  # the script's directory, not the cwd
+    assert r["set_by_env"] == "1", r
   assert sum(r["started"] is not None for r in got) == 4, got
 
 

@@ -19,7 +19,15 @@ def test_a_python_script_or_module_gets_a_standby_command(trainer, target):
                  "--preload", "grain", "--", *target]
 
 
+def test_a_command_run_by_env_passes_its_assignments():
+  got = standby.command(["env", "JAX_LOG_COMPILES=1", "A=b=c", "python3", "t.py", "x"], [])
+  assert got == ["python3", "-m", "sidecar._src.tools.standby", "--set", "JAX_LOG_COMPILES=1",
+                 "--set", "A=b=c", "--", "t.py", "x"]
+
+
 @pytest.mark.parametrize("trainer", [
+    ["env", "-i", "python", "t.py"],  # env's own options: run as given
+    ["env", "A=1", "bash", "t.sh"],
     ["bash", "-c", "python train.py"],  # not Python itself
     ["python"],  # no script
     ["python", "-c", "print(1)"],  # code on the command line
