@@ -65,6 +65,13 @@ def ensure_installed() -> None:
     raise SlurmUnavailable(f"apt-get installed {PACKAGES} but {missing} are still missing")
 
 
+def _first_job_id() -> int:
+  """Where this process's clusters number their jobs from: apart from another suite's on
+  the machine (its clusters start at 1 too, and a job's files are named by its id:
+  /tmp/sidecar-slurm-ID-*). Within Slurm's MaxJobId (67,043,328)."""
+  return 1000 + (os.getpid() % 600_000) * 100
+
+
 class SlurmCluster:
   """munged, slurmctld and slurmd for one node (this machine), until :meth:`close`.
 
@@ -157,6 +164,7 @@ SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
+FirstJobId={_first_job_id()}
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
