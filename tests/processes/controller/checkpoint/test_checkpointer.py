@@ -258,15 +258,23 @@ def test_orbax_checkpoint_manager_with_the_sidecar_handler(cluster, tmp_path):
 
 
 def test_wait_reports_progress_while_a_save_is_written(tmp_path):
+  # Host 1 holds its write of step 1 until `go` exists (a fixed pause raced the first
+  # report on a loaded machine); the report that shows host 1 alone writing lets it go.
+  go = tmp_path / "go"
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="16MiB",
-                                    host_env={1: {"SIDECAR_CKPT_FAULT": "slow@1"}}) as c:
+                                    host_env={1: {"SIDECAR_CKPT_FAULT": f"slow@1:{go}"}}) as c:
     with c.controller() as ctl, ctl.checkpointer(tmp_path / "ck") as ckpt:
       lines = []
+
+      def report(line):
+        lines.append(line)
+        if "of 256.0 KiB" in line:  # host 0 is done: only host 1's half of w is left
+          go.touch()
       ckpt.save(1, make_state())
-      ckpt.wait(progress=lines.append)
+      ckpt.wait(progress=report)
       assert ckpt.all_steps() == [1]
   assert lines and all(l.startswith("saving step 1: ") and " durable (" in l for l in lines)
-  assert "0 B of 256.0 KiB" in lines[0]  # host 1 holds half of w; host 0 was done
+  assert any("0 B of 256.0 KiB" in line for line in lines), lines  # host 1 held, reported
 
 
 @pytest.mark.parametrize("if_busy", ["wait", "skip"])
