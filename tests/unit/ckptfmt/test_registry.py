@@ -125,6 +125,24 @@ def test_a_directory_with_a_checkpoint_marker_is_a_checkpoint(tmp_path, marker):
   assert formats_lib.is_checkpoint(tmp_path)
 
 
+def test_a_step_removed_while_it_is_looked_at_is_not_a_checkpoint(tmp_path, monkeypatch):
+  """Another host's retention removes step 3 between the check that it is a directory and
+  the listing of its items (seen beside a second suite: an Open failed with ENOENT)."""
+  step = tmp_path / "3"
+  (step / "default").mkdir(parents=True)
+  (step / "default" / "_METADATA").write_text("{}")
+  real = pathlib.Path.iterdir
+
+  def removed_first(self):
+    if self == step:
+      for p in sorted(step.rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+      step.rmdir()
+    return real(self)
+  monkeypatch.setattr(pathlib.Path, "iterdir", removed_first)
+  assert not formats_lib.is_checkpoint(step)
+
+
 def test_other_directories_are_not_checkpoints(tmp_path):
   """Nothing deeper than an item counts, nor a marker that is a directory, nor an item
   that is a symlink to a checkpoint elsewhere (delete would remove what it points to)."""

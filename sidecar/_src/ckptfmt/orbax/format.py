@@ -89,13 +89,18 @@ class OrbaxFormat(Format):
     return Uncommitted(tmp, step_dir, step_dir / path.relative_to(tmp))
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
-    """Orbax's markers or our manifest in ``path`` or one of its item directories."""
+    """Orbax's markers or our manifest in ``path`` or one of its item directories. A
+    step another host's retention removes while this looks is not one (no error)."""
     if not path.is_dir():
       return False
     if any((path / m).is_file() for m in self.markers):
       return True
+    try:
+      children = list(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+      return False  # removed (or replaced) since is_dir: not a checkpoint now
     return any(child.is_dir() and not child.is_symlink()
-               and any((child / m).is_file() for m in self.markers) for child in path.iterdir())
+               and any((child / m).is_file() for m in self.markers) for child in children)
 
   def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
     """An Orbax step directory asked for as a checkpoint of its own (a DCP reader's
