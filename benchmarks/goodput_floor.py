@@ -22,29 +22,20 @@ import sys
 import time
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", default="tiny")
-  parser.add_argument("--spawned", type=float, required=True,
-                      help="unix time at which the parent started this process")
-  parser.add_argument("--steps", type=int, default=0, help="device-resident steps to time")
-  args = parser.parse_args(argv)
-  marks = {"python": time.time()}
+def device_state(config_name: str, devices):
+  """model.py's state and one batch of ``config_name`` on ``devices`` (ready), and its
+  train step. Put from numpy, not init_state: its jit would add a compile of its own.
+  Parameters random as init's (all-zero ones drive the moments into denormals, slow on
+  CPU), optimizer state zeros as init's."""
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  marks["import jax"] = time.time()
-  devices = jax.devices()
-  marks["devices"] = time.time()
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"))
   import model
-  config = model.CONFIGS[args.config]
+  config = model.CONFIGS[config_name]
   mesh = Mesh(np.array(devices), ("data",))
   replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   optimizer = model.make_optimizer(config)
-  # Put from numpy, not init_state: its jit would add a compile of its own. Parameters
-  # random as init's (all-zero ones drive the moments into denormals, slow on CPU),
-  # optimizer state zeros as init's.
   rng = np.random.default_rng(0)
   shapes = model.abstract_state(config, optimizer)
   host = {"step": np.zeros((), np.int32),
@@ -58,6 +49,22 @@ def main(argv: list[str] | None = None) -> int:
                                              (config.batch_size, config.seq_len + 1))
   batch = jax.device_put({"tokens": tokens.astype(np.int32)}, rows)
   jax.block_until_ready((state, batch))
+  return state, batch, train_step
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", default="tiny")
+  parser.add_argument("--spawned", type=float, required=True,
+                      help="unix time at which the parent started this process")
+  parser.add_argument("--steps", type=int, default=0, help="device-resident steps to time")
+  args = parser.parse_args(argv)
+  marks = {"python": time.time()}
+  import jax
+  marks["import jax"] = time.time()
+  devices = jax.devices()
+  marks["devices"] = time.time()
+  state, batch, train_step = device_state(args.config, devices)
   marks["state"] = time.time()
   state, loss = train_step(state, batch)
   float(loss.addressable_data(0))

@@ -31,35 +31,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks import goodput_floor
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PHASES = ("reaped", "python", "imports", "devices", "state", "first step")
-
-
-def _state(config_name: str):
-  """model.py's state and one batch on the device, and its step (a child's work)."""
-  import jax
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  sys.path.insert(0, str(ROOT / "examples" / "lm"))
-  import model
-  config = model.CONFIGS[config_name]
-  mesh = Mesh(np.array(jax.devices()), ("data",))
-  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  optimizer = model.make_optimizer(config)
-  rng = np.random.default_rng(0)
-  shapes = model.abstract_state(config, optimizer)
-  host = {"step": np.zeros((), np.int32),
-          "params": jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(
-              s.dtype), shapes["params"]),
-          "opt": jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes["opt"])}
-  state = jax.device_put(host, replicated)
-  step = model.make_train_step(config, optimizer, state_sharding=replicated,
-                               batch_sharding=rows)
-  tokens = np.random.default_rng(0).integers(0, config.vocab_size,
-                                             (config.batch_size, config.seq_len + 1))
-  batch = jax.device_put({"tokens": tokens.astype(np.int32)}, rows)
-  jax.block_until_ready((state, batch))
-  return state, batch, step
 
 
 def _open_devices() -> int:
@@ -84,7 +59,7 @@ def child(mode: str, config: str, preload: list[str]) -> None:
   marks = {"python": time.time()}
   import importlib
 
-  import jax  # noqa: F401
+  import jax
   for name in preload:
     importlib.import_module(name)
   marks["imports"] = time.time()
@@ -94,7 +69,7 @@ def child(mode: str, config: str, preload: list[str]) -> None:
     marks["go"] = time.time()
   tries = _open_devices()
   marks["devices"] = time.time()
-  state, batch, step = _state(config)
+  state, batch, step = goodput_floor.device_state(config, jax.devices())
   marks["state"] = time.time()
   state, loss = step(state, batch)
   float(loss.addressable_data(0))
