@@ -237,9 +237,9 @@ class _Run:
   def _from_standby(self, rank: int, environ: dict[str, str]) -> subprocess.Popen | None:
     """``rank``'s standby, told to run with ``environ``; None where there is none (or it
     is gone: a fresh process is started instead)."""
-    proc, pump = self.standbys.pop(rank, (None, None))
-    if proc is None or pump is None:
+    if rank not in self.standbys:
       return None
+    proc, pump = self.standbys.pop(rank)
     try:
       if proc.poll() is not None:
         raise BrokenPipeError(f"it exited ({trainers.how(proc.returncode)})")
@@ -248,8 +248,7 @@ class _Run:
       proc.stdin.close()
     except OSError as e:
       self.say(f"rank {rank}'s standby process could not take over ({e}); starting a new one")
-      trainers.stop_groups({rank: proc.pid}, 0, self.say)
-      proc.wait()
+      _end_standby(proc, pump)
       return None
     self.threads.append(pump)
     return proc
@@ -257,10 +256,7 @@ class _Run:
   def stop_standbys(self, keep: Collection[int] = ()) -> None:
     """Ends the standby processes of ranks not in ``keep``: they only wait, so at once."""
     for rank in [r for r in self.standbys if r not in keep]:
-      proc, pump = self.standbys.pop(rank)
-      trainers.signal_group(proc.pid, signal.SIGKILL)
-      proc.wait()
-      pump.join(timeout=2.0)
+      _end_standby(*self.standbys.pop(rank))
 
   def _max_restarts(self) -> int:
     """How often the job may restart, as torchelastic's TORCHELASTIC_MAX_RESTARTS."""
@@ -421,6 +417,13 @@ class _Run:
   def on_signal(self, signum: int, frame) -> None:
     del frame
     self.events.put(_Exit(signum=signum))
+
+
+def _end_standby(proc: subprocess.Popen, pump: threading.Thread) -> None:
+  """Kills a standby process (it only waits), reaps it and ends its output's thread."""
+  trainers.signal_group(proc.pid, signal.SIGKILL)
+  proc.wait()
+  pump.join(timeout=2.0)
 
 
 def _processes(n: int) -> str:
