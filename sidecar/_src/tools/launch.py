@@ -65,6 +65,10 @@ Each trainer gets this environment added to the launcher's:
   JAX_ENABLE_PREEMPTION_SERVICE false, unless already set: JAX's preemption notifier
                                 catches SIGTERM, so a stopped trainer would run on until
                                 the SIGKILL after the grace
+  JAX_COMPILATION_CACHE_DIR     with restarts (--max-restarts, --elastic), unless already
+                                set: a directory of this launch (gone at its end), so a
+                                restarted trainer loads what the one before it compiled
+                                from JAX's persistent cache instead of compiling it again
 with SIDECAR_COORDINATOR_ADDRESS=127.0.0.1:<free port> (none for a job of one process, which
 runs without jax.distributed), SIDECAR_HOST_ID=SIDECAR_PROCESS_ID=i,
 SIDECAR_SLICE_ID=0, SIDECAR_LOCAL_DEVICES=--devices-per-host, SIDECAR_RESTART=0. SIDECAR_TOKEN

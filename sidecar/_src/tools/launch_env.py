@@ -13,6 +13,7 @@ from sidecar._src.tools.local import LocalCluster
 from sidecar._src.tools.torchrun import torchrun_env
 
 PREEMPTION_SERVICE = "JAX_ENABLE_PREEMPTION_SERVICE"
+COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 
 
 def free_port() -> int:
@@ -34,7 +35,9 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str | None,
 
   ``hosts`` are the host ids of the job, in order (default: every host of ``cluster``);
   the process ids (ranks) follow that order, ``procs_per_host`` per host, the local ranks
-  of one host in a row. ``restart`` is how often the job was restarted.
+  of one host in a row. ``restart`` is how often the job was restarted; ``max_restarts``
+  how often it may be (with any, JAX's persistent compilation cache gets a directory of
+  the cluster's unless ``base`` names one).
   """
   hosts = list(range(cluster.num_hosts)) if hosts is None else list(hosts)
   if not 0 <= local_rank < procs_per_host:
@@ -49,6 +52,11 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str | None,
   # catches SIGTERM (to sync a save at preemption, on Cloud TPU): a trainer stopped here
   # would go on until the SIGKILL after the grace, seconds of every elastic restart.
   result.setdefault(PREEMPTION_SERVICE, "false")
+  if max_restarts > 0:
+    # A restarted trainer reads what its predecessor compiled from JAX's persistent cache
+    # instead of compiling it again (seconds a restart on a TPU); one per launch, gone
+    # with the cluster's directory.
+    result.setdefault(COMPILATION_CACHE, cluster.scratch("jax-cache"))
   result.pop(env_lib.COORDINATOR_ADDRESS, None)
   if coordinator is not None:  # a job of one process has none
     result[env_lib.COORDINATOR_ADDRESS] = coordinator

@@ -261,6 +261,15 @@ class LocalCluster:
       raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
     return os.path.join(self._dir, "operator.token")
 
+  def scratch(self, name: str) -> str:
+    """Directory ``name`` in the cluster's own directory, made if missing; it goes with the
+    cluster (at close, or when a later cluster finds its owner dead)."""
+    if self._dir is None:
+      raise errors.ClosedError("this LocalCluster is not running; use it in a with block")
+    path = os.path.join(self._dir, name)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
   def log_path(self, host_id: int) -> str:
     """The file host ``host_id``'s sidecar writes its output to (a reload's result too)."""
     return self._path(host_id, "log")

@@ -5,6 +5,7 @@ The trainers are tests/support/train_restarts.py (saves, then process 1 fails) a
 tests/support/feed_restarts.py (a feed with worker processes, then SIGKILL).
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -165,3 +166,48 @@ def test_max_restarts_is_refused_with_elastic_alone():
     launch.run(["true"], hosts=2, elastic=True, max_restarts=1)
   with pytest.raises(errors.InvalidArgumentError, match="max_restarts must be an int >= 0"):
     launch.run(["true"], hosts=2, max_restarts=-1)
+
+
+# A trainer that compiles one program, says where JAX's persistent cache is, and fails on
+# its first start.
+_COMPILES = """
+import os, sys
+import jax, jax.numpy as jnp
+print("cache dir", jax.config.jax_compilation_cache_dir, flush=True)
+jax.jit(lambda x: jnp.sin(x) * 2)(jnp.arange(8.0)).block_until_ready()
+print("compiled", flush=True)
+sys.exit(3 if os.environ["SIDECAR_RESTART"] == "0" else 0)
+"""
+
+
+def _compiling(env: dict, max_restarts: int) -> list[str]:
+  """_COMPILES under --max-restarts, JAX logging each compile; its output per start."""
+  env = {**env, "JAX_LOG_COMPILES": "1", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  p = subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "1",
+                      "--max-restarts", str(max_restarts), "--", sys.executable, "-c", _COMPILES],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+  starts = p.stdout.split("cache dir ")[1:]
+  assert len(starts) == max_restarts + 1 and all("compiled" in s for s in starts), (
+      p.stdout + p.stderr)
+  return starts
+
+
+def test_a_restarted_trainer_loads_its_programs_from_the_launchs_compilation_cache():
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  first, second = _compiling(env, max_restarts=1)
+  hit = "Persistent compilation cache hit for 'jit__lambda'"
+  assert hit not in first and hit in second, (first, second)
+  directory = first.split()[0]
+  assert second.split()[0] == directory and os.path.isabs(directory)
+  assert not os.path.exists(directory)  # the launch's own: gone at its end
+  # Without restarts there is nothing to load again: JAX is left as it is.
+  (only,) = _compiling(env, max_restarts=0)
+  assert only.split()[0] == "None", only
+
+
+def test_a_compilation_cache_the_user_names_is_kept(tmp_path):
+  mine = tmp_path / "mine"
+  first, second = _compiling({**os.environ, "JAX_COMPILATION_CACHE_DIR": str(mine)}, 1)
+  assert first.split()[0] == second.split()[0] == str(mine)
+  assert "Persistent compilation cache hit for 'jit__lambda'" in second
+  assert any(mine.iterdir())  # the user's: kept
