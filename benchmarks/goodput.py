@@ -30,6 +30,9 @@ slow random steps on a shared machine); the interval is the smallest ``k`` at wh
 saving costs 1% of step time ``t``, ``k = ceil(100 * c / t)``, and
 never below ``k_cal`` (below it the cost was not measured). ``--rule young`` uses Young's
 optimum instead, ``sqrt(2 * c * mtbf)`` seconds of steps between saves.
+``--save-every SYSTEM=K`` gives an earlier run's interval and skips that calibration; a
+run of that system to step 2 then compiles its programs into the shared cache, so no
+system's timed run pays cold compiles that another's found cached.
 
 Goodput is computed the same way for both, from outside (``goodput_ledger.py``): the
 metrics lines, the processes' starts (``/proc``) and the kill times. Productive time is
@@ -382,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     for system, k in given.items():  # an earlier run's: its cost per save is not measured
       intervals[system] = (int(k), float("nan"))
       rates.setdefault(system, {})
+      # Calibration compiles each system's programs into the shared compilation cache;
+      # without it the first system timed would pay the cold compiles (on the v5e ~23 s
+      # at its first start, and ~11 s more at a restart whose predecessor died compiling)
+      # and the next would find them cached.
+      say(f"{system}: warming the compilation cache, no saves, to step 2")
+      job(system, f"{system}-warm", NEVER).run(until_step=2)
     report["calibration"].update(rates=rates, intervals=intervals, rule=args.rule)
     dump()
     runs, accounts = {}, {}
