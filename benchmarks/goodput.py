@@ -24,10 +24,10 @@ interpreter's start and those imports; its life counts from when it is told to r
 
 The save interval of each system comes from one rule and its own measured save cost:
 a calibration run saving every ``k_cal`` steps against one that never saves gives the
-training time lost per save ``c``: the median seconds of each step of the save period
-summed, less ``k_cal`` median steps of the run without saves (medians: other processes
-slow random steps on a shared machine); the interval is the smallest ``k`` at which
-saving costs 1% of step time ``t``, ``k = ceil(100 * c / t)``, and
+training time lost per save ``c``: ``k_cal`` times the mean step of the saving run less the
+mean step of the run without saves (steps over ten times their run's median left out:
+the machine's scheduling, not a save; ``goodput_ledger.save_cost``); the interval is the
+smallest ``k`` at which saving costs 1% of step time ``t``, ``k = ceil(100 * c / t)``, and
 never below ``k_cal`` (below it the cost was not measured). ``--rule young`` uses Young's
 optimum instead, ``sqrt(2 * c * mtbf)`` seconds of steps between saves.
 ``--save-every SYSTEM=K`` gives an earlier run's interval and skips that calibration; a
