@@ -198,9 +198,9 @@ def main() -> None:
       restored = same(target, state(rank, world, 2))
     except BaseException as e:
       restored = f"{type(e).__name__}: {e}"[:300]
-    say(saves=out, restored=restored, steps=ckpt.all_steps(),
-        listing=entries(directory))
-    ckpt.close()
+    steps = ckpt.all_steps()
+    ckpt.close()  # waits for step 2's end, where max_to_keep deletes step 1
+    say(saves=out, restored=restored, steps=steps, listing=entries(directory))
   dist.barrier()
   ctl.close()
 
