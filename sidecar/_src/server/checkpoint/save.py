@@ -497,7 +497,8 @@ class StepWriter:
     """Removes a committed step (max_to_keep); the sidecar does the I/O.
 
     Only a step directory a checkpoint wrote goes (one a registered format says is a
-    committed checkpoint of its own); anything else is refused.
+    committed checkpoint of its own); anything else is refused. A step another process
+    removes meanwhile (another host's retention) is gone, as asked: no error.
     """
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
@@ -507,13 +508,18 @@ class StepWriter:
     if not target.is_dir():
       return  # gone already
     if not formats_lib.is_checkpoint(target, self._formats):
+      if not target.exists():
+        return  # removed since is_dir (another host's retention): gone, as asked
       raise errors.InvalidArgumentError(
           f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
     # Renamed away first: a delete cut short leaves no half step under a step's name.
     gone = target.with_name(f".{target.name}{DELETING}{uuid.uuid4().hex[:8]}")
-    os.rename(target, gone)
+    try:
+      os.rename(target, gone)
+    except FileNotFoundError:
+      return  # another host's delete renamed it away first
     shutil.rmtree(gone, ignore_errors=True)
 
 

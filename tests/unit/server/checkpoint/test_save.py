@@ -1,4 +1,4 @@
-"""The host's save phases (begin, stage, prepared, commit, abort) through the step writer's
+"""The host's save phases (begin, stage, prepared, commit, abort, delete) through the step writer's
 seam, its format registry: the real Orbax format, its write wrapped to record what it is
 given and when, or to fail. Real files under tmp_path; no server, no processes."""
 
@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import threading
 
 import numpy as np
@@ -214,3 +215,33 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
   monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
   writer.begin(directory, 4, owner="a", alive=lambda: True)
   writer.begin(directory, 4, owner="b", alive=lambda: True)
+
+
+class Pruned(OrbaxFormat):
+  """The real Orbax format, with another host's delete of ``step`` run at the racy moment
+  ``when``: as the check that it is a checkpoint starts ("check"), or once that check said
+  it is one ("rename")."""
+
+  def __init__(self, step, when):
+    self.step, self.when = step, when
+
+  def is_checkpoint(self, path):
+    if path == self.step and self.when == "check":
+      shutil.rmtree(self.step)
+    found = super().is_checkpoint(path)
+    if path == self.step and self.when == "rename" and found:
+      shutil.rmtree(self.step)
+    return found
+
+
+@pytest.mark.parametrize("when", ["check", "rename"], ids=["before-its-check", "before-the-rename"])
+def test_a_step_another_delete_removes_meanwhile_is_gone_not_an_error(make_writer, tmp_path, when):
+  # Two retentions delete one step at once (a restarted job's and the old one's): the
+  # second found the step a directory, then it was gone before its check or its rename.
+  # It answered "not a checkpoint step directory" (or raised ENOENT); gone is what it asked.
+  step = tmp_path / "ck" / "3"
+  (step / spec_lib.ITEM).mkdir(parents=True)
+  (step / spec_lib.ITEM / spec_lib.METADATA_FILE).write_text("{}")
+  writer, _ = make_writer(Pruned(step, when))
+  writer.delete(str(tmp_path / "ck"), 3)
+  assert os.listdir(tmp_path / "ck") == []  # nothing half deleted is left either
