@@ -330,11 +330,16 @@ def old_path(path: os.PathLike | str) -> pathlib.Path:
 
 def recover(path: os.PathLike | str) -> bool:
   """Puts the replaced copy back at ``path`` if an overwrite was cut short between its two
-  renames (nothing at ``path``, a complete copy at :func:`old_path`); whether it did."""
+  renames (nothing at ``path``, a complete copy at :func:`old_path`); whether it did.
+  Another process that put it back first (another host's open of the same directory)
+  leaves nothing to do here."""
   path, old = pathlib.Path(path), old_path(path)
   if path.exists() or path.is_symlink() or not is_checkpoint(old):
     return False
-  os.rename(old, path)
+  try:
+    os.rename(old, path)
+  except FileNotFoundError:
+    return False  # renamed back by another process since the check
   direct_io.fsync_dir(path.parent)
   return True
 

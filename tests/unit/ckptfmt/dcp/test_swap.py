@@ -3,6 +3,7 @@ file system has one (``renameat2``'s exchange), and where it has none, two renam
 cut-short state the next open or save recovers, never deleting the only complete copy."""
 
 import os
+import pathlib
 
 import pytest
 
@@ -72,3 +73,28 @@ def test_a_sibling_no_save_made_is_never_removed(tmp_path):
   assert DcpFormat().sweep(tmp_path) == [tmp]
   commit(path, "one")
   assert sorted(os.listdir(path)) == [distcp.METADATA_FILE, "tag"]  # the mark is gone
+
+
+def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, monkeypatch):
+  """Two sidecars open one directory at once after an overwrite was cut short: both find
+  the old copy to put back, the other renames it first. This open's own rename then
+  found nothing (ENOENT failed the open); the copy is back, which is all it asked."""
+  from sidecar._src.ckptfmt.dcp.format import DcpFormat
+  monkeypatch.setattr(distcp, "_exchange", lambda a, b: False)
+  path = tmp_path / "ckpt"
+  commit(path, "old")
+
+  def die():
+    raise Killed
+  with pytest.raises(Killed):
+    commit(path, "new", swapping=die)
+  real, old = distcp.is_checkpoint, distcp.old_path(path)
+
+  def other_host_first(p):
+    found = real(p)
+    if found and pathlib.Path(p) == old:
+      os.rename(old, path)  # the other sidecar's recover, between this one's check and rename
+    return found
+  monkeypatch.setattr(distcp, "is_checkpoint", other_host_first)
+  assert DcpFormat().sweep(tmp_path) == [path.with_name("ckpt" + distcp.TMP_SUFFIX)]
+  assert (path / "tag").read_text() == "old" and not old.exists()
