@@ -311,9 +311,9 @@ def remove_ours(path: os.PathLike | str) -> None:
   it (:func:`is_ours`); nothing there is fine; anything else is left as it is and refused
   (PermissionDeniedError): a sidecar removes only what it made."""
   path = pathlib.Path(path)
-  if not (path.exists() or path.is_symlink()):
-    return
   if not is_ours(path):
+    if not (path.exists() or path.is_symlink()):
+      return  # nothing there, or removed since the look (another host's abort or open)
     raise errors.PermissionDeniedError(
         f"{path} is in the way of a DCP save and was not made by one (no {MADE_FILE} nor "
         f"{MANIFEST} in it); it is left as it is: move it away, or save the checkpoint "

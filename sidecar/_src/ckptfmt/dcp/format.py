@@ -102,7 +102,9 @@ class DcpFormat(Format):
     return (distcp.TMP_SUFFIX, distcp.OLD_SUFFIX)
 
   def made_here(self, tmp: pathlib.Path) -> bool:
-    return not tmp.exists() or distcp.is_ours(tmp)
+    # Ours, or nothing there: never made, or removed since the look by another host's
+    # abort (whose removal is one step: the directory renamed away, then its files).
+    return distcp.is_ours(tmp) or not tmp.exists()
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     return distcp.is_checkpoint(path)

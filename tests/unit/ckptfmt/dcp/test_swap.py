@@ -4,6 +4,7 @@ cut-short state the next open or save recovers, never deleting the only complete
 
 import os
 import pathlib
+import shutil
 
 import pytest
 
@@ -98,3 +99,20 @@ def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, mo
   monkeypatch.setattr(distcp, "is_checkpoint", other_host_first)
   assert DcpFormat().sweep(tmp_path) == [path.with_name("ckpt" + distcp.TMP_SUFFIX)]
   assert (path / "tag").read_text() == "old" and not old.exists()
+
+
+def test_a_leftover_another_host_removes_meanwhile_is_not_in_the_way(tmp_path, monkeypatch):
+  """A save begins where an attempt that never committed left its uncommitted directory,
+  while another host's open removes that leftover: found there, then gone before this
+  save looked for the mark of a save in it, it was refused as not made by one."""
+  path = tmp_path / "ckpt"
+  stale = distcp.create_tmp(path)
+  real, pending = distcp.is_ours, [stale]
+
+  def removed_first(p):
+    if pending and pathlib.Path(p) == stale:
+      shutil.rmtree(pending.pop())  # the other host's sweep
+    return real(p)
+  monkeypatch.setattr(distcp, "is_ours", removed_first)
+  assert distcp.create_tmp(path) == stale and not pending
+  assert (stale / distcp.MADE_FILE).is_file()  # made anew, by this save
