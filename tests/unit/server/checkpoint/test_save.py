@@ -5,6 +5,7 @@ given and when, or to fail. Real files under tmp_path; no server, no processes."
 import errno
 import json
 import os
+import pathlib
 import re
 import shutil
 import threading
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
+from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
@@ -245,3 +247,43 @@ def test_a_step_another_delete_removes_meanwhile_is_gone_not_an_error(make_write
   writer, _ = make_writer(Pruned(step, when))
   writer.delete(str(tmp_path / "ck"), 3)
   assert os.listdir(tmp_path / "ck") == []  # nothing half deleted is left either
+
+
+def test_an_abort_another_hosts_abort_finishes_first_is_not_refused(
+    make_writer, tmp_path, monkeypatch):
+  # Every host aborts a failed DCP save of one directory on shared storage at once. This
+  # one found the uncommitted directory there, then the other's removal took it before
+  # this one looked for the mark of a save in it: refused as "not made by a save".
+  writer, _ = make_writer(Recording())
+  tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
+  real, pending = distcp.is_ours, [tmp]
+
+  def removed_first(path):
+    if pending and pathlib.Path(path) == tmp:
+      shutil.rmtree(pending.pop())  # the other host's abort
+    return real(path)
+  monkeypatch.setattr(distcp, "is_ours", removed_first)
+  writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
+  assert not pending and os.listdir(tmp_path / "ck") == []
+
+
+@pytest.mark.parametrize("how", ["abort", "open"], ids=["abort", "open-sweep"])
+def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_path, monkeypatch,
+                                                             how):
+  # Another host that looks while this one removes a DCP save's uncommitted directory
+  # must find it whole (with its mark of a save) or gone: its name goes before its files.
+  writer, _ = make_writer(Recording())
+  tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
+  real, seen = shutil.rmtree, []
+
+  def watched(path, *args, **kwargs):
+    seen.append((pathlib.Path(path).name, tmp.exists()))
+    return real(path, *args, **kwargs)
+  monkeypatch.setattr(checkpoint_save.shutil, "rmtree", watched)
+  if how == "abort":
+    writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
+  else:
+    writer.open(str(tmp_path / "ck"))
+  assert [there for _, there in seen] == [False]  # its name was gone when its files went
+  assert seen[0][0].startswith(f".{tmp.name}{checkpoint_save.DELETING}")
+  assert os.listdir(tmp_path / "ck") == []
