@@ -1,8 +1,10 @@
 """The format registry: formats by name, by their uncommitted and committed directories,
 and what a sweep puts back (tests/processes/ckptfmt/test_no_orbax.py: DCP without Orbax)."""
 
+import os
 import pathlib
 import re
+import shutil
 
 import pytest
 
@@ -141,6 +143,34 @@ def test_a_step_removed_while_it_is_looked_at_is_not_a_checkpoint(tmp_path, monk
     return real(self)
   monkeypatch.setattr(pathlib.Path, "iterdir", removed_first)
   assert not formats_lib.is_checkpoint(step)
+
+
+@pytest.mark.parametrize("files,asked,listing", [
+    (("default/_METADATA",), ".", (pathlib.Path, "iterdir")),
+    ((".metadata", "__0_0.distcp"), "default", (os, "scandir"))],
+    ids=["orbax-step-asked-by-dcp", "dcp-step-asked-by-orbax"])
+def test_a_step_removed_while_a_reader_of_another_format_looks_is_gone_not_an_error(
+    tmp_path, monkeypatch, files, asked, listing):
+  """A restore names a step of another format's layout while another host's retention
+  removes it, between the check that it is one and the listing of its files: not ENOENT
+  (nor a step of another format), but what a step that is not there gets."""
+  step = tmp_path / "3"
+  for name in files:
+    (step / name).parent.mkdir(parents=True, exist_ok=True)
+    (step / name).write_text("{}")
+  owner, attr = listing
+  real, pending = getattr(owner, attr), [step]
+
+  def removed_first(path):
+    if pending and pathlib.Path(path) == step:
+      shutil.rmtree(pending.pop())
+    return real(path)
+  monkeypatch.setattr(owner, attr, removed_first)
+  final_dir = str(step / asked)
+  formats_lib.DEFAULT.check_read(final_dir)  # nothing of another format there now
+  assert not pending  # the step went at the racy moment
+  with pytest.raises(errors.InvalidArgumentError, match=r"3\S* is not a committed checkpoint"):
+    formats_lib.DEFAULT.of_committed(final_dir)
 
 
 def test_other_directories_are_not_checkpoints(tmp_path):

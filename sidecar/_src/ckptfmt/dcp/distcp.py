@@ -311,9 +311,9 @@ def remove_ours(path: os.PathLike | str) -> None:
   it (:func:`is_ours`); nothing there is fine; anything else is left as it is and refused
   (PermissionDeniedError): a sidecar removes only what it made."""
   path = pathlib.Path(path)
-  if not (path.exists() or path.is_symlink()):
-    return
   if not is_ours(path):
+    if not (path.exists() or path.is_symlink()):
+      return  # nothing there, or removed since the look (another host's abort or open)
     raise errors.PermissionDeniedError(
         f"{path} is in the way of a DCP save and was not made by one (no {MADE_FILE} nor "
         f"{MANIFEST} in it); it is left as it is: move it away, or save the checkpoint "
@@ -330,11 +330,16 @@ def old_path(path: os.PathLike | str) -> pathlib.Path:
 
 def recover(path: os.PathLike | str) -> bool:
   """Puts the replaced copy back at ``path`` if an overwrite was cut short between its two
-  renames (nothing at ``path``, a complete copy at :func:`old_path`); whether it did."""
+  renames (nothing at ``path``, a complete copy at :func:`old_path`); whether it did.
+  Another process that put it back first (another host's open of the same directory)
+  leaves nothing to do here."""
   path, old = pathlib.Path(path), old_path(path)
   if path.exists() or path.is_symlink() or not is_checkpoint(old):
     return False
-  os.rename(old, path)
+  try:
+    os.rename(old, path)
+  except FileNotFoundError:
+    return False  # renamed back by another process since the check
   direct_io.fsync_dir(path.parent)
   return True
 

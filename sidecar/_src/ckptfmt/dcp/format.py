@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 import queue
 import threading
@@ -101,17 +102,24 @@ class DcpFormat(Format):
     return (distcp.TMP_SUFFIX, distcp.OLD_SUFFIX)
 
   def made_here(self, tmp: pathlib.Path) -> bool:
-    return not tmp.exists() or distcp.is_ours(tmp)
+    # Ours, or nothing there: never made, or removed since the look by another host's
+    # abort (whose removal is one step: the directory renamed away, then its files).
+    return distcp.is_ours(tmp) or not tmp.exists()
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     return distcp.is_checkpoint(path)
 
   def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
-    """An item asked for inside a DCP step (an Orbax reader's ``<step>/default``)."""
+    """An item asked for inside a DCP step (an Orbax reader's ``<step>/default``). A step
+    another host's retention removes while this looks is not one (no error)."""
     step = final_dir.parent
     if final_dir.exists() or not distcp.is_checkpoint(step):
       return None
-    files = sorted(p.name for p in step.glob("*.distcp"))
+    try:
+      with os.scandir(step) as entries:
+        files = sorted(e.name for e in entries if e.name.endswith(".distcp"))
+    except (FileNotFoundError, NotADirectoryError):
+      return None  # removed (or replaced) since its check: nothing there to misread
     return step, [distcp.METADATA_FILE, *files[:2], *(["..."] if len(files) > 2 else [])]
 
   def numbering(self, leaves: Sequence[LeafSpec]) -> ItemNumbering:

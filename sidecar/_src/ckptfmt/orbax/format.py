@@ -104,12 +104,17 @@ class OrbaxFormat(Format):
 
   def misread(self, final_dir: pathlib.Path) -> tuple[pathlib.Path, list[str]] | None:
     """An Orbax step directory asked for as a checkpoint of its own (a DCP reader's
-    ``<step>``): Orbax's readers read its item, never the step."""
+    ``<step>``): Orbax's readers read its item, never the step. A step another host's
+    retention removes while this looks is not one (no error)."""
     if not final_dir.is_dir() or any((final_dir / m).is_file()
                                      for m in (METADATA_FILE, records.MANIFEST_FILE)):
       return None  # not there, or an item itself
     shown = [m for m in MARKERS[:1] if (final_dir / m).is_file()]
-    shown += [f"{c.name}/" for c in sorted(final_dir.iterdir())
+    try:
+      children = sorted(final_dir.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+      return None  # removed (or replaced) since is_dir: nothing there to misread
+    shown += [f"{c.name}/" for c in children
               if c.is_dir() and any((c / m).is_file() for m in MARKERS)]
     return (final_dir, shown) if shown else None
 

@@ -38,10 +38,11 @@ def owner_of(path: str) -> str | None:
   """The owner recorded in the directory ``path`` (its :data:`OWNER_FILE`), or None.
 
   A marker that is not a plain file (a symlink, say) is someone's too: it reads as its
-  link text, which names no tenant, so no tenant opens the directory."""
+  link text, which names no tenant, so no tenant opens the directory. A directory that
+  is gone, or is no directory now (removed or replaced since a walk listed it), has none."""
   try:
     fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):
     return None
   except OSError as e:  # ELOOP: a symlink where the marker goes
     return f"<unreadable owner file: {e.strerror}>"

@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 # waits longer than this for the next one gives up and lets the staged blocks go (the
 # trainer died or hung mid-save).
 STAGE_TIMEOUT_S = 60.0
-DELETING = ".sidecar-deleting-"  # a step being deleted: ``.<step>.sidecar-deleting-<id>``
+# A directory being removed (a step deleted, an uncommitted one aborted or swept):
+# ``.<name>.sidecar-deleting-<id>``, swept by the next open where a removal was cut short.
+DELETING = ".sidecar-deleting-"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ class StepWriter:
           f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
           "mount the same volume in the sidecar container)") from None
     for gone in path.glob(f".*{DELETING}*") if sweep else ():
-      shutil.rmtree(gone, ignore_errors=True)  # a delete cut short
+      shutil.rmtree(gone, ignore_errors=True)  # a removal cut short
     tmps = [t for f in self._formats.formats.values() for t in f.sweep(path)] if sweep else []
     for tmp in tmps:
       with self._tier.lock:
@@ -124,7 +126,7 @@ class StepWriter:
                         for s in self._tier.steps.values())
       in_flight = in_flight or self._in_flight_at(pathlib.Path(os.path.realpath(tmp)))
       if not in_flight:  # a step whose save crashed before its commit
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dir(tmp)
         log.warning("removed %s, left by a save that never committed", tmp)
     with self._tier.lock:
       self._tier.ram_steps[directory] = (ram_steps, ram_budget)
@@ -491,13 +493,14 @@ class StepWriter:
       record.done.wait(60)
       record.shards.clear()  # the staged blocks go back to the arena
     self._ended(pathlib.Path(path))
-    shutil.rmtree(path, ignore_errors=True)
+    _remove_dir(pathlib.Path(path))
 
   def delete(self, directory: str, step: int) -> None:
     """Removes a committed step (max_to_keep); the sidecar does the I/O.
 
     Only a step directory a checkpoint wrote goes (one a registered format says is a
-    committed checkpoint of its own); anything else is refused.
+    committed checkpoint of its own); anything else is refused. A step another process
+    removes meanwhile (another host's retention) is gone, as asked: no error.
     """
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
@@ -507,14 +510,30 @@ class StepWriter:
     if not target.is_dir():
       return  # gone already
     if not formats_lib.is_checkpoint(target, self._formats):
+      if not target.exists():
+        return  # removed since is_dir (another host's retention): gone, as asked
       raise errors.InvalidArgumentError(
           f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
-    # Renamed away first: a delete cut short leaves no half step under a step's name.
-    gone = target.with_name(f".{target.name}{DELETING}{uuid.uuid4().hex[:8]}")
-    os.rename(target, gone)
-    shutil.rmtree(gone, ignore_errors=True)
+    _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+
+
+def _remove_dir(path: pathlib.Path) -> None:
+  """Removes the directory ``path`` in one step for whoever looks at it meanwhile:
+  renamed away first (:data:`DELETING`), then its files. Nobody finds it half removed
+  (a step with no marker, a DCP save's uncommitted directory with no mark of a save,
+  which another host's abort would refuse), and a removal cut short leaves nothing under
+  its name. Gone already, or taken by another process's removal meanwhile, is no error;
+  what is no directory (a file, a symlink) is left as it is."""
+  try:
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+      return
+    gone = path.with_name(f".{path.name}{DELETING}{uuid.uuid4().hex[:8]}")
+    os.rename(path, gone)
+  except (FileNotFoundError, NotADirectoryError):
+    return
+  shutil.rmtree(gone, ignore_errors=True)
 
 
 def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> errors.SidecarError:

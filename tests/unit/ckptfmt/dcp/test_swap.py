@@ -3,6 +3,8 @@ file system has one (``renameat2``'s exchange), and where it has none, two renam
 cut-short state the next open or save recovers, never deleting the only complete copy."""
 
 import os
+import pathlib
+import shutil
 
 import pytest
 
@@ -72,3 +74,45 @@ def test_a_sibling_no_save_made_is_never_removed(tmp_path):
   assert DcpFormat().sweep(tmp_path) == [tmp]
   commit(path, "one")
   assert sorted(os.listdir(path)) == [distcp.METADATA_FILE, "tag"]  # the mark is gone
+
+
+def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, monkeypatch):
+  """Two sidecars open one directory at once after an overwrite was cut short: both find
+  the old copy to put back, the other renames it first. This open's own rename then
+  found nothing (ENOENT failed the open); the copy is back, which is all it asked."""
+  from sidecar._src.ckptfmt.dcp.format import DcpFormat
+  monkeypatch.setattr(distcp, "_exchange", lambda a, b: False)
+  path = tmp_path / "ckpt"
+  commit(path, "old")
+
+  def die():
+    raise Killed
+  with pytest.raises(Killed):
+    commit(path, "new", swapping=die)
+  real, old = distcp.is_checkpoint, distcp.old_path(path)
+
+  def other_host_first(p):
+    found = real(p)
+    if found and pathlib.Path(p) == old:
+      os.rename(old, path)  # the other sidecar's recover, between this one's check and rename
+    return found
+  monkeypatch.setattr(distcp, "is_checkpoint", other_host_first)
+  assert DcpFormat().sweep(tmp_path) == [path.with_name("ckpt" + distcp.TMP_SUFFIX)]
+  assert (path / "tag").read_text() == "old" and not old.exists()
+
+
+def test_a_leftover_another_host_removes_meanwhile_is_not_in_the_way(tmp_path, monkeypatch):
+  """A save begins where an attempt that never committed left its uncommitted directory,
+  while another host's open removes that leftover: found there, then gone before this
+  save looked for the mark of a save in it, it was refused as not made by one."""
+  path = tmp_path / "ckpt"
+  stale = distcp.create_tmp(path)
+  real, pending = distcp.is_ours, [stale]
+
+  def removed_first(p):
+    if pending and pathlib.Path(p) == stale:
+      shutil.rmtree(pending.pop())  # the other host's sweep
+    return real(p)
+  monkeypatch.setattr(distcp, "is_ours", removed_first)
+  assert distcp.create_tmp(path) == stale and not pending
+  assert (stale / distcp.MADE_FILE).is_file()  # made anew, by this save

@@ -137,3 +137,22 @@ def test_a_claim_is_never_seen_half_written(tmp_path, monkeypatch):
   assert roots_lib.owner_of(str(tmp_path)) == "alice"
   assert roots_lib.claim(str(tmp_path), "bob") == "alice"
   assert sorted(os.listdir(tmp_path)) == [roots_lib.OWNER_FILE]  # nothing staged is left
+
+
+def test_the_owners_walk_takes_an_entry_replaced_meanwhile_for_no_owner(tmp_path, monkeypatch):
+  # The walk lists ck/5 as a directory; before it reads the owner file inside, ck/5 is
+  # removed and a file takes its name. ENOTDIR read as an unreadable owner file, someone
+  # else's: the open was refused over a directory that no longer was one.
+  (tmp_path / "ck" / "5").mkdir(parents=True)
+  marker = os.path.join(tmp_path, "ck", "5", roots_lib.OWNER_FILE)
+  real, pending = os.open, [tmp_path / "ck" / "5"]
+
+  def replaced_first(path, *args, **kwargs):
+    if pending and path == marker:
+      gone = pending.pop()
+      gone.rmdir()
+      gone.write_text("not a directory now")
+    return real(path, *args, **kwargs)
+  monkeypatch.setattr(roots_lib.os, "open", replaced_first)
+  assert roots_lib.foreign_owner(str(tmp_path / "ck"), str(tmp_path), "alice") is None
+  assert not pending  # replaced at the racy moment

@@ -1,17 +1,20 @@
-"""The host's save phases (begin, stage, prepared, commit, abort) through the step writer's
+"""The host's save phases (begin, stage, prepared, commit, abort, delete) through the step writer's
 seam, its format registry: the real Orbax format, its write wrapped to record what it is
 given and when, or to fail. Real files under tmp_path; no server, no processes."""
 
 import errno
 import json
 import os
+import pathlib
 import re
+import shutil
 import threading
 
 import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
+from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
@@ -214,3 +217,73 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
   monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
   writer.begin(directory, 4, owner="a", alive=lambda: True)
   writer.begin(directory, 4, owner="b", alive=lambda: True)
+
+
+class Pruned(OrbaxFormat):
+  """The real Orbax format, with another host's delete of ``step`` run at the racy moment
+  ``when``: as the check that it is a checkpoint starts ("check"), or once that check said
+  it is one ("rename")."""
+
+  def __init__(self, step, when):
+    self.step, self.when = step, when
+
+  def is_checkpoint(self, path):
+    if path == self.step and self.when == "check":
+      shutil.rmtree(self.step)
+    found = super().is_checkpoint(path)
+    if path == self.step and self.when == "rename" and found:
+      shutil.rmtree(self.step)
+    return found
+
+
+@pytest.mark.parametrize("when", ["check", "rename"], ids=["before-its-check", "before-the-rename"])
+def test_a_step_another_delete_removes_meanwhile_is_gone_not_an_error(make_writer, tmp_path, when):
+  # Two retentions delete one step at once (a restarted job's and the old one's): the
+  # second found the step a directory, then it was gone before its check or its rename.
+  # It answered "not a checkpoint step directory" (or raised ENOENT); gone is what it asked.
+  step = tmp_path / "ck" / "3"
+  (step / spec_lib.ITEM).mkdir(parents=True)
+  (step / spec_lib.ITEM / spec_lib.METADATA_FILE).write_text("{}")
+  writer, _ = make_writer(Pruned(step, when))
+  writer.delete(str(tmp_path / "ck"), 3)
+  assert os.listdir(tmp_path / "ck") == []  # nothing half deleted is left either
+
+
+def test_an_abort_another_hosts_abort_finishes_first_is_not_refused(
+    make_writer, tmp_path, monkeypatch):
+  # Every host aborts a failed DCP save of one directory on shared storage at once. This
+  # one found the uncommitted directory there, then the other's removal took it before
+  # this one looked for the mark of a save in it: refused as "not made by a save".
+  writer, _ = make_writer(Recording())
+  tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
+  real, pending = distcp.is_ours, [tmp]
+
+  def removed_first(path):
+    if pending and pathlib.Path(path) == tmp:
+      shutil.rmtree(pending.pop())  # the other host's abort
+    return real(path)
+  monkeypatch.setattr(distcp, "is_ours", removed_first)
+  writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
+  assert not pending and os.listdir(tmp_path / "ck") == []
+
+
+@pytest.mark.parametrize("how", ["abort", "open"], ids=["abort", "open-sweep"])
+def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_path, monkeypatch,
+                                                             how):
+  # Another host that looks while this one removes a DCP save's uncommitted directory
+  # must find it whole (with its mark of a save) or gone: its name goes before its files.
+  writer, _ = make_writer(Recording())
+  tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
+  real, seen = shutil.rmtree, []
+
+  def watched(path, *args, **kwargs):
+    seen.append((pathlib.Path(path).name, tmp.exists()))
+    return real(path, *args, **kwargs)
+  monkeypatch.setattr(checkpoint_save.shutil, "rmtree", watched)
+  if how == "abort":
+    writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
+  else:
+    writer.open(str(tmp_path / "ck"))
+  assert [there for _, there in seen] == [False]  # its name was gone when its files went
+  assert seen[0][0].startswith(f".{tmp.name}{checkpoint_save.DELETING}")
+  assert os.listdir(tmp_path / "ck") == []
