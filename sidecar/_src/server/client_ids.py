@@ -16,23 +16,41 @@ A ticket is ``pid.start.mac``: an HMAC, under a key of this sidecar's run, of th
 the process's start time, so it names only the process that asked for it and dies with
 it (a reused pid has another start time). It grants nothing else: the handshake still
 needs its token. A client asks for its ticket with ``ipc.fetch_ticket``.
+
+A client that the abstract socket cannot reach (another network namespace, where the name
+does not exist; the name taken by another process; a non-Python client) asks for a ticket
+in its handshake instead (``HandshakeRequest.ticket``): :class:`Fetched` tells it one in
+the answer, authenticated as the connection is (the tenant its token names), and holds
+that handshake's session by it. Later handshakes present it (``protocol.TICKET_KEY``) with
+the same tenant's token; forged, or with another tenant's token, it counts as no ticket.
+A fetched ticket is ``n.mac``: a number of this sidecar's run and an HMAC of it and its
+tenant, so neither a guessed number nor a ticket of another tenant holds. Unlike a pid
+ticket it names no process, so the sidecar keeps each one, and bounds them (see
+:class:`Fetched`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
+import itertools
 import logging
 import secrets
 import socket
 import threading
+import time
+from collections.abc import Callable
 
+from sidecar._src.core import errors
+from sidecar._src.server import limits
 from sidecar._src.wire import ipc
 
 log = logging.getLogger(__name__)
 
 ANONYMOUS = "unix:"  # the holder of Unix-socket sessions with no ticket (no tenant named)
+FETCHED = "ticket:"  # a fetched ticket's holder: ticket:N (of a tenant: ticket:N@bob)
 _MAX_TICKET = ipc.MAX_TICKET
 
 
@@ -79,6 +97,120 @@ class Tickets:
     if start_time(pid) != start or not hmac.compare_digest(mac, self._mac(pid, start)):
       return ANONYMOUS
     return f"pid:{pid}"
+
+
+@dataclasses.dataclass(slots=True)
+class _Kept:
+  """A live fetched ticket: its tenant, and when it was last seen holding a session."""
+  tenant: str | None
+  seen: float
+
+
+class Fetched:
+  """Tickets told in a handshake's answer (see the module's docstring), and their bound.
+
+  A tenant keeps at most :meth:`bound` live tickets: half the most sessions it may hold
+  (``Sessions.tenant_limit``: its ``sessions`` quota, its share by weight, or
+  ``max_sessions``), so tickets that each hold one session fill at most half of them and
+  the rest stays for holders that a full table makes room from. A ticket whose holder has
+  held no live session for ``idle_s`` (``session_evict_s``) is retired when its tenant
+  next asks; at the bound the tenant's own ticket that held one the longest ago is retired
+  first, if it holds none now; else the ask is refused. Another tenant's tickets are never
+  touched. A retired ticket counts as none, and a handshake that presents it and asks
+  again gets a new one: nothing a client holds depends on one ticket living.
+  """
+
+  def __init__(self, sessions: limits.Sessions, *, idle_s: float,
+               clock: Callable[[], float] = time.monotonic):
+    self._sessions = sessions
+    self.idle_s = idle_s
+    self._clock = clock
+    self._key = secrets.token_bytes(32)
+    self._numbers = itertools.count(1)
+    self._lock = threading.Lock()
+    self._kept: dict[int, _Kept] = {}
+
+  def _mac(self, number: int, tenant: str | None) -> str:
+    # repr tells None (the one shared token) from a tenant named "None".
+    return hmac.new(self._key, f"{number}.{tenant!r}".encode(),
+                    hashlib.sha256).hexdigest()[:32]
+
+  def bound(self, tenant: str | None) -> int:
+    """The most live tickets ``tenant`` keeps (see the class docstring)."""
+    return max(1, self._sessions.tenant_limit(tenant) // 2)
+
+  def holder(self, ticket: object, tenant: str | None) -> str | None:
+    """``ticket:N`` for a live ticket told to ``tenant``, else None (none, forged, retired,
+    or another tenant's)."""
+    if not isinstance(ticket, str) or len(ticket) > _MAX_TICKET:
+      return None
+    number_text, _, mac = ticket.partition(".")
+    try:
+      number = int(number_text)
+    except ValueError:
+      return None
+    if not hmac.compare_digest(mac, self._mac(number, tenant)):
+      return None
+    with self._lock:
+      kept = self._kept.get(number)
+      if kept is None or kept.tenant != tenant:
+        return None
+      kept.seen = self._clock()  # about to hold a session
+    return f"{FETCHED}{number}"
+
+  def issue(self, tenant: str | None) -> tuple[str, str]:
+    """A new ticket of ``tenant`` and its holder (``ticket:N``).
+
+    Raises:
+      ResourceExhaustedError: the tenant keeps its bound of tickets, each holding a live
+        session (the message names the bound and what sets it).
+    """
+    with self._lock:
+      now = self._clock()
+      mine = {n: k for n, k in self._kept.items() if k.tenant == tenant}
+      idle = []
+      for n, kept in mine.items():
+        if self._sessions.holds(self._held_by(n, tenant)):
+          kept.seen = now
+        elif now - kept.seen >= self.idle_s:
+          del self._kept[n]
+        else:
+          idle.append(n)
+      bound = self.bound(tenant)
+      if sum(n in self._kept for n in mine) >= bound:
+        if not idle:
+          raise errors.ResourceExhaustedError(self._full(tenant, bound))
+        del self._kept[min(idle, key=lambda n: self._kept[n].seen)]
+      number = next(self._numbers)
+      self._kept[number] = _Kept(tenant, now)
+    return f"{number}.{self._mac(number, tenant)}", f"{FETCHED}{number}"
+
+  @staticmethod
+  def _held_by(number: int, tenant: str | None) -> str:
+    return held_by(f"{FETCHED}{number}", tenant)
+
+  def _full(self, tenant: str | None, bound: int) -> str:
+    who = "this sidecar's clients" if tenant is None else f"tenant {tenant!r}"
+    return (f"{who} keep {bound} tickets, each holding a live session: the most they keep "
+            f"(half of {self._sessions.tenant_limit(tenant)}, the most sessions they may "
+            "hold); close Controllers that are done, or handshake without asking for a "
+            "ticket (HandshakeRequest.ticket)")
+
+  def revoke(self, tenant: str) -> int:
+    """Retires every ticket of ``tenant`` (removed from the pool); how many."""
+    with self._lock:
+      mine = [n for n, k in self._kept.items() if k.tenant == tenant]
+      for n in mine:
+        del self._kept[n]
+      return len(mine)
+
+  def count_of(self) -> dict[str | None, int]:
+    """Live tickets per tenant."""
+    with self._lock:
+      out: dict[str | None, int] = {}
+      for kept in self._kept.values():
+        out[kept.tenant] = out.get(kept.tenant, 0) + 1
+      return out
 
 
 class Listener:

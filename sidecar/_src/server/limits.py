@@ -288,6 +288,17 @@ class Sessions:
           "more than one; handshake again later, or raise max_sessions")
     self._drop(oldest)
 
+  def tenant_limit(self, client: str | None) -> int:
+    """The most sessions tenant ``client`` may hold: its quota (a pool file's
+    ``sessions``, or its share by weight), else ``limit``."""
+    quota = self._quota(client)
+    return self.limit if quota is None else min(quota[0], self.limit)
+
+  def holds(self, holder: str) -> bool:
+    """Whether ``holder`` holds a live session now."""
+    with self._lock:
+      return self._held[holder] > 0
+
   def _quota(self, client: str | None) -> tuple[int, str] | None:
     """Tenant ``client``'s most sessions, and what sets it; None: no quota."""
     if self._tenancy is None or client is None:
