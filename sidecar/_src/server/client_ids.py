@@ -32,7 +32,6 @@ ticket it names no process, so the sidecar keeps each one, and bounds them (see
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import hmac
 import itertools
@@ -51,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ANONYMOUS = "unix:"  # the holder of Unix-socket sessions with no ticket (no tenant named)
 FETCHED = "ticket:"  # a fetched ticket's holder: ticket:N (of a tenant: ticket:N@bob)
+FULL_RECHECK_S = 1.0  # at its bound, a tenant's tickets are looked over at most this often
 _MAX_TICKET = ipc.MAX_TICKET
 
 
@@ -99,13 +99,6 @@ class Tickets:
     return f"pid:{pid}"
 
 
-@dataclasses.dataclass(slots=True)
-class _Kept:
-  """A live fetched ticket: its tenant, and when it was last seen holding a session."""
-  tenant: str | None
-  seen: float
-
-
 class Fetched:
   """Tickets told in a handshake's answer (see the module's docstring), and their bound.
 
@@ -114,10 +107,13 @@ class Fetched:
   ``max_sessions``), so tickets that each hold one session fill at most half of them and
   the rest stays for holders that a full table makes room from. A ticket whose holder has
   held no live session for ``idle_s`` (``session_evict_s``) is retired when its tenant
-  next asks; at the bound the tenant's own ticket that held one the longest ago is retired
-  first, if it holds none now; else the ask is refused. Another tenant's tickets are never
-  touched. A retired ticket counts as none, and a handshake that presents it and asks
-  again gets a new one: nothing a client holds depends on one ticket living.
+  next asks (looked for once per ``idle_s``); at the bound the tenant's own ticket that
+  held one the longest ago is retired first, if it holds none now; else the ask is
+  refused, and asks within ``FULL_RECHECK_S`` of that look are refused without another
+  (a look costs a pass over the tenant's tickets: a flood of asks at the bound pays one a
+  second). Another tenant's tickets are never touched. A retired
+  ticket counts as none, and a handshake that presents it and asks again gets a new one:
+  nothing a client holds depends on one ticket living.
   """
 
   def __init__(self, sessions: limits.Sessions, *, idle_s: float,
@@ -128,7 +124,9 @@ class Fetched:
     self._key = secrets.token_bytes(32)
     self._numbers = itertools.count(1)
     self._lock = threading.Lock()
-    self._kept: dict[int, _Kept] = {}
+    # Per tenant: its live tickets' numbers, and when each was last seen holding a session.
+    self._kept: dict[str | None, dict[int, float]] = {}
+    self._swept: dict[str | None, float] = {}  # per tenant: when its idle ones were looked for
 
   def _mac(self, number: int, tenant: str | None) -> str:
     # repr tells None (the one shared token) from a tenant named "None".
@@ -152,10 +150,10 @@ class Fetched:
     if not hmac.compare_digest(mac, self._mac(number, tenant)):
       return None
     with self._lock:
-      kept = self._kept.get(number)
-      if kept is None or kept.tenant != tenant:
+      mine = self._kept.get(tenant, {})
+      if number not in mine:
         return None
-      kept.seen = self._clock()  # about to hold a session
+      mine[number] = self._clock()  # about to hold a session
     return f"{FETCHED}{number}"
 
   def issue(self, tenant: str | None) -> tuple[str, str]:
@@ -165,25 +163,37 @@ class Fetched:
       ResourceExhaustedError: the tenant keeps its bound of tickets, each holding a live
         session (the message names the bound and what sets it).
     """
+    bound = self.bound(tenant)
     with self._lock:
       now = self._clock()
-      mine = {n: k for n, k in self._kept.items() if k.tenant == tenant}
-      idle = []
-      for n, kept in mine.items():
-        if self._sessions.holds(self._held_by(n, tenant)):
-          kept.seen = now
-        elif now - kept.seen >= self.idle_s:
-          del self._kept[n]
-        else:
-          idle.append(n)
-      bound = self.bound(tenant)
-      if sum(n in self._kept for n in mine) >= bound:
-        if not idle:
-          raise errors.ResourceExhaustedError(self._full(tenant, bound))
-        del self._kept[min(idle, key=lambda n: self._kept[n].seen)]
+      mine = self._kept.setdefault(tenant, {})
+      since = now - self._swept.get(tenant, now)
+      if since >= self.idle_s or (len(mine) >= bound and since >= FULL_RECHECK_S):
+        self._retire(tenant, mine, now, bound)
+      if len(mine) >= bound:
+        raise errors.ResourceExhaustedError(self._full(tenant, bound))
+      self._swept.setdefault(tenant, now)
       number = next(self._numbers)
-      self._kept[number] = _Kept(tenant, now)
+      mine[number] = now
     return f"{number}.{self._mac(number, tenant)}", f"{FETCHED}{number}"
+
+  def _retire(self, tenant: str | None, mine: dict[int, float], now: float,
+              bound: int) -> None:
+    """Retires ``tenant``'s tickets that held no session for ``idle_s``; at ``bound``, its
+    one that held one the longest ago if it holds none now. One look at the sessions."""
+    self._swept[tenant] = now
+    holders = {self._held_by(n, tenant): n for n in mine}
+    live = {holders[h] for h in self._sessions.holding(holders)}
+    idle = {}
+    for n, seen in list(mine.items()):
+      if n in live:
+        mine[n] = now
+      elif now - seen >= self.idle_s:
+        del mine[n]
+      else:
+        idle[n] = seen
+    if len(mine) >= bound and idle:
+      del mine[min(idle, key=idle.__getitem__)]
 
   @staticmethod
   def _held_by(number: int, tenant: str | None) -> str:
@@ -199,18 +209,13 @@ class Fetched:
   def revoke(self, tenant: str) -> int:
     """Retires every ticket of ``tenant`` (removed from the pool); how many."""
     with self._lock:
-      mine = [n for n, k in self._kept.items() if k.tenant == tenant]
-      for n in mine:
-        del self._kept[n]
-      return len(mine)
+      self._swept.pop(tenant, None)
+      return len(self._kept.pop(tenant, {}))
 
   def count_of(self) -> dict[str | None, int]:
     """Live tickets per tenant."""
     with self._lock:
-      out: dict[str | None, int] = {}
-      for kept in self._kept.values():
-        out[kept.tenant] = out.get(kept.tenant, 0) + 1
-      return out
+      return {tenant: len(mine) for tenant, mine in self._kept.items() if mine}
 
 
 class Listener:

@@ -17,7 +17,7 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from sidecar._src.core import errors
 from sidecar._src.server import tenants as tenants_lib
@@ -294,10 +294,10 @@ class Sessions:
     quota = self._quota(client)
     return self.limit if quota is None else min(quota[0], self.limit)
 
-  def holds(self, holder: str) -> bool:
-    """Whether ``holder`` holds a live session now."""
+  def holding(self, holders: Iterable[str]) -> set[str]:
+    """Those of ``holders`` that hold a live session now."""
     with self._lock:
-      return self._held[holder] > 0
+      return {h for h in holders if self._held[h] > 0}
 
   def _quota(self, client: str | None) -> tuple[int, str] | None:
     """Tenant ``client``'s most sessions, and what sets it; None: no quota."""
