@@ -322,6 +322,7 @@ def test_a_unix_clients_flood_evicts_its_own_sessions_by_process(make_server, tm
         handshake(request, metadata=auth, timeout=10)  # none refused
       assert server.sessions.touch(mine)  # the Controller's (its process's) was kept
       assert len(server.sessions) == 1 + 16
+      assert server.fetched.count_of() == {}  # with its pid ticket it asked for no other
       with sidecar.jax.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as other:
         assert other.call("add", args=(2,), kwargs={"b": 3}) == [5]
       ticket = ipc.fetch_ticket(pin, timeout=10)
