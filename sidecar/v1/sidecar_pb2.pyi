@@ -49,15 +49,17 @@ class RegistryEntry(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., code_hash: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("versions", "client")
+    __slots__ = ("versions", "client", "ticket")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     versions: Versions
     client: str
-    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., client: _Optional[str] = ...) -> None: ...
+    ticket: bool
+    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., client: _Optional[str] = ..., ticket: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("versions", "identity", "registry", "registry_fingerprint", "session", "worker_socket", "arena_size", "tenant")
+    __slots__ = ("versions", "identity", "registry", "registry_fingerprint", "session", "worker_socket", "arena_size", "tenant", "ticket")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class HandshakeResponse(_message.Message):
     WORKER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     versions: Versions
     identity: HostIdentity
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -74,7 +77,8 @@ class HandshakeResponse(_message.Message):
     worker_socket: str
     arena_size: int
     tenant: str
-    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., registry_fingerprint: _Optional[str] = ..., session: _Optional[str] = ..., worker_socket: _Optional[str] = ..., arena_size: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    ticket: str
+    def __init__(self, versions: _Optional[_Union[Versions, _Mapping]] = ..., identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., registry_fingerprint: _Optional[str] = ..., session: _Optional[str] = ..., worker_socket: _Optional[str] = ..., arena_size: _Optional[int] = ..., tenant: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class Array(_message.Message):
     __slots__ = ("dtype", "shape", "data", "scalar")

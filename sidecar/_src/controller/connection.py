@@ -337,6 +337,11 @@ class Connection:
     # Over a unix: socket, this process's ticket: its sessions count against it alone.
     ticket = None if self._pin is None else ipc.fetch_ticket(self._pin, timeout=timeout)
     self._shake = self._auth + (((protocol.PID_TICKET_KEY, ticket),) if ticket else ())
+    # Where the abstract socket told none (another network namespace, its name taken), a
+    # ticket asked for in each handshake: its answer's, presented in the next ones.
+    self._asks = self._pin is not None and ticket is None
+    self._ticket = ""
+    self._told_none = False  # warned once that a sidecar told no ticket
     self._handshake = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
         response_deserializer=pb.HandshakeResponse.FromString)
@@ -380,10 +385,24 @@ class Connection:
                   "jax": reply.versions.jax})
 
   def _shake_hands(self) -> pb.HandshakeResponse:
-    return self._handshake(
-        pb.HandshakeRequest(versions=protocol.local_versions(),
+    """A handshake; over a ``unix:`` socket with no pid ticket it asks for a ticket,
+    presenting the one it has, and keeps the one the answer tells (a retired one is
+    replaced). A sidecar that tells none is warned of: this process's sessions are then
+    held with every ticketless client of its tenant."""
+    metadata = self._shake + (((protocol.TICKET_KEY, self._ticket),) if self._ticket else ())
+    reply = self._handshake(
+        pb.HandshakeRequest(versions=protocol.local_versions(), ticket=self._asks,
                             client=f"controller pid {os.getpid()} on {socket.gethostname()}"),
-        timeout=self._timeout, metadata=self._shake, wait_for_ready=False)
+        timeout=self._timeout, metadata=metadata, wait_for_ready=False)
+    if self._asks and not reply.ticket and not self._told_none:
+      self._told_none = True
+      log.warning("sidecar %s told this process no ticket (its abstract socket could not "
+                  "be reached: another network namespace, or its name taken; nor in the "
+                  "handshake: an older sidecar): this Controller's sessions there are held "
+                  "with every ticketless client of its tenant, and a flood of theirs can "
+                  "evict them", self.address)
+    self._ticket = reply.ticket
+    return reply
 
   def renew(self) -> None:
     """Handshakes again, for a new session: the sidecar lost ours (SessionLostError).

@@ -17,7 +17,7 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from sidecar._src.core import errors
 from sidecar._src.server import tenants as tenants_lib
@@ -287,6 +287,17 @@ class Sessions:
           f"used in the last {self.evict_idle_s:g} s and none held by a client that holds "
           "more than one; handshake again later, or raise max_sessions")
     self._drop(oldest)
+
+  def tenant_limit(self, client: str | None) -> int:
+    """The most sessions tenant ``client`` may hold: its quota (a pool file's
+    ``sessions``, or its share by weight), else ``limit``."""
+    quota = self._quota(client)
+    return self.limit if quota is None else min(quota[0], self.limit)
+
+  def holding(self, holders: Iterable[str]) -> set[str]:
+    """Those of ``holders`` that hold a live session now."""
+    with self._lock:
+      return {h for h in holders if self._held[h] > 0}
 
   def _quota(self, client: str | None) -> tuple[int, str] | None:
     """Tenant ``client``'s most sessions, and what sets it; None: no quota."""

@@ -319,6 +319,9 @@ class Server:
       self.departures.start()
     # A unix: socket's clients told apart by process (their handshake sessions' holder).
     self._tickets = client_ids.Tickets() if o.unix is not None else None
+    # Or by a ticket told in the handshake, where the abstract socket told them none.
+    self.fetched = (client_ids.Fetched(sessions, idle_s=sessions.evict_idle_s)
+                    if o.unix is not None else None)
     self.service = Service(calls=calls, stream_runner=self.stream_runner,
                            identity=self.identity, arena_size=self.arenas.size,
                            leases=self.leases, workers=self.workers,
@@ -329,7 +332,8 @@ class Server:
                            replica_token=o.replica_token, tokens=tokens_holder,
                            tenancy=self.tenancy, opened=self.checkpoints.opened_by,
                            checkpoint_use=self.checkpoints.tier.group_use,
-                           max_request=o.max_message_size, tickets=self._tickets)
+                           max_request=o.max_message_size, tickets=self._tickets,
+                           fetched=self.fetched)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
     if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
@@ -435,6 +439,8 @@ class Server:
       self.tokens.swap(tenants_lib.Tokens.of(pool, o.replica_token), revoked)
       for name, why in revoked.items():
         self.sessions.revoke(name)
+        if self.fetched is not None:
+          self.fetched.revoke(name)
         # Its arena takes no new block; it closes once its blocks are back (its Workers
         # end now, its RAM-tier copies go): nothing written later is in that memfd.
         self.arenas.retire(name)

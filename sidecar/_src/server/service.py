@@ -69,8 +69,10 @@ class Service:
                opened: Callable[[str], set[str]] | None = None,
                checkpoint_use: Callable[[], Mapping[str, tuple[int, int]]] = dict,
                max_request: int = codec.MAX_DECODED_BYTES,
-               tickets: client_ids.Tickets | None = None):
+               tickets: client_ids.Tickets | None = None,
+               fetched: client_ids.Fetched | None = None):
     self._tickets = tickets  # a unix: socket's clients, by process
+    self._fetched = fetched  # or by the ticket a handshake's answer told them
     self._unary = calls
     self._max_request = max_request  # the largest call in parts: max_message_size
     self._runner = calls.runner
@@ -158,24 +160,42 @@ class Service:
     client = self._client(context)
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
+    holder, ticket = self._holder(context, client, asks=request.ticket)
     session = self._sessions.new(peer=self._is_replica_link(context), client=client,
-                                 holder=self._holder(context, client))
-    return pb.HandshakeResponse(tenant=client or "",
+                                 holder=holder)
+    return pb.HandshakeResponse(tenant=client or "", ticket=ticket,
         versions=ours, identity=self._identity, registry=self.registry_entries(),
         registry_fingerprint=self._runner.registry.fingerprint(), session=session,
         worker_socket=self._workers.path, arena_size=self._arena_size)
 
-  def _holder(self, context: grpc.ServicerContext, client: str | None) -> str | None:
-    """Who holds a new session: its TCP connection, or over a ``unix:`` socket the process
-    its ticket names (``client_ids``; none: every Unix client without one together), of
-    tenant ``client`` (its token's): one tenant's flood, ticketless or with a ticket it
-    copied, evicts only its own sessions (``client_ids.held_by``)."""
+  def _holder(self, context: grpc.ServicerContext, client: str | None, *,
+              asks: bool) -> tuple[str | None, str]:
+    """Who holds a new session, and the fetched ticket to tell its client ("": none).
+
+    Its TCP connection; or over a ``unix:`` socket the process its pid ticket names, else
+    the fetched ticket it presents, else a new one if it ``asks`` (``client_ids``; none:
+    every Unix client without one together), of tenant ``client`` (its token's): one
+    tenant's flood, ticketless or with a ticket it copied, evicts only its own sessions
+    (``client_ids.held_by``).
+
+    Raises:
+      ResourceExhaustedError: it asks for a ticket past its tenant's bound.
+    """
     peer = context.peer()
     if connection_of(peer) is not None or not peer.startswith("unix"):
-      return connection_of(peer)
+      return connection_of(peer), ""
+    metadata = dict(context.invocation_metadata())
     ticketed = client_ids.ANONYMOUS if self._tickets is None else self._tickets.holder(
-        dict(context.invocation_metadata()).get(protocol.PID_TICKET_KEY))
-    return client_ids.held_by(ticketed, client)
+        metadata.get(protocol.PID_TICKET_KEY))
+    ticket = ""
+    if ticketed == client_ids.ANONYMOUS and self._fetched is not None:
+      presented = metadata.get(protocol.TICKET_KEY)
+      held = self._fetched.holder(presented, client)
+      if held is not None:
+        ticketed, ticket = held, str(presented)
+      elif asks:
+        ticket, ticketed = self._fetched.issue(client)
+    return client_ids.held_by(ticketed, client), ticket
 
   def _client(self, context: grpc.ServicerContext) -> str | None:
     """The client whose token the call carries (per-client tokens), else None."""

@@ -32,14 +32,15 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 9  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+PROTOCOL_VERSION = 10  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session; 5: a feed batch is a
 # FeedBatch (its structure apart from its arrays), namedtuples travel; 6: a feed's length
 # (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc asks for sizes (one block, or a
 # save's in one request); 8: calls over the worker socket (a ``calls`` connection,
 # CallRequest.timeout_s, CallResponse.error); 9: CallParts, a large call in parts; Replicate
 # names its targets by host id (their addresses are the sidecars' own --replica-hosts), a
-# replica header its tenant
+# replica header its tenant; 10: a handshake over a unix: socket may ask for a ticket
+# (HandshakeRequest.ticket, presented as TICKET_KEY)
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
@@ -51,6 +52,10 @@ REPLICA_KEY = "sidecar-peer"
 # A handshake over a ``unix:`` socket carries its process's ticket here (server/client_ids):
 # its sessions count against that process, as a TCP connection's against the connection.
 PID_TICKET_KEY = "sidecar-pid-ticket"
+# Or the ticket a handshake's answer told it (HandshakeResponse.ticket), for a client the
+# abstract socket cannot tell one (server/client_ids.Fetched): held the same way, within
+# the tenant whose token comes with it.
+TICKET_KEY = "sidecar-ticket"
 _ERROR_KEY = "sidecar-error-bin"  # a failed RPC's trailer: its pb.Error, serialized
 # An error's message and traceback, in UTF-8 bytes; longer ones are cut, with a note.
 MAX_ERROR_MESSAGE = 8 << 10

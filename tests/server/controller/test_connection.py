@@ -79,3 +79,23 @@ def test_a_socket_path_without_unix_is_hinted(make_server, tmp_path, monkeypatch
   with pytest.raises(sidecar.HostLostError,
                      match=rf"it looks like a path: a sidecar on a Unix socket is unix:{path}"):
     sidecar.jax.Controller([path], connect_timeout=30)
+
+
+def test_a_controller_told_no_ticket_says_so_once(make_server, tmp_path, caplog):
+  """Issue 54, item 3: a Controller that the abstract socket tells no pid ticket asks for
+  one in its handshake; a sidecar that tells none there either (here one that keeps no
+  fetched tickets, as an older sidecar) leaves its sessions with every ticketless client
+  of its tenant, and the Controller says so, once, instead of going on silently."""
+  from sidecar._src.controller import connection
+
+  path = tmp_path / "g.sock"
+  server = make_server(listen=f"unix:{path}", token="t")
+  server._client_ids.close()  # no pid ticket: as from another network namespace
+  server.service._fetched = None  # and none in the handshake: as an older sidecar
+  with caplog.at_level("WARNING", logger=connection.__name__):
+    with sidecar.jax.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as ctl:
+      ctl._sidecars.conns[0].renew()
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+  said = [r.getMessage() for r in caplog.records if "told this process no ticket" in
+          r.getMessage()]
+  assert len(said) == 1 and f"unix:{path}" in said[0], said

@@ -322,6 +322,7 @@ def test_a_unix_clients_flood_evicts_its_own_sessions_by_process(make_server, tm
         handshake(request, metadata=auth, timeout=10)  # none refused
       assert server.sessions.touch(mine)  # the Controller's (its process's) was kept
       assert len(server.sessions) == 1 + 16
+      assert server.fetched.count_of() == {}  # with its pid ticket it asked for no other
       with sidecar.jax.Controller([f"unix:{path}"], token="t", timeout=10, attach=False) as other:
         assert other.call("add", args=(2,), kwargs={"b": 3}) == [5]
       ticket = ipc.fetch_ticket(pin, timeout=10)
@@ -408,6 +409,149 @@ def test_a_tenants_ticketless_flood_evicts_only_its_own_sessions(make_server, tm
     assert server.sessions.count_of() == {"alice": 2, "bob": 32}
   finally:
     channel.close()
+
+
+# Issue 54, item 3's last part: room for two floods (1,100 handshakes each) within each
+# tenant's sessions quota; a holder (max_sessions_per_client=16) is what bounds each.
+FETCHED_POOL = """\
+tenants:
+  - name: alice
+    token_file: alice.token
+    sessions: 64
+    checkpoint_roots: [alice]
+  - name: bob
+    token_file: bob.token
+    sessions: 64
+    checkpoint_roots: [bob]
+"""
+
+
+class UnixRaw:
+  """Raw handshakes and calls over a sidecar's ``unix:`` socket, as a non-Python client
+  makes them: no pid ticket, and a fetched one only where asked for."""
+
+  def __init__(self, path):
+    self.channel = grpc.insecure_channel(f"unix:{path}")
+    self._handshake = self.channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+        response_deserializer=pb.HandshakeResponse.FromString)
+    self._call = self.channel.unary_unary(
+        f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
+        response_deserializer=pb.CallResponse.FromString)
+
+  def handshake(self, token, *, ticket=None, ask=False) -> pb.HandshakeResponse:
+    metadata = ((protocol.AUTH_KEY, f"Bearer {token}"),)
+    if ticket is not None:
+      metadata += ((protocol.TICKET_KEY, ticket),)
+    return self._handshake(pb.HandshakeRequest(versions=protocol.local_versions(),
+                                               client="raw", ticket=ask),
+                           metadata=metadata, timeout=10)
+
+  def add(self, token, session) -> int:
+    return codec.decode(self._call(
+        pb.CallRequest(name="add", args=codec.encode((2,)), kwargs=codec.encode({"b": 3})),
+        metadata=((protocol.AUTH_KEY, f"Bearer {token}"), (protocol.SESSION_KEY, session)),
+        timeout=10).result)
+
+  def close(self):
+    self.channel.close()
+
+
+def test_a_fetched_ticket_keeps_a_controllers_session_through_ticketless_floods(
+    make_server, tmp_path):
+  """Issue 54, item 3: a client that cannot reach the abstract socket (here closed: as
+  from another network namespace, where its name does not exist) had no ticket, and its
+  session was held with every ticketless client of its tenant: a flood of theirs evicted
+  it. Now its Controller asks for a ticket in the handshake and its sessions are that
+  ticket's: 1,100 ticketless handshakes of its own tenant, 1,100 of another's, and 1,100
+  more presenting a forged ticket or one copied from the other tenant evict none of them
+  (the ticketless session of its tenant made before them is evicted, as before)."""
+  path = tmp_path / "g.sock"
+  server = make_server(pool=write_pool(tmp_path, FETCHED_POOL), listen=f"unix:{path}",
+                       max_sessions=160, max_sessions_per_client=16)
+  server._client_ids.close()  # the abstract name unreachable: no pid ticket is told
+  raw = UnixRaw(path)
+  try:
+    with sidecar.jax.Controller([f"unix:{path}"], token=ALICE, timeout=10,
+                                attach=False) as ctl:
+      mine = dict(ctl._sidecars.conns[0].metadata)[protocol.SESSION_KEY]
+      assert server.fetched.count_of() == {"alice": 1}
+      ticketless = raw.handshake(ALICE).session
+      assert raw.handshake(ALICE).ticket == ""  # one that does not ask is told none
+      bobs = raw.handshake(BOB, ask=True).ticket
+      number = bobs.split(".")[0]
+      for token, ticket in ((ALICE, None), (BOB, None), (ALICE, bobs),
+                            (ALICE, f"{number}.{'0' * 32}")):
+        for _ in range(1100 if ticket is None else 550):
+          assert raw.handshake(token, ticket=ticket).ticket == ""  # none refused, none held
+      assert server.sessions.touch(mine)
+      assert not server.sessions.touch(ticketless)  # the ticketless flood's own holder
+      assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
+      assert dict(ctl._sidecars.conns[0].metadata)[protocol.SESSION_KEY] == mine  # no renew
+      counts = server.sessions.count_of()
+      assert counts["alice"] <= 1 + 16 + 16 and counts["bob"] <= 16 + 1
+    assert server.fetched.count_of() == {"alice": 1, "bob": 1}
+  finally:
+    raw.close()
+
+
+def rejected_or(fn) -> list:
+  """``[fn()]``, or ``[]`` where it is refused as RESOURCE_EXHAUSTED."""
+  try:
+    return [fn()]
+  except grpc.RpcError as e:
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+    return []
+
+
+def test_a_tenants_fetched_tickets_are_bounded_and_never_take_anothers(make_server, tmp_path):
+  """Half a tenant's sessions quota of live tickets (alice's 8: 4). Past it, asking is
+  RESOURCE_EXHAUSTED naming the bound while each holds a live session; one whose session
+  ended makes room (the bound is looked over again at most once a second), and a
+  handshake presenting that retired ticket and asking gets a new one. bob's asks are his
+  own: alice's bound never takes his, nor his hers."""
+  path = tmp_path / "g.sock"
+  server = make_server(pool=write_pool(tmp_path, FLOOD_POOL), listen=f"unix:{path}",
+                       max_sessions=64, max_sessions_per_client=16)
+  server._client_ids.close()
+  raw = UnixRaw(path)
+  leave = raw.channel.unary_unary(f"/{protocol.SERVICE}/Leave",
+                                  request_serializer=pb.LeaveRequest.SerializeToString,
+                                  response_deserializer=pb.LeaveResponse.FromString)
+  try:
+    alice = [raw.handshake(ALICE, ask=True) for _ in range(4)]
+    assert len({r.ticket for r in alice}) == 4
+    e = rejected(lambda: raw.handshake(ALICE, ask=True))
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'alice' keep 4 tickets, each holding a live session" in e.details()
+    bob = [raw.handshake(BOB, ask=True).ticket for _ in range(24)]  # his: half of 48
+    assert rejected(lambda: raw.handshake(BOB, ask=True)).code() == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert all(raw.add(ALICE, r.session) == 5 for r in alice)
+    # A ticket presented again holds: told back, and no new one counted.
+    assert raw.handshake(ALICE, ticket=alice[0].ticket, ask=True).ticket == alice[0].ticket
+
+    def leave_(session):
+      leave(pb.LeaveRequest(), metadata=((protocol.AUTH_KEY, f"Bearer {ALICE}"),
+                                         (protocol.SESSION_KEY, session)), timeout=10)
+
+    def ask(**kw):
+      """A new ticket once the bound is looked over again (at most once a second)."""
+      told = []
+      eventually(lambda: told or told.extend(rejected_or(lambda: raw.handshake(
+          ALICE, ask=True, **kw).ticket)))
+      return told[0]
+
+    leave_(alice[1].session)
+    fifth = ask()  # alice[1]'s ticket holds no session now: it goes
+    assert raw.handshake(ALICE, ticket=alice[1].ticket).ticket == ""  # retired: as none
+    leave_(alice[2].session)
+    again = ask(ticket=alice[1].ticket)  # a new one instead
+    assert again not in ("", alice[1].ticket, alice[2].ticket, fifth)
+    assert server.fetched.count_of() == {"alice": 4, "bob": 24}
+    assert raw.handshake(BOB, ticket=bob[0], ask=True).ticket == bob[0]
+  finally:
+    raw.close()
 
 
 # ---- tier 2: the worker socket ----------------------------------------------------------------
