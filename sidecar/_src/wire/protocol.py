@@ -32,14 +32,14 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 9  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+PROTOCOL_VERSION = 10  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session; 5: a feed batch is a
 # FeedBatch (its structure apart from its arrays), namedtuples travel; 6: a feed's length
 # (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc asks for sizes (one block, or a
 # save's in one request); 8: calls over the worker socket (a ``calls`` connection,
 # CallRequest.timeout_s, CallResponse.error); 9: CallParts, a large call in parts; Replicate
 # names its targets by host id (their addresses are the sidecars' own --replica-hosts), a
-# replica header its tenant
+# replica header its tenant; 10: CallParts answers in parts (a stream of CallPart)
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
