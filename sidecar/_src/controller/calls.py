@@ -366,8 +366,7 @@ class Calls:
       end()
 
   def _drop(self, host_id: int, name: str, response: pb.CallResponse | Parted | None,
-            held: list,
-            conn: Connection) -> None:
+            held: list, conn: Connection) -> None:
     """Decodes and drops the result of a call nobody waits for: its blocks go back."""
     conn.calls.exit()
     held.clear()
