@@ -207,7 +207,8 @@ def test_call_parts_past_max_message_size_or_inline_bytes_are_refused_unread(mak
 
 def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
   """A request of calls.PARTS_FROM bytes or more goes as CallParts, a call_async too; a
-  small one as one Call."""
+  small one as one Call. The result that comes back in parts views the buffer they came
+  into."""
   server = make_server()
   big = np.arange(controller_calls.PARTS_FROM // 4 + 3, dtype=np.float32)
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
@@ -217,6 +218,12 @@ def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
     assert controller_calls.call_rpc(conn, large) is not conn.call_rpc  # CallParts
     (out,) = ctl.call("echo", args=(big,))
     np.testing.assert_array_equal(out, big)
+    base = out
+    while isinstance(base, np.ndarray):
+      base = base.base
+    # A view of the one buffer its response's parts came into: no copy of it was made.
+    assert isinstance(base, memoryview) and isinstance(base.obj, bytearray)
+    assert out.flags.writeable
     (future,) = ctl.call_async("stats", args=(big,))
     assert future.result(30) == {"sum": float(big.astype(np.float64).sum()),
                                  "shape": list(big.shape), "dtype": "float32",
