@@ -1,5 +1,6 @@
 """The sidecar's peak RSS growth for one 128 MiB inline call, as a ratio of its payload,
-idle and beside busy processes (issue 54 item 7: under 1.8x with a margin).
+idle and beside busy processes (issue 54 item 7: under 1.8x with a margin), and the
+calling process's own (the Controller's, receiving the result).
 
 Each repeated: a Controller's call (CallParts) of ``size_of`` (the argument only), of
 ``add`` (a new array of its size back) and of ``echo`` (the argument back), and one unary
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -31,19 +33,24 @@ def _busy() -> None:
     pass
 
 
-def _growth(pid: int, call) -> float:
-  """How far ``call()`` raises ``pid``'s peak RSS, as a ratio of the payload."""
+def _growth(pid: int, call) -> tuple[float, float]:
+  """How far ``call()`` raises ``pid``'s peak RSS and this process's, as ratios of the
+  payload."""
   time.sleep(0.3)
+  here = os.getpid()
   _reset_peak(pid)
+  _reset_peak(here)
   before, _ = _proc(pid)
+  before_here, _ = _proc(here)
   call()
   after, _ = _proc(pid)
-  return (after - before) / MIB
+  after_here, _ = _proc(here)
+  return (after - before) / MIB, (after_here - before_here) / MIB
 
 
-def measure(cluster, repeat: int) -> dict[str, list[float]]:
+def measure(cluster, repeat: int) -> dict[str, list[tuple[float, float]]]:
   pid = cluster.pid(0)
-  out: dict[str, list[float]] = {}
+  out: dict[str, list[tuple[float, float]]] = {}
   big = np.arange(MIB << 20, dtype=np.uint8)
   with cluster.controller(attach=False, connect_timeout=10) as ctl:
     for fn in ("size_of", "add", "echo"):
@@ -80,11 +87,16 @@ def main() -> None:
       for p in busy:
         p.terminate()
         p.join(5)
-  fmt = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x"
-  print(f"one {MIB} MiB inline call: the sidecar's peak RSS growth / payload, "
-        f"{a.repeat} calls each (min-max)")
-  print(table(["call", "idle", f"beside {a.busy} busy processes"],
-              [[k, fmt(idle[k]), fmt(loaded[k])] for k in idle]))
+  fmt = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}x"  # noqa: E731
+
+  def cells(name: str, who: int) -> list[str]:  # who: 0 the sidecar, 1 the caller
+    return [fmt([g[who] for g in runs[name]]) for runs in (idle, loaded)]
+
+  print(f"one {MIB} MiB inline call: peak RSS growth / payload, {a.repeat} calls each "
+        "(min-max), of the sidecar and of the calling process")
+  print(table(["call", "sidecar, idle", f"sidecar, beside {a.busy} busy processes",
+               "caller, idle", f"caller, beside {a.busy} busy"],
+              [[name, *cells(name, 0), *cells(name, 1)] for name in idle]))
 
 
 if __name__ == "__main__":

@@ -44,10 +44,10 @@ class SidecarStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
                 _registered_method=True)
-        self.CallParts = channel.stream_unary(
+        self.CallParts = channel.stream_stream(
                 '/sidecar.v1.Sidecar/CallParts',
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallPart.SerializeToString,
-                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallPart.FromString,
                 _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/sidecar.v1.Sidecar/Stream',
@@ -82,7 +82,7 @@ class SidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CallParts(self, request_iterator, context):
-        """a large Call, in parts
+        """A large Call: its request in parts, its response in parts (CallPart both ways).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,10 +119,10 @@ def add_SidecarServicer_to_server(servicer, server):
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.SerializeToString,
             ),
-            'CallParts': grpc.stream_unary_rpc_method_handler(
+            'CallParts': grpc.stream_stream_rpc_method_handler(
                     servicer.CallParts,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CallPart.FromString,
-                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallResponse.SerializeToString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CallPart.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
@@ -215,12 +215,12 @@ class Sidecar:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/sidecar.v1.Sidecar/CallParts',
             sidecar_dot_v1_dot_sidecar__pb2.CallPart.SerializeToString,
-            sidecar_dot_v1_dot_sidecar__pb2.CallResponse.FromString,
+            sidecar_dot_v1_dot_sidecar__pb2.CallPart.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -26,18 +28,18 @@ import grpc
 
 from sidecar._src.arena import worker as worker_lib
 from sidecar._src.controller import socket_calls
-from sidecar._src.controller.connection import Connection
+from sidecar._src.controller.connection import MAX_MESSAGE, Connection
 from sidecar._src.core import errors, interrupts
-from sidecar._src.wire import codec, protocol
+from sidecar._src.wire import codec, parts as wire_parts, pbscan, protocol
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 _NO_ARGS, _NO_KWARGS = codec.encode(()), codec.encode({})  # copied into each request
 JOIN_S = 5.0  # how long close() waits for a caller thread (its call's channel is closed)
-# A request of at least this many bytes goes in parts (CallParts): gRPC's receipt of one
-# message costs the sidecar three times its size, parts cost it once.
+# A request of at least this many bytes goes in parts (CallParts), and its response comes
+# back in parts: gRPC's receipt of one message costs the sidecar three times its size, its
+# send of one twice; parts cost them once.
 PARTS_FROM = 8 << 20
-PART_BYTES = 1 << 20
 # What becomes of a call Ctrl-C left: ``abandoned(response, error)`` gets its outcome.
 Abandoned = Callable[[Any, BaseException | None], None]
 
@@ -192,10 +194,14 @@ class Calls:
         else _NO_ARGS, kwargs=codec.encode(dict(kwargs), to_arena=to_arena, where="kwargs")
         if kwargs else _NO_KWARGS, worker_session=w.session if w is not None else "")
 
-  def decode(self, host_id: int, name: str, response: pb.CallResponse) -> Any:
+  def decode(self, host_id: int, name: str, response: pb.CallResponse | Parted) -> Any:
     w = self._worker(host_id)
+    views = None
+    if isinstance(response, Parted):  # its large arrays view the buffer it came into
+      views = response.views
+      response = response.response
     return codec.decode(response.result, from_arena=w.view if w else None,
-                        where=f"result of {name!r} from host {host_id}")
+                        where=f"result of {name!r} from host {host_id}", views=views)
 
   def call_sync(self, host_id: int, name: str, args: tuple, kwargs: dict,
                 timeout: float) -> Any:
@@ -359,8 +365,8 @@ class Calls:
         slot()
       end()
 
-  def _drop(self, host_id: int, name: str, response: pb.CallResponse | None, held: list,
-            conn: Connection) -> None:
+  def _drop(self, host_id: int, name: str, response: pb.CallResponse | Parted | None,
+            held: list, conn: Connection) -> None:
     """Decodes and drops the result of a call nobody waits for: its blocks go back."""
     conn.calls.exit()
     held.clear()
@@ -459,8 +465,8 @@ class _Call:
   def send(self) -> None:
     request, conn = self.request, self.conn
     conn.calls.call(  # the wait for a slot counts toward the timeout
-        lambda left: call_rpc(conn, request).future(request, timeout=left,
-                                                     metadata=conn.metadata),
+        lambda left: call_rpc(conn, request, start=self.calls._callers.start).future(
+            request, timeout=left, metadata=conn.metadata),
         done=self.done, fail=self.fail, timeout=self.deadline - time.monotonic(),
         what=f"call {self.name!r} on host {self.host_id}")
 
@@ -497,32 +503,83 @@ def _wait(deadline: float, poll: float) -> float:
   return min(max(deadline - time.monotonic(), 1e-3), poll)
 
 
-def call_rpc(conn: Connection, request: pb.CallRequest) -> Any:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Parted:
+  """A CallResponse that came in parts (CallParts): its large arrays' bytes left in the
+  one buffer its parts were copied into, as ``views`` of it for the decoder, which makes
+  the result's arrays views of them (``pbscan.strip_arrays``): no copy of its own."""
+  response: pb.CallResponse
+  views: list[memoryview]
+
+
+def call_rpc(conn: Connection, request: pb.CallRequest, *,
+             start: Callable[[Callable[[], None]], None] | None = None) -> Any:
   """The rpc that sends ``request`` to ``conn``'s sidecar: Call, or CallParts for one of
   ``PARTS_FROM`` bytes or more (called the same way: ``rpc(request, ...)``,
-  ``rpc.future(request, ...)``)."""
+  ``rpc.future(request, ...)``; CallParts' future reads its response's parts on a thread
+  ``start`` runs, whose owner joins it).
+
+  Its response: a ``pb.CallResponse``, or a :class:`Parted` from CallParts.
+  """
   if request.ByteSize() < PARTS_FROM:
     return conn.call_rpc
-  return _InPieces(conn.call_parts_rpc)
+  return _InPieces(conn.call_parts_rpc, start)
 
 
 class _InPieces:
   """A CallParts rpc called as Call is: with the request, made into its parts each time
-  (a renewed session sends them again)."""
+  (a renewed session sends them again), its response put together from its parts."""
 
-  def __init__(self, stub: grpc.StreamUnaryMultiCallable):
-    self._stub = stub
+  def __init__(self, stub: grpc.StreamStreamMultiCallable,
+               start: Callable[[Callable[[], None]], None] | None):
+    self._stub, self._start = stub, start
 
-  def __call__(self, request: pb.CallRequest, **kw: Any) -> pb.CallResponse:
-    return self._stub(_parts(request), **kw)
+  def __call__(self, request: pb.CallRequest, **kw: Any) -> Parted:
+    """The response, read part by part into one buffer.
 
-  def future(self, request: pb.CallRequest, **kw: Any) -> Any:
-    return self._stub.future(_parts(request), **kw)
+    Raises:
+      grpc.RpcError: the call failed (before or between parts: its status).
+      ResourceExhaustedError: the response is larger than ``MAX_MESSAGE``, which one
+        message of it could not have been either.
+      InvalidArgumentError: its parts do not add up.
+    """
+    responses = self._stub(_parts(request), **kw)
+    try:
+      first = next(responses, None)
+      if first is None:
+        raise errors.InvalidArgumentError(
+            f"the response to call {request.name!r} ended before its first part")
+      total = codec.parse(pb.CallPart, first).total
+      if total > MAX_MESSAGE:
+        raise errors.ResourceExhaustedError(
+            f"the result of call {request.name!r} is {total} bytes, more than a controller "
+            f"takes ({MAX_MESSAGE} bytes); return large arrays through a Worker's arena")
+      buffer = wire_parts.assemble(total, itertools.chain((first,), responses),
+                                   what="the response")
+    except BaseException:
+      responses.cancel()  # nothing more is read: the sidecar stops sending
+      raise
+    stripped, views = pbscan.strip_arrays(buffer, pb.CallResponse.DESCRIPTOR)
+    return Parted(codec.parse(pb.CallResponse, stripped), views)
+
+  def future(self, request: pb.CallRequest, **kw: Any) -> concurrent.futures.Future:
+    """A future of :meth:`__call__`'s response (or its error), read on a thread of
+    ``start``'s."""
+    if self._start is None:
+      raise TypeError("a CallParts future needs a thread to read its parts: pass start=")
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def read() -> None:
+      try:
+        out.set_result(self(request, **kw))
+      except Exception as e:  # the future's to raise (a RpcError, as gRPC's would)
+        out.set_exception(e)
+
+    self._start(read)
+    return out
 
 
 def _parts(request: pb.CallRequest):
-  """``request`` serialized, in CallParts of ``PART_BYTES`` (the first with the total)."""
-  raw = memoryview(request.SerializeToString())
-  for offset in range(0, len(raw), PART_BYTES):
-    yield pb.CallPart(total=len(raw) if offset == 0 else 0,
-                      data=bytes(raw[offset:offset + PART_BYTES]))
+  """``request`` serialized, in serialized CallParts (the first with the total)."""
+  raw = request.SerializeToString()
+  yield from wire_parts.cut([raw], len(raw))

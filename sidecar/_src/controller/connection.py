@@ -25,9 +25,11 @@ from sidecar._src.core import (
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
+# The largest message a controller sends or takes; a response in parts too (CallParts).
+MAX_MESSAGE = 256 << 20
 CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
 )
 
 
@@ -349,9 +351,8 @@ class Connection:
     self.call_rpc = self._channel.unary_unary(
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)
-    self.call_parts_rpc = self._channel.stream_unary(  # a large call, in parts
-        f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString,
-        response_deserializer=pb.CallResponse.FromString)
+    # A large call: serialized CallParts out, serialized CallParts of its response back.
+    self.call_parts_rpc = self._channel.stream_stream(f"/{protocol.SERVICE}/CallParts")
     self.stream_rpc = self._channel.stream_stream(
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)

@@ -30,7 +30,7 @@ from sidecar._src.server import (
 from sidecar._src.server.arena_io import Alive, ArenaIO, TimeLeft
 from sidecar._src.server.limits import InlineBytes, Slots
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import codec, pbscan, protocol
+from sidecar._src.wire import codec, parts as parts_lib, pbscan, protocol
 from sidecar._src.wire.protocol import pb
 
 
@@ -166,15 +166,23 @@ class UnaryCalls:
     return pbscan.splice_arrays(response.SerializeToString(), pb.CallResponse.DESCRIPTOR,
                                 inline)
 
-  def run_parts_serialized(self, total: int, parts: Iterable[bytes], caller: str, *,
-                           alive: Alive, time_left: TimeLeft, limit: int) -> bytes:
-    """:meth:`run_serialized` for a CallRequest of ``total`` bytes that arrives in parts
-    (gRPC's CallParts: ``parts``, serialized ``CallPart``s, the first included).
+  def run_parts(self, total: int, parts: Iterable[bytes], caller: str, *, alive: Alive,
+                time_left: TimeLeft, limit: int) -> Iterator[bytes]:
+    """The response to a CallRequest of ``total`` bytes that arrives in parts (gRPC's
+    CallParts: ``parts``, serialized ``CallPart``s, the first included), in parts too:
+    serialized ``CallPart``s of the serialized CallResponse.
 
-    The parts are copied into one buffer as they come, within the budget of inline bytes
-    (held for ``total`` first), and the request's large arrays are views of it: the
+    The request's parts are copied into one buffer as they come, within the budget of
+    inline bytes (held for ``total`` first), and its large arrays are views of it: the
     request costs its size once, where one message of it cost three times its size in
-    gRPC's receipt alone.
+    gRPC's receipt alone. The response's parts are cut from the result's arrays as gRPC
+    asks for them (``parts.cut``): it costs the result and the parts in flight, where one
+    message of it cost twice its size (its bytes, then gRPC's copy as it sent them).
+
+    The call's slot and its inline bytes stay held until its last part is sent: a caller
+    that stops reading (gRPC's flow control then stops the sending) holds the result
+    until its deadline or its cancellation, and its slot and bytes count against it and
+    the sidecar's limits meanwhile.
 
     Raises:
       ResourceExhaustedError: ``total`` is past ``limit`` (the largest message the
@@ -190,65 +198,55 @@ class UnaryCalls:
     with contextlib.ExitStack() as admitted:
       with metrics.waiting(tenant, "inline"):
         admitted.enter_context(self._inline.hold(total, time_left()))
-      buffer = _assemble(total, parts)
-      inline: list[np.ndarray] = []
-      response = self._run(buffer, caller, alive=alive, time_left=time_left, inline=inline,
-                           held=True)
-      del buffer  # its arrays' views keep what the result still needs
-      return pbscan.splice_arrays(response.SerializeToString(), pb.CallResponse.DESCRIPTOR,
-                                  inline)
+      buffer = parts_lib.assemble(total, parts)
+      with self.slots.hold(caller):
+        inline: list[np.ndarray] = []
+        response = self._answer(buffer, time.monotonic(), alive=alive, time_left=time_left,
+                                inline=inline, held=True)
+        del buffer  # its arrays' views keep what the result still needs
+        pieces, size = pbscan.splice_pieces(response.SerializeToString(),
+                                            pb.CallResponse.DESCRIPTOR, inline)
+        del response, inline  # the pieces view the result's arrays: nothing else holds them
+        yield from parts_lib.cut(pieces, size)
 
   def _run(self, raw: bytes | bytearray, caller: str, *, alive: Alive,
            time_left: TimeLeft | None, worker: str | None = None,
-           inline: list[np.ndarray] | None = None, held: bool = False
-           ) -> pb.CallResponse:
-    """``held``: its bytes are held in the inline budget already (CallParts)."""
+           inline: list[np.ndarray] | None = None) -> pb.CallResponse:
     start = time.monotonic()
     # The slot first, as for streams: parsing a big request takes a while, on its thread.
     with self.slots.hold(caller):
-      codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
-                                what=f"a CallRequest of {len(raw)} bytes")
-      # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
-      stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
-      request = codec.parse(pb.CallRequest, stripped, counted=True)
-      if worker is not None and request.worker_session != worker:
-        raise errors.InvalidArgumentError(
-            f"a call on worker session {worker}'s connection names worker_session "
-            f"{request.worker_session!r}; a connection's calls are its session's")
-      if time_left is None:
-        time_left = _time_left(start, request.timeout_s)
-      if not views or held:
-        return pb.CallResponse(result=self.runner.call(
-            request, alive=alive, time_left=time_left, views=views, inline=inline))
-      metrics, tenant = self.runner.metrics, tenants_lib.CURRENT.get()
-      metrics.tenant_requested(tenant, "inline", len(raw))
-      with contextlib.ExitStack() as admitted:
-        with metrics.waiting(tenant, "inline"):  # decoding it costs its size again
-          admitted.enter_context(self._inline.hold(len(raw), time_left()))
-        _trim_heap()
-        return pb.CallResponse(result=self.runner.call(
-            request, alive=alive, time_left=time_left, views=views, inline=inline))
+      return self._answer(raw, start, alive=alive, time_left=time_left, worker=worker,
+                          inline=inline)
 
-
-def _assemble(total: int, parts: Iterable[bytes]) -> bytearray:
-  """The ``total`` bytes ``parts`` (serialized ``CallPart``s) carry, in one buffer.
-
-  Raises:
-    InvalidArgumentError: they carry more or fewer bytes than ``total``.
-  """
-  buffer = bytearray(total)  # its pages are faulted in as the parts are written
-  view, n = memoryview(buffer), 0
-  for i, raw in enumerate(parts):
-    data = codec.parse(pb.CallPart, raw).data
-    if n + len(data) > total:
+  def _answer(self, raw: bytes | bytearray, start: float, *, alive: Alive,
+              time_left: TimeLeft | None, worker: str | None = None,
+              inline: list[np.ndarray] | None = None, held: bool = False
+              ) -> pb.CallResponse:
+    """The response to serialized CallRequest ``raw``, made in its caller's slot; a
+    ``timeout_s`` in it counts from ``start``. ``held``: its bytes are held in the inline
+    budget already (CallParts)."""
+    codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
+                              what=f"a CallRequest of {len(raw)} bytes")
+    # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
+    stripped, views = pbscan.strip_arrays(raw, pb.CallRequest.DESCRIPTOR)
+    request = codec.parse(pb.CallRequest, stripped, counted=True)
+    if worker is not None and request.worker_session != worker:
       raise errors.InvalidArgumentError(
-          f"CallPart {i} brings the call past the {total} bytes its first part announced")
-    view[n:n + len(data)] = data
-    n += len(data)
-  if n != total:
-    raise errors.InvalidArgumentError(
-        f"the call's parts ended after {n} of the {total} bytes its first part announced")
-  return buffer
+          f"a call on worker session {worker}'s connection names worker_session "
+          f"{request.worker_session!r}; a connection's calls are its session's")
+    if time_left is None:
+      time_left = _time_left(start, request.timeout_s)
+    if not views or held:
+      return pb.CallResponse(result=self.runner.call(
+          request, alive=alive, time_left=time_left, views=views, inline=inline))
+    metrics, tenant = self.runner.metrics, tenants_lib.CURRENT.get()
+    metrics.tenant_requested(tenant, "inline", len(raw))
+    with contextlib.ExitStack() as admitted:
+      with metrics.waiting(tenant, "inline"):  # decoding it costs its size again
+        admitted.enter_context(self._inline.hold(len(raw), time_left()))
+      _trim_heap()
+      return pb.CallResponse(result=self.runner.call(
+          request, alive=alive, time_left=time_left, views=views, inline=inline))
 
 
 def serialize(response: pb.CallResponse | bytes) -> bytes:

@@ -109,8 +109,8 @@ class Service:
         # are copied once, into them (gRPC sends bytes as they are).
         "Call": grpc.unary_unary_rpc_method_handler(
             self._guard(self.call), request_deserializer=None, response_serializer=None),
-        "CallParts": grpc.stream_unary_rpc_method_handler(
-            self._guard(self.call_parts), request_deserializer=None,
+        "CallParts": grpc.stream_stream_rpc_method_handler(
+            self._guard_stream(self.call_parts), request_deserializer=None,
             response_serializer=None),
         "Stream": grpc.stream_stream_rpc_method_handler(
             self._guard_stream(self.stream), request_deserializer=None,
@@ -239,9 +239,11 @@ class Service:
       return self._unary.run_serialized(raw, session, alive=context.is_active,
                                         time_left=context.time_remaining)
 
-  def call_parts(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+  def call_parts(self, requests: Iterator[bytes], context: grpc.ServicerContext
+                 ) -> Iterator[bytes]:
     """:meth:`call` for a large CallRequest in parts (``CallPart``s, the first one
-    announcing its size): they are copied into one buffer as they come."""
+    announcing its size): they are copied into one buffer as they come, and the
+    serialized CallResponse goes back in parts (``UnaryCalls.run_parts``)."""
     session = self._require_session(context)
     self._no_replica_link(session, "CallParts")
     first = next(requests, None)
@@ -249,7 +251,7 @@ class Service:
       raise errors.InvalidArgumentError("CallParts: no CallPart came")
     total = codec.parse(pb.CallPart, first).total
     with tenants_lib.acting_as(self._sessions.client(session)):
-      return self._unary.run_parts_serialized(
+      yield from self._unary.run_parts(
           total, itertools.chain((first,), requests), session, alive=context.is_active,
           time_left=context.time_remaining, limit=self._max_request)
 

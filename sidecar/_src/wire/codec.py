@@ -205,11 +205,16 @@ class Budget:
 
 
 def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str = "value",
-           budget: Budget | None = None) -> Any:
+           budget: Budget | None = None, views: list[memoryview] | None = None) -> Any:
   """Decodes a ``pb.Value``; malformed input raises InvalidArgumentError.
 
   With a ``budget``, a value past it raises ResourceExhaustedError before it is decoded.
+  ``views``, with no budget: the large arrays' bytes of a response that came in parts
+  (``pbscan.strip_arrays``), decoded with no limit (a response is what its caller asked
+  for; what it may take is its message size).
   """
+  if budget is None and views:
+    budget = Budget(elements=sys.maxsize, nbytes=sys.maxsize, views=views)
   if budget is not None:
     budget.spend(where, elements=1)
   return _decode(value, from_arena, where, 0, budget)

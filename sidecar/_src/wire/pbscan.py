@@ -5,7 +5,8 @@ bytes before protobuf allocates anything for them.
 past ``codec.MAX_ELEMENTS`` before its parse); ``strip_arrays`` takes the bytes of large
 inline arrays out of a request so that protobuf does not copy them (the decoder views them
 where they arrived: ``stripped``), and ``splice_arrays`` puts a response's large arrays into
-its bytes, copied once; ``length_delimited`` finds a field's occurrences (the Checkpoint
+its bytes, copied once (``splice_pieces``: not even once, for a response in parts);
+``length_delimited`` finds a field's occurrences (the Checkpoint
 service's ``Receive`` reads its parts' data in place).
 """
 
@@ -84,11 +85,25 @@ def splice_arrays(raw: bytes, descriptor: Any, arrays: Sequence[np.ndarray]) -> 
   """
   if not arrays:
     return raw
+  return b"".join(splice_pieces(raw, descriptor, arrays)[0])
+
+
+def splice_pieces(raw: bytes, descriptor: Any, arrays: Sequence[np.ndarray]
+                  ) -> tuple[list[bytes | memoryview], int]:
+  """:func:`splice_arrays`'s bytes, not joined: the pieces whose concatenation they are
+  (each array's bytes a view of the array, no copy), and their length. What a response
+  in parts is cut from (``parts.cut``), so that no whole copy of it is ever made.
+
+  Raises:
+    ValueError, IndexError: as :func:`splice_arrays`.
+  """
+  if not arrays:
+    return [raw], len(raw)
   left = [len(arrays)]
   out = _splice(raw, descriptor, 0, len(raw), arrays, left, 0)
   if left[0]:
     raise ValueError(f"{left[0]} of {len(arrays)} arrays had no placeholder in the message")
-  return raw if out is None else b"".join(out[0])
+  return ([raw], len(raw)) if out is None else out
 
 
 def _splice(buf: bytes, descriptor: Any, start: int, end: int, arrays: Sequence[np.ndarray],

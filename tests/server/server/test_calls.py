@@ -1,8 +1,9 @@
 """Tier 2: a call's response serialized with its large arrays written once (issue 37):
 ``UnaryCalls.run_serialized`` answers what ``run`` answers, byte for byte; a large call in
-parts (CallParts, issue 42) answers what it answers as one message."""
+parts (CallParts, issue 42) answers what it answers as one message, in parts (issue 54)."""
 
 import re
+import time
 
 import grpc
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import sidecar
 from sidecar._src.controller import calls as controller_calls
 from sidecar._src.server import calls as calls_lib
-from sidecar._src.wire import codec, pbscan, protocol
+from sidecar._src.wire import codec, parts as wire_parts, pbscan, protocol
 from sidecar._src.wire.protocol import pb
 from tests.support.pool_files import BOB, POOL, write_pool
 from tests.support.raw_client import Raw
@@ -62,11 +63,18 @@ def test_run_serialized_raises_what_the_call_raises(make_server):
 # ---- CallParts: a large call in parts (issue 42: 128 MiB inline cost 3x its size) ----------
 
 
-def call_parts(raw_client: Raw, parts, *, timeout: float = 30):
-  stub = raw_client.channel.stream_unary(
-      f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString,
-      response_deserializer=pb.CallResponse.FromString)
-  return stub(iter(parts), metadata=raw_client.metadata, timeout=timeout)
+def call_parts(raw_client: Raw, parts, *, timeout: float = 30) -> pb.CallResponse:
+  """CallParts: ``parts`` sent; the response's parts put together and parsed."""
+  answer = list(parts_rpc(raw_client)(iter(parts), metadata=raw_client.metadata,
+                                      timeout=timeout))
+  return pb.CallResponse.FromString(
+      wire_parts.assemble(pb.CallPart.FromString(answer[0]).total, answer))
+
+
+def parts_rpc(raw_client: Raw) -> grpc.StreamStreamMultiCallable:
+  """CallParts, its parts sent as CallPart messages and received as bytes."""
+  return raw_client.channel.stream_stream(
+      f"/{protocol.SERVICE}/CallParts", request_serializer=pb.CallPart.SerializeToString)
 
 
 def in_parts(raw: bytes, size: int, total: int | None = None) -> list[pb.CallPart]:
@@ -88,6 +96,69 @@ def test_a_call_in_parts_answers_what_the_call_answers_its_arrays_writable(make_
     assert codec.decode(got.result)["writeable"]  # a view of the call's own buffer
     np.testing.assert_array_equal(codec.decode(call_parts(raw_client, in_parts(
         request("echo", a), 1 << 20)).result), a)
+  finally:
+    raw_client.close()
+
+
+def test_a_large_response_comes_back_in_parts_cut_from_its_result(make_server):
+  """echo of 3 MiB: its response in parts of at most PART_BYTES of data, the first
+  announcing the whole, put together into what one message of it would have been."""
+  server = make_server()
+  raw_client = Raw(server.port)
+  try:
+    a = np.arange(3 << 20, dtype=np.uint8)
+    raw = request("echo", a)
+    answer = list(parts_rpc(raw_client)(iter(in_parts(raw, 1 << 20)),
+                                        metadata=raw_client.metadata, timeout=30))
+    parts = [pb.CallPart.FromString(p) for p in answer]
+    one = server.service._unary.run_serialized(raw, dict(raw_client.metadata)[
+        protocol.SESSION_KEY], alive=lambda: True)
+    assert [p.total for p in parts] == [len(one)] + [0] * (len(parts) - 1)
+    assert [len(p.data) for p in parts] == [wire_parts.PART_BYTES] * 3 + [len(one) - (3 << 20)]
+    assert b"".join(p.data for p in parts) == one
+  finally:
+    raw_client.close()
+
+
+def test_a_large_calls_error_arrives_as_the_documented_one(make_server):
+  """A call in parts that raises answers no part: its error, as a one-message call's."""
+  with sidecar.jax.Controller([f"127.0.0.1:{make_server(host_id=2).port}"], timeout=30,
+                              attach=False) as ctl:
+    with pytest.raises(sidecar.RemoteError) as info:
+      ctl.call("fail", args=("boom" + "x" * controller_calls.PARTS_FROM,))
+    assert info.value.remote_type == "builtins.ValueError" and info.value.host_id == 2
+    assert info.value.remote_message.startswith("boomxxx")
+    (future,) = ctl.call_async("add", args=(np.ones(controller_calls.PARTS_FROM), "s"))
+    with pytest.raises(sidecar.RemoteError, match="UFuncNoLoopError|ufunc"):
+      future.result(30)
+
+
+@pytest.mark.parametrize("how", ["stops-reading", "cancels"])
+def test_a_caller_that_stops_reading_its_parts_holds_the_sidecar_until_it_leaves(
+    make_server, how):
+  """A response in parts that nobody reads: gRPC's flow control stops the sending, and the
+  call's slot and inline bytes stay held (they count against the caller), until its
+  deadline passes or it cancels; then both go back, with the result."""
+  server = make_server()
+  raw_client = Raw(server.port)
+  unary = server.service._unary
+  try:
+    raw = request("echo", np.ones(64 << 20, np.uint8))
+    responses = parts_rpc(raw_client)(iter(in_parts(raw, 1 << 20)),
+                                      metadata=raw_client.metadata, timeout=4)
+    next(responses)  # the call ran; its answer is on its way
+    time.sleep(1)
+    assert unary.slots.running == 1 and unary._inline._held == len(raw)  # flow control
+    if how == "cancels":
+      responses.cancel()
+    deadline = time.monotonic() + 30
+    while (unary.slots.running or unary._inline._held) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert (unary.slots.running, unary._inline._held) == (0, 0)
+    with pytest.raises(grpc.RpcError) as info:
+      list(responses)
+    assert info.value.code() == (grpc.StatusCode.CANCELLED if how == "cancels"
+                                 else grpc.StatusCode.DEADLINE_EXCEEDED)
   finally:
     raw_client.close()
 
@@ -136,7 +207,8 @@ def test_call_parts_past_max_message_size_or_inline_bytes_are_refused_unread(mak
 
 def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
   """A request of calls.PARTS_FROM bytes or more goes as CallParts, a call_async too; a
-  small one as one Call."""
+  small one as one Call. The result that comes back in parts views the buffer they came
+  into."""
   server = make_server()
   big = np.arange(controller_calls.PARTS_FROM // 4 + 3, dtype=np.float32)
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
@@ -146,6 +218,12 @@ def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
     assert controller_calls.call_rpc(conn, large) is not conn.call_rpc  # CallParts
     (out,) = ctl.call("echo", args=(big,))
     np.testing.assert_array_equal(out, big)
+    base = out
+    while isinstance(base, np.ndarray):
+      base = base.base
+    # A view of the one buffer its response's parts came into: no copy of it was made.
+    assert isinstance(base, memoryview) and isinstance(base.obj, bytearray)
+    assert out.flags.writeable
     (future,) = ctl.call_async("stats", args=(big,))
     assert future.result(30) == {"sum": float(big.astype(np.float64).sum()),
                                  "shape": list(big.shape), "dtype": "float32",
