@@ -54,6 +54,9 @@ def main(directory: str, fails: str) -> int:
     ckpt.save(step, {"w": state}).durable.result()
     w = np.asarray(multihost_utils.process_allgather(state, tiled=True)).tolist()
     emit("committed", step=step, w=w)
+    # Every process has said so before process 1 fails (else the launcher may stop process
+    # 0 before its line: seen once, on a loaded machine).
+    multihost_utils.sync_global_devices("committed")
     if restart < int(fails) and me == 1:
       emit("fail", how="SIGKILL" if restart == 0 else f"exit {EXIT_CODE}")
       if restart == 0:
