@@ -25,6 +25,20 @@ tenants:
     checkpoint_roots: [bob]
 """
 
+# Issue 54, item 3's fetched tickets: room for floods of 1,100 handshakes within each
+# tenant's sessions quota, so that a holder (max_sessions_per_client) is what bounds each.
+ROOMY_POOL = """\
+tenants:
+  - name: alice
+    token_file: alice.token
+    sessions: 64
+    checkpoint_roots: [alice]
+  - name: bob
+    token_file: bob.token
+    sessions: 64
+    checkpoint_roots: [bob]
+"""
+
 
 def write_pool(directory, text: str = POOL) -> str:
   """``text`` as ``directory``/pool.yaml beside the two tenants' token files and their

@@ -19,21 +19,9 @@ import pytest
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 from tests.support.paths import ROOT
-from tests.support.pool_files import ALICE, BOB, write_pool
+from tests.support.pool_files import ALICE, BOB, ROOMY_POOL, write_pool
 
 pytestmark = pytest.mark.processes
-
-POOL = """\
-tenants:
-  - name: alice
-    token_file: alice.token
-    sessions: 64
-    checkpoint_roots: [alice]
-  - name: bob
-    token_file: bob.token
-    sessions: 64
-    checkpoint_roots: [bob]
-"""
 
 _TRAINER = r'''
 import sys
@@ -68,7 +56,7 @@ def test_a_controller_in_another_network_namespace_holds_its_session_by_a_fetche
     make_server, tmp_path):
   prefix = _other_network_namespace()
   path = tmp_path / "g.sock"
-  server = make_server(pool=write_pool(tmp_path, POOL), listen=f"unix:{path}",
+  server = make_server(pool=write_pool(tmp_path, ROOMY_POOL), listen=f"unix:{path}",
                        max_sessions=160, max_sessions_per_client=16)
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   trainer = subprocess.Popen([*prefix, sys.executable, "-c", _TRAINER, f"unix:{path}", ALICE],

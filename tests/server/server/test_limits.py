@@ -24,7 +24,7 @@ from sidecar._src.server.limits import MAX_PREFETCH, Sessions, StreamSlots
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
-from tests.support.pool_files import ALICE, BOB, write_pool
+from tests.support.pool_files import ALICE, BOB, ROOMY_POOL, write_pool
 from tests.support.raw_client import Raw, rejected
 
 pytestmark = pytest.mark.server
@@ -411,21 +411,6 @@ def test_a_tenants_ticketless_flood_evicts_only_its_own_sessions(make_server, tm
     channel.close()
 
 
-# Issue 54, item 3's last part: room for two floods (1,100 handshakes each) within each
-# tenant's sessions quota; a holder (max_sessions_per_client=16) is what bounds each.
-FETCHED_POOL = """\
-tenants:
-  - name: alice
-    token_file: alice.token
-    sessions: 64
-    checkpoint_roots: [alice]
-  - name: bob
-    token_file: bob.token
-    sessions: 64
-    checkpoint_roots: [bob]
-"""
-
-
 class UnixRaw:
   """Raw handshakes and calls over a sidecar's ``unix:`` socket, as a non-Python client
   makes them: no pid ticket, and a fetched one only where asked for."""
@@ -467,7 +452,7 @@ def test_a_fetched_ticket_keeps_a_controllers_session_through_ticketless_floods(
   more presenting a forged ticket or one copied from the other tenant evict none of them
   (the ticketless session of its tenant made before them is evicted, as before)."""
   path = tmp_path / "g.sock"
-  server = make_server(pool=write_pool(tmp_path, FETCHED_POOL), listen=f"unix:{path}",
+  server = make_server(pool=write_pool(tmp_path, ROOMY_POOL), listen=f"unix:{path}",
                        max_sessions=160, max_sessions_per_client=16)
   server._client_ids.close()  # the abstract name unreachable: no pid ticket is told
   raw = UnixRaw(path)
