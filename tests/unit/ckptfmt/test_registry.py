@@ -4,7 +4,6 @@ and what a sweep puts back (tests/processes/ckptfmt/test_no_orbax.py: DCP withou
 import os
 import pathlib
 import re
-import shutil
 
 import pytest
 
@@ -12,6 +11,7 @@ from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp.format import DcpFormat
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
+from tests.support import races
 
 pytestmark = pytest.mark.unit
 
@@ -133,16 +133,9 @@ def test_a_step_removed_while_it_is_looked_at_is_not_a_checkpoint(tmp_path, monk
   step = tmp_path / "3"
   (step / "default").mkdir(parents=True)
   (step / "default" / "_METADATA").write_text("{}")
-  real = pathlib.Path.iterdir
-
-  def removed_first(self):
-    if self == step:
-      for p in sorted(step.rglob("*"), reverse=True):
-        p.unlink() if p.is_file() else p.rmdir()
-      step.rmdir()
-    return real(self)
-  monkeypatch.setattr(pathlib.Path, "iterdir", removed_first)
+  pending = races.removed_first(monkeypatch, pathlib.Path, "iterdir", step)
   assert not formats_lib.is_checkpoint(step)
+  assert not pending  # the step went at the racy moment
 
 
 @pytest.mark.parametrize("files,asked,listing", [
@@ -158,14 +151,7 @@ def test_a_step_removed_while_a_reader_of_another_format_looks_is_gone_not_an_er
   for name in files:
     (step / name).parent.mkdir(parents=True, exist_ok=True)
     (step / name).write_text("{}")
-  owner, attr = listing
-  real, pending = getattr(owner, attr), [step]
-
-  def removed_first(path):
-    if pending and pathlib.Path(path) == step:
-      shutil.rmtree(pending.pop())
-    return real(path)
-  monkeypatch.setattr(owner, attr, removed_first)
+  pending = races.removed_first(monkeypatch, *listing, step)
   final_dir = str(step / asked)
   formats_lib.DEFAULT.check_read(final_dir)  # nothing of another format there now
   assert not pending  # the step went at the racy moment

@@ -4,11 +4,11 @@ cut-short state the next open or save recovers, never deleting the only complete
 
 import os
 import pathlib
-import shutil
 
 import pytest
 
 from sidecar._src.ckptfmt.dcp import distcp
+from tests.support import races
 
 pytestmark = pytest.mark.unit
 
@@ -107,12 +107,6 @@ def test_a_leftover_another_host_removes_meanwhile_is_not_in_the_way(tmp_path, m
   save looked for the mark of a save in it, it was refused as not made by one."""
   path = tmp_path / "ckpt"
   stale = distcp.create_tmp(path)
-  real, pending = distcp.is_ours, [stale]
-
-  def removed_first(p):
-    if pending and pathlib.Path(p) == stale:
-      shutil.rmtree(pending.pop())  # the other host's sweep
-    return real(p)
-  monkeypatch.setattr(distcp, "is_ours", removed_first)
+  pending = races.removed_first(monkeypatch, distcp, "is_ours", stale)  # the other's sweep
   assert distcp.create_tmp(path) == stale and not pending
   assert (stale / distcp.MADE_FILE).is_file()  # made anew, by this save

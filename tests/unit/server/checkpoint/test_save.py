@@ -20,6 +20,7 @@ from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
+from tests.support import races
 
 pytestmark = pytest.mark.unit
 
@@ -256,13 +257,7 @@ def test_an_abort_another_hosts_abort_finishes_first_is_not_refused(
   # this one looked for the mark of a save in it: refused as "not made by a save".
   writer, _ = make_writer(Recording())
   tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
-  real, pending = distcp.is_ours, [tmp]
-
-  def removed_first(path):
-    if pending and pathlib.Path(path) == tmp:
-      shutil.rmtree(pending.pop())  # the other host's abort
-    return real(path)
-  monkeypatch.setattr(distcp, "is_ours", removed_first)
+  pending = races.removed_first(monkeypatch, distcp, "is_ours", tmp)  # the other's abort
   writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
   assert not pending and os.listdir(tmp_path / "ck") == []
 
