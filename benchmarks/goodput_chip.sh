@@ -7,12 +7,10 @@
 # --save-every baseline=239: the intervals of an earlier run's calibration, which is then
 # skipped, leaving time for the floor and the reference losses).
 #
-# Needs .whl-tpu/ carried with the working tree (docs/tpu.md says how to make it), with
-# chex added to its set (optax imports it, and the host's own index lacks it; optax and
-# toolz come from that index when the set lacks them). Installs it into /tmp/site,
+# Needs .whl-tpu/ carried with the working tree: benchmarks/chip_setup.sh installs it and
 # prepares the corpus (the whole standard library's sources, ~11 MB: ~700 batches of the
-# chip config an epoch, so the runs also cross epochs), then runs the benchmark with the
-# chip config (~101M parameters; params + Adam moments ~1.2 GB).
+# chip config an epoch, so the runs also cross epochs), then this runs the benchmark with
+# the chip config (~101M parameters; params + Adam moments ~1.2 GB).
 #
 # Budget, <= 9 minutes of wall (estimates from docs/tpu.md: a process's JAX init ~7 s, the
 # step's compile 2 s cold / 0.3 s from the cache, ~10 steps/s; restarts add the sidecar's
@@ -36,29 +34,8 @@
 # The results JSON is written after each phase, so a run cut short leaves what it measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/goodput-chip}
-mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-t0=$(date +%s)
-if [ ! -d .whl-tpu ]; then
-  echo "no .whl-tpu/ here: download the wheels as docs/tpu.md shows and carry the folder" >&2
-  exit 2
-fi
-PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
-  --no-compile --no-cache-dir --target /tmp/site .whl-tpu/*.whl >/dev/null 2>&1
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD
-for name in optax toolz; do  # from the host's index, without deps: JAX stays the host's
-  python3 -c "import $name" 2>/dev/null || PIP_CONFIG_FILE=/dev/null python3 -m pip install \
-    --isolated -q --no-deps --only-binary=:all: --no-cache-dir --target /tmp/site \
-    --index-url file:///opt/pypi/simple "$name" >/dev/null 2>&1
-done
-if ! python3 -c "import optax, grain, orbax.checkpoint, array_record, grpc, sidecar" \
-    2>"$OUT/imports.log"; then
-  echo "missing packages (add their wheels to .whl-tpu):" >&2
-  tail -3 "$OUT/imports.log" >&2
-  exit 2
-fi
-python3 examples/lm/prepare.py --out /tmp/lm-data 2>&1 | tee "$OUT/prepare.log"
-echo "setup took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/prepare.log"
+source benchmarks/chip_setup.sh || exit 2
 timeout $(( ${LIMIT:-530} - ($(date +%s) - t0) )) python3 -m benchmarks.goodput --config chip --wall 100 --mtbf 60 --seed 10 \
   --calibrate-steps 80 --calibrate-every 20 --data /tmp/lm-data --out "$OUT" "$@" 2>&1 | tee "$OUT/goodput.log"
 echo "exit ${PIPESTATUS[0]}; $(( $(date +%s) - t0 )) s in all" | tee -a "$OUT/goodput.log"
