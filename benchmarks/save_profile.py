@@ -173,6 +173,9 @@ def summarise(mode: str, run: dict, base_step: float) -> dict:
     row[f"{cls}_mean_ms"] = 1e3 * float(dts[sel].mean()) if sel.any() else None
     row[f"{cls}_lost_ms_per_save"] = (1e3 * float((dts[sel] - base_step).sum()) / len(saves)
                                       if saves and sel.any() else None)
+  row["raw"] = {"step_ms": [round(1e3 * float(d), 3) for d in dts], "class": classes,
+                "saves_ms": [{k: round(1e3 * (v - ends[0]), 3) for k, v in s.items() if k != "step"}
+                             for s in saves]}
   if saves:
     row["lost_ms_per_save"] = 1e3 * float((dts - base_step).sum()) / len(saves)
     row["call_ms"] = 1e3 * statistics.median(s["return"] - s["call"] for s in saves)
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                "feed": "feed", "feed+save": "feed"}
     for mode in modes:
       summaries = []
-      ref = base_of[mode] if base_of[mode] in results else mode
+      ref = next(m for m in (base_of[mode], "resident", mode) if m in results)
       base_step = statistics.median(float(np.median(np.diff(run["ends"])))
                                     for run in results[ref])
       for run in results[mode]:
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                  else summaries[0][k]) for k in summaries[0]}
       row["base_step_ms"] = 1e3 * base_step
       row["rounds"] = summaries
+      row.pop("raw")
       rows.append(row)
   finally:
     shutil.rmtree(base, ignore_errors=True)
@@ -261,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
 
   print(f"\n{config_name} on {platform}: {steps} steps a mode and round, {rounds} round(s), "
         f"a save every {args.every} steps\n")
+  if rounds > 1:
+    rows = rows + [dict(s, mode=f"{s['mode']} (round {i})") for r in rows
+                   for i, s in enumerate(r["rounds"])]
   print(table(
       ["mode", "steps/s", "x resident", "mean step ms", "copy: n, ms", "write: n, ms",
        "quiet: n, ms", "lost/save ms (copy + write + quiet)", "save() ms", "staged ms",
