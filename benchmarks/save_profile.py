@@ -30,6 +30,7 @@ first save compiles its split) are taken before timing starts.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -82,6 +83,25 @@ def _device_copy(state):
     import jax.numpy as jnp
     _COPY = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
   return _COPY(state)
+
+
+class GcLog:
+  """Each garbage collection of this process: (generation, start, end) in perf_counter
+  seconds, from ``gc.callbacks``."""
+
+  def __init__(self):
+    self.collections: list[tuple[int, float, float]] = []
+    self._start = 0.0
+    gc.callbacks.append(self._on)
+
+  def _on(self, phase: str, info: dict) -> None:
+    if phase == "start":
+      self._start = time.perf_counter()
+    else:
+      self.collections.append((info["generation"], self._start, time.perf_counter()))
+
+  def between(self, a: float, b: float) -> list[tuple[int, float, float]]:
+    return [c for c in self.collections if a <= c[1] < b]
 
 
 def run_mode(mode: str, *, ctl, ckpt_dir: str, config, state, batch, train_step, steps: int,
@@ -176,6 +196,12 @@ def summarise(mode: str, run: dict, base_step: float) -> dict:
   row["raw"] = {"step_ms": [round(1e3 * float(d), 3) for d in dts], "class": classes,
                 "saves_ms": [{k: round(1e3 * (v - ends[0]), 3) for k, v in s.items() if k != "step"}
                              for s in saves]}
+  collections = run.get("gc", [])
+  row["raw"]["gc_ms"] = [(g, round(1e3 * (a - ends[0]), 3), round(1e3 * (b - a), 3))
+                         for g, a, b in collections]
+  for g in (1, 2):
+    row[f"gc{g}_n"] = sum(1 for c in collections if c[0] == g)
+    row[f"gc{g}_ms"] = 1e3 * sum(b - a for c_g, a, b in collections if c_g == g)
   if saves:
     row["lost_ms_per_save"] = 1e3 * float((dts - base_step).sum()) / len(saves)
     row["call_ms"] = 1e3 * statistics.median(s["return"] - s["call"] for s in saves)
@@ -224,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     shm_size = args.shm_size or ("12GiB" if config_name == "chip" else "512MiB")
     results: dict[str, list[dict]] = {m: [] for m in modes}
     t0 = time.time()
+    gc_log = GcLog()
     with sidecar.testing.LocalCluster(
         num_hosts=1, devices_per_host=1, shm_size=shm_size, imports=["pipelines.lm"],
         checkpoint_roots=[base], start_timeout=180) as cluster, cluster.controller() as ctl:
@@ -235,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                          feed_kwargs={"data": os.path.abspath(data),
                                       "seq_len": config.seq_len}, seed=r)
           state = run.pop("state")
+          run["gc"] = gc_log.between(run["ends"][0], run["ends"][-1])
           results[mode].append(run)
           print(f"round {r} {mode}: {len(run['ends']) - 1} steps, {len(run['saves'])} saves "
                 f"({time.time() - t0:.0f} s)", flush=True)
@@ -271,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
   print(table(
       ["mode", "steps/s", "x resident", "mean step ms", "copy: n, ms", "write: n, ms",
        "quiet: n, ms", "lost/save ms (copy + write + quiet)", "save() ms", "staged ms",
-       "durable ms"],
+       "durable ms", "gc gen 1/2: n, ms"],
       [[r["mode"], f"{r['steps_per_s']:.3f}",
         "-" if ref_rate is None else f"{r['steps_per_s'] / ref_rate:.4f}",
         ms(r["mean_step_ms"]),
@@ -281,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         ("-" if "lost_ms_per_save" not in r else
          f"{r['lost_ms_per_save']:.1f} ({ms(r['copy_lost_ms_per_save'])} + "
          f"{ms(r['write_lost_ms_per_save'])} + {ms(r['quiet_lost_ms_per_save'])})"),
-        ms(r.get("call_ms")), ms(r.get("staged_ms")), ms(r.get("durable_ms"))]
+        ms(r.get("call_ms")), ms(r.get("staged_ms")), ms(r.get("durable_ms")),
+        f"{r['gc1_n']:.0f}, {r['gc1_ms']:.0f} / {r['gc2_n']:.0f}, {r['gc2_ms']:.0f}"]
        for r in rows]))
   if args.out:
     os.makedirs(args.out, exist_ok=True)
