@@ -56,6 +56,8 @@ __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "Save
            "replica_hosts"]
 
 log = logging.getLogger(__name__)
+# A save() that waited this long for the previous save (if_busy='wait') is logged.
+BUSY_WARN_S = 0.5
 # The steps a Checkpointer of this process is saving, by (directory, step), until durable
 # or failed: a second Checkpointer of the directory (of one Controller, whose sidecar
 # session is the same) must not begin the step meanwhile, as the sidecar cannot tell it
@@ -228,7 +230,16 @@ class Checkpointer:
       if self.options.if_busy == "skip":
         return done_handle(step, None)
       if previous is not None:  # busy may be another process's save
+        t0 = time.perf_counter()
         interrupts.wait_done(previous.durable)
+        waited = time.perf_counter() - t0
+        if waited >= BUSY_WARN_S:  # the storage is slower than the saves come: say so
+          log.warning(
+              "save(%d) in %s waited %.2f s for step %d to be durable (if_busy='wait'): the "
+              "training loop stood still meanwhile. The writes of one save take longer than "
+              "the interval between saves (see the sidecar's log, 'step N: wrote ... in ... "
+              "s'): save less often, or pass if_busy='skip'", step, self.directory, waited,
+              previous.step, extra={"step": step})
     if step in (steps := self.all_steps()):  # whatever the framework: never replaced
       raise errors.InvalidArgumentError(
           f"step {step} is already saved in {self.directory} (committed steps: {steps}); a "

@@ -278,14 +278,17 @@ def test_wait_reports_progress_while_a_save_is_written(tmp_path):
 
 
 @pytest.mark.parametrize("if_busy", ["wait", "skip"])
-def test_at_most_one_save_in_flight(tmp_path, if_busy):
+def test_at_most_one_save_in_flight(tmp_path, if_busy, caplog):
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=2, shm_size="16MiB",
                                     host_env={1: {"SIDECAR_CKPT_FAULT": "slow@1"}}) as c:
     with c.controller() as ctl, ctl.checkpointer(tmp_path / "ck", if_busy=if_busy) as ckpt:
       first = ckpt.save(1, make_state())
       second = ckpt.save(2, make_state())  # step 1 is still being written (2 s)
       if if_busy == "wait":
-        assert first.durable.done()  # save(2) waited for it
+        assert first.durable.done()  # save(2) waited for it, and said so
+        assert any("save(2)" in r.getMessage() and "waited" in r.getMessage()
+                   and "for step 1 to be durable" in r.getMessage()
+                   and r.levelname == "WARNING" for r in caplog.records), caplog.text
         assert second.durable.result(60) == 2 and ckpt.all_steps() == [1, 2]
       else:
         assert second.staged.result() is None and second.durable.result() is None
