@@ -97,10 +97,9 @@ class ShardRecord:
   @classmethod
   def of(cls, shard: ShardId, leaf: int, data: Any, *, host: int | None = None,
          rank: int | None = None) -> ShardRecord:
-    """The record of ``data`` (an array, or anything with its ``dtype``, ``shape`` and
+    """The record of ``data`` (an array, or anything with its numpy ``dtype``, ``shape`` and
     ``nbytes``: a device copy on its way), not yet written."""
-    return cls(shard, leaf, host, np.dtype(data.dtype).name, tuple(int(d) for d in data.shape),
-               int(data.nbytes), rank)
+    return cls(shard, leaf, host, data.dtype.name, tuple(data.shape), int(data.nbytes), rank)
 
   @property
   def key_path(self) -> KeyPath:

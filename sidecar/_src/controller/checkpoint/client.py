@@ -231,8 +231,7 @@ class CheckpointTransport(abc.ABC):
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
              extra: FormatExtra | None = None) -> concurrent.futures.Future:
     """Future of the committed directory; ``shards``: every host's, written. ``extra``: the
-    format's extra (a DCP step's
-    pickled metadata, file sizes and plan)."""
+    format's extra (a DCP step's pickled metadata, file sizes and plan)."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""

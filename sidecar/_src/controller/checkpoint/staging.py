@@ -5,13 +5,12 @@ JAX's and the numpy core's (``save.SaveCoordinator``), DCP's ``write_data`` and 
 ``dcp.async_save`` stage (``torch/storage.py``). A :class:`ShardCopy` carries a shard
 from the plan to the sidecar: its record (``records.ShardRecord``: the shard's one
 description, the host that stages it included) and, beside it, its elements and its
-arena block. Host
-arrays are copied on the caller's thread before the save returns (the trainer's stall;
-Ctrl-C between two copies fails the save); a shard still on its way from an accelerator
-(a ``framework.DeviceCopy``) is copied by the stager thread once it has landed, in order,
-by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` (told first
-what will come) as it is: the save's :class:`Lots` (handed to the sidecars as the copy
-goes on), or, under ``dcp.async_save``, the staged state dict.
+arena block. Host arrays are copied on the caller's thread before the save returns (the
+trainer's stall; Ctrl-C between two copies fails the save); a shard still on its way from
+an accelerator (a ``framework.DeviceCopy``) is copied by the stager thread once it has
+landed, in order, by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink`
+(told first what will come) as it is: the save's :class:`Lots` (handed to the sidecars as
+the copy goes on), or, under ``dcp.async_save``, the staged state dict.
 """
 
 from __future__ import annotations
