@@ -27,7 +27,9 @@ And once: ``isinstance`` checks on a plug (``Agreement``, ``KeyValueAgreement``,
 ``DcpAgreement``, ``Framework``, ``Coordination`` and their subclasses, grepped in
 ``sidecar/_src``), and the forms a shard's description takes from ``save()`` to the
 manifest: the types and tuples this module lists (:data:`FORMS`), each counted where its
-definition is still found in the source (a form that goes away drops out of the count).
+definition is still found in the source (a form that goes away drops out of the count), and
+apart from them the carriers of a shard's data beside its record (:data:`CARRIERS`), which
+count as forms only where they declare a field that describes the shard.
 """
 
 from __future__ import annotations
@@ -45,11 +47,28 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "sidecar" / "_src"
 
+# A class restates a shard when its body declares one of these as a field of its own.
+_RESTATED = r"(?:key_path|index|dtype|shape|leaf|shard|crc32c)"
+
+
+def _restates(cls: str) -> str:
+  """A pattern that finds class ``cls`` if its body declares a field that describes a shard
+  (two-space indented ``name: type`` lines; a docstring's attributes are indented more)."""
+  return rf"^class {cls}\b[^\n]*\n(?:(?:  [^\n]*)?\n)*?  {_RESTATED}: "
+
+
 # The forms a JAX save's shard description takes, in order, each with a pattern that finds
-# its definition (or its making) in sidecar/_src. Issue 56 counted 11 at 26bb3d2.
+# its definition (or its making) in sidecar/_src. Issue 56 counted 11 at 26bb3d2, 9 before
+# its shard record; a form that goes away drops out of the count, one that comes back is
+# counted again.
 FORMS: list[tuple[str, str, str]] = [
-    ("SaveShard", r"^class SaveShard\b", "controller/framework.py: a framework's shard"),
-    ("ShardCopy", r"^class ShardCopy\b", "controller/checkpoint/staging.py: the copy's plan"),
+    ("SaveShard", r"^class SaveShard\b",
+     "controller/framework.py: a framework's shard (where it lies, before a host is chosen)"),
+    ("ShardCopy restating the shard", _restates("ShardCopy"),
+     "controller/checkpoint/staging.py: the copy's plan"),
+    ("ShardRecord", r"^class ShardRecord\b",
+     "ckptfmt/records.py: the shard's one description, plan to manifest"),
+    ("pb.ShardRecord", r"^message ShardRecord\b", "protos: its message"),
     ("StagedShard", r"^class StagedShard\b", "ckptfmt/records.py: a shard in a staging.Lot"),
     ("pb.StagedShard", r"^message StagedShard\b", "protos: the wire message"),
     ("(ShardId, Any) of Numbering.take", r"def take\(self.*ShardId, Any",
@@ -60,9 +79,19 @@ FORMS: list[tuple[str, str, str]] = [
     ("(ShardId, ndarray) in replication", r"tuple\[ShardId, np\.ndarray\]",
      "server/checkpoint/replication.py"),
     ("(Index, ndarray)", r"tuple\[Index, np\.ndarray\]", "ckptfmt/orbax/write.py"),
+    ("ReplicaBlock / ReplicaPiece restating the shard",
+     f"{_restates('ReplicaBlock')}|{_restates('ReplicaPiece')}",
+     "ckptfmt/records.py: a replica's shard"),
     ("ShardChecksum", r"^class ShardChecksum\b", "ckptfmt/records.py: a written shard"),
     ("pb.ShardChecksum", r"^message ShardChecksum\b", "protos: its message"),
     ("Manifest entry", r"^class Manifest\b", "ckptfmt/records.py: the manifest's shards"),
+]
+# What carries a shard's data beside its record and describes nothing itself: not forms
+# (each is counted in FORMS above, or here as a form, the day it restates the shard).
+CARRIERS: list[tuple[str, str]] = [
+    ("Staged", "ckptfmt/records.py: a record and its bytes (the sidecar's arena view)"),
+    ("ShardCopy", "controller/checkpoint/staging.py: a record, its data and arena block"),
+    ("ReplicaPiece", "ckptfmt/records.py: a record and where some of its bytes go"),
 ]
 
 TRAINER = ("controller/", "jax/", "torch/", "arena/worker.py")
@@ -80,6 +109,16 @@ def count_forms() -> list[tuple[str, str]]:
     if any(rx.search(t) for t in texts):
       found.append((name, where))
   return found
+
+
+def carriers() -> list[tuple[str, str, bool]]:
+  """The :data:`CARRIERS` still defined: name, where, and whether it restates the shard."""
+  texts = [p.read_text() for p in SRC.rglob("*.py")]
+  out = []
+  for name, where in CARRIERS:
+    if any(re.search(rf"^class {name}\b", t, re.M) for t in texts):
+      out.append((name, where, any(re.search(_restates(name), t, re.M) for t in texts)))
+  return out
 
 
 def plug_isinstance() -> list[str]:
@@ -224,6 +263,10 @@ def main() -> None:
   print(f"forms of a shard per save: {len(forms)}")
   for name, where in forms:
     print(f"    {name:36s} {where}")
+  held = carriers()
+  print(f"carriers of a shard's data beside its record (not forms): {len(held)}")
+  for name, where, restates in held:
+    print(f"    {name:36s} {where}{'  RESTATES THE SHARD: a form' if restates else ''}")
   plugs = plug_isinstance()
   print(f"isinstance checks on a plug: {len(plugs)}")
   for line in plugs:

@@ -59,17 +59,25 @@ class LeafSpec(_message.Message):
     sharding: str
     def __init__(self, key_path: _Optional[_Iterable[_Union[KeyEntry, _Mapping]]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ..., write_shape: _Optional[_Iterable[int]] = ..., sharding: _Optional[str] = ...) -> None: ...
 
-class ShardChecksum(_message.Message):
-    __slots__ = ("shard", "nbytes", "crc32c", "host")
+class ShardRecord(_message.Message):
+    __slots__ = ("shard", "nbytes", "crc32c", "host", "leaf", "dtype", "shape", "rank")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    LEAF_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     shard: ShardId
     nbytes: int
     crc32c: int
     host: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., nbytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., host: _Optional[int] = ...) -> None: ...
+    leaf: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    rank: int
+    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., nbytes: _Optional[int] = ..., crc32c: _Optional[int] = ..., host: _Optional[int] = ..., leaf: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ShardData(_message.Message):
     __slots__ = ("arena", "array")
@@ -162,24 +170,15 @@ class CheckpointBeginResponse(_message.Message):
     tmp_directory: str
     def __init__(self, tmp_directory: _Optional[str] = ...) -> None: ...
 
-class StagedShard(_message.Message):
-    __slots__ = ("leaf", "index", "data")
-    LEAF_FIELD_NUMBER: _ClassVar[int]
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    leaf: int
-    index: _containers.RepeatedCompositeFieldContainer[Interval]
-    data: ShardData
-    def __init__(self, leaf: _Optional[int] = ..., index: _Optional[_Iterable[_Union[Interval, _Mapping]]] = ..., data: _Optional[_Union[ShardData, _Mapping]] = ...) -> None: ...
-
 class CheckpointStageRequest(_message.Message):
-    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "shards", "last", "worker_session", "writers", "dcp")
+    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "records", "data", "last", "worker_session", "writers", "dcp")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TMP_DIR_FIELD_NUMBER: _ClassVar[int]
     FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
@@ -189,12 +188,13 @@ class CheckpointStageRequest(_message.Message):
     tmp_dir: str
     final_dir: str
     leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
-    shards: _containers.RepeatedCompositeFieldContainer[StagedShard]
+    records: _containers.RepeatedCompositeFieldContainer[ShardRecord]
+    data: _containers.RepeatedCompositeFieldContainer[ShardData]
     last: bool
     worker_session: str
     writers: int
     dcp: DcpPart
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[StagedShard, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ...) -> None: ...
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[ShardData, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageResponse(_message.Message):
     __slots__ = ("staged_bytes",)
@@ -211,13 +211,13 @@ class CheckpointPreparedRequest(_message.Message):
     def __init__(self, final_dir: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointPreparedResponse(_message.Message):
-    __slots__ = ("checksums",)
-    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
-    checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
-    def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[ShardRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ...) -> None: ...
 
 class CheckpointCommitRequest(_message.Message):
-    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "checksums", "data_state_json", "whole_step", "replicas", "dcp")
+    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "records", "data_state_json", "whole_step", "replicas", "dcp")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,7 +229,7 @@ class CheckpointCommitRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_HOSTS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     WHOLE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -238,12 +238,12 @@ class CheckpointCommitRequest(_message.Message):
     step: int
     num_hosts: int
     leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
-    checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
+    records: _containers.RepeatedCompositeFieldContainer[ShardRecord]
     data_state_json: str
     whole_step: bool
     replicas: _containers.MessageMap[int, HostIds]
     dcp: DcpCommit
-    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ...) -> None: ...
+    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ...) -> None: ...
 
 class CheckpointCommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -366,30 +366,22 @@ class ReplicaHeader(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., final_dir: _Optional[str] = ..., source: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ReplicaBlock(_message.Message):
-    __slots__ = ("shard", "data", "crc32c")
-    SHARD_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("record", "data")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
-    shard: ShardId
+    record: ShardRecord
     data: _sidecar_pb2.ArenaRef
-    crc32c: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., data: _Optional[_Union[_sidecar_pb2.ArenaRef, _Mapping]] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    def __init__(self, record: _Optional[_Union[ShardRecord, _Mapping]] = ..., data: _Optional[_Union[_sidecar_pb2.ArenaRef, _Mapping]] = ...) -> None: ...
 
 class ReplicaPart(_message.Message):
-    __slots__ = ("shard", "dtype", "shape", "offset", "data", "crc32c")
-    SHARD_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("record", "offset", "data")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
-    shard: ShardId
-    dtype: str
-    shape: _containers.RepeatedScalarFieldContainer[int]
+    record: ShardRecord
     offset: int
     data: bytes
-    crc32c: int
-    def __init__(self, shard: _Optional[_Union[ShardId, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    def __init__(self, record: _Optional[_Union[ShardRecord, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
     __slots__ = ("header", "worker_session", "blocks", "part", "done")
@@ -482,12 +474,12 @@ class CheckpointInfoResponse(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     format: str
     leaves: _containers.RepeatedCompositeFieldContainer[LeafSpec]
-    shards: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardRecord]
     data_state_json: str
     replicas: _containers.MessageMap[int, HostIds]
     extras_json: str
     step: int
-    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., extras_json: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, format: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., extras_json: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ByteRange(_message.Message):
     __slots__ = ("offset", "nbytes")

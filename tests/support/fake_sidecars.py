@@ -20,8 +20,6 @@ from sidecar._src.ckptfmt.records import (
   Manifest,
   Replicated,
   SavedLeaf,
-  ShardChecksum,
-  ShardId,
 )
 from sidecar._src.ckptfmt.registry import DCP, ORBAX
 from sidecar._src.ckptfmt.spec import LeafSpec
@@ -121,6 +119,7 @@ class FakeSidecars(CheckpointTransport):
     self.initial = list(steps)
     self.leaves: dict[str, list[LeafSpec]] = {}  # final dir -> its leaves
     self.staged: dict[tuple[int, str], dict] = {}  # (host, final dir) -> {(kp, index): array}
+    self.records: dict[tuple[int, str], dict] = {}  # (host, final dir) -> {(kp, index): record}
     self.manifests: dict[str, Manifest] = {}  # final dir -> its manifest, once committed
     self.aborted: list[tuple[int, str]] = []
     self.items: dict[tuple[str, int], tuple] = {}  # (final dir, DCP rank) -> its items
@@ -166,27 +165,30 @@ class FakeSidecars(CheckpointTransport):
     if extra is not None and extra.items:  # a DCP rank's items: its shards number them
       self.items[(final_dir, extra.rank)] = extra.items
     held = self.staged.setdefault((host, final_dir), {})
+    records = self.records.setdefault((host, final_dir), {})
     for s in shards:
+      r = s.record
       if extra is not None:
-        kp = (self.items[(final_dir, extra.rank)][s.leaf].fqn,)
+        assert r.id.key_path == (self.items[(final_dir, extra.rank)][r.leaf].fqn,)
       else:
-        kp = self.leaves[final_dir][s.leaf].key_path
-      held[ShardId(kp, tuple(s.index))] = np.array(s.data)
+        assert r.id.key_path == self.leaves[final_dir][r.leaf].key_path
+      assert r.host == host
+      held[r.id] = np.array(s.data)
+      records[r.id] = r
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
   def prepared(self, host, final_dir, *, timeout):
-    sums = [ShardChecksum(shard.key_path, shard.index, a.nbytes, None, host)
-            for shard, a in self.staged.get((host, final_dir), {}).items()]
-    return self._phase("prepared", host, sums)
+    written = list(self.records.get((host, final_dir), {}).values())
+    return self._phase("prepared", host, written)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
+  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
              whole_step, replicas, timeout, extra=None):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None
       final = tmp_dir.replace(".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
       self.manifests[final] = Manifest(DCP if dcp else ORBAX,
-                                       tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),
+                                       tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
                                        json.loads(data_state_json) if data_state_json else None,
                                        {int(h): tuple(p) for h, p in (replicas or {}).items()},
                                        extras={"plan": extra.plan()} if dcp else None,
@@ -202,6 +204,7 @@ class FakeSidecars(CheckpointTransport):
   def abort(self, host, tmp_dir, final_dir, *, timeout):
     self.aborted.append((host, tmp_dir))
     self.staged.pop((host, final_dir), None)
+    self.records.pop((host, final_dir), None)
     return self._phase("abort", host)
 
   def delete(self, host, directory, step):

@@ -10,7 +10,8 @@ import numpy as np
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
-from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.ckptfmt.records import Staged
+from tests.support.staged import staged
 
 W = np.arange(48, dtype=np.float32).reshape(8, 6)
 E = np.arange(10, 15, dtype=np.int32)
@@ -26,16 +27,18 @@ SPECS = [
 ]
 
 
-def host_parts() -> list[list[StagedShard]]:
+def host_parts() -> list[list[Staged]]:
   """Each host's shards of SPECS (w 0, e 1, s 2). Host 0: w's top row of chunks, e's first
   and edge chunks. Host 1: the rest."""
+  w, e, s = (spec.key_path for spec in SPECS)
   return [
-      [StagedShard(0, (slice(0, 4), slice(0, 3)), W[:4, :3]),
-       StagedShard(0, ((0, 4), (3, 6)), W[:4, 3:]),
-       StagedShard(1, ((0, 2),), E[:2]), StagedShard(1, ((4, 5),), E[4:])],
-      [StagedShard(0, ((4, 8), (0, 3)), W[4:, :3]), StagedShard(0, ((4, 8), (3, 6)), W[4:, 3:]),
-       StagedShard(1, ((2, 4),), E[2:4]),
-       StagedShard(2, (), np.asarray(S))],
+      [staged(w, 0, (slice(0, 4), slice(0, 3)), W[:4, :3], host=0),
+       staged(w, 0, ((0, 4), (3, 6)), W[:4, 3:], host=0),
+       staged(e, 1, ((0, 2),), E[:2], host=0), staged(e, 1, ((4, 5),), E[4:], host=0)],
+      [staged(w, 0, ((4, 8), (0, 3)), W[4:, :3], host=1),
+       staged(w, 0, ((4, 8), (3, 6)), W[4:, 3:], host=1),
+       staged(e, 1, ((2, 4),), E[2:4], host=1),
+       staged(s, 2, (), np.asarray(S), host=1)],
   ]
 
 

@@ -19,9 +19,9 @@ restore names no format: a committed directory's is the one its manifest names.
   ``commit``, ``read``, ``files``.
 * ``dcp/``: PyTorch DCP's layout (``.metadata``, ``__<rank>_0.distcp``): ``format``,
   ``distcp``, ``record``, ``parts`` (the typed parts a DCP save carries).
-* ``records``: what crosses the Checkpoint service, frozen (``ShardId``, ``StagedShard``,
-  ``ShardChecksum``, ``ReplicaTarget``, ``Replicated``, ``Held``, ``Manifest`` with its
-  file and JSON).
+* ``records``: what crosses the Checkpoint service, frozen (``ShardId``, ``ShardRecord``
+  and ``Staged``, its bytes beside it, ``ReplicaTarget``, ``Replicated``, ``Held``,
+  ``Manifest`` with its file and JSON).
 * ``spec``: :class:`~.spec.LeafSpec` (a leaf's key path, shape, dtype, write shape) and
   Orbax's file and directory names.
 * ``shards``: the crc32c of a shard.

@@ -46,14 +46,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt.direct_io import Turn
-from sidecar._src.ckptfmt.records import (
-  MANIFEST_FILE,
-  Manifest,
-  NumberedShard,
-  ShardChecksum,
-  ShardId,
-  StagedShard,
-)
+from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 
@@ -61,17 +54,20 @@ Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 class Numbering(abc.ABC):
-  """How one step's staged shards are numbered: each to its RAM-tier key and its writer.
+  """How one step's staged shards are numbered: each record's number checked against the
+  step's leaves (or a DCP rank's items), so that its id keys the RAM tier and its number
+  its writer.
 
   One per step on a sidecar; its writer thread reads what :meth:`take` recorded, so
   every rank's (or leaf's) description arrives before that part's shards.
   """
 
   @abc.abstractmethod
-  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[NumberedShard]:
+  def take(self, part: Any, shards: Sequence[Staged]) -> list[Staged]:
     """One staged part: ``part`` (the format's ``stage_part``, or None) and its
-    ``shards``, each numbered (its key in the RAM tier, what its writer gets).
-    InvalidArgumentError if a shard's number is out of range; nothing is recorded then."""
+    ``shards``, their records as the format numbers them (what the RAM tier keeps and the
+    writer gets, the same records where they say so already). InvalidArgumentError if a
+    record's number is out of range or names another shard; nothing is recorded then."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,9 +175,10 @@ class Format(abc.ABC):
 
   @abc.abstractmethod
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
-            *, progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
-    """Writes what ``incoming`` yields (what :meth:`Numbering.take` made) as it comes,
-    until the step is staged whole; returns every shard's checksum, its host set. Its
+            *, progress: Callable[[int], None], turn: Turn) -> list[ShardRecord]:
+    """Writes what ``incoming`` yields (what :meth:`Numbering.take` returned) as it comes,
+    until the step is staged whole; returns every shard's record, written (its crc32c
+    set). Its
     bytes are written in ``turn``s (``direct_io.Turn``): the storage's write bandwidth,
     which a pool's tenants share."""
 

@@ -6,14 +6,15 @@ from protobuf and does nothing else, and a dict appears only where a manifest fi
 read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
 
 - :class:`ShardId`: a shard of a leaf (its key path and where it lies).
-- :class:`StagedShard`: a shard the trainer stages, by its leaf's (or item's) number.
-- :class:`ShardChecksum`: what a host wrote of one shard (the manifest's entry).
+- :class:`ShardRecord`: one shard of a save, from the plan to the manifest (its id,
+  number, host, dtype, shape, size, DCP rank, and its crc32c once written); its bytes
+  travel beside it in a :class:`Staged`.
 - :class:`ReplicaTarget`: a sidecar that holds replicas of this one's shards. The
   protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
   is a replica target, never a "peer" (which means the trainer's processes).
-- :class:`Replicated`: what a replication sent; :class:`ReplicaHeader`,
-  :class:`ReplicaBlock`, :class:`ReplicaPiece`: what one sidecar's ``Receive`` stream to
-  another carries.
+- :class:`Replicated`: what a replication sent; :class:`ReplicaHeader` and
+  :class:`ReplicaPiece` (with whole shards as :class:`Staged`): what one sidecar's
+  ``Receive`` stream to another carries.
 - :class:`Held`: what one sidecar's RAM tier holds under a directory.
 - :class:`SavedLeaf`, :class:`Manifest`: a committed step's manifest, which owns its
   file name (:data:`MANIFEST_FILE`) and its JSON; :meth:`Manifest.of_save` is the one
@@ -63,60 +64,83 @@ class ShardId:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StagedShard:
-  """One shard to stage: its leaf (an index into the step's leaves, or into a DCP rank's
-  items), where it lies, its bytes (an arena array of the host), and, where the trainer
-  maps that arena, its block (a ``wire.codec.ArenaRef``; ``ckptfmt`` imports no wire)."""
+class ShardRecord:
+  """One shard of a save, from the trainer's plan to the step's manifest: the one
+  description of it that the trainer stages, the wire carries (``pb.ShardRecord``), the
+  format's numbering checks, the writer and replication take and the manifest lists.
+  Its bytes travel beside it (:class:`Staged`), never in it.
 
-  leaf: int
-  index: Index
-  data: np.ndarray
-  ref: Any = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class NumberedShard:
-  """A staged shard as its step's format numbered it (``Format.numbering``), the one form
-  the sidecar's RAM tier, its replication and the format's writer take: its key in the
-  RAM tier (``id``), its number (``leaf``: in the step's leaves, or in a DCP rank's items),
-  the DCP rank whose item it is (``rank``; None for a leaf of the step), where it lies in
-  its leaf (``index``), and its elements beside it (``data``: the arena view)."""
+  Attributes:
+    id: the shard (its leaf's key path, or a DCP item's ``(fqn,)``, and where it lies):
+      its key in the RAM tier and in the manifest.
+    leaf: its number: its leaf's in the step's leaves, or its item's in a DCP rank's items
+      (-1: not recorded, a manifest of an earlier release's).
+    host: the host that stages and writes it (None: not known, a stock Orbax item).
+    dtype: its elements' numpy name as staged ("": not recorded); a DCP bytes item's
+      is ``uint8``.
+    shape: its shape as staged (``()`` where ``dtype`` is not recorded).
+    nbytes: its bytes (0: not known, a stock Orbax item).
+    rank: the DCP rank whose item it is; None for a leaf of the step.
+    crc32c: the crc32c of its C-order bytes once written (``with_crc32c``); None until then,
+      and for a stock Orbax item (nothing to check).
+  """
 
   id: ShardId
   leaf: int
-  index: Index
-  data: np.ndarray
+  host: int | None
+  dtype: str
+  shape: tuple[int, ...]
+  nbytes: int
   rank: int | None = None
+  crc32c: int | None = None
+
+  @classmethod
+  def of(cls, shard: ShardId, leaf: int, data: Any, *, host: int | None = None,
+         rank: int | None = None) -> ShardRecord:
+    """The record of ``data`` (an array, or anything with its numpy ``dtype``, ``shape`` and
+    ``nbytes``: a device copy on its way), not yet written."""
+    return cls(shard, leaf, host, data.dtype.name, tuple(data.shape), int(data.nbytes), rank)
+
+  @property
+  def key_path(self) -> KeyPath:
+    return self.id.key_path
+
+  @property
+  def index(self) -> Index:
+    return self.id.index
+
+  def with_crc32c(self, crc32c: int) -> ShardRecord:
+    """This record with its bytes' checksum (a writer's, once written; a replica's sender's)."""
+    return dataclasses.replace(self, crc32c=crc32c)
+
+  def to_dict(self) -> dict[str, Any]:
+    """The manifest's entry for this shard (the keys of an earlier release's first)."""
+    return {"key_path": list(self.id.key_path), "index": [list(i) for i in self.id.index],
+            "nbytes": self.nbytes, "crc32c": self.crc32c, "host": self.host,
+            "leaf": self.leaf, "dtype": self.dtype, "shape": list(self.shape),
+            "rank": self.rank}
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> ShardRecord:
+    """A manifest's entry; an earlier release's (key path, index, nbytes, crc32c, host)
+    reads with its leaf, dtype and shape not recorded."""
+    return cls(ShardId(tuple(d["key_path"]), as_index(d["index"])), int(d.get("leaf", -1)),
+               None if d.get("host") is None else int(d["host"]), str(d.get("dtype") or ""),
+               tuple(int(n) for n in d.get("shape") or ()), int(d.get("nbytes") or 0),
+               None if d.get("rank") is None else int(d["rank"]),
+               None if d.get("crc32c") is None else int(d["crc32c"]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ShardChecksum:
-  """The crc32c of one written shard's C-order bytes, for the step's manifest.
+class Staged:
+  """A shard's record and its bytes beside it: ``data`` (an arena view, on the sidecar;
+  on the trainer, its arena block) and, where the trainer maps that arena, ``ref`` (the
+  block's ``wire.codec.ArenaRef``; ``ckptfmt`` imports no wire). No second description:
+  what the shard is, is ``record``'s."""
 
-  The same value on both sides of the wire (``wire/checkpoint_wire.checksum_to_pb``);
-  a dict only in a manifest file (``to_dict``/``from_dict``).
-  """
-
-  key_path: KeyPath
-  index: Index
-  nbytes: int
-  crc32c: int | None  # None: a leaf stock Orbax wrote, nothing to check
-  host: int | None = None  # the host that wrote it; None: not known (stock Orbax)
-
-  @property
-  def shard(self) -> ShardId:
-    return ShardId(self.key_path, self.index)
-
-  def to_dict(self) -> dict[str, Any]:
-    """The manifest's entry for this shard."""
-    return {"key_path": list(self.key_path), "index": [list(i) for i in self.index],
-            "nbytes": self.nbytes, "crc32c": self.crc32c, "host": self.host}
-
-  @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> ShardChecksum:
-    return cls(tuple(d["key_path"]), as_index(d["index"]), int(d.get("nbytes") or 0),
-               None if d.get("crc32c") is None else int(d["crc32c"]),
-               None if d.get("host") is None else int(d["host"]))
+  record: ShardRecord
+  data: np.ndarray
+  ref: Any = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,24 +164,13 @@ class ReplicaHeader:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaBlock:
-  """A whole shard of a replica, in a block of the receiver's arena the sender filled."""
-
-  shard: ShardId
-  data: np.ndarray
-  crc32c: int  # the sender's, checked as it arrives
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaPiece:
   """Some of one shard's C-order bytes, inline (the bytes travel beside, unparsed): the
-  receiver assembles the shard in a block of its arena."""
+  receiver assembles the shard (``record``: its crc32c the sender's, of the whole
+  shard, checked once it is whole) in a block of its arena."""
 
-  shard: ShardId
-  dtype: str
-  shape: tuple[int, ...]  # the whole shard's
+  record: ShardRecord
   offset: int  # of these bytes in the shard's
-  crc32c: int  # the sender's, of the whole shard: checked once it is whole
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,7 +223,7 @@ class SavedLeaf:
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Manifest:
   """A committed item's manifest: its format (``Format.name``), its leaves, its shards
-  (their checksums, and the host that wrote each), the data position saved with it, which
+  (their records: the host that wrote each, its checksum), the data position saved with it, which
   hosts hold each host's replicas, and what its format adds (``extras``: a DCP step's
   ``plan``).
 
@@ -219,14 +232,14 @@ class Manifest:
 
   format: str
   leaves: tuple[SavedLeaf, ...]
-  shards: tuple[ShardChecksum, ...]
+  shards: tuple[ShardRecord, ...]
   data_state: Any
   replicas: Mapping[int, tuple[int, ...]]
   extras: Mapping[str, Any]
   step: int | None
 
   def __init__(self, format: str, leaves: Sequence[SavedLeaf],  # noqa: A002 - the field
-               shards: Sequence[ShardChecksum], data_state: Any = None,
+               shards: Sequence[ShardRecord], data_state: Any = None,
                replicas: Mapping[int, Sequence[int]] | None = None, *,
                extras: Mapping[str, Any] | None = None, step: int | None = None):
     extras = dict(extras or {})
@@ -247,7 +260,7 @@ class Manifest:
 
   @classmethod
   def of_save(cls, format: str, *, step: int, leaves: Sequence[LeafSpec],  # noqa: A002
-              checksums: Sequence[ShardChecksum], data_state_json: str,
+              shards: Sequence[ShardRecord], data_state_json: str,
               replicas: Mapping[int, Sequence[int]] | None,
               extras: Mapping[str, Any] | None = None) -> Manifest:
     """The manifest a commit writes: the one builder, for every format."""
@@ -255,7 +268,7 @@ class Manifest:
       data_state = json.loads(data_state_json) if data_state_json else None
     except ValueError as e:
       raise errors.InvalidArgumentError(f"data_state_json is not JSON: {e}") from None
-    return cls(format, [SavedLeaf.of(s) for s in leaves], checksums, data_state, replicas,
+    return cls(format, [SavedLeaf.of(s) for s in leaves], shards, data_state, replicas,
                extras=extras, step=step)
 
   def to_json(self) -> str:
@@ -276,7 +289,7 @@ class Manifest:
       extras = {k: v for k, v in d.items() if k not in _KEYS}
       name = str(d["format"])
       return cls(OLD_NAMES.get(name, name), [SavedLeaf.from_dict(x) for x in d["leaves"]],
-                 [ShardChecksum.from_dict(c) for c in d["shards"]], d.get("data_state"),
+                 [ShardRecord.from_dict(c) for c in d["shards"]], d.get("data_state"),
                  {int(h): ps for h, ps in (d.get("replicas") or {}).items()},
                  extras=extras, step=None if d.get("step") is None else int(d["step"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:

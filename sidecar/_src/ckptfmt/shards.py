@@ -1,7 +1,8 @@
 """The checksum a host reports for each shard it writes: crc32c of its C-order bytes.
 
-Every format's writer takes the shards as staged (``records.StagedShard``) and returns
-one ``records.ShardChecksum`` per shard written; the step's manifest keeps them.
+Every format's writer takes the shards as staged (``records.Staged``: a record, its bytes
+beside it) and returns each record written (``ShardRecord.with_crc32c``); the
+step's manifest lists them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from sidecar._src.core import errors
 
 
 def shard_crc32c(data: np.ndarray) -> int:
-  """crc32c of an array's C-order bytes, as ``records.ShardChecksum`` records it."""
+  """crc32c of an array's C-order bytes, as ``records.ShardRecord.crc32c`` records it."""
   # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
   flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
   return crc32c.crc32c(memoryview(flat))  # type: ignore[arg-type]

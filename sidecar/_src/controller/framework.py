@@ -86,7 +86,9 @@ class DeviceCopy(abc.ABC):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SaveShard:
-  """One shard of a leaf that this process saves.
+  """One shard of a leaf that this process saves, as a framework says it: where it lies, its
+  elements, its device. The core makes its ``records.ShardRecord`` (the leaf's key path and
+  number, the host of that device, dtype, shape, size), the one description from there on.
 
   Attributes:
     index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.

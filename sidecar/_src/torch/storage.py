@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, ShardId
+from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
@@ -207,7 +207,7 @@ class StorageWriter(_Writer):
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
     items = [torch_metadata.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
     worker = self._ctl.worker(self._home)  # an array staged by stage() is there already
-    copies = [ShardCopy(self._home, i, item.index, a,
+    copies = [ShardCopy(item.record(i, rank, a, host=self._home), a,
                         ref=worker.ref_of(a) if worker is not None else None)
               for i, (item, a) in enumerate(zip(items, arrays))]
     del arrays
@@ -255,7 +255,8 @@ class StorageWriter(_Writer):
     # The one stager, on as many threads as torch's own pool (torchrun gives each of a
     # node's ranks one, so that they do not take each other's cores: 2 ranks on 2 cores
     # blocked 0.90x a memcpy with one copy thread each, 1.06x with two).
-    copies = [ShardCopy(self._home, i, (), a) for i, _, a in found]
+    copies = [ShardCopy(ShardRecord.of(ShardId(flat[i][0], ()), i, a, host=self._home), a)
+              for i, _, a in found]
     allocate(self._site.client.empty_like, copies, self._home)
     views = _Views()
     copy_in(copies, views, threads=torch.get_num_threads())
@@ -277,7 +278,7 @@ class _Views(staging.Sink):
     self._views: dict[int, np.ndarray] = {}
 
   def add(self, shard: ShardCopy, view: np.ndarray) -> None:
-    self._views[shard.leaf] = view
+    self._views[shard.record.leaf] = view
 
   def pop(self, leaf: int) -> np.ndarray:
     return self._views.pop(leaf)
@@ -322,7 +323,7 @@ class StorageReader(_Reader):
     self._stock: FileSystemReader | None = None
     self._metadata: dcp_metadata.Metadata | None = None
     self._manifest: tuple[str, Manifest | None] | None = None  # path's, once asked
-    self._sums: dict[ShardId, ShardChecksum] = {}
+    self._sums: dict[ShardId, ShardRecord] = {}
     self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
 
@@ -354,7 +355,7 @@ class StorageReader(_Reader):
     if manifest is None or manifest.dcp_plan is None:
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)
-    self._sums = {s.shard: s for s in manifest.shards}
+    self._sums = {s.id: s for s in manifest.shards}
     self._replicas = dict(manifest.replicas)
     self._metadata = torch_metadata.from_plan(manifest.dcp_plan)
     return self._metadata

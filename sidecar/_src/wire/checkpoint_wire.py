@@ -3,7 +3,7 @@
 Both sides of the ``Checkpoint`` service use these: the controller's client
 (``controller/checkpoint/client.py``) and the sidecar's servicer
 (``server/checkpoint/service.py``). Each side holds ``ckptfmt``'s frozen types
-(``records``: ``ShardId``, ``StagedShard``, ``ShardChecksum``,
+(``records``: ``ShardId``, ``ShardRecord`` (its bytes beside it in a ``Staged``),
 ``Replicated``, ``Held``, ``Manifest``; ``spec.LeafSpec``; a format's typed parts); this
 module converts them to and from protobuf and does nothing else. Every ``*_from_pb``
 checks what the message cannot say itself (an interval's order, a dtype on the
@@ -28,14 +28,13 @@ from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import (
   Held,
   Manifest,
-  ReplicaBlock,
   ReplicaHeader,
   ReplicaPiece,
   Replicated,
   SavedLeaf,
-  ShardChecksum,
   ShardId,
-  StagedShard,
+  ShardRecord,
+  Staged,
 )
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafKind, LeafSpec
 from sidecar._src.core import errors
@@ -107,24 +106,35 @@ def shards_from_ids(ids: ckpt_pb.ShardIds, where: str) -> list[ShardId]:
   return [shard_from_pb(s, where) for s in ids.shards]
 
 
-def staged_shards_to_pb(request: ckpt_pb.CheckpointStageRequest, shards: Iterable[StagedShard],
-                        to_arena: codec.ToArena | None) -> None:
-  """Adds ``shards`` to a Stage ``request``: each as its arena block where it has one (its
-  ``ref``, or ``to_arena``'s), else inline."""
+def staged_to_pb(request: ckpt_pb.CheckpointStageRequest, shards: Iterable[Staged],
+                 to_arena: codec.ToArena | None) -> None:
+  """Adds ``shards`` to a Stage ``request``: each one's record, and beside it its bytes
+  as its arena block where it has one (its ``ref``, or ``to_arena``'s), else inline."""
   for s in shards:
-    staged = request.shards.add(leaf=s.leaf, index=index_to_pb(s.index))
+    request.records.append(record_to_pb(s.record))
     found = (lambda _, ref=s.ref: ref) if s.ref is not None else to_arena
-    fill_data(staged.data, s.data, found)
+    fill_data(request.data.add(), s.data, found)
 
 
-def staged_shards_from_pb(request: ckpt_pb.CheckpointStageRequest,
-                          from_arena: codec.FromArena | None,
-                          views: Sequence[memoryview] = ()) -> list[StagedShard]:
-  """A Stage request's shards: their bytes views of their arena blocks (``from_arena``),
-  or of the request's own bytes where ``pbscan.strip_arrays`` left them (``views``)."""
-  return [StagedShard(s.leaf, index_from_pb(s.index, f"shards[{i}].index"),
-                      data_from_pb(s.data, from_arena, f"shards[{i}].data", views))
-          for i, s in enumerate(request.shards)]
+def staged_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.FromArena | None,
+                   views: Sequence[memoryview] = ()) -> list[Staged]:
+  """A Stage request's shards: each record with its bytes beside it, views of their arena
+  blocks (``from_arena``), or of the request's own bytes where ``pbscan.strip_arrays``
+  left them (``views``); a record that does not describe its bytes is refused."""
+  if len(request.data) != len(request.records):
+    raise errors.InvalidArgumentError(
+        f"a Stage carries one data per record: {len(request.records)} records, "
+        f"{len(request.data)} data")
+  out = []
+  for i, (r, d) in enumerate(zip(request.records, request.data)):
+    record = record_from_pb(r, f"records[{i}]")
+    data = data_from_pb(d, from_arena, f"data[{i}]", views)
+    if (record.dtype, record.shape, record.nbytes) != (data.dtype.name, data.shape, data.nbytes):
+      raise errors.InvalidArgumentError(
+          f"records[{i}] describes {list(record.shape)} {record.dtype} ({record.nbytes} "
+          f"bytes), its data is {list(data.shape)} {data.dtype.name} ({data.nbytes} bytes)")
+    out.append(Staged(record, data))
+  return out
 
 
 def leaf_to_pb(s: LeafSpec) -> ckpt_pb.LeafSpec:
@@ -165,19 +175,27 @@ def leaf_info_from_pb(leaf: ckpt_pb.LeafSpec, where: str) -> SavedLeaf:
                    leaf.sharding if leaf.HasField("sharding") else None)
 
 
-def checksum_to_pb(c: ShardChecksum) -> ckpt_pb.ShardChecksum:
-  out = ckpt_pb.ShardChecksum(shard=shard_to_pb(c.key_path, c.index), nbytes=c.nbytes)
-  if c.crc32c is not None:
-    out.crc32c = c.crc32c
-  if c.host is not None:
-    out.host = c.host
+def record_to_pb(r: ShardRecord) -> ckpt_pb.ShardRecord:
+  out = ckpt_pb.ShardRecord(shard=shard_to_pb(r.id.key_path, r.id.index), nbytes=r.nbytes,
+                            leaf=r.leaf, dtype=r.dtype, shape=r.shape)
+  if r.crc32c is not None:
+    out.crc32c = r.crc32c
+  if r.host is not None:
+    out.host = r.host
+  if r.rank is not None:
+    out.rank = r.rank
   return out
 
 
-def checksum_from_pb(c: ckpt_pb.ShardChecksum, where: str) -> ShardChecksum:
-  kp, index = shard_from_pb(c.shard, f"{where}.shard")
-  return ShardChecksum(kp, index, c.nbytes, c.crc32c if c.HasField("crc32c") else None,
-                       c.host if c.HasField("host") else None)
+def record_from_pb(r: ckpt_pb.ShardRecord, where: str) -> ShardRecord:
+  """The record ``r`` says, checked (its dtype on the allow-list where it has one)."""
+  if len(r.shape) > MAX_DIMS or any(d < 0 for d in r.shape):
+    raise errors.InvalidArgumentError(f"{where}: bad shape {list(r.shape)[:8]}")
+  dtype = codec.dtype_of(r.dtype, f"{where}.dtype").name if r.dtype else ""
+  return ShardRecord(shard_from_pb(r.shard, f"{where}.shard"), r.leaf,
+                     r.host if r.HasField("host") else None, dtype, tuple(r.shape), r.nbytes,
+                     r.rank if r.HasField("rank") else None,
+                     r.crc32c if r.HasField("crc32c") else None)
 
 
 def dcp_part_to_pb(part: DcpPart | int, items: Iterable[Item | Mapping[str, Any]] = ()
@@ -280,19 +298,23 @@ def replica_header_from_pb(h: ckpt_pb.ReplicaHeader, where: str) -> ReplicaHeade
 
 
 def replica_blocks_from_pb(blocks: Sequence[ckpt_pb.ReplicaBlock],
-                           from_arena: codec.FromArena | None, where: str) -> list[ReplicaBlock]:
-  return [ReplicaBlock(shard_from_pb(b.shard, f"{where}[{i}].shard"),
-                       data_from_pb(ckpt_pb.ShardData(arena=b.data), from_arena,
-                                    f"{where}[{i}].data"), b.crc32c)
-          for i, b in enumerate(blocks)]
+                           from_arena: codec.FromArena | None, where: str) -> list[Staged]:
+  """Whole shards of a replica: each record (its crc32c the sender's) with its bytes, a
+  block of this side's arena."""
+  out = []
+  for i, b in enumerate(blocks):
+    record = record_from_pb(b.record, f"{where}[{i}].record")
+    out.append(Staged(record, data_from_pb(ckpt_pb.ShardData(arena=b.data), from_arena,
+                                           f"{where}[{i}].data")))
+  return out
 
 
 def replica_part_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPiece:
   """A part's description (its bytes travel beside: ``service.parse_receive``)."""
-  if any(d < 0 for d in p.shape) or len(p.shape) > MAX_DIMS:
-    raise errors.InvalidArgumentError(f"{where}: bad shape {list(p.shape)[:8]}")
-  return ReplicaPiece(shard_from_pb(p.shard, f"{where}.shard"), p.dtype, tuple(p.shape),
-                     p.offset, p.crc32c)
+  record = record_from_pb(p.record, f"{where}.record")
+  if not record.dtype:
+    raise errors.InvalidArgumentError(f"{where}.record: no dtype")
+  return ReplicaPiece(record, p.offset)
 
 
 def held_to_pb(held: Held) -> ckpt_pb.CheckpointHeldResponse:
@@ -315,7 +337,7 @@ def held_from_pb(r: ckpt_pb.CheckpointHeldResponse) -> Held:
 def manifest_to_pb(m: Manifest) -> ckpt_pb.CheckpointInfoResponse:
   out = ckpt_pb.CheckpointInfoResponse(
       format=m.format, leaves=[saved_leaf_to_pb(leaf) for leaf in m.leaves],
-      shards=[checksum_to_pb(c) for c in m.shards])
+      shards=[record_to_pb(c) for c in m.shards])
   if m.data_state is not None:
     out.data_state_json = json.dumps(m.data_state)
   if m.extras:
@@ -333,7 +355,7 @@ def manifest_from_pb(r: ckpt_pb.CheckpointInfoResponse) -> Manifest:
   except ValueError as e:
     raise errors.InvalidArgumentError(f"the manifest's JSON is not JSON: {e}") from None
   return Manifest(r.format, [leaf_info_from_pb(leaf, "leaf") for leaf in r.leaves],
-                  [checksum_from_pb(c, "shard") for c in r.shards], data_state,
+                  [record_from_pb(c, "shard") for c in r.shards], data_state,
                   replicas_from_pb(r.replicas), extras=extras,
                   step=r.step if r.HasField("step") else None)
 

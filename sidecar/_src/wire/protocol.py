@@ -32,7 +32,7 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 11  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+PROTOCOL_VERSION = 12  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session; 5: a feed batch is a
 # FeedBatch (its structure apart from its arrays), namedtuples travel; 6: a feed's length
 # (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc asks for sizes (one block, or a
@@ -42,6 +42,8 @@ PROTOCOL_VERSION = 11  # 2: the Checkpoint service; 3: an error is one pb.Error 
 # replica header its tenant; 10: a handshake over a unix: socket may ask for a ticket
 # (HandshakeRequest.ticket, presented as TICKET_KEY)
 # 11: CallParts answers in parts (a stream of CallPart)
+# 12: a shard is one ShardRecord from Stage to the manifest (StagedShard, ShardChecksum gone;
+# a Stage's records with their data beside them, replicas carry records)
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"

@@ -54,7 +54,7 @@ tmp = writer.begin(path, 3, format="dcp", owner="a")
 w = np.arange(12, dtype=np.float32).reshape(4, 3)
 item = Item(fqn="w", kind="tensor", nbytes=w.nbytes, dtype="float32", sizes=w.shape,
             offsets=(0, 0))
-writer.stage(root, 3, tmp, path, [], [records.StagedShard(0, item.index, w)], last=True,
+writer.stage(root, 3, tmp, path, [], [records.Staged(item.record(0, 0, w), w)], last=True,
              part=DcpPart(0, (item,)), owner="a")
 sums = writer.prepared(path, timeout=30)
 (where,), size = distcp.layout(0, [item])

@@ -29,8 +29,9 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt import registry as formats_lib, shards as shards_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
-from sidecar._src.ckptfmt.records import ShardId, StagedShard
+from sidecar._src.ckptfmt.records import ShardId, Staged
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.server
 
@@ -52,7 +53,7 @@ class Save:
 
   begin: str  # the path Begin takes
   leaves: list[LeafSpec]  # what the first Stage and the Commit carry
-  shards: list[StagedShard]  # in SHARDS' order
+  shards: list[Staged]  # in SHARDS' order
   first: Any  # the format's part of the first Stage
   rest: Any  # of the later ones
   commit: Any  # of the Commit
@@ -65,7 +66,8 @@ def orbax_save(directory: str, step: int) -> Save:
                      write_shape=_data(*next(s for s in SHARDS if s[0] == n)).shape,
                      kind=LeafKind.NUMPY) for n in names]
   return Save(begin=directory, leaves=leaves,
-              shards=[StagedShard(names.index(n), index, _data(n, index)) for n, index in SHARDS],
+              shards=[staged((n,), names.index(n), index, _data(n, index), host=0)
+                      for n, index in SHARDS],
               first=None, rest=None, commit=None)
 
 
@@ -83,7 +85,8 @@ def dcp_save(directory: str, step: int) -> Save:
                                    for i in items if i.fqn == n]} for n in ARRAYS}}
   path = f"{directory}/{step}"
   return Save(begin=path, leaves=[],
-              shards=[StagedShard(k, i.index, _data(i.fqn, i.index)) for k, i in enumerate(items)],
+              shards=[Staged(i.record(k, 0, d, host=0), d)
+                      for k, (i, d) in enumerate((i, _data(i.fqn, i.index)) for i in items)],
               first=DcpPart(0, items), rest=DcpPart(0, ()),
               # DCP's pickled Metadata: the sidecar writes it as it is, never loads it.
               commit=DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan)))
@@ -109,7 +112,7 @@ def _save(client, name: str, directory: str, step: int) -> str:
                  leaves=s.leaves if first else [], shards=shards, last=last,
                  extra=s.first if first else s.rest).result()
   sums = client.prepared(0, final_dir, timeout=30).result()
-  client.commit(0, tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves, checksums=sums,
+  client.commit(0, tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves, shards=sums,
                 data_state_json=json.dumps({"step": step}), whole_step=True, replicas=None,
                 timeout=30, extra=s.commit).result()
   client.committed(0, final_dir).result()

@@ -285,7 +285,7 @@ CKPT_REQUESTS = {
     "info": (ckpt_pb.CheckpointInfoRequest, ("final_dir",)),
     "held": (ckpt_pb.CheckpointHeldRequest, ("directory",)),
     "commit": (ckpt_pb.CheckpointCommitRequest, ("tmp_dir", "step", "num_hosts", "leaves",
-                                                 "checksums", "data_state_json", "whole_step")),
+                                                 "records", "data_state_json", "whole_step")),
     "read": (ckpt_pb.CheckpointReadRequest, ("final_dir", "shard")),
 }
 

@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src.controller.checkpoint.client import StagedShard
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.server
 
@@ -373,7 +373,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
                  final_dir=directory + "/3/default", leaves=[spec],
-                 shards=[StagedShard(0, ((0, 1), (0, n)), part)], last=False).result()
+                 shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False).result()
     del part  # the trainer dies before its last part
     gc.collect()
     time.sleep(0.2)
@@ -402,7 +402,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
       part, _ = ctl.worker(0).put(np.full((1, n), i, np.float32))
       client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
                    final_dir=directory + "/3/default", leaves=[spec],
-                   shards=[StagedShard(0, ((i, i + 1), (0, n)), part)], last=True,
+                   shards=[staged(("w",), 0, ((i, i + 1), (0, n)), part)], last=True,
                    writers=2).result()
       del part
       rows.append(i)
@@ -433,7 +433,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
     client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
                  final_dir=directory + "/3/default", leaves=[spec],
-                 shards=[StagedShard(0, ((0, 1), (0, n)), part)], last=False).result()
+                 shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False).result()
     del part
     writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
     assert len(writers) == 1 and writers[0].is_alive()  # waiting for the second part
@@ -557,8 +557,9 @@ def test_sidecar_empty_outside_a_sidecar_is_numpy():
 
 def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(make_server,
                                                                               tmp_path):
+  from sidecar._src.ckptfmt.records import ShardId, ShardRecord
   from sidecar._src.ckptfmt.shards import shard_crc32c
-  from sidecar._src.wire.checkpoint_wire import shard_to_pb
+  from sidecar._src.wire.checkpoint_wire import record_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
   from tests.conftest import PEER_TOKEN
   from tests.support.raw_client import Raw
@@ -571,9 +572,10 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   data = np.arange(16, dtype=np.uint8)
 
   def part(offset):
+    record = ShardRecord(ShardId(("w",), ((0, 16),)), 0, 1, "uint8", (16,), 16,
+                         crc32c=shard_crc32c(data))
     return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
-        shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
-        data=data[offset:offset + 4].tobytes(), crc32c=shard_crc32c(data)))
+        record=record_to_pb(record), offset=offset, data=data[offset:offset + 4].tobytes()))
 
   replicas = server.checkpoints.tier.replicas
   cut = [header, part(0), header]  # a second header: the stream fails there
@@ -594,8 +596,9 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   """Stream A breaks after stream B resent the replica: A's cleanup drops only its own."""
   import queue
 
+  from sidecar._src.ckptfmt.records import ShardId, ShardRecord
   from sidecar._src.ckptfmt.shards import shard_crc32c
-  from sidecar._src.wire.checkpoint_wire import shard_to_pb
+  from sidecar._src.wire.checkpoint_wire import record_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
   from tests.conftest import PEER_TOKEN
   from tests.support.raw_client import Raw
@@ -608,9 +611,10 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   data = np.arange(16, dtype=np.uint8)
 
   def part(offset):
+    record = ShardRecord(ShardId(("w",), ((0, 16),)), 0, 1, "uint8", (16,), 16,
+                         crc32c=shard_crc32c(data))
     return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
-        shard=shard_to_pb(["w"], [[0, 16]]), dtype="uint8", shape=[16], offset=offset,
-        data=data[offset:offset + 4].tobytes(), crc32c=shard_crc32c(data)))
+        record=record_to_pb(record), offset=offset, data=data[offset:offset + 4].tobytes()))
 
   def stream():
     q: queue.SimpleQueue = queue.SimpleQueue()

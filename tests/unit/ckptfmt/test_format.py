@@ -16,7 +16,7 @@ import pytest
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
-from sidecar._src.ckptfmt.records import ShardChecksum, ShardId, StagedShard
+from sidecar._src.ckptfmt.records import ShardId
 from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -27,6 +27,7 @@ from sidecar._src.server.checkpoint import (
   roots as roots_lib,
   save as checkpoint_save,
 )
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
@@ -65,10 +66,9 @@ class NpyFormat(Format):
     sums = []
     for s in incoming:
       with turn(s.data.nbytes):
-        np.save(_file(tmp_dir, numbering.leaves[s.leaf].key_path, s.index), s.data)
+        np.save(_file(tmp_dir, s.record.key_path, s.record.index), s.data)
       progress(s.data.nbytes)
-      sums.append(ShardChecksum(numbering.leaves[s.leaf].key_path, s.index, s.data.nbytes,
-                                shard_crc32c(s.data), host_id))
+      sums.append(s.record.with_crc32c(shard_crc32c(s.data)))
     return sums
 
   def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, part, swapping):
@@ -102,9 +102,9 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
   writer.open(directory)
   tmp = writer.begin(directory, 5, format="npy", owner="a")
   final = tmp.removesuffix(SUFFIX)
-  writer.stage(directory, 5, tmp, final, [spec], [StagedShard(0, ((0, 2), (0, 2)), w[:2])],
+  writer.stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((0, 2), (0, 2)), w[:2])],
                last=False, owner="a")
-  writer.stage(directory, 5, tmp, final, [spec], [StagedShard(0, ((2, 4), (0, 2)), w[2:])],
+  writer.stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((2, 4), (0, 2)), w[2:])],
                last=True, owner="a")
   sums = writer.prepared(final, timeout=30)
   assert writer.commit(tmp, 5, 1, [spec], sums, "", True, owner="a") == final

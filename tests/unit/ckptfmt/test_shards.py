@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt.records import ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.shards import shard_crc32c
 
 pytestmark = pytest.mark.unit
@@ -28,8 +28,9 @@ def test_the_checksum_is_of_the_c_order_bytes(data):
 
 
 @pytest.mark.parametrize("value", [
-    StagedShard(0, ((0, 2),), np.zeros(2)), ShardChecksum(("w",), ((0, 2),), 8, 1),
-], ids=["staged-shard", "checksum"])
+    ShardRecord(ShardId(("w",), ((0, 2),)), 0, 0, "float64", (2,), 16, crc32c=1),
+    Staged(ShardRecord.of(ShardId(("w",), ((0, 2),)), 0, np.zeros(2)), np.zeros(2)),
+], ids=["record", "staged"])
 def test_the_values_are_frozen(value):
   field = dataclasses.fields(value)[0].name
   with pytest.raises(dataclasses.FrozenInstanceError):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardChecksum
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.wire import checkpoint_wire as wire
@@ -15,18 +15,41 @@ from sidecar._src.wire.protocol import ckpt_pb, pb
 pytestmark = pytest.mark.unit
 
 
-def test_leaves_and_checksums_survive_the_wire_as_the_same_values():
+def test_leaves_and_records_survive_the_wire_as_the_same_values():
   spec = spec_lib.LeafSpec(key_path=("opt", 0, "mu"), shape=(4, 6), dtype=np.float32,
                          write_shape=(2, 6), sharding='{"sharding_type": "x"}')
   leaf = ckpt_pb.LeafSpec.FromString(wire.leaf_to_pb(spec).SerializeToString())
   assert wire.leaf_from_pb(leaf, "leaves[0]") == spec
-  checksum = ShardChecksum(("opt", 0, "mu"), ((0, 2), (0, 6)), 48, 123, 1)
-  sent = ckpt_pb.ShardChecksum.FromString(wire.checksum_to_pb(checksum).SerializeToString())
-  assert wire.checksum_from_pb(sent, "c") == checksum
-  unchecked = ShardChecksum(("w",), ((0, 4),), 16, None)  # a stock Orbax item's shard
-  assert wire.checksum_from_pb(wire.checksum_to_pb(unchecked), "c") == unchecked
+  record = ShardRecord(ShardId(("opt", 0, "mu"), ((0, 2), (0, 6))), 3, 1, "float32", (2, 6),
+                       48, crc32c=123)
+  sent = ckpt_pb.ShardRecord.FromString(wire.record_to_pb(record).SerializeToString())
+  assert wire.record_from_pb(sent, "c") == record
+  unchecked = ShardRecord(ShardId(("w",), ((0, 4),)), 0, None, "", (), 16)  # a stock item's
+  assert wire.record_from_pb(wire.record_to_pb(unchecked), "c") == unchecked
+  dcp = ShardRecord(ShardId(("m.w",), ()), 2, 0, "uint8", (9,), 9, rank=4)
+  assert wire.record_from_pb(wire.record_to_pb(dcp), "c") == dcp
   # The manifest file's form, and back: the same value (JSON between processes too).
-  assert ShardChecksum.from_dict(json.loads(json.dumps(checksum.to_dict()))) == checksum
+  assert ShardRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+
+
+def test_a_stage_carries_each_record_with_its_bytes_beside_it():
+  a, b = np.arange(6, dtype=np.int16), np.ones((2, 2), np.float32)
+  shards = [Staged(ShardRecord.of(ShardId(("a",), ((0, 6),)), 0, a, host=1), a),
+            Staged(ShardRecord.of(ShardId(("b",), ((0, 2), (2, 4))), 1, b, host=1), b)]
+  request = ckpt_pb.CheckpointStageRequest()
+  wire.staged_to_pb(request, shards, None)
+  got = wire.staged_from_pb(_sent(request), None)
+  assert [s.record for s in got] == [s.record for s in shards]
+  assert all(np.array_equal(g.data, s.data) for g, s in zip(got, shards))
+  lying = _sent(request)
+  lying.records[1].shape[:] = [4]  # a record that does not describe its bytes
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"^records\[1\] describes \[4\] float32 \(16 bytes\), its data is "
+                           r"\[2, 2\] float32 \(16 bytes\)$"):
+    wire.staged_from_pb(lying, None)
+  del lying.data[1]
+  with pytest.raises(errors.InvalidArgumentError, match="one data per record: 2 records, 1 data"):
+    wire.staged_from_pb(lying, None)
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -65,12 +88,16 @@ def test_a_raw_part_serializes_as_protobuf_would(nbytes):
   """replicas._serialize writes a part's bytes straight into the message: the bytes parse as
   the message protobuf itself would make."""
   data = (np.arange(nbytes) % 251).astype(np.uint8)
-  part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
-                             shape=[nbytes], offset=64 << 20)
+  part = ckpt_pb.ReplicaPart(record=_record(nbytes), offset=64 << 20)
   raw = links_lib._serialize(links_lib._Piece(part, data.data))
   expected = ckpt_pb.ReceiveRequest(part=part)
   expected.part.data = data.tobytes()
   assert ckpt_pb.ReceiveRequest.FromString(raw) == expected
+
+
+def _record(nbytes: int) -> ckpt_pb.ShardRecord:
+  return wire.record_to_pb(ShardRecord(ShardId(("w", 1), ((0, 4),)), 0, 0, "uint8", (nbytes,),
+                                       nbytes, crc32c=7))
 
 
 def _as_protobuf_parses(message: ckpt_pb.ReceiveRequest, data) -> ckpt_pb.ReceiveRequest:
@@ -83,8 +110,7 @@ def _as_protobuf_parses(message: ckpt_pb.ReceiveRequest, data) -> ckpt_pb.Receiv
 def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
   from sidecar._src.server.checkpoint.service import parse_receive
   data = (np.arange(nbytes) % 251).astype(np.uint8)
-  part = ckpt_pb.ReplicaPart(shard=wire.shard_to_pb(["w", 1], [[0, 4]]), dtype="uint8",
-                             shape=[nbytes], offset=64 << 20)
+  part = ckpt_pb.ReplicaPart(record=_record(nbytes), offset=64 << 20)
   raw = links_lib._serialize(links_lib._Piece(part, data.data))
   message, view = parse_receive(raw)
   assert isinstance(view, memoryview) and view.obj is raw  # the bytes as they came
@@ -95,8 +121,8 @@ def test_the_receiver_reads_a_raw_part_as_protobuf_would_with_no_copy(nbytes):
     ckpt_pb.ReceiveRequest(done=True),
     ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(directory="/d", step=3, final_dir="i",
                                                         source=1), worker_session="s"),
-    ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(dtype="f4", shape=[2], data=b"12345678"),
-                           done=True),
+    ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(record=ckpt_pb.ShardRecord(
+        dtype="float32", shape=[2]), data=b"12345678"), done=True),
     ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart()),  # a part with nothing set
 ], ids=["done", "header", "part-and-done", "empty-part"])
 def test_the_receiver_reads_any_receive_request_as_protobuf_would(message):
@@ -129,7 +155,8 @@ def test_the_services_records_survive_the_wire_as_the_same_values():
   assert wire.held_from_pb(_sent(wire.held_to_pb(held))) == held
   manifest = Manifest(
       "dcp", [SavedLeaf(("w",), (4,), "float32", "jax.Array", (2,), '{"s": 1}')],
-      [ShardChecksum(("w",), ((0, 2),), 8, 7, 0), ShardChecksum(("w",), ((2, 4),), 8, None)],
+      [ShardRecord(ShardId(("w",), ((0, 2),)), 0, 0, "float32", (2,), 8, crc32c=7),
+       ShardRecord(ShardId(("w",), ((2, 4),)), 0, None, "", (), 8)],
       {"epoch": 1}, {0: [1]}, extras={"plan": {"state": {}}}, step=5)
   info = _sent(wire.manifest_to_pb(manifest))
   assert wire.manifest_from_pb(info) == manifest

@@ -23,7 +23,6 @@ from sidecar._src.ckptfmt.dcp.distcp import (
   file_name,
   finalize,
   is_checkpoint,
-  item_checksum,
   layout,
   old_path,
   read_item,
@@ -36,6 +35,6 @@ from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 __all__ = [
   "FORMAT", "METADATA_FILE", "OLD_SUFFIX", "TMP_SUFFIX", "DcpCommit", "DcpPart", "Item",
   "ItemKind", "Placement", "create_tmp", "data_offset", "file_name", "finalize",
-  "is_checkpoint", "item_checksum", "layout", "old_path", "read_item", "recover", "tmp_path",
+  "is_checkpoint", "layout", "old_path", "read_item", "recover", "tmp_path",
   "write_rank_part",
 ]

@@ -58,7 +58,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io, names, records
 from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
-from sidecar._src.ckptfmt.records import ShardChecksum
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.core import errors
 
@@ -120,6 +120,12 @@ class Item:
     """The chunk as ``((start, stop), ...)`` per dimension: its RAM-tier key with the fqn."""
     return tuple((o, o + s) for o, s in zip(self.offsets, self.sizes))
 
+  def record(self, number: int, rank: int, data: Any, *, host: int | None = None
+             ) -> ShardRecord:
+    """This item's record as rank ``rank`` stages it (``number``: its place in the rank's
+    items), ``data`` its bytes: keyed as the RAM tier keys it, ``((fqn,), index)``."""
+    return ShardRecord.of(ShardId((self.fqn,), self.index), number, data, host=host, rank=rank)
+
   def to_dict(self) -> dict[str, Any]:
     return {"fqn": self.fqn, "kind": str(self.kind), "nbytes": self.nbytes, "dtype": self.dtype,
             "sizes": list(self.sizes), "offsets": list(self.offsets)}
@@ -179,11 +185,6 @@ def data_offset(item: Item, at: int) -> int:
   return at
 
 
-def item_checksum(item: Item, data: np.ndarray) -> ShardChecksum:
-  """The crc32c of an item's bytes, keyed as the RAM tier keys it: ``((fqn,), index)``."""
-  return ShardChecksum((item.fqn,), item.index, data.nbytes, shard_crc32c(data))
-
-
 def _as_bytes(item: Item, data: np.ndarray) -> np.ndarray:
   data = np.asarray(data)
   if data.nbytes != item.nbytes:
@@ -197,20 +198,21 @@ def _as_bytes(item: Item, data: np.ndarray) -> np.ndarray:
 
 
 def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Item],
-                    datas: Iterable[tuple[int, np.ndarray]], *,
+                    shards: Iterable[Staged], *,
                     progress: Callable[[int], None] | None = None,
-                    turn: direct_io.Turn = direct_io.no_turn) -> list[ShardChecksum]:
+                    turn: direct_io.Turn = direct_io.no_turn) -> list[ShardRecord]:
   """Writes rank ``rank``'s file into the uncommitted checkpoint ``directory``, durably.
 
-  ``datas`` yields ``(item number, array)`` for every item exactly once, in any order;
-  it may be a generator that waits for parts still being staged: each item's write
+  ``shards`` yields every item exactly once, in any order, as staged (its record's
+  ``leaf`` the item's number, ``Item.record``; its bytes beside it); it may be a
+  generator that waits for parts still being staged: each item's write
   and checksum start as it arrives, on idle-class threads. The arrays must not change
   until this returns (they are written without a copy). ``progress(nbytes)`` is called
   as each item is written; its bytes are written in ``turn``s (the storage's bandwidth,
   shared among a pool's tenants).
 
   Returns:
-    The crc32c of every item, in the order of ``items``.
+    Every item's record, written (its crc32c set), in the order of ``items``.
   """
   directory = pathlib.Path(directory)
   if not directory.name.endswith(TMP_SUFFIX):
@@ -225,22 +227,23 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
     os.ftruncate(fd, size)
   finally:
     os.close(fd)
-  sums: dict[int, concurrent.futures.Future[ShardChecksum]] = {}
+  sums: dict[int, concurrent.futures.Future[ShardRecord]] = {}
   writes: list[concurrent.futures.Future[int]] = []
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-dcp-write",
                                               initializer=background_thread) as pool,
         concurrent.futures.ThreadPoolExecutor(1, "sidecar-dcp-crc32c",
                                               initializer=background_thread) as checksums):
-    for number, data in datas:
+    for shard in shards:
+      number = shard.record.leaf
       if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < len(items):
         raise errors.InvalidArgumentError(
             f"item number {number!r}: rank {rank} has {len(items)} items")
       if number in sums:
         raise errors.InvalidArgumentError(f"item {items[number].fqn!r} of rank {rank} came twice")
       item = items[number]
-      data = _as_bytes(item, data)
+      data = _as_bytes(item, shard.data)
       writes.append(pool.submit(_write_record, path, item, placements[number], data, turn))
-      sums[number] = checksums.submit(item_checksum, item, data)
+      sums[number] = checksums.submit(_written, shard.record, data)
     missing = [items[i].fqn for i in range(len(items)) if i not in sums]
     if missing:
       raise errors.InvalidArgumentError(
@@ -255,6 +258,10 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
     finally:
       os.close(fd)
     return [sums[i].result() for i in range(len(items))]
+
+
+def _written(record: ShardRecord, data: np.ndarray) -> ShardRecord:
+  return record.with_crc32c(shard_crc32c(data))
 
 
 def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,

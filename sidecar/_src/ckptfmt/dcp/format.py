@@ -14,7 +14,6 @@ imports torch, Orbax, TensorStore or JAX.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import pathlib
@@ -29,13 +28,7 @@ from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
-from sidecar._src.ckptfmt.records import (
-  Manifest,
-  NumberedShard,
-  ShardChecksum,
-  ShardId,
-  StagedShard,
-)
+from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
@@ -44,26 +37,29 @@ _END = object()
 
 class ItemNumbering(Numbering):
   """A staged shard's number is its item's, in its rank's items (the rank's first part
-  carries them)."""
+  carries them): its record names that item (``Item.record``) and the part's rank."""
 
   def __init__(self) -> None:
     self.items: dict[int, tuple[distcp.Item, ...]] = {}  # by rank
 
-  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[NumberedShard]:
+  def take(self, part: Any, shards: Sequence[Staged]) -> list[Staged]:
     if not isinstance(part, DcpPart):
       raise errors.InvalidArgumentError(
           f"a part of a DCP step carries its rank's items (dcp), got {type(part).__name__}")
     items = self.items.get(part.rank, part.items)
-    out = []
     for s in shards:
-      if not 0 <= s.leaf < len(items):
+      r = s.record
+      if not 0 <= r.leaf < len(items):
         raise errors.InvalidArgumentError(
-            f"shard of item {s.leaf}: rank {part.rank} has {len(items)} items")
-      item = items[s.leaf]
-      out.append(NumberedShard(ShardId((item.fqn,), item.index), s.leaf, s.index, s.data,
-                               part.rank))
+            f"shard of item {r.leaf}: rank {part.rank} has {len(items)} items")
+      item = items[r.leaf]
+      if r.rank != part.rank or r.id != ShardId((item.fqn,), item.index):
+        raise errors.InvalidArgumentError(
+            f"shard of item {r.leaf} names {list(r.id.key_path)} at "
+            f"{[list(i) for i in r.id.index]} of rank {r.rank}: rank {part.rank}'s item "
+            f"{r.leaf} is {item.fqn!r} at {[list(i) for i in item.index]}")
     self.items.setdefault(part.rank, items)
-    return out
+    return list(shards)
 
 
 class DcpFormat(Format):
@@ -127,10 +123,10 @@ class DcpFormat(Format):
     return ItemNumbering()
 
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
-            *, progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
+            *, progress: Callable[[int], None], turn: Turn) -> list[ShardRecord]:
     assert isinstance(numbering, ItemNumbering)
-    return write_ranks(tmp_dir, numbering.items, incoming, host_id=host_id, progress=progress,
-                       turn=turn)
+    del host_id  # each record names its host (the one that staged it: this one)
+    return write_ranks(tmp_dir, numbering.items, incoming, progress=progress, turn=turn)
 
   def manifest_extras(self, part: Any) -> Mapping[str, Any]:
     return {"plan": _commit_part(part).plan()}
@@ -202,14 +198,14 @@ def _index(final_dir: str, mtime: float
 
 
 def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
-                incoming: Iterator[NumberedShard], *, host_id: int,
-                progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
+                incoming: Iterator[Staged], *, progress: Callable[[int], None],
+                turn: Turn) -> list[ShardRecord]:
   """Writes the file of every rank that stages into this host, each on its own thread.
 
   ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
-  before their shards); ``incoming`` yields each numbered shard (its ``rank``, its
-  ``leaf`` the item's number) until the step is staged whole. Returns every item's checksum, as the
-  manifest keeps them.
+  before their shards); ``incoming`` yields each staged shard (its record's ``rank``, its
+  ``leaf`` the item's number) until the step is staged whole. Returns every item's
+  record, written, as the manifest lists them.
   """
   queues: dict[int, queue.SimpleQueue] = {}
   threads: dict[int, threading.Thread] = {}
@@ -219,7 +215,7 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
   def run(rank: int) -> None:
     ended = False
 
-    def datas() -> Iterator[tuple[int, np.ndarray]]:
+    def datas() -> Iterator[Staged]:
       nonlocal ended
       while (got := queues[rank].get()) is not _END:
         yield got
@@ -242,11 +238,11 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
 
   try:
     for s in incoming:
-      rank = s.rank
-      assert rank is not None  # ItemNumbering numbers every shard by its rank
+      rank = s.record.rank
+      assert rank is not None  # ItemNumbering checked every shard names its rank
       if rank not in threads:
         start(rank)
-      queues[rank].put((s.leaf, s.data))
+      queues[rank].put(s)
     for rank in items:  # a rank whose items never came: its write names what is missing
       if rank not in threads and items[rank]:
         start(rank)
@@ -257,4 +253,4 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
       t.join()
   if failures:
     raise failures[min(failures)]
-  return [dataclasses.replace(c, host=host_id) for rank in sorted(results) for c in results[rank]]
+  return [c for rank in sorted(results) for c in results[rank]]

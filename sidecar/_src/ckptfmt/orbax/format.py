@@ -3,15 +3,14 @@
 A step is ``<directory>/<step>.orbax-checkpoint-tmp/`` while written, each host writing
 its shards of the item ``default`` into it (``write.write_item_part``), renamed to
 ``<step>`` at the commit (``commit.finalize``). A staged shard's number is its leaf's
-(the step's leaves come with its first part); the writer takes the staged shards as
-they are. Orbax and TensorStore are imported by
+(the step's leaves come with its first part), and its id names that leaf; the writer
+takes the staged records as they are. Orbax and TensorStore are imported by
 ``write``, ``commit`` and ``read`` inside the functions that use them: this module loads
 none of them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -25,13 +24,7 @@ from sidecar._src.ckptfmt.orbax import (
   read as orbax_read,
   write as orbax_write,
 )
-from sidecar._src.ckptfmt.records import (
-  Manifest,
-  NumberedShard,
-  ShardChecksum,
-  ShardId,
-  StagedShard,
-)
+from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
   ITEM,
@@ -46,21 +39,25 @@ MARKERS = ("_CHECKPOINT_METADATA", METADATA_FILE, COMMIT_SUCCESS_FILE, records.M
 
 
 class LeafNumbering(Numbering):
-  """A staged shard's number is its leaf's, in the step's leaves."""
+  """A staged shard's number is its leaf's, in the step's leaves, and its id names that
+  leaf."""
 
   def __init__(self, leaves: Sequence[LeafSpec]):
     self.leaves = tuple(leaves)
 
-  def take(self, part: Any, shards: Sequence[StagedShard]) -> list[NumberedShard]:
+  def take(self, part: Any, shards: Sequence[Staged]) -> list[Staged]:
     del part  # Orbax's steps carry none
-    out = []
     for s in shards:
-      if not 0 <= s.leaf < len(self.leaves):
+      r = s.record
+      if not 0 <= r.leaf < len(self.leaves):
         raise errors.InvalidArgumentError(
-            f"shard of leaf {s.leaf}: the step has {len(self.leaves)} leaves")
-      out.append(NumberedShard(ShardId(self.leaves[s.leaf].key_path, s.index), s.leaf,
-                               s.index, s.data))
-    return out
+            f"shard of leaf {r.leaf}: the step has {len(self.leaves)} leaves")
+      if r.id.key_path != self.leaves[r.leaf].key_path or r.rank is not None:
+        raise errors.InvalidArgumentError(
+            f"shard of leaf {r.leaf} names {list(r.id.key_path)}"
+            f"{'' if r.rank is None else f' of rank {r.rank}'}, the leaf is "
+            f"{list(self.leaves[r.leaf].key_path)}")
+    return list(shards)
 
 
 class OrbaxFormat(Format):
@@ -122,11 +119,10 @@ class OrbaxFormat(Format):
     return LeafNumbering(leaves)
 
   def write(self, tmp_dir: str, host_id: int, numbering: Numbering, incoming: Iterator[Any],
-            *, progress: Callable[[int], None], turn: Turn) -> list[ShardChecksum]:
+            *, progress: Callable[[int], None], turn: Turn) -> list[ShardRecord]:
     assert isinstance(numbering, LeafNumbering)
-    sums = orbax_write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
+    return orbax_write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
                                        progress=progress, turn=turn)
-    return [dataclasses.replace(c, host=host_id) for c in sums]
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
              num_hosts: int, whole_step: bool, part: Any,
@@ -161,5 +157,6 @@ class OrbaxFormat(Format):
     except FileNotFoundError as e:
       raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
     return Manifest(self.name, leaves,
-                    [ShardChecksum(leaf.key_path, tuple((0, n) for n in leaf.shape), 0, None)
-                     for leaf in leaves])
+                    [ShardRecord(ShardId(leaf.key_path, tuple((0, n) for n in leaf.shape)), i,
+                                 None, leaf.dtype, leaf.shape, 0)
+                     for i, leaf in enumerate(leaves)])

@@ -15,14 +15,14 @@ import functools
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, pinned as pinned_lib
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
-from sidecar._src.ckptfmt.records import NumberedShard, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
@@ -32,40 +32,36 @@ from sidecar._src.core import errors
 if TYPE_CHECKING:
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-# A shard as the writer is given it: staged (an Orbax handler's, a test's) or numbered
-# (the sidecar's save); the writer keeps its type.
-_Shard = TypeVar("_Shard", StagedShard, NumberedShard)
-
 _WRITERS = 4  # chunk files written at once: enough to overlap one file's fsync with the next
 
 
 def write_host_part(tmp_step_dir: os.PathLike | str, host_index: int,
-                    specs: Sequence[LeafSpec], shards: Iterable[StagedShard], *,
-                    use_compression: bool = False) -> list[ShardChecksum]:
+                    specs: Sequence[LeafSpec], shards: Iterable[Staged], *,
+                    use_compression: bool = False) -> list[ShardRecord]:
   """Writes this host's shards into the step's chunk files.
 
   Every host passes every leaf of the tree (``specs``) and the shards it owns
-  (replicated shards on exactly one host), each numbering its leaf in ``specs``; host 0
-  also writes each array's ``.zarray``, as Orbax's primary host does. The shard arrays
-  must not change until this returns: they are written without a copy.
+  (replicated shards on exactly one host), each record numbering its leaf in ``specs``;
+  host 0 also writes each array's ``.zarray``, as Orbax's primary host does. The shard
+  arrays must not change until this returns: they are written without a copy.
 
   Returns:
-    The crc32c of every shard written, in the order given.
+    Every shard's record, written (its crc32c set), in the order given.
   """
   return write_item_part(files.item_dir(tmp_step_dir, must_be_tmp=True), host_index, specs,
                          shards, use_compression=use_compression)
 
 
 def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequence[LeafSpec],
-                    shards: Iterable[StagedShard], *, use_compression: bool = False,
+                    shards: Iterable[Staged], *, use_compression: bool = False,
                     progress: Callable[[int], None] | None = None,
-                    turn: direct_io.Turn = direct_io.no_turn) -> list[ShardChecksum]:
+                    turn: direct_io.Turn = direct_io.no_turn) -> list[ShardRecord]:
   """:func:`write_host_part` into an item directory given as such (an Orbax handler's).
 
   ``specs`` are every leaf of the tree; ``shards`` yields this host's shards as the
-  sidecar staged them (:class:`StagedShard`, its ``leaf`` a number in ``specs``; an
-  ``index`` of slices is taken too). It may be a generator that waits for shards still
-  being staged: each one's write and checksum start as it arrives.
+  sidecar staged them (:class:`Staged`: each record's ``leaf`` a number in ``specs``,
+  its bytes beside it). It may be a generator that waits for shards still being staged:
+  each one's write and checksum start as it arrives.
   ``progress(nbytes)`` is called as each shard becomes durable. Its bytes are written in
   ``turn``s (the storage's bandwidth, shared among a pool's tenants).
   """
@@ -109,12 +105,12 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
 
 
 def _write_shards(item: pinned_lib.Pinned, specs: Sequence[LeafSpec], write_specs: Sequence[Any],
-                  opened: Sequence[Any], shards: Iterable[StagedShard], use_compression: bool,
+                  opened: Sequence[Any], shards: Iterable[Staged], use_compression: bool,
                   progress: Callable[[int], None] | None,
-                  turn: direct_io.Turn) -> list[ShardChecksum]:
-  """Writes each shard as it comes; returns their checksums once all are durable."""
+                  turn: direct_io.Turn) -> list[ShardRecord]:
+  """Writes each shard as it comes; returns their records, written, once all are durable."""
   writes: list[tuple[Any, int]] = []  # (future of the write, its bytes)
-  pending_sums: list[concurrent.futures.Future[ShardChecksum]] = []
+  pending_sums: list[concurrent.futures.Future[ShardRecord]] = []
   # TensorStore runs on this thread; its chunk files and the checksums on idle-class ones.
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-ckpt-write",
                                               initializer=background_thread) as pool,
@@ -122,13 +118,13 @@ def _write_shards(item: pinned_lib.Pinned, specs: Sequence[LeafSpec], write_spec
                                               initializer=background_thread) as checksums):
     try:
       for shard in shards:
-        leaf = shard.leaf
+        leaf = shard.record.leaf
         if not isinstance(leaf, int) or not 0 <= leaf < len(specs):
           raise errors.InvalidArgumentError(
               f"shard of leaf {leaf!r}: there are {len(specs)} leaves")
         spec, w = specs[leaf], write_specs[leaf]
         shard = _resolve(spec, shard)
-        index, data = shard.index, shard.data
+        index, data = shard.record.id.index, shard.data
         name = _chunk_file(item.proc, w, index, data, use_compression)
         if name is not None:  # The common case: one uncompressed chunk, its bytes as they are.
           write: Any = pool.submit(functools.partial(direct_io.write_file, beneath=item),
@@ -143,7 +139,7 @@ def _write_shards(item: pinned_lib.Pinned, specs: Sequence[LeafSpec], write_spec
         writes.append((write, data.nbytes))
         # The checksum too: those of the first parts then run while the trainer is
         # still copying the rest, not while it trains.
-        pending_sums.append(checksums.submit(_checksum, spec, index, data))
+        pending_sums.append(checksums.submit(_written, shard.record, data))
       for f in opened:
         f.result()  # .zarray written (host 0), or the spec checked
       for write, nbytes in writes:
@@ -167,23 +163,24 @@ def _write_through(target: Any, data: np.ndarray, turn: direct_io.Turn) -> None:
     target.write(data, can_reference_source_data_indefinitely=True).result()
 
 
-def _checksum(spec: LeafSpec, index: Index, data: np.ndarray) -> ShardChecksum:
-  return ShardChecksum(spec.key_path, index, data.nbytes, shard_crc32c(data))
+def _written(record: ShardRecord, data: np.ndarray) -> ShardRecord:
+  return record.with_crc32c(shard_crc32c(data))
 
 
-def _resolve(spec: LeafSpec, shard: _Shard) -> _Shard:
+def _resolve(spec: LeafSpec, shard: Staged) -> Staged:
   """The shard, its index normalized to (start, stop) pairs and its data an array, checked
-  to fit: the same record (a staged shard stays one), never a pair."""
-  if len(shard.index) != len(spec.shape):
+  to fit its leaf: the same record where it was normalized already."""
+  given = shard.record.id.index
+  if len(given) != len(spec.shape):
     raise errors.InvalidArgumentError(
-        f"shard of {spec.param_name!r}: index {shard.index!r} has {len(shard.index)}"
+        f"shard of {spec.param_name!r}: index {given!r} has {len(given)}"
         f" entries for a {len(spec.shape)}-d array")
   pairs = []
-  for i, dim in zip(shard.index, spec.shape):
+  for i, dim in zip(given, spec.shape):
     start, stop, step = (i if isinstance(i, slice) else slice(*i)).indices(dim)
     if step != 1:
       raise errors.InvalidArgumentError(
-          f"shard of {spec.param_name!r}: index {shard.index!r} has a stride")
+          f"shard of {spec.param_name!r}: index {given!r} has a stride")
     pairs.append((start, stop))
   index = tuple(pairs)
   data = np.asarray(shard.data)
@@ -197,7 +194,12 @@ def _resolve(spec: LeafSpec, shard: _Shard) -> _Shard:
       raise errors.InvalidArgumentError(
           f"shard of {spec.param_name!r} at {index} is not one block of write_shape"
           f" {spec.write_shape}; hosts must write whole chunks")
-  return dataclasses.replace(shard, index=index, data=data)
+  record = shard.record
+  if index != record.id.index:
+    record = dataclasses.replace(record, id=ShardId(record.id.key_path, index))
+  if record is shard.record and data is shard.data:
+    return shard
+  return Staged(record, data, shard.ref)
 
 
 def _chunk_file(item_dir: str, spec: ts_utils.ArrayWriteSpec, index: Index,

@@ -3,7 +3,7 @@
 :class:`CheckpointTransport` is what a
 :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` talks to: each phase
 on one host, returning a ``concurrent.futures.Future`` of plain
-values (checksums and manifests as the dicts the manifest file holds). Two
+values (``ckptfmt.records``' frozen types: a shard's ``ShardRecord``, a ``Manifest``). Two
 implement it: :class:`CheckpointClient`, over each host's gRPC channel (made by the
 Controller), and the in-process fake of the unit tests
 (``tests/support/fake_sidecars.py``), which runs Checkpointer's logic with no
@@ -33,9 +33,9 @@ from sidecar._src.ckptfmt.records import (
   Manifest,
   ReplicaTarget,
   Replicated,
-  ShardChecksum,
   ShardId,
-  StagedShard,
+  ShardRecord,
+  Staged,
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint import ram_drop
@@ -45,7 +45,7 @@ from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # ckptfmt/records' types (both halves'), named here as well.
 __all__ = ["CheckpointClient", "CheckpointTransport", "FormatExtra", "Held", "Manifest",
-           "ReplicaTarget", "Replicated", "ShardId", "StagedShard"]
+           "ReplicaTarget", "Replicated", "ShardId", "ShardRecord", "Staged"]
 
 
 # A format's extra: its own data on a host's Stage requests or on the Commit request
@@ -211,26 +211,27 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[LeafSpec], shards: Sequence[StagedShard],
+            leaves: Sequence[LeafSpec], shards: Sequence[Staged],
             last: bool, writers: int = 1, extra: FormatExtra | None = None
             ) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
     processes stage into ``host`` (each sends its own ``last``). ``extra``: the format's
-    extra (a DCP rank's items, the shards' ``leaf`` numbering them)."""
+    extra (a DCP rank's items, the shards' records' ``leaf`` numbering them)."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
                ) -> concurrent.futures.Future:
-    """Future of ``host``'s checksums of the step, once written."""
+    """Future of ``host``'s shards of the step, once written: their records, each with
+    its crc32c."""
 
   @abc.abstractmethod
   def commit(self, host: int, *, tmp_dir: str, step: int, num_hosts: int,
-             leaves: Sequence[LeafSpec], checksums: Sequence[ShardChecksum],
+             leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
              extra: FormatExtra | None = None) -> concurrent.futures.Future:
-    """Future of the committed directory. ``extra``: the format's extra (a DCP step's
-    pickled metadata, file sizes and plan)."""
+    """Future of the committed directory; ``shards``: every host's, written. ``extra``: the
+    format's extra (a DCP step's pickled metadata, file sizes and plan)."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""
@@ -361,21 +362,21 @@ class CheckpointClient(CheckpointTransport):
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
     wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
-    wire.staged_shards_to_pb(request, shards, w.ref_of if w is not None else None)
+    wire.staged_to_pb(request, shards, w.ref_of if w is not None else None)
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
                      held=[s.data for s in shards])
 
   def prepared(self, host, final_dir, *, timeout):
     return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(
         final_dir=final_dir, timeout_s=timeout),
-        lambda r: [wire.checksum_from_pb(c, "checksum") for c in r.checksums], timeout=timeout)
+        lambda r: [wire.record_from_pb(c, "record") for c in r.records], timeout=timeout)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
+  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
              whole_step, replicas, timeout, extra=None):
     request = ckpt_pb.CheckpointCommitRequest(
         tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
         leaves=[wire.leaf_to_pb(d) for d in leaves],
-        checksums=[wire.checksum_to_pb(c) for c in checksums], data_state_json=data_state_json,
+        records=[wire.record_to_pb(c) for c in shards], data_state_json=data_state_json,
         whole_step=whole_step)
     wire.format_extra_to_pb(request, extra, wire.COMMIT_EXTRAS)
     wire.replicas_to_pb(request.replicas, replicas)

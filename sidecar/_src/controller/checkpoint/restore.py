@@ -91,7 +91,7 @@ class Restorer:
     for c in manifest.shards:
       stored.setdefault(c.key_path, []).append((c.index, c.crc32c))
       if c.host is not None:
-        owners[c.shard] = c.host
+        owners[c.id] = c.host
     wanted = self._framework.restore_target(target)
     flat = wanted.leaves
     for want in flat:

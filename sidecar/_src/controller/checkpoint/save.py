@@ -22,6 +22,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
 from sidecar._src.controller.checkpoint.save_run import Ending, KeyValue, SaveRun
@@ -140,14 +141,16 @@ class SaveCoordinator:
       for shard in leaf.shards:
         if shard.device_id is None:
           if self._lead:
-            plan.append(ShardCopy(self.local[0], i, shard.index, shard.data))
+            plan.append(ShardCopy(ShardRecord.of(ShardId(leaf.spec.key_path, shard.index), i,
+                                                 shard.data, host=self.local[0]), shard.data))
           continue
         host = self._device_hosts.get(shard.device_id)
         if host is None:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
-        plan.append(ShardCopy(host, i, shard.index, shard.data))
+        plan.append(ShardCopy(ShardRecord.of(ShardId(leaf.spec.key_path, shard.index), i,
+                                             shard.data, host=host), shard.data))
     return specs, plan
 
   def _check_fits(self, copies: list[ShardCopy]) -> dict[int, int]:

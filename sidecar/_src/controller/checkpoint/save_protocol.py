@@ -2,7 +2,7 @@
 
 :class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
 phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
-(:class:`Sends`), prepared (each host's checksums once written), commit once or abort
+(:class:`Sends`), prepared (each host's shards' records once written), commit once or abort
 everywhere, mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
 the same order for every framework, and decides between them what follows what.
 :func:`end_save` is the end of a save in one process (durable, listed, retention, then
@@ -23,7 +23,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import Replicated, ShardChecksum
+from sidecar._src.ckptfmt.records import Replicated, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
 from sidecar._src.controller.checkpoint.staging import Lot
 from sidecar._src.controller.checkpoint.target import SaveHandle, Target
@@ -90,20 +90,20 @@ class SaveProtocol:
       raise
     sends.wait()
 
-  def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardChecksum]:
-    """Waits for ``hosts`` to write their parts; returns their checksums."""
+  def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardRecord]:
+    """Waits for ``hosts`` to write their parts; returns their shards' records, written."""
     prepared = [f.result() for f in [self.client.prepared(h, target.final_dir, timeout=LONG_S)
                                      for h in hosts]]
     return [c for host_sums in prepared for c in host_sums]
 
   def commit(self, host: int, target: Target, *, num_hosts: int,
-             checksums: Sequence[ShardChecksum], leaves: Sequence[spec_lib.LeafSpec] = (),
+             shards: Sequence[ShardRecord], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
              extra: FormatExtra | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
     fmt = {} if extra is None else {"extra": extra}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
-                              num_hosts=num_hosts, leaves=list(leaves), checksums=checksums,
+                              num_hosts=num_hosts, leaves=list(leaves), shards=shards,
                               data_state_json=data_state_json, whole_step=target.whole_step,
                               replicas={h: p for h, p in (replicas or {}).items() if p} or None,
                               timeout=LONG_S, **fmt).result()

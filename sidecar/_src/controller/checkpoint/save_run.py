@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardChecksum
+from sidecar._src.ckptfmt.records import ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import (
@@ -100,7 +100,7 @@ class KeyValue(Coordination):
 
     Every process gets here once per save, failed or not, so nobody waits for one that
     gave up. The others tell process 0 only which hosts they staged into: it asks those
-    hosts for their checksums itself, so no checksum crosses between the processes.
+    hosts for their written records itself, so no record crosses between the processes.
     """
     key = self._key
     mine = json.dumps({"error": protocol.error_dict(error)} if error is not None
@@ -259,17 +259,17 @@ class SaveRun:
     (prepared); the processes agree; the step is committed once (with ``leaves``,
     ``data_state_json`` and the format's ``extra``) and the RAM tiers told, or aborted on
     every host. Raises the save's error (in every process where it failed in any)."""
-    sums: list[ShardChecksum] = []
+    written: list[ShardRecord] = []
     if error is None:
       try:
         self._replicate()
-        sums = self.protocol.prepared(self.target, self.local)
+        written = self.protocol.prepared(self.target, self.local)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
     try:
       self._coordination.commit(
           self.step, error,
-          functools.partial(self._commit, sums, leaves=leaves,
+          functools.partial(self._commit, written, leaves=leaves,
                             data_state_json=data_state_json, extra=extra),
           lambda: self.protocol.abort(self.target, self.hosts))
     except BaseException as e:
@@ -279,12 +279,12 @@ class SaveRun:
     if self.target.whole_step:  # an Orbax manager's item: marked when the manager commits
       self.mark_committed()
 
-  def _commit(self, sums: list[ShardChecksum], others: Sequence[int], *,
+  def _commit(self, written: list[ShardRecord], others: Sequence[int], *,
               leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
               extra: FormatExtra | None) -> None:
-    checksums = [*sums, *self.protocol.prepared(self.target, others)]
+    shards = [*written, *self.protocol.prepared(self.target, others)]
     self.protocol.commit(self.local[0], self.target, num_hosts=len(self.hosts),
-                         checksums=checksums, leaves=leaves, data_state_json=data_state_json,
+                         shards=shards, leaves=leaves, data_state_json=data_state_json,
                          replicas=self._placement, extra=extra)
 
   def mark_committed(self) -> None:

@@ -2,15 +2,15 @@
 
 Every save, whichever framework's and format's, takes its shards into the arena here:
 JAX's and the numpy core's (``save.SaveCoordinator``), DCP's ``write_data`` and its
-``dcp.async_save`` stage (``torch/storage.py``). A :class:`ShardCopy` is the trainer's
-one description of a shard from the plan to the sidecar: the host that stages it, its
-leaf's (or DCP item's) number, where it lies, its elements and its arena block. Host
-arrays are copied on the caller's thread before the save returns (the trainer's stall;
-Ctrl-C between two copies fails the save); a shard still on its way from an accelerator
-(a ``framework.DeviceCopy``) is copied by the stager thread once it has landed, in order,
-by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink` (told first
-what will come) as it is: the save's :class:`Lots` (handed to the sidecars as the copy
-goes on), or, under ``dcp.async_save``, the staged state dict.
+``dcp.async_save`` stage (``torch/storage.py``). A :class:`ShardCopy` carries a shard
+from the plan to the sidecar: its record (``records.ShardRecord``: the shard's one
+description, the host that stages it included) and, beside it, its elements and its
+arena block. Host arrays are copied on the caller's thread before the save returns (the
+trainer's stall; Ctrl-C between two copies fails the save); a shard still on its way from
+an accelerator (a ``framework.DeviceCopy``) is copied by the stager thread once it has
+landed, in order, by ``data.copy_into(view)``. What is copied goes on to a :class:`Sink`
+(told first what will come) as it is: the save's :class:`Lots` (handed to the sidecars as
+the copy goes on), or, under ``dcp.async_save``, the staged state dict.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.records import StagedShard
-from sidecar._src.ckptfmt.spec import Index
+from sidecar._src.ckptfmt.records import ShardRecord, Staged
 from sidecar._src.controller.framework import DeviceCopy
 from sidecar._src.core import interrupts
 
@@ -44,28 +43,33 @@ STAGE_LOT_BYTES = (512 << 20 if len(os.sched_getaffinity(0)) > shm.COPY_THREADS
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardCopy:
-  """One shard of a save on the trainer, from the plan to the sidecar.
+  """One shard of a save on the trainer, from the plan to the sidecar: its record and its
+  elements beside it, no description of its own.
 
   Attributes:
-    host: the sidecar host that stages it.
-    leaf: its leaf's number in the step's leaves (a DCP rank's item number).
-    index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.
+    record: the shard (its id, its leaf's or DCP item's number, the sidecar host that
+      stages it, dtype, shape, size).
     data: its elements: a host array, or a :class:`DeviceCopy` still on its way from a
       device (copied by the stager thread once landed).
     block: its arena block (None until allocated, and where ``data`` lies in the arena
       already: ``ref`` names it there).
     ref: the block's ``wire.codec.ArenaRef`` where this process maps the host's arena.
   """
-  host: int
-  leaf: int
-  index: Index
+  record: ShardRecord
   data: np.ndarray | DeviceCopy
   block: np.ndarray | None = None
   ref: object = None
 
   @property
+  def host(self) -> int:
+    """The sidecar host that stages it (its record's)."""
+    host = self.record.host
+    assert host is not None  # a save's plan places every shard
+    return host
+
+  @property
   def nbytes(self) -> int:
-    return int(self.data.nbytes)
+    return self.record.nbytes
 
   @property
   def late(self) -> bool:
@@ -81,7 +85,7 @@ class Lot:
   """Staged shards of one host on their way to the sidecar, in order; ``last``: the host's
   last lot of the save."""
   host: int
-  shards: tuple[StagedShard, ...]
+  shards: tuple[Staged, ...]
   last: bool
 
 
@@ -113,7 +117,7 @@ class Lots(Sink):
   def __init__(self, hosts: Sequence[int], put: Callable[[Lot | BaseException], None]):
     self.put = put
     self.stager: threading.Event | None = None  # set once the stager copied the late shards
-    self._pending: dict[int, list[StagedShard]] = {h: [] for h in hosts}
+    self._pending: dict[int, list[Staged]] = {h: [] for h in hosts}
     self._bytes = dict.fromkeys(hosts, 0)
     self._left = dict.fromkeys(hosts, 0)  # per host, the shards still to come
 
@@ -123,7 +127,7 @@ class Lots(Sink):
 
   def add(self, shard: ShardCopy, view: np.ndarray) -> None:
     host = shard.host
-    self._pending[host].append(StagedShard(shard.leaf, shard.index, view, shard.ref))
+    self._pending[host].append(Staged(shard.record, view, shard.ref))
     self._bytes[host] += view.nbytes
     self._left[host] -= 1
     if self._left[host] == 0:  # its last shard: its last lot, without waiting for the others'

@@ -46,7 +46,7 @@ import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt import shards as shards_lib
-from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
+from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, Staged
 from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
 from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
@@ -355,7 +355,7 @@ class ReplicaLink:
     return protocol.error_from_rpc(e, host=self.receiver.address, host_id=self.receiver.host_id)
 
   def send(self, header: ReplicaHeader,
-           shards: Sequence[tuple[ShardId, np.ndarray]], *,
+           shards: Sequence[Staged], *,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> int:
     """Sends every shard, then marks the replica whole; returns the bytes sent.
@@ -407,7 +407,7 @@ class ReplicaLink:
       held.clear()
     return sent[0]
 
-  def _shared(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
+  def _shared(self, header: ReplicaHeader, shards: Sequence[Staged],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[ckpt_pb.ReceiveRequest]:
     """Each shard copied into a block of the receiver's arena; the blocks' ``ArenaRef``s sent."""
@@ -415,7 +415,8 @@ class ReplicaLink:
     assert w is not None
     batch = ckpt_pb.ReceiveRequest()
     batch_bytes = 0
-    for shard_id, data in shards:
+    for shard in shards:
+      data = shard.data
       if cancelled():
         raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
       # A full receiver arena fails the replica soon, not after the whole deadline.
@@ -426,8 +427,8 @@ class ReplicaLink:
         np.copyto(dst_bytes[a:a + step], src_bytes[a:a + step])
         pace.after(min(step, dst.nbytes - a))
       held.append(dst)
-      block = batch.blocks.add(shard=wire.shard_to_pb(*shard_id),
-                               crc32c=shards_lib.shard_crc32c(data))
+      block = batch.blocks.add(record=wire.record_to_pb(
+          shard.record.with_crc32c(shards_lib.shard_crc32c(data))))
       block.data.CopyFrom(wire.arena_ref_to_pb(ref))
       batch_bytes += data.nbytes
       if batch_bytes >= BATCH_BYTES:
@@ -438,19 +439,18 @@ class ReplicaLink:
       yield batch
       sent[0] += batch_bytes
 
-  def _inline(self, header: ReplicaHeader, shards: Sequence[tuple[ShardId, np.ndarray]],
+  def _inline(self, header: ReplicaHeader, shards: Sequence[Staged],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[_Piece]:
     """Each shard's bytes, raw, in parts of PART_BYTES."""
-    for shard_id, data in shards:
+    for shard in shards:
+      data = shard.data
       flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-      shard = wire.shard_to_pb(*shard_id)
-      crc32c = shards_lib.shard_crc32c(data)
+      record = wire.record_to_pb(shard.record.with_crc32c(shards_lib.shard_crc32c(data)))
       for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
         if cancelled():
           raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
-        part = ckpt_pb.ReplicaPart(shard=shard, dtype=data.dtype.name, shape=data.shape,
-                                   offset=offset, crc32c=crc32c)
+        part = ckpt_pb.ReplicaPart(record=record, offset=offset)
         chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
         yield _Piece(part, chunk)
         pace.after(chunk.nbytes)
@@ -495,7 +495,7 @@ class Links:
     self._watcher: threading.Thread | None = None
 
   def send(self, receiver: ReplicaTarget, header: ReplicaHeader,
-           shards: Sequence[tuple[ShardId, np.ndarray]], *, tenant: str | None = None,
+           shards: Sequence[Staged], *, tenant: str | None = None,
            cancelled: Callable[[], bool] = lambda: False, timeout: float = SEND_TIMEOUT_S,
            bandwidth: int | None = None) -> tuple[int, bool]:
     """:meth:`ReplicaLink.send` over ``receiver``'s link for ``tenant`` (whose replica it is,

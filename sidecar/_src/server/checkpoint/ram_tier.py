@@ -28,8 +28,8 @@ from sidecar._src.ckptfmt.records import (
   Manifest,
   ReplicaTarget,
   Replicated,
-  ShardChecksum,
   ShardId,
+  ShardRecord,
 )
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
@@ -54,7 +54,9 @@ class Step:
   # Set once closed, or once the write ended or the save was aborted: no more parts come.
   whole: threading.Event = dataclasses.field(default_factory=threading.Event)
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  checksums: list[ShardChecksum] = dataclasses.field(default_factory=list)
+  # Its shards' records as staged (their bytes are ``shards``'), and as written.
+  records: dict[ShardId, ShardRecord] = dataclasses.field(default_factory=dict)
+  written_records: list[ShardRecord] = dataclasses.field(default_factory=list)
   error: BaseException | None = None
   committed: bool = False
   started: float = dataclasses.field(default_factory=time.monotonic)

@@ -23,11 +23,11 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, shards as shards_lib
 from sidecar._src.ckptfmt.records import (
-  ReplicaBlock,
   ReplicaHeader,
   ReplicaPiece,
   Replicated,
-  ShardId,
+  ShardRecord,
+  Staged,
 )
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -114,7 +114,7 @@ class Replicator:
   def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
     direct_io.background_thread()
     t0 = time.perf_counter()
-    shards = list(record.shards.items())
+    shards = [Staged(record.records[key], data) for key, data in record.shards.items()]
     header = ReplicaHeader(record.directory, record.step, record.final_dir, self._host_id)
     try:
       nbytes = 0
@@ -127,7 +127,7 @@ class Replicator:
                  record.step, len(shards), shm.format_size(nbytes), receiver.host_id, how,
                  time.perf_counter() - t0, extra={"step": record.step})
       job.result = Replicated(tuple(p.host_id for p in job.peers), len(shards),
-                              sum(a.nbytes for _, a in shards), time.perf_counter() - t0)
+                              sum(s.data.nbytes for s in shards), time.perf_counter() - t0)
       self._metrics.checkpoint_bytes("replicated", job.result.nbytes * len(job.peers))
       self._metrics.phase("replicate", job.result.seconds)
     except BaseException as e:
@@ -162,7 +162,7 @@ class Replicator:
         replica.replaces = old
     return replica
 
-  def receive(self, replica: ram_tier.Replica, blocks: Sequence[ReplicaBlock],
+  def receive(self, replica: ram_tier.Replica, blocks: Sequence[Staged],
               part: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
     """Takes shards another sidecar sends (``links.ReplicaLink``) into ``replica``
@@ -176,18 +176,18 @@ class Replicator:
     final_dir, source = replica.final_dir, replica.source
     self._replica_fault(step)
     for b in blocks:  # whole blocks of our arena
-      self._add_shard(replica, b.shard, b.data, b.crc32c)
+      self._add_shard(replica, b.record, b.data)
     if part is not None:
       if payload is None or blocks:
         raise errors.InvalidArgumentError(
             "receive: a part of a shard comes alone, with its bytes as payload")
-      key = part.shard
+      key = part.record.id
       offset, chunk = part.offset, np.asarray(payload).reshape(-1).view(np.uint8)
       with self._tier.lock:
         entry = replica.partial.get(key)
         if entry is None:
-          block = outputs.empty(part.shape,
-                                codec.dtype_of(part.dtype, f"replica of {key.key_path}"))
+          block = outputs.empty(part.record.shape, codec.dtype_of(
+              part.record.dtype, f"replica of {key.key_path}"))
           entry = replica.partial[key] = [block, 0]
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
@@ -201,7 +201,7 @@ class Replicator:
         if whole:
           del replica.partial[key]
       if whole:
-        self._add_shard(replica, key, entry[0], part.crc32c)
+        self._add_shard(replica, part.record, entry[0])
     if done:
       with self._tier.lock:
         replica.whole, replica.partial = True, {}
@@ -231,9 +231,10 @@ class Replicator:
       if self._tier.replicas.get(key) is replica and not replica.whole:
         del self._tier.replicas[key]  # its blocks go back to the arena
 
-  def _add_shard(self, replica: ram_tier.Replica, key: ShardId, data: np.ndarray,
-                 crc32c: int | None) -> None:
-    """Adds a whole shard, if it has the crc32c its sender computed."""
+  def _add_shard(self, replica: ram_tier.Replica, record: ShardRecord, data: np.ndarray
+                 ) -> None:
+    """Adds a whole shard, if it has the crc32c its sender computed (its record's)."""
+    key, crc32c = record.id, record.crc32c
     if crc32c is None or shards_lib.shard_crc32c(data) != crc32c:
       raise errors.InvalidArgumentError(
           f"receive: shard {[*key.key_path]} {[list(i) for i in key.index]} of host "

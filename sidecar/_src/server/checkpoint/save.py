@@ -32,7 +32,7 @@ from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
-from sidecar._src.ckptfmt.records import Manifest, ShardChecksum, StagedShard
+from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -257,7 +257,7 @@ class StepWriter:
     return fmt, str(path), str(where.final)
 
   def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[LeafSpec], shards: list[StagedShard], last: bool = True,
+            leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
             writers: int = 1, part: Any = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
@@ -273,7 +273,8 @@ class StepWriter:
     ``writers`` of them: a part of another session is refused while it is being written.
     ``part``: the typed part of ``tmp_dir``'s format, if it has one (a DCP step's
     ``DcpPart``: the rank's items, its shards' ``leaf`` numbering them); the format
-    numbers the shards (``Format.numbering``).
+    numbers the shards (``Format.numbering``). Each record names this host (or no host:
+    it is this one's then).
     """
     step = roots_lib.as_int(step, "step")
     for value, name in ((directory, "directory"), (final_dir, "final_dir")):
@@ -322,11 +323,12 @@ class StepWriter:
       record.owners.add(owner)
       assert record.numbering is not None
       try:
-        taken = record.numbering.take(part, shards)
+        taken = record.numbering.take(part, self._here(shards))
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
       for n in taken:
-        record.shards[n.id] = n.data
+        record.shards[n.record.id] = n.data
+        record.records[n.record.id] = n.record
         record.nbytes += n.data.nbytes
         self._metrics.checkpoint_bytes("staged", n.data.nbytes)
         record.incoming.put(n)
@@ -338,6 +340,21 @@ class StepWriter:
           record.incoming.put(None)
           record.whole.set()
       return record.nbytes
+
+  def _here(self, shards: list[Staged]) -> list[Staged]:
+    """``shards``, each record naming this host; InvalidArgumentError for another's."""
+    out = []
+    for s in shards:
+      host = s.record.host
+      if host is None:
+        s = Staged(dataclasses.replace(s.record, host=self._host_id), s.data, s.ref)
+      elif host != self._host_id:
+        raise errors.InvalidArgumentError(
+            f"shard {list(s.record.id.key_path)} at {[list(i) for i in s.record.id.index]} "
+            f"names host {host}, staged on host {self._host_id}; stage each shard on the host "
+            "its record names")
+      out.append(s)
+    return out
 
   def _write(self, record: ram_tier.Step, fmt: Format, tmp_dir: str, turn: Turn) -> None:
     # The bytes are written and checksummed on idle-class threads (the format's write
@@ -376,7 +393,7 @@ class StepWriter:
           yield shard
 
       assert record.numbering is not None
-      record.checksums = fmt.write(tmp_dir, self._host_id, record.numbering, incoming(),
+      record.written_records = fmt.write(tmp_dir, self._host_id, record.numbering, incoming(),
                                    progress=progress, turn=turn)
       seconds = time.perf_counter() - t0
       self._metrics.phase("write", seconds)
@@ -398,7 +415,9 @@ class StepWriter:
       record.done.set()
       record.whole.set()
 
-  def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[ShardChecksum]:
+  def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[ShardRecord]:
+    """This host's shards of the step at ``final_dir``, written (their crc32c set), once
+    its write ended."""
     self._path(final_dir, "final_dir")
     record = self._tier.record(final_dir)
     if not record.done.wait(timeout):
@@ -407,10 +426,10 @@ class StepWriter:
     if record.error is not None:
       raise write_failure(self._host_id, record.step, final_dir, record.error)
     faults.fault("prepared", record.step)
-    return record.checksums
+    return record.written_records
 
   def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
-             checksums: Sequence[ShardChecksum], data_state: str, whole_step: bool,
+             shards: Sequence[ShardRecord], data_state: str, whole_step: bool,
              replicas: dict[int, list[int]] | None = None, part: Any = None,
              owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
@@ -449,7 +468,7 @@ class StepWriter:
           f"{fmt.commit_part.__name__ if fmt.commit_part else 'no format part'}, got "
           f"{type(part).__name__ if part is not None else 'none'}")
     manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
-                                checksums=checksums, data_state_json=data_state,
+                                shards=shards, data_state_json=data_state,
                                 replicas=replicas, extras=fmt.manifest_extras(part))
     faults.fault("commit", step)
     committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,

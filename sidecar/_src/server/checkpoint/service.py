@@ -295,8 +295,8 @@ class CheckpointService:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
     part = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
-    shards = wire.staged_shards_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
-                                        _STAGE_VIEWS.get())
+    shards = wire.staged_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
+                                 _STAGE_VIEWS.get())
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._host.storage_reserved(self._client(context), r.directory,
                                        sum(s.data.nbytes for s in shards)):
@@ -309,8 +309,8 @@ class CheckpointService:
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
                ) -> ckpt_pb.CheckpointPreparedResponse:
-    sums = self._host.writer.prepared(r.final_dir, _timeout(r.timeout_s, context))
-    return ckpt_pb.CheckpointPreparedResponse(checksums=[wire.checksum_to_pb(c) for c in sums])
+    written = self._host.writer.prepared(r.final_dir, _timeout(r.timeout_s, context))
+    return ckpt_pb.CheckpointPreparedResponse(records=[wire.record_to_pb(c) for c in written])
 
   def commit(self, r: ckpt_pb.CheckpointCommitRequest, context: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointCommitResponse:
@@ -318,9 +318,9 @@ class CheckpointService:
     if r.num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    sums = [wire.checksum_from_pb(c, f"checksums[{i}]") for i, c in enumerate(r.checksums)]
+    written = [wire.record_from_pb(c, f"records[{i}]") for i, c in enumerate(r.records)]
     committed = self._host.writer.commit(
-        r.tmp_dir, step, r.num_hosts, leaves, sums, r.data_state_json, r.whole_step,
+        r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
         wire.replicas_from_pb(r.replicas) or None,
         part=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)

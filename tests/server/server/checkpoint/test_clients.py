@@ -13,9 +13,10 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardId, StagedShard
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.server
 
@@ -49,7 +50,7 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
   leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   with controller(server, attach=False) as attacker:
     client = attacker.checkpoint_client()
-    evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
+    evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError) as info:  # the committed item as the tmp one
       client.stage(0, directory=str(directory), step=1, tmp_dir=item, final_dir=item,
                    leaves=leaves, shards=[evil], last=True).result()
@@ -57,7 +58,7 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
     assert "is not inside an uncommitted step directory" in str(info.value)
     for whole_step in (False, True):
       with pytest.raises(sidecar.SidecarError) as info:
-        client.commit(0, tmp_dir=item, step=1, num_hosts=1, leaves=leaves, checksums=[],
+        client.commit(0, tmp_dir=item, step=1, num_hosts=1, leaves=leaves, shards=[],
                       data_state_json="", whole_step=whole_step, replicas=None,
                       timeout=10).result()
       assert isinstance(info.value, PermissionError), info.value
@@ -82,12 +83,12 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim.checkpoint_client()
   mine.begin(0, str(directory), 2, format="orbax").result()
-  half = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 2.0, np.float32))
+  half = staged(("w",), 0, ((0, 1024),), np.full(1024, 2.0, np.float32))
   mine.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
              leaves=leaves, shards=[], last=False).result()
   with controller(server, attach=False) as attacker:
     theirs = attacker.checkpoint_client()
-    evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
+    evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                    leaves=leaves, shards=[evil], last=True).result()
@@ -95,12 +96,12 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
       # It would remove the victim's files.
       theirs.begin(0, str(directory), 2, format="orbax").result()
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=[],
+      theirs.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=[],
                     data_state_json="", whole_step=True, replicas=None, timeout=10).result()
   mine.stage(0, directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
              leaves=[], shards=[half], last=True).result()
   sums = mine.prepared(0, final_dir, timeout=30).result()
-  mine.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, checksums=sums,
+  mine.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=sums,
               data_state_json="", whole_step=True, replicas=None, timeout=10).result()
   with victim.checkpointer(directory) as ckpt:
     got = ckpt.restore(2, target={"w": np.zeros(1024, np.float32)})["w"]
@@ -124,14 +125,14 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     assert tmp == str(dcp.tmp_path(path))
     mine.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                leaves=[], shards=[], last=False, extra=part).result()
-    evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
+    evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32), rank=0)
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                    leaves=[], shards=[evil], last=True, extra=part).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, tmp_dir=tmp, step=3, num_hosts=1, leaves=[], checksums=[],
+      theirs.commit(0, tmp_dir=tmp, step=3, num_hosts=1, leaves=[], shards=[],
                     data_state_json="", whole_step=True, replicas=None, timeout=10).result()
     with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
       theirs.stage(0, directory=str(path.parent), step=3, tmp_dir=str(path),
@@ -165,10 +166,11 @@ def replica(directory, values: np.ndarray, *, crc32c: int | None = None, step: i
   from sidecar._src.wire import checkpoint_wire as wire
   header = ckpt_pb.ReplicaHeader(directory=str(directory), step=step,
                                  final_dir=str(directory / str(step) / "default"), source=0)
+  record = ShardRecord.of(ShardId(("w",), ((0, values.size),)), 0, values, host=0)
   part = ckpt_pb.ReplicaPart(
-      shard=wire.shard_to_pb(["w"], [(0, values.size)]), dtype=values.dtype.name,
-      shape=values.shape, offset=0, data=values.tobytes(),
-      crc32c=shards_lib.shard_crc32c(values) if crc32c is None else crc32c)
+      record=wire.record_to_pb(record.with_crc32c(
+          shards_lib.shard_crc32c(values) if crc32c is None else crc32c)),
+      offset=0, data=values.tobytes())
   return [ckpt_pb.ReceiveRequest(header=header), ckpt_pb.ReceiveRequest(part=part),
           ckpt_pb.ReceiveRequest(done=True)]
 
@@ -239,7 +241,7 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
   victim = saved(server, directory, 1.0)
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
   leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
-  evil = StagedShard(leaf=0, index=((0, 1024),), data=np.full(1024, 666.0, np.float32))
+  evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32))
   with controller(server, attach=False) as attacker:
     client = attacker.checkpoint_client()
     for inside in ("1/x.orbax-checkpoint-tmp/default", "1/default/x.orbax-checkpoint-tmp/w"):

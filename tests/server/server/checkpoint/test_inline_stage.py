@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from sidecar._src.server import limits
 from sidecar._src.wire import checkpoint_wire as wire
 from sidecar._src.wire.protocol import ckpt_pb
 from tests.support.pool_files import BOB, POOL, write_pool
 from tests.support.raw_client import Raw, rejected
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.server
 
@@ -37,7 +37,7 @@ def stage(raw: Raw, directory: str, nbytes: int, *, timeout: float = 30):
   request = ckpt_pb.CheckpointStageRequest(
       directory=directory, step=1, tmp_dir=f"{tmp}/default",
       final_dir=f"{directory}/1/default", leaves=[wire.leaf_to_pb(leaf)], last=True)
-  wire.staged_shards_to_pb(request, [StagedShard(0, ((0, nbytes),), data)], None)
+  wire.staged_to_pb(request, [staged(("w",), 0, ((0, nbytes),), data)], None)
   return raw.ckpt.Stage(request, metadata=raw.metadata, timeout=timeout)
 
 

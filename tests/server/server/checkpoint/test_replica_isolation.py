@@ -18,7 +18,13 @@ import pytest
 
 import sidecar
 from sidecar._src.arena.worker import Worker
-from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, ShardId
+from sidecar._src.ckptfmt.records import (
+  ReplicaHeader,
+  ReplicaTarget,
+  ShardId,
+  ShardRecord,
+  Staged,
+)
 from sidecar._src.core import env as env_lib, errors
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.wire import protocol
@@ -208,7 +214,7 @@ def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_se
   server = make_server(pool=pool_files.write_pool(tmp_path), shm_size=64 * MiB)
   peer = ReplicaTarget(host_id=server.options.host_id, address=f"127.0.0.1:{server.port}")
   data = np.arange(1024, dtype=np.float32)
-  shard = ShardId(("w",), ((0, 1024),))
+  shard = Staged(ShardRecord.of(ShardId(("w",), ((0, 1024),)), 0, data, host=7), data)
   header = ReplicaHeader(directory=str(tmp_path / "alice" / "ck"), step=1,
                          final_dir=str(tmp_path / "alice" / "ck" / "1" / "default"), source=7)
   with links_lib.ReplicaLink(peer, token=PEER_TOKEN, replica_token=PEER_TOKEN, tenant="bob",
@@ -218,10 +224,10 @@ def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_se
     with pytest.raises(errors.PermissionDeniedError, match=(
         r"the replica's header is for tenant 'alice', but its blocks come over a worker "
         r"session the sending sidecar attached for tenant 'bob'")):
-      link.send(header, [(shard, data)], timeout=10)
+      link.send(header, [shard], timeout=10)
     assert not server.checkpoints.tier.replicas
     link.tenant = "bob"
     bobs = dataclasses.replace(header, directory=str(tmp_path / "bob" / "ck"),
                                final_dir=str(tmp_path / "bob" / "ck" / "1" / "default"))
-    assert link.send(bobs, [(shard, data)], timeout=10) == data.nbytes
+    assert link.send(bobs, [shard], timeout=10) == data.nbytes
   assert [r.source for r in server.checkpoints.tier.replicas.values()] == [7]

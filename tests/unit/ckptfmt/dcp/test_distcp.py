@@ -19,7 +19,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
-from sidecar._src.ckptfmt.records import Manifest
+from sidecar._src.ckptfmt.records import Manifest, Staged
+from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.core import errors
 
 pytestmark = [pytest.mark.unit,
@@ -58,6 +59,12 @@ def two_ranks():
   return ranks, expected
 
 
+def staged(rank, pairs):
+  """A rank's ``(item, array)`` pairs as it stages them: each item's record, its bytes
+  beside it."""
+  return [Staged(item.record(i, rank, a), a) for i, (item, a) in enumerate(pairs)]
+
+
 def metadata_for(ranks, shapes):
   """What rank 0's trainer pickles: DCP's Metadata with our layout as storage_data."""
   state, storage = {}, {}
@@ -87,8 +94,7 @@ def write_checkpoint(path, ranks, expected):
     items = [item for item, _ in pairs]
     _, sizes[rank] = distcp.layout(rank, items)
     # Items arrive in any order: the layout, not the arrival, places them.
-    sums[rank] = distcp.write_rank_part(tmp, rank, items,
-                                     reversed(list(enumerate(a for _, a in pairs))))
+    sums[rank] = distcp.write_rank_part(tmp, rank, items, reversed(staged(rank, pairs)))
   shapes = {k: np.shape(v) for k, v in expected.items() if isinstance(v, np.ndarray)}
   final = distcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
                        manifest=Manifest(distcp.FORMAT, (), ()))
@@ -132,7 +138,8 @@ def test_tensor_bytes_start_on_4k_and_read_back(tmp_path):
   out = np.empty_like(expected["big"])
   distcp.read_item(final, big, out)
   assert np.array_equal(out, expected["big"])
-  assert sums[1][2].crc32c == distcp.item_checksum(items[2], expected["big"]).crc32c
+  assert sums[1][2] == items[2].record(2, 1, expected["big"]).with_crc32c(
+      shard_crc32c(expected["big"]))
   assert sums[1][2].key_path == ("big",) and sums[1][2].index == ((0, 3), (0, 4096))
 
 
@@ -148,7 +155,7 @@ def test_a_ranks_items_are_written_in_turns_of_their_bytes(tmp_path):
     turns.append(nbytes)
     return contextlib.nullcontext()
 
-  distcp.write_rank_part(tmp, 1, items, enumerate(a for _, a in ranks[1]), turn=turn)
+  distcp.write_rank_part(tmp, 1, items, staged(1, ranks[1]), turn=turn)
   assert sum(turns) == sum(a.nbytes for _, a in ranks[1])
   assert max(turns) <= distcp.direct_io.TURN_BYTES
 
@@ -158,7 +165,7 @@ def test_nothing_is_visible_before_the_commit(tmp_path):
   path = tmp_path / "ckpt"
   tmp = distcp.create_tmp(path)
   items = [item for item, _ in ranks[0]]
-  distcp.write_rank_part(tmp, 0, items, enumerate(a for _, a in ranks[0]))
+  distcp.write_rank_part(tmp, 0, items, staged(0, ranks[0]))
   # Rank 1 never wrote: the commit refuses, and nothing is at the path.
   _, size0 = distcp.layout(0, items)
   _, size1 = distcp.layout(1, [item for item, _ in ranks[1]])
@@ -225,14 +232,16 @@ def test_write_rank_part_refuses_wrong_or_missing_data(tmp_path):
   tmp = distcp.create_tmp(tmp_path / "ckpt")
   a = np.arange(6, dtype=np.float32)
   items = [tensor_item("a", a), tensor_item("b", a)]
+  def first(data):
+    return Staged(items[0].record(0, 0, data), data)
   with pytest.raises(errors.InvalidArgumentError, match=r"missing items \['b'\]"):
-    distcp.write_rank_part(tmp, 0, items, [(0, a)])
+    distcp.write_rank_part(tmp, 0, items, [first(a)])
   with pytest.raises(errors.InvalidArgumentError, match="expected dtype float32, got int32"):
-    distcp.write_rank_part(tmp, 0, items, [(0, a.view(np.int32))])
+    distcp.write_rank_part(tmp, 0, items, [first(a.view(np.int32))])
   with pytest.raises(errors.InvalidArgumentError, match="expected 24 bytes"):
-    distcp.write_rank_part(tmp, 0, items, [(0, a[:3])])
+    distcp.write_rank_part(tmp, 0, items, [first(a[:3])])
   with pytest.raises(errors.InvalidArgumentError, match="came twice"):
-    distcp.write_rank_part(tmp, 0, items, [(0, a), (0, a)])
+    distcp.write_rank_part(tmp, 0, items, [first(a), first(a)])
   with pytest.raises(errors.InvalidArgumentError, match="not an uncommitted DCP checkpoint"):
     distcp.write_rank_part(tmp_path, 0, items, [])
 

@@ -18,10 +18,10 @@ from sidecar._src.ckptfmt.orbax import (
   read as orbax_read,
   write as orbax_write,
 )
-from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from tests.support import orbax_steps
 from tests.support.orbax_steps import SPECS
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +96,7 @@ def test_shardings_are_stored_by_base64_param_name(tmp_path):
                               sharding=sharding)
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   orbax_write.write_host_part(tmp, 0, [spec],
-                              [StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))])
+                              [staged(("opt", 0), 0, ((0, 2),), np.arange(2, dtype=np.int32))])
   final = orbax_commit.finalize(tmp, [spec], num_hosts=1)
   assert read_json(final / "default" / "_sharding") == {
       base64.urlsafe_b64encode(b"opt.0").decode(): sharding}
@@ -126,7 +126,8 @@ def test_a_step_committed_meanwhile_is_left_alone(tmp_path):
 def test_a_leaf_no_host_wrote_is_named(tmp_path):
   tmp = orbax_commit.create_tmp_step(tmp_path, 5)
   for host, part in enumerate(orbax_steps.host_parts()):
-    orbax_write.write_host_part(tmp, host, SPECS[:2], [s for s in part if s.leaf < 2])  # no "s"
+    no_s = [s for s in part if s.record.leaf < 2]
+    orbax_write.write_host_part(tmp, host, SPECS[:2], no_s)
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^step at .*/5\.orbax-checkpoint-tmp is incomplete: leaf 's' has 0 "
                            r"of 1 chunks \(metadata written: False\); some host did not write"):
@@ -138,9 +139,9 @@ def test_hosts_that_disagree_on_the_arrays_are_refused(tmp_path):
   j = spec_lib.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
   k = spec_lib.LeafSpec(key_path=("k",), shape=(4,), dtype=np.int8, write_shape=(4,))
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
-  orbax_write.write_host_part(tmp, 0, [j, k], [StagedShard(0, ((0, 2),), np.zeros(2, np.int8)),
-                                               StagedShard(1, ((0, 4),), np.zeros(4, np.int8))])
-  orbax_write.write_host_part(tmp, 1, [j], [StagedShard(0, ((2, 4),), np.zeros(2, np.int8))])
+  orbax_write.write_host_part(tmp, 0, [j, k], [staged(("j",), 0, ((0, 2),), np.zeros(2, np.int8)),
+                                               staged(("k",), 1, ((0, 4),), np.zeros(4, np.int8))])
+  orbax_write.write_host_part(tmp, 1, [j], [staged(("j",), 0, ((2, 4),), np.zeros(2, np.int8))])
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^host 1 wrote metadata for \['j'\], expected \['j', 'k'\]$"):
     orbax_commit.finalize(tmp, [j, k], num_hosts=2)

@@ -23,9 +23,9 @@ from sidecar._src.ckptfmt.orbax import (
   read as orbax_read,
   write as orbax_write,
 )
-from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.jax import checkpoint as jax_checkpoint
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
@@ -95,16 +95,17 @@ def host_parts(tree, mesh, num_hosts):
   owner = {d: i * num_hosts // mesh.size for i, d in enumerate(mesh.devices.flat)}
   leaves = flat(tree)
   specs = [jax_checkpoint.leaf_spec(kp, v) for kp, v in leaves]
+  paths = [spec.key_path for spec in specs]
   parts = []
   for host in range(num_hosts):
     part = []
     for leaf, (_, v) in enumerate(leaves):
       if isinstance(v, jax.Array):
-        part += [StagedShard(leaf, s.index, np.asarray(s.data)) for s in v.addressable_shards
+        part += [staged(paths[leaf], leaf, s.index, s.data) for s in v.addressable_shards
                  if s.replica_id == 0 and owner[s.device] == host]
       elif host == num_hosts - 1:
         value = np.asarray(v)
-        part.append(StagedShard(leaf, (slice(None),) * value.ndim, value))
+        part.append(staged(paths[leaf], leaf, (slice(None),) * value.ndim, value))
     parts.append(part)
   return specs, parts
 
@@ -362,7 +363,7 @@ def test_finalize_refuses_a_missing_host_part(tree, mesh, tmp_path):
 def test_finalize_refuses_missing_shards(tree, mesh, tmp_path):
   specs, parts = host_parts(tree, mesh, 2)
   # Host 1 reports in but drops its shards of "w".
-  parts[1] = [s for s in parts[1] if specs[s.leaf].key_path != ("w",)]
+  parts[1] = [s for s in parts[1] if s.record.key_path != ("w",)]
   tmp = orbax_commit.create_tmp_step(tmp_path, 1)
   for host, part in enumerate(parts):
     orbax_write.write_host_part(tmp, host, specs, part)
@@ -391,7 +392,7 @@ def test_steps_are_created_and_committed_once(tmp_path):
   with pytest.raises(errors.InvalidArgumentError, match=r"not an uncommitted step directory"):
     orbax_write.write_host_part(tmp_path / "2", 0, [], [])
   spec = spec_lib.LeafSpec(key_path=("x",), shape=(2,), dtype=np.int32, kind="np.ndarray")
-  shard = StagedShard(0, ((0, 2),), np.arange(2, dtype=np.int32))
+  shard = staged(("x",), 0, ((0, 2),), np.arange(2, dtype=np.int32))
   orbax_write.write_host_part(tmp, 0, [spec], [shard])
   orbax_commit.finalize(tmp, [spec], num_hosts=1)
   assert_bit_exact(np.arange(2, dtype=np.int32), orbax_read.read_leaf(tmp_path / "2", ("x",)))

@@ -4,6 +4,7 @@ Real files in tmp_path, real TensorStore for the edge and scalar chunks.
 """
 
 import contextlib
+import dataclasses
 import json
 
 import numpy as np
@@ -11,11 +12,11 @@ import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
-from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.ckptfmt.shards import shard_crc32c
 from sidecar._src.core import errors
 from tests.support import orbax_steps
 from tests.support.orbax_steps import SPECS, E, W
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
@@ -38,15 +39,16 @@ def test_whole_chunks_land_in_their_files_as_c_order_bytes(tmp):
   assert (tmp / "default" / "opt.0.e" / "2").stat().st_size == 2 * E.itemsize
 
 
-def test_the_checksums_come_in_the_order_given_with_the_index_resolved(tmp):
+def test_the_records_come_written_in_the_order_given_with_the_index_resolved(tmp):
   part = orbax_steps.host_parts()[0]
   sums = orbax_write.write_host_part(tmp, 0, SPECS, part)
-  given = [(SPECS[shard.leaf].key_path, shard) for shard in part]
   assert [(s.key_path, s.index) for s in sums] == [
       (("w",), ((0, 4), (0, 3))), (("w",), ((0, 4), (3, 6))),
       (("opt", 0, "e"), ((0, 2),)), (("opt", 0, "e"), ((4, 5),))]
-  for s, (_, shard) in zip(sums, given):
-    assert (s.nbytes, s.crc32c) == (shard.data.nbytes, shard_crc32c(shard.data))
+  for s, shard in zip(sums, part):
+    assert s.crc32c == shard_crc32c(shard.data)
+    # The staged record, its crc32c set (its index normalized: a slice becomes a pair).
+    assert dataclasses.replace(s, crc32c=None, id=shard.record.id) == shard.record
 
 
 def test_write_item_part_takes_shards_as_they_arrive_and_reports_progress(tmp):
@@ -54,12 +56,13 @@ def test_write_item_part_takes_shards_as_they_arrive_and_reports_progress(tmp):
   done = []
   arrived = []
 
-  def staged():
-    for shard in [StagedShard(0, ((0, 4), (0, 3)), W[:4, :3]), StagedShard(2, (), np.asarray(0.5))]:
-      arrived.append(shard.leaf)
+  def coming():
+    for shard in [staged(("w",), 0, ((0, 4), (0, 3)), W[:4, :3]),
+                  staged(("s",), 2, (), np.asarray(0.5))]:
+      arrived.append(shard.record.leaf)
       yield shard
 
-  sums = orbax_write.write_item_part(tmp / "default", 0, SPECS, staged(), progress=done.append)
+  sums = orbax_write.write_item_part(tmp / "default", 0, SPECS, coming(), progress=done.append)
   assert arrived == [0, 2] and len(sums) == 2
   assert sorted(done) == [8, 48]  # each shard's bytes once it is durable
 
@@ -89,7 +92,7 @@ def test_array_metadatas_are_written_per_host_for_jax_arrays_only(tmp):
   orbax_write.write_host_part(tmp, 0, SPECS, orbax_steps.host_parts()[0])
   assert not (tmp / "default" / "array_metadatas").exists()  # numpy and scalar leaves only
   spec = spec_lib.LeafSpec(key_path=("j",), shape=(4,), dtype=np.int8, write_shape=(2,))
-  orbax_write.write_host_part(tmp, 3, [spec], [StagedShard(0, ((2, 4),), np.ones(2, np.int8))])
+  orbax_write.write_host_part(tmp, 3, [spec], [staged(("j",), 0, ((2, 4),), np.ones(2, np.int8))])
   [meta] = json.loads((tmp / "default" / "array_metadatas" / "process_3").read_text())[
       "array_metadatas"]
   assert meta["array_metadata"]["param_name"] == "j"
@@ -112,7 +115,7 @@ SPEC = spec_lib.LeafSpec(key_path=("a",), shape=(4, 6), dtype=np.float32, write_
 def test_write_host_part_rejects_bad_shards(tmp_path, shard, match):
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
   with pytest.raises(errors.InvalidArgumentError, match=match):
-    orbax_write.write_host_part(tmp, 0, [SPEC], [StagedShard(0, *shard)])
+    orbax_write.write_host_part(tmp, 0, [SPEC], [staged(("a",), 0, *shard)])
 
 
 @pytest.mark.parametrize("host_index", [-1, 1.0, "0", True],
@@ -128,7 +131,8 @@ def test_the_host_index_is_an_int(tmp, host_index):
 def test_a_shard_names_a_leaf_of_the_tree(tmp, leaf):
   with pytest.raises(errors.InvalidArgumentError,
                      match=rf"^shard of leaf {leaf!r}: there are 3 leaves$"):
-    orbax_write.write_item_part(tmp / "default", 0, SPECS, [StagedShard(leaf, (), np.asarray(0.5))])
+    orbax_write.write_item_part(tmp / "default", 0, SPECS,
+                                [staged(("s",), leaf, (), np.asarray(0.5))])
 
 
 def test_the_same_leaf_twice_is_refused(tmp):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
-from sidecar._src.ckptfmt.records import StagedShard
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, on_each
@@ -19,6 +19,7 @@ from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.controller.framework import DeviceCopy
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
@@ -63,7 +64,7 @@ def test_a_host_first_lot_carries_the_format_extra_and_its_later_ones_the_rest()
   first = DcpPart(1, (Item(fqn="w", kind=ItemKind.BYTES, nbytes=3),))
   rest = DcpPart(1, ())
   parts: queue.SimpleQueue = queue.SimpleQueue()
-  shard = StagedShard(0, (), np.zeros(3, np.uint8))
+  shard = staged(("w",), 0, (), np.zeros(3, np.uint8), rank=1)
   for host, last in ((0, False), (1, True), (0, True)):
     parts.put(staging.Lot(host, (shard,), last))
   protocol.stage(target, parts, hosts=[0, 1], extra=first, rest=rest)
@@ -115,13 +116,18 @@ def test_a_manifest_goes_with_committed_only_where_the_format_gives_one():
 def test_a_host_last_part_goes_with_its_last_shard_and_one_without_shards_at_the_close():
   parts: queue.SimpleQueue = queue.SimpleQueue()
   lots = staging.Lots([0, 1, 2], parts.put)
-  copies = [staging.ShardCopy(h, i, ((0, 4),), np.full(4, i, np.int32)).with_block(
+  copies = [staging.ShardCopy(record(i, h), np.full(4, i, np.int32)).with_block(
       np.empty(4, np.int32), None) for i, h in enumerate((0, 1, 0))]
   assert staging.copy_in(copies, lots) is None
   got = [parts.get_nowait() for _ in range(parts.qsize())]
-  assert [(p.host, [s.leaf for s in p.shards], p.last) for p in got] == [
+  assert [(p.host, [s.record.leaf for s in p.shards], p.last) for p in got] == [
       (1, [1], True), (0, [0, 2], True), (2, [], True)]
   assert [int(s.data[0]) for s in got[1].shards] == [0, 2]  # copied into their blocks
+
+
+def record(leaf: int, host: int) -> ShardRecord:
+  """Leaf ``leaf``'s shard of 4 int32 on ``host``."""
+  return ShardRecord(ShardId((f"l{leaf}",), ((0, 4),)), leaf, host, "int32", (4,), 16)
 
 
 class Landing(DeviceCopy):
@@ -148,7 +154,7 @@ def test_late_copies_of_every_save_go_in_turn_on_the_one_stager_thread_kept_betw
   for value, fail in ((1, False), (2, True), (3, False)):
     parts: queue.SimpleQueue = queue.SimpleQueue()
     lots = staging.Lots([0], parts.put)
-    copy = staging.ShardCopy(0, 0, ((0, 4),), Landing(value, go, takers, fail)).with_block(
+    copy = staging.ShardCopy(record(0, 0), Landing(value, go, takers, fail)).with_block(
         np.zeros(4, np.int32), None)
     saves.append((parts, staging.copy_in([copy], lots)))
   assert staging.STAGER.busy and not any(done.wait(0) for _, done in saves)

@@ -61,7 +61,10 @@ def dcp_run(fake, *, hosts=(0,), ending=None, step=3) -> SaveRun:
 
 
 def copies(n: int) -> list[staging.ShardCopy]:
-  return [staging.ShardCopy(0, i, ((0, 4),), np.full(4, i, np.int32)) for i in range(n)]
+  """Rank 0's shards of ``items(n)`` on host 0."""
+  arrays = [np.full(4, i, np.int32) for i in range(n)]
+  return [staging.ShardCopy(item.record(i, 0, a, host=0), a)
+          for i, (item, a) in enumerate(zip(items(n), arrays))]
 
 
 def commit_part() -> DcpCommit:

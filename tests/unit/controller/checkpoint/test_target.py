@@ -153,11 +153,11 @@ class LayoutSidecars(FakeSidecars):
     self.staged_at.append((tmp_dir, final_dir))
     return super().stage(host, tmp_dir=tmp_dir, final_dir=final_dir, **kw)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, checksums, data_state_json,
+  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
              whole_step, replicas, timeout, extra=None):
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
     self.manifests[str(found.final)] = Manifest(
-        self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(checksums),
+        self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
         json.loads(data_state_json) if data_state_json else None, {}, step=step)
     self.steps.setdefault(str(found.committed.parent), set()).add(step)
     return self._phase("commit", host, str(found.final))

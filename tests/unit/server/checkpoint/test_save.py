@@ -16,11 +16,11 @@ import pytest
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.records import StagedShard
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
 from tests.support import races
+from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +34,7 @@ SPECS = [spec_lib.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, writ
 def shard(leaf, index, value):
   spec = SPECS[leaf]
   shape = tuple(b - a for a, b in index)
-  return StagedShard(leaf, index, np.full(shape, value, spec.dtype))
+  return staged(spec.key_path, leaf, index, np.full(shape, value, spec.dtype))
 
 
 class Recording(OrbaxFormat):
@@ -48,7 +48,7 @@ class Recording(OrbaxFormat):
   def write(self, tmp_dir, host_id, numbering, incoming, *, progress, turn):
     def recorded():
       for s in incoming:  # the staged shards themselves
-        self.seen.append((s.leaf, s.index))
+        self.seen.append((s.record.leaf, s.record.index))
         self.first.set()
         if self.fail is not None:
           raise self.fail
@@ -164,8 +164,28 @@ def test_a_shard_of_a_leaf_the_step_lacks_is_refused_and_nothing_is_staged(make_
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^step 7 on host 0: shard of leaf 2: the step has 2 leaves$"):
     writer.stage(directory, 7, tmp_dir, final, SPECS,
-                 [shard(1, ((0, 3),), 1), StagedShard(2, ((0, 1),), np.zeros(1))], last=False,
+                 [shard(1, ((0, 3),), 1), staged(("c",), 2, ((0, 1),), np.zeros(1))], last=False,
                  owner="a")
+  assert tier.steps[final].shards == {} and tier.steps[final].nbytes == 0
+  writer.abort(os.path.dirname(tmp_dir), final)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (staged(("w",), 1, ((0, 3),), np.zeros(3, np.int32)),
+     r"shard of leaf 1 names \['w'\], the leaf is \['b'\]"),
+    (staged(("b",), 1, ((0, 3),), np.zeros(3, np.int32), rank=2),
+     r"shard of leaf 1 names \['b'\] of rank 2"),
+    (staged(("b",), 1, ((0, 3),), np.zeros(3, np.int32), host=3),
+     r"shard \['b'\] at \[\[0, 3\]\] names host 3, staged on host 0"),
+], ids=["another-leaf", "a-rank", "another-host"])
+def test_a_record_that_names_another_shard_is_refused(make_writer, tmp_path, bad, match):
+  """A record's number, its id, its rank and its host must agree with the step's leaves
+  and this sidecar: nothing of the part is staged otherwise."""
+  writer, tier = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 7)
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    writer.stage(directory, 7, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1), bad],
+                 last=False, owner="a")
   assert tier.steps[final].shards == {} and tier.steps[final].nbytes == 0
   writer.abort(os.path.dirname(tmp_dir), final)
 
