@@ -110,7 +110,7 @@ class Service:
         "Call": grpc.unary_unary_rpc_method_handler(
             self._guard(self.call), request_deserializer=None, response_serializer=None),
         "CallParts": grpc.stream_stream_rpc_method_handler(
-            self._guard_stream(self.call_parts), request_deserializer=None,
+            self._guard_stream(self.call_in_pieces), request_deserializer=None,
             response_serializer=None),
         "Stream": grpc.stream_stream_rpc_method_handler(
             self._guard_stream(self.stream), request_deserializer=None,
@@ -239,11 +239,11 @@ class Service:
       return self._unary.run_serialized(raw, session, alive=context.is_active,
                                         time_left=context.time_remaining)
 
-  def call_parts(self, requests: Iterator[bytes], context: grpc.ServicerContext
-                 ) -> Iterator[bytes]:
-    """:meth:`call` for a large CallRequest in parts (``CallPart``s, the first one
+  def call_in_pieces(self, requests: Iterator[bytes], context: grpc.ServicerContext
+                     ) -> Iterator[bytes]:
+    """:meth:`call` for a large CallRequest in pieces (``CallPart``s, the first one
     announcing its size): they are copied into one buffer as they come, and the
-    serialized CallResponse goes back in parts (``UnaryCalls.run_parts``)."""
+    serialized CallResponse goes back in pieces (``UnaryCalls.run_in_pieces``)."""
     session = self._require_session(context)
     self._no_replica_link(session, "CallParts")
     first = next(requests, None)
@@ -251,7 +251,7 @@ class Service:
       raise errors.InvalidArgumentError("CallParts: no CallPart came")
     total = codec.parse(pb.CallPart, first).total
     with tenants_lib.acting_as(self._sessions.client(session)):
-      yield from self._unary.run_parts(
+      yield from self._unary.run_in_pieces(
           total, itertools.chain((first,), requests), session, alive=context.is_active,
           time_left=context.time_remaining, limit=self._max_request)
 

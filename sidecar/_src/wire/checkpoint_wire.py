@@ -309,8 +309,9 @@ def replica_blocks_from_pb(blocks: Sequence[ckpt_pb.ReplicaBlock],
   return out
 
 
-def replica_part_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPiece:
-  """A part's description (its bytes travel beside: ``service.parse_receive``)."""
+def replica_piece_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPiece:
+  """A piece's description, the wire's ReplicaPart (its bytes travel beside:
+  ``service.parse_receive``)."""
   record = record_from_pb(p.record, f"{where}.record")
   if not record.dtype:
     raise errors.InvalidArgumentError(f"{where}.record: no dtype")

@@ -74,7 +74,7 @@ def _session(context: grpc.ServicerContext) -> str:
 _STAGE_VIEWS: contextvars.ContextVar[tuple[memoryview, ...]] = contextvars.ContextVar(
     "stage_views", default=())
 
-_PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
+_PIECE = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number  # a wire name
 _DATA = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 
@@ -87,7 +87,7 @@ def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None
   what the sender never writes (a field twice, a group), protobuf parses it all.
   """
   try:
-    parts = pbscan.length_delimited(raw, 0, len(raw), _PART)
+    parts = pbscan.length_delimited(raw, 0, len(raw), _PIECE)
     if len(parts) == 1:
       field_start, start, end = parts[0]
       datas = pbscan.length_delimited(raw, start, end, _DATA)
@@ -445,12 +445,12 @@ class CheckpointService:
     if m.blocks and m.HasField("part"):
       raise errors.InvalidArgumentError(f"{where}: blocks or a part, not both")
     blocks = wire.replica_blocks_from_pb(m.blocks, view, f"{where}.blocks")
-    part, payload = None, None
+    piece, payload = None, None
     if m.HasField("part"):
-      part = wire.replica_part_from_pb(m.part, f"{where}.part")
+      piece = wire.replica_piece_from_pb(m.part, f"{where}.part")
       payload = np.frombuffer(m.part.data if data is None else data, np.uint8)
     try:
-      return self._host.replicator.receive(replica, blocks, part, payload, done=m.done)
+      return self._host.replicator.receive(replica, blocks, piece, payload, done=m.done)
     finally:
       blocks.clear()
 
