@@ -76,9 +76,9 @@ from sidecar._src.torch import (
 
 
 def dcp_format(options: CheckpointOptions) -> str:
-  """The format a PyTorch save writes: ``options.format``, default DCP's; one whose parts
+  """The format a PyTorch save writes: ``options.format``, default DCP's; one whose extras
   are DCP's (``DcpPart``, ``DcpCommit``), which this adapter makes."""
-  return options.format_for("PyTorch", default=DCP, parts=(DcpPart, DcpCommit))
+  return options.format_for("PyTorch", default=DCP, extras=(DcpPart, DcpCommit))
 
 
 def _label(path: str) -> int:

@@ -189,8 +189,8 @@ def test_every_registered_formats_parts_travel_under_its_one_name():
   """A format's typed parts have a wire entry, keyed (the oneof member) by its name."""
   from sidecar._src.ckptfmt import registry as formats_lib
   for fmt in formats_lib.DEFAULT.formats.values():
-    for part, table, request in ((fmt.stage_part, wire.STAGE_EXTRAS, "CheckpointStageRequest"),
-                                 (fmt.commit_part, wire.COMMIT_EXTRAS,
+    for part, table, request in ((fmt.stage_extra, wire.STAGE_EXTRAS, "CheckpointStageRequest"),
+                                 (fmt.commit_extra, wire.COMMIT_EXTRAS,
                                   "CheckpointCommitRequest")):
       members = {name for name, (kind, _, _) in table.items() if kind is part}
       assert members == (set() if part is None else {fmt.name}), (fmt.name, request)

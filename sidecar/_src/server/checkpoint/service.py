@@ -294,14 +294,14 @@ class CheckpointService:
             ) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    part = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
+    extra = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
     shards = wire.staged_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
                                  _STAGE_VIEWS.get())
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._host.storage_reserved(self._client(context), r.directory,
                                        sum(s.data.nbytes for s in shards)):
         staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves,
-                                         shards, r.last, writers=max(r.writers, 1), part=part,
+                                         shards, r.last, writers=max(r.writers, 1), extra=extra,
                                          owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
@@ -322,7 +322,7 @@ class CheckpointService:
     committed = self._host.writer.commit(
         r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
         wire.replicas_from_pb(r.replicas) or None,
-        part=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
+        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext
@@ -474,13 +474,13 @@ class CheckpointService:
   def read(self, r: ckpt_pb.CheckpointReadRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointReadResponse:
     shard = wire.shard_from_pb(r.shard, "shard")
-    part = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
+    byte_range = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
     tier = _TIERS.get(r.tier)
     if tier is None:
       raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
     with self._allocating(context):
       data = self._host.read(r.final_dir, shard, r.crc32c if r.HasField("crc32c") else None,
-                             tier, part)
+                             tier, byte_range)
     out = ckpt_pb.CheckpointReadResponse()
     if not r.worker_session:  # inline, the bytes copied once into the message
       wire.fill_data(out.data, data)
