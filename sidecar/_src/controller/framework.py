@@ -218,8 +218,8 @@ class HostArrays(Framework):
         f"device={device!r}: this controller has no framework to put arrays on a device; "
         "use sidecar.jax.Controller (JAX) or leave device=None for numpy arrays")
 
-  def host_value(self, value: Any, where: str) -> np.ndarray:
-    """A leaf's elements as a host array (``where`` names it in errors)."""
+  def numpy_value(self, value: Any, where: str) -> np.ndarray:
+    """A leaf's elements as a numpy array (``where`` names it in errors)."""
     del where
     return np.asarray(value)
 
@@ -243,7 +243,7 @@ class HostArrays(Framework):
     check_tree([path for path, _ in flat], tree)
     out = []
     for path, value in flat:
-      data = self.host_value(value, f"leaf {'.'.join(map(str, path))}")
+      data = self.numpy_value(value, f"leaf {'.'.join(map(str, path))}")
       spec = self.leaf_spec(path, value, data)
       out.append(SaveLeaf(spec, (SaveShard(whole(data.shape), data, None),)))
     return out

@@ -161,7 +161,7 @@ class Service:
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
     holder, ticket = self._holder(context, client, asks=request.ticket)
-    session = self._sessions.new(peer=self._is_replica_link(context), client=client,
+    session = self._sessions.new(replica_link=self._is_replica_link(context), client=client,
                                  holder=holder)
     return pb.HandshakeResponse(tenant=client or "", ticket=ticket,
         versions=ours, identity=self._identity, registry=self.registry_entries(),
@@ -181,9 +181,9 @@ class Service:
     Raises:
       ResourceExhaustedError: it asks for a ticket past its tenant's bound.
     """
-    peer = context.peer()
-    if connection_of(peer) is not None or not peer.startswith("unix"):
-      return connection_of(peer), ""
+    remote = context.peer()  # gRPC's name
+    if connection_of(remote) is not None or not remote.startswith("unix"):
+      return connection_of(remote), ""
     metadata = dict(context.invocation_metadata())
     ticketed = client_ids.ANONYMOUS if self._tickets is None else self._tickets.holder(
         metadata.get(protocol.PID_TICKET_KEY))

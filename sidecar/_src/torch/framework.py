@@ -40,7 +40,7 @@ def to_tensors(tree: Any, device: Any = None, *, non_blocking: bool = True) -> A
   return trees.unflatten(treedef, [convert(leaf) for leaf in leaves])
 
 
-def host_array(value: Any, where: str) -> np.ndarray:
+def numpy_array(value: Any, where: str) -> np.ndarray:
   """A tensor (any device, any layout: copied to the CPU, contiguous) or array leaf as a
   host numpy array.
 
@@ -78,8 +78,8 @@ class TorchFramework(HostArrays):
   def to_device(self, tree: Any, device: Any) -> Any:
     return to_tensors(tree, device)
 
-  def host_value(self, value: Any, where: str) -> np.ndarray:
-    return host_array(value, where)
+  def numpy_value(self, value: Any, where: str) -> np.ndarray:
+    return numpy_array(value, where)
 
   def leaf_spec(self, path: KeyPath, value: Any, data: np.ndarray) -> LeafSpec:
     return LeafSpec.from_value(path, data)

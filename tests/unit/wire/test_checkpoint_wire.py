@@ -177,7 +177,7 @@ def test_a_formats_parts_travel_in_the_format_part_oneof():
   assert wire.format_extra_from_pb(_sent(commit), wire.COMMIT_EXTRAS) == done
   # The trainer's older forms still fill the same fields.
   assert wire.dcp_part_to_pb(1, [i.to_dict() for i in part.items]) == stage.dcp
-  with pytest.raises(errors.InvalidArgumentError, match="no format part is a DcpCommit"):
+  with pytest.raises(errors.InvalidArgumentError, match="no format extra is a DcpCommit"):
     wire.format_extra_to_pb(stage, done, wire.STAGE_EXTRAS)
   stage.dcp.items[0].nbytes = 8
   with pytest.raises(errors.InvalidArgumentError,
