@@ -51,7 +51,6 @@ SAME = {
 }
 # Still named for another meaning: (word, name) -> why it is not renamed yet.
 KNOWN = {
-    ("host", "HostArrays"): "the numpy framework (host memory); a public-facing rename",
     ("host", "DeviceToHost"): "JAX's DeviceCopy; named for the copy's direction",
     ("peer", "PEER_TIMEOUT"): "names SIDECAR_PEER_TIMEOUT (a sidecar's silence), a user's "
                               "variable",
@@ -164,4 +163,5 @@ def test_a_retired_name_stays_retired():
   # read's byte range, a quota's share of the arena, a socket's server, host memory.
   assert not {"stage_part", "commit_part", "call_parts", "run_parts", "PARTS_FROM",
               "PART_BYTES", "replica_part_from_pb", "ArenaPart", "ARENA_PARTS",
-              "peer_or_none", "host_value", "host_array", "_copy_pool", "_pools"} & set(names)
+              "peer_or_none", "host_value", "host_array", "_copy_pool", "_pools",
+              "HostArrays"} & set(names)

@@ -35,7 +35,7 @@ What an adapter implements:
 
 A key path must be what stock Orbax names the leaf: ``core/trees.py`` makes them, from
 ``jax.tree_util``'s paths where JAX is loaded, so registered pytrees keep their names.
-:class:`HostArrays` is the adapter of no framework: numpy arrays and scalars, one
+:class:`NumpyArrays` is the adapter of no framework: numpy arrays and scalars, one
 process, no devices; with it a core Controller calls, streams and checkpoints host
 arrays without importing any framework.
 """
@@ -202,7 +202,7 @@ class Framework(abc.ABC):
     the blocks this process fills, and how they become the restored tree."""
 
 
-class HostArrays(Framework):
+class NumpyArrays(Framework):
   """No framework: numpy arrays and int/float scalars, one process, no devices.
 
   Saves each leaf whole (by process 0); restores onto a tree of numpy arrays (or of

@@ -18,7 +18,7 @@ import torch
 
 from sidecar._src.arena.worker import TrainerProcess
 from sidecar._src.ckptfmt.spec import KeyPath, LeafSpec
-from sidecar._src.controller.framework import HostArrays, RestoreLeaf
+from sidecar._src.controller.framework import NumpyArrays, RestoreLeaf
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import dtypes as dtypes_lib, errors, trees
 from sidecar._src.torch import distributed, tensors
@@ -59,9 +59,9 @@ def numpy_array(value: Any, where: str) -> np.ndarray:
   return np.asarray(value)
 
 
-class TorchFramework(HostArrays):
+class TorchFramework(NumpyArrays):
   """PyTorch: ``torch.Tensor``s, one device per rank, ``torch.distributed``. Its leaves
-  are saved whole, as host arrays (the core's ``HostArrays`` with tensors for leaves)."""
+  are saved whole, as host arrays (the core's ``NumpyArrays`` with tensors for leaves)."""
 
   name = "torch"
 
