@@ -128,7 +128,7 @@ def d2h_library(leaves: list[jax.Array], dst: list[np.ndarray], piece_bytes: int
   flight, each piece into its rows of the host array), as its stager runs it, into ``dst``
   instead of a sidecar's arena blocks."""
   splits_compiled()
-  copies = jax_checkpoint._host_copies([([], i, a) for i, a in enumerate(leaves)],
+  copies = jax_checkpoint._off_device([([], i, a) for i, a in enumerate(leaves)],
                                        piece_bytes=piece_bytes)
   for _, i, c in copies:
     if isinstance(c, np.ndarray):  # a device without room for the pieces: whole

@@ -144,7 +144,7 @@ def cell(values: list[float], fmt: str) -> str:
 def link_only(args) -> None:
   """Seconds for ReplicaLink.send of 512 MiB to a sidecar over gRPC, ``args.saves`` times."""
   if args.link_part_mib:
-    links_lib.PART_BYTES = args.link_part_mib << 20
+    links_lib.PIECE_BYTES = args.link_part_mib << 20
   root = tempfile.mkdtemp(prefix="bench-link-", dir=args.dir)
   shards = [(ShardId(("w", i), ((0, 4096), (0, 4096))), np.full((4096, 4096), i, np.float32))
             for i in range(8)]
@@ -164,7 +164,7 @@ def link_only(args) -> None:
   finally:
     shutil.rmtree(root, ignore_errors=True)
   print(f"ReplicaLink.send of 512 MiB over gRPC, parts of "
-        f"{links_lib.PART_BYTES >> 20} MiB: {cell(times, '.3f')} s "
+        f"{links_lib.PIECE_BYTES >> 20} MiB: {cell(times, '.3f')} s "
         f"({(512 << 20) / statistics.median(times) / 1e9:.2f} GB/s)")
 
 
@@ -181,7 +181,7 @@ def main() -> None:
                       help="comma-separated configurations to run, of 0, shm, grpc, paced")
   parser.add_argument("--link", action="store_true", help="measure ReplicaLink.send alone")
   parser.add_argument("--link-part-mib", type=int, default=0,
-                      help="with --link: parts of this many MiB (default: PART_BYTES)")
+                      help="with --link: parts of this many MiB (default: PIECE_BYTES)")
   args = parser.parse_args()
   if args.pin:
     pin(os.getpid(), {0})  # before JAX makes its thread pools: they inherit it

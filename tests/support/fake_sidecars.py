@@ -28,7 +28,7 @@ from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import CallWindow, HostInfo
-from sidecar._src.controller.framework import HostArrays
+from sidecar._src.controller.framework import NumpyArrays
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
@@ -250,4 +250,4 @@ def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Pe
                   mapped=frozenset(), writers={})
   return Checkpointer.key_value(directory, site=site, options=CheckpointOptions(**options),
                                 peers=peers if peers is not None else LocalPeers(),
-                                framework=framework or HostArrays(), key="ckpt")
+                                framework=framework or NumpyArrays(), key="ckpt")

@@ -1,8 +1,10 @@
-"""ARCHITECTURE.md's "Words with one meaning" is what the code's class names keep: a class
-of sidecar/_src whose name holds one of its words (host, peer, pool, part, lot) is named
-in that word's entry, so a new meaning of a word fails here until the glossary says it
-(or the class is renamed). The classes that still carry an older meaning are listed below,
-each with its reason; the list may only shrink."""
+"""ARCHITECTURE.md's "Words with one meaning" is what the code's names keep: every name
+defined in sidecar/_src (a module, class, function, parameter, module or class constant,
+an attribute set on ``self``) that holds one of its words (host, peer, pool, part, lot) as
+a word of its own carries that word's one meaning: it is named in the word's entry, or
+it is one of the names below that were read and carry it (:data:`SAME`), so a new name
+fails here until it is read (or renamed). The names that still carry another meaning are
+listed in :data:`KNOWN`, each with its reason; that list may only shrink."""
 
 import ast
 import re
@@ -16,12 +18,48 @@ pytestmark = pytest.mark.unit
 SRC = ROOT / "sidecar" / "_src"
 TEXT = (ROOT / "ARCHITECTURE.md").read_text()
 WORDS = ("host", "peer", "pool", "part", "lot")
-# Still named for another meaning: (word, class) -> why it is not renamed yet.
+# Read, and carrying the word's one meaning (beside those its entry names), by word.
+SAME = {
+    # a machine of the job: its index, how many, which ones, what one of them runs or holds,
+    # its name where one is dialed (HOST:PORT, discovery's host names)
+    "host": frozenset({
+        "ADVICE_HOSTS", "DEFAULT_HOST_TEMPLATE", "HOSTS", "HOSTS_DIR", "HOSTS_PER_SLICE",
+        "HOST_HEADER", "HOST_ID", "HOST_TEMPLATE", "REPLICA_HOSTS", "REPLICA_HOSTS_FILE",
+        "_check_replica_hosts", "_device_hosts", "_first_host", "_from_host_list", "_host",
+        "_host_batches", "_host_env", "_host_id", "_host_start", "_host_was_lost", "_hosts",
+        "_lost_hosts", "_min_hosts", "_primary_host", "_rank_hosts", "_replica_hosts",
+        "_rows_disjoint_across_hosts", "_write_replica_hosts", "chips_per_host",
+        "device_hosts", "devices_per_host", "host", "host_back", "host_entry", "host_env",
+        "host_index", "host_info", "host_lost", "host_rows", "hosts", "hosts_block",
+        "hosts_by_process", "hosts_entry", "hosts_per_node", "hosts_per_slice", "local_hosts",
+        "lost_hosts", "max_single_host_chips", "min_hosts", "num_hosts", "on_host_back",
+        "on_host_lost", "primary_host", "processes_by_host", "procs_per_host", "rank_hosts",
+        "read_hosts", "replica_hosts", "replica_hosts_file", "uncovered_hosts",
+        "write_host_part"}),
+    # one of a job's trainer processes
+    "peer": frozenset({"_peers", "peers"}),
+    # a shared pool's tenants: the pool file, its operator's tools, its sidecar
+    "pool": frozenset({
+        "POOL_FLAG", "_POOL_KEYS", "_check_pool_file", "_pool", "_pool_sidecar", "check_pool",
+        "pool", "pool_file", "pool_sets", "pool_status"}),
+    # one host's (or rank's) share of a step, the files it writes
+    "part": frozenset({
+        "dcp_part_from_pb", "dcp_part_to_pb", "rank_part", "write_item_part",
+        "write_rank_part"}),
+    # the shards a save hands on together
+    "lot": frozenset({"STAGE_LOT_BYTES", "lots"}),
+}
+# Still named for another meaning: (word, name) -> why it is not renamed yet.
 KNOWN = {
-    ("host", "HostArrays"): "the numpy framework (host memory); a public-facing rename",
     ("host", "DeviceToHost"): "JAX's DeviceCopy; named for the copy's direction",
-    ("part", "ArenaPart"): "a quota's share of the arena (server/pool/, issue 56's server/ "
-                           "bullet, another engineer's)",
+    ("peer", "PEER_TIMEOUT"): "names SIDECAR_PEER_TIMEOUT (a sidecar's silence), a user's "
+                              "variable",
+    ("peer", "PEER_TOKEN"): "names SIDECAR_PEER_TOKEN (the replica token), a user's variable",
+    ("peer", "PEER_TOKEN_FILE"): "names SIDECAR_PEER_TOKEN_FILE, a user's variable",
+    ("peer", "peer_token_secret"): "the rendered Job's Secret of the replica token "
+                                   "(sidecar-peer-token), a deployed name",
+    ("part", "parts"): "the module wire/parts.py, named for the wire's CallParts (a large "
+                       "call in pieces); ckptfmt/dcp/parts.py is DcpPart's, a rank's part",
 }
 
 
@@ -32,48 +70,98 @@ def _entries() -> dict[str, str]:
       r"^- \*\*([a-z]+)\*\*:(.*?)(?=^- \*\*|\Z)", section, re.M | re.S)}
 
 
-def _classes() -> dict[str, str]:
-  """Every class defined in sidecar/_src, by name: its module."""
-  out = {}
+def _defined(tree: ast.Module) -> set[str]:
+  """The names ``tree`` defines: classes, functions, parameters, attributes set on self,
+  and what its module's and its classes' bodies assign."""
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      out.add(node.name)
+    elif isinstance(node, ast.arg):
+      out.add(node.arg)
+    elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+          and isinstance(node.value, ast.Name) and node.value.id == "self"):
+      out.add(node.attr)
+  bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+  for statement in (s for body in bodies for s in body):
+    targets = (statement.targets if isinstance(statement, ast.Assign)
+               else [statement.target] if isinstance(statement, ast.AnnAssign) else [])
+    out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+  return out
+
+
+def _names() -> dict[str, set[str]]:
+  """Every name defined in sidecar/_src (its modules' and folders' too): the modules."""
+  out: dict[str, set[str]] = {}
   for path in SRC.rglob("*.py"):
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.ClassDef):
-        out[node.name] = str(path.relative_to(SRC))
+    module = str(path.relative_to(SRC))
+    for name in {*path.relative_to(SRC).with_suffix("").parts,
+                 *_defined(ast.parse(path.read_text()))}:
+      out.setdefault(name, set()).add(module)
   return out
 
 
 def _words(name: str) -> set[str]:
-  """The words of a CamelCase name, lower case, plurals as one: ``JaxPeers`` -> jax, peer."""
-  return {w.lower().removesuffix("s") for w in re.findall(r"[A-Z][a-z]*|[a-z]+", name)}
+  """The words of a name, snake_case or CamelCase, lower case, plurals as one:
+  ``JaxPeers`` -> jax, peer; ``_arena_parts`` -> arena, part; ``partial`` -> partial."""
+  return {w.lower().removesuffix("s")
+          for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+", name)}
+
+
+def _holding(word: str, names) -> list[str]:
+  return sorted(n for n in names if word in _words(n))
+
+
+def _named_in(entry: str, name: str) -> bool:
+  return f"`{name}`" in entry or re.search(rf"[./]{re.escape(name)}`", entry) is not None
 
 
 def test_the_glossary_has_an_entry_for_each_word_it_keeps():
   assert set(WORDS) - {"lot"} <= set(_entries())  # a lot is defined in part's entry
 
 
-def test_every_class_named_for_a_glossary_word_is_named_in_its_entry():
-  entries, classes = _entries(), _classes()
-  assert len(classes) > 200  # the walk sees the code's classes
+def test_the_words_of_a_name_are_its_own():
+  assert _words("JaxPeers") == {"jax", "peer"}
+  assert _words("_arena_parts") == {"arena", "part"}
+  assert _words("DCPPart") == {"dcp", "part"}
+  assert not {"part", "lot", "host"} & (_words("partial") | _words("rpartition") | _words(
+      "apart") | _words("departure") | _words("slot") | _words("ghost") | _words("spool"))
+
+
+def test_every_name_holding_a_glossary_word_carries_its_meaning():
+  entries, names = _entries(), _names()
+  assert len(names) > 2000  # the walk sees the code's names
   entries["lot"] = entries["part"]
   unexplained = sorted(
-      f"{module}: {name} uses {word!r}" for name, module in classes.items()
-      for word in WORDS if word in _words(name)
-      and f"`{name}`" not in entries[word] and not re.search(rf"\.{name}`", entries[word])
+      f"{', '.join(sorted(names[name]))}: {name} uses {word!r}"
+      for word in WORDS for name in _holding(word, names)
+      if not _named_in(entries[word], name) and name not in SAME[word]
       and (word, name) not in KNOWN)
   assert unexplained == [], (
-      "a class is named for a word of ARCHITECTURE.md's glossary without the meaning that "
-      "entry gives: name it in the entry (a meaning the word has) or rename it")
+      "a name holds a word of ARCHITECTURE.md's glossary, but not known to carry the "
+      "meaning its entry gives: rename it (the glossary names the other meanings' words), "
+      "or, where it carries that meaning, add it to SAME or name it in the entry")
 
 
-def test_the_known_exceptions_still_exist():
-  classes = _classes()
-  gone = sorted(name for _, name in KNOWN if name not in classes)
-  assert gone == [], "renamed: drop them from KNOWN"
+def test_the_names_read_and_the_known_exceptions_still_exist():
+  names = _names()
+  gone = sorted(({n for _, n in KNOWN} | {n for same in SAME.values() for n in same})
+                - set(names))
+  assert gone == [], "renamed or removed: drop them from KNOWN or SAME"
+  assert not {(w, n) for w, same in SAME.items() for n in same} & set(KNOWN)
+  assert all(w in _words(n) for w, same in SAME.items() for n in same)
+  assert all(w in _words(n) for w, n in KNOWN)
 
 
 def test_a_retired_name_stays_retired():
   # The review's words with two meanings, renamed by issue 56: a shard's copy from a
   # device is not a host's (DeviceCopy), the shards handed on together are a lot.
-  classes = _classes()
-  assert "HostCopy" not in classes and classes.get("DeviceCopy") == "controller/framework.py"
-  assert "Part" not in classes and classes.get("Lot") == "controller/checkpoint/staging.py"
+  names = _names()
+  assert "HostCopy" not in names and names.get("DeviceCopy") == {"controller/framework.py"}
+  assert "Part" not in names and names.get("Lot") == {"controller/checkpoint/staging.py"}
+  # Issue 56's names read: a format's extra, a large call's and a replica's pieces, a
+  # read's byte range, a quota's share of the arena, a socket's server, host memory.
+  assert not {"stage_part", "commit_part", "call_parts", "run_parts", "PARTS_FROM",
+              "PART_BYTES", "replica_part_from_pb", "ArenaPart", "ARENA_PARTS",
+              "peer_or_none", "host_value", "host_array", "_copy_pool", "_pools",
+              "HostArrays"} & set(names)

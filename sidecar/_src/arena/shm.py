@@ -282,8 +282,8 @@ class Arena:
     os.close(self.fd)
 
 
-_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
+_copy_threads: concurrent.futures.ThreadPoolExecutor | None = None
+_copy_threads_lock = threading.Lock()
 
 
 def copy(dst: np.ndarray, src: np.ndarray, *, threads: int | None = None) -> None:
@@ -306,11 +306,11 @@ def copy(dst: np.ndarray, src: np.ndarray, *, threads: int | None = None) -> Non
     for i in starts:
       np.copyto(d[i:i + COPY_PIECE], s[i:i + COPY_PIECE])
 
-  global _copy_pool
-  with _copy_pool_lock:
-    if _copy_pool is None:
-      _copy_pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, "sidecar-copy")
-    others = [_copy_pool.submit(pieces) for _ in range(1, n)]
+  global _copy_threads
+  with _copy_threads_lock:
+    if _copy_threads is None:
+      _copy_threads = concurrent.futures.ThreadPoolExecutor(COPY_THREADS - 1, "sidecar-copy")
+    others = [_copy_threads.submit(pieces) for _ in range(1, n)]
   try:
     pieces()  # the caller's thread takes a share too
   finally:

@@ -4,7 +4,7 @@ A format is known everywhere by its one name (``Format.name``): a trainer choose
 (``CheckpointOptions(format=...)``), Begin carries it, a step's manifest records it and a
 restore finds it there. The sidecar's save phases (``server/checkpoint/save.py``), its reads
 (``server/checkpoint/read.py``) and the wire (``wire/checkpoint_wire.py``) know a format
-only by its name and its typed parts; everything else that differs between formats is
+only by its name and its typed extras; everything else that differs between formats is
 a :class:`Format`:
 
 - its directories: where a step is written before its commit (:meth:`Format.create_tmp`,
@@ -16,8 +16,8 @@ a :class:`Format`:
   (:meth:`Format.scratch_suffixes`): the sidecar's checks on paths (``server/checkpoint/
   roots.py``) ask the registry these, and name no format;
 - how a step's staged shards are numbered (:meth:`Format.numbering`: an Orbax step's
-  shards name its leaves, a DCP rank's its items) and the typed parts a save carries
-  (``stage_part`` at Stage, ``commit_part`` at Commit);
+  shards name its leaves, a DCP rank's its items) and the typed extras a save carries
+  (``stage_extra`` at Stage, ``commit_extra`` at Commit);
 - the write engine (:meth:`Format.write`), the finalize and commit (:meth:`Format.commit`)
   and what the format adds to the manifest (:meth:`Format.manifest_extras`);
 - reading an item back (:meth:`Format.read`), and the manifest of a committed directory
@@ -27,8 +27,8 @@ Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whos
 ``Format`` subclass implements these, one line in ``registry.py`` and one driver in
 ``tests/server/ckptfmt/test_conformance.py`` (ARCHITECTURE.md, "Where a new format goes");
 a trainer then saves in it with ``CheckpointOptions(format="<name>")`` (a JAX save makes
-leaves and shards, all a format without parts needs). A format whose save needs more
-(DCP's items and metadata) has typed parts: a message in the ``format_part`` oneofs of
+leaves and shards, all a format without extras needs). A format whose save needs more
+(DCP's items and metadata) has typed extras: a message in the ``format_part`` oneofs of
 ``checkpoint.proto``, an entry in ``wire/checkpoint_wire.py``, and the framework adapter
 that makes them (``torch/storage.py`` for DCP's). A format imports its heavy libraries
 only inside its methods: the registry imports every format, and a PyTorch-only sidecar
@@ -63,8 +63,8 @@ class Numbering(abc.ABC):
   """
 
   @abc.abstractmethod
-  def take(self, part: Any, shards: Sequence[Staged]) -> list[Staged]:
-    """One staged part: ``part`` (the format's ``stage_part``, or None) and its
+  def take(self, extra: Any, shards: Sequence[Staged]) -> list[Staged]:
+    """One Stage: ``extra`` (the format's ``stage_extra``, or None) and its
     ``shards``, their records as the format numbers them (what the RAM tier keeps and the
     writer gets, the same records where they say so already). InvalidArgumentError if a
     record's number is out of range or names another shard; nothing is recorded then."""
@@ -94,8 +94,8 @@ class Format(abc.ABC):
   # The directory inside a step a save writes (Orbax's item "default"); "": the step's own.
   item: ClassVar[str] = ""
   overwrites: ClassVar[bool]  # a commit replaces a committed checkpoint at its path
-  stage_part: ClassVar[type | None] = None  # the typed part a Stage carries, if any
-  commit_part: ClassVar[type | None] = None  # the typed part a Commit carries, if any
+  stage_extra: ClassVar[type | None] = None  # the typed extra a Stage carries, if any
+  commit_extra: ClassVar[type | None] = None  # the typed extra a Commit carries, if any
   # In a message: what a step of this format is ("a PyTorch DCP checkpoint"), and the
   # APIs that restore it, for a reader of another format that opened one.
   title: ClassVar[str] = "a checkpoint of another format"
@@ -182,14 +182,14 @@ class Format(abc.ABC):
     bytes are written in ``turn``s (``direct_io.Turn``): the storage's write bandwidth,
     which a pool's tenants share."""
 
-  def manifest_extras(self, part: Any) -> Mapping[str, Any]:
-    """What this format adds to a step's manifest, from the commit ``part``."""
-    del part
+  def manifest_extras(self, extra: Any) -> Mapping[str, Any]:
+    """What this format adds to a step's manifest, from the commit ``extra``."""
+    del extra
     return {}
 
   @abc.abstractmethod
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
-             num_hosts: int, whole_step: bool, part: Any,
+             num_hosts: int, whole_step: bool, extra: Any,
              swapping: Callable[[], None]) -> str:
     """Writes ``manifest`` and the format's metadata, checks every host's part is there,
     and commits (with ``whole_step``, the step's rename). Returns the committed directory.

@@ -36,10 +36,10 @@ from sidecar._src.wire.protocol import pb
 log = logging.getLogger(__name__)
 _NO_ARGS, _NO_KWARGS = codec.encode(()), codec.encode({})  # copied into each request
 JOIN_S = 5.0  # how long close() waits for a caller thread (its call's channel is closed)
-# A request of at least this many bytes goes in parts (CallParts), and its response comes
-# back in parts: gRPC's receipt of one message costs the sidecar three times its size, its
-# send of one twice; parts cost them once.
-PARTS_FROM = 8 << 20
+# A request of at least this many bytes goes in pieces (CallParts), and its response comes
+# back in pieces: gRPC's receipt of one message costs the sidecar three times its size, its
+# send of one twice; pieces cost them once.
+PIECES_FROM = 8 << 20
 # What becomes of a call Ctrl-C left: ``abandoned(response, error)`` gets its outcome.
 Abandoned = Callable[[Any, BaseException | None], None]
 
@@ -515,15 +515,15 @@ class Parted:
 def call_rpc(conn: Connection, request: pb.CallRequest, *,
              start: Callable[[Callable[[], None]], None] | None = None) -> Any:
   """The rpc that sends ``request`` to ``conn``'s sidecar: Call, or CallParts for one of
-  ``PARTS_FROM`` bytes or more (called the same way: ``rpc(request, ...)``,
+  ``PIECES_FROM`` bytes or more (called the same way: ``rpc(request, ...)``,
   ``rpc.future(request, ...)``; CallParts' future reads its response's parts on a thread
   ``start`` runs, whose owner joins it).
 
   Its response: a ``pb.CallResponse``, or a :class:`Parted` from CallParts.
   """
-  if request.ByteSize() < PARTS_FROM:
+  if request.ByteSize() < PIECES_FROM:
     return conn.call_rpc
-  return _InPieces(conn.call_parts_rpc, start)
+  return _InPieces(conn.call_pieces_rpc, start)
 
 
 class _InPieces:
@@ -543,7 +543,7 @@ class _InPieces:
         message of it could not have been either.
       InvalidArgumentError: its parts do not add up.
     """
-    responses = self._stub(_parts(request), **kw)
+    responses = self._stub(_pieces(request), **kw)
     try:
       first = next(responses, None)
       if first is None:
@@ -579,7 +579,7 @@ class _InPieces:
     return out
 
 
-def _parts(request: pb.CallRequest):
+def _pieces(request: pb.CallRequest):
   """``request`` serialized, in serialized CallParts (the first with the total)."""
   raw = request.SerializeToString()
   yield from wire_parts.cut([raw], len(raw))

@@ -352,7 +352,7 @@ class Connection:
         f"/{protocol.SERVICE}/Call", request_serializer=pb.CallRequest.SerializeToString,
         response_deserializer=pb.CallResponse.FromString)
     # A large call: serialized CallParts out, serialized CallParts of its response back.
-    self.call_parts_rpc = self._channel.stream_stream(f"/{protocol.SERVICE}/CallParts")
+    self.call_pieces_rpc = self._channel.stream_stream(f"/{protocol.SERVICE}/CallParts")
     self.stream_rpc = self._channel.stream_stream(
         f"/{protocol.SERVICE}/Stream", request_serializer=pb.StreamRequest.SerializeToString,
         response_deserializer=pb.StreamItem.FromString)

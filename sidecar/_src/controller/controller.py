@@ -4,7 +4,7 @@ This is the core that every framework's controller builds on: hosts, calls, stre
 feeds over a :class:`~sidecar._src.controller.feed.BatchLayout` and the checkpoint
 protocol, with a :class:`~sidecar._src.controller.framework.Framework` adapter for what
 names a framework's types (``controller/framework.py`` draws the picture). With the
-default adapter (``HostArrays``) it calls, streams and checkpoints numpy arrays and loads
+default adapter (``NumpyArrays``) it calls, streams and checkpoints numpy arrays and loads
 no framework; ``sidecar.jax.Controller`` is the JAX one (``jax/controller.py``).
 """
 
@@ -36,7 +36,7 @@ from sidecar._src.controller.checkpoint.options import CheckpointOptions, option
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
-from sidecar._src.controller.framework import Framework, HostArrays
+from sidecar._src.controller.framework import Framework, NumpyArrays
 from sidecar._src.controller.peers import Peers
 from sidecar._src.controller.sidecars import Sidecars
 from sidecar._src.core import env as env_lib, errors, interrupts, options as options_lib
@@ -142,7 +142,7 @@ class Controller:
   @staticmethod
   def _default_framework() -> Framework:
     """The adapter of a Controller made with no ``framework``; subclasses name theirs."""
-    return HostArrays()
+    return NumpyArrays()
 
   @classmethod
   def from_env(cls, *, timeout: float = 300.0, **kwargs: Any) -> Self:

@@ -149,7 +149,7 @@ class Feed:
                                                     num_hosts=len(plans))
     shardable = _rows_disjoint_across_hosts(plans)
     self._streams = []
-    self._parts: list[Any] = []  # of the batch being gathered
+    self._host_batches: list[Any] = []  # of the batch being gathered
     self._kept = interrupts.Kept()  # a batch Ctrl-C left behind, for the next next()
     ahead = layout.default_device_prefetch if device_prefetch is None else device_prefetch
     self._ahead = _Ahead(self, ahead) if ahead else None
@@ -216,7 +216,7 @@ class Feed:
     # A batch's parts, one per host, kept across a KeyboardInterrupt (a notebook cell
     # stopped mid-batch): the next call goes on with the host it stopped at, so no
     # host's part is lost and the hosts stay on the same batch.
-    items = self._parts
+    items = self._host_batches
     # The batches the trainer dropped give their blocks back before it waits for the
     # next, whose room they may be (a loop that makes no call into XLA meanwhile).
     self._layout.release_dropped()
@@ -248,20 +248,20 @@ class Feed:
         self.close()
       raise
     state = self._merge([item.state for item in items])
-    self._parts = []  # from here on the batch is the trainer's
+    self._host_batches = []  # from here on the batch is the trainer's
     return _Made(batch, state, wait, max(item.produce_s for item in items))
 
-  def _assemble(self, parts: list[feed_batch.HostBatch]) -> Any:
+  def _assemble(self, batches: list[feed_batch.HostBatch]) -> Any:
     """Every host's part (per leaf, an array per range) into the layout's batch, leaf by
     leaf, in the structure of the pipeline's elements."""
-    structure = parts[0].structure
-    for p in parts[1:]:
-      if len(p.leaves) != len(parts[0].leaves) or p.structure != structure:
+    structure = batches[0].structure
+    for p in batches[1:]:
+      if len(p.leaves) != len(batches[0].leaves) or p.structure != structure:
         raise errors.InvalidArgumentError(
             f"feed {self.name!r}: hosts' batches differ in structure ({structure!r:.200} and "
             f"{p.structure!r:.200}); every host must run the same pipeline code")
-    leaves = [self._layout.assemble([p.leaves[i] for p in parts], self._plans)
-              for i in range(len(parts[0].leaves))]
+    leaves = [self._layout.assemble([p.leaves[i] for p in batches], self._plans)
+              for i in range(len(batches[0].leaves))]
     return feed_batch.fill(structure, leaves)
 
   def _merge(self, states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -328,7 +328,7 @@ class Feed:
       s.close()
     if self._ahead is not None:
       self._ahead.close()  # after the streams: a wait for a host's part ends with them
-    self._parts.clear()  # also where an interrupt's traceback still holds the list
+    self._host_batches.clear()  # also where an interrupt's traceback still holds the list
 
   def __enter__(self) -> Feed:
     return self

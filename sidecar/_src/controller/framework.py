@@ -35,7 +35,7 @@ What an adapter implements:
 
 A key path must be what stock Orbax names the leaf: ``core/trees.py`` makes them, from
 ``jax.tree_util``'s paths where JAX is loaded, so registered pytrees keep their names.
-:class:`HostArrays` is the adapter of no framework: numpy arrays and scalars, one
+:class:`NumpyArrays` is the adapter of no framework: numpy arrays and scalars, one
 process, no devices; with it a core Controller calls, streams and checkpoints host
 arrays without importing any framework.
 """
@@ -202,7 +202,7 @@ class Framework(abc.ABC):
     the blocks this process fills, and how they become the restored tree."""
 
 
-class HostArrays(Framework):
+class NumpyArrays(Framework):
   """No framework: numpy arrays and int/float scalars, one process, no devices.
 
   Saves each leaf whole (by process 0); restores onto a tree of numpy arrays (or of
@@ -218,8 +218,8 @@ class HostArrays(Framework):
         f"device={device!r}: this controller has no framework to put arrays on a device; "
         "use sidecar.jax.Controller (JAX) or leave device=None for numpy arrays")
 
-  def host_value(self, value: Any, where: str) -> np.ndarray:
-    """A leaf's elements as a host array (``where`` names it in errors)."""
+  def numpy_value(self, value: Any, where: str) -> np.ndarray:
+    """A leaf's elements as a numpy array (``where`` names it in errors)."""
     del where
     return np.asarray(value)
 
@@ -243,7 +243,7 @@ class HostArrays(Framework):
     check_tree([path for path, _ in flat], tree)
     out = []
     for path, value in flat:
-      data = self.host_value(value, f"leaf {'.'.join(map(str, path))}")
+      data = self.numpy_value(value, f"leaf {'.'.join(map(str, path))}")
       spec = self.leaf_spec(path, value, data)
       out.append(SaveLeaf(spec, (SaveShard(whole(data.shape), data, None),)))
     return out

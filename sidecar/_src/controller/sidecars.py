@@ -18,7 +18,7 @@ import grpc
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.controller import discovery
 from sidecar._src.controller.connection import LEAVE_S, Connection, HostInfo
-from sidecar._src.controller.framework import Framework, HostArrays
+from sidecar._src.controller.framework import Framework, NumpyArrays
 from sidecar._src.controller.peers import Peers, hosts_by_process, processes_by_host
 from sidecar._src.core import env as env_lib, errors, interrupts
 from sidecar._src.streams import grpc_transport, socket_transport
@@ -56,7 +56,7 @@ class Sidecars:
                token: str | None = None):
     self._new_connection = connect
     self._token = token
-    self._framework = framework if framework is not None else HostArrays()
+    self._framework = framework if framework is not None else NumpyArrays()
     self.peers = peers
     self.silence_timeout = silence_timeout
     self.map_arenas = map_arenas

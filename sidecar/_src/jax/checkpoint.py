@@ -262,8 +262,8 @@ def save_leaves(tree: Any, *, device_copies: bool | None = None) -> list[SaveLea
       data = np.asarray(value)
       shards.append([whole(data.shape), data, None])
     out.append((spec, shards))
-  for shards, i, host in _host_copies(on_device):
-    shards[i][1] = host
+  for shards, i, copy in _off_device(on_device):
+    shards[i][1] = copy
   return [SaveLeaf(spec, tuple(SaveShard(*s) for s in shards)) for spec, shards in out]
 
 
@@ -272,7 +272,7 @@ _COPY_HEADROOM = 0.05
 _WHOLE = 1 << 62  # a piece size no shard reaches
 
 
-def _host_copies(on_device: list[tuple[list, int, jax.Array]], *,
+def _off_device(on_device: list[tuple[list, int, jax.Array]], *,
                  piece_bytes: int | None = None
                  ) -> list[tuple[list, int, np.ndarray | DeviceCopy]]:
   """Each accelerator shard's way to host memory: a :class:`DeviceToHost` of on-device

@@ -166,20 +166,20 @@ class UnaryCalls:
     return pbscan.splice_arrays(response.SerializeToString(), pb.CallResponse.DESCRIPTOR,
                                 inline)
 
-  def run_parts(self, total: int, parts: Iterable[bytes], caller: str, *, alive: Alive,
+  def run_in_pieces(self, total: int, pieces: Iterable[bytes], caller: str, *, alive: Alive,
                 time_left: TimeLeft, limit: int) -> Iterator[bytes]:
-    """The response to a CallRequest of ``total`` bytes that arrives in parts (gRPC's
-    CallParts: ``parts``, serialized ``CallPart``s, the first included), in parts too:
+    """The response to a CallRequest of ``total`` bytes that arrives in pieces (gRPC's
+    CallParts: ``pieces``, serialized ``CallPart``s, the first included), in pieces too:
     serialized ``CallPart``s of the serialized CallResponse.
 
-    The request's parts are copied into one buffer as they come, within the budget of
+    The request's pieces are copied into one buffer as they come, within the budget of
     inline bytes (held for ``total`` first), and its large arrays are views of it: the
     request costs its size once, where one message of it cost three times its size in
-    gRPC's receipt alone. The response's parts are cut from the result's arrays as gRPC
-    asks for them (``parts.cut``): it costs the result and the parts in flight, where one
+    gRPC's receipt alone. The response's pieces are cut from the result's arrays as gRPC
+    asks for them (``parts.cut``): it costs the result and the pieces in flight, where one
     message of it cost twice its size (its bytes, then gRPC's copy as it sent them).
 
-    The call's slot and its inline bytes stay held until its last part is sent: a caller
+    The call's slot and its inline bytes stay held until its last piece is sent: a caller
     that stops reading (gRPC's flow control then stops the sending) holds the result
     until its deadline or its cancellation, and its slot and bytes count against it and
     the sidecar's limits meanwhile.
@@ -187,7 +187,7 @@ class UnaryCalls:
     Raises:
       ResourceExhaustedError: ``total`` is past ``limit`` (the largest message the
         sidecar takes) or its tenant's ``inline_bytes``; BusyError: no room within the
-        deadline. InvalidArgumentError: the parts do not add up to ``total``.
+        deadline. InvalidArgumentError: the pieces do not add up to ``total``.
     """
     if total > limit:
       raise errors.ResourceExhaustedError(
@@ -198,16 +198,16 @@ class UnaryCalls:
     with contextlib.ExitStack() as admitted:
       with metrics.waiting(tenant, "inline"):
         admitted.enter_context(self._inline.hold(total, time_left()))
-      buffer = parts_lib.assemble(total, parts)
+      buffer = parts_lib.assemble(total, pieces)
       with self.slots.hold(caller):
         inline: list[np.ndarray] = []
         response = self._answer(buffer, time.monotonic(), alive=alive, time_left=time_left,
                                 inline=inline, held=True)
         del buffer  # its arrays' views keep what the result still needs
-        pieces, size = pbscan.splice_pieces(response.SerializeToString(),
-                                            pb.CallResponse.DESCRIPTOR, inline)
-        del response, inline  # the pieces view the result's arrays: nothing else holds them
-        yield from parts_lib.cut(pieces, size)
+        buffers, size = pbscan.splice_pieces(response.SerializeToString(),
+                                             pb.CallResponse.DESCRIPTOR, inline)
+        del response, inline  # the buffers view the result's arrays: nothing else holds them
+        yield from parts_lib.cut(buffers, size)
 
   def _run(self, raw: bytes | bytearray, caller: str, *, alive: Alive,
            time_left: TimeLeft | None, worker: str | None = None,

@@ -109,9 +109,9 @@ class Leases:
     self._bytes: dict[Hashable, int] = {}  # bytes each holder holds
     self._arena_of: dict[Hashable, int] = {}  # the arena of each holder's blocks
     self._pins = itertools.count()
-    # The pool the parts below were read from, each tenant's (guaranteed, ceiling) in bytes,
+    # The pool the shares below were read from, each tenant's (guaranteed, ceiling) in bytes,
     # and the guarantees' sum: read once per pool (a reload swaps the pool), not per block.
-    self._parts: tuple[object, dict[str, tuple[int, int | None]], int] = (None, {}, 0)
+    self._shares_read: tuple[object, dict[str, tuple[int, int | None]], int] = (None, {}, 0)
 
   def new_pin(self, arena: int | None = None) -> tuple:
     """A fresh holder token for a local pin; ``arena``: the arena its block is made in
@@ -261,7 +261,7 @@ class Leases:
     if t is None:
       return 0
     with self._lock:
-      return max(0, self._tenant_bytes.get(t.name, 0) - self._part(t)[0])
+      return max(0, self._tenant_bytes.get(t.name, 0) - self._share(t)[0])
 
   def held_for(self, holder: Hashable) -> str:
     """What the RAM tier holds of the arena, as an error to ``holder``'s request says it."""
@@ -282,23 +282,23 @@ class Leases:
     pool = None if self._tenancy is None else self._tenancy.pool
     return pool is not None and pool.quotas and self._tenant(holder) is not None
 
-  def _arena_parts(self) -> tuple[dict[str, tuple[int, int | None]], int]:
+  def _arena_shares(self) -> tuple[dict[str, tuple[int, int | None]], int]:
     """Each tenant's guaranteed arena and ceiling in bytes (``quotas.ARENA``,
     ``ARENA_CEILING``), and the guarantees' sum, of the pool in force."""
     pool = None if self._tenancy is None else self._tenancy.pool
-    cached, parts, total = self._parts
+    cached, shares, total = self._shares_read
     if cached is not pool:
       size = self.allocator.size
-      parts = {o.name: (quotas_lib.ARENA.bytes_of(o, size) or 0,
+      shares = {o.name: (quotas_lib.ARENA.bytes_of(o, size) or 0,
                         quotas_lib.ARENA_CEILING.bytes_of(o, size))
                for o in (pool.tenants if pool is not None else ())}
-      total = sum(g for g, _ in parts.values())
-      self._parts = (pool, parts, total)
-    return parts, total
+      total = sum(g for g, _ in shares.values())
+      self._shares_read = (pool, shares, total)
+    return shares, total
 
-  def _part(self, t: tenants_lib.Tenant) -> tuple[int, int | None]:
+  def _share(self, t: tenants_lib.Tenant) -> tuple[int, int | None]:
     """Tenant ``t``'s guaranteed arena and ceiling in bytes."""
-    found = self._arena_parts()[0].get(t.name)
+    found = self._arena_shares()[0].get(t.name)
     if found is None:  # not of the pool in force (a reload removed it meanwhile)
       size = self.allocator.size
       return (quotas_lib.ARENA.bytes_of(t, size) or 0,
@@ -308,12 +308,12 @@ class Leases:
   def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
     """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
     not hold yet, in bytes."""
-    parts, _ = self._arena_parts()
+    shares, _ = self._arena_shares()
     reserved = 0
-    for name, (guaranteed, _ceiling) in parts.items():
+    for name, (guaranteed, _ceiling) in shares.items():
       if name != t.name:
         reserved += max(0, guaranteed - self._tenant_bytes.get(name, 0))
-    return self._part(t)[1], reserved
+    return self._share(t)[1], reserved
 
   def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
                alive: Callable[[], bool] | None = None,
@@ -396,7 +396,7 @@ class Leases:
     if w is not None:
       w.for_ceiling = over_ceiling
     free = self._free()
-    within = mine + nbytes <= self._part(t)[0]
+    within = mine + nbytes <= self._share(t)[0]
     if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
       return False
     self._tenant_bytes[t.name] += nbytes
@@ -477,7 +477,7 @@ class Leases:
     """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
     within its quota if it is a worker session."""
     t = self._tenant(holder)
-    ceiling = None if t is None else self._part(t)[1]
+    ceiling = None if t is None else self._share(t)[1]
     if ceiling is not None and nbytes > ceiling:
       return False
     if t is not None and nbytes > self._open_to(t):
@@ -487,8 +487,8 @@ class Leases:
 
   def _open_to(self, t: tenants_lib.Tenant) -> int:
     """The most arena tenant ``t`` could ever hold: all of it but the others' guarantees."""
-    parts, total = self._arena_parts()
-    return self.allocator.size - total + (parts[t.name][0] if t.name in parts else 0)
+    shares, total = self._arena_shares()
+    return self.allocator.size - total + (shares[t.name][0] if t.name in shares else 0)
 
   def tenant_limited(self, holder: Hashable) -> bool:
     """Whether ``holder`` is a pool tenant's, whose arena the pool file divides."""
@@ -496,7 +496,7 @@ class Leases:
 
   def never_fits(self, nbytes: int, holder: Hashable = None) -> errors.ResourceExhaustedError:
     """The error of a block of ``nbytes`` that ``holder`` can never get (``fits`` said so):
-    what it passes (the arena, a tenant's part, a session's quota) and the fix."""
+    what it passes (the arena, a tenant's share, a session's quota) and the fix."""
     fmt = shm.format_size
     if not self.allocator.fits(nbytes):
       return errors.ResourceExhaustedError(
@@ -504,7 +504,7 @@ class Leases:
           f"{fmt(self.allocator.size)}; raise --shm-size to {self.shm_size_for(nbytes)} at "
           f"least (LocalCluster's shm_size=\"{self.shm_size_for(nbytes)}\")")
     t = self._tenant(holder)
-    ceiling = None if t is None else self._part(t)[1]
+    ceiling = None if t is None else self._share(t)[1]
     if t is not None and nbytes > (open_to := self._open_to(t)) and (
         ceiling is None or nbytes <= ceiling):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""

@@ -211,18 +211,20 @@ class Sessions:
     self._clock = clock
     self._lock = threading.Lock()
     self._last: collections.OrderedDict[str, float] = collections.OrderedDict()  # oldest first
-    self._peers: set[str] = set()  # sessions of peer sidecars (they presented the peer token)
+    # Sessions of replica links (other sidecars, that presented the peer token).
+    self._replica_links: set[str] = set()
     self._clients: dict[str, str] = {}  # session -> client name, with per-client tokens
     self._holders: dict[str, str] = {}  # session -> the connection that made it
     self._held: collections.Counter[str] = collections.Counter()  # sessions per holder
     self.expired = 0  # sessions dropped, idle or evicted
 
-  def new(self, *, peer: bool = False, client: str | None = None,
+  def new(self, *, replica_link: bool = False, client: str | None = None,
           holder: str | None = None) -> str:
-    """A new session; ``peer``: a peer sidecar's, which may send replicas; ``client``: the
-    name of the client whose token made it (per-client tokens); ``holder``: the
-    connection it came over (``connection_of``; None: not known, a Unix socket's)."""
-    session = ("p-" if peer else "c-") + secrets.token_hex(16)
+    """A new session; ``replica_link``: another sidecar's replica link, which may send
+    replicas; ``client``: the name of the client whose token made it (per-client tokens);
+    ``holder``: the connection it came over (``connection_of``; None: not known, a Unix
+    socket's)."""
+    session = ("p-" if replica_link else "c-") + secrets.token_hex(16)
     quota = self._quota(client)
     with self._lock:
       now = self._clock()
@@ -234,8 +236,8 @@ class Sessions:
       if len(self._last) >= self.limit:
         self._make_any_room(holder, now, client)
       self._last[session] = now
-      if peer:
-        self._peers.add(session)
+      if replica_link:
+        self._replica_links.add(session)
       if client is not None:
         self._clients[session] = client
       if holder is not None:
@@ -365,7 +367,7 @@ class Sessions:
 
   def _forget(self, session: str) -> None:
     del self._last[session]
-    self._peers.discard(session)
+    self._replica_links.discard(session)
     self._clients.pop(session, None)
     holder = self._holders.pop(session, None)
     if holder is not None:
@@ -388,7 +390,7 @@ class Sessions:
   def is_replica_link(self, session: object) -> bool:
     """Whether ``session`` is a live peer sidecar's."""
     with self._lock:
-      return isinstance(session, str) and session in self._peers
+      return isinstance(session, str) and session in self._replica_links
 
   def touch(self, session: object) -> bool:
     """Refreshes ``session`` if it is live; whether it was."""
@@ -424,11 +426,11 @@ class Sessions:
       return len(self._last)
 
 
-def connection_of(peer: str) -> str | None:
+def connection_of(remote: str) -> str | None:
   """The client a gRPC peer string names, as ``Sessions`` counts them: a TCP connection
   (``ipv4:127.0.0.1:50412``, address and port); None for a Unix socket's (``unix:``),
   where gRPC names no peer (its clients are the socket's owner and ``--socket-group``)."""
-  return peer if peer.startswith(("ipv4:", "ipv6:")) else None
+  return remote if remote.startswith(("ipv4:", "ipv6:")) else None
 
 
 # Bytes of large inline requests (those with arrays left in their wire bytes) being decoded

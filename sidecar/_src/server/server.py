@@ -348,14 +348,14 @@ class Server:
     # Streams and checkpoint rpcs have budgets of their own: streams that never send a
     # credit, or saves that wait on a slow disk, cannot take the threads of handshakes,
     # calls and status.
-    self._pools = [futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
+    self._executors = [futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
                                               thread_name_prefix="sidecar-rpc"),
                    futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
-    self._grpc = grpc.server(self._pools[0], options=msg,
+    self._grpc = grpc.server(self._executors[0], options=msg,
                              interceptors=[_TokenAuth(tokens_holder,
                                                       mtls=o.tls_client_ca is not None)]
                              if tokens or tokens_holder.tls else [])
-    checkpoint = CheckpointService(host=self.checkpoints, arena_io=self.arena_io,
+    checkpoint = CheckpointService(checkpoints=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
                                    slots=checkpoint_slots, inline=inline,
@@ -373,7 +373,7 @@ class Server:
       self.port = self._bind(self._grpc, f"{o.listen}:{o.port}", "--port", _tls_credentials(o))
       self.address = f"{_dialable(o.listen)}:{self.port}"
       self._grpc.start()
-      self._health_grpc = grpc.server(self._pools[1], options=[
+      self._health_grpc = grpc.server(self._executors[1], options=[
           ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
           handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
       health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
@@ -602,9 +602,9 @@ class Server:
       sockets.remove_dirs(getattr(self, "_unix_dirs", []))
     # Their threads: idle ones end at once; one still in a handler (a user function that
     # ignores its cancelled RPC) is waited for a moment, not for ever.
-    for pool in getattr(self, "_pools", ()):
-      pool.shutdown(wait=False, cancel_futures=True)
-      for thread in list(getattr(pool, "_threads", ())):
+    for executor in getattr(self, "_executors", ()):
+      executor.shutdown(wait=False, cancel_futures=True)
+      for thread in list(getattr(executor, "_threads", ())):
         thread.join(grace + 1)
     if getattr(self, "departures", None) is not None:
       self.departures.close()

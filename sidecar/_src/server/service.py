@@ -110,7 +110,7 @@ class Service:
         "Call": grpc.unary_unary_rpc_method_handler(
             self._guard(self.call), request_deserializer=None, response_serializer=None),
         "CallParts": grpc.stream_stream_rpc_method_handler(
-            self._guard_stream(self.call_parts), request_deserializer=None,
+            self._guard_stream(self.call_in_pieces), request_deserializer=None,
             response_serializer=None),
         "Stream": grpc.stream_stream_rpc_method_handler(
             self._guard_stream(self.stream), request_deserializer=None,
@@ -161,7 +161,7 @@ class Service:
     if client is None and self._tokens.named:  # no token: a certificate no tenant names
       raise errors.AuthenticationError(self._no_tenant(context))
     holder, ticket = self._holder(context, client, asks=request.ticket)
-    session = self._sessions.new(peer=self._is_replica_link(context), client=client,
+    session = self._sessions.new(replica_link=self._is_replica_link(context), client=client,
                                  holder=holder)
     return pb.HandshakeResponse(tenant=client or "", ticket=ticket,
         versions=ours, identity=self._identity, registry=self.registry_entries(),
@@ -181,9 +181,9 @@ class Service:
     Raises:
       ResourceExhaustedError: it asks for a ticket past its tenant's bound.
     """
-    peer = context.peer()
-    if connection_of(peer) is not None or not peer.startswith("unix"):
-      return connection_of(peer), ""
+    remote = context.peer()  # gRPC's name
+    if connection_of(remote) is not None or not remote.startswith("unix"):
+      return connection_of(remote), ""
     metadata = dict(context.invocation_metadata())
     ticketed = client_ids.ANONYMOUS if self._tickets is None else self._tickets.holder(
         metadata.get(protocol.PID_TICKET_KEY))
@@ -239,11 +239,11 @@ class Service:
       return self._unary.run_serialized(raw, session, alive=context.is_active,
                                         time_left=context.time_remaining)
 
-  def call_parts(self, requests: Iterator[bytes], context: grpc.ServicerContext
-                 ) -> Iterator[bytes]:
-    """:meth:`call` for a large CallRequest in parts (``CallPart``s, the first one
+  def call_in_pieces(self, requests: Iterator[bytes], context: grpc.ServicerContext
+                     ) -> Iterator[bytes]:
+    """:meth:`call` for a large CallRequest in pieces (``CallPart``s, the first one
     announcing its size): they are copied into one buffer as they come, and the
-    serialized CallResponse goes back in parts (``UnaryCalls.run_parts``)."""
+    serialized CallResponse goes back in pieces (``UnaryCalls.run_in_pieces``)."""
     session = self._require_session(context)
     self._no_replica_link(session, "CallParts")
     first = next(requests, None)
@@ -251,7 +251,7 @@ class Service:
       raise errors.InvalidArgumentError("CallParts: no CallPart came")
     total = codec.parse(pb.CallPart, first).total
     with tenants_lib.acting_as(self._sessions.client(session)):
-      yield from self._unary.run_parts(
+      yield from self._unary.run_in_pieces(
           total, itertools.chain((first,), requests), session, alive=context.is_active,
           time_left=context.time_remaining, limit=self._max_request)
 

@@ -154,7 +154,7 @@ def claim(path: str, *, what: str, flag: str) -> None:
     raise OSError(errno.EADDRINUSE, f"cannot make the {what} {path}: a live process serves "
                   f"it ({e}); stop it, or give {flag} another path") from None
   else:
-    pid = getattr(ipc.peer_or_none(probe), "pid", "?")
+    pid = getattr(ipc.ucred_or_none(probe), "pid", "?")
     raise OSError(errno.EADDRINUSE, f"cannot make the {what} {path}: a live process (pid "
                   f"{pid}, another sidecar?) serves it; stop it, or give {flag} another path")
   finally:

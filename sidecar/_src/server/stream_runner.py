@@ -147,14 +147,14 @@ class StreamRunner:
     t = self._tenancy.tenant(tenant) if self._tenancy.quotas else None
     turns = None if t is None else self._shares.turns(t.name, t.weight)
 
-    def pool() -> feed_processes.FeedProcesses:
+    def make_workers() -> feed_processes.FeedProcesses:
       return feed_processes.FeedProcesses(spec.workers, arena=blocks.arena, imports=self._imports,
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
                             turns=turns, alive=alive)
 
     check = functools.partial(blocks.check_batch, name=request.name,
                               prefetch=credits.prefetch)
-    batches = producer.produce(entry, kwargs, spec, blocks.alloc, pool, check)
+    batches = producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(

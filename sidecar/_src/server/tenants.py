@@ -143,8 +143,8 @@ class Pool:
     fmt = shm.format_size
     total = 0
     for t in self.tenants:
-      for part in quotas_lib.ARENA_PARTS:
-        if (why := part.check(t, arena)) is not None:
+      for share in quotas_lib.ARENA_SHARES:
+        if (why := share.check(t, arena)) is not None:
           raise error_at(self.path, t.line, why)
       g = quotas_lib.ARENA.bytes_of(t, arena) or 0
       c = quotas_lib.ARENA_CEILING.bytes_of(t, arena)
@@ -304,9 +304,9 @@ class Tenancy:
     """
     with self._lock:
       pool = self._pool
-    peer = ReplicaAttach.parse(token)
-    if peer is not None:
-      return self._replica_tenant(peer, pool)
+    attach = ReplicaAttach.parse(token)
+    if attach is not None:
+      return self._replica_tenant(attach, pool)
     if pool is None:
       return None
     if pool.operator_token and isinstance(token, str) and hmac.compare_digest(
@@ -339,16 +339,16 @@ class Tenancy:
           "for the sending sidecar)")
     return None
 
-  def _replica_tenant(self, peer: ReplicaAttach, pool: Pool | None) -> str | None:
+  def _replica_tenant(self, attach: ReplicaAttach, pool: Pool | None) -> str | None:
     """The tenant a peer sidecar's replica link attaches for, once its peer token holds."""
     if self._replica_token is None or not hmac.compare_digest(
-        peer.replica_token.encode(errors="replace"), self._replica_token.encode()):
+        attach.replica_token.encode(errors="replace"), self._replica_token.encode()):
       raise errors.AuthenticationError(
           "the sidecars' replica link was refused at this worker socket: its peer token is "
           + ("not this sidecar's" if self._replica_token else "set, this sidecar has none")
           + "; give every sidecar of the job the same --peer-token-file (or "
           "SIDECAR_PEER_TOKEN)")
-    if not peer.tenant:
+    if not attach.tenant:
       if pool is not None and pool.quotas:
         raise errors.AuthenticationError(
             "the sidecars' replica link named no tenant, and this sidecar serves a pool "
@@ -356,12 +356,12 @@ class Tenancy:
       if pool is not None and len(pool.tenants) == 1:
         return pool.tenants[0].name  # the shared token's one tenant, as its workers
       return None
-    if pool is None or peer.tenant not in pool.by_name():
+    if pool is None or attach.tenant not in pool.by_name():
       raise errors.AuthenticationError(
-          f"the sidecars' replica link is for tenant {peer.tenant!r}, which is not in this "
+          f"the sidecars' replica link is for tenant {attach.tenant!r}, which is not in this "
           f"sidecar's pool ({(pool.path or 'its tokens') if pool else 'none'}); "
           "give every sidecar of the pool the same pool file")
-    return peer.tenant
+    return attach.tenant
 
   def add_worker(self, session: str, tenant: str | None) -> None:
     if tenant is not None:

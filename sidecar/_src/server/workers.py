@@ -263,7 +263,7 @@ class WorkerListener:
       AuthenticationError: no tenant's token (with a pool file); a peer link whose peer
         token is not this sidecar's, or whose tenant is none of the pool's.
     """
-    peer = ipc.peer_or_none(conn)  # the user the kernel says the worker runs as
+    peer = ipc.ucred_or_none(conn)  # the user the kernel says the worker runs as
     return self._tenancy.worker_tenant(message.get("token"), None if peer is None else peer.uid)
 
   def _check_not_replica_link(self, session: str, what: str) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from sidecar._src.arena.worker import TrainerProcess
 from sidecar._src.ckptfmt.spec import KeyPath, LeafSpec
-from sidecar._src.controller.framework import HostArrays, RestoreLeaf
+from sidecar._src.controller.framework import NumpyArrays, RestoreLeaf
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import dtypes as dtypes_lib, errors, trees
 from sidecar._src.torch import distributed, tensors
@@ -40,7 +40,7 @@ def to_tensors(tree: Any, device: Any = None, *, non_blocking: bool = True) -> A
   return trees.unflatten(treedef, [convert(leaf) for leaf in leaves])
 
 
-def host_array(value: Any, where: str) -> np.ndarray:
+def numpy_array(value: Any, where: str) -> np.ndarray:
   """A tensor (any device, any layout: copied to the CPU, contiguous) or array leaf as a
   host numpy array.
 
@@ -59,9 +59,9 @@ def host_array(value: Any, where: str) -> np.ndarray:
   return np.asarray(value)
 
 
-class TorchFramework(HostArrays):
+class TorchFramework(NumpyArrays):
   """PyTorch: ``torch.Tensor``s, one device per rank, ``torch.distributed``. Its leaves
-  are saved whole, as host arrays (the core's ``HostArrays`` with tensors for leaves)."""
+  are saved whole, as host arrays (the core's ``NumpyArrays`` with tensors for leaves)."""
 
   name = "torch"
 
@@ -78,8 +78,8 @@ class TorchFramework(HostArrays):
   def to_device(self, tree: Any, device: Any) -> Any:
     return to_tensors(tree, device)
 
-  def host_value(self, value: Any, where: str) -> np.ndarray:
-    return host_array(value, where)
+  def numpy_value(self, value: Any, where: str) -> np.ndarray:
+    return numpy_array(value, where)
 
   def leaf_spec(self, path: KeyPath, value: Any, data: np.ndarray) -> LeafSpec:
     return LeafSpec.from_value(path, data)

@@ -76,9 +76,9 @@ from sidecar._src.torch import (
 
 
 def dcp_format(options: CheckpointOptions) -> str:
-  """The format a PyTorch save writes: ``options.format``, default DCP's; one whose parts
+  """The format a PyTorch save writes: ``options.format``, default DCP's; one whose extras
   are DCP's (``DcpPart``, ``DcpCommit``), which this adapter makes."""
-  return options.format_for("PyTorch", default=DCP, parts=(DcpPart, DcpCommit))
+  return options.format_for("PyTorch", default=DCP, extras=(DcpPart, DcpCommit))
 
 
 def _label(path: str) -> int:
@@ -203,7 +203,7 @@ class StorageWriter(_Writer):
     run.begun(plan.storage_data.tmp_step)  # the coordinator's Begin, carried by DCP's plan
     rank = self._ctl.peers.index
     arrays = [np.frombuffer(data.getbuffer(), np.uint8) if isinstance(data, io.BytesIO)
-              else framework.host_array(data, f"state dict entry {w.index.fqn!r}")
+              else framework.numpy_array(data, f"state dict entry {w.index.fqn!r}")
               for w, data in ((w, planner.resolve_data(w)) for w in plan.items)]
     items = [torch_metadata.item_of(w, a.nbytes) for w, a in zip(plan.items, arrays)]
     worker = self._ctl.worker(self._home)  # an array staged by stage() is there already
@@ -249,7 +249,7 @@ class StorageWriter(_Writer):
     ``AsyncStager``)."""
     flat, treedef = trees.flatten_with_path(state_dict)
     leaves = [x for _, x in flat]
-    found = [(i, x, framework.host_array(x.to_local() if isinstance(x, DTensor) else x,
+    found = [(i, x, framework.numpy_array(x.to_local() if isinstance(x, DTensor) else x,
                                          f"state dict entry {'.'.join(map(str, path))!r}"))
              for i, (path, x) in enumerate(flat) if isinstance(x, torch.Tensor)]
     # The one stager, on as many threads as torch's own pool (torchrun gives each of a

@@ -198,20 +198,20 @@ def record_from_pb(r: ckpt_pb.ShardRecord, where: str) -> ShardRecord:
                      r.crc32c if r.HasField("crc32c") else None)
 
 
-def dcp_part_to_pb(part: DcpPart | int, items: Iterable[Item | Mapping[str, Any]] = ()
+def dcp_part_to_pb(rank_part: DcpPart | int, items: Iterable[Item | Mapping[str, Any]] = ()
                    ) -> ckpt_pb.DcpPart:
   """A rank's part of a DCP step as its message: a :class:`DcpPart`, or (the trainer's
   form until it sends one) its rank and items (``Item.to_dict`` values taken too)."""
-  if not isinstance(part, DcpPart):
-    part = DcpPart.of(part, list(items))
-  return ckpt_pb.DcpPart(rank=part.rank, items=[
+  if not isinstance(rank_part, DcpPart):
+    rank_part = DcpPart.of(rank_part, list(items))
+  return ckpt_pb.DcpPart(rank=rank_part.rank, items=[
       ckpt_pb.DcpItem(fqn=i.fqn, kind=str(i.kind), nbytes=i.nbytes, dtype=i.dtype,
-                      sizes=i.sizes, offsets=i.offsets) for i in part.items])
+                      sizes=i.sizes, offsets=i.offsets) for i in rank_part.items])
 
 
-def dcp_part_from_pb(part: ckpt_pb.DcpPart, where: str) -> DcpPart:
+def dcp_part_from_pb(rank_part: ckpt_pb.DcpPart, where: str) -> DcpPart:
   items = []
-  for i, m in enumerate(part.items):
+  for i, m in enumerate(rank_part.items):
     if m.kind not in ("tensor", "bytes") or not m.fqn:
       raise errors.InvalidArgumentError(
           f"{where}.items[{i}]: kind must be 'tensor' or 'bytes' with an fqn, got "
@@ -221,22 +221,22 @@ def dcp_part_from_pb(part: ckpt_pb.DcpPart, where: str) -> DcpPart:
                         sizes=tuple(m.sizes), offsets=tuple(m.offsets)))
     except errors.InvalidArgumentError as e:
       raise errors.InvalidArgumentError(f"{where}.items[{i}]: {e}") from None
-  return DcpPart(part.rank, tuple(items))
+  return DcpPart(rank_part.rank, tuple(items))
 
 
-def dcp_commit_to_pb(part: DcpCommit | Mapping[str, Any]) -> ckpt_pb.DcpCommit:
+def dcp_commit_to_pb(commit: DcpCommit | Mapping[str, Any]) -> ckpt_pb.DcpCommit:
   """What commits a DCP step as its message (a ``{"metadata", "file_sizes", "plan_json"}``
   dict taken too: the trainer's form until it sends a :class:`DcpCommit`)."""
-  if not isinstance(part, DcpCommit):
-    part = DcpCommit(part["metadata"], part["file_sizes"], part["plan_json"])
-  out = ckpt_pb.DcpCommit(metadata=part.metadata, plan_json=part.plan_json)
-  for rank, size in part.file_sizes.items():
+  if not isinstance(commit, DcpCommit):
+    commit = DcpCommit(commit["metadata"], commit["file_sizes"], commit["plan_json"])
+  out = ckpt_pb.DcpCommit(metadata=commit.metadata, plan_json=commit.plan_json)
+  for rank, size in commit.file_sizes.items():
     out.file_sizes[rank] = size
   return out
 
 
-def dcp_commit_from_pb(part: ckpt_pb.DcpCommit, where: str) -> DcpCommit:
-  out = DcpCommit(part.metadata, dict(part.file_sizes), part.plan_json)
+def dcp_commit_from_pb(commit: ckpt_pb.DcpCommit, where: str) -> DcpCommit:
+  out = DcpCommit(commit.metadata, dict(commit.file_sizes), commit.plan_json)
   out.check_plan(f"{where}.plan_json")  # each item's file a name, one of the ranks' files
   return out
 
@@ -249,15 +249,15 @@ COMMIT_EXTRAS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any, str], 
     "dcp": (DcpCommit, dcp_commit_to_pb, dcp_commit_from_pb)}
 
 
-def format_extra_to_pb(request: Any, part: Any, table: Mapping[str, tuple]) -> None:
-  """Sets ``request``'s ``format_part`` to ``part`` (None: leaves it unset)."""
-  if part is None:
+def format_extra_to_pb(request: Any, extra: Any, table: Mapping[str, tuple]) -> None:
+  """Sets ``request``'s ``format_part`` to ``extra`` (None: leaves it unset)."""
+  if extra is None:
     return
   for member, (kind, to_pb, _) in table.items():
-    if isinstance(part, kind):
-      getattr(request, member).CopyFrom(to_pb(part))
+    if isinstance(extra, kind):
+      getattr(request, member).CopyFrom(to_pb(extra))
       return
-  raise errors.InvalidArgumentError(f"no format part is a {type(part).__name__}")
+  raise errors.InvalidArgumentError(f"no format extra is a {type(extra).__name__}")
 
 
 def format_extra_from_pb(request: Any, table: Mapping[str, tuple]) -> Any:
@@ -309,8 +309,9 @@ def replica_blocks_from_pb(blocks: Sequence[ckpt_pb.ReplicaBlock],
   return out
 
 
-def replica_part_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPiece:
-  """A part's description (its bytes travel beside: ``service.parse_receive``)."""
+def replica_piece_from_pb(p: ckpt_pb.ReplicaPart, where: str) -> ReplicaPiece:
+  """A piece's description, the wire's ReplicaPart (its bytes travel beside:
+  ``service.parse_receive``)."""
   record = record_from_pb(p.record, f"{where}.record")
   if not record.dtype:
     raise errors.InvalidArgumentError(f"{where}.record: no dtype")

@@ -80,7 +80,7 @@ def ucred_of(sock: socket.socket) -> Ucred:
   return Ucred(pid, uid, gid)
 
 
-def peer_or_none(sock: socket.socket) -> Ucred | None:
+def ucred_or_none(sock: socket.socket) -> Ucred | None:
   """:func:`ucred_of`, or None where the kernel does not say (the socket is gone)."""
   try:
     return ucred_of(sock)
@@ -104,23 +104,23 @@ def check_server(sock: socket.socket, path: str) -> Ucred:
   Raises:
     PermissionDeniedError: naming the path, the serving uid, user name and pid, and the fix.
   """
-  peer = ucred_of(sock)
-  check_trusted(peer, path)
-  return peer
+  server = ucred_of(sock)
+  check_trusted(server, path)
+  return server
 
 
-def check_trusted(peer: Ucred, path: str) -> None:
-  """:func:`check_server`'s decision: PermissionDeniedError unless ``peer``, serving the
+def check_trusted(server: Ucred, path: str) -> None:
+  """:func:`check_server`'s decision: PermissionDeniedError unless ``server``, serving the
   Unix socket ``path``, runs as a user in :func:`trusted_uids`."""
-  if peer.uid in trusted_uids():
+  if server.uid in trusted_uids():
     return
   raise errors.PermissionDeniedError(
-      f"refusing to talk to the Unix socket {path}: it is served by {peer}, not by this "
+      f"refusing to talk to the Unix socket {path}: it is served by {server}, not by this "
       f"process's user (uid {os.getuid()}) or root, so no token or session is sent to it. "
       f"Another user may have taken the socket's name (is its directory "
       f"{os.path.dirname(path) or '.'} one others may write?): stop that process and restart "
       f"the sidecar in a directory of its own; or, if the sidecar runs as that user on "
-      f"purpose, set {env_lib.SOCKET_UID}={peer.uid} in this process's environment")
+      f"purpose, set {env_lib.SOCKET_UID}={server.uid} in this process's environment")
 
 
 def connect(path: str, *, timeout: float | None) -> socket.socket:
@@ -176,7 +176,7 @@ class Pinned:
       if self._fd < 0 or not os.path.exists(pinned):  # no /proc: the path, checked once
         pinned = path
       with _dial(pinned, timeout) as probe:
-        self.peer = check_server(probe, path)
+        self.server = check_server(probe, path)
     except BaseException:
       self.close()
       raise
@@ -225,7 +225,7 @@ def fetch_ticket(pin: Pinned, *, timeout: float) -> str | None:
   sock.settimeout(min(timeout, 5.0))
   try:
     sock.connect(name)
-    if ucred_of(sock).pid != pin.peer.pid:
+    if ucred_of(sock).pid != pin.server.pid:
       return None  # not the sidecar pin checked: tell it nothing, take nothing
     data = b""
     while len(data) <= MAX_TICKET and (piece := sock.recv(MAX_TICKET + 1)):

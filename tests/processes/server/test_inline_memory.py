@@ -5,7 +5,7 @@ RSS, as a ratio of its payload (issue 37: the target was 3x; issue 42: at most 2
 gRPC's own receipt of a unary message costs 3.0x its size (a plain ``grpc.server``
 measured 2.89-3.00x for 128 MiB, grpcio 1.85: its slices, a bytearray, then bytes of
 it), its send of one 2x (the message's bytes, then its copy): a call of
-``calls.PARTS_FROM`` bytes or more goes in parts (CallParts), copied into one buffer its
+``calls.PIECES_FROM`` bytes or more goes in parts (CallParts), copied into one buffer its
 arrays view, and its response comes back in parts cut from the result's arrays. Memory,
 not time, is asserted; one cluster serves every case."""
 
@@ -89,7 +89,7 @@ def test_an_inline_argument_and_result_cost_their_size_once(cluster):
   the argument's size before issue 37; written once into gRPC's bytes since
   (UnaryCalls.run_serialized, which gRPC's Call sends as it is): 3.0x, gRPC's receipt of
   the argument, before issue 42; 2.0x, the response's bytes and gRPC's copy, before issue
-  54 (UnaryCalls.run_parts: the response in parts, cut from the argument's buffer)."""
+  54 (UnaryCalls.run_in_pieces: the response in parts, cut from the argument's buffer)."""
   with cluster.controller(attach=False, connect_timeout=10) as ctl:
     ctl.call("echo", args=(np.ones(1 << 20, np.uint8),))  # warm
     big = np.arange(PAYLOAD, dtype=np.uint8)

@@ -101,7 +101,7 @@ def test_a_call_in_parts_answers_what_the_call_answers_its_arrays_writable(make_
 
 
 def test_a_large_response_comes_back_in_parts_cut_from_its_result(make_server):
-  """echo of 3 MiB: its response in parts of at most PART_BYTES of data, the first
+  """echo of 3 MiB: its response in pieces of at most PIECE_BYTES of data, the first
   announcing the whole, put together into what one message of it would have been."""
   server = make_server()
   raw_client = Raw(server.port)
@@ -114,7 +114,7 @@ def test_a_large_response_comes_back_in_parts_cut_from_its_result(make_server):
     one = server.service._unary.run_serialized(raw, dict(raw_client.metadata)[
         protocol.SESSION_KEY], alive=lambda: True)
     assert [p.total for p in parts] == [len(one)] + [0] * (len(parts) - 1)
-    assert [len(p.data) for p in parts] == [wire_parts.PART_BYTES] * 3 + [len(one) - (3 << 20)]
+    assert [len(p.data) for p in parts] == [wire_parts.PIECE_BYTES] * 3 + [len(one) - (3 << 20)]
     assert b"".join(p.data for p in parts) == one
   finally:
     raw_client.close()
@@ -125,10 +125,10 @@ def test_a_large_calls_error_arrives_as_the_documented_one(make_server):
   with sidecar.jax.Controller([f"127.0.0.1:{make_server(host_id=2).port}"], timeout=30,
                               attach=False) as ctl:
     with pytest.raises(sidecar.RemoteError) as info:
-      ctl.call("fail", args=("boom" + "x" * controller_calls.PARTS_FROM,))
+      ctl.call("fail", args=("boom" + "x" * controller_calls.PIECES_FROM,))
     assert info.value.remote_type == "builtins.ValueError" and info.value.host_id == 2
     assert info.value.remote_message.startswith("boomxxx")
-    (future,) = ctl.call_async("add", args=(np.ones(controller_calls.PARTS_FROM), "s"))
+    (future,) = ctl.call_async("add", args=(np.ones(controller_calls.PIECES_FROM), "s"))
     with pytest.raises(sidecar.RemoteError, match="UFuncNoLoopError|ufunc"):
       future.result(30)
 
@@ -206,11 +206,11 @@ def test_call_parts_past_max_message_size_or_inline_bytes_are_refused_unread(mak
 
 
 def test_a_controllers_large_call_goes_in_parts_sync_and_async(make_server):
-  """A request of calls.PARTS_FROM bytes or more goes as CallParts, a call_async too; a
+  """A request of calls.PIECES_FROM bytes or more goes as CallParts, a call_async too; a
   small one as one Call. The result that comes back in parts views the buffer they came
   into."""
   server = make_server()
-  big = np.arange(controller_calls.PARTS_FROM // 4 + 3, dtype=np.float32)
+  big = np.arange(controller_calls.PIECES_FROM // 4 + 3, dtype=np.float32)
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=30, attach=False) as ctl:
     conn = ctl._sidecars.conns[0]
     assert controller_calls.call_rpc(conn, pb.CallRequest(name="x")) is conn.call_rpc

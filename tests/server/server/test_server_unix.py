@@ -169,7 +169,7 @@ def test_a_pinned_socket_is_reached_however_its_name_is_taken_later(make_server,
   path = tmp_path / "g.sock"
   make_server(listen=f"unix:{path}")
   with ipc.Pinned(str(path), timeout=5) as pin:
-    assert (pin.peer.pid, pin.peer.uid) == (os.getpid(), os.getuid())
+    assert (pin.server.pid, pin.server.uid) == (os.getpid(), os.getuid())
     os.rename(path, tmp_path / "away.sock")
     with socket.socket(socket.AF_UNIX) as impostor:
       impostor.bind(str(path))

@@ -25,7 +25,7 @@ def test_the_grpc_servers_thread_pools_are_joined_by_the_servers_stop(make_serve
   server = make_server()
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl:
     assert ctl.call("add", args=(2,), kwargs={"b": 3}) == [5]
-  pools = [t for p in server._pools for t in p._threads]
+  pools = [t for p in server._executors for t in p._threads]
   assert {t.name.rsplit("_", 1)[0] for t in pools} >= {"sidecar-rpc"} and all(
       t.is_alive() for t in pools)
   server.stop(grace=0)

@@ -124,7 +124,7 @@ def test_allocator_full_waits_then_errors():
 def test_copy_in_pieces_is_exact(monkeypatch, threads):
   monkeypatch.setattr(shm, "COPY_PIECE", 4096)
   monkeypatch.setattr(shm, "COPY_THREADS", threads)
-  monkeypatch.setattr(shm, "_copy_pool", None)
+  monkeypatch.setattr(shm, "_copy_threads", None)
   # 36 pieces + a tail
   src = np.random.default_rng(0).standard_normal((37, 1000)).astype(np.float32)
   dst = np.zeros_like(src)
@@ -138,7 +138,7 @@ def test_copy_leaves_a_held_back_thread_s_share_to_the_others(monkeypatch):
   monkeypatch.setattr(shm, "COPY_PIECE", 4096)
   monkeypatch.setattr(shm, "COPY_THREADS", 2)
   pool = concurrent.futures.ThreadPoolExecutor(1, "test-copy")
-  monkeypatch.setattr(shm, "_copy_pool", pool)
+  monkeypatch.setattr(shm, "_copy_threads", pool)
   src = np.random.default_rng(1).standard_normal((40, 1000)).astype(np.float32)
   dst = np.zeros_like(src)
   started = threading.Event()
@@ -168,7 +168,7 @@ def test_copy_with_one_thread_asked_uses_the_callers_only(monkeypatch):
       raise AssertionError("a copy asked to use one thread used the pool")
   monkeypatch.setattr(shm, "COPY_PIECE", 4096)
   monkeypatch.setattr(shm, "COPY_THREADS", 4)
-  monkeypatch.setattr(shm, "_copy_pool", NoPool())
+  monkeypatch.setattr(shm, "_copy_threads", NoPool())
   src = np.random.default_rng(2).standard_normal((40, 1000)).astype(np.float32)
   dst = np.zeros_like(src)
   shm.copy(dst, src, threads=1)

@@ -71,7 +71,7 @@ class NpyFormat(Format):
       sums.append(s.record.with_crc32c(shard_crc32c(s.data)))
     return sums
 
-  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, part, swapping):
+  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping):
     direct_io.write_small(pathlib.Path(tmp_dir) / records.MANIFEST_FILE,
                           manifest.to_json().encode())
     final = tmp_dir.removesuffix(SUFFIX)

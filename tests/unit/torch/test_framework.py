@@ -1,5 +1,5 @@
 """Tier 1: PyTorch's framework plug (``torch/framework.TorchFramework``, the core's
-``HostArrays`` with tensors for leaves): ``ctl.checkpointer`` saves a tree of tensors whole
+``NumpyArrays`` with tensors for leaves): ``ctl.checkpointer`` saves a tree of tensors whole
 in Orbax's layout and restores it as tensors, against the in-process fake sidecars."""
 
 import pytest

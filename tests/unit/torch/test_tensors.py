@@ -56,9 +56,9 @@ def test_tensors_the_sidecar_cannot_take_are_named():
 def test_a_state_dict_entry_off_the_cpu_or_strided_is_copied_and_one_with_no_data_named():
   from sidecar._src.torch import framework
   t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-  a = framework.host_array(t.t(), "state dict entry 'w'")  # a transposed view: copied
+  a = framework.numpy_array(t.t(), "state dict entry 'w'")  # a transposed view: copied
   assert a.flags.c_contiguous and a.tolist() == t.t().tolist()
-  assert framework.host_array(t, "x").ctypes.data == t.data_ptr()  # as it is: no copy
+  assert framework.numpy_array(t, "x").ctypes.data == t.data_ptr()  # as it is: no copy
   with pytest.raises(errors.InvalidArgumentError,
                      match="state dict entry 'model.w' is on the meta device.*to_empty"):
-    framework.host_array(torch.empty(2, 2, device="meta"), "state dict entry 'model.w'")
+    framework.numpy_array(torch.empty(2, 2, device="meta"), "state dict entry 'model.w'")

@@ -177,7 +177,7 @@ def test_a_formats_parts_travel_in_the_format_part_oneof():
   assert wire.format_extra_from_pb(_sent(commit), wire.COMMIT_EXTRAS) == done
   # The trainer's older forms still fill the same fields.
   assert wire.dcp_part_to_pb(1, [i.to_dict() for i in part.items]) == stage.dcp
-  with pytest.raises(errors.InvalidArgumentError, match="no format part is a DcpCommit"):
+  with pytest.raises(errors.InvalidArgumentError, match="no format extra is a DcpCommit"):
     wire.format_extra_to_pb(stage, done, wire.STAGE_EXTRAS)
   stage.dcp.items[0].nbytes = 8
   with pytest.raises(errors.InvalidArgumentError,
@@ -189,8 +189,8 @@ def test_every_registered_formats_parts_travel_under_its_one_name():
   """A format's typed parts have a wire entry, keyed (the oneof member) by its name."""
   from sidecar._src.ckptfmt import registry as formats_lib
   for fmt in formats_lib.DEFAULT.formats.values():
-    for part, table, request in ((fmt.stage_part, wire.STAGE_EXTRAS, "CheckpointStageRequest"),
-                                 (fmt.commit_part, wire.COMMIT_EXTRAS,
+    for part, table, request in ((fmt.stage_extra, wire.STAGE_EXTRAS, "CheckpointStageRequest"),
+                                 (fmt.commit_extra, wire.COMMIT_EXTRAS,
                                   "CheckpointCommitRequest")):
       members = {name for name, (kind, _, _) in table.items() if kind is part}
       assert members == (set() if part is None else {fmt.name}), (fmt.name, request)

@@ -1,5 +1,5 @@
 """Tier 1: a large message in CallParts (issue 54): cut from its pieces (a response's are
-views of its result's arrays) into parts of at most PART_BYTES, put back together into
+views of its result's arrays) into parts of at most PIECE_BYTES, put back together into
 one buffer whose arrays the decoder views, byte for byte what one message would be."""
 
 import numpy as np
@@ -12,21 +12,21 @@ from sidecar._src.wire.protocol import pb
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("sizes, part_bytes", [
+@pytest.mark.parametrize("sizes, piece_bytes", [
     ([10, 0, 7, 15], 8),
     ([16], 8),
     ([3], 8),
     ([], 8),
     ([0], 8),
 ], ids=["across-pieces", "exact", "short", "no-piece", "empty"])
-def test_parts_carry_the_pieces_in_order_the_first_announcing_the_total(sizes, part_bytes):
+def test_parts_carry_the_pieces_in_order_the_first_announcing_the_total(sizes, piece_bytes):
   pieces = [bytes(range(i * 16, i * 16 + n)) for i, n in enumerate(sizes)]
   whole = b"".join(pieces)
-  raw = list(parts.cut(pieces, len(whole), part_bytes=part_bytes))
+  raw = list(parts.cut(pieces, len(whole), piece_bytes=piece_bytes))
   got = [pb.CallPart.FromString(r) for r in raw]
   assert b"".join(p.data for p in got) == whole
-  assert [len(p.data) for p in got[:-1]] == [part_bytes] * (len(got) - 1)
-  assert 0 < len(got) == max(1, -(-len(whole) // part_bytes))
+  assert [len(p.data) for p in got[:-1]] == [piece_bytes] * (len(got) - 1)
+  assert 0 < len(got) == max(1, -(-len(whole) // piece_bytes))
   assert [p.total for p in got] == [len(whole)] + [0] * (len(got) - 1)
   assert raw == [p.SerializeToString() for p in got]  # as protobuf writes them
   assert parts.assemble(len(whole), raw) == whole
@@ -62,9 +62,9 @@ def test_a_response_cut_from_its_arrays_decodes_to_views_of_the_one_buffer():
 
 @pytest.mark.parametrize("total, match", [
     (5, "CallPart 1 brings the response past the 5 bytes its first part announced"),
-    (20, "the response's parts ended after 12 of the 20 bytes"),
+    (20, "the response's pieces ended after 12 of the 20 bytes"),
 ], ids=["more", "fewer"])
 def test_parts_that_do_not_add_up_are_invalid(total, match):
-  raw = list(parts.cut([b"x" * 12], 12, part_bytes=4))
+  raw = list(parts.cut([b"x" * 12], 12, piece_bytes=4))
   with pytest.raises(errors.InvalidArgumentError, match=match):
     parts.assemble(total, raw, what="the response")

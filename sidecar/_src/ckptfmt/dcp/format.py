@@ -42,23 +42,23 @@ class ItemNumbering(Numbering):
   def __init__(self) -> None:
     self.items: dict[int, tuple[distcp.Item, ...]] = {}  # by rank
 
-  def take(self, part: Any, shards: Sequence[Staged]) -> list[Staged]:
-    if not isinstance(part, DcpPart):
+  def take(self, extra: Any, shards: Sequence[Staged]) -> list[Staged]:
+    if not isinstance(extra, DcpPart):
       raise errors.InvalidArgumentError(
-          f"a part of a DCP step carries its rank's items (dcp), got {type(part).__name__}")
-    items = self.items.get(part.rank, part.items)
+          f"a Stage of a DCP step carries its rank's items (dcp), got {type(extra).__name__}")
+    items = self.items.get(extra.rank, extra.items)
     for s in shards:
       r = s.record
       if not 0 <= r.leaf < len(items):
         raise errors.InvalidArgumentError(
-            f"shard of item {r.leaf}: rank {part.rank} has {len(items)} items")
+            f"shard of item {r.leaf}: rank {extra.rank} has {len(items)} items")
       item = items[r.leaf]
-      if r.rank != part.rank or r.id != ShardId((item.fqn,), item.index):
+      if r.rank != extra.rank or r.id != ShardId((item.fqn,), item.index):
         raise errors.InvalidArgumentError(
             f"shard of item {r.leaf} names {list(r.id.key_path)} at "
-            f"{[list(i) for i in r.id.index]} of rank {r.rank}: rank {part.rank}'s item "
+            f"{[list(i) for i in r.id.index]} of rank {r.rank}: rank {extra.rank}'s item "
             f"{r.leaf} is {item.fqn!r} at {[list(i) for i in item.index]}")
-    self.items.setdefault(part.rank, items)
+    self.items.setdefault(extra.rank, items)
     return list(shards)
 
 
@@ -69,8 +69,8 @@ class DcpFormat(Format):
   tmp_suffix: ClassVar[str] = distcp.TMP_SUFFIX
   markers: ClassVar[tuple[str, ...]] = (records.MANIFEST_FILE, distcp.METADATA_FILE)
   overwrites: ClassVar[bool] = True  # as DCP's: the path is the checkpoint's, not a step's
-  stage_part: ClassVar[type | None] = DcpPart
-  commit_part: ClassVar[type | None] = DcpCommit
+  stage_extra: ClassVar[type | None] = DcpPart
+  commit_extra: ClassVar[type | None] = DcpCommit
   title: ClassVar[str] = "a PyTorch DCP checkpoint"
   readers: ClassVar[str] = "sidecar.torch.Checkpointer or torch.distributed.checkpoint.load"
 
@@ -128,11 +128,11 @@ class DcpFormat(Format):
     del host_id  # each record names its host (the one that staged it: this one)
     return write_ranks(tmp_dir, numbering.items, incoming, progress=progress, turn=turn)
 
-  def manifest_extras(self, part: Any) -> Mapping[str, Any]:
-    return {"plan": _commit_part(part).plan()}
+  def manifest_extras(self, extra: Any) -> Mapping[str, Any]:
+    return {"plan": _commit_extra(extra).plan()}
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
-             num_hosts: int, whole_step: bool, part: Any,
+             num_hosts: int, whole_step: bool, extra: Any,
              swapping: Callable[[], None]) -> str:
     """Writes the manifest and DCP's ``.metadata`` (as the trainer pickled it), renames
     (swapping in one step with a committed checkpoint at the path)."""
@@ -141,8 +141,8 @@ class DcpFormat(Format):
       raise errors.InvalidArgumentError(
           f"tmp_dir {tmp_dir!r:.200} is not an uncommitted DCP step directory "
           f"(*{distcp.TMP_SUFFIX})")
-    part = _commit_part(part)
-    return str(distcp.finalize(tmp_dir, metadata=part.metadata, file_sizes=part.file_sizes,
+    extra = _commit_extra(extra)
+    return str(distcp.finalize(tmp_dir, metadata=extra.metadata, file_sizes=extra.file_sizes,
                                manifest=manifest, swapping=swapping))
 
   def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
@@ -166,12 +166,12 @@ class DcpFormat(Format):
     return out
 
 
-def _commit_part(part: Any) -> DcpCommit:
-  if not isinstance(part, DcpCommit):
+def _commit_extra(extra: Any) -> DcpCommit:
+  if not isinstance(extra, DcpCommit):
     raise errors.InvalidArgumentError(
         "a DCP step's commit carries its metadata, file sizes and plan (dcp), got "
-        f"{type(part).__name__}")
-  return part
+        f"{type(extra).__name__}")
+  return extra
 
 
 @functools.lru_cache(maxsize=16)

@@ -45,8 +45,8 @@ class LeafNumbering(Numbering):
   def __init__(self, leaves: Sequence[LeafSpec]):
     self.leaves = tuple(leaves)
 
-  def take(self, part: Any, shards: Sequence[Staged]) -> list[Staged]:
-    del part  # Orbax's steps carry none
+  def take(self, extra: Any, shards: Sequence[Staged]) -> list[Staged]:
+    del extra  # Orbax's steps carry none
     for s in shards:
       r = s.record
       if not 0 <= r.leaf < len(self.leaves):
@@ -125,12 +125,12 @@ class OrbaxFormat(Format):
                                        progress=progress, turn=turn)
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
-             num_hosts: int, whole_step: bool, part: Any,
+             num_hosts: int, whole_step: bool, extra: Any,
              swapping: Callable[[], None]) -> str:
     """The manifest, the checks and the metadata files; with ``whole_step`` the step's
     rename (the rename acts on ``tmp_dir``'s parent, the tmp step directory), else the
     item is done and the Orbax CheckpointManager that owns the step commits it."""
-    del part, swapping  # no overwrite: nothing between two renames
+    del extra, swapping  # no overwrite: nothing between two renames
     if whole_step and not pathlib.Path(tmp_dir).parent.name.endswith(TMP_SUFFIX):
       raise errors.InvalidArgumentError(
           f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory (*{TMP_SUFFIX})")

@@ -50,7 +50,7 @@ __all__ = ["CheckpointClient", "CheckpointTransport", "FormatExtra", "Held", "Ma
 
 # A format's extra: its own data on a host's Stage requests or on the Commit request
 # (stock Orbax's layout has none: its leaves travel as ``leaves``): a frozen value of the
-# format's own type (its ``ckptfmt.Format.stage_part``/``commit_part``), converted by
+# format's own type (its ``ckptfmt.Format.stage_extra``/``commit_extra``), converted by
 # ``wire/checkpoint_wire``'s ``STAGE_EXTRAS``/``COMMIT_EXTRAS`` (the wire's ``part``
 # oneof). The client names no format.
 FormatExtra = object

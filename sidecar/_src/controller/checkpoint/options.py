@@ -94,23 +94,23 @@ class CheckpointOptions:
           f"{formats_lib.DEFAULT.names}, got {self.format!r:.100}")
 
   def format_for(self, framework: str, *, default: str,
-                 parts: tuple[type | None, type | None] = (None, None)) -> str:
+                 extras: tuple[type | None, type | None] = (None, None)) -> str:
     """The format ``framework``'s save writes: ``format``, or the framework's ``default``.
 
-    A framework writes the formats whose parts (``Format.stage_part``, ``commit_part``)
-    are the ``parts`` it makes: JAX's saves make none (leaves and shards say all), DCP's
+    A framework writes the formats whose extras (``Format.stage_extra``, ``commit_extra``)
+    are the ``extras`` it makes: JAX's saves make none (leaves and shards say all), DCP's
     ``StorageWriter`` its ``DcpPart`` and ``DcpCommit``. InvalidArgumentError naming the
     format and those the framework writes otherwise.
     """
     name = self.format or default
     fmt = formats_lib.DEFAULT.get(name)
-    if (fmt.stage_part, fmt.commit_part) != parts:
+    if (fmt.stage_extra, fmt.commit_extra) != extras:
       can = [n for n, f in sorted(formats_lib.DEFAULT.formats.items())
-             if (f.stage_part, f.commit_part) == parts]
+             if (f.stage_extra, f.commit_extra) == extras]
       raise errors.InvalidArgumentError(
           f"format {name!r} is not one a {framework} save writes (it needs "
-          f"{_part_names(fmt.stage_part, fmt.commit_part)}, the save makes "
-          f"{_part_names(*parts)}); choose one of {can}")
+          f"{_extra_names(fmt.stage_extra, fmt.commit_extra)}, the save makes "
+          f"{_extra_names(*extras)}); choose one of {can}")
     return name
 
   @property
@@ -120,9 +120,9 @@ class CheckpointOptions:
     return self.replica_bandwidth
 
 
-def _part_names(*parts: type | None) -> str:
-  named = [p.__name__ for p in parts if p is not None]
-  return " and ".join(named) if named else "no format parts"
+def _extra_names(*extras: type | None) -> str:
+  named = [p.__name__ for p in extras if p is not None]
+  return " and ".join(named) if named else "no format extras"
 
 
 def options_or(options: CheckpointOptions | None, **given: Any) -> CheckpointOptions:

@@ -369,11 +369,11 @@ class Checkpoints:
     return checkpoint_read.info(final_dir)
 
   def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
-           tier: str = "any", part: tuple[int, int] | None = None) -> np.ndarray:
+           tier: str = "any", byte_range: tuple[int, int] | None = None) -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
 
-    ``part=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
+    ``byte_range=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
     client that reads a large shard over gRPC in messages of bounded size.
     """
     self._path(final_dir, "final_dir")
-    return self.reader.read(final_dir, shard, crc32c, tier, part)
+    return self.reader.read(final_dir, shard, crc32c, tier, byte_range)

@@ -16,7 +16,7 @@ and a last message marked ``done``:
   block of it with one memcpy, and sends the blocks' ``ArenaRef``s: the receiver takes the
   blocks with no copy;
 - **elsewhere**: sends each shard's bytes raw (a ``bytes`` field, no codec), in
-  pieces of :data:`PART_BYTES`, copied once from the shard into the message; the receiver
+  pieces of :data:`PIECE_BYTES`, copied once from the shard into the message; the receiver
   assembles them in blocks of its own arena.
 
 The receiver counts only whole replicas (``done`` came): a stream cut short leaves none.
@@ -59,7 +59,7 @@ from sidecar._src.wire.protocol import ckpt_pb, pb
 # sidecar on loopback here (python -m benchmarks.replication --link): 64 MiB parts 3.2 s,
 # 16 MiB 0.96 s, 8 MiB 0.85 s, 4 MiB 0.86 s; 4 unary calls of 16 MiB in flight (the
 # codec path before the stream) 2.1-2.4 s.
-PART_BYTES = 8 << 20
+PIECE_BYTES = 8 << 20
 QUEUED = 4  # messages serialized ahead of the one gRPC sends
 # Same-machine shards whose blocks one message hands over: the receiver takes each
 # message's blocks as it comes.
@@ -194,11 +194,11 @@ def attach(receiver: ReplicaTarget, socket_path: str, *, replica_token: str | No
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Piece:
   """A ReceiveRequest of one ReplicaPart whose ``data`` is still a view of the shard."""
-  part: ckpt_pb.ReplicaPart  # without data
+  head: ckpt_pb.ReplicaPart  # without data
   data: memoryview
 
 
-_PART_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
+_PIECE_FIELD = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number  # a wire name
 _DATA_FIELD = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 
@@ -230,14 +230,14 @@ def _serialize(message: ckpt_pb.ReceiveRequest | _Piece) -> bytes:
 
   Protobuf's own way copies them three times (into ``bytes``, into the message, into
   its serialization); here they go straight from the shard into the one ``bytes``
-  gRPC sends: ``part`` (length-delimited) = the part's other fields, then ``data``.
+  gRPC sends: ``part`` (length-delimited) = the piece's other fields, then ``data``.
   """
   if not isinstance(message, _Piece):
     return message.SerializeToString()
-  head = message.part.SerializeToString()
+  head = message.head.SerializeToString()
   data_key = encode_varint(_DATA_FIELD << 3 | 2) + encode_varint(message.data.nbytes)
   inner = len(head) + len(data_key) + message.data.nbytes
-  return b"".join((encode_varint(_PART_FIELD << 3 | 2), encode_varint(inner), head, data_key,
+  return b"".join((encode_varint(_PIECE_FIELD << 3 | 2), encode_varint(inner), head, data_key,
                    message.data))
 
 
@@ -442,16 +442,16 @@ class ReplicaLink:
   def _inline(self, header: ReplicaHeader, shards: Sequence[Staged],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,
               held: list) -> Iterator[_Piece]:
-    """Each shard's bytes, raw, in parts of PART_BYTES."""
+    """Each shard's bytes, raw, in parts of PIECE_BYTES."""
     for shard in shards:
       data = shard.data
       flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
       record = wire.record_to_pb(shard.record.with_crc32c(shards_lib.shard_crc32c(data)))
-      for offset in range(0, max(flat.nbytes, 1), PART_BYTES):
+      for offset in range(0, max(flat.nbytes, 1), PIECE_BYTES):
         if cancelled():
           raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")
         part = ckpt_pb.ReplicaPart(record=record, offset=offset)
-        chunk = flat[offset:offset + PART_BYTES].data  # a view: _serialize copies it
+        chunk = flat[offset:offset + PIECE_BYTES].data  # a view: _serialize copies it
         yield _Piece(part, chunk)
         pace.after(chunk.nbytes)
       sent[0] += flat.nbytes

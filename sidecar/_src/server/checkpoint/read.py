@@ -42,13 +42,14 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) ->
   return Manifest.from_json(text, final_dir)
 
 
-def _part(data: np.ndarray, part: tuple[int, int]) -> np.ndarray:
+def _byte_range(data: np.ndarray, byte_range: tuple[int, int]) -> np.ndarray:
   """Bytes ``[offset, offset + nbytes)`` of ``data``'s C-order bytes, as a view."""
-  offset, nbytes = part
+  offset, nbytes = byte_range
   flat = data.reshape(-1).view(np.uint8)
   if not (0 <= offset and 0 < nbytes and offset + nbytes <= flat.nbytes):
     raise errors.InvalidArgumentError(
-        f"part [{offset}, {nbytes}] does not fit a shard of {flat.nbytes} bytes")
+        f"the byte range [{offset}, {nbytes}] (the request's part) does not fit a shard of "
+        f"{flat.nbytes} bytes")
   return flat[offset:offset + nbytes]
 
 
@@ -62,15 +63,15 @@ class Reader:
     self._formats = formats
 
   def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
-           tier: str = "any", part: tuple[int, int] | None = None) -> np.ndarray:
+           tier: str = "any", byte_range: tuple[int, int] | None = None) -> np.ndarray:
     """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
 
-    ``part=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
-    client that reads a large shard over gRPC in messages of bounded size.
+    ``byte_range=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes,
+    for a client that reads a large shard over gRPC in messages of bounded size.
     """
-    if part is not None and tier not in ("ram", "replica"):
+    if byte_range is not None and tier not in ("ram", "replica"):
       raise errors.InvalidArgumentError(
-          f"part= reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
+          f"a byte range (part) reads a RAM-tier copy (tier 'ram' or 'replica'), got tier {tier!r}")
     step = pathlib.Path(final_dir).parent.name
     if step.isdigit():
       faults.fault("read", int(step))
@@ -89,7 +90,7 @@ class Reader:
             held = None
       if held is not None:
         data = held.shards[shard]
-        out = data if part is None else _part(data, part)
+        out = data if byte_range is None else _byte_range(data, byte_range)
         try:
           # At every read, never once for all: a Worker that maps the arena can write the
           # block after an earlier restore checked it. A corrupt copy is one that is not

@@ -163,13 +163,13 @@ class Replicator:
     return replica
 
   def receive(self, replica: ram_tier.Replica, blocks: Sequence[Staged],
-              part: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
+              piece: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
     """Takes shards another sidecar sends (``links.ReplicaLink``) into ``replica``
     (``open_replica``).
 
     A shard comes whole as an arena block the sender filled (same machine), or inline
-    in parts: ``part`` says where ``payload``'s bytes go in one shard's, assembled here
+    in pieces: ``piece`` says where ``payload``'s bytes go in one shard's, assembled here
     in an arena block. ``done``: the replica is whole. Returns the bytes held.
     """
     directory, step = replica.directory, replica.step
@@ -177,17 +177,17 @@ class Replicator:
     self._replica_fault(step)
     for b in blocks:  # whole blocks of our arena
       self._add_shard(replica, b.record, b.data)
-    if part is not None:
+    if piece is not None:
       if payload is None or blocks:
         raise errors.InvalidArgumentError(
-            "receive: a part of a shard comes alone, with its bytes as payload")
-      key = part.record.id
-      offset, chunk = part.offset, np.asarray(payload).reshape(-1).view(np.uint8)
+            "receive: a piece of a shard comes alone, with its bytes as payload")
+      key = piece.record.id
+      offset, chunk = piece.offset, np.asarray(payload).reshape(-1).view(np.uint8)
       with self._tier.lock:
         entry = replica.partial.get(key)
         if entry is None:
-          block = outputs.empty(part.record.shape, codec.dtype_of(
-              part.record.dtype, f"replica of {key.key_path}"))
+          block = outputs.empty(piece.record.shape, codec.dtype_of(
+              piece.record.dtype, f"replica of {key.key_path}"))
           entry = replica.partial[key] = [block, 0]
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
@@ -201,7 +201,7 @@ class Replicator:
         if whole:
           del replica.partial[key]
       if whole:
-        self._add_shard(replica, part.record, entry[0])
+        self._add_shard(replica, piece.record, entry[0])
     if done:
       with self._tier.lock:
         replica.whole, replica.partial = True, {}

@@ -258,7 +258,7 @@ class StepWriter:
 
   def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
-            writers: int = 1, part: Any = None, owner: str = "") -> int:
+            writers: int = 1, extra: Any = None, owner: str = "") -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -271,7 +271,7 @@ class StepWriter:
     ``tmp_dir`` must lie in an uncommitted step directory, and ``final_dir`` be where it
     goes; the save belongs to the sessions that staged its parts (``owner``), at most
     ``writers`` of them: a part of another session is refused while it is being written.
-    ``part``: the typed part of ``tmp_dir``'s format, if it has one (a DCP step's
+    ``extra``: the typed extra of ``tmp_dir``'s format, if it has one (a DCP step's
     ``DcpPart``: the rank's items, its shards' ``leaf`` numbering them); the format
     numbers the shards (``Format.numbering``). Each record names this host (or no host:
     it is this one's then).
@@ -287,12 +287,12 @@ class StepWriter:
           f"stage: directory {directory!r:.200} is not the directory of tmp_dir's step "
           f"({str(found[1].tmp.parent)!r:.200}); a Stage names the checkpoint directory it "
           "opened, the one its step lies in")
-    if (part is not None) != (fmt.stage_part is not None) or (
-        part is not None and not isinstance(part, fmt.stage_part)):  # type: ignore[arg-type]
+    if (extra is not None) != (fmt.stage_extra is not None) or (
+        extra is not None and not isinstance(extra, fmt.stage_extra)):  # type: ignore[arg-type]
       raise errors.InvalidArgumentError(
-          f"stage: a part of a step in {fmt.name}'s layout carries "
-          f"{fmt.stage_part.__name__ if fmt.stage_part else 'no format part'}, got "
-          f"{type(part).__name__ if part is not None else 'none'}")
+          f"stage: a Stage of a step in {fmt.name}'s layout carries "
+          f"{fmt.stage_extra.__name__ if fmt.stage_extra else 'no format extra'}, got "
+          f"{type(extra).__name__ if extra is not None else 'none'}")
     if final != self._path(final_dir, "final_dir"):
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
@@ -323,7 +323,7 @@ class StepWriter:
       record.owners.add(owner)
       assert record.numbering is not None
       try:
-        taken = record.numbering.take(part, self._here(shards))
+        taken = record.numbering.take(extra, self._here(shards))
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
       for n in taken:
@@ -430,7 +430,7 @@ class StepWriter:
 
   def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
              shards: Sequence[ShardRecord], data_state: str, whole_step: bool,
-             replicas: dict[int, list[int]] | None = None, part: Any = None,
+             replicas: dict[int, list[int]] | None = None, extra: Any = None,
              owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
@@ -439,7 +439,7 @@ class StepWriter:
     so that a restore that finds shards lost can say which hosts are gone. Only the
     session that staged ``tmp_dir`` here (``owner``) commits it, once it is written, and
     only into an uncommitted step.
-    ``part``: the typed commit part of ``tmp_dir``'s format, if it has one (a DCP step's
+    ``extra``: the typed commit extra of ``tmp_dir``'s format, if it has one (a DCP step's
     ``DcpCommit``: its metadata, file sizes and plan).
     """
     step = roots_lib.as_int(step, "step")
@@ -461,20 +461,20 @@ class StepWriter:
           f"{self._host_id}: another save of step {step} into this directory is in flight "
           "(another checkpointer or process); wait for that save to end, or save each step "
           "from one checkpointer")
-    if (part is not None) != (fmt.commit_part is not None) or (
-        part is not None and not isinstance(part, fmt.commit_part)):  # type: ignore[arg-type]
+    if (extra is not None) != (fmt.commit_extra is not None) or (
+        extra is not None and not isinstance(extra, fmt.commit_extra)):  # type: ignore[arg-type]
       raise errors.InvalidArgumentError(
           f"commit: a step in {fmt.name}'s layout commits with "
-          f"{fmt.commit_part.__name__ if fmt.commit_part else 'no format part'}, got "
-          f"{type(part).__name__ if part is not None else 'none'}")
+          f"{fmt.commit_extra.__name__ if fmt.commit_extra else 'no format extra'}, got "
+          f"{type(extra).__name__ if extra is not None else 'none'}")
     manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
                                 shards=shards, data_state_json=data_state,
-                                replicas=replicas, extras=fmt.manifest_extras(part))
+                                replicas=replicas, extras=fmt.manifest_extras(extra))
     faults.fault("commit", step)
     committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
-                           whole_step=whole_step, part=part,
+                           whole_step=whole_step, extra=extra,
                            swapping=lambda: faults.fault("swap", step))
-    if fmt.commit_part is not None:  # kept in host memory (a DCP step's): info() answers it,
+    if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,
       record.manifest = manifest     # the trainer tells the other RAM tiers (built once)
     self._ended(pathlib.Path(tmp_dir))
     return committed

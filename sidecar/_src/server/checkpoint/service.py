@@ -5,7 +5,7 @@ needs a handshake session as ``Call`` does (and the token, which the server's
 interceptor checks for every service), checks every field (a step >= 0, a path that
 is not empty; the parts resolve each path under the checkpoint roots), calls the part
 of :class:`~sidecar._src.server.checkpoint.checkpoints.Checkpoints` that does the work (its
-``writer``, ``replicator``, or the host itself for what spans them), and leaves through
+``writer``, ``replicator``, or the checkpoints themselves for what spans them), and leaves through
 ``protocol.abort`` on failure, so the status codes are ``Call``'s. ``Receive`` is a
 client stream: another sidecar's replica of one step, its shards' bytes raw in each message.
 """
@@ -74,7 +74,7 @@ def _session(context: grpc.ServicerContext) -> str:
 _STAGE_VIEWS: contextvars.ContextVar[tuple[memoryview, ...]] = contextvars.ContextVar(
     "stage_views", default=())
 
-_PART = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number
+_PIECE = ckpt_pb.ReceiveRequest.DESCRIPTOR.fields_by_name["part"].number  # a wire name
 _DATA = ckpt_pb.ReplicaPart.DESCRIPTOR.fields_by_name["data"].number
 
 
@@ -87,7 +87,7 @@ def parse_receive(raw: bytes) -> tuple[ckpt_pb.ReceiveRequest, memoryview | None
   what the sender never writes (a field twice, a group), protobuf parses it all.
   """
   try:
-    parts = pbscan.length_delimited(raw, 0, len(raw), _PART)
+    parts = pbscan.length_delimited(raw, 0, len(raw), _PIECE)
     if len(parts) == 1:
       field_start, start, end = parts[0]
       datas = pbscan.length_delimited(raw, start, end, _DATA)
@@ -137,11 +137,11 @@ def _documented(rpc: str, e: Exception) -> Exception:
 class CheckpointService:
   """Handlers for ``sidecar.v1.Checkpoint``; owns no resources, only references."""
 
-  def __init__(self, *, host: Checkpoints, arena_io: ArenaIO, sessions: Sessions,
+  def __init__(self, *, checkpoints: Checkpoints, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                slots: Slots | None = None, per_client: bool = False,
                inline: InlineBytes | None = None, tenancy: tenants_lib.Tenancy | None = None):
-    self._host = host
+    self._checkpoints = checkpoints
     self._tenancy = tenancy  # whose each worker session is (a replica link's: its tenant's)
     # The bytes of large inline requests decoded at once: a Stage's shards, as a call's.
     self._inline = InlineBytes() if inline is None else inline
@@ -210,11 +210,11 @@ class CheckpointService:
           if client == tenants_lib.OPERATOR and name != "DropRamTier":  # no tenant either
             raise errors.PermissionDeniedError(tenants_lib.operator_denied(name))
           if client is not None and name == "Open":
-            self._host.open_for(client, request.directory)  # refused if another's
+            self._checkpoints.open_for(client, request.directory)  # refused if another's
           elif client is not None and request_cls is not None and name not in _OWN_CHECKS:
             for field in _PATH_FIELDS:
               if field in request_cls.DESCRIPTOR.fields_by_name and getattr(request, field):
-                self._host.check_client(client, getattr(request, field), field)
+                self._checkpoints.check_client(client, getattr(request, field), field)
           with tenants_lib.acting_as(client):  # its blocks (reads) in its tenant's arena
             return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
@@ -265,9 +265,9 @@ class CheckpointService:
 
   def open(self, r: ckpt_pb.CheckpointOpenRequest, _: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointOpenResponse:
-    steps = self._host.writer.open(r.directory, r.ram_steps,
+    steps = self._checkpoints.writer.open(r.directory, r.ram_steps,
                                    r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
-    self._host.reopened(r.directory)  # fewer ram_steps than before: the others go now
+    self._checkpoints.reopened(r.directory)  # fewer ram_steps than before: the others go now
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
 
   def _client(self, context: grpc.ServicerContext) -> str | None:
@@ -277,31 +277,31 @@ class CheckpointService:
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
     client = self._client(context)
-    self._host.check_storage(client, r.directory, 0)
+    self._checkpoints.check_storage(client, r.directory, 0)
     if client is not None:  # the step's directory too (DCP's lies beside r.directory)
-      self._host.check_client(
-          client, self._host.writer.tmp_of(r.directory, _step(r.step), r.format),
+      self._checkpoints.check_client(
+          client, self._checkpoints.writer.tmp_of(r.directory, _step(r.step), r.format),
           "the step's uncommitted directory")
     # The save is in flight while the trainer that began it is there: its worker's
     # connection closes as its process dies.
     worker = r.worker_session
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     return ckpt_pb.CheckpointBeginResponse(
-        tmp_directory=self._host.writer.begin(r.directory, _step(r.step), r.format,
+        tmp_directory=self._checkpoints.writer.begin(r.directory, _step(r.step), r.format,
                                               _session(context), alive=alive))
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
     step = _step(r.step)
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    part = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
+    extra = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
     shards = wire.staged_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
                                  _STAGE_VIEWS.get())
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
-      with self._host.storage_reserved(self._client(context), r.directory,
+      with self._checkpoints.storage_reserved(self._client(context), r.directory,
                                        sum(s.data.nbytes for s in shards)):
-        staged = self._host.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves,
-                                         shards, r.last, writers=max(r.writers, 1), part=part,
+        staged = self._checkpoints.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves,
+                                         shards, r.last, writers=max(r.writers, 1), extra=extra,
                                          owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
@@ -309,7 +309,7 @@ class CheckpointService:
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
                ) -> ckpt_pb.CheckpointPreparedResponse:
-    written = self._host.writer.prepared(r.final_dir, _timeout(r.timeout_s, context))
+    written = self._checkpoints.writer.prepared(r.final_dir, _timeout(r.timeout_s, context))
     return ckpt_pb.CheckpointPreparedResponse(records=[wire.record_to_pb(c) for c in written])
 
   def commit(self, r: ckpt_pb.CheckpointCommitRequest, context: grpc.ServicerContext
@@ -319,31 +319,31 @@ class CheckpointService:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
     written = [wire.record_from_pb(c, f"records[{i}]") for i, c in enumerate(r.records)]
-    committed = self._host.writer.commit(
+    committed = self._checkpoints.writer.commit(
         r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
         wire.replicas_from_pb(r.replicas) or None,
-        part=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
+        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext
                 ) -> ckpt_pb.CheckpointCommittedResponse:
     manifest = Manifest.from_json(r.manifest_json, "manifest_json") if r.manifest_json else None
     return ckpt_pb.CheckpointCommittedResponse(
-        kept_steps=self._host.committed(r.final_dir, manifest))
+        kept_steps=self._checkpoints.committed(r.final_dir, manifest))
 
   def abort(self, r: ckpt_pb.CheckpointAbortRequest, _: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointAbortResponse:
-    self._host.writer.abort(r.tmp_dir, r.final_dir)
+    self._checkpoints.writer.abort(r.tmp_dir, r.final_dir)
     return ckpt_pb.CheckpointAbortResponse()
 
   def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointDeleteResponse:
-    self._host.writer.delete(r.directory, _step(r.step))
+    self._checkpoints.writer.delete(r.directory, _step(r.step))
     return ckpt_pb.CheckpointDeleteResponse()
 
   def forget(self, r: ckpt_pb.CheckpointForgetRequest, _: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointForgetResponse:
-    self._host.forget(r.directory, _step(r.step))
+    self._checkpoints.forget(r.directory, _step(r.step))
     return ckpt_pb.CheckpointForgetResponse()
 
   def drop_ram_tier(self, r: ckpt_pb.DropRamTierRequest, context: grpc.ServicerContext
@@ -367,11 +367,11 @@ class CheckpointService:
           f"tenant {client!r} may drop only its own RAM-tier copies, not tenant "
           f"{r.tenant!r:.100}'s; the pool's operator (its operator token) may drop any")
     if r.tenant:
-      dropped, kept = self._host.drop_tenant_ram(r.tenant)
+      dropped, kept = self._checkpoints.drop_tenant_ram(r.tenant)
     else:
       if client:
-        self._host.check_client(client, r.directory, "directory")
-      dropped, kept = self._host.drop_ram(r.directory)
+        self._checkpoints.check_client(client, r.directory, "directory")
+      dropped, kept = self._checkpoints.drop_ram(r.directory)
     return ckpt_pb.DropRamTierResponse(dropped=_steps_pb(dropped), kept=_steps_pb(kept))
 
   # ---- replicas -----------------------------------------------------------
@@ -382,7 +382,7 @@ class CheckpointService:
       raise errors.InvalidArgumentError(
           f"bandwidth must be absent or bytes per second >= 1, got {r.bandwidth}")
     # Host ids only: their addresses come from this sidecar's --replica-hosts.
-    return wire.replicated_to_pb(self._host.replicator.replicate(
+    return wire.replicated_to_pb(self._checkpoints.replicator.replicate(
         r.final_dir, list(r.hosts), _timeout(r.timeout_s, context),
         r.bandwidth if r.HasField("bandwidth") else None, tenant=self._client(context)))
 
@@ -410,12 +410,12 @@ class CheckpointService:
     links_lib.check_sender(self._tenancy, session, tenant)  # blocks and header: one tenant's
     view = lambda ref: self._arena_io.view(ref, session)
     # a resent replica starts afresh
-    replica = self._host.replicator.open_replica(header, tenant)
+    replica = self._checkpoints.replicator.open_replica(header, tenant)
     try:
       with tenants_lib.acting_as(tenant):
         return self._receive_all(replica, first, data, requests, view, context)
     except BaseException:
-      self._host.replicator.drop_partial(replica)  # a stream cut short leaves none
+      self._checkpoints.replicator.drop_partial(replica)  # a stream cut short leaves none
       raise
 
   def _receive_all(self, replica: ram_tier.Replica, message: ckpt_pb.ReceiveRequest,
@@ -445,12 +445,12 @@ class CheckpointService:
     if m.blocks and m.HasField("part"):
       raise errors.InvalidArgumentError(f"{where}: blocks or a part, not both")
     blocks = wire.replica_blocks_from_pb(m.blocks, view, f"{where}.blocks")
-    part, payload = None, None
+    piece, payload = None, None
     if m.HasField("part"):
-      part = wire.replica_part_from_pb(m.part, f"{where}.part")
+      piece = wire.replica_piece_from_pb(m.part, f"{where}.part")
       payload = np.frombuffer(m.part.data if data is None else data, np.uint8)
     try:
-      return self._host.replicator.receive(replica, blocks, part, payload, done=m.done)
+      return self._checkpoints.replicator.receive(replica, blocks, piece, payload, done=m.done)
     finally:
       blocks.clear()
 
@@ -458,12 +458,12 @@ class CheckpointService:
 
   def held(self, r: ckpt_pb.CheckpointHeldRequest, _: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointHeldResponse:
-    return wire.held_to_pb(self._host.held(r.directory))
+    return wire.held_to_pb(self._checkpoints.held(r.directory))
 
   def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointInfoResponse:
     try:
-      return wire.manifest_to_pb(self._host.info(r.final_dir))
+      return wire.manifest_to_pb(self._checkpoints.info(r.final_dir))
     except errors.SidecarError:
       raise  # says what it found (a step of another format), with its own fix
     except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values
@@ -474,13 +474,13 @@ class CheckpointService:
   def read(self, r: ckpt_pb.CheckpointReadRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointReadResponse:
     shard = wire.shard_from_pb(r.shard, "shard")
-    part = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
+    byte_range = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
     tier = _TIERS.get(r.tier)
     if tier is None:
       raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
     with self._allocating(context):
-      data = self._host.read(r.final_dir, shard, r.crc32c if r.HasField("crc32c") else None,
-                             tier, part)
+      data = self._checkpoints.read(r.final_dir, shard, r.crc32c if r.HasField("crc32c") else None,
+                             tier, byte_range)
     out = ckpt_pb.CheckpointReadResponse()
     if not r.worker_session:  # inline, the bytes copied once into the message
       wire.fill_data(out.data, data)

@@ -317,18 +317,18 @@ def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec) -> int | None:
 
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
-            pool: Callable[[], Any] | None = None, check: Check | None = None
+            make_workers: Callable[[], Any] | None = None, check: Check | None = None
             ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
   """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
-  With ``spec.workers``, ``pool()`` makes the worker processes that fill batches.
+  With ``spec.workers``, ``make_workers()`` makes the worker processes that fill batches.
   ``check`` is told a batch's block sizes once known, before any is allocated.
   """
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
                       int(spec.start.get("position", 0)))
   if _is_map_dataset(first):
     if spec.workers:
-      yield from _from_map_pool(first, entry.name, spec, alloc, pool, check)
+      yield from _from_map_workers(first, entry.name, spec, alloc, make_workers, check)
     else:
       yield from _from_map(first, entry.name, spec, alloc, check)
   elif spec.workers:
@@ -368,8 +368,8 @@ def _from_map(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, check: Check 
     yield batcher.batch(out), state, time.perf_counter() - t0
 
 
-def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool,
-                   check: Check | None = None):
+def _from_map_workers(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, make_workers,
+                      check: Check | None = None):
   """As ``_from_map``, with batches filled by worker processes, in order."""
   _check_map(ds, name, spec)
   batcher = Batcher(spec, alloc, name, check)
@@ -379,7 +379,7 @@ def _from_map_pool(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, pool,
     return
   batcher.learn(ds[0])  # Every element has the same layout; the workers fill the rest.
   in_flight: collections.deque = collections.deque()
-  with pool() as workers:
+  with make_workers() as workers:
     pending = itertools.chain([first], steps)
     while True:
       # Keep every worker busy, one task queued; past its tenant's fair share of the

@@ -2,7 +2,7 @@
 
 A quota is declared once here: its pool-file key, how its value reads (and its least),
 what a tenant without it gets (nothing, or its share by ``weight`` of the sidecar's total),
-and, for a part of the arena, its check against the arena's size. ``pool_file`` reads every
+and, for a share of the arena, its check against the arena's size. ``pool_file`` reads every
 quota in :data:`ALL` from a tenant's mapping into ``Tenant.quotas``; each part that enforces
 one is handed its object and asks it (``CALLS.limit(...)``, ``RAM_TIER.bytes_of(...)``):
 no part reads a tenant's fields by name or is subclassed for a quota.
@@ -195,7 +195,7 @@ class Size(Quota):
   example: str
 
   def read(self, value: Any) -> int:
-    share = ArenaPart(key=self.key).read(value)
+    share = ArenaShare(key=self.key).read(value)
     if share.nbytes is None or share.nbytes < self.least:
       raise ValueError(f"{self.key} must be a size of at least {shm.format_size(self.least)} "
                        f"(e.g. {self.example}), got {value!r}")
@@ -203,8 +203,8 @@ class Size(Quota):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ArenaPart(Quota):
-  """A part of the arena: a fraction of it in (0, 1] or a size; at most all of it.
+class ArenaShare(Quota):
+  """A share of the arena: a fraction of it in (0, 1] or a size; at most all of it.
 
   ``least``: the least bytes a size may be (a fraction is checked once the arena's size is
   known, :meth:`check`); ``fix``: what the message of one above the arena advises.
@@ -232,12 +232,12 @@ class ArenaPart(Quota):
     return share
 
   def bytes_of(self, tenant: Holder, arena: int) -> int | None:
-    """``tenant``'s part in bytes of an arena of ``arena`` bytes; None: no quota."""
+    """``tenant``'s share in bytes of an arena of ``arena`` bytes; None: no quota."""
     share = self.of(tenant)
     return None if share is None else share.bytes_of(arena)
 
   def check(self, tenant: Holder, arena: int) -> str | None:
-    """Why ``tenant``'s part does not fit an arena of ``arena`` bytes; None: it fits."""
+    """Why ``tenant``'s share does not fit an arena of ``arena`` bytes; None: it fits."""
     n = self.bytes_of(tenant, arena)
     if n is None or n <= arena:
       return None
@@ -275,10 +275,10 @@ def _duration(v: Any) -> float | None:
 
 # ---- the quotas (docs/pool.md, "The pool file") ----------------------------------------
 
-# Guaranteed: no other tenant may allocate the part of it this tenant does not use yet.
-ARENA = ArenaPart(key="arena", default=Share(nbytes=0))
+# Guaranteed: no other tenant may allocate the share of it this tenant does not use yet.
+ARENA = ArenaShare(key="arena", default=Share(nbytes=0))
 # The most arena bytes it may hold at once; also the size of its own arena (memfd).
-ARENA_CEILING = ArenaPart(key="arena_ceiling", least=MIN_ARENA,
+ARENA_CEILING = ArenaShare(key="arena_ceiling", least=MIN_ARENA,
                           fix="; lower it, or leave it out for no ceiling")
 # Handshake sessions kept at once.
 SESSIONS = Count(key="sessions", share_of="max_sessions")
@@ -298,7 +298,7 @@ INLINE_BYTES = Size(key="inline_bytes", least=MIN_INLINE, example="256MiB")
 # How long the RAM-tier copies of its steps stay after its job left.
 RAM_KEEP = Duration(key="ram_keep")
 # Bytes of RAM-tier copies of its committed steps kept at once (own and replicas held).
-RAM_TIER = ArenaPart(key="ram_tier", fix=", which holds the RAM tier; lower it")
+RAM_TIER = ArenaShare(key="ram_tier", fix=", which holds the RAM tier; lower it")
 # Bytes its checkpoint directories may hold on a sidecar's storage.
 CHECKPOINT_BYTES = Size(key="checkpoint_bytes", least=MIN_ARENA, example="500GiB")
 
@@ -307,4 +307,4 @@ ALL: tuple[Quota, ...] = (ARENA, ARENA_CEILING, SESSIONS, CALLS, STREAMS, FEEDS,
                           CONNECTIONS, INLINE_BYTES, RAM_KEEP, RAM_TIER, CHECKPOINT_BYTES)
 BY_KEY: Mapping[str, Quota] = {q.key: q for q in ALL}
 # The parts of the arena, checked against its size once it is known (``Pool.check_arena``).
-ARENA_PARTS: tuple[ArenaPart, ...] = tuple(q for q in ALL if isinstance(q, ArenaPart))
+ARENA_SHARES: tuple[ArenaShare, ...] = tuple(q for q in ALL if isinstance(q, ArenaShare))

@@ -49,25 +49,25 @@ def test_options_are_frozen_keyword_only_and_a_size_becomes_bytes():
 
 def test_a_format_is_the_chosen_one_or_the_frameworks_and_one_it_writes():
   from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-  dcp_parts = (DcpPart, DcpCommit)
+  dcp_extras = (DcpPart, DcpCommit)
   assert CheckpointOptions().format_for("JAX", default="orbax") == "orbax"
-  assert CheckpointOptions().format_for("PyTorch", default="dcp", parts=dcp_parts) == "dcp"
+  assert CheckpointOptions().format_for("PyTorch", default="dcp", extras=dcp_extras) == "dcp"
   assert CheckpointOptions(format="dcp").format_for("PyTorch", default="dcp",
-                                                    parts=dcp_parts) == "dcp"
+                                                    extras=dcp_extras) == "dcp"
   # The registered formats each framework writes (a new format changes no test here).
   writes = {p: [n for n, f in sorted(formats_lib.DEFAULT.formats.items())
-                if (f.stage_part, f.commit_part) == p] for p in ((None, None), dcp_parts)}
-  assert "orbax" in writes[None, None] and writes[dcp_parts] == ["dcp"]
+                if (f.stage_extra, f.commit_extra) == p] for p in ((None, None), dcp_extras)}
+  assert "orbax" in writes[None, None] and writes[dcp_extras] == ["dcp"]
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"format 'dcp' is not one a JAX save writes \(it needs DcpPart and "
-                     r"DcpCommit, the save makes no format parts\); choose one of "
+                     r"DcpCommit, the save makes no format extras\); choose one of "
                      + re.escape(repr(writes[None, None]))):
     CheckpointOptions(format="dcp").format_for("JAX", default="orbax")
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"format 'orbax' is not one a PyTorch save writes \(it needs no "
-                     r"format parts, the save makes DcpPart and DcpCommit\); choose one of "
+                     r"format extras, the save makes DcpPart and DcpCommit\); choose one of "
                      r"\['dcp'\]"):
-    CheckpointOptions(format="orbax").format_for("PyTorch", default="dcp", parts=dcp_parts)
+    CheckpointOptions(format="orbax").format_for("PyTorch", default="dcp", extras=dcp_extras)
 
 
 def test_options_or_the_keyword_arguments_not_both():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
-from sidecar._src.controller.framework import HostArrays
+from sidecar._src.controller.framework import NumpyArrays
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars, checkpointer
 
@@ -56,7 +56,7 @@ def test_shards_are_lost_only_where_no_copy_is_there_or_valid(error):
     ckpt.restore(target=TARGET)
 
 
-class Starting(HostArrays):
+class Starting(NumpyArrays):
   """Numpy arrays; each leaf's blocks go to ``on_start`` as soon as they are read."""
 
   def __init__(self, on_start):

@@ -67,7 +67,7 @@ def copies(n: int) -> list[staging.ShardCopy]:
           for i, (item, a) in enumerate(zip(items(n), arrays))]
 
 
-def commit_part() -> DcpCommit:
+def commit_extra() -> DcpCommit:
   return DcpCommit(b"pickled", {0: 48}, "{}")
 
 
@@ -107,7 +107,7 @@ def test_the_coordinator_run_replicates_waits_for_every_host_commits_once_and_te
   assert run.begin().tmp_dir == "/ckpt/3.dcp-checkpoint-tmp"
   run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
   fake.calls.clear()
-  run.finish(extra=commit_part())
+  run.finish(extra=commit_extra())
   assert fake.calls == [("replicate", 0), ("replicate", 1), ("prepared", 0), ("prepared", 1),
                         ("commit", 0), ("info", 0), ("committed", 0), ("committed", 1)]
   manifest = fake.manifests["/ckpt/3"].to_json()
@@ -122,7 +122,7 @@ def test_a_host_that_fails_its_writes_aborts_the_step_on_every_host_and_fails_st
   run = dcp_run(fake, hosts=(0, 1), ending=Ending(handle, LocalPeers(), "k", None))
   run.begin()
   with pytest.raises(errors.CheckpointWriteError, match="disk on fire"):
-    run.finish(extra=commit_part())
+    run.finish(extra=commit_extra())
   assert sorted(h for h, _ in fake.aborted) == [0, 1]
   assert ("commit", 0) not in fake.calls and fake.told == []
   assert isinstance(handle.staged.exception(), errors.CheckpointWriteError)

@@ -38,7 +38,7 @@ class Layout(Format):
   def write(self, tmp_dir, host_id, numbering, incoming, *, progress, turn):
     raise AssertionError("the sidecar's")
 
-  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, part, swapping):
+  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping):
     raise AssertionError("the sidecar's")
 
   def read(self, final_dir, shard, *, allocate):

@@ -33,7 +33,7 @@ def _good(q: quotas_lib.Quota) -> tuple[str, object]:
     return str(q.least + 2), q.least + 2
   if isinstance(q, quotas_lib.Size):
     return "4GiB", 4 << 30
-  if isinstance(q, quotas_lib.ArenaPart):
+  if isinstance(q, quotas_lib.ArenaShare):
     return "0.25", quotas_lib.Share(fraction=0.25)
   return "90s", 90.0
 
@@ -44,7 +44,7 @@ def _bad(q: quotas_lib.Quota) -> str:
     return str(q.least - 1)
   if isinstance(q, quotas_lib.Size):
     return "1KiB"
-  if isinstance(q, quotas_lib.ArenaPart):
+  if isinstance(q, quotas_lib.ArenaShare):
     return "lots"
   return "soon"
 
@@ -104,5 +104,5 @@ def test_the_arena_parts_are_checked_against_the_arena(tmp_path):
                      match=r"tenant 'alice': ram_tier 2.0 GiB is more than the whole arena "
                      r"\(1.0 GiB, --shm-size\), which holds the RAM tier; lower it"):
     pool.check_arena(1 << 30)
-  assert quotas_lib.ARENA_PARTS == (quotas_lib.ARENA, quotas_lib.ARENA_CEILING,
+  assert quotas_lib.ARENA_SHARES == (quotas_lib.ARENA, quotas_lib.ARENA_CEILING,
                                     quotas_lib.RAM_TIER)

@@ -112,7 +112,7 @@ def test_a_feed_past_its_share_collects_its_own_batches_in_order(others):
     for i in range(others):
       stack.enter_context(shares.turns(f"other{i}"))
     workers = _Workers(4, turns)
-    batches = list(producer._from_map_pool(rows, "rows", spec, lambda s, d: np.zeros(s, d),
+    batches = list(producer._from_map_workers(rows, "rows", spec, lambda s, d: np.zeros(s, d),
                                            lambda: workers))
   assert [b.leaves[0][0][0] for b, _, _ in batches] == [2 * i for i in range(20)]
   assert workers.most == {0: 4, 1: 2, 3: 1}[others]  # 4 CPUs: all, a half, a quarter
