@@ -4,7 +4,7 @@ import pathlib
 import time
 
 import sidecar
-from sidecar._src.ckptfmt import shards as shards_lib, spec as spec_lib
+from sidecar._src.ckptfmt import records, spec as spec_lib
 from sidecar._src.ckptfmt.orbax import read as orbax_read
 
 
@@ -24,7 +24,7 @@ def read_phases(directory: str, step: int, names: list[str], shape: list[int]
     t0 = time.perf_counter()
     data = orbax_read.read_item_shard(item, (name,), index, allocate=sidecar.empty)
     t1 = time.perf_counter()
-    shards_lib.shard_crc32c(data)
+    records.shard_crc32c(data)
     out["read"] += t1 - t0
     out["crc32c"] += time.perf_counter() - t1
   return out

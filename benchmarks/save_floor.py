@@ -26,7 +26,7 @@ import jax
 
 from benchmarks import checkpoint
 from benchmarks.common import rate, table
-from sidecar._src.ckptfmt import direct_io, shards as shards_lib
+from sidecar._src.ckptfmt import direct_io, records
 
 
 def main() -> None:
@@ -48,14 +48,14 @@ def main() -> None:
   def crc() -> None:
     direct_io.background_thread()
     for a in arrays:
-      shards_lib.shard_crc32c(a)
+      records.shard_crc32c(a)
 
   def both() -> None:
     direct_io.background_thread()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       written = pool.submit(checkpoint.direct_write_seconds, arrays, directory)
       for a in arrays:
-        shards_lib.shard_crc32c(a)
+        records.shard_crc32c(a)
       written.result()
 
   kinds = {"O_DIRECT writes, 4 at once, SCHED_IDLE": direct,

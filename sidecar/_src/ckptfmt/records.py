@@ -8,7 +8,9 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
 - :class:`ShardId`: a shard of a leaf (its key path and where it lies).
 - :class:`ShardRecord`: one shard of a save, from the plan to the manifest (its id,
   number, host, dtype, shape, size, DCP rank, and its crc32c once written); its bytes
-  travel beside it in a :class:`Staged`.
+  travel beside it in a :class:`Staged`. :func:`shard_crc32c` is that checksum (of the
+  shard's C-order bytes: every format's writer sets it, ``ShardRecord.with_crc32c``) and
+  :func:`check_crc32c` a read's check against it.
 - :class:`ReplicaTarget`: a sidecar that holds replicas of this one's shards. The
   protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
   is a replica target, never a "peer" (which means the trainer's processes).
@@ -29,6 +31,7 @@ import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
@@ -129,6 +132,24 @@ class ShardRecord:
                tuple(int(n) for n in d.get("shape") or ()), int(d.get("nbytes") or 0),
                None if d.get("rank") is None else int(d["rank"]),
                None if d.get("crc32c") is None else int(d["crc32c"]))
+
+
+def shard_crc32c(data: np.ndarray) -> int:
+  """crc32c of an array's C-order bytes, as :attr:`ShardRecord.crc32c` records it."""
+  # memoryview takes any ndarray; numpy declares __buffer__ only from Python 3.12 on.
+  flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+  return crc32c_lib.crc32c(memoryview(flat))  # type: ignore[arg-type]
+
+
+def check_crc32c(final_dir: str, shard: ShardId, data: np.ndarray, crc32c: int, what: str
+                 ) -> None:
+  """CorruptCheckpointError unless ``data`` (the ``what`` of a shard) has ``crc32c``."""
+  if shard_crc32c(data) != crc32c:
+    name = ".".join(str(k) for k in shard.key_path)
+    raise errors.CorruptCheckpointError(
+        f"{final_dir}: array {name!r} shard {[list(i) for i in shard.index]} does not match "
+        f"its crc32c in {MANIFEST_FILE} ({what}): the file is corrupt or was changed after the "
+        "save")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt import registry as formats_lib, shards as shards_lib
+from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
 from sidecar._src.ckptfmt.records import ShardId, Staged
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
@@ -150,7 +150,7 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
   manifest = client.info(0, final).result()
   assert (manifest.format, manifest.step, manifest.data_state) == (name, 3, {"step": 3})
   crc32c = {(c.key_path, c.index): c.crc32c for c in manifest.shards}
-  assert crc32c == {((n,), index): shards_lib.shard_crc32c(_data(n, index))
+  assert crc32c == {((n,), index): records.shard_crc32c(_data(n, index))
                     for n, index in SHARDS}
   # A restore names no format: the sidecar finds it from the manifest.
   assert formats_lib.DEFAULT.of_committed(final).name == name

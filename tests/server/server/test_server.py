@@ -557,8 +557,7 @@ def test_sidecar_empty_outside_a_sidecar_is_numpy():
 
 def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(make_server,
                                                                               tmp_path):
-  from sidecar._src.ckptfmt.records import ShardId, ShardRecord
-  from sidecar._src.ckptfmt.shards import shard_crc32c
+  from sidecar._src.ckptfmt.records import ShardId, ShardRecord, shard_crc32c
   from sidecar._src.wire.checkpoint_wire import record_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
   from tests.conftest import PEER_TOKEN
@@ -596,8 +595,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   """Stream A breaks after stream B resent the replica: A's cleanup drops only its own."""
   import queue
 
-  from sidecar._src.ckptfmt.records import ShardId, ShardRecord
-  from sidecar._src.ckptfmt.shards import shard_crc32c
+  from sidecar._src.ckptfmt.records import ShardId, ShardRecord, shard_crc32c
   from sidecar._src.wire.checkpoint_wire import record_to_pb
   from sidecar._src.wire.protocol import ckpt_pb
   from tests.conftest import PEER_TOKEN

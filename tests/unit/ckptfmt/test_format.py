@@ -16,8 +16,7 @@ import pytest
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
-from sidecar._src.ckptfmt.records import ShardId
-from sidecar._src.ckptfmt.shards import shard_crc32c
+from sidecar._src.ckptfmt.records import ShardId, shard_crc32c
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib

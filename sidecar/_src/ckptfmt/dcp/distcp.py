@@ -58,8 +58,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io, names, records
 from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
-from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
-from sidecar._src.ckptfmt.shards import shard_crc32c
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged, shard_crc32c
 from sidecar._src.core import errors
 
 METADATA_FILE = ".metadata"

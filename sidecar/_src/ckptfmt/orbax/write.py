@@ -22,8 +22,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io, pinned as pinned_lib
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
-from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
-from sidecar._src.ckptfmt.shards import shard_crc32c
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged, shard_crc32c
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import shards as shards_lib
+from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.records import SavedLeaf, ShardId
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
@@ -454,7 +454,7 @@ class ShardRead:
   def _check(self, i: int, label: str, host: int, data: np.ndarray) -> None:
     assert self._crc is not None
     try:
-      shards_lib.check(self._final_dir, ShardId(self._kp, self._index), data, self._crc,
+      records.check_crc32c(self._final_dir, ShardId(self._kp, self._index), data, self._crc,
                        f"{self._sources[i][1]} copy on host {host}")
     except errors.CorruptCheckpointError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))

@@ -14,7 +14,7 @@ import pathlib
 
 import numpy as np
 
-from sidecar._src.ckptfmt import registry as formats_lib, shards as shards_lib
+from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -96,7 +96,7 @@ class Reader:
           # block after an earlier restore checked it. A corrupt copy is one that is not
           # there: tier "any" reads storage instead, the caller's fallback the next copy.
           if crc32c is not None:
-            shards_lib.check(final_dir, shard, data, crc32c,
+            records.check_crc32c(final_dir, shard, data, crc32c,
                              f"{tier} copy on host {self._tier.host_id}")
         except errors.CorruptCheckpointError as e:
           if tier != "any":
@@ -115,6 +115,6 @@ class Reader:
     except (FileNotFoundError, NotADirectoryError) as e:
       raise errors.InvalidArgumentError(f"cannot read {final_dir}: {e}") from None
     if crc32c is not None:
-      shards_lib.check(final_dir, shard, data, crc32c, "stored copy")
+      records.check_crc32c(final_dir, shard, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)
     return data

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import direct_io, shards as shards_lib
+from sidecar._src.ckptfmt import direct_io, records
 from sidecar._src.ckptfmt.records import (
   ReplicaHeader,
   ReplicaPiece,
@@ -235,7 +235,7 @@ class Replicator:
                  ) -> None:
     """Adds a whole shard, if it has the crc32c its sender computed (its record's)."""
     key, crc32c = record.id, record.crc32c
-    if crc32c is None or shards_lib.shard_crc32c(data) != crc32c:
+    if crc32c is None or records.shard_crc32c(data) != crc32c:
       raise errors.InvalidArgumentError(
           f"receive: shard {[*key.key_path]} {[list(i) for i in key.index]} of host "
           f"{replica.source}'s "

@@ -196,7 +196,7 @@ def test_torn_write_is_detected_and_ram_tier_serves(cluster, tmp_path, tear):
 
 def test_manifest_checksums_match_the_files(cluster, tmp_path):
   """Each shard's crc32c in the manifest is that of its chunk as stored."""
-  from sidecar._src.ckptfmt import shards as shards_lib
+  from sidecar._src.ckptfmt import records
   from sidecar._src.ckptfmt.orbax import read as orbax_read
   state = make_state()
   state["transposed"] = np.arange(64 * 48, dtype=np.float32).reshape(64, 48).T  # not C order
@@ -208,7 +208,7 @@ def test_manifest_checksums_match_the_files(cluster, tmp_path):
   for s in manifest["shards"]:
     data = orbax_read.read_leaf(tmp_path / "ck" / "1", tuple(s["key_path"]),
                         tuple(tuple(i) for i in s["index"]))
-    assert s["nbytes"] == data.nbytes and s["crc32c"] == shards_lib.shard_crc32c(data), s
+    assert s["nbytes"] == data.nbytes and s["crc32c"] == records.shard_crc32c(data), s
   assert any(s["crc32c"] != 0 for s in manifest["shards"])
 
 

@@ -162,14 +162,14 @@ def handshake(server, *, replica_token: str | None = None) -> tuple[grpc.Channel
 
 def replica(directory, values: np.ndarray, *, crc32c: int | None = None, step: int = 1):
   """The messages of a replica of host 0's one shard of ``{"w": values}``, inline."""
-  from sidecar._src.ckptfmt import shards as shards_lib
+  from sidecar._src.ckptfmt import records
   from sidecar._src.wire import checkpoint_wire as wire
   header = ckpt_pb.ReplicaHeader(directory=str(directory), step=step,
                                  final_dir=str(directory / str(step) / "default"), source=0)
   record = ShardRecord.of(ShardId(("w",), ((0, values.size),)), 0, values, host=0)
   part = ckpt_pb.ReplicaPart(
       record=wire.record_to_pb(record.with_crc32c(
-          shards_lib.shard_crc32c(values) if crc32c is None else crc32c)),
+          records.shard_crc32c(values) if crc32c is None else crc32c)),
       offset=0, data=values.tobytes())
   return [ckpt_pb.ReceiveRequest(header=header), ckpt_pb.ReceiveRequest(part=part),
           ckpt_pb.ReceiveRequest(done=True)]

@@ -19,8 +19,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
-from sidecar._src.ckptfmt.records import Manifest, Staged
-from sidecar._src.ckptfmt.shards import shard_crc32c
+from sidecar._src.ckptfmt.records import Manifest, Staged, shard_crc32c
 from sidecar._src.core import errors
 
 pytestmark = [pytest.mark.unit,

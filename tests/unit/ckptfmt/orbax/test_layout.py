@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sidecar._src.ckptfmt import direct_io, shards as shards_lib, spec as spec_lib
+from sidecar._src.ckptfmt import direct_io, records, spec as spec_lib
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
   read as orbax_read,
@@ -149,7 +149,7 @@ def test_hosts_write_parts_and_stock_orbax_restores(tree, mesh, tmp_path, num_ho
                else 1 for _, v in flat(tree))
   assert len(sums) == unique
   for s in sums:
-    assert s.crc32c == shards_lib.shard_crc32c(orbax_read.read_leaf(final, s.key_path, s.index)), s
+    assert s.crc32c == records.shard_crc32c(orbax_read.read_leaf(final, s.key_path, s.index)), s
 
 
 def test_layout_matches_stock_orbax(tree, mesh, tmp_path, stock_plain_dir):

@@ -12,7 +12,7 @@ import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.orbax import commit as orbax_commit, write as orbax_write
-from sidecar._src.ckptfmt.shards import shard_crc32c
+from sidecar._src.ckptfmt.records import shard_crc32c
 from sidecar._src.core import errors
 from tests.support import orbax_steps
 from tests.support.orbax_steps import SPECS, E, W
