@@ -35,10 +35,14 @@ from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.plugs import Agreement, KeyValueAgreement, Setup
+from sidecar._src.controller.checkpoint.plugs import (
+  Agreement,
+  KeyValueAgreement,
+  SaveCoordinator,
+  Setup,
+)
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save import SaveCoordinator
 from sidecar._src.controller.checkpoint.save_protocol import agree_on_save
 from sidecar._src.controller.checkpoint.save_run import Ending
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot

@@ -13,7 +13,8 @@ Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Set
   copied and rebuilt. :class:`KeyValueAgreement` (JAX's, the numpy core's): the
   framework's shards (``controller/framework.Framework``), process 0 begins and commits,
   the processes agree through their key-value store (``save_run.KeyValue``), each
-  stages its own shards from one finisher thread (``save.SaveCoordinator``).
+  stages its own shards from one finisher thread (:class:`SaveCoordinator`, here: the
+  key-value plug's saves).
   ``torch/checkpointer.DcpAgreement``: DCP's planner over the state dict, through
   ``dcp.async_save`` with ``torch/storage.StorageWriter``, whose hooks drive the run
   (``save_run.Coordinator``: DCP's own gather and scatter around ``prepare_global_plan``
@@ -21,22 +22,41 @@ Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Set
 
 A plug answers by method (``mark_committed``, ``restore_from``: an Orbax manager's items,
 which only the key-value plug saves), never by a type test.
+
+The key-value plug's saves (:class:`SaveCoordinator`): a save copies every addressable
+shard once into the arena of the host that owns its device (replicated shards once)
+through the one stager (``staging.copy_in``), hands the blocks on in lots and returns; a
+shard still on its way from an accelerator (a ``DeviceCopy``) is copied by the stager
+thread once it has landed, after the save returned. One finisher thread then drives the
+step's ``save_run.SaveRun`` (begin, stage the lots, finish: replicate, prepared, commit
+or abort, mark committed) and ends it (``durable``, ``replicated``).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
+import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
+from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
-from sidecar._src.controller.checkpoint.save import SaveCoordinator
-from sidecar._src.controller.checkpoint.save_run import Ending
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
+from sidecar._src.controller.checkpoint.save_run import Ending, KeyValue, SaveRun
+from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
 from sidecar._src.controller.checkpoint.target import Target
+from sidecar._src.controller.framework import Framework
+from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,7 +129,7 @@ class Agreement(abc.ABC):
 
 
 class KeyValueAgreement(Agreement):
-  """JAX's and the numpy core's: ``save.SaveCoordinator`` stages this process's shards,
+  """JAX's and the numpy core's: :class:`SaveCoordinator` stages this process's shards,
   process 0 begins and commits, the processes agree through their key-value store; a
   restore reads each shard from a live copy (``restore.Restorer``)."""
 
@@ -152,3 +172,180 @@ class KeyValueAgreement(Agreement):
         while finisher.is_alive():  # a join Ctrl-C can stop
           finisher.join(interrupts.POLL_S)
           interrupts.check()
+
+
+def _mib(nbytes: int) -> str:
+  """``nbytes`` rounded up to whole MiB, as --shm-size takes it."""
+  return f"{-(-nbytes // (1 << 20))}MiB"
+
+
+class SaveCoordinator:
+  """Runs saves: stages this process's shards, then commits with the others or aborts.
+
+  Args:
+    client: the sidecars.
+    directory: the checkpoint directory (absolute).
+    hosts: every sidecar host; ``local``: those this process stages into.
+    device_hosts: the host of each device id.
+    peers: the trainer processes; process 0 begins, commits and aborts.
+    replicas: peer copies per shard; ``placement``: each host's peers (by host id: each
+      sidecar knows their addresses); ``replica_bandwidth``: bytes/s, or None.
+    framework: describes a state tree's shards (which this process saves).
+    format: the format the sidecars write (``CheckpointOptions.format_for`` chose it).
+    writers: the processes that stage into each host, where several share one (each
+      sends its own parts; the host's step is whole once all of them have).
+  """
+
+  def __init__(self, *, client: CheckpointTransport, directory: str, hosts: list[int],
+               local: list[int], device_hosts: Mapping[int, int], peers: Peers,
+               replicas: int, placement: Mapping[int, Sequence[int]],
+               replica_bandwidth: int | None, framework: Framework, format: str,
+               writers: Mapping[int, Sequence[int]] | None = None):
+    self._framework = framework
+    self.client, self.directory, self._hosts, self.local = client, directory, hosts, local
+    self._device_hosts, self._peers = device_hosts, peers
+    self._lead = peers.index == 0
+    self._replicas, self._placement = replicas, placement
+    self._replica_bandwidth = replica_bandwidth
+    self.fmt = formats_lib.DEFAULT.get(format)  # its layout: where a step's Target goes
+    self._protocol = SaveProtocol(client=client, directory=directory, format=format,
+                                  writers=writers)
+    # Every save's finisher that may still run: one copies and commits while the trainer
+    # goes on; ``close`` joins them.
+    self.finishers: list[threading.Thread] = []
+
+  def save_to(self, target: Target, tree: Any, *, data_state_json: str,
+              ending: Ending) -> None:
+    """Copies ``tree`` into the arenas; the sidecars write and commit ``target`` (one
+    :class:`~sidecar._src.controller.checkpoint.save_run.SaveRun`, which the finisher
+    thread drives and ends: ``plugs.Agreement.start``)."""
+    run = self.run(target, ending)
+    # Parts go to the sidecars while the copy goes on: their writes overlap the rest
+    # of the copy.
+    staged: queue.SimpleQueue = queue.SimpleQueue()  # the lots, as copied
+    lots = Lots(self.local, staged.put)
+    try:
+      specs, copies = self._plan(tree)
+      need = self._check_fits(copies)
+    except BaseException as e:
+      if self._peers.count > 1:  # the other processes wait for this one's part: tell them
+        staged.put(e)
+        self._start_finisher(run, lots, staged, [], data_state_json).join()
+      raise
+    finisher = self._start_finisher(run, lots, staged, specs, data_state_json)
+    try:
+      self._allocate(copies, need)
+    except BaseException as e:
+      copies.clear()  # The traceback keeps this frame: let the blocks go.
+      lots.fail(e.with_traceback(None))  # the save is aborted
+      finisher.join()  # and its files are gone before the caller can retry the step
+      raise
+    try:
+      lots.stager = copy_in(copies, lots)
+    except BaseException:  # copy_in failed the lots: the save is aborted
+      finisher.join()
+      raise
+    # The finisher joins the stager, if any.
+
+  def run(self, target: Target, ending: Ending | None) -> SaveRun:
+    """The save of ``target``: this process stages its own hosts, the processes agree
+    through their key-value store (``ending.key``'s)."""
+    key = ending.key if ending is not None else ""
+    return SaveRun(self._protocol, target, hosts=self._hosts, local=self.local,
+                   placement=self._placement, bandwidth=self._replica_bandwidth,
+                   coordination=KeyValue(self._peers, key, self.local), ending=ending)
+
+  def _allocate(self, copies: list[ShardCopy], need: Mapping[int, int]) -> None:
+    """An arena block for each shard to copy: one request per host."""
+    for host in self.local:
+      try:
+        allocate(self.client.empty_like, copies, host)
+      except errors.ResourceExhaustedError as e:
+        if isinstance(e, errors.BusyError):
+          raise
+        raise errors.ResourceExhaustedError(
+            f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
+            f"to copy there): {e}; nothing was kept") from None
+
+  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[ShardCopy]]:
+    """Leaf specs, and a :class:`ShardCopy` for every shard to copy, each once.
+
+    The framework says which shards this process saves (of replicated ones only
+    replica 0, by the process that holds it); those on no device, process 0 copies
+    into its first host.
+    """
+    specs, plan = [], []
+    for i, leaf in enumerate(self._framework.save_leaves(tree)):
+      specs.append(leaf.spec)
+      for shard in leaf.shards:
+        if shard.device_id is None:
+          if self._lead:
+            plan.append(ShardCopy(ShardRecord.of(ShardId(leaf.spec.key_path, shard.index), i,
+                                                 shard.data, host=self.local[0]), shard.data))
+          continue
+        host = self._device_hosts.get(shard.device_id)
+        if host is None:
+          raise errors.InvalidArgumentError(
+              f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
+              "no sidecar host declares (sidecar serve --device-ids)")
+        plan.append(ShardCopy(ShardRecord.of(ShardId(leaf.spec.key_path, shard.index), i,
+                                             shard.data, host=host), shard.data))
+    return specs, plan
+
+  def _check_fits(self, copies: list[ShardCopy]) -> dict[int, int]:
+    """The arena bytes the copies take on each host; raises where they exceed a whole arena
+    (no rpc while the trainer waits: an arena too full now fails the copy's allocation)."""
+    need: dict[int, int] = {}
+    for c in copies:
+      need[c.host] = need.get(c.host, 0) + -(-max(c.nbytes, 1) // shm.PAGE) * shm.PAGE
+    short = {h: (n, size) for h, n in need.items()
+             if (size := self.client.arena_size(h)) is not None and n > size}
+    if short:
+      detail = "; ".join(f"host {h} needs {shm.format_size(n)}, its arena is "
+                         f"{shm.format_size(size)}" for h, (n, size) in short.items())
+      most = max(n for n, _ in short.values())
+      keep = 2 + self._replicas  # this save, the last committed step, R others' replicas
+      raise errors.ResourceExhaustedError(
+          f"the state does not fit the arenas ({detail}); nothing was copied. This save "
+          f"alone needs --shm-size {_mib(most)} (LocalCluster's shm_size=\"{_mib(most)}\"); "
+          f"saving on while training needs about --shm-size {_mib(keep * most)}: "
+          f"{keep} x {shm.format_size(most)}, assuming the default ram_steps=1 (the last "
+          "committed step stays in the arena beside the next save)"
+          + (f" and replicas={self._replicas} (as many other hosts' parts held here)"
+             if self._replicas else "")
+          + ", plus the bytes of the batches your feeds prefetch")
+    return need
+
+  def _start_finisher(self, run: SaveRun, lots: Lots, staged: queue.SimpleQueue,
+                      leaves: list, data_json: str) -> threading.Thread:
+    finisher = threading.Thread(target=self._finish,
+                                args=(run, lots, staged, leaves, data_json),
+                                daemon=True, name=f"sidecar-save-{run.step}")
+    self.finishers = [t for t in self.finishers if t.is_alive()] + [finisher]
+    finisher.start()
+    return finisher
+
+  def _finish(self, run: SaveRun, lots: Lots, staged: queue.SimpleQueue,
+              leaves: list[spec_lib.LeafSpec], data_json: str) -> None:
+    """The finisher: begins the step, stages this process's lots, finishes the run
+    with the others (commit or abort), then ends it (``durable``, ``replicated``)."""
+    try:
+      error: BaseException | None = None
+      try:
+        run.begin()
+        run.stage(staged, leaves=leaves)
+      except BaseException as e:  # every process must reach the commit's agreement
+        error = e.with_traceback(None)  # its frames would hold the staged blocks
+      try:
+        run.finish(error, leaves=leaves, data_state_json=data_json)
+        error = None
+      except BaseException as e:  # the save failed: its futures say why
+        error = e
+      run.end(error)
+    finally:
+      if lots.stager is not None:
+        lots.stager.wait()  # done, or copying what nobody will stage
+
+  def mark_committed(self, target: Target) -> None:
+    """Tells the RAM tiers the step is visible (an Orbax manager's commit)."""
+    self._protocol.mark_committed(target, self.local)

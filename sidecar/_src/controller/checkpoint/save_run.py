@@ -1,7 +1,7 @@
 """One save step, whichever framework drives it: :class:`SaveRun`.
 
 A save step is one object from begin to its end, and both frameworks call the same
-methods on it: the key-value path (``save.SaveCoordinator``: JAX's and the numpy core's)
+methods on it: the key-value path (``plugs.SaveCoordinator``: JAX's and the numpy core's)
 from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 (``prepare_global_plan`` begins, ``write_data`` stages, ``finish`` finishes, and
 ``torch/checkpointer.DcpAgreement`` ends it once DCP's upload ended):
