@@ -29,7 +29,7 @@ except ImportError as _e:
 from typing import Any as _Any
 
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
-from sidecar._src.controller.checkpoint.target import SaveHandle
+from sidecar._src.controller.checkpoint.save_run import SaveHandle
 from sidecar._src.core import deprecation as _deprecation
 from sidecar._src.jax.controller import Controller
 from sidecar._src.jax.distributed import JaxPeers, initialize, is_initialized

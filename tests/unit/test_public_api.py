@@ -70,13 +70,13 @@ def test_jax_api_is_pinned():
 def test_the_object_a_user_saves_with_has_one_public_type_in_both_frameworks():
   import sidecar.jax
   import sidecar.torch
-  from sidecar._src.controller.checkpoint import checkpointer, target
+  from sidecar._src.controller.checkpoint import checkpointer, save_run
   # ctl.checkpointer's class is sidecar.jax's; PyTorch's is a class built on it (a call
   # makes one, as when it was a function), so isinstance works against either.
   assert sidecar.jax.Checkpointer is checkpointer.Checkpointer
   assert isinstance(sidecar.torch.Checkpointer, type)
   assert issubclass(sidecar.torch.Checkpointer, sidecar.jax.Checkpointer)
-  assert sidecar.jax.SaveHandle is sidecar.torch.SaveHandle is target.SaveHandle
+  assert sidecar.jax.SaveHandle is sidecar.torch.SaveHandle is save_run.SaveHandle
   returns = typing.get_type_hints(sidecar.jax.Controller.checkpointer)["return"]
   assert returns is sidecar.jax.Checkpointer
 

@@ -29,8 +29,8 @@ from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.plugs import Agreement, Setup
-from sidecar._src.controller.checkpoint.save_run import Ending
-from sidecar._src.controller.checkpoint.target import SaveHandle, Target
+from sidecar._src.controller.checkpoint.save_protocol import Target
+from sidecar._src.controller.checkpoint.save_run import Ending, SaveHandle
 from sidecar._src.core import errors, interrupts
 from sidecar._src.torch import controller as torch_controller, storage
 

@@ -61,11 +61,10 @@ from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.restore import ShardReads
-from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
 from sidecar._src.controller.checkpoint.save_run import Coordinator, Ending, SaveRun
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
-from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees
 from sidecar._src.torch import (
   controller as torch_controller,

@@ -43,15 +43,14 @@ from sidecar._src.controller.checkpoint.plugs import (
 )
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save_protocol import agree_on_save
-from sidecar._src.controller.checkpoint.save_run import Ending
-from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
-from sidecar._src.controller.checkpoint.target import (
+from sidecar._src.controller.checkpoint.save_protocol import Target
+from sidecar._src.controller.checkpoint.save_run import (
+  Ending,
   SaveHandle,
-  Target,
+  agree_on_save,
   done_handle,
-  replica_hosts,
 )
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts, progress as progress_lib

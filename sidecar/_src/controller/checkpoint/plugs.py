@@ -2,7 +2,7 @@
 
 The Checkpointer owns what every framework's checkpoints share: the options, the steps
 (``retention.Retention``), one save in flight and the processes' agreement on it
-(``if_busy``), the :class:`~sidecar._src.controller.checkpoint.target.SaveHandle`,
+(``if_busy``), the :class:`~sidecar._src.controller.checkpoint.save_run.SaveHandle`,
 ``wait``, ``close``, the RAM tier's drop. Every save is one ``save_run.SaveRun`` (begin,
 stage, the one finish, the end). What differs between frameworks is one small object, as
 Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Setup`
@@ -48,10 +48,9 @@ from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
-from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol
+from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
 from sidecar._src.controller.checkpoint.save_run import Ending, KeyValue, SaveRun
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
-from sidecar._src.controller.checkpoint.target import Target
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts

@@ -1,33 +1,33 @@
-"""The save protocol's calls on the sidecars, once for every framework and format.
+"""The save protocol on the sidecars, once for every framework and format: where a step
+goes (:class:`Target`) and the calls of each phase on it (:class:`SaveProtocol`).
+
+A :class:`Target` is the address every phase's call takes: the step's directories, which
+are its format's (``ckptfmt.Format``; a Target places nothing itself, so a new format with
+any layout changes nothing here), its tmp ones Begin's answer.
 
 :class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
 phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
 (:class:`Sends`), prepared (each host's shards' records once written), commit once or abort
 everywhere, mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
 the same order for every framework, and decides between them what follows what.
-:func:`end_save` is the end of a save in one process (durable, listed, retention, then
-``replicated`` once every process knows; ``SaveRun.end`` calls it), and
-:func:`agree_on_save` the processes' agreement on a save's step and whether one is in
-flight (the one Checkpointer calls it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
+import dataclasses
 import logging
+import pathlib
 import queue
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.records import Replicated, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
 from sidecar._src.controller.checkpoint.staging import Lot
-from sidecar._src.controller.checkpoint.target import SaveHandle, Target
-from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,52 @@ log = logging.getLogger(__name__)
 LONG_S = 3600.0
 # An abort waits for the host's writer to stop (up to a minute there).
 _ABORT_S = 90.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+  """Where a step goes: the directory its save writes, and where that is once committed.
+
+  ``directory``: where the step lies (what its save opens). ``tmp_step``: the whole
+  uncommitted step, which an aborted save removes once every host let go of it (Begin's
+  answer); empty where another commits the step (``whole_step`` False). ``fmt``: the
+  format whose layout every directory here is.
+  """
+  directory: str
+  step: int
+  tmp_dir: str
+  final_dir: str
+  whole_step: bool  # True: our commit renames the step; False: another (Orbax's manager)
+  tmp_step: str
+  fmt: Format
+
+  @classmethod
+  def for_step(cls, fmt: Format, path: str, step: int, *, directory: str | None = None
+               ) -> Target:
+    """Step ``step`` of ``path`` (what Begin is given: a checkpoint root for Orbax's
+    layout, the checkpoint itself for DCP's) in ``fmt``'s layout, not begun. Its
+    ``final_dir`` is ``fmt``'s (:meth:`Format.final_dir`), made of ``path`` as the client
+    spells it, never resolved: the manifest's directory, the RAM tier's key and what a
+    restore reads. Its tmp directories are Begin's answer (:meth:`begun`). ``directory``:
+    where the step lies, default ``path``."""
+    return cls(path if directory is None else directory, step, "", fmt.final_dir(path, step),
+               True, "", fmt)
+
+  def begun(self, tmp_step: str) -> Target:
+    """This step once a sidecar began it in ``tmp_step`` (Begin's answer): written where
+    its format stages in that directory (:meth:`Format.staged_dirs`); its ``final_dir``
+    stays the client's own."""
+    tmp_dir, _ = self.fmt.staged_dirs(tmp_step)
+    return dataclasses.replace(self, tmp_dir=tmp_dir, tmp_step=tmp_step)
+
+  @classmethod
+  def in_step(cls, fmt: Format, directory: str, tmp_dir: str, step: int) -> Target:
+    """``tmp_dir``, a directory inside an uncommitted step of ``directory`` that another
+    commits (an ``ocp.CheckpointManager``): written where it is; once committed, where
+    ``fmt`` puts it (:meth:`Format.final_of`; itself if it lies in no uncommitted step)."""
+    found = fmt.final_of(pathlib.Path(tmp_dir))
+    final = tmp_dir if found is None else str(found.final)
+    return cls(directory, step, tmp_dir, final, False, "", fmt)
 
 
 class SaveProtocol:
@@ -260,77 +306,3 @@ def _could_not(what: str, host: int, e: errors.SidecarError, then: str, lost: st
     log.info("%s (host %d: %s)", lost, host, str(e))
   else:
     log.warning("could not %s on host %d: %s%s", what, host, str(e), f"; {then}" if then else "")
-
-
-def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
-  """Checks every process saves ``step`` (raises in every process if not); returns
-  whether any process has a save in flight, so that all take the same busy decision
-  (``if_busy``: wait for it, or skip this save)."""
-  if peers.count == 1:
-    return busy
-  gathered = [json.loads(v) for v in peers.all_gather(
-      key, json.dumps({"step": step, "busy": busy}))]
-  if len({g["step"] for g in gathered}) > 1:
-    raise errors.InvalidArgumentError(
-        f"the {peers.count} processes disagree on the step of {what}: "
-        + "; ".join(f"process {p}: step {g['step']}" for p, g in enumerate(gathered))
-        + ". Every process must call save with the same step, in the same order")
-  return any(g["busy"] for g in gathered)
-
-
-def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseException | None,
-                      *, peers: Peers, key: str) -> None:
-  """Resolves ``future`` (a handle's ``replicated``) with this process's outcome, and
-  under N processes once every process's is (or failed): the first failure fails it."""
-  if future.done():
-    return
-  if peers.count > 1:
-    peers.publish(f"{key}/replicated", describe(mine))
-    for p in range(peers.count):
-      if mine is not None:
-        break
-      try:
-        theirs = peers.read(f"{key}/replicated", p, timeout=sync_timeout())
-      except errors.SidecarError as e:
-        theirs = describe(e)
-      if theirs:
-        mine = errors.HostLostError(f"process {p} could not replicate step {step}: {theirs}")
-  resolve(future, mine, step)
-
-
-def end_save(handle: SaveHandle, error: BaseException | None, *,
-             listed: Callable[[], None] | None, collect_garbage: Callable[[], None] | None,
-             replication: Callable[[], BaseException | None], peers: Peers, key: str) -> None:
-  """The end of one save in one process, whichever framework's: ``durable`` fails with
-  ``error``, or the step is listed (``listed``), ``durable`` resolves and the steps no
-  longer kept are deleted (no part of this save's time); then ``replicated`` settles,
-  once every process knows how its replication went (``replication()``: this process's
-  outcome, waited for). Blocks: a save's own thread calls it."""
-  if error is not None:
-    resolve(handle.durable, error, None)
-  else:
-    if listed is not None:
-      listed()
-    resolve(handle.durable, None, handle.step)
-    if collect_garbage is not None:
-      collect_garbage()
-  if not handle.replicated.done():
-    settle_replicated(handle.replicated, handle.step,
-                      error if error is not None else replication(), peers=peers, key=key)
-
-
-def resolve(future: concurrent.futures.Future, error: BaseException | None, value: Any
-             ) -> None:
-  """Sets ``future`` unless it is set already (a callback and a thread may race)."""
-  try:
-    if error is not None:
-      future.set_exception(error)
-    else:
-      future.set_result(value)
-  except concurrent.futures.InvalidStateError:
-    pass
-
-
-def describe(e: BaseException | None) -> str:
-  """An error as one line of text for the other processes (empty: none)."""
-  return f"{type(e).__name__}: {e}"[:2000] if e is not None else ""

@@ -12,16 +12,22 @@ from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 - :meth:`SaveRun.finish`, the one place that decides what follows staging: the
   replication starts, each host's writes end (prepared), the processes agree, the lead
   commits once or every host aborts, the RAM tiers are told the step is committed;
-- :meth:`SaveRun.end`: the Checkpointer's end of the step (``save_protocol.end_save``:
-  listed, ``durable``, old steps deleted, ``replicated``), on the calling thread;
+- :meth:`SaveRun.end`: the Checkpointer's end of the step (:func:`end_save`: listed,
+  ``durable``, old steps deleted, ``replicated`` once every process knows), on the
+  calling thread;
 - :attr:`SaveRun.stats`: its stage and replication times and bytes.
+
+The :class:`SaveHandle` a save returns is the step's: the run resolves its ``staged``,
+``durable`` and ``replicated``; a Checkpointer's save ends as its :class:`Ending` says.
 
 What differs is how the trainer processes agree (:class:`Coordination`): through their
 key-value store (:class:`KeyValue`: process 0 begins and commits, every process stages
 its own hosts and says at the commit whether it succeeded), or as DCP does it
 (:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results, and
-its coordinator rank alone begins, waits for every host and commits). The phases' calls
-on the sidecars are ``save_protocol.SaveProtocol``'s.
+its coordinator rank alone begins, waits for every host and commits). Before a step, the
+processes agree on it and on whether a save is in flight (:func:`agree_on_save`, which the
+Checkpointer calls). The phases' calls on the sidecars, and the step's
+``save_protocol.Target``, are ``save_protocol``'s.
 """
 
 from __future__ import annotations
@@ -34,20 +40,14 @@ import json
 import queue
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save_protocol import (
-  LONG_S,
-  SaveProtocol,
-  describe,
-  end_save,
-  resolve,
-)
+from sidecar._src.controller.checkpoint.save_protocol import LONG_S, SaveProtocol, Target
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
-from sidecar._src.controller.checkpoint.target import SaveHandle, Target
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
 from sidecar._src.wire import protocol
@@ -153,8 +153,30 @@ class Coordinator(Coordination):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SaveHandle:
+  """``staged``: the state is in the arenas (the trainer may change its arrays);
+  ``durable``: the step is committed on storage; ``replicated``: every shard has its
+  replica copies (``replicas=R``; at once with R=0, JAX's and PyTorch's alike). All are
+  ``concurrent.futures.Future``s that hold the step (None for a skipped save)."""
+  step: int
+  staged: concurrent.futures.Future
+  durable: concurrent.futures.Future
+  replicated: concurrent.futures.Future = dataclasses.field(
+      default_factory=concurrent.futures.Future)
+
+
+def done_handle(step: int, value: Any) -> SaveHandle:
+  staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
+  staged.set_result(value)
+  durable.set_result(value)
+  replicated: concurrent.futures.Future = concurrent.futures.Future()
+  replicated.set_result(value)
+  return SaveHandle(step, staged, durable, replicated)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Ending:
-  """How a Checkpointer's save ends (``save_protocol.end_save``): its ``handle``, the
+  """How a Checkpointer's save ends (:func:`end_save`): its ``handle``, the
   processes that settle ``replicated`` together under ``key``, and the steps a commit
   lists (``retention``; None: no step of its own, as an Orbax manager's item)."""
   handle: SaveHandle
@@ -338,3 +360,77 @@ def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:
   error = protocol.error_from_dict(d, host=f"trainer process {process}")
   error.add_note(note)
   return error
+
+
+def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
+  """Checks every process saves ``step`` (raises in every process if not); returns
+  whether any process has a save in flight, so that all take the same busy decision
+  (``if_busy``: wait for it, or skip this save)."""
+  if peers.count == 1:
+    return busy
+  gathered = [json.loads(v) for v in peers.all_gather(
+      key, json.dumps({"step": step, "busy": busy}))]
+  if len({g["step"] for g in gathered}) > 1:
+    raise errors.InvalidArgumentError(
+        f"the {peers.count} processes disagree on the step of {what}: "
+        + "; ".join(f"process {p}: step {g['step']}" for p, g in enumerate(gathered))
+        + ". Every process must call save with the same step, in the same order")
+  return any(g["busy"] for g in gathered)
+
+
+def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseException | None,
+                      *, peers: Peers, key: str) -> None:
+  """Resolves ``future`` (a handle's ``replicated``) with this process's outcome, and
+  under N processes once every process's is (or failed): the first failure fails it."""
+  if future.done():
+    return
+  if peers.count > 1:
+    peers.publish(f"{key}/replicated", describe(mine))
+    for p in range(peers.count):
+      if mine is not None:
+        break
+      try:
+        theirs = peers.read(f"{key}/replicated", p, timeout=sync_timeout())
+      except errors.SidecarError as e:
+        theirs = describe(e)
+      if theirs:
+        mine = errors.HostLostError(f"process {p} could not replicate step {step}: {theirs}")
+  resolve(future, mine, step)
+
+
+def end_save(handle: SaveHandle, error: BaseException | None, *,
+             listed: Callable[[], None] | None, collect_garbage: Callable[[], None] | None,
+             replication: Callable[[], BaseException | None], peers: Peers, key: str) -> None:
+  """The end of one save in one process, whichever framework's: ``durable`` fails with
+  ``error``, or the step is listed (``listed``), ``durable`` resolves and the steps no
+  longer kept are deleted (no part of this save's time); then ``replicated`` settles,
+  once every process knows how its replication went (``replication()``: this process's
+  outcome, waited for). Blocks: a save's own thread calls it."""
+  if error is not None:
+    resolve(handle.durable, error, None)
+  else:
+    if listed is not None:
+      listed()
+    resolve(handle.durable, None, handle.step)
+    if collect_garbage is not None:
+      collect_garbage()
+  if not handle.replicated.done():
+    settle_replicated(handle.replicated, handle.step,
+                      error if error is not None else replication(), peers=peers, key=key)
+
+
+def resolve(future: concurrent.futures.Future, error: BaseException | None, value: Any
+             ) -> None:
+  """Sets ``future`` unless it is set already (a callback and a thread may race)."""
+  try:
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(value)
+  except concurrent.futures.InvalidStateError:
+    pass
+
+
+def describe(e: BaseException | None) -> str:
+  """An error as one line of text for the other processes (empty: none)."""
+  return f"{type(e).__name__}: {e}"[:2000] if e is not None else ""

@@ -3,7 +3,7 @@
 What JAX's and PyTorch's checkpointers (``controller/checkpoint/checkpointer.py``,
 ``torch/storage.py``, ``torch/checkpointer.py``) need of a controller, handed out by
 ``Controller.checkpoint_sidecars()``: the checkpoint client, which hosts there are and
-which this process drives, and where each host's replicas go.
+which this process drives, and where each host's replicas go (:func:`replica_hosts`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
-from sidecar._src.controller.checkpoint.target import replica_hosts
 from sidecar._src.controller.goodput import Recorder
 
 log = logging.getLogger(__name__)
@@ -60,3 +59,13 @@ class SidecarsSnapshot:
     """``{host: the hosts that keep its replicas}`` (another slice's first)."""
     slices = {h: int(self.records.get(h, {}).get("slice_id", 0)) for h in self.hosts}
     return {h: replica_hosts(slices, h, replicas) for h in self.hosts}
+
+
+def replica_hosts(slices: dict[int, int], host: int, replicas: int) -> list[int]:
+  """The ``replicas`` hosts that keep copies of ``host``'s shards: the next hosts in host
+  order (wrapping), those on another slice first."""
+  order = sorted(slices)
+  i = order.index(host)
+  ring = order[i + 1:] + order[:i]
+  return ([h for h in ring if slices[h] != slices[host]]
+          + [h for h in ring if slices[h] == slices[host]])[:replicas]

@@ -81,7 +81,7 @@ class OwnTmp(FakeSidecars):
 
 
 def test_a_step_is_written_in_the_tmp_directory_begin_answered():
-  """target.py worked the directory out itself and ignored begin's answer."""
+  """Target once worked the directory out itself and ignored begin's answer."""
   fake = OwnTmp(hosts=(0,))
   with checkpointer(fake) as ckpt:
     assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
