@@ -11,13 +11,28 @@ warm-up save, then one traced save per path:
   the checkpointer's threads are joined (``ckpt.wait()``).
 - ``dcp``: ``sidecar.torch.Checkpointer(dir, replicas=1)``'s save (DCP's hooks), the same.
 
-Per path it prints:
+Per path it prints two counts of files, each a set of distinct ``sidecar/_src`` files whose
+functions ran during the save (``sys.setprofile`` and ``threading.setprofile``: every
+thread); a file counts once, whichever side and thread ran it:
 
-- files: the distinct ``sidecar/_src`` files whose functions ran during the save
-  (``sys.setprofile`` and ``threading.setprofile``: every thread), split into the
-  sidecar's (``server/``), the trainer's (``controller/``, ``jax/``, ``torch/``,
-  ``arena/``, ``streams/``) and the shared lower layers (``core/``, ``wire/``,
-  ``ckptfmt/``); a shared file counts once.
+- files, inclusive: every such file, the save's own code and every RPC's infrastructure
+  it goes through (the sidecar's admission, limits, leases, tenants, metrics, the
+  arena, env, addresses, codecs, goodput, ...), split into the sidecar's (``server/``),
+  the trainer's (``controller/``, ``jax/``, ``torch/``, ``arena/``, ``streams/``) and
+  the shared lower layers (``core/``, ``wire/``, ``ckptfmt/``, ``user/``).
+- files on the save's path: of those, the checkpoint code a reader follows through a
+  save (:data:`SAVE_PATH_FOLDERS`, :data:`SAVE_PATH_MODULES`; listed): every module of
+  ``controller/checkpoint/``, ``ckptfmt/`` (the formats, both of them) and
+  ``server/checkpoint/``; and the modules
+  elsewhere whose concept is checkpointing: ``controller/framework.py`` (what a
+  framework hands a save), ``jax/checkpoint.py``, ``jax/framework.py``,
+  ``jax/orbax_handler.py``, DCP's ``torch/checkpointer.py``, ``torch/storage.py``,
+  ``torch/metadata.py``, ``torch/framework.py`` (``jax/framework.py``'s counterpart), and
+  ``wire/checkpoint_wire.py``. Not on it, though they run: the modules a save shares
+  with every RPC or with the feeds (``controller/peers.py``, ``controller/sidecars.py``,
+  ``controller/connection.py``, ``torch/controller.py``, ``torch/tensors.py``,
+  ``arena/``, ``core/``, ``server/`` outside ``server/checkpoint/``, the rest of
+  ``wire/``). Issue 56 asked for at most 30 on a JAX save's path.
 - trainer threads: the distinct threads that ran the checkpoint core
   (``controller/checkpoint/``) or a framework's adapter (``jax/``, ``torch/``) during the
   save, by name: the caller's, a finisher, a stager, DCP's executor; gRPC's own threads,
@@ -93,6 +108,20 @@ CARRIERS: list[tuple[str, str]] = [
     ("ShardCopy", "controller/checkpoint/staging.py: a record, its data and arena block"),
     ("ReplicaPiece", "ckptfmt/records.py: a record and where some of its bytes go"),
 ]
+
+# A save's own path (see the module): folders whose every module is checkpointing, and
+# the checkpoint modules of other folders.
+SAVE_PATH_FOLDERS = ("controller/checkpoint/", "ckptfmt/", "server/checkpoint/")
+SAVE_PATH_MODULES = frozenset({
+    "controller/framework.py", "jax/checkpoint.py", "jax/framework.py", "jax/orbax_handler.py",
+    "torch/checkpointer.py", "torch/storage.py", "torch/metadata.py", "torch/framework.py",
+    "wire/checkpoint_wire.py"})
+
+
+def on_save_path(rel: str) -> bool:
+  """Whether ``rel`` (a path under sidecar/_src) is on a save's own path."""
+  return rel.startswith(SAVE_PATH_FOLDERS) or rel in SAVE_PATH_MODULES
+
 
 TRAINER = ("controller/", "jax/", "torch/", "arena/worker.py")
 SAVING = ("controller/checkpoint/", "jax/", "torch/")  # a thread of a save runs these
@@ -178,9 +207,16 @@ def report(path: str, trace: Trace) -> None:
     side = ("sidecar" if f.startswith("server/") else
             "trainer" if f.startswith((*TRAINER, "arena/", "streams/")) else "shared")
     by[side] += 1
-  print(f"\n{path} save: {len(trace.files)} files of sidecar/_src ran "
-        f"(sidecar {by['sidecar']}, trainer {by['trainer']}, shared {by['shared']})")
-  for f in sorted(trace.files):
+  own = sorted(f for f in trace.files if on_save_path(f))
+  print(f"\n{path} save: {len(own)} files on the save's path, {len(trace.files)} files "
+        f"of sidecar/_src ran (inclusive: sidecar {by['sidecar']}, trainer {by['trainer']}, "
+        f"shared {by['shared']})")
+  print(f"  on the save's path: {len(own)}")
+  for f in own:
+    print(f"    {f}")
+  rest = sorted(trace.files - set(own))
+  print(f"  the rest (a save's share of every RPC's and the feeds' code): {len(rest)}")
+  for f in rest:
     print(f"    {f}")
   # A save's threads: those that ran the checkpoint core or a framework's adapter during
   # it (the in-process sidecars' threads and gRPC's own, which run the trainer's future
