@@ -166,6 +166,7 @@ class SaveHandle:
 
 
 def done_handle(step: int, value: Any) -> SaveHandle:
+  """A handle whose futures all hold ``value`` already (a save skipped: ``if_busy``)."""
   staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
   staged.set_result(value)
   durable.set_result(value)
