@@ -170,7 +170,7 @@ _WROTE = re.compile(r"step \d+: wrote .* in ([0-9.]+) s")
 
 def sidecar_drop_ram(ctl, directory: str) -> None:
   """Lets the sidecar's RAM tier drop ``directory``'s steps (a closed checkpointer's last
-  step stays in the arena otherwise, ram_steps=1), if this version can."""
+  step stays in the arena otherwise, ram_steps=1)."""
   try:
     ctl.checkpointer(directory, ram_steps=0).close()  # reopened with ram_steps=0: freed
   except Exception as e:  # noqa: BLE001 (a benchmark's tidying)
