@@ -217,7 +217,7 @@ class CheckpointPreparedResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ...) -> None: ...
 
 class CheckpointCommitRequest(_message.Message):
-    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "records", "data_state_json", "whole_step", "replicas", "dcp")
+    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "records", "data_state_json", "whole_step", "replicas", "dcp", "when_written")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class CheckpointCommitRequest(_message.Message):
     WHOLE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
+    WHEN_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     tmp_dir: str
     step: int
     num_hosts: int
@@ -243,7 +244,8 @@ class CheckpointCommitRequest(_message.Message):
     whole_step: bool
     replicas: _containers.MessageMap[int, HostIds]
     dcp: DcpCommit
-    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ...) -> None: ...
+    when_written: bool
+    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ..., when_written: _Optional[bool] = ...) -> None: ...
 
 class CheckpointCommitResponse(_message.Message):
     __slots__ = ("committed",)

@@ -182,11 +182,15 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("prepared", host, written)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None):
+             whole_step, replicas, timeout, extra=None, when_written=False):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None
       final = tmp_dir.replace(".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
+      if when_written:  # as a sidecar's: its own records, and its RAM tier told
+        assert num_hosts == 1 and whole_step and not shards
+        shards = list(self.records.get((host, final), {}).values())
+        self.told.append((host, final, ""))
       self.manifests[final] = Manifest(DCP if dcp else ORBAX,
                                        tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
                                        json.loads(data_state_json) if data_state_json else None,

@@ -229,9 +229,12 @@ class CheckpointTransport(abc.ABC):
              leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             extra: FormatExtra | None = None) -> concurrent.futures.Future:
+             extra: FormatExtra | None = None, when_written: bool = False
+             ) -> concurrent.futures.Future:
     """Future of the committed directory; ``shards``: every host's, written. ``extra``: the
-    format's extra (a DCP step's pickled metadata, file sizes and plan)."""
+    format's extra (a DCP step's pickled metadata, file sizes and plan). ``when_written``:
+    the step is ``host``'s alone, no ``shards`` given: ``host`` commits it once written,
+    with its own records, and marks it committed in its RAM tier, the caller there or not."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""
@@ -372,12 +375,12 @@ class CheckpointClient(CheckpointTransport):
         lambda r: [wire.record_from_pb(c, "record") for c in r.records], timeout=timeout)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None):
+             whole_step, replicas, timeout, extra=None, when_written=False):
     request = ckpt_pb.CheckpointCommitRequest(
         tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
         leaves=[wire.leaf_to_pb(d) for d in leaves],
         records=[wire.record_to_pb(c) for c in shards], data_state_json=data_state_json,
-        whole_step=whole_step)
+        whole_step=whole_step, when_written=when_written)
     wire.format_extra_to_pb(request, extra, wire.COMMIT_EXTRAS)
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)

@@ -8,7 +8,8 @@ any layout changes nothing here), its tmp ones Begin's answer.
 :class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
 phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
 (:class:`Sends`), prepared (each host's shards' records once written), commit once or abort
-everywhere, mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
+everywhere (a step one host alone holds: committed there once written, its trainer there
+or not), mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
 the same order for every framework, and decides between them what follows what.
 """
 
@@ -145,14 +146,17 @@ class SaveProtocol:
   def commit(self, host: int, target: Target, *, num_hosts: int,
              shards: Sequence[ShardRecord], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             extra: FormatExtra | None = None) -> str:
-    """``host`` commits the step (every host prepared); returns the committed directory."""
+             extra: FormatExtra | None = None, when_written: bool = False) -> str:
+    """``host`` commits the step (every host prepared); returns the committed directory.
+    ``when_written``: the step is ``host``'s alone, not yet prepared (no ``shards``):
+    ``host`` commits it once written, and marks it committed in its RAM tier, whether or
+    not this process is still there by then."""
     fmt = {} if extra is None else {"extra": extra}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
                               num_hosts=num_hosts, leaves=list(leaves), shards=shards,
                               data_state_json=data_state_json, whole_step=target.whole_step,
                               replicas={h: p for h, p in (replicas or {}).items() if p} or None,
-                              timeout=LONG_S, **fmt).result()
+                              timeout=LONG_S, when_written=when_written, **fmt).result()
 
   def abort(self, target: Target, hosts: Sequence[int]) -> None:
     """Drops a failed save from every sidecar that answers, then its uncommitted files.

@@ -55,6 +55,7 @@ from sidecar._src.wire import protocol
 
 class Coordination(abc.ABC):
   """How one save's trainer processes agree: who begins the step, who commits it."""
+  alone = False  # whether this process is the only one (it agrees with nobody)
 
   @abc.abstractmethod
   def begin(self, step: int, begin: Callable[[], str]) -> str:
@@ -76,7 +77,7 @@ class KeyValue(Coordination):
 
   def __init__(self, peers: Peers, key: str, local: Sequence[int]):
     self._peers, self._key, self._local = peers, key, list(local)
-    self._lead = peers.index == 0
+    self._lead, self.alone = peers.index == 0, peers.count == 1
 
   def begin(self, step: int, begin: Callable[[], str]) -> str:
     """Process 0's sidecar makes the tmp directory; the others wait until it has."""
@@ -281,34 +282,50 @@ class SaveRun:
     part is staged), the replication starts and :attr:`local` finish their writes
     (prepared); the processes agree; the step is committed once (with ``leaves``,
     ``data_state_json`` and the format's ``extra``) and the RAM tiers told, or aborted on
-    every host. Raises the save's error (in every process where it failed in any)."""
+    every host. Raises the save's error (in every process where it failed in any).
+
+    A step one host alone holds, that this process alone saves (:meth:`alone`), is
+    committed by that host once written, asked for as soon as it is staged: a trainer
+    killed after staging then loses no step (the sidecar commits it, and its RAM tier
+    holds it for the restarted trainer's restore)."""
+    alone = self.alone()
     written: list[ShardRecord] = []
     if error is None:
       try:
         self._replicate()
-        written = self.protocol.prepared(self.target, self.local)
+        if not alone:
+          written = self.protocol.prepared(self.target, self.local)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
     try:
       self._coordination.commit(
           self.step, error,
           functools.partial(self._commit, written, leaves=leaves,
-                            data_state_json=data_state_json, extra=extra),
+                            data_state_json=data_state_json, extra=extra, when_written=alone),
           lambda: self.protocol.abort(self.target, self.hosts))
     except BaseException as e:
       if self.ending is not None:
         resolve(self.ending.handle.staged, e, None)
       raise
-    if self.target.whole_step:  # an Orbax manager's item: marked when the manager commits
+    # An Orbax manager's item is marked when the manager commits; a host that committed a
+    # step once written marked it itself.
+    if self.target.whole_step and not alone:
       self.mark_committed()
+
+  def alone(self) -> bool:
+    """Whether the whole step is one host's and this process's alone (no other process,
+    no replica, no manifest shared by the committer): then the host commits it once
+    written (``SaveProtocol.commit``'s ``when_written``)."""
+    return (self.target.whole_step and len(self.hosts) == 1 and self.local == self.hosts
+            and not self._placement and not self._share_manifest and self._coordination.alone)
 
   def _commit(self, written: list[ShardRecord], others: Sequence[int], *,
               leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
-              extra: FormatExtra | None) -> None:
+              extra: FormatExtra | None, when_written: bool) -> None:
     shards = [*written, *self.protocol.prepared(self.target, others)]
     self.protocol.commit(self.local[0], self.target, num_hosts=len(self.hosts),
                          shards=shards, leaves=leaves, data_state_json=data_state_json,
-                         replicas=self._placement, extra=extra)
+                         replicas=self._placement, extra=extra, when_written=when_written)
 
   def mark_committed(self) -> None:
     """Tells :attr:`local`'s RAM tiers the step is visible (with the manifest where the

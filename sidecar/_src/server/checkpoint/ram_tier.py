@@ -70,6 +70,14 @@ class Step:
   writers: int = 1
   format: str = "orbax"  # its format's name (ckptfmt/registry.py)
   manifest: Manifest | None = None  # a DCP step's, told at its commit
+  # Set once a commit "when written" (this host's alone) is asked for, and set done when
+  # that commit ended: till then the step is in flight whether or not its trainer is there.
+  committing: threading.Event | None = None
+
+  @property
+  def commit_pending(self) -> bool:
+    """Whether this host commits the step once written, and has not yet."""
+    return self.committing is not None and not self.committing.is_set()
 
 
 @dataclasses.dataclass
@@ -167,7 +175,7 @@ class RamTier:
     now = time.monotonic()
     with self.lock:
       stale = [s for s in self.steps.values() if not s.committed and s.finished is not None
-               and now - s.finished >= self.uncommitted_s]
+               and not s.commit_pending and now - s.finished >= self.uncommitted_s]
       for s in stale:
         del self.steps[s.final_dir]
     for s in stale:

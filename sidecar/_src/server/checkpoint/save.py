@@ -46,6 +46,9 @@ STAGE_TIMEOUT_S = 60.0
 # A directory being removed (a step deleted, an uncommitted one aborted or swept):
 # ``.<name>.sidecar-deleting-<id>``, swept by the next open where a removal was cut short.
 DELETING = ".sidecar-deleting-"
+# The longest a commit "when written" waits for the step's write, and an open for those
+# commits (a restarted trainer's, while its predecessor's last step is written).
+LONG_WRITE_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,12 +98,16 @@ class StepWriter:
     self._begin_lock = threading.Lock()
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
-           sweep: bool = True) -> list[int]:
+           sweep: bool = True, wait_s: float | None = None) -> list[int]:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps.
 
-    ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps.
+    ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps. The
+    steps this host commits once written (:meth:`commit` ``when_written``: a trainer that
+    died after staging) are waited for first, at most ``wait_s`` (None: ``LONG_WRITE_S``),
+    so that a restarted trainer's restore finds the step its predecessor saved last.
     """
     path = pathlib.Path(self._path(directory, "directory"))
+    self._wait_for_commits(directory, LONG_WRITE_S if wait_s is None else wait_s)
     try:
       path.mkdir(parents=True, exist_ok=True)
       probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
@@ -122,7 +129,7 @@ class StepWriter:
     tmps = [t for f in self._formats.formats.values() for t in f.sweep(path)] if sweep else []
     for tmp in tmps:
       with self._tier.lock:
-        in_flight = any(s.directory == directory and not s.done.is_set()
+        in_flight = any(s.directory == directory and (not s.done.is_set() or s.commit_pending)
                         for s in self._tier.steps.values())
       in_flight = in_flight or self._in_flight_at(pathlib.Path(os.path.realpath(tmp)))
       if not in_flight:  # a step whose save crashed before its commit
@@ -134,6 +141,22 @@ class StepWriter:
     # ``999/`` (or one being made by hand) is neither listed nor ever deleted.
     return [s for s in orbax_read.list_steps(directory)
             if formats_lib.is_checkpoint(path / str(s), self._formats)]
+
+  def _wait_for_commits(self, directory: str, wait_s: float) -> None:
+    """Waits for the commits this host makes once written of ``directory``'s steps."""
+    with self._tier.lock:
+      pending = [s for s in self._tier.steps.values()
+                 if s.directory == directory and s.commit_pending]
+    deadline = time.monotonic() + wait_s
+    for s in pending:
+      log.info("open: waiting for step %d to be written and committed here first (its "
+               "trainer staged it whole)", s.step, extra={"step": s.step})
+      assert s.committing is not None
+      if not s.committing.wait(max(0.0, deadline - time.monotonic())):
+        raise errors.DeadlineExceededError(
+            f"open: step {s.step} of {directory!r:.200} is still being written on host "
+            f"{self._host_id} to be committed after {wait_s:g} s; open the directory again "
+            "once it is (its write goes on)")
 
   def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
             owner: str = "", alive: Callable[[], bool] | None = None) -> str:
@@ -193,11 +216,13 @@ class StepWriter:
     """Whether the save ``begun`` may still stage, write or commit: its trainer is there,
     and it staged within ``STAGE_TIMEOUT_S`` of its Begin and its step is not committed,
     failed nor dropped since (where its trainer is not known, while being written)."""
-    if begun.alive is not None and not begun.alive():
-      return False
     with self._tier.lock:
       mine = [s for s in self._tier.steps.values() if s.started >= begun.at
               and s.step == begun.step and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp)]
+    if any(s.commit_pending for s in mine):  # committed here once written, trainer or not
+      return True
+    if begun.alive is not None and not begun.alive():
+      return False
     if not mine:
       return time.monotonic() - begun.at < STAGE_TIMEOUT_S
     return any(not s.done.is_set() or (begun.alive is not None and not s.committed
@@ -431,7 +456,7 @@ class StepWriter:
   def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
              shards: Sequence[ShardRecord], data_state: str, whole_step: bool,
              replicas: dict[int, list[int]] | None = None, extra: Any = None,
-             owner: str = "") -> str:
+             owner: str = "", when_written: bool = False) -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
@@ -441,16 +466,58 @@ class StepWriter:
     only into an uncommitted step.
     ``extra``: the typed commit extra of ``tmp_dir``'s format, if it has one (a DCP step's
     ``DcpCommit``: its metadata, file sizes and plan).
+
+    ``when_written``: the whole step is this host's alone (``num_hosts`` 1, ``whole_step``,
+    no ``shards``: its own, as written), asked for as soon as it is staged: this host
+    waits for its write, commits it with its own records and marks it committed in its
+    RAM tier, whether or not the trainer is still there. A trainer that dies after
+    staging then loses no step; until the commit ends the step is in flight (no open
+    sweeps it, an open waits for it).
     """
     step = roots_lib.as_int(step, "step")
     fmt, tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
     with self._tier.lock:
       record = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
-    if (record is None or owner not in record.owners or record.step != step
-        or record.committed):
-      raise errors.PermissionDeniedError(
-          f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on host "
-          f"{self._host_id}; a session commits only the save it began")
+      if (record is None or owner not in record.owners or record.step != step
+          or record.committed or record.commit_pending):
+        raise errors.PermissionDeniedError(
+            f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
+            f"host {self._host_id}, or is being committed already; a session commits only "
+            "the save it began, once")
+      if when_written:
+        if num_hosts != 1 or not whole_step or shards:
+          raise errors.InvalidArgumentError(
+              f"commit: when_written commits a whole step this host alone holds (num_hosts "
+              f"1, whole_step, no records: its own as written), got num_hosts {num_hosts}, "
+              f"whole_step {whole_step}, {len(shards)} records; commit a step of several "
+              "hosts once every host is prepared")
+        record.committing = threading.Event()
+    if not when_written:
+      return self._commit(record, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
+                          whole_step, replicas, extra)
+    assert record.committing is not None
+    log.info("step %d: to be committed here once written", step, extra={"step": step})
+    try:
+      if not record.done.wait(LONG_WRITE_S):
+        raise errors.DeadlineExceededError(
+            f"commit: step {step} is still being written on host {self._host_id} after "
+            f"{LONG_WRITE_S:g} s")
+      if record.error is not None:  # as prepared says it
+        raise write_failure(self._host_id, step, record.final_dir, record.error)
+      faults.fault("prepared", step)
+      committed = self._commit(record, fmt, tmp_dir, 1, leaves, record.written_records,
+                               data_state, True, replicas, extra)
+      self._tier.mark_committed(record.final_dir)
+      log.info("step %d: committed here once written", step, extra={"step": step})
+      return committed
+    finally:
+      record.committing.set()
+
+  def _commit(self, record: ram_tier.Step, fmt: Format, tmp_dir: str, num_hosts: int,
+              leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
+              whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
+    """:meth:`commit` of ``record``, written here, once checked to be the caller's."""
+    step = record.step
     if record.error is not None:
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} failed to write on host {self._host_id} "

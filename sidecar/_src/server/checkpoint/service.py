@@ -263,10 +263,11 @@ class CheckpointService:
 
   # ---- save --------------------------------------------------------------
 
-  def open(self, r: ckpt_pb.CheckpointOpenRequest, _: grpc.ServicerContext
+  def open(self, r: ckpt_pb.CheckpointOpenRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointOpenResponse:
     steps = self._checkpoints.writer.open(r.directory, r.ram_steps,
-                                   r.ram_budget if r.HasField("ram_budget") else None, r.sweep)
+                                   r.ram_budget if r.HasField("ram_budget") else None, r.sweep,
+                                   wait_s=context.time_remaining())
     self._checkpoints.reopened(r.directory)  # fewer ram_steps than before: the others go now
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
 
@@ -322,7 +323,8 @@ class CheckpointService:
     committed = self._checkpoints.writer.commit(
         r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
         wire.replicas_from_pb(r.replicas) or None,
-        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
+        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context),
+        when_written=r.when_written)
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -124,3 +125,44 @@ def test_a_step_staged_by_a_controller_that_dies_before_its_commit_is_freed(tmp_
       assert eventually(lambda: [u for u, _ in held().values()] == [[], []], timeout=30)
       assert all(n < used[h] for h, (_, n) in held().items())  # step 2's blocks came back
       assert "never committed" in c.log(0)
+
+
+def test_a_step_one_host_holds_is_committed_there_after_its_trainer_died(tmp_path):
+  """One host: the trainer is SIGKILLed once step 2 is staged, while its write is held
+  (the "slow" fault, until a file exists). The sidecar commits step 2 once written all the
+  same, and a restarted trainer, opening the directory while it is written, waits for
+  that commit and restores step 2 bit-exact from the RAM tier, data position too."""
+  hold = tmp_path / "release"
+  env = {"SIDECAR_CKPT_FAULT": f"slow@2:{hold}"}
+  directory = tmp_path / "ck"
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="16MiB",
+                                    host_env={0: env}) as c:
+    script = textwrap.dedent(f"""
+        import os, signal
+        import jax.numpy as jnp, numpy as np
+        import sidecar
+        ctl = sidecar.jax.Controller({c.addresses!r})
+        ckpt = ctl.checkpointer({str(directory)!r})
+        ckpt.save(1, {{"w": jnp.ones((256, 128)), "n": np.arange(4)}}).durable.result(60)
+        ckpt.save(2, {{"w": jnp.full((256, 128), 2.0), "n": np.arange(4) + 2}},
+                  data_state={{"position": 22}}).staged.result(60)
+        signal.pause()  # staged, not written: killed there
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+      assert eventually(lambda: "step 2: to be committed here once written" in c.log(0),
+                        timeout=60)
+    finally:
+      p.kill()
+    assert p.wait(30) == -signal.SIGKILL
+    with c.controller() as ctl:
+      assert [s.checkpoints[0].writing for s in ctl.status()] == [[2]]  # held
+      threading.Timer(1.0, hold.touch).start()  # released while the restart opens
+      with ctl.checkpointer(directory) as ckpt:
+        assert ckpt.all_steps() == [1, 2]
+        restored = ckpt.restore(target={"w": jnp.zeros((256, 128)), "n": np.zeros(4, int)})
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((256, 128), 2.0))
+        np.testing.assert_array_equal(restored["n"], np.arange(4) + 2)
+        assert ckpt.data_state() == {"position": 22}
+        assert ckpt.last_restore_stats().shards == {"ram:host0": 2}
+    assert "committed here once written" in c.log(0)

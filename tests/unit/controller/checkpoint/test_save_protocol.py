@@ -361,8 +361,10 @@ class LayoutSidecars(FakeSidecars):
     return super().stage(host, tmp_dir=tmp_dir, final_dir=final_dir, **kw)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None):
+             whole_step, replicas, timeout, extra=None, when_written=False):
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
+    if when_written:  # as FakeSidecars': the host's own records
+      shards = list(self.records.get((host, str(found.final)), {}).values())
     self.manifests[str(found.final)] = Manifest(
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
         json.loads(data_state_json) if data_state_json else None, {}, step=step)
