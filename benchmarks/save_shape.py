@@ -78,7 +78,8 @@ def _restates(cls: str) -> str:
 # counted again.
 FORMS: list[tuple[str, str, str]] = [
     ("SaveShard", r"^class SaveShard\b",
-     "controller/framework.py: a framework's shard (where it lies, before a host is chosen)"),
+     "controller/framework.py: a framework's shard (where it lies, before a host is chosen; "
+     "gone: the adapter makes the ShardRecord, a LocalShard carries it)"),
     ("ShardCopy restating the shard", _restates("ShardCopy"),
      "controller/checkpoint/staging.py: the copy's plan"),
     ("ShardRecord", r"^class ShardRecord\b",
@@ -104,6 +105,7 @@ FORMS: list[tuple[str, str, str]] = [
 # What carries a shard's data beside its record and describes nothing itself: not forms
 # (each is counted in FORMS above, or here as a form, the day it restates the shard).
 CARRIERS: list[tuple[str, str]] = [
+    ("LocalShard", "controller/framework.py: a framework's record (no host yet), data, device"),
     ("Staged", "ckptfmt/records.py: a record and its bytes (the sidecar's arena view)"),
     ("ShardCopy", "controller/checkpoint/staging.py: a record, its data and arena block"),
     ("ReplicaPiece", "ckptfmt/records.py: a record and where some of its bytes go"),

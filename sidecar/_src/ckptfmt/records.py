@@ -69,16 +69,18 @@ class ShardId:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardRecord:
   """One shard of a save, from the trainer's plan to the step's manifest: the one
-  description of it that the trainer stages, the wire carries (``pb.ShardRecord``), the
-  format's numbering checks, the writer and replication take and the manifest lists.
-  Its bytes travel beside it (:class:`Staged`), never in it.
+  description of it that a framework adapter makes (its host not chosen yet), the
+  trainer stages, the wire carries (``pb.ShardRecord``), the format's numbering checks,
+  the writer and replication take and the manifest lists. Its bytes travel beside it
+  (:class:`Staged`), never in it.
 
   Attributes:
     id: the shard (its leaf's key path, or a DCP item's ``(fqn,)``, and where it lies):
       its key in the RAM tier and in the manifest.
     leaf: its number: its leaf's in the step's leaves, or its item's in a DCP rank's items
       (-1: not recorded, a manifest of an earlier release's).
-    host: the host that stages and writes it (None: not known, a stock Orbax item).
+    host: the host that stages and writes it (None: not known, a stock Orbax item; not
+      chosen yet, a framework adapter's record before the save's plan sets it, :meth:`on`).
     dtype: its elements' numpy name as staged ("": not recorded); a DCP bytes item's
       is ``uint8``.
     shape: its shape as staged (``()`` where ``dtype`` is not recorded).
@@ -111,6 +113,10 @@ class ShardRecord:
   @property
   def index(self) -> Index:
     return self.id.index
+
+  def on(self, host: int) -> ShardRecord:
+    """This record with the host that stages and writes it (a save's plan chooses it)."""
+    return dataclasses.replace(self, host=host)
 
   def with_crc32c(self, crc32c: int) -> ShardRecord:
     """This record with its bytes' checksum (a writer's, once written; a replica's sender's)."""

@@ -2,11 +2,12 @@
 
 The core (``sidecar/_src/controller/``) knows hosts, sessions and workers, calls,
 streams, the rows of a global batch each host produces, and the checkpoint protocol
-over shards described with no framework's types: a key path, a global shape, a dtype
-name, a shard's index as ``((start, stop), ...)`` per dimension, and a host numpy
-buffer. It walks trees with ``core/trees.py``, agrees between processes through
-``controller/peers.Peers``, and imports no framework. Whatever needs one lives in that
-framework's adapter package, behind the interfaces below::
+over shards described with no framework's types: a leaf's spec (key path, global shape,
+dtype name) and each shard's ``records.ShardRecord`` (its key path, its index as
+``((start, stop), ...)`` per dimension, leaf number, dtype, shape, size), its elements a
+host numpy buffer beside it. It walks trees with ``core/trees.py``, agrees between
+processes through ``controller/peers.Peers``, and imports no framework. Whatever needs
+one lives in that framework's adapter package, behind the interfaces below::
 
   sidecar.jax.Controller (jax/controller.py)        sidecar.torch (torch/)
     .feed(sharding=...) -> jax/feed.Layout        DataLoader -> a BatchLayout of ranks
@@ -23,7 +24,8 @@ What an adapter implements:
 
 - :class:`Framework` (this module), an ABC: ``to_device`` (``ctl.stream(device=)``),
   ``save_leaves`` (a state tree's shards that this process saves: replica 0 only, each
-  with its device and a host buffer, or a :class:`DeviceCopy` on its way to one),
+  a :class:`LocalShard`: its record, no host chosen yet, with its device and a host
+  buffer, or a :class:`DeviceCopy` on its way to one),
   ``restore_target`` (the blocks a restore fills and how to make the framework's arrays of
   them); and where the one-process, no-device
   defaults do not fit: ``peers`` (the job's processes), ``process`` and
@@ -51,6 +53,7 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.arena.worker import TrainerProcess, Worker
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafSpec
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors, trees
@@ -85,13 +88,15 @@ class DeviceCopy(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SaveShard:
-  """One shard of a leaf that this process saves, as a framework says it: where it lies, its
-  elements, its device. The core makes its ``records.ShardRecord`` (the leaf's key path and
-  number, the host of that device, dtype, shape, size), the one description from there on.
+class LocalShard:
+  """One shard of a leaf that this process saves: its record, and beside it its elements
+  and the device they lie on; no description of its own (what the shard is, is
+  ``record``'s). The core only chooses the host that stages it (``record.on(host)``).
 
   Attributes:
-    index: where it lies in the leaf, ``((start, stop), ...)`` per dimension.
+    record: the shard's ``records.ShardRecord``, its host None (not chosen yet):
+      ``ShardRecord.of(ShardId(key_path, index), leaf, data)``, ``leaf`` the leaf's number
+      in :meth:`Framework.save_leaves`' list.
     data: its elements: a host array of the shard's shape (copied once into the arena
       before ``save()`` returns), or a :class:`DeviceCopy` on its way there (copied once
       it has landed, after ``save()`` returned).
@@ -99,7 +104,7 @@ class SaveShard:
       host stages it); None: a host value, which process 0 alone saves, through its
       first host.
   """
-  index: Index
+  record: ShardRecord
   data: np.ndarray | DeviceCopy
   device_id: int | None
 
@@ -109,7 +114,7 @@ class SaveLeaf:
   """One leaf of a state tree to save: its spec (the same in every process) and the
   shards this process saves (of replicated shards only replica 0, by whoever holds it)."""
   spec: LeafSpec
-  shards: tuple[SaveShard, ...]
+  shards: tuple[LocalShard, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,7 +194,9 @@ class Framework(abc.ABC):
 
   @abc.abstractmethod
   def save_leaves(self, tree: Any) -> list[SaveLeaf]:
-    """The leaves of state ``tree``, in order, with the shards this process saves.
+    """The leaves of state ``tree``, in order, with the shards this process saves: each
+    a :class:`LocalShard` whose record numbers its leaf by its place in this list and
+    leaves the host to the core (None).
 
     Raises:
       InvalidArgumentError: a leaf that cannot be saved (naming it), or no leaves
@@ -242,10 +249,11 @@ class NumpyArrays(Framework):
     flat, _ = trees.flatten_with_path(tree)
     check_tree([path for path, _ in flat], tree)
     out = []
-    for path, value in flat:
+    for i, (path, value) in enumerate(flat):
       data = self.numpy_value(value, f"leaf {'.'.join(map(str, path))}")
       spec = self.leaf_spec(path, value, data)
-      out.append(SaveLeaf(spec, (SaveShard(whole(data.shape), data, None),)))
+      record = ShardRecord.of(ShardId(spec.key_path, whole(data.shape)), i, data)
+      out.append(SaveLeaf(spec, (LocalShard(record, data, None),)))
     return out
 
   def restore_target(self, target: Any) -> RestoreTarget:

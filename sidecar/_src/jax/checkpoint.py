@@ -2,7 +2,8 @@
 
 Turns a pytree of ``jax.Array``s (numpy arrays, scalars) into the controller core's
 neutral description (``controller/framework.SaveLeaf``: a leaf spec and this process's
-replica-0 shards, each a host buffer with its device) and a target of
+replica-0 shards, each a ``framework.LocalShard``: its ``records.ShardRecord``, a host
+buffer and its device) and a target of
 ``jax.ShapeDtypeStruct``s or arrays into the blocks a restore fills, then the filled
 blocks back into global ``jax.Array``s. Leaves are named from ``core/trees``' key paths
 (JAX's own walk) and shardings serialized as ``orbax.checkpoint`` does, byte for byte
@@ -21,13 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.ckptfmt.spec import KeyPath, LeafKind, LeafSpec, shard_index
 from sidecar._src.controller.framework import (
   DeviceCopy,
+  LocalShard,
   RestoreLeaf,
   RestoreTarget,
   SaveLeaf,
-  SaveShard,
   check_tree,
   whole,
 )
@@ -264,7 +266,10 @@ def save_leaves(tree: Any, *, device_copies: bool | None = None) -> list[SaveLea
     out.append((spec, shards))
   for shards, i, copy in _off_device(on_device):
     shards[i][1] = copy
-  return [SaveLeaf(spec, tuple(SaveShard(*s) for s in shards)) for spec, shards in out]
+  # The records last: an accelerator shard's data is known once _off_device chose its way.
+  return [SaveLeaf(spec, tuple(
+      LocalShard(ShardRecord.of(ShardId(spec.key_path, index), leaf, data), data, device)
+      for index, data, device in shards)) for leaf, (spec, shards) in enumerate(out)]
 
 
 # Device memory a save's on-device copies leave free at least (the next step's).

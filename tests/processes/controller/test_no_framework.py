@@ -27,6 +27,7 @@ import numpy as np
 
 from sidecar._src.controller.controller import Controller
 from sidecar._src.controller import framework as fw
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 
 
@@ -47,20 +48,23 @@ class Fake(fw.Framework):
 
   def save_leaves(self, tree):
     out = []
-    for key in sorted(tree):
+    for leaf, key in enumerate(sorted(tree)):
       value = tree[key]
       if not isinstance(value, RowArray):
+        data = np.asarray(value)
+        record = ShardRecord.of(ShardId((key,), fw.whole(data.shape)), leaf, data)
         out.append(fw.SaveLeaf(LeafSpec.from_value((key,), value),
-                               (fw.SaveShard(fw.whole(np.shape(value)), np.asarray(value),
-                                             None),)))
+                               (fw.LocalShard(record, data, None),)))
         continue
       rows = value.parts[0].shape[0]
       spec = LeafSpec(key_path=(key,), shape=value.shape, dtype=value.dtype,
                       kind=LeafKind.NUMPY, write_shape=(rows, *value.shape[1:]))
-      shards = tuple(fw.SaveShard(((d * rows, (d + 1) * rows),
-                                   *fw.whole(value.shape[1:])), part, d)
-                     for d, part in enumerate(value.parts))
-      out.append(fw.SaveLeaf(spec, shards))
+      shards = []
+      for d, part in enumerate(value.parts):  # the record made here, its host left to the core
+        index = ((d * rows, (d + 1) * rows), *fw.whole(value.shape[1:]))
+        record = ShardRecord.of(ShardId((key,), index), leaf, part)
+        shards.append(fw.LocalShard(record, part, d))
+      out.append(fw.SaveLeaf(spec, tuple(shards)))
     return out
 
   def restore_target(self, target):

@@ -57,7 +57,7 @@ def test_shards_come_as_host_copies_of_copies_on_their_devices():
   assert len(by_name["b"].shards) == 1  # replicated: saved once
   assert isinstance(by_name["host"].shards[0].data, np.ndarray)
   for s in w:
-    (a, b), _ = s.index
+    (a, b), _ = s.record.index
     np.testing.assert_array_equal(s.data.result(), np.asarray(state["w"])[a:b])
   with pytest.raises(sidecar.ClosedError, match="already taken"):
     w[0].data.result()
@@ -122,7 +122,7 @@ def test_a_device_without_room_for_the_copies_waits_for_its_transfers(monkeypatc
   kinds = {s.device_id: type(s.data).__name__ for s in leaves["w"].shards}
   assert kinds == {0: "DeviceToHost", 1: "ndarray", 2: "DeviceToHost", 3: "DeviceToHost"}
   for s in leaves["w"].shards:
-    (a, b), _ = s.index
+    (a, b), _ = s.record.index
     got = s.data if isinstance(s.data, np.ndarray) else s.data.result()
     np.testing.assert_array_equal(got, np.asarray(state["w"])[a:b])
 
@@ -134,14 +134,14 @@ def test_a_first_save_goes_whole_while_its_split_compiles_then_in_pieces(monkeyp
            jax_checkpoint.save_leaves(state, device_copies=True)}
   for s in first["w"].shards:  # this layout's split is not compiled yet: whole copies
     assert s.data._rows == ((0, 1024),)
-    (a, b), _ = s.index
+    (a, b), _ = s.record.index
     np.testing.assert_array_equal(s.data.result(), np.asarray(state["w"])[a:b])
   assert jax_checkpoint.wait_for_splits(60)
   leaves = {leaf.spec.param_name: leaf for leaf in
             jax_checkpoint.save_leaves(state, device_copies=True)}
   for s in leaves["w"].shards:  # 1024 rows each: 16 pieces, split on the device
     assert len(s.data._rows) == 16 and s.data._rows[0] == (0, 64)
-    (a, b), _ = s.index
+    (a, b), _ = s.record.index
     out = np.full(s.data.shape, -1, s.data.dtype)
     s.data.copy_into(out)
     np.testing.assert_array_equal(out, np.asarray(state["w"])[a:b])

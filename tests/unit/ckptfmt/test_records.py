@@ -40,6 +40,13 @@ def test_a_record_is_made_of_its_bytes():
   assert (dcp.rank, dcp.host, dcp.shape) == (3, None, (5,))
 
 
+def test_a_frameworks_record_gets_its_host_from_the_plan():
+  """A framework adapter's record leaves the host to the save's plan, which sets only it."""
+  r = ShardRecord.of(ShardId(("w",), ((0, 2),)), 1, np.zeros(2, np.float32))
+  assert r.host is None
+  assert r.on(3) == dataclasses.replace(r, host=3) and r.host is None
+
+
 def test_manifest_round_trips_through_its_file():
   spec = LeafSpec(key_path=("w", 1), shape=(4, 2), dtype=np.float32, write_shape=(2, 2),
                   sharding='{"x": 1}')

@@ -50,18 +50,22 @@ def test_a_sharded_array_saves_only_its_replica_0_shards_with_their_devices():
   x = jax.device_put(np.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("data")))
   (leaf,) = jax_checkpoint.save_leaves({"x": x})
   # Rows split over "data", replicated over "model": 2 of the 4 device shards are saved.
-  assert sorted(s.index for s in leaf.shards) == [((0, 2), (0, 4)), ((2, 4), (0, 4))]
+  assert sorted(s.record.index for s in leaf.shards) == [((0, 2), (0, 4)), ((2, 4), (0, 4))]
   by_device = {s.device.id: s for s in x.addressable_shards}
   for s in leaf.shards:
     assert by_device[s.device_id].replica_id == 0
-    np.testing.assert_array_equal(s.data, np.asarray(x)[s.index[0][0]:s.index[0][1]])
+    (a, b), _ = s.record.index
+    np.testing.assert_array_equal(s.data, np.asarray(x)[a:b])
+    # Its record, made by the adapter: the core only chooses its host.
+    assert (s.record.key_path, s.record.leaf, s.record.host) == (("x",), 0, None)
+    assert (s.record.dtype, s.record.shape, s.record.nbytes) == ("float32", (2, 4), 32)
   assert leaf.spec.write_shape == (2, 4) and leaf.spec.sharding is not None
 
 
 def test_host_values_are_saved_whole_with_no_device():
   (a, b) = jax_checkpoint.save_leaves({"a": np.zeros((2, 3), np.int8), "b": 7})
-  assert [(s.index, s.device_id) for s in a.shards] == [(((0, 2), (0, 3)), None)]
-  assert (b.spec.kind, b.shards[0].index) == ("scalar", ())
+  assert [(s.record.index, s.device_id) for s in a.shards] == [(((0, 2), (0, 3)), None)]
+  assert (b.spec.kind, b.shards[0].record.index, b.shards[0].record.leaf) == ("scalar", (), 1)
 
 
 @pytest.mark.parametrize("tree,match", [

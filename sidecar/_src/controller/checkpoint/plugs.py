@@ -44,7 +44,6 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
@@ -270,25 +269,31 @@ class SaveCoordinator:
     """Leaf specs, and a :class:`ShardCopy` for every shard to copy, each once.
 
     The framework says which shards this process saves (of replicated ones only
-    replica 0, by the process that holds it); those on no device, process 0 copies
-    into its first host.
+    replica 0, by the process that holds it), each with its record; the plan only
+    chooses the host that stages it: the host of its device, or, for those on no
+    device, process 0's first host.
     """
     specs, plan = [], []
     for i, leaf in enumerate(self._framework.save_leaves(tree)):
       specs.append(leaf.spec)
       for shard in leaf.shards:
+        r = shard.record
+        if (r.leaf, r.key_path, r.host) != (i, leaf.spec.key_path, None):
+          raise errors.InvalidArgumentError(
+              f"leaf {i} {leaf.spec.param_name!r} has a shard whose record names leaf "
+              f"{r.leaf} {list(r.key_path)} and host {r.host}: a framework's save_leaves "
+              "records each shard as ShardRecord.of(ShardId(key_path, index), the leaf's "
+              "number, data), its host None (the save chooses it)")
         if shard.device_id is None:
           if self._lead:
-            plan.append(ShardCopy(ShardRecord.of(ShardId(leaf.spec.key_path, shard.index), i,
-                                                 shard.data, host=self.local[0]), shard.data))
+            plan.append(ShardCopy(shard.record.on(self.local[0]), shard.data))
           continue
         host = self._device_hosts.get(shard.device_id)
         if host is None:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
-        plan.append(ShardCopy(ShardRecord.of(ShardId(leaf.spec.key_path, shard.index), i,
-                                             shard.data, host=host), shard.data))
+        plan.append(ShardCopy(shard.record.on(host), shard.data))
     return specs, plan
 
   def _check_fits(self, copies: list[ShardCopy]) -> dict[int, int]:

@@ -3,12 +3,14 @@
 but the copies'), and a failure's kind and host across the trainer processes."""
 
 import concurrent.futures
+import dataclasses
 import errno
 import threading
 
 import numpy as np
 import pytest
 
+from sidecar._src.controller.framework import LocalShard, NumpyArrays, SaveLeaf
 from sidecar._src.core import errors
 from tests.support import fake_sidecars
 from tests.support.fake_sidecars import DictPeers, FakeSidecars
@@ -106,3 +108,28 @@ def test_a_write_failure_on_another_process_keeps_its_kind_and_host():
         errno.ENOSPC, 1, "/ckpt/run/4.orbax-checkpoint-tmp/default/x/0")
     assert "No space left on device (ENOSPC)" in str(e)
   assert "the save of step 4 failed in process 1" in "".join(outcomes[0].__notes__)
+
+
+class Misnumbered(NumpyArrays):
+  """A user's adapter whose records number every leaf 0, or set a host themselves."""
+
+  def __init__(self, **change):
+    self.change = change
+
+  def save_leaves(self, tree):
+    return [SaveLeaf(leaf.spec, tuple(
+        LocalShard(dataclasses.replace(s.record, **self.change), s.data, s.device_id)
+        for s in leaf.shards)) for leaf in super().save_leaves(tree)]
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"leaf": 0}, r"leaf 1 'b' has a shard whose record names leaf 0 \['b'\] and host None"),
+    ({"host": 3}, r"leaf 0 'a' has a shard whose record names leaf 0 \['a'\] and host 3"),
+], ids=["leaf-number", "host-set"])
+def test_a_frameworks_wrong_record_fails_the_save_before_any_copy(change, match):
+  """The adapter makes each shard's record; the save only sets its host."""
+  fake = Watched()
+  with fake_sidecars.checkpointer(fake, framework=Misnumbered(**change)) as ckpt, \
+      pytest.raises(errors.InvalidArgumentError, match=match + r": a framework's save_leaves"):
+    ckpt.save(1, {"a": np.ones(4, np.float32), "b": np.zeros(2, np.int32)})
+  assert not [c for c in fake.calls if c[0] == "alloc"]
