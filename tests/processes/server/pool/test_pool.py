@@ -23,6 +23,7 @@ from sidecar._src.controller import status as status_lib
 from sidecar._src.core import env as env_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.processes
 
@@ -48,7 +49,7 @@ def _write(tmp_path, text: str) -> str:
 
 
 # A tenant's trainer that stages a save of step 99 (which the sidecar writes only 2 s later:
-# SIDECAR_CKPT_FAULT=slow@99) and then waits to be killed, before the commit.
+# SIDECAR_CKPT_FAULT=slow@99) and then waits to be killed, before the step is durable.
 KILLED_MID_SAVE = """
 import sys, time
 import numpy as np
@@ -99,7 +100,7 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
   monkeypatch.delenv(env_lib.TOKEN, raising=False)
   monkeypatch.delenv(env_lib.TOKEN_FILE, raising=False)
   path = _write(tmp_path, POOL)
-  fault = {env_lib.CKPT_FAULT: "slow@99", env_lib.UNCOMMITTED_TIMEOUT: "2"}
+  fault = {env_lib.CKPT_FAULT: "slow@99"}
   with sidecar.testing.LocalCluster(1, 1, shm_size="64MiB", pool=path, configure_jax=False,
                                     imports=["tests.support.feed_fns", "tests.support.sidecar_fns"],
                                     checkpoint_roots=[str(tmp_path)],
@@ -113,9 +114,9 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
     reference = _batches(alice)
     _well_behaved(alice, bob, reference, tmp_path, 1)
 
-    # 0. Carol's trainer is killed mid-save (staged, never committed): the step's arena
-    # blocks come back to the pool once its uncommitted time passes; nobody else's step
-    # is touched.
+    # 0. Carol's trainer is killed mid-save (staged, being written): her sidecar commits
+    # the step all the same (one host alone holds it), in her root; nobody else's step is
+    # touched; its RAM-tier copy is in her share until she drops it.
     child = subprocess.Popen(
         [sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path / "carol" / "ck"),
          *cluster.addresses], stdout=subprocess.PIPE, text=True,
@@ -127,11 +128,12 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
       child.kill()
       child.wait()
     _well_behaved(alice, bob, reference, tmp_path, 2)
-    deadline = time.monotonic() + 20
-    while _arena_bytes(cluster, "carol") and time.monotonic() < deadline:
-      time.sleep(0.2)
-    assert _arena_bytes(cluster, "carol") == 0, "carol's uncommitted save still holds the arena"
-    assert not (tmp_path / "carol" / "ck" / "99").exists()
+    with carol.checkpointer(str(tmp_path / "carol" / "ck")) as ckpt:  # waits for the commit
+      assert ckpt.all_steps() == [99]
+      assert _arena_bytes(cluster, "carol") >= 8 << 20  # its RAM-tier copy: hers
+      ckpt.drop_ram_tier()
+    assert eventually(lambda: _arena_bytes(cluster, "carol") == 0, timeout=20), \
+        "carol's dropped RAM-tier copy still holds the arena"
 
     # 1. Carol floods handshakes: refused as hers, and a new client joins at once.
     channel = grpc.insecure_channel(cluster.addresses[0])
