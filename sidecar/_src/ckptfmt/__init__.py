@@ -24,7 +24,6 @@ restore names no format: a committed directory's is the one its manifest names.
   ``Manifest`` with its file and JSON).
 * ``spec``: :class:`~.spec.LeafSpec` (a leaf's key path, shape, dtype, write shape) and
   Orbax's file and directory names.
-* ``shards``: the crc32c of a shard.
 * ``names``: what a client may call a file; opening it beneath its directory.
 * ``direct_io``: ``O_DIRECT`` writes where they pay, fsync of files and directories.
 

@@ -9,7 +9,7 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
 - :class:`ShardRecord`: one shard of a save, from the plan to the manifest (its id,
   number, host, dtype, shape, size, DCP rank, and its crc32c once written); its bytes
   travel beside it in a :class:`Staged`. :func:`shard_crc32c` is that checksum (of the
-  shard's C-order bytes: every format's writer sets it, ``ShardRecord.with_crc32c``) and
+  shard's C-order bytes: every format's writer sets it, ``ShardRecord.with_crc32c_of``) and
   :func:`check_crc32c` a read's check against it.
 - :class:`ReplicaTarget`: a sidecar that holds replicas of this one's shards. The
   protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
@@ -121,6 +121,10 @@ class ShardRecord:
   def with_crc32c(self, crc32c: int) -> ShardRecord:
     """This record with its bytes' checksum (a writer's, once written; a replica's sender's)."""
     return dataclasses.replace(self, crc32c=crc32c)
+
+  def with_crc32c_of(self, data: np.ndarray) -> ShardRecord:
+    """This record with the checksum of ``data``, its bytes (:func:`shard_crc32c`)."""
+    return self.with_crc32c(shard_crc32c(data))
 
   def to_dict(self) -> dict[str, Any]:
     """The manifest's entry for this shard (the keys of an earlier release's first)."""

@@ -30,6 +30,8 @@ def test_records_are_frozen():
   record = ShardRecord(shard, 0, 1, "float32", (2,), 8)
   assert (record.key_path, record.index, record.crc32c) == (shard.key_path, shard.index, None)
   assert record.with_crc32c(5) == dataclasses.replace(record, crc32c=5)
+  data = np.arange(2, dtype=np.float32)
+  assert record.with_crc32c_of(data) == record.with_crc32c(shard_crc32c(data))
 
 
 def test_a_record_is_made_of_its_bytes():

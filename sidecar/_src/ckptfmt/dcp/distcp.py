@@ -58,7 +58,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io, names, records
 from sidecar._src.ckptfmt.dcp import record as dcp_record
 from sidecar._src.ckptfmt.direct_io import background_thread
-from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged, shard_crc32c
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
 
 METADATA_FILE = ".metadata"
@@ -242,7 +242,7 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
       item = items[number]
       data = _as_bytes(item, shard.data)
       writes.append(pool.submit(_write_record, path, item, placements[number], data, turn))
-      sums[number] = checksums.submit(_written, shard.record, data)
+      sums[number] = checksums.submit(shard.record.with_crc32c_of, data)
     missing = [items[i].fqn for i in range(len(items)) if i not in sums]
     if missing:
       raise errors.InvalidArgumentError(
@@ -259,8 +259,6 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
     return [sums[i].result() for i in range(len(items))]
 
 
-def _written(record: ShardRecord, data: np.ndarray) -> ShardRecord:
-  return record.with_crc32c(shard_crc32c(data))
 
 
 def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,

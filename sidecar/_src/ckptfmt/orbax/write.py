@@ -22,7 +22,7 @@ import numpy as np
 from sidecar._src.ckptfmt import direct_io, pinned as pinned_lib
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.orbax import files
-from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged, shard_crc32c
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
 
@@ -138,7 +138,7 @@ def _write_shards(item: pinned_lib.Pinned, specs: Sequence[LeafSpec], write_spec
         writes.append((write, data.nbytes))
         # The checksum too: those of the first parts then run while the trainer is
         # still copying the rest, not while it trains.
-        pending_sums.append(checksums.submit(_written, shard.record, data))
+        pending_sums.append(checksums.submit(shard.record.with_crc32c_of, data))
       for f in opened:
         f.result()  # .zarray written (host 0), or the spec checked
       for write, nbytes in writes:
@@ -162,8 +162,6 @@ def _write_through(target: Any, data: np.ndarray, turn: direct_io.Turn) -> None:
     target.write(data, can_reference_source_data_indefinitely=True).result()
 
 
-def _written(record: ShardRecord, data: np.ndarray) -> ShardRecord:
-  return record.with_crc32c(shard_crc32c(data))
 
 
 def _resolve(spec: LeafSpec, shard: Staged) -> Staged:

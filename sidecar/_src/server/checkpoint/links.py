@@ -45,7 +45,6 @@ import grpc
 import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
-from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, Staged
 from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
 from sidecar._src.server import tenants as tenants_lib
@@ -428,7 +427,7 @@ class ReplicaLink:
         pace.after(min(step, dst.nbytes - a))
       held.append(dst)
       block = batch.blocks.add(record=wire.record_to_pb(
-          shard.record.with_crc32c(records.shard_crc32c(data))))
+          shard.record.with_crc32c_of(data)))
       block.data.CopyFrom(wire.arena_ref_to_pb(ref))
       batch_bytes += data.nbytes
       if batch_bytes >= BATCH_BYTES:
@@ -446,7 +445,7 @@ class ReplicaLink:
     for shard in shards:
       data = shard.data
       flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-      record = wire.record_to_pb(shard.record.with_crc32c(records.shard_crc32c(data)))
+      record = wire.record_to_pb(shard.record.with_crc32c_of(data))
       for offset in range(0, max(flat.nbytes, 1), PIECE_BYTES):
         if cancelled():
           raise errors.ClosedError(f"the replication of {header.final_dir} was cancelled")

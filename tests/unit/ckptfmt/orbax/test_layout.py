@@ -222,8 +222,8 @@ def test_bytes_go_out_on_idle_class_threads(tree, mesh, tmp_path, monkeypatch):
     return wrapped
 
   monkeypatch.setattr(direct_io, "write_file", spy(direct_io.write_file))
-  # Patched where the write engine looks it up.
-  monkeypatch.setattr(orbax_write, "shard_crc32c", spy(orbax_write.shard_crc32c))
+  # Patched where the write engine looks it up (ShardRecord.with_crc32c_of's module).
+  monkeypatch.setattr(records, "shard_crc32c", spy(records.shard_crc32c))
   before = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
   specs, parts = host_parts(tree, mesh, 1)
   tmp = orbax_commit.create_tmp_step(tmp_path, 0)
