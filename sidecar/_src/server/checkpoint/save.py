@@ -468,7 +468,7 @@ class StepWriter:
     ``DcpCommit``: its metadata, file sizes and plan).
 
     ``when_written``: the whole step is this host's alone (``num_hosts`` 1, ``whole_step``,
-    no ``shards``: its own, as written), asked for as soon as it is staged: this host
+    no ``shards``: its own, as written), asked for once it is staged whole: this host
     waits for its write, commits it with its own records and marks it committed in its
     RAM tier, whether or not the trainer is still there. A trainer that dies after
     staging then loses no step; until the commit ends the step is in flight (no open
@@ -491,6 +491,10 @@ class StepWriter:
               f"1, whole_step, no records: its own as written), got num_hosts {num_hosts}, "
               f"whole_step {whole_step}, {len(shards)} records; commit a step of several "
               "hosts once every host is prepared")
+        if not record.closed:  # else an open would wait for parts that may never come
+          raise errors.InvalidArgumentError(
+              f"commit: when_written commits a step staged whole; step {step} on host "
+              f"{self._host_id} still waits for its last part: stage it first")
         record.committing = threading.Event()
     if not when_written:
       return self._commit(record, fmt, tmp_dir, num_hosts, leaves, shards, data_state,

@@ -266,8 +266,11 @@ def test_a_step_committed_once_written_is_committed_after_its_trainer_died(make_
   tmp_dir = os.path.join(writer.begin(directory, 3, owner="a", alive=lambda: alive[0]),
                          spec_lib.ITEM)
   final = str(tmp_path / "ck" / "3" / spec_lib.ITEM)
-  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
-                                                     shard(1, ((0, 3),), 7)], owner="a")
+  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0)],
+               last=False, owner="a")
+  with pytest.raises(errors.InvalidArgumentError, match="staged whole; step 3 .* last part"):
+    writer.commit(tmp_dir, 3, 1, SPECS, [], "", True, owner="a", when_written=True)
+  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], owner="a")
   for bad, why in [({"num_hosts": 2}, "num_hosts 2"), ({"whole_step": False}, "whole_step False"),
                    ({"shards": [records.ShardRecord.of(records.ShardId(("b",), ((0, 3),)), 1,
                                                        np.zeros(3, np.int32))]}, "1 records")]:
