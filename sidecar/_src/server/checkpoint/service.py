@@ -265,9 +265,9 @@ class CheckpointService:
 
   def open(self, r: ckpt_pb.CheckpointOpenRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointOpenResponse:
-    steps = self._checkpoints.writer.open(r.directory, r.ram_steps,
-                                   r.ram_budget if r.HasField("ram_budget") else None, r.sweep,
-                                   wait_s=context.time_remaining())
+    steps = self._checkpoints.writer.open(
+        r.directory, r.ram_steps, r.ram_budget if r.HasField("ram_budget") else None, r.sweep,
+        wait_s=context.time_remaining())
     self._checkpoints.reopened(r.directory)  # fewer ram_steps than before: the others go now
     return ckpt_pb.CheckpointOpenResponse(steps=steps)
 
@@ -289,7 +289,7 @@ class CheckpointService:
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     return ckpt_pb.CheckpointBeginResponse(
         tmp_directory=self._checkpoints.writer.begin(r.directory, _step(r.step), r.format,
-                                              _session(context), alive=alive))
+                                                     _session(context), alive=alive))
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
@@ -300,10 +300,10 @@ class CheckpointService:
                                  _STAGE_VIEWS.get())
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._checkpoints.storage_reserved(self._client(context), r.directory,
-                                       sum(s.data.nbytes for s in shards)):
-        staged = self._checkpoints.writer.stage(r.directory, step, r.tmp_dir, r.final_dir, leaves,
-                                         shards, r.last, writers=max(r.writers, 1), extra=extra,
-                                         owner=_session(context))
+                                              sum(s.data.nbytes for s in shards)):
+        staged = self._checkpoints.writer.stage(
+            r.directory, step, r.tmp_dir, r.final_dir, leaves, shards, r.last,
+            writers=max(r.writers, 1), extra=extra, owner=_session(context))
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
@@ -481,8 +481,8 @@ class CheckpointService:
     if tier is None:
       raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
     with self._allocating(context):
-      data = self._checkpoints.read(r.final_dir, shard, r.crc32c if r.HasField("crc32c") else None,
-                             tier, byte_range)
+      data = self._checkpoints.read(r.final_dir, shard,
+                                    r.crc32c if r.HasField("crc32c") else None, tier, byte_range)
     out = ckpt_pb.CheckpointReadResponse()
     if not r.worker_session:  # inline, the bytes copied once into the message
       wire.fill_data(out.data, data)
