@@ -305,7 +305,7 @@ class Feed:
     """Moves the feed to ``state`` (what :meth:`state` returned, say the ``data_state`` of
     a checkpoint; None: the start): the next batch is the one after it.
 
-    For a rollback inside the process (``sidecar.Recovery``): the feed keeps its layout
+    For a rollback inside the process (``sidecar.jax.Recovery``): the feed keeps its layout
     and its arguments, the batches made ahead are dropped and each host's stream starts
     again at ``state``. Works on a feed that an error or its end closed, which it opens
     again. In a job of several processes, every process seeks to the same state.

@@ -41,7 +41,24 @@ log = logging.getLogger(__name__)
 
 
 class Seekable(Protocol):
-  """A feed that can be moved to a saved position (``controller/feed.Feed``)."""
+  """A feed that can be moved to a saved position (``controller/feed.Feed`` is one).
+
+  A complete one, over a list of batches whose position is an index::
+
+    class Batches:
+      def __init__(self, batches):
+        self.batches, self.position = batches, 0
+
+      def __next__(self):
+        self.position += 1
+        return self.batches[self.position - 1]
+
+      def state(self):
+        return {"position": self.position}
+
+      def seek(self, state):
+        self.position = 0 if state is None else state["position"]
+  """
 
   def seek(self, state: dict[str, Any] | None) -> None:
     """The next batch is the one after ``state`` (a ``state()`` of this feed)."""

@@ -17,7 +17,8 @@ Every event is one JSON object, one line of the file::
   the life, so a lost or late event loses nothing but its own time stamp.
 - ``kind``: ``start`` (``start``: when the process began, from ``/proc``), ``first_step``
   (the first step is done: the second batch taken, or the first save), ``restore``
-  (``step``: the step it resumed from), ``save`` (``step``, when ``save()`` returned),
+  (``step``: the step it resumed from; one after the first step is a rollback inside the
+  process, ``sidecar.jax.Recovery``'s), ``save`` (``step``, when ``save()`` returned),
   ``mark`` (the counters now), ``finish`` (``Controller.close()``), ``died`` (written by
   the sidecar: the worker session ended without a finish; ``seen``: the last time the
   sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
