@@ -72,7 +72,7 @@ class Progress:
   """
 
   def __init__(self, every_s: float, durable: Callable[[], int | None], *,
-               out: TextIO = sys.stdout, clock: Callable[[], float] = time.monotonic):
+               out: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
     self._every, self._durable, self._out, self._clock = every_s, durable, out, clock
     self._since: tuple[float, int] | None = None  # (time, step) of the previous line
 
@@ -93,5 +93,5 @@ class Progress:
     rate = (step - step0) / (now - t0)
     durable = self._durable()
     print(f"step {step}: loss {loss:.4f}, {rate:.1f} steps/s, last durable step "
-          f"{'none' if durable is None else durable}", file=self._out, flush=True)
+          f"{'none' if durable is None else durable}", file=self._out or sys.stdout, flush=True)
     self._since = (now, step)

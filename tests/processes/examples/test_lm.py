@@ -167,33 +167,25 @@ def test_a_trainer_killed_under_max_restarts_resumes_bit_exactly(
   assert account["badput_s"]["restore"] > 0 and 0 < account["goodput"] < 1, account
 
 
-def test_a_step_that_raises_is_recovered_in_process_bit_exactly(data, expected, tmp_path):
-  """Issue 64: step 13 raises once its batch is taken; the trainer rolls back to step 10
-  from the sidecar's RAM tier in the same process, the feed with it, and every loss it
-  writes, the re-done ones included, is the uninterrupted run's."""
-  metrics = tmp_path / "metrics.jsonl"
-  out = _run(data, tmp_path / "ckpt", metrics, "--recover-in-process", "--fail-at", "13")
-  assert out.count("fault: raising in step 13") == 1, out
-  assert "step 13 raised RuntimeError: injected failure in step 13" in out, out
-  assert "rolled back in-process to step 10 (ram tier" in out, out
-  assert len(re.findall(r"pid \d+ initialised", out)) == 1, out  # one process
-  steps = _steps(metrics)
-  assert steps[-(STEPS - 10):] == list(range(11, STEPS + 1))  # from step 10 on again
-  lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-  assert all(line["loss"] == expected[line["step"]] for line in lines)
-  assert _losses(metrics) == expected
-
-
-def test_the_same_step_failing_twice_exits_for_the_launcher_to_restart(
+def test_a_step_that_raises_is_rolled_back_in_process_then_restarted_if_it_fails_again(
     data, expected, tmp_path):
-  """The rule: a step that fails again after its rollback is not recovered in-process;
-  the trainer exits non-zero, the launcher restarts it, and the new process (whose
-  --fail-at is off: SIDECAR_RESTART 1) resumes from the RAM tier, bit-exactly."""
+  """Issue 64: step 13 raises once its batch is taken; the trainer rolls back to step 10
+  from the sidecar's RAM tier in the same process, the feed with it, and re-does step 11
+  (step 12's loss is written once step 13 is queued). Step 13 raises again: the rule says
+  a step failing twice is not recovered in-process, so the trainer exits non-zero and the
+  launcher restarts it; the new process (--fail-at off: SIDECAR_RESTART 1) resumes from
+  the RAM tier. Every loss written, the re-done ones included, is the uninterrupted run's."""
   metrics = tmp_path / "metrics.jsonl"
   out = _run(data, tmp_path / "ckpt", metrics, "--recover-in-process", "--fail-at", "13",
              "--fail-times", "2", restarts=1)
   assert out.count("fault: raising in step 13") == 2, out
+  assert "step 13 raised RuntimeError: injected failure in step 13" in out, out
+  assert "rolled back in-process to step 10 (ram tier" in out, out
   assert "step 13 failed 2 times in this process (retries_per_step=1)" in out, out
   assert "restart 1: host 0's trainer exited with code 1" in out, out
   assert re.search(r"pid \d+ restored step 10 \(ram tier", out), out
+  # the first process: 1..11, then 11 again after its rollback; the second: 11..50
+  assert _steps(metrics) == [*range(1, 12), 11, *range(11, STEPS + 1)]
+  lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert all(line["loss"] == expected[line["step"]] for line in lines)
   assert _losses(metrics) == expected
