@@ -112,7 +112,8 @@ class Recovery:
 
   Raises (from ``recover``):
     The step's own error, where the step failed more than ``retries_per_step`` times,
-    or where no step is committed yet to roll back to (a note on it says which). An
+    or where no step is committed yet to roll back to (a note on it says which), or
+    where it is a StopIteration (the feed's end, which no rollback is for). An
     error of the recovery itself (a restore that fails) is raised as it is, the step's
     error its context.
   """
@@ -132,6 +133,8 @@ class Recovery:
     """Rolls back after step ``step`` raised ``error``; returns ``(step, state)`` of the
     newest committed step, the feed moved to its data position. See the class."""
     t0 = time.perf_counter()
+    if isinstance(error, StopIteration):  # the feed's end, no failure: the loop ends
+      raise error
     self._failures[step] += 1
     if self._failures[step] > self.retries_per_step:
       error.add_note(

@@ -112,6 +112,15 @@ def test_retries_per_step_0_raises_the_first_failure(ctl, tmp_path):
       sidecar.jax.Recovery(ckpt, feed, target=TARGET, retries_per_step=-1)
 
 
+def test_the_feeds_end_is_no_failure(ctl, tmp_path):
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    end = StopIteration()
+    with pytest.raises(StopIteration) as raised:
+      recovery.recover(end, step=1)
+    assert raised.value is end and recovery.rollbacks == []
+
+
 def test_a_failure_before_any_commit_is_raised_naming_why(ctl, tmp_path):
   with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
     recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
