@@ -27,6 +27,7 @@ import hashlib
 import os
 import pathlib
 import sys
+import time
 
 # model.py beside this file; pipelines/ at the repository root.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -99,17 +100,20 @@ def main(argv: list[str] | None = None) -> int:
   with ocp.CheckpointManager(os.path.abspath(args.ckpt), options=options) as manager:
     step = manager.latest_step()
     if step is None:
-      step = 0
+      step, how = 0, "initialised"
       state = model.init_state(config, optimizer, seed=args.seed, sharding=replicated)
     else:
+      t0 = time.perf_counter()
       target = model.abstract_state(config, optimizer, sharding=replicated)
       restored = manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target),
           data=grain.checkpoint.CheckpointRestore(iterator)))
       state, iterator = restored["state"], restored["data"]
-    print(f"{'restored step ' + str(step) if step else 'initialised'}: "
-          f"{model.param_count(state['params']):,} parameters on {jax.device_count()} "
-          f"device(s); training to step {args.steps}", flush=True)
+      how = f"restored step {step} (storage tier, {time.perf_counter() - t0:.2f} s)"
+    print(f"{how}: {model.param_count(state['params']):,} parameters on "
+          f"{jax.device_count()} device(s); training to step {args.steps}", flush=True)
+    progress = trainers.Progress(args.progress_every, manager.latest_step)
+    progress.start(step)
     with open(args.metrics, "a") as metrics:
       pending = None  # (step, loss): read once the next step is queued, as train.py does
       while step < args.steps:
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         state, loss = train_step(state, batch)
         step += 1
         if pending is not None:
-          trainers.write_metric(metrics, *pending)
+          progress.step(pending[0], trainers.write_metric(metrics, *pending))
         pending = (step, loss)
         if step % args.save_every == 0 or step == args.steps:
           # The iterator has yielded exactly the batches of steps 1..step: its state now

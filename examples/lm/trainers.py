@@ -1,12 +1,14 @@
-"""What both trainers of this directory share: their flags, their data-parallel setup and
-their metrics line, so ``train.py`` (the sidecars) and ``train_baseline.py`` (Grain + Orbax)
-differ only in how they feed and checkpoint."""
+"""What both trainers of this directory share: their flags, their data-parallel setup,
+their metrics line and their progress line, so ``train.py`` (the sidecars) and
+``train_baseline.py`` (Grain + Orbax) differ only in how they feed and checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 
@@ -21,6 +23,9 @@ def parser(description: str, *, ckpt_help: str) -> argparse.ArgumentParser:
   p.add_argument("--save-every", type=int, default=100, help="steps between saves")
   p.add_argument("--keep", type=int, default=3, help="checkpoints kept (max_to_keep)")
   p.add_argument("--seed", type=int, default=0, help="initialisation and shuffle seed")
+  p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                 help="print a progress line (step, loss, steps/s, last durable step) this "
+                      "often; 0: never")
   return p
 
 
@@ -28,6 +33,8 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
   args = p.parse_args(argv)
   if args.save_every < 1 or args.steps < 1:
     p.error("--steps and --save-every must be at least 1")
+  if args.progress_every < 0:
+    p.error(f"--progress-every must be >= 0 seconds, got {args.progress_every}")
   return args
 
 
@@ -46,9 +53,45 @@ def data_parallel(config: Any) -> tuple[Any, Any, Any, Any]:
   return optimizer, train_step, replicated, rows
 
 
-def write_metric(metrics: TextIO, step: int, loss: Any) -> None:
+def write_metric(metrics: TextIO, step: int, loss: Any) -> float:
   """Step ``step``'s line: ``{"step", "loss", "time"}``, the loss read from this process's
-  copy of the replicated value, the time when it was ready."""
+  copy of the replicated value, the time when it was ready; returns the loss."""
   value = float(loss.addressable_data(0))
   metrics.write(json.dumps({"step": step, "loss": value, "time": time.time()}) + "\n")
   metrics.flush()
+  return value
+
+
+class Progress:
+  """The progress line, at most every ``every_s`` seconds (0: never)::
+
+    step 120: loss 2.9134, 18.3 steps/s, last durable step 100
+
+  steps/s over the steps since the previous line; ``durable()``: the latest step a
+  restart would resume from (the checkpointer's latest committed step), None before any.
+  """
+
+  def __init__(self, every_s: float, durable: Callable[[], int | None], *,
+               out: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+    self._every, self._durable, self._out, self._clock = every_s, durable, out, clock
+    self._since: tuple[float, int] | None = None  # (time, step) of the previous line
+
+  def start(self, step: int) -> None:
+    """Training begins (again) after ``step``: steps/s counts from here."""
+    self._since = (self._clock(), step)
+
+  def step(self, step: int, loss: float) -> None:
+    """Step ``step``'s loss is known: prints the line if it is due."""
+    if self._every <= 0:
+      return
+    now = self._clock()
+    if self._since is None:
+      self._since = (now, step - 1)
+    t0, step0 = self._since
+    if now - t0 < self._every:
+      return
+    rate = (step - step0) / (now - t0)
+    durable = self._durable()
+    print(f"step {step}: loss {loss:.4f}, {rate:.1f} steps/s, last durable step "
+          f"{'none' if durable is None else durable}", file=self._out or sys.stdout, flush=True)
+    self._since = (now, step)

@@ -57,8 +57,8 @@ def test_torch_api_is_pinned():
 def test_jax_api_is_pinned():
   import sidecar.jax
   assert sidecar.jax.__all__ == [
-      "Checkpointer", "Controller", "JaxPeers", "SaveHandle", "Worker", "initialize",
-      "is_initialized"]
+      "Checkpointer", "Controller", "JaxPeers", "Recovery", "Rollback", "SaveHandle", "Worker",
+      "initialize", "is_initialized"]
   for name in sidecar.jax.__all__:
     assert getattr(sidecar.jax, name) is not None
   # One door per name: JAX's classes are sidecar.jax's alone.

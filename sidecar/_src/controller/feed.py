@@ -143,28 +143,21 @@ class Feed:
     mine = lambda p: p.host_id in local and p.process in (-1, self._peers.index)
     self._plans = [p for p in plans if mine(p)]  # the hosts (parts) this process drives
     self._key = key
-    global_batch_size = self._g = layout.global_batch_size
+    self._g = layout.global_batch_size
     self._seed = seed
     self._state = self._state_before = _check_state(state, name=name, seed=seed,
                                                     num_hosts=len(plans))
-    shardable = _rows_disjoint_across_hosts(plans)
-    self._streams = []
+    self._open_stream, self._num_epochs, self._workers = open_stream, num_epochs, workers
+    self._streams: list[Any] = []
     self._host_batches: list[Any] = []  # of the batch being gathered
     self._kept = interrupts.Kept()  # a batch Ctrl-C left behind, for the next next()
-    ahead = layout.default_device_prefetch if device_prefetch is None else device_prefetch
-    self._ahead = _Ahead(self, ahead) if ahead else None
+    self._ahead_depth = (layout.default_device_prefetch if device_prefetch is None
+                         else device_prefetch)
+    self._ahead = _Ahead(self, self._ahead_depth) if self._ahead_depth else None
     self.status = State.OPEN
+    self._seeks = 0  # seek() calls so far: each position's agreement keys are new
     try:
-      for i, p in enumerate(plans):
-        if not mine(p):
-          continue
-        spec = pb.FeedSpec(
-            global_batch_size=global_batch_size,
-            rows=[pb.RowRange(start=a, stop=b) for a, b in p.ranges], seed=seed,
-            num_epochs=num_epochs or 0, shard_index=i if shardable else 0,
-            shard_count=len(plans) if shardable else 0,
-            state_json=json.dumps(_host_start(self._state, i)), workers=workers)
-        self._streams.append(open_stream(p.host_id, spec))
+      self._open_streams()
     except BaseException:
       self.close()
       raise
@@ -173,6 +166,20 @@ class Feed:
     self._started = time.perf_counter()
     self._batches = 0
     self._gathered: tuple[int, dict[str, Any]] = (-1, {})  # state() at a batch count
+
+  def _open_streams(self) -> None:
+    """Opens a stream on each host this process drives, at the position ``self._state``."""
+    plans = self._all_plans
+    shardable = _rows_disjoint_across_hosts(plans)
+    for i, p in enumerate(plans):
+      if p not in self._plans:
+        continue
+      spec = pb.FeedSpec(
+          global_batch_size=self._g, rows=[pb.RowRange(start=a, stop=b) for a, b in p.ranges],
+          seed=self._seed, num_epochs=self._num_epochs or 0,
+          shard_index=i if shardable else 0, shard_count=len(plans) if shardable else 0,
+          state_json=json.dumps(_host_start(self._state, i)), workers=self._workers)
+      self._streams.append(self._open_stream(p.host_id, spec))
 
   def __iter__(self) -> Feed:
     return self
@@ -288,10 +295,38 @@ class Feed:
       part = lambda p: f"{p.host_id}/{p.process}"
       mine = {part(p): shard for p, shard in zip(self._plans, own["shards"])}
       shards: dict[str, Any] = {}
-      for text in self._peers.all_gather(f"{self._key}/state/{batches}", json.dumps(mine)):
+      key = f"{self._key}/state/{batches}" + (f"/{self._seeks}" if self._seeks else "")
+      for text in self._peers.all_gather(key, json.dumps(mine)):
         shards.update(json.loads(text))
       self._gathered = (batches, {**own, "shards": [shards[part(p)] for p in self._all_plans]})
     return dict(self._gathered[1])
+
+  def seek(self, state: dict[str, Any] | None) -> None:
+    """Moves the feed to ``state`` (what :meth:`state` returned, say the ``data_state`` of
+    a checkpoint; None: the start): the next batch is the one after it.
+
+    For a rollback inside the process (``sidecar.jax.Recovery``): the feed keeps its layout
+    and its arguments, the batches made ahead are dropped and each host's stream starts
+    again at ``state``. Works on a feed that an error or its end closed, which it opens
+    again. In a job of several processes, every process seeks to the same state.
+
+    Raises:
+      InvalidArgumentError: ``state`` is not a position of this feed's pipeline and seed.
+    """
+    state = _check_state(state, name=self.name, seed=self._seed,
+                         num_hosts=len(self._all_plans))
+    self.close()
+    self._state = self._state_before = state
+    self._seeks += 1
+    self._gathered = (-1, {})
+    self._streams = []
+    self._ahead = _Ahead(self, self._ahead_depth) if self._ahead_depth else None
+    self.status = State.OPEN
+    try:
+      self._open_streams()
+    except BaseException:
+      self.close()
+      raise
 
   def stats(self) -> dict[str, Any]:
     """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,

@@ -17,7 +17,8 @@ Every event is one JSON object, one line of the file::
   the life, so a lost or late event loses nothing but its own time stamp.
 - ``kind``: ``start`` (``start``: when the process began, from ``/proc``), ``first_step``
   (the first step is done: the second batch taken, or the first save), ``restore``
-  (``step``: the step it resumed from), ``save`` (``step``, when ``save()`` returned),
+  (``step``: the step it resumed from; one after the first step is a rollback inside the
+  process, ``sidecar.jax.Recovery``'s), ``save`` (``step``, when ``save()`` returned),
   ``mark`` (the counters now), ``finish`` (``Controller.close()``), ``died`` (written by
   the sidecar: the worker session ended without a finish; ``seen``: the last time the
   sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
@@ -177,6 +178,12 @@ class Life:
   saves: tuple[tuple[float, int], ...]  # (when save() returned, step)
   redone_from: float | None  # the step time after this is thrown away (None: none is)
   seconds: dict[str, float]  # this life's share of each category, and "productive"
+  resumed_from: int | None = None  # the step it restored before its first step (None: none)
+  rollbacks: tuple[tuple[float, int], ...] = ()  # (when, step) of restores after its first step
+  # (start, end, category) of the time it was blocked: "data_wait" (drawn at the end of
+  # the interval between two events that counted it: marks come every 5 s at most),
+  # "checkpoint" (ending when save() returned, or the checkpointer closed), "restore".
+  blocked: tuple[tuple[float, float, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -225,8 +232,35 @@ class _Life:
     return max(e.t for e in self.events), "running"
 
   def resumed_from(self) -> int | None:
+    """The step restored before the first step (a restart's); restores after it are
+    rollbacks inside the process (``sidecar.jax.Recovery``)."""
     restore = self.first("restore")
-    return None if restore is None else restore.step
+    first = self.first("first_step")
+    if restore is None or (first is not None and restore.t > first.t):
+      return None
+    return restore.step
+
+  def rollbacks(self) -> tuple[tuple[float, int], ...]:
+    first = self.first("first_step")
+    return tuple((e.t, e.step or 0) for e in self.events
+                 if e.kind == "restore" and first is not None and e.t > first.t)
+
+  def blocked(self, start: float, end: float) -> tuple[tuple[float, float, str], ...]:
+    """Where the counters place the blocked time: see :attr:`Life.blocked`."""
+    spans: list[tuple[float, float, str]] = []
+    t0, c0 = start, Counters()
+    for e in self.events:
+      if e.counters is None:
+        continue
+      d, t = e.counters.minus(c0), min(max(e.t, t0), end)
+      for category, seconds in (("checkpoint", d.ckpt_s), ("restore", d.restore_s),
+                                ("data_wait", d.data_s)):
+        seconds = min(seconds, t - t0)
+        if seconds > 0:
+          spans.append((t - seconds, t, category))
+          t -= seconds
+      t0, c0 = min(max(e.t, t0), end), e.counters
+    return tuple(sorted(spans))
 
   def saves(self) -> list[Event]:
     return [e for e in self.events if e.kind == "save"]
@@ -273,7 +307,9 @@ def account(events: Iterable[Event]) -> Ledger:
     first = life.first("first_step")
     redone_from = seconds.pop("_redone_from")
     previous = Life(life.name, start, None if first is None else min(first.t, end), end, ended,
-                    tuple((e.t, e.step or 0) for e in life.saves()), redone_from, seconds)
+                    tuple((e.t, e.step or 0) for e in life.saves()), redone_from, seconds,
+                    resumed_from=life.resumed_from(), rollbacks=life.rollbacks(),
+                    blocked=life.blocked(start, end))
     out.append(previous)
   return Ledger(wall, productive, totals, restarts, tuple(out))
 

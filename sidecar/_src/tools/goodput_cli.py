@@ -10,7 +10,9 @@ extra). Exit status 1 where there is no ledger in CKPT_DIR.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 
 from sidecar._src.core import extras, goodput as goodput_lib
@@ -18,7 +20,20 @@ from sidecar._src.tools import cli_format
 
 # What each category looks like on the timeline.
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "redone": "#d62728",
-          "restart_gap": "#000000", "save": "#1f77b4"}
+          "restart_gap": "#000000", "save": "#1f77b4", "data_wait": "#ff7f0e",
+          "checkpoint": "#17becf", "restore": "#9467bd"}
+# The life's own time fills its row; the time it was blocked is drawn over its lower half.
+BLOCKED = ("data_wait", "checkpoint", "restore")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bar:
+  """One span of the timeline: ``category``'s time from ``start`` to ``end`` (seconds
+  since the job began) in life ``row``."""
+  row: int
+  start: float
+  end: float
+  category: str
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -32,13 +47,44 @@ def _run(args: argparse.Namespace) -> int:
   ledger = goodput_lib.account(events)
   if args.plot:
     plot(ledger, args.plot)
+    print(f"sidecar goodput: drew the timeline to {os.path.abspath(args.plot)}",
+          file=sys.stderr)  # stdout stays the table or the JSON
   print(json.dumps(ledger.to_dict(), sort_keys=True) if args.json else goodput_lib.table(ledger))
   return 0
 
 
+def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
+  """The timeline's spans: each life's startup, steps kept and steps thrown away, the
+  time it was blocked (data wait, checkpoint, restore: ``BLOCKED``), and the restart gap
+  after a life that did not finish (in the row of the life it ends)."""
+  t0 = ledger.lives[0].start if ledger.lives else 0.0
+  out = []
+  for row, life in enumerate(ledger.lives):
+    first = life.end if life.first_step is None else life.first_step
+    thrown = life.end if life.redone_from is None else life.redone_from
+    spans = [(life.start, first, "startup"), (first, thrown, "productive"),
+             (thrown, life.end, "redone"), *life.blocked]
+    if row + 1 < len(ledger.lives) and life.ended != "finish":
+      spans.append((life.end, ledger.lives[row + 1].start, "restart_gap"))
+    out += [Bar(row, a - t0, b - t0, what) for a, b, what in spans if b > a]
+  return out
+
+
+def life_label(row: int, life: goodput_lib.Life) -> str:
+  """A life's name on the timeline: where it started from, and where it rolled back to
+  inside the process."""
+  label = f"life {row}: " + ("from scratch" if life.resumed_from is None
+                             else f"resumed from step {life.resumed_from}")
+  if life.rollbacks:
+    steps = ", ".join(str(step) for _, step in life.rollbacks[:3])
+    label += f"; rolled back to {steps}" + (", ..." if len(life.rollbacks) > 3 else "")
+  return label
+
+
 def plot(ledger: goodput_lib.Ledger, path: str) -> None:
-  """Draws ``ledger``'s timeline to ``path`` (a PNG): one bar per process life (startup,
-  steps kept, steps thrown away), restart gaps between, a tick at each save.
+  """Draws ``ledger``'s timeline to ``path`` (a PNG): one row per process life, labelled
+  with the step it resumed from (:func:`life_label`), its spans (:func:`bars`), a tick
+  at each save.
 
   Raises:
     ModuleNotFoundError: matplotlib is missing (naming the extra that brings it).
@@ -51,25 +97,23 @@ def plot(ledger: goodput_lib.Ledger, path: str) -> None:
     raise extras.missing(e, "sidecar goodput --plot") from e
   t0 = ledger.lives[0].start if ledger.lives else 0.0
   fig, ax = pyplot.subplots(figsize=(10, 1.2 + 0.45 * max(len(ledger.lives), 1)))
+  for bar in bars(ledger):
+    if bar.category == "restart_gap":
+      ax.barh(bar.row + 0.5, bar.end - bar.start, left=bar.start, height=0.15,
+              color=COLORS[bar.category], label=bar.category)
+    else:
+      low = bar.category in BLOCKED  # over the lower half of the row
+      ax.barh(bar.row + (0.2 if low else 0.0), bar.end - bar.start, left=bar.start,
+              height=0.4 if low else 0.8, color=COLORS[bar.category], label=bar.category)
   for row, life in enumerate(ledger.lives):
-    first = life.end if life.first_step is None else life.first_step
-    spans = [(life.start, first, "startup")]
-    thrown = life.end if life.redone_from is None else life.redone_from
-    spans += [(first, thrown, "productive"), (thrown, life.end, "redone")]
-    for a, b, what in spans:
-      if b > a:
-        ax.barh(row, b - a, left=a - t0, color=COLORS[what], label=what)
     for t, _ in life.saves:
       ax.plot([t - t0] * 2, [row - 0.4, row + 0.4], color=COLORS["save"], lw=1, label="save")
-    if row + 1 < len(ledger.lives) and life.ended != "finish":
-      nxt = ledger.lives[row + 1].start
-      ax.barh(row + 0.5, nxt - life.end, left=life.end - t0, height=0.15,
-              color=COLORS["restart_gap"], label="restart_gap")
   handles, labels = ax.get_legend_handles_labels()
   unique = dict(zip(labels, handles))
   ax.legend(unique.values(), unique.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5),
             frameon=False)
-  ax.set_yticks(range(len(ledger.lives)), [f"life {i}" for i in range(len(ledger.lives))])
+  ax.set_yticks(range(len(ledger.lives)),
+                [life_label(row, life) for row, life in enumerate(ledger.lives)])
   ax.invert_yaxis()
   ax.set_xlabel("seconds since the job started")
   ax.set_title(f"goodput {100 * ledger.goodput:.1f}% of {ledger.wall_s:.1f} s, "

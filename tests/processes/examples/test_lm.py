@@ -31,19 +31,24 @@ def data(tmp_path_factory):
   return out
 
 
-def _launch(data, ckpt, metrics, *, restarts: int = 0) -> subprocess.Popen:
+# A progress line of train.py: step, loss, steps/s, the last durable step.
+PROGRESS = re.compile(r"step (\d+): loss (\d+\.\d{4}), (\d+\.\d) steps/s, last durable step "
+                      r"(\d+|none)$", re.MULTILINE)
+
+
+def _launch(data, ckpt, metrics, *extra: str, restarts: int = 0) -> subprocess.Popen:
   return subprocess.Popen(
       [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--import", "pipelines.lm",
        "--shm-size", "64MiB", "--max-restarts", str(restarts), "--", sys.executable,
        "examples/lm/train.py", "--config", "tiny",
        "--data", str(data), "--ckpt", str(ckpt), "--steps", str(STEPS),
-       "--save-every", str(SAVE_EVERY), "--metrics", str(metrics)],
+       "--save-every", str(SAVE_EVERY), "--metrics", str(metrics), *extra],
       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
       env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def _run(data, ckpt, metrics) -> str:
-  p = _launch(data, ckpt, metrics)
+def _run(data, ckpt, metrics, *extra: str, restarts: int = 0) -> str:
+  p = _launch(data, ckpt, metrics, *extra, restarts=restarts)
   out, _ = p.communicate(timeout=300)
   assert p.returncode == 0, out
   return out
@@ -67,11 +72,18 @@ def _steps(metrics) -> list[int]:
 def expected(data, tmp_path_factory) -> dict[int, float]:
   """The losses of an uninterrupted run."""
   work = tmp_path_factory.mktemp("whole")
-  out = _run(data, work / "ckpt", work / "whole.jsonl")
+  out = _run(data, work / "ckpt", work / "whole.jsonl", "--progress-every", "0.2")
   assert "initialised" in out and f"trained to step {STEPS}; checkpoints [30, 40, 50]" in out
   losses = _losses(work / "whole.jsonl")
   assert sorted(losses) == list(range(1, STEPS + 1))
   assert losses[STEPS] < losses[1] - 1  # it learns
+  # Progress lines between the first line and the last (the first step's compile alone
+  # takes longer than 0.2 s), each with its step's loss and a save before it.
+  lines = PROGRESS.findall(out)
+  assert lines, out
+  for step, loss, rate, durable in lines:
+    assert loss == f"{losses[int(step)]:.4f}" and float(rate) > 0
+    assert durable == "none" or (int(durable) % SAVE_EVERY == 0 and int(durable) <= int(step))
   return losses
 
 
@@ -114,9 +126,10 @@ def test_a_killed_run_resumes_bit_exactly(data, expected, tmp_path):
   assert _losses(metrics) == {
       s: expected[s] for s in range(1, killed_at + 1)}
 
-  # the resumed run: the same command, the same metrics file appended to
+  # the resumed run: the same command, the same metrics file appended to (beside new
+  # sidecars: the step comes from storage)
   out = _run(data, ckpt, metrics)
-  found = re.search(r"restored step (\d+)", out)
+  found = re.search(r"restored step (\d+) \(storage tier, \d+\.\d\d s\)", out)
   assert found, out
   restored = int(found.group(1))
   assert restored % SAVE_EVERY == 0 and 0 < restored <= killed_at, out
@@ -136,7 +149,9 @@ def test_a_trainer_killed_under_max_restarts_resumes_bit_exactly(
   assert p.returncode == 0, out
   assert not alive(trainer)
   assert "restart 1: host 0's trainer was killed by SIGKILL" in out, out
-  restored = int(re.search(r"pid \d+ restored step (\d+)", out).group(1))
+  # beside the same sidecar: from its RAM tier
+  restored = int(re.search(r"pid \d+ restored step (\d+) \(ram tier, \d+\.\d\d s\)",
+                           out).group(1))
   assert restored % SAVE_EVERY == 0 and restored >= SAVE_EVERY, out
   lines = [json.loads(line) for line in metrics.read_text().splitlines()]
   assert all(line["loss"] == expected[line["step"]] for line in lines)  # re-done ones too
@@ -150,3 +165,27 @@ def test_a_trainer_killed_under_max_restarts_resumes_bit_exactly(
   total = account["productive_s"] + sum(account["badput_s"].values())
   assert abs(total - account["wall_s"]) <= 0.01 * account["wall_s"], account
   assert account["badput_s"]["restore"] > 0 and 0 < account["goodput"] < 1, account
+
+
+def test_a_step_that_raises_is_rolled_back_in_process_then_restarted_if_it_fails_again(
+    data, expected, tmp_path):
+  """Issue 64: step 13 raises once its batch is taken; the trainer rolls back to step 10
+  from the sidecar's RAM tier in the same process, the feed with it, and re-does step 11
+  (step 12's loss is written once step 13 is queued). Step 13 raises again: the rule says
+  a step failing twice is not recovered in-process, so the trainer exits non-zero and the
+  launcher restarts it; the new process (--fail-at off: SIDECAR_RESTART 1) resumes from
+  the RAM tier. Every loss written, the re-done ones included, is the uninterrupted run's."""
+  metrics = tmp_path / "metrics.jsonl"
+  out = _run(data, tmp_path / "ckpt", metrics, "--recover-in-process", "--fail-at", "13",
+             "--fail-times", "2", restarts=1)
+  assert out.count("fault: raising in step 13") == 2, out
+  assert "step 13 raised RuntimeError: injected failure in step 13" in out, out
+  assert "rolled back in-process to step 10 (ram tier" in out, out
+  assert "step 13 failed 2 times in this process (retries_per_step=1)" in out, out
+  assert "restart 1: host 0's trainer exited with code 1" in out, out
+  assert re.search(r"pid \d+ restored step 10 \(ram tier", out), out
+  # the first process: 1..11, then 11 again after its rollback; the second: 11..50
+  assert _steps(metrics) == [*range(1, 12), 11, *range(11, STEPS + 1)]
+  lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert all(line["loss"] == expected[line["step"]] for line in lines)
+  assert _losses(metrics) == expected

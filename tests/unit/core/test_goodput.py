@@ -233,3 +233,35 @@ def test_the_table_names_every_category_and_the_share():
   for name in ("productive", *goodput.CATEGORIES, "wall"):
     assert name in text
   assert "goodput 50.00%" in text
+
+
+def test_each_life_says_the_step_it_resumed_from_and_where_it_rolled_back_to():
+  # Life a starts from scratch, saves 50, dies; life b restores 50 before its first step,
+  # saves 100 and rolls back to it in-process (a restore after its first step).
+  events = (life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=80.0, ckpt=1.0)
+            + life("b", 85.0, restore=(93.0, 50), restore_s=4.0, first=100.0,
+                   saves=[(150.0, 100, 1.0)], end=200.0, ended="finish",
+                   first_blocked=(0.0, 0.0, 4.0)))
+  events.insert(-1, Event("restore", "b", 170.0, Counters(0, 0.0, 1.0, 4.0), step=100))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert [x.resumed_from for x in ledger.lives] == [None, 50]
+  assert [x.rollbacks for x in ledger.lives] == [(), ((170.0, 100),)]
+  # The rollback is no resume: life a's steps after its save of 50 are what b threw away.
+  assert ledger.lives[0].redone_from == 60.0
+
+
+def test_the_blocked_time_is_drawn_where_the_events_counted_it():
+  # Restored 3 s up to t=5; 1 s of data wait by the first step (t=10); a save that
+  # blocked 2 s up to t=20, 0.5 s more data wait before it; 0.5 s closing at t=30.
+  events = [Event("start", "a", 0.5, Counters(), start=0.0, pid=1),
+            Event("restore", "a", 5.0, Counters(0, 0.0, 0.0, 3.0), step=7),
+            Event("first_step", "a", 10.0, Counters(2, 1.0, 0.0, 3.0)),
+            Event("save", "a", 20.0, Counters(9, 1.5, 2.0, 3.0), step=9),
+            Event("finish", "a", 30.0, Counters(20, 1.5, 2.5, 3.0))]
+  [one] = goodput.account(events).lives
+  assert one.blocked == ((2.0, 5.0, "restore"), (9.0, 10.0, "data_wait"),
+                         (17.5, 18.0, "data_wait"), (18.0, 20.0, "checkpoint"),
+                         (29.5, 30.0, "checkpoint"))
+  assert sum(b - a for a, b, _ in one.blocked) == pytest.approx(
+      one.seconds["data_wait"] + one.seconds["checkpoint"] + one.seconds["restore"])

@@ -1,6 +1,7 @@
 """examples/lm: prepare.py's corpus and model.py's model, in this process."""
 
 import importlib.util
+import io
 import json
 import pathlib
 import sys
@@ -106,3 +107,41 @@ def test_plot_keeps_the_last_line_of_each_step_and_draws(tmp_path):
   assert plot.read(str(metrics)) == ([1, 2, 3], [5.0, 4.0, 3.0], [0.0, 10.0, 11.0])
   assert plot.main([str(metrics), "--out", str(tmp_path / "loss.png")]) == 0
   assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_draws_each_run_as_its_own_segment_and_no_line_across_a_restart(tmp_path):
+  plot = _load("plot")
+  metrics = tmp_path / "run.jsonl"
+  # A run to step 4, killed; the next restores step 2 and goes on to 5 (re-doing 3 and 4).
+  metrics.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s, "time": t}) + "\n"
+                             for s, t in [(1, 0), (2, 1), (3, 2), (4, 3),
+                                          (3, 20), (4, 21), (5, 22)]))
+  assert plot.segments(str(metrics)) == [
+      plot.Segment([1, 2], [9.0, 8.0], [0.0, 1.0]),
+      plot.Segment([3, 4, 5], [7.0, 6.0, 5.0], [20.0, 21.0, 22.0])]
+  fig = plot.draw([str(metrics)])
+  by_step, by_time = fig.axes
+  assert [list(line.get_xdata()) for line in by_step.get_lines()] == [[1, 2], [3, 4, 5]]
+  assert [list(line.get_xdata()) for line in by_time.get_lines()] == [[0.0, 1.0],
+                                                                      [20.0, 21.0, 22.0]]
+  assert [line.get_label() for line in by_step.get_lines()][0] == "run"  # one legend entry
+  assert len(by_step.get_legend().get_texts()) == 1
+
+
+def test_the_progress_line_says_step_loss_rate_and_the_last_durable_step():
+  trainers = _load("trainers")
+  now, durable, out = [100.0], [None], io.StringIO()
+  progress = trainers.Progress(10.0, lambda: durable[0], out=out, clock=lambda: now[0])
+  progress.start(40)  # resumed after step 40
+  for step in range(41, 61):
+    now[0] += 0.5
+    durable[0] = 50 if step > 50 else None
+    progress.step(step, 3.0 - step / 100)
+  assert out.getvalue().splitlines() == [
+      "step 60: loss 2.4000, 2.0 steps/s, last durable step 50"]  # 20 steps in 10 s
+  silent = io.StringIO()
+  quiet = trainers.Progress(0, lambda: 1, out=silent, clock=lambda: now[0])
+  quiet.step(1, 1.0)
+  now[0] += 1e6
+  quiet.step(2, 1.0)
+  assert silent.getvalue() == ""

@@ -364,6 +364,12 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def save_in_flight(self) -> SaveHandle | None:
+    """The handle of this checkpointer's latest save while it is not durable yet; None
+    once it is (or failed), or before the first save."""
+    handle = self._in_flight
+    return None if handle is None or handle.durable.done() else handle
+
   @interrupts.deferring  # Ctrl-C stops the wait; the save goes on
   def wait(self, *, progress: Callable[[str], None] | bool | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it

@@ -43,12 +43,32 @@ class RestoreStats:
   the host that staged it), ``"replica:host1"`` (the replica host 1 keeps), ``"storage"``.
 
   ``shards[source]`` and ``bytes[source]`` count each stored shard once, however many
-  target blocks it fills.
+  target blocks it fills. ``tier`` names the tier the restore read, for a progress line:
+  ``"ram"``, ``"replica"`` or ``"storage"``, ``"mixed"`` where shards came from several
+  (``tiers`` then says how many bytes from each).
   """
   step: int
   seconds: float
   shards: dict[str, int]
   bytes: dict[str, int]
+
+  @property
+  def tiers(self) -> dict[str, int]:
+    """Bytes read from each tier (``"ram"``, ``"replica"``, ``"storage"``), whatever host."""
+    out: dict[str, int] = {}
+    for source, n in self.bytes.items():
+      tier = source.split(":", 1)[0]
+      out[tier] = out.get(tier, 0) + n
+    return out
+
+  @property
+  def tier(self) -> str:
+    """``"ram"``, ``"replica"`` or ``"storage"``: where every shard came from; ``"mixed"``
+    where they came from several tiers; ``"none"`` where the step had no shard."""
+    tiers = {source.split(":", 1)[0] for source in self.shards}
+    if not tiers:
+      return "none"
+    return tiers.pop() if len(tiers) == 1 else "mixed"
 
   def summary(self) -> str:
     parts = [f"{n} shards ({shm.format_size(self.bytes[s])}) from {s}"

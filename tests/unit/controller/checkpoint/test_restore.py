@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, RestoreStats
 from sidecar._src.controller.framework import NumpyArrays
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars, checkpointer
@@ -89,3 +89,25 @@ def test_a_leaf_whose_shards_are_read_starts_while_the_other_reads_go_on():
   assert [(name, done) for name, done, _ in started] == [("step", False), ("w", True)]
   np.testing.assert_array_equal(started[1][2][0], STATE["w"])
   np.testing.assert_array_equal(restored["w"], STATE["w"])
+
+
+@pytest.mark.parametrize("shards, tier", [
+    ({"ram:host0": 2, "ram:host1": 1}, "ram"),
+    ({"replica:host1": 3}, "replica"),
+    ({"storage": 1}, "storage"),
+    ({"ram:host0": 1, "storage": 1}, "mixed"),
+    ({}, "none"),
+], ids=["ram", "replica", "storage", "mixed", "empty"])
+def test_restore_stats_name_the_tier_read(shards, tier):
+  sizes = {source: 10 * n for source, n in shards.items()}
+  stats = RestoreStats(step=3, seconds=0.5, shards=shards, bytes=sizes)
+  assert stats.tier == tier
+  assert sum(stats.tiers.values()) == sum(sizes.values())
+  assert set(stats.tiers) == {source.split(":")[0] for source in shards}
+
+
+def test_a_restore_from_the_ram_tier_says_so():
+  _, ckpt = saved()
+  with ckpt:
+    ckpt.restore(target=TARGET)
+    assert ckpt.last_restore_stats().tier == "ram"

@@ -1,0 +1,125 @@
+"""A step that raises: recovered in-process (``sidecar.jax.Recovery``) against a restart.
+
+  python -m benchmarks.recover [--config tiny|chip] [--rounds 2] [--fail-at 27]
+                               [--save-every 10] [--steps 40] [--data DIR]
+
+From the repository root; not run by CI. examples/lm/train.py trains under ``sidecar
+launch --hosts 1`` and raises in step ``--fail-at`` (its ``--fail-at`` hook: after the
+step's batch is taken, in the job's first start only). Three ways to go on, round by
+round in one run:
+
+  in-process   --recover-in-process: the step's error is caught, the latest committed
+               step restored from the sidecar's RAM tier and the feed moved back to it
+  restart      --max-restarts 1: the trainer exits, the launcher starts a new one,
+               which restores the latest step (JAX's compilation cache kept)
+  standby      the same with --standby: the next process waits with JAX imported
+
+Rows, seconds from the exception (the trainer's line ``fault: raising in step N ... at
+unix T``) to the first step computed after it (its metrics line: when its loss was
+ready), and to the failed step computed again (the steps re-done from the restored
+one included). For in-process, the Rollback's own figures beside them: its whole
+``recover()``, the restore, the wait for a save in flight. Prints a table and one JSON
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.common import table
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WAYS = {"in-process": ["--recover-in-process"], "restart": [], "standby": []}
+LAUNCH = {"in-process": [], "restart": ["--max-restarts", "1"],
+          "standby": ["--max-restarts", "1", "--standby", "--preload", "optax",
+                      "--preload", "sidecar.jax"]}
+FAULT = re.compile(r"fault: raising in step (\d+) \(--fail-at\) at unix ([\d.]+)")
+ROLLBACK = re.compile(r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
+                      r"\) in ([\d.]+) s")
+
+
+def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every: int,
+        steps: int, shm: str) -> dict:
+  """One launch of ``way``: the exception's time, the first step after it, the failed
+  step again; for in-process, the Rollback's figures."""
+  out_dir = tempfile.mkdtemp(prefix=f"{way}-", dir=work)
+  metrics = os.path.join(out_dir, "metrics.jsonl")
+  command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--import",
+             "pipelines.lm", "--shm-size", shm, "--checkpoint-root", work, *LAUNCH[way], "--",
+             sys.executable, "examples/lm/train.py", "--config", config, "--data", data,
+             "--ckpt", os.path.join(out_dir, "ckpt"), "--steps", str(steps),
+             "--save-every", str(save_every), "--metrics", metrics, "--progress-every", "0",
+             "--fail-at", str(fail_at), *WAYS[way]]
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+  log = done.stdout + done.stderr
+  fault = FAULT.search(log)
+  if done.returncode != 0 or fault is None:
+    raise RuntimeError(f"{way}: the launch ended with {done.returncode}:\n{log[-4000:]}")
+  t = float(fault.group(2))
+  lines = [json.loads(x) for x in pathlib.Path(metrics).read_text().splitlines()]
+  after = [x for x in lines if x["time"] > t]
+  result = {"next_step_s": after[0]["time"] - t,
+            "failed_step_again_s": next(x["time"] for x in after if x["step"] == fail_at) - t,
+            "restored_step": after[0]["step"] - 1}
+  if (rolled := ROLLBACK.search(log)) is not None:
+    result.update(restore_s=float(rolled.group(1)), waited_s=float(rolled.group(2) or 0),
+                  recover_s=float(rolled.group(3)))
+  return result
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default="tiny", help="examples/lm's model.CONFIGS key")
+  p.add_argument("--rounds", type=int, default=2, help="launches of each way")
+  p.add_argument("--fail-at", type=int, default=27, help="the step that raises")
+  p.add_argument("--save-every", type=int, default=10, help="steps between saves")
+  p.add_argument("--steps", type=int, default=40, help="the run's last step")
+  p.add_argument("--shm-size", default=None,
+                 help="the sidecar's arena (default: 256MiB for tiny, 12GiB for chip)")
+  p.add_argument("--data", help="a corpus of examples/lm/prepare.py (default: 1 MB made here)")
+  args = p.parse_args(argv)
+  if not args.save_every < args.fail_at <= args.steps:
+    p.error("--fail-at must come after the first save and by --steps")
+  with tempfile.TemporaryDirectory(prefix="bench-recover-") as work:
+    data = args.data
+    if data is None:
+      data = os.path.join(work, "data")
+      subprocess.run([sys.executable, "examples/lm/prepare.py", "--out", data, "--max-mb", "1"],
+                     cwd=ROOT, check=True, capture_output=True)
+    results: dict[str, list[dict]] = {way: [] for way in WAYS}
+    for _ in range(args.rounds):
+      for way in WAYS:
+        results[way].append(run(way, config=args.config, data=data, work=work,
+                                fail_at=args.fail_at, save_every=args.save_every,
+                                steps=args.steps,
+                                shm=args.shm_size or ("256MiB" if args.config == "tiny"
+                                                      else "12GiB")))
+  mean = lambda way, key: statistics.fmean(r[key] for r in results[way]) if all(
+      key in r for r in results[way]) else None
+  base = mean("restart", "next_step_s")
+  rows = []
+  for way in WAYS:
+    nxt, again = mean(way, "next_step_s"), mean(way, "failed_step_again_s")
+    rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x",
+                 *(f"{v:.3f}" if (v := mean(way, k)) is not None else "-"
+                   for k in ("recover_s", "restore_s", "waited_s"))])
+  print(f"{args.config} config, step {args.fail_at} raises, saves every {args.save_every}; "
+        f"means of {args.rounds} rounds, seconds from the exception")
+  print(table(["way", "next step", "failed step again", "vs restart", "recover()", "restore",
+               "save wait"], rows))
+  print(json.dumps({"config": args.config, "fail_at": args.fail_at,
+                    "save_every": args.save_every, "rounds": results}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,192 @@
+"""``sidecar.jax.Recovery`` against one in-process sidecar, without the LM example: a step
+that raises rolls back to the newest committed step (state from the RAM tier, the feed
+moved back with ``Feed.seek``) and the loop repeats what an uninterrupted one computes;
+the same step failing again is raised; a save in flight is waited for, one that fails is
+not rolled back to."""
+
+import logging
+import threading
+
+import grain
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import sidecar
+from sidecar._src.core import env as env_lib, errors
+from sidecar._src.user import registry as registry_lib
+
+pytestmark = pytest.mark.server
+
+N, BATCH, SAVE_EVERY = 256, 4, 3
+TARGET = {"w": np.zeros(N, np.float32)}
+
+
+def rows(ctx):
+  return grain.MapDataset.range(4096).map(lambda i: {"x": np.float32(i)})
+
+
+@pytest.fixture
+def ctl(make_server):
+  reg = registry_lib.Registry()
+  reg.add("pipeline", "rows", rows)
+  server = make_server(registry=reg, device_ids=(0,), shm_size=16 << 20)
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as c:
+    yield c
+
+
+def open_feed(ctl, state=None):
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+  return ctl.feed("rows", global_batch_size=BATCH, sharding=sharding, state=state)
+
+
+def batches(ctl, n):
+  """The first ``n`` batches of a fresh feed, as lists."""
+  with open_feed(ctl) as feed:
+    return [np.asarray(next(feed)["x"]).tolist() for _ in range(n)]
+
+
+def train(ckpt, feed, steps, *, recovery=None, fail=()):
+  """Steps 1..steps of a loop that saves every SAVE_EVERY: ``[(step, w)]`` of every step
+  computed (re-done ones again); ``fail``: steps that raise once their batch is taken,
+  once for each time they are listed."""
+  fail, log = list(fail), []
+  step, state = 0, {"w": np.zeros(N, np.float32)}
+  while step < steps:
+    try:
+      batch = np.asarray(next(feed)["x"])
+      if step + 1 in fail:
+        fail.remove(step + 1)
+        raise RuntimeError(f"step {step + 1} failed")
+      state = {"w": state["w"] * np.float32(0.5) + batch.sum()}
+    except RuntimeError as e:
+      if recovery is None:
+        raise
+      state = None
+      step, restored = recovery.recover(e, step=step + 1)
+      state = {"w": np.array(restored["w"])}
+      continue
+    step += 1
+    log.append((step, state["w"].copy()))
+    if step % SAVE_EVERY == 0:
+      ckpt.save(step, state, data_state=feed.state())
+  ckpt.wait()
+  return log
+
+
+def test_a_failed_step_rolls_back_and_repeats_the_uninterrupted_run(ctl, tmp_path):
+  with ctl.checkpointer(str(tmp_path / "whole")) as ckpt, open_feed(ctl) as feed:
+    whole = dict(train(ckpt, feed, 12))
+  with ctl.checkpointer(str(tmp_path / "failed")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    log = train(ckpt, feed, 12, recovery=recovery, fail=[8, 11])
+  # Step 8 raised: back to step 6, its state and its data position; 11: back to 9.
+  assert [s for s, _ in log] == [1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11, 12]
+  for step, w in log:
+    np.testing.assert_array_equal(w, whole[step])  # the re-done steps too: exactly
+  assert [(r.failed_step, r.step, r.tier) for r in recovery.rollbacks] == [
+      (8, 6, "ram"), (11, 9, "ram")]
+  assert recovery.rollbacks[0].error == "RuntimeError: step 8 failed"
+  assert "rolled back in-process to step 6 (ram tier" in recovery.rollbacks[0].summary()
+
+
+def test_the_same_step_failing_again_is_raised_with_a_note(ctl, tmp_path):
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    with pytest.raises(RuntimeError, match="step 5 failed") as raised:
+      train(ckpt, feed, 8, recovery=recovery, fail=[5, 5])
+    assert [r.step for r in recovery.rollbacks] == [3]  # the first was recovered
+  assert any("step 5 failed 2 times in this process (retries_per_step=1)" in note
+             for note in raised.value.__notes__)
+
+
+def test_retries_per_step_0_raises_the_first_failure(ctl, tmp_path):
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET, retries_per_step=0)
+    with pytest.raises(RuntimeError, match="step 5 failed"):
+      train(ckpt, feed, 8, recovery=recovery, fail=[5])
+    assert recovery.rollbacks == []
+    with pytest.raises(errors.InvalidArgumentError, match="retries_per_step must be an int "
+                                                           ">= 0, got -1"):
+      sidecar.jax.Recovery(ckpt, feed, target=TARGET, retries_per_step=-1)
+
+
+def test_the_feeds_end_is_no_failure(ctl, tmp_path):
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    end = StopIteration()
+    with pytest.raises(StopIteration) as raised:
+      recovery.recover(end, step=1)
+    assert raised.value is end and recovery.rollbacks == []
+
+
+def test_a_failure_before_any_commit_is_raised_naming_why(ctl, tmp_path):
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    with pytest.raises(RuntimeError, match="step 2 failed") as raised:
+      train(ckpt, feed, 8, recovery=recovery, fail=[2])
+  assert any("failed before any step was committed" in n for n in raised.value.__notes__)
+
+
+def test_a_save_in_flight_is_waited_for_and_rolled_back_to(ctl, tmp_path, monkeypatch):
+  gate = tmp_path / "gate"
+  monkeypatch.setenv(env_lib.CKPT_FAULT, f"slow@6:{gate}")  # step 6 not durable till gate
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    state = {"w": np.ones(N, np.float32)}
+    for step in (3, 6):
+      for _ in range(SAVE_EVERY):
+        next(feed)
+      ckpt.save(step, {"w": state["w"] * step}, data_state=feed.state())
+    next(feed)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(
+        recovery.recover(RuntimeError("step 7 failed"), step=7)))
+    thread.start()
+    try:
+      assert ckpt.latest_step() == 3  # step 6 held: not waiting would restore step 3
+      assert not done
+    finally:
+      gate.touch()
+      thread.join(30)
+    [(step, restored)] = done
+    assert step == 6
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 6, np.float32))
+    assert recovery.rollbacks[0].waited_s > 0
+    # the feed was moved back to step 6's position: batch 7 is next
+    assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
+
+
+def test_a_save_in_flight_that_fails_is_logged_and_the_step_before_restored(
+    ctl, tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv(env_lib.CKPT_FAULT, "enospc@6")
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    for step in (3, 6):
+      for _ in range(SAVE_EVERY):
+        next(feed)
+      ckpt.save(step, {"w": np.full(N, step, np.float32)}, data_state=feed.state())
+    with caplog.at_level(logging.WARNING, logger="sidecar._src.controller.recovery"):
+      step, restored = recovery.recover(RuntimeError("step 7 failed"), step=7)
+    assert step == 3
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 3, np.float32))
+    assert "the save of step 6 in flight when the step failed did not commit" in caplog.text
+    assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 4)[3]
+    with pytest.raises(errors.SidecarError, match="No space left on device"):
+      ckpt.wait()  # the failed save's own error is not lost
+
+
+def test_seek_moves_a_feed_back_or_forward_and_reopens_a_closed_one(ctl):
+  expected = batches(ctl, 5)
+  with open_feed(ctl) as feed:
+    assert [np.asarray(next(feed)["x"]).tolist() for _ in range(3)] == expected[:3]
+    at_three = feed.state()
+    feed.seek(None)  # back to the start
+    assert np.asarray(next(feed)["x"]).tolist() == expected[0]
+    feed.close()
+    feed.seek(at_three)  # a closed feed opens again, at the position given
+    assert feed.state() == at_three
+    assert [np.asarray(next(feed)["x"]).tolist() for _ in range(2)] == expected[3:]
+    with pytest.raises(errors.InvalidArgumentError, match="resume with the same pipeline"):
+      feed.seek({**at_three, "seed": 7})
