@@ -39,7 +39,13 @@ from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, NumpyArrays
 from sidecar._src.controller.peers import Peers
 from sidecar._src.controller.sidecars import Sidecars
-from sidecar._src.core import env as env_lib, errors, interrupts, options as options_lib
+from sidecar._src.core import (
+  address as address_lib,
+  env as env_lib,
+  errors,
+  interrupts,
+  options as options_lib,
+)
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
@@ -96,10 +102,15 @@ class Controller:
                peers: Peers | None = None, silence_timeout: float | None = None,
                tls_ca: str | None = None, tls_cert: str | None = None,
                tls_key: str | None = None, framework: Framework | None = None):
-    if isinstance(addresses, str) or not addresses:
+    if isinstance(addresses, str) or not addresses or not all(
+        isinstance(a, str) for a in addresses):
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'unix:PATH' or 'host:port' strings, got "
           f"{addresses!r}")
+    # One that could never answer (a path without unix:, a port out of range, a host name
+    # that does not exist) is refused now, naming the form to use, not dialed.
+    address_lib.check_resolvable([address_lib.parse(a, what="sidecar address")
+                                  for a in addresses], what="sidecar addresses")
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
