@@ -67,7 +67,9 @@ class Controller:
 
   Args:
     addresses: the sidecars' gRPC addresses: ``unix:PATH`` for one on this machine's Unix
-      socket (``sidecar serve --listen unix:PATH``), else ``host:port``.
+      socket (``sidecar serve --listen unix:PATH``), else ``host:port``. One that can never
+      answer (a path without ``unix:``, a port outside 1..65535, a host name that does not
+      resolve) is InvalidArgumentError at once, naming it and the forms.
     token: the sidecars' bearer token; default ``$SIDECAR_TOKEN`` or ``$SIDECAR_TOKEN_FILE``.
     timeout: default deadline in seconds of every call.
     connect_timeout: how long to wait for each sidecar to answer the handshake.
@@ -162,7 +164,9 @@ class Controller:
     On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices, hosts
     per slice, ports); elsewhere ``SIDECAR_HOSTS=host[:port],...`` lists them. Waits up to
     ``timeout`` seconds for every sidecar to answer its health check, then raises
-    DiscoveryError listing those that did not. Under Slurm (``sidecar slurm batch``) it
+    DiscoveryError listing those that did not; a ``SIDECAR_HOSTS`` entry that can never
+    answer (a path without ``unix:``, a port out of range, a host name that does not
+    resolve) is InvalidArgumentError at once. Under Slurm (``sidecar slurm batch``) it
     reads the job's rendezvous directory; with ``SIDECAR_CLUSTER_FILE`` it joins a service
     as :meth:`from_cluster_file` does.
     """
