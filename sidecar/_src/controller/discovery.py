@@ -7,6 +7,9 @@ Runs in the controller process. Four ways to name the sidecars, checked in this 
    ``[::1]:8480:8481``), or ``unix:PATH`` for a sidecar of this machine serving on a Unix
    socket (its health answers there too). Useful off Kubernetes, e.g.
    ``SIDECAR_HOSTS=$TPU_WORKER_HOSTNAMES`` on TPU VMs, or for sidecars started by hand.
+   An entry that can never answer (a path without ``unix:``, a port out of range, a host
+   name that does not resolve) is refused at once (``address.parse_entry``,
+   ``check_resolvable``), not waited for; so is one of a cluster file (2).
 2. ``SIDECAR_CLUSTER_FILE``: a service's ``cluster.env`` (``sidecar slurm service``), with
    the sidecars' addresses, its token file and its Slurm job, which must still run.
 3. Inside a Slurm job whose rendezvous directory exists (``sidecar slurm batch`` makes it,
