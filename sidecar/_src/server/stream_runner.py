@@ -208,7 +208,7 @@ def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None) -> N
                    else (type(e).__name__, str(e)))
   session = request.worker_session
   log.error("%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what, who,
-            kind, protocol.truncate(message, protocol.MAX_LOG_MESSAGE), exc_info=e,
+            kind, protocol.for_log(message), exc_info=e,
             extra={"session": session} if session else None)
 
 

@@ -135,8 +135,9 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
 MAX_LOG_MESSAGE = 2 << 10  # of an error's text in a log line: it may quote a request
 
 
-def for_log(exc: BaseException) -> str:
-  """``exc``'s message cut for a log line (a 64 MiB name once made one 64 MiB line)."""
+def for_log(exc: BaseException | str) -> str:
+  """``exc``'s message (or a text) cut for a log line (a 64 MiB name once made one 64 MiB
+  line)."""
   return truncate(str(exc), MAX_LOG_MESSAGE)
 
 
