@@ -30,6 +30,7 @@ if _typing.TYPE_CHECKING:
     InvalidArgumentError,
     NotRegisteredError,
     PermissionDeniedError,
+    PipelineError,
     RemoteError,
     ResourceExhaustedError,
     SessionLostError,
@@ -68,9 +69,9 @@ _HOME = {
         "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "BusyError",
         "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError",
         "DiscoveryError", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
-        "PermissionDeniedError", "RemoteError", "ResourceExhaustedError", "SessionLostError",
-        "ShardsLostError", "SidecarError", "StaleDescriptorError", "VersionMismatchError",
-        "WrongFormatError")},
+        "PermissionDeniedError", "PipelineError", "RemoteError", "ResourceExhaustedError",
+        "SessionLostError", "ShardsLostError", "SidecarError", "StaleDescriptorError",
+        "VersionMismatchError", "WrongFormatError")},
     **{name: _REGISTRY for name in (
         "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
 }
@@ -121,6 +122,7 @@ __all__ = [
     "NotRegisteredError",
     "PermissionDeniedError",
     "PipelineContext",
+    "PipelineError",
     "Registry",
     "RemoteError",
     "ResourceExhaustedError",

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 from typing import NamedTuple
 
@@ -31,6 +32,32 @@ def fails_at(ctx: sidecar.PipelineContext, at: int = 5):
   def element(i):
     if i == at:
       raise ValueError(f"bad example {i}")
+    return {"id": np.int64(i)}
+  return grain.MapDataset.range(100).map(element)
+
+
+ERRORS = {e.__name__: e for e in (FileNotFoundError, PermissionError, ValueError)}
+
+
+def in_feed_worker() -> bool:
+  """Whether this process is a feed worker (``FeedOptions(workers=N)``), not a sidecar."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  return getattr(spec, "name", None) == "sidecar._src.server.feeds.child"
+
+
+@sidecar.pipeline
+def raises(ctx: sidecar.PipelineContext, error: str = "ValueError", at: int = -1):
+  """As ids, but example ``at`` (never 0, which the sidecar reads itself) raises ``error``
+  ("SIGKILL": its process is killed, every time); ``at`` -1: a feed worker raises it while
+  it builds the pipeline, which the sidecar builds fine."""
+  if at < 0 and in_feed_worker():
+    raise ERRORS[error](f"cannot open the data in feed worker {os.getpid()}")
+
+  def element(i):
+    if i == at and error == "SIGKILL":
+      os.kill(os.getpid(), signal.SIGKILL)
+    if i == at:
+      raise ERRORS[error](f"example {i} is unreadable")
     return {"id": np.int64(i)}
   return grain.MapDataset.range(100).map(element)
 

@@ -14,7 +14,7 @@ def test_public_api_is_pinned():
       "CheckpointOptions", "CheckpointWriteError", "ClosedError",
       "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
       "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
-      "PermissionDeniedError", "PipelineContext", "Registry", "RemoteError",
+      "PermissionDeniedError", "PipelineContext", "PipelineError", "Registry", "RemoteError",
       "ResourceExhaustedError", "SessionLostError", "ShardsLostError", "SidecarError",
       "StaleDescriptorError", "VersionMismatchError", "WrongFormatError", "default_registry",
       "distributed",

@@ -39,7 +39,13 @@ from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, NumpyArrays
 from sidecar._src.controller.peers import Peers
 from sidecar._src.controller.sidecars import Sidecars
-from sidecar._src.core import env as env_lib, errors, interrupts, options as options_lib
+from sidecar._src.core import (
+  address as address_lib,
+  env as env_lib,
+  errors,
+  interrupts,
+  options as options_lib,
+)
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
@@ -61,7 +67,9 @@ class Controller:
 
   Args:
     addresses: the sidecars' gRPC addresses: ``unix:PATH`` for one on this machine's Unix
-      socket (``sidecar serve --listen unix:PATH``), else ``host:port``.
+      socket (``sidecar serve --listen unix:PATH``), else ``host:port``. One that can never
+      answer (a path without ``unix:``, a port outside 1..65535, a host name that does not
+      resolve) is InvalidArgumentError at once, naming it and the forms.
     token: the sidecars' bearer token; default ``$SIDECAR_TOKEN`` or ``$SIDECAR_TOKEN_FILE``.
     timeout: default deadline in seconds of every call.
     connect_timeout: how long to wait for each sidecar to answer the handshake.
@@ -96,10 +104,15 @@ class Controller:
                peers: Peers | None = None, silence_timeout: float | None = None,
                tls_ca: str | None = None, tls_cert: str | None = None,
                tls_key: str | None = None, framework: Framework | None = None):
-    if isinstance(addresses, str) or not addresses:
+    if isinstance(addresses, str) or not addresses or not all(
+        isinstance(a, str) for a in addresses):
       raise errors.InvalidArgumentError(
           f"addresses must be a non-empty list of 'unix:PATH' or 'host:port' strings, got "
           f"{addresses!r}")
+    # One that could never answer (a path without unix:, a port out of range, a host name
+    # that does not exist) is refused now, naming the form to use, not dialed.
+    address_lib.check_resolvable([address_lib.parse(a, what="sidecar address")
+                                  for a in addresses], what="sidecar addresses")
     if timeout <= 0:
       raise errors.InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
     self.timeout = timeout
@@ -151,7 +164,9 @@ class Controller:
     On Kubernetes the manifests in ``k8s/`` set what this reads (JobSet name, slices, hosts
     per slice, ports); elsewhere ``SIDECAR_HOSTS=host[:port],...`` lists them. Waits up to
     ``timeout`` seconds for every sidecar to answer its health check, then raises
-    DiscoveryError listing those that did not. Under Slurm (``sidecar slurm batch``) it
+    DiscoveryError listing those that did not; a ``SIDECAR_HOSTS`` entry that can never
+    answer (a path without ``unix:``, a port out of range, a host name that does not
+    resolve) is InvalidArgumentError at once. Under Slurm (``sidecar slurm batch``) it
     reads the job's rendezvous directory; with ``SIDECAR_CLUSTER_FILE`` it joins a service
     as :meth:`from_cluster_file` does.
     """

@@ -7,6 +7,9 @@ Runs in the controller process. Four ways to name the sidecars, checked in this 
    ``[::1]:8480:8481``), or ``unix:PATH`` for a sidecar of this machine serving on a Unix
    socket (its health answers there too). Useful off Kubernetes, e.g.
    ``SIDECAR_HOSTS=$TPU_WORKER_HOSTNAMES`` on TPU VMs, or for sidecars started by hand.
+   An entry that can never answer (a path without ``unix:``, a port out of range, a host
+   name that does not resolve) is refused at once (``address.parse_entry``,
+   ``check_resolvable``), not waited for; so is one of a cluster file (2).
 2. ``SIDECAR_CLUSTER_FILE``: a service's ``cluster.env`` (``sidecar slurm service``), with
    the sidecars' addresses, its token file and its Slurm job, which must still run.
 3. Inside a Slurm job whose rendezvous directory exists (``sidecar slurm batch`` makes it,
@@ -156,8 +159,10 @@ def find(*, timeout: float = 300.0, env: Mapping[str, str] | None = None) -> Fou
       token = os.path.join(directory, rendezvous.TOKEN_FILE)
       return Found(tuple(e.address for e in found), token if os.path.exists(token) else None)
   found = endpoints_from_env(env)
-  wait_until_serving(found, timeout=timeout,
-                     advice=ADVICE_HOSTS if env.get(env_lib.HOSTS, "").strip() else ADVICE_JOBSET)
+  listed = bool(env.get(env_lib.HOSTS, "").strip())
+  if listed:
+    check_resolvable(found, what=env_lib.HOSTS)
+  wait_until_serving(found, timeout=timeout, advice=ADVICE_HOSTS if listed else ADVICE_JOBSET)
   return Found(tuple(e.address for e in found))
 
 
@@ -180,6 +185,7 @@ def from_cluster_file(path: str, *, timeout: float = 60.0) -> Found:
   rendezvous.read_token_file(cluster.token_file)  # refused early, naming it
   found = _from_host_list({env_lib.HOSTS: ",".join(cluster.hosts)}, DEFAULT_PORT,
                           DEFAULT_HEALTH_PORT)
+  check_resolvable(found, what=f"cluster file {path}")
   try:
     wait_until_serving(found, timeout=timeout, advice=(
         f"Check the service's sidecars: sidecar status {' '.join(cluster.hosts)}"))
@@ -450,36 +456,16 @@ def _from_host_list(env: Mapping[str, str], port: int,
           f"SIDECAR_HOSTS_PER_SLICE={per_slice}; list every host of every slice")
   found = []
   for index, entry in enumerate(entries):
-    if address_lib.is_unix(entry):
-      unix = address_lib.parse(entry, what="SIDECAR_HOSTS entry")
-      found.append(Endpoint(index // per_slice, index % per_slice, unix.target, 0, 0))
-      continue
-    host, entry_port, entry_health = _parse_entry(entry)
-    found.append(Endpoint(index // per_slice, index % per_slice, host,
-                          entry_port or port, entry_health or health_port))
+    at, health = address_lib.parse_entry(entry, port=port, health_port=health_port)
+    found.append(Endpoint(index // per_slice, index % per_slice, at.target if at.is_unix
+                          else at.host, at.port, health))
   return tuple(found)
 
 
-def _parse_entry(entry: str) -> tuple[str, int | None, int | None]:
-  """Splits ``HOST[:PORT[:HEALTH_PORT]]``, with IPv6 hosts in brackets."""
-  if entry.startswith("["):
-    host, sep, rest = entry[1:].partition("]")
-    if not sep or (rest and not rest.startswith(":")):
-      raise errors.InvalidArgumentError(
-          f"SIDECAR_HOSTS entry {entry!r} is malformed; write IPv6 hosts as [ADDR]:PORT")
-    parts = [host] + (rest[1:].split(":") if rest else [])
-  else:
-    parts = entry.split(":")
-  if len(parts) > 3 or not parts[0]:
-    raise errors.InvalidArgumentError(
-        f"SIDECAR_HOSTS entry {entry!r} is not HOST[:PORT[:HEALTH_PORT]] or unix:PATH; put "
-        "IPv6 addresses in brackets, e.g. [::1]:8490:8491")
-  ports: list[int | None] = []
-  for text in parts[1:]:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
-      raise errors.InvalidArgumentError(
-          f"SIDECAR_HOSTS entry {entry!r} has port {text!r}; ports are integers in 1..65535")
-    ports.append(int(text))
-  ports += [None] * (2 - len(ports))
-  return parts[0], ports[0], ports[1]
-
+def check_resolvable(endpoints: Sequence[Endpoint], *, what: str) -> None:
+  """Refuses at once endpoints named by the user (SIDECAR_HOSTS, a cluster file) whose host
+  name does not exist: no wait makes them answer. A JobSet's names are not checked: they
+  resolve only once their pods run."""
+  address_lib.check_resolvable(
+      [address_lib.Address(host=e.host, port=e.port) for e in endpoints
+       if not address_lib.is_unix(e.host)], what=what)

@@ -17,10 +17,13 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import ipaddress
 import os
+import socket
 import stat
+from collections.abc import Sequence
 
 from sidecar._src.core import errors
 
@@ -128,6 +131,87 @@ def parse(text: str, *, default_port: int | None = None, what: str = "address") 
   return Address(host=host, port=int(port_text))
 
 
+def parse_entry(text: str, *, port: int, health_port: int,
+                what: str = "SIDECAR_HOSTS entry") -> tuple[Address, int]:
+  """A host list's entry (``SIDECAR_HOSTS``, a cluster file's hosts) and its health port:
+  ``unix:PATH`` (health answers on the same socket: port 0), or ``HOST[:PORT[:HEALTH_PORT]]``
+  (IPv6 in brackets: ``[::1]:8490:8491``), each port not given ``port`` or ``health_port``.
+
+  Raises:
+    InvalidArgumentError: naming ``what``, the text and the forms it may take; a path
+      written without ``unix:`` is told its ``unix:`` spelling.
+  """
+  text = text.strip()
+  if is_unix(text):
+    return parse(text, what=what), 0
+  forms = "HOST[:PORT[:HEALTH_PORT]] or unix:PATH"
+  if looks_like_path(text):
+    raise errors.InvalidArgumentError(
+        f"{what} {text!r} is a path, not {forms}: a sidecar on a Unix socket is unix:{text}")
+  if text.startswith("["):
+    host, sep, rest = text[1:].partition("]")
+    if not sep or (rest and not rest.startswith(":")):
+      raise errors.InvalidArgumentError(
+          f"{what} {text!r} is malformed; write IPv6 hosts as [ADDR]:PORT")
+    parts = [host] + (rest[1:].split(":") if rest else [])
+  else:
+    parts = text.split(":")
+  if len(parts) > 3 or not parts[0]:
+    raise errors.InvalidArgumentError(
+        f"{what} {text!r} is not {forms}; put IPv6 addresses in brackets, e.g. "
+        "[::1]:8490:8491")
+  ports = []
+  for given in parts[1:]:
+    if not given.isdigit() or not 1 <= int(given) <= 65535:
+      raise errors.InvalidArgumentError(
+          f"{what} {text!r} has port {given!r}; ports are integers in 1..65535")
+    ports.append(int(given))
+  ports += [port, health_port][len(ports):]
+  return Address(host=parts[0], port=ports[0]), ports[1]
+
+
+# What getaddrinfo answers for a name that does not exist (NXDOMAIN, or no such entry in
+# /etc/hosts), not for a DNS that is slow or down (EAI_AGAIN): that one may yet answer.
+_NO_SUCH_NAME = frozenset({socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)})
+
+
+def unresolvable(host: str) -> str | None:
+  """Why host name ``host`` can never be dialed (the resolver says no such name), or None:
+  it resolves, it is an IP address, or the resolver cannot tell now."""
+  if not host or _is_ip(host):
+    return None
+  try:
+    socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    return e.strerror if e.errno in _NO_SUCH_NAME else None
+  except UnicodeError as e:  # a label over 63 characters, or an empty one
+    return f"not a host name: {e}"
+  return None
+
+
+def check_resolvable(addresses: Sequence[Address], *, what: str) -> None:
+  """Refuses at once the TCP ``addresses`` whose host name does not exist, as no wait can
+  make them answer (a name that resolves waits for its sidecar as long as asked). The
+  names are looked up together, each once.
+
+  Raises:
+    InvalidArgumentError: naming each such address, why, and the forms to use.
+  """
+  hosts = sorted({a.host for a in addresses if a.host and not _is_ip(a.host)})
+  if len(hosts) > 1:
+    with concurrent.futures.ThreadPoolExecutor(
+        min(len(hosts), 32), thread_name_prefix="sidecar-resolve") as pool:
+      why = dict(zip(hosts, pool.map(unresolvable, hosts)))
+  else:
+    why = {h: unresolvable(h) for h in hosts}
+  bad = [f"{a.target} ({why[a.host]})" for a in addresses if why.get(a.host)]
+  if bad:
+    raise errors.InvalidArgumentError(
+        f"{what}: {', '.join(bad)}: no such host name, so no sidecar can ever answer there; "
+        "give HOST:PORT with a host name this machine resolves (or an IP address), or "
+        "unix:PATH for a sidecar on this machine")
+
+
 def looks_like_path(text: str) -> bool:
   """Whether ``text``, written without ``unix:``, names a socket file: it holds a '/' (no
   host name or port does), or a socket of that name is here."""
@@ -145,6 +229,14 @@ def _colons(text: str) -> str:
     return (f"it has {ports.count(':') + 1} ports; give the control port alone, as "
             f"{host}:PORT (sidecar serve --port; the health port is for the kubelet's probes)")
   return "it holds more than one ':'"
+
+
+def _is_ip(text: str) -> bool:
+  try:
+    ipaddress.ip_address(text)
+  except ValueError:
+    return False
+  return True
 
 
 def _is_ipv6(text: str) -> bool:

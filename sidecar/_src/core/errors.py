@@ -19,6 +19,7 @@ The tree::
     ├── PermissionDeniedError(PermissionError)  path outside checkpoint roots (PERMISSION_DENIED)
     ├── ArenaCapacityError(MemoryError)         the machine cannot give the arena at start
     ├── RemoteError                             user code raised inside a sidecar
+    │   └── PipelineError                       ... a feed's pipeline or a stream's iterable
     ├── HostLostError(ConnectionError)          a sidecar died or became unreachable
     ├── DeadlineExceededError(TimeoutError)     a call outran its deadline
     ├── DiscoveryError(TimeoutError)            sidecars that never answered discovery
@@ -156,6 +157,38 @@ class RemoteError(SidecarError):
 def _remote_error(remote_type: str, message: str, traceback: str, host_id: int | None
                   ) -> RemoteError:
   return RemoteError(remote_type, message, traceback, host_id=host_id)
+
+
+class PipelineError(RemoteError):
+  """A pipeline raised in its sidecar: while it was built, or at a batch (a feed's
+  pipeline, or the iterable a ``ctl.stream`` runs). The sidecar logged it at ERROR with
+  its traceback and serves on: the same arguments fail the same way again.
+
+  Attributes (and RemoteError's):
+    pipeline: the registered name.
+    kind: ``"pipeline"`` (a feed's) or ``"stream"`` (a function a ``ctl.stream`` runs).
+  """
+
+  def __init__(self, pipeline: str, remote_type: str, remote_message: str,
+               remote_traceback: str = "", *, host_id: int | None = None,
+               kind: str = "pipeline"):
+    self.pipeline, self.kind = pipeline, kind
+    super().__init__(remote_type, remote_message, remote_traceback, host_id=host_id)
+    where = "" if host_id is None else f" on host {host_id}"
+    text = (f"{kind} {pipeline!r}{where} raised {remote_type.removeprefix('builtins.')}: "
+            f"{remote_message}")
+    if remote_traceback:
+      text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+    self.args = (text,)
+
+  def __reduce__(self):
+    return (_pipeline_error, (self.pipeline, self.remote_type, self.remote_message,
+                              self.remote_traceback, self.host_id, self.kind))
+
+
+def _pipeline_error(pipeline: str, remote_type: str, message: str, traceback: str,
+                    host_id: int | None, kind: str) -> PipelineError:
+  return PipelineError(pipeline, remote_type, message, traceback, host_id=host_id, kind=kind)
 
 
 class HostLostError(SidecarError, ConnectionError):

@@ -12,13 +12,12 @@ reads the consumer's grants:
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from sidecar._src.wire import ipc
+from sidecar._src.wire import codec, ipc
 from sidecar._src.wire.protocol import pb
 
 
@@ -122,6 +121,7 @@ class SocketCredits:
     self._on_freed = on_freed
     self.taken = 0  # items the consumer reported taken
     self.closed = False  # the consumer said it is done
+    self.gone = False  # its socket failed: the consumer closed it unsaid, or died
 
   @property
   def consumer_wait_s(self) -> float:
@@ -132,29 +132,33 @@ class SocketCredits:
     return self._bank.most
 
   def _read(self, block: bool) -> None:
-    self._conn.setblocking(block)
-    try:
-      while not self.closed:
-        message = pb.StreamRequest.FromString(self._reader.read())
-        self._bank.grant(message.credit, message.wait_s)
-        self.taken += message.credit
-        self.closed = message.close
-        if message.freed:
-          self._on_freed(list(message.freed))
-        if block:
-          return
-    except BlockingIOError:
-      return  # nothing more waiting
-    finally:
-      self._conn.setblocking(True)
+    """Takes the credit frames waiting (with ``block``, waits for one). The socket
+    failing (OSError, only around its own I/O) means the consumer is gone (``gone``)."""
+    while not self.closed and not self.gone:
+      try:
+        self._conn.setblocking(block)
+        try:
+          raw = self._reader.read()
+        finally:
+          self._conn.setblocking(True)
+      except BlockingIOError:
+        return  # nothing more waiting
+      except OSError:  # ConnectionError included: the consumer closed it, or died
+        self.gone = True
+        return
+      message = codec.parse(pb.StreamRequest, raw)  # InvalidArgumentError if garbage
+      self._bank.grant(message.credit, message.wait_s)
+      self.taken += message.credit
+      self.closed = message.close
+      if message.freed:
+        self._on_freed(list(message.freed))
+      if block:
+        return
 
   def take(self) -> bool:
     while True:
-      try:
-        self._read(block=self._bank.available <= 0)
-      except (ConnectionError, OSError):
-        return False
-      if self.closed:
+      self._read(block=self._bank.available <= 0)
+      if self.closed or self.gone:
         return False
       if self._bank.spend():
         return True
@@ -162,5 +166,4 @@ class SocketCredits:
 
   def drain(self) -> None:
     """Reads what the consumer sent and nobody read yet (its close, say)."""
-    with contextlib.suppress(ConnectionError, OSError):
-      self._read(block=False)
+    self._read(block=False)

@@ -121,10 +121,15 @@ class Service:
 
   @staticmethod
   def _log(e: Exception, what: str) -> None:
-    if isinstance(e, errors.SidecarError):
+    """Our errors at INFO (the caller gets them; a pipeline's RemoteError was logged at
+    ERROR, with its traceback, where it was raised: ``stream_runner``), anything else
+    (user code's in a call, or a fault of ours) at ERROR with its traceback."""
+    if isinstance(e, errors.RemoteError):
+      log.info("%s: %s: %s", what, e.remote_type, protocol.for_log(e.remote_message))
+    elif isinstance(e, errors.SidecarError):
       log.info("%s: %s: %s", what, type(e).__name__, protocol.for_log(e))
     else:
-      log.warning("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e))
+      log.error("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e), exc_info=e)
 
   def _guard(self, fn: Callable[[Any, grpc.ServicerContext], Any]):
     def handle(raw: bytes, context: grpc.ServicerContext):

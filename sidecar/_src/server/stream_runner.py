@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -24,9 +25,10 @@ from sidecar._src.server.credits import CreditSource
 from sidecar._src.server.feeds import processes as feed_processes, producer
 from sidecar._src.server.pool import shares as shares_lib
 from sidecar._src.user import registry as registry_lib
-from sidecar._src.wire import codec, feed_batch
+from sidecar._src.wire import codec, feed_batch, protocol
 from sidecar._src.wire.protocol import pb
 
+log = logging.getLogger(__name__)
 Items = Generator[pb.StreamItem, None, None]
 
 
@@ -61,8 +63,8 @@ class StreamRunner:
     self._tenancy.check_allowed(tenant, registry_lib.PIPELINE if feed
                                 else registry_lib.FUNCTION, request.name)
     self._tenancy.check_worker(tenant, request.worker_session)
-    items: Items = (self._feed if feed else self._stream)(
-        request, credits, alive=alive, time_left=time_left, tenant=tenant)
+    items: Items = _reported((self._feed if feed else self._stream)(
+        request, credits, alive=alive, time_left=time_left, tenant=tenant), request, tenant)
     if tenant is not None:
       items = self._unless_revoked(items, tenant)
     if not self._runner.metrics.enabled:
@@ -180,6 +182,34 @@ class StreamRunner:
     finally:
       batches.close()
       blocks.close()
+
+
+def _reported(items: Items, request: pb.CallRequest, tenant: str | None) -> Items:
+  """``items``, where user code's error (its pipeline's or iterable's, raised while it is
+  built or at any item) is logged here at ERROR with its traceback, and raised as the
+  RemoteError that crosses to the trainer as it is. Our own errors pass unchanged: a
+  user's FileNotFoundError must never look like a closed socket (``workers.py``)."""
+  try:
+    yield from items
+  except errors.SidecarError as e:
+    if isinstance(e, errors.RemoteError):  # a feed worker's, with its own traceback
+      _log_failure(request, e, tenant)
+    raise
+  except Exception as e:
+    _log_failure(request, e, tenant)
+    raise protocol.remote_error(e) from e
+
+
+def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None) -> None:
+  what = (f"pipeline {request.name!r} (a feed)" if request.HasField("feed")
+          else f"stream {request.name!r}")
+  who = "" if tenant is None else f" of tenant {tenant!r}"
+  kind, message = ((e.remote_type, e.remote_message) if isinstance(e, errors.RemoteError)
+                   else (type(e).__name__, str(e)))
+  session = request.worker_session
+  log.error("%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what, who,
+            kind, protocol.for_log(message), exc_info=e,
+            extra={"session": session} if session else None)
 
 
 class FeedBook:

@@ -30,6 +30,7 @@ from sidecar._src.arena import shm
 from sidecar._src.core import errors
 from sidecar._src.server import (
   arenas as arenas_lib,
+  conns,
   goodput as goodput_lib,
   sockets,
   tenants as tenants_lib,
@@ -48,8 +49,6 @@ log = logging.getLogger(__name__)
 # A new connection must send its first frame within this: one that says nothing would
 # hold its thread (and a connection slot) for ever.
 FIRST_FRAME_S = 10.0
-# How long a refused connection waits for the request its client may be sending (_linger).
-LINGER_S = 1.0
 # accept() errors that pass: out of descriptors (a flood of idle connections on another
 # port), of buffers, of memory, or a client that left before it was accepted. The loop
 # waits this long and accepts again; only close() ends it.
@@ -191,7 +190,8 @@ class WorkerListener:
     counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
     try:
       conn.settimeout(FIRST_FRAME_S)
-      message, _ = ipc.recv(conn)
+      with conns.own_io():
+        message, _ = ipc.recv(conn)
       conn.settimeout(None)  # an attached worker may be quiet for hours
       if message.get("op") == "stream":
         return self._stream(conn, str(message.get("session")))
@@ -220,22 +220,24 @@ class WorkerListener:
       assert arena is not None
       reply.update(session=session, arena_size=arena.size, arena_populate=arena.reserved)
       shm.check_sealed(arena.fd)  # never a memfd whose size the worker could change
-      ipc.send(conn, reply, fds=(arena.fd,))
+      with conns.own_io():
+        ipc.send(conn, reply, fds=(arena.fd,))
       log.info("worker pid %s attached as %s", message.get("pid"), session,
                extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
       frames = message.get("queue") is True
       while True:
-        message, _ = ipc.recv(conn)
+        with conns.own_io():
+          message, _ = ipc.recv(conn)
         self._handle(conn, session, message, frames=frames)
-    except errors.SidecarError as e:
+    except conns.Gone:
+      pass  # the worker closed its connection, or died
+    except Exception as e:
       # Malformed frames included: answered, then the connection ends (after garbage,
-      # nothing on it can be trusted to be a frame boundary). First: a refused attach is a
-      # PermissionError, an OSError.
+      # nothing on it can be trusted to be a frame boundary).
+      conns.log_failure("worker connection", e, session or "-")
       with contextlib.suppress(OSError):
         ipc.send(conn, {"error": protocol.error_dict(e)})
-    except (ConnectionError, OSError):
-      pass
     finally:
       if session is not None:
         with self._lock:
@@ -320,23 +322,23 @@ class WorkerListener:
       with self._counted(self._tenancy.of_worker(session)):
         self._stream_in(conn, session)
       if not self.has_session(session):  # refused (or ended): its consumer reads why
-        _linger(conn, ipc.MAX_MESSAGE)
-    except (ConnectionError, OSError):
-      return
-    except Exception as e:
-      _log_failure("stream", e, session)
+        conns.linger(conn, ipc.MAX_MESSAGE)
+    except errors.SidecarError as e:  # the tenant holds all the connections it may
+      conns.log_failure("stream", e, session)
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.StreamItem(end=True, error=protocol.error_info(e))
                        .SerializeToString())
 
   def _stream_in(self, conn: socket.socket, session: str) -> None:
-    """:meth:`_stream`'s body, within the tenant's count of connections."""
+    """:meth:`_stream`'s body, within the tenant's count of connections: whatever fails
+    is answered in the end frame, unless the connection itself failed (``conns.Gone``)."""
     try:
       if not self.has_session(session):
         self._check_ended(session)
         raise errors.InvalidArgumentError(f"stream for unknown worker session {session!r}")
       self._check_not_replica_link(session, "stream")
-      first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))  # before any buffered read
+      with conns.own_io():  # before any buffered read
+        first = pb.StreamRequest.FromString(ipc.recv_bytes(conn))
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
@@ -348,7 +350,7 @@ class WorkerListener:
         # here: the consumer's frees may be what makes room, and its close ends the wait.
         if threading.get_ident() == producer:
           credits.drain()
-        return self.has_session(session) and not credits.closed
+        return self.has_session(session) and not (credits.closed or credits.gone)
       # Blocks of the last items sent, those not yet reported taken (items are taken in
       # order); once taken, the worker holds (and frees) them. Those never taken come
       # back here when the consumer closes the stream.
@@ -359,8 +361,9 @@ class WorkerListener:
                                       tenant=self._tenancy.of_worker(session)):
           blocks = feed_batch.item_blocks(item)
           try:
-            ipc.send_bytes(conn, item.SerializeToString())
-          except OSError:
+            with conns.own_io():
+              ipc.send_bytes(conn, item.SerializeToString())
+          except conns.Gone:
             self._free(session, blocks)  # never arrived whole: nobody can read it
             raise
           sent += 1
@@ -374,10 +377,10 @@ class WorkerListener:
             unread.popleft()
           self._free(session, [x for blocks in unread for x in blocks])
       end = pb.StreamItem(end=True)
-    except (ConnectionError, OSError):
-      return
-    except Exception as e:
-      _log_failure("stream", e, session)
+    except conns.Gone:
+      return  # its consumer closed the connection, or died: nobody to tell
+    except Exception as e:  # the pipeline's own (an OSError too), or ours
+      conns.log_failure("stream", e, session)
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
     with contextlib.suppress(OSError):
       ipc.send_bytes(conn, end.SerializeToString())
@@ -390,10 +393,10 @@ class WorkerListener:
       with self._counted(self._tenancy.of_worker(session)):
         self._serve_calls_in(conn, session)
     except errors.SidecarError as e:  # nothing more on it can be trusted to be a frame
-      _log_failure("calls", e, session)
+      conns.log_failure("calls", e, session)
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
-      _linger(conn, self._call_bytes)
+      conns.linger(conn, self._call_bytes)
 
   def _serve_calls_in(self, conn: socket.socket, session: str) -> None:
     """:meth:`_serve_calls`'s loop, within the tenant's count of connections."""
@@ -401,9 +404,10 @@ class WorkerListener:
       self._check_ended(session)
       raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
     self._check_not_replica_link(session, "calls")
-    alive = lambda: self.has_session(session) and _client_open(conn)
+    alive = lambda: self.has_session(session) and conns.client_open(conn)
     while True:
-      raw = ipc.recv_bytes(conn, limit=self._call_bytes)
+      with conns.own_io():
+        raw = ipc.recv_bytes(conn, limit=self._call_bytes)
       if not self.has_session(session):  # ended since (its tenant revoked, say)
         self._check_ended(session)
         raise errors.InvalidArgumentError(f"calls for unknown worker session {session!r}")
@@ -411,11 +415,12 @@ class WorkerListener:
         with tenants_lib.acting_as(self._tenancy.of_worker(session)):
           response = self._calls.run(raw, session, alive=alive, worker=session)
       except Exception as e:  # this call's error, answered; the connection serves on
-        _log_failure("call", e, session)
+        conns.log_failure("call", e, session)
         response = pb.CallResponse(error=protocol.error_info(e))
       try:
-        ipc.send_bytes(conn, response.SerializeToString())
-      except OSError:  # never arrived whole: nobody can read its result's blocks
+        with conns.own_io():
+          ipc.send_bytes(conn, response.SerializeToString())
+      except conns.Gone:  # never arrived whole: nobody can read its result's blocks
         self._free(session, codec.arena_blocks(response.result))
         raise
 
@@ -424,7 +429,8 @@ class WorkerListener:
     self._seen[session] = time.time()
     op = message.get("op")
     if op == "ping":  # a sign of life, asked while a stream of this worker waits
-      ipc.send(conn, {"ok": True})
+      with conns.own_io():
+        ipc.send(conn, {"ok": True})
       return
     if op == "cancel":  # sent while an alloc waited (Ctrl-C): that alloc has answered
       return
@@ -440,24 +446,27 @@ class WorkerListener:
 
         def on_wait(place: admission.Place) -> None:
           if frames:
-            ipc.send(conn, {"queued": place.to_dict()})
+            with conns.own_io():
+              ipc.send(conn, {"queued": place.to_dict()})
 
         # One block (an argument's), or a save's blocks on this host in one round trip.
         # The worker says how often it must hear (a third of its peer timeout, say).
         report_s = float(message.get("report_s", ON_WAIT_S))
         report_s = min(report_s, ON_WAIT_S) if report_s >= MIN_REPORT_S else MIN_REPORT_S
         reply: dict[str, Any] = {"blocks": self._alloc(
-            message["sizes"], session, timeout, alive=lambda: _quiet(conn), on_wait=on_wait,
+            message["sizes"], session, timeout, alive=lambda: conns.quiet(conn), on_wait=on_wait,
             report_s=report_s)}
       except errors.SidecarError as e:
         reply = {"error": protocol.error_dict(e)}
       except (KeyError, TypeError, ValueError) as e:
         reply = {"error": protocol.error_dict(
             errors.InvalidArgumentError(f"malformed alloc request {message!r:.200}: {e!r}"))}
-      ipc.send(conn, reply)
+      with conns.own_io():
+        ipc.send(conn, reply)
       return
-    ipc.send(conn, {"error": protocol.error_dict(
-        errors.InvalidArgumentError(f"unknown op {op!r}"))})
+    with conns.own_io():
+      ipc.send(conn, {"error": protocol.error_dict(
+          errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
   def _goodput(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     """A frame of the goodput ledger (``server/goodput.py``): answered where it asks
@@ -478,7 +487,8 @@ class WorkerListener:
     if error is not None and not reply:
       log.warning("worker %s: %s", session, error, extra={"session": session})
     if reply:
-      ipc.send(conn, {"ok": True} if error is None else {"error": protocol.error_dict(error)})
+      with conns.own_io():
+        ipc.send(conn, {"ok": True} if error is None else {"error": protocol.error_dict(error)})
 
   def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
              alive: Callable[[], bool] | None = None,
@@ -556,23 +566,6 @@ class WorkerListener:
     sockets.remove_dirs(self._made_dirs)
 
 
-def _log_failure(what: str, e: Exception, session: str) -> None:
-  """Our errors at INFO (the caller gets them), anything else (user code's) at WARNING."""
-  log.log(logging.INFO if isinstance(e, errors.SidecarError) else logging.WARNING,
-          "%s: %s: %s", what, type(e).__name__, protocol.for_log(e), extra={"session": session})
-
-
-def _linger(conn: socket.socket, limit: int) -> None:
-  """After the answer that refuses a connection: says the end (EOF), then reads the
-  request its client may be sending, for at most LINGER_S. A client sends its first
-  request right after the connection's opening frame; closed at once, the connection
-  would fail that send (EPIPE: 'the sidecar is gone') before its client read why."""
-  with contextlib.suppress(OSError, ConnectionError, errors.SidecarError):
-    conn.shutdown(socket.SHUT_WR)
-    conn.settimeout(LINGER_S)
-    ipc.recv_bytes(conn, limit=limit)
-
-
 # The most often a queued alloc reports its place, whatever the worker asks.
 MIN_REPORT_S = 0.05
 
@@ -586,29 +579,6 @@ def _alloc_timeout(raw: Any, queued: bool) -> float | None:
   if not 0 <= timeout < math.inf:
     raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
   return timeout
-
-
-def _quiet(conn: socket.socket) -> bool:
-  """Whether a worker waiting for an alloc is still there and still waits: it sends
-  nothing meanwhile, so data (its cancel) or a hang-up ends the wait."""
-  try:
-    conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-  except BlockingIOError:
-    return True
-  except OSError:
-    return False
-  return False
-
-
-def _client_open(conn: socket.socket) -> bool:
-  """Whether the other end of ``conn`` is still there (it sends nothing during a call, so
-  a readable socket with no data is one it closed)."""
-  try:
-    return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-  except BlockingIOError:
-    return True
-  except OSError:
-    return False
 
 
 def _blocks(pairs: Any) -> list[int]:

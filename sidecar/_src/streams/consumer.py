@@ -86,7 +86,8 @@ class Stream:
   and the sidecar's error if the iterable raised, and both close the stream; so does
   any failure of the transport (HostLostError when the sidecar is gone). A ``timeout``
   bounds the wait for one item: past it ``next()`` raises DeadlineExceededError and
-  the stream stays open, so the caller may wait again.
+  the stream stays open, so the caller may wait again. What the iterable itself raised
+  (while it was built, or at any item) is a PipelineError naming it and the host.
 
   Example::
 
@@ -101,12 +102,15 @@ class Stream:
       several); at most the prefetch.
     timeout: seconds one ``next()`` may wait for an item; None: no limit.
     to_device: with one, each item goes through it (arrays onto a device).
+    kind: what runs, for its errors: ``"pipeline"`` (a feed's) or ``"stream"`` (a function's).
   """
 
   def __init__(self, transport: Transport, *, name: str, credit_every: int = 1,
-               timeout: float | None = None, to_device: ToDevice | None = None):
+               timeout: float | None = None, to_device: ToDevice | None = None,
+               kind: str = "stream"):
     self._transport = transport
     self._name = name
+    self._kind = kind
     self._credit_every = max(1, credit_every)
     self._timeout = timeout
     self._to_device = to_device
@@ -130,11 +134,13 @@ class Stream:
     t0 = time.perf_counter()
     try:
       item = self._wait(t0)
-    except Exception:
+    except Exception as e:
       closed_meanwhile = self.closed
       self.close()
       if closed_meanwhile:  # close() from another thread woke this wait
         raise StopIteration from None
+      if type(e) is errors.RemoteError:  # how a gRPC stream ends with the iterable's error
+        raise self._named(e) from None
       raise
     if item is None:  # The stream stays open: the caller may wait again.
       raise errors.DeadlineExceededError(
@@ -143,7 +149,7 @@ class Stream:
     if item.end:
       self.close()
       if item.HasField("error"):
-        raise protocol.error_from_info(item.error, host=t.host, host_id=t.host_id)
+        raise self._named(protocol.error_from_info(item.error, host=t.host, host_id=t.host_id))
       raise StopIteration
     self._owed += 1
     self._waited += time.perf_counter() - t0
@@ -156,6 +162,13 @@ class Stream:
       return feed_batch.decode(item.batch, from_arena=t.from_arena, where=where)
     value = codec.decode(item.value, from_arena=t.from_arena, where=where)
     return value if self._to_device is None else self._to_device(value)
+
+  def _named(self, e: errors.SidecarError) -> errors.SidecarError:
+    """A RemoteError (user code's: the iterable's) as the PipelineError that names it."""
+    if type(e) is not errors.RemoteError:
+      return e
+    return errors.PipelineError(self._name, e.remote_type, e.remote_message,
+                                e.remote_traceback, host_id=e.host_id, kind=self._kind)
 
   def _wait(self, t0: float) -> pb.StreamItem | None:
     """The next item; None once the timeout passed. A deferred Ctrl-C raises here, before

@@ -105,4 +105,5 @@ def open_stream(rpc: Callable[..., Any], start: pb.CallRequest, *, prefetch: int
   consumer.check_prefetch(prefetch)
   transport = GrpcTransport(rpc, start, prefetch=prefetch, metadata=metadata, host=host,
                             host_id=host_id, renew=renew)
-  return Stream(transport, name=start.name, timeout=timeout, to_device=to_device)
+  return Stream(transport, name=start.name, timeout=timeout, to_device=to_device,
+                kind="pipeline" if start.HasField("feed") else "stream")

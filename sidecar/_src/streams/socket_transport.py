@@ -102,5 +102,6 @@ def open_stream(worker: Worker, request: pb.CallRequest, *, prefetch: int,
     raise errors.HostLostError(f"the sidecar of host {worker.host_id} is gone: {e}",
                                host_id=worker.host_id) from None
   return Stream(SocketTransport(worker, sock, request.name), name=request.name,
-                credit_every=prefetch // 2, timeout=timeout, to_device=to_device)
+                credit_every=prefetch // 2, timeout=timeout, to_device=to_device,
+                kind="pipeline" if request.HasField("feed") else "stream")
 

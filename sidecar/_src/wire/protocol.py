@@ -135,8 +135,9 @@ def status_code(exc: BaseException) -> grpc.StatusCode:
 MAX_LOG_MESSAGE = 2 << 10  # of an error's text in a log line: it may quote a request
 
 
-def for_log(exc: BaseException) -> str:
-  """``exc``'s message cut for a log line (a 64 MiB name once made one 64 MiB line)."""
+def for_log(exc: BaseException | str) -> str:
+  """``exc``'s message (or a text) cut for a log line (a 64 MiB name once made one 64 MiB
+  line)."""
   return truncate(str(exc), MAX_LOG_MESSAGE)
 
 
@@ -158,7 +159,17 @@ def truncate(text: str, limit: int, *, keep: str = "head") -> str:
 
 
 def error_info(exc: BaseException) -> pb.Error:
-  """``exc`` as it crosses: our errors by name, user code's with module and traceback."""
+  """``exc`` as it crosses: our errors by name, user code's with module and traceback.
+
+  A RemoteError (user code's error from a further process, a feed worker's) crosses as
+  the error it stands for: its type, message and traceback, not wrapped once more.
+  """
+  if isinstance(exc, errors.RemoteError):
+    info = pb.Error(type=exc.remote_type, message=truncate(exc.remote_message, MAX_ERROR_MESSAGE),
+                    traceback=truncate(exc.remote_traceback, MAX_ERROR_TRACEBACK, keep="tail"))
+    if exc.host_id is not None:
+      info.host_id = exc.host_id
+    return info
   message = truncate(str(exc), MAX_ERROR_MESSAGE)
   if not isinstance(exc, errors.SidecarError):
     # Each part cut on its own first: a long message (repeated on the last line) must
@@ -175,6 +186,13 @@ def error_info(exc: BaseException) -> pb.Error:
   if isinstance(host_id, int):
     info.host_id = host_id
   return info
+
+
+def remote_error(exc: BaseException) -> errors.RemoteError:
+  """User code's ``exc`` as the RemoteError that stands for it: its qualified type, its
+  message and its traceback (cut as ``error_info`` cuts them)."""
+  info = error_info(exc)
+  return errors.RemoteError(info.type, info.message, info.traceback)
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
@@ -201,8 +219,8 @@ def error_from_info(info: pb.Error, *, host: str, host_id: int | None = None
         info.message, errno=info.errno if info.HasField("errno") else None,
         path=info.path or None, host_id=host_id)
   cls = getattr(errors, info.type, None)
-  if isinstance(cls, type) and issubclass(cls, errors.SidecarError) and cls not in (
-      errors.RemoteError, errors.HostLostError):
+  if isinstance(cls, type) and issubclass(cls, errors.SidecarError) and not issubclass(
+      cls, (errors.RemoteError, errors.HostLostError)):
     return cls(info.message)
   if info.type == "HostLostError":
     return errors.HostLostError(info.message, host_id=host_id)

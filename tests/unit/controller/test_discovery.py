@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar._src.controller import discovery
-from sidecar._src.core import errors
+from sidecar._src.core import errors, rendezvous
 from tests.support.jobset_env import JOBSET_ENV
 
 pytestmark = pytest.mark.unit
@@ -91,9 +91,16 @@ def test_host_list_without_hosts_per_slice_is_one_slice():
     ({"SIDECAR_HOSTS": "a:http"}, r"entry 'a:http' has port 'http'; ports are integers"),
     ({"SIDECAR_HOSTS": "a,b,c", "SIDECAR_HOSTS_PER_SLICE": "2"},
      r"lists 3 hosts, not a multiple of SIDECAR_HOSTS_PER_SLICE=2"),
+    # Issue 62 item 6: a path without unix: was a host name, retried for 300 s.
+    ({"SIDECAR_HOSTS": "/tmp/x/host0.grpc"},
+     r"SIDECAR_HOSTS entry '/tmp/x/host0.grpc' is a path, not HOST\[:PORT\[:HEALTH_PORT\]\] "
+     r"or unix:PATH: a sidecar on a Unix socket is unix:/tmp/x/host0.grpc"),
+    ({"SIDECAR_HOSTS": "a:99999"}, r"entry 'a:99999' has port '99999'; ports are integers in "
+                                   r"1\.\.65535"),
+    ({"SIDECAR_HOSTS": "a:8490:0"}, r"entry 'a:8490:0' has port '0'"),
 ], ids=["empty", "partial-jobset", "bad-slices", "zero-hosts", "bad-port", "bad-template",
         "empty-entry", "too-many-colons", "bare-ipv6", "open-bracket", "named-port",
-        "ragged-slices"])
+        "ragged-slices", "path-without-unix", "port-over-65535", "health-port-0"])
 def test_malformed_env_names_the_variable_and_the_fix(env, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     discovery.endpoints_from_env(env)
@@ -107,3 +114,16 @@ def test_discovery_error_is_a_timeout_error():
 def test_negative_timeout_is_rejected():
   with pytest.raises(errors.InvalidArgumentError, match=r"timeout must be >= 0 seconds, got -1"):
     discovery.discover(timeout=-1, env={"SIDECAR_HOSTS": "127.0.0.1"})
+
+
+def test_a_cluster_file_whose_host_is_a_path_is_refused_naming_the_form(tmp_path, monkeypatch):
+  monkeypatch.setenv("PATH", "")  # no squeue: no Slurm job to ask about
+  token = tmp_path / "token"
+  token.write_text("t")
+  token.chmod(0o600)
+  path = str(tmp_path / "cluster.env")
+  rendezvous.ClusterFile("svc", "12", ("/run/svc/host0.grpc",), str(token)).write(path)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"entry '/run/svc/host0.grpc' is a path, not .*: a sidecar on a Unix "
+                           r"socket is unix:/run/svc/host0.grpc"):
+    discovery.from_cluster_file(path, timeout=300)

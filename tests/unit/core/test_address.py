@@ -1,4 +1,5 @@
 import os
+import socket
 
 import pytest
 
@@ -91,3 +92,72 @@ def test_a_socket_this_process_may_not_open_names_the_path_and_its_mode(tmp_path
                      match=rf"unix:{path}: permission denied: {path} is a file, not a socket, "
                            r"of mode 0400, owner uid \d+.*--socket-group"):
     address_lib.check_access(f"unix:{path}")
+
+
+@pytest.mark.parametrize("text,want", [
+    ("unix:/run/s/h0.grpc", ("unix:/run/s/h0.grpc", 0)),
+    ("node-3", ("node-3:8490", 8491)),
+    ("node-3:9000", ("node-3:9000", 8491)),
+    ("node-3:9000:9001", ("node-3:9000", 9001)),
+    ("[::1]:7000:7001", ("[::1]:7000", 7001)),
+], ids=["unix", "host", "host-port", "host-ports", "ipv6"])
+def test_a_host_list_entry_reads_each_form_with_its_health_port(text, want):
+  at, health = address_lib.parse_entry(text, port=8490, health_port=8491)
+  assert (at.target, health) == want
+
+
+@pytest.mark.parametrize("text,match", [
+    ("/tmp/x/host0.grpc", r"entry '/tmp/x/host0.grpc' is a path, not HOST\[:PORT\[:HEALTH_PORT\]\] "
+                          r"or unix:PATH: a sidecar on a Unix socket is unix:/tmp/x/host0.grpc"),
+    ("node:65536", r"entry 'node:65536' has port '65536'; ports are integers in 1\.\.65535"),
+    ("node:1:2:3", r"entry 'node:1:2:3' is not HOST\[:PORT\[:HEALTH_PORT\]\] or unix:PATH"),
+], ids=["path", "port-over-65535", "three-ports"])
+def test_a_host_list_entry_that_can_never_answer_names_the_form(text, match):
+  with pytest.raises(sidecar.InvalidArgumentError, match=match):
+    address_lib.parse_entry(text, port=8490, health_port=8491)
+
+
+def test_a_relative_socket_path_without_unix_is_told_its_unix_spelling(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with socket.socket(socket.AF_UNIX) as s:
+    s.bind("host0.grpc")  # a socket of that name here: no host name
+    with pytest.raises(sidecar.InvalidArgumentError, match=r"a sidecar on a Unix socket is "
+                                                           r"unix:host0.grpc"):
+      address_lib.parse_entry("host0.grpc", port=8490, health_port=8491)
+
+
+def test_an_ip_address_or_a_name_this_machine_resolves_is_never_refused():
+  assert address_lib.unresolvable("127.0.0.1") is None
+  assert address_lib.unresolvable("::1") is None
+  assert address_lib.unresolvable("localhost") is None
+  address_lib.check_resolvable([address_lib.parse("localhost:1"), address_lib.parse("[::1]:1"),
+                                address_lib.parse("unix:/x.sock")], what="test")
+
+
+def test_a_name_that_is_no_host_name_at_all_is_refused_naming_it():
+  label = "x" * 64  # over 63 characters: no DNS label can be, so no lookup is made
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=rf"sidecar addresses: {label}.a:8490 \(not a host name: .*\): no such "
+                           r"host name, so no sidecar can ever answer there; give HOST:PORT .*or "
+                           r"unix:PATH for a sidecar on this machine"):
+    address_lib.check_resolvable([address_lib.parse(f"{label}.a:8490")],
+                                 what="sidecar addresses")
+
+
+def test_only_a_name_that_does_not_exist_is_refused_a_dns_that_is_down_is_waited_for(
+    monkeypatch):
+  # What the resolver answers, without a DNS: NXDOMAIN (EAI_NONAME), or "try again".
+  answers = {"gone.example": (socket.EAI_NONAME, "Name or service not known"),
+             "slow.example": (socket.EAI_AGAIN, "Temporary failure in name resolution")}
+
+  def getaddrinfo(host, *args, **kwargs):
+    raise socket.gaierror(*answers[host])
+
+  monkeypatch.setattr(address_lib.socket, "getaddrinfo", getaddrinfo)
+  assert address_lib.unresolvable("gone.example") == "Name or service not known"
+  assert address_lib.unresolvable("slow.example") is None  # it may yet answer: the wait holds
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"SIDECAR_HOSTS: gone.example:1 \(Name or service not known\): no "
+                           r"such host name"):
+    address_lib.check_resolvable([address_lib.parse("gone.example:1"),
+                                  address_lib.parse("slow.example:2")], what="SIDECAR_HOSTS")

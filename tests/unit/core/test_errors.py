@@ -81,6 +81,17 @@ def test_a_remote_error_carries_type_message_host_and_traceback():
   assert str(errors.RemoteError("KeyError", "'x'")) == "KeyError: 'x'"
 
 
+def test_a_pipeline_error_names_the_pipeline_host_type_and_message():
+  e = errors.PipelineError("lm", "builtins.FileNotFoundError", "no corpus manifest at /d",
+                           "Traceback ...\n", host_id=0)
+  assert isinstance(e, errors.RemoteError) and (e.pipeline, e.kind) == ("lm", "pipeline")
+  assert e.remote_type == "builtins.FileNotFoundError"
+  assert str(e) == ("pipeline 'lm' on host 0 raised FileNotFoundError: no corpus manifest at "
+                    "/d\n\nRemote traceback:\nTraceback ...")
+  s = errors.PipelineError("items", "mymod.Bad", "x", kind="stream")
+  assert str(s) == "stream 'items' raised mymod.Bad: x"
+
+
 def test_a_lost_host_names_itself():
   e = errors.HostLostError("sidecar of host 3 is gone", host_id=3)
   assert e.host_id == 3 and isinstance(e, ConnectionError) and str(e) == "sidecar of host 3 is gone"
@@ -89,6 +100,8 @@ def test_a_lost_host_names_itself():
 
 @pytest.mark.parametrize("error", [
     errors.RemoteError("builtins.KeyError", "'k'", "Traceback ...", host_id=2),
+    errors.PipelineError("lm", "builtins.OSError", "m", "Traceback ...", host_id=1,
+                         kind="stream"),
     errors.HostLostError("sidecar gone", host_id=1),
     errors.InvalidArgumentError("step must be >= 0, got -1"),
 ], ids=lambda e: type(e).__name__)

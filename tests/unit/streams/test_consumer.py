@@ -83,10 +83,16 @@ def test_the_sidecars_error_ends_the_stream_with_its_type_and_host():
     next(s)
 
 
-def test_a_remote_exception_arrives_as_remote_error():
-  t = FakeTransport(end=end_with(RuntimeError("failed after 0")))
-  with pytest.raises(sidecar.RemoteError, match="RuntimeError: failed after 0"):
-    next(consumer.Stream(t, name="count"))
+@pytest.mark.parametrize("kind", ["stream", "pipeline"])
+def test_a_remote_exception_arrives_as_the_pipeline_error_naming_it_and_the_host(kind):
+  t = FakeTransport(end=end_with(FileNotFoundError("no such file: /d")))
+  with pytest.raises(sidecar.PipelineError) as info:
+    next(consumer.Stream(t, name="count", kind=kind))
+  e = info.value
+  assert isinstance(e, sidecar.RemoteError) and (e.pipeline, e.kind, e.host_id) == (
+      "count", kind, 7)
+  assert str(e).startswith(f"{kind} 'count' on host 7 raised FileNotFoundError: no such file: "
+                           "/d\n\nRemote traceback:")
 
 
 def test_a_timeout_keeps_the_stream_open_and_the_next_wait_gets_the_item():

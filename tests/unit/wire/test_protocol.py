@@ -132,6 +132,21 @@ def test_an_error_is_the_same_over_every_carrier(carry):
 
 @pytest.mark.parametrize("carry", [_over_trailer, _over_stream_item, _over_json],
                          ids=["trailer", "stream-item", "json"])
+def test_a_remote_error_crosses_again_as_the_error_it_stands_for(carry):
+  # A feed worker's error reaches the sidecar as a RemoteError, which crosses on to the
+  # trainer: once "RemoteError: builtins.ValueError: ..." with the traceback in the message.
+  inner = carry(_raised(FileNotFoundError("no corpus manifest at /d")))
+  outer = carry(inner)
+  assert type(outer) is errors.RemoteError
+  assert (outer.remote_type, outer.remote_message, outer.remote_traceback) == (
+      "builtins.FileNotFoundError", "no corpus manifest at /d", inner.remote_traceback)
+  made = protocol.remote_error(_raised(PermissionError("denied")))
+  assert (made.remote_type, made.remote_message) == ("builtins.PermissionError", "denied")
+  assert "in _raised" in made.remote_traceback and made.host_id is None
+
+
+@pytest.mark.parametrize("carry", [_over_trailer, _over_stream_item, _over_json],
+                         ids=["trailer", "stream-item", "json"])
 def test_a_corrupt_checkpoint_crosses_as_itself(carry):
   """Issue 42 item 8: it crossed as gRPC UNKNOWN; a client without the trailer (another
   language, ``grpcurl``) now reads DATA_LOSS, and ours the error itself."""

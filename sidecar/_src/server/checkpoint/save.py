@@ -177,10 +177,17 @@ class StepWriter:
       self._begun[tmp] = Begun(owner, step, tmp, alive)
     try:
       return str(fmt.create_tmp(directory, step))
-    except BaseException:
+    except BaseException as e:
       with self._begin_lock:
         if self._begun.get(tmp) is not None and self._begun[tmp].owner == owner:
           del self._begun[tmp]
+      if isinstance(e, FileExistsError):  # a race lost to a checkpointer that began or
+        raise errors.PermissionDeniedError(  # committed the step meanwhile (another job's)
+            f"begin: step {step} of {directory!r:.200} is being saved by another "
+            f"checkpointer, or was: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename else ''}; a save never replaces a committed "
+            "step: save each step of a directory from one checkpointer (one job per "
+            "directory)") from None
       raise
 
   def _refuse_busy(self, directory: str, step: int, fmt: str, tmp: pathlib.Path,

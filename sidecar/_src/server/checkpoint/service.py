@@ -17,6 +17,7 @@ import contextvars
 import errno
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -123,8 +124,16 @@ def _documented(rpc: str, e: Exception) -> Exception:
         f"{rpc}: the request is nested too deeply to read (a JSON field or a message "
         "within messages); send a flatter one")
   if isinstance(e, OSError):
-    what = e.strerror or type(e).__name__
+    # One raised with a message only (FileExistsError("step 3 was committed meanwhile at
+    # ...")) has no strerror: its message crosses, never its class's name.
+    what = (e.strerror or (os.strerror(e.errno) if e.errno else "") or str(e)
+            or "an error the system did not describe")
     where = f" ({e.filename})" if e.filename else ""
+    if isinstance(e, FileExistsError):
+      return errors.PermissionDeniedError(
+          f"{rpc}: {what}{where}: another checkpointer made or committed it meanwhile (two "
+          "jobs saving into one directory?); save each step of a directory from one "
+          "checkpointer")
     if e.errno in (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENOTDIR):
       return errors.PermissionDeniedError(
           f"{rpc}: the sidecar may not use a path of this checkpoint{where}: {what}; "

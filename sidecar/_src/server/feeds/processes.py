@@ -12,10 +12,12 @@ the CPU and no accelerator in sight (``core/platform.py``): the trainer owns the
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -89,8 +91,12 @@ class FeedProcesses:
            str(self._arena.fd)], pass_fds=(theirs.fileno(), self._arena.fd),
           stdin=subprocess.DEVNULL, env=platform.sidecar_env(os.environ))
     worker = _Worker(proc, ours, tasks)
-    ipc.send(ours, self._hello)
-    reply, _ = ipc.recv(ours)
+    try:
+      ipc.send(ours, self._hello)
+      reply, _ = ipc.recv(ours)
+    except OSError:  # it died before it answered: a crash while it imported or built
+      self._stop(worker)
+      raise self._died(i, proc.returncode, "before it was ready") from None
     if "error" in reply:
       self._stop(worker)
       raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
@@ -127,7 +133,8 @@ class FeedProcesses:
     """Waits for a batch; returns the seconds the worker spent on it.
 
     Raises:
-      ConnectionAbortedError: the consumer died meanwhile (``alive``): the feed is over.
+      ClosedError: the consumer died meanwhile (``alive``): the feed is over.
+      RemoteError: the pipeline raised in the worker, or its workers kept dying.
     """
     i, seq = ticket
     while True:
@@ -153,20 +160,30 @@ class FeedProcesses:
     poller.register(sock, select.POLLIN)
     while not poller.poll(ALIVE_EVERY * 1000):
       if not self._alive():
-        raise ConnectionAbortedError("the feed's consumer is gone; its batch is abandoned")
+        raise errors.ClosedError("the feed's consumer is gone; its batch is abandoned")
 
   def _restart(self, i: int, seq: int) -> None:
     old = self._workers[i]
     code = old.proc.wait()
     self._restarts += 1
     if self._restarts > MAX_RESTARTS * self.size:
-      raise errors.HostLostError(
-          f"feed worker {i} died (exit code {code}) and workers were restarted "
-          f"{self._restarts - 1} times; giving up at batch {seq}")
+      raise self._died(i, code, f"and workers were restarted {self._restarts - 1} times; "
+                       f"giving up at batch {seq}")
     log.warning("feed worker %d died (exit code %s); restarting it from batch %d, the first "
                 "it had not delivered", i, code, min(old.tasks, default=seq))
     old.sock.close()
     self._workers[i] = self._spawn(i, old.tasks)
+
+  def _died(self, i: int, code: int | None, when: str) -> errors.RemoteError:
+    """The pipeline's failure where its worker process died (this sidecar lives on)."""
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+      with contextlib.suppress(ValueError):
+        how = f"killed by {signal.Signals(-code).name}"
+    return errors.RemoteError(
+        "FeedWorkerDied", f"feed worker {i} of pipeline {self._hello['name']!r} died ({how}) "
+        f"{when}: a crash in the pipeline's native code, or the kernel's OOM killer (see "
+        "dmesg; fewer workers= use less memory)")
 
   @staticmethod
   def _stop(*workers: _Worker) -> None:

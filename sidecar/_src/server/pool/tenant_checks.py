@@ -154,14 +154,22 @@ class TenantCheckpoints(policies.CheckpointPolicy):
     # directory its Stage named; what of it is on storage already is counted there.
     pending = sum(max(n - _stored(d, siblings=False), 0) for d, n in writing
                   if any(paths.inside(d, m) for m in outer))
-    if stored + pending + nbytes > quota or (nbytes == 0 and stored >= quota):
+    total = stored + pending + nbytes
+    if total > quota or (nbytes == 0 and stored >= quota):
       fmt = shm.format_size
+      held = (f"tenant {t.name!r} holds {fmt(stored)} of checkpoints on the storage of host "
+              f"{store.host_id}" + (f", {fmt(pending)} more being written" if pending else ""))
+      limit = f"checkpoint_bytes={fmt(quota)}, {self._tenancy.where(t.name)}"
+      if nbytes:  # the bytes past the quota, not only those asked for
+        why = (f"; {fmt(nbytes)} more of step data in {directory!r:.200} would bring it to "
+               f"{fmt(total)}, {fmt(total - quota)} past its quota ({limit})")
+      else:  # a Begin (nothing asked yet), and the quota full or passed already
+        why = ((f", {fmt(total - quota)} past its quota ({limit})" if total > quota
+                else f", all of its quota ({limit})")
+               + f": no more step data may be written in {directory!r:.200} until it holds "
+               "less")
       raise errors.ResourceExhaustedError(
-          f"tenant {t.name!r} holds {fmt(stored)} of checkpoints on the storage of host "
-          f"{store.host_id}" + (f", {fmt(pending)} more being written" if pending else "")
-          + f"; {fmt(nbytes)} more of step data in {directory!r:.200} would pass its quota "
-          f"(checkpoint_bytes={fmt(quota)}, {self._tenancy.where(t.name)}); "
-          "keep fewer steps (max_to_keep=), delete old ones, or raise its quota")
+          f"{held}{why}; keep fewer steps (max_to_keep=), delete old ones, or raise its quota")
 
 
 def _stored(directory: str, *, siblings: bool = True) -> int:

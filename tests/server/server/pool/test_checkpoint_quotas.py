@@ -6,6 +6,7 @@ other tenant's steps are untouched, and Status reports each tenant's RAM tier an
 
 import os
 import pathlib
+import re
 import shutil
 import threading
 import time
@@ -68,6 +69,14 @@ def test_a_tenants_ram_tier_keeps_its_newest_steps_within_its_quota(make_server,
       assert a.last_restore_stats().bytes.get("storage", 0) == 0
 
 
+def _bytes(text: str | None) -> float:
+  """A size as ``shm.format_size`` writes it ("771.8 KiB"), in bytes; None: 0."""
+  if text is None:
+    return 0.0
+  number, unit = text.split()
+  return float(number) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}[unit]
+
+
 def _stored(directory: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
@@ -86,6 +95,15 @@ def test_a_save_past_a_tenants_storage_quota_is_refused_and_leaves_nothing(
     message = str(e.value)
     assert "tenant 'bob'" in message and "checkpoint_bytes=1.0 MiB" in message, message
     assert "pool.yaml:3" in message and "max_to_keep" in message, message
+    # The bytes past the quota, not only those asked for (issue 63 item 5).
+    found = re.search(r"holds ([\d.]+ KiB) of checkpoints on the storage of host 0(?:, "
+                      r"([\d.]+ KiB) more being written)?; ([\d.]+ KiB) more of step data in "
+                      rf"'{directory}' would bring it to ([\d.]+ [KM]iB), ([\d.]+ KiB) past "
+                      r"its quota \(checkpoint_bytes=1.0 MiB", message)
+    assert found, message
+    held, pending, asked, total, past = (_bytes(x) for x in found.groups())
+    assert total == pytest.approx(held + pending + asked, abs=0.1 * (1 << 20))  # 1.0 MiB
+    assert past == pytest.approx(held + pending + asked - (1 << 20), abs=1024) and past > 0
     assert ck.all_steps() == [1, 2, 3]
     assert _stored(directory) == before  # nothing of step 4 stays
   # Alice's saves are not hers to refuse.
@@ -106,12 +124,20 @@ def test_a_save_past_a_tenants_storage_quota_is_refused_and_leaves_nothing(
     np.testing.assert_array_equal(got["w"], STEP + 6)
 
 
-def test_a_tenant_at_its_storage_quota_is_refused_at_begin(make_server, tmp_path):
+def test_a_tenant_past_its_storage_quota_is_refused_at_begin_naming_by_how_much(
+    make_server, tmp_path):
+  # Before: "0 B more of step data would pass its quota", however far past it he was.
   server = make_server(pool=write_pool(tmp_path, POOL))
-  (tmp_path / "bob" / "run").mkdir()
-  (tmp_path / "bob" / "run" / "filler").write_bytes(b"x" * (1 << 20))  # his quota, all of it
-  with controller(server, BOB) as ctl, ctl.checkpointer(str(tmp_path / "bob" / "run")) as ck:
-    with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'bob' holds 1.0 MiB"):
+  directory = tmp_path / "bob" / "run"
+  directory.mkdir()
+  (directory / "filler").write_bytes(b"x" * ((1 << 20) + (100 << 10)))  # his quota, and more
+  with controller(server, BOB) as ctl, ctl.checkpointer(str(directory)) as ck:
+    with pytest.raises(sidecar.ResourceExhaustedError,
+                       match=r"tenant 'bob' holds 1.1 MiB of checkpoints on the storage of "
+                             r"host 0, 100.0 KiB past its quota \(checkpoint_bytes=1.0 MiB, "
+                             r".*pool.yaml:3\): no "
+                             rf"more step data may be written in '{directory}' until it holds "
+                             r"less; keep fewer steps"):
       ck.save(1, {"w": STEP}).durable.result(30)
     assert ck.all_steps() == []
 

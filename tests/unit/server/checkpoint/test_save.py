@@ -234,11 +234,42 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
                                                      shard(1, ((0, 3),), 1)], owner="a")
   sums = writer.prepared(final, timeout=30)
   writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a")
-  with pytest.raises(FileExistsError, match="step 3 is already committed"):
-    writer.begin(directory, 3, owner="b")  # not refused as in flight: it ended
+  # Not refused as in flight (it ended): a race lost, the documented error, no FileExistsError.
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"begin: step 3 of '.*ck' is being saved by another checkpointer, or "
+                           r"was: step 3 is already committed at .*ck/3; a save never replaces "
+                           r"a committed step"):
+    writer.begin(directory, 3, owner="b")
   monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
   writer.begin(directory, 4, owner="a", alive=lambda: True)
   writer.begin(directory, 4, owner="b", alive=lambda: True)
+
+
+def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writer, tmp_path,
+                                                                        monkeypatch):
+  # Issue 63 item 5: two checkpointers (two jobs, each its own sidecar) began one step of
+  # one directory at once; the loser read "CheckpointWriteError: Begin: FileExistsError".
+  ours, _ = make_writer(Recording())
+  theirs, _ = make_writer(Recording())  # another sidecar's writer: it knows nothing of ours
+  directory = str(tmp_path / "ck")
+  ours.open(directory)
+  tmp = pathlib.Path(ours.tmp_of(directory, 5))
+  real, pending = shutil.rmtree, [tmp]
+
+  def rmtree(path, *args, **kwargs):  # theirs makes the directory just after ours cleared it
+    real(path, *args, **kwargs)
+    if pending and pathlib.Path(path) == pending[0]:
+      pending.clear()
+      theirs.begin(directory, 5, owner="b")
+  monkeypatch.setattr(shutil, "rmtree", rmtree)
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"begin: step 5 of '.*ck' is being saved by another checkpointer, or "
+                           rf"was: File exists \({re.escape(str(tmp))}\); a save never replaces "
+                           r"a committed step: save each step of a directory from one "
+                           r"checkpointer \(one job per directory\)"):
+    ours.begin(directory, 5, owner="a")
+  assert not pending and tmp.is_dir()  # the race happened; their save's directory stands
+  assert ours.begin(directory, 6, owner="a")  # and ours serves on
 
 
 class Held(Recording):
