@@ -18,18 +18,21 @@ from sidecar._src.tools import cli_format
 
 # What each category looks like on the timeline.
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "redone": "#d62728",
-          "restart_gap": "#000000", "save": "#1f77b4"}
+          "stall": "#ff7f0e", "restart_gap": "#000000", "save": "#1f77b4"}
 
 
 def _run(args: argparse.Namespace) -> int:
   try:
-    events = goodput_lib.read(args.directory)
+    reading = goodput_lib.read_all(args.directory)
   except FileNotFoundError:
     print(f"sidecar goodput: no ledger in {args.directory} ({goodput_lib.FILE}): it is "
           "written by the sidecar beside a trainer whose Controller opened a checkpointer "
           "there", file=sys.stderr)
     return 1
-  ledger = goodput_lib.account(events)
+  except OSError as e:
+    print(f"sidecar goodput: cannot read the ledger in {args.directory}: {e}", file=sys.stderr)
+    return 1
+  ledger = goodput_lib.account(reading.events, skipped_lines=reading.skipped)
   if args.plot:
     plot(ledger, args.plot)
   print(json.dumps(ledger.to_dict(), sort_keys=True) if args.json else goodput_lib.table(ledger))
@@ -54,8 +57,10 @@ def plot(ledger: goodput_lib.Ledger, path: str) -> None:
   for row, life in enumerate(ledger.lives):
     first = life.end if life.first_step is None else life.first_step
     spans = [(life.start, first, "startup")]
-    thrown = life.end if life.redone_from is None else life.redone_from
-    spans += [(first, thrown, "productive"), (thrown, life.end, "redone")]
+    stalled = life.end - life.seconds.get("stall", 0.0)  # no step from here on
+    thrown = stalled if life.redone_from is None else min(life.redone_from, stalled)
+    spans += [(first, thrown, "productive"), (thrown, stalled, "redone"),
+              (stalled, life.end, "stall")]
     for a, b, what in spans:
       if b > a:
         ax.barh(row, b - a, left=a - t0, color=COLORS[what], label=what)
@@ -87,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                  help="the job's checkpoint directory (its first checkpointer's)")
   s.add_argument("--json", action="store_true",
                  help='print {"wall_s", "productive_s", "goodput", "badput_s": {category: '
-                      'seconds}, "restarts"} (default: a table)')
+                      'seconds}, "restarts", "skipped_lines"} (default: a table)')
   s.add_argument("--plot", metavar="FILE.png",
                  help="draw the job's timeline to this PNG (default: none)")
   s.set_defaults(func=_run, parser=s)
