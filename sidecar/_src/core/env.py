@@ -87,6 +87,12 @@ HOSTS = _var(
 RESTART = _var(
     "SIDECAR_RESTART", "how often --elastic restarted the job: 0 on the first start",
     default="0", readers="the trainer's own code (sidecar launch sets it)", launcher=True)
+STACKS_SIGNAL = _var(
+    "SIDECAR_STACKS_SIGNAL", "a signal (e.g. SIGUSR2) on which a trainer writes every "
+    "thread's Python stack to its stderr (faulthandler, registered when its Worker "
+    "attaches); sidecar launch sends it to a stalled trainer before it kills it",
+    default="none: no stacks (sidecar launch sets SIGUSR2)",
+    readers="Worker (core/stacks.py), sidecar launch, sidecar stalls", launcher=True)
 STARTED = _var(
     "SIDECAR_STARTED", "when this trainer process was told to run, Unix seconds: set by "
     "sidecar launch --standby's waiting process (tools/standby.py), whose imports came before",

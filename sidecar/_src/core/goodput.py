@@ -23,7 +23,7 @@ Every event is one JSON object, one line of the file::
   sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
   session ends only once its exit is done, seconds later on an accelerator;
   ``stalled``: where the sidecar found the process stalled, the time of its last step:
-  ``sidecar launch --stall-timeout`` killed it, server/progress.py).
+  ``sidecar launch --stall-timeout`` killed it, server/steps.py).
 
 The accounting, for each life in order (its span: its start .. its end, a died or finish
 event, else its last event):

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
+from sidecar._src.core import env as env_lib, errors, logs, options as options_lib, stall
 from sidecar._src.tools import (
   cli_format,
   cli_types,
@@ -241,6 +241,10 @@ def parser() -> argparse.ArgumentParser:
                  help="what one worker session may hold of the arena: a fraction (0.5) or a "
                       "size (2GiB), so no client takes all of it "
                       + _from_env(env_lib.SESSION_QUOTA, "0.9"))
+  s.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                 default=stall.DEFAULT_FLOOR_S,
+                 help=f"a trainer is stalled after {stall.RULE}: Status, /metrics and "
+                      "`sidecar stalls` say so (sidecar launch restarts it); 0: never")
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")
