@@ -88,6 +88,8 @@ def _launch(args: argparse.Namespace) -> int:
     args.parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
   if args.preload and not args.standby:
     args.parser.error("--preload applies only with --standby")
+  if not 0 <= args.stall_timeout < float("inf"):
+    args.parser.error(f"--stall-timeout must be seconds >= 0 (0: off), got {args.stall_timeout}")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
   if not 1 <= min_hosts <= args.hosts:
     args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
@@ -97,7 +99,8 @@ def _launch(args: argparse.Namespace) -> int:
                     checkpoint_roots=args.checkpoint_roots,
                     max_restarts=args.max_restarts,
                     procs_per_host=args.procs_per_host, torch=args.torch,
-                    standby=(args.preload or []) if args.standby else None)
+                    standby=(args.preload or []) if args.standby else None,
+                    stall_timeout=args.stall_timeout)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -342,6 +345,12 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--preload", action="append", metavar="MODULE",
                  help="with --standby: a module the waiting process imports (repeatable; "
                  "default: JAX only)")
+  s.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                 default=stall.DEFAULT_FLOOR_S,
+                 help=f"a trainer is stalled after {stall.RULE}: the launcher prints a "
+                 "\"stall\" line and its Python stacks, kills it and restarts it as a crash "
+                 f"(--max-restarts), else ends the job with exit code {stall.EXIT_CODE}; "
+                 f"0: off (default: {stall.DEFAULT_FLOOR_S:g})")
   _checkpoint_root_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")

@@ -118,7 +118,7 @@ def test_marks_are_coalesced_in_memory_and_on_disk(tmp_path):
                          "events": [event("mark", t=float(t)) for t in range(10)]},
                  tenant=None)
   # A trainer marking every step: 560 frames of 256 marks write one line, not 143,360.
-  for i in range(560):
+  for _ in range(560):
     now[0] += 0.001
     ledgers.record("w-1", {"events": [event("mark", t=50.0)] * 256}, tenant=None)
   assert [e.t for e in goodput_core.read(str(tmp_path))] == [9.0]
