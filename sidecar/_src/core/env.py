@@ -152,6 +152,9 @@ SHM_SIZE = _var("SIDECAR_SHM_SIZE", "--shm-size: the arena's size, e.g. 4GiB",
                 default="1GiB", readers=_SERVE)
 IMPORTS = _var("SIDECAR_IMPORTS", "modules to import, comma-separated, after the --import ones",
                default="none", readers=_SERVE)
+STALL_TIMEOUT = _var("SIDECAR_STALL_TIMEOUT", "--stall-timeout: seconds without a step "
+                     "after which a trainer is stalled (core/stall.py); 0: never",
+                     default="120", readers=_SERVE)
 SESSION_QUOTA = _var("SIDECAR_SESSION_QUOTA", "--session-quota: one worker session's share of "
                      "the arena, a fraction or a size", default="0.9", readers=_SERVE)
 INSECURE = _var("SIDECAR_INSECURE", "1: --insecure, serve a non-loopback --listen without a token",

@@ -103,6 +103,13 @@ def _launch(args: argparse.Namespace) -> int:
                     stall_timeout=args.stall_timeout)
 
 
+def _stalls(args: argparse.Namespace) -> int:
+  from sidecar._src.tools import watchdog
+  return watchdog.probe(cli_types.addresses(args), token=cli_types.token(args),
+                        timeout=args.timeout, send_stacks=args.stacks,
+                        say=lambda text: print(f"sidecar stalls: {text}", flush=True))
+
+
 def _status(args: argparse.Namespace) -> int:
   from sidecar._src.controller import status as status_lib
   token = cli_types.token(args)
@@ -245,9 +252,10 @@ def parser() -> argparse.ArgumentParser:
                       "size (2GiB), so no client takes all of it "
                       + _from_env(env_lib.SESSION_QUOTA, "0.9"))
   s.add_argument("--stall-timeout", type=float, metavar="SECONDS",
-                 default=stall.DEFAULT_FLOOR_S,
+                 default=_env(env_lib.STALL_TIMEOUT, f"{stall.DEFAULT_FLOOR_S:g}"),
                  help=f"a trainer is stalled after {stall.RULE}: Status, /metrics and "
-                      "`sidecar stalls` say so (sidecar launch restarts it); 0: never")
+                      "`sidecar stalls` say so (sidecar launch restarts it); 0: never "
+                      + _from_env(env_lib.STALL_TIMEOUT, f"{stall.DEFAULT_FLOOR_S:g}"))
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")
@@ -366,6 +374,17 @@ def parser() -> argparse.ArgumentParser:
       watch_help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
                  "(default: print once)")
   s.set_defaults(func=_status, parser=s)
+  s = add("stalls", help="exit 1 if a trainer of these sidecars is stalled",
+          description="Ask each sidecar which of its trainers are stalled (no step for "
+                      "their stall timeout: sidecar serve --stall-timeout, docs/elastic.md) "
+                      "and print a \"stall\" line for each; exit status 1 if any is, else 0 "
+                      "(a sidecar that does not answer is said, and is no stall). The k8s "
+                      "trainer container's liveness probe, and sidecar slurm's trainers, run it.")
+  cli_types.add_sidecar_flags(s, timeout=5.0)
+  s.add_argument("--stacks", action="store_true",
+                 help="also send each stalled trainer $SIDECAR_STACKS_SIGNAL (where this "
+                      "process may), so its Python stacks go to its stderr (default: off)")
+  s.set_defaults(func=_stalls, parser=s)
   pool_status.register(sub)  # sidecar pool status: a shared pool's tenants (docs/pool.md)
   ram_tier_cli.register(sub)  # sidecar ram-tier drop: free RAM-tier copies now
   goodput_cli.register(sub)  # sidecar goodput CKPT_DIR: the job's time ledger

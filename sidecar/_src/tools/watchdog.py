@@ -19,13 +19,14 @@ sidecar saw no step of it (the same signal as stalls).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from sidecar._src.core import env as env_lib, stacks
@@ -204,6 +205,36 @@ class Watchdog:
     return (f"it failed the same way {REPEATS} times in a row before its first step "
             f"({trainers.how(code)}" + (f"; its last error: {line}" if line else "")
             + "): a restart would fail again; not restarting it")
+
+
+def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_stacks: bool,
+          say: Callable[[str], None]) -> int:
+  """``sidecar stalls``: 1 where a trainer attached to one of the sidecars at ``addresses``
+  is stalled (a "stall" line for each; with ``send_stacks``, its stacks asked for, where
+  this process can signal it: the k8s trainer container's liveness probe runs beside it),
+  else 0. A sidecar that does not answer is said, and is no stall: its own probes watch
+  it."""
+  from sidecar._src.controller import status as status_lib  # gRPC, as refresh()
+  found = 0
+  for address in addresses:
+    try:
+      got = status_lib.fetch(address, timeout=timeout, token=token)
+    except Exception as e:  # noqa: BLE001 - any failure: no stall can be told
+      say(f"cannot read the status of the sidecar at {address} ({type(e).__name__}: {e}); "
+          "no stall can be told")
+      continue
+    for t in got.trainers:
+      if not t.stalled or t.ended:
+        continue
+      found += 1
+      say(f"host {got.identity.host_id} rank {t.rank} stalled: no step for "
+          f"{t.since_step_s:.1f} s since its last step (its stall timeout "
+          f"{t.stall_timeout_s:.1f} s; pid {t.pid})")
+      sig = _stacks_signal()
+      if send_stacks and sig is not None and stacks.catches(t.pid, sig):
+        with contextlib.suppress(OSError):
+          os.kill(t.pid, sig)  # its stacks go to its own stderr: the container's log
+  return 1 if found else 0
 
 
 def _stacks_signal() -> signal.Signals | None:
