@@ -24,12 +24,13 @@ import dataclasses
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
-from sidecar._src.core import env as env_lib, stacks
+from sidecar._src.core import env as env_lib, stacks, stall
 from sidecar._src.tools import trainers
 
 POLL_S = 1.0  # how often each sidecar's Status is read
@@ -235,6 +236,25 @@ def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_s
         with contextlib.suppress(OSError):
           os.kill(t.pid, sig)  # its stacks go to its own stderr: the container's log
   return 1 if found else 0
+
+
+def watch_one(proc: subprocess.Popen, address: str, *, token: str | None, rank: int,
+              restart: int, say: Callable[[str], None], poll_s: float = POLL_S) -> int:
+  """Waits for ``proc`` (the trainer of rank ``rank``, start ``restart``) to exit while
+  watching its sidecar at ``address`` for its stall (``sidecar slurm``'s trainer task):
+  on one, its stacks and the kill, as :meth:`Watchdog.kill`, and :data:`stall.EXIT_CODE`;
+  else its return code (-N for signal N, as ``Popen.returncode``)."""
+  dog = Watchdog(lambda: {0: address}, token=token, say=say, poll_s=poll_s)
+  while True:
+    try:
+      return proc.wait(timeout=poll_s)
+    except subprocess.TimeoutExpired:
+      pass
+    dog.refresh()
+    if (found := dog.stalled({rank: proc.pid}, restart)) is not None:
+      dog.kill(found, proc.pid)  # the trainer leads its own process group
+      proc.wait()
+      return stall.EXIT_CODE
 
 
 def _stacks_signal() -> signal.Signals | None:
