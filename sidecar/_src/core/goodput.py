@@ -362,9 +362,9 @@ def _split(life: _Life, start: float, end: float, ended: str, after: _Life | Non
   stalled = life.stalled() if ended == "died" and stall else None
   if stalled is not None:  # no step after it: that time is the stall's, not a step's
     stall_s = end - max(start, min(stalled, end))
-    seconds = _split(life, start, end - stall_s, "died", after, stall=False)
-    seconds["stall"] = stall_s
-    return seconds
+    split = _split(life, start, end - stall_s, "died", after, stall=False)
+    split["stall"] = stall_s
+    return split
   last = life.last_counters()
   first = life.first("first_step")
   seconds: dict[str, Any] = {"data_wait": last.data_s, "checkpoint": last.ckpt_s,

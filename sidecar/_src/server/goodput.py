@@ -254,7 +254,8 @@ class Ledgers:
     book.torn = False
     if any(e.kind == "mark" for e in out):
       book.marked = now
-    job = self._jobs.get(book.tenant, {}).get(book.directory)
+    jobs = self._jobs.get(book.tenant)
+    job = None if jobs is None else jobs.get(book.directory)
     if job is not None:
       _keep(job, out)
 

@@ -218,8 +218,8 @@ class WorkerListener:
         pid = message.get("pid")
         self._pids[session] = pid if isinstance(pid, int) else 0
       self.steps.attach(session, pid=self._pids.get(session, 0), tenant=tenant,
-                           rank=_small_int(message.get("rank")),
-                           restart=_small_int(message.get("restart")))
+                        rank=_small_int(message.get("rank")),
+                        restart=_small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
       space = self._arenas.bind(session, tenant)
       arena = space.arena

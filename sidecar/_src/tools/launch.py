@@ -122,19 +122,16 @@ and rank, the exit code or the signal) and the seconds from the failure to the n
 trainers' start. The failure after N restarts ends the job with that trainer's exit code.
 A sidecar that dies still ends the job (unless --elastic says otherwise).
 
-A trainer that fails the same way (the same exit status and the same last error line of
-its output) before its first step {watchdog_lib.REPEATS} times in a row is not restarted again: the job
-ends with that failure, naming its last error (a typo in a path would fail the same way
-every time). Its first step: its sidecar saw it take a feed batch or save.
+A trainer that fails the same way (exit status and last error line) before its first
+step {watchdog_lib.REPEATS} times in a row is not restarted again: the job ends with that failure.
 
---stall-timeout SECONDS (default {stall_lib.DEFAULT_FLOOR_S:g}; 0: off): every sidecar watches its trainers'
-steps (feed batches taken, saves); a trainer that made its first step is stalled after no
-step for the larger of SECONDS and {stall_lib.MULTIPLE:g}x the slowest step seen since. The launcher then
-prints a line "host H rank R stalled: no step for S s since its last step ...", has the
-trainer write its Python stacks (every thread: SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set,
-on which the trainer's Worker registers faulthandler), kills its process group and
-restarts it as a crash (counted against --max-restarts); with no restart left, the job
-ends with exit code {stall_lib.EXIT_CODE}. The goodput ledger counts the stall as badput "stall".
+--stall-timeout SECONDS (default {stall_lib.DEFAULT_FLOOR_S:g}; 0: off): a trainer that made its
+first step and then none (no feed batch taken, no save: its sidecar watches) for the larger of
+SECONDS and {stall_lib.MULTIPLE:g}x its slowest step is stalled: the launcher prints "host H rank R
+stalled: no step for S s ...", then its Python stacks (faulthandler on
+SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set), kills it and restarts it as a crash; with no
+restart left the job ends with exit code {stall_lib.EXIT_CODE}. The goodput ledger counts it as
+badput "stall" (docs/elastic.md).
 
 With --elastic, losing a host does not end the job. When host H's trainer fails or its
 sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
