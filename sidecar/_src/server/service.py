@@ -281,8 +281,11 @@ class Service:
   def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
               context: grpc.ServicerContext, tenant: str | None) -> Iterator[pb.StreamItem]:
     credits = Credits(check_prefetch(first.prefetch))
-    reader = threading.Thread(target=_read_credits, args=(requests, credits), daemon=True,
-                              name="sidecar-credits")
+    # A Worker's feed over gRPC (a TCP transport) is its session's step signal too.
+    worker = first.start.worker_session
+    steps = self._workers.steps
+    reader = threading.Thread(target=_read_credits, daemon=True, name="sidecar-credits",
+                              args=(requests, credits, lambda: steps.step(worker)))
     reader.start()
     # gRPC ends the requests only once the RPC is over, after this handler returned (a
     # consumer half-closes when it saw the end): the RPC's end joins the reader.
@@ -389,12 +392,16 @@ def _certificate_names(context: grpc.ServicerContext) -> list[str]:
           for n in auth.get(key) or ()]
 
 
-def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:
-  """Grants what a stream's consumer credits, until it half-closes or goes away."""
+def _read_credits(requests: Iterator[bytes], credits: Credits,
+                  on_taken: Callable[[], None] = lambda: None) -> None:
+  """Grants what a stream's consumer credits, until it half-closes or goes away;
+  ``on_taken``: its trainer took items (the step signal, ``server/steps.py``)."""
   try:
     for raw in requests:
       message = codec.parse(pb.StreamRequest, raw)
       credits.grant(message.credit, message.wait_s)
+      if message.credit:
+        on_taken()
   except Exception:
     credits.close()  # The consumer went away (or sent garbage).
   else:
