@@ -379,7 +379,7 @@ def parser() -> argparse.ArgumentParser:
                       "their stall timeout: sidecar serve --stall-timeout, docs/elastic.md) "
                       "and print a \"stall\" line for each; exit status 1 if any is, else 0 "
                       "(a sidecar that does not answer is said, and is no stall). The k8s "
-                      "trainer container's liveness probe, and sidecar slurm's trainers, run it.")
+                      "trainer container's liveness probe runs it.")
   cli_types.add_sidecar_flags(s, timeout=5.0)
   s.add_argument("--stacks", action="store_true",
                  help="also send each stalled trainer $SIDECAR_STACKS_SIGNAL (where this "

@@ -9,7 +9,8 @@ it stops them all. Its temporary directory goes with it.
 
 ``sidecar slurm _trainer --step R -- CMD`` (one task per trainer process) reads the step's
 plan, sets the environment ``sidecar launch --torch`` sets (env.py lists it, and torchrun's
-``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) from the entry of its sidecar, and becomes CMD.
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) from the entry of its sidecar, and runs CMD
+while its sidecar's step signal says it is not stalled (``tools/watchdog.watch_one``).
 """
 
 from __future__ import annotations
