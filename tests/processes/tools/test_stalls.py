@@ -59,6 +59,12 @@ def test_a_hung_trainer_is_stalled_in_status_metrics_and_sidecar_stalls(tmp_path
       trainer.send_signal(signal.SIGKILL)
       trainer.wait(timeout=30)
       trainer.stdout.close()
+    # Nothing of it outlives its kill: its session and its feed end with its socket (the
+    # suite allows 5 s on a loaded machine; benchmarks.launch_restarts measures it).
+    def gone():
+      status = status_lib.fetch(address, timeout=10)
+      return all(t.ended for t in status.trainers) and not status.feeds and not status.workers
+    assert eventually(gone, timeout=5)
     # Its death is a stalled one in the ledger; the session is listed as ended a while.
     assert eventually(lambda: goodput.read(directory)[-1].kind == "died", timeout=10)
     died = goodput.read(directory)[-1]
