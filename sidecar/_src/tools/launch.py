@@ -122,17 +122,7 @@ and rank, the exit code or the signal) and the seconds from the failure to the n
 trainers' start. The failure after N restarts ends the job with that trainer's exit code.
 A sidecar that dies still ends the job (unless --elastic says otherwise).
 
-A trainer that fails the same way (exit status and last error line) before its first
-step {watchdog_lib.REPEATS} times in a row is not restarted again: the job ends with that failure.
-
---stall-timeout SECONDS (default {stall_lib.DEFAULT_FLOOR_S:g}; 0: off): a trainer that made its
-first step and then none (no feed batch taken, no save: its sidecar watches) for the larger of
-SECONDS and {stall_lib.MULTIPLE:g}x its slowest step is stalled: the launcher prints "host H rank R
-stalled: no step for S s ...", then its Python stacks (faulthandler on
-SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set), kills it and restarts it as a crash; with no
-restart left the job ends with exit code {stall_lib.EXIT_CODE}. The goodput ledger counts it as
-badput "stall" (docs/elastic.md).
-
+{watchdog_lib.HELP}
 With --elastic, losing a host does not end the job. When host H's trainer fails or its
 sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
 stopped if it still runs, and the trainers of the other hosts start again as a job of one
@@ -340,16 +330,11 @@ class _Run:
     return None
 
   def _check_stalls(self) -> _Loss | None:
-    """A trainer of this start that its sidecar found stalled, killed after its stacks
-    were printed (``tools/watchdog.py``); None where there is none."""
-    stall = self.watchdog.stalled({r: p.pid for r, p in self.trainers.items()
-                                   if p.poll() is None}, self.restart)
-    if stall is None:
+    """A trainer of this start found stalled, its stacks printed and killed (watchdog)."""
+    if (s := self.watchdog.check(self.trainers, self.restart)) is None:
       return None
-    self.watchdog.kill(stall, self.trainers[stall.rank].pid)
-    return _Loss(stall.host, "trainer", -signal.SIGKILL, stall_lib.EXIT_CODE,
-                 rank=stall.rank if self.procs_per_host > 1 else -1, process=stall.rank,
-                 why=f"stalled ({stall.since_s:.1f} s without a step)")
+    return _Loss(s.host, "trainer", -signal.SIGKILL, stall_lib.EXIT_CODE, process=s.rank,
+                 rank=s.rank if self.procs_per_host > 1 else -1, why=s.why)
 
   def _restart(self, loss: _Loss) -> bool:
     """Restarts the job without ``loss.host`` if ``elastic`` allows, or in place if

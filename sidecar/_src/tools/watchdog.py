@@ -37,6 +37,19 @@ POLL_S = 1.0  # how often each sidecar's Status is read
 STATUS_TIMEOUT_S = 5.0
 STACKS_S = 1.0  # how long a stalled trainer is given to write its stacks
 REPEATS = 2  # the same failure before the first step this often in a row ends the job
+# What `sidecar launch --help` says of this module's two rules.
+HELP = f"""\
+A trainer that fails the same way (exit status and last error line) before its first
+step {REPEATS} times in a row is not restarted again: the job ends with that failure.
+
+--stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer that made its
+first step and then none (no feed batch taken, no save: its sidecar watches) for the
+larger of SECONDS and {stall.MULTIPLE:g}x its slowest step is stalled: the launcher prints
+"host H rank R stalled: no step for S s ...", then its Python stacks (faulthandler on
+SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set), kills it and restarts it as a crash; with no
+restart left the job ends with exit code {stall.EXIT_CODE}. The goodput ledger counts it
+as badput "stall" (docs/elastic.md).
+"""
 _ERROR_LINE = re.compile(rb"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*)$")
 _LINE_CHARS = 300
 
@@ -49,6 +62,10 @@ class Stall:
   pid: int  # the process its Worker runs in
   since_s: float  # seconds since its last step
   timeout_s: float
+
+  @property
+  def why(self) -> str:
+    return f"stalled ({self.since_s:.1f} s without a step)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,6 +164,15 @@ class Watchdog:
       if t.stalled and not t.ended and t.restart == restart and t.rank in running:
         return Stall(host, t.rank, int(t.pid), t.since_step_s, t.stall_timeout_s)
     return None
+
+  def check(self, running: Mapping[int, subprocess.Popen], restart: int) -> Stall | None:
+    """A stall among ``running`` (rank -> its trainer, of start ``restart``), its stacks
+    printed and its process group killed (:meth:`kill`); None where there is none."""
+    found = self.stalled({r: p.pid for r, p in running.items() if p.poll() is None},
+                         restart)
+    if found is not None:
+      self.kill(found, running[found.rank].pid)
+    return found
 
   def kill(self, stall: Stall, group: int) -> None:
     """Prints the stall line, has the trainer write its stacks, and kills process group
