@@ -355,7 +355,7 @@ class ReplicaSteps(_message.Message):
     def __init__(self, source_host: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants")
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants", "trainers")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +368,7 @@ class StatusResponse(_message.Message):
     FEEDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
     identity: HostIdentity
     versions: Versions
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -380,7 +381,30 @@ class StatusResponse(_message.Message):
     feeds: _containers.RepeatedCompositeFieldContainer[FeedStatus]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
-    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
+    trainers: _containers.RepeatedCompositeFieldContainer[TrainerStatus]
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., trainers: _Optional[_Iterable[_Union[TrainerStatus, _Mapping]]] = ...) -> None: ...
+
+class TrainerStatus(_message.Message):
+    __slots__ = ("pid", "rank", "restart", "steps", "since_step_s", "slowest_step_s", "stall_timeout_s", "stalled", "ended")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    rank: int
+    restart: int
+    steps: int
+    since_step_s: float
+    slowest_step_s: float
+    stall_timeout_s: float
+    stalled: bool
+    ended: bool
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., steps: _Optional[int] = ..., since_step_s: _Optional[float] = ..., slowest_step_s: _Optional[float] = ..., stall_timeout_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight", "waiting", "batches", "saves", "ram_tier_bytes", "ram_tier_quota")

@@ -237,7 +237,8 @@ def test_the_stream_consumer_sits_below_both_of_its_transports():
   assert consumer in _imports("sidecar._src.streams.grpc_transport")
 
 
-@pytest.mark.parametrize("module", ["sidecar._src.core.errors", "sidecar._src.core.platform"])
+@pytest.mark.parametrize("module", ["sidecar._src.core.errors", "sidecar._src.core.platform",
+                                    "sidecar._src.core.stall"])
 def test_leaves_import_only_the_standard_library(module):
   outside = sorted(n for n in _imports(module)
                    if n.split(".")[0] not in sys.stdlib_module_names | {"__future__"})
@@ -254,11 +255,12 @@ def test_env_imports_only_the_standard_library_and_errors():
 
 @pytest.mark.parametrize("module, allowed", [
     ("sidecar._src.core.address", ["sidecar._src.core.errors"]),
-    ("sidecar._src.core.options", ["sidecar._src.core.address"]),
+    ("sidecar._src.core.options", ["sidecar._src.core.address", "sidecar._src.core.stall"]),
 ], ids=["address", "options"])
 def test_address_and_options_sit_just_above_the_leaves(module, allowed):
   # The one parser of a sidecar address raises our errors; options read a listen address
-  # with it. Both stay on the standard library otherwise.
+  # with it, and check the stall timeout with the stall rule's leaf. Both stay on the
+  # standard library otherwise.
   outside = sorted(n for n in _imports(module)
                    if n.split(".")[0] not in sys.stdlib_module_names | {"__future__"})
   assert outside == allowed

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env as env_lib, errors, progress
+from sidecar._src.core import env as env_lib, errors, progress, stacks
 from sidecar._src.wire import codec, ipc, protocol
 
 ENV_ADDRESS = env_lib.ADDRESS
@@ -59,6 +59,12 @@ class State(enum.Enum):
   ATTACHED = "attached"
   CLOSING = "closing"  # close() was called; waits for live views to die
   CLOSED = "closed"
+
+
+def _env_int(name: str) -> int:
+  """``$name`` as an int >= 0, or -1 (unset, or not one): only told to the sidecar."""
+  text = env_lib.get(name) or ""
+  return int(text) if text.isdigit() and len(text) < 10 else -1
 
 
 def _env_token() -> str | None:
@@ -122,7 +128,10 @@ class Worker:
           f"--socket {self.path}` running on this host?") from None
     try:
       hello = {"op": "attach", "pid": os.getpid(), "queue": True,
-               "versions": protocol.versions_dict(protocol.local_versions())}
+               "versions": protocol.versions_dict(protocol.local_versions()),
+               # Who it is in its job, for the sidecar's stall signal (server/steps.py).
+               "rank": _env_int(env_lib.PROCESS_ID), "restart": _env_int(env_lib.RESTART)}
+      stacks.arm()  # a stalled trainer's stacks, on the launcher's signal
       if process is not None:  # who drives this host
         hello["process"] = process.to_dict()
       if (token := token if token is not None else _env_token()) is not None:

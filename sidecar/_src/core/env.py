@@ -87,6 +87,12 @@ HOSTS = _var(
 RESTART = _var(
     "SIDECAR_RESTART", "how often --elastic restarted the job: 0 on the first start",
     default="0", readers="the trainer's own code (sidecar launch sets it)", launcher=True)
+STACKS_SIGNAL = _var(
+    "SIDECAR_STACKS_SIGNAL", "a signal (e.g. SIGUSR2) on which a trainer writes every "
+    "thread's Python stack to its stderr (faulthandler, registered when its Worker "
+    "attaches); sidecar launch sends it to a stalled trainer before it kills it",
+    default="none: no stacks (sidecar launch sets SIGUSR2)",
+    readers="Worker (core/stacks.py), sidecar launch, sidecar stalls", launcher=True)
 STARTED = _var(
     "SIDECAR_STARTED", "when this trainer process was told to run, Unix seconds: set by "
     "sidecar launch --standby's waiting process (tools/standby.py), whose imports came before",
@@ -146,6 +152,9 @@ SHM_SIZE = _var("SIDECAR_SHM_SIZE", "--shm-size: the arena's size, e.g. 4GiB",
                 default="1GiB", readers=_SERVE)
 IMPORTS = _var("SIDECAR_IMPORTS", "modules to import, comma-separated, after the --import ones",
                default="none", readers=_SERVE)
+STALL_TIMEOUT = _var("SIDECAR_STALL_TIMEOUT", "--stall-timeout: seconds without a step "
+                     "after which a trainer is stalled (core/stall.py); 0: never",
+                     default="120", readers=_SERVE)
 SESSION_QUOTA = _var("SIDECAR_SESSION_QUOTA", "--session-quota: one worker session's share of "
                      "the arena, a fraction or a size", default="0.9", readers=_SERVE)
 INSECURE = _var("SIDECAR_INSECURE", "1: --insecure, serve a non-loopback --listen without a token",

@@ -22,7 +22,9 @@ Every event is one JSON object, one line of the file::
   ``mark`` (the counters now), ``finish`` (``Controller.close()``), ``died`` (written by
   the sidecar: the worker session ended without a finish; ``seen``: the last time the
   sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
-  session ends only once its exit is done, seconds later on an accelerator).
+  session ends only once its exit is done, seconds later on an accelerator;
+  ``stalled``: where the sidecar found the process stalled, the time of its last step:
+  ``sidecar launch --stall-timeout`` killed it, server/steps.py).
 
 The accounting, for each life in order (its span: its start .. its end, a died or finish
 event, else its last event):
@@ -34,6 +36,8 @@ event, else its last event):
   (all its step time if it saved no such step: the next life restored an older one, or
   started from scratch); the last life of a job that ended in a death counts the step
   time after its last save as redone. The rest of the step time is ``productive``;
+- ``stall``: of a life that died stalled, its last step .. its end (its ``seen``, the
+  moment the sidecar found it stalled): no step was made, and a launcher killed it;
 - ``restart_gap``: a death (its ``seen``, the last sign of life, where it is later than
   the life's last event; or a life's last event, where its end was never seen) .. the
   next life's start; ``restarts`` counts them;
@@ -53,10 +57,12 @@ from typing import Any
 
 FILE = "goodput.jsonl"  # in the job's checkpoint directory (the first checkpointer's)
 KINDS = ("start", "first_step", "restore", "save", "mark", "finish", "died")
-CATEGORIES = ("startup", "data_wait", "checkpoint", "restore", "redone", "restart_gap")
+CATEGORIES = ("startup", "data_wait", "checkpoint", "restore", "redone", "stall",
+              "restart_gap")
 COUNTERS = ("batches", "data_s", "ckpt_s", "restore_s")
 MAX_LINE = 4096  # bytes of one event's JSON: bigger ones are refused
 MAX_LIFE = 200  # characters of a life's name
+MAX_INT = 2**63  # steps, pids and counters are below it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,22 +94,25 @@ class Event:
   start: float | None = None  # start: when the process began
   pid: int | None = None  # start
   seen: float | None = None  # died: the last time the sidecar heard from the process
+  stalled: float | None = None  # died: its last step, where it died stalled
 
   def __post_init__(self):
     if self.kind not in KINDS:
-      raise ValueError(f"event kind must be one of {', '.join(KINDS)}, got {self.kind!r:.50}")
+      raise ValueError(f"event kind must be one of {', '.join(KINDS)}, got "
+                       f"{_short(self.kind)}")
     if not isinstance(self.life, str) or not 0 < len(self.life) <= MAX_LIFE:
       raise ValueError(f"an event's life must be a name of 1 to {MAX_LIFE} characters, got "
-                       f"{self.life!r:.80}")
-    for name in ("t", "start", "seen"):
+                       f"{_short(self.life)}")
+    for name in ("t", "start", "seen", "stalled"):
       value = getattr(self, name)
-      if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
-        raise ValueError(f"an event's {name} must be finite seconds, got {value!r:.50}")
+      if value is not None and not _seconds(value):
+        raise ValueError(f"an event's {name} must be finite seconds, got {_short(value)}")
     for name in ("step", "pid"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                or value < 0):
-        raise ValueError(f"an event's {name} must be an int >= 0, got {value!r:.50}")
+                                or not 0 <= value < MAX_INT):
+        raise ValueError(f"an event's {name} must be an int in [0, 2**63), got "
+                         f"{_short(value)}")
     if self.kind == "start" and self.start is None:
       raise ValueError("a start event needs the process's start time")
 
@@ -111,7 +120,7 @@ class Event:
     out: dict[str, Any] = {"kind": self.kind, "life": self.life, "t": self.t}
     if self.counters is not None:
       out.update(dataclasses.asdict(self.counters))
-    for name in ("step", "start", "pid", "seen"):
+    for name in ("step", "start", "pid", "seen", "stalled"):
       if (value := getattr(self, name)) is not None:
         out[name] = value
     return out
@@ -124,21 +133,20 @@ class Event:
       ValueError: ``d`` is no event (a field missing, of the wrong type or out of range).
     """
     if not isinstance(d, dict):
-      raise ValueError(f"an event is a JSON object, got {d!r:.80}")
+      raise ValueError(f"an event is a JSON object, got {_short(d)}")
     counters = None
     if any(k in d for k in COUNTERS):
       values = [d.get(k, 0) for k in COUNTERS]
-      if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                 and v >= 0 for v in values):
-        raise ValueError(f"an event's counters must be numbers >= 0, got {values!r:.100}")
+      if not all(_seconds(v) and 0 <= v < MAX_INT for v in values):
+        raise ValueError(f"an event's counters must be numbers >= 0, got {_short(values)}")
       counters = Counters(int(values[0]), *map(float, values[1:]))
     try:
       # Any value: __post_init__ checks each field's type and says what was wrong.
       return cls(kind=d.get("kind"), life=d.get("life"), t=d.get("t"),  # type: ignore[arg-type]
                  counters=counters, step=d.get("step"), start=d.get("start"), pid=d.get("pid"),
-                 seen=d.get("seen"))
+                 seen=d.get("seen"), stalled=d.get("stalled"))
     except TypeError as e:
-      raise ValueError(f"malformed event {d!r:.100}: {e}") from None
+      raise ValueError(f"malformed event {_short(d)}: {e}") from None
 
   def line(self) -> bytes:
     """This event as one line of the file."""
@@ -150,21 +158,83 @@ def path_in(directory: str) -> str:
   return os.path.join(directory, FILE)
 
 
+def _seconds(value: Any) -> bool:
+  """Whether ``value`` is a finite number (never raising: an int of 400 digits is not)."""
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    return False
+  try:
+    return math.isfinite(value)
+  except OverflowError:
+    return False
+
+
+def _short(value: Any) -> str:
+  """``value``'s repr, cut short, for an error message (never raising: a 400-digit int
+  passes Python's limit on int-to-string conversion)."""
+  try:
+    return f"{value!r:.100}"
+  except (ValueError, RecursionError):
+    return f"<a {type(value).__name__} too big to show>"
+
+
+def _no_constant(name: str) -> Any:
+  raise ValueError(f"{name} is no number of seconds")
+
+
+def parse_line(raw: bytes) -> Event:
+  """The event on one line of the file.
+
+  Raises:
+    ValueError: the line is no event: not JSON, too long, NaN or infinity, a value out
+      of range, nested too deep. Never anything else, whatever the bytes.
+  """
+  if len(raw) > MAX_LINE + 1:
+    raise ValueError(f"a line of {len(raw)} bytes, more than an event's {MAX_LINE}")
+  try:
+    return Event.from_dict(json.loads(raw, parse_constant=_no_constant))
+  except (ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
+    raise ValueError(f"no event: {type(e).__name__}: {e}"[:200]) from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reading:
+  """What :func:`read_all` found: the events, and how many lines were not events."""
+  events: tuple[Event, ...]
+  skipped: int
+
+
+def read_all(directory: str) -> Reading:
+  """The events of the ledger in ``directory``, skipping (and counting) every line that
+  is no event: a torn last line of a sidecar killed mid-append, or anything a hostile or
+  broken writer left. A blank line is no line.
+
+  Raises:
+    FileNotFoundError: no ledger there (OSError: it cannot be read).
+  """
+  events, skipped = [], 0
+  with open(path_in(directory), "rb") as f:
+    while raw := f.readline(MAX_LINE + 2):
+      if len(raw) > MAX_LINE + 1 and not raw.endswith(b"\n"):
+        while (more := f.readline(1 << 16)) and not more.endswith(b"\n"):
+          pass  # the rest of a line too long to be an event, read in bounded pieces
+        skipped += 1
+        continue
+      if not raw.strip():
+        continue
+      try:
+        events.append(parse_line(raw))
+      except ValueError:
+        skipped += 1
+  return Reading(tuple(events), skipped)
+
+
 def read(directory: str) -> list[Event]:
-  """The events of the ledger in ``directory`` (a line that is no event is skipped:
-  the last one may be half written by a sidecar that died).
+  """The events of the ledger in ``directory`` (:func:`read_all`'s, without the count).
 
   Raises:
     FileNotFoundError: no ledger there.
   """
-  events = []
-  with open(path_in(directory), "rb") as f:
-    for raw in f:
-      try:
-        events.append(Event.from_dict(json.loads(raw)))
-      except ValueError:
-        continue
-  return events
+  return list(read_all(directory).events)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -194,6 +264,7 @@ class Ledger:
   badput_s: dict[str, float]
   restarts: int
   lives: tuple[Life, ...]
+  skipped_lines: int = 0  # lines of the file that were no event (read_all)
 
   @property
   def goodput(self) -> float:
@@ -202,7 +273,8 @@ class Ledger:
   def to_dict(self) -> dict[str, Any]:
     """What ``sidecar goodput --json`` prints."""
     return {"wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput,
-            "badput_s": dict(self.badput_s), "restarts": self.restarts}
+            "badput_s": dict(self.badput_s), "restarts": self.restarts,
+            "skipped_lines": self.skipped_lines}
 
 
 @dataclasses.dataclass
@@ -230,6 +302,11 @@ class _Life:
         last = max((x.t for x in self.events if x.kind != "died"), default=e.seen)
         return min(e.t, max(e.seen, last)), e.kind
     return max(e.t for e in self.events), "running"
+
+  def stalled(self) -> float | None:
+    """Its last step, where it died stalled (its died event says so)."""
+    died = self.first("died")
+    return None if died is None else died.stalled
 
   def resumed_from(self) -> int | None:
     """The step restored before the first step (a restart's); restores after it are
@@ -285,8 +362,9 @@ def _step_time(t0: float, c0: Counters, t1: float, c1: Counters) -> float:
   return max(0.0, (t1 - t0) - c1.minus(c0).blocked_s)
 
 
-def account(events: Iterable[Event]) -> Ledger:
-  """The ledger of ``events`` (in the order written); see the module docstring."""
+def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
+  """The ledger of ``events`` (in the order written); see the module docstring.
+  ``skipped_lines``: the lines of the file that were no event, to report."""
   lives = _lives(events)
   totals = dict.fromkeys(CATEGORIES, 0.0)
   productive, wall, restarts, out = 0.0, 0.0, 0, []
@@ -311,12 +389,18 @@ def account(events: Iterable[Event]) -> Ledger:
                     resumed_from=life.resumed_from(), rollbacks=life.rollbacks(),
                     blocked=life.blocked(start, end))
     out.append(previous)
-  return Ledger(wall, productive, totals, restarts, tuple(out))
+  return Ledger(wall, productive, totals, restarts, tuple(out), skipped_lines)
 
 
-def _split(life: _Life, start: float, end: float, ended: str, after: _Life | None
-           ) -> dict[str, Any]:
+def _split(life: _Life, start: float, end: float, ended: str, after: _Life | None, *,
+           stall: bool = True) -> dict[str, Any]:
   """One life's span split into the categories (all but restart_gap) and productive."""
+  stalled = life.stalled() if ended == "died" and stall else None
+  if stalled is not None:  # no step after it: that time is the stall's, not a step's
+    stall_s = end - max(start, min(stalled, end))
+    split = _split(life, start, end - stall_s, "died", after, stall=False)
+    split["stall"] = stall_s
+    return split
   last = life.last_counters()
   first = life.first("first_step")
   seconds: dict[str, Any] = {"data_wait": last.data_s, "checkpoint": last.ckpt_s,
@@ -342,6 +426,7 @@ def _split(life: _Life, start: float, end: float, ended: str, after: _Life | Non
       redone = min(step_s, _step_time(kept_t, kept.counters or first_c, end, last))
       redone_from = kept_t
   seconds["redone"] = redone
+  seconds["stall"] = 0.0
   seconds["productive"] = step_s - redone
   seconds["_redone_from"] = redone_from
   return seconds
@@ -370,6 +455,9 @@ def table(ledger: Ledger) -> str:
   lines.append(f"goodput {100 * ledger.goodput:.2f}%, {ledger.restarts} restart"
                f"{'' if ledger.restarts == 1 else 's'}, {len(ledger.lives)} process "
                f"li{'fe' if len(ledger.lives) == 1 else 'ves'}")
+  if ledger.skipped_lines:
+    lines.append(f"{ledger.skipped_lines} line{'' if ledger.skipped_lines == 1 else 's'} of "
+                 "the file skipped: no event (torn by a killed sidecar, or not written by one)")
   return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import ipaddress
 import os
 
-from sidecar._src.core import address as address_lib
+from sidecar._src.core import address as address_lib, stall
 
 MIN_SHM = 1 << 20
 # Not 8470/8471: libtpu listens on 8471 inside TPU VMs and pods.
@@ -130,6 +130,9 @@ class ServerOptions:
   max_worker_connections: int = 256
   # What one worker session may hold of the arena: a fraction of it (0 < f <= 1) or bytes.
   session_quota: float | int = 0.9
+  # A trainer with no step for this long (or 10x its slowest step, if more) after its
+  # first is stalled (server/steps.py): Status and /metrics say so. 0: never.
+  stall_timeout_s: float = stall.DEFAULT_FLOOR_S
   # TCP connections the control port keeps at once (more are closed as they come), and how
   # long a new one may take to say its first HTTP/2 frames (TLS included) before it is.
   max_connections: int = 2048
@@ -242,6 +245,7 @@ class ServerOptions:
           f"handshake_timeout_s must be positive finite seconds, got {self.handshake_timeout_s!r}")
     if not isinstance(self.session_evict_s, (int, float)) or not self.session_evict_s >= 0:
       raise ValueError(f"session_evict_s must be seconds >= 0, got {self.session_evict_s!r}")
+    stall.check_floor(self.stall_timeout_s)
     if not isinstance(self.session_idle_s, (int, float)) or not self.session_idle_s > 0:
       raise ValueError(f"session_idle_s must be positive seconds, got {self.session_idle_s!r}")
     q = self.session_quota

@@ -114,11 +114,13 @@ class SocketCredits:
   the end, how many items it took in all (``taken``, once ``closed``).
   """
 
-  def __init__(self, conn: socket.socket, initial: int, on_freed: Callable[[list[int]], None]):
+  def __init__(self, conn: socket.socket, initial: int, on_freed: Callable[[list[int]], None],
+               *, on_taken: Callable[[int], None] = lambda n: None):
     self._conn = conn
     self._reader = ipc.FrameReader(conn)
     self._bank = Bank(initial)
     self._on_freed = on_freed
+    self._on_taken = on_taken  # the consumer took items: its trainer's step progress
     self.taken = 0  # items the consumer reported taken
     self.closed = False  # the consumer said it is done
     self.gone = False  # its socket failed: the consumer closed it unsaid, or died
@@ -150,6 +152,8 @@ class SocketCredits:
       self._bank.grant(message.credit, message.wait_s)
       self.taken += message.credit
       self.closed = message.close
+      if message.credit and not message.close:
+        self._on_taken(message.credit)
       if message.freed:
         self._on_freed(list(message.freed))
       if block:

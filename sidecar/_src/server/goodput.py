@@ -5,19 +5,36 @@ worker session (``controller/goodput.py``): the first names the checkpoint direc
 first checkpointer opened, and the sidecar derives the file from it
 (``<directory>/goodput.jsonl``, ``core/goodput.FILE``), after the same checks as every
 checkpoint path (under a checkpoint root; with per-client tokens or a pool, in a
-directory the worker's tenant opened). Every event is checked (``core/goodput.Event``),
-at most :data:`MAX_EVENTS` a frame, and appended to the file, flushed to storage: the
-ledger outlives the trainer and the sidecar. When a bound session ends without a
-``finish`` event (the process died: a signal, an exception, an exit that skipped
+directory the worker's tenant opened). When a bound session ends without a ``finish``
+event (the process died: a signal, an exception, an exit that skipped
 ``Controller.close()``), the sidecar appends ``died`` at that moment.
 
-The ledger last bound on this sidecar is the job's: ``/metrics`` reads its figures
-(:meth:`Ledgers.figures`). Only what accounting needs is kept in memory (a life's
-marks replace each other).
+What a frame may do is bounded, whoever sends it (docs/goodput.md, "The bound"):
+
+- every event is checked (``core/goodput.Event``), at most :data:`MAX_EVENTS` a frame, and
+  its times against this sidecar's clock: none after now + :data:`SKEW_S`, none before
+  the session attached (less :data:`SKEW_S`), a process start at most
+  :data:`MAX_STARTUP_S` before it, counters no larger than the life's age; a frame that
+  fails is refused whole, naming the field;
+- marks are coalesced: a session's mark is written at most every :data:`MARK_EVERY_S`,
+  the latest one held until then (the counters are cumulative: nothing is lost), and
+  with the next other event or the session's end;
+- a session's appends pass a token bucket of :data:`BURST_BYTES` and
+  :data:`RATE_BYTES_S`, and, for a pool tenant with ``checkpoint_bytes``, its storage
+  quota before they are written (the ledger's file is in its directory, and counted);
+- each append starts on a fresh line: a line torn by a sidecar killed mid-append (or a
+  write that failed half way) loses only itself.
+
+``/metrics`` shows one ledger per tenant and directory (:meth:`Ledgers.figures`): a
+tenant's frames change only the ledgers it bound, and each tenant keeps at most
+:data:`MAX_JOBS` of them in memory (its oldest dropped). Only what accounting needs is
+kept (a life's marks replace each other).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -30,17 +47,48 @@ from sidecar._src.core import errors, goodput as goodput_lib
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 256  # events one frame may carry
-MAX_KEPT = 100_000  # events of the job's ledger kept in memory for /metrics
+MAX_KEPT = 20_000  # events of one ledger kept in memory for /metrics
+MAX_JOBS = 4  # ledgers of one tenant kept in memory for /metrics (the latest bound)
+SKEW_S = 10.0  # how far a trainer's time stamps may be off this sidecar's clock
+MAX_STARTUP_S = 3600.0  # how long before its session attached a process may have started
+MARK_EVERY_S = 10.0  # a session's marks are written at most this often
+BURST_BYTES = 64 << 10  # a session's appends: this many bytes at once,
+RATE_BYTES_S = 4 << 10  # and this many a second on average
+_WARN_EVERY_S = 10.0  # a session's refused frames are logged at most this often
+
+Check = Callable[[str | None, str, int], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Figures:
+  """One ledger for ``/metrics``: whose, where, and its accounting."""
+  tenant: str | None
+  directory: str
+  ledger: goodput_lib.Ledger
 
 
 class _Book:
-  """One session's binding: the directory and its open file."""
+  """One session's binding: the directory, its open file, and its budget."""
 
-  def __init__(self, directory: str, fd: int):
-    self.directory = directory
-    self.fd = fd
+  def __init__(self, directory: str, fd: int, tenant: str | None, *, now: float, torn: bool):
+    self.directory, self.fd, self.tenant = directory, fd, tenant
     self.life: str | None = None
+    self.start: float | None = None  # the life's process start (its start event)
     self.finished = False
+    self.torn = torn  # the file does not end with a newline: the next append adds one
+    self.held: goodput_lib.Event | None = None  # the latest mark, not written yet
+    self.marked = -MARK_EVERY_S  # when a mark was last written
+    self.tokens, self.filled = float(BURST_BYTES), now  # the token bucket
+    self.warned = -_WARN_EVERY_S
+
+  def take(self, nbytes: int, now: float) -> bool:
+    """Whether ``nbytes`` more may be written now (taken from the bucket if so)."""
+    self.tokens = min(BURST_BYTES, self.tokens + (now - self.filled) * RATE_BYTES_S)
+    self.filled = now
+    if nbytes > self.tokens:
+      return False
+    self.tokens -= nbytes
+    return True
 
 
 class Ledgers:
@@ -49,26 +97,37 @@ class Ledgers:
   Args:
     resolve: ``resolve(directory, tenant)`` -> the directory resolved, if ``tenant`` may
       write there (raises as the checkpoint calls do).
-    clock: Unix seconds (a died event's time).
+    check_storage: ``check_storage(tenant, directory, nbytes)`` raises
+      ResourceExhaustedError where ``nbytes`` more in ``directory`` would pass the
+      tenant's storage quota (``Checkpoints.check_storage``); default: no quota.
+    clock: Unix seconds (a died event's time, and the check of a frame's times).
+    monotonic: the bucket's and the marks' clock.
   """
 
   def __init__(self, resolve: Callable[[str, str | None], str], *,
-               clock: Callable[[], float] = time.time):
+               check_storage: Check | None = None, clock: Callable[[], float] = time.time,
+               monotonic: Callable[[], float] = time.monotonic):
     self._resolve = resolve
-    self._clock = clock
+    self._check_storage = check_storage or (lambda tenant, directory, nbytes: None)
+    self._clock, self._monotonic = clock, monotonic
     self._lock = threading.Lock()
     self._books: dict[str, _Book] = {}  # by worker session
-    self._job: str | None = None  # the directory last bound: the job's
-    self._events: list[goodput_lib.Event] = []  # the job's, as accounting needs them
+    # Each tenant's ledgers, by directory, the latest bound last: their events as
+    # accounting needs them.
+    self._jobs: dict[str | None, collections.OrderedDict[str, list[goodput_lib.Event]]] = {}
     self._closed = False
 
-  def record(self, session: str, message: dict[str, Any], *, tenant: str | None) -> None:
-    """Takes one ``goodput`` frame of worker ``session``.
+  def record(self, session: str, message: dict[str, Any], *, tenant: str | None,
+             attached: float | None = None) -> None:
+    """Takes one ``goodput`` frame of worker ``session``, attached at ``attached`` (Unix
+    seconds; None: not known, its times are checked against now only).
 
     Raises:
-      InvalidArgumentError: a malformed frame (an event, too many, a second directory,
-        events before any directory).
+      InvalidArgumentError: a malformed frame (an event, too many, a time off this
+        sidecar's clock, a second directory, events before any directory).
       PermissionDeniedError: a directory outside the roots, or another tenant's.
+      ResourceExhaustedError: the session writes faster than the ledger's bound, or the
+        tenant's storage quota would be passed.
       OSError: the file cannot be written.
     """
     try:
@@ -82,11 +141,13 @@ class Ledgers:
         if book is not None:
           raise errors.InvalidArgumentError(
               f"goodput: this session's ledger is bound to {book.directory!r:.200} already")
-        book = self._bind(session, directory, tenant)
-      if book is None:
+      elif book is None:
         raise errors.InvalidArgumentError(
             "goodput: no ledger is bound to this session; the first message names the "
             "checkpoint directory")
+      self._check_times(events, book, attached)
+      if book is None:
+        book = self._bind(session, directory, tenant)
       for event in events:
         if book.life is None:
           book.life = event.life
@@ -94,8 +155,38 @@ class Ledgers:
           raise errors.InvalidArgumentError(
               f"goodput: one session records one process life ({book.life!r:.80}), got an "
               f"event of {event.life!r:.80}")
+      for event in events:
         book.finished = book.finished or event.kind == "finish"
+        if event.kind == "start" and book.start is None:
+          book.start = event.start
       self._append(book, events)
+
+  def _check_times(self, events: list[goodput_lib.Event], book: _Book | None,
+                   attached: float | None) -> None:
+    """InvalidArgumentError where an event's time is off this sidecar's clock."""
+    now = self._clock()
+    earliest = None if attached is None else attached - SKEW_S
+    start = None if book is None else book.start
+    for e in events:
+      if e.t > now + SKEW_S or (earliest is not None and e.t < earliest):
+        raise errors.InvalidArgumentError(
+            f"goodput: an event's time {e.t:.3f} is {_off(e.t, now)} this sidecar's clock "
+            f"({now:.3f}), which only times after its worker session attached, up to now, "
+            f"pass (within {SKEW_S:g} s); the trainer's clock is off, or the frame is "
+            "not the sidecar library's")
+      if e.start is not None:
+        start = e.start
+        if e.start > now + SKEW_S or (earliest is not None
+                                      and e.start < earliest - MAX_STARTUP_S):
+          raise errors.InvalidArgumentError(
+              f"goodput: a process start at {e.start:.3f} is {_off(e.start, now)} this "
+              f"sidecar's clock ({now:.3f}): a process's start passes from "
+              f"{MAX_STARTUP_S:g} s before its worker session attached up to now")
+      if start is not None and e.counters is not None and (
+          e.counters.blocked_s > max(e.t, now) - start + SKEW_S):
+        raise errors.InvalidArgumentError(
+            f"goodput: an event counts {e.counters.blocked_s:.3f} s blocked, more than its "
+            f"process has lived ({max(e.t, now) - start:.3f} s)")
 
   def _bind(self, session: str, directory: Any, tenant: str | None) -> _Book:
     """Opens the ledger of ``directory`` for ``session``; the lock is held."""
@@ -104,72 +195,134 @@ class Ledgers:
           f"goodput: directory must be a path, got {directory!r:.100}")
     resolved = self._resolve(directory, tenant)
     path = goodput_lib.path_in(resolved)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o644)
-    book = self._books[session] = _Book(resolved, fd)
-    if resolved != self._job:  # the job's ledger now: what came before, from the file
-      self._job = resolved
+    try:
+      size = os.fstat(fd).st_size
+      torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+    except OSError:
+      os.close(fd)
+      raise
+    book = self._books[session] = _Book(resolved, fd, tenant, now=self._monotonic(),
+                                        torn=torn)
+    jobs = self._jobs.setdefault(tenant, collections.OrderedDict())
+    if resolved in jobs:
+      jobs.move_to_end(resolved)
+    else:  # this tenant's ledger now: what came before, from the file
+      jobs[resolved] = []
+      while len(jobs) > MAX_JOBS:
+        jobs.popitem(last=False)
       try:
-        self._events = []
-        self._keep(goodput_lib.read(resolved))
+        _keep(jobs[resolved], goodput_lib.read(resolved))
       except OSError as e:
         log.warning("goodput: cannot read the ledger %s (%s)", path, e)
     log.info("goodput: worker session %s records to %s", session, path,
              extra={"session": session})
     return book
 
-  def _append(self, book: _Book, events: list[goodput_lib.Event]) -> None:
-    """Writes ``events`` to ``book``'s file, flushed; the lock is held."""
-    if not events:
+  def _append(self, book: _Book, events: list[goodput_lib.Event], *,
+              force: bool = False) -> None:
+    """Writes ``events`` to ``book``'s file, flushed, marks coalesced; the lock is held.
+    ``force``: the session ends, its held mark and these go whatever the bucket says."""
+    now = self._monotonic()
+    out = []
+    for e in events:
+      if e.kind == "mark":
+        book.held = e
+      else:
+        if book.held is not None:
+          out.append(book.held)
+          book.held = None
+        out.append(e)
+    if book.held is not None and (force or now - book.marked >= MARK_EVERY_S):
+      out.append(book.held)
+      book.held = None
+    if not out:
       return
-    data = b"".join(e.line() for e in events)
+    data = (b"\n" if book.torn else b"") + b"".join(e.line() for e in out)
+    if not force and not book.take(len(data), now):
+      raise errors.ResourceExhaustedError(
+          f"goodput: this session appends to its ledger in {book.directory!r:.200} faster "
+          f"than {RATE_BYTES_S} bytes/s (bursts of {BURST_BYTES}); the sidecar library "
+          "writes far less: is this trainer's recorder its own?")
+    self._check_storage(book.tenant, book.directory, len(data))
+    book.torn = True  # until the write is whole
     view = memoryview(data)
     while view:
       view = view[os.write(book.fd, view):]
     os.fsync(book.fd)
-    if book.directory == self._job:
-      self._keep(events)
+    book.torn = False
+    if any(e.kind == "mark" for e in out):
+      book.marked = now
+    jobs = self._jobs.get(book.tenant)
+    job = None if jobs is None else jobs.get(book.directory)
+    if job is not None:
+      _keep(job, out)
 
-  def _keep(self, events: list[goodput_lib.Event]) -> None:
-    """Adds ``events`` to the job's, a life's mark replacing its mark before."""
-    for e in events:
-      last = self._events[-1] if self._events else None
-      if last is not None and e.kind == last.kind == "mark" and e.life == last.life:
-        self._events[-1] = e
-      else:
-        self._events.append(e)
-    del self._events[:-MAX_KEPT]
+  def refused(self, session: str) -> bool:
+    """Whether a refusal of ``session``'s frame should be logged now (at most every
+    :data:`_WARN_EVERY_S`: a flood of bad frames is not a flood of log lines)."""
+    with self._lock:
+      book = self._books.get(session)
+      if book is None:
+        return True
+      now = self._monotonic()
+      if now - book.warned < _WARN_EVERY_S:
+        return False
+      book.warned = now
+      return True
 
-  def ended(self, session: str, seen: float | None = None) -> None:
+  def ended(self, session: str, seen: float | None = None, *,
+            stalled: float | None = None) -> None:
     """Worker ``session`` ended: a bound one that did not finish died now, last heard
-    from at ``seen`` (Unix seconds; None: not known)."""
+    from at ``seen`` (Unix seconds; None: not known); ``stalled``: its last step, where
+    it died stalled (``server/steps.py``)."""
     with self._lock:
       book = self._books.pop(session, None)
       if book is None:
         return
       try:
+        died = []
         if not book.finished and book.life is not None and not self._closed:
           now = self._clock()
-          died = goodput_lib.Event("died", book.life, now,
-                                   seen=None if seen is None else min(seen, now))
-          self._append(book, [died])
-          log.info("goodput: process life %s died (its session ended without a finish)",
-                   book.life, extra={"session": session})
-      except OSError as e:
+          died = [goodput_lib.Event("died", book.life, now,
+                                    seen=None if seen is None else min(seen, now),
+                                    stalled=None if stalled is None else min(stalled, now))]
+        self._append(book, died, force=True)
+        if died:
+          log.info("goodput: process life %s died%s (its session ended without a finish)",
+                   book.life, " stalled" if stalled is not None else "",
+                   extra={"session": session})
+      except (OSError, errors.SidecarError) as e:
         log.warning("goodput: cannot write to the ledger in %s (%s)", book.directory, e)
       finally:
         os.close(book.fd)
 
-  def figures(self) -> tuple[str, goodput_lib.Ledger] | None:
-    """The job's ledger (the directory last bound here) and its accounting, or None."""
+  def figures(self) -> list[Figures]:
+    """Every ledger kept (each tenant's latest bound), accounted, for ``/metrics``."""
     with self._lock:
-      if self._job is None:
-        return None
-      events, job = list(self._events), self._job
-    return job, goodput_lib.account(events)
+      jobs = [(tenant, directory, list(events)) for tenant, by_dir in self._jobs.items()
+              for directory, events in by_dir.items()]
+    return [Figures(tenant, directory, goodput_lib.account(events))
+            for tenant, directory, events in jobs]
 
   def close(self) -> None:
     """The sidecar stops: sessions that end from now on did not die (their trainer is
     told the sidecar is gone); open files are closed as their sessions end. Idempotent."""
     with self._lock:
       self._closed = True
+
+
+def _off(t: float, now: float) -> str:
+  return f"{t - now:.0f} s after" if t > now else f"{now - t:.0f} s before"
+
+
+def _keep(kept: list[goodput_lib.Event], events: list[goodput_lib.Event] | tuple) -> None:
+  """Adds ``events`` to ``kept``, a life's mark replacing its mark before."""
+  for e in events:
+    last = kept[-1] if kept else None
+    if last is not None and e.kind == last.kind == "mark" and e.life == last.life:
+      kept[-1] = e
+    else:
+      kept.append(e)
+  del kept[:-MAX_KEPT]

@@ -36,7 +36,8 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar._src.server import metrics_server
+from sidecar._src.core import goodput as goodput_lib
+from sidecar._src.server import metrics_server, steps as steps_lib
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +132,37 @@ class FeedTotals:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GoodputFigures:
-  """The goodput ledger last bound on this sidecar (the job's), accounted
+  """One goodput ledger kept on this sidecar (a tenant's, of a directory), accounted
   (``core/goodput.account``)."""
+  tenant: str  # "" without tenants
+  directory: str
   wall_s: float
   productive_s: float
   goodput: float
   badput_s: tuple[tuple[str, float], ...]  # (category, seconds)
   restarts: int
+
+  @classmethod
+  def of(cls, tenant: str | None, directory: str, ledger: goodput_lib.Ledger) -> GoodputFigures:
+    return cls(tenant=tenant or "", directory=directory, wall_s=ledger.wall_s,
+               productive_s=ledger.productive_s, goodput=ledger.goodput,
+               badput_s=tuple(ledger.badput_s.items()), restarts=ledger.restarts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainerFigures:
+  """One attached trainer's step progress (``server/steps.py``)."""
+  tenant: str  # "" without tenants
+  rank: int
+  pid: int
+  since_step_s: float | None  # None: no step yet
+  timeout_s: float
+  stalled: bool
+
+  @classmethod
+  def of(cls, t: steps_lib.Trainer) -> TrainerFigures:
+    return cls(tenant=t.tenant or "", rank=t.rank, pid=t.pid, since_step_s=t.since_step_s,
+               timeout_s=t.timeout_s, stalled=t.stalled)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,7 +185,8 @@ class Snapshot:
   writing_steps: int
   writing_bytes: int  # staged, not yet written
   tenants: tuple[TenantFigures, ...] = ()  # with a pool file: every tenant's
-  goodput: GoodputFigures | None = None  # once a trainer's ledger is bound here
+  goodput: tuple[GoodputFigures, ...] = ()  # the ledgers kept here: each tenant's latest
+  trainers: tuple[TrainerFigures, ...] = ()  # the trainers attached
 
 
 class Metrics(Recorder):
@@ -423,28 +449,56 @@ class _Collector(Collector):
                 s.writing_steps)
     yield gauge("sidecar_checkpoint_writing_bytes", "Staged bytes not yet written to "
                 "storage", s.writing_bytes)
-    if (g := s.goodput) is not None:
-      yield from _goodput_families(g)
+    if s.goodput:
+      yield from _goodput_families(s.goodput)
+    if s.trainers:
+      yield from _trainer_families(s.trainers)
 
 
-def _goodput_families(g: GoodputFigures) -> Iterable:
-  """The job's goodput ledger (docs/goodput.md): its share, and its time split."""
+_LEDGER = ["tenant", "directory"]
+
+
+def _goodput_families(ledgers: tuple[GoodputFigures, ...]) -> Iterable:
+  """The goodput ledgers kept here (docs/goodput.md), each labelled with its tenant and
+  directory: their shares, and their time split."""
   for name, doc, value in (
       ("sidecar_goodput_ratio", "The job's goodput: productive seconds over wall seconds",
-       g.goodput),
-      ("sidecar_goodput_wall_seconds", "The job's wall-clock seconds in its ledger", g.wall_s),
+       lambda g: g.goodput),
+      ("sidecar_goodput_wall_seconds", "The job's wall-clock seconds in its ledger",
+       lambda g: g.wall_s),
       ("sidecar_goodput_productive_seconds", "Seconds of the job's steps that counted",
-       g.productive_s),
+       lambda g: g.productive_s),
       ("sidecar_goodput_restarts", "Trainer deaths followed by a new trainer process",
-       g.restarts)):
-    family = GaugeMetricFamily(name, doc)
-    family.add_metric([], value)
+       lambda g: g.restarts)):
+    family = GaugeMetricFamily(name, doc, labels=_LEDGER)
+    for g in ledgers:
+      family.add_metric([g.tenant, g.directory], value(g))
     yield family
   badput = GaugeMetricFamily("sidecar_goodput_badput_seconds", "Seconds of the job's wall "
-                             "time lost, by category", labels=["category"])
-  for category, seconds in g.badput_s:
-    badput.add_metric([category], seconds)
+                             "time lost, by category", labels=[*_LEDGER, "category"])
+  for g in ledgers:
+    for category, seconds in g.badput_s:
+      badput.add_metric([g.tenant, g.directory, category], seconds)
   yield badput
+
+
+def _trainer_families(trainers: tuple[TrainerFigures, ...]) -> Iterable:
+  """Each attached trainer's seconds since its last step, and whether it is stalled
+  (``core/stall.py``): the stall signal, by tenant, rank and pid."""
+  labels = ["tenant", "rank", "pid"]
+  since = GaugeMetricFamily("sidecar_trainer_seconds_since_step", "Seconds since the "
+                            "trainer's last step (feed batches taken, a save)", labels=labels)
+  limit = GaugeMetricFamily("sidecar_trainer_stall_timeout_seconds", "No step for longer "
+                            "than this: the trainer is stalled (0: never)", labels=labels)
+  stalled = GaugeMetricFamily("sidecar_trainer_stalled", "1 where the trainer is stalled",
+                              labels=labels)
+  for t in trainers:
+    key = [t.tenant, str(t.rank), str(t.pid)]
+    if t.since_step_s is not None:
+      since.add_metric(key, t.since_step_s)
+    limit.add_metric(key, t.timeout_s)
+    stalled.add_metric(key, float(t.stalled))
+  yield from (since, limit, stalled)
 
 
 

@@ -28,6 +28,7 @@ from sidecar._src.server import (
   policies,
   preflight,
   sockets,
+  steps as steps_lib,
   tenants as tenants_lib,
 )
 from sidecar._src.server.arena_io import ArenaIO
@@ -298,13 +299,15 @@ class Server:
       if named:
         self.checkpoints.check_client(tenant or "", directory, "directory")
       return resolved
-    self.ledgers = goodput_lib.Ledgers(ledger_directory)
+    self.ledgers = goodput_lib.Ledgers(ledger_directory,
+                                       check_storage=self.checkpoints.check_storage)
     self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
                                   max_connections=o.max_worker_connections,
                                   on_dead=self._listener_dead, tenancy=self.tenancy,
-                                  ledgers=self.ledgers)
+                                  ledgers=self.ledgers,
+                                  steps=steps_lib.Steps(o.stall_timeout_s))
     # The tokens a client may present: the shared one, one per client, or the pool's.
     self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.replica_token)
     tokens = tokens_holder.table
@@ -480,17 +483,10 @@ class Server:
         writing_steps=usage["writing_steps"], writing_bytes=usage["writing_bytes"],
         tenants=tuple(metrics_lib.TenantFigures.from_status(t)
                       for t in self.service.tenant_status()),
-        goodput=self._goodput_figures())
-
-  def _goodput_figures(self) -> metrics_lib.GoodputFigures | None:
-    """The job's goodput ledger, accounted, for a scrape (None: none is bound here)."""
-    found = self.ledgers.figures()
-    if found is None:
-      return None
-    ledger = found[1]
-    return metrics_lib.GoodputFigures(
-        wall_s=ledger.wall_s, productive_s=ledger.productive_s, goodput=ledger.goodput,
-        badput_s=tuple(ledger.badput_s.items()), restarts=ledger.restarts)
+        goodput=tuple(metrics_lib.GoodputFigures.of(f.tenant, f.directory, f.ledger)
+                      for f in self.ledgers.figures()),
+        trainers=tuple(metrics_lib.TrainerFigures.of(t)
+                       for t in self.workers.steps.trainers() if not t.ended))
 
   def _listen_unix(self, path: str) -> None:
     """Binds the gRPC server to the Unix socket ``path``: its directory made if missing,

@@ -286,8 +286,11 @@ class Service:
   def _stream(self, first: pb.StreamRequest, requests: Iterator[bytes],
               context: grpc.ServicerContext, tenant: str | None) -> Iterator[pb.StreamItem]:
     credits = Credits(check_prefetch(first.prefetch))
-    reader = threading.Thread(target=_read_credits, args=(requests, credits), daemon=True,
-                              name="sidecar-credits")
+    # A Worker's feed over gRPC (a TCP transport) is its session's step signal too.
+    worker = first.start.worker_session
+    steps = self._workers.steps
+    reader = threading.Thread(target=_read_credits, daemon=True, name="sidecar-credits",
+                              args=(requests, credits, lambda: steps.step(worker)))
     reader.start()
     # gRPC ends the requests only once the RPC is over, after this handler returned (a
     # consumer half-closes when it saw the end): the RPC's end joins the reader.
@@ -326,7 +329,18 @@ class Service:
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
         calls=self._runner.calls, feeds=[] if hidden else self._stream_runner.feeds(client),
         checkpoints=[] if hidden else self._visible_checkpoints(client),
-        tenants=self._tenant_status(client, operator=operator))
+        tenants=self._tenant_status(client, operator=operator),
+        trainers=[] if hidden else self._trainer_status(client))
+
+  def _trainer_status(self, client: str | None) -> list[pb.TrainerStatus]:
+    """Each trainer's step progress (``server/steps.py``): every one's, or with per-client
+    tokens or a pool, those of the caller's tenant only."""
+    listed = self._workers.steps.trainers(client, every=client is None)
+    return [pb.TrainerStatus(
+        pid=t.pid, rank=t.rank, restart=t.restart, steps=t.steps,
+        since_step_s=-1.0 if t.since_step_s is None else t.since_step_s,
+        slowest_step_s=t.slowest_s, stall_timeout_s=t.timeout_s, stalled=t.stalled,
+        ended=t.ended) for t in listed]
 
   def _tenant_status(self, client: str | None, *, operator: bool) -> list[pb.TenantStatus]:
     """The caller's own tenant's row (with a pool file), every tenant's for the pool's
@@ -383,12 +397,16 @@ def _certificate_names(context: grpc.ServicerContext) -> list[str]:
           for n in auth.get(key) or ()]
 
 
-def _read_credits(requests: Iterator[bytes], credits: Credits) -> None:
-  """Grants what a stream's consumer credits, until it half-closes or goes away."""
+def _read_credits(requests: Iterator[bytes], credits: Credits,
+                  on_taken: Callable[[], None] = lambda: None) -> None:
+  """Grants what a stream's consumer credits, until it half-closes or goes away;
+  ``on_taken``: its trainer took items (the step signal, ``server/steps.py``)."""
   try:
     for raw in requests:
       message = codec.parse(pb.StreamRequest, raw)
       credits.grant(message.credit, message.wait_s)
+      if message.credit:
+        on_taken()
   except Exception:
     credits.close()  # The consumer went away (or sent garbage).
   else:

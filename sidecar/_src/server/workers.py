@@ -33,6 +33,7 @@ from sidecar._src.server import (
   conns,
   goodput as goodput_lib,
   sockets,
+  steps as steps_lib,
   tenants as tenants_lib,
 )
 from sidecar._src.server.calls import UnaryCalls
@@ -67,9 +68,14 @@ class WorkerListener:
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
                    lambda e: None), tenancy: tenants_lib.Tenancy | None = None,
-               ledgers: goodput_lib.Ledgers | None = None):
+               ledgers: goodput_lib.Ledgers | None = None,
+               steps: steps_lib.Steps | None = None):
     self.path = path
     self._ledgers = ledgers  # the goodput ledgers its sessions write (None: refused)
+    # Each session's steps and when it was last heard from (a frame, a feed credit): the
+    # stall signal, and the goodput ledger's time of a death, where the session ends only
+    # once a killed process is gone.
+    self.steps = steps or steps_lib.Steps()
     self._replica_sessions: set[str] = set()  # peer sidecars' replica links (ReplicaAttach)
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
@@ -86,9 +92,6 @@ class WorkerListener:
     self._lock = threading.Lock()
     self._sessions: dict[str, socket.socket] = {}
     self._pids: dict[str, int] = {}  # the pid each session's worker said it has
-    # When each session's worker was last heard from (a frame, a feed credit): the goodput
-    # ledger's time of a death, where the session ends only once a killed process is gone.
-    self._seen: dict[str, float] = {}
     # Sessions of revoked tenants, ended: why, for the calls and streams that still name
     # them (a tenant removed from the pool file is told so, not "unknown session").
     self._ended: dict[str, str] = {}
@@ -214,6 +217,9 @@ class WorkerListener:
           self._replica_sessions.add(session)
         pid = message.get("pid")
         self._pids[session] = pid if isinstance(pid, int) else 0
+      self.steps.attach(session, pid=self._pids.get(session, 0), tenant=tenant,
+                        rank=_small_int(message.get("rank")),
+                        restart=_small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
       space = self._arenas.bind(session, tenant)
       arena = space.arena
@@ -244,9 +250,9 @@ class WorkerListener:
           self._sessions.pop(session, None)
           self._pids.pop(session, None)
           self._replica_sessions.discard(session)
-        seen = self._seen.pop(session, None)
-        if self._ledgers is not None:  # a recording trainer gone without a finish died
-          self._ledgers.ended(session, seen)
+        ended = self.steps.end(session)
+        if self._ledgers is not None and ended is not None:  # gone without a finish: died
+          self._ledgers.ended(session, ended.seen, stalled=ended.stalled)
         freed = self._leases.release_all(session)
         self._arenas.unbind(session)
         self._tenancy.drop_worker(session)
@@ -342,7 +348,8 @@ class WorkerListener:
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
-                               lambda freed: self._free(session, freed))
+                               lambda freed: self._free(session, freed),
+                               on_taken=lambda n: self.steps.step(session))
       producer = threading.get_ident()
 
       def alive() -> bool:
@@ -426,7 +433,7 @@ class WorkerListener:
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any], *,
               frames: bool = False) -> None:
-    self._seen[session] = time.time()
+    self.steps.heard(session)
     op = message.get("op")
     if op == "ping":  # a sign of life, asked while a stream of this worker waits
       with conns.own_io():
@@ -478,17 +485,30 @@ class WorkerListener:
       self._check_not_replica_link(session, "goodput")
       if self._ledgers is None:
         raise errors.InvalidArgumentError("this sidecar keeps no goodput ledger")
-      self._ledgers.record(session, message, tenant=self._tenancy.of_worker(session))
+      self._ledgers.record(session, message, tenant=self._tenancy.of_worker(session),
+                           attached=self.steps.attached(session))
+      self._ledger_steps(session, message)
     except errors.SidecarError as e:
       error = e
     except OSError as e:
       error = errors.CheckpointWriteError(f"goodput: cannot write the ledger: {e}",
                                           errno=e.errno, path=e.filename)
-    if error is not None and not reply:
+    if error is not None and not reply and (self._ledgers is None
+                                            or self._ledgers.refused(session)):
       log.warning("worker %s: %s", session, error, extra={"session": session})
     if reply:
       with conns.own_io():
         ipc.send(conn, {"ok": True} if error is None else {"error": protocol.error_dict(error)})
+
+  def _ledger_steps(self, session: str, message: dict[str, Any]) -> None:
+    """A ledger frame that shows step progress (a first step, a save, more batches) is
+    a step of ``session`` (the frame was checked: its events are events)."""
+    events = message.get("events", [])
+    if any(e.get("kind") in ("first_step", "save") for e in events):
+      self.steps.step(session)
+    elif batches := [e["batches"] for e in events if e.get("kind") == "mark"
+                     and "batches" in e]:
+      self.steps.step(session, batches=int(max(batches)))
 
   def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
              alive: Callable[[], bool] | None = None,
@@ -515,8 +535,7 @@ class WorkerListener:
 
   def _free(self, session: str, flat: list[int]) -> None:
     """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
-    if session in self._sessions:  # a feed's credit: its trainer took a batch
-      self._seen[session] = time.time()
+    self.steps.heard(session)  # a feed's credit: its trainer took a batch
     for offset, generation in zip(flat[::2], flat[1::2]):
       try:
         self._leases.release(offset, generation, session)
@@ -564,6 +583,12 @@ class WorkerListener:
     with contextlib.suppress(FileNotFoundError):
       os.unlink(self.path)
     sockets.remove_dirs(self._made_dirs)
+
+
+def _small_int(value: Any) -> int:
+  """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
+  ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+  return value if ok else -1
 
 
 # The most often a queued alloc reports its place, whatever the worker asks.

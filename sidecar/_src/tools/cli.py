@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from sidecar._src.core import env as env_lib, errors, logs, options as options_lib
+from sidecar._src.core import env as env_lib, errors, logs, options as options_lib, stall
 from sidecar._src.tools import (
   cli_format,
   cli_types,
@@ -88,6 +88,8 @@ def _launch(args: argparse.Namespace) -> int:
     args.parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
   if args.preload and not args.standby:
     args.parser.error("--preload applies only with --standby")
+  if not 0 <= args.stall_timeout < float("inf"):
+    args.parser.error(f"--stall-timeout must be seconds >= 0 (0: off), got {args.stall_timeout}")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
   if not 1 <= min_hosts <= args.hosts:
     args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
@@ -97,7 +99,15 @@ def _launch(args: argparse.Namespace) -> int:
                     checkpoint_roots=args.checkpoint_roots,
                     max_restarts=args.max_restarts,
                     procs_per_host=args.procs_per_host, torch=args.torch,
-                    standby=(args.preload or []) if args.standby else None)
+                    standby=(args.preload or []) if args.standby else None,
+                    stall_timeout=args.stall_timeout)
+
+
+def _stalls(args: argparse.Namespace) -> int:
+  from sidecar._src.tools import watchdog
+  return watchdog.probe(cli_types.addresses(args), token=cli_types.token(args),
+                        timeout=args.timeout, send_stacks=args.stacks,
+                        say=lambda text: print(f"sidecar stalls: {text}", flush=True))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -241,6 +251,11 @@ def parser() -> argparse.ArgumentParser:
                  help="what one worker session may hold of the arena: a fraction (0.5) or a "
                       "size (2GiB), so no client takes all of it "
                       + _from_env(env_lib.SESSION_QUOTA, "0.9"))
+  s.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                 default=_env(env_lib.STALL_TIMEOUT, f"{stall.DEFAULT_FLOOR_S:g}"),
+                 help=f"a trainer is stalled after {stall.RULE}: Status, /metrics and "
+                      "`sidecar stalls` say so (sidecar launch restarts it); 0: never "
+                      + _from_env(env_lib.STALL_TIMEOUT, f"{stall.DEFAULT_FLOOR_S:g}"))
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")
@@ -338,6 +353,12 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--preload", action="append", metavar="MODULE",
                  help="with --standby: a module the waiting process imports (repeatable; "
                  "default: JAX only)")
+  s.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                 default=stall.DEFAULT_FLOOR_S,
+                 help=f"a trainer is stalled after {stall.RULE}: the launcher prints a "
+                 "\"stall\" line and its Python stacks, kills it and restarts it as a crash "
+                 f"(--max-restarts), else ends the job with exit code {stall.EXIT_CODE}; "
+                 f"0: off (default: {stall.DEFAULT_FLOOR_S:g})")
   _checkpoint_root_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
@@ -353,6 +374,17 @@ def parser() -> argparse.ArgumentParser:
       watch_help="redraw the tables every --interval seconds, with rates, until Ctrl-C "
                  "(default: print once)")
   s.set_defaults(func=_status, parser=s)
+  s = add("stalls", help="exit 1 if a trainer of these sidecars is stalled",
+          description="Ask each sidecar which of its trainers are stalled (no step for "
+                      "their stall timeout: sidecar serve --stall-timeout, docs/elastic.md) "
+                      "and print a \"stall\" line for each; exit status 1 if any is, else 0 "
+                      "(a sidecar that does not answer is said, and is no stall). The k8s "
+                      "trainer container's liveness probe runs it.")
+  cli_types.add_sidecar_flags(s, timeout=5.0)
+  s.add_argument("--stacks", action="store_true",
+                 help="also send each stalled trainer $SIDECAR_STACKS_SIGNAL (where this "
+                      "process may), so its Python stacks go to its stderr (default: off)")
+  s.set_defaults(func=_stalls, parser=s)
   pool_status.register(sub)  # sidecar pool status: a shared pool's tenants (docs/pool.md)
   ram_tier_cli.register(sub)  # sidecar ram-tier drop: free RAM-tier copies now
   goodput_cli.register(sub)  # sidecar goodput CKPT_DIR: the job's time ledger

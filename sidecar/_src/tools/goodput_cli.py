@@ -20,8 +20,8 @@ from sidecar._src.tools import cli_format
 
 # What each category looks like on the timeline.
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "redone": "#d62728",
-          "restart_gap": "#000000", "save": "#1f77b4", "data_wait": "#ff7f0e",
-          "checkpoint": "#17becf", "restore": "#9467bd"}
+          "stall": "#8c564b", "restart_gap": "#000000", "save": "#1f77b4",
+          "data_wait": "#ff7f0e", "checkpoint": "#17becf", "restore": "#9467bd"}
 # The life's own time fills its row; the time it was blocked is drawn over its lower half.
 BLOCKED = ("data_wait", "checkpoint", "restore")
 
@@ -38,13 +38,16 @@ class Bar:
 
 def _run(args: argparse.Namespace) -> int:
   try:
-    events = goodput_lib.read(args.directory)
+    reading = goodput_lib.read_all(args.directory)
   except FileNotFoundError:
     print(f"sidecar goodput: no ledger in {args.directory} ({goodput_lib.FILE}): it is "
           "written by the sidecar beside a trainer whose Controller opened a checkpointer "
           "there", file=sys.stderr)
     return 1
-  ledger = goodput_lib.account(events)
+  except OSError as e:
+    print(f"sidecar goodput: cannot read the ledger in {args.directory}: {e}", file=sys.stderr)
+    return 1
+  ledger = goodput_lib.account(reading.events, skipped_lines=reading.skipped)
   if args.plot:
     plot(ledger, args.plot)
     print(f"sidecar goodput: drew the timeline to {os.path.abspath(args.plot)}",
@@ -54,16 +57,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
-  """The timeline's spans: each life's startup, steps kept and steps thrown away, the
-  time it was blocked (data wait, checkpoint, restore: ``BLOCKED``), and the restart gap
-  after a life that did not finish (in the row of the life it ends)."""
+  """The timeline's spans: each life's startup, steps kept and steps thrown away, its
+  stall before it was killed (if it stalled), the time it was blocked (data wait,
+  checkpoint, restore: ``BLOCKED``), and the restart gap after a life that did not finish
+  (in the row of the life it ends)."""
   t0 = ledger.lives[0].start if ledger.lives else 0.0
   out = []
   for row, life in enumerate(ledger.lives):
     first = life.end if life.first_step is None else life.first_step
-    thrown = life.end if life.redone_from is None else life.redone_from
+    stalled = life.end - life.seconds.get("stall", 0.0)  # no step from here on
+    thrown = stalled if life.redone_from is None else min(life.redone_from, stalled)
     spans = [(life.start, first, "startup"), (first, thrown, "productive"),
-             (thrown, life.end, "redone"), *life.blocked]
+             (thrown, stalled, "redone"), (stalled, life.end, "stall"), *life.blocked]
     if row + 1 < len(ledger.lives) and life.ended != "finish":
       spans.append((life.end, ledger.lives[row + 1].start, "restart_gap"))
     out += [Bar(row, a - t0, b - t0, what) for a, b, what in spans if b > a]
@@ -131,7 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                  help="the job's checkpoint directory (its first checkpointer's)")
   s.add_argument("--json", action="store_true",
                  help='print {"wall_s", "productive_s", "goodput", "badput_s": {category: '
-                      'seconds}, "restarts"} (default: a table)')
+                      'seconds}, "restarts", "skipped_lines"} (default: a table)')
   s.add_argument("--plot", metavar="FILE.png",
                  help="draw the job's timeline to this PNG (default: none)")
   s.set_defaults(func=_run, parser=s)

@@ -30,8 +30,14 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import BinaryIO, TextIO
 
-from sidecar._src.core import env as env_lib, errors, platform
-from sidecar._src.tools import c10d_store, standby as standby_lib, torchrun, trainers
+from sidecar._src.core import env as env_lib, errors, platform, stacks, stall as stall_lib
+from sidecar._src.tools import (
+  c10d_store,
+  standby as standby_lib,
+  torchrun,
+  trainers,
+  watchdog as watchdog_lib,
+)
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
@@ -116,6 +122,7 @@ and rank, the exit code or the signal) and the seconds from the failure to the n
 trainers' start. The failure after N restarts ends the job with that trainer's exit code.
 A sidecar that dies still ends the job (unless --elastic says otherwise).
 
+{watchdog_lib.HELP}
 With --elastic, losing a host does not end the job. When host H's trainer fails or its
 sidecar dies, every trainer is stopped (SIGTERM, SIGKILL after the grace), H's sidecar is
 stopped if it still runs, and the trainers of the other hosts start again as a job of one
@@ -160,10 +167,12 @@ class _Loss:
   code: int
   exit_code: int  # what the launcher exits with if it gives up here
   rank: int = -1  # the trainer's, where it is one of several beside the host
+  process: int = -1  # a failed trainer's SIDECAR_PROCESS_ID (the watchdog's key)
+  why: str = ""  # what happened, where the exit code does not say it (a stall)
 
   def __str__(self) -> str:
     rank = f" (rank {self.rank})" if self.rank >= 0 else ""
-    return f"host {self.host}'s {self.what}{rank} {trainers.how(self.code)}"
+    return f"host {self.host}'s {self.what}{rank} {self.why or trainers.how(self.code)}"
 
 
 class _Run:
@@ -173,8 +182,12 @@ class _Run:
                stdout: BinaryIO, stderr: TextIO, elastic: bool = False, min_hosts: int = 1,
                in_place: bool = False, max_restarts: int = 0,
                procs_per_host: int = 1, torch: bool = False,
-               standby: Sequence[str] | None = None):
+               standby: Sequence[str] | None = None, stall_timeout: float = 0.0):
     self.command = list(command)
+    # Stalled trainers, and failures that recur before a first step (tools/watchdog.py).
+    self.watchdog = watchdog_lib.Watchdog(
+        lambda: {h: cluster.addresses[h] for h in self.hosts}, token=cluster.token,
+        say=self.say, enabled=stall_timeout > 0)
     # With standby (the modules to preload): each rank's next process, imported and
     # waiting (tools/standby.py), with the thread that pumps its output.
     self.standby = None if standby is None else standby_lib.command(self.command, standby)
@@ -214,13 +227,15 @@ class _Run:
                               local_rank=local, torch_master=master,
                               max_restarts=self._max_restarts())
         rank = int(environ[env_lib.PROCESS_ID])
+        environ.setdefault(env_lib.STACKS_SIGNAL, stacks.DEFAULT)  # a stall's stacks
         prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
         proc = self._from_standby(rank, environ)
         if proc is None:
           proc = subprocess.Popen(
               self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
               stderr=subprocess.STDOUT, start_new_session=True)
-          self._thread(trainers.pump, proc.stdout, prefix.encode(), self.stdout, self.lock)
+          self._thread(trainers.pump, proc.stdout, prefix.encode(),
+                       self.watchdog.tap(rank, self.stdout), self.lock)
         self.trainers[rank] = proc
         self._thread(self._wait, h, rank, proc, self.restart)
         if self.standby is not None and self.restart < self._max_restarts():
@@ -234,7 +249,8 @@ class _Run:
         self.standby, env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True)
     pump = threading.Thread(target=trainers.pump, daemon=True, name="sidecar-launch-pump",
-                            args=(proc.stdout, prefix.encode(), self.stdout, self.lock))
+                            args=(proc.stdout, prefix.encode(),
+                                  self.watchdog.tap(rank, self.stdout), self.lock))
     pump.start()
     self.standbys[rank] = (proc, pump)
 
@@ -285,7 +301,7 @@ class _Run:
       try:
         event = self.events.get(timeout=_POLL)
       except queue.Empty:
-        loss = self._check_sidecars()
+        loss = self._check_sidecars() or self._check_stalls()
       else:
         if event.signum:
           self.say(f"got {signal.Signals(event.signum).name}; stopping every process")
@@ -298,7 +314,7 @@ class _Run:
         # A dead sidecar, if any, is the cause: its trainer's failure is the symptom.
         loss = self._check_sidecars() or _Loss(
             event.host, "trainer", event.code, trainers.exit_status(event.code),
-            rank=event.rank if self.procs_per_host > 1 else -1)
+            rank=event.rank if self.procs_per_host > 1 else -1, process=event.rank)
       if loss is None:
         continue
       if not self._restart(loss):
@@ -312,6 +328,13 @@ class _Run:
       if code is not None:
         return _Loss(h, "sidecar", code, trainers.exit_status(code) or 1)
     return None
+
+  def _check_stalls(self) -> _Loss | None:
+    """A trainer of this start found stalled, its stacks printed and killed (watchdog)."""
+    if (s := self.watchdog.check(self.trainers, self.restart)) is None:
+      return None
+    return _Loss(s.host, "trainer", -signal.SIGKILL, stall_lib.EXIT_CODE, process=s.rank,
+                 rank=s.rank if self.procs_per_host > 1 else -1, why=s.why)
 
   def _restart(self, loss: _Loss) -> bool:
     """Restarts the job without ``loss.host`` if ``elastic`` allows, or in place if
@@ -367,6 +390,10 @@ class _Run:
     if self.restart >= self.max_restarts:
       self.say(f"{loss} after {self.restart} restarts (--max-restarts {self.max_restarts}); "
                f"stopping {whom}")
+      return False
+    if loss.what == "trainer" and not loss.why and (
+        recurs := self.watchdog.recurs(loss.process, self.restart, loss.code)):
+      self.say(f"{loss}; {recurs}; stopping {whom}")
       return False
     self.say(f"{loss}; restarting "
              + ("its sidecar and " if loss.what == "sidecar" else "")
@@ -463,6 +490,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
         in_place: bool = False, max_restarts: int | None = None,
         procs_per_host: int = 1, torch: bool = False, standby: Sequence[str] | None = None,
+        stall_timeout: float = stall_lib.DEFAULT_FLOOR_S,
         checkpoint_roots: Sequence[str] | None = None, stdout: BinaryIO | None = None,
         stderr: TextIO | None = None, transport: str = "unix") -> int:
   """Runs ``command`` ``procs_per_host`` times per host beside a LocalCluster of sidecars;
@@ -496,6 +524,9 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
       trains: it imports JAX (where installed) and these modules, then waits; a restart
       hands it the new environment and it runs ``command`` (``tools/standby.py``). The
       command must be ``PYTHON SCRIPT ...`` or ``PYTHON -m MODULE ...``. None: off.
+    stall_timeout: a trainer that makes no step for this long (or 10x its slowest step
+      seen, if more) after its first is stalled: its stacks are printed, it is killed and
+      restarted as a crash (``core/stall.py``); 0: never. Default 120 s.
     checkpoint_roots: the directories every sidecar may checkpoint in; default the temp
       directory and the working directory (``LocalCluster``'s).
     stdout: where the prefixed trainer output goes (bytes); default this process's stdout.
@@ -512,6 +543,10 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         f"command must be a non-empty list like ['python', 'train.py'], got {command!r}")
   if grace < 0:
     raise errors.InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
+  try:
+    stall_timeout = stall_lib.check_floor(stall_timeout)
+  except ValueError as e:
+    raise errors.InvalidArgumentError(f"{e}; give --stall-timeout 0 to turn it off") from None
   if in_place and not elastic:
     raise errors.InvalidArgumentError("in_place applies only with elastic=True")
   if max_restarts is None:
@@ -536,14 +571,16 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
   share = torchrun.session_share(procs_per_host)
   quota = ("--session-quota", share) if share and not env_lib.get(env_lib.SESSION_QUOTA) else ()
+  extra = (*quota, "--stall-timeout", f"{stall_timeout:g}")  # the sidecars apply the rule
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False,
                          checkpoint_roots=checkpoint_roots, transport=transport,
-                         extra_args=quota)
+                         extra_args=extra)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
                 in_place=in_place, max_restarts=max_restarts,
-                procs_per_host=procs_per_host, torch=torch, standby=standby)
+                procs_per_host=procs_per_host, torch=torch, standby=standby,
+                stall_timeout=stall_timeout)
   in_start = True
 
   def handler(signum, frame):
@@ -567,6 +604,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "
                    f"and unix://{cluster.socket(h)}")
       launch.start_trainers()
+      launch.watchdog.start()
       in_start = False
     except _Interrupted as e:
       launch.say(f"got {signal.Signals(e.signum).name} while starting; stopping every process")
@@ -580,6 +618,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     return launch.supervise()
   finally:
     in_start = False
+    launch.watchdog.close()
     launch.stop_trainers()
     launch.stop_standbys()
     cluster.close()

@@ -88,11 +88,13 @@ def test_a_killed_and_restarted_trainer_adds_up(tmp_path):
   assert badput["restore"] > 0 and badput["checkpoint"] > 0 and badput["startup"] > 0
   assert ledger["goodput"] == pytest.approx(ledger["productive_s"] / ledger["wall_s"])
   assert plot.stat().st_size > 0
-  # /metrics carries the same ledger (as the sidecar last accounted it).
-  assert value(scraped, "sidecar_goodput_restarts") == 1
-  assert value(scraped, "sidecar_goodput_ratio") == pytest.approx(ledger["goodput"], rel=0.01)
-  assert value(scraped, "sidecar_goodput_badput_seconds", category="redone") == pytest.approx(
-      badput["redone"], rel=0.01)
+  # /metrics carries the same ledger (as the sidecar last accounted it), labelled.
+  job = {"tenant": "", "directory": os.path.realpath(directory)}
+  assert value(scraped, "sidecar_goodput_restarts", **job) == 1
+  assert value(scraped, "sidecar_goodput_ratio", **job) == pytest.approx(ledger["goodput"],
+                                                                         rel=0.01)
+  assert value(scraped, "sidecar_goodput_badput_seconds", category="redone",
+               **job) == pytest.approx(badput["redone"], rel=0.01)
   # The ledger's file is no step to Orbax's listing.
   import orbax.checkpoint as ocp
   with ocp.CheckpointManager(directory) as manager:

@@ -37,6 +37,33 @@ def test_exposition_parses_and_each_server_has_its_own_registry():
   assert value(other, "sidecar_arena_used_bytes") == 0
 
 
+def test_each_goodput_ledger_and_trainer_has_its_own_labelled_series():
+  def ledger(tenant, directory, ratio):
+    return metrics_lib.GoodputFigures(tenant=tenant, directory=directory, wall_s=100.0,
+                                      productive_s=100.0 * ratio, goodput=ratio,
+                                      badput_s=(("stall", 1.0),), restarts=1)
+  trainer = metrics_lib.TrainerFigures(tenant="bob", rank=3, pid=42, since_step_s=12.5,
+                                       timeout_s=10.0, stalled=True)
+  idle = metrics_lib.TrainerFigures(tenant="bob", rank=4, pid=43, since_step_s=None,
+                                    timeout_s=10.0, stalled=False)
+  m = metrics_lib.Metrics(lambda: snapshot(
+      goodput=(ledger("alice", "/ckpt/a", 0.5), ledger("bob", "/ckpt/b", 0.99)),
+      trainers=(trainer, idle)))
+  found = samples(m.text())
+  # bob's ledger is his own series: alice's figures stay hers.
+  assert value(found, "sidecar_goodput_ratio", tenant="alice", directory="/ckpt/a") == 0.5
+  assert value(found, "sidecar_goodput_ratio", tenant="bob", directory="/ckpt/b") == 0.99
+  assert value(found, "sidecar_goodput_badput_seconds", tenant="alice", directory="/ckpt/a",
+               category="stall") == 1.0
+  key = {"tenant": "bob", "rank": "3", "pid": "42"}
+  assert value(found, "sidecar_trainer_seconds_since_step", **key) == 12.5
+  assert value(found, "sidecar_trainer_stalled", **key) == 1
+  assert ("sidecar_trainer_seconds_since_step", (("pid", "43"), ("rank", "4"),
+                                                 ("tenant", "bob"))) not in found
+  assert value(found, "sidecar_trainer_stall_timeout_seconds", tenant="bob", rank="4",
+               pid="43") == 10.0
+
+
 def test_metrics_port_in_use_is_a_start_up_error_naming_the_flag(tmp_path):
   with socket.socket() as taken:
     taken.bind(("127.0.0.1", 0))

@@ -56,7 +56,7 @@ def test_a_clean_run_is_startup_then_productive_steps():
   check_sum(ledger)
   assert ledger.wall_s == 110.0
   assert ledger.badput_s == {"startup": 8.0, "data_wait": 5.0, "checkpoint": 3.0,
-                             "restore": 0.0, "redone": 0.0, "restart_gap": 0.0}
+                             "restore": 0.0, "redone": 0.0, "stall": 0.0, "restart_gap": 0.0}
   assert ledger.productive_s == pytest.approx(94.0)
   assert ledger.restarts == 0
   assert ledger.goodput == pytest.approx(94.0 / 110.0)
@@ -265,3 +265,71 @@ def test_the_blocked_time_is_drawn_where_the_events_counted_it():
                          (29.5, 30.0, "checkpoint"))
   assert sum(b - a for a, b, _ in one.blocked) == pytest.approx(
       one.seconds["data_wait"] + one.seconds["checkpoint"] + one.seconds["restore"])
+
+
+# ---- a reader that survives anything (issue 63.3) -------------------------------------
+
+HOSTILE = [
+    ("huge-int", b'{"kind":"save","life":"x","t":1.0,"step":' + b"9" * 400 + b"}"),
+    ("huge-int-time", b'{"kind":"mark","life":"x","t":' + b"9" * 400 + b"}"),
+    ("huge-int-counter", b'{"kind":"mark","life":"x","t":1.0,"data_s":' + b"9" * 400 + b"}"),
+    ("deep-nesting", b"[" * 100_000 + b"]" * 100_000),
+    ("deep-nesting-short", b'{"kind":"mark","life":"x","t":1.0,"step":' + b"[" * 1500
+     + b"]" * 1500 + b"}"),
+    ("nan", b'{"kind":"mark","life":"x","t":NaN}'),
+    ("infinity", b'{"kind":"mark","life":"x","t":Infinity}'),
+    ("overflowing-float", b'{"kind":"mark","life":"x","t":1e999}'),
+    ("not-utf8", b'{"kind":"mark","life":"\xff\xfe","t":1.0}'),
+    ("not-json", b"\x00\x01garbage"),
+    ("a-list", b"[1, 2, 3]"),
+    ("long-line", b'{"kind":"mark","life":"' + b"a" * 100_000 + b'","t":1.0}'),
+]
+
+
+@pytest.mark.parametrize("line", [h[1] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_a_hostile_line_is_skipped_and_counted_never_raised(tmp_path, line):
+  events = life("a", 0.0, first=1.0, saves=[(5.0, 5, 0.5)], end=10.0, ended="finish")
+  lines = [e.line() for e in events]
+  (tmp_path / goodput.FILE).write_bytes(b"".join(lines[:2]) + line + b"\n"
+                                        + b"".join(lines[2:]))
+  reading = goodput.read_all(str(tmp_path))
+  assert list(reading.events) == events
+  assert reading.skipped == 1
+  ledger = goodput.account(reading.events, skipped_lines=reading.skipped)
+  assert ledger.to_dict()["skipped_lines"] == 1
+  assert "1 line of the file skipped" in goodput.table(ledger)
+
+
+def test_a_torn_line_then_a_fresh_line_loses_only_itself(tmp_path):
+  # The sidecar was killed mid-append; the next one starts its append on a fresh line
+  # (server/goodput.py), so the finish at t=200 after it counts.
+  a = life("a", 0.0, first=1.0, end=100.0, ended=None)
+  torn = Event("mark", "a", 150.0, Counters()).line()[:20]
+  finish = Event("finish", "a", 200.0, Counters())
+  (tmp_path / goodput.FILE).write_bytes(b"".join(e.line() for e in a) + torn + b"\n"
+                                        + finish.line())
+  reading = goodput.read_all(str(tmp_path))
+  assert reading.skipped == 1
+  assert goodput.account(reading.events).wall_s == 200.0
+
+
+# ---- stall (issue 64.1) ----------------------------------------------------------------
+
+def test_a_stalled_death_counts_its_last_step_to_its_end_as_stall():
+  # First step at 10, saved step 50 at 50, last step at 80, found stalled (and killed)
+  # at 90; the next life starts at 100 and resumes from step 50.
+  a = life("a", 0.0, first=10.0, saves=[(50.0, 50, 0.0)], end=80.0)
+  a[-1] = Event("died", "a", 95.0, seen=90.0, stalled=80.0)
+  b = life("b", 100.0, first=110.0, restore=(105.0, 50), end=120.0, ended="finish")
+  ledger = goodput.account(a + b)
+  check_sum(ledger)
+  assert ledger.badput_s["stall"] == pytest.approx(10.0)
+  assert ledger.badput_s["redone"] == pytest.approx(30.0)  # 50 .. 80
+  assert ledger.badput_s["restart_gap"] == pytest.approx(10.0)  # 90 .. 100
+  assert ledger.lives[0].seconds["stall"] == pytest.approx(10.0)
+  assert "stall" in ledger.to_dict()["badput_s"]
+
+
+def test_a_died_event_round_trips_its_stall():
+  e = Event("died", "a", 95.0, seen=90.0, stalled=80.0)
+  assert Event.from_dict(json.loads(e.line())) == e

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors
+from sidecar._src.core import errors, stall
 from sidecar._src.tools import torchrun
 from sidecar._src.tools.k8s import quantity
 
@@ -260,6 +260,9 @@ def _sidecar(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_CHECKPOINT_ROOTS", "value": CHECKPOINT_ROOT},
           # JAX on the CPU: the trainer owns the accelerator (`sidecar serve` sets it too).
           {"name": "JAX_PLATFORMS", "value": "cpu"},
+          # A trainer with no step for this long (or 10x its slowest) is stalled: its
+          # container's liveness probe (`sidecar stalls`) fails, and it restarts.
+          {"name": "SIDECAR_STALL_TIMEOUT", "value": f"{stall.DEFAULT_FLOOR_S:g}"},
           *_session_quota(options),
       ],
       "resources": {"requests": {"cpu": options.sidecar_cpu, "memory": memory},
@@ -313,13 +316,24 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
           _field_env("SIDECAR_HOST_ID",
                      "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
           {"name": "SIDECAR_COORDINATOR_PORT", "value": str(options.coordinator_port)},
+          # A stalled trainer's Python stacks, on this signal (core/stacks.py).
+          {"name": "SIDECAR_STACKS_SIGNAL", "value": "SIGUSR2"},
       ],
+      # Stalled (no step for the sidecar's SIDECAR_STALL_TIMEOUT, docs/elastic.md): its
+      # stacks to the log, then the kubelet restarts it in place, as a crash.
+      "livenessProbe": stall_probe(options.port),
       "securityContext": dict(_RESTRICTED),
       "volumeMounts": _mounts(),
   }
   if options.tpu is not None:
     container["resources"] = {"limits": {"google.com/tpu": options.tpu.chips_per_host}}
   return container
+
+
+def stall_probe(port: int) -> dict[str, Any]:
+  """The trainer container's liveness probe: ``sidecar stalls`` asks its pod's sidecar."""
+  return {"exec": {"command": ["sidecar", "stalls", f"localhost:{port}", "--stacks"]},
+          "periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 1}
 
 
 def _trainer_command(options: RenderOptions) -> list[str]:

@@ -9,7 +9,8 @@ it stops them all. Its temporary directory goes with it.
 
 ``sidecar slurm _trainer --step R -- CMD`` (one task per trainer process) reads the step's
 plan, sets the environment ``sidecar launch --torch`` sets (env.py lists it, and torchrun's
-``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) from the entry of its sidecar, and becomes CMD.
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) from the entry of its sidecar, and runs CMD
+while its sidecar's step signal says it is not stalled (``tools/watchdog.watch_one``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from sidecar._src.core import env as env_lib, errors, platform, rendezvous
+from sidecar._src.core import env as env_lib, errors, platform, rendezvous, stacks
+from sidecar._src.tools import watchdog
 from sidecar._src.tools.torchrun import torchrun_env
 from sidecar._src.wire import ipc
 
@@ -281,7 +283,10 @@ def trainer_env(directory: str, step: int, process: int) -> dict[str, str]:
 
 
 def run_trainer(directory: str, step: int, command: Sequence[str]) -> int:
-  """``sidecar slurm _trainer``: sets this task's environment and becomes ``command``."""
+  """``sidecar slurm _trainer``: sets this task's environment and runs ``command``, its
+  node's sidecar watching it for a stall (``tools/watchdog.py``, as ``sidecar launch``):
+  a stalled trainer's stacks are printed, it is killed, and the task fails with
+  ``core/stall.EXIT_CODE``. Returns the trainer's exit code."""
   process = int(os.environ.get("SLURM_PROCID", "0"))
   try:
     extra = trainer_env(directory, step, process)
@@ -290,9 +295,42 @@ def run_trainer(directory: str, step: int, command: Sequence[str]) -> int:
     return 2
   env = {**os.environ, **extra}
   env.pop(env_lib.TOKEN, None)
+  env.setdefault(env_lib.STACKS_SIGNAL, stacks.DEFAULT)  # a stall's stacks
   try:
-    os.execvpe(command[0], list(command), env)
+    # Its own process group: a stall kills the trainer and what it started, not this.
+    proc = subprocess.Popen(list(command), env=env, start_new_session=True)
   except OSError as e:
     print(f"sidecar slurm: cannot run {command[0]!r}: {e}", file=sys.stderr, flush=True)
     return 127 if isinstance(e, FileNotFoundError) else 126
-  return 0  # not reached
+  with _forward_signals(proc):
+    mine = [e for e in rendezvous.read_hosts(directory)
+            if e.host_id == int(extra[env_lib.HOST_ID])]
+    if not mine:  # gone meanwhile: nothing to watch with
+      code = proc.wait()
+    else:
+      address = mine[0].hosts_entry.rsplit(":", 1)[0]  # HOST:PORT, its gRPC port
+      say = lambda text: print(f"sidecar slurm: {text}", file=sys.stderr, flush=True)
+      code = watchdog.watch_one(proc, address,
+                                token=rendezvous.read_token_file(extra[env_lib.TOKEN_FILE]),
+                                rank=process, restart=step, say=say)
+  if code < 0:  # as it died: the job's driver tells a signal from an exit code
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+  return 128 - code if code < 0 else code
+
+
+@contextlib.contextmanager
+def _forward_signals(proc: subprocess.Popen):
+  """While the block runs, SIGTERM, SIGINT and SIGHUP to this task go on to ``proc``'s
+  process group (its own session), as they would have reached it before it had one."""
+  def forward(signum, frame):
+    del frame
+    with contextlib.suppress(OSError):
+      os.killpg(proc.pid, signum)
+  sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+  previous = {sig: signal.signal(sig, forward) for sig in sigs}
+  try:
+    yield
+  finally:
+    for sig, old in previous.items():
+      signal.signal(sig, old)

@@ -124,3 +124,14 @@ def test_ranks_of_a_pod_each_get_a_share_of_the_arena_and_check_wants_one(procs,
       f"{procs} ranks share this sidecar (torchrun --nproc-per-node {procs}) but it sets no "
       "SIDECAR_SESSION_QUOTA: one rank may take 0.9 of the arena and its neighbours are "
       f"refused; set SIDECAR_SESSION_QUOTA={share} (about 1/{procs})"])
+
+
+def test_the_trainer_is_probed_for_stalls_against_its_own_sidecar():
+  doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1",
+                                                  port=9000))
+  trainer = util.container(doc, "trainer")
+  assert trainer["livenessProbe"]["exec"]["command"] == [
+      "sidecar", "stalls", "localhost:9000", "--stacks"]
+  assert util.env(doc, "trainer")["SIDECAR_STACKS_SIGNAL"]["value"] == "SIGUSR2"
+  assert util.env(doc, "sidecar")["SIDECAR_STALL_TIMEOUT"]["value"] == "120"
+  assert checks.check_documents([doc], crd_path=util.CRD) == []

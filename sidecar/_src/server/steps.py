@@ -1,0 +1,160 @@
+"""Each trainer's step progress, as this sidecar sees it: the stall signal.
+
+The sidecar sees every step of the trainers attached to it: a feed's credits (the
+trainer took batches: ``credits.SocketCredits``) and the goodput ledger's events (a
+first step, a save, a mark whose batch count grew: ``workers.py``). :class:`Steps`
+keeps, per worker session, when it attached, its last step and the longest gap between
+two steps, and says whether it is **stalled**: no step for longer than its timeout, once
+it made its first step (the rule: ``core/stall.py``; its floor is ``sidecar serve
+--stall-timeout``, which ``sidecar launch --stall-timeout`` sets).
+
+``sidecar launch`` polls it in ``Status.trainers`` (``tools/watchdog.py``), the k8s
+trainer container's liveness probe and ``sidecar slurm``'s jobs the same way
+(``sidecar stalls``), and ``/metrics`` carries each trainer's seconds since its last
+step. A session that ends while stalled writes its death to the goodput ledger with its
+last step (``stall``, ``core/goodput.py``). Ended sessions stay listed for
+:data:`KEEP_ENDED_S` (at most :data:`MAX_ENDED`), so a launcher that sees a trainer exit
+can still tell whether it made a step.
+
+What is listed crosses to the launcher as :class:`Trainer`; session names never do (they
+are capabilities).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from sidecar._src.core import stall
+
+KEEP_ENDED_S = 60.0
+MAX_ENDED = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Trainer:
+  """One worker session's progress, as ``Status.trainers`` lists it."""
+  pid: int  # what the worker said at attach
+  rank: int  # its SIDECAR_PROCESS_ID (-1: not given)
+  restart: int  # its SIDECAR_RESTART (-1: not given)
+  tenant: str | None
+  steps: int  # step signals seen (a feed's credit may stand for several batches)
+  since_step_s: float | None  # seconds since its last step (None: none yet)
+  slowest_s: float  # the longest gap between two steps after the first
+  timeout_s: float  # its stall timeout now (0: off)
+  stalled: bool
+  ended: bool  # its session ended (listed a while after, see the module docstring)
+
+
+@dataclasses.dataclass
+class _Track:
+  pid: int
+  rank: int
+  restart: int
+  tenant: str | None
+  attached: float
+  seen: float | None = None  # last heard from (a frame, a feed credit)
+  steps: int = 0
+  batches: int = 0  # the most its ledger's marks counted
+  last: float | None = None  # monotonic, of the last step
+  last_wall: float | None = None  # the same, Unix seconds (the ledger's)
+  slowest: float = 0.0
+  ended: float | None = None  # monotonic
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ended:
+  """What a session that ended leaves to its ledger: last heard from, and, where it was
+  stalled, its last step and when the stall was declared (Unix seconds)."""
+  seen: float | None
+  stalled: float | None
+
+
+class Steps:
+  """The step progress of this sidecar's worker sessions; thread-safe.
+
+  Args:
+    floor_s: the stall timeout's floor (0: no session is ever stalled).
+    clock: Unix seconds; ``monotonic``: gaps and ages.
+  """
+
+  def __init__(self, floor_s: float = stall.DEFAULT_FLOOR_S, *,
+               clock: Callable[[], float] = time.time,
+               monotonic: Callable[[], float] = time.monotonic):
+    self.floor_s = stall.check_floor(floor_s)
+    self._clock, self._monotonic = clock, monotonic
+    self._lock = threading.Lock()
+    self._live: dict[str, _Track] = {}
+    self._ended: collections.deque[_Track] = collections.deque(maxlen=MAX_ENDED)
+
+  def attach(self, session: str, *, pid: int, rank: int = -1, restart: int = -1,
+             tenant: str | None = None) -> None:
+    with self._lock:
+      self._live[session] = _Track(pid, rank, restart, tenant, self._clock())
+
+  def attached(self, session: str) -> float | None:
+    """When ``session`` attached (Unix seconds); None: no such session."""
+    with self._lock:
+      track = self._live.get(session)
+      return None if track is None else track.attached
+
+  def heard(self, session: str) -> None:
+    """``session``'s worker said something (a frame, a feed credit)."""
+    now = self._clock()
+    with self._lock:
+      if (track := self._live.get(session)) is not None:
+        track.seen = now
+
+  def step(self, session: str, *, batches: int | None = None) -> None:
+    """``session``'s trainer made step progress (took batches, saved); ``batches``: a
+    ledger's count of batches taken, a step only where it grew."""
+    now, wall = self._monotonic(), self._clock()
+    with self._lock:
+      track = self._live.get(session)
+      if track is None:
+        return
+      if batches is not None:
+        if batches <= track.batches:
+          return
+        track.batches = batches
+      if track.last is not None:
+        track.slowest = max(track.slowest, now - track.last)
+      track.steps += 1
+      track.last, track.last_wall, track.seen = now, wall, wall
+
+  def end(self, session: str) -> Ended | None:
+    """``session`` ended: what its ledger's death needs (None: no such session)."""
+    now = self._monotonic()
+    with self._lock:
+      track = self._live.pop(session, None)
+      if track is None:
+        return None
+      track.ended = now
+      self._ended.append(track)
+      limit = stall.timeout(self.floor_s, track.slowest)
+      if track.last is None or track.last_wall is None or not limit or (
+          now - track.last <= limit):
+        return Ended(track.seen, None)
+      return Ended(track.last_wall + limit, track.last_wall)
+
+  def trainers(self, tenant: str | None = None, *, every: bool = True) -> list[Trainer]:
+    """The sessions attached, and those ended in the last :data:`KEEP_ENDED_S`: all of
+    them (``every``), or ``tenant``'s only."""
+    now = self._monotonic()
+    with self._lock:
+      while self._ended and now - (self._ended[0].ended or now) > KEEP_ENDED_S:
+        self._ended.popleft()
+      tracks = [*self._live.values(), *self._ended]
+    return [_listed(t, now, self.floor_s) for t in tracks if every or t.tenant == tenant]
+
+
+def _listed(t: _Track, now: float, floor_s: float) -> Trainer:
+  since = None if t.last is None else (t.ended or now) - t.last
+  limit = stall.timeout(floor_s, t.slowest)
+  return Trainer(pid=t.pid, rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
+                 since_step_s=since, slowest_s=t.slowest, timeout_s=limit,
+                 stalled=bool(limit) and since is not None and since > limit,
+                 ended=t.ended is not None)

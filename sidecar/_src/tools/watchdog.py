@@ -1,0 +1,291 @@
+"""``sidecar launch``'s watchdog: stalled trainers, and failures that recur at once.
+
+**Stalls.** Every sidecar knows each attached trainer's step progress (its feed's
+batches taken, its saves: ``server/steps.py``) and says in ``Status.trainers`` which are
+stalled (the rule: ``core/stall.py``). :class:`Watchdog` polls each sidecar's Status
+every :data:`POLL_S` in a thread of its own; the launcher asks it, between events, for a
+stall among the trainers of its current start (:meth:`Watchdog.stalled`), and
+:meth:`Watchdog.kill` then prints the stall line, has the trainer write its Python stacks
+(``core/stacks.py``: faulthandler on ``$SIDECAR_STACKS_SIGNAL``, every thread), and kills
+its process group. The launcher restarts it like a crash.
+
+**Failures that recur at once.** A trainer that fails the same way (the same exit status
+and the same last error line of its output) before its first step :data:`REPEATS` times
+in a row ends the job with that failure instead of restarting it again
+(:meth:`Watchdog.recurs`): a typo in a path fails the same way every time, and
+restarting it only hides the error under more output. "Before its first step": its
+sidecar saw no step of it (the same signal as stalls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import BinaryIO
+
+from sidecar._src.core import env as env_lib, stacks, stall
+from sidecar._src.tools import trainers
+
+POLL_S = 1.0  # how often each sidecar's Status is read
+STATUS_TIMEOUT_S = 5.0
+STACKS_S = 1.0  # how long a stalled trainer is given to write its stacks
+REPEATS = 2  # the same failure before the first step this often in a row ends the job
+# What `sidecar launch --help` says of this module's two rules.
+HELP = f"""\
+A trainer that fails the same way (exit status and last error line) before its first
+step {REPEATS} times in a row is not restarted again: the job ends with that failure.
+
+--stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer that made its
+first step and then none (no feed batch taken, no save: its sidecar watches) for the
+larger of SECONDS and {stall.MULTIPLE:g}x its slowest step is stalled: the launcher prints
+"host H rank R stalled: no step for S s ...", then its Python stacks (faulthandler on
+SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set), kills it and restarts it as a crash; with no
+restart left the job ends with exit code {stall.EXIT_CODE}. The goodput ledger counts it
+as badput "stall" (docs/elastic.md).
+"""
+_ERROR_LINE = re.compile(rb"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*)$")
+_LINE_CHARS = 300
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stall:
+  """A trainer its sidecar found stalled."""
+  host: int
+  rank: int
+  pid: int  # the process its Worker runs in
+  since_s: float  # seconds since its last step
+  timeout_s: float
+
+  @property
+  def why(self) -> str:
+    return f"stalled ({self.since_s:.1f} s without a step)"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Failure:
+  code: int
+  line: str  # its output's last error line (or last line)
+  stepped: bool
+
+
+class _Tap:
+  """A trainer's output on its way out: remembers its last error line."""
+
+  def __init__(self, out: BinaryIO, record: Callable[[bytes], None]):
+    self._out, self._record = out, record
+
+  def write(self, data: bytes) -> int:
+    for line in data.splitlines():
+      self._record(line)
+    return self._out.write(data)
+
+  def flush(self) -> None:
+    self._out.flush()
+
+
+class Watchdog:
+  """Polls the sidecars' step signals for one launch; see the module docstring.
+
+  Args:
+    addresses: host -> its sidecar's gRPC address, read at each poll (a restarted
+      sidecar keeps its address).
+    token: the sidecars' token, if any.
+    say: prints a line of the launcher's.
+    enabled: whether stalls are watched (``--stall-timeout`` above 0); the restart rule
+      holds either way.
+  """
+
+  def __init__(self, addresses: Callable[[], Mapping[int, str]], *, token: str | None,
+               say: Callable[[str], None], enabled: bool = True, poll_s: float = POLL_S):
+    self._addresses, self._token, self._say = addresses, token, say
+    self._poll_s, self.enabled = poll_s, enabled
+    self._lock = threading.Lock()
+    self._latest: dict[int, list] = {}  # host -> its Status.trainers, last read
+    self._stepped: set[tuple[int, int]] = set()  # (rank, restart) seen with a step
+    self._lines: dict[int, str] = {}  # rank -> its output's last error line
+    self._last: dict[int, str] = {}  # rank -> its output's last line
+    self._failures: list[_Failure] = []  # the job's, in order, those before a step
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  # ---- the poller ---------------------------------------------------------------------
+
+  def start(self) -> None:
+    """Starts polling (idempotent)."""
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name="sidecar-launch-watchdog",
+                                      daemon=True)  # daemon: a safety net; close() joins
+      self._thread.start()
+
+  def close(self) -> None:
+    """Stops polling and joins the thread. Idempotent."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=STATUS_TIMEOUT_S + 1.0)
+      self._thread = None
+
+  def _run(self) -> None:
+    while not self._stop.wait(self._poll_s):
+      self.refresh()
+
+  def refresh(self) -> None:
+    """Reads every sidecar's Status now (one that does not answer keeps its last)."""
+    # gRPC is imported once polling starts: `sidecar launch --help` stays fast (cli.py).
+    from sidecar._src.controller import status as status_lib
+    for host, address in dict(self._addresses()).items():
+      if self._stop.is_set() and self._thread is not None:
+        return
+      try:
+        got = list(status_lib.fetch(address, timeout=STATUS_TIMEOUT_S,
+                                    token=self._token).trainers)
+      except Exception:  # noqa: BLE001 - a dead sidecar is the launcher's to notice
+        continue
+      with self._lock:
+        self._latest[host] = got
+        self._stepped.update((t.rank, t.restart) for t in got if t.steps > 0)
+
+  # ---- stalls ---------------------------------------------------------------------------
+
+  def stalled(self, running: Mapping[int, int], restart: int) -> Stall | None:
+    """A stall among ``running`` (rank -> its process's pid, of start ``restart``), as
+    last read; None where there is none (or stalls are not watched)."""
+    if not self.enabled:
+      return None
+    with self._lock:
+      latest = [(h, t) for h, ts in self._latest.items() for t in ts]
+    for host, t in latest:
+      if t.stalled and not t.ended and t.restart == restart and t.rank in running:
+        return Stall(host, t.rank, int(t.pid), t.since_step_s, t.stall_timeout_s)
+    return None
+
+  def check(self, running: Mapping[int, subprocess.Popen], restart: int) -> Stall | None:
+    """A stall among ``running`` (rank -> its trainer, of start ``restart``), its stacks
+    printed and its process group killed (:meth:`kill`); None where there is none."""
+    found = self.stalled({r: p.pid for r, p in running.items() if p.poll() is None},
+                         restart)
+    if found is not None:
+      self.kill(found, running[found.rank].pid)
+    return found
+
+  def kill(self, stall: Stall, group: int) -> None:
+    """Prints the stall line, has the trainer write its stacks, and kills process group
+    ``group`` (the trainer's); forgets the stall, which the sidecars will list as ended."""
+    self._say(f"host {stall.host} rank {stall.rank} stalled: no step for "
+              f"{stall.since_s:.1f} s since its last step (its stall timeout "
+              f"{stall.timeout_s:.1f} s, --stall-timeout); pid {stall.pid}'s Python stacks "
+              "follow, then it is killed")
+    sig = _stacks_signal()
+    if sig is not None and stacks.catches(stall.pid, sig):
+      try:
+        os.kill(stall.pid, sig)
+        time.sleep(STACKS_S)  # its handler writes at once; the pump forwards the lines
+      except OSError:
+        pass
+    else:
+      self._say(f"no stacks: pid {stall.pid} does not catch "
+                f"{env_lib.STACKS_SIGNAL}={sig.name if sig else 'unset'} (its Worker arms "
+                "faulthandler when it attaches)")
+    trainers.signal_group(group, signal.SIGKILL)
+    with self._lock:
+      for ts in self._latest.values():
+        ts[:] = [t for t in ts if t.rank != stall.rank]
+
+  # ---- failures that recur ------------------------------------------------------------------
+
+  def tap(self, rank: int, out: BinaryIO) -> _Tap:
+    """``out`` for rank ``rank``'s output, which notes its last error line."""
+    with self._lock:
+      self._lines.pop(rank, None)
+      self._last.pop(rank, None)
+
+    def record(line: bytes) -> None:
+      text = line.decode(errors="replace").strip()
+      if not text:
+        return
+      text = text.split("] ", 1)[1] if text.startswith("[host ") and "] " in text else text
+      error = _ERROR_LINE.match(text.encode())
+      with self._lock:
+        self._last[rank] = text[:_LINE_CHARS]
+        if error:
+          self._lines[rank] = text[:_LINE_CHARS]
+    return _Tap(out, record)
+
+  def recurs(self, rank: int, restart: int, code: int) -> str | None:
+    """Notes that rank ``rank`` of start ``restart`` failed with ``code``; the reason to
+    end the job where this is the :data:`REPEATS`-th same failure before a first step in
+    a row, else None."""
+    self.refresh()  # its last step may have come since the last poll
+    with self._lock:
+      line = self._lines.get(rank) or self._last.get(rank) or ""
+      failure = _Failure(code, line, (rank, restart) in self._stepped)
+      self._failures.append(failure)
+      last = self._failures[-REPEATS:]
+    if failure.stepped or len(last) < REPEATS or any(f != failure for f in last):
+      return None
+    return (f"it failed the same way {REPEATS} times in a row before its first step "
+            f"({trainers.how(code)}" + (f"; its last error: {line}" if line else "")
+            + "): a restart would fail again; not restarting it")
+
+
+def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_stacks: bool,
+          say: Callable[[str], None]) -> int:
+  """``sidecar stalls``: 1 where a trainer attached to one of the sidecars at ``addresses``
+  is stalled (a "stall" line for each; with ``send_stacks``, its stacks asked for, where
+  this process can signal it: the k8s trainer container's liveness probe runs beside it),
+  else 0. A sidecar that does not answer is said, and is no stall: its own probes watch
+  it."""
+  from sidecar._src.controller import status as status_lib  # gRPC, as refresh()
+  found = 0
+  for address in addresses:
+    try:
+      got = status_lib.fetch(address, timeout=timeout, token=token)
+    except Exception as e:  # noqa: BLE001 - any failure: no stall can be told
+      say(f"cannot read the status of the sidecar at {address} ({type(e).__name__}: {e}); "
+          "no stall can be told")
+      continue
+    for t in got.trainers:
+      if not t.stalled or t.ended:
+        continue
+      found += 1
+      say(f"host {got.identity.host_id} rank {t.rank} stalled: no step for "
+          f"{t.since_step_s:.1f} s since its last step (its stall timeout "
+          f"{t.stall_timeout_s:.1f} s; pid {t.pid})")
+      sig = _stacks_signal()
+      if send_stacks and sig is not None and stacks.catches(t.pid, sig):
+        with contextlib.suppress(OSError):
+          os.kill(t.pid, sig)  # its stacks go to its own stderr: the container's log
+  return 1 if found else 0
+
+
+def watch_one(proc: subprocess.Popen, address: str, *, token: str | None, rank: int,
+              restart: int, say: Callable[[str], None], poll_s: float = POLL_S) -> int:
+  """Waits for ``proc`` (the trainer of rank ``rank``, start ``restart``) to exit while
+  watching its sidecar at ``address`` for its stall (``sidecar slurm``'s trainer task):
+  on one, its stacks and the kill, as :meth:`Watchdog.kill`, and :data:`stall.EXIT_CODE`;
+  else its return code (-N for signal N, as ``Popen.returncode``)."""
+  dog = Watchdog(lambda: {0: address}, token=token, say=say, poll_s=poll_s)
+  while True:
+    try:
+      return proc.wait(timeout=poll_s)
+    except subprocess.TimeoutExpired:
+      pass
+    dog.refresh()
+    if (found := dog.stalled({rank: proc.pid}, restart)) is not None:
+      dog.kill(found, proc.pid)  # the trainer leads its own process group
+      proc.wait()
+      return stall.EXIT_CODE
+
+
+def _stacks_signal() -> signal.Signals | None:
+  """The signal the trainers arm (the launcher's own value, else what it sets)."""
+  try:
+    return stacks.parse(env_lib.get(env_lib.STACKS_SIGNAL) or stacks.DEFAULT)
+  except ValueError:
+    return None

@@ -1,0 +1,80 @@
+"""Tier 2: issue 63's attacks on the goodput ledger, through a pool sidecar's real worker
+socket: bob's forged frames change only his own ledger, frames off the sidecar's clock are
+refused, and a flood of marks writes almost nothing (server/goodput.py)."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import sidecar
+from sidecar._src.core import errors, goodput
+from tests.support.metrics import samples, scrape, value
+from tests.support.pool_files import ALICE, BOB, controller, write_pool
+
+pytestmark = pytest.mark.server
+
+POOL = """\
+tenants:
+  - {name: alice, token_file: alice.token, checkpoint_roots: [alice]}
+  - {name: bob, token_file: bob.token, checkpoint_roots: [bob], checkpoint_bytes: 1MiB}
+"""
+
+
+def _figures(server):
+  return {(f.tenant, os.path.basename(f.directory)): f.ledger
+          for f in server.ledgers.figures()}
+
+
+def test_bobs_forged_frames_change_only_his_own_ledger(make_server, tmp_path):
+  server = make_server(pool=write_pool(tmp_path, POOL), metrics_port=0)
+  with controller(server, ALICE, attach=True) as ctl, ctl.checkpointer(
+      str(tmp_path / "alice" / "a")) as ck:
+    ck.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30)
+  alice = _figures(server)[("alice", "a")]
+  assert alice.lives and alice.lives[0].ended == "finish"
+  with controller(server, BOB, attach=True) as ctl, ctl.checkpointer(
+      str(tmp_path / "bob" / "b")) as ck:
+    ck.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30)
+    bob = sidecar.jax.Worker(f"unix://{server.options.socket_path}", token=BOB)
+    try:
+      now = time.time()
+      life = f"1@{now - 3_600_000:.3f}"
+      forged = [goodput.Event("start", life, now, goodput.Counters(), start=now - 3_600_000,
+                              pid=1).to_dict(),
+                goodput.Event("finish", life, now, goodput.Counters(1, 0.0, 0.0, 0.0)
+                              ).to_dict()]
+      directory = str(tmp_path / "bob" / "b")
+      with pytest.raises(errors.InvalidArgumentError, match="process start .* before this "
+                                                          "sidecar's clock"):
+        bob.send_ledger({"op": "goodput", "directory": directory, "events": forged},
+                        reply=True, wait=True)
+      future = [dict(forged[0], t=now + 3_600_000, start=now)]
+      with pytest.raises(errors.InvalidArgumentError, match="after this sidecar's clock"):
+        bob.send_ledger({"op": "goodput", "directory": directory, "events": future},
+                        reply=True, wait=True)
+      # A flood of marks (the attack sent 560 frames of 256; 100 keep the suite fast):
+      # coalesced, almost nothing written; each frame's times are right, so only the
+      # bound holds it.
+      start = [goodput.Event("start", f"2@{now:.3f}", now, goodput.Counters(), start=now,
+                             pid=2).to_dict()]
+      bob.send_ledger({"op": "goodput", "directory": directory, "events": start},
+                      reply=True, wait=True)
+      path = goodput.path_in(os.path.realpath(directory))
+      before = os.path.getsize(path)
+      marks = [goodput.Event("mark", f"2@{now:.3f}", time.time(), goodput.Counters(7)
+                             ).to_dict()] * 256
+      for _ in range(100):
+        bob.send_ledger({"op": "goodput", "events": marks}, reply=False, wait=True)
+      bob.send_ledger({"op": "goodput", "events": []}, reply=True, wait=True)  # in order
+      assert os.path.getsize(path) - before < 4096
+    finally:
+      bob.close()
+  # alice's ledger is as it was, and /metrics shows each tenant's own, labelled.
+  assert _figures(server)[("alice", "a")] == alice
+  found = samples(scrape(f"http://127.0.0.1:{server.metrics_port}/metrics"))
+  assert value(found, "sidecar_goodput_ratio", tenant="alice",
+               directory=os.path.realpath(tmp_path / "alice" / "a")) == alice.goodput
+  assert all(labels and dict(labels).get("tenant") in ("alice", "bob")
+             for name, labels in found if name.startswith("sidecar_goodput_"))

@@ -1,0 +1,78 @@
+"""A trainer for ``sidecar launch --stall-timeout``: it trains, then hangs.
+
+Run as ``sidecar launch --hosts 1 --import tests.support.feed_fns --stall-timeout S -- python
+-m tests.support.stall_train DIR HOW HANGS``. It takes one batch of the ``ids`` feed per step
+(each step sleeps STEP_S), saves every SAVE_EVERY steps into DIR (the goodput ledger's
+directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below HANGS, hangs for good:
+HOW ``sleep`` in ``time.sleep`` (in :func:`hang_in_sleep`), ``recv`` in a socket read that
+never returns (in :func:`hang_in_recv`), both C calls. A second thread waits meanwhile (in
+:func:`side_thread`): the stacks printed must show every thread. It prints ``RESULT {json}``
+lines: each step and the end.
+"""
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+STEPS, STEP_S, SAVE_EVERY, HANG_AT = 12, 0.05, 4, 6
+
+
+def hang_in_sleep() -> None:
+  time.sleep(3600)
+
+
+def hang_in_recv() -> None:
+  a, b = socket.socketpair()
+  a.recv(1)  # b never writes
+
+
+def side_thread(stop: threading.Event) -> None:
+  stop.wait()
+
+
+def main(directory: str, how: str, hangs: str) -> int:
+  import jax
+  import numpy as np
+
+  import sidecar
+
+  restart = int(os.environ.get("SIDECAR_RESTART", "0"))
+
+  def emit(kind, **fields):
+    print("RESULT " + json.dumps({"kind": kind, "restart": restart, "pid": os.getpid(),
+                                  **fields}), flush=True)
+
+  stop = threading.Event()
+  side = threading.Thread(target=side_thread, args=(stop,), name="side")
+  side.start()
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  try:
+    with sidecar.jax.Controller.from_env(timeout=60) as ctl:
+      ckpt = ctl.checkpointer(directory, max_to_keep=2)
+      first = 0
+      if (latest := ckpt.latest_step()) is not None:
+        first = int(ckpt.restore(latest, target={"step": np.int32(0)})["step"])
+      with ctl.feed("ids", kwargs={"n": 1 << 20}, global_batch_size=4,
+                    sharding=sharding) as feed:
+        for step in range(first + 1, STEPS + 1):
+          next(feed)
+          time.sleep(STEP_S)
+          if step % SAVE_EVERY == 0:
+            ckpt.save(step, {"step": np.int32(step)}).durable.result()
+          emit("step", step=step)
+          if step == HANG_AT and restart < int(hangs):
+            emit("hanging", step=step)
+            {"sleep": hang_in_sleep, "recv": hang_in_recv}[how]()
+      ckpt.close()
+  finally:
+    stop.set()
+    side.join()
+  emit("done")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(*sys.argv[1:]))
