@@ -12,8 +12,9 @@ def test_public_api_is_pinned():
   assert sidecar.__all__ == [
       "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "BusyError",
       "CheckpointOptions", "CheckpointWriteError", "ClosedError",
-      "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
-      "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
+      "CorruptCheckpointError", "DataFile", "DataPath", "DataView", "DeadlineExceededError",
+      "DiscoveryError", "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError",
+      "NotFoundError", "NotRegisteredError",
       "PermissionDeniedError", "PipelineContext", "Registry", "RemoteError",
       "ResourceExhaustedError", "SessionLostError", "ShardsLostError", "SidecarError",
       "StaleDescriptorError", "VersionMismatchError", "WrongFormatError", "default_registry",
