@@ -374,6 +374,9 @@ class WorkerListener:
             unread.popleft()
           self._free(session, [x for blocks in unread for x in blocks])
       end = pb.StreamItem(end=True)
+    except errors.SidecarError as e:  # answered, though some are OSErrors (NotFoundError)
+      _log_failure("stream", e, session)
+      end = pb.StreamItem(end=True, error=protocol.error_info(e))
     except (ConnectionError, OSError):
       return
     except Exception as e:
