@@ -86,9 +86,9 @@ class DataRoots:
       PermissionDeniedError: ``path`` is under none of the roots, naming them and the fix.
     """
     assert self.roots is not None
-    have = _parts(path)
+    have = _components(path)
     for root in sorted(self.roots, key=len):
-      want = _parts(root)
+      want = _components(root)
       if have[:len(want)] == want:
         return root, "/".join(have[len(want):])
     if not self.roots:
@@ -106,7 +106,7 @@ class DataRoots:
 ANYWHERE = DataRoots()
 
 
-def _parts(path: str) -> list[str]:
+def _components(path: str) -> list[str]:
   return [p for p in path.split("/") if p not in ("", ".")]
 
 
