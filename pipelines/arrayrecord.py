@@ -33,7 +33,7 @@ import grain
 import numpy as np
 
 import sidecar
-from pipelines._files import expand_paths
+from pipelines._files import Holding, expand_paths
 
 try:
   from array_record.python import array_record_module
@@ -55,7 +55,8 @@ def arrayrecord(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
   """The records of ``paths``, in order, parsed into elements.
 
   Args:
-    ctx: unused: the framework shards, shuffles and positions a MapDataset.
+    ctx: where the files may be (``ctx.data_path``); the framework shards, shuffles and
+      positions a MapDataset.
     paths: a file, a glob, or a list of them; files are read in the order given
       (each glob's matches sorted).
     parse: ``"example"`` for records written by :func:`encode_example`; the name
@@ -67,12 +68,13 @@ def arrayrecord(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
     encoded, as read-only arrays).
 
   Raises:
-    FileNotFoundError: a path or glob that names no file.
+    NotFoundError: a path or glob that names no file.
+    PermissionDeniedError: in a pool, a path outside the feed's data roots.
     NotRegisteredError: ``parse`` names no registered function.
   """
-  del ctx
-  source = grain.sources.ArrayRecordDataSource(expand_paths(paths, "ArrayRecord"))
-  return grain.MapDataset.source(source).map(_parser(parse))
+  files = [path.open() for path in expand_paths(ctx, paths, "ArrayRecord")]
+  source = grain.sources.ArrayRecordDataSource([f.library_path for f in files])
+  return grain.MapDataset.source(Holding(source, files)).map(_parser(parse))
 
 
 def _parser(parse: str | Callable[[bytes], Element]) -> Callable[[bytes], Element]:

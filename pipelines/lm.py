@@ -68,19 +68,23 @@ class Manifest:
                sources=int(d.get("sources", 0)))
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-  """The manifest of the corpus in ``directory``.
+def read_manifest(directory: str | os.PathLike | sidecar.DataPath) -> Manifest:
+  """The manifest of the corpus in ``directory`` (a pipeline's: ``ctx.data_path(data)``).
 
   Raises:
-    FileNotFoundError: ``directory`` holds no manifest (the corpus was not prepared).
+    NotFoundError: ``directory`` holds no manifest (the corpus was not prepared).
   """
-  path = os.path.join(directory, MANIFEST)
+  path = _data_path(directory) / MANIFEST
   try:
-    with open(path) as f:
+    with path.open() as f:
       return Manifest.from_dict(json.load(f))
   except FileNotFoundError as e:
-    raise FileNotFoundError(
+    raise sidecar.NotFoundError(
         f"no corpus manifest at {path}: run examples/lm/prepare.py --out {directory}") from e
+
+
+def _data_path(directory: str | os.PathLike | sidecar.DataPath) -> sidecar.DataPath:
+  return directory if isinstance(directory, sidecar.DataPath) else sidecar.DataPath(directory)
 
 
 def write_corpus(directory: str | os.PathLike, chunks: Iterable[bytes], *,
@@ -145,17 +149,20 @@ def write_corpus(directory: str | os.PathLike, chunks: Iterable[bytes], *,
 class Sequences:
   """Random access to the corpus's ``seq_len + 1``-token sequences (a Grain data source)."""
 
-  def __init__(self, directory: str | os.PathLike, seq_len: int):
+  def __init__(self, directory: str | os.PathLike | sidecar.DataPath, seq_len: int):
     if seq_len < 1:
       raise ValueError(f"seq_len must be at least 1, got {seq_len!r}")
+    directory = _data_path(directory)
     self._manifest = manifest = read_manifest(directory)
     self._seq_len = seq_len
     self._count = max(0, (manifest.total_bytes - 1) // seq_len)
     if self._count == 0:
       raise ValueError(f"the corpus in {directory} has {manifest.total_bytes} bytes: too few "
                        f"for one sequence of {seq_len + 1} tokens")
-    self._source = grain.sources.ArrayRecordDataSource(
-        [os.path.join(directory, name) for name in manifest.shards])
+    # Each shard a name in the directory (no '..', not absolute), opened beneath it and
+    # held open while its reader may open it by ``library_path``.
+    self._files = [(directory / name).open() for name in manifest.shards]
+    self._source = grain.sources.ArrayRecordDataSource([f.library_path for f in self._files])
 
   def __len__(self) -> int:
     return self._count
@@ -179,7 +186,8 @@ def lm(ctx: sidecar.PipelineContext, *, data: str, seq_len: int) -> grain.MapDat
   """The corpus in ``data`` as sequences of ``seq_len + 1`` byte tokens.
 
   Args:
-    ctx: unused: the framework shards, shuffles and positions a MapDataset.
+    ctx: where the corpus may be (``ctx.data_path``); the framework shards, shuffles and
+      positions a MapDataset.
     data: a directory written by :func:`write_corpus`.
     seq_len: tokens each step trains on; each element holds one more (the last target).
 
@@ -187,8 +195,9 @@ def lm(ctx: sidecar.PipelineContext, *, data: str, seq_len: int) -> grain.MapDat
     A MapDataset of ``{"tokens": int32[seq_len + 1]}``, values in ``[0, 256)``.
 
   Raises:
-    FileNotFoundError: ``data`` holds no prepared corpus.
+    NotFoundError: ``data`` holds no prepared corpus, or a shard its manifest names.
+    PermissionDeniedError: in a pool, ``data`` (or a shard) outside the feed's data roots.
+    InvalidArgumentError: a shard name in the manifest that is absolute or holds ``..``.
     ValueError: ``seq_len`` below 1, or a corpus shorter than one sequence.
   """
-  del ctx
-  return grain.MapDataset.source(Sequences(data, int(seq_len)))
+  return grain.MapDataset.source(Sequences(ctx.data_path(data), int(seq_len)))

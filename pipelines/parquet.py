@@ -36,7 +36,7 @@ except ImportError as e:  # Not in the core install: an extra.
   raise ImportError(
       "pipelines.parquet needs pyarrow: pip install 'colocated-sidecar[parquet]'") from e
 
-Unit = tuple[str, int, int]  # (file, row group, rows in it)
+Unit = tuple[sidecar.DataFile, int, int]  # (file, row group, rows in it)
 
 
 @sidecar.pipeline
@@ -46,7 +46,8 @@ def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
   """This shard's rows of ``paths``, from ``ctx.position`` on, one dict per row.
 
   Args:
-    ctx: which shard to read, and where to start in it.
+    ctx: which shard to read, where to start in it, and where the files may be
+      (``ctx.data_path``).
     paths: a file, a glob, or a list of them; read in the order given (each
       glob's matches sorted).
     columns: the columns to read (all of them if None).
@@ -58,7 +59,8 @@ def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
     An iterator of ``{column: numpy scalar or array}``, for this shard only.
 
   Raises:
-    FileNotFoundError: a path or glob that names no file.
+    NotFoundError: a path or glob that names no file.
+    PermissionDeniedError: in a pool, a path outside the feed's data roots.
     ValueError: a column that is missing, or differs in type between files.
     TypeError: a column whose type has no fixed-shape numpy form.
   """
@@ -66,10 +68,11 @@ def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
     raise ValueError(f"batch_rows must be a positive int, got {batch_rows!r}")
   columns = list(columns) if columns is not None else None
   units, schema = [], None
-  for path in expand_paths(paths, "Parquet"):
-    meta = pq.read_metadata(path)
-    schema = _check_schema(path, meta.schema.to_arrow_schema(), columns, schema)
-    units += [(path, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
+  for path in expand_paths(ctx, paths, "Parquet"):
+    file = path.open()  # held by its units until the rows are read
+    meta = pq.read_metadata(file.library_path)
+    schema = _check_schema(file.name, meta.schema.to_arrow_schema(), columns, schema)
+    units += [(file, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
               if meta.row_group(g).num_rows]
   if shuffle:
     order = np.random.default_rng([ctx.seed, ctx.epoch]).permutation(len(units))
@@ -79,8 +82,9 @@ def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
 
 def _rows(units: list[Unit], columns: list[str] | None, batch_rows: int,
           skip: int) -> Iterator[dict[str, np.ndarray]]:
-  for path, file_units in itertools.groupby(units, key=lambda unit: unit[0]):
-    with pq.ParquetFile(path) as f:
+  for file, file_units in itertools.groupby(units, key=lambda unit: unit[0]):
+    path = file.name
+    with pq.ParquetFile(file.library_path) as f:
       for _, group, num_rows in file_units:
         if skip >= num_rows:  # The whole row group is behind the position: not read.
           skip -= num_rows

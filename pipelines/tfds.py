@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import grain
 import numpy as np
 
 import sidecar
+from pipelines._files import Holding
 
 try:
   import tensorflow_datasets as tfds_lib
@@ -40,7 +42,8 @@ def tfds(ctx: sidecar.PipelineContext, *, name: str, split: str, data_dir: str |
   """The examples of one split of a TFDS dataset, as dicts of numpy arrays.
 
   Args:
-    ctx: unused: the framework shards, shuffles and positions a MapDataset.
+    ctx: where the data may be (``ctx.data_path``); the framework shards, shuffles and
+      positions a MapDataset.
     name: the TFDS name, optionally with config and version (``"mnist:3.0.1"``).
     split: a TFDS split, slices included (``"train"``, ``"train[:90%]"``).
     data_dir: where the dataset was prepared; TFDS's default if None.
@@ -51,22 +54,45 @@ def tfds(ctx: sidecar.PipelineContext, *, name: str, split: str, data_dir: str |
     A MapDataset of ``{key: numpy array}``, shapes and dtypes as TFDS decodes them.
 
   Raises:
-    FileNotFoundError: the dataset is not prepared in ``array_record`` format.
+    NotFoundError: the dataset is not prepared in ``array_record`` format.
+    PermissionDeniedError: in a pool, ``data_dir`` outside the feed's data roots (or
+      none given: TFDS's default is no tenant's).
     ValueError: an unknown dataset, split or key.
     TypeError: a kept feature decodes to strings or objects.
   """
-  del ctx
+  prepare = (f"prepare it with `tfds build {name} --file_format=array_record "
+             "--data_dir=DIR` and pass data_dir=DIR")
+  view = None  # TFDS's own default data_dir, as always outside a pool
+  if data_dir is not None or ctx.data_roots.roots is not None:
+    # TFDS opens its files by path: it reads a view of the dataset's directory (in a pool,
+    # a private tree of its files opened beneath the feed's data roots), held by the source.
+    directory = ctx.data_path(data_dir or _default_data_dir()) / _dataset_dir(name)
+    try:
+      view = directory.view()
+    except sidecar.NotFoundError as e:
+      raise sidecar.NotFoundError(f"TFDS dataset {name!r} is not prepared: {e}; {prepare}") \
+          from e
   try:
-    source = tfds_lib.data_source(name, split=split, data_dir=data_dir, download=False)
+    source = tfds_lib.data_source(name, split=split, download=False,
+                                  data_dir=None if view is None else os.path.dirname(view.path))
   except NotImplementedError as e:  # What TFDS raises when no array_record files exist.
-    raise FileNotFoundError(
+    raise sidecar.NotFoundError(
         f"TFDS dataset {name!r} has no array_record files under data_dir={data_dir!r}: "
-        f"prepare it with `tfds build {name} --file_format=array_record "
-        "--data_dir=DIR` and pass data_dir=DIR") from e
+        f"{prepare}") from e
   keys = list(keys) if keys is not None else None
   if len(source):
     _to_numpy(keys, source[0])  # Fail now, not in the middle of a feed.
-  return grain.MapDataset.source(source).map(functools.partial(_to_numpy, keys))
+  return grain.MapDataset.source(Holding(source, view)).map(functools.partial(_to_numpy, keys))
+
+
+def _default_data_dir() -> str:
+  return os.path.expanduser(tfds_lib.core.constants.DATA_DIR)
+
+
+def _dataset_dir(name: str) -> str:
+  """The directory of dataset ``name`` (``"mnist/config:1.0.0"``: ``mnist``) in a data_dir."""
+  dataset, _ = tfds_lib.core.naming.parse_builder_name_kwargs(name)
+  return dataset.name
 
 
 def _to_numpy(keys: list[str] | None, example: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ if _typing.TYPE_CHECKING:
     DiscoveryError,
     HostLostError,
     InvalidArgumentError,
+    NotFoundError,
     NotRegisteredError,
     PermissionDeniedError,
     PipelineError,
@@ -41,6 +42,7 @@ if _typing.TYPE_CHECKING:
     WrongFormatError,
   )
   from sidecar._src.core.options import FeedOptions
+  from sidecar._src.user.data_paths import DataFile, DataPath, DataView
   from sidecar._src.user.outputs import empty
   from sidecar._src.user.pipeline_context import PipelineContext
   from sidecar._src.user.registry import (
@@ -62,16 +64,17 @@ _REGISTRY = "sidecar._src.user.registry"
 _HOME = {
     "HostInfo": "sidecar._src.controller.connection",
     "PipelineContext": "sidecar._src.user.pipeline_context",
+    **{name: "sidecar._src.user.data_paths" for name in ("DataFile", "DataPath", "DataView")},
     "FeedOptions": "sidecar._src.core.options",
     "CheckpointOptions": "sidecar._src.controller.checkpoint.options",
     "empty": "sidecar._src.user.outputs",
     **{name: _ERRORS for name in (
         "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "BusyError",
         "CheckpointWriteError", "ClosedError", "CorruptCheckpointError", "DeadlineExceededError",
-        "DiscoveryError", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
-        "PermissionDeniedError", "PipelineError", "RemoteError", "ResourceExhaustedError",
-        "SessionLostError", "ShardsLostError", "SidecarError", "StaleDescriptorError",
-        "VersionMismatchError", "WrongFormatError")},
+        "DiscoveryError", "HostLostError", "InvalidArgumentError", "NotFoundError",
+        "NotRegisteredError", "PermissionDeniedError", "PipelineError", "RemoteError",
+        "ResourceExhaustedError", "SessionLostError", "ShardsLostError", "SidecarError",
+        "StaleDescriptorError", "VersionMismatchError", "WrongFormatError")},
     **{name: _REGISTRY for name in (
         "Registry", "default_registry", "function", "pipeline", "set_default_registry")},
 }
@@ -113,12 +116,16 @@ __all__ = [
     "CheckpointWriteError",
     "ClosedError",
     "CorruptCheckpointError",
+    "DataFile",
+    "DataPath",
+    "DataView",
     "DeadlineExceededError",
     "DiscoveryError",
     "FeedOptions",
     "HostInfo",
     "HostLostError",
     "InvalidArgumentError",
+    "NotFoundError",
     "NotRegisteredError",
     "PermissionDeniedError",
     "PipelineContext",

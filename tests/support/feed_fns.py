@@ -155,3 +155,13 @@ def wide_rows(ctx: sidecar.PipelineContext, row_bytes: int = 1 << 20, leaves: in
   while True:
     yield {f"x{k}": np.full((row_bytes,), i % 251, np.uint8) for k in range(leaves)}
     i += 1
+
+
+@sidecar.pipeline
+def data_roots_seen(ctx: sidecar.PipelineContext, n: int = 64):
+  """Random access: each example says how many data roots the context of the process that
+  made it held (-1: anywhere, no pool) and that process's pid."""
+  roots = -1 if ctx.data_roots.roots is None else len(ctx.data_roots.roots)
+  pid = os.getpid()
+  return grain.MapDataset.range(n).map(
+      lambda i: {"roots": np.int64(roots), "pid": np.int64(pid)})

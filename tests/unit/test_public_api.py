@@ -12,9 +12,10 @@ def test_public_api_is_pinned():
   assert sidecar.__all__ == [
       "AlreadyRegisteredError", "ArenaCapacityError", "AuthenticationError", "BusyError",
       "CheckpointOptions", "CheckpointWriteError", "ClosedError",
-      "CorruptCheckpointError", "DeadlineExceededError", "DiscoveryError",
-      "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError", "NotRegisteredError",
-      "PermissionDeniedError", "PipelineContext", "PipelineError", "Registry", "RemoteError",
+      "CorruptCheckpointError", "DataFile", "DataPath", "DataView", "DeadlineExceededError",
+      "DiscoveryError", "FeedOptions", "HostInfo", "HostLostError", "InvalidArgumentError",
+      "NotFoundError", "NotRegisteredError", "PermissionDeniedError", "PipelineContext",
+      "PipelineError", "Registry", "RemoteError",
       "ResourceExhaustedError", "SessionLostError", "ShardsLostError", "SidecarError",
       "StaleDescriptorError", "VersionMismatchError", "WrongFormatError", "default_registry",
       "distributed",

@@ -18,19 +18,19 @@ it is handed a path through a directory already opened, in a tree nobody else ca
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import pathlib
-import stat
-import sys
 from typing import Any
 
-from sidecar._src.core import errors, paths
+from sidecar._src.core import beneath, errors, paths
 
 MAX_NAME = 4096  # bytes of a whole name (PATH_MAX)
 MAX_COMPONENT = 255  # bytes of one component (NAME_MAX)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = beneath.DIR_FLAGS
+_RESOLVE_NO_SYMLINKS = beneath.RESOLVE_NO_SYMLINKS
+_RESOLVE_BENEATH = beneath.RESOLVE_BENEATH
+_libc = beneath._libc  # one list: [None] there is a kernel without openat2 here too
+_openat2 = beneath.openat2
 
 
 def check_name(value: Any, field: str, *, fix: str = "name it relative to its directory") -> str:
@@ -117,75 +117,9 @@ def open_at(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
 
 
 def open_dir(path: os.PathLike | str) -> int:
-  """A descriptor of the directory ``path``, reached from ``/`` one component at a time
-  with ``O_NOFOLLOW``, not by its name: a component swapped for a symlink between a check
-  of the path and this open is not followed.
-
-  A symlink on the way is followed only where it is trusted: its own owner is root or
-  this process's user, and so is its directory's, which nobody else may write (sticky
-  ``/tmp`` aside, where only the link's owner may replace it): nobody else could have
-  planted or swapped it. Where the kernel has ``openat2``, a path with no symlink at all
-  is one call (``RESOLVE_NO_SYMLINKS``).
-
-  Raises:
-    OSError: a component is missing or no directory (naming ``path``).
-    PermissionDeniedError: a symlink on the way that someone else could have put there,
-      naming it, its owner, its directory's owner and mode, and the fix.
-  """
-  path = os.path.abspath(os.fspath(path))
-  fast = _openat2(_AT_FDCWD, path, _DIR_FLAGS, 0, _RESOLVE_NO_SYMLINKS, path, quiet=True)
-  if fast is not None:
-    return fast
-  todo = [p for p in path.split("/") if p]
-  fd, where, hops = os.open("/", _DIR_FLAGS), "/", 0
-  try:
-    while todo:
-      part = todo.pop(0)
-      if part == ".":
-        continue
-      try:
-        nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-      except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENOTDIR) or not stat.S_ISLNK(
-            os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
-          raise OSError(e.errno, e.strerror, path) from None
-        hops += 1
-        if hops > _MAX_HOPS:
-          raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path) from None
-        _check_link(fd, part, os.path.join(where, part), path)
-        target = os.readlink(part, dir_fd=fd)
-        todo[:0] = [p for p in target.split("/") if p]
-        if target.startswith("/"):
-          nxt, where = os.open("/", _DIR_FLAGS), "/"
-        else:
-          nxt = os.dup(fd)
-      else:
-        where = os.path.normpath(os.path.join(where, part))
-      os.close(fd)
-      fd = nxt
-    return fd
-  except BaseException:
-    os.close(fd)
-    raise
-
-
-def _check_link(dir_fd: int, name: str, link: str, path: str) -> None:
-  """PermissionDeniedError unless the symlink ``name`` in ``dir_fd`` is trusted (see
-  :func:`open_dir`)."""
-  mine = (0, os.geteuid())
-  owner = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid
-  d = os.fstat(dir_fd)
-  others_write = d.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-  sticky = d.st_mode & stat.S_ISVTX
-  if owner in mine and d.st_uid in mine and (not others_write or sticky):
-    return
-  raise errors.PermissionDeniedError(
-      f"refusing to follow the symlink {link!r:.200} on the way to the checkpoint directory "
-      f"{path!r:.200}: it belongs to uid {owner}, in a directory of uid {d.st_uid} with mode "
-      f"{stat.S_IMODE(d.st_mode):04o}, so someone other than this sidecar's user (uid "
-      f"{os.geteuid()}) or root could have put it there or swap it later; name the directory "
-      "by its resolved path, or keep the symlink in a directory only this user or root may "
-      "write")
+  """A descriptor of the directory ``path``, reached from ``/`` with no untrusted symlink
+  followed (``core/beneath.open_dir``, whose errors it raises)."""
+  return beneath.open_dir(path, what="checkpoint directory")
 
 
 def _open_at(dir_fd: int, name: str, flags: int, mode: int, full: str) -> int:
@@ -194,43 +128,3 @@ def _open_at(dir_fd: int, name: str, flags: int, mode: int, full: str) -> int:
   except OSError as e:
     raise OSError(e.errno, e.strerror, full) from None
 
-
-class _OpenHow(ctypes.Structure):
-  _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-              ("resolve", ctypes.c_uint64)]
-
-
-_AT_FDCWD = -100
-_RESOLVE_NO_SYMLINKS = 0x04
-_RESOLVE_BENEATH = 0x08
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture (since 5.6)
-_MAX_HOPS = 40  # symlinks followed on one path, as the kernel's MAXSYMLINKS
-_libc: list[Any] = []  # [libc], or [None] where openat2 cannot be called
-
-
-def _openat2(dir_fd: int, name: str, flags: int, mode: int, resolve: int, full: str, *,
-             quiet: bool = False) -> int | None:
-  """``openat2(dir_fd, name, flags, mode, resolve)``; None where the kernel (or a seccomp
-  filter) has no openat2, or, ``quiet``, where it refused (ELOOP, ENOTDIR...): the caller
-  then walks component by component. Else an OSError naming ``full``."""
-  if not _libc:
-    try:
-      _libc.append(ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None)
-    except OSError:
-      _libc.append(None)
-  libc = _libc[0]
-  if libc is None:
-    return None
-  # The kernel refuses a mode without O_CREAT (EINVAL).
-  how = _OpenHow(flags, mode if flags & (os.O_CREAT | os.O_TMPFILE) else 0, resolve)
-  fd = libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(name), ctypes.byref(how),
-                    ctypes.sizeof(how))
-  if fd >= 0:
-    return fd
-  err = ctypes.get_errno()
-  if err in (errno.ENOSYS, errno.EPERM):  # no openat2 here (old kernel, seccomp): walk
-    _libc[0] = None
-    return None
-  if quiet or err in (errno.EINVAL, errno.E2BIG):
-    return None
-  raise OSError(err, os.strerror(err), full)

@@ -5,6 +5,7 @@ The tree::
     SidecarError                                base of everything below
     ├── AlreadyRegisteredError(ValueError)      a name registered twice
     ├── NotRegisteredError(KeyError)            unknown function/pipeline name (NOT_FOUND)
+    ├── NotFoundError(FileNotFoundError)        a data file not there (NOT_FOUND)
     ├── InvalidArgumentError(ValueError)        bad arguments or bytes (INVALID_ARGUMENT)
     │   └── WrongFormatError                    a step in another framework's format
     ├── ResourceExhaustedError                  arena, quota or limit full (RESOURCE_EXHAUSTED)
@@ -16,7 +17,7 @@ The tree::
     ├── VersionMismatchError                    handshake skew (FAILED_PRECONDITION)
     ├── SessionLostError                        session expired or evicted (FAILED_PRECONDITION)
     ├── AuthenticationError(PermissionError)    missing or bad token (UNAUTHENTICATED)
-    ├── PermissionDeniedError(PermissionError)  path outside checkpoint roots (PERMISSION_DENIED)
+    ├── PermissionDeniedError(PermissionError)  path outside its roots (PERMISSION_DENIED)
     ├── ArenaCapacityError(MemoryError)         the machine cannot give the arena at start
     ├── RemoteError                             user code raised inside a sidecar
     │   └── PipelineError                       ... a feed's pipeline or a stream's iterable
@@ -44,6 +45,11 @@ class NotRegisteredError(SidecarError, KeyError):
 
   def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
     return str(self.args[0]) if self.args else ""
+
+
+class NotFoundError(SidecarError, FileNotFoundError):
+  """A file or directory a pipeline was told to read is not there (beneath its tenant's
+  data roots, in a pool); the message names the path and, in a pool, the roots."""
 
 
 class InvalidArgumentError(SidecarError, ValueError):
@@ -120,7 +126,8 @@ class AuthenticationError(SidecarError, PermissionError):
 
 class PermissionDeniedError(SidecarError, PermissionError):
   """The sidecar may not do what was asked: a checkpoint path outside its checkpoint roots,
-  or a checkpoint call to a sidecar started without any."""
+  a checkpoint call to a sidecar started without any, or a pipeline's path outside its
+  tenant's data roots."""
 
 
 class ArenaCapacityError(SidecarError, MemoryError):

@@ -136,9 +136,10 @@ class StreamRunner:
       raise errors.InvalidArgumentError(
           f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
     spec = producer.Spec.from_proto(request.feed)
+    roots = self._tenancy.data_roots(tenant)  # in a pool, its files only beneath these
     if spec.length_only:
       if credits.take():
-        state = {"length": producer.length(entry, kwargs, spec)}
+        state = {"length": producer.length(entry, kwargs, spec, roots)}
         yield pb.StreamItem(batch=pb.FeedBatch(structure=codec.encode(None),
                                                state_json=json.dumps(state)))
       return
@@ -152,11 +153,11 @@ class StreamRunner:
     def make_workers() -> feed_processes.FeedProcesses:
       return feed_processes.FeedProcesses(spec.workers, arena=blocks.arena, imports=self._imports,
                             name=request.name, kwargs=request.kwargs, spec=request.feed,
-                            turns=turns, alive=alive)
+                            turns=turns, alive=alive, roots=roots)
 
     check = functools.partial(blocks.check_batch, name=request.name,
                               prefetch=credits.prefetch)
-    batches = producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check)
+    batches = producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(

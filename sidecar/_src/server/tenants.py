@@ -30,6 +30,7 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, paths
 from sidecar._src.server.pool import quotas as quotas_lib
+from sidecar._src.user import data_paths
 
 # The client name of a session of the pool's operator token (``operator_token_file``): no
 # tenant's name can be it (names are letters, digits, '.', '_' and '-').
@@ -50,6 +51,9 @@ class Tenant:
   line: int = 0  # where the pool file names it (0: not from a file)
   quotas: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
   checkpoint_roots: tuple[str, ...] = ()  # resolved; empty: the sidecar's roots
+  # Where its pipelines may read files (resolved): the pool file's data_roots, else its
+  # checkpoint_roots; empty: nowhere (in a pool file; outside one, anywhere).
+  data_roots: tuple[str, ...] = ()
   functions: frozenset[str] | None = None  # None: every registered one
   pipelines: frozenset[str] | None = None
   weight: float = 1.0
@@ -161,7 +165,9 @@ class Pool:
                    "--shm-size")
 
   def check_roots(self, roots: tuple[str, ...]) -> None:
-    """Checks that every tenant's checkpoint roots lie under one of the sidecar's."""
+    """Checks that every tenant's checkpoint roots lie under one of the sidecar's, and that
+    a data root that is, holds or lies in one of the sidecar's lies in the tenant's own
+    checkpoint roots (elsewhere there, another tenant's checkpoints may be)."""
     real = tuple(os.path.realpath(r) for r in roots)
     for t in self.tenants:
       for r in t.checkpoint_roots:
@@ -169,6 +175,23 @@ class Pool:
           raise error_at(self.path, t.line, f"tenant {t.name!r}: checkpoint root {r} is under "
                        f"no --checkpoint-root of the sidecar ({', '.join(real) or 'none'}); "
                        "add one that holds it")
+      for r in t.data_roots:
+        shared = [s for s in real if paths.overlap(r, s)]
+        if shared and not any(paths.inside(r, c) for c in t.checkpoint_roots):
+          raise error_at(self.path, t.line, f"tenant {t.name!r}: data root {r} "
+                         f"{'is' if r == shared[0] else 'overlaps'} the sidecar's "
+                         f"--checkpoint-root {shared[0]}, where other tenants' checkpoints "
+                         "may be; keep data outside the sidecar's checkpoint roots, or in "
+                         "the tenant's own checkpoint_roots")
+
+  def data_roots(self, name: str | None) -> data_paths.DataRoots:
+    """Where tenant ``name``'s pipelines may read: anywhere outside a pool file, its data
+    roots in one (none: a name that is no tenant's)."""
+    if not self.quotas:
+      return data_paths.ANYWHERE
+    t = self.by_name().get(name) if name is not None else None
+    return data_paths.DataRoots(roots=t.data_roots if t is not None else (),
+                                tenant=name or "", where=self.where(t) if t else str(self.path))
 
 
 def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumentError:
@@ -379,6 +402,12 @@ class Tenancy:
   def workers_of(self, tenant: str) -> list[str]:
     with self._lock:
       return [s for s, t in self._workers.items() if t == tenant]
+
+  def data_roots(self, tenant: str | None) -> data_paths.DataRoots:
+    """Where ``tenant``'s pipelines may read, in the pool in force (``Pool.data_roots``)."""
+    with self._lock:
+      pool = self._pool
+    return pool.data_roots(tenant) if pool is not None else data_paths.ANYWHERE
 
   # feeds
   @contextlib.contextmanager

@@ -112,6 +112,7 @@ def version_differences(ours: pb.Versions, theirs: pb.Versions) -> list[str]:
 
 _CODES: tuple[tuple[type[errors.SidecarError], grpc.StatusCode], ...] = (
     (errors.NotRegisteredError, grpc.StatusCode.NOT_FOUND),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.StaleDescriptorError, grpc.StatusCode.INVALID_ARGUMENT),
     # Stored data that fails its checks (ShardsLostError too): gRPC's code for it, not UNKNOWN.

@@ -1,3 +1,4 @@
+import os
 import pickle
 import re
 
@@ -115,3 +116,19 @@ def test_empty_paths_and_bad_parse(files):
 def test_dataset_pickles_for_spawned_workers(files):
   ds = pickle.loads(pickle.dumps(ar.arrayrecord(CTX, paths=files)))
   assert len(ds) == 12 and ds[8]["id"] == 8
+
+
+def test_in_a_pool_only_files_beneath_the_data_roots_are_read(files, tmp_path):
+  from sidecar._src.user.data_paths import DataRoots
+  mine = tmp_path / "bob"
+  mine.mkdir()
+  os.symlink(files[0], mine / "a.array_record")  # leads out of bob's root
+  ar.write_arrayrecord(mine / "c.array_record", map(_example, range(3)))
+  ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
+                                data_roots=DataRoots(roots=(str(mine),), tenant="bob"))
+  ds = ar.arrayrecord(ctx, paths=f"{mine}/c.*")
+  assert [int(ds[i]["id"]) for i in range(len(ds))] == [0, 1, 2]
+  with pytest.raises(sidecar.PermissionDeniedError, match="is not under tenant 'bob'"):
+    ar.arrayrecord(ctx, paths=files)
+  with pytest.raises(sidecar.PermissionDeniedError, match="leads out of its data root"):
+    ar.arrayrecord(ctx, paths=str(mine / "a.array_record"))

@@ -72,3 +72,22 @@ def test_a_foreign_manifest_is_refused(tmp_path):
 def test_shard_size_must_hold_whole_records(tmp_path):
   with pytest.raises(ValueError, match="shard_bytes must be a positive multiple of record_bytes"):
     lm.write_corpus(tmp_path, [TEXT], record_bytes=16, shard_bytes=40)
+
+
+def test_in_a_pool_a_manifest_names_shards_beneath_its_directory_only(corpus, tmp_path_factory):
+  from sidecar._src.user.data_paths import DataRoots
+  directory, manifest = corpus
+  ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
+                                data_roots=DataRoots(roots=(str(directory),), tenant="bob"))
+  ds = lm.lm(ctx, data=str(directory), seq_len=8)
+  assert bytes(ds[0]["tokens"].astype(np.uint8)) == TEXT[:9]
+  hostile = tmp_path_factory.mktemp("hostile")
+  for shards, error, match in (
+      ([str(directory / manifest.shards[0])], sidecar.InvalidArgumentError, "is no name inside"),
+      (["../" + manifest.shards[0]], sidecar.InvalidArgumentError, "is no name inside"),
+      (["nothing.array_record"], sidecar.NotFoundError, "no file or directory at")):
+    (hostile / lm.MANIFEST).write_text(json.dumps({**manifest.to_dict(), "shards": shards}))
+    inside = sidecar.PipelineContext(
+        shard_index=0, shard_count=1, data_roots=DataRoots(roots=(str(hostile),), tenant="bob"))
+    with pytest.raises(error, match=match):
+      lm.lm(inside, data=str(hostile), seq_len=8)

@@ -169,3 +169,16 @@ def test_bad_batch_rows(paths, batch_rows):
 
 def test_registered_as_parquet():
   assert sidecar.default_registry().get("pipeline", "parquet").fn is parquet_lib.parquet
+
+
+def test_in_a_pool_only_files_beneath_the_data_roots_are_read(paths, tmp_path):
+  from sidecar._src.user.data_paths import DataRoots
+  ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
+                                data_roots=DataRoots(roots=(str(tmp_path),), tenant="bob"))
+  rows = parquet_lib.parquet(ctx, paths=f"{tmp_path}/*.parquet", columns=["id"])
+  assert [int(r["id"]) for r in rows] == list(range(TOTAL))
+  outside = sidecar.PipelineContext(
+      shard_index=0, shard_count=1,
+      data_roots=DataRoots(roots=(str(tmp_path / "bob"),), tenant="bob"))
+  with pytest.raises(sidecar.PermissionDeniedError, match="is not under tenant 'bob'"):
+    parquet_lib.parquet(outside, paths=f"{tmp_path}/*.parquet")

@@ -113,3 +113,32 @@ def test_dataset_pickles_for_spawned_workers(data_dir):
   copy = pickle.loads(pickle.dumps(ds))
   assert len(copy) == 4
   np.testing.assert_array_equal(copy[2]["x"], ds[2]["x"])
+
+
+def test_in_a_pool_tfds_reads_a_view_of_the_dataset_beneath_the_data_roots(data_dir, tmp_path):
+  import os
+
+  from sidecar._src.user.data_paths import DataRoots
+  ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
+                                data_roots=DataRoots(roots=(data_dir,), tenant="bob"))
+  ds = tfds_pipeline.tfds(ctx, name="sidecar_test_tiny", split="train", data_dir=data_dir,
+                          keys=["x"])
+  assert sorted(int(ds[i]["x"][0]) for i in range(len(ds))) == list(range(10))
+  with pytest.raises(TypeError, match="cannot cross to another process"):
+    pickle.dumps(ds)  # its view holds this process's descriptors
+  with pytest.raises(sidecar.PermissionDeniedError, match="is not under tenant 'bob'"):
+    tfds_pipeline.tfds(ctx, name="sidecar_test_tiny", split="train")  # TFDS's default dir
+  with pytest.raises(sidecar.NotFoundError, match=r"'sidecar_test_tiny' is not prepared: .*"
+                                                  "tfds build sidecar_test_tiny"):
+    tfds_pipeline.tfds(ctx, name="sidecar_test_tiny", split="train", data_dir=f"{data_dir}/x")
+  # A file of the dataset swapped for a symlink out of the roots: refused, not followed.
+  (tmp_path / "secret").write_text("{}")
+  info = next(p for p, _, names in os.walk(data_dir) if "dataset_info.json" in names)
+  os.rename(f"{info}/features.json", f"{info}/features.json.orig")
+  os.symlink(tmp_path / "secret", f"{info}/features.json")
+  try:
+    with pytest.raises(sidecar.PermissionDeniedError, match="features.json' leads out of"):
+      tfds_pipeline.tfds(ctx, name="sidecar_test_tiny", split="train", data_dir=data_dir)
+  finally:
+    os.remove(f"{info}/features.json")
+    os.rename(f"{info}/features.json.orig", f"{info}/features.json")

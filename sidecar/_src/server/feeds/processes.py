@@ -30,6 +30,7 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, platform
 from sidecar._src.server.pool import shares as shares_lib
+from sidecar._src.user import data_paths
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -60,11 +61,15 @@ class FeedProcesses:
   ``alive``: whether the feed's consumer (its trainer) still lives, asked every
   ``ALIVE_EVERY`` seconds while ``wait`` waits for a batch: a trainer that dies while a
   slow batch is filled ends its feed, and its workers, then, not once the batch is done.
+
+  ``roots``: where the pipeline each worker opens may read files (its tenant's data roots
+  in a pool), as the sidecar's own opening of it.
   """
 
   def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
                kwargs: pb.Value, spec: pb.FeedSpec, turns: shares_lib.Turns | None = None,
-               alive: Callable[[], bool] | None = None):
+               alive: Callable[[], bool] | None = None,
+               roots: data_paths.DataRoots = data_paths.ANYWHERE):
     self.size = size
     self._turns = turns
     self._alive = alive
@@ -72,7 +77,8 @@ class FeedProcesses:
     self._hello = {"imports": list(imports), "name": name, "arena_size": arena.size,
                    "arena_populate": arena.reserved,
                    "kwargs": base64.b64encode(kwargs.SerializeToString()).decode(),
-                   "spec": base64.b64encode(spec.SerializeToString()).decode()}
+                   "spec": base64.b64encode(spec.SerializeToString()).decode(),
+                   "data_roots": roots.to_dict()}
     self._workers: list[_Worker] = []
     self._seq = 0
     self._restarts = 0

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors, trees
-from sidecar._src.user import registry as registry_lib
+from sidecar._src.user import data_paths, registry as registry_lib
 from sidecar._src.user.pipeline_context import PipelineContext
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
@@ -128,9 +128,11 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
-                position: int) -> Any:
+                position: int, roots: data_paths.DataRoots = data_paths.ANYWHERE) -> Any:
+  """What the pipeline returns for this shard at ``(epoch, position)``; its files only
+  beneath ``roots`` (its tenant's data roots, in a pool)."""
   ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
-                        seed=spec.seed, epoch=epoch, position=position)
+                        seed=spec.seed, epoch=epoch, position=position, data_roots=roots)
   return entry.fn(ctx, **kwargs)
 
 
@@ -304,10 +306,11 @@ def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
     epoch, position = epoch + 1, 0
 
 
-def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec) -> int | None:
+def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
+           roots: data_paths.DataRoots = data_paths.ANYWHERE) -> int | None:
   """Global batches of the feed from its start state to its end: known for a
   ``grain.MapDataset`` read for ``num_epochs``, else None (an iterable, or forever)."""
-  source = open_source(entry, kwargs, spec, 0, 0)
+  source = open_source(entry, kwargs, spec, 0, 0, roots)
   if not _is_map_dataset(source):
     return None
   _check_map(source, entry.name, spec)
@@ -317,15 +320,17 @@ def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec) -> int | None:
 
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
-            make_workers: Callable[[], Any] | None = None, check: Check | None = None
+            make_workers: Callable[[], Any] | None = None, check: Check | None = None,
+            roots: data_paths.DataRoots = data_paths.ANYWHERE
             ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
   """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
   With ``spec.workers``, ``make_workers()`` makes the worker processes that fill batches.
-  ``check`` is told a batch's block sizes once known, before any is allocated.
+  ``check`` is told a batch's block sizes once known, before any is allocated. The
+  pipeline reads files only beneath ``roots`` (each time it is opened).
   """
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
-                      int(spec.start.get("position", 0)))
+                      int(spec.start.get("position", 0)), roots)
   if _is_map_dataset(first):
     if spec.workers:
       yield from _from_map_workers(first, entry.name, spec, alloc, make_workers, check)
@@ -336,7 +341,7 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
         f"pipeline {entry.name!r} returns a plain iterable; workers=N needs random access: "
         "return a grain.MapDataset, or use workers=0")
   else:
-    yield from _from_iterable(first, entry, kwargs, spec, alloc, check)
+    yield from _from_iterable(first, entry, kwargs, spec, alloc, check, roots)
 
 
 def _check_kind(spec: Spec, kind: str, name: str) -> None:
@@ -399,7 +404,8 @@ def _from_map_workers(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, make_
 
 
 def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,
-                   alloc: Alloc, check: Check | None = None):
+                   alloc: Alloc, check: Check | None = None,
+                   roots: data_paths.DataRoots = data_paths.ANYWHERE):
   _check_kind(spec, "iter", entry.name)
   epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
   batcher = Batcher(spec, alloc, entry.name, check)
@@ -428,7 +434,7 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
           "global_batch_size or give every shard more data")
     epoch, position = epoch + 1, 0
     if spec.num_epochs is None or epoch < spec.num_epochs:
-      source = open_source(entry, kwargs, spec, epoch, 0)
+      source = open_source(entry, kwargs, spec, epoch, 0, roots)
 
 
 def _fill(batcher: Batcher, iterator: Iterator[Any], rows: int, spare: Any) -> tuple[Any, Any]:

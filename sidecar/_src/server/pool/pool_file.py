@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 POOL_FLAG = "--pool"
 # A tenant's keys: who it is and what it may reach, then its quotas (``quotas.ALL``).
 _TENANT_KEYS = frozenset({
-    "name", "token_file", "checkpoint_roots", "functions", "pipelines", "weight", "uids",
-    "tls_names", *quotas_lib.BY_KEY})
+    "name", "token_file", "checkpoint_roots", "data_roots", "functions", "pipelines", "weight",
+    "uids", "tls_names", *quotas_lib.BY_KEY})
 _POOL_KEYS = frozenset({"tenants", "operator_token_file"})
 # `sidecar serve`'s flag that names the operator token instead of the pool file's key.
 OPERATOR_FLAG = "--operator-token-file"
@@ -92,6 +92,8 @@ def load(path: str, *, operator_token_file: str | None = None) -> Pool:
                      "own, e.g. `openssl rand -hex 32 > FILE`")
     for other in tenants:
       _check_roots_apart(path, line, tenant, other)
+      _check_data_apart(path, line, tenant, other)
+      _check_data_apart(path, line, other, tenant, mine=False)
       if other.uids & tenant.uids:
         raise error_at(path, line, f"tenant {tenant.name!r} shares uids "
                      f"{sorted(other.uids & tenant.uids)} with tenant {other.name!r} (line "
@@ -162,6 +164,25 @@ def _check_roots_apart(path: str, line: int, tenant: Tenant, other: Tenant) -> N
                        "be directories of its own, none inside another's")
 
 
+def _check_data_apart(path: str, line: int, tenant: Tenant, other: Tenant, *,
+                      mine: bool = True) -> None:
+  """Refuses a data root of ``tenant`` that is, holds or lies in a checkpoint root of
+  ``other``, or that holds or lies in one of ``other``'s data roots without being it: one
+  tenant would read the other's data (``mine``: ``tenant`` is the one on ``line``). Equal
+  data roots are data both may read, as the operator chose."""
+  for r in tenant.data_roots:
+    theirs = [c for c in other.checkpoint_roots if paths.overlap(r, c)]
+    theirs += [d for d in other.data_roots if d != r and paths.overlap(r, d)]
+    if theirs:
+      kind = "checkpoint" if theirs[0] in other.checkpoint_roots else "data"
+      raise error_at(path, line, f"tenant {tenant.name!r}'s data root {r}"
+                     f"{'' if mine else f' (line {tenant.line})'} "
+                     f"{'is' if r == theirs[0] else 'overlaps'} tenant {other.name!r}'s "
+                     f"{kind} root {theirs[0]}{f' (line {other.line})' if mine else ''}; "
+                     "a tenant's pipelines read everything beneath its data roots: give each "
+                     "tenant data roots of its own (or the very same directory, to share it)")
+
+
 def _mapping(path: str, node: yaml.Node, keys: frozenset[str], what: str
              ) -> dict[str, yaml.Node]:
   if not isinstance(node, yaml.MappingNode):
@@ -216,13 +237,17 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
   else:
     token_file = os.path.join(base, os.path.expanduser(token_file))
     token = _read_token(path, at("token_file"), where, token_file)
-  roots: tuple[str, ...] = ()
-  if "checkpoint_roots" in m:
-    v = yaml.safe_load(yaml.serialize(m["checkpoint_roots"]))
+  def directories(key: str) -> tuple[str, ...] | None:
+    if key not in m:
+      return None
+    v = yaml.safe_load(yaml.serialize(m[key]))
     if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
-      raise error_at(path, at("checkpoint_roots"), f"{where}: checkpoint_roots must be a list "
-                   f"of directories, got {v!r:.100}")
-    roots = tuple(os.path.realpath(os.path.join(base, x)) for x in v)
+      raise error_at(path, at(key), f"{where}: {key} must be a list of directories, got "
+                     f"{v!r:.100}")
+    return tuple(os.path.realpath(os.path.join(base, x)) for x in v)
+
+  roots = directories("checkpoint_roots") or ()
+  data_roots = directories("data_roots")
   uids: frozenset[int] = frozenset()
   if "uids" in m:
     v = yaml.safe_load(yaml.serialize(m["uids"]))
@@ -246,7 +271,8 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
         raise error_at(path, at(quota.key), f"{where}: {e}") from None
   return Tenant(
       name=name, token=token, token_file=token_file, line=line, quotas=quotas,
-      checkpoint_roots=roots, functions=names("functions"), pipelines=names("pipelines"),
+      checkpoint_roots=roots, data_roots=roots if data_roots is None else data_roots,
+      functions=names("functions"), pipelines=names("pipelines"),
       weight=weight, uids=uids, tls_names=tls_names)
 
 

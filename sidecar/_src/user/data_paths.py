@@ -1,0 +1,487 @@
+"""The files a pipeline reads: beneath its tenant's data roots in a pool, anywhere outside one.
+
+A feed runs its pipeline with arguments its client chose, in the sidecar's processes and
+with their permissions: in a pool (``sidecar serve --pool``), a path among them is one
+tenant asking the sidecar to read a file for it. So a pipeline opens every path through
+``ctx.data_path(path)``, a :class:`DataPath` bound to its tenant's :class:`DataRoots`
+(``data_roots`` in the pool file, else its ``checkpoint_roots``):
+
+- a path is placed under a root by its components as written, before anything is looked
+  up: a path under no root is refused without a filesystem call, so the answer says
+  nothing of what exists outside (a missing file inside answers NotFoundError);
+- below the root it is resolved by ``core/beneath.open_within`` from the root's
+  descriptor: symlinks and ``..`` are followed only while they stay beneath the root, and
+  one that leads out is refused before anything outside is looked up. A symlink swapped in
+  at any moment changes which of the tenant's own entries is reached, never whether it is
+  beneath the root. Names read from a manifest or index (``path / name``) may not be
+  absolute or hold ``..``;
+- a library that opens files by path itself (pyarrow, ArrayRecord, TFDS) is handed a path
+  through a descriptor already opened so (``DataFile.library_path``,
+  ``/proc/PID/fd/N``: it reaches that very file, whatever is renamed or swapped), or, for
+  a directory, a private tree of such paths (:meth:`DataPath.view`).
+
+Outside a pool (``DataRoots.roots`` None) a DataPath reads whatever the sidecar may, as
+``open()`` does, and libraries get the paths as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fnmatch
+import io
+import os
+import re
+import shutil
+import stat
+import tempfile
+import weakref
+from typing import Any
+
+from sidecar._src.core import beneath, errors
+
+_MAGIC = re.compile(r"[*?[]")  # what makes a component a glob pattern (as ``glob``'s)
+_FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK  # a FIFO must not block the open
+# Entries (files and directories) of one view: each file holds a descriptor while the view
+# lives (the sidecar raises its RLIMIT_NOFILE to 65,536).
+MAX_VIEW_ENTRIES = 10_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DataRoots:
+  """Where a feed's pipeline may read: beneath ``roots`` only (a pool tenant's, resolved
+  absolute directories; empty: nowhere), or, ``roots`` None, wherever the sidecar may.
+
+  ``tenant`` and ``where`` (the pool file's line) are for messages."""
+  roots: tuple[str, ...] | None = None
+  tenant: str = ""
+  where: str = ""
+
+  def __post_init__(self):
+    if self.roots is not None and not all(isinstance(r, str) and r.startswith("/")
+                                          for r in self.roots):
+      raise ValueError(f"data roots must be absolute directories, got {self.roots!r}")
+
+  def describe(self) -> str:
+    """``tenant 'bob''s data roots (/data/bob; pool.yaml:5)``, for messages."""
+    return (f"tenant {self.tenant!r}'s data roots ({', '.join(self.roots or ()) or 'none'}"
+            f"{'; ' + self.where if self.where else ''})")
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"roots": None if self.roots is None else list(self.roots),
+            "tenant": self.tenant, "where": self.where}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> DataRoots:
+    roots = d.get("roots")
+    return cls(roots=None if roots is None else tuple(roots), tenant=str(d.get("tenant", "")),
+               where=str(d.get("where", "")))
+
+  def place(self, path: str) -> tuple[str, str]:
+    """``(root, rest)``: the outermost root ``path`` (absolute) lies under and the rest of
+    it below that root, compared by components as written; nothing is looked up.
+
+    Raises:
+      PermissionDeniedError: ``path`` is under none of the roots, naming them and the fix.
+    """
+    assert self.roots is not None
+    have = _components(path)
+    for root in sorted(self.roots, key=len):
+      want = _components(root)
+      if have[:len(want)] == want:
+        return root, "/".join(have[len(want):])
+    if not self.roots:
+      raise errors.PermissionDeniedError(
+          f"{path!r:.300}: {self.describe()} are none, so its pipelines may read no file; a "
+          "pool tenant's pipelines read files only beneath its data roots: ask the pool's "
+          "operator to give it data_roots (or checkpoint_roots) in the pool file")
+    raise errors.PermissionDeniedError(
+        f"{path!r:.300} is not under {self.describe()}; a pool tenant's pipelines read "
+        "files only beneath its data roots: name a path under one of them (as written, not "
+        "through a symlink to it), or ask the pool's operator to add its directory to the "
+        "tenant's data_roots")
+
+
+ANYWHERE = DataRoots()
+
+
+def _components(path: str) -> list[str]:
+  return [p for p in path.split("/") if p not in ("", ".")]
+
+
+class DataFile(io.FileIO):
+  """A file a pipeline opened for reading (:meth:`DataPath.open`): a binary file object.
+
+  ``name`` is its path as the pipeline named it; :attr:`library_path` is the path to hand
+  a library that opens files by name (pyarrow, ArrayRecord): in a pool, a path through
+  this file's own descriptor, which reaches this very file while it is open (keep the
+  DataFile open as long as the library may open it again). It closes itself when its last
+  reference goes.
+  """
+
+  def __init__(self, fd: int, path: str, *, library_path: str, rooted: bool):
+    super().__init__(fd, "rb", closefd=True)
+    self.name = path
+    self._library_path = library_path
+    self._rooted = rooted
+
+  @property
+  def library_path(self) -> str:
+    """The path a library that opens files by name should be given (see the class)."""
+    if self.closed:
+      raise ValueError(f"the data file {self.name!r} is closed: its library_path would "
+                       "name whatever file takes its descriptor next")
+    return self._library_path
+
+  def __reduce__(self) -> Any:
+    if self._rooted:
+      raise TypeError(f"the data file {self.name!r}, opened beneath a pool tenant's data "
+                      "roots, cannot cross to another process: open it there")
+    return _reopen, (self.name,)
+
+  def __del__(self) -> None:
+    # Whoever held it (a dataset) went: closing is the expected end, not a leak to warn of.
+    with contextlib.suppress(Exception):
+      self.close()
+
+
+def _reopen(path: str) -> DataFile:
+  return DataPath(path).open()
+
+
+class DataView:
+  """A directory tree for a library that opens its files by path (TFDS), as
+  :meth:`DataPath.view` made it; :attr:`path` is the directory to hand it.
+
+  In a pool it is a private tree (in a directory of the sidecar's own, mode 0700): the same
+  directories, and for each file a symlink to a descriptor of the file opened beneath the
+  data roots (``/proc/PID/fd/N``), all held until :meth:`close` or its last reference;
+  nothing renamed or swapped in the data afterwards reaches it. It keeps the directory's
+  name, alone in its private parent (``os.path.dirname(view.path)``: a ``data_dir`` that
+  holds this one dataset). Outside a pool, :attr:`path` is the directory itself.
+  """
+
+  def __init__(self, path: str, *, mirror: str | None = None, fds: tuple[int, ...] = ()):
+    self._path = path
+    self._mirror = mirror
+    self._release = weakref.finalize(self, _remove, mirror, fds)
+
+  @property
+  def path(self) -> str:
+    if not self._release.alive:
+      raise ValueError(f"the view {self._path!r} is closed")
+    return self._path
+
+  def close(self) -> None:
+    """Closes its descriptors and removes its private tree; idempotent."""
+    self._release()
+
+  def __enter__(self) -> DataView:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+  def __reduce__(self) -> Any:
+    if self._mirror is not None:
+      raise TypeError(f"the view {self._path!r} of a pool tenant's data cannot cross to "
+                      "another process: make it there")
+    return DataView, (self._path,)
+
+
+def _remove(mirror: str | None, fds: tuple[int, ...]) -> None:
+  for fd in fds:
+    with contextlib.suppress(OSError):
+      os.close(fd)
+  if mirror is not None:
+    shutil.rmtree(mirror, ignore_errors=True)
+
+
+class DataPath:
+  """A path a pipeline reads: a file, a directory or a glob; ``ctx.data_path(path)`` makes
+  one (see the module's docstring for what a pool holds it to).
+
+  Example::
+
+    corpus = ctx.data_path(data)                       # refused here if outside the roots
+    with (corpus / "manifest.json").open() as f:       # a name: no '/'-leading, no '..'
+      manifest = json.load(f)
+    files = ctx.data_path("/data/bob/*.parquet").expand()
+  """
+
+  __slots__ = ("_path", "_roots")
+
+  def __init__(self, path: str | os.PathLike, roots: DataRoots = ANYWHERE):
+    """``path`` as a pipeline names it; ``roots``: where it may read (outside a pool,
+    anywhere the sidecar may: a plain path).
+
+    Raises:
+      PermissionDeniedError: in a pool, ``path`` is under none of ``roots``.
+    """
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path or "\0" in path:
+      raise errors.InvalidArgumentError(f"a data path must be a non-empty str with no NUL, "
+                                        f"got {path!r:.200}")
+    self._roots = roots
+    self._path = path if roots.roots is None else os.path.join(os.getcwd(), path)
+    if roots.roots is not None:
+      roots.place(self._path)
+
+  def __str__(self) -> str:
+    return self._path
+
+  def __repr__(self) -> str:
+    return f"DataPath({self._path!r})"
+
+  def __eq__(self, other: object) -> bool:
+    return (isinstance(other, DataPath) and other._path == self._path
+            and other._roots == self._roots)
+
+  def __hash__(self) -> int:
+    return hash((self._path, self._roots))
+
+  def __truediv__(self, name: str) -> DataPath:
+    """The entry ``name`` inside this directory: a name read from a manifest or an index,
+    so relative, with no ``..`` (or empty) component and no NUL.
+
+    Raises:
+      InvalidArgumentError: ``name`` is absolute or climbs with ``..``, naming it.
+    """
+    if (not isinstance(name, str) or not name or "\0" in name or name.startswith("/")
+        or any(p in ("", "..") for p in name.split("/"))):
+      raise errors.InvalidArgumentError(
+          f"{name!r:.200} is no name inside {self._path!r:.200}: a file named by a manifest "
+          "or an index is relative to its directory, with no '..' or empty component; "
+          "write the names relative (as pipelines.lm.write_corpus does)")
+    return DataPath(os.path.join(self._path, name), self._roots)
+
+  def open(self) -> DataFile:
+    """The file, opened for reading (see :class:`DataFile`).
+
+    Raises:
+      NotFoundError: nothing is there (beneath the roots, in a pool).
+      PermissionDeniedError: it leads out of its root (a symlink or ``..``), or the
+        sidecar may not read it.
+      InvalidArgumentError: it is a directory (or, in a pool, no regular file).
+    """
+    if self._roots.roots is None:
+      fd = self._plain_open(self._path)
+      library = self._path
+    else:
+      fd = self._open_within(_FILE_FLAGS)
+      library = f"/proc/{os.getpid()}/fd/{fd}"
+    try:
+      st = os.fstat(fd)
+      if stat.S_ISDIR(st.st_mode):
+        raise errors.InvalidArgumentError(f"{self._path!r:.300} is a directory; name a file")
+      if self._roots.roots is not None:
+        if not stat.S_ISREG(st.st_mode):
+          raise errors.InvalidArgumentError(
+              f"{self._path!r:.300} is no regular file ({stat.filemode(st.st_mode)}); a pool "
+              "tenant's pipelines read plain files only")
+        os.set_blocking(fd, True)
+      return DataFile(fd, self._path, library_path=library,
+                      rooted=self._roots.roots is not None)
+    except BaseException:
+      os.close(fd)
+      raise
+
+  def expand(self, *, what: str = "file") -> list[DataPath]:
+    """The files this path names: itself, or, where a component holds ``*``, ``?`` or
+    ``[``, the files it matches in sorted order (as ``glob``: a leading ``.`` matched only
+    by a pattern that starts with one; in a pool, only matches beneath the roots).
+
+    Raises:
+      NotFoundError: no file (``what`` names the kind in the message).
+    """
+    if self._roots.roots is None:
+      found = self._plain_expand()
+    else:
+      found = self._expand_within()
+    if not found:
+      raise errors.NotFoundError(
+          f"no {what} at {self._path!r:.300}{self._under()}; check the path, or the glob if "
+          "it is one")
+    return found
+
+  def view(self) -> DataView:
+    """This directory, for a library that opens its files by path (see :class:`DataView`).
+
+    Raises (in a pool):
+      NotFoundError: no directory is there.
+      PermissionDeniedError: an entry leads out of its root.
+      InvalidArgumentError: more than ``MAX_VIEW_ENTRIES`` entries, or no directory.
+    """
+    if self._roots.roots is None:
+      return DataView(self._path)  # the library opens it, and says what is missing
+    root, rest = self._roots.place(self._path)
+    return _View(self, root, rest).make()
+
+  # ---- inside -------------------------------------------------------------------------
+
+  def _under(self) -> str:
+    return "" if self._roots.roots is None else f" under {self._roots.describe()}"
+
+  def _plain_open(self, path: str) -> int:
+    try:
+      return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+      raise errors.NotFoundError(f"no file at {path!r:.300}") from None
+    except PermissionError as e:
+      raise errors.PermissionDeniedError(
+          f"the sidecar may not read {path!r:.300}: {e.strerror}") from None
+
+  def _open_within(self, flags: int, rest: str | None = None) -> int:
+    """A descriptor of this path (or of ``rest`` below its root) opened beneath its root.
+    OSErrors become SidecarErrors naming the path and the roots (:meth:`_refusal`)."""
+    root, mine = self._roots.place(self._path)
+    shown = self._path if rest is None else os.path.join(root, rest)
+    try:
+      root_fd = beneath.open_dir(root, what="data root")
+    except OSError as e:
+      raise self._refusal(e, root, shown) from None
+    try:
+      return beneath.open_within(root_fd, mine if rest is None else rest, flags, top=root)
+    except OSError as e:
+      raise self._refusal(e, root, shown) from None
+    finally:
+      os.close(root_fd)
+
+  def _refusal(self, e: OSError, root: str, shown: str) -> Exception:
+    """The SidecarError for ``e``, met opening ``shown`` beneath ``root``."""
+    if isinstance(e, errors.SidecarError):
+      return e
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+      return errors.NotFoundError(f"no file or directory at {shown!r:.300}{self._under()}")
+    if e.errno == errno.EXDEV:
+      return errors.PermissionDeniedError(
+          f"{shown!r:.300} leads out of its data root {root!r} (a symlink or '..' on its way "
+          f"goes outside it); {self._roots.describe()} are all its pipelines may read: keep "
+          "the data, and the symlinks that lead to it, beneath them")
+    if e.errno in (errno.EACCES, errno.EPERM):
+      return errors.PermissionDeniedError(
+          f"the sidecar may not read {shown!r:.300} ({e.strerror}); let its user read it")
+    if e.errno == errno.ELOOP:
+      return errors.InvalidArgumentError(
+          f"{shown!r:.300}: more than {beneath.MAX_HOPS} symlinks on its way")
+    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+      return errors.ResourceExhaustedError(
+          f"opening {shown!r:.300}: {e.strerror}; this process holds too many files")
+    return e
+
+  def _plain_expand(self) -> list[DataPath]:
+    import glob  # only outside a pool: a pool's globs walk beneath the roots
+    matches = sorted(glob.glob(self._path)) if _MAGIC.search(self._path) else [self._path]
+    return [DataPath(m) for m in matches if os.path.isfile(m)]
+
+  def _expand_within(self) -> list[DataPath]:
+    root, rest = self._roots.place(self._path)
+    rest = os.path.normpath(rest) if rest else ""
+    if rest.startswith(".."):
+      raise self._refusal(OSError(errno.EXDEV, "'..' above it"), root, self._path)
+    parts = [p for p in rest.split("/") if p not in ("", ".")]
+    if not any(_MAGIC.search(p) for p in parts):
+      try:
+        self.open().close()
+      except (errors.NotFoundError, errors.InvalidArgumentError):
+        return []
+      return [self]
+    prefixes: list[list[str]] = [[]]
+    for i, part in enumerate(parts):
+      last, nxt = i == len(parts) - 1, []
+      for prefix in prefixes:
+        for name in self._matches(root, prefix, part):
+          if self._is(root, [*prefix, name], stat.S_ISREG if last else stat.S_ISDIR):
+            nxt.append([*prefix, name])
+      prefixes = nxt
+    return sorted((DataPath(os.path.join(root, *p), self._roots) for p in prefixes), key=str)
+
+  def _matches(self, root: str, prefix: list[str], part: str) -> list[str]:
+    """The names in directory ``prefix`` (below ``root``) that the component ``part``
+    matches; none where it is no directory beneath the root."""
+    if not _MAGIC.search(part):
+      return [part]
+    try:
+      fd = self._open_within(os.O_RDONLY | os.O_DIRECTORY, "/".join(prefix) or ".")
+    except (errors.SidecarError, OSError):
+      return []
+    try:
+      names = os.listdir(fd)
+    finally:
+      os.close(fd)
+    return [n for n in names if fnmatch.fnmatchcase(n, part)
+            and (not n.startswith(".") or part.startswith("."))]
+
+  def _is(self, root: str, rel: list[str], kind: Any) -> bool:
+    """Whether ``rel`` (below ``root``) is, beneath the root, a ``kind`` (S_ISREG, S_ISDIR)."""
+    try:
+      fd = self._open_within(_FILE_FLAGS, "/".join(rel))
+    except (errors.SidecarError, OSError):
+      return False  # missing, or leading out: no match either way
+    try:
+      return kind(os.fstat(fd).st_mode)
+    finally:
+      os.close(fd)
+
+
+class _View:
+  """Makes one :class:`DataView` of a directory beneath a root (see its docstring)."""
+
+  def __init__(self, path: DataPath, root: str, rest: str):
+    self._path, self._root, self._rest = path, root, rest
+    self._fds: list[int] = []
+    self._entries = 0
+
+  def make(self) -> DataView:
+    fd = self._path._open_within(_FILE_FLAGS, self._rest or ".")
+    if not stat.S_ISDIR(os.fstat(fd).st_mode):
+      os.close(fd)
+      raise errors.InvalidArgumentError(f"{str(self._path)!r:.300} is no directory")
+    parent = tempfile.mkdtemp(prefix="sidecar-view-")  # mode 0700, this user's
+    mirror = os.path.join(parent, os.path.basename(os.path.join(self._root, self._rest)))
+    try:
+      os.mkdir(mirror, 0o700)
+      self._copy(fd, self._rest, mirror, frozenset())
+    except BaseException:
+      _remove(parent, tuple(self._fds))
+      raise
+    return DataView(mirror, mirror=parent, fds=tuple(self._fds))
+
+  def _copy(self, dir_fd: int, rel: str, into: str,
+            above: frozenset[tuple[int, int]]) -> None:
+    """Mirrors the directory ``dir_fd`` (``rel`` below the root; closed here) into
+    ``into``: directories made, files as symlinks to their descriptors. ``above``: the
+    directories it lies in (a symlink to one of them is a loop, left out)."""
+    st = os.fstat(dir_fd)
+    above = above | {(st.st_dev, st.st_ino)}
+    try:
+      names = sorted(os.listdir(dir_fd))
+    finally:
+      os.close(dir_fd)
+    for name in names:
+      self._entries += 1
+      if self._entries > MAX_VIEW_ENTRIES:
+        raise errors.InvalidArgumentError(
+            f"{str(self._path)!r:.300} holds more than {MAX_VIEW_ENTRIES} entries, more than "
+            "a view of the data roots may (each file stays open while it lives); name a "
+            "smaller directory (a dataset's own)")
+      child = os.path.join(rel, name) if rel else name
+      try:
+        fd = self._path._open_within(_FILE_FLAGS, child)
+      except errors.NotFoundError:
+        continue  # gone meanwhile
+      mode = os.fstat(fd).st_mode
+      if stat.S_ISDIR(mode):
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in above:  # a symlink back up the tree
+          os.close(fd)
+          continue
+        os.mkdir(os.path.join(into, name), 0o700)
+        self._copy(fd, child, os.path.join(into, name), above)
+      elif stat.S_ISREG(mode):
+        os.set_blocking(fd, True)
+        self._fds.append(fd)
+        os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(into, name))
+      else:
+        os.close(fd)  # a FIFO, a socket: nothing a library should read
