@@ -193,24 +193,27 @@ def _reported(items: Items, request: pb.CallRequest, tenant: str | None) -> Item
   try:
     yield from items
   except errors.SidecarError as e:
-    if isinstance(e, errors.RemoteError):  # a feed worker's, with its own traceback
-      _log_failure(request, e, tenant)
+    # A feed worker's (a RemoteError, with its own traceback) at ERROR; ours that the
+    # pipeline met (a path not found beneath its data roots, say) at WARNING.
+    _log_failure(request, e, tenant,
+                 logging.ERROR if isinstance(e, errors.RemoteError) else logging.WARNING)
     raise
   except Exception as e:
     _log_failure(request, e, tenant)
     raise protocol.remote_error(e) from e
 
 
-def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None) -> None:
+def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None,
+                 level: int = logging.ERROR) -> None:
   what = (f"pipeline {request.name!r} (a feed)" if request.HasField("feed")
           else f"stream {request.name!r}")
   who = "" if tenant is None else f" of tenant {tenant!r}"
   kind, message = ((e.remote_type, e.remote_message) if isinstance(e, errors.RemoteError)
                    else (type(e).__name__, str(e)))
   session = request.worker_session
-  log.error("%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what, who,
-            kind, protocol.for_log(message), exc_info=e,
-            extra={"session": session} if session else None)
+  log.log(level, "%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what,
+          who, kind, protocol.for_log(message), exc_info=e,
+          extra={"session": session} if session else None)
 
 
 class FeedBook:

@@ -78,6 +78,12 @@ class Transport(abc.ABC):
     """Ends the stream; ``owed``: items taken and not yet credited. Called once."""
 
 
+# Our errors a stream's end frame may carry that take their message alone: those are
+# named with the iterable and the host (``Stream._named``).
+_PLAIN = (errors.NotFoundError, errors.PermissionDeniedError, errors.InvalidArgumentError,
+          errors.ResourceExhaustedError, errors.AuthenticationError)
+
+
 class Stream:
   """Iterates what a registered iterable yields in one sidecar. Made by ``ctl.stream``.
 
@@ -139,7 +145,7 @@ class Stream:
       self.close()
       if closed_meanwhile:  # close() from another thread woke this wait
         raise StopIteration from None
-      if type(e) is errors.RemoteError:  # how a gRPC stream ends with the iterable's error
+      if isinstance(e, errors.SidecarError):  # how a gRPC stream ends with an error
         raise self._named(e) from None
       raise
     if item is None:  # The stream stays open: the caller may wait again.
@@ -164,11 +170,17 @@ class Stream:
     return value if self._to_device is None else self._to_device(value)
 
   def _named(self, e: errors.SidecarError) -> errors.SidecarError:
-    """A RemoteError (user code's: the iterable's) as the PipelineError that names it."""
-    if type(e) is not errors.RemoteError:
+    """The error that ended the stream, naming the iterable and the host: user code's
+    (a RemoteError) as the PipelineError that names them; one of ours that the iterable
+    met (a path not found beneath its data roots, say) as the same class, its message
+    prefixed with them."""
+    if type(e) is errors.RemoteError:
+      return errors.PipelineError(self._name, e.remote_type, e.remote_message,
+                                  e.remote_traceback, host_id=e.host_id, kind=self._kind)
+    where = f"{self._kind} {self._name!r} on host {self._transport.host_id}: "
+    if type(e) not in _PLAIN or str(e).startswith(where):
       return e
-    return errors.PipelineError(self._name, e.remote_type, e.remote_message,
-                                e.remote_traceback, host_id=e.host_id, kind=self._kind)
+    return type(e)(where + str(e))
 
   def _wait(self, t0: float) -> pb.StreamItem | None:
     """The next item; None once the timeout passed. A deferred Ctrl-C raises here, before

@@ -140,15 +140,32 @@ def test_a_streams_error_names_the_function(ctl, caplog, error, at):
   assert got == list(range(max(at, 0)))
 
 
+def not_found(ctl, caplog, run, *, name: str, message: str) -> sidecar.NotFoundError:
+  """``run()``'s NotFoundError (a path the pipeline was given is not there: the data
+  paths' own error, a FileNotFoundError), named with the pipeline and the host; the
+  sidecar's WARNING line with the traceback, and the sidecar's next call answered."""
+  with caplog.at_level(logging.INFO, logger="sidecar"):
+    with pytest.raises(sidecar.NotFoundError) as info:
+      run()
+  e = info.value
+  assert isinstance(e, FileNotFoundError) and not isinstance(e, sidecar.HostLostError)
+  assert str(e).startswith(f"pipeline {name!r} on host 0: "), str(e)
+  assert message in str(e)
+  logged = [r for r in caplog.records if r.levelno == logging.WARNING and name in r.getMessage()]
+  assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+  assert "raised NotFoundError: " in logged[0].getMessage() and message in logged[0].getMessage()
+  assert logged[0].exc_info is not None  # with its traceback
+  assert ctl.call("add", args=(2, 3)) == [5]  # the sidecar serves on
+  return e
+
+
 def test_lm_on_a_mistyped_directory_says_to_prepare_the_corpus(ctl, caplog, tmp_path):
   corpus = tmp_path / "lm-data"  # a real corpus, and --data with a typo
   lm_lib.write_corpus(corpus, [bytes(range(256)) * 8], record_bytes=256, shard_bytes=1024)
   typo = tmp_path / "lm-dta"
-  e = pipeline_failed(ctl, caplog, lambda: feed(ctl, "lm", {"data": str(typo), "seq_len": 8}),
-                      name="lm", error="FileNotFoundError",
-                      message=f"no corpus manifest at {typo}/manifest.json: run "
-                              f"examples/lm/prepare.py --out {typo}")
-  assert "in read_manifest" in e.remote_traceback
+  not_found(ctl, caplog, lambda: feed(ctl, "lm", {"data": str(typo), "seq_len": 8}),
+            name="lm", message=f"no corpus manifest at {typo}/manifest.json: run "
+                               f"examples/lm/prepare.py --out {typo}")
   with ctl.feed("lm", global_batch_size=1, sharding=ROWS,  # the right one feeds
                 kwargs={"data": str(corpus), "seq_len": 8}) as f:
     assert np.asarray(next(f)["tokens"]).shape == (1, 9)
@@ -156,16 +173,14 @@ def test_lm_on_a_mistyped_directory_says_to_prepare_the_corpus(ctl, caplog, tmp_
 
 def test_lm_on_a_directory_that_is_no_corpus_says_to_prepare_the_corpus(ctl, caplog, tmp_path):
   (tmp_path / "notes.txt").write_text("not a corpus")
-  pipeline_failed(ctl, caplog, lambda: feed(ctl, "lm", {"data": str(tmp_path), "seq_len": 8}),
-                  name="lm", error="FileNotFoundError",
-                  message=f"no corpus manifest at {tmp_path}/manifest.json")
+  not_found(ctl, caplog, lambda: feed(ctl, "lm", {"data": str(tmp_path), "seq_len": 8}),
+            name="lm", message=f"no corpus manifest at {tmp_path}/manifest.json")
 
 
 def test_parquet_on_a_missing_path_names_it(ctl, caplog, tmp_path):
   missing = tmp_path / "train" / "part-0.parquet"
-  pipeline_failed(ctl, caplog, lambda: feed(ctl, "parquet", {"paths": str(missing)}),
-                  name="parquet", error="FileNotFoundError",
-                  message=f"no Parquet file at {str(missing)!r}")
+  not_found(ctl, caplog, lambda: feed(ctl, "parquet", {"paths": str(missing)}),
+            name="parquet", message=f"no Parquet file at {str(missing)!r}")
 
 
 def test_a_calls_oserror_is_its_remote_error_not_a_lost_host(ctl, tmp_path):
