@@ -354,7 +354,10 @@ class Checkpoints:
   # ---- restore -----------------------------------------------------------
 
   def info(self, final_dir: str) -> Manifest:
-    """The manifest of a committed item (leaves, shard checksums, data position).
+    """The manifest of a committed item (leaves, shard checksums, data position), checked
+    (``read.info``): against its own crc32c, and, unless this host's RAM tier holds the
+    step (a restore reads it from there, not its files), the item's metadata files
+    against it.
 
     An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
     with no checksum to check.
@@ -366,7 +369,8 @@ class Checkpoints:
     for record in held:
       if record is not None and record.manifest is not None:
         return record.manifest  # a DCP step in host memory: its files may be gone
-    return checkpoint_read.info(final_dir)
+    in_ram = any(record is not None and record.committed for record in held)
+    return checkpoint_read.info(final_dir, stored=not in_ram)
 
   def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
            tier: str = "any", byte_range: tuple[int, int] | None = None) -> np.ndarray:
