@@ -225,7 +225,7 @@ class DcpFormat(Format):
 def _changed(path: pathlib.Path, name: str, what: str) -> errors.CorruptCheckpointError:
   return errors.CorruptCheckpointError(
       f"{path.parent}: {path.name}/{name} {what} ({records.MANIFEST_FILE}): the file was "
-      "changed after the save; restore an older step")
+      "changed after the save")
 
 
 def _commit_extra(extra: Any) -> DcpCommit:
