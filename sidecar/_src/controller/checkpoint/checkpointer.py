@@ -24,6 +24,8 @@ import concurrent.futures
 import json
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +55,7 @@ from sidecar._src.controller.checkpoint.save_run import (
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import errors, interrupts, progress as progress_lib
+from sidecar._src.core import errors, interrupts, job as job_lib, progress as progress_lib
 
 __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target",
            "replica_hosts"]
@@ -67,6 +69,9 @@ BUSY_WARN_S = 0.5
 # from a retry. Checked in single-process jobs (where no other process waits to agree).
 _SAVING: dict[tuple[str, int], Checkpointer] = {}
 _SAVING_LOCK = threading.Lock()
+# This process's own job name, where its environment names none (core/job.py): process 0's
+# is the job's (every Checkpointer of a process opens as one job).
+_PROCESS_JOB = f"job {secrets.token_hex(4)} (pid {os.getpid()} on {socket.gethostname()})"
 
 
 class Checkpointer:
@@ -108,9 +113,16 @@ class Checkpointer:
           f"replicas={self.replicas} needs every sidecar's address: sidecars names hosts "
           f"{sorted(site.records)}, the hosts are {sorted(site.hosts)}")
     self.placement = site.placement(self.replicas)
+    # The directory is held for this job: another live job's open is refused (one job per
+    # directory), this job's processes and restarts never are.
+    job = job_lib.name_of(os.environ) or (
+        _PROCESS_JOB if self._peers.count == 1
+        else self._peers.broadcast(f"{key}/job", _PROCESS_JOB if self._lead else None))
+    holder = f"process {peers.index} (pid {os.getpid()} on {socket.gethostname()})"
     opened = [interrupts.wait(f) for f in [
         site.client.open(h, self.directory, ram_steps=options.ram_steps,
-                         ram_budget=options.ram_budget, sweep=sweep and self._lead)
+                         ram_budget=options.ram_budget, sweep=sweep and self._lead, job=job,
+                         holder=holder)
         for h in self._local]]
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
     steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))

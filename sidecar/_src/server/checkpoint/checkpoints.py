@@ -42,6 +42,7 @@ from sidecar._src.core import env as env_lib, errors, paths
 from sidecar._src.server import metrics as metrics_lib, policies
 from sidecar._src.server.checkpoint import (
   links as links_lib,
+  ownership,
   ram_tier,
   ram_yield,
   read as checkpoint_read,
@@ -111,6 +112,7 @@ class Checkpoints:
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics, hosts=replica_hosts or links_lib.ReplicaHosts(),
         accept=self.accept_replica)
+    self.jobs = ownership.Jobs(host_id)  # which job holds each directory opened here
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
@@ -140,6 +142,7 @@ class Checkpoints:
         thread.join(max(deadline - time.monotonic(), 0.0))
       if thread.is_alive():
         log.warning("%s still runs after %.0f s as the sidecar stops", thread.name, timeout)
+    self.jobs.close()
     self._links.close()
 
   def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
@@ -157,9 +160,12 @@ class Checkpoints:
     thread.start()
 
   def _reap(self) -> None:
-    while not self._closed.wait(min(max(self.tier.uncommitted_s / 4, 0.1), 30.0)):
+    # At least every RELEASE_S: a job gone lets go of its directories within it.
+    every = min(max(self.tier.uncommitted_s / 4, 0.1), ownership.RELEASE_S)
+    while not self._closed.wait(every):
       self.tier.expire_uncommitted()
       self.writer.forget_ended()
+      self.jobs.release_gone()
 
   # ---- who may act where, and commits -----------------------------------
 
