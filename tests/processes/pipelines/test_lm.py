@@ -66,3 +66,21 @@ def test_a_saved_state_resumes_at_exactly_the_next_batch(cluster, data):
     resumed, _ = _batches(cluster, data, 3, state=states[after])
     for got, want in zip(resumed, batches[after + 1:]):
       np.testing.assert_array_equal(got, want)
+
+
+def test_a_state_resumed_on_a_re_prepared_corpus_is_refused_naming_both(cluster, tmp_path):
+  """Before: a checkpoint made on one corpus resumed at its position in another (the issue:
+  12 MB, then re-prepared as 2 MB), with no word. The state records the corpus's identity
+  (its manifest's digest and size), and the sidecar refuses a resume on another."""
+  lm.write_corpus(tmp_path, [TEXT], record_bytes=256, shard_bytes=1024)
+  made_on = lm.corpus_identity(data=str(tmp_path), seq_len=SEQ_LEN)
+  _, states = _batches(cluster, str(tmp_path), 2)
+  assert states[-1]["data"] == made_on and "(4,000 bytes)" in made_on
+  resumed, _ = _batches(cluster, str(tmp_path), 1, state=states[-1])  # the same corpus: on
+  lm.write_corpus(tmp_path, [TEXT[:2000]], record_bytes=256, shard_bytes=1024)
+  now = lm.corpus_identity(data=str(tmp_path), seq_len=SEQ_LEN)
+  assert "(2,000 bytes)" in now
+  with pytest.raises(sidecar.InvalidArgumentError) as refused:
+    _batches(cluster, str(tmp_path), 1, state=states[-1])
+  assert (f"the state it resumes from was made from {made_on!r}, but with kwargs "
+          f"['data', 'seq_len'] it now reads {now!r}") in str(refused.value)
