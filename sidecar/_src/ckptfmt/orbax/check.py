@@ -214,11 +214,14 @@ def _check_chunk_files(item: items.Item, name: str, leaf: SavedLeaf,
       st = os.fstat(fd)
     finally:
       os.close(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+    if not stat.S_ISREG(st.st_mode):
+      raise errors.CorruptCheckpointError(
+          f"{where(item, rel)} is not a plain file ({stat.filemode(st.st_mode)}) where the "
+          "save wrote a chunk file")
+    if st.st_size != nbytes:
       raise errors.CorruptCheckpointError(
           f"{where(item, rel)} holds {st.st_size} bytes where a chunk of {name!r} takes "
-          f"{nbytes} ({stat.filemode(st.st_mode)}): the file is corrupt or was changed after "
-          "the save")
+          f"{nbytes}: the file is corrupt or was changed after the save")
 
 
 def manifest_missing(item: items.Item) -> errors.CorruptCheckpointError:
