@@ -77,7 +77,7 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT, *,
   A directory a stock tool wrote (no manifest, no sign of a sidecar) gets one from its
   metadata: each leaf one shard, with no checksum to check.
   """
-  manifest = manifest_of(final_dir, formats)
+  manifest = _said(lambda: manifest_of(final_dir, formats), final_dir)
   if stored and not manifest.stock:
     _said(lambda: formats.get(manifest.format).check_stored(final_dir, manifest), final_dir)
   return manifest
@@ -99,8 +99,9 @@ def _said(read, final_dir: str):
     raise errors.CorruptCheckpointError(
         f"cannot read {final_dir}: {os.path.relpath(e.filename, final_dir) if e.filename else ''}"
         f": {e.strerror or e}") from None
-  except ValueError as e:
-    raise errors.CorruptCheckpointError(f"cannot read {final_dir}: {e}") from None
+  except ValueError as e:  # a file's contents a library could not parse
+    raise errors.CorruptCheckpointError(
+        f"cannot read {final_dir}: {type(e).__name__}: {e}") from None
 
 
 def _byte_range(data: np.ndarray, byte_range: tuple[int, int]) -> np.ndarray:
