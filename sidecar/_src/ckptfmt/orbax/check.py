@@ -42,7 +42,7 @@ _ABSENT = object()
 
 def written_here(item: items.Item) -> bool:
   """Whether a sidecar's commit wrote the item (its ``_METADATA`` names the manifest)."""
-  return item.meta.get(files.MANIFEST_KEY) is not None
+  return isinstance(item.meta, dict) and item.meta.get(files.MANIFEST_KEY) is not None
 
 
 def where(item: items.Item, name: str = "") -> str:
@@ -87,16 +87,20 @@ def check_item(item: items.Item, manifest: Manifest) -> None:
 def check_leaf(item: items.Item, leaf: SavedLeaf) -> None:
   """CorruptCheckpointError unless the leaf's ``_METADATA`` entry and ``.zarray`` are those
   its save wrote (``leaf``: the manifest's)."""
-  _check_flags(item)
-  _check_entry(item, leaf, item.meta["tree_metadata"].get(_tree_key(leaf.key_path), _ABSENT))
+  _check_entry(item, leaf, _tree(item).get(_tree_key(leaf.key_path), _ABSENT))
   check_zarray(item, _name(leaf.key_path), leaf)
 
 
-def _check_tree(item: items.Item, leaves: Iterable[SavedLeaf]) -> None:
-  _check_flags(item)
-  tree = item.meta.get("tree_metadata")
-  if not isinstance(tree, dict):
+def _tree(item: items.Item) -> dict[str, Any]:
+  """The ``_METADATA``'s tree of leaves, its flags checked (Zarr v2, no OCDBT)."""
+  if not isinstance(item.meta, dict) or not isinstance(item.meta.get("tree_metadata"), dict):
     raise _changed(item, METADATA_FILE, "has no tree of leaves where the save wrote one")
+  _check_flags(item)
+  return item.meta["tree_metadata"]
+
+
+def _check_tree(item: items.Item, leaves: Iterable[SavedLeaf]) -> None:
+  tree = _tree(item)
   wanted = {_tree_key(leaf.key_path): leaf for leaf in leaves}
   extra = sorted(set(tree) - set(wanted))
   if extra:
