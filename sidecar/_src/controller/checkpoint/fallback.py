@@ -63,6 +63,7 @@ def restore(steps: Sequence[int], attempt: Callable[[int], Any], *, fallback: bo
   """
   skipped: list[Skipped] = []
   for i, step in enumerate(steps):
+    error: BaseException | None
     try:
       tree, error = attempt(step), None
     except errors.CorruptCheckpointError as e:
