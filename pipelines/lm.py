@@ -11,7 +11,9 @@ of the corpus: ``seq_len + 1`` tokens, so ``tokens[:-1]`` are the inputs and
 ``tokens[1:]`` the targets, and consecutive sequences overlap by one byte. The pipeline
 returns a ``grain.MapDataset`` of them, so the framework shards, shuffles (a seeded
 permutation per epoch) and positions it globally: a ``feed.state()`` saved with a
-checkpoint resumes at exactly the next batch, on any host count.
+checkpoint resumes at exactly the next batch, on any host count. The state records the
+corpus it was made from (:func:`corpus_identity`: its manifest's digest and size), and a
+resume on another corpus (re-prepared, or another ``data``) is refused, naming both.
 
 Example::
 
@@ -24,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -181,7 +184,23 @@ class Sequences:
     return {"tokens": np.frombuffer(raw, np.uint8).astype(np.int32)}
 
 
-@sidecar.pipeline
+def corpus_identity(ctx: sidecar.PipelineContext, *, data: str, seq_len: int) -> str:
+  """What names the corpus in ``data``: its manifest's sha256 (which lists its size, its
+  records and shard files) and its size, as a feed's state records it. Read as the
+  pipeline reads it: beneath its tenant's data roots, in a pool."""
+  del seq_len  # the same corpus, whatever its sequences' length
+  path = ctx.data_path(data) / MANIFEST
+  try:
+    with path.open() as f:
+      text = f.read()
+  except FileNotFoundError as e:
+    raise sidecar.NotFoundError(
+        f"no corpus manifest at {path}: run examples/lm/prepare.py --out {data}") from e
+  size = Manifest.from_dict(json.loads(text)).total_bytes
+  return f"corpus sha256:{hashlib.sha256(text).hexdigest()[:16]} ({size:,} bytes)"
+
+
+@sidecar.pipeline(identity=corpus_identity)
 def lm(ctx: sidecar.PipelineContext, *, data: str, seq_len: int) -> grain.MapDataset:
   """The corpus in ``data`` as sequences of ``seq_len + 1`` byte tokens.
 

@@ -135,16 +135,22 @@ class DcpCommit(_message.Message):
     def __init__(self, metadata: _Optional[bytes] = ..., file_sizes: _Optional[_Mapping[int, int]] = ..., plan_json: _Optional[str] = ...) -> None: ...
 
 class CheckpointOpenRequest(_message.Message):
-    __slots__ = ("directory", "ram_steps", "ram_budget", "sweep")
+    __slots__ = ("directory", "ram_steps", "ram_budget", "sweep", "job", "holder", "worker_session")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RAM_STEPS_FIELD_NUMBER: _ClassVar[int]
     RAM_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SWEEP_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
     directory: str
     ram_steps: int
     ram_budget: int
     sweep: bool
-    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[int] = ..., ram_budget: _Optional[int] = ..., sweep: _Optional[bool] = ...) -> None: ...
+    job: str
+    holder: str
+    worker_session: str
+    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[int] = ..., ram_budget: _Optional[int] = ..., sweep: _Optional[bool] = ..., job: _Optional[str] = ..., holder: _Optional[str] = ..., worker_session: _Optional[str] = ...) -> None: ...
 
 class CheckpointOpenResponse(_message.Message):
     __slots__ = ("steps",)

@@ -148,7 +148,7 @@ class FakeSidecars(CheckpointTransport):
     return [pb.StatusResponse(identity=pb.HostIdentity(host_id=h), arena_size=1 << 30)
             for h in self.hosts]
 
-  def open(self, host, directory, *, ram_steps, ram_budget, sweep):
+  def open(self, host, directory, *, ram_steps, ram_budget, sweep, job="", holder=""):
     steps = self.steps.setdefault(directory, set(self.initial))
     return self._phase("open", host, sorted(steps))
 

@@ -8,6 +8,8 @@ DATA = ROOT / "tests" / "data"
 
 def entries(directory) -> list[str]:
   """The sorted names in a checkpoint ``directory``, less the job's goodput ledger
-  (``goodput.jsonl``, docs/goodput.md), which lies beside the steps."""
+  (``goodput.jsonl``, docs/goodput.md) and the lock files of the jobs that opened it
+  (``.sidecar-jobs/``, docs/concepts.md), which lie beside the steps."""
   import os
-  return sorted(name for name in os.listdir(directory) if name != "goodput.jsonl")
+  return sorted(name for name in os.listdir(directory)
+                if name not in ("goodput.jsonl", ".sidecar-jobs"))

@@ -20,8 +20,10 @@ a :class:`Format`:
   (``stage_extra`` at Stage, ``commit_extra`` at Commit);
 - the write engine (:meth:`Format.write`), the finalize and commit (:meth:`Format.commit`)
   and what the format adds to the manifest (:meth:`Format.manifest_extras`);
-- reading an item back (:meth:`Format.read`), and the manifest of a committed directory
-  that has no manifest file (:meth:`Format.stock_manifest`).
+- reading an item back (:meth:`Format.read`), its stored metadata checked against its
+  manifest (:meth:`Format.check_stored`), and the manifest of a committed directory that
+  has no manifest file (:meth:`Format.stock_manifest`: one a stock tool wrote; one a
+  sidecar wrote has lost its checksums, and is refused).
 
 Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whose
 ``Format`` subclass implements these, one line in ``registry.py`` and one driver in
@@ -198,11 +200,27 @@ class Format(abc.ABC):
   # ---- restore ------------------------------------------------------------
 
   @abc.abstractmethod
-  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
-    """The stored bytes of ``shard`` of the committed ``final_dir``, into ``allocate``."""
+  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate,
+           manifest: Manifest | None) -> np.ndarray:
+    """The stored bytes of ``shard`` of the committed ``final_dir``, into ``allocate``;
+    the metadata the read uses is checked against ``manifest`` first, CorruptCheckpointError
+    naming the file that differs. ``manifest`` None: the directory has no manifest file,
+    and is read as a stock tool wrote it, unless a sidecar did (CorruptCheckpointError)."""
 
-  def stock_manifest(self, final_dir: str) -> Manifest | None:
-    """The manifest of a committed directory this format wrote without one (stock
-    Orbax's), made from its metadata; None where the format always writes one."""
-    del final_dir
-    return None
+  def check_stored(self, final_dir: str, manifest: Manifest) -> None:
+    """CorruptCheckpointError unless the committed ``final_dir``'s metadata files (the
+    format's and the stored files' sizes) are those ``manifest`` says its save wrote;
+    reads no shard's bytes. Each error names the file, relative to the step. A format
+    with no metadata but the manifest has nothing more to check."""
+    del final_dir, manifest
+
+  def stock_manifest(self, final_dir: str) -> Manifest:
+    """The manifest of a committed directory that has no manifest file: where a stock
+    tool (Orbax, DCP) wrote it, one made from its metadata (``Manifest.stock``: no
+    checksum); where a sidecar wrote it (the format's own marker says so; a format
+    no stock tool writes, always), its checksums are gone: CorruptCheckpointError,
+    never a read unchecked."""
+    raise errors.CorruptCheckpointError(
+        f"{final_dir}: its {MANIFEST_FILE} is missing, and a step of format {self.name!r} "
+        "is always written with one: its checksums are gone with it, so it is not restored "
+        "unchecked; restore an older step (restore(..., fallback=True) skips it)")

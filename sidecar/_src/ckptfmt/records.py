@@ -19,8 +19,9 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
   ``Receive`` stream to another carries.
 - :class:`Held`: what one sidecar's RAM tier holds under a directory.
 - :class:`SavedLeaf`, :class:`Manifest`: a committed step's manifest, which owns its
-  file name (:data:`MANIFEST_FILE`) and its JSON; :meth:`Manifest.of_save` is the one
-  builder a commit uses, whatever the format.
+  file name (:data:`MANIFEST_FILE`) and its JSON (which carries its own crc32c: an edited
+  manifest is refused); :meth:`Manifest.of_save` is the one builder a commit uses, whatever
+  the format.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ MANIFEST_VERSION = 1
 # in Orbax's layout saved before formats had one name each say "colocated-sidecar": read as
 # "orbax" (Orbax's name), never written.
 OLD_NAMES: Mapping[str, str] = types.MappingProxyType({"colocated-sidecar": "orbax"})
+# A manifest's file begins with the crc32c of the rest of its JSON (``{"crc32c":N,`` and
+# then the body's text after its "{"): checked on every read, so that a manifest changed
+# after its save (a dtype, a checksum) is refused rather than believed. One an earlier
+# release wrote has none.
+_DIGEST_HEAD = b'{"crc32c":'
+# The extras key of a manifest made for a directory a stock tool wrote (no manifest file):
+# nothing in it can be checked (``Manifest.stock``).
+STOCK = "stock"
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
 
@@ -310,23 +319,63 @@ class Manifest:
         "shards": [c.to_dict() for c in self.shards], "data_state": self.data_state}
     if self.replicas:
       out["replicas"] = {str(h): list(ps) for h, ps in self.replicas.items()}
-    return json.dumps(out, separators=(",", ":"))
+    body = json.dumps(out, separators=(",", ":"))
+    return f'{_DIGEST_HEAD.decode()}{crc32c_lib.crc32c(body.encode())},{body[1:]}'
 
   @classmethod
   def from_json(cls, text: str | bytes, where: str) -> Manifest:
-    """The manifest a file holds; InvalidArgumentError naming ``where`` if it is not one."""
+    """The manifest a file holds, its crc32c checked.
+
+    Raises:
+      CorruptCheckpointError: the text does not match the crc32c it begins with, or has
+        one that no longer heads it (reformatted): it was changed after the save.
+      InvalidArgumentError: it is not a manifest at all; both name ``where``.
+    """
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    _check_digest(raw, where)
     try:
-      d = json.loads(text)
+      d = json.loads(raw)
+      if not raw.startswith(_DIGEST_HEAD) and "crc32c" in d:
+        raise errors.CorruptCheckpointError(
+            f"{where}: its {MANIFEST_FILE} has a crc32c that no longer heads it: the file "
+            "was rewritten after the save, so its checksums, dtypes and shapes cannot be "
+            "trusted; restore an older step")
       extras = {k: v for k, v in d.items() if k not in _KEYS}
       name = str(d["format"])
       return cls(OLD_NAMES.get(name, name), [SavedLeaf.from_dict(x) for x in d["leaves"]],
                  [ShardRecord.from_dict(c) for c in d["shards"]], d.get("data_state"),
                  {int(h): ps for h, ps in (d.get("replicas") or {}).items()},
                  extras=extras, step=None if d.get("step") is None else int(d["step"]))
+    except errors.CorruptCheckpointError:
+      raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise errors.InvalidArgumentError(
           f"{where}: its manifest is not one this sidecar wrote ({type(e).__name__}: {e}); "
           "restore it with Orbax, or an older step") from None
 
+  @property
+  def stock(self) -> bool:
+    """Whether this was made for a directory a stock tool (Orbax, DCP) wrote: no checksum,
+    nothing of the sidecar's to check its files against."""
+    return bool(self.extras.get(STOCK))
 
-_KEYS = frozenset({"format", "version", "step", "leaves", "shards", "data_state", "replicas"})
+
+def _check_digest(raw: bytes, where: str) -> None:
+  """CorruptCheckpointError unless ``raw`` (a manifest file's bytes) matches the crc32c it
+  begins with, if it begins with one (an earlier release's has none)."""
+  if not raw.startswith(_DIGEST_HEAD):
+    return
+  head, _, rest = raw.partition(b",")
+  try:
+    expected = int(head[len(_DIGEST_HEAD):])
+  except ValueError:
+    expected = None
+  if expected is None or crc32c_lib.crc32c(b"{" + rest) != expected:
+    raise errors.CorruptCheckpointError(
+        f"{where}: its {MANIFEST_FILE} does not match the crc32c it was written with: it "
+        "was changed after the save, so its checksums, dtypes and shapes cannot be trusted; "
+        "restore an older step")
+
+
+_KEYS = frozenset({"crc32c", "format", "version", "step", "leaves", "shards", "data_state",
+                   "replicas"})

@@ -274,6 +274,8 @@ class Feed:
   def _merge(self, states: list[dict[str, Any]]) -> dict[str, Any]:
     base = {"version": STATE_VERSION, "pipeline": self.name, "seed": self._seed,
             "global_batch_size": self._g}
+    if "data" in states[0]:  # what the data was (``@sidecar.pipeline(identity=...)``)
+      base["data"] = states[0]["data"]
     if states[0]["kind"] == "map":
       return {**base, "kind": "map", "epoch": states[0]["epoch"],
               "position": states[0]["position"]}
@@ -477,11 +479,14 @@ def _check_state(state: dict[str, Any] | None, *, name: str, seed: int, num_host
 
 
 def _host_start(state: dict[str, Any], i: int) -> dict[str, Any]:
+  """Host ``i``'s start: its position, and what the data was (the sidecar refuses a
+  resume on other data)."""
+  data = {"data": state["data"]} if isinstance(state.get("data"), str) else {}
   kind = state.get("kind")
   if kind == "map":
-    return {"kind": "map", "epoch": state["epoch"], "position": state["position"]}
+    return {"kind": "map", "epoch": state["epoch"], "position": state["position"], **data}
   if kind == "iter":
-    return {"kind": "iter", **state["shards"][i]}
+    return {"kind": "iter", **state["shards"][i], **data}
   return {}
 
 

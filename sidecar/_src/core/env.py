@@ -93,6 +93,11 @@ STACKS_SIGNAL = _var(
     "attaches); sidecar launch sends it to a stalled trainer before it kills it",
     default="none: no stacks (sidecar launch sets SIGUSR2)",
     readers="Worker (core/stacks.py), sidecar launch, sidecar stalls", launcher=True)
+JOB = _var(
+    "SIDECAR_JOB", "the job's name: the same in every process of one job and in its restarts, "
+    "another in every other job; a checkpoint directory is held by one job at a time",
+    default="a Slurm job's id, a JobSet's name, else process 0's random one (core/job.py)",
+    readers="Controller's checkpointers (controller/checkpoint/checkpointer.py)", launcher=True)
 STARTED = _var(
     "SIDECAR_STARTED", "when this trainer process was told to run, Unix seconds: set by "
     "sidecar launch --standby's waiting process (tools/standby.py), whose imports came before",

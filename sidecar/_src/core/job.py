@@ -1,6 +1,7 @@
 """The job a trainer process is part of, from its environment alone: what
 ``jax.distributed.initialize`` takes (``sidecar.jax.initialize``) and, by
-torchrun's names, what ``sidecar.torch.connect()`` takes where torchrun set nothing.
+torchrun's names, what ``sidecar.torch.connect()`` takes where torchrun set nothing; and
+its name (:func:`name_of`), which holds its checkpoint directories against other jobs.
 
 Two ways to name the job: ``SIDECAR_COORDINATOR_ADDRESS``, ``SIDECAR_NUM_PROCESSES`` and
 ``SIDECAR_PROCESS_ID`` (``sidecar launch`` and ``sidecar slurm batch`` set them), or a
@@ -71,3 +72,18 @@ def job_from_env(env: Mapping[str, str]) -> dict[str, Any] | None:
   if get(env_lib.LOCAL_DEVICES):
     out["local_devices"] = env_lib.int_var(env, env_lib.LOCAL_DEVICES, None, minimum=1)
   return out
+
+
+def name_of(env: Mapping[str, str]) -> str | None:
+  """The job's name from ``env``: the same in every process of one job and in its restarts,
+  another in every other job (``SIDECAR_JOB``, which ``sidecar launch`` sets once per
+  launch; else a Slurm job's id or a JobSet's name); None where the environment names
+  none (the processes then agree on process 0's random one)."""
+  get = lambda name: env.get(name, "").strip()
+  if get(env_lib.JOB):
+    return get(env_lib.JOB)
+  if get("SLURM_JOB_ID"):
+    return f"slurm job {get('SLURM_JOB_ID')}"
+  if get(env_lib.JOBSET_NAME):
+    return f"jobset {get(env_lib.JOBSET_NAME)}"
+  return None

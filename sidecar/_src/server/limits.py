@@ -392,6 +392,12 @@ class Sessions:
     with self._lock:
       return isinstance(session, str) and session in self._replica_links
 
+  def live(self, session: object) -> bool:
+    """Whether ``session`` is live now (not refreshed: a check, not a use)."""
+    with self._lock:
+      last = self._last.get(session) if isinstance(session, str) else None
+      return last is not None and self._clock() - last < self.idle_s
+
   def touch(self, session: object) -> bool:
     """Refreshes ``session`` if it is live; whether it was."""
     try:

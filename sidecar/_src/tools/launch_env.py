@@ -5,6 +5,8 @@ with ``--torch``, what torchrun gives its workers (``RANK``, ``MASTER_PORT``, ..
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 from collections.abc import Mapping, Sequence
 
@@ -13,6 +15,8 @@ from sidecar._src.tools.local import LocalCluster
 from sidecar._src.tools.torchrun import torchrun_env
 
 PREEMPTION_SERVICE = "JAX_ENABLE_PREEMPTION_SERVICE"
+# This launch's job name (SIDECAR_JOB): every trainer of it, restarts included, has it.
+JOB = f"sidecar launch {secrets.token_hex(4)} (pid {os.getpid()} on {socket.gethostname()})"
 COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
 
 
@@ -69,6 +73,7 @@ def trainer_env(cluster: LocalCluster, host: int, coordinator: str | None,
       env_lib.ADDRESS: f"unix://{cluster.socket(host)}",
       env_lib.HOSTS: ",".join(cluster.host_entry(h) for h in hosts),
       env_lib.RESTART: str(restart),
+      env_lib.JOB: base.get(env_lib.JOB) or JOB,
   })
   if torch_master is not None:
     addr, port = torch_master.rsplit(":", 1)

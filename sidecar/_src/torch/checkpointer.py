@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.controller import controller as core
@@ -148,7 +149,14 @@ class DcpAgreement(Agreement):
     reader = storage.StorageReader(os.path.join(self._directory, str(step)),
                                    controller=self._ctl)
     reader.check()  # a step of another format is named here: dcp.load would wrap it
-    dcp.load(target, storage_reader=reader, process_group=self._group)
+    try:
+      dcp.load(target, storage_reader=reader, process_group=self._group)
+    except CheckpointException as e:  # the sidecars' error as itself (a corrupt step's
+      found = next((f for f, _ in e.failures.values()  # is what fallback=True skips)
+                    if isinstance(f, errors.SidecarError)), None)
+      if found is None:
+        raise
+      raise found.with_traceback(None) from e
     return target
 
   def _settle(self) -> None:

@@ -54,13 +54,13 @@ from torch.distributed.checkpoint.storage import (
 from torch.distributed.tensor import DTensor
 
 from sidecar._src.ckptfmt import registry as formats_lib
-from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
 from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.restore import ShardReads
+from sidecar._src.controller.checkpoint.restore import ShardReads, warn_unchecked
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
 from sidecar._src.controller.checkpoint.save_run import Coordinator, Ending, SaveRun
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
@@ -130,7 +130,7 @@ class StorageWriter(_Writer):
     self.replicas = self._site.replicas(self.options.replicas)
     self._ranks = _rank_hosts(self._ctl, self._site)
     self._home = self._site.local[0]  # this rank's sidecar
-    self.save_id = uuid.uuid4().hex
+    self.save_id = distcp.SAVE_ID_PREFIX + uuid.uuid4().hex  # says a sidecar wrote it
     self.is_coordinator = False
     self._opened: set[str] = set()
     self._run: SaveRun | None = None  # this save's step (one per save: reset() drops it)
@@ -172,7 +172,7 @@ class StorageWriter(_Writer):
   def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
     if checkpoint_id:
       self.path = os.path.abspath(os.fspath(checkpoint_id))
-    self.save_id = uuid.uuid4().hex
+    self.save_id = distcp.SAVE_ID_PREFIX + uuid.uuid4().hex
     self._run = None
 
   def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -352,6 +352,8 @@ class StorageReader(_Reader):
   def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
     manifest = self._info()
     if manifest is None or manifest.dcp_plan is None:
+      if manifest is not None and manifest.stock:
+        warn_unchecked(self.path, "stock DCP")
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)
     self._sums = {s.id: s for s in manifest.shards}
@@ -402,6 +404,11 @@ class StorageReader(_Reader):
         raise errors.CorruptCheckpointError(
             f"{self.path}: item {req.storage_index.fqn!r} is {tuple(src.size())}, the state "
             f"dict's entry {tuple(target.size())}")
+      if target.dtype != src.dtype:  # copy_ would cast: other values than those saved
+        raise errors.InvalidArgumentError(
+            f"{self.path}: state dict entry {req.storage_index.fqn!r} is {target.dtype}, but "
+            f"the step saved {src.dtype}: restore into a state dict of the saved dtypes, "
+            "then convert")
       target.copy_(src)
       planner.commit_tensor(req, target)
       del data, src

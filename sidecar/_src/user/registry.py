@@ -31,12 +31,19 @@ KINDS = (FUNCTION, PIPELINE)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
-  """One registered callable."""
+  """One registered callable.
+
+  ``identity`` (pipelines only): what names the data a feed of it reads, called as the
+  pipeline is, with its context and keyword arguments (a digest of its files' manifest,
+  read through ``ctx.data_path``, say); a feed's state
+  records it, and a feed resumed from a state made from other data is refused.
+  """
   kind: str
   name: str
   fn: Callable[..., Any]
   code_hash: str
   signature: inspect.Signature | None  # None where Python cannot tell (some builtins)
+  identity: Callable[..., str] | None = None
 
 
 def code_hash(fn: Callable[..., Any]) -> str:
@@ -57,9 +64,14 @@ class Registry:
     self._lock = threading.Lock()
     self._entries: dict[tuple[str, str], Entry] = {}
 
-  def add(self, kind: str, name: str, fn: Callable[..., Any]) -> Entry:
+  def add(self, kind: str, name: str, fn: Callable[..., Any], *,
+          identity: Callable[..., str] | None = None) -> Entry:
     if kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if identity is not None and (kind != PIPELINE or not callable(identity)):
+      raise TypeError(f"identity= names the data a pipeline reads: a callable of the "
+                      f"pipeline's keyword arguments, for @sidecar.pipeline only; got "
+                      f"{identity!r:.100} for a {kind}")
     if not callable(fn):
       raise TypeError(f"@sidecar.{kind} needs a callable, got {type(fn).__name__} {fn!r}")
     if not isinstance(name, str) or not name:
@@ -71,7 +83,7 @@ class Registry:
       signature = inspect.signature(fn)
     except (TypeError, ValueError):
       signature = None
-    entry = Entry(kind, name, fn, code_hash(fn), signature)
+    entry = Entry(kind, name, fn, code_hash(fn), signature, identity)
     with self._lock:
       old = self._entries.get((kind, name))
       if old is not None:
@@ -164,12 +176,13 @@ def _decorator(kind: str):
   @overload
   def register(fn: F, /) -> F: ...
   @overload
-  def register(*, name: str | None = None, registry: Registry | None = None
-               ) -> Callable[[F], F]: ...
+  def register(*, name: str | None = None, registry: Registry | None = None,
+               identity: Callable[..., str] | None = None) -> Callable[[F], F]: ...
 
-  def register(fn=None, /, *, name=None, registry=None):
+  def register(fn=None, /, *, name=None, registry=None, identity=None):
     def apply(f):
-      (registry or _default).add(kind, name if name is not None else f.__name__, f)
+      (registry or _default).add(kind, name if name is not None else f.__name__, f,
+                                 identity=identity)
       return f
     if fn is None:
       return apply
@@ -181,7 +194,13 @@ def _decorator(kind: str):
   register.__doc__ = (
       f"Registers a {kind} with the sidecar under its ``__name__`` or ``name``.\n\n"
       f"Use as ``@sidecar.{kind}`` or ``@sidecar.{kind}(name=\"...\")``; returns the "
-      "callable unchanged.")
+      "callable unchanged."
+      + ("\n\n``identity=f``: ``f(ctx, **kwargs)`` (called as the pipeline is) names the "
+         "data a feed of it reads, a digest of its files' manifest, say (read through "
+         "``ctx.data_path``, as the pipeline's files are); ``feed.state()`` records it, and "
+         "a feed resumed from a state made from other data is refused, naming both::\n\n"
+         "  @sidecar.pipeline(identity=lambda ctx, *, path: digest_of(ctx.data_path(path)))\n"
+         "  def records(ctx, *, path): ..." if kind == PIPELINE else ""))
   return register
 
 

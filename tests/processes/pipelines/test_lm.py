@@ -11,6 +11,7 @@ from pipelines import lm
 pytestmark = pytest.mark.processes
 
 SEQ_LEN = 16
+CTX = sidecar.PipelineContext(shard_index=0, shard_count=1)  # outside a pool: any path
 TEXT = bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8))
 
 
@@ -83,6 +84,24 @@ def test_a_mistyped_data_directory_is_the_pipelines_error_in_the_trainer_and_the
     log = cluster.log(h)
     assert (f"WARNING sidecar._src.server.stream_runner: pipeline 'lm' (a feed) raised "
             f"NotFoundError: no corpus manifest at {typo}") in log, log[-3000:]
-    assert "in read_manifest" in log
+    assert "in corpus_identity" in log  # the first to read it, as the pipeline would
   batches, _ = _batches(cluster, data, 1)  # and serve on
   assert batches[0].shape == (8, SEQ_LEN + 1)
+
+
+def test_a_state_resumed_on_a_re_prepared_corpus_is_refused_naming_both(cluster, tmp_path):
+  """Before: a checkpoint made on one corpus resumed at its position in another (the issue:
+  12 MB, then re-prepared as 2 MB), with no word. The state records the corpus's identity
+  (its manifest's digest and size), and the sidecar refuses a resume on another."""
+  lm.write_corpus(tmp_path, [TEXT], record_bytes=256, shard_bytes=1024)
+  made_on = lm.corpus_identity(CTX, data=str(tmp_path), seq_len=SEQ_LEN)
+  _, states = _batches(cluster, str(tmp_path), 2)
+  assert states[-1]["data"] == made_on and "(4,000 bytes)" in made_on
+  resumed, _ = _batches(cluster, str(tmp_path), 1, state=states[-1])  # the same corpus: on
+  lm.write_corpus(tmp_path, [TEXT[:2000]], record_bytes=256, shard_bytes=1024)
+  now = lm.corpus_identity(CTX, data=str(tmp_path), seq_len=SEQ_LEN)
+  assert "(2,000 bytes)" in now
+  with pytest.raises(sidecar.InvalidArgumentError) as refused:
+    _batches(cluster, str(tmp_path), 1, state=states[-1])
+  assert (f"the state it resumes from was made from {made_on!r}, but with kwargs "
+          f"['data', 'seq_len'] it now reads {now!r}") in str(refused.value)

@@ -119,7 +119,7 @@ def test_a_save_while_the_previous_is_in_flight_is_skipped_by_every_rank(tmp_pat
   assert [r["both"] for r in records if "both" in r] == [
       "give either options=CheckpointOptions(...) or ram_steps, replicas, not both"] * 2
   assert [(r["durable"], r["replicated"]) for r in records if "durable" in r] == [(5, 5)] * 2
-  assert sorted(os.listdir(tmp_path / "r")) == ["5"]
+  assert entries(tmp_path / "r") == ["5"]
 
 
 def test_a_committed_step_is_never_replaced_by_a_save_as_under_jax(tmp_path):

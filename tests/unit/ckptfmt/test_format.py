@@ -77,7 +77,7 @@ class NpyFormat(Format):
     os.rename(tmp_dir, final)
     return final
 
-  def read(self, final_dir, shard, *, allocate):
+  def read(self, final_dir, shard, *, allocate, manifest):
     stored = np.load(_file(final_dir, shard.key_path, shard.index))
     out = allocate(stored.shape, stored.dtype)
     out[...] = stored

@@ -96,3 +96,18 @@ def test_a_module_not_found_names_the_working_directory_sys_path_and_the_fix(
       r"that holds my_fns_not_here\.py or my_fns_not_here/, or set PYTHONPATH to that "
       r"directory$")):
     registry_lib.load_modules(["my_fns_not_here.pipelines"])
+
+
+def test_a_pipeline_may_name_its_data_a_function_may_not():
+  reg = registry_lib.Registry()
+
+  def name_of(ctx, *, path):
+    return f"data at {path}"
+
+  @sidecar.pipeline(registry=reg, identity=name_of)
+  def records(ctx, *, path):
+    return []
+
+  assert reg.get("pipeline", "records").identity is name_of
+  with pytest.raises(TypeError, match="identity= names the data a pipeline reads"):
+    sidecar.function(registry=reg, identity=name_of)(lambda: None)

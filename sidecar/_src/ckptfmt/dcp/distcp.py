@@ -49,10 +49,12 @@ import errno
 import functools
 import os
 import pathlib
+import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, names, records
@@ -69,6 +71,14 @@ MADE_FILE = ".sidecar-made"  # in an uncommitted directory: a save made it (gone
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 FORMAT = "dcp"
 _WRITERS = 4
+# A save's id (DCP's ``StorageMeta.save_id``, pickled in ``.metadata`` by the trainer) is
+# this and 32 hex digits where a sidecar wrote the checkpoint (``torch/storage.py`` makes
+# it); stock DCP's is a plain uuid. So a checkpoint that lost its manifest but keeps the
+# one file every DCP reader needs is known as the sidecar's (:func:`written_here`), and is
+# not read unchecked.
+SAVE_ID_PREFIX = "sidecar-manifest-"
+_SAVE_ID = re.compile(re.escape(SAVE_ID_PREFIX.encode()) + rb"[0-9a-f]{32}")
+_MAX_METADATA = 1 << 30  # bytes of a .metadata searched for a save id
 
 
 class ItemKind(enum.StrEnum):
@@ -370,6 +380,38 @@ def _libc() -> ctypes.CDLL:
 def is_checkpoint(path: os.PathLike | str) -> bool:
   """Whether ``path`` is a committed DCP checkpoint (it has a ``.metadata``)."""
   return (pathlib.Path(path) / METADATA_FILE).is_file()
+
+
+def written_here(path: os.PathLike | str) -> bool:
+  """Whether a sidecar wrote the committed checkpoint at ``path``: its ``.metadata`` holds a
+  save id a sidecar's trainer made (:data:`SAVE_ID_PREFIX`), found in the pickle's bytes
+  (never unpickled here).
+
+  Raises:
+    OSError: ``.metadata`` cannot be read.
+  """
+  fd = names.open_beneath(path, METADATA_FILE, os.O_RDONLY | os.O_NONBLOCK,
+                          field="the checkpoint's .metadata")
+  try:
+    with os.fdopen(os.dup(fd), "rb") as f:
+      return _SAVE_ID.search(f.read(_MAX_METADATA)) is not None
+  finally:
+    os.close(fd)
+
+
+def metadata_crc32c(path: os.PathLike | str) -> int:
+  """The crc32c of the committed checkpoint's ``.metadata`` (what its manifest records).
+
+  Raises:
+    OSError: it cannot be read.
+  """
+  fd = names.open_beneath(path, METADATA_FILE, os.O_RDONLY | os.O_NONBLOCK,
+                          field="the checkpoint's .metadata")
+  try:
+    with os.fdopen(os.dup(fd), "rb") as f:
+      return crc32c_lib.crc32c(f.read())
+  finally:
+    os.close(fd)
 
 
 def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int, int],

@@ -22,9 +22,10 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
+import crc32c as crc32c_lib
 import numpy as np
 
-from sidecar._src.ckptfmt import records
+from sidecar._src.ckptfmt import names, records
 from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
@@ -33,6 +34,7 @@ from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
 _END = object()
+METADATA_CRC32C = "metadata_crc32c"  # the manifest's extra: the crc32c of .metadata
 
 
 class ItemNumbering(Numbering):
@@ -129,7 +131,10 @@ class DcpFormat(Format):
     return write_ranks(tmp_dir, numbering.items, incoming, progress=progress, turn=turn)
 
   def manifest_extras(self, extra: Any) -> Mapping[str, Any]:
-    return {"plan": _commit_extra(extra).plan()}
+    """The plan (where each item lies), and the crc32c of the ``.metadata`` the commit
+    writes: a stock reader's one file, checked against it (:meth:`check_stored`)."""
+    extra = _commit_extra(extra)
+    return {"plan": extra.plan(), METADATA_CRC32C: crc32c_lib.crc32c(extra.metadata)}
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
              num_hosts: int, whole_step: bool, extra: Any,
@@ -145,11 +150,62 @@ class DcpFormat(Format):
     return str(distcp.finalize(tmp_dir, metadata=extra.metadata, file_sizes=extra.file_sizes,
                                manifest=manifest, swapping=swapping))
 
-  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
-    """The stored bytes of one item of a committed DCP step."""
+  def check_stored(self, final_dir: str, manifest: Manifest) -> None:
+    """The ``.metadata`` against the crc32c the manifest records (a manifest of an earlier
+    release records none), and every rank's file long enough for the items the plan
+    puts in it."""
+    path = pathlib.Path(final_dir)
+    expected = manifest.extras.get(METADATA_CRC32C)
+    try:
+      if expected is not None and distcp.metadata_crc32c(path) != expected:
+        raise _changed(path, distcp.METADATA_FILE, "does not match the crc32c its save wrote")
+    except FileNotFoundError:
+      raise _changed(path, distcp.METADATA_FILE, "is missing") from None
+    ends: dict[str, int] = {}
+    for s in (manifest.dcp_plan or {}).get("storage", ()):
+      ends[s["path"]] = max(ends.get(s["path"], 0), int(s["at"]) + int(s["length"]))
+    for name, end in sorted(ends.items()):
+      try:
+        fd = names.open_beneath(path, name, os.O_RDONLY | os.O_NONBLOCK, field="a rank's file")
+      except FileNotFoundError:
+        raise _changed(path, name, "is missing") from None
+      try:
+        size = os.fstat(fd).st_size
+      finally:
+        os.close(fd)
+      if size < end:
+        raise _changed(path, name, f"holds {size} bytes, where its items end at byte {end}")
+
+  def stock_manifest(self, final_dir: str) -> Manifest:
+    """A checkpoint stock DCP wrote has no manifest: a stock one, without a plan (the
+    trainer reads it with DCP's own reader, unchecked, and says so). One a sidecar wrote
+    (its ``.metadata`` holds a sidecar's save id) has lost its checksums:
+    CorruptCheckpointError."""
+    try:
+      ours = distcp.written_here(final_dir)
+    except FileNotFoundError:
+      raise errors.InvalidArgumentError(
+          f"{final_dir} is not a committed checkpoint: it has no {records.MANIFEST_FILE} "
+          f"nor {distcp.METADATA_FILE}") from None
+    if ours:
+      raise errors.CorruptCheckpointError(
+          f"{final_dir}: its {records.MANIFEST_FILE} is missing, but its "
+          f"{distcp.METADATA_FILE} says a sidecar wrote it (save id "
+          f"{distcp.SAVE_ID_PREFIX}...): its checksums are gone with it, so it is not "
+          "restored unchecked. Restore an older step (restore(..., fallback=True) skips it), "
+          "or put the manifest back; stock DCP's FileSystemReader reads it unchecked")
+    return Manifest(self.name, [], [], extras={records.STOCK: True})
+
+  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate,
+           manifest: Manifest | None) -> np.ndarray:
+    """The stored bytes of one item of a committed DCP step (its place from the plan in
+    the manifest, whose own crc32c was checked)."""
+    del manifest  # the plan is read with the file's stamp as its key (``_index``)
     path = pathlib.Path(final_dir)
     try:
       found = _index(str(path), (path / records.MANIFEST_FILE).stat().st_mtime)
+    except errors.CorruptCheckpointError:
+      raise
     except (OSError, KeyError, StopIteration, ValueError, TypeError) as e:
       raise errors.InvalidArgumentError(f"cannot read {final_dir}: its manifest: {e}") from None
     key, index = shard.key_path, shard.index
@@ -164,6 +220,12 @@ class DcpFormat(Format):
       out = allocate(item.sizes, dtypes_lib.dtype_of(item.dtype, f"item {item.fqn!r}"))
     distcp.read_item(path, where, out)
     return out
+
+
+def _changed(path: pathlib.Path, name: str, what: str) -> errors.CorruptCheckpointError:
+  return errors.CorruptCheckpointError(
+      f"{path.parent}: {path.name}/{name} {what} ({records.MANIFEST_FILE}): the file was "
+      "changed after the save")
 
 
 def _commit_extra(extra: Any) -> DcpCommit:

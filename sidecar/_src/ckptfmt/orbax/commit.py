@@ -58,7 +58,7 @@ def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
 
 def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
              num_hosts: int, custom_metadata: Mapping[str, Any] | None = None,
-             ) -> pathlib.Path:
+             manifest: str | None = None) -> pathlib.Path:
   """Checks the hosts' parts, writes the tree metadata and commits the step.
 
   Run once, after every host's :func:`write_host_part` returned. Checks that every
@@ -70,6 +70,8 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
     num_hosts: how many hosts wrote parts.
     custom_metadata: JSON-serializable, stored in ``_METADATA`` as Orbax's
       ``StandardSave(custom_metadata=...)`` does.
+    manifest: the file name of the manifest written beside it, recorded in ``_METADATA``
+      (``files.MANIFEST_KEY``); None: no manifest.
 
   Returns:
     The committed step directory.
@@ -81,7 +83,8 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
   tmp = pathlib.Path(tmp_step_dir)
   item_dir = files.item_dir(tmp, must_be_tmp=True)
   final = tmp.with_name(tmp.name.removesuffix(TMP_SUFFIX))
-  finalize_item(item_dir, leaves, num_hosts=num_hosts, custom_metadata=custom_metadata)
+  finalize_item(item_dir, leaves, num_hosts=num_hosts, custom_metadata=custom_metadata,
+                manifest=manifest)
   _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
   files.write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
   # Its entries are durable (finalize_item synced the item's) before the rename.
@@ -94,7 +97,8 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
 
 
 def finalize_item(item_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *, num_hosts: int,
-                  custom_metadata: Mapping[str, Any] | None = None) -> None:
+                  custom_metadata: Mapping[str, Any] | None = None,
+                  manifest: str | None = None) -> None:
   """The item half of :func:`finalize`: check, metadata. No step files, no rename.
 
   What an Orbax checkpoint handler does for its item; the CheckpointManager then
@@ -108,8 +112,10 @@ def finalize_item(item_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *, nu
                for leaf in leaves if leaf.sharding is not None}
   if shardings:
     files.write_text(item_dir / SHARDING_FILE, json.dumps(shardings, separators=(",", ":")))
-  files.write_text(item_dir / METADATA_FILE,
-              json.dumps(_tree_metadata(leaves, custom_metadata).to_json()))
+  metadata = _tree_metadata(leaves, custom_metadata).to_json()
+  if manifest is not None:
+    metadata[files.MANIFEST_KEY] = manifest
+  files.write_text(item_dir / METADATA_FILE, json.dumps(metadata))
   files.write_text(item_dir / COMMIT_SUCCESS_FILE,
               f"Checkpoint commit was successful to {item_dir}")
   for d in [*(p for p in item_dir.rglob("*") if p.is_dir()), item_dir]:

@@ -1,8 +1,8 @@
 """The pieces of stock Orbax's layout that the write, commit and read paths share.
 
 The item directory of a step, each array's TensorStore write spec (Orbax's own, so
-its file names too), the name of a Zarr v2 chunk file, and small files written
-durably.
+its file names too), the name of a Zarr v2 chunk file, small files written durably, and
+the key a sidecar's commit adds to the item's ``_METADATA`` (:data:`MANIFEST_KEY`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,20 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from sidecar._src.ckptfmt import names, pinned
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
 
 if TYPE_CHECKING:
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+# The key a sidecar's commit adds to an item's ``_METADATA`` (stock Orbax reads past keys
+# it does not know), its value the manifest's file name: an item that has it was written
+# by a sidecar, so a restore that finds no manifest beside it refuses it (its checksums are
+# gone) instead of reading it as a stock Orbax item, which has none.
+MANIFEST_KEY = "sidecar_manifest"
 
 
 def item_dir(step_dir: os.PathLike | str, *, must_be_tmp: bool) -> pathlib.Path:
@@ -53,6 +61,18 @@ def write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
       item_dir.as_posix(), spec.param_name, global_shape=spec.shape,
       write_shape=spec.write_shape, dtype=spec.dtype, use_ocdbt=False,
       use_zarr3=False, use_compression=use_compression, process_id=host_index)
+
+
+def chunk_shape(shape: Sequence[int], write_shape: Sequence[int], dtype: np.dtype
+                ) -> tuple[int, ...]:
+  """The chunk shape Orbax's write spec gives a leaf of ``shape`` written in blocks of
+  ``write_shape`` (one chunk per block, blocks over 2 GiB split): what a save's
+  ``.zarray`` says. Computed, no file touched."""
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  return tuple(ts_utils.ArrayWriteSpec(
+      "/", "leaf", global_shape=tuple(shape), write_shape=tuple(write_shape), dtype=dtype,
+      use_ocdbt=False, use_zarr3=False, use_compression=False, process_id=0
+  ).metadata.chunk_shape)
 
 
 def leaf_dir(item_dir: pathlib.Path, param_name: str) -> pathlib.Path:

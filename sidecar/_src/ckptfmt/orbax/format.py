@@ -142,21 +142,44 @@ class OrbaxFormat(Format):
           f"commit: tmp_dir {tmp_dir!r:.200} is not a directory this sidecar staged and wrote "
           f"({e.strerror}); stage and prepare a step before committing it") from None
     if whole_step:
-      return str(orbax_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts))
-    orbax_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts)
+      return str(orbax_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts,
+                                       manifest=records.MANIFEST_FILE))
+    orbax_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts,
+                               manifest=records.MANIFEST_FILE)
     return tmp_dir
 
-  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate) -> np.ndarray:
-    return orbax_read.read_item_shard(final_dir, shard.key_path, shard.index, allocate=allocate)
+  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate,
+           manifest: Manifest | None) -> np.ndarray:
+    leaf = None
+    if manifest is None:
+      missing = orbax_read.manifest_missing(final_dir)
+      if missing is not None:
+        raise missing
+    else:
+      leaf = next((x for x in manifest.leaves if x.key_path == shard.key_path), None)
+      if leaf is None:
+        raise errors.InvalidArgumentError(
+            f"{final_dir} has no leaf {list(shard.key_path)} (its {records.MANIFEST_FILE})")
+    return orbax_read.read_item_shard(final_dir, shard.key_path, shard.index,
+                                      allocate=allocate, leaf=leaf)
+
+  def check_stored(self, final_dir: str, manifest: Manifest) -> None:
+    """The item's ``_METADATA``, every leaf's ``.zarray`` and every chunk file's presence
+    and size against the manifest (``check.check_item``)."""
+    orbax_read.check_item(final_dir, manifest)
 
   def stock_manifest(self, final_dir: str) -> Manifest:
     """An item stock Orbax wrote has no manifest: each leaf counts as one shard, with no
-    checksum to check."""
+    checksum to check. One a sidecar wrote (its ``_METADATA`` says so) has lost its
+    checksums: CorruptCheckpointError."""
     try:
+      missing = orbax_read.manifest_missing(final_dir)
+      if missing is not None:
+        raise missing
       leaves = [records.SavedLeaf.from_dict(d) for d in orbax_read.item_leaves(final_dir)]
     except FileNotFoundError as e:
       raise errors.InvalidArgumentError(f"cannot restore {final_dir}: {e}") from None
     return Manifest(self.name, leaves,
                     [ShardRecord(ShardId(leaf.key_path, tuple((0, n) for n in leaf.shape)), i,
                                  None, leaf.dtype, leaf.shape, 0)
-                     for i, leaf in enumerate(leaves)])
+                     for i, leaf in enumerate(leaves)], extras={records.STOCK: True})

@@ -2,7 +2,10 @@
 
 A shard that is one whole uncompressed chunk file is read straight into the caller's
 array with ``O_DIRECT``; anything else (OCDBT, Zarr v3, compressed, edge chunks) goes
-through TensorStore, with one cached context per step being restored.
+through TensorStore, with one cached context per step being restored. Where the caller
+has the item's manifest (a sidecar wrote it), the leaf's metadata is checked against it
+first (``check.py``); TensorStore's errors are said as a corrupt checkpoint's, naming
+the file by the item's path.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, names
-from sidecar._src.ckptfmt.orbax import files, items
+from sidecar._src.ckptfmt.orbax import check, files, items
+from sidecar._src.ckptfmt.records import Manifest, SavedLeaf
 from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
@@ -72,9 +76,11 @@ def _read_leaf(item: items.Item, key_path: KeyPath,
       store = store[tuple(_as_slice(i) for i in index)]
     return store.read().result()
   except ValueError as e:  # TensorStore's status, as text: a missing chunk file is NOT_FOUND
-    if str(e).startswith("NOT_FOUND"):
-      raise FileNotFoundError(f"leaf {name!r} of {item.pinned.path}: {e}") from None
-    raise
+    said = check.plain(item, str(e))
+    if said.startswith("NOT_FOUND"):
+      raise FileNotFoundError(f"leaf {name!r} of {item.pinned.path}: {said}") from None
+    raise errors.CorruptCheckpointError(
+        f"{check.where(item, name)}: TensorStore cannot read the leaf: {said}") from None
 
 
 def _leaf_name(item: items.Item, key_path: KeyPath) -> str:
@@ -87,27 +93,37 @@ def _leaf_name(item: items.Item, key_path: KeyPath) -> str:
 
 
 def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index, *,
-                    allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty
-                    ) -> np.ndarray:
+                    allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty,
+                    leaf: SavedLeaf | None = None) -> np.ndarray:
   """The block ``index`` of a leaf, read from storage into ``allocate(shape, dtype)``.
 
   A block that is one whole uncompressed chunk file (each shard this module writes,
   and stock Orbax's without OCDBT or compression) is read straight from its file
   into that array (the sidecar passes its arena: no copy after the disk's) with
-  ``O_DIRECT``; any other goes through TensorStore, as :func:`read_item_leaf`.
+  ``O_DIRECT``; any other goes through TensorStore, as :func:`read_item_leaf`. With
+  ``leaf`` (the manifest's: a sidecar wrote the item), the leaf's ``_METADATA`` entry and
+  ``.zarray`` are checked against it first (``check.check_leaf``), and every chunk file
+  must be there (a save stores them all).
 
   Raises:
     FileNotFoundError: no such item or leaf, or a chunk file of it is missing.
-    errors.CorruptCheckpointError: the chunk file has the wrong size.
+    errors.CorruptCheckpointError: the chunk file has the wrong size; with ``leaf``, the
+      leaf's metadata differs from it, or a chunk file is missing.
     PermissionDeniedError: as :func:`read_item_leaf`.
   """
   index = tuple((int(a), int(b)) for a, b in index)
   with items.opened(pathlib.Path(item_dir).absolute()) as item:
+    if leaf is not None:
+      check.check_leaf(item, leaf)
     name = _leaf_name(item, key_path)
     zarray = _zarray(item, name)
     chunk = None if zarray is None else files.whole_chunk(
         index, zarray.chunks, zarray.separator)
     fd = None if chunk is None else _open_chunk(item, f"{name}/{chunk}")
+    if fd is None and chunk is not None and leaf is not None:
+      raise errors.CorruptCheckpointError(
+          f"{check.where(item, f'{name}/{chunk}')} is missing: the chunk file was removed "
+          "after the save")
     if fd is None:  # not one whole chunk, or one never stored (all fill value)
       return _read_leaf(item, key_path, index)
     try:
@@ -116,7 +132,7 @@ def read_item_shard(item_dir: os.PathLike | str, key_path: KeyPath, index: Index
       size = os.fstat(fd).st_size
       if size != out.nbytes or direct_io.read_at(fd, out, 0) != out.nbytes:
         raise errors.CorruptCheckpointError(
-            f"{os.path.join(item.pinned.path, name, chunk)} holds {size} bytes where the "
+            f"{check.where(item, f'{name}/{chunk}')} holds {size} bytes where the "
             f"chunk {[list(i) for i in index]} of {name!r} takes {out.nbytes}: the file is "
             "corrupt or was changed after the save")
       return out
@@ -284,11 +300,30 @@ def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
               for key_path, entry, name in leaves]  # all at once: each open waits on storage
     out = []
     for key_path, entry, future in opened:
-      store = future.result()
+      try:
+        store = future.result()
+      except ValueError as e:  # TensorStore's status, as text
+        raise errors.CorruptCheckpointError(
+            f"{check.where(item)}: TensorStore cannot open leaf "
+            f"{'.'.join(map(str, key_path))!r}: {check.plain(item, str(e))}") from None
       out.append({"key_path": list(key_path), "shape": list(store.shape),
                   "dtype": np.dtype(store.dtype.numpy_dtype).name,
                   "kind": entry["value_metadata"]["value_type"]})
     return out
+
+
+def check_item(item_dir: os.PathLike | str, manifest: Manifest) -> None:
+  """CorruptCheckpointError unless the committed item's metadata and chunk files are
+  those ``manifest`` says its save wrote (``check.check_item``); no chunk is read."""
+  with items.opened(pathlib.Path(item_dir).absolute()) as item:
+    check.check_item(item, manifest)
+
+
+def manifest_missing(item_dir: os.PathLike | str) -> errors.CorruptCheckpointError | None:
+  """The error of an item a sidecar wrote whose manifest is gone; None for one stock
+  Orbax wrote (it never had one)."""
+  with items.opened(pathlib.Path(item_dir).absolute()) as item:
+    return check.manifest_missing(item) if check.written_here(item) else None
 
 
 def list_steps(directory: os.PathLike | str) -> list[int]:

@@ -24,6 +24,8 @@ import concurrent.futures
 import json
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +35,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
-from sidecar._src.controller.checkpoint import ram_drop
+from sidecar._src.controller.checkpoint import fallback as fallback_lib, ram_drop
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.plugs import (
   Agreement,
@@ -53,7 +55,7 @@ from sidecar._src.controller.checkpoint.save_run import (
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import errors, interrupts, progress as progress_lib
+from sidecar._src.core import errors, interrupts, job as job_lib, progress as progress_lib
 
 __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target",
            "replica_hosts"]
@@ -67,6 +69,9 @@ BUSY_WARN_S = 0.5
 # from a retry. Checked in single-process jobs (where no other process waits to agree).
 _SAVING: dict[tuple[str, int], Checkpointer] = {}
 _SAVING_LOCK = threading.Lock()
+# This process's own job name, where its environment names none (core/job.py): process 0's
+# is the job's (every Checkpointer of a process opens as one job).
+_PROCESS_JOB = f"job {secrets.token_hex(4)} (pid {os.getpid()} on {socket.gethostname()})"
 
 
 class Checkpointer:
@@ -108,9 +113,16 @@ class Checkpointer:
           f"replicas={self.replicas} needs every sidecar's address: sidecars names hosts "
           f"{sorted(site.records)}, the hosts are {sorted(site.hosts)}")
     self.placement = site.placement(self.replicas)
+    # The directory is held for this job: another live job's open is refused (one job per
+    # directory), this job's processes and restarts never are.
+    job = job_lib.name_of(os.environ) or (
+        _PROCESS_JOB if self._peers.count == 1
+        else self._peers.broadcast(f"{key}/job", _PROCESS_JOB if self._lead else None))
+    holder = f"process {peers.index} (pid {os.getpid()} on {socket.gethostname()})"
     opened = [interrupts.wait(f) for f in [
         site.client.open(h, self.directory, ram_steps=options.ram_steps,
-                         ram_budget=options.ram_budget, sweep=sweep and self._lead)
+                         ram_budget=options.ram_budget, sweep=sweep and self._lead, job=job,
+                         holder=holder)
         for h in self._local]]
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
     steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))
@@ -123,6 +135,7 @@ class Checkpointer:
                                       replicas=self.replicas, placement=self.placement,
                                       steps=self.all_steps))
     self._saves = self._asked = self._restores = 0
+    self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
     self._saving: set[int] = set()  # steps a save() of this process is copying now
     self._saving_lock = threading.Lock()
@@ -149,7 +162,7 @@ class Checkpointer:
                           local=local, device_hosts=dict(site.device_hosts),
                           mapped=set(site.mapped),
                           ask_all=bool(setup.replicas) or peers.count == 1,
-                          steps=setup.steps, framework=framework)
+                          framework=framework)
       return KeyValueAgreement(coordinator, restorer)
 
     return cls(directory, site=site, options=options, peers=peers, agreement=plug, key=key,
@@ -286,7 +299,8 @@ class Checkpointer:
 
   @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def restore(self, step: int | None = None, target: Any = None, *,
-              progress: Callable[[str], None] | bool | None = None) -> Any:
+              progress: Callable[[str], None] | bool | None = None,
+              fallback: bool = False) -> Any:
     """Restores ``step`` (default: the latest) onto ``target``.
 
     ``target``: under ``ctl.checkpointer``, a pytree of ``jax.ShapeDtypeStruct``s with
@@ -299,7 +313,22 @@ class Checkpointer:
     a restore past a second reports its progress; by default (None) on a tqdm line where
     one is seen.
 
+    A step is restored as saved or not at all: its manifest (its own crc32c checked) and
+    the metadata its reads use are checked against each other and the target, and a step
+    a sidecar wrote whose manifest is gone is refused (one stock Orbax or DCP wrote, which
+    never had one, is restored with a warning that nothing can be checked). A corrupt
+    step's error names the older committed steps that check intact; with
+    ``fallback=True`` the newest step at or below ``step`` that restores whole is
+    restored instead, with a warning naming each step skipped and why
+    (``restored_step`` says which; ``latest_step()`` stays the newest committed)::
+
+      state = ckpt.restore(target=abstract_state, fallback=True)
+      start = ckpt.restored_step
+      data = ckpt.data_state(start)
+
     Raises:
+      CorruptCheckpointError: the step is corrupt (without ``fallback``, or every older
+        one is too): a file changed after its save, named relative to the step.
       ShardsLostError: some shard has no live copy and no valid stored one.
       ResourceExhaustedError: an arena had no room for a shard read from storage within
         the deadline (the data is intact: drop trees restored before, or a larger
@@ -316,17 +345,32 @@ class Checkpointer:
           "sidecar.torch.Checkpointer: model.state_dict(), filled in place")
     t0 = time.perf_counter()
     step = self._pick(step)
-    if self._peers.count > 1:  # process 0 decides which step; every process restores it
-      self._restores += 1
-      step = int(self._peers.broadcast(f"{self._key}/restore/{self._restores}",
-                                       str(step) if self._lead else None))
-    with progress_lib.lines(progress, f"restoring step {step}") as report:
-      tree = self._agreement.restore(step, target, progress=report)
+    steps = [step, *sorted((s for s in self.all_steps() if s < step), reverse=True)]
+    self._restores += 1
+    key = f"{self._key}/restore/{self._restores}"
+    if self._peers.count > 1:  # process 0 decides which steps; every process restores them
+      steps = json.loads(self._peers.broadcast(key, json.dumps(steps) if self._lead else None))
+
+    def attempt(s: int) -> Any:
+      with progress_lib.lines(progress, f"restoring step {s}") as report:
+        return self._agreement.restore(s, target, progress=report)
+
+    restored = fallback_lib.restore(steps, attempt, fallback=fallback, intact=self._intact,
+                                    peers=self._peers, key=f"{key}/try",
+                                    directory=self.directory)
+    self.restored_step = restored.step
     if (stats := self.last_restore_stats()) is not None:
       log.info("%s of %s", stats.summary(), self.directory)
     if self._goodput is not None:
-      self._goodput.restored(step, time.perf_counter() - t0)
-    return tree
+      self._goodput.restored(restored.step, time.perf_counter() - t0)
+    return restored.tree
+
+  def _intact(self, step: int) -> bool:
+    """Whether ``step``'s manifest and stored metadata check (the sidecar's Info, which
+    raises where they do not); none of its shards is read."""
+    final_dir = self._agreement.target(self.directory, step).final_dir
+    interrupts.wait(self._client.info(self._local[0], final_dir))
+    return True
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""

@@ -200,8 +200,10 @@ class CheckpointTransport(abc.ABC):
 
   @abc.abstractmethod
   def open(self, host: int, directory: str, *, ram_steps: int, ram_budget: int | None,
-           sweep: bool) -> concurrent.futures.Future:
-    """Future of the committed steps, ascending."""
+           sweep: bool, job: str = "", holder: str = "") -> concurrent.futures.Future:
+    """Future of the committed steps, ascending. ``job``: the job that opens it (the
+    sidecar holds the directory for it, refusing other live jobs); ``holder``: who opens
+    it, as another job's refusal names it."""
 
   @abc.abstractmethod
   def begin(self, host: int, directory: str, step: int, *, format: str  # noqa: A002
@@ -344,9 +346,11 @@ class CheckpointClient(CheckpointTransport):
     call.send()
     return call.out
 
-  def open(self, host, directory, *, ram_steps, ram_budget, sweep):
-    request = ckpt_pb.CheckpointOpenRequest(directory=directory, ram_steps=ram_steps,
-                                            sweep=sweep)
+  def open(self, host, directory, *, ram_steps, ram_budget, sweep, job="", holder=""):
+    w = self._worker(host)  # the job holds the directory while this worker is attached
+    request = ckpt_pb.CheckpointOpenRequest(
+        directory=directory, ram_steps=ram_steps, sweep=sweep, job=job, holder=holder,
+        worker_session=w.session if w is not None else "")
     if ram_budget is not None:
       request.ram_budget = ram_budget
     return self._rpc(host, "Open", request, lambda r: list(r.steps))

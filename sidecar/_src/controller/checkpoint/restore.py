@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import math
 import os
 import threading
@@ -30,6 +31,7 @@ from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.framework import Framework, RestoreLeaf, RestoreTarget
 from sidecar._src.core import errors, interrupts
 
+log = logging.getLogger(__name__)
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in pieces of
 # at most this many bytes: well under the channel's 256 MiB message limit.
 READ_PIECE_BYTES = 64 << 20
@@ -86,17 +88,16 @@ class Restorer:
     device_hosts: the host of each device id.
     mapped: the hosts whose arenas this process maps.
     ask_all: ask every host for its RAM copies (else only the local ones).
-    steps: the committed steps, for the message of a restore that fails.
     framework: the blocks of a target to fill, and the arrays made of them.
   """
 
   def __init__(self, *, client: CheckpointTransport, directory: str, hosts: Sequence[int],
                local: Sequence[int], device_hosts: dict[int, int], mapped: set[int],
-               ask_all: bool, steps: Callable[[], list[int]], framework: Framework):
+               ask_all: bool, framework: Framework):
     self._framework = framework
     self._client, self.directory = client, directory
     self._hosts, self._local, self._device_hosts = hosts, local, device_hosts
-    self._mapped, self._ask_all, self._steps = mapped, ask_all, steps
+    self._mapped, self._ask_all = mapped, ask_all
     self._reads = ShardReads(client, mapped)
 
   def restore(self, final_dir: str, step: int, target: Any, *,
@@ -105,6 +106,8 @@ class Restorer:
     returns the tree and where its shards came from."""
     t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
     manifest = interrupts.wait(self._client.info(self._local[0], final_dir))
+    if manifest.stock:
+      warn_unchecked(final_dir, "stock Orbax")
     saved = {leaf.key_path: leaf for leaf in manifest.leaves}
     stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
     owners: dict[ShardId, int] = {}  # which host staged each shard, if known
@@ -297,7 +300,7 @@ class Restorer:
                                                   if holders else "") + ")"
            if owners_lost else "")
         + f"; hosts gone: {gone_hosts or 'none'}. First shard's tries: {first}. Restore an "
-        f"older step ({self._steps()}), or save with more replicas")
+        "older step, or save with more replicas")
 
   def _blocks(self, final_dir: str, want: RestoreLeaf, stored, shards,
               wanted: RestoreTarget) -> list[np.ndarray]:
@@ -455,7 +458,7 @@ class ShardRead:
   def _done(self, i: int, label: str, host: int, here: bool,
             f: concurrent.futures.Future) -> None:
     try:
-      data = f.result()
+      data = self._as_saved(f.result(), label)
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)
@@ -470,6 +473,19 @@ class ShardRead:
       self._checks.submit(functools.partial(self._check, i, label, host, data))
     except RuntimeError:  # the restore that owns the executor ended (interrupted)
       self._finish(error=errors.ClosedError("the restore ended before this shard was checked"))
+
+  def _as_saved(self, data: np.ndarray, label: str) -> np.ndarray:
+    """``data`` if it has the dtype (and, for an array's block, the shape) its manifest
+    says the save wrote; else CorruptCheckpointError: a copy whose metadata was changed
+    reads the same bytes as other numbers, and its crc32c still matches."""
+    shape = tuple(b - a for a, b in self._index)
+    if data.dtype != self._dtype or (self._index and data.shape != shape):
+      name = ".".join(str(k) for k in self._kp)
+      raise errors.CorruptCheckpointError(
+          f"{self._final_dir}: array {name!r} shard {[list(i) for i in self._index]} came "
+          f"from {label} as {data.dtype}{list(data.shape)}, where the save wrote "
+          f"{self._dtype}{list(shape)}: its metadata was changed after the save")
+    return data
 
   def _check(self, i: int, label: str, host: int, data: np.ndarray) -> None:
     assert self._crc is not None
@@ -507,6 +523,14 @@ def _failed(failures: list[tuple[str, errors.SidecarError]]) -> errors.SidecarEr
   return errors.ShardsLostError(
       "; ".join(f"{where}: {str(e).splitlines()[0]}" for where, e in failures)
       or "no source to read it from")
+
+
+def warn_unchecked(final_dir: str, tool: str) -> None:
+  """Says (a warning) that the checkpoint at ``final_dir``, which ``tool`` wrote with no
+  manifest, is restored with nothing to check its bytes against."""
+  log.warning("%s was written by %s (it has no %s): it has no checksums, so its bytes are "
+              "restored unchecked; a checkpoint the sidecars save has one per shard",
+              final_dir, tool, records.MANIFEST_FILE)
 
 
 def _overlaps(index, region) -> bool:

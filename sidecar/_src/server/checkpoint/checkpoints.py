@@ -42,6 +42,7 @@ from sidecar._src.core import env as env_lib, errors, paths
 from sidecar._src.server import metrics as metrics_lib, policies
 from sidecar._src.server.checkpoint import (
   links as links_lib,
+  ownership,
   ram_tier,
   ram_yield,
   read as checkpoint_read,
@@ -111,6 +112,7 @@ class Checkpoints:
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics, hosts=replica_hosts or links_lib.ReplicaHosts(),
         accept=self.accept_replica)
+    self.jobs = ownership.Jobs(host_id)  # which job holds each directory opened here
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
@@ -140,6 +142,7 @@ class Checkpoints:
         thread.join(max(deadline - time.monotonic(), 0.0))
       if thread.is_alive():
         log.warning("%s still runs after %.0f s as the sidecar stops", thread.name, timeout)
+    self.jobs.close()
     self._links.close()
 
   def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
@@ -157,9 +160,12 @@ class Checkpoints:
     thread.start()
 
   def _reap(self) -> None:
-    while not self._closed.wait(min(max(self.tier.uncommitted_s / 4, 0.1), 30.0)):
+    # At least every RELEASE_S: a job gone lets go of its directories within it.
+    every = min(max(self.tier.uncommitted_s / 4, 0.1), ownership.RELEASE_S)
+    while not self._closed.wait(every):
       self.tier.expire_uncommitted()
       self.writer.forget_ended()
+      self.jobs.release_gone()
 
   # ---- who may act where, and commits -----------------------------------
 
@@ -354,7 +360,10 @@ class Checkpoints:
   # ---- restore -----------------------------------------------------------
 
   def info(self, final_dir: str) -> Manifest:
-    """The manifest of a committed item (leaves, shard checksums, data position).
+    """The manifest of a committed item (leaves, shard checksums, data position), checked
+    (``read.info``): against its own crc32c, and, unless this host's RAM tier holds the
+    step (a restore reads it from there, not its files), the item's metadata files
+    against it.
 
     An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
     with no checksum to check.
@@ -366,7 +375,8 @@ class Checkpoints:
     for record in held:
       if record is not None and record.manifest is not None:
         return record.manifest  # a DCP step in host memory: its files may be gone
-    return checkpoint_read.info(final_dir)
+    in_ram = any(record is not None and record.committed for record in held)
+    return checkpoint_read.info(final_dir, stored=not in_ram)
 
   def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
            tier: str = "any", byte_range: tuple[int, int] | None = None) -> np.ndarray:

@@ -5,11 +5,22 @@
 block), or ``any`` (own copy, else storage). Every read with a crc32c checks it, a RAM
 copy at every read (``any`` reads storage where it is corrupt). The caller
 (``Checkpoints``) has checked the path under the roots.
+
+What a restore believes is checked first (:func:`manifest_of`, :func:`info`): the
+manifest against its own crc32c; a committed directory with none is a stock tool's only
+where its format finds no sign of a sidecar (``Format.stock_manifest``), else it is
+refused, never read unchecked; and the metadata a read from storage uses (Orbax's
+``_METADATA`` and ``.zarray``, DCP's ``.metadata``) against the manifest
+(``Format.check_stored`` for the whole step, ``Format.read`` for each shard's leaf).
+Nothing but a SidecarError leaves a read: a file system's or TensorStore's error is
+said as a corrupt checkpoint's, naming the file.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import pathlib
 
 import numpy as np
@@ -24,22 +35,73 @@ from sidecar._src.user import outputs
 log = logging.getLogger(__name__)
 
 
-def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT) -> Manifest:
-  """The manifest of a committed item (leaves, shard checksums, data position).
+def manifest_of(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT
+                ) -> Manifest:
+  """The manifest of a committed item, checked against its own crc32c; for a directory
+  with none, its format's stock manifest (``Manifest.stock``), or CorruptCheckpointError
+  where a sidecar wrote it (``Format.stock_manifest``)."""
+  manifest = _manifest_file(final_dir)
+  if manifest is not None:
+    return manifest
+  formats.check_read(final_dir)  # a step of another format: say so, before reading it
+  return formats.of_committed(final_dir).stock_manifest(final_dir)
 
-  A directory its format wrote with no manifest (an item stock Orbax wrote) gets one from
-  its metadata: each leaf one shard, with no checksum to check.
-  """
+
+def _manifest_file(final_dir: str) -> Manifest | None:
+  """The manifest file of ``final_dir``, checked; None where it has none. Read once per
+  version of the file."""
+  try:
+    st = (pathlib.Path(final_dir) / MANIFEST_FILE).stat()
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  return _manifest(final_dir, (st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _manifest(final_dir: str, stamp: tuple[int, ...]) -> Manifest:
+  del stamp  # in the key only: a rewritten manifest is read again
   try:
     text = (pathlib.Path(final_dir) / MANIFEST_FILE).read_bytes()
   except (FileNotFoundError, NotADirectoryError):
-    formats.check_read(final_dir)  # a step of another format: say so, before reading it
-    made = formats.of_committed(final_dir).stock_manifest(final_dir)
-    if made is None:
-      raise errors.InvalidArgumentError(
-          f"cannot restore {final_dir}: it has no {MANIFEST_FILE}") from None
-    return made
+    raise errors.InvalidArgumentError(f"cannot restore {final_dir}: its {MANIFEST_FILE} "
+                                      "went while it was read") from None
   return Manifest.from_json(text, final_dir)
+
+
+def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT, *,
+         stored: bool = True) -> Manifest:
+  """The manifest of a committed item (leaves, shard checksums, data position), checked
+  (:func:`manifest_of`); with ``stored``, the item's metadata files too, against it
+  (``Format.check_stored``: what a restore from storage reads).
+
+  A directory a stock tool wrote (no manifest, no sign of a sidecar) gets one from its
+  metadata: each leaf one shard, with no checksum to check.
+  """
+  manifest = _said(lambda: manifest_of(final_dir, formats), final_dir)
+  if stored and not manifest.stock:
+    _said(lambda: formats.get(manifest.format).check_stored(final_dir, manifest), final_dir)
+  return manifest
+
+
+def _said(read, final_dir: str):
+  """``read()``, with what a file system or a library raises said as a SidecarError that
+  names the file: no ``builtins.*`` crosses the wire."""
+  try:
+    return read()
+  except errors.SidecarError:
+    raise
+  except (FileNotFoundError, NotADirectoryError) as e:
+    raise errors.InvalidArgumentError(f"cannot read {final_dir}: {e}") from None
+  except PermissionError as e:
+    raise errors.PermissionDeniedError(
+        f"cannot read {final_dir}: {e.filename or ''}: {e.strerror or e}") from None
+  except OSError as e:
+    raise errors.CorruptCheckpointError(
+        f"cannot read {final_dir}: {os.path.relpath(e.filename, final_dir) if e.filename else ''}"
+        f": {e.strerror or e}") from None
+  except ValueError as e:  # a file's contents a library could not parse
+    raise errors.CorruptCheckpointError(
+        f"cannot read {final_dir}: {type(e).__name__}: {e}") from None
 
 
 def _byte_range(data: np.ndarray, byte_range: tuple[int, int]) -> np.ndarray:
@@ -109,11 +171,14 @@ class Reader:
       elif tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    try:  # the format its manifest names: a restore names none
-      data = self._formats.of_committed(final_dir).read(final_dir, shard,
-                                                        allocate=outputs.empty)
-    except (FileNotFoundError, NotADirectoryError) as e:
-      raise errors.InvalidArgumentError(f"cannot read {final_dir}: {e}") from None
+    # The format its manifest names (a restore names none), and what it says the save
+    # wrote: the leaf's metadata is checked against it before the read (with no manifest,
+    # the format refuses a directory a sidecar wrote).
+    manifest = _manifest_file(final_dir)
+    fmt = (self._formats.of_committed(final_dir) if manifest is None
+           else self._formats.get(manifest.format))
+    data = _said(lambda: fmt.read(final_dir, shard, allocate=outputs.empty,
+                                  manifest=manifest), final_dir)
     if crc32c is not None:
       records.check_crc32c(final_dir, shard, data, crc32c, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)

@@ -274,6 +274,13 @@ class CheckpointService:
 
   def open(self, r: ckpt_pb.CheckpointOpenRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointOpenResponse:
+    # Held for the job first (refused if another live job holds it): its sweep below must
+    # never remove another job's uncommitted steps.
+    session, worker = _session(context), r.worker_session
+    self._checkpoints.jobs.open(
+        self._checkpoints.resolve(r.directory, "directory"), r.job, holder=r.holder,
+        alive=(lambda: self._arena_io.is_attached(worker)) if worker
+        else (lambda: self._sessions.live(session)))
     steps = self._checkpoints.writer.open(
         r.directory, r.ram_steps, r.ram_budget if r.HasField("ram_budget") else None, r.sweep,
         wait_s=context.time_remaining())

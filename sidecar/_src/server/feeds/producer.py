@@ -110,9 +110,10 @@ def _start_state(text: str) -> dict[str, Any]:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
       raise errors.InvalidArgumentError(
           f"feed state_json {key!r} must be an int >= 0, got {v!r:.40}")
-  if not isinstance(start.get("kind", ""), str):
-    raise errors.InvalidArgumentError(
-        f"feed state_json 'kind' must be a str, got {start['kind']!r:.40}")
+  for key in ("kind", "data"):
+    if not isinstance(start.get(key, ""), str):
+      raise errors.InvalidArgumentError(
+          f"feed state_json {key!r} must be a str, got {start[key]!r:.40}")
   return start
 
 
@@ -329,19 +330,48 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
   ``check`` is told a batch's block sizes once known, before any is allocated. The
   pipeline reads files only beneath ``roots`` (each time it is opened).
   """
+  data = data_identity(entry, kwargs, spec, roots)
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
                       int(spec.start.get("position", 0)), roots)
   if _is_map_dataset(first):
     if spec.workers:
-      yield from _from_map_workers(first, entry.name, spec, alloc, make_workers, check)
+      made = _from_map_workers(first, entry.name, spec, alloc, make_workers, check)
     else:
-      yield from _from_map(first, entry.name, spec, alloc, check)
+      made = _from_map(first, entry.name, spec, alloc, check)
   elif spec.workers:
     raise errors.InvalidArgumentError(
         f"pipeline {entry.name!r} returns a plain iterable; workers=N needs random access: "
         "return a grain.MapDataset, or use workers=0")
   else:
-    yield from _from_iterable(first, entry, kwargs, spec, alloc, check, roots)
+    made = _from_iterable(first, entry, kwargs, spec, alloc, check, roots)
+  if data is None:
+    yield from made
+    return
+  for batch, state, seconds in made:  # each state says what it was made from
+    yield batch, {**state, "data": data}, seconds
+
+
+def data_identity(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
+                  roots: data_paths.DataRoots = data_paths.ANYWHERE) -> str | None:
+  """What names the data the pipeline reads (``@sidecar.pipeline(identity=...)``), checked
+  against the state the feed resumes from: InvalidArgumentError naming both where that
+  state was made from other data. None where the pipeline names none. The identity is
+  given the pipeline's context, so it reads files only beneath ``roots`` as the
+  pipeline does."""
+  if entry.identity is None:
+    return None
+  ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
+                        seed=spec.seed, epoch=int(spec.start.get("epoch", 0)),
+                        position=int(spec.start.get("position", 0)), data_roots=roots)
+  data = str(entry.identity(ctx, **kwargs))
+  made_from = spec.start.get("data")
+  if made_from is not None and made_from != data:
+    raise errors.InvalidArgumentError(
+        f"feed {entry.name!r}: the state it resumes from was made from {made_from!r:.300}, "
+        f"but with kwargs {sorted(kwargs)} it now reads {data!r:.300}: the data changed "
+        "since the checkpoint (re-prepared, or another path). Resume on the data the "
+        "checkpoint was made from, or start the feed anew (state=None), knowingly")
+  return data
 
 
 def _check_kind(spec: Spec, kind: str, name: str) -> None:

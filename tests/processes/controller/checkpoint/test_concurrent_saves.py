@@ -80,10 +80,12 @@ REFUSED = (r"begin: step 1 of '.*ck' is being saved by another session \(another
 @pytest.mark.parametrize("hold", ["stage", "commit"], ids=["begun", "staged"])
 @pytest.mark.parametrize("first_ends", ["commits", "is-killed"])
 def test_another_trainers_save_of_a_step_is_refused_from_its_begin_until_it_ends(
-    tmp_path, hold, first_ends):
-  # Issue 55 item 6: a second job's Begin of the step between the first's Begin and its
+    tmp_path, hold, first_ends, monkeypatch):
+  # Issue 55 item 6: a second trainer's Begin of the step between the first's Begin and its
   # first Stage (or its open's sweep) removed the first's tmp directory; it is refused
-  # from the first's Begin on, until the first commits, or its process dies.
+  # from the first's Begin on, until the first commits, or its process dies. Both trainers
+  # are one job's (another job's open of the directory is refused before any of this:
+  # issue 62 item 5, tests/processes/server/test_checkpoint_jobs.py).
   import os
   import subprocess
   import sys
@@ -93,6 +95,7 @@ def test_another_trainers_save_of_a_step_is_refused_from_its_begin_until_it_ends
   from tests.support.paths import ROOT
   directory, go, held = tmp_path / "ck", tmp_path / "go", tmp_path / "held"
   mine = {"w": np.full(1 << 16, 2.0, np.float32)}
+  monkeypatch.setenv("SIDECAR_JOB", f"one job of {tmp_path.name}")
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB") as c:
     code = FIRST.format(hold=hold, held=str(held), go=str(go), addresses=c.addresses,
                         directory=str(directory))

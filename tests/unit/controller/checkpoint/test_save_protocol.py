@@ -248,7 +248,7 @@ class Layout(Format):
   def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping):
     raise AssertionError("the sidecar's")
 
-  def read(self, final_dir, shard, *, allocate):
+  def read(self, final_dir, shard, *, allocate, manifest):
     raise AssertionError("the sidecar's")
 
 

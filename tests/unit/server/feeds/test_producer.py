@@ -125,3 +125,32 @@ def test_the_check_is_told_each_blocks_bytes_before_any_block_is_allocated():
   with pytest.raises(sidecar.ResourceExhaustedError, match="never fits"):
     next(producer.produce(entry, {}, spec, alloc, check=check))
   assert told == [[2 * 8, 2 * 8, 2 * 12, 2 * 12]] and allocs == []  # id, x; each range
+
+
+def _entry(identity):
+  def pipeline(ctx, *, path):
+    return iter([{"x": np.int64(i)} for i in range(10)])
+  return registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
+                            signature=None, identity=identity)
+
+
+def _states(entry, start):
+  spec = producer.Spec(global_batch_size=5, ranges=((0, 5),), seed=0, num_epochs=1,
+                       shard_index=0, shard_count=1, start=start, workers=0)
+  return [state for _, state, _ in producer.produce(entry, {"path": "/d"}, spec,
+                                                     lambda shape, dtype: np.empty(shape, dtype))]
+
+
+def test_a_pipeline_that_names_its_data_has_it_in_every_state_and_refuses_other_data():
+  seen = []
+  entry = _entry(lambda ctx, *, path: seen.append((str(ctx.data_path(path)), path))
+                 or f"files of {path} v2")
+  assert [s["data"] for s in _states(entry, {})] == ["files of /d v2"] * 2
+  assert seen == [("/d", "/d")]  # called as the pipeline is (context, kwargs), once
+  resumed = _states(entry, {"kind": "iter", "position": 5, "data": "files of /d v2"})
+  assert resumed and all(s["data"] == "files of /d v2" for s in resumed)  # the same data
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"feed 'p': the state it resumes from was made from 'files of /d "
+                           r"v1', but with kwargs \['path'\] it now reads 'files of /d v2'"):
+    _states(entry, {"kind": "iter", "position": 5, "data": "files of /d v1"})
+  assert "data" not in _states(_entry(None), {"data": "files of /d v1"})[0]  # names none
