@@ -71,8 +71,8 @@ def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None
   waited = sorted(s for s, state in states.items() if state == WRITING)
   why = None
   if waited:
-    say(f"waiting up to {grace:g} s for {_steps(waited)} to be written (Ctrl-C again to "
-        f"stop now, abandoning {'them' if len(waited) > 1 else 'it'})")
+    say(f"waiting up to {grace:g} s for {_steps(waited)} to be written (Ctrl-C to stop "
+        f"now, abandoning {'them' if len(waited) > 1 else 'it'})")
   settled = None
   while waited:
     if not any(states.get(s) == WRITING for s in waited):
@@ -83,7 +83,7 @@ def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None
         break
     signal = interrupted()
     if signal or time.monotonic() >= deadline:
-      why = f"got {signal} again" if signal else f"still being written after {grace:g} s"
+      why = f"got {signal} while waiting" if signal else f"still being written after {grace:g} s"
       break
     time.sleep(POLL_S)
     states = _poll_all(live, poll, deadline, say)

@@ -46,7 +46,7 @@ def test_the_steps_being_written_are_waited_for_until_committed():
   abandoned, said = _wait({0: [{200: W}, {200: W}, {200: U}, {200: C}], 1: [{200: W}, {200: C}]})
   assert abandoned == []
   assert said[0] == ("waiting up to 30 s for step 200 on hosts 0, 1 to be written (Ctrl-C "
-                     "again to stop now, abandoning them)")
+                     "to stop now, abandoning them)")
   assert said[1].startswith("step 200 on hosts 0, 1 written and committed ") and len(said) == 2
 
 
@@ -60,7 +60,7 @@ def test_a_signal_ends_the_wait_at_once():
   signals = iter([None, "SIGINT"])
   abandoned, said = _wait({0: [{300: W}]}, interrupted=lambda: next(signals))
   assert abandoned == [(300, 0)]
-  assert said[-1] == "got SIGINT again: abandoned step 300 on host 0 (not committed)"
+  assert said[-1] == "got SIGINT while waiting: abandoned step 300 on host 0 (not committed)"
 
 
 def test_a_step_written_and_never_committed_is_abandoned_after_a_moment():
