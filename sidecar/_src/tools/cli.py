@@ -346,8 +346,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--standby", action="store_true",
                  help="with restarts: keep each trainer's next process started, its imports "
                  "(JAX's, --preload's) done, waiting to take over when the trainer dies: a "
-                 "restart skips Python's start and the imports. CMD must be `python SCRIPT` "
-                 "or `python -m MODULE` (default: off)")
+                 "restart skips Python's start and the imports; where a file it imported "
+                 "changed since, a fresh process runs instead, with one line naming it. CMD "
+                 "must be `python SCRIPT` or `python -m MODULE` (default: off)")
   s.add_argument("--preload", action="append", metavar="MODULE",
                  help="with --standby: a module the waiting process imports (repeatable; "
                  "default: JAX only)")

@@ -5,7 +5,7 @@ A step staged in a sidecar is the sidecar's to write, and to commit where it was
 whether or not its trainer is still there. So once the trainers are stopped (a signal to the
 launcher, every trainer ended, a failure with no restarts left), ``sidecar launch`` asks each
 live sidecar which steps it is still writing (:func:`poll`, the Status RPC) and waits for
-them (:func:`wait`), for at most a grace it prints; a signal during the wait (a second
+them (:func:`wait`), for at most a grace it prints; a signal during the wait (a
 Ctrl-C) ends it at once. Whatever is not written by then is named as abandoned, and so is a
 step written but never committed (its trainers went before they committed it).
 
