@@ -201,8 +201,8 @@ class _Run:
     # With standby (the modules to preload): each rank's next process, imported and
     # waiting (tools/standbys.py).
     self.standbys = None if standby is None else standbys_lib.Standbys(
-        command, standby, directory=lambda: cluster.scratch("standby"), out=stdout,
-        lock=self.lock, say=self.say)
+        command, standby, directory=lambda: cluster.scratch("standby"), lock=self.lock,
+        say=self.say)
     self.procs_per_host, self.torch = procs_per_host, torch
     self.in_place, self.max_restarts = in_place, max_restarts
     self.cluster = cluster
@@ -258,7 +258,8 @@ class _Run:
         self.trainers[rank] = proc
         self._thread(self._wait, h, rank, proc, self.restart)
         if self.standbys is not None and self.restart < self._max_restarts():
-          self.standbys.start(rank, environ, prefix, self.restart + 1)
+          self.standbys.start(rank, environ, start=self.restart + 1, prefix=prefix,
+                              out=self.stdout)
     self.stop_standbys(keep=set(self.trainers))
 
   def stop_standbys(self, keep: Collection[int] = ()) -> None:

@@ -47,7 +47,7 @@ class Standbys:
     command: the trainer's command (``python SCRIPT ...`` or ``python -m MODULE ...``).
     preload: the modules each standby imports ahead (JAX's too, where installed).
     directory: where the standbys write their reports, called when the first starts.
-    out, lock: where their output goes, prefixed as the trainer's (``trainers.pump``).
+    lock: the lock of the output the standbys' lines go to (``trainers.pump``).
     say: the launcher's messages.
 
   Raises:
@@ -55,16 +55,18 @@ class Standbys:
   """
 
   def __init__(self, command: Sequence[str], preload: Sequence[str], *,
-               directory: Callable[[], str], out: BinaryIO, lock: threading.Lock,
+               directory: Callable[[], str], lock: threading.Lock,
                say: Callable[[str], None]):
     check(command)
     self._command, self._preload = list(command), list(preload)
     self._directory = directory
-    self._out, self._lock, self._say = out, lock, say
+    self._lock, self._say = lock, say
     self._by_rank: dict[int, Standby] = {}
 
-  def start(self, rank: int, environ: dict[str, str], prefix: str, start: int) -> None:
-    """Starts ``rank``'s process for start number ``start``: it imports, then waits."""
+  def start(self, rank: int, environ: dict[str, str], *, start: int, prefix: str,
+            out: BinaryIO) -> None:
+    """Starts ``rank``'s process for start number ``start``: it imports, then waits; its
+    output goes to ``out``, each line behind ``prefix``, as the trainer's would."""
     report = os.path.join(self._directory(), f"rank{rank}-start{start}.json")
     command = standby_lib.command(self._command, self._preload, report=report)
     assert command is not None  # launch.run checked the command
@@ -72,7 +74,7 @@ class Standbys:
         command, env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True)
     pump = threading.Thread(target=trainers.pump, daemon=True, name="sidecar-launch-pump",
-                            args=(proc.stdout, prefix.encode(), self._out, self._lock))
+                            args=(proc.stdout, prefix.encode(), out, self._lock))
     pump.start()
     self._by_rank[rank] = Standby(proc, pump, report)
 
