@@ -101,6 +101,13 @@ def arena_mappers() -> list[int]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def sidecar_logs_kept_in_the_temp_dir(tmp_path_factory):
+  """``sidecar launch`` and ``sidecar local`` keep their sidecars' logs in ./sidecar-logs
+  unless told: the suite's go to its temp directory, not into the checkout."""
+  os.environ.setdefault("SIDECAR_LOG_DIR", str(tmp_path_factory.mktemp("sidecar-logs")))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def ctrl_c_raises_keyboard_interrupt():
   """SIGINT raises KeyboardInterrupt, as in a terminal, though the run is a background job
   (``pytest &``, nohup), which a shell starts with SIGINT ignored: the interrupt tests send

@@ -174,6 +174,9 @@ LOG_FORMAT = _var("SIDECAR_LOG_FORMAT", "--log-format: text or json", default="t
                   readers=_SERVE)
 LOG_LEVEL = _var("SIDECAR_LOG_LEVEL", "the log level of every sidecar command (DEBUG, INFO, ...)",
                  default="INFO", readers="every sidecar command (cli.py)")
+LOG_DIR = _var("SIDECAR_LOG_DIR", "--log-dir of sidecar launch and sidecar local: where they keep "
+               "their sidecars' logs, a directory per run in it", default="./sidecar-logs",
+               readers="sidecar launch, sidecar local (cli.py)")
 TLS_CERT = _var("SIDECAR_TLS_CERT", "--tls-cert: the control port's certificate chain (PEM)",
                 default="no TLS", readers=_SERVE)
 TLS_KEY = _var("SIDECAR_TLS_KEY", "--tls-key: the control port's private key (PEM)",

@@ -22,6 +22,7 @@ from sidecar._src.tools import (
   pool_status,
   ram_tier_cli,
   serve,
+  sidecar_logs,
   torchrun,
 )
 from sidecar._src.tools.k8s import cli as k8s_cli
@@ -90,6 +91,8 @@ def _launch(args: argparse.Namespace) -> int:
     args.parser.error("--preload applies only with --standby")
   if not 0 <= args.stall_timeout < float("inf"):
     args.parser.error(f"--stall-timeout must be seconds >= 0 (0: off), got {args.stall_timeout}")
+  if args.save_grace < 0:
+    args.parser.error(f"--save-grace must be >= 0 seconds, got {args.save_grace:g}")
   min_hosts = 1 if args.min_hosts is None else args.min_hosts
   if not 1 <= min_hosts <= args.hosts:
     args.parser.error(f"--min-hosts must be in 1..--hosts ({args.hosts}), got {min_hosts}")
@@ -100,7 +103,8 @@ def _launch(args: argparse.Namespace) -> int:
                     max_restarts=args.max_restarts,
                     procs_per_host=args.procs_per_host, torch=args.torch,
                     standby=(args.preload or []) if args.standby else None,
-                    stall_timeout=args.stall_timeout)
+                    stall_timeout=args.stall_timeout,
+                    log_dir=sidecar_logs.base_dir(args.log_dir), save_grace=args.save_grace)
 
 
 def _stalls(args: argparse.Namespace) -> int:
@@ -150,6 +154,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _from_env(var: str, otherwise: str) -> str:
   return f"(default: ${var}, else {otherwise})"
+
+
+def _log_dir_flag(p: argparse.ArgumentParser) -> None:
+  """``--log-dir`` of ``sidecar local`` and ``launch``: where each run keeps its sidecars' logs."""
+  p.add_argument("--log-dir", metavar="DIR",
+                 help="keep the sidecars' logs in DIR/RUN/host<i>.log (RUN: the start's date, "
+                      "time and this process's pid), printed at start and kept afterwards "
+                      + _from_env(env_lib.LOG_DIR, "./sidecar-logs"))
 
 
 def _checkpoint_root_flag(p: argparse.ArgumentParser) -> None:
@@ -301,6 +313,7 @@ def parser() -> argparse.ArgumentParser:
                  help="each sidecar serves Prometheus /metrics on a free port, printed "
                       "(default: off)")
   _checkpoint_root_flag(s)
+  _log_dir_flag(s)
   s.add_argument("--pool", metavar="FILE",
                  help="a pool file: each sidecar serves its tenants, each with its token and "
                       "quotas (sidecar serve --pool); SIGHUP to this command reloads it on "
@@ -348,8 +361,9 @@ def parser() -> argparse.ArgumentParser:
   s.add_argument("--standby", action="store_true",
                  help="with restarts: keep each trainer's next process started, its imports "
                  "(JAX's, --preload's) done, waiting to take over when the trainer dies: a "
-                 "restart skips Python's start and the imports. CMD must be `python SCRIPT` "
-                 "or `python -m MODULE` (default: off)")
+                 "restart skips Python's start and the imports; where a file it imported "
+                 "changed since, a fresh process runs instead, with one line naming it. CMD "
+                 "must be `python SCRIPT` or `python -m MODULE` (default: off)")
   s.add_argument("--preload", action="append", metavar="MODULE",
                  help="with --standby: a module the waiting process imports (repeatable; "
                  "default: JAX only)")
@@ -359,7 +373,13 @@ def parser() -> argparse.ArgumentParser:
                  "\"stall\" line and its Python stacks, kills it and restarts it as a crash "
                  f"(--max-restarts), else ends the job with exit code {stall.EXIT_CODE}; "
                  f"0: off (default: {stall.DEFAULT_FLOOR_S:g})")
+  s.add_argument("--save-grace", type=float, default=launch.DEFAULT_SAVE_GRACE, metavar="S",
+                 help="once the trainers are stopped (a signal, the job's end), wait up to S "
+                      "seconds for the sidecars to write the steps they accepted before "
+                      "stopping them; set it below a scheduler's own kill timeout "
+                      f"(default: {launch.DEFAULT_SAVE_GRACE:g})")
   _checkpoint_root_flag(s)
+  _log_dir_flag(s)
   s.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import os
 import queue
 import signal
@@ -33,7 +33,9 @@ from typing import BinaryIO, TextIO
 from sidecar._src.core import env as env_lib, errors, platform, stacks, stall as stall_lib
 from sidecar._src.tools import (
   c10d_store,
-  standby as standby_lib,
+  drain,
+  sidecar_logs,
+  standbys as standbys_lib,
   torchrun,
   trainers,
   watchdog as watchdog_lib,
@@ -41,14 +43,19 @@ from sidecar._src.tools import (
 from sidecar._src.tools.launch_env import (  # noqa: F401 - launch.free_port etc., as before
   PREEMPTION_SERVICE,
   free_port,
+  loopback_tcp,
   trainer_env,
 )
-from sidecar._src.tools.local import LocalCluster
+from sidecar._src.tools.local import STOP_GRACE_S, LocalCluster
 
 DEFAULT_MAX_RESTARTS = 4  # --elastic --in-place restarts, as the manifests' backoffLimit
 # Without --elastic: none, as torchrun's default; the first failure ends the job.
 DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainers
+# Seconds the sidecars may take to write the steps they accepted once the trainers are
+# stopped: under a scheduler's own kill timeout, if any (Slurm's KillWait, k8s's grace).
+DEFAULT_SAVE_GRACE = 60.0
 _POLL = 0.1
+_STOP_NOW_S = 1.0  # SIGTERM to SIGKILL of the sidecars after a second signal: no waiting
 _LOG_TAIL_LINES = 40
 
 HELP = f"""\
@@ -102,13 +109,23 @@ every rank shares this machine's cores). torch.distributed.init_process_group()
 
 Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
 exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
-exited 0), 130 for SIGINT (Ctrl-C) and 143 for SIGTERM to the launcher; 1 if the sidecars
-do not start, 127 if CMD is not found, 126 if it cannot be run.
+exited 0), 130 for SIGINT (Ctrl-C) and 143 for SIGTERM to the launcher, whether or not the
+steps it then waited for were written; 1 if the sidecars do not start, 127 if CMD is not
+found, 126 if it cannot be run.
+
+Each sidecar's output goes to --log-dir's DIR/RUN/host<i>.log (named in the first lines,
+kept after the job); its WARNING, ERROR and CRITICAL lines (and a traceback after one) show
+here as they are written, prefixed "[sidecar i] ".
 
 When one trainer fails or one sidecar dies (its log's last lines are printed, prefixed
 "[sidecar i] "), or on SIGINT/SIGTERM, every other trainer's process group gets SIGTERM,
-then SIGKILL after {DEFAULT_GRACE:g} s; then the sidecars stop. No process, socket, temporary
-directory or shared memory is left behind. A trainer that exits 0 leaves the others running.
+then SIGKILL after {DEFAULT_GRACE:g} s. Then, at the end of every job, the launcher waits up
+to --save-grace seconds for the steps the sidecars accepted to be written (a sidecar writes
+them, and commits a step one host holds, whether or not its trainer is still there),
+saying so ("waiting up to 60 s for step 200 on host 0 to be written"); a SIGINT or SIGTERM
+during the wait ends it at once. Steps not written by then, or never committed, are named as
+abandoned. Then the sidecars stop. No process, socket, temporary directory or shared
+memory is left behind. A trainer that exits 0 leaves the others running.
 
 With --max-restarts N (default 0, as torchrun's), a trainer that fails (an exit code other
 than 0, or a signal) does not end the job while restarts are left: every other trainer is
@@ -184,14 +201,16 @@ class _Run:
                procs_per_host: int = 1, torch: bool = False,
                standby: Sequence[str] | None = None, stall_timeout: float = 0.0):
     self.command = list(command)
+    self.lock = threading.Lock()
     # Stalled trainers, and failures that recur before a first step (tools/watchdog.py).
     self.watchdog = watchdog_lib.Watchdog(
         lambda: {h: cluster.addresses[h] for h in self.hosts}, token=cluster.token,
         say=self.say, enabled=stall_timeout > 0)
     # With standby (the modules to preload): each rank's next process, imported and
-    # waiting (tools/standby.py), with the thread that pumps its output.
-    self.standby = None if standby is None else standby_lib.command(self.command, standby)
-    self.standbys: dict[int, tuple[subprocess.Popen, threading.Thread]] = {}
+    # waiting (tools/standbys.py).
+    self.standbys = None if standby is None else standbys_lib.Standbys(
+        command, standby, directory=lambda: cluster.scratch("standby"), lock=self.lock,
+        say=self.say)
     self.procs_per_host, self.torch = procs_per_host, torch
     self.in_place, self.max_restarts = in_place, max_restarts
     self.cluster = cluster
@@ -206,11 +225,18 @@ class _Run:
     self.trainers: dict[int, subprocess.Popen] = {}  # rank -> trainer of this start
     self.store: c10d_store.LoopbackStore | None = None  # with torch: this start's store
     self.threads: list[threading.Thread] = []
-    self.lock = threading.Lock()
+    self.hurried = False  # a second signal came while the sidecars finished their saves
 
   def say(self, text: str) -> None:
+    self.print_line(f"sidecar launch: {text}")
+
+  def print_line(self, line: str) -> None:
+    """One line of the launcher's output (stderr), whole among the trainers' lines."""
     with self.lock:
-      print(f"sidecar launch: {text}", file=self.stderr, flush=True)
+      try:
+        print(line, file=self.stderr, flush=True)
+      except (OSError, ValueError):
+        pass  # our stderr is gone: the job goes on, its logs are in their files
 
   def start_trainers(self) -> None:
     # One process needs no coordinator: no TCP port (a TPU host may allow none).
@@ -229,8 +255,11 @@ class _Run:
         rank = int(environ[env_lib.PROCESS_ID])
         environ.setdefault(env_lib.STACKS_SIGNAL, stacks.DEFAULT)  # a stall's stacks
         prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
-        proc = self._from_standby(rank, environ)
-        if proc is None:
+        taken = None if self.standbys is None else self.standbys.take(rank, environ)
+        if taken is not None:
+          proc = taken[0]
+          self.threads.append(taken[1])
+        else:
           proc = subprocess.Popen(
               self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
               stderr=subprocess.STDOUT, start_new_session=True)
@@ -238,45 +267,14 @@ class _Run:
                        self.watchdog.tap(rank, self.stdout), self.lock)
         self.trainers[rank] = proc
         self._thread(self._wait, h, rank, proc, self.restart)
-        if self.standby is not None and self.restart < self._max_restarts():
-          self._start_standby(rank, environ, prefix)
+        if self.standbys is not None and self.restart < self._max_restarts():
+          self.standbys.start(rank, environ, start=self.restart + 1, prefix=prefix,
+                              out=self.watchdog.tap(rank, self.stdout))
     self.stop_standbys(keep=set(self.trainers))
 
-  def _start_standby(self, rank: int, environ: dict[str, str], prefix: str) -> None:
-    """Starts ``rank``'s next process: it imports, then waits to be told to run."""
-    assert self.standby is not None
-    proc = subprocess.Popen(
-        self.standby, env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    pump = threading.Thread(target=trainers.pump, daemon=True, name="sidecar-launch-pump",
-                            args=(proc.stdout, prefix.encode(),
-                                  self.watchdog.tap(rank, self.stdout), self.lock))
-    pump.start()
-    self.standbys[rank] = (proc, pump)
-
-  def _from_standby(self, rank: int, environ: dict[str, str]) -> subprocess.Popen | None:
-    """``rank``'s standby, told to run with ``environ``; None where there is none (or it
-    is gone: a fresh process is started instead)."""
-    if rank not in self.standbys:
-      return None
-    proc, pump = self.standbys.pop(rank)
-    try:
-      if proc.poll() is not None:
-        raise BrokenPipeError(f"it exited ({trainers.how(proc.returncode)})")
-      assert proc.stdin is not None
-      proc.stdin.write(json.dumps({"env": environ}).encode() + b"\n")
-      proc.stdin.close()
-    except OSError as e:
-      self.say(f"rank {rank}'s standby process could not take over ({e}); starting a new one")
-      _end_standby(proc, pump)
-      return None
-    self.threads.append(pump)
-    return proc
-
   def stop_standbys(self, keep: Collection[int] = ()) -> None:
-    """Ends the standby processes of ranks not in ``keep``: they only wait, so at once."""
-    for rank in [r for r in self.standbys if r not in keep]:
-      _end_standby(*self.standbys.pop(rank))
+    if self.standbys is not None:
+      self.standbys.stop(keep)
 
   def _max_restarts(self) -> int:
     """How often the job may restart, as torchelastic's TORCHELASTIC_MAX_RESTARTS."""
@@ -426,10 +424,25 @@ class _Run:
 
   def print_log_tail(self, host: int) -> None:
     lines = self.cluster.log(host).splitlines()[-_LOG_TAIL_LINES:]
-    with self.lock:
-      for line in lines:
-        print(f"[sidecar {host}] {line}", file=self.stderr)
-      self.stderr.flush()
+    if lines:
+      self.print_line("\n".join(f"[sidecar {host}] {line}" for line in lines))
+
+  def finish_saves(self, grace: float) -> None:
+    """Once the trainers are stopped: waits up to ``grace`` seconds for the live sidecars
+    to write (and commit) the steps they accepted, or until a signal; says each step
+    abandoned."""
+    live = {h: self.cluster.addresses[h] for h in range(self.cluster.num_hosts)
+            if self.cluster.poll(h) is None}
+    poll = functools.partial(drain.poll, token=self.cluster.token)
+    drain.wait(live, grace=grace, say=self.say, interrupted=self.signalled, poll=poll)
+
+  def signalled(self) -> str | None:
+    """The name of a signal that came since the supervisor stopped reading its events."""
+    while not self.events.empty():  # this thread alone reads it now
+      if signum := self.events.get().signum:
+        self.hurried = True
+        return signal.Signals(signum).name
+    return None
 
   def stop_trainers(self) -> None:
     """SIGTERM to every trainer's process group, SIGKILL to those left after the grace
@@ -450,13 +463,6 @@ class _Run:
     self.events.put(_Exit(signum=signum))
 
 
-def _end_standby(proc: subprocess.Popen, pump: threading.Thread) -> None:
-  """Kills a standby process (it only waits), reaps it and ends its output's thread."""
-  trainers.signal_group(proc.pid, signal.SIGKILL)
-  proc.wait()
-  pump.join(timeout=2.0)
-
-
 def _processes(n: int) -> str:
   return f"{n} process{'es' * (n != 1)}"
 
@@ -469,22 +475,6 @@ class _Interrupted(BaseException):
     self.signum = signum
 
 
-def _loopback_tcp(say: Callable[[str], None], processes: int, torch: bool) -> bool:
-  """Whether a job of ``processes`` trainers has the loopback TCP port its coordinator
-  needs (none for one process); where not, says what failed and how to run here."""
-  if processes == 1:
-    return True
-  try:
-    free_port()
-  except OSError as e:
-    what = "torch's store" if torch else "jax.distributed's coordinator"
-    say(f"a job of {processes} trainer processes needs a TCP port on 127.0.0.1 for "
-               f"{what}, and this machine allows none ({e}); run one process here "
-               "(--hosts 1 --procs-per-host 1), which needs no coordinator")
-    return False
-  return True
-
-
 def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         imports: Sequence[str] = (), shm_size: int | str = "256MiB", token: str | None = None,
         grace: float = DEFAULT_GRACE, elastic: bool = False, min_hosts: int = 1,
@@ -492,7 +482,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
         procs_per_host: int = 1, torch: bool = False, standby: Sequence[str] | None = None,
         stall_timeout: float = stall_lib.DEFAULT_FLOOR_S,
         checkpoint_roots: Sequence[str] | None = None, stdout: BinaryIO | None = None,
-        stderr: TextIO | None = None, transport: str = "unix") -> int:
+        stderr: TextIO | None = None, transport: str = "unix", log_dir: str | None = None,
+        save_grace: float = DEFAULT_SAVE_GRACE) -> int:
   """Runs ``command`` ``procs_per_host`` times per host beside a LocalCluster of sidecars;
   returns the exit code.
 
@@ -533,6 +524,10 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     stderr: where the launcher's own messages go; default this process's stderr.
     transport: how trainers reach the sidecars: ``"unix"`` sockets (no ports), or ``"tcp"``
       on loopback ports (``LocalCluster``'s). jax.distributed's coordinator is TCP either way.
+    log_dir: keep the sidecars' logs in a new directory of it (``sidecar_logs.run_dir``);
+      None: in their temp directory, gone at the end. Their warnings show on ``stderr``.
+    save_grace: seconds the sidecars may take, once the trainers are stopped, to write
+      the steps they accepted before they are stopped too (``drain.py``).
 
   Raises:
     InvalidArgumentError: an empty command, hosts, devices_per_host or procs_per_host
@@ -547,6 +542,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     stall_timeout = stall_lib.check_floor(stall_timeout)
   except ValueError as e:
     raise errors.InvalidArgumentError(f"{e}; give --stall-timeout 0 to turn it off") from None
+  if save_grace < 0:
+    raise errors.InvalidArgumentError(f"save_grace must be >= 0 seconds, got {save_grace!r}")
   if in_place and not elastic:
     raise errors.InvalidArgumentError("in_place applies only with elastic=True")
   if max_restarts is None:
@@ -563,19 +560,17 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if isinstance(procs_per_host, bool) or not isinstance(procs_per_host, int) or procs_per_host < 1:
     raise errors.InvalidArgumentError(
         f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
-  if standby is not None and standby_lib.command(command, standby) is None:
-    raise errors.InvalidArgumentError(
-        f"a standby process runs a Python trainer: the command must be `python SCRIPT ...` or "
-        f"`python -m MODULE ...` (after `env NAME=VALUE...` if you like), got "
-        f"{' '.join(command)!r:.200}; leave out --standby")
+  if standby is not None:
+    standbys_lib.check(command)
   # P ranks share each sidecar: each gets about 1/P of its arena ($SIDECAR_SESSION_QUOTA wins).
   share = torchrun.session_share(procs_per_host)
   quota = ("--session-quota", share) if share and not env_lib.get(env_lib.SESSION_QUOTA) else ()
   extra = (*quota, "--stall-timeout", f"{stall_timeout:g}")  # the sidecars apply the rule
+  logs = None if log_dir is None else sidecar_logs.run_dir(log_dir)  # raises, naming it
   cluster = LocalCluster(hosts, devices_per_host, shm_size=shm_size, imports=imports,
                          token=token, configure_jax=False, assign_device_ids=False,
                          checkpoint_roots=checkpoint_roots, transport=transport,
-                         extra_args=extra)
+                         extra_args=extra, log_dir=logs)
   launch = _Run(command, cluster, grace=grace, stdout=stdout or sys.stdout.buffer,
                 stderr=stderr or sys.stderr, elastic=elastic, min_hosts=min_hosts,
                 in_place=in_place, max_restarts=max_restarts,
@@ -593,13 +588,20 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   previous = {}
   if threading.current_thread() is threading.main_thread():
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+  follower: sidecar_logs.Follower | None = None
+  supervised = False
   try:
     try:
       if not torch:  # a PyTorch job's trainers need no word on JAX's platform
         launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
-      if not _loopback_tcp(launch.say, hosts * procs_per_host, torch):
+      if logs is not None:
+        launch.say(f"the sidecars' logs go to {logs}/host<i>.log, kept after the job; their "
+                   "warnings and errors show here, prefixed [sidecar i]")
+      if not loopback_tcp(launch.say, hosts * procs_per_host, torch):
         return 1
       cluster.start()
+      follower = sidecar_logs.Follower({h: cluster.log_path(h) for h in range(hosts)},
+                                       launch.print_line).start()
       for h in range(hosts):
         launch.say(f"host {h}'s sidecar (pid {cluster.pid(h)}) serves {cluster.addresses[h]} "
                    f"and unix://{cluster.socket(h)}")
@@ -615,12 +617,17 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     except OSError as e:
       launch.say(f"cannot run {command[0]!r}: {e}")
       return 127 if isinstance(e, FileNotFoundError) else 126
+    supervised = True
     return launch.supervise()
   finally:
     in_start = False
     launch.watchdog.close()
     launch.stop_trainers()
+    if supervised:
+      launch.finish_saves(save_grace)
     launch.stop_standbys()
-    cluster.close()
+    cluster.close(grace=_STOP_NOW_S if launch.hurried else STOP_GRACE_S)
+    if follower is not None:
+      follower.close()  # after the sidecars' last words
     for signum, old in previous.items():
       signal.signal(signum, old)

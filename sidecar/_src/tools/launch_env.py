@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sidecar._src.core import env as env_lib, errors, platform
 from sidecar._src.tools.local import LocalCluster
@@ -25,6 +25,22 @@ def free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def loopback_tcp(say: Callable[[str], None], processes: int, torch: bool) -> bool:
+  """Whether a job of ``processes`` trainers has the loopback TCP port its coordinator
+  needs (none for one process); where not, says what failed and how to run here."""
+  if processes == 1:
+    return True
+  try:
+    free_port()
+  except OSError as e:
+    what = "torch's store" if torch else "jax.distributed's coordinator"
+    say(f"a job of {processes} trainer processes needs a TCP port on 127.0.0.1 for "
+               f"{what}, and this machine allows none ({e}); run one process here "
+               "(--hosts 1 --procs-per-host 1), which needs no coordinator")
+    return False
+  return True
 
 
 def trainer_env(cluster: LocalCluster, host: int, coordinator: str | None,

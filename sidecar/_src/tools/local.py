@@ -33,6 +33,8 @@ PREFIX = "sidecar-local-"
 # In each cluster's directory: which process made it (pid, boot id, pid namespace), so a
 # later start removes a directory whose owner was SIGKILLed (its close() never ran).
 OWNER_FILE = "owner.json"
+# Seconds a sidecar may take to stop after SIGTERM (a write in flight ends first) before SIGKILL.
+STOP_GRACE_S = 10.0
 # The LocalClusters running in this process: several may (each has its own sidecars,
 # ports, sockets and temp directory); error messages name them.
 _running: weakref.WeakSet = weakref.WeakSet()
@@ -85,6 +87,9 @@ class LocalCluster:
   ``checkpoint_roots``: the directories the sidecars may checkpoint in (and below), by
   default the system temp directory and the working directory (``--checkpoint-root``).
   ``metrics=True``: each sidecar serves Prometheus metrics on a free port (``metrics_urls``).
+  ``log_dir``: where each sidecar writes its output, ``host<i>.log`` (made if missing, kept
+  at close: ``sidecar launch --log-dir``); by default the cluster's temp directory, gone
+  with it.
   ``transport``: ``"unix"`` (the default) serves each sidecar's gRPC and health on a Unix
   socket of the cluster's temp directory, ``unix:PATH``: no ports, nothing on the network,
   so it runs where TCP is refused; ``"tcp"`` on free ports of 127.0.0.1.
@@ -101,7 +106,8 @@ class LocalCluster:
                host_env: Mapping[int, Mapping[str, str]] | None = None,
                assign_device_ids: bool = True,
                checkpoint_roots: Sequence[str] | None = None, metrics: bool = False,
-               transport: str = "unix", pool: str | None = None):
+               transport: str = "unix", pool: str | None = None,
+               log_dir: str | None = None):
     if not isinstance(num_hosts, int) or num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be a positive int, got {num_hosts!r}")
     if not isinstance(devices_per_host, int) or devices_per_host < 1:
@@ -141,6 +147,7 @@ class LocalCluster:
     # Where the sidecars may checkpoint: by default the temp directory and the working one.
     self.checkpoint_roots = tuple(os.path.abspath(r) for r in (
         (tempfile.gettempdir(), os.getcwd()) if checkpoint_roots is None else checkpoint_roots))
+    self._log_dir = None if log_dir is None else os.path.abspath(log_dir)
     self._procs: list[subprocess.Popen] = []
     self._ready: list[dict[str, Any]] = []
     self._dir: str | None = None
@@ -162,6 +169,8 @@ class LocalCluster:
     _running.add(self)
     _catch_sigterm()
     try:
+      if self._log_dir is not None:
+        os.makedirs(self._log_dir, mode=0o700, exist_ok=True)
       if self.pool and self._operator_token_file is None:  # the pool file names none
         _write_secret(self.operator_token_file, secrets.token_hex(16))
       for h in range(self.num_hosts):
@@ -216,7 +225,7 @@ class LocalCluster:
     env.pop(env_lib.REPLICA_HOSTS_FILE, None)
     if not self._assign_device_ids:
       env.pop(env_lib.DEVICE_IDS, None)  # `sidecar serve` would read it as --device-ids
-    log = open(self._path(h, "log"), "ab")  # a restarted host appends
+    log = open(self.log_path(h), "ab")  # a restarted host appends
     with log:  # The child keeps its own copy of the descriptor.
       return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                               stdin=subprocess.DEVNULL, start_new_session=True)
@@ -227,7 +236,7 @@ class LocalCluster:
     return os.path.join(self._dir, f"host{h}.{ext}")
 
   def _replica_hosts(self) -> str:
-    return os.path.join(os.path.dirname(self._path(0, "log")), "replica-hosts")
+    return os.path.join(os.path.dirname(self._path(0, "json")), "replica-hosts")
 
   def socket(self, host_id: int) -> str:
     """The worker Unix socket of host ``host_id``."""
@@ -271,13 +280,16 @@ class LocalCluster:
     return path
 
   def log_path(self, host_id: int) -> str:
-    """The file host ``host_id``'s sidecar writes its output to (a reload's result too)."""
-    return self._path(host_id, "log")
+    """The file host ``host_id``'s sidecar writes its output to (a reload's result too):
+    in ``log_dir`` where given (kept), else in the cluster's directory."""
+    if self._log_dir is None:
+      return self._path(host_id, "log")
+    return os.path.join(self._log_dir, f"host{host_id}.log")
 
   def log(self, host_id: int) -> str:
     """What host ``host_id``'s sidecar printed so far."""
     try:
-      with open(self._path(host_id, "log"), errors="replace") as f:
+      with open(self.log_path(host_id), errors="replace") as f:
         return f.read()
     except (OSError, errors.ClosedError):
       return ""
@@ -310,12 +322,13 @@ class LocalCluster:
                                        health_port=int(old.get("health_port") or 0))
     self._ready[host_id] = self._wait_ready(host_id)
 
-  def close(self) -> None:
-    """Stops every sidecar (SIGTERM, then SIGKILL) and removes the temp dir; idempotent."""
+  def close(self, grace: float = STOP_GRACE_S) -> None:
+    """Stops every sidecar (SIGTERM, then SIGKILL after ``grace`` seconds) and removes the
+    temp dir; idempotent."""
     if self._finalizer is not None:
       self._finalizer.detach()
       self._finalizer = None
-    _stop(self._procs, self._dir)
+    _stop(self._procs, self._dir, grace)
     self._procs = []
     self._dir = None
     _running.discard(self)
@@ -418,12 +431,14 @@ def _release_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _stop(procs: list[subprocess.Popen], directory: str | None) -> None:
-  """Stops sidecars (SIGTERM, then SIGKILL after 10 s) and removes their directory."""
+def _stop(procs: list[subprocess.Popen], directory: str | None,
+          grace: float = STOP_GRACE_S) -> None:
+  """Stops sidecars (SIGTERM, then SIGKILL after ``grace`` seconds) and removes their
+  directory."""
   for proc in procs:
     if proc is not None and proc.poll() is None:
       proc.send_signal(signal.SIGTERM)
-  deadline = time.monotonic() + 10
+  deadline = time.monotonic() + grace
   for proc in procs:
     if proc is None:
       continue

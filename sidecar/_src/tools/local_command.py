@@ -3,7 +3,9 @@
 It prints each host's address and worker socket, then a ``SIDECAR_HOSTS=...`` line to
 paste as it is: what ``Controller.from_env()`` reads, with each sidecar's health address
 (``unix:PATH`` answers both; a TCP entry needs ``HOST:PORT:HEALTH_PORT``, since one without
-a health port is checked on 8491).
+a health port is checked on 8491). The sidecars' logs are kept in a directory of the run in
+``--log-dir`` (``sidecar_logs.py``), and their warnings and errors show on stderr, each
+line prefixed ``[sidecar i] ``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import argparse
 import os
 import shlex
 import signal
+import sys
 import time
 
 from sidecar._src.core import env as env_lib, errors
+from sidecar._src.tools import sidecar_logs
 from sidecar._src.tools.local import LocalCluster
 
 # How long `sidecar local` waits for each sidecar to say how its reload went.
@@ -58,6 +62,10 @@ def reload(cluster: LocalCluster, *, wait_s: float = RELOAD_WAIT_S) -> list[str]
           for h in range(cluster.num_hosts)]
 
 
+def _warn(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
 def _size(path: str) -> int:
   try:
     return os.path.getsize(path)
@@ -89,10 +97,14 @@ def run(args: argparse.Namespace) -> int:
     token = None if args.pool else env_lib.token()
   except (OSError, errors.InvalidArgumentError) as e:
     args.parser.error(f"cannot read the token: {e}")
-  with LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
-                    imports=args.imports or [], configure_jax=False,
-                    metrics=args.metrics, checkpoint_roots=args.checkpoint_roots,
-                    pool=args.pool, token=token) as cluster:
+  log_dir = sidecar_logs.run_dir(sidecar_logs.base_dir(args.log_dir))
+  cluster = LocalCluster(args.hosts, args.devices_per_host, shm_size=args.shm_size,
+                         imports=args.imports or [], configure_jax=False,
+                         metrics=args.metrics, checkpoint_roots=args.checkpoint_roots,
+                         pool=args.pool, token=token, log_dir=log_dir)
+  # The follower ends last: the sidecars' last words at their stop show too.
+  with sidecar_logs.Follower({h: cluster.log_path(h) for h in range(args.hosts)}, _warn), \
+      cluster:
     if cluster.pool is not None:
       signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     print("\n".join(lines(cluster, metrics=args.metrics)))

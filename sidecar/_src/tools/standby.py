@@ -14,6 +14,11 @@ at ``/dev/null`` and runs the script as ``python SCRIPT ARGS`` would (``__main__
 ``sys.argv``, ``sys.path[0]`` the script's directory; ``-m``: the module). End of input
 without a line (the job ended): it exits 0.
 
+Once its imports are done, it writes what it imported to ``--report FILE`` (:func:`write_report`:
+every module file it loaded, and the script, each with its inode, size and mtime): before
+it takes over, the launcher checks them (:func:`changed_files`) and, where one changed (an
+operator's fix), starts a fresh process instead, which imports the new code.
+
 Until it runs the script its name (``/proc/PID/comm``) is :data:`NAME`, so tools watching
 trainers can tell it from one. What the preloaded modules read from the environment
 at import time is the launcher's environment of the start before: variables that change
@@ -41,10 +46,12 @@ NAME = b"sidecar-standby"  # at most 15 bytes: the kernel's limit for a process 
 _PR_SET_NAME = 15
 
 
-def command(trainer: Sequence[str], preload: Sequence[str]) -> list[str] | None:
+def command(trainer: Sequence[str], preload: Sequence[str], *, report: str | None = None
+            ) -> list[str] | None:
   """The standby's command for ``trainer``, or None where ``trainer`` is not
   ``PYTHON SCRIPT [ARGS]`` or ``PYTHON -m MODULE [ARGS]``, optionally after ``env
-  NAME=VALUE...`` (a standby runs Python only)."""
+  NAME=VALUE...`` (a standby runs Python only); ``report``: the file it writes what it
+  imported to."""
   trainer = list(trainer)
   sets = []
   if trainer and os.path.basename(trainer[0]) == "env":
@@ -56,7 +63,7 @@ def command(trainer: Sequence[str], preload: Sequence[str]) -> list[str] | None:
   rest = trainer[1:]
   if rest[0] == "-m" and len(rest) >= 2 or not rest[0].startswith("-"):
     flags = [x for m in preload for x in ("--preload", m)] + [
-        x for a in sets for x in ("--set", a)]
+        x for a in sets for x in ("--set", a)] + (["--report", report] if report else [])
     return [trainer[0], "-m", "sidecar._src.tools.standby", *flags, "--", *rest]
   return None
 
@@ -87,6 +94,41 @@ def _preload(modules: Sequence[str]) -> None:
     except Exception as e:  # the script's own import of it will say the same, in context
       print(f"sidecar standby: --preload {name} failed: {type(e).__name__}: {e}",
             file=sys.stderr, flush=True)
+
+
+def _stat(path: str) -> list[int] | None:
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None  # not a file on disk (a zip's member, a frozen module): nothing to compare
+  return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def write_report(path: str, since_ns: int, script: str | None) -> None:
+  """Writes to ``path`` (whole, by a rename) the files this process imported, and
+  ``script``, each with its inode, size and mtime, and ``since_ns``: when it began
+  importing (a file modified after that may have been read before or after the change)."""
+  files = {os.path.abspath(f) for m in list(sys.modules.values())
+           if isinstance(f := getattr(m, "__file__", None), str)}
+  if script is not None:
+    files.add(os.path.abspath(script))
+  stats = {f: st for f in sorted(files) if (st := _stat(f)) is not None}
+  with open(path + ".tmp", "w", encoding="utf-8") as out:
+    json.dump({"since_ns": since_ns, "files": stats}, out)
+  os.replace(path + ".tmp", path)
+
+
+def changed_files(path: str) -> list[str] | None:
+  """The files of the report at ``path`` changed since the standby imported them (or while
+  it did), or None where there is no report yet (it is still importing: what it reads is
+  what is on disk now)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      report = json.load(f)
+  except FileNotFoundError:
+    return None
+  since = report["since_ns"]
+  return [f for f, st in report["files"].items() if _stat(f) != st or st[2] >= since]
 
 
 def _go() -> dict[str, str] | None:
@@ -133,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--preload", action="append", default=[], metavar="MODULE")
   p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                  help="a variable the trainer command set with env, for every start")
+  p.add_argument("--report", metavar="FILE",
+                 help="write what was imported to FILE once the imports are done")
   p.add_argument("target", nargs=argparse.REMAINDER)
   args = p.parse_args(argv)
   target = args.target[1:] if args.target[:1] == ["--"] else args.target
@@ -143,7 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   sets = dict(a.split("=", 1) for a in args.set)
   os.environ.update(sets)
   spawned_with = dict(os.environ)
+  since = time.time_ns()
   _preload(args.preload)
+  if args.report:
+    write_report(args.report, since, None if target[0] == "-m" else target[0])
   environ = _go()
   if environ is None:
     return 0

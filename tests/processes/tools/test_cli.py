@@ -11,6 +11,7 @@ import pytest
 
 import sidecar
 from sidecar._src.controller import status as status_lib
+from sidecar._src.core import env as env_lib
 from sidecar._src.tools import cli
 from tests.conftest import eventually
 from tests.support import procfs
@@ -374,6 +375,10 @@ def test_local_pool_shows_the_operators_view_and_relays_a_bad_reload(tmp_path):
     p.send_signal(signal.SIGINT)
     assert p.wait(60) == 0
     assert not os.path.exists(command[4])  # gone with the cluster's directory
+    # The logs are not: they are in a directory of the run, in $SIDECAR_LOG_DIR here.
+    kept = logs.split(": ", 1)[1].split(", ")
+    assert all(os.path.exists(path) for path in kept), kept
+    assert all(path.startswith(os.environ[env_lib.LOG_DIR]) for path in kept), kept
   finally:
     p.kill()
     p.wait(30)

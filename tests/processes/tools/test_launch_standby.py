@@ -5,9 +5,12 @@ The trainer is tests/support/standby_trainer.py: it reports what its process saw
 process 1 fails on the first two starts (exit 3, then SIGKILL).
 """
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -111,3 +114,53 @@ def test_the_restarts_running_out_still_end_the_job_with_the_failure(tmp_path):
 def test_bad_standby_flags_are_refused_before_anything_starts(args, message):
   code, out, err = _launch("--hosts", "1", *args, timeout=60)
   assert code != 0 and message in err, out + err
+
+
+CHANGING_TRAINER = """\
+import os, pathlib, sys, time
+import standby_fix
+restart = os.environ["SIDECAR_RESTART"]
+print(f"life {restart} runs VERSION {standby_fix.VERSION}", flush=True)
+if restart == "0":
+  while not pathlib.Path(sys.argv[1], "go").exists():
+    time.sleep(0.05)
+  sys.exit(3)
+"""
+
+
+def test_a_preloaded_module_changed_between_lives_runs_its_new_code_in_a_fresh_process(
+    tmp_path):
+  (tmp_path / "mods").mkdir()
+  module = tmp_path / "mods" / "standby_fix.py"
+  module.write_text("VERSION = 1\n")
+  (tmp_path / "train.py").write_text(CHANGING_TRAINER)
+  p = subprocess.Popen(
+      [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--shm-size", "16MiB",
+       "--max-restarts", "1", "--standby", "--preload", "standby_fix", "--", sys.executable,
+       str(tmp_path / "train.py"), str(tmp_path)],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(tmp_path / "mods")),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    assert p.stdout.readline() == "[host 0] life 0 runs VERSION 1\n"
+    err = ""
+    while "unix://" not in err:
+      err += p.stderr.readline()
+    # The standby for life 1 has imported the module (its report says so); then an
+    # operator fixes the module, and life 0 fails.
+    cluster = os.path.dirname(err.split("unix://")[-1].split()[0])
+    report = os.path.join(cluster, "standby", "rank0-start1.json")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(report):
+      assert time.monotonic() < deadline and p.poll() is None, err
+      time.sleep(0.05)
+    assert str(module) in json.loads(pathlib.Path(report).read_text())["files"]
+    module.write_text("VERSION = 2\n")
+    (tmp_path / "go").touch()
+    out, rest = p.communicate(timeout=120)
+  finally:
+    p.kill()
+    p.wait()
+  assert p.returncode == 0, out + err + rest
+  assert out == "[host 0] life 1 runs VERSION 2\n", out
+  assert (f"rank 0's standby process imported {module}, changed since; starting a new one, "
+          "which runs the new code") in rest, rest

@@ -5,7 +5,7 @@ import errno
 
 import pytest
 
-from sidecar._src.tools import launch
+from sidecar._src.tools import launch_env
 
 pytestmark = pytest.mark.unit
 
@@ -20,8 +20,8 @@ def test_a_job_of_several_processes_where_no_tcp_is_allowed_says_what_failed(
     monkeypatch, torch, what):
   # The lent TPU host allows no TCP or UDP socket, not even on loopback (errno 97).
   said = []
-  monkeypatch.setattr(launch, "free_port", _no_tcp)
-  assert launch._loopback_tcp(said.append, 2, torch) is False
+  monkeypatch.setattr(launch_env, "free_port", _no_tcp)
+  assert launch_env.loopback_tcp(said.append, 2, torch) is False
   assert said == [f"a job of 2 trainer processes needs a TCP port on 127.0.0.1 for {what}, "
                   "and this machine allows none ([Errno 97] Address family not supported by "
                   "protocol); run one process here (--hosts 1 --procs-per-host 1), which "
@@ -30,6 +30,6 @@ def test_a_job_of_several_processes_where_no_tcp_is_allowed_says_what_failed(
 
 def test_a_job_of_one_process_needs_no_tcp_port(monkeypatch):
   said = []
-  monkeypatch.setattr(launch, "free_port", _no_tcp)
-  assert launch._loopback_tcp(said.append, 1, False) is True
+  monkeypatch.setattr(launch_env, "free_port", _no_tcp)
+  assert launch_env.loopback_tcp(said.append, 1, False) is True
   assert said == []

@@ -1,0 +1,139 @@
+"""Before a launch stops its sidecars: the steps they accepted are written first.
+
+A step staged in a sidecar is the sidecar's to write, and to commit where it was asked to
+(a step one host alone holds: ``server/checkpoint/save.StepWriter.commit`` ``when_written``),
+whether or not its trainer is still there. So once the trainers are stopped (a signal to the
+launcher, every trainer ended, a failure with no restarts left), ``sidecar launch`` asks each
+live sidecar which steps it is still writing (:func:`poll`, the Status RPC) and waits for
+them (:func:`wait`), for at most a grace it prints; a signal during the wait (a
+Ctrl-C) ends it at once. Whatever is not written by then is named as abandoned, and so is a
+step written but never committed (its trainers went before they committed it).
+
+:func:`poll` is the one place that reads what a sidecar holds: where Status gains the steps a
+sidecar took over to commit itself, they join :data:`WRITING` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+
+from sidecar._src.core import errors
+
+WRITING = "writing"  # staged there, still being written (and committed, where it was asked)
+UNCOMMITTED = "uncommitted"  # written there, its commit never came
+COMMITTED = "committed"  # in its RAM tier, committed
+POLL_S = 0.1
+SETTLE_S = 1.0
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class Step:
+  """Step ``step`` of checkpoint directory ``directory`` on host ``host``'s sidecar."""
+  step: int
+  host: int
+  directory: str
+
+
+Poll = Callable[[int, str, float], "dict[Step, str]"]
+
+
+def poll(host: int, address: str, timeout: float, *, token: str | None = None
+         ) -> dict[Step, str]:
+  """The steps host ``host``'s sidecar at ``address`` holds that a stop concerns, each
+  with its state (:data:`WRITING`, :data:`UNCOMMITTED`, :data:`COMMITTED`).
+
+  Raises:
+    SidecarError: it did not answer within ``timeout`` seconds.
+  """
+  # gRPC loads here, when a launch ends, not when `sidecar --help` imports the launcher.
+  from sidecar._src.controller import status as status_lib
+  states: dict[Step, str] = {}
+  for c in status_lib.fetch(address, timeout=timeout, token=token).checkpoints:
+    for state, steps in ((COMMITTED, c.ram_steps), (UNCOMMITTED, c.uncommitted),
+                         (WRITING, c.writing)):
+      states.update((Step(int(s), host, c.directory), state) for s in steps)
+  return states
+
+
+def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None],
+         interrupted: Callable[[], str | None], poll: Poll) -> list[Step]:
+  """Waits up to ``grace`` seconds for the steps ``sidecars`` (``{host: address}``, the live
+  ones) are writing; returns the steps abandoned: not written by then, on a sidecar that
+  stopped answering, or not committed. ``interrupted`` names a signal that came (the wait
+  then ends at once), else None. Says what it waits for and how the steps ended."""
+  t0 = time.monotonic()
+  deadline = t0 + grace
+  live = dict(sidecars)
+  states = _poll_all(live, poll, deadline, say)
+  waited = sorted(s for s, state in states.items() if state == WRITING)
+  why = None
+  if waited:
+    say(f"waiting up to {grace:g} s for {_steps(waited)} to be written (Ctrl-C to stop "
+        f"now, abandoning {'them' if len(waited) > 1 else 'it'})")
+  settled = None
+  while waited:
+    if not any(states.get(s) == WRITING for s in waited):
+      # A sidecar that commits a step itself shows it uncommitted between its write's end
+      # and its commit's: a moment more before calling it abandoned.
+      settled = settled or time.monotonic() + SETTLE_S
+      if time.monotonic() >= settled or not any(states.get(s) == UNCOMMITTED for s in waited):
+        break
+    signal = interrupted()
+    if signal or time.monotonic() >= deadline:
+      why = f"got {signal} while waiting" if signal else f"still being written after {grace:g} s"
+      break
+    time.sleep(POLL_S)
+    states = _poll_all(live, poll, deadline, say)
+  return _outcome(waited, states, live, why, time.monotonic() - t0, say)
+
+
+def _poll_all(live: dict[int, str], poll: Poll, deadline: float, say: Callable[[str], None]
+              ) -> dict[Step, str]:
+  """Every live sidecar's steps; one that does not answer is said and dropped from ``live``."""
+  states: dict[Step, str] = {}
+  for host, address in list(live.items()):
+    try:
+      states |= poll(host, address, max(min(STATUS_TIMEOUT_S, deadline - time.monotonic()), 1.0))
+    except errors.SidecarError as e:
+      say(f"host {host}'s sidecar did not say which steps it is writing: {e}")
+      del live[host]
+  return states
+
+
+def _outcome(waited: list[Step], states: dict[Step, str], live: Mapping[int, str],
+             why: str | None, seconds: float, say: Callable[[str], None]) -> list[Step]:
+  """Says how the steps ended; returns those abandoned."""
+  still = [s for s in waited if states.get(s) == WRITING]
+  if still:
+    say(f"{why}: abandoned {_steps(still)} (not committed)")
+  committed = [s for s in waited if states.get(s) == COMMITTED]
+  if committed:
+    say(f"{_steps(committed)} written and committed {seconds:.1f} s after the trainers stopped")
+  lost = [s for s in waited if s.host not in live]
+  if lost:
+    say(f"abandoned {_steps(lost)}: its sidecar stopped answering")
+  # A failed write leaves its step uncommitted (or gone, where its trainer was): Status
+  # does not tell the two apart.
+  failed = sorted({*(s for s, state in states.items() if state == UNCOMMITTED),
+                   *(s for s in waited if s.host in live and s not in states)})
+  if failed:
+    say(f"abandoned {_steps(failed)}: not committed (no trainer is left to commit it, or "
+        "its write failed: the sidecar's log says which)")
+  return sorted({*still, *lost, *failed})
+
+
+def _steps(steps: list[Step]) -> str:
+  """``step 200 on host 0``, ``steps 200, 300 on hosts 0, 1``: a directory named only
+  where there are several."""
+  by_step: dict[tuple[str, int], list[int]] = {}
+  for s in sorted(steps):
+    by_step.setdefault((s.directory, s.step), []).append(s.host)
+  several = len({d for d, _ in by_step}) > 1
+  parts = []
+  for (directory, step), hosts in by_step.items():
+    where = f"host{'s' * (len(hosts) > 1)} {', '.join(map(str, hosts))}"
+    parts.append(f"step {step}" + (f" of {directory}" if several else "") + f" on {where}")
+  return "; ".join(parts)

@@ -1,0 +1,119 @@
+"""The launcher's standby processes (``sidecar launch --standby``): each rank's next process,
+started while the job trains, handed the next start's environment at a restart.
+
+``tools/standby.py`` is the process itself; this is the launcher's side of it: one per rank,
+its output relayed as the trainer's, and the check before it takes over that the files it
+imported are still those on disk (an operator's fix between two lives must run: where one
+changed, a fresh process is started instead, with one line that names the file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Collection, Sequence
+from typing import BinaryIO
+
+from sidecar._src.core import errors
+from sidecar._src.tools import standby as standby_lib, trainers
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Standby:
+  """A rank's next process, imported and waiting; the thread that pumps its output; the
+  file it reports its imports to (``standby.write_report``)."""
+  proc: subprocess.Popen
+  pump: threading.Thread
+  report: str
+
+
+def check(command: Sequence[str]) -> None:
+  """Raises InvalidArgumentError where a standby cannot run ``command`` (not Python's)."""
+  if standby_lib.command(command, ()) is None:
+    raise errors.InvalidArgumentError(
+        f"a standby process runs a Python trainer: the command must be `python SCRIPT ...` "
+        f"or `python -m MODULE ...` (after `env NAME=VALUE...` if you like), got "
+        f"{' '.join(command)!r:.200}; leave out --standby")
+
+
+class Standbys:
+  """The standby processes of one launch, by rank; owns them and their output threads.
+
+  Args:
+    command: the trainer's command (``python SCRIPT ...`` or ``python -m MODULE ...``).
+    preload: the modules each standby imports ahead (JAX's too, where installed).
+    directory: where the standbys write their reports, called when the first starts.
+    lock: the lock of the output the standbys' lines go to (``trainers.pump``).
+    say: the launcher's messages.
+
+  Raises:
+    InvalidArgumentError: ``command`` is not Python's.
+  """
+
+  def __init__(self, command: Sequence[str], preload: Sequence[str], *,
+               directory: Callable[[], str], lock: threading.Lock,
+               say: Callable[[str], None]):
+    check(command)
+    self._command, self._preload = list(command), list(preload)
+    self._directory = directory
+    self._lock, self._say = lock, say
+    self._by_rank: dict[int, Standby] = {}
+
+  def start(self, rank: int, environ: dict[str, str], *, start: int, prefix: str,
+            out: BinaryIO) -> None:
+    """Starts ``rank``'s process for start number ``start``: it imports, then waits; its
+    output goes to ``out``, each line behind ``prefix``, as the trainer's would."""
+    report = os.path.join(self._directory(), f"rank{rank}-start{start}.json")
+    command = standby_lib.command(self._command, self._preload, report=report)
+    assert command is not None  # launch.run checked the command
+    proc = subprocess.Popen(
+        command, env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    pump = threading.Thread(target=trainers.pump, daemon=True, name="sidecar-launch-pump",
+                            args=(proc.stdout, prefix.encode(), out, self._lock))
+    pump.start()
+    self._by_rank[rank] = Standby(proc, pump, report)
+
+  def take(self, rank: int, environ: dict[str, str]
+           ) -> tuple[subprocess.Popen, threading.Thread] | None:
+    """``rank``'s standby, told to run with ``environ``, and its output's thread (the
+    caller joins it); None where there is none, or it is gone, or a file it imported
+    changed since: the caller starts a fresh process."""
+    standby = self._by_rank.pop(rank, None)
+    if standby is None:
+      return None
+    changed = standby_lib.changed_files(standby.report)
+    if changed:
+      more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+      self._say(f"rank {rank}'s standby process imported {changed[0]}{more}, changed since; "
+                "starting a new one, which runs the new code")
+      _end(standby)
+      return None
+    proc = standby.proc
+    try:
+      if proc.poll() is not None:
+        raise BrokenPipeError(f"it exited ({trainers.how(proc.returncode)})")
+      assert proc.stdin is not None
+      proc.stdin.write(json.dumps({"env": environ}).encode() + b"\n")
+      proc.stdin.close()
+    except OSError as e:
+      self._say(f"rank {rank}'s standby process could not take over ({e}); starting a new one")
+      _end(standby)
+      return None
+    return proc, standby.pump
+
+  def stop(self, keep: Collection[int] = ()) -> None:
+    """Ends the standby processes of ranks not in ``keep``: they only wait, so at once."""
+    for rank in [r for r in self._by_rank if r not in keep]:
+      _end(self._by_rank.pop(rank))
+
+
+def _end(standby: Standby) -> None:
+  """Kills a standby process (it only waits), reaps it and ends its output's thread."""
+  trainers.signal_group(standby.proc.pid, signal.SIGKILL)
+  standby.proc.wait()
+  standby.pump.join(timeout=2.0)
