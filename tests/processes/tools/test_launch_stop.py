@@ -18,7 +18,7 @@ import time
 import pytest
 
 from sidecar._src.core import env as env_lib
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, entries
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
 TAKEN_OVER = "step 1: to be committed here once written"
@@ -59,7 +59,7 @@ def _read_until(stream, text: str) -> str:
 
 
 def _committed(ckpt: pathlib.Path) -> list[str]:
-  return sorted(n for n in os.listdir(ckpt) if n != "goodput.jsonl")
+  return entries(ckpt)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
