@@ -55,6 +55,7 @@ DEFAULT_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping trainer
 # stopped: under a scheduler's own kill timeout, if any (Slurm's KillWait, k8s's grace).
 DEFAULT_SAVE_GRACE = 60.0
 _POLL = 0.1
+_PUMP_DRAIN_S = 2.0  # the most an exit waits for the rest of the trainer's output
 _STOP_NOW_S = 1.0  # SIGTERM to SIGKILL of the sidecars after a second signal: no waiting
 _LOG_TAIL_LINES = 40
 
@@ -257,16 +258,16 @@ class _Run:
         prefix = f"[host {h}] " if self.procs_per_host == 1 else f"[host {h} rank {rank}] "
         taken = None if self.standbys is None else self.standbys.take(rank, environ)
         if taken is not None:
-          proc = taken[0]
-          self.threads.append(taken[1])
+          proc, pump = taken
+          self.threads.append(pump)
         else:
           proc = subprocess.Popen(
               self.command, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
               stderr=subprocess.STDOUT, start_new_session=True)
-          self._thread(trainers.pump, proc.stdout, prefix.encode(),
-                       self.watchdog.tap(rank, self.stdout), self.lock)
+          pump = self._thread(trainers.pump, proc.stdout, prefix.encode(),
+                              self.watchdog.tap(rank, self.stdout), self.lock)
         self.trainers[rank] = proc
-        self._thread(self._wait, h, rank, proc, self.restart)
+        self._thread(self._wait, h, rank, proc, self.restart, pump)
         if self.standbys is not None and self.restart < self._max_restarts():
           self.standbys.start(rank, environ, start=self.restart + 1, prefix=prefix,
                               out=self.watchdog.tap(rank, self.stdout))
@@ -282,14 +283,20 @@ class _Run:
       return self.max_restarts
     return self.cluster.num_hosts - self.min_hosts
 
-  def _thread(self, target, *args) -> None:
+  def _thread(self, target, *args) -> threading.Thread:
     t = threading.Thread(target=target, args=args, daemon=True,  # daemon: a safety net only
                          name=f"sidecar-launch-{target.__name__}")
     t.start()
     self.threads.append(t)
+    return t
 
-  def _wait(self, host: int, rank: int, proc: subprocess.Popen, restart: int) -> None:
-    self.events.put(_Exit(host=host, code=proc.wait(), restart=restart, rank=rank))
+  def _wait(self, host: int, rank: int, proc: subprocess.Popen, restart: int,
+            pump: threading.Thread) -> None:
+    code = proc.wait()
+    # Its output read to the end first: the restart rule compares its last error line
+    # (a child that kept the pipe open holds it up no longer than this).
+    pump.join(timeout=_PUMP_DRAIN_S)
+    self.events.put(_Exit(host=host, code=code, restart=restart, rank=rank))
 
   def supervise(self) -> int:
     """Waits for every trainer to exit 0, or for the failure that ends the job; returns
