@@ -35,7 +35,10 @@ event, else its last event):
   is ``redone``: the step time after its ``save`` of the step the next life resumed from
   (all its step time if it saved no such step: the next life restored an older one, or
   started from scratch); the last life of a job that ended in a death counts the step
-  time after its last save as redone. The rest of the step time is ``productive``;
+  time after its last save as redone. A rollback in the process (a ``restore`` after the
+  first step) throws away the step time from its save of the step it restored (its first
+  step, where it saved no such step) to the rollback: ``redone`` too, counted once where
+  the spans overlap. The rest of the step time is ``productive``;
 - ``stall``: of a life that died stalled, its last step .. its end (its ``seen``, the
   moment the sidecar found it stalled): no step was made, and a launcher killed it;
 - ``restart_gap``: a death (its ``seen``, the last sign of life, where it is later than
@@ -250,6 +253,9 @@ class Life:
   seconds: dict[str, float]  # this life's share of each category, and "productive"
   resumed_from: int | None = None  # the step it restored before its first step (None: none)
   rollbacks: tuple[tuple[float, int], ...] = ()  # (when, step) of restores after its first step
+  # (from, to) of the step time each rollback threw away (redone): from the save of the
+  # step it restored to the rollback.
+  rolled_back: tuple[tuple[float, float], ...] = ()
   # (start, end, category) of the time it was blocked: "data_wait" (drawn at the end of
   # the interval between two events that counted it: marks come every 5 s at most),
   # "checkpoint" (ending when save() returned, or the checkpointer closed), "restore".
@@ -317,10 +323,14 @@ class _Life:
       return None
     return restore.step
 
-  def rollbacks(self) -> tuple[tuple[float, int], ...]:
+  def rollback_events(self) -> list[Event]:
+    """Its restores after its first step: rollbacks inside the process."""
     first = self.first("first_step")
-    return tuple((e.t, e.step or 0) for e in self.events
-                 if e.kind == "restore" and first is not None and e.t > first.t)
+    return [e for e in self.events
+            if e.kind == "restore" and first is not None and e.t > first.t]
+
+  def rollbacks(self) -> tuple[tuple[float, int], ...]:
+    return tuple((e.t, e.step or 0) for e in self.rollback_events())
 
   def blocked(self, start: float, end: float) -> tuple[tuple[float, float, str], ...]:
     """Where the counters place the blocked time: see :attr:`Life.blocked`."""
@@ -384,10 +394,11 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
     productive += seconds["productive"]
     first = life.first("first_step")
     redone_from = seconds.pop("_redone_from")
+    rolled_back = seconds.pop("_rolled_back")
     previous = Life(life.name, start, None if first is None else min(first.t, end), end, ended,
                     tuple((e.t, e.step or 0) for e in life.saves()), redone_from, seconds,
                     resumed_from=life.resumed_from(), rollbacks=life.rollbacks(),
-                    blocked=life.blocked(start, end))
+                    blocked=life.blocked(start, end), rolled_back=rolled_back)
     out.append(previous)
   return Ledger(wall, productive, totals, restarts, tuple(out), skipped_lines)
 
@@ -416,20 +427,53 @@ def _split(life: _Life, start: float, end: float, ended: str, after: _Life | Non
   span = end - start
   step_s = max(0.0, min(step_s, span - sum(seconds.values())))
   seconds["startup"] = span - step_s - last.blocked_s
-  redone, redone_from = 0.0, None
+  rolled = _rolled_back(life, first_t, first_c, end)
+  thrown = list(rolled)
+  redone_from = None
   if ended != "finish" and (ended == "died" or after is not None):
     kept = _kept_save(life, after)
     if kept is None:
-      redone, redone_from = step_s, first_t
+      redone_from, from_c = first_t, first_c
     elif kept.t < end:
-      kept_t = max(kept.t, first_t)
-      redone = min(step_s, _step_time(kept_t, kept.counters or first_c, end, last))
-      redone_from = kept_t
+      redone_from, from_c = max(kept.t, first_t), kept.counters or first_c
+    if redone_from is not None:
+      thrown.append((redone_from, from_c, end, last))
+  redone = min(step_s, _union_step_time(thrown))
   seconds["redone"] = redone
   seconds["stall"] = 0.0
   seconds["productive"] = step_s - redone
   seconds["_redone_from"] = redone_from
+  seconds["_rolled_back"] = tuple((a, b) for a, _, b, _ in rolled if b > a)
   return seconds
+
+
+_Span = tuple[float, Counters, float, Counters]  # (from, its counters, to, its counters)
+
+
+def _rolled_back(life: _Life, first_t: float, first_c: Counters, end: float) -> list[_Span]:
+  """The spans whose step time each rollback threw away: from this life's save of the
+  step it restored (its first step, where it saved no such step) to the rollback."""
+  out = []
+  for r in life.rollback_events():
+    saved = next((e for e in reversed(life.saves()) if e.step == r.step and e.t <= r.t), None)
+    start, start_c = ((max(saved.t, first_t), saved.counters or first_c) if saved is not None
+                      else (first_t, first_c))
+    out.append((start, start_c, min(r.t, end), r.counters or first_c))
+  return out
+
+
+def _union_step_time(spans: Sequence[_Span]) -> float:
+  """The step time of the union of ``spans`` (overlapping ones counted once)."""
+  total, current = 0.0, None
+  for span in sorted(spans, key=lambda x: x[0]):
+    if current is not None and span[0] <= current[2]:
+      if span[2] > current[2]:
+        current = (current[0], current[1], span[2], span[3])
+      continue
+    if current is not None:
+      total += _step_time(*current)
+    current = span
+  return total + (_step_time(*current) if current is not None else 0.0)
 
 
 def _kept_save(life: _Life, after: _Life | None) -> Event | None:
