@@ -388,7 +388,7 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
       wall += start - previous.end
       restarts += 1
     wall += end - start
-    seconds = _split(life, start, end, ended, lives[i + 1] if i + 1 < len(lives) else None)
+    seconds = _split(life, start, end, ended, lives[i + 1:])
     for k in CATEGORIES[:-1]:
       totals[k] += seconds[k]
     productive += seconds["productive"]
@@ -403,13 +403,14 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
   return Ledger(wall, productive, totals, restarts, tuple(out), skipped_lines)
 
 
-def _split(life: _Life, start: float, end: float, ended: str, after: _Life | None, *,
+def _split(life: _Life, start: float, end: float, ended: str, later: Sequence[_Life], *,
            stall: bool = True) -> dict[str, Any]:
-  """One life's span split into the categories (all but restart_gap) and productive."""
+  """One life's span split into the categories (all but restart_gap) and productive;
+  ``later``: the lives after it."""
   stalled = life.stalled() if ended == "died" and stall else None
   if stalled is not None:  # no step after it: that time is the stall's, not a step's
     stall_s = end - max(start, min(stalled, end))
-    split = _split(life, start, end - stall_s, "died", after, stall=False)
+    split = _split(life, start, end - stall_s, "died", later, stall=False)
     split["stall"] = stall_s
     return split
   last = life.last_counters()
@@ -430,8 +431,8 @@ def _split(life: _Life, start: float, end: float, ended: str, after: _Life | Non
   rolled = _rolled_back(life, first_t, first_c, end)
   thrown = list(rolled)
   redone_from = None
-  if ended != "finish" and (ended == "died" or after is not None):
-    kept = _kept_save(life, after)
+  if ended != "finish" and (ended == "died" or later):
+    kept = _kept_save(life, later)
     if kept is None:
       redone_from, from_c = first_t, first_c
     elif kept.t < end:
@@ -476,10 +477,14 @@ def _union_step_time(spans: Sequence[_Span]) -> float:
   return total + (_step_time(*current) if current is not None else 0.0)
 
 
-def _kept_save(life: _Life, after: _Life | None) -> Event | None:
-  """The save of ``life`` whose step the next life resumed from (without a next life: its
-  last save, the step a restart would resume from); None where there is none."""
+def _kept_save(life: _Life, later: Sequence[_Life]) -> Event | None:
+  """The save of ``life`` whose step the next life to go on resumed from: the first of
+  ``later`` that restored a step or made a first step (one that died before either, a
+  restart cut short, decided nothing). Without one: its last save, the step a restart
+  would resume from. None where there is none (the next life started from scratch)."""
   saves = life.saves()
+  after = next((x for x in later if x.resumed_from() is not None
+                or x.first("first_step") is not None), None)
   if after is None:
     return saves[-1] if saves else None
   step = after.resumed_from()

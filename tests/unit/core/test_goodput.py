@@ -251,6 +251,22 @@ def test_each_life_says_the_step_it_resumed_from_and_where_it_rolled_back_to():
   assert ledger.lives[0].redone_from == 60.0
 
 
+def test_a_restart_killed_before_it_restored_decides_nothing():
+  # Life a saves step 50 at 60 and dies at 80; life b starts at 85 and is killed at 86,
+  # before it restored anything; life c restores 50: a's steps up to its save are kept.
+  events = (life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=80.0, ckpt=1.0)
+            + life("b", 85.0, end=86.0)
+            + life("c", 90.0, restore=(93.0, 50), restore_s=2.0, first=100.0, end=150.0,
+                   ended="finish", first_blocked=(0.0, 0.0, 2.0)))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.lives[0].redone_from == 60.0
+  assert ledger.badput_s["redone"] == pytest.approx(20.0)
+  # The same where the job ends with b (the window's end): a's last save is kept.
+  ledger = goodput.account(events[:-4])
+  assert ledger.lives[0].redone_from == 60.0 and ledger.restarts == 1
+
+
 def test_a_rollback_throws_away_the_steps_since_the_save_it_restored():
   # Life a saves step 50 at 60 (1 s blocked), a step raises and it rolls back in-process
   # to step 50, restored at 80 (2 s), and finishes at 120: 60 .. 80 less the restore
