@@ -28,8 +28,8 @@ reaches the trainer):
              fresh process, spawned once it is reaped, imports JAX, opens the device,
              puts a state and runs the step from JAX's persistent cache
              (``JAX_COMPILATION_CACHE_DIR``, set the same way for every process here):
-             what every restart pays, the killed process's teardown included. With
-             ``--standby``, a round with a standby process too
+             what every restart pays, the killed process's teardown included
+             (``benchmarks.restart_floor`` measures it with a standby process too)
 
 With ``--standby SYSTEM``, that system's launcher keeps its next process started, JAX
 and ``PRELOAD``'s modules imported (``sidecar launch --standby``): a restart skips the
@@ -108,18 +108,15 @@ def save_interval(*, lost: float, step_s: float, k_cal: int, rule: str = "1%",
   return max(k_cal, k)
 
 
-def floor(config: str, env: dict, *, steps: int, mode: str = "fresh",
-          preload: list[str] | None = None, tries: int = 2) -> dict:
-  """One round of ``goodput_floor``: a holder SIGKILLed, then a ``mode`` process."""
+def floor(config: str, env: dict, *, steps: int, tries: int = 2) -> dict:
+  """One round of ``goodput_floor``: a holder SIGKILLed, then a fresh process."""
   for _ in range(tries - 1):
     try:
-      return goodput_floor.one_round(mode, config, env, preload=preload or [],
-                                     resident_steps=steps)
+      return goodput_floor.one_round("fresh", config, env, resident_steps=steps)
     except RuntimeError as e:  # a device just released can refuse a process: once more
       print(f"the floor's round failed ({e}); again in 5 s", flush=True)
       time.sleep(5)
-  return goodput_floor.one_round(mode, config, env, preload=preload or [],
-                                 resident_steps=steps)
+  return goodput_floor.one_round("fresh", config, env, resident_steps=steps)
 
 
 def sidecar_ledger(ckpt: str, env: dict) -> dict | str:
@@ -240,13 +237,13 @@ class Bench:
       json.dump(self.report, f, indent=1)
 
   def job(self, system: str, name: str, save_every: int, *, hosts: int = 1) -> Job:
-    trainer = ("--inject-faults",) * self.inject + (
-        ("--recover-in-process",) if system == "ours" and "error" in self.args.kinds else ())
+    trainer = (["--inject-faults"] if self.inject else []) + (
+        ["--recover-in-process"] if system == "ours" and "error" in self.args.kinds else [])
     return Job(system, name=name, config=self.args.config, data=self.data, work=self.work,
                save_every=save_every, env=self.env, shm=self.args.shm_size,
                restarts=len(self.failures) + RESTART_SLACK, hosts=hosts,
                preload=PRELOAD[system] if system in self.args.standby else None,
-               launch=self.launch, trainer=trainer)
+               launch=self.launch, trainer=tuple(trainer))
 
   def prepare_data(self) -> None:
     self.data = self.args.data
@@ -326,12 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.report["same_order"] = ledger.loss_diffs(bench.calibration["baseline"].lines,
                                                        reference.lines)
       bench.rates["ours"]["reference"] = reference.rate()
-    bench.say("floor: a process holding the device SIGKILLed, then a fresh one"
-              + (", then the same with a standby one" if args.standby else ""))
+    bench.say("floor: a process holding the device SIGKILLed, then a fresh one")
     floors = [floor(args.config, bench.env, steps=args.resident_steps)]
-    if args.standby:
-      floors.append(floor(args.config, bench.env, steps=0, mode="standby",
-                          preload=["optax"]))
     cache = bench.env["JAX_COMPILATION_CACHE_DIR"]
     bench.report["compilation_cache_entries"] = (
         len(os.listdir(cache)) if os.path.isdir(cache) else 0)
@@ -441,8 +434,9 @@ def print_summary(bench: Bench, accounts: dict[str, ledger.Account], own: dict,
   for name, led in own.items():
     external = {k: accounts[name].to_dict()[k]
                 for k in ("wall_s", "productive_s", "goodput", "badput_s")}
-    print(f"sidecar's own ledger for {name}: {json.dumps(led)}")
-    print(f"external for {name}:{' ' * (13 - len(name))}{json.dumps(external)}")
+    own_line = f"sidecar's own ledger for {name}: "
+    print(f"{own_line}{json.dumps(led)}")
+    print(f"{f'external for {name}: ':<{len(own_line)}}{json.dumps(external)}")
   ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
   none = rates.get("baseline", {}).get("none", float("nan"))
   print(f"no failures, steps/s: device-resident loop {resident_rate:.1f}; ours no saves "

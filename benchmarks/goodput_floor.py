@@ -145,11 +145,12 @@ def _spawn(mode: str, config: str, env: dict, *, preload: list[str],
       cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _line(proc: subprocess.Popen, what: str) -> str:
+def _line(proc: subprocess.Popen, name: str, what: str) -> str:
+  """The next line ``proc`` (the ``name`` process) prints, which should be ``what``."""
+  assert proc.stdout is not None
   line = proc.stdout.readline()
   if not line:
-    raise RuntimeError(f"the {proc.args[4]} process ended (exit {proc.wait()}) before "
-                       f"{what}")
+    raise RuntimeError(f"the {name} process ended (exit {proc.wait()}) before {what}")
   return line.strip()
 
 
@@ -161,12 +162,12 @@ def one_round(mode: str, config: str, env: dict, *, preload: Sequence[str] = (),
   holder = _spawn("holder", config, env, preload=[], steps=resident_steps)
   nxt = None
   try:
-    held = json.loads(_line(holder, "its first step"))
-    if (word := _line(holder, "READY")) != "READY":
+    held = json.loads(_line(holder, "holder", "its first step"))
+    if (word := _line(holder, "holder", "READY")) != "READY":
       raise RuntimeError(f"expected READY from the holder, got {word!r}")
     if mode == "standby":
       nxt = _spawn("standby", config, env, preload=list(preload))
-      if (word := _line(nxt, "its imports")) != "IMPORTED":
+      if (word := _line(nxt, "standby", "IMPORTED")) != "IMPORTED":
         raise RuntimeError(f"expected IMPORTED from the standby, got {word!r}")
     time.sleep(settle)
     killed = time.time()
@@ -176,6 +177,7 @@ def one_round(mode: str, config: str, env: dict, *, preload: Sequence[str] = (),
     if nxt is None:
       nxt = _spawn("fresh", config, env, preload=list(preload))
     else:
+      assert nxt.stdin is not None
       nxt.stdin.write("go\n")
       nxt.stdin.flush()
     out, _ = nxt.communicate(timeout=600)
