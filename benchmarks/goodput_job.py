@@ -110,10 +110,11 @@ def _rank(pid: int) -> int:
 def _trainers(launcher: int, script: str, named: set[int]) -> tuple[list[int], list[int]]:
   """Live (not zombie) children of ``launcher`` running ``script``: the trainers, and the
   standby processes waiting to be one (``sidecar launch --standby``), by their name
-  (``standby.NAME``) while they wait. A standby process not yet named (``named``: the
-  pids seen named, to which those seen running are added) is skipped for its first
-  second: it may still be starting up. Seen late, a life's start moves time from its
-  gap to its startup, not out of badput."""
+  (``standby.NAME``) while they wait. A standby process runs the trainer only once it was
+  seen waiting (``named``: the pids seen so): before, it is still starting up, however
+  long that takes on a loaded machine (it names itself once its own imports are done,
+  and waits named through its preloads, seconds). Seen late, a life's start moves time
+  from its gap to its startup, not out of badput."""
   out: tuple[list[int], list[int]] = ([], [])
   for entry in os.scandir("/proc"):
     if not entry.name.isdigit():
@@ -126,10 +127,10 @@ def _trainers(launcher: int, script: str, named: set[int]) -> tuple[list[int], l
     if script not in cmdline:
       continue
     waiting = _comm(pid) == standby.NAME
-    if not waiting and "sidecar._src.tools.standby" in cmdline:
-      if pid not in named and time.time() - recorder.process_start(pid) < 1.0:
-        continue
-      named.add(pid)  # a standby that runs: its life starts now, not at its spawn
+    if waiting:
+      named.add(pid)
+    elif "sidecar._src.tools.standby" in cmdline and pid not in named:
+      continue  # not yet named: starting up
     out[waiting].append(pid)
   return out
 
@@ -247,8 +248,7 @@ class Job:
   def _watch(self, launcher: int, now: float) -> list[int]:
     """Notes trainers that started or ended; returns process 0's live trainers that no
     failure has hit."""
-    alive, waiting = _trainers(launcher, self.script, self.standbys)
-    self.standbys.update(waiting)
+    alive, _ = _trainers(launcher, self.script, self.standbys)
     for pid in alive:
       if pid not in self.ranks:
         start = now if pid in self.standbys else _start_time(pid, now)
@@ -259,8 +259,8 @@ class Job:
       if life["end"] is None and pid not in alive:
         life["end"] = now  # ended by itself (an error, a stall's kill: see the launch log)
     self.alive = alive
-    return [pid for pid in alive if pid in self.lives and self.lives[pid]["failure"] is None
-            and not self.lives[pid]["hung"]]
+    return [pid for pid in alive if pid in self.lives and self.lives[pid]["end"] is None
+            and self.lives[pid]["failure"] is None and not self.lives[pid]["hung"]]
 
   def _inject(self, kind: str, targets: list[int], now: float) -> bool:
     """Injects a failure of ``kind`` into the newest of ``targets`` if it can now (the
