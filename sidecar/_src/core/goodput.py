@@ -34,8 +34,9 @@ event, else its last event):
 - step time: the rest of the span. For a life that died, what the next life threw away
   is ``redone``: the step time after its ``save`` of the step the next life resumed from
   (all its step time if it saved no such step: the next life restored an older one, or
-  started from scratch); the last life of a job that ended in a death counts the step
-  time after its last save as redone. A rollback in the process (a ``restore`` after the
+  started from scratch; a next life that died before it restored or stepped decides
+  nothing, the one after it does); the last life of a job that ended in a death counts
+  the step time after its last save as redone. A rollback in the process (a ``restore`` after the
   first step) throws away the step time from its save of the step it restored (its first
   step, where it saved no such step) to the rollback: ``redone`` too, counted once where
   the spans overlap. The rest of the step time is ``productive``;
