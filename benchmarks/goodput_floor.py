@@ -213,11 +213,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.child:
     child(args.child, args.config, args.preload, args.steps)
     return 0
-  env = {"JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="goodput-floor-cache-"),
-         **os.environ, "PYTHONPATH": os.pathsep.join(
-             [str(ROOT)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
-  print(json.dumps(one_round(args.mode, args.config, env, preload=args.preload,
-                             resident_steps=args.steps)))
+  with tempfile.TemporaryDirectory(prefix="goodput-floor-cache-") as cache:
+    env = {"JAX_COMPILATION_CACHE_DIR": cache, **os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
+    print(json.dumps(one_round(args.mode, args.config, env, preload=args.preload,
+                               resident_steps=args.steps)))
   return 0
 
 

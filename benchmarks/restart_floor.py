@@ -45,19 +45,20 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--settle", type=float, default=1.0,
                  help="seconds the holder steps before the kill")
   args = p.parse_args(argv)
-  cache = tempfile.mkdtemp(prefix="restart-floor-cache-")
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache,
-         "PYTHONPATH": os.pathsep.join(
-             [str(ROOT)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
   results = []
-  for i in range(2 * args.rounds):
-    mode = MODES[i % 2]
-    r = goodput_floor.one_round(mode, args.config, env, preload=args.preload,
-                                settle=args.settle)
-    print(f"round {i}: {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in
-                                               r["from_kill_s"].items())
-          + f" (device tries {r['device_tries']})", flush=True)
-    results.append(r)
+  with tempfile.TemporaryDirectory(prefix="restart-floor-cache-") as cache:
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join(
+               [str(ROOT)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                              if x])}
+    for i in range(2 * args.rounds):
+      mode = MODES[i % 2]
+      r = goodput_floor.one_round(mode, args.config, env, preload=args.preload,
+                                  settle=args.settle)
+      print(f"round {i}: {mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                 r["from_kill_s"].items())
+            + f" (device tries {r['device_tries']})", flush=True)
+      results.append(r)
   print()
   print(f"{'seconds from the kill':<22}" + "".join(f"{m:>10}" for m in MODES))
   for name in goodput_floor.PHASES:
