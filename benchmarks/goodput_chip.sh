@@ -21,12 +21,15 @@
 #     (every 20, not 10: 1.2 GB saves closer than Orbax writes them would measure its
 #     back-pressure, not a save's cost)
 #   2 systems x --wall 100 s with the kills, and their launchers' stops    228 s
-#   then the uninterrupted reference of ours (~110 s) and the floor twice (~30 s): these
+#   then the uninterrupted reference of ours (~110 s) and the floor (since issue 64 one
+#   round: a process holding the chip, ~13 s to start and 100 resident steps ~14 s,
+#   SIGKILLed, then a fresh process to its first step, ~14 s: ~45 s): these
 #   do not fit after a calibration; a second call with the first's intervals
 #   (--save-every ours=K --save-every baseline=K) skips the calibration and measures them.
 #   Measured so (2026-12-06, 4d963b6, --save-every ours=32 --save-every baseline=259):
 #   setup 14-31 s, each system warmed to step 2 (the compilation cache) 106 s, the two jobs
-#   226 s, the reference 83 s, the floor 84 s: 498 s in all (396 s with --no-reference).
+#   226 s, the reference 83 s, the floor (then two fresh processes) 84 s: 498 s in all (396 s
+#   with --no-reference). For kills, hangs and errors: benchmarks/goodput_chip_kinds.sh.
 # --mtbf 60 with --seed 10: kills at 50.8 s and 84.4 s of each 100 s job (the schedule is
 # drawn from the seed; this seed was picked among the first 30 so that both kills land
 # after the first steps, and both systems get the same one). Wall and kills are few for

@@ -1,10 +1,11 @@
 """Goodput computed from outside the job: its metrics lines, its processes' lifetimes.
 
 The same arithmetic for every system, from what any trainer leaves behind: the
-metrics file (one ``{"step", "loss", "time"}`` line per step) and the lifetime of
-each trainer process (start, as ``/proc`` says; death: the SIGKILL, or the end of
-the window). Lines belong to the process alive at their time. The job's wall
-clock ``[t0, t_end]`` splits without overlap into:
+metrics file (one ``{"step", "loss", "time"}`` line per step), the lifetime of each
+trainer process (start, as ``/proc`` says; death: the SIGKILL, its exit, or the end of
+the window) with the failure that ended it, and the errors it survived (rolled back
+in-process: the trainer's ``fault:`` line says when). Lines belong to the process alive
+at their time. The job's wall clock ``[t0, t_end]`` splits without overlap into:
 
   productive   the steps of the final lineage: for each step, its last computation
                (the one the finished job's trajectory holds); a step lasts from the
@@ -13,10 +14,20 @@ clock ``[t0, t_end]`` splits without overlap into:
   launch       t0 to the first trainer's start (the launcher and, for ours, its sidecars)
   startup      each process's start to its first step (imports, device, restore,
                data resume, compile)
-  redone       steps computed and thrown away (a later process computed them again),
-               and each killed process's work after its last line
+  redone       steps computed and thrown away (a later computation of the same step
+               replaced them: after a restart, or after an in-process rollback), and the
+               work of a process that failed after its last line (a kill, an error)
+  stall        a hung process's last line to its end (the launcher's kill, or the
+               window's end where nothing killed it)
+  rollback     an error survived in-process: the step in which it was raised, the
+               rollback, to the first step after it, less one median step
   gap          each death to the next process's start
   other        the last process's work in flight when the window closed
+
+Each failure is charged what it caused (:class:`Cost`): the work it threw away (each
+re-done line goes to the first failure of its process after it), its stall, rollback and
+gap, and the next process's startup. The launch and the first process's startup are no
+failure's.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import json
 import statistics
 from collections.abc import Sequence
 
-CATEGORIES = ("launch", "startup", "redone", "gap", "other")
+CATEGORIES = ("launch", "startup", "redone", "stall", "rollback", "gap", "other")
+KINDS = ("kill", "hang", "error")  # the failures a benchmark injects
+CHARGED = ("startup", "redone", "stall", "rollback", "gap")  # what a failure is charged
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,10 +51,29 @@ class Line:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Life:
-  """One trainer process: its start and its end (kill time, or None: alive at the end)."""
+  """One trainer process: its start, its end (None: alive when the window closed), the
+  kind of the injected failure that ended it (:data:`KINDS`; a hang that nothing ended
+  has ``end`` None; None: it ended otherwise, or lived on), and when each error it
+  survived was raised."""
   start: float
   end: float | None
-  killed: bool
+  failure: str | None = None
+  caught: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cost:
+  """What one failure cost: seconds by :data:`CHARGED` category; ``at``: seconds from the
+  job's start to its last step before it (an error: when it was raised). ``recovered``: the job
+  made a step after it (else the window's end, or the next failure, cut its cost short)."""
+  kind: str
+  at: float
+  seconds: dict[str, float]
+  recovered: bool
+
+  @property
+  def total_s(self) -> float:
+    return sum(self.seconds.values())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,42 +85,69 @@ class Account:
   steps: int  # the final lineage's last step
   rates: tuple[float, ...]  # steps/s of each process between its first and last line
   startups: tuple[float, ...]  # each process's startup, seconds
+  costs: tuple[Cost, ...] = ()  # each failure's, in order
 
   @property
   def goodput(self) -> float:
     return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
   def per_failure(self) -> dict[str, float]:
-    """Badput per failure: startup, re-done work and gap of the restarts only."""
-    if not self.failures:
-      return {}
-    restarts = self.startups[1:]
-    return {"startup": sum(restarts) / self.failures,
-            "redone": self.badput_s["redone"] / self.failures,
-            "gap": self.badput_s["gap"] / self.failures}
+    """Badput per failure, by category: what the failures were charged, over their
+    number (startup, re-done work and gap; stall and rollback where any)."""
+    return _mean(self.costs)
+
+  def by_kind(self) -> dict[str, dict]:
+    """For each kind of failure seen: ``{"failures", "recovered", "per_failure_s",
+    "total_s"}`` (means over that kind's failures; a cost the window cut short counts
+    what it reached)."""
+    out = {}
+    for kind in sorted({c.kind for c in self.costs}, key=_kind_order):
+      mine = [c for c in self.costs if c.kind == kind]
+      out[kind] = {"failures": len(mine), "recovered": sum(c.recovered for c in mine),
+                   "per_failure_s": _mean(mine),
+                   "total_s": statistics.fmean(c.total_s for c in mine)}
+    return out
 
   def to_dict(self) -> dict:
     return {"wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput,
             "badput_s": self.badput_s, "failures": self.failures, "steps": self.steps,
             "steps_per_s_between_failures": list(self.rates),
-            "startup_s_each": list(self.startups), "per_failure_s": self.per_failure()}
+            "startup_s_each": list(self.startups), "per_failure_s": self.per_failure(),
+            "by_kind": self.by_kind(),
+            "failures_each": [{"kind": c.kind, "at": c.at, "seconds": c.seconds,
+                               "total_s": c.total_s, "recovered": c.recovered}
+                              for c in self.costs]}
+
+
+def _kind_order(kind: str) -> int:
+  return KINDS.index(kind) if kind in KINDS else len(KINDS)
+
+
+def _mean(costs: Sequence[Cost]) -> dict[str, float]:
+  if not costs:
+    return {}
+  out = {k: sum(c.seconds[k] for c in costs) / len(costs) for k in CHARGED}
+  return {k: v for k, v in out.items() if v or k in ("startup", "redone", "gap")}
+
+
+def parse_line(text: str) -> Line | None:
+  """The step line ``text`` holds; None where it holds none (a torn line, another record)."""
+  try:
+    d = json.loads(text)
+  except ValueError:
+    return None
+  if not isinstance(d, dict) or "step" not in d or "time" not in d:
+    return None
+  return Line(int(d["step"]), float(d.get("loss", "nan")), float(d["time"]))
 
 
 def read_lines(path: str) -> list[Line]:
   """The metrics file's step lines, in the order written (a torn last line is skipped)."""
-  out = []
   try:
     with open(path) as f:
-      for text in f:
-        try:
-          d = json.loads(text)
-        except ValueError:
-          continue
-        if isinstance(d, dict) and "step" in d and "time" in d:
-          out.append(Line(int(d["step"]), float(d.get("loss", "nan")), float(d["time"])))
+      return [line for text in f if (line := parse_line(text)) is not None]
   except FileNotFoundError:
-    pass
-  return out
+    return []
 
 
 def final_lineage(lines: Sequence[Line]) -> set[int]:
@@ -99,47 +158,89 @@ def final_lineage(lines: Sequence[Line]) -> set[int]:
   return set(last.values())
 
 
+class _Ledger:
+  """What :func:`account` sums: badput by category, each failure's share of it, and the
+  productive time, life by life (:meth:`life`)."""
+
+  def __init__(self, lines: Sequence[Line], t0: float):
+    self.lines, self.t0 = lines, t0
+    self.keep = final_lineage(lines)
+    dts = [b.time - a.time for a, b in zip(lines, lines[1:])]
+    self.typical = statistics.median(dts) if dts else 0.0
+    self.bad = dict.fromkeys(CATEGORIES, 0.0)
+    self.productive = 0.0
+    self.rates: list[float] = []
+    self.startups: list[float] = []
+    self.costs: list[dict] = []  # {"kind", "at", "seconds", "recovered"}
+
+  def failure(self, kind: str, at: float) -> int:
+    self.costs.append({"kind": kind, "at": at - self.t0, "seconds": dict.fromkeys(CHARGED, 0.0),
+                       "recovered": False})
+    return len(self.costs) - 1
+
+  def add(self, category: str, seconds: float, failure: int | None) -> None:
+    self.bad[category] += seconds
+    if failure is not None and category in CHARGED:
+      self.costs[failure]["seconds"][category] += seconds
+
+  def life(self, life: Life, end: float, nxt: float, before: int | None) -> int | None:
+    """Accounts ``life`` (ending at ``end``; the next life starts at ``nxt``) after the
+    failure ``before`` ended the previous one; returns the failure that ended it."""
+    lines = self.lines
+    mine = [i for i, line in enumerate(lines) if life.start <= line.time < end
+            or (life.end is None and line.time == end)]
+    if before is not None and mine:
+      self.costs[before]["recovered"] = True
+    # Its failures in order: the errors it survived, then the one that ended it.
+    caught = [(t, self.failure("error", t)) for t in sorted(life.caught)]
+    for t, i in caught:
+      self.costs[i]["recovered"] = any(lines[j].time > t for j in mine)
+    ended = None if life.failure is None else self.failure(
+        life.failure, lines[mine[-1]].time if mine else life.start)
+    prev = None
+    for i in mine:
+      if prev is None:
+        dt = min(self.typical, lines[i].time - life.start)
+        self.startups.append(lines[i].time - life.start - dt)
+        self.add("startup", self.startups[-1], before)
+      else:
+        dt = lines[i].time - prev
+        rolled = next((j for tc, j in caught if prev < tc <= lines[i].time), None)
+        if rolled is not None and dt > self.typical:
+          self.add("rollback", dt - self.typical, rolled)
+          dt = self.typical
+      if i in self.keep:
+        self.productive += dt
+      else:  # thrown away by the first of its failures after it
+        self.add("redone", dt, next((j for tc, j in caught if tc >= lines[i].time), ended))
+      prev = lines[i].time
+    if prev is None:  # died, or the window closed, before its first step
+      self.startups.append(end - life.start)
+      self.add("startup", end - life.start, before)
+    else:
+      tail = "stall" if life.failure == "hang" else "redone" if life.failure else "other"
+      self.add(tail, end - prev, ended)
+      if len(mine) >= 3:
+        self.rates.append((len(mine) - 1) / (lines[mine[-1]].time - lines[mine[0]].time))
+    self.add("gap", max(0.0, nxt - end), ended)
+    return ended
+
+
 def account(lines: Sequence[Line], lives: Sequence[Life], *, t0: float,
             t_end: float) -> Account:
   """Splits ``[t0, t_end]`` into productive time and badput; see the module doc."""
   lives = sorted(lives, key=lambda life: life.start)
-  lines = sorted(lines, key=lambda line: line.time)
-  keep = final_lineage(lines)
-  bad = dict.fromkeys(CATEGORIES, 0.0)
-  productive, rates, startups = 0.0, [], []
-  bad["launch"] = (lives[0].start if lives else t_end) - t0
-  all_dts = [b.time - a.time for a, b in zip(lines, lines[1:])]
-  typical = statistics.median(all_dts) if all_dts else 0.0
+  ledger = _Ledger(sorted(lines, key=lambda line: line.time), t0)
+  ledger.add("launch", (lives[0].start if lives else t_end) - t0, None)
+  before: int | None = None  # the failure that ended the previous life
   for n, life in enumerate(lives):
     end = min(life.end if life.end is not None else t_end, t_end)
-    nxt = lives[n + 1].start if n + 1 < len(lives) else t_end
-    mine = [i for i, line in enumerate(lines) if life.start <= line.time < end
-            or (life.end is None and line.time == end)]
-    prev = None
-    for i in mine:
-      if prev is None:
-        dt = min(typical, lines[i].time - life.start)
-        startups.append(lines[i].time - life.start - dt)
-        bad["startup"] += startups[-1]
-      else:
-        dt = lines[i].time - prev
-      if i in keep:
-        productive += dt
-      else:
-        bad["redone"] += dt
-      prev = lines[i].time
-    if prev is None:  # died, or the window closed, before its first step
-      startups.append(end - life.start)
-      bad["startup"] += end - life.start
-    else:
-      tail = end - prev
-      bad["redone" if life.killed else "other"] += tail
-      if len(mine) >= 3:
-        rates.append((len(mine) - 1) / (lines[mine[-1]].time - lines[mine[0]].time))
-    bad["gap"] += max(0.0, nxt - end)
-  final = max((lines[i].step for i in keep), default=0)
-  failures = sum(1 for life in lives if life.killed)
-  return Account(t_end - t0, productive, bad, failures, final, tuple(rates), tuple(startups))
+    before = ledger.life(life, end, lives[n + 1].start if n + 1 < len(lives) else t_end,
+                         before)
+  final = max((ledger.lines[i].step for i in ledger.keep), default=0)
+  costs = tuple(Cost(c["kind"], c["at"], c["seconds"], c["recovered"]) for c in ledger.costs)
+  return Account(t_end - t0, ledger.productive, ledger.bad, len(costs), final,
+                 tuple(ledger.rates), tuple(ledger.startups), costs)
 
 
 def loss_diffs(lines: Sequence[Line], reference: Sequence[Line]) -> dict:

@@ -18,7 +18,8 @@ to ``--metrics``: ``{"step": n, "loss": x, "time": unix seconds when step n's lo
 ready}``, and prints a progress line every ``--progress-every`` seconds. Saves every
 ``--save-every`` steps and after the last. With ``--recover-in-process``, a step that
 raises rolls back to the latest committed step in the same process
-(``sidecar.jax.Recovery``); the same step failing again ends the process.
+(``sidecar.jax.Recovery``); the same step failing again ends the process. With
+``--inject-faults`` (testing), ``trainers.INJECT``'s signals make a step raise or hang.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def restore_or_init(ckpt, config, optimizer, sharding, seed: int):
 
 
 def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, recovery,
-          fault: Fault) -> int:
+          fault: Fault, injected: trainers.Faults) -> int:
   """Steps from ``step`` to ``args.steps``, saving every ``--save-every``; returns the last
   step. A step that raises goes to ``recovery`` (None: it ends the run)."""
   pending = None  # (step, loss): read once the next step is queued, so the device is busy
@@ -92,6 +93,7 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
     try:
       batch = next(feed)
       fault.check(step + 1)
+      injected.check(step + 1)
       state, loss = train_step(state, batch)
       if pending is not None:  # an asynchronous error of an earlier step surfaces here
         progress.step(pending[0], trainers.write_metric(metrics, *pending))
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
   optimizer, train_step, replicated, rows = trainers.data_parallel(config)
   me = jax.process_index()
   say = (lambda line: print(line, flush=True)) if me == 0 else (lambda line: None)
+  injected = trainers.Faults(args.inject_faults, say=lambda line: print(line, flush=True))
 
   with sidecar.jax.Controller.from_env() as ctl:
     ckpt = ctl.checkpointer(os.path.abspath(args.ckpt), max_to_keep=args.keep)
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         progress = trainers.Progress(args.progress_every if me == 0 else 0, ckpt.latest_step)
         step = train(args, ckpt, feed, train_step, state, step, metrics=metrics,
                      progress=progress, recovery=recovery,
-                     fault=Fault(args.fail_at, args.fail_times, say=me == 0))
+                     fault=Fault(args.fail_at, args.fail_times, say=me == 0),
+                     injected=injected)
     finally:
       ckpt.close()  # waits for the last save to be durable
   say(f"trained to step {step}; checkpoints {ckpt.all_steps()}")

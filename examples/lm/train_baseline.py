@@ -16,7 +16,8 @@ of ``batch_size`` that never straddle an epoch. The checkpoint: Orbax's async
 CheckpointManager saving, in one step, the state (``StandardSave``) and Grain's iterator
 state (``grain.checkpoint.CheckpointSave``, Orbax's Grain handler). At start the latest
 step is restored, both items. Step numbering and metrics lines are train.py's: step n is
-the n-th update, ``{"step": n, "loss": x, "time": unix seconds}`` per step.
+the n-th update, ``{"step": n, "loss": x, "time": unix seconds}`` per step; so is
+``--inject-faults`` (an injected error is not caught here: the process ends).
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.device_count()} device(s); training to step {args.steps}", flush=True)
     progress = trainers.Progress(args.progress_every, manager.latest_step)
     progress.start(step)
+    injected = trainers.Faults(args.inject_faults, say=lambda line: print(line, flush=True))
     with open(args.metrics, "a") as metrics:
       pending = None  # (step, loss): read once the next step is queued, as train.py does
       while step < args.steps:
         batch = jax.device_put(next(iterator), rows)
+        injected.check(step + 1)  # an error ends the process: its launcher restarts it
         state, loss = train_step(state, batch)
         step += 1
         if pending is not None:

@@ -1,11 +1,14 @@
 """What both trainers of this directory share: their flags, their data-parallel setup,
-their metrics line and their progress line, so ``train.py`` (the sidecars) and
-``train_baseline.py`` (Grain + Orbax) differ only in how they feed and checkpoint."""
+their metrics line, their progress line and the failures a benchmark injects, so
+``train.py`` (the sidecars) and ``train_baseline.py`` (Grain + Orbax) differ only in how
+they feed and checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +29,9 @@ def parser(description: str, *, ckpt_help: str) -> argparse.ArgumentParser:
   p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
                  help="print a progress line (step, loss, steps/s, last durable step) this "
                       "often; 0: never")
+  p.add_argument("--inject-faults", action="store_true",
+                 help="testing: a signal of INJECT makes the next step raise (error) or "
+                      "never return (hang); benchmarks.goodput sends them")
   return p
 
 
@@ -95,3 +101,41 @@ class Progress:
     print(f"step {step}: loss {loss:.4f}, {rate:.1f} steps/s, last durable step "
           f"{'none' if durable is None else durable}", file=self._out or sys.stdout, flush=True)
     self._since = (now, step)
+
+
+# The signals that inject a failure into a live trainer (--inject-faults), by kind. Not
+# SIGUSR2: sidecar launch asks a stalled trainer for its stacks with it.
+INJECT = {"error": signal.SIGRTMIN + 1, "hang": signal.SIGRTMIN + 2}
+
+
+class Faults:
+  """``--inject-faults``: a failure a benchmark injects, happening inside a step.
+
+  The signal's handler only notes the kind (a handler that raised would raise wherever
+  the main thread happens to be: in a save, in the feed); the step loop calls
+  :meth:`check` inside each step, after its batch is taken, and there the step raises
+  (``error``) or never returns (``hang``: it sleeps until the process is killed). Each
+  prints ``fault: injected KIND in step N at unix T`` first. Disabled, it does nothing.
+  """
+
+  def __init__(self, enabled: bool, *, say: Callable[[str], None]):
+    self._pending: str | None = None
+    self._say = say
+    if enabled:
+      for kind, sig in INJECT.items():
+        signal.signal(sig, lambda *_, kind=kind: self._note(kind))
+
+  def _note(self, kind: str) -> None:
+    self._pending = kind
+
+  def check(self, step: int) -> None:
+    """Step ``step`` fails here if a failure was injected since the last check."""
+    kind, self._pending = self._pending, None
+    if kind is None:
+      return
+    self._say(f"fault: injected {kind} in step {step} (pid {os.getpid()}) at unix "
+              f"{time.time():.6f}")
+    if kind == "error":
+      raise RuntimeError(f"injected error in step {step} (--inject-faults)")
+    while True:  # a hang: a step that never returns (the launcher's SIGKILL ends it)
+      time.sleep(3600)

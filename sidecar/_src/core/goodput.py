@@ -34,8 +34,12 @@ event, else its last event):
 - step time: the rest of the span. For a life that died, what the next life threw away
   is ``redone``: the step time after its ``save`` of the step the next life resumed from
   (all its step time if it saved no such step: the next life restored an older one, or
-  started from scratch); the last life of a job that ended in a death counts the step
-  time after its last save as redone. The rest of the step time is ``productive``;
+  started from scratch; a next life that died before it restored or stepped decides
+  nothing, the one after it does); the last life of a job that ended in a death counts
+  the step time after its last save as redone. A rollback in the process (a ``restore`` after the
+  first step) throws away the step time from its save of the step it restored (its first
+  step, where it saved no such step) to the rollback: ``redone`` too, counted once where
+  the spans overlap. The rest of the step time is ``productive``;
 - ``stall``: of a life that died stalled, its last step .. its end (its ``seen``, the
   moment the sidecar found it stalled): no step was made, and a launcher killed it;
 - ``restart_gap``: a death (its ``seen``, the last sign of life, where it is later than
@@ -250,6 +254,9 @@ class Life:
   seconds: dict[str, float]  # this life's share of each category, and "productive"
   resumed_from: int | None = None  # the step it restored before its first step (None: none)
   rollbacks: tuple[tuple[float, int], ...] = ()  # (when, step) of restores after its first step
+  # (from, to) of the step time each rollback threw away (redone): from the save of the
+  # step it restored to the rollback.
+  rolled_back: tuple[tuple[float, float], ...] = ()
   # (start, end, category) of the time it was blocked: "data_wait" (drawn at the end of
   # the interval between two events that counted it: marks come every 5 s at most),
   # "checkpoint" (ending when save() returned, or the checkpointer closed), "restore".
@@ -317,10 +324,14 @@ class _Life:
       return None
     return restore.step
 
-  def rollbacks(self) -> tuple[tuple[float, int], ...]:
+  def rollback_events(self) -> list[Event]:
+    """Its restores after its first step: rollbacks inside the process."""
     first = self.first("first_step")
-    return tuple((e.t, e.step or 0) for e in self.events
-                 if e.kind == "restore" and first is not None and e.t > first.t)
+    return [e for e in self.events
+            if e.kind == "restore" and first is not None and e.t > first.t]
+
+  def rollbacks(self) -> tuple[tuple[float, int], ...]:
+    return tuple((e.t, e.step or 0) for e in self.rollback_events())
 
   def blocked(self, start: float, end: float) -> tuple[tuple[float, float, str], ...]:
     """Where the counters place the blocked time: see :attr:`Life.blocked`."""
@@ -378,27 +389,29 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
       wall += start - previous.end
       restarts += 1
     wall += end - start
-    seconds = _split(life, start, end, ended, lives[i + 1] if i + 1 < len(lives) else None)
+    seconds = _split(life, start, end, ended, lives[i + 1:])
     for k in CATEGORIES[:-1]:
       totals[k] += seconds[k]
     productive += seconds["productive"]
     first = life.first("first_step")
     redone_from = seconds.pop("_redone_from")
+    rolled_back = seconds.pop("_rolled_back")
     previous = Life(life.name, start, None if first is None else min(first.t, end), end, ended,
                     tuple((e.t, e.step or 0) for e in life.saves()), redone_from, seconds,
                     resumed_from=life.resumed_from(), rollbacks=life.rollbacks(),
-                    blocked=life.blocked(start, end))
+                    blocked=life.blocked(start, end), rolled_back=rolled_back)
     out.append(previous)
   return Ledger(wall, productive, totals, restarts, tuple(out), skipped_lines)
 
 
-def _split(life: _Life, start: float, end: float, ended: str, after: _Life | None, *,
+def _split(life: _Life, start: float, end: float, ended: str, later: Sequence[_Life], *,
            stall: bool = True) -> dict[str, Any]:
-  """One life's span split into the categories (all but restart_gap) and productive."""
+  """One life's span split into the categories (all but restart_gap) and productive;
+  ``later``: the lives after it."""
   stalled = life.stalled() if ended == "died" and stall else None
   if stalled is not None:  # no step after it: that time is the stall's, not a step's
     stall_s = end - max(start, min(stalled, end))
-    split = _split(life, start, end - stall_s, "died", after, stall=False)
+    split = _split(life, start, end - stall_s, "died", later, stall=False)
     split["stall"] = stall_s
     return split
   last = life.last_counters()
@@ -416,26 +429,63 @@ def _split(life: _Life, start: float, end: float, ended: str, after: _Life | Non
   span = end - start
   step_s = max(0.0, min(step_s, span - sum(seconds.values())))
   seconds["startup"] = span - step_s - last.blocked_s
-  redone, redone_from = 0.0, None
-  if ended != "finish" and (ended == "died" or after is not None):
-    kept = _kept_save(life, after)
+  rolled = _rolled_back(life, first_t, first_c, end)
+  thrown = list(rolled)
+  redone_from = None
+  if ended != "finish" and (ended == "died" or later):
+    kept = _kept_save(life, later)
     if kept is None:
-      redone, redone_from = step_s, first_t
+      redone_from, from_c = first_t, first_c
     elif kept.t < end:
-      kept_t = max(kept.t, first_t)
-      redone = min(step_s, _step_time(kept_t, kept.counters or first_c, end, last))
-      redone_from = kept_t
+      redone_from, from_c = max(kept.t, first_t), kept.counters or first_c
+    if redone_from is not None:
+      thrown.append((redone_from, from_c, end, last))
+  redone = min(step_s, _union_step_time(thrown))
   seconds["redone"] = redone
   seconds["stall"] = 0.0
   seconds["productive"] = step_s - redone
   seconds["_redone_from"] = redone_from
+  seconds["_rolled_back"] = tuple((a, b) for a, _, b, _ in rolled if b > a)
   return seconds
 
 
-def _kept_save(life: _Life, after: _Life | None) -> Event | None:
-  """The save of ``life`` whose step the next life resumed from (without a next life: its
-  last save, the step a restart would resume from); None where there is none."""
+_Span = tuple[float, Counters, float, Counters]  # (from, its counters, to, its counters)
+
+
+def _rolled_back(life: _Life, first_t: float, first_c: Counters, end: float) -> list[_Span]:
+  """The spans whose step time each rollback threw away: from this life's save of the
+  step it restored (its first step, where it saved no such step) to the rollback."""
+  out = []
+  for r in life.rollback_events():
+    saved = next((e for e in reversed(life.saves()) if e.step == r.step and e.t <= r.t), None)
+    start, start_c = ((max(saved.t, first_t), saved.counters or first_c) if saved is not None
+                      else (first_t, first_c))
+    out.append((start, start_c, min(r.t, end), r.counters or first_c))
+  return out
+
+
+def _union_step_time(spans: Sequence[_Span]) -> float:
+  """The step time of the union of ``spans`` (overlapping ones counted once)."""
+  total, current = 0.0, None
+  for span in sorted(spans, key=lambda x: x[0]):
+    if current is not None and span[0] <= current[2]:
+      if span[2] > current[2]:
+        current = (current[0], current[1], span[2], span[3])
+      continue
+    if current is not None:
+      total += _step_time(*current)
+    current = span
+  return total + (_step_time(*current) if current is not None else 0.0)
+
+
+def _kept_save(life: _Life, later: Sequence[_Life]) -> Event | None:
+  """The save of ``life`` whose step the next life to go on resumed from: the first of
+  ``later`` that restored a step or made a first step (one that died before either, a
+  restart cut short, decided nothing). Without one: its last save, the step a restart
+  would resume from. None where there is none (the next life started from scratch)."""
   saves = life.saves()
+  after = next((x for x in later if x.resumed_from() is not None
+                or x.first("first_step") is not None), None)
   if after is None:
     return saves[-1] if saves else None
   step = after.resumed_from()

@@ -57,10 +57,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
-  """The timeline's spans: each life's startup, steps kept and steps thrown away, its
-  stall before it was killed (if it stalled), the time it was blocked (data wait,
-  checkpoint, restore: ``BLOCKED``), and the restart gap after a life that did not finish
-  (in the row of the life it ends)."""
+  """The timeline's spans: each life's startup, steps kept and steps thrown away (by its
+  death, and by each rollback inside it), its stall before it was killed (if it stalled),
+  the time it was blocked (data wait, checkpoint, restore: ``BLOCKED``), and the restart
+  gap after a life that did not finish (in the row of the life it ends)."""
   t0 = ledger.lives[0].start if ledger.lives else 0.0
   out = []
   for row, life in enumerate(ledger.lives):
@@ -68,6 +68,7 @@ def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
     stalled = life.end - life.seconds.get("stall", 0.0)  # no step from here on
     thrown = stalled if life.redone_from is None else min(life.redone_from, stalled)
     spans = [(life.start, first, "startup"), (first, thrown, "productive"),
+             *((a, b, "redone") for a, b in life.rolled_back),  # drawn over the steps kept
              (thrown, stalled, "redone"), (stalled, life.end, "stall"), *life.blocked]
     if row + 1 < len(ledger.lives) and life.ended != "finish":
       spans.append((life.end, ledger.lives[row + 1].start, "restart_gap"))

@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 # Killed once step KILL_AFTER is written and step SAVE_EVERY's checkpoint committed (the
 # trainer commits it: killed before, it would start again from scratch, and resume nothing).
 STEPS, SAVE_EVERY, KILL_AFTER = 50, 10, 15
+INJECT_ERROR = signal.SIGRTMIN + 1  # examples/lm/trainers.py's INJECT["error"]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +166,44 @@ def test_a_trainer_killed_under_max_restarts_resumes_bit_exactly(
   total = account["productive_s"] + sum(account["badput_s"].values())
   assert abs(total - account["wall_s"]) <= 0.01 * account["wall_s"], account
   assert account["badput_s"]["restore"] > 0 and 0 < account["goodput"] < 1, account
+
+
+def test_an_injected_error_is_raised_in_a_step_and_rolled_back_in_process(
+    data, expected, tmp_path):
+  """benchmarks.goodput's way to fail a live trainer: trainers.INJECT["error"] sent to
+  the process (--inject-faults) once step KILL_AFTER is written and step SAVE_EVERY
+  committed; its next step raises and --recover-in-process rolls it back. Every loss
+  written, the re-done ones included, is the uninterrupted run's."""
+  metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+  p = _launch(data, ckpt, metrics, "--inject-faults", "--recover-in-process")
+  try:
+    header = p.stdout.readline()
+    while "initialised" not in header:
+      line = p.stdout.readline()
+      assert line, header
+      header += line
+    trainer = int(re.search(r"pid (\d+) initialised", header).group(1))
+    assert eventually(lambda: KILL_AFTER in _steps(metrics)
+                      and (ckpt / str(SAVE_EVERY)).is_dir(), timeout=60), header
+    os.kill(trainer, INJECT_ERROR)
+    out = header + p.communicate(timeout=120)[0]
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  assert p.returncode == 0, out
+  failed = int(re.search(rf"fault: injected error in step (\d+) \(pid {trainer}\)", out)
+               .group(1))
+  assert KILL_AFTER < failed <= STEPS, out
+  assert re.search(rf"step {failed} raised RuntimeError: injected error in step {failed} "
+                   r"\(--inject-faults\); rolled back in-process to step \d+ \(ram tier", out), out
+  restored = int(re.search(r"rolled back in-process to step (\d+)", out).group(1))
+  assert restored % SAVE_EVERY == 0 and restored < failed, out
+  # Before the rollback: 1..failed-2 (step failed-1's loss was still pending when step
+  # failed raised: written once computed again); after it: restored+1..STEPS.
+  assert _steps(metrics) == [*range(1, failed - 1), *range(restored + 1, STEPS + 1)]
+  lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert all(line["loss"] == expected[line["step"]] for line in lines)
 
 
 def test_a_step_that_raises_is_rolled_back_in_process_then_restarted_if_it_fails_again(

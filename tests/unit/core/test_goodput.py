@@ -251,6 +251,62 @@ def test_each_life_says_the_step_it_resumed_from_and_where_it_rolled_back_to():
   assert ledger.lives[0].redone_from == 60.0
 
 
+def test_a_restart_killed_before_it_restored_decides_nothing():
+  # Life a saves step 50 at 60 and dies at 80; life b starts at 85 and is killed at 86,
+  # before it restored anything; life c restores 50: a's steps up to its save are kept.
+  events = (life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=80.0, ckpt=1.0)
+            + life("b", 85.0, end=86.0)
+            + life("c", 90.0, restore=(93.0, 50), restore_s=2.0, first=100.0, end=150.0,
+                   ended="finish", first_blocked=(0.0, 0.0, 2.0)))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.lives[0].redone_from == 60.0
+  assert ledger.badput_s["redone"] == pytest.approx(20.0)
+  # The same where the job ends with b (the window's end): a's last save is kept.
+  ledger = goodput.account(events[:-4])
+  assert ledger.lives[0].redone_from == 60.0 and ledger.restarts == 1
+
+
+def test_a_rollback_throws_away_the_steps_since_the_save_it_restored():
+  # Life a saves step 50 at 60 (1 s blocked), a step raises and it rolls back in-process
+  # to step 50, restored at 80 (2 s), and finishes at 120: 60 .. 80 less the restore
+  # was computed again after the rollback.
+  events = life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=120.0, ended="finish",
+                ckpt=1.0, restore_s=2.0)
+  events.insert(-1, Event("restore", "a", 80.0, Counters(0, 0.0, 1.0, 2.0), step=50))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(18.0)
+  assert ledger.badput_s["restore"] == pytest.approx(2.0)
+  assert ledger.productive_s == pytest.approx(110.0 - 1.0 - 2.0 - 18.0)
+  assert ledger.lives[0].rolled_back == ((60.0, 80.0),)
+
+
+def test_a_rollback_then_a_death_throw_away_the_same_steps_once():
+  # As above, but life a dies at 100 with no later save: life b resumes from step 50
+  # too, so 60 .. 100 is thrown away: the rollback's 60 .. 80 inside it, counted once.
+  events = (life("a", 0.0, first=10.0, saves=[(60.0, 50, 1.0)], end=100.0, ckpt=1.0,
+                 restore_s=2.0)
+            + life("b", 105.0, restore=(107.0, 50), restore_s=1.0, first=110.0, end=150.0,
+                   ended="finish", first_blocked=(0.0, 0.0, 1.0)))
+  events.insert(3, Event("restore", "a", 80.0, Counters(0, 0.0, 1.0, 2.0), step=50))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(40.0 - 2.0)
+  assert ledger.lives[0].redone_from == 60.0
+
+
+def test_a_rollback_to_the_step_it_resumed_from_throws_away_all_its_steps_before():
+  # Life b resumed from step 50 and rolls back to it at 140 having saved nothing since.
+  events = life("b", 100.0, restore=(103.0, 50), restore_s=1.0, first=110.0, end=170.0,
+                ended="finish", first_blocked=(0.0, 0.0, 1.0))
+  events.insert(-1, Event("restore", "b", 140.0, Counters(0, 0.0, 0.0, 1.5), step=50))
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.badput_s["redone"] == pytest.approx(30.0 - 0.5)  # 110 .. 140, less its restore
+  assert ledger.lives[0].rolled_back == ((110.0, 140.0),)
+
+
 def test_the_blocked_time_is_drawn_where_the_events_counted_it():
   # Restored 3 s up to t=5; 1 s of data wait by the first step (t=10); a save that
   # blocked 2 s up to t=20, 0.5 s more data wait before it; 0.5 s closing at t=30.

@@ -3,7 +3,9 @@
 import importlib.util
 import io
 import json
+import os
 import pathlib
+import signal
 import sys
 
 import jax
@@ -145,3 +147,48 @@ def test_the_progress_line_says_step_loss_rate_and_the_last_durable_step():
   now[0] += 1e6
   quiet.step(2, 1.0)
   assert silent.getvalue() == ""
+
+
+@pytest.fixture
+def faults():
+  """trainers.py, its injection signals' handlers put back afterwards."""
+  trainers = _load("trainers")
+  before = {sig: signal.getsignal(sig) for sig in trainers.INJECT.values()}
+  yield trainers
+  for sig, handler in before.items():
+    signal.signal(sig, handler)
+
+
+def test_an_injected_error_raises_in_the_next_step_and_only_there(faults):
+  said = []
+  injected = faults.Faults(True, say=said.append)
+  injected.check(1)  # nothing injected: nothing happens
+  os.kill(os.getpid(), faults.INJECT["error"])  # its handler only notes the kind
+  with pytest.raises(RuntimeError, match=r"injected error in step 2 \(--inject-faults\)"):
+    injected.check(2)
+  injected.check(3)  # once
+  assert len(said) == 1 and said[0].startswith(
+      f"fault: injected error in step 2 (pid {os.getpid()}) at unix ")
+
+
+def test_an_injected_hang_never_returns_from_its_step(faults, monkeypatch):
+  class Slept(Exception):
+    pass
+
+  def sleep(seconds):  # the only way out of a hang here: a hung process is killed
+    raise Slept(seconds)
+
+  said = []
+  injected = faults.Faults(True, say=said.append)
+  os.kill(os.getpid(), faults.INJECT["hang"])
+  monkeypatch.setattr(faults.time, "sleep", sleep)
+  with pytest.raises(Slept):
+    injected.check(7)
+  assert said[0].startswith("fault: injected hang in step 7 ")
+
+
+def test_without_the_flag_nothing_catches_the_signals(faults):
+  before = {sig: signal.getsignal(sig) for sig in faults.INJECT.values()}
+  faults.Faults(False, say=print).check(1)
+  assert {sig: signal.getsignal(sig) for sig in faults.INJECT.values()} == before
+  assert signal.SIGUSR2 not in faults.INJECT.values()  # the launcher's stacks signal

@@ -49,6 +49,7 @@ def test_the_timeline_draws_data_wait_checkpoint_and_restore_in_their_lives():
   assert spans[(0, "checkpoint")] == [(19.0, 20.0)]
   assert spans[(0, "restart_gap")] == [(30.0, 32.0)]
   assert spans[(1, "restore")] == [(34.0, 36.0), (44.5, 45.0)]  # the resume, the rollback
+  assert spans[(1, "redone")] == [(40.0, 45.0)]  # rolled back to the step it resumed from
   assert {b.category for b in bars} == {"startup", "productive", "redone", "data_wait",
                                         "checkpoint", "restore", "restart_gap"}
   assert all(b.category in goodput_cli.COLORS for b in bars)
