@@ -14,7 +14,10 @@ and the same last error line of its output) before its first step :data:`REPEATS
 in a row ends the job with that failure instead of restarting it again
 (:meth:`Watchdog.recurs`): a typo in a path fails the same way every time, and
 restarting it only hides the error under more output. "Before its first step": its
-sidecar saw no step of it (the same signal as stalls).
+sidecar saw it attach and no step of it (the same signal as stalls). A trainer its
+sidecar never saw (one that failed before its Worker attached, or one that uses no
+sidecar, as a Grain + Orbax trainer under the same launcher) is restarted as before: no
+signal tells its steps from none.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ STACKS_S = 1.0  # how long a stalled trainer is given to write its stacks
 REPEATS = 2  # the same failure before the first step this often in a row ends the job
 # What `sidecar launch --help` says of this module's two rules.
 HELP = f"""\
-A trainer that fails the same way (exit status and last error line) before its first
-step {REPEATS} times in a row is not restarted again: the job ends with that failure.
+A trainer that fails the same way (exit status and last error line) after its Worker
+attached and before its first step {REPEATS} times in a row is not restarted again: the
+job ends with that failure.
 
 --stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer that made its
 first step and then none (no feed batch taken, no save: its sidecar watches) for the
@@ -72,7 +76,8 @@ class Stall:
 class _Failure:
   code: int
   line: str  # its output's last error line (or last line)
-  stepped: bool
+  stepped: bool  # its sidecar saw a step of it
+  seen: bool  # its sidecar saw it attach: "no step" means something
 
 
 class _Tap:
@@ -109,6 +114,7 @@ class Watchdog:
     self._lock = threading.Lock()
     self._latest: dict[int, list] = {}  # host -> its Status.trainers, last read
     self._stepped: set[tuple[int, int]] = set()  # (rank, restart) seen with a step
+    self._seen: set[tuple[int, int]] = set()  # (rank, restart) seen attached
     self._lines: dict[int, str] = {}  # rank -> its output's last error line
     self._last: dict[int, str] = {}  # rank -> its output's last line
     self._failures: list[_Failure] = []  # the job's, in order, those before a step
@@ -150,6 +156,7 @@ class Watchdog:
       with self._lock:
         self._latest[host] = got
         self._stepped.update((t.rank, t.restart) for t in got if t.steps > 0)
+        self._seen.update((t.rank, t.restart) for t in got)
 
   # ---- stalls ---------------------------------------------------------------------------
 
@@ -224,10 +231,12 @@ class Watchdog:
     self.refresh()  # its last step may have come since the last poll
     with self._lock:
       line = self._lines.get(rank) or self._last.get(rank) or ""
-      failure = _Failure(code, line, (rank, restart) in self._stepped)
+      failure = _Failure(code, line, (rank, restart) in self._stepped,
+                         (rank, restart) in self._seen)
       self._failures.append(failure)
       last = self._failures[-REPEATS:]
-    if failure.stepped or len(last) < REPEATS or any(f != failure for f in last):
+    if (failure.stepped or not failure.seen or len(last) < REPEATS
+        or any(f != failure for f in last)):
       return None
     return (f"it failed the same way {REPEATS} times in a row before its first step "
             f"({trainers.how(code)}" + (f"; its last error: {line}" if line else "")

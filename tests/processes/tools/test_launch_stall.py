@@ -71,8 +71,11 @@ def test_a_hung_trainer_is_found_its_stacks_printed_and_it_is_restarted(
 
 
 def test_a_failure_that_recurs_before_the_first_step_is_not_restarted_again(tmp_path):
-  # As a typo in --data: the same error each time, before any step.
-  script = "raise FileNotFoundError('no corpus manifest at /tmp/lm-dta')"
+  # As a typo in --data: the same error each time, after its Worker attached and before
+  # any step.
+  script = ("import sidecar.jax\n"
+            "with sidecar.jax.Controller.from_env(timeout=60):\n"
+            "  raise FileNotFoundError('no corpus manifest at /tmp/lm-dta')")
   p = _launch("--max-restarts", "3", "--", sys.executable, "-c", script, timeout=120)
   assert p.returncode == 1, p.stdout + p.stderr
   assert "FileNotFoundError: no corpus manifest at /tmp/lm-dta" in p.stderr

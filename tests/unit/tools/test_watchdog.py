@@ -15,7 +15,9 @@ def dog():
   return watchdog.Watchdog(lambda: {}, token=None, say=lambda text: None)
 
 
-def fail(d, rank, restart, code, *lines):
+def fail(d, rank, restart, code, *lines, seen=True):
+  if seen:  # its sidecar saw it attach (Status.trainers)
+    d._seen.add((rank, restart))
   out = d.tap(rank, io.BytesIO())
   for line in lines:
     out.write(f"[host 0] {line}\n".encode())
@@ -40,6 +42,15 @@ def test_a_failure_that_changes_restarts(second):
   d = dog()
   assert fail(d, 0, 0, 1, "FileNotFoundError: no corpus manifest at /tmp/lm-dta") is None
   assert fail(d, 0, 1, second[0], second[1]) is None
+
+
+def test_a_trainer_its_sidecar_never_saw_is_restarted_whatever_it_says():
+  # Failed before its Worker attached, or uses no sidecar (a Grain + Orbax trainer under
+  # the same launcher): nothing tells its steps from none.
+  d = dog()
+  assert fail(d, 0, 0, 1, "RuntimeError: boom", seen=False) is None
+  assert fail(d, 0, 1, 1, "RuntimeError: boom", seen=False) is None
+  assert fail(d, 0, 2, 1, "RuntimeError: boom", seen=False) is None
 
 
 def test_a_failure_after_a_step_restarts():
