@@ -531,19 +531,26 @@ class Controller:
 
   def close(self) -> None:
     """Closes what this controller made (feeds and streams, then checkpointers, which
-    finish the save in flight), its workers and channels; idempotent."""
+    finish the save in flight), its workers and channels; idempotent. A checkpointer's
+    save that failed and was not raised yet is raised once all is closed."""
     if self.state is State.CLOSED:
       return
     if self._watch is not None:
       self._watch.stop()
     self.cancel()
+    failed: Exception | None = None
     for child in list(self._children):
-      child.close()  # the checkpointers: each waits for its save in flight
+      try:
+        child.close()  # the checkpointers: each waits for its save in flight
+      except Exception as e:  # a save that failed: raised once all is closed
+        failed = failed or e
     if self._goodput is not None:  # a clean end: the sidecar records no death
       self._goodput.finish()
     self.state = State.CLOSED
     self._sidecars.close()  # the workers it made, then the channels
     self._calls.close()  # its caller threads: their calls ended with the channels
+    if failed is not None:
+      raise failed
 
   def __enter__(self) -> Self:
     return self

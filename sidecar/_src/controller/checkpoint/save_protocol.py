@@ -109,7 +109,11 @@ class SaveProtocol:
   def begin(self, host: int, path: str, step: int) -> str:
     """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
     directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
-    return self.client.begin(host, path, step, format=self.format).result()
+    try:
+      return self.client.begin(host, path, step, format=self.format).result()
+    except errors.SidecarError as e:
+      e.add_note(f"host {host} could not begin step {step} in {path}")
+      raise
 
   def sends(self, target: Target, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,

@@ -394,6 +394,7 @@ class StepWriter:
 
       def progress(nbytes: int) -> None:
         faults.fault("enospc", record.step)
+        faults.fault("eio", record.step)
         record.written += nbytes
         self._metrics.checkpoint_bytes("written", nbytes)
         now = time.monotonic()

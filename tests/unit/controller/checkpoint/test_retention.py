@@ -52,11 +52,13 @@ def test_a_save_then_a_restore_from_the_ram_tier_in_phase_order():
 def test_a_failed_prepare_aborts_the_save_on_every_host_and_lists_nothing():
   fake = FakeSidecars(hosts=(0, 1), fail={
       "prepared": errors.InvalidArgumentError("host 1 could not write step 4: disk full")})
-  with checkpointer(fake) as ckpt:
-    handle = ckpt.save(4, {"x": np.ones(3, np.float32)})
-    with pytest.raises(errors.InvalidArgumentError, match="disk full"):
-      handle.durable.result()
-    assert ckpt.all_steps() == []
+  ckpt = checkpointer(fake)
+  handle = ckpt.save(4, {"x": np.ones(3, np.float32)})
+  with pytest.raises(errors.InvalidArgumentError, match="disk full"):
+    handle.durable.result()
+  assert ckpt.all_steps() == []
+  with pytest.raises(errors.InvalidArgumentError, match="disk full"):
+    ckpt.close()  # and the checkpointer raises it too, once
   assert "commit" not in [name for name, _ in fake.calls]
   tmp = "/ckpt/run/4.orbax-checkpoint-tmp"
   # Each host drops its part, then (every host done) the step's tmp directory goes.
