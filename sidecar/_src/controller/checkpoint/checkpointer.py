@@ -286,8 +286,13 @@ class Checkpointer:
       handle.replicated.set_result(target.step)
     # The save's end (listed, durable, old steps deleted, replicated) runs on the save's
     # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Agreement.join``).
-    self._agreement.start(target, tree, data_state_json=data_json,
-                          ending=Ending(handle, self._peers, key, self._retention))
+    try:
+      self._agreement.start(target, tree, data_state_json=data_json,
+                            ending=Ending(handle, self._peers, key, self._retention))
+    except BaseException:  # raised here: told, not to be raised again
+      with self._unreported_lock:
+        self._unreported.remove(handle)
+      raise
     return handle
 
   def mark_committed(self, target: Target) -> None:
