@@ -21,16 +21,10 @@ class HeldWrites(FakeSidecars):
     super().__init__(**kw)
     self.release = threading.Event()
 
-  def prepared(self, host, final_dir, *, timeout):
-    if "/1/" not in final_dir + "/":
-      return super().prepared(host, final_dir, timeout=timeout)
-    out: concurrent.futures.Future = concurrent.futures.Future()
-
-    def later():
-      self.release.wait(30)
-      out.set_result(FakeSidecars.prepared(self, host, final_dir, timeout=timeout).result())
-    threading.Thread(target=later, daemon=True).start()
-    return out
+  def written(self, host, final_dir):
+    if "/1/" in final_dir + "/":
+      assert self.release.wait(30)
+    return super().written(host, final_dir)
 
 
 def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
@@ -167,15 +161,10 @@ class FailsStep(FakeSidecars):
         host_id=host))
     return failed
 
-  def prepared(self, host, final_dir, *, timeout):
-    if f"/{self.step}/" in final_dir + "/":
+  def written(self, host, final_dir):
+    if f"/{self.step}/" in final_dir + "/" and host == 0:
       return self._full(host)
-    return super().prepared(host, final_dir, timeout=timeout)
-
-  def commit(self, host, *, step, when_written=False, **kw):
-    if step == self.step and when_written:  # the host's own commit once written
-      return self._full(host)
-    return super().commit(host, step=step, when_written=when_written, **kw)
+    return super().written(host, final_dir)
 
 
 def _save(ckpt, step):

@@ -19,7 +19,6 @@ from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
-from tests.conftest import eventually
 from tests.support import races
 from tests.support.staged import staged
 
@@ -239,67 +238,6 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
   monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
   writer.begin(directory, 4, owner="a", alive=lambda: True)
   writer.begin(directory, 4, owner="b", alive=lambda: True)
-
-
-class Held(Recording):
-  """The real Orbax format, its write held until ``release`` is set."""
-
-  def __init__(self):
-    super().__init__()
-    self.release = threading.Event()
-
-  def write(self, tmp_dir, host_id, numbering, incoming, *, progress, turn):
-    assert self.release.wait(30)
-    return super().write(tmp_dir, host_id, numbering, incoming, progress=progress, turn=turn)
-
-
-def test_a_step_committed_once_written_is_committed_after_its_trainer_died(make_writer,
-                                                                           tmp_path):
-  """A trainer stages step 3 whole, asks its host to commit it once written, and dies
-  while it is written: the host commits it all the same, its RAM tier holds it, and a
-  restarted trainer's open waits for that commit instead of sweeping the step."""
-  engine = Held()
-  writer, tier = make_writer(engine)
-  alive = [True]
-  directory = str(tmp_path / "ck")
-  writer.open(directory)
-  tmp_dir = os.path.join(writer.begin(directory, 3, owner="a", alive=lambda: alive[0]),
-                         spec_lib.ITEM)
-  final = str(tmp_path / "ck" / "3" / spec_lib.ITEM)
-  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0)],
-               last=False, owner="a")
-  with pytest.raises(errors.InvalidArgumentError, match="staged whole; step 3 .* last part"):
-    writer.commit(tmp_dir, 3, 1, SPECS, [], "", True, owner="a", when_written=True)
-  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], owner="a")
-  for bad, why in [({"num_hosts": 2}, "num_hosts 2"), ({"whole_step": False}, "whole_step False"),
-                   ({"shards": [records.ShardRecord.of(records.ShardId(("b",), ((0, 3),)), 1,
-                                                       np.zeros(3, np.int32))]}, "1 records")]:
-    args = {"num_hosts": 1, "whole_step": True, "shards": [], **bad}
-    with pytest.raises(errors.InvalidArgumentError, match=f"alone holds .*got .*{why}"):
-      writer.commit(tmp_dir, 3, args["num_hosts"], SPECS, args["shards"], "", args["whole_step"],
-                    owner="a", when_written=True)
-  commit = threading.Thread(target=lambda: writer.commit(
-      tmp_dir, 3, 1, SPECS, [], '{"batch": 9}', True, owner="a", when_written=True))
-  commit.start()  # the trainer's call, which its death leaves running here
-  assert eventually(lambda: tier.steps[final].commit_pending, timeout=30)
-  alive[0] = False
-  steps: list = []
-  reopen = threading.Thread(target=lambda: steps.extend(writer.open(directory)))
-  reopen.start()  # the restarted trainer's
-  reopen.join(0.5)
-  assert reopen.is_alive() and os.path.isdir(os.path.dirname(tmp_dir))  # waits, no sweep
-  with pytest.raises(errors.PermissionDeniedError, match="being committed already"):
-    writer.commit(tmp_dir, 3, 1, SPECS, [], "", True, owner="a", when_written=True)
-  engine.release.set()
-  commit.join(30)
-  reopen.join(30)
-  assert steps == [3] and not os.path.exists(os.path.dirname(tmp_dir))
-  assert tier.steps[final].committed  # the RAM tier holds it for the restore
-  with open(os.path.join(final, records.MANIFEST_FILE)) as f:
-    manifest = json.load(f)
-  assert manifest["data_state"] == {"batch": 9}
-  assert sorted((s["key_path"], s["crc32c"] is not None) for s in manifest["shards"]) == [
-      (["b"], True), (["w"], True)]
 
 
 class Pruned(OrbaxFormat):
