@@ -65,7 +65,7 @@ KEEP_S = 600.0  # how long a decided save is kept, for a host or a trainer that 
 
 
 @dataclasses.dataclass
-class Part:
+class HostState:
   """Another host's part of a save, as its committer knows it."""
   phase: AgreePhase
   records: tuple[ShardRecord, ...] = ()
@@ -75,7 +75,7 @@ class Part:
 
 class Agreement:
   """One save taken over, on one host: this host's part of it (``record``, until the end),
-  the other hosts' (``parts``, on the committer), and the end (``decision``)."""
+  the other hosts' states (``states``, on the committer), and the end (``decision``)."""
 
   def __init__(self, plan: CommitPlan, *, final_dir: str, step: int, directory: str,
                format: str):  # noqa: A002 - the wire's field
@@ -84,7 +84,7 @@ class Agreement:
     self.record: ram_tier.Step | None = None  # this host's part, till the end
     self.tmp_dir = ""  # this host's part's (a trainer's Commit names it)
     self.owners: frozenset[str] = frozenset()  # the sessions that staged this host's part
-    self.parts: dict[int, Part] = {}
+    self.states: dict[int, HostState] = {}
     self.decision: AgreeState | None = None
     self.aborted: BaseException | None = None  # the trainers aborted it
     self.cond = threading.Condition()
@@ -189,7 +189,7 @@ class Agreements:
   def _commit_when_agreed(self, a: Agreement) -> None:
     """The committer's thread: commits once every host's part is written, or abandons."""
     try:
-      shards = self._await_parts(a)
+      shards = self._await_written(a)
       faults.fault("prepared", a.step)
       assert a.record is not None
       committed = self._writer.commit_agreed(a.record, shards, plan=a.plan)
@@ -203,27 +203,27 @@ class Agreements:
       log.log(level, "step %d: abandoned by its committer, never listed: %s", a.step, e,
               extra={"step": a.step})
 
-  def _await_parts(self, a: Agreement) -> list[ShardRecord]:
+  def _await_written(self, a: Agreement) -> list[ShardRecord]:
     """Every host's written records, once all are written; raises why the save is
     abandoned (a failed write, the trainers' abort, a host gone, a part never whole)."""
     while True:
       with a.cond:
         if a.aborted is not None:
           raise a.aborted
-        failed = next((p.error for p in a.parts.values() if p.phase is AgreePhase.FAILED), None)
+        failed = next((p.error for p in a.states.values() if p.phase is AgreePhase.FAILED), None)
         if failed is not None:
           raise failed
         own = a.record
         if own is not None and own.done.is_set():
           if own.error is not None:
             raise checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error)
-          written = {h for h, p in a.parts.items() if p.phase is AgreePhase.WRITTEN}
+          written = {h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN}
           if written | {self._host_id} >= set(a.plan.hosts):
-            return [*own.written_records, *(r for p in a.parts.values() for r in p.records)]
-        missing = [h for h in a.plan.hosts if h not in a.parts and h != self._host_id]
+            return [*own.written_records, *(r for p in a.states.values() for r in p.records)]
+        missing = [h for h in a.plan.hosts if h not in a.states and h != self._host_id]
         missing += [self._host_id] if own is None else []
         now = time.monotonic()
-        silent = [h for h, p in a.parts.items()
+        silent = [h for h, p in a.states.items()
                   if p.phase is AgreePhase.TAKEN_OVER and now - p.heard > SILENT_S]
       self._look_around(a, missing, silent)
       if own is not None and not own.done.is_set():
@@ -268,9 +268,9 @@ class Agreements:
     with a.cond:
       if a.decision is not None:
         return
-      old = a.parts.get(state.host)
+      old = a.states.get(state.host)
       records = state.records or (old.records if old is not None else ())
-      a.parts[state.host] = Part(state.phase, records, state.error)
+      a.states[state.host] = HostState(state.phase, records, state.error)
       a.cond.notify_all()
 
   def _decide(self, a: Agreement, phase: AgreePhase, *, committed: str = "",
@@ -386,7 +386,7 @@ class Agreements:
     with a.cond:
       if a.decision is not None:
         return a.decision
-      written = tuple(h for h, p in a.parts.items() if p.phase is AgreePhase.WRITTEN)
+      written = tuple(h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN)
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
                       host=self._host_id, phase=AgreePhase.TAKEN_OVER, written=written)
 

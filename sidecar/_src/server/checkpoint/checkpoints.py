@@ -115,7 +115,7 @@ class Checkpoints:
         host_id, tier=self.tier, roots=self._roots, spawn=self._spawn, metrics=metrics,
         write_turn=policy.write_turn, take_over=lambda record: self.agreements.take_over(record))
     # The steps the sidecars commit among themselves (taken over at their last Stage).
-    self.peer_token = replica_token is not None  # an Agree needs it, where there is one
+    self.needs_replica_token = replica_token is not None  # for an Agree, where there is one
     self._agree_links = agreement_lib.AgreeLinks(token=token, replica_token=replica_token,
                                                  credentials=replica_credentials)
     self.agreements = agreement_lib.Agreements(

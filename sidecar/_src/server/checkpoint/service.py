@@ -64,7 +64,7 @@ _PATH_FIELDS = ("directory", "tmp_dir", "final_dir")
 # sidecars' agreement is the peer sidecars').
 _OWN_CHECKS = ("DropRamTier", "Agree")
 # The rpcs of the peer token's sessions (the job's sidecars), which are no tenant's.
-_PEER_RPCS = ("Receive", "Agree")
+_REPLICA_LINK_RPCS = ("Receive", "Agree")
 
 
 def _session(context: grpc.ServicerContext) -> str:
@@ -206,7 +206,7 @@ class CheckpointService:
           else:
             request = raw if request_cls is None else codec.parse(request_cls, raw)
           client = self._sessions.client(session) if self._per_client else None
-          if client == "" and name not in _PEER_RPCS:  # the peer token's: no tenant
+          if client == "" and name not in _REPLICA_LINK_RPCS:  # the peer token's: no tenant
             raise errors.PermissionDeniedError(
                 f"{name}: the peer token is the sidecars' own, for their replicas "
                 "(Receive) only; it is no tenant and may not checkpoint: present a "
@@ -474,7 +474,7 @@ class CheckpointService:
     """Another sidecar's state in the sidecars' agreement on a step (``agreement.py``):
     from the peer token's sessions only, where the sidecars have one (and always with
     tenants: a tenant's trainer could otherwise vouch for another's step)."""
-    if ((self._checkpoints.peer_token or self._per_client)
+    if ((self._checkpoints.needs_replica_token or self._per_client)
         and not self._sessions.is_replica_link(_session(context))):
       raise errors.PermissionDeniedError(
           "Agree: the sidecars' agreement on a step is accepted only from this job's peer "

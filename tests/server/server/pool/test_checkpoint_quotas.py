@@ -81,8 +81,9 @@ def test_a_save_past_a_tenants_storage_quota_is_refused_and_leaves_nothing(
       assert ck.save(step, {"w": STEP + step}).durable.result(30) == step
     before = _stored(directory)
     assert 3 * STEP.nbytes <= before < (1 << 20)
+    ck.save(4, {"w": STEP + 4})
     with pytest.raises(sidecar.ResourceExhaustedError) as e:
-      ck.save(4, {"w": STEP + 4}).durable.result(30)
+      ck.wait()
     message = str(e.value)
     assert "tenant 'bob'" in message and "checkpoint_bytes=1.0 MiB" in message, message
     assert "pool.yaml:3" in message and "max_to_keep" in message, message
@@ -111,8 +112,9 @@ def test_a_tenant_at_its_storage_quota_is_refused_at_begin(make_server, tmp_path
   (tmp_path / "bob" / "run").mkdir()
   (tmp_path / "bob" / "run" / "filler").write_bytes(b"x" * (1 << 20))  # his quota, all of it
   with controller(server, BOB) as ctl, ctl.checkpointer(str(tmp_path / "bob" / "run")) as ck:
+    ck.save(1, {"w": STEP})
     with pytest.raises(sidecar.ResourceExhaustedError, match="tenant 'bob' holds 1.0 MiB"):
-      ck.save(1, {"w": STEP}).durable.result(30)
+      ck.wait()
     assert ck.all_steps() == []
 
 
