@@ -237,8 +237,9 @@ class Agreements:
     if self._closed.is_set():
       raise errors.ClosedError(f"the sidecar of host {self._host_id} is stopping")
     own = a.record
+    begun = self._writer.begun(a.directory, a.step, a.format) if own is None else None
     alive = (own.trainers_alive() if own is not None
-             else self._writer.begun_alive(a.directory, a.step, a.format))
+             else begun.alive() if begun is not None and begun.alive is not None else None)
     age = time.monotonic() - a.created
     if missing and (alive is False or (alive is None and own is None
                                        and age > checkpoint_save.STAGE_TIMEOUT_S)):
@@ -367,8 +368,10 @@ class Agreements:
     with self._lock:
       a = self._saves.get((state.final_dir, state.save))
       plan = state.plan
+      # Told of a save it has no part of yet: one begun here (no part comes of one not).
       if (a is None and state.phase is AgreePhase.TAKEN_OVER and plan is not None
-          and plan.committer == self._host_id and state.host in plan.hosts):
+          and plan.committer == self._host_id and state.host in plan.hosts
+          and self._writer.begun(state.directory, state.step, state.format) is not None):
         a = self._saves[(state.final_dir, plan.save)] = Agreement(
             plan, final_dir=state.final_dir, step=state.step, directory=state.directory,
             format=state.format)
@@ -526,11 +529,15 @@ def _plan_of(record: ram_tier.Step) -> CommitPlan:
 
 
 def _refused(a: Agreement) -> errors.SidecarError:
+  """Why this host may not take ``a`` over: its committer's answer."""
   d = a.decision
+  if d is not None and d.phase is AgreePhase.UNKNOWN:
+    why = "knows no such save (never begun there, or its sidecar restarted since)"
+  else:
+    why = "abandoned this save before this host's part was whole" + (
+        f" ({d.error})" if d is not None and d.error else "")
   return errors.ClosedError(
-      f"step {a.step}: its committer, host {a.plan.committer}, abandoned this save before "
-      f"this host's part was whole" + (f" ({d.error})" if d is not None and d.error else "")
-      + "; save the step again")
+      f"step {a.step}: its committer, host {a.plan.committer}, {why}; save the step again")
 
 
 def _with_text(e: errors.SidecarError, text: str) -> errors.SidecarError:

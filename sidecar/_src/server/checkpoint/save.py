@@ -239,16 +239,14 @@ class StepWriter:
       for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
         del self._begun[gone.tmp]
 
-  def begun_alive(self, directory: str, step: int, format: str) -> bool | None:  # noqa: A002
-    """Whether the trainer that began step ``step`` of ``directory`` here is still there
-    (None: no Begin of it here, or its trainer not known)."""
+  def begun(self, directory: str, step: int, format: str) -> Begun | None:  # noqa: A002
+    """The Begin of step ``step`` of ``directory`` here in flight, if any."""
     try:
       tmp = pathlib.Path(self.tmp_of(directory, step, format))
     except errors.SidecarError:
       return None
     with self._begin_lock:
-      begun = self._begun.get(tmp)
-    return None if begun is None or begun.alive is None else begun.alive()
+      return self._begun.get(tmp)
 
   def _in_flight_at(self, tmp: pathlib.Path) -> bool:
     """Whether a save begun here into ``tmp`` (resolved) is in flight, whoever began it."""

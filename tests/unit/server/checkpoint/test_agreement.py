@@ -235,3 +235,16 @@ def test_one_host_commits_a_step_whose_trainer_died_and_refuses_the_trainers_com
   assert hosts[0].tier.steps[final].committed and hosts[0].committing() == []
   with pytest.raises(errors.PermissionDeniedError, match="this session staged"):
     hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "another", 30)
+
+
+def test_a_part_whose_committer_never_began_the_save_is_refused(job, tmp_path):
+  """A plan naming a committer that began no such save (a client's made-up plan) makes
+  that committer keep nothing: the Stage that would take the step over fails."""
+  hosts, _, _ = job
+  directory = str(tmp_path / "ck")
+  hosts[1].writer.open(directory)
+  tmp_dir = os.path.join(hosts[1].writer.begin(directory, STEP, owner="trainer"), spec_lib.ITEM)
+  final = str(tmp_path / "ck" / str(STEP) / spec_lib.ITEM)
+  with pytest.raises(errors.ClosedError, match="its committer, host 0, knows no such save"):
+    stage(hosts[1], directory, tmp_dir, final, rows=(2, 4), plan=plan(), alive=lambda: True)
+  assert hosts[1].committing() == [] and hosts[0].agreements._saves == {}
