@@ -3,11 +3,12 @@ DIRECTORY STEP [WHEN]`` under ``sidecar.jax.initialize()``'s environment
 (``launch_env.trainer_env``).
 
 It restores the latest committed step of DIRECTORY, if any, and prints one JSON line:
-whether every shard it holds is that step's own values. Then, with STEP >= 0, it saves
-STEP (a float32 array sharded over every process's devices, each step's values its own)
-and SIGKILLs itself at once WHEN "returned" (the default: every process's ``save()`` has
-returned) or "staged" (from a callback on ``handle.staged``, as it resolves, before
-``save()`` returns): the step is then the sidecars' to commit, with no trainer left.
+whether every shard it holds is that step's own values, and the step's data position.
+Then, with STEP >= 0, it saves STEP (a float32 array sharded over every process's devices,
+each step's values its own, its data position ``{"position": 10 * STEP}``) and SIGKILLs
+itself at once WHEN "returned" (the default: every process's ``save()`` has returned) or
+"staged" (from a callback on ``handle.staged``, as it resolves, before ``save()``
+returns): the step is then the sidecars' to commit, with no trainer left.
 STEP -1: only the restore.
 """
 
@@ -44,7 +45,8 @@ def main() -> None:
     same = all(np.array_equal(np.asarray(s.data), values(latest)[s.index])
                for s in restored.addressable_shards)
     print(json.dumps({"process": jax.process_index(), "restored": latest, "same": same,
-                      "steps": ckpt.all_steps()}), flush=True)
+                      "steps": ckpt.all_steps(), "data_state": ckpt.data_state(latest)}),
+          flush=True)
     del restored
   if step < 0:
     ckpt.close()
@@ -59,7 +61,7 @@ def main() -> None:
       made(self, *args, **kwargs)
       self.staged.add_done_callback(lambda _: os.kill(os.getpid(), signal.SIGKILL))
     save_run.SaveHandle.__init__ = kill_at_staged
-  ckpt.save(step, state)
+  ckpt.save(step, state, data_state={"position": step * 10})
   try:
     ctl.peers.all_gather(f"saved/{step}", "1")  # every process's save() has returned
   finally:

@@ -10,8 +10,10 @@ from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 - :meth:`SaveRun.stage` (lots a finisher is handed) or :meth:`SaveRun.stage_copies`
   (copies made and sent on the caller's thread, no thread of its own);
 - :meth:`SaveRun.finish`, the one place that decides what follows staging: the
-  replication starts, each host's writes end (prepared), the processes agree, the lead
-  commits once or every host aborts, the RAM tiers are told the step is committed;
+  replication starts, the processes agree, and the lead waits for the commit the sidecars
+  agree on (a step they took over at its last Stage: :attr:`SaveRun.plan`), or asks each
+  host for its written records (prepared) and commits once, or every host aborts; the RAM
+  tiers are told the step is committed;
 - :meth:`SaveRun.end`: the Checkpointer's end of the step (:func:`end_save`: listed,
   ``durable``, old steps deleted, ``replicated`` once every process knows), on the
   calling thread;
@@ -21,8 +23,8 @@ The :class:`SaveHandle` a save returns is the step's: the run resolves its ``sta
 ``durable`` and ``replicated``; a Checkpointer's save ends as its :class:`Ending` says.
 
 What differs is how the trainer processes agree (:class:`Coordination`): through their
-key-value store (:class:`KeyValue`: process 0 begins and commits, every process stages
-its own hosts and says at the commit whether it succeeded), or as DCP does it
+key-value store (:class:`KeyValue`: process 0 begins, every process stages its own hosts
+and says at the commit whether it succeeded, and the sidecars commit), or as DCP does it
 (:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results, and
 its coordinator rank alone begins, waits for every host and commits). Before a step, the
 processes agree on it and on whether a save is in flight (:func:`agree_on_save`, which the

@@ -134,6 +134,8 @@ class Agreements:
     with a.cond:
       if a.decision is not None:
         raise _refused(a)
+      if mine:  # its own writers' plan has the lead's data position (a host's may not)
+        a.plan = plan
       a.record, a.tmp_dir, a.owners = record, record.tmp_dir, frozenset(record.owners)
       record.committing = threading.Event()
       a.cond.notify_all()
@@ -396,9 +398,10 @@ class Agreements:
   def await_commit(self, tmp_dir: str, step: int, owner: str, timeout: float) -> str:
     """A trainer's ``Commit`` of a step taken over here (``taken_over``): waits for the
     sidecars' decision; returns the committed directory, or raises why it was abandoned."""
-    with self._lock:
-      a = next((a for a in self._saves.values()
-                if a.tmp_dir == tmp_dir and a.step == step and owner in a.owners), None)
+    with self._lock:  # the newest of the step's saves (an older one may be kept, ended)
+      a = max((a for a in self._saves.values()
+               if a.tmp_dir == tmp_dir and a.step == step and owner in a.owners),
+              key=lambda a: a.created, default=None)
     if a is None or a.plan.committer != self._host_id:
       raise errors.PermissionDeniedError(
           f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged and "

@@ -56,7 +56,8 @@ def rounds(cluster, directory, steps: int, **kw) -> None:
   for k in range(1, steps + 2):
     restored = run_job(cluster, directory, k if k <= steps else -1, **kw)
     if k > 1:  # round k restores the step round k - 1 saved, and was killed after
-      assert [(r["restored"], r["same"]) for r in restored] == [(k - 1, True)] * world, restored
+      assert [(r["restored"], r["same"], r["data_state"]) for r in restored] == [
+          (k - 1, True, {"position": (k - 1) * 10})] * world, restored
   assert restored[0]["steps"] == list(range(1, steps + 1))
 
 

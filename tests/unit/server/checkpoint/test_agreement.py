@@ -3,6 +3,7 @@ step writers and real files under tmp_path, two hosts whose ``Agree`` calls go s
 each other in this process (a real fake of the link: a host "dies" by no longer answering,
 HostLostError, as a link to a dead sidecar says). No server, no processes."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -248,3 +249,20 @@ def test_a_part_whose_committer_never_began_the_save_is_refused(job, tmp_path):
   with pytest.raises(errors.ClosedError, match="its committer, host 0, knows no such save"):
     stage(hosts[1], directory, tmp_dir, final, rows=(2, 4), plan=plan(), alive=lambda: True)
   assert hosts[1].committing() == [] and hosts[0].agreements._saves == {}
+
+
+def test_a_step_saved_again_after_an_abort_waits_for_its_own_commit(job, tmp_path):
+  """The trainers abort step 3 (a host lost), then save it again: their Commit waits for the
+  new save's commit, not the aborted one's end (kept a while for hosts that ask late)."""
+  hosts, fmt, _ = job
+  directory, tmp_dir, final = begin(hosts, tmp_path)
+  stage(hosts[0], directory, tmp_dir, final, rows=(0, 4), plan=plan(hosts=(0,)),
+        alive=lambda: True)
+  hosts[0].agreements.abort(final)
+  hosts[0].writer.abort(os.path.dirname(tmp_dir), final)
+  fmt.gates[0].set()
+  directory, tmp_dir, final = begin(hosts, tmp_path)
+  stage(hosts[0], directory, tmp_dir, final, rows=(0, 4),
+        plan=dataclasses.replace(plan(hosts=(0,)), save="s2"), alive=lambda: True)
+  assert hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer",
+                                          30) == str(tmp_path / "ck" / str(STEP))
