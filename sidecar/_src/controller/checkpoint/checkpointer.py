@@ -426,10 +426,10 @@ class Checkpointer:
       return None
     (step, error), later = failed[0], failed[1:]
     latest = self.latest_step()
+    host = getattr(error, "host_id", None)
     error.add_note(
         f"the save of step {step} into {self.directory} failed in the background"
-        + (f" (host {error.host_id})" if isinstance(getattr(error, "host_id", None), int)
-           else "")
+        + (f" (host {host})" if isinstance(host, int) else "")
         + f"; raised by {where}"
         + (f", which saved nothing (step {skipped} not saved)" if skipped is not None else "")
         + f". The latest committed step is {latest if latest is not None else 'none'}")

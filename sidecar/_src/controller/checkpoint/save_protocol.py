@@ -154,12 +154,11 @@ class SaveProtocol:
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
              extra: FormatExtra | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
-    fmt = {} if extra is None else {"extra": extra}
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
                               num_hosts=num_hosts, leaves=list(leaves), shards=shards,
                               data_state_json=data_state_json, whole_step=target.whole_step,
                               replicas={h: p for h, p in (replicas or {}).items() if p} or None,
-                              timeout=LONG_S, **fmt).result()
+                              timeout=LONG_S, extra=extra).result()
 
   def await_commit(self, host: int, target: Target) -> str:
     """Waits for the commit the sidecars agree on of a step they took over, ``host`` its

@@ -350,7 +350,7 @@ class SaveRun:
     commit: Callable[[Sequence[int]], None] = (
         functools.partial(self._commit, written, leaves=leaves,
                           data_state_json=data_state_json, extra=extra) if plan is None
-        else lambda others: self.protocol.await_commit(plan.committer, self.target))
+        else functools.partial(self._await_commit, plan))
     try:
       self._coordination.commit(self.step, error, commit,
                                 lambda: self.protocol.abort(self.target, self.hosts))
@@ -362,6 +362,11 @@ class SaveRun:
     # the sidecars took over marked it itself (the others learn it, and are told here).
     if self.target.whole_step:
       self.mark_committed([h for h in self.local if plan is None or h != plan.committer])
+
+  def _await_commit(self, plan: CommitPlan, others: Sequence[int]) -> None:
+    """The sidecars' commit of the step they took over (``others`` is theirs to gather)."""
+    del others
+    self.protocol.await_commit(plan.committer, self.target)
 
   def _commit(self, written: list[ShardRecord], others: Sequence[int], *,
               leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,

@@ -445,7 +445,8 @@ class Agreements:
       if a.decision is not None:
         return a.decision
       own = a.record
-    phase, error, written = AgreePhase.TAKEN_OVER, None, ()
+    phase, error = AgreePhase.TAKEN_OVER, None
+    written: tuple[ShardRecord, ...] = ()
     if own is None:
       phase = AgreePhase.UNKNOWN
     elif own.done.is_set() and own.error is not None:
