@@ -218,7 +218,8 @@ class Agreements:
         own = a.record
         if own is not None and own.done.is_set():
           if own.error is not None:
-            raise checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error)
+            raise checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error,
+                                                tmp_dir=own.tmp_dir)
           written = {h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN}
           if written | {self._host_id} >= set(a.plan.hosts):
             return [*own.written_records, *(r for p in a.states.values() for r in p.records)]
@@ -451,7 +452,8 @@ class Agreements:
       phase = AgreePhase.UNKNOWN
     elif own.done.is_set() and own.error is not None:
       phase = AgreePhase.FAILED
-      error = checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error)
+      error = checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error,
+                                            tmp_dir=own.tmp_dir)
     elif own.done.is_set():
       phase, written = AgreePhase.WRITTEN, tuple(own.written_records) if records else ()
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,

@@ -19,6 +19,7 @@ import logging
 import os
 import pathlib
 import queue
+import re
 import shutil
 import stat
 import threading
@@ -481,7 +482,8 @@ class StepWriter:
       raise errors.DeadlineExceededError(
           f"step {record.step} is still being written after {timeout} s")
     if record.error is not None:
-      raise write_failure(self._host_id, record.step, final_dir, record.error)
+      raise write_failure(self._host_id, record.step, final_dir, record.error,
+                          tmp_dir=record.tmp_dir)
     faults.fault("prepared", record.step)
     return record.written_records
 
@@ -633,20 +635,37 @@ def _remove_dir(path: pathlib.Path) -> None:
   shutil.rmtree(gone, ignore_errors=True)
 
 
-def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> errors.SidecarError:
+def write_failure(host_id: int, step: int, final_dir: str, e: BaseException, *,
+                  tmp_dir: str = "") -> errors.SidecarError:
   """The error of a host's part of ``step`` that could not be written: an OSError (a full
-  disk, an I/O error) is CheckpointWriteError with its errno, file and host; our own
-  errors keep their kind."""
+  disk, an I/O error), or TensorStore's error of one (its ``os_error_code``), is
+  CheckpointWriteError with its errno, file and host (a file TensorStore wrote through the
+  descriptor of the part's directory ``tmp_dir`` named by its path); our own errors keep
+  their kind."""
   if isinstance(e, errors.SidecarError):
     return e
-  if isinstance(e, OSError):
-    path = os.fsdecode(e.filename) if e.filename is not None else final_dir
-    name = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
-    return errors.CheckpointWriteError(
-        f"host {host_id} could not write step {step}: {e.strerror or e}"
-        + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
-        "another directory), then save again", errno=e.errno, path=path, host_id=host_id)
-  return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {e}")
+  code, path = getattr(e, "errno", None), getattr(e, "filename", None)
+  text = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+  if tmp_dir:
+    text = re.sub(r"/proc/self/fd/\d+", lambda _: tmp_dir, text)
+  if not isinstance(e, OSError) and (found := _OS_ERROR.search(text)):
+    code = int(found.group(1))
+    file = _FILE.search(text)
+    path = file.group(1) if file else None
+  if not isinstance(e, OSError) and code is None:
+    return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {text}")
+  path = os.fsdecode(path) if path is not None else final_dir
+  name = errno.errorcode.get(code, "") if code is not None else ""
+  return errors.CheckpointWriteError(
+      f"host {host_id} could not write step {step}: "
+      + (text if isinstance(e, OSError) or code is None else f"{os.strerror(code)} ({text})")
+      + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
+      "another directory), then save again", errno=code, path=path, host_id=host_id)
+
+
+# TensorStore's words for an OS error and its file (in a write's error).
+_OS_ERROR = re.compile(r"os_error_code='?(\d+)")
+_FILE = re.compile(r'(?:writing|Failed writing:) (?:local file )?"([^"]+)"')
 
 
 def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:

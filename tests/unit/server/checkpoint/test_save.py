@@ -302,3 +302,24 @@ def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_pa
   assert [there for _, there in seen] == [False]  # its name was gone when its files went
   assert seen[0][0].startswith(f".{tmp.name}{checkpoint_save.DELETING}")
   assert os.listdir(tmp_path / "ck") == []
+
+
+def test_tensorstores_full_disk_is_a_checkpoint_write_error_naming_the_file(make_writer,
+                                                                             tmp_path):
+  """TensorStore writes through the part's directory's descriptor and says a full disk in
+  its own words: the error is CheckpointWriteError with ENOSPC and the file's own path (it
+  was InvalidArgumentError naming /proc/self/fd/N)."""
+  failure = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing local file "/proc/self/fd/20/b/0": Failed writing: '
+      '"/proc/self/fd/20/b/0.__lock": Failed to write 4 bytes to file 21: No space left on '
+      "device [os_error_code='28']")
+  writer, _ = make_writer(Recording(fail=failure))
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], owner="a")
+  with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: No "
+                     r"space left on device \(RESOURCE_EXHAUSTED") as e:
+    writer.prepared(final, timeout=30)
+  path = os.path.join(os.path.realpath(tmp_dir), "b", "0")
+  assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
+  assert "/proc/self/fd" not in str(e.value) and f"(ENOSPC) writing {path}" in str(e.value)
+  writer.abort(os.path.dirname(tmp_dir), final)
