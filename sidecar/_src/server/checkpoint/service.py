@@ -209,8 +209,8 @@ class CheckpointService:
           if client == "" and name not in _REPLICA_LINK_RPCS:  # the peer token's: no tenant
             raise errors.PermissionDeniedError(
                 f"{name}: the peer token is the sidecars' own, for their replicas "
-                "(Receive) only; it is no tenant and may not checkpoint: present a "
-                "tenant's token")
+                "(Receive) and their agreements (Agree) only; it is no tenant and may not "
+                "checkpoint: present a tenant's token")
           if client == tenants_lib.OPERATOR and name != "DropRamTier":  # no tenant either
             raise errors.PermissionDeniedError(tenants_lib.operator_denied(name))
           if client is not None and name == "Open":
