@@ -258,9 +258,9 @@ def test_a_step_saved_again_after_an_abort_waits_for_its_own_commit(job, tmp_pat
   directory, tmp_dir, final = begin(hosts, tmp_path)
   stage(hosts[0], directory, tmp_dir, final, rows=(0, 4), plan=plan(hosts=(0,)),
         alive=lambda: True)
-  hosts[0].agreements.abort(final)
+  hosts[0].agreements.abort(final)  # as the service's Abort: the agreement, then the part
+  fmt.gates[0].set()  # (its write ends, abandoned)
   hosts[0].writer.abort(os.path.dirname(tmp_dir), final)
-  fmt.gates[0].set()
   directory, tmp_dir, final = begin(hosts, tmp_path)
   stage(hosts[0], directory, tmp_dir, final, rows=(0, 4),
         plan=dataclasses.replace(plan(hosts=(0,)), save="s2"), alive=lambda: True)
