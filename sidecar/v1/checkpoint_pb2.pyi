@@ -8,12 +8,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AgreePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGREE_UNKNOWN: _ClassVar[AgreePhase]
+    AGREE_TAKEN_OVER: _ClassVar[AgreePhase]
+    AGREE_WRITTEN: _ClassVar[AgreePhase]
+    AGREE_FAILED: _ClassVar[AgreePhase]
+    AGREE_COMMITTED: _ClassVar[AgreePhase]
+    AGREE_ABANDONED: _ClassVar[AgreePhase]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_ANY: _ClassVar[Tier]
     TIER_RAM: _ClassVar[Tier]
     TIER_REPLICA: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+AGREE_UNKNOWN: AgreePhase
+AGREE_TAKEN_OVER: AgreePhase
+AGREE_WRITTEN: AgreePhase
+AGREE_FAILED: AgreePhase
+AGREE_COMMITTED: AgreePhase
+AGREE_ABANDONED: AgreePhase
 TIER_ANY: Tier
 TIER_RAM: Tier
 TIER_REPLICA: Tier
@@ -134,6 +149,29 @@ class DcpCommit(_message.Message):
     plan_json: str
     def __init__(self, metadata: _Optional[bytes] = ..., file_sizes: _Optional[_Mapping[int, int]] = ..., plan_json: _Optional[str] = ...) -> None: ...
 
+class CommitPlan(_message.Message):
+    __slots__ = ("save", "committer", "hosts", "data_state_json", "lead", "replicas")
+    class ReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: HostIds
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[HostIds, _Mapping]] = ...) -> None: ...
+    SAVE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTER_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEAD_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    save: str
+    committer: int
+    hosts: _containers.RepeatedScalarFieldContainer[int]
+    data_state_json: str
+    lead: bool
+    replicas: _containers.MessageMap[int, HostIds]
+    def __init__(self, save: _Optional[str] = ..., committer: _Optional[int] = ..., hosts: _Optional[_Iterable[int]] = ..., data_state_json: _Optional[str] = ..., lead: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ...) -> None: ...
+
 class CheckpointOpenRequest(_message.Message):
     __slots__ = ("directory", "ram_steps", "ram_budget", "sweep", "job", "holder", "worker_session")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
@@ -177,7 +215,7 @@ class CheckpointBeginResponse(_message.Message):
     def __init__(self, tmp_directory: _Optional[str] = ...) -> None: ...
 
 class CheckpointStageRequest(_message.Message):
-    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "records", "data", "last", "worker_session", "writers", "dcp")
+    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "records", "data", "last", "worker_session", "writers", "dcp", "plan")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TMP_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +227,7 @@ class CheckpointStageRequest(_message.Message):
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
     tmp_dir: str
@@ -200,7 +239,8 @@ class CheckpointStageRequest(_message.Message):
     worker_session: str
     writers: int
     dcp: DcpPart
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[ShardData, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ...) -> None: ...
+    plan: CommitPlan
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[ShardData, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ..., plan: _Optional[_Union[CommitPlan, _Mapping]] = ...) -> None: ...
 
 class CheckpointStageResponse(_message.Message):
     __slots__ = ("staged_bytes",)
@@ -223,7 +263,7 @@ class CheckpointPreparedResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ...) -> None: ...
 
 class CheckpointCommitRequest(_message.Message):
-    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "records", "data_state_json", "whole_step", "replicas", "dcp", "when_written")
+    __slots__ = ("tmp_dir", "step", "num_hosts", "leaves", "records", "data_state_json", "whole_step", "replicas", "dcp", "taken_over")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -240,7 +280,7 @@ class CheckpointCommitRequest(_message.Message):
     WHOLE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
-    WHEN_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
     tmp_dir: str
     step: int
     num_hosts: int
@@ -250,8 +290,8 @@ class CheckpointCommitRequest(_message.Message):
     whole_step: bool
     replicas: _containers.MessageMap[int, HostIds]
     dcp: DcpCommit
-    when_written: bool
-    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ..., when_written: _Optional[bool] = ...) -> None: ...
+    taken_over: bool
+    def __init__(self, tmp_dir: _Optional[str] = ..., step: _Optional[int] = ..., num_hosts: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data_state_json: _Optional[str] = ..., whole_step: _Optional[bool] = ..., replicas: _Optional[_Mapping[int, HostIds]] = ..., dcp: _Optional[_Union[DcpCommit, _Mapping]] = ..., taken_over: _Optional[bool] = ...) -> None: ...
 
 class CheckpointCommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -410,6 +450,34 @@ class ReceiveResponse(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
     def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class AgreeState(_message.Message):
+    __slots__ = ("final_dir", "save", "step", "host", "phase", "records", "error", "committed", "written", "plan", "directory", "format")
+    FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    final_dir: str
+    save: str
+    step: int
+    host: int
+    phase: AgreePhase
+    records: _containers.RepeatedCompositeFieldContainer[ShardRecord]
+    error: _sidecar_pb2.Error
+    committed: str
+    written: _containers.RepeatedScalarFieldContainer[int]
+    plan: CommitPlan
+    directory: str
+    format: str
+    def __init__(self, final_dir: _Optional[str] = ..., save: _Optional[str] = ..., step: _Optional[int] = ..., host: _Optional[int] = ..., phase: _Optional[_Union[AgreePhase, str]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., error: _Optional[_Union[_sidecar_pb2.Error, _Mapping]] = ..., committed: _Optional[str] = ..., written: _Optional[_Iterable[int]] = ..., plan: _Optional[_Union[CommitPlan, _Mapping]] = ..., directory: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
 
 class CheckpointHeldRequest(_message.Message):
     __slots__ = ("directory",)

@@ -94,6 +94,11 @@ class CheckpointStub:
                 request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.ReceiveRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.ReceiveResponse.FromString,
                 _registered_method=True)
+        self.Agree = channel.unary_unary(
+                '/sidecar.v1.Checkpoint/Agree',
+                request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.AgreeState.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.AgreeState.FromString,
+                _registered_method=True)
         self.Held = channel.unary_unary(
                 '/sidecar.v1.Checkpoint/Held',
                 request_serializer=sidecar_dot_v1_dot_checkpoint__pb2.CheckpointHeldRequest.SerializeToString,
@@ -188,6 +193,14 @@ class CheckpointServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Agree(self, request, context):
+        """The sidecars' agreement on a step they took over, sidecar to sidecar (the peer token's
+        sessions only, where the sidecars have one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Held(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -268,6 +281,11 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.Receive,
                     request_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.ReceiveRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_checkpoint__pb2.ReceiveResponse.SerializeToString,
+            ),
+            'Agree': grpc.unary_unary_rpc_method_handler(
+                    servicer.Agree,
+                    request_deserializer=sidecar_dot_v1_dot_checkpoint__pb2.AgreeState.FromString,
+                    response_serializer=sidecar_dot_v1_dot_checkpoint__pb2.AgreeState.SerializeToString,
             ),
             'Held': grpc.unary_unary_rpc_method_handler(
                     servicer.Held,
@@ -609,6 +627,33 @@ class Checkpoint:
             '/sidecar.v1.Checkpoint/Receive',
             sidecar_dot_v1_dot_checkpoint__pb2.ReceiveRequest.SerializeToString,
             sidecar_dot_v1_dot_checkpoint__pb2.ReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Agree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Checkpoint/Agree',
+            sidecar_dot_v1_dot_checkpoint__pb2.AgreeState.SerializeToString,
+            sidecar_dot_v1_dot_checkpoint__pb2.AgreeState.FromString,
             options,
             channel_credentials,
             insecure,

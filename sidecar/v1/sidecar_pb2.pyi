@@ -325,7 +325,7 @@ class FeedStatus(_message.Message):
     def __init__(self, pipeline: _Optional[str] = ..., batches: _Optional[int] = ..., uptime_s: _Optional[float] = ..., produce_s: _Optional[float] = ..., backpressure_s: _Optional[float] = ..., trainer_wait_s: _Optional[float] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class CheckpointStatus(_message.Message):
-    __slots__ = ("directory", "ram_steps", "writing", "written_bytes", "total_bytes", "writing_s", "replicas", "uncommitted")
+    __slots__ = ("directory", "ram_steps", "writing", "written_bytes", "total_bytes", "writing_s", "replicas", "uncommitted", "committing")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     RAM_STEPS_FIELD_NUMBER: _ClassVar[int]
     WRITING_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class CheckpointStatus(_message.Message):
     WRITING_S_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     UNCOMMITTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTING_FIELD_NUMBER: _ClassVar[int]
     directory: str
     ram_steps: _containers.RepeatedScalarFieldContainer[int]
     writing: _containers.RepeatedScalarFieldContainer[int]
@@ -342,7 +343,8 @@ class CheckpointStatus(_message.Message):
     writing_s: float
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaSteps]
     uncommitted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[_Iterable[int]] = ..., writing: _Optional[_Iterable[int]] = ..., written_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., writing_s: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSteps, _Mapping]]] = ..., uncommitted: _Optional[_Iterable[int]] = ...) -> None: ...
+    committing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, directory: _Optional[str] = ..., ram_steps: _Optional[_Iterable[int]] = ..., writing: _Optional[_Iterable[int]] = ..., written_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., writing_s: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaSteps, _Mapping]]] = ..., uncommitted: _Optional[_Iterable[int]] = ..., committing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaSteps(_message.Message):
     __slots__ = ("source_host", "steps", "nbytes")

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from sidecar._src.ckptfmt.records import (
+  CommitPlan,
   Manifest,
   Replicated,
   SavedLeaf,
@@ -124,6 +125,8 @@ class FakeSidecars(CheckpointTransport):
     self.aborted: list[tuple[int, str]] = []
     self.items: dict[tuple[str, int], tuple] = {}  # (final dir, DCP rank) -> its items
     self.told: list[tuple[int, str, str]] = []  # committed: (host, final dir, manifest_json)
+    self.plans: dict[str, CommitPlan] = {}  # final dir -> the plan its last Stages carried
+    self.finals: dict[str, str] = {}  # tmp dir -> final dir, as staged
 
   def _phase(self, name: str, host: int, value=None) -> concurrent.futures.Future:
     self.calls.append((name, host))
@@ -159,9 +162,12 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None):
+            writers=1, extra=None, plan=None):
     if leaves:
       self.leaves[final_dir] = list(leaves)
+    if plan is not None and (plan.lead or final_dir not in self.plans):
+      self.plans[final_dir] = plan
+    self.finals[tmp_dir] = final_dir
     if extra is not None and extra.items:  # a DCP rank's items: its shards number them
       self.items[(final_dir, extra.rank)] = extra.items
     held = self.staged.setdefault((host, final_dir), {})
@@ -178,19 +184,45 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
   def prepared(self, host, final_dir, *, timeout):
-    written = list(self.records.get((host, final_dir), {}).values())
-    return self._phase("prepared", host, written)
+    self.calls.append(("prepared", host))
+    return self.written(host, final_dir)
+
+  def written(self, host, final_dir) -> concurrent.futures.Future:
+    """Future of ``host``'s records of the step once written (``fail["prepared"]``: its
+    write fails), as Prepared answers, or as the sidecars' agreement learns it."""
+    if host not in self.hosts:
+      raise errors.HostLostError(f"host {host} is lost", host_id=host)
+    return _done(list(self.records.get((host, final_dir), {}).values()),
+                 self.fail.get("prepared"))
+
+  def agreed(self, host, tmp_dir, *, final_dir=None):
+    """What the sidecars' agreement commits a step taken over with, committer ``host``:
+    (leaves, every host's written records, data position, replicas), or the error of
+    a host whose write failed."""
+    final = final_dir or self.finals[tmp_dir]
+    plan = self.plans[final]
+    assert plan.committer == host
+    written = [self.written(h, final) for h in plan.hosts]
+    failed = next((f.exception() for f in written if f.exception() is not None), None)
+    if failed is not None:
+      raise failed
+    self.told.append((host, final, ""))  # the committer marks its RAM tier
+    return (self.leaves[final], [r for f in written for r in f.result()],
+            plan.data_state_json, plan.replicas)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, when_written=False):
+             whole_step, replicas, timeout, extra=None, taken_over=False):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None
       final = tmp_dir.replace(".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
-      if when_written:  # as a sidecar's: its own records, and its RAM tier told
-        assert num_hosts == 1 and whole_step and not shards
-        shards = list(self.records.get((host, final), {}).values())
-        self.told.append((host, final, ""))
+      if taken_over:  # as the sidecars' agreement: every host's records once written
+        assert whole_step and not shards
+        try:
+          leaves, shards, data_state_json, replicas = self.agreed(host, tmp_dir)
+        except errors.SidecarError as e:
+          return _done(error=e)
+        final = self.finals[tmp_dir]
       self.manifests[final] = Manifest(DCP if dcp else ORBAX,
                                        tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
                                        json.loads(data_state_json) if data_state_json else None,

@@ -30,7 +30,8 @@ class FakeController:
 
 class Recording(FakeSidecars):
   """Records ``(phase, host, extra)`` of each stage and commit, and each replicate, in order;
-  a host's writes (prepared) end once ``writing`` is set (it is, at first)."""
+  a host's writes (prepared, and the sidecars' agreement) end once ``writing`` is set (it
+  is, at first)."""
 
   def __init__(self, **kw):
     super().__init__(**kw)
@@ -50,6 +51,10 @@ class Recording(FakeSidecars):
     else:
       threading.Thread(target=written, daemon=True).start()
     return out
+
+  def written(self, host, final_dir):  # the sidecars' agreement learns it as late
+    self.writing.wait(30)
+    return super().written(host, final_dir)
 
   def stage(self, host, *, extra=None, **kw):
     self.sent.append(("stage", host, extra))

@@ -25,9 +25,9 @@ SAME = {
     "host": frozenset({
         "ADVICE_HOSTS", "DEFAULT_HOST_TEMPLATE", "HOSTS", "HOSTS_DIR", "HOSTS_PER_SLICE",
         "HOST_HEADER", "HOST_ID", "HOST_TEMPLATE", "REPLICA_HOSTS", "REPLICA_HOSTS_FILE",
-        "_check_replica_hosts", "_device_hosts", "_first_host", "_from_host_list", "_host",
-        "_host_batches", "_host_env", "_host_id", "_host_start", "_host_was_lost", "_hosts",
-        "_lost_hosts", "_min_hosts", "_primary_host", "_rank_hosts", "_replica_hosts",
+        "HostState", "_check_replica_hosts", "_device_hosts", "_first_host", "_from_host_list",
+        "_host", "_host_batches", "_host_env", "_host_id", "_host_start", "_host_was_lost",
+        "_hosts", "_lost_hosts", "_min_hosts", "_primary_host", "_rank_hosts", "_replica_hosts",
         "_rows_disjoint_across_hosts", "_write_replica_hosts", "chips_per_host",
         "device_hosts", "devices_per_host", "host", "host_back", "host_entry", "host_env",
         "host_index", "host_info", "host_lost", "host_rows", "hosts", "hosts_block",

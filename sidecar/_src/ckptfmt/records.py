@@ -18,6 +18,9 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
   :class:`ReplicaPiece` (with whole shards as :class:`Staged`): what one sidecar's
   ``Receive`` stream to another carries.
 - :class:`Held`: what one sidecar's RAM tier holds under a directory.
+- :class:`CommitPlan`: what the sidecars need to commit a step themselves (a trainer's
+  last part of a step carries it): its committer, its hosts, its data position; and
+  :class:`AgreeState`: one host's state in their agreement on it (``Agree``).
 - :class:`SavedLeaf`, :class:`Manifest`: a committed step's manifest, which owns its
   file name (:data:`MANIFEST_FILE`) and its JSON (which carries its own crc32c: an edited
   manifest is refused); :meth:`Manifest.of_save` is the one builder a commit uses, whatever
@@ -27,6 +30,7 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -221,6 +225,84 @@ class Replicated:
   shards: int
   nbytes: int
   seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CommitPlan:
+  """What the sidecars need to commit a step among themselves, whatever its trainers do:
+  each trainer process sends it with its last part of the step on each host; once a host's
+  part is whole, that host takes the step over (``server/checkpoint/agreement.py``).
+
+  Attributes:
+    save: the save's id (unique, the beginning process's): two saves of a step never mix.
+    committer: the host that commits the step (the one it was begun on).
+    hosts: every host the step is staged on.
+    data_state_json: the data position; the beginning process's (``lead``) is the manifest's.
+    lead: whether the process that began the step sent it.
+    replicas: which hosts hold each host's replicas (recorded in the manifest).
+  """
+
+  save: str
+  committer: int
+  hosts: tuple[int, ...]
+  data_state_json: str = ""
+  lead: bool = False
+  replicas: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self) -> None:
+    if not self.save or self.committer not in self.hosts:
+      raise errors.InvalidArgumentError(
+          f"a commit plan names its save and a committer among its hosts, got save "
+          f"{self.save!r:.100}, committer {self.committer}, hosts {list(self.hosts)[:64]}")
+
+  def same_save(self, other: CommitPlan) -> bool:
+    """Whether ``other`` (another process's) plans the same save: its id, committer, hosts."""
+    return (self.save, self.committer, self.hosts) == (other.save, other.committer, other.hosts)
+
+
+class AgreePhase(enum.Enum):
+  """Where one host is in the sidecars' agreement on a step (``AgreeState.phase``)."""
+  UNKNOWN = "unknown"  # it knows no such save (a sidecar restarted since)
+  TAKEN_OVER = "taken over"  # its part is whole there, being written
+  WRITTEN = "written"  # its part is written
+  FAILED = "failed"  # its part could not be written
+  COMMITTED = "committed"  # the committer's decision
+  ABANDONED = "abandoned"  # the committer's decision: never committed
+
+  @property
+  def decided(self) -> bool:
+    return self in (AgreePhase.COMMITTED, AgreePhase.ABANDONED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AgreeState:
+  """One host's state in the sidecars' agreement on a save they took over: what a host
+  tells the committer, and what the committer answers (its decision once taken).
+
+  Attributes:
+    final_dir, save, step: the step and its save (``CommitPlan.save``).
+    host: whose state this is.
+    phase: where that host is.
+    records: ``WRITTEN``: its shards as written (empty once the committer holds them).
+    error: ``FAILED``, ``ABANDONED``: why.
+    committed: ``COMMITTED``: the committed step's directory.
+    written: the committer's answer: the hosts whose written records it holds.
+    plan, directory, format: ``TAKEN_OVER``: the plan, the checkpoint directory and the
+      format, for a committer that has no part of the step yet.
+  """
+
+  final_dir: str
+  save: str
+  step: int
+  host: int
+  phase: AgreePhase
+  records: tuple[ShardRecord, ...] = ()
+  error: BaseException | None = None
+  committed: str = ""
+  written: tuple[int, ...] = ()
+  plan: CommitPlan | None = None
+  directory: str = ""
+  format: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

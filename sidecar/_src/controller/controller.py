@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import functools
+import logging
 import os
 import threading
 import weakref
@@ -49,6 +50,8 @@ from sidecar._src.core import (
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
+
+log = logging.getLogger(__name__)
 
 
 class State(enum.Enum):
@@ -546,19 +549,32 @@ class Controller:
 
   def close(self) -> None:
     """Closes what this controller made (feeds and streams, then checkpointers, which
-    finish the save in flight), its workers and channels; idempotent."""
+    finish the save in flight), its workers and channels; idempotent. A checkpointer's
+    save that failed and was not raised yet (by its own save(), wait() or close()) is
+    logged."""
     if self.state is State.CLOSED:
       return
     if self._watch is not None:
       self._watch.stop()
     self.cancel()
     for child in list(self._children):
-      child.close()  # the checkpointers: each waits for its save in flight
+      try:
+        child.close()  # the checkpointers: each waits for its save in flight
+      except Exception as e:  # a failed save nobody was told of: said here, all closed
+        self._unreported(e)
     if self._goodput is not None:  # a clean end: the sidecar records no death
       self._goodput.finish()
     self.state = State.CLOSED
     self._sidecars.close()  # the workers it made, then the channels
     self._calls.close()  # its caller threads: their calls ended with the channels
+
+  def _unreported(self, e: Exception) -> None:
+    """Logs what closing a child raised (a checkpointer's failed save its own save(),
+    wait() or close() did not raise: one the trainer left to this controller, or whose
+    training an elastic retry gave up); one of a host known lost, calmly."""
+    lost = isinstance(e, errors.HostLostError) and e.host_id in self.lost_hosts
+    log.log(logging.WARNING if lost else logging.ERROR, "%s: %s%s", type(e).__name__, e,
+            "".join(f"; {n}" for n in getattr(e, "__notes__", ())))
 
   def __enter__(self) -> Self:
     return self

@@ -163,7 +163,8 @@ def format_checkpoints(rows: Rows, previous: Rows | None = None, seconds: float 
                    f"{shm.format_size(c.total_bytes)}, {rate:.2f} GB/s)")
       held = "; ".join(f"{list(r.steps)} of host {r.source_host} ({shm.format_size(r.nbytes)})"
                        for r in c.replicas) or "none"
-      waiting = f"  staged, not committed: {list(c.uncommitted)}" if c.uncommitted else ""
+      waiting = (f"  committing (the sidecars'): {list(c.committing)}" if c.committing else ""
+                 ) + (f"  staged, not committed: {list(c.uncommitted)}" if c.uncommitted else "")
       lines.append(f"host {s.identity.host_id}  {c.directory}  RAM tier: "
                    f"{list(c.ram_steps) or 'none'}  replicas: {held}  being written: {writing}"
                    f"{waiting}")

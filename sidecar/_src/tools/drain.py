@@ -1,16 +1,18 @@
 """Before a launch stops its sidecars: the steps they accepted are written first.
 
-A step staged in a sidecar is the sidecar's to write, and to commit where it was asked to
-(a step one host alone holds: ``server/checkpoint/save.StepWriter.commit`` ``when_written``),
-whether or not its trainer is still there. So once the trainers are stopped (a signal to the
-launcher, every trainer ended, a failure with no restarts left), ``sidecar launch`` asks each
-live sidecar which steps it is still writing (:func:`poll`, the Status RPC) and waits for
-them (:func:`wait`), for at most a grace it prints; a signal during the wait (a
-Ctrl-C) ends it at once. Whatever is not written by then is named as abandoned, and so is a
-step written but never committed (its trainers went before they committed it).
+A step staged in a sidecar is the sidecar's to write, and to commit once its trainers'
+last Stage took it over (``server/checkpoint/agreement.py``: the sidecars commit it among
+themselves), whether or not its trainers are still there. So once the trainers are
+stopped (a signal to the launcher, every trainer ended, a failure with no restarts left),
+``sidecar launch`` asks each live sidecar which steps it is still writing or committing
+(:func:`poll`, the Status RPC) and waits for them (:func:`wait`), for at most a grace it
+prints; a signal during the wait (a Ctrl-C) ends it at once. Whatever is not written by
+then is named as abandoned, and so is a step written but never committed (its trainers
+went before they committed it).
 
-:func:`poll` is the one place that reads what a sidecar holds: where Status gains the steps a
-sidecar took over to commit itself, they join :data:`WRITING` there.
+:func:`poll` is the one place that reads what a sidecar holds: the steps it took over and
+has not yet seen committed or abandoned (``CheckpointStatus.committing``) are waited for
+as :data:`WRITING`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from sidecar._src.core import errors
 
-WRITING = "writing"  # staged there, still being written (and committed, where it was asked)
+WRITING = "writing"  # staged there, still being written, or taken over and not yet committed
 UNCOMMITTED = "uncommitted"  # written there, its commit never came
 COMMITTED = "committed"  # in its RAM tier, committed
 POLL_S = 0.1
@@ -53,7 +55,7 @@ def poll(host: int, address: str, timeout: float, *, token: str | None = None
   states: dict[Step, str] = {}
   for c in status_lib.fetch(address, timeout=timeout, token=token).checkpoints:
     for state, steps in ((COMMITTED, c.ram_steps), (UNCOMMITTED, c.uncommitted),
-                         (WRITING, c.writing)):
+                         (WRITING, c.writing), (WRITING, c.committing)):
       states.update((Step(int(s), host, c.directory), state) for s in steps)
   return states
 

@@ -26,6 +26,9 @@ import numpy as np
 from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.records import (
+  AgreePhase,
+  AgreeState,
+  CommitPlan,
   Held,
   Manifest,
   ReplicaHeader,
@@ -38,7 +41,7 @@ from sidecar._src.ckptfmt.records import (
 )
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafKind, LeafSpec
 from sidecar._src.core import errors
-from sidecar._src.wire import codec, pbscan
+from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # Read tiers by name, as the Checkpointer and the sidecar's RAM tier say them.
@@ -274,6 +277,55 @@ def replicas_to_pb(target: Any, placement: Mapping[Any, Iterable[int]] | None) -
 
 def replicas_from_pb(source: Mapping[int, ckpt_pb.HostIds]) -> dict[int, list[int]]:
   return {int(h): list(v.hosts) for h, v in source.items()}
+
+
+def plan_to_pb(target: ckpt_pb.CommitPlan, plan: CommitPlan) -> None:
+  target.save, target.committer, target.lead = plan.save, plan.committer, plan.lead
+  target.hosts.extend(plan.hosts)
+  target.data_state_json = plan.data_state_json
+  replicas_to_pb(target.replicas, plan.replicas)
+
+
+def plan_from_pb(plan: ckpt_pb.CommitPlan, where: str) -> CommitPlan:
+  try:
+    return CommitPlan(save=plan.save, committer=plan.committer, hosts=tuple(plan.hosts),
+                      data_state_json=plan.data_state_json, lead=plan.lead,
+                      replicas={h: tuple(p) for h, p in replicas_from_pb(plan.replicas).items()})
+  except errors.InvalidArgumentError as e:
+    raise errors.InvalidArgumentError(f"{where}: {e}") from None
+
+
+_PHASES = {phase: getattr(ckpt_pb, f"AGREE_{phase.name}") for phase in AgreePhase}
+_PHASES_BACK = {number: phase for phase, number in _PHASES.items()}
+
+
+def agree_to_pb(a: AgreeState) -> ckpt_pb.AgreeState:
+  out = ckpt_pb.AgreeState(final_dir=a.final_dir, save=a.save, step=a.step, host=a.host,
+                           phase=_PHASES[a.phase], records=[record_to_pb(r) for r in a.records],
+                           committed=a.committed, written=a.written, directory=a.directory,
+                           format=a.format)
+  if a.error is not None:
+    out.error.CopyFrom(protocol.error_info(a.error))
+  if a.plan is not None:
+    plan_to_pb(out.plan, a.plan)
+  return out
+
+
+def agree_from_pb(a: ckpt_pb.AgreeState, where: str, *, sender: str) -> AgreeState:
+  """An AgreeState from another sidecar (``sender``, for its error's text)."""
+  phase = _PHASES_BACK.get(a.phase)
+  if phase is None or a.step < 0:
+    raise errors.InvalidArgumentError(
+        f"{where}: phase {a.phase} and step {a.step}: a phase of AgreePhase and a step >= 0 "
+        "are expected")
+  return AgreeState(
+      final_dir=a.final_dir, save=a.save, step=a.step, host=a.host, phase=phase,
+      records=tuple(record_from_pb(r, f"{where}.records[{i}]") for i, r in enumerate(a.records)),
+      error=(protocol.error_from_info(a.error, host=sender, host_id=a.host)
+             if a.HasField("error") else None),
+      committed=a.committed, written=tuple(a.written),
+      plan=plan_from_pb(a.plan, f"{where}.plan") if a.HasField("plan") else None,
+      directory=a.directory, format=a.format)
 
 
 def replicated_to_pb(r: Replicated) -> ckpt_pb.CheckpointReplicateResponse:

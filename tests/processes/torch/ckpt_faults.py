@@ -10,7 +10,8 @@ restore reads rank 1's part from host 0's replica (host 1's own copy refused, as
 lost); ``<dir>/1`` saved again with new values, no replica sent (as a rank 0 that stops
 right after the commit); rank 1 SIGKILLs its sidecar; the job restarted on host 0 alone
 restores ``<dir>/1``: it must be the second save's values. ``enospc`` (the sidecar under
-``SIDECAR_CKPT_FAULT=enospc@2``): a ``Checkpointer`` saves 1, 2 (its write fails) and 3.
+``SIDECAR_CKPT_FAULT=enospc@2``): a ``Checkpointer`` saves 1, 2 (its write fails) and 3
+(which raises step 2's failure), then 3 again.
 ``swap`` (under ``SIDECAR_CKPT_FAULT=swap@1``): ``<dir>/1`` saved twice; the sidecar is
 killed in the middle of the second's overwrite. ``listing``: an empty ``999/`` and an
 empty ``0/`` beside the steps of a ``Checkpointer(max_to_keep=1)``. ``skip`` (2 hosts,
@@ -97,6 +98,11 @@ def main() -> None:
       outcome = type(e).__name__ + "".join(
           f" {w}" for w in ("CheckpointWriteError", "ENOSPC") if w in str(e))
     say(save2=outcome, seconds=time.monotonic() - t0, listing=entries(directory))
+    try:
+      ckpt.save(3, state(rank, world, 3))
+      say(save3_raised=None)
+    except BaseException as e:  # the failure of step 2, once: as Orbax's async manager
+      say(save3_raised=type(e).__name__, notes=list(getattr(e, "__notes__", ())))
     try:
       ckpt.save(3, state(rank, world, 3)).durable.result(timeout=60)
       target = ckpt.restore(None, zeros_like(state(rank, world, 3)))

@@ -6,7 +6,8 @@ real sidecar processes under ``sidecar launch --torch`` and real files
    surviving sidecar is not served for the newer (its crc32c is checked against the
    committed manifest, and a copy that fails the check is skipped for storage);
 2. a save whose write fails (``SIDECAR_CKPT_FAULT=enospc@2``: ENOSPC once its first bytes
-   are on disk) fails at once, leaves no partial files, and the next save is durable;
+   are on disk) fails at once, leaves no partial files, the next save raises it (once, as
+   ``ctl.checkpointer``'s: the core's), and the save after is durable;
 4. a sidecar killed in the middle of an overwrite (``swap@1``) leaves a complete
    checkpoint at the path, which a new job restores and saves over;
 5. empty numbered directories are not steps, and a save's failure is raised once (the
@@ -68,6 +69,10 @@ def test_a_save_whose_write_fails_fails_at_once_and_the_next_save_is_durable(tmp
   assert failed["save2"] == "CheckpointException CheckpointWriteError ENOSPC", records
   assert failed["seconds"] < 10, records  # before: no outcome (its wait was 3,600 s)
   assert failed["listing"] == ["1"], records  # no partial file of step 2 left
+  (raised,) = [r for r in records if "save3_raised" in r]  # the next save raises it, once
+  assert raised["save3_raised"] == "CheckpointException", records
+  assert any("the save of step 2 into" in n and "raised by save(3), which saved nothing"
+             in n for n in raised["notes"]), records
   (next_save,) = [r for r in records if "save3" in r]
   assert next_save["save3"] is True and next_save["same"] is True, records
   assert next_save["steps"] == [1, 3], records

@@ -137,6 +137,9 @@ class Checkpointer:
     self._saves = self._asked = self._restores = 0
     self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
+    # The saves begun whose failure no save(), wait() or close() has raised yet.
+    self._unreported: list[SaveHandle] = []
+    self._unreported_lock = threading.Lock()
     self._saving: set[int] = set()  # steps a save() of this process is copying now
     self._saving_lock = threading.Lock()
     self._closed = False
@@ -179,10 +182,16 @@ class Checkpointer:
     previous one to be durable, with ``"skip"`` it returns a handle whose futures
     hold None and saves nothing; every process takes the same decision.
 
+    A save that failed in the background (its ``durable``: a full disk, an I/O error,
+    a host lost) is raised by the next ``save``, ``wait`` or ``close``, once, as Orbax's
+    async manager does: the step it was given then is not saved.
+
     Raises:
       InvalidArgumentError: ``step`` is committed already. A save never replaces a
         committed step, whatever the framework; a step not saved yet, lower than the
         latest, is saved.
+      CheckpointWriteError (and the others ``durable`` holds): an earlier save of this
+        checkpointer failed (its note names the step); this one was not begun.
     """
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -256,6 +265,9 @@ class Checkpointer:
               "the interval between saves (see the sidecar's log, 'step N: wrote ... in ... "
               "s'): save less often, or pass if_busy='skip'", step, self.directory, waited,
               previous.step, extra={"step": step})
+    # Every process's earlier saves have ended here (busy is the processes' agreement):
+    # all raise an earlier failure alike.
+    self._raise_failures(f"save({step})", skipped=step)
     if step in (steps := self.all_steps()):  # whatever the framework: never replaced
       raise errors.InvalidArgumentError(
           f"step {step} is already saved in {self.directory} (committed steps: {steps}); a "
@@ -281,12 +293,19 @@ class Checkpointer:
     self._saves += 1
     key = f"{self._key}/save/{self._saves}"
     handle = SaveHandle(target.step, concurrent.futures.Future(), concurrent.futures.Future())
+    with self._unreported_lock:
+      self._unreported.append(handle)
     if not self.replicas:  # the same for every framework: it holds the step at once
       handle.replicated.set_result(target.step)
     # The save's end (listed, durable, old steps deleted, replicated) runs on the save's
     # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Agreement.join``).
-    self._agreement.start(target, tree, data_state_json=data_json,
-                          ending=Ending(handle, self._peers, key, self._retention))
+    try:
+      self._agreement.start(target, tree, data_state_json=data_json,
+                            ending=Ending(handle, self._peers, key, self._retention))
+    except BaseException:  # raised here: told, not to be raised again
+      with self._unreported_lock:
+        self._unreported.remove(handle)
+      raise
     return handle
 
   def mark_committed(self, target: Target) -> None:
@@ -418,7 +437,8 @@ class Checkpointer:
   def wait(self, *, progress: Callable[[str], None] | bool | None = None) -> None:
     """Waits until the save in flight (if any) is durable, and the older steps it
     makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
-    has ended, done or failed: ``handle.replicated`` says which); raises its error.
+    has ended, done or failed: ``handle.replicated`` says which); raises the error of
+    a save that failed, unless ``save`` or ``close`` raised it already.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
     the sidecars have made durable, and the rate, once a second; by default (None) on
@@ -436,7 +456,36 @@ class Checkpointer:
             report(line)
     interrupts.wait_done(handle.durable)
     self._join()  # and the older steps max_to_keep drops are gone
-    handle.durable.result()
+    self._raise_failures("wait()")
+
+  def _raise_failures(self, where: str, *, skipped: int | None = None) -> None:
+    """Raises the first save of this checkpointer that failed and that no save(),
+    wait() or close() raised yet (later ones named in its notes); each is raised once.
+    ``where``: the call that raises it; ``skipped``: the step it was asked to save."""
+    error = self._failure(where, skipped=skipped)
+    if error is not None:
+      raise error
+
+  def _failure(self, where: str, *, skipped: int | None = None) -> BaseException | None:
+    """The error :meth:`_raise_failures` raises (None: none), told to nobody again."""
+    with self._unreported_lock:
+      ended = [h for h in self._unreported if h.durable.done()]
+      self._unreported = [h for h in self._unreported if not h.durable.done()]
+    failed = [(h.step, e) for h in ended if (e := h.durable.exception()) is not None]
+    if not failed:
+      return None
+    (step, error), later = failed[0], failed[1:]
+    latest = self.latest_step()
+    host = getattr(error, "host_id", None)
+    error.add_note(
+        f"the save of step {step} into {self.directory} failed in the background"
+        + (f" (host {host})" if isinstance(host, int) else "")
+        + f"; raised by {where}"
+        + (f", which saved nothing (step {skipped} not saved)" if skipped is not None else "")
+        + f". The latest committed step is {latest if latest is not None else 'none'}")
+    for s, e in later:
+      error.add_note(f"the save of step {s} failed too: {type(e).__name__}: {e}")
+    return error
 
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
@@ -479,9 +528,14 @@ class Checkpointer:
   @interrupts.deferring
   def close(self) -> None:
     """Waits for the save in flight (and what older saves still settle: replication,
-    deleting old steps), then closes; idempotent."""
+    deleting old steps), then closes; idempotent. Raises the error of a save that
+    failed, unless ``save`` or ``wait`` raised it already (closed all the same)."""
     if self._closed:
       return
+    self._close()
+    self._raise_failures("close()")
+
+  def _close(self) -> None:
     t0 = time.perf_counter()
     try:
       self._join()
@@ -494,8 +548,19 @@ class Checkpointer:
   def __enter__(self) -> Self:  # sidecar.torch.Checkpointer's too
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  @interrupts.deferring
+  def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    if exc is None:
+      self.close()
+      return
+    if self._closed:
+      return
+    self._close()  # the block's own error goes on; a failed save is said beside it
+    failure = self._failure("the checkpointer's with block, which raised")
+    if failure is not None:
+      log.error("%s: %s", type(failure).__name__, failure)
+      exc.add_note(f"also, a save failed: {type(failure).__name__}: {failure}"
+                   + "".join(f"; {n}" for n in getattr(failure, "__notes__", ())))
 
   def __repr__(self) -> str:
     return display.text_block("sidecar checkpointer", *self._display())

@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from sidecar._src.ckptfmt.records import (
+  CommitPlan,
   Held,
   Manifest,
   ReplicaTarget,
@@ -214,11 +215,13 @@ class CheckpointTransport(abc.ABC):
   @abc.abstractmethod
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: Sequence[Staged],
-            last: bool, writers: int = 1, extra: FormatExtra | None = None
-            ) -> concurrent.futures.Future:
+            last: bool, writers: int = 1, extra: FormatExtra | None = None,
+            plan: CommitPlan | None = None) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
     processes stage into ``host`` (each sends its own ``last``). ``extra``: the format's
-    extra (a DCP rank's items, the shards' records' ``leaf`` numbering them)."""
+    extra (a DCP rank's items, the shards' records' ``leaf`` numbering them). ``plan``
+    (with ``last``): the sidecars commit the step themselves; the host takes it over
+    once its part is whole, before the call that made it whole answers."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -231,12 +234,12 @@ class CheckpointTransport(abc.ABC):
              leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
              data_state_json: str, whole_step: bool,
              replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             extra: FormatExtra | None = None, when_written: bool = False
+             extra: FormatExtra | None = None, taken_over: bool = False
              ) -> concurrent.futures.Future:
     """Future of the committed directory; ``shards``: every host's, written. ``extra``: the
-    format's extra (a DCP step's pickled metadata, file sizes and plan). ``when_written``:
-    the step is ``host``'s alone, no ``shards`` given: ``host`` commits it once written,
-    with its own records, and marks it committed in its RAM tier, the caller there or not."""
+    format's extra (a DCP step's pickled metadata, file sizes and plan). ``taken_over``:
+    the sidecars commit the step themselves (its Stages carried a plan naming ``host``
+    its committer): the future holds that commit, or its failure (no ``shards`` given)."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""
@@ -362,12 +365,14 @@ class CheckpointClient(CheckpointTransport):
         worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None):
+            writers=1, extra=None, plan=None):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
         directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
         worker_session=w.session if w is not None else "")
+    if plan is not None:
+      wire.plan_to_pb(request.plan, plan)
     wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
     wire.staged_to_pb(request, shards, w.ref_of if w is not None else None)
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
@@ -379,12 +384,12 @@ class CheckpointClient(CheckpointTransport):
         lambda r: [wire.record_from_pb(c, "record") for c in r.records], timeout=timeout)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, when_written=False):
+             whole_step, replicas, timeout, extra=None, taken_over=False):
     request = ckpt_pb.CheckpointCommitRequest(
         tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
         leaves=[wire.leaf_to_pb(d) for d in leaves],
         records=[wire.record_to_pb(c) for c in shards], data_state_json=data_state_json,
-        whole_step=whole_step, when_written=when_written)
+        whole_step=whole_step, taken_over=taken_over)
     wire.format_extra_to_pb(request, extra, wire.COMMIT_EXTRAS)
     wire.replicas_to_pb(request.replicas, replicas)
     return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)

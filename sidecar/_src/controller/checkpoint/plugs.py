@@ -243,7 +243,11 @@ class SaveCoordinator:
     except BaseException:  # copy_in failed the lots: the save is aborted
       finisher.join()
       raise
-    # The finisher joins the stager, if any.
+    # The finisher joins the stager, if any. With nothing left to copy from a device, the
+    # save returns once staged: every host then took the step over (its sidecars commit
+    # it whatever happens to this process), or it failed (said by ``durable``).
+    if lots.stager is None:
+      interrupts.wait_done(ending.handle.staged)
 
   def run(self, target: Target, ending: Ending | None) -> SaveRun:
     """The save of ``target``: this process stages its own hosts, the processes agree
@@ -337,7 +341,7 @@ class SaveCoordinator:
       error: BaseException | None = None
       try:
         run.begin()
-        run.stage(staged, leaves=leaves)
+        run.stage(staged, leaves=leaves, data_state_json=data_json)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
       try:

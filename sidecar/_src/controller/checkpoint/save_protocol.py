@@ -7,10 +7,12 @@ any layout changes nothing here), its tmp ones Begin's answer.
 
 :class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
 phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
-(:class:`Sends`), prepared (each host's shards' records once written), commit once or abort
-everywhere (a step one host alone holds: committed there once written, its trainer there
-or not), mark committed, replicate. One save step (``save_run.SaveRun``) calls them in
-the same order for every framework, and decides between them what follows what.
+(:class:`Sends`; with a ``CommitPlan`` on each host's last lot the sidecars commit the
+step among themselves once it is whole everywhere, its trainers there or not: then the
+commit only waits for theirs), prepared (each host's shards' records once written),
+commit once or abort everywhere, mark committed, replicate. One save step
+(``save_run.SaveRun``) calls them in the same order for every framework, and decides
+between them what follows what.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.format import Format
-from sidecar._src.ckptfmt.records import Replicated, ShardRecord
+from sidecar._src.ckptfmt.records import CommitPlan, Replicated, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
 from sidecar._src.controller.checkpoint.staging import Lot
 from sidecar._src.core import errors
@@ -109,23 +111,27 @@ class SaveProtocol:
   def begin(self, host: int, path: str, step: int) -> str:
     """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
     directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
-    return self.client.begin(host, path, step, format=self.format).result()
+    try:
+      return self.client.begin(host, path, step, format=self.format).result()
+    except errors.SidecarError as e:
+      e.add_note(f"host {host} could not begin step {step} in {path}")
+      raise
 
   def sends(self, target: Target, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
-            rest: FormatExtra | None = None) -> Sends:
+            rest: FormatExtra | None = None, plan: CommitPlan | None = None) -> Sends:
     """The stage calls of one save on ``hosts``, made as its lots are put
     (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``extra``,
-    its later ones ``rest``."""
-    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest)
+    its later ones ``rest``, its last one ``plan`` (the sidecars commit the step)."""
+    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan)
 
   def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
-            rest: FormatExtra | None = None) -> None:
+            rest: FormatExtra | None = None, plan: CommitPlan | None = None) -> None:
     """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
-    last (:meth:`sends`)."""
-    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest)
+    last (:meth:`sends`): with ``plan``, each host has then taken the step over."""
+    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan)
     try:
       while not sends.done:
         got: Lot | BaseException = lots.get()  # no other local holds the shards, as
@@ -146,17 +152,20 @@ class SaveProtocol:
   def commit(self, host: int, target: Target, *, num_hosts: int,
              shards: Sequence[ShardRecord], leaves: Sequence[spec_lib.LeafSpec] = (),
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             extra: FormatExtra | None = None, when_written: bool = False) -> str:
-    """``host`` commits the step (every host prepared); returns the committed directory.
-    ``when_written``: the step is ``host``'s alone, not yet prepared (no ``shards``):
-    ``host`` commits it once written, and marks it committed in its RAM tier, whether or
-    not this process is still there by then."""
-    fmt = {} if extra is None else {"extra": extra}
+             extra: FormatExtra | None = None) -> str:
+    """``host`` commits the step (every host prepared); returns the committed directory."""
     return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
                               num_hosts=num_hosts, leaves=list(leaves), shards=shards,
                               data_state_json=data_state_json, whole_step=target.whole_step,
                               replicas={h: p for h, p in (replicas or {}).items() if p} or None,
-                              timeout=LONG_S, when_written=when_written, **fmt).result()
+                              timeout=LONG_S, extra=extra).result()
+
+  def await_commit(self, host: int, target: Target) -> str:
+    """Waits for the commit the sidecars agree on of a step they took over, ``host`` its
+    committer; returns the committed directory, or raises why it was abandoned."""
+    return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step, num_hosts=1,
+                              leaves=[], shards=[], data_state_json="", whole_step=True,
+                              replicas=None, timeout=LONG_S, taken_over=True).result()
 
   def abort(self, target: Target, hosts: Sequence[int]) -> None:
     """Drops a failed save from every sidecar that answers, then its uncommitted files.
@@ -235,9 +244,9 @@ class Sends:
 
   def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
                leaves: Sequence[spec_lib.LeafSpec], extra: FormatExtra | None,
-               rest: FormatExtra | None):
+               rest: FormatExtra | None, plan: CommitPlan | None = None):
     self._protocol, self._target, self._hosts = protocol, target, list(hosts)
-    self._leaves, self._extra, self._rest = list(leaves), extra, rest
+    self._leaves, self._extra, self._rest, self._plan = list(leaves), extra, rest, plan
     self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
     self._closed = 0
     self._error: BaseException | None = None
@@ -264,7 +273,8 @@ class Sends:
     self._last[host] = p.client.stage(
         host, directory=p.directory, step=t.step, tmp_dir=t.tmp_dir, final_dir=t.final_dir,
         leaves=self._leaves if first else [], shards=got.shards, last=got.last,
-        writers=len(p.writers.get(host, ())) or 1, **fmt)
+        writers=len(p.writers.get(host, ())) or 1,
+        plan=self._plan if got.last else None, **fmt)
     self._closed += got.last
 
   def settle(self) -> None:

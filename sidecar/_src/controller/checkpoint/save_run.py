@@ -10,8 +10,10 @@ from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 - :meth:`SaveRun.stage` (lots a finisher is handed) or :meth:`SaveRun.stage_copies`
   (copies made and sent on the caller's thread, no thread of its own);
 - :meth:`SaveRun.finish`, the one place that decides what follows staging: the
-  replication starts, each host's writes end (prepared), the processes agree, the lead
-  commits once or every host aborts, the RAM tiers are told the step is committed;
+  replication starts, the processes agree, and the lead waits for the commit the sidecars
+  agree on (a step they took over at its last Stage: :attr:`SaveRun.plan`), or asks each
+  host for its written records (prepared) and commits once, or every host aborts; the RAM
+  tiers are told the step is committed;
 - :meth:`SaveRun.end`: the Checkpointer's end of the step (:func:`end_save`: listed,
   ``durable``, old steps deleted, ``replicated`` once every process knows), on the
   calling thread;
@@ -21,8 +23,8 @@ The :class:`SaveHandle` a save returns is the step's: the run resolves its ``sta
 ``durable`` and ``replicated``; a Checkpointer's save ends as its :class:`Ending` says.
 
 What differs is how the trainer processes agree (:class:`Coordination`): through their
-key-value store (:class:`KeyValue`: process 0 begins and commits, every process stages
-its own hosts and says at the commit whether it succeeded), or as DCP does it
+key-value store (:class:`KeyValue`: process 0 begins, every process stages its own hosts
+and says at the commit whether it succeeded, and the sidecars commit), or as DCP does it
 (:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results, and
 its coordinator rank alone begins, waits for every host and commits). Before a step, the
 processes agree on it and on whether a save is in flight (:func:`agree_on_save`, which the
@@ -39,11 +41,12 @@ import functools
 import json
 import queue
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardRecord
+from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import LONG_S, SaveProtocol, Target
@@ -53,14 +56,26 @@ from sidecar._src.core import errors
 from sidecar._src.wire import protocol
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Begun:
+  """A step as its beginning process began it: its tmp directory (Begin's answer; "" where
+  another commits the step), the host it was begun on (which commits it) and the save's
+  id (unique: the sidecars never mix two saves of a step); the same in every process."""
+  tmp: str
+  committer: int | None = None
+  save: str = ""
+
+
 class Coordination(abc.ABC):
   """How one save's trainer processes agree: who begins the step, who commits it."""
-  alone = False  # whether this process is the only one (it agrees with nobody)
+  lead = True  # whether this process began the step (its data position is the manifest's)
+  alone = True  # whether this process is the only one (it stages into every host)
+  takes_over = False  # whether the sidecars commit its steps themselves (a CommitPlan)
 
   @abc.abstractmethod
-  def begin(self, step: int, begin: Callable[[], str]) -> str:
-    """The step's tmp directory: the process that begins runs ``begin`` (its sidecar's
-    answer; "" where another commits the step) and the others are told it."""
+  def begin(self, step: int, begin: Callable[[], Begun]) -> Begun:
+    """The step as begun: the process that begins runs ``begin`` (its sidecar's answer)
+    and the others are told it."""
 
   @abc.abstractmethod
   def commit(self, step: int, error: BaseException | None,
@@ -73,31 +88,35 @@ class Coordination(abc.ABC):
 
 class KeyValue(Coordination):
   """The processes agree through their key-value store (``controller/peers.Peers``)
-  under ``key``: process 0 begins and commits; every process stages its own hosts."""
+  under ``key``: process 0 begins, and aborts or waits for the commit; every process
+  stages its own hosts, and the sidecars commit the step once it is whole on all."""
+  takes_over = True
 
   def __init__(self, peers: Peers, key: str, local: Sequence[int]):
     self._peers, self._key, self._local = peers, key, list(local)
-    self._lead, self.alone = peers.index == 0, peers.count == 1
+    self._lead = self.lead = peers.index == 0
+    self.alone = peers.count == 1
 
-  def begin(self, step: int, begin: Callable[[], str]) -> str:
+  def begin(self, step: int, begin: Callable[[], Begun]) -> Begun:
     """Process 0's sidecar makes the tmp directory; the others wait until it has."""
     if not self._lead:
       begun = json.loads(self._peers.read(f"{self._key}/begun", 0, timeout=sync_timeout()))
       if "error" in begun:
         raise errors.InvalidArgumentError(
             f"process 0 could not begin step {step}: {begun['error']}")
-      return begun["tmp"]
+      return Begun(begun["tmp"], begun.get("committer"), begun.get("save", ""))
     try:
-      tmp = begin()
+      here = begin()
     except BaseException as e:
       self._peers.publish(f"{self._key}/begun", json.dumps({"error": describe(e)}))
       raise
-    self._peers.publish(f"{self._key}/begun", json.dumps({"tmp": tmp}))
-    return tmp
+    self._peers.publish(f"{self._key}/begun", json.dumps(dataclasses.asdict(here)))
+    return here
 
   def commit(self, step: int, error: BaseException | None,
              commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
-    """Process 0 gathers every process's outcome, then commits once or aborts.
+    """Process 0 gathers every process's outcome, then commits once (or waits for the
+    sidecars' commit) or aborts.
 
     Every process gets here once per save, failed or not, so nobody waits for one that
     gave up. The others tell process 0 only which hosts they staged into: it asks those
@@ -137,9 +156,10 @@ class KeyValue(Coordination):
 class Coordinator(Coordination):
   """DCP's: its collectives carry the plan (with Begin's answer) to every rank and their
   write results back, so its coordinator rank alone begins and commits, over every
-  host (the other ranks only stage)."""
+  host (the other ranks only stage). DCP's metadata, which its commit writes, is made
+  only once every rank wrote: its trainers commit the step."""
 
-  def begin(self, step: int, begin: Callable[[], str]) -> str:
+  def begin(self, step: int, begin: Callable[[], Begun]) -> Begun:
     return begin()
 
   def commit(self, step: int, error: BaseException | None,
@@ -216,6 +236,10 @@ class SaveRun:
     self.ending, self._share_manifest, self._path = ending, share_manifest, path
     self.replication: concurrent.futures.Future | None = None
     self.stats: dict[str, float] = {}
+    self._begun = Begun("")
+    # What the sidecars commit the step with, themselves (its last Stages carry it); None:
+    # the trainers commit it.
+    self.plan: CommitPlan | None = None
 
   @property
   def step(self) -> int:
@@ -223,13 +247,19 @@ class SaveRun:
 
   def begin(self) -> Target:
     """The lead process's sidecar makes the step's tmp directory (the others are told
-    it); the target is then in the tmp directory Begin answered (never one worked out
-    here). An Orbax manager's item (not ``whole_step``) is in the manager's already."""
+    it, and the save's id); the target is then in the tmp directory Begin answered
+    (never one worked out here). An Orbax manager's item (not ``whole_step``) is in the
+    manager's already."""
     t = self.target
-    tmp = self._coordination.begin(
-        t.step, lambda: self.protocol.begin(self.local[0], self._path or t.directory, t.step)
-        if t.whole_step else "")
-    return self.begun(tmp)
+
+    def here() -> Begun:
+      if not t.whole_step:
+        return Begun("")
+      host = self.local[0]
+      return Begun(self.protocol.begin(host, self._path or t.directory, t.step), host,
+                   uuid.uuid4().hex)
+    self._begun = self._coordination.begin(t.step, here)
+    return self.begun(self._begun.tmp)
 
   def begun(self, tmp: str) -> Target:
     """The step once a sidecar began it in ``tmp`` (Begin's answer, which DCP's plan
@@ -238,13 +268,35 @@ class SaveRun:
       self.target = self.target.begun(tmp)
     return self.target
 
-  def stage(self, lots: queue.SimpleQueue, *, leaves: Sequence[spec_lib.LeafSpec] = ()
-            ) -> None:
+  def stage(self, lots: queue.SimpleQueue, *, leaves: Sequence[spec_lib.LeafSpec] = (),
+            data_state_json: str = "") -> None:
     """Hands the staged lots ``lots`` is given (``staging.Lots``) to the sidecars of
-    :attr:`local` as they come, until each had its last; then ``staged`` resolves."""
-    self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves)
+    :attr:`local` as they come, until each had its last; then ``staged`` resolves.
+
+    Where the sidecars commit the step themselves (:attr:`plan`: a whole step in a format
+    whose commit needs nothing from the trainers, as the key-value processes save it),
+    each host's last lot carries the plan (with ``data_state_json``), and each host takes
+    the step over before it answers: once ``staged`` resolves in every process, the step
+    is the sidecars' to commit, whatever happens to the trainers."""
+    self.plan = self._plan(data_state_json)
+    self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves, plan=self.plan)
     if self.ending is not None:
       resolve(self.ending.handle.staged, None, self.step)
+
+  def _plan(self, data_state_json: str) -> CommitPlan | None:
+    """The plan the sidecars commit the step with, or None (its trainers commit it)."""
+    b, t = self._begun, self.target
+    if (not self._coordination.takes_over or b.committer is None or not t.whole_step
+        or t.fmt.commit_extra is not None or self._share_manifest):
+      return None
+    writers = self.protocol.writers  # (known where several processes save)
+    hosts = (tuple(self.local) if self._coordination.alone else
+             tuple(h for h in sorted(writers) if h in self.hosts) if writers else
+             tuple(self.hosts))
+    lead = self._coordination.lead
+    return CommitPlan(save=b.save, committer=b.committer, hosts=hosts,
+                      data_state_json=data_state_json if lead else "", lead=lead,
+                      replicas={h: tuple(p) for h, p in self._placement.items()})
 
   def stage_copies(self, host: int, copies: list[ShardCopy], *,
                    extra: FormatExtra | None = None, rest: FormatExtra | None = None,
@@ -284,55 +336,54 @@ class SaveRun:
     ``data_state_json`` and the format's ``extra``) and the RAM tiers told, or aborted on
     every host. Raises the save's error (in every process where it failed in any).
 
-    A step one host alone holds, that this process alone saves (:meth:`alone`), is
-    committed by that host once written, asked for as soon as it is staged: a trainer
-    killed after staging then loses no step (the sidecar commits it, and its RAM tier
-    holds it for the restarted trainer's restore)."""
-    alone = self.alone()
-    written: list[ShardRecord] = []
+    A step the sidecars took over (:attr:`plan`) is committed by them once written on
+    every host, the trainers there or not: the lead process only waits for that commit
+    (or aborts the step where a process failed to stage its part)."""
+    plan, written = self.plan, []
     if error is None:
       try:
         self._replicate()
-        if not alone:
+        if plan is None:
           written = self.protocol.prepared(self.target, self.local)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
+    commit: Callable[[Sequence[int]], None] = (
+        functools.partial(self._commit, written, leaves=leaves,
+                          data_state_json=data_state_json, extra=extra) if plan is None
+        else functools.partial(self._await_commit, plan))
     try:
-      self._coordination.commit(
-          self.step, error,
-          functools.partial(self._commit, written, leaves=leaves,
-                            data_state_json=data_state_json, extra=extra, when_written=alone),
-          lambda: self.protocol.abort(self.target, self.hosts))
+      self._coordination.commit(self.step, error, commit,
+                                lambda: self.protocol.abort(self.target, self.hosts))
     except BaseException as e:
       if self.ending is not None:
         resolve(self.ending.handle.staged, e, None)
       raise
-    # An Orbax manager's item is marked when the manager commits; a host that committed a
-    # step once written marked it itself.
-    if self.target.whole_step and not alone:
-      self.mark_committed()
+    # An Orbax manager's item is marked when the manager commits; the committer of a step
+    # the sidecars took over marked it itself (the others learn it, and are told here).
+    if self.target.whole_step:
+      self.mark_committed([h for h in self.local if plan is None or h != plan.committer])
 
-  def alone(self) -> bool:
-    """Whether the whole step is one host's and this process's alone (no other process,
-    no replica, no manifest shared by the committer): then the host commits it once
-    written (``SaveProtocol.commit``'s ``when_written``)."""
-    return (self.target.whole_step and len(self.hosts) == 1 and self.local == self.hosts
-            and not self._placement and not self._share_manifest and self._coordination.alone)
+  def _await_commit(self, plan: CommitPlan, others: Sequence[int]) -> None:
+    """The sidecars' commit of the step they took over (``others`` is theirs to gather)."""
+    del others
+    self.protocol.await_commit(plan.committer, self.target)
 
   def _commit(self, written: list[ShardRecord], others: Sequence[int], *,
               leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
-              extra: FormatExtra | None, when_written: bool) -> None:
+              extra: FormatExtra | None) -> None:
     shards = [*written, *self.protocol.prepared(self.target, others)]
     self.protocol.commit(self.local[0], self.target, num_hosts=len(self.hosts),
                          shards=shards, leaves=leaves, data_state_json=data_state_json,
-                         replicas=self._placement, extra=extra, when_written=when_written)
+                         replicas=self._placement, extra=extra)
 
-  def mark_committed(self) -> None:
-    """Tells :attr:`local`'s RAM tiers the step is visible (with the manifest where the
+  def mark_committed(self, hosts: Sequence[int]) -> None:
+    """Tells ``hosts``' RAM tiers the step is visible (with the manifest where the
     committing sidecar alone built it)."""
+    if not hosts:
+      return
     manifest = (self.protocol.client.info(self.local[0], self.target.final_dir).result()
                 .to_json() if self._share_manifest else "")
-    self.protocol.mark_committed(self.target, self.local, manifest)
+    self.protocol.mark_committed(self.target, hosts, manifest)
 
   def _replicate(self) -> None:
     """Each of :attr:`local` sends its staged part to its replica hosts, from now on

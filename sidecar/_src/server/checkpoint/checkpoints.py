@@ -8,7 +8,12 @@ none of them is reachable through ``Call``):
 2. ``stage`` (every host): takes the shards the worker copied into the arena. From
    then on the trainer's arrays are free; this sidecar holds the only copy it needs
    (its RAM tier) and writes its part in a background thread, in stock Orbax's layout.
-3. ``prepared`` (every host): waits for that write; returns the shards' crc32c.
+   A trainer's last part carries the step's plan: once the part is whole here, this host
+   takes the step over, and the sidecars commit it among themselves whatever the
+   trainers do (``agreements``: ``agreement.Agreements``); then ``commit`` only waits
+   for that commit (``taken_over``).
+3. ``prepared`` (every host, a step with no plan): waits for that write; returns the
+   shards' crc32c.
 4. ``commit`` (host 0): writes the manifest (checksums, data position), merges and
    renames: the step becomes visible at once, or not at all.
 5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
@@ -17,7 +22,8 @@ The parts, built and owned here (``close`` joins their threads): ``writer``
 (``save.StepWriter``: the phases above, ``abort``, ``delete``), ``tier``
 (``ram_tier.RamTier``: the records, budgets, eviction, expiry of uncommitted steps,
 status), ``replicator`` (``replication.Replicator``: ``replicate`` to the replica hosts, ``receive``
-from them) and ``reader`` (``read.Reader``). This class keeps only what spans them: the
+from them), ``agreements`` (``agreement.Agreements``: the steps taken over) and ``reader``
+(``read.Reader``). This class keeps only what spans them: the
 per-client directories (``open_for``, ``check_client``; what more a client may do is its
 ``policies.CheckpointPolicy``'s, handed in), a commit's notice to the RAM tier
 and replicas (``committed``), and the restore calls that check a path under the roots
@@ -41,6 +47,7 @@ from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import env as env_lib, errors, paths
 from sidecar._src.server import metrics as metrics_lib, policies
 from sidecar._src.server.checkpoint import (
+  agreement as agreement_lib,
   links as links_lib,
   ownership,
   ram_tier,
@@ -105,9 +112,17 @@ class Checkpoints:
     self._opened_lock = threading.Lock()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
-    self.writer = checkpoint_save.StepWriter(host_id, tier=self.tier, roots=self._roots,
-                                             spawn=self._spawn, metrics=metrics,
-                                             write_turn=policy.write_turn)
+    self.writer = checkpoint_save.StepWriter(
+        host_id, tier=self.tier, roots=self._roots, spawn=self._spawn, metrics=metrics,
+        write_turn=policy.write_turn, take_over=lambda record: self.agreements.take_over(record))
+    # The steps the sidecars commit among themselves (taken over at their last Stage).
+    self.needs_replica_token = replica_token is not None  # for an Agree, where there is one
+    self._agree_links = agreement_lib.AgreeLinks(token=token, replica_token=replica_token,
+                                                 credentials=replica_credentials)
+    self.agreements = agreement_lib.Agreements(
+        host_id, tier=self.tier, writer=self.writer, links=self._agree_links,
+        hosts=replica_hosts or links_lib.ReplicaHosts(), spawn=self._spawn,
+        closed=self._closed)
     self.replicator = checkpoint_replication.Replicator(
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics, hosts=replica_hosts or links_lib.ReplicaHosts(),
@@ -144,6 +159,7 @@ class Checkpoints:
         log.warning("%s still runs after %.0f s as the sidecar stops", thread.name, timeout)
     self.jobs.close()
     self._links.close()
+    self._agree_links.close()
 
   def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
     """Starts a thread this host owns: close() joins it."""
@@ -166,6 +182,7 @@ class Checkpoints:
       self.tier.expire_uncommitted()
       self.writer.forget_ended()
       self.jobs.release_gone()
+      self.agreements.forget_decided()
 
   # ---- who may act where, and commits -----------------------------------
 

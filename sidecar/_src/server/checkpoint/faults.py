@@ -6,7 +6,8 @@ stage, write, prepared, commit, read: serving a restore's shard of the step), or
 most ``HOLD_S``: a test holds a step not durable while it looks); "replicate@STEP" kills
 it as another sidecar's first shards of STEP arrive, once its own part of STEP is committed (so
 the step is durable and its replication half done); "enospc@STEP" fails the write with
-ENOSPC once its first shard is on disk (a full disk); "swap@STEP" kills it in the middle of a DCP
+ENOSPC once its first shard is on disk (a full disk), "eio@STEP" with EIO there (a failing
+disk); "swap@STEP" kills it in the middle of a DCP
 commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
 """
 
@@ -39,7 +40,8 @@ def fault(point: str, step: int) -> None:
       while time.monotonic() < deadline and not (path and os.path.exists(path)):
         time.sleep(0.05)
       return
-    if point == "enospc":
-      raise OSError(errno.ENOSPC, f"No space left on device (fault injection, step {step})")
+    if point in ("enospc", "eio"):
+      code = errno.ENOSPC if point == "enospc" else errno.EIO
+      raise OSError(code, f"{os.strerror(code)} (fault injection, step {step})")
     log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
     os.kill(os.getpid(), signal.SIGKILL)

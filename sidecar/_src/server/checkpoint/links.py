@@ -45,7 +45,7 @@ import grpc
 import numpy as np
 
 from sidecar._src.arena import shm, worker as worker_lib
-from sidecar._src.ckptfmt.records import ReplicaHeader, ReplicaTarget, Staged
+from sidecar._src.ckptfmt.records import AgreeState, ReplicaHeader, ReplicaTarget, Staged
 from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
 from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
@@ -313,6 +313,10 @@ class ReplicaLink:
       self._receive = self._channel.stream_unary(  # requests: bytes from _serialize
           f"/{protocol.CHECKPOINT_SERVICE}/Receive",
           response_deserializer=ckpt_pb.ReceiveResponse.FromString)
+      self._agree = self._channel.unary_unary(
+          f"/{protocol.CHECKPOINT_SERVICE}/Agree",
+          request_serializer=ckpt_pb.AgreeState.SerializeToString,
+          response_deserializer=ckpt_pb.AgreeState.FromString)
       try:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
         reply = handshake(pb.HandshakeRequest(
@@ -405,6 +409,15 @@ class ReplicaLink:
       ready.put_nowait(end)
       held.clear()
     return sent[0]
+
+  def agree(self, state: AgreeState, *, timeout: float) -> AgreeState:
+    """This sidecar's ``state`` in the sidecars' agreement on a step, told to the receiver
+    (``agreement.py``); its answer."""
+    try:
+      answer = self._agree(wire.agree_to_pb(state), timeout=timeout, metadata=self._metadata)
+    except grpc.RpcError as e:
+      raise self._error(e) from None
+    return wire.agree_from_pb(answer, "AgreeState", sender=self.receiver.address)
 
   def _shared(self, header: ReplicaHeader, shards: Sequence[Staged],
               cancelled: Callable[[], bool], timeout: float, pace: _Pace, sent: list,

@@ -24,6 +24,7 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.format import Numbering
 from sidecar._src.ckptfmt.records import (
+  CommitPlan,
   Held,
   Manifest,
   ReplicaTarget,
@@ -31,6 +32,7 @@ from sidecar._src.ckptfmt.records import (
   ShardId,
   ShardRecord,
 )
+from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
 
@@ -70,14 +72,27 @@ class Step:
   writers: int = 1
   format: str = "orbax"  # its format's name (ckptfmt/registry.py)
   manifest: Manifest | None = None  # a DCP step's, told at its commit
-  # Set once a commit "when written" (this host's alone) is asked for, and set done when
-  # that commit ended: till then the step is in flight whether or not its trainer is there.
+  # Its leaves, as its first part named them (what a commit by the sidecars lists).
+  leaves: tuple[LeafSpec, ...] = ()
+  # Whether each trainer that staged a part of it is there, by its worker session.
+  stagers: dict[str, Callable[[], bool]] = dataclasses.field(default_factory=dict)
+  # The plans its writers' last parts carried (CommitPlan): the sidecars commit it.
+  plans: list[CommitPlan] = dataclasses.field(default_factory=list)
+  # Set once this host took the step over (whole, with a plan: ``agreement.py``), and set
+  # done once the sidecars committed or abandoned it: till then it is in flight whether
+  # or not its trainers are there.
   committing: threading.Event | None = None
 
   @property
   def commit_pending(self) -> bool:
-    """Whether this host commits the step once written, and has not yet."""
+    """Whether this host took the step over and does not know its end yet."""
     return self.committing is not None and not self.committing.is_set()
+
+  def trainers_alive(self) -> bool | None:
+    """Whether a trainer that staged a part of it is still there (None: not known)."""
+    if not self.stagers:
+      return None
+    return any(alive() for alive in list(self.stagers.values()))
 
 
 @dataclasses.dataclass
@@ -156,6 +171,8 @@ class RamTier:
         r.committed = True
       if record is not None:
         record.committed = True
+        if record.committing is not None:  # a step taken over: its end is known
+          record.committing.set()
       return self.evict(record.directory if record is not None else held[0].directory)
 
   def held(self, directory: str) -> Held:
@@ -195,10 +212,13 @@ class RamTier:
     out: dict[str, pb.CheckpointStatus] = {}
     for s in sorted(steps, key=lambda s: s.step):
       entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
+      if s.commit_pending:
+        entry.committing.append(s.step)
       if s.committed:
         entry.ram_steps.append(s.step)
       elif s.done.is_set():
-        entry.uncommitted.append(s.step)
+        if not s.commit_pending:
+          entry.uncommitted.append(s.step)
       else:
         entry.writing.append(s.step)
         entry.written_bytes += s.written

@@ -19,6 +19,7 @@ import logging
 import os
 import pathlib
 import queue
+import re
 import shutil
 import stat
 import threading
@@ -78,12 +79,16 @@ class StepWriter:
     formats: the formats by name (a unit test gives one whose write records, waits or fails).
     write_turn: the turns at the storage's write bandwidth of the session ``owner``'s saves
       (a pool tenant's, shared by weight: ``server/shares.py``), or None: no sharing.
+    take_over: called with a step whose part here is whole with its plans (``CommitPlan``),
+      before the Stage that made it whole answers: the sidecars commit it from then on
+      (``agreement.Agreements.take_over``); what it raises refuses that Stage.
   """
 
   def __init__(self, host_id: int, *, tier: ram_tier.RamTier, roots: roots_lib.Roots,
                spawn: Callable[..., None], metrics: metrics_lib.Recorder,
                formats: formats_lib.Registry = formats_lib.DEFAULT,
-               write_turn: Callable[[str], Turn | None] = lambda owner: None):
+               write_turn: Callable[[str], Turn | None] = lambda owner: None,
+               take_over: Callable[[ram_tier.Step], None] = lambda record: None):
     self._host_id = host_id
     self._tier = tier
     self._roots = roots
@@ -92,6 +97,7 @@ class StepWriter:
     self._metrics = metrics
     self._formats = formats
     self._write_turn = write_turn
+    self._take_over = take_over
     # The saves begun here, by uncommitted step directory; one Begin at a time checks and
     # records them (``_begin_lock``), so two Begins of one step never both pass.
     self._begun: dict[pathlib.Path, Begun] = {}
@@ -102,8 +108,8 @@ class StepWriter:
     """Checks ``directory`` is writable, sweeps uncommitted steps; returns committed steps.
 
     ``sweep=False`` where an Orbax CheckpointManager owns the directory's tmp steps. The
-    steps this host commits once written (:meth:`commit` ``when_written``: a trainer that
-    died after staging) are waited for first, at most ``wait_s`` (None: ``LONG_WRITE_S``),
+    steps this host took over (the sidecars commit them, their trainers there or not:
+    ``agreement.py``) are waited for first, at most ``wait_s`` (None: ``LONG_WRITE_S``),
     so that a restarted trainer's restore finds the step its predecessor saved last.
     """
     path = pathlib.Path(self._path(directory, "directory"))
@@ -143,20 +149,20 @@ class StepWriter:
             if formats_lib.is_checkpoint(path / str(s), self._formats)]
 
   def _wait_for_commits(self, directory: str, wait_s: float) -> None:
-    """Waits for the commits this host makes once written of ``directory``'s steps."""
+    """Waits for the end (committed or abandoned) of ``directory``'s steps taken over here."""
     with self._tier.lock:
       pending = [s for s in self._tier.steps.values()
                  if s.directory == directory and s.commit_pending]
     deadline = time.monotonic() + wait_s
     for s in pending:
-      log.info("open: waiting for step %d to be written and committed here first (its "
-               "trainer staged it whole)", s.step, extra={"step": s.step})
+      log.info("open: waiting for step %d to be written and committed first (its trainers "
+               "staged it whole: the sidecars commit it)", s.step, extra={"step": s.step})
       assert s.committing is not None
       if not s.committing.wait(max(0.0, deadline - time.monotonic())):
         raise errors.DeadlineExceededError(
-            f"open: step {s.step} of {directory!r:.200} is still being written on host "
-            f"{self._host_id} to be committed after {wait_s:g} s; open the directory again "
-            "once it is (its write goes on)")
+            f"open: step {s.step} of {directory!r:.200} is still being written or committed "
+            f"on host {self._host_id} after {wait_s:g} s; open the directory again once it "
+            "is (its write goes on)")
 
   def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
             owner: str = "", alive: Callable[[], bool] | None = None) -> str:
@@ -241,6 +247,15 @@ class StepWriter:
       for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
         del self._begun[gone.tmp]
 
+  def begun(self, directory: str, step: int, format: str) -> Begun | None:  # noqa: A002
+    """The Begin of step ``step`` of ``directory`` here in flight, if any."""
+    try:
+      tmp = pathlib.Path(self.tmp_of(directory, step, format))
+    except errors.SidecarError:
+      return None
+    with self._begin_lock:
+      return self._begun.get(tmp)
+
   def _in_flight_at(self, tmp: pathlib.Path) -> bool:
     """Whether a save begun here into ``tmp`` (resolved) is in flight, whoever began it."""
     with self._begin_lock:
@@ -290,7 +305,9 @@ class StepWriter:
 
   def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
-            writers: int = 1, extra: Any = None, owner: str = "") -> int:
+            writers: int = 1, extra: Any = None, owner: str = "",
+            plan: records.CommitPlan | None = None, worker: str = "",
+            alive: Callable[[], bool] | None = None) -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -307,6 +324,11 @@ class StepWriter:
     ``DcpPart``: the rank's items, its shards' ``leaf`` numbering them); the format
     numbers the shards (``Format.numbering``). Each record names this host (or no host:
     it is this one's then).
+
+    ``plan`` (with ``last``): the sidecars commit the step themselves; once every writer's
+    last part came with one, this host takes the step over before this call returns
+    (``take_over``, which may refuse it: then this call raises). ``alive``: whether the
+    trainer whose worker session ``worker`` staged this part is still there.
     """
     step = roots_lib.as_int(step, "step")
     for value, name in ((directory, "directory"), (final_dir, "final_dir")):
@@ -353,6 +375,10 @@ class StepWriter:
             "(another checkpointer or process); wait for that save to end, or save each step "
             "from one checkpointer")
       record.owners.add(owner)
+      if leaves and not record.leaves:
+        record.leaves = tuple(leaves)
+      if alive is not None:
+        record.stagers[worker] = alive
       assert record.numbering is not None
       try:
         taken = record.numbering.take(extra, self._here(shards))
@@ -365,13 +391,19 @@ class StepWriter:
         self._metrics.checkpoint_bytes("staged", n.data.nbytes)
         record.incoming.put(n)
       del taken
+      whole = False
       if last:
         record.lasts += 1
+        if plan is not None:
+          record.plans.append(plan)
         if record.lasts >= writers:
-          record.closed = True
+          record.closed = whole = True
           record.incoming.put(None)
           record.whole.set()
-      return record.nbytes
+      staged = record.nbytes
+    if whole and record.plans:
+      self._take_over(record)  # before this Stage answers: the sidecars commit it now
+    return staged
 
   def _here(self, shards: list[Staged]) -> list[Staged]:
     """``shards``, each record naming this host; InvalidArgumentError for another's."""
@@ -401,6 +433,7 @@ class StepWriter:
 
       def progress(nbytes: int) -> None:
         faults.fault("enospc", record.step)
+        faults.fault("eio", record.step)
         record.written += nbytes
         self._metrics.checkpoint_bytes("written", nbytes)
         now = time.monotonic()
@@ -456,73 +489,49 @@ class StepWriter:
       raise errors.DeadlineExceededError(
           f"step {record.step} is still being written after {timeout} s")
     if record.error is not None:
-      raise write_failure(self._host_id, record.step, final_dir, record.error)
+      raise write_failure(self._host_id, record.step, final_dir, record.error,
+                          tmp_dir=record.tmp_dir)
     faults.fault("prepared", record.step)
     return record.written_records
 
   def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
              shards: Sequence[ShardRecord], data_state: str, whole_step: bool,
              replicas: dict[int, list[int]] | None = None, extra: Any = None,
-             owner: str = "", when_written: bool = False) -> str:
+             owner: str = "") -> str:
     """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which hosts hold each host's replicas (``{host: [hosts]}``), recorded
     so that a restore that finds shards lost can say which hosts are gone. Only the
     session that staged ``tmp_dir`` here (``owner``) commits it, once it is written, and
-    only into an uncommitted step.
+    only into an uncommitted step, and not one the sidecars took over (they commit it).
     ``extra``: the typed commit extra of ``tmp_dir``'s format, if it has one (a DCP step's
     ``DcpCommit``: its metadata, file sizes and plan).
-
-    ``when_written``: the whole step is this host's alone (``num_hosts`` 1, ``whole_step``,
-    no ``shards``: its own, as written), asked for once it is staged whole: this host
-    waits for its write, commits it with its own records and marks it committed in its
-    RAM tier, whether or not the trainer is still there. A trainer that dies after
-    staging then loses no step; until the commit ends the step is in flight (no open
-    sweeps it, an open waits for it).
     """
     step = roots_lib.as_int(step, "step")
     fmt, tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
     with self._tier.lock:
       record = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
       if (record is None or owner not in record.owners or record.step != step
-          or record.committed or record.commit_pending):
+          or record.committed or record.committing is not None):
         raise errors.PermissionDeniedError(
             f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
             f"host {self._host_id}, or is being committed already; a session commits only "
             "the save it began, once")
-      if when_written:
-        if num_hosts != 1 or not whole_step or shards:
-          raise errors.InvalidArgumentError(
-              f"commit: when_written commits a whole step this host alone holds (num_hosts "
-              f"1, whole_step, no records: its own as written), got num_hosts {num_hosts}, "
-              f"whole_step {whole_step}, {len(shards)} records; commit a step of several "
-              "hosts once every host is prepared")
-        if not record.closed:  # else an open would wait for parts that may never come
-          raise errors.InvalidArgumentError(
-              f"commit: when_written commits a step staged whole; step {step} on host "
-              f"{self._host_id} still waits for its last part: stage it first")
-        record.committing = threading.Event()
-    if not when_written:
-      return self._commit(record, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
-                          whole_step, replicas, extra)
-    assert record.committing is not None
-    log.info("step %d: to be committed here once written", step, extra={"step": step})
-    try:
-      if not record.done.wait(LONG_WRITE_S):
-        raise errors.DeadlineExceededError(
-            f"commit: step {step} is still being written on host {self._host_id} after "
-            f"{LONG_WRITE_S:g} s")
-      if record.error is not None:  # as prepared says it
-        raise write_failure(self._host_id, step, record.final_dir, record.error)
-      faults.fault("prepared", step)
-      committed = self._commit(record, fmt, tmp_dir, 1, leaves, record.written_records,
-                               data_state, True, replicas, extra)
-      self._tier.mark_committed(record.final_dir)
-      log.info("step %d: committed here once written", step, extra={"step": step})
-      return committed
-    finally:
-      record.committing.set()
+    return self._commit(record, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
+                        whole_step, replicas, extra)
+
+  def commit_agreed(self, record: ram_tier.Step, shards: Sequence[ShardRecord], *,
+                    plan: records.CommitPlan) -> str:
+    """Commits the step ``record`` (this host's part of it, taken over) with every host's
+    written ``shards``, as ``plan`` says (the sidecars agreed: ``agreement.py``), and
+    marks it committed in this RAM tier."""
+    fmt, tmp_dir, _ = self._uncommitted(record.tmp_dir, "tmp_dir")
+    committed = self._commit(record, fmt, tmp_dir, len(plan.hosts), record.leaves, shards,
+                             plan.data_state_json, True,
+                             {h: list(p) for h, p in plan.replicas.items()} or None, None)
+    self._tier.mark_committed(record.final_dir)
+    return committed
 
   def _commit(self, record: ram_tier.Step, fmt: Format, tmp_dir: str, num_hosts: int,
               leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
@@ -633,20 +642,37 @@ def _remove_dir(path: pathlib.Path) -> None:
   shutil.rmtree(gone, ignore_errors=True)
 
 
-def write_failure(host_id: int, step: int, final_dir: str, e: BaseException) -> errors.SidecarError:
+def write_failure(host_id: int, step: int, final_dir: str, e: BaseException, *,
+                  tmp_dir: str = "") -> errors.SidecarError:
   """The error of a host's part of ``step`` that could not be written: an OSError (a full
-  disk, an I/O error) is CheckpointWriteError with its errno, file and host; our own
-  errors keep their kind."""
+  disk, an I/O error), or TensorStore's error of one (its ``os_error_code``), is
+  CheckpointWriteError with its errno, file and host (a file TensorStore wrote through the
+  descriptor of the part's directory ``tmp_dir`` named by its path); our own errors keep
+  their kind."""
   if isinstance(e, errors.SidecarError):
     return e
-  if isinstance(e, OSError):
-    path = os.fsdecode(e.filename) if e.filename is not None else final_dir
-    name = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
-    return errors.CheckpointWriteError(
-        f"host {host_id} could not write step {step}: {e.strerror or e}"
-        + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
-        "another directory), then save again", errno=e.errno, path=path, host_id=host_id)
-  return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {e}")
+  code, path = getattr(e, "errno", None), getattr(e, "filename", None)
+  text = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+  if tmp_dir:
+    text = re.sub(r"/proc/self/fd/\d+", lambda _: tmp_dir, text)
+  if not isinstance(e, OSError) and (found := _OS_ERROR.search(text)):
+    code = int(found.group(1))
+    file = _FILE.search(text)
+    path = file.group(1) if file else None
+  if not isinstance(e, OSError) and code is None:
+    return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {text}")
+  path = os.fsdecode(path) if path is not None else final_dir
+  name = errno.errorcode.get(code, "") if code is not None else ""
+  return errors.CheckpointWriteError(
+      f"host {host_id} could not write step {step}: "
+      + (text if isinstance(e, OSError) or code is None else f"{os.strerror(code)} ({text})")
+      + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
+      "another directory), then save again", errno=code, path=path, host_id=host_id)
+
+
+# TensorStore's words for an OS error and its file (in a write's error).
+_OS_ERROR = re.compile(r"os_error_code='?(\d+)")
+_FILE = re.compile(r'(?:writing|Failed writing:) (?:local file )?"([^"]+)"')
 
 
 def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:

@@ -61,8 +61,11 @@ def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout
 # The fields of the Checkpoint service's requests that name a path: with per-client
 # tokens each must lie in a directory the caller's client opened.
 _PATH_FIELDS = ("directory", "tmp_dir", "final_dir")
-# The rpcs that check who may act where themselves (the pool's operator may name any).
-_OWN_CHECKS = ("DropRamTier",)
+# The rpcs that check who may act where themselves (the pool's operator may name any; the
+# sidecars' agreement is the peer sidecars').
+_OWN_CHECKS = ("DropRamTier", "Agree")
+# The rpcs of the peer token's sessions (the job's sidecars), which are no tenant's.
+_REPLICA_LINK_RPCS = ("Receive", "Agree")
 
 
 def _session(context: grpc.ServicerContext) -> str:
@@ -183,6 +186,7 @@ class CheckpointService:
         "Held": (ckpt_pb.CheckpointHeldRequest, ckpt_pb.CheckpointHeldResponse, self.held),
         "Info": (ckpt_pb.CheckpointInfoRequest, ckpt_pb.CheckpointInfoResponse, self.info),
         "Read": (ckpt_pb.CheckpointReadRequest, ckpt_pb.CheckpointReadResponse, self.read),
+        "Agree": (ckpt_pb.AgreeState, ckpt_pb.AgreeState, self.agree),
     }
     methods = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -211,11 +215,11 @@ class CheckpointService:
           else:
             request = raw if request_cls is None else codec.parse(request_cls, raw)
           client = self._sessions.client(session) if self._per_client else None
-          if client == "" and name != "Receive":  # the peer token's: no tenant
+          if client == "" and name not in _REPLICA_LINK_RPCS:  # the peer token's: no tenant
             raise errors.PermissionDeniedError(
                 f"{name}: the peer token is the sidecars' own, for their replicas "
-                "(Receive) only; it is no tenant and may not checkpoint: present a "
-                "tenant's token")
+                "(Receive) and their agreements (Agree) only; it is no tenant and may not "
+                "checkpoint: present a tenant's token")
           if client == tenants_lib.OPERATOR and name != "DropRamTier":  # no tenant either
             raise errors.PermissionDeniedError(tenants_lib.operator_denied(name))
           if client is not None and name == "Open":
@@ -314,12 +318,16 @@ class CheckpointService:
     extra = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
     shards = wire.staged_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
                                  _STAGE_VIEWS.get())
+    plan = wire.plan_from_pb(r.plan, "plan") if r.HasField("plan") else None
+    worker = r.worker_session  # the trainer that stages it is there while it is attached
+    alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._checkpoints.storage_reserved(self._client(context), r.directory,
                                               sum(s.data.nbytes for s in shards)):
         staged = self._checkpoints.writer.stage(
             r.directory, step, r.tmp_dir, r.final_dir, leaves, shards, r.last,
-            writers=max(r.writers, 1), extra=extra, owner=_session(context))
+            writers=max(r.writers, 1), extra=extra, owner=_session(context), plan=plan,
+            worker=worker, alive=alive)
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
@@ -332,6 +340,11 @@ class CheckpointService:
   def commit(self, r: ckpt_pb.CheckpointCommitRequest, context: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointCommitResponse:
     step = _step(r.step)
+    if r.taken_over:  # the sidecars commit it: wait for their decision
+      return ckpt_pb.CheckpointCommitResponse(
+          committed=self._checkpoints.agreements.await_commit(
+              self._checkpoints.resolve(r.tmp_dir, "tmp_dir"), step, _session(context),
+              _timeout(0, context)))
     if r.num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
     leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
@@ -339,8 +352,7 @@ class CheckpointService:
     committed = self._checkpoints.writer.commit(
         r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
         wire.replicas_from_pb(r.replicas) or None,
-        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context),
-        when_written=r.when_written)
+        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext
@@ -351,6 +363,8 @@ class CheckpointService:
 
   def abort(self, r: ckpt_pb.CheckpointAbortRequest, _: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointAbortResponse:
+    self._checkpoints.resolve(r.final_dir, "final_dir")
+    self._checkpoints.agreements.abort(r.final_dir)  # the RAM tier's key, as staged
     self._checkpoints.writer.abort(r.tmp_dir, r.final_dir)
     return ckpt_pb.CheckpointAbortResponse()
 
@@ -471,6 +485,20 @@ class CheckpointService:
       return self._checkpoints.replicator.receive(replica, blocks, piece, payload, done=m.done)
     finally:
       blocks.clear()
+
+  def agree(self, r: ckpt_pb.AgreeState, context: grpc.ServicerContext) -> ckpt_pb.AgreeState:
+    """Another sidecar's state in the sidecars' agreement on a step (``agreement.py``):
+    from the peer token's sessions only, where the sidecars have one (and always with
+    tenants: a tenant's trainer could otherwise vouch for another's step)."""
+    if ((self._checkpoints.needs_replica_token or self._per_client)
+        and not self._sessions.is_replica_link(_session(context))):
+      raise errors.PermissionDeniedError(
+          "Agree: the sidecars' agreement on a step is accepted only from this job's peer "
+          f"sidecars, whose handshake carries the peer token ('{protocol.REPLICA_KEY}' "
+          "metadata); this session's did not")
+    state = wire.agree_from_pb(r, "AgreeState", sender=f"host {r.host}'s sidecar")
+    self._checkpoints.resolve(state.final_dir, "final_dir")
+    return wire.agree_to_pb(self._checkpoints.agreements.agree(state))
 
   # ---- restore ------------------------------------------------------------
 

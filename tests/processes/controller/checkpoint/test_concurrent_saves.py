@@ -53,23 +53,26 @@ def test_two_checkpointers_saving_one_step_in_one_directory_name_the_save_in_fli
 
 
 # A trainer of its own job (its own process, session and worker) whose save of step 1 stops
-# at HOLD (the client's first stage: Begin is done, nothing staged; or its commit: every
-# part staged and written) until the file GO exists.
+# until the file GO exists: at HOLD "stage" (the client's first stage: Begin is done,
+# nothing staged), or "write" (save() returned: staged whole and taken over by the sidecar,
+# whose write waits for GO: its fault "slow@1:GO").
 FIRST = """
     import os, sys, time, numpy as np
     import sidecar
     from sidecar._src.controller.checkpoint import client as client_lib
-    real = getattr(client_lib.CheckpointClient, {hold!r})
+    real = client_lib.CheckpointClient.stage
 
     def held(self, *args, **kwargs):
       open({held!r}, "w").close()
       while not os.path.exists({go!r}):
         time.sleep(0.02)
       return real(self, *args, **kwargs)
-    setattr(client_lib.CheckpointClient, {hold!r}, held)
+    if {hold!r} == "stage":
+      client_lib.CheckpointClient.stage = held
     with sidecar.jax.Controller({addresses!r}) as ctl, ctl.checkpointer({directory!r}) as ckpt:
-      print("DURABLE", ckpt.save(1, {{"w": np.full(1 << 16, 1.0, np.float32)}}).durable.result(),
-            flush=True)
+      handle = ckpt.save(1, {{"w": np.full(1 << 16, 1.0, np.float32)}})
+      open({held!r}, "w").close()
+      print("DURABLE", handle.durable.result(), flush=True)
 """
 REFUSED = (r"begin: step 1 of '.*ck' is being saved by another session \(another trainer "
            r"process or Controller\) on host 0: another save of step 1 into this directory is "
@@ -77,15 +80,17 @@ REFUSED = (r"begin: step 1 of '.*ck' is being saved by another session \(another
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("hold", ["stage", "commit"], ids=["begun", "staged"])
+@pytest.mark.parametrize("hold", ["stage", "write"], ids=["begun", "staged"])
 @pytest.mark.parametrize("first_ends", ["commits", "is-killed"])
 def test_another_trainers_save_of_a_step_is_refused_from_its_begin_until_it_ends(
     tmp_path, hold, first_ends, monkeypatch):
   # Issue 55 item 6: a second trainer's Begin of the step between the first's Begin and its
   # first Stage (or its open's sweep) removed the first's tmp directory; it is refused
-  # from the first's Begin on, until the first commits, or its process dies. Both trainers
-  # are one job's (another job's open of the directory is refused before any of this:
-  # issue 62 item 5, tests/processes/server/test_checkpoint_jobs.py).
+  # from the first's Begin on, until the first commits, or its process dies before its
+  # save() returned. Once it returned, the step is the sidecar's to commit (issue 62):
+  # the first's, whether it lives or not. Both trainers are one job's (another job's open
+  # of the directory is refused before any of this: issue 62 item 5,
+  # tests/processes/server/test_checkpoint_jobs.py).
   import os
   import subprocess
   import sys
@@ -96,23 +101,37 @@ def test_another_trainers_save_of_a_step_is_refused_from_its_begin_until_it_ends
   directory, go, held = tmp_path / "ck", tmp_path / "go", tmp_path / "held"
   mine = {"w": np.full(1 << 16, 2.0, np.float32)}
   monkeypatch.setenv("SIDECAR_JOB", f"one job of {tmp_path.name}")
-  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB") as c:
+  fault = {0: {"SIDECAR_CKPT_FAULT": f"slow@1:{go}"}} if hold == "write" else {}
+  with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB",
+                                    host_env=fault) as c:
     code = FIRST.format(hold=hold, held=str(held), go=str(go), addresses=c.addresses,
                         directory=str(directory))
     first = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
     try:
-      assert eventually(held.exists, timeout=120), first.stdout.read() if first.poll() else ""
       with c.controller() as ctl:
-        with ctl.checkpointer(directory) as ckpt:  # its open sweeps no tmp directory in flight
+        # Opened once the first's save is in flight: its open sweeps no tmp directory in
+        # flight. A step taken over (staged), an open waits for: opened before it then.
+        early = ctl.checkpointer(directory) if hold == "write" else None
+        assert eventually(held.exists, timeout=120), first.stdout.read() if first.poll() else ""
+        with early or ctl.checkpointer(directory) as ckpt:
+          ckpt.save(1, mine)
           with pytest.raises(sidecar.PermissionDeniedError, match=REFUSED):
-            ckpt.save(1, mine).durable.result(60)
+            ckpt.wait()  # its Begin was refused: raised once, by wait()
           assert (directory / "1.orbax-checkpoint-tmp").is_dir()
         if first_ends == "commits":
           go.touch()
           assert "DURABLE 1" in first.communicate(timeout=120)[0]
           expected = np.full(1 << 16, 1.0, np.float32)  # the first's, whole
+        elif hold == "write":  # killed once its save() returned: the sidecar commits it
+          first.kill()
+          first.wait()
+          threading.Timer(1.0, go.touch).start()  # written while the next job opens
+          with ctl.checkpointer(directory) as ckpt:  # its open waits for that commit
+            with pytest.raises(sidecar.InvalidArgumentError, match="step 1 is already saved"):
+              ckpt.save(1, mine)
+          expected = np.full(1 << 16, 1.0, np.float32)
         else:
           first.kill()
           first.wait()
@@ -147,8 +166,8 @@ def test_a_second_checkpointer_of_the_process_is_refused_between_the_firsts_begi
   state = {"w": np.full(1 << 16, 1.0, np.float32)}
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB") as c:
     with c.controller() as ctl, ctl.checkpointer(tmp_path) as a, \
-        ctl.checkpointer(tmp_path) as b:
-      first = a.save(1, state)
+        ctl.checkpointer(tmp_path) as b, concurrent.futures.ThreadPoolExecutor(1) as pool:
+      saving = pool.submit(a.save, 1, state)  # it returns once staged
       assert begun.wait(60)  # a's Begin is done, nothing of it staged
       with pytest.raises(sidecar.PermissionDeniedError,
                          match="step 1 of .* is being saved by another checkpointer of this "
@@ -156,5 +175,5 @@ def test_a_second_checkpointer_of_the_process_is_refused_between_the_firsts_begi
                                "this directory is in flight"):
         b.save(1, {"w": np.zeros(1 << 16, np.float32)})
       go.set()
-      assert first.durable.result(60) == 1
+      assert saving.result(60).durable.result(60) == 1
       np.testing.assert_array_equal(a.restore(1, target=state)["w"], state["w"])

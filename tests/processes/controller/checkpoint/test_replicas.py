@@ -133,7 +133,8 @@ def test_link_to_a_peer_is_kept_between_steps_and_dropped_when_the_peer_dies(tmp
     maps = pathlib.Path(f"/proc/{cluster.pid(0)}/maps")
     with cluster.controller() as ctl, ctl.checkpointer(tmp_path / "ck", replicas=1) as ckpt:
       for step in (1, 2, 3):
-        assert ckpt.save(step, state).replicated.result(60) == step
+        handle = ckpt.save(step, state)
+        assert handle.replicated.result(60) == step and handle.durable.result(60) == step
         assert maps.read_text().count("memfd:sidecar-arena") == 2  # its own and the peer's
       cluster.kill(1)
       assert eventually(lambda: maps.read_text().count("memfd:sidecar-arena") == 1, 10)

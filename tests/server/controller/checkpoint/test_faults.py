@@ -29,8 +29,9 @@ def test_a_save_that_fails_on_a_full_disk_releases_everything_and_the_next_save_
       ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
     ckpt.save(1, state(1.0)).durable.result(60)
     held = server.leases.allocator.used_bytes  # step 1 in the RAM tier
+    ckpt.save(2, state(2.0))
     with pytest.raises(sidecar.SidecarError, match="No space left on device"):
-      ckpt.save(2, state(2.0)).durable.result(60)
+      ckpt.wait()
     assert eventually(lambda: ctl.worker(0).live_blocks == 0)
     assert eventually(lambda: server.leases.allocator.used_bytes <= held)
     assert ckpt.all_steps() == [1]
@@ -63,8 +64,9 @@ def test_a_chunk_write_that_fails_with_an_os_error_is_a_checkpoint_write_error(
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
       ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
     monkeypatch.setattr(direct_io.os, "pwrite", onto_a_full_disk)  # the in-process sidecar's
+    ckpt.save(1, state)
     with pytest.raises(sidecar.CheckpointWriteError) as raised:
-      ckpt.save(1, state).durable.result(60)
+      ckpt.wait()
     monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
     e = raised.value
     assert (e.errno, e.host_id) == (errno.ENOSPC, 0) and isinstance(e, OSError)

@@ -278,7 +278,7 @@ def test_roots_narrowed_by_a_reload_hold_at_the_next_call(make_server, tmp_path)
     pathlib.Path(pool_file).write_text(pool(bob=", checkpoint_roots: [bob]"))
     server.reload()
     refused(PermissionError, "may checkpoint only under its checkpoint_roots",
-            lambda: ck.save(2, {"w": W}).durable.result(30))
+            lambda: (ck.save(2, {"w": W}), ck.wait()))
     with controller(server, BOB) as other:  # a new session, not reopening
       client = other.checkpoint_client()
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",

@@ -231,3 +231,21 @@ def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_se
                                final_dir=str(tmp_path / "bob" / "ck" / "1" / "default"))
     assert link.send(bobs, [shard], timeout=10) == data.nbytes
   assert [r.source for r in server.checkpoints.tier.replicas.values()] == [7]
+
+
+def test_only_the_job_s_sidecars_take_part_in_the_agreement_on_a_step(make_server, tmp_path):
+  """The sidecars' agreement on a step (Agree) decides what is committed: a tenant's
+  session, whatever it names, is refused (it could vouch for another's part); a peer
+  sidecar's is answered (here: no such save)."""
+  server = make_server(pool=pool_files.write_pool(tmp_path))
+  state = ckpt_pb.AgreeState(final_dir=str(tmp_path / "bob" / "ck" / "1" / "default"),
+                             save="s", step=1, host=1, phase=ckpt_pb.AGREE_WRITTEN)
+  tenant = Raw(server.port, token=BOB)
+  error = rejected(lambda: tenant.ckpt.Agree(state, metadata=tenant.metadata, timeout=10))
+  assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
+  assert "accepted only from this job's peer sidecars" in error.details()
+  tenant.close()
+  peer = Raw(server.port, token=PEER_TOKEN, replica_token=PEER_TOKEN)
+  answer = peer.ckpt.Agree(state, metadata=peer.metadata, timeout=10)
+  assert (answer.phase, answer.host) == (ckpt_pb.AGREE_UNKNOWN, 0)
+  peer.close()

@@ -21,16 +21,10 @@ class HeldWrites(FakeSidecars):
     super().__init__(**kw)
     self.release = threading.Event()
 
-  def prepared(self, host, final_dir, *, timeout):
-    if "/1/" not in final_dir + "/":
-      return super().prepared(host, final_dir, timeout=timeout)
-    out: concurrent.futures.Future = concurrent.futures.Future()
-
-    def later():
-      self.release.wait(30)
-      out.set_result(FakeSidecars.prepared(self, host, final_dir, timeout=timeout).result())
-    threading.Thread(target=later, daemon=True).start()
-    return out
+  def written(self, host, final_dir):
+    if "/1/" in final_dir + "/":
+      assert self.release.wait(30)
+    return super().written(host, final_dir)
 
 
 def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
@@ -151,3 +145,72 @@ def test_a_restore_without_a_target_says_how_to_build_one():
         r"shape, dtype, sharding=NamedSharding\(mesh, spec\)\) for each leaf; under "
         r"sidecar\.torch\.Checkpointer: model\.state_dict\(\)")):
       ckpt.restore(0)
+
+
+class FailsStep(FakeSidecars):
+  """The write of step ``step`` fails with a full disk on host 0."""
+
+  def __init__(self, step: int, **kw):
+    super().__init__(**kw)
+    self.step = step
+
+  def _full(self, host):
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(errors.CheckpointWriteError(
+        f"host {host} could not write step {self.step}: No space left on device (ENOSPC)",
+        host_id=host))
+    return failed
+
+  def written(self, host, final_dir):
+    if f"/{self.step}/" in final_dir + "/" and host == 0:
+      return self._full(host)
+    return super().written(host, final_dir)
+
+
+def _save(ckpt, step):
+  return ckpt.save(step, {"x": np.full(3, step, np.float32)})
+
+
+@pytest.mark.parametrize("hosts", [(0,), (0, 1)], ids=["one-host", "two-hosts"])
+def test_a_failed_save_is_raised_by_the_next_save_once(hosts):
+  """As Orbax's async manager: the failure of a save in the background is raised by the
+  next save() (which saves nothing), naming its step and host; once only."""
+  ckpt = checkpointer(FailsStep(2, hosts=hosts))
+  _save(ckpt, 1).durable.result(30)
+  failed = _save(ckpt, 2)
+  concurrent.futures.wait([failed.durable], 30)
+  with pytest.raises(errors.CheckpointWriteError, match="could not write step 2") as raised:
+    _save(ckpt, 3)
+  notes = "\n".join(raised.value.__notes__)
+  assert "the save of step 2 into /ckpt/run failed in the background (host 0)" in notes
+  assert "raised by save(3), which saved nothing (step 3 not saved)" in notes
+  assert "The latest committed step is 1" in notes
+  assert ckpt.all_steps() == [1]
+  assert _save(ckpt, 3).durable.result(30) == 3  # raised once: the next save goes on
+  ckpt.close()
+  assert ckpt.all_steps() == [1, 3]
+
+
+@pytest.mark.parametrize("how", ["close", "wait", "with"])
+def test_a_failed_last_save_is_raised_by_close_or_wait(how):
+  ckpt = checkpointer(FailsStep(1, hosts=(0,)))
+  if how == "with":
+    with pytest.raises(errors.CheckpointWriteError, match="could not write step 1"):
+      with ckpt:
+        _save(ckpt, 1)
+  else:
+    _save(ckpt, 1)
+    with pytest.raises(errors.CheckpointWriteError, match="could not write step 1") as raised:
+      getattr(ckpt, how)()
+    assert f"raised by {how}()" in "\n".join(raised.value.__notes__)
+  ckpt.close()  # raised once: closing (again) raises nothing more
+
+
+def test_a_with_block_that_raises_keeps_its_error_and_notes_the_failed_save():
+  ckpt = checkpointer(FailsStep(1, hosts=(0,)))
+  with pytest.raises(KeyError, match="the training step's own") as raised:
+    with ckpt:
+      _save(ckpt, 1)
+      raise KeyError("the training step's own")
+  assert any("also, a save failed: CheckpointWriteError: host 0 could not write step 1" in n
+             for n in raised.value.__notes__)

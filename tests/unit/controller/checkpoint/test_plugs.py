@@ -74,10 +74,9 @@ def test_a_saves_blocks_are_allocated_in_one_request_per_host():
 class FullDisk(FakeSidecars):
   """Host 1's part of every step fails to write: its disk is full."""
 
-  def prepared(self, host, final_dir, *, timeout):
+  def written(self, host, final_dir):
     if host != 1:
-      return super().prepared(host, final_dir, timeout=timeout)
-    self.calls.append(("prepared", host))
+      return super().written(host, final_dir)
     failed = concurrent.futures.Future()
     failed.set_exception(errors.CheckpointWriteError(
         "host 1 could not write step 4: No space left on device (ENOSPC) writing "
@@ -92,22 +91,22 @@ def test_a_write_failure_on_another_process_keeps_its_kind_and_host():
   def process(p: int) -> None:
     ckpt = fake_sidecars.checkpointer(fake, hosts=[0, 1], local=[p],
                                       peers=DictPeers(store, p, 2))
-    with ckpt:
-      try:
-        ckpt.save(4, {"x": np.ones(3, np.float32)}).durable.result(30)
-      except errors.SidecarError as e:
-        outcomes[p] = e
+    try:
+      with ckpt:  # close() raises the save's failure
+        ckpt.save(4, {"x": np.ones(3, np.float32)})
+    except errors.SidecarError as e:
+      outcomes[p] = e
   threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
   for t in threads:
     t.start()
   for t in threads:
     t.join(60)
-  for p, e in enumerate(outcomes):  # process 0 gathered it; process 1 raised it itself
+  for p, e in enumerate(outcomes):  # process 0 had it from the sidecars, and told process 1
     assert isinstance(e, errors.CheckpointWriteError), (p, repr(e))
     assert (e.errno, e.host_id, e.path) == (
         errno.ENOSPC, 1, "/ckpt/run/4.orbax-checkpoint-tmp/default/x/0")
     assert "No space left on device (ENOSPC)" in str(e)
-  assert "the save of step 4 failed in process 1" in "".join(outcomes[0].__notes__)
+  assert "the save of step 4 failed" in "".join(outcomes[1].__notes__)
 
 
 class Misnumbered(NumpyArrays):

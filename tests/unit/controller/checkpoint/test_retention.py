@@ -39,7 +39,8 @@ def test_a_save_then_a_restore_from_the_ram_tier_in_phase_order():
     assert ckpt.save(5, state, data_state={"position": 8}).durable.result() == 5
     assert ckpt.all_steps() == [5]
     phases = [name for name, _ in fake.calls]
-    # One host alone: it commits once written (no prepared first) and tells its RAM tier.
+    # The sidecar took the step over at its last stage: it commits it once written (no
+    # prepared first), the trainer waits for that (commit), and it tells its RAM tier.
     assert phases[:4] == ["open", "begin", "stage", "commit"]
     assert "prepared" not in phases and "committed" not in phases
     assert fake.told == [(0, "/ckpt/run/5/default", "")]
@@ -49,15 +50,18 @@ def test_a_save_then_a_restore_from_the_ram_tier_in_phase_order():
     assert ckpt.last_restore_stats().shards == {"ram:host0": 2}
 
 
-def test_a_failed_prepare_aborts_the_save_on_every_host_and_lists_nothing():
+def test_a_failed_write_aborts_the_save_on_every_host_and_lists_nothing():
   fake = FakeSidecars(hosts=(0, 1), fail={
       "prepared": errors.InvalidArgumentError("host 1 could not write step 4: disk full")})
-  with checkpointer(fake) as ckpt:
-    handle = ckpt.save(4, {"x": np.ones(3, np.float32)})
-    with pytest.raises(errors.InvalidArgumentError, match="disk full"):
-      handle.durable.result()
-    assert ckpt.all_steps() == []
-  assert "commit" not in [name for name, _ in fake.calls]
+  ckpt = checkpointer(fake)
+  handle = ckpt.save(4, {"x": np.ones(3, np.float32)})
+  with pytest.raises(errors.InvalidArgumentError, match="disk full"):
+    handle.durable.result()
+  assert ckpt.all_steps() == []
+  with pytest.raises(errors.InvalidArgumentError, match="disk full"):
+    ckpt.close()  # and the checkpointer raises it too, once
+  assert "prepared" not in [name for name, _ in fake.calls]  # the sidecars' agreement failed
+  assert (0, "/ckpt/run/4/default", "") not in fake.told  # nothing committed
   tmp = "/ckpt/run/4.orbax-checkpoint-tmp"
   # Each host drops its part, then (every host done) the step's tmp directory goes.
   assert sorted(fake.aborted) == [(0, tmp), (0, tmp + "/default"), (1, tmp),

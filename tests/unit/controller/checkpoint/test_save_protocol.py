@@ -361,10 +361,10 @@ class LayoutSidecars(FakeSidecars):
     return super().stage(host, tmp_dir=tmp_dir, final_dir=final_dir, **kw)
 
   def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, when_written=False):
+             whole_step, replicas, timeout, extra=None, taken_over=False):
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
-    if when_written:  # as FakeSidecars': the host's own records
-      shards = list(self.records.get((host, str(found.final)), {}).values())
+    if taken_over:  # as FakeSidecars': the sidecars' agreement
+      leaves, shards, data_state_json, _ = self.agreed(host, tmp_dir, final_dir=str(found.final))
     self.manifests[str(found.final)] = Manifest(
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
         json.loads(data_state_json) if data_state_json else None, {}, step=step)

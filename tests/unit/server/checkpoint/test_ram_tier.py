@@ -7,6 +7,7 @@ view. No server, no processes.
 """
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -213,6 +214,15 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   assert tier.usage() == {"ram_steps": 1, "ram_bytes": 2 * KB, "replica_steps": 2,
                           "replica_bytes": 2 * KB, "writing_steps": 1, "writing_bytes": 2 * KB}
   assert tier.held(D).own == {item(1): (ShardId(("w",), ((0, 1),)), ShardId(("w",), ((1, 2),)))}
+  # Steps the sidecars took over are committing until their end is known here, written
+  # or not, and never counted as uncommitted meanwhile.
+  for step in (2, 3):
+    tier.steps[item(step)].committing = threading.Event()
+  [status] = tier.status()
+  assert (list(status.committing), list(status.uncommitted), list(status.writing)) == (
+      [2, 3], [], [3])
+  tier.mark_committed(item(2))  # its trainers told it (Committed)
+  assert list(tier.status()[0].committing) == [3]
 
 
 def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena):

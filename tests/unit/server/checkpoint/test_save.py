@@ -19,7 +19,6 @@ from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
-from tests.conftest import eventually
 from tests.support import races
 from tests.support.staged import staged
 
@@ -272,67 +271,6 @@ def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writ
   assert ours.begin(directory, 6, owner="a")  # and ours serves on
 
 
-class Held(Recording):
-  """The real Orbax format, its write held until ``release`` is set."""
-
-  def __init__(self):
-    super().__init__()
-    self.release = threading.Event()
-
-  def write(self, tmp_dir, host_id, numbering, incoming, *, progress, turn):
-    assert self.release.wait(30)
-    return super().write(tmp_dir, host_id, numbering, incoming, progress=progress, turn=turn)
-
-
-def test_a_step_committed_once_written_is_committed_after_its_trainer_died(make_writer,
-                                                                           tmp_path):
-  """A trainer stages step 3 whole, asks its host to commit it once written, and dies
-  while it is written: the host commits it all the same, its RAM tier holds it, and a
-  restarted trainer's open waits for that commit instead of sweeping the step."""
-  engine = Held()
-  writer, tier = make_writer(engine)
-  alive = [True]
-  directory = str(tmp_path / "ck")
-  writer.open(directory)
-  tmp_dir = os.path.join(writer.begin(directory, 3, owner="a", alive=lambda: alive[0]),
-                         spec_lib.ITEM)
-  final = str(tmp_path / "ck" / "3" / spec_lib.ITEM)
-  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0)],
-               last=False, owner="a")
-  with pytest.raises(errors.InvalidArgumentError, match="staged whole; step 3 .* last part"):
-    writer.commit(tmp_dir, 3, 1, SPECS, [], "", True, owner="a", when_written=True)
-  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], owner="a")
-  for bad, why in [({"num_hosts": 2}, "num_hosts 2"), ({"whole_step": False}, "whole_step False"),
-                   ({"shards": [records.ShardRecord.of(records.ShardId(("b",), ((0, 3),)), 1,
-                                                       np.zeros(3, np.int32))]}, "1 records")]:
-    args = {"num_hosts": 1, "whole_step": True, "shards": [], **bad}
-    with pytest.raises(errors.InvalidArgumentError, match=f"alone holds .*got .*{why}"):
-      writer.commit(tmp_dir, 3, args["num_hosts"], SPECS, args["shards"], "", args["whole_step"],
-                    owner="a", when_written=True)
-  commit = threading.Thread(target=lambda: writer.commit(
-      tmp_dir, 3, 1, SPECS, [], '{"batch": 9}', True, owner="a", when_written=True))
-  commit.start()  # the trainer's call, which its death leaves running here
-  assert eventually(lambda: tier.steps[final].commit_pending, timeout=30)
-  alive[0] = False
-  steps: list = []
-  reopen = threading.Thread(target=lambda: steps.extend(writer.open(directory)))
-  reopen.start()  # the restarted trainer's
-  reopen.join(0.5)
-  assert reopen.is_alive() and os.path.isdir(os.path.dirname(tmp_dir))  # waits, no sweep
-  with pytest.raises(errors.PermissionDeniedError, match="being committed already"):
-    writer.commit(tmp_dir, 3, 1, SPECS, [], "", True, owner="a", when_written=True)
-  engine.release.set()
-  commit.join(30)
-  reopen.join(30)
-  assert steps == [3] and not os.path.exists(os.path.dirname(tmp_dir))
-  assert tier.steps[final].committed  # the RAM tier holds it for the restore
-  with open(os.path.join(final, records.MANIFEST_FILE)) as f:
-    manifest = json.load(f)
-  assert manifest["data_state"] == {"batch": 9}
-  assert sorted((s["key_path"], s["crc32c"] is not None) for s in manifest["shards"]) == [
-      (["b"], True), (["w"], True)]
-
-
 class Pruned(OrbaxFormat):
   """The real Orbax format, with another host's delete of ``step`` run at the racy moment
   ``when``: as the check that it is a checkpoint starts ("check"), or once that check said
@@ -395,3 +333,24 @@ def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_pa
   assert [there for _, there in seen] == [False]  # its name was gone when its files went
   assert seen[0][0].startswith(f".{tmp.name}{checkpoint_save.DELETING}")
   assert os.listdir(tmp_path / "ck") == []
+
+
+def test_tensorstores_full_disk_is_a_checkpoint_write_error_naming_the_file(make_writer,
+                                                                             tmp_path):
+  """TensorStore writes through the part's directory's descriptor and says a full disk in
+  its own words: the error is CheckpointWriteError with ENOSPC and the file's own path (it
+  was InvalidArgumentError naming /proc/self/fd/N)."""
+  failure = ValueError(
+      'RESOURCE_EXHAUSTED: Error writing local file "/proc/self/fd/20/b/0": Failed writing: '
+      '"/proc/self/fd/20/b/0.__lock": Failed to write 4 bytes to file 21: No space left on '
+      "device [os_error_code='28']")
+  writer, _ = make_writer(Recording(fail=failure))
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], owner="a")
+  with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: No "
+                     r"space left on device \(RESOURCE_EXHAUSTED") as e:
+    writer.prepared(final, timeout=30)
+  path = os.path.join(os.path.realpath(tmp_dir), "b", "0")
+  assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
+  assert "/proc/self/fd" not in str(e.value) and f"(ENOSPC) writing {path}" in str(e.value)
+  writer.abort(os.path.dirname(tmp_dir), final)
