@@ -281,7 +281,9 @@ class Job:
     else:
       since = max([life["start"]] + [self.t0 + x["at"] for x in self.injected])
       sig = trainers.INJECT[kind]
-      if self._last_line <= since or not stacks.catches(pid, sig):
+      # Unknown (no SigCgt in /proc: gVisor, the TPU host) is taken as armed: the trainer
+      # arms the signals before its first step, and a step was seen since it started.
+      if self._last_line <= since or stacks.catches(pid, sig) is False:
         return False
       os.kill(pid, sig)
       life["hung"] = kind == "hang"

@@ -5,8 +5,10 @@ it is set; the k8s manifests set it too), the trainer library registers
 ``faulthandler`` on it when a Worker attaches (:func:`arm`): the signal makes the process
 write every thread's Python stack to its stderr, and go on. faulthandler's handler runs in
 C, so it works for a trainer hung anywhere: in a blocked socket read, ``time.sleep``, a
-lock, a collective. A launcher sends it only where the process catches it
+lock, a collective. A launcher sends it unless the process is known not to catch it
 (:func:`catches`): the signal's default action would kill a process that did not arm.
+Where ``/proc`` cannot tell (gVisor's, on the lent TPU host, has no SigCgt), it is sent
+to attached trainers: their Worker armed it where the variable is set.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def arm() -> signal.Signals | None:
   return sig
 
 
-def catches(pid: int, sig: int) -> bool:
-  """Whether process ``pid`` catches signal ``sig`` (``/proc/PID/status``'s SigCgt)."""
+def catches(pid: int, sig: int) -> bool | None:
+  """Whether process ``pid`` catches signal ``sig`` (``/proc/PID/status``'s SigCgt); None
+  where that cannot be told: a kernel whose ``/proc`` has no SigCgt (gVisor's, as on the
+  lent TPU host), or no such process. False only where it is known not to."""
   try:
     with open(f"/proc/{pid}/status") as f:
       for line in f:
@@ -62,4 +66,4 @@ def catches(pid: int, sig: int) -> bool:
           return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
   except (OSError, ValueError, IndexError):
     pass
-  return False
+  return None

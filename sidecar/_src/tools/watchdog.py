@@ -189,7 +189,9 @@ class Watchdog:
               f"{stall.timeout_s:.1f} s, --stall-timeout); pid {stall.pid}'s Python stacks "
               "follow, then it is killed")
     sig = _stacks_signal()
-    if sig is not None and stacks.catches(stall.pid, sig):
+    # Unknown (no SigCgt in /proc: gVisor) is sent too: an attached trainer's Worker arms
+    # the signal when SIDECAR_STACKS_SIGNAL is set, and the trainer is killed next anyway.
+    if sig is not None and stacks.catches(stall.pid, sig) is not False:
       try:
         os.kill(stall.pid, sig)
         time.sleep(STACKS_S)  # its handler writes at once; the pump forwards the lines
@@ -267,7 +269,9 @@ def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_s
           f"{t.since_step_s:.1f} s since its last step (its stall timeout "
           f"{t.stall_timeout_s:.1f} s; pid {t.pid})")
       sig = _stacks_signal()
-      if send_stacks and sig is not None and stacks.catches(t.pid, sig):
+      # Unknown (no SigCgt in /proc: gVisor) is sent too: an attached trainer's Worker
+      # armed it where SIDECAR_STACKS_SIGNAL is set, as in this container's environment.
+      if send_stacks and sig is not None and stacks.catches(t.pid, sig) is not False:
         with contextlib.suppress(OSError):
           os.kill(t.pid, sig)  # its stacks go to its own stderr: the container's log
   return 1 if found else 0
