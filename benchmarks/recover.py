@@ -62,7 +62,9 @@ def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every
   # chip config's programs take ~25 s), whichever way it is.
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                         env={"JAX_COMPILATION_CACHE_DIR": os.path.join(work, "jax-cache"),
-                             **os.environ, "PYTHONPATH": str(ROOT)})
+                             **os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(ROOT)] + [p for p in os.environ.get(
+                                     "PYTHONPATH", "").split(os.pathsep) if p])})
   log = done.stdout + done.stderr
   fault = FAULT.search(log)
   if done.returncode != 0 or fault is None:
