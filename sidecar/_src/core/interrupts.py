@@ -189,11 +189,17 @@ def wait_event(event: threading.Event, timeout: float) -> bool:
 
 
 def wait_done(future: concurrent.futures.Future, timeout: float | None = None) -> None:
-  """Waits until ``future`` is done, whatever its outcome, as :func:`wait` does."""
-  try:
-    wait(future, timeout)
-  except (concurrent.futures.TimeoutError, KeyboardInterrupt):
-    if not future.done():  # else its outcome is a TimeoutError (DeadlineExceededError)
-      raise
-  except BaseException:
-    pass
+  """Waits until ``future`` is done, whatever its outcome, as :func:`wait` does; its
+  outcome is not read (a save's ``Durable`` stays untold). Raises
+  ``concurrent.futures.TimeoutError`` if it is not done within ``timeout``."""
+  deferred = _depth > 0 and threading.current_thread() is threading.main_thread()
+  deadline = None if timeout is None else time.monotonic() + timeout
+  while True:
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    step = left if not deferred else POLL_S if left is None else min(POLL_S, left)
+    if concurrent.futures.wait([future], step).done:
+      return
+    if deferred:
+      check()
+    if deadline is not None and time.monotonic() >= deadline:
+      raise concurrent.futures.TimeoutError()

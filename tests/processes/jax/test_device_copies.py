@@ -105,8 +105,7 @@ def test_a_copy_that_fails_after_save_returned_fails_the_save_and_frees_it(
       handle.durable.result(60)
     with pytest.raises(RuntimeError, match="the device lost the copy"):
       handle.staged.result(0)
-    with pytest.raises(RuntimeError, match="the device lost the copy"):
-      ckpt.wait()  # and the checkpointer raises it, once
+    ckpt.wait()  # told by its handle: not raised again
     monkeypatch.undo()
     assert ckpt.all_steps() == [1]
     assert entries(tmp_path / "ck") == ["1"]

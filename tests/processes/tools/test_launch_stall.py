@@ -44,7 +44,7 @@ def test_a_hung_trainer_is_found_its_stacks_printed_and_it_is_restarted(
                       r"\(its stall timeout ([\d.]+) s", err)
   assert len(stalls) == hangs, err
   for since, limit in stalls:
-    assert float(since) > STALL_S and float(limit) >= STALL_S
+    assert float(since) >= STALL_S and float(limit) >= STALL_S  # printed to 0.1 s
   # Its stacks, every thread's, with the function each hangs in by name.
   hang = "hang_in_sleep" if how == "sleep" else "hang_in_recv"
   assert re.search(rf"\[host 0\] .*File .*stall_train.py.*line \d+ in {hang}", out), out

@@ -21,7 +21,7 @@ from sidecar._src.core import env as env_lib
 from tests.support.paths import ROOT, entries
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
-TAKEN_OVER = "step 1: to be committed here once written"
+TAKEN_OVER = "step 1: taken over here"
 
 
 def _start(tmp_path: pathlib.Path) -> subprocess.Popen:

@@ -47,6 +47,7 @@ from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.save_run import (
+  Durable,
   Ending,
   SaveHandle,
   agree_on_save,
@@ -184,7 +185,9 @@ class Checkpointer:
 
     A save that failed in the background (its ``durable``: a full disk, an I/O error,
     a host lost) is raised by the next ``save``, ``wait`` or ``close``, once, as Orbax's
-    async manager does: the step it was given then is not saved.
+    async manager does: the step it was given then is not saved. One whose error its
+    handle told (``durable.result()`` raised it, ``durable.exception()`` returned it) is
+    not raised again.
 
     Raises:
       InvalidArgumentError: ``step`` is committed already. A save never replaces a
@@ -292,7 +295,7 @@ class Checkpointer:
       data_json = ""
     self._saves += 1
     key = f"{self._key}/save/{self._saves}"
-    handle = SaveHandle(target.step, concurrent.futures.Future(), concurrent.futures.Future())
+    handle = SaveHandle(target.step, concurrent.futures.Future(), Durable())
     with self._unreported_lock:
       self._unreported.append(handle)
     if not self.replicas:  # the same for every framework: it holds the step at once
@@ -438,7 +441,7 @@ class Checkpointer:
     """Waits until the save in flight (if any) is durable, and the older steps it
     makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
     has ended, done or failed: ``handle.replicated`` says which); raises the error of
-    a save that failed, unless ``save`` or ``close`` raised it already.
+    a save that failed, unless ``save`` or ``close`` raised it or its handle told it.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
     the sidecars have made durable, and the rate, once a second; by default (None) on
@@ -471,7 +474,7 @@ class Checkpointer:
     with self._unreported_lock:
       ended = [h for h in self._unreported if h.durable.done()]
       self._unreported = [h for h in self._unreported if not h.durable.done()]
-    failed = [(h.step, e) for h in ended if (e := h.durable.exception()) is not None]
+    failed = [(h.step, e) for h in ended if (e := h.durable.untold()) is not None]
     if not failed:
       return None
     (step, error), later = failed[0], failed[1:]

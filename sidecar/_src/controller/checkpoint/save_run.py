@@ -173,6 +173,39 @@ class Coordinator(Coordination):
       raise
 
 
+class Durable(concurrent.futures.Future):
+  """A save's ``durable``: a Future that remembers whether its error was told to a caller
+  (``result()`` raised it, ``exception()`` returned it), so the Checkpointer does not raise
+  it a second time at the next save, wait or close."""
+
+  told = False
+
+  def result(self, timeout: float | None = None) -> Any:
+    try:
+      return super().result(timeout)
+    except concurrent.futures.TimeoutError:
+      if not self.done():
+        raise
+      self.told = True  # the save's own error is a TimeoutError (DeadlineExceededError)
+      raise
+    except BaseException:
+      self.told = True
+      raise
+
+  def exception(self, timeout: float | None = None) -> BaseException | None:
+    error = super().exception(timeout)
+    self.told = self.told or error is not None
+    return error
+
+  def error(self) -> BaseException | None:
+    """The error of a done save (None: it succeeded), no caller told of it by this."""
+    return concurrent.futures.Future.exception(self, 0)
+
+  def untold(self) -> BaseException | None:
+    """The error of a done save that no caller was told of yet (None: none)."""
+    return None if self.told else self.error()
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SaveHandle:
   """``staged``: the state is in the arenas (the trainer may change its arrays);
@@ -181,14 +214,14 @@ class SaveHandle:
   ``concurrent.futures.Future``s that hold the step (None for a skipped save)."""
   step: int
   staged: concurrent.futures.Future
-  durable: concurrent.futures.Future
+  durable: Durable
   replicated: concurrent.futures.Future = dataclasses.field(
       default_factory=concurrent.futures.Future)
 
 
 def done_handle(step: int, value: Any) -> SaveHandle:
   """A handle whose futures all hold ``value`` already (a save skipped: ``if_busy``)."""
-  staged, durable = concurrent.futures.Future(), concurrent.futures.Future()
+  staged, durable = concurrent.futures.Future(), Durable()
   staged.set_result(value)
   durable.set_result(value)
   replicated: concurrent.futures.Future = concurrent.futures.Future()

@@ -22,7 +22,9 @@ through which sidecar, and the directory); one it can lock is a job that is gone
 removed. The kernel lets go of a sidecar's locks when its process dies (``SIGKILL``
 too), and a sidecar lets go of a job's once its last opener there is gone (at the next
 open here, and every few seconds, ``release_gone``): a job whose owner died is taken over
-with nothing to clean up. Two jobs that open in the same instant may both be refused;
+with nothing to clean up. An open refused by a job held through the same sidecar is
+retried for ``RELEASE_S`` first: its process may be dying (a SIGKILLed process's
+connections close only after its memory is unmapped, seconds for a large one). Two jobs that open in the same instant may both be refused;
 neither is let in beside the other.
 
 ``flock`` holds between processes of one machine and, on NFS, between machines (Linux
@@ -80,23 +82,36 @@ class Jobs:
     check (``StepWriter.open`` says why)."""
     if not job:
       return
-    with self._lock:
-      self._release_gone()
-      held = self._held.get((directory, job))
-      if held is not None:
-        held.openers.append(alive)
-        return
-      try:
-        fd = self._hold(directory, job, holder)
-      except OSError as e:
-        log.info("not holding %s for job %r: %s", directory, job, e.strerror or e)
-        return
-      try:
-        self._refuse_others(directory, job)
-      except BaseException:
-        os.close(fd)
-        raise
-      self._held[(directory, job)] = _Held(job, fd, [alive])
+    deadline = time.monotonic() + RELEASE_S
+    while True:
+      with self._lock:
+        self._release_gone()
+        held = self._held.get((directory, job))
+        if held is not None:
+          held.openers.append(alive)
+          return
+        try:
+          fd = self._hold(directory, job, holder)
+        except OSError as e:
+          log.info("not holding %s for job %r: %s", directory, job, e.strerror or e)
+          return
+        try:
+          self._refuse_others(directory, job)
+        except errors.PermissionDeniedError:
+          os.close(fd)
+          # A holder through this sidecar whose process is dying (a SIGKILLed trainer, a
+          # restarted notebook kernel: its connection closes only once the kernel has
+          # unmapped its memory) lets go within RELEASE_S: waited for, then refused.
+          if time.monotonic() >= deadline or not any(
+              d == directory for d, _ in self._held):
+            raise
+        except BaseException:
+          os.close(fd)
+          raise
+        else:
+          self._held[(directory, job)] = _Held(job, fd, [alive])
+          return
+      time.sleep(0.05)
 
   def release_gone(self) -> None:
     """Lets go of the directories whose every opener here is gone."""

@@ -191,6 +191,23 @@ def test_a_failed_save_is_raised_by_the_next_save_once(hosts):
   assert ckpt.all_steps() == [1, 3]
 
 
+@pytest.mark.parametrize("read", ["result", "exception"])
+def test_a_failed_save_whose_error_its_caller_read_is_not_raised_again(read):
+  """The caller who read a save's error from its handle (``durable.result()`` raised it,
+  or ``durable.exception()`` returned it) was told: the next save saves; one who waited
+  without reading it (``concurrent.futures.wait``) is told by the next save."""
+  ckpt = checkpointer(FailsStep(1, hosts=(0,)))
+  failed = _save(ckpt, 1)
+  if read == "result":
+    with pytest.raises(errors.CheckpointWriteError, match="could not write step 1"):
+      failed.durable.result(30)
+  else:
+    assert "could not write step 1" in str(failed.durable.exception(30))
+  assert _save(ckpt, 2).durable.result(30) == 2
+  ckpt.close()
+  assert ckpt.all_steps() == [2]
+
+
 @pytest.mark.parametrize("how", ["close", "wait", "with"])
 def test_a_failed_last_save_is_raised_by_close_or_wait(how):
   ckpt = checkpointer(FailsStep(1, hosts=(0,)))

@@ -58,8 +58,7 @@ def test_a_failed_write_aborts_the_save_on_every_host_and_lists_nothing():
   with pytest.raises(errors.InvalidArgumentError, match="disk full"):
     handle.durable.result()
   assert ckpt.all_steps() == []
-  with pytest.raises(errors.InvalidArgumentError, match="disk full"):
-    ckpt.close()  # and the checkpointer raises it too, once
+  ckpt.close()  # told by its handle: not raised again
   assert "prepared" not in [name for name, _ in fake.calls]  # the sidecars' agreement failed
   assert (0, "/ckpt/run/4/default", "") not in fake.told  # nothing committed
   tmp = "/ckpt/run/4.orbax-checkpoint-tmp"
