@@ -24,8 +24,8 @@ too), and a sidecar lets go of a job's once its last opener there is gone (at th
 open here, and every few seconds, ``release_gone``): a job whose owner died is taken over
 with nothing to clean up. An open refused by a job held through the same sidecar is
 retried for ``RELEASE_S`` first: its process may be dying (a SIGKILLed process's
-connections close only after its memory is unmapped, seconds for a large one). Two jobs that open in the same instant may both be refused;
-neither is let in beside the other.
+connections close only after its memory is unmapped, seconds for a large one). Two jobs
+that open in the same instant may both be refused; neither is let in beside the other.
 
 ``flock`` holds between processes of one machine and, on NFS, between machines (Linux
 maps it to NFS byte-range locks); on a file system whose locks are local to each machine
