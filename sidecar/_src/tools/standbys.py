@@ -16,7 +16,6 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable, Collection, Sequence
-from typing import BinaryIO
 
 from sidecar._src.core import errors
 from sidecar._src.tools import standby as standby_lib, trainers
@@ -64,7 +63,7 @@ class Standbys:
     self._by_rank: dict[int, Standby] = {}
 
   def start(self, rank: int, environ: dict[str, str], *, start: int, prefix: str,
-            out: BinaryIO) -> None:
+            out: trainers.Out) -> None:
     """Starts ``rank``'s process for start number ``start``: it imports, then waits; its
     output goes to ``out``, each line behind ``prefix``, as the trainer's would."""
     report = os.path.join(self._directory(), f"rank{rank}-start{start}.json")

@@ -9,12 +9,20 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
+
+
+class Out(Protocol):
+  """Where a trainer's output goes: a binary stream, or what wraps one."""
+
+  def write(self, data: bytes, /) -> int: ...
+
+  def flush(self) -> None: ...
 
 READ_CHUNK = 1 << 16
 
 
-def pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> None:
+def pump(pipe: BinaryIO, prefix: bytes, out: Out, lock: threading.Lock) -> None:
   """Copies ``pipe`` to ``out`` line by line, each line prefixed; ends a partial last line.
 
   A chunk that ends mid-line (a line longer than a chunk, or the last one) is held until
@@ -35,7 +43,7 @@ def pump(pipe: BinaryIO, prefix: bytes, out: BinaryIO, lock: threading.Lock) -> 
     write(out, held + b"\n", lock)
 
 
-def write(out: BinaryIO, data: bytes, lock: threading.Lock) -> None:
+def write(out: Out, data: bytes, lock: threading.Lock) -> None:
   with lock:
     try:
       out.write(data)
