@@ -52,31 +52,41 @@ CASES = {  # name: (hosts, shm_size, rows per host, bytes a row's leaf, leaves, 
 }
 
 
-@pytest.mark.parametrize("make", [jax_feed, torch_loader], ids=["jax-feed", "torch-loader"])
+def _connect(c, make):
+  if make is jax_feed:
+    return c.controller()
+  import sidecar.torch
+  return sidecar.torch.Controller(c.addresses, token=c.token)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_batch_that_can_never_fit_fails_at_once_naming_the_shm_size_that_fits(case, make):
+def test_a_batch_that_can_never_fit_fails_at_once_naming_the_shm_size_that_fits(case):
+  """Both a JAX feed and a torch DataLoader: refused on one cluster too small, then fed on
+  one of the size the error names."""
   hosts, shm_size, rows, row_bytes, leaves, limit = CASES[case]
   total = rows * row_bytes * leaves
   pattern = NEVER.format(total=re.escape(f"{total / MiB:.1f} MiB"),
                          blocks=f"{leaves} blocks?", limit=limit)
-  connect = (lambda c: c.controller()) if make is jax_feed else (
-      lambda c: __import__("sidecar.torch").torch.Controller(c.addresses, token=c.token))
+  fits = set()
   with sidecar.testing.LocalCluster(num_hosts=hosts, devices_per_host=1, shm_size=shm_size,
                                     imports=["tests.support.feed_fns"]) as c:
-    with connect(c) as ctl:
-      with pytest.raises(sidecar.ResourceExhaustedError, match=pattern) as e:
-        next(make(c, ctl, rows=rows, row_bytes=row_bytes, leaves=leaves))
-      # Refused before any block of it was allocated: no wait for room ("waited N s").
-      assert "waited" not in str(e.value)
-      assert all(s.arena_used == 0 for s in ctl.status())
-  fits = re.search(pattern, str(e.value)).group(1) + "MiB"
-  with sidecar.testing.LocalCluster(num_hosts=hosts, devices_per_host=1, shm_size=fits,
-                                    imports=["tests.support.feed_fns"]) as c:
-    with connect(c) as ctl:
-      batch = next(make(c, ctl, rows=rows, row_bytes=row_bytes, leaves=leaves))
-      assert sorted(batch) == [f"x{k}" for k in range(leaves)]
-      assert tuple(batch["x0"].shape) == (rows * hosts, row_bytes)
-      del batch
+    for make in (jax_feed, torch_loader):
+      with _connect(c, make) as ctl:
+        with pytest.raises(sidecar.ResourceExhaustedError, match=pattern) as e:
+          next(make(c, ctl, rows=rows, row_bytes=row_bytes, leaves=leaves))
+        # Refused before any block of it was allocated: no wait for room ("waited N s").
+        assert "waited" not in str(e.value), make.__name__
+        assert all(s.arena_used == 0 for s in ctl.status()), make.__name__
+      fits.add(re.search(pattern, str(e.value)).group(1) + "MiB")
+  (fit,) = fits  # both name the same size
+  for make in (jax_feed, torch_loader):  # a cluster each: one batch is all that fits
+    with sidecar.testing.LocalCluster(num_hosts=hosts, devices_per_host=1, shm_size=fit,
+                                      imports=["tests.support.feed_fns"]) as c:
+      with _connect(c, make) as ctl:
+        batch = next(make(c, ctl, rows=rows, row_bytes=row_bytes, leaves=leaves))
+        assert sorted(batch) == [f"x{k}" for k in range(leaves)], make.__name__
+        assert tuple(batch["x0"].shape) == (rows * hosts, row_bytes), make.__name__
+        del batch
 
 
 POOL = """\
