@@ -587,10 +587,10 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
 
   def handler(signum, frame):
     nonlocal in_start
-    if in_start:
+    if in_start and not launch.trainers:
       in_start = False  # Once: a second signal must not interrupt the cleanup.
       raise _Interrupted(signum)
-    launch.on_signal(signum, frame)
+    launch.on_signal(signum, frame)  # a trainer runs: the supervisor stops the job as ever
 
   previous = {}
   if threading.current_thread() is threading.main_thread():

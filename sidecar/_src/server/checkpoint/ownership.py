@@ -22,10 +22,11 @@ through which sidecar, and the directory); one it can lock is a job that is gone
 removed. The kernel lets go of a sidecar's locks when its process dies (``SIGKILL``
 too), and a sidecar lets go of a job's once its last opener there is gone (at the next
 open here, and every few seconds, ``release_gone``): a job whose owner died is taken over
-with nothing to clean up. An open refused by a job held through the same sidecar is
-retried for ``RELEASE_S`` first: its process may be dying (a SIGKILLed process's
-connections close only after its memory is unmapped, seconds for a large one). Two jobs
-that open in the same instant may both be refused; neither is let in beside the other.
+with nothing to clean up. A refused open is retried for ``RELEASE_S`` first: a job that
+just ended may still be held by one of its sidecars (each lets go on its own; a SIGKILLed
+process's connections close only after its memory is unmapped). So a live job's refusal
+takes ``RELEASE_S``. Two jobs that open in the same instant may both be refused; neither
+is let in beside the other.
 
 ``flock`` holds between processes of one machine and, on NFS, between machines (Linux
 maps it to NFS byte-range locks); on a file system whose locks are local to each machine
@@ -99,11 +100,11 @@ class Jobs:
           self._refuse_others(directory, job)
         except errors.PermissionDeniedError:
           os.close(fd)
-          # A holder through this sidecar whose process is dying (a SIGKILLed trainer, a
-          # restarted notebook kernel: its connection closes only once the kernel has
-          # unmapped its memory) lets go within RELEASE_S: waited for, then refused.
-          if time.monotonic() >= deadline or not any(
-              d == directory for d, _ in self._held):
+          # A job that just ended is let go by each of its sidecars within RELEASE_S (a
+          # restarted notebook kernel's two sidecars let go a few ms apart; a SIGKILLed
+          # process's connections close once its memory is unmapped): waited for, then
+          # refused.
+          if time.monotonic() >= deadline:
             raise
         except BaseException:
           os.close(fd)
