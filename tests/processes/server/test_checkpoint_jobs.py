@@ -8,7 +8,9 @@ the first launch is SIGKILLed whole (launcher, sidecar, trainer: nothing cleaned
 third takes the directory over at once and saves.
 """
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +36,7 @@ TRAINER = """
         sys.exit(3)
       with ckpt:
         ckpt.save(step, {"w": np.full(4, step, np.float32)}).durable.result(60)
-        print("HELD", flush=True)
+        print("HELD", os.getpid(), flush=True)
         while wait:
           time.sleep(1)
 """
@@ -65,8 +67,11 @@ def test_a_second_launch_on_one_directory_is_refused_and_a_killed_one_taken_over
     assert f"(pid {first.pid} on " in said, said  # the first launcher, by its pid
     assert entries(directory) == ["1"]  # its max_to_keep deleted nothing of the first's
   finally:
-    os.killpg(first.pid, signal.SIGKILL)  # the whole launch: launcher, sidecar, trainer
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher and its sidecar, then its trainer
     first.wait(timeout=60)
+    if found := re.search(r"HELD (\d+)", out):  # the trainer, in a session of its own
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(int(found.group(1)), signal.SIGKILL)
   assert eventually(lambda: subprocess.run(["pgrep", "-s", str(first.pid)],
                                            capture_output=True).returncode != 0, timeout=30)
   third = _launch(directory, 3, "exit")
