@@ -72,6 +72,10 @@ _SAVING: dict[tuple[str, int], Checkpointer] = {}
 _SAVING_LOCK = threading.Lock()
 # This process's own job name, where its environment names none (core/job.py): process 0's
 # is the job's (every Checkpointer of a process opens as one job).
+# A refusal by another live job of the directory (``server/checkpoint/ownership``) is tried
+# again for this long: every sidecar of a job that just ended lets go within 5 s.
+HELD_WAIT_S = 6.0
+HELD = "is held by another live job"
 _PROCESS_JOB = f"job {secrets.token_hex(4)} (pid {os.getpid()} on {socket.gethostname()})"
 
 
@@ -120,11 +124,22 @@ class Checkpointer:
         _PROCESS_JOB if self._peers.count == 1
         else self._peers.broadcast(f"{key}/job", _PROCESS_JOB if self._lead else None))
     holder = f"process {peers.index} (pid {os.getpid()} on {socket.gethostname()})"
-    opened = [interrupts.wait(f) for f in [
-        site.client.open(h, self.directory, ram_steps=options.ram_steps,
-                         ram_budget=options.ram_budget, sweep=sweep and self._lead, job=job,
-                         holder=holder)
-        for h in self._local]]
+    deadline = time.monotonic() + HELD_WAIT_S
+    while True:
+      try:
+        opened = [interrupts.wait(f) for f in [
+            site.client.open(h, self.directory, ram_steps=options.ram_steps,
+                             ram_budget=options.ram_budget, sweep=sweep and self._lead,
+                             job=job, holder=holder)
+            for h in self._local]]
+        break
+      except errors.PermissionDeniedError as e:
+        # A job that just ended is let go by each of its sidecars on its own (a restarted
+        # notebook kernel's second sidecar let go 3 ms after the first refused): retried
+        # here, the sidecar's answer immediate. Opening again is idempotent for this job.
+        if HELD not in str(e) or time.monotonic() >= deadline:
+          raise
+        interrupts.wait_event(threading.Event(), 0.1)
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
     steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))
     self._retention = Retention(client=site.client, directory=self.directory,

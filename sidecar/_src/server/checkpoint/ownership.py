@@ -22,11 +22,11 @@ through which sidecar, and the directory); one it can lock is a job that is gone
 removed. The kernel lets go of a sidecar's locks when its process dies (``SIGKILL``
 too), and a sidecar lets go of a job's once its last opener there is gone (at the next
 open here, and every few seconds, ``release_gone``): a job whose owner died is taken over
-with nothing to clean up. A refused open is retried for ``RELEASE_S`` first: a job that
-just ended may still be held by one of its sidecars (each lets go on its own; a SIGKILLed
-process's connections close only after its memory is unmapped). So a live job's refusal
-takes ``RELEASE_S``. Two jobs that open in the same instant may both be refused; neither
-is let in beside the other.
+with nothing to clean up. A refusal is answered at once; the Checkpointer retries it for
+a few seconds (``checkpointer.HELD_WAIT_S``), on its own time: a job that just ended may
+still be held by one of its sidecars (each lets go on its own; a SIGKILLed process's
+connections close only after its memory is unmapped). Two jobs that open in the same
+instant may both be refused; neither is let in beside the other.
 
 ``flock`` holds between processes of one machine and, on NFS, between machines (Linux
 maps it to NFS byte-range locks); on a file system whose locks are local to each machine
@@ -83,36 +83,23 @@ class Jobs:
     check (``StepWriter.open`` says why)."""
     if not job:
       return
-    deadline = time.monotonic() + RELEASE_S
-    while True:
-      with self._lock:
-        self._release_gone()
-        held = self._held.get((directory, job))
-        if held is not None:
-          held.openers.append(alive)
-          return
-        try:
-          fd = self._hold(directory, job, holder)
-        except OSError as e:
-          log.info("not holding %s for job %r: %s", directory, job, e.strerror or e)
-          return
-        try:
-          self._refuse_others(directory, job)
-        except errors.PermissionDeniedError:
-          os.close(fd)
-          # A job that just ended is let go by each of its sidecars within RELEASE_S (a
-          # restarted notebook kernel's two sidecars let go a few ms apart; a SIGKILLed
-          # process's connections close once its memory is unmapped): waited for, then
-          # refused.
-          if time.monotonic() >= deadline:
-            raise
-        except BaseException:
-          os.close(fd)
-          raise
-        else:
-          self._held[(directory, job)] = _Held(job, fd, [alive])
-          return
-      time.sleep(0.05)
+    with self._lock:
+      self._release_gone()
+      held = self._held.get((directory, job))
+      if held is not None:
+        held.openers.append(alive)
+        return
+      try:
+        fd = self._hold(directory, job, holder)
+      except OSError as e:
+        log.info("not holding %s for job %r: %s", directory, job, e.strerror or e)
+        return
+      try:
+        self._refuse_others(directory, job)
+      except BaseException:
+        os.close(fd)
+        raise
+      self._held[(directory, job)] = _Held(job, fd, [alive])
 
   def release_gone(self) -> None:
     """Lets go of the directories whose every opener here is gone."""
