@@ -327,10 +327,11 @@ class Step:
     return self._written_event.wait(timeout)
 
   def wait_whole(self, timeout: float | None) -> bool:
-    """Waits, where one of its writers sent its last part, for the others'."""
-    if self._lasts and not self._whole:
+    """Waits, where one of its writers sent its last part, for the others'; whether no
+    more parts come (whole, or its write ended, or dropped)."""
+    if self._lasts:
       return self._whole_event.wait(timeout)
-    return self._whole
+    return self._whole_event.is_set()
 
   def wait_agreed(self, timeout: float | None) -> bool:
     """Waits for the end of the sidecars' agreement on it (taken over); whether known."""
