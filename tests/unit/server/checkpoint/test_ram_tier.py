@@ -1,9 +1,9 @@
-"""The RAM tier's records and budgets: which committed steps stay, which go, and that
-their arena blocks go back.
+"""The RAM tier's steps, replicas and budgets: which committed steps stay, which go, and
+that their arena blocks go back.
 
 A real arena: each staged shard is a leased view of an arena block, as the sidecar
-stages it; a block returns to the allocator once no record (and no test) holds its
-view. No server, no processes.
+stages it; a block returns to the allocator once no step or replica (and no test) holds
+its view. No server, no processes.
 """
 
 import logging
