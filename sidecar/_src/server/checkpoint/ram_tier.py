@@ -52,7 +52,13 @@ class Replica:
 
 
 class RamTier:
-  """The steps and replicas one sidecar (``host_id``) holds; ``lock`` guards them all."""
+  """The steps and replicas one sidecar (``host_id``) holds.
+
+  ``lock`` guards which ones it holds, the replicas' fields and the budgets; a step's
+  phase and shards are the step's own (``step.Step``, whose lock is taken inside this
+  one): a step enters by :meth:`add` and leaves by :meth:`remove`, :meth:`remove_item`,
+  :meth:`drop` or :meth:`expire_uncommitted`, each dropping it (``Step.drop``).
+  """
 
   def __init__(self, host_id: int, *, uncommitted_s: float,
                group_budget: Callable[[str], int | None] = lambda group: None):

@@ -286,7 +286,9 @@ class Step:
 
   @property
   def owners(self) -> frozenset[str]:
-    return frozenset(self._owners)
+    """The handshake sessions that staged it (at most ``writers``)."""
+    with self._lock:
+      return frozenset(self._owners)
 
   @property
   def leaves(self) -> tuple[LeafSpec, ...]:
@@ -361,7 +363,9 @@ class Step:
         this part is taken then. StateError: not STAGING.
     """
     with self._lock:
-      self._move(Phase.STAGING, legal=(Phase.STAGING,))
+      if self._phase is not Phase.STAGING:
+        raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
+                         f"{self._phase.value}: it takes no more parts (only while staging)")
       self._owners.add(owner)
       if leaves and not self._leaves:
         self._leaves = tuple(leaves)

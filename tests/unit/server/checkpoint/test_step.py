@@ -102,7 +102,7 @@ def test_a_stopping_sidecar_stops_the_writer_and_the_replication():
 
 @pytest.mark.parametrize(("phase", "move", "match"), [
     (Phase.STAGED, lambda s: s.take("a", None, [], last=True, writers=1),
-     r"is staged: it cannot become staging \(only from staging\)"),
+     r"is staged: it takes no more parts \(only while staging\)"),
     (Phase.WRITTEN, lambda s: s.end_write([]), r"its write ended already"),
     (Phase.STAGING, lambda s: s.end_write([]),
      r"is staging: it cannot become written \(only from staged\)"),
