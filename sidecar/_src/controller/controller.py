@@ -34,6 +34,7 @@ from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
+from sidecar._src.controller.checkpoint.plugs import key_value_agreement
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
@@ -458,9 +459,12 @@ class Controller:
                    ram_steps=ram_steps, ram_budget=ram_budget, if_busy=if_busy,
                    replicas=replicas, replica_bandwidth=replica_bandwidth)
     self._checkpointers += 1
-    ckpt = Checkpointer.key_value(
-        str(directory), site=self.checkpoint_sidecars(), options=o, peers=self._peers,
-        framework=self._framework, key=f"ckpt/{self._checkpointers}", sweep=sweep)
+    site = self.checkpoint_sidecars()
+    ckpt = Checkpointer(
+        str(directory), site=site, options=o, peers=self._peers,
+        agreement=key_value_agreement(site=site, options=o, peers=self._peers,
+                                      framework=self._framework),
+        key=f"ckpt/{self._checkpointers}", sweep=sweep)
     self._children.add(ckpt)
     return ckpt
 
@@ -479,7 +483,7 @@ class Controller:
     return SidecarsSnapshot(
         client=self.checkpoint_client(), hosts=tuple(h.host_id for h in self.hosts),
         local=tuple(self.local_hosts), device_hosts=dict(self._sidecars.device_hosts),
-        records=self._sidecars.sidecar_records(),
+        handshakes=self._sidecars.handshakes(),
         mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
         writers=dict(self._sidecars.writers), warned=self._replica_warnings,
         goodput=self._goodput)
