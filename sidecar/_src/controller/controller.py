@@ -139,22 +139,22 @@ class Controller:
     self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
-    self._goodput: goodput_lib.Recorder | None = None
+    self._goodput: goodput_lib.LedgerClient | None = None
     try:
       self._sidecars.open(addresses, timeout=connect_timeout, workers=workers or {})
     except BaseException:
       self.close()
       raise
-    self._goodput = self._goodput_recorder()
+    self._goodput = self._goodput_ledger()
 
-  def _goodput_recorder(self) -> goodput_lib.Recorder | None:
-    """The job's goodput recorder (controller/goodput.py): process 0's, sending to the
+  def _goodput_ledger(self) -> goodput_lib.LedgerClient | None:
+    """The job's goodput ledger client (controller/goodput.py): process 0's, sending to the
     first sidecar it maps; None elsewhere (other processes, or no arena mapped here)."""
     if self._peers.index != 0:
       return None
     worker = next((w for h in self.local_hosts if (w := self._sidecars.workers.get(h))
                    is not None), None)
-    return None if worker is None else goodput_lib.Recorder(worker)
+    return None if worker is None else goodput_lib.LedgerClient(worker)
 
   @staticmethod
   def _default_framework() -> Framework:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
-from sidecar._src.controller.goodput import Recorder
+from sidecar._src.controller.goodput import LedgerClient
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class SidecarsSnapshot:
     writers: the processes that stage into each host, where several share one.
     warned: the controller's ``(replicas asked, hosts)`` already warned of (a PyTorch
       writer is made for each save: its warning once, not at every save).
-    goodput: the controller's goodput recorder (process 0's), told of each save and
+    goodput: the controller's goodput ledger client (process 0's), told of each save and
       restore; the first checkpointer binds it to its directory. None: none records.
   """
   client: CheckpointTransport
@@ -44,7 +44,7 @@ class SidecarsSnapshot:
   mapped: frozenset[int]
   writers: Mapping[int, Sequence[int]]
   warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
-  goodput: Recorder | None = None
+  goodput: LedgerClient | None = None
 
   def replicas(self, wanted: int) -> int:
     """``wanted`` replicas, or as many as there are other hosts (with a warning): an
