@@ -94,6 +94,24 @@ def test_the_public_checkpointer_is_what_users_call():
       "latest_step", "restore", "save", "save_in_flight", "wait"}
 
 
+
+def test_the_next_releases_deprecations_are_in_the_changelog_until_they_go():
+  """Issue 65's old spellings (the Orbax manager's doors, ``Retry.record``) work until
+  ``NEXT_REMOVED_IN``, and CHANGELOG.md's Unreleased section says how to migrate."""
+  import tomllib
+
+  from sidecar._src.core import deprecation
+  from tests.support.paths import ROOT
+  version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+  as_tuple = lambda v: tuple(int(p) for p in v.split(".")[:3])  # noqa: E731
+  assert as_tuple(version) < as_tuple(deprecation.NEXT_REMOVED_IN), version
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  unreleased = changelog.split("## Unreleased", 1)[1].split("\n## ", 1)[0]
+  assert f"### Deprecated (removed in {deprecation.NEXT_REMOVED_IN})" in unreleased
+  assert all(f".{name}(" in unreleased for name in DEPRECATED_METHODS)
+  assert "Retry.record(" in unreleased and "Retry.note(" in unreleased
+
+
 # Public methods that moved behind the Orbax integration: each works until 0.4.0.
 DEPRECATED_METHODS = {"key_value", "mark_committed", "restore_from", "save_to"}
 
