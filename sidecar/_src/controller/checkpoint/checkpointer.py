@@ -173,7 +173,8 @@ class Checkpointer:
                 sweep: bool = True) -> Checkpointer:
     """Deprecated: ``ctl.checkpointer(directory, ...)`` makes this Checkpointer (the
     key-value agreement over the controller's framework)."""
-    deprecation.warn("Checkpointer.key_value", deprecation.Moved("ctl.checkpointer(directory)"))
+    deprecation.warn("sidecar.jax.Checkpointer.key_value",
+                     deprecation.Moved("ctl.checkpointer(directory)"))
     return cls(directory, site=site, options=options, peers=peers, key=key, sweep=sweep,
                agreement=key_value_agreement(site=site, options=options, peers=peers,
                                              framework=framework))
@@ -321,13 +322,13 @@ class Checkpointer:
               ) -> SaveHandle:
     """Deprecated: an Orbax manager's items are ``sidecar.orbax.SidecarCheckpointHandler``'s;
     a step of this checkpointer is ``save(step, tree)``."""
-    deprecation.warn("Checkpointer.save_to", _ORBAX_MANAGER)
+    deprecation.warn("sidecar.jax.Checkpointer.save_to", _ORBAX_MANAGER)
     return self._start(target, tree, data_state)
 
   def mark_committed(self, target: Target) -> None:
     """Deprecated: ``sidecar.orbax.SidecarCheckpointHandler`` tells the sidecars of an
     Orbax manager's commit."""
-    deprecation.warn("Checkpointer.mark_committed", _ORBAX_MANAGER)
+    deprecation.warn("sidecar.jax.Checkpointer.mark_committed", _ORBAX_MANAGER)
     item_committed(self, target)
 
   # ---- restore -----------------------------------------------------------
@@ -419,7 +420,7 @@ class Checkpointer:
                    progress: Callable[[str], None] | None = None) -> Any:
     """Deprecated: ``sidecar.orbax.SidecarCheckpointHandler`` restores an Orbax manager's
     items; a step of this checkpointer is ``restore(step, target)``."""
-    deprecation.warn("Checkpointer.restore_from", _ORBAX_MANAGER)
+    deprecation.warn("sidecar.jax.Checkpointer.restore_from", _ORBAX_MANAGER)
     return restore_item(self, final_dir, step, target, progress=progress)
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
