@@ -295,6 +295,12 @@ class StepWriter:
                          leaves=leaves, worker=worker, alive=alive)
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
+      except step_lib.StateError:  # its write failed, or it was aborted, since the check above
+        if own.error is not None:
+          raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
+                                        tmp_dir=tmp_dir) from None
+        raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
+                                 f"{self._host_id} meanwhile") from None
       staged = own.nbytes
     self._metrics.checkpoint_bytes("staged", staged - before)
     if whole and own.plans:
