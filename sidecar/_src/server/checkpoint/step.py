@@ -40,8 +40,10 @@ Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer
 (``arrivals``, ``count_written``, ``end_write``), the agreement's threads
 (``take_over``, ``end_agreement``), the RAM tier's yield and its reaper (``drop``) and the
 replication (``start_replication``, ``staged``). Each step's own ``_lock`` guards its
-phase and its shards; it is a leaf (nothing is called while it is held, so any other lock,
-the RAM tier's first, may be held around it). Waiting is on events: ``wait_written``,
+phase and its shards; it is a leaf (nothing that takes a lock is called while it is
+held: only the format's numbering of a Stage's shards runs under it), so any other lock,
+the RAM tier's first, may be held around it. The RAM tier's lock is held around every
+``take`` and ``drop`` (which steps the tier holds changes with them). Waiting is on events: ``wait_written``,
 ``wait_whole``, ``wait_agreed``. What is set once at the start (its directory, step, paths,
 format, numbering) is read-only.
 """
