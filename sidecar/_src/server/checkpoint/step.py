@@ -43,9 +43,9 @@ replication (``start_replication``, ``staged``). Each step's own ``_lock`` guard
 phase and its shards; it is a leaf (nothing that takes a lock is called while it is
 held: only the format's numbering of a Stage's shards runs under it), so any other lock,
 the RAM tier's first, may be held around it. The RAM tier's lock is held around every
-``take`` and ``drop`` (which steps the tier holds changes with them). Waiting is on events: ``wait_written``,
-``wait_whole``, ``wait_agreed``. What is set once at the start (its directory, step, paths,
-format, numbering) is read-only.
+``take`` and ``drop`` (which steps the tier holds changes with them). Waiting is on
+events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What is set once at the start
+(its directory, step, paths, format, numbering) is read-only.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ class Step:
     self._phase = Phase.STAGING
     # Its shards, each record with its bytes (the one map of the RAM tier's copy).
     self._staged: dict[ShardId, Staged] = {}
+    self._bytes = _Bytes(self._staged)  # its view by id (the dict is never replaced)
     self._nbytes = 0
     # Shards on their way to the writer (as the numbering made them); None once all are.
     self._incoming: queue.SimpleQueue = queue.SimpleQueue()
@@ -279,7 +280,7 @@ class Step:
   @property
   def shards(self) -> Mapping[ShardId, np.ndarray]:
     """Its shards' bytes by id (a view: no copy)."""
-    return _Bytes(self._staged)
+    return self._bytes
 
   def staged(self) -> list[Staged]:
     """Its shards, each record with its bytes (a list of its own)."""

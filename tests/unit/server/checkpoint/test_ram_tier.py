@@ -261,3 +261,16 @@ def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena)
     assert tier.group_use()["alice"] == (1, 3 * KB)
   finally:
     forget_all(tier)
+
+
+def test_a_commit_told_of_a_step_not_written_here_leaves_it(tier, arena, caplog):
+  """Only a written step becomes committed (``Step.commit``): one still being written (a
+  save of the step again, staged since that commit) stays as it is, kept from eviction
+  and expiry as before, its write going on."""
+  own = add_step(tier, arena, 1, done=False)
+  with caplog.at_level(logging.INFO, logger="sidecar._src.server.checkpoint.ram_tier"):
+    assert tier.mark_committed(item(1)) == []
+  assert "told it is committed while staged here; left as it is" in caplog.text
+  assert own.phase is step_lib.Phase.STAGED and tier.steps[item(1)] is own
+  own.end_write([])
+  assert tier.mark_committed(item(1)) == [1] and own.committed
