@@ -115,7 +115,7 @@ def test_the_parser_sees_the_modules_and_their_imports():
   assert {"sidecar._src.server.server", "sidecar._src.controller.controller",
           "sidecar._src.arena.worker", "pipelines.tfds"} <= set(SOURCES)
   assert len(_under("sidecar._src.server")) >= 8 and len(_under("sidecar._src.controller")) >= 8
-  assert "sidecar._src.server.calls" in _imports("sidecar._src.server.server")
+  assert "sidecar._src.server.calls.calls" in _imports("sidecar._src.server.server")
   assert "sidecar.v1.sidecar_pb2" in _imports("sidecar._src.wire.protocol")
   snippet = "try:\n  import a\nexcept ImportError:\n  import b\ndef f():\n  import c\n"
   assert _imports("x", source=snippet) == {"a", "b", "c"}
@@ -195,9 +195,9 @@ def test_each_package_imports_only_the_layers_below_it(pkg):
 def test_the_layer_check_sees_a_violation(tmp_path):
   # Guards the test above against passing on nothing.
   probe = tmp_path / "probe.py"
-  probe.write_text("import jax\nfrom sidecar._src.server import calls\n"
+  probe.write_text("import jax\nfrom sidecar._src.server.calls import calls\n"
                    "from sidecar._src.core import errors\ndef f():\n  import torch\n")
-  for pkg, bad in [("controller", ["jax", "sidecar._src.server.calls", "torch"]),
+  for pkg, bad in [("controller", ["jax", "sidecar._src.server.calls.calls", "torch"]),
                    ("server", ["jax"]), ("tools", [])]:
     module = f"sidecar._src.{pkg}.probe"
     SOURCES[module] = probe
@@ -220,7 +220,7 @@ def test_the_pool_holds_the_checkpoint_store_and_the_call_runner_through_policie
   # and the call runner when they are made: neither imports the pool, and the pool imports
   # neither (so it subclasses neither); the policies' seam imports none of the three.
   pool = _under("sidecar._src.server.pool")
-  held = ["sidecar._src.server.calls", *_under("sidecar._src.server.checkpoint")]
+  held = ["sidecar._src.server.calls.calls", *_under("sidecar._src.server.checkpoint")]
   assert "sidecar._src.server.pool.tenant_checks" in pool and len(held) > 8
   assert "sidecar._src.server.policies" in _imports("sidecar._src.server.pool.tenant_checks")
   assert _violations(held, "sidecar._src.server.pool") == {}
@@ -294,7 +294,7 @@ def _import_time_closure(start: str) -> set[str]:
 
 def test_the_sidecar_server_imports_no_controller_code():
   closure = _import_time_closure("sidecar._src.server.server")
-  assert {"sidecar._src.server.calls", "sidecar._src.wire.protocol"} <= closure
+  assert {"sidecar._src.server.calls.calls", "sidecar._src.wire.protocol"} <= closure
   assert sorted(m for m in closure if _is_under(m, "sidecar._src.controller")) == []
   # The closure does follow imports into the controller: local.py's reaches it.
   assert "sidecar._src.controller.controller" in _import_time_closure("sidecar._src.tools.local")

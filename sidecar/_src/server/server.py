@@ -20,23 +20,16 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.server import (
-  arenas as arenas_lib,
-  client_ids,
-  goodput as goodput_lib,
-  metrics as metrics_lib,
-  policies,
-  preflight,
-  sockets,
-  steps as steps_lib,
-  tenants as tenants_lib,
-)
-from sidecar._src.server.arena_io import ArenaIO
-from sidecar._src.server.calls import Runner, UnaryCalls
+from sidecar._src.server import client_ids, metrics as metrics_lib, policies, preflight, sockets
+from sidecar._src.server.arenas import arenas as arenas_lib
+from sidecar._src.server.arenas.arena_io import ArenaIO
+from sidecar._src.server.arenas.leases import Leases
+from sidecar._src.server.calls.calls import Runner, UnaryCalls
+from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.service import CheckpointService
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
   CallSlots,
@@ -48,8 +41,8 @@ from sidecar._src.server.limits import (
 from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
 from sidecar._src.server.service import Service, client_of
-from sidecar._src.server.stream_runner import StreamRunner
-from sidecar._src.server.workers import WorkerListener
+from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.workers.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
@@ -299,7 +292,7 @@ class Server:
       if named:
         self.checkpoints.check_client(tenant or "", directory, "directory")
       return resolved
-    self.ledgers = goodput_lib.Ledgers(ledger_directory,
+    self.ledgers = ledgers_lib.Ledgers(ledger_directory,
                                        check_storage=self.checkpoints.check_storage)
     self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,

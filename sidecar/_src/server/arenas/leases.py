@@ -20,8 +20,10 @@ from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import arenas as arenas_lib, metrics as metrics_lib, tenants as tenants_lib
-from sidecar._src.server.pool import admission, quotas as quotas_lib
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.arenas import arenas as arenas_lib
+from sidecar._src.server.pool import admission
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.

@@ -28,20 +28,17 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import (
-  arenas as arenas_lib,
-  conns,
-  goodput as goodput_lib,
-  sockets,
-  steps as steps_lib,
-  tenants as tenants_lib,
-)
-from sidecar._src.server.calls import UnaryCalls
-from sidecar._src.server.credits import SocketCredits
-from sidecar._src.server.leases import ON_WAIT_S, Leases
+from sidecar._src.server import sockets
+from sidecar._src.server.arenas import arenas as arenas_lib
+from sidecar._src.server.arenas.leases import ON_WAIT_S, Leases
+from sidecar._src.server.calls.calls import UnaryCalls
+from sidecar._src.server.calls.credits import SocketCredits
+from sidecar._src.server.calls.stream_runner import StreamRunner
+from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.pool import admission
-from sidecar._src.server.stream_runner import StreamRunner
+from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.workers import conns
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -68,7 +65,7 @@ class WorkerListener:
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
                    lambda e: None), tenancy: tenants_lib.Tenancy | None = None,
-               ledgers: goodput_lib.Ledgers | None = None,
+               ledgers: ledgers_lib.Ledgers | None = None,
                steps: steps_lib.Steps | None = None):
     self.path = path
     self._ledgers = ledgers  # the goodput ledgers its sessions write (None: refused)
@@ -476,7 +473,7 @@ class WorkerListener:
           errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
   def _goodput(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
-    """A frame of the goodput ledger (``server/goodput.py``): answered where it asks
+    """A frame of the goodput ledger (``server/goodput/ledgers.py``): answered where it asks
     (``reply``, the first, which binds the directory), else an error is only logged:
     the trainer's step never waits for it."""
     reply = message.get("reply") is True
