@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
-from sidecar._src.server import client_ids
+from sidecar._src.server import client_ids, credentials
 from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.calls.calls import UnaryCalls
 from sidecar._src.server.calls.credits import Credits
@@ -41,19 +41,6 @@ log = logging.getLogger(__name__)
 # gRPC's one event thread, which every RPC of the server needs: short, as the reader has
 # been woken by then.
 CREDITS_JOIN_S = 0.1
-
-
-def client_of(tokens: dict[bytes, str], metadata) -> str | None:
-  """The name of the client whose token ``metadata`` carries, compared in constant time
-  with every token (how long it takes says nothing of which one came close)."""
-  meta = dict(metadata or ())
-  given = meta.get(protocol.AUTH_KEY) or ""
-  given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
-  found = None
-  for expected, name in tokens.items():
-    if hmac.compare_digest(given, expected):
-      found = name
-  return found
 
 
 class Service:
@@ -207,7 +194,7 @@ class Service:
     """The client whose token the call carries (per-client tokens), else None."""
     if not self._tokens.named:
       return None
-    client = client_of(self._tokens.table, context.invocation_metadata())
+    client = credentials.client_of(self._tokens.table, context.invocation_metadata())
     if client is None and self._tokens.tls:
       for name in _certificate_names(context):
         if name in self._tokens.tls:
