@@ -312,7 +312,6 @@ MAX_LINES = 600
 KNOWN_LONG = {
     "sidecar._src.server.arenas.leases",
     "sidecar._src.server.checkpoint.save",  # the sidecar's step (issue 65, item 1)
-    "sidecar._src.server.workers.workers",
 }
 
 
