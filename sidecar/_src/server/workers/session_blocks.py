@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.core import errors
-from sidecar._src.server.arenas.leases import ON_WAIT_S, Leases
+from sidecar._src.server.arenas.leases import Leases
+from sidecar._src.server.arenas.tenant_shares import ON_WAIT_S
 from sidecar._src.server.goodput import steps as steps_lib
 from sidecar._src.server.pool import admission
 from sidecar._src.server.workers import conns
