@@ -462,8 +462,8 @@ class WorkerListener:
       self._check_not_replica_link(session, "goodput")
       if self._ledgers is None:
         raise errors.InvalidArgumentError("this sidecar keeps no goodput ledger")
-      self._ledgers.record(session, message, tenant=self._tenancy.of_worker(session),
-                           attached=self.steps.attached(session))
+      self._ledgers.receive(session, message, tenant=self._tenancy.of_worker(session),
+                            attached=self.steps.attached(session))
       self._ledger_steps(session, message)
     except errors.SidecarError as e:
       error = e
