@@ -205,14 +205,14 @@ def _unexplained(names: dict[str, set[str]]) -> list[str]:
 def test_a_new_name_of_another_meaning_fails():
   # Names that issue 65 renamed, back in a module, and ``record`` in a module not read.
   assert _unexplained({"sidecar_records": {"controller/sidecars.py"},
-                       "record": {"server/goodput.py", "controller/framework.py"},
+                       "record": {"server/goodput/ledgers.py", "controller/framework.py"},
                        "peers": {"server/checkpoint/replication.py"},
                        "replica_peer": {"server/checkpoint/links.py"}}) == [
       "controller/sidecars.py: sidecar_records uses 'record'",
       "server/checkpoint/links.py: replica_peer uses 'peer'",
       "server/checkpoint/links.py: replica_peer uses 'replica'",
       "server/checkpoint/replication.py: peers uses 'peer'",
-      "server/goodput.py: record uses 'record'",
+      "server/goodput/ledgers.py: record uses 'record'",
   ]
 
 

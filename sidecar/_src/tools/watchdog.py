@@ -1,7 +1,7 @@
 """``sidecar launch``'s watchdog: stalled trainers, and failures that recur at once.
 
 **Stalls.** Every sidecar knows each attached trainer's step progress (its feed's
-batches taken, its saves: ``server/steps.py``) and says in ``Status.trainers`` which are
+batches taken, its saves: ``server/goodput/steps.py``) and says in ``Status.trainers`` which are
 stalled (the rule: ``core/stall.py``). :class:`Watchdog` polls each sidecar's Status
 every :data:`POLL_S` in a thread of its own; the launcher asks it, between events, for a
 stall among the trainers of its current start (:meth:`Watchdog.stalled`), and

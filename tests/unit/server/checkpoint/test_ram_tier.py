@@ -14,8 +14,8 @@ import pytest
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import Held, ReplicaTarget, ShardId
 from sidecar._src.core import errors
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.checkpoint import ram_tier, step as step_lib
-from sidecar._src.server.leases import Leases
 from tests.support.ram_steps import make_step
 
 pytestmark = pytest.mark.unit

@@ -276,7 +276,7 @@ class Ledgers:
             stalled: float | None = None) -> None:
     """Worker ``session`` ended: a bound one that did not finish died now, last heard
     from at ``seen`` (Unix seconds; None: not known); ``stalled``: its last step, where
-    it died stalled (``server/steps.py``)."""
+    it died stalled (``server/goodput/steps.py``)."""
     with self._lock:
       book = self._books.pop(session, None)
       if book is None:
