@@ -221,7 +221,7 @@ class Agreements:
         if own is not None and own.write_ended:
           if own.error is not None:
             raise write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
-                                                tmp_dir=own.tmp_dir)
+                                          tmp_dir=own.tmp_dir)
           written = {h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN}
           if written | {self._host_id} >= set(a.plan.hosts):
             return [*own.written_records, *(r for p in a.states.values() for r in p.records)]
