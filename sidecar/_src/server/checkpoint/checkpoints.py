@@ -304,7 +304,7 @@ class Checkpoints:
           own.keep_manifest(manifest)
         for r in self.tier.replicas.values():
           if r.final_dir == final_dir:
-            r.manifest = manifest
+            r.keep_manifest(manifest)
     return self.tier.mark_committed(final_dir)
 
   def reopened(self, directory: str) -> None:

@@ -12,12 +12,12 @@ committed expire, and ``status``/``usage`` report what is held.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -30,25 +30,123 @@ from sidecar._src.wire.protocol import pb
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
 class Replica:
-  """The shards of one step that another sidecar (host ``source``) sent here: a replica."""
-  directory: str
-  step: int
-  final_dir: str
-  source: int
-  shards: dict[ShardId, np.ndarray] = dataclasses.field(
-      default_factory=dict)
-  # Shards arriving inline, in chunks: (block, bytes received so far).
-  partial: dict[ShardId, list] = dataclasses.field(
-      default_factory=dict)
-  nbytes: int = 0
-  whole: bool = False  # the source sent everything
-  committed: bool = False
-  # A whole replica held of the same step and source, which this one (sent again)
-  # replaces once whole.
-  replaces: Replica | None = None
-  manifest: Manifest | None = None  # a DCP step's, told at its commit
+  """The shards of one step that another sidecar (host ``source``) sent here: a replica.
+
+  Its state changes only through its methods, each called with the RAM tier's ``lock``
+  held (``replication.Replicator`` receives it, :class:`RamTier` and
+  ``checkpoints.Checkpoints`` mark it committed): its shards arrive whole
+  (``add_shard``) or in pieces (``piece_block``, ``piece_received``); it is ``whole``
+  once its sender said so (``mark_whole``), ``committed`` once its step is (``commit``,
+  before or after it is whole). A replica sent again while a whole one is held
+  ``replaces`` it once whole itself (``take_place_of``).
+  """
+
+  def __init__(self, directory: str, step: int, final_dir: str, source: int, *,
+               replaces: Replica | None = None):
+    self._directory, self._step, self._final_dir = directory, step, final_dir
+    self._source = source
+    self._shards: dict[ShardId, np.ndarray] = {}
+    self._view = types.MappingProxyType(self._shards)
+    # Shards arriving inline, in pieces: [block, bytes received so far].
+    self._partial: dict[ShardId, list] = {}
+    self._nbytes = 0
+    self._whole = False  # the source sent everything
+    self._committed = False
+    # A whole replica held of the same step and source, which this one (sent again)
+    # replaces once whole.
+    self._replaces = replaces
+    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
+
+  def __repr__(self) -> str:
+    return f"Replica({self._final_dir!r}, source={self._source}, whole={self._whole})"
+
+  @property
+  def directory(self) -> str:
+    return self._directory
+
+  @property
+  def step(self) -> int:
+    return self._step
+
+  @property
+  def final_dir(self) -> str:
+    return self._final_dir
+
+  @property
+  def source(self) -> int:
+    return self._source
+
+  @property
+  def shards(self) -> Mapping[ShardId, np.ndarray]:
+    """Its whole shards' bytes by id (a read-only view)."""
+    return self._view
+
+  @property
+  def partial(self) -> int:
+    """How many shards are still arriving in pieces."""
+    return len(self._partial)
+
+  @property
+  def nbytes(self) -> int:
+    return self._nbytes
+
+  @property
+  def whole(self) -> bool:
+    return self._whole
+
+  @property
+  def committed(self) -> bool:
+    return self._committed
+
+  @property
+  def replaces(self) -> Replica | None:
+    return self._replaces
+
+  @property
+  def manifest(self) -> Manifest | None:
+    return self._manifest
+
+  def add_shard(self, key: ShardId, data: np.ndarray) -> None:
+    """A whole shard (checked by its sender's crc32c), in place of one of the same id."""
+    old = self._shards.get(key)
+    self._nbytes += data.nbytes - (old.nbytes if old is not None else 0)
+    self._shards[key] = data
+
+  def piece_block(self, key: ShardId, make: Callable[[], np.ndarray]) -> list:
+    """The block the shard ``key`` is assembled in from its pieces (``make`` makes it at
+    its first piece), with the bytes received so far: ``[block, received]``."""
+    entry = self._partial.get(key)
+    if entry is None:
+      entry = self._partial[key] = [make(), 0]
+    return entry
+
+  def piece_received(self, key: ShardId, entry: list, nbytes: int) -> bool:
+    """``nbytes`` more of ``key``'s bytes are in its block (``entry``); whether the shard is
+    whole now (then it is no longer arriving: the caller adds it)."""
+    entry[1] += nbytes
+    whole = entry[1] >= entry[0].nbytes
+    if whole:
+      self._partial.pop(key, None)
+    return whole
+
+  def mark_whole(self) -> None:
+    """Its sender sent everything."""
+    self._whole = True
+    self._partial = {}
+
+  def take_place_of(self, old: Replica) -> None:
+    """It replaces ``old`` (the whole replica it was sent again of), committed as it was."""
+    self._committed = self._committed or old.committed
+    self._replaces = None
+
+  def commit(self) -> None:
+    """Its step is committed (before or after it is whole)."""
+    self._committed = True
+
+  def keep_manifest(self, manifest: Manifest) -> None:
+    """A DCP step's manifest, kept with it (``info`` answers it)."""
+    self._manifest = manifest
 
 
 class RamTier:
@@ -132,7 +230,7 @@ class RamTier:
       self.committed_dirs.pop(final_dir, None)  # to the end: the newest commit
       self.committed_dirs[final_dir] = True
       for r in held:
-        r.committed = True
+        r.commit()
       if own is not None:
         own.commit()  # (a step taken over: its end is known)
       return self.evict(own.directory if own is not None else held[0].directory)

@@ -154,13 +154,13 @@ class Replicator:
     self._path(directory, "header.directory")
     self._path(final_dir, "header.final_dir")
     self._accept(tenant, directory)
-    replica = ram_tier.Replica(directory, step, final_dir, source)
     with self._tier.lock:
       old = self._tier.replicas.get((final_dir, source))
-      if old is None or not old.whole:
+      held = old is not None and old.whole
+      replica = ram_tier.Replica(directory, step, final_dir, source,
+                                 replaces=old if held else None)
+      if not held:
         self._tier.replicas[(final_dir, source)] = replica
-      else:
-        replica.replaces = old
     return replica
 
   def receive(self, replica: ram_tier.Replica, blocks: Sequence[Staged],
@@ -185,11 +185,9 @@ class Replicator:
       key = piece.record.id
       offset, chunk = piece.offset, np.asarray(payload).reshape(-1).view(np.uint8)
       with self._tier.lock:
-        entry = replica.partial.get(key)
-        if entry is None:
-          block = outputs.empty(piece.record.shape, codec.dtype_of(
-              piece.record.dtype, f"replica of {key.key_path}"))
-          entry = replica.partial[key] = [block, 0]
+        entry = replica.piece_block(key, lambda: outputs.empty(
+            piece.record.shape, codec.dtype_of(piece.record.dtype,
+                                               f"replica of {key.key_path}")))
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
         raise errors.InvalidArgumentError(
@@ -197,26 +195,23 @@ class Replicator:
             f"{flat.nbytes}")
       flat[offset:offset + chunk.nbytes] = chunk
       with self._tier.lock:
-        entry[1] += chunk.nbytes
-        whole = entry[1] >= flat.nbytes
-        if whole:
-          del replica.partial[key]
+        whole = replica.piece_received(key, entry, chunk.nbytes)
       if whole:
         self._add_shard(replica, piece.record, entry[0])
     if done:
       with self._tier.lock:
-        replica.whole, replica.partial = True, {}
+        replica.mark_whole()
         held = self._tier.replicas.get((final_dir, source))
         if held is not None and held is replica.replaces:  # a resend: the newer copy wins
           self._tier.replicas[(final_dir, source)] = replica
-          replica.committed, replica.replaces = held.committed, None
+          replica.take_place_of(held)
           log.info("step %d: host %d's replica, sent again, replaces the one held", step,
                    source, extra={"step": step})
         elif held is not replica:
           return 0  # aborted or evicted while it came
         fate = self._tier.committed_dirs.get(final_dir)
         if fate is not None:  # its step committed before the replica was whole
-          replica.committed = True
+          replica.commit()
           if fate:
             self._tier.evict(directory)
           else:
@@ -243,9 +238,7 @@ class Replicator:
           f"replica of step {replica.step} does not match the crc32c its sender computed "
           f"({crc32c}): the replica is dropped")
     with self._tier.lock:
-      old = replica.shards.get(key)
-      replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)
-      replica.shards[key] = data
+      replica.add_shard(key, data)
 
   def _replica_fault(self, step: int) -> None:
     if not faults.armed("replicate", step):

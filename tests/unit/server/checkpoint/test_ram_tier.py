@@ -74,10 +74,13 @@ def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=
 
 
 def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
-  replica = ram_tier.Replica(D, step, item(step), source, whole=whole, committed=committed)
+  replica = ram_tier.Replica(D, step, item(step), source)
   for i in range(blocks):
-    replica.shards[ShardId(("w",), ((i, i + 1),))] = staged(arena)
-    replica.nbytes += KB
+    replica.add_shard(ShardId(("w",), ((i, i + 1),)), staged(arena))
+  if whole:
+    replica.mark_whole()
+  if committed:
+    replica.commit()
   tier.replicas[(item(step), source)] = replica
 
 
@@ -212,7 +215,7 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   add_step(tier, arena, 2)  # written, commit not yet in
   add_step(tier, arena, 3, blocks=3, done=False).count_written(KB)
   add_replica(tier, arena, 1, source=2)
-  tier.replicas[(item(1), 2)].committed = True
+  tier.replicas[(item(1), 2)].commit()
   add_replica(tier, arena, 0, source=2, committed=True)
   add_replica(tier, arena, 1, source=3, whole=False, committed=True)  # still arriving
   [status] = tier.status()
@@ -274,3 +277,25 @@ def test_a_commit_told_of_a_step_not_written_here_leaves_it(tier, arena, caplog)
   assert own.phase is step_lib.Phase.STAGED and tier.steps[item(1)] is own
   own.end_write([])
   assert tier.mark_committed(item(1)) == [1] and own.committed
+
+
+def test_a_replica_is_assembled_made_whole_and_replaces_the_one_held(tier, arena):
+  """A replica's shards come whole or in pieces; it is whole once its sender says so, and
+  one sent again takes the place of the whole one held, committed as that was."""
+  old = ram_tier.Replica(D, 1, item(1), 2)
+  old.add_shard(ShardId(("w",), ((0, 1),)), staged(arena))
+  old.mark_whole()
+  old.commit()
+  new = ram_tier.Replica(D, 1, item(1), 2, replaces=old)
+  key = ShardId(("w",), ((0, 1),))
+  entry = new.piece_block(key, lambda: staged(arena))
+  assert new.piece_block(key, lambda: pytest.fail("made twice")) is entry and new.partial == 1
+  assert not new.piece_received(key, entry, KB // 2)
+  assert new.piece_received(key, entry, KB // 2) and new.partial == 0
+  new.add_shard(key, entry[0])
+  assert (new.nbytes, new.whole, new.committed) == (KB, False, False)
+  new.mark_whole()
+  new.take_place_of(old)
+  assert new.whole and new.committed and new.replaces is None and list(new.shards) == [key]
+  with pytest.raises(TypeError):
+    new.shards[key] = entry[0]  # a read-only view
