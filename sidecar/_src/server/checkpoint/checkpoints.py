@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +113,14 @@ class Checkpoints:
     self._opened_lock = threading.Lock()
     self._threads: set[threading.Thread] = set()  # writers and replications, see _spawn
     self._threads_lock = threading.Lock()
+    # The threads spawned, started by one thread of their own (None: it ends), so that the
+    # Stage that spawns its step's writer and commit threads answers without waiting in
+    # Thread.start for each to run (0.4-1.4 ms each on a busy host, measured).
+    self._to_start: queue.SimpleQueue[threading.Thread | None] = queue.SimpleQueue()
+    self._stopping = False  # (the threads lock held) no thread is queued any more
+    self._starter = threading.Thread(target=self._start_spawned, name="sidecar-ckpt-starter",
+                                     daemon=True)
+    self._starter.start()
     self.writer = checkpoint_save.StepWriter(
         host_id, tier=self.tier, roots=self._roots, spawn=self._spawn, metrics=metrics,
         write_turn=policy.write_turn, take_over=lambda own: self.agreements.take_over(own))
@@ -148,9 +157,14 @@ class Checkpoints:
                                   f"mid-save of step {own.step}"))
     deadline = time.monotonic() + timeout
     with self._threads_lock:
+      self._stopping = True  # those spawned from now on start at once
+    self._to_start.put(None)  # after those queued: every one is started before it ends
+    if self._starter is not threading.current_thread():
+      self._starter.join(timeout)
+    with self._threads_lock:
       threads = [self._reaper, *self._threads]
     for thread in threads:
-      if thread is not threading.current_thread():
+      if thread is not threading.current_thread() and thread.ident is not None:
         thread.join(max(deadline - time.monotonic(), 0.0))
       if thread.is_alive():
         log.warning("%s still runs after %.0f s as the sidecar stops", thread.name, timeout)
@@ -159,7 +173,8 @@ class Checkpoints:
     self._agree_links.close()
 
   def _spawn(self, target: Callable[..., None], *args: Any, name: str) -> None:
-    """Starts a thread this host owns: close() joins it."""
+    """Starts a thread this host owns (the starter thread starts it: this call does not
+    wait for it to run); close() joins it."""
     def run() -> None:
       try:
         target(*args)
@@ -170,7 +185,24 @@ class Checkpoints:
     thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: a safety net
     with self._threads_lock:
       self._threads.add(thread)
-    thread.start()
+      if not self._stopping:
+        self._to_start.put(thread)
+        return
+    thread.start()  # the starter has ended
+
+  def _start_spawned(self) -> None:
+    """The starter thread: starts each thread spawned, in order, until close(). One the
+    system cannot start now (no threads left) is said and tried again until it starts (its
+    step needs it: a writer, a commit taken over) or the sidecar stops."""
+    while (thread := self._to_start.get()) is not None:
+      while True:
+        try:
+          thread.start()
+          break
+        except RuntimeError as e:
+          log.error("could not start the thread %s (%s); trying again", thread.name, e)
+          if self._closed.wait(0.1):
+            break
 
   def _reap(self) -> None:
     # At least every RELEASE_S: a job gone lets go of its directories within it.
