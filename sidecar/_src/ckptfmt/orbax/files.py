@@ -93,15 +93,17 @@ def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str
   return separator.join(str(a // c) for (a, _), c in zip(index, chunk))
 
 
-def write_text(path: pathlib.Path, text: str) -> None:
-  """Writes a small file durably; its directory is synced before the commit. The file is
-  opened in its directory without following a symlink (``names.py``)."""
+def write_text(path: pathlib.Path, text: str, *, sync: bool = True) -> None:
+  """Writes a small file durably (``sync=False``: not synced, for one written again
+  before the commit); its directory is synced before the commit. The file is opened in
+  its directory without following a symlink (``names.py``)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd = names.open_beneath(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
   with os.fdopen(fd, "w") as f:
     f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
+    if sync:
+      f.flush()
+      os.fsync(f.fileno())
 
 
 def write_text_beneath(item: pinned.Pinned, name: str, text: str) -> None:
