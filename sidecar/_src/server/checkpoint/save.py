@@ -198,6 +198,11 @@ class StepWriter:
 
     What keeps a save from writing into, or a commit from rewriting, a committed step.
     """
+    return self._uncommitted_at(tmp_dir, name)[:3]
+
+  def _uncommitted_at(self, tmp_dir: str, name: str
+                      ) -> tuple[Format, str, str, pathlib.Path]:
+    """:meth:`_uncommitted`, and the uncommitted step directory ``tmp_dir`` lies in."""
     path = pathlib.Path(self._path(tmp_dir, name))
     root = pathlib.Path(self._roots.root_of(str(path)) or "/")
     found = self._formats.of_tmp(path)
@@ -215,7 +220,7 @@ class StepWriter:
       raise errors.PermissionDeniedError(
           f"{name} {tmp_dir!r:.200}: step {where.committed.name} is committed already "
           f"({where.committed}); nothing writes into or over a committed step")
-    return fmt, str(path), str(where.final)
+    return fmt, str(path), str(where.final), where.tmp
 
   def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
@@ -245,15 +250,13 @@ class StepWriter:
     trainer whose worker session ``worker`` staged this part is still there.
     """
     step = roots_lib.as_int(step, "step")
-    for value, name in ((directory, "directory"), (final_dir, "final_dir")):
-      self._path(value, name)
-    fmt, tmp_dir, final = self._uncommitted(tmp_dir, "tmp_dir")
-    found = self._formats.of_tmp(pathlib.Path(tmp_dir))
-    assert found is not None  # _uncommitted checked it
-    if self._path(directory, "directory") != str(found[1].tmp.parent):
+    resolved = self._path(directory, "directory")  # each path resolved once
+    resolved_final = self._path(final_dir, "final_dir")
+    fmt, tmp_dir, final, tmp_step = self._uncommitted_at(tmp_dir, "tmp_dir")
+    if resolved != str(tmp_step.parent):
       raise errors.InvalidArgumentError(
           f"stage: directory {directory!r:.200} is not the directory of tmp_dir's step "
-          f"({str(found[1].tmp.parent)!r:.200}); a Stage names the checkpoint directory it "
+          f"({str(tmp_step.parent)!r:.200}); a Stage names the checkpoint directory it "
           "opened, the one its step lies in")
     if (extra is not None) != (fmt.stage_extra is not None) or (
         extra is not None and not isinstance(extra, fmt.stage_extra)):  # type: ignore[arg-type]
@@ -261,7 +264,7 @@ class StepWriter:
           f"stage: a Stage of a step in {fmt.name}'s layout carries "
           f"{fmt.stage_extra.__name__ if fmt.stage_extra else 'no format extra'}, got "
           f"{type(extra).__name__ if extra is not None else 'none'}")
-    if final != self._path(final_dir, "final_dir"):
+    if final != resolved_final:
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
           f"committed ({final!r:.200})")
