@@ -315,6 +315,10 @@ class SaveRun:
     self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves, plan=self.plan)
     if self.ending is not None:
       resolve(self.ending.handle.staged, None, self.step)
+      # The GIL let go once: save(), waiting for staged, returns now rather than after
+      # this thread's next Python work, the commit's call (staged to returned: 0.5-1.3 ms,
+      # 0.2-0.4 with it, measured).
+      time.sleep(0)
 
   def _plan(self, data_state_json: str) -> CommitPlan | None:
     """The plan the sidecars commit the step with, or None (its trainers commit it)."""
