@@ -1,7 +1,7 @@
 """PyTorch DCP's on-disk layout, written by sidecars (``.metadata``, ``__{rank}_0.distcp``).
 
 * ``distcp``: the files: items, placements, each rank's file, the commit, reads.
-* ``record``: one tensor chunk's record, a ``torch.save`` archive byte for byte.
+* ``archive``: one tensor chunk as ``torch.save`` stores it, an archive byte for byte.
 * ``parts``: the typed parts a DCP save carries (``DcpPart``, ``DcpCommit``).
 * ``format``: :class:`~sidecar._src.ckptfmt.dcp.format.DcpFormat`, the format seam's
   implementation (``ckptfmt/format.py``).

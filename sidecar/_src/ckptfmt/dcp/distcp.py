@@ -4,7 +4,7 @@ Stock DCP (``FileSystemWriter``, one file per rank) saves a checkpoint directory
 
   <path>/.metadata            DCP's Metadata, pickled: every item, and where it is stored
   <path>/__<rank>_0.distcp    rank r's items, one record after the other:
-                                a tensor chunk: a whole torch.save archive (dcp_record)
+                                a tensor chunk: a whole torch.save archive (archive.py)
                                 bytes (non-tensor values): the bytes DCP's planner made
 
 That is the layout written here, so stock ``dcp.load(sd,
@@ -58,7 +58,7 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, names, records
-from sidecar._src.ckptfmt.dcp import record as dcp_record
+from sidecar._src.ckptfmt.dcp import archive
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
@@ -116,7 +116,7 @@ class Item:
       raise errors.InvalidArgumentError(
           f"item {self.fqn!r}: nbytes must be an int >= 0, got {self.nbytes!r}")
     if self.kind is ItemKind.TENSOR:
-      expected = dcp_record.data_nbytes(self.dtype, self.sizes)
+      expected = archive.data_nbytes(self.dtype, self.sizes)
       if len(self.offsets) != len(self.sizes) or self.nbytes != expected:
         raise errors.InvalidArgumentError(
             f"item {self.fqn!r}: a {self.dtype} chunk of sizes {self.sizes} at offsets "
@@ -177,9 +177,9 @@ def layout(rank: int, items: Sequence[Item]) -> tuple[list[Placement], int]:
   """
   name, at, out = file_name(rank), 0, []
   for item in items:
-    at += -at % dcp_record.SMALL_ALIGN
+    at += -at % archive.SMALL_ALIGN
     if item.kind is ItemKind.TENSOR:
-      length = dcp_record.record_length(item.dtype, item.sizes, at=at)
+      length = archive.archive_length(item.dtype, item.sizes, at=at)
     else:
       length = item.nbytes
     out.append(Placement(name, at, length, data_offset(item, at)))
@@ -190,7 +190,7 @@ def layout(rank: int, items: Sequence[Item]) -> tuple[list[Placement], int]:
 def data_offset(item: Item, at: int) -> int:
   """Where the bytes of ``item`` start in its file, for a record that starts at ``at``."""
   if item.kind is ItemKind.TENSOR:
-    return at + len(dcp_record.header(item.dtype, item.sizes, at=at))
+    return at + len(archive.header(item.dtype, item.sizes, at=at))
   return at
 
 
@@ -277,8 +277,8 @@ def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.nda
   fd = names.open_beneath(path.parent, path.name, os.O_WRONLY)
   try:
     if item.kind is ItemKind.TENSOR:
-      os.pwrite(fd, dcp_record.header(item.dtype, item.sizes, at=where.offset), where.offset)
-      trailer = dcp_record.trailer(item.dtype, item.sizes, at=where.offset)
+      os.pwrite(fd, archive.header(item.dtype, item.sizes, at=where.offset), where.offset)
+      trailer = archive.trailer(item.dtype, item.sizes, at=where.offset)
       os.pwrite(fd, trailer, where.data_offset + item.nbytes)
     direct_io.write_at(fd, data, where.data_offset, turn)
   finally:

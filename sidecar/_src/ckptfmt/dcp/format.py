@@ -26,7 +26,7 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt import names, records
-from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
+from sidecar._src.ckptfmt.dcp import archive, distcp
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged
@@ -253,7 +253,7 @@ def _index(final_dir: str, mtime: float
       sizes = next(c["sizes"] for c in entry["chunks"] if tuple(c["offsets"]) == offsets)
       item = distcp.Item(fqn=s["fqn"], kind=distcp.ItemKind.TENSOR, dtype=entry["dtype"],
                          sizes=sizes, offsets=offsets,
-                         nbytes=dcp_record.data_nbytes(entry["dtype"], sizes))
+                         nbytes=archive.data_nbytes(entry["dtype"], sizes))
     out[(s["fqn"], offsets)] = (item, distcp.Placement(
         s["path"], s["at"], s["length"], distcp.data_offset(item, s["at"])))
   return out

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
+from sidecar._src.ckptfmt.dcp import archive, distcp
 from sidecar._src.ckptfmt.records import Manifest, Staged, shard_crc32c
 from sidecar._src.core import errors
 
@@ -245,9 +245,9 @@ def test_write_rank_part_refuses_wrong_or_missing_data(tmp_path):
     distcp.write_rank_part(tmp_path, 0, items, [])
 
 
-# Every dtype a record holds, in every shape kind, at offsets of each alignment case.
-@pytest.mark.parametrize("dtype", sorted(dcp_record.ITEMSIZES))
-def test_each_record_is_what_torch_load_reads(dtype):
+# Every dtype an archive holds, in every shape kind, at offsets of each alignment case.
+@pytest.mark.parametrize("dtype", sorted(archive.ITEMSIZES))
+def test_each_archive_is_what_torch_load_reads(dtype):
   rng = np.random.default_rng(1)
   np_dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
   for shape in [(), (3,), (2, 3), (1024, 5), (0, 4)]:
@@ -255,25 +255,25 @@ def test_each_record_is_what_torch_load_reads(dtype):
       raw = rng.integers(0, 256, int(np.prod(shape)) * np_dtype.itemsize, dtype=np.uint8)
       if dtype == "bool":
         raw &= 1
-      head = dcp_record.header(dtype, shape, at=at)
-      record = head + raw.tobytes() + dcp_record.trailer(dtype, shape, at=at)
+      head = archive.header(dtype, shape, at=at)
+      made = head + raw.tobytes() + archive.trailer(dtype, shape, at=at)
       assert (at + len(head)) % (4096 if raw.nbytes >= 4096 else 64) == 0
-      assert len(record) == dcp_record.record_length(dtype, shape, at=at)
-      t = torch.load(io.BytesIO(record), weights_only=True)
+      assert len(made) == archive.archive_length(dtype, shape, at=at)
+      t = torch.load(io.BytesIO(made), weights_only=True)
       assert t.dtype == getattr(torch, dtype) and tuple(t.shape) == shape
       assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == raw.tobytes()
 
 
-def test_zip64_records_load_too(monkeypatch):
-  # Archives over 4 GiB take zip64 records; lowering the threshold makes every one so.
-  monkeypatch.setattr(dcp_record, "ZIP64_AT", 0)
+def test_zip64_archives_load_too(monkeypatch):
+  # Archives over 4 GiB take zip64 entries; lowering the threshold makes every one so.
+  monkeypatch.setattr(archive, "ZIP64_AT", 0)
   a = np.arange(2048, dtype=np.float32).reshape(2, 1024)
-  record = (dcp_record.header("float32", a.shape, at=64) + a.tobytes()
-            + dcp_record.trailer("float32", a.shape, at=64))
-  assert b"PK\x06\x06" in record  # the zip64 end of central directory
-  assert np.array_equal(torch.load(io.BytesIO(record), weights_only=True).numpy(), a)
+  made = (archive.header("float32", a.shape, at=64) + a.tobytes()
+          + archive.trailer("float32", a.shape, at=64))
+  assert b"PK\x06\x06" in made  # the zip64 end of central directory
+  assert np.array_equal(torch.load(io.BytesIO(made), weights_only=True).numpy(), a)
 
 
-def test_a_record_start_off_64_bytes_is_refused():
+def test_an_archive_start_off_64_bytes_is_refused():
   with pytest.raises(errors.InvalidArgumentError, match="starts on 64 bytes"):
-    dcp_record.header("float32", (3,), at=10)
+    archive.header("float32", (3,), at=10)
