@@ -44,7 +44,7 @@ SAME = {
         "pool", "pool_file", "pool_sets", "pool_status"}),
     # one host's (or rank's) share of a step, the files it writes
     "part": frozenset({
-        "dcp_part_from_pb", "dcp_part_to_pb", "rank_part", "write_item_part",
+        "dcp_part_from_pb", "dcp_part_to_pb", "write_item_part",
         "write_rank_part"}),
     # the shards a save hands on together
     "lot": frozenset({"STAGE_LOT_BYTES", "lots"}),

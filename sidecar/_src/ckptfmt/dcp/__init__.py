@@ -2,7 +2,8 @@
 
 * ``distcp``: the files: items, placements, each rank's file, the commit, reads.
 * ``archive``: one tensor chunk as ``torch.save`` stores it, an archive byte for byte.
-* ``parts``: the typed parts a DCP save carries (``DcpPart``, ``DcpCommit``).
+* ``parts``: the typed parts a DCP save carries (``DcpPart``: a rank and its item count, each
+  item its shard record; ``DcpCommit``).
 * ``format``: :class:`~sidecar._src.ckptfmt.dcp.format.DcpFormat`, the format seam's
   implementation (``ckptfmt/format.py``).
 

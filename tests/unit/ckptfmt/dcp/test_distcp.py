@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from sidecar._src.ckptfmt.dcp import archive, distcp
-from sidecar._src.ckptfmt.records import Manifest, Staged, shard_crc32c
+from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged, shard_crc32c
 from sidecar._src.core import errors
 
 pytestmark = [pytest.mark.unit,
@@ -92,8 +92,9 @@ def write_checkpoint(path, ranks, expected):
   for rank, pairs in ranks.items():
     items = [item for item, _ in pairs]
     _, sizes[rank] = distcp.layout(rank, items)
-    # Items arrive in any order: the layout, not the arrival, places them.
-    sums[rank] = distcp.write_rank_part(tmp, rank, items, reversed(staged(rank, pairs)))
+    # Items arrive in any order: the layout, not the arrival, places them (an item whose
+    # predecessors' records have not come waits for them).
+    sums[rank] = distcp.write_rank_part(tmp, rank, len(items), reversed(staged(rank, pairs)))
   shapes = {k: np.shape(v) for k, v in expected.items() if isinstance(v, np.ndarray)}
   final = distcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
                        manifest=Manifest(distcp.FORMAT, (), ()))
@@ -154,7 +155,7 @@ def test_a_ranks_items_are_written_in_turns_of_their_bytes(tmp_path):
     turns.append(nbytes)
     return contextlib.nullcontext()
 
-  distcp.write_rank_part(tmp, 1, items, staged(1, ranks[1]), turn=turn)
+  distcp.write_rank_part(tmp, 1, len(items), staged(1, ranks[1]), turn=turn)
   assert sum(turns) == sum(a.nbytes for _, a in ranks[1])
   assert max(turns) <= distcp.direct_io.TURN_BYTES
 
@@ -164,7 +165,7 @@ def test_nothing_is_visible_before_the_commit(tmp_path):
   path = tmp_path / "ckpt"
   tmp = distcp.create_tmp(path)
   items = [item for item, _ in ranks[0]]
-  distcp.write_rank_part(tmp, 0, items, staged(0, ranks[0]))
+  distcp.write_rank_part(tmp, 0, len(items), staged(0, ranks[0]))
   # Rank 1 never wrote: the commit refuses, and nothing is at the path.
   _, size0 = distcp.layout(0, items)
   _, size1 = distcp.layout(1, [item for item, _ in ranks[1]])
@@ -231,18 +232,23 @@ def test_write_rank_part_refuses_wrong_or_missing_data(tmp_path):
   tmp = distcp.create_tmp(tmp_path / "ckpt")
   a = np.arange(6, dtype=np.float32)
   items = [tensor_item("a", a), tensor_item("b", a)]
-  def first(data):
-    return Staged(items[0].record(0, 0, data), data)
-  with pytest.raises(errors.InvalidArgumentError, match=r"missing items \['b'\]"):
-    distcp.write_rank_part(tmp, 0, items, [first(a)])
+  def first(data):  # item 0's record (of ``a``), with ``data`` beside it
+    return Staged(items[0].record(0, 0, a), data)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"rank 0's part is missing items number \[1\] of its 2"):
+    distcp.write_rank_part(tmp, 0, 2, [first(a)])
   with pytest.raises(errors.InvalidArgumentError, match="expected dtype float32, got int32"):
-    distcp.write_rank_part(tmp, 0, items, [first(a.view(np.int32))])
+    distcp.write_rank_part(tmp, 0, 2, [first(a.view(np.int32))])
   with pytest.raises(errors.InvalidArgumentError, match="expected 24 bytes"):
-    distcp.write_rank_part(tmp, 0, items, [first(a[:3])])
+    distcp.write_rank_part(tmp, 0, 2, [first(a[:3])])
   with pytest.raises(errors.InvalidArgumentError, match="came twice"):
-    distcp.write_rank_part(tmp, 0, items, [first(a), first(a)])
+    distcp.write_rank_part(tmp, 0, 2, [first(a), first(a)])
+  with pytest.raises(errors.InvalidArgumentError, match=r"item number 2: rank 0 has 2 items"):
+    distcp.write_rank_part(tmp, 0, 2, [Staged(items[1].record(2, 0, a), a)])
+  with pytest.raises(errors.InvalidArgumentError, match="is neither a tensor chunk"):
+    distcp.write_rank_part(tmp, 0, 2, [Staged(ShardRecord.of(ShardId(("a",), ()), 0, a), a)])
   with pytest.raises(errors.InvalidArgumentError, match="not an uncommitted DCP checkpoint"):
-    distcp.write_rank_part(tmp_path, 0, items, [])
+    distcp.write_rank_part(tmp_path, 0, 2, [])
 
 
 # Every dtype an archive holds, in every shape kind, at offsets of each alignment case.
