@@ -266,7 +266,17 @@ def write_rank_part(directory: os.PathLike | str, rank: int, count: int,
         f"{TMP_SUFFIX!r}); make one with create_tmp()")
   path = directory / file_name(rank)
   # Opened beneath the directory's descriptor, no symlink followed (names.py).
-  os.close(names.open_beneath(directory, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+  fd = names.open_beneath(directory, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  try:
+    return _write_items(path, fd, rank, count, shards, progress=progress, turn=turn)
+  finally:
+    os.close(fd)
+
+
+def _write_items(path: pathlib.Path, fd: int, rank: int, count: int, shards: Iterable[Staged],
+                 *, progress: Callable[[int], None] | None, turn: direct_io.Turn
+                 ) -> list[ShardRecord]:
+  """:func:`write_rank_part`'s work, ``fd`` the rank's file."""
   items: dict[int, Item] = {}
   waiting: dict[int, np.ndarray] = {}  # staged before an earlier item's record came
   placed: list[Placement] = []
@@ -286,9 +296,14 @@ def write_rank_part(directory: os.PathLike | str, rank: int, count: int,
       items[number] = item = Item.of_record(shard.record)
       waiting[number] = _as_bytes(item, shard.data)
       sums[number] = checksums.submit(shard.record.with_crc32c_of, waiting[number])
-      while len(placed) in items:  # the items now placed in the file: their writes start
-        i = len(placed)
-        placed.append(place(path.name, items[i], _end(placed)))
+      start = len(placed)
+      while len(placed) in items:  # the items now placed in the file
+        placed.append(place(path.name, items[len(placed)], _end(placed)))
+      if len(placed) > start:
+        # The file grows to hold them first: a direct write inside the file goes at once,
+        # beside the others; one past its end would extend it, one at a time.
+        os.ftruncate(fd, _end(placed))
+      for i in range(start, len(placed)):  # their writes start
         writes.append(pool.submit(_write_item, path, items[i], placed[i], waiting.pop(i), turn))
     missing = [i for i in range(count) if i not in items]
     if missing:
@@ -299,12 +314,7 @@ def write_rank_part(directory: os.PathLike | str, rank: int, count: int,
       nbytes = w.result()
       if progress is not None:
         progress(nbytes)
-    fd = names.open_beneath(directory, path.name, os.O_WRONLY)
-    try:
-      os.ftruncate(fd, _end(placed))  # its size, whatever its last item's write left
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+    os.fsync(fd)
     return [sums[i].result() for i in range(count)]
 
 
