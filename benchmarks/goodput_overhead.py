@@ -3,12 +3,12 @@
 Run from the repository root: ``python -m benchmarks.goodput_overhead``. Not run by CI.
 
 Two figures, each with its baseline in the same run:
-(a) the recorder's per-batch path alone (``Recorder.batch``: adds, a compare), in ns a
-    call against an empty loop, with the socket's mark every 5 s included (the
-    recorder bound to a real sidecar's worker session);
+(a) the ledger client's per-batch path alone (``LedgerClient.batch``: adds, a compare), in
+    ns a call against an empty loop, with the socket's mark every 5 s included (the
+    ledger client bound to a real sidecar's worker session);
 (b) a real feed on a 1-host LocalCluster (small batches, so the per-batch overhead shows
-    most): batches/s taken with the recorder against without (the Controller's recorder
-    dropped), ROUNDS interleaved rounds of each, and the ratio of the medians.
+    most): batches/s taken with the ledger client against without (the Controller's
+    ledger client dropped), ROUNDS interleaved rounds of each, and the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -33,20 +33,20 @@ def _per_call_ns(fn, n: int) -> float:
   return (time.perf_counter() - t0) / n * 1e9
 
 
-def recorder_alone(ctl, n: int) -> tuple[float, float]:
-  """ns per call of the bound recorder's ``batch`` and of an empty callback."""
-  recorder = ctl._goodput
-  assert recorder is not None, "process 0's Controller records"
+def client_alone(ctl, n: int) -> tuple[float, float]:
+  """ns per call of the bound ledger client's ``batch`` and of an empty callback."""
+  client = ctl._goodput
+  assert client is not None, "process 0's Controller records"
   empty = lambda blocked, now: None
-  _per_call_ns(recorder.batch, n // 10)  # warm
-  return _per_call_ns(recorder.batch, n), _per_call_ns(empty, n)
+  _per_call_ns(client.batch, n // 10)  # warm
+  return _per_call_ns(client.batch, n), _per_call_ns(empty, n)
 
 
 def feed_rate(ctl, *, record: bool, seconds: float, sharding) -> float:
   """Batches/s taken from a new feed for ``seconds`` (after a warm-up)."""
   saved = ctl._goodput
   if not record:
-    ctl._goodput = None  # the feed is made with no recorder to tell
+    ctl._goodput = None  # the feed is made with no ledger client to tell
   try:
     with ctl.feed("ids", kwargs={"n": 1 << 30}, global_batch_size=8,
                   sharding=sharding) as feed:
@@ -72,14 +72,14 @@ def main() -> None:
       1, 1, shm_size="64MiB", imports=["benchmarks.goodput_fns"],
       checkpoint_roots=[tmp]) as cluster, cluster.controller() as ctl:
     ctl.checkpointer(os.path.join(tmp, "ckpt"))  # binds the ledger: marks go to the sidecar
-    with_ns, empty_ns = recorder_alone(ctl, args.calls)
+    with_ns, empty_ns = client_alone(ctl, args.calls)
     rates: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.rounds):
       for record in (False, True):
         rates[record].append(feed_rate(ctl, record=record, seconds=args.seconds,
                                        sharding=sharding))
   on, off = statistics.median(rates[True]), statistics.median(rates[False])
-  print(table(["what", "without", "with the recorder", "ratio"], [
+  print(table(["what", "without", "with the ledger client", "ratio"], [
       ["(a) per-batch call, ns", f"{empty_ns:.0f}", f"{with_ns:.0f}",
        f"+{with_ns - empty_ns:.0f} ns"],
       ["(b) feed, batches/s (median)", f"{off:.0f}", f"{on:.0f}", f"{on / off:.3f}x"],

@@ -43,7 +43,8 @@ import sidecar
 from benchmarks.attacks import _proc, _reset_peak
 from benchmarks.common import table
 from sidecar._src.arena import shm
-from sidecar._src.server import arenas as arenas_lib, leases as leases_lib, tenants as tenants_lib
+from sidecar._src.server.arenas import arenas as arenas_lib, leases as leases_lib
+from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 

@@ -28,6 +28,7 @@ from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
+from sidecar._src.controller.checkpoint.plugs import key_value_agreement
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import CallWindow, HostInfo
 from sidecar._src.controller.framework import NumpyArrays
@@ -278,15 +279,17 @@ class FakeSidecars(CheckpointTransport):
 
 
 def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Peers | None = None,
-                 records=None, directory: str = "/ckpt/run", framework=None,
+                 handshakes=None, directory: str = "/ckpt/run", framework=None,
                  **options) -> Checkpointer:
   """The one Checkpointer over ``fake`` (its hosts, or ``hosts``; this process stages into
   ``local``, default all) with the key-value agreement and ``framework`` (default numpy
   arrays): ``options`` are CheckpointOptions'."""
   hosts = tuple(getattr(fake, "hosts", (0,)) if hosts is None else hosts)
-  site = SidecarsSnapshot(client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
-                  device_hosts={}, records={h: {} for h in hosts} if records is None else records,
-                  mapped=frozenset(), writers={})
-  return Checkpointer.key_value(directory, site=site, options=CheckpointOptions(**options),
-                                peers=peers if peers is not None else LocalPeers(),
-                                framework=framework or NumpyArrays(), key="ckpt")
+  site = SidecarsSnapshot(
+      client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
+      device_hosts={}, mapped=frozenset(), writers={},
+      handshakes={h: {} for h in hosts} if handshakes is None else handshakes)
+  o, peers = CheckpointOptions(**options), peers if peers is not None else LocalPeers()
+  return Checkpointer(directory, site=site, options=o, peers=peers, key="ckpt",
+                      agreement=key_value_agreement(site=site, options=o, peers=peers,
+                                                    framework=framework or NumpyArrays()))

@@ -21,7 +21,7 @@ class FakeController:
   def checkpoint_sidecars(self) -> SidecarsSnapshot:
     hosts = tuple(self.fake.hosts)
     return SidecarsSnapshot(client=self.fake, hosts=hosts, local=hosts[:1],
-                    device_hosts={0: hosts[0]}, records={h: {} for h in hosts},
+                    device_hosts={0: hosts[0]}, handshakes={h: {} for h in hosts},
                     mapped=frozenset(), writers={})
 
   def worker(self, host):

@@ -82,6 +82,39 @@ def test_the_object_a_user_saves_with_has_one_public_type_in_both_frameworks():
   assert returns is sidecar.jax.Checkpointer
 
 
+
+def test_the_public_checkpointer_is_what_users_call():
+  """An Orbax manager's doors (save_to, restore_from, mark_committed, key_value) are
+  sidecar.orbax's handler's, through controller/checkpoint/checkpointer's module functions;
+  their old spellings on the class warn until 0.4.0 (CHANGELOG.md)."""
+  import sidecar.jax
+  public = {n for n in dir(sidecar.jax.Checkpointer) if not n.startswith("_")}
+  assert public - DEPRECATED_METHODS == {
+      "all_steps", "close", "data_state", "drop_ram_tier", "last_restore_stats",
+      "latest_step", "restore", "save", "save_in_flight", "wait"}
+
+
+
+def test_the_next_releases_deprecations_are_in_the_changelog_until_they_go():
+  """Issue 65's old spellings (the Orbax manager's doors, ``Retry.record``) work until
+  ``NEXT_REMOVED_IN``, and CHANGELOG.md's Unreleased section says how to migrate."""
+  import tomllib
+
+  from sidecar._src.core import deprecation
+  from tests.support.paths import ROOT
+  version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+  as_tuple = lambda v: tuple(int(p) for p in v.split(".")[:3])  # noqa: E731
+  assert as_tuple(version) < as_tuple(deprecation.NEXT_REMOVED_IN), version
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  unreleased = changelog.split("## Unreleased", 1)[1].split("\n## ", 1)[0]
+  assert f"### Deprecated (removed in {deprecation.NEXT_REMOVED_IN})" in unreleased
+  assert all(f".{name}(" in unreleased for name in DEPRECATED_METHODS)
+  assert "Retry.record(" in unreleased and "Retry.note(" in unreleased
+
+
+# Public methods that moved behind the Orbax integration: each works until 0.4.0.
+DEPRECATED_METHODS = {"key_value", "mark_committed", "restore_from", "save_to"}
+
 # Every public name removed since 0.1.0 (git log -- sidecar/__init__.py sidecar/*.py) and
 # its new spelling: each works until 0.3.0, with a DeprecationWarning naming the new one.
 MOVED = [

@@ -5,7 +5,7 @@ allocator; workers map the same memfd (:meth:`Arena.attach`) after receiving its
 file descriptor over a Unix socket. A memfd has no name, so nothing is ever left
 in ``/dev/shm``: the memory goes back to the kernel when the last process that
 maps it exits, however it exits. A sidecar has one arena, pre-faulted at start, or
-with a pool file one per tenant (``server/arenas.py``), whose pages are made as they
+with a pool file one per tenant (``server/arenas/arenas.py``), whose pages are made as they
 are written (``reserve=False``), all of them within one :class:`Budget`.
 """
 
@@ -182,7 +182,7 @@ class Arena:
 
     ``reserve=False``: no page is made now (a pool tenant's arena, sized by its ceiling:
     the bytes its blocks take are counted, and kept within the sidecar's, by
-    ``server/arenas.py``).
+    ``server/arenas/arenas.py``).
     """
     size = -(-size // PAGE) * PAGE
     if reserve:
@@ -331,7 +331,7 @@ def new_generation() -> int:
 class Block:
   """An allocated range of an arena; ``generation`` detects stale references.
 
-  ``arena`` names the arena among a sidecar's (``server/arenas.py``; 0: its only one):
+  ``arena`` names the arena among a sidecar's (``server/arenas/arenas.py``; 0: its only one):
   an offset means nothing without it."""
   offset: int
   nbytes: int

@@ -129,7 +129,7 @@ class Worker:
     try:
       hello = {"op": "attach", "pid": os.getpid(), "queue": True,
                "versions": protocol.versions_dict(protocol.local_versions()),
-               # Who it is in its job, for the sidecar's stall signal (server/steps.py).
+               # Who it is in its job, for the sidecar's stall signal (server/goodput/steps.py).
                "rank": _env_int(env_lib.PROCESS_ID), "restart": _env_int(env_lib.RESTART)}
       stacks.arm()  # a stalled trainer's stacks, on the launcher's signal
       if process is not None:  # who drives this host

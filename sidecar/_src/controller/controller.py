@@ -34,6 +34,7 @@ from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
+from sidecar._src.controller.checkpoint.plugs import key_value_agreement
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
@@ -138,22 +139,22 @@ class Controller:
     self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
-    self._goodput: goodput_lib.Recorder | None = None
+    self._goodput: goodput_lib.LedgerClient | None = None
     try:
       self._sidecars.open(addresses, timeout=connect_timeout, workers=workers or {})
     except BaseException:
       self.close()
       raise
-    self._goodput = self._goodput_recorder()
+    self._goodput = self._goodput_ledger()
 
-  def _goodput_recorder(self) -> goodput_lib.Recorder | None:
-    """The job's goodput recorder (controller/goodput.py): process 0's, sending to the
+  def _goodput_ledger(self) -> goodput_lib.LedgerClient | None:
+    """The job's goodput ledger client (controller/goodput.py): process 0's, sending to the
     first sidecar it maps; None elsewhere (other processes, or no arena mapped here)."""
     if self._peers.index != 0:
       return None
     worker = next((w for h in self.local_hosts if (w := self._sidecars.workers.get(h))
                    is not None), None)
-    return None if worker is None else goodput_lib.Recorder(worker)
+    return None if worker is None else goodput_lib.LedgerClient(worker)
 
   @staticmethod
   def _default_framework() -> Framework:
@@ -458,9 +459,12 @@ class Controller:
                    ram_steps=ram_steps, ram_budget=ram_budget, if_busy=if_busy,
                    replicas=replicas, replica_bandwidth=replica_bandwidth)
     self._checkpointers += 1
-    ckpt = Checkpointer.key_value(
-        str(directory), site=self.checkpoint_sidecars(), options=o, peers=self._peers,
-        framework=self._framework, key=f"ckpt/{self._checkpointers}", sweep=sweep)
+    site = self.checkpoint_sidecars()
+    ckpt = Checkpointer(
+        str(directory), site=site, options=o, peers=self._peers,
+        agreement=key_value_agreement(site=site, options=o, peers=self._peers,
+                                      framework=self._framework),
+        key=f"ckpt/{self._checkpointers}", sweep=sweep)
     self._children.add(ckpt)
     return ckpt
 
@@ -479,7 +483,7 @@ class Controller:
     return SidecarsSnapshot(
         client=self.checkpoint_client(), hosts=tuple(h.host_id for h in self.hosts),
         local=tuple(self.local_hosts), device_hosts=dict(self._sidecars.device_hosts),
-        records=self._sidecars.sidecar_records(),
+        handshakes=self._sidecars.handshakes(),
         mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
         writers=dict(self._sidecars.writers), warned=self._replica_warnings,
         goodput=self._goodput)

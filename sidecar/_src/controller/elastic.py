@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from sidecar._src.core import errors
+from sidecar._src.core import deprecation, errors
 
 log = logging.getLogger(__name__)
 _current: contextvars.ContextVar[Retry | None] = contextvars.ContextVar(
@@ -85,7 +85,7 @@ def phase(name: str) -> Iterator[None]:
     yield
   finally:
     if retry is not None:
-      retry.record("phase", detail=name, seconds=time.monotonic() - t0)
+      retry.note("phase", detail=name, seconds=time.monotonic() - t0)
 
 
 def at_save(handle: Any) -> None:
@@ -148,7 +148,8 @@ class Retry:
     with self._lock:
       return list(self._events)
 
-  def record(self, kind: str, *, detail: str = "", seconds: float | None = None) -> Event:
+  def note(self, kind: str, *, detail: str = "", seconds: float | None = None) -> Event:
+    """Adds an :class:`Event` of ``kind`` to :attr:`events` (and logs it)."""
     hosts = tuple(h.host_id for h in self._ctl.hosts)
     event = Event(kind, time.monotonic(), hosts, detail, seconds)
     with self._lock:
@@ -159,11 +160,16 @@ class Retry:
              timing, list(hosts))
     return event
 
+  def record(self, kind: str, *, detail: str = "", seconds: float | None = None) -> Event:
+    """Deprecated: :meth:`note` (a record is a shard's, ARCHITECTURE.md's glossary)."""
+    deprecation.warn("sidecar.elastic.Retry.record", deprecation.Moved("Retry.note"))
+    return self.note(kind, detail=detail, seconds=seconds)
+
   def _on_lost(self, host_id: int, reason: str) -> None:
-    self.record("host_lost", detail=f"host {host_id}: {reason}")
+    self.note("host_lost", detail=f"host {host_id}: {reason}")
 
   def _on_back(self, host_id: int) -> None:
-    self.record("host_back", detail=f"host {host_id}")
+    self.note("host_back", detail=f"host {host_id}")
 
   def returned(self) -> list[int]:
     """With ``grow``: live hosts the running attempt does not train on."""
@@ -183,7 +189,7 @@ class Retry:
       while True:
         hosts = [h.host_id for h in self._ctl.hosts]
         if len(hosts) < self._min_hosts:
-          self.record("gave_up", detail=f"{len(hosts)} live hosts < min_hosts")
+          self.note("gave_up", detail=f"{len(hosts)} live hosts < min_hosts")
           raise errors.HostLostError(
               f"{len(hosts)} live hosts {hosts} is fewer than min_hosts={self._min_hosts}; "
               f"lost: " + "; ".join(f"host {h} ({why})" for h, why in
@@ -191,22 +197,22 @@ class Retry:
               host_id=min(self._ctl.lost_hosts, default=None))
         lost_before = set(self._ctl.lost_hosts)
         self._hosts = hosts
-        self.record("start", detail=f"attempt {restarts + 1}")
+        self.note("start", detail=f"attempt {restarts + 1}")
         t0 = time.monotonic()
         try:
           out = self._fn(hosts, *args, **kwargs)
         except Regrow as e:
-          self.record("grow", detail=str(e), seconds=time.monotonic() - t0)
+          self.note("grow", detail=str(e), seconds=time.monotonic() - t0)
           continue
         except Exception as e:
           if not self._host_was_lost(lost_before) or (
               self._max_restarts is not None and restarts >= self._max_restarts):
             raise
           restarts += 1
-          self.record("retry", detail=f"{type(e).__name__}: {str(e)[:200]}",
+          self.note("retry", detail=f"{type(e).__name__}: {str(e)[:200]}",
                       seconds=time.monotonic() - t0)
           continue
-        self.record("done", seconds=time.monotonic() - t0)
+        self.note("done", seconds=time.monotonic() - t0)
         return out
     finally:
       self._hosts = []

@@ -132,7 +132,7 @@ class Feed:
                on_batch: Callable[[float, float], None] | None = None):
     self.name = name
     # Told of each batch taken: how long next() blocked, and perf_counter() at its end
-    # (the goodput recorder's data wait and steps: controller/goodput.py).
+    # (the goodput ledger client's data wait and steps: controller/goodput.py).
     self._on_batch = on_batch
     self._arena_use = arena_use
     self._layout = layout

@@ -1,4 +1,4 @@
-"""The trainer's side of the goodput ledger: a :class:`Recorder` the Controller owns.
+"""The trainer's side of the goodput ledger: a :class:`LedgerClient` the Controller owns.
 
 The trainer writes no code for it: the Controller of process 0 makes one, its feeds
 report each batch taken (and how long ``next()`` blocked), its checkpointers each
@@ -6,10 +6,10 @@ report each batch taken (and how long ``next()`` blocked), its checkpointers eac
 binds the ledger to its directory: from then on the events go to this host's sidecar
 over the worker socket (``arena/worker.Worker.send_ledger``), which appends them to the
 ledger's file there and notes the process's death when its session ends without the
-``finish`` that ``Controller.close()`` sends (``server/goodput.py``; the schema and the
+``finish`` that ``Controller.close()`` sends (``server/goodput/ledgers.py``; the schema and the
 accounting: ``core/goodput.py``).
 
-Per batch the recorder adds to a float and an int and compares a time stamp the feed
+Per batch the ledger client adds to a float and an int and compares a time stamp the feed
 already took: the counters travel with the events that happen anyway (a save, a restore)
 and at most every :data:`MARK_EVERY_S` in a mark, a frame written to the socket without
 waiting for an answer, never while another thread holds the socket.
@@ -34,7 +34,7 @@ OP = "goodput"  # the worker socket's op
 
 
 class LedgerTransport(Protocol):
-  """Where the recorder's messages go: a Worker's socket (``Worker.send_ledger``).
+  """Where the ledger client's messages go: a Worker's socket (``Worker.send_ledger``).
 
   A complete one, for tests::
 
@@ -80,7 +80,7 @@ def process_start(pid: int | str = "self") -> float:
   return time.time() - max(age, 0.0)
 
 
-class Recorder:
+class LedgerClient:
   """One process life's counters and events; see the module docstring.
 
   Args:
@@ -144,7 +144,7 @@ class Recorder:
 
   def bind(self, directory: str) -> None:
     """Binds the ledger to the checkpoint ``directory`` (the first one only) and sends
-    what was kept; a sidecar that refuses it is logged, and the recorder stops sending."""
+    what was kept; a sidecar that refuses it is logged, and the ledger client stops sending."""
     if self.directory is not None or self.finished:
       return
     transport = self._link

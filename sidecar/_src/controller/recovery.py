@@ -160,9 +160,9 @@ class Recovery:
         restore_s=stats.seconds if stats is not None else 0.0, waited_s=waited,
         seconds=time.perf_counter() - t0)
     self.rollbacks.append(rollback)
-    # What failed, with its traceback as text: a record holding the exception would keep
+    # What failed, with its traceback as text: a log entry holding the exception would keep
     # the failed step's frames (its batch, its arrays over the arena) as long as a handler
-    # keeps the record.
+    # keeps the entry.
     log.warning("%s\n%s", rollback.summary(),
                 "".join(traceback.format_exception(error)).rstrip())
     return latest, state

@@ -159,8 +159,9 @@ class Sidecars:
                                       host=conn.address, host_id=host_id, to_device=to_device,
                                       renew=renew)
 
-  def sidecar_records(self) -> dict[int, dict[str, Any]]:
-    """Each live sidecar's address, socket, boot id and slice: what a checkpointer keeps."""
+  def handshakes(self) -> dict[int, dict[str, Any]]:
+    """What each live sidecar told at its handshake (its address, socket, boot id and
+    slice): what a checkpointer keeps."""
     return {h: {"address": c.address, "socket": c.reply.worker_socket,
                 "boot_id": c.reply.identity.boot_id, "slice_id": c.info.slice_id}
             for h, c in self.conns.items() if h not in self.lost}

@@ -28,6 +28,9 @@ from sidecar._src.core import extras
 # The release that moved the names, and the one that removes their old spellings.
 DEPRECATED_IN = "0.2.0"
 REMOVED_IN = "0.3.0"
+# The same for the names CHANGELOG.md's Unreleased section deprecates (the next release).
+NEXT_DEPRECATED_IN = "0.3.0"
+NEXT_REMOVED_IN = "0.4.0"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,11 +41,26 @@ class Moved:
   note: str = ""
 
 
-def message(old: str, moved: Moved) -> str:
+def message(old: str, moved: Moved, *, since: str = DEPRECATED_IN,
+            until: str = REMOVED_IN) -> str:
   """The warning's text: the old spelling, the new one, when the old one goes."""
   note = f" ({moved.note})" if moved.note else ""
-  return (f"{old} is deprecated since {DEPRECATED_IN} and goes in {REMOVED_IN}: "
-          f"use {moved.new}{note}")
+  return f"{old} is deprecated since {since} and goes in {until}: use {moved.new}{note}"
+
+
+def warn(old: str, moved: Moved, *, stacklevel: int = 2) -> None:
+  """Warns that ``old``, a public method's spelling (``"Checkpointer.save_to"``), is
+  deprecated since the next release: its caller's line is ``stacklevel`` frames up from
+  the caller of this function (2: the deprecated method's caller).
+
+  Example::
+
+    def record(self, kind):
+      deprecation.warn("Retry.record", Moved("Retry.note"))
+      return self.note(kind)
+  """
+  warnings.warn(message(old, moved, since=NEXT_DEPRECATED_IN, until=NEXT_REMOVED_IN),
+                DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 def resolve(module: str, name: str, moved: Mapping[str, Moved]) -> Any:

@@ -5,7 +5,7 @@ process that records (process 0) counts its own time as it goes (``controller/go
 data wait, checkpoint, restore, batches taken), and its host's sidecar, which outlives it,
 appends what it sends to :data:`FILE` in the job's checkpoint directory, and a ``died``
 event when the process's worker session ends without a ``finish``
-(``server/goodput.py``). :func:`account` turns the events into the ledger.
+(``server/goodput/ledgers.py``). :func:`account` turns the events into the ledger.
 
 Every event is one JSON object, one line of the file::
 
@@ -24,7 +24,7 @@ Every event is one JSON object, one line of the file::
   sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
   session ends only once its exit is done, seconds later on an accelerator;
   ``stalled``: where the sidecar found the process stalled, the time of its last step:
-  ``sidecar launch --stall-timeout`` killed it, server/steps.py).
+  ``sidecar launch --stall-timeout`` killed it, server/goodput/steps.py).
 
 The accounting, for each life in order (its span: its start .. its end, a died or finish
 event, else its last event):

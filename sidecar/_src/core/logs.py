@@ -27,26 +27,27 @@ CONTEXT_KEYS = ("host_id", "session", "step")
 
 
 class JsonFormatter(logging.Formatter):
-  """One JSON object per record; ``context`` (e.g. ``host_id``) is on every one."""
+  """One JSON object per log entry (a ``logging.LogRecord``); ``context`` (e.g.
+  ``host_id``) is on every one."""
 
   def __init__(self, **context: Any):
     super().__init__()
     self._context = context
 
-  def format(self, record: logging.LogRecord) -> str:
-    seconds = time.gmtime(record.created)
+  def format(self, entry: logging.LogRecord) -> str:
+    seconds = time.gmtime(entry.created)
     out: dict[str, Any] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S", seconds) + f".{int(record.msecs):03d}Z",
-        "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", seconds) + f".{int(entry.msecs):03d}Z",
+        "level": entry.levelname, "logger": entry.name, "message": entry.getMessage()}
     out.update(self._context)
     for key in CONTEXT_KEYS:
-      value = getattr(record, key, None)
+      value = getattr(entry, key, None)
       if value is not None:
         out[key] = value
-    if record.exc_info:
-      out["exception"] = self.formatException(record.exc_info)
-    elif record.stack_info:
-      out["stack"] = self.formatStack(record.stack_info)
+    if entry.exc_info:
+      out["exception"] = self.formatException(entry.exc_info)
+    elif entry.stack_info:
+      out["stack"] = self.formatStack(entry.stack_info)
     return json.dumps(out, default=str)
 
 

@@ -131,7 +131,7 @@ class ServerOptions:
   # What one worker session may hold of the arena: a fraction of it (0 < f <= 1) or bytes.
   session_quota: float | int = 0.9
   # A trainer with no step for this long (or 10x its slowest step, if more) after its
-  # first is stalled (server/steps.py): Status and /metrics say so. 0: never.
+  # first is stalled (server/goodput/steps.py): Status and /metrics say so. 0: never.
   stall_timeout_s: float = stall.DEFAULT_FLOOR_S
   # TCP connections the control port keeps at once (more are closed as they come), and how
   # long a new one may take to say its first HTTP/2 frames (TLS included) before it is.

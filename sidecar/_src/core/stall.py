@@ -1,6 +1,6 @@
 """The stall rule: how long a trainer may go without a step before it counts as hung.
 
-One rule for every place that watches (the sidecar's ``server/steps.py``, which applies it
+One rule for every place that watches (the sidecar's ``server/goodput/steps.py``, which applies it
 to each worker session; ``sidecar launch --stall-timeout`` and ``sidecar serve
 --stall-timeout``, which set its floor; docs/elastic.md): a trainer that made its first
 step is **stalled** once it has made no step for :func:`timeout` seconds, the larger of

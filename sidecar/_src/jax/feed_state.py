@@ -62,13 +62,13 @@ class FeedStateHandler(ocp.CheckpointHandler):
       raise FileNotFoundError(
           f"no feed state at {path}: this checkpoint was saved without a FeedStateSave "
           "item; restore the feed from a step that has one, or start it afresh")
-    record = json.loads(path.read_text())
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
+    saved = json.loads(path.read_text())
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
       raise ValueError(f"{path} is not a feed state written by FeedStateHandler")
-    if record.get("version") != VERSION:
-      raise ValueError(f"{path} has feed state version {record.get('version')!r}; this "
+    if saved.get("version") != VERSION:
+      raise ValueError(f"{path} has feed state version {saved.get('version')!r}; this "
                        f"colocated-sidecar reads version {VERSION}: upgrade it to restore")
-    return record["state"]
+    return saved["state"]
 
   def metadata(self, directory: epath.Path) -> None:
     del directory

@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
-from sidecar._src.server.pool import quotas as quotas_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 from sidecar._src.wire.protocol import MAX_PREFETCH
 
 

@@ -37,7 +37,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from sidecar._src.core import goodput as goodput_lib
-from sidecar._src.server import metrics_server, steps as steps_lib
+from sidecar._src.server import metrics_server
+from sidecar._src.server.goodput import steps as steps_lib
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class GoodputFigures:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrainerFigures:
-  """One attached trainer's step progress (``server/steps.py``)."""
+  """One attached trainer's step progress (``server/goodput/steps.py``)."""
   tenant: str  # "" without tenants
   rank: int
   pid: int

@@ -11,7 +11,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -21,22 +20,22 @@ from grpc_reflection.v1alpha import reflection
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
-  arenas as arenas_lib,
   client_ids,
-  goodput as goodput_lib,
+  credentials,
   metrics as metrics_lib,
   policies,
   preflight,
   sockets,
-  steps as steps_lib,
-  tenants as tenants_lib,
 )
-from sidecar._src.server.arena_io import ArenaIO
-from sidecar._src.server.calls import Runner, UnaryCalls
+from sidecar._src.server.arenas import arenas as arenas_lib
+from sidecar._src.server.arenas.arena_io import ArenaIO
+from sidecar._src.server.arenas.leases import Leases
+from sidecar._src.server.calls.calls import Runner, UnaryCalls
+from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.service import CheckpointService
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
   CallSlots,
@@ -47,9 +46,9 @@ from sidecar._src.server.limits import (
 )
 from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
-from sidecar._src.server.service import Service, client_of
-from sidecar._src.server.stream_runner import StreamRunner
-from sidecar._src.server.workers import WorkerListener
+from sidecar._src.server.service import Service
+from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.workers.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
@@ -87,108 +86,6 @@ class State(enum.Enum):
   NEW = "new"
   SERVING = "serving"
   STOPPED = "stopped"
-
-
-# On a unix: socket health shares the server with the services: health asks no token
-# (it tells only whether the sidecar serves), as on the TCP health port.
-_HEALTH_METHODS = "/grpc.health.v1.Health/"
-
-
-class _TokenAuth(grpc.ServerInterceptor):
-  """Refuses every RPC but health's without ``authorization: Bearer <token>``, of one of
-  ``tokens`` (read at each RPC: a reload swaps them); a token a reload revoked is refused
-  with the reason (its tenant was removed from the pool file, say)."""
-
-  def __init__(self, tokens: tenants_lib.Tokens, *, mtls: bool = False):
-    self._tokens = tokens
-    # With mTLS every connection has a certificate the CA signed: a pool's tenants named
-    # by certificate (tls_names) come without a token, and the service says whose.
-    self._mtls = mtls
-
-    def deny(request, context):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "AuthenticationError: missing or wrong token; present the job's token: "
-                    "token=... to a Controller, --token-file to a sidecar command, or "
-                    "SIDECAR_TOKEN / SIDECAR_TOKEN_FILE to either")
-    self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def deny_link(request, context):  # a handshake that carries the peer token's metadata
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "AuthenticationError: a peer sidecar's replica link (the sidecars' own, "
-                    f"its handshake carries '{protocol.REPLICA_KEY}') presented no token this "
-                    "sidecar takes: the sidecars of one job share one peer token; give every "
-                    "sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
-    self._deny_link = grpc.unary_unary_rpc_method_handler(deny_link)
-
-  def _revoked(self, why: str):
-    def deny(request, context):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    f"AuthenticationError: {why}; its token no longer works on this sidecar: "
-                    "ask the pool's operator")
-    return grpc.unary_unary_rpc_method_handler(deny)
-
-  def intercept_service(self, continuation, handler_call_details):
-    if handler_call_details.method.startswith(_HEALTH_METHODS):
-      return continuation(handler_call_details)
-    metadata = handler_call_details.invocation_metadata
-    if self._mtls and (self._tokens.tls or self._tokens.revoked_tls) and not any(
-        k == protocol.AUTH_KEY for k, _ in metadata or ()):
-      return continuation(handler_call_details)
-    if client_of(self._tokens.table, metadata) is None:
-      if self._tokens.revoked and (why := client_of(self._tokens.revoked, metadata)):
-        return self._revoked(why)
-      return (self._deny_link if any(k == protocol.REPLICA_KEY for k, _ in metadata or ())
-              else self._deny)
-    return continuation(handler_call_details)
-
-
-def _tls_credentials(o: options_lib.ServerOptions) -> grpc.ServerCredentials | None:
-  """The control port's TLS (mTLS with a client CA) from PEM files; None without TLS."""
-  if o.tls_cert is None or o.tls_key is None:
-    return None
-  def read(path: str, flag: str) -> bytes:
-    try:
-      with open(path, "rb") as f:
-        return f.read()
-    except OSError as e:
-      raise OSError(e.errno, f"cannot read {flag} {path}: {e.strerror}") from None
-  _check_tls_files(o.tls_cert, o.tls_key, o.tls_client_ca)
-  ca = None if o.tls_client_ca is None else read(o.tls_client_ca, "--tls-client-ca")
-  return grpc.ssl_server_credentials(
-      [(read(o.tls_key, "--tls-key"), read(o.tls_cert, "--tls-cert"))], root_certificates=ca,
-      require_client_auth=ca is not None)
-
-
-def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
-  """Says at start what gRPC would only report as "cannot listen": a key that is not the
-  certificate's, a CA file that holds no certificate; warns of a certificate expired.
-
-  Raises:
-    OSError: naming the file, the flag and OpenSSL's reason.
-  """
-  import ssl
-  try:
-    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
-  except (ssl.SSLError, OSError) as e:
-    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
-    what = ("the key does not match the certificate" if "MISMATCH" in str(e)
-            else f"they cannot be loaded: {reason}")
-    raise OSError(f"--tls-cert {cert} and --tls-key {key}: {what}; give the certificate "
-                  "chain (PEM) and its own private key") from None
-  if client_ca is not None:
-    try:
-      ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(client_ca)
-    except (ssl.SSLError, OSError) as e:
-      raise OSError(f"--tls-client-ca {client_ca} holds no CA certificate ({e}); give the "
-                    "PEM certificate of the CA that signs the clients' certificates") from None
-  try:
-    decoded = ssl._ssl._test_decode_cert(cert)  # type: ignore[attr-defined]  # no public way
-    not_after = ssl.cert_time_to_seconds(decoded["notAfter"])
-  except (ssl.SSLError, OSError, KeyError, ValueError, AttributeError):
-    return
-  if not_after < time.time():
-    log.warning("--tls-cert %s expired on %s: clients will refuse it; renew the certificate",
-                cert, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after)))
 
 
 def _dialable(listen: str) -> str:
@@ -299,7 +196,7 @@ class Server:
       if named:
         self.checkpoints.check_client(tenant or "", directory, "directory")
       return resolved
-    self.ledgers = goodput_lib.Ledgers(ledger_directory,
+    self.ledgers = ledgers_lib.Ledgers(ledger_directory,
                                        check_storage=self.checkpoints.check_storage)
     self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
@@ -355,7 +252,7 @@ class Server:
                                               thread_name_prefix="sidecar-rpc"),
                    futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
     self._grpc = grpc.server(self._executors[0], options=msg,
-                             interceptors=[_TokenAuth(tokens_holder,
+                             interceptors=[credentials.TokenAuth(tokens_holder,
                                                       mtls=o.tls_client_ca is not None)]
                              if tokens or tokens_holder.tls else [])
     checkpoint = CheckpointService(checkpoints=self.checkpoints, arena_io=self.arena_io,
@@ -373,7 +270,8 @@ class Server:
       self.address = unix.target
       self._grpc.start()
     else:
-      self.port = self._bind(self._grpc, f"{o.listen}:{o.port}", "--port", _tls_credentials(o))
+      self.port = self._bind(self._grpc, f"{o.listen}:{o.port}", "--port",
+                             credentials.tls_credentials(o))
       self.address = f"{_dialable(o.listen)}:{self.port}"
       self._grpc.start()
       self._health_grpc = grpc.server(self._executors[1], options=[

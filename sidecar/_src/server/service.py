@@ -19,10 +19,11 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
-from sidecar._src.server import client_ids, tenants as tenants_lib
-from sidecar._src.server.calls import UnaryCalls
-from sidecar._src.server.credits import Credits
-from sidecar._src.server.leases import Leases
+from sidecar._src.server import client_ids, credentials
+from sidecar._src.server.arenas.leases import Leases
+from sidecar._src.server.calls.calls import UnaryCalls
+from sidecar._src.server.calls.credits import Credits
+from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.limits import (
   Sessions,
   Slots,
@@ -30,8 +31,8 @@ from sidecar._src.server.limits import (
   check_prefetch,
   connection_of,
 )
-from sidecar._src.server.stream_runner import StreamRunner
-from sidecar._src.server.workers import WorkerListener
+from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.workers.workers import WorkerListener
 from sidecar._src.wire import codec, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -40,19 +41,6 @@ log = logging.getLogger(__name__)
 # gRPC's one event thread, which every RPC of the server needs: short, as the reader has
 # been woken by then.
 CREDITS_JOIN_S = 0.1
-
-
-def client_of(tokens: dict[bytes, str], metadata) -> str | None:
-  """The name of the client whose token ``metadata`` carries, compared in constant time
-  with every token (how long it takes says nothing of which one came close)."""
-  meta = dict(metadata or ())
-  given = meta.get(protocol.AUTH_KEY) or ""
-  given = given.encode(errors="replace") if isinstance(given, str) else bytes(given)
-  found = None
-  for expected, name in tokens.items():
-    if hmac.compare_digest(given, expected):
-      found = name
-  return found
 
 
 class Service:
@@ -206,7 +194,7 @@ class Service:
     """The client whose token the call carries (per-client tokens), else None."""
     if not self._tokens.named:
       return None
-    client = client_of(self._tokens.table, context.invocation_metadata())
+    client = credentials.client_of(self._tokens.table, context.invocation_metadata())
     if client is None and self._tokens.tls:
       for name in _certificate_names(context):
         if name in self._tokens.tls:
@@ -333,7 +321,7 @@ class Service:
         trainers=[] if hidden else self._trainer_status(client))
 
   def _trainer_status(self, client: str | None) -> list[pb.TrainerStatus]:
-    """Each trainer's step progress (``server/steps.py``): every one's, or with per-client
+    """Each trainer's step progress (``server/goodput/steps.py``): every one's, or with per-client
     tokens or a pool, those of the caller's tenant only."""
     listed = self._workers.steps.trainers(client, every=client is None)
     return [pb.TrainerStatus(
@@ -400,7 +388,7 @@ def _certificate_names(context: grpc.ServicerContext) -> list[str]:
 def _read_credits(requests: Iterator[bytes], credits: Credits,
                   on_taken: Callable[[], None] = lambda: None) -> None:
   """Grants what a stream's consumer credits, until it half-closes or goes away;
-  ``on_taken``: its trainer took items (the step signal, ``server/steps.py``)."""
+  ``on_taken``: its trainer took items (the step signal, ``server/goodput/steps.py``)."""
   try:
     for raw in requests:
       message = codec.parse(pb.StreamRequest, raw)

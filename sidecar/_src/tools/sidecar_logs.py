@@ -33,7 +33,7 @@ SHOWN_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})
 POLL_S = 0.1
 _READ = 1 << 20
 # core/logs.TEXT_FORMAT's start: "2026-12-01 11:42:07,123 WARNING name: message".
-_TEXT_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ([A-Z]+) ")
+_TEXT_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ([A-Z]+) ")
 # What Python prints without logging: each begins a block shown whole.
 _RAW_STARTS = ("Traceback (most recent call last)", "Exception in thread", "Fatal Python error")
 
@@ -71,7 +71,7 @@ def run_dir(base: str) -> str:
 
 def level_of(line: str) -> str | None:
   """The level of the log record that ``line`` begins, or None where it begins none."""
-  m = _TEXT_RECORD.match(line)
+  m = _TEXT_LOG_LINE.match(line)
   if m:
     return m.group(1)
   if line.startswith("{"):

@@ -1,7 +1,7 @@
 """``sidecar launch``'s watchdog: stalled trainers, and failures that recur at once.
 
 **Stalls.** Every sidecar knows each attached trainer's step progress (its feed's
-batches taken, its saves: ``server/steps.py``) and says in ``Status.trainers`` which are
+batches taken, its saves: ``server/goodput/steps.py``) and says in ``Status.trainers`` which are
 stalled (the rule: ``core/stall.py``). :class:`Watchdog` polls each sidecar's Status
 every :data:`POLL_S` in a thread of its own; the launcher asks it, between events, for a
 stall among the trainers of its current start (:meth:`Watchdog.stalled`), and
@@ -83,12 +83,12 @@ class _Failure:
 class _Tap:
   """A trainer's output on its way out: remembers its last error line."""
 
-  def __init__(self, out: BinaryIO, record: Callable[[bytes], None]):
-    self._out, self._record = out, record
+  def __init__(self, out: BinaryIO, note: Callable[[bytes], None]):
+    self._out, self._note = out, note
 
   def write(self, data: bytes) -> int:
     for line in data.splitlines():
-      self._record(line)
+      self._note(line)
     return self._out.write(data)
 
   def flush(self) -> None:
@@ -214,7 +214,7 @@ class Watchdog:
       self._lines.pop(rank, None)
       self._last.pop(rank, None)
 
-    def record(line: bytes) -> None:
+    def note(line: bytes) -> None:
       text = line.decode(errors="replace").strip()
       if not text:
         return
@@ -224,7 +224,7 @@ class Watchdog:
         self._last[rank] = text[:_LINE_CHARS]
         if error:
           self._lines[rank] = text[:_LINE_CHARS]
-    return _Tap(out, record)
+    return _Tap(out, note)
 
   def recurs(self, rank: int, restart: int, code: int) -> str | None:
     """Notes that rank ``rank`` of start ``restart`` failed with ``code``; the reason to

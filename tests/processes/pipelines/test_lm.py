@@ -82,7 +82,7 @@ def test_a_mistyped_data_directory_is_the_pipelines_error_in_the_trainer_and_the
                            f"{typo}/manifest.json: run examples/lm/prepare.py --out {typo}")
   for h in (0,):  # the sidecar it came from logged it, with its traceback (the trainer
     log = cluster.log(h)  # may close host 1's stream before that one opened the corpus)
-    assert (f"WARNING sidecar._src.server.stream_runner: pipeline 'lm' (a feed) raised "
+    assert (f"WARNING sidecar._src.server.calls.stream_runner: pipeline 'lm' (a feed) raised "
             f"NotFoundError: no corpus manifest at {typo}") in log, log[-3000:]
     assert "in corpus_identity" in log  # the first to read it, as the pipeline would
   batches, _ = _batches(cluster, data, 1)  # and serve on

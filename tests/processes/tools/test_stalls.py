@@ -1,4 +1,4 @@
-"""The sidecar's stall signal (server/steps.py) seen from outside: ``Status.trainers``,
+"""The sidecar's stall signal (server/goodput/steps.py) seen from outside: ``Status.trainers``,
 ``/metrics`` and ``sidecar stalls`` (the k8s trainer container's liveness probe), for a
 trainer that trained and then hung (tests/support/goodput_train.py --hang-after).
 """

@@ -1,5 +1,5 @@
 """ctl.call over a Worker's Unix socket (controller/socket_calls.py, the sidecar's ``calls``
-connections in server/workers.py) against an in-process sidecar."""
+connections in server/workers/workers.py) against an in-process sidecar."""
 
 import socket
 import threading

@@ -11,7 +11,7 @@ import pytest
 
 import sidecar
 from sidecar._src.controller import calls as controller_calls
-from sidecar._src.server import calls as calls_lib
+from sidecar._src.server.calls import calls as calls_lib
 from sidecar._src.wire import codec, parts as wire_parts, pbscan, protocol
 from sidecar._src.wire.protocol import pb
 from tests.support.pool_files import BOB, POOL, write_pool

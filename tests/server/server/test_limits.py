@@ -18,9 +18,9 @@ import pytest
 
 import sidecar
 from sidecar._src.core import errors
-from sidecar._src.server import workers as workers_lib
-from sidecar._src.server.credits import Credits
+from sidecar._src.server.calls.credits import Credits
 from sidecar._src.server.limits import MAX_PREFETCH, Sessions, StreamSlots
+from sidecar._src.server.workers import workers as workers_lib
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually

@@ -15,7 +15,7 @@ import pytest
 
 import sidecar
 from sidecar._src.arena.worker import Worker
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.wire import ipc
 from sidecar._src.wire.protocol import pb
 from tests.conftest import PEER_TOKEN, eventually

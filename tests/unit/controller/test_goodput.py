@@ -1,4 +1,4 @@
-"""The trainer's goodput recorder (controller/goodput.py), on a fake transport.
+"""The trainer's goodput ledger client (controller/goodput.py), on a fake transport.
 
 Tier 1: no sockets; a fake clock and stopwatch, a transport that keeps what it is sent.
 """
@@ -41,14 +41,14 @@ class Clock:
     return self.now
 
 
-def recorder(sent, clock, **kw):
-  return goodput.Recorder(sent, start=990.0, pid=7, clock=clock, counter=clock,
+def ledger_client(sent, clock, **kw):
+  return goodput.LedgerClient(sent, start=990.0, pid=7, clock=clock, counter=clock,
                           mark_every=5.0, **kw)
 
 
 def test_nothing_is_sent_before_the_ledger_is_bound_then_all_of_it_at_once():
   sent, clock = Sent(), Clock()
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.batch(2.0, clock())
   clock.now += 1
   r.batch(0.1, clock())  # the second batch: the first step is done
@@ -66,7 +66,7 @@ def test_nothing_is_sent_before_the_ledger_is_bound_then_all_of_it_at_once():
 
 def test_batches_send_a_mark_at_most_every_interval():
   sent, clock = Sent(), Clock()
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.bind("/ckpt/run")
   sent.messages.clear()
   for _ in range(100):  # 100 batches over 10 s
@@ -79,7 +79,7 @@ def test_batches_send_a_mark_at_most_every_interval():
 
 def test_a_busy_socket_skips_the_mark_and_the_next_one_carries_the_counters():
   sent, clock = Sent(), Clock()
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.bind("/ckpt/run")
   sent.messages.clear()
   sent.busy = True
@@ -95,7 +95,7 @@ def test_a_busy_socket_skips_the_mark_and_the_next_one_carries_the_counters():
 
 def test_saves_and_restores_are_sent_at_once_with_their_blocked_time():
   sent, clock = Sent(), Clock()
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.bind("/ckpt/run")
   r.restored(40, 3.0)
   r.batch(0.2, clock())
@@ -113,13 +113,13 @@ def test_saves_and_restores_are_sent_at_once_with_their_blocked_time():
 
 def test_finish_is_sent_once_and_abandon_sends_no_finish():
   sent, clock = Sent(), Clock()
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.bind("/ckpt/run")
   r.finish()
   r.finish()
   assert [e.kind for e in sent.events()].count("finish") == 1
   other = Sent()
-  r2 = recorder(other, clock)
+  r2 = ledger_client(other, clock)
   r2.bind("/ckpt/run")
   r2.abandon()
   r2.finish()
@@ -128,7 +128,7 @@ def test_finish_is_sent_once_and_abandon_sends_no_finish():
 
 def test_only_the_first_directory_binds():
   sent, clock = Sent(), Clock()
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.bind("/ckpt/a")
   r.bind("/ckpt/b")
   assert [m.get("directory") for m in sent.messages] == ["/ckpt/a"]
@@ -137,7 +137,7 @@ def test_only_the_first_directory_binds():
 def test_a_refused_binding_is_logged_and_nothing_more_is_sent(caplog):
   sent, clock = Sent(), Clock()
   sent.refuse = PermissionError("not under a checkpoint root")
-  r = recorder(sent, clock)
+  r = ledger_client(sent, clock)
   r.bind("/elsewhere")
   assert "did not take the ledger of /elsewhere" in caplog.text
   sent.refuse = None

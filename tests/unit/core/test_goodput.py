@@ -358,7 +358,7 @@ def test_a_hostile_line_is_skipped_and_counted_never_raised(tmp_path, line):
 
 def test_a_torn_line_then_a_fresh_line_loses_only_itself(tmp_path):
   # The sidecar was killed mid-append; the next one starts its append on a fresh line
-  # (server/goodput.py), so the finish at t=200 after it counts.
+  # (server/goodput/ledgers.py), so the finish at t=200 after it counts.
   a = life("a", 0.0, first=1.0, end=100.0, ended=None)
   torn = Event("mark", "a", 150.0, Counters()).line()[:20]
   finish = Event("finish", "a", 200.0, Counters())

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 LOG = b"""\
 sidecar host 0 serving on unix:/tmp/x/host0.grpc (health on the same socket)
-2026-12-01 11:42:07,123 INFO sidecar._src.server.workers: worker pid 7 attached
+2026-12-01 11:42:07,123 INFO sidecar._src.server.workers.workers: worker pid 7 attached
 2026-12-01 11:42:08,001 WARNING sidecar._src.server.checkpoint.ram_tier: step 3 was never committed
 2026-12-01 11:42:09,002 ERROR sidecar._src.server.checkpoint.save: step 4: writing failed: ENOSPC
 Traceback (most recent call last):

@@ -32,18 +32,12 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.registry import ORBAX
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import fallback as fallback_lib, ram_drop
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.plugs import (
-  Agreement,
-  KeyValueAgreement,
-  SaveCoordinator,
-  Setup,
-)
-from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
+from sidecar._src.controller.checkpoint.plugs import Agreement, Setup, key_value_agreement
+from sidecar._src.controller.checkpoint.restore import RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.save_run import (
@@ -56,7 +50,13 @@ from sidecar._src.controller.checkpoint.save_run import (
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
-from sidecar._src.core import errors, interrupts, job as job_lib, progress as progress_lib
+from sidecar._src.core import (
+  deprecation,
+  errors,
+  interrupts,
+  job as job_lib,
+  progress as progress_lib,
+)
 
 __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "SaveHandle", "Target",
            "replica_hosts"]
@@ -77,6 +77,10 @@ _SAVING_LOCK = threading.Lock()
 HELD_WAIT_S = 6.0
 HELD = "is held by another live job"
 _PROCESS_JOB = f"job {secrets.token_hex(4)} (pid {os.getpid()} on {socket.gethostname()})"
+# Where the Orbax manager's doors went (their old spellings warn until 0.4.0).
+_ORBAX_MANAGER = deprecation.Moved(
+    "sidecar.orbax.SidecarCheckpointHandler", note="an ocp.CheckpointManager's item; this "
+    "checkpointer's own steps: save(step, tree) and restore(step, target)")
 
 
 class Checkpointer:
@@ -113,10 +117,10 @@ class Checkpointer:
     # Replica placement, once for every framework (an elastic job down to fewer hosts
     # than it planned gets fewer replicas, with a warning).
     self.replicas = site.replicas(options.replicas)
-    if self.replicas and set(site.records) != set(site.hosts):
+    if self.replicas and set(site.handshakes) != set(site.hosts):
       raise errors.InvalidArgumentError(
           f"replicas={self.replicas} needs every sidecar's address: sidecars names hosts "
-          f"{sorted(site.records)}, the hosts are {sorted(site.hosts)}")
+          f"{sorted(site.handshakes)}, the hosts are {sorted(site.hosts)}")
     self.placement = site.placement(self.replicas)
     # The directory is held for this job: another live job's open is refused (one job per
     # directory), this job's processes and restarts never are.
@@ -167,25 +171,13 @@ class Checkpointer:
   def key_value(cls, directory: str | os.PathLike, *, site: SidecarsSnapshot,
                 options: CheckpointOptions, peers: Peers, framework: Framework, key: str,
                 sweep: bool = True) -> Checkpointer:
-    """A Checkpointer with the key-value agreement over ``framework`` (``ctl.checkpointer``'s)."""
-
-    def plug(setup: Setup) -> Agreement:
-      hosts, local = list(site.hosts), list(site.local)
-      coordinator = SaveCoordinator(
-          client=site.client, directory=setup.directory, hosts=hosts, local=local,
-          device_hosts=site.device_hosts, peers=peers, replicas=setup.replicas,
-          placement=setup.placement, replica_bandwidth=options.bandwidth,
-          framework=framework, format=options.format_for("JAX", default=ORBAX),
-          writers=site.writers)
-      restorer = Restorer(client=site.client, directory=setup.directory, hosts=hosts,
-                          local=local, device_hosts=dict(site.device_hosts),
-                          mapped=set(site.mapped),
-                          ask_all=bool(setup.replicas) or peers.count == 1,
-                          framework=framework)
-      return KeyValueAgreement(coordinator, restorer)
-
-    return cls(directory, site=site, options=options, peers=peers, agreement=plug, key=key,
-               sweep=sweep)
+    """Deprecated: ``ctl.checkpointer(directory, ...)`` makes this Checkpointer (the
+    key-value agreement over the controller's framework)."""
+    deprecation.warn("sidecar.jax.Checkpointer.key_value",
+                     deprecation.Moved("ctl.checkpointer(directory)"))
+    return cls(directory, site=site, options=options, peers=peers, key=key, sweep=sweep,
+               agreement=key_value_agreement(site=site, options=options, peers=peers,
+                                             framework=framework))
 
   # ---- save --------------------------------------------------------------
 
@@ -292,15 +284,15 @@ class Checkpointer:
           "save never replaces a committed step: to resume, restore the latest "
           f"(latest_step() is {steps[-1]}) and save the steps after it, or save this run "
           "in a new directory")
-    handle = self.save_to(self._agreement.target(self.directory, step), tree,
-                          data_state=data_state)
+    handle = self._start(self._agreement.target(self.directory, step), tree, data_state)
     self._in_flight = handle
     elastic_lib.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
     return handle
 
-  def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
-              ) -> SaveHandle:
-    """Copies ``tree`` into the arenas; the sidecars write and commit ``target``."""
+  def _start(self, target: Target, tree: Any, data_state: dict[str, Any] | None
+             ) -> SaveHandle:
+    """Copies ``tree`` into the arenas; the sidecars write and commit ``target`` (a step of
+    ``save``, or an Orbax manager's item: :func:`save_item`)."""
     if data_state is not None:
       try:
         data_json = json.dumps(data_state)
@@ -326,11 +318,18 @@ class Checkpointer:
       raise
     return handle
 
+  def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
+              ) -> SaveHandle:
+    """Deprecated: an Orbax manager's items are ``sidecar.orbax.SidecarCheckpointHandler``'s;
+    a step of this checkpointer is ``save(step, tree)``."""
+    deprecation.warn("sidecar.jax.Checkpointer.save_to", _ORBAX_MANAGER)
+    return self._start(target, tree, data_state)
+
   def mark_committed(self, target: Target) -> None:
-    """Tells the RAM tiers the step is visible; lists it (an Orbax manager's commit)."""
-    self._agreement.mark_committed(target)
-    if target.whole_step:
-      self._retention.add(target.step)
+    """Deprecated: ``sidecar.orbax.SidecarCheckpointHandler`` tells the sidecars of an
+    Orbax manager's commit."""
+    deprecation.warn("sidecar.jax.Checkpointer.mark_committed", _ORBAX_MANAGER)
+    item_committed(self, target)
 
   # ---- restore -----------------------------------------------------------
 
@@ -396,8 +395,7 @@ class Checkpointer:
                                     peers=self._peers, key=f"{key}/try",
                                     directory=self.directory)
     self.restored_step = restored.step
-    if (stats := self.last_restore_stats()) is not None:
-      log.info("%s of %s", stats.summary(), self.directory)
+    self._log_restore()
     if self._goodput is not None:
       self._goodput.restored(restored.step, time.perf_counter() - t0)
     return restored.tree
@@ -413,13 +411,17 @@ class Checkpointer:
     """Where the shards of this process's latest successful restore came from."""
     return self._agreement.last_restore_stats()
 
-  def restore_from(self, final_dir: str, step: int, target: Any, *,
-                   progress: Callable[[str], None] | None = None) -> Any:
-    """Restores the committed item at ``final_dir`` onto ``target``'s shardings."""
-    tree = self._agreement.restore_from(final_dir, step, target, progress=progress)
+  def _log_restore(self) -> None:
+    """Logs where the latest restore's shards came from."""
     if (stats := self.last_restore_stats()) is not None:
       log.info("%s of %s", stats.summary(), self.directory)
-    return tree
+
+  def restore_from(self, final_dir: str, step: int, target: Any, *,
+                   progress: Callable[[str], None] | None = None) -> Any:
+    """Deprecated: ``sidecar.orbax.SidecarCheckpointHandler`` restores an Orbax manager's
+    items; a step of this checkpointer is ``restore(step, target)``."""
+    deprecation.warn("sidecar.jax.Checkpointer.restore_from", _ORBAX_MANAGER)
+    return restore_item(self, final_dir, step, target, progress=progress)
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
@@ -600,3 +602,31 @@ class Checkpointer:
       rows = [["-", display.error_text(e), "", "", ""]]
     make = display.html_table if html else display.text_table
     return facts, make(display.TIER_HEADER, rows)
+
+
+# ---- an Orbax manager's items --------------------------------------------------------
+# What ``sidecar.orbax``'s handler (``jax/orbax_handler.py``) does with a Checkpointer
+# whose steps an ``ocp.CheckpointManager`` numbers, commits and lists: not the public
+# Checkpointer's, whose users save and restore its own steps.
+
+def save_item(ckpt: Checkpointer, target: Target, tree: Any) -> SaveHandle:
+  """Copies ``tree`` into the arenas; the sidecars write ``target``, an item of a step
+  the manager commits (``Target.in_step``)."""
+  return ckpt._start(target, tree, None)
+
+
+def item_committed(ckpt: Checkpointer, target: Target) -> None:
+  """Tells the RAM tiers that ``target``'s step is committed (by the manager, its item
+  now at its final path, the RAM tier's key); lists a whole step (``target.whole_step``)."""
+  ckpt._agreement.mark_committed(target)
+  if target.whole_step:
+    ckpt._retention.add(target.step)
+
+
+def restore_item(ckpt: Checkpointer, final_dir: str, step: int, target: Any, *,
+                 progress: Callable[[str], None] | None = None) -> Any:
+  """Restores the committed item at ``final_dir`` (of step ``step``) onto ``target``'s
+  shardings."""
+  tree = ckpt._agreement.restore_from(final_dir, step, target, progress=progress)
+  ckpt._log_restore()
+  return tree

@@ -49,6 +49,7 @@ from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
 from sidecar._src.controller.checkpoint.save_run import Ending, KeyValue, SaveRun
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers
@@ -170,6 +171,29 @@ class KeyValueAgreement(Agreement):
         while finisher.is_alive():  # a join Ctrl-C can stop
           finisher.join(interrupts.POLL_S)
           interrupts.check()
+
+
+def key_value_agreement(*, site: SidecarsSnapshot, options: CheckpointOptions, peers: Peers,
+                        framework: Framework) -> Callable[[Setup], Agreement]:
+  """Makes ``ctl.checkpointer``'s plug: the key-value agreement over ``framework``, on
+  ``site``'s sidecars, in the format ``options`` choose (stock Orbax's by default)."""
+
+  def plug(setup: Setup) -> Agreement:
+    hosts, local = list(site.hosts), list(site.local)
+    coordinator = SaveCoordinator(
+        client=site.client, directory=setup.directory, hosts=hosts, local=local,
+        device_hosts=site.device_hosts, peers=peers, replicas=setup.replicas,
+        placement=setup.placement, replica_bandwidth=options.bandwidth,
+        framework=framework, format=options.format_for("JAX", default=formats_lib.ORBAX),
+        writers=site.writers)
+    restorer = Restorer(client=site.client, directory=setup.directory, hosts=hosts,
+                        local=local, device_hosts=dict(site.device_hosts),
+                        mapped=set(site.mapped),
+                        ask_all=bool(setup.replicas) or peers.count == 1,
+                        framework=framework)
+    return KeyValueAgreement(coordinator, restorer)
+
+  return plug
 
 
 def _mib(nbytes: int) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
-from sidecar._src.controller.goodput import Recorder
+from sidecar._src.controller.goodput import LedgerClient
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +27,24 @@ class SidecarsSnapshot:
     client: the checkpoint phases on them.
     hosts: every live host; ``local``: those this process drives (stages into).
     device_hosts: the host of each device id (under PyTorch a rank's device is its rank).
-    records: each live sidecar's address, worker socket, boot id and slice.
+    handshakes: what each live sidecar told at its handshake: its address, worker socket,
+      boot id and slice.
     mapped: the hosts whose arenas this process maps.
     writers: the processes that stage into each host, where several share one.
     warned: the controller's ``(replicas asked, hosts)`` already warned of (a PyTorch
       writer is made for each save: its warning once, not at every save).
-    goodput: the controller's goodput recorder (process 0's), told of each save and
+    goodput: the controller's goodput ledger client (process 0's), told of each save and
       restore; the first checkpointer binds it to its directory. None: none records.
   """
   client: CheckpointTransport
   hosts: tuple[int, ...]
   local: tuple[int, ...]
   device_hosts: Mapping[int, int]
-  records: Mapping[int, Mapping[str, Any]]
+  handshakes: Mapping[int, Mapping[str, Any]]
   mapped: frozenset[int]
   writers: Mapping[int, Sequence[int]]
   warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
-  goodput: Recorder | None = None
+  goodput: LedgerClient | None = None
 
   def replicas(self, wanted: int) -> int:
     """``wanted`` replicas, or as many as there are other hosts (with a warning): an
@@ -57,7 +58,7 @@ class SidecarsSnapshot:
 
   def placement(self, replicas: int) -> dict[int, list[int]]:
     """``{host: the hosts that keep its replicas}`` (another slice's first)."""
-    slices = {h: int(self.records.get(h, {}).get("slice_id", 0)) for h in self.hosts}
+    slices = {h: int(self.handshakes.get(h, {}).get("slice_id", 0)) for h in self.hosts}
     return {h: replica_hosts(slices, h, replicas) for h in self.hosts}
 
 

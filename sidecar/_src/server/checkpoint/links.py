@@ -47,7 +47,7 @@ import numpy as np
 from sidecar._src.arena import shm, worker as worker_lib
 from sidecar._src.ckptfmt.records import AgreeState, ReplicaHeader, ReplicaTarget, Staged
 from sidecar._src.core import address as address_lib, env as env_lib, errors, rendezvous
-from sidecar._src.server import tenants as tenants_lib
+from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, ipc, protocol
 from sidecar._src.wire.pbscan import encode_varint
 from sidecar._src.wire.protocol import ckpt_pb, pb

@@ -27,11 +27,12 @@ import numpy as np
 
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
-from sidecar._src.server.arena_io import ArenaIO
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.arenas.arena_io import ArenaIO
 from sidecar._src.server.checkpoint import links as links_lib, ram_tier, ram_yield
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
+from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb
 

@@ -1,7 +1,8 @@
 """The arena's admission queue of a pool: reservations that do not fit yet wait their turn.
 
 A tenant's request for arena bytes beyond what is free to it now waits here instead of
-failing at once (``Leases._reserve``). The queue is first in, first out with two rules:
+failing at once (``arenas/tenant_shares.TenantShares.reserve``). The queue is first in,
+first out with two rules:
 
 - a tenant's requests are served in the order they came: a later one never overtakes an
   earlier one of the same tenant;

@@ -14,8 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sidecar._src.server import tenants as tenants_lib
-from sidecar._src.server.pool import quotas as quotas_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 log = logging.getLogger(__name__)
 

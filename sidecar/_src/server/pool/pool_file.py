@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from sidecar._src.core import options as options_lib, paths
-from sidecar._src.server.pool import quotas as quotas_lib
-from sidecar._src.server.tenants import Pool, Tenant, error_at
+from sidecar._src.server.tenancy import quotas as quotas_lib
+from sidecar._src.server.tenancy.tenants import Pool, Tenant, error_at
 
 log = logging.getLogger(__name__)
 

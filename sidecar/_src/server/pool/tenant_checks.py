@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, registry as formats_lib
 from sidecar._src.core import errors, paths
-from sidecar._src.server import policies, tenants as tenants_lib
-from sidecar._src.server.pool import quotas as quotas_lib, shares as shares_lib
+from sidecar._src.server import policies
+from sidecar._src.server.pool import shares as shares_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 # Pieces of files (direct_io.TURN_BYTES) the saves of a pool's tenants write at once on
 # one sidecar: two large direct writes keep a disk busy (benchmarks/pool_writes.py: three

@@ -1,6 +1,6 @@
 """Tier 2: issue 63's attacks on the goodput ledger, through a pool sidecar's real worker
 socket: bob's forged frames change only his own ledger, frames off the sidecar's clock are
-refused, and a flood of marks writes almost nothing (server/goodput.py)."""
+refused, and a flood of marks writes almost nothing (server/goodput/ledgers.py)."""
 
 import os
 import time

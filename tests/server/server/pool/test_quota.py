@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.server import arena_io, leases as leases_lib
+from sidecar._src.server.arenas import arena_io, leases as leases_lib
 
 pytestmark = pytest.mark.server
 

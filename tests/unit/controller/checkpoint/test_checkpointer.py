@@ -8,6 +8,13 @@ import threading
 import numpy as np
 import pytest
 
+from sidecar._src.ckptfmt import registry as formats_lib
+from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
+from sidecar._src.controller.checkpoint.options import CheckpointOptions
+from sidecar._src.controller.checkpoint.save_protocol import Target
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
+from sidecar._src.controller.framework import NumpyArrays
+from sidecar._src.controller.peers import LocalPeers
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import DictPeers, FakeSidecars, checkpointer
 
@@ -231,3 +238,56 @@ def test_a_with_block_that_raises_keeps_its_error_and_notes_the_failed_save():
       raise KeyError("the training step's own")
   assert any("also, a save failed: CheckpointWriteError: host 0 could not write step 1" in n
              for n in raised.value.__notes__)
+
+
+def item_target(step: int) -> Target:
+  """An item of step ``step`` that an ``ocp.CheckpointManager`` writes and commits."""
+  return Target.in_step(formats_lib.DEFAULT.get(formats_lib.ORBAX), "/ckpt/run",
+                        f"/ckpt/run/{step}.orbax-checkpoint-tmp/state", step)
+
+
+def test_an_orbax_managers_item_through_the_integrations_seam():
+  """sidecar.orbax's handler saves, commits and restores an item through the module's
+  functions, not the public Checkpointer's methods."""
+  fake, state = FakeSidecars(), {"w": np.arange(6, dtype=np.float32)}
+  with checkpointer(fake) as ckpt:
+    target = item_target(3)
+    assert checkpointer_lib.save_item(ckpt, target, state).durable.result(30) == 3
+    checkpointer_lib.item_committed(ckpt, target)
+    assert (0, "/ckpt/run/3/state") in [(h, d) for h, d, *_ in fake.told]
+    assert ckpt.all_steps() == []  # the manager lists its steps, not this checkpointer
+    restored = checkpointer_lib.restore_item(ckpt, "/ckpt/run/3/state", 3,
+                                             {"w": np.zeros(6, np.float32)})
+    np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_the_orbax_managers_old_doors_warn_and_still_work():
+  fake, state = FakeSidecars(), {"w": np.arange(6, dtype=np.float32)}
+  new = "use sidecar.orbax.SidecarCheckpointHandler"
+  with checkpointer(fake) as ckpt:
+    target = item_target(4)
+    with pytest.warns(DeprecationWarning, match=rf"Checkpointer.save_to is deprecated since "
+                                                rf"0.3.0 and goes in 0.4.0: {new}") as said:
+      handle = ckpt.save_to(target, state)
+    assert said[0].filename == __file__  # the warning names the caller's line
+    assert handle.durable.result(30) == 4
+    with pytest.warns(DeprecationWarning, match=f"Checkpointer.mark_committed .*: {new}"):
+      ckpt.mark_committed(target)
+    assert (0, "/ckpt/run/4/state") in [(h, d) for h, d, *_ in fake.told]
+    with pytest.warns(DeprecationWarning, match=f"Checkpointer.restore_from .*: {new}"):
+      restored = ckpt.restore_from("/ckpt/run/4/state", 4, {"w": np.zeros(6, np.float32)})
+    np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_key_value_warns_and_makes_ctl_checkpointers_checkpointer():
+  fake, peers = FakeSidecars(), LocalPeers()
+  site = SidecarsSnapshot(client=fake, hosts=(0,), local=(0,), device_hosts={},
+                          handshakes={0: {}}, mapped=frozenset(), writers={})
+  with pytest.warns(DeprecationWarning,
+                    match=r"Checkpointer.key_value .*: use ctl.checkpointer\(directory\)"):
+    ckpt = checkpointer_lib.Checkpointer.key_value(
+        "/ckpt/run", site=site, options=CheckpointOptions(), peers=peers,
+        framework=NumpyArrays(), key="ckpt")
+  with ckpt:
+    assert ckpt.save(1, {"x": np.ones(2, np.float32)}).durable.result(30) == 1
+    assert ckpt.all_steps() == [1]

@@ -15,8 +15,8 @@ import pytest
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import Held, ReplicaTarget, ShardId
 from sidecar._src.core import errors
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.checkpoint import ram_tier
-from sidecar._src.server.leases import Leases
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import ShardId
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.checkpoint import ram_tier, ram_yield
-from sidecar._src.server.leases import Leases
 
 pytestmark = pytest.mark.unit
 

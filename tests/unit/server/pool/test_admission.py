@@ -12,9 +12,9 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.pool import admission, pool_file
+from sidecar._src.server.tenancy import tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.pool import departures as departures_lib, pool_file
+from sidecar._src.server.tenancy import tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 

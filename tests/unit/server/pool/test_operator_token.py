@@ -7,8 +7,8 @@ import os
 import pytest
 
 from sidecar._src.core import errors, options as options_lib
-from sidecar._src.server import tenants as tenants_lib
 from sidecar._src.server.pool import pool_file
+from sidecar._src.server.tenancy import tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 

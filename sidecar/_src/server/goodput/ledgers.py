@@ -117,8 +117,8 @@ class Ledgers:
     self._jobs: dict[str | None, collections.OrderedDict[str, list[goodput_lib.Event]]] = {}
     self._closed = False
 
-  def record(self, session: str, message: dict[str, Any], *, tenant: str | None,
-             attached: float | None = None) -> None:
+  def receive(self, session: str, message: dict[str, Any], *, tenant: str | None,
+              attached: float | None = None) -> None:
     """Takes one ``goodput`` frame of worker ``session``, attached at ``attached`` (Unix
     seconds; None: not known, its times are checked against now only).
 
@@ -244,7 +244,7 @@ class Ledgers:
       raise errors.ResourceExhaustedError(
           f"goodput: this session appends to its ledger in {book.directory!r:.200} faster "
           f"than {RATE_BYTES_S} bytes/s (bursts of {BURST_BYTES}); the sidecar library "
-          "writes far less: is this trainer's recorder its own?")
+          "writes far less: is this trainer's ledger client its own?")
     self._check_storage(book.tenant, book.directory, len(data))
     book.torn = True  # until the write is whole
     view = memoryview(data)
@@ -276,7 +276,7 @@ class Ledgers:
             stalled: float | None = None) -> None:
     """Worker ``session`` ended: a bound one that did not finish died now, last heard
     from at ``seen`` (Unix seconds; None: not known); ``stalled``: its last step, where
-    it died stalled (``server/steps.py``)."""
+    it died stalled (``server/goodput/steps.py``)."""
     with self._lock:
       book = self._books.pop(session, None)
       if book is None:

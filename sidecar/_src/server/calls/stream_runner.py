@@ -1,7 +1,7 @@
 """Streams: a registered iterable's items, or a feed's batches, each made once a credit allows.
 
 Both ways in (the gRPC service and the worker socket) hand :meth:`StreamRunner.run`
-a start request and a :class:`~sidecar._src.server.credits.CreditSource`; what comes
+a start request and a :class:`~sidecar._src.server.calls.credits.CreditSource`; what comes
 back is the stream of ``pb.StreamItem``s to send. A feed is a stream whose request
 carries a ``FeedSpec``: its batches are written straight into arena blocks
 (``arena_io.BatchBlocks``), and its figures are kept in a :class:`FeedBook`.
@@ -18,12 +18,13 @@ import time
 from collections.abc import Generator, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib, tenants as tenants_lib
-from sidecar._src.server.arena_io import Alive, BatchBlocks, TimeLeft
-from sidecar._src.server.calls import Runner, measured
-from sidecar._src.server.credits import CreditSource
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.arenas.arena_io import Alive, BatchBlocks, TimeLeft
+from sidecar._src.server.calls.calls import Runner, measured
+from sidecar._src.server.calls.credits import CreditSource
 from sidecar._src.server.feeds import processes as feed_processes, producer
 from sidecar._src.server.pool import shares as shares_lib
+from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, feed_batch, protocol
 from sidecar._src.wire.protocol import pb

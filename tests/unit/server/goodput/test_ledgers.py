@@ -1,4 +1,4 @@
-"""The sidecar's goodput ledgers (server/goodput.py): files, checks, deaths.
+"""The sidecar's goodput ledgers (server/goodput/ledgers.py): files, checks, deaths.
 
 Tier 1: a Ledgers with a resolver of its own (no server, no sockets), writing in tmp_path.
 """
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from sidecar._src.core import errors, goodput as goodput_core
-from sidecar._src.server import goodput
+from sidecar._src.server.goodput import ledgers as ledgers_lib
 
 pytestmark = pytest.mark.unit
 
@@ -26,15 +26,15 @@ def ledgers(tmp_path):
     if not resolved.startswith(root) or tenant == "intruder":
       raise errors.PermissionDeniedError(f"{directory} is not yours")
     return resolved
-  out = goodput.Ledgers(resolve, clock=lambda: 99.0)
+  out = ledgers_lib.Ledgers(resolve, clock=lambda: 99.0)
   yield out
   out.close()
 
 
 def test_events_are_appended_to_the_file_the_sidecar_derives(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path),
+  ledgers.receive("w-1", {"directory": str(tmp_path),
                          "events": [event("start", start=1.0, pid=7)]}, tenant=None)
-  ledgers.record("w-1", {"events": [event("save", step=5, t=3.0)]}, tenant=None)
+  ledgers.receive("w-1", {"events": [event("save", step=5, t=3.0)]}, tenant=None)
   events = goodput_core.read(str(tmp_path))
   assert [e.kind for e in events] == ["start", "save"]
   ledgers.ended("w-1")  # no finish: the process died now
@@ -44,7 +44,7 @@ def test_events_are_appended_to_the_file_the_sidecar_derives(ledgers, tmp_path):
 
 
 def test_a_death_carries_when_the_process_was_last_heard_from(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path),
+  ledgers.receive("w-1", {"directory": str(tmp_path),
                          "events": [event("start", start=1.0, pid=7)]}, tenant=None)
   ledgers.ended("w-1", 97.5)
   assert goodput_core.read(str(tmp_path))[-1] == goodput_core.Event("died", "7@1.000", 99.0,
@@ -52,7 +52,7 @@ def test_a_death_carries_when_the_process_was_last_heard_from(ledgers, tmp_path)
 
 
 def test_a_finished_session_ends_without_a_death(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path),
+  ledgers.receive("w-1", {"directory": str(tmp_path),
                          "events": [event("start", start=1.0, pid=7), event("finish")]},
                  tenant=None)
   ledgers.ended("w-1")
@@ -60,18 +60,18 @@ def test_a_finished_session_ends_without_a_death(ledgers, tmp_path):
 
 
 def test_a_stopping_sidecar_writes_no_death(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path), "events": [event("mark")]}, tenant=None)
+  ledgers.receive("w-1", {"directory": str(tmp_path), "events": [event("mark")]}, tenant=None)
   ledgers.close()
   ledgers.ended("w-1")
   assert [e.kind for e in goodput_core.read(str(tmp_path))] == ["mark"]
 
 
 def test_a_new_session_reads_the_previous_lives_from_the_file(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path),
+  ledgers.receive("w-1", {"directory": str(tmp_path),
                          "events": [event("start", start=1.0, pid=7)]}, tenant=None)
   ledgers.ended("w-1")
-  again = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 200.0)
-  again.record("w-2", {"directory": str(tmp_path),
+  again = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 200.0)
+  again.receive("w-2", {"directory": str(tmp_path),
                        "events": [event("start", life="8@150.000", t=151.0, start=150.0)]},
                tenant=None)
   assert again.figures()[0].ledger.restarts == 1
@@ -85,7 +85,7 @@ def test_a_new_session_reads_the_previous_lives_from_the_file(ledgers, tmp_path)
     ({"directory": 5}, None, errors.InvalidArgumentError, "directory must be a path"),
     ({"directory": "HERE", "events": [{"kind": "died", "life": "a", "t": 1.0}]}, None,
      errors.InvalidArgumentError, "the sidecar's to write"),
-    ({"directory": "HERE", "events": [event("mark")] * (goodput.MAX_EVENTS + 1)}, None,
+    ({"directory": "HERE", "events": [event("mark")] * (ledgers_lib.MAX_EVENTS + 1)}, None,
      errors.InvalidArgumentError, "at most 256"),
     ({"directory": "HERE", "events": [dict(event("mark"), life="x" * 300)]}, None,
      errors.InvalidArgumentError, "life must be a name"),
@@ -96,39 +96,39 @@ def test_a_bad_frame_is_refused_and_writes_nothing(ledgers, tmp_path, message, t
   if message.get("directory") == "HERE":
     message = dict(message, directory=str(tmp_path))
   with pytest.raises(error, match=match):
-    ledgers.record("w-1", message, tenant=tenant)
+    ledgers.receive("w-1", message, tenant=tenant)
   assert not os.path.exists(goodput_core.path_in(str(tmp_path))) or not goodput_core.read(
       str(tmp_path))
 
 
 def test_one_session_binds_once_and_records_one_life(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path), "events": [event("mark")]}, tenant=None)
+  ledgers.receive("w-1", {"directory": str(tmp_path), "events": [event("mark")]}, tenant=None)
   with pytest.raises(errors.InvalidArgumentError, match="bound to"):
-    ledgers.record("w-1", {"directory": str(tmp_path), "events": []}, tenant=None)
+    ledgers.receive("w-1", {"directory": str(tmp_path), "events": []}, tenant=None)
   with pytest.raises(errors.InvalidArgumentError, match="one process life"):
-    ledgers.record("w-1", {"events": [event("mark", life="9@1.000")]}, tenant=None)
+    ledgers.receive("w-1", {"events": [event("mark", life="9@1.000")]}, tenant=None)
   ledgers.ended("w-1")
 
 
 def test_marks_are_coalesced_in_memory_and_on_disk(tmp_path):
   now = [0.0]
-  ledgers = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
                             monotonic=lambda: now[0])
-  ledgers.record("w-1", {"directory": str(tmp_path),
+  ledgers.receive("w-1", {"directory": str(tmp_path),
                          "events": [event("mark", t=float(t)) for t in range(10)]},
                  tenant=None)
   # A trainer marking every step: 560 frames of 256 marks write one line, not 143,360.
   for _ in range(560):
     now[0] += 0.001
-    ledgers.record("w-1", {"events": [event("mark", t=50.0)] * 256}, tenant=None)
+    ledgers.receive("w-1", {"events": [event("mark", t=50.0)] * 256}, tenant=None)
   assert [e.t for e in goodput_core.read(str(tmp_path))] == [9.0]
-  now[0] += goodput.MARK_EVERY_S
-  ledgers.record("w-1", {"events": [event("mark", t=60.0)]}, tenant=None)  # due: written
-  ledgers.record("w-1", {"events": [event("mark", t=61.0)]}, tenant=None)  # held
-  ledgers.record("w-1", {"events": [event("save", t=62.0, step=3)]}, tenant=None)
+  now[0] += ledgers_lib.MARK_EVERY_S
+  ledgers.receive("w-1", {"events": [event("mark", t=60.0)]}, tenant=None)  # due: written
+  ledgers.receive("w-1", {"events": [event("mark", t=61.0)]}, tenant=None)  # held
+  ledgers.receive("w-1", {"events": [event("save", t=62.0, step=3)]}, tenant=None)
   assert [(e.kind, e.t) for e in goodput_core.read(str(tmp_path))] == [
       ("mark", 9.0), ("mark", 60.0), ("mark", 61.0), ("save", 62.0)]
-  ledgers.record("w-1", {"events": [event("mark", t=63.0)]}, tenant=None)  # held,
+  ledgers.receive("w-1", {"events": [event("mark", t=63.0)]}, tenant=None)  # held,
   ledgers.ended("w-1")  # then written before the death
   assert [(e.kind, e.t) for e in goodput_core.read(str(tmp_path))][-2:] == [
       ("mark", 63.0), ("died", 99.0)]
@@ -138,13 +138,13 @@ def test_marks_are_coalesced_in_memory_and_on_disk(tmp_path):
 # ---- issue 63.2: a ledger per tenant, bounded --------------------------------------------
 
 def test_each_tenant_s_ledger_is_its_own_in_the_figures(tmp_path):
-  ledgers = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0)
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0)
   (tmp_path / "alice").mkdir()
   (tmp_path / "bob").mkdir()
-  ledgers.record("w-a", {"directory": str(tmp_path / "alice"), "events": [
+  ledgers.receive("w-a", {"directory": str(tmp_path / "alice"), "events": [
       event("start", life="1@1.000", t=2.0, start=1.0, pid=1),
       event("finish", life="1@1.000", t=50.0)]}, tenant="alice")
-  ledgers.record("w-b", {"directory": str(tmp_path / "bob"), "events": [
+  ledgers.receive("w-b", {"directory": str(tmp_path / "bob"), "events": [
       event("start", life="2@1.000", t=2.0, start=1.0, pid=2)]}, tenant="bob")
   figures = {(f.tenant, f.directory): f.ledger for f in ledgers.figures()}
   assert figures[("alice", str(tmp_path / "alice"))].wall_s == 49.0
@@ -154,28 +154,28 @@ def test_each_tenant_s_ledger_is_its_own_in_the_figures(tmp_path):
 
 
 def test_a_tenant_keeps_its_latest_ledgers_only(tmp_path):
-  ledgers = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0)
-  ledgers.record("w-a", {"directory": str(tmp_path), "events": [event("mark")]},
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0)
+  ledgers.receive("w-a", {"directory": str(tmp_path), "events": [event("mark")]},
                  tenant="alice")
-  for i in range(goodput.MAX_JOBS + 3):
+  for i in range(ledgers_lib.MAX_JOBS + 3):
     (tmp_path / f"b{i}").mkdir()
-    ledgers.record(f"w-b{i}", {"directory": str(tmp_path / f"b{i}"), "events": [
+    ledgers.receive(f"w-b{i}", {"directory": str(tmp_path / f"b{i}"), "events": [
         event("mark")]}, tenant="bob")
   by_tenant = [f.tenant for f in ledgers.figures()]
-  assert by_tenant.count("bob") == goodput.MAX_JOBS and by_tenant.count("alice") == 1
-  for session in ["w-a", *(f"w-b{i}" for i in range(goodput.MAX_JOBS + 3))]:
+  assert by_tenant.count("bob") == ledgers_lib.MAX_JOBS and by_tenant.count("alice") == 1
+  for session in ["w-a", *(f"w-b{i}" for i in range(ledgers_lib.MAX_JOBS + 3))]:
     ledgers.ended(session)
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(t=99.0 + 3_600_000), "after this sidecar's clock"),
     (dict(t=1.0), "before this sidecar's clock"),
-    (dict(kind="start", t=60.0, start=60.0 - goodput.MAX_STARTUP_S - 100), "process start"),
+    (dict(kind="start", t=60.0, start=60.0 - ledgers_lib.MAX_STARTUP_S - 100), "process start"),
     (dict(kind="start", t=60.0, start=99.0 + 1000), "process start"),
     (dict(t=60.0, counters=3_600_000.0), "more than its process has lived"),
 ], ids=["future", "before-attach", "start-hours-before", "start-in-the-future", "counters"])
 def test_a_frame_off_the_sidecar_s_clock_is_refused(tmp_path, bad, match):
-  ledgers = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0)
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0)
   kind = bad.pop("kind", "mark")
   blocked = bad.pop("counters", 0.0)
   frame = goodput_core.Event(kind, "7@40.000", bad.pop("t"),
@@ -183,27 +183,27 @@ def test_a_frame_off_the_sidecar_s_clock_is_refused(tmp_path, bad, match):
                              **({"pid": 7} if kind == "start" else {})).to_dict()
   start = event("start", life="7@40.000", t=50.0, start=40.0, pid=7)
   with pytest.raises(errors.InvalidArgumentError, match=match):
-    ledgers.record("w-1", {"directory": str(tmp_path), "events": [start, frame]},
+    ledgers.receive("w-1", {"directory": str(tmp_path), "events": [start, frame]},
                    tenant=None, attached=45.0)
   assert not os.path.exists(goodput_core.path_in(str(tmp_path)))
-  ledgers.record("w-1", {"directory": str(tmp_path), "events": [start]}, tenant=None,
+  ledgers.receive("w-1", {"directory": str(tmp_path), "events": [start]}, tenant=None,
                  attached=45.0)
   ledgers.ended("w-1")
 
 
 def test_appends_past_the_rate_are_refused(tmp_path):
   now = [0.0]
-  ledgers = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
                             monotonic=lambda: now[0])
-  ledgers.record("w-1", {"directory": str(tmp_path), "events": []}, tenant=None)
-  saves = [event("save", t=50.0, step=i) for i in range(goodput.MAX_EVENTS)]
+  ledgers.receive("w-1", {"directory": str(tmp_path), "events": []}, tenant=None)
+  saves = [event("save", t=50.0, step=i) for i in range(ledgers_lib.MAX_EVENTS)]
   with pytest.raises(errors.ResourceExhaustedError, match="faster than"):
     for _ in range(100):
-      ledgers.record("w-1", {"events": saves}, tenant=None)
+      ledgers.receive("w-1", {"events": saves}, tenant=None)
   size = os.path.getsize(goodput_core.path_in(str(tmp_path)))
-  assert size <= goodput.BURST_BYTES
+  assert size <= ledgers_lib.BURST_BYTES
   now[0] += 100.0  # the bucket refills
-  ledgers.record("w-1", {"events": saves[:1]}, tenant=None)
+  ledgers.receive("w-1", {"events": saves[:1]}, tenant=None)
   ledgers.ended("w-1")
 
 
@@ -214,12 +214,12 @@ def test_appends_count_against_the_storage_quota_before_they_are_written(tmp_pat
     asked.append((tenant, nbytes))
     if nbytes > 200:
       raise errors.ResourceExhaustedError(f"{nbytes} more would pass its quota")
-  ledgers = goodput.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
                             check_storage=check)
-  ledgers.record("w-1", {"directory": str(tmp_path), "events": [event("save", step=1)]},
+  ledgers.receive("w-1", {"directory": str(tmp_path), "events": [event("save", step=1)]},
                  tenant="bob")
   with pytest.raises(errors.ResourceExhaustedError, match="would pass its quota"):
-    ledgers.record("w-1", {"events": [event("save", step=i) for i in range(5)]},
+    ledgers.receive("w-1", {"events": [event("save", step=i) for i in range(5)]},
                    tenant="bob")
   assert len(goodput_core.read(str(tmp_path))) == 1
   assert asked[0][0] == "bob"
@@ -231,7 +231,7 @@ def test_an_append_after_a_torn_line_starts_on_a_fresh_line(ledgers, tmp_path):
   whole = goodput_core.Event("start", "7@1.000", 2.0, goodput_core.Counters(), start=1.0,
                              pid=7)
   (tmp_path / goodput_core.FILE).write_bytes(whole.line() + whole.line()[:25])
-  ledgers.record("w-1", {"directory": str(tmp_path), "events": [
+  ledgers.receive("w-1", {"directory": str(tmp_path), "events": [
       event("finish", life="7@1.000", t=50.0)]}, tenant=None)
   reading = goodput_core.read_all(str(tmp_path))
   assert [e.kind for e in reading.events] == ["start", "finish"] and reading.skipped == 1
@@ -239,7 +239,7 @@ def test_an_append_after_a_torn_line_starts_on_a_fresh_line(ledgers, tmp_path):
 
 
 def test_a_stalled_session_s_death_says_so(ledgers, tmp_path):
-  ledgers.record("w-1", {"directory": str(tmp_path),
+  ledgers.receive("w-1", {"directory": str(tmp_path),
                          "events": [event("start", start=1.0, pid=7)]}, tenant=None)
   ledgers.ended("w-1", 90.0, stalled=80.0)
   died = goodput_core.read(str(tmp_path))[-1]

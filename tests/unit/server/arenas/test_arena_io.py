@@ -10,9 +10,9 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server.arena_io import ArenaIO, BatchBlocks
-from sidecar._src.server.arenas import Arenas
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.arenas.arena_io import ArenaIO, BatchBlocks
+from sidecar._src.server.arenas.arenas import Arenas
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.wire import codec
 from tests.conftest import eventually
 

@@ -10,7 +10,7 @@ tokens (``--client-tokens``) are named tenants with no quotas (:meth:`Pool.clien
 The pool itself is frozen values (:class:`Tenant`, :class:`Pool`); at run time
 :class:`Tenancy` says which session and worker belongs to which tenant (and counts each
 tenant's feeds), :class:`Tokens` what the control port takes. Each quota is an object of
-``pool/quotas.py``, which the parts that enforce it ask (``limits``, ``leases``,
+``quotas.py`` (beside this one), which the parts that enforce it ask (``limits``, ``leases``,
 ``pool/tenant_checks``, ``pool/departures``, ``Tenancy.feeding``; ``workers.py``'s
 connections).
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, paths
-from sidecar._src.server.pool import quotas as quotas_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib
 from sidecar._src.user import data_paths
 
 # The client name of a session of the pool's operator token (``operator_token_file``): no

@@ -21,14 +21,11 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors
-from sidecar._src.server import (
-  argument_types,
-  metrics as metrics_lib,
-  policies,
-  tenants as tenants_lib,
-)
-from sidecar._src.server.arena_io import Alive, ArenaIO, TimeLeft
+from sidecar._src.server import metrics as metrics_lib, policies
+from sidecar._src.server.arenas.arena_io import Alive, ArenaIO, TimeLeft
+from sidecar._src.server.calls import argument_types
 from sidecar._src.server.limits import InlineBytes, Slots
+from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, parts as parts_lib, pbscan, protocol
 from sidecar._src.wire.protocol import pb

@@ -8,11 +8,11 @@ a worker's connection drops for any reason, lets go of everything it held.
 With a pool file each tenant's blocks are in its own arena (``arenas.py``): a block is
 named by its arena and offset, and a holder's blocks are all in one arena, the one its
 worker session was handed (or, for a pin, its tenant's): a reference resolves only there.
+How much of the arenas each tenant may take is ``tenant_shares.py``'s, asked here.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import time
@@ -20,44 +20,20 @@ from collections.abc import Callable, Hashable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import arenas as arenas_lib, metrics as metrics_lib, tenants as tenants_lib
-from sidecar._src.server.pool import admission, quotas as quotas_lib
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.arenas import arenas as arenas_lib, tenant_shares
+from sidecar._src.server.arenas.tenant_shares import ON_WAIT_S, Key
+from sidecar._src.server.pool import admission
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 QUOTA_FLAG = "--session-quota"
 # What one worker session may hold of the arena by default: the rest stays for the others.
 DEFAULT_QUOTA = 0.9
-# How often a request waiting in the admission queue tells its caller where it stands
-# (and asks whether it is still there).
-ON_WAIT_S = 1.0
 # Where the arena is full and durable RAM-tier copies gave way (``reclaim``), how long an
 # allocation waits for their blocks to come back, past a deadline of 0 too; and how often
 # one that waits asks again (a step may have become durable).
 RECLAIM_WAIT_S = 1.0
 RECLAIM_POLL_S = 0.5
-
-
-Key = tuple[int, int]  # a block: (its arena, its offset)
-
-
-class _Reclaimed:
-  """What one wait for room let go of in the RAM tier that has not come back as free
-  room yet: a copy's blocks return when its last view goes, not at once, and a wait that
-  asked again for the whole shortfall each turn emptied the tier for one request."""
-
-  def __init__(self):
-    self.outstanding = 0
-    self._free: int | None = None  # the free bytes seen at the last turn
-
-  def short(self, need: int, free: int) -> int:
-    """What ``need`` bytes lack beyond what went and has not come back, ``free`` now."""
-    if self._free is not None and free > self._free:
-      self.outstanding = max(0, self.outstanding - (free - self._free))
-    self._free = free
-    return need - self.outstanding
-
-  def add(self, freed: int) -> int:
-    self.outstanding += freed
-    return freed
 
 
 class Leases:
@@ -96,22 +72,18 @@ class Leases:
     # The quota as a share of the arena (sidecar serve --session-quota 0.9), or None
     # (bytes, or none): whether a larger arena raises it.
     self.quota_share = quota_share
-    self._metrics = metrics
-    self._queue = admission.Queue()
     self._tenancy, self._tenant_of = tenancy, tenant_of
-    self._tenant_bytes: collections.Counter[str] = collections.Counter()  # allocated, live
-    self._block_tenant: dict[Key, str] = {}  # block -> the tenant that allocated it
-    self._pending = 0  # bytes tenants reserved, not allocated yet
     self._lock = threading.Lock()
     self._freed = threading.Condition(self._lock)  # a block let go of: a quota may have room
+    # What each tenant holds of the arenas and may take, under the same lock.
+    self._tenant_shares = tenant_shares.TenantShares(
+        self.arenas, tenancy, lock=self._lock, freed=self._freed, metrics=metrics,
+        reclaim=reclaim)
     self._holders: dict[Key, tuple[shm.Block, set[Hashable]]] = {}
     self._by_holder: dict[Hashable, set[Key]] = {}
     self._bytes: dict[Hashable, int] = {}  # bytes each holder holds
     self._arena_of: dict[Hashable, int] = {}  # the arena of each holder's blocks
     self._pins = itertools.count()
-    # The pool the shares below were read from, each tenant's (guaranteed, ceiling) in bytes,
-    # and the guarantees' sum: read once per pool (a reload swaps the pool), not per block.
-    self._shares_read: tuple[object, dict[str, tuple[int, int | None]], int] = (None, {}, 0)
 
   def new_pin(self, arena: int | None = None) -> tuple:
     """A fresh holder token for a local pin; ``arena``: the arena its block is made in
@@ -182,7 +154,8 @@ class Leases:
           self._freed.wait(left)
     tenant = self._tenant(holder)
     if tenant is not None:
-      self._reserve(tenant, nbytes, deadline, alive, on_wait, report_s)
+      self._tenant_shares.reserve(tenant, nbytes, deadline, alive, on_wait, report_s,
+                                  held_by=lambda name: self.held_by(name, locked=True))
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     bound = self._bound(holder)  # else its tenant's arena, made if it has none yet
     try:
@@ -196,16 +169,12 @@ class Leases:
         self.arenas.leave(space)
     except BaseException:
       if tenant is not None:
-        with self._lock:
-          self._pending -= nbytes
-          self._unreserve(tenant, nbytes)
+        self._tenant_shares.cancel(tenant, nbytes)
       raise
     key = (block.arena, block.offset)
     with self._lock:
       if tenant is not None:
-        self._pending -= nbytes
-        self._tenant_bytes[tenant.name] += block.nbytes - nbytes
-        self._block_tenant[key] = tenant.name
+        self._tenant_shares.allocated(tenant, nbytes, key, block.nbytes)
       self._holders[key] = (block, {holder})
       self._by_holder.setdefault(holder, set()).add(key)
       self._arena_of[holder] = block.arena
@@ -218,7 +187,7 @@ class Leases:
     """A block from ``allocator`` (an arena's) by ``deadline``; where the arenas are full,
     durable RAM-tier copies give way first, and are asked again while it waits (a step may
     become durable). The lock is not held."""
-    start, reclaimed = time.monotonic(), _Reclaimed()
+    start, reclaimed = time.monotonic(), tenant_shares.Reclaimed()
     while True:
       left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
       if self._reclaim is None:
@@ -257,11 +226,15 @@ class Leases:
 
   def spare(self, tenant: str) -> int:
     """The arena bytes ``tenant`` holds beyond its guaranteed arena (0 outside a pool)."""
-    t = None if self._tenancy is None else self._tenancy.tenant(tenant)
-    if t is None:
-      return 0
-    with self._lock:
-      return max(0, self._tenant_bytes.get(t.name, 0) - self._share(t)[0])
+    return self._tenant_shares.spare(tenant)
+
+  def waiting(self) -> dict[str, int]:
+    """The requests of each tenant waiting in the admission queue now."""
+    return self._tenant_shares.waiting()
+
+  def tenant_bytes(self) -> dict[str, int]:
+    """The arena bytes each tenant allocated and are not freed yet."""
+    return self._tenant_shares.tenant_bytes()
 
   def held_for(self, holder: Hashable) -> str:
     """What the RAM tier holds of the arena, as an error to ``holder``'s request says it."""
@@ -282,213 +255,17 @@ class Leases:
     pool = None if self._tenancy is None else self._tenancy.pool
     return pool is not None and pool.quotas and self._tenant(holder) is not None
 
-  def _arena_shares(self) -> tuple[dict[str, tuple[int, int | None]], int]:
-    """Each tenant's guaranteed arena and ceiling in bytes (``quotas.ARENA``,
-    ``ARENA_CEILING``), and the guarantees' sum, of the pool in force."""
-    pool = None if self._tenancy is None else self._tenancy.pool
-    cached, shares, total = self._shares_read
-    if cached is not pool:
-      size = self.allocator.size
-      shares = {o.name: (quotas_lib.ARENA.bytes_of(o, size) or 0,
-                        quotas_lib.ARENA_CEILING.bytes_of(o, size))
-               for o in (pool.tenants if pool is not None else ())}
-      total = sum(g for g, _ in shares.values())
-      self._shares_read = (pool, shares, total)
-    return shares, total
-
-  def _share(self, t: tenants_lib.Tenant) -> tuple[int, int | None]:
-    """Tenant ``t``'s guaranteed arena and ceiling in bytes."""
-    found = self._arena_shares()[0].get(t.name)
-    if found is None:  # not of the pool in force (a reload removed it meanwhile)
-      size = self.allocator.size
-      return (quotas_lib.ARENA.bytes_of(t, size) or 0,
-              quotas_lib.ARENA_CEILING.bytes_of(t, size))
-    return found
-
-  def _shares(self, t: tenants_lib.Tenant) -> tuple[int | None, int]:
-    """Tenant ``t``'s ceiling (None: none) and what other tenants are guaranteed and do
-    not hold yet, in bytes."""
-    shares, _ = self._arena_shares()
-    reserved = 0
-    for name, (guaranteed, _ceiling) in shares.items():
-      if name != t.name:
-        reserved += max(0, guaranteed - self._tenant_bytes.get(name, 0))
-    return self._share(t)[1], reserved
-
-  def _reserve(self, t: tenants_lib.Tenant, nbytes: int, deadline: float | None,
-               alive: Callable[[], bool] | None = None,
-               on_wait: Callable[[admission.Place], None] | None = None,
-               report_s: float = ON_WAIT_S) -> None:
-    """Counts ``nbytes`` more against tenant ``t`` once its ceiling and the others'
-    guarantees leave room and its turn in the admission queue comes, waiting until
-    ``deadline``.
-
-    Raises:
-      ResourceExhaustedError: no room in time; naming the tenant, its place and the quota.
-    """
-    self._metrics.tenant_requested(t.name, "arena", nbytes)
-    with self._lock:
-      if self._admit(t, nbytes, None):
-        return
-    reclaimed = _Reclaimed()
-    self._give_way(t, nbytes, reclaimed)
-    with self._lock:
-      if self._admit(t, nbytes, None):
-        return
-      if deadline is not None and deadline <= time.monotonic():
-        raise self._queued_error(t, nbytes, None, 0.0)
-      w = self._queue.join(t.name, nbytes)
-    told = -float("inf")  # when on_wait was last told (once every report_s)
-    with self._metrics.waiting(t.name, "arena"), self._lock:
-      try:
-        while not self._admit(t, nbytes, w):
-          left = None if deadline is None else deadline - time.monotonic()
-          if left is not None and left <= 0:
-            raise self._queued_error(t, nbytes, w, time.monotonic() - w.since)
-          if alive is not None and not alive():
-            raise errors.ClosedError(
-                f"tenant {t.name!r}'s request for {shm.format_size(nbytes)} of the arena "
-                "left the queue: its caller is gone")
-          if on_wait is not None and time.monotonic() - told >= report_s:
-            told = time.monotonic()
-            place = self._place(t, nbytes, w)
-            self._lock.release()  # telling a client may block: never under the lock
-            try:
-              on_wait(place)
-            finally:
-              self._lock.acquire()
-          self._lock.release()  # durable RAM-tier copies give way, outside the lock
-          try:
-            self._give_way(t, nbytes, reclaimed)
-          finally:
-            self._lock.acquire()
-          self._freed.wait(report_s if left is None else min(left, report_s))
-      finally:
-        self._queue.leave(w)
-        self._freed.notify_all()  # the next waiter's turn may have come
-
-  def _give_way(self, t: tenants_lib.Tenant, nbytes: int, reclaimed: _Reclaimed) -> None:
-    """Lets durable RAM-tier copies go (``reclaim``) for what tenant ``t`` lacks of
-    ``nbytes`` now (within its ceiling, beside the others' guarantees), less what this wait
-    let go of already (``reclaimed``). The lock is not held."""
-    if self._reclaim is None:
-      return
-    with self._lock:
-      ceiling, reserved = self._shares(t)
-      mine = self._tenant_bytes.get(t.name, 0)
-      free = self._free()
-      short = reclaimed.short(max(nbytes + reserved - free,
-                                  0 if ceiling is None else mine + nbytes - ceiling), free)
-    if short > 0:
-      reclaimed.add(self._reclaim(short, t.name))
-
-  def _free(self) -> int:
-    """The arena's bytes neither allocated nor reserved: bytes reserved but not allocated
-    yet are as good as used. The lock is held."""
-    return self.allocator.size - self.allocator.used_bytes - self._pending
-
-  def _admit(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None) -> bool:
-    """Takes ``nbytes`` for tenant ``t`` if they fit and its turn has come; the lock is
-    held."""
-    ceiling, reserved = self._shares(t)
-    mine = self._tenant_bytes.get(t.name, 0)
-    over_ceiling = ceiling is not None and mine + nbytes > ceiling
-    if w is not None:
-      w.for_ceiling = over_ceiling
-    free = self._free()
-    within = mine + nbytes <= self._share(t)[0]
-    if over_ceiling or free - nbytes < reserved or not self._queue.may_go(t.name, within, w):
-      return False
-    self._tenant_bytes[t.name] += nbytes
-    self._pending += nbytes
-    return True
-
-  def _place(self, t: tenants_lib.Tenant, nbytes: int,
-             w: admission.Waiter) -> admission.Place:
-    ceiling, reserved = self._shares(t)
-    mine = self._tenant_bytes.get(t.name, 0)
-    if w.for_ceiling and ceiling is not None:
-      short = mine + nbytes - ceiling
-    else:
-      free = self._free()
-      short = nbytes + reserved - free
-    return self._queue.place(w, short)
-
-  def _queued_error(self, t: tenants_lib.Tenant, nbytes: int, w: admission.Waiter | None,
-                    waited: float) -> errors.ResourceExhaustedError:
-    ceiling, reserved = self._shares(t)
-    mine = self._tenant_bytes.get(t.name, 0)
-    over_ceiling = ceiling is not None and mine + nbytes > ceiling
-    error = self._past_share(t, nbytes, mine, ceiling, reserved, over_ceiling)
-    if w is None:
-      w = self._queue.join(t.name, nbytes)  # where it would have stood
-      try:
-        place = self._place(t, nbytes, w)
-      finally:
-        self._queue.leave(w)
-    else:
-      place = self._place(t, nbytes, w)
-    return errors.ResourceExhaustedError(
-        f"{error} (it waited {waited:.3g} s, at {place.describe()}; pass a longer "
-        "timeout= to wait its turn)")
-
-  def waiting(self) -> dict[str, int]:
-    """The requests of each tenant waiting in the admission queue now."""
-    with self._lock:
-      return self._queue.counts()
-
-  def _unreserve(self, t: tenants_lib.Tenant, nbytes: int) -> None:
-    self._tenant_bytes[t.name] -= nbytes
-    if self._tenant_bytes[t.name] <= 0:
-      del self._tenant_bytes[t.name]
-    self._freed.notify_all()
-
-  def _past_share(self, t: tenants_lib.Tenant, nbytes: int, mine: int, ceiling: int | None,
-                  reserved: int, over_ceiling: bool) -> errors.ResourceExhaustedError:
-    """Why tenant ``t``'s request for ``nbytes`` is not admitted: past its ceiling, the
-    arena full (and what holds it), or the others' guarantees. The lock is held."""
-    fmt = shm.format_size
-    where = self._tenancy.where(t.name) if self._tenancy is not None else ""
-    if over_ceiling:
-      return errors.ResourceExhaustedError(
-          f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would pass "
-          f"its quota (arena_ceiling={quotas_lib.ARENA_CEILING.of(t)} = {fmt(ceiling or 0)}, "
-          f"{where}); free arrays, feeds' batches or RAM-tier steps sooner, or raise its "
-          "arena_ceiling")
-    free = self._free()
-    if free < nbytes:  # full, whatever the guarantees: say what holds it
-      return errors.ResourceExhaustedError(
-          f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more do not fit: "
-          f"the arena is full, {fmt(max(free, 0))} free of {fmt(self.allocator.size)}; "
-          f"{self.held_by(t.name, locked=True)}; free arrays, feeds' batches or RAM-tier "
-          "steps sooner, or raise --shm-size")
-    return errors.ResourceExhaustedError(
-        f"tenant {t.name!r} holds {fmt(mine)} of the arena; {fmt(nbytes)} more would take "
-        f"from the guaranteed arena of other tenants ({fmt(reserved)} they are guaranteed and "
-        f"do not use yet; its own quota: arena={quotas_lib.ARENA.of(t)}, {where}); free arrays "
-        "sooner, or give it a larger guaranteed arena in the pool file")
-
-  def tenant_bytes(self) -> dict[str, int]:
-    """The arena bytes each tenant allocated and are not freed yet."""
-    with self._lock:
-      return {n: b for n, b in self._tenant_bytes.items() if b > 0}
-
   def fits(self, nbytes: int, holder: Hashable) -> bool:
     """Whether ``holder`` could ever get a block of ``nbytes``: in an empty arena, and
     within its quota if it is a worker session."""
     t = self._tenant(holder)
-    ceiling = None if t is None else self._share(t)[1]
+    ceiling = None if t is None else self._tenant_shares.share(t)[1]
     if ceiling is not None and nbytes > ceiling:
       return False
-    if t is not None and nbytes > self._open_to(t):
+    if t is not None and nbytes > self._tenant_shares.open_to(t):
       return False
     return self.allocator.fits(nbytes) and (
         self.quota is None or not isinstance(holder, str) or nbytes <= self.quota)
-
-  def _open_to(self, t: tenants_lib.Tenant) -> int:
-    """The most arena tenant ``t`` could ever hold: all of it but the others' guarantees."""
-    shares, total = self._arena_shares()
-    return self.allocator.size - total + (shares[t.name][0] if t.name in shares else 0)
 
   def tenant_limited(self, holder: Hashable) -> bool:
     """Whether ``holder`` is a pool tenant's, whose arena the pool file divides."""
@@ -504,8 +281,8 @@ class Leases:
           f"{fmt(self.allocator.size)}; raise --shm-size to {self.shm_size_for(nbytes)} at "
           f"least (LocalCluster's shm_size=\"{self.shm_size_for(nbytes)}\")")
     t = self._tenant(holder)
-    ceiling = None if t is None else self._share(t)[1]
-    if t is not None and nbytes > (open_to := self._open_to(t)) and (
+    ceiling = None if t is None else self._tenant_shares.share(t)[1]
+    if t is not None and nbytes > (open_to := self._tenant_shares.open_to(t)) and (
         ceiling is None or nbytes <= ceiling):
       where = self._tenancy.where(t.name) if self._tenancy is not None else ""
       return errors.ResourceExhaustedError(
@@ -664,14 +441,7 @@ class Leases:
     space = self.arenas.get(key[0])
     if space is not None:  # else closed with the sidecar: nothing to give back
       space.allocator.free(block.offset, block.generation)
-    self._queue.freed(block.nbytes)
-    self._freed.notify_all()
-    tenant = self._block_tenant.pop(key, None)
-    if tenant is not None:
-      self._tenant_bytes[tenant] -= block.nbytes
-      if self._tenant_bytes[tenant] <= 0:
-        del self._tenant_bytes[tenant]
-      self._freed.notify_all()
+    self._tenant_shares.freed(key, block.nbytes)
     return True
 
   def held_bytes(self) -> tuple[dict[str, int], int]:

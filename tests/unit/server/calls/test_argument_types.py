@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.server import argument_types
+from sidecar._src.server.calls import argument_types
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,11 @@
-"""Tier 1: how a call, stream or feed is counted (server/calls.measured), with a Recorder
+"""Tier 1: how a call, stream or feed is counted (server/calls/calls.measured), with a Recorder
 that keeps what it was told."""
 
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.server import calls, metrics as metrics_lib
+from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server.calls import calls
 
 pytestmark = pytest.mark.unit
 

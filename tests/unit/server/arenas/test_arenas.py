@@ -9,9 +9,9 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import arenas as arenas_lib
-from sidecar._src.server.leases import Leases
-from sidecar._src.server.tenants import acting_as
+from sidecar._src.server.arenas import arenas as arenas_lib
+from sidecar._src.server.arenas.leases import Leases
+from sidecar._src.server.tenancy.tenants import acting_as
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from sidecar._src.server.credits import Bank, Credits, SocketCredits
+from sidecar._src.server.calls.credits import Bank, Credits, SocketCredits
 from sidecar._src.wire import ipc
 from sidecar._src.wire.protocol import pb
 

@@ -1,4 +1,4 @@
-"""Each trainer's step progress (server/steps.py) and the stall rule (core/stall.py).
+"""Each trainer's step progress (server/goodput/steps.py) and the stall rule (core/stall.py).
 
 Tier 1: a Steps with hand-moved clocks; no server.
 """
@@ -6,7 +6,7 @@ Tier 1: a Steps with hand-moved clocks; no server.
 import pytest
 
 from sidecar._src.core import stall
-from sidecar._src.server import steps
+from sidecar._src.server.goodput import steps
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""A pool's quotas, one policy object each (server/pool/quotas.py): every quota of
+"""A pool's quotas, one policy object each (server/tenancy/quotas.py): every quota of
 ``quotas.ALL`` reads from a pool file by its key with no other change, is refused below its
 least naming the line, and resolves to a limit a part enforces (``Count.limit``, ``Held``).
 
@@ -10,7 +10,8 @@ import os
 import pytest
 
 from sidecar._src.core import errors
-from sidecar._src.server.pool import pool_file, quotas as quotas_lib
+from sidecar._src.server.pool import pool_file
+from sidecar._src.server.tenancy import quotas as quotas_lib
 
 pytestmark = pytest.mark.unit
 

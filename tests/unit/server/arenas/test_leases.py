@@ -10,7 +10,7 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.arenas.leases import Leases
 
 pytestmark = pytest.mark.unit
 

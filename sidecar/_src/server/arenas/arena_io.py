@@ -31,8 +31,8 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, trees
-from sidecar._src.server import leases as leases_lib
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.arenas import leases as leases_lib
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.user import outputs
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb

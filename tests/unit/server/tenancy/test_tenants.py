@@ -13,10 +13,10 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import tenants as tenants_lib
-from sidecar._src.server.leases import Leases
+from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.limits import CallSlots, CheckpointSlots, InlineBytes, Sessions
-from sidecar._src.server.pool import pool_file, quotas as quotas_lib
+from sidecar._src.server.pool import pool_file
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 

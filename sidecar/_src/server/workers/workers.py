@@ -17,7 +17,6 @@ import collections
 import contextlib
 import errno
 import logging
-import math
 import os
 import secrets
 import socket
@@ -28,20 +27,16 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors
-from sidecar._src.server import (
-  arenas as arenas_lib,
-  conns,
-  goodput as goodput_lib,
-  sockets,
-  steps as steps_lib,
-  tenants as tenants_lib,
-)
-from sidecar._src.server.calls import UnaryCalls
-from sidecar._src.server.credits import SocketCredits
-from sidecar._src.server.leases import ON_WAIT_S, Leases
+from sidecar._src.server import sockets
+from sidecar._src.server.arenas import arenas as arenas_lib
+from sidecar._src.server.arenas.leases import Leases
+from sidecar._src.server.calls.calls import UnaryCalls
+from sidecar._src.server.calls.credits import SocketCredits
+from sidecar._src.server.calls.stream_runner import StreamRunner
+from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
-from sidecar._src.server.pool import admission
-from sidecar._src.server.stream_runner import StreamRunner
+from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.workers import conns, session_blocks
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -68,7 +63,7 @@ class WorkerListener:
                calls: UnaryCalls | None = None, call_bytes: int = ipc.MAX_MESSAGE,
                max_connections: int = 256, on_dead: Callable[[BaseException], None] = (
                    lambda e: None), tenancy: tenants_lib.Tenancy | None = None,
-               ledgers: goodput_lib.Ledgers | None = None,
+               ledgers: ledgers_lib.Ledgers | None = None,
                steps: steps_lib.Steps | None = None):
     self.path = path
     self._ledgers = ledgers  # the goodput ledgers its sessions write (None: refused)
@@ -76,6 +71,7 @@ class WorkerListener:
     # stall signal, and the goodput ledger's time of a death, where the session ends only
     # once a killed process is gone.
     self.steps = steps or steps_lib.Steps()
+    self._blocks = session_blocks.SessionBlocks(leases, self.steps)  # alloc and free frames
     self._replica_sessions: set[str] = set()  # peer sidecars' replica links (ReplicaAttach)
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
@@ -348,7 +344,7 @@ class WorkerListener:
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
-                               lambda freed: self._free(session, freed),
+                               lambda freed: self._blocks.free(session, freed),
                                on_taken=lambda n: self.steps.step(session))
       producer = threading.get_ident()
 
@@ -371,7 +367,7 @@ class WorkerListener:
             with conns.own_io():
               ipc.send_bytes(conn, item.SerializeToString())
           except conns.Gone:
-            self._free(session, blocks)  # never arrived whole: nobody can read it
+            self._blocks.free(session, blocks)  # never arrived whole: nobody can read it
             raise
           sent += 1
           unread.append(blocks)
@@ -382,7 +378,7 @@ class WorkerListener:
         if credits.closed:  # The consumer took exactly what it credited.
           while len(unread) > sent - credits.taken:
             unread.popleft()
-          self._free(session, [x for blocks in unread for x in blocks])
+          self._blocks.free(session, [x for blocks in unread for x in blocks])
       end = pb.StreamItem(end=True)
     except conns.Gone:
       return  # its consumer closed the connection, or died: nobody to tell
@@ -428,7 +424,7 @@ class WorkerListener:
         with conns.own_io():
           ipc.send_bytes(conn, response.SerializeToString())
       except conns.Gone:  # never arrived whole: nobody can read its result's blocks
-        self._free(session, codec.arena_blocks(response.result))
+        self._blocks.free(session, codec.arena_blocks(response.result))
         raise
 
   def _handle(self, conn: socket.socket, session: str, message: dict[str, Any], *,
@@ -442,32 +438,13 @@ class WorkerListener:
     if op == "cancel":  # sent while an alloc waited (Ctrl-C): that alloc has answered
       return
     if op == "free":
-      self._free(session, _blocks(message.get("blocks", [])))
+      self._blocks.free(session, session_blocks.free_pairs(message.get("blocks", [])))
       return
     if op == "goodput":
       self._goodput(conn, session, message)
       return
     if op == "alloc":
-      try:
-        timeout = _alloc_timeout(message.get("timeout"), self._leases.queued(session))
-
-        def on_wait(place: admission.Place) -> None:
-          if frames:
-            with conns.own_io():
-              ipc.send(conn, {"queued": place.to_dict()})
-
-        # One block (an argument's), or a save's blocks on this host in one round trip.
-        # The worker says how often it must hear (a third of its peer timeout, say).
-        report_s = float(message.get("report_s", ON_WAIT_S))
-        report_s = min(report_s, ON_WAIT_S) if report_s >= MIN_REPORT_S else MIN_REPORT_S
-        reply: dict[str, Any] = {"blocks": self._alloc(
-            message["sizes"], session, timeout, alive=lambda: conns.quiet(conn), on_wait=on_wait,
-            report_s=report_s)}
-      except errors.SidecarError as e:
-        reply = {"error": protocol.error_dict(e)}
-      except (KeyError, TypeError, ValueError) as e:
-        reply = {"error": protocol.error_dict(
-            errors.InvalidArgumentError(f"malformed alloc request {message!r:.200}: {e!r}"))}
+      reply = self._blocks.answer_alloc(conn, session, message, frames=frames)
       with conns.own_io():
         ipc.send(conn, reply)
       return
@@ -476,7 +453,7 @@ class WorkerListener:
           errors.InvalidArgumentError(f"unknown op {op!r}"))})
 
   def _goodput(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
-    """A frame of the goodput ledger (``server/goodput.py``): answered where it asks
+    """A frame of the goodput ledger (``server/goodput/ledgers.py``): answered where it asks
     (``reply``, the first, which binds the directory), else an error is only logged:
     the trainer's step never waits for it."""
     reply = message.get("reply") is True
@@ -485,8 +462,8 @@ class WorkerListener:
       self._check_not_replica_link(session, "goodput")
       if self._ledgers is None:
         raise errors.InvalidArgumentError("this sidecar keeps no goodput ledger")
-      self._ledgers.record(session, message, tenant=self._tenancy.of_worker(session),
-                           attached=self.steps.attached(session))
+      self._ledgers.receive(session, message, tenant=self._tenancy.of_worker(session),
+                            attached=self.steps.attached(session))
       self._ledger_steps(session, message)
     except errors.SidecarError as e:
       error = e
@@ -509,38 +486,6 @@ class WorkerListener:
     elif batches := [e["batches"] for e in events if e.get("kind") == "mark"
                      and "batches" in e]:
       self.steps.step(session, batches=int(max(batches)))
-
-  def _alloc(self, sizes: Any, session: str, timeout: float | None, *,
-             alive: Callable[[], bool] | None = None,
-             on_wait: Callable[[admission.Place], None] | None = None,
-             report_s: float = ON_WAIT_S) -> list[list[int]]:
-    """Blocks of ``sizes`` bytes held by ``session``, within ``timeout`` s (None: as long
-    as its turn in the admission queue takes, while ``alive``) for all: every one, or none
-    (those granted go back) and the error."""
-    if not isinstance(sizes, list) or not 0 < len(sizes) <= ipc.MAX_ALLOC_BLOCKS:
-      raise ValueError(f"sizes must be a list of 1 to {ipc.MAX_ALLOC_BLOCKS} byte counts")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    blocks: list[list[int]] = []
-    try:
-      for n in sizes:
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        block = self._leases.alloc(int(n), session, timeout=left, alive=alive,
-                                   on_wait=on_wait, report_s=report_s)
-        blocks.append([block.offset, block.nbytes, block.generation])
-    except BaseException:
-      for offset, _, generation in blocks:
-        self._leases.release(offset, generation, session)
-      raise
-    return blocks
-
-  def _free(self, session: str, flat: list[int]) -> None:
-    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
-    self.steps.heard(session)  # a feed's credit: its trainer took a batch
-    for offset, generation in zip(flat[::2], flat[1::2]):
-      try:
-        self._leases.release(offset, generation, session)
-      except errors.StaleDescriptorError as e:
-        log.warning("worker %s: %s", session, e, extra={"session": session})
 
   def _check_ended(self, session: str) -> None:
     """AuthenticationError naming why, if ``session`` was ended by :meth:`end`."""
@@ -589,33 +534,3 @@ def _small_int(value: Any) -> int:
   """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
   ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
   return value if ok else -1
-
-
-# The most often a queued alloc reports its place, whatever the worker asks.
-MIN_REPORT_S = 0.05
-
-
-def _alloc_timeout(raw: Any, queued: bool) -> float | None:
-  """An alloc request's ``timeout``: seconds >= 0 as given; none given: wait its turn in
-  the admission queue (None) if the worker's tenant has one, else fail at once (0)."""
-  if raw is None:
-    return None if queued else 0.0
-  timeout = float(raw)
-  if not 0 <= timeout < math.inf:
-    raise ValueError(f"timeout must be finite seconds >= 0, got {timeout!r}")
-  return timeout
-
-
-def _blocks(pairs: Any) -> list[int]:
-  """The flattened (offset, generation) pairs of a ``free`` message, checked.
-
-  Raises:
-    InvalidArgumentError: ``pairs`` is not a list of [int, int].
-  """
-  if isinstance(pairs, list) and all(
-      isinstance(p, list) and len(p) == 2 and all(
-          isinstance(x, int) and not isinstance(x, bool) for x in p) for p in pairs):
-    return [x for pair in pairs for x in pair]
-  raise errors.InvalidArgumentError(
-      f"malformed free message: 'blocks' must be a list of [offset, generation] pairs, "
-      f"got {pairs!r:.200}")

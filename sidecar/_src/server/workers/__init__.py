@@ -1,0 +1,1 @@
+"""The worker socket: the Unix socket Workers attach to, and its connections."""
