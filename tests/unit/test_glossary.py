@@ -78,13 +78,15 @@ SAME = {
         "controller/checkpoint/client.py:record",  # CheckpointTransport.read's
         "controller/checkpoint/restore.py:record", "controller/checkpoint/restore.py:_record",
         "server/checkpoint/read.py:record",  # Reader.read's
+        "server/checkpoint/checkpoints.py:record",  # Checkpoints.read's
         "torch/storage.py:_records",  # StorageReader's: each item's, by fqn and offsets
         "ckptfmt/records.py:record",  # Staged.record, ReplicaPiece.record
         "ckptfmt/records.py:records",  # the module
         "controller/checkpoint/staging.py:record",  # ShardCopy.record
         "controller/framework.py:record",  # LocalShard.record
         "server/checkpoint/agreement.py:records",  # a host's written shards' records
-        "server/checkpoint/ram_tier.py:records",  # a staged step's records by shard id
+        "server/checkpoint/step.py:_written_records",  # a step's shards' records as written
+        "server/checkpoint/step.py:records",  # Step.end_write's: the same
         "server/checkpoint/replication.py:record",  # a shard's, as a replica receives it
         "written_records"}),
     # a copy of a host's shards that another host's sidecar keeps, the hosts that keep
@@ -113,26 +115,8 @@ KNOWN = {
                                    "(sidecar-peer-token), a deployed name",
     ("part", "parts"): "the module wire/parts.py, named for the wire's CallParts (a large "
                        "call in pieces); ckptfmt/dcp/parts.py is DcpPart's, a rank's part",
-    ("peer", "server/checkpoint/ram_tier.py:peers"): "Replication.peers: replica hosts; "
-                                                      "renamed by ws-steps",
     ("record", "controller/elastic.py:record"): "Retry.record, Retry.note's deprecated "
                                                 "spelling (a public method), until 0.4.0",
-    # A RAM-tier step (``ram_tier.Step``), or a lock file's content: renamed by ws-steps.
-    ("record", "server/checkpoint/agreement.py:record"): "a RAM-tier step; renamed by "
-                                                         "ws-steps",
-    ("record", "server/checkpoint/checkpoints.py:record"): "a RAM-tier step; renamed by "
-                                                           "ws-steps",
-    ("record", "server/checkpoint/ownership.py:_MAX_RECORD"): "a lock file's content; "
-                                                              "renamed by ws-steps",
-    ("record", "server/checkpoint/ownership.py:_record"): "a lock file's content; renamed by "
-                                                          "ws-steps",
-    ("record", "server/checkpoint/ownership.py:record"): "a lock file's content; renamed by "
-                                                         "ws-steps",
-    ("record", "server/checkpoint/ram_tier.py:record"): "RamTier.record: a RAM-tier step; "
-                                                        "renamed by ws-steps",
-    ("record", "server/checkpoint/ram_yield.py:record"): "a RAM-tier step or replica; "
-                                                         "renamed by ws-steps",
-    ("record", "server/checkpoint/save.py:record"): "a RAM-tier step; renamed by ws-steps",
 }
 
 

@@ -357,9 +357,9 @@ def test_closing_a_stream_gives_back_what_was_sent_ahead_and_never_read(make_ser
 def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path, monkeypatch,
                                                          caplog):
   from sidecar._src.ckptfmt import spec as spec_lib
-  from sidecar._src.server.checkpoint import save as checkpoint_save
+  from sidecar._src.server.checkpoint import write as write_lib
   # 3 s: at a load of 8 the 0.5 s it was ran out before the first check below.
-  monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 3.0)
+  monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 3.0)
   server = make_server()
   used = lambda: server.leases.allocator.used_bytes
   with controller(server) as ctl:

@@ -55,6 +55,8 @@ from sidecar._src.server.checkpoint import (
   links as links_lib,
   ram_tier,
   save as checkpoint_save,
+  step as step_lib,
+  write as write_lib,
 )
 
 log = logging.getLogger(__name__)
@@ -74,14 +76,14 @@ class HostState:
 
 
 class Agreement:
-  """One save taken over, on one host: this host's part of it (``record``, until the end),
+  """One save taken over, on one host: this host's part of it (``own``, until the end),
   the other hosts' states (``states``, on the committer), and the end (``decision``)."""
 
   def __init__(self, plan: CommitPlan, *, final_dir: str, step: int, directory: str,
                format: str):  # noqa: A002 - the wire's field
     self.plan, self.final_dir, self.step = plan, final_dir, step
     self.directory, self.format = directory, format
-    self.record: ram_tier.Step | None = None  # this host's part, till the end
+    self.own: step_lib.Step | None = None  # this host's part, till the end
     self.tmp_dir = ""  # this host's part's (a trainer's Commit names it)
     self.owners: frozenset[str] = frozenset()  # the sessions that staged this host's part
     self.states: dict[int, HostState] = {}
@@ -119,8 +121,8 @@ class Agreements:
 
   # ---- a host takes a step over ------------------------------------------
 
-  def take_over(self, record: ram_tier.Step) -> None:
-    """Takes over ``record``, whole with its writers' plans (``StepWriter.stage``, before
+  def take_over(self, own: step_lib.Step) -> None:
+    """Takes over ``own``, whole with its writers' plans (``StepWriter.stage``, before
     the Stage that made it whole answers): the sidecars commit it from now on.
 
     Raises:
@@ -128,16 +130,16 @@ class Agreements:
         has no address of; HostLostError: the committer is unreachable; ClosedError: the
         committer abandoned the save already. The Stage fails, and the trainer's save.
     """
-    plan = _plan_of(record)
+    plan = _plan_of(own)
     mine = self._host_id == plan.committer
-    a, made = self._get(plan, record)
+    a, made = self._get(plan, own)
     with a.cond:
       if a.decision is not None:
         raise _refused(a)
       if mine:  # its own writers' plan has the lead's data position (a host's may not)
         a.plan = plan
-      a.record, a.tmp_dir, a.owners = record, record.tmp_dir, frozenset(record.owners)
-      record.committing = threading.Event()
+      a.own, a.tmp_dir, a.owners = own, own.tmp_dir, own.owners
+      own.take_over()
       a.cond.notify_all()
     log.info("step %d: taken over here (%d hosts, committed by host %d)", a.step,
              len(plan.hosts), plan.committer, extra={"step": a.step})
@@ -158,20 +160,20 @@ class Agreements:
         raise _refused(a)
     except BaseException:
       self._forget(a)
-      record.committing = None
+      own.refuse_takeover()
       raise
     self._spawn(self._follow, a, name=f"sidecar-agree-{a.step}")
 
-  def _get(self, plan: CommitPlan, record: ram_tier.Step) -> tuple[Agreement, bool]:
+  def _get(self, plan: CommitPlan, own: step_lib.Step) -> tuple[Agreement, bool]:
     """The agreement on ``plan``'s save here, and whether it was made now."""
-    key = (record.final_dir, plan.save)
+    key = (own.final_dir, plan.save)
     with self._lock:
       self._prune()
       a = self._saves.get(key)
       if a is not None:
         return a, False
-      a = self._saves[key] = Agreement(plan, final_dir=record.final_dir, step=record.step,
-                                       directory=record.directory, format=record.format)
+      a = self._saves[key] = Agreement(plan, final_dir=own.final_dir, step=own.step,
+                                       directory=own.directory, format=own.format)
       return a, True
 
   def _forget(self, a: Agreement) -> None:
@@ -193,8 +195,8 @@ class Agreements:
     try:
       shards = self._await_written(a)
       faults.fault("prepared", a.step)
-      assert a.record is not None
-      committed = self._writer.commit_agreed(a.record, shards, plan=a.plan)
+      assert a.own is not None
+      committed = self._writer.commit_agreed(a.own, shards, plan=a.plan)
       self._decide(a, AgreePhase.COMMITTED, committed=committed)
       log.info("step %d: committed by the sidecars' agreement (%d hosts)", a.step,
                len(a.plan.hosts), extra={"step": a.step})
@@ -215,11 +217,11 @@ class Agreements:
         failed = next((p.error for p in a.states.values() if p.phase is AgreePhase.FAILED), None)
         if failed is not None:
           raise failed
-        own = a.record
-        if own is not None and own.done.is_set():
+        own = a.own
+        if own is not None and own.write_ended:
           if own.error is not None:
-            raise checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error,
-                                                tmp_dir=own.tmp_dir)
+            raise write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
+                                          tmp_dir=own.tmp_dir)
           written = {h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN}
           if written | {self._host_id} >= set(a.plan.hosts):
             return [*own.written_records, *(r for p in a.states.values() for r in p.records)]
@@ -229,8 +231,8 @@ class Agreements:
         silent = [h for h, p in a.states.items()
                   if p.phase is AgreePhase.TAKEN_OVER and now - p.heard > SILENT_S]
       self._look_around(a, missing, silent)
-      if own is not None and not own.done.is_set():
-        own.done.wait(POLL_S)
+      if own is not None and not own.write_ended:
+        own.wait_written(POLL_S)
       else:
         with a.cond:
           a.cond.wait(POLL_S)
@@ -239,19 +241,19 @@ class Agreements:
     """Raises where the save can no longer be committed; asks the hosts gone silent."""
     if self._closed.is_set():
       raise errors.ClosedError(f"the sidecar of host {self._host_id} is stopping")
-    own = a.record
+    own = a.own
     begun = self._writer.begun(a.directory, a.step, a.format) if own is None else None
     alive = (own.trainers_alive() if own is not None
              else begun.alive() if begun is not None and begun.alive is not None else None)
     age = time.monotonic() - a.created
     if missing and (alive is False or (alive is None and own is None
-                                       and age > checkpoint_save.STAGE_TIMEOUT_S)):
+                                       and age > write_lib.STAGE_TIMEOUT_S)):
       raise errors.ClosedError(
           f"step {a.step}: the trainers that staged it are gone, and host(s) {missing} never "
           "had their part whole: no trainer is left to stage it")
-    if age > checkpoint_save.LONG_WRITE_S:
+    if age > write_lib.LONG_WRITE_S:
       raise errors.DeadlineExceededError(
-          f"step {a.step}: not written on every host after {checkpoint_save.LONG_WRITE_S:g} s")
+          f"step {a.step}: not written on every host after {write_lib.LONG_WRITE_S:g} s")
     for h in silent:
       try:
         answer = self._tell(h, self._state_of(a))
@@ -287,19 +289,12 @@ class Agreements:
                               host=self._host_id, phase=phase, error=error,
                               committed=committed)
       a.decided_at = time.monotonic()
-      own, a.record = a.record, None  # its arena blocks go with the RAM tier's copy
+      own, a.own = a.own, None  # its arena blocks go with the RAM tier's copy
       a.cond.notify_all()
     if own is not None:
       if phase is AgreePhase.ABANDONED and own.trainers_alive() is False:
-        self._drop(own)  # nobody will abort it: its blocks go back now
-      assert own.committing is not None
-      own.committing.set()
-
-  def _drop(self, record: ram_tier.Step) -> None:
-    with self._tier.lock:
-      if self._tier.steps.get(record.final_dir) is record:
-        del self._tier.steps[record.final_dir]
-    record.shards.clear()
+        self._tier.remove(own)  # nobody will abort it: its blocks go back now
+      own.end_agreement()
 
   # ---- the other hosts ---------------------------------------------------
 
@@ -307,20 +302,20 @@ class Agreements:
     """A host's thread (not the committer): tells the committer its part's state (at once
     once written, else every ``POLL_S``) until it answers its decision, then ends the part
     here."""
-    own = a.record
-    assert own is not None and own.committing is not None
+    own = a.own
+    assert own is not None and own.taken_over
     sent_records = False  # the committer holds this part's written records
     while True:
-      if not own.done.is_set():
-        own.done.wait(POLL_S)
+      if not own.write_ended:
+        own.wait_written(POLL_S)
       elif sent_records:
         self._closed.wait(POLL_S)
-      if own.committing.is_set():  # its trainers told it the commit (Committed)
+      if not own.commit_pending:  # its trainers told it the commit (Committed)
         self._decide(a, AgreePhase.COMMITTED)
         return
       if a.aborted is not None or self._closed.is_set():
         return
-      written = own.done.is_set()
+      written = own.write_ended
       if written and not sent_records:
         faults.fault("prepared", a.step)
       try:
@@ -347,7 +342,7 @@ class Agreements:
 
   def _end(self, a: Agreement, answer: AgreeState) -> None:
     """Ends this host's part as the committer decided (unknown there: abandoned)."""
-    own = a.record
+    own = a.own
     if answer.phase is AgreePhase.COMMITTED and own is not None:
       with self._tier.lock:
         ours = self._tier.steps.get(a.final_dir) is own
@@ -445,16 +440,16 @@ class Agreements:
     with a.cond:
       if a.decision is not None:
         return a.decision
-      own = a.record
+      own = a.own
     phase, error = AgreePhase.TAKEN_OVER, None
     written: tuple[ShardRecord, ...] = ()
     if own is None:
       phase = AgreePhase.UNKNOWN
-    elif own.done.is_set() and own.error is not None:
+    elif own.write_ended and own.error is not None:
       phase = AgreePhase.FAILED
-      error = checkpoint_save.write_failure(self._host_id, a.step, a.final_dir, own.error,
-                                            tmp_dir=own.tmp_dir)
-    elif own.done.is_set():
+      error = write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
+                                      tmp_dir=own.tmp_dir)
+    elif own.write_ended:
       phase, written = AgreePhase.WRITTEN, tuple(own.written_records) if records else ()
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
                       host=self._host_id, phase=phase, records=written, error=error,
@@ -521,16 +516,17 @@ class AgreeLinks:
       link.close()
 
 
-def _plan_of(record: ram_tier.Step) -> CommitPlan:
+def _plan_of(own: step_lib.Step) -> CommitPlan:
   """The plan of a step whole here: every writer's names the same save; the data position
   is the lead's (the process that began it)."""
-  first = record.plans[0]
-  if len(record.plans) != record.writers or any(not first.same_save(p) for p in record.plans):
+  plans = own.plans
+  first = plans[0]
+  if len(plans) != own.writers or any(not first.same_save(p) for p in plans):
     raise errors.InvalidArgumentError(
-        f"step {record.step}: the {record.writers} trainer processes staging it here sent "
-        f"{len(record.plans)} plans, not all of one save: every process sends its last part "
+        f"step {own.step}: the {own.writers} trainer processes staging it here sent "
+        f"{len(plans)} plans, not all of one save: every process sends its last part "
         "with the same plan")
-  lead = next((p for p in record.plans if p.lead), first)
+  lead = next((p for p in plans if p.lead), first)
   return lead
 
 

@@ -20,11 +20,11 @@ none of them is reachable through ``Call``):
 
 The parts, built and owned here (``close`` joins their threads): ``writer``
 (``save.StepWriter``: the phases above, ``abort``, ``delete``), ``tier``
-(``ram_tier.RamTier``: the records, budgets, eviction, expiry of uncommitted steps,
-status), ``replicator`` (``replication.Replicator``: ``replicate`` to the replica hosts, ``receive``
-from them), ``agreements`` (``agreement.Agreements``: the steps taken over) and ``reader``
-(``read.Reader``). This class keeps only what spans them: the
-per-client directories (``open_for``, ``check_client``; what more a client may do is its
+(``ram_tier.RamTier``: the steps (``step.Step``) and replicas, budgets, eviction, expiry
+of uncommitted steps, status), ``replicator`` (``replication.Replicator``: ``replicate``
+to the replica hosts, ``receive`` from them), ``agreements`` (``agreement.Agreements``:
+the steps taken over) and ``reader`` (``read.Reader``). This class keeps only what spans
+them: the per-client directories (``open_for``, ``check_client``; what more a client may do is its
 ``policies.CheckpointPolicy``'s, handed in), a commit's notice to the RAM tier
 and replicas (``committed``), and the restore calls that check a path under the roots
 first (``roots.py``: every path a call names must lie under one of the sidecar's
@@ -114,7 +114,7 @@ class Checkpoints:
     self._threads_lock = threading.Lock()
     self.writer = checkpoint_save.StepWriter(
         host_id, tier=self.tier, roots=self._roots, spawn=self._spawn, metrics=metrics,
-        write_turn=policy.write_turn, take_over=lambda record: self.agreements.take_over(record))
+        write_turn=policy.write_turn, take_over=lambda own: self.agreements.take_over(own))
     # The steps the sidecars commit among themselves (taken over at their last Stage).
     self.needs_replica_token = replica_token is not None  # for an Agree, where there is one
     self._agree_links = agreement_lib.AgreeLinks(token=token, replica_token=replica_token,
@@ -143,12 +143,9 @@ class Checkpoints:
     self._closed.set()
     with self.tier.lock:
       steps = list(self.tier.steps.values())
-    for record in steps:
-      if record.replication is not None:
-        record.replication.cancelled.set()
-      if not record.closed and not record.done.is_set():
-        record.incoming.put(errors.ClosedError(f"the sidecar of host {self._host_id} is "
-                                               f"stopping mid-save of step {record.step}"))
+    for own in steps:
+      own.stop(errors.ClosedError(f"the sidecar of host {self._host_id} is stopping "
+                                  f"mid-save of step {own.step}"))
     deadline = time.monotonic() + timeout
     with self._threads_lock:
       threads = [self._reaper, *self._threads]
@@ -266,7 +263,7 @@ class Checkpoints:
   def writing(self) -> list[tuple[str, int]]:
     """The steps staged here and not yet written: (tmp directory, bytes staged)."""
     with self.tier.lock:
-      return [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values() if not s.done.is_set()]
+      return [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values() if not s.write_ended]
 
   def opened_by(self, client: str) -> set[str]:
     """The directories (resolved) ``client`` opened."""
@@ -302,11 +299,12 @@ class Checkpoints:
     self._path(final_dir, "final_dir")
     if manifest is not None:
       with self.tier.lock:
-        held = [self.tier.steps.get(final_dir),
-                *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
-        for record in held:
-          if record is not None:
-            record.manifest = manifest
+        own = self.tier.steps.get(final_dir)
+        if own is not None:
+          own.keep_manifest(manifest)
+        for r in self.tier.replicas.values():
+          if r.final_dir == final_dir:
+            r.keep_manifest(manifest)
     return self.tier.mark_committed(final_dir)
 
   def reopened(self, directory: str) -> None:
@@ -389,10 +387,10 @@ class Checkpoints:
     with self.tier.lock:
       held = [self.tier.steps.get(final_dir),
               *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
-    for record in held:
-      if record is not None and record.manifest is not None:
-        return record.manifest  # a DCP step in host memory: its files may be gone
-    in_ram = any(record is not None and record.committed for record in held)
+    for copy in held:
+      if copy is not None and copy.manifest is not None:
+        return copy.manifest  # a DCP step in host memory: its files may be gone
+    in_ram = any(copy is not None and copy.committed for copy in held)
     return checkpoint_read.info(final_dir, stored=not in_ram)
 
   def read(self, final_dir: str, record: ShardRecord, tier: str = "any",

@@ -24,8 +24,8 @@ Each replica carries its tenant (the one this sidecar authenticated as the calle
 ``Replicate``; none outside pools), which the receiver counts it against; a same-machine link
 maps the receiver's arena as that tenant's (:func:`attach`).
 :class:`Links` keeps one link per receiver and tenant from step to step: mapping a receiver's arena
-costs about as much as copying a step's part into it. The receiver's side (the replica records,
-their eviction with the RAM tier) is ``checkpoint.Checkpoints``.
+costs about as much as copying a step's part into it. The receiver's side (the replicas it holds,
+their eviction with the RAM tier) is ``replication.Replicator`` and ``ram_tier.RamTier``.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 JOBS_DIR = ".sidecar-jobs"  # in a checkpoint directory: one lock file per job that opened it
 RELEASE_S = 5.0  # a sidecar lets go of a gone job's directories within this (the reaper)
-_MAX_RECORD = 4096  # bytes of a lock file read for its message
+_MAX_CLAIM = 4096  # bytes of a lock file read for its message
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -128,11 +128,11 @@ class Jobs:
     jobs = os.path.join(directory, JOBS_DIR)
     os.makedirs(jobs, exist_ok=True)
     path = os.path.join(jobs, f"{hashlib.sha256(job.encode()).hexdigest()[:24]}.lock")
-    record = json.dumps({"job": job, "holder": holder, "since": time.strftime("%FT%T%z"),
-                         "sidecar": f"host {self._host_id} (pid {os.getpid()} on "
-                                    f"{socket.gethostname()})"})
+    claim = json.dumps({"job": job, "holder": holder, "since": time.strftime("%FT%T%z"),
+                        "sidecar": f"host {self._host_id} (pid {os.getpid()} on "
+                                   f"{socket.gethostname()})"})
     for _ in range(100):
-      _make(path, record)
+      _make(path, claim)
       try:
         fd = os.open(path, _FLAGS)
       except FileNotFoundError:
@@ -166,7 +166,7 @@ class Jobs:
         try:
           fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-          raise _refusal(directory, _record(fd)) from None
+          raise _refusal(directory, _claim_of(fd)) from None
         if _same_file(fd, path):  # gone: nobody holds it
           with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -174,7 +174,7 @@ class Jobs:
         os.close(fd)
 
 
-def _make(path: str, record: str) -> None:
+def _make(path: str, claim: str) -> None:
   """The lock file at ``path``, written whole before it appears (a name of its own, then
   linked into place) unless one is there."""
   if os.path.lexists(path):
@@ -183,7 +183,7 @@ def _make(path: str, record: str) -> None:
   fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                0o644)
   try:
-    os.write(fd, record.encode())
+    os.write(fd, claim.encode())
   finally:
     os.close(fd)
   try:
@@ -204,12 +204,12 @@ def _same_file(fd: int, path: str) -> bool:
   return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def _record(fd: int) -> dict:
+def _claim_of(fd: int) -> dict:
   try:
-    record = json.loads(os.pread(fd, _MAX_RECORD, 0) or b"{}")
+    claim = json.loads(os.pread(fd, _MAX_CLAIM, 0) or b"{}")
   except (OSError, ValueError):
-    record = {}
-  return record if isinstance(record, dict) else {}
+    claim = {}
+  return claim if isinstance(claim, dict) else {}
 
 
 def _alive(alive: Callable[[], bool]) -> bool:
@@ -219,13 +219,13 @@ def _alive(alive: Callable[[], bool]) -> bool:
     return False
 
 
-def _refusal(directory: str, record: dict) -> errors.PermissionDeniedError:
-  job = record.get("job") or "an unknown job"
-  who = ", ".join(str(record[k]) for k in ("holder",) if record.get(k)) or "someone"
-  sidecar = record.get("sidecar") or "a sidecar"
+def _refusal(directory: str, claim: dict) -> errors.PermissionDeniedError:
+  job = claim.get("job") or "an unknown job"
+  who = ", ".join(str(claim[k]) for k in ("holder",) if claim.get(k)) or "someone"
+  sidecar = claim.get("sidecar") or "a sidecar"
   return errors.PermissionDeniedError(
       f"checkpoint directory {directory!r:.300} is held by another live job, {job!r:.200}: "
       f"opened by {who:.200} through the sidecar of {sidecar:.200} since "
-      f"{record.get('since', '?')}. One job saves into a directory: give this job another "
+      f"{claim.get('since', '?')}. One job saves into a directory: give this job another "
       "directory, or stop that job first (its sidecars let go of the directory as it ends, "
       f"within {RELEASE_S:g} s of its last process's exit; a sidecar killed lets go at once)")

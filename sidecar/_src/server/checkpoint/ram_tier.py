@@ -1,9 +1,10 @@
 """The RAM tier of one sidecar: the steps it staged, the replicas it holds, its budgets.
 
-Records: a :class:`Step` (this host's own shards of a step, and its write's outcome),
-its :class:`Replication` (those shards on their way to the peers) and a
-:class:`Replica` (the shards a peer sent here). :class:`RamTier` keeps them under one
-lock: ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
+It holds each ``step.Step`` (this host's own shards of a step, and how far the step got:
+its phases are that module's) and each :class:`Replica` (the shards of a step another
+sidecar sent here). :class:`RamTier` keeps them under one lock, and is the one place a
+step enters (``add``) and leaves (``remove``, ``drop``, ``expire_uncommitted``) it:
+``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
 ``ram_budget`` (own shards and replicas counted together), and the newest committed steps of
 a group of directories (a pool tenant's) within the group's budget; steps written but never
 committed expire, and ``status``/``usage`` report what is held.
@@ -11,125 +12,151 @@ committed expire, and ``status``/``usage`` report what is held.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt.format import Numbering
-from sidecar._src.ckptfmt.records import (
-  CommitPlan,
-  Held,
-  Manifest,
-  ReplicaTarget,
-  Replicated,
-  ShardId,
-  ShardRecord,
-)
-from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import errors
+from sidecar._src.server.checkpoint.step import Phase, Step
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class Step:
-  """One step this sidecar staged: its shards (the RAM tier) and its write's outcome."""
-  directory: str
-  step: int
-  final_dir: str  # the committed item directory: the key of the RAM tier
-  shards: dict[ShardId, np.ndarray]
-  nbytes: int
-  # How its format numbers its staged shards (the leaves, or a DCP rank's items).
-  numbering: Numbering | None = None
-  # Staged shards on their way to the writer (as the numbering made them), None once all are.
-  incoming: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
-  closed: bool = False  # the last part is staged (of every writer)
-  lasts: int = 0  # the writers (trainer processes) that sent their last part
-  # Set once closed, or once the write ended or the save was aborted: no more parts come.
-  whole: threading.Event = dataclasses.field(default_factory=threading.Event)
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  # Its shards' records as staged (their bytes are ``shards``'), and as written.
-  records: dict[ShardId, ShardRecord] = dataclasses.field(default_factory=dict)
-  written_records: list[ShardRecord] = dataclasses.field(default_factory=list)
-  error: BaseException | None = None
-  committed: bool = False
-  started: float = dataclasses.field(default_factory=time.monotonic)
-  written: int = 0
-  replication: Replication | None = None
-  finished: float | None = None  # time.monotonic() when its write ended
-  tmp_dir: str = ""  # the uncommitted item directory its writer fills
-  # The handshake sessions that staged it (at most ``writers``, the trainer processes of
-  # this host): only they stage more parts of it, and commit it.
-  owners: set = dataclasses.field(default_factory=set)
-  writers: int = 1
-  format: str = "orbax"  # its format's name (ckptfmt/registry.py)
-  manifest: Manifest | None = None  # a DCP step's, told at its commit
-  # Its leaves, as its first part named them (what a commit by the sidecars lists).
-  leaves: tuple[LeafSpec, ...] = ()
-  # Whether each trainer that staged a part of it is there, by its worker session.
-  stagers: dict[str, Callable[[], bool]] = dataclasses.field(default_factory=dict)
-  # The plans its writers' last parts carried (CommitPlan): the sidecars commit it.
-  plans: list[CommitPlan] = dataclasses.field(default_factory=list)
-  # Set once this host took the step over (whole, with a plan: ``agreement.py``), and set
-  # done once the sidecars committed or abandoned it: till then it is in flight whether
-  # or not its trainers are there.
-  committing: threading.Event | None = None
+class Replica:
+  """The shards of one step that another sidecar (host ``source``) sent here: a replica.
+
+  Its state changes only through its methods, each called with the RAM tier's ``lock``
+  held (``replication.Replicator`` receives it, :class:`RamTier` and
+  ``checkpoints.Checkpoints`` mark it committed): its shards arrive whole
+  (``add_shard``) or in pieces (``piece_block``, ``piece_received``); it is ``whole``
+  once its sender said so (``mark_whole``), ``committed`` once its step is (``commit``,
+  before or after it is whole). A replica sent again while a whole one is held
+  ``replaces`` it once whole itself (``take_place_of``).
+  """
+
+  def __init__(self, directory: str, step: int, final_dir: str, source: int, *,
+               replaces: Replica | None = None):
+    self._directory, self._step, self._final_dir = directory, step, final_dir
+    self._source = source
+    self._shards: dict[ShardId, np.ndarray] = {}
+    self._view = types.MappingProxyType(self._shards)
+    # Shards arriving inline, in pieces: [block, bytes received so far].
+    self._partial: dict[ShardId, list] = {}
+    self._nbytes = 0
+    self._whole = False  # the source sent everything
+    self._committed = False
+    # A whole replica held of the same step and source, which this one (sent again)
+    # replaces once whole.
+    self._replaces = replaces
+    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
+
+  def __repr__(self) -> str:
+    return f"Replica({self._final_dir!r}, source={self._source}, whole={self._whole})"
 
   @property
-  def commit_pending(self) -> bool:
-    """Whether this host took the step over and does not know its end yet."""
-    return self.committing is not None and not self.committing.is_set()
+  def directory(self) -> str:
+    return self._directory
 
-  def trainers_alive(self) -> bool | None:
-    """Whether a trainer that staged a part of it is still there (None: not known)."""
-    if not self.stagers:
-      return None
-    return any(alive() for alive in list(self.stagers.values()))
+  @property
+  def step(self) -> int:
+    return self._step
 
+  @property
+  def final_dir(self) -> str:
+    return self._final_dir
 
-@dataclasses.dataclass
-class Replication:
-  """This host's shards of one step on their way to its peers."""
-  peers: list[ReplicaTarget]
-  bandwidth: int | None = None  # bytes per second, each peer's copy in turn
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-  result: Replicated | None = None
-  error: BaseException | None = None
-  tenant: str | None = None  # whose shards (its replicas carry it), as this sidecar knows
+  @property
+  def source(self) -> int:
+    return self._source
 
+  @property
+  def shards(self) -> Mapping[ShardId, np.ndarray]:
+    """Its whole shards' bytes by id (a read-only view)."""
+    return self._view
 
-@dataclasses.dataclass
-class Replica:
-  """The shards of one step that a peer (``source``) sent here: a replica record."""
-  directory: str
-  step: int
-  final_dir: str
-  source: int
-  shards: dict[ShardId, np.ndarray] = dataclasses.field(
-      default_factory=dict)
-  # Shards arriving inline, in chunks: (block, bytes received so far).
-  partial: dict[ShardId, list] = dataclasses.field(
-      default_factory=dict)
-  nbytes: int = 0
-  whole: bool = False  # the source sent everything
-  committed: bool = False
-  # A whole replica held of the same step and source, which this one (sent again)
-  # replaces once whole.
-  replaces: Replica | None = None
-  manifest: Manifest | None = None  # a DCP step's, told at its commit
+  @property
+  def partial(self) -> int:
+    """How many shards are still arriving in pieces."""
+    return len(self._partial)
+
+  @property
+  def nbytes(self) -> int:
+    return self._nbytes
+
+  @property
+  def whole(self) -> bool:
+    return self._whole
+
+  @property
+  def committed(self) -> bool:
+    return self._committed
+
+  @property
+  def replaces(self) -> Replica | None:
+    return self._replaces
+
+  @property
+  def manifest(self) -> Manifest | None:
+    return self._manifest
+
+  def add_shard(self, key: ShardId, data: np.ndarray) -> None:
+    """A whole shard (checked by its sender's crc32c), in place of one of the same id."""
+    old = self._shards.get(key)
+    self._nbytes += data.nbytes - (old.nbytes if old is not None else 0)
+    self._shards[key] = data
+
+  def piece_block(self, key: ShardId, make: Callable[[], np.ndarray]) -> list:
+    """The block the shard ``key`` is assembled in from its pieces (``make`` makes it at
+    its first piece), with the bytes received so far: ``[block, received]``."""
+    entry = self._partial.get(key)
+    if entry is None:
+      entry = self._partial[key] = [make(), 0]
+    return entry
+
+  def piece_received(self, key: ShardId, entry: list, nbytes: int) -> bool:
+    """``nbytes`` more of ``key``'s bytes are in its block (``entry``); whether the shard is
+    whole now (then it is no longer arriving: the caller adds it)."""
+    entry[1] += nbytes
+    whole = entry[1] >= entry[0].nbytes
+    if whole:
+      self._partial.pop(key, None)
+    return whole
+
+  def mark_whole(self) -> None:
+    """Its sender sent everything."""
+    self._whole = True
+    self._partial = {}
+
+  def take_place_of(self, old: Replica) -> None:
+    """It replaces ``old`` (the whole replica it was sent again of), committed as it was."""
+    self._committed = self._committed or old.committed
+    self._replaces = None
+
+  def commit(self) -> None:
+    """Its step is committed (before or after it is whole)."""
+    self._committed = True
+
+  def keep_manifest(self, manifest: Manifest) -> None:
+    """A DCP step's manifest, kept with it (``info`` answers it)."""
+    self._manifest = manifest
 
 
 class RamTier:
-  """The steps and replicas one sidecar (``host_id``) holds; ``lock`` guards them all."""
+  """The steps and replicas one sidecar (``host_id``) holds.
+
+  ``lock`` guards which ones it holds, the replicas' fields and the budgets; a step's
+  phase and shards are the step's own (``step.Step``, whose lock is taken inside this
+  one): a step enters by :meth:`add` and leaves by :meth:`remove`, :meth:`remove_item`,
+  :meth:`drop` or :meth:`expire_uncommitted`, each dropping it (``Step.drop``).
+  """
 
   def __init__(self, host_id: int, *, uncommitted_s: float,
                group_budget: Callable[[str], int | None] = lambda group: None):
@@ -149,31 +176,64 @@ class RamTier:
     self._group_budget = group_budget
     self._resolved: dict[str, str] = {}  # directory as given -> resolved
 
-  def record(self, final_dir: str) -> Step:
+  def step_at(self, final_dir: str) -> Step:
     """The step staged here for ``final_dir``; InvalidArgumentError if there is none."""
     with self.lock:
-      record = self.steps.get(final_dir)
-    if record is None:
+      own = self.steps.get(final_dir)
+    if own is None:
       raise errors.InvalidArgumentError(f"host {self.host_id} has not staged {final_dir}")
-    return record
+    return own
+
+  def add(self, own: Step) -> None:
+    """``own`` (its first Stage's) in the tier, by its ``final_dir``: a step held there
+    before (its write ended: a save of the same step again) is dropped. The lock is held."""
+    old = self.steps.get(own.final_dir)
+    self.steps[own.final_dir] = own
+    if old is not None and old is not own:
+      old.drop()
+
+  def remove(self, own: Step, why: BaseException | None = None) -> bool:
+    """Drops ``own`` (``Step.drop``, ``why`` to a writer still waiting for its shards) if
+    it is still this tier's step of its ``final_dir``; whether it was."""
+    with self.lock:
+      ours = self.steps.get(own.final_dir) is own
+      if ours:
+        del self.steps[own.final_dir]
+        own.drop(why)
+    return ours
+
+  def remove_item(self, final_dir: str, why: BaseException | None = None) -> Step | None:
+    """Drops the step and the replicas of ``final_dir`` held here (a save aborted),
+    ``why`` to a writer still waiting for its shards; returns the step, if one was here."""
+    with self.lock:
+      own = self.steps.pop(final_dir, None)
+      for key in [k for k in self.replicas if k[0] == final_dir]:
+        del self.replicas[key]
+      if own is not None:
+        own.drop(why)
+    return own
 
   def mark_committed(self, final_dir: str) -> list[int]:
     """Marks a step (own shards and replicas) committed; evicts steps beyond the budget.
-    Returns the kept steps."""
+    Returns the kept steps. This host's own shards are marked once written here
+    (``Step.commit``); a step not written here yet (another save of it, staged again
+    since) is left as it is."""
     with self.lock:
-      record = self.steps.get(final_dir)
+      own = self.steps.get(final_dir)
       held = [r for r in self.replicas.values() if r.final_dir == final_dir]
-      if record is None and not held:
+      if own is not None and own.phase not in (Phase.WRITTEN, Phase.COMMITTED):
+        log.info("step %d of %s: told it is committed while %s here; left as it is",
+                 own.step, own.directory, own.phase.value, extra={"step": own.step})
+        own = None
+      if own is None and not held:
         return []
       self.committed_dirs.pop(final_dir, None)  # to the end: the newest commit
       self.committed_dirs[final_dir] = True
       for r in held:
-        r.committed = True
-      if record is not None:
-        record.committed = True
-        if record.committing is not None:  # a step taken over: its end is known
-          record.committing.set()
-      return self.evict(record.directory if record is not None else held[0].directory)
+        r.commit()
+      if own is not None:
+        own.commit()  # (a step taken over: its end is known)
+      return self.evict(own.directory if own is not None else held[0].directory)
 
   def held(self, directory: str) -> Held:
     """What this host holds of the committed items under ``directory``, per item: its own
@@ -195,10 +255,8 @@ class RamTier:
                and not s.commit_pending and now - s.finished >= self.uncommitted_s]
       for s in stale:
         del self.steps[s.final_dir]
+        s.drop()  # the staged blocks go back to the arena
     for s in stale:
-      if s.replication is not None:
-        s.replication.cancelled.set()
-      s.shards.clear()  # the staged blocks go back to the arena
       log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
                   "controller that staged it is gone?): its %s are freed", s.step, s.directory,
                   now - (s.finished or now), shm.format_size(s.nbytes), extra={"step": s.step})
@@ -216,7 +274,7 @@ class RamTier:
         entry.committing.append(s.step)
       if s.committed:
         entry.ram_steps.append(s.step)
-      elif s.done.is_set():
+      elif s.write_ended:
         if not s.commit_pending:
           entry.uncommitted.append(s.step)
       else:
@@ -240,7 +298,7 @@ class RamTier:
       steps = list(self.steps.values())
       held = [r for r in self.replicas.values() if r.whole and r.committed]
     own = [s for s in steps if s.committed]
-    writing = [s for s in steps if not s.committed and not s.done.is_set()]
+    writing = [s for s in steps if not s.committed and not s.write_ended]
     return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
             "replica_steps": len(held), "replica_bytes": sum(r.nbytes for r in held),
             "writing_steps": len(writing),
@@ -251,8 +309,8 @@ class RamTier:
     commit) and the bytes its committed steps (own shards and replicas) hold."""
     out: dict[str, tuple[int, int]] = {}
     with self.lock:
-      records: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
-      for held in records:
+      copies: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
+      for held in copies:
         group = self.groups.get(self._resolve(held.directory))
         if group is None:
           continue
@@ -291,8 +349,8 @@ class RamTier:
     if budget is None:
       return
     size: dict[str, tuple[str, int, int]] = {}  # final_dir -> (directory, step, bytes)
-    records: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
-    for held in records:
+    copies: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
+    for held in copies:
       if held.committed and self.groups.get(self._resolve(held.directory)) == group:
         _, _, nbytes = size.get(held.final_dir, (held.directory, held.step, 0))
         size[held.final_dir] = (held.directory, held.step, nbytes + held.nbytes)
@@ -327,15 +385,14 @@ class RamTier:
     return sorted(kept)
 
   def drop(self, directory: str, step: int) -> None:
-    """Forgets the step's own shards and replicas here; their arena blocks go back as
-    their views die. The lock is held."""
+    """Forgets the committed step's own shards and replicas here; their arena blocks go
+    back as their views die. The lock is held."""
     for final_dir, s in list(self.steps.items()):
       if s.directory == directory and s.step == step and s.committed:
         del self.steps[final_dir]
         if final_dir in self.committed_dirs:  # a replica still on its way is dropped on arrival
           self.committed_dirs[final_dir] = False
-        if s.replication is not None:
-          s.replication.cancelled.set()
+        s.drop()
     for key, r in list(self.replicas.items()):
       if r.directory == directory and r.step == step:
         del self.replicas[key]

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from sidecar._src.arena import shm
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint.ram_tier import RamTier, Replica, Step
+from sidecar._src.server.checkpoint.ram_tier import RamTier, Replica
+from sidecar._src.server.checkpoint.step import Phase, Step
 
 log = logging.getLogger(__name__)
 # How long ``reclaim`` and ``describe`` wait for the RAM tier's lock: the allocation that
@@ -42,26 +43,26 @@ class Copy:
     return self.state == "durable"
 
 
-def _state(record: Step | Replica) -> str:
-  if record.committed:
+def _state(held: Step | Replica) -> str:
+  if held.committed:
     return "durable"
-  if isinstance(record, Replica):
+  if isinstance(held, Replica):
     return "a replica on its way"
-  if record.error is not None:
+  if held.error is not None:
     return "its save failed"
-  return "waiting for its commit" if record.done.is_set() else "being written"
+  return "waiting for its commit" if held.phase is Phase.WRITTEN else "being written"
 
 
 def copies(tier: RamTier) -> list[Copy]:
   """The copies ``tier`` holds: durable ones oldest commit first, then the others by step.
   The lock is held."""
   merged: dict[tuple[str, int], list] = {}  # (directory, step) -> [bytes, state, final_dir]
-  records: list[Step | Replica] = [*tier.steps.values(), *tier.replicas.values()]
-  for record in records:
-    entry = merged.setdefault((record.directory, record.step), [0, "durable", record.final_dir])
-    entry[0] += record.nbytes
-    if entry[1] == "durable" and not record.committed:  # durable once every part is
-      entry[1] = _state(record)
+  held: list[Step | Replica] = [*tier.steps.values(), *tier.replicas.values()]
+  for one in held:
+    entry = merged.setdefault((one.directory, one.step), [0, "durable", one.final_dir])
+    entry[0] += one.nbytes
+    if entry[1] == "durable" and not one.committed:  # durable once every part is
+      entry[1] = _state(one)
   commits = {final_dir: i for i, final_dir in enumerate(tier.committed_dirs)}
   order = sorted(merged, key=lambda k: (merged[k][1] != "durable",
                                         commits.get(merged[k][2], len(commits)), k[1]))

@@ -4,8 +4,8 @@
 step to its replica hosts (``links.ReplicaLink``), on an idle-class thread, while the
 write goes on; they are named by host id, their addresses come from this sidecar's own
 ``--replica-hosts`` (``links.ReplicaHosts``). Each takes them with ``receive`` (the
-``Receive`` stream, one per replica) and keeps a *replica record* (the step's item, the
-source host, the shards) in its RAM tier. A replica carries its tenant (the one this
+``Receive`` stream, one per replica) and keeps it as a ``ram_tier.Replica`` (the step's
+item, the source host, the shards) in its RAM tier. A replica carries its tenant (the one this
 sidecar authenticated); the receiver counts it against that tenant's arena and RAM-tier quota
 (``accept``), toward its ``ram_budget``, and it leaves with its step: eviction by
 ``committed``, ``abort``, ``forget``.
@@ -35,6 +35,7 @@ from sidecar._src.server.checkpoint import (
   faults,
   links as links_lib,
   ram_tier,
+  step as step_lib,
 )
 from sidecar._src.user import outputs
 from sidecar._src.wire import codec
@@ -88,59 +89,59 @@ class Replicator:
     if bandwidth is not None and (not isinstance(bandwidth, int) or bandwidth < 1):
       raise errors.InvalidArgumentError(
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
-    record = self._tier.record(final_dir)
-    if record.lasts and not record.closed:  # processes sharing this host: wait for them all
-      record.whole.wait(timeout)
+    own = self._tier.step_at(final_dir)
+    own.wait_whole(timeout)  # processes sharing this host: wait for them all
     with self._tier.lock:
-      if not record.closed:
+      if not own.whole:
         raise errors.InvalidArgumentError(
-            f"step {record.step} is not staged whole on host {self._host_id}; replicate it "
+            f"step {own.step} is not staged whole on host {self._host_id}; replicate it "
             "after its last part")
-      job = record.replication
-      if job is None:
-        job = record.replication = ram_tier.Replication(list(targets), bandwidth,
-                                                                tenant=tenant)
-        self._spawn(self._replicate, record, job, name=f"sidecar-replicate-{record.step}")
-    if not job.done.wait(timeout):
+      job, made = own.start_replication(
+          lambda: step_lib.Replication(targets, bandwidth, tenant=tenant))
+      if made:
+        self._spawn(self._replicate, own, job, name=f"sidecar-replicate-{own.step}")
+    if not job.wait(timeout):
       raise errors.DeadlineExceededError(
-          f"step {record.step} is still being replicated after {timeout} s")
+          f"step {own.step} is still being replicated after {timeout} s")
     if job.error is not None:
       raise errors.HostLostError(
-          f"host {self._host_id} could not replicate step {record.step} to hosts "
-          f"{[p.host_id for p in job.peers]}: {job.error}")
+          f"host {self._host_id} could not replicate step {own.step} to hosts "
+          f"{[r.host_id for r in job.receivers]}: {job.error}")
     assert job.result is not None
     return job.result
 
-  def _replicate(self, record: ram_tier.Step, job: ram_tier.Replication) -> None:
+  def _replicate(self, own: step_lib.Step, job: step_lib.Replication) -> None:
     direct_io.background_thread()
     t0 = time.perf_counter()
-    shards = [Staged(record.records[key], data) for key, data in record.shards.items()]
-    header = ReplicaHeader(record.directory, record.step, record.final_dir, self._host_id)
+    shards = own.staged()
+    header = ReplicaHeader(own.directory, own.step, own.final_dir, self._host_id)
     try:
       nbytes = 0
-      for receiver in job.peers:
+      for receiver in job.receivers:
         nbytes, same_machine = self._links.send(receiver, header, shards, tenant=job.tenant,
-                                                cancelled=job.cancelled.is_set,
+                                                cancelled=lambda: job.cancelled,
                                                 bandwidth=job.bandwidth)
         how = "shared memory" if same_machine else "gRPC"
         log.info("step %d: %d shards (%s) replicated to host %d over %s in %.2f s",
-                 record.step, len(shards), shm.format_size(nbytes), receiver.host_id, how,
-                 time.perf_counter() - t0, extra={"step": record.step})
-      job.result = Replicated(tuple(p.host_id for p in job.peers), len(shards),
-                              sum(s.data.nbytes for s in shards), time.perf_counter() - t0)
-      self._metrics.checkpoint_bytes("replicated", job.result.nbytes * len(job.peers))
-      self._metrics.phase("replicate", job.result.seconds)
+                 own.step, len(shards), shm.format_size(nbytes), receiver.host_id, how,
+                 time.perf_counter() - t0, extra={"step": own.step})
+      result = Replicated(tuple(r.host_id for r in job.receivers), len(shards),
+                          sum(s.data.nbytes for s in shards), time.perf_counter() - t0)
+      self._metrics.checkpoint_bytes("replicated", result.nbytes * len(job.receivers))
+      self._metrics.phase("replicate", result.seconds)
     except BaseException as e:
-      job.error = e.with_traceback(None)
+      error = e.with_traceback(None)
       e.__context__ = e.__cause__ = None
-      log.error("step %d: replicating host %d's shards failed: %s", record.step,
-                self._host_id, e, extra={"step": record.step})
-    finally:
+      log.error("step %d: replicating host %d's shards failed: %s", own.step,
+                self._host_id, e, extra={"step": own.step})
       shards.clear()  # the staged blocks stay only as long as the RAM tier keeps them
-      job.done.set()
+      job.failed(error)
+      return
+    shards.clear()
+    job.succeeded(result)
 
   def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> ram_tier.Replica:
-    """A new replica record for one stream of another sidecar's shards (``header`` names them,
+    """A new replica for one stream of another sidecar's shards (``header`` names them,
     ``tenant`` whose they are: the sending sidecar says, checked by ``accept``).
 
     It replaces one of the same step and source that is not whole (a resent replica
@@ -153,13 +154,13 @@ class Replicator:
     self._path(directory, "header.directory")
     self._path(final_dir, "header.final_dir")
     self._accept(tenant, directory)
-    replica = ram_tier.Replica(directory, step, final_dir, source)
     with self._tier.lock:
       old = self._tier.replicas.get((final_dir, source))
-      if old is None or not old.whole:
+      held = old is not None and old.whole
+      replica = ram_tier.Replica(directory, step, final_dir, source,
+                                 replaces=old if held else None)
+      if not held:
         self._tier.replicas[(final_dir, source)] = replica
-      else:
-        replica.replaces = old
     return replica
 
   def receive(self, replica: ram_tier.Replica, blocks: Sequence[Staged],
@@ -184,11 +185,9 @@ class Replicator:
       key = piece.record.id
       offset, chunk = piece.offset, np.asarray(payload).reshape(-1).view(np.uint8)
       with self._tier.lock:
-        entry = replica.partial.get(key)
-        if entry is None:
-          block = outputs.empty(piece.record.shape, codec.dtype_of(
-              piece.record.dtype, f"replica of {key.key_path}"))
-          entry = replica.partial[key] = [block, 0]
+        entry = replica.piece_block(key, lambda: outputs.empty(
+            piece.record.shape, codec.dtype_of(piece.record.dtype,
+                                               f"replica of {key.key_path}")))
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
         raise errors.InvalidArgumentError(
@@ -196,26 +195,23 @@ class Replicator:
             f"{flat.nbytes}")
       flat[offset:offset + chunk.nbytes] = chunk
       with self._tier.lock:
-        entry[1] += chunk.nbytes
-        whole = entry[1] >= flat.nbytes
-        if whole:
-          del replica.partial[key]
+        whole = replica.piece_received(key, entry, chunk.nbytes)
       if whole:
         self._add_shard(replica, piece.record, entry[0])
     if done:
       with self._tier.lock:
-        replica.whole, replica.partial = True, {}
+        replica.mark_whole()
         held = self._tier.replicas.get((final_dir, source))
         if held is not None and held is replica.replaces:  # a resend: the newer copy wins
           self._tier.replicas[(final_dir, source)] = replica
-          replica.committed, replica.replaces = held.committed, None
+          replica.take_place_of(held)
           log.info("step %d: host %d's replica, sent again, replaces the one held", step,
                    source, extra={"step": step})
         elif held is not replica:
           return 0  # aborted or evicted while it came
         fate = self._tier.committed_dirs.get(final_dir)
         if fate is not None:  # its step committed before the replica was whole
-          replica.committed = True
+          replica.commit()
           if fate:
             self._tier.evict(directory)
           else:
@@ -242,9 +238,7 @@ class Replicator:
           f"replica of step {replica.step} does not match the crc32c its sender computed "
           f"({crc32c}): the replica is dropped")
     with self._tier.lock:
-      old = replica.shards.get(key)
-      replica.nbytes += data.nbytes - (old.nbytes if old is not None else 0)
-      replica.shards[key] = data
+      replica.add_shard(key, data)
 
   def _replica_fault(self, step: int) -> None:
     if not faults.armed("replicate", step):

@@ -1,10 +1,12 @@
-"""The save phases on the sidecar: open, begin, stage and its writer, commit, abort, delete.
+"""The save phases on the sidecar: open, begin, stage, prepared, commit, abort, delete.
 
-``stage`` takes shards the worker copied into the arena; from then on the trainer's
-arrays are free: this host's RAM tier holds the only copy it needs, and one writer
-thread per step (started through ``spawn``, so the owner joins it) writes them as
-they arrive. ``commit`` builds the manifest (``records.Manifest.of_save``), and the
-step's format writes it, finalizes and renames. What differs between formats (tmp
+``stage`` takes shards the worker copied into the arena into the step's ``step.Step``
+(``Step.take``); from then on the trainer's arrays are free: this host's RAM tier holds
+the only copy it needs, and one writer thread per step (``write.write_step``, started
+through ``spawn``, so the owner joins it) writes them as they arrive. ``begin`` records
+the save as in flight (``begins.Begins``). ``commit`` (of a written step) builds the
+manifest (``records.Manifest.of_save``), and the step's format writes it, finalizes and
+renames. What differs between formats (tmp
 directories, how parts are numbered, the write engine, the commit) is the step's
 ``ckptfmt.format.Format``, found by name in the ``formats`` registry: nothing here
 branches on a format. ``delete`` and ``abort`` remove only step directories a
@@ -14,21 +16,17 @@ checkpoint wrote.
 from __future__ import annotations
 
 import dataclasses
-import errno
+import functools
 import logging
 import os
 import pathlib
-import queue
-import re
 import shutil
 import stat
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
@@ -37,34 +35,19 @@ from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import faults, ram_tier, roots as roots_lib
+from sidecar._src.server.checkpoint import (
+  begins as begins_lib,
+  faults,
+  ram_tier,
+  roots as roots_lib,
+  step as step_lib,
+  write as write_lib,
+)
 
 log = logging.getLogger(__name__)
-# A save's parts come as the trainer copies them (512 MiB in ~0.06 s); a writer that
-# waits longer than this for the next one gives up and lets the staged blocks go (the
-# trainer died or hung mid-save).
-STAGE_TIMEOUT_S = 60.0
 # A directory being removed (a step deleted, an uncommitted one aborted or swept):
 # ``.<name>.sidecar-deleting-<id>``, swept by the next open where a removal was cut short.
 DELETING = ".sidecar-deleting-"
-# The longest a commit "when written" waits for the step's write, and an open for those
-# commits (a restarted trainer's, while its predecessor's last step is written).
-LONG_WRITE_S = 3600.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Begun:
-  """A save that a Begin started here: in flight (no other session begins its step, no
-  open's sweep removes its directory) until committed or aborted, while its trainer is
-  there (``alive``: its worker is attached), as long as it stages (its first part within
-  ``STAGE_TIMEOUT_S``, then until its step is written and committed)."""
-  owner: str  # the handshake session that began it
-  step: int
-  tmp: pathlib.Path  # its uncommitted step directory (resolved)
-  # Whether the trainer that began it is there; None: not known (no worker of it here),
-  # and then only its staging in progress keeps it in flight (as before Begin was recorded).
-  alive: Callable[[], bool] | None
-  at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class StepWriter:
@@ -88,7 +71,7 @@ class StepWriter:
                spawn: Callable[..., None], metrics: metrics_lib.Recorder,
                formats: formats_lib.Registry = formats_lib.DEFAULT,
                write_turn: Callable[[str], Turn | None] = lambda owner: None,
-               take_over: Callable[[ram_tier.Step], None] = lambda record: None):
+               take_over: Callable[[step_lib.Step], None] = lambda own: None):
     self._host_id = host_id
     self._tier = tier
     self._roots = roots
@@ -98,10 +81,7 @@ class StepWriter:
     self._formats = formats
     self._write_turn = write_turn
     self._take_over = take_over
-    # The saves begun here, by uncommitted step directory; one Begin at a time checks and
-    # records them (``_begin_lock``), so two Begins of one step never both pass.
-    self._begun: dict[pathlib.Path, Begun] = {}
-    self._begin_lock = threading.Lock()
+    self._begins = begins_lib.Begins(host_id, tier=tier)  # the saves begun here
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
            sweep: bool = True, wait_s: float | None = None) -> list[int]:
@@ -113,7 +93,7 @@ class StepWriter:
     so that a restarted trainer's restore finds the step its predecessor saved last.
     """
     path = pathlib.Path(self._path(directory, "directory"))
-    self._wait_for_commits(directory, LONG_WRITE_S if wait_s is None else wait_s)
+    self._wait_for_commits(directory, write_lib.LONG_WRITE_S if wait_s is None else wait_s)
     try:
       path.mkdir(parents=True, exist_ok=True)
       probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
@@ -135,9 +115,9 @@ class StepWriter:
     tmps = [t for f in self._formats.formats.values() for t in f.sweep(path)] if sweep else []
     for tmp in tmps:
       with self._tier.lock:
-        in_flight = any(s.directory == directory and (not s.done.is_set() or s.commit_pending)
+        in_flight = any(s.directory == directory and (not s.write_ended or s.commit_pending)
                         for s in self._tier.steps.values())
-      in_flight = in_flight or self._in_flight_at(pathlib.Path(os.path.realpath(tmp)))
+      in_flight = in_flight or self._begins.in_flight_at(pathlib.Path(os.path.realpath(tmp)))
       if not in_flight:  # a step whose save crashed before its commit
         _remove_dir(tmp)
         log.warning("removed %s, left by a save that never committed", tmp)
@@ -157,8 +137,7 @@ class StepWriter:
     for s in pending:
       log.info("open: waiting for step %d to be written and committed first (its trainers "
                "staged it whole: the sidecars commit it)", s.step, extra={"step": s.step})
-      assert s.committing is not None
-      if not s.committing.wait(max(0.0, deadline - time.monotonic())):
+      if not s.wait_agreed(max(0.0, deadline - time.monotonic())):
         raise errors.DeadlineExceededError(
             f"open: step {s.step} of {directory!r:.200} is still being written or committed "
             f"on host {self._host_id} after {wait_s:g} s; open the directory again once it "
@@ -178,15 +157,11 @@ class StepWriter:
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
-    with self._begin_lock:
-      self._refuse_busy(directory, step, fmt.name, tmp, owner)
-      self._begun[tmp] = Begun(owner, step, tmp, alive)
+    self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
     try:
       return str(fmt.create_tmp(directory, step))
     except BaseException as e:
-      with self._begin_lock:
-        if self._begun.get(tmp) is not None and self._begun[tmp].owner == owner:
-          del self._begun[tmp]
+      self._begins.unreserve(tmp, owner)
       if isinstance(e, FileExistsError):  # a race lost to a checkpointer that began or
         raise errors.PermissionDeniedError(  # committed the step meanwhile (another job's)
             f"begin: step {step} of {directory!r:.200} is being saved by another "
@@ -196,78 +171,17 @@ class StepWriter:
             "directory)") from None
       raise
 
-  def _refuse_busy(self, directory: str, step: int, fmt: str, tmp: pathlib.Path,
-                   owner: str) -> None:
-    """PermissionDeniedError if a save of the step whose directory is ``tmp`` is in flight
-    that a Begin by ``owner`` would break; forgets the begun saves that ended."""
-    # This session's own save is in flight until committed or aborted (a second
-    # checkpointer of the directory), once staged: before, its Begin again is a retry.
-    # Another session's, from its Begin on, while its trainer is there (one that died
-    # must not keep a relaunched job from saving the step).
-    for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
-      del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
-    other = self._begun.get(tmp)
-    with self._tier.lock:
-      busy = [s for s in self._tier.steps.values()
-              if s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-              and (not s.done.is_set() or (owner in s.owners and not s.committed
-                                           and s.error is None))]
-    another = "another session (another trainer process or Controller)"
-    if other is not None and other.owner != owner:
-      by = another
-    elif busy:
-      by = (another if owner not in busy[0].owners else
-            "another checkpointer of this directory in the same process")
-    else:
-      return
-    raise errors.PermissionDeniedError(
-        f"begin: step {step} of {directory!r:.200} is being saved by {by} on host "
-        f"{self._host_id}: another save of step {step} into this directory is in flight; "
-        "wait for that save to end, or save each step from one checkpointer")
-
-  def _in_flight(self, begun: Begun) -> bool:
-    """Whether the save ``begun`` may still stage, write or commit: its trainer is there,
-    and it staged within ``STAGE_TIMEOUT_S`` of its Begin and its step is not committed,
-    failed nor dropped since (where its trainer is not known, while being written)."""
-    with self._tier.lock:
-      mine = [s for s in self._tier.steps.values() if s.started >= begun.at
-              and s.step == begun.step and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp)]
-    if any(s.commit_pending for s in mine):  # committed here once written, trainer or not
-      return True
-    if begun.alive is not None and not begun.alive():
-      return False
-    if not mine:
-      return time.monotonic() - begun.at < STAGE_TIMEOUT_S
-    return any(not s.done.is_set() or (begun.alive is not None and not s.committed
-                                       and s.error is None) for s in mine)
-
   def forget_ended(self) -> None:
     """Forgets the begun saves that are no longer in flight (their trainers gone)."""
-    with self._begin_lock:
-      for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
-        del self._begun[gone.tmp]
+    self._begins.forget_ended()
 
-  def begun(self, directory: str, step: int, format: str) -> Begun | None:  # noqa: A002
+  def begun(self, directory: str, step: int, format: str) -> begins_lib.Begun | None:  # noqa: A002
     """The Begin of step ``step`` of ``directory`` here in flight, if any."""
     try:
       tmp = pathlib.Path(self.tmp_of(directory, step, format))
     except errors.SidecarError:
       return None
-    with self._begin_lock:
-      return self._begun.get(tmp)
-
-  def _in_flight_at(self, tmp: pathlib.Path) -> bool:
-    """Whether a save begun here into ``tmp`` (resolved) is in flight, whoever began it."""
-    with self._begin_lock:
-      begun = self._begun.get(tmp)
-      return begun is not None and self._in_flight(begun)
-
-  def _ended(self, path: pathlib.Path) -> None:
-    """Forgets the begun saves of the uncommitted directory ``path`` is, or lies in or
-    holds (a commit's or an abort's)."""
-    with self._begin_lock:
-      for tmp in [t for t in self._begun if path.is_relative_to(t) or t.is_relative_to(path)]:
-        del self._begun[tmp]
+    return self._begins.begun(tmp)
 
   def tmp_of(self, directory: str, step: int, format: str = formats_lib.ORBAX) -> str:  # noqa: A002
     """Where :meth:`begin` makes the step's uncommitted directory (resolved), if it lies
@@ -353,56 +267,44 @@ class StepWriter:
           f"committed ({final!r:.200})")
     faults.fault("stage", step)
     with self._tier.lock:
-      record = self._tier.steps.get(final_dir)
-      if record is not None and not record.done.is_set() and (
-          record.tmp_dir != tmp_dir
-          or (owner not in record.owners and len(record.owners) >= record.writers)):
+      own = self._tier.steps.get(final_dir)
+      if own is not None and not own.write_ended and (
+          own.tmp_dir != tmp_dir
+          or (owner not in own.owners and len(own.owners) >= own.writers)):
         raise errors.PermissionDeniedError(
-            f"stage: step {record.step} at {final_dir!r:.200} is being saved by another "
+            f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
-      if record is None or record.done.is_set():
-        record = ram_tier.Step(directory, step, final_dir, {}, 0, tmp_dir=tmp_dir,
-                               writers=max(writers, 1), format=fmt.name,
-                               numbering=fmt.numbering(leaves))
-        self._tier.steps[final_dir] = record
-        self._spawn(self._write, record, fmt, tmp_dir,
-                    self._write_turn(owner) or direct_io.no_turn, name=f"sidecar-ckpt-{step}")
-      if record.closed:
+      if own is None or own.write_ended:
+        own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
+                            format=fmt.name, numbering=fmt.numbering(leaves))
+        self._tier.add(own)
+        self._spawn(functools.partial(
+            write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
+            metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn),
+            name=f"sidecar-ckpt-{step}")
+      if own.whole:
         raise errors.InvalidArgumentError(
             f"stage: step {step} of {directory!r:.200} is staged already on host "
             f"{self._host_id}: another save of step {step} into this directory is in flight "
             "(another checkpointer or process); wait for that save to end, or save each step "
             "from one checkpointer")
-      record.owners.add(owner)
-      if leaves and not record.leaves:
-        record.leaves = tuple(leaves)
-      if alive is not None:
-        record.stagers[worker] = alive
-      assert record.numbering is not None
+      before = own.nbytes
       try:
-        taken = record.numbering.take(extra, self._here(shards))
+        whole = own.take(owner, extra, self._here(shards), last=last, writers=writers, plan=plan,
+                         leaves=leaves, worker=worker, alive=alive)
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
-      for n in taken:
-        record.shards[n.record.id] = n.data
-        record.records[n.record.id] = n.record
-        record.nbytes += n.data.nbytes
-        self._metrics.checkpoint_bytes("staged", n.data.nbytes)
-        record.incoming.put(n)
-      del taken
-      whole = False
-      if last:
-        record.lasts += 1
-        if plan is not None:
-          record.plans.append(plan)
-        if record.lasts >= writers:
-          record.closed = whole = True
-          record.incoming.put(None)
-          record.whole.set()
-      staged = record.nbytes
-    if whole and record.plans:
-      self._take_over(record)  # before this Stage answers: the sidecars commit it now
+      except step_lib.StateError:  # its write failed, or it was aborted, since the check above
+        if own.error is not None:
+          raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
+                                        tmp_dir=tmp_dir) from None
+        raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
+                                 f"{self._host_id} meanwhile") from None
+      staged = own.nbytes
+    self._metrics.checkpoint_bytes("staged", staged - before)
+    if whole and own.plans:
+      self._take_over(own)  # before this Stage answers: the sidecars commit it now
     return staged
 
   def _here(self, shards: list[Staged]) -> list[Staged]:
@@ -420,79 +322,19 @@ class StepWriter:
       out.append(s)
     return out
 
-  def _write(self, record: ram_tier.Step, fmt: Format, tmp_dir: str, turn: Turn) -> None:
-    # The bytes are written and checksummed on idle-class threads (the format's write
-    # engine, e.g. ckptfmt/orbax/write.py): a save yields the CPU to the training step and
-    # feeds wherever they compete. A pool tenant's are written in its turns at the
-    # storage, which the tenants writing share.
-    t0 = time.perf_counter()
-    try:
-      faults.fault("write", record.step)
-      faults.fault("slow", record.step)
-      last_log = [time.monotonic()]
-
-      def progress(nbytes: int) -> None:
-        faults.fault("enospc", record.step)
-        faults.fault("eio", record.step)
-        record.written += nbytes
-        self._metrics.checkpoint_bytes("written", nbytes)
-        now = time.monotonic()
-        if now - last_log[0] >= 1.0:  # rate-limited: one line a second at most
-          last_log[0] = now
-          log.info("step %d: %s of %s written (%.2f GB/s)", record.step,
-                   shm.format_size(record.written), shm.format_size(record.nbytes),
-                   record.written / (now - record.started) / 1e9, extra={"step": record.step})
-
-      def incoming() -> Iterator[Any]:
-        while True:
-          try:
-            shard = record.incoming.get(timeout=STAGE_TIMEOUT_S)
-          except queue.Empty:
-            raise errors.DeadlineExceededError(
-                f"step {record.step}: no part staged for {STAGE_TIMEOUT_S:g} s; the trainer "
-                "stopped mid-save") from None
-          if shard is None:
-            return
-          if isinstance(shard, BaseException):
-            raise shard
-          yield shard
-
-      assert record.numbering is not None
-      record.written_records = fmt.write(tmp_dir, self._host_id, record.numbering, incoming(),
-                                   progress=progress, turn=turn)
-      seconds = time.perf_counter() - t0
-      self._metrics.phase("write", seconds)
-      log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", record.step,
-               shm.format_size(record.nbytes), seconds, record.nbytes / max(seconds, 1e-9) / 1e9,
-               extra={"step": record.step})
-    except BaseException as e:
-      record.error = e.with_traceback(None)  # its frames would hold the staged blocks,
-      e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
-      log.error("step %d: writing this host's part failed: %s", record.step, e,
-                extra={"step": record.step})
-      if not record.closed:  # Its trainer is gone mid-save: nobody will commit or abort it.
-        with self._tier.lock:
-          if self._tier.steps.get(record.final_dir) is record:
-            del self._tier.steps[record.final_dir]
-        record.shards.clear()
-    finally:
-      record.finished = time.monotonic()
-      record.done.set()
-      record.whole.set()
-
   def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[ShardRecord]:
     """This host's shards of the step at ``final_dir``, written (their crc32c set), once
     its write ended."""
     self._path(final_dir, "final_dir")
-    record = self._tier.record(final_dir)
-    if not record.done.wait(timeout):
+    own = self._tier.step_at(final_dir)
+    if not own.wait_written(timeout):
       raise errors.DeadlineExceededError(
-          f"step {record.step} is still being written after {timeout} s")
-    if record.error is not None:
-      raise write_failure(self._host_id, record.step, final_dir, record.error,
-                          tmp_dir=record.tmp_dir)
-    faults.fault("prepared", record.step)
-    return record.written_records
+          f"step {own.step} is still being written after {timeout} s")
+    if own.error is not None:
+      raise write_lib.write_failure(self._host_id, own.step, final_dir, own.error,
+                                    tmp_dir=own.tmp_dir)
+    faults.fault("prepared", own.step)
+    return own.written_records
 
   def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
              shards: Sequence[ShardRecord], data_state: str, whole_step: bool,
@@ -511,38 +353,38 @@ class StepWriter:
     step = roots_lib.as_int(step, "step")
     fmt, tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
     with self._tier.lock:
-      record = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
-      if (record is None or owner not in record.owners or record.step != step
-          or record.committed or record.committing is not None):
+      own = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
+      if (own is None or owner not in own.owners or own.step != step
+          or own.committed or own.taken_over):
         raise errors.PermissionDeniedError(
             f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
             f"host {self._host_id}, or is being committed already; a session commits only "
             "the save it began, once")
-    return self._commit(record, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
+    return self._commit(own, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
                         whole_step, replicas, extra)
 
-  def commit_agreed(self, record: ram_tier.Step, shards: Sequence[ShardRecord], *,
+  def commit_agreed(self, own: step_lib.Step, shards: Sequence[ShardRecord], *,
                     plan: records.CommitPlan) -> str:
-    """Commits the step ``record`` (this host's part of it, taken over) with every host's
+    """Commits the step ``own`` (this host's part of it, taken over) with every host's
     written ``shards``, as ``plan`` says (the sidecars agreed: ``agreement.py``), and
     marks it committed in this RAM tier."""
-    fmt, tmp_dir, _ = self._uncommitted(record.tmp_dir, "tmp_dir")
-    committed = self._commit(record, fmt, tmp_dir, len(plan.hosts), record.leaves, shards,
+    fmt, tmp_dir, _ = self._uncommitted(own.tmp_dir, "tmp_dir")
+    committed = self._commit(own, fmt, tmp_dir, len(plan.hosts), own.leaves, shards,
                              plan.data_state_json, True,
                              {h: list(p) for h, p in plan.replicas.items()} or None, None)
-    self._tier.mark_committed(record.final_dir)
+    self._tier.mark_committed(own.final_dir)
     return committed
 
-  def _commit(self, record: ram_tier.Step, fmt: Format, tmp_dir: str, num_hosts: int,
+  def _commit(self, own: step_lib.Step, fmt: Format, tmp_dir: str, num_hosts: int,
               leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
               whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
-    """:meth:`commit` of ``record``, written here, once checked to be the caller's."""
-    step = record.step
-    if record.error is not None:
+    """:meth:`commit` of ``own``, written here, once checked to be the caller's."""
+    step = own.step
+    if own.error is not None:
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} failed to write on host {self._host_id} "
-          f"({record.error}); save it again")
-    if not record.done.is_set():  # a save commits after its prepared: this is another's
+          f"({own.error}); save it again")
+    if not own.write_ended:  # a save commits after its prepared: this is another's
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
           f"{self._host_id}: another save of step {step} into this directory is in flight "
@@ -562,8 +404,8 @@ class StepWriter:
                            whole_step=whole_step, extra=extra,
                            swapping=lambda: faults.fault("swap", step))
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,
-      record.manifest = manifest     # the trainer tells the other RAM tiers (built once)
-    self._ended(pathlib.Path(tmp_dir))
+      own.keep_manifest(manifest)    # the trainer tells the other RAM tiers (built once)
+    self._begins.ended(pathlib.Path(tmp_dir))
     return committed
 
   def abort(self, tmp_dir: str, final_dir: str) -> None:
@@ -586,19 +428,10 @@ class StepWriter:
       raise errors.PermissionDeniedError(
           f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in it); "
           "abort removes only what a save made: move it away yourself")
-    with self._tier.lock:
-      record = self._tier.steps.pop(final_dir, None)
-      for key in [k for k in self._tier.replicas if k[0] == final_dir]:
-        del self._tier.replicas[key]
-    if record is not None:
-      if record.replication is not None:
-        record.replication.cancelled.set()
-      if not record.closed:
-        record.incoming.put(errors.ClosedError(f"the save of step {record.step} was aborted"))
-      record.whole.set()
-      record.done.wait(60)
-      record.shards.clear()  # the staged blocks go back to the arena
-    self._ended(pathlib.Path(path))
+    own = self._tier.remove_item(final_dir)
+    if own is not None:  # its writer stops before its directory goes
+      own.wait_written(60)
+    self._begins.ended(pathlib.Path(path))
     _remove_dir(pathlib.Path(path))
 
   def delete(self, directory: str, step: int) -> None:
@@ -640,39 +473,6 @@ def _remove_dir(path: pathlib.Path) -> None:
   except (FileNotFoundError, NotADirectoryError):
     return
   shutil.rmtree(gone, ignore_errors=True)
-
-
-def write_failure(host_id: int, step: int, final_dir: str, e: BaseException, *,
-                  tmp_dir: str = "") -> errors.SidecarError:
-  """The error of a host's part of ``step`` that could not be written: an OSError (a full
-  disk, an I/O error), or TensorStore's error of one (its ``os_error_code``), is
-  CheckpointWriteError with its errno, file and host (a file TensorStore wrote through the
-  descriptor of the part's directory ``tmp_dir`` named by its path); our own errors keep
-  their kind."""
-  if isinstance(e, errors.SidecarError):
-    return e
-  code, path = getattr(e, "errno", None), getattr(e, "filename", None)
-  text = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
-  if tmp_dir:
-    text = re.sub(r"/proc/self/fd/\d+", lambda _: tmp_dir, text)
-  if not isinstance(e, OSError) and (found := _OS_ERROR.search(text)):
-    code = int(found.group(1))
-    file = _FILE.search(text)
-    path = file.group(1) if file else None
-  if not isinstance(e, OSError) and code is None:
-    return errors.InvalidArgumentError(f"host {host_id} could not write step {step}: {text}")
-  path = os.fsdecode(path) if path is not None else final_dir
-  name = errno.errorcode.get(code, "") if code is not None else ""
-  return errors.CheckpointWriteError(
-      f"host {host_id} could not write step {step}: "
-      + (text if isinstance(e, OSError) or code is None else f"{os.strerror(code)} ({text})")
-      + (f" ({name})" if name else "") + f" writing {path}; make room there (or save to "
-      "another directory), then save again", errno=code, path=path, host_id=host_id)
-
-
-# TensorStore's words for an OS error and its file (in a write's error).
-_OS_ERROR = re.compile(r"os_error_code='?(\d+)")
-_FILE = re.compile(r'(?:writing|Failed writing:) (?:local file )?"([^"]+)"')
 
 
 def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:

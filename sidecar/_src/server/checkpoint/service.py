@@ -63,7 +63,7 @@ def _timeout(seconds: float, context: grpc.ServicerContext, name: str = "timeout
 # tokens each must lie in a directory the caller's client opened.
 _PATH_FIELDS = ("directory", "tmp_dir", "final_dir")
 # The rpcs that check who may act where themselves (the pool's operator may name any; the
-# sidecars' agreement is the peer sidecars').
+# sidecars' agreement is the job's sidecars' own).
 _OWN_CHECKS = ("DropRamTier", "Agree")
 # The rpcs of the peer token's sessions (the job's sidecars), which are no tenant's.
 _REPLICA_LINK_RPCS = ("Receive", "Agree")
@@ -429,7 +429,7 @@ class CheckpointService:
     """
     if not self._sessions.is_replica_link(_session(context)):
       raise errors.PermissionDeniedError(
-          "Receive: replicas are accepted only from this job's peer sidecars, whose handshake "
+          "Receive: replicas are accepted only from this job's other sidecars, whose handshake "
           f"carries the peer token ('{protocol.REPLICA_KEY}' metadata); this session's did not. "
           "Give every sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
     first, data = parse_receive(next(requests, b""))
@@ -494,7 +494,7 @@ class CheckpointService:
     if ((self._checkpoints.needs_replica_token or self._per_client)
         and not self._sessions.is_replica_link(_session(context))):
       raise errors.PermissionDeniedError(
-          "Agree: the sidecars' agreement on a step is accepted only from this job's peer "
+          "Agree: the sidecars' agreement on a step is accepted only from this job's other "
           f"sidecars, whose handshake carries the peer token ('{protocol.REPLICA_KEY}' "
           "metadata); this session's did not")
     state = wire.agree_from_pb(r, "AgreeState", sender=f"host {r.host}'s sidecar")

@@ -140,7 +140,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     mine.abort(0, tmp, str(path), timeout=10).result()
 
 
-# ---- peer replicas: only from peer sidecars, checked, never silently dropped ------------
+# ---- replicas: only from the job's other sidecars, checked, never silently dropped -----
 
 
 def handshake(server, *, replica_token: str | None = None) -> tuple[grpc.Channel, list]:
@@ -192,12 +192,12 @@ def test_a_controller_cannot_plant_a_replica(make_server, tmp_path):
   with pytest.raises(grpc.RpcError) as info:
     receive(channel, metadata, replica(directory, np.full(1024, 666.0, np.float32)))
   assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value.details()
-  assert "accepted only from this job's peer sidecars" in info.value.details()
+  assert "accepted only from this job's other sidecars" in info.value.details()
   assert "--peer-token-file" in info.value.details()
   channel.close()
   for wrong in ("nope", PEER_TOKEN + "x"):  # a wrong peer token makes no peer either
     channel, metadata = handshake(servers[1], replica_token=wrong)
-    with pytest.raises(grpc.RpcError, match="accepted only from this job's peer sidecars"):
+    with pytest.raises(grpc.RpcError, match="accepted only from this job's other sidecars"):
       receive(channel, metadata, replica(directory, np.full(1024, 666.0, np.float32)))
     channel.close()
   assert held_replicas(servers[1], directory) == {}

@@ -243,7 +243,7 @@ def test_only_the_job_s_sidecars_take_part_in_the_agreement_on_a_step(make_serve
   tenant = Raw(server.port, token=BOB)
   error = rejected(lambda: tenant.ckpt.Agree(state, metadata=tenant.metadata, timeout=10))
   assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
-  assert "accepted only from this job's peer sidecars" in error.details()
+  assert "accepted only from this job's other sidecars" in error.details()
   tenant.close()
   peer = Raw(server.port, token=PEER_TOKEN, replica_token=PEER_TOKEN)
   answer = peer.ckpt.Agree(state, metadata=peer.metadata, timeout=10)

@@ -1,13 +1,12 @@
-"""The RAM tier's records and budgets: which committed steps stay, which go, and that
-their arena blocks go back.
+"""The RAM tier's steps, replicas and budgets: which committed steps stay, which go, and
+that their arena blocks go back.
 
 A real arena: each staged shard is a leased view of an arena block, as the sidecar
-stages it; a block returns to the allocator once no record (and no test) holds its
-view. No server, no processes.
+stages it; a block returns to the allocator once no step or replica (and no test) holds
+its view. No server, no processes.
 """
 
 import logging
-import threading
 
 import numpy as np
 import pytest
@@ -16,7 +15,8 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import Held, ReplicaTarget, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server.arenas.leases import Leases
-from sidecar._src.server.checkpoint import ram_tier
+from sidecar._src.server.checkpoint import ram_tier, step as step_lib
+from tests.support.ram_steps import make_step
 
 pytestmark = pytest.mark.unit
 
@@ -37,8 +37,15 @@ def arena():
 def tier(arena):
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
   yield tier
-  tier.steps.clear()
-  tier.replicas.clear()
+  forget_all(tier)
+
+
+def forget_all(tier):
+  with tier.lock:
+    for own in tier.steps.values():
+      own.drop()
+    tier.steps.clear()
+    tier.replicas.clear()
 
 
 def staged(arena, nbytes=KB) -> np.ndarray:
@@ -55,21 +62,25 @@ def item(step, directory=D):
 
 
 def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=True):
-  """This host's own shards of ``step`` (``blocks`` of them), as a finished write."""
+  """This host's own shards of ``step`` (``blocks`` of them), as a finished write
+  (``done``), committed or not, or one still being written."""
   shards = {ShardId(("w",), ((i, i + 1),)): staged(arena) for i in range(blocks)}
-  record = ram_tier.Step(directory, step, item(step, directory), shards, blocks * KB)
-  if done:
-    record.done.set()
-    record.finished = 0.0
-  record.committed = committed
-  tier.steps[record.final_dir] = record
+  own = make_step(directory, step, item(step, directory), shards, written=done)
+  with tier.lock:
+    tier.add(own)
+  if committed:
+    tier.mark_committed(own.final_dir)
+  return own
 
 
 def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
-  replica = ram_tier.Replica(D, step, item(step), source, whole=whole, committed=committed)
+  replica = ram_tier.Replica(D, step, item(step), source)
   for i in range(blocks):
-    replica.shards[ShardId(("w",), ((i, i + 1),))] = staged(arena)
-    replica.nbytes += KB
+    replica.add_shard(ShardId(("w",), ((i, i + 1),)), staged(arena))
+  if whole:
+    replica.mark_whole()
+  if committed:
+    replica.commit()
   tier.replicas[(item(step), source)] = replica
 
 
@@ -86,6 +97,7 @@ def used_blocks(arena) -> int:
 def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena):
   tier.ram_steps[D] = (2, None)
   assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
+  assert [s.phase for s in tier.steps.values()] == [step_lib.Phase.COMMITTED] * 2
   assert used_blocks(arena) == 2
   assert sorted(s.step for s in tier.steps.values()) == [2, 3]
   assert tier.committed_dirs == {item(1): False, item(2): True, item(3): True}
@@ -153,11 +165,13 @@ def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
 
 def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
   commit(tier, arena, 1)
-  job = tier.steps[item(1)].replication = ram_tier.Replication(
-      [ReplicaTarget(host_id=1, address="127.0.0.1:1")])
+  own = tier.steps[item(1)]
+  job, made = own.start_replication(
+      lambda: step_lib.Replication([ReplicaTarget(host_id=1, address="127.0.0.1:1")]))
+  assert made and job.receivers[0].host_id == 1
   with tier.lock:
     tier.drop(D, 1)
-  assert job.cancelled.is_set() and used_blocks(arena) == 0
+  assert job.cancelled and used_blocks(arena) == 0 and own.phase is step_lib.Phase.DROPPED
 
 
 def test_drop_keeps_uncommitted_steps_and_other_directories(tier, arena):
@@ -174,35 +188,34 @@ def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, capl
   add_step(tier, arena, 2, done=False)  # still being written: never expires
   add_step(tier, arena, 3, committed=True)
   stale = tier.steps[item(1)]
-  job = stale.replication = ram_tier.Replication([])
+  job, _ = stale.start_replication(lambda: step_lib.Replication([]))
   with caplog.at_level(logging.WARNING, logger="sidecar._src.server.checkpoint.ram_tier"):
     assert tier.expire_uncommitted() == [1]
   assert "step 1 of /ck/run was staged and written" in caplog.text
   assert ("never committed (the controller that staged it is gone?): its "
           f"{shm.format_size(2 * KB)} are freed") in caplog.text
-  assert job.cancelled.is_set() and stale.shards == {}
+  assert job.cancelled and stale.shards == {} and stale.phase is step_lib.Phase.DROPPED
   assert sorted(s.step for s in tier.steps.values()) == [2, 3]
-  assert used_blocks(arena) == 2  # the record is still referenced here; its blocks are not
+  assert used_blocks(arena) == 2  # the step is still referenced here; its blocks are not
   assert tier.expire_uncommitted() == []
-  tier.steps.clear()
+  forget_all(tier)
 
 
-def test_record_names_the_host_and_the_item(tier, arena):
+def test_step_at_names_the_host_and_the_item(tier, arena):
   add_step(tier, arena, 1)
-  assert tier.record(item(1)).step == 1
+  assert tier.step_at(item(1)).step == 1
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^host 0 has not staged /ck/run/2/default$"):
-    tier.record(item(2))
+    tier.step_at(item(2))
 
 
 def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   tier.ram_steps[D] = (3, None)
   commit(tier, arena, 1, blocks=2)
   add_step(tier, arena, 2)  # written, commit not yet in
-  add_step(tier, arena, 3, blocks=3, done=False)
-  tier.steps[item(3)].written = KB
+  add_step(tier, arena, 3, blocks=3, done=False).count_written(KB)
   add_replica(tier, arena, 1, source=2)
-  tier.replicas[(item(1), 2)].committed = True
+  tier.replicas[(item(1), 2)].commit()
   add_replica(tier, arena, 0, source=2, committed=True)
   add_replica(tier, arena, 1, source=3, whole=False, committed=True)  # still arriving
   [status] = tier.status()
@@ -217,7 +230,7 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   # Steps the sidecars took over are committing until their end is known here, written
   # or not, and never counted as uncommitted meanwhile.
   for step in (2, 3):
-    tier.steps[item(step)].committing = threading.Event()
+    tier.steps[item(step)].take_over()
   [status] = tier.status()
   assert (list(status.committing), list(status.uncommitted), list(status.writing)) == (
       [2, 3], [], [3])
@@ -250,5 +263,39 @@ def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena)
     add_step(tier, arena, 4, committed=False, done=False)  # a save in progress
     assert tier.group_use()["alice"] == (1, 3 * KB)
   finally:
-    tier.steps.clear()
-    tier.replicas.clear()
+    forget_all(tier)
+
+
+def test_a_commit_told_of_a_step_not_written_here_leaves_it(tier, arena, caplog):
+  """Only a written step becomes committed (``Step.commit``): one still being written (a
+  save of the step again, staged since that commit) stays as it is, kept from eviction
+  and expiry as before, its write going on."""
+  own = add_step(tier, arena, 1, done=False)
+  with caplog.at_level(logging.INFO, logger="sidecar._src.server.checkpoint.ram_tier"):
+    assert tier.mark_committed(item(1)) == []
+  assert "told it is committed while staged here; left as it is" in caplog.text
+  assert own.phase is step_lib.Phase.STAGED and tier.steps[item(1)] is own
+  own.end_write([])
+  assert tier.mark_committed(item(1)) == [1] and own.committed
+
+
+def test_a_replica_is_assembled_made_whole_and_replaces_the_one_held(tier, arena):
+  """A replica's shards come whole or in pieces; it is whole once its sender says so, and
+  one sent again takes the place of the whole one held, committed as that was."""
+  old = ram_tier.Replica(D, 1, item(1), 2)
+  old.add_shard(ShardId(("w",), ((0, 1),)), staged(arena))
+  old.mark_whole()
+  old.commit()
+  new = ram_tier.Replica(D, 1, item(1), 2, replaces=old)
+  key = ShardId(("w",), ((0, 1),))
+  entry = new.piece_block(key, lambda: staged(arena))
+  assert new.piece_block(key, lambda: pytest.fail("made twice")) is entry and new.partial == 1
+  assert not new.piece_received(key, entry, KB // 2)
+  assert new.piece_received(key, entry, KB // 2) and new.partial == 0
+  new.add_shard(key, entry[0])
+  assert (new.nbytes, new.whole, new.committed) == (KB, False, False)
+  new.mark_whole()
+  new.take_place_of(old)
+  assert new.whole and new.committed and new.replaces is None and list(new.shards) == [key]
+  with pytest.raises(TypeError):
+    new.shards[key] = entry[0]  # a read-only view

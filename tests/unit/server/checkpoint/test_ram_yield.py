@@ -13,6 +13,7 @@ from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.checkpoint import ram_tier, ram_yield
+from tests.support.ram_steps import make_step
 
 pytestmark = pytest.mark.unit
 
@@ -36,12 +37,11 @@ def add_step(arena, tier, step, *, blocks=1, directory=D, committed=False, done=
     shards[ShardId(("w",), ((i, i + 1),))] = arena.lease(
         block.offset, KB,
         lambda b=block, p=pin: leases.release(b.offset, b.generation, p))
-  record = ram_tier.Step(directory, step, item(step, directory), shards, blocks * KB)
-  if done:
-    record.done.set()
-    record.finished = 0.0
-  record.committed = committed
-  tier.steps[record.final_dir] = record
+  own = make_step(directory, step, item(step, directory), shards, written=done)
+  with tier.lock:
+    tier.add(own)
+  if committed:
+    tier.mark_committed(own.final_dir)
 
 
 def commit(tier, arena, step, **kw):
@@ -70,8 +70,11 @@ def setup():
   leases = Leases(shm.Allocator(arena.size), reclaim=yielding.reclaim,
                   holds=lambda tenant: yielding.describe())
   yield (arena, leases), tier, yielding, recorder, spare
-  tier.steps.clear()
-  tier.replicas.clear()
+  with tier.lock:
+    for own in tier.steps.values():
+      own.drop()
+    tier.steps.clear()
+    tier.replicas.clear()
   assert leases.allocator.used_bytes == 0, "a staged block was never freed"
   arena.close()
 

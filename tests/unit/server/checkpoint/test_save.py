@@ -18,7 +18,13 @@ from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
+from sidecar._src.server.checkpoint import (
+  ram_tier,
+  roots as roots_lib,
+  save as checkpoint_save,
+  step as step_lib,
+  write as write_lib,
+)
 from tests.support import races
 from tests.support.staged import staged
 
@@ -95,7 +101,7 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   assert engine.first.wait(30)  # written before the rest is staged
   assert engine.seen == [(0, ((0, 2), (0, 2)))]
   stage([shard(0, ((2, 4), (0, 2)), 2.0)], True, "a")
-  assert not tier.steps[final].whole.is_set()  # the other process's last part is due
+  assert not tier.steps[final].whole  # the other process's last part is due
   assert stage([shard(1, ((0, 3),), 7)], True, "b") == 16 + 16 + 12
   sums = writer.prepared(final, timeout=30)
   assert sorted((c.key_path, c.index, c.host) for c in sums) == [
@@ -133,10 +139,11 @@ def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writ
   part = [shard(0, ((0, 2), (0, 2)), 1.0)]
   writer.stage(directory, 5, tmp_dir, final, SPECS, part, last=False, owner="a")
   assert engine.first.wait(30)
-  record = tier.steps[final]
+  own = tier.steps[final]
   writer.abort(os.path.dirname(tmp_dir), final)
-  assert record.done.is_set() and isinstance(record.error, errors.ClosedError)
-  assert final not in tier.steps and record.shards == {}
+  assert own.write_ended and isinstance(own.error, errors.ClosedError)
+  assert own.phase is step_lib.Phase.DROPPED  # aborted mid-write: its write's end recorded
+  assert final not in tier.steps and own.shards == {}
   assert os.listdir(directory) == []
 
 
@@ -239,7 +246,7 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
                            r"was: step 3 is already committed at .*ck/3; a save never replaces "
                            r"a committed step"):
     writer.begin(directory, 3, owner="b")
-  monkeypatch.setattr(checkpoint_save, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
+  monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
   writer.begin(directory, 4, owner="a", alive=lambda: True)
   writer.begin(directory, 4, owner="b", alive=lambda: True)
 
