@@ -1,6 +1,7 @@
 """The shape of one save: files on its trace, the trainer's threads, forms of a shard, plug tests.
 
 Run from the repository root: ``python -m benchmarks.save_shape``. Not run by CI; no timing.
+A restore's counterpart is ``benchmarks/restore_shape.py``.
 
 Two in-process sidecars (``server.server.Server``, as tests/server's ``make_server``), one
 trainer in this process, so that one profiler sees both sides of the gRPC boundary. One
@@ -100,6 +101,11 @@ FORMS: list[tuple[str, str, str]] = [
      "ckptfmt/records.py: a replica's shard"),
     ("ShardChecksum", r"^class ShardChecksum\b", "ckptfmt/records.py: a written shard"),
     ("pb.ShardChecksum", r"^message ShardChecksum\b", "protos: its message"),
+    ("pb.DcpItem", r"^message DcpItem\b",
+     "protos: a DCP item described again beside its record at a Stage (gone: each item is "
+     "its record, distcp.Item.of_record)"),
+    ("DcpPart's items", r"^  items: tuple\[Item\b",
+     "ckptfmt/dcp/parts.py: a rank's items, sent with its first Stage (gone: their count)"),
     ("Manifest entry", r"^class Manifest\b", "ckptfmt/records.py: the manifest's shards"),
 ]
 # What carries a shard's data beside its record and describes nothing itself: not forms

@@ -108,29 +108,13 @@ class HostIds(_message.Message):
     hosts: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, hosts: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class DcpItem(_message.Message):
-    __slots__ = ("fqn", "kind", "nbytes", "dtype", "sizes", "offsets")
-    FQN_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SIZES_FIELD_NUMBER: _ClassVar[int]
-    OFFSETS_FIELD_NUMBER: _ClassVar[int]
-    fqn: str
-    kind: str
-    nbytes: int
-    dtype: str
-    sizes: _containers.RepeatedScalarFieldContainer[int]
-    offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, fqn: _Optional[str] = ..., kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class DcpPart(_message.Message):
-    __slots__ = ("rank", "items")
+    __slots__ = ("rank", "item_count")
     RANK_FIELD_NUMBER: _ClassVar[int]
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_COUNT_FIELD_NUMBER: _ClassVar[int]
     rank: int
-    items: _containers.RepeatedCompositeFieldContainer[DcpItem]
-    def __init__(self, rank: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DcpItem, _Mapping]]] = ...) -> None: ...
+    item_count: int
+    def __init__(self, rank: _Optional[int] = ..., item_count: _Optional[int] = ...) -> None: ...
 
 class DcpCommit(_message.Message):
     __slots__ = ("metadata", "file_sizes", "plan_json")
@@ -566,20 +550,20 @@ class ByteRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointReadRequest(_message.Message):
-    __slots__ = ("final_dir", "shard", "crc32c", "tier", "part", "worker_session")
+    __slots__ = ("final_dir", "record", "tier", "part", "worker_session", "unchecked")
     FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
-    SHARD_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WORKER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    UNCHECKED_FIELD_NUMBER: _ClassVar[int]
     final_dir: str
-    shard: ShardId
-    crc32c: int
+    record: ShardRecord
     tier: Tier
     part: ByteRange
     worker_session: str
-    def __init__(self, final_dir: _Optional[str] = ..., shard: _Optional[_Union[ShardId, _Mapping]] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., part: _Optional[_Union[ByteRange, _Mapping]] = ..., worker_session: _Optional[str] = ...) -> None: ...
+    unchecked: bool
+    def __init__(self, final_dir: _Optional[str] = ..., record: _Optional[_Union[ShardRecord, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ..., part: _Optional[_Union[ByteRange, _Mapping]] = ..., worker_session: _Optional[str] = ..., unchecked: _Optional[bool] = ...) -> None: ...
 
 class CheckpointReadResponse(_message.Message):
     __slots__ = ("data",)

@@ -16,6 +16,7 @@ import time
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.records import (
   CommitPlan,
   Manifest,
@@ -124,7 +125,7 @@ class FakeSidecars(CheckpointTransport):
     self.records: dict[tuple[int, str], dict] = {}  # (host, final dir) -> {(kp, index): record}
     self.manifests: dict[str, Manifest] = {}  # final dir -> its manifest, once committed
     self.aborted: list[tuple[int, str]] = []
-    self.items: dict[tuple[str, int], tuple] = {}  # (final dir, DCP rank) -> its items
+    self.items: dict[tuple[str, int], int] = {}  # (final dir, DCP rank) -> its item count
     self.told: list[tuple[int, str, str]] = []  # committed: (host, final dir, manifest_json)
     self.plans: dict[str, CommitPlan] = {}  # final dir -> the plan its last Stages carried
     self.finals: dict[str, str] = {}  # tmp dir -> final dir, as staged
@@ -169,14 +170,15 @@ class FakeSidecars(CheckpointTransport):
     if plan is not None and (plan.lead or final_dir not in self.plans):
       self.plans[final_dir] = plan
     self.finals[tmp_dir] = final_dir
-    if extra is not None and extra.items:  # a DCP rank's items: its shards number them
-      self.items[(final_dir, extra.rank)] = extra.items
+    if extra is not None:  # a DCP rank's part: its item count, the same in each part
+      assert self.items.setdefault((final_dir, extra.rank), extra.item_count) == extra.item_count
     held = self.staged.setdefault((host, final_dir), {})
     records = self.records.setdefault((host, final_dir), {})
     for s in shards:
       r = s.record
-      if extra is not None:
-        assert r.id.key_path == (self.items[(final_dir, extra.rank)][r.leaf].fqn,)
+      if extra is not None:  # each item is its record
+        assert 0 <= r.leaf < extra.item_count and r.rank == extra.rank
+        distcp.Item.of_record(r)
       else:
         assert r.id.key_path == self.leaves[final_dir][r.leaf].key_path
       assert r.host == host
@@ -268,10 +270,11 @@ class FakeSidecars(CheckpointTransport):
       return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
     return self._phase("info", host, manifest)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, byte_range=None, private=False):
-    data = self.staged.get((host, final_dir), {}).get(shard)
+  def read(self, host, final_dir, record, *, tier, checked=True, byte_range=None,
+           private=False):
+    data = self.staged.get((host, final_dir), {}).get(record.id)
     if data is None:
-      return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {shard}"))
+      return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {record.id}"))
     return self._phase("read", host, data)
 
 

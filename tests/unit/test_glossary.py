@@ -64,7 +64,7 @@ SAME = {
         "pool", "pool_file", "pool_sets", "pool_status"}),
     # one host's (or rank's) share of a step, the files it writes
     "part": frozenset({
-        "dcp_part_from_pb", "dcp_part_to_pb", "rank_part", "write_item_part",
+        "dcp_part_from_pb", "dcp_part_to_pb", "write_item_part",
         "write_rank_part"}),
     # the shards a save hands on together
     "lot": frozenset({"STAGE_LOT_BYTES", "lots"}),
@@ -72,6 +72,14 @@ SAME = {
     # the frozen values it is one of, a host's written ones; read module by module
     "record": frozenset({
         "ckptfmt/dcp/distcp.py:record",  # Item.record: an item's shard record, as staged
+        # What a restore reads by, from the manifest down to the read (issue 65, item 2).
+        "ckptfmt/dcp/format.py:record", "ckptfmt/format.py:record",  # Format.read's
+        "ckptfmt/orbax/format.py:record",
+        "controller/checkpoint/client.py:record",  # CheckpointTransport.read's
+        "controller/checkpoint/restore.py:record", "controller/checkpoint/restore.py:_record",
+        "server/checkpoint/read.py:record",  # Reader.read's
+        "server/checkpoint/checkpoints.py:record",  # Checkpoints.read's
+        "torch/storage.py:_records",  # StorageReader's: each item's, by fqn and offsets
         "ckptfmt/records.py:record",  # Staged.record, ReplicaPiece.record
         "ckptfmt/records.py:records",  # the module
         "controller/checkpoint/staging.py:record",  # ShardCopy.record
@@ -109,12 +117,6 @@ KNOWN = {
                        "call in pieces); ckptfmt/dcp/parts.py is DcpPart's, a rank's part",
     ("record", "controller/elastic.py:record"): "Retry.record, Retry.note's deprecated "
                                                 "spelling (a public method), until 0.4.0",
-    # A DCP archive (an item's bytes in a .distcp file): renamed by ws-records.
-    ("record", "ckptfmt/dcp/distcp.py:_write_record"): "a DCP archive; renamed by ws-records",
-    ("record", "ckptfmt/dcp/record.py:record"): "the module of DCP's archive; renamed by "
-                                                "ws-records",
-    ("record", "ckptfmt/dcp/record.py:record_length"): "a DCP archive's length; renamed by "
-                                                       "ws-records",
 }
 
 

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt.direct_io import Turn
-from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardId, ShardRecord, Staged
+from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 
@@ -200,9 +200,10 @@ class Format(abc.ABC):
   # ---- restore ------------------------------------------------------------
 
   @abc.abstractmethod
-  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate,
+  def read(self, final_dir: str, record: ShardRecord, *, allocate: Allocate,
            manifest: Manifest | None) -> np.ndarray:
-    """The stored bytes of ``shard`` of the committed ``final_dir``, into ``allocate``;
+    """The stored bytes of the shard ``record`` describes (as the manifest lists it: its
+    id says which) of the committed ``final_dir``, into ``allocate``;
     the metadata the read uses is checked against ``manifest`` first, CorruptCheckpointError
     naming the file that differs. ``manifest`` None: the directory has no manifest file,
     and is read as a stock tool wrote it, unless a sidecar did (CorruptCheckpointError)."""

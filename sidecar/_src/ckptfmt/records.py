@@ -10,7 +10,8 @@ read or written (:meth:`Manifest.to_json`, :meth:`Manifest.from_json`).
   number, host, dtype, shape, size, DCP rank, and its crc32c once written); its bytes
   travel beside it in a :class:`Staged`. :func:`shard_crc32c` is that checksum (of the
   shard's C-order bytes: every format's writer sets it, ``ShardRecord.with_crc32c_of``) and
-  :func:`check_crc32c` a read's check against it.
+  :func:`check_crc32c` a read's check against it, :func:`check_form` of its dtype and shape:
+  a restore carries the manifest's record down to the read, both sides check the copy by it.
 - :class:`ReplicaTarget`: a sidecar that holds replicas of this one's shards. The
   protocol's message is still called ``Peer``; in new code a sidecar-to-sidecar link
   is a replica target, never a "peer" (which means the trainer's processes).
@@ -164,15 +165,31 @@ def shard_crc32c(data: np.ndarray) -> int:
   return crc32c_lib.crc32c(memoryview(flat))  # type: ignore[arg-type]
 
 
-def check_crc32c(final_dir: str, shard: ShardId, data: np.ndarray, crc32c: int, what: str
-                 ) -> None:
-  """CorruptCheckpointError unless ``data`` (the ``what`` of a shard) has ``crc32c``."""
-  if shard_crc32c(data) != crc32c:
-    name = ".".join(str(k) for k in shard.key_path)
+def check_crc32c(final_dir: str, record: ShardRecord, data: np.ndarray, what: str) -> None:
+  """CorruptCheckpointError unless ``data`` (the ``what`` of the shard ``record`` describes,
+  as its step's manifest lists it) has the record's crc32c; a record with none (a stock
+  Orbax item's) has nothing to check."""
+  if record.crc32c is not None and shard_crc32c(data) != record.crc32c:
     raise errors.CorruptCheckpointError(
-        f"{final_dir}: array {name!r} shard {[list(i) for i in shard.index]} does not match "
-        f"its crc32c in {MANIFEST_FILE} ({what}): the file is corrupt or was changed after the "
-        "save")
+        f"{final_dir}: {_named(record.id)} does not match its crc32c in {MANIFEST_FILE} "
+        f"({what}): the file is corrupt or was changed after the save")
+
+
+def check_form(final_dir: str, record: ShardRecord, data: np.ndarray, what: str) -> None:
+  """CorruptCheckpointError unless ``data`` has the dtype and shape ``record`` says the save
+  staged (a record of an earlier release's manifest says none: nothing to check): a copy
+  whose metadata was changed reads the same bytes as other numbers, and its crc32c still
+  matches."""
+  if record.dtype and (data.dtype.name, tuple(data.shape)) != (record.dtype, record.shape):
+    raise errors.CorruptCheckpointError(
+        f"{final_dir}: {_named(record.id)} came from the {what} as "
+        f"{data.dtype.name}{list(data.shape)}, where the save wrote "
+        f"{record.dtype}{list(record.shape)}: its metadata was changed after the save")
+
+
+def _named(shard: ShardId) -> str:
+  name = ".".join(str(k) for k in shard.key_path)
+  return f"array {name!r} shard {[list(i) for i in shard.index]}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -33,7 +33,8 @@ PLAN_VERSION = 1
 
 
 def item_of(write_item: WriteItem, nbytes: int) -> distcp.Item:
-  """Our record of one of DCP's write items (``nbytes``: the bytes of a resolved bytes item)."""
+  """Our item of one of DCP's write items (``nbytes``: the bytes of a resolved bytes item);
+  its shard's record is ``Item.record``."""
   fqn = write_item.index.fqn
   if write_item.type == WriteItemType.BYTE_IO:
     return distcp.Item(fqn=fqn, kind=distcp.ItemKind.BYTES, nbytes=nbytes)
@@ -56,7 +57,7 @@ def write_results(rank: int, write_items: Sequence[WriteItem], items: Sequence[d
 
 
 def file_sizes(results: Sequence[Sequence[WriteResult]]) -> dict[str, int]:
-  """Every file's size, from every rank's write results: its last record's end."""
+  """Every file's size, from every rank's write results: its last item's end."""
   sizes: dict[str, int] = {}
   for per_rank in results:
     for r in per_rank:

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.distributed.tensor import DTensor
 
-from sidecar._src.ckptfmt import registry as formats_lib
+from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
 from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP
@@ -65,7 +65,7 @@ from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Targe
 from sidecar._src.controller.checkpoint.save_run import Coordinator, Ending, SaveRun
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
-from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts, trees
+from sidecar._src.core import errors, interrupts, trees
 from sidecar._src.torch import (
   controller as torch_controller,
   framework,
@@ -210,8 +210,8 @@ class StorageWriter(_Writer):
                         ref=worker.ref_of(a) if worker is not None else None)
               for i, (item, a) in enumerate(zip(items, arrays))]
     del arrays
-    run.stage_copies(self._home, copies, extra=DcpPart(rank, tuple(items)),
-                     rest=DcpPart(rank, ()), threads=torch.get_num_threads())
+    part = DcpPart(rank, len(items))  # each item is its record, in ``copies``
+    run.stage_copies(self._home, copies, extra=part, rest=part, threads=torch.get_num_threads())
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
     out.set_result(torch_metadata.write_results(rank, plan.items, items))
     return out
@@ -322,7 +322,7 @@ class StorageReader(_Reader):
     self._stock: FileSystemReader | None = None
     self._metadata: dcp_metadata.Metadata | None = None
     self._manifest: tuple[str, Manifest | None] | None = None  # path's, once asked
-    self._sums: dict[ShardId, ShardRecord] = {}
+    self._records: dict[tuple[str, tuple[int, ...]], ShardRecord] = {}
     self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
     self.last_stats: dict[str, int] = {}
 
@@ -356,7 +356,10 @@ class StorageReader(_Reader):
         warn_unchecked(self.path, "stock DCP")
       self._stock = FileSystemReader(self.path)
       return self._stock.read_metadata(*args, **kwargs)
-    self._sums = {s.id: s for s in manifest.shards}
+    # Each item's record, by its fqn and chunk offsets (a bytes item's: none), as DCP's load
+    # plan names it.
+    self._records = {(str(r.key_path[0]), tuple(a for a, _ in r.index)): r
+                     for r in manifest.shards}
     self._replicas = dict(manifest.replicas)
     self._metadata = torch_metadata.from_plan(manifest.dcp_plan)
     return self._metadata
@@ -418,23 +421,17 @@ class StorageReader(_Reader):
     return out
 
   def _start(self, req: Any) -> concurrent.futures.Future:
-    """The read of one load item's stored chunk, through the core's tier fallback."""
-    assert self._metadata is not None
+    """The read of one load item's stored chunk, through the core's tier fallback: the
+    item's record in the manifest (found by its fqn and offsets) goes down to the read."""
     fqn = req.storage_index.fqn
-    entry = self._metadata.state_dict_metadata[fqn]
-    if req.type == LoadItemType.BYTE_IO:
-      index: tuple = ()
-      dtype = np.dtype(np.uint8)
-    else:
-      offsets = tuple(req.storage_index.offset or ())
-      assert isinstance(entry, dcp_metadata.TensorStorageMetadata)
-      sizes = next(tuple(c.sizes) for c in entry.chunks if tuple(c.offsets) == offsets)
-      index = tuple((o, o + s) for o, s in zip(offsets, sizes))
-      dtype = dtypes_lib.dtype_of(tensors.dtype_name(entry.properties.dtype, repr(fqn)), repr(fqn))
-    s = self._sums.get(ShardId((fqn,), index))
-    owner = s.host if s is not None and s.host is not None else self._home
-    return self._reads.first(self.path, (fqn,), index, s.crc32c if s is not None else None,
-                             self._sources(owner), dtype)
+    offsets = () if req.type == LoadItemType.BYTE_IO else tuple(req.storage_index.offset or ())
+    record = self._records.get((fqn, offsets))
+    if record is None:
+      raise errors.CorruptCheckpointError(
+          f"{self.path}: its {records.MANIFEST_FILE} lists no record of item {fqn!r} at "
+          f"{list(offsets)}, which its plan has: the manifest does not describe this step")
+    owner = record.host if record.host is not None else self._home
+    return self._reads.first(self.path, record, self._sources(owner))
 
   @classmethod
   def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import names
-from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.records import (
   AgreePhase,
   AgreeState,
@@ -201,30 +201,13 @@ def record_from_pb(r: ckpt_pb.ShardRecord, where: str) -> ShardRecord:
                      r.crc32c if r.HasField("crc32c") else None)
 
 
-def dcp_part_to_pb(rank_part: DcpPart | int, items: Iterable[Item | Mapping[str, Any]] = ()
-                   ) -> ckpt_pb.DcpPart:
-  """A rank's part of a DCP step as its message: a :class:`DcpPart`, or (the trainer's
-  form until it sends one) its rank and items (``Item.to_dict`` values taken too)."""
-  if not isinstance(rank_part, DcpPart):
-    rank_part = DcpPart.of(rank_part, list(items))
-  return ckpt_pb.DcpPart(rank=rank_part.rank, items=[
-      ckpt_pb.DcpItem(fqn=i.fqn, kind=str(i.kind), nbytes=i.nbytes, dtype=i.dtype,
-                      sizes=i.sizes, offsets=i.offsets) for i in rank_part.items])
+def dcp_part_to_pb(part: DcpPart) -> ckpt_pb.DcpPart:
+  """A rank's part of a DCP step as its message (its items are the Stage's records)."""
+  return ckpt_pb.DcpPart(rank=part.rank, item_count=part.item_count)
 
 
-def dcp_part_from_pb(rank_part: ckpt_pb.DcpPart, where: str) -> DcpPart:
-  items = []
-  for i, m in enumerate(rank_part.items):
-    if m.kind not in ("tensor", "bytes") or not m.fqn:
-      raise errors.InvalidArgumentError(
-          f"{where}.items[{i}]: kind must be 'tensor' or 'bytes' with an fqn, got "
-          f"{m.kind!r} {m.fqn!r:.100}")
-    try:
-      items.append(Item(fqn=m.fqn, kind=ItemKind(m.kind), nbytes=m.nbytes, dtype=m.dtype,
-                        sizes=tuple(m.sizes), offsets=tuple(m.offsets)))
-    except errors.InvalidArgumentError as e:
-      raise errors.InvalidArgumentError(f"{where}.items[{i}]: {e}") from None
-  return DcpPart(rank_part.rank, tuple(items))
+def dcp_part_from_pb(part: ckpt_pb.DcpPart, where: str) -> DcpPart:
+  return DcpPart(part.rank, part.item_count)
 
 
 def dcp_commit_to_pb(commit: DcpCommit | Mapping[str, Any]) -> ckpt_pb.DcpCommit:

@@ -55,7 +55,7 @@ w = np.arange(12, dtype=np.float32).reshape(4, 3)
 item = Item(fqn="w", kind="tensor", nbytes=w.nbytes, dtype="float32", sizes=w.shape,
             offsets=(0, 0))
 writer.stage(root, 3, tmp, path, [], [records.Staged(item.record(0, 0, w), w)], last=True,
-             extra=DcpPart(0, (item,)), owner="a")
+             extra=DcpPart(0, 1), owner="a")
 sums = writer.prepared(path, timeout=30)
 (where,), size = distcp.layout(0, [item])
 plan = {"storage": [{"fqn": "w", "offset": [0, 0], "path": where.relative_path,
@@ -65,8 +65,7 @@ plan = {"storage": [{"fqn": "w", "offset": [0, 0], "path": where.relative_path,
 committed = writer.commit(tmp, 3, 1, [], sums, '{"epoch": 2}', True,
                           extra=DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan)), owner="a")
 manifest = read.info(committed)
-got = read.Reader(tier, metrics_lib.Recorder()).read(
-    committed, records.ShardId(("w",), item.index), crc32c=sums[0].crc32c, tier="disk")
+got = read.Reader(tier, metrics_lib.Recorder()).read(committed, manifest.shards[0], tier="disk")
 for t in threads:
   t.join(30)
 print(json.dumps({

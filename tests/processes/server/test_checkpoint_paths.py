@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt.records import ShardId
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from tests.support.pool_files import ALICE, BOB, write_pool
 
 pytestmark = pytest.mark.processes
@@ -96,13 +96,14 @@ def test_a_sub_chunk_read_never_follows_a_chunk_flipped_to_a_symlink(shared):
       try:
         assert attack.stdout.readline().strip() == "swapped", attack.stderr.read()
         client = ctl.checkpoint_client()
-        shard = ShardId(("w",), ((0, 32),))  # bytes [0, 32): not a whole chunk
+        # bytes [0, 32): not a whole chunk; no dtype recorded, as an earlier release's record
+        shard = ShardRecord(ShardId(("w",), ((0, 32),)), 0, None, "", (), 0)
         served, refused = 0, []
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and served + len(refused) < 400:
           try:
-            got = client.read(0, str(ck / "1" / "default"), shard, crc32c=None,
-                              tier="disk").result(30)
+            got = client.read(0, str(ck / "1" / "default"), shard, tier="disk",
+                              checked=False).result(30)
           except sidecar.SidecarError as e:
             refused.append(e)
             continue

@@ -29,7 +29,7 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
-from sidecar._src.ckptfmt.records import ShardId, Staged
+from sidecar._src.ckptfmt.records import Staged
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.staged import staged
 
@@ -87,7 +87,7 @@ def dcp_save(directory: str, step: int) -> Save:
   return Save(begin=path, leaves=[],
               shards=[Staged(i.record(k, 0, d, host=0), d)
                       for k, (i, d) in enumerate((i, _data(i.fqn, i.index)) for i in items)],
-              first=DcpPart(0, items), rest=DcpPart(0, ()),
+              first=DcpPart(0, len(items)), rest=DcpPart(0, len(items)),
               # DCP's pickled Metadata: the sidecar writes it as it is, never loads it.
               commit=DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan)))
 
@@ -149,15 +149,14 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
   final = finals[3]
   manifest = client.info(0, final).result()
   assert (manifest.format, manifest.step, manifest.data_state) == (name, 3, {"step": 3})
-  crc32c = {(c.key_path, c.index): c.crc32c for c in manifest.shards}
-  assert crc32c == {((n,), index): records.shard_crc32c(_data(n, index))
-                    for n, index in SHARDS}
+  written = {(c.key_path, c.index): c for c in manifest.shards}  # what each read names
+  assert {k: r.crc32c for k, r in written.items()} == {
+      ((n,), index): records.shard_crc32c(_data(n, index)) for n, index in SHARDS}
   # A restore names no format: the sidecar finds it from the manifest.
   assert formats_lib.DEFAULT.of_committed(final).name == name
   for n, index in SHARDS:
     for tier in ("ram", "disk"):
-      got = client.read(0, final, ShardId((n,), index), crc32c=crc32c[((n,), index)],
-                        tier=tier).result()
+      got = client.read(0, final, written[((n,), index)], tier=tier).result()
       np.testing.assert_array_equal(np.asarray(got).reshape(_data(n, index).shape),
                                     _data(n, index), err_msg=f"{n}{index} from {tier}")
 
@@ -181,12 +180,10 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
   n, index = SHARDS[1]
   _corrupt(final, _data(n, index))
   with pytest.raises(sidecar.CorruptCheckpointError, match="does not match its crc32c"):
-    client.read(0, final, ShardId((n,), index), crc32c=crc32c[((n,), index)],
-                tier="disk").result()
+    client.read(0, final, written[((n,), index)], tier="disk").result()
   np.testing.assert_array_equal(
-      np.asarray(client.read(0, final, ShardId((n,), index), crc32c=crc32c[((n,), index)],
-                             tier="ram").result()).reshape(_data(n, index).shape),
-      _data(n, index))
+      np.asarray(client.read(0, final, written[((n,), index)], tier="ram").result()
+                 ).reshape(_data(n, index).shape), _data(n, index))
 
 
 @pytest.mark.parametrize("name", formats_lib.DEFAULT.names)

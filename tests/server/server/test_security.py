@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.server.feeds import producer
 from sidecar._src.streams import socket_transport
 from sidecar._src.user import registry as registry_lib
@@ -286,8 +287,12 @@ CKPT_REQUESTS = {
     "held": (ckpt_pb.CheckpointHeldRequest, ("directory",)),
     "commit": (ckpt_pb.CheckpointCommitRequest, ("tmp_dir", "step", "num_hosts", "leaves",
                                                  "records", "data_state_json", "whole_step")),
-    "read": (ckpt_pb.CheckpointReadRequest, ("final_dir", "shard")),
+    "read": (ckpt_pb.CheckpointReadRequest, ("final_dir", "record")),
 }
+
+
+# A shard's record, as a Read names it (the manifest's).
+RECORD = wire.record_to_pb(ShardRecord(ShardId(("w",), ((0, 1),)), 0, 0, "float32", (1,), 4))
 
 
 def ckpt(raw: Raw, name: str, *args, metadata=None):
@@ -313,13 +318,27 @@ def test_checkpoint_calls_outside_the_roots_are_refused_and_remove_nothing(ckpt_
                      ("delete", (v, 5)), ("open", (f"{v}/new",)), ("begin", (v, 6, "orbax")),
                      ("info", (f"{v}/5/default",)), ("held", (v,)), ("forget", (v, 5)),
                      ("commit", (f"{v}/5.orbax-checkpoint-tmp/default", 5, 1, [], [], "", True)),
-                     ("read", (f"{v}/5/default", wire.shard_to_pb(["w"], [[0, 1]])))]:
+                     ("read", (f"{v}/5/default", RECORD))]:
     e = ckpt_refused(raw, name, *args)
     assert e.code() == grpc.StatusCode.PERMISSION_DENIED, (name, e.details())
     assert "is not under a checkpoint root" in e.details() and str(root) in e.details()
     assert "--checkpoint-root" in e.details() and v in e.details()
   assert files(victim) == before and not (victim / "new").exists()
   assert (victim / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("record, match", [
+    (None, r"^InvalidArgumentError: record.shard.key_path: the key path is empty"),
+    (ckpt_pb.ShardRecord(shard=wire.shard_to_pb(["w"], [[2, 1]])),
+     r"^InvalidArgumentError: record.shard.index: each interval must be \[start, stop\)"),
+    (ckpt_pb.ShardRecord(shard=wire.shard_to_pb(["w"], [[0, 1]]), dtype="object"),
+     r"^InvalidArgumentError: record.dtype: "),
+], ids=["none", "bad-index", "bad-dtype"])
+def test_a_read_without_a_valid_record_is_refused_naming_the_field(ckpt_server, record, match):
+  root, _, raw = ckpt_server
+  e = ckpt_refused(raw, "read", f"{root}/5/default", record)
+  assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+  assert re.search(match, e.details()), e.details()
 
 
 def test_a_symlink_or_dotdot_leaving_the_root_is_refused(ckpt_server):

@@ -6,6 +6,7 @@ and read back by its ``read.Reader`` with nothing else changed: what a safetenso
 would do in ``ckptfmt/safetensors/``.
 """
 
+import dataclasses
 import os
 import pathlib
 import threading
@@ -16,7 +17,7 @@ import pytest
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
-from sidecar._src.ckptfmt.records import ShardId, shard_crc32c
+from sidecar._src.ckptfmt.records import shard_crc32c
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -77,8 +78,8 @@ class NpyFormat(Format):
     os.rename(tmp_dir, final)
     return final
 
-  def read(self, final_dir, shard, *, allocate, manifest):
-    stored = np.load(_file(final_dir, shard.key_path, shard.index))
+  def read(self, final_dir, record, *, allocate, manifest):
+    stored = np.load(_file(final_dir, record.key_path, record.index))
     out = allocate(stored.shape, stored.dtype)
     out[...] = stored
     return out
@@ -114,9 +115,13 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
   assert manifest.format == "npy" and {c.index for c in manifest.shards} == {
       ((0, 2), (0, 2)), ((2, 4), (0, 2))}
   reader = checkpoint_read.Reader(tier, metrics_lib.Recorder(), formats)
-  crc32c = {c.index: c.crc32c for c in sums}
-  got = reader.read(final, ShardId(("w",), ((2, 4), (0, 2))), crc32c=crc32c[((2, 4), (0, 2))],
-                    tier="disk")
+  written = {r.index: r for r in manifest.shards}  # the records a restore reads by
+  got = reader.read(final, written[((2, 4), (0, 2))], tier="disk")
   np.testing.assert_array_equal(got, w[2:])
   with pytest.raises(errors.CorruptCheckpointError, match="does not match its crc32c"):
-    reader.read(final, ShardId(("w",), ((0, 2), (0, 2))), crc32c=1, tier="disk")
+    reader.read(final, written[((0, 2), (0, 2))].with_crc32c(1), tier="disk")
+  with pytest.raises(errors.CorruptCheckpointError,
+                     match=r"came from the stored copy as float32\[2, 2\], where the save "
+                           r"wrote float64\[2, 2\]"):
+    reader.read(final, dataclasses.replace(written[((0, 2), (0, 2))], dtype="float64"),
+                tier="disk")

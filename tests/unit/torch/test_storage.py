@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.core import interrupts
 from sidecar._src.torch import storage
@@ -41,8 +41,9 @@ def test_a_dcp_save_stages_the_rank_items_commits_once_and_restores_from_the_ram
   dcp.save(state(), storage_writer=storage.StorageWriter(PATH, controller=ctl))
   (first, *_) = [s for s in fake.sent if s[0] == "stage"]
   part = first[-1]
-  assert isinstance(part, DcpPart) and part.rank == 0
-  assert sorted(i.fqn for i in part.items) == ["model.b", "model.w", "step"]
+  assert part == DcpPart(0, 3)  # its items are its records, each staged once
+  staged = fake.records[(0, PATH)].values()
+  assert sorted(Item.of_record(r).fqn for r in staged) == ["model.b", "model.w", "step"]
   (commit,) = [s for s in fake.sent if s[0] == "commit"]
   assert isinstance(commit[-1], DcpCommit) and set(commit[-1].file_sizes) == {0}
   # The RAM tiers are told the manifest the committing sidecar built, not a second one

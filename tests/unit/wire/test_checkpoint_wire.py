@@ -164,25 +164,21 @@ def test_the_services_records_survive_the_wire_as_the_same_values():
 
 
 def test_a_formats_parts_travel_in_the_format_part_oneof():
-  from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item
-  part = DcpPart(1, (Item(fqn="w", kind="tensor", nbytes=16, dtype="float32", sizes=(4,),
-                          offsets=(4,)), Item(fqn="extra", kind="bytes", nbytes=9)))
+  from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
+  part = DcpPart(1, 2)  # its items are the Stage's records: only their count travels here
   stage = ckpt_pb.CheckpointStageRequest()
   wire.format_extra_to_pb(stage, part, wire.STAGE_EXTRAS)
   assert wire.format_extra_from_pb(_sent(stage), wire.STAGE_EXTRAS) == part
+  assert (stage.dcp.rank, stage.dcp.item_count) == (1, 2)
   assert wire.format_extra_from_pb(ckpt_pb.CheckpointStageRequest(), wire.STAGE_EXTRAS) is None
   done = DcpCommit(b"\x80\x04N.", {0: 4096, 1: 8192}, '{"storage": []}')
   commit = ckpt_pb.CheckpointCommitRequest()
   wire.format_extra_to_pb(commit, done, wire.COMMIT_EXTRAS)
   assert wire.format_extra_from_pb(_sent(commit), wire.COMMIT_EXTRAS) == done
-  # The trainer's older forms still fill the same fields.
-  assert wire.dcp_part_to_pb(1, [i.to_dict() for i in part.items]) == stage.dcp
   with pytest.raises(errors.InvalidArgumentError, match="no format extra is a DcpCommit"):
     wire.format_extra_to_pb(stage, done, wire.STAGE_EXTRAS)
-  stage.dcp.items[0].nbytes = 8
-  with pytest.raises(errors.InvalidArgumentError,
-                     match=r"^dcp.items\[0\]: item 'w': a float32 chunk of sizes \(4,\)"):
-    wire.format_extra_from_pb(stage, wire.STAGE_EXTRAS)
+  with pytest.raises(errors.InvalidArgumentError, match=r"^dcp.item_count must be an int >= 0"):
+    DcpPart(1, -1)
 
 
 def test_every_registered_formats_parts_travel_under_its_one_name():

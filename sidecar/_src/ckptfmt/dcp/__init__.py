@@ -1,8 +1,9 @@
 """PyTorch DCP's on-disk layout, written by sidecars (``.metadata``, ``__{rank}_0.distcp``).
 
 * ``distcp``: the files: items, placements, each rank's file, the commit, reads.
-* ``record``: one tensor chunk's record, a ``torch.save`` archive byte for byte.
-* ``parts``: the typed parts a DCP save carries (``DcpPart``, ``DcpCommit``).
+* ``archive``: one tensor chunk as ``torch.save`` stores it, an archive byte for byte.
+* ``parts``: the typed parts a DCP save carries (``DcpPart``: a rank and its item count, each
+  item its shard record; ``DcpCommit``).
 * ``format``: :class:`~sidecar._src.ckptfmt.dcp.format.DcpFormat`, the format seam's
   implementation (``ckptfmt/format.py``).
 

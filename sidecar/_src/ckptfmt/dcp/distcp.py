@@ -3,8 +3,8 @@
 Stock DCP (``FileSystemWriter``, one file per rank) saves a checkpoint directory::
 
   <path>/.metadata            DCP's Metadata, pickled: every item, and where it is stored
-  <path>/__<rank>_0.distcp    rank r's items, one record after the other:
-                                a tensor chunk: a whole torch.save archive (dcp_record)
+  <path>/__<rank>_0.distcp    rank r's items, one after the other:
+                                a tensor chunk: a whole torch.save archive (archive.py)
                                 bytes (non-tensor values): the bytes DCP's planner made
 
 That is the layout written here, so stock ``dcp.load(sd,
@@ -21,7 +21,7 @@ its arena, and one caller commits (:func:`finalize`) once every rank's file is d
 So a checkpoint is visible only once every rank's part and the metadata are durable;
 an attempt that died leaves only a ``*.dcp-checkpoint-tmp`` directory, swept later.
 
-Where each item lies is fixed by the items alone (:func:`layout`): records start on 64
+Where each item lies is fixed by the items alone (:func:`layout`): items start on 64
 bytes and a tensor's own bytes on 4 KiB, so they go to disk with ``O_DIRECT``, no copy
 through the page cache; the trainer computes the same offsets for DCP's ``storage_data``.
 
@@ -58,7 +58,7 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, names, records
-from sidecar._src.ckptfmt.dcp import record as dcp_record
+from sidecar._src.ckptfmt.dcp import archive
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
@@ -116,7 +116,7 @@ class Item:
       raise errors.InvalidArgumentError(
           f"item {self.fqn!r}: nbytes must be an int >= 0, got {self.nbytes!r}")
     if self.kind is ItemKind.TENSOR:
-      expected = dcp_record.data_nbytes(self.dtype, self.sizes)
+      expected = archive.data_nbytes(self.dtype, self.sizes)
       if len(self.offsets) != len(self.sizes) or self.nbytes != expected:
         raise errors.InvalidArgumentError(
             f"item {self.fqn!r}: a {self.dtype} chunk of sizes {self.sizes} at offsets "
@@ -128,6 +128,33 @@ class Item:
   def index(self) -> tuple[tuple[int, int], ...]:
     """The chunk as ``((start, stop), ...)`` per dimension: its RAM-tier key with the fqn."""
     return tuple((o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+  @classmethod
+  def of_record(cls, record: ShardRecord) -> Item:
+    """The item a staged shard's record describes (:meth:`record`'s inverse): its fqn the
+    record's one key, a tensor chunk's sizes its shape and its offsets its index's starts
+    (one interval per dimension), a bytes item ``uint8`` of shape ``(nbytes,)`` with no
+    index. A DCP Stage carries only the records: the sidecar derives each item here.
+
+    Raises:
+      InvalidArgumentError: the record describes no DCP item, naming what does not fit.
+    """
+    key, index, shape = record.id.key_path, record.id.index, record.shape
+    where = f"shard record {list(key)!r:.200} at {[list(i) for i in index]!r:.200}"
+    if len(key) != 1 or not isinstance(key[0], str):
+      raise errors.InvalidArgumentError(
+          f"{where}: a DCP item's record has one key, its fqn (a str)")
+    if len(index) == len(shape):  # a tensor chunk (a 0-d tensor's index and shape empty)
+      if any(b - a != n for (a, b), n in zip(index, shape)):
+        raise errors.InvalidArgumentError(
+            f"{where}: a tensor chunk's index spans its shape {list(shape)}")
+      return cls(fqn=key[0], kind=ItemKind.TENSOR, nbytes=record.nbytes, dtype=record.dtype,
+                 sizes=shape, offsets=tuple(a for a, _ in index))
+    if index or record.dtype != "uint8" or shape != (record.nbytes,):
+      raise errors.InvalidArgumentError(
+          f"{where}: {record.dtype or 'no dtype'} {list(shape)} is neither a tensor chunk (one "
+          "interval per dimension) nor a bytes item (uint8 of its bytes, no index)")
+    return cls(fqn=key[0], kind=ItemKind.BYTES, nbytes=record.nbytes)
 
   def record(self, number: int, rank: int, data: Any, *, host: int | None = None
              ) -> ShardRecord:
@@ -152,8 +179,9 @@ class Item:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Placement:
-  """Where an item's record lies: DCP's ``_StorageInfo`` (file, offset, length of the
-  record) and where its own bytes start in that file (``data_offset``)."""
+  """Where an item lies: DCP's ``_StorageInfo`` (file, offset, length of what is stored:
+  a tensor's whole archive, or a blob) and where its own bytes start in that file
+  (``data_offset``)."""
 
   relative_path: str
   offset: int
@@ -171,26 +199,32 @@ def file_name(rank: int) -> str:
 def layout(rank: int, items: Sequence[Item]) -> tuple[list[Placement], int]:
   """Where each of rank ``rank``'s items goes in its file, and the file's size.
 
-  Records follow one another in the order given, each on 64 bytes; a tensor's bytes
+  Items follow one another in the order given, each on 64 bytes; a tensor's bytes
   start on 4 KiB where there are at least that many. The same items always give the
   same layout: the sidecar writes it, the trainer records it in DCP's metadata.
   """
   name, at, out = file_name(rank), 0, []
   for item in items:
-    at += -at % dcp_record.SMALL_ALIGN
-    if item.kind is ItemKind.TENSOR:
-      length = dcp_record.record_length(item.dtype, item.sizes, at=at)
-    else:
-      length = item.nbytes
-    out.append(Placement(name, at, length, data_offset(item, at)))
-    at += length
+    placed = place(name, item, at)
+    out.append(placed)
+    at = placed.offset + placed.length
   return out, at
 
 
-def data_offset(item: Item, at: int) -> int:
-  """Where the bytes of ``item`` start in its file, for a record that starts at ``at``."""
+def place(name: str, item: Item, at: int) -> Placement:
+  """Where ``item`` goes in the file ``name`` after the one before it, which ends at ``at``."""
+  at += -at % archive.SMALL_ALIGN
   if item.kind is ItemKind.TENSOR:
-    return at + len(dcp_record.header(item.dtype, item.sizes, at=at))
+    length = archive.archive_length(item.dtype, item.sizes, at=at)
+  else:
+    length = item.nbytes
+  return Placement(name, at, length, data_offset(item, at))
+
+
+def data_offset(item: Item, at: int) -> int:
+  """Where the bytes of ``item`` start in its file, where it starts at ``at``."""
+  if item.kind is ItemKind.TENSOR:
+    return at + len(archive.header(item.dtype, item.sizes, at=at))
   return at
 
 
@@ -206,36 +240,46 @@ def _as_bytes(item: Item, data: np.ndarray) -> np.ndarray:
   return data
 
 
-def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Item],
+def write_rank_part(directory: os.PathLike | str, rank: int, count: int,
                     shards: Iterable[Staged], *,
                     progress: Callable[[int], None] | None = None,
                     turn: direct_io.Turn = direct_io.no_turn) -> list[ShardRecord]:
-  """Writes rank ``rank``'s file into the uncommitted checkpoint ``directory``, durably.
+  """Writes rank ``rank``'s file of ``count`` items into the uncommitted checkpoint
+  ``directory``, durably.
 
-  ``shards`` yields every item exactly once, in any order, as staged (its record's
-  ``leaf`` the item's number, ``Item.record``; its bytes beside it); it may be a
-  generator that waits for parts still being staged: each item's write
-  and checksum start as it arrives, on idle-class threads. The arrays must not change
-  until this returns (they are written without a copy). ``progress(nbytes)`` is called
-  as each item is written; its bytes are written in ``turn``s (the storage's bandwidth,
-  shared among a pool's tenants).
+  ``shards`` yields every item exactly once, in any order, as staged: its record (the
+  item's one description, :meth:`Item.of_record`; its ``leaf`` the item's number) with
+  its bytes beside it. It may be a generator that waits for parts still being staged.
+  An item is placed in the file once the records of the items before it have come (in
+  the order the trainer stages them, at once); its write and checksum then start, on
+  idle-class threads. The arrays must not change until this returns (they are written
+  without a copy). ``progress(nbytes)`` is called as each item is written; its bytes are
+  written in ``turn``s (the storage's bandwidth, shared among a pool's tenants).
 
   Returns:
-    Every item's record, written (its crc32c set), in the order of ``items``.
+    Every item's record, written (its crc32c set), in the order of the rank's items.
   """
   directory = pathlib.Path(directory)
   if not directory.name.endswith(TMP_SUFFIX):
     raise errors.InvalidArgumentError(
         f"{directory} is not an uncommitted DCP checkpoint (its name must end with "
         f"{TMP_SUFFIX!r}); make one with create_tmp()")
-  placements, size = layout(rank, items)
   path = directory / file_name(rank)
   # Opened beneath the directory's descriptor, no symlink followed (names.py).
   fd = names.open_beneath(directory, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
   try:
-    os.ftruncate(fd, size)
+    return _write_items(path, fd, rank, count, shards, progress=progress, turn=turn)
   finally:
     os.close(fd)
+
+
+def _write_items(path: pathlib.Path, fd: int, rank: int, count: int, shards: Iterable[Staged],
+                 *, progress: Callable[[int], None] | None, turn: direct_io.Turn
+                 ) -> list[ShardRecord]:
+  """:func:`write_rank_part`'s work, ``fd`` the rank's file."""
+  items: dict[int, Item] = {}
+  waiting: dict[int, np.ndarray] = {}  # staged before an earlier item's record came
+  placed: list[Placement] = []
   sums: dict[int, concurrent.futures.Future[ShardRecord]] = {}
   writes: list[concurrent.futures.Future[int]] = []
   with (concurrent.futures.ThreadPoolExecutor(_WRITERS, "sidecar-dcp-write",
@@ -244,41 +288,49 @@ def write_rank_part(directory: os.PathLike | str, rank: int, items: Sequence[Ite
                                               initializer=background_thread) as checksums):
     for shard in shards:
       number = shard.record.leaf
-      if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < len(items):
-        raise errors.InvalidArgumentError(
-            f"item number {number!r}: rank {rank} has {len(items)} items")
+      if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < count:
+        raise errors.InvalidArgumentError(f"item number {number!r}: rank {rank} has {count} items")
       if number in sums:
-        raise errors.InvalidArgumentError(f"item {items[number].fqn!r} of rank {rank} came twice")
-      item = items[number]
-      data = _as_bytes(item, shard.data)
-      writes.append(pool.submit(_write_record, path, item, placements[number], data, turn))
-      sums[number] = checksums.submit(shard.record.with_crc32c_of, data)
-    missing = [items[i].fqn for i in range(len(items)) if i not in sums]
+        raise errors.InvalidArgumentError(
+            f"item {items[number].fqn!r} of rank {rank} came twice")
+      items[number] = item = Item.of_record(shard.record)
+      waiting[number] = _as_bytes(item, shard.data)
+      sums[number] = checksums.submit(shard.record.with_crc32c_of, waiting[number])
+      start = len(placed)
+      while len(placed) in items:  # the items now placed in the file
+        placed.append(place(path.name, items[len(placed)], _end(placed)))
+      if len(placed) > start:
+        # The file grows to hold them first: a direct write inside the file goes at once,
+        # beside the others; one past its end would extend it, one at a time.
+        os.ftruncate(fd, _end(placed))
+      for i in range(start, len(placed)):  # their writes start
+        writes.append(pool.submit(_write_item, path, items[i], placed[i], waiting.pop(i), turn))
+    missing = [i for i in range(count) if i not in items]
     if missing:
       raise errors.InvalidArgumentError(
-          f"rank {rank}'s part is missing items {missing[:8]}{'...' * (len(missing) > 8)}")
+          f"rank {rank}'s part is missing items number {missing[:8]}"
+          f"{'...' * (len(missing) > 8)} of its {count}")
     for w in writes:
       nbytes = w.result()
       if progress is not None:
         progress(nbytes)
-    fd = names.open_beneath(directory, path.name, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-    return [sums[i].result() for i in range(len(items))]
+    os.fsync(fd)
+    return [sums[i].result() for i in range(count)]
 
 
+def _end(placed: Sequence[Placement]) -> int:
+  """Where the last of ``placed`` ends in its file (0: none placed)."""
+  return placed[-1].offset + placed[-1].length if placed else 0
 
 
-def _write_record(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,
+def _write_item(path: pathlib.Path, item: Item, where: Placement, data: np.ndarray,
                   turn: direct_io.Turn = direct_io.no_turn) -> int:
   # Its own descriptor (write_at sets O_DIRECT on it), beneath the directory, no symlink.
   fd = names.open_beneath(path.parent, path.name, os.O_WRONLY)
   try:
     if item.kind is ItemKind.TENSOR:
-      os.pwrite(fd, dcp_record.header(item.dtype, item.sizes, at=where.offset), where.offset)
-      trailer = dcp_record.trailer(item.dtype, item.sizes, at=where.offset)
+      os.pwrite(fd, archive.header(item.dtype, item.sizes, at=where.offset), where.offset)
+      trailer = archive.trailer(item.dtype, item.sizes, at=where.offset)
       os.pwrite(fd, trailer, where.data_offset + item.nbytes)
     direct_io.write_at(fd, data, where.data_offset, turn)
   finally:
@@ -424,7 +476,7 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
     tmp: the directory :func:`create_tmp` returned.
     metadata: DCP's ``Metadata``, pickled by the trainer; written as it is.
     file_sizes: every rank's file size (:func:`layout`), by rank.
-    manifest: our record of the checkpoint (its plan, checksums), written as its JSON.
+    manifest: our manifest of the checkpoint (its plan, checksums), written as its JSON.
     replace: a committed checkpoint already at the path is replaced (as DCP's
       ``overwrite=True``): it stays whole until the rename and is removed after;
       False: FileExistsError.
@@ -496,7 +548,7 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
 def read_item(path: os.PathLike | str, where: Placement, out: np.ndarray) -> None:
   """Reads an item's own bytes (a tensor chunk's C-order bytes, or a blob) from the
   committed checkpoint at ``path`` into ``out`` (C-contiguous, its size), direct from disk
-  where aligned. Only for checkpoints written here: stock DCP's records may hold views.
+  where aligned. Only for checkpoints written here: stock DCP's archives may hold views.
 
   Raises:
     CorruptCheckpointError: the file is shorter than the item.

@@ -2,9 +2,10 @@
 :class:`~sidecar._src.ckptfmt.format.Format`.
 
 A DCP step goes through the same phases as an Orbax one; what differs is here. Each
-trainer rank beside a sidecar stages its own part (:class:`~.parts.DcpPart`: its items,
-in the order of its file), and each rank's file is written by its own thread
-(:func:`write_ranks`, ``distcp.write_rank_part``) as the rank's shards arrive. The RAM
+trainer rank beside a sidecar stages its own part (:class:`~.parts.DcpPart`: its rank and
+item count; each item is its shard's record, ``distcp.Item.of_record``), and each rank's
+file is written by its own thread (:func:`write_ranks`, ``distcp.write_rank_part``) as the
+rank's shards arrive. The RAM
 tier keys a tensor chunk as ``((fqn,), ((start, stop), ...))`` and a bytes item as
 ``((fqn,), ())``, so restores and replicas treat them as any shard. A read from storage
 (:meth:`DcpFormat.read`) finds the item's bytes through the plan in the manifest (plain
@@ -26,10 +27,10 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt import names, records
-from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
+from sidecar._src.ckptfmt.dcp import archive, distcp
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
-from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged
+from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
@@ -38,29 +39,30 @@ METADATA_CRC32C = "metadata_crc32c"  # the manifest's extra: the crc32c of .meta
 
 
 class ItemNumbering(Numbering):
-  """A staged shard's number is its item's, in its rank's items (the rank's first part
-  carries them): its record names that item (``Item.record``) and the part's rank."""
+  """A staged shard's number is its item's, in its rank's items: its record is the item's
+  one description (``distcp.Item.of_record``), naming the part's rank; each part of a rank
+  says how many items it has (``DcpPart.item_count``)."""
 
   def __init__(self) -> None:
-    self.items: dict[int, tuple[distcp.Item, ...]] = {}  # by rank
+    self.counts: dict[int, int] = {}  # items, by rank
 
   def take(self, extra: Any, shards: Sequence[Staged]) -> list[Staged]:
     if not isinstance(extra, DcpPart):
       raise errors.InvalidArgumentError(
-          f"a Stage of a DCP step carries its rank's items (dcp), got {type(extra).__name__}")
-    items = self.items.get(extra.rank, extra.items)
+          f"a Stage of a DCP step carries its rank's part (dcp), got {type(extra).__name__}")
+    count = self.counts.get(extra.rank, extra.item_count)
+    if extra.item_count != count:
+      raise errors.InvalidArgumentError(
+          f"dcp.item_count: rank {extra.rank} has {count} items (its first part said so), "
+          f"this part says {extra.item_count}")
     for s in shards:
       r = s.record
-      if not 0 <= r.leaf < len(items):
+      if r.rank != extra.rank or not 0 <= r.leaf < count:
         raise errors.InvalidArgumentError(
-            f"shard of item {r.leaf}: rank {extra.rank} has {len(items)} items")
-      item = items[r.leaf]
-      if r.rank != extra.rank or r.id != ShardId((item.fqn,), item.index):
-        raise errors.InvalidArgumentError(
-            f"shard of item {r.leaf} names {list(r.id.key_path)} at "
-            f"{[list(i) for i in r.id.index]} of rank {r.rank}: rank {extra.rank}'s item "
-            f"{r.leaf} is {item.fqn!r} at {[list(i) for i in item.index]}")
-    self.items.setdefault(extra.rank, items)
+            f"shard of item {r.leaf} names {list(r.id.key_path)} of rank {r.rank}: rank "
+            f"{extra.rank}'s part has items 0 to {count - 1}")
+      distcp.Item.of_record(r)  # a record that describes no DCP item is refused at its Stage
+    self.counts.setdefault(extra.rank, count)
     return list(shards)
 
 
@@ -128,7 +130,7 @@ class DcpFormat(Format):
             *, progress: Callable[[int], None], turn: Turn) -> list[ShardRecord]:
     assert isinstance(numbering, ItemNumbering)
     del host_id  # each record names its host (the one that staged it: this one)
-    return write_ranks(tmp_dir, numbering.items, incoming, progress=progress, turn=turn)
+    return write_ranks(tmp_dir, numbering.counts, incoming, progress=progress, turn=turn)
 
   def manifest_extras(self, extra: Any) -> Mapping[str, Any]:
     """The plan (where each item lies), and the crc32c of the ``.metadata`` the commit
@@ -196,7 +198,7 @@ class DcpFormat(Format):
           "or put the manifest back; stock DCP's FileSystemReader reads it unchecked")
     return Manifest(self.name, [], [], extras={records.STOCK: True})
 
-  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate,
+  def read(self, final_dir: str, record: ShardRecord, *, allocate: Allocate,
            manifest: Manifest | None) -> np.ndarray:
     """The stored bytes of one item of a committed DCP step (its place from the plan in
     the manifest, whose own crc32c was checked)."""
@@ -208,7 +210,7 @@ class DcpFormat(Format):
       raise
     except (OSError, KeyError, StopIteration, ValueError, TypeError) as e:
       raise errors.InvalidArgumentError(f"cannot read {final_dir}: its manifest: {e}") from None
-    key, index = shard.key_path, shard.index
+    key, index = record.key_path, record.index
     entry = found.get((str(key[0]) if key else "", tuple(a for a, _ in index)))
     if entry is None or len(key) != 1:
       raise errors.InvalidArgumentError(
@@ -253,18 +255,17 @@ def _index(final_dir: str, mtime: float
       sizes = next(c["sizes"] for c in entry["chunks"] if tuple(c["offsets"]) == offsets)
       item = distcp.Item(fqn=s["fqn"], kind=distcp.ItemKind.TENSOR, dtype=entry["dtype"],
                          sizes=sizes, offsets=offsets,
-                         nbytes=dcp_record.data_nbytes(entry["dtype"], sizes))
+                         nbytes=archive.data_nbytes(entry["dtype"], sizes))
     out[(s["fqn"], offsets)] = (item, distcp.Placement(
         s["path"], s["at"], s["length"], distcp.data_offset(item, s["at"])))
   return out
 
 
-def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
-                incoming: Iterator[Staged], *, progress: Callable[[int], None],
-                turn: Turn) -> list[ShardRecord]:
+def write_ranks(tmp: str, counts: Mapping[int, int], incoming: Iterator[Staged], *,
+                progress: Callable[[int], None], turn: Turn) -> list[ShardRecord]:
   """Writes the file of every rank that stages into this host, each on its own thread.
 
-  ``items`` maps each rank to its items (filled in as the ranks' first parts arrive,
+  ``counts`` maps each rank to its item count (filled in as the ranks' first parts arrive,
   before their shards); ``incoming`` yields each staged shard (its record's ``rank``, its
   ``leaf`` the item's number) until the step is staged whole. Returns every item's
   record, written, as the manifest lists them.
@@ -283,7 +284,7 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
         yield got
       ended = True
     try:
-      results[rank] = distcp.write_rank_part(tmp, rank, items[rank], datas(), progress=progress,
+      results[rank] = distcp.write_rank_part(tmp, rank, counts[rank], datas(), progress=progress,
                                              turn=turn)
     except BaseException as e:
       failures[rank] = e
@@ -305,8 +306,8 @@ def write_ranks(tmp: str, items: Mapping[int, Sequence[distcp.Item]],
       if rank not in threads:
         start(rank)
       queues[rank].put(s)
-    for rank in items:  # a rank whose items never came: its write names what is missing
-      if rank not in threads and items[rank]:
+    for rank in counts:  # a rank whose items never came: its write names what is missing
+      if rank not in threads and counts[rank]:
         start(rank)
   finally:
     for q in queues.values():

@@ -1,4 +1,4 @@
-"""The typed parts a DCP save carries: a rank's items at Stage, what commits it at Commit.
+"""The typed parts a DCP save carries: a rank's item count at Stage, what commits it at Commit.
 
 Frozen values, the same on both sides of the wire (``wire/checkpoint_wire.py`` converts
 them); no torch, no pickle loaded.
@@ -9,30 +9,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from sidecar._src.ckptfmt import names
-from sidecar._src.ckptfmt.dcp.distcp import Item, file_name
+from sidecar._src.ckptfmt.dcp.distcp import file_name
 from sidecar._src.core import errors
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DcpPart:
-  """One rank's items, in the order of its file (a staged shard's ``leaf`` numbers them)."""
+  """One rank's part of a DCP step: its rank and how many items it has, the same in each
+  of its Stages. Each item is described by its shard's record alone, numbered by the
+  record's ``leaf`` in the order of the rank's file (``distcp.Item.of_record``): nothing
+  here describes an item a second time.
+  """
 
   rank: int
-  items: tuple[Item, ...]
+  item_count: int
 
   def __post_init__(self) -> None:
-    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-      raise errors.InvalidArgumentError(f"dcp.rank must be an int >= 0, got {self.rank!r:.100}")
-    object.__setattr__(self, "items", tuple(self.items))
-
-  @classmethod
-  def of(cls, rank: int, items: Sequence[Item | Mapping[str, Any]]) -> DcpPart:
-    """From items or their ``Item.to_dict`` values (the trainer's form until it sends Items)."""
-    return cls(rank, tuple(i if isinstance(i, Item) else Item.from_dict(i) for i in items))
+    for name in ("rank", "item_count"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise errors.InvalidArgumentError(f"dcp.{name} must be an int >= 0, got {value!r:.100}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

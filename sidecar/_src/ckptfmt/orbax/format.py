@@ -148,9 +148,9 @@ class OrbaxFormat(Format):
                                manifest=records.MANIFEST_FILE)
     return tmp_dir
 
-  def read(self, final_dir: str, shard: ShardId, *, allocate: Allocate,
+  def read(self, final_dir: str, record: ShardRecord, *, allocate: Allocate,
            manifest: Manifest | None) -> np.ndarray:
-    leaf = None
+    shard, leaf = record.id, None
     if manifest is None:
       missing = orbax_read.manifest_missing(final_dir)
       if missing is not None:

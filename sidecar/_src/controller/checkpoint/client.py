@@ -284,10 +284,14 @@ class CheckpointTransport(abc.ABC):
     """Future of a :class:`Manifest`."""
 
   @abc.abstractmethod
-  def read(self, host: int, final_dir: str, shard: ShardId, *, crc32c: int | None,
-           tier: str, byte_range: tuple[int, int] | None = None, private: bool = False
-           ) -> concurrent.futures.Future:
-    """Future of the shard's array (or bytes ``byte_range=(offset, nbytes)`` of it, uint8).
+  def read(self, host: int, final_dir: str, record: ShardRecord, *, tier: str,
+           checked: bool = True, byte_range: tuple[int, int] | None = None,
+           private: bool = False) -> concurrent.futures.Future:
+    """Future of the array of the shard ``record`` describes (the step's manifest's
+    record, as the save wrote it), or bytes ``byte_range=(offset, nbytes)`` of it, uint8.
+
+    The sidecar checks the copy against the record: its dtype and shape, and, ``checked``,
+    its crc32c (not: the caller checks it itself, or another part of it is checked).
 
     ``private``: an array on this process's mapping of the arena comes copy-on-write
     (``Worker.view``): what the caller writes never reaches the block, which may be the
@@ -430,16 +434,15 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
                      wire.manifest_from_pb)
 
-  def read(self, host, final_dir, shard, *, crc32c, tier, byte_range=None, private=False):
+  def read(self, host, final_dir, record, *, tier, checked=True, byte_range=None,
+           private=False):
     if tier not in wire.TIERS:
       raise errors.InvalidArgumentError(
           f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
     w = self._worker(host)
     request = ckpt_pb.CheckpointReadRequest(
-        final_dir=final_dir, shard=wire.shard_to_pb(*shard), tier=wire.TIERS[tier],
-        worker_session=w.session if w is not None else "")
-    if crc32c is not None:
-      request.crc32c = crc32c
+        final_dir=final_dir, record=wire.record_to_pb(record), tier=wire.TIERS[tier],
+        worker_session=w.session if w is not None else "", unchecked=not checked)
     if byte_range is not None:  # the wire keeps its field's name, part
       request.part.offset, request.part.nbytes = byte_range
     from_arena: codec.FromArena | None = (

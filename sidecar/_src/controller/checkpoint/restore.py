@@ -25,11 +25,11 @@ import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import records
-from sidecar._src.ckptfmt.records import SavedLeaf, ShardId
+from sidecar._src.ckptfmt.records import SavedLeaf, ShardId, ShardRecord
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.framework import Framework, RestoreLeaf, RestoreTarget
-from sidecar._src.core import errors, interrupts
+from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts
 
 log = logging.getLogger(__name__)
 # A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in pieces of
@@ -109,12 +109,10 @@ class Restorer:
     if manifest.stock:
       warn_unchecked(final_dir, "stock Orbax")
     saved = {leaf.key_path: leaf for leaf in manifest.leaves}
-    stored: dict[KeyPath, list[tuple[tuple[tuple[int, int], ...], int]]] = {}
-    owners: dict[ShardId, int] = {}  # which host staged each shard, if known
-    for c in manifest.shards:
-      stored.setdefault(c.key_path, []).append((c.index, c.crc32c))
-      if c.host is not None:
-        owners[c.id] = c.host
+    stored: dict[KeyPath, list[ShardRecord]] = {}  # each leaf's shards, as the save wrote them
+    for r in manifest.shards:
+      stored.setdefault(r.key_path, []).append(r)
+    owners = {r.id: r.host for r in manifest.shards if r.host is not None}  # who staged it
     wanted = self._framework.restore_target(target)
     flat = wanted.leaves
     for want in flat:
@@ -244,17 +242,16 @@ class Restorer:
       for region, device_id in want.blocks:
         host = self._local[0] if device_id is None else self._device_hosts.get(
             device_id, self._local[0])
-        for index, crc in stored[kp]:
-          shard = ShardId(kp, index)
-          if shard in reads or not _overlaps(index, region):
+        for record in stored[kp]:
+          if record.id in reads or not _overlaps(record.index, region):
             continue
           # A block for no device is the restored value itself (a numpy array, a torch
           # tensor), which training may write in place: it comes copy-on-write, so the
           # RAM-tier copy it maps stays as saved. A device's block is put there (copied, or
           # on a CPU device an immutable jax.Array over it).
-          reads[shard] = self._reads.start(final_dir, kp, index, crc,
-                                           self._sources(shard, held, host), want.dtype, checks,
-                                           private=device_id is None and index == region)
+          reads[record.id] = self._reads.start(
+              final_dir, record, self._sources(record.id, held, host), want.dtype, checks,
+              private=device_id is None and record.index == region)
     return reads
 
   def _failure(self, step: int, lost, owners: dict, placed: dict[int, list[int]],
@@ -312,18 +309,20 @@ class Restorer:
     return blocks
 
   @staticmethod
-  def _assemble(final_dir: str, kp: KeyPath, region, stored, shards) -> np.ndarray:
+  def _assemble(final_dir: str, kp: KeyPath, region, stored: list[ShardRecord], shards
+                ) -> np.ndarray:
     """The block ``region`` of a leaf, from the stored shards overlapping it."""
-    for index, _ in stored:
-      if index == region:  # the common case: same sharding as saved, no copy
-        return shards[ShardId(kp, index)][0]
+    for record in stored:
+      if record.index == region:  # the common case: same sharding as saved, no copy
+        return shards[record.id][0]
     out = None
-    for index, _ in stored:
+    for record in stored:
+      index = record.index
       if not _overlaps(index, region):
         continue
       lo = [max(a, r0) for (a, _), (r0, _) in zip(index, region)]
       hi = [min(b, r1) for (_, b), (_, r1) in zip(index, region)]
-      data = shards[ShardId(kp, index)][0]
+      data = shards[record.id][0]
       if out is None:
         out = np.empty(tuple(r1 - r0 for r0, r1 in region), data.dtype)
       src = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, index))
@@ -335,9 +334,11 @@ class Restorer:
 
 
 class ShardReads:
-  """The tier fallback of a restore, for every framework and format: a stored shard read
-  from the first of its sources (``(host, tier)``: ``"ram"``, ``"replica"``, ``"any"``,
-  ``"disk"``) whose copy reads and passes its crc32c.
+  """The tier fallback of a restore, for every framework and format: the stored shard a
+  record of the step's manifest describes, read from the first of its sources
+  (``(host, tier)``: ``"ram"``, ``"replica"``, ``"any"``, ``"disk"``) whose copy reads
+  and passes the record's checks (crc32c, dtype, shape). The record goes down to the
+  sidecar's read as it is (``CheckpointTransport.read``).
 
   Args:
     client: the sidecars.
@@ -348,41 +349,43 @@ class ShardReads:
   def __init__(self, client: CheckpointTransport, mapped: set[int] | frozenset[int]):
     self.client, self.mapped = client, mapped
 
-  def first(self, final_dir: str, kp: KeyPath, index, crc: int | None,
-            sources: Sequence[tuple[int, str]], dtype: np.dtype) -> concurrent.futures.Future:
+  def first(self, final_dir: str, record: ShardRecord, sources: Sequence[tuple[int, str]],
+            dtype: np.dtype | None = None) -> concurrent.futures.Future:
     """A future of ``(data, source)``, ``source`` its label (``"ram:host0"``,
     ``"replica:host1"``, ``"storage"``), from the first of ``sources`` that gives a valid
-    copy; else of ShardsLostError naming every try (or another failure as it is)."""
-    return self.start(final_dir, kp, index, crc, sources, dtype).out
+    copy; else of ShardsLostError naming every try (or another failure as it is).
+    ``dtype``: the leaf's, for a record that says none (an earlier release's manifest)."""
+    return self.start(final_dir, record, sources, dtype).out
 
-  def start(self, final_dir: str, kp: KeyPath, index, crc: int | None,
-            sources: Sequence[tuple[int, str]], dtype: np.dtype,
+  def start(self, final_dir: str, record: ShardRecord, sources: Sequence[tuple[int, str]],
+            dtype: np.dtype | None = None,
             checks: concurrent.futures.Executor | None = None, *,
             private: bool = False) -> ShardRead:
     """:meth:`first`'s read, begun; with ``checks``, a RAM copy this process maps is read
     unchecked and checked here, on ``checks`` (:class:`ShardRead`); ``private``: a copy
     this process maps comes copy-on-write (``CheckpointTransport.read``)."""
-    read = ShardRead(self, final_dir, kp, index, crc, list(sources), dtype, checks, private)
+    read = ShardRead(self, final_dir, record, list(sources), _Form.of(record, dtype), checks,
+                     private)
     read.attempt(0)
     return read
 
-  def read(self, host: int, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str,
-           dtype: np.dtype, private: bool = False) -> concurrent.futures.Future:
+  def read(self, host: int, final_dir: str, record: ShardRecord, tier: str, form: _Form,
+           *, checked: bool = True, private: bool = False) -> concurrent.futures.Future:
     """One source's read of the shard: in pieces where it is large and not mapped here."""
-    shape = tuple(b - a for a, b in index)
-    if tier in ("ram", "replica") and host not in self.mapped and (
-        math.prod(shape) * dtype.itemsize > READ_PIECE_BYTES):
-      return self._read_pieces(final_dir, kp, index, crc, tier, host, shape, dtype)
-    return self.client.read(host, final_dir, ShardId(kp, index), crc32c=crc, tier=tier,
+    if (tier in ("ram", "replica") and host not in self.mapped and form.known
+        and form.nbytes > READ_PIECE_BYTES):
+      return self._read_pieces(final_dir, record, tier, host, form, checked)
+    return self.client.read(host, final_dir, record, tier=tier, checked=checked,
                             private=private)
 
-  def _read_pieces(self, final_dir: str, kp: KeyPath, index, crc: int | None, tier: str, host: int,
-                  shape: tuple[int, ...], dtype: np.dtype) -> concurrent.futures.Future:
+  def _read_pieces(self, final_dir: str, record: ShardRecord, tier: str, host: int,
+                   form: _Form, checked: bool) -> concurrent.futures.Future:
     """A future of a RAM-tier shard read from ``host`` over gRPC in pieces of at most
     READ_PIECE_BYTES, assembled here (the host checks the whole shard's crc32c, with the
     first piece)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
-    data = np.empty(shape, dtype)
+    assert form.shape is not None
+    data = np.empty(form.shape, form.dtype)
     flat = data.reshape(-1).view(np.uint8)
     pieces = [(o, min(READ_PIECE_BYTES, flat.nbytes - o))
              for o in range(0, flat.nbytes, READ_PIECE_BYTES)]
@@ -406,11 +409,36 @@ class ShardReads:
     for offset, nbytes in pieces:
       # Only the first piece asks for the check: the host checks the whole shard once, and
       # its failure fails the shard (the pieces all go at once, so each would check it).
-      future = self.client.read(host, final_dir, ShardId(kp, index),
-                                crc32c=crc if offset == 0 else None, tier=tier,
-                                byte_range=(offset, nbytes))
+      future = self.client.read(host, final_dir, record, tier=tier,
+                                checked=checked and offset == 0, byte_range=(offset, nbytes))
       future.add_done_callback(functools.partial(done, offset))
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Form:
+  """The dtype and shape a shard's copy must have: its record's; where the record says
+  none (an earlier release's manifest), its leaf's dtype and its index's extent (None:
+  not known, a DCP bytes item's, or no dtype given)."""
+
+  dtype: np.dtype | None
+  shape: tuple[int, ...] | None
+
+  @classmethod
+  def of(cls, record: ShardRecord, dtype: np.dtype | None) -> _Form:
+    if record.dtype:
+      return cls(dtypes_lib.dtype_of(record.dtype, f"the record of {list(record.key_path)}"),
+                 record.shape)
+    return cls(dtype, tuple(b - a for a, b in record.index) if record.index else None)
+
+  @property
+  def known(self) -> bool:
+    return self.dtype is not None and self.shape is not None
+
+  @property
+  def nbytes(self) -> int:
+    assert self.dtype is not None and self.shape is not None
+    return math.prod(self.shape) * self.dtype.itemsize
 
 
 class ShardRead:
@@ -427,13 +455,12 @@ class ShardRead:
   reference to the restored array, without the garbage collector.
   """
 
-  def __init__(self, reads: ShardReads, final_dir: str, kp: KeyPath, index, crc: int | None,
-               sources: list[tuple[int, str]], dtype: np.dtype,
+  def __init__(self, reads: ShardReads, final_dir: str, record: ShardRecord,
+               sources: list[tuple[int, str]], form: _Form,
                checks: concurrent.futures.Executor | None, private: bool = False):
-    self._reads, self._final_dir, self._kp = reads, final_dir, kp
+    self._reads, self._final_dir, self._record = reads, final_dir, record
     self._private = private
-    self._index, self._crc = index, crc
-    self._sources, self._dtype, self._checks = sources, dtype, checks
+    self._sources, self._form, self._checks = sources, form, checks
     self.failures: list[tuple[str, errors.SidecarError]] = []
     self.ready: concurrent.futures.Future = concurrent.futures.Future()
     self.out: concurrent.futures.Future = concurrent.futures.Future()
@@ -444,11 +471,11 @@ class ShardRead:
       return
     host, tier = self._sources[i]
     label = "storage" if tier == "disk" else f"{tier}:host{host}"
-    here = (self._checks is not None and self._crc is not None and tier in ("ram", "replica")
-            and host in self._reads.mapped)
+    here = (self._checks is not None and self._record.crc32c is not None
+            and tier in ("ram", "replica") and host in self._reads.mapped)
     try:
-      f = self._reads.read(host, self._final_dir, self._kp, self._index,
-                           None if here else self._crc, tier, self._dtype, self._private)
+      f = self._reads.read(host, self._final_dir, self._record, tier, self._form,
+                           checked=not here, private=self._private)
     except errors.SidecarError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)
@@ -475,23 +502,23 @@ class ShardRead:
       self._finish(error=errors.ClosedError("the restore ended before this shard was checked"))
 
   def _as_saved(self, data: np.ndarray, label: str) -> np.ndarray:
-    """``data`` if it has the dtype (and, for an array's block, the shape) its manifest
-    says the save wrote; else CorruptCheckpointError: a copy whose metadata was changed
-    reads the same bytes as other numbers, and its crc32c still matches."""
-    shape = tuple(b - a for a, b in self._index)
-    if data.dtype != self._dtype or (self._index and data.shape != shape):
-      name = ".".join(str(k) for k in self._kp)
+    """``data`` if it has the dtype and shape the save wrote (``_Form``); else
+    CorruptCheckpointError: a copy whose metadata was changed reads the same bytes as
+    other numbers, and its crc32c still matches."""
+    dtype, shape = self._form.dtype, self._form.shape
+    if (dtype is not None and data.dtype != dtype) or (shape is not None and data.shape != shape):
+      r = self._record
+      name = ".".join(str(k) for k in r.key_path)
       raise errors.CorruptCheckpointError(
-          f"{self._final_dir}: array {name!r} shard {[list(i) for i in self._index]} came "
+          f"{self._final_dir}: array {name!r} shard {[list(i) for i in r.index]} came "
           f"from {label} as {data.dtype}{list(data.shape)}, where the save wrote "
-          f"{self._dtype}{list(shape)}: its metadata was changed after the save")
+          f"{dtype}{list(shape or data.shape)}: its metadata was changed after the save")
     return data
 
   def _check(self, i: int, label: str, host: int, data: np.ndarray) -> None:
-    assert self._crc is not None
     try:
-      records.check_crc32c(self._final_dir, ShardId(self._kp, self._index), data, self._crc,
-                       f"{self._sources[i][1]} copy on host {host}")
+      records.check_crc32c(self._final_dir, self._record, data,
+                           f"{self._sources[i][1]} copy on host {host}")
     except errors.CorruptCheckpointError as e:
       self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
       self.attempt(i + 1)

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
+from sidecar._src.ckptfmt.records import Held, Manifest, ShardRecord
 from sidecar._src.core import env as env_lib, errors, paths
 from sidecar._src.server import metrics as metrics_lib, policies
 from sidecar._src.server.checkpoint import (
@@ -425,12 +425,14 @@ class Checkpoints:
     in_ram = any(copy is not None and copy.committed for copy in held)
     return checkpoint_read.info(final_dir, stored=not in_ram)
 
-  def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
-           tier: str = "any", byte_range: tuple[int, int] | None = None) -> np.ndarray:
-    """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
+  def read(self, final_dir: str, record: ShardRecord, tier: str = "any",
+           byte_range: tuple[int, int] | None = None, *, checked: bool = True
+           ) -> np.ndarray:
+    """The stored shard ``record`` (its manifest's) describes: from the RAM tier (no copy) or
+    from storage into the arena, checked against it (``read.Reader.read``).
 
     ``byte_range=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
     client that reads a large shard over gRPC in messages of bounded size.
     """
     self._path(final_dir, "final_dir")
-    return self.reader.read(final_dir, shard, crc32c, tier, byte_range)
+    return self.reader.read(final_dir, record, tier, byte_range, checked=checked)

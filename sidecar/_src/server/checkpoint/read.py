@@ -1,5 +1,7 @@
 """Restores on the sidecar: an item's manifest and its shards, from the tier asked.
 
+A read names the shard by its record, as the step's manifest lists it (``ShardRecord``, the
+same the save wrote): its id finds the copy, its crc32c, dtype and shape check it.
 ``ram`` (this host's own copy: no copy, the block itself is leased to the caller),
 ``replica`` (a shard another sidecar sent here), ``disk`` (storage, straight into a new arena
 block), or ``any`` (own copy, else storage). Every read with a crc32c checks it, a RAM
@@ -26,7 +28,7 @@ import pathlib
 import numpy as np
 
 from sidecar._src.ckptfmt import records, registry as formats_lib
-from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardId
+from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import faults, ram_tier
@@ -124,12 +126,17 @@ class Reader:
     self._metrics = metrics
     self._formats = formats
 
-  def read(self, final_dir: str, shard: ShardId, crc32c: int | None = None,
-           tier: str = "any", byte_range: tuple[int, int] | None = None) -> np.ndarray:
-    """One stored shard: from the RAM tier (no copy) or from storage into the arena (checked).
+  def read(self, final_dir: str, record: ShardRecord, tier: str = "any",
+           byte_range: tuple[int, int] | None = None, *, checked: bool = True
+           ) -> np.ndarray:
+    """The stored shard ``record`` describes (the step's manifest's record: its id says
+    which, the copy served is checked against its crc32c, dtype and shape): from the RAM
+    tier (no copy) or from storage into the arena.
 
     ``byte_range=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes,
-    for a client that reads a large shard over gRPC in messages of bounded size.
+    for a client that reads a large shard over gRPC in messages of bounded size (the
+    whole copy checked). ``checked=False``: its crc32c is not checked here (the caller
+    checks it, or another piece of the shard asked for it); its dtype and shape are.
     """
     if byte_range is not None and tier not in ("ram", "replica"):
       raise errors.InvalidArgumentError(
@@ -140,6 +147,7 @@ class Reader:
     if tier not in ("any", "ram", "replica", "disk"):
       raise errors.InvalidArgumentError(
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
+    shard = record.id
     if tier in ("any", "ram", "replica"):
       held: ram_tier.Step | ram_tier.Replica | None = None
       with self._tier.lock:
@@ -157,9 +165,10 @@ class Reader:
           # At every read, never once for all: a Worker that maps the arena can write the
           # block after an earlier restore checked it. A corrupt copy is one that is not
           # there: tier "any" reads storage instead, the caller's fallback the next copy.
-          if crc32c is not None:
-            records.check_crc32c(final_dir, shard, data, crc32c,
-                             f"{tier} copy on host {self._tier.host_id}")
+          what = f"{tier} copy on host {self._tier.host_id}"
+          records.check_form(final_dir, record, data, what)
+          if checked:
+            records.check_crc32c(final_dir, record, data, what)
         except errors.CorruptCheckpointError as e:
           if tier != "any":
             raise
@@ -177,9 +186,10 @@ class Reader:
     manifest = _manifest_file(final_dir)
     fmt = (self._formats.of_committed(final_dir) if manifest is None
            else self._formats.get(manifest.format))
-    data = _said(lambda: fmt.read(final_dir, shard, allocate=outputs.empty,
+    data = _said(lambda: fmt.read(final_dir, record, allocate=outputs.empty,
                                   manifest=manifest), final_dir)
-    if crc32c is not None:
-      records.check_crc32c(final_dir, shard, data, crc32c, "stored copy")
+    records.check_form(final_dir, record, data, "stored copy")
+    if checked:
+      records.check_crc32c(final_dir, record, data, "stored copy")
     self._metrics.restored_bytes("storage", data.nbytes)
     return data

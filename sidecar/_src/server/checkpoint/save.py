@@ -240,7 +240,7 @@ class StepWriter:
     goes; the save belongs to the sessions that staged its parts (``owner``), at most
     ``writers`` of them: a part of another session is refused while it is being written.
     ``extra``: the typed extra of ``tmp_dir``'s format, if it has one (a DCP step's
-    ``DcpPart``: the rank's items, its shards' ``leaf`` numbering them); the format
+    ``DcpPart``: its rank and item count, its shards' ``leaf`` numbering them); the format
     numbers the shards (``Format.numbering``). Each record names this host (or no host:
     it is this one's then).
 

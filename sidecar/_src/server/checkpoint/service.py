@@ -520,14 +520,13 @@ class CheckpointService:
 
   def read(self, r: ckpt_pb.CheckpointReadRequest, context: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointReadResponse:
-    shard = wire.shard_from_pb(r.shard, "shard")
+    record = wire.record_from_pb(r.record, "record")
     byte_range = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
     tier = _TIERS.get(r.tier)
     if tier is None:
       raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
     with self._allocating(context):
-      data = self._checkpoints.read(r.final_dir, shard,
-                                    r.crc32c if r.HasField("crc32c") else None, tier, byte_range)
+      data = self._checkpoints.read(r.final_dir, record, tier, byte_range, checked=not r.unchecked)
     out = ckpt_pb.CheckpointReadResponse()
     if not r.worker_session:  # inline, the bytes copied once into the message
       wire.fill_data(out.data, data)

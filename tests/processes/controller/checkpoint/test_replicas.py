@@ -149,7 +149,7 @@ def test_large_shards_of_unmapped_hosts_come_over_grpc_in_pieces(tmp_path, monke
   pieced = []
   read_pieces = checkpoint_restore.ShardReads._read_pieces
   monkeypatch.setattr(checkpoint_restore.ShardReads, "_read_pieces",
-                      lambda self, *a: pieced.append(a[5]) or read_pieces(self, *a))
+                      lambda self, *a: pieced.append(a[3]) or read_pieces(self, *a))  # host
   directory = tmp_path / "ck"
   with sidecar.testing.LocalCluster(num_hosts=2, devices_per_host=1, shm_size="32MiB",
                                     imports=FNS) as cluster:

@@ -160,7 +160,7 @@ def test_the_int32_reading_of_a_float32_leaf_is_refused_at_its_read(steps):
   (w,) = [s for s in manifest.shards if s.key_path == ("w",)]
   CORRUPTIONS["dtype"][0](directory / "2" / "default")
   with pytest.raises(sidecar.CorruptCheckpointError, match=r"\.zarray says dtype int32") as e:
-    client.read(0, final_dir, w.id, crc32c=w.crc32c, tier="disk").result()
+    client.read(0, final_dir, w, tier="disk").result()
   _clean(e.value)
 
 

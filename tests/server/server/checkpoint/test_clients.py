@@ -115,9 +115,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
   from sidecar._src.ckptfmt import dcp
   server = make_server(token=TOKEN)
   path = tmp_path / "ck" / "step-3"
-  item = dcp.Item(fqn="w", kind="tensor", nbytes=4096, dtype="float32", sizes=(1024,),
-                  offsets=(0,))
-  part = dcp.DcpPart(0, (item,))
+  part = dcp.DcpPart(0, 1)
   with controller(server) as victim, controller(server, attach=False) as attacker:
     mine, theirs = victim.checkpoint_client(), attacker.checkpoint_client()
     mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
@@ -211,8 +209,9 @@ def test_a_controller_cannot_plant_a_replica(make_server, tmp_path):
     held = {h: held_replicas(s, directory) for h, s in enumerate(servers)}
     source, holder = (0, 1) if held[1] else (1, 0)  # whichever host staged the leaf
     assert list(held[holder][str(directory / "1" / "default")]) == [source]
-    got = servers[holder].checkpoints.read(str(directory / "1" / "default"),
-                                           ShardId(("w",), ((0, 1024),)), tier="replica")
+    final_dir = str(directory / "1" / "default")
+    (record,) = servers[holder].checkpoints.info(final_dir).shards
+    got = servers[holder].checkpoints.read(final_dir, record, tier="replica")
     np.testing.assert_array_equal(got, state["w"])
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import dcp, spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardId
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.server.checkpoint import roots as roots_lib
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 from tests.support.staged import staged
@@ -68,7 +68,7 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
     data = np.zeros(item.nbytes, np.uint8)
     client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                  leaves=[], shards=[staged(("w",), 0, (), data, rank=0)], last=True,
-                 extra=dcp.DcpPart(0, (item,))).result()
+                 extra=dcp.DcpPart(0, 1)).result()
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     plan = {"version": 1, "state": {"w": {"kind": "bytes"}},
@@ -111,9 +111,9 @@ def test_an_orbax_leaf_key_that_is_an_absolute_path_is_refused(make_server, tmp_
                   0, directory=str(directory), step=1, tmp_dir=f"{tmp}/default",
                   final_dir=str(directory / "1" / "default"), leaves=[leaf],
                   shards=[evil], last=True).result())
-      refused(ValueError, "shard.key_path must be a name", lambda key=key: client.read(
-          0, str(directory / "1" / "default"), ShardId((key,), ((0, W.size),)), crc32c=None,
-          tier="any").result())
+      refused(ValueError, "record.shard.key_path must be a name", lambda key=key: client.read(
+          0, str(directory / "1" / "default"),
+          ShardRecord.of(ShardId((key,), ((0, W.size),)), 0, W), tier="any").result())
   assert not outside.exists() and files_under(alice_dir) == before
   np.testing.assert_array_equal(restored(server, alice_dir), W + 1.0)
 
@@ -159,8 +159,8 @@ def test_ownership_survives_a_restart(make_server, tmp_path):
                                                             ram_budget=None, sweep=True).result())
       assert f"remove {str(directory / roots_lib.OWNER_FILE)!r}" in message, message
     refused(PermissionError, "in no checkpoint directory client 'bob' opened", lambda: client.read(
-        0, str(directory / "1" / "default"), ShardId(("w",), ((0, W.size),)), crc32c=None,
-        tier="any").result())
+        0, str(directory / "1" / "default"),
+        ShardRecord.of(ShardId(("w",), ((0, W.size),)), 0, W), tier="any").result())
   np.testing.assert_array_equal(restored(server, directory), W + 1.0)
   saved(server, directory, 2.0, step=2)  # still hers to save in
 
@@ -285,7 +285,7 @@ def test_roots_narrowed_by_a_reload_hold_at_the_next_call(make_server, tmp_path)
               lambda: client.begin(0, str(directory), 3, format="orbax").result())
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
               lambda: client.read(0, str(directory / "1" / "default"),
-                                  ShardId(("w",), ((0, W.size),)), crc32c=None,
+                                  ShardRecord.of(ShardId(("w",), ((0, W.size),)), 0, W),
                                   tier="any").result())
   assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["1"]
 
@@ -319,7 +319,7 @@ def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_s
     client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                  leaves=[], shards=[staged(("w",), 0, (), np.zeros(8, np.uint8), rank=0)],
                  last=True,
-                 extra=dcp.DcpPart(0, (item,))).result()
+                 extra=dcp.DcpPart(0, 1)).result()
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.commit(

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt.records import ShardId
 from sidecar._src.core import errors
 from tests.support.procfs import ARENA_FILE, mapping_of
 
@@ -59,12 +58,12 @@ def test_a_ram_copy_zeroed_after_a_restore_is_read_from_storage(saved):
     np.testing.assert_array_equal(np.asarray(back), w)
     del back
   # The sidecar's own reads: tier "ram" refuses the copy, "any" reads storage instead.
-  (checksum,) = server.checkpoints.info(final_dir).shards
-  shard = ShardId(checksum.key_path, checksum.index)
+  (record,) = server.checkpoints.info(final_dir).shards  # as the save wrote it
   with pytest.raises(errors.CorruptCheckpointError, match="ram copy on host 0"):
-    server.checkpoints.read(final_dir, shard, checksum.crc32c, "ram")
-  np.testing.assert_array_equal(
-      server.checkpoints.read(final_dir, shard, checksum.crc32c, "any"), w)
+    server.checkpoints.read(final_dir, record, "ram")
+  np.testing.assert_array_equal(server.checkpoints.read(final_dir, record, "any"), w)
+  # Unchecked (a caller that checks the copy itself): the copy as it is.
+  assert not server.checkpoints.read(final_dir, record, "ram", checked=False).any()
 
 
 def test_a_zeroed_ram_copy_already_on_its_way_to_the_devices_is_put_again_from_storage(saved):

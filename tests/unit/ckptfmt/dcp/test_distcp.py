@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from sidecar._src.ckptfmt.dcp import distcp, record as dcp_record
-from sidecar._src.ckptfmt.records import Manifest, Staged, shard_crc32c
+from sidecar._src.ckptfmt.dcp import archive, distcp
+from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged, shard_crc32c
 from sidecar._src.core import errors
 
 pytestmark = [pytest.mark.unit,
@@ -92,8 +92,9 @@ def write_checkpoint(path, ranks, expected):
   for rank, pairs in ranks.items():
     items = [item for item, _ in pairs]
     _, sizes[rank] = distcp.layout(rank, items)
-    # Items arrive in any order: the layout, not the arrival, places them.
-    sums[rank] = distcp.write_rank_part(tmp, rank, items, reversed(staged(rank, pairs)))
+    # Items arrive in any order: the layout, not the arrival, places them (an item whose
+    # predecessors' records have not come waits for them).
+    sums[rank] = distcp.write_rank_part(tmp, rank, len(items), reversed(staged(rank, pairs)))
   shapes = {k: np.shape(v) for k, v in expected.items() if isinstance(v, np.ndarray)}
   final = distcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
                        manifest=Manifest(distcp.FORMAT, (), ()))
@@ -154,7 +155,7 @@ def test_a_ranks_items_are_written_in_turns_of_their_bytes(tmp_path):
     turns.append(nbytes)
     return contextlib.nullcontext()
 
-  distcp.write_rank_part(tmp, 1, items, staged(1, ranks[1]), turn=turn)
+  distcp.write_rank_part(tmp, 1, len(items), staged(1, ranks[1]), turn=turn)
   assert sum(turns) == sum(a.nbytes for _, a in ranks[1])
   assert max(turns) <= distcp.direct_io.TURN_BYTES
 
@@ -164,7 +165,7 @@ def test_nothing_is_visible_before_the_commit(tmp_path):
   path = tmp_path / "ckpt"
   tmp = distcp.create_tmp(path)
   items = [item for item, _ in ranks[0]]
-  distcp.write_rank_part(tmp, 0, items, staged(0, ranks[0]))
+  distcp.write_rank_part(tmp, 0, len(items), staged(0, ranks[0]))
   # Rank 1 never wrote: the commit refuses, and nothing is at the path.
   _, size0 = distcp.layout(0, items)
   _, size1 = distcp.layout(1, [item for item, _ in ranks[1]])
@@ -231,23 +232,28 @@ def test_write_rank_part_refuses_wrong_or_missing_data(tmp_path):
   tmp = distcp.create_tmp(tmp_path / "ckpt")
   a = np.arange(6, dtype=np.float32)
   items = [tensor_item("a", a), tensor_item("b", a)]
-  def first(data):
-    return Staged(items[0].record(0, 0, data), data)
-  with pytest.raises(errors.InvalidArgumentError, match=r"missing items \['b'\]"):
-    distcp.write_rank_part(tmp, 0, items, [first(a)])
+  def first(data):  # item 0's record (of ``a``), with ``data`` beside it
+    return Staged(items[0].record(0, 0, a), data)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"rank 0's part is missing items number \[1\] of its 2"):
+    distcp.write_rank_part(tmp, 0, 2, [first(a)])
   with pytest.raises(errors.InvalidArgumentError, match="expected dtype float32, got int32"):
-    distcp.write_rank_part(tmp, 0, items, [first(a.view(np.int32))])
+    distcp.write_rank_part(tmp, 0, 2, [first(a.view(np.int32))])
   with pytest.raises(errors.InvalidArgumentError, match="expected 24 bytes"):
-    distcp.write_rank_part(tmp, 0, items, [first(a[:3])])
+    distcp.write_rank_part(tmp, 0, 2, [first(a[:3])])
   with pytest.raises(errors.InvalidArgumentError, match="came twice"):
-    distcp.write_rank_part(tmp, 0, items, [first(a), first(a)])
+    distcp.write_rank_part(tmp, 0, 2, [first(a), first(a)])
+  with pytest.raises(errors.InvalidArgumentError, match=r"item number 2: rank 0 has 2 items"):
+    distcp.write_rank_part(tmp, 0, 2, [Staged(items[1].record(2, 0, a), a)])
+  with pytest.raises(errors.InvalidArgumentError, match="is neither a tensor chunk"):
+    distcp.write_rank_part(tmp, 0, 2, [Staged(ShardRecord.of(ShardId(("a",), ()), 0, a), a)])
   with pytest.raises(errors.InvalidArgumentError, match="not an uncommitted DCP checkpoint"):
-    distcp.write_rank_part(tmp_path, 0, items, [])
+    distcp.write_rank_part(tmp_path, 0, 2, [])
 
 
-# Every dtype a record holds, in every shape kind, at offsets of each alignment case.
-@pytest.mark.parametrize("dtype", sorted(dcp_record.ITEMSIZES))
-def test_each_record_is_what_torch_load_reads(dtype):
+# Every dtype an archive holds, in every shape kind, at offsets of each alignment case.
+@pytest.mark.parametrize("dtype", sorted(archive.ITEMSIZES))
+def test_each_archive_is_what_torch_load_reads(dtype):
   rng = np.random.default_rng(1)
   np_dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
   for shape in [(), (3,), (2, 3), (1024, 5), (0, 4)]:
@@ -255,25 +261,25 @@ def test_each_record_is_what_torch_load_reads(dtype):
       raw = rng.integers(0, 256, int(np.prod(shape)) * np_dtype.itemsize, dtype=np.uint8)
       if dtype == "bool":
         raw &= 1
-      head = dcp_record.header(dtype, shape, at=at)
-      record = head + raw.tobytes() + dcp_record.trailer(dtype, shape, at=at)
+      head = archive.header(dtype, shape, at=at)
+      made = head + raw.tobytes() + archive.trailer(dtype, shape, at=at)
       assert (at + len(head)) % (4096 if raw.nbytes >= 4096 else 64) == 0
-      assert len(record) == dcp_record.record_length(dtype, shape, at=at)
-      t = torch.load(io.BytesIO(record), weights_only=True)
+      assert len(made) == archive.archive_length(dtype, shape, at=at)
+      t = torch.load(io.BytesIO(made), weights_only=True)
       assert t.dtype == getattr(torch, dtype) and tuple(t.shape) == shape
       assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == raw.tobytes()
 
 
-def test_zip64_records_load_too(monkeypatch):
-  # Archives over 4 GiB take zip64 records; lowering the threshold makes every one so.
-  monkeypatch.setattr(dcp_record, "ZIP64_AT", 0)
+def test_zip64_archives_load_too(monkeypatch):
+  # Archives over 4 GiB take zip64 entries; lowering the threshold makes every one so.
+  monkeypatch.setattr(archive, "ZIP64_AT", 0)
   a = np.arange(2048, dtype=np.float32).reshape(2, 1024)
-  record = (dcp_record.header("float32", a.shape, at=64) + a.tobytes()
-            + dcp_record.trailer("float32", a.shape, at=64))
-  assert b"PK\x06\x06" in record  # the zip64 end of central directory
-  assert np.array_equal(torch.load(io.BytesIO(record), weights_only=True).numpy(), a)
+  made = (archive.header("float32", a.shape, at=64) + a.tobytes()
+          + archive.trailer("float32", a.shape, at=64))
+  assert b"PK\x06\x06" in made  # the zip64 end of central directory
+  assert np.array_equal(torch.load(io.BytesIO(made), weights_only=True).numpy(), a)
 
 
-def test_a_record_start_off_64_bytes_is_refused():
+def test_an_archive_start_off_64_bytes_is_refused():
   with pytest.raises(errors.InvalidArgumentError, match="starts on 64 bytes"):
-    dcp_record.header("float32", (3,), at=10)
+    archive.header("float32", (3,), at=10)

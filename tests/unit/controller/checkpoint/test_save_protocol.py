@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import registry as formats_lib
-from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
+from sidecar._src.ckptfmt.dcp import DcpPart
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, SavedLeaf, ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
@@ -66,8 +66,8 @@ def test_a_host_first_lot_carries_the_format_extra_and_its_later_ones_the_rest()
   fake = Recording([0, 1])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: [0, 1]})
   target = dcp_begun(7)
-  first = DcpPart(1, (Item(fqn="w", kind=ItemKind.BYTES, nbytes=3),))
-  rest = DcpPart(1, ())
+  first = DcpPart(1, 1)
+  rest = DcpPart(1, 2)  # another value only to tell the two apart
   parts: queue.SimpleQueue = queue.SimpleQueue()
   shard = staged(("w",), 0, (), np.zeros(3, np.uint8), rank=1)
   for host, last in ((0, False), (1, True), (0, True)):
@@ -248,7 +248,7 @@ class Layout(Format):
   def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping):
     raise AssertionError("the sidecar's")
 
-  def read(self, final_dir, shard, *, allocate, manifest):
+  def read(self, final_dir, record, *, allocate, manifest):
     raise AssertionError("the sidecar's")
 
 

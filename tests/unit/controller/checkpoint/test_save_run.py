@@ -84,7 +84,7 @@ def test_a_rank_copies_are_sent_in_lots_as_the_copy_goes_on_the_calling_thread(m
   run.begin()
   mine = copies(3)  # 16 bytes each: a lot each
   threads = set(threading.enumerate())
-  run.stage_copies(0, mine, extra=DcpPart(0, items(3)), rest=DcpPart(0, ()))
+  run.stage_copies(0, mine, extra=DcpPart(0, 3), rest=DcpPart(0, 3))
   assert set(threading.enumerate()) <= threads
   assert set(fake.stagers) == {threading.get_ident()}
   # The last lot goes with the last shard: no empty stage call after it.
@@ -100,7 +100,7 @@ def test_ctrl_c_during_the_copy_drops_the_host_part_and_raises():
   run.begin()
   threads = set(threading.enumerate())
   with pytest.raises(KeyboardInterrupt), interrupts.deferred():
-    run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
+    run.stage_copies(0, copies(1), extra=DcpPart(0, 1))
   assert fake.stage_sizes == []  # nothing staged
   assert fake.aborted == [(0, "/ckpt/3.dcp-checkpoint-tmp")]
   assert set(threading.enumerate()) <= threads
@@ -110,7 +110,7 @@ def test_the_coordinator_run_replicates_waits_for_every_host_commits_once_and_te
   fake = Arena([0, 1])
   run = dcp_run(fake, hosts=(0, 1))
   assert run.begin().tmp_dir == "/ckpt/3.dcp-checkpoint-tmp"
-  run.stage_copies(0, copies(1), extra=DcpPart(0, items(1)))
+  run.stage_copies(0, copies(1), extra=DcpPart(0, 1))
   fake.calls.clear()
   run.finish(extra=commit_extra())
   assert fake.calls == [("replicate", 0), ("replicate", 1), ("prepared", 0), ("prepared", 1),

@@ -204,7 +204,7 @@ def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tm
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"stage: a Stage of a step in orbax's layout carries no format extra, "
                      r"got DcpPart"):
-    writer.stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, ()), owner="a")
+    writer.stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, 0), owner="a")
   with pytest.raises(errors.InvalidArgumentError, match=r"format must be one of the registered "
                      rf"formats {NAMES}, got 'safetensors'"):
     writer.begin(directory, 9, format="safetensors", owner="a")

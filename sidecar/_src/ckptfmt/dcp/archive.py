@@ -1,7 +1,7 @@
-"""One tensor as ``torch.save`` stores it, made without torch: the records of a ``.distcp`` file.
+"""One tensor as ``torch.save`` stores it, made without torch: the archives of a ``.distcp`` file.
 
 DCP's ``FileSystemReader`` reads each tensor of a ``.distcp`` file with
-``torch.load(slice, weights_only=True)``: every tensor record is a whole ``torch.save``
+``torch.load(slice, weights_only=True)``: every tensor is stored as a whole ``torch.save``
 archive, a zip of stored (uncompressed) entries::
 
   archive/data.pkl      the pickle that rebuilds the tensor from storage "0"
@@ -9,7 +9,7 @@ archive, a zip of stored (uncompressed) entries::
   archive/version       "3\\n"
   archive/data/0        the tensor's C-order bytes, as they are in memory
 
-A sidecar writes these records without importing torch: :func:`header` and
+A sidecar writes these archives without importing torch: :func:`header` and
 :func:`trailer` are the bytes before and after the tensor's own bytes, and the
 tensor's bytes go to the file straight from the arena. ``data.pkl`` is a fixed pickle
 of a few opcodes, the one ``torch.save`` writes (``_rebuild_tensor_v2`` of a typed
@@ -17,11 +17,11 @@ storage, or ``_rebuild_tensor_v3`` of an untyped one with its dtype for the dtyp
 that have no typed storage class), built here by :func:`tensor_pickle` from the
 dtype's name and the shape. Nothing here unpickles anything.
 
-Where the record starts in its file is known before it is written (the layout is
+Where the archive starts in its file is known before it is written (the layout is
 fixed by the items' sizes), so the header pads the ``data/0`` entry with an extra
 field (as ``torch.save`` pads to 64 bytes) until the tensor's bytes start on a 4 KiB
 boundary of the file: they then go to disk with ``O_DIRECT``, no copy through the page
-cache. Archives over 4 GiB use zip64 records.
+cache. Archives over 4 GiB use zip64 entries.
 
 The zip's CRC-32 of ``data/0`` is written as 0, as ``torch.save`` does under
 ``torch.serialization.set_crc32_options(False)``: ``torch.load`` does not check it, and
@@ -40,11 +40,11 @@ from sidecar._src.core import errors
 
 ARCHIVE = "archive"
 DATA_ALIGN = 4096  # tensor bytes start on this boundary of the file (O_DIRECT)
-SMALL_ALIGN = 64  # as torch.save aligns storages; for records under one DATA_ALIGN
+SMALL_ALIGN = 64  # as torch.save aligns storages; for archives under one DATA_ALIGN
 _PAD_ID = 0x4246  # the extra field torch.save pads with ("FB", filled with "Z")
 _ZIP64_ID = 0x0001
 _U32 = 0xFFFFFFFF  # a zip field that says: see the zip64 extra
-# Sizes and offsets from here on take zip64 records (a module constant: tests lower it).
+# Sizes and offsets from here on take zip64 entries (a module constant: tests lower it).
 ZIP64_AT = _U32
 _U16 = 0xFFFF
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, the zip epoch
@@ -67,10 +67,10 @@ ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8
 
 def check_dtype(dtype: str) -> int:
   """The item size of ``dtype`` (a numpy/ml_dtypes name); InvalidArgumentError if a
-  ``.distcp`` record cannot hold it."""
+  ``.distcp`` archive cannot hold it."""
   if dtype not in ITEMSIZES:
     raise errors.InvalidArgumentError(
-        f"dtype {dtype!r} has no torch.save storage; DCP records hold "
+        f"dtype {dtype!r} has no torch.save storage; DCP archives hold "
         f"{', '.join(sorted(ITEMSIZES))}")
   return ITEMSIZES[dtype]
 
@@ -162,11 +162,11 @@ def data_nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 def header(dtype: str, shape: Sequence[int], *, at: int) -> bytes:
-  """The bytes of a tensor record before its data, for a record that starts at file
+  """The bytes of a tensor's archive before its data, for an archive that starts at file
   offset ``at`` (a multiple of 64): the data then starts at ``at + len(header)``, on a
   4 KiB boundary when the data is at least that long, else on 64 bytes."""
   if at % SMALL_ALIGN:
-    raise errors.InvalidArgumentError(f"a record starts on {SMALL_ALIGN} bytes, got offset {at}")
+    raise errors.InvalidArgumentError(f"an archive starts on {SMALL_ALIGN} bytes, got offset {at}")
   nbytes = data_nbytes(dtype, shape)
   out = b"".join(_local_header(name, len(data), zlib.crc32(data), b"") + data
                  for name, data in _entries(dtype, shape))
@@ -181,7 +181,7 @@ def header(dtype: str, shape: Sequence[int], *, at: int) -> bytes:
 
 
 def trailer(dtype: str, shape: Sequence[int], *, at: int) -> bytes:
-  """The bytes of a tensor record after its data: the zip's central directory and its end
+  """The bytes of a tensor's archive after its data: the zip's central directory and its end
   (zip64 where needed). ``at`` as for :func:`header`."""
   head = header(dtype, shape, at=at)
   nbytes = data_nbytes(dtype, shape)
@@ -211,7 +211,7 @@ def trailer(dtype: str, shape: Sequence[int], *, at: int) -> bytes:
   return cd + end
 
 
-def record_length(dtype: str, shape: Sequence[int], *, at: int) -> int:
-  """The whole record's length: header, data, trailer."""
+def archive_length(dtype: str, shape: Sequence[int], *, at: int) -> int:
+  """The whole archive's length: header, data, trailer."""
   return (len(header(dtype, shape, at=at)) + data_nbytes(dtype, shape)
           + len(trailer(dtype, shape, at=at)))
