@@ -5,7 +5,8 @@ by CI.
 
 One 1-host ``LocalCluster``; one ``ctl.checkpointer`` saves a 4 MiB float32 state (a host
 array, as ``benchmarks.pool``'s tenants save it) ``--saves`` times, each once the one
-before is durable, so only the call itself is timed: the copy into the arena, Begin, the
+before has ended (durable, and the step ``max_to_keep`` drops deleted: ``ckpt.wait()``),
+so only the call itself is timed: the copy into the arena, Begin, the
 Stages and the sidecar's takeover of the step (``save()`` returns once every host took it
 over: ARCHITECTURE.md, "The sidecars' agreement"). The first ``--warmup`` saves are not
 counted. Printed: ``save()``'s return time and, for reference, its ``durable`` (committed
@@ -38,6 +39,7 @@ def one_round(ctl, directory: str, saves: int, warmup: int) -> tuple[list[float]
       t1 = time.perf_counter()
       handle.durable.result(120)
       t2 = time.perf_counter()
+      ckpt.wait()  # and the step max_to_keep drops is deleted: no Delete beside the next
       if step >= warmup:
         returned.append(t1 - t0)
         durable.append(t2 - t0)
