@@ -439,7 +439,7 @@ class Controller:
     ``sweep=False`` leaves uncommitted steps alone (where an Orbax manager owns them).
 
     With ``replicas=R`` (at most hosts - 1; fewer live hosts get fewer, with a warning),
-    each sidecar sends a staged step's shards to R peer sidecars (another slice's first,
+    each sidecar sends a staged step's shards to R other sidecars (another slice's first,
     else the next hosts) in the background: ``handle.replicated`` resolves once every
     shard has its copies. Replicas count toward ``ram_budget`` and leave with their step;
     a restore takes each shard from any live copy, storage last, so losing a host loses

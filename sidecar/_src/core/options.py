@@ -107,7 +107,7 @@ class ServerOptions:
   # The pool's operator token file (--operator-token-file), where the pool file names none:
   # it reads every tenant's row and drops RAM-tier copies, and is no tenant. Read at each load.
   operator_token_file: str | None = None
-  # What peer sidecars present at the handshake: only their sessions may send replicas.
+  # What the other sidecars present at the handshake: only their sessions may send replicas.
   replica_token: str | None = None
   # The job's (or pool's) sidecars, by host id (gRPC addresses: HOST:PORT or unix:PATH):
   # the only places this one sends replicas to; or a file holding that list, read when a

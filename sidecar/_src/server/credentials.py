@@ -59,7 +59,7 @@ class TokenAuth(grpc.ServerInterceptor):
 
     def deny_link(request, context):  # a handshake that carries the peer token's metadata
       context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "AuthenticationError: a peer sidecar's replica link (the sidecars' own, "
+                    "AuthenticationError: another sidecar's replica link (the sidecars' own, "
                     f"its handshake carries '{protocol.REPLICA_KEY}') presented no token this "
                     "sidecar takes: the sidecars of one job share one peer token; give every "
                     "sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")

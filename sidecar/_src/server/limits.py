@@ -153,7 +153,7 @@ class CallSlots(Slots):
 
 # The Checkpoint service's rpcs (a save's phases, restore reads, peers' replica
 # streams) have threads of their own beside those of calls and streams: at most this many
-# at once, half of them one session's (a controller's, or a peer sidecar's replicas).
+# at once, half of them one session's (a controller's, or another sidecar's replicas).
 CHECKPOINT_THREADS = 16
 
 
@@ -387,7 +387,7 @@ class Sessions:
       return self._clients.get(session) if isinstance(session, str) else None
 
   def is_replica_link(self, session: object) -> bool:
-    """Whether ``session`` is a live peer sidecar's."""
+    """Whether ``session`` is a live replica link of another sidecar's."""
     with self._lock:
       return isinstance(session, str) and session in self._replica_links
 

@@ -70,7 +70,7 @@ class Service:
     self._opened = opened  # the checkpoint directories a client opened
     # Per tenant: its saves in progress, and the bytes of its RAM-tier copies.
     self._checkpoint_use = checkpoint_use
-    # What a peer sidecar's handshake carries (REPLICA_KEY); None: no session is a peer's.
+    # What another sidecar's handshake carries (REPLICA_KEY); None: no session is another sidecar's.
     self._replica_bearer = None if replica_token is None else f"Bearer {replica_token}".encode()
     self._stream_runner = stream_runner
     self._identity = identity

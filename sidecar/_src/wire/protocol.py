@@ -57,7 +57,7 @@ CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases,
 SESSION_KEY = "sidecar-session"
 MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
 AUTH_KEY = "authorization"
-# A peer sidecar's handshake carries ``Bearer <peer token>`` here: its session may send
+# Another sidecar's handshake carries ``Bearer <peer token>`` here: its session may send
 # replicas (Checkpoint.Receive), which no controller's may.
 REPLICA_KEY = "sidecar-peer"
 # A handshake over a ``unix:`` socket carries its process's ticket here (server/client_ids):
@@ -299,7 +299,7 @@ def tls_credentials(ca: str | None, cert: str | None, key: str | None
                     ) -> grpc.ChannelCredentials | None:
   """Channel credentials from PEM files (``$SIDECAR_TLS_CA``, ``$SIDECAR_TLS_CLIENT_CERT``,
   ``$SIDECAR_TLS_CLIENT_KEY`` where not given); None when none is given or set. A
-  controller's to the sidecars, and a sidecar's to its peers.
+  controller's to the sidecars, and a sidecar's to the job's other sidecars.
 
   Raises:
     InvalidArgumentError: only one of cert and key, or a file that cannot be read.

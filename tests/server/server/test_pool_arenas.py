@@ -178,7 +178,7 @@ def test_a_tenants_feed_workers_write_its_batches_in_its_own_arena(make_server, 
 
 
 def test_a_peer_sidecars_link_attaches_to_the_arena_of_the_tenant_it_names(pool_server):
-  """The same-machine replica path: a peer sidecar maps the arena of the tenant whose
+  """The same-machine replica path: another sidecar maps the arena of the tenant whose
   replica it sends, which only the peer token may name, and runs nothing as that tenant."""
   path = pool_server.options.socket_path
   link_token = tenants_lib.ReplicaAttach(PEER_TOKEN, "alice").token()
@@ -192,7 +192,7 @@ def test_a_peer_sidecars_link_attaches_to_the_arena_of_the_tenant_it_names(pool_
       ipc.send(s, {"op": "calls", "session": link.session})
       ipc.send_bytes(s, b"")
       answer = pb.CallResponse.FromString(ipc.recv_bytes(s))
-    assert "is a peer sidecar's replica link" in answer.error.message
+    assert "is another sidecar's replica link" in answer.error.message
   with pytest.raises(sidecar.AuthenticationError, match="peer token is not this sidecar's"):
     Worker(path, token=tenants_lib.ReplicaAttach(BOB, "alice").token())
   with pytest.raises(sidecar.AuthenticationError, match="for tenant 'carol', which is not in"):

@@ -20,7 +20,7 @@ def test_a_replica_link_with_another_peer_token_is_told_it_is_the_sidecars_link(
   server = make_server(**kw)
   peer = ReplicaTarget(host_id=0, address=f"127.0.0.1:{server.port}")
   with pytest.raises(errors.AuthenticationError, match=(
-      r"a peer sidecar's replica link \(the sidecars' own, its handshake carries "
+      r"another sidecar's replica link \(the sidecars' own, its handshake carries "
       r"'sidecar-peer'\) presented no token this sidecar takes: .*give every sidecar the "
       r"same --peer-token-file")):
     ReplicaLink(peer, token="not-" + PEER_TOKEN, replica_token="not-" + PEER_TOKEN, timeout=10)

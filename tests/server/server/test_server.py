@@ -563,7 +563,7 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
   from tests.conftest import PEER_TOKEN
   from tests.support.raw_client import Raw
   server = make_server()
-  raw = Raw(server.port, replica_token=PEER_TOKEN)  # a peer sidecar's session
+  raw = Raw(server.port, replica_token=PEER_TOKEN)  # another sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(
@@ -601,7 +601,7 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
   from tests.conftest import PEER_TOKEN
   from tests.support.raw_client import Raw
   server = make_server()
-  raw = Raw(server.port, replica_token=PEER_TOKEN)  # a peer sidecar's session
+  raw = Raw(server.port, replica_token=PEER_TOKEN)  # another sidecar's session
   receive = raw.channel.stream_unary(f"/{protocol.CHECKPOINT_SERVICE}/Receive")
   item = str(tmp_path / "ck" / "3" / "state")
   header = ckpt_pb.ReceiveRequest(header=ckpt_pb.ReplicaHeader(

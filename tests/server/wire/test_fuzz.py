@@ -199,7 +199,7 @@ def target(tmp_path_factory):
   channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
   handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
                                   response_deserializer=pb.HandshakeResponse.FromString)
-  # A peer sidecar's session: Receive gets past the peer check to the parsing it fuzzes.
+  # Another sidecar's session: Receive gets past the peer check to the parsing it fuzzes.
   session = handshake(pb.HandshakeRequest(versions=protocol.local_versions()).SerializeToString(),
                       timeout=10, metadata=[(protocol.REPLICA_KEY, "Bearer fuzz-peer")]).session
   rpcs = {m: channel.unary_unary(f"/{protocol.SERVICE}/{m}") for m in ("Handshake", "Call",

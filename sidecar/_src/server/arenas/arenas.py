@@ -6,7 +6,7 @@ batches, staged saves, RAM-tier copies, replicas held for it) live in an arena o
 a memfd as large as its ``arena_ceiling`` (the whole ``--shm-size`` without one), handed
 only to its own Workers and its feeds' worker processes. Another tenant's block is simply
 not in that memory: a reference to it does not resolve, and a mapping shows nothing of it.
-Blocks nobody can tell to a tenant (a peer sidecar's, before it says whose) go to an
+Blocks nobody can tell to a tenant (another sidecar's, before it says whose) go to an
 arena of the sidecar's own, handed to no tenant.
 
 Memory. The tenants' arenas together hand out at most ``--shm-size`` (one

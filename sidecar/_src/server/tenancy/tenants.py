@@ -213,7 +213,7 @@ def operator_denied(what: str) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaAttach:
-  """What a peer sidecar's replica link presents at a worker-socket attach, in the place of
+  """What another sidecar's replica link presents at a worker-socket attach, in the place of
   a tenant's token: the peer token, and the tenant whose replicas its blocks will hold (as
   the sending sidecar authenticated it; "" outside pools). The peer token is not a tenant:
   the blocks count against ``tenant``."""
@@ -322,7 +322,7 @@ class Tenancy:
 
     Raises:
       AuthenticationError: with a pool file, a worker with no token or a wrong one, whose
-        user no tenant names; a peer sidecar's link (:class:`ReplicaAttach`) with a wrong peer
+        user no tenant names; another sidecar's link (:class:`ReplicaAttach`) with a wrong peer
         token or a tenant not in the pool.
     """
     with self._lock:
@@ -356,14 +356,14 @@ class Tenancy:
           f"this sidecar serves a pool of tenants (the pool file {pool.path}): a worker must "
           "present its tenant's token at attach; set SIDECAR_TOKEN (or SIDECAR_TOKEN_FILE) "
           "in the trainer's environment, pass token= to the Worker, or name its user in the "
-          "tenant's uids. If this is the sidecars' own replica link (a peer sidecar on this "
+          "tenant's uids. If this is the sidecars' own replica link (another sidecar on this "
           "machine maps this one's arena through its worker socket), it is that link this "
           "pool sidecar refused, not a trainer: replicate over gRPC (SIDECAR_REPLICA_SHM=0 "
           "for the sending sidecar)")
     return None
 
   def _replica_tenant(self, attach: ReplicaAttach, pool: Pool | None) -> str | None:
-    """The tenant a peer sidecar's replica link attaches for, once its peer token holds."""
+    """The tenant another sidecar's replica link attaches for, once its peer token holds."""
     if self._replica_token is None or not hmac.compare_digest(
         attach.replica_token.encode(errors="replace"), self._replica_token.encode()):
       raise errors.AuthenticationError(
@@ -479,7 +479,7 @@ class Tokens:
       return Tokens({}, named=False)
     named = pool.quotas or any(t.name for t in pool.tenants)
     table = {f"Bearer {t.token}".encode(): t.name for t in pool.tenants if t.token}
-    if named and replica_token:  # the peer sidecars authenticate with theirs
+    if named and replica_token:  # the other sidecars authenticate with theirs
       table[f"Bearer {replica_token}".encode()] = ""
     if pool.operator_token:
       table[f"Bearer {pool.operator_token}".encode()] = OPERATOR

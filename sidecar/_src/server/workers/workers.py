@@ -2,7 +2,7 @@
 
 An ``attach`` connection is one worker session. It is handed one memfd: the sidecar's
 arena, or with a pool file its tenant's own (``arenas.py``): the tenant whose token it
-presents (or whose ``uids`` hold its user), or, for a peer sidecar's link presenting the
+presents (or whose ``uids`` hold its user), or, for another sidecar's link presenting the
 peer token, the tenant it names. The session ends when the
 connection closes, and then every block leased to it goes back to the arena: a
 worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
@@ -72,7 +72,7 @@ class WorkerListener:
     # once a killed process is gone.
     self.steps = steps or steps_lib.Steps()
     self._blocks = session_blocks.SessionBlocks(leases, self.steps)  # alloc and free frames
-    self._replica_sessions: set[str] = set()  # peer sidecars' replica links (ReplicaAttach)
+    self._replica_sessions: set[str] = set()  # other sidecars' replica links (ReplicaAttach)
     # Which tenant each worker is (the token it presents at attach), and their quotas.
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
     self._calls, self._call_bytes = calls, call_bytes  # None: calls come over gRPC only
@@ -271,11 +271,11 @@ class WorkerListener:
     return self._tenancy.worker_tenant(message.get("token"), None if peer is None else peer.uid)
 
   def _check_not_replica_link(self, session: str, what: str) -> None:
-    """PermissionDeniedError where ``session`` is a peer sidecar's replica link: it maps
+    """PermissionDeniedError where ``session`` is another sidecar's replica link: it maps
     the tenant's arena to copy replicas in, and runs nothing as that tenant."""
     if session in self._replica_sessions:
       raise errors.PermissionDeniedError(
-          f"{what}: this worker session is a peer sidecar's replica link, which copies "
+          f"{what}: this worker session is another sidecar's replica link, which copies "
           "replicas into a tenant's arena and runs no calls or streams; a trainer attaches "
           "with its tenant's own token")
 
