@@ -31,7 +31,7 @@ from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import faults, ram_tier
+from sidecar._src.server.checkpoint import faults, ram_tier, step as step_lib
 from sidecar._src.user import outputs
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class Reader:
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
     shard = record.id
     if tier in ("any", "ram", "replica"):
-      held: ram_tier.Step | ram_tier.Replica | None = None
+      held: step_lib.Step | ram_tier.Replica | None = None
       with self._tier.lock:
         if tier == "replica":
           held = next((r for r in self._tier.replicas.values() if r.final_dir == final_dir
