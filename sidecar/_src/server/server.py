@@ -108,7 +108,8 @@ class Server:
     self.metrics: metrics_lib.Recorder = metrics_lib.OFF
     self.identity = pb.HostIdentity(
         host_id=opts.host_id, slice_id=opts.slice_id, device_ids=list(opts.device_ids),
-        hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id())
+        hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id(),
+        pid_namespace=ipc.pid_namespace())  # where its trainers' pids (Status) name them
     self._lock = threading.Lock()
     self._stopped = threading.Event()
 

@@ -43,7 +43,8 @@ def test_a_hung_trainer_is_stalled_in_status_metrics_and_sidecar_stalls(tmp_path
           break
       # Training, it was not stalled (nor is it the moment it stops)...
       [t] = status_lib.fetch(address, timeout=10).trainers
-      assert (t.pid, t.rank, t.restart) == (trainer.pid, 0, 0) and t.steps > 0
+      assert (t.pid, t.pid_verified, t.rank, t.restart) == (trainer.pid, True, 0, 0)
+      assert t.steps > 0
       assert not t.stalled and t.stall_timeout_s >= FLOOR_S
       # ... and is, once it made no step for its timeout.
       assert eventually(lambda: _stalls(address).returncode == 1, timeout=90)
