@@ -186,12 +186,15 @@ class Pool:
 
   def data_roots(self, name: str | None) -> data_paths.DataRoots:
     """Where tenant ``name``'s pipelines may read: anywhere outside a pool file, its data
-    roots in one (none: a name that is no tenant's)."""
+    roots in one (none: a name that is no tenant's), and which functions they may name in
+    their arguments (its ``functions`` allowlist)."""
     if not self.quotas:
       return data_paths.ANYWHERE
     t = self.by_name().get(name) if name is not None else None
+    functions = () if t is None else None if t.functions is None else tuple(sorted(t.functions))
     return data_paths.DataRoots(roots=t.data_roots if t is not None else (),
-                                tenant=name or "", where=self.where(t) if t else str(self.path))
+                                tenant=name or "", where=self.where(t) if t else str(self.path),
+                                functions=functions)
 
 
 def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumentError:
