@@ -81,7 +81,8 @@ class Queue:
   def may_go(self, tenant: str, within_guarantee: bool, w: Waiter | None) -> bool:
     """Whether a request of ``tenant`` that fits now may take its bytes: no earlier
     waiter of its own tenant, and, beyond its guarantee, none of another waiting for free
-    arena (but for one whose client is being told its place). ``w``: the request's place (None: it has not joined, every waiter is earlier)."""
+    arena (but for one whose client is being told its place). ``w``: the request's place
+    (None: it has not joined, every waiter is earlier)."""
     for other in self._waiters:
       if other is w:
         return True
