@@ -184,6 +184,14 @@ def test_one_checkpointer_for_the_whole_run_saves_on_the_survivors(three_hosts, 
     ten = np.array(want_seen[10], np.float32).reshape(BATCH, 1)
     np.testing.assert_array_equal(np.asarray(nine["rows"]), want["rows"] - (ten * 2 + 1))
     assert np.asarray(nine["total"]) == want["total"] - ten.sum()
+    # A state still on the lost host's devices is refused, naming it.
+    devices = jax.devices()[:6]
+    old = jax.device_put(np.zeros((BATCH, 1), np.float32),
+                         NamedSharding(Mesh(np.array(devices), ("data",)), P("data")))
+    with pytest.raises(sidecar.HostLostError,
+                       match=r"leaf 'rows' has a shard on device \d+ of host 2, which is lost "
+                             r"\(the live hosts: \[0, 1\]\)"):
+      ckpt.save(11, {"rows": old})
 
 
 def test_a_host_that_comes_back_is_trained_on_again_from_the_next_save(tmp_path,

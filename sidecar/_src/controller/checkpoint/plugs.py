@@ -341,6 +341,12 @@ class SaveCoordinator:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
+        if host not in self._hosts:
+          raise errors.HostLostError(
+              f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id} of "
+              f"host {host}, which is lost (the live hosts: {self._hosts}): save a state "
+              "on the live hosts' devices, a mesh of sidecar.elastic.devices(ctl, hosts) as "
+              "the retried function builds it", host_id=host)
         plan.append(ShardCopy(shard.record.on(host), shard.data))
     return specs, plan
 
