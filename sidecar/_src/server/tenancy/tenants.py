@@ -190,8 +190,12 @@ class Pool:
     if not self.quotas:
       return data_paths.ANYWHERE
     t = self.by_name().get(name) if name is not None else None
+    files = None if t is None else quotas_lib.OPEN_FILES.limit(
+        t, self, total=quotas_lib.open_files_total())
     return data_paths.DataRoots(roots=t.data_roots if t is not None else (),
-                                tenant=name or "", where=self.where(t) if t else str(self.path))
+                                tenant=name or "", where=self.where(t) if t else str(self.path),
+                                open_files=files.most if files else None,
+                                open_files_why=files.why if files else "")
 
 
 def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumentError:
