@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,7 +77,9 @@ def tfds(ctx: sidecar.PipelineContext, *, name: str, split: str, data_dir: str |
       raise sidecar.NotFoundError(f"TFDS dataset {name!r} is not prepared: {e}; {prepare}") \
           from e
   try:
-    source = _source(name, split, data_dir, view, prepare, checked)
+    source = _source(name, split, data_dir, None if view is None else view.path, prepare)
+    if view is not None and checked is not None:
+      _check_shards(name, split, source, os.path.dirname(view.path), checked)
     keys = list(keys) if keys is not None else None
     if len(source):
       _to_numpy(keys, source[0])  # Fail now, not in the middle of a feed.
@@ -87,20 +90,37 @@ def tfds(ctx: sidecar.PipelineContext, *, name: str, split: str, data_dir: str |
   return grain.MapDataset.source(Holding(source, view)).map(functools.partial(_to_numpy, keys))
 
 
-def _source(name: str, split: str, data_dir: str | None, view: sidecar.DataView | None,
-            prepare: str, checked: str | None) -> Any:
-  """TFDS's data source of the split, read from ``view``; in a pool (``checked``: the
-  dataset's directory, for messages), its shards checked to lie in the view."""
-  try:
-    source = tfds_lib.data_source(name, split=split, download=False,
-                                  data_dir=None if view is None else os.path.dirname(view.path))
-  except NotImplementedError as e:  # What TFDS raises when no array_record files exist.
+def _source(name: str, split: str, data_dir: str | None, view: str | None,
+            prepare: str) -> Any:
+  """TFDS's data source of the split, read from the view at ``view`` (a path).
+
+  Loaded in a thread of its own: TFDS keeps an exception it caught (for a name it has no
+  builder class of) in a cycle through its traceback, whose frames lead to the bottom of
+  the stack it ran on, each keeping its locals; on the feed's own thread those would hold
+  the dataset, its view's files (counted against the tenant) and its readers' files until
+  the collector found the cycle, long after the feed ended.
+  """
+  box: list[Any] = []
+
+  def load() -> None:
+    try:
+      box.append(tfds_lib.data_source(
+          name, split=split, download=False,
+          data_dir=None if view is None else os.path.dirname(view)))
+    except BaseException as e:  # raised on the caller's thread, below
+      box.append(e)
+
+  loader = threading.Thread(target=load, name=f"tfds-load-{name}")
+  loader.start()
+  loader.join()
+  result = box.pop()
+  if isinstance(result, NotImplementedError):  # What TFDS raises with no array_record files.
     raise sidecar.NotFoundError(
         f"TFDS dataset {name!r} has no array_record files under data_dir={data_dir!r}: "
-        f"{prepare}") from e
-  if view is not None and checked is not None:
-    _check_shards(name, split, source, os.path.dirname(view.path), checked)
-  return source
+        f"{prepare}") from result
+  if isinstance(result, BaseException):
+    raise result
+  return result
 
 
 def _check_shards(name: str, split: str, source: Any, data_dir: str, directory: str) -> None:

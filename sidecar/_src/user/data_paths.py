@@ -584,8 +584,8 @@ class _View:
         self._copy(fd, child, os.path.join(into, name), above)
       elif stat.S_ISREG(mode):
         try:
-          OPEN_FILES.take(self._path._roots, 1, f"the view of {str(self._path)!r:.200} (a "
-                          f"file open for each of its files, {len(self._fds) + 1} so far)")
+          OPEN_FILES.take(self._path._roots, 1, f"one more file for the view of "
+                          f"{str(self._path)!r:.200} (which holds {len(self._fds)} so far)")
         except BaseException:
           os.close(fd)
           raise

@@ -334,7 +334,9 @@ def test_open_files_count_against_the_tenant_until_closed(tree, how):
                      match=r"tenant 'bob-files''s feeds hold 3 open files; opening .* would "
                            r"pass its quota \(open_files=3, pool.yaml:3\); close feeds"):
     ctx.data_path(f"{tree}/bob/sub/f").open()
-  with pytest.raises(sidecar.ResourceExhaustedError, match=r"the view of .* would pass"):
+  with pytest.raises(sidecar.ResourceExhaustedError,
+                     match=r"hold 3 open files; one more file for the view of .* \(which "
+                           r"holds 0 so far\) would pass"):
     ctx.data_path(str(data)).view()
   assert OPEN_FILES.held("bob-files") == 3  # the refused ones hold nothing
   held.close()
