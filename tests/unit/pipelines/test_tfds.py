@@ -153,7 +153,7 @@ def test_in_a_pool_a_template_naming_shards_outside_is_refused(data_dir, tmp_pat
   import os
   import shutil
 
-  from sidecar._src.user.data_paths import DataRoots, OPEN_FILES
+  from sidecar._src.user.data_paths import OPEN_FILES, DataRoots
   alice, bob = tmp_path / "alice", tmp_path / "bob"
   shutil.copytree(data_dir, alice)
   shutil.copytree(data_dir, bob)
