@@ -59,13 +59,16 @@ class DataRoots:
   """Where a feed's pipeline may read: beneath ``roots`` only (a pool tenant's, resolved
   absolute directories; empty: nowhere), or, ``roots`` None, wherever the sidecar may.
 
-  ``tenant`` and ``where`` (the pool file's line) are for messages. ``open_files``: the
+  ``tenant`` and ``where`` (the pool file's line) are for messages. ``functions``: the
+  registered functions its pipeline may look up by a name among its arguments (its
+  tenant's ``functions`` allowlist, ``registry.allowing``); None: any. ``open_files``: the
   most files its pipelines may hold open at once in one process, all its feeds together
   (a reader's :class:`DataFile`, a :class:`DataView`'s files; None: no bound), and
   ``open_files_why`` what sets it (the pool file's ``open_files``, or its share)."""
   roots: tuple[str, ...] | None = None
   tenant: str = ""
   where: str = ""
+  functions: tuple[str, ...] | None = None
   open_files: int | None = None
   open_files_why: str = ""
 
@@ -81,15 +84,19 @@ class DataRoots:
 
   def to_dict(self) -> dict[str, Any]:
     return {"roots": None if self.roots is None else list(self.roots),
-            "tenant": self.tenant, "where": self.where, "open_files": self.open_files,
-            "open_files_why": self.open_files_why}
+            "tenant": self.tenant, "where": self.where,
+            "functions": None if self.functions is None else list(self.functions),
+            "open_files": self.open_files, "open_files_why": self.open_files_why}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> DataRoots:
     roots = d.get("roots")
+    functions = d.get("functions")
     most = d.get("open_files")
     return cls(roots=None if roots is None else tuple(roots), tenant=str(d.get("tenant", "")),
-               where=str(d.get("where", "")), open_files=None if most is None else int(most),
+               where=str(d.get("where", "")),
+               functions=None if functions is None else tuple(map(str, functions)),
+               open_files=None if most is None else int(most),
                open_files_why=str(d.get("open_files_why", "")))
 
   def place(self, path: str) -> tuple[str, str]:
