@@ -90,13 +90,26 @@ class SessionBlocks:
     return blocks
 
   def free(self, session: str, flat: list[int]) -> None:
-    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
+    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs.
+
+    A session that ended has nothing left to free: every block it held went back at its
+    end (``Workers._serve``: the session leaves ``steps``, then ``release_all``). Its
+    other connections still hand blocks back after that (a feed's credits read once its
+    trainer is gone, the item its stream could not send): those are no stale frees, and
+    say nothing. A stale free of a live session is the worker's mistake, and warned of.
+    """
     self.steps.heard(session)  # a feed's credit: its trainer took a batch
     for offset, generation in zip(flat[::2], flat[1::2]):
+      if not self._live(session):
+        return
       try:
         self._leases.release(offset, generation, session)
       except errors.StaleDescriptorError as e:
-        log.warning("worker %s: %s", session, e, extra={"session": session})
+        if self._live(session):  # else it ended meanwhile, its blocks released with it
+          log.warning("worker %s: %s", session, e, extra={"session": session})
+
+  def _live(self, session: str) -> bool:
+    return self.steps.attached(session) is not None
 
 
 def alloc_timeout(raw: Any, queued: bool) -> float | None:
