@@ -21,10 +21,20 @@ The tree::
     ├── ArenaCapacityError(MemoryError)         the machine cannot give the arena at start
     ├── RemoteError                             user code raised inside a sidecar
     │   └── PipelineError                       ... a feed's pipeline or a stream's iterable
+    │       ├── PipelineNotFoundError           ... met a NotFoundError (also one)
+    │       ├── PipelinePermissionDeniedError   ... met a PermissionDeniedError (also one)
+    │       └── PipelineInvalidArgumentError    ... met an InvalidArgumentError (also one)
     ├── HostLostError(ConnectionError)          a sidecar died or became unreachable
     ├── DeadlineExceededError(TimeoutError)     a call outran its deadline
     ├── DiscoveryError(TimeoutError)            sidecars that never answered discovery
     └── ClosedError(RuntimeError)               use of a closed object
+
+Whatever a pipeline raises reaches its trainer as one type to catch, ``PipelineError``,
+naming the pipeline, the host, the cause's type (``remote_type``) and its message: user
+code's own exception, and the sidecar's refusals about the pipeline (a path not found or
+outside its data roots, a state made from other data). A refusal stays its own kind too
+(``PipelineNotFoundError`` is a ``NotFoundError`` and a ``FileNotFoundError``), so
+``except sidecar.NotFoundError`` catches a mistyped ``--data`` as well.
 
 Mapping to and from gRPC status codes happens in one place: ``protocol.py``.
 """
@@ -168,12 +178,16 @@ def _remote_error(remote_type: str, message: str, traceback: str, host_id: int |
 
 class PipelineError(RemoteError):
   """A pipeline raised in its sidecar: while it was built, or at a batch (a feed's
-  pipeline, or the iterable a ``ctl.stream`` runs). The sidecar logged it at ERROR with
-  its traceback and serves on: the same arguments fail the same way again.
+  pipeline, or the iterable a ``ctl.stream`` runs); or the sidecar refused it (a path
+  not found or outside its data roots, a feed state made from other data: then also of
+  that error's kind, ``PipelineNotFoundError`` and its siblings). The sidecar logged it
+  at ERROR with its traceback and serves on: the same arguments fail the same way again.
 
   Attributes (and RemoteError's):
     pipeline: the registered name.
     kind: ``"pipeline"`` (a feed's) or ``"stream"`` (a function a ``ctl.stream`` runs).
+    remote_type: the cause's type: ``"builtins.FileNotFoundError"`` for user code's,
+      ``"NotFoundError"`` for the sidecar's refusal.
   """
 
   def __init__(self, pipeline: str, remote_type: str, remote_message: str,
@@ -188,14 +202,51 @@ class PipelineError(RemoteError):
       text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
     self.args = (text,)
 
+  def __str__(self) -> str:  # OSError's (a PipelineNotFoundError's) would be its own
+    return str(self.args[0]) if self.args else ""
+
   def __reduce__(self):
     return (_pipeline_error, (self.pipeline, self.remote_type, self.remote_message,
-                              self.remote_traceback, self.host_id, self.kind))
+                              self.remote_traceback, self.host_id, self.kind, type(self)))
+
+  @staticmethod
+  def of(cause: SidecarError, pipeline: str, *, host_id: int | None,
+         kind: str = "pipeline") -> PipelineError | None:
+    """``cause`` (the sidecar's refusal about ``pipeline``) as the PipelineError of its
+    kind (a ``NotFoundError`` as a ``PipelineNotFoundError``); None where it is no
+    refusal about a pipeline (an arena full, a token refused)."""
+    for refused, cls in _REFUSALS:
+      if isinstance(cause, refused):
+        return cls(pipeline, type(cause).__name__, str(cause), host_id=host_id, kind=kind)
+    return None
 
 
 def _pipeline_error(pipeline: str, remote_type: str, message: str, traceback: str,
-                    host_id: int | None, kind: str) -> PipelineError:
-  return PipelineError(pipeline, remote_type, message, traceback, host_id=host_id, kind=kind)
+                    host_id: int | None, kind: str,
+                    cls: type[PipelineError] = PipelineError) -> PipelineError:
+  return cls(pipeline, remote_type, message, traceback, host_id=host_id, kind=kind)
+
+
+class PipelineNotFoundError(PipelineError, NotFoundError):
+  """A path a pipeline was given is not there (the sidecar's ``NotFoundError``, met by
+  the pipeline): a PipelineError, a NotFoundError and a FileNotFoundError."""
+
+
+class PipelinePermissionDeniedError(PipelineError, PermissionDeniedError):
+  """A pipeline's path outside its tenant's data roots, or a stream its tenant may not
+  run: a PipelineError and a PermissionDeniedError."""
+
+
+class PipelineInvalidArgumentError(PipelineError, InvalidArgumentError):
+  """A pipeline's arguments or state refused by the sidecar (a feed state made from other
+  data, a batch larger than the dataset): a PipelineError and an InvalidArgumentError."""
+
+
+# The sidecar's refusals about a pipeline, each with the PipelineError of its kind.
+_REFUSALS: tuple[tuple[type[SidecarError], type[PipelineError]], ...] = (
+    (NotFoundError, PipelineNotFoundError),
+    (PermissionDeniedError, PipelinePermissionDeniedError),
+    (InvalidArgumentError, PipelineInvalidArgumentError))
 
 
 class HostLostError(SidecarError, ConnectionError):
