@@ -41,6 +41,9 @@ Mapping to and from gRPC status codes happens in one place: ``protocol.py``.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 
 class SidecarError(Exception):
   """Base class of every error raised by colocated-sidecar."""
@@ -55,6 +58,20 @@ class NotRegisteredError(SidecarError, KeyError):
 
   def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
     return str(self.args[0]) if self.args else ""
+
+
+def not_registered(kind: str, name: str, known: Sequence[str], *, where: str = ""
+                   ) -> NotRegisteredError:
+  """The error for a ``kind`` (``"pipeline"``, ``"function"``) ``name`` that is not
+  registered (``where``: " on hosts [1]", say), naming those that are, the closest, and
+  how the sidecars come to know one: the ``--import`` of the command that starts them."""
+  close = difflib.get_close_matches(name, [k for k in known if k != name], n=1)
+  return NotRegisteredError(
+      f"no {kind} named {name!r} is registered{where}; registered {kind}s: "
+      f"{', '.join(known) or '(none)'}" + (f" (did you mean {close[0]!r}?)" if close else "")
+      + f". Register it with @sidecar.{kind} in a module the sidecars import: --import MODULE "
+      "on the command that starts them (sidecar launch, sidecar local or sidecar serve), or "
+      "LocalCluster(imports=[MODULE])")
 
 
 class NotFoundError(SidecarError, FileNotFoundError):
