@@ -21,9 +21,9 @@ The tree::
     ├── ArenaCapacityError(MemoryError)         the machine cannot give the arena at start
     ├── RemoteError                             user code raised inside a sidecar
     │   └── PipelineError                       ... a feed's pipeline or a stream's iterable
-    │       ├── PipelineNotFoundError           ... met a NotFoundError (also one)
-    │       ├── PipelinePermissionDeniedError   ... met a PermissionDeniedError (also one)
-    │       └── PipelineInvalidArgumentError    ... met an InvalidArgumentError (also one)
+    │       ├── PipelineNotFoundError(FileNotFoundError)        and a NotFoundError
+    │       ├── PipelinePermissionDeniedError(PermissionError)  and a PermissionDeniedError
+    │       └── PipelineInvalidArgumentError(ValueError)        and an InvalidArgumentError
     ├── HostLostError(ConnectionError)          a sidecar died or became unreachable
     ├── DeadlineExceededError(TimeoutError)     a call outran its deadline
     ├── DiscoveryError(TimeoutError)            sidecars that never answered discovery
