@@ -302,8 +302,9 @@ def test_a_launch_stopped_by_sigterm_after_a_save_warns_of_nothing(data, tmp_pat
   """Issue 71 item 5: stopped so, the launch printed ``[sidecar 0] WARNING worker w-...:
   arena block at offset 12288 generation ... is not held by 'w-...'`` three times, though
   nothing went wrong: frees its session's other connections handed back after the
-  session had ended and released every block (tests/unit/server/workers/
-  test_session_blocks.py has the race itself, which a run here meets only at times)."""
+  session had ended and released every block (tests/processes/server/test_session_end.py
+  meets that race every time, with a pipeline slow to make its batches; a run here, at
+  times)."""
   metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
   p = _launch(data, ckpt, metrics, "--steps", "100000")
   try:

@@ -92,20 +92,19 @@ class SessionBlocks:
   def free(self, session: str, flat: list[int]) -> None:
     """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs.
 
-    A session that ended has nothing left to free: every block it held went back at its
-    end (``Workers._serve``: the session leaves ``steps``, then ``release_all``). Its
-    other connections still hand blocks back after that (a feed's credits read once its
-    trainer is gone, the item its stream could not send): those are no stale frees, and
-    say nothing. A stale free of a live session is the worker's mistake, and warned of.
+    Every block a session held when it ended went back then (``Workers._serve``: the
+    session leaves ``steps``, then ``release_all``), but its other connections still hand
+    blocks back after that: a feed's credits read once its trainer is gone, each naming
+    blocks already released (no stale free: said nothing of), and the batch its stream
+    made meanwhile and could not send (released here). A stale free of a live session is
+    the worker's mistake, and warned of.
     """
     self.steps.heard(session)  # a feed's credit: its trainer took a batch
     for offset, generation in zip(flat[::2], flat[1::2]):
-      if not self._live(session):
-        return
       try:
         self._leases.release(offset, generation, session)
       except errors.StaleDescriptorError as e:
-        if self._live(session):  # else it ended meanwhile, its blocks released with it
+        if self._live(session):  # else released at its end, before this late free
           log.warning("worker %s: %s", session, e, extra={"session": session})
 
   def _live(self, session: str) -> bool:
