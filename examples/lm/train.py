@@ -20,12 +20,19 @@ ready}``, and prints a progress line every ``--progress-every`` seconds. Saves e
 raises rolls back to the latest committed step in the same process
 (``sidecar.jax.Recovery``); the same step failing again ends the process. With
 ``--inject-faults`` (testing), ``trainers.INJECT``'s signals make a step raise or hang.
+
+A checkpoint it cannot resume from ends it with the error and the flag that gets past
+it: a damaged latest step names ``--restore-step N`` (an older step that checks intact)
+and ``--fallback`` (the newest that restores whole); data that changed since the
+checkpoint names ``--start-feed-anew`` (the restored model, the feed from its start on
+the data given). Run the same command again with the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -47,6 +54,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "first start only (SIDECAR_RESTART 0); 0: never")
   p.add_argument("--fail-times", type=int, default=1, metavar="N",
                  help="testing: how often --fail-at's step raises in this process")
+  p.add_argument("--restore-step", type=int, metavar="N",
+                 help="restore step N of --ckpt instead of the latest (one a refused restore "
+                      "named as intact); training goes on from it")
+  p.add_argument("--fallback", action="store_true",
+                 help="where the latest step of --ckpt does not restore whole, restore the "
+                      "newest older one that does (ckpt.restore(fallback=True))")
+  p.add_argument("--start-feed-anew", action="store_true",
+                 help="resume the model from --ckpt but start the feed from the beginning "
+                      "of --data (its saved position is for data that changed since)")
   return trainers.parse(p, argv)
 
 
@@ -67,20 +83,44 @@ class Fault:
     raise RuntimeError(f"injected failure in step {step} (--fail-at {self.step})")
 
 
-def restore_or_init(ckpt, config, optimizer, sharding, seed: int):
-  """``(step, state, data_state, how)``: the latest checkpoint's, or a fresh state at step 0;
-  ``how`` says which (with the restore's tier and seconds)."""
+def restore_or_init(ckpt, config, optimizer, sharding, args):
+  """``(step, state, data_state, how)``: the checkpoint's (``--restore-step``, else the
+  latest; ``--fallback``: the newest that restores whole), or a fresh state at step 0;
+  ``how`` says which (with the restore's tier and seconds). ``--start-feed-anew``: no
+  data state (the feed starts from the beginning)."""
   import model
-  step = ckpt.latest_step()
+  step = args.restore_step if args.restore_step is not None else ckpt.latest_step()
   if step is None:
-    state = model.init_state(config, optimizer, seed=seed, sharding=sharding)
+    state = model.init_state(config, optimizer, seed=args.seed, sharding=sharding)
     return 0, state, None, "initialised"
   t0 = time.perf_counter()
-  state = ckpt.restore(step, target=model.abstract_state(config, optimizer, sharding=sharding))
+  state = ckpt.restore(step, target=model.abstract_state(config, optimizer, sharding=sharding),
+                       fallback=args.fallback)
   seconds = time.perf_counter() - t0
+  step = ckpt.restored_step  # --fallback's may be older
   stats = ckpt.last_restore_stats()
   tier = stats.tier if stats is not None else "unknown"
-  return step, state, ckpt.data_state(step), f"restored step {step} ({tier} tier, {seconds:.2f} s)"
+  data_state = None if args.start_feed_anew else ckpt.data_state(step)
+  how = f"restored step {step} ({tier} tier, {seconds:.2f} s)"
+  return step, state, data_state, how + ("; the feed from its start" if data_state is None
+                                         else "")
+
+
+def flag_for(e: Exception) -> str | None:
+  """What this command line can do about ``e`` (the library's error names the API):
+  ``--restore-step``/``--fallback`` for a damaged step, ``--start-feed-anew`` for data
+  that changed since the checkpoint; None for anything else."""
+  if isinstance(e, sidecar.CorruptCheckpointError) and "fallback=True" in str(e):
+    older = re.search(r"restore\((\d+), \.\.\.\)", str(e))
+    step = older.group(1) if older else "N"
+    return (f"From this command line: run it again with --restore-step {step} (that step), "
+            "or with --fallback (the newest step that restores whole)")
+  if (isinstance(e, sidecar.PipelineInvalidArgumentError)
+      and "the data changed since the checkpoint" in str(e)):
+    return ("From this command line: run it again on the --data the checkpoint was made "
+            "from, or with --start-feed-anew (the restored model, the feed from the start "
+            "of this --data)")
+  return None
 
 
 def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, recovery,
@@ -129,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = ctl.checkpointer(os.path.abspath(args.ckpt), max_to_keep=args.keep)
     try:
       step, state, data_state, how = restore_or_init(ckpt, config, optimizer, replicated,
-                                                     args.seed)
+                                                     args)
       say(f"pid {os.getpid()} {how}: {model.param_count(state['params']):,} parameters on "
           f"{jax.device_count()} device(s) in {jax.process_count()} process(es); training "
           f"to step {args.steps}")
@@ -151,5 +191,17 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+def run(argv: list[str] | None = None) -> int:
+  """:func:`main`, where an error this command line can fix ends it with that error and
+  the flag (exit status 2), not a traceback."""
+  try:
+    return main(argv)
+  except (sidecar.CorruptCheckpointError, sidecar.PipelineInvalidArgumentError) as e:
+    if (fix := flag_for(e)) is None:
+      raise
+    print(f"train.py: {type(e).__name__}: {e}\n{fix}", file=sys.stderr, flush=True)
+    return 2
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(run())

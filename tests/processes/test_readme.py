@@ -33,6 +33,55 @@ def test_the_quick_start_runs_as_written_and_a_rerun_resumes(tmp_path):
   readme.check_two_runs(outputs, tmp_path)
 
 
+# What makes the LM blocks a test's size: 40 steps for 600 (a save every 10 for 50), a
+# 1 MB corpus; the blocks are otherwise run as written, one after the other.
+LM_SCALE = {"--steps 600": "--steps 40", "--steps 1200": "--steps 80",
+            "--save-every 50": "--save-every 10", "prepare.py --out": "prepare.py --max-mb 1 --out"}
+
+
+def _as_here(block: str, tmp_path) -> str:
+  """A README sh block, for this checkout: its python and sidecar, its files in tmp_path,
+  scaled by LM_SCALE (each must be in the block: the test breaks where the README moves)."""
+  assert not re.search(r"/tmp(?![/ ])", block), block  # each one replaced below
+  block = block.replace(".venv/bin/pip install -e '.[lm]'", ":")  # the test install has it
+  block = block.replace(".venv/bin/python", sys.executable)
+  block = block.replace(".venv/bin/sidecar", f"{sys.executable} -m sidecar")
+  block = block.replace("/tmp/", f"{tmp_path}/").replace("--checkpoint-root /tmp ",
+                                                         f"--checkpoint-root {tmp_path} ")
+  for written, here in LM_SCALE.items():
+    if written in block:
+      block = block.replace(written, here)
+  return block
+
+
+@pytest.mark.timeout(600)  # a corpus, a launch, two goodput commands, a sidecar and a trainer
+def test_the_lm_blocks_run_in_order_each_doing_what_its_text_says(tmp_path):
+  """Issue 71 item 1: the second block reused the first's --ckpt and --steps, restored its
+  last step and exited in 2.4 s. Run as a reader runs them, one after the other: the first
+  trains from scratch and draws the goodput timeline; the second trains the same job on,
+  restored from storage, beside sidecars it then stops."""
+  blocks = readme.train_a_real_model()
+  assert len(blocks) == 2
+  scaled = "".join(blocks)
+  assert all(written in scaled for written in LM_SCALE), scaled
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a user's shell
+  env.update(PYTHONPATH=str(ROOT), SIDECAR_LOG_DIR=str(tmp_path / "logs"))
+  outputs = []
+  for block in blocks:
+    done = subprocess.run(["bash", "-e", "-c", _as_here(block, tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    outputs.append(done.stdout + done.stderr)
+  first, second = outputs
+  assert "initialised" in first and "trained to step 40; checkpoints [20, 30, 40]" in first
+  assert "goodput " in first and (tmp_path / "lm-timeline.png").read_bytes()[:4] == b"\x89PNG"
+  assert re.search(r"restored step 40 \(storage tier", second), second
+  assert "trained to step 80; checkpoints [60, 70, 80]" in second, second
+  assert "WARNING" not in first + second, first + second  # a normal run warns of nothing
+  hosts = (tmp_path / "lm-sidecars.txt").read_text()
+  assert "SIDECAR_HOSTS=" in hosts  # and its `kill %1 && wait` stopped them
+
+
 def _block(doc: str, path: str) -> str:
   """The python block of ``doc`` (a page under the root) whose first line names ``path``."""
   text = (ROOT / doc).read_text()

@@ -23,3 +23,11 @@ def quick_start() -> dict[str, str]:
   section = text.split("## In five minutes", 1)[1].split("\n## ", 1)[0]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)
   return {re.match(r"# (\S+\.py):", b).group(1): b for b in blocks}
+
+
+def train_a_real_model() -> list[str]:
+  """The sh blocks under "Train a real model", in order: a reader runs each on what the
+  ones before it left."""
+  text = (ROOT / "README.md").read_text()
+  section = text.split("## Train a real model", 1)[1].split("\n## ", 1)[0]
+  return re.findall(r"```sh\n(.*?)```", section, re.S)

@@ -52,3 +52,15 @@ def test_kubernetes_md_says_hosts_per_slice_defaults_to_one_without_tpu():
   text = (ROOT / "docs" / "kubernetes.md").read_text()
   assert "is required without `--tpu`" not in text
   assert "without `--tpu` it defaults to 1" in text
+
+
+def test_the_commands_a_reader_pastes_have_no_optional_brackets():
+  # Issue 71 item 4: `sidecar goodput /tmp/lm-ckpt [--json] [--plot timeline.png]`, pasted,
+  # failed; a variant is a line of its own.
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+           *sorted((ROOT / "examples").rglob("*.md"))]
+  for page in pages:
+    for block in re.findall(r"```(?:sh|bash|console)\n(.*?)```", page.read_text(), re.S):
+      for line in block.splitlines():
+        command = line.split("  #", 1)[0]
+        assert not re.search(r"\[--?\w", command), f"{page.name}: {line}"

@@ -109,9 +109,7 @@ def check_arguments(name: str, options: Any, hosts: Sequence[HostInfo], *,
     raise errors.InvalidArgumentError(f"num_epochs must be None or >= 1, got {num_epochs!r}")
   missing = [h.host_id for h in hosts if name not in h.pipelines]
   if missing:
-    raise errors.NotRegisteredError(
-        f"no pipeline named {name!r} is registered on hosts {missing}; registered pipelines: "
-        f"{', '.join(hosts[0].pipelines) or '(none)'}")
+    raise errors.not_registered("pipeline", name, hosts[0].pipelines, where=f" on hosts {missing}")
   return options
 
 

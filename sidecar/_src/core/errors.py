@@ -21,15 +21,28 @@ The tree::
     ├── ArenaCapacityError(MemoryError)         the machine cannot give the arena at start
     ├── RemoteError                             user code raised inside a sidecar
     │   └── PipelineError                       ... a feed's pipeline or a stream's iterable
+    │       ├── PipelineNotFoundError(FileNotFoundError)        and a NotFoundError
+    │       ├── PipelinePermissionDeniedError(PermissionError)  and a PermissionDeniedError
+    │       └── PipelineInvalidArgumentError(ValueError)        and an InvalidArgumentError
     ├── HostLostError(ConnectionError)          a sidecar died or became unreachable
     ├── DeadlineExceededError(TimeoutError)     a call outran its deadline
     ├── DiscoveryError(TimeoutError)            sidecars that never answered discovery
     └── ClosedError(RuntimeError)               use of a closed object
 
+Whatever a pipeline raises reaches its trainer as one type to catch, ``PipelineError``,
+naming the pipeline, the host, the cause's type (``remote_type``) and its message: user
+code's own exception, and the sidecar's refusals about the pipeline (a path not found or
+outside its data roots, a state made from other data). A refusal stays its own kind too
+(``PipelineNotFoundError`` is a ``NotFoundError`` and a ``FileNotFoundError``), so
+``except sidecar.NotFoundError`` catches a mistyped ``--data`` as well.
+
 Mapping to and from gRPC status codes happens in one place: ``protocol.py``.
 """
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
 
 
 class SidecarError(Exception):
@@ -45,6 +58,20 @@ class NotRegisteredError(SidecarError, KeyError):
 
   def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
     return str(self.args[0]) if self.args else ""
+
+
+def not_registered(kind: str, name: str, known: Sequence[str], *, where: str = ""
+                   ) -> NotRegisteredError:
+  """The error for a ``kind`` (``"pipeline"``, ``"function"``) ``name`` that is not
+  registered (``where``: " on hosts [1]", say), naming those that are, the closest, and
+  how the sidecars come to know one: the ``--import`` of the command that starts them."""
+  close = difflib.get_close_matches(name, [k for k in known if k != name], n=1)
+  return NotRegisteredError(
+      f"no {kind} named {name!r} is registered{where}; registered {kind}s: "
+      f"{', '.join(known) or '(none)'}" + (f" (did you mean {close[0]!r}?)" if close else "")
+      + f". Register it with @sidecar.{kind} in a module the sidecars import: --import MODULE "
+      "on the command that starts them (sidecar launch, sidecar local or sidecar serve), or "
+      "LocalCluster(imports=[MODULE])")
 
 
 class NotFoundError(SidecarError, FileNotFoundError):
@@ -168,12 +195,16 @@ def _remote_error(remote_type: str, message: str, traceback: str, host_id: int |
 
 class PipelineError(RemoteError):
   """A pipeline raised in its sidecar: while it was built, or at a batch (a feed's
-  pipeline, or the iterable a ``ctl.stream`` runs). The sidecar logged it at ERROR with
-  its traceback and serves on: the same arguments fail the same way again.
+  pipeline, or the iterable a ``ctl.stream`` runs); or the sidecar refused it (a path
+  not found or outside its data roots, a feed state made from other data: then also of
+  that error's kind, ``PipelineNotFoundError`` and its siblings). The sidecar logged it
+  at ERROR with its traceback and serves on: the same arguments fail the same way again.
 
   Attributes (and RemoteError's):
     pipeline: the registered name.
     kind: ``"pipeline"`` (a feed's) or ``"stream"`` (a function a ``ctl.stream`` runs).
+    remote_type: the cause's type: ``"builtins.FileNotFoundError"`` for user code's,
+      ``"NotFoundError"`` for the sidecar's refusal.
   """
 
   def __init__(self, pipeline: str, remote_type: str, remote_message: str,
@@ -188,14 +219,51 @@ class PipelineError(RemoteError):
       text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
     self.args = (text,)
 
+  def __str__(self) -> str:  # OSError's (a PipelineNotFoundError's) would be its own
+    return str(self.args[0]) if self.args else ""
+
   def __reduce__(self):
     return (_pipeline_error, (self.pipeline, self.remote_type, self.remote_message,
-                              self.remote_traceback, self.host_id, self.kind))
+                              self.remote_traceback, self.host_id, self.kind, type(self)))
+
+  @staticmethod
+  def of(cause: SidecarError, pipeline: str, *, host_id: int | None,
+         kind: str = "pipeline") -> PipelineError | None:
+    """``cause`` (the sidecar's refusal about ``pipeline``) as the PipelineError of its
+    kind (a ``NotFoundError`` as a ``PipelineNotFoundError``); None where it is no
+    refusal about a pipeline (an arena full, a token refused)."""
+    for refused, cls in _REFUSALS:
+      if isinstance(cause, refused):
+        return cls(pipeline, type(cause).__name__, str(cause), host_id=host_id, kind=kind)
+    return None
 
 
 def _pipeline_error(pipeline: str, remote_type: str, message: str, traceback: str,
-                    host_id: int | None, kind: str) -> PipelineError:
-  return PipelineError(pipeline, remote_type, message, traceback, host_id=host_id, kind=kind)
+                    host_id: int | None, kind: str,
+                    cls: type[PipelineError] = PipelineError) -> PipelineError:
+  return cls(pipeline, remote_type, message, traceback, host_id=host_id, kind=kind)
+
+
+class PipelineNotFoundError(PipelineError, NotFoundError):
+  """A path a pipeline was given is not there (the sidecar's ``NotFoundError``, met by
+  the pipeline): a PipelineError, a NotFoundError and a FileNotFoundError."""
+
+
+class PipelinePermissionDeniedError(PipelineError, PermissionDeniedError):
+  """A pipeline's path outside its tenant's data roots, or a stream its tenant may not
+  run: a PipelineError and a PermissionDeniedError."""
+
+
+class PipelineInvalidArgumentError(PipelineError, InvalidArgumentError):
+  """A pipeline's arguments or state refused by the sidecar (a feed state made from other
+  data, a batch larger than the dataset): a PipelineError and an InvalidArgumentError."""
+
+
+# The sidecar's refusals about a pipeline, each with the PipelineError of its kind.
+_REFUSALS: tuple[tuple[type[SidecarError], type[PipelineError]], ...] = (
+    (NotFoundError, PipelineNotFoundError),
+    (PermissionDeniedError, PipelinePermissionDeniedError),
+    (InvalidArgumentError, PipelineInvalidArgumentError))
 
 
 class HostLostError(SidecarError, ConnectionError):

@@ -78,10 +78,10 @@ class Transport(abc.ABC):
     """Ends the stream; ``owed``: items taken and not yet credited. Called once."""
 
 
-# Our errors a stream's end frame may carry that take their message alone: those are
-# named with the iterable and the host (``Stream._named``).
-_PLAIN = (errors.NotFoundError, errors.PermissionDeniedError, errors.InvalidArgumentError,
-          errors.ResourceExhaustedError, errors.AuthenticationError)
+# Our errors a stream's end frame may carry that take their message alone and are no
+# refusal about the pipeline: those are named with the iterable and the host
+# (``Stream._named``).
+_PLAIN = (errors.ResourceExhaustedError, errors.AuthenticationError)
 
 
 class Stream:
@@ -171,13 +171,19 @@ class Stream:
 
   def _named(self, e: errors.SidecarError) -> errors.SidecarError:
     """The error that ended the stream, naming the iterable and the host: user code's
-    (a RemoteError) as the PipelineError that names them; one of ours that the iterable
-    met (a path not found beneath its data roots, say) as the same class, its message
-    prefixed with them."""
+    (a RemoteError) as the PipelineError that names them; the sidecar's refusal about it
+    (a path not found beneath its data roots, say) as the PipelineError of its kind
+    (``PipelineError.of``); another of ours as the same class, its message prefixed with
+    them."""
+    host_id = self._transport.host_id
     if type(e) is errors.RemoteError:
       return errors.PipelineError(self._name, e.remote_type, e.remote_message,
                                   e.remote_traceback, host_id=e.host_id, kind=self._kind)
-    where = f"{self._kind} {self._name!r} on host {self._transport.host_id}: "
+    if isinstance(e, errors.PipelineError):
+      return e
+    if (named := errors.PipelineError.of(e, self._name, host_id=host_id, kind=self._kind)):
+      return named
+    where = f"{self._kind} {self._name!r} on host {host_id}: "
     if type(e) not in _PLAIN or str(e).startswith(where):
       return e
     return type(e)(where + str(e))

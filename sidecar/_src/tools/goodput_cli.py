@@ -4,7 +4,8 @@ The sidecar of the recording trainer (process 0) appends the job's time events t
 ``CKPT_DIR/goodput.jsonl`` across restarts (docs/goodput.md); this reads that file and
 prints the table (category, seconds, share of wall time), ``--json`` one object for
 scripts, ``--plot FILE.png`` the job's timeline (matplotlib: the ``lm`` or ``bench``
-extra). Exit status 1 where there is no ledger in CKPT_DIR.
+extra). Exit status 1 where there is no ledger in CKPT_DIR, or the plot cannot be
+written (one line naming the path and why).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 import sys
 
-from sidecar._src.core import extras, goodput as goodput_lib
+from sidecar._src.core import errors, extras, goodput as goodput_lib
 from sidecar._src.tools import cli_format
 
 # What each category looks like on the timeline.
@@ -49,7 +50,11 @@ def _run(args: argparse.Namespace) -> int:
     return 1
   ledger = goodput_lib.account(reading.events, skipped_lines=reading.skipped)
   if args.plot:
-    plot(ledger, args.plot)
+    try:
+      plot(ledger, args.plot)
+    except errors.InvalidArgumentError as e:
+      print(f"sidecar goodput: {e}", file=sys.stderr)
+      return 1
     print(f"sidecar goodput: drew the timeline to {os.path.abspath(args.plot)}",
           file=sys.stderr)  # stdout stays the table or the JSON
   print(json.dumps(ledger.to_dict(), sort_keys=True) if args.json else goodput_lib.table(ledger))
@@ -94,6 +99,8 @@ def plot(ledger: goodput_lib.Ledger, path: str) -> None:
 
   Raises:
     ModuleNotFoundError: matplotlib is missing (naming the extra that brings it).
+    InvalidArgumentError: ``path`` cannot be written (its directory missing or not
+      writable, a directory itself, a format matplotlib does not draw), naming it and why.
   """
   try:
     import matplotlib
@@ -124,8 +131,16 @@ def plot(ledger: goodput_lib.Ledger, path: str) -> None:
   ax.set_xlabel("seconds since the job started")
   ax.set_title(f"goodput {100 * ledger.goodput:.1f}% of {ledger.wall_s:.1f} s, "
                f"{ledger.restarts} restart{'' if ledger.restarts == 1 else 's'}")
-  fig.savefig(path, dpi=120, bbox_inches="tight")
-  pyplot.close(fig)
+  try:
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+  except (OSError, ValueError) as e:  # a missing directory, no permission; no such format
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    raise errors.InvalidArgumentError(
+        f"cannot draw the timeline to {os.path.abspath(path)!r}: {why}; --plot names a "
+        ".png file in a directory that exists and that you may write (--plot "
+        "timeline.png writes it in this directory)") from e
+  finally:
+    pyplot.close(fig)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

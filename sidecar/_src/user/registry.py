@@ -144,10 +144,7 @@ class Registry:
         known = sorted(n for k, n in self._entries if k == kind
                        and (allowed is None or n in allowed.names))
     if entry is None:
-      raise errors.NotRegisteredError(
-          f"no {kind} named {name!r} is registered; registered {kind}s: "
-          f"{', '.join(known) or '(none)'}. Register it with @sidecar.{kind} in a module "
-          "the sidecar imports (sidecar serve --import MODULE)")
+      raise errors.not_registered(kind, name, known)
     return entry
 
   def has(self, kind: str, name: str) -> bool:

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,8 +79,14 @@ def _steps(metrics) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def expected(data, tmp_path_factory) -> dict[int, float]:
+def expected(whole) -> dict[int, float]:
   """The losses of an uninterrupted run."""
+  return whole[0]
+
+
+@pytest.fixture(scope="module")
+def whole(data, tmp_path_factory) -> tuple[dict[int, float], pathlib.Path]:
+  """An uninterrupted run: its losses, and its checkpoint directory (steps 30, 40, 50)."""
   work = tmp_path_factory.mktemp("whole")
   out = _run(data, work / "ckpt", work / "whole.jsonl", "--progress-every", "0.2")
   assert "initialised" in out and f"trained to step {STEPS}; checkpoints [30, 40, 50]" in out
@@ -91,9 +98,10 @@ def expected(data, tmp_path_factory) -> dict[int, float]:
   lines = PROGRESS.findall(out)
   assert lines, out
   for step, loss, rate, durable in lines:
-    assert loss == f"{losses[int(step)]:.4f}" and float(rate) > 0
+    # (a step of 20 s or more, on a machine shared with a suite, prints 0.0 steps/s)
+    assert loss == f"{losses[int(step)]:.4f}" and float(rate) >= 0
     assert durable == "none" or (int(durable) % SAVE_EVERY == 0 and int(durable) <= int(step))
-  return losses
+  return losses, work / "ckpt"
 
 
 def _killed_once(p: subprocess.Popen, ckpt, metrics, *, timeout: float) -> tuple[int, str]:
@@ -238,3 +246,81 @@ def test_a_step_that_raises_is_rolled_back_in_process_then_restarted_if_it_fails
   lines = [json.loads(line) for line in metrics.read_text().splitlines()]
   assert all(line["loss"] == expected[line["step"]] for line in lines)
   assert _losses(metrics) == expected
+
+
+def _damage(step_dir: pathlib.Path) -> None:
+  """Flips a byte in the middle of the largest file of a step (one of its shards)."""
+  largest = max((f for f in step_dir.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+  raw = bytearray(largest.read_bytes())
+  raw[len(raw) // 2] ^= 0xFF
+  largest.write_bytes(bytes(raw))
+
+
+def _refused(data, ckpt, metrics, *extra: str) -> str:
+  p = _launch(data, ckpt, metrics, "--steps", str(STEPS + SAVE_EVERY), *extra)
+  out, _ = p.communicate(timeout=300)
+  assert p.returncode != 0, out
+  trainer = "".join(line for line in out.splitlines(True) if line.startswith("[host 0]"))
+  assert "Traceback" not in trainer, out  # the error and its flag, not a traceback
+  return out
+
+
+def test_a_checkpoint_it_cannot_resume_from_names_the_flag_that_gets_past_it(
+    data, whole, tmp_path):
+  """Issue 71 item 3: a damaged latest step's error suggested restore(40, ...) or
+  fallback=True, and data that changed since the checkpoint suggested starting the feed
+  anew, neither of which train.py's command line could do. Now it ends with the error and
+  the flag to add (exit status 2), and the same command with that flag trains on."""
+  ckpt, metrics, other = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "other"
+  shutil.copytree(whole[1], ckpt)  # steps 30, 40 and 50 of a finished run
+  _damage(ckpt / str(STEPS))
+  subprocess.run([sys.executable, "examples/lm/prepare.py", "--out", str(other), "--max-mb",
+                  "2"], cwd=ROOT, check=True, capture_output=True, timeout=60)  # another corpus
+
+  out = _refused(other, ckpt, metrics)
+  # a shard that fails its crc32c, with no other copy: ShardsLostError, a CorruptCheckpointError
+  assert re.search(rf"train.py: (CorruptCheckpoint|ShardsLost)Error: step {STEPS} of ", out), out
+  assert (f"From this command line: run it again with --restore-step {STEPS - SAVE_EVERY} "
+          "(that step), or with --fallback (the newest step that restores whole)") in out, out
+
+  out = _refused(other, ckpt, metrics, "--fallback")  # step 40 restores; the data changed
+  assert re.search(rf"restored step {STEPS - SAVE_EVERY} \(storage tier", out), out
+  assert "train.py: PipelineInvalidArgumentError: pipeline 'lm' on host 0 raised " \
+         "InvalidArgumentError: feed 'lm': the state it resumes from was made from" in out, out
+  assert ("From this command line: run it again on the --data the checkpoint was made from, "
+          "or with --start-feed-anew") in out, out
+
+  # --restore-step names the step itself; the feed from the start of the other corpus
+  out = _run(other, ckpt, metrics, "--steps", str(STEPS + SAVE_EVERY), "--save-every", "100",
+             "--restore-step", str(STEPS - SAVE_EVERY), "--start-feed-anew")
+  assert re.search(rf"restored step {STEPS - SAVE_EVERY} \(storage tier, \d+\.\d\d s\); the "
+                   "feed from its start", out), out
+  assert f"trained to step {STEPS + SAVE_EVERY}; " in out, out
+
+
+def test_a_launch_stopped_by_sigterm_after_a_save_warns_of_nothing(data, tmp_path):
+  """Issue 71 item 5: stopped so, the launch printed ``[sidecar 0] WARNING worker w-...:
+  arena block at offset 12288 generation ... is not held by 'w-...'`` three times, though
+  nothing went wrong: frees its session's other connections handed back after the
+  session had ended and released every block (tests/processes/server/test_session_end.py
+  meets that race every time, with a pipeline slow to make its batches; a run here, at
+  times)."""
+  metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+  p = _launch(data, ckpt, metrics, "--steps", "100000")
+  try:
+    header = p.stdout.readline()
+    while "initialised" not in header:
+      line = p.stdout.readline()
+      assert line, header
+      header += line
+    assert eventually(lambda: KILL_AFTER in _steps(metrics)
+                      and (ckpt / str(SAVE_EVERY)).is_dir(), timeout=60), header
+    p.send_signal(signal.SIGTERM)
+    out = header + p.communicate(timeout=120)[0]
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  assert p.returncode == 128 + signal.SIGTERM, out
+  assert "got SIGTERM; stopping every process" in out, out
+  assert "WARNING" not in out and "not held by" not in out, out

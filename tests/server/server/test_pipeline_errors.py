@@ -5,6 +5,7 @@ ERROR with its traceback and serves on (issue 62 item 1). An OSError of the pipe
 ``HostLostError: ... the peer closed the socket`` with the sidecar alive."""
 
 import logging
+import pickle
 
 import grain
 import jax
@@ -140,19 +141,26 @@ def test_a_streams_error_names_the_function(ctl, caplog, error, at):
   assert got == list(range(max(at, 0)))
 
 
-def not_found(ctl, caplog, run, *, name: str, message: str) -> sidecar.NotFoundError:
-  """``run()``'s NotFoundError (a path the pipeline was given is not there: the data
-  paths' own error, a FileNotFoundError), named with the pipeline and the host; the
-  sidecar's WARNING line with the traceback, and the sidecar's next call answered."""
+def not_found(ctl, caplog, run, *, name: str, message: str) -> sidecar.PipelineError:
+  """``run()``'s PipelineNotFoundError (a path the pipeline was given is not there: the
+  data paths' own error), one type to catch with the pipeline's own errors (issue 71 item
+  2), and still a NotFoundError and a FileNotFoundError; named with the pipeline and the
+  host; the sidecar's ERROR line with the traceback (as PipelineError says), and the
+  sidecar's next call answered."""
   with caplog.at_level(logging.INFO, logger="sidecar"):
-    with pytest.raises(sidecar.NotFoundError) as info:
+    with pytest.raises(sidecar.PipelineError) as info:
       run()
   e = info.value
-  assert isinstance(e, FileNotFoundError) and not isinstance(e, sidecar.HostLostError)
-  assert str(e).startswith(f"pipeline {name!r} on host 0: "), str(e)
-  assert message in str(e)
-  logged = [r for r in caplog.records if r.levelno == logging.WARNING and name in r.getMessage()]
-  assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+  assert type(e) is sidecar.PipelineNotFoundError
+  assert isinstance(e, sidecar.NotFoundError) and isinstance(e, FileNotFoundError)
+  assert not isinstance(e, sidecar.HostLostError)
+  assert (e.pipeline, e.kind, e.host_id, e.remote_type) == (name, "pipeline", 0, "NotFoundError")
+  assert str(e).startswith(f"pipeline {name!r} on host 0 raised NotFoundError: "), str(e)
+  assert message in str(e) and message in e.remote_message
+  assert pickle.loads(pickle.dumps(e)).args == e.args  # a user's process pool keeps its kind
+  assert type(pickle.loads(pickle.dumps(e))) is sidecar.PipelineNotFoundError
+  logged = [r for r in caplog.records if r.levelno >= logging.WARNING and name in r.getMessage()]
+  assert [r.levelno for r in logged] == [logging.ERROR], [r.getMessage() for r in logged]
   assert "raised NotFoundError: " in logged[0].getMessage() and message in logged[0].getMessage()
   assert logged[0].exc_info is not None  # with its traceback
   assert ctl.call("add", args=(2, 3)) == [5]  # the sidecar serves on
@@ -199,6 +207,7 @@ def test_the_sidecars_own_permission_error_in_a_stream_is_answered(make_server, 
   with pool_controller(server, BOB, attach=True) as bob:
     assert bob.worker(0) is not None
     with pytest.raises(sidecar.PermissionDeniedError, match="tenant 'bob' may not run function "
-                                                            "'count'"):
+                                                            "'count'") as info:
       list(bob.stream("count", kwargs={"n": 3}))
+    assert isinstance(info.value, sidecar.PipelineError)  # one type for a stream's errors
     assert bob.call("add", args=(2, 3)) == [5]

@@ -176,8 +176,14 @@ class _Host:
      r"global_batch_size must be a positive int, got 2.5"),
     (None, {"num_epochs": 0}, sidecar.InvalidArgumentError, r"num_epochs must be None or >= 1"),
     (None, {"name": "nope"}, sidecar.NotRegisteredError,
-     r"no pipeline named 'nope' is registered on hosts \[1\]; registered pipelines: ids"),
-], ids=["options-dict", "float-batch", "zero-epochs", "missing-pipeline"])
+     r"no pipeline named 'nope' is registered on hosts \[1\]; registered pipelines: ids, nope\. "
+     r"Register it with @sidecar.pipeline in a module the sidecars import: --import MODULE on "
+     r"the command that starts them \(sidecar launch, sidecar local or sidecar serve\), or "
+     r"LocalCluster\(imports=\[MODULE\]\)$"),
+    (None, {"name": "idz"}, sidecar.NotRegisteredError,  # issue 71 item 3: names --import
+     r"on hosts \[0, 1\]; registered pipelines: ids, nope \(did you mean 'ids'\?\)\. "
+     r"Register it .* --import MODULE"),
+], ids=["options-dict", "float-batch", "zero-epochs", "missing-pipeline", "mistyped-pipeline"])
 def test_feed_arguments_are_checked_before_anything_opens(options, kwargs, error, match):
   hosts = [_Host(0, ("ids", "nope")), _Host(1, ("ids",))]
   args = {"name": "ids", "global_batch_size": 8, "num_epochs": None} | kwargs

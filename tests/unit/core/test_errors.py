@@ -104,9 +104,25 @@ def test_a_lost_host_names_itself():
                          kind="stream"),
     errors.HostLostError("sidecar gone", host_id=1),
     errors.InvalidArgumentError("step must be >= 0, got -1"),
+    errors.PipelineError.of(errors.NotFoundError("no corpus manifest at /d"), "lm", host_id=0),
 ], ids=lambda e: type(e).__name__)
 def test_errors_survive_pickling(error):
   # A user's process pool (concurrent.futures, multiprocessing) pickles what it raises.
   back = pickle.loads(pickle.dumps(error))
   assert type(back) is type(error) and str(back) == str(error)
   assert vars(back) == vars(error)
+
+
+@pytest.mark.parametrize("refusal,kind", [
+    (errors.NotFoundError, errors.PipelineNotFoundError),
+    (errors.PermissionDeniedError, errors.PipelinePermissionDeniedError),
+    (errors.InvalidArgumentError, errors.PipelineInvalidArgumentError),
+], ids=lambda c: c.__name__)
+def test_the_sidecars_refusal_about_a_pipeline_is_one_of_both_kinds(refusal, kind):
+  # Issue 71 item 2: `except PipelineError` missed a mistyped --data (a NotFoundError).
+  e = errors.PipelineError.of(refusal("no corpus manifest at /d"), "lm", host_id=0)
+  assert type(e) is kind and isinstance(e, errors.PipelineError) and isinstance(e, refusal)
+  assert (e.pipeline, e.kind, e.host_id, e.remote_type) == ("lm", "pipeline", 0,
+                                                            refusal.__name__)
+  assert str(e) == f"pipeline 'lm' on host 0 raised {refusal.__name__}: no corpus manifest at /d"
+  assert errors.PipelineError.of(errors.ResourceExhaustedError("full"), "lm", host_id=0) is None

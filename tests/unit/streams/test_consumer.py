@@ -95,6 +95,32 @@ def test_a_remote_exception_arrives_as_the_pipeline_error_naming_it_and_the_host
                            "/d\n\nRemote traceback:")
 
 
+@pytest.mark.parametrize("refusal,kind,caught_as", [
+    (sidecar.NotFoundError, sidecar.PipelineNotFoundError, FileNotFoundError),
+    (sidecar.PermissionDeniedError, sidecar.PipelinePermissionDeniedError, PermissionError),
+    (sidecar.InvalidArgumentError, sidecar.PipelineInvalidArgumentError, ValueError),
+    (sidecar.WrongFormatError, sidecar.PipelineInvalidArgumentError, sidecar.InvalidArgumentError),
+], ids=["not-found", "permission-denied", "invalid-argument", "a-subclass"])
+def test_the_sidecars_refusal_about_a_pipeline_is_its_pipeline_error_and_keeps_its_kind(
+    refusal, kind, caught_as):
+  # Issue 71 item 2: every error a pipeline raises is one type to catch, with its cause's.
+  t = FakeTransport(end=end_with(refusal("no corpus manifest at /d")))
+  with pytest.raises(kind) as info:
+    next(consumer.Stream(t, name="lm", kind="pipeline"))
+  e = info.value
+  assert isinstance(e, sidecar.PipelineError) and isinstance(e, caught_as)
+  assert (e.pipeline, e.host_id, e.remote_type) == ("lm", 7, refusal.__name__)
+  assert str(e) == f"pipeline 'lm' on host 7 raised {refusal.__name__}: no corpus manifest at /d"
+
+
+def test_the_sidecars_other_errors_keep_their_class_named_with_the_pipeline():
+  t = FakeTransport(end=end_with(sidecar.ResourceExhaustedError("the tenant's feed quota")))
+  with pytest.raises(sidecar.ResourceExhaustedError) as info:
+    next(consumer.Stream(t, name="lm", kind="pipeline"))
+  assert not isinstance(info.value, sidecar.PipelineError)
+  assert str(info.value) == "pipeline 'lm' on host 7: the tenant's feed quota"
+
+
 def test_a_timeout_keeps_the_stream_open_and_the_next_wait_gets_the_item():
   t = FakeTransport()
   # A timeout of 100 polls: a sign-of-life check comes before it however loaded the

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import sidecar
 from sidecar._src.core import goodput
 from sidecar._src.core.goodput import Counters, Event
 from sidecar._src.tools import cli, goodput_cli
@@ -65,3 +66,33 @@ def test_the_command_says_where_it_drew_and_keeps_stdout_for_the_json(
   assert json.loads(out)["restarts"] == 1
   assert f"drew the timeline to {tmp_path / 'timeline.png'}" in err
   assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("where,why", [
+    ("missing/timeline.png", "No such file or directory"),
+    ("made/", "Is a directory"),
+    ("timeline.xyz", "Format 'xyz' is not supported"),
+], ids=["no-such-directory", "a-directory", "no-such-format"])
+def test_a_plot_it_cannot_write_is_one_line_naming_the_path_and_why(
+    tmp_path, capsys, monkeypatch, where, why):
+  # Issue 71 item 4: a raw matplotlib traceback, before.
+  pytest.importorskip("matplotlib")
+  write(tmp_path)
+  monkeypatch.chdir(tmp_path)
+  if where.endswith("/"):  # a directory named like the plot
+    where = "timeline.png"
+    (tmp_path / where).mkdir()
+  assert cli.main(["goodput", str(tmp_path), "--plot", where]) == 1
+  out, err = capsys.readouterr()
+  assert out == "" and err.count("\n") == 1, err
+  assert err.startswith(f"sidecar goodput: cannot draw the timeline to "
+                        f"{str(tmp_path / where)!r}: {why}"), err
+  assert "--plot names a .png file in a directory that exists" in err
+
+
+def test_plot_raises_its_typed_error_for_a_path_it_cannot_write(tmp_path):
+  pytest.importorskip("matplotlib")
+  ledger = goodput.account(EVENTS)
+  with pytest.raises(sidecar.InvalidArgumentError, match="No such file or directory") as info:
+    goodput_cli.plot(ledger, str(tmp_path / "missing" / "t.png"))
+  assert isinstance(info.value.__cause__, OSError)

@@ -194,10 +194,12 @@ def _reported(items: Items, request: pb.CallRequest, tenant: str | None) -> Item
   try:
     yield from items
   except errors.SidecarError as e:
-    # A feed worker's (a RemoteError, with its own traceback) at ERROR; ours that the
-    # pipeline met (a path not found beneath its data roots, say) at WARNING.
-    _log_failure(request, e, tenant,
-                 logging.ERROR if isinstance(e, errors.RemoteError) else logging.WARNING)
+    # A feed worker's (a RemoteError, with its own traceback) and ours about the pipeline
+    # (a path not found beneath its data roots, say: the trainer's PipelineError) at
+    # ERROR, as PipelineError says; another of ours (a quota) at WARNING.
+    pipelines = isinstance(e, errors.RemoteError) or errors.PipelineError.of(
+        e, request.name, host_id=None) is not None
+    _log_failure(request, e, tenant, logging.ERROR if pipelines else logging.WARNING)
     raise
   except Exception as e:
     _log_failure(request, e, tenant)

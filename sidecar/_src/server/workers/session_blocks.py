@@ -100,13 +100,25 @@ class SessionBlocks:
     return blocks
 
   def free(self, session: str, flat: list[int]) -> None:
-    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs."""
+    """Releases ``session``'s hold on blocks given as flattened (offset, generation) pairs.
+
+    Every block a session held when it ended went back then (``Workers._serve``: the
+    session leaves ``steps``, then ``release_all``), but its other connections still hand
+    blocks back after that: a feed's credits read once its trainer is gone, each naming
+    blocks already released (no stale free: said nothing of), and the batch its stream
+    made meanwhile and could not send (released here). A stale free of a live session is
+    the worker's mistake, and warned of.
+    """
     self.steps.heard(session)  # a feed's credit: its trainer took a batch
     for offset, generation in zip(flat[::2], flat[1::2]):
       try:
         self._leases.release(offset, generation, session)
       except errors.StaleDescriptorError as e:
-        log.warning("worker %s: %s", session, e, extra={"session": session})
+        if self._live(session):  # else released at its end, before this late free
+          log.warning("worker %s: %s", session, e, extra={"session": session})
+
+  def _live(self, session: str) -> bool:
+    return self.steps.attached(session) is not None
 
 
 def alloc_timeout(raw: Any, queued: bool) -> float | None:

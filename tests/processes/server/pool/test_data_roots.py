@@ -161,7 +161,7 @@ def test_no_existence_oracle_outside_and_a_clear_not_found_inside(pool):
     # refusal, made before any filesystem call (only the path differs).
     there = _refused(bob, "parquet", {"paths": str(base / "alice.token")})
     missing = _refused(bob, "parquet", {"paths": str(base / "nothing.parquet")})
-    assert type(there) is type(missing) is sidecar.PermissionDeniedError
+    assert type(there) is type(missing) is sidecar.PipelinePermissionDeniedError
     assert str(there).replace("alice.token", "X") == str(missing).replace("nothing.parquet", "X")
     # Missing inside his root: NotFoundError naming the path and his roots.
     e = _refused(bob, "parquet", {"paths": str(base / "bob" / "nothing.parquet")})

@@ -1,0 +1,21 @@
+"""A pipeline whose batches after the first few are slow to make: its producer is busy
+while its trainer takes what came ahead, so the trainer's credits wait unread on the
+stream's connection (tests/processes/server/test_session_end.py)."""
+
+import time
+
+import numpy as np
+
+import sidecar
+
+
+@sidecar.pipeline
+def slow_after(ctx: sidecar.PipelineContext, fast: int = 6, delay: float = 0.5):
+  def batches():
+    i = 0
+    while True:
+      if i >= fast:
+        time.sleep(delay)
+      yield {"x": np.full((4096,), i, np.float32)}
+      i += 1
+  return batches()
