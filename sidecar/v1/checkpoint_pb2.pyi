@@ -511,10 +511,12 @@ class CheckpointHeldResponse(_message.Message):
     def __init__(self, own: _Optional[_Mapping[str, ShardIds]] = ..., replicas: _Optional[_Mapping[str, HeldReplicas]] = ...) -> None: ...
 
 class CheckpointInfoRequest(_message.Message):
-    __slots__ = ("final_dir",)
+    __slots__ = ("final_dir", "taken_over")
     FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
     final_dir: str
-    def __init__(self, final_dir: _Optional[str] = ...) -> None: ...
+    taken_over: bool
+    def __init__(self, final_dir: _Optional[str] = ..., taken_over: _Optional[bool] = ...) -> None: ...
 
 class CheckpointInfoResponse(_message.Message):
     __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas", "extras_json", "step")

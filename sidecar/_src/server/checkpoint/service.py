@@ -510,7 +510,7 @@ class CheckpointService:
   def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointInfoResponse:
     try:
-      return wire.manifest_to_pb(self._checkpoints.info(r.final_dir))
+      return wire.manifest_to_pb(self._checkpoints.info(r.final_dir, taken_over=r.taken_over))
     except errors.SidecarError:
       raise  # says what it found (a step of another format), with its own fix
     except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values
