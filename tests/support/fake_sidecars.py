@@ -264,8 +264,8 @@ class FakeSidecars(CheckpointTransport):
            if h == host and item in self.manifests}
     return self._phase("held", host, Held(own=own, replicas={}))
 
-  def info(self, host, final_dir):
-    manifest = self.manifests.get(final_dir)
+  def info(self, host, final_dir, *, taken_over=False):
+    manifest = None if taken_over else self.manifests.get(final_dir)
     if manifest is None:
       return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
     return self._phase("info", host, manifest)

@@ -280,8 +280,11 @@ class CheckpointTransport(abc.ABC):
     """Future of a :class:`Held`."""
 
   @abc.abstractmethod
-  def info(self, host: int, final_dir: str) -> concurrent.futures.Future:
-    """Future of a :class:`Manifest`."""
+  def info(self, host: int, final_dir: str, *, taken_over: bool = False
+           ) -> concurrent.futures.Future:
+    """Future of a :class:`Manifest`. ``taken_over``: ``host``'s part of a step the
+    sidecars took over, from its RAM tier, durable or not (its shards' records, crc32c
+    once written; the data position on the committer's host only)."""
 
   @abc.abstractmethod
   def read(self, host: int, final_dir: str, record: ShardRecord, *, tier: str,
@@ -430,9 +433,9 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory),
                      wire.held_from_pb, timeout=timeout)
 
-  def info(self, host, final_dir):
-    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
-                     wire.manifest_from_pb)
+  def info(self, host, final_dir, *, taken_over=False):
+    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(
+        final_dir=final_dir, taken_over=taken_over), wire.manifest_from_pb)
 
   def read(self, host, final_dir, record, *, tier, checked=True, byte_range=None,
            private=False):

@@ -211,11 +211,17 @@ class SaveHandle:
   """``staged``: the state is in the arenas (the trainer may change its arrays);
   ``durable``: the step is committed on storage; ``replicated``: every shard has its
   replica copies (``replicas=R``; at once with R=0, JAX's and PyTorch's alike). All are
-  ``concurrent.futures.Future``s that hold the step (None for a skipped save)."""
+  ``concurrent.futures.Future``s that hold the step (None for a skipped save).
+  ``taken_over``: a Future of whether this process's hosts took the step over as it
+  was staged (True: their sidecars commit it whatever happens to the trainers, and an
+  in-process rollback may restore it from their RAM tiers before it is durable; False:
+  its trainers commit it, or it was skipped or failed)."""
   step: int
   staged: concurrent.futures.Future
   durable: Durable
   replicated: concurrent.futures.Future = dataclasses.field(
+      default_factory=concurrent.futures.Future)
+  taken_over: concurrent.futures.Future = dataclasses.field(
       default_factory=concurrent.futures.Future)
 
 
@@ -226,7 +232,9 @@ def done_handle(step: int, value: Any) -> SaveHandle:
   durable.set_result(value)
   replicated: concurrent.futures.Future = concurrent.futures.Future()
   replicated.set_result(value)
-  return SaveHandle(step, staged, durable, replicated)
+  taken_over: concurrent.futures.Future = concurrent.futures.Future()
+  taken_over.set_result(False)
+  return SaveHandle(step, staged, durable, replicated, taken_over)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,6 +322,7 @@ class SaveRun:
     self.plan = self._plan(data_state_json)
     self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves, plan=self.plan)
     if self.ending is not None:
+      resolve(self.ending.handle.taken_over, None, self.plan is not None)
       resolve(self.ending.handle.staged, None, self.step)
       # The GIL let go once: save(), waiting for staged, returns now rather than after
       # this thread's next Python work, the commit's call (staged to returned: 0.5-1.3 ms,
@@ -393,6 +402,7 @@ class SaveRun:
                                 lambda: self.protocol.abort(self.target, self.hosts))
     except BaseException as e:
       if self.ending is not None:
+        resolve(self.ending.handle.taken_over, None, False)
         resolve(self.ending.handle.staged, e, None)
       raise
     # An Orbax manager's item is marked when the manager commits; the committer of a step
@@ -512,6 +522,7 @@ def end_save(handle: SaveHandle, error: BaseException | None, *,
   longer kept are deleted (no part of this save's time); then ``replicated`` settles,
   once every process knows how its replication went (``replication()``: this process's
   outcome, waited for). Blocks: a save's own thread calls it."""
+  resolve(handle.taken_over, None, False)  # unless its stage said so (SaveRun.stage)
   if error is not None:
     resolve(handle.durable, error, None)
   else:
