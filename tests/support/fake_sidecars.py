@@ -164,7 +164,11 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None):
+            writers=1, extra=None, plan=None, begin_format=""):
+    if begin_format:  # the step begun by its first part: a Begin's call and failure
+      begun = self.begin(host, directory, step, format=begin_format)
+      if begun.exception() is not None:
+        return begun
     if leaves:
       self.leaves[final_dir] = list(leaves)
     if plan is not None and (plan.lead or final_dir not in self.plans):

@@ -53,7 +53,8 @@ PROTOCOL_VERSION = 16  # 2: the Checkpoint service; 3: an error is one pb.Error 
 # and crc32c fields gone), a DCP Stage's part says its rank's item count (DcpItem gone: each
 # item is its shard's record)
 # 16: Info taken_over (a step the sidecars took over, from a RAM tier, durable or not) and
-# a RAM-tier Read of it: an in-process rollback does not wait for the disk
+# a RAM-tier Read of it: an in-process rollback does not wait for the disk; a Stage may
+# begin its step (begin_format): a save's first part, one round trip less
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"

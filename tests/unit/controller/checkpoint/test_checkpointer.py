@@ -82,12 +82,45 @@ class OwnTmp(FakeSidecars):
 
 
 def test_a_step_is_written_in_the_tmp_directory_begin_answered():
-  """Target once worked the directory out itself and ignored begin's answer."""
-  fake = OwnTmp(hosts=(0,))
+  """Target once worked the directory out itself and ignored begin's answer (a process
+  that stages on two hosts begins its steps with a Begin of their own)."""
+  fake = OwnTmp(hosts=(0, 1))
   with checkpointer(fake) as ckpt:
     assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
-  assert fake.tmp_dirs == [("stage", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default"),
-                           ("commit", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default")]
+  assert ("begin", 0) in fake.calls
+  assert {d for _, d in fake.tmp_dirs} == {"/ckpt/run/7.orbax-checkpoint-tmp-1234/default"}
+
+
+class BeginsByStage(FakeSidecars):
+  """Records the ``begin_format`` each stage carries."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.begins: list[tuple[int, str]] = []
+
+  def stage(self, host, *, begin_format="", **kw):
+    self.begins.append((host, begin_format))
+    return super().stage(host, begin_format=begin_format, **kw)
+
+
+def test_a_process_that_stages_on_one_host_begins_its_step_with_its_first_stage():
+  """One round trip: the step's first Stage begins it (issue 69, item 5)."""
+  fake = BeginsByStage(hosts=(0,))
+  with checkpointer(fake) as ckpt:
+    assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
+  assert fake.begins == [(0, "orbax")]
+  assert [c for c in fake.calls if c[0] == "begin"] == [("begin", 0)]  # by the stage
+
+
+def test_a_first_stage_that_cannot_begin_the_step_fails_the_save_and_removes_nothing():
+  fake = BeginsByStage(hosts=(0,), fail={"begin": errors.PermissionDeniedError(
+      "begin: step 7 is being saved by another checkpointer")})
+  with checkpointer(fake) as ckpt:
+    handle = ckpt.save(7, {"x": np.ones(3, np.float32)})
+    with pytest.raises(errors.PermissionDeniedError, match="being saved by another"):
+      handle.durable.result(30)
+    assert fake.aborted == []  # never begun here: another's files are not removed
+    assert ckpt.all_steps() == []
 
 
 def test_the_format_is_chosen_explicitly_and_one_the_framework_cannot_write_is_refused():
