@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import pathlib
 import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -130,24 +131,28 @@ class SaveProtocol:
   def sends(self, target: Target, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
             rest: FormatExtra | None = None, plan: CommitPlan | None = None,
-            begin: BeginWithStage | None = None) -> Sends:
+            begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None
+            ) -> Sends:
     """The stage calls of one save on ``hosts``, made as its lots are put
     (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``extra``,
     its later ones ``rest``, its last one ``plan`` (the sidecars commit the step).
-    ``begin``: the first lot begins the step (one host only)."""
+    ``begin``: the first lot begins the step (one host only). ``whole()``: called once
+    every host's last call answered (on the thread its answer came on)."""
     return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan,
-                 begin=begin)
+                 begin=begin, whole=whole)
 
   def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
             rest: FormatExtra | None = None, plan: CommitPlan | None = None,
-            begin: BeginWithStage | None = None) -> None:
+            begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None
+            ) -> None:
     """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
     last (:meth:`sends`): with ``plan``, each host has then taken the step over. With
-    ``begin``, the first lot begins the step on the one host."""
+    ``begin``, the first lot begins the step on the one host; ``whole()`` is called as
+    soon as every host's last call answered (before this returns)."""
     sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan,
-                       begin=begin)
+                       begin=begin, whole=whole)
     try:
       while not sends.done:
         got: Lot | BaseException = lots.get()  # no other local holds the shards, as
@@ -261,13 +266,16 @@ class Sends:
   def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
                leaves: Sequence[spec_lib.LeafSpec], extra: FormatExtra | None,
                rest: FormatExtra | None, plan: CommitPlan | None = None,
-               begin: BeginWithStage | None = None):
+               begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None):
     if begin is not None and len(hosts) != 1:
       raise errors.InvalidArgumentError(
           f"a step begun by its first Stage is staged on one host, got hosts {list(hosts)}")
     self._protocol, self._target, self._hosts = protocol, target, list(hosts)
     self._leaves, self._extra, self._rest, self._plan = list(leaves), extra, rest, plan
     self._begin = begin
+    self._whole = whole
+    self._answered = 0  # hosts whose last call answered
+    self._lock = threading.Lock()
     self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
     self._closed = 0
     self._error: BaseException | None = None
@@ -307,7 +315,20 @@ class Sends:
       raise
     if begin is not None:
       begin.told(None)
+    if got.last and self._whole is not None:
+      self._last[host].add_done_callback(self._last_answered)
     self._closed += got.last
+
+  def _last_answered(self, f: concurrent.futures.Future) -> None:
+    """A host's last call answered: ``whole()`` once every host's has, each a success (a
+    host's earlier calls were answered before its next was sent)."""
+    if f.exception() is not None:
+      return
+    with self._lock:
+      self._answered += 1
+      now = self._answered == len(self._hosts) and self._error is None
+    if now and self._whole is not None:
+      self._whole()
 
   def settle(self) -> None:
     """Waits for every call sent, answered or failed: the abort that follows must reach
