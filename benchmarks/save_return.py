@@ -6,8 +6,9 @@ by CI.
 One 1-host ``LocalCluster``; one ``ctl.checkpointer`` saves a 4 MiB float32 state (a host
 array, as ``benchmarks.pool``'s tenants save it) ``--saves`` times, each once the one
 before has ended (durable, and the step ``max_to_keep`` drops deleted: ``ckpt.wait()``),
-so only the call itself is timed: the copy into the arena, Begin, the
-Stages and the sidecar's takeover of the step (``save()`` returns once every host took it
+so only the call itself is timed: the copy into the arena, the Stage
+that begins the step (one host: no Begin of its own since issue 69) and the sidecar's
+takeover of the step (``save()`` returns once every host took it
 over: ARCHITECTURE.md, "The sidecars' agreement"). The first ``--warmup`` saves are not
 counted. Between two saves, once the first has ended, one ``ctl.status()`` is timed: a
 Status round trip to the same sidecar, the baseline ``save()`` is measured against (issue

@@ -646,6 +646,7 @@ def restore_taken_over(ckpt: Checkpointer, target: Any
   calls it together, and all take the same answer (``controller/recovery.Recovery``).
   """
   ckpt._check_open()
+  t0 = time.perf_counter()
   handle = ckpt.save_in_flight()
   step = None
   if handle is not None:
@@ -673,4 +674,6 @@ def restore_taken_over(ckpt: Checkpointer, target: Any
     return None
   ckpt.restored_step = step
   ckpt._log_restore()
+  if ckpt._goodput is not None:  # a restore, as restore()'s: the ledger's rollback
+    ckpt._goodput.restored(step, time.perf_counter() - t0)
   return step, restored[0], restored[1]
