@@ -61,6 +61,47 @@ def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
   assert outcomes == [(None, 3), (None, 3)]
 
 
+def rollbacks_in_two_processes(fake):
+  """Each of two processes saves step 1 (its writes held: not durable) and rolls back to
+  the step taken over (``checkpointer.restore_taken_over``); their answers."""
+  store, outcomes = {}, [None, None]
+
+  def process(p: int) -> None:
+    with checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2)) as ckpt:
+      ckpt.save(1, {"x": np.full(3, 7, np.float32)}, data_state={"at": 1})
+      try:
+        got = checkpointer_lib.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
+        outcomes[p] = got if got is None else (got[0], got[1]["x"].tolist(), got[2])
+        assert ckpt.latest_step() is None  # not durable while it rolled back
+      finally:
+        fake.release.set()
+
+  threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  return outcomes
+
+
+def test_every_process_rolls_back_to_the_step_taken_over_before_it_is_durable():
+  assert rollbacks_in_two_processes(HeldWrites(hosts=(0, 1))) == [
+      (1, [7.0, 7.0, 7.0], {"at": 1})] * 2
+
+
+class NoPartOnHost0(HeldWrites):
+  """Host 0 holds no part of a step taken over (its write failed: it let it go)."""
+
+  def info(self, host, final_dir, *, taken_over=False):
+    if taken_over and host == 0:
+      return self._phase("info", 5)  # host 5 is none of them: HostLostError
+    return super().info(host, final_dir, taken_over=taken_over)
+
+
+def test_a_step_taken_over_that_does_not_restore_whole_is_rolled_back_to_by_no_process():
+  assert rollbacks_in_two_processes(NoPartOnHost0(hosts=(0, 1))) == [None, None]
+
+
 class OwnTmp(FakeSidecars):
   """A sidecar whose begin answers a tmp directory of its own naming; records where each
   stage and the commit write."""
