@@ -64,7 +64,8 @@ def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
 def rollbacks_in_two_processes(fake):
   """Each of two processes saves step 1 (its writes held: not durable) and rolls back to
   the step taken over (``checkpointer.restore_taken_over``); their answers."""
-  store, outcomes = {}, [None, None]
+  store, outcomes, latest = {}, [None, None], ["?", "?"]
+  both = threading.Barrier(2)
 
   def process(p: int) -> None:
     with checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2)) as ckpt:
@@ -72,7 +73,8 @@ def rollbacks_in_two_processes(fake):
       try:
         got = checkpointer_lib.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
         outcomes[p] = got if got is None else (got[0], got[1]["x"].tolist(), got[2])
-        assert ckpt.latest_step() is None  # not durable while it rolled back
+        latest[p] = ckpt.latest_step()
+        both.wait(30)  # neither lets the writes go before both rolled back
       finally:
         fake.release.set()
 
@@ -81,6 +83,7 @@ def rollbacks_in_two_processes(fake):
     t.start()
   for t in threads:
     t.join(60)
+  assert latest == [None, None]  # not durable while they rolled back
   return outcomes
 
 
