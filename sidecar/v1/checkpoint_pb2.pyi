@@ -199,7 +199,7 @@ class CheckpointBeginResponse(_message.Message):
     def __init__(self, tmp_directory: _Optional[str] = ...) -> None: ...
 
 class CheckpointStageRequest(_message.Message):
-    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "records", "data", "last", "worker_session", "writers", "dcp", "plan")
+    __slots__ = ("directory", "step", "tmp_dir", "final_dir", "leaves", "records", "data", "last", "worker_session", "writers", "dcp", "plan", "begin_format")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TMP_DIR_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class CheckpointStageRequest(_message.Message):
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     DCP_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FORMAT_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
     tmp_dir: str
@@ -224,7 +225,8 @@ class CheckpointStageRequest(_message.Message):
     writers: int
     dcp: DcpPart
     plan: CommitPlan
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[ShardData, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ..., plan: _Optional[_Union[CommitPlan, _Mapping]] = ...) -> None: ...
+    begin_format: str
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ..., leaves: _Optional[_Iterable[_Union[LeafSpec, _Mapping]]] = ..., records: _Optional[_Iterable[_Union[ShardRecord, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[ShardData, _Mapping]]] = ..., last: _Optional[bool] = ..., worker_session: _Optional[str] = ..., writers: _Optional[int] = ..., dcp: _Optional[_Union[DcpPart, _Mapping]] = ..., plan: _Optional[_Union[CommitPlan, _Mapping]] = ..., begin_format: _Optional[str] = ...) -> None: ...
 
 class CheckpointStageResponse(_message.Message):
     __slots__ = ("staged_bytes",)
@@ -511,10 +513,12 @@ class CheckpointHeldResponse(_message.Message):
     def __init__(self, own: _Optional[_Mapping[str, ShardIds]] = ..., replicas: _Optional[_Mapping[str, HeldReplicas]] = ...) -> None: ...
 
 class CheckpointInfoRequest(_message.Message):
-    __slots__ = ("final_dir",)
+    __slots__ = ("final_dir", "taken_over")
     FINAL_DIR_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
     final_dir: str
-    def __init__(self, final_dir: _Optional[str] = ...) -> None: ...
+    taken_over: bool
+    def __init__(self, final_dir: _Optional[str] = ..., taken_over: _Optional[bool] = ...) -> None: ...
 
 class CheckpointInfoResponse(_message.Message):
     __slots__ = ("format", "leaves", "shards", "data_state_json", "replicas", "extras_json", "step")

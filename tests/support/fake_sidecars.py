@@ -164,7 +164,11 @@ class FakeSidecars(CheckpointTransport):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None):
+            writers=1, extra=None, plan=None, begin_format=""):
+    if begin_format:  # the step begun by its first part: a Begin's call and failure
+      begun = self.begin(host, directory, step, format=begin_format)
+      if begun.exception() is not None:
+        return begun
     if leaves:
       self.leaves[final_dir] = list(leaves)
     if plan is not None and (plan.lead or final_dir not in self.plans):
@@ -264,11 +268,22 @@ class FakeSidecars(CheckpointTransport):
            if h == host and item in self.manifests}
     return self._phase("held", host, Held(own=own, replicas={}))
 
-  def info(self, host, final_dir):
-    manifest = self.manifests.get(final_dir)
+  def info(self, host, final_dir, *, taken_over=False):
+    manifest = self._taken_over(host, final_dir) if taken_over else self.manifests.get(final_dir)
     if manifest is None:
       return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
     return self._phase("info", host, manifest)
+
+  def _taken_over(self, host, final_dir) -> Manifest | None:
+    """``host``'s part of a step staged with a plan (taken over), as a sidecar's Info
+    taken_over answers it: its records, the lead's data position on the committer."""
+    plan = self.plans.get(final_dir)
+    if plan is None or (host, final_dir) not in self.records:
+      return None
+    return Manifest.of_save(
+        ORBAX, step=int(final_dir.rstrip("/").split("/")[-2]), leaves=self.leaves[final_dir],
+        shards=list(self.records[(host, final_dir)].values()),
+        data_state_json=plan.data_state_json if host == plan.committer else "", replicas=None)
 
   def read(self, host, final_dir, record, *, tier, checked=True, byte_range=None,
            private=False):

@@ -1,5 +1,6 @@
-"""In-process recovery: a step that raised rolls back to the newest committed step, in the
-same process, from the sidecars' RAM tier; a step that fails again is left to a restart.
+"""In-process recovery: a step that raised rolls back to the newest step the sidecars hold
+(taken over, durable or not), in the same process, from their RAM tier; a step that fails
+again is left to a restart.
 
 An exception in a training step (a transient runtime error, a NaN guard, a data error)
 need not cost a new process (its teardown, the runtime's init, the compile: 13-16 s on
@@ -34,7 +35,7 @@ import time
 import traceback
 from typing import Any, Protocol
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, restore_taken_over
 from sidecar._src.core import errors, interrupts
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,10 @@ class Rollback:
   """One recovery: the step that failed, the step rolled back to, what it took.
 
   ``seconds`` runs from :meth:`Recovery.recover`'s call to its return: ``waited_s`` for
-  a save in flight, then the feed's seek and the restore (``restore_s``, from ``tier``:
-  ``RestoreStats.tier``).
+  a save in flight to be durable (only where the sidecars had not taken it over), then
+  the feed's seek and the restore (``restore_s``, from ``tier``: ``RestoreStats.tier``).
+  ``durable``: whether ``step`` was durable when restored (False: the sidecars took it
+  over and were still writing it).
   """
   failed_step: int
   error: str  # the exception's type and the first line of its message
@@ -80,25 +83,29 @@ class Rollback:
   restore_s: float
   waited_s: float
   seconds: float
+  durable: bool = True
 
   def summary(self) -> str:
     waited = f", {self.waited_s:.3f} s waiting for the save in flight" if self.waited_s else ""
+    taken = "" if self.durable else ", taken over and not durable yet"
     return (f"step {self.failed_step} raised {self.error}; rolled back in-process to step "
-            f"{self.step} ({self.tier} tier, restored in {self.restore_s:.3f} s{waited}) in "
-            f"{self.seconds:.3f} s")
+            f"{self.step} ({self.tier} tier{taken}, restored in {self.restore_s:.3f} s"
+            f"{waited}) in {self.seconds:.3f} s")
 
 
 class Recovery:
-  """Rolls a training loop back to the newest committed step when a step raises.
+  """Rolls a training loop back to the newest step the sidecars hold when a step raises.
 
-  ``recover(error, step=n)``: called where step ``n`` raised ``error``. Waits for the
-  save in flight, if any (its step is newer than the latest committed one: waiting for
-  its write, shorter than the interval between saves where the storage keeps up, costs
-  less than re-doing the steps between them; a save that fails is logged, and the step
-  before it restored), moves ``feed`` to the data position saved with the latest
-  committed step and restores that step onto ``target`` (from the sidecars' RAM tier
-  where they hold it, else a replica, else storage). Returns ``(step, state)``: train on
-  from there. Every process of a job must recover together (an error all of them see,
+  ``recover(error, step=n)``: called where step ``n`` raised ``error``. Where a save is
+  in flight and the sidecars took it over (every process's part staged: they commit it
+  whatever happens to the trainers), restores it from their RAM tier at once, its
+  write going on (if that write fails, the next ``save``, ``wait`` or ``close`` raises
+  it, as any failed save's), and moves ``feed`` to its data position. Otherwise (its
+  trainers commit it: DCP's), waits for it to be durable (a save that fails is logged,
+  and the step before it restored), moves ``feed`` to the data position saved with the
+  latest committed step and restores that step onto ``target`` (from the sidecars' RAM
+  tier where they hold it, else a replica, else storage). Returns ``(step, state)``:
+  train on from there. Every process of a job must recover together (an error all of them see,
   such as a NaN guard on a replicated loss): a failure in one process alone should end
   the process, so that the launcher restarts the job.
 
@@ -142,6 +149,11 @@ class Recovery:
           f"process (retries_per_step={self.retries_per_step}): not recovered in-process; "
           "the process ends for its launcher to restart it (sidecar launch --max-restarts)")
       raise error
+    rolled = restore_taken_over(self._checkpointer, self._target)
+    if rolled is not None:  # the save in flight, as the sidecars hold it: no wait for its write
+      taken, state, data_state = rolled
+      self._feed.seek(data_state)
+      return self._done(error, step, taken, state, waited=0.0, durable=False, t0=t0)
     waited = self._settle()
     latest = self._checkpointer.latest_step()
     if latest is None:
@@ -153,12 +165,17 @@ class Recovery:
     # The feed first: its sidecars make the first batch while the state is restored.
     self._feed.seek(self._checkpointer.data_state(latest))
     state = self._checkpointer.restore(latest, self._target, progress=False)
+    return self._done(error, step, latest, state, waited=waited, durable=True, t0=t0)
+
+  def _done(self, error: BaseException, step: int, latest: int, state: Any, *,
+            waited: float, durable: bool, t0: float) -> tuple[int, Any]:
+    """Records and logs the rollback from ``step`` to ``latest``; returns ``(latest, state)``."""
     stats = self._checkpointer.last_restore_stats()
     rollback = Rollback(
         failed_step=step, error=_describe(error), step=latest,
         tier=stats.tier if stats is not None else "unknown",
         restore_s=stats.seconds if stats is not None else 0.0, waited_s=waited,
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, durable=durable)
     self.rollbacks.append(rollback)
     # What failed, with its traceback as text: a log entry holding the exception would keep
     # the failed step's frames (its batch, its arrays over the arena) as long as a handler

@@ -33,7 +33,7 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 15  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+PROTOCOL_VERSION = 16  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session; 5: a feed batch is a
 # FeedBatch (its structure apart from its arrays), namedtuples travel; 6: a feed's length
 # (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc asks for sizes (one block, or a
@@ -53,6 +53,9 @@ PROTOCOL_VERSION = 15  # 2: the Checkpoint service; 3: an error is one pb.Error 
 # 15: the shard record both ways: a Read names the ShardRecord the manifest lists (its shard
 # and crc32c fields gone), a DCP Stage's part says its rank's item count (DcpItem gone: each
 # item is its shard's record)
+# 16: Info taken_over (a step the sidecars took over, from a RAM tier, durable or not) and
+# a RAM-tier Read of it: an in-process rollback does not wait for the disk; a Stage may
+# begin its step (begin_format): a save's first part, one round trip less
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"

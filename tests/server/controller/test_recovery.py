@@ -1,10 +1,11 @@
 """``sidecar.jax.Recovery`` against one in-process sidecar, without the LM example: a step
 that raises rolls back to the newest committed step (state from the RAM tier, the feed
 moved back with ``Feed.seek``) and the loop repeats what an uninterrupted one computes;
-the same step failing again is raised; a save in flight is waited for, one that fails is
-not rolled back to."""
+the same step failing again is raised; a save in flight the sidecars took over is rolled
+back to without waiting for its write (whose later failure the next save raises); one
+that failed is not rolled back to."""
 
-import logging
+import concurrent.futures
 import threading
 
 import grain
@@ -129,49 +130,80 @@ def test_a_failure_before_any_commit_is_raised_naming_why(ctl, tmp_path):
   assert any("failed before any step was committed" in n for n in raised.value.__notes__)
 
 
-def test_a_save_in_flight_is_waited_for_and_rolled_back_to(ctl, tmp_path, monkeypatch):
+def save_3_and_6(ckpt, feed):
+  """Saves steps 3 and 6 (``w`` full of the step), each after SAVE_EVERY batches, and takes
+  batch 7 (the step that fails)."""
+  handles = []
+  for step in (3, 6):
+    for _ in range(SAVE_EVERY):
+      next(feed)
+    handles.append(ckpt.save(step, {"w": np.full(N, step, np.float32)},
+                             data_state=feed.state()))
+  next(feed)
+  return handles
+
+
+def test_a_save_in_flight_taken_over_is_rolled_back_to_without_waiting_for_its_write(
+    ctl, tmp_path, monkeypatch):
   gate = tmp_path / "gate"
   monkeypatch.setenv(env_lib.CKPT_FAULT, f"slow@6:{gate}")  # step 6 not durable till gate
   with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
     recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
-    state = {"w": np.ones(N, np.float32)}
-    for step in (3, 6):
-      for _ in range(SAVE_EVERY):
-        next(feed)
-      ckpt.save(step, {"w": state["w"] * step}, data_state=feed.state())
-    next(feed)
+    save_3_and_6(ckpt, feed)
     done = []
     thread = threading.Thread(target=lambda: done.append(
         recovery.recover(RuntimeError("step 7 failed"), step=7)))
     thread.start()
     try:
-      assert ckpt.latest_step() == 3  # step 6 held: not waiting would restore step 3
-      assert not done
+      thread.join(30)  # the write of step 6 is held meanwhile: no waiting for it
+      assert done, "recover() waited for the write of the save in flight"
+      assert ckpt.latest_step() == 3  # step 6 is not durable yet
     finally:
       gate.touch()
       thread.join(30)
     [(step, restored)] = done
     assert step == 6
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 6, np.float32))
-    assert recovery.rollbacks[0].waited_s > 0
+    [rollback] = recovery.rollbacks
+    assert (rollback.step, rollback.tier, rollback.durable, rollback.waited_s) == (
+        6, "ram", False, 0.0)
+    assert "taken over and not durable yet" in rollback.summary()
     # the feed was moved back to step 6's position: batch 7 is next
     assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
+    ckpt.wait()  # and step 6 becomes durable as if nothing happened
+    assert ckpt.latest_step() == 6
 
 
-def test_a_save_in_flight_that_fails_is_logged_and_the_step_before_restored(
-    ctl, tmp_path, monkeypatch, caplog):
+def test_a_step_rolled_back_to_whose_write_fails_later_is_raised_by_the_next_save(
+    ctl, tmp_path, monkeypatch):
+  gate = tmp_path / "gate"
+  monkeypatch.setenv(env_lib.CKPT_FAULT, f"enospc@6:{gate}")  # step 6's write fails at gate
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
+    save_3_and_6(ckpt, feed)
+    try:
+      step, restored = recovery.recover(RuntimeError("step 7 failed"), step=7)
+    finally:
+      gate.touch()
+    assert (step, recovery.rollbacks[0].durable) == (6, False)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 6, np.float32))
+    with pytest.raises(errors.SidecarError, match="No space left on device") as raised:
+      ckpt.save(9, {"w": np.full(N, 9, np.float32)})
+    assert any("the save of step 6" in n and "step 9 not saved" in n
+               for n in raised.value.__notes__)
+    assert ckpt.latest_step() == 3
+
+
+def test_a_save_that_failed_before_the_rollback_is_not_rolled_back_to(
+    ctl, tmp_path, monkeypatch):
   monkeypatch.setenv(env_lib.CKPT_FAULT, "enospc@6")
   with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
     recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
-    for step in (3, 6):
-      for _ in range(SAVE_EVERY):
-        next(feed)
-      ckpt.save(step, {"w": np.full(N, step, np.float32)}, data_state=feed.state())
-    with caplog.at_level(logging.WARNING, logger="sidecar._src.controller.recovery"):
-      step, restored = recovery.recover(RuntimeError("step 7 failed"), step=7)
+    _, six = save_3_and_6(ckpt, feed)
+    concurrent.futures.wait([six.durable])  # failed; not told (wait() raises it below)
+    step, restored = recovery.recover(RuntimeError("step 7 failed"), step=7)
     assert step == 3
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 3, np.float32))
-    assert "the save of step 6 in flight when the step failed did not commit" in caplog.text
     assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 4)[3]
     with pytest.raises(errors.SidecarError, match="No space left on device"):
       ckpt.wait()  # the failed save's own error is not lost

@@ -216,12 +216,15 @@ class CheckpointTransport(abc.ABC):
   def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
             leaves: Sequence[LeafSpec], shards: Sequence[Staged],
             last: bool, writers: int = 1, extra: FormatExtra | None = None,
-            plan: CommitPlan | None = None) -> concurrent.futures.Future:
+            plan: CommitPlan | None = None, begin_format: str = ""
+            ) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
     processes stage into ``host`` (each sends its own ``last``). ``extra``: the format's
     extra (a DCP rank's items, the shards' records' ``leaf`` numbering them). ``plan``
     (with ``last``): the sidecars commit the step themselves; the host takes it over
-    once its part is whole, before the call that made it whole answers."""
+    once its part is whole, before the call that made it whole answers. ``begin_format``:
+    this call begins the step first, as ``begin`` would in that format (``tmp_dir`` where
+    its save writes in what that makes): the first part on the host that begins it."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -280,8 +283,11 @@ class CheckpointTransport(abc.ABC):
     """Future of a :class:`Held`."""
 
   @abc.abstractmethod
-  def info(self, host: int, final_dir: str) -> concurrent.futures.Future:
-    """Future of a :class:`Manifest`."""
+  def info(self, host: int, final_dir: str, *, taken_over: bool = False
+           ) -> concurrent.futures.Future:
+    """Future of a :class:`Manifest`. ``taken_over``: ``host``'s part of a step the
+    sidecars took over, from its RAM tier, durable or not (its shards' records, crc32c
+    once written; the data position on the committer's host only)."""
 
   @abc.abstractmethod
   def read(self, host: int, final_dir: str, record: ShardRecord, *, tier: str,
@@ -369,12 +375,12 @@ class CheckpointClient(CheckpointTransport):
         worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
   def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None):
+            writers=1, extra=None, plan=None, begin_format=""):
     w = self._worker(host)
     request = ckpt_pb.CheckpointStageRequest(
         directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
         leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
-        worker_session=w.session if w is not None else "")
+        worker_session=w.session if w is not None else "", begin_format=begin_format)
     if plan is not None:
       wire.plan_to_pb(request.plan, plan)
     wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
@@ -430,9 +436,9 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Held", ckpt_pb.CheckpointHeldRequest(directory=directory),
                      wire.held_from_pb, timeout=timeout)
 
-  def info(self, host, final_dir):
-    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
-                     wire.manifest_from_pb)
+  def info(self, host, final_dir, *, taken_over=False):
+    return self._rpc(host, "Info", ckpt_pb.CheckpointInfoRequest(
+        final_dir=final_dir, taken_over=taken_over), wire.manifest_from_pb)
 
   def read(self, host, final_dir, record, *, tier, checked=True, byte_range=None,
            private=False):

@@ -115,6 +115,15 @@ class Agreement(abc.ABC):
               ) -> Any:
     """Restores committed step ``step`` onto ``target``; returns the restored tree."""
 
+  def restore_taken_over(self, step: int, target: Any) -> tuple[Any, dict[str, Any] | None]:
+    """Restores step ``step``, which the sidecars took over (durable or not), from their
+    RAM tiers onto ``target``; returns the tree and its data position. A plug whose
+    steps its trainers commit has none: it raises."""
+    del step, target
+    raise errors.InvalidArgumentError(
+        "this checkpointer's saves are committed by its trainers (DCP's coordinator): a "
+        "step not durable yet cannot be restored; restore a committed step")
+
   def last_restore_stats(self) -> Any:
     """Where the latest restore's shards came from (None: not known)."""
     return None
@@ -167,6 +176,11 @@ class KeyValueAgreement(Agreement):
                    progress: Callable[[str], None] | None = None) -> Any:
     tree, self._last = self._restorer.restore(final_dir, step, target, progress=progress)
     return tree
+
+  def restore_taken_over(self, step: int, target: Any) -> tuple[Any, dict[str, Any] | None]:
+    tree, self._last = self._restorer.restore(
+        self.target(self.coordinator.directory, step).final_dir, step, target, taken_over=True)
+    return tree, self._last.data_state
 
   def last_restore_stats(self) -> RestoreStats | None:
     return self._last

@@ -53,6 +53,7 @@ class RestoreStats:
   seconds: float
   shards: dict[str, int]
   bytes: dict[str, int]
+  data_state: Any = None  # the data position saved with the step, where the restore read it
 
   @property
   def tiers(self) -> dict[str, int]:
@@ -101,27 +102,37 @@ class Restorer:
     self._reads = ShardReads(client, mapped)
 
   def restore(self, final_dir: str, step: int, target: Any, *,
-              progress: Callable[[str], None] | None = None) -> tuple[Any, RestoreStats]:
+              progress: Callable[[str], None] | None = None, taken_over: bool = False
+              ) -> tuple[Any, RestoreStats]:
     """Restores the committed final_dir at ``final_dir`` onto ``target``'s shardings;
-    returns the tree and where its shards came from."""
+    returns the tree and where its shards came from.
+
+    ``taken_over``: a step the sidecars took over, durable or not, from their RAM tiers
+    only (:meth:`taken_over`: each host's part); its data position is then the
+    returned stats' ``data_state``."""
     t0, done, last = time.perf_counter(), 0, [time.perf_counter()]
-    manifest = interrupts.wait(self._client.info(self._local[0], final_dir))
+    if taken_over:
+      manifest = self.taken_over(final_dir, step)
+    else:
+      manifest = interrupts.wait(self._client.info(self._local[0], final_dir))
     if manifest.stock:
       warn_unchecked(final_dir, "stock Orbax")
     saved = {leaf.key_path: leaf for leaf in manifest.leaves}
     stored: dict[KeyPath, list[ShardRecord]] = {}  # each leaf's shards, as the save wrote them
-    for r in manifest.shards:
-      stored.setdefault(r.key_path, []).append(r)
+    for rec in manifest.shards:
+      stored.setdefault(rec.key_path, []).append(rec)
     owners = {r.id: r.host for r in manifest.shards if r.host is not None}  # who staged it
     wanted = self._framework.restore_target(target)
     flat = wanted.leaves
     for want in flat:
       self._check_leaf(want, saved, step)
-    held, gone = self._holdings(final_dir)
+    # A step taken over is in the RAM tiers of the hosts that staged it, nowhere else yet.
+    held, gone = (({c.id: [(c.host, "ram")] for c in manifest.shards if c.host is not None}, [])
+                  if taken_over else self._holdings(final_dir))
     # Copies this process maps are checked here, on threads this restore owns, while the
     # leaves read go on to their devices; a leaf whose copy fails its check is done again.
     with concurrent.futures.ThreadPoolExecutor(_CHECK_THREADS, "sidecar-restore-check") as checks:
-      reads = self._read_all(final_dir, flat, stored, held, checks)
+      reads = self._read_all(final_dir, flat, stored, held, checks, storage=not taken_over)
       shards, lost, out = {}, [], []
       unread = collections.Counter(k.key_path for k in reads)  # a leaf's shards still to come
       try:
@@ -159,7 +170,8 @@ class Restorer:
       reads.clear()  # the error's traceback keeps this frame: let the blocks read go
       shards.clear()
       out.clear()
-      raise self._failure(step, lost, owners, dict(manifest.replicas), gone, needed,
+      raise self._failure(step, lost, owners,
+                          {h: list(p) for h, p in manifest.replicas.items()}, gone, needed,
                           {w.key_path: w.dtype for w in flat})
     for i, want in enumerate(flat[:len(out)]):
       if want.key_path in again:
@@ -178,8 +190,43 @@ class Restorer:
     for data, source in shards.values():
       counts[source] = counts.get(source, 0) + 1
       sizes[source] = sizes.get(source, 0) + data.nbytes
-    stats = RestoreStats(step, time.perf_counter() - t0, counts, sizes)
+    stats = RestoreStats(step, time.perf_counter() - t0, counts, sizes,
+                         data_state=manifest.data_state)
     return wanted.build(out), stats
+
+  def taken_over(self, final_dir: str, step: int) -> records.Manifest:
+    """The manifest of a step the sidecars took over, durable or not: every host's part
+    (Info ``taken_over``) put together, the data position the committer's holds.
+    ShardsLostError where the parts do not cover every leaf (a host's write failed and
+    it let its part go, a host is gone): it cannot be restored whole."""
+    futures = {}
+    for h in self._hosts:
+      try:
+        futures[h] = self._client.info(h, final_dir, taken_over=True)
+      except errors.SidecarError:  # a host known lost
+        continue
+    parts = []
+    for f in futures.values():
+      try:
+        parts.append(interrupts.wait(f))
+      except (errors.InvalidArgumentError, errors.HostLostError):
+        continue  # no part there (a host the step is not on), or gone: coverage says
+    leaves = next((p.leaves for p in parts if p.leaves), ())
+    shards = {r.id: r for p in parts for r in p.shards}
+    covered: dict[KeyPath, int] = {}
+    for r in shards.values():
+      covered[r.key_path] = covered.get(r.key_path, 0) + math.prod(b - a for a, b in r.index)
+    short = [".".join(map(str, leaf.key_path)) for leaf in leaves
+             if covered.get(leaf.key_path, 0) < math.prod(leaf.shape)]
+    if not parts or short:
+      raise errors.ShardsLostError(
+          f"step {step} of {self.directory} (taken over by the sidecars, not durable yet) "
+          "cannot be restored whole from their RAM tiers: "
+          + (f"leaves {short} lack shards there" if parts else "no host holds it")
+          + "; restore a committed step (latest_step())")
+    data_state = next((p.data_state for p in parts if p.data_state is not None), None)
+    return records.Manifest(parts[0].format, leaves, list(shards.values()), data_state,
+                            step=step)
 
   @staticmethod
   def _check_leaf(want: RestoreLeaf, saved: dict[KeyPath, SavedLeaf], step: int) -> None:
@@ -223,18 +270,21 @@ class Restorer:
         where.setdefault(shard, []).append((h, tier))
     return where, gone
 
-  def _sources(self, key: ShardId, held, host: int) -> list[tuple[int, str]]:
+  def _sources(self, key: ShardId, held, host: int, storage: bool = True
+               ) -> list[tuple[int, str]]:
     """Where to read a shard, in order: RAM copies (the target block's host, then the
     hosts whose arenas this process maps, then the rest; own copies before replicas),
-    then storage through the block's host or this process's."""
+    then (``storage``) storage through the block's host or this process's."""
     def rank(copy: tuple[int, str]) -> tuple:
       h, tier = copy
       return (h != host, h not in self._mapped, tier != "ram", h)
     tries = sorted(held.get(key, []), key=rank)
-    return tries + [(h, "disk") for h in dict.fromkeys([host, *self._local])]
+    return tries + ([(h, "disk") for h in dict.fromkeys([host, *self._local])]
+                    if storage else [])
 
   def _read_all(self, final_dir: str, flat, stored, held,
-                checks: concurrent.futures.Executor) -> dict[ShardId, ShardRead]:
+                checks: concurrent.futures.Executor, *, storage: bool = True
+                ) -> dict[ShardId, ShardRead]:
     """Starts every stored-shard read a restore needs, all at once: they overlap."""
     reads = {}
     for want in flat:
@@ -250,7 +300,8 @@ class Restorer:
           # RAM-tier copy it maps stays as saved. A device's block is put there (copied, or
           # on a CPU device an immutable jax.Array over it).
           reads[record.id] = self._reads.start(
-              final_dir, record, self._sources(record.id, held, host), want.dtype, checks,
+              final_dir, record, self._sources(record.id, held, host, storage), want.dtype,
+              checks,
               private=device_id is None and record.index == region)
     return reads
 

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import pathlib
 import queue
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -86,6 +87,16 @@ class Target:
     return cls(directory, step, tmp_dir, final, False, "", fmt)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeginWithStage:
+  """A step begun by its first Stage on the host that begins it, not by a Begin of its own
+  (one round trip less): in ``format``; ``told(error)`` is called once that Stage answered
+  (``error`` None: the step is begun there, its tmp directory made) or failed (then it
+  was never begun there)."""
+  format: str
+  told: Callable[[BaseException | None], None]
+
+
 class SaveProtocol:
   """The phases of one step's save on the sidecars, each on the hosts it is given.
 
@@ -119,19 +130,29 @@ class SaveProtocol:
 
   def sends(self, target: Target, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
-            rest: FormatExtra | None = None, plan: CommitPlan | None = None) -> Sends:
+            rest: FormatExtra | None = None, plan: CommitPlan | None = None,
+            begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None
+            ) -> Sends:
     """The stage calls of one save on ``hosts``, made as its lots are put
     (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``extra``,
-    its later ones ``rest``, its last one ``plan`` (the sidecars commit the step)."""
-    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan)
+    its later ones ``rest``, its last one ``plan`` (the sidecars commit the step).
+    ``begin``: the first lot begins the step (one host only). ``whole()``: called once
+    every host's last call answered (on the thread its answer came on)."""
+    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan,
+                 begin=begin, whole=whole)
 
   def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
             leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
-            rest: FormatExtra | None = None, plan: CommitPlan | None = None) -> None:
+            rest: FormatExtra | None = None, plan: CommitPlan | None = None,
+            begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None
+            ) -> None:
     """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
     an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
-    last (:meth:`sends`): with ``plan``, each host has then taken the step over."""
-    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan)
+    last (:meth:`sends`): with ``plan``, each host has then taken the step over. With
+    ``begin``, the first lot begins the step on the one host; ``whole()`` is called as
+    soon as every host's last call answered (before this returns)."""
+    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan,
+                       begin=begin, whole=whole)
     try:
       while not sends.done:
         got: Lot | BaseException = lots.get()  # no other local holds the shards, as
@@ -244,9 +265,17 @@ class Sends:
 
   def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
                leaves: Sequence[spec_lib.LeafSpec], extra: FormatExtra | None,
-               rest: FormatExtra | None, plan: CommitPlan | None = None):
+               rest: FormatExtra | None, plan: CommitPlan | None = None,
+               begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None):
+    if begin is not None and len(hosts) != 1:
+      raise errors.InvalidArgumentError(
+          f"a step begun by its first Stage is staged on one host, got hosts {list(hosts)}")
     self._protocol, self._target, self._hosts = protocol, target, list(hosts)
     self._leaves, self._extra, self._rest, self._plan = list(leaves), extra, rest, plan
+    self._begin = begin
+    self._whole = whole
+    self._answered = 0  # hosts whose last call answered
+    self._lock = threading.Lock()
     self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
     self._closed = 0
     self._error: BaseException | None = None
@@ -269,13 +298,37 @@ class Sends:
       self._last[host].result()  # a host's lots arrive in order
     now = self._extra if first else self._rest
     fmt = {} if now is None else {"extra": now}
+    begin, self._begin = self._begin, None  # the first lot's, once
     p, t = self._protocol, self._target
-    self._last[host] = p.client.stage(
-        host, directory=p.directory, step=t.step, tmp_dir=t.tmp_dir, final_dir=t.final_dir,
-        leaves=self._leaves if first else [], shards=got.shards, last=got.last,
-        writers=len(p.writers.get(host, ())) or 1,
-        plan=self._plan if got.last else None, **fmt)
+    try:
+      self._last[host] = p.client.stage(
+          host, directory=p.directory, step=t.step, tmp_dir=t.tmp_dir, final_dir=t.final_dir,
+          leaves=self._leaves if first else [], shards=got.shards, last=got.last,
+          writers=len(p.writers.get(host, ())) or 1,
+          plan=self._plan if got.last else None,
+          begin_format=begin.format if begin is not None else "", **fmt)
+      if begin is not None:  # the step is begun once this answers: say so at once
+        self._last[host].result()
+    except BaseException as e:
+      if begin is not None:
+        begin.told(e)
+      raise
+    if begin is not None:
+      begin.told(None)
+    if got.last and self._whole is not None:
+      self._last[host].add_done_callback(self._last_answered)
     self._closed += got.last
+
+  def _last_answered(self, f: concurrent.futures.Future) -> None:
+    """A host's last call answered: ``whole()`` once every host's has, each a success (a
+    host's earlier calls were answered before its next was sent)."""
+    if f.exception() is not None:
+      return
+    with self._lock:
+      self._answered += 1
+      now = self._answered == len(self._hosts) and self._error is None
+    if now and self._whole is not None:
+      self._whole()
 
   def settle(self) -> None:
     """Waits for every call sent, answered or failed: the abort that follows must reach

@@ -49,7 +49,12 @@ from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.retention import Retention
-from sidecar._src.controller.checkpoint.save_protocol import LONG_S, SaveProtocol, Target
+from sidecar._src.controller.checkpoint.save_protocol import (
+  LONG_S,
+  BeginWithStage,
+  SaveProtocol,
+  Target,
+)
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
@@ -60,10 +65,13 @@ from sidecar._src.wire import protocol
 class Begun:
   """A step as its beginning process began it: its tmp directory (Begin's answer; "" where
   another commits the step), the host it was begun on (which commits it) and the save's
-  id (unique: the sidecars never mix two saves of a step); the same in every process."""
+  id (unique: the sidecars never mix two saves of a step); the same in every process.
+  ``with_stage``: not begun yet, its first Stage begins it (``tmp`` where that makes it;
+  the other processes are told once it has: ``Coordination.announce``)."""
   tmp: str
   committer: int | None = None
   save: str = ""
+  with_stage: bool = False
 
 
 class Coordination(abc.ABC):
@@ -84,6 +92,10 @@ class Coordination(abc.ABC):
     save failed in any. ``error``: this process's failure so far (None: its hosts are
     prepared). ``commit(others)``: the commit, on the process that commits, given the
     hosts other processes staged into; ``abort``: every host drops the step."""
+
+  def announce(self, begun: Begun, error: BaseException | None) -> None:  # noqa: B027
+    """Tells the other processes the step a first Stage began (``begun.with_stage``), or
+    why it could not begin it; nothing where no other process waits for it."""
 
 
 class KeyValue(Coordination):
@@ -108,10 +120,19 @@ class KeyValue(Coordination):
     try:
       here = begin()
     except BaseException as e:
-      self._peers.publish(f"{self._key}/begun", json.dumps({"error": describe(e)}))
+      self.announce(Begun(""), e)
       raise
-    self._peers.publish(f"{self._key}/begun", json.dumps(dataclasses.asdict(here)))
+    if not here.with_stage:  # else once its first Stage began it
+      self.announce(here, None)
     return here
+
+  def announce(self, begun: Begun, error: BaseException | None) -> None:
+    """Process 0 tells the others the step it began (its first Stage's, once answered),
+    or why it could not."""
+    if self._lead:
+      self._peers.publish(f"{self._key}/begun", json.dumps(
+          {"error": describe(error)} if error is not None
+          else dataclasses.asdict(dataclasses.replace(begun, with_stage=False))))
 
   def commit(self, step: int, error: BaseException | None,
              commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
@@ -211,11 +232,17 @@ class SaveHandle:
   """``staged``: the state is in the arenas (the trainer may change its arrays);
   ``durable``: the step is committed on storage; ``replicated``: every shard has its
   replica copies (``replicas=R``; at once with R=0, JAX's and PyTorch's alike). All are
-  ``concurrent.futures.Future``s that hold the step (None for a skipped save)."""
+  ``concurrent.futures.Future``s that hold the step (None for a skipped save).
+  ``taken_over``: a Future of whether this process's hosts took the step over as it
+  was staged (True: their sidecars commit it whatever happens to the trainers, and an
+  in-process rollback may restore it from their RAM tiers before it is durable; False:
+  its trainers commit it, or it was skipped or failed)."""
   step: int
   staged: concurrent.futures.Future
   durable: Durable
   replicated: concurrent.futures.Future = dataclasses.field(
+      default_factory=concurrent.futures.Future)
+  taken_over: concurrent.futures.Future = dataclasses.field(
       default_factory=concurrent.futures.Future)
 
 
@@ -226,7 +253,9 @@ def done_handle(step: int, value: Any) -> SaveHandle:
   durable.set_result(value)
   replicated: concurrent.futures.Future = concurrent.futures.Future()
   replicated.set_result(value)
-  return SaveHandle(step, staged, durable, replicated)
+  taken_over: concurrent.futures.Future = concurrent.futures.Future()
+  taken_over.set_result(False)
+  return SaveHandle(step, staged, durable, replicated, taken_over)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -288,11 +317,32 @@ class SaveRun:
     def here() -> Begun:
       if not t.whole_step:
         return Begun("")
-      host = self.local[0]
-      return Begun(self.protocol.begin(host, self._path or t.directory, t.step), host,
-                   uuid.uuid4().hex)
+      host, path = self.local[0], self._path or t.directory
+      if self._begins_with_stage():  # one round trip less: where its Begin would make it
+        return Begun(t.fmt.tmp_of(path, t.step), host, uuid.uuid4().hex, with_stage=True)
+      return Begun(self.protocol.begin(host, path, t.step), host, uuid.uuid4().hex)
     self._begun = self._coordination.begin(t.step, here)
     return self.begun(self._begun.tmp)
+
+  def _begins_with_stage(self) -> bool:
+    """Whether the step's first Stage begins it (no Begin of its own): a step the sidecars
+    take over (:meth:`_plan`'s) that this process stages on one host, the one it begins
+    it on. Its Stages are then one round trip, which ``save()`` waits for."""
+    t = self.target
+    return (len(self.local) == 1 and self._coordination.takes_over and not self._path
+            and t.fmt.commit_extra is None and not self._share_manifest)
+
+  def _told_begun(self, error: BaseException | None) -> None:
+    """The first Stage that was to begin the step answered (``error`` None: it is begun)
+    or failed (never begun there: an abort removes nothing); the other processes are
+    told, once."""
+    b = self._begun
+    if not b.with_stage:
+      return
+    self._begun = dataclasses.replace(b, with_stage=False)
+    if error is not None:
+      self.target = dataclasses.replace(self.target, tmp_dir="", tmp_step="")
+    self._coordination.announce(b, error)
 
   def begun(self, tmp: str) -> Target:
     """The step once a sidecar began it in ``tmp`` (Begin's answer, which DCP's plan
@@ -312,12 +362,28 @@ class SaveRun:
     the step over before it answers: once ``staged`` resolves in every process, the step
     is the sidecars' to commit, whatever happens to the trainers."""
     self.plan = self._plan(data_state_json)
-    self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves, plan=self.plan)
+    begin = (BeginWithStage(self.protocol.format, self._told_begun) if self._begun.with_stage
+             else None)
+    try:
+      # staged resolves as the last Stage's answer comes (on its thread: save(), waiting
+      # for it, need not wait for this one to wake too).
+      self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves, plan=self.plan,
+                          begin=begin, whole=self._staged)
+    except BaseException as e:
+      self._told_begun(e)  # where its first Stage never went: the others are not left waiting
+      raise
+    self._staged()
+
+  def _staged(self) -> None:
+    """Every host of :attr:`local` answered its last Stage (took the step over, with a
+    plan): ``staged`` resolves."""
     if self.ending is not None:
+      resolve(self.ending.handle.taken_over, None, self.plan is not None)
       resolve(self.ending.handle.staged, None, self.step)
-      # The GIL let go once: save(), waiting for staged, returns now rather than after
-      # this thread's next Python work, the commit's call (staged to returned: 0.5-1.3 ms,
-      # 0.2-0.4 with it, measured).
+      # The GIL let go once: save(), waiting for staged, returns now rather than after this
+      # thread's next Python work (the finisher's commit call; a Stage answer's end)
+      # (staged to returned: 0.5-1.3 ms, 0.2-0.4 with it, measured; issue 69: save() of 4
+      # MiB 6.1-7.2 ms median, 6.3-7.7 without it here, in alternating runs).
       time.sleep(0)
 
   def _plan(self, data_state_json: str) -> CommitPlan | None:
@@ -393,6 +459,7 @@ class SaveRun:
                                 lambda: self.protocol.abort(self.target, self.hosts))
     except BaseException as e:
       if self.ending is not None:
+        resolve(self.ending.handle.taken_over, None, False)
         resolve(self.ending.handle.staged, e, None)
       raise
     # An Orbax manager's item is marked when the manager commits; the committer of a step
@@ -512,6 +579,7 @@ def end_save(handle: SaveHandle, error: BaseException | None, *,
   longer kept are deleted (no part of this save's time); then ``replicated`` settles,
   once every process knows how its replication went (``replication()``: this process's
   outcome, waited for). Blocks: a save's own thread calls it."""
+  resolve(handle.taken_over, None, False)  # unless its stage said so (SaveRun.stage)
   if error is not None:
     resolve(handle.durable, error, None)
   else:

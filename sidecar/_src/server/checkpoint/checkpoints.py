@@ -406,7 +406,7 @@ class Checkpoints:
 
   # ---- restore -----------------------------------------------------------
 
-  def info(self, final_dir: str) -> Manifest:
+  def info(self, final_dir: str, *, taken_over: bool = False) -> Manifest:
     """The manifest of a committed item (leaves, shard checksums, data position), checked
     (``read.info``): against its own crc32c, and, unless this host's RAM tier holds the
     step (a restore reads it from there, not its files), the item's metadata files
@@ -414,8 +414,15 @@ class Checkpoints:
 
     An item stock Orbax wrote has no manifest: then each leaf counts as one shard,
     with no checksum to check.
+
+    ``taken_over``: instead, this host's part of a step it took over, from its RAM tier,
+    durable or not (``read.taken_over``): what an in-process rollback restores.
     """
     self._path(final_dir, "final_dir")
+    if taken_over:
+      with self.tier.lock:
+        own = self.tier.steps.get(final_dir)
+      return checkpoint_read.taken_over(own, final_dir, self.tier.host_id)
     with self.tier.lock:
       held = [self.tier.steps.get(final_dir),
               *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]

@@ -7,7 +7,8 @@ most ``HOLD_S``: a test holds a step not durable while it looks); "replicate@STE
 it as another sidecar's first shards of STEP arrive, once its own part of STEP is committed (so
 the step is durable and its replication half done); "enospc@STEP" fails the write with
 ENOSPC once its first shard is on disk (a full disk), "eio@STEP" with EIO there (a failing
-disk); "swap@STEP" kills it in the middle of a DCP
+disk), each "...:PATH" only once the file PATH exists (a test fails a write it held till
+then); "swap@STEP" kills it in the middle of a DCP
 commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
 """
 
@@ -34,14 +35,21 @@ def armed(point: str, step: int) -> bool:
 def fault(point: str, step: int) -> None:
   """Acts out the fault ``point`` if it is set for ``step``; else does nothing."""
   if armed(point, step):
+    _, _, path = (env_lib.get(FAULT_ENV) or "").partition(":")
     if point == "slow":
-      _, _, path = (env_lib.get(FAULT_ENV) or "").partition(":")
-      deadline = time.monotonic() + (HOLD_S if path else 2.0)
-      while time.monotonic() < deadline and not (path and os.path.exists(path)):
-        time.sleep(0.05)
+      _hold(path, HOLD_S if path else 2.0)
       return
     if point in ("enospc", "eio"):
+      if path:
+        _hold(path, HOLD_S)
       code = errno.ENOSPC if point == "enospc" else errno.EIO
       raise OSError(code, f"{os.strerror(code)} (fault injection, step {step})")
     log.warning("fault injection: SIGKILL at %s of step %d", point, step, extra={"step": step})
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hold(path: str, most_s: float) -> None:
+  """Waits until the file ``path`` exists (none: ``most_s``), at most ``most_s``."""
+  deadline = time.monotonic() + most_s
+  while time.monotonic() < deadline and not (path and os.path.exists(path)):
+    time.sleep(0.05)

@@ -85,6 +85,34 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT, *,
   return manifest
 
 
+def readable_taken_over(held: step_lib.Step | None) -> bool:
+  """Whether ``held`` is a step this host took over and still holds whole, committed or not
+  (its write may go on): its bytes are the ones the sidecars commit."""
+  return (held is not None and held.taken_over
+          and held.phase in (step_lib.Phase.STAGED, step_lib.Phase.WRITTEN,
+                             step_lib.Phase.COMMITTED))
+
+
+def taken_over(held: step_lib.Step | None, final_dir: str, host_id: int) -> Manifest:
+  """The manifest of a step this host took over (``held``, its RAM tier's), durable or
+  not: its leaves, this host's shards' records (crc32c once written), the data position
+  the lead's plan carries (on the committer's host; None elsewhere). What an in-process
+  rollback restores from the RAM tiers before the step is durable; InvalidArgumentError
+  where this host holds no such step (never taken over, failed, abandoned or dropped)."""
+  if held is None or not readable_taken_over(held):
+    raise errors.InvalidArgumentError(
+        f"host {host_id} holds no step taken over at {final_dir!r:.200}"
+        + (f" (it is {held.phase.value}{', taken over' if held.taken_over else ''})"
+           if held is not None else "")
+        + ": restore a committed step (latest_step())")
+  records_ = held.written_records if held.phase is not step_lib.Phase.STAGED else []
+  if not records_:
+    records_ = [s.record for s in held.staged()]
+  lead = next((p.data_state_json for p in held.plans if p.lead), "")
+  return Manifest.of_save(held.format, step=held.step, leaves=held.leaves, shards=records_,
+                          data_state_json=lead, replicas=None)
+
+
 def _said(read, final_dir: str):
   """``read()``, with what a file system or a library raises said as a SidecarError that
   names the file: no ``builtins.*`` crosses the wire."""
@@ -156,7 +184,11 @@ class Reader:
                        and r.whole and r.committed and shard in r.shards), None)
         else:
           held = self._tier.steps.get(final_dir)
-          if held is not None and not (held.committed and shard in held.shards):
+          # A step taken over, durable or not: an in-process rollback reads it (the
+          # bytes the sidecars commit), its records from ``taken_over``.
+          if held is not None and not (
+              (held.committed or (tier == "ram" and readable_taken_over(held)))
+              and shard in held.shards):
             held = None
       if held is not None:
         data = held.shards[shard]

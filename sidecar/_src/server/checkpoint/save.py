@@ -144,7 +144,8 @@ class StepWriter:
             "is (its write goes on)")
 
   def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
-            owner: str = "", alive: Callable[[], bool] | None = None) -> str:
+            owner: str = "", alive: Callable[[], bool] | None = None, *,
+            tmp_dir: str | None = None) -> str:
     """Creates the step's uncommitted directory (anew), as its format (a registered name,
     ``Format.name``; the wire's Begin always names one) names it: "orbax":
     ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
@@ -153,10 +154,20 @@ class StepWriter:
     files): another session's from its Begin on (``Begun``), until it is committed or
     aborted or its trainer is gone (``alive``: whether the worker of the session
     ``owner`` is attached; None: not known); another checkpointer's of this session once
-    it staged."""
+    it staged.
+
+    ``tmp_dir``: a Stage begins the step (its first part: one round trip less), and
+    writes there, which must be where a save writes in the directory made (refused
+    before anything is made if not)."""
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
+    if tmp_dir is not None and fmt.staged_dirs(fmt.tmp_of(directory, step))[0] != tmp_dir:
+      raise errors.InvalidArgumentError(
+          f"stage: tmp_dir {tmp_dir!r:.200} is not where a save of step {step} of "
+          f"{directory!r:.200} in format {fmt.name!r} writes "
+          f"({fmt.staged_dirs(fmt.tmp_of(directory, step))[0]!r:.200}); a Stage that begins "
+          "its step stages into the directory that Begin would answer")
     self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
     try:
       return str(fmt.create_tmp(directory, step))

@@ -298,19 +298,24 @@ class CheckpointService:
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
+    return ckpt_pb.CheckpointBeginResponse(tmp_directory=self._begin(
+        r.directory, _step(r.step), r.format, r.worker_session, context))
+
+  def _begin(self, directory: str, step: int, format: str, worker: str,  # noqa: A002
+             context: grpc.ServicerContext, *, tmp_dir: str | None = None) -> str:
+    """Begin's work (a Stage's that begins its step: ``tmp_dir``, where it writes, must be
+    in what this makes); returns the step's tmp directory."""
     client = self._client(context)
-    self._checkpoints.check_storage(client, r.directory, 0)
-    if client is not None:  # the step's directory too (DCP's lies beside r.directory)
+    self._checkpoints.check_storage(client, directory, 0)
+    if client is not None:  # the step's directory too (DCP's lies beside directory)
       self._checkpoints.check_client(
-          client, self._checkpoints.writer.tmp_of(r.directory, _step(r.step), r.format),
+          client, self._checkpoints.writer.tmp_of(directory, step, format),
           "the step's uncommitted directory")
     # The save is in flight while the trainer that began it is there: its worker's
     # connection closes as its process dies.
-    worker = r.worker_session
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
-    return ckpt_pb.CheckpointBeginResponse(
-        tmp_directory=self._checkpoints.writer.begin(r.directory, _step(r.step), r.format,
-                                                     _session(context), alive=alive))
+    return self._checkpoints.writer.begin(directory, step, format, _session(context),
+                                          alive=alive, tmp_dir=tmp_dir)
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
@@ -322,6 +327,8 @@ class CheckpointService:
     plan = wire.plan_from_pb(r.plan, "plan") if r.HasField("plan") else None
     worker = r.worker_session  # the trainer that stages it is there while it is attached
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
+    begun = (self._begin(r.directory, step, r.begin_format, worker, context, tmp_dir=r.tmp_dir)
+             if r.begin_format else "")  # its first part on the host that begins it
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._checkpoints.storage_reserved(self._client(context), r.directory,
                                               sum(s.data.nbytes for s in shards)):
@@ -329,6 +336,11 @@ class CheckpointService:
             r.directory, step, r.tmp_dir, r.final_dir, leaves, shards, r.last,
             writers=max(r.writers, 1), extra=extra, owner=_session(context), plan=plan,
             worker=worker, alive=alive)
+    except BaseException:
+      if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
+        self._checkpoints.agreements.abort(r.final_dir)
+        self._checkpoints.writer.abort(begun, r.final_dir)
+      raise
     finally:
       shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
@@ -510,7 +522,7 @@ class CheckpointService:
   def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext
            ) -> ckpt_pb.CheckpointInfoResponse:
     try:
-      return wire.manifest_to_pb(self._checkpoints.info(r.final_dir))
+      return wire.manifest_to_pb(self._checkpoints.info(r.final_dir, taken_over=r.taken_over))
     except errors.SidecarError:
       raise  # says what it found (a step of another format), with its own fix
     except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values

@@ -55,12 +55,17 @@ def test_two_checkpointers_saving_one_step_in_one_directory_name_the_save_in_fli
 # A trainer of its own job (its own process, session and worker) whose save of step 1 stops
 # until the file GO exists: at HOLD "stage" (the client's first stage: Begin is done,
 # nothing staged), or "write" (save() returned: staged whole and taken over by the sidecar,
-# whose write waits for GO: its fault "slow@1:GO").
+# whose write waits for GO: its fault "slow@1:GO"). A process that stages on one host
+# begins its step with its first Stage (issue 69): no moment between them to hold at; held
+# at "stage", this one begins with a Begin of its own, as a process staging on several
+# hosts does.
 FIRST = """
     import os, sys, time, numpy as np
     import sidecar
-    from sidecar._src.controller.checkpoint import client as client_lib
+    from sidecar._src.controller.checkpoint import client as client_lib, save_run
     real = client_lib.CheckpointClient.stage
+    if {hold!r} == "stage":
+      save_run.SaveRun._begins_with_stage = lambda self: False
 
     def held(self, *args, **kwargs):
       open({held!r}, "w").close()

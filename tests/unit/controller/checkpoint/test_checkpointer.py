@@ -61,6 +61,50 @@ def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
   assert outcomes == [(None, 3), (None, 3)]
 
 
+def rollbacks_in_two_processes(fake):
+  """Each of two processes saves step 1 (its writes held: not durable) and rolls back to
+  the step taken over (``checkpointer.restore_taken_over``); their answers."""
+  store, outcomes, latest = {}, [None, None], ["?", "?"]
+  both = threading.Barrier(2)
+
+  def process(p: int) -> None:
+    with checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2)) as ckpt:
+      ckpt.save(1, {"x": np.full(3, 7, np.float32)}, data_state={"at": 1})
+      try:
+        got = checkpointer_lib.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
+        outcomes[p] = got if got is None else (got[0], got[1]["x"].tolist(), got[2])
+        latest[p] = ckpt.latest_step()
+        both.wait(30)  # neither lets the writes go before both rolled back
+      finally:
+        fake.release.set()
+
+  threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert latest == [None, None]  # not durable while they rolled back
+  return outcomes
+
+
+def test_every_process_rolls_back_to_the_step_taken_over_before_it_is_durable():
+  assert rollbacks_in_two_processes(HeldWrites(hosts=(0, 1))) == [
+      (1, [7.0, 7.0, 7.0], {"at": 1})] * 2
+
+
+class NoPartOnHost0(HeldWrites):
+  """Host 0 holds no part of a step taken over (its write failed: it let it go)."""
+
+  def info(self, host, final_dir, *, taken_over=False):
+    if taken_over and host == 0:
+      return self._phase("info", 5)  # host 5 is none of them: HostLostError
+    return super().info(host, final_dir, taken_over=taken_over)
+
+
+def test_a_step_taken_over_that_does_not_restore_whole_is_rolled_back_to_by_no_process():
+  assert rollbacks_in_two_processes(NoPartOnHost0(hosts=(0, 1))) == [None, None]
+
+
 class OwnTmp(FakeSidecars):
   """A sidecar whose begin answers a tmp directory of its own naming; records where each
   stage and the commit write."""
@@ -82,12 +126,45 @@ class OwnTmp(FakeSidecars):
 
 
 def test_a_step_is_written_in_the_tmp_directory_begin_answered():
-  """Target once worked the directory out itself and ignored begin's answer."""
-  fake = OwnTmp(hosts=(0,))
+  """Target once worked the directory out itself and ignored begin's answer (a process
+  that stages on two hosts begins its steps with a Begin of their own)."""
+  fake = OwnTmp(hosts=(0, 1))
   with checkpointer(fake) as ckpt:
     assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
-  assert fake.tmp_dirs == [("stage", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default"),
-                           ("commit", "/ckpt/run/7.orbax-checkpoint-tmp-1234/default")]
+  assert ("begin", 0) in fake.calls
+  assert {d for _, d in fake.tmp_dirs} == {"/ckpt/run/7.orbax-checkpoint-tmp-1234/default"}
+
+
+class BeginsByStage(FakeSidecars):
+  """Records the ``begin_format`` each stage carries."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.begins: list[tuple[int, str]] = []
+
+  def stage(self, host, *, begin_format="", **kw):
+    self.begins.append((host, begin_format))
+    return super().stage(host, begin_format=begin_format, **kw)
+
+
+def test_a_process_that_stages_on_one_host_begins_its_step_with_its_first_stage():
+  """One round trip: the step's first Stage begins it (issue 69, item 5)."""
+  fake = BeginsByStage(hosts=(0,))
+  with checkpointer(fake) as ckpt:
+    assert ckpt.save(7, {"x": np.ones(3, np.float32)}).durable.result(30) == 7
+  assert fake.begins == [(0, "orbax")]
+  assert [c for c in fake.calls if c[0] == "begin"] == [("begin", 0)]  # by the stage
+
+
+def test_a_first_stage_that_cannot_begin_the_step_fails_the_save_and_removes_nothing():
+  fake = BeginsByStage(hosts=(0,), fail={"begin": errors.PermissionDeniedError(
+      "begin: step 7 is being saved by another checkpointer")})
+  with checkpointer(fake) as ckpt:
+    handle = ckpt.save(7, {"x": np.ones(3, np.float32)})
+    with pytest.raises(errors.PermissionDeniedError, match="being saved by another"):
+      handle.durable.result(30)
+    assert fake.aborted == []  # never begun here: another's files are not removed
+    assert ckpt.all_steps() == []
 
 
 def test_the_format_is_chosen_explicitly_and_one_the_framework_cannot_write_is_refused():
