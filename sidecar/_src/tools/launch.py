@@ -227,6 +227,7 @@ class _Run:
     self.store: c10d_store.LoopbackStore | None = None  # with torch: this start's store
     self.threads: list[threading.Thread] = []
     self.hurried = False  # a second signal came while the sidecars finished their saves
+    self.drained = drain.Drained()  # what the sidecars were writing when the job ended
 
   def say(self, text: str) -> None:
     self.print_line(f"sidecar launch: {text}")
@@ -240,6 +241,8 @@ class _Run:
         pass  # our stderr is gone: the job goes on, its logs are in their files
 
   def start_trainers(self) -> None:
+    if self.restart:  # the step its trainers resume from: the restart rule's (watchdog.py)
+      self.watchdog.life(self.restart)
     # One process needs no coordinator: no TCP port (a TPU host may allow none).
     one = len(self.hosts) * self.procs_per_host == 1
     coordinator = None if one else f"127.0.0.1:{free_port()}"
@@ -441,7 +444,8 @@ class _Run:
     live = {h: self.cluster.addresses[h] for h in range(self.cluster.num_hosts)
             if self.cluster.poll(h) is None}
     poll = functools.partial(drain.poll, token=self.cluster.token)
-    drain.wait(live, grace=grace, say=self.say, interrupted=self.signalled, poll=poll)
+    self.drained = drain.wait(live, grace=grace, say=self.say, interrupted=self.signalled,
+                              poll=poll)
 
   def signalled(self) -> str | None:
     """The name of a signal that came since the supervisor stopped reading its events."""
@@ -596,9 +600,12 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if threading.current_thread() is threading.main_thread():
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
   follower: sidecar_logs.Follower | None = None
-  supervised = False
+  supervised, code = False, None
   try:
     try:
+      if (why := trainers.cannot_start(command)) is not None:
+        launch.say(f"{why}; starting nothing")
+        return 127
       if not torch:  # a PyTorch job's trainers need no word on JAX's platform
         launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
       if logs is not None:
@@ -625,7 +632,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
       launch.say(f"cannot run {command[0]!r}: {e}")
       return 127 if isinstance(e, FileNotFoundError) else 126
     supervised = True
-    return launch.supervise()
+    code = launch.supervise()
+    return code
   finally:
     in_start = False
     launch.watchdog.close()
@@ -636,5 +644,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     cluster.close(grace=_STOP_NOW_S if launch.hurried else STOP_GRACE_S)
     if follower is not None:
       follower.close()  # after the sidecars' last words
+    if supervised:  # what the sidecars did with the steps, once stopped; how to resume
+      drain.after_stop(launch.drained, 1 if code is None else code, launch.say)
     for signum, old in previous.items():
       signal.signal(signum, old)
