@@ -97,22 +97,12 @@ SIDECAR_NUM_PROCESSES=N*P, and their lines are prefixed "[host i rank r] ". Each
 session may hold about 1/P of its sidecar's arena (the sidecars get --session-quota 0.96/P,
 0.12 for 8, unless SIDECAR_SESSION_QUOTA is set): one rank cannot take what the others need.
 
-With --torch, each trainer also gets torchrun's environment, by its names: RANK,
-LOCAL_RANK (0..P-1), WORLD_SIZE (N*P), LOCAL_WORLD_SIZE (P), GROUP_RANK (the host's place
-in the job), GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
-MASTER_ADDR=127.0.0.1, MASTER_PORT=<the job's c10d store>, TORCHELASTIC_RESTART_COUNT
-(SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID=none,
-TORCHELASTIC_USE_AGENT_STORE=True (the launcher serves the store, as torchrun's agent, on
-127.0.0.1 only: a rank's TCPStore would listen on every interface; a fresh one each start),
-and OMP_NUM_THREADS=1 unless set, when N*P > 1 (torchrun sets it for a node's ranks; here
-every rank shares this machine's cores). torch.distributed.init_process_group()
-(env://) and sidecar.torch.connect() then need no arguments.
-
+{torchrun.LAUNCH_HELP}
 Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
 exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
 exited 0), 130 for SIGINT (Ctrl-C) and 143 for SIGTERM to the launcher, whether or not the
 steps it then waited for were written; 1 if the sidecars do not start, 127 if CMD is not
-found, 126 if it cannot be run.
+found (or is `python SCRIPT` with no such SCRIPT: nothing starts), 126 if it cannot be run.
 
 Each sidecar's output goes to --log-dir's DIR/RUN/host<i>.log (named in the first lines,
 kept after the job); its WARNING, ERROR and CRITICAL lines (and a traceback after one) show

@@ -198,8 +198,8 @@ class Watchdog:
       except Exception:  # noqa: BLE001 - then its position is unknown: no match
         newest = None
         break
-      newest = max([newest, *(s.step for s, state in held.items()
-                              if state == drain.COMMITTED)])
+      newest = max([newest or 0, *(s.step for s, state in held.items()
+                                   if state == drain.COMMITTED)])
     with self._lock:
       self._resumed[restart] = newest
 

@@ -66,7 +66,8 @@ def test_a_step_the_sidecar_commits_as_it_stops_is_said_committed_not_abandoned(
   while the sidecar, given its stop's grace, committed step 200 (a re-run restored it)."""
   abandoned, said = _wait({0: [{200: W}]}, grace=0.0, committed=lambda s: s.step == 200)
   assert abandoned == []
-  assert said[-1] == "still being written after 0 s: step 200 on host 0 committed as the sidecars stopped"
+  assert said[-1] == ("still being written after 0 s: step 200 on host 0 committed as the "
+                      "sidecars stopped")
   assert not any("abandoned" in line for line in said), said
 
 
