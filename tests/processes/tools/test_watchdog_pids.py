@@ -3,7 +3,8 @@ stall a sidecar lists with a pid outside the process group of the trainer the la
 started for that rank (another process, a negative pid naming a group, 0, an impossible
 pid, another user's process) is said once and never acted on; the trainer's own pid is,
 after one more look. Real processes; the sidecar's Status is faked at the one seam the
-watchdog reads (its last listing, ``refresh``)."""
+watchdog reads (its last listing, ``refresh``), and the signals it sends are recorded
+(one to a pid <= 0 is never let through: see ``signals``)."""
 
 import os
 import subprocess
@@ -27,6 +28,31 @@ def processes():
   for p in made:
     p.kill()
     p.wait()
+
+
+@pytest.fixture(autouse=True)
+def signals(monkeypatch):
+  """Every signal the watchdog sends, recorded; one to a pid <= 0 (a process group, or
+  every process this user may signal: as root, the machine's) is never let through, so
+  that a regression of the rule fails here instead of killing the test run."""
+  sent = []
+
+  def kill(pid, sig):
+    sent.append((pid, sig))
+    if pid <= 0:
+      raise PermissionError(f"the test refuses to signal pid {pid}")
+    real_kill(pid, sig)
+
+  def killpg(pgid, sig):
+    sent.append((-pgid, sig))
+    if pgid <= 0:
+      raise PermissionError(f"the test refuses to signal group {pgid}")
+    real_killpg(pgid, sig)
+
+  real_kill, real_killpg = os.kill, os.killpg
+  monkeypatch.setattr(watchdog.os, "kill", kill)
+  monkeypatch.setattr(trainers.os, "killpg", killpg)
+  return sent
 
 
 def _stalled(pid: int) -> pb.TrainerStatus:
@@ -58,7 +84,7 @@ def _other_users_pid() -> int | None:
 @pytest.mark.parametrize("claim", ["unrelated", "minus-unrelated-group", "zero", "minus-one",
                                    "2**40", "the-launcher", "other-user"])
 def test_a_stall_listed_with_a_pid_the_launcher_did_not_start_signals_nothing(
-    processes, claim):
+    processes, signals, claim):
   trainer, unrelated = processes
   pid = {"unrelated": unrelated.pid, "minus-unrelated-group": -unrelated.pid, "zero": 0,
          "minus-one": -1, "2**40": 2**40, "the-launcher": os.getpid(),
@@ -76,18 +102,20 @@ def test_a_stall_listed_with_a_pid_the_launcher_did_not_start_signals_nothing(
   stall = watchdog.Stall(0, 0, pid, 30.0, 10.0, 0)
   assert not dog.kill(stall, trainer.pid)
   assert trainer.poll() is None and unrelated.poll() is None
+  assert signals == []
 
 
-def test_the_trainers_own_stall_is_killed_after_one_more_look(processes):
+def test_the_trainers_own_stall_is_killed_after_one_more_look(processes, signals):
   trainer, unrelated = processes
   dog = Listed(_stalled(trainer.pid))
   found = dog.check({0: trainer}, 0)
   assert found is not None and found.pid == trainer.pid
   assert trainer.wait(timeout=10) == -9 and unrelated.poll() is None
+  assert signals[-1] == (-trainer.pid, 9)  # its own group, and no other
   assert "then it is killed if it is still stalled" in dog.said[0]
 
 
-def test_a_trainer_that_stepped_during_its_stacks_is_spared(processes):
+def test_a_trainer_that_stepped_during_its_stacks_is_spared(processes, signals):
   trainer, _ = processes
   moved = pb.TrainerStatus(pid=trainer.pid, rank=0, restart=0, steps=6, since_step_s=0.4,
                            stall_timeout_s=10.0, stalled=False)
@@ -96,4 +124,4 @@ def test_a_trainer_that_stepped_during_its_stacks_is_spared(processes):
   assert trainer.poll() is None
   assert dog.said[-1] == ("host 0 rank 0 stepped while its stacks were written (its last "
                           "step 0.4 s ago); not killing it")
-  assert trainers.in_group(trainer.pid, trainer.pid)
+  assert all(sig != 9 for _, sig in signals)
