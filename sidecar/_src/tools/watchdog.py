@@ -22,8 +22,8 @@ again (:meth:`Watchdog.recurs`): a typo in a path, or a bug that raises in step 
 fails the same way every time, and restarting it only hides the error under more output.
 "Before its first step": its sidecar saw it attach and its clock never started (the same
 signal as stalls). "At the same step": its position, the newest step the sidecars held
-when its life began (what it resumed from) plus the batches it took from their feeds,
-is the same in both lives. A trainer its sidecar never saw (one that failed before its
+when its life began (what it resumed from: as read when the life before it failed) plus
+the batches it took from their feeds, is the same in both lives. A trainer its sidecar never saw (one that failed before its
 Worker attached, or one that uses no sidecar, as a Grain + Orbax trainer under the same
 launcher) is restarted as before: no signal tells its steps from none.
 """
@@ -140,6 +140,7 @@ class Watchdog:
     self._seen: set[tuple[int, int]] = set()  # (rank, restart) seen attached
     self._taken: dict[tuple[int, int], int] = {}  # (rank, restart) -> batches it took
     self._resumed: dict[int, int | None] = {0: 0}  # restart -> the newest step held then
+    self._newest = 0  # the newest step any sidecar held committed, as last read
     self._refused: set[tuple[int, int, int, int]] = set()  # stalls not acted on, said once
     self._lines: dict[int, str] = {}  # rank -> its output's last error line
     self._last: dict[int, str] = {}  # rank -> its output's last line
@@ -175,11 +176,13 @@ class Watchdog:
       if self._stop.is_set() and self._thread is not None:
         return
       try:
-        got = list(status_lib.fetch(address, timeout=STATUS_TIMEOUT_S,
-                                    token=self._token).trainers)
+        status = status_lib.fetch(address, timeout=STATUS_TIMEOUT_S, token=self._token)
       except Exception:  # noqa: BLE001 - a dead sidecar is the launcher's to notice
         continue
+      got = list(status.trainers)
+      held = [int(s) for c in status.checkpoints for s in c.ram_steps]  # committed
       with self._lock:
+        self._newest = max([self._newest, *held])
         self._latest[host] = got
         self._stepped.update((t.rank, t.restart) for t in got if t.since_step_s >= 0)
         self._seen.update((t.rank, t.restart) for t in got)
@@ -188,20 +191,10 @@ class Watchdog:
           self._taken[key] = max(self._taken.get(key, 0), int(t.steps))
 
   def life(self, restart: int) -> None:
-    """Start ``restart`` begins: notes the newest step the sidecars hold now, the step
-    its trainers resume from (None where a sidecar did not say)."""
-    from sidecar._src.tools import drain  # gRPC, as refresh()
-    newest: int | None = 0
-    for host, address in dict(self._addresses()).items():
-      try:
-        held = drain.poll(host, address, STATUS_TIMEOUT_S, token=self._token)
-      except Exception:  # noqa: BLE001 - then its position is unknown: no match
-        newest = None
-        break
-      newest = max([newest or 0, *(s.step for s, state in held.items()
-                                   if state == drain.COMMITTED)])
+    """Start ``restart`` begins: the step its trainers resume from is the newest step the
+    sidecars held when last read (:meth:`recurs` reads them as a trainer fails)."""
     with self._lock:
-      self._resumed[restart] = newest
+      self._resumed[restart] = self._newest
 
   # ---- stalls ---------------------------------------------------------------------------
 
