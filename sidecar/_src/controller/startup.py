@@ -54,9 +54,15 @@ def tell(workers: Iterable[Told], phase: stall.Phase) -> None:
   rule then does not know: never worth failing a step for)."""
   for w in workers:
     try:
-      w.tell(phase)
+      told = w.tell(phase)
     except Exception as e:  # noqa: BLE001 - a lost sidecar is the health watch's to say
-      log.debug("could not tell %r of phase %r: %s", w, phase.name, e)
+      told, why = False, f"{type(e).__name__}: {e}"
+    else:
+      why = "its socket was busy for a second, or its sidecar is gone"
+    if not told:
+      log.log(logging.DEBUG if phase.name == stall.CLOSE else logging.WARNING,
+              "the stall rule of %r was not told that phase %r %s (%s)", w, phase.name,
+              "ends" if phase.ends else f"begins (budget {phase.budget_s:g} s)", why)
 
 
 @contextlib.contextmanager

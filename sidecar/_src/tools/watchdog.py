@@ -23,9 +23,10 @@ fails the same way every time, and restarting it only hides the error under more
 "Before its first step": its sidecar saw it attach and its clock never started (the same
 signal as stalls). "At the same step": its position, the newest step the sidecars held
 when its life began (what it resumed from: as read when the life before it failed) plus
-the batches it took from their feeds, is the same in both lives. A trainer its sidecar never saw (one that failed before its
-Worker attached, or one that uses no sidecar, as a Grain + Orbax trainer under the same
-launcher) is restarted as before: no signal tells its steps from none.
+the batches it took from their feeds, is the same in both lives. A trainer its sidecar
+never saw (one that failed before its Worker attached, or one that uses no sidecar, as a
+Grain + Orbax trainer under the same launcher) is restarted as before: no signal tells its
+steps from none.
 """
 
 from __future__ import annotations
