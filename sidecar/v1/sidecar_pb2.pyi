@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HostIdentity(_message.Message):
-    __slots__ = ("host_id", "slice_id", "device_ids", "hostname", "pid", "boot_id", "process_index")
+    __slots__ = ("host_id", "slice_id", "device_ids", "hostname", "pid", "boot_id", "process_index", "pid_namespace")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class HostIdentity(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     host_id: int
     slice_id: int
     device_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -22,7 +23,8 @@ class HostIdentity(_message.Message):
     pid: int
     boot_id: str
     process_index: int
-    def __init__(self, host_id: _Optional[int] = ..., slice_id: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., process_index: _Optional[int] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, host_id: _Optional[int] = ..., slice_id: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., boot_id: _Optional[str] = ..., process_index: _Optional[int] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
 
 class Versions(_message.Message):
     __slots__ = ("protocol", "package", "python", "numpy", "jax")
@@ -357,7 +359,7 @@ class ReplicaSteps(_message.Message):
     def __init__(self, source_host: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants", "trainers")
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants", "trainers", "tenant")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +373,7 @@ class StatusResponse(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     identity: HostIdentity
     versions: Versions
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -384,10 +387,11 @@ class StatusResponse(_message.Message):
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
     trainers: _containers.RepeatedCompositeFieldContainer[TrainerStatus]
-    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., trainers: _Optional[_Iterable[_Union[TrainerStatus, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., trainers: _Optional[_Iterable[_Union[TrainerStatus, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("pid", "rank", "restart", "steps", "since_step_s", "slowest_step_s", "stall_timeout_s", "stalled", "ended")
+    __slots__ = ("pid", "rank", "restart", "steps", "since_step_s", "slowest_step_s", "stall_timeout_s", "stalled", "ended", "pid_verified", "tenant")
     PID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +401,8 @@ class TrainerStatus(_message.Message):
     STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     pid: int
     rank: int
     restart: int
@@ -406,7 +412,9 @@ class TrainerStatus(_message.Message):
     stall_timeout_s: float
     stalled: bool
     ended: bool
-    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., steps: _Optional[int] = ..., since_step_s: _Optional[float] = ..., slowest_step_s: _Optional[float] = ..., stall_timeout_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., ended: _Optional[bool] = ...) -> None: ...
+    pid_verified: bool
+    tenant: str
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., steps: _Optional[int] = ..., since_step_s: _Optional[float] = ..., slowest_step_s: _Optional[float] = ..., stall_timeout_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., ended: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight", "waiting", "batches", "saves", "ram_tier_bytes", "ram_tier_quota")

@@ -10,7 +10,7 @@ from sidecar._src.server import metrics as metrics_lib
 def snapshot(**kw) -> metrics_lib.Snapshot:
   """A sidecar's scrape-time figures, with ``kw`` in place of the defaults."""
   base = dict(host_id=0, slice_id=0, uptime_s=1.0, arena_size=1 << 20, arena_used=4096,
-              arena_blocks=1, leased=(("pid7", 4096),), pinned_bytes=0, workers=1,
+              arena_blocks=1, leased=(("0123456789ab", 4096),), pinned_bytes=0, workers=1,
               feeds=(metrics_lib.FeedTotals("ids", 1, 5, 0.5, 0.25, 0.125),), ram_steps=2,
               ram_bytes=100, replica_steps=1, replica_bytes=50, writing_steps=0,
               writing_bytes=0)

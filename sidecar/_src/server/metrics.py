@@ -10,7 +10,10 @@ Two kinds of figures:
 Every sidecar has a ``CollectorRegistry`` of its own (never the global one): several
 servers in one process do not clash. Label values are bounded: registered names only
 (anything else is ``<unregistered>``), status code names, a few fixed phases and tiers,
-the worker sessions attached now, and the pool file's tenant names.
+and the pool file's tenant names. A tenant's own things (a goodput ledger's directory, an
+attached worker's or trainer's pid) are labelled by an opaque id (:func:`opaque_id`, keyed
+by a secret of the tenant's): ``/metrics`` answers without a token, and a path names a
+project.
 
 A pool's six figures (issue 37), in the terms of the managed Shared Pathways Service's
 (active users, chips in use, assignment time, users waiting, requested chips, successful
@@ -26,6 +29,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -53,6 +58,13 @@ FLAG = "--metrics-port"
 # 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 25.0, 100.0)
+
+
+def opaque_id(key: bytes, value: str) -> str:
+  """The label ``/metrics`` shows for ``value`` (a directory, a pid) of the tenant whose
+  ``key`` it is (``Tenancy.metrics_key``): 12 hex digits of its HMAC-SHA256, stable while
+  the key is, telling nothing of ``value`` to whoever lacks the key."""
+  return hmac.new(key, value.encode(errors="surrogateescape"), hashlib.sha256).hexdigest()[:12]
 
 
 class Recorder:
@@ -136,7 +148,7 @@ class GoodputFigures:
   """One goodput ledger kept on this sidecar (a tenant's, of a directory), accounted
   (``core/goodput.account``)."""
   tenant: str  # "" without tenants
-  directory: str
+  ledger: str  # its directory's opaque id (opaque_id), never the path
   wall_s: float
   productive_s: float
   goodput: float
@@ -144,8 +156,9 @@ class GoodputFigures:
   restarts: int
 
   @classmethod
-  def of(cls, tenant: str | None, directory: str, ledger: goodput_lib.Ledger) -> GoodputFigures:
-    return cls(tenant=tenant or "", directory=directory, wall_s=ledger.wall_s,
+  def of(cls, tenant: str | None, ledger_id: str,
+         ledger: goodput_lib.Ledger) -> GoodputFigures:
+    return cls(tenant=tenant or "", ledger=ledger_id, wall_s=ledger.wall_s,
                productive_s=ledger.productive_s, goodput=ledger.goodput,
                badput_s=tuple(ledger.badput_s.items()), restarts=ledger.restarts)
 
@@ -155,14 +168,15 @@ class TrainerFigures:
   """One attached trainer's step progress (``server/goodput/steps.py``)."""
   tenant: str  # "" without tenants
   rank: int
-  pid: int
+  trainer: str  # its pid's opaque id (opaque_id), never the pid
   since_step_s: float | None  # None: no step yet
   timeout_s: float
   stalled: bool
 
   @classmethod
-  def of(cls, t: steps_lib.Trainer) -> TrainerFigures:
-    return cls(tenant=t.tenant or "", rank=t.rank, pid=t.pid, since_step_s=t.since_step_s,
+  def of(cls, t: steps_lib.Trainer, trainer_id: str) -> TrainerFigures:
+    return cls(tenant=t.tenant or "", rank=t.rank, trainer=trainer_id,
+               since_step_s=t.since_step_s,
                timeout_s=t.timeout_s, stalled=t.stalled)
 
 
@@ -175,7 +189,9 @@ class Snapshot:
   arena_size: int
   arena_used: int
   arena_blocks: int
-  leased: tuple[tuple[str, int], ...]  # ("pid<N>" of an attached worker, bytes it holds)
+  # (an attached worker's opaque id, bytes it holds): a session id is a capability and a
+  # pid another tenant's, so neither is shown
+  leased: tuple[tuple[str, int], ...]
   pinned_bytes: int  # held by the sidecar itself (views, RAM tier, unsent batches)
   workers: int
   feeds: tuple[FeedTotals, ...]
@@ -410,8 +426,8 @@ class _Collector(Collector):
     yield gauge("sidecar_arena_used_bytes", "Arena bytes allocated", s.arena_used)
     yield gauge("sidecar_arena_blocks", "Arena blocks allocated", s.arena_blocks)
     leased = GaugeMetricFamily("sidecar_arena_leased_bytes", "Arena bytes held by each "
-                               "attached worker (by pid; a session id is a capability, "
-                               "never shown)", labels=["worker"])
+                               "attached worker (by an opaque id of its pid, keyed by its "
+                               "tenant's token)", labels=["worker"])
     for worker, nbytes in s.leased:
       leased.add_metric([worker], nbytes)
     yield leased
@@ -456,12 +472,12 @@ class _Collector(Collector):
       yield from _trainer_families(s.trainers)
 
 
-_LEDGER = ["tenant", "directory"]
+_LEDGER = ["tenant", "ledger"]
 
 
 def _goodput_families(ledgers: tuple[GoodputFigures, ...]) -> Iterable:
   """The goodput ledgers kept here (docs/goodput.md), each labelled with its tenant and
-  directory: their shares, and their time split."""
+  its directory's opaque id: their shares, and their time split."""
   for name, doc, value in (
       ("sidecar_goodput_ratio", "The job's goodput: productive seconds over wall seconds",
        lambda g: g.goodput),
@@ -473,20 +489,21 @@ def _goodput_families(ledgers: tuple[GoodputFigures, ...]) -> Iterable:
        lambda g: g.restarts)):
     family = GaugeMetricFamily(name, doc, labels=_LEDGER)
     for g in ledgers:
-      family.add_metric([g.tenant, g.directory], value(g))
+      family.add_metric([g.tenant, g.ledger], value(g))
     yield family
   badput = GaugeMetricFamily("sidecar_goodput_badput_seconds", "Seconds of the job's wall "
                              "time lost, by category", labels=[*_LEDGER, "category"])
   for g in ledgers:
     for category, seconds in g.badput_s:
-      badput.add_metric([g.tenant, g.directory, category], seconds)
+      badput.add_metric([g.tenant, g.ledger, category], seconds)
   yield badput
 
 
 def _trainer_families(trainers: tuple[TrainerFigures, ...]) -> Iterable:
   """Each attached trainer's seconds since its last step, and whether it is stalled
-  (``core/stall.py``): the stall signal, by tenant, rank and pid."""
-  labels = ["tenant", "rank", "pid"]
+  (``core/stall.py``): the stall signal, by tenant, rank and trainer (its pid's opaque
+  id)."""
+  labels = ["tenant", "rank", "trainer"]
   since = GaugeMetricFamily("sidecar_trainer_seconds_since_step", "Seconds since the "
                             "trainer's last step (feed batches taken, a save)", labels=labels)
   limit = GaugeMetricFamily("sidecar_trainer_stall_timeout_seconds", "No step for longer "
@@ -494,7 +511,7 @@ def _trainer_families(trainers: tuple[TrainerFigures, ...]) -> Iterable:
   stalled = GaugeMetricFamily("sidecar_trainer_stalled", "1 where the trainer is stalled",
                               labels=labels)
   for t in trainers:
-    key = [t.tenant, str(t.rank), str(t.pid)]
+    key = [t.tenant, str(t.rank), t.trainer]
     if t.since_step_s is not None:
       since.add_metric(key, t.since_step_s)
     limit.add_metric(key, t.timeout_s)

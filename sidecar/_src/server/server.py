@@ -108,7 +108,8 @@ class Server:
     self.metrics: metrics_lib.Recorder = metrics_lib.OFF
     self.identity = pb.HostIdentity(
         host_id=opts.host_id, slice_id=opts.slice_id, device_ids=list(opts.device_ids),
-        hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id())
+        hostname=socket.gethostname(), pid=os.getpid(), boot_id=shm.boot_id(),
+        pid_namespace=ipc.pid_namespace())  # where its trainers' pids (Status) name them
     self._lock = threading.Lock()
     self._stopped = threading.Event()
 
@@ -366,9 +367,15 @@ class Server:
     allocator = self.leases.arenas
     by_session, pinned = self.leases.held_bytes()
     pids = self.workers.pids()
+    tenancy = self.tenancy
+
+    def label(tenant: str | None, value: str) -> str:  # a tenant's thing, opaque (metrics.py)
+      return metrics_lib.opaque_id(tenancy.metrics_key(tenant), value)
+
     leased: dict[str, int] = {}
     for session, pid in pids.items():
-      leased[f"pid{pid}"] = leased.get(f"pid{pid}", 0) + by_session.get(session, 0)
+      worker = label(tenancy.of_worker(session), f"pid{pid}")
+      leased[worker] = leased.get(worker, 0) + by_session.get(session, 0)
     usage = self.checkpoints.tier.usage()
     return metrics_lib.Snapshot(
         host_id=self.options.host_id, slice_id=self.options.slice_id,
@@ -381,9 +388,10 @@ class Server:
         writing_steps=usage["writing_steps"], writing_bytes=usage["writing_bytes"],
         tenants=tuple(metrics_lib.TenantFigures.from_status(t)
                       for t in self.service.tenant_status()),
-        goodput=tuple(metrics_lib.GoodputFigures.of(f.tenant, f.directory, f.ledger)
+        goodput=tuple(metrics_lib.GoodputFigures.of(f.tenant, label(f.tenant, f.directory),
+                                                     f.ledger)
                       for f in self.ledgers.figures()),
-        trainers=tuple(metrics_lib.TrainerFigures.of(t)
+        trainers=tuple(metrics_lib.TrainerFigures.of(t, label(t.tenant, f"pid{t.pid}"))
                        for t in self.workers.steps.trainers() if not t.ended))
 
   def _listen_unix(self, path: str) -> None:

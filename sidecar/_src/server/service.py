@@ -318,17 +318,23 @@ class Service:
         calls=self._runner.calls, feeds=[] if hidden else self._stream_runner.feeds(client),
         checkpoints=[] if hidden else self._visible_checkpoints(client),
         tenants=self._tenant_status(client, operator=operator),
-        trainers=[] if hidden else self._trainer_status(client))
+        trainers=[] if hidden else self._trainer_status(client), tenant=client or "")
 
   def _trainer_status(self, client: str | None) -> list[pb.TrainerStatus]:
     """Each trainer's step progress (``server/goodput/steps.py``): every one's, or with per-client
-    tokens or a pool, those of the caller's tenant only."""
-    listed = self._workers.steps.trainers(client, every=client is None)
-    return [pb.TrainerStatus(
-        pid=t.pid, rank=t.rank, restart=t.restart, steps=t.steps,
-        since_step_s=-1.0 if t.since_step_s is None else t.since_step_s,
-        slowest_step_s=t.slowest_s, stall_timeout_s=t.timeout_s, stalled=t.stalled,
-        ended=t.ended) for t in listed]
+    tokens or a pool, those of the caller's tenant only. A record that cannot be encoded
+    is left out, and logged: it never fails the Status of every client (issue 69)."""
+    listed = []
+    for t in self._workers.steps.trainers(client, every=client is None):
+      try:
+        listed.append(pb.TrainerStatus(
+            pid=t.pid, pid_verified=t.pid > 0, rank=t.rank, restart=t.restart, steps=t.steps,
+            since_step_s=-1.0 if t.since_step_s is None else t.since_step_s,
+            slowest_step_s=t.slowest_s, stall_timeout_s=t.timeout_s, stalled=t.stalled,
+            ended=t.ended, tenant=t.tenant or ""))
+      except (ValueError, TypeError) as e:
+        log.error("Status: trainer record %r left out: it cannot be encoded (%s)", t, e)
+    return listed
 
   def _tenant_status(self, client: str | None, *, operator: bool) -> list[pb.TenantStatus]:
     """The caller's own tenant's row (with a pool file), every tenant's for the pool's

@@ -17,7 +17,11 @@ without a line (the job ended): it exits 0.
 Once its imports are done, it writes what it imported to ``--report FILE`` (:func:`write_report`:
 every module file it loaded, and the script, each with its inode, size and mtime): before
 it takes over, the launcher checks them (:func:`changed_files`) and, where one changed (an
-operator's fix), starts a fresh process instead, which imports the new code.
+operator's fix), starts a fresh process instead, which imports the new code. The report
+also says where each top-level module it imported was found on the script's ``sys.path``
+(its directory first, as ``python SCRIPT`` has it; the preloads are imported so too): a
+fix made by adding a file that is found first now (one beside the script, shadowing an
+installed module) is a change as well (:func:`shadowed`).
 
 Until it runs the script its name (``/proc/PID/comm``) is :data:`NAME`, so tools watching
 trainers can tell it from one. What the preloaded modules read from the environment
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+import importlib.machinery
 import json
 import os
 import re
@@ -107,15 +112,40 @@ def _stat(path: str) -> list[int] | None:
 def write_report(path: str, since_ns: int, script: str | None) -> None:
   """Writes to ``path`` (whole, by a rename) the files this process imported, and
   ``script``, each with its inode, size and mtime, and ``since_ns``: when it began
-  importing (a file modified after that may have been read before or after the change)."""
+  importing (a file modified after that may have been read before or after the change);
+  and where each top-level module imported is found on ``sys.path`` (:func:`found_on`)."""
   files = {os.path.abspath(f) for m in list(sys.modules.values())
            if isinstance(f := getattr(m, "__file__", None), str)}
   if script is not None:
     files.add(os.path.abspath(script))
   stats = {f: st for f in sorted(files) if (st := _stat(f)) is not None}
+  names = sorted(n for n in list(sys.modules) if "." not in n and n != "__main__"
+                 and n not in sys.builtin_module_names)
+  search = [os.path.abspath(p or os.curdir) for p in sys.path]
   with open(path + ".tmp", "w", encoding="utf-8") as out:
-    json.dump({"since_ns": since_ns, "files": stats}, out)
+    json.dump({"since_ns": since_ns, "files": stats, "path": search,
+               "found": found_on(names, search)}, out)
   os.replace(path + ".tmp", path)
+
+
+def found_on(names: Sequence[str], search: Sequence[str]) -> dict[str, str | None]:
+  """Where a fresh import of each of ``names`` (top-level modules) finds it on the path
+  ``search``, by the path's own finder (what sits earlier on the path comes first):
+  its file, its directories (a namespace package), or None (not found there: built in,
+  or found by another finder, an editable install's, say, which the path does not
+  change)."""
+  importlib.invalidate_caches()  # a file added since the last look is seen
+  found: dict[str, str | None] = {}
+  for name in names:
+    try:
+      spec = importlib.machinery.PathFinder.find_spec(name, list(search))
+    except (ImportError, ValueError):
+      spec = None
+    if spec is None:
+      found[name] = None
+    else:
+      found[name] = spec.origin or os.pathsep.join(spec.submodule_search_locations or ())
+  return found
 
 
 def changed_files(path: str) -> list[str] | None:
@@ -129,6 +159,21 @@ def changed_files(path: str) -> list[str] | None:
     return None
   since = report["since_ns"]
   return [f for f, st in report["files"].items() if _stat(f) != st or st[2] >= since]
+
+
+def shadowed(path: str) -> list[tuple[str, str | None, str | None]]:
+  """The top-level modules of the report at ``path`` that a fresh process would now find
+  elsewhere than the standby did (a file added earlier on the script's path): each
+  ``(module, where the standby found it, where it is found now)``; [] where there is no
+  report (or one of an older standby, which does not say)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      report = json.load(f)
+  except FileNotFoundError:
+    return []
+  then = report.get("found") or {}
+  now = found_on(list(then), report.get("path") or [])
+  return [(name, was, now[name]) for name, was in then.items() if now[name] != was]
 
 
 def _go() -> dict[str, str] | None:
@@ -188,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   os.environ.update(sets)
   spawned_with = dict(os.environ)
   since = time.time_ns()
+  if target[0] != "-m":  # the preloads import what the script would: its directory first
+    sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
   _preload(args.preload)
   if args.report:
     write_report(args.report, since, None if target[0] == "-m" else target[0])

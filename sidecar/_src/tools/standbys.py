@@ -3,8 +3,9 @@ started while the job trains, handed the next start's environment at a restart.
 
 ``tools/standby.py`` is the process itself; this is the launcher's side of it: one per rank,
 its output relayed as the trainer's, and the check before it takes over that the files it
-imported are still those on disk (an operator's fix between two lives must run: where one
-changed, a fresh process is started instead, with one line that names the file).
+imported are still those on disk, and still those a fresh import finds first (an operator's
+fix between two lives must run: where one changed, or a new file now shadows a module it
+imported, a fresh process is started instead, with one line that names it).
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ class Standbys:
       more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
       self._say(f"rank {rank}'s standby process imported {changed[0]}{more}, changed since; "
                 "starting a new one, which runs the new code")
+      _end(standby)
+      return None
+    moved = standby_lib.shadowed(standby.report)
+    if moved:
+      name, was, now = moved[0]
+      more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+      self._say(f"rank {rank}'s standby process imported module {name!r} from {was}, but a "
+                f"new process would import {now or 'another'}{more}; starting a new one, "
+                "which runs the new code")
       _end(standby)
       return None
     proc = standby.proc

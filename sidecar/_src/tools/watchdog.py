@@ -40,10 +40,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from sidecar._src.core import env as env_lib, stacks, stall
 from sidecar._src.tools import trainers
+from sidecar._src.wire import ipc
+
+if TYPE_CHECKING:  # the protobuf messages load with gRPC, once a Status is read
+  from sidecar._src.wire.protocol import pb
 
 POLL_S = 1.0  # how often each sidecar's Status is read
 STATUS_TIMEOUT_S = 5.0
@@ -326,11 +330,13 @@ class Watchdog:
 def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_stacks: bool,
           say: Callable[[str], None]) -> int:
   """``sidecar stalls``: 1 where a trainer attached to one of the sidecars at ``addresses``
-  is stalled (a "stall" line for each; with ``send_stacks``, its stacks asked for, where
-  this process can signal it: the k8s trainer container's liveness probe runs beside it),
-  else 0. A sidecar that does not answer is said, and is no stall: its own probes watch
-  it."""
+  is stalled (a "stall" line for each; with ``send_stacks``, its stacks asked for where
+  :func:`_unsignalled` finds no reason not to: the k8s trainer container's liveness probe
+  runs beside it), else 0. A sidecar that does not answer is said, and is no stall: its own
+  probes watch it."""
+  from sidecar._src.arena import shm  # numpy: `sidecar launch --help` stays fast
   from sidecar._src.controller import status as status_lib  # gRPC, as refresh()
+  here = (shm.boot_id(), ipc.pid_namespace())
   found = 0
   for address in addresses:
     try:
@@ -345,14 +351,43 @@ def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_s
       found += 1
       say(f"host {got.identity.host_id} rank {t.rank} stalled: no step for "
           f"{t.since_step_s:.1f} s since its last step (its stall timeout "
-          f"{t.stall_timeout_s:.1f} s; pid {t.pid})")
+          f"{t.stall_timeout_s:.1f} s; pid {t.pid if t.pid_verified else 'unverified'})")
+      if not send_stacks:
+        continue
+      if (why := _unsignalled(t, got, here)) is not None:
+        say(f"no stacks asked of host {got.identity.host_id} rank {t.rank}: {why}")
+        continue
       sig = _stacks_signal()
       # Unknown (no SigCgt in /proc: gVisor) is sent too: an attached trainer's Worker
       # armed it where SIDECAR_STACKS_SIGNAL is set, as in this container's environment.
-      if send_stacks and sig is not None and stacks.catches(t.pid, sig) is not False:
+      if sig is not None and stacks.catches(t.pid, sig) is not False:
         with contextlib.suppress(OSError):
           os.kill(t.pid, sig)  # its stacks go to its own stderr: the container's log
   return 1 if found else 0
+
+
+def _unsignalled(t: pb.TrainerStatus, got: pb.StatusResponse, here: tuple[str, str]
+                 ) -> str | None:
+  """Why ``sidecar stalls --stacks`` may not signal trainer ``t`` (a ``TrainerStatus`` of
+  Status ``got``), None where it may: only a pid the sidecar had from the kernel (its
+  worker socket's peer credentials), of the caller's own tenant, in this process's boot and
+  PID namespace (``here``), where the number names the same process (issue 69)."""
+  if not t.pid_verified or not 0 < t.pid < ipc.PID_LIMIT:
+    return ("its pid is unverified: the sidecar had none from the kernel (a trainer in "
+            "another PID namespace; in Kubernetes, shareProcessNamespace: true shares one)")
+  if t.tenant != got.tenant:
+    return (f"it is tenant {t.tenant!r}'s trainer, and this token is "
+            + (f"tenant {got.tenant!r}'s" if got.tenant else "no tenant's")
+            + ": a token acts on its own tenant's trainers only")
+  boot, namespace = here
+  if not boot or got.identity.boot_id != boot or not namespace or (
+      got.identity.pid_namespace != namespace):
+    return (f"its pid {t.pid} is the sidecar's view, from another "
+            + ("kernel" if got.identity.boot_id != boot else "PID namespace")
+            + " than this process's (or one /proc does not name), where it names another "
+            "process: run `sidecar stalls --stacks` beside the trainer, sharing the sidecar's "
+            "PID namespace")
+  return None
 
 
 def watch_one(proc: subprocess.Popen, address: str, *, token: str | None, rank: int,

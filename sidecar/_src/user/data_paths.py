@@ -53,10 +53,13 @@ class DataRoots:
   """Where a feed's pipeline may read: beneath ``roots`` only (a pool tenant's, resolved
   absolute directories; empty: nowhere), or, ``roots`` None, wherever the sidecar may.
 
-  ``tenant`` and ``where`` (the pool file's line) are for messages."""
+  ``tenant`` and ``where`` (the pool file's line) are for messages. ``functions``: the
+  registered functions its pipeline may look up by a name among its arguments (its
+  tenant's ``functions`` allowlist, ``registry.allowing``); None: any."""
   roots: tuple[str, ...] | None = None
   tenant: str = ""
   where: str = ""
+  functions: tuple[str, ...] | None = None
 
   def __post_init__(self):
     if self.roots is not None and not all(isinstance(r, str) and r.startswith("/")
@@ -70,13 +73,16 @@ class DataRoots:
 
   def to_dict(self) -> dict[str, Any]:
     return {"roots": None if self.roots is None else list(self.roots),
-            "tenant": self.tenant, "where": self.where}
+            "tenant": self.tenant, "where": self.where,
+            "functions": None if self.functions is None else list(self.functions)}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> DataRoots:
     roots = d.get("roots")
+    functions = d.get("functions")
     return cls(roots=None if roots is None else tuple(roots), tenant=str(d.get("tenant", "")),
-               where=str(d.get("where", "")))
+               where=str(d.get("where", "")),
+               functions=None if functions is None else tuple(map(str, functions)))
 
   def place(self, path: str) -> tuple[str, str]:
     """``(root, rest)``: the outermost root ``path`` (absolute) lies under and the rest of

@@ -3,10 +3,16 @@
 ``@sidecar.function`` (and later ``@sidecar.pipeline``) put user callables into
 a :class:`Registry`. The sidecar only ever runs what is registered, by name;
 nothing is unpickled from the network.
+
+A pipeline may look a function up by a name among its arguments (``arrayrecord``'s
+``parse=``): the feed that opens it does so within its tenant's ``functions`` allowlist
+(:func:`allowing`), so a name from a client reaches only what that client may run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import importlib
@@ -44,6 +50,31 @@ class Entry:
   code_hash: str
   signature: inspect.Signature | None  # None where Python cannot tell (some builtins)
   identity: Callable[..., str] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allowlist:
+  """The functions a pipeline being opened may look up by name: its feed's tenant's
+  ``functions`` allowlist (``where``: the pool file's line, for messages)."""
+  names: frozenset[str]
+  tenant: str = ""
+  where: str = ""
+
+
+# Set while a feed opens its pipeline (``allowing``); None: every registered function.
+_ALLOWED: contextvars.ContextVar[Allowlist | None] = contextvars.ContextVar(
+    "sidecar_allowed_functions", default=None)
+
+
+@contextlib.contextmanager
+def allowing(allowed: Allowlist | None) -> Iterator[None]:
+  """Lookups of functions by name (``Registry.get``) reach only ``allowed`` while the block
+  runs (None: no bound); a pipeline's arguments come from its client."""
+  token = _ALLOWED.set(allowed)
+  try:
+    yield
+  finally:
+    _ALLOWED.reset(token)
 
 
 def code_hash(fn: Callable[..., Any]) -> str:
@@ -94,10 +125,24 @@ class Registry:
     return entry
 
   def get(self, kind: str, name: str) -> Entry:
+    """The entry of ``kind`` named ``name``.
+
+    Raises:
+      PermissionDeniedError: within :func:`allowing`, a function outside the allowlist
+        (whether or not it is registered: the answer tells nothing of what is).
+      NotRegisteredError: no such entry, naming those registered (that may be run).
+    """
+    allowed = _ALLOWED.get() if kind == FUNCTION else None
+    if allowed is not None and name not in allowed.names:
+      raise errors.PermissionDeniedError(
+          f"tenant {allowed.tenant!r} may not run function {name!r:.100}, named in a "
+          f"pipeline's arguments: its functions allowlist ({allowed.where}) holds "
+          f"{', '.join(sorted(allowed.names)) or 'nothing'}; add it there")
     with self._lock:
       entry = self._entries.get((kind, name))
       if entry is None:
-        known = sorted(n for k, n in self._entries if k == kind)
+        known = sorted(n for k, n in self._entries if k == kind
+                       and (allowed is None or n in allowed.names))
     if entry is None:
       raise errors.NotRegisteredError(
           f"no {kind} named {name!r} is registered; registered {kind}s: "

@@ -80,6 +80,19 @@ def ucred_of(sock: socket.socket) -> Ucred:
   return Ucred(pid, uid, gid)
 
 
+# Above any pid a Linux kernel gives (PID_MAX_LIMIT, the most /proc/sys/kernel/pid_max takes).
+PID_LIMIT = 1 << 22
+
+
+def pid_namespace() -> str:
+  """This process's PID namespace (``pid:[N]``), "" where /proc does not say: a pid names
+  the same process only in the same namespace, on the same boot."""
+  try:
+    return os.readlink("/proc/self/ns/pid")
+  except OSError:
+    return ""
+
+
 def ucred_or_none(sock: socket.socket) -> Ucred | None:
   """:func:`ucred_of`, or None where the kernel does not say (the socket is gone)."""
   try:

@@ -128,8 +128,11 @@ if restart == "0":
 """
 
 
+@pytest.mark.parametrize("fix", ["edit", "shadow"])
 def test_a_preloaded_module_changed_between_lives_runs_its_new_code_in_a_fresh_process(
-    tmp_path):
+    tmp_path, fix):
+  """The operator fixes the module in place, or (issue 70, item 8) by a new file of its
+  name beside the script, earlier on a fresh process's path than the one imported."""
   (tmp_path / "mods").mkdir()
   module = tmp_path / "mods" / "standby_fix.py"
   module.write_text("VERSION = 1\n")
@@ -154,7 +157,7 @@ def test_a_preloaded_module_changed_between_lives_runs_its_new_code_in_a_fresh_p
       assert time.monotonic() < deadline and p.poll() is None, err
       time.sleep(0.05)
     assert str(module) in json.loads(pathlib.Path(report).read_text())["files"]
-    module.write_text("VERSION = 2\n")
+    (module if fix == "edit" else tmp_path / "standby_fix.py").write_text("VERSION = 2\n")
     (tmp_path / "go").touch()
     out, rest = p.communicate(timeout=120)
   finally:
@@ -162,5 +165,7 @@ def test_a_preloaded_module_changed_between_lives_runs_its_new_code_in_a_fresh_p
     p.wait()
   assert p.returncode == 0, out + err + rest
   assert out == "[host 0] life 1 runs VERSION 2\n", out
-  assert (f"rank 0's standby process imported {module}, changed since; starting a new one, "
-          "which runs the new code") in rest, rest
+  said = (f"rank 0's standby process imported {module}, changed since" if fix == "edit" else
+          f"rank 0's standby process imported module 'standby_fix' from {module}, but a new "
+          f"process would import {tmp_path / 'standby_fix.py'}")
+  assert said + "; starting a new one, which runs the new code" in rest, rest

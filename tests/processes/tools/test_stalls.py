@@ -14,7 +14,7 @@ import sidecar
 from sidecar._src.controller import status as status_lib
 from sidecar._src.core import goodput
 from tests.conftest import eventually
-from tests.support.metrics import samples, scrape, value
+from tests.support.metrics import samples, scrape, total
 from tests.support.paths import ROOT
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(240)]
@@ -43,7 +43,8 @@ def test_a_hung_trainer_is_stalled_in_status_metrics_and_sidecar_stalls(tmp_path
           break
       # Training, it was not stalled (nor is it the moment it stops)...
       [t] = status_lib.fetch(address, timeout=10).trainers
-      assert (t.pid, t.rank, t.restart) == (trainer.pid, 0, 0) and t.steps > 0
+      assert (t.pid, t.pid_verified, t.rank, t.restart) == (trainer.pid, True, 0, 0)
+      assert t.steps > 0
       assert not t.stalled and t.stall_timeout_s >= FLOOR_S
       # ... and is, once it made no step for its timeout.
       assert eventually(lambda: _stalls(address).returncode == 1, timeout=90)
@@ -52,9 +53,9 @@ def test_a_hung_trainer_is_stalled_in_status_metrics_and_sidecar_stalls(tmp_path
       [t] = status_lib.fetch(address, timeout=10).trainers
       assert t.stalled and t.since_step_s > t.stall_timeout_s
       scraped = samples(scrape(cluster.metrics_urls[0]))
-      key = {"tenant": "", "rank": "0", "pid": str(trainer.pid)}
-      assert value(scraped, "sidecar_trainer_stalled", **key) == 1
-      assert value(scraped, "sidecar_trainer_seconds_since_step", **key) > FLOOR_S
+      key = {"tenant": "", "rank": "0"}  # and an opaque id of its pid, never the pid
+      assert total(scraped, "sidecar_trainer_stalled", **key) == 1
+      assert total(scraped, "sidecar_trainer_seconds_since_step", **key) > FLOOR_S
     finally:
       trainer.send_signal(signal.SIGKILL)
       trainer.wait(timeout=30)

@@ -27,7 +27,7 @@ def test_exposition_parses_and_each_server_has_its_own_registry():
   assert value(found, "sidecar_call_seconds_count", name="echo") == 1
   assert value(found, "sidecar_calls_in_flight", kind="call") == 0
   assert value(found, "sidecar_checkpoint_bytes_total", what="staged") == 1000
-  assert value(found, "sidecar_arena_leased_bytes", worker="pid7") == 4096
+  assert value(found, "sidecar_arena_leased_bytes", worker="0123456789ab") == 4096
   assert value(found, "sidecar_feed_batches_total", pipeline="ids") == 5
   assert value(found, "sidecar_feed_trainer_wait_seconds_total", pipeline="ids") == 0.125
   assert value(found, "sidecar_ram_tier_steps", kind="own") == 2
@@ -38,30 +38,39 @@ def test_exposition_parses_and_each_server_has_its_own_registry():
 
 
 def test_each_goodput_ledger_and_trainer_has_its_own_labelled_series():
-  def ledger(tenant, directory, ratio):
-    return metrics_lib.GoodputFigures(tenant=tenant, directory=directory, wall_s=100.0,
+  def ledger(tenant, ledger_id, ratio):
+    return metrics_lib.GoodputFigures(tenant=tenant, ledger=ledger_id, wall_s=100.0,
                                       productive_s=100.0 * ratio, goodput=ratio,
                                       badput_s=(("stall", 1.0),), restarts=1)
-  trainer = metrics_lib.TrainerFigures(tenant="bob", rank=3, pid=42, since_step_s=12.5,
+  trainer = metrics_lib.TrainerFigures(tenant="bob", rank=3, trainer="42aa", since_step_s=12.5,
                                        timeout_s=10.0, stalled=True)
-  idle = metrics_lib.TrainerFigures(tenant="bob", rank=4, pid=43, since_step_s=None,
+  idle = metrics_lib.TrainerFigures(tenant="bob", rank=4, trainer="43bb", since_step_s=None,
                                     timeout_s=10.0, stalled=False)
   m = metrics_lib.Metrics(lambda: snapshot(
-      goodput=(ledger("alice", "/ckpt/a", 0.5), ledger("bob", "/ckpt/b", 0.99)),
+      goodput=(ledger("alice", "aaaa", 0.5), ledger("bob", "bbbb", 0.99)),
       trainers=(trainer, idle)))
   found = samples(m.text())
   # bob's ledger is his own series: alice's figures stay hers.
-  assert value(found, "sidecar_goodput_ratio", tenant="alice", directory="/ckpt/a") == 0.5
-  assert value(found, "sidecar_goodput_ratio", tenant="bob", directory="/ckpt/b") == 0.99
-  assert value(found, "sidecar_goodput_badput_seconds", tenant="alice", directory="/ckpt/a",
+  assert value(found, "sidecar_goodput_ratio", tenant="alice", ledger="aaaa") == 0.5
+  assert value(found, "sidecar_goodput_ratio", tenant="bob", ledger="bbbb") == 0.99
+  assert value(found, "sidecar_goodput_badput_seconds", tenant="alice", ledger="aaaa",
                category="stall") == 1.0
-  key = {"tenant": "bob", "rank": "3", "pid": "42"}
+  key = {"tenant": "bob", "rank": "3", "trainer": "42aa"}
   assert value(found, "sidecar_trainer_seconds_since_step", **key) == 12.5
   assert value(found, "sidecar_trainer_stalled", **key) == 1
-  assert ("sidecar_trainer_seconds_since_step", (("pid", "43"), ("rank", "4"),
-                                                 ("tenant", "bob"))) not in found
+  assert ("sidecar_trainer_seconds_since_step", (("rank", "4"), ("tenant", "bob"),
+                                                 ("trainer", "43bb"))) not in found
   assert value(found, "sidecar_trainer_stall_timeout_seconds", tenant="bob", rank="4",
-               pid="43") == 10.0
+               trainer="43bb") == 10.0
+
+
+def test_opaque_ids_are_keyed_and_stable():
+  key, other = b"k" * 32, b"o" * 32
+  a = metrics_lib.opaque_id(key, "/ckpt/alice/secret-project")
+  assert a == metrics_lib.opaque_id(key, "/ckpt/alice/secret-project")
+  assert len(a) == 12 and "secret" not in a
+  assert a != metrics_lib.opaque_id(other, "/ckpt/alice/secret-project")
+  assert a != metrics_lib.opaque_id(key, "/ckpt/alice/other-project")
 
 
 def test_metrics_port_in_use_is_a_start_up_error_naming_the_flag(tmp_path):

@@ -8,6 +8,8 @@ import pytest
 
 import sidecar
 from pipelines import arrayrecord as ar
+from sidecar._src.server.feeds import producer
+from sidecar._src.user import data_paths, registry as registry_lib
 
 pytestmark = pytest.mark.unit
 
@@ -92,6 +94,35 @@ def test_parse_by_registered_function_name(files, registry):
   assert ds[0]["size"] == len(ar.encode_example(_example(0)))
   with pytest.raises(sidecar.NotRegisteredError, match=r"no function named 'nope'.*record_size"):
     ar.arrayrecord(CTX, paths=files, parse="nope")
+
+
+def test_parse_reaches_only_the_feed_s_tenant_s_allowlist(files, registry):
+  """Issue 70, item 5: bob, whose functions allowlist holds only `total`, ran the
+  operator's function by naming it in parse=; a feed opens its pipeline within its
+  tenant's allowlist (its DataRoots'), in the sidecar and in its worker processes."""
+  @sidecar.function(name="total")
+  def total(record: bytes):
+    return {"size": np.int64(len(record))}
+
+  @sidecar.function(name="operator_secret")
+  def operator_secret(record: bytes):
+    return {"secret": np.frombuffer(b"from the environment", np.uint8)}
+
+  bob = data_paths.DataRoots.from_dict(data_paths.DataRoots(
+      tenant="bob", where="pool.yaml:3", functions=("total",)).to_dict())  # as workers get it
+  spec = producer.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=None,
+                       shard_index=0, shard_count=1, start={}, workers=0)
+  entry = registry_lib.Entry("pipeline", "arrayrecord", ar.arrayrecord, "", None)
+  for name in ("operator_secret", "nope"):  # registered or not: the same answer
+    with pytest.raises(sidecar.PermissionDeniedError,
+                       match=rf"tenant 'bob' may not run function '{name}', named in a "
+                       r"pipeline's arguments: its functions allowlist \(pool.yaml:3\) "
+                       r"holds total; add it there"):
+      producer.open_source(entry, {"paths": files, "parse": name}, spec, 0, 0, bob)
+  ds = producer.open_source(entry, {"paths": files, "parse": "total"}, spec, 0, 0, bob)
+  assert ds[0]["size"] == len(ar.encode_example(_example(0)))
+  # Outside the feed's opening, and outside a pool, any registered function.
+  assert ar.arrayrecord(CTX, paths=files, parse="operator_secret")[0]["secret"].size
 
 
 def test_parse_by_callable(files):

@@ -84,3 +84,25 @@ def test_a_file_modified_after_the_imports_began_counts_as_changed(tmp_path, mon
   report = str(tmp_path / "report.json")
   standby.write_report(report, os.stat(module).st_mtime_ns, None)
   assert str(module) in standby.changed_files(report)
+
+
+def test_a_file_added_that_shadows_an_imported_module_is_found(tmp_path, monkeypatch):
+  """Issue 70, item 8: a preloaded module fixed by a new file of its name beside the
+  script (earlier on a fresh process's path) ran the old one, the launcher silent."""
+  job, mods = tmp_path / "job", tmp_path / "mods"
+  job.mkdir()
+  mods.mkdir()
+  installed = mods / "standby_shadowed_mod.py"
+  installed.write_text("VERSION = 1\n")
+  monkeypatch.setattr(sys, "path", [str(job), str(mods), *sys.path[1:]])
+  spec = importlib.util.spec_from_file_location("standby_shadowed_mod", installed)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  monkeypatch.setitem(sys.modules, "standby_shadowed_mod", module)
+  report = str(tmp_path / "report.json")
+  standby.write_report(report, time.time_ns(), None)
+  assert standby.shadowed(report) == []  # nothing moved, editable installs' modules included
+  (job / "standby_shadowed_mod.py").write_text("VERSION = 2\n")  # the fix, beside the script
+  assert standby.changed_files(report) == []  # no file it imported changed...
+  assert standby.shadowed(report) == [  # ... but a fresh process imports another
+      ("standby_shadowed_mod", str(installed), str(job / "standby_shadowed_mod.py"))]

@@ -162,11 +162,13 @@ class TenantShares:
           if on_wait is not None and time.monotonic() - told >= report_s:
             told = time.monotonic()
             place = self._place(t, nbytes, w)
+            w.telling = True  # it stands aside meanwhile (admission.Waiter)
             self._lock.release()  # telling a client may block: never under the lock
             try:
               on_wait(place)
             finally:
               self._lock.acquire()
+              w.telling = False
           self._lock.release()  # durable RAM-tier copies give way, outside the lock
           try:
             self._give_way(t, nbytes, reclaimed)

@@ -18,6 +18,7 @@ Batches never straddle epochs: an epoch's last partial batch is dropped.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -134,7 +135,17 @@ def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
   beneath ``roots`` (its tenant's data roots, in a pool)."""
   ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
                         seed=spec.seed, epoch=epoch, position=position, data_roots=roots)
-  return entry.fn(ctx, **kwargs)
+  with allowing(roots):
+    return entry.fn(ctx, **kwargs)
+
+
+def allowing(roots: data_paths.DataRoots) -> contextlib.AbstractContextManager[None]:
+  """While a pipeline opens: a function it looks up by a name from its arguments (a
+  client's) is one its tenant may run (``roots.functions``, its allowlist)."""
+  if roots.functions is None:
+    return contextlib.nullcontext()
+  return registry_lib.allowing(registry_lib.Allowlist(
+      frozenset(roots.functions), tenant=roots.tenant, where=roots.where))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -363,7 +374,8 @@ def data_identity(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
   ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
                         seed=spec.seed, epoch=int(spec.start.get("epoch", 0)),
                         position=int(spec.start.get("position", 0)), data_roots=roots)
-  data = str(entry.identity(ctx, **kwargs))
+  with allowing(roots):
+    data = str(entry.identity(ctx, **kwargs))
   made_from = spec.start.get("data")
   if made_from is not None and made_from != data:
     raise errors.InvalidArgumentError(

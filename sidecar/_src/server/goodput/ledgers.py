@@ -19,9 +19,13 @@ What a frame may do is bounded, whoever sends it (docs/goodput.md, "The bound"):
 - marks are coalesced: a session's mark is written at most every :data:`MARK_EVERY_S`,
   the latest one held until then (the counters are cumulative: nothing is lost), and
   with the next other event or the session's end;
-- a session's appends pass a token bucket of :data:`BURST_BYTES` and
-  :data:`RATE_BYTES_S`, and, for a pool tenant with ``checkpoint_bytes``, its storage
-  quota before they are written (the ledger's file is in its directory, and counted);
+- a tenant's appends, all its sessions together, pass one token bucket of
+  :data:`BURST_BYTES` and :data:`RATE_BYTES_S` (a session costs nothing to open, so a
+  bucket per session bounded nothing: issue 70, item 6), and, for a pool tenant with
+  ``checkpoint_bytes``, its storage quota before they are written (the ledger's file is
+  in its directory, and counted). What a session's end must write (its held mark, its
+  ``died``) goes whatever the bucket holds and is owed: the tenant's next frames wait
+  until the bucket is out of debt;
 - each append starts on a fresh line: a line torn by a sidecar killed mid-append (or a
   write that failed half way) loses only itself.
 
@@ -67,28 +71,41 @@ class Figures:
   ledger: goodput_lib.Ledger
 
 
-class _Book:
-  """One session's binding: the directory, its open file, and its budget."""
+class _Bucket:
+  """What one tenant may append to its ledgers: :data:`BURST_BYTES` at once and
+  :data:`RATE_BYTES_S` on average, all its sessions together."""
 
-  def __init__(self, directory: str, fd: int, tenant: str | None, *, now: float, torn: bool):
-    self.directory, self.fd, self.tenant = directory, fd, tenant
+  def __init__(self, now: float):
+    self.tokens, self.filled = float(BURST_BYTES), now
+
+  def take(self, nbytes: int, now: float, *, force: bool = False) -> bool:
+    """Whether ``nbytes`` more may be written now (taken from the bucket if so);
+    ``force``: taken whatever it holds (a session's end), owed below zero."""
+    self.tokens = min(BURST_BYTES, self.tokens + (now - self.filled) * RATE_BYTES_S)
+    self.filled = now
+    if nbytes > self.tokens and not force:
+      return False
+    self.tokens -= nbytes
+    return True
+
+  def owes(self, now: float) -> bool:
+    """Whether it is in debt (a session's end wrote past it): nothing more goes yet."""
+    return self.tokens + (now - self.filled) * RATE_BYTES_S < 0
+
+
+class _Book:
+  """One session's binding: the directory, its open file, and its tenant's budget."""
+
+  def __init__(self, directory: str, fd: int, tenant: str | None, bucket: _Bucket, *,
+               torn: bool):
+    self.directory, self.fd, self.tenant, self.bucket = directory, fd, tenant, bucket
     self.life: str | None = None
     self.start: float | None = None  # the life's process start (its start event)
     self.finished = False
     self.torn = torn  # the file does not end with a newline: the next append adds one
     self.held: goodput_lib.Event | None = None  # the latest mark, not written yet
     self.marked = -MARK_EVERY_S  # when a mark was last written
-    self.tokens, self.filled = float(BURST_BYTES), now  # the token bucket
     self.warned = -_WARN_EVERY_S
-
-  def take(self, nbytes: int, now: float) -> bool:
-    """Whether ``nbytes`` more may be written now (taken from the bucket if so)."""
-    self.tokens = min(BURST_BYTES, self.tokens + (now - self.filled) * RATE_BYTES_S)
-    self.filled = now
-    if nbytes > self.tokens:
-      return False
-    self.tokens -= nbytes
-    return True
 
 
 class Ledgers:
@@ -112,6 +129,7 @@ class Ledgers:
     self._clock, self._monotonic = clock, monotonic
     self._lock = threading.Lock()
     self._books: dict[str, _Book] = {}  # by worker session
+    self._buckets: dict[str | None, _Bucket] = {}  # by tenant (None: no tenants)
     # Each tenant's ledgers, by directory, the latest bound last: their events as
     # accounting needs them.
     self._jobs: dict[str | None, collections.OrderedDict[str, list[goodput_lib.Event]]] = {}
@@ -146,6 +164,9 @@ class Ledgers:
             "goodput: no ledger is bound to this session; the first message names the "
             "checkpoint directory")
       self._check_times(events, book, attached)
+      bucket = self._buckets.get(tenant)
+      if bucket is not None and bucket.owes(self._monotonic()):
+        raise self._too_fast(tenant, book.directory if book is not None else directory)
       if book is None:
         book = self._bind(session, directory, tenant)
       for event in events:
@@ -203,8 +224,10 @@ class Ledgers:
     except OSError:
       os.close(fd)
       raise
-    book = self._books[session] = _Book(resolved, fd, tenant, now=self._monotonic(),
-                                        torn=torn)
+    bucket = self._buckets.get(tenant)
+    if bucket is None:
+      bucket = self._buckets[tenant] = _Bucket(self._monotonic())
+    book = self._books[session] = _Book(resolved, fd, tenant, bucket, torn=torn)
     jobs = self._jobs.setdefault(tenant, collections.OrderedDict())
     if resolved in jobs:
       jobs.move_to_end(resolved)
@@ -240,11 +263,8 @@ class Ledgers:
     if not out:
       return
     data = (b"\n" if book.torn else b"") + b"".join(e.line() for e in out)
-    if not force and not book.take(len(data), now):
-      raise errors.ResourceExhaustedError(
-          f"goodput: this session appends to its ledger in {book.directory!r:.200} faster "
-          f"than {RATE_BYTES_S} bytes/s (bursts of {BURST_BYTES}); the sidecar library "
-          "writes far less: is this trainer's ledger client its own?")
+    if not book.bucket.take(len(data), now, force=force):
+      raise self._too_fast(book.tenant, book.directory)
     self._check_storage(book.tenant, book.directory, len(data))
     book.torn = True  # until the write is whole
     view = memoryview(data)
@@ -258,6 +278,14 @@ class Ledgers:
     job = None if jobs is None else jobs.get(book.directory)
     if job is not None:
       _keep(job, out)
+
+  @staticmethod
+  def _too_fast(tenant: str | None, directory: Any) -> errors.ResourceExhaustedError:
+    whose = f"tenant {tenant!r}'s sessions append" if tenant else "this sidecar's sessions append"
+    return errors.ResourceExhaustedError(
+        f"goodput: {whose} to their ledgers (this one in {directory!r:.200}) faster than "
+        f"{RATE_BYTES_S} bytes/s together (bursts of {BURST_BYTES}); the sidecar library "
+        "writes far less: is this trainer's ledger client its own?")
 
   def refused(self, session: str) -> bool:
     """Whether a refusal of ``session``'s frame should be logged now (at most every

@@ -23,7 +23,8 @@ last step (``stall``, ``core/goodput.py``). Ended sessions stay listed for
 can still tell whether it made a step.
 
 What is listed crosses to the launcher as :class:`Trainer`; session names never do (they
-are capabilities).
+are capabilities). A trainer's pid is the one the kernel gave at attach (``workers.py``),
+0 where it gave none: only a nonzero pid is verified, and only one may be signalled.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ MAX_ENDED = 64
 @dataclasses.dataclass(frozen=True, slots=True)
 class Trainer:
   """One worker session's progress, as ``Status.trainers`` lists it."""
-  pid: int  # what the worker said at attach
+  pid: int  # the kernel's at attach (the worker socket's peer), 0: unverified
   rank: int  # its SIDECAR_PROCESS_ID (-1: not given)
   restart: int  # its SIDECAR_RESTART (-1: not given)
   tenant: str | None

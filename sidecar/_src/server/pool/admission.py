@@ -13,6 +13,12 @@ first out with two rules:
 
 Each waiter knows its position and an estimate of its wait, from the rate at which
 blocks were freed lately. The queue holds no lock of its own: its owner's lock guards it.
+
+A waiter whose client is being told its place (``Waiter.telling``) stands aside for other
+tenants meanwhile: a client that reads none of its replies (its socket full) kept every
+tenant from borrowing, the arena empty (issue 70, item 4). How many requests a tenant has
+queued is bounded by its worker connections (``connections`` in the pool file: one alloc
+in flight on each).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Waiter:
   ticket: int  # order of arrival
   since: float  # time.monotonic() when it came
   for_ceiling: bool = False  # waits for its own tenant's blocks, not for free arena
+  telling: bool = False  # its client is being told its place: others' requests pass it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,12 +81,15 @@ class Queue:
   def may_go(self, tenant: str, within_guarantee: bool, w: Waiter | None) -> bool:
     """Whether a request of ``tenant`` that fits now may take its bytes: no earlier
     waiter of its own tenant, and, beyond its guarantee, none of another waiting for free
-    arena. ``w``: the request's place (None: it has not joined, every waiter is earlier)."""
+    arena (but for one whose client is being told its place). ``w``: the request's place
+    (None: it has not joined, every waiter is earlier)."""
     for other in self._waiters:
       if other is w:
         return True
       if other.tenant == tenant:
         return False
+      if other.telling:  # its client may never read: it holds no other tenant up
+        continue
       if not within_guarantee and not other.for_ceiling:
         return False
     return True

@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import hashlib
 import hmac
 import json
 import os
+import secrets
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -186,12 +188,15 @@ class Pool:
 
   def data_roots(self, name: str | None) -> data_paths.DataRoots:
     """Where tenant ``name``'s pipelines may read: anywhere outside a pool file, its data
-    roots in one (none: a name that is no tenant's)."""
+    roots in one (none: a name that is no tenant's), and which functions they may name in
+    their arguments (its ``functions`` allowlist)."""
     if not self.quotas:
       return data_paths.ANYWHERE
     t = self.by_name().get(name) if name is not None else None
+    functions = () if t is None else None if t.functions is None else tuple(sorted(t.functions))
     return data_paths.DataRoots(roots=t.data_roots if t is not None else (),
-                                tenant=name or "", where=self.where(t) if t else str(self.path))
+                                tenant=name or "", where=self.where(t) if t else str(self.path),
+                                functions=functions)
 
 
 def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumentError:
@@ -275,6 +280,9 @@ class Tenancy:
         quotas_lib.FEED_WORKERS, "feed worker processes", lambda: self._pool,
         fix="ask for fewer workers=, or close feeds that are done")
     self.revoked: dict[str, str] = {}  # tenant -> why (its token no longer works)
+    # The key of /metrics' opaque ids where no tenant's token is one (no pool, a name
+    # that is no tenant's): stable while this sidecar runs.
+    self._own_key = secrets.token_bytes(32)
 
   @property
   def pool(self) -> Pool | None:
@@ -402,6 +410,15 @@ class Tenancy:
   def workers_of(self, tenant: str) -> list[str]:
     with self._lock:
       return [s for s, t in self._workers.items() if t == tenant]
+
+  def metrics_key(self, tenant: str | None) -> bytes:
+    """The key of ``tenant``'s opaque ids on ``/metrics`` (``metrics.opaque_id``): derived
+    from its token, so the same after a restart and known only to it and the operator
+    (docs/security.md, "The metrics port"); this sidecar's own where it has no token."""
+    t = self.tenant(tenant)
+    if t is None or not t.token:
+      return self._own_key
+    return hashlib.sha256(b"sidecar-metrics-id\0" + t.token.encode()).digest()
 
   def data_roots(self, tenant: str | None) -> data_paths.DataRoots:
     """Where ``tenant``'s pipelines may read, in the pool in force (``Pool.data_roots``)."""

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # The most often a queued alloc reports its place, whatever the worker asks.
 MIN_REPORT_S = 0.05
+# How long telling a queued alloc's worker its place may take: one that reads none of its
+# replies for this long has its connection ended (a partial frame leaves it no other end).
+TELL_S = 10.0
 
 
 class SessionBlocks:
@@ -49,8 +52,15 @@ class SessionBlocks:
 
       def on_wait(place: admission.Place) -> None:
         if frames:
-          with conns.own_io():
-            ipc.send(conn, {"queued": place.to_dict()})
+          # A worker that does not read its replies (its socket full) is let go within
+          # TELL_S; meanwhile its request stands aside (admission.Waiter.telling).
+          before = conn.gettimeout()
+          conn.settimeout(TELL_S)
+          try:
+            with conns.own_io():
+              ipc.send(conn, {"queued": place.to_dict()})
+          finally:
+            conn.settimeout(before)
 
       # One block (an argument's), or a save's blocks on this host in one round trip.
       # The worker says how often it must hear (a third of its peer timeout, say).

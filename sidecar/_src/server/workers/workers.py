@@ -9,6 +9,12 @@ worker killed with SIGKILL leaks nothing. A ``stream`` connection, opened by an
 attached worker, carries one stream of descriptors: the fast path for batches,
 with no TCP and no HTTP/2 in the way. A ``calls`` connection carries one worker's
 unary calls, one after another (the fast path for ``ctl.call``).
+
+A worker's pid is the kernel's: the socket's peer credentials (``SO_PEERCRED``) at
+attach, never the ``pid`` its attach message claims (issue 69). The claim is only
+checked (an impossible pid is refused) and logged. Where the kernel gives no pid (a
+trainer in another PID namespace), the session's pid is 0: unverified, listed as such in
+``Status.trainers``, and never signalled (``tools/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ class WorkerListener:
     self._hello = hello
     self._lock = threading.Lock()
     self._sessions: dict[str, socket.socket] = {}
-    self._pids: dict[str, int] = {}  # the pid each session's worker said it has
+    self._pids: dict[str, int] = {}  # each session's pid, the kernel's (0: unverified)
     # Sessions of revoked tenants, ended: why, for the calls and streams that still name
     # them (a tenant removed from the pool file is told so, not "unknown session").
     self._ended: dict[str, str] = {}
@@ -121,7 +127,8 @@ class WorkerListener:
       return session in self._sessions
 
   def pids(self) -> dict[str, int]:
-    """The worker pid of each session attached now."""
+    """The worker pid of each session attached now, as the kernel said at attach (0: it
+    did not say: unverified)."""
     with self._lock:
       return {s: self._pids.get(s, 0) for s in self._sessions}
 
@@ -199,7 +206,10 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
             f"first message must be attach, got {message.get('op')!r}")
-      tenant = self._attach_tenant(message, conn)
+      cred = ipc.ucred_or_none(conn)  # who the kernel says attaches
+      tenant = self._attach_tenant(message, cred)
+      claimed = _claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
+      pid = _verified_pid(cred)
       peer = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -211,9 +221,8 @@ class WorkerListener:
         self._sessions[session] = conn
         if peer:
           self._replica_sessions.add(session)
-        pid = message.get("pid")
-        self._pids[session] = pid if isinstance(pid, int) else 0
-      self.steps.attach(session, pid=self._pids.get(session, 0), tenant=tenant,
+        self._pids[session] = pid
+      self.steps.attach(session, pid=pid, tenant=tenant,
                         rank=_small_int(message.get("rank")),
                         restart=_small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
@@ -224,8 +233,8 @@ class WorkerListener:
       shm.check_sealed(arena.fd)  # never a memfd whose size the worker could change
       with conns.own_io():
         ipc.send(conn, reply, fds=(arena.fd,))
-      log.info("worker pid %s attached as %s", message.get("pid"), session,
-               extra={"session": session})
+      log.info("worker pid %s attached as %s%s", pid or "unverified", session,
+               _claim_note(claimed, pid), extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
       frames = message.get("queue") is True
       while True:
@@ -259,7 +268,7 @@ class WorkerListener:
       with self._lock:
         self._connections.pop(conn, None)
 
-  def _attach_tenant(self, message: dict[str, Any], conn: socket.socket) -> str | None:
+  def _attach_tenant(self, message: dict[str, Any], cred: ipc.Ucred | None) -> str | None:
     """The tenant an attaching worker is: its token's (or its user's), or the one a peer
     sidecar's replica link names with the peer token (``tenants.ReplicaAttach``).
 
@@ -267,8 +276,8 @@ class WorkerListener:
       AuthenticationError: no tenant's token (with a pool file); a peer link whose peer
         token is not this sidecar's, or whose tenant is none of the pool's.
     """
-    peer = ipc.ucred_or_none(conn)  # the user the kernel says the worker runs as
-    return self._tenancy.worker_tenant(message.get("token"), None if peer is None else peer.uid)
+    # The user the kernel says the worker runs as.
+    return self._tenancy.worker_tenant(message.get("token"), None if cred is None else cred.uid)
 
   def _check_not_replica_link(self, session: str, what: str) -> None:
     """PermissionDeniedError where ``session`` is another sidecar's replica link: it maps
@@ -543,3 +552,38 @@ def _small_int(value: Any) -> int:
   """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
   ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
   return value if ok else -1
+
+
+def _claimed_pid(value: Any) -> int | None:
+  """The pid an attach message claims, checked (None: it claims none). Only logged: the
+  session's pid is the kernel's (:func:`_verified_pid`).
+
+  Raises:
+    InvalidArgumentError: no process can have it (negative, 0, past any kernel's limit,
+      not an int), naming the value.
+  """
+  if value is None:
+    return None
+  if isinstance(value, int) and not isinstance(value, bool) and 0 < value < ipc.PID_LIMIT:
+    return value
+  raise errors.InvalidArgumentError(
+      f"attach: pid {value!r:.40} is no process's (a pid is an int from 1 to "
+      f"{ipc.PID_LIMIT - 1}); the sidecar reads a worker's pid from the kernel and never acts "
+      "on the one it claims: send os.getpid(), or no pid (sidecar's Worker sends its own)")
+
+
+def _claim_note(claimed: int | None, pid: int) -> str:
+  """What the attach log line adds where the worker claimed another pid than the kernel's."""
+  if claimed is None or claimed == pid:
+    return ""
+  if pid:
+    return f" (it claimed pid {claimed}: another PID namespace's, or false; ignored)"
+  return f" (it claimed pid {claimed}; the kernel gives none: another PID namespace)"
+
+
+def _verified_pid(cred: ipc.Ucred | None) -> int:
+  """The attaching process's pid as the kernel says (``SO_PEERCRED``), in this sidecar's
+  PID namespace; 0 where it does not say (a process of another PID namespace)."""
+  if cred is None or not 0 < cred.pid < ipc.PID_LIMIT:
+    return 0
+  return cred.pid

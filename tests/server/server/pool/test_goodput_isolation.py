@@ -2,6 +2,7 @@
 socket: bob's forged frames change only his own ledger, frames off the sidecar's clock are
 refused, and a flood of marks writes almost nothing (server/goodput/ledgers.py)."""
 
+import hashlib
 import os
 import time
 
@@ -10,6 +11,7 @@ import pytest
 
 import sidecar
 from sidecar._src.core import errors, goodput
+from sidecar._src.server import metrics as metrics_lib
 from tests.support.metrics import samples, scrape, value
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
@@ -73,8 +75,14 @@ def test_bobs_forged_frames_change_only_his_own_ledger(make_server, tmp_path):
       bob.close()
   # alice's ledger is as it was, and /metrics shows each tenant's own, labelled.
   assert _figures(server)[("alice", "a")] == alice
-  found = samples(scrape(f"http://127.0.0.1:{server.metrics_port}/metrics"))
-  assert value(found, "sidecar_goodput_ratio", tenant="alice",
-               directory=os.path.realpath(tmp_path / "alice" / "a")) == alice.goodput
+  page = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+  found = samples(page)
+  # Labelled by an opaque id keyed by her token (issue 70, item 7): an unauthenticated
+  # scrape names none of her directories, nor any pid.
+  ledger = metrics_lib.opaque_id(hashlib.sha256(b"sidecar-metrics-id\0" + ALICE.encode()).digest(),
+                                 os.path.realpath(tmp_path / "alice" / "a"))
+  assert value(found, "sidecar_goodput_ratio", tenant="alice", ledger=ledger) == alice.goodput
   assert all(labels and dict(labels).get("tenant") in ("alice", "bob")
              for name, labels in found if name.startswith("sidecar_goodput_"))
+  assert str(tmp_path) not in page and os.path.realpath(tmp_path) not in page
+  assert not any("pid" in dict(labels) for _, labels in found)

@@ -207,6 +207,36 @@ def test_appends_past_the_rate_are_refused(tmp_path):
   ledgers.ended("w-1")
 
 
+def test_a_new_session_per_frame_shares_its_tenant_s_bucket(tmp_path):
+  """Issue 70, item 6: one worker session per 63 KiB frame wrote 2.9-6.2 MiB/s, each
+  session a bucket of its own; a tenant's sessions now share one, their ends' deaths
+  included (owed, and nothing more goes until it is paid), and another tenant's is its own."""
+  now = [0.0]
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
+                                monotonic=lambda: now[0])
+  (tmp_path / "bob").mkdir()
+  (tmp_path / "alice").mkdir()
+  saves = [event("save", t=50.0, step=i) for i in range(ledgers_lib.MAX_EVENTS)]
+  refused = 0
+  for i in range(40):
+    try:
+      ledgers.receive(f"bob-{i}", {"directory": str(tmp_path / "bob"),
+                                   "events": [event("start", start=1.0, pid=7), *saves[1:]]},
+                      tenant="bob")
+    except errors.ResourceExhaustedError as e:
+      assert "tenant 'bob'" in str(e) and "together" in str(e)
+      refused += 1
+    ledgers.ended(f"bob-{i}")  # its death is written, owed past the bucket
+    now[0] += 0.01
+  assert refused >= 35
+  size = os.path.getsize(goodput_core.path_in(str(tmp_path / "bob")))
+  assert size <= ledgers_lib.BURST_BYTES + 40 * 200 + ledgers_lib.RATE_BYTES_S
+  # alice's ledger is not held to bob's budget.
+  ledgers.receive("alice-0", {"directory": str(tmp_path / "alice"), "events": saves[:64]},
+                  tenant="alice")
+  ledgers.ended("alice-0")
+
+
 def test_appends_count_against_the_storage_quota_before_they_are_written(tmp_path):
   asked = []
 

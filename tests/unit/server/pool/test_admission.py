@@ -110,6 +110,32 @@ def test_a_small_request_within_its_guarantee_passes_a_big_one(tmp_path):
   assert leases.allocator.used_bytes == 0
 
 
+def test_a_waiter_whose_client_does_not_read_holds_no_other_tenant_up(tmp_path):
+  """Issue 70, item 4: bob's queued request, told its place on a socket he never reads,
+  kept alice from borrowing beyond her guarantee with the arena empty ("at position 2
+  of 2"). Now a waiter stands aside while its client is told, and takes its turn after."""
+  leases = _leases(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                   "arena: 0.25}\n  - {name: bob, token_file: bob.token}\n")
+  first = leases.alloc(12 * MiB, "w-b", timeout=0)  # all bob may take: alice's 4 MiB stay
+  telling, read = threading.Event(), threading.Event()
+
+  def never_read(place: admission.Place) -> None:  # his socket is full: the send blocks
+    telling.set()
+    read.wait(30)
+  order: list[Request] = []
+  stuck = Request(leases, 2 * MiB, "w-b", order, timeout=30, on_wait=never_read)
+  _until(telling.is_set)
+  leases.release(first.offset, first.generation, "w-b")  # the arena is empty now
+  borrowed = leases.alloc(6 * MiB, "w-a", timeout=2)  # beyond her 4 MiB guarantee
+  assert leases.tenant_bytes() == {"alice": 6 * MiB}
+  read.set()  # bob reads again: his request takes its turn
+  stuck.join()
+  assert stuck.error is None and leases.tenant_bytes() == {"alice": 6 * MiB, "bob": 2 * MiB}
+  leases.release(borrowed.offset, borrowed.generation, "w-a")
+  leases.release_all("w-b")
+  assert leases.allocator.used_bytes == 0
+
+
 def test_timeout_zero_fails_at_once_naming_tenant_place_and_quota(tmp_path):
   leases = _leases(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
                    "arena_ceiling: 4MiB}\n  - {name: bob, token_file: bob.token}\n")
