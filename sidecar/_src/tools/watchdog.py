@@ -278,8 +278,8 @@ class Watchdog:
     with self._lock:
       now = [t for t in self._latest.get(stall.host, ())
              if (t.rank, t.restart, int(t.pid)) == (stall.rank, stall.restart, stall.pid)]
-    for t in now:
-      if not t.ended and not t.stalled:
+    for t in now:  # one that stepped and then ended (it ran to its end) is no stall either
+      if not t.stalled:
         return f"its last step {max(t.since_step_s, 0):.1f} s ago"
     return None
 
