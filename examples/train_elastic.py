@@ -40,10 +40,12 @@ def lose_a_host(step, hosts):      # the demonstration: host 2's sidecar dies, o
     cluster.kill(2)
 
 
+ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=1)  # follows the live hosts
+
+
 @sidecar.elastic.retry(ctl, min_hosts=2)
 def train(hosts):
   mesh = Mesh(np.array(sidecar.elastic.devices(ctl, hosts)), ("data",))
-  ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=1)
   start = ckpt.latest_step()
   print(f"hosts {hosts}: " + (f"resuming after step {start}, the last saved"
                               if start is not None else "starting at step 0"))
@@ -56,12 +58,12 @@ def train(hosts):
       state = train_step(state, batch)
       if step % 10 == 9:
         ckpt.save(step, state, data_state=feed.state())
-  ckpt.close()
   return state, step
 
 
 try:
   state, step = train()          # on every live host; after a loss, on the survivors
+  ckpt.close()                   # waits for the last save
   for event in train.events:     # start, host_lost, retry, phase, done: timed
     print(f"{event.kind}: {event.detail}"
           + (f" ({event.seconds:.2f} s)" if event.seconds is not None else ""))

@@ -71,6 +71,8 @@ def parquet(ctx: sidecar.PipelineContext, *, paths: str | Sequence[str],
   for path in expand_paths(ctx, paths, "Parquet"):
     file = path.open()  # held by its units until the rows are read
     meta = pq.read_metadata(file.library_path)
+    if ctx.data_roots.roots is not None:
+      _check_own_data(file.name, meta)
     schema = _check_schema(file.name, meta.schema.to_arrow_schema(), columns, schema)
     units += [(file, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
               if meta.row_group(g).num_rows]
@@ -99,6 +101,25 @@ def _rows(units: list[Unit], columns: list[str] | None, batch_rows: int,
                     for name in batch.schema.names}
           for i in range(batch.num_rows):
             yield {name: array[i] for name, array in arrays.items()}
+
+
+def _check_own_data(path: str, meta: pq.FileMetaData) -> None:
+  """Refuses, in a pool, a file whose footer says its column data lies in another file
+  (a column chunk's ``file_path``, as a dataset's ``_metadata`` summary has): the pipeline
+  reads each file's own bytes only, and a reader that followed the name would open a
+  file nobody checked was beneath the tenant's data roots.
+
+  Raises:
+    InvalidArgumentError: naming the file, the row group and the path it names.
+  """
+  for g in range(meta.num_row_groups):
+    group = meta.row_group(g)
+    for c in range(group.num_columns):
+      if group.column(c).file_path:
+        raise sidecar.InvalidArgumentError(
+            f"{path}: row group {g} says its column data is in {group.column(c).file_path!r:.200}"
+            ", another file (a dataset's _metadata summary?); a pool tenant's Parquet feed "
+            "reads each file's own data: name the data files themselves")
 
 
 def _check_schema(path: str, schema: pa.Schema, columns: list[str] | None,

@@ -279,17 +279,22 @@ class FakeSidecars(CheckpointTransport):
 
 
 def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Peers | None = None,
-                 handshakes=None, directory: str = "/ckpt/run", framework=None,
+                 handshakes=None, directory: str = "/ckpt/run", framework=None, live=None,
                  **options) -> Checkpointer:
   """The one Checkpointer over ``fake`` (its hosts, or ``hosts``; this process stages into
   ``local``, default all) with the key-value agreement and ``framework`` (default numpy
-  arrays): ``options`` are CheckpointOptions'."""
+  arrays): ``options`` are CheckpointOptions'. ``live``: the live hosts as a controller's
+  watch sees them now (a callable), which the checkpointer follows; None: fixed hosts."""
   hosts = tuple(getattr(fake, "hosts", (0,)) if hosts is None else hosts)
-  site = SidecarsSnapshot(
-      client=fake, hosts=hosts, local=tuple(hosts if local is None else local),
-      device_hosts={}, mapped=frozenset(), writers={},
-      handshakes={h: {} for h in hosts} if handshakes is None else handshakes)
+
+  def snapshot(hosts, local) -> SidecarsSnapshot:
+    return SidecarsSnapshot(
+        client=fake, hosts=hosts, local=local, device_hosts={}, mapped=frozenset(),
+        writers={}, handshakes={h: {} for h in hosts} if handshakes is None else handshakes,
+        live=live, now=None if live is None else lambda: snapshot(live(), live()))
+
+  site = snapshot(hosts, tuple(hosts if local is None else local))
   o, peers = CheckpointOptions(**options), peers if peers is not None else LocalPeers()
   return Checkpointer(directory, site=site, options=o, peers=peers, key="ckpt",
-                      agreement=key_value_agreement(site=site, options=o, peers=peers,
+                      agreement=key_value_agreement(options=o, peers=peers,
                                                     framework=framework or NumpyArrays()))

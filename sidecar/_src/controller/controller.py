@@ -489,7 +489,7 @@ class Controller:
     site = self.checkpoint_sidecars()
     ckpt = Checkpointer(
         str(directory), site=site, options=o, peers=self._peers,
-        agreement=key_value_agreement(site=site, options=o, peers=self._peers,
+        agreement=key_value_agreement(options=o, peers=self._peers,
                                       framework=self._framework),
         key=f"ckpt/{self._checkpointers}", sweep=sweep)
     self._children.add(ckpt)
@@ -505,15 +505,28 @@ class Controller:
 
   def checkpoint_sidecars(self) -> SidecarsSnapshot:
     """These sidecars as a checkpointer sees them now (a new checkpoint client, the hosts,
-    which of them this process drives and maps, where their replicas go)."""
+    which of them this process drives and maps, where their replicas go). In a single
+    controller it also says how to see them again, so that a checkpointer follows the
+    live hosts (``SidecarsSnapshot.live``)."""
     self._check_open()
+    return self._snapshot(self.checkpoint_client())
+
+  def _snapshot(self, client: CheckpointClient) -> SidecarsSnapshot:
+    """The sidecars now, through ``client``."""
+    self._check_open()
+    one = not self.multiprocess  # N processes: each one's view of a loss may differ
     return SidecarsSnapshot(
-        client=self.checkpoint_client(), hosts=tuple(h.host_id for h in self.hosts),
-        local=tuple(self.local_hosts), device_hosts=dict(self._sidecars.device_hosts),
+        client=client, hosts=self._live_ids(), local=tuple(self.local_hosts),
+        device_hosts=dict(self._sidecars.device_hosts),
         handshakes=self._sidecars.handshakes(),
         mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
         writers=dict(self._sidecars.writers), warned=self._replica_warnings,
-        goodput=self._goodput)
+        goodput=self._goodput, live=self._live_ids if one else None,
+        now=functools.partial(self._snapshot, client) if one else None)
+
+  def _live_ids(self) -> tuple[int, ...]:
+    """The live hosts' ids, ascending (no rpc)."""
+    return tuple(h.host_id for h in self._sidecars.live())
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),

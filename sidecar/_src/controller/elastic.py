@@ -7,14 +7,17 @@ those hosts' devices, restores the latest step (with its data position) and open
 feed; when a host
 is lost mid-way (its sidecar dies or stops answering), the controller drops it,
 cancels the feeds and streams in flight, and calls ``train`` again with the hosts
-that are left. Every phase is an :class:`Event`, logged at INFO and kept.
+that are left. Every phase is an :class:`Event`, logged at INFO and kept. A checkpointer
+follows the controller's live hosts, so one made before the loss saves on the hosts left
+(a save begun before the loss that fails is logged, not raised into the next attempt).
 
 Example::
+
+  ckpt = ctl.checkpointer(directory, max_to_keep=2)  # it follows the live hosts
 
   @sidecar.elastic.retry(ctl, min_hosts=2)
   def train(hosts):
     mesh = Mesh(np.array(sidecar.elastic.devices(ctl, hosts)), ("data",))
-    ckpt = ctl.checkpointer(directory, max_to_keep=2)
     with sidecar.elastic.phase("restore"):
       state = ckpt.restore(target=abstract(mesh)) if ckpt.latest_step() is not None else init()
     with ctl.feed("images", global_batch_size=64, sharding=rows(mesh),

@@ -26,6 +26,7 @@ Outside a pool (``DataRoots.roots`` None) a DataPath reads whatever the sidecar 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -36,6 +37,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import weakref
 from typing import Any
 
@@ -46,6 +48,10 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NONBLOCK  # a FIFO must not block the open
 # Entries (files and directories) of one view: each file holds a descriptor while the view
 # lives (the sidecar raises its RLIMIT_NOFILE to 65,536).
 MAX_VIEW_ENTRIES = 10_000
+# A glob in a pool: the most directories it lists (each once) and the most entries it
+# matches; past either it is refused rather than walked.
+MAX_GLOB_DIRS = 10_000
+MAX_GLOB_MATCHES = 100_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,11 +61,16 @@ class DataRoots:
 
   ``tenant`` and ``where`` (the pool file's line) are for messages. ``functions``: the
   registered functions its pipeline may look up by a name among its arguments (its
-  tenant's ``functions`` allowlist, ``registry.allowing``); None: any."""
+  tenant's ``functions`` allowlist, ``registry.allowing``); None: any. ``open_files``: the
+  most files its pipelines may hold open at once in one process, all its feeds together
+  (a reader's :class:`DataFile`, a :class:`DataView`'s files; None: no bound), and
+  ``open_files_why`` what sets it (the pool file's ``open_files``, or its share)."""
   roots: tuple[str, ...] | None = None
   tenant: str = ""
   where: str = ""
   functions: tuple[str, ...] | None = None
+  open_files: int | None = None
+  open_files_why: str = ""
 
   def __post_init__(self):
     if self.roots is not None and not all(isinstance(r, str) and r.startswith("/")
@@ -74,15 +85,19 @@ class DataRoots:
   def to_dict(self) -> dict[str, Any]:
     return {"roots": None if self.roots is None else list(self.roots),
             "tenant": self.tenant, "where": self.where,
-            "functions": None if self.functions is None else list(self.functions)}
+            "functions": None if self.functions is None else list(self.functions),
+            "open_files": self.open_files, "open_files_why": self.open_files_why}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> DataRoots:
     roots = d.get("roots")
     functions = d.get("functions")
+    most = d.get("open_files")
     return cls(roots=None if roots is None else tuple(roots), tenant=str(d.get("tenant", "")),
                where=str(d.get("where", "")),
-               functions=None if functions is None else tuple(map(str, functions)))
+               functions=None if functions is None else tuple(map(str, functions)),
+               open_files=None if most is None else int(most),
+               open_files_why=str(d.get("open_files_why", "")))
 
   def place(self, path: str) -> tuple[str, str]:
     """``(root, rest)``: the outermost root ``path`` (absolute) lies under and the rest of
@@ -112,6 +127,45 @@ class DataRoots:
 ANYWHERE = DataRoots()
 
 
+class _OpenFiles:
+  """The files each tenant's pipelines hold open in this process (:class:`DataFile`\\ s,
+  :class:`DataView`\\ s' files), against ``DataRoots.open_files``: past it, a tenant's
+  next open is refused, so its feeds use up their own share of the descriptor table,
+  never the sidecar's or another tenant's."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._held: collections.Counter[str] = collections.Counter()
+
+  def take(self, roots: DataRoots, n: int, what: str) -> None:
+    """Counts ``n`` more files of ``roots.tenant``.
+
+    Raises:
+      ResourceExhaustedError: past ``roots.open_files``; naming the limit and the fix.
+    """
+    with self._lock:
+      held = self._held[roots.tenant]
+      if roots.open_files is not None and held + n > roots.open_files:
+        raise errors.ResourceExhaustedError(
+            f"tenant {roots.tenant!r}'s feeds hold {held} open files; {what} would pass its "
+            f"quota ({roots.open_files_why or f'open_files={roots.open_files}'}); close "
+            "feeds that are done, read fewer files at once (a dataset of fewer, larger "
+            "files), or ask the pool's operator to raise its open_files in the pool file")
+      self._held[roots.tenant] = held + n
+
+  def give(self, tenant: str, n: int) -> None:
+    with self._lock:
+      self._held[tenant] -= n
+
+  def held(self, tenant: str) -> int:
+    """How many files ``tenant``'s pipelines hold open now."""
+    with self._lock:
+      return self._held[tenant]
+
+
+OPEN_FILES = _OpenFiles()
+
+
 def _components(path: str) -> list[str]:
   return [p for p in path.split("/") if p not in ("", ".")]
 
@@ -123,14 +177,25 @@ class DataFile(io.FileIO):
   a library that opens files by name (pyarrow, ArrayRecord): in a pool, a path through
   this file's own descriptor, which reaches this very file while it is open (keep the
   DataFile open as long as the library may open it again). It closes itself when its last
-  reference goes.
+  reference goes; in a pool, it counts against its tenant's ``open_files`` until then.
   """
 
-  def __init__(self, fd: int, path: str, *, library_path: str, rooted: bool):
+  def __init__(self, fd: int, path: str, *, library_path: str, rooted: bool,
+               tenant: str | None = None):
+    """``tenant``: whose count of open files (``OPEN_FILES``) this file is in; None: none."""
+    self._tenant = tenant
     super().__init__(fd, "rb", closefd=True)
     self.name = path
     self._library_path = library_path
     self._rooted = rooted
+
+  def close(self) -> None:
+    tenant, self._tenant = getattr(self, "_tenant", None), None
+    try:
+      super().close()
+    finally:
+      if tenant is not None:
+        OPEN_FILES.give(tenant, 1)
 
   @property
   def library_path(self) -> str:
@@ -168,10 +233,12 @@ class DataView:
   holds this one dataset). Outside a pool, :attr:`path` is the directory itself.
   """
 
-  def __init__(self, path: str, *, mirror: str | None = None, fds: tuple[int, ...] = ()):
+  def __init__(self, path: str, *, mirror: str | None = None, fds: tuple[int, ...] = (),
+               tenant: str | None = None):
+    """``tenant``: whose count of open files (``OPEN_FILES``) ``fds`` are in; None: none."""
     self._path = path
     self._mirror = mirror
-    self._release = weakref.finalize(self, _remove, mirror, fds)
+    self._release = weakref.finalize(self, _remove, mirror, fds, tenant)
 
   @property
   def path(self) -> str:
@@ -196,10 +263,12 @@ class DataView:
     return DataView, (self._path,)
 
 
-def _remove(mirror: str | None, fds: tuple[int, ...]) -> None:
+def _remove(mirror: str | None, fds: tuple[int, ...], tenant: str | None = None) -> None:
   for fd in fds:
     with contextlib.suppress(OSError):
       os.close(fd)
+  if tenant is not None:
+    OPEN_FILES.give(tenant, len(fds))
   if mirror is not None:
     shutil.rmtree(mirror, ignore_errors=True)
 
@@ -271,11 +340,18 @@ class DataPath:
         sidecar may not read it.
       InvalidArgumentError: it is a directory (or, in a pool, no regular file).
     """
+    tenant = None
     if self._roots.roots is None:
       fd = self._plain_open(self._path)
       library = self._path
     else:
-      fd = self._open_within(_FILE_FLAGS)
+      OPEN_FILES.take(self._roots, 1, f"opening {self._path!r:.200}")
+      tenant = self._roots.tenant
+      try:
+        fd = self._open_within(_FILE_FLAGS)
+      except BaseException:
+        OPEN_FILES.give(tenant, 1)
+        raise
       library = f"/proc/{os.getpid()}/fd/{fd}"
     try:
       st = os.fstat(fd)
@@ -288,9 +364,11 @@ class DataPath:
               "tenant's pipelines read plain files only")
         os.set_blocking(fd, True)
       return DataFile(fd, self._path, library_path=library,
-                      rooted=self._roots.roots is not None)
+                      rooted=self._roots.roots is not None, tenant=tenant)
     except BaseException:
       os.close(fd)
+      if tenant is not None:
+        OPEN_FILES.give(tenant, 1)
       raise
 
   def expand(self, *, what: str = "file") -> list[DataPath]:
@@ -393,19 +471,38 @@ class DataPath:
       except (errors.NotFoundError, errors.InvalidArgumentError):
         return []
       return [self]
+    return self._walk(root, parts)
+
+  def _walk(self, root: str, parts: list[str]) -> list[DataPath]:
+    """The files beneath ``root`` that the components ``parts`` match, level by level.
+    Bounded whatever the tree holds: each directory (by device and inode) is listed once
+    in a walk, so a symlink loop (``a -> .``) ends it, and past ``MAX_GLOB_DIRS``
+    directories listed or ``MAX_GLOB_MATCHES`` matches it is refused."""
     prefixes: list[list[str]] = [[]]
+    seen: set[tuple[int, int]] = set()
+    matched = 0
     for i, part in enumerate(parts):
       last, nxt = i == len(parts) - 1, []
       for prefix in prefixes:
-        for name in self._matches(root, prefix, part):
+        for name in self._matches(root, prefix, part, seen):
           if self._is(root, [*prefix, name], stat.S_ISREG if last else stat.S_ISDIR):
             nxt.append([*prefix, name])
+            matched += 1
+            if matched > MAX_GLOB_MATCHES:
+              raise self._too_big(f"matches more than {MAX_GLOB_MATCHES} entries")
       prefixes = nxt
     return sorted((DataPath(os.path.join(root, *p), self._roots) for p in prefixes), key=str)
 
-  def _matches(self, root: str, prefix: list[str], part: str) -> list[str]:
+  def _too_big(self, what: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(
+        f"the glob {self._path!r:.300} {what}, more than a pool tenant's glob may; name "
+        "fewer files (a narrower pattern, or a list of paths)")
+
+  def _matches(self, root: str, prefix: list[str], part: str,
+               seen: set[tuple[int, int]]) -> list[str]:
     """The names in directory ``prefix`` (below ``root``) that the component ``part``
-    matches; none where it is no directory beneath the root."""
+    matches; none where it is no directory beneath the root, or one this walk listed
+    already (``seen``: by device and inode, added to here)."""
     if not _MAGIC.search(part):
       return [part]
     try:
@@ -413,6 +510,12 @@ class DataPath:
     except (errors.SidecarError, OSError):
       return []
     try:
+      st = os.fstat(fd)
+      if (st.st_dev, st.st_ino) in seen:
+        return []  # reached again (a symlink to it): its matches are in the walk already
+      seen.add((st.st_dev, st.st_ino))
+      if len(seen) > MAX_GLOB_DIRS:
+        raise self._too_big(f"walks more than {MAX_GLOB_DIRS} directories")
       names = os.listdir(fd)
     finally:
       os.close(fd)
@@ -450,9 +553,10 @@ class _View:
       os.mkdir(mirror, 0o700)
       self._copy(fd, self._rest, mirror, frozenset())
     except BaseException:
-      _remove(parent, tuple(self._fds))
+      _remove(parent, tuple(self._fds), self._path._roots.tenant)
       raise
-    return DataView(mirror, mirror=parent, fds=tuple(self._fds))
+    return DataView(mirror, mirror=parent, fds=tuple(self._fds),
+                    tenant=self._path._roots.tenant)
 
   def _copy(self, dir_fd: int, rel: str, into: str,
             above: frozenset[tuple[int, int]]) -> None:
@@ -486,6 +590,12 @@ class _View:
         os.mkdir(os.path.join(into, name), 0o700)
         self._copy(fd, child, os.path.join(into, name), above)
       elif stat.S_ISREG(mode):
+        try:
+          OPEN_FILES.take(self._path._roots, 1, f"one more file for the view of "
+                          f"{str(self._path)!r:.200} (which holds {len(self._fds)} so far)")
+        except BaseException:
+          os.close(fd)
+          raise
         os.set_blocking(fd, True)
         self._fds.append(fd)
         os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(into, name))

@@ -13,6 +13,7 @@ mapping). ``error_from_info`` turns it back into the matching SidecarError.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import platform
 import traceback
@@ -132,7 +133,22 @@ _CODES: tuple[tuple[type[errors.SidecarError], grpc.StatusCode], ...] = (
 )
 
 
+def typed(exc: BaseException) -> BaseException:
+  """``exc`` as it may cross to a client: a process's own descriptor table or the system's
+  full (EMFILE, ENFILE, wherever it was met) as the ResourceExhaustedError it is, never
+  ``builtins.OSError`` with the server's traceback; anything else as it is."""
+  if (isinstance(exc, OSError) and not isinstance(exc, errors.SidecarError)
+      and exc.errno in (errno.EMFILE, errno.ENFILE)):
+    return errors.ResourceExhaustedError(
+        f"the sidecar has too many files open ({exc.strerror}); a pool tenant's feeds hold "
+        "at most its open_files (docs/pool.md): close feeds that are done and try again, or "
+        "ask the sidecar's operator to lower the tenants' open_files or raise its "
+        "RLIMIT_NOFILE (`ulimit -n`)")
+  return exc
+
+
 def status_code(exc: BaseException) -> grpc.StatusCode:
+  exc = typed(exc)
   for cls, code in _CODES:
     if isinstance(exc, cls):
       return code
@@ -171,6 +187,7 @@ def error_info(exc: BaseException) -> pb.Error:
   A RemoteError (user code's error from a further process, a feed worker's) crosses as
   the error it stands for: its type, message and traceback, not wrapped once more.
   """
+  exc = typed(exc)
   if isinstance(exc, errors.RemoteError):
     info = pb.Error(type=exc.remote_type, message=truncate(exc.remote_message, MAX_ERROR_MESSAGE),
                     traceback=truncate(exc.remote_traceback, MAX_ERROR_TRACEBACK, keep="tail"))

@@ -4,6 +4,7 @@ Real sidecar processes, killed with SIGKILL. The run that loses a host must end 
 same state, with the same global batch at every step, as a run that loses none.
 """
 
+import pathlib
 import time
 
 import jax
@@ -28,23 +29,45 @@ def update(state, batch):
           "total": state["total"] + jnp.sum(ids)}
 
 
+def chunk_files(directory: pathlib.Path, step: int) -> list[pathlib.Path]:
+  """The files of ``step`` that hold its shards' bytes (stock Orbax's layout)."""
+  item = directory / str(step) / "default"
+  return [p for p in item.rglob("*") if p.is_file() and p.parent != item
+          and not p.name.startswith(".") and p.parent.name != "array_metadatas"]
+
+
+def corrupt(directory: pathlib.Path, step: int) -> None:
+  """Flips a byte of every chunk file of ``step``: storage can no longer give it."""
+  paths = chunk_files(directory, step)
+  assert paths, f"step {step} has no chunk files in {directory}"
+  for path in paths:
+    with open(path, "r+b") as f:
+      b = f.read(1)
+      f.seek(0)
+      f.write(bytes([b[0] ^ 0xFF]))
+
+
 def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
-               restart=None):
+               restart=None, ckpt=None, before_kill=None):
   """Trains STEPS steps under elastic.retry; ``kill=(step, host)`` SIGKILLs that sidecar.
 
   Saves keep a replica of each host's shards on the next host; ``sources`` collects
   where each restore's shards came from. ``restart=(step, host)`` starts that host's
-  sidecar again (``grow=True``) and waits until the controller sees it.
+  sidecar again (``grow=True``) and waits until the controller sees it. ``ckpt``: one
+  checkpointer for the whole run, made before it (else each attempt makes its own);
+  ``before_kill()`` runs just before the kill.
   """
   seen: dict[int, list[int]] = {}
   pending = [kill] if kill else []
   restarts = [restart] if restart else []
+  once = ckpt
 
   @elastic.retry(ctl, min_hosts=min_hosts, grow=bool(restart))
   def train(hosts):
     mesh = Mesh(np.array(elastic.devices(ctl, hosts)), ("data",))
     rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    ckpt = ctl.checkpointer(directory, max_to_keep=2, replicas=min(1, len(hosts) - 1))
+    ckpt = once if once is not None else ctl.checkpointer(
+        directory, max_to_keep=2, replicas=min(1, len(hosts) - 1))
     start = ckpt.latest_step()
     if start is None:
       state = {"rows": jax.device_put(jnp.zeros((BATCH, 1)), rows),
@@ -62,6 +85,8 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
                   state=data) as feed:
       for step in range(start + 1, STEPS + 1):
         if pending and pending[0][0] == step:
+          if before_kill is not None:
+            before_kill()
           cluster.kill(pending.pop()[1])
         if restarts and restarts[0][0] == step:
           back = restarts.pop()[1]
@@ -73,7 +98,8 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
         if step % SAVE_EVERY == 0:
           ckpt.save(step, state, data_state=feed.state())
           ckpt.wait()  # durable and replicated
-    ckpt.close()
+    if once is None:
+      ckpt.close()
     return jax.tree.map(np.asarray, state), hosts
 
   return train(), seen, train
@@ -120,6 +146,52 @@ def test_losing_a_host_trains_on_with_the_same_batches(three_hosts, tmp_path, un
   # Host 2's shards came from the replica on host 0: nothing was read from storage.
   (restored,) = sources
   assert "storage" not in restored and restored.get("replica:host0", 0) > 0, restored
+
+
+def test_one_checkpointer_for_the_whole_run_saves_on_the_survivors(three_hosts, tmp_path,
+                                                                   uninterrupted):
+  """Issue 69: the checkpointer is made once, before the retried function (as every
+  other example makes it). Host 2 is killed after step 3 is durable and replicated, and
+  step 3's stored chunks are corrupt: the retry restores step 3 from the survivors' RAM
+  tiers and host 0's replica of host 2's shards, and saves steps 6 and 9 on hosts 0 and
+  1 through the same checkpointer; the same batches and the same state, bit for bit."""
+  cluster, ctl = three_hosts
+  want, want_seen = uninterrupted
+  directory = tmp_path / "once"
+  sources: list[dict] = []
+  with ctl.checkpointer(directory, max_to_keep=2, replicas=1) as ckpt:
+    (got, hosts), seen, train = train_loop(
+        cluster, ctl, directory, kill=(4, 2), ckpt=ckpt, sources=sources,
+        before_kill=lambda: corrupt(directory, 3))
+    assert hosts == [0, 1] and list(ctl.lost_hosts) == [2]
+    assert seen == want_seen
+    np.testing.assert_array_equal(got["rows"], want["rows"])
+    assert got["total"] == want["total"]
+    kinds = [e.kind for e in train.events]
+    assert kinds.count("start") == 2 and kinds.count("retry") == 1 and kinds[-1] == "done"
+    # Step 3 came back from host memory only: its storage was corrupt.
+    (restored,) = sources
+    assert "storage" not in restored and restored.get("replica:host0", 0) > 0, restored
+    # The saves after the retry were made on the survivors, and committed: step 9
+    # restores (from their RAM tiers) to the state before step 10's update.
+    assert ckpt.all_steps() == [6, 9]
+    mesh = Mesh(np.array(elastic.devices(ctl, [0, 1])), ("data",))
+    nine = ckpt.restore(9, target={
+        "rows": jax.ShapeDtypeStruct((BATCH, 1), jnp.float32,
+                                     sharding=NamedSharding(mesh, P("data"))),
+        "total": jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))})
+    assert "storage" not in ckpt.last_restore_stats().shards
+    ten = np.array(want_seen[10], np.float32).reshape(BATCH, 1)
+    np.testing.assert_array_equal(np.asarray(nine["rows"]), want["rows"] - (ten * 2 + 1))
+    assert np.asarray(nine["total"]) == want["total"] - ten.sum()
+    # A state still on the lost host's devices is refused, naming it.
+    devices = jax.devices()[:6]
+    old = jax.device_put(np.zeros((BATCH, 1), np.float32),
+                         NamedSharding(Mesh(np.array(devices), ("data",)), P("data")))
+    with pytest.raises(sidecar.HostLostError,
+                       match=r"leaf 'rows' has a shard on device \d+ of host 2, which is lost "
+                             r"\(the live hosts: \[0, 1\]\)"):
+      ckpt.save(11, {"rows": old})
 
 
 def test_a_host_that_comes_back_is_trained_on_again_from_the_next_save(tmp_path,

@@ -182,3 +182,18 @@ def test_in_a_pool_only_files_beneath_the_data_roots_are_read(paths, tmp_path):
       data_roots=DataRoots(roots=(str(tmp_path / "bob"),), tenant="bob"))
   with pytest.raises(sidecar.PermissionDeniedError, match="is not under tenant 'bob'"):
     parquet_lib.parquet(outside, paths=f"{tmp_path}/*.parquet")
+
+
+def test_in_a_pool_a_footer_naming_another_file_is_refused(paths, tmp_path):
+  """A _metadata summary (each column chunk's file_path naming a file): a pool feed reads
+  each file's own bytes and refuses a footer naming another (issue 70, item 1)."""
+  from sidecar._src.user.data_paths import DataRoots
+  meta = pq.read_metadata(paths[0])
+  meta.set_file_path("/elsewhere/alice.parquet")
+  meta.write_metadata_file(str(tmp_path / "summary.parquet"))
+  ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
+                                data_roots=DataRoots(roots=(str(tmp_path),), tenant="bob"))
+  with pytest.raises(sidecar.InvalidArgumentError,
+                     match=r"summary.parquet: row group 0 says its column data is in "
+                           r"'/elsewhere/alice.parquet', another file"):
+    parquet_lib.parquet(ctx, paths=str(tmp_path / "summary.parquet"))

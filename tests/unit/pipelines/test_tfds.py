@@ -142,3 +142,36 @@ def test_in_a_pool_tfds_reads_a_view_of_the_dataset_beneath_the_data_roots(data_
   finally:
     os.remove(f"{info}/features.json")
     os.rename(f"{info}/features.json.orig", f"{info}/features.json")
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_in_a_pool_a_template_naming_shards_outside_is_refused(data_dir, tmp_path, how):
+  """bob's own dataset whose dataset_info.json names alice's shards (absolute, or by '..'
+  from his data_dir): TFDS would join the template to the data_dir and open hers; the
+  shards it would open are checked first (issue 70, item 1)."""
+  import json
+  import os
+  import shutil
+
+  from sidecar._src.user.data_paths import OPEN_FILES, DataRoots
+  alice, bob = tmp_path / "alice", tmp_path / "bob"
+  shutil.copytree(data_dir, alice)
+  shutil.copytree(data_dir, bob)
+  version = bob / "sidecar_test_tiny" / "1.0.0"
+  theirs = f"{alice}/sidecar_test_tiny/1.0.0/{{DATASET}}-{{SPLIT}}.{{FILEFORMAT}}-{{SHARD_X_OF_Y}}"
+  template = theirs if how == "absolute" else "../" * 16 + theirs.lstrip("/")
+  info = json.loads((version / "dataset_info.json").read_text())
+  for split in info["splits"]:
+    split["filepathTemplate"] = template
+  (version / "dataset_info.json").write_text(json.dumps(info))
+  for shard in version.glob("*.array_record-*"):
+    os.remove(shard)  # his copy has none: only hers could be read
+  ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
+                                data_roots=DataRoots(roots=(str(bob),), tenant="bob-tfds"))
+  with pytest.raises(sidecar.PermissionDeniedError,
+                     match=rf"TFDS dataset 'sidecar_test_tiny' in '{bob}/sidecar_test_tiny': "
+                           r"its dataset_info.json has split '(train|test)' read from .*"
+                           r"outside the dataset's own directory"):
+    tfds_pipeline.tfds(ctx, name="sidecar_test_tiny", split="train", data_dir=str(bob),
+                       keys=["x"])
+  assert OPEN_FILES.held("bob-tfds") == 0  # its view closed with the refusal

@@ -277,3 +277,78 @@ def test_data_roots_cross_to_a_feed_worker_as_a_dict():
   assert DataRoots.from_dict(ANYWHERE.to_dict()) == ANYWHERE
   with pytest.raises(ValueError, match="absolute"):
     DataRoots(roots=("data",))
+
+
+# ---- round 7 (issue 70): walks bounded, open files counted -------------------------------
+
+def test_a_glob_through_symlink_loops_lists_each_directory_once(tree, how):
+  """Eight links to '.' and a pattern nine levels deep: 8**8 ways to one directory, each
+  listed once (by device and inode); before, the walk never ended (issue 70, item 2)."""
+  bob = tree / "bob"
+  for i in range(8):
+    os.symlink(".", bob / f"l{i}")
+  (bob / "t.parquet").write_bytes(MINE)
+  for depth in (8, 1):  # every '*/' reaches bob's root, listed already: no match there
+    with pytest.raises(sidecar.NotFoundError, match="no file at"):
+      _ctx(tree).data_path(f"{bob}/{'*/' * depth}*.parquet").expand()
+  assert [str(p) for p in _ctx(tree).data_path(f"{bob}/*.parquet").expand()] == [
+      f"{bob}/t.parquet"]
+
+
+def test_a_glob_past_its_caps_is_refused_naming_them(tree, how, monkeypatch):
+  from sidecar._src.user import data_paths
+  bob = tree / "bob"
+  for i in range(4):
+    (bob / "many" / f"d{i}").mkdir(parents=True)
+    (bob / "many" / f"d{i}" / "x.bin").write_bytes(MINE)
+  monkeypatch.setattr(data_paths, "MAX_GLOB_DIRS", 3)
+  with pytest.raises(sidecar.InvalidArgumentError, match="walks more than 3 directories"):
+    _ctx(tree).data_path(f"{bob}/many/*/*.bin").expand()
+  monkeypatch.setattr(data_paths, "MAX_GLOB_DIRS", 100)
+  monkeypatch.setattr(data_paths, "MAX_GLOB_MATCHES", 5)
+  with pytest.raises(sidecar.InvalidArgumentError, match="matches more than 5 entries"):
+    _ctx(tree).data_path(f"{bob}/many/*/*.bin").expand()
+
+
+def _limited(tmp_path, most):
+  return sidecar.PipelineContext(
+      shard_index=0, shard_count=1,
+      data_roots=DataRoots(roots=(str(tmp_path / "bob"),), tenant="bob-files",
+                           where="pool.yaml:3", open_files=most,
+                           open_files_why=f"open_files={most}, pool.yaml:3"))
+
+
+def test_open_files_count_against_the_tenant_until_closed(tree, how):
+  """Files held open (a reader's, a view's) count against the tenant's open_files; past
+  it, its next is refused naming the quota, and closing gives them back (item 3)."""
+  from sidecar._src.user.data_paths import OPEN_FILES
+  ctx = _limited(tree, 3)
+  data = tree / "bob" / "ds"
+  data.mkdir()
+  for i in range(2):
+    (data / f"shard-{i}").write_bytes(MINE)
+  view = ctx.data_path(str(data)).view()
+  held = ctx.data_path(f"{tree}/bob/g.bin").open()
+  assert OPEN_FILES.held("bob-files") == 3
+  with pytest.raises(sidecar.ResourceExhaustedError,
+                     match=r"tenant 'bob-files''s feeds hold 3 open files; opening .* would "
+                           r"pass its quota \(open_files=3, pool.yaml:3\); close feeds"):
+    ctx.data_path(f"{tree}/bob/sub/f").open()
+  with pytest.raises(sidecar.ResourceExhaustedError,
+                     match=r"hold 3 open files; one more file for the view of .* \(which "
+                           r"holds 0 so far\) would pass"):
+    ctx.data_path(str(data)).view()
+  assert OPEN_FILES.held("bob-files") == 3  # the refused ones hold nothing
+  held.close()
+  held.close()  # idempotent: given back once
+  assert OPEN_FILES.held("bob-files") == 2
+  del view  # its last reference
+  assert OPEN_FILES.held("bob-files") == 0
+  with ctx.data_path(f"{tree}/bob/sub/f").open() as f:
+    assert f.read() == MINE
+
+
+def test_open_files_cross_to_a_feed_worker():
+  roots = DataRoots(roots=("/data/bob",), tenant="bob", open_files=7,
+                    open_files_why="open_files=7, pool.yaml:3")
+  assert DataRoots.from_dict(roots.to_dict()) == roots

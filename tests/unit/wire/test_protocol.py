@@ -1,4 +1,6 @@
+import errno
 import json
+import os
 
 import grpc
 import pytest
@@ -187,3 +189,21 @@ def test_a_checkpoint_write_error_crosses_with_its_errno_path_and_host():
     assert isinstance(got, errors.CheckpointWriteError) and isinstance(got, OSError)
     assert (str(got), got.errno, got.path, got.host_id) == (
         str(sent), errno.EIO, "/ckpt/2.orbax-checkpoint-tmp/x/0", 3)  # its host, not the sender
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ENFILE], ids=["EMFILE", "ENFILE"])
+def test_a_full_descriptor_table_crosses_typed_never_as_builtins_with_a_traceback(err):
+  """The sidecar out of descriptors, wherever it met it (a handshake, an attach): a
+  ResourceExhaustedError naming the fix, not builtins.OSError and the server's traceback
+  (issue 70, item 3)."""
+  try:
+    raise OSError(err, os.strerror(err))
+  except OSError as e:
+    info = protocol.error_info(e)
+    code = protocol.status_code(e)
+  assert info.type == "ResourceExhaustedError" and not info.traceback
+  assert "too many files open" in info.message and "open_files" in info.message
+  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+  assert isinstance(protocol.error_from_info(info, host="h"), errors.ResourceExhaustedError)
+  other = protocol.error_info(OSError(errno.EIO, "I/O error"))  # user code's: as it is
+  assert other.type == "builtins.OSError"

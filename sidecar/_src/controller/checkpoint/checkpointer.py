@@ -122,28 +122,11 @@ class Checkpointer:
           f"replicas={self.replicas} needs every sidecar's address: sidecars names hosts "
           f"{sorted(site.handshakes)}, the hosts are {sorted(site.hosts)}")
     self.placement = site.placement(self.replicas)
-    # The directory is held for this job: another live job's open is refused (one job per
-    # directory), this job's processes and restarts never are.
-    job = job_lib.name_of(os.environ) or (
+    # The job the sidecars hold the directory for (``_open``): every process's the same.
+    self._job = job_lib.name_of(os.environ) or (
         _PROCESS_JOB if self._peers.count == 1
         else self._peers.broadcast(f"{key}/job", _PROCESS_JOB if self._lead else None))
-    holder = f"process {peers.index} (pid {os.getpid()} on {socket.gethostname()})"
-    deadline = time.monotonic() + HELD_WAIT_S
-    while True:
-      try:
-        opened = [interrupts.wait(f) for f in [
-            site.client.open(h, self.directory, ram_steps=options.ram_steps,
-                             ram_budget=options.ram_budget, sweep=sweep and self._lead,
-                             job=job, holder=holder)
-            for h in self._local]]
-        break
-      except errors.PermissionDeniedError as e:
-        # A job that just ended is let go by each of its sidecars on its own (a restarted
-        # notebook kernel's second sidecar let go 3 ms after the first refused): retried
-        # here, the sidecar's answer immediate. Opening again is idempotent for this job.
-        if HELD not in str(e) or time.monotonic() >= deadline:
-          raise
-        interrupts.wait_event(threading.Event(), 0.1)
+    opened = self._open(self._local, sweep=sweep and self._lead)
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
     steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))
     self._retention = Retention(client=site.client, directory=self.directory,
@@ -151,14 +134,16 @@ class Checkpointer:
                                 max_to_keep=options.max_to_keep,
                                 keep_period=options.keep_period,
                                 steps=list(json.loads(steps)))
-    self._agreement = agreement(Setup(directory=self.directory, options=options,
+    self._agreement = agreement(Setup(site=site, directory=self.directory, options=options,
                                       replicas=self.replicas, placement=self.placement,
                                       steps=self.all_steps))
     self._saves = self._asked = self._restores = 0
     self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
-    # The saves begun whose failure no save(), wait() or close() has raised yet.
+    # The saves begun whose failure no save(), wait() or close() has raised yet; and
+    # those begun on hosts lost since (``_follow``), whose failure is told as a warning.
     self._unreported: list[SaveHandle] = []
+    self._orphans: list[tuple[SaveHandle, list[int]]] = []
     self._unreported_lock = threading.Lock()
     self._saving: set[int] = set()  # steps a save() of this process is copying now
     self._saving_lock = threading.Lock()
@@ -176,8 +161,63 @@ class Checkpointer:
     deprecation.warn("sidecar.jax.Checkpointer.key_value",
                      deprecation.Moved("ctl.checkpointer(directory)"))
     return cls(directory, site=site, options=options, peers=peers, key=key, sweep=sweep,
-               agreement=key_value_agreement(site=site, options=options, peers=peers,
+               agreement=key_value_agreement(options=options, peers=peers,
                                              framework=framework))
+
+  def _open(self, hosts: list[int], *, sweep: bool) -> list[list[int]]:
+    """Opens the directory on ``hosts`` for this job; the committed steps each lists.
+
+    The directory is held for this job: another live job's open is refused (one job per
+    directory), this job's processes and restarts never are.
+    """
+    holder = f"process {self._peers.index} (pid {os.getpid()} on {socket.gethostname()})"
+    deadline = time.monotonic() + HELD_WAIT_S
+    while True:
+      try:
+        return [interrupts.wait(f) for f in [
+            self._client.open(h, self.directory, ram_steps=self.options.ram_steps,
+                              ram_budget=self.options.ram_budget, sweep=sweep, job=self._job,
+                              holder=holder)
+            for h in hosts]]
+      except errors.PermissionDeniedError as e:
+        # A job that just ended is let go by each of its sidecars on its own (a restarted
+        # notebook kernel's second sidecar let go 3 ms after the first refused): retried
+        # here, the sidecar's answer immediate. Opening again is idempotent for this job.
+        if HELD not in str(e) or time.monotonic() >= deadline:
+          raise
+        interrupts.wait_event(threading.Event(), 0.1)
+
+  def _follow(self) -> None:
+    """Moves this checkpointer to the controller's live hosts where they changed since it
+    last looked (a host lost, as under ``sidecar.elastic.retry``, or back): the next save
+    and restore run there, with the replica placement of those hosts, and a host back
+    (a new sidecar) has the directory opened. A save begun before a loss that fails is
+    then told as a warning, never raised (:meth:`_failure`): the loss was handled (the
+    retry's new attempt saves on the hosts left), and its older steps are still there."""
+    live = self.site.live
+    if live is None or self.site.now is None or live() == self.site.hosts:
+      return
+    site = self.site.now()
+    if not site.local or site.hosts == self.site.hosts:  # none left here: calls say so
+      return
+    gone = sorted(set(self.site.hosts) - set(site.hosts))
+    back = sorted(set(site.local) - set(self._local))
+    if back:  # their sidecars are new: before any save reaches them
+      self._open(back, sweep=False)
+    replicas = site.replicas(self.options.replicas)
+    placement = site.placement(replicas)
+    self._agreement = self._agreement.follow(Setup(
+        site=site, directory=self.directory, options=self.options, replicas=replicas,
+        placement=placement, steps=self.all_steps))
+    self._retention.rehost(site.local)
+    if gone:
+      with self._unreported_lock:
+        self._orphans += [(h, gone) for h in self._unreported]
+        self._unreported = []
+    log.info("the checkpointer of %s saves on hosts %s now (lost: %s, back: %s), with %d "
+             "replicas", self.directory, list(site.hosts), gone, back, replicas)
+    self.site, self._local = site, list(site.local)
+    self.replicas, self.placement = replicas, placement
 
   # ---- save --------------------------------------------------------------
 
@@ -254,6 +294,7 @@ class Checkpointer:
     return release
 
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:
+    self._follow()
     previous = self._in_flight
     busy = previous is not None and not previous.durable.done()
     # Every process must take the same decision on the same step: one agreement per
@@ -268,7 +309,13 @@ class Checkpointer:
         t0 = time.perf_counter()
         interrupts.wait_done(previous.durable)
         waited = time.perf_counter() - t0
-        if waited >= BUSY_WARN_S:  # the storage is slower than the saves come: say so
+        with self._unreported_lock:
+          gone = next((g for h, g in self._orphans if h is previous), None)
+        if gone is not None:  # not the storage: a save the loss of hosts cut short
+          log.info("save(%d) in %s waited %.2f s for the save of step %d, begun before hosts "
+                   "%s were lost, to end", step, self.directory, waited, previous.step, gone,
+                   extra={"step": step})
+        elif waited >= BUSY_WARN_S:  # the storage is slower than the saves come: say so
           log.warning(
               "save(%d) in %s waited %.2f s for step %d to be durable (if_busy='wait'): the "
               "training loop stood still meanwhile. The writes of one save take longer than "
@@ -371,6 +418,7 @@ class Checkpointer:
         ``--shm-size``).
     """
     self._check_open()
+    self._follow()
     if target is None:
       raise errors.InvalidArgumentError(
           "restore needs a target: the tree (or state dict) to restore onto, with the "
@@ -425,6 +473,7 @@ class Checkpointer:
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
+    self._follow()
     return self._agreement.data_state(self._pick(step))
 
   def _pick(self, step: int | None) -> int:
@@ -487,10 +536,16 @@ class Checkpointer:
       raise error
 
   def _failure(self, where: str, *, skipped: int | None = None) -> BaseException | None:
-    """The error :meth:`_raise_failures` raises (None: none), told to nobody again."""
+    """The error :meth:`_raise_failures` raises (None: none), told to nobody again. The
+    failures of saves begun before a loss are logged here instead (:meth:`_follow`)."""
     with self._unreported_lock:
       ended = [h for h in self._unreported if h.durable.done()]
       self._unreported = [h for h in self._unreported if not h.durable.done()]
+      orphans = [(h, gone) for h, gone in self._orphans if h.durable.done()]
+      self._orphans = [(h, gone) for h, gone in self._orphans if not h.durable.done()]
+    for h, gone in orphans:
+      if (e := h.durable.untold()) is not None:
+        self._warn_orphan(h.step, gone, e)
     failed = [(h.step, e) for h in ended if (e := h.durable.untold()) is not None]
     if not failed:
       return None
@@ -506,6 +561,16 @@ class Checkpointer:
     for s, e in later:
       error.add_note(f"the save of step {s} failed too: {type(e).__name__}: {e}")
     return error
+
+  def _warn_orphan(self, step: int, gone: list[int], error: BaseException) -> None:
+    """Says that ``step``, begun before hosts ``gone`` were lost, was not saved."""
+    latest = self.latest_step()
+    log.warning(
+        "step %d was not saved into %s: its save, begun before hosts %s were lost, failed "
+        "(%s: %s). Not raised: this checkpointer saves on the live hosts %s since; the "
+        "latest committed step is %s", step, self.directory, gone, type(error).__name__,
+        str(error)[:300], list(self.site.hosts), latest if latest is not None else "none",
+        extra={"step": step})
 
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
@@ -538,6 +603,7 @@ class Checkpointer:
       print(ckpt.drop_ram_tier().describe())
     """
     self._check_open()
+    self._follow()
     return ram_drop.merged([interrupts.wait(self._client.drop_ram_tier(h, self.directory))
                             for h in self._local])
 

@@ -64,12 +64,14 @@ class Setup:
   the Checkpointer itself).
 
   Attributes:
+    site: the sidecars it saves on and restores from (their hosts, the client).
     directory: the checkpoint directory (absolute).
     options: the checkpointer's options (the format's choice, replica bandwidth).
     replicas: replica copies per shard (as many as there are other hosts, at most);
       ``placement``: each host's replica hosts.
     steps: the committed steps, as the Checkpointer lists them now.
   """
+  site: SidecarsSnapshot
   directory: str
   options: CheckpointOptions
   replicas: int
@@ -126,14 +128,23 @@ class Agreement(abc.ABC):
   def join(self) -> None:
     """Waits until every save it started has called its ``end`` (Ctrl-C stops the wait)."""
 
+  def follow(self, setup: Setup) -> Agreement:
+    """This plug on ``setup``'s hosts, the controller's live hosts now (one was lost, or
+    came back); the saves this one started are joined by the one returned. By default
+    itself: a plug that asks the controller for its sidecars at each save follows them
+    already (DCP's makes a ``StorageWriter`` for each save)."""
+    del setup
+    return self
+
 
 class KeyValueAgreement(Agreement):
   """JAX's and the numpy core's: :class:`SaveCoordinator` stages this process's shards,
   process 0 begins and commits, the processes agree through their key-value store; a
   restore reads each shard from a live copy (``restore.Restorer``)."""
 
-  def __init__(self, coordinator: SaveCoordinator, restorer: Restorer):
-    self.coordinator, self._restorer = coordinator, restorer
+  def __init__(self, coordinator: SaveCoordinator, restorer: Restorer, *,
+               make: Callable[[Setup], KeyValueAgreement]):
+    self.coordinator, self._restorer, self._make = coordinator, restorer, make
     self._last: RestoreStats | None = None
 
   def target(self, directory: str, step: int) -> Target:
@@ -172,13 +183,22 @@ class KeyValueAgreement(Agreement):
           finisher.join(interrupts.POLL_S)
           interrupts.check()
 
+  def follow(self, setup: Setup) -> KeyValueAgreement:
+    """A new coordinator and restorer on ``setup``'s hosts; the saves still running on the
+    old hosts are this one's finishers, which the new one joins."""
+    new = self._make(setup)
+    new.coordinator.finishers = [t for t in self.coordinator.finishers if t.is_alive()]
+    new._last = self._last
+    return new
 
-def key_value_agreement(*, site: SidecarsSnapshot, options: CheckpointOptions, peers: Peers,
-                        framework: Framework) -> Callable[[Setup], Agreement]:
+
+def key_value_agreement(*, options: CheckpointOptions, peers: Peers, framework: Framework
+                        ) -> Callable[[Setup], Agreement]:
   """Makes ``ctl.checkpointer``'s plug: the key-value agreement over ``framework``, on
-  ``site``'s sidecars, in the format ``options`` choose (stock Orbax's by default)."""
+  the setup's sidecars, in the format ``options`` choose (stock Orbax's by default)."""
 
-  def plug(setup: Setup) -> Agreement:
+  def plug(setup: Setup) -> KeyValueAgreement:
+    site = setup.site
     hosts, local = list(site.hosts), list(site.local)
     coordinator = SaveCoordinator(
         client=site.client, directory=setup.directory, hosts=hosts, local=local,
@@ -191,7 +211,7 @@ def key_value_agreement(*, site: SidecarsSnapshot, options: CheckpointOptions, p
                         mapped=set(site.mapped),
                         ask_all=bool(setup.replicas) or peers.count == 1,
                         framework=framework)
-    return KeyValueAgreement(coordinator, restorer)
+    return KeyValueAgreement(coordinator, restorer, make=plug)
 
   return plug
 
@@ -321,6 +341,12 @@ class SaveCoordinator:
           raise errors.InvalidArgumentError(
               f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id}, which "
               "no sidecar host declares (sidecar serve --device-ids)")
+        if host not in self._hosts:
+          raise errors.HostLostError(
+              f"leaf {leaf.spec.param_name!r} has a shard on device {shard.device_id} of "
+              f"host {host}, which is lost (the live hosts: {self._hosts}): save a state "
+              "on the live hosts' devices, a mesh of sidecar.elastic.devices(ctl, hosts) as "
+              "the retried function builds it", host_id=host)
         plan.append(ShardCopy(shard.record.on(host), shard.data))
     return specs, plan
 

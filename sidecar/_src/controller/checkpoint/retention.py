@@ -30,7 +30,8 @@ class Retention:
   def __init__(self, *, client: CheckpointTransport, directory: str, local: Sequence[int],
                lead: bool, max_to_keep: int | None, keep_period: int | None,
                steps: list[int]):
-    self._client, self.directory, self._local, self._lead = client, directory, local, lead
+    self._client, self.directory, self._lead = client, directory, lead
+    self._local = list(local)
     self._max_to_keep, self._keep_period = max_to_keep, keep_period
     self._lock = threading.Lock()
     self._steps = list(steps)
@@ -38,6 +39,12 @@ class Retention:
   def all(self) -> list[int]:
     with self._lock:
       return list(self._steps)
+
+  def rehost(self, local: Sequence[int]) -> None:
+    """The hosts whose RAM tiers forget deleted steps are ``local`` from now on (the
+    checkpointer follows the controller's live hosts)."""
+    with self._lock:
+      self._local = list(local)
 
   def add(self, step: int) -> None:
     """Lists a committed step."""
@@ -49,7 +56,7 @@ class Retention:
     if self._max_to_keep is None:
       return
     with self._lock:
-      steps = list(self._steps)
+      steps, local = list(self._steps), list(self._local)
     keep = set(steps[-self._max_to_keep:])
     if self._keep_period:
       keep |= {s for s in steps if s % self._keep_period == 0}
@@ -59,14 +66,14 @@ class Retention:
       with self._lock:  # unlisted first: a restore must not pick a step being deleted
         self._steps = [t for t in self._steps if t != s]
       try:  # out of the RAM tiers too (own shards and replicas), where a budget kept it
-        for f in [self._client.forget(h, self.directory, s) for h in self._local]:
+        for f in [self._client.forget(h, self.directory, s) for h in local]:
           f.result()
       except errors.SidecarError:
         pass  # a lost host's RAM tier is gone anyway
       if not self._lead:
         continue  # process 0 deletes it
       try:
-        self._client.delete(self._local[0], self.directory, s).result()
+        self._client.delete(local[0], self.directory, s).result()
       except errors.SidecarError as e:  # the step is durable all the same; retried next save
         log.warning("could not delete step %d of %s: %s", s, self.directory, str(e))
         with self._lock:

@@ -4,13 +4,15 @@ What JAX's and PyTorch's checkpointers (``controller/checkpoint/checkpointer.py`
 ``torch/storage.py``, ``torch/checkpointer.py``) need of a controller, handed out by
 ``Controller.checkpoint_sidecars()``: the checkpoint client, which hosts there are and
 which this process drives, and where each host's replicas go (:func:`replica_hosts`).
+A single controller's snapshot also says how to see its hosts again (``live``, ``now``):
+a checkpointer made before a host was lost saves on the hosts left (elastic retry).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
@@ -35,6 +37,11 @@ class SidecarsSnapshot:
       writer is made for each save: its warning once, not at every save).
     goodput: the controller's goodput ledger client (process 0's), told of each save and
       restore; the first checkpointer binds it to its directory. None: none records.
+    live: the controller's live hosts now (cheap: no rpc); ``now``: its sidecars now, a
+      snapshot with this one's client. A checkpointer compares ``live()`` with ``hosts``
+      at each save and restore, and takes ``now()`` where they differ (a host lost, or
+      back). None: these hosts stay (N processes, whose views of a loss may differ; a
+      snapshot made by hand).
   """
   client: CheckpointTransport
   hosts: tuple[int, ...]
@@ -45,6 +52,8 @@ class SidecarsSnapshot:
   writers: Mapping[int, Sequence[int]]
   warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
   goodput: LedgerClient | None = None
+  live: Callable[[], tuple[int, ...]] | None = None
+  now: Callable[[], SidecarsSnapshot] | None = None
 
   def replicas(self, wanted: int) -> int:
     """``wanted`` replicas, or as many as there are other hosts (with a warning): an

@@ -17,6 +17,7 @@ import abc
 import collections
 import contextlib
 import dataclasses
+import resource
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
@@ -257,6 +258,13 @@ class Duration(Quota):
     return seconds
 
 
+def open_files_total() -> int:
+  """The open files the tenants' pipelines share (``OPEN_FILES``): half of this process's
+  descriptor limit (its soft RLIMIT_NOFILE, which the sidecar raises at its start); the
+  other half stays the server's own (its connections, arena, checkpoints)."""
+  return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
+
+
 def _duration(v: Any) -> float | None:
   """Seconds from a number or a string such as ``90s``, ``10m``, ``2h``; None if neither."""
   if isinstance(v, bool):
@@ -291,6 +299,10 @@ CHECKPOINT_RPCS = Count(key="checkpoint rpcs", share_of="")
 # Feeds at once; feed worker processes at once, all its feeds together.
 FEEDS = Count(key="feeds")
 FEED_WORKERS = Count(key="feed_workers", least=0)
+# Files its feeds' pipelines hold open at once in one process (readers' files, TFDS views'),
+# all its feeds together; a pool file's tenant without it: its share by weight of
+# ``open_files_total()``.
+OPEN_FILES = Count(key="open_files", share_of="open files (half the sidecar's RLIMIT_NOFILE)")
 # Worker-socket connections at once (its Workers' attach, stream and call connections).
 CONNECTIONS = Count(key="connections", share_of="max_worker_connections")
 # Bytes of large inline calls decoded at once.
@@ -304,6 +316,7 @@ CHECKPOINT_BYTES = Size(key="checkpoint_bytes", least=MIN_ARENA, example="500GiB
 
 # Every quota a pool file's tenant may have, in the order the file's keys are read.
 ALL: tuple[Quota, ...] = (ARENA, ARENA_CEILING, SESSIONS, CALLS, STREAMS, FEEDS, FEED_WORKERS,
+                          OPEN_FILES,
                           CONNECTIONS, INLINE_BYTES, RAM_KEEP, RAM_TIER, CHECKPOINT_BYTES)
 BY_KEY: Mapping[str, Quota] = {q.key: q for q in ALL}
 # The parts of the arena, checked against its size once it is known (``Pool.check_arena``).

@@ -188,15 +188,20 @@ class Pool:
 
   def data_roots(self, name: str | None) -> data_paths.DataRoots:
     """Where tenant ``name``'s pipelines may read: anywhere outside a pool file, its data
-    roots in one (none: a name that is no tenant's), and which functions they may name in
-    their arguments (its ``functions`` allowlist)."""
+    roots in one (none: a name that is no tenant's), which functions they may name in
+    their arguments (its ``functions`` allowlist), and how many files they may hold open
+    (its ``open_files``, else its share by weight of ``quotas.open_files_total()``)."""
     if not self.quotas:
       return data_paths.ANYWHERE
     t = self.by_name().get(name) if name is not None else None
     functions = () if t is None else None if t.functions is None else tuple(sorted(t.functions))
+    files = None if t is None else quotas_lib.OPEN_FILES.limit(
+        t, self, total=quotas_lib.open_files_total())
     return data_paths.DataRoots(roots=t.data_roots if t is not None else (),
                                 tenant=name or "", where=self.where(t) if t else str(self.path),
-                                functions=functions)
+                                functions=functions,
+                                open_files=files.most if files else None,
+                                open_files_why=files.why if files else "")
 
 
 def error_at(path: str | None, line: int, message: str) -> errors.InvalidArgumentError:

@@ -291,3 +291,76 @@ def test_key_value_warns_and_makes_ctl_checkpointers_checkpointer():
   with ckpt:
     assert ckpt.save(1, {"x": np.ones(2, np.float32)}).durable.result(30) == 1
     assert ckpt.all_steps() == [1]
+
+
+def test_a_checkpointer_follows_the_live_hosts_a_loss_leaves():
+  """Issue 69: a checkpointer made on 3 hosts saves on the 2 left once the controller
+  sees host 2 lost (as ``sidecar.elastic.retry``'s next attempt does), with the replica
+  placement of those 2, and restores from them."""
+  fake, watch = FakeSidecars(hosts=(0, 1, 2)), [0, 1, 2]
+  with checkpointer(fake, live=lambda: tuple(watch), replicas=1) as ckpt:
+    assert ckpt.placement == {0: [1], 1: [2], 2: [0]}
+    assert _save(ckpt, 1).durable.result(30) == 1
+    fake.hosts.remove(2)  # its sidecar dies, and the watch sees it
+    watch.remove(2)
+    fake.calls.clear()
+    assert _save(ckpt, 2).durable.result(30) == 2
+    assert {h for _, h in fake.calls} == {0, 1} and ("begin", 0) in fake.calls
+    assert ckpt.placement == {0: [1], 1: [0]} and ckpt.replicas == 1
+    restored = ckpt.restore(2, target={"x": np.zeros(3, np.float32)})
+    np.testing.assert_array_equal(restored["x"], np.full(3, 2, np.float32))
+  assert ckpt.all_steps() == [1, 2]
+
+
+def test_a_save_begun_before_a_loss_is_not_raised_by_the_next_attempt(caplog):
+  """Issue 69: a save addressed to host 2, which died before the watch saw it, fails in
+  the background; the next save, once the loss is seen, saves on hosts 0 and 1 and
+  raises nothing: the failed step is told once, as a warning naming it."""
+  fake, watch = FakeSidecars(hosts=(0, 1, 2)), [0, 1, 2]
+  ckpt = checkpointer(fake, live=lambda: tuple(watch))
+  assert _save(ckpt, 1).durable.result(30) == 1
+  fake.hosts.remove(2)  # dead; the watch has not seen it yet
+  failed = _save(ckpt, 2)
+  concurrent.futures.wait([failed.durable], 30)
+  assert isinstance(failed.durable.error(), errors.HostLostError)
+  watch.remove(2)  # seen: the retry's next attempt saves
+  assert _save(ckpt, 3).durable.result(30) == 3
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warned) == 1 and warned[0].startswith(
+      "step 2 was not saved into /ckpt/run: its save, begun before hosts [2] were lost, "
+      "failed (HostLostError: host 2 is lost). Not raised: this checkpointer saves on the "
+      "live hosts [0, 1] since; the latest committed step is "), warned
+  ckpt.close()  # told once: nothing more
+  assert ckpt.all_steps() == [1, 3]
+  assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+
+
+def test_a_host_back_has_the_directory_opened_before_a_save_reaches_it():
+  fake, watch = FakeSidecars(hosts=(0, 1)), [0]
+  with checkpointer(fake, hosts=(0,), live=lambda: tuple(watch)) as ckpt:
+    assert _save(ckpt, 1).durable.result(30) == 1
+    watch.append(1)  # a new sidecar at host 1's address rejoined
+    fake.calls.clear()
+    assert _save(ckpt, 2).durable.result(30) == 2
+    assert fake.calls[0] == ("open", 1) and ("stage", 1) in fake.calls
+
+
+def test_the_next_save_waits_for_one_in_flight_at_the_loss_and_says_why(caplog):
+  """A save in flight when host 2 died ends (failed) only once its writes give up; the
+  next save waits for it (one save at a time), and says so as the loss's, not as
+  storage slower than the saves come."""
+  fake, watch = HeldWrites(hosts=(0, 1, 2)), [0, 1, 2]
+  ckpt = checkpointer(fake, live=lambda: tuple(watch))
+  _save(ckpt, 1).staged.result(30)  # its writes are held
+  fake.hosts.remove(2)
+  watch.remove(2)
+  threading.Timer(2 * checkpointer_lib.BUSY_WARN_S, fake.release.set).start()
+  with caplog.at_level("INFO", logger=checkpointer_lib.__name__):
+    assert _save(ckpt, 2).durable.result(30) == 2
+  said = [r.getMessage() for r in caplog.records]
+  assert not any("stood still" in m for m in said), said
+  assert any(m.startswith("save(2) in /ckpt/run waited ") and m.endswith(
+      "s for the save of step 1, begun before hosts [2] were lost, to end") for m in said)
+  assert [m for m in said if m.startswith("step 1 was not saved")], said
+  ckpt.close()
+  assert ckpt.all_steps() == [2]

@@ -36,7 +36,10 @@ def test_data_roots_default_to_the_checkpoint_roots_and_else_to_none(tmp_path):
   assert carol.data_roots == ()
   roots = pool.data_roots("bob")
   assert roots == data_paths.DataRoots(roots=(f"{real}/ck/bob",), tenant="bob",
-                                       where=f"{tmp_path}/pool.yaml:3")
+                                       where=f"{tmp_path}/pool.yaml:3",
+                                       open_files=roots.open_files,
+                                       open_files_why=roots.open_files_why)
+  assert roots.open_files is not None  # its share of the sidecar's descriptors
   assert pool.data_roots("carol").roots == () and pool.data_roots(None).roots == ()
   # Outside a pool file (one shared token, per-client tokens): anywhere, as before.
   assert tenants_lib.Pool.shared("t").data_roots("") is data_paths.ANYWHERE

@@ -107,3 +107,16 @@ def test_the_arena_parts_are_checked_against_the_arena(tmp_path):
     pool.check_arena(1 << 30)
   assert quotas_lib.ARENA_SHARES == (quotas_lib.ARENA, quotas_lib.ARENA_CEILING,
                                     quotas_lib.RAM_TIER)
+
+
+def test_open_files_reach_a_tenants_data_roots_its_quota_or_its_share(tmp_path):
+  """What a tenant's pipelines may hold open (issue 70, item 3): its open_files, else its
+  share by weight of half the sidecar's descriptor limit; the feed's DataRoots carry it."""
+  import resource
+  pool = _load(tmp_path, ", open_files: 40", ", weight: 3")
+  alice, bob = pool.data_roots("alice"), pool.data_roots("bob")
+  assert (alice.open_files, alice.open_files_why) == (40, f"open_files=40, {pool.path}:2")
+  half = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2
+  assert bob.open_files == max(1, half * 3 // 4)
+  assert bob.open_files_why == (f"its share by weight of open files (half the sidecar's "
+                                f"RLIMIT_NOFILE)={half}, {pool.path}:3")
